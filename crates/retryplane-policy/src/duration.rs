@@ -1,0 +1,180 @@
+//! Durations as written in policy files: a number and a unit (`250ms`, `2s`, `1.5m`, `1h`).
+//!
+//! Hand-written rather than taken from `humantime`: the accepted grammar is part of the policy
+//! contract (a unit is required, only `ms`, `s`, `m`, `h`, no compound forms, millisecond
+//! resolution), and the error messages must say exactly what is wrong.
+
+use std::time::Duration;
+
+/// Why a duration string was refused.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum DurationError {
+    /// No unit after the number, such as `100`.
+    #[error("duration `{0}` needs a unit: ms, s, m or h (for example `{0}ms`)")]
+    MissingUnit(String),
+    /// A unit other than the four accepted.
+    #[error("duration `{value}` has an unknown unit `{unit}`: use ms, s, m or h")]
+    UnknownUnit {
+        /// The whole string.
+        value: String,
+        /// The unit as written.
+        unit: String,
+    },
+    /// Not a number followed by a unit.
+    #[error("`{0}` is not a duration: write a number and a unit, such as `250ms` or `2s`")]
+    Malformed(String),
+    /// A negative value.
+    #[error("duration `{0}` is negative")]
+    Negative(String),
+    /// Larger than a day or finer than a millisecond.
+    #[error("duration `{0}` is out of range: between 1ms and 24h, in whole milliseconds")]
+    OutOfRange(String),
+}
+
+/// The longest duration a policy may hold.
+pub const MAX_DURATION: Duration = Duration::from_secs(24 * 3600);
+
+/// Parses a policy duration. Zero is accepted here (`0s`); whether zero is allowed is up to the
+/// field's validation.
+pub fn parse_duration(input: &str) -> Result<Duration, DurationError> {
+    let s = input.trim();
+    if s.starts_with('-') {
+        return Err(DurationError::Negative(input.to_owned()));
+    }
+    let split = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(s.len());
+    let (number, unit) = s.split_at(split);
+    if number.is_empty() || number.chars().filter(|c| *c == '.').count() > 1 {
+        return Err(DurationError::Malformed(input.to_owned()));
+    }
+    if unit.is_empty() {
+        return Err(DurationError::MissingUnit(input.to_owned()));
+    }
+    let millis_per_unit: u64 = match unit {
+        "ms" => 1,
+        "s" => 1_000,
+        "m" => 60_000,
+        "h" => 3_600_000,
+        other if other.chars().all(|c| c.is_ascii_alphabetic()) => {
+            return Err(DurationError::UnknownUnit {
+                value: input.to_owned(),
+                unit: other.to_owned(),
+            });
+        }
+        _ => return Err(DurationError::Malformed(input.to_owned())),
+    };
+    let (whole, frac) = number.split_once('.').unwrap_or((number, ""));
+    let out_of_range = || DurationError::OutOfRange(input.to_owned());
+    let whole: u64 = if whole.is_empty() {
+        0
+    } else {
+        whole.parse().map_err(|_| out_of_range())?
+    };
+    let mut millis = whole.checked_mul(millis_per_unit).ok_or_else(out_of_range)?;
+    if !frac.is_empty() {
+        // Exact decimal arithmetic: digits past a millisecond must be zero.
+        let mut scale = millis_per_unit;
+        for digit in frac.bytes() {
+            let d = u64::from(digit - b'0');
+            if scale % 10 != 0 {
+                if d != 0 {
+                    return Err(out_of_range());
+                }
+                continue;
+            }
+            scale /= 10;
+            millis += d * scale;
+        }
+    }
+    let duration = Duration::from_millis(millis);
+    if duration > MAX_DURATION {
+        return Err(out_of_range());
+    }
+    Ok(duration)
+}
+
+/// Formats a duration the way a policy file would write it: the largest unit that keeps it
+/// exact (`1m`, `90s`, `1500ms`).
+pub fn format_duration(d: Duration) -> String {
+    let ms = d.as_millis();
+    if ms == 0 {
+        return "0s".to_owned();
+    }
+    if d.subsec_nanos() % 1_000_000 != 0 {
+        return format!("{}µs", d.as_micros());
+    }
+    for (unit, size) in [("h", 3_600_000u128), ("m", 60_000), ("s", 1_000)] {
+        if ms % size == 0 {
+            return format!("{}{unit}", ms / size);
+        }
+    }
+    format!("{ms}ms")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accepts_each_unit() {
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_duration("2s"), Ok(Duration::from_secs(2)));
+        assert_eq!(parse_duration("1m"), Ok(Duration::from_secs(60)));
+        assert_eq!(parse_duration("1h"), Ok(Duration::from_secs(3600)));
+        assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("0.25m"), Ok(Duration::from_secs(15)));
+        assert_eq!(parse_duration("0s"), Ok(Duration::ZERO));
+    }
+
+    #[test]
+    fn a_bare_number_needs_a_unit() {
+        assert_eq!(
+            parse_duration("100"),
+            Err(DurationError::MissingUnit("100".into()))
+        );
+    }
+
+    #[test]
+    fn rejects_unknown_units_negative_and_garbage() {
+        assert!(matches!(
+            parse_duration("5sec"),
+            Err(DurationError::UnknownUnit { .. })
+        ));
+        assert!(matches!(
+            parse_duration("-1s"),
+            Err(DurationError::Negative(_))
+        ));
+        assert!(matches!(
+            parse_duration("ms"),
+            Err(DurationError::Malformed(_))
+        ));
+        assert!(matches!(
+            parse_duration("1..2s"),
+            Err(DurationError::Malformed(_))
+        ));
+        assert!(matches!(
+            parse_duration("1.0001s"),
+            Err(DurationError::OutOfRange(_))
+        ));
+        assert!(matches!(
+            parse_duration("25h"),
+            Err(DurationError::OutOfRange(_))
+        ));
+        assert!(matches!(
+            parse_duration("99999999999999999999h"),
+            Err(DurationError::OutOfRange(_))
+        ));
+    }
+
+    #[test]
+    fn formats_with_the_largest_exact_unit() {
+        assert_eq!(format_duration(Duration::from_millis(1500)), "1500ms");
+        assert_eq!(format_duration(Duration::from_secs(90)), "90s");
+        assert_eq!(format_duration(Duration::from_secs(120)), "2m");
+        assert_eq!(format_duration(Duration::ZERO), "0s");
+        for s in ["250ms", "2s", "1m", "1h", "15s"] {
+            assert_eq!(format_duration(parse_duration(s).unwrap()), s);
+        }
+    }
+}

@@ -1,0 +1,21 @@
+//! Retry policies as plain data, and the decisions they make.
+//!
+//! This crate is the pure core of retryplane: it parses and validates policy files (SPEC §1),
+//! resolves the effective policy of a call (defaults → endpoint → route), and implements the retry
+//! semantics of SPEC §2 — backoff with jitter, `Retry-After` and gRPC pushback, the retry budget,
+//! the circuit breaker and the per-call decision engine. It does no I/O and owns no runtime: time
+//! comes in as values (`tokio::time::Instant`), randomness through an injected [`rng::Rng`], so
+//! the control plane, the agent and the CLI all run the same code and tests are deterministic.
+
+#![forbid(unsafe_code)]
+
+pub mod backoff;
+pub mod breaker;
+pub mod budget;
+pub mod codes;
+pub mod duration;
+pub mod model;
+pub mod retry_after;
+pub mod rng;
+
+pub use model::*;
