@@ -71,13 +71,15 @@ pub fn parse_duration(input: &str) -> Result<Duration, DurationError> {
     } else {
         whole.parse().map_err(|_| out_of_range())?
     };
-    let mut millis = whole.checked_mul(millis_per_unit).ok_or_else(out_of_range)?;
+    let mut millis = whole
+        .checked_mul(millis_per_unit)
+        .ok_or_else(out_of_range)?;
     if !frac.is_empty() {
         // Exact decimal arithmetic: digits past a millisecond must be zero.
         let mut scale = millis_per_unit;
         for digit in frac.bytes() {
             let d = u64::from(digit - b'0');
-            if scale % 10 != 0 {
+            if !scale.is_multiple_of(10) {
                 if d != 0 {
                     return Err(out_of_range());
                 }
@@ -101,11 +103,11 @@ pub fn format_duration(d: Duration) -> String {
     if ms == 0 {
         return "0s".to_owned();
     }
-    if d.subsec_nanos() % 1_000_000 != 0 {
+    if !d.subsec_nanos().is_multiple_of(1_000_000) {
         return format!("{}µs", d.as_micros());
     }
     for (unit, size) in [("h", 3_600_000u128), ("m", 60_000), ("s", 1_000)] {
-        if ms % size == 0 {
+        if ms.is_multiple_of(size) {
             return format!("{}{unit}", ms / size);
         }
     }

@@ -1,0 +1,129 @@
+//! Diagnostics: one problem in a policy, with its place and field path (SPEC §1, §5).
+
+use std::fmt;
+
+use crate::yaml::Loc;
+
+/// How bad a problem is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Severity {
+    /// The policy cannot be used.
+    Error,
+    /// The policy works but is probably not what was meant.
+    Warning,
+}
+
+impl Severity {
+    /// `error` or `warning`, as printed.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Severity::Error => "error",
+            Severity::Warning => "warning",
+        }
+    }
+}
+
+/// One problem found in a policy.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Diagnostic {
+    /// Error or warning.
+    pub severity: Severity,
+    /// Where it is written; unknown for policies that came from no file.
+    pub loc: Loc,
+    /// The field path, such as `endpoints.payments.backoff.max`; `<root>` for the file itself.
+    pub path: String,
+    /// What is wrong, and where useful what to write instead.
+    pub message: String,
+}
+
+impl Diagnostic {
+    /// An error at `loc` on `path`.
+    pub fn error(loc: Loc, path: impl Into<String>, message: impl Into<String>) -> Self {
+        Self {
+            severity: Severity::Error,
+            loc,
+            path: path.into(),
+            message: message.into(),
+        }
+    }
+
+    /// A warning at `loc` on `path`.
+    pub fn warning(loc: Loc, path: impl Into<String>, message: impl Into<String>) -> Self {
+        Self {
+            severity: Severity::Warning,
+            loc,
+            path: path.into(),
+            message: message.into(),
+        }
+    }
+
+    /// Whether this is an error.
+    pub fn is_error(&self) -> bool {
+        self.severity == Severity::Error
+    }
+}
+
+/// `LINE:COLUMN: SEVERITY: PATH: MESSAGE` — the CLI prefixes the file name.
+impl fmt::Display for Diagnostic {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}: {}: {}: {}",
+            self.loc,
+            self.severity.as_str(),
+            self.path,
+            self.message
+        )
+    }
+}
+
+/// Sorts by position, errors before warnings at the same place, and drops exact repeats.
+pub fn normalize(diags: &mut Vec<Diagnostic>) {
+    diags.sort_by(|a, b| {
+        (a.loc, a.severity, &a.path, &a.message).cmp(&(b.loc, b.severity, &b.path, &b.message))
+    });
+    diags.dedup();
+}
+
+/// The closest of `candidates` to `word`, if close enough to be a likely typo.
+pub fn suggest<'a>(word: &str, candidates: impl IntoIterator<Item = &'a str>) -> Option<&'a str> {
+    let lower = word.to_ascii_lowercase();
+    candidates
+        .into_iter()
+        .map(|c| (strsim::levenshtein(&lower, &c.to_ascii_lowercase()), c))
+        .filter(|(d, c)| *d <= 2.max(c.len() / 3))
+        .min_by_key(|(d, _)| *d)
+        .map(|(_, c)| c)
+}
+
+/// ` (did you mean `x`?)` or nothing.
+pub fn did_you_mean<'a>(word: &str, candidates: impl IntoIterator<Item = &'a str>) -> String {
+    suggest(word, candidates).map_or_else(String::new, |s| format!(" (did you mean `{s}`?)"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn suggests_close_names_only() {
+        let fields = ["max_attempts", "backoff", "deadline"];
+        assert_eq!(suggest("max_attempt", fields), Some("max_attempts"));
+        assert_eq!(suggest("dedline", fields), Some("deadline"));
+        assert_eq!(suggest("colour", fields), None);
+        assert_eq!(suggest("unavailable", ["UNAVAILABLE"]), Some("UNAVAILABLE"));
+    }
+
+    #[test]
+    fn displays_in_the_cli_format() {
+        let d = Diagnostic::error(
+            Loc { line: 3, column: 7 },
+            "endpoints.payments.backoff.max",
+            "must be at least backoff.base",
+        );
+        assert_eq!(
+            d.to_string(),
+            "3:7: error: endpoints.payments.backoff.max: must be at least backoff.base"
+        );
+    }
+}

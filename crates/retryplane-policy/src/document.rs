@@ -1,0 +1,479 @@
+//! The policy file as written: layers of optional fields, each with its place.
+//!
+//! Precedence (SPEC §1): built-in defaults ([`RetryPolicy::default`]) ← the file's `defaults:`
+//! ← the endpoint's fields ← the first route whose `match` fits the call. Every layer sets only
+//! what differs; a field it does not set is inherited from the layer below, field by field
+//! (setting `backoff.base` on an endpoint keeps the inherited `backoff.max`). Lists
+//! (`retry_on.http_status`, `idempotent_methods`, …) are replaced whole, not merged.
+//!
+//! A document also comes from the admin API or the wire, where places are unknown
+//! ([`Loc::UNKNOWN`]); the same checks ([`crate::validate`]) run on both.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::codes::GrpcCode;
+use crate::model::{BreakerConfig, BudgetConfig, ErrorClass, Jitter, RetryPolicy};
+use crate::yaml::Loc;
+
+/// A value and where it is written.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Field<T> {
+    /// The value.
+    pub value: T,
+    /// Its place (unknown for values that came from no file).
+    pub loc: Loc,
+}
+
+impl<T> Field<T> {
+    /// A value with a known place.
+    pub fn at(value: T, loc: Loc) -> Self {
+        Self { value, loc }
+    }
+
+    /// A value from no file.
+    pub fn new(value: T) -> Self {
+        Self {
+            value,
+            loc: Loc::UNKNOWN,
+        }
+    }
+}
+
+/// `backoff:` fields of one layer.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct BackoffOverlay {
+    /// `backoff.base`
+    pub base: Option<Field<Duration>>,
+    /// `backoff.max`
+    pub max: Option<Field<Duration>>,
+    /// `backoff.multiplier`
+    pub multiplier: Option<Field<f64>>,
+    /// `backoff.jitter`
+    pub jitter: Option<Field<Jitter>>,
+}
+
+/// `retry_on:` fields of one layer; each list replaces the inherited one.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RetryOnOverlay {
+    /// `retry_on.http_status`
+    pub http_status: Option<Field<Vec<Field<u16>>>>,
+    /// `retry_on.grpc_status`
+    pub grpc_status: Option<Field<Vec<Field<GrpcCode>>>>,
+    /// `retry_on.errors`
+    pub errors: Option<Field<Vec<Field<ErrorClass>>>>,
+}
+
+/// `retry_after:` fields of one layer.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RetryAfterOverlay {
+    /// `retry_after.honor`
+    pub honor: Option<Field<bool>>,
+    /// `retry_after.max`
+    pub max: Option<Field<Duration>>,
+}
+
+/// `budget:` fields of one layer.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct BudgetOverlay {
+    /// `budget.enabled`
+    pub enabled: Option<Field<bool>>,
+    /// `budget.ratio`
+    pub ratio: Option<Field<f64>>,
+    /// `budget.min_per_second`
+    pub min_per_second: Option<Field<u32>>,
+    /// `budget.window`
+    pub window: Option<Field<Duration>>,
+}
+
+/// `circuit_breaker:` fields of one layer.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct BreakerOverlay {
+    /// `circuit_breaker.enabled`
+    pub enabled: Option<Field<bool>>,
+    /// `circuit_breaker.failure_ratio`
+    pub failure_ratio: Option<Field<f64>>,
+    /// `circuit_breaker.min_requests`
+    pub min_requests: Option<Field<u32>>,
+    /// `circuit_breaker.window`
+    pub window: Option<Field<Duration>>,
+    /// `circuit_breaker.open_for`
+    pub open_for: Option<Field<Duration>>,
+    /// `circuit_breaker.half_open_probes`
+    pub half_open_probes: Option<Field<u32>>,
+}
+
+/// The policy fields one layer (defaults, endpoint or route) sets.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Overlay {
+    /// `max_attempts`
+    pub max_attempts: Option<Field<u32>>,
+    /// `backoff`
+    pub backoff: BackoffOverlay,
+    /// `deadline`
+    pub deadline: Option<Field<Duration>>,
+    /// `per_try_timeout`
+    pub per_try_timeout: Option<Field<Duration>>,
+    /// `retry_on`
+    pub retry_on: RetryOnOverlay,
+    /// `idempotent_methods` (as written; checked by [`crate::validate`])
+    pub idempotent_methods: Option<Field<Vec<Field<String>>>>,
+    /// `idempotency_key_header`
+    pub idempotency_key_header: Option<Field<String>>,
+    /// `retry_after`
+    pub retry_after: RetryAfterOverlay,
+    /// `budget`
+    pub budget: BudgetOverlay,
+    /// `circuit_breaker`
+    pub circuit_breaker: BreakerOverlay,
+}
+
+/// Which calls a route applies to.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum RouteMatch {
+    /// HTTP: an optional method (any when absent) and a path prefix (`/` when absent).
+    Http {
+        /// Upper-case method, or any.
+        method: Option<String>,
+        /// Path prefix, starting with `/`.
+        path_prefix: String,
+    },
+    /// gRPC: `/pkg.Service/Method`, or every method of a service (`/pkg.Service/*`).
+    Grpc {
+        /// `pkg.Service`
+        service: String,
+        /// `Method`, or every method when absent.
+        method: Option<String>,
+    },
+}
+
+impl RouteMatch {
+    /// Whether a call fits this match.
+    pub fn matches(&self, target: &Target<'_>) -> bool {
+        match (self, target) {
+            (
+                RouteMatch::Http {
+                    method,
+                    path_prefix,
+                },
+                Target::Http { method: m, path },
+            ) => method.as_deref().is_none_or(|want| want == *m) && path.starts_with(path_prefix),
+            (RouteMatch::Grpc { service, method }, Target::Grpc { path }) => {
+                let Some((svc, meth)) = path.strip_prefix('/').and_then(|p| p.split_once('/'))
+                else {
+                    return false;
+                };
+                svc == service && method.as_deref().is_none_or(|want| want == meth)
+            }
+            _ => false,
+        }
+    }
+}
+
+impl std::fmt::Display for RouteMatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RouteMatch::Http {
+                method,
+                path_prefix,
+            } => {
+                write!(f, "{} {path_prefix}", method.as_deref().unwrap_or("*"))
+            }
+            RouteMatch::Grpc { service, method } => {
+                write!(f, "/{service}/{}", method.as_deref().unwrap_or("*"))
+            }
+        }
+    }
+}
+
+/// The call a policy is looked up for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Target<'a> {
+    /// An HTTP request: method (upper case) and path (no query string).
+    Http {
+        /// `GET`, `POST`, …
+        method: &'a str,
+        /// `/v1/charges`
+        path: &'a str,
+    },
+    /// A gRPC call: `/pkg.Service/Method`.
+    Grpc {
+        /// `/pkg.Service/Method`
+        path: &'a str,
+    },
+    /// No route information: the endpoint's own policy.
+    Endpoint,
+}
+
+/// One `routes:` entry.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RouteDoc {
+    /// Which calls it applies to; `loc` is the `match` value's place.
+    pub matcher: Field<RouteMatch>,
+    /// The fields it overrides.
+    pub overlay: Overlay,
+}
+
+/// One `endpoints:` entry.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EndpointDoc {
+    /// The logical upstream name; `loc` is the key's place.
+    pub name: Field<String>,
+    /// The fields it overrides.
+    pub overlay: Overlay,
+    /// Route overrides, first match wins.
+    pub routes: Vec<RouteDoc>,
+}
+
+/// A whole policy file as written.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PolicyDocument {
+    /// The `defaults:` layer.
+    pub defaults: Overlay,
+    /// Endpoints in file order.
+    pub endpoints: Vec<EndpointDoc>,
+}
+
+/// The layer a value of an effective policy comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Level {
+    /// The built-in default of SPEC §1.
+    BuiltIn,
+    /// The file's `defaults:`.
+    Defaults,
+    /// The endpoint's own fields.
+    Endpoint,
+    /// A route override.
+    Route,
+}
+
+impl Level {
+    /// `built-in`, `defaults`, `endpoint`, `route`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Level::BuiltIn => "built-in",
+            Level::Defaults => "defaults",
+            Level::Endpoint => "endpoint",
+            Level::Route => "route",
+        }
+    }
+}
+
+fn set<T: Clone>(slot: &mut T, field: &Option<Field<T>>) {
+    if let Some(f) = field {
+        *slot = f.value.clone();
+    }
+}
+
+fn list<T: Clone>(field: &Option<Field<Vec<Field<T>>>>) -> Option<Arc<[T]>> {
+    field
+        .as_ref()
+        .map(|f| f.value.iter().map(|i| i.value.clone()).collect())
+}
+
+impl Overlay {
+    /// `base` with this layer's fields laid over it.
+    pub fn apply(&self, base: &RetryPolicy) -> RetryPolicy {
+        let mut p = base.clone();
+        set(&mut p.max_attempts, &self.max_attempts);
+        set(&mut p.backoff.base, &self.backoff.base);
+        set(&mut p.backoff.max, &self.backoff.max);
+        set(&mut p.backoff.multiplier, &self.backoff.multiplier);
+        set(&mut p.backoff.jitter, &self.backoff.jitter);
+        set(&mut p.deadline, &self.deadline);
+        set(&mut p.per_try_timeout, &self.per_try_timeout);
+        if let Some(l) = list(&self.retry_on.http_status) {
+            p.retry_on.http_status = l;
+        }
+        if let Some(l) = list(&self.retry_on.grpc_status) {
+            p.retry_on.grpc_status = l;
+        }
+        if let Some(l) = list(&self.retry_on.errors) {
+            p.retry_on.errors = l;
+        }
+        if let Some(f) = &self.idempotent_methods {
+            p.idempotent_methods = f
+                .value
+                .iter()
+                .map(|m| Arc::from(m.value.as_str()))
+                .collect();
+        }
+        if let Some(f) = &self.idempotency_key_header {
+            p.idempotency_key_header = Arc::from(f.value.as_str());
+        }
+        set(&mut p.retry_after.honor, &self.retry_after.honor);
+        set(&mut p.retry_after.max, &self.retry_after.max);
+        p.budget = apply_budget(&self.budget, p.budget.take());
+        p.circuit_breaker = apply_breaker(&self.circuit_breaker, p.circuit_breaker.take());
+        p
+    }
+
+    /// The leaf fields this layer sets, as `(path, place)`; `path` is relative
+    /// (`backoff.max`), in the order [`FIELD_PATHS`] lists them.
+    pub fn set_fields(&self) -> Vec<(&'static str, Loc)> {
+        let o = self;
+        let candidates: [(&'static str, Option<Loc>); 24] = [
+            ("max_attempts", o.max_attempts.as_ref().map(|f| f.loc)),
+            ("backoff.base", o.backoff.base.as_ref().map(|f| f.loc)),
+            ("backoff.max", o.backoff.max.as_ref().map(|f| f.loc)),
+            (
+                "backoff.multiplier",
+                o.backoff.multiplier.as_ref().map(|f| f.loc),
+            ),
+            ("backoff.jitter", o.backoff.jitter.as_ref().map(|f| f.loc)),
+            ("deadline", o.deadline.as_ref().map(|f| f.loc)),
+            ("per_try_timeout", o.per_try_timeout.as_ref().map(|f| f.loc)),
+            (
+                "retry_on.http_status",
+                o.retry_on.http_status.as_ref().map(|f| f.loc),
+            ),
+            (
+                "retry_on.grpc_status",
+                o.retry_on.grpc_status.as_ref().map(|f| f.loc),
+            ),
+            ("retry_on.errors", o.retry_on.errors.as_ref().map(|f| f.loc)),
+            (
+                "idempotent_methods",
+                o.idempotent_methods.as_ref().map(|f| f.loc),
+            ),
+            (
+                "idempotency_key_header",
+                o.idempotency_key_header.as_ref().map(|f| f.loc),
+            ),
+            (
+                "retry_after.honor",
+                o.retry_after.honor.as_ref().map(|f| f.loc),
+            ),
+            ("retry_after.max", o.retry_after.max.as_ref().map(|f| f.loc)),
+            ("budget.enabled", o.budget.enabled.as_ref().map(|f| f.loc)),
+            ("budget.ratio", o.budget.ratio.as_ref().map(|f| f.loc)),
+            (
+                "budget.min_per_second",
+                o.budget.min_per_second.as_ref().map(|f| f.loc),
+            ),
+            ("budget.window", o.budget.window.as_ref().map(|f| f.loc)),
+            (
+                "circuit_breaker.enabled",
+                o.circuit_breaker.enabled.as_ref().map(|f| f.loc),
+            ),
+            (
+                "circuit_breaker.failure_ratio",
+                o.circuit_breaker.failure_ratio.as_ref().map(|f| f.loc),
+            ),
+            (
+                "circuit_breaker.min_requests",
+                o.circuit_breaker.min_requests.as_ref().map(|f| f.loc),
+            ),
+            (
+                "circuit_breaker.window",
+                o.circuit_breaker.window.as_ref().map(|f| f.loc),
+            ),
+            (
+                "circuit_breaker.open_for",
+                o.circuit_breaker.open_for.as_ref().map(|f| f.loc),
+            ),
+            (
+                "circuit_breaker.half_open_probes",
+                o.circuit_breaker.half_open_probes.as_ref().map(|f| f.loc),
+            ),
+        ];
+        candidates
+            .into_iter()
+            .filter_map(|(path, loc)| loc.map(|l| (path, l)))
+            .collect()
+    }
+
+    /// Where this layer sets `path` (a [`FIELD_PATHS`] entry), if it does.
+    pub fn loc_of(&self, path: &str) -> Option<Loc> {
+        self.set_fields()
+            .into_iter()
+            .find(|(p, _)| *p == path)
+            .map(|(_, l)| l)
+    }
+}
+
+/// Every leaf field path of a policy, in display order.
+pub const FIELD_PATHS: [&str; 24] = [
+    "max_attempts",
+    "backoff.base",
+    "backoff.max",
+    "backoff.multiplier",
+    "backoff.jitter",
+    "deadline",
+    "per_try_timeout",
+    "retry_on.http_status",
+    "retry_on.grpc_status",
+    "retry_on.errors",
+    "idempotent_methods",
+    "idempotency_key_header",
+    "retry_after.honor",
+    "retry_after.max",
+    "budget.enabled",
+    "budget.ratio",
+    "budget.min_per_second",
+    "budget.window",
+    "circuit_breaker.enabled",
+    "circuit_breaker.failure_ratio",
+    "circuit_breaker.min_requests",
+    "circuit_breaker.window",
+    "circuit_breaker.open_for",
+    "circuit_breaker.half_open_probes",
+];
+
+/// Budget settings survive `enabled: false` in a lower layer, so a higher layer that turns the
+/// budget back on gets the inherited numbers, not the built-in ones.
+fn apply_budget(o: &BudgetOverlay, inherited: Option<BudgetConfig>) -> Option<BudgetConfig> {
+    let enabled = o.enabled.as_ref().map_or(inherited.is_some(), |f| f.value);
+    let mut cfg = inherited.unwrap_or_default();
+    set(&mut cfg.ratio, &o.ratio);
+    set(&mut cfg.min_per_second, &o.min_per_second);
+    set(&mut cfg.window, &o.window);
+    enabled.then_some(cfg)
+}
+
+fn apply_breaker(o: &BreakerOverlay, inherited: Option<BreakerConfig>) -> Option<BreakerConfig> {
+    let enabled = o.enabled.as_ref().map_or(inherited.is_some(), |f| f.value);
+    let mut cfg = inherited.unwrap_or_default();
+    set(&mut cfg.failure_ratio, &o.failure_ratio);
+    set(&mut cfg.min_requests, &o.min_requests);
+    set(&mut cfg.window, &o.window);
+    set(&mut cfg.open_for, &o.open_for);
+    set(&mut cfg.half_open_probes, &o.half_open_probes);
+    enabled.then_some(cfg)
+}
+
+impl PolicyDocument {
+    /// The endpoint named `name`.
+    pub fn endpoint(&self, name: &str) -> Option<&EndpointDoc> {
+        self.endpoints.iter().find(|e| e.name.value == name)
+    }
+
+    /// The layers that make the effective policy of `endpoint` for `target`, lowest first,
+    /// with the index of the route used (if any).
+    pub fn layers<'a>(
+        &'a self,
+        endpoint: &'a EndpointDoc,
+        target: &Target<'_>,
+    ) -> (Vec<(Level, &'a Overlay)>, Option<usize>) {
+        let mut layers = vec![
+            (Level::Defaults, &self.defaults),
+            (Level::Endpoint, &endpoint.overlay),
+        ];
+        let route = endpoint
+            .routes
+            .iter()
+            .position(|r| r.matcher.value.matches(target));
+        if let Some(i) = route {
+            layers.push((Level::Route, &endpoint.routes[i].overlay));
+        }
+        (layers, route)
+    }
+
+    /// The effective policy of `endpoint` for `target`.
+    pub fn effective(&self, endpoint: &EndpointDoc, target: &Target<'_>) -> RetryPolicy {
+        let (layers, _) = self.layers(endpoint, target);
+        layers
+            .iter()
+            .fold(RetryPolicy::default(), |p, (_, o)| o.apply(&p))
+    }
+}

@@ -1,0 +1,687 @@
+//! Located YAML tree → [`PolicyDocument`]: shapes, types, names and units.
+//!
+//! This pass checks what the tree looks like (known fields, value types, durations with units,
+//! status codes, gRPC code and jitter names, duplicate keys) and keeps going after a problem, so
+//! one run reports every problem in the file. Range and cross-field checks run afterwards on the
+//! document ([`crate::validate`]), the same checks the admin API and the agent use.
+
+use std::time::Duration;
+
+use crate::codes::{self, GrpcCode};
+use crate::diag::{Diagnostic, did_you_mean};
+use crate::document::{
+    BackoffOverlay, BreakerOverlay, BudgetOverlay, EndpointDoc, Field, Overlay, PolicyDocument,
+    RetryAfterOverlay, RetryOnOverlay, RouteDoc, RouteMatch,
+};
+use crate::duration::parse_duration;
+use crate::model::{ErrorClass, Jitter};
+use crate::yaml::{Loc, Node, Value};
+
+const TOP_FIELDS: [&str; 3] = ["version", "defaults", "endpoints"];
+const POLICY_FIELDS: [&str; 10] = [
+    "max_attempts",
+    "backoff",
+    "deadline",
+    "per_try_timeout",
+    "retry_on",
+    "idempotent_methods",
+    "idempotency_key_header",
+    "retry_after",
+    "budget",
+    "circuit_breaker",
+];
+const BACKOFF_FIELDS: [&str; 4] = ["base", "max", "multiplier", "jitter"];
+const RETRY_ON_FIELDS: [&str; 3] = ["http_status", "grpc_status", "errors"];
+const RETRY_AFTER_FIELDS: [&str; 2] = ["honor", "max"];
+const BUDGET_FIELDS: [&str; 4] = ["enabled", "ratio", "min_per_second", "window"];
+const BREAKER_FIELDS: [&str; 6] = [
+    "enabled",
+    "failure_ratio",
+    "min_requests",
+    "window",
+    "open_for",
+    "half_open_probes",
+];
+const MATCH_FIELDS: [&str; 3] = ["method", "path_prefix", "grpc"];
+
+/// Walks a tree, collecting diagnostics.
+struct Walker {
+    diags: Vec<Diagnostic>,
+}
+
+fn join(path: &str, key: &str) -> String {
+    if path.is_empty() {
+        key.to_owned()
+    } else {
+        format!("{path}.{key}")
+    }
+}
+
+/// Converts a located tree to a document; problems go to `diags`. Returns `None` when the
+/// tree is not a mapping at all.
+pub fn document(root: &Node, diags: &mut Vec<Diagnostic>) -> Option<PolicyDocument> {
+    let mut w = Walker {
+        diags: std::mem::take(diags),
+    };
+    let doc = w.top(root);
+    *diags = w.diags;
+    doc
+}
+
+impl Walker {
+    fn error(&mut self, loc: Loc, path: &str, message: impl Into<String>) {
+        self.diags.push(Diagnostic::error(loc, path, message));
+    }
+
+    fn type_error(&mut self, node: &Node, path: &str, expected: &str) {
+        self.error(
+            node.loc,
+            path,
+            format!("expected {expected}, found {}", node.value.kind()),
+        );
+    }
+
+    /// The entries of a mapping whose keys are in `known`, first occurrence of each; reports
+    /// non-string keys, duplicates and unknown keys (with a suggestion). `extra` names fields
+    /// that belong elsewhere, with the message to give.
+    fn fields<'n>(
+        &mut self,
+        node: &'n Node,
+        path: &str,
+        known: &[&str],
+        misplaced: &[(&str, &str)],
+    ) -> Vec<(&'n str, &'n Node, Loc)> {
+        let Value::Map(entries) = &node.value else {
+            if node.value != Value::Null {
+                self.type_error(node, path, "a mapping");
+            }
+            return Vec::new();
+        };
+        let mut out: Vec<(&'n str, &'n Node, Loc)> = Vec::new();
+        for (key, value) in entries {
+            let Value::Str(name) = &key.value else {
+                self.error(
+                    key.loc,
+                    path,
+                    format!("keys must be strings, found {}", key.value.kind()),
+                );
+                continue;
+            };
+            let field_path = join(path, name);
+            if let Some((_, _, first)) = out.iter().find(|(k, _, _)| *k == name.as_str()) {
+                let first = *first;
+                self.error(
+                    key.loc,
+                    &field_path,
+                    format!("duplicate key `{name}` (first set at {first})"),
+                );
+                continue;
+            }
+            if !known.contains(&name.as_str()) {
+                if let Some((_, why)) = misplaced.iter().find(|(f, _)| *f == name) {
+                    self.error(key.loc, &field_path, (*why).to_owned());
+                } else {
+                    self.error(
+                        key.loc,
+                        &field_path,
+                        format!(
+                            "unknown field `{name}`{}",
+                            did_you_mean(name, known.iter().copied())
+                        ),
+                    );
+                }
+                // Remember it so a second copy is still called a duplicate.
+                out.push((name.as_str(), value, key.loc));
+                continue;
+            }
+            out.push((name.as_str(), value, key.loc));
+        }
+        out.retain(|(k, _, _)| known.contains(k));
+        out
+    }
+
+    fn top(&mut self, root: &Node) -> Option<PolicyDocument> {
+        if !matches!(root.value, Value::Map(_)) {
+            let found = if root.value == Value::Null {
+                "an empty file".to_owned()
+            } else {
+                root.value.kind().to_owned()
+            };
+            self.error(
+                root.loc,
+                "<root>",
+                format!(
+                    "a policy file is a mapping with `version: 1` and `endpoints:`, found {found}"
+                ),
+            );
+            return None;
+        }
+        let mut doc = PolicyDocument::default();
+        let (mut version, mut endpoints) = (false, false);
+        for (key, value, _) in self.fields(root, "", &TOP_FIELDS, &[]) {
+            match key {
+                "version" => {
+                    version = true;
+                    if value.value != Value::Int(1) {
+                        self.error(
+                            value.loc,
+                            "version",
+                            format!(
+                                "unsupported schema version: expected 1, found {}",
+                                scalar_text(value)
+                            ),
+                        );
+                    }
+                }
+                "defaults" => doc.defaults = self.overlay(value, "defaults", Layer::Defaults),
+                "endpoints" => {
+                    endpoints = true;
+                    doc.endpoints = self.endpoints(value);
+                }
+                _ => {}
+            }
+        }
+        if !version {
+            self.error(root.loc, "version", "missing `version: 1`");
+        }
+        if !endpoints {
+            self.error(root.loc, "endpoints", "the file defines no `endpoints:`");
+        }
+        Some(doc)
+    }
+
+    fn endpoints(&mut self, node: &Node) -> Vec<EndpointDoc> {
+        let mut out: Vec<EndpointDoc> = Vec::new();
+        let Value::Map(entries) = &node.value else {
+            self.type_error(node, "endpoints", "a mapping of endpoint names to policies");
+            return out;
+        };
+        if entries.is_empty() {
+            self.error(node.loc, "endpoints", "the file defines no endpoints");
+        }
+        for (key, value) in entries {
+            let name = match &key.value {
+                Value::Str(s) => s.clone(),
+                Value::Int(i) => i.to_string(),
+                other => {
+                    self.error(
+                        key.loc,
+                        "endpoints",
+                        format!("endpoint names are strings, found {}", other.kind()),
+                    );
+                    continue;
+                }
+            };
+            let path = join("endpoints", &name);
+            if let Some(first) = out.iter().find(|e| e.name.value == name) {
+                let first = first.name.loc;
+                self.error(
+                    key.loc,
+                    &path,
+                    format!("duplicate endpoint `{name}` (first defined at {first})"),
+                );
+                continue;
+            }
+            let overlay = self.overlay(value, &path, Layer::Endpoint);
+            let routes = get(value, "routes")
+                .map(|routes| self.routes(routes, &join(&path, "routes")))
+                .unwrap_or_default();
+            out.push(EndpointDoc {
+                name: Field::at(name, key.loc),
+                overlay,
+                routes,
+            });
+        }
+        out
+    }
+
+    fn routes(&mut self, node: &Node, path: &str) -> Vec<RouteDoc> {
+        let Value::Seq(items) = &node.value else {
+            self.type_error(node, path, "a list of routes");
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        for (i, item) in items.iter().enumerate() {
+            let path = format!("{path}[{i}]");
+            let overlay = self.overlay(item, &path, Layer::Route);
+            let matcher =
+                get(item, "match").and_then(|m| self.route_match(m, &join(&path, "match")));
+            match matcher {
+                Some(matcher) => out.push(RouteDoc { matcher, overlay }),
+                None if matches!(item.value, Value::Map(_)) && get(item, "match").is_none() => {
+                    self.error(item.loc, &path, "a route needs a `match:`");
+                }
+                None => {}
+            }
+        }
+        out
+    }
+
+    fn route_match(&mut self, node: &Node, path: &str) -> Option<Field<RouteMatch>> {
+        let entries = self.fields(node, path, &MATCH_FIELDS, &[]);
+        if !matches!(node.value, Value::Map(_)) {
+            return None;
+        }
+        let (mut method, mut prefix, mut grpc) = (None, None, None);
+        for (key, value, _) in entries {
+            let p = join(path, key);
+            let Some(s) = self.string(value, &p) else {
+                continue;
+            };
+            match key {
+                "method" => method = Some((s, value.loc)),
+                "path_prefix" => prefix = Some((s, value.loc)),
+                _ => grpc = Some((s, value.loc)),
+            }
+        }
+        let matcher = match (method, prefix, grpc) {
+            (None, None, None) => {
+                self.error(
+                    node.loc,
+                    path,
+                    "set `method` and/or `path_prefix` (HTTP), or `grpc: /pkg.Service/Method`",
+                );
+                return None;
+            }
+            (Some(_), _, Some((_, loc))) | (_, Some(_), Some((_, loc))) => {
+                self.error(
+                    loc,
+                    &join(path, "grpc"),
+                    "a route matches HTTP (`method`, `path_prefix`) or gRPC (`grpc`), not both",
+                );
+                return None;
+            }
+            (None, None, Some((g, loc))) => match parse_grpc_route(&g) {
+                Ok((service, method)) => RouteMatch::Grpc { service, method },
+                Err(msg) => {
+                    self.error(loc, &join(path, "grpc"), msg);
+                    return None;
+                }
+            },
+            (method, prefix, None) => {
+                let mut ok = true;
+                if let Some((m, loc)) = &method
+                    && let Err(msg) = check_method(m)
+                {
+                    self.error(*loc, &join(path, "method"), msg);
+                    ok = false;
+                }
+                if let Some((p, loc)) = &prefix
+                    && !p.starts_with('/')
+                {
+                    self.error(
+                        *loc,
+                        &join(path, "path_prefix"),
+                        format!("a path prefix starts with `/`, found `{p}`"),
+                    );
+                    ok = false;
+                }
+                if !ok {
+                    return None;
+                }
+                RouteMatch::Http {
+                    method: method.map(|(m, _)| m),
+                    path_prefix: prefix.map_or_else(|| "/".to_owned(), |(p, _)| p),
+                }
+            }
+        };
+        Some(Field::at(matcher, node.loc))
+    }
+
+    fn overlay(&mut self, node: &Node, path: &str, layer: Layer) -> Overlay {
+        let mut known: Vec<&str> = POLICY_FIELDS.to_vec();
+        let misplaced: &[(&str, &str)] = match layer {
+            Layer::Defaults => &[
+                (
+                    "routes",
+                    "`routes` belong to an endpoint, not to `defaults`",
+                ),
+                ("match", "`match` belongs to a route"),
+            ],
+            Layer::Endpoint => {
+                known.push("routes");
+                &[("match", "`match` belongs to a route, under `routes:`")]
+            }
+            Layer::Route => {
+                known.push("match");
+                &[("routes", "routes cannot be nested")]
+            }
+        };
+        let mut o = Overlay::default();
+        for (key, value, _) in self.fields(node, path, &known, misplaced) {
+            let p = join(path, key);
+            match key {
+                "max_attempts" => o.max_attempts = self.count(value, &p),
+                "deadline" => o.deadline = self.duration(value, &p),
+                "per_try_timeout" => o.per_try_timeout = self.duration(value, &p),
+                "backoff" => o.backoff = self.backoff(value, &p),
+                "retry_on" => o.retry_on = self.retry_on(value, &p),
+                "idempotent_methods" => {
+                    o.idempotent_methods = self.list(value, &p, |w, item, p| w.string(item, p));
+                }
+                "idempotency_key_header" => {
+                    o.idempotency_key_header =
+                        self.string(value, &p).map(|s| Field::at(s, value.loc));
+                }
+                "retry_after" => o.retry_after = self.retry_after(value, &p),
+                "budget" => o.budget = self.budget(value, &p),
+                "circuit_breaker" => o.circuit_breaker = self.breaker(value, &p),
+                _ => {}
+            }
+        }
+        o
+    }
+
+    fn backoff(&mut self, node: &Node, path: &str) -> BackoffOverlay {
+        let mut o = BackoffOverlay::default();
+        for (key, value, _) in self.fields(node, path, &BACKOFF_FIELDS, &[]) {
+            let p = join(path, key);
+            match key {
+                "base" => o.base = self.duration(value, &p),
+                "max" => o.max = self.duration(value, &p),
+                "multiplier" => o.multiplier = self.number(value, &p),
+                _ => {
+                    o.jitter = self
+                        .string(value, &p)
+                        .and_then(|s| match Jitter::from_name(&s) {
+                            Some(j) => Some(Field::at(j, value.loc)),
+                            None => {
+                                let names = Jitter::ALL.map(Jitter::as_str);
+                                self.error(value.loc, &p, format!(
+                                "unknown jitter `{s}`: use none, full, equal or decorrelated{}",
+                                did_you_mean(&s, names)
+                            ));
+                                None
+                            }
+                        });
+                }
+            }
+        }
+        o
+    }
+
+    fn retry_on(&mut self, node: &Node, path: &str) -> RetryOnOverlay {
+        let mut o = RetryOnOverlay::default();
+        for (key, value, _) in self.fields(node, path, &RETRY_ON_FIELDS, &[]) {
+            let p = join(path, key);
+            match key {
+                "http_status" => o.http_status = self.list(value, &p, Walker::http_status),
+                "grpc_status" => o.grpc_status = self.list(value, &p, Walker::grpc_code),
+                _ => o.errors = self.list(value, &p, Walker::error_class),
+            }
+        }
+        o
+    }
+
+    fn retry_after(&mut self, node: &Node, path: &str) -> RetryAfterOverlay {
+        let mut o = RetryAfterOverlay::default();
+        for (key, value, _) in self.fields(node, path, &RETRY_AFTER_FIELDS, &[]) {
+            let p = join(path, key);
+            match key {
+                "honor" => o.honor = self.boolean(value, &p),
+                _ => o.max = self.duration(value, &p),
+            }
+        }
+        o
+    }
+
+    fn budget(&mut self, node: &Node, path: &str) -> BudgetOverlay {
+        let mut o = BudgetOverlay::default();
+        for (key, value, _) in self.fields(node, path, &BUDGET_FIELDS, &[]) {
+            let p = join(path, key);
+            match key {
+                "enabled" => o.enabled = self.boolean(value, &p),
+                "ratio" => o.ratio = self.number(value, &p),
+                "min_per_second" => o.min_per_second = self.count(value, &p),
+                _ => o.window = self.duration(value, &p),
+            }
+        }
+        o
+    }
+
+    fn breaker(&mut self, node: &Node, path: &str) -> BreakerOverlay {
+        let mut o = BreakerOverlay::default();
+        for (key, value, _) in self.fields(node, path, &BREAKER_FIELDS, &[]) {
+            let p = join(path, key);
+            match key {
+                "enabled" => o.enabled = self.boolean(value, &p),
+                "failure_ratio" => o.failure_ratio = self.number(value, &p),
+                "min_requests" => o.min_requests = self.count(value, &p),
+                "window" => o.window = self.duration(value, &p),
+                "open_for" => o.open_for = self.duration(value, &p),
+                _ => o.half_open_probes = self.count(value, &p),
+            }
+        }
+        o
+    }
+
+    // === scalars ===
+
+    fn string(&mut self, node: &Node, path: &str) -> Option<String> {
+        match &node.value {
+            Value::Str(s) => Some(s.clone()),
+            _ => {
+                self.type_error(node, path, "a string");
+                None
+            }
+        }
+    }
+
+    fn boolean(&mut self, node: &Node, path: &str) -> Option<Field<bool>> {
+        match node.value {
+            Value::Bool(b) => Some(Field::at(b, node.loc)),
+            _ => {
+                self.type_error(node, path, "true or false");
+                None
+            }
+        }
+    }
+
+    fn count(&mut self, node: &Node, path: &str) -> Option<Field<u32>> {
+        match node.value {
+            Value::Int(i) => match u32::try_from(i) {
+                Ok(v) => Some(Field::at(v, node.loc)),
+                Err(_) => {
+                    self.error(
+                        node.loc,
+                        path,
+                        format!("must be a whole number from 0 to {}, found {i}", u32::MAX),
+                    );
+                    None
+                }
+            },
+            _ => {
+                self.type_error(node, path, "a whole number");
+                None
+            }
+        }
+    }
+
+    fn number(&mut self, node: &Node, path: &str) -> Option<Field<f64>> {
+        match node.value {
+            Value::Int(i) => Some(Field::at(i as f64, node.loc)),
+            Value::Float(f) if f.is_finite() => Some(Field::at(f, node.loc)),
+            Value::Float(_) => {
+                self.error(node.loc, path, "must be a finite number");
+                None
+            }
+            _ => {
+                self.type_error(node, path, "a number");
+                None
+            }
+        }
+    }
+
+    fn duration(&mut self, node: &Node, path: &str) -> Option<Field<Duration>> {
+        let text = match &node.value {
+            Value::Str(s) => s.clone(),
+            Value::Int(i) => i.to_string(),
+            Value::Float(f) => f.to_string(),
+            _ => {
+                self.type_error(node, path, "a duration such as `250ms` or `2s`");
+                return None;
+            }
+        };
+        match parse_duration(&text) {
+            Ok(d) => Some(Field::at(d, node.loc)),
+            Err(e) => {
+                self.error(node.loc, path, e.to_string());
+                None
+            }
+        }
+    }
+
+    fn list<T>(
+        &mut self,
+        node: &Node,
+        path: &str,
+        mut item: impl FnMut(&mut Self, &Node, &str) -> Option<T>,
+    ) -> Option<Field<Vec<Field<T>>>> {
+        let Value::Seq(items) = &node.value else {
+            self.type_error(node, path, "a list");
+            return None;
+        };
+        // Items in error are reported and left out; the rest stay so that later checks
+        // (warnings on the good items) still run.
+        let mut out = Vec::with_capacity(items.len());
+        for (i, n) in items.iter().enumerate() {
+            if let Some(v) = item(self, n, &format!("{path}[{i}]")) {
+                out.push(Field::at(v, n.loc));
+            }
+        }
+        Some(Field::at(out, node.loc))
+    }
+
+    fn http_status(&mut self, node: &Node, path: &str) -> Option<u16> {
+        let Value::Int(code) = node.value else {
+            self.type_error(node, path, "an HTTP status code");
+            return None;
+        };
+        if !codes::is_http_status(code) {
+            self.error(
+                node.loc,
+                path,
+                format!("unknown HTTP status {code}: status codes are 100 to 599"),
+            );
+            return None;
+        }
+        if code < 400 {
+            self.error(
+                node.loc,
+                path,
+                format!("status {code} is not a failure: only 4xx and 5xx can be retried"),
+            );
+            return None;
+        }
+        u16::try_from(code).ok()
+    }
+
+    fn grpc_code(&mut self, node: &Node, path: &str) -> Option<GrpcCode> {
+        let name = self.string(node, path)?;
+        let code = GrpcCode::from_name(&name);
+        match code {
+            Some(GrpcCode::Ok) => {
+                self.error(node.loc, path, "OK is success and cannot be retried");
+                None
+            }
+            Some(c) => Some(c),
+            None => {
+                self.error(
+                    node.loc,
+                    path,
+                    format!(
+                        "unknown gRPC status code `{name}`{}",
+                        did_you_mean(&name, GrpcCode::names())
+                    ),
+                );
+                None
+            }
+        }
+    }
+
+    fn error_class(&mut self, node: &Node, path: &str) -> Option<ErrorClass> {
+        let name = self.string(node, path)?;
+        let class = ErrorClass::from_name(&name);
+        if class.is_none() {
+            self.error(
+                node.loc,
+                path,
+                format!(
+                    "unknown error class `{name}`: use connect, reset or timeout{}",
+                    did_you_mean(&name, ErrorClass::ALL.map(ErrorClass::as_str))
+                ),
+            );
+        }
+        class
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Layer {
+    Defaults,
+    Endpoint,
+    Route,
+}
+
+/// The first value under `key`, when `node` is a mapping.
+fn get<'n>(node: &'n Node, key: &str) -> Option<&'n Node> {
+    match &node.value {
+        Value::Map(m) => m
+            .iter()
+            .find(|(k, _)| matches!(&k.value, Value::Str(s) if s == key))
+            .map(|(_, v)| v),
+        _ => None,
+    }
+}
+
+fn scalar_text(node: &Node) -> String {
+    match &node.value {
+        Value::Int(i) => i.to_string(),
+        Value::Float(f) => f.to_string(),
+        Value::Str(s) => format!("`{s}`"),
+        Value::Bool(b) => b.to_string(),
+        other => other.kind().to_owned(),
+    }
+}
+
+/// An HTTP method is an upper-case token (`GET`, `POST`, or an extension such as `PURGE`).
+pub fn check_method(m: &str) -> Result<(), String> {
+    if m.is_empty()
+        || !m
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_".contains(&b))
+    {
+        return Err(format!("`{m}` is not an HTTP method"));
+    }
+    if m.bytes().any(|b| b.is_ascii_lowercase()) {
+        return Err(format!(
+            "HTTP methods are case-sensitive: write `{}`",
+            m.to_ascii_uppercase()
+        ));
+    }
+    Ok(())
+}
+
+/// `/pkg.Service/Method` or `/pkg.Service/*`.
+pub fn parse_grpc_route(s: &str) -> Result<(String, Option<String>), String> {
+    let bad =
+        || format!("`{s}` is not a gRPC route: write `/pkg.Service/Method` or `/pkg.Service/*`");
+    let (service, method) = s
+        .strip_prefix('/')
+        .and_then(|r| r.split_once('/'))
+        .ok_or_else(bad)?;
+    let ident = |x: &str| {
+        !x.is_empty()
+            && x.split('.').all(|part| {
+                !part.is_empty() && part.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+            })
+    };
+    if !ident(service) {
+        return Err(bad());
+    }
+    match method {
+        "*" => Ok((service.to_owned(), None)),
+        m if ident(m) && !m.contains('.') => Ok((service.to_owned(), Some(m.to_owned()))),
+        _ => Err(bad()),
+    }
+}

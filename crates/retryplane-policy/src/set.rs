@@ -1,0 +1,186 @@
+//! The compiled policy set: every effective policy built once, looked up per call.
+//!
+//! Built from a checked [`PolicyDocument`]; the agent keeps one in an `ArcSwap` and looks an
+//! endpoint up by name (a hash lookup), then a route by first match in file order.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use crate::diag::{self, Diagnostic};
+use crate::document::{PolicyDocument, RouteMatch, Target};
+use crate::model::RetryPolicy;
+
+/// One route of an endpoint, compiled.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Route {
+    /// Which calls it applies to.
+    pub matcher: RouteMatch,
+    /// The effective policy (defaults → endpoint → this route).
+    pub policy: Arc<RetryPolicy>,
+}
+
+/// One endpoint, compiled.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EndpointPolicy {
+    /// The logical upstream name.
+    pub name: Arc<str>,
+    /// The effective policy when no route matches (defaults → endpoint).
+    pub policy: Arc<RetryPolicy>,
+    /// Route overrides, first match wins.
+    pub routes: Arc<[Route]>,
+}
+
+impl EndpointPolicy {
+    /// The policy for `target`: the first matching route's, else the endpoint's.
+    pub fn resolve(&self, target: &Target<'_>) -> &Arc<RetryPolicy> {
+        self.routes
+            .iter()
+            .find(|r| r.matcher.matches(target))
+            .map_or(&self.policy, |r| &r.policy)
+    }
+}
+
+type Map = HashMap<Arc<str>, Arc<EndpointPolicy>, foldhash::fast::FixedState>;
+
+/// Every endpoint's compiled policies, and the document they came from.
+#[derive(Clone, Debug)]
+pub struct PolicySet {
+    document: Arc<PolicyDocument>,
+    defaults: Arc<RetryPolicy>,
+    endpoints: Map,
+}
+
+/// Why a document could not become a policy set.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("invalid policy: {} error(s), first: {}", errors.len(), errors.first().map(ToString::to_string).unwrap_or_default())]
+pub struct InvalidPolicy {
+    /// Every error (warnings are not errors and are not here).
+    pub errors: Vec<Diagnostic>,
+}
+
+impl PolicySet {
+    /// Checks `document` and compiles it. Warnings come back with the set; any error refuses it.
+    pub fn from_document(
+        document: PolicyDocument,
+    ) -> Result<(Self, Vec<Diagnostic>), InvalidPolicy> {
+        let mut diags = Vec::new();
+        crate::validate::check(&document, &mut diags);
+        diag::normalize(&mut diags);
+        if diags.iter().any(Diagnostic::is_error) {
+            diags.retain(Diagnostic::is_error);
+            return Err(InvalidPolicy { errors: diags });
+        }
+        Ok((Self::compile(document), diags))
+    }
+
+    /// Compiles an already checked document.
+    fn compile(document: PolicyDocument) -> Self {
+        let defaults = Arc::new(document.defaults.apply(&RetryPolicy::default()));
+        let mut endpoints = Map::default();
+        for ep in &document.endpoints {
+            let policy = Arc::new(ep.overlay.apply(&defaults));
+            let routes = ep
+                .routes
+                .iter()
+                .map(|r| Route {
+                    matcher: r.matcher.value.clone(),
+                    policy: Arc::new(r.overlay.apply(&policy)),
+                })
+                .collect();
+            let name: Arc<str> = Arc::from(ep.name.value.as_str());
+            endpoints.insert(
+                name.clone(),
+                Arc::new(EndpointPolicy {
+                    name,
+                    policy,
+                    routes,
+                }),
+            );
+        }
+        Self {
+            document: Arc::new(document),
+            defaults,
+            endpoints,
+        }
+    }
+
+    /// The endpoint named `name`.
+    pub fn endpoint(&self, name: &str) -> Option<&Arc<EndpointPolicy>> {
+        self.endpoints.get(name)
+    }
+
+    /// The policy for `target` on endpoint `name`, if the endpoint exists.
+    pub fn resolve(&self, name: &str, target: &Target<'_>) -> Option<&Arc<RetryPolicy>> {
+        self.endpoint(name).map(|e| e.resolve(target))
+    }
+
+    /// The file's `defaults:` over the built-in values, for endpoints the file does not name.
+    pub fn defaults(&self) -> &Arc<RetryPolicy> {
+        &self.defaults
+    }
+
+    /// Endpoint names, sorted.
+    pub fn names(&self) -> Vec<&str> {
+        let mut names: Vec<&str> = self.endpoints.keys().map(AsRef::as_ref).collect();
+        names.sort_unstable();
+        names
+    }
+
+    /// Number of endpoints.
+    pub fn len(&self) -> usize {
+        self.endpoints.len()
+    }
+
+    /// Whether there are no endpoints.
+    pub fn is_empty(&self) -> bool {
+        self.endpoints.is_empty()
+    }
+
+    /// The document the set was compiled from.
+    pub fn document(&self) -> &Arc<PolicyDocument> {
+        &self.document
+    }
+}
+
+/// The result of loading a policy file.
+#[derive(Clone, Debug)]
+pub struct Loaded {
+    /// The compiled set, when the file has no errors.
+    pub policies: Option<PolicySet>,
+    /// Every error and warning, sorted by position.
+    pub diagnostics: Vec<Diagnostic>,
+}
+
+impl Loaded {
+    /// Whether any diagnostic is an error.
+    pub fn has_errors(&self) -> bool {
+        self.diagnostics.iter().any(Diagnostic::is_error)
+    }
+}
+
+/// Parses, checks and compiles policy-file bytes, reporting every problem at once. Never
+/// panics; bounded time and memory on any input (see [`crate::yaml`] for the limits).
+pub fn load(bytes: &[u8]) -> Loaded {
+    let mut diagnostics = Vec::new();
+    let document = match crate::yaml::parse(bytes) {
+        Ok(root) => crate::parse::document(&root, &mut diagnostics),
+        Err(e) => {
+            diagnostics.push(Diagnostic::error(e.loc, "<root>", e.message));
+            None
+        }
+    };
+    let Some(document) = document else {
+        return Loaded {
+            policies: None,
+            diagnostics,
+        };
+    };
+    crate::validate::check(&document, &mut diagnostics);
+    diag::normalize(&mut diagnostics);
+    let policies =
+        (!diagnostics.iter().any(Diagnostic::is_error)).then(|| PolicySet::compile(document));
+    Loaded {
+        policies,
+        diagnostics,
+    }
+}

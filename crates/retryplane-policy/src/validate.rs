@@ -1,0 +1,347 @@
+//! Range and cross-field checks on a [`PolicyDocument`] (SPEC §1).
+//!
+//! The same checks run on every document, whether parsed from a file, sent to the admin API or
+//! received by an agent. Field checks run on each layer where the field is written; cross-field
+//! checks (`backoff.max < backoff.base`, `per_try_timeout > deadline`, schedules that cannot fit)
+//! run on every effective policy — the defaults, each endpoint, each route — and are reported at
+//! the most specific layer that wrote one of the fields involved, once.
+
+use std::time::Duration;
+
+use crate::backoff;
+use crate::codes::{GrpcCode, RETRYABLE_4XX};
+use crate::diag::Diagnostic;
+use crate::document::{Level, Overlay, PolicyDocument};
+use crate::model::RetryPolicy;
+use crate::parse::check_method;
+use crate::yaml::Loc;
+
+/// Highest `max_attempts` accepted.
+pub const MAX_ATTEMPTS_LIMIT: u32 = 10;
+/// Above this many attempts, a warning.
+pub const MAX_ATTEMPTS_WARN: u32 = 5;
+
+/// gRPC codes that do not get better by repetition (the counterpart of the 4xx warning).
+const NON_RETRYABLE_GRPC: [GrpcCode; 8] = [
+    GrpcCode::InvalidArgument,
+    GrpcCode::NotFound,
+    GrpcCode::AlreadyExists,
+    GrpcCode::PermissionDenied,
+    GrpcCode::FailedPrecondition,
+    GrpcCode::OutOfRange,
+    GrpcCode::Unimplemented,
+    GrpcCode::Unauthenticated,
+];
+
+/// Checks `doc`, appending every problem to `diags`.
+pub fn check(doc: &PolicyDocument, diags: &mut Vec<Diagnostic>) {
+    let defaults_layers = [(Level::Defaults, "defaults".to_owned(), &doc.defaults)];
+    check_layer(&doc.defaults, "defaults", diags);
+    check_effective(&defaults_layers, diags);
+    for ep in &doc.endpoints {
+        let ep_path = format!("endpoints.{}", ep.name.value);
+        check_endpoint_name(&ep.name.value, ep.name.loc, &ep_path, diags);
+        check_layer(&ep.overlay, &ep_path, diags);
+        let mut layers = defaults_layers.to_vec();
+        layers.push((Level::Endpoint, ep_path.clone(), &ep.overlay));
+        check_effective(&layers, diags);
+        for (i, route) in ep.routes.iter().enumerate() {
+            let route_path = format!("{ep_path}.routes[{i}]");
+            check_layer(&route.overlay, &route_path, diags);
+            if let Some(j) = ep.routes[..i]
+                .iter()
+                .position(|r| r.matcher.value == route.matcher.value)
+            {
+                diags.push(Diagnostic::warning(
+                    route.matcher.loc,
+                    format!("{route_path}.match"),
+                    format!(
+                        "this route can never match: routes[{j}] has the same match and comes first"
+                    ),
+                ));
+            }
+            let mut route_layers = layers.clone();
+            route_layers.push((Level::Route, route_path, &route.overlay));
+            check_effective(&route_layers, diags);
+        }
+    }
+}
+
+fn check_endpoint_name(name: &str, loc: Loc, path: &str, diags: &mut Vec<Diagnostic>) {
+    let ok = !name.is_empty()
+        && name.len() <= 128
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b));
+    if !ok {
+        diags.push(Diagnostic::error(
+            loc,
+            path,
+            "endpoint names are 1 to 128 letters, digits, `-`, `_` or `.`",
+        ));
+    }
+}
+
+/// Checks of single fields, where they are written.
+fn check_layer(o: &Overlay, prefix: &str, diags: &mut Vec<Diagnostic>) {
+    let path = |field: &str| format!("{prefix}.{field}");
+    let mut error =
+        |loc, field: &str, msg: String| diags.push(Diagnostic::error(loc, path(field), msg));
+    if let Some(f) = &o.max_attempts
+        && !(1..=MAX_ATTEMPTS_LIMIT).contains(&f.value)
+    {
+        error(
+            f.loc,
+            "max_attempts",
+            format!(
+                "must be from 1 (never retry) to {MAX_ATTEMPTS_LIMIT}, found {}",
+                f.value
+            ),
+        );
+    }
+    for (field, value) in [
+        ("backoff.base", &o.backoff.base),
+        ("backoff.max", &o.backoff.max),
+        ("deadline", &o.deadline),
+        ("per_try_timeout", &o.per_try_timeout),
+        ("retry_after.max", &o.retry_after.max),
+        ("budget.window", &o.budget.window),
+        ("circuit_breaker.window", &o.circuit_breaker.window),
+        ("circuit_breaker.open_for", &o.circuit_breaker.open_for),
+    ] {
+        if let Some(f) = value
+            && f.value.is_zero()
+        {
+            error(f.loc, field, "must be longer than zero".to_owned());
+        }
+    }
+    if let Some(f) = &o.backoff.multiplier
+        && !(f.value >= 1.0 && f.value <= 100.0)
+    {
+        error(
+            f.loc,
+            "backoff.multiplier",
+            format!("must be from 1.0 to 100.0, found {}", f.value),
+        );
+    }
+    if let Some(f) = &o.budget.ratio
+        && !(0.0..=1.0).contains(&f.value)
+    {
+        error(
+            f.loc,
+            "budget.ratio",
+            format!("must be from 0.0 to 1.0, found {}", f.value),
+        );
+    }
+    if let Some(f) = &o.circuit_breaker.failure_ratio
+        && !(f.value > 0.0 && f.value <= 1.0)
+    {
+        error(
+            f.loc,
+            "circuit_breaker.failure_ratio",
+            format!("must be above 0.0 and at most 1.0, found {}", f.value),
+        );
+    }
+    for (field, value) in [
+        (
+            "circuit_breaker.min_requests",
+            &o.circuit_breaker.min_requests,
+        ),
+        (
+            "circuit_breaker.half_open_probes",
+            &o.circuit_breaker.half_open_probes,
+        ),
+    ] {
+        if let Some(f) = value
+            && f.value == 0
+        {
+            error(f.loc, field, "must be at least 1".to_owned());
+        }
+    }
+    if let Some(f) = &o.idempotency_key_header {
+        let token = !f.value.is_empty()
+            && f.value
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b));
+        if !token {
+            error(
+                f.loc,
+                "idempotency_key_header",
+                "is not a valid HTTP header name".to_owned(),
+            );
+        }
+    }
+    if let Some(list) = &o.idempotent_methods {
+        for m in &list.value {
+            if let Err(msg) = check_method(&m.value) {
+                error(m.loc, "idempotent_methods", msg);
+            }
+        }
+    }
+    let mut warn =
+        |loc, field: String, msg: String| diags.push(Diagnostic::warning(loc, path(&field), msg));
+    if let Some(f) = &o.max_attempts
+        && f.value > MAX_ATTEMPTS_WARN
+        && f.value <= MAX_ATTEMPTS_LIMIT
+    {
+        warn(
+            f.loc,
+            "max_attempts".into(),
+            format!(
+                "{} attempts multiply load by up to {}x during an outage; more than {MAX_ATTEMPTS_WARN} rarely helps",
+                f.value, f.value
+            ),
+        );
+    }
+    if let Some(list) = &o.idempotent_methods {
+        for m in &list.value {
+            if m.value == "POST" || m.value == "PATCH" {
+                warn(
+                    m.loc,
+                    "idempotent_methods".into(),
+                    format!(
+                        "{} is not idempotent by definition: retrying it may apply a change twice; prefer the idempotency key header",
+                        m.value
+                    ),
+                );
+            }
+        }
+    }
+    if let Some(list) = &o.retry_on.http_status {
+        for (i, s) in list.value.iter().enumerate() {
+            if (400..500).contains(&s.value) && !RETRYABLE_4XX.contains(&s.value) {
+                warn(
+                    s.loc,
+                    "retry_on.http_status".into(),
+                    format!(
+                        "{} is a client error that does not get better by repetition",
+                        s.value
+                    ),
+                );
+            }
+            if list.value[..i].iter().any(|p| p.value == s.value) {
+                warn(
+                    s.loc,
+                    "retry_on.http_status".into(),
+                    format!("{} is listed twice", s.value),
+                );
+            }
+        }
+    }
+    if let Some(list) = &o.retry_on.grpc_status {
+        for c in &list.value {
+            if NON_RETRYABLE_GRPC.contains(&c.value) {
+                warn(
+                    c.loc,
+                    "retry_on.grpc_status".into(),
+                    format!("{} does not get better by repetition", c.value.name()),
+                );
+            }
+        }
+    }
+}
+
+type Layers<'a> = [(Level, String, &'a Overlay)];
+
+/// The place and path of the most specific layer that writes one of `fields`; the top layer's
+/// own path when none does.
+fn blame(layers: &Layers<'_>, fields: &[&str]) -> (Loc, String) {
+    for (_, prefix, overlay) in layers.iter().rev() {
+        for field in fields {
+            if let Some(loc) = overlay.loc_of(field) {
+                return (loc, format!("{prefix}.{field}"));
+            }
+        }
+    }
+    let (_, prefix, _) = &layers[layers.len() - 1];
+    (Loc::UNKNOWN, prefix.clone())
+}
+
+/// Cross-field checks on the effective policy the layers make.
+fn check_effective(layers: &Layers<'_>, diags: &mut Vec<Diagnostic>) {
+    let p: RetryPolicy = layers
+        .iter()
+        .fold(RetryPolicy::default(), |p, (_, _, o)| o.apply(&p));
+    let mut push = |d: Diagnostic| diags.push(d);
+    if p.backoff.max < p.backoff.base {
+        let (loc, path) = blame(layers, &["backoff.max", "backoff.base"]);
+        push(Diagnostic::error(
+            loc,
+            path,
+            format!(
+                "backoff.max ({}) is shorter than backoff.base ({})",
+                fmt(p.backoff.max),
+                fmt(p.backoff.base)
+            ),
+        ));
+    }
+    if p.per_try_timeout > p.deadline {
+        let (loc, path) = blame(layers, &["per_try_timeout", "deadline"]);
+        push(Diagnostic::error(
+            loc,
+            path,
+            format!(
+                "per_try_timeout ({}) is longer than the deadline ({})",
+                fmt(p.per_try_timeout),
+                fmt(p.deadline)
+            ),
+        ));
+    }
+    // Values already refused field by field would only make noise here.
+    let schedule_valid = p.max_attempts <= MAX_ATTEMPTS_LIMIT
+        && p.backoff.multiplier >= 1.0
+        && !p.backoff.base.is_zero()
+        && p.backoff.max >= p.backoff.base;
+    if p.max_attempts > 1
+        && schedule_valid
+        && let Some(first) = first_unreachable_attempt(&p)
+    {
+        let (loc, path) = blame(
+            layers,
+            &[
+                "max_attempts",
+                "deadline",
+                "backoff.base",
+                "backoff.multiplier",
+            ],
+        );
+        push(Diagnostic::warning(
+            loc,
+            path,
+            format!(
+                "attempts {first} to {} can never start inside the deadline ({}): their shortest possible pauses add up to more",
+                p.max_attempts,
+                fmt(p.deadline)
+            ),
+        ));
+    }
+    if p.budget.is_none() && p.max_attempts > 3 {
+        let (loc, path) = blame(layers, &["budget.enabled", "max_attempts"]);
+        push(Diagnostic::warning(
+            loc,
+            path,
+            format!(
+                "budget disabled with max_attempts {}: nothing bounds retry load in an outage",
+                p.max_attempts
+            ),
+        ));
+    }
+}
+
+/// The first attempt that cannot start before the deadline even if every earlier attempt
+/// failed at once and every pause was the shortest its jitter allows.
+fn first_unreachable_attempt(p: &RetryPolicy) -> Option<u32> {
+    let mut elapsed = Duration::ZERO;
+    for retry in 1..p.max_attempts {
+        let (low, _) = backoff::jitter_range(&p.backoff, retry);
+        elapsed += low;
+        if elapsed >= p.deadline {
+            return Some(retry + 1);
+        }
+    }
+    None
+}
+
+fn fmt(d: Duration) -> String {
+    crate::duration::format_duration(d)
+}

@@ -1,0 +1,381 @@
+//! YAML → a located tree, with the input limits of SPEC §1.
+//!
+//! `serde-saphyr` does the YAML (it bounds depth, alias replay and event counts, and never
+//! panics on malformed input); we deserialize into a small untyped tree whose every node keeps
+//! its line and column, so the policy checks can run over the whole file and report every
+//! problem at once, each at its place. Duplicate keys are passed through to this tree and
+//! reported by the policy checks, so a file with three duplicates gets three errors.
+
+use std::fmt;
+
+use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
+use serde_saphyr::Spanned;
+
+/// Files larger than this are refused before parsing.
+pub const MAX_FILE_BYTES: usize = 1024 * 1024;
+/// Deepest nesting of mappings and sequences accepted. A policy file needs 6.
+pub const MAX_DEPTH: usize = 24;
+/// Upper bound on events replayed by alias expansion (an alias "bomb" hits it quickly).
+pub const MAX_ALIAS_EVENTS: usize = 20_000;
+/// Upper bound on parser events in one file.
+pub const MAX_EVENTS: usize = 200_000;
+
+/// A 1-based position in the source; `0:0` when unknown (a policy built from the API).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Loc {
+    /// Line, from 1.
+    pub line: u32,
+    /// Column, from 1.
+    pub column: u32,
+}
+
+impl Loc {
+    /// The position of a value that came from no file.
+    pub const UNKNOWN: Loc = Loc { line: 0, column: 0 };
+
+    /// Whether the position is known.
+    pub fn is_known(self) -> bool {
+        self.line > 0
+    }
+}
+
+impl fmt::Display for Loc {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}", self.line, self.column)
+    }
+}
+
+/// A YAML value whose children carry their positions.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Value {
+    /// `~`, `null` or nothing.
+    Null,
+    /// `true` / `false`.
+    Bool(bool),
+    /// An integer.
+    Int(i64),
+    /// A float, or an integer too large for `i64`.
+    Float(f64),
+    /// A string scalar.
+    Str(String),
+    /// A sequence.
+    Seq(Vec<Node>),
+    /// A mapping in source order; duplicate keys are kept.
+    Map(Vec<(Node, Node)>),
+}
+
+/// A value and where it stands.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Node {
+    /// The value.
+    pub value: Value,
+    /// Where it is written.
+    pub loc: Loc,
+}
+
+impl Value {
+    /// A short name of the value's kind for messages ("a mapping", "a string").
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Value::Null => "null",
+            Value::Bool(_) => "a boolean",
+            Value::Int(_) => "an integer",
+            Value::Float(_) => "a number",
+            Value::Str(_) => "a string",
+            Value::Seq(_) => "a list",
+            Value::Map(_) => "a mapping",
+        }
+    }
+}
+
+/// Why a file could not be turned into a tree.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct YamlError {
+    /// Where, as near as known.
+    pub loc: Loc,
+    /// What is wrong.
+    pub message: String,
+}
+
+/// Parses policy-file bytes into a located tree, enforcing the size, encoding, depth and alias
+/// limits. Never panics; bounded time on any input.
+pub fn parse(bytes: &[u8]) -> Result<Node, YamlError> {
+    if bytes.len() > MAX_FILE_BYTES {
+        return Err(YamlError {
+            loc: Loc { line: 1, column: 1 },
+            message: format!(
+                "file is {} bytes; policy files are limited to {} bytes (1 MiB)",
+                bytes.len(),
+                MAX_FILE_BYTES
+            ),
+        });
+    }
+    let text = std::str::from_utf8(bytes).map_err(|e| {
+        let (good, _) = bytes.split_at(e.valid_up_to());
+        YamlError {
+            loc: loc_of_offset(good),
+            message: "file is not valid UTF-8".to_owned(),
+        }
+    })?;
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
+    if text.trim().is_empty() {
+        return Ok(Node {
+            value: Value::Null,
+            loc: Loc { line: 1, column: 1 },
+        });
+    }
+    let mut options = serde_saphyr::Options::default();
+    options.duplicate_keys = serde_saphyr::DuplicateKeyPolicy::PassThrough;
+    options.with_snippet = false;
+    options.alias_limits.max_total_replayed_events = MAX_ALIAS_EVENTS;
+    options.alias_limits.max_replay_stack_depth = MAX_DEPTH;
+    let mut budget = serde_saphyr::Budget::default();
+    budget.max_depth = MAX_DEPTH;
+    budget.max_events = MAX_EVENTS;
+    budget.max_nodes = MAX_EVENTS;
+    budget.max_documents = 1;
+    options.budget = Some(budget);
+    let spanned: Spanned<Value> =
+        serde_saphyr::from_str_with_options(text, options).map_err(|e| YamlError {
+            loc: e
+                .location()
+                .map(|l| Loc {
+                    line: clamp(l.line()),
+                    column: clamp(l.column()),
+                })
+                .filter(|l| l.is_known())
+                .unwrap_or(Loc { line: 1, column: 1 }),
+            message: first_line(&e.to_string()),
+        })?;
+    Ok(node(spanned))
+}
+
+fn clamp(v: u64) -> u32 {
+    u32::try_from(v).unwrap_or(u32::MAX)
+}
+
+/// The parser's message without the position it appends (we print positions ourselves), and
+/// with its budget wording turned into what a policy author can act on.
+fn first_line(message: &str) -> String {
+    let mut line = message.lines().next().unwrap_or("syntax error").trim();
+    if let Some(at) = line.rfind(" at line ") {
+        line = &line[..at];
+    }
+    let line = if line.contains("Documents") {
+        "a policy file holds exactly one YAML document"
+    } else if line.contains("budget breached") || line.contains("limit exceeded") {
+        "the document is nested too deeply or expands too many aliases"
+    } else {
+        line
+    };
+    format!("invalid YAML: {line}")
+}
+
+fn loc_of_offset(prefix: &[u8]) -> Loc {
+    let line = prefix.iter().filter(|b| **b == b'\n').count() + 1;
+    let line_start = prefix
+        .iter()
+        .rposition(|b| *b == b'\n')
+        .map_or(0, |i| i + 1);
+    let column = String::from_utf8_lossy(&prefix[line_start..])
+        .chars()
+        .count()
+        + 1;
+    Loc {
+        line: u32::try_from(line).unwrap_or(u32::MAX),
+        column: u32::try_from(column).unwrap_or(u32::MAX),
+    }
+}
+
+fn node(spanned: Spanned<Value>) -> Node {
+    let l = spanned.referenced;
+    Node {
+        value: spanned.value,
+        loc: Loc {
+            line: clamp(l.line()),
+            column: clamp(l.column()),
+        },
+    }
+}
+
+impl<'de> Deserialize<'de> for Value {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(ValueVisitor)
+    }
+}
+
+struct ValueVisitor;
+
+impl<'de> Visitor<'de> for ValueVisitor {
+    type Value = Value;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("any YAML value")
+    }
+
+    fn visit_bool<E: de::Error>(self, v: bool) -> Result<Value, E> {
+        Ok(Value::Bool(v))
+    }
+
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<Value, E> {
+        Ok(Value::Int(v))
+    }
+
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<Value, E> {
+        Ok(i64::try_from(v).map_or(Value::Float(v as f64), Value::Int))
+    }
+
+    fn visit_i128<E: de::Error>(self, v: i128) -> Result<Value, E> {
+        Ok(i64::try_from(v).map_or(Value::Float(v as f64), Value::Int))
+    }
+
+    fn visit_u128<E: de::Error>(self, v: u128) -> Result<Value, E> {
+        Ok(i64::try_from(v).map_or(Value::Float(v as f64), Value::Int))
+    }
+
+    fn visit_f64<E: de::Error>(self, v: f64) -> Result<Value, E> {
+        Ok(Value::Float(v))
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Value, E> {
+        Ok(Value::Str(v.to_owned()))
+    }
+
+    fn visit_string<E: de::Error>(self, v: String) -> Result<Value, E> {
+        Ok(Value::Str(v))
+    }
+
+    fn visit_bytes<E: de::Error>(self, v: &[u8]) -> Result<Value, E> {
+        Ok(Value::Str(String::from_utf8_lossy(v).into_owned()))
+    }
+
+    fn visit_none<E: de::Error>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+
+    fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
+        Value::deserialize(d)
+    }
+
+    fn visit_newtype_struct<D: Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
+        Value::deserialize(d)
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+        let mut items = Vec::new();
+        while let Some(item) = seq.next_element::<Spanned<Value>>()? {
+            items.push(node(item));
+        }
+        Ok(Value::Seq(items))
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+        let mut entries = Vec::new();
+        while let Some(key) = map.next_key::<Spanned<Value>>()? {
+            let value = map.next_value::<Spanned<Value>>()?;
+            entries.push((node(key), node(value)));
+        }
+        Ok(Value::Map(entries))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn map(node: &Node) -> &[(Node, Node)] {
+        match &node.value {
+            Value::Map(m) => m,
+            other => panic!("expected a map, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn every_node_knows_its_line_and_column() {
+        let root = parse(b"version: 1\nendpoints:\n  payments:\n    max_attempts: 4\n").unwrap();
+        let top = map(&root);
+        assert_eq!(top[0].0.loc, Loc { line: 1, column: 1 });
+        assert_eq!(top[0].1.value, Value::Int(1));
+        assert_eq!(
+            top[0].1.loc,
+            Loc {
+                line: 1,
+                column: 10
+            }
+        );
+        let payments = &map(&top[1].1)[0];
+        assert_eq!(payments.0.loc, Loc { line: 3, column: 3 });
+        let attempts = &map(&payments.1)[0];
+        assert_eq!(attempts.0.loc, Loc { line: 4, column: 5 });
+        assert_eq!(attempts.1.value, Value::Int(4));
+    }
+
+    #[test]
+    fn duplicate_keys_are_kept_for_the_checks_to_report() {
+        let root = parse(b"a: 1\na: 2\n").unwrap();
+        assert_eq!(map(&root).len(), 2);
+    }
+
+    #[test]
+    fn scalars_get_their_yaml_types() {
+        let root = parse(b"a: 2.0\nb: 100ms\nc: true\nd: ~\ne: [1, x]\n").unwrap();
+        let kinds: Vec<_> = map(&root).iter().map(|(_, v)| v.value.kind()).collect();
+        assert_eq!(
+            kinds,
+            ["a number", "a string", "a boolean", "null", "a list"]
+        );
+    }
+
+    #[test]
+    fn oversized_files_are_refused_before_parsing() {
+        let big = vec![b'#'; MAX_FILE_BYTES + 1];
+        let err = parse(&big).unwrap_err();
+        assert!(err.message.contains("1 MiB"), "{err}");
+    }
+
+    #[test]
+    fn invalid_utf8_is_located() {
+        let err = parse(b"version: 1\nendpoints:\n  pay\xffments: {}\n").unwrap_err();
+        assert_eq!(err.loc, Loc { line: 3, column: 6 });
+        assert!(err.message.contains("UTF-8"));
+    }
+
+    #[test]
+    fn syntax_errors_are_located() {
+        let err = parse(b"version: 1\nendpoints: [\n").unwrap_err();
+        assert!(err.loc.is_known());
+        assert!(err.message.starts_with("invalid YAML"), "{err}");
+    }
+
+    #[test]
+    fn deep_nesting_is_refused() {
+        let deep = format!("{}{}", "[".repeat(10_000), "]".repeat(10_000));
+        assert!(parse(deep.as_bytes()).is_err());
+        let deep_block: String = (0..200).map(|i| format!("{}k:\n", " ".repeat(i))).collect();
+        assert!(parse(deep_block.as_bytes()).is_err());
+    }
+
+    #[test]
+    fn alias_bombs_are_refused() {
+        let mut bomb = String::from("a: &a [x, x, x, x, x, x, x, x, x, x]\n");
+        for i in 1..12 {
+            let prev = (b'a' + i - 1) as char;
+            let cur = (b'a' + i) as char;
+            bomb.push_str(&format!(
+                "{cur}: &{cur} [*{prev}, *{prev}, *{prev}, *{prev}, *{prev}, *{prev}, *{prev}, *{prev}, *{prev}, *{prev}]\n"
+            ));
+        }
+        let err = parse(bomb.as_bytes()).unwrap_err();
+        assert!(err.message.starts_with("invalid YAML"), "{err}");
+    }
+
+    #[test]
+    fn multiple_documents_are_refused() {
+        assert!(parse(b"a: 1\n---\nb: 2\n").is_err());
+    }
+}
