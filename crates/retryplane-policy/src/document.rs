@@ -272,7 +272,8 @@ fn list<T: Clone>(field: &Option<Field<Vec<Field<T>>>>) -> Option<Arc<[T]>> {
 }
 
 impl Overlay {
-    /// `base` with this layer's fields laid over it.
+    /// `base` with this layer's fields laid over it. To stack layers, merge them first with
+    /// [`Overlay::over`] (or use [`Overlay::resolve`]).
     pub fn apply(&self, base: &RetryPolicy) -> RetryPolicy {
         let mut p = base.clone();
         set(&mut p.max_attempts, &self.max_attempts);
@@ -306,6 +307,70 @@ impl Overlay {
         p.budget = apply_budget(&self.budget, p.budget.take());
         p.circuit_breaker = apply_breaker(&self.circuit_breaker, p.circuit_breaker.take());
         p
+    }
+
+    /// This layer laid over `lower`: every field this layer sets, else `lower`'s. Layers are
+    /// merged before they are applied so that a setting survives a lower layer turning its
+    /// section off (`budget: {enabled: false}` on an endpoint, `enabled: true` on a route
+    /// brings back the endpoint's and defaults' numbers, not the built-in ones).
+    pub fn over(&self, lower: &Overlay) -> Overlay {
+        fn pick<T: Clone>(upper: &Option<T>, lower: &Option<T>) -> Option<T> {
+            upper.as_ref().or(lower.as_ref()).cloned()
+        }
+        let (u, l) = (self, lower);
+        Overlay {
+            max_attempts: pick(&u.max_attempts, &l.max_attempts),
+            backoff: BackoffOverlay {
+                base: pick(&u.backoff.base, &l.backoff.base),
+                max: pick(&u.backoff.max, &l.backoff.max),
+                multiplier: pick(&u.backoff.multiplier, &l.backoff.multiplier),
+                jitter: pick(&u.backoff.jitter, &l.backoff.jitter),
+            },
+            deadline: pick(&u.deadline, &l.deadline),
+            per_try_timeout: pick(&u.per_try_timeout, &l.per_try_timeout),
+            retry_on: RetryOnOverlay {
+                http_status: pick(&u.retry_on.http_status, &l.retry_on.http_status),
+                grpc_status: pick(&u.retry_on.grpc_status, &l.retry_on.grpc_status),
+                errors: pick(&u.retry_on.errors, &l.retry_on.errors),
+            },
+            idempotent_methods: pick(&u.idempotent_methods, &l.idempotent_methods),
+            idempotency_key_header: pick(&u.idempotency_key_header, &l.idempotency_key_header),
+            retry_after: RetryAfterOverlay {
+                honor: pick(&u.retry_after.honor, &l.retry_after.honor),
+                max: pick(&u.retry_after.max, &l.retry_after.max),
+            },
+            budget: BudgetOverlay {
+                enabled: pick(&u.budget.enabled, &l.budget.enabled),
+                ratio: pick(&u.budget.ratio, &l.budget.ratio),
+                min_per_second: pick(&u.budget.min_per_second, &l.budget.min_per_second),
+                window: pick(&u.budget.window, &l.budget.window),
+            },
+            circuit_breaker: BreakerOverlay {
+                enabled: pick(&u.circuit_breaker.enabled, &l.circuit_breaker.enabled),
+                failure_ratio: pick(
+                    &u.circuit_breaker.failure_ratio,
+                    &l.circuit_breaker.failure_ratio,
+                ),
+                min_requests: pick(
+                    &u.circuit_breaker.min_requests,
+                    &l.circuit_breaker.min_requests,
+                ),
+                window: pick(&u.circuit_breaker.window, &l.circuit_breaker.window),
+                open_for: pick(&u.circuit_breaker.open_for, &l.circuit_breaker.open_for),
+                half_open_probes: pick(
+                    &u.circuit_breaker.half_open_probes,
+                    &l.circuit_breaker.half_open_probes,
+                ),
+            },
+        }
+    }
+
+    /// The effective policy of a stack of layers, lowest first, over the built-in values.
+    pub fn resolve<'a>(layers: impl IntoIterator<Item = &'a Overlay>) -> RetryPolicy {
+        let merged = layers
+            .into_iter()
+            .fold(Overlay::default(), |acc, layer| layer.over(&acc));
+        merged.apply(&RetryPolicy::default())
     }
 
     /// The leaf fields this layer sets, as `(path, place)`; `path` is relative
@@ -472,8 +537,6 @@ impl PolicyDocument {
     /// The effective policy of `endpoint` for `target`.
     pub fn effective(&self, endpoint: &EndpointDoc, target: &Target<'_>) -> RetryPolicy {
         let (layers, _) = self.layers(endpoint, target);
-        layers
-            .iter()
-            .fold(RetryPolicy::default(), |p, (_, o)| o.apply(&p))
+        Overlay::resolve(layers.iter().map(|(_, o)| *o))
     }
 }

@@ -363,3 +363,7 @@ impl<'a> RetryCall<'a> {
         self.policy
     }
 }
+
+#[cfg(test)]
+#[path = "engine_tests.rs"]
+mod tests;

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use crate::diag::{self, Diagnostic};
-use crate::document::{PolicyDocument, RouteMatch, Target};
+use crate::document::{Overlay, PolicyDocument, RouteMatch, Target};
 use crate::model::RetryPolicy;
 
 /// One route of an endpoint, compiled.
@@ -75,16 +75,17 @@ impl PolicySet {
 
     /// Compiles an already checked document.
     fn compile(document: PolicyDocument) -> Self {
-        let defaults = Arc::new(document.defaults.apply(&RetryPolicy::default()));
+        let defaults = Arc::new(Overlay::resolve([&document.defaults]));
         let mut endpoints = Map::default();
         for ep in &document.endpoints {
-            let policy = Arc::new(ep.overlay.apply(&defaults));
+            let merged = ep.overlay.over(&document.defaults);
+            let policy = Arc::new(Overlay::resolve([&merged]));
             let routes = ep
                 .routes
                 .iter()
                 .map(|r| Route {
                     matcher: r.matcher.value.clone(),
-                    policy: Arc::new(r.overlay.apply(&policy)),
+                    policy: Arc::new(Overlay::resolve([&merged, &r.overlay])),
                 })
                 .collect();
             let name: Arc<str> = Arc::from(ep.name.value.as_str());
@@ -184,3 +185,7 @@ pub fn load(bytes: &[u8]) -> Loaded {
         diagnostics,
     }
 }
+
+#[cfg(test)]
+#[path = "set_tests.rs"]
+mod tests;

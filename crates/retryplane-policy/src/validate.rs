@@ -259,9 +259,7 @@ fn blame(layers: &Layers<'_>, fields: &[&str]) -> (Loc, String) {
 
 /// Cross-field checks on the effective policy the layers make.
 fn check_effective(layers: &Layers<'_>, diags: &mut Vec<Diagnostic>) {
-    let p: RetryPolicy = layers
-        .iter()
-        .fold(RetryPolicy::default(), |p, (_, _, o)| o.apply(&p));
+    let p: RetryPolicy = Overlay::resolve(layers.iter().map(|(_, _, o)| *o));
     let mut push = |d: Diagnostic| diags.push(d);
     if p.backoff.max < p.backoff.base {
         let (loc, path) = blame(layers, &["backoff.max", "backoff.base"]);

@@ -1,0 +1,470 @@
+//! Tests of the per-call state machine, one SPEC §2 rule each.
+
+use std::time::Duration;
+
+use proptest::prelude::*;
+use tokio::time::Instant;
+
+use super::*;
+use crate::model::{BackoffConfig, BudgetConfig, Jitter};
+use crate::rng::SeededRng;
+
+fn policy() -> RetryPolicy {
+    RetryPolicy {
+        backoff: BackoffConfig {
+            base: Duration::from_millis(100),
+            max: Duration::from_secs(2),
+            multiplier: 2.0,
+            jitter: Jitter::None,
+        },
+        ..RetryPolicy::default()
+    }
+}
+
+fn http(status: u16) -> Outcome {
+    Outcome::Http {
+        status,
+        retry_after: None,
+    }
+}
+
+fn get() -> CallInfo {
+    CallInfo {
+        idempotent: true,
+        has_idempotency_key: false,
+    }
+}
+
+fn post(key: bool) -> CallInfo {
+    CallInfo {
+        idempotent: false,
+        has_idempotency_key: key,
+    }
+}
+
+/// Runs one attempt at `now` with `outcome` and returns the decision.
+fn step(call: &mut RetryCall<'_>, outcome: Outcome, now: Instant) -> Decision {
+    let mut rng = SeededRng::with_seed(1);
+    call.start_attempt(now).expect("attempt allowed");
+    call.on_outcome(outcome, now, &mut rng)
+}
+
+#[test]
+fn success_returns_at_once() {
+    let p = policy();
+    let t0 = Instant::now();
+    let state = EndpointState::new(&p, t0);
+    let mut call = RetryCall::new(&p, &state, get(), t0);
+    assert_eq!(step(&mut call, http(200), t0), Decision::Return);
+    assert_eq!(call.attempts(), 1);
+    assert_eq!(call.last_failure(), None);
+}
+
+#[test]
+fn retryable_status_is_retried_after_the_backoff_ceiling() {
+    let p = policy();
+    let t0 = Instant::now();
+    let state = EndpointState::new(&p, t0);
+    let mut call = RetryCall::new(&p, &state, get(), t0);
+    assert_eq!(
+        step(&mut call, http(503), t0),
+        Decision::Retry {
+            pause: Duration::from_millis(100),
+            hinted: false
+        }
+    );
+    let t1 = t0 + Duration::from_millis(100);
+    assert_eq!(
+        step(&mut call, http(503), t1),
+        Decision::Retry {
+            pause: Duration::from_millis(200),
+            hinted: false
+        }
+    );
+}
+
+#[test]
+fn unlisted_status_is_not_retried() {
+    let p = policy();
+    let t0 = Instant::now();
+    let state = EndpointState::new(&p, t0);
+    let mut call = RetryCall::new(&p, &state, get(), t0);
+    assert_eq!(
+        step(&mut call, http(404), t0),
+        Decision::GiveUp(GiveUpCause::NotRetryable)
+    );
+    assert_eq!(call.last_failure(), Some(&http(404)));
+}
+
+#[test]
+fn post_without_key_is_not_retried() {
+    let p = policy();
+    let t0 = Instant::now();
+    let state = EndpointState::new(&p, t0);
+    let mut call = RetryCall::new(&p, &state, post(false), t0);
+    assert_eq!(
+        step(&mut call, http(503), t0),
+        Decision::GiveUp(GiveUpCause::NotRetryable)
+    );
+}
+
+#[test]
+fn post_with_key_is_retried() {
+    let p = policy();
+    let t0 = Instant::now();
+    let state = EndpointState::new(&p, t0);
+    let mut call = RetryCall::new(&p, &state, post(true), t0);
+    assert!(matches!(
+        step(&mut call, http(503), t0),
+        Decision::Retry { .. }
+    ));
+}
+
+#[test]
+fn post_connect_failure_is_retried_without_key_since_nothing_was_sent() {
+    let p = policy();
+    let t0 = Instant::now();
+    let state = EndpointState::new(&p, t0);
+    let mut call = RetryCall::new(&p, &state, post(false), t0);
+    assert!(matches!(
+        step(&mut call, Outcome::Transport(ErrorClass::Connect), t0),
+        Decision::Retry { .. }
+    ));
+}
+
+#[test]
+fn post_timeout_or_reset_without_key_is_an_unknown_outcome_and_not_retried() {
+    let p = policy();
+    let t0 = Instant::now();
+    let state = EndpointState::new(&p, t0);
+    for class in [ErrorClass::Timeout, ErrorClass::Reset] {
+        let mut call = RetryCall::new(&p, &state, post(false), t0);
+        assert_eq!(
+            step(&mut call, Outcome::Transport(class), t0),
+            Decision::GiveUp(GiveUpCause::NotRetryable)
+        );
+        let mut keyed = RetryCall::new(&p, &state, post(true), t0);
+        assert!(matches!(
+            step(&mut keyed, Outcome::Transport(class), t0),
+            Decision::Retry { .. }
+        ));
+    }
+}
+
+#[test]
+fn the_last_allowed_attempt_gives_up_with_attempts_exhausted() {
+    let p = RetryPolicy {
+        max_attempts: 3,
+        ..policy()
+    };
+    let t0 = Instant::now();
+    let state = EndpointState::new(&p, t0);
+    let mut call = RetryCall::new(&p, &state, get(), t0);
+    assert!(matches!(
+        step(&mut call, http(503), t0),
+        Decision::Retry { .. }
+    ));
+    assert!(matches!(
+        step(&mut call, http(503), t0),
+        Decision::Retry { .. }
+    ));
+    assert_eq!(
+        step(&mut call, http(502), t0),
+        Decision::GiveUp(GiveUpCause::AttemptsExhausted)
+    );
+    assert_eq!(call.attempts(), 3);
+    assert_eq!(call.last_failure(), Some(&http(502)));
+}
+
+#[test]
+fn max_attempts_of_one_never_retries() {
+    let p = RetryPolicy {
+        max_attempts: 1,
+        ..policy()
+    };
+    let t0 = Instant::now();
+    let state = EndpointState::new(&p, t0);
+    let mut call = RetryCall::new(&p, &state, get(), t0);
+    assert_eq!(
+        step(&mut call, http(503), t0),
+        Decision::GiveUp(GiveUpCause::AttemptsExhausted)
+    );
+}
+
+#[test]
+fn budget_refuses_retries_past_the_reserve_and_first_attempts_never_consume_it() {
+    let p = RetryPolicy {
+        budget: Some(BudgetConfig {
+            ratio: 0.0,
+            min_per_second: 1,
+            window: Duration::from_secs(2),
+        }),
+        ..policy()
+    };
+    let t0 = Instant::now();
+    let state = EndpointState::new(&p, t0);
+    // Reserve: 1/s × 2 s = 2 retries in the window, whatever the number of calls.
+    let mut decisions = Vec::new();
+    for _ in 0..4 {
+        let mut call = RetryCall::new(&p, &state, get(), t0);
+        decisions.push(step(&mut call, http(503), t0));
+    }
+    let retried = decisions
+        .iter()
+        .filter(|d| matches!(d, Decision::Retry { .. }))
+        .count();
+    assert_eq!(retried, 2);
+    assert_eq!(decisions[3], Decision::GiveUp(GiveUpCause::BudgetExhausted));
+    // Successful first attempts keep working: they never need budget.
+    let mut call = RetryCall::new(&p, &state, get(), t0);
+    assert_eq!(step(&mut call, http(200), t0), Decision::Return);
+}
+
+#[test]
+fn retry_after_lengthens_the_pause() {
+    let p = policy();
+    let t0 = Instant::now();
+    let state = EndpointState::new(&p, t0);
+    let mut call = RetryCall::new(&p, &state, get(), t0);
+    let outcome = Outcome::Http {
+        status: 429,
+        retry_after: Some(Ok(Duration::from_secs(3))),
+    };
+    assert_eq!(
+        step(&mut call, outcome, t0),
+        Decision::Retry {
+            pause: Duration::from_secs(3),
+            hinted: true
+        }
+    );
+}
+
+#[test]
+fn retry_after_shorter_than_the_backoff_keeps_the_backoff() {
+    let p = policy();
+    let t0 = Instant::now();
+    let state = EndpointState::new(&p, t0);
+    let mut call = RetryCall::new(&p, &state, get(), t0);
+    let outcome = Outcome::Http {
+        status: 503,
+        retry_after: Some(Ok(Duration::ZERO)),
+    };
+    assert_eq!(
+        step(&mut call, outcome, t0),
+        Decision::Retry {
+            pause: Duration::from_millis(100),
+            hinted: false
+        }
+    );
+}
+
+#[test]
+fn retry_after_above_the_max_gives_up_instead_of_retrying_early() {
+    let p = policy();
+    let t0 = Instant::now();
+    let state = EndpointState::new(&p, t0);
+    let mut call = RetryCall::new(&p, &state, get(), t0);
+    let outcome = Outcome::Http {
+        status: 429,
+        retry_after: Some(Ok(Duration::from_secs(31))),
+    };
+    assert_eq!(
+        step(&mut call, outcome, t0),
+        Decision::GiveUp(GiveUpCause::RetryAfterTooLong)
+    );
+}
+
+#[test]
+fn malformed_retry_after_is_ignored() {
+    let p = policy();
+    let t0 = Instant::now();
+    let state = EndpointState::new(&p, t0);
+    let mut call = RetryCall::new(&p, &state, get(), t0);
+    let outcome = Outcome::Http {
+        status: 503,
+        retry_after: Some(Err(RetryAfterError::Malformed)),
+    };
+    assert_eq!(
+        step(&mut call, outcome, t0),
+        Decision::Retry {
+            pause: Duration::from_millis(100),
+            hinted: false
+        }
+    );
+}
+
+#[test]
+fn hints_are_ignored_when_not_honored() {
+    let mut p = policy();
+    p.retry_after.honor = false;
+    let t0 = Instant::now();
+    let state = EndpointState::new(&p, t0);
+    let mut call = RetryCall::new(&p, &state, get(), t0);
+    let outcome = Outcome::Http {
+        status: 429,
+        retry_after: Some(Ok(Duration::from_secs(60))),
+    };
+    assert_eq!(
+        step(&mut call, outcome, t0),
+        Decision::Retry {
+            pause: Duration::from_millis(100),
+            hinted: false
+        }
+    );
+}
+
+#[test]
+fn grpc_pushback_replaces_the_computed_pause() {
+    let p = policy();
+    let t0 = Instant::now();
+    let state = EndpointState::new(&p, t0);
+    let mut call = RetryCall::new(&p, &state, get(), t0);
+    let outcome = Outcome::Grpc {
+        code: GrpcCode::Unavailable,
+        pushback: Some(Pushback::After(Duration::from_millis(10))),
+    };
+    assert_eq!(
+        step(&mut call, outcome, t0),
+        Decision::Retry {
+            pause: Duration::from_millis(10),
+            hinted: true
+        }
+    );
+}
+
+#[test]
+fn grpc_pushback_that_is_negative_or_garbage_means_do_not_retry() {
+    let p = policy();
+    let t0 = Instant::now();
+    let state = EndpointState::new(&p, t0);
+    let mut call = RetryCall::new(&p, &state, get(), t0);
+    let outcome = Outcome::Grpc {
+        code: GrpcCode::Unavailable,
+        pushback: Some(Pushback::DoNotRetry),
+    };
+    assert_eq!(
+        step(&mut call, outcome, t0),
+        Decision::GiveUp(GiveUpCause::NotRetryable)
+    );
+}
+
+#[test]
+fn a_pause_that_does_not_fit_the_deadline_gives_up_without_sleeping() {
+    let p = RetryPolicy {
+        deadline: Duration::from_millis(1000),
+        per_try_timeout: Duration::from_millis(500),
+        ..policy()
+    };
+    let t0 = Instant::now();
+    let state = EndpointState::new(&p, t0);
+    let mut call = RetryCall::new(&p, &state, get(), t0);
+    // 950 ms in, a 100 ms pause would end past the deadline.
+    assert_eq!(
+        step(&mut call, http(503), t0 + Duration::from_millis(950)),
+        Decision::GiveUp(GiveUpCause::DeadlineExceeded)
+    );
+}
+
+#[test]
+fn the_attempt_timeout_is_capped_by_what_is_left_of_the_deadline() {
+    let p = RetryPolicy {
+        deadline: Duration::from_millis(1000),
+        per_try_timeout: Duration::from_millis(500),
+        ..policy()
+    };
+    let t0 = Instant::now();
+    let state = EndpointState::new(&p, t0);
+    let mut call = RetryCall::new(&p, &state, get(), t0);
+    assert_eq!(
+        call.start_attempt(t0).map(|a| a.timeout),
+        Ok(Duration::from_millis(500))
+    );
+    let mut rng = SeededRng::with_seed(1);
+    let _ = call.on_outcome(http(503), t0, &mut rng);
+    let late = t0 + Duration::from_millis(800);
+    assert_eq!(
+        call.start_attempt(late),
+        Ok(Attempt {
+            number: 2,
+            timeout: Duration::from_millis(200)
+        })
+    );
+    assert_eq!(
+        call.start_attempt(t0 + Duration::from_secs(1)),
+        Err(GiveUpCause::DeadlineExceeded)
+    );
+}
+
+#[test]
+fn an_open_breaker_fails_fast_without_an_attempt() {
+    let mut p = policy();
+    if let Some(b) = p.circuit_breaker.as_mut() {
+        b.min_requests = 2;
+        b.failure_ratio = 0.5;
+    }
+    p.budget = None;
+    let t0 = Instant::now();
+    let state = EndpointState::new(&p, t0);
+    for _ in 0..2 {
+        let mut call = RetryCall::new(&p, &state, get(), t0);
+        let _ = step(&mut call, http(404), t0); // not a health failure
+    }
+    let mut call = RetryCall::new(&p, &state, get(), t0);
+    let _ = step(&mut call, http(503), t0);
+    let _ = step(&mut call, http(503), t0);
+    let mut next = RetryCall::new(&p, &state, get(), t0);
+    assert_eq!(next.start_attempt(t0), Err(GiveUpCause::CircuitOpen));
+    assert_eq!(next.attempts(), 0);
+}
+
+fn arb_outcome() -> impl Strategy<Value = Outcome> {
+    prop_oneof![
+        prop::sample::select(vec![200u16, 404, 408, 429, 500, 502, 503, 504]).prop_map(http),
+        (0u64..5_000).prop_map(|ms| Outcome::Http {
+            status: 429,
+            retry_after: Some(Ok(Duration::from_millis(ms)))
+        }),
+        prop::sample::select(ErrorClass::ALL.to_vec()).prop_map(Outcome::Transport),
+        (0u64..3_000).prop_map(|ms| Outcome::Grpc {
+            code: GrpcCode::Unavailable,
+            pushback: Some(Pushback::After(Duration::from_millis(ms)))
+        }),
+    ]
+}
+
+proptest! {
+    #[test]
+    fn never_more_than_max_attempts_and_never_a_pause_past_the_deadline(
+        max_attempts in 1u32..=10,
+        deadline_ms in 1u64..20_000,
+        jitter in prop::sample::select(Jitter::ALL.to_vec()),
+        seed in any::<u64>(),
+        outcomes in prop::collection::vec((arb_outcome(), 0u64..3_000), 1..30),
+    ) {
+        let mut p = policy();
+        p.max_attempts = max_attempts;
+        p.deadline = Duration::from_millis(deadline_ms);
+        p.per_try_timeout = p.deadline;
+        p.backoff.jitter = jitter;
+        p.circuit_breaker = None;
+        let t0 = Instant::now();
+        let state = EndpointState::new(&p, t0);
+        let mut rng = SeededRng::with_seed(seed);
+        let mut call = RetryCall::new(&p, &state, get(), t0);
+        let mut now = t0;
+        for (outcome, took_ms) in outcomes {
+            let Ok(attempt) = call.start_attempt(now) else { break };
+            prop_assert!(attempt.number <= max_attempts);
+            prop_assert!(now + attempt.timeout <= call.deadline());
+            now += Duration::from_millis(took_ms).min(attempt.timeout);
+            match call.on_outcome(outcome, now, &mut rng) {
+                Decision::Retry { pause, .. } => {
+                    prop_assert!(now + pause < call.deadline(), "pause ends past the deadline");
+                    now += pause;
+                }
+                Decision::Return | Decision::GiveUp(_) => break,
+            }
+        }
+        prop_assert!(call.attempts() <= max_attempts);
+    }
+}

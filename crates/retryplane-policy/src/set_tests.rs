@@ -1,0 +1,244 @@
+//! Loading whole files: diagnostics, precedence, lookup, and robustness on hostile input.
+
+use std::time::Duration;
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::diag::Severity;
+use crate::model::Jitter;
+
+const EXAMPLE: &str = include_str!("../../../config/policies.yaml");
+
+fn errors(src: &str) -> Vec<String> {
+    load(src.as_bytes())
+        .diagnostics
+        .iter()
+        .filter(|d| d.is_error())
+        .map(ToString::to_string)
+        .collect()
+}
+
+#[test]
+fn the_example_file_is_valid_without_warnings() {
+    let loaded = load(EXAMPLE.as_bytes());
+    assert_eq!(loaded.diagnostics, vec![], "{:#?}", loaded.diagnostics);
+    let set = loaded.policies.expect("valid");
+    assert_eq!(
+        set.names(),
+        [
+            "events",
+            "inventory",
+            "payments",
+            "search",
+            "shipping-partner"
+        ]
+    );
+}
+
+#[test]
+fn three_bad_fields_give_three_located_errors() {
+    let src = "version: 1\nendpoints:\n  payments:\n    max_attempts: 0\n    deadline: 10\n    backoff: {jitter: fulll}\n";
+    assert_eq!(
+        errors(src),
+        [
+            "4:19: error: endpoints.payments.max_attempts: must be from 1 (never retry) to 10, found 0",
+            "5:15: error: endpoints.payments.deadline: duration `10` needs a unit: ms, s, m or h (for example `10ms`)",
+            "6:23: error: endpoints.payments.backoff.jitter: unknown jitter `fulll`: use none, full, equal or decorrelated (did you mean `full`?)",
+        ]
+    );
+}
+
+#[test]
+fn duplicate_endpoints_are_an_error_not_a_silent_overwrite() {
+    let src =
+        "version: 1\nendpoints:\n  payments: {max_attempts: 2}\n  payments: {max_attempts: 5}\n";
+    assert_eq!(
+        errors(src),
+        ["4:3: error: endpoints.payments: duplicate endpoint `payments` (first defined at 3:3)"]
+    );
+}
+
+#[test]
+fn duplicate_keys_in_a_policy_are_an_error() {
+    let src = "version: 1\nendpoints:\n  a:\n    deadline: 10s\n    deadline: 20s\n";
+    assert_eq!(
+        errors(src),
+        ["5:5: error: endpoints.a.deadline: duplicate key `deadline` (first set at 4:5)"]
+    );
+}
+
+#[test]
+fn a_file_without_endpoints_is_an_error() {
+    assert_eq!(
+        errors("version: 1\n"),
+        ["1:1: error: endpoints: the file defines no `endpoints:`"]
+    );
+    assert_eq!(
+        errors("version: 1\nendpoints: {}\n"),
+        ["2:12: error: endpoints: the file defines no endpoints"]
+    );
+    assert_eq!(errors("").len(), 1);
+}
+
+#[test]
+fn four_xx_statuses_that_do_not_improve_are_warnings() {
+    let loaded = load(b"version: 1\nendpoints:\n  a:\n    retry_on: {http_status: [404, 503]}\n");
+    assert!(loaded.policies.is_some());
+    assert_eq!(loaded.diagnostics.len(), 1);
+    assert_eq!(loaded.diagnostics[0].severity, Severity::Warning);
+    assert_eq!(
+        loaded.diagnostics[0].path,
+        "endpoints.a.retry_on.http_status"
+    );
+}
+
+#[test]
+fn cross_field_errors_are_reported_once_where_the_field_is_written() {
+    // The defaults' problem is inherited by both endpoints but reported once, at the defaults.
+    let src = "version: 1\ndefaults:\n  per_try_timeout: 20s\nendpoints:\n  a: {}\n  b: {}\n";
+    assert_eq!(
+        errors(src),
+        [
+            "3:20: error: defaults.per_try_timeout: per_try_timeout (20s) is longer than the deadline (15s)"
+        ]
+    );
+}
+
+#[test]
+fn precedence_is_builtin_then_defaults_then_endpoint_then_route() {
+    let src = r"
+version: 1
+defaults:
+  backoff: {base: 50ms}
+  deadline: 20s
+endpoints:
+  payments:
+    max_attempts: 4
+    backoff: {jitter: none}
+    routes:
+      - match: {method: POST, path_prefix: /v1/charges}
+        max_attempts: 2
+      - match: {grpc: /pay.v1.Payments/*}
+        deadline: 3s
+";
+    let set = load(src.as_bytes()).policies.expect("valid");
+    let ep = set.endpoint("payments").expect("payments");
+    let post = ep.resolve(&Target::Http {
+        method: "POST",
+        path: "/v1/charges/ch_1",
+    });
+    assert_eq!(post.max_attempts, 2); // route
+    assert_eq!(post.backoff.jitter, Jitter::None); // endpoint, inherited by the route
+    assert_eq!(post.backoff.base, Duration::from_millis(50)); // defaults
+    assert_eq!(post.backoff.max, Duration::from_secs(5)); // built-in
+    assert_eq!(post.deadline, Duration::from_secs(20));
+    let get = ep.resolve(&Target::Http {
+        method: "GET",
+        path: "/v1/charges",
+    });
+    assert_eq!(get.max_attempts, 4);
+    let grpc = ep.resolve(&Target::Grpc {
+        path: "/pay.v1.Payments/Charge",
+    });
+    assert_eq!(grpc.deadline, Duration::from_secs(3));
+    assert_eq!(grpc.max_attempts, 4);
+    let other = ep.resolve(&Target::Grpc {
+        path: "/pay.v1.Refunds/Refund",
+    });
+    assert_eq!(other.deadline, Duration::from_secs(20));
+}
+
+#[test]
+fn a_route_can_turn_the_budget_off_and_keeps_inherited_numbers_when_on() {
+    let src = r"
+version: 1
+defaults:
+  budget: {ratio: 0.5}
+endpoints:
+  a:
+    budget: {enabled: false}
+    routes:
+      - match: {path_prefix: /x}
+        budget: {enabled: true}
+";
+    let set = load(src.as_bytes()).policies.expect("valid");
+    let ep = set.endpoint("a").expect("a");
+    assert_eq!(ep.policy.budget, None);
+    let route = ep.resolve(&Target::Http {
+        method: "GET",
+        path: "/x",
+    });
+    assert_eq!(route.budget.as_ref().map(|b| b.ratio), Some(0.5));
+}
+
+#[test]
+fn documents_from_no_file_run_the_same_checks() {
+    let mut doc = load(EXAMPLE.as_bytes())
+        .policies
+        .expect("valid")
+        .document()
+        .as_ref()
+        .clone();
+    doc.endpoints[0].overlay.max_attempts = Some(crate::document::Field::new(11));
+    let err = PolicySet::from_document(doc).expect_err("invalid");
+    assert_eq!(err.errors.len(), 1);
+    assert_eq!(err.errors[0].path, "endpoints.payments.max_attempts");
+    assert!(!err.errors[0].loc.is_known());
+}
+
+#[test]
+fn hostile_inputs_are_refused_quickly() {
+    let mut bomb = String::from("a: &a [x, x, x, x, x, x, x, x, x, x]\n");
+    for i in 1..20u8 {
+        let (p, c) = ((b'a' + i - 1) as char, (b'a' + i) as char);
+        bomb.push_str(&format!(
+            "{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n"
+        ));
+    }
+    let deep = format!("{}{}", "[".repeat(100_000), "]".repeat(100_000));
+    let big = "#".repeat(2 * 1024 * 1024);
+    for input in [
+        bomb.as_bytes(),
+        deep.as_bytes(),
+        big.as_bytes(),
+        b"\xff\xfe\x00",
+    ] {
+        // Timing is asserted in the benchmark, not here; this proves termination and no panic.
+        let loaded = load(input);
+        assert!(loaded.has_errors());
+        assert!(loaded.policies.is_none());
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    #[test]
+    fn arbitrary_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..512)) {
+        let loaded = load(&bytes);
+        prop_assert_eq!(loaded.policies.is_some(), !loaded.has_errors());
+    }
+
+    #[test]
+    fn mutated_valid_files_never_panic(
+        edits in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>(), 0u8..3), 1..8)
+    ) {
+        let mut bytes = EXAMPLE.as_bytes().to_vec();
+        for (at, byte, op) in edits {
+            if bytes.is_empty() { break; }
+            let i = at.index(bytes.len());
+            match op {
+                0 => bytes[i] = byte,
+                1 => { bytes.remove(i); }
+                _ => bytes.insert(i, byte),
+            }
+        }
+        let loaded = load(&bytes);
+        prop_assert_eq!(loaded.policies.is_some(), !loaded.has_errors());
+        for d in &loaded.diagnostics {
+            prop_assert!(!d.path.is_empty());
+            prop_assert!(!d.message.is_empty());
+        }
+    }
+}
