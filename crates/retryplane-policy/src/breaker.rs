@@ -1,1 +1,475 @@
-//! (in progress)
+//! The circuit breaker of one endpoint (SPEC §2 step 2): stop calling an upstream that fails
+//! most of what it gets, and probe it before trusting it again.
+//!
+//! - **Closed**: every call goes through. Outcomes are counted over a sliding window; when, in
+//!   the window, at least `min_requests` attempts were recorded and
+//!   `failures / attempts >= failure_ratio`, the breaker opens. The check runs when a failure is
+//!   recorded, so a `failure_ratio` of 0 means "open on any failure once `min_requests` is met".
+//! - **Open**: every call is rejected ([`BreakerOpen`]) until `open_for` has passed.
+//! - **HalfOpen**: exactly `half_open_probes` calls (at least 1) get a probe [`Permit`]; the
+//!   others are rejected. When every probe succeeds the breaker closes with empty counts; any
+//!   probe failure opens it again for a new `open_for`. If the probes have not all reported
+//!   within another `open_for` (a caller dropped its call without recording), a fresh set of
+//!   probes is let through, so a lost probe cannot wedge the breaker half-open.
+//!
+//! Usage: [`CircuitBreaker::try_acquire`] before an attempt, then [`CircuitBreaker::record`] the
+//! attempt's outcome with the permit. A [`Permit`] is a plain `Copy` token; it remembers which
+//! closed or half-open period issued it, so an outcome reported after the breaker has changed
+//! state (a call in flight when it opened, a probe of an earlier half-open period) is ignored.
+//!
+//! # Implementation
+//!
+//! Lock-free. The state is one `AtomicU64` (open flag, a 15-bit generation bumped on every
+//! transition, and in the open state the end of `open_for` in milliseconds since `origin`,
+//! rounded up), changed only by CAS, so exactly one thread performs each transition. Acquiring a
+//! permit while closed is one atomic load; recording a success is a load and the window's
+//! increment. Half-open probes are counted in a second word (generation, issued, succeeded).
+//! Attempts and failures are counted in the same lock-free slotted window as the retry budget
+//! (see `window.rs`), over the slots wholly inside the window, so counts older than `window`
+//! never contribute; the window is cleared when the breaker opens. Time comes in as `now` values.
+
+use std::sync::atomic::AtomicU64;
+use std::sync::atomic::Ordering::{AcqRel, Acquire};
+
+use tokio::time::Instant;
+
+use crate::model::BreakerConfig;
+use crate::window::{SlidingCounter, Span};
+
+const ATTEMPTS: usize = 0;
+const FAILURES: usize = 1;
+
+const OPEN: u64 = 1 << 63;
+const GEN_SHIFT: u32 = 48;
+const GEN_MASK: u64 = 0x7FFF;
+const UNTIL_MASK: u64 = (1 << GEN_SHIFT) - 1;
+const PROBE_MASK: u64 = (1 << 24) - 1;
+const NANOS_PER_MS: u64 = 1_000_000;
+
+/// A ratio and a count this close together count as equal (`0.3 × 10` is a hair above 3).
+const EPSILON: f64 = 1e-9;
+
+/// The state of a breaker at one instant.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BreakerState {
+    /// Calls go through and outcomes are counted.
+    Closed,
+    /// Calls are rejected until `open_for` has passed.
+    Open,
+    /// A limited number of probe calls decide whether to close or open again.
+    HalfOpen,
+}
+
+impl BreakerState {
+    /// The name used in reports (`closed`, `open`, `half_open`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BreakerState::Closed => "closed",
+            BreakerState::Open => "open",
+            BreakerState::HalfOpen => "half_open",
+        }
+    }
+}
+
+/// Leave to make one attempt; hand it back to [`CircuitBreaker::record`] with the outcome.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Permit {
+    generation: u16,
+    probe: bool,
+}
+
+impl Permit {
+    /// Whether this attempt is a half-open probe (its outcome decides the breaker's state).
+    pub fn is_probe(self) -> bool {
+        self.probe
+    }
+}
+
+/// The breaker rejected the attempt: it is open, or half-open with every probe taken.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("circuit breaker open")]
+pub struct BreakerOpen;
+
+/// The circuit breaker of one endpoint. `Sync`: share it through `&self` or an `Arc`.
+#[derive(Debug)]
+pub struct CircuitBreaker {
+    origin: Instant,
+    window: SlidingCounter<2>,
+    state: AtomicU64,
+    probes: AtomicU64,
+    failure_ratio: f64,
+    min_requests: u64,
+    open_for_nanos: u64,
+    half_open_probes: u64,
+}
+
+fn generation(state: u64) -> u16 {
+    ((state >> GEN_SHIFT) & GEN_MASK) as u16
+}
+
+fn next_generation(state: u64) -> u64 {
+    (u64::from(generation(state)) + 1) & GEN_MASK
+}
+
+fn until_nanos(state: u64) -> u64 {
+    (state & UNTIL_MASK).saturating_mul(NANOS_PER_MS)
+}
+
+/// The probes issued and succeeded in the half-open period `generation`.
+fn probe_counts(probes: u64, generation: u16) -> (u64, u64) {
+    if (probes >> 48) as u16 == generation {
+        ((probes >> 24) & PROBE_MASK, probes & PROBE_MASK)
+    } else {
+        (0, 0)
+    }
+}
+
+fn pack_probes(generation: u16, issued: u64, succeeded: u64) -> u64 {
+    (u64::from(generation) << 48) | (issued << 24) | succeeded
+}
+
+impl CircuitBreaker {
+    /// A closed breaker for `cfg`, measuring time from `origin`.
+    pub fn new(cfg: &BreakerConfig, origin: Instant) -> Self {
+        Self {
+            origin,
+            window: SlidingCounter::new(cfg.window, origin),
+            state: AtomicU64::new(0),
+            probes: AtomicU64::new(0),
+            failure_ratio: cfg.failure_ratio,
+            min_requests: u64::from(cfg.min_requests),
+            open_for_nanos: u64::try_from(cfg.open_for.as_nanos()).unwrap_or(u64::MAX),
+            half_open_probes: u64::from(cfg.half_open_probes).clamp(1, PROBE_MASK),
+        }
+    }
+
+    fn nanos(&self, now: Instant) -> u64 {
+        u64::try_from(now.saturating_duration_since(self.origin).as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    /// The state at `now`.
+    pub fn state(&self, now: Instant) -> BreakerState {
+        let state = self.state.load(Acquire);
+        if state & OPEN == 0 {
+            BreakerState::Closed
+        } else if self.nanos(now) < until_nanos(state) {
+            BreakerState::Open
+        } else {
+            BreakerState::HalfOpen
+        }
+    }
+
+    /// Asks to make one attempt at `now`: always granted while closed; while half-open, granted
+    /// as a probe until `half_open_probes` have been taken; rejected otherwise.
+    pub fn try_acquire(&self, now: Instant) -> Result<Permit, BreakerOpen> {
+        let mut state = self.state.load(Acquire);
+        loop {
+            let generation = generation(state);
+            let probe = state & OPEN != 0;
+            if !probe {
+                return Ok(Permit { generation, probe });
+            }
+            let (now_nanos, until) = (self.nanos(now), until_nanos(state));
+            if now_nanos < until {
+                return Err(BreakerOpen);
+            }
+            let probes = self.probes.load(Acquire);
+            let (issued, succeeded) = probe_counts(probes, generation);
+            if issued < self.half_open_probes {
+                let taken = pack_probes(generation, issued + 1, succeeded);
+                if self
+                    .probes
+                    .compare_exchange(probes, taken, AcqRel, Acquire)
+                    .is_ok()
+                {
+                    // A probe of a period that ended while it was taken must not go out.
+                    let same = self.state.load(Acquire) == state;
+                    return same
+                        .then_some(Permit { generation, probe })
+                        .ok_or(BreakerOpen);
+                }
+            } else if now_nanos < until.saturating_add(self.open_for_nanos) {
+                return Err(BreakerOpen);
+            } else {
+                // The probes have been out for another `open_for`: some were lost. Start a new
+                // half-open period (a new generation) right now.
+                let since = (now_nanos / NANOS_PER_MS).min(UNTIL_MASK);
+                let rearmed = OPEN | next_generation(state) << GEN_SHIFT | since;
+                let _ = self.state.compare_exchange(state, rearmed, AcqRel, Acquire);
+            }
+            state = self.state.load(Acquire);
+        }
+    }
+
+    /// Records the outcome of the attempt `permit` allowed, at `now`.
+    pub fn record(&self, permit: Permit, success: bool, now: Instant) {
+        let state = self.state.load(Acquire);
+        let open = state & OPEN != 0;
+        if generation(state) != permit.generation || open != permit.probe {
+            return; // issued by an earlier period
+        }
+        if permit.probe {
+            if success {
+                self.probe_succeeded(state, permit.generation);
+            } else {
+                self.open(state, now);
+            }
+            return;
+        }
+        let slot = self.window.advance(now);
+        self.window.add(slot, ATTEMPTS);
+        if success {
+            return;
+        }
+        self.window.add(slot, FAILURES);
+        let attempts = self.window.sum(slot, ATTEMPTS, Span::Inside);
+        let failures = self.window.sum(slot, FAILURES, Span::Inside);
+        if attempts >= self.min_requests
+            && failures as f64 + EPSILON >= self.failure_ratio * attempts as f64
+            && self.open(state, now)
+        {
+            self.window.clear();
+        }
+    }
+
+    fn probe_succeeded(&self, state: u64, generation: u16) {
+        let mut probes = self.probes.load(Acquire);
+        loop {
+            let (issued, succeeded) = probe_counts(probes, generation);
+            if issued == 0 {
+                return; // a later period
+            }
+            let counted = pack_probes(generation, issued, succeeded + 1);
+            match self
+                .probes
+                .compare_exchange_weak(probes, counted, AcqRel, Acquire)
+            {
+                Ok(_) if succeeded + 1 >= self.half_open_probes => break,
+                Ok(_) => return,
+                Err(current) => probes = current,
+            }
+        }
+        let closed = next_generation(state) << GEN_SHIFT;
+        let _ = self.state.compare_exchange(state, closed, AcqRel, Acquire);
+    }
+
+    /// Moves from `state` to open for `open_for` from `now`; `false` if another thread changed
+    /// the state first.
+    fn open(&self, state: u64, now: Instant) -> bool {
+        let until = self
+            .nanos(now)
+            .saturating_add(self.open_for_nanos)
+            .div_ceil(NANOS_PER_MS)
+            .min(UNTIL_MASK);
+        let opened = OPEN | next_generation(state) << GEN_SHIFT | until;
+        self.state
+            .compare_exchange(state, opened, AcqRel, Acquire)
+            .is_ok()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::BreakerState::{Closed, HalfOpen, Open};
+    use super::*;
+
+    /// The default settings (ratio 0.5, window 10 s, open for 30 s, 3 probes).
+    fn breaker(min_requests: u32, t0: Instant) -> CircuitBreaker {
+        let cfg = BreakerConfig {
+            min_requests,
+            ..BreakerConfig::default()
+        };
+        CircuitBreaker::new(&cfg, t0)
+    }
+
+    fn ms(t: Instant, ms: u64) -> Instant {
+        t + Duration::from_millis(ms)
+    }
+
+    fn call(b: &CircuitBreaker, success: bool, now: Instant) -> Result<(), BreakerOpen> {
+        let permit = b.try_acquire(now)?;
+        b.record(permit, success, now);
+        Ok(())
+    }
+
+    /// Opens `b` at `t0` + 1 s with 10 failures.
+    fn trip(b: &CircuitBreaker, t0: Instant) -> Instant {
+        let at = t0 + Duration::from_secs(1);
+        (0..10).for_each(|_| call(b, false, at).unwrap_or(()));
+        assert_eq!(b.state(at), Open);
+        at
+    }
+
+    #[test]
+    fn opens_at_the_failure_ratio_with_enough_requests() {
+        let t0 = Instant::now();
+        let b = breaker(10, t0);
+        for i in 0..5 {
+            call(&b, true, ms(t0, i)).unwrap();
+        }
+        for i in 0..4 {
+            call(&b, false, ms(t0, 10 + i)).unwrap();
+        }
+        assert_eq!(b.state(ms(t0, 20)), Closed);
+        call(&b, false, ms(t0, 20)).unwrap();
+        assert_eq!(b.state(ms(t0, 20)), Open);
+    }
+
+    #[test]
+    fn does_not_open_below_min_requests_or_below_the_ratio() {
+        let t0 = Instant::now();
+        let b = breaker(20, t0);
+        (0..19).for_each(|_| call(&b, false, t0).unwrap());
+        assert_eq!(b.state(t0), Closed);
+        let b = breaker(10, t0);
+        (0..11).for_each(|_| call(&b, true, t0).unwrap());
+        (0..10).for_each(|_| call(&b, false, t0).unwrap());
+        assert_eq!(b.state(t0), Closed);
+    }
+
+    #[test]
+    fn rejects_while_open() {
+        let t0 = Instant::now();
+        let b = breaker(10, t0);
+        let opened = trip(&b, t0);
+        for wait in [0, 1, 29_999] {
+            let now = ms(opened, wait);
+            assert_eq!(b.try_acquire(now), Err(BreakerOpen));
+            assert_eq!(b.state(now), Open);
+        }
+    }
+
+    #[test]
+    fn half_open_after_open_for_lets_exactly_n_probes() {
+        let t0 = Instant::now();
+        let b = breaker(10, t0);
+        let half = trip(&b, t0) + Duration::from_secs(30);
+        assert_eq!(b.state(half), HalfOpen);
+        let probes: Vec<_> = (0..3).map(|_| b.try_acquire(half)).collect();
+        assert!(probes.iter().all(|p| p.is_ok_and(Permit::is_probe)));
+        assert_eq!(b.try_acquire(half), Err(BreakerOpen));
+        assert_eq!(
+            b.try_acquire(half + Duration::from_secs(29)),
+            Err(BreakerOpen)
+        );
+    }
+
+    #[test]
+    fn concurrent_acquires_while_half_open_get_exactly_n_probes() {
+        let t0 = Instant::now();
+        let b = breaker(10, t0);
+        let half = trip(&b, t0) + Duration::from_secs(30);
+        let granted: usize = std::thread::scope(|s| {
+            let racers: Vec<_> = (0..2)
+                .map(|_| s.spawn(|| (0..1000).filter(|_| b.try_acquire(half).is_ok()).count()))
+                .collect();
+            racers.into_iter().map(|r| r.join().unwrap_or(0)).sum()
+        });
+        assert_eq!(granted, 3);
+    }
+
+    #[test]
+    fn n_probe_successes_close_it_with_counts_reset() {
+        let t0 = Instant::now();
+        let cfg = BreakerConfig {
+            min_requests: 4,
+            window: Duration::from_secs(60),
+            ..BreakerConfig::default()
+        };
+        let b = CircuitBreaker::new(&cfg, t0);
+        (0..4).for_each(|_| call(&b, false, t0).unwrap());
+        let half = t0 + Duration::from_secs(30);
+        let probes: Vec<_> = (0..3).filter_map(|_| b.try_acquire(half).ok()).collect();
+        for (i, p) in probes.into_iter().enumerate() {
+            assert_eq!(b.state(half), HalfOpen, "after {i} successes");
+            b.record(p, true, half);
+        }
+        assert_eq!(b.state(half), Closed);
+        // The 4 failures before opening are still inside the 60 s window, but do not count.
+        (0..3).for_each(|_| call(&b, false, half).unwrap());
+        assert_eq!(b.state(half), Closed);
+        call(&b, false, half).unwrap();
+        assert_eq!(b.state(half), Open);
+    }
+
+    #[test]
+    fn one_probe_failure_reopens_for_a_new_open_for() {
+        let t0 = Instant::now();
+        let b = breaker(10, t0);
+        let half = trip(&b, t0) + Duration::from_secs(30);
+        let first = b.try_acquire(half).unwrap();
+        let second = b.try_acquire(half).unwrap();
+        b.record(first, true, half);
+        let failed_at = ms(half, 1500);
+        b.record(second, false, failed_at);
+        let reopened_until = failed_at + Duration::from_secs(30);
+        assert_eq!(b.state(reopened_until - Duration::from_millis(1)), Open);
+        assert_eq!(
+            b.try_acquire(half + Duration::from_secs(30)),
+            Err(BreakerOpen)
+        );
+        assert_eq!(b.state(reopened_until), HalfOpen);
+        let fresh = (0..4)
+            .filter(|_| b.try_acquire(reopened_until).is_ok())
+            .count();
+        assert_eq!(fresh, 3);
+    }
+
+    #[test]
+    fn counts_expire_with_the_window() {
+        let t0 = Instant::now();
+        let b = breaker(10, t0);
+        (0..9).for_each(|_| call(&b, false, t0).unwrap());
+        call(&b, false, t0 + Duration::from_secs(10)).unwrap();
+        assert_eq!(b.state(t0 + Duration::from_secs(10)), Closed);
+    }
+
+    #[test]
+    fn outcomes_from_an_earlier_period_are_ignored() {
+        let t0 = Instant::now();
+        let b = breaker(10, t0);
+        let in_flight = b.try_acquire(t0).unwrap();
+        let half = trip(&b, t0) + Duration::from_secs(30);
+        b.record(in_flight, true, half);
+        let probes: Vec<_> = (0..3).filter_map(|_| b.try_acquire(half).ok()).collect();
+        assert_eq!(b.state(half), HalfOpen);
+        probes.iter().for_each(|p| b.record(*p, true, half));
+        assert_eq!(b.state(half), Closed);
+        b.record(probes[0], false, half); // reported twice: ignored
+        assert_eq!(b.state(half), Closed);
+    }
+
+    #[test]
+    fn lost_probes_are_replaced_after_another_open_for() {
+        let t0 = Instant::now();
+        let b = breaker(10, t0);
+        let half = trip(&b, t0) + Duration::from_secs(30);
+        let lost: Vec<_> = (0..3).filter_map(|_| b.try_acquire(half).ok()).collect();
+        let later = half + Duration::from_secs(30);
+        let fresh: Vec<_> = (0..4).filter_map(|_| b.try_acquire(later).ok()).collect();
+        assert_eq!(fresh.len(), 3);
+        b.record(lost[0], false, later); // a late report of the lost period is ignored
+        fresh.iter().for_each(|p| b.record(*p, true, later));
+        assert_eq!(b.state(later), Closed);
+    }
+
+    #[test]
+    fn zero_probes_means_one_and_instants_before_origin_do_not_panic() {
+        let t0 = Instant::now();
+        let cfg = BreakerConfig {
+            min_requests: 1,
+            half_open_probes: 0,
+            ..BreakerConfig::default()
+        };
+        let b = CircuitBreaker::new(&cfg, t0 + Duration::from_secs(5));
+        call(&b, false, t0).unwrap();
+        assert_eq!(b.state(t0), Open);
+        let half = t0 + Duration::from_secs(35);
+        let probe = b.try_acquire(half).unwrap();
+        assert_eq!(b.try_acquire(half), Err(BreakerOpen));
+        b.record(probe, true, half);
+        assert_eq!(b.state(half), Closed);
+    }
+}

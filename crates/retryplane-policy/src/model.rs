@@ -23,7 +23,12 @@ pub enum Jitter {
 
 impl Jitter {
     /// Every kind, in the order the docs list them.
-    pub const ALL: [Jitter; 4] = [Jitter::None, Jitter::Full, Jitter::Equal, Jitter::Decorrelated];
+    pub const ALL: [Jitter; 4] = [
+        Jitter::None,
+        Jitter::Full,
+        Jitter::Equal,
+        Jitter::Decorrelated,
+    ];
 
     /// The name used in policy files.
     pub fn as_str(self) -> &'static str {
