@@ -1,1 +1,152 @@
-fn main() {}
+//! `retryplane`: the command line of the retryplane retry-policy control plane.
+//!
+//! Today it checks and explains policy files offline (SPEC §5):
+//!
+//! - `retryplane validate FILE...` reports every problem of every file as
+//!   `FILE:LINE:COLUMN: error|warning: FIELD.PATH: message`, or as one JSON array;
+//! - `retryplane explain FILE --endpoint NAME [...]` shows the effective policy of one call, the
+//!   layer each value came from, the retry schedule against the deadline and the worst-case load.
+//!
+//! The control-plane commands (`serve`, `apply`, `diff`, `get`, `history`, `rollback`, `status`,
+//! `request`, `simulate`, `top`, `stats`) join [`Command`] later, each as one variant and one
+//! module, following the same path: clap parses raw flags (`Args`), the module turns them into
+//! validated `Settings` once, and its `run` returns a [`Report`] — what to print on stdout and
+//! the [`Outcome`]. Only `main` touches the process: it prints, and maps the outcome to the exit
+//! code.
+//!
+//! # Exit codes (every command)
+//!
+//! - `0` success (for `validate`: every file valid, warnings allowed unless `--deny-warnings`);
+//! - `1` the input was read but fails (a policy with errors);
+//! - `2` usage or I/O error: bad flags, a file that cannot be read, an unknown endpoint.
+//!   When both happen in one run (one file unreadable, another invalid), `2` wins: the run did
+//!   not check everything it was asked to.
+//!
+//! The policy logic itself lives in `retryplane-policy`; this crate only reads files, calls it
+//! and renders its answers.
+
+#![forbid(unsafe_code)]
+
+mod explain;
+mod input;
+mod output;
+mod validate;
+
+use std::io::{self, Write};
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// Command-line arguments as clap parses them.
+#[derive(Debug, Parser)]
+#[command(
+    name = "retryplane",
+    version,
+    about = "Validate, explain and operate retry policies",
+    after_help = "Exit codes: 0 success, 1 invalid policy, 2 usage or I/O error (2 wins over 1).",
+    propagate_version = true
+)]
+struct Cli {
+    /// The command to run.
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// Every `retryplane` command: one variant and one module each.
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Check policy files and report every problem with FILE:LINE:COLUMN and the field path.
+    Validate(validate::Args),
+    /// Show the effective policy of one call, its retry schedule and its worst-case load.
+    Explain(explain::Args),
+}
+
+/// How a command ended; each outcome is one exit code.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Exit 0: everything checked and fine.
+    Success,
+    /// Exit 1: the input was read, and fails (a policy with errors, or warnings denied).
+    Failure,
+    /// Exit 2: a usage or I/O error.
+    Error,
+}
+
+impl Outcome {
+    /// The worse of two outcomes: `Error` over `Failure` over `Success`.
+    pub fn worst(self, other: Outcome) -> Outcome {
+        use Outcome::{Error, Failure, Success};
+        match (self, other) {
+            (Error, _) | (_, Error) => Error,
+            (Failure, _) | (_, Failure) => Failure,
+            (Success, Success) => Success,
+        }
+    }
+}
+
+impl From<Outcome> for ExitCode {
+    fn from(outcome: Outcome) -> Self {
+        ExitCode::from(match outcome {
+            Outcome::Success => 0,
+            Outcome::Failure => 1,
+            Outcome::Error => 2,
+        })
+    }
+}
+
+/// What a command produced: its whole stdout, and how it ended.
+#[derive(Debug)]
+pub struct Report {
+    /// Printed on stdout as is.
+    pub stdout: String,
+    /// The exit code.
+    pub outcome: Outcome,
+}
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            // Usage errors go to stderr (exit 2); `--help` and `--version` to stdout (exit 0).
+            let _ = e.print();
+            return if e.use_stderr() {
+                Outcome::Error
+            } else {
+                Outcome::Success
+            }
+            .into();
+        }
+    };
+    let outcome = match run(cli) {
+        Ok(report) => match print_stdout(&report.stdout) {
+            Ok(()) => report.outcome,
+            Err(e) => {
+                output::error(format_args!("cannot write to stdout: {e}"));
+                Outcome::Error
+            }
+        },
+        Err(e) => {
+            output::error(format_args!("{e:#}"));
+            Outcome::Error
+        }
+    };
+    outcome.into()
+}
+
+/// Runs the chosen command. An `Err` is a usage or I/O error (exit 2).
+fn run(cli: Cli) -> anyhow::Result<Report> {
+    match cli.command {
+        Command::Validate(args) => validate::run(&args.try_into()?),
+        Command::Explain(args) => explain::run(&args.try_into()?),
+    }
+}
+
+/// Writes `text` to stdout. A reader that went away (`retryplane validate … | head -1`) is not
+/// an error: the exit code still tells what was found.
+fn print_stdout(text: &str) -> io::Result<()> {
+    let mut out = io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Err(e) if e.kind() == io::ErrorKind::BrokenPipe => Ok(()),
+        other => other,
+    }
+}

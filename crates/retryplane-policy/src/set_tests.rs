@@ -242,3 +242,14 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn a_route_may_only_turn_the_shared_budget_and_breaker_on_or_off() {
+    let src = "version: 1\nendpoints:\n  a:\n    routes:\n      - match: {path_prefix: /x}\n        budget: {enabled: true, ratio: 0.5}\n        circuit_breaker: {enabled: false}\n";
+    assert_eq!(
+        errors(src),
+        [
+            "6:40: error: endpoints.a.routes[0].budget.ratio: the budget is shared by all calls of the endpoint: a route may only set `budget.enabled`; set the numbers on the endpoint"
+        ]
+    );
+}

@@ -48,6 +48,7 @@ pub fn check(doc: &PolicyDocument, diags: &mut Vec<Diagnostic>) {
         for (i, route) in ep.routes.iter().enumerate() {
             let route_path = format!("{ep_path}.routes[{i}]");
             check_layer(&route.overlay, &route_path, diags);
+            check_route_sharing(&route.overlay, &route_path, diags);
             if let Some(j) = ep.routes[..i]
                 .iter()
                 .position(|r| r.matcher.value == route.matcher.value)
@@ -63,6 +64,25 @@ pub fn check(doc: &PolicyDocument, diags: &mut Vec<Diagnostic>) {
             let mut route_layers = layers.clone();
             route_layers.push((Level::Route, route_path, &route.overlay));
             check_effective(&route_layers, diags);
+        }
+    }
+}
+
+/// The budget and the breaker are shared by every call of an endpoint, so a route can turn
+/// them off for its calls but cannot give them other numbers.
+fn check_route_sharing(o: &Overlay, prefix: &str, diags: &mut Vec<Diagnostic>) {
+    for (field, loc) in o.set_fields() {
+        let shared = (field.starts_with("budget.") && field != "budget.enabled")
+            || (field.starts_with("circuit_breaker.") && field != "circuit_breaker.enabled");
+        if shared {
+            let section = field.split('.').next().unwrap_or(field);
+            diags.push(Diagnostic::error(
+                loc,
+                format!("{prefix}.{field}"),
+                format!(
+                    "the {section} is shared by all calls of the endpoint: a route may only set `{section}.enabled`; set the numbers on the endpoint"
+                ),
+            ));
         }
     }
 }

@@ -1,0 +1,287 @@
+//! `retryplane explain FILE --endpoint NAME [--method M] [--path P | --grpc /pkg.Svc/Method]`:
+//! what one call gets from a policy file (SPEC §5).
+//!
+//! The call is named explicitly: `--method`/`--path` for HTTP (`--method` alone means path
+//! `/`, `--path` alone means `GET`), `--grpc /pkg.Service/Method` for gRPC, nothing at all for
+//! the endpoint's own policy without routes. The output ([`text`], or one JSON object) holds:
+//!
+//! - the endpoint and the route that matched (its index and `match`, or none);
+//! - whether the call is retried at all (idempotent method, or only with the key header);
+//! - the effective policy, one leaf field a line, with the layer it came from (`built-in`,
+//!   `defaults`, `endpoint`, `route`) and where the file sets it;
+//! - the schedule per retry: pause ceiling, jitter range, worst-case start time and whether
+//!   that fits the deadline (see [`report::Schedule`] for the exact definition);
+//! - the worst-case load multiplier, with and without the retry budget.
+//!
+//! Exit codes: `0` explained (warnings allowed; the ones about this endpoint are shown), `1`
+//! the file has errors (printed exactly as `validate` prints them, text or JSON), `2` usage or
+//! I/O error, including an endpoint the file does not define (the message lists the known
+//! ones): like a file that does not exist, it is a wrong argument, not a wrong policy.
+
+mod fields;
+mod report;
+mod text;
+
+use std::path::PathBuf;
+
+use anyhow::{Context, bail};
+use retryplane_policy::Target;
+use retryplane_policy::diag::did_you_mean;
+use retryplane_policy::parse::{check_method, parse_grpc_route};
+use serde::Serialize;
+
+use crate::input::Source;
+use crate::output::{self, Format, JsonDiagnostic};
+use crate::{Outcome, Report};
+
+/// `retryplane explain` flags, as parsed.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Policy file; `-` reads standard input.
+    #[arg(value_name = "FILE")]
+    file: PathBuf,
+    /// The endpoint (the logical upstream name).
+    #[arg(long, value_name = "NAME")]
+    endpoint: String,
+    /// HTTP method of the call [default: GET when only --path is given].
+    #[arg(long, short = 'X', value_name = "METHOD", conflicts_with = "grpc")]
+    method: Option<String>,
+    /// HTTP path of the call, without the query string [default: / when only --method is given].
+    #[arg(long, value_name = "PATH", conflicts_with = "grpc")]
+    path: Option<String>,
+    /// A gRPC call instead of HTTP.
+    #[arg(long, value_name = "/PKG.SERVICE/METHOD")]
+    grpc: Option<String>,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t, alias = "output")]
+    format: Format,
+}
+
+/// What to explain, checked once.
+#[derive(Debug)]
+pub struct Settings {
+    /// The policy file.
+    pub source: Source,
+    /// The endpoint name.
+    pub endpoint: String,
+    /// The call the policy is looked up for.
+    pub call: Call,
+    /// Output format.
+    pub format: Format,
+}
+
+/// The call a policy is looked up for; owns what [`Target`] borrows.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum Call {
+    /// An HTTP request.
+    Http {
+        /// Upper case.
+        method: String,
+        /// Starts with `/`, no query string.
+        path: String,
+    },
+    /// A gRPC call, `/pkg.Service/Method`.
+    Grpc {
+        /// `/pkg.Service/Method`
+        path: String,
+    },
+    /// No call given: the endpoint's own policy, routes not consulted.
+    Endpoint,
+}
+
+impl Call {
+    /// The lookup key of the policy crate.
+    pub fn target(&self) -> Target<'_> {
+        match self {
+            Call::Http { method, path } => Target::Http { method, path },
+            Call::Grpc { path } => Target::Grpc { path },
+            Call::Endpoint => Target::Endpoint,
+        }
+    }
+}
+
+impl TryFrom<Args> for Settings {
+    type Error = anyhow::Error;
+
+    fn try_from(args: Args) -> anyhow::Result<Self> {
+        let call = match (args.grpc, args.method, args.path) {
+            (Some(grpc), _, _) => match parse_grpc_route(&grpc) {
+                Ok((_, Some(_))) => Call::Grpc { path: grpc },
+                Ok((_, None)) => bail!(
+                    "--grpc {grpc}: explain shows one call; name a method, such as `{}`",
+                    grpc.replace('*', "Method")
+                ),
+                Err(e) => bail!("--grpc: {e}"),
+            },
+            (None, None, None) => Call::Endpoint,
+            (None, method, path) => {
+                let method = method.map_or_else(|| "GET".to_owned(), |m| m.to_ascii_uppercase());
+                check_method(&method).map_err(|e| anyhow::anyhow!("--method: {e}"))?;
+                let path = path.unwrap_or_else(|| "/".to_owned());
+                if !path.starts_with('/') {
+                    bail!("--path must start with `/`, found `{path}`");
+                }
+                // Routes match the path only, as the agent does: drop `?query` and `#fragment`.
+                let path = path.split(['?', '#']).next().unwrap_or("/").to_owned();
+                Call::Http { method, path }
+            }
+        };
+        Ok(Self {
+            source: Source::from_arg(args.file),
+            endpoint: args.endpoint,
+            call,
+            format: args.format,
+        })
+    }
+}
+
+/// Loads the file and explains the call; see the module docs for the exit codes.
+pub fn run(settings: &Settings) -> anyhow::Result<Report> {
+    let loaded = settings.source.load()?;
+    let file = settings.source.to_string();
+    let Some(policies) = &loaded.policies else {
+        // Exactly what `validate` prints for this file.
+        let stdout = match settings.format {
+            Format::Text => {
+                let mut out = String::new();
+                for d in &loaded.diagnostics {
+                    output::push_diagnostic_line(&mut out, &file, d);
+                }
+                out
+            }
+            Format::Json => output::json(
+                &loaded
+                    .diagnostics
+                    .iter()
+                    .map(|d| JsonDiagnostic::new(&file, d))
+                    .collect::<Vec<_>>(),
+            )?,
+        };
+        return Ok(Report {
+            stdout,
+            outcome: Outcome::Failure,
+        });
+    };
+    let doc = policies.document();
+    let Some(endpoint) = doc.endpoint(&settings.endpoint) else {
+        let names = policies.names();
+        bail!(
+            "{file} defines no endpoint `{}`{}; its endpoints are: {}",
+            settings.endpoint,
+            did_you_mean(&settings.endpoint, names.iter().copied()),
+            names.join(", ")
+        );
+    };
+    if let Call::Http { method, path } = &settings.call
+        && parse_grpc_route(path).is_ok_and(|(_, m)| m.is_some())
+        && endpoint
+            .routes
+            .iter()
+            .all(|r| !r.matcher.value.matches(&settings.call.target()))
+    {
+        output::note(format_args!(
+            "note: `{path}` is looked up as an HTTP {method} path; for a gRPC call use --grpc {path}"
+        ));
+    }
+    let warnings: Vec<_> = loaded
+        .diagnostics
+        .iter()
+        .filter(|d| concerns(&d.path, &settings.endpoint))
+        .collect();
+    let explanation = report::explain(&file, doc, endpoint, &settings.call);
+    let stdout = match settings.format {
+        Format::Text => text::render(&explanation, &warnings),
+        Format::Json => output::json(&JsonOutput {
+            explanation: &explanation,
+            warnings: warnings
+                .iter()
+                .map(|d| JsonDiagnostic::new(&file, d))
+                .collect(),
+        })
+        .context("cannot render the explanation as JSON")?,
+    };
+    Ok(Report {
+        stdout,
+        outcome: Outcome::Success,
+    })
+}
+
+/// The JSON document: the explanation and the warnings about this endpoint.
+#[derive(Serialize)]
+struct JsonOutput<'a> {
+    #[serde(flatten)]
+    explanation: &'a report::Explanation,
+    warnings: Vec<JsonDiagnostic<'a>>,
+}
+
+/// Whether a diagnostic at `path` is about `endpoint`'s policy: it is in `defaults` or in that
+/// endpoint.
+fn concerns(path: &str, endpoint: &str) -> bool {
+    let within = |prefix: &str| {
+        path.strip_prefix(prefix)
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with('.'))
+    };
+    within("defaults") || within(&format!("endpoints.{endpoint}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(method: Option<&str>, path: Option<&str>, grpc: Option<&str>) -> Args {
+        Args {
+            file: "p.yaml".into(),
+            endpoint: "payments".into(),
+            method: method.map(Into::into),
+            path: path.map(Into::into),
+            grpc: grpc.map(Into::into),
+            format: Format::Text,
+        }
+    }
+
+    fn call(method: Option<&str>, path: Option<&str>, grpc: Option<&str>) -> anyhow::Result<Call> {
+        Settings::try_from(args(method, path, grpc)).map(|s| s.call)
+    }
+
+    #[test]
+    fn method_and_path_default_to_get_and_root() {
+        let http = |m: &str, p: &str| Call::Http {
+            method: m.into(),
+            path: p.into(),
+        };
+        assert_eq!(
+            call(None, Some("/v1/x"), None).unwrap(),
+            http("GET", "/v1/x")
+        );
+        assert_eq!(call(Some("post"), None, None).unwrap(), http("POST", "/"));
+        assert_eq!(
+            call(Some("GET"), Some("/a?b=c#d"), None).unwrap(),
+            http("GET", "/a")
+        );
+        assert_eq!(call(None, None, None).unwrap(), Call::Endpoint);
+    }
+
+    #[test]
+    fn bad_targets_are_usage_errors() {
+        assert!(call(None, Some("v1/x"), None).is_err());
+        assert!(call(Some("GE T"), None, None).is_err());
+        assert!(call(None, None, Some("/pkg.Svc/*")).is_err());
+        assert!(call(None, None, Some("pkg.Svc/M")).is_err());
+        assert_eq!(
+            call(None, None, Some("/pkg.Svc/M")).unwrap(),
+            Call::Grpc {
+                path: "/pkg.Svc/M".into()
+            }
+        );
+    }
+
+    #[test]
+    fn warnings_concern_defaults_and_the_endpoint_only() {
+        assert!(concerns("defaults.max_attempts", "pay"));
+        assert!(concerns("endpoints.pay", "pay"));
+        assert!(concerns("endpoints.pay.routes[0].max_attempts", "pay"));
+        assert!(!concerns("endpoints.payments.max_attempts", "pay"));
+        assert!(!concerns("endpoints.other.max_attempts", "pay"));
+    }
+}

@@ -1,0 +1,207 @@
+//! `explain` for people: a header, the effective policy, the schedule, the load, the warnings.
+//!
+//! ```text
+//! endpoint  payments (config/policies.yaml:44:3)
+//! call      HTTP POST /v1/charges
+//! route     routes[0]: POST /v1/charges (config/policies.yaml:51:16)
+//! retried   only when the request carries the `Idempotency-Key` header: POST is not in ...
+//!
+//! effective policy (each value from the most specific layer that sets it: built-in < defaults < endpoint < route)
+//!   field            value   from      set at
+//!   max_attempts     2       route     config/policies.yaml:52:23
+//!   backoff.base     200ms   endpoint  config/policies.yaml:49:13
+//!   ...
+//!
+//! schedule (deadline 10s, per_try_timeout 1500ms, jitter decorrelated; times in ms)
+//!   retry n follows failed attempt n and starts attempt n+1
+//!   worst-case start = n x per_try_timeout + the longest pauses of retries 1..=n ...
+//!   retry  attempt  ceiling  jitter range    worst-case start  fits deadline
+//!       1        2    200ms  [200ms, 600ms]            2100ms  yes
+//!
+//! load (upstream requests per logical call when every attempt fails)
+//!   max_attempts  2x: ...
+//!   budget        up to 1.2x from 50 calls/s up (...); below that, the reserve allows ...
+//! ```
+
+use std::fmt::Write as _;
+
+use retryplane_policy::Diagnostic;
+use retryplane_policy::duration::format_duration;
+
+use super::Call;
+use super::report::{Explanation, Load};
+use crate::output::{self, Align};
+
+/// The whole text output; `warnings` are the file's warnings about this endpoint.
+pub fn render(e: &Explanation, warnings: &[&Diagnostic]) -> String {
+    let mut out = String::new();
+    header(&mut out, e);
+    out.push('\n');
+    policy(&mut out, e);
+    out.push('\n');
+    schedule(&mut out, e);
+    out.push('\n');
+    load(&mut out, &e.load);
+    if !warnings.is_empty() {
+        let _ = writeln!(out, "\nwarnings about this endpoint");
+        for d in warnings {
+            out.push_str("  ");
+            output::push_diagnostic_line(&mut out, &e.file, d);
+        }
+    }
+    out
+}
+
+fn place(file: &str, line: Option<u32>, column: Option<u32>) -> String {
+    match (line, column) {
+        (Some(line), Some(column)) => format!("{file}:{line}:{column}"),
+        _ => String::new(),
+    }
+}
+
+fn header(out: &mut String, e: &Explanation) {
+    let at = |line, column| match place(&e.file, line, column) {
+        p if p.is_empty() => String::new(),
+        p => format!(" ({p})"),
+    };
+    let ep = &e.endpoint;
+    let _ = writeln!(out, "endpoint  {}{}", ep.name, at(ep.line, ep.column));
+    let call = match &e.call {
+        Call::Http { method, path } => format!("HTTP {method} {path}"),
+        Call::Grpc { path } => format!("gRPC {path}"),
+        Call::Endpoint => {
+            "none given: the endpoint's own policy (--method/--path or --grpc match a route)"
+                .to_owned()
+        }
+    };
+    let _ = writeln!(out, "call      {call}");
+    let route = match (&e.route, &e.call) {
+        (Some(r), _) => format!("routes[{}]: {}{}", r.index, r.matcher, at(r.line, r.column)),
+        (None, Call::Endpoint) => "not looked up".to_owned(),
+        (None, _) => "none matched: the endpoint's own policy".to_owned(),
+    };
+    let _ = writeln!(out, "route     {route}");
+    let _ = writeln!(out, "retried   {}", e.retried.summary);
+}
+
+fn policy(out: &mut String, e: &Explanation) {
+    let _ = writeln!(
+        out,
+        "effective policy (each value from the most specific layer that sets it: built-in < defaults < endpoint < route)"
+    );
+    let mut rows = vec![vec![
+        "field".to_owned(),
+        "value".to_owned(),
+        "from".to_owned(),
+        "set at".to_owned(),
+    ]];
+    rows.extend(e.policy.iter().map(|f| {
+        vec![
+            f.field.to_owned(),
+            f.text.clone(),
+            f.level.to_owned(),
+            place(&e.file, f.line, f.column),
+        ]
+    }));
+    output::table(out, "  ", &[Align::Left; 4], &rows);
+}
+
+fn schedule(out: &mut String, e: &Explanation) {
+    let s = &e.schedule;
+    let _ = writeln!(
+        out,
+        "schedule (deadline {}, per_try_timeout {}, jitter {}; times in ms)",
+        s.deadline_ms, s.per_try_timeout_ms, s.jitter
+    );
+    if s.retries.is_empty() {
+        let _ = writeln!(out, "  no retries: max_attempts is 1");
+        return;
+    }
+    let _ = writeln!(
+        out,
+        "  retry n follows failed attempt n and starts attempt n+1\n  \
+         worst-case start = n x per_try_timeout + the longest pauses of retries 1..=n \
+         (every attempt so far timed out, every pause was the longest its jitter allows)\n  \
+         fits deadline = that start is before the deadline, so the attempt always gets to run"
+    );
+    if s.jitter == "decorrelated" {
+        let _ = writeln!(
+            out,
+            "  decorrelated jitter: a pause depends on the previous one; the range holds whatever came before"
+        );
+    }
+    let mut rows = vec![
+        [
+            "retry",
+            "attempt",
+            "ceiling",
+            "jitter range",
+            "worst-case start",
+            "fits deadline",
+        ]
+        .map(str::to_owned)
+        .to_vec(),
+    ];
+    rows.extend(s.retries.iter().map(|r| {
+        vec![
+            r.retry.to_string(),
+            r.attempt.to_string(),
+            r.ceiling_ms.to_string(),
+            format!("[{}, {}]", r.jitter_low_ms, r.jitter_high_ms),
+            r.worst_case_start_ms.to_string(),
+            if r.fits_deadline { "yes" } else { "no" }.to_owned(),
+        ]
+    }));
+    use Align::{Left, Right};
+    output::table(out, "  ", &[Right, Right, Right, Left, Right, Left], &rows);
+}
+
+fn load(out: &mut String, l: &Load) {
+    let _ = writeln!(
+        out,
+        "load (upstream requests per logical call when every attempt fails)"
+    );
+    let attempts = if l.multiplier <= 1 {
+        "1x: never retried".to_owned()
+    } else {
+        format!(
+            "{}x: each call may be sent max_attempts times",
+            l.multiplier
+        )
+    };
+    let budget = match &l.budget {
+        None if l.multiplier <= 1 => "disabled (no retries to bound)".to_owned(),
+        None => "disabled: nothing below max_attempts bounds retry load in an outage".to_owned(),
+        Some(_) if l.multiplier <= 1 => "enabled (no retries to bound)".to_owned(),
+        Some(b) => {
+            let reserve = format!(
+                "{} retries/s ({} per {} window)",
+                b.min_per_second,
+                b.reserve_per_window,
+                format_duration(b.window_ms.0)
+            );
+            match b.ratio_applies_from_calls_per_second {
+                Some(rate) => format!(
+                    "up to {}x from {} calls/s up (1 + ratio {:?}: at most {:?} retries per call over the window); \
+                     below that, the reserve allows {reserve}",
+                    b.multiplier,
+                    trim_float(rate),
+                    b.ratio,
+                    b.ratio,
+                ),
+                None => format!("ratio 0: only the reserve of {reserve}, whatever the traffic"),
+            }
+        }
+    };
+    let rows = vec![
+        vec!["max_attempts".to_owned(), attempts],
+        vec!["budget".to_owned(), budget],
+    ];
+    output::table(out, "  ", &[Align::Left, Align::Left], &rows);
+}
+
+/// `50` rather than `50.0`, `33.33` rather than `33.333333333333336`.
+fn trim_float(f: f64) -> String {
+    let text = format!("{f:.2}");
+    text.trim_end_matches('0').trim_end_matches('.').to_owned()
+}

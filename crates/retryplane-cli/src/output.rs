@@ -1,0 +1,198 @@
+//! What every command prints the same way: diagnostics, durations, tables, stderr notes.
+
+use std::fmt::{self, Write as _};
+use std::io::{self, Write as _};
+use std::time::Duration;
+
+use retryplane_policy::Diagnostic;
+use serde::{Serialize, Serializer};
+
+/// `--format`: how stdout is written.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    /// Lines for people and `grep`.
+    #[default]
+    Text,
+    /// One JSON document for programs.
+    Json,
+}
+
+/// Prints `retryplane: error: MESSAGE` on stderr. A closed stderr is ignored: there is nowhere
+/// left to complain to.
+pub fn error(message: fmt::Arguments<'_>) {
+    let _ = writeln!(io::stderr().lock(), "retryplane: error: {message}");
+}
+
+/// Prints one line on stderr (summaries, notes), ignoring a closed stderr.
+pub fn note(message: fmt::Arguments<'_>) {
+    let _ = writeln!(io::stderr().lock(), "{message}");
+}
+
+/// Appends `FILE:LINE:COLUMN: SEVERITY: PATH: MESSAGE` and a newline (SPEC §5).
+pub fn push_diagnostic_line(out: &mut String, file: &str, diag: &Diagnostic) {
+    let _ = writeln!(out, "{file}:{diag}");
+}
+
+/// One diagnostic as JSON: `{file, line, column, severity, path, message}` (SPEC §5).
+#[derive(Debug, Serialize)]
+pub struct JsonDiagnostic<'a> {
+    /// The file as named on the command line (`<stdin>` for `-`).
+    pub file: &'a str,
+    /// 1-based line; 0 when unknown.
+    pub line: u32,
+    /// 1-based column; 0 when unknown.
+    pub column: u32,
+    /// `error` or `warning`.
+    pub severity: &'static str,
+    /// The field path, such as `endpoints.payments.backoff.max`.
+    pub path: &'a str,
+    /// What is wrong.
+    pub message: &'a str,
+}
+
+impl<'a> JsonDiagnostic<'a> {
+    /// `diag`, found in `file`.
+    pub fn new(file: &'a str, diag: &'a Diagnostic) -> Self {
+        Self {
+            file,
+            line: diag.loc.line,
+            column: diag.loc.column,
+            severity: diag.severity.as_str(),
+            path: &diag.path,
+            message: &diag.message,
+        }
+    }
+}
+
+/// Pretty JSON and a final newline. Serializing plain structs cannot fail; if it ever did, the
+/// error would be reported like any I/O error.
+pub fn json(value: &impl Serialize) -> anyhow::Result<String> {
+    let mut text = serde_json::to_string_pretty(value)?;
+    text.push('\n');
+    Ok(text)
+}
+
+/// A duration in milliseconds: printed `1600ms` (decimals only when not whole, `337.5ms`),
+/// serialized as a JSON number of milliseconds (`1600`, `337.5`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Millis(pub Duration);
+
+impl Millis {
+    fn whole(self) -> Option<u64> {
+        let d = self.0;
+        d.subsec_nanos()
+            .is_multiple_of(1_000_000)
+            .then(|| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+    }
+
+    fn fractional(self) -> f64 {
+        self.0.as_secs_f64() * 1000.0
+    }
+}
+
+impl fmt::Display for Millis {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.whole() {
+            Some(ms) => write!(f, "{ms}ms"),
+            None => {
+                let text = format!("{:.6}", self.fractional());
+                write!(f, "{}ms", text.trim_end_matches('0'))
+            }
+        }
+    }
+}
+
+impl Serialize for Millis {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self.whole() {
+            Some(ms) => s.serialize_u64(ms),
+            None => s.serialize_f64(self.fractional()),
+        }
+    }
+}
+
+/// Column alignment in [`table`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Align {
+    /// Text.
+    Left,
+    /// Numbers.
+    Right,
+}
+
+/// Lays out `rows` (the first is the header) in columns two spaces apart, each line indented
+/// by `indent`, trailing spaces trimmed.
+pub fn table(out: &mut String, indent: &str, align: &[Align], rows: &[Vec<String>]) {
+    let columns = rows.iter().map(Vec::len).max().unwrap_or(0);
+    let widths: Vec<usize> = (0..columns)
+        .map(|c| {
+            rows.iter()
+                .filter_map(|r| r.get(c))
+                .map(|cell| cell.chars().count())
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    for row in rows {
+        let mut line = String::from(indent);
+        for (c, cell) in row.iter().enumerate() {
+            if c > 0 {
+                line.push_str("  ");
+            }
+            let width = widths[c];
+            match align.get(c).copied().unwrap_or(Align::Left) {
+                Align::Left => {
+                    let _ = write!(line, "{cell:<width$}");
+                }
+                Align::Right => {
+                    let _ = write!(line, "{cell:>width$}");
+                }
+            }
+        }
+        out.push_str(line.trim_end());
+        out.push('\n');
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn millis_print_whole_numbers_without_decimals() {
+        assert_eq!(Millis(Duration::from_millis(1600)).to_string(), "1600ms");
+        assert_eq!(Millis(Duration::ZERO).to_string(), "0ms");
+        assert_eq!(
+            Millis(Duration::from_micros(337_500)).to_string(),
+            "337.5ms"
+        );
+        assert_eq!(
+            serde_json::to_string(&Millis(Duration::from_secs(2))).unwrap(),
+            "2000"
+        );
+        assert_eq!(
+            serde_json::to_string(&Millis(Duration::from_micros(337_500))).unwrap(),
+            "337.5"
+        );
+    }
+
+    #[test]
+    fn tables_align_columns_and_trim_trailing_spaces() {
+        let mut out = String::new();
+        let rows = vec![
+            vec!["retry".to_owned(), "ceiling".to_owned(), "note".to_owned()],
+            vec!["1".to_owned(), "100ms".to_owned(), String::new()],
+            vec!["10".to_owned(), "2000ms".to_owned(), "x".to_owned()],
+        ];
+        table(
+            &mut out,
+            "  ",
+            &[Align::Right, Align::Right, Align::Left],
+            &rows,
+        );
+        assert_eq!(
+            out,
+            "  retry  ceiling  note\n      1    100ms\n     10   2000ms  x\n"
+        );
+    }
+}

@@ -1,0 +1,534 @@
+//! The `retryplane` binary, run for real on files in a temporary directory (SPEC §5).
+
+// clippy's allow-*-in-tests covers `#[test]` functions only; the helpers here are tests too.
+#![allow(clippy::unwrap_used, clippy::panic)]
+
+use std::fs;
+use std::path::Path;
+
+use assert_cmd::Command;
+use assert_cmd::assert::Assert;
+use predicates::prelude::*;
+use serde_json::Value;
+use tempfile::TempDir;
+
+/// A temporary directory holding `files` (name, contents).
+fn dir_with(files: &[(&str, &str)]) -> TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, contents) in files {
+        fs::write(dir.path().join(name), contents).unwrap();
+    }
+    dir
+}
+
+/// `retryplane ARGS...` run inside `dir`, so file names print as given.
+fn retryplane(dir: &Path, args: &[&str]) -> Command {
+    let mut cmd = Command::cargo_bin("retryplane").unwrap();
+    cmd.current_dir(dir).args(args);
+    cmd
+}
+
+/// The stdout of a finished, checked run.
+fn stdout_of(assert: Assert) -> String {
+    String::from_utf8(assert.get_output().stdout.clone()).unwrap()
+}
+
+const VALID: &str = "\
+version: 1
+endpoints:
+  payments:
+    max_attempts: 4
+  inventory: {}
+";
+
+/// Three errors: line 3 col 17, line 7 col 19, line 9 col 21.
+const THREE_ERRORS: &str = "\
+version: 1
+defaults:
+  max_attempts: 0
+endpoints:
+  payments:
+    backoff:
+      multiplier: 0.5
+    retry_on:
+      http_status: [200]
+";
+
+const WARNINGS_ONLY: &str = "\
+version: 1
+endpoints:
+  payments:
+    max_attempts: 6
+";
+
+/// The worked schedule of SPEC §2: base 100ms, multiplier 2, max 2s, 7 attempts.
+const WORKED: &str = "\
+version: 1
+endpoints:
+  worked:
+    max_attempts: 7
+    deadline: 1m
+    per_try_timeout: 1s
+    backoff: {base: 100ms, multiplier: 2.0, max: 2s, jitter: none}
+";
+
+const LAYERED: &str = "\
+version: 1
+defaults:
+  deadline: 20s
+endpoints:
+  payments:
+    per_try_timeout: 3s
+    routes:
+      - match: {method: POST, path_prefix: /v1/charges}
+        max_attempts: 2
+  search:
+    routes:
+      - match: {grpc: /search.v1.SearchService/Query}
+        max_attempts: 4
+      - match: {grpc: /search.v1.Indexer/*}
+        max_attempts: 1
+";
+
+// === validate ===
+
+#[test]
+fn a_valid_file_exits_zero_and_prints_nothing_on_stdout() {
+    let dir = dir_with(&[("good.yaml", VALID)]);
+    retryplane(dir.path(), &["validate", "good.yaml"])
+        .assert()
+        .code(0)
+        .stdout("")
+        .stderr(predicate::str::contains("good.yaml: valid (0 warnings)"));
+}
+
+#[test]
+fn three_bad_fields_give_exactly_three_lines_at_their_places() {
+    let dir = dir_with(&[("bad.yaml", THREE_ERRORS)]);
+    let out = stdout_of(
+        retryplane(dir.path(), &["validate", "bad.yaml"])
+            .assert()
+            .code(1),
+    );
+    let lines: Vec<&str> = out.lines().collect();
+    let prefixes = [
+        "bad.yaml:3:17: error: defaults.max_attempts: ",
+        "bad.yaml:7:19: error: endpoints.payments.backoff.multiplier: ",
+        "bad.yaml:9:21: error: endpoints.payments.retry_on.http_status[0]: ",
+    ];
+    assert_eq!(lines.len(), 3, "{out}");
+    for (line, prefix) in lines.iter().zip(prefixes) {
+        assert!(
+            line.starts_with(prefix),
+            "{line:?} should start with {prefix:?}"
+        );
+        assert!(line.len() > prefix.len(), "{line:?} has no message");
+    }
+}
+
+#[test]
+fn json_format_is_one_array_with_every_field() {
+    let dir = dir_with(&[("bad.yaml", THREE_ERRORS), ("good.yaml", VALID)]);
+    let out = stdout_of(
+        retryplane(
+            dir.path(),
+            &["validate", "--format", "json", "bad.yaml", "good.yaml"],
+        )
+        .assert()
+        .code(1),
+    );
+    let problems: Vec<Value> = serde_json::from_str(&out).unwrap();
+    assert_eq!(problems.len(), 3);
+    for p in &problems {
+        assert_eq!(p["file"], "bad.yaml");
+        assert_eq!(p["severity"], "error");
+        assert!(p["line"].as_u64().unwrap() > 0);
+        assert!(p["column"].as_u64().unwrap() > 0);
+        assert!(
+            p["path"].as_str().unwrap().starts_with("defaults.")
+                || p["path"].as_str().unwrap().starts_with("endpoints.")
+        );
+        assert!(!p["message"].as_str().unwrap().is_empty());
+    }
+    assert_eq!(problems[0]["line"], 3);
+    assert_eq!(problems[0]["column"], 17);
+    assert_eq!(problems[0]["path"], "defaults.max_attempts");
+}
+
+#[test]
+fn json_format_prints_an_empty_array_for_a_clean_file() {
+    let dir = dir_with(&[("good.yaml", VALID)]);
+    retryplane(dir.path(), &["validate", "--format", "json", "good.yaml"])
+        .assert()
+        .code(0)
+        .stdout("[]\n")
+        .stderr("");
+}
+
+#[test]
+fn warnings_pass_unless_denied() {
+    let dir = dir_with(&[("warn.yaml", WARNINGS_ONLY)]);
+    let line = "warn.yaml:4:19: warning: endpoints.payments.max_attempts: ";
+    retryplane(dir.path(), &["validate", "warn.yaml"])
+        .assert()
+        .code(0)
+        .stdout(predicate::str::starts_with(line));
+    retryplane(dir.path(), &["validate", "--deny-warnings", "warn.yaml"])
+        .assert()
+        .code(1)
+        .stdout(predicate::str::starts_with(line));
+}
+
+#[test]
+fn a_missing_file_exits_two_and_names_the_file() {
+    let dir = dir_with(&[]);
+    retryplane(dir.path(), &["validate", "nowhere.yaml"])
+        .assert()
+        .code(2)
+        .stdout("")
+        .stderr(predicate::str::contains("nowhere.yaml"));
+}
+
+#[test]
+fn a_missing_file_does_not_stop_the_others_and_exit_two_wins() {
+    let dir = dir_with(&[("bad.yaml", THREE_ERRORS)]);
+    let assert = retryplane(dir.path(), &["validate", "nowhere.yaml", "bad.yaml"])
+        .assert()
+        .code(2)
+        .stderr(predicate::str::contains("nowhere.yaml"));
+    assert_eq!(stdout_of(assert).lines().count(), 3);
+}
+
+#[test]
+fn of_two_files_only_the_bad_ones_problems_are_printed() {
+    let dir = dir_with(&[("good.yaml", VALID), ("bad.yaml", THREE_ERRORS)]);
+    let out = stdout_of(
+        retryplane(dir.path(), &["validate", "good.yaml", "bad.yaml"])
+            .assert()
+            .code(1),
+    );
+    assert_eq!(out.lines().count(), 3);
+    assert!(out.lines().all(|l| l.starts_with("bad.yaml:")), "{out}");
+}
+
+#[test]
+fn an_unknown_field_suggests_the_known_one() {
+    let dir = dir_with(&[(
+        "typo.yaml",
+        "version: 1\nendpoints:\n  payments:\n    max_attempt: 2\n",
+    )]);
+    retryplane(dir.path(), &["validate", "typo.yaml"])
+        .assert()
+        .code(1)
+        .stdout(predicate::str::starts_with(
+            "typo.yaml:4:5: error: endpoints.payments.max_attempt: ",
+        ))
+        .stdout(predicate::str::contains("did you mean `max_attempts`"));
+}
+
+#[test]
+fn a_ten_gigabyte_file_is_refused_without_being_read() {
+    let dir = dir_with(&[]);
+    let file = fs::File::create(dir.path().join("big.yaml")).unwrap();
+    file.set_len(10 << 30).unwrap(); // sparse: costs no disk
+    retryplane(dir.path(), &["validate", "big.yaml"])
+        .assert()
+        .code(1)
+        .stdout(predicate::str::starts_with(
+            "big.yaml:1:1: error: <root>: file is 10737418240 bytes",
+        ));
+}
+
+#[test]
+fn a_dash_reads_the_policy_from_stdin() {
+    let dir = dir_with(&[]);
+    retryplane(dir.path(), &["validate", "-"])
+        .write_stdin(THREE_ERRORS)
+        .assert()
+        .code(1)
+        .stdout(predicate::str::starts_with("<stdin>:3:17: error: "));
+}
+
+#[test]
+fn the_repository_policy_file_is_valid_even_with_warnings_denied() {
+    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../config/policies.yaml");
+    let config = config.to_str().unwrap();
+    retryplane(
+        Path::new(env!("CARGO_MANIFEST_DIR")),
+        &["validate", "--deny-warnings", config],
+    )
+    .assert()
+    .code(0)
+    .stdout("");
+}
+
+#[test]
+fn no_file_at_all_is_a_usage_error() {
+    let dir = dir_with(&[]);
+    retryplane(dir.path(), &["validate"]).assert().code(2);
+}
+
+// === explain ===
+
+/// The whitespace-separated cells of the policy line for `field`.
+fn policy_line(out: &str, field: &str) -> Vec<String> {
+    out.lines()
+        .map(str::split_whitespace)
+        .map(|cells| cells.map(str::to_owned).collect::<Vec<_>>())
+        .find(|cells| cells.first().is_some_and(|c| c == field))
+        .unwrap_or_else(|| panic!("no line for {field} in:\n{out}"))
+}
+
+#[test]
+fn explain_prints_the_worked_schedule_ceilings_in_milliseconds() {
+    let dir = dir_with(&[("worked.yaml", WORKED)]);
+    let out = stdout_of(
+        retryplane(
+            dir.path(),
+            &["explain", "worked.yaml", "--endpoint", "worked"],
+        )
+        .assert()
+        .code(0),
+    );
+    // Rows: retry, attempt, ceiling, [low, high], worst-case start, fits.
+    let ceilings: Vec<&str> = out
+        .lines()
+        .map(str::split_whitespace)
+        .filter_map(|mut cells| {
+            let retry = cells.next()?;
+            retry.parse::<u32>().ok()?;
+            cells.nth(1)
+        })
+        .collect();
+    assert_eq!(
+        ceilings,
+        ["100ms", "200ms", "400ms", "800ms", "1600ms", "2000ms"],
+        "{out}"
+    );
+    assert!(out.contains("7x"), "{out}");
+}
+
+#[test]
+fn explain_json_has_the_schedule_and_load_in_milliseconds() {
+    let dir = dir_with(&[("worked.yaml", WORKED)]);
+    let out = stdout_of(
+        retryplane(
+            dir.path(),
+            &[
+                "explain",
+                "worked.yaml",
+                "--endpoint",
+                "worked",
+                "--format",
+                "json",
+            ],
+        )
+        .assert()
+        .code(0),
+    );
+    let e: Value = serde_json::from_str(&out).unwrap();
+    let retries = e["schedule"]["retries"].as_array().unwrap();
+    let ceilings: Vec<u64> = retries
+        .iter()
+        .map(|r| r["ceiling_ms"].as_u64().unwrap())
+        .collect();
+    assert_eq!(ceilings, [100, 200, 400, 800, 1600, 2000]);
+    // 1s per attempt plus every pause so far: 1100, 2300, 3700, 5500, 8100, 11100.
+    assert_eq!(retries[5]["worst_case_start_ms"], 11_100);
+    assert_eq!(retries[5]["fits_deadline"], true);
+    assert_eq!(retries[0]["jitter_low_ms"], 100);
+    assert_eq!(e["schedule"]["deadline_ms"], 60_000);
+    assert_eq!(e["load"]["multiplier"], 7);
+    assert_eq!(e["load"]["budget"]["multiplier"], 1.2);
+    assert_eq!(e["route"], Value::Null);
+    assert_eq!(e["warnings"][0]["path"], "endpoints.worked.max_attempts");
+}
+
+#[test]
+fn explain_names_the_layer_each_value_comes_from() {
+    let dir = dir_with(&[("layers.yaml", LAYERED)]);
+    let args = [
+        "explain",
+        "layers.yaml",
+        "--endpoint",
+        "payments",
+        "-X",
+        "POST",
+        "--path",
+        "/v1/charges/ch_1",
+    ];
+    let out = stdout_of(retryplane(dir.path(), &args).assert().code(0));
+    assert!(
+        out.contains("routes[0]: POST /v1/charges (layers.yaml:8:16)"),
+        "{out}"
+    );
+    assert_eq!(
+        policy_line(&out, "max_attempts"),
+        ["max_attempts", "2", "route", "layers.yaml:9:23"]
+    );
+    assert_eq!(
+        policy_line(&out, "per_try_timeout"),
+        ["per_try_timeout", "3s", "endpoint", "layers.yaml:6:22"]
+    );
+    assert_eq!(
+        policy_line(&out, "deadline"),
+        ["deadline", "20s", "defaults", "layers.yaml:3:13"]
+    );
+    assert_eq!(
+        policy_line(&out, "backoff.base"),
+        ["backoff.base", "100ms", "built-in"]
+    );
+}
+
+#[test]
+fn explain_json_names_the_layer_and_place_of_each_value() {
+    let dir = dir_with(&[("layers.yaml", LAYERED)]);
+    let args = [
+        "explain",
+        "layers.yaml",
+        "--endpoint",
+        "payments",
+        "-X",
+        "POST",
+        "--path",
+        "/v1/charges",
+        "--format",
+        "json",
+    ];
+    let e: Value =
+        serde_json::from_str(&stdout_of(retryplane(dir.path(), &args).assert().code(0))).unwrap();
+    let field = |name: &str| {
+        e["policy"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|f| f["field"] == name)
+            .cloned()
+            .unwrap()
+    };
+    assert_eq!(field("max_attempts")["level"], "route");
+    assert_eq!(field("max_attempts")["line"], 9);
+    assert_eq!(field("deadline")["value"], 20_000);
+    assert_eq!(field("deadline")["level"], "defaults");
+    assert_eq!(field("backoff.jitter")["level"], "built-in");
+    assert_eq!(field("backoff.jitter")["line"], Value::Null);
+    assert_eq!(e["route"]["index"], 0);
+    assert_eq!(e["route"]["match"], "POST /v1/charges");
+    assert_eq!(e["policy"].as_array().unwrap().len(), 24);
+}
+
+#[test]
+fn explain_says_a_non_idempotent_call_needs_the_key() {
+    let dir = dir_with(&[("layers.yaml", LAYERED)]);
+    let post = [
+        "explain",
+        "layers.yaml",
+        "--endpoint",
+        "payments",
+        "-X",
+        "POST",
+        "--path",
+        "/v1/charges",
+    ];
+    retryplane(dir.path(), &post)
+        .assert()
+        .code(0)
+        .stdout(predicate::str::contains(
+            "only when the request carries the `Idempotency-Key` header: POST is not in idempotent_methods",
+        ));
+    let get = [
+        "explain",
+        "layers.yaml",
+        "--endpoint",
+        "payments",
+        "--path",
+        "/v1/charges",
+        "--format",
+        "json",
+    ];
+    let e: Value =
+        serde_json::from_str(&stdout_of(retryplane(dir.path(), &get).assert().code(0))).unwrap();
+    assert_eq!(e["call"]["method"], "GET");
+    assert_eq!(e["retried"]["idempotent"], true);
+    assert_eq!(e["route"], Value::Null, "the route is for POST only");
+}
+
+#[test]
+fn explain_matches_grpc_routes_and_shows_a_never_retried_method() {
+    let dir = dir_with(&[("layers.yaml", LAYERED)]);
+    let query = [
+        "explain",
+        "layers.yaml",
+        "--endpoint",
+        "search",
+        "--grpc",
+        "/search.v1.SearchService/Query",
+    ];
+    let out = stdout_of(retryplane(dir.path(), &query).assert().code(0));
+    assert!(
+        out.contains("routes[0]: /search.v1.SearchService/Query"),
+        "{out}"
+    );
+    assert_eq!(policy_line(&out, "max_attempts")[2], "route");
+    let put = [
+        "explain",
+        "layers.yaml",
+        "--endpoint",
+        "search",
+        "--grpc",
+        "/search.v1.Indexer/Put",
+    ];
+    retryplane(dir.path(), &put)
+        .assert()
+        .code(0)
+        .stdout(predicate::str::contains("routes[1]: /search.v1.Indexer/*"))
+        .stdout(predicate::str::contains("no retries: max_attempts is 1"))
+        .stdout(predicate::str::contains("1x: never retried"));
+}
+
+#[test]
+fn explain_of_an_unknown_endpoint_lists_the_known_ones_and_exits_two() {
+    let dir = dir_with(&[("layers.yaml", LAYERED)]);
+    retryplane(
+        dir.path(),
+        &["explain", "layers.yaml", "--endpoint", "paymnts"],
+    )
+    .assert()
+    .code(2)
+    .stdout("")
+    .stderr(predicate::str::contains("did you mean `payments`"))
+    .stderr(predicate::str::contains("payments, search"));
+}
+
+#[test]
+fn explain_of_an_invalid_file_prints_what_validate_prints_and_exits_one() {
+    let dir = dir_with(&[("bad.yaml", THREE_ERRORS)]);
+    let validate = stdout_of(
+        retryplane(dir.path(), &["validate", "bad.yaml"])
+            .assert()
+            .code(1),
+    );
+    retryplane(
+        dir.path(),
+        &["explain", "bad.yaml", "--endpoint", "payments"],
+    )
+    .assert()
+    .code(1)
+    .stdout(validate);
+}
+
+#[test]
+fn explain_refuses_grpc_together_with_an_http_method() {
+    let dir = dir_with(&[("layers.yaml", LAYERED)]);
+    let args = [
+        "explain",
+        "layers.yaml",
+        "--endpoint",
+        "search",
+        "--grpc",
+        "/a.B/C",
+        "-X",
+        "GET",
+    ];
+    retryplane(dir.path(), &args).assert().code(2);
+}
