@@ -1,0 +1,325 @@
+//! What changed between two policy documents, by value (SPEC §3: Apply returns the diff).
+//!
+//! Places ([`Loc`](crate::yaml::Loc)) are ignored: a file saved again with new comments, blank
+//! lines or flow-instead-of-block style has no changes. Endpoints are matched by name and their
+//! order in the file does not matter (lookup is by name); routes are matched by their `match`,
+//! and their order does matter (first match wins), so a reordering is reported. Values are
+//! shown as a policy file writes them ([`crate::render::leaf_values`]).
+
+use std::fmt;
+
+use crate::document::{
+    BackoffOverlay, BreakerOverlay, BudgetOverlay, EndpointDoc, Field, Overlay, PolicyDocument,
+    RetryAfterOverlay, RetryOnOverlay, RouteDoc,
+};
+use crate::render::leaf_values;
+
+/// How one scope changed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ChangeKind {
+    /// The endpoint is new.
+    Added,
+    /// The endpoint is gone.
+    Removed,
+    /// The endpoint (or `defaults`) is still there with different values.
+    Modified,
+}
+
+impl ChangeKind {
+    /// `added`, `removed` or `modified`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ChangeKind::Added => "added",
+            ChangeKind::Removed => "removed",
+            ChangeKind::Modified => "modified",
+        }
+    }
+}
+
+/// What changed in one scope: `defaults` or one endpoint.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Change {
+    /// `defaults`, or the endpoint name.
+    pub scope: String,
+    /// Added, removed or modified.
+    pub kind: ChangeKind,
+    /// One line per changed field or route, such as `max_attempts: 3 -> 4`,
+    /// `backoff.jitter: (inherited) -> none`, `routes[0] added: POST /v1/charges`. For an added
+    /// endpoint, the fields it sets (`max_attempts: 4`); none for a removed one.
+    pub details: Vec<String>,
+}
+
+/// `payments modified: max_attempts: 3 -> 4; deadline: …`
+impl fmt::Display for Change {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} {}", self.scope, self.kind.as_str())?;
+        if !self.details.is_empty() {
+            write!(f, ": {}", self.details.join("; "))?;
+        }
+        Ok(())
+    }
+}
+
+const INHERITED: &str = "(inherited)";
+
+/// The changes from `old` to `new`: `defaults` first (when changed), then added and modified
+/// endpoints in `new`'s order, then removed endpoints in `old`'s order. Empty when the two
+/// documents hold the same values.
+pub fn diff(old: &PolicyDocument, new: &PolicyDocument) -> Vec<Change> {
+    let mut changes = Vec::new();
+    let defaults = overlay_changes(&old.defaults, &new.defaults, "");
+    if !defaults.is_empty() {
+        changes.push(Change {
+            scope: "defaults".to_owned(),
+            kind: ChangeKind::Modified,
+            details: defaults,
+        });
+    }
+    for ep in &new.endpoints {
+        let name = &ep.name.value;
+        let (kind, details) = match old.endpoint(name) {
+            None => (ChangeKind::Added, added_endpoint(ep)),
+            Some(before) => (ChangeKind::Modified, endpoint_changes(before, ep)),
+        };
+        if kind == ChangeKind::Added || !details.is_empty() {
+            changes.push(Change {
+                scope: name.clone(),
+                kind,
+                details,
+            });
+        }
+    }
+    for ep in &old.endpoints {
+        if new.endpoint(&ep.name.value).is_none() {
+            changes.push(Change {
+                scope: ep.name.value.clone(),
+                kind: ChangeKind::Removed,
+                details: Vec::new(),
+            });
+        }
+    }
+    changes
+}
+
+/// One line for a list of changes: `+1 endpoint, -0, 2 modified` (with `, defaults modified`
+/// when the defaults changed), or `no changes`.
+pub fn summary(changes: &[Change]) -> String {
+    if changes.is_empty() {
+        return "no changes".to_owned();
+    }
+    let count = |kind| {
+        changes
+            .iter()
+            .filter(|c| c.kind == kind && c.scope != "defaults")
+            .count()
+    };
+    let added = count(ChangeKind::Added);
+    let mut line = format!(
+        "+{added} endpoint{}, -{}, {} modified",
+        if added == 1 { "" } else { "s" },
+        count(ChangeKind::Removed),
+        count(ChangeKind::Modified)
+    );
+    if changes.iter().any(|c| c.scope == "defaults") {
+        line.push_str(", defaults modified");
+    }
+    line
+}
+
+/// Whether `a` and `b` hold the same values: equal once places are forgotten and endpoints
+/// put in name order (the order of routes counts). For documents whose endpoint names are
+/// unique this agrees with [`diff`] finding nothing (floating-point `-0.0`/NaN aside).
+pub fn same_content(a: &PolicyDocument, b: &PolicyDocument) -> bool {
+    canonical(a) == canonical(b)
+}
+
+// === value comparison ===
+
+/// The changed leaves of one layer, each prefixed with `prefix` (`routes[0].`).
+fn overlay_changes(old: &Overlay, new: &Overlay, prefix: &str) -> Vec<String> {
+    let (old, new) = (leaf_values(old), leaf_values(new));
+    let value = |leaves: &[(&str, String)], path: &str| {
+        leaves
+            .iter()
+            .find(|(p, _)| *p == path)
+            .map(|(_, v)| v.clone())
+    };
+    crate::document::FIELD_PATHS
+        .iter()
+        .filter_map(|path| {
+            let (before, after) = (value(&old, path), value(&new, path));
+            (before != after).then(|| {
+                format!(
+                    "{prefix}{path}: {} -> {}",
+                    before.as_deref().unwrap_or(INHERITED),
+                    after.as_deref().unwrap_or(INHERITED)
+                )
+            })
+        })
+        .collect()
+}
+
+/// The fields a layer sets, as `prefix + path: value` lines.
+fn set_lines(o: &Overlay, prefix: &str) -> Vec<String> {
+    leaf_values(o)
+        .into_iter()
+        .map(|(path, value)| format!("{prefix}{path}: {value}"))
+        .collect()
+}
+
+fn added_endpoint(ep: &EndpointDoc) -> Vec<String> {
+    let mut lines = set_lines(&ep.overlay, "");
+    for (i, route) in ep.routes.iter().enumerate() {
+        lines.extend(added_route(i, route));
+    }
+    lines
+}
+
+fn added_route(i: usize, route: &RouteDoc) -> Vec<String> {
+    let mut lines = vec![format!("routes[{i}] added: {}", route.matcher.value)];
+    lines.extend(set_lines(&route.overlay, &format!("routes[{i}].")));
+    lines
+}
+
+fn endpoint_changes(old: &EndpointDoc, new: &EndpointDoc) -> Vec<String> {
+    let mut lines = overlay_changes(&old.overlay, &new.overlay, "");
+    // Pair routes by their match, first unused occurrence, so that inserting a route does
+    // not show every later one as changed.
+    let mut used = vec![false; old.routes.len()];
+    let mut pairs: Vec<(usize, usize)> = Vec::new();
+    let mut route_lines = Vec::new();
+    for (j, route) in new.routes.iter().enumerate() {
+        let found = old
+            .routes
+            .iter()
+            .enumerate()
+            .position(|(i, r)| !used[i] && r.matcher.value == route.matcher.value);
+        match found {
+            Some(i) => {
+                used[i] = true;
+                pairs.push((i, j));
+                route_lines.push((
+                    j,
+                    overlay_changes(
+                        &old.routes[i].overlay,
+                        &route.overlay,
+                        &format!("routes[{j}]."),
+                    ),
+                ));
+            }
+            None => route_lines.push((j, added_route(j, route))),
+        }
+    }
+    // Kept routes whose order among themselves changed now win different calls.
+    let mut by_old = pairs.clone();
+    by_old.sort_unstable();
+    for (rank, &(i, j)) in pairs.iter().enumerate() {
+        if by_old[rank] != (i, j) {
+            let line = format!(
+                "routes[{j}] moved from routes[{i}]: {}",
+                new.routes[j].matcher.value
+            );
+            if let Some((_, l)) = route_lines.iter_mut().find(|(k, _)| *k == j) {
+                l.insert(0, line);
+            }
+        }
+    }
+    lines.extend(route_lines.into_iter().flat_map(|(_, l)| l));
+    for (i, route) in old.routes.iter().enumerate() {
+        if !used[i] {
+            lines.push(format!("routes[{i}] removed: {}", route.matcher.value));
+        }
+    }
+    lines
+}
+
+// === canonical form ===
+
+fn canonical(doc: &PolicyDocument) -> PolicyDocument {
+    let mut endpoints: Vec<EndpointDoc> = doc
+        .endpoints
+        .iter()
+        .map(|ep| EndpointDoc {
+            name: unplace(&ep.name),
+            overlay: unplace_overlay(&ep.overlay),
+            routes: ep
+                .routes
+                .iter()
+                .map(|r| RouteDoc {
+                    matcher: unplace(&r.matcher),
+                    overlay: unplace_overlay(&r.overlay),
+                })
+                .collect(),
+        })
+        .collect();
+    endpoints.sort_by(|a, b| a.name.value.cmp(&b.name.value));
+    PolicyDocument {
+        defaults: unplace_overlay(&doc.defaults),
+        endpoints,
+    }
+}
+
+fn unplace<T: Clone>(f: &Field<T>) -> Field<T> {
+    Field::new(f.value.clone())
+}
+
+fn opt<T: Clone>(f: &Option<Field<T>>) -> Option<Field<T>> {
+    f.as_ref().map(unplace)
+}
+
+fn list<T: Clone>(f: &Option<Field<Vec<Field<T>>>>) -> Option<Field<Vec<Field<T>>>> {
+    f.as_ref()
+        .map(|l| Field::new(l.value.iter().map(unplace).collect()))
+}
+
+/// `o` with every place forgotten. Built field by field, without `..`, so that a new field
+/// does not compile until it is handled here.
+fn unplace_overlay(o: &Overlay) -> Overlay {
+    let (b, r, ra, bu, cb) = (
+        &o.backoff,
+        &o.retry_on,
+        &o.retry_after,
+        &o.budget,
+        &o.circuit_breaker,
+    );
+    Overlay {
+        max_attempts: opt(&o.max_attempts),
+        backoff: BackoffOverlay {
+            base: opt(&b.base),
+            max: opt(&b.max),
+            multiplier: opt(&b.multiplier),
+            jitter: opt(&b.jitter),
+        },
+        deadline: opt(&o.deadline),
+        per_try_timeout: opt(&o.per_try_timeout),
+        retry_on: RetryOnOverlay {
+            http_status: list(&r.http_status),
+            grpc_status: list(&r.grpc_status),
+            errors: list(&r.errors),
+        },
+        idempotent_methods: list(&o.idempotent_methods),
+        idempotency_key_header: opt(&o.idempotency_key_header),
+        retry_after: RetryAfterOverlay {
+            honor: opt(&ra.honor),
+            max: opt(&ra.max),
+        },
+        budget: BudgetOverlay {
+            enabled: opt(&bu.enabled),
+            ratio: opt(&bu.ratio),
+            min_per_second: opt(&bu.min_per_second),
+            window: opt(&bu.window),
+        },
+        circuit_breaker: BreakerOverlay {
+            enabled: opt(&cb.enabled),
+            failure_ratio: opt(&cb.failure_ratio),
+            min_requests: opt(&cb.min_requests),
+            window: opt(&cb.window),
+            open_for: opt(&cb.open_for),
+            half_open_probes: opt(&cb.half_open_probes),
+        },
+    }
+}
+
+#[cfg(test)]
+#[path = "diff_tests.rs"]
+mod tests;

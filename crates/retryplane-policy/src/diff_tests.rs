@@ -1,0 +1,233 @@
+//! Diffs by value: places never count, values always do.
+
+use super::*;
+use crate::load;
+
+const EXAMPLE: &str = include_str!("../../../config/policies.yaml");
+
+fn doc(src: &str) -> PolicyDocument {
+    let loaded = load(src.as_bytes());
+    let set = loaded.policies.unwrap_or_else(|| {
+        panic!("invalid test document: {:#?}", loaded.diagnostics);
+    });
+    (**set.document()).clone()
+}
+
+fn details(changes: &[Change], scope: &str) -> Vec<String> {
+    changes
+        .iter()
+        .find(|c| c.scope == scope)
+        .map(|c| c.details.clone())
+        .unwrap_or_else(|| panic!("no change for {scope}: {changes:#?}"))
+}
+
+#[test]
+fn identical_documents_have_no_changes() {
+    let a = doc(EXAMPLE);
+    assert_eq!(diff(&a, &a.clone()), vec![]);
+    assert!(same_content(&a, &a));
+    assert_eq!(summary(&diff(&a, &a)), "no changes");
+}
+
+#[test]
+fn a_file_saved_again_with_new_comments_and_layout_has_no_changes() {
+    let a = doc(EXAMPLE);
+    let relocated = format!(
+        "# a new header comment\n\n\n{}",
+        EXAMPLE.replace("  payments:\n", "  # card payments\n\n  payments:\n")
+    );
+    let b = doc(&relocated);
+    assert_ne!(a, b, "places differ");
+    assert_eq!(diff(&a, &b), vec![]);
+    assert!(same_content(&a, &b));
+}
+
+#[test]
+fn flow_and_block_style_of_the_same_values_are_the_same_content() {
+    let a = doc("version: 1\nendpoints:\n  a: {backoff: {base: 1s, max: 2s}}\n");
+    let b = doc("version: 1\nendpoints:\n  a:\n    backoff:\n      base: 1000ms\n      max: 2s\n");
+    assert!(same_content(&a, &b));
+    assert_eq!(diff(&a, &b), vec![]);
+}
+
+#[test]
+fn reordered_endpoints_are_the_same_content() {
+    let a = doc("version: 1\nendpoints:\n  a: {max_attempts: 2}\n  b: {}\n");
+    let b = doc("version: 1\nendpoints:\n  b: {}\n  a: {max_attempts: 2}\n");
+    assert!(same_content(&a, &b));
+    assert_eq!(diff(&a, &b), vec![]);
+}
+
+#[test]
+fn an_added_endpoint_lists_what_it_sets() {
+    let a = doc("version: 1\nendpoints:\n  a: {}\n");
+    let b = doc(
+        "version: 1\nendpoints:\n  a: {}\n  b:\n    max_attempts: 2\n    routes:\n      - match: {grpc: /s.v1.S/*}\n        deadline: 5s\n",
+    );
+    let changes = diff(&a, &b);
+    assert_eq!(
+        changes,
+        vec![Change {
+            scope: "b".into(),
+            kind: ChangeKind::Added,
+            details: vec![
+                "max_attempts: 2".into(),
+                "routes[0] added: /s.v1.S/*".into(),
+                "routes[0].deadline: 5s".into(),
+            ],
+        }]
+    );
+    assert_eq!(summary(&changes), "+1 endpoint, -0, 0 modified");
+    assert!(!same_content(&a, &b));
+}
+
+#[test]
+fn a_removed_endpoint_is_reported_after_the_others() {
+    let a = doc("version: 1\nendpoints:\n  a: {}\n  b: {}\n  c: {}\n");
+    let b = doc("version: 1\nendpoints:\n  c: {max_attempts: 2}\n");
+    let changes = diff(&a, &b);
+    let kinds: Vec<(&str, ChangeKind)> =
+        changes.iter().map(|c| (c.scope.as_str(), c.kind)).collect();
+    assert_eq!(
+        kinds,
+        [
+            ("c", ChangeKind::Modified),
+            ("a", ChangeKind::Removed),
+            ("b", ChangeKind::Removed)
+        ]
+    );
+    assert_eq!(summary(&changes), "+0 endpoints, -2, 1 modified");
+}
+
+#[test]
+fn a_modified_field_shows_old_and_new_values_in_file_syntax() {
+    let a = doc(
+        "version: 1\nendpoints:\n  payments:\n    max_attempts: 3\n    backoff: {base: 100ms}\n    retry_on: {http_status: [503]}\n",
+    );
+    let b = doc(
+        "version: 1\nendpoints:\n  payments:\n    max_attempts: 4\n    backoff: {base: 1500ms, jitter: none}\n    retry_on: {http_status: [429, 503]}\n",
+    );
+    let changes = diff(&a, &b);
+    assert_eq!(changes.len(), 1);
+    assert_eq!(changes[0].kind, ChangeKind::Modified);
+    assert_eq!(
+        details(&changes, "payments"),
+        [
+            "max_attempts: 3 -> 4",
+            "backoff.base: 100ms -> 1500ms",
+            "backoff.jitter: (inherited) -> none",
+            "retry_on.http_status: [503] -> [429, 503]",
+        ]
+    );
+}
+
+#[test]
+fn an_unset_field_goes_back_to_inherited() {
+    let a = doc(
+        "version: 1\nendpoints:\n  a: {budget: {enabled: false}, idempotency_key_header: X-Id}\n",
+    );
+    let b = doc("version: 1\nendpoints:\n  a: {}\n");
+    assert_eq!(
+        details(&diff(&a, &b), "a"),
+        [
+            "idempotency_key_header: X-Id -> (inherited)",
+            "budget.enabled: false -> (inherited)",
+        ]
+    );
+}
+
+#[test]
+fn an_empty_list_differs_from_an_absent_one() {
+    let a = doc("version: 1\nendpoints:\n  a: {}\n");
+    let b = doc("version: 1\nendpoints:\n  a: {retry_on: {errors: []}}\n");
+    assert_eq!(
+        details(&diff(&a, &b), "a"),
+        ["retry_on.errors: (inherited) -> []"]
+    );
+    assert!(!same_content(&a, &b));
+}
+
+const ROUTES: &str = "version: 1\nendpoints:\n  payments:\n    routes:\n      - match: {method: POST, path_prefix: /v1/charges}\n        max_attempts: 2\n      - match: {method: GET, path_prefix: /v1/charges}\n        per_try_timeout: 500ms\n";
+
+#[test]
+fn an_added_route_is_named_by_its_match() {
+    let b = doc(&ROUTES.replace(
+        "    routes:\n",
+        "    routes:\n      - match: {path_prefix: /v1/refunds}\n",
+    ));
+    assert_eq!(
+        details(&diff(&doc(ROUTES), &b), "payments"),
+        ["routes[0] added: * /v1/refunds"]
+    );
+}
+
+#[test]
+fn a_removed_route_is_named_by_its_match() {
+    let b = doc(
+        "version: 1\nendpoints:\n  payments:\n    routes:\n      - match: {method: POST, path_prefix: /v1/charges}\n        max_attempts: 2\n",
+    );
+    assert_eq!(
+        details(&diff(&doc(ROUTES), &b), "payments"),
+        ["routes[1] removed: GET /v1/charges"]
+    );
+}
+
+#[test]
+fn a_modified_route_shows_its_changed_fields() {
+    let b = doc(&ROUTES.replace("max_attempts: 2", "max_attempts: 3"));
+    assert_eq!(
+        details(&diff(&doc(ROUTES), &b), "payments"),
+        ["routes[0].max_attempts: 2 -> 3"]
+    );
+}
+
+#[test]
+fn reordered_routes_are_a_change_because_the_first_match_wins() {
+    let b = doc(
+        "version: 1\nendpoints:\n  payments:\n    routes:\n      - match: {method: GET, path_prefix: /v1/charges}\n        per_try_timeout: 500ms\n      - match: {method: POST, path_prefix: /v1/charges}\n        max_attempts: 2\n",
+    );
+    let a = doc(ROUTES);
+    assert_eq!(
+        details(&diff(&a, &b), "payments"),
+        [
+            "routes[0] moved from routes[1]: GET /v1/charges",
+            "routes[1] moved from routes[0]: POST /v1/charges",
+        ]
+    );
+    assert!(!same_content(&a, &b));
+}
+
+#[test]
+fn a_defaults_change_comes_first_and_is_counted_apart() {
+    let a = doc("version: 1\ndefaults: {deadline: 15s}\nendpoints:\n  a: {}\n");
+    let b = doc("version: 1\ndefaults: {deadline: 20s}\nendpoints:\n  a: {}\n  b: {}\n");
+    let changes = diff(&a, &b);
+    assert_eq!(changes[0].scope, "defaults");
+    assert_eq!(changes[0].kind, ChangeKind::Modified);
+    assert_eq!(changes[0].details, ["deadline: 15s -> 20s"]);
+    assert_eq!(
+        summary(&changes),
+        "+1 endpoint, -0, 0 modified, defaults modified"
+    );
+    assert_eq!(
+        changes[0].to_string(),
+        "defaults modified: deadline: 15s -> 20s"
+    );
+}
+
+#[test]
+fn grpc_codes_and_floats_are_written_as_in_a_file() {
+    let a = doc(
+        "version: 1\nendpoints:\n  a: {retry_on: {grpc_status: [UNAVAILABLE]}, backoff: {multiplier: 2}}\n",
+    );
+    let b = doc(
+        "version: 1\nendpoints:\n  a: {retry_on: {grpc_status: [UNAVAILABLE, ABORTED]}, backoff: {multiplier: 1.5}}\n",
+    );
+    assert_eq!(
+        details(&diff(&a, &b), "a"),
+        [
+            "backoff.multiplier: 2.0 -> 1.5",
+            "retry_on.grpc_status: [UNAVAILABLE] -> [UNAVAILABLE, ABORTED]",
+        ]
+    );
+}

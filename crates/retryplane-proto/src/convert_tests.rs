@@ -1,0 +1,397 @@
+//! The wire form carries every value, and what it cannot carry is refused with its path.
+
+use retryplane_policy::diff::{diff, same_content};
+use retryplane_policy::load;
+
+use super::*;
+
+const EXAMPLE: &str = include_str!("../../../config/policies.yaml");
+
+fn example() -> PolicyDocument {
+    let loaded = load(EXAMPLE.as_bytes());
+    let set = loaded.policies.unwrap_or_else(|| {
+        panic!("example is invalid: {:#?}", loaded.diagnostics);
+    });
+    (**set.document()).clone()
+}
+
+fn endpoint(name: &str, overlay: pb::Overlay) -> pb::Endpoint {
+    pb::Endpoint {
+        name: name.to_owned(),
+        overlay: Some(overlay),
+        routes: vec![],
+    }
+}
+
+fn doc(endpoints: Vec<pb::Endpoint>) -> pb::PolicyDocument {
+    pb::PolicyDocument {
+        defaults: None,
+        endpoints,
+    }
+}
+
+/// The `(path, message)` of every conversion error.
+fn errors(doc: pb::PolicyDocument) -> Vec<(String, String)> {
+    match PolicyDocument::try_from(doc) {
+        Ok(d) => panic!("accepted: {d:#?}"),
+        Err(e) => e.errors.into_iter().map(|d| (d.path, d.message)).collect(),
+    }
+}
+
+fn paths(doc: pb::PolicyDocument) -> Vec<String> {
+    errors(doc).into_iter().map(|(p, _)| p).collect()
+}
+
+#[test]
+fn the_example_file_round_trips_through_the_wire() {
+    let original = example();
+    let wire = pb::PolicyDocument::from(&original);
+    let back = PolicyDocument::try_from(wire.clone()).unwrap();
+    assert!(same_content(&original, &back));
+    assert_eq!(diff(&original, &back), vec![]);
+    assert_eq!(pb::PolicyDocument::from(&back), wire);
+}
+
+#[test]
+fn the_wire_form_keeps_units_enums_and_empty_lists() {
+    let src = "version: 1\nendpoints:\n  a:\n    deadline: 1m\n    backoff: {jitter: decorrelated}\n    retry_on: {grpc_status: [UNAVAILABLE], errors: []}\n    routes:\n      - match: {grpc: /s.v1.S/*}\n";
+    let d = load(src.as_bytes()).policies.unwrap();
+    let wire = pb::PolicyDocument::from(&**d.document());
+    assert_eq!(wire.defaults, None);
+    let ep = &wire.endpoints[0];
+    let o = ep.overlay.as_ref().unwrap();
+    assert_eq!(o.deadline_ms, Some(60_000));
+    assert_eq!(
+        o.backoff.as_ref().unwrap().jitter,
+        pb::Jitter::Decorrelated as i32
+    );
+    let retry_on = o.retry_on.as_ref().unwrap();
+    assert_eq!(retry_on.http_status, None);
+    assert_eq!(retry_on.grpc_status.as_ref().unwrap().codes, [14]);
+    assert_eq!(
+        retry_on.errors,
+        Some(pb::ErrorClassList { classes: vec![] })
+    );
+    assert_eq!(o.budget, None);
+    assert_eq!(
+        ep.routes[0].r#match,
+        Some(pb::RouteMatch {
+            kind: Some(pb::route_match::Kind::Grpc(pb::GrpcMatch {
+                service: "s.v1.S".into(),
+                method: String::new(),
+            })),
+        })
+    );
+    assert_eq!(ep.routes[0].overlay, None);
+}
+
+#[test]
+fn validate_runs_the_file_validator_on_wire_documents() {
+    let (set, warnings) = validate(pb::PolicyDocument::from(&example())).unwrap();
+    assert_eq!(warnings, vec![]);
+    assert_eq!(set.len(), 5);
+    let bad = doc(vec![endpoint(
+        "payments",
+        pb::Overlay {
+            max_attempts: Some(0),
+            ..Default::default()
+        },
+    )]);
+    let errs = validate(bad).unwrap_err();
+    assert_eq!(errs.len(), 1);
+    assert_eq!(errs[0].path, "endpoints.payments.max_attempts");
+    assert_eq!(errs[0].loc, Loc::UNKNOWN);
+}
+
+#[test]
+fn the_content_hash_ignores_comments_and_endpoint_order_but_not_values() {
+    let original = pb::PolicyDocument::from(&example());
+    let hash = content_hash(&original);
+    assert_eq!(hash.len(), 64);
+    assert!(
+        hash.bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    );
+
+    let recommented = EXAMPLE
+        .replace("# ", "#  ")
+        .replace("\nendpoints:", "\n\n# endpoints\nendpoints:");
+    let again = load(recommented.as_bytes()).policies.unwrap();
+    assert_eq!(
+        content_hash(&pb::PolicyDocument::from(&**again.document())),
+        hash
+    );
+
+    let mut reordered = original.clone();
+    reordered.endpoints.reverse();
+    assert_eq!(content_hash(&reordered), hash);
+
+    let changed = load(
+        EXAMPLE
+            .replace("max_attempts: 4", "max_attempts: 5")
+            .as_bytes(),
+    )
+    .policies
+    .unwrap();
+    assert_ne!(
+        content_hash(&pb::PolicyDocument::from(&**changed.document())),
+        hash
+    );
+}
+
+#[test]
+fn the_content_hash_ignores_empty_sections_sent_by_other_clients() {
+    let lean = doc(vec![endpoint("a", pb::Overlay::default())]);
+    let mut padded = lean.clone();
+    padded.defaults = Some(pb::Overlay {
+        backoff: Some(pb::Backoff::default()),
+        ..Default::default()
+    });
+    padded.endpoints[0].overlay = Some(pb::Overlay {
+        budget: Some(pb::Budget::default()),
+        ..Default::default()
+    });
+    assert_eq!(content_hash(&lean), content_hash(&padded));
+}
+
+#[test]
+fn an_unknown_jitter_number_is_refused_at_its_path() {
+    let bad = doc(vec![endpoint(
+        "payments",
+        pb::Overlay {
+            backoff: Some(pb::Backoff {
+                jitter: 9,
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+    )]);
+    assert_eq!(paths(bad), ["endpoints.payments.backoff.jitter"]);
+}
+
+#[test]
+fn out_of_range_codes_classes_and_durations_are_refused_item_by_item() {
+    let bad = pb::PolicyDocument {
+        defaults: Some(pb::Overlay {
+            deadline_ms: Some(24 * 3_600_000 + 1),
+            retry_on: Some(pb::RetryOn {
+                http_status: Some(pb::StatusList {
+                    codes: vec![503, 200, 700],
+                }),
+                grpc_status: Some(pb::StatusList {
+                    codes: vec![14, 0, 17],
+                }),
+                errors: Some(pb::ErrorClassList {
+                    classes: vec![1, 0, 7],
+                }),
+            }),
+            ..Default::default()
+        }),
+        endpoints: vec![endpoint("a", pb::Overlay::default())],
+    };
+    assert_eq!(
+        paths(bad),
+        [
+            "defaults.deadline",
+            "defaults.retry_on.http_status[1]",
+            "defaults.retry_on.http_status[2]",
+            "defaults.retry_on.grpc_status[1]",
+            "defaults.retry_on.grpc_status[2]",
+            "defaults.retry_on.errors[1]",
+            "defaults.retry_on.errors[2]",
+        ]
+    );
+}
+
+#[test]
+fn the_longest_duration_is_accepted() {
+    let ok = doc(vec![endpoint(
+        "a",
+        pb::Overlay {
+            deadline_ms: Some(24 * 3_600_000),
+            ..Default::default()
+        },
+    )]);
+    assert!(PolicyDocument::try_from(ok).is_ok());
+}
+
+#[test]
+fn endpoints_need_a_unique_name() {
+    let bad = doc(vec![
+        endpoint("", pb::Overlay::default()),
+        endpoint("a", pb::Overlay::default()),
+        endpoint("a", pb::Overlay::default()),
+    ]);
+    assert_eq!(
+        errors(bad),
+        [
+            ("endpoints[0]".into(), "an endpoint needs a name".into()),
+            (
+                "endpoints.a".into(),
+                "duplicate endpoint `a` (first defined at endpoints[1])".into()
+            ),
+        ]
+    );
+}
+
+fn route(m: Option<pb::RouteMatch>) -> pb::Route {
+    pb::Route {
+        r#match: m,
+        overlay: None,
+    }
+}
+
+fn http(method: &str, path_prefix: &str) -> Option<pb::RouteMatch> {
+    Some(pb::RouteMatch {
+        kind: Some(pb::route_match::Kind::Http(pb::HttpMatch {
+            method: method.into(),
+            path_prefix: path_prefix.into(),
+        })),
+    })
+}
+
+fn grpc(service: &str, method: &str) -> Option<pb::RouteMatch> {
+    Some(pb::RouteMatch {
+        kind: Some(pb::route_match::Kind::Grpc(pb::GrpcMatch {
+            service: service.into(),
+            method: method.into(),
+        })),
+    })
+}
+
+#[test]
+fn routes_need_a_well_formed_match() {
+    let mut ep = endpoint("a", pb::Overlay::default());
+    ep.routes = vec![
+        route(None),
+        route(Some(pb::RouteMatch { kind: None })),
+        route(http("", "")),
+        route(http("get", "/x")),
+        route(http("GET", "x")),
+        route(grpc("bad service", "M")),
+        route(grpc("pkg.S", "a.b")),
+        route(grpc("pkg.S", "*")),
+        route(http("GET", "")),
+        route(grpc("pkg.S", "")),
+    ];
+    assert_eq!(
+        paths(doc(vec![ep])),
+        [
+            "endpoints.a.routes[0].match",
+            "endpoints.a.routes[1].match",
+            "endpoints.a.routes[2].match.http",
+            "endpoints.a.routes[3].match.http.method",
+            "endpoints.a.routes[4].match.http.path_prefix",
+            "endpoints.a.routes[5].match.grpc",
+            "endpoints.a.routes[6].match.grpc",
+            "endpoints.a.routes[7].match.grpc.method",
+        ]
+    );
+}
+
+#[test]
+fn a_method_alone_matches_every_path_and_an_empty_grpc_method_every_method() {
+    let mut ep = endpoint("a", pb::Overlay::default());
+    ep.routes = vec![route(http("GET", "")), route(grpc("pkg.S", ""))];
+    let d = PolicyDocument::try_from(doc(vec![ep])).unwrap();
+    let matchers: Vec<_> = d.endpoints[0]
+        .routes
+        .iter()
+        .map(|r| r.matcher.value.clone())
+        .collect();
+    assert_eq!(
+        matchers,
+        [
+            RouteMatch::Http {
+                method: Some("GET".into()),
+                path_prefix: "/".into()
+            },
+            RouteMatch::Grpc {
+                service: "pkg.S".into(),
+                method: None
+            },
+        ]
+    );
+}
+
+#[test]
+fn every_problem_in_a_document_is_reported_at_once() {
+    let mut bad_route = endpoint(
+        "payments",
+        pb::Overlay {
+            backoff: Some(pb::Backoff {
+                jitter: -1,
+                multiplier: Some(f64::NAN),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+    );
+    bad_route.routes = vec![route(None)];
+    let bad = pb::PolicyDocument {
+        defaults: Some(pb::Overlay {
+            budget: Some(pb::Budget {
+                window_ms: Some(u64::MAX),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        endpoints: vec![bad_route, endpoint("", pb::Overlay::default())],
+    };
+    let err = PolicyDocument::try_from(bad).unwrap_err();
+    let got: Vec<&str> = err.errors.iter().map(|d| d.path.as_str()).collect();
+    assert_eq!(
+        got,
+        [
+            "defaults.budget.window",
+            "endpoints.payments.backoff.multiplier",
+            "endpoints.payments.backoff.jitter",
+            "endpoints.payments.routes[0].match",
+            "endpoints[1]",
+        ]
+    );
+    assert!(
+        err.errors
+            .iter()
+            .all(|d| d.is_error() && d.loc == Loc::UNKNOWN)
+    );
+    assert!(
+        err.to_string()
+            .starts_with("invalid policy document: 5 error(s), first: ")
+    );
+}
+
+#[test]
+fn diagnostics_cross_the_wire_unchanged() {
+    let d = Diagnostic::warning(
+        Loc { line: 3, column: 7 },
+        "endpoints.a.max_attempts",
+        "6 attempts multiply load",
+    );
+    let wire = pb::Diagnostic::from(&d);
+    assert_eq!(wire.severity, pb::diagnostic::Severity::Warning as i32);
+    assert_eq!((wire.line, wire.column), (3, 7));
+    assert_eq!(Diagnostic::from(&wire), d);
+    let unknown = pb::Diagnostic {
+        severity: 0,
+        ..wire
+    };
+    assert!(Diagnostic::from(&unknown).is_error());
+}
+
+#[test]
+fn diff_entries_carry_scope_kind_and_details() {
+    let old = example();
+    let mut new = old.clone();
+    new.endpoints.retain(|e| e.name.value != "events");
+    let changes = diff(&old, &new);
+    let entries: Vec<pb::DiffEntry> = changes.iter().map(pb::DiffEntry::from).collect();
+    assert_eq!(
+        entries,
+        [pb::DiffEntry {
+            endpoint: "events".into(),
+            change: pb::diff_entry::Change::Removed as i32,
+            details: vec![],
+        }]
+    );
+}

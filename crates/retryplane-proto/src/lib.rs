@@ -1,0 +1,27 @@
+//! The `retryplane.v1` wire contract (SPEC §3).
+//!
+//! The generated protobuf and gRPC code is private to this crate and re-exported as [`pb`];
+//! [`convert`] turns policy messages into [`retryplane_policy::PolicyDocument`]s and back, and
+//! runs the same validator as `retryplane validate`, so a document is checked the same way
+//! whether it came from a file, the admin API or the agent stream.
+
+#![forbid(unsafe_code)]
+
+mod frame;
+
+pub mod convert;
+
+mod generated {
+    #![allow(missing_docs, clippy::all, clippy::pedantic, rust_2018_idioms)]
+    tonic::include_proto!("retryplane.v1");
+}
+
+/// Generated messages, clients and servers of `retryplane.v1`.
+pub mod pb {
+    pub use super::frame::ServerMessage;
+    pub use super::generated::*;
+}
+
+/// The encoded `FileDescriptorSet` of `retryplane.v1`, for gRPC reflection.
+pub const FILE_DESCRIPTOR_SET: &[u8] =
+    include_bytes!(concat!(env!("OUT_DIR"), "/retryplane_v1_descriptor.bin"));
