@@ -1,0 +1,303 @@
+//! The agent stream service (SPEC §3): Hello first, a Snapshot whenever the agent is behind,
+//! ACK/NACK recorded by nonce, metrics reports taken at a bounded rate.
+//!
+//! One task per stream owns its state; it wakes on a new publish, on the agent's next message,
+//! when a newer stream replaces it, or at shutdown.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use retryplane_proto::pb::{self, agent_message::Kind};
+use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+use tracing::{debug, info, warn};
+
+use crate::fleet::{Fleet, RegisterError};
+use crate::metrics::ServerMetrics;
+use crate::publisher::Publisher;
+use crate::stats::Stats;
+
+/// Bounds on what one stream may do.
+#[derive(Clone, Debug)]
+pub struct StreamLimits {
+    /// How long a new stream may take to send Hello.
+    pub hello_timeout: Duration,
+    /// Metrics reports accepted per second per stream, on average.
+    pub reports_per_second: f64,
+    /// Reports accepted in a burst.
+    pub report_burst: f64,
+    /// Longest agent id, service name, label key or value.
+    pub max_field_len: usize,
+    /// Most labels on one agent.
+    pub max_labels: usize,
+}
+
+impl Default for StreamLimits {
+    fn default() -> Self {
+        Self {
+            hello_timeout: Duration::from_secs(10),
+            reports_per_second: 2.0,
+            report_burst: 10.0,
+            max_field_len: 256,
+            max_labels: 64,
+        }
+    }
+}
+
+/// What the agent service needs from the server.
+#[derive(Debug)]
+pub struct StreamContext {
+    /// The current snapshot.
+    pub publisher: Arc<Publisher>,
+    /// Connected agents.
+    pub fleet: Arc<Fleet>,
+    /// Server figures.
+    pub metrics: Arc<ServerMetrics>,
+    /// Aggregated agent metrics.
+    pub stats: Arc<Stats>,
+    /// Per-stream bounds.
+    pub limits: StreamLimits,
+    /// Becomes true when the server shuts down.
+    pub shutdown: watch::Receiver<bool>,
+}
+
+/// The `retryplane.v1.AgentService` implementation.
+#[derive(Clone, Debug)]
+pub struct AgentStreamService {
+    ctx: Arc<StreamContext>,
+}
+
+impl AgentStreamService {
+    /// A service over `ctx`.
+    pub fn new(ctx: Arc<StreamContext>) -> Self {
+        Self { ctx }
+    }
+}
+
+fn check_hello(hello: &pb::Hello, limits: &StreamLimits) -> Result<(), Status> {
+    let too_long = |s: &str| s.len() > limits.max_field_len;
+    if hello.agent_id.is_empty() {
+        return Err(Status::invalid_argument("Hello.agent_id is empty"));
+    }
+    if too_long(&hello.agent_id) || too_long(&hello.service) || too_long(&hello.agent_version) {
+        return Err(Status::invalid_argument(format!(
+            "Hello fields are limited to {} bytes",
+            limits.max_field_len
+        )));
+    }
+    if hello.labels.len() > limits.max_labels
+        || hello.labels.iter().any(|(k, v)| too_long(k) || too_long(v))
+    {
+        return Err(Status::invalid_argument(format!(
+            "Hello carries at most {} labels of at most {} bytes",
+            limits.max_labels, limits.max_field_len
+        )));
+    }
+    Ok(())
+}
+
+#[tonic::async_trait]
+impl pb::agent_service_server::AgentService for AgentStreamService {
+    type ConnectStream = ReceiverStream<Result<pb::ServerMessage, Status>>;
+
+    async fn connect(
+        &self,
+        request: Request<Streaming<pb::AgentMessage>>,
+    ) -> Result<Response<Self::ConnectStream>, Status> {
+        let peer = request.remote_addr();
+        let mut inbound = request.into_inner();
+        let limits = &self.ctx.limits;
+        let first = tokio::time::timeout(limits.hello_timeout, inbound.message()).await;
+        let hello = match first {
+            Ok(Ok(Some(pb::AgentMessage {
+                kind: Some(Kind::Hello(hello)),
+            }))) => hello,
+            Ok(Ok(Some(_))) => {
+                return Err(Status::invalid_argument(
+                    "the first message on the stream must be Hello",
+                ));
+            }
+            Ok(Ok(None)) => return Err(Status::cancelled("stream closed before Hello")),
+            Ok(Err(status)) => return Err(status),
+            Err(_) => {
+                return Err(Status::invalid_argument(format!(
+                    "no Hello within {:?}",
+                    limits.hello_timeout
+                )));
+            }
+        };
+        check_hello(&hello, limits)?;
+        let registration = self.ctx.fleet.register(&hello, peer).map_err(|e| {
+            self.ctx.metrics.streams_refused.inc();
+            match e {
+                RegisterError::Full(_) => Status::resource_exhausted(e.to_string()),
+            }
+        })?;
+        self.ctx
+            .metrics
+            .agents_connected
+            .set(i64::try_from(self.ctx.fleet.connected()).unwrap_or(i64::MAX));
+        info!(agent = %hello.agent_id, service = %hello.service, version = hello.last_applied_version, "agent connected");
+        // Two slots: a snapshot in flight and a closing status never wait on each other for long.
+        let (tx, rx) = mpsc::channel(2);
+        let stream = AgentStream {
+            ctx: self.ctx.clone(),
+            agent_id: hello.agent_id.clone(),
+            generation: registration.generation,
+            known_version: hello.last_applied_version,
+            known_hash: hello.last_applied_hash.clone(),
+            sent_nonce: None,
+            tokens: limits.report_burst,
+            refilled: Instant::now(),
+        };
+        tokio::spawn(stream.run(inbound, tx, registration.replaced));
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+/// One open stream's state, owned by its task.
+struct AgentStream {
+    ctx: Arc<StreamContext>,
+    agent_id: String,
+    generation: u64,
+    /// What the agent runs, or was last sent.
+    known_version: u64,
+    known_hash: String,
+    /// The nonce of the last snapshot sent; answers to other nonces are stale.
+    sent_nonce: Option<String>,
+    /// Report rate limiter (token bucket).
+    tokens: f64,
+    refilled: Instant,
+}
+
+enum Next {
+    Continue,
+    End(Option<Status>),
+}
+
+impl AgentStream {
+    async fn run(
+        mut self,
+        mut inbound: Streaming<pb::AgentMessage>,
+        tx: mpsc::Sender<Result<pb::ServerMessage, Status>>,
+        mut replaced: tokio::sync::oneshot::Receiver<()>,
+    ) {
+        let mut snapshots = self.ctx.publisher.subscribe();
+        let mut shutdown = self.ctx.shutdown.clone();
+        let end = loop {
+            let current = snapshots.borrow_and_update().clone();
+            if let Some(snap) = current
+                && self.behind(&snap)
+            {
+                if tx.send(Ok(snap.message.clone())).await.is_err() {
+                    break None;
+                }
+                self.known_version = snap.version;
+                self.known_hash.clone_from(&snap.content_hash);
+                self.sent_nonce = Some(snap.nonce.clone());
+                self.ctx.metrics.pushes.inc();
+                debug!(agent = %self.agent_id, version = snap.version, "snapshot sent");
+            }
+            let next = tokio::select! {
+                changed = snapshots.changed() => match changed {
+                    Ok(()) => Next::Continue,
+                    Err(_) => Next::End(Some(Status::unavailable("control plane shutting down; reconnect"))),
+                },
+                message = inbound.message() => self.on_message(message),
+                _ = &mut replaced => Next::End(Some(Status::aborted(
+                    "replaced by a newer stream with the same agent id",
+                ))),
+                _ = shutdown.wait_for(|s| *s) => Next::End(Some(Status::unavailable(
+                    "control plane shutting down; reconnect",
+                ))),
+            };
+            if let Next::End(status) = next {
+                break status;
+            }
+        };
+        if let Some(status) = end {
+            // The agent may be gone already; nothing to do then.
+            let _ = tx.send(Err(status)).await;
+        }
+        self.ctx.fleet.disconnected(&self.agent_id, self.generation);
+        self.ctx
+            .metrics
+            .agents_connected
+            .set(i64::try_from(self.ctx.fleet.connected()).unwrap_or(i64::MAX));
+        info!(agent = %self.agent_id, "agent disconnected");
+    }
+
+    /// Whether the agent should get `snap`: another version, or the same number with other
+    /// content (a store that was reset).
+    fn behind(&self, snap: &crate::publisher::Snapshot) -> bool {
+        snap.version != self.known_version
+            || (!self.known_hash.is_empty() && self.known_hash != snap.content_hash)
+    }
+
+    fn on_message(&mut self, message: Result<Option<pb::AgentMessage>, Status>) -> Next {
+        let message = match message {
+            Ok(Some(m)) => m,
+            Ok(None) => return Next::End(None),
+            Err(status) => {
+                // Garbage, an oversized message or a broken connection: this stream ends with
+                // the decoder's status; every other stream carries on.
+                debug!(agent = %self.agent_id, code = ?status.code(), "stream ended with an error");
+                return Next::End(Some(status));
+            }
+        };
+        let ctx = self.ctx.clone();
+        ctx.fleet.seen(&self.agent_id, self.generation);
+        match message.kind {
+            Some(Kind::Ack(ack)) => {
+                if self.sent_nonce.as_deref() == Some(ack.nonce.as_str()) {
+                    ctx.fleet.ack(&self.agent_id, self.generation, ack.version);
+                    ctx.metrics.acks.inc();
+                } else {
+                    debug!(agent = %self.agent_id, "stale ACK ignored");
+                }
+            }
+            Some(Kind::Nack(nack)) => {
+                if self.sent_nonce.as_deref() == Some(nack.nonce.as_str()) {
+                    ctx.fleet
+                        .nack(&self.agent_id, self.generation, nack.version, &nack.error);
+                    ctx.metrics.nacks.inc();
+                    warn!(agent = %self.agent_id, version = nack.version, "agent refused a snapshot");
+                } else {
+                    debug!(agent = %self.agent_id, "stale NACK ignored");
+                }
+            }
+            Some(Kind::Metrics(report)) => {
+                if self.take_token() {
+                    ctx.stats.add(&report);
+                } else {
+                    ctx.metrics.reports_dropped.inc();
+                }
+            }
+            Some(Kind::Hello(_)) => {
+                return Next::End(Some(Status::invalid_argument(
+                    "Hello may only be the first message",
+                )));
+            }
+            None => {
+                return Next::End(Some(Status::invalid_argument("empty AgentMessage")));
+            }
+        }
+        Next::Continue
+    }
+
+    fn take_token(&mut self) -> bool {
+        let limits = &self.ctx.limits;
+        let now = Instant::now();
+        let elapsed = now.duration_since(self.refilled).as_secs_f64();
+        self.refilled = now;
+        self.tokens = (self.tokens + elapsed * limits.reports_per_second).min(limits.report_burst);
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+}

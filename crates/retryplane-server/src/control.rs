@@ -1,0 +1,246 @@
+//! The control plane's one way to change policies: validate, check safety, store, publish.
+//!
+//! File reloads, admin applies and rollbacks all go through [`ControlPlane::apply`], one at a
+//! time, so versions are decided in one place (the store) and the publisher only fans out.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use retryplane_policy::diff::{self, Change};
+use retryplane_policy::{Diagnostic, PolicyDocument};
+use retryplane_proto::{convert, pb};
+use tokio::sync::Mutex;
+use tracing::info;
+
+use crate::fleet::{Fleet, unix_ms};
+use crate::metrics::ServerMetrics;
+use crate::publisher::Publisher;
+use crate::stats::Stats;
+use crate::store::{NewVersion, Published, Source, StoreError, VersionRecord, VersionStore};
+
+/// Who owns the policies (SPEC §3).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// The file is the source of truth; admin writes are refused.
+    File(PathBuf),
+    /// The store is the source of truth; changes come through the admin API.
+    Api,
+}
+
+/// A requested change.
+#[derive(Debug)]
+pub struct ChangeRequest {
+    /// The new policies.
+    pub document: pb::PolicyDocument,
+    /// Where the change comes from.
+    pub source: Source,
+    /// The admin token's name, if any.
+    pub author: Option<String>,
+    /// Refuse unless the current version is this one.
+    pub expected_version: Option<u64>,
+    /// Report what would change without storing.
+    pub dry_run: bool,
+    /// Allow a change that removes every endpoint.
+    pub force: bool,
+}
+
+/// The result of a change.
+#[derive(Debug)]
+pub struct ChangeOutcome {
+    /// The version current after the change (unchanged on a no-op or dry run).
+    pub record: Option<VersionRecord>,
+    /// Whether a new version was stored.
+    pub changed: bool,
+    /// What differs from the version that was current.
+    pub diff: Vec<Change>,
+    /// Validation warnings.
+    pub warnings: Vec<Diagnostic>,
+}
+
+/// Why a change was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ChangeError {
+    /// The policies are invalid.
+    #[error("invalid policies: {} error(s)", .0.len())]
+    Invalid(Vec<Diagnostic>),
+    /// The change removes every endpoint of the current version.
+    #[error("the change removes every endpoint ({0}); this takes the whole fleet's policies away: pass force to do it anyway")]
+    RemovesEverything(String),
+    /// Another change came first.
+    #[error("version conflict: expected version {expected}, current is {current}")]
+    Conflict {
+        /// What the caller expected.
+        expected: u64,
+        /// What is current.
+        current: u64,
+    },
+    /// The store failed.
+    #[error("store: {0}")]
+    Store(StoreError),
+}
+
+impl From<StoreError> for ChangeError {
+    fn from(e: StoreError) -> Self {
+        match e {
+            StoreError::Conflict { expected, current } => ChangeError::Conflict { expected, current },
+            other => ChangeError::Store(other),
+        }
+    }
+}
+
+/// The server's shared state.
+pub struct ControlPlane {
+    /// Every version.
+    pub store: Arc<dyn VersionStore>,
+    /// The current snapshot.
+    pub publisher: Arc<Publisher>,
+    /// Connected agents.
+    pub fleet: Arc<Fleet>,
+    /// Server figures.
+    pub metrics: Arc<ServerMetrics>,
+    /// Aggregated agent metrics.
+    pub stats: Arc<Stats>,
+    /// Who owns the policies.
+    pub mode: Mode,
+    changes: Mutex<()>,
+}
+
+impl std::fmt::Debug for ControlPlane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ControlPlane")
+            .field("mode", &self.mode)
+            .field("publisher", &self.publisher)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ControlPlane {
+    /// State over `store`; nothing is published until [`ControlPlane::publish_current`].
+    pub fn new(
+        store: Arc<dyn VersionStore>,
+        publisher: Arc<Publisher>,
+        fleet: Arc<Fleet>,
+        metrics: Arc<ServerMetrics>,
+        stats: Arc<Stats>,
+        mode: Mode,
+    ) -> Self {
+        Self {
+            store,
+            publisher,
+            fleet,
+            metrics,
+            stats,
+            mode,
+            changes: Mutex::new(()),
+        }
+    }
+
+    /// Runs a blocking store call off the async threads.
+    pub async fn blocking<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&dyn VersionStore) -> Result<T, StoreError> + Send + 'static,
+    ) -> Result<T, StoreError> {
+        let store = self.store.clone();
+        tokio::task::spawn_blocking(move || f(store.as_ref()))
+            .await
+            .map_err(|e| StoreError::Backend(Box::new(e)))?
+    }
+
+    /// Publishes the stored current version, if any (at start).
+    pub async fn publish_current(&self) -> Result<Option<VersionRecord>, StoreError> {
+        let current = self.blocking(|s| s.current()).await?;
+        if let Some(record) = &current {
+            self.publisher.publish(record);
+            self.metrics
+                .current_version
+                .set(i64::try_from(record.meta.version).unwrap_or(i64::MAX));
+        }
+        Ok(current)
+    }
+
+    /// Validates, checks and stores a change, then publishes it. One change at a time.
+    pub async fn apply(&self, req: ChangeRequest) -> Result<ChangeOutcome, ChangeError> {
+        let _one_at_a_time = self.changes.lock().await;
+        let result = self.apply_locked(req).await;
+        if matches!(result, Err(ChangeError::Invalid(_) | ChangeError::RemovesEverything(_))) {
+            self.metrics.rejected_changes.inc();
+        }
+        result
+    }
+
+    async fn apply_locked(&self, req: ChangeRequest) -> Result<ChangeOutcome, ChangeError> {
+        let (_, warnings) =
+            convert::validate(req.document.clone()).map_err(ChangeError::Invalid)?;
+        let new_doc = PolicyDocument::try_from(req.document.clone())
+            .map_err(|e| ChangeError::Invalid(e.errors))?;
+        let current = self.blocking(|s| s.current()).await?;
+        let old_doc = match &current {
+            Some(r) => PolicyDocument::try_from(r.document.clone())
+                .map_err(|e| ChangeError::Store(StoreError::Corrupt(e.to_string())))?,
+            None => PolicyDocument::default(),
+        };
+        let changes = diff::diff(&old_doc, &new_doc);
+        let survivors = old_doc
+            .endpoints
+            .iter()
+            .filter(|e| new_doc.endpoint(&e.name.value).is_some())
+            .count();
+        if !old_doc.endpoints.is_empty() && survivors == 0 && !req.force {
+            let names: Vec<&str> = old_doc.endpoints.iter().map(|e| e.name.value.as_str()).collect();
+            return Err(ChangeError::RemovesEverything(names.join(", ")));
+        }
+        if let (Some(expected), Some(cur)) = (req.expected_version, &current)
+            && expected != cur.meta.version
+        {
+            return Err(ChangeError::Conflict {
+                expected,
+                current: cur.meta.version,
+            });
+        }
+        let content_hash = convert::content_hash(&req.document);
+        let unchanged = current
+            .as_ref()
+            .is_some_and(|c| c.meta.content_hash == content_hash);
+        if req.dry_run || unchanged {
+            return Ok(ChangeOutcome {
+                record: current,
+                changed: false,
+                diff: if unchanged { Vec::new() } else { changes },
+                warnings,
+            });
+        }
+        let new = NewVersion {
+            document: req.document,
+            content_hash,
+            source: req.source,
+            author: req.author,
+            summary: diff::summary(&changes),
+            created_unix_ms: unix_ms(),
+        };
+        let expected = req.expected_version;
+        let published = self.blocking(move |s| s.publish(new, expected)).await?;
+        let (record, changed) = match published {
+            Published::New(r) => (r, true),
+            Published::Unchanged(r) => (r, false),
+        };
+        if changed {
+            self.publisher.publish(&record);
+            self.metrics.publishes.inc();
+            self.metrics
+                .current_version
+                .set(i64::try_from(record.meta.version).unwrap_or(i64::MAX));
+            info!(
+                version = record.meta.version,
+                source = record.meta.source.as_str(),
+                summary = %record.meta.summary,
+                "published a new policy version"
+            );
+        }
+        Ok(ChangeOutcome {
+            record: Some(record),
+            changed,
+            diff: changes,
+            warnings,
+        })
+    }
+}

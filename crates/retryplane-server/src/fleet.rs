@@ -1,0 +1,296 @@
+//! Who is connected and what each agent runs (SPEC §3 FleetStatus).
+//!
+//! One entry per agent id. A second stream with the same id replaces the first: the older
+//! stream is told to end, and its late updates are ignored (each registration has its own
+//! generation). Disconnected agents stay listed, up to a bound, so status shows who went away.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Mutex;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use retryplane_proto::pb;
+use tokio::sync::oneshot;
+
+/// How many disconnected agents status keeps listing.
+pub const MAX_DISCONNECTED: usize = 10_000;
+/// Longest NACK error kept, in bytes.
+pub const MAX_ERROR_LEN: usize = 1024;
+
+/// The wall clock in Unix milliseconds, for status timestamps only.
+pub fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+#[derive(Debug)]
+struct Entry {
+    status: pb::AgentStatus,
+    generation: u64,
+    /// Fires to end the stream when a newer one replaces it.
+    replaced: Option<oneshot::Sender<()>>,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    agents: HashMap<String, Entry>,
+    next_generation: u64,
+    connected: usize,
+}
+
+/// The fleet registry.
+#[derive(Debug)]
+pub struct Fleet {
+    inner: Mutex<Inner>,
+    max_agents: usize,
+}
+
+/// A stream's registration: its generation and the signal that it was replaced.
+#[derive(Debug)]
+pub struct Registration {
+    /// Identifies this stream among registrations of the same agent id.
+    pub generation: u64,
+    /// Resolves when a newer stream with the same agent id takes over.
+    pub replaced: oneshot::Receiver<()>,
+}
+
+/// Why a stream could not register.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum RegisterError {
+    /// The server holds its maximum number of connected agents.
+    #[error("the control plane already serves its maximum of {0} agents")]
+    Full(usize),
+}
+
+impl Fleet {
+    /// An empty registry accepting up to `max_agents` connected agents.
+    pub fn new(max_agents: usize) -> Self {
+        Self {
+            inner: Mutex::new(Inner::default()),
+            max_agents,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        // A panic while holding the lock leaves plain data behind; keep serving.
+        self.inner
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Registers a stream from `hello`, replacing any earlier stream of the same agent id.
+    pub fn register(
+        &self,
+        hello: &pb::Hello,
+        peer: Option<SocketAddr>,
+    ) -> Result<Registration, RegisterError> {
+        let now = unix_ms();
+        let mut inner = self.lock();
+        let replacing = inner
+            .agents
+            .get(&hello.agent_id)
+            .is_some_and(|e| e.status.connected);
+        if !replacing && inner.connected >= self.max_agents {
+            return Err(RegisterError::Full(self.max_agents));
+        }
+        inner.next_generation += 1;
+        let generation = inner.next_generation;
+        let (tx, rx) = oneshot::channel();
+        let previous = inner.agents.remove(&hello.agent_id);
+        if let Some(mut old) = previous {
+            if let Some(kick) = old.replaced.take() {
+                let _ = kick.send(());
+            }
+            if old.status.connected {
+                inner.connected -= 1;
+            }
+        }
+        let status = pb::AgentStatus {
+            agent_id: hello.agent_id.clone(),
+            service: hello.service.clone(),
+            labels: hello.labels.clone(),
+            peer: peer.map(|p| p.to_string()).unwrap_or_default(),
+            agent_version: hello.agent_version.clone(),
+            connected: true,
+            connected_since_unix_ms: now,
+            last_seen_unix_ms: now,
+            applied_version: hello.last_applied_version,
+            last_response: String::new(),
+            last_response_version: 0,
+            last_error: String::new(),
+        };
+        inner.agents.insert(
+            hello.agent_id.clone(),
+            Entry {
+                status,
+                generation,
+                replaced: Some(tx),
+            },
+        );
+        inner.connected += 1;
+        Ok(Registration {
+            generation,
+            replaced: rx,
+        })
+    }
+
+    fn update(&self, id: &str, generation: u64, f: impl FnOnce(&mut pb::AgentStatus)) {
+        let mut inner = self.lock();
+        if let Some(entry) = inner.agents.get_mut(id)
+            && entry.generation == generation
+        {
+            entry.status.last_seen_unix_ms = unix_ms();
+            f(&mut entry.status);
+        }
+    }
+
+    /// The agent sent something.
+    pub fn seen(&self, id: &str, generation: u64) {
+        self.update(id, generation, |_| {});
+    }
+
+    /// The agent acknowledged `version`.
+    pub fn ack(&self, id: &str, generation: u64, version: u64) {
+        self.update(id, generation, |s| {
+            s.applied_version = version;
+            s.last_response = "ack".to_owned();
+            s.last_response_version = version;
+            s.last_error.clear();
+        });
+    }
+
+    /// The agent refused `version`; it keeps running what it had.
+    pub fn nack(&self, id: &str, generation: u64, version: u64, error: &str) {
+        let mut error = error.to_owned();
+        if error.len() > MAX_ERROR_LEN {
+            let mut cut = MAX_ERROR_LEN;
+            while !error.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            error.truncate(cut);
+        }
+        self.update(id, generation, |s| {
+            s.last_response = "nack".to_owned();
+            s.last_response_version = version;
+            s.last_error = error;
+        });
+    }
+
+    /// The stream of this registration ended.
+    pub fn disconnected(&self, id: &str, generation: u64) {
+        let mut inner = self.lock();
+        let ended = match inner.agents.get_mut(id) {
+            Some(entry) if entry.generation == generation && entry.status.connected => {
+                entry.status.connected = false;
+                entry.replaced = None;
+                true
+            }
+            _ => false,
+        };
+        if ended {
+            inner.connected -= 1;
+            prune(&mut inner);
+        }
+    }
+
+    /// Agents with an open stream.
+    pub fn connected(&self) -> usize {
+        self.lock().connected
+    }
+
+    /// Every listed agent, sorted by id.
+    pub fn status(&self) -> Vec<pb::AgentStatus> {
+        let mut agents: Vec<_> = self
+            .lock()
+            .agents
+            .values()
+            .map(|e| e.status.clone())
+            .collect();
+        agents.sort_by(|a, b| a.agent_id.cmp(&b.agent_id));
+        agents
+    }
+}
+
+/// Drops the longest-gone disconnected agents past [`MAX_DISCONNECTED`].
+fn prune(inner: &mut Inner) {
+    let gone = inner.agents.len() - inner.connected;
+    if gone <= MAX_DISCONNECTED {
+        return;
+    }
+    let mut disconnected: Vec<(u64, String)> = inner
+        .agents
+        .values()
+        .filter(|e| !e.status.connected)
+        .map(|e| (e.status.last_seen_unix_ms, e.status.agent_id.clone()))
+        .collect();
+    disconnected.sort_unstable();
+    for (_, id) in disconnected.into_iter().take(gone - MAX_DISCONNECTED) {
+        inner.agents.remove(&id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hello(id: &str) -> pb::Hello {
+        pb::Hello {
+            agent_id: id.to_owned(),
+            service: "checkout".to_owned(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_second_stream_with_the_same_id_replaces_the_first() {
+        let fleet = Fleet::new(10);
+        let mut first = fleet.register(&hello("a"), None).unwrap();
+        let second = fleet.register(&hello("a"), None).unwrap();
+        assert!(first.replaced.try_recv().is_ok());
+        assert_eq!(fleet.connected(), 1);
+        // The first stream's late updates are ignored.
+        fleet.ack("a", first.generation, 7);
+        fleet.disconnected("a", first.generation);
+        assert_eq!(fleet.connected(), 1);
+        let status = fleet.status();
+        assert_eq!(status[0].applied_version, 0);
+        assert!(status[0].connected);
+        fleet.ack("a", second.generation, 7);
+        assert_eq!(fleet.status()[0].applied_version, 7);
+    }
+
+    #[test]
+    fn nack_keeps_the_applied_version_and_records_the_error() {
+        let fleet = Fleet::new(10);
+        let mut h = hello("a");
+        h.last_applied_version = 3;
+        let reg = fleet.register(&h, None).unwrap();
+        fleet.nack("a", reg.generation, 4, &"x".repeat(5000));
+        let s = &fleet.status()[0];
+        assert_eq!(s.applied_version, 3);
+        assert_eq!(s.last_response, "nack");
+        assert_eq!(s.last_response_version, 4);
+        assert_eq!(s.last_error.len(), MAX_ERROR_LEN);
+    }
+
+    #[test]
+    fn the_agent_limit_refuses_new_agents_but_not_replacements() {
+        let fleet = Fleet::new(1);
+        let _a = fleet.register(&hello("a"), None).unwrap();
+        assert_eq!(
+            fleet.register(&hello("b"), None).unwrap_err(),
+            RegisterError::Full(1)
+        );
+        assert!(fleet.register(&hello("a"), None).is_ok());
+    }
+
+    #[test]
+    fn disconnected_agents_stay_listed() {
+        let fleet = Fleet::new(10);
+        let reg = fleet.register(&hello("a"), None).unwrap();
+        fleet.disconnected("a", reg.generation);
+        assert_eq!(fleet.connected(), 0);
+        assert!(!fleet.status()[0].connected);
+    }
+}

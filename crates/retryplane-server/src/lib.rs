@@ -1,0 +1,23 @@
+//! The retryplane control plane (`retryplane serve`, SPEC §3).
+//!
+//! A versioned snapshot store plus thin gRPC and HTTP layers (STYLE.md #9): the [`store`] decides
+//! versions and keeps every one of them in an embedded database; [`control`] is the one path by
+//! which policies change (validate, safety checks, store, publish); the [`agent_stream`] service
+//! only fans the current snapshot out to connected agents and records their ACKs and NACKs; the
+//! [`admin`] service validates, applies, diffs and rolls back; [`http`] serves health and
+//! Prometheus metrics; [`server`] wires listeners, auth, the file watcher and shutdown.
+
+#![forbid(unsafe_code)]
+
+pub mod admin;
+pub mod agent_stream;
+pub mod auth;
+pub mod control;
+pub mod fleet;
+pub mod http;
+pub mod metrics;
+pub mod publisher;
+pub mod server;
+pub mod stats;
+pub mod store;
+pub mod watch;

@@ -1,0 +1,101 @@
+//! The server's own figures, in Prometheus text format (`/metrics`).
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+/// Counters and gauges the server updates; cheap to clone handles, shared by all streams.
+#[derive(Debug)]
+pub struct ServerMetrics {
+    registry: Registry,
+    /// Agents with an open stream.
+    pub agents_connected: Gauge,
+    /// Snapshots sent to agents.
+    pub pushes: Counter,
+    /// ACKs received.
+    pub acks: Counter,
+    /// NACKs received.
+    pub nacks: Counter,
+    /// The version being served.
+    pub current_version: Gauge,
+    /// Versions published since start.
+    pub publishes: Counter,
+    /// Policy changes refused (invalid file saves, invalid applies).
+    pub rejected_changes: Counter,
+    /// Metrics reports dropped for coming too fast.
+    pub reports_dropped: Counter,
+    /// Streams refused because the agent limit was reached.
+    pub streams_refused: Counter,
+}
+
+impl Default for ServerMetrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl ServerMetrics {
+    /// A fresh registry with every metric registered under the `retryplane_server` prefix.
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("retryplane_server");
+        let agents_connected = Gauge::default();
+        let pushes = Counter::default();
+        let acks = Counter::default();
+        let nacks = Counter::default();
+        let current_version = Gauge::default();
+        let publishes = Counter::default();
+        let rejected_changes = Counter::default();
+        let reports_dropped = Counter::default();
+        let streams_refused = Counter::default();
+        registry.register(
+            "agents_connected",
+            "Agents with an open stream",
+            agents_connected.clone(),
+        );
+        registry.register("pushes", "Snapshots sent to agents", pushes.clone());
+        registry.register("acks", "Snapshot ACKs received from agents", acks.clone());
+        registry.register("nacks", "Snapshot NACKs received from agents", nacks.clone());
+        registry.register(
+            "current_version",
+            "Policy version being served",
+            current_version.clone(),
+        );
+        registry.register("publishes", "Policy versions published", publishes.clone());
+        registry.register(
+            "rejected_changes",
+            "Policy changes refused by validation or safety checks",
+            rejected_changes.clone(),
+        );
+        registry.register(
+            "reports_dropped",
+            "Agent metrics reports dropped for exceeding the per-stream rate",
+            reports_dropped.clone(),
+        );
+        registry.register(
+            "streams_refused",
+            "Agent streams refused because the agent limit was reached",
+            streams_refused.clone(),
+        );
+        Self {
+            registry,
+            agents_connected,
+            pushes,
+            acks,
+            nacks,
+            current_version,
+            publishes,
+            rejected_changes,
+            reports_dropped,
+            streams_refused,
+        }
+    }
+
+    /// The exposition text.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = encode(&mut out, &self.registry);
+        out
+    }
+}

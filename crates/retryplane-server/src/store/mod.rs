@@ -1,0 +1,275 @@
+//! The version store: every published policy document, numbered (SPEC §3).
+//!
+//! The store is the single place that decides version numbers (STYLE.md #9). A publish is one
+//! atomic step: it reads the current version, checks the caller's expected version (optimistic
+//! concurrency), compares content hashes, and appends `current + 1` — or, when the content is
+//! the same as the current version's, writes nothing and answers [`Published::Unchanged`], so the
+//! same content is never republished under a new version. Versions start at 1; 0 means "the
+//! store is empty" wherever a version number is expected.
+//!
+//! The content hash is the caller's: `retryplane_proto::convert::content_hash`, computed over a
+//! canonical form of the document (endpoint order and empty sections do not count), so equal
+//! hashes mean equal content. The store compares hashes and stores them as given, but never
+//! recomputes them: a later change to the canonical form must not turn stored versions into
+//! "corrupt" ones. Integrity of the stored bytes is the backend's business ([`RedbStore`] keeps
+//! its own checksum of every stored document).
+//!
+//! The store sits behind the small [`VersionStore`] trait so that another backend (etcd, SPEC §6)
+//! can replace the embedded one. Its methods are synchronous, as the embedded database is; async
+//! callers run them with `tokio::task::spawn_blocking`.
+//!
+//! - [`RedbStore`]: the embedded, crash-safe backend under the data directory.
+//! - [`MemoryStore`]: a `Vec` behind a mutex, for tests of other components.
+
+use std::path::PathBuf;
+
+use retryplane_proto::pb;
+
+mod memory;
+mod redb;
+#[cfg(test)]
+mod redb_tests;
+#[cfg(test)]
+mod tests;
+
+pub use self::memory::MemoryStore;
+pub use self::redb::RedbStore;
+
+/// Where a version came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Source {
+    /// The policy file (file mode, or the seed of an empty store in API mode).
+    File,
+    /// The admin API (`retryplane apply`).
+    Admin,
+    /// An admin rollback that restored the content of an older version.
+    Rollback {
+        /// The version whose content was restored.
+        from: u64,
+    },
+}
+
+impl Source {
+    /// The name used on the wire and in history listings: `"file"`, `"admin"` or `"rollback"`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Self::File => "file",
+            Self::Admin => "admin",
+            Self::Rollback { .. } => "rollback",
+        }
+    }
+
+    /// For a rollback, the version whose content was restored.
+    pub fn rolled_back_from(&self) -> Option<u64> {
+        match self {
+            Self::Rollback { from } => Some(*from),
+            Self::File | Self::Admin => None,
+        }
+    }
+}
+
+/// Everything about a stored version except its document.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VersionMeta {
+    /// The version number, from 1.
+    pub version: u64,
+    /// The content hash the version was published with.
+    pub content_hash: String,
+    /// Where the version came from.
+    pub source: Source,
+    /// The name of the admin token that made it, if any.
+    pub author: Option<String>,
+    /// When it was published, in milliseconds since the Unix epoch.
+    pub created_unix_ms: u64,
+    /// A one-line description of the change, e.g. "+1 endpoint, 2 modified".
+    pub summary: String,
+}
+
+/// A stored version: its metadata and its document.
+#[derive(Clone, Debug, PartialEq)]
+pub struct VersionRecord {
+    /// The metadata.
+    pub meta: VersionMeta,
+    /// The policy document as published.
+    pub document: pb::PolicyDocument,
+}
+
+/// A document to publish, with what the store records about it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NewVersion {
+    /// The policy document, already validated by the caller.
+    pub document: pb::PolicyDocument,
+    /// The content hash of `document` (`retryplane_proto::convert::content_hash`); equal hashes
+    /// mean equal content. Stored as given.
+    pub content_hash: String,
+    /// Where it comes from.
+    pub source: Source,
+    /// The name of the admin token that sent it, if any.
+    pub author: Option<String>,
+    /// A one-line description of the change.
+    pub summary: String,
+    /// The caller's clock, in milliseconds since the Unix epoch (the store reads no clock).
+    pub created_unix_ms: u64,
+}
+
+/// The outcome of [`VersionStore::publish`].
+#[derive(Clone, Debug, PartialEq)]
+pub enum Published {
+    /// A new version was stored and is now current.
+    New(VersionRecord),
+    /// The content equals the current version's; nothing was written. Holds the current version.
+    Unchanged(VersionRecord),
+}
+
+impl Published {
+    /// The version now current, whether new or not.
+    pub fn record(&self) -> &VersionRecord {
+        match self {
+            Self::New(record) | Self::Unchanged(record) => record,
+        }
+    }
+
+    /// Takes the version now current, whether new or not.
+    pub fn into_record(self) -> VersionRecord {
+        match self {
+            Self::New(record) | Self::Unchanged(record) => record,
+        }
+    }
+
+    /// Whether a new version was stored.
+    pub fn is_new(&self) -> bool {
+        matches!(self, Self::New(_))
+    }
+}
+
+/// Why a store operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The current version is not the one the caller expected (0 = empty store).
+    #[error("expected version {expected} to be current, but the current version is {current}")]
+    Conflict {
+        /// The version the caller expected.
+        expected: u64,
+        /// The version actually current (0 = empty store).
+        current: u64,
+    },
+    /// A rollback names a version that is not stored.
+    #[error("version {version} does not exist")]
+    NoSuchVersion {
+        /// The missing version.
+        version: u64,
+    },
+    /// Another process (or another handle in this one) holds the store.
+    #[error("the data directory {} is in use by another retryplane process", dir.display())]
+    InUse {
+        /// The data directory.
+        dir: PathBuf,
+    },
+    /// The stored data is inconsistent; the store refuses to serve it.
+    #[error("the version store is corrupt: {0}")]
+    Corrupt(String),
+    /// The data directory cannot be created.
+    #[error("cannot create the data directory {}", dir.display())]
+    CreateDir {
+        /// The data directory.
+        dir: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The storage backend failed (I/O error, failed commit, ...).
+    #[error("the version store backend failed")]
+    Backend(#[source] Box<dyn std::error::Error + Send + Sync + 'static>),
+}
+
+/// A versioned, append-only store of policy documents.
+///
+/// Implementations are cheap to share (`Arc<dyn VersionStore>`) and every method is atomic on
+/// its own.
+pub trait VersionStore: Send + Sync + 'static {
+    /// The current version, or `None` for an empty store.
+    fn current(&self) -> Result<Option<VersionRecord>, StoreError>;
+
+    /// A stored version, or `None` if it does not exist.
+    fn get(&self, version: u64) -> Result<Option<VersionRecord>, StoreError>;
+
+    /// The metadata of the newest `limit` versions, newest first; `limit == 0` means all.
+    fn history(&self, limit: usize) -> Result<Vec<VersionMeta>, StoreError>;
+
+    /// Publishes `new` as version `current + 1` in one atomic transaction.
+    ///
+    /// In order: `expected == Some(v)` fails with [`StoreError::Conflict`] unless the current
+    /// version is `v` (0 meaning "empty store"); a rollback from a version that is not stored
+    /// fails with [`StoreError::NoSuchVersion`]; a content hash equal to the current version's
+    /// writes nothing and returns [`Published::Unchanged`] with the current version.
+    fn publish(&self, new: NewVersion, expected: Option<u64>) -> Result<Published, StoreError>;
+}
+
+impl From<&VersionMeta> for pb::VersionInfo {
+    fn from(meta: &VersionMeta) -> Self {
+        Self {
+            version: meta.version,
+            content_hash: meta.content_hash.clone(),
+            source: meta.source.as_str().to_owned(),
+            author: meta.author.clone().unwrap_or_default(),
+            created_unix_ms: meta.created_unix_ms,
+            summary: meta.summary.clone(),
+            rolled_back_from: meta.source.rolled_back_from().unwrap_or(0),
+        }
+    }
+}
+
+// === shared by the backends ===
+
+/// What a publish does, decided the same way by every backend.
+#[derive(Debug, PartialEq)]
+pub(crate) enum Plan<'a> {
+    /// The content equals the current version's (held here): write nothing.
+    Unchanged(&'a VersionRecord),
+    /// Append this version.
+    Append(u64),
+}
+
+/// Decides a publish of `new` on top of `current`.
+///
+/// `current` is `None` for an empty store. The caller must hold whatever makes the read of
+/// `current` and the following write one atomic step.
+pub(crate) fn plan<'a>(
+    current: Option<&'a VersionRecord>,
+    new: &NewVersion,
+    expected: Option<u64>,
+) -> Result<Plan<'a>, StoreError> {
+    let current_version = current.map_or(0, |record| record.meta.version);
+    if let Some(expected) = expected.filter(|&expected| expected != current_version) {
+        return Err(StoreError::Conflict {
+            expected,
+            current: current_version,
+        });
+    }
+    if let Some(from) = new.source.rolled_back_from()
+        && (from == 0 || from > current_version)
+    {
+        return Err(StoreError::NoSuchVersion { version: from });
+    }
+    match current {
+        Some(record) if record.meta.content_hash == new.content_hash => Ok(Plan::Unchanged(record)),
+        _ => Ok(Plan::Append(current_version + 1)),
+    }
+}
+
+/// The metadata of `new` stored as `version`.
+pub(crate) fn meta_of(new: &NewVersion, version: u64) -> VersionMeta {
+    VersionMeta {
+        version,
+        content_hash: new.content_hash.clone(),
+        source: new.source,
+        author: new.author.clone(),
+        created_unix_ms: new.created_unix_ms,
+        summary: new.summary.clone(),
+    }
+}
+
+/// How many of `len` entries a history with `limit` returns (0 = all).
+pub(crate) fn history_len(len: usize, limit: usize) -> usize {
+    if limit == 0 { len } else { len.min(limit) }
+}

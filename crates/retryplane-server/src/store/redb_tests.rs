@@ -1,0 +1,195 @@
+//! Tests of the embedded backend beyond the [`VersionStore`] contract: reopening, locking, and
+//! refusing inconsistent data on open.
+
+use std::path::Path;
+
+use retryplane_proto::{convert::content_hash, pb};
+
+use super::tests::{publish_new, version_of};
+use super::{RedbStore, Source, StoreError, VersionStore};
+
+const VERSIONS: ::redb::TableDefinition<'_, u64, &[u8]> = ::redb::TableDefinition::new("versions");
+const META: ::redb::TableDefinition<'_, &str, u64> = ::redb::TableDefinition::new("meta");
+
+/// Writes into the store's file directly, as something other than the store would.
+fn tamper(dir: &Path, change: impl FnOnce(&::redb::WriteTransaction)) {
+    let db = ::redb::Database::create(dir.join("retryplane.redb")).unwrap();
+    let txn = db.begin_write().unwrap();
+    change(&txn);
+    txn.commit().unwrap();
+}
+
+/// Creates a store in `dir` holding version 1, and closes it.
+fn store_with_one_version(dir: &Path) {
+    let store = RedbStore::open(dir).unwrap();
+    publish_new(&store, "a");
+}
+
+fn open_err(dir: &Path) -> StoreError {
+    RedbStore::open(dir).map(|_| ()).unwrap_err()
+}
+
+#[test]
+fn open_creates_the_data_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("a/b");
+    let store = RedbStore::open(&data).unwrap();
+    assert_eq!(store.path(), data.join("retryplane.redb"));
+    assert!(store.path().is_file());
+}
+
+#[test]
+fn reopening_after_drop_serves_the_same_version_and_hash() {
+    let dir = tempfile::tempdir().unwrap();
+    let (before, history) = {
+        let store = RedbStore::open(dir.path()).unwrap();
+        publish_new(&store, "a");
+        store
+            .publish(version_of("b", Source::Rollback { from: 1 }), None)
+            .unwrap();
+        (store.current().unwrap().unwrap(), store.history(0).unwrap())
+    };
+    let store = RedbStore::open(dir.path()).unwrap();
+    assert_eq!(store.current().unwrap().unwrap(), before);
+    assert_eq!(store.history(0).unwrap(), history);
+    assert_eq!(before.meta.version, 2);
+    assert_eq!(
+        before.meta.content_hash,
+        version_of("b", Source::File).content_hash
+    );
+    assert_eq!(publish_new(&store, "c"), 3);
+}
+
+#[test]
+fn a_document_keeps_its_endpoint_order_and_hash_across_a_reopen() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut new = version_of("b", Source::File);
+    new.document.endpoints.push(pb::Endpoint {
+        name: "a".to_owned(),
+        ..Default::default()
+    });
+    // The canonical hash sorts endpoints; the stored document does not.
+    new.content_hash = content_hash(&new.document);
+    let published = RedbStore::open(dir.path())
+        .unwrap()
+        .publish(new.clone(), None)
+        .unwrap();
+    assert!(published.is_new());
+
+    let store = RedbStore::open(dir.path()).unwrap();
+    let current = store.current().unwrap().unwrap();
+    assert_eq!(current.document, new.document);
+    assert_eq!(current.meta.content_hash, new.content_hash);
+}
+
+#[test]
+fn a_second_open_of_the_same_directory_reports_it_in_use() {
+    let dir = tempfile::tempdir().unwrap();
+    let _store = RedbStore::open(dir.path()).unwrap();
+    let err = open_err(dir.path());
+    assert!(
+        matches!(&err, StoreError::InUse { dir: d } if d == dir.path()),
+        "{err:?}"
+    );
+    let message = err.to_string();
+    assert!(
+        message.contains("in use by another retryplane process"),
+        "{message}"
+    );
+    assert!(
+        message.contains(&dir.path().display().to_string()),
+        "{message}"
+    );
+}
+
+#[test]
+fn garbage_in_the_current_record_is_corrupt_on_open() {
+    let dir = tempfile::tempdir().unwrap();
+    store_with_one_version(dir.path());
+    tamper(dir.path(), |txn| {
+        let mut versions = txn.open_table(VERSIONS).unwrap();
+        versions
+            .insert(1, b"\xff\xff\xff garbage".as_slice())
+            .unwrap();
+    });
+    let err = open_err(dir.path());
+    assert!(
+        matches!(&err, StoreError::Corrupt(m) if m.contains("version 1")),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn a_record_whose_document_does_not_match_its_checksum_is_corrupt_on_open() {
+    let dir = tempfile::tempdir().unwrap();
+    store_with_one_version(dir.path());
+    tamper(dir.path(), |txn| {
+        use ::redb::ReadableTable as _;
+        let mut versions = txn.open_table(VERSIONS).unwrap();
+        let mut bytes = versions.get(1).unwrap().unwrap().value().to_vec();
+        // The document's bytes come last: the endpoint name "a" becomes "b".
+        let last = bytes.len() - 1;
+        assert_eq!(bytes[last], b'a');
+        bytes[last] = b'b';
+        versions.insert(1, bytes.as_slice()).unwrap();
+    });
+    let err = open_err(dir.path());
+    assert!(
+        matches!(&err, StoreError::Corrupt(m) if m.contains("hashes to")),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn a_current_version_without_its_record_is_corrupt_on_open() {
+    let dir = tempfile::tempdir().unwrap();
+    store_with_one_version(dir.path());
+    tamper(dir.path(), |txn| {
+        txn.open_table(META).unwrap().insert("current", 2).unwrap();
+    });
+    let err = open_err(dir.path());
+    assert!(
+        matches!(&err, StoreError::Corrupt(m) if m.contains("current version is 2")),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn records_without_a_current_version_are_corrupt_on_open() {
+    let dir = tempfile::tempdir().unwrap();
+    store_with_one_version(dir.path());
+    tamper(dir.path(), |txn| {
+        txn.open_table(META).unwrap().remove("current").unwrap();
+    });
+    let err = open_err(dir.path());
+    assert!(
+        matches!(&err, StoreError::Corrupt(m) if m.contains("no current")),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn a_file_that_is_not_a_database_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("retryplane.redb"), vec![0x5a; 8192]).unwrap();
+    let err = open_err(dir.path());
+    assert!(
+        matches!(&err, StoreError::Corrupt(m) if m.contains("not a redb file")),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn a_damaged_page_is_corrupt_on_open() {
+    let dir = tempfile::tempdir().unwrap();
+    store_with_one_version(dir.path());
+    let file = dir.path().join("retryplane.redb");
+    let mut bytes = std::fs::read(&file).unwrap();
+    // Every page but the header: redb's checksums catch it instead of trusting the file.
+    for offset in (4096..bytes.len()).step_by(4096) {
+        bytes[offset + 100..offset + 200].fill(0xa5);
+    }
+    std::fs::write(&file, bytes).unwrap();
+    let err = open_err(dir.path());
+    assert!(matches!(err, StoreError::Corrupt(_)), "{err:?}");
+}
