@@ -14,13 +14,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let fds = protox::compile(&files, [&root])?;
     let out = PathBuf::from(std::env::var("OUT_DIR")?);
-    std::fs::write(out.join("retryplane_v1_descriptor.bin"), fds.encode_to_vec())?;
+    std::fs::write(
+        out.join("retryplane_v1_descriptor.bin"),
+        fds.encode_to_vec(),
+    )?;
     tonic_prost_build::configure()
         .build_client(true)
         .build_server(true)
         .build_transport(false)
         // ServerMessage keeps its snapshot encoded, so one encoding serves every stream.
-        .extern_path(".retryplane.v1.ServerMessage", "crate::frame::ServerMessage")
+        .extern_path(
+            ".retryplane.v1.ServerMessage",
+            "crate::frame::ServerMessage",
+        )
         .compile_fds(fds)?;
     Ok(())
 }

@@ -43,7 +43,9 @@ impl Source {
         })
     }
 
-    fn read(&self) -> anyhow::Result<Contents> {
+    /// Reads the raw bytes, at most [`MAX_FILE_BYTES`] (for sending them elsewhere, such as
+    /// the admin API). `Err` only when the bytes cannot be read.
+    pub fn read(&self) -> anyhow::Result<Contents> {
         match self {
             Source::Stdin => read_limited(io::stdin().lock(), None).context("cannot read stdin"),
             Source::Path(path) => {
@@ -77,7 +79,7 @@ impl fmt::Display for Source {
 const MAX_BYTES: u64 = MAX_FILE_BYTES as u64;
 
 /// What reading found.
-enum Contents {
+pub enum Contents {
     /// The whole input, at most [`MAX_FILE_BYTES`].
     Bytes(Vec<u8>),
     /// More than [`MAX_FILE_BYTES`]; the size when known.
@@ -97,7 +99,7 @@ fn read_limited(reader: impl Read, size_hint: Option<u64>) -> io::Result<Content
 }
 
 /// The same refusal the policy crate gives an oversized buffer, without reading it all.
-fn too_large(size: Option<u64>) -> Loaded {
+pub fn too_large(size: Option<u64>) -> Loaded {
     let size = size.map_or_else(|| format!("more than {MAX_FILE_BYTES}"), |s| s.to_string());
     Loaded {
         policies: None,

@@ -27,9 +27,11 @@
 
 #![forbid(unsafe_code)]
 
+mod admin;
 mod explain;
 mod input;
 mod output;
+mod serve;
 mod validate;
 
 use std::io::{self, Write};
@@ -59,6 +61,20 @@ enum Command {
     Validate(validate::Args),
     /// Show the effective policy of one call, its retry schedule and its worst-case load.
     Explain(explain::Args),
+    /// Publish a policy file as the new version on the control plane (API mode).
+    Apply(admin::apply::Args),
+    /// Show what `apply FILE` would change on the control plane, changing nothing.
+    Diff(admin::diff::Args),
+    /// Print the current (or a past) version from the control plane.
+    Get(admin::get::Args),
+    /// List the stored versions, newest first.
+    History(admin::history::Args),
+    /// Publish the content of a past version as a new version.
+    Rollback(admin::rollback::Args),
+    /// Show the connected agents and how far the fleet is on the current version.
+    Status(admin::status::Args),
+    /// Run the control plane until SIGTERM or Ctrl-C.
+    Serve(serve::Args),
 }
 
 /// How a command ended; each outcome is one exit code.
@@ -138,6 +154,13 @@ fn run(cli: Cli) -> anyhow::Result<Report> {
     match cli.command {
         Command::Validate(args) => validate::run(&args.try_into()?),
         Command::Explain(args) => explain::run(&args.try_into()?),
+        Command::Apply(args) => admin::apply::run(&args.try_into()?),
+        Command::Diff(args) => admin::diff::run(&args.try_into()?),
+        Command::Get(args) => admin::get::run(&args.try_into()?),
+        Command::History(args) => admin::history::run(&args.try_into()?),
+        Command::Rollback(args) => admin::rollback::run(&args.try_into()?),
+        Command::Status(args) => admin::status::run(&args.try_into()?),
+        Command::Serve(args) => serve::run(args.into()),
     }
 }
 

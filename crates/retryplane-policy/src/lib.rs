@@ -28,7 +28,7 @@ pub mod validate;
 mod window;
 pub mod yaml;
 
-pub use model::*;
 pub use diag::{Diagnostic, Severity};
 pub use document::{PolicyDocument, Target};
+pub use model::*;
 pub use set::{EndpointPolicy, InvalidPolicy, Loaded, PolicySet, load};

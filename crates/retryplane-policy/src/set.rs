@@ -64,6 +64,15 @@ impl PolicySet {
         document: PolicyDocument,
     ) -> Result<(Self, Vec<Diagnostic>), InvalidPolicy> {
         let mut diags = Vec::new();
+        if document.endpoints.is_empty() {
+            // A file gets this error, located, from the parser; a document from the API or
+            // the wire gets it here.
+            diags.push(Diagnostic::error(
+                crate::yaml::Loc::UNKNOWN,
+                "endpoints",
+                "the policies define no endpoints",
+            ));
+        }
         crate::validate::check(&document, &mut diags);
         diag::normalize(&mut diags);
         if diags.iter().any(Diagnostic::is_error) {

@@ -64,7 +64,9 @@ pub enum ChangeError {
     #[error("invalid policies: {} error(s)", .0.len())]
     Invalid(Vec<Diagnostic>),
     /// The change removes every endpoint of the current version.
-    #[error("the change removes every endpoint ({0}); this takes the whole fleet's policies away: pass force to do it anyway")]
+    #[error(
+        "the change removes every endpoint ({0}); this takes the whole fleet's policies away: pass force to do it anyway"
+    )]
     RemovesEverything(String),
     /// Another change came first.
     #[error("version conflict: expected version {expected}, current is {current}")]
@@ -82,7 +84,9 @@ pub enum ChangeError {
 impl From<StoreError> for ChangeError {
     fn from(e: StoreError) -> Self {
         match e {
-            StoreError::Conflict { expected, current } => ChangeError::Conflict { expected, current },
+            StoreError::Conflict { expected, current } => {
+                ChangeError::Conflict { expected, current }
+            }
             other => ChangeError::Store(other),
         }
     }
@@ -162,7 +166,10 @@ impl ControlPlane {
     pub async fn apply(&self, req: ChangeRequest) -> Result<ChangeOutcome, ChangeError> {
         let _one_at_a_time = self.changes.lock().await;
         let result = self.apply_locked(req).await;
-        if matches!(result, Err(ChangeError::Invalid(_) | ChangeError::RemovesEverything(_))) {
+        if matches!(
+            result,
+            Err(ChangeError::Invalid(_) | ChangeError::RemovesEverything(_))
+        ) {
             self.metrics.rejected_changes.inc();
         }
         result
@@ -186,7 +193,11 @@ impl ControlPlane {
             .filter(|e| new_doc.endpoint(&e.name.value).is_some())
             .count();
         if !old_doc.endpoints.is_empty() && survivors == 0 && !req.force {
-            let names: Vec<&str> = old_doc.endpoints.iter().map(|e| e.name.value.as_str()).collect();
+            let names: Vec<&str> = old_doc
+                .endpoints
+                .iter()
+                .map(|e| e.name.value.as_str())
+                .collect();
             return Err(ChangeError::RemovesEverything(names.join(", ")));
         }
         if let (Some(expected), Some(cur)) = (req.expected_version, &current)

@@ -55,7 +55,11 @@ impl ServerMetrics {
         );
         registry.register("pushes", "Snapshots sent to agents", pushes.clone());
         registry.register("acks", "Snapshot ACKs received from agents", acks.clone());
-        registry.register("nacks", "Snapshot NACKs received from agents", nacks.clone());
+        registry.register(
+            "nacks",
+            "Snapshot NACKs received from agents",
+            nacks.clone(),
+        );
         registry.register(
             "current_version",
             "Policy version being served",

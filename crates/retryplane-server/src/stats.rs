@@ -37,10 +37,12 @@ impl Stats {
             } else {
                 OTHER
             };
-            let s = map.entry(name.to_owned()).or_insert_with(|| pb::EndpointStats {
-                endpoint: name.to_owned(),
-                ..Default::default()
-            });
+            let s = map
+                .entry(name.to_owned())
+                .or_insert_with(|| pb::EndpointStats {
+                    endpoint: name.to_owned(),
+                    ..Default::default()
+                });
             s.calls = s.calls.saturating_add(c.calls);
             s.attempts = s.attempts.saturating_add(c.attempts);
             s.retries = s.retries.saturating_add(c.retries);
@@ -50,7 +52,9 @@ impl Stats {
             s.gave_up_budget = s.gave_up_budget.saturating_add(c.gave_up_budget);
             s.gave_up_deadline = s.gave_up_deadline.saturating_add(c.gave_up_deadline);
             s.gave_up_retry_after = s.gave_up_retry_after.saturating_add(c.gave_up_retry_after);
-            s.gave_up_not_retryable = s.gave_up_not_retryable.saturating_add(c.gave_up_not_retryable);
+            s.gave_up_not_retryable = s
+                .gave_up_not_retryable
+                .saturating_add(c.gave_up_not_retryable);
             s.circuit_open = s.circuit_open.saturating_add(c.circuit_open);
             s.backoff_ms = s.backoff_ms.saturating_add(c.backoff_ms);
             s.retry_after_honored = s.retry_after_honored.saturating_add(c.retry_after_honored);
@@ -98,7 +102,10 @@ mod tests {
         stats.add(&report(&[("a", 3), ("b", 1)]));
         stats.add(&report(&[("a", 4)]));
         let s = stats.snapshot(None);
-        assert_eq!((s[0].endpoint.as_str(), s[0].calls, s[0].retries), ("a", 7, 2));
+        assert_eq!(
+            (s[0].endpoint.as_str(), s[0].calls, s[0].retries),
+            ("a", 7, 2)
+        );
         assert_eq!(stats.snapshot(Some("b"))[0].calls, 1);
     }
 

@@ -1,0 +1,186 @@
+//! `retryplane apply FILE`: publish a policy file as the new version (API mode).
+//!
+//! Text output: the server's warnings as `FILE:LINE:COLUMN: warning: PATH: message` lines, the
+//! diff against the current version (`+ added`, `- removed`, `~ modified` endpoints, detail
+//! lines indented), then one result line: `applied v7 (sha256 0123456789ab…)`,
+//! `no changes (v6)`, or with `--dry-run` `dry run: would change v6: +1 endpoint, -0, 2 modified`
+//! (`dry run: no changes (v6)`). A refused file prints the server's diagnostics like
+//! `retryplane validate` and exits 1; so do a version conflict (`--expected-version`) and a
+//! change that removes every endpoint without `--force`.
+
+use std::fmt::Write as _;
+use std::path::PathBuf;
+
+use super::change::{self, ApplyFlags};
+use super::client::Client;
+use super::{Server, ServerArgs, block_on, short_hash};
+use crate::input::Source;
+use crate::output::{self, Format};
+use crate::{Outcome, Report};
+
+/// `retryplane apply` flags, as parsed.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Policy file to publish; `-` reads standard input.
+    #[arg(value_name = "FILE")]
+    file: PathBuf,
+    /// Only show what would change; store nothing.
+    #[arg(long)]
+    dry_run: bool,
+    /// Refuse unless version N is current (another change came first otherwise).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    expected_version: Option<u64>,
+    /// Allow a change that removes every endpoint.
+    #[arg(long)]
+    force: bool,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t, alias = "format")]
+    output: Format,
+    #[command(flatten)]
+    server: ServerArgs,
+}
+
+/// What to apply and where, checked once.
+#[derive(Debug)]
+pub struct Settings {
+    /// The policy file.
+    pub source: Source,
+    /// Dry run, expected version, force.
+    pub flags: ApplyFlags,
+    /// Output format.
+    pub format: Format,
+    /// The control plane.
+    pub server: Server,
+}
+
+impl TryFrom<Args> for Settings {
+    type Error = anyhow::Error;
+
+    fn try_from(args: Args) -> anyhow::Result<Self> {
+        Ok(Self {
+            source: Source::from_arg(args.file),
+            flags: ApplyFlags {
+                expected_version: args.expected_version,
+                dry_run: args.dry_run,
+                force: args.force,
+            },
+            format: args.output,
+            server: args.server.try_into()?,
+        })
+    }
+}
+
+/// Sends the file to `Apply`; see the module docs for what is printed.
+pub fn run(settings: &Settings) -> anyhow::Result<Report> {
+    let file = match change::read_policy(&settings.source, settings.format)? {
+        Ok(file) => file,
+        Err(report) => return Ok(report),
+    };
+    block_on(async {
+        let mut client = Client::connect(&settings.server).await?;
+        let response =
+            match change::apply(&mut client, &file, settings.flags, settings.format).await? {
+                Ok(response) => response,
+                Err(report) => return Ok(report),
+            };
+        let stdout = match settings.format {
+            Format::Json => output::json(&change::change_json(
+                &response,
+                &file.name,
+                settings.flags.dry_run,
+            ))?,
+            Format::Text => {
+                let mut out = String::new();
+                let warnings: Vec<_> = response.warnings.iter().map(change::diagnostic).collect();
+                change::push_diagnostics(&mut out, &file.name, &warnings);
+                change::push_diff(&mut out, &response.diff);
+                out.push_str(&result_line(&response, settings.flags.dry_run));
+                out
+            }
+        };
+        Ok(Report {
+            stdout,
+            outcome: Outcome::Success,
+        })
+    })
+}
+
+/// The last line of `apply`'s text output, with its newline.
+fn result_line(response: &retryplane_proto::pb::ApplyResponse, dry_run: bool) -> String {
+    let mut line = String::new();
+    let version = response.version;
+    if dry_run {
+        if response.diff.is_empty() {
+            let _ = write!(line, "dry run: no changes (v{version})");
+        } else if version == 0 {
+            let _ = write!(
+                line,
+                "dry run: would publish the first version: {}",
+                change::summary(&response.diff)
+            );
+        } else {
+            let _ = write!(
+                line,
+                "dry run: would change v{version}: {}",
+                change::summary(&response.diff)
+            );
+        }
+    } else if response.changed {
+        let _ = write!(
+            line,
+            "applied v{version} (sha256 {}…)",
+            short_hash(&response.content_hash)
+        );
+    } else {
+        let _ = write!(line, "no changes (v{version})");
+    }
+    line.push('\n');
+    line
+}
+
+#[cfg(test)]
+mod tests {
+    use retryplane_proto::pb;
+
+    use super::*;
+
+    fn response(version: u64, changed: bool, diff: usize) -> pb::ApplyResponse {
+        pb::ApplyResponse {
+            version,
+            content_hash: "0123456789abcdef0123456789abcdef".to_owned(),
+            changed,
+            diff: (0..diff)
+                .map(|i| pb::DiffEntry {
+                    endpoint: format!("e{i}"),
+                    change: pb::diff_entry::Change::Added as i32,
+                    details: Vec::new(),
+                })
+                .collect(),
+            warnings: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn the_result_line_says_what_happened() {
+        assert_eq!(
+            result_line(&response(7, true, 1), false),
+            "applied v7 (sha256 0123456789ab…)\n"
+        );
+        assert_eq!(
+            result_line(&response(6, false, 0), false),
+            "no changes (v6)\n"
+        );
+        assert_eq!(
+            result_line(&response(6, false, 2), true),
+            "dry run: would change v6: +2 endpoints, -0, 0 modified\n"
+        );
+        assert_eq!(
+            result_line(&response(6, false, 0), true),
+            "dry run: no changes (v6)\n"
+        );
+        assert_eq!(
+            result_line(&response(0, false, 1), true),
+            "dry run: would publish the first version: +1 endpoint, -0, 0 modified\n"
+        );
+    }
+}

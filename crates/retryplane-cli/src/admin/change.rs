@@ -1,0 +1,325 @@
+//! What `apply`, `diff` and `rollback` share: sending a policy file, and printing a change
+//! (its diff, its warnings) or the diagnostics of a refused one.
+
+use retryplane_policy::Diagnostic;
+use retryplane_policy::diff::{self, Change, ChangeKind};
+use retryplane_policy::yaml::Loc;
+use retryplane_proto::pb;
+use serde_json::{Value, json};
+use tonic::Code;
+
+use super::client::Client;
+use crate::input::{self, Contents, Source};
+use crate::output::{self, Format, JsonDiagnostic};
+use crate::{Outcome, Report};
+
+/// `+ payments` (added), `- payments` (removed), `~ payments` (modified), each followed by its
+/// detail lines indented by four spaces (`    max_attempts: 3 -> 4`).
+pub fn push_diff(out: &mut String, diff: &[pb::DiffEntry]) {
+    for entry in diff {
+        let mark = match entry.change() {
+            pb::diff_entry::Change::Added => '+',
+            pb::diff_entry::Change::Removed => '-',
+            pb::diff_entry::Change::Modified => '~',
+            pb::diff_entry::Change::Unspecified => '?',
+        };
+        out.push(mark);
+        out.push(' ');
+        out.push_str(&entry.endpoint);
+        out.push('\n');
+        for line in &entry.details {
+            out.push_str("    ");
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+}
+
+/// `+1 endpoint, -0, 2 modified` (and `, defaults modified`), as the server summarises
+/// versions in `history`.
+pub fn summary(diff: &[pb::DiffEntry]) -> String {
+    let changes: Vec<Change> = diff
+        .iter()
+        .map(|e| Change {
+            scope: e.endpoint.clone(),
+            kind: change_kind(e.change()),
+            details: e.details.clone(),
+        })
+        .collect();
+    diff::summary(&changes)
+}
+
+fn change_kind(change: pb::diff_entry::Change) -> ChangeKind {
+    match change {
+        pb::diff_entry::Change::Added => ChangeKind::Added,
+        pb::diff_entry::Change::Removed => ChangeKind::Removed,
+        pb::diff_entry::Change::Modified | pb::diff_entry::Change::Unspecified => {
+            ChangeKind::Modified
+        }
+    }
+}
+
+/// A diagnostic from the wire, printed by the same code as `retryplane validate`'s.
+pub fn diagnostic(d: &pb::Diagnostic) -> Diagnostic {
+    let loc = Loc {
+        line: d.line,
+        column: d.column,
+    };
+    match d.severity() {
+        pb::diagnostic::Severity::Warning => Diagnostic::warning(loc, &d.path, &d.message),
+        pb::diagnostic::Severity::Error | pb::diagnostic::Severity::Unspecified => {
+            Diagnostic::error(loc, &d.path, &d.message)
+        }
+    }
+}
+
+/// `FILE:LINE:COLUMN: SEVERITY: PATH: MESSAGE`, one line each (SPEC §5).
+pub fn push_diagnostics(out: &mut String, file: &str, diags: &[Diagnostic]) {
+    for d in diags {
+        output::push_diagnostic_line(out, file, d);
+    }
+}
+
+/// The `validate --format json` array of `diags`.
+fn diagnostics_json(file: &str, diags: &[Diagnostic]) -> Value {
+    diags
+        .iter()
+        .map(|d| json!(JsonDiagnostic::new(file, d)))
+        .collect()
+}
+
+/// `{version, content_hash, changed, dry_run, diff: [{endpoint, change, details}],
+/// warnings: [...]}` for `--output json`.
+pub fn change_json(response: &pb::ApplyResponse, file: &str, dry_run: bool) -> Value {
+    let diff: Vec<Value> = response
+        .diff
+        .iter()
+        .map(|e| {
+            json!({
+                "endpoint": e.endpoint,
+                "change": change_kind(e.change()).as_str(),
+                "details": e.details,
+            })
+        })
+        .collect();
+    let warnings: Vec<Diagnostic> = response.warnings.iter().map(diagnostic).collect();
+    json!({
+        "version": response.version,
+        "content_hash": response.content_hash,
+        "changed": response.changed,
+        "dry_run": dry_run,
+        "diff": diff,
+        "warnings": diagnostics_json(file, &warnings),
+    })
+}
+
+/// A policy file, read and ready to send.
+#[derive(Debug)]
+pub struct PolicyFile {
+    /// The name diagnostics are printed with: the path as given, or `<stdin>`.
+    pub name: String,
+    /// Its text.
+    pub yaml: String,
+}
+
+/// Reads `source` under the size limit. `Ok(Err(report))` when the file cannot be sent (too
+/// large, not UTF-8): its diagnostics, exit 1, as `validate` reports them. `Err` when it cannot
+/// be read at all (exit 2).
+pub fn read_policy(source: &Source, format: Format) -> anyhow::Result<Result<PolicyFile, Report>> {
+    let name = source.to_string();
+    let loaded = match source.read()? {
+        Contents::TooLarge(size) => input::too_large(size),
+        Contents::Bytes(bytes) => match String::from_utf8(bytes) {
+            Ok(yaml) => return Ok(Ok(PolicyFile { name, yaml })),
+            // The policy crate says what is wrong with the bytes, with a place.
+            Err(e) => retryplane_policy::load(e.as_bytes()),
+        },
+    };
+    let mut diags = loaded.diagnostics;
+    if !diags.iter().any(Diagnostic::is_error) {
+        diags.push(Diagnostic::error(
+            Loc { line: 1, column: 1 },
+            "<root>",
+            "the file is not UTF-8 text",
+        ));
+    }
+    Ok(Err(diagnostics_report(&name, &diags, format)?))
+}
+
+/// The diagnostics of a refused policy on stdout, exit 1.
+fn diagnostics_report(file: &str, diags: &[Diagnostic], format: Format) -> anyhow::Result<Report> {
+    let stdout = match format {
+        Format::Text => {
+            let mut out = String::new();
+            push_diagnostics(&mut out, file, diags);
+            out
+        }
+        Format::Json => output::json(&diagnostics_json(file, diags))?,
+    };
+    Ok(Report {
+        stdout,
+        outcome: Outcome::Failure,
+    })
+}
+
+/// What to ask of `Apply`, besides the file.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ApplyFlags {
+    /// Refuse unless this version is current.
+    pub expected_version: Option<u64>,
+    /// Only report what would change.
+    pub dry_run: bool,
+    /// Allow a change that removes every endpoint.
+    pub force: bool,
+}
+
+/// Sends `file` to `Apply`. `Ok(Err(report))` when the server refused it: for an invalid
+/// policy, the server's diagnostics on stdout, as `validate` prints them, and a one-line
+/// summary on stderr; any other refusal as [`super::failed`].
+///
+/// The diagnostics are asked of `Validate` (the same validator as `Apply`): `Apply`'s status
+/// carries them only as text lines, without the file name and not meant to be parsed.
+pub async fn apply(
+    client: &mut Client,
+    file: &PolicyFile,
+    flags: ApplyFlags,
+    format: Format,
+) -> anyhow::Result<Result<pb::ApplyResponse, Report>> {
+    let source = || pb::PolicySource {
+        kind: Some(pb::policy_source::Kind::Yaml(file.yaml.clone())),
+        origin: file.name.clone(),
+    };
+    let request = pb::ApplyRequest {
+        source: Some(source()),
+        expected_version: flags.expected_version.unwrap_or(0),
+        dry_run: flags.dry_run,
+        force: flags.force,
+    };
+    let status = match client.apply(request).await {
+        Ok(response) => return Ok(Ok(response)),
+        Err(status) => status,
+    };
+    if status.code() == Code::InvalidArgument {
+        let validated = client
+            .validate(pb::ValidateRequest {
+                source: Some(source()),
+            })
+            .await;
+        if let Ok(v) = validated
+            && !v.valid
+        {
+            let diags: Vec<Diagnostic> = v.diagnostics.iter().map(diagnostic).collect();
+            let report = diagnostics_report(&file.name, &diags, format)?;
+            let message = format!("{} is invalid: {}", file.name, counts(&diags));
+            return Ok(Err(super::failed_with(
+                status.code(),
+                &message,
+                report.stdout,
+            )));
+        }
+    }
+    Ok(Err(super::failed(&status, String::new())))
+}
+
+/// `2 errors, 1 warning`.
+fn counts(diags: &[Diagnostic]) -> String {
+    let errors = diags.iter().filter(|d| d.is_error()).count();
+    let warnings = diags.len() - errors;
+    let plural = |n: usize, word: &str| format!("{n} {word}{}", if n == 1 { "" } else { "s" });
+    format!(
+        "{}, {}",
+        plural(errors, "error"),
+        plural(warnings, "warning")
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(endpoint: &str, change: pb::diff_entry::Change, details: &[&str]) -> pb::DiffEntry {
+        pb::DiffEntry {
+            endpoint: endpoint.to_owned(),
+            change: change as i32,
+            details: details.iter().map(|d| (*d).to_owned()).collect(),
+        }
+    }
+
+    fn sample() -> Vec<pb::DiffEntry> {
+        use pb::diff_entry::Change::{Added, Modified, Removed};
+        vec![
+            entry("defaults", Modified, &["deadline: 15s -> 10s"]),
+            entry("search", Added, &["max_attempts: 2"]),
+            entry(
+                "payments",
+                Modified,
+                &["max_attempts: 3 -> 4", "backoff.jitter: full -> none"],
+            ),
+            entry("legacy", Removed, &[]),
+        ]
+    }
+
+    #[test]
+    fn a_diff_marks_each_endpoint_and_indents_its_details() {
+        let mut out = String::new();
+        push_diff(&mut out, &sample());
+        assert_eq!(
+            out,
+            "~ defaults\n    deadline: 15s -> 10s\n+ search\n    max_attempts: 2\n~ payments\n    max_attempts: 3 -> 4\n    backoff.jitter: full -> none\n- legacy\n"
+        );
+    }
+
+    #[test]
+    fn a_diff_is_summarised_like_history() {
+        assert_eq!(
+            summary(&sample()),
+            "+1 endpoint, -1, 1 modified, defaults modified"
+        );
+        assert_eq!(summary(&[]), "no changes");
+    }
+
+    #[test]
+    fn wire_diagnostics_print_like_validate() {
+        let d = pb::Diagnostic {
+            severity: pb::diagnostic::Severity::Warning as i32,
+            line: 4,
+            column: 7,
+            path: "endpoints.payments.retry_on.http_status".to_owned(),
+            message: "404 does not get better by repetition".to_owned(),
+        };
+        let mut out = String::new();
+        push_diagnostics(&mut out, "p.yaml", &[diagnostic(&d)]);
+        assert_eq!(
+            out,
+            "p.yaml:4:7: warning: endpoints.payments.retry_on.http_status: 404 does not get better by repetition\n"
+        );
+        let unspecified = pb::Diagnostic { severity: 0, ..d };
+        assert!(diagnostic(&unspecified).is_error());
+    }
+
+    #[test]
+    fn a_change_as_json_names_its_kind_and_its_warnings() {
+        let response = pb::ApplyResponse {
+            version: 7,
+            content_hash: "ab".to_owned(),
+            changed: true,
+            diff: vec![entry("search", pb::diff_entry::Change::Added, &[])],
+            warnings: vec![pb::Diagnostic {
+                severity: pb::diagnostic::Severity::Warning as i32,
+                line: 1,
+                column: 2,
+                path: "p".to_owned(),
+                message: "m".to_owned(),
+            }],
+        };
+        assert_eq!(
+            change_json(&response, "f.yaml", false),
+            json!({
+                "version": 7, "content_hash": "ab", "changed": true, "dry_run": false,
+                "diff": [{"endpoint": "search", "change": "added", "details": []}],
+                "warnings": [{"file": "f.yaml", "line": 1, "column": 2, "severity": "warning",
+                              "path": "p", "message": "m"}]
+            })
+        );
+    }
+}

@@ -1,0 +1,88 @@
+//! A connected `AdminService` client that adds the token to every call.
+
+use anyhow::Context as _;
+use retryplane_proto::pb;
+use retryplane_proto::pb::admin_service_client::AdminServiceClient;
+use tonic::metadata::{Ascii, MetadataValue};
+use tonic::transport::Channel;
+use tonic::{Request, Status};
+
+use super::Server;
+
+/// One connection to the admin service.
+#[derive(Debug)]
+pub struct Client {
+    inner: AdminServiceClient<Channel>,
+    authorization: Option<MetadataValue<Ascii>>,
+}
+
+impl Client {
+    /// Connects now, so that an unreachable server is reported as such (exit 2) before any
+    /// call is attempted.
+    pub async fn connect(server: &Server) -> anyhow::Result<Self> {
+        let channel = server
+            .endpoint
+            .connect()
+            .await
+            .with_context(|| format!("cannot connect to {}", server.url))?;
+        Ok(Self {
+            inner: AdminServiceClient::new(channel),
+            authorization: server.authorization.clone(),
+        })
+    }
+
+    fn request<T>(&self, message: T) -> Request<T> {
+        let mut request = Request::new(message);
+        if let Some(value) = &self.authorization {
+            request
+                .metadata_mut()
+                .insert("authorization", value.clone());
+        }
+        request
+    }
+
+    /// `Validate`.
+    pub async fn validate(
+        &mut self,
+        message: pb::ValidateRequest,
+    ) -> Result<pb::ValidateResponse, Status> {
+        let request = self.request(message);
+        Ok(self.inner.validate(request).await?.into_inner())
+    }
+
+    /// `Apply`.
+    pub async fn apply(&mut self, message: pb::ApplyRequest) -> Result<pb::ApplyResponse, Status> {
+        let request = self.request(message);
+        Ok(self.inner.apply(request).await?.into_inner())
+    }
+
+    /// `Get`.
+    pub async fn get(&mut self, message: pb::GetRequest) -> Result<pb::GetResponse, Status> {
+        let request = self.request(message);
+        Ok(self.inner.get(request).await?.into_inner())
+    }
+
+    /// `History`.
+    pub async fn history(
+        &mut self,
+        message: pb::HistoryRequest,
+    ) -> Result<pb::HistoryResponse, Status> {
+        let request = self.request(message);
+        Ok(self.inner.history(request).await?.into_inner())
+    }
+
+    /// `Rollback`.
+    pub async fn rollback(
+        &mut self,
+        message: pb::RollbackRequest,
+    ) -> Result<pb::ApplyResponse, Status> {
+        let request = self.request(message);
+        Ok(self.inner.rollback(request).await?.into_inner())
+    }
+
+    /// `FleetStatus`.
+    pub async fn fleet_status(&mut self) -> Result<pb::FleetStatusResponse, Status> {
+        let request = self.request(pb::FleetStatusRequest {});
+        Ok(self.inner.fleet_status(request).await?.into_inner())
+    }
+}

@@ -1,0 +1,103 @@
+//! `retryplane diff FILE`: what `apply FILE` would change, changing nothing.
+//!
+//! A dry-run `Apply`. Stdout holds only the diff (`+ added`, `- removed`, `~ modified`
+//! endpoints with their detail lines indented), empty when the file matches the current
+//! version; the server's warnings go to stderr as `FILE:LINE:COLUMN: warning: …` lines. The
+//! check that refuses removing every endpoint is skipped (`force`): a diff only shows.
+//!
+//! Exit 0 whether or not the file differs; with `--exit-code`, 1 when it differs (like
+//! `git diff --exit-code`). An invalid file prints its diagnostics and exits 1.
+
+use std::path::PathBuf;
+
+use super::change::{self, ApplyFlags};
+use super::client::Client;
+use super::{Server, ServerArgs, block_on};
+use crate::input::Source;
+use crate::output::{self, Format};
+use crate::{Outcome, Report};
+
+/// `retryplane diff` flags, as parsed.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Policy file to compare with the current version; `-` reads standard input.
+    #[arg(value_name = "FILE")]
+    file: PathBuf,
+    /// Exit 1 when the file differs from the current version.
+    #[arg(long)]
+    exit_code: bool,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t, alias = "format")]
+    output: Format,
+    #[command(flatten)]
+    server: ServerArgs,
+}
+
+/// What to compare, checked once.
+#[derive(Debug)]
+pub struct Settings {
+    /// The policy file.
+    pub source: Source,
+    /// Whether a difference exits 1.
+    pub exit_code: bool,
+    /// Output format.
+    pub format: Format,
+    /// The control plane.
+    pub server: Server,
+}
+
+impl TryFrom<Args> for Settings {
+    type Error = anyhow::Error;
+
+    fn try_from(args: Args) -> anyhow::Result<Self> {
+        Ok(Self {
+            source: Source::from_arg(args.file),
+            exit_code: args.exit_code,
+            format: args.output,
+            server: args.server.try_into()?,
+        })
+    }
+}
+
+/// Asks for a dry-run `Apply` of the file and prints its diff.
+pub fn run(settings: &Settings) -> anyhow::Result<Report> {
+    let file = match change::read_policy(&settings.source, settings.format)? {
+        Ok(file) => file,
+        Err(report) => return Ok(report),
+    };
+    let flags = ApplyFlags {
+        expected_version: None,
+        dry_run: true,
+        force: true,
+    };
+    block_on(async {
+        let mut client = Client::connect(&settings.server).await?;
+        let response = match change::apply(&mut client, &file, flags, settings.format).await? {
+            Ok(response) => response,
+            Err(report) => return Ok(report),
+        };
+        let stdout = match settings.format {
+            Format::Json => output::json(&change::change_json(&response, &file.name, true))?,
+            Format::Text => {
+                let warnings: Vec<_> = response.warnings.iter().map(change::diagnostic).collect();
+                let mut lines = String::new();
+                change::push_diagnostics(&mut lines, &file.name, &warnings);
+                for line in lines.lines() {
+                    output::note(format_args!("{line}"));
+                }
+                let mut out = String::new();
+                change::push_diff(&mut out, &response.diff);
+                out
+            }
+        };
+        let differs = !response.diff.is_empty();
+        Ok(Report {
+            stdout,
+            outcome: if settings.exit_code && differs {
+                Outcome::Failure
+            } else {
+                Outcome::Success
+            },
+        })
+    })
+}

@@ -1,0 +1,146 @@
+//! `retryplane get [--version N]`: the current (or a past) version.
+//!
+//! `--output yaml` (the default) prints it as a policy file, ready for `validate`, an edit and
+//! `apply`. `--output json` prints one object: the version's metadata (`version`,
+//! `content_hash`, `source`, `author`, `created_unix_ms`, `created`, `summary`,
+//! `rolled_back_from`) and `policies`, the document (see `json::document` for its shape).
+
+use serde_json::Value;
+
+use super::client::Client;
+use super::{Server, ServerArgs, block_on, json};
+use crate::output;
+use crate::{Outcome, Report};
+
+/// `--output` of `get`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum GetFormat {
+    /// A policy file.
+    #[default]
+    Yaml,
+    /// One JSON object with the version's metadata.
+    Json,
+}
+
+/// `retryplane get` flags, as parsed. `--version N` names a policy version here, so the
+/// program's own `--version` flag is off for this command.
+#[derive(Debug, clap::Args)]
+#[command(disable_version_flag = true)]
+pub struct Args {
+    /// A past version instead of the current one.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    version: Option<u64>,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t, alias = "format")]
+    output: GetFormat,
+    #[command(flatten)]
+    server: ServerArgs,
+}
+
+/// What to get, checked once.
+#[derive(Debug)]
+pub struct Settings {
+    /// The version; `None` for the current one.
+    pub version: Option<u64>,
+    /// Output format.
+    pub format: GetFormat,
+    /// The control plane.
+    pub server: Server,
+}
+
+impl TryFrom<Args> for Settings {
+    type Error = anyhow::Error;
+
+    fn try_from(args: Args) -> anyhow::Result<Self> {
+        Ok(Self {
+            version: args.version,
+            format: args.output,
+            server: args.server.try_into()?,
+        })
+    }
+}
+
+/// Calls `Get` and prints the version.
+pub fn run(settings: &Settings) -> anyhow::Result<Report> {
+    block_on(async {
+        let mut client = Client::connect(&settings.server).await?;
+        let request = retryplane_proto::pb::GetRequest {
+            version: settings.version.unwrap_or(0),
+        };
+        let response = match client.get(request).await {
+            Ok(response) => response,
+            Err(status) => return Ok(super::failed(&status, String::new())),
+        };
+        let stdout = match settings.format {
+            GetFormat::Yaml => {
+                let mut yaml = response.yaml;
+                if !yaml.is_empty() && !yaml.ends_with('\n') {
+                    yaml.push('\n');
+                }
+                yaml
+            }
+            GetFormat::Json => output::json(&get_json(&response))?,
+        };
+        Ok(Report {
+            stdout,
+            outcome: Outcome::Success,
+        })
+    })
+}
+
+/// The metadata of the version and its `policies`.
+fn get_json(response: &retryplane_proto::pb::GetResponse) -> Value {
+    let mut o = response
+        .info
+        .as_ref()
+        .map(json::version_info)
+        .unwrap_or_default();
+    o.insert(
+        "policies".to_owned(),
+        response
+            .policies
+            .as_ref()
+            .map_or(Value::Null, json::document),
+    );
+    Value::Object(o)
+}
+
+#[cfg(test)]
+mod tests {
+    use retryplane_proto::pb;
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn json_holds_the_metadata_and_the_document() {
+        let response = pb::GetResponse {
+            info: Some(pb::VersionInfo {
+                version: 3,
+                content_hash: "ff".to_owned(),
+                source: "rollback".to_owned(),
+                author: "ops".to_owned(),
+                created_unix_ms: 0,
+                summary: "no changes".to_owned(),
+                rolled_back_from: 1,
+            }),
+            policies: Some(pb::PolicyDocument {
+                defaults: None,
+                endpoints: vec![pb::Endpoint {
+                    name: "inventory".to_owned(),
+                    ..Default::default()
+                }],
+            }),
+            yaml: String::new(),
+        };
+        assert_eq!(
+            get_json(&response),
+            json!({
+                "version": 3, "content_hash": "ff", "source": "rollback", "author": "ops",
+                "created_unix_ms": 0, "created": "1970-01-01T00:00:00Z",
+                "summary": "no changes", "rolled_back_from": 1,
+                "policies": {"defaults": {}, "endpoints": [{"name": "inventory"}]}
+            })
+        );
+    }
+}

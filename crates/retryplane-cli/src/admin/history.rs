@@ -1,0 +1,149 @@
+//! `retryplane history [--limit N]`: every stored version, newest first.
+//!
+//! Text: a table of `VERSION CREATED SOURCE AUTHOR HASH SUMMARY`, the time in UTC (RFC 3339),
+//! the source `file`, `admin` or `rollback(vN)` (the version whose content was restored), `-`
+//! for no author, the first 12 hex digits of the content hash. JSON: an array of
+//! `{version, content_hash, source, author, created_unix_ms, created, summary,
+//! rolled_back_from}`.
+
+use serde_json::Value;
+
+use super::client::Client;
+use super::time::rfc3339_utc;
+use super::{Server, ServerArgs, block_on, json, short_hash};
+use crate::output::{self, Align, Format};
+use crate::{Outcome, Report};
+use retryplane_proto::pb;
+
+/// `retryplane history` flags, as parsed.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Only the N newest versions.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    limit: Option<u32>,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t, alias = "format")]
+    output: Format,
+    #[command(flatten)]
+    server: ServerArgs,
+}
+
+/// What to list, checked once.
+#[derive(Debug)]
+pub struct Settings {
+    /// At most this many versions; `None` for all.
+    pub limit: Option<u32>,
+    /// Output format.
+    pub format: Format,
+    /// The control plane.
+    pub server: Server,
+}
+
+impl TryFrom<Args> for Settings {
+    type Error = anyhow::Error;
+
+    fn try_from(args: Args) -> anyhow::Result<Self> {
+        Ok(Self {
+            limit: args.limit,
+            format: args.output,
+            server: args.server.try_into()?,
+        })
+    }
+}
+
+/// Calls `History` and prints the versions.
+pub fn run(settings: &Settings) -> anyhow::Result<Report> {
+    block_on(async {
+        let mut client = Client::connect(&settings.server).await?;
+        let request = pb::HistoryRequest {
+            limit: settings.limit.unwrap_or(0),
+        };
+        let response = match client.history(request).await {
+            Ok(response) => response,
+            Err(status) => return Ok(super::failed(&status, String::new())),
+        };
+        let stdout = match settings.format {
+            Format::Json => {
+                let all: Vec<Value> = response
+                    .versions
+                    .iter()
+                    .map(|v| Value::Object(json::version_info(v)))
+                    .collect();
+                output::json(&all)?
+            }
+            Format::Text if response.versions.is_empty() => {
+                output::note(format_args!("no versions stored yet"));
+                String::new()
+            }
+            Format::Text => table(&response.versions),
+        };
+        Ok(Report {
+            stdout,
+            outcome: Outcome::Success,
+        })
+    })
+}
+
+/// The versions as a table with a header.
+fn table(versions: &[pb::VersionInfo]) -> String {
+    let mut rows = vec![
+        ["VERSION", "CREATED", "SOURCE", "AUTHOR", "HASH", "SUMMARY"]
+            .map(str::to_owned)
+            .to_vec(),
+    ];
+    for v in versions {
+        let source = match v.rolled_back_from {
+            0 => v.source.clone(),
+            from => format!("{}(v{from})", v.source),
+        };
+        let author = if v.author.is_empty() { "-" } else { &v.author };
+        rows.push(vec![
+            v.version.to_string(),
+            rfc3339_utc(v.created_unix_ms),
+            source,
+            author.to_owned(),
+            short_hash(&v.content_hash).to_owned(),
+            v.summary.clone(),
+        ]);
+    }
+    let mut out = String::new();
+    output::table(&mut out, "", &[Align::Right], &rows);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn history_is_a_table_with_utc_times_and_short_hashes() {
+        let versions = vec![
+            pb::VersionInfo {
+                version: 12,
+                content_hash: "0123456789abcdef0123".to_owned(),
+                source: "rollback".to_owned(),
+                author: "ops".to_owned(),
+                created_unix_ms: 1_764_473_825_123,
+                summary: "-1 endpoint".to_owned(),
+                rolled_back_from: 3,
+            },
+            pb::VersionInfo {
+                version: 3,
+                content_hash: "fedcba9876543210fedc".to_owned(),
+                source: "file".to_owned(),
+                author: String::new(),
+                created_unix_ms: 0,
+                summary: "+2 endpoints, -0, 0 modified".to_owned(),
+                rolled_back_from: 0,
+            },
+        ];
+        assert_eq!(
+            table(&versions),
+            "\
+VERSION  CREATED               SOURCE        AUTHOR  HASH          SUMMARY
+     12  2025-11-30T03:37:05Z  rollback(v3)  ops     0123456789ab  -1 endpoint
+      3  1970-01-01T00:00:00Z  file          -       fedcba987654  +2 endpoints, -0, 0 modified
+"
+        );
+    }
+}

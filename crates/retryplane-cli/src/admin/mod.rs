@@ -1,0 +1,260 @@
+//! The admin commands: talk to a running control plane over `retryplane.v1.AdminService`
+//! (SPEC §3, §5).
+//!
+//! - `apply FILE` publishes a policy file (API mode) and prints what changed;
+//! - `diff FILE` shows what `apply` would change, without changing anything;
+//! - `get` prints the current (or a past) version as a policy file or as JSON;
+//! - `history` lists every stored version, newest first;
+//! - `rollback VERSION` publishes the content of a past version as a new version;
+//! - `status` shows every agent the server knows and how far the fleet is on the current version.
+//!
+//! Every one takes `--server URL` (`RETRYPLANE_SERVER`, default [`DEFAULT_SERVER`]) and
+//! `--token TOKEN` (`RETRYPLANE_TOKEN`), sent as `authorization: Bearer TOKEN` and never
+//! printed. Connecting gives up after [`CONNECT_TIMEOUT`], a call after [`REQUEST_TIMEOUT`]. Each
+//! command runs its calls on a current-thread tokio runtime of its own ([`block_on`]).
+//!
+//! # Errors and exit codes
+//!
+//! A gRPC error prints `retryplane: error: CODE_NAME: message` on stderr. Exit `1` when the
+//! server answered and refused: an invalid policy (its diagnostics are printed like
+//! `retryplane validate` prints them), a version conflict, a change that removes every endpoint,
+//! a missing or wrong token, an unknown version (see [`refused`]). Exit `2` for usage errors,
+//! files that cannot be read, a server that cannot be reached or timed out, and server faults.
+
+pub mod apply;
+mod change;
+mod client;
+pub mod diff;
+pub mod get;
+pub mod history;
+mod json;
+pub mod rollback;
+pub mod status;
+mod time;
+
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+use anyhow::{Context as _, bail};
+use retryplane_policy::codes::GrpcCode;
+use tonic::metadata::{Ascii, MetadataValue};
+use tonic::transport::Endpoint;
+use tonic::{Code, Status};
+
+use crate::output;
+use crate::{Outcome, Report};
+
+/// The admin listener of a control plane started with its defaults on this machine.
+pub const DEFAULT_SERVER: &str = "http://127.0.0.1:7471";
+
+/// How long to wait for the TCP connection to the server.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long one admin call may take, connection included.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// `--server` and `--token`, shared by every admin command.
+#[derive(Debug, clap::Args)]
+pub struct ServerArgs {
+    /// The control plane's admin address (`http://HOST:PORT`).
+    #[arg(long, env = "RETRYPLANE_SERVER", default_value = DEFAULT_SERVER, value_name = "URL")]
+    server: String,
+    /// Admin token, sent as `authorization: Bearer TOKEN`.
+    #[arg(
+        long,
+        env = "RETRYPLANE_TOKEN",
+        hide_env_values = true,
+        value_name = "TOKEN"
+    )]
+    token: Option<Token>,
+}
+
+/// A secret: never shown by `Debug` or `Display`.
+#[derive(Clone)]
+pub struct Token(String);
+
+impl fmt::Debug for Token {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Token(<redacted>)")
+    }
+}
+
+impl FromStr for Token {
+    type Err = std::convert::Infallible;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(Token(s.to_owned()))
+    }
+}
+
+/// Where the server is and how to authenticate, checked once.
+#[derive(Clone, Debug)]
+pub struct Server {
+    /// The URL as given (normalised with `http://` when it had no scheme), for messages.
+    pub url: String,
+    /// The endpoint with its timeouts.
+    endpoint: Endpoint,
+    /// `Bearer TOKEN`, marked sensitive so that it is never shown.
+    authorization: Option<MetadataValue<Ascii>>,
+}
+
+impl TryFrom<ServerArgs> for Server {
+    type Error = anyhow::Error;
+
+    fn try_from(args: ServerArgs) -> anyhow::Result<Self> {
+        let url = if args.server.contains("://") {
+            args.server
+        } else {
+            format!("http://{}", args.server)
+        };
+        if !url.starts_with("http://") {
+            bail!(
+                "--server {url}: only http:// is supported (TLS on the admin listener comes later)"
+            );
+        }
+        let endpoint = Endpoint::from_shared(url.clone())
+            .with_context(|| format!("--server {url}: not a valid URL"))?
+            .connect_timeout(CONNECT_TIMEOUT)
+            .timeout(REQUEST_TIMEOUT);
+        let authorization = match args.token {
+            None => None,
+            Some(Token(token)) if token.is_empty() => None,
+            Some(Token(token)) => {
+                // The error would quote the value: say what is wrong without the token.
+                let mut value =
+                    MetadataValue::try_from(format!("Bearer {token}")).map_err(|_| {
+                        anyhow::anyhow!("--token: a token may hold only visible ASCII characters")
+                    })?;
+                value.set_sensitive(true);
+                Some(value)
+            }
+        };
+        Ok(Self {
+            url,
+            endpoint,
+            authorization,
+        })
+    }
+}
+
+/// Runs `work` on a current-thread tokio runtime made for this one command.
+pub fn block_on<T>(work: impl Future<Output = anyhow::Result<T>>) -> anyhow::Result<T> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?
+        .block_on(work)
+}
+
+/// Prints `retryplane: error: CODE_NAME: message` on stderr and returns the exit outcome of
+/// `status`, with `stdout` to print before it (diagnostics, for instance).
+pub fn failed(status: &Status, stdout: String) -> Report {
+    let message = match status.message() {
+        "" => status.code().description(),
+        message => message,
+    };
+    failed_with(status.code(), message, stdout)
+}
+
+/// [`failed`] with a message of our own (a summary of diagnostics printed on stdout, say).
+pub fn failed_with(code: Code, message: &str, stdout: String) -> Report {
+    output::error(format_args!("{}: {message}", code_name(code)));
+    Report {
+        stdout,
+        outcome: if refused(code) {
+            Outcome::Failure
+        } else {
+            Outcome::Error
+        },
+    }
+}
+
+/// The canonical name of a gRPC code (`PERMISSION_DENIED`).
+pub fn code_name(code: Code) -> &'static str {
+    GrpcCode::from_i32(code as i32).map_or("UNKNOWN", GrpcCode::name)
+}
+
+/// Whether a code means "the server understood and said no" (exit 1) rather than "the call
+/// did not work" (exit 2: unreachable, timed out, cancelled, a server fault).
+pub fn refused(code: Code) -> bool {
+    matches!(
+        code,
+        Code::InvalidArgument
+            | Code::NotFound
+            | Code::AlreadyExists
+            | Code::PermissionDenied
+            | Code::Unauthenticated
+            | Code::FailedPrecondition
+            | Code::Aborted
+            | Code::OutOfRange
+            | Code::ResourceExhausted
+    )
+}
+
+/// The first 12 hex digits of a content hash (a `sha256:` prefix is dropped).
+pub fn short_hash(hash: &str) -> &str {
+    let hex = hash.strip_prefix("sha256:").unwrap_or(hash);
+    hex.char_indices().nth(12).map_or(hex, |(i, _)| &hex[..i])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn server(url: &str, token: Option<&str>) -> anyhow::Result<Server> {
+        Server::try_from(ServerArgs {
+            server: url.to_owned(),
+            token: token.map(|t| Token(t.to_owned())),
+        })
+    }
+
+    #[test]
+    fn every_command_line_definition_is_consistent() {
+        use clap::CommandFactory as _;
+        crate::Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn a_server_without_scheme_is_plain_http() {
+        assert_eq!(
+            server("127.0.0.1:7471", None).unwrap().url,
+            "http://127.0.0.1:7471"
+        );
+        assert!(server("https://cp.example:7471", None).is_err());
+        assert!(server("http://bad host", None).is_err());
+    }
+
+    #[test]
+    fn the_token_never_shows_in_debug_output_or_errors() {
+        let s = server(DEFAULT_SERVER, Some("s3cret-token")).unwrap();
+        assert!(!format!("{s:?}").contains("s3cret"));
+        let args = ServerArgs {
+            server: DEFAULT_SERVER.to_owned(),
+            token: Some(Token("s3cret".to_owned())),
+        };
+        assert!(!format!("{args:?}").contains("s3cret"));
+        let e = server(DEFAULT_SERVER, Some("bad\ns3cret")).unwrap_err();
+        assert!(!format!("{e:#}").contains("s3cret"));
+    }
+
+    #[test]
+    fn refusals_exit_1_and_transport_failures_exit_2() {
+        assert!(refused(Code::InvalidArgument));
+        assert!(refused(Code::Aborted));
+        assert!(refused(Code::PermissionDenied));
+        assert!(refused(Code::Unauthenticated));
+        assert!(!refused(Code::Unavailable));
+        assert!(!refused(Code::DeadlineExceeded));
+        assert!(!refused(Code::Internal));
+        assert_eq!(code_name(Code::PermissionDenied), "PERMISSION_DENIED");
+        assert_eq!(code_name(Code::Unavailable), "UNAVAILABLE");
+    }
+
+    #[test]
+    fn hashes_are_shortened_to_12_hex_digits() {
+        assert_eq!(short_hash("0123456789abcdef0123"), "0123456789ab");
+        assert_eq!(short_hash("sha256:0123456789abcdef"), "0123456789ab");
+        assert_eq!(short_hash("abc"), "abc");
+    }
+}

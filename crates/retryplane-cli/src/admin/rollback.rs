@@ -1,0 +1,150 @@
+//! `retryplane rollback VERSION`: publish the content of a past version as a new version.
+//!
+//! Versions only grow: rolling back to v3 while v7 is current stores v8 with v3's content
+//! (the same content hash). Text: the diff against the version that was current, then
+//! `rolled back to v3: now v8 (sha256 0123456789ab…)`, or `no changes: v7 already has the
+//! content of v3`. JSON: `{version, content_hash, changed, dry_run, diff, warnings,
+//! rolled_back_to}`. An unknown version, a version conflict or a rollback that removes every
+//! endpoint without `--force` is refused (exit 1).
+
+use std::fmt::Write as _;
+
+use serde_json::Value;
+
+use super::client::Client;
+use super::{Server, ServerArgs, block_on, change, short_hash};
+use crate::output::{self, Format};
+use crate::{Outcome, Report};
+use retryplane_proto::pb;
+
+/// `retryplane rollback` flags, as parsed.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// The version whose content to publish again.
+    #[arg(value_name = "VERSION", value_parser = clap::value_parser!(u64).range(1..))]
+    target: u64,
+    /// Refuse unless version N is current.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    expected_version: Option<u64>,
+    /// Allow a rollback that removes every endpoint.
+    #[arg(long)]
+    force: bool,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t, alias = "format")]
+    output: Format,
+    #[command(flatten)]
+    server: ServerArgs,
+}
+
+/// What to roll back to, checked once.
+#[derive(Debug)]
+pub struct Settings {
+    /// The version to restore.
+    pub version: u64,
+    /// Refuse unless this version is current.
+    pub expected_version: Option<u64>,
+    /// Allow removing every endpoint.
+    pub force: bool,
+    /// Output format.
+    pub format: Format,
+    /// The control plane.
+    pub server: Server,
+}
+
+impl TryFrom<Args> for Settings {
+    type Error = anyhow::Error;
+
+    fn try_from(args: Args) -> anyhow::Result<Self> {
+        Ok(Self {
+            version: args.target,
+            expected_version: args.expected_version,
+            force: args.force,
+            format: args.output,
+            server: args.server.try_into()?,
+        })
+    }
+}
+
+/// Calls `Rollback` and prints the resulting version.
+pub fn run(settings: &Settings) -> anyhow::Result<Report> {
+    block_on(async {
+        let mut client = Client::connect(&settings.server).await?;
+        let request = pb::RollbackRequest {
+            version: settings.version,
+            expected_version: settings.expected_version.unwrap_or(0),
+            force: settings.force,
+        };
+        let response = match client.rollback(request).await {
+            Ok(response) => response,
+            Err(status) => return Ok(super::failed(&status, String::new())),
+        };
+        let name = format!("v{}", settings.version);
+        let stdout = match settings.format {
+            Format::Json => {
+                let mut value = change::change_json(&response, &name, false);
+                if let Value::Object(o) = &mut value {
+                    o.insert("rolled_back_to".to_owned(), settings.version.into());
+                }
+                output::json(&value)?
+            }
+            Format::Text => {
+                let mut out = String::new();
+                let warnings: Vec<_> = response.warnings.iter().map(change::diagnostic).collect();
+                change::push_diagnostics(&mut out, &name, &warnings);
+                change::push_diff(&mut out, &response.diff);
+                out.push_str(&result_line(&response, settings.version));
+                out
+            }
+        };
+        Ok(Report {
+            stdout,
+            outcome: Outcome::Success,
+        })
+    })
+}
+
+/// The last line of the text output, with its newline.
+fn result_line(response: &pb::ApplyResponse, target: u64) -> String {
+    let mut line = String::new();
+    if response.changed {
+        let _ = write!(
+            line,
+            "rolled back to v{target}: now v{} (sha256 {}…)",
+            response.version,
+            short_hash(&response.content_hash)
+        );
+    } else {
+        let _ = write!(
+            line,
+            "no changes: v{} already has the content of v{target}",
+            response.version
+        );
+    }
+    line.push('\n');
+    line
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_result_names_the_restored_and_the_new_version() {
+        let mut response = pb::ApplyResponse {
+            version: 8,
+            content_hash: "abcdef0123456789abcdef".to_owned(),
+            changed: true,
+            ..Default::default()
+        };
+        assert_eq!(
+            result_line(&response, 3),
+            "rolled back to v3: now v8 (sha256 abcdef012345…)\n"
+        );
+        response.changed = false;
+        response.version = 7;
+        assert_eq!(
+            result_line(&response, 3),
+            "no changes: v7 already has the content of v3\n"
+        );
+    }
+}

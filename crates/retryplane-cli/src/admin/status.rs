@@ -1,0 +1,316 @@
+//! `retryplane status`: every agent the server knows, and how far the fleet is on the current
+//! version.
+//!
+//! Text: a table (`AGENT SERVICE PEER STATE APPLIED LAST ERROR LAST-SEEN`, sorted by service
+//! then agent id; `LAST` is the agent's last answer, `ack v7` or `nack v8`), then one summary
+//! line, `v7: 998 acked, 2 nacked, 0 pending` (and `, 3 disconnected` when some are):
+//!
+//! - acked: connected agents that run the current version;
+//! - nacked: agents whose last answer is a NACK of the current version (connected or not);
+//! - pending: the other connected agents (the push is on its way, or unanswered);
+//! - disconnected: the other agents the server still remembers.
+//!
+//! JSON: `{current_version, summary: {acked, nacked, pending, disconnected}, agents: [...]}`,
+//! each agent with every field of the wire message (`labels` an object; times in Unix
+//! milliseconds and, for people, RFC 3339 UTC; empty strings as `null`).
+
+use serde_json::{Value, json};
+
+use super::client::Client;
+use super::time::rfc3339_or_dash;
+use super::{Server, ServerArgs, block_on, json::non_empty};
+use crate::output::{self, Format};
+use crate::{Outcome, Report};
+use retryplane_proto::pb;
+
+/// `retryplane status` flags, as parsed.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Output format.
+    #[arg(long, value_enum, default_value_t, alias = "format")]
+    output: Format,
+    #[command(flatten)]
+    server: ServerArgs,
+}
+
+/// What to show, checked once.
+#[derive(Debug)]
+pub struct Settings {
+    /// Output format.
+    pub format: Format,
+    /// The control plane.
+    pub server: Server,
+}
+
+impl TryFrom<Args> for Settings {
+    type Error = anyhow::Error;
+
+    fn try_from(args: Args) -> anyhow::Result<Self> {
+        Ok(Self {
+            format: args.output,
+            server: args.server.try_into()?,
+        })
+    }
+}
+
+/// Calls `FleetStatus` and prints the fleet.
+pub fn run(settings: &Settings) -> anyhow::Result<Report> {
+    block_on(async {
+        let mut client = Client::connect(&settings.server).await?;
+        let mut response = match client.fleet_status().await {
+            Ok(response) => response,
+            Err(status) => return Ok(super::failed(&status, String::new())),
+        };
+        response
+            .agents
+            .sort_by(|a, b| (&a.service, &a.agent_id).cmp(&(&b.service, &b.agent_id)));
+        let counts = Counts::of(response.current_version, &response.agents);
+        let stdout = match settings.format {
+            Format::Json => output::json(&status_json(&response, counts))?,
+            Format::Text => {
+                let mut out = String::new();
+                if !response.agents.is_empty() {
+                    table(&mut out, &response.agents);
+                }
+                out.push_str(&counts.line(response.current_version));
+                out.push('\n');
+                out
+            }
+        };
+        Ok(Report {
+            stdout,
+            outcome: Outcome::Success,
+        })
+    })
+}
+
+/// Where the fleet is on the current version; see the module docs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Counts {
+    acked: usize,
+    nacked: usize,
+    pending: usize,
+    disconnected: usize,
+}
+
+impl Counts {
+    fn of(current: u64, agents: &[pb::AgentStatus]) -> Self {
+        let mut counts = Counts::default();
+        for a in agents {
+            let nacked_current = a.last_response == "nack" && a.last_response_version == current;
+            if a.connected && a.applied_version == current {
+                counts.acked += 1;
+            } else if nacked_current {
+                counts.nacked += 1;
+            } else if a.connected {
+                counts.pending += 1;
+            } else {
+                counts.disconnected += 1;
+            }
+        }
+        counts
+    }
+
+    /// `v7: 998 acked, 2 nacked, 0 pending[, 3 disconnected]`.
+    fn line(self, current: u64) -> String {
+        let mut line = format!(
+            "v{current}: {} acked, {} nacked, {} pending",
+            self.acked, self.nacked, self.pending
+        );
+        if self.disconnected > 0 {
+            line.push_str(&format!(", {} disconnected", self.disconnected));
+        }
+        line
+    }
+}
+
+fn table(out: &mut String, agents: &[pb::AgentStatus]) {
+    let header = [
+        "AGENT",
+        "SERVICE",
+        "PEER",
+        "STATE",
+        "APPLIED",
+        "LAST",
+        "ERROR",
+        "LAST-SEEN",
+    ];
+    let mut rows = vec![header.map(str::to_owned).to_vec()];
+    let dash = |s: &str| {
+        if s.is_empty() {
+            "-".to_owned()
+        } else {
+            s.to_owned()
+        }
+    };
+    for a in agents {
+        let last = match a.last_response.as_str() {
+            "" => "-".to_owned(),
+            answer => format!("{answer} v{}", a.last_response_version),
+        };
+        rows.push(vec![
+            dash(&a.agent_id),
+            dash(&a.service),
+            dash(&a.peer),
+            if a.connected {
+                "connected"
+            } else {
+                "disconnected"
+            }
+            .to_owned(),
+            match a.applied_version {
+                0 => "-".to_owned(),
+                v => format!("v{v}"),
+            },
+            last,
+            // One line per agent, whatever the agent wrote.
+            dash(
+                &a.last_error
+                    .split_whitespace()
+                    .collect::<Vec<_>>()
+                    .join(" "),
+            ),
+            rfc3339_or_dash(a.last_seen_unix_ms),
+        ]);
+    }
+    output::table(out, "", &[], &rows);
+}
+
+fn status_json(response: &pb::FleetStatusResponse, counts: Counts) -> Value {
+    let time = |ms: u64| {
+        if ms == 0 {
+            Value::Null
+        } else {
+            json!(rfc3339_or_dash(ms))
+        }
+    };
+    let agents: Vec<Value> = response
+        .agents
+        .iter()
+        .map(|a| {
+            let labels: serde_json::Map<String, Value> = a
+                .labels
+                .iter()
+                .map(|(k, v)| (k.clone(), json!(v)))
+                .collect();
+            json!({
+                "agent_id": a.agent_id,
+                "service": a.service,
+                "labels": labels,
+                "peer": non_empty(&a.peer),
+                "agent_version": non_empty(&a.agent_version),
+                "connected": a.connected,
+                "connected_since_unix_ms": a.connected_since_unix_ms,
+                "connected_since": time(a.connected_since_unix_ms),
+                "last_seen_unix_ms": a.last_seen_unix_ms,
+                "last_seen": time(a.last_seen_unix_ms),
+                "applied_version": a.applied_version,
+                "last_response": non_empty(&a.last_response),
+                "last_response_version": a.last_response_version,
+                "last_error": non_empty(&a.last_error),
+            })
+        })
+        .collect();
+    json!({
+        "current_version": response.current_version,
+        "summary": {
+            "acked": counts.acked,
+            "nacked": counts.nacked,
+            "pending": counts.pending,
+            "disconnected": counts.disconnected,
+        },
+        "agents": agents,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn agent(id: &str, connected: bool, applied: u64, last: &str, last_v: u64) -> pb::AgentStatus {
+        pb::AgentStatus {
+            agent_id: id.to_owned(),
+            service: "checkout".to_owned(),
+            peer: "127.0.0.1:50000".to_owned(),
+            connected,
+            applied_version: applied,
+            last_response: last.to_owned(),
+            last_response_version: last_v,
+            last_seen_unix_ms: 1_764_473_825_000,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn the_summary_counts_acked_nacked_pending_and_disconnected_agents() {
+        let agents = vec![
+            agent("a", true, 7, "ack", 7),
+            agent("b", true, 7, "ack", 7),
+            agent("c", true, 6, "nack", 7),
+            agent("d", false, 6, "nack", 7),
+            agent("e", true, 6, "ack", 6),
+            agent("f", true, 6, "nack", 6),
+            agent("g", false, 7, "ack", 7),
+        ];
+        let counts = Counts::of(7, &agents);
+        assert_eq!(
+            counts,
+            Counts {
+                acked: 2,
+                nacked: 2,
+                pending: 2,
+                disconnected: 1
+            }
+        );
+        assert_eq!(
+            counts.line(7),
+            "v7: 2 acked, 2 nacked, 2 pending, 1 disconnected"
+        );
+        let all_good = Counts::of(7, &agents[..2]);
+        assert_eq!(all_good.line(7), "v7: 2 acked, 0 nacked, 0 pending");
+    }
+
+    #[test]
+    fn the_fleet_table_shows_one_line_per_agent() {
+        let mut nacking = agent("c", true, 6, "nack", 7);
+        nacking.last_error = "endpoints.payments:\n  bad".to_owned();
+        let mut out = String::new();
+        table(
+            &mut out,
+            &[
+                agent("a", true, 7, "ack", 7),
+                nacking,
+                agent("z", false, 0, "", 0),
+            ],
+        );
+        assert_eq!(
+            out,
+            "\
+AGENT  SERVICE   PEER             STATE         APPLIED  LAST     ERROR                    LAST-SEEN
+a      checkout  127.0.0.1:50000  connected     v7       ack v7   -                        2025-11-30T03:37:05Z
+c      checkout  127.0.0.1:50000  connected     v6       nack v7  endpoints.payments: bad  2025-11-30T03:37:05Z
+z      checkout  127.0.0.1:50000  disconnected  -        -        -                        2025-11-30T03:37:05Z
+"
+        );
+    }
+
+    #[test]
+    fn json_has_the_summary_and_every_agent_field() {
+        let response = pb::FleetStatusResponse {
+            current_version: 7,
+            agents: vec![agent("a", true, 7, "ack", 7)],
+        };
+        let value = status_json(&response, Counts::of(7, &response.agents));
+        assert_eq!(
+            value["summary"],
+            json!({"acked": 1, "nacked": 0, "pending": 0, "disconnected": 0})
+        );
+        assert_eq!(
+            value["agents"][0]["last_seen"],
+            json!("2025-11-30T03:37:05Z")
+        );
+        assert_eq!(value["agents"][0]["connected_since"], Value::Null);
+        assert_eq!(value["agents"][0]["last_error"], Value::Null);
+        assert_eq!(value["agents"][0]["labels"], json!({}));
+    }
+}

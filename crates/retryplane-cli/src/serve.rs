@@ -1,0 +1,205 @@
+//! `retryplane serve`: runs the control plane (SPEC §3) until SIGTERM or Ctrl-C.
+//!
+//! The defaults work from the repository root with nothing else set up: file mode on
+//! `config/policies.yaml`, the version store in `./data`, loopback listeners on 7470 (agents),
+//! 7471 (admin) and 7472 (HTTP health and metrics), no authentication.
+//!
+//! Once serving, stdout gets one line per listener with the address actually bound (so port 0
+//! can be used), `agent: ADDR`, `admin: ADDR`, `http: ADDR`; logs go to stderr (`RUST_LOG`,
+//! default `info`). SIGTERM or Ctrl-C ends agent streams with "reconnect", drains and exits 0.
+//! Anything that stops the start (a bad tokens file, an invalid policy file with an empty
+//! store, a port in use) exits 2 with the reason.
+
+use std::io::{self, Write as _};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use anyhow::Context as _;
+use retryplane_server::server::{self, ServeConfig};
+use tracing_subscriber::EnvFilter;
+
+use crate::{Outcome, Report};
+
+/// `retryplane serve` flags, as parsed. Defaults match [`ServeConfig::default`].
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// The policy file: the source of truth in file mode (reloaded when saved); with --api,
+    /// only the seed of an empty store.
+    #[arg(long, value_name = "FILE", default_value = "config/policies.yaml")]
+    config: PathBuf,
+    /// Where the version store keeps every version.
+    #[arg(long, value_name = "DIR", default_value = "./data")]
+    data_dir: PathBuf,
+    /// Agent gRPC listener.
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:7470")]
+    listen: SocketAddr,
+    /// Admin gRPC listener.
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:7471")]
+    admin_listen: SocketAddr,
+    /// HTTP listener: /healthz, /readyz, /metrics.
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:7472")]
+    http_listen: SocketAddr,
+    /// Tokens file (names, roles agent/admin, secrets). Without one there is no
+    /// authentication and only loopback addresses are allowed.
+    #[arg(long, value_name = "FILE")]
+    tokens: Option<PathBuf>,
+    /// API mode: the store owns the policies and `retryplane apply` changes them.
+    #[arg(long)]
+    api: bool,
+    /// Allow non-loopback listeners without a tokens file.
+    #[arg(long)]
+    insecure: bool,
+}
+
+impl From<Args> for ServeConfig {
+    fn from(args: Args) -> Self {
+        ServeConfig {
+            config_file: args.config,
+            data_dir: args.data_dir,
+            listen: args.listen,
+            admin_listen: args.admin_listen,
+            http_listen: args.http_listen,
+            tokens_file: args.tokens,
+            api_mode: args.api,
+            insecure: args.insecure,
+            ..ServeConfig::default()
+        }
+    }
+}
+
+/// Serves until a signal; see the module docs. Nothing is left for `main` to print.
+pub fn run(settings: ServeConfig) -> anyhow::Result<Report> {
+    init_logging();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    runtime.block_on(serve(settings))?;
+    Ok(Report {
+        stdout: String::new(),
+        outcome: Outcome::Success,
+    })
+}
+
+fn init_logging() {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    // Already set (never, in the binary) is not worth failing over.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(io::stderr)
+        .try_init();
+}
+
+async fn serve(settings: ServeConfig) -> anyhow::Result<()> {
+    // Installed before the addresses are printed: a SIGTERM sent as soon as they appear must
+    // shut down cleanly, not kill the process.
+    let mut terminated = Signals::install()?;
+    let mut running = server::start(settings).await?;
+    {
+        let mut out = io::stdout().lock();
+        writeln!(out, "agent: {}", running.agent_addr)
+            .and_then(|()| writeln!(out, "admin: {}", running.admin_addr))
+            .and_then(|()| writeln!(out, "http: {}", running.http_addr))
+            .and_then(|()| out.flush())
+            .context("cannot write to stdout")?;
+    }
+    let stopped = tokio::select! {
+        stopped = running.wait() => Some(stopped),
+        () = terminated.recv() => None,
+    };
+    running.shutdown().await?;
+    match stopped {
+        Some(Err(e)) => Err(e).context("the control plane stopped"),
+        Some(Ok(())) => anyhow::bail!("the control plane stopped unexpectedly"),
+        None => Ok(()),
+    }
+}
+
+/// SIGTERM and Ctrl-C (SIGINT), listened for from the moment they are installed.
+struct Signals {
+    #[cfg(unix)]
+    term: tokio::signal::unix::Signal,
+    #[cfg(unix)]
+    int: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn install() -> anyhow::Result<Self> {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{SignalKind, signal};
+            Ok(Self {
+                term: signal(SignalKind::terminate()).context("cannot listen for SIGTERM")?,
+                int: signal(SignalKind::interrupt()).context("cannot listen for Ctrl-C")?,
+            })
+        }
+        #[cfg(not(unix))]
+        Ok(Self {})
+    }
+
+    /// Resolves on the first signal.
+    async fn recv(&mut self) {
+        #[cfg(unix)]
+        tokio::select! {
+            _ = self.term.recv() => {}
+            _ = self.int.recv() => {}
+        }
+        #[cfg(not(unix))]
+        {
+            // If Ctrl-C cannot be listened for, only a server failure ends the run.
+            if tokio::signal::ctrl_c().await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser as _;
+
+    use super::*;
+    use crate::{Cli, Command};
+
+    fn parse(args: &[&str]) -> ServeConfig {
+        let cli = Cli::try_parse_from(["retryplane", "serve"].iter().chain(args)).unwrap();
+        match cli.command {
+            Command::Serve(args) => args.into(),
+            other => panic!("parsed as {other:?}"),
+        }
+    }
+
+    #[test]
+    fn flag_defaults_are_the_server_defaults() {
+        let parsed = parse(&[]);
+        let defaults = ServeConfig::default();
+        assert_eq!(parsed.config_file, defaults.config_file);
+        assert_eq!(parsed.data_dir, defaults.data_dir);
+        assert_eq!(
+            (parsed.listen, parsed.admin_listen, parsed.http_listen),
+            (defaults.listen, defaults.admin_listen, defaults.http_listen)
+        );
+        assert_eq!(parsed.tokens_file, None);
+        assert!(!parsed.api_mode && !parsed.insecure);
+    }
+
+    #[test]
+    fn flags_override_the_defaults() {
+        let parsed = parse(&[
+            "--config",
+            "p.yaml",
+            "--data-dir",
+            "/var/lib/retryplane",
+            "--listen",
+            "0.0.0.0:9000",
+            "--tokens",
+            "tokens.yaml",
+            "--api",
+            "--insecure",
+        ]);
+        assert_eq!(parsed.config_file, PathBuf::from("p.yaml"));
+        assert_eq!(parsed.listen.port(), 9000);
+        assert_eq!(parsed.tokens_file, Some(PathBuf::from("tokens.yaml")));
+        assert!(parsed.api_mode && parsed.insecure);
+    }
+}

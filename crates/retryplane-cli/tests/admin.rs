@@ -1,0 +1,429 @@
+//! The admin commands (`apply`, `diff`, `get`, `history`, `rollback`, `status`) run as the real
+//! `retryplane` binary against a real control plane on `127.0.0.1:0`, started in this process
+//! with a temporary data directory.
+
+// clippy's allow-*-in-tests covers `#[test]` functions only; the helpers here are tests too.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::fs;
+use std::net::{Ipv4Addr, SocketAddr, TcpListener};
+
+use assert_cmd::Command;
+use assert_cmd::assert::Assert;
+use predicates::prelude::*;
+use retryplane_proto::pb;
+use retryplane_proto::pb::agent_service_client::AgentServiceClient;
+use retryplane_server::server::{Running, ServeConfig, start};
+use serde_json::Value;
+use tempfile::TempDir;
+use tokio::runtime::Runtime;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::Channel;
+
+const V1: &str = "version: 1\nendpoints:\n  payments:\n    max_attempts: 3\n";
+const V2: &str = "\
+version: 1
+endpoints:
+  payments:
+    max_attempts: 4
+  search: {}
+";
+/// `max_attempts: 0` at 4:19, and a warning (404 is not worth retrying) at 6:27.
+const INVALID: &str = "\
+version: 1
+endpoints:
+  payments:
+    max_attempts: 0
+    retry_on:
+      http_status: [503, 404]
+";
+const TOKENS: &str = "\
+tokens:
+  - {name: fleet, role: agent, secret: agent-secret-0123456789}
+  - {name: alice, role: admin, secret: admin-secret-0123456789}
+";
+
+/// A control plane running on a runtime of its own while the test thread runs the binary.
+struct TestServer {
+    runtime: Runtime,
+    running: Option<Running>,
+    dir: TempDir,
+    url: String,
+}
+
+impl TestServer {
+    /// API mode with an empty store, or file mode on `V1`; `tokens` turns authentication on.
+    fn start(api_mode: bool, tokens: Option<&str>) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let any = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
+        if !api_mode {
+            fs::write(dir.path().join("policies.yaml"), V1).unwrap();
+        }
+        let tokens_file = tokens.map(|t| {
+            let path = dir.path().join("tokens.yaml");
+            fs::write(&path, t).unwrap();
+            path
+        });
+        let cfg = ServeConfig {
+            config_file: dir.path().join("policies.yaml"),
+            data_dir: dir.path().join("data"),
+            listen: any,
+            admin_listen: any,
+            http_listen: any,
+            tokens_file,
+            api_mode,
+            ..ServeConfig::default()
+        };
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let running = runtime.block_on(start(cfg)).unwrap();
+        let url = format!("http://{}", running.admin_addr());
+        Self {
+            runtime,
+            running: Some(running),
+            dir,
+            url,
+        }
+    }
+
+    fn running(&self) -> &Running {
+        self.running.as_ref().unwrap()
+    }
+
+    /// `retryplane ARGS... --server URL`, run in the temporary directory, with no token or
+    /// server from the environment of the test.
+    fn retryplane(&self, args: &[&str]) -> Command {
+        let mut cmd = Command::cargo_bin("retryplane").unwrap();
+        cmd.current_dir(self.dir.path())
+            .env_remove("RETRYPLANE_TOKEN")
+            .env_remove("RETRYPLANE_SERVER")
+            .args(args)
+            .args(["--server", &self.url]);
+        cmd
+    }
+
+    fn write(&self, name: &str, contents: &str) {
+        fs::write(self.dir.path().join(name), contents).unwrap();
+    }
+
+    /// Opens an agent stream that says Hello with `last_applied_version` and then stays open
+    /// (until the returned sender is dropped). Once `connect` returns the server has
+    /// registered the agent, so `status` sees it.
+    fn agent(&self, id: &str, last_applied_version: u64) -> mpsc::Sender<pb::AgentMessage> {
+        let addr = self.running().agent_addr();
+        self.runtime.block_on(async {
+            let channel = Channel::from_shared(format!("http://{addr}"))
+                .unwrap()
+                .connect()
+                .await
+                .unwrap();
+            let (tx, rx) = mpsc::channel(4);
+            let hello = pb::Hello {
+                agent_id: id.to_owned(),
+                service: "checkout".to_owned(),
+                last_applied_version,
+                ..Default::default()
+            };
+            tx.send(pb::AgentMessage {
+                kind: Some(pb::agent_message::Kind::Hello(hello)),
+            })
+            .await
+            .unwrap();
+            let inbound = AgentServiceClient::new(channel)
+                .connect(ReceiverStream::new(rx))
+                .await
+                .unwrap()
+                .into_inner();
+            // Keep reading (and dropping) snapshots so the stream never backs up.
+            tokio::spawn(async move {
+                let mut inbound = inbound;
+                while let Ok(Some(_)) = inbound.message().await {}
+            });
+            tx
+        })
+    }
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        if let Some(running) = self.running.take() {
+            let _ = self.runtime.block_on(running.shutdown());
+        }
+    }
+}
+
+fn stdout_of(assert: &Assert) -> String {
+    String::from_utf8(assert.get_output().stdout.clone()).unwrap()
+}
+
+fn json_of(assert: &Assert) -> Value {
+    serde_json::from_slice(&assert.get_output().stdout).unwrap()
+}
+
+#[test]
+fn apply_get_history_diff_rollback_and_status_work_against_a_real_server() {
+    let server = TestServer::start(true, None);
+    server.write("v1.yaml", V1);
+    server.write("v2.yaml", V2);
+
+    // An empty store: everything is new.
+    server
+        .retryplane(&["diff", "v1.yaml"])
+        .assert()
+        .code(0)
+        .stdout("+ payments\n    max_attempts: 3\n");
+    server
+        .retryplane(&["diff", "v1.yaml", "--exit-code"])
+        .assert()
+        .code(1);
+
+    let applied = server.retryplane(&["apply", "v1.yaml"]).assert().code(0);
+    let out = stdout_of(&applied);
+    assert!(out.starts_with("+ payments\n"), "{out}");
+    assert!(
+        out.ends_with("…)\n") && out.contains("applied v1 (sha256 "),
+        "{out}"
+    );
+    server
+        .retryplane(&["apply", "v1.yaml"])
+        .assert()
+        .code(0)
+        .stdout("no changes (v1)\n");
+
+    // A dry run stores nothing.
+    server
+        .retryplane(&["apply", "v2.yaml", "--dry-run"])
+        .assert()
+        .code(0)
+        .stdout(predicate::str::contains(
+            "~ payments\n    max_attempts: 3 -> 4\n",
+        ))
+        .stdout(predicate::str::contains("+ search\n"))
+        .stdout(predicate::str::ends_with(
+            "dry run: would change v1: +1 endpoint, -0, 1 modified\n",
+        ));
+    let got = server.retryplane(&["get"]).assert().code(0);
+    assert!(stdout_of(&got).contains("max_attempts: 3"));
+
+    // Optimistic concurrency: a stale expected version is refused (exit 1).
+    server
+        .retryplane(&["apply", "v2.yaml", "--expected-version", "7"])
+        .assert()
+        .code(1)
+        .stdout("")
+        .stderr(predicate::str::contains("retryplane: error: ABORTED: "));
+    server
+        .retryplane(&["apply", "v2.yaml", "--expected-version", "1"])
+        .assert()
+        .code(0)
+        .stdout(predicate::str::contains("applied v2 (sha256 "));
+    server
+        .retryplane(&["diff", "v2.yaml", "--exit-code"])
+        .assert()
+        .code(0)
+        .stdout("");
+
+    // get: the current version as a policy file, a past one, and JSON.
+    let current = server.retryplane(&["get"]).assert().code(0);
+    assert!(stdout_of(&current).contains("max_attempts: 4"));
+    let past = server
+        .retryplane(&["get", "--version", "1"])
+        .assert()
+        .code(0);
+    assert!(stdout_of(&past).contains("max_attempts: 3"));
+    let json = json_of(
+        &server
+            .retryplane(&["get", "--output", "json"])
+            .assert()
+            .code(0),
+    );
+    assert_eq!(json["version"], 2);
+    assert_eq!(json["source"], "admin");
+    assert_eq!(json["policies"]["endpoints"][0]["name"], "payments");
+    assert_eq!(json["policies"]["endpoints"][0]["max_attempts"], 4);
+    server
+        .retryplane(&["get", "--version", "99"])
+        .assert()
+        .code(1)
+        .stderr(predicate::str::contains("NOT_FOUND"));
+
+    // history: newest first.
+    let text = stdout_of(&server.retryplane(&["history"]).assert().code(0));
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 3, "{text}");
+    assert!(lines[0].starts_with("VERSION  CREATED"), "{text}");
+    assert!(lines[1].trim_start().starts_with("2  20"), "{text}");
+    let history = json_of(
+        &server
+            .retryplane(&["history", "--output", "json"])
+            .assert()
+            .code(0),
+    );
+    assert_eq!(history.as_array().unwrap().len(), 2);
+    assert_eq!(history[0]["version"], 2);
+    let v1_hash = history[1]["content_hash"].as_str().unwrap().to_owned();
+    let limited = json_of(
+        &server
+            .retryplane(&["history", "--limit", "1", "--output", "json"])
+            .assert()
+            .code(0),
+    );
+    assert_eq!(limited.as_array().unwrap().len(), 1);
+
+    // rollback: v1's content as v3.
+    server
+        .retryplane(&["rollback", "1"])
+        .assert()
+        .code(0)
+        .stdout(predicate::str::contains("- search\n"))
+        .stdout(predicate::str::ends_with(format!(
+            "rolled back to v1: now v3 (sha256 {}…)\n",
+            &v1_hash[..12]
+        )));
+    let history = json_of(
+        &server
+            .retryplane(&["history", "--output", "json"])
+            .assert()
+            .code(0),
+    );
+    assert_eq!(history[0]["version"], 3);
+    assert_eq!(history[0]["content_hash"], v1_hash.as_str());
+    assert_eq!(history[0]["rolled_back_from"], 1);
+    server
+        .retryplane(&["rollback", "99"])
+        .assert()
+        .code(1)
+        .stderr(predicate::str::contains("NOT_FOUND"));
+
+    // status: one agent resumes on the current version, one is still on v1.
+    let _on_current = server.agent("agent-a", 3);
+    let _behind = server.agent("agent-b", 1);
+    let status = server.retryplane(&["status"]).assert().code(0);
+    let text = stdout_of(&status);
+    assert!(
+        text.ends_with("v3: 1 acked, 0 nacked, 1 pending\n"),
+        "{text}"
+    );
+    assert!(text.starts_with("AGENT "), "{text}");
+    assert!(text.contains("agent-a  checkout"), "{text}");
+    let json = json_of(
+        &server
+            .retryplane(&["status", "--output", "json"])
+            .assert()
+            .code(0),
+    );
+    assert_eq!(json["current_version"], 3);
+    assert_eq!(json["summary"]["acked"], 1);
+    assert_eq!(json["summary"]["pending"], 1);
+    assert_eq!(json["agents"].as_array().unwrap().len(), 2);
+}
+
+#[test]
+fn an_invalid_file_prints_the_servers_diagnostics_and_exits_1() {
+    let server = TestServer::start(true, None);
+    server.write("bad.yaml", INVALID);
+    let assert = server
+        .retryplane(&["apply", "bad.yaml"])
+        .assert()
+        .code(1)
+        .stderr(predicate::str::contains(
+            "retryplane: error: INVALID_ARGUMENT: bad.yaml is invalid: 1 error, 1 warning",
+        ));
+    let out = stdout_of(&assert);
+    assert!(
+        out.starts_with("bad.yaml:4:19: error: endpoints.payments.max_attempts: "),
+        "{out}"
+    );
+    assert!(
+        out.contains("bad.yaml:6:"),
+        "the warning is printed too: {out}"
+    );
+    let json = json_of(
+        &server
+            .retryplane(&["diff", "bad.yaml", "--output", "json"])
+            .assert()
+            .code(1),
+    );
+    assert_eq!(json[0]["file"], "bad.yaml");
+    assert_eq!(json[0]["severity"], "error");
+    assert_eq!(json[0]["line"], 4);
+    // Nothing was stored.
+    server
+        .retryplane(&["get"])
+        .assert()
+        .code(1)
+        .stderr(predicate::str::contains("NOT_FOUND"));
+}
+
+#[test]
+fn file_mode_refuses_writes_naming_the_file() {
+    let server = TestServer::start(false, None);
+    server.write("v2.yaml", V2);
+    server
+        .retryplane(&["apply", "v2.yaml"])
+        .assert()
+        .code(1)
+        .stderr(predicate::str::contains("FAILED_PRECONDITION"))
+        .stderr(predicate::str::contains("policies.yaml"));
+    // Reading works.
+    server
+        .retryplane(&["get"])
+        .assert()
+        .code(0)
+        .stdout(predicate::str::contains("max_attempts: 3"));
+}
+
+#[test]
+fn the_token_is_sent_as_a_bearer_token_and_never_printed() {
+    let server = TestServer::start(true, Some(TOKENS));
+    server
+        .retryplane(&["history"])
+        .assert()
+        .code(1)
+        .stderr(predicate::str::contains("UNAUTHENTICATED"));
+    server
+        .retryplane(&["history", "--token", "agent-secret-0123456789"])
+        .assert()
+        .code(1)
+        .stderr(predicate::str::contains("PERMISSION_DENIED"))
+        .stderr(predicate::str::contains("agent-secret").not());
+    server.write("v1.yaml", V1);
+    server
+        .retryplane(&["apply", "v1.yaml"])
+        .env("RETRYPLANE_TOKEN", "admin-secret-0123456789")
+        .assert()
+        .code(0)
+        .stdout(predicate::str::contains("admin-secret").not());
+    let history = json_of(
+        &server
+            .retryplane(&["history", "--output", "json"])
+            .env("RETRYPLANE_TOKEN", "admin-secret-0123456789")
+            .assert()
+            .code(0),
+    );
+    assert_eq!(history[0]["author"], "alice");
+}
+
+#[test]
+fn an_unreachable_server_exits_2() {
+    // A port that was free a moment ago and has no listener now.
+    let port = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut cmd = Command::cargo_bin("retryplane").unwrap();
+    cmd.env_remove("RETRYPLANE_TOKEN")
+        .env("RETRYPLANE_SERVER", format!("http://127.0.0.1:{port}"))
+        .arg("status")
+        .assert()
+        .code(2)
+        .stdout("")
+        .stderr(predicate::str::contains(format!(
+            "retryplane: error: cannot connect to http://127.0.0.1:{port}"
+        )));
+}

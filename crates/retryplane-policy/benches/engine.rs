@@ -1,0 +1,451 @@
+//! Hot-path benchmarks of the retry engine, each measured beside tower's
+//! `tower::retry::budget::TpsBudget` in the same run, so results can be read as ratios on a
+//! shared, noisy machine.
+//!
+//! Groups:
+//! - `success_path`: one logical call that succeeds at once, as the agent runs it: look the
+//!   endpoint up by name in a 1,000-endpoint [`PolicySet`], resolve the route for the request,
+//!   start a [`RetryCall`] (budget deposit), `start_attempt` (breaker permit), `on_outcome(200)`
+//!   → `Return`. `now` is read once per call with `tokio::time::Instant::now()` (tower's
+//!   `deposit` reads the clock too), and again with `now` fixed to show the clock's share.
+//!   Variants drop the lookup, the breaker and the budget to show where the time goes.
+//!   Baselines: `TpsBudget::deposit`, a bare `HashMap` lookup, the clock read alone.
+//! - `failure_path`: the same call answered by a 503 → `Retry` (budget check and withdrawal,
+//!   breaker failure count, jittered backoff), beside `TpsBudget` deposit + withdraw. The
+//!   endpoint's budget reserve is huge and its breaker's `min_requests` out of reach, so every
+//!   iteration takes the same path.
+//! - `budget_2_threads`: deposit + withdraw pairs on one shared [`RetryBudget`] vs one shared
+//!   `TpsBudget`, from 2 threads at once (time per pair per thread), and from 1 thread.
+//! - `parse`: [`load`] of `config/policies.yaml`, of the generated 1,000-endpoint file and of
+//!   10,000 endpoints with defaults only, and how fast hostile inputs (an alias bomb, 100k nested
+//!   brackets, a 2 MiB file) are refused.
+//!
+//! Run (see BENCHMARKS.md at the repository root for results):
+//!
+//! ```text
+//! cargo bench -p retryplane-policy --bench engine -- --warm-up-time 1 --measurement-time 3
+//! cargo bench -p retryplane-policy --bench engine -- success_path   # one group
+//! ```
+
+// The criterion macros generate undocumented public items.
+#![allow(missing_docs)]
+#![allow(
+    clippy::expect_used,
+    reason = "bench set-up that fails must stop the run loudly"
+)]
+
+use std::collections::HashMap;
+use std::hint::black_box;
+use std::sync::Barrier;
+use std::time::Duration;
+
+use criterion::{Bencher, Criterion, criterion_group, criterion_main};
+use retryplane_policy::budget::RetryBudget;
+use retryplane_policy::engine::{CallInfo, Decision, EndpointState, Outcome, RetryCall};
+use retryplane_policy::rng::SeededRng;
+use retryplane_policy::{BudgetConfig, PolicySet, RetryPolicy, Target, load};
+use tokio::time::Instant;
+use tower::retry::budget::{Budget, TpsBudget};
+
+const EXAMPLE: &str = include_str!("../../../config/policies.yaml");
+
+/// The endpoint of the success path (two routes; the call matches the second).
+const HOT: &str = "svc-0042";
+/// The endpoint of the failure path: same routes, a budget that never runs out and a breaker
+/// that never opens.
+const FAILING: &str = "svc-0043";
+const TARGET: Target<'static> = Target::Http {
+    method: "GET",
+    path: "/v1/items/12345",
+};
+const ENDPOINTS: usize = 1000;
+
+const OK: Outcome = Outcome::Http {
+    status: 200,
+    retry_after: None,
+};
+const UNAVAILABLE: Outcome = Outcome::Http {
+    status: 503,
+    retry_after: None,
+};
+
+const ROUTES: &str = "    routes:
+      - match: {method: POST, path_prefix: /v1/orders}
+        max_attempts: 2
+      - match: {method: GET, path_prefix: /v1/items}
+        per_try_timeout: 500ms
+";
+
+/// A policy file with [`ENDPOINTS`] endpoints `svc-0000` … `svc-0999`: most with defaults only
+/// or a field or two, every 50th and the two benched ones with routes.
+fn thousand_endpoints_yaml() -> String {
+    let mut y = String::with_capacity(128 * 1024);
+    y.push_str(
+        "version: 1\ndefaults:\n  max_attempts: 3\n  deadline: 15s\n  per_try_timeout: 2s\nendpoints:\n",
+    );
+    for i in 0..ENDPOINTS {
+        let name = format!("svc-{i:04}");
+        if name == HOT {
+            y.push_str(&format!("  {name}:\n    max_attempts: 4\n{ROUTES}"));
+        } else if name == FAILING {
+            y.push_str(&format!(
+                "  {name}:\n    max_attempts: 4\n    budget: {{min_per_second: 1000000000}}\n    \
+                 circuit_breaker: {{min_requests: 4000000000}}\n{ROUTES}"
+            ));
+        } else if i % 50 == 0 {
+            y.push_str(&format!("  {name}:\n    deadline: 5s\n{ROUTES}"));
+        } else if i % 3 == 0 {
+            y.push_str(&format!(
+                "  {name}: {{max_attempts: 2, backoff: {{base: 50ms}}}}\n"
+            ));
+        } else {
+            y.push_str(&format!("  {name}: {{}}\n"));
+        }
+    }
+    y
+}
+
+fn thousand_endpoints() -> PolicySet {
+    let loaded = load(thousand_endpoints_yaml().as_bytes());
+    let set = loaded
+        .policies
+        .expect("the generated 1,000-endpoint file is valid");
+    assert_eq!(set.len(), ENDPOINTS);
+    set
+}
+
+/// The resolved policy for [`TARGET`] on `name`, and a fresh state for the endpoint.
+fn hot(set: &PolicySet, name: &str, origin: Instant) -> (RetryPolicy, EndpointState) {
+    let endpoint = set.endpoint(name).expect("endpoint exists");
+    let policy = RetryPolicy::clone(endpoint.resolve(&TARGET));
+    assert_eq!(
+        policy.per_try_timeout,
+        Duration::from_millis(500),
+        "route 2"
+    );
+    (policy, EndpointState::new(&endpoint.policy, origin))
+}
+
+/// One whole logical call: lookup, route, `RetryCall`, one attempt, its outcome.
+#[inline(always)]
+fn full_call(
+    set: &PolicySet,
+    name: &str,
+    state: &EndpointState,
+    outcome: Outcome,
+    now: Instant,
+    rng: &mut SeededRng,
+) -> Decision {
+    let endpoint = set.endpoint(black_box(name)).expect("endpoint exists");
+    let policy = endpoint.resolve(black_box(&TARGET));
+    let info = CallInfo::http(policy, "GET", false);
+    let mut call = RetryCall::new(policy, state, info, now);
+    let _ = call.start_attempt(now);
+    call.on_outcome(outcome, now, rng)
+}
+
+/// One logical call on an already resolved policy.
+#[inline(always)]
+fn engine_call(
+    policy: &RetryPolicy,
+    state: &EndpointState,
+    outcome: Outcome,
+    now: Instant,
+    rng: &mut SeededRng,
+) -> Decision {
+    let info = CallInfo::http(policy, "GET", false);
+    let mut call = RetryCall::new(policy, state, info, now);
+    let _ = call.start_attempt(now);
+    call.on_outcome(outcome, now, rng)
+}
+
+fn success_path(c: &mut Criterion) {
+    let set = thousand_endpoints();
+    let origin = Instant::now();
+    let mut rng = SeededRng::with_seed(1);
+    let mut g = c.benchmark_group("success_path");
+
+    let (_, state) = hot(&set, HOT, origin);
+    assert_eq!(
+        full_call(&set, HOT, &state, OK, Instant::now(), &mut rng),
+        Decision::Return
+    );
+    g.bench_function("retryplane/full_call", |b| {
+        b.iter(|| black_box(full_call(&set, HOT, &state, OK, Instant::now(), &mut rng)));
+    });
+
+    let (_, state) = hot(&set, HOT, origin);
+    let fixed = Instant::now();
+    g.bench_function("retryplane/full_call_fixed_now", |b| {
+        b.iter(|| black_box(full_call(&set, HOT, &state, OK, black_box(fixed), &mut rng)));
+    });
+
+    g.bench_function("retryplane/lookup_and_route_only", |b| {
+        b.iter(|| {
+            let endpoint = set.endpoint(black_box(HOT)).expect("endpoint exists");
+            black_box(endpoint.resolve(black_box(&TARGET)));
+        });
+    });
+
+    let (policy, state) = hot(&set, HOT, origin);
+    g.bench_function("retryplane/no_lookup", |b| {
+        b.iter(|| black_box(engine_call(&policy, &state, OK, Instant::now(), &mut rng)));
+    });
+
+    let (mut no_breaker, state) = hot(&set, HOT, origin);
+    no_breaker.circuit_breaker = None;
+    g.bench_function("retryplane/no_lookup_no_breaker", |b| {
+        b.iter(|| {
+            black_box(engine_call(
+                &no_breaker,
+                &state,
+                OK,
+                Instant::now(),
+                &mut rng,
+            ))
+        });
+    });
+
+    let mut bare = no_breaker.clone();
+    bare.budget = None;
+    g.bench_function("retryplane/no_lookup_no_breaker_no_budget", |b| {
+        b.iter(|| black_box(engine_call(&bare, &state, OK, Instant::now(), &mut rng)));
+    });
+
+    let (policy, _) = hot(&set, HOT, origin);
+    let budget = RetryBudget::new(policy.budget.as_ref().expect("budget on"), origin);
+    g.bench_function("retryplane/RetryBudget_deposit", |b| {
+        b.iter(|| budget.deposit(Instant::now()));
+    });
+
+    g.bench_function("tokio_Instant_now", |b| b.iter(Instant::now));
+
+    let names: HashMap<String, usize> =
+        (0..ENDPOINTS).map(|i| (format!("svc-{i:04}"), i)).collect();
+    g.bench_function("std_HashMap_get", |b| {
+        b.iter(|| black_box(names.get(black_box(HOT))));
+    });
+
+    let tower = TpsBudget::default();
+    g.bench_function("tower/TpsBudget_deposit", |b| b.iter(|| tower.deposit()));
+    g.finish();
+}
+
+fn failure_path(c: &mut Criterion) {
+    let set = thousand_endpoints();
+    let origin = Instant::now();
+    let mut rng = SeededRng::with_seed(1);
+    let mut g = c.benchmark_group("failure_path");
+
+    let (_, state) = hot(&set, FAILING, origin);
+    let first = full_call(&set, FAILING, &state, UNAVAILABLE, Instant::now(), &mut rng);
+    assert!(matches!(first, Decision::Retry { .. }), "{first:?}");
+    g.bench_function("retryplane/full_call", |b| {
+        b.iter(|| {
+            let now = Instant::now();
+            black_box(full_call(&set, FAILING, &state, UNAVAILABLE, now, &mut rng))
+        });
+    });
+
+    let (_, state) = hot(&set, FAILING, origin);
+    let fixed = Instant::now();
+    g.bench_function("retryplane/full_call_fixed_now", |b| {
+        b.iter(|| {
+            let now = black_box(fixed);
+            black_box(full_call(&set, FAILING, &state, UNAVAILABLE, now, &mut rng))
+        });
+    });
+
+    let (mut no_breaker, state) = hot(&set, FAILING, origin);
+    no_breaker.circuit_breaker = None;
+    g.bench_function("retryplane/no_lookup_no_breaker", |b| {
+        b.iter(|| {
+            let now = Instant::now();
+            black_box(engine_call(&no_breaker, &state, UNAVAILABLE, now, &mut rng))
+        });
+    });
+
+    let tower = TpsBudget::new(Duration::from_secs(10), 1_000_000_000, 0.2);
+    assert!(tower.withdraw());
+    g.bench_function("tower/TpsBudget_deposit_withdraw", |b| {
+        b.iter(|| {
+            tower.deposit();
+            black_box(tower.withdraw())
+        });
+    });
+    g.finish();
+}
+
+/// A budget config whose withdrawals always succeed, so every pair takes the same path.
+fn roomy_budget() -> BudgetConfig {
+    BudgetConfig {
+        ratio: 0.2,
+        min_per_second: 1_000_000_000,
+        window: Duration::from_secs(10),
+    }
+}
+
+/// Runs `op` `iters` times on each of `threads` threads, started together; returns the wall
+/// time from the common start to the last thread's end.
+#[allow(
+    clippy::disallowed_types,
+    reason = "wall time of a multi-threaded sample; nothing here pauses tokio's clock"
+)]
+fn on_threads(threads: usize, iters: u64, op: impl Fn() + Sync) -> Duration {
+    let start = Barrier::new(threads + 1);
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| {
+                start.wait();
+                for _ in 0..iters {
+                    op();
+                }
+            });
+        }
+        start.wait();
+        std::time::Instant::now()
+    })
+    // `scope` returns once every thread has finished.
+    .elapsed()
+}
+
+fn budget_threads(
+    g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+    n: usize,
+) {
+    let label = if n == 1 {
+        "1_thread".to_owned()
+    } else {
+        format!("{n}_threads")
+    };
+    let origin = Instant::now();
+    let ours = RetryBudget::new(&roomy_budget(), origin);
+    assert!(ours.try_withdraw(origin));
+    g.bench_function(
+        format!("retryplane/RetryBudget/{label}"),
+        |b: &mut Bencher<'_>| {
+            b.iter_custom(|iters| {
+                on_threads(n, iters, || {
+                    ours.deposit(Instant::now());
+                    black_box(ours.try_withdraw(Instant::now()));
+                })
+            });
+        },
+    );
+
+    let ours = RetryBudget::new(&roomy_budget(), origin);
+    let fixed = Instant::now();
+    g.bench_function(
+        format!("retryplane/RetryBudget_fixed_now/{label}"),
+        |b: &mut Bencher<'_>| {
+            b.iter_custom(|iters| {
+                on_threads(n, iters, || {
+                    let now = black_box(fixed);
+                    ours.deposit(now);
+                    black_box(ours.try_withdraw(now));
+                })
+            });
+        },
+    );
+
+    let tower = TpsBudget::new(Duration::from_secs(10), 1_000_000_000, 0.2);
+    assert!(tower.withdraw());
+    g.bench_function(format!("tower/TpsBudget/{label}"), |b: &mut Bencher<'_>| {
+        b.iter_custom(|iters| {
+            on_threads(n, iters, || {
+                tower.deposit();
+                black_box(tower.withdraw());
+            })
+        });
+    });
+}
+
+fn budget_2_threads(c: &mut Criterion) {
+    let mut g = c.benchmark_group("budget_2_threads");
+    budget_threads(&mut g, 2);
+    budget_threads(&mut g, 1);
+    g.finish();
+}
+
+/// Nine levels of ten aliases each: 10⁹ scalars if expanded.
+fn alias_bomb() -> String {
+    let mut y =
+        String::from("version: 1\nl0: &l0 [lol, lol, lol, lol, lol, lol, lol, lol, lol, lol]\n");
+    for level in 1..9 {
+        let prev = level - 1;
+        let refs = vec![format!("*l{prev}"); 10].join(", ");
+        y.push_str(&format!("l{level}: &l{level} [{refs}]\n"));
+    }
+    y.push_str("endpoints:\n  svc: {max_attempts: *l8}\n");
+    y
+}
+
+fn nested_brackets() -> String {
+    format!(
+        "version: 1\nendpoints: {}{}\n",
+        "[".repeat(100_000),
+        "]".repeat(100_000)
+    )
+}
+
+/// `n` endpoints with defaults only, about 12 bytes each: the most endpoints a file under the
+/// size and event limits can hold is about 60,000.
+fn many_tiny_endpoints(n: usize) -> String {
+    let mut y = String::from("version: 1\nendpoints:\n");
+    for i in 0..n {
+        y.push_str(&format!("  e{i}: {{}}\n"));
+    }
+    y
+}
+
+fn two_mib() -> String {
+    let mut y = String::from("version: 1\nendpoints:\n  svc: {}\n");
+    while y.len() < 2 * 1024 * 1024 {
+        y.push_str("# padding padding padding padding padding padding padding padding\n");
+    }
+    y
+}
+
+fn parse(c: &mut Criterion) {
+    let mut g = c.benchmark_group("parse");
+    g.sample_size(20);
+    let big = thousand_endpoints_yaml();
+    for (name, text) in [("example_file", EXAMPLE), ("1000_endpoints", big.as_str())] {
+        assert!(load(text.as_bytes()).policies.is_some(), "{name} loads");
+        g.bench_function(format!("load/{name}"), |b| {
+            b.iter(|| black_box(load(black_box(text.as_bytes()))));
+        });
+    }
+    // Accepted, but costs time quadratic in the number of endpoints (see BENCHMARKS.md).
+    let tiny = many_tiny_endpoints(10_000);
+    assert!(tiny.len() < 1024 * 1024);
+    assert!(
+        load(tiny.as_bytes()).policies.is_some(),
+        "tiny endpoints load"
+    );
+    g.sample_size(10);
+    g.bench_function("load/many_tiny_endpoints_10k", |b| {
+        b.iter(|| black_box(load(black_box(tiny.as_bytes()))));
+    });
+    g.sample_size(20);
+    for (name, text) in [
+        ("alias_bomb", alias_bomb()),
+        ("nested_brackets_100k", nested_brackets()),
+        ("file_2MiB", two_mib()),
+    ] {
+        let loaded = load(text.as_bytes());
+        assert!(loaded.policies.is_none(), "{name} is refused");
+        let first = loaded
+            .diagnostics
+            .first()
+            .expect("a refused file has a diagnostic");
+        eprintln!("parse/refuse/{name} ({} bytes): {first}", text.len());
+        g.bench_function(format!("refuse/{name}"), |b| {
+            b.iter(|| black_box(load(black_box(text.as_bytes()))));
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, success_path, failure_path, budget_2_threads, parse);
+criterion_main!(benches);

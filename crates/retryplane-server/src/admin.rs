@@ -1,0 +1,316 @@
+//! The admin service (SPEC §3): Validate, Apply, Get, History, Rollback, FleetStatus, Stats.
+//!
+//! A thin layer over [`ControlPlane`]: it turns a request into a [`ChangeRequest`] and the
+//! outcome or error into a response or a status; versions, diffs and safety checks are decided
+//! below it. Writes record the admin token's name ([`TokenName`], put there by
+//! [`crate::auth::Guard`]) as the version's author.
+//!
+//! # Status codes
+//!
+//! - `INVALID_ARGUMENT`: no source, a YAML source over 1 MiB, or invalid policies. The message
+//!   is the diagnostics, one per line, as `LINE:COLUMN: SEVERITY: PATH: MESSAGE` (`0:0` for a
+//!   typed document, which has no places);
+//! - `FAILED_PRECONDITION`: a write in file mode (the message names the file), or a change that
+//!   removes every endpoint without `force` (the message names `--force`);
+//! - `ABORTED`: `expected_version` is not the current version — another change came first; read
+//!   the current version and retry (the gRPC code for a failed read-modify-write);
+//! - `NOT_FOUND`: a version that is not stored, or `Get` on an empty store;
+//! - `INTERNAL`: the store failed; details go to the server log, not to the caller.
+
+use std::sync::Arc;
+
+use retryplane_policy::render::to_yaml;
+use retryplane_policy::yaml::MAX_FILE_BYTES;
+use retryplane_policy::{Diagnostic, PolicyDocument};
+use retryplane_proto::convert;
+use retryplane_proto::pb::{self, admin_service_server::AdminService, policy_source::Kind};
+use tonic::{Request, Response, Status};
+use tracing::error;
+
+use crate::auth::TokenName;
+use crate::control::{ChangeError, ChangeOutcome, ChangeRequest, ControlPlane, Mode};
+use crate::store::{Source, StoreError};
+
+/// The `retryplane.v1.AdminService` implementation.
+#[derive(Clone, Debug)]
+pub struct AdminApi {
+    control: Arc<ControlPlane>,
+}
+
+impl AdminApi {
+    /// A service over `control`.
+    pub fn new(control: Arc<ControlPlane>) -> Self {
+        Self { control }
+    }
+
+    /// Refuses writes in file mode.
+    fn check_writable(&self) -> Result<(), Status> {
+        match &self.control.mode {
+            Mode::File(path) => Err(Status::failed_precondition(format!(
+                "policies are owned by the file {}: edit it, or start the server with --api",
+                path.display()
+            ))),
+            Mode::Api => Ok(()),
+        }
+    }
+
+    /// Applies `request`, answering with the outcome; `warnings` replace the outcome's when
+    /// the source was YAML (they carry line and column).
+    async fn change(
+        &self,
+        request: ChangeRequest,
+        warnings: Option<Vec<Diagnostic>>,
+    ) -> Result<Response<pb::ApplyResponse>, Status> {
+        let outcome = self.control.apply(request).await.map_err(change_status)?;
+        Ok(Response::new(apply_response(outcome, warnings)))
+    }
+}
+
+/// The author recorded for a write: the admin token's name, if authentication is on.
+fn author<T>(request: &Request<T>) -> Option<String> {
+    request.extensions().get::<TokenName>().map(|t| t.0.clone())
+}
+
+fn expected(version: u64) -> Option<u64> {
+    (version != 0).then_some(version)
+}
+
+/// One diagnostic per line, `LINE:COLUMN: SEVERITY: PATH: MESSAGE`.
+fn diagnostic_lines(diagnostics: &[Diagnostic]) -> String {
+    diagnostics
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+fn pb_diagnostics(diagnostics: &[Diagnostic]) -> Vec<pb::Diagnostic> {
+    diagnostics.iter().map(pb::Diagnostic::from).collect()
+}
+
+/// Logs a store failure and answers INTERNAL without its details.
+fn internal(e: &StoreError) -> Status {
+    error!(error = %e, cause = ?std::error::Error::source(e).map(ToString::to_string), "admin request failed in the version store");
+    Status::internal("the version store failed; see the control plane's log")
+}
+
+/// The status for a refused change (see the module docs).
+fn change_status(e: ChangeError) -> Status {
+    match e {
+        ChangeError::Invalid(diagnostics) => {
+            Status::invalid_argument(diagnostic_lines(&diagnostics))
+        }
+        ChangeError::RemovesEverything(names) => Status::failed_precondition(format!(
+            "the change removes every endpoint ({names}), which takes every policy away from \
+             the fleet; pass --force to do it anyway"
+        )),
+        ChangeError::Conflict { expected, current } => Status::aborted(format!(
+            "version conflict: expected version {expected} to be current, but it is {current}; \
+             get the current version and retry"
+        )),
+        ChangeError::Store(StoreError::NoSuchVersion { version }) => {
+            Status::not_found(format!("version {version} does not exist"))
+        }
+        ChangeError::Store(e) => internal(&e),
+    }
+}
+
+fn apply_response(outcome: ChangeOutcome, warnings: Option<Vec<Diagnostic>>) -> pb::ApplyResponse {
+    let (version, content_hash) = outcome.record.map_or((0, String::new()), |r| {
+        (r.meta.version, r.meta.content_hash)
+    });
+    pb::ApplyResponse {
+        version,
+        content_hash,
+        changed: outcome.changed,
+        diff: outcome.diff.iter().map(pb::DiffEntry::from).collect(),
+        warnings: pb_diagnostics(&warnings.unwrap_or(outcome.warnings)),
+    }
+}
+
+/// A source, checked for presence and size.
+fn source_kind(source: Option<pb::PolicySource>) -> Result<Kind, Status> {
+    let kind = source
+        .and_then(|s| s.kind)
+        .ok_or_else(|| Status::invalid_argument("source is required: set yaml or document"))?;
+    if let Kind::Yaml(yaml) = &kind
+        && yaml.len() > MAX_FILE_BYTES
+    {
+        return Err(Status::invalid_argument(format!(
+            "the YAML source is {} bytes; the limit is {MAX_FILE_BYTES}",
+            yaml.len()
+        )));
+    }
+    Ok(kind)
+}
+
+/// The document to apply and, for YAML, its warnings (with places); INVALID_ARGUMENT with
+/// every diagnostic when the YAML has errors.
+fn document_of(kind: Kind) -> Result<(pb::PolicyDocument, Option<Vec<Diagnostic>>), Status> {
+    match kind {
+        Kind::Document(document) => Ok((document, None)),
+        Kind::Yaml(yaml) => {
+            let loaded = retryplane_policy::load(yaml.as_bytes());
+            match loaded.policies {
+                Some(policies) => Ok((
+                    pb::PolicyDocument::from(policies.document().as_ref()),
+                    Some(loaded.diagnostics),
+                )),
+                None => Err(Status::invalid_argument(diagnostic_lines(
+                    &loaded.diagnostics,
+                ))),
+            }
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl AdminService for AdminApi {
+    async fn validate(
+        &self,
+        request: Request<pb::ValidateRequest>,
+    ) -> Result<Response<pb::ValidateResponse>, Status> {
+        let (valid, diagnostics) = match source_kind(request.into_inner().source)? {
+            Kind::Yaml(yaml) => {
+                let loaded = retryplane_policy::load(yaml.as_bytes());
+                (!loaded.has_errors(), loaded.diagnostics)
+            }
+            Kind::Document(document) => match convert::validate(document) {
+                Ok((_, warnings)) => (true, warnings),
+                Err(errors) => (false, errors),
+            },
+        };
+        Ok(Response::new(pb::ValidateResponse {
+            valid,
+            diagnostics: pb_diagnostics(&diagnostics),
+        }))
+    }
+
+    async fn apply(
+        &self,
+        request: Request<pb::ApplyRequest>,
+    ) -> Result<Response<pb::ApplyResponse>, Status> {
+        // A dry run writes nothing, so it also answers in file mode (`retryplane diff`).
+        if !request.get_ref().dry_run {
+            self.check_writable()?;
+        }
+        let author = author(&request);
+        let req = request.into_inner();
+        let (document, warnings) = document_of(source_kind(req.source)?)?;
+        let change = ChangeRequest {
+            document,
+            source: Source::Admin,
+            author,
+            expected_version: expected(req.expected_version),
+            dry_run: req.dry_run,
+            force: req.force,
+        };
+        self.change(change, warnings).await
+    }
+
+    async fn get(
+        &self,
+        request: Request<pb::GetRequest>,
+    ) -> Result<Response<pb::GetResponse>, Status> {
+        let version = request.into_inner().version;
+        let record = self
+            .control
+            .blocking(move |s| {
+                if version == 0 {
+                    s.current()
+                } else {
+                    s.get(version)
+                }
+            })
+            .await
+            .map_err(|e| internal(&e))?
+            .ok_or_else(|| {
+                Status::not_found(if version == 0 {
+                    "no version is stored yet".to_owned()
+                } else {
+                    format!("version {version} does not exist")
+                })
+            })?;
+        let yaml = PolicyDocument::try_from(record.document.clone())
+            .map(|doc| to_yaml(&doc))
+            .map_err(|e| {
+                error!(version = record.meta.version, error = %e, "a stored document does not convert");
+                Status::internal("a stored version cannot be rendered; see the control plane's log")
+            })?;
+        Ok(Response::new(pb::GetResponse {
+            info: Some(pb::VersionInfo::from(&record.meta)),
+            policies: Some(record.document),
+            yaml,
+        }))
+    }
+
+    async fn history(
+        &self,
+        request: Request<pb::HistoryRequest>,
+    ) -> Result<Response<pb::HistoryResponse>, Status> {
+        let limit = usize::try_from(request.into_inner().limit).unwrap_or(usize::MAX);
+        let versions = self
+            .control
+            .blocking(move |s| s.history(limit))
+            .await
+            .map_err(|e| internal(&e))?;
+        Ok(Response::new(pb::HistoryResponse {
+            versions: versions.iter().map(pb::VersionInfo::from).collect(),
+        }))
+    }
+
+    async fn rollback(
+        &self,
+        request: Request<pb::RollbackRequest>,
+    ) -> Result<Response<pb::ApplyResponse>, Status> {
+        self.check_writable()?;
+        let author = author(&request);
+        let req = request.into_inner();
+        let from = req.version;
+        if from == 0 {
+            return Err(Status::invalid_argument(
+                "the version to roll back to is required",
+            ));
+        }
+        let record = self
+            .control
+            .blocking(move |s| s.get(from))
+            .await
+            .map_err(|e| internal(&e))?
+            .ok_or_else(|| Status::not_found(format!("version {from} does not exist")))?;
+        let change = ChangeRequest {
+            document: record.document,
+            source: Source::Rollback { from },
+            author,
+            expected_version: expected(req.expected_version),
+            dry_run: false,
+            force: req.force,
+        };
+        self.change(change, None).await
+    }
+
+    async fn fleet_status(
+        &self,
+        _request: Request<pb::FleetStatusRequest>,
+    ) -> Result<Response<pb::FleetStatusResponse>, Status> {
+        Ok(Response::new(pb::FleetStatusResponse {
+            current_version: self.control.publisher.current().map_or(0, |s| s.version),
+            agents: self.control.fleet.status(),
+        }))
+    }
+
+    async fn stats(
+        &self,
+        request: Request<pb::StatsRequest>,
+    ) -> Result<Response<pb::StatsResponse>, Status> {
+        let endpoint = request.into_inner().endpoint;
+        let filter = (!endpoint.is_empty()).then_some(endpoint.as_str());
+        Ok(Response::new(pb::StatsResponse {
+            endpoints: self.control.stats.snapshot(filter),
+        }))
+    }
+}
+
+#[cfg(test)]
+#[path = "admin_tests.rs"]
+mod tests;

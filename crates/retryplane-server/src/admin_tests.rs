@@ -1,0 +1,362 @@
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use retryplane_proto::pb::diff_entry::Change as DiffChange;
+use tonic::Code;
+
+use super::*;
+use crate::fleet::Fleet;
+use crate::metrics::ServerMetrics;
+use crate::publisher::Publisher;
+use crate::stats::Stats;
+use crate::store::{MemoryStore, VersionStore};
+
+const V1: &str = "version: 1\nendpoints:\n  payments:\n    max_attempts: 3\n  search: {}\n";
+const V2: &str = "version: 1\nendpoints:\n  payments:\n    max_attempts: 4\n  search: {}\n";
+const OTHER: &str = "version: 1\nendpoints:\n  inventory: {}\n";
+
+fn api(mode: Mode) -> AdminApi {
+    let store: Arc<dyn VersionStore> = Arc::new(MemoryStore::new());
+    AdminApi::new(Arc::new(ControlPlane::new(
+        store,
+        Arc::new(Publisher::new(10_000)),
+        Arc::new(Fleet::new(100)),
+        Arc::new(ServerMetrics::new()),
+        Arc::new(Stats::new(100)),
+        mode,
+    )))
+}
+
+fn yaml(text: &str) -> Option<pb::PolicySource> {
+    Some(pb::PolicySource {
+        kind: Some(Kind::Yaml(text.to_owned())),
+        origin: String::new(),
+    })
+}
+
+fn apply_request(text: &str) -> pb::ApplyRequest {
+    pb::ApplyRequest {
+        source: yaml(text),
+        ..Default::default()
+    }
+}
+
+/// A request as the auth guard passes it on for the admin token `alice`.
+fn as_alice<T>(message: T) -> Request<T> {
+    let mut request = Request::new(message);
+    request
+        .extensions_mut()
+        .insert(TokenName("alice".to_owned()));
+    request
+}
+
+async fn apply(api: &AdminApi, request: pb::ApplyRequest) -> Result<pb::ApplyResponse, Status> {
+    api.apply(as_alice(request)).await.map(Response::into_inner)
+}
+
+async fn history(api: &AdminApi) -> Vec<pb::VersionInfo> {
+    api.history(Request::new(pb::HistoryRequest { limit: 0 }))
+        .await
+        .unwrap()
+        .into_inner()
+        .versions
+}
+
+async fn get(api: &AdminApi, version: u64) -> Result<pb::GetResponse, Status> {
+    api.get(Request::new(pb::GetRequest { version }))
+        .await
+        .map(Response::into_inner)
+}
+
+#[tokio::test]
+async fn file_mode_refuses_apply_and_rollback_naming_the_file() {
+    let api = api(Mode::File(PathBuf::from("config/policies.yaml")));
+    let status = apply(&api, apply_request(V1)).await.unwrap_err();
+    assert_eq!(status.code(), Code::FailedPrecondition);
+    assert_eq!(
+        status.message(),
+        "policies are owned by the file config/policies.yaml: edit it, or start the server with --api"
+    );
+    let status = api
+        .rollback(as_alice(pb::RollbackRequest {
+            version: 1,
+            ..Default::default()
+        }))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::FailedPrecondition);
+}
+
+#[tokio::test]
+async fn file_mode_still_answers_reads() {
+    let api = api(Mode::File(PathBuf::from("config/policies.yaml")));
+    let valid = api
+        .validate(Request::new(pb::ValidateRequest { source: yaml(V1) }))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(valid.valid);
+    assert!(history(&api).await.is_empty());
+    assert_eq!(get(&api, 0).await.unwrap_err().code(), Code::NotFound);
+    let fleet = api
+        .fleet_status(Request::new(pb::FleetStatusRequest {}))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(fleet.current_version, 0);
+    let stats = api
+        .stats(Request::new(pb::StatsRequest::default()))
+        .await
+        .unwrap();
+    assert!(stats.into_inner().endpoints.is_empty());
+}
+
+#[tokio::test]
+async fn first_apply_is_version_1_by_the_token_name() {
+    let api = api(Mode::Api);
+    let applied = apply(&api, apply_request(V1)).await.unwrap();
+    assert_eq!((applied.version, applied.changed), (1, true));
+    assert_eq!(applied.content_hash.len(), 64);
+    assert_eq!(applied.diff.len(), 2, "{:?}", applied.diff);
+    assert!(
+        applied
+            .diff
+            .iter()
+            .all(|d| d.change == DiffChange::Added as i32)
+    );
+    let versions = history(&api).await;
+    assert_eq!(versions.len(), 1);
+    assert_eq!(
+        (versions[0].source.as_str(), versions[0].author.as_str()),
+        ("admin", "alice")
+    );
+    let fleet = api
+        .fleet_status(Request::new(pb::FleetStatusRequest {}))
+        .await
+        .unwrap();
+    assert_eq!(fleet.into_inner().current_version, 1);
+}
+
+#[tokio::test]
+async fn the_same_content_again_is_unchanged() {
+    let api = api(Mode::Api);
+    let first = apply(&api, apply_request(V1)).await.unwrap();
+    let again = apply(&api, apply_request(&format!("# comment\n{V1}")))
+        .await
+        .unwrap();
+    assert_eq!((again.version, again.changed), (1, false));
+    assert_eq!(again.content_hash, first.content_hash);
+    assert!(again.diff.is_empty());
+    assert_eq!(history(&api).await.len(), 1);
+}
+
+#[tokio::test]
+async fn dry_run_returns_the_diff_and_stores_nothing() {
+    let api = api(Mode::Api);
+    apply(&api, apply_request(V1)).await.unwrap();
+    let dry = apply(
+        &api,
+        pb::ApplyRequest {
+            dry_run: true,
+            ..apply_request(V2)
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!((dry.version, dry.changed), (1, false));
+    assert_eq!(dry.diff.len(), 1);
+    assert_eq!(dry.diff[0].endpoint, "payments");
+    assert_eq!(dry.diff[0].change, DiffChange::Modified as i32);
+    assert_eq!(history(&api).await.len(), 1);
+}
+
+#[tokio::test]
+async fn removing_every_endpoint_needs_force() {
+    let api = api(Mode::Api);
+    apply(&api, apply_request(V1)).await.unwrap();
+    let status = apply(&api, apply_request(OTHER)).await.unwrap_err();
+    assert_eq!(status.code(), Code::FailedPrecondition);
+    assert!(status.message().contains("--force"), "{}", status.message());
+    assert_eq!(history(&api).await.len(), 1);
+    let forced = apply(
+        &api,
+        pb::ApplyRequest {
+            force: true,
+            ..apply_request(OTHER)
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!((forced.version, forced.changed), (2, true));
+}
+
+#[tokio::test]
+async fn a_stale_expected_version_is_aborted() {
+    let api = api(Mode::Api);
+    apply(&api, apply_request(V1)).await.unwrap();
+    apply(&api, apply_request(V2)).await.unwrap();
+    let stale = pb::ApplyRequest {
+        expected_version: 1,
+        ..apply_request(V1)
+    };
+    let status = apply(&api, stale).await.unwrap_err();
+    assert_eq!(status.code(), Code::Aborted);
+    assert!(
+        status.message().contains("expected version 1"),
+        "{}",
+        status.message()
+    );
+    let current = pb::ApplyRequest {
+        expected_version: 2,
+        ..apply_request(V1)
+    };
+    assert_eq!(apply(&api, current).await.unwrap().version, 3);
+}
+
+#[tokio::test]
+async fn rollback_publishes_the_old_content_as_a_new_version() {
+    let api = api(Mode::Api);
+    let v1 = apply(&api, apply_request(V1)).await.unwrap();
+    apply(&api, apply_request(V2)).await.unwrap();
+    let rolled = api
+        .rollback(as_alice(pb::RollbackRequest {
+            version: 1,
+            ..Default::default()
+        }))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!((rolled.version, rolled.changed), (3, true));
+    assert_eq!(rolled.content_hash, v1.content_hash);
+    let newest = &history(&api).await[0];
+    assert_eq!((newest.version, newest.source.as_str()), (3, "rollback"));
+    assert_eq!(newest.rolled_back_from, 1);
+    assert_eq!(
+        get(&api, 3).await.unwrap().policies,
+        get(&api, 1).await.unwrap().policies
+    );
+}
+
+#[tokio::test]
+async fn unknown_versions_are_not_found() {
+    let api = api(Mode::Api);
+    apply(&api, apply_request(V1)).await.unwrap();
+    assert_eq!(get(&api, 7).await.unwrap_err().code(), Code::NotFound);
+    let status = api
+        .rollback(as_alice(pb::RollbackRequest {
+            version: 7,
+            ..Default::default()
+        }))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::NotFound);
+}
+
+#[tokio::test]
+async fn get_returns_the_document_and_its_yaml() {
+    let api = api(Mode::Api);
+    apply(&api, apply_request(V2)).await.unwrap();
+    let got = get(&api, 0).await.unwrap();
+    assert_eq!(got.info.unwrap().version, 1);
+    assert!(got.policies.is_some());
+    assert!(got.yaml.contains("max_attempts: 4"), "{}", got.yaml);
+    let reloaded = retryplane_policy::load(got.yaml.as_bytes());
+    assert!(!reloaded.has_errors(), "{:?}", reloaded.diagnostics);
+}
+
+#[tokio::test]
+async fn invalid_yaml_is_invalid_argument_with_line_and_column() {
+    let api = api(Mode::Api);
+    let bad = "version: 1\nendpoints:\n  payments:\n    max_attempts: 0\n    dedline: 1s\n";
+    let status = apply(&api, apply_request(bad)).await.unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument);
+    let lines: Vec<&str> = status.message().lines().collect();
+    assert_eq!(lines.len(), 2, "{}", status.message());
+    assert!(
+        lines[0].starts_with("4:19: error: endpoints.payments.max_attempts: "),
+        "{}",
+        lines[0]
+    );
+    assert!(
+        lines[1].starts_with("5:5: error: endpoints.payments.dedline: "),
+        "{}",
+        lines[1]
+    );
+    assert!(history(&api).await.is_empty());
+}
+
+#[tokio::test]
+async fn an_invalid_typed_document_is_invalid_argument() {
+    let api = api(Mode::Api);
+    let request = pb::ApplyRequest {
+        source: Some(pb::PolicySource {
+            kind: Some(Kind::Document(pb::PolicyDocument {
+                defaults: None,
+                endpoints: vec![pb::Endpoint {
+                    name: "payments".to_owned(),
+                    overlay: Some(pb::Overlay {
+                        max_attempts: Some(0),
+                        ..Default::default()
+                    }),
+                    routes: Vec::new(),
+                }],
+            })),
+            origin: String::new(),
+        }),
+        ..Default::default()
+    };
+    let status = apply(&api, request).await.unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument);
+    assert!(
+        status
+            .message()
+            .starts_with("0:0: error: endpoints.payments.max_attempts: "),
+        "{}",
+        status.message()
+    );
+}
+
+#[tokio::test]
+async fn a_source_over_1_mib_or_none_is_invalid_argument() {
+    let api = api(Mode::Api);
+    let huge = format!("{V1}#{}\n", "x".repeat(MAX_FILE_BYTES));
+    let status = apply(&api, apply_request(&huge)).await.unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument);
+    assert!(status.message().contains("limit"), "{}", status.message());
+    let status = apply(&api, pb::ApplyRequest::default()).await.unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument);
+}
+
+#[tokio::test]
+async fn validate_reports_every_problem_and_stores_nothing() {
+    let api = api(Mode::Api);
+    let bad = "version: 1\nendpoints:\n  payments:\n    max_attempts: 0\n    dedline: 1s\n";
+    let checked = api
+        .validate(Request::new(pb::ValidateRequest { source: yaml(bad) }))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!checked.valid);
+    assert_eq!(checked.diagnostics.len(), 2);
+    assert_eq!(
+        (checked.diagnostics[0].line, checked.diagnostics[0].column),
+        (4, 19)
+    );
+    assert!(history(&api).await.is_empty());
+}
+
+#[tokio::test]
+async fn history_is_newest_first_and_limited() {
+    let api = api(Mode::Api);
+    apply(&api, apply_request(V1)).await.unwrap();
+    apply(&api, apply_request(V2)).await.unwrap();
+    let all: Vec<u64> = history(&api).await.iter().map(|v| v.version).collect();
+    assert_eq!(all, [2, 1]);
+    let limited = api
+        .history(Request::new(pb::HistoryRequest { limit: 1 }))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(limited.versions.len(), 1);
+    assert_eq!(limited.versions[0].version, 2);
+}

@@ -1,0 +1,319 @@
+//! Bearer tokens for the agent and admin services (issue 3: roles, secrets compared in constant
+//! time).
+//!
+//! A tokens file names every credential and its role:
+//!
+//! ```yaml
+//! tokens:
+//!   - {name: checkout-agents, role: agent, secret: "at least sixteen characters"}
+//!   - {name: alice, role: admin, secret: "another long random string"}
+//! ```
+//!
+//! Every gRPC call to the agent or admin service carries `authorization: Bearer <secret>`. The
+//! presented secret is hashed (SHA-256) and compared with the hash of *every* token's secret
+//! with [`subtle::ConstantTimeEq`], without stopping at a match, so the time taken tells nothing
+//! about which token, or how much of one, matched. A missing or unknown secret gets
+//! `UNAUTHENTICATED`; a known token of the wrong role gets `PERMISSION_DENIED` (an agent token
+//! cannot call the admin service, and an admin token cannot pose as an agent). The admin service
+//! reads the caller's [`TokenName`] from the request extensions to record who made a version.
+//!
+//! Health and reflection are not guarded: they reveal nothing that is not public. With no tokens
+//! file there is no authentication at all, and the server only binds loopback addresses unless
+//! told `--insecure` (see [`crate::server`]).
+//!
+//! Secrets and header values are never logged or put into an error message.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use sha2::{Digest, Sha256};
+use subtle::{ConditionallySelectable, ConstantTimeEq};
+use tonic::service::Interceptor;
+use tonic::{Request, Status};
+
+/// Shortest secret accepted, in bytes.
+pub const MIN_SECRET_LEN: usize = 16;
+/// Largest tokens file read.
+pub const MAX_FILE_BYTES: u64 = 1024 * 1024;
+
+/// What a token may call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// The agent stream service.
+    Agent,
+    /// The admin service.
+    Admin,
+}
+
+impl Role {
+    /// `agent` or `admin`, as written in the tokens file.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Agent => "agent",
+            Role::Admin => "admin",
+        }
+    }
+}
+
+/// The name of the token that authenticated a request, put into its extensions.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TokenName(pub String);
+
+/// Why a tokens file cannot be used. Messages name the file and never contain a secret.
+#[derive(Debug, thiserror::Error)]
+pub enum TokensError {
+    /// The file cannot be read.
+    #[error("cannot read the tokens file {}", file.display())]
+    Read {
+        /// The tokens file.
+        file: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file is larger than [`MAX_FILE_BYTES`].
+    #[error("the tokens file {} is larger than {MAX_FILE_BYTES} bytes", file.display())]
+    TooLarge {
+        /// The tokens file.
+        file: PathBuf,
+    },
+    /// The file is not a YAML document of the expected shape.
+    #[error("the tokens file {} is malformed: {message}", file.display())]
+    Parse {
+        /// The tokens file.
+        file: PathBuf,
+        /// What the YAML parser said.
+        message: String,
+    },
+    /// The file parses but some tokens are unusable; every problem is listed.
+    #[error("the tokens file {} is invalid: {}", file.display(), problems.join("; "))]
+    Invalid {
+        /// The tokens file.
+        file: PathBuf,
+        /// One line per problem, such as ``tokens[2] (`ci`): secret is shorter than 16 bytes``.
+        problems: Vec<String>,
+    },
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawFile {
+    tokens: Vec<RawToken>,
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawToken {
+    name: String,
+    role: String,
+    secret: String,
+}
+
+/// One credential: its name, role and the SHA-256 of its secret.
+struct Token {
+    name: String,
+    role: Role,
+    digest: [u8; 32],
+}
+
+/// Every credential of a tokens file.
+pub struct Tokens {
+    tokens: Vec<Token>,
+}
+
+/// Lists names and roles, never secrets.
+impl fmt::Debug for Tokens {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list()
+            .entries(self.tokens.iter().map(|t| (&t.name, t.role)))
+            .finish()
+    }
+}
+
+fn digest(secret: &[u8]) -> [u8; 32] {
+    Sha256::digest(secret).into()
+}
+
+impl Tokens {
+    /// Reads and checks the tokens file at `path`.
+    pub fn load(path: &Path) -> Result<Self, TokensError> {
+        use std::io::Read as _;
+        let read = |source| TokensError::Read {
+            file: path.to_owned(),
+            source,
+        };
+        let file = std::fs::File::open(path).map_err(read)?;
+        warn_if_world_readable(path, &file);
+        let mut text = String::new();
+        file.take(MAX_FILE_BYTES + 1)
+            .read_to_string(&mut text)
+            .map_err(read)?;
+        if text.len() as u64 > MAX_FILE_BYTES {
+            return Err(TokensError::TooLarge {
+                file: path.to_owned(),
+            });
+        }
+        Self::parse(&text, path)
+    }
+
+    /// Checks the text of a tokens file; `file` only names it in errors.
+    pub fn parse(text: &str, file: &Path) -> Result<Self, TokensError> {
+        let mut options = serde_saphyr::Options::default();
+        // A snippet of the source could show a secret.
+        options.with_snippet = false;
+        let raw: RawFile =
+            serde_saphyr::from_str_with_options(text, options).map_err(|e| TokensError::Parse {
+                file: file.to_owned(),
+                message: e.without_snippet().to_string(),
+            })?;
+        let mut problems = Vec::new();
+        if raw.tokens.is_empty() {
+            problems.push("`tokens` is empty: define at least one token".to_owned());
+        }
+        let mut names: HashMap<&str, usize> = HashMap::new();
+        let mut digests: HashMap<[u8; 32], usize> = HashMap::new();
+        let mut tokens = Vec::with_capacity(raw.tokens.len());
+        for (i, t) in raw.tokens.iter().enumerate() {
+            let at = format!("tokens[{i}] (`{}`)", t.name);
+            if t.name.trim().is_empty() {
+                problems.push(format!("tokens[{i}]: name is empty"));
+            } else if let Some(first) = names.insert(&t.name, i) {
+                problems.push(format!("{at}: name is already used by tokens[{first}]"));
+            }
+            let role = match t.role.as_str() {
+                "agent" => Some(Role::Agent),
+                "admin" => Some(Role::Admin),
+                other => {
+                    problems.push(format!(
+                        "{at}: unknown role `{other}` (expected `agent` or `admin`)"
+                    ));
+                    None
+                }
+            };
+            if t.secret.len() < MIN_SECRET_LEN {
+                problems.push(format!(
+                    "{at}: secret is shorter than {MIN_SECRET_LEN} bytes"
+                ));
+            }
+            let digest = digest(t.secret.as_bytes());
+            if let Some(first) = digests.insert(digest, i) {
+                problems.push(format!(
+                    "{at}: same secret as tokens[{first}]; every token needs its own secret"
+                ));
+            }
+            if let Some(role) = role {
+                tokens.push(Token {
+                    name: t.name.clone(),
+                    role,
+                    digest,
+                });
+            }
+        }
+        if problems.is_empty() {
+            Ok(Self { tokens })
+        } else {
+            Err(TokensError::Invalid {
+                file: file.to_owned(),
+                problems,
+            })
+        }
+    }
+
+    /// Number of tokens.
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// Whether there are no tokens (never true for a loaded file).
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    /// The token whose secret is `secret`, comparing against every token in constant time.
+    fn find(&self, secret: &[u8]) -> Option<&Token> {
+        let presented = digest(secret);
+        // 0 = none; otherwise index + 1 of the matching token. Every token is compared.
+        let mut found: u64 = 0;
+        for (i, token) in self.tokens.iter().enumerate() {
+            let candidate = u64::try_from(i).map_or(0, |i| i + 1);
+            found.conditional_assign(&candidate, token.digest.ct_eq(&presented));
+        }
+        let index = usize::try_from(found.checked_sub(1)?).ok()?;
+        self.tokens.get(index)
+    }
+}
+
+#[cfg(unix)]
+fn warn_if_world_readable(path: &Path, file: &std::fs::File) {
+    use std::os::unix::fs::PermissionsExt as _;
+    if let Ok(meta) = file.metadata()
+        && meta.permissions().mode() & 0o004 != 0
+    {
+        tracing::warn!(file = %path.display(), "the tokens file is readable by every user; chmod 600 it");
+    }
+}
+
+#[cfg(not(unix))]
+fn warn_if_world_readable(_path: &Path, _file: &std::fs::File) {}
+
+/// A tonic interceptor that admits only tokens of one role; admits everything when there are
+/// no tokens.
+#[derive(Clone, Debug)]
+pub struct Guard {
+    tokens: Option<Arc<Tokens>>,
+    role: Role,
+}
+
+impl Guard {
+    /// Admits callers holding a token of `role` from `tokens`; everyone when `tokens` is `None`.
+    pub fn new(tokens: Option<Arc<Tokens>>, role: Role) -> Self {
+        Self { tokens, role }
+    }
+
+    /// The name of the token that `request` authenticates with, or the status refusing it.
+    fn check<T>(&self, request: &Request<T>) -> Result<Option<String>, Status> {
+        let Some(tokens) = &self.tokens else {
+            return Ok(None);
+        };
+        let secret = bearer(request).ok_or_else(|| {
+            Status::unauthenticated(
+                "missing credentials: send the metadata `authorization: Bearer <secret>`",
+            )
+        })?;
+        let token = tokens
+            .find(secret)
+            .ok_or_else(|| Status::unauthenticated("unknown token"))?;
+        if token.role != self.role {
+            return Err(Status::permission_denied(format!(
+                "token `{}` has role `{}`; this service needs role `{}`",
+                token.name,
+                token.role.as_str(),
+                self.role.as_str()
+            )));
+        }
+        Ok(Some(token.name.clone()))
+    }
+}
+
+/// The secret of an `authorization: Bearer <secret>` header (scheme case-insensitive).
+fn bearer<T>(request: &Request<T>) -> Option<&[u8]> {
+    let value = request.metadata().get("authorization")?.as_bytes();
+    let (scheme, secret) = value.split_at_checked(7)?;
+    let secret = secret.trim_ascii();
+    (scheme.eq_ignore_ascii_case(b"bearer ") && !secret.is_empty()).then_some(secret)
+}
+
+impl Interceptor for Guard {
+    fn call(&mut self, mut request: Request<()>) -> Result<Request<()>, Status> {
+        if let Some(name) = self.check(&request)? {
+            request.extensions_mut().insert(TokenName(name));
+        }
+        Ok(request)
+    }
+}
+
+#[cfg(test)]
+#[path = "auth_tests.rs"]
+mod tests;

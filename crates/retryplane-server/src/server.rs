@@ -1,0 +1,368 @@
+//! `retryplane serve`: wires the store, the services, auth, the file watcher and shutdown.
+//!
+//! [`start`] does everything that can fail before serving — checks the listen addresses
+//! against the tokens file, loads the tokens, opens the store under the data directory, loads
+//! the policy file (file mode) or seeds an empty store (API mode), publishes the current version
+//! and binds the three listeners — and returns a [`Running`] server:
+//!
+//! - the agent listener: `retryplane.v1.AgentService` (role `agent`), gRPC health and
+//!   reflection;
+//! - the admin listener: `retryplane.v1.AdminService` (role `admin`), health and reflection;
+//! - the HTTP listener: `/healthz`, `/readyz`, `/metrics` ([`crate::http`]).
+//!
+//! Both gRPC listeners send HTTP/2 keepalive pings every 20 s and drop a peer that does not
+//! answer within 10 s, and set `TCP_NODELAY`. Health reports both services `NOT_SERVING` until a
+//! snapshot is published. Port 0 binds a free port; [`Running`] tells which.
+//!
+//! [`Running::shutdown`] tells every agent stream to end with `UNAVAILABLE` ("reconnect"),
+//! stops accepting, waits up to [`SHUTDOWN_GRACE`] for the servers to drain and closes the store
+//! (redb makes every commit durable; there is nothing else to flush).
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use retryplane_proto::pb::admin_service_server::AdminServiceServer;
+use retryplane_proto::pb::agent_service_server::AgentServiceServer;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::{JoinHandle, JoinSet};
+use tonic::server::NamedService;
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::Server;
+use tonic::transport::server::TcpIncoming;
+use tonic_health::ServingStatus;
+use tonic_health::server::HealthReporter;
+use tracing::{info, warn};
+
+use crate::admin::AdminApi;
+use crate::agent_stream::{AgentStreamService, StreamContext};
+use crate::auth::{Guard, Role, Tokens};
+use crate::control::{ControlPlane, Mode};
+use crate::fleet::Fleet;
+use crate::http::{HttpState, router};
+use crate::metrics::ServerMetrics;
+use crate::publisher::Publisher;
+use crate::stats::Stats;
+use crate::store::{RedbStore, VersionStore};
+
+mod boot;
+mod config;
+mod error;
+
+pub use self::config::ServeConfig;
+use self::config::check_exposure;
+pub use self::error::ServeError;
+
+/// How long shutdown waits for the servers to drain before closing what is left.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+/// HTTP/2 keepalive ping interval on the gRPC listeners.
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(20);
+/// How long a keepalive ping may go unanswered before the connection is dropped.
+pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Most endpoints the aggregated stats keep apart (the rest are summed as `other`).
+pub const MAX_STATS_ENDPOINTS: usize = 10_000;
+
+const AGENT_SERVICE: &str = <AgentServiceServer<AgentStreamService> as NamedService>::NAME;
+const ADMIN_SERVICE: &str = <AdminServiceServer<AdminApi> as NamedService>::NAME;
+
+/// A started server.
+#[derive(Debug)]
+pub struct Running {
+    /// The bound agent listener address (the real port when 0 was asked for).
+    pub agent_addr: SocketAddr,
+    /// The bound admin listener address.
+    pub admin_addr: SocketAddr,
+    /// The bound HTTP listener address.
+    pub http_addr: SocketAddr,
+    control: Arc<ControlPlane>,
+    shutdown: watch::Sender<bool>,
+    health: HealthReporter,
+    servers: JoinSet<Result<(), ServeError>>,
+    background: Vec<JoinHandle<()>>,
+}
+
+async fn bind(listener: &'static str, addr: SocketAddr) -> Result<TcpListener, ServeError> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| ServeError::Bind {
+            listener,
+            addr,
+            source,
+        })
+}
+
+fn local_addr(listener: &'static str, socket: &TcpListener) -> Result<SocketAddr, ServeError> {
+    socket.local_addr().map_err(|source| ServeError::Bind {
+        listener,
+        addr: SocketAddr::from((Ipv4Addr::UNSPECIFIED, 0)),
+        source,
+    })
+}
+
+/// Resolves once `shutdown` is true or its sender is gone.
+async fn stopped(mut shutdown: watch::Receiver<bool>) {
+    let _ = shutdown.wait_for(|stop| *stop).await;
+}
+
+fn grpc_server() -> Server {
+    Server::builder()
+        .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
+        .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
+        .tcp_nodelay(true)
+}
+
+fn incoming(socket: TcpListener) -> TcpIncoming {
+    // The builder's tcp_nodelay does not apply to a listener we bound ourselves.
+    TcpIncoming::from(socket).with_nodelay(Some(true))
+}
+
+/// Starts the control plane; see the module docs.
+pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
+    check_exposure(&cfg)?;
+    let tokens = match &cfg.tokens_file {
+        Some(path) => {
+            let tokens = Tokens::load(path)?;
+            info!(file = %path.display(), tokens = tokens.len(), "authentication on");
+            Some(Arc::new(tokens))
+        }
+        None => None,
+    };
+    let data_dir = cfg.data_dir.clone();
+    let store = tokio::task::spawn_blocking(move || RedbStore::open(&data_dir))
+        .await
+        .map_err(|source| ServeError::Task {
+            task: "store",
+            source,
+        })?
+        .map_err(|source| ServeError::Store {
+            dir: cfg.data_dir.clone(),
+            source,
+        })?;
+    let store: Arc<dyn VersionStore> = Arc::new(store);
+    let mode = if cfg.api_mode {
+        Mode::Api
+    } else {
+        Mode::File(cfg.config_file.clone())
+    };
+    let metrics_interval_ms = u64::try_from(cfg.metrics_interval.as_millis()).unwrap_or(u64::MAX);
+    let control = Arc::new(ControlPlane::new(
+        store,
+        Arc::new(Publisher::new(metrics_interval_ms)),
+        Arc::new(Fleet::new(cfg.max_agents)),
+        Arc::new(ServerMetrics::new()),
+        Arc::new(Stats::new(MAX_STATS_ENDPOINTS)),
+        mode,
+    ));
+    let (shutdown, shutdown_rx) = watch::channel(false);
+    let mut background = Vec::new();
+    if !cfg.api_mode {
+        // Watch before the first read, so a save during start-up is not missed.
+        background.push(crate::watch::spawn(
+            control.clone(),
+            cfg.config_file.clone(),
+            crate::watch::DEBOUNCE,
+            shutdown_rx.clone(),
+        )?);
+    }
+    boot::load_policies(&control, &cfg).await?;
+    control
+        .publish_current()
+        .await
+        .map_err(ServeError::ReadStore)?;
+
+    let (health, health_service) = tonic_health::server::health_reporter();
+    if control.publisher.current().is_some() {
+        set_health(&health, ServingStatus::Serving).await;
+    } else {
+        set_health(&health, ServingStatus::NotServing).await;
+        background.push(tokio::spawn(serving_once_published(
+            health.clone(),
+            control.publisher.clone(),
+            shutdown_rx.clone(),
+        )));
+    }
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(retryplane_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET);
+    let reflection_v1 = reflection.build_v1()?;
+    let reflection_v1alpha = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(retryplane_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1alpha()?;
+
+    let agent_socket = bind("agent", cfg.listen).await?;
+    let admin_socket = bind("admin", cfg.admin_listen).await?;
+    let http_socket = bind("http", cfg.http_listen).await?;
+    let agent_addr = local_addr("agent", &agent_socket)?;
+    let admin_addr = local_addr("admin", &admin_socket)?;
+    let http_addr = local_addr("http", &http_socket)?;
+
+    let stream_context = Arc::new(StreamContext {
+        publisher: control.publisher.clone(),
+        fleet: control.fleet.clone(),
+        metrics: control.metrics.clone(),
+        stats: control.stats.clone(),
+        limits: cfg.stream_limits.clone(),
+        shutdown: shutdown_rx.clone(),
+    });
+    let agent_service = InterceptedService::new(
+        AgentServiceServer::new(AgentStreamService::new(stream_context))
+            .max_decoding_message_size(cfg.max_message_bytes),
+        Guard::new(tokens.clone(), Role::Agent),
+    );
+    let admin_service = InterceptedService::new(
+        AdminServiceServer::new(AdminApi::new(control.clone()))
+            .max_decoding_message_size(cfg.max_message_bytes),
+        Guard::new(tokens, Role::Admin),
+    );
+
+    let mut servers = JoinSet::new();
+    let agent_router = grpc_server()
+        .add_service(health_service.clone())
+        .add_service(reflection_v1.clone())
+        .add_service(reflection_v1alpha.clone())
+        .add_service(agent_service);
+    let stop = stopped(shutdown_rx.clone());
+    servers.spawn(async move {
+        agent_router
+            .serve_with_incoming_shutdown(incoming(agent_socket), stop)
+            .await
+            .map_err(|source| ServeError::Grpc {
+                listener: "agent",
+                source,
+            })
+    });
+    let admin_router = grpc_server()
+        .add_service(health_service)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha)
+        .add_service(admin_service);
+    let stop = stopped(shutdown_rx.clone());
+    servers.spawn(async move {
+        admin_router
+            .serve_with_incoming_shutdown(incoming(admin_socket), stop)
+            .await
+            .map_err(|source| ServeError::Grpc {
+                listener: "admin",
+                source,
+            })
+    });
+    let app = router(HttpState {
+        publisher: control.publisher.clone(),
+        metrics: control.metrics.clone(),
+    });
+    let stop = stopped(shutdown_rx);
+    servers.spawn(async move {
+        axum::serve(http_socket, app)
+            .with_graceful_shutdown(stop)
+            .await
+            .map_err(ServeError::Http)
+    });
+    info!(%agent_addr, %admin_addr, %http_addr, mode = ?control.mode, "control plane serving");
+    Ok(Running {
+        agent_addr,
+        admin_addr,
+        http_addr,
+        control,
+        shutdown,
+        health,
+        servers,
+        background,
+    })
+}
+
+/// Sets the health of both services.
+async fn set_health(health: &HealthReporter, status: ServingStatus) {
+    for service in [AGENT_SERVICE, ADMIN_SERVICE] {
+        health.set_service_status(service, status).await;
+    }
+}
+
+/// Reports both services `SERVING` once a snapshot is published (API mode, empty store).
+async fn serving_once_published(
+    health: HealthReporter,
+    publisher: Arc<Publisher>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let mut snapshots = publisher.subscribe();
+    let published = tokio::select! {
+        published = snapshots.wait_for(Option::is_some) => published.is_ok(),
+        _ = shutdown.wait_for(|stop| *stop) => false,
+    };
+    if published {
+        set_health(&health, ServingStatus::Serving).await;
+    }
+}
+
+impl Running {
+    /// The `agent_addr` field, for callers that prefer a method.
+    pub fn agent_addr(&self) -> SocketAddr {
+        self.agent_addr
+    }
+
+    /// The `admin_addr` field.
+    pub fn admin_addr(&self) -> SocketAddr {
+        self.admin_addr
+    }
+
+    /// The `http_addr` field.
+    pub fn http_addr(&self) -> SocketAddr {
+        self.http_addr
+    }
+
+    /// The server's state (store, publisher, fleet, metrics). A clone kept past
+    /// [`Running::shutdown`] keeps the store open.
+    pub fn control(&self) -> &Arc<ControlPlane> {
+        &self.control
+    }
+
+    /// Resolves when a server stops by itself: `Err` with what failed, `Ok` if it ended
+    /// cleanly. Call [`Running::shutdown`] afterwards to stop the others.
+    pub async fn wait(&mut self) -> Result<(), ServeError> {
+        match self.servers.join_next().await {
+            None | Some(Ok(Ok(()))) => Ok(()),
+            Some(Ok(Err(e))) => Err(e),
+            Some(Err(source)) => Err(ServeError::Task {
+                task: "server",
+                source,
+            }),
+        }
+    }
+
+    /// Stops serving: agent streams end with `UNAVAILABLE` ("reconnect"), the listeners stop
+    /// accepting, the servers get [`SHUTDOWN_GRACE`] to drain, then the store is closed.
+    /// Returns the first server error seen while draining.
+    pub async fn shutdown(mut self) -> Result<(), ServeError> {
+        info!("shutting down");
+        set_health(&self.health, ServingStatus::NotServing).await;
+        self.shutdown.send_replace(true);
+        let mut first_error = None;
+        let drained = tokio::time::timeout(SHUTDOWN_GRACE, async {
+            while let Some(joined) = self.servers.join_next().await {
+                if let Ok(Err(e)) = joined {
+                    first_error.get_or_insert(e);
+                }
+            }
+        })
+        .await;
+        if drained.is_err() {
+            warn!(
+                "the servers did not stop within {SHUTDOWN_GRACE:?}; closing the remaining connections"
+            );
+            self.servers.shutdown().await;
+        }
+        for task in self.background.drain(..) {
+            task.abort();
+            let _ = task.await;
+        }
+        // The last reference to the store goes with `self` (unless a caller kept a clone).
+        drop(self);
+        info!("stopped");
+        first_error.map_or(Ok(()), Err)
+    }
+}
+
+#[cfg(test)]
+#[path = "server_tests.rs"]
+mod tests;

@@ -1,0 +1,123 @@
+//! The policies at start: the file in file mode, the seed of an empty store in API mode.
+//!
+//! File mode: a valid file is applied as [`Source::File`] (content equal to the stored current
+//! version's stores nothing, so a restart with an unchanged file keeps version and hash). An
+//! unreadable or invalid file stops the start when the store is empty — there would be nothing
+//! to serve — and otherwise is logged while the stored version keeps being served, exactly as
+//! a bad save is while running.
+//!
+//! API mode: the store is the source of truth. Only an empty store is seeded from the file; a
+//! missing seed file leaves the server unready until the first `retryplane apply`.
+
+use std::io;
+use std::path::Path;
+
+use retryplane_policy::Loaded;
+use retryplane_proto::pb;
+use tracing::{error, info, warn};
+
+use super::{ServeConfig, ServeError};
+use crate::control::{ChangeRequest, ControlPlane};
+use crate::store::Source;
+use crate::watch::{log_diagnostics, read_policy_file};
+
+/// Loads the policies the server starts with; see the module docs.
+pub(super) async fn load_policies(
+    control: &ControlPlane,
+    cfg: &ServeConfig,
+) -> Result<(), ServeError> {
+    let file = cfg.config_file.as_path();
+    let stored = control
+        .blocking(|s| s.current())
+        .await
+        .map_err(ServeError::ReadStore)?
+        .map(|record| record.meta.version);
+    if cfg.api_mode {
+        if let Some(version) = stored {
+            info!(
+                version,
+                "API mode: serving the stored version; the policy file is not read"
+            );
+            return Ok(());
+        }
+        return match read_policy_file(file).await {
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                warn!(file = %file.display(), "API mode: the store is empty and there is no seed file; not ready until the first `retryplane apply`");
+                Ok(())
+            }
+            Err(source) => Err(read_error(file, source)),
+            Ok(loaded) => {
+                apply_valid(control, file, loaded).await?;
+                info!(file = %file.display(), "API mode: seeded the empty store from the policy file");
+                Ok(())
+            }
+        };
+    }
+    let loaded = match (read_policy_file(file).await, stored) {
+        (Ok(loaded), _) => loaded,
+        (Err(source), None) => return Err(read_error(file, source)),
+        (Err(e), Some(version)) => {
+            error!(file = %file.display(), error = %e, version, "cannot read the policy file; serving the stored version");
+            return Ok(());
+        }
+    };
+    match stored {
+        Some(version) if loaded.has_errors() => {
+            log_diagnostics(file, &loaded);
+            control.metrics.rejected_changes.inc();
+            error!(file = %file.display(), version, "the policy file is invalid; serving the stored version until it is fixed");
+            Ok(())
+        }
+        _ => apply_valid(control, file, loaded).await,
+    }
+}
+
+fn read_error(file: &Path, source: io::Error) -> ServeError {
+    ServeError::ReadConfig {
+        file: file.to_owned(),
+        source,
+    }
+}
+
+/// Applies `loaded` as [`Source::File`]; `Err` when it has errors or is refused.
+async fn apply_valid(
+    control: &ControlPlane,
+    file: &Path,
+    loaded: Loaded,
+) -> Result<(), ServeError> {
+    let Some(policies) = loaded.policies.as_ref() else {
+        return Err(ServeError::InvalidConfig {
+            file: file.to_owned(),
+            problems: loaded
+                .diagnostics
+                .iter()
+                .map(|d| format!("{}:{d}", file.display()))
+                .collect(),
+        });
+    };
+    log_diagnostics(file, &loaded);
+    let request = ChangeRequest {
+        document: pb::PolicyDocument::from(policies.document().as_ref()),
+        source: Source::File,
+        author: None,
+        expected_version: None,
+        dry_run: false,
+        force: false,
+    };
+    match control.apply(request).await {
+        Ok(outcome) if !outcome.changed => {
+            info!(file = %file.display(), "the policy file matches the stored version");
+            Ok(())
+        }
+        Ok(_) => Ok(()),
+        // The stored version keeps being served, as for a bad save while running.
+        Err(crate::control::ChangeError::RemovesEverything(names)) => {
+            error!(file = %file.display(), "the policy file removes every stored endpoint ({names}); refused, serving the stored version. To replace every endpoint, add the new ones first, then remove the old ones");
+            Ok(())
+        }
+        Err(source) => Err(ServeError::Apply {
+            file: file.to_owned(),
+            source,
+        }),
+    }
+}

@@ -1,0 +1,90 @@
+//! What `retryplane serve` is told, and the check of its listen addresses.
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use tracing::warn;
+
+use super::ServeError;
+use crate::agent_stream::StreamLimits;
+
+/// Everything `retryplane serve` is told.
+#[derive(Clone, Debug)]
+pub struct ServeConfig {
+    /// The policy file: the source of truth in file mode, the seed of an empty store in API
+    /// mode. Default `config/policies.yaml`.
+    pub config_file: PathBuf,
+    /// Where the version store lives. Default `./data`.
+    pub data_dir: PathBuf,
+    /// The agent gRPC listener. Default `127.0.0.1:7470`.
+    pub listen: SocketAddr,
+    /// The admin gRPC listener. Default `127.0.0.1:7471`.
+    pub admin_listen: SocketAddr,
+    /// The HTTP listener (health, metrics). Default `127.0.0.1:7472`.
+    pub http_listen: SocketAddr,
+    /// The tokens file; without one there is no authentication and only loopback addresses
+    /// are allowed (unless `insecure`).
+    pub tokens_file: Option<PathBuf>,
+    /// API mode: the store owns the policies and the admin API changes them.
+    pub api_mode: bool,
+    /// Allow non-loopback addresses without a tokens file.
+    pub insecure: bool,
+    /// Most agents connected at once. Default 20,000.
+    pub max_agents: usize,
+    /// Largest gRPC message decoded. Default 4 MiB.
+    pub max_message_bytes: usize,
+    /// How often agents send metrics reports. Default 10 s.
+    pub metrics_interval: Duration,
+    /// Per-stream bounds.
+    pub stream_limits: StreamLimits,
+}
+
+impl Default for ServeConfig {
+    fn default() -> Self {
+        let loopback = |port| SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+        Self {
+            config_file: PathBuf::from("config/policies.yaml"),
+            data_dir: PathBuf::from("./data"),
+            listen: loopback(7470),
+            admin_listen: loopback(7471),
+            http_listen: loopback(7472),
+            tokens_file: None,
+            api_mode: false,
+            insecure: false,
+            max_agents: 20_000,
+            max_message_bytes: 4 * 1024 * 1024,
+            metrics_interval: Duration::from_secs(10),
+            stream_limits: StreamLimits::default(),
+        }
+    }
+}
+
+/// Refuses addresses other than loopback without a tokens file, unless `insecure`.
+pub(super) fn check_exposure(cfg: &ServeConfig) -> Result<(), ServeError> {
+    if cfg.tokens_file.is_some() {
+        return Ok(());
+    }
+    let listeners = [
+        ("agent", cfg.listen),
+        ("admin", cfg.admin_listen),
+        ("http", cfg.http_listen),
+    ];
+    let exposed: Vec<_> = listeners
+        .into_iter()
+        .filter(|(_, addr)| !addr.ip().is_loopback())
+        .collect();
+    match exposed.first() {
+        None => {
+            warn!("no tokens file: serving on loopback only");
+            Ok(())
+        }
+        Some(&(listener, addr)) if !cfg.insecure => Err(ServeError::Exposed { listener, addr }),
+        Some(_) => {
+            for (listener, addr) in exposed {
+                warn!(%addr, "--insecure: the {listener} listener accepts anyone, with no tokens file");
+            }
+            Ok(())
+        }
+    }
+}

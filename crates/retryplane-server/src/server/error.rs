@@ -1,0 +1,109 @@
+//! Why the server could not start or stopped.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use crate::auth::TokensError;
+use crate::control::ChangeError;
+use crate::store::StoreError;
+use crate::watch::WatchError;
+
+/// Why `retryplane serve` could not start, or a server stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// A listener on a non-loopback address without a tokens file and without `insecure`.
+    #[error(
+        "refusing to serve the {listener} listener on {addr} without a tokens file: anyone who \
+         can reach it could read or change the policies. Pass --tokens FILE, listen on a \
+         loopback address, or pass --insecure to do it anyway"
+    )]
+    Exposed {
+        /// `agent`, `admin` or `http`.
+        listener: &'static str,
+        /// The address asked for.
+        addr: SocketAddr,
+    },
+    /// The tokens file cannot be used.
+    #[error(transparent)]
+    Tokens(#[from] TokensError),
+    /// The version store cannot be opened.
+    #[error("cannot open the version store in {}", dir.display())]
+    Store {
+        /// The data directory.
+        dir: PathBuf,
+        /// What the store said.
+        #[source]
+        source: StoreError,
+    },
+    /// The stored current version cannot be read.
+    #[error("cannot read the current version from the store")]
+    ReadStore(#[source] StoreError),
+    /// The policy file cannot be read and there is nothing stored to serve instead.
+    #[error("cannot read the policy file {}, and the store holds no version to serve instead", file.display())]
+    ReadConfig {
+        /// The policy file.
+        file: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The policy file has errors and there is nothing stored to serve instead.
+    #[error(
+        "the policy file {} is invalid, and the store holds no version to serve instead:\n{}",
+        file.display(),
+        problems.join("\n")
+    )]
+    InvalidConfig {
+        /// The policy file.
+        file: PathBuf,
+        /// Every diagnostic, as `FILE:LINE:COLUMN: SEVERITY: PATH: MESSAGE`.
+        problems: Vec<String>,
+    },
+    /// The policy file could not be stored.
+    #[error("cannot apply the policy file {}", file.display())]
+    Apply {
+        /// The policy file.
+        file: PathBuf,
+        /// Why the change was refused.
+        #[source]
+        source: ChangeError,
+    },
+    /// The policy file cannot be watched.
+    #[error(transparent)]
+    Watch(#[from] WatchError),
+    /// The reflection service cannot be built from the descriptor sets.
+    #[error("cannot build the gRPC reflection service")]
+    Reflection(#[from] tonic_reflection::server::Error),
+    /// A listener cannot be bound.
+    #[error("cannot listen on {addr} ({listener})")]
+    Bind {
+        /// `agent`, `admin` or `http`.
+        listener: &'static str,
+        /// The address asked for.
+        addr: SocketAddr,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A gRPC server failed.
+    #[error("the {listener} gRPC server failed")]
+    Grpc {
+        /// `agent` or `admin`.
+        listener: &'static str,
+        /// What tonic said.
+        #[source]
+        source: tonic::transport::Error,
+    },
+    /// The HTTP server failed.
+    #[error("the HTTP server failed")]
+    Http(#[source] std::io::Error),
+    /// A task panicked or was cancelled.
+    #[error("the {task} task failed")]
+    Task {
+        /// Which task.
+        task: &'static str,
+        /// How it ended.
+        #[source]
+        source: tokio::task::JoinError,
+    },
+}

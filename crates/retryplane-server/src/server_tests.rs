@@ -1,0 +1,331 @@
+//! The whole server over real sockets on 127.0.0.1:0.
+
+use std::fs;
+use std::net::SocketAddr;
+use std::path::Path;
+
+use retryplane_proto::pb::admin_service_client::AdminServiceClient;
+use retryplane_proto::pb::agent_service_client::AgentServiceClient;
+use retryplane_proto::pb::{self, agent_message::Kind};
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::Channel;
+use tonic::{Code, Request};
+
+use super::*;
+
+const V1: &str = "version: 1\nendpoints:\n  payments:\n    max_attempts: 3\n";
+const V2: &str = "version: 1\nendpoints:\n  payments:\n    max_attempts: 4\n";
+const INVALID: &str = "version: 1\nendpoints:\n  payments:\n    max_attempts: 0\n";
+const TOKENS: &str = "\
+tokens:
+  - {name: fleet, role: agent, secret: agent-secret-0123456789}
+  - {name: alice, role: admin, secret: admin-secret-0123456789}
+";
+
+fn config(dir: &Path) -> ServeConfig {
+    let any = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
+    ServeConfig {
+        config_file: dir.join("policies.yaml"),
+        data_dir: dir.join("data"),
+        listen: any,
+        admin_listen: any,
+        http_listen: any,
+        ..ServeConfig::default()
+    }
+}
+
+fn with_file(contents: &str) -> (tempfile::TempDir, ServeConfig) {
+    let dir = tempfile::tempdir().unwrap();
+    fs::write(dir.path().join("policies.yaml"), contents).unwrap();
+    let cfg = config(dir.path());
+    (dir, cfg)
+}
+
+async fn channel(addr: SocketAddr) -> Channel {
+    Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap()
+}
+
+async fn admin(running: &Running) -> AdminServiceClient<Channel> {
+    AdminServiceClient::new(channel(running.admin_addr).await)
+}
+
+async fn current(running: &Running) -> pb::VersionInfo {
+    let got = admin(running)
+        .await
+        .get(pb::GetRequest { version: 0 })
+        .await
+        .unwrap();
+    got.into_inner().info.unwrap()
+}
+
+/// `GET path` over HTTP/1.1: the status code and body.
+async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
+    let mut socket = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let request = format!("GET {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n");
+    socket.write_all(request.as_bytes()).await.unwrap();
+    let mut response = String::new();
+    socket.read_to_string(&mut response).await.unwrap();
+    let status = response[9..12].parse().unwrap();
+    let body = response
+        .split("\r\n\r\n")
+        .nth(1)
+        .unwrap_or_default()
+        .to_owned();
+    (status, body)
+}
+
+#[tokio::test]
+async fn serves_the_file_on_three_listeners() {
+    let (_dir, cfg) = with_file(V1);
+    let running = start(cfg).await.unwrap();
+    assert_ne!(running.agent_addr.port(), 0);
+    let info = current(&running).await;
+    assert_eq!((info.version, info.source.as_str()), (1, "file"));
+    assert_eq!(http_get(running.http_addr, "/readyz").await.0, 200);
+    let (status, metrics) = http_get(running.http_addr, "/metrics").await;
+    assert_eq!(status, 200);
+    assert!(
+        metrics.contains("retryplane_server_current_version 1"),
+        "{metrics}"
+    );
+    running.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn restart_with_an_unchanged_file_keeps_version_and_hash() {
+    let (_dir, cfg) = with_file(V1);
+    let running = start(cfg.clone()).await.unwrap();
+    let before = current(&running).await;
+    running.shutdown().await.unwrap();
+    let running = start(cfg).await.unwrap();
+    let after = current(&running).await;
+    assert_eq!(
+        (after.version, &after.content_hash),
+        (before.version, &before.content_hash)
+    );
+    running.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn an_invalid_file_and_an_empty_store_refuse_to_start() {
+    let (_dir, cfg) = with_file(INVALID);
+    let err = start(cfg).await.unwrap_err().to_string();
+    assert!(
+        err.contains("policies.yaml:4:19: error: endpoints.payments.max_attempts"),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn an_invalid_file_over_a_stored_version_serves_the_stored_one() {
+    let (dir, cfg) = with_file(V1);
+    start(cfg.clone()).await.unwrap().shutdown().await.unwrap();
+    fs::write(dir.path().join("policies.yaml"), INVALID).unwrap();
+    let running = start(cfg).await.unwrap();
+    assert_eq!(current(&running).await.version, 1);
+    assert_eq!(running.control().metrics.rejected_changes.get(), 1);
+    running.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn api_mode_seeds_only_an_empty_store() {
+    let (dir, mut cfg) = with_file(V1);
+    cfg.api_mode = true;
+    start(cfg.clone()).await.unwrap().shutdown().await.unwrap();
+    fs::write(dir.path().join("policies.yaml"), V2).unwrap();
+    let running = start(cfg).await.unwrap();
+    let got = admin(&running)
+        .await
+        .get(pb::GetRequest { version: 0 })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(got.info.unwrap().version, 1);
+    assert!(got.yaml.contains("max_attempts: 3"), "{}", got.yaml);
+    running.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn api_mode_without_a_seed_is_not_ready_until_an_apply() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = ServeConfig {
+        api_mode: true,
+        ..config(dir.path())
+    };
+    let running = start(cfg).await.unwrap();
+    assert_eq!(http_get(running.http_addr, "/readyz").await.0, 503);
+    let source = pb::PolicySource {
+        kind: Some(pb::policy_source::Kind::Yaml(V1.to_owned())),
+        origin: String::new(),
+    };
+    let applied = admin(&running)
+        .await
+        .apply(pb::ApplyRequest {
+            source: Some(source),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(applied.into_inner().version, 1);
+    assert_eq!(http_get(running.http_addr, "/readyz").await.0, 200);
+    running.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn non_loopback_without_tokens_is_refused_unless_insecure() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = ServeConfig {
+        admin_listen: SocketAddr::from((Ipv4Addr::UNSPECIFIED, 0)),
+        ..config(dir.path())
+    };
+    let err = start(cfg).await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ServeError::Exposed {
+                listener: "admin",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(err.to_string().contains("--insecure"));
+}
+
+fn authorized<T>(message: T, secret: &str) -> Request<T> {
+    let mut request = Request::new(message);
+    let value = format!("Bearer {secret}").parse().unwrap();
+    request.metadata_mut().insert("authorization", value);
+    request
+}
+
+#[tokio::test]
+async fn roles_are_enforced_over_the_wire() {
+    let (dir, mut cfg) = with_file(V1);
+    fs::write(dir.path().join("tokens.yaml"), TOKENS).unwrap();
+    cfg.tokens_file = Some(dir.path().join("tokens.yaml"));
+    let running = start(cfg).await.unwrap();
+    let mut client = admin(&running).await;
+    let history = || pb::HistoryRequest { limit: 0 };
+    let missing = client.history(history()).await.unwrap_err();
+    assert_eq!(missing.code(), Code::Unauthenticated);
+    let wrong = client
+        .history(authorized(history(), "not-a-known-secret-at-all"))
+        .await
+        .unwrap_err();
+    assert_eq!(wrong.code(), Code::Unauthenticated);
+    let agent = client
+        .history(authorized(history(), "agent-secret-0123456789"))
+        .await
+        .unwrap_err();
+    assert_eq!(agent.code(), Code::PermissionDenied);
+    let ok = client
+        .history(authorized(history(), "admin-secret-0123456789"))
+        .await
+        .unwrap();
+    assert_eq!(ok.into_inner().versions.len(), 1);
+    running.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn shutdown_ends_agent_streams_with_unavailable() {
+    let (_dir, cfg) = with_file(V1);
+    let running = start(cfg).await.unwrap();
+    let mut agent = AgentServiceClient::new(channel(running.agent_addr).await);
+    let (tx, rx) = mpsc::channel(4);
+    let hello = pb::Hello {
+        agent_id: "a-1".to_owned(),
+        service: "checkout".to_owned(),
+        ..Default::default()
+    };
+    tx.send(pb::AgentMessage {
+        kind: Some(Kind::Hello(hello)),
+    })
+    .await
+    .unwrap();
+    let mut inbound = agent
+        .connect(ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    let first = inbound.message().await.unwrap().unwrap();
+    let snapshot = first.decode_snapshot().unwrap().unwrap();
+    assert_eq!(snapshot.version, 1);
+    let stopping = tokio::spawn(running.shutdown());
+    let end = tokio::time::timeout(SHUTDOWN_GRACE, inbound.message())
+        .await
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(end.code(), Code::Unavailable, "{end:?}");
+    drop(tx);
+    stopping.await.unwrap().unwrap();
+}
+
+async fn health(addr: SocketAddr) -> Vec<i32> {
+    use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
+    let mut client = HealthClient::new(channel(addr).await);
+    let mut statuses = Vec::new();
+    for service in [AGENT_SERVICE, ADMIN_SERVICE] {
+        let request = HealthCheckRequest {
+            service: service.to_owned(),
+        };
+        statuses.push(client.check(request).await.unwrap().into_inner().status);
+    }
+    statuses
+}
+
+#[tokio::test]
+async fn health_is_serving_on_both_listeners_once_a_snapshot_is_loaded() {
+    use tonic_health::pb::health_check_response::ServingStatus as Wire;
+    let (serving, not_serving) = (Wire::Serving as i32, Wire::NotServing as i32);
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = ServeConfig {
+        api_mode: true,
+        ..config(dir.path())
+    };
+    let running = start(cfg).await.unwrap();
+    assert_eq!(health(running.agent_addr).await, [not_serving, not_serving]);
+    running.shutdown().await.unwrap();
+
+    let (_dir, cfg) = with_file(V1);
+    let running = start(cfg).await.unwrap();
+    assert_eq!(health(running.agent_addr).await, [serving, serving]);
+    assert_eq!(health(running.admin_addr).await, [serving, serving]);
+    running.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn reflection_lists_the_services() {
+    use tonic_reflection::pb::v1::ServerReflectionRequest;
+    use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
+    use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
+    use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
+    let (_dir, cfg) = with_file(V1);
+    let running = start(cfg).await.unwrap();
+    let mut client = ServerReflectionClient::new(channel(running.admin_addr).await);
+    let request = ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(MessageRequest::ListServices(String::new())),
+    };
+    let mut responses = client
+        .server_reflection_info(tokio_stream::iter([request]))
+        .await
+        .unwrap()
+        .into_inner();
+    let response = responses.message().await.unwrap().unwrap();
+    let Some(MessageResponse::ListServicesResponse(list)) = response.message_response else {
+        panic!("{response:?}");
+    };
+    let names: Vec<&str> = list.service.iter().map(|s| s.name.as_str()).collect();
+    for expected in [AGENT_SERVICE, ADMIN_SERVICE, "grpc.health.v1.Health"] {
+        assert!(names.contains(&expected), "{names:?}");
+    }
+    drop(responses);
+    running.shutdown().await.unwrap();
+}

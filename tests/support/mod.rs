@@ -1,0 +1,215 @@
+//! Shared pieces of the end-to-end tests: a real control plane on `127.0.0.1:0` with its own
+//! data directory and policy file, and a raw protocol agent that speaks the stream by hand.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use retryplane_proto::pb::{self, agent_message::Kind};
+use retryplane_server::server::{Running, ServeConfig, start};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::Streaming;
+use tonic::transport::{Channel, Endpoint};
+
+/// How long any single wait in these tests may take before it counts as a failure.
+pub const WAIT: Duration = Duration::from_secs(10);
+
+/// A small valid policy file with `n` endpoints and `max_attempts` on the first.
+pub fn policy_yaml(endpoints: usize, max_attempts: u32) -> String {
+    let mut s = String::from("version: 1\nendpoints:\n");
+    for i in 0..endpoints {
+        if i == 0 {
+            s.push_str(&format!("  ep-{i}:\n    max_attempts: {max_attempts}\n"));
+        } else {
+            s.push_str(&format!("  ep-{i}: {{}}\n"));
+        }
+    }
+    s
+}
+
+/// A control plane with its own temp dir.
+pub struct Plane {
+    /// The running server.
+    pub running: Running,
+    /// Holds the data dir and policy file.
+    pub dir: tempfile::TempDir,
+}
+
+impl Plane {
+    /// Starts a server in file mode on `policy`.
+    pub async fn file_mode(policy: &str) -> Plane {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("policies.yaml"), policy).unwrap();
+        Self::start_in(dir, false, None).await
+    }
+
+    /// Starts a server in API mode, seeded with `policy`.
+    pub async fn api_mode(policy: &str) -> Plane {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("policies.yaml"), policy).unwrap();
+        Self::start_in(dir, true, None).await
+    }
+
+    /// Starts a server over an existing directory (a restart).
+    pub async fn start_in(dir: tempfile::TempDir, api: bool, tokens: Option<PathBuf>) -> Plane {
+        let cfg = config(dir.path(), api, tokens);
+        let running = start(cfg).await.expect("server starts");
+        Plane { running, dir }
+    }
+
+    /// The policy file path.
+    pub fn policy_path(&self) -> PathBuf {
+        self.dir.path().join("policies.yaml")
+    }
+
+    /// A channel to the agent listener.
+    pub async fn agent_channel(&self) -> Channel {
+        channel(self.running.agent_addr).await
+    }
+
+    /// A channel to the admin listener.
+    pub async fn admin_channel(&self) -> Channel {
+        channel(self.running.admin_addr).await
+    }
+
+    /// An admin client.
+    pub async fn admin(&self) -> pb::admin_service_client::AdminServiceClient<Channel> {
+        pb::admin_service_client::AdminServiceClient::new(self.admin_channel().await)
+    }
+}
+
+/// The server configuration the tests use: every listener on an ephemeral loopback port.
+pub fn config(dir: &Path, api: bool, tokens: Option<PathBuf>) -> ServeConfig {
+    let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
+    ServeConfig {
+        config_file: dir.join("policies.yaml"),
+        data_dir: dir.join("data"),
+        listen: any,
+        admin_listen: any,
+        http_listen: any,
+        tokens_file: tokens,
+        api_mode: api,
+        ..ServeConfig::default()
+    }
+}
+
+/// A channel to `addr`.
+pub async fn channel(addr: SocketAddr) -> Channel {
+    Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect_timeout(WAIT)
+        .connect()
+        .await
+        .unwrap()
+}
+
+/// An agent that speaks the stream protocol by hand.
+pub struct RawAgent {
+    /// Messages to the server.
+    pub tx: mpsc::Sender<pb::AgentMessage>,
+    /// Messages from the server.
+    pub rx: Streaming<pb::ServerMessage>,
+}
+
+/// A Hello for `id`.
+pub fn hello(id: &str, last_version: u64, last_hash: &str) -> pb::AgentMessage {
+    pb::AgentMessage {
+        kind: Some(Kind::Hello(pb::Hello {
+            agent_id: id.to_owned(),
+            service: "checkout".to_owned(),
+            agent_version: "test".to_owned(),
+            last_applied_version: last_version,
+            last_applied_hash: last_hash.to_owned(),
+            ..Default::default()
+        })),
+    }
+}
+
+impl RawAgent {
+    /// Opens a stream and sends `first` as its first message.
+    pub async fn connect(
+        channel: Channel,
+        first: pb::AgentMessage,
+    ) -> Result<RawAgent, tonic::Status> {
+        let (tx, rx) = mpsc::channel(16);
+        tx.send(first).await.unwrap();
+        let mut client = pb::agent_service_client::AgentServiceClient::new(channel);
+        let response = client.connect(ReceiverStream::new(rx)).await?;
+        Ok(RawAgent {
+            tx,
+            rx: response.into_inner(),
+        })
+    }
+
+    /// The next snapshot, or the status the stream ended with.
+    pub async fn next_snapshot(&mut self) -> Result<pb::Snapshot, tonic::Status> {
+        let message = tokio::time::timeout(WAIT, self.rx.message())
+            .await
+            .map_err(|_| tonic::Status::deadline_exceeded("no message from the server in time"))??
+            .ok_or_else(|| tonic::Status::cancelled("stream ended"))?;
+        message
+            .decode_snapshot()
+            .map_err(|e| tonic::Status::internal(e.to_string()))?
+            .ok_or_else(|| tonic::Status::internal("message without a snapshot"))
+    }
+
+    /// Acknowledges `snapshot`.
+    pub async fn ack(&self, snapshot: &pb::Snapshot) {
+        self.send(Kind::Ack(pb::Ack {
+            version: snapshot.version,
+            nonce: snapshot.nonce.clone(),
+        }))
+        .await;
+    }
+
+    /// Refuses `snapshot`.
+    pub async fn nack(&self, snapshot: &pb::Snapshot, error: &str) {
+        self.send(Kind::Nack(pb::Nack {
+            version: snapshot.version,
+            nonce: snapshot.nonce.clone(),
+            error: error.to_owned(),
+        }))
+        .await;
+    }
+
+    /// Sends one message.
+    pub async fn send(&self, kind: Kind) {
+        self.tx
+            .send(pb::AgentMessage { kind: Some(kind) })
+            .await
+            .unwrap();
+    }
+}
+
+/// Polls `check` until it holds, at most [`WAIT`]; tokio's clock, no fixed sleeps hoping.
+pub async fn eventually<F, Fut>(what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        if check().await {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The fleet status row of `agent_id`.
+pub async fn agent_status(plane: &Plane, agent_id: &str) -> Option<pb::AgentStatus> {
+    let mut admin = plane.admin().await;
+    let status = admin
+        .fleet_status(pb::FleetStatusRequest {})
+        .await
+        .ok()?
+        .into_inner();
+    status.agents.into_iter().find(|a| a.agent_id == agent_id)
+}
