@@ -1,8 +1,8 @@
 # Mirrors the two commands in README.md; `just` is optional.
 
-# The main job: explain the example policy of one endpoint.
-run endpoint="payments":
-    cargo run --release -p retryplane-cli -- explain config/policies.yaml --endpoint {{endpoint}}
+# The main job: the control plane on the example policies (file mode, store in ./data).
+run:
+    cargo run --release -p retryplane-cli -- serve
 
 # The whole test suite, as CI runs it.
 test:

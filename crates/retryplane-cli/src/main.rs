@@ -1,29 +1,30 @@
-//! `retryplane`: the command line of the retryplane retry-policy control plane.
+//! `retryplane`: the command line of the retryplane retry-policy control plane (SPEC §5).
 //!
-//! Today it checks and explains policy files offline (SPEC §5):
+//! - offline: `validate FILE...` reports every problem of every file as
+//!   `FILE:LINE:COLUMN: error|warning: FIELD.PATH: message` (or one JSON array); `explain FILE
+//!   --endpoint NAME [...]` shows the effective policy of one call, the layer each value came
+//!   from, the retry schedule against the deadline and the worst-case load;
+//! - the control plane: `serve` runs it; `apply`, `diff`, `get`, `history`, `rollback` and
+//!   `status` talk to its admin API (`--server`, `--token` / `RETRYPLANE_TOKEN`).
 //!
-//! - `retryplane validate FILE...` reports every problem of every file as
-//!   `FILE:LINE:COLUMN: error|warning: FIELD.PATH: message`, or as one JSON array;
-//! - `retryplane explain FILE --endpoint NAME [...]` shows the effective policy of one call, the
-//!   layer each value came from, the retry schedule against the deadline and the worst-case load.
-//!
-//! The control-plane commands (`serve`, `apply`, `diff`, `get`, `history`, `rollback`, `status`,
-//! `request`, `simulate`, `top`, `stats`) join [`Command`] later, each as one variant and one
-//! module, following the same path: clap parses raw flags (`Args`), the module turns them into
-//! validated `Settings` once, and its `run` returns a [`Report`] — what to print on stdout and
-//! the [`Outcome`]. Only `main` touches the process: it prints, and maps the outcome to the exit
-//! code.
+//! Each command is one [`Command`] variant and one module: clap parses raw flags (`Args`), the
+//! module turns them into validated `Settings` once, and its `run` returns a [`Report`] — what
+//! to print on stdout and the [`Outcome`]. Only `main` touches the process: it prints, and maps
+//! the outcome to the exit code. Commands still to come (`request`, `simulate`, `top`, `stats`)
+//! follow the same path.
 //!
 //! # Exit codes (every command)
 //!
 //! - `0` success (for `validate`: every file valid, warnings allowed unless `--deny-warnings`);
-//! - `1` the input was read but fails (a policy with errors);
-//! - `2` usage or I/O error: bad flags, a file that cannot be read, an unknown endpoint.
+//! - `1` the input was read but fails (a policy with errors), or the server refused the request
+//!   (invalid policy, version conflict, permission);
+//! - `2` usage or I/O error: bad flags, a file that cannot be read, an unknown endpoint, a
+//!   server that cannot be reached.
 //!   When both happen in one run (one file unreadable, another invalid), `2` wins: the run did
 //!   not check everything it was asked to.
 //!
-//! The policy logic itself lives in `retryplane-policy`; this crate only reads files, calls it
-//! and renders its answers.
+//! The policy logic lives in `retryplane-policy` and the server in `retryplane-server`; this
+//! crate reads files, calls them and renders their answers.
 
 #![forbid(unsafe_code)]
 
@@ -45,7 +46,7 @@ use clap::{Parser, Subcommand};
     name = "retryplane",
     version,
     about = "Validate, explain and operate retry policies",
-    after_help = "Exit codes: 0 success, 1 invalid policy, 2 usage or I/O error (2 wins over 1).",
+    after_help = "Exit codes: 0 success, 1 invalid policy or refused by the server, 2 usage, I/O or connection error (2 wins over 1).",
     propagate_version = true
 )]
 struct Cli {
