@@ -87,6 +87,8 @@ fn init_logging() {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(io::stderr)
+        // Colours only for a person at a terminal, not in log files or CI output.
+        .with_ansi(io::IsTerminal::is_terminal(&io::stderr()))
         .try_init();
 }
 
