@@ -1,0 +1,307 @@
+//! The [`Agent`]: the policies in an `ArcSwap`, the metrics registry, and the background task
+//! that owns the control-plane stream.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use retryplane_policy::PolicySet;
+use retryplane_policy::rng::SeededRng;
+use retryplane_proto::{convert, pb};
+use tokio::sync::Mutex;
+use tokio::task::JoinHandle;
+use tokio_util::sync::{CancellationToken, DropGuard};
+
+use crate::call::Endpoint;
+use crate::error::AgentError;
+use crate::metrics::Registry;
+use crate::snapshot::{PolicySnapshot, Source};
+use crate::stream::reconnect::ReconnectBackoff;
+use crate::stream::{self, StreamConfig};
+
+/// How often metrics are sent when the control plane does not say: 10 s.
+pub const DEFAULT_METRICS_INTERVAL: Duration = Duration::from_secs(10);
+
+/// State shared by the handles, the calls and the stream task.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub(crate) policies: ArcSwap<PolicySnapshot>,
+    pub(crate) metrics: Registry,
+    /// Milliseconds between metrics reports (the control plane may change it).
+    pub(crate) metrics_interval_ms: AtomicU64,
+    pub(crate) connected: AtomicBool,
+    seed: u64,
+    calls: AtomicU64,
+}
+
+impl Shared {
+    pub(crate) fn new(snapshot: PolicySnapshot, seed: u64, metrics_interval: Duration) -> Self {
+        Self {
+            policies: ArcSwap::from_pointee(snapshot),
+            metrics: Registry::default(),
+            metrics_interval_ms: AtomicU64::new(
+                u64::try_from(metrics_interval.as_millis()).unwrap_or(u64::MAX),
+            ),
+            connected: AtomicBool::new(false),
+            seed,
+            calls: AtomicU64::new(0),
+        }
+    }
+
+    /// A generator for one call: the agent's seed mixed with a call counter, so a seeded agent
+    /// gives the same sequence of pauses run after run, with no lock on the call path.
+    pub(crate) fn call_rng(&self) -> SeededRng {
+        let n = self.calls.fetch_add(1, Relaxed);
+        SeededRng::with_seed(self.seed ^ n.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+    }
+}
+
+/// The background task and what stops it.
+#[derive(Debug)]
+struct Task {
+    cancel: CancellationToken,
+    handle: Mutex<Option<JoinHandle<()>>>,
+    _guard: DropGuard,
+}
+
+/// The agent a service embeds: cheap to clone; the background task stops when the last clone
+/// is dropped or [`Agent::shutdown`] is called.
+#[derive(Clone, Debug)]
+pub struct Agent {
+    shared: Arc<Shared>,
+    task: Option<Arc<Task>>,
+}
+
+impl Agent {
+    /// A builder for an agent fed by a control plane.
+    pub fn builder() -> AgentBuilder {
+        AgentBuilder::default()
+    }
+
+    /// An agent on the policies of a policy file (SPEC §1), with no control plane.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Agent, AgentError> {
+        let path = path.as_ref();
+        let bytes = std::fs::read(path).map_err(|source| AgentError::ReadPolicyFile {
+            path: path.to_owned(),
+            source,
+        })?;
+        let loaded = retryplane_policy::load(&bytes);
+        match loaded.policies {
+            Some(set) if !loaded.has_errors() => Ok(Agent::from_policies(set)),
+            _ => {
+                let errors: Vec<_> = loaded.diagnostics.iter().filter(|d| d.is_error()).collect();
+                Err(AgentError::InvalidPolicyFile {
+                    path: path.to_owned(),
+                    errors: errors.len(),
+                    first: errors.first().map(ToString::to_string).unwrap_or_default(),
+                })
+            }
+        }
+    }
+
+    /// An agent on `policies`, with no control plane (tests, static setups); the RNG is seeded
+    /// from entropy.
+    pub fn from_policies(policies: PolicySet) -> Agent {
+        Agent::from_policies_seeded(policies, fastrand_seed())
+    }
+
+    /// [`Agent::from_policies`] with a fixed RNG seed: the same calls give the same pauses.
+    pub fn from_policies_seeded(policies: PolicySet, seed: u64) -> Agent {
+        let hash = convert::content_hash(&pb::PolicyDocument::from(policies.document().as_ref()));
+        let snapshot = PolicySnapshot::build(policies, 0, hash, Source::Static, None);
+        Agent {
+            shared: Arc::new(Shared::new(snapshot, seed, DEFAULT_METRICS_INTERVAL)),
+            task: None,
+        }
+    }
+
+    /// A handle on the endpoint `name` (a policy may or may not name it; unnamed endpoints run
+    /// under the policies' defaults).
+    pub fn endpoint(&self, name: &str) -> Endpoint {
+        Endpoint::new(self.shared.clone(), name)
+    }
+
+    /// The policies in force now.
+    pub fn policies(&self) -> Arc<PolicySnapshot> {
+        self.shared.policies.load_full()
+    }
+
+    /// Replaces the policies (static agents, tests); endpoint state is kept where the budget
+    /// and breaker settings did not change. An agent on a control plane is updated by it.
+    pub fn set_policies(&self, policies: PolicySet) {
+        let hash = convert::content_hash(&pb::PolicyDocument::from(policies.document().as_ref()));
+        let old = self.shared.policies.load();
+        let next = PolicySnapshot::build(policies, 0, hash, Source::Static, Some(&old));
+        self.shared.policies.store(Arc::new(next));
+    }
+
+    /// Whether the stream to the control plane is up now.
+    pub fn is_connected(&self) -> bool {
+        self.shared.connected.load(Relaxed)
+    }
+
+    /// Stops the background task after it sends the counts not yet reported (when connected).
+    /// Handles keep working on the last policies.
+    pub async fn shutdown(&self) {
+        let Some(task) = &self.task else { return };
+        task.cancel.cancel();
+        let handle = task.handle.lock().await.take();
+        if let Some(handle) = handle {
+            let _ = handle.await;
+        }
+    }
+
+    #[cfg(test)]
+    pub(crate) fn shared(&self) -> &Arc<Shared> {
+        &self.shared
+    }
+}
+
+fn fastrand_seed() -> u64 {
+    use retryplane_policy::rng::Rng as _;
+    SeededRng::from_entropy().next_u64()
+}
+
+/// Settings of an agent fed by a control plane. Defaults: agent id `<service>-<random hex>`,
+/// no labels, no token, no cache file, metrics every [`DEFAULT_METRICS_INTERVAL`] (the control
+/// plane may set another), RNG seeded from entropy.
+#[derive(Clone, Default)]
+pub struct AgentBuilder {
+    url: Option<String>,
+    token: Option<String>,
+    service: String,
+    labels: BTreeMap<String, String>,
+    agent_id: Option<String>,
+    cache_file: Option<PathBuf>,
+    metrics_interval: Option<Duration>,
+    seed: Option<u64>,
+    backoff: Option<ReconnectBackoff>,
+}
+
+// The token stays out of Debug.
+impl std::fmt::Debug for AgentBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AgentBuilder")
+            .field("url", &self.url)
+            .field("token", &self.token.as_ref().map(|_| "<redacted>"))
+            .field("service", &self.service)
+            .field("labels", &self.labels)
+            .field("agent_id", &self.agent_id)
+            .field("cache_file", &self.cache_file)
+            .field("metrics_interval", &self.metrics_interval)
+            .finish()
+    }
+}
+
+impl AgentBuilder {
+    /// The control plane's agent listener, `http://host:port`.
+    pub fn url(mut self, url: impl Into<String>) -> Self {
+        self.url = Some(url.into());
+        self
+    }
+
+    /// The agent token, sent as `authorization: Bearer <token>`; never logged.
+    pub fn token(mut self, token: impl Into<String>) -> Self {
+        self.token = Some(token.into());
+        self
+    }
+
+    /// The service this agent runs in.
+    pub fn service(mut self, service: impl Into<String>) -> Self {
+        self.service = service.into();
+        self
+    }
+
+    /// Adds a label reported in Hello.
+    pub fn label(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.labels.insert(key.into(), value.into());
+        self
+    }
+
+    /// A stable agent id (default: generated per process).
+    pub fn agent_id(mut self, id: impl Into<String>) -> Self {
+        self.agent_id = Some(id.into());
+        self
+    }
+
+    /// Where the last applied snapshot is kept, for a start without the control plane.
+    pub fn cache_file(mut self, path: impl Into<PathBuf>) -> Self {
+        self.cache_file = Some(path.into());
+        self
+    }
+
+    /// How often metrics are sent unless the control plane says otherwise.
+    pub fn metrics_interval(mut self, interval: Duration) -> Self {
+        self.metrics_interval = Some(interval);
+        self
+    }
+
+    /// The reconnect backoff (default [`ReconnectBackoff::default`]: 100 ms → 30 s).
+    pub fn reconnect_backoff(mut self, backoff: ReconnectBackoff) -> Self {
+        self.backoff = Some(backoff);
+        self
+    }
+
+    /// A fixed seed for the RNG behind jitter (tests).
+    pub fn rng_seed(mut self, seed: u64) -> Self {
+        self.seed = Some(seed);
+        self
+    }
+
+    /// Starts the agent and returns at once: the policies come from the cache file if it holds
+    /// a valid snapshot, else the [`crate::fallback_policy`], until the control plane sends
+    /// some. One background task owns the stream. Must be called inside a tokio runtime.
+    pub fn connect(self) -> Result<Agent, AgentError> {
+        let runtime = tokio::runtime::Handle::try_current().map_err(|_| AgentError::NoRuntime)?;
+        let url = self.url.ok_or(AgentError::MissingUrl)?;
+        let endpoint =
+            tonic::transport::Endpoint::from_shared(url).map_err(AgentError::InvalidUrl)?;
+        let token = self
+            .token
+            .map(|t| {
+                format!("Bearer {t}")
+                    .parse()
+                    .map_err(|_| AgentError::InvalidToken)
+            })
+            .transpose()?;
+        let seed = self.seed.unwrap_or_else(fastrand_seed);
+        let snapshot = self
+            .cache_file
+            .as_deref()
+            .and_then(crate::cache::load)
+            .unwrap_or_else(PolicySnapshot::fallback);
+        let interval = self.metrics_interval.unwrap_or(DEFAULT_METRICS_INTERVAL);
+        let shared = Arc::new(Shared::new(snapshot, seed, interval));
+        let agent_id = self
+            .agent_id
+            .unwrap_or_else(|| format!("{}-{:016x}", self.service, fastrand_seed()));
+        let config = StreamConfig {
+            endpoint,
+            token,
+            hello: pb::Hello {
+                agent_id,
+                service: self.service,
+                labels: self.labels.into_iter().collect(),
+                agent_version: env!("CARGO_PKG_VERSION").to_owned(),
+                last_applied_version: 0,
+                last_applied_hash: String::new(),
+            },
+            cache_file: self.cache_file,
+            default_metrics_interval: interval,
+            backoff: self.backoff.unwrap_or_default(),
+        };
+        let cancel = CancellationToken::new();
+        let handle = runtime.spawn(stream::run(shared.clone(), config, cancel.clone(), seed));
+        Ok(Agent {
+            shared,
+            task: Some(Arc::new(Task {
+                _guard: cancel.clone().drop_guard(),
+                cancel,
+                handle: Mutex::new(Some(handle)),
+            })),
+        })
+    }
+}

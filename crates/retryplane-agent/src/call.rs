@@ -1,0 +1,288 @@
+//! One logical call under SPEC §2: the [`Endpoint`] handle and its executor.
+//!
+//! The policy snapshot is loaded once when the call starts and that `Arc` is kept for every
+//! attempt (STYLE #4): a push mid-call does not change the call. Each attempt runs under
+//! `tokio::time::timeout(min(per_try_timeout, deadline left))`; pauses are `tokio::time::sleep`,
+//! so both follow tokio's (pausable) clock. The engine ([`RetryCall`]) makes every decision;
+//! this file only runs attempts, sleeps, counts and logs.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use retryplane_policy::engine::{CallInfo, Decision, GiveUpCause, Outcome, RetryCall};
+use retryplane_policy::retry_after::RetryAfterError;
+use tokio::time::Instant;
+use tracing::{debug, warn};
+
+use crate::agent::Shared;
+use crate::classify::{Classification, Classify, class_name};
+use crate::error::{CallError, Cause, Last};
+use crate::meta::{AttemptInfo, CallMeta};
+use crate::metrics::{CounterValues, Counters};
+
+/// A cheap handle on one logical upstream: clone it freely and keep it.
+#[derive(Clone, Debug)]
+pub struct Endpoint {
+    shared: Arc<Shared>,
+    name: Arc<str>,
+    counters: Arc<Counters>,
+}
+
+/// How the attempt loop ended.
+enum End<T, E> {
+    Ok(T),
+    Fail(Cause, Option<Last<T, E>>, Option<Outcome>),
+}
+
+impl Endpoint {
+    pub(crate) fn new(shared: Arc<Shared>, name: &str) -> Self {
+        let name: Arc<str> = Arc::from(name);
+        let counters = shared.metrics.counters(&name);
+        Self {
+            shared,
+            name,
+            counters,
+        }
+    }
+
+    /// The endpoint's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// This endpoint's counts not yet sent to the control plane.
+    pub fn pending_counts(&self) -> CounterValues {
+        self.shared.metrics.pending(&self.name)
+    }
+
+    /// Runs `attempt` under the endpoint's policy, classifying results with [`Classify`].
+    ///
+    /// `attempt` is called once per attempt with its [`AttemptInfo`]; its future is dropped
+    /// when the attempt's timeout passes. Returns the first success, or a [`CallError`] with
+    /// the cause and the last attempt's response or error.
+    pub async fn call<T, E, F, Fut>(&self, meta: CallMeta, attempt: F) -> Result<T, CallError<T, E>>
+    where
+        T: Classify,
+        E: Classify,
+        F: FnMut(AttemptInfo) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+    {
+        self.call_with(
+            meta,
+            |r: &Result<T, E>| match r {
+                Ok(t) => t.classify(),
+                Err(e) => e.classify(),
+            },
+            attempt,
+        )
+        .await
+    }
+
+    /// [`Endpoint::call`] with a classifier of your own.
+    pub async fn call_with<T, E, C, F, Fut>(
+        &self,
+        meta: CallMeta,
+        mut classify: C,
+        mut attempt: F,
+    ) -> Result<T, CallError<T, E>>
+    where
+        C: FnMut(&Result<T, E>) -> Classification,
+        F: FnMut(AttemptInfo) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+    {
+        let started = Instant::now();
+        // The one read of the policies for this call.
+        let snapshot = self.shared.policies.load_full();
+        let (policy, runtime) = snapshot.resolve(&self.name, &meta.target());
+        let (idempotent, has_idempotency_key) = meta.idempotency(&policy);
+        let info = CallInfo {
+            idempotent,
+            has_idempotency_key,
+        };
+        let mut rng = self.shared.call_rng();
+        let c = &*self.counters;
+        Counters::inc(&c.calls);
+        let mut call = RetryCall::new(&policy, &runtime.state, info, started);
+        let cancel = meta.cancel_token().cloned().unwrap_or_default();
+        let mut last: Option<Last<T, E>> = None;
+        let mut last_outcome: Option<Outcome> = None;
+
+        let end = loop {
+            let now = Instant::now();
+            let plan = match call.start_attempt(now) {
+                Ok(plan) => plan,
+                Err(cause) => break End::Fail(Cause::GaveUp(cause), last, last_outcome),
+            };
+            Counters::inc(&c.attempts);
+            if plan.number > 1 {
+                Counters::inc(&c.retries);
+            }
+            let info = AttemptInfo {
+                number: plan.number,
+                timeout: plan.timeout,
+                deadline: call.deadline(),
+            };
+            let run = tokio::time::timeout(plan.timeout, attempt(info));
+            let result = tokio::select! {
+                biased;
+                () = cancel.cancelled() => break End::Fail(Cause::Cancelled, last, last_outcome),
+                r = run => r,
+            };
+            let now = Instant::now();
+            let (outcome, result) = match result {
+                Err(_elapsed) => (
+                    Some(Outcome::Transport(retryplane_policy::ErrorClass::Timeout)),
+                    None,
+                ),
+                Ok(r) => match classify(&r) {
+                    Classification::Success => {
+                        if let Ok(t) = r {
+                            // Tell the breaker about the success through the engine.
+                            call.on_outcome(success(), now, &mut rng);
+                            count_success(c, plan.number);
+                            self.debug_attempt(plan.number, "success", None, &call, now);
+                            break End::Ok(t);
+                        }
+                        // An error classified as a success cannot be returned as a value.
+                        (None, Some(r))
+                    }
+                    Classification::Outcome(o) => (Some(o), Some(r)),
+                    Classification::Fatal => (None, Some(r)),
+                },
+            };
+            last = Some(match result {
+                None => Last::TimedOut,
+                Some(Ok(t)) => Last::Response(t),
+                Some(Err(e)) => Last::Error(e),
+            });
+            let Some(outcome) = outcome else {
+                self.debug_attempt(plan.number, "fatal", None, &call, now);
+                break End::Fail(Cause::GaveUp(GiveUpCause::NotRetryable), last, None);
+            };
+            if let Outcome::Http {
+                retry_after: Some(Err(e)),
+                ..
+            } = &outcome
+            {
+                log_bad_hint(&self.name, e);
+            }
+            let class = class_name(&outcome);
+            match call.on_outcome(outcome.clone(), now, &mut rng) {
+                Decision::Return => {
+                    self.debug_attempt(plan.number, &class, None, &call, now);
+                    match last {
+                        Some(Last::Response(t)) => {
+                            count_success(c, plan.number);
+                            break End::Ok(t);
+                        }
+                        other => {
+                            break End::Fail(
+                                Cause::GaveUp(GiveUpCause::NotRetryable),
+                                other,
+                                Some(outcome),
+                            );
+                        }
+                    }
+                }
+                Decision::GiveUp(cause) => {
+                    self.debug_attempt(plan.number, &class, None, &call, now);
+                    break End::Fail(Cause::GaveUp(cause), last, Some(outcome));
+                }
+                Decision::Retry { pause, hinted } => {
+                    self.debug_attempt(plan.number, &class, Some(pause), &call, now);
+                    c.backoff_ms.fetch_add(
+                        u64::try_from(pause.as_millis()).unwrap_or(u64::MAX),
+                        std::sync::atomic::Ordering::Relaxed,
+                    );
+                    if hinted {
+                        Counters::inc(&c.retry_after_honored);
+                    }
+                    last_outcome = Some(outcome);
+                    tokio::select! {
+                        biased;
+                        () = cancel.cancelled() => break End::Fail(Cause::Cancelled, last, last_outcome),
+                        () = tokio::time::sleep(pause) => {}
+                    }
+                }
+            }
+        };
+
+        let attempts = call.attempts();
+        match end {
+            End::Ok(t) => Ok(t),
+            End::Fail(cause, last, outcome) => {
+                let Cause::GaveUp(g) = cause else {
+                    debug!(endpoint = %self.name, attempts, "call cancelled");
+                    return Err(CallError {
+                        cause,
+                        last,
+                        attempts,
+                    });
+                };
+                c.gave_up(g);
+                let class = outcome.as_ref().map_or_else(
+                    || match &last {
+                        Some(Last::TimedOut) => "timeout".to_owned(),
+                        Some(_) => "fatal".to_owned(),
+                        None => "none".to_owned(),
+                    },
+                    class_name,
+                );
+                warn!(
+                    endpoint = %self.name,
+                    method = meta.method(),
+                    path = meta.path(),
+                    attempts,
+                    class = %class,
+                    cause = %cause,
+                    duration_ms = Instant::now().duration_since(started).as_millis() as u64,
+                    "call failed"
+                );
+                Err(CallError {
+                    cause,
+                    last,
+                    attempts,
+                })
+            }
+        }
+    }
+
+    fn debug_attempt(
+        &self,
+        attempt: u32,
+        class: &str,
+        pause: Option<std::time::Duration>,
+        call: &RetryCall<'_>,
+        now: Instant,
+    ) {
+        debug!(
+            endpoint = %self.name,
+            attempt,
+            class,
+            pause_ms = pause.map(|p| p.as_millis() as u64),
+            deadline_left_ms = call.deadline().saturating_duration_since(now).as_millis() as u64,
+            "attempt"
+        );
+    }
+}
+
+/// An outcome the engine reads as a success (for the breaker's count).
+fn success() -> Outcome {
+    Outcome::Grpc {
+        code: retryplane_policy::codes::GrpcCode::Ok,
+        pushback: None,
+    }
+}
+
+fn count_success(c: &Counters, attempt: u32) {
+    if attempt == 1 {
+        Counters::inc(&c.success_first_try);
+    } else {
+        Counters::inc(&c.success_after_retry);
+    }
+}
+
+fn log_bad_hint(endpoint: &str, e: &RetryAfterError) {
+    // The error never carries the header value.
+    debug!(endpoint, error = %e, "malformed Retry-After ignored");
+}

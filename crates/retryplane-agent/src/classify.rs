@@ -1,0 +1,206 @@
+//! How an attempt's result counts for retrying: the [`Classify`] trait.
+//!
+//! [`crate::Endpoint::call`] classifies `Ok(t)` with `t.classify()` and `Err(e)` with
+//! `e.classify()`. Implemented here for HTTP responses (status and `Retry-After`), gRPC
+//! statuses (code and `grpc-retry-pushback-ms`), tonic responses (success) and
+//! `std::io::Error` (connect / reset / timeout). Implement it for your own response or error
+//! types, or pass a closure to [`crate::Endpoint::call_with`].
+
+use std::io::ErrorKind;
+use std::time::SystemTime;
+
+use retryplane_policy::ErrorClass;
+use retryplane_policy::codes::GrpcCode;
+use retryplane_policy::engine::Outcome;
+use retryplane_policy::retry_after::{Pushback, parse_grpc_pushback, parse_retry_after};
+
+/// What one attempt's result means to the retry rules.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Classification {
+    /// The attempt succeeded: return it.
+    Success,
+    /// A response or transport failure; the policy decides (an `Outcome` that is a success,
+    /// such as HTTP 200 or gRPC `OK`, is returned at once).
+    Outcome(Outcome),
+    /// A failure no policy retries (a local error: bad input, encoding); returned at once with
+    /// cause `not_retryable`, without counting against the circuit breaker.
+    Fatal,
+}
+
+/// Maps a response or an error to a [`Classification`].
+pub trait Classify {
+    /// How this value counts.
+    fn classify(&self) -> Classification;
+}
+
+/// `Retry-After` is read against the wall clock (an HTTP-date is wall-clock time); a malformed
+/// value is kept as an error that the call ignores and logs (without the value).
+impl<B> Classify for http::Response<B> {
+    fn classify(&self) -> Classification {
+        let retry_after = self.headers().get(http::header::RETRY_AFTER).map(|v| {
+            v.to_str()
+                .map_err(|_| retryplane_policy::retry_after::RetryAfterError::Malformed)
+                .and_then(|s| parse_retry_after(s, SystemTime::now()))
+        });
+        Classification::Outcome(Outcome::Http {
+            status: self.status().as_u16(),
+            retry_after,
+        })
+    }
+}
+
+/// `Code::Ok` is a success; any other code is an outcome the policy judges, with the
+/// `grpc-retry-pushback-ms` trailer (non-ASCII counts as unparseable: do not retry).
+impl Classify for tonic::Status {
+    fn classify(&self) -> Classification {
+        if self.code() == tonic::Code::Ok {
+            return Classification::Success;
+        }
+        let code = GrpcCode::from_i32(self.code() as i32).unwrap_or(GrpcCode::Unknown);
+        let pushback = self
+            .metadata()
+            .get("grpc-retry-pushback-ms")
+            .map(|v| v.to_str().map_or(Pushback::DoNotRetry, parse_grpc_pushback));
+        Classification::Outcome(Outcome::Grpc { code, pushback })
+    }
+}
+
+/// A gRPC response is a success.
+impl<M> Classify for tonic::Response<M> {
+    fn classify(&self) -> Classification {
+        Classification::Success
+    }
+}
+
+/// Refused or unreachable → connect (never reached the server); reset, aborted, broken pipe or
+/// early EOF → reset (unknown outcome); timed out → timeout; anything else is fatal.
+impl Classify for std::io::Error {
+    fn classify(&self) -> Classification {
+        match io_class(self.kind()) {
+            Some(class) => Classification::Outcome(Outcome::Transport(class)),
+            None => Classification::Fatal,
+        }
+    }
+}
+
+/// The transport class of an I/O error kind, if it is one.
+pub(crate) fn io_class(kind: ErrorKind) -> Option<ErrorClass> {
+    match kind {
+        ErrorKind::ConnectionRefused
+        | ErrorKind::NotConnected
+        | ErrorKind::AddrNotAvailable
+        | ErrorKind::HostUnreachable
+        | ErrorKind::NetworkUnreachable
+        | ErrorKind::NetworkDown => Some(ErrorClass::Connect),
+        ErrorKind::ConnectionReset
+        | ErrorKind::ConnectionAborted
+        | ErrorKind::BrokenPipe
+        | ErrorKind::UnexpectedEof => Some(ErrorClass::Reset),
+        ErrorKind::TimedOut => Some(ErrorClass::Timeout),
+        _ => None,
+    }
+}
+
+/// A short, value-free name of an outcome for logs: `503`, `UNAVAILABLE`, `reset`.
+pub(crate) fn class_name(outcome: &Outcome) -> String {
+    match outcome {
+        Outcome::Http { status, .. } => status.to_string(),
+        Outcome::Grpc { code, .. } => code.name().to_owned(),
+        Outcome::Transport(class) => class.as_str().to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use retryplane_policy::retry_after::{RetryAfterError, format_http_date};
+
+    fn http(status: u16, retry_after: Option<&str>) -> Classification {
+        let mut b = http::Response::builder().status(status);
+        if let Some(v) = retry_after {
+            b = b.header("retry-after", v);
+        }
+        b.body(()).unwrap().classify()
+    }
+
+    #[test]
+    fn http_response_carries_status_and_parsed_retry_after() {
+        assert_eq!(
+            http(503, Some("3")),
+            Classification::Outcome(Outcome::Http {
+                status: 503,
+                retry_after: Some(Ok(Duration::from_secs(3)))
+            })
+        );
+        assert_eq!(
+            http(429, Some("soon")),
+            Classification::Outcome(Outcome::Http {
+                status: 429,
+                retry_after: Some(Err(RetryAfterError::Malformed))
+            })
+        );
+        assert_eq!(
+            http(200, None),
+            Classification::Outcome(Outcome::Http {
+                status: 200,
+                retry_after: None
+            })
+        );
+    }
+
+    #[test]
+    fn http_date_retry_after_counts_from_the_wall_clock() {
+        let date = format_http_date(SystemTime::now() + Duration::from_secs(120));
+        let Classification::Outcome(Outcome::Http {
+            retry_after: Some(Ok(d)),
+            ..
+        }) = http(503, Some(&date))
+        else {
+            panic!("a date parses");
+        };
+        assert!(d > Duration::from_secs(110) && d <= Duration::from_secs(120));
+    }
+
+    #[test]
+    fn grpc_status_carries_code_and_pushback_and_ok_is_success() {
+        let mut s = tonic::Status::unavailable("down");
+        s.metadata_mut()
+            .insert("grpc-retry-pushback-ms", "250".parse().unwrap());
+        assert_eq!(
+            s.classify(),
+            Classification::Outcome(Outcome::Grpc {
+                code: GrpcCode::Unavailable,
+                pushback: Some(Pushback::After(Duration::from_millis(250)))
+            })
+        );
+        let mut s = tonic::Status::resource_exhausted("busy");
+        s.metadata_mut()
+            .insert("grpc-retry-pushback-ms", "-1".parse().unwrap());
+        assert_eq!(
+            s.classify(),
+            Classification::Outcome(Outcome::Grpc {
+                code: GrpcCode::ResourceExhausted,
+                pushback: Some(Pushback::DoNotRetry)
+            })
+        );
+        assert_eq!(
+            tonic::Status::new(tonic::Code::Ok, "").classify(),
+            Classification::Success
+        );
+    }
+
+    #[test]
+    fn io_errors_map_to_connect_reset_timeout_or_fatal() {
+        let c = |k| std::io::Error::from(k).classify();
+        let t = |class| Classification::Outcome(Outcome::Transport(class));
+        assert_eq!(c(ErrorKind::ConnectionRefused), t(ErrorClass::Connect));
+        assert_eq!(c(ErrorKind::ConnectionReset), t(ErrorClass::Reset));
+        assert_eq!(c(ErrorKind::ConnectionAborted), t(ErrorClass::Reset));
+        assert_eq!(c(ErrorKind::BrokenPipe), t(ErrorClass::Reset));
+        assert_eq!(c(ErrorKind::UnexpectedEof), t(ErrorClass::Reset));
+        assert_eq!(c(ErrorKind::TimedOut), t(ErrorClass::Timeout));
+        assert_eq!(c(ErrorKind::InvalidData), Classification::Fatal);
+    }
+}

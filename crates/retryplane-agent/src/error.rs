@@ -1,0 +1,141 @@
+//! What can go wrong: building an agent ([`AgentError`]) and making a call ([`CallError`]).
+
+use std::fmt;
+use std::path::PathBuf;
+
+use retryplane_policy::engine::GiveUpCause;
+
+/// Why an agent could not be built. Messages never include the token.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    /// The control-plane URL is not a valid URI.
+    #[error("invalid control-plane URL")]
+    InvalidUrl(#[source] tonic::transport::Error),
+    /// The token cannot be sent in a header (it holds non-visible-ASCII characters).
+    #[error("the token is not valid in an authorization header")]
+    InvalidToken,
+    /// No control-plane URL was given to [`crate::AgentBuilder::connect`].
+    #[error("no control-plane URL given")]
+    MissingUrl,
+    /// [`crate::AgentBuilder::connect`] was called outside a tokio runtime.
+    #[error("the agent must be started inside a tokio runtime")]
+    NoRuntime,
+    /// The policy file cannot be read.
+    #[error("cannot read the policy file {}", path.display())]
+    ReadPolicyFile {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The policy file has errors.
+    #[error("the policy file {} is invalid: {} error(s), first: {first}", path.display(), errors)]
+    InvalidPolicyFile {
+        /// The file.
+        path: PathBuf,
+        /// How many errors.
+        errors: usize,
+        /// The first error, as `retryplane validate` prints it.
+        first: String,
+    },
+}
+
+/// Why a logical call ended without success.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Cause {
+    /// The retry rules stopped the call (SPEC §2).
+    GaveUp(GiveUpCause),
+    /// The call's cancellation token fired.
+    Cancelled,
+}
+
+impl fmt::Display for Cause {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Cause::GaveUp(c) => f.write_str(c.as_str()),
+            Cause::Cancelled => f.write_str("cancelled"),
+        }
+    }
+}
+
+/// What the last attempt of a failed call produced.
+#[derive(Debug)]
+pub enum Last<T, E> {
+    /// A response the policy counts as a failure (a 503, say), as the upstream sent it.
+    Response(T),
+    /// The error the attempt returned.
+    Error(E),
+    /// The attempt ran out of time (per-try timeout or deadline) and was dropped.
+    TimedOut,
+}
+
+/// A logical call that ended without success: why, and what the last attempt produced.
+pub struct CallError<T, E> {
+    /// Why the call stopped.
+    pub cause: Cause,
+    /// The last attempt's result; `None` when no attempt was made (circuit open) or the call
+    /// was cancelled before the first attempt ended.
+    pub last: Option<Last<T, E>>,
+    /// Attempts made.
+    pub attempts: u32,
+}
+
+impl<T, E> CallError<T, E> {
+    /// The SPEC §2 give-up cause; `None` when the call was cancelled.
+    pub fn gave_up(&self) -> Option<GiveUpCause> {
+        match self.cause {
+            Cause::GaveUp(c) => Some(c),
+            Cause::Cancelled => None,
+        }
+    }
+
+    /// The last response, if the last attempt produced one.
+    pub fn response(&self) -> Option<&T> {
+        match &self.last {
+            Some(Last::Response(t)) => Some(t),
+            _ => None,
+        }
+    }
+
+    /// The last error, if the last attempt returned one.
+    pub fn error(&self) -> Option<&E> {
+        match &self.last {
+            Some(Last::Error(e)) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+// Bodies and headers stay out of Debug: only the shape of `last` is shown.
+impl<T, E> fmt::Debug for CallError<T, E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let last = match &self.last {
+            None => "none",
+            Some(Last::Response(_)) => "response",
+            Some(Last::Error(_)) => "error",
+            Some(Last::TimedOut) => "timed out",
+        };
+        f.debug_struct("CallError")
+            .field("cause", &self.cause)
+            .field("last", &last)
+            .field("attempts", &self.attempts)
+            .finish()
+    }
+}
+
+impl<T, E> fmt::Display for CallError<T, E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "call failed after {} attempt(s): {}",
+            self.attempts, self.cause
+        )
+    }
+}
+
+impl<T, E: std::error::Error + 'static> std::error::Error for CallError<T, E> {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.error().map(|e| e as _)
+    }
+}

@@ -1,0 +1,44 @@
+//! The retryplane agent: the library a service embeds to make its outbound calls under retry
+//! policies pushed by the control plane (SPEC §2–§4).
+//!
+//! - [`Agent`] holds the current policies in an `ArcSwap`. [`Agent::builder`] connects it to a
+//!   control plane: [`AgentBuilder::connect`] returns at once and one background task owns the
+//!   policy stream — it validates and swaps in every snapshot, ACKs or NACKs it, writes the cache
+//!   file, reconnects with jittered exponential backoff and streams metrics back.
+//!   [`Agent::from_file`] and [`Agent::from_policies`] run on static policies.
+//! - [`Agent::endpoint`] gives a cheap [`Endpoint`] handle; [`Endpoint::call`] runs one logical
+//!   call under SPEC §2: the policy is read once per call, each attempt gets
+//!   `min(per_try_timeout, deadline left)`, failures are classified through [`Classify`], pauses
+//!   honour `Retry-After` and gRPC pushback, and the endpoint's budget and circuit breaker are
+//!   shared by every call. A failed call returns a [`CallError`] with the cause and the real last
+//!   response or error.
+//! - Per-endpoint counters (SPEC §4) are plain atomics on the call path and leave as deltas in
+//!   `MetricsReport`s; counts made while disconnected wait for the next stream.
+//!
+//! Without a control plane and without a cache file the agent runs the [`fallback_policy`].
+//! Nothing here logs header values, tokens or bodies.
+
+#![forbid(unsafe_code)]
+
+mod agent;
+mod cache;
+mod call;
+mod classify;
+mod error;
+mod meta;
+mod metrics;
+mod snapshot;
+mod stream;
+
+pub use agent::{Agent, AgentBuilder, DEFAULT_METRICS_INTERVAL};
+pub use call::Endpoint;
+pub use classify::{Classification, Classify};
+pub use error::{AgentError, CallError, Cause, Last};
+pub use meta::{AttemptInfo, CallMeta};
+pub use metrics::CounterValues;
+pub use snapshot::{PolicySnapshot, Source, fallback_policy};
+pub use stream::reconnect::ReconnectBackoff;
+
+pub use retryplane_policy::PolicySet;
+pub use retryplane_policy::engine::{GiveUpCause, Outcome};
+pub use tokio_util::sync::CancellationToken;

@@ -1,0 +1,185 @@
+//! What the agent is told about a call ([`CallMeta`]) and what each attempt is told
+//! ([`AttemptInfo`]).
+
+use std::time::Duration;
+
+use http::HeaderName;
+use retryplane_policy::{RetryPolicy, Target};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Route {
+    Http { method: String, path: String },
+    Grpc { path: String },
+    None,
+}
+
+/// A logical call's description: what picks the route policy and decides idempotency.
+///
+/// Only header *names* are kept (to see whether the idempotency key is present), never values.
+#[derive(Clone, Debug)]
+pub struct CallMeta {
+    route: Route,
+    idempotent: Option<bool>,
+    has_idempotency_key: bool,
+    header_names: Vec<HeaderName>,
+    cancel: Option<CancellationToken>,
+}
+
+impl CallMeta {
+    /// An HTTP call: `method` (any case) and path; a query string is cut off and never used or
+    /// logged. Idempotency comes from the policy's `idempotent_methods` and the key header.
+    pub fn http(method: &str, path: &str) -> Self {
+        let path = path.split(['?', '#']).next().unwrap_or_default();
+        Self::new(Route::Http {
+            method: method.to_ascii_uppercase(),
+            path: path.to_owned(),
+        })
+    }
+
+    /// A gRPC call to `/pkg.Service/Method`. Not idempotent unless declared with
+    /// [`CallMeta::idempotent`] or carrying the key.
+    pub fn grpc(path: &str) -> Self {
+        let mut meta = Self::new(Route::Grpc {
+            path: path.to_owned(),
+        });
+        meta.idempotent = Some(false);
+        meta
+    }
+
+    /// A call with no route information: the endpoint's own policy, treated as idempotent
+    /// unless [`CallMeta::idempotent`] says otherwise.
+    pub fn endpoint() -> Self {
+        let mut meta = Self::new(Route::None);
+        meta.idempotent = Some(true);
+        meta
+    }
+
+    fn new(route: Route) -> Self {
+        Self {
+            route,
+            idempotent: None,
+            has_idempotency_key: false,
+            header_names: Vec::new(),
+            cancel: None,
+        }
+    }
+
+    /// Declares whether the call is idempotent, overriding the method list.
+    pub fn idempotent(mut self, idempotent: bool) -> Self {
+        self.idempotent = Some(idempotent);
+        self
+    }
+
+    /// Says the request carries the idempotency key header.
+    pub fn with_idempotency_key(mut self, present: bool) -> Self {
+        self.has_idempotency_key = present;
+        self
+    }
+
+    /// Records the request's header names (not values), so the key header named by the
+    /// policy is recognised.
+    pub fn with_headers(mut self, headers: &http::HeaderMap) -> Self {
+        self.header_names = headers.keys().cloned().collect();
+        self
+    }
+
+    /// A token that cancels the call, even during a pause.
+    pub fn with_cancel(mut self, token: CancellationToken) -> Self {
+        self.cancel = Some(token);
+        self
+    }
+
+    pub(crate) fn cancel_token(&self) -> Option<&CancellationToken> {
+        self.cancel.as_ref()
+    }
+
+    /// The policy lookup target.
+    pub(crate) fn target(&self) -> Target<'_> {
+        match &self.route {
+            Route::Http { method, path } => Target::Http { method, path },
+            Route::Grpc { path } => Target::Grpc { path },
+            Route::None => Target::Endpoint,
+        }
+    }
+
+    /// The method for logs: the HTTP method, `grpc`, or `-`.
+    pub(crate) fn method(&self) -> &str {
+        match &self.route {
+            Route::Http { method, .. } => method,
+            Route::Grpc { .. } => "grpc",
+            Route::None => "-",
+        }
+    }
+
+    /// The path for logs (no query string), or `-`.
+    pub(crate) fn path(&self) -> &str {
+        match &self.route {
+            Route::Http { path, .. } | Route::Grpc { path } => path,
+            Route::None => "-",
+        }
+    }
+
+    /// Whether the call may be repeated under `policy`: (idempotent, has the key).
+    pub(crate) fn idempotency(&self, policy: &RetryPolicy) -> (bool, bool) {
+        let idempotent = match (&self.idempotent, &self.route) {
+            (Some(i), _) => *i,
+            (None, Route::Http { method, .. }) => policy.is_idempotent(method),
+            (None, _) => false,
+        };
+        let key = &*policy.idempotency_key_header;
+        let has_key = self.has_idempotency_key
+            || self
+                .header_names
+                .iter()
+                .any(|n| n.as_str().eq_ignore_ascii_case(key));
+        (idempotent, has_key)
+    }
+}
+
+/// What one attempt is told.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttemptInfo {
+    /// 1 for the first attempt.
+    pub number: u32,
+    /// This attempt's time limit: `min(per_try_timeout, deadline left)`; the agent enforces it.
+    pub timeout: Duration,
+    /// When the whole logical call must be over (tokio's clock).
+    pub deadline: Instant,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn http_meta_drops_the_query_and_upper_cases_the_method() {
+        let m = CallMeta::http("post", "/v1/charges?card=4242#x");
+        assert_eq!(
+            m.target(),
+            Target::Http {
+                method: "POST",
+                path: "/v1/charges"
+            }
+        );
+        assert_eq!(m.path(), "/v1/charges");
+    }
+
+    #[test]
+    fn the_key_header_is_found_by_name_in_any_case() {
+        let policy = RetryPolicy::default();
+        let mut headers = http::HeaderMap::new();
+        headers.insert("idempotency-key", "secret".parse().unwrap());
+        let m = CallMeta::http("POST", "/").with_headers(&headers);
+        assert_eq!(m.idempotency(&policy), (false, true));
+        assert_eq!(
+            CallMeta::http("GET", "/").idempotency(&policy),
+            (true, false)
+        );
+        assert_eq!(
+            CallMeta::grpc("/a.B/C").idempotency(&policy),
+            (false, false)
+        );
+    }
+}

@@ -1,0 +1,183 @@
+//! Per-endpoint retry counters (SPEC §4), lock-free on the call path.
+//!
+//! Each [`crate::Endpoint`] handle holds its endpoint's [`Counters`]; a call only does relaxed
+//! atomic adds. The stream task takes deltas with `swap(0)` when it is about to send a report
+//! and, if the report cannot be handed to the stream, adds them back, so counts made while
+//! disconnected accumulate (in the same fixed set of counters: the memory is bounded by the
+//! number of endpoints) until a report is accepted. Nothing is counted twice.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, RwLock};
+
+use retryplane_policy::engine::GiveUpCause;
+use retryplane_proto::pb;
+
+macro_rules! counters {
+    ($($field:ident),* $(,)?) => {
+        /// One endpoint's counters.
+        #[derive(Debug, Default)]
+        pub(crate) struct Counters {
+            $(pub(crate) $field: AtomicU64,)*
+        }
+
+        /// A plain copy of one endpoint's counters (values or deltas).
+        #[derive(Clone, Debug, Default, PartialEq, Eq)]
+        pub struct CounterValues {
+            $(
+                #[doc = concat!("`", stringify!($field), "` (SPEC §4).")]
+                pub $field: u64,
+            )*
+        }
+
+        impl Counters {
+            /// Takes every count, leaving zeros.
+            fn take(&self) -> CounterValues {
+                CounterValues { $($field: self.$field.swap(0, Relaxed),)* }
+            }
+
+            /// Adds `v` back (a report that was not sent).
+            fn add(&self, v: &CounterValues) {
+                $(self.$field.fetch_add(v.$field, Relaxed);)*
+            }
+
+            /// Reads without taking.
+            fn peek(&self) -> CounterValues {
+                CounterValues { $($field: self.$field.load(Relaxed),)* }
+            }
+        }
+
+        impl CounterValues {
+            fn is_zero(&self) -> bool {
+                true $(&& self.$field == 0)*
+            }
+
+            fn to_pb(&self, endpoint: &str) -> pb::EndpointCounters {
+                pb::EndpointCounters {
+                    endpoint: endpoint.to_owned(),
+                    $($field: self.$field,)*
+                }
+            }
+
+            fn from_pb(c: &pb::EndpointCounters) -> Self {
+                Self { $($field: c.$field,)* }
+            }
+        }
+    };
+}
+
+counters!(
+    calls,
+    attempts,
+    retries,
+    success_first_try,
+    success_after_retry,
+    gave_up_attempts,
+    gave_up_budget,
+    gave_up_deadline,
+    gave_up_retry_after,
+    gave_up_not_retryable,
+    circuit_open,
+    backoff_ms,
+    retry_after_honored,
+);
+
+impl Counters {
+    pub(crate) fn inc(c: &AtomicU64) {
+        c.fetch_add(1, Relaxed);
+    }
+
+    /// Counts a call that gave up with `cause`.
+    pub(crate) fn gave_up(&self, cause: GiveUpCause) {
+        let c = match cause {
+            GiveUpCause::NotRetryable => &self.gave_up_not_retryable,
+            GiveUpCause::AttemptsExhausted => &self.gave_up_attempts,
+            GiveUpCause::BudgetExhausted => &self.gave_up_budget,
+            GiveUpCause::DeadlineExceeded => &self.gave_up_deadline,
+            GiveUpCause::RetryAfterTooLong => &self.gave_up_retry_after,
+            GiveUpCause::CircuitOpen => &self.circuit_open,
+        };
+        Self::inc(c);
+    }
+}
+
+/// Every endpoint's counters. The map is touched when a handle is made and when a report is
+/// taken, never on the call path.
+#[derive(Debug, Default)]
+pub(crate) struct Registry {
+    endpoints: RwLock<HashMap<Arc<str>, Arc<Counters>>>,
+}
+
+impl Registry {
+    /// The counters of `endpoint`, created on first use.
+    pub(crate) fn counters(&self, endpoint: &Arc<str>) -> Arc<Counters> {
+        if let Some(c) = self
+            .endpoints
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(endpoint)
+        {
+            return c.clone();
+        }
+        self.endpoints
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(endpoint.clone())
+            .or_default()
+            .clone()
+    }
+
+    /// Takes every non-zero delta, sorted by endpoint.
+    pub(crate) fn take(&self) -> Vec<pb::EndpointCounters> {
+        let map = self.endpoints.read().unwrap_or_else(|e| e.into_inner());
+        let mut out: Vec<_> = map
+            .iter()
+            .filter_map(|(name, c)| {
+                let v = c.take();
+                (!v.is_zero()).then(|| v.to_pb(name))
+            })
+            .collect();
+        out.sort_by(|a, b| a.endpoint.cmp(&b.endpoint));
+        out
+    }
+
+    /// Adds back deltas that were taken but not sent.
+    pub(crate) fn restore(&self, deltas: &[pb::EndpointCounters]) {
+        for d in deltas {
+            let name: Arc<str> = Arc::from(d.endpoint.as_str());
+            self.counters(&name).add(&CounterValues::from_pb(d));
+        }
+    }
+
+    /// The counts not yet sent for `endpoint`.
+    pub(crate) fn pending(&self, endpoint: &str) -> CounterValues {
+        self.endpoints
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(endpoint)
+            .map(|c| c.peek())
+            .unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn deltas_taken_and_restored_are_neither_lost_nor_doubled() {
+        let r = Registry::default();
+        let a = r.counters(&Arc::from("a"));
+        Counters::inc(&a.calls);
+        Counters::inc(&a.calls);
+        a.gave_up(GiveUpCause::BudgetExhausted);
+        let taken = r.take();
+        assert_eq!(taken.len(), 1);
+        assert_eq!((taken[0].calls, taken[0].gave_up_budget), (2, 1));
+        assert!(r.take().is_empty(), "taken counts are gone");
+        Counters::inc(&a.calls);
+        r.restore(&taken);
+        let again = r.take();
+        assert_eq!((again[0].calls, again[0].gave_up_budget), (3, 1));
+    }
+}

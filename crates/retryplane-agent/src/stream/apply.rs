@@ -1,0 +1,180 @@
+//! What the agent does with a pushed snapshot: check it, swap it in, answer.
+//!
+//! Checked with the same validator as every other source ([`convert::validate`]) plus the
+//! content hash; a good one is swapped into the `ArcSwap` (keeping endpoint state whose
+//! settings did not change) and ACKed; a bad one is NACKed with the reason and the policies in
+//! force stay.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::Duration;
+
+use prost::Message as _;
+use retryplane_proto::convert;
+use retryplane_proto::pb::{self, agent_message::Kind};
+use tracing::{info, warn};
+
+use crate::agent::Shared;
+use crate::snapshot::{PolicySnapshot, Source};
+
+/// Most errors quoted in a NACK.
+const NACK_ERRORS: usize = 3;
+
+/// The answer to a snapshot and, when it was applied, the bytes for the cache file.
+#[derive(Debug)]
+pub(crate) struct Handled {
+    pub(crate) reply: Kind,
+    pub(crate) cache: Option<Vec<u8>>,
+}
+
+/// Checks `snap` and, if it is good, makes it the agent's policies.
+pub(crate) fn apply(shared: &Shared, snap: pb::Snapshot, default_interval: Duration) -> Handled {
+    let nack = |error: String| {
+        warn!(version = snap.version, %error, "snapshot refused; keeping the policies in force");
+        Handled {
+            reply: Kind::Nack(pb::Nack {
+                version: snap.version,
+                nonce: snap.nonce.clone(),
+                error,
+            }),
+            cache: None,
+        }
+    };
+    let Some(doc) = snap.policies.clone() else {
+        return nack("the snapshot holds no policies".into());
+    };
+    if convert::content_hash(&doc) != snap.content_hash {
+        return nack("the content hash does not match the policies".into());
+    }
+    let (set, warnings) = match convert::validate(doc) {
+        Ok(ok) => ok,
+        Err(errors) => {
+            let mut text: Vec<String> = errors
+                .iter()
+                .take(NACK_ERRORS)
+                .map(ToString::to_string)
+                .collect();
+            if errors.len() > NACK_ERRORS {
+                text.push(format!("and {} more", errors.len() - NACK_ERRORS));
+            }
+            return nack(text.join("; "));
+        }
+    };
+    let cache = snap.encode_to_vec();
+    let current = shared.policies.load();
+    let next = PolicySnapshot::build(
+        set,
+        snap.version,
+        snap.content_hash.clone(),
+        Source::ControlPlane,
+        Some(&current),
+    );
+    shared.policies.store(Arc::new(next));
+    let interval = match snap.metrics_interval_ms {
+        0 => default_interval,
+        ms => Duration::from_millis(ms),
+    };
+    shared.metrics_interval_ms.store(
+        u64::try_from(interval.as_millis()).unwrap_or(u64::MAX),
+        Relaxed,
+    );
+    info!(
+        version = snap.version,
+        warnings = warnings.len(),
+        "policies applied"
+    );
+    Handled {
+        reply: Kind::Ack(pb::Ack {
+            version: snap.version,
+            nonce: snap.nonce,
+        }),
+        cache: Some(cache),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Agent;
+
+    fn snapshot(version: u64, yaml: &str) -> pb::Snapshot {
+        let set = retryplane_policy::load(yaml.as_bytes()).policies.unwrap();
+        let doc = pb::PolicyDocument::from(set.document().as_ref());
+        pb::Snapshot {
+            version,
+            content_hash: convert::content_hash(&doc),
+            policies: Some(doc),
+            nonce: format!("n-{version}"),
+            metrics_interval_ms: 250,
+        }
+    }
+
+    fn agent() -> Agent {
+        let set = retryplane_policy::load(b"version: 1\nendpoints:\n  a: {}\n")
+            .policies
+            .unwrap();
+        Agent::from_policies_seeded(set, 1)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_valid_snapshot_is_swapped_in_and_acked_with_its_nonce() {
+        let agent = agent();
+        let h = apply(
+            agent.shared(),
+            snapshot(4, "version: 1\nendpoints:\n  a: {max_attempts: 5}\n"),
+            Duration::from_secs(10),
+        );
+        assert!(matches!(&h.reply, Kind::Ack(a) if a.version == 4 && a.nonce == "n-4"));
+        assert!(h.cache.is_some());
+        let p = agent.policies();
+        assert_eq!((p.version(), p.source()), (4, Source::ControlPlane));
+        assert_eq!(
+            p.set().unwrap().endpoint("a").unwrap().policy.max_attempts,
+            5
+        );
+        assert_eq!(agent.shared().metrics_interval_ms.load(Relaxed), 250);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn nack_keeps_the_last_good_policy() {
+        let agent = agent();
+        apply(
+            agent.shared(),
+            snapshot(4, "version: 1\nendpoints:\n  a: {max_attempts: 5}\n"),
+            Duration::from_secs(10),
+        );
+        let mut bad = snapshot(5, "version: 1\nendpoints:\n  a: {}\n");
+        if let Some(doc) = bad.policies.as_mut() {
+            let overlay = doc.endpoints[0]
+                .overlay
+                .get_or_insert_with(Default::default);
+            overlay.max_attempts = Some(0);
+            bad.content_hash = convert::content_hash(doc);
+        }
+        let h = apply(agent.shared(), bad, Duration::from_secs(10));
+        match &h.reply {
+            Kind::Nack(n) => {
+                assert_eq!((n.version, n.nonce.as_str()), (5, "n-5"));
+                assert!(n.error.contains("max_attempts"), "{}", n.error);
+            }
+            other => panic!("expected a NACK, got {other:?}"),
+        }
+        assert!(h.cache.is_none(), "a refused snapshot is not cached");
+        let p = agent.policies();
+        assert_eq!(p.version(), 4);
+        assert_eq!(
+            p.set().unwrap().endpoint("a").unwrap().policy.max_attempts,
+            5
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_snapshot_whose_hash_does_not_match_is_nacked() {
+        let agent = agent();
+        let mut snap = snapshot(2, "version: 1\nendpoints:\n  a: {max_attempts: 5}\n");
+        snap.content_hash = "0".repeat(64);
+        let h = apply(agent.shared(), snap, Duration::from_secs(10));
+        assert!(matches!(&h.reply, Kind::Nack(n) if n.error.contains("hash")));
+        assert_eq!(agent.policies().version(), 0);
+    }
+}

@@ -1,0 +1,298 @@
+//! The one background task that owns the control-plane stream (SPEC §3, STYLE #5).
+//!
+//! Each session: connect (HTTP/2 keepalive on), send Hello with the version in force (when it
+//! came from the control plane or the cache), then apply every snapshot ([`apply`]), write the
+//! cache file, answer ACK or NACK, and send a `MetricsReport` of counter deltas every interval.
+//! When the stream ends or cannot be opened the task waits a [`ReconnectBackoff`] delay and
+//! tries again; the policies in force are never dropped. On shutdown it sends the counts not yet
+//! reported, half-closes the stream and waits (bounded) for the server to close it.
+
+pub(crate) mod apply;
+pub mod reconnect;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use retryplane_policy::rng::SeededRng;
+use retryplane_proto::pb::{self, agent_message::Kind};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tonic::metadata::{Ascii, MetadataValue};
+use tracing::{debug, info, warn};
+
+use crate::agent::Shared;
+use crate::snapshot::Source;
+use reconnect::ReconnectBackoff;
+
+/// HTTP/2 keepalive ping interval (the server uses the same).
+pub(crate) const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(20);
+/// How long a ping may go unanswered before the connection counts as dead.
+pub(crate) const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Longest wait for a TCP connection to the control plane.
+pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Longest wait on shutdown for the server to close the stream after the last report.
+const CLOSE_GRACE: Duration = Duration::from_secs(2);
+/// Messages queued towards the control plane.
+const OUTBOUND: usize = 16;
+
+/// What the stream task is told.
+#[derive(Debug)]
+pub(crate) struct StreamConfig {
+    pub(crate) endpoint: tonic::transport::Endpoint,
+    pub(crate) token: Option<MetadataValue<Ascii>>,
+    pub(crate) hello: pb::Hello,
+    pub(crate) cache_file: Option<PathBuf>,
+    pub(crate) default_metrics_interval: Duration,
+    pub(crate) backoff: ReconnectBackoff,
+}
+
+/// How a session ended.
+enum SessionEnd {
+    /// The agent is shutting down.
+    Cancelled,
+    /// The connection failed or the stream ended; `up` is how long it was open, if it was.
+    Lost {
+        up: Option<Duration>,
+        reason: String,
+    },
+}
+
+/// The task: sessions until cancelled.
+pub(crate) async fn run(
+    shared: Arc<Shared>,
+    config: StreamConfig,
+    cancel: CancellationToken,
+    seed: u64,
+) {
+    let endpoint = config
+        .endpoint
+        .clone()
+        .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
+        .keep_alive_timeout(KEEPALIVE_TIMEOUT)
+        .keep_alive_while_idle(true)
+        .connect_timeout(CONNECT_TIMEOUT)
+        .tcp_nodelay(true);
+    let mut backoff = config.backoff.clone();
+    let mut rng = SeededRng::with_seed(seed.rotate_left(29) ^ 0xA076_1D64_78BD_642F);
+    let mut window_start = unix_ms();
+    loop {
+        let end = session(&shared, &config, &endpoint, &cancel, &mut window_start).await;
+        shared.connected.store(false, Relaxed);
+        let SessionEnd::Lost { up, reason } = end else {
+            return;
+        };
+        if let Some(up) = up {
+            backoff.session_ended(up);
+        }
+        let delay = backoff.next_delay(&mut rng);
+        info!(%reason, delay_ms = delay.as_millis() as u64, "control plane stream lost; reconnecting");
+        tokio::select! {
+            () = cancel.cancelled() => return,
+            () = tokio::time::sleep(delay) => {}
+        }
+    }
+}
+
+async fn session(
+    shared: &Shared,
+    config: &StreamConfig,
+    endpoint: &tonic::transport::Endpoint,
+    cancel: &CancellationToken,
+    window_start: &mut u64,
+) -> SessionEnd {
+    let lost = |up: Option<Duration>, reason: String| SessionEnd::Lost { up, reason };
+    let channel = tokio::select! {
+        () = cancel.cancelled() => return SessionEnd::Cancelled,
+        c = endpoint.connect() => c,
+    };
+    let channel = match channel {
+        Ok(c) => c,
+        Err(e) => return lost(None, format!("cannot connect: {e}")),
+    };
+    let (tx, rx) = mpsc::channel::<pb::AgentMessage>(OUTBOUND);
+    let mut hello = config.hello.clone();
+    let current = shared.policies.load();
+    if matches!(current.source(), Source::ControlPlane | Source::Cache) {
+        hello.last_applied_version = current.version();
+        hello.last_applied_hash = current.content_hash().to_owned();
+    }
+    drop(current);
+    if tx.try_send(message(Kind::Hello(hello))).is_err() {
+        return lost(None, "cannot queue Hello".into());
+    }
+    let token = config.token.clone();
+    let mut client = pb::agent_service_client::AgentServiceClient::with_interceptor(
+        channel,
+        move |mut req: tonic::Request<()>| {
+            if let Some(t) = &token {
+                req.metadata_mut().insert("authorization", t.clone());
+            }
+            Ok(req)
+        },
+    );
+    let opened = tokio::select! {
+        () = cancel.cancelled() => return SessionEnd::Cancelled,
+        r = client.connect(ReceiverStream::new(rx)) => r,
+    };
+    let mut inbound = match opened {
+        Ok(r) => r.into_inner(),
+        Err(status) => return lost(None, format!("stream refused: {:?}", status.code())),
+    };
+    shared.connected.store(true, Relaxed);
+    let opened_at = Instant::now();
+    let up = || Some(Instant::now().duration_since(opened_at));
+    info!("connected to the control plane");
+    let mut next_report = opened_at + interval(shared);
+    loop {
+        tokio::select! {
+            () = cancel.cancelled() => {
+                send_metrics(shared, &tx, window_start);
+                drop(tx);
+                // Let the server read what was queued and close its side.
+                let _ = tokio::time::timeout(CLOSE_GRACE, async {
+                    while let Ok(Some(_)) = inbound.message().await {}
+                })
+                .await;
+                return SessionEnd::Cancelled;
+            }
+            m = inbound.message() => {
+                let m = match m {
+                    Ok(Some(m)) => m,
+                    Ok(None) => return lost(up(), "the control plane closed the stream".into()),
+                    Err(status) => return lost(up(), format!("stream ended: {:?}", status.code())),
+                };
+                let snap = match m.decode_snapshot() {
+                    Ok(Some(snap)) => snap,
+                    Ok(None) => {
+                        debug!("server message without a snapshot ignored");
+                        continue;
+                    }
+                    Err(e) => {
+                        warn!(error = %e, "undecodable snapshot ignored");
+                        continue;
+                    }
+                };
+                let handled = apply::apply(shared, snap, config.default_metrics_interval);
+                if let (Some(bytes), Some(path)) = (handled.cache, &config.cache_file) {
+                    write_cache(path.clone(), bytes).await;
+                }
+                if tx.send(message(handled.reply)).await.is_err() {
+                    return lost(up(), "the stream closed before the answer".into());
+                }
+                next_report = next_report.min(Instant::now() + interval(shared));
+            }
+            () = tokio::time::sleep_until(next_report) => {
+                send_metrics(shared, &tx, window_start);
+                next_report = Instant::now() + interval(shared);
+            }
+        }
+    }
+}
+
+fn message(kind: Kind) -> pb::AgentMessage {
+    pb::AgentMessage { kind: Some(kind) }
+}
+
+fn interval(shared: &Shared) -> Duration {
+    Duration::from_millis(shared.metrics_interval_ms.load(Relaxed).max(1))
+}
+
+/// Hands the counter deltas to the stream; when it cannot take them they are added back.
+fn send_metrics(shared: &Shared, tx: &mpsc::Sender<pb::AgentMessage>, window_start: &mut u64) {
+    let endpoints = shared.metrics.take();
+    if endpoints.is_empty() {
+        return;
+    }
+    let end = unix_ms();
+    let report = pb::MetricsReport {
+        window_start_unix_ms: *window_start,
+        window_end_unix_ms: end,
+        policy_version: shared.policies.load().version(),
+        endpoints,
+    };
+    match tx.try_send(message(Kind::Metrics(report))) {
+        Ok(()) => *window_start = end,
+        Err(e) => {
+            if let Some(Kind::Metrics(report)) = e.into_inner().kind {
+                shared.metrics.restore(&report.endpoints);
+            }
+            debug!("metrics report not queued; counts kept for the next one");
+        }
+    }
+}
+
+async fn write_cache(path: PathBuf, bytes: Vec<u8>) {
+    let shown = path.display().to_string();
+    match tokio::task::spawn_blocking(move || crate::cache::write_atomic(&path, &bytes)).await {
+        Ok(Ok(())) => debug!(file = %shown, "policy cache written"),
+        Ok(Err(e)) => warn!(file = %shown, error = %e, "cannot write the policy cache"),
+        Err(e) => warn!(file = %shown, error = %e, "the cache writer failed"),
+    }
+}
+
+/// Wall-clock Unix milliseconds, for the report window labels only.
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Agent;
+    use crate::metrics::Counters;
+
+    fn agent() -> Agent {
+        let set = retryplane_policy::load(b"version: 1\nendpoints:\n  a: {}\n")
+            .policies
+            .unwrap();
+        Agent::from_policies_seeded(set, 1)
+    }
+
+    fn count_calls(shared: &Shared, n: u64) {
+        let c = shared.metrics.counters(&Arc::from("a"));
+        for _ in 0..n {
+            Counters::inc(&c.calls);
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_report_the_stream_cannot_take_is_kept_for_the_next_one() {
+        let agent = agent();
+        let shared = agent.shared();
+        count_calls(shared, 3);
+        let (tx, rx) = mpsc::channel(1);
+        drop(rx);
+        let mut start = 0;
+        send_metrics(shared, &tx, &mut start);
+        assert_eq!(
+            shared.metrics.pending("a").calls,
+            3,
+            "closed stream: counts kept"
+        );
+
+        let (tx, mut rx) = mpsc::channel(1);
+        tx.try_send(message(Kind::Ack(pb::Ack::default()))).unwrap();
+        send_metrics(shared, &tx, &mut start);
+        assert_eq!(
+            shared.metrics.pending("a").calls,
+            3,
+            "full stream: counts kept"
+        );
+
+        rx.recv().await.unwrap();
+        count_calls(shared, 2);
+        send_metrics(shared, &tx, &mut start);
+        assert_eq!(shared.metrics.pending("a").calls, 0);
+        let Some(Kind::Metrics(report)) = rx.recv().await.unwrap().kind else {
+            panic!("a metrics report");
+        };
+        assert_eq!(report.endpoints[0].calls, 5, "sent once, all of them");
+        assert!(start > 0, "the next window starts where this one ended");
+    }
+}

@@ -1,0 +1,137 @@
+//! When to reconnect: jittered, capped exponential backoff, reset after a stable connection.
+//!
+//! A pure state machine (no clock, no sleeping): the stream task asks [`ReconnectBackoff::next_delay`]
+//! after each failed connection attempt or dropped stream, and tells
+//! [`ReconnectBackoff::session_ended`] how long a stream stayed up. The delay ceiling doubles
+//! from `base` up to `max`; the delay is "equal jitter" — `ceiling/2 + uniform[0, ceiling/2]` —
+//! so agents that lost the same control plane spread out instead of reconnecting in lock-step,
+//! and no delay is ever zero. A stream that stayed up for `stable_after` resets the ceiling.
+
+use std::time::Duration;
+
+use retryplane_policy::rng::Rng;
+
+/// Reconnect backoff. Defaults: 100 ms → 30 s, reset after 10 s connected.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReconnectBackoff {
+    base: Duration,
+    max: Duration,
+    stable_after: Duration,
+    failures: u32,
+}
+
+impl Default for ReconnectBackoff {
+    fn default() -> Self {
+        Self::new(
+            Duration::from_millis(100),
+            Duration::from_secs(30),
+            Duration::from_secs(10),
+        )
+    }
+}
+
+impl ReconnectBackoff {
+    /// Backoff from `base` to `max` (`max` below `base` is raised to `base`), reset after a
+    /// stream stays up `stable_after`.
+    pub fn new(base: Duration, max: Duration, stable_after: Duration) -> Self {
+        Self {
+            base,
+            max: max.max(base),
+            stable_after,
+            failures: 0,
+        }
+    }
+
+    /// The current ceiling: `min(max, base × 2^failures)`.
+    pub fn ceiling(&self) -> Duration {
+        let factor = 1u32.checked_shl(self.failures.min(31)).unwrap_or(u32::MAX);
+        self.base.saturating_mul(factor).min(self.max)
+    }
+
+    /// The wait before the next connection attempt; each call raises the ceiling.
+    pub fn next_delay(&mut self, rng: &mut (impl Rng + ?Sized)) -> Duration {
+        let ceiling = self.ceiling();
+        self.failures = self.failures.saturating_add(1);
+        let half = ceiling / 2;
+        let span = u64::try_from((ceiling - half).as_nanos()).unwrap_or(u64::MAX);
+        half + Duration::from_nanos(rng.below_inclusive(span))
+    }
+
+    /// A stream that was up for `lasted` ended: a stable one resets the backoff.
+    pub fn session_ended(&mut self, lasted: Duration) {
+        if lasted >= self.stable_after {
+            self.failures = 0;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use retryplane_policy::rng::SeededRng;
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    #[test]
+    fn ceilings_double_from_base_and_stop_at_max() {
+        let mut b = ReconnectBackoff::new(ms(100), ms(1000), ms(5000));
+        let mut rng = SeededRng::with_seed(1);
+        let mut ceilings = Vec::new();
+        for _ in 0..7 {
+            ceilings.push(b.ceiling());
+            b.next_delay(&mut rng);
+        }
+        assert_eq!(
+            ceilings,
+            [100, 200, 400, 800, 1000, 1000, 1000].map(ms).to_vec()
+        );
+    }
+
+    #[test]
+    fn every_delay_lies_between_half_the_ceiling_and_the_ceiling() {
+        let mut b = ReconnectBackoff::default();
+        let mut rng = SeededRng::with_seed(7);
+        for _ in 0..200 {
+            let ceiling = b.ceiling();
+            let d = b.next_delay(&mut rng);
+            assert!(d >= ceiling / 2 && d <= ceiling, "{d:?} vs {ceiling:?}");
+            assert!(!d.is_zero());
+        }
+        assert_eq!(b.ceiling(), Duration::from_secs(30));
+    }
+
+    #[test]
+    fn a_stable_session_resets_the_backoff_and_a_short_one_does_not() {
+        let mut b = ReconnectBackoff::new(ms(100), ms(30_000), ms(10_000));
+        let mut rng = SeededRng::with_seed(3);
+        for _ in 0..4 {
+            b.next_delay(&mut rng);
+        }
+        b.session_ended(ms(9_999));
+        assert_eq!(b.ceiling(), ms(1600));
+        b.session_ended(ms(10_000));
+        assert_eq!(b.ceiling(), ms(100));
+    }
+
+    #[test]
+    fn a_huge_failure_count_saturates_instead_of_overflowing() {
+        let mut b = ReconnectBackoff::new(ms(100), ms(30_000), ms(10_000));
+        let mut rng = SeededRng::with_seed(3);
+        for _ in 0..100 {
+            b.next_delay(&mut rng);
+        }
+        assert_eq!(b.ceiling(), ms(30_000));
+    }
+
+    #[test]
+    fn the_same_seed_gives_the_same_delays() {
+        let run = |seed| {
+            let mut b = ReconnectBackoff::default();
+            let mut rng = SeededRng::with_seed(seed);
+            (0..10).map(|_| b.next_delay(&mut rng)).collect::<Vec<_>>()
+        };
+        assert_eq!(run(42), run(42));
+    }
+}

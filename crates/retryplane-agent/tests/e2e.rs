@@ -1,0 +1,167 @@
+//! End to end: a real control plane on loopback and real agents (real time, bounded polls).
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use retryplane_agent::{Agent, CallMeta, Source};
+use support::Upstream;
+use support::plane::{agent, apply, eventually, failing, plane, stats, yaml};
+
+/// Attempts one always-failing GET makes.
+async fn attempts_of(agent: &Agent) -> u32 {
+    let count = Arc::new(AtomicU32::new(0));
+    let err = agent
+        .endpoint("ep")
+        .call(CallMeta::http("GET", "/"), failing(count.clone()))
+        .await
+        .unwrap_err();
+    assert_eq!(err.attempts, count.load(Ordering::SeqCst));
+    err.attempts
+}
+
+async fn on_version(agents: &[&Agent], version: u64) {
+    eventually(&format!("every agent on version {version}"), || async {
+        agents.iter().all(|a| a.policies().version() == version)
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_policy_change_alters_the_next_calls_behaviour() {
+    let dir = tempfile::tempdir().unwrap();
+    let running = plane(dir.path(), &yaml(2), None).await;
+    let a = agent(running.agent_addr, "a", None);
+    let b = agent(running.agent_addr, "b", None);
+    on_version(&[&a, &b], 1).await;
+    assert_eq!(a.policies().source(), Source::ControlPlane);
+    assert_eq!(attempts_of(&a).await, 2);
+    assert_eq!(attempts_of(&b).await, 2);
+    assert_eq!(apply(&running, yaml(4)).await, 2);
+    on_version(&[&a, &b], 2).await;
+    assert_eq!(attempts_of(&a).await, 4);
+    assert_eq!(attempts_of(&b).await, 4);
+    a.shutdown().await;
+    b.shutdown().await;
+    running.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agents_keep_their_policies_without_the_control_plane_and_reconnect_when_it_returns() {
+    let dir = tempfile::tempdir().unwrap();
+    let running = plane(dir.path(), &yaml(3), None).await;
+    let addr = running.agent_addr;
+    let a = agent(addr, "a", None);
+    let b = agent(addr, "b", None);
+    on_version(&[&a, &b], 1).await;
+    running.shutdown().await.unwrap();
+    eventually("both agents see the stream drop", || async {
+        !a.is_connected() && !b.is_connected()
+    })
+    .await;
+    assert_eq!(a.policies().version(), 1);
+    assert_eq!(attempts_of(&a).await, 3, "still on the pushed policy");
+    assert_eq!(attempts_of(&b).await, 3);
+    // Counts made while disconnected reach the next control plane.
+    let up = Upstream::new([]);
+    a.endpoint("ep")
+        .call(CallMeta::http("GET", "/"), up.attempt())
+        .await
+        .unwrap();
+
+    let running = plane(dir.path(), &yaml(3), Some(addr)).await;
+    eventually("both agents reconnect", || async {
+        a.is_connected() && b.is_connected()
+    })
+    .await;
+    assert_eq!(apply(&running, yaml(5)).await, 2);
+    on_version(&[&a, &b], 2).await;
+    assert_eq!(attempts_of(&a).await, 5);
+    eventually("the counts made while disconnected arrive", || async {
+        stats(&running).await.is_some_and(|s| {
+            // a: 1 failing call (3 attempts) + 1 success offline, 1 failing call (5) online;
+            // b: 1 failing call (3 attempts) offline.
+            s.calls == 4 && s.attempts == 12 && s.success_first_try == 1 && s.gave_up_attempts == 3
+        })
+    })
+    .await;
+    a.shutdown().await;
+    b.shutdown().await;
+    running.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_agent_starts_on_its_cache_file_without_the_control_plane() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("agent.cache");
+    let running = plane(dir.path(), &yaml(4), None).await;
+    let addr = running.agent_addr;
+    let a = agent(addr, "a", Some(&cache));
+    on_version(&[&a], 1).await;
+    eventually("the cache file is written", || async { cache.exists() }).await;
+    a.shutdown().await;
+    drop(a);
+    running.shutdown().await.unwrap();
+
+    let restarted = agent(addr, "a", Some(&cache));
+    let p = restarted.policies();
+    assert_eq!((p.source(), p.version()), (Source::Cache, 1));
+    assert_eq!(attempts_of(&restarted).await, 4);
+    restarted.shutdown().await;
+
+    let fresh = agent(addr, "fresh", Some(&dir.path().join("none.cache")));
+    assert_eq!(fresh.policies().source(), Source::Fallback);
+    assert_eq!(
+        attempts_of(&fresh).await,
+        2,
+        "the fallback policy retries once"
+    );
+    fresh.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_sent_by_agents_add_up_exactly_at_the_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let running = plane(dir.path(), &yaml(3), None).await;
+    let a = agent(running.agent_addr, "a", None);
+    let b = agent(running.agent_addr, "b", None);
+    on_version(&[&a, &b], 1).await;
+    for agent in [&a, &b] {
+        for round in 0..5 {
+            let up = Upstream::new(vec![support::Step::Status(503); round % 3]);
+            agent
+                .endpoint("ep")
+                .call(CallMeta::http("GET", "/"), up.attempt())
+                .await
+                .unwrap();
+        }
+        attempts_of(agent).await;
+    }
+    // Per agent: 6 calls; attempts 1+2+3+1+2 + 3 = 12; retries 6; first-try 2; after-retry 3;
+    // one gave up on attempts; backoff 5+(5+10)+5+5+(5+10)+... computed below.
+    eventually("the server's totals equal what the agents did", || async {
+        stats(&running).await.is_some_and(|s| {
+            s.calls == 12
+                && s.attempts == 24
+                && s.retries == 12
+                && s.success_first_try == 4
+                && s.success_after_retry == 6
+                && s.gave_up_attempts == 2
+                && s.backoff_ms == 2 * (5 + 15 + 5 + 15)
+        })
+    })
+    .await;
+    assert_eq!(
+        a.endpoint("ep").pending_counts().calls,
+        0,
+        "nothing left unsent"
+    );
+    a.shutdown().await;
+    b.shutdown().await;
+    let s = stats(&running).await.unwrap();
+    assert_eq!(s.calls, 12, "shutdown sends nothing twice");
+    running.shutdown().await.unwrap();
+}

@@ -1,0 +1,125 @@
+//! A real control plane on `127.0.0.1:0` for the end-to-end tests, and bounded polling.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use retryplane_agent::{Agent, AttemptInfo, ReconnectBackoff};
+use retryplane_proto::pb;
+use retryplane_server::server::{Running, ServeConfig, start};
+use tonic::transport::{Channel, Endpoint};
+
+use super::Fut;
+
+/// The longest any single wait may take before the test fails.
+pub const WAIT: Duration = Duration::from_secs(15);
+
+/// The e2e policy: fast deterministic pauses, no budget or breaker, `ep` with `max_attempts`.
+pub fn yaml(max_attempts: u32) -> String {
+    format!(
+        "version: 1\ndefaults:\n  backoff: {{base: 5ms, max: 20ms, jitter: none}}\n  budget: {{enabled: false}}\n  circuit_breaker: {{enabled: false}}\nendpoints:\n  ep:\n    max_attempts: {max_attempts}\n"
+    )
+}
+
+/// Starts a control plane in API mode over `dir` (seeded with `seed` when the store is empty),
+/// its agent listener on `agent_listen`.
+pub async fn plane(dir: &Path, seed: &str, agent_listen: Option<SocketAddr>) -> Running {
+    std::fs::write(dir.join("policies.yaml"), seed).unwrap();
+    let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
+    let cfg = ServeConfig {
+        config_file: dir.join("policies.yaml"),
+        data_dir: dir.join("data"),
+        listen: agent_listen.unwrap_or(any),
+        admin_listen: any,
+        http_listen: any,
+        api_mode: true,
+        metrics_interval: Duration::from_millis(200),
+        ..ServeConfig::default()
+    };
+    start(cfg).await.unwrap()
+}
+
+/// An agent connected to `addr`.
+pub fn agent(addr: SocketAddr, id: &str, cache: Option<&Path>) -> Agent {
+    let mut b = Agent::builder()
+        .url(format!("http://{addr}"))
+        .service("checkout")
+        .label("zone", "test")
+        .agent_id(id)
+        .rng_seed(1)
+        .reconnect_backoff(ReconnectBackoff::new(
+            Duration::from_millis(20),
+            Duration::from_millis(300),
+            Duration::from_secs(10),
+        ));
+    if let Some(c) = cache {
+        b = b.cache_file(c);
+    }
+    b.connect().unwrap()
+}
+
+/// An admin client.
+pub async fn admin(running: &Running) -> pb::admin_service_client::AdminServiceClient<Channel> {
+    let ch = Endpoint::from_shared(format!("http://{}", running.admin_addr))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    pb::admin_service_client::AdminServiceClient::new(ch)
+}
+
+/// Applies `yaml` through the admin API.
+pub async fn apply(running: &Running, yaml: String) -> u64 {
+    admin(running)
+        .await
+        .apply(pb::ApplyRequest {
+            source: Some(pb::PolicySource {
+                kind: Some(pb::policy_source::Kind::Yaml(yaml)),
+                origin: "test".into(),
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .version
+}
+
+/// The fleet-wide stats of `ep`.
+pub async fn stats(running: &Running) -> Option<pb::EndpointStats> {
+    let r = admin(running)
+        .await
+        .stats(pb::StatsRequest {
+            endpoint: "ep".into(),
+        })
+        .await
+        .ok()?
+        .into_inner();
+    r.endpoints.into_iter().find(|e| e.endpoint == "ep")
+}
+
+/// Polls `check` until it holds, failing after [`WAIT`].
+pub async fn eventually<F, Fut2>(what: &str, mut check: F)
+where
+    F: FnMut() -> Fut2,
+    Fut2: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !check().await {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// An upstream that always answers 503 and counts attempts.
+pub fn failing(count: Arc<AtomicU32>) -> impl FnMut(AttemptInfo) -> Fut {
+    move |_| {
+        count.fetch_add(1, Ordering::SeqCst);
+        Box::pin(async { Ok(super::response(503, None)) })
+    }
+}
