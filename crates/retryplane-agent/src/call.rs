@@ -106,6 +106,7 @@ impl Endpoint {
         let cancel = meta.cancel_token().cloned().unwrap_or_default();
         let mut last: Option<Last<T, E>> = None;
         let mut last_outcome: Option<Outcome> = None;
+        let mut pause_before = None;
 
         let end = loop {
             let now = Instant::now();
@@ -121,6 +122,7 @@ impl Endpoint {
                 number: plan.number,
                 timeout: plan.timeout,
                 deadline: call.deadline(),
+                pause_before,
             };
             let run = tokio::time::timeout(plan.timeout, attempt(info));
             let result = tokio::select! {
@@ -198,6 +200,7 @@ impl Endpoint {
                         Counters::inc(&c.retry_after_honored);
                     }
                     last_outcome = Some(outcome);
+                    pause_before = Some(pause);
                     tokio::select! {
                         biased;
                         () = cancel.cancelled() => break End::Fail(Cause::Cancelled, last, last_outcome),

@@ -83,6 +83,25 @@ impl Classify for std::io::Error {
     }
 }
 
+/// (feature `reqwest`) A failure to connect → connect (a connect timeout included: the request
+/// never left); a timeout → timeout; a request or body that failed on the way → reset (unknown
+/// outcome); anything else (a bad URL or builder, a redirect loop, a decoding error) is fatal.
+#[cfg(feature = "reqwest")]
+impl Classify for reqwest::Error {
+    fn classify(&self) -> Classification {
+        let class = if self.is_connect() {
+            ErrorClass::Connect
+        } else if self.is_timeout() {
+            ErrorClass::Timeout
+        } else if self.is_request() || self.is_body() {
+            ErrorClass::Reset
+        } else {
+            return Classification::Fatal;
+        };
+        Classification::Outcome(Outcome::Transport(class))
+    }
+}
+
 /// The transport class of an I/O error kind, if it is one.
 pub(crate) fn io_class(kind: ErrorKind) -> Option<ErrorClass> {
     match kind {

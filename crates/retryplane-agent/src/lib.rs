@@ -12,6 +12,8 @@
 //!   honour `Retry-After` and gRPC pushback, and the endpoint's budget and circuit breaker are
 //!   shared by every call. A failed call returns a [`CallError`] with the cause and the real last
 //!   response or error.
+//! - [`layer::RetryLayer`] puts an endpoint's policy around a tower HTTP client, buffering
+//!   request bodies (up to a limit) so that they can be sent again.
 //! - Per-endpoint counters (SPEC §4) are plain atomics on the call path and leave as deltas in
 //!   `MetricsReport`s; counts made while disconnected wait for the next stream.
 //!
@@ -25,6 +27,7 @@ mod cache;
 mod call;
 mod classify;
 mod error;
+pub mod layer;
 mod meta;
 mod metrics;
 mod snapshot;

@@ -147,6 +147,9 @@ pub struct AttemptInfo {
     pub timeout: Duration,
     /// When the whole logical call must be over (tokio's clock).
     pub deadline: Instant,
+    /// The pause slept before this attempt (`None` for the first): what the policy computed,
+    /// Retry-After or pushback included.
+    pub pause_before: Option<Duration>,
 }
 
 #[cfg(test)]

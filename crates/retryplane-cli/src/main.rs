@@ -3,14 +3,16 @@
 //! - offline: `validate FILE...` reports every problem of every file as
 //!   `FILE:LINE:COLUMN: error|warning: FIELD.PATH: message` (or one JSON array); `explain FILE
 //!   --endpoint NAME [...]` shows the effective policy of one call, the layer each value came
-//!   from, the retry schedule against the deadline and the worst-case load;
+//!   from, the retry schedule against the deadline and the worst-case load; `simulate --policy
+//!   FILE --endpoint NAME [...]` runs a fleet of the policy's clients against an upstream that
+//!   falls over, in virtual time, beside no budget, no jitter and a naive client;
 //! - the control plane: `serve` runs it; `apply`, `diff`, `get`, `history`, `rollback` and
 //!   `status` talk to its admin API (`--server`, `--token` / `RETRYPLANE_TOKEN`).
 //!
 //! Each command is one [`Command`] variant and one module: clap parses raw flags (`Args`), the
 //! module turns them into validated `Settings` once, and its `run` returns a [`Report`] — what
 //! to print on stdout and the [`Outcome`]. Only `main` touches the process: it prints, and maps
-//! the outcome to the exit code. Commands still to come (`request`, `simulate`, `top`, `stats`)
+//! the outcome to the exit code. Commands still to come (`request`, `top`, `stats`)
 //! follow the same path.
 //!
 //! # Exit codes (every command)
@@ -32,7 +34,9 @@ mod admin;
 mod explain;
 mod input;
 mod output;
+mod request;
 mod serve;
+mod simulate;
 mod validate;
 
 use std::io::{self, Write};
@@ -76,6 +80,11 @@ enum Command {
     Status(admin::status::Args),
     /// Run the control plane until SIGTERM or Ctrl-C.
     Serve(serve::Args),
+    /// Simulate a policy's clients against an upstream that falls over (a retry storm),
+    /// compared with no budget, no jitter and a naive client.
+    Simulate(simulate::Args),
+    /// Make one HTTP call under an endpoint's policy and show every attempt.
+    Request(request::Args),
 }
 
 /// How a command ended; each outcome is one exit code.
@@ -162,6 +171,8 @@ fn run(cli: Cli) -> anyhow::Result<Report> {
         Command::Rollback(args) => admin::rollback::run(&args.try_into()?),
         Command::Status(args) => admin::status::run(&args.try_into()?),
         Command::Serve(args) => serve::run(args.into()),
+        Command::Simulate(args) => simulate::run(&args.try_into()?),
+        Command::Request(args) => request::run(&args.try_into()?),
     }
 }
 

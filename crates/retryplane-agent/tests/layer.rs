@@ -1,0 +1,188 @@
+//! The tower layer against a scripted `service_fn`, under paused tokio time.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body::Frame;
+use http_body_util::{BodyExt as _, Full, StreamBody};
+use retryplane_agent::layer::{GaveUp, ReplayBody, RetryLayer};
+use retryplane_agent::{Cause, GiveUpCause};
+use support::{agent, policy};
+use tokio::time::Instant;
+use tower::{Layer as _, ServiceExt as _, service_fn};
+
+/// What the scripted upstream saw: method and body of each attempt, and when it came.
+type Seen = Arc<Mutex<Vec<(String, Bytes, Duration)>>>;
+
+/// A client that answers with the scripted statuses (then 200) and records every request.
+fn upstream<B>(
+    statuses: &[u16],
+) -> (
+    impl tower::Service<
+        Request<ReplayBody<B>>,
+        Response = Response<()>,
+        Error = Infallible,
+        Future = impl Send,
+    > + Clone
+    + Send
+    + Sync
+    + 'static,
+    Seen,
+)
+where
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: std::fmt::Debug,
+{
+    let script = Arc::new(Mutex::new(
+        statuses.iter().copied().collect::<VecDeque<_>>(),
+    ));
+    let seen: Seen = Arc::default();
+    let log = seen.clone();
+    let origin = Instant::now();
+    let svc = service_fn(move |req: Request<ReplayBody<B>>| {
+        let script = script.clone();
+        let log = log.clone();
+        async move {
+            let method = req.method().to_string();
+            let body = req.into_body().collect().await.unwrap().to_bytes();
+            log.lock().unwrap().push((method, body, origin.elapsed()));
+            let status = script.lock().unwrap().pop_front().unwrap_or(200);
+            Ok::<_, Infallible>(Response::builder().status(status).body(()).unwrap())
+        }
+    });
+    (svc, seen)
+}
+
+fn request(method: &str, key: bool, body: &'static str) -> Request<Full<Bytes>> {
+    let mut b = Request::builder()
+        .method(method)
+        .uri("http://up/v1/things?x=1");
+    if key {
+        b = b.header("idempotency-key", "k-1");
+    }
+    b.body(Full::new(Bytes::from_static(body.as_bytes())))
+        .unwrap()
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_503_then_200_is_retried_with_the_body_replayed() {
+    let agent = agent(&policy("max_attempts: 3"));
+    let (svc, seen) = upstream(&[503]);
+    let client = RetryLayer::new(agent.endpoint("ep")).layer(svc);
+    let response = client
+        .oneshot(request("PUT", false, "hello"))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    assert!(response.extensions().get::<GaveUp>().is_none());
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 2);
+    for (method, body, _) in &seen {
+        assert_eq!(method, "PUT");
+        assert_eq!(body, "hello");
+    }
+    assert_eq!(seen[1].2 - seen[0].2, Duration::from_millis(100));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_body_over_the_limit_is_sent_once_and_whole() {
+    let agent = agent(&policy("max_attempts: 3"));
+    // A known size over the limit.
+    let (svc, seen) = upstream(&[503]);
+    let client = RetryLayer::new(agent.endpoint("ep"))
+        .with_body_limit(4)
+        .layer(svc);
+    let response = client
+        .oneshot(request("PUT", true, "hello world"))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 503);
+    let gave_up = response.extensions().get::<GaveUp>().unwrap();
+    assert_eq!(gave_up.cause, Cause::GaveUp(GiveUpCause::NotRetryable));
+    assert_eq!(gave_up.attempts, 1);
+    assert_eq!(seen.lock().unwrap().len(), 1);
+    assert_eq!(seen.lock().unwrap()[0].1, "hello world");
+
+    // An unknown size, found over the limit while reading: the bytes read are sent first.
+    let (svc, seen) = upstream(&[503]);
+    let client = RetryLayer::new(agent.endpoint("ep"))
+        .with_body_limit(4)
+        .layer(svc);
+    let chunks = ["abc", "def", "ghi"]
+        .map(|c| Ok::<_, Infallible>(Frame::data(Bytes::from_static(c.as_bytes()))));
+    let body = StreamBody::new(tokio_stream::iter(chunks));
+    let req = Request::builder()
+        .method("GET")
+        .uri("/s")
+        .body(body)
+        .unwrap();
+    let response = client.oneshot(req).await.unwrap();
+    assert_eq!(response.status(), 503);
+    assert_eq!(seen.lock().unwrap().len(), 1);
+    assert_eq!(seen.lock().unwrap()[0].1, "abcdefghi");
+}
+
+#[tokio::test(start_paused = true)]
+async fn post_without_the_key_is_not_retried_and_with_it_is() {
+    let agent = agent(&policy("max_attempts: 3"));
+    let (svc, seen) = upstream(&[503]);
+    let client = RetryLayer::new(agent.endpoint("ep")).layer(svc);
+    let response = client.oneshot(request("POST", false, "pay")).await.unwrap();
+    assert_eq!(response.status(), 503);
+    assert_eq!(
+        response.extensions().get::<GaveUp>().unwrap().cause,
+        Cause::GaveUp(GiveUpCause::NotRetryable)
+    );
+    assert_eq!(seen.lock().unwrap().len(), 1);
+
+    let (svc, seen) = upstream(&[503]);
+    let client = RetryLayer::new(agent.endpoint("ep")).layer(svc);
+    let response = client.oneshot(request("POST", true, "pay")).await.unwrap();
+    assert_eq!(response.status(), 200);
+    assert_eq!(seen.lock().unwrap().len(), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn attempts_running_out_return_the_last_response_marked() {
+    let agent = agent(&policy("max_attempts: 2"));
+    let (svc, seen) = upstream(&[503, 502]);
+    let client = RetryLayer::new(agent.endpoint("ep")).layer(svc);
+    let response = client.oneshot(request("GET", false, "")).await.unwrap();
+    assert_eq!(response.status(), 502);
+    assert_eq!(
+        response.extensions().get::<GaveUp>(),
+        Some(&GaveUp {
+            cause: Cause::GaveUp(GiveUpCause::AttemptsExhausted),
+            attempts: 2
+        })
+    );
+    assert_eq!(seen.lock().unwrap().len(), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn connection_refused_errors_are_retried_and_returned() {
+    let agent = agent(&policy("max_attempts: 2"));
+    let calls = Arc::new(Mutex::new(0));
+    let counted = calls.clone();
+    let svc = service_fn(move |_req: Request<ReplayBody<Full<Bytes>>>| {
+        *counted.lock().unwrap() += 1;
+        async {
+            Err::<Response<()>, _>(std::io::Error::from(std::io::ErrorKind::ConnectionRefused))
+        }
+    });
+    let client = RetryLayer::new(agent.endpoint("ep")).layer(svc);
+    let err = client.oneshot(request("GET", false, "")).await.unwrap_err();
+    assert_eq!(
+        err.downcast_ref::<std::io::Error>().unwrap().kind(),
+        std::io::ErrorKind::ConnectionRefused
+    );
+    assert_eq!(*calls.lock().unwrap(), 2);
+}

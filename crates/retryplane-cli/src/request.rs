@@ -1,0 +1,364 @@
+//! `retryplane request --policy FILE --endpoint NAME [-X METHOD] [-H 'Name: value']...
+//! [--data BODY] [--output text|json] URL`: one HTTP call made through the agent under the
+//! endpoint's policy (SPEC §2, §5).
+//!
+//! With `--server URL` instead of `--policy` (the default when neither is given:
+//! [`DEFAULT_AGENT_SERVER`]), an agent connects to the control plane's *agent* listener and the
+//! call waits for its first snapshot, at most [`SNAPSHOT_WAIT`].
+//!
+//! The method is `-X`, else `POST` with `--data`, else `GET` (as curl). Redirects are not
+//! followed: a 3xx is the upstream's answer. The response body is read (so a reset mid-body is a
+//! failed attempt) and discarded: stdout gets one line per attempt and the outcome, or with
+//! `--output json` the SPEC §5 object `{outcome, cause, status, attempts, elapsed_ms}`.
+//! Header values and the body are never printed.
+//!
+//! Exit codes: `0` success, `1` the call failed under the policy, `2` usage or configuration
+//! error (bad flags, an unreadable or invalid policy file, an unknown endpoint, no snapshot from
+//! the control plane in time).
+
+mod report;
+
+use std::cell::RefCell;
+use std::fmt;
+use std::path::PathBuf;
+use std::rc::Rc;
+use std::str::FromStr;
+use std::time::Duration;
+
+use anyhow::{Context as _, bail};
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, HeaderValue, Method};
+use retryplane_agent::{Agent, AttemptInfo, CallMeta, Classification, Classify, Outcome, Source};
+use retryplane_policy::diag::did_you_mean;
+use tokio::time::Instant;
+
+use crate::input;
+use crate::output::{self, Format};
+use crate::{Outcome as Exit, Report};
+use report::{Attempt, Summary};
+
+/// The agent listener of a control plane started with its defaults on this machine.
+pub const DEFAULT_AGENT_SERVER: &str = "http://127.0.0.1:7470";
+
+/// How long `--server` waits for the control plane's first snapshot.
+pub const SNAPSHOT_WAIT: Duration = Duration::from_secs(5);
+
+/// `retryplane request` flags, as parsed.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Policy file; `-` reads standard input.
+    #[arg(long, value_name = "FILE", conflicts_with = "server")]
+    policy: Option<PathBuf>,
+    /// Use the policy of the control plane's agent listener (`http://HOST:PORT`)
+    /// [default without --policy: http://127.0.0.1:7470].
+    #[arg(long, value_name = "URL")]
+    server: Option<String>,
+    /// Agent token for --server, sent as `authorization: Bearer TOKEN`.
+    #[arg(
+        long,
+        env = "RETRYPLANE_AGENT_TOKEN",
+        hide_env_values = true,
+        value_name = "TOKEN"
+    )]
+    token: Option<Secret>,
+    /// The endpoint whose policy the call runs under.
+    #[arg(long, value_name = "NAME")]
+    endpoint: String,
+    /// HTTP method [default: POST with --data, else GET].
+    #[arg(short = 'X', long = "request", value_name = "METHOD")]
+    method: Option<String>,
+    /// A request header, `Name: value` (repeatable).
+    #[arg(short = 'H', long = "header", value_name = "'NAME: VALUE'")]
+    headers: Vec<Secret>,
+    /// The request body.
+    #[arg(long, value_name = "BODY")]
+    data: Option<Secret>,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t, alias = "format")]
+    output: Format,
+    /// The URL to call (`http://` or `https://`).
+    url: String,
+}
+
+/// A flag value that may hold a secret (a header value, a token, a body): never shown by
+/// `Debug`.
+#[derive(Clone)]
+pub struct Secret(String);
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
+impl FromStr for Secret {
+    type Err = std::convert::Infallible;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(Secret(s.to_owned()))
+    }
+}
+
+/// Where the policy comes from.
+#[derive(Debug)]
+pub enum PolicyFrom {
+    /// A policy file (or stdin).
+    File(input::Source),
+    /// The control plane's agent listener, with an optional token.
+    Server(String, Option<Secret>),
+}
+
+/// The call to make, checked once.
+#[derive(Debug)]
+pub struct Settings {
+    policy: PolicyFrom,
+    endpoint: String,
+    method: Method,
+    url: reqwest::Url,
+    headers: HeaderMap,
+    body: Option<Secret>,
+    format: Format,
+}
+
+impl TryFrom<Args> for Settings {
+    type Error = anyhow::Error;
+
+    fn try_from(args: Args) -> anyhow::Result<Self> {
+        let method = match &args.method {
+            Some(m) => Method::from_bytes(m.to_ascii_uppercase().as_bytes())
+                .map_err(|_| anyhow::anyhow!("-X {m}: not an HTTP method"))?,
+            None if args.data.is_some() => Method::POST,
+            None => Method::GET,
+        };
+        let url = reqwest::Url::parse(&args.url)
+            .with_context(|| format!("{}: not a valid URL", args.url))?;
+        if !matches!(url.scheme(), "http" | "https") {
+            bail!("{}: only http:// and https:// URLs are supported", args.url);
+        }
+        let mut headers = HeaderMap::new();
+        for Secret(h) in &args.headers {
+            let (name, value) = parse_header(h)?;
+            headers.append(name, value);
+        }
+        let policy = match (args.policy, args.server) {
+            (Some(path), _) => PolicyFrom::File(input::Source::from_arg(path)),
+            (None, server) => {
+                let url = server.unwrap_or_else(|| DEFAULT_AGENT_SERVER.to_owned());
+                let url = if url.contains("://") {
+                    url
+                } else {
+                    format!("http://{url}")
+                };
+                PolicyFrom::Server(url, args.token)
+            }
+        };
+        Ok(Self {
+            policy,
+            endpoint: args.endpoint,
+            method,
+            url,
+            headers,
+            body: args.data,
+            format: args.output,
+        })
+    }
+}
+
+/// `Name: value` → a header; errors name the header, never quote its value.
+fn parse_header(text: &str) -> anyhow::Result<(HeaderName, HeaderValue)> {
+    let Some((name, value)) = text.split_once(':') else {
+        bail!("-H: expected 'Name: value'");
+    };
+    let name = name.trim();
+    let name = HeaderName::from_str(name)
+        .map_err(|_| anyhow::anyhow!("-H: `{name}` is not a valid header name"))?;
+    let mut value = HeaderValue::from_str(value.trim())
+        .map_err(|_| anyhow::anyhow!("-H {name}: the value holds characters not allowed"))?;
+    value.set_sensitive(true);
+    Ok((name, value))
+}
+
+/// Makes the call; see the module docs.
+pub fn run(settings: &Settings) -> anyhow::Result<Report> {
+    let agent = match &settings.policy {
+        PolicyFrom::File(source) => from_file(source, &settings.endpoint)?,
+        PolicyFrom::Server(..) => None,
+    };
+    crate::admin::block_on(async move {
+        let agent = match (agent, &settings.policy) {
+            (Some(agent), _) => agent,
+            (None, PolicyFrom::Server(url, token)) => {
+                from_server(url, token.as_ref(), &settings.endpoint).await?
+            }
+            (None, PolicyFrom::File(_)) => bail!("no policy"),
+        };
+        let summary = call(&agent, settings).await?;
+        let stdout = match settings.format {
+            Format::Text => summary.to_text(),
+            Format::Json => summary.to_json()?,
+        };
+        Ok(Report {
+            stdout,
+            outcome: if summary.success {
+                Exit::Success
+            } else {
+                Exit::Failure
+            },
+        })
+    })
+}
+
+/// An agent on a policy file; its problems and an unknown endpoint are configuration errors.
+fn from_file(source: &input::Source, endpoint: &str) -> anyhow::Result<Option<Agent>> {
+    let loaded = source.load()?;
+    let file = source.to_string();
+    let policies = match loaded.policies {
+        Some(set) if !loaded.has_errors() => set,
+        _ => {
+            for d in loaded.diagnostics.iter().filter(|d| d.is_error()) {
+                output::note(format_args!("{file}:{d}"));
+            }
+            bail!("{file} is not a valid policy file");
+        }
+    };
+    if policies.endpoint(endpoint).is_none() {
+        let names = policies.names();
+        bail!(
+            "{file} defines no endpoint `{endpoint}`{}; its endpoints are: {}",
+            did_you_mean(endpoint, names.iter().copied()),
+            names.join(", ")
+        );
+    }
+    Ok(Some(Agent::from_policies(policies)))
+}
+
+/// An agent on the control plane's policies, once its first snapshot is in.
+async fn from_server(url: &str, token: Option<&Secret>, endpoint: &str) -> anyhow::Result<Agent> {
+    let mut builder = Agent::builder().url(url).service("retryplane-cli");
+    if let Some(Secret(t)) = token {
+        builder = builder.token(t.as_str());
+    }
+    let agent = builder
+        .connect()
+        .with_context(|| format!("--server {url}"))?;
+    let waited = Instant::now();
+    let mut tick = tokio::time::interval(Duration::from_millis(10));
+    while agent.policies().source() != Source::ControlPlane {
+        if waited.elapsed() >= SNAPSHOT_WAIT {
+            bail!(
+                "no policy from the control plane at {url} within {} s",
+                SNAPSHOT_WAIT.as_secs()
+            );
+        }
+        tick.tick().await;
+    }
+    let snapshot = agent.policies();
+    if let Some(set) = snapshot.set()
+        && set.endpoint(endpoint).is_none()
+    {
+        let names = set.names();
+        bail!(
+            "the control plane at {url} defines no endpoint `{endpoint}`{}; its endpoints are: {}",
+            did_you_mean(endpoint, names.iter().copied()),
+            names.join(", ")
+        );
+    }
+    Ok(agent)
+}
+
+/// Runs the call through the agent, recording each attempt from inside the attempt closure.
+async fn call(agent: &Agent, s: &Settings) -> anyhow::Result<Summary> {
+    let client = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .context("cannot build the HTTP client")?;
+    let body = s.body.as_ref().map(|Secret(b)| Bytes::from(b.clone()));
+    let records: Rc<RefCell<Vec<Attempt>>> = Rc::default();
+    let meta = CallMeta::http(s.method.as_str(), s.url.path()).with_headers(&s.headers);
+    let started = Instant::now();
+    let attempt = |info: AttemptInfo| {
+        {
+            let mut recs = records.borrow_mut();
+            if let Some(prev) = recs.last_mut() {
+                prev.pause = info.pause_before;
+            }
+            recs.push(Attempt::started(info.number));
+        }
+        let mut request = client
+            .request(s.method.clone(), s.url.clone())
+            .headers(s.headers.clone());
+        if let Some(b) = &body {
+            request = request.body(b.clone());
+        }
+        let records = records.clone();
+        async move {
+            let result = send(request).await;
+            if let Some(rec) = records.borrow_mut().last_mut() {
+                match &result {
+                    Ok(r) => (rec.status, rec.error) = (Some(r.status().as_u16()), None),
+                    Err(e) => rec.error = error_class(e),
+                }
+            }
+            result
+        }
+    };
+    let result = agent.endpoint(&s.endpoint).call(meta, attempt).await;
+    let elapsed = started.elapsed();
+    let attempts = records.take();
+    Ok(match result {
+        Ok(response) => Summary {
+            success: true,
+            cause: None,
+            status: Some(response.status().as_u16()),
+            attempts,
+            elapsed,
+        },
+        Err(e) => {
+            if let Some(err) = e.error()
+                && error_class(err).is_none()
+            {
+                output::error(format_args!("{}", ErrorChain(err)));
+            }
+            Summary {
+                success: false,
+                cause: Some(e.cause.to_string()),
+                status: e.response().map(|r| r.status().as_u16()),
+                attempts,
+                elapsed,
+            }
+        }
+    })
+}
+
+/// Sends one request and reads the whole body, keeping none of it.
+async fn send(request: reqwest::RequestBuilder) -> Result<http::Response<()>, reqwest::Error> {
+    let mut response = request.send().await?;
+    while response.chunk().await?.is_some() {}
+    let mut out = http::Response::new(());
+    *out.status_mut() = response.status();
+    *out.headers_mut() = std::mem::take(response.headers_mut());
+    Ok(out)
+}
+
+/// `connect`, `reset` or `timeout`, as the agent classifies the error.
+fn error_class(e: &reqwest::Error) -> Option<&'static str> {
+    match e.classify() {
+        Classification::Outcome(Outcome::Transport(class)) => Some(class.as_str()),
+        _ => None,
+    }
+}
+
+/// An error and its sources on one line, without the URL (it may carry a query string).
+struct ErrorChain<'a>(&'a reqwest::Error);
+
+impl fmt::Display for ErrorChain<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "request failed")?;
+        let mut source = std::error::Error::source(self.0);
+        while let Some(e) = source {
+            write!(f, ": {e}")?;
+            source = e.source();
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,437 @@
+//! `retryplane request` runs as the real binary against a scripted HTTP/1.1 upstream on
+//! `127.0.0.1:0` (a few lines of tokio, one response per connection), and against a real
+//! control plane for `--server`.
+
+// clippy's allow-*-in-tests covers `#[test]` functions only; the helpers here are tests too.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::collections::VecDeque;
+use std::fs;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::{Arc, Mutex};
+
+use assert_cmd::Command;
+use retryplane_server::server::{ServeConfig, start};
+use serde_json::{Value, json};
+use tempfile::TempDir;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::runtime::Runtime;
+
+/// Fast, deterministic pauses: 10 ms, 20 ms, 40 ms, …
+const POLICY: &str = "\
+version: 1
+defaults:
+  backoff: {base: 10ms, max: 1s, multiplier: 2.0, jitter: none}
+  budget: {enabled: false}
+  circuit_breaker: {enabled: false}
+  retry_after: {honor: true, max: 2s}
+endpoints:
+  api:
+    max_attempts: 3
+";
+
+/// One request as the upstream saw it.
+#[derive(Clone, Debug)]
+struct Seen {
+    method: String,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+}
+
+/// A scripted upstream: each connection reads one request and answers with the next
+/// `(status, extra header lines)` of the script, then 200.
+struct Upstream {
+    _runtime: Runtime,
+    addr: SocketAddr,
+    seen: Arc<Mutex<Vec<Seen>>>,
+}
+
+impl Upstream {
+    fn start(script: &[(u16, &str)]) -> Self {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let listener = runtime
+            .block_on(TcpListener::bind((Ipv4Addr::LOCALHOST, 0)))
+            .unwrap();
+        let addr = listener.local_addr().unwrap();
+        let script: Arc<Mutex<VecDeque<(u16, String)>>> = Arc::new(Mutex::new(
+            script.iter().map(|(s, h)| (*s, (*h).to_owned())).collect(),
+        ));
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let log = seen.clone();
+        runtime.spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                let step = script.lock().unwrap().pop_front();
+                let (status, extra) = step.unwrap_or((200, String::new()));
+                let log = log.clone();
+                tokio::spawn(async move {
+                    if let Some(req) = serve_one(stream, status, &extra).await {
+                        log.lock().unwrap().push(req);
+                    }
+                });
+            }
+        });
+        Self {
+            _runtime: runtime,
+            addr,
+            seen,
+        }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+
+    fn seen(&self) -> Vec<Seen> {
+        self.seen.lock().unwrap().clone()
+    }
+}
+
+async fn serve_one(mut stream: TcpStream, status: u16, extra: &str) -> Option<Seen> {
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    let head_end = loop {
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+        let n = stream.read(&mut chunk).await.ok()?;
+        if n == 0 {
+            return None;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
+    let mut lines = head.split("\r\n");
+    let method = lines.next()?.split(' ').next()?.to_owned();
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_owned()))
+        .collect();
+    let len: usize = headers
+        .iter()
+        .find(|(n, _)| n == "content-length")
+        .map_or(0, |(_, v)| v.parse().unwrap());
+    while buf.len() < head_end + len {
+        let n = stream.read(&mut chunk).await.ok()?;
+        if n == 0 {
+            break;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    }
+    let body = buf[head_end..].to_vec();
+    let response =
+        format!("HTTP/1.1 {status} X\r\ncontent-length: 2\r\nconnection: close\r\n{extra}\r\nok");
+    stream.write_all(response.as_bytes()).await.ok()?;
+    stream.shutdown().await.ok()?;
+    Some(Seen {
+        method,
+        headers,
+        body,
+    })
+}
+
+/// `retryplane request --policy POLICY --output json ARGS...`, run in a temporary directory.
+fn request(args: &[&str]) -> (Value, i32) {
+    let dir = TempDir::new().unwrap();
+    let path = dir.path().join("policy.yaml");
+    fs::write(&path, POLICY).unwrap();
+    let out = Command::cargo_bin("retryplane")
+        .unwrap()
+        .env_remove("RETRYPLANE_AGENT_TOKEN")
+        .args(["request", "--policy"])
+        .arg(&path)
+        .args(["--endpoint", "api", "--output", "json"])
+        .args(args)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let value = serde_json::from_str(&stdout)
+        .unwrap_or_else(|e| panic!("{e}: {stdout} / {}", String::from_utf8_lossy(&out.stderr)));
+    (value, out.status.code().unwrap())
+}
+
+/// The attempts without their pauses, and the pauses apart.
+fn attempts(v: &Value) -> (Vec<Value>, Vec<Value>) {
+    let list = v["attempts"].as_array().unwrap();
+    let pauses = list.iter().map(|a| a["pause_ms"].clone()).collect();
+    let shapes = list
+        .iter()
+        .map(|a| json!({"attempt": a["attempt"], "status": a["status"], "error": a["error"]}))
+        .collect();
+    (shapes, pauses)
+}
+
+#[test]
+fn two_503s_then_200_succeed_on_the_third_attempt_with_the_pauses() {
+    let up = Upstream::start(&[(503, ""), (503, "")]);
+    let (v, code) = request(&[&up.url("/v1/items?q=1")]);
+    assert_eq!(code, 0, "{v}");
+    assert_eq!(v["outcome"], "success");
+    assert_eq!(v["cause"], Value::Null);
+    assert_eq!(v["status"], 200);
+    let (shapes, pauses) = attempts(&v);
+    assert_eq!(
+        shapes,
+        [
+            json!({"attempt": 1, "status": 503, "error": null}),
+            json!({"attempt": 2, "status": 503, "error": null}),
+            json!({"attempt": 3, "status": 200, "error": null}),
+        ]
+    );
+    assert_eq!(pauses, [json!(10), json!(20), Value::Null]);
+    assert!(v["elapsed_ms"].as_u64().unwrap() >= 30);
+    let keys: Vec<_> = v.as_object().unwrap().keys().cloned().collect();
+    assert_eq!(
+        keys,
+        ["attempts", "cause", "elapsed_ms", "outcome", "status"]
+    );
+    assert_eq!(up.seen().len(), 3);
+}
+
+#[test]
+fn a_404_is_a_failure_not_retried_and_exits_1() {
+    let up = Upstream::start(&[(404, "")]);
+    let (v, code) = request(&[&up.url("/missing")]);
+    assert_eq!(code, 1);
+    assert_eq!(v["outcome"], "failure");
+    assert_eq!(v["cause"], "not_retryable");
+    assert_eq!(v["status"], 404);
+    let (shapes, pauses) = attempts(&v);
+    assert_eq!(
+        shapes,
+        [json!({"attempt": 1, "status": 404, "error": null})]
+    );
+    assert_eq!(pauses, [Value::Null]);
+}
+
+#[test]
+fn post_without_idempotency_key_is_not_retried_and_with_it_is() {
+    let up = Upstream::start(&[(503, "")]);
+    let (v, code) = request(&["--data", "{\"amount\":1}", &up.url("/v1/charges")]);
+    assert_eq!(code, 1);
+    assert_eq!(v["cause"], "not_retryable");
+    assert_eq!(v["status"], 503);
+    assert_eq!(v["attempts"].as_array().unwrap().len(), 1);
+    let seen = up.seen();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(seen[0].method, "POST");
+    assert_eq!(seen[0].body, b"{\"amount\":1}");
+
+    let up = Upstream::start(&[(503, "")]);
+    let (v, code) = request(&[
+        "-X",
+        "post",
+        "-H",
+        "Idempotency-Key: k-123",
+        "--data",
+        "x",
+        &up.url("/v1/charges"),
+    ]);
+    assert_eq!(code, 0, "{v}");
+    assert_eq!(v["attempts"].as_array().unwrap().len(), 2);
+    let seen = up.seen();
+    assert!(seen.iter().all(|s| s.body == b"x"));
+    assert!(seen.iter().all(|s| {
+        s.headers
+            .iter()
+            .any(|(n, v)| n == "idempotency-key" && v == "k-123")
+    }));
+}
+
+#[test]
+fn a_429_with_retry_after_over_the_max_gives_up_as_retry_after_too_long() {
+    let up = Upstream::start(&[(429, "retry-after: 60\r\n")]);
+    let (v, code) = request(&[&up.url("/")]);
+    assert_eq!(code, 1);
+    assert_eq!(v["cause"], "retry_after_too_long");
+    assert_eq!(v["status"], 429);
+    assert_eq!(v["attempts"].as_array().unwrap().len(), 1);
+}
+
+#[test]
+fn a_closed_port_gives_connect_errors_until_attempts_run_out() {
+    let port = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let (v, code) = request(&[&format!("http://127.0.0.1:{port}/")]);
+    assert_eq!(code, 1);
+    assert_eq!(v["cause"], "attempts_exhausted");
+    assert_eq!(v["status"], Value::Null);
+    let (shapes, pauses) = attempts(&v);
+    assert_eq!(
+        shapes,
+        (1..=3)
+            .map(|n| json!({"attempt": n, "status": null, "error": "connect"}))
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(pauses, [json!(10), json!(20), Value::Null]);
+}
+
+#[test]
+fn text_output_has_one_line_per_attempt_and_the_outcome() {
+    let up = Upstream::start(&[(503, "")]);
+    let dir = TempDir::new().unwrap();
+    let path = dir.path().join("policy.yaml");
+    fs::write(&path, POLICY).unwrap();
+    let out = Command::cargo_bin("retryplane")
+        .unwrap()
+        .args([
+            "request",
+            "--endpoint",
+            "api",
+            "-H",
+            "Authorization: Bearer s3cret",
+        ])
+        .arg("--policy")
+        .arg(&path)
+        .arg(up.url("/"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    let text = String::from_utf8(out.stdout).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines[0], "attempt 1: HTTP 503, retrying in 10 ms");
+    assert_eq!(lines[1], "attempt 2: HTTP 200");
+    assert!(lines[2].starts_with("success: HTTP 200 after 2 attempts in "));
+    assert_eq!(lines.len(), 3);
+    assert!(!text.contains("s3cret"));
+    assert!(!String::from_utf8_lossy(&out.stderr).contains("s3cret"));
+}
+
+#[test]
+fn bad_flags_and_bad_config_exit_2() {
+    let dir = TempDir::new().unwrap();
+    let path = dir.path().join("policy.yaml");
+    fs::write(&path, POLICY).unwrap();
+    let bad = dir.path().join("bad.yaml");
+    fs::write(
+        &bad,
+        "version: 1\nendpoints:\n  api:\n    max_attempts: 0\n",
+    )
+    .unwrap();
+    let p = path.to_str().unwrap();
+    let cases: &[&[&str]] = &[
+        &["request", "--policy", p, "http://127.0.0.1:1/"],
+        &["request", "--policy", p, "--endpoint", "api"],
+        &[
+            "request",
+            "--policy",
+            p,
+            "--endpoint",
+            "api",
+            "--output",
+            "xml",
+            "http://a/",
+        ],
+        &[
+            "request",
+            "--policy",
+            p,
+            "--server",
+            "http://a",
+            "--endpoint",
+            "api",
+            "http://a/",
+        ],
+        &[
+            "request",
+            "--policy",
+            p,
+            "--endpoint",
+            "api",
+            "-H",
+            "no colon",
+            "http://a/",
+        ],
+        &[
+            "request",
+            "--policy",
+            p,
+            "--endpoint",
+            "api",
+            "-X",
+            "GE T",
+            "http://a/",
+        ],
+        &["request", "--policy", p, "--endpoint", "api", "ftp://a/"],
+        &["request", "--policy", p, "--endpoint", "nope", "http://a/"],
+        &[
+            "request",
+            "--policy",
+            bad.to_str().unwrap(),
+            "--endpoint",
+            "api",
+            "http://a/",
+        ],
+        &[
+            "request",
+            "--policy",
+            "/nonexistent.yaml",
+            "--endpoint",
+            "api",
+            "http://a/",
+        ],
+    ];
+    for args in cases {
+        let out = Command::cargo_bin("retryplane")
+            .unwrap()
+            .args(*args)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        assert!(out.stdout.is_empty(), "{args:?}");
+    }
+}
+
+#[test]
+fn server_mode_uses_the_control_planes_policy() {
+    let dir = TempDir::new().unwrap();
+    fs::write(
+        dir.path().join("policies.yaml"),
+        POLICY.replace("3\n", "2\n"),
+    )
+    .unwrap();
+    let any = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
+    let cfg = ServeConfig {
+        config_file: dir.path().join("policies.yaml"),
+        data_dir: dir.path().join("data"),
+        listen: any,
+        admin_listen: any,
+        http_listen: any,
+        ..ServeConfig::default()
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let running = runtime.block_on(start(cfg)).unwrap();
+    let up = Upstream::start(&[(503, ""), (503, "")]);
+    let out = Command::cargo_bin("retryplane")
+        .unwrap()
+        .env_remove("RETRYPLANE_AGENT_TOKEN")
+        .args([
+            "request",
+            "--endpoint",
+            "api",
+            "--output",
+            "json",
+            "--server",
+        ])
+        .arg(format!("http://{}", running.agent_addr))
+        .arg(up.url("/"))
+        .output()
+        .unwrap();
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    // max_attempts 2 from the control plane: two 503s exhaust it.
+    assert_eq!(out.status.code(), Some(1), "{v}");
+    assert_eq!(v["cause"], "attempts_exhausted");
+    assert_eq!(v["attempts"].as_array().unwrap().len(), 2);
+    drop(running);
+}

@@ -1,0 +1,219 @@
+//! `retryplane simulate`, run for real on small fleets (debug builds stay fast).
+
+// clippy's allow-*-in-tests covers `#[test]` functions only; the helpers here are tests too.
+#![allow(clippy::unwrap_used)]
+
+use std::fs;
+use std::path::Path;
+
+use assert_cmd::Command;
+use predicates::prelude::*;
+use serde_json::Value;
+use tempfile::TempDir;
+
+const POLICY: &str = "\
+version: 1
+endpoints:
+  payments:
+    max_attempts: 4
+  inventory: {}
+";
+
+fn dir() -> TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    fs::write(dir.path().join("p.yaml"), POLICY).unwrap();
+    fs::write(
+        dir.path().join("bad.yaml"),
+        "version: 1\nendpoints:\n  payments:\n    max_attempts: 0\n",
+    )
+    .unwrap();
+    dir
+}
+
+/// `retryplane simulate --policy p.yaml --endpoint payments` on 50 clients for 12 s with a 3 s
+/// outage at 4 s; `extra` flags replace those defaults or add to them.
+fn simulate(dir: &Path, extra: &[&str]) -> Command {
+    let mut args: Vec<&str> = vec![
+        "--policy",
+        "p.yaml",
+        "--endpoint",
+        "payments",
+        "--clients",
+        "50",
+        "--duration",
+        "12s",
+        "--scenario",
+        "outage:4s+3s",
+    ];
+    for pair in extra.chunks(2) {
+        match args.iter().position(|a| *a == pair[0]) {
+            Some(i) => args[i + 1] = pair[1],
+            None => args.extend_from_slice(pair),
+        }
+    }
+    let mut cmd = Command::cargo_bin("retryplane").unwrap();
+    cmd.current_dir(dir).arg("simulate").args(args);
+    cmd
+}
+
+fn stdout(cmd: &mut Command) -> String {
+    let out = cmd.assert().success().get_output().stdout.clone();
+    String::from_utf8(out).unwrap()
+}
+
+#[test]
+fn text_output_has_a_column_per_variant_and_every_figure() {
+    let dir = dir();
+    let text = stdout(&mut simulate(dir.path(), &[]));
+    let header = text.lines().find(|l| l.contains("no-budget")).unwrap();
+    for name in ["policy", "no-budget", "no-jitter", "naive"] {
+        assert!(header.contains(name), "{header}");
+    }
+    for row in [
+        "logical calls",
+        "upstream attempts",
+        "amplification",
+        "incident mean",
+        "incident peak",
+        "success",
+        "latency p50",
+        "latency p99",
+        "gave up: budget_exhausted",
+        "gave up: circuit_open",
+        "time to recover",
+    ] {
+        assert!(text.contains(row), "no row {row:?} in\n{text}");
+    }
+    assert!(text.starts_with("endpoint payments: 50 clients × 1/s for 12s, outage:4s+3s"));
+}
+
+#[test]
+fn json_output_is_the_same_byte_for_byte_for_the_same_seed() {
+    let dir = dir();
+    let a = stdout(&mut simulate(
+        dir.path(),
+        &["--output", "json", "--seed", "9"],
+    ));
+    let b = stdout(&mut simulate(
+        dir.path(),
+        &["--output", "json", "--seed", "9"],
+    ));
+    assert_eq!(a, b);
+    let c = stdout(&mut simulate(
+        dir.path(),
+        &["--output", "json", "--seed", "10"],
+    ));
+    assert_ne!(a, c);
+    let v: Value = serde_json::from_str(&a).unwrap();
+    assert_eq!(v["endpoint"], "payments");
+    assert_eq!(v["max_attempts"], 4);
+    assert_eq!(v["capacity_per_s"], 75.0);
+    let variants = v["variants"].as_array().unwrap();
+    let names: Vec<_> = variants
+        .iter()
+        .map(|v| v["variant"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["policy", "no-budget", "no-jitter", "naive"]);
+    // The naive client sends every attempt during a total outage: 4 per call.
+    let naive = &variants[3];
+    let mean = naive["amplification"]["incident_mean"].as_f64().unwrap();
+    assert!((3.9..=4.0).contains(&mean), "{mean}");
+    assert_eq!(naive["recovery_s"], 0.0);
+}
+
+#[test]
+fn plot_writes_the_same_svg_for_the_same_seed() {
+    let dir = dir();
+    let text = simulate(dir.path(), &["--plot", "a.svg"])
+        .assert()
+        .success()
+        .stderr(predicate::str::contains("wrote a.svg"))
+        .get_output()
+        .stdout
+        .clone();
+    assert!(!text.is_empty());
+    simulate(dir.path(), &["--plot", "b.svg"])
+        .assert()
+        .success();
+    let a = fs::read_to_string(dir.path().join("a.svg")).unwrap();
+    let b = fs::read_to_string(dir.path().join("b.svg")).unwrap();
+    assert!(a.starts_with("<svg"), "{}", &a[..80]);
+    assert!(a.contains("upstream attempts per second"));
+    assert_eq!(a, b);
+}
+
+#[test]
+fn invalid_flags_exit_2_with_a_message_naming_the_problem() {
+    let dir = dir();
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &["--scenario", "blackout:1s+2s"],
+            "expected outage:START+LEN",
+        ),
+        (&["--scenario", "error-rate:2"], "between 0 and 1"),
+        (&["--duration", "10"], "needs a unit"),
+        (&["--clients", "0"], "clients must be at least 1"),
+        (&["--rate", "0"], "rate must be a number above 0"),
+        (
+            &["--capacity", "0"],
+            "capacity must be a number of requests per second above 0",
+        ),
+        (&["--output", "xml"], "invalid value 'xml'"),
+        (
+            &["--scenario", "outage:20s+1s"],
+            "at or after the end of the run (12s)",
+        ),
+    ];
+    for (args, message) in cases {
+        simulate(dir.path(), args)
+            .assert()
+            .code(2)
+            .stdout("")
+            .stderr(predicate::str::contains(*message));
+    }
+}
+
+#[test]
+fn an_invalid_policy_prints_its_diagnostics_like_validate_and_exits_1() {
+    let dir = dir();
+    let out = simulate(dir.path(), &["--policy", "bad.yaml"])
+        .assert()
+        .code(1)
+        .get_output()
+        .stdout
+        .clone();
+    let text = String::from_utf8(out).unwrap();
+    assert!(
+        text.starts_with("bad.yaml:4:19: error: endpoints.payments.max_attempts:"),
+        "{text}"
+    );
+    let validate = Command::cargo_bin("retryplane")
+        .unwrap()
+        .current_dir(dir.path())
+        .args(["validate", "bad.yaml"])
+        .assert()
+        .code(1)
+        .get_output()
+        .stdout
+        .clone();
+    assert_eq!(text.as_bytes(), validate.as_slice());
+}
+
+#[test]
+fn an_unknown_endpoint_exits_2_and_lists_the_known_ones() {
+    let dir = dir();
+    simulate(dir.path(), &["--endpoint", "paymnts"])
+        .assert()
+        .code(2)
+        .stderr(predicate::str::contains("did you mean `payments`"))
+        .stderr(predicate::str::contains("inventory, payments"));
+}
+
+#[test]
+fn a_plot_that_cannot_be_written_exits_2() {
+    let dir = dir();
+    simulate(dir.path(), &["--plot", "no/such/dir/a.svg"])
+        .assert()
+        .code(2)
+        .stderr(predicate::str::contains("cannot write no/such/dir/a.svg"));
+}

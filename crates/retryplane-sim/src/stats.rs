@@ -1,0 +1,222 @@
+//! From a run's trace to the figures of the report.
+//!
+//! Definitions (seconds are the whole seconds of virtual time, `[k, k+1)`):
+//!
+//! - **logical calls**: calls started (arrivals in `[0, duration)`); **upstream attempts**:
+//!   requests sent to the upstream, including shed ones (a call refused by an open breaker sends
+//!   none).
+//! - **amplification**: attempts / logical calls. *Overall* over the whole run. *Incident mean*:
+//!   attempts sent in the incident seconds / calls started in them; *incident peak*: the largest
+//!   per-second ratio among them. The incident seconds are the seconds lying wholly inside the
+//!   outage or throttle window (every second of the run for `error-rate`), or the seconds that
+//!   overlap it when none lies wholly inside.
+//! - **success**: calls that returned a success / logical calls.
+//! - **latency**: start to result of every logical call, success or not; percentiles by nearest
+//!   rank (the value at rank `ceil(p × n)`).
+//! - **time to recover**: the pre-incident success rate is that of the calls started in the
+//!   seconds wholly before the incident (1 when there are none). The first second `k` starting
+//!   at or after the incident's end in which calls started and at least 95% of that rate of
+//!   them succeeded is the recovery second; the time to recover is `k - end`. `None` when no
+//!   such second exists before the end of the run (or the scenario has no end).
+
+use std::collections::BTreeMap;
+
+use retryplane_policy::engine::GiveUpCause;
+use serde::Serialize;
+
+use crate::run::Trace;
+use crate::variant::Variant;
+
+/// A success rate at least this share of the pre-incident rate counts as recovered.
+pub const RECOVERED_SHARE: f64 = 0.95;
+
+/// `x` rounded to `digits` decimals (reports show no more precision than they mean).
+pub(crate) fn round(x: f64, digits: i32) -> f64 {
+    let scale = 10f64.powi(digits);
+    (x * scale).round() / scale
+}
+
+fn ratio(a: u64, b: u64) -> f64 {
+    if b == 0 { 0.0 } else { a as f64 / b as f64 }
+}
+
+/// Attempts per logical call.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Amplification {
+    /// Over the whole run.
+    pub overall: f64,
+    /// Over the incident seconds.
+    pub incident_mean: f64,
+    /// The largest per-second value among the incident seconds.
+    pub incident_peak: f64,
+}
+
+/// Latency of logical calls, in milliseconds.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Latency {
+    /// Median.
+    pub p50_ms: f64,
+    /// 99th percentile.
+    pub p99_ms: f64,
+}
+
+/// The figures of one variant.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct VariantReport {
+    /// Short name (`policy`, `no-budget`, `no-jitter`, `naive`).
+    pub variant: &'static str,
+    /// What the variant is.
+    pub description: &'static str,
+    /// Logical calls started.
+    pub logical_calls: u64,
+    /// Requests sent to the upstream.
+    pub upstream_attempts: u64,
+    /// Attempts per logical call.
+    pub amplification: Amplification,
+    /// The most attempts sent in one second.
+    pub peak_attempts_per_s: u64,
+    /// Share of logical calls that succeeded, in percent.
+    pub success_pct: f64,
+    /// Latency percentiles.
+    pub latency: Latency,
+    /// Failed logical calls by cause (every cause, zeros included).
+    pub give_ups: BTreeMap<&'static str, u64>,
+    /// Seconds from the incident's end to the recovery second, if it recovered in the run.
+    pub recovery_s: Option<f64>,
+    /// Attempts sent in each second `[k, k+1)`.
+    pub attempts_per_s: Vec<u64>,
+    /// Logical calls started in each second.
+    pub calls_per_s: Vec<u64>,
+    /// Of those, how many succeeded.
+    pub successes_per_s: Vec<u64>,
+}
+
+/// The seconds `[first, last)` counted as the incident for a window `[start, end)` in seconds.
+pub(crate) fn incident_seconds(start: f64, end: f64, seconds: usize) -> (usize, usize) {
+    let inner = (start.ceil() as usize, (end.floor() as usize).min(seconds));
+    if inner.0 < inner.1 {
+        return inner;
+    }
+    let outer = (start.floor() as usize, (end.ceil() as usize).min(seconds));
+    (outer.0.min(outer.1), outer.1)
+}
+
+/// The value at rank `ceil(p × n)` (nearest rank); 0 for no values.
+fn percentile(values: &mut [u64], p: f64) -> u64 {
+    if values.is_empty() {
+        return 0;
+    }
+    let rank = ((p * values.len() as f64).ceil() as usize).clamp(1, values.len());
+    *values.select_nth_unstable(rank - 1).1
+}
+
+/// The figures of `variant` from its trace. `window` is the incident `[start, end)` in
+/// seconds (the whole run for `error-rate`), `has_end` whether the scenario has an end to
+/// recover from, `run_seconds` the number of seconds in which calls start.
+pub(crate) fn summarize(
+    variant: Variant,
+    mut trace: Trace,
+    window: (f64, f64),
+    has_end: bool,
+    run_seconds: usize,
+) -> VariantReport {
+    let seconds = trace.attempts.len().max(trace.started.len());
+    for v in [
+        &mut trace.attempts,
+        &mut trace.started,
+        &mut trace.succeeded,
+    ] {
+        v.resize(seconds, 0);
+    }
+    let (attempts, started, succeeded) = (&trace.attempts, &trace.started, &trace.succeeded);
+    let calls: u64 = started.iter().sum();
+    let sent: u64 = attempts.iter().sum();
+    let successes: u64 = succeeded.iter().sum();
+
+    let (a, b) = incident_seconds(window.0, window.1, run_seconds);
+    let incident_sent: u64 = attempts[a..b].iter().sum();
+    let incident_calls: u64 = started[a..b].iter().sum();
+    let peak = (a..b)
+        .filter(|&k| started[k] > 0)
+        .map(|k| ratio(attempts[k], started[k]))
+        .fold(0.0, f64::max);
+
+    let recovery_s = has_end.then(|| recovery(started, succeeded, window, run_seconds));
+    let give_ups = GiveUpCause::ALL
+        .iter()
+        .zip(trace.give_ups)
+        .map(|(c, n)| (c.as_str(), n))
+        .collect();
+    let ms = |ns: u64| round(ns as f64 / 1e6, 3);
+    VariantReport {
+        variant: variant.as_str(),
+        description: variant.description(),
+        logical_calls: calls,
+        upstream_attempts: sent,
+        amplification: Amplification {
+            overall: round(ratio(sent, calls), 4),
+            incident_mean: round(ratio(incident_sent, incident_calls), 4),
+            incident_peak: round(peak, 4),
+        },
+        peak_attempts_per_s: attempts.iter().copied().max().unwrap_or(0),
+        success_pct: round(100.0 * ratio(successes, calls), 2),
+        latency: Latency {
+            p50_ms: ms(percentile(&mut trace.latencies, 0.50)),
+            p99_ms: ms(percentile(&mut trace.latencies, 0.99)),
+        },
+        give_ups,
+        recovery_s: recovery_s.flatten().map(|s| round(s, 3)),
+        attempts_per_s: trace.attempts,
+        calls_per_s: trace.started,
+        successes_per_s: trace.succeeded,
+    }
+}
+
+/// See the module docs: seconds from `window.1` to the first recovered second.
+fn recovery(started: &[u64], succeeded: &[u64], window: (f64, f64), run: usize) -> Option<f64> {
+    let before = (window.0.floor() as usize).min(run);
+    let base_calls: u64 = started[..before].iter().sum();
+    let baseline = if base_calls == 0 {
+        1.0
+    } else {
+        ratio(succeeded[..before].iter().sum(), base_calls)
+    };
+    let first = window.1.ceil() as usize;
+    (first..run.min(started.len()))
+        .find(|&k| started[k] > 0 && ratio(succeeded[k], started[k]) >= RECOVERED_SHARE * baseline)
+        .map(|k| k as f64 - window.1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn incident_seconds_are_the_whole_seconds_inside_the_window() {
+        assert_eq!(incident_seconds(30.0, 50.0, 120), (30, 50));
+        assert_eq!(incident_seconds(30.5, 50.5, 120), (31, 50));
+        // No whole second inside: the overlapping ones.
+        assert_eq!(incident_seconds(30.2, 30.7, 120), (30, 31));
+        // Clipped to the run.
+        assert_eq!(incident_seconds(100.0, 200.0, 120), (100, 120));
+    }
+
+    #[test]
+    fn percentiles_use_the_nearest_rank() {
+        let mut v: Vec<u64> = (1..=100).rev().collect();
+        assert_eq!(percentile(&mut v, 0.5), 50);
+        assert_eq!(percentile(&mut v, 0.99), 99);
+        assert_eq!(percentile(&mut [7], 0.99), 7);
+        assert_eq!(percentile(&mut [], 0.5), 0);
+    }
+
+    #[test]
+    fn recovery_is_the_first_second_back_at_95_percent_of_the_baseline() {
+        // Baseline over seconds 0..2: 18 of 20 = 90%; 95% of it is 85.5%.
+        let started = [10, 10, 10, 10, 10, 10];
+        let succeeded = [9, 9, 0, 8, 9, 10];
+        assert_eq!(recovery(&started, &succeeded, (2.0, 3.0), 6), Some(1.0));
+        assert_eq!(recovery(&started, &succeeded, (2.0, 2.5), 6), Some(1.5));
+        assert_eq!(recovery(&started, &[9, 9, 0, 0, 0, 0], (2.0, 3.0), 6), None);
+    }
+}
