@@ -1,0 +1,200 @@
+//! `retryplane-bench-fanout`: how fast a published policy version reaches every connected agent,
+//! and how much server memory each connected agent costs (issue 3, "Benchmark").
+//!
+//! # What it measures
+//!
+//! The real `retryplane serve --api` runs as a separate process (a temp data dir, a seed policy
+//! with `E` endpoints, every listener on `127.0.0.1:0`). This process connects `N` raw protocol
+//! agents over `C` HTTP/2 connections (default `max(4, ⌈N/100⌉)`, so at most 100 streams share
+//! a connection); each sends Hello and ACKs the snapshot it gets. Then, for each of `R` rounds
+//! (after a few warm-up rounds), it records `t0`, applies a new version through the admin API
+//! (one `defaults` field differs per round) and timestamps, in each agent's task, the arrival of
+//! that version's snapshot. It reports:
+//!
+//! - **time to every agent**: per round, the latest arrival minus `t0`; p50 and p99 over the
+//!   rounds (nearest rank, so with fewer than 100 rounds p99 is the worst round);
+//! - **per-agent latency**: every arrival minus `t0`; p50 and p99 over agents × rounds;
+//! - the first arrival (what the Apply itself costs: validation, diff, store commit, encoding)
+//!   and the **fan-out**: from the first to the last arrival, the push to every stream once
+//!   the version is published; plus the Apply call's own time and that of a dry-run Apply of
+//!   the same size (parse, validation, diff; no store commit, no publish);
+//! - CPU time per measured round of the server and of this process (from `/proc/*/stat`):
+//!   on a busy machine wall-clock latencies move with the load, CPU time much less;
+//! - **server memory per agent**: the server's `VmRSS` with the snapshot loaded and no agent,
+//!   then with every agent connected and its first snapshot ACKed: the difference over `N`, in
+//!   KiB; and the same after all the rounds.
+//!
+//! `t0` is taken just before the Apply call, so the times include the admin RPC, validation
+//! and the durable store commit: publish-to-agent as an operator sees it. Each round waits for
+//! every ACK (the server's `/metrics`) before the next one starts. Agents live in this process,
+//! on the same cores as the server: on a small machine their CPU time is part of the figures.
+//!
+//! # How to run it
+//!
+//! ```sh
+//! cargo build --release -p retryplane-cli -p retryplane-bench
+//! target/release/retryplane-bench-fanout --agents 1000 --endpoints 10
+//! target/release/retryplane-bench-fanout --matrix        # the issue's four configurations
+//! ```
+//!
+//! The server binary defaults to the `retryplane` next to this executable (`--server-bin` to
+//! choose another). Every wait is bounded ([`WAIT`]); the server process is killed at the end
+//! and on any error. Memory is read from `/proc`, so the bench runs on Linux.
+
+#![forbid(unsafe_code)]
+
+mod agents;
+mod measure;
+mod policy;
+mod report;
+mod server;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::Parser;
+
+use crate::measure::{Config, run};
+use crate::report::Format;
+
+/// The bound on any single wait: server start, a connection, a round, a metric.
+pub const WAIT: Duration = Duration::from_secs(60);
+
+/// Most agent streams put on one HTTP/2 connection by default.
+const STREAMS_PER_CONNECTION: usize = 100;
+
+/// The configurations of issue 3: (agents, endpoints).
+const MATRIX: [(usize, usize); 4] = [(1_000, 10), (10_000, 10), (1_000, 1_000), (10_000, 1_000)];
+
+/// Publish-to-every-agent latency and server memory per agent of `retryplane serve`.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Cli {
+    /// Agents (one stream each).
+    #[arg(long, default_value_t = 1_000)]
+    agents: usize,
+    /// Endpoints in every published policy.
+    #[arg(long, default_value_t = 10)]
+    endpoints: usize,
+    /// Measured publishes.
+    #[arg(long, default_value_t = 20)]
+    rounds: usize,
+    /// Publishes before the measured ones, not counted.
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
+    /// HTTP/2 connections the agents are spread over [default: max(4, agents/100)].
+    #[arg(long)]
+    connections: Option<usize>,
+    /// The `retryplane` binary [default: `retryplane` next to this executable].
+    #[arg(long, value_name = "PATH")]
+    server_bin: Option<PathBuf>,
+    /// Result format.
+    #[arg(long, value_enum, default_value_t = Format::Text)]
+    output: Format,
+    /// Run the issue's four configurations (1,000 and 10,000 agents × 10 and 1,000
+    /// endpoints), each on a fresh server, and print a table (text) or an array (json).
+    #[arg(long)]
+    matrix: bool,
+}
+
+fn connections_for(agents: usize, explicit: Option<usize>) -> usize {
+    explicit.unwrap_or_else(|| agents.div_ceil(STREAMS_PER_CONNECTION).max(4))
+}
+
+async fn main_inner(cli: Cli) -> anyhow::Result<()> {
+    let server_bin = match cli.server_bin {
+        Some(path) => path,
+        None => std::env::current_exe()
+            .context("cannot find this executable's path")?
+            .with_file_name("retryplane"),
+    };
+    anyhow::ensure!(
+        server_bin.is_file(),
+        "no server binary at {}: build it with `cargo build --release -p retryplane-cli -p \
+         retryplane-bench`, or pass --server-bin",
+        server_bin.display()
+    );
+    let config = |agents, endpoints| Config {
+        agents,
+        endpoints,
+        connections: connections_for(agents, cli.connections),
+        rounds: cli.rounds,
+        warmup: cli.warmup,
+        server_bin: server_bin.clone(),
+    };
+    if !cli.matrix {
+        let outcome = run(&config(cli.agents, cli.endpoints)).await?;
+        println!("{}", report::one(&outcome, cli.output)?);
+        return Ok(());
+    }
+    let mut results = Vec::with_capacity(MATRIX.len());
+    for (agents, endpoints) in MATRIX {
+        let cfg = config(agents, endpoints);
+        eprintln!(
+            "running {agents} agents × {endpoints} endpoints over {} connections…",
+            cfg.connections
+        );
+        let result = run(&cfg).await;
+        match &result {
+            Ok(outcome) => eprintln!("{}", report::one(outcome, Format::Text)?),
+            Err(e) => eprintln!("failed: {e:#}"),
+        }
+        results.push((cfg, result));
+        // Let the sockets of the last server close before the next one starts.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    }
+    println!("{}", report::matrix(&results, cli.output)?);
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(main_inner(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn connections_keep_streams_per_connection_under_the_cap() {
+        assert_eq!(connections_for(10, None), 4);
+        assert_eq!(connections_for(1_000, None), 10);
+        assert_eq!(connections_for(10_000, None), 100);
+        assert_eq!(connections_for(10_001, None), 101);
+        assert_eq!(connections_for(10_000, Some(7)), 7);
+    }
+
+    #[test]
+    fn the_cli_parses() {
+        let cli = Cli::try_parse_from([
+            "retryplane-bench-fanout",
+            "--agents",
+            "10",
+            "--output",
+            "json",
+            "--matrix",
+        ])
+        .unwrap();
+        assert_eq!(cli.agents, 10);
+        assert!(cli.matrix);
+    }
+}
