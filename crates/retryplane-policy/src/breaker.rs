@@ -22,11 +22,13 @@
 //! Lock-free. The state is one `AtomicU64` (open flag, a 15-bit generation bumped on every
 //! transition, and in the open state the end of `open_for` in milliseconds since `origin`,
 //! rounded up), changed only by CAS, so exactly one thread performs each transition. Acquiring a
-//! permit while closed is one atomic load; recording a success is a load and the window's
-//! increment. Half-open probes are counted in a second word (generation, issued, succeeded).
-//! Attempts and failures are counted in the same lock-free slotted window as the retry budget
-//! (see `window.rs`), over the slots wholly inside the window, so counts older than `window`
-//! never contribute; the window is cleared when the breaker opens. Time comes in as `now` values.
+//! permit while closed is one atomic load; recording an outcome is a load and one increment of
+//! the window (successes and failures are separate counters and attempts are their sum, so
+//! either outcome costs one CAS); a failure then sums both counters in one pass over the window.
+//! Half-open probes are counted in a second word (generation, issued, succeeded). Outcomes are
+//! counted in the same lock-free slotted window as the retry budget (see `window.rs`), over the
+//! slots wholly inside the window, so counts older than `window` never contribute; the window is
+//! cleared when the breaker opens. Time comes in as `now` values.
 
 use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::{AcqRel, Acquire};
@@ -34,9 +36,9 @@ use std::sync::atomic::Ordering::{AcqRel, Acquire};
 use tokio::time::Instant;
 
 use crate::model::BreakerConfig;
-use crate::window::{SlidingCounter, Span};
+use crate::window::{SlidingCounter, Span, nanos_since};
 
-const ATTEMPTS: usize = 0;
+const SUCCESSES: usize = 0;
 const FAILURES: usize = 1;
 
 const OPEN: u64 = 1 << 63;
@@ -133,7 +135,7 @@ impl CircuitBreaker {
     pub fn new(cfg: &BreakerConfig, origin: Instant) -> Self {
         Self {
             origin,
-            window: SlidingCounter::new(cfg.window, origin),
+            window: SlidingCounter::new(cfg.window),
             state: AtomicU64::new(0),
             probes: AtomicU64::new(0),
             failure_ratio: cfg.failure_ratio,
@@ -144,7 +146,7 @@ impl CircuitBreaker {
     }
 
     fn nanos(&self, now: Instant) -> u64 {
-        u64::try_from(now.saturating_duration_since(self.origin).as_nanos()).unwrap_or(u64::MAX)
+        nanos_since(self.origin, now)
     }
 
     /// The state at `now`.
@@ -162,6 +164,20 @@ impl CircuitBreaker {
     /// Asks to make one attempt at `now`: always granted while closed; while half-open, granted
     /// as a probe until `half_open_probes` have been taken; rejected otherwise.
     pub fn try_acquire(&self, now: Instant) -> Result<Permit, BreakerOpen> {
+        let state = self.state.load(Acquire);
+        if state & OPEN == 0 {
+            // Closed: no need for the time.
+            return Ok(Permit {
+                generation: generation(state),
+                probe: false,
+            });
+        }
+        self.try_acquire_at(self.nanos(now))
+    }
+
+    /// [`Self::try_acquire`] at `now_nanos` since the origin.
+    #[inline]
+    pub(crate) fn try_acquire_at(&self, now_nanos: u64) -> Result<Permit, BreakerOpen> {
         let mut state = self.state.load(Acquire);
         loop {
             let generation = generation(state);
@@ -169,7 +185,7 @@ impl CircuitBreaker {
             if !probe {
                 return Ok(Permit { generation, probe });
             }
-            let (now_nanos, until) = (self.nanos(now), until_nanos(state));
+            let until = until_nanos(state);
             if now_nanos < until {
                 return Err(BreakerOpen);
             }
@@ -203,6 +219,12 @@ impl CircuitBreaker {
 
     /// Records the outcome of the attempt `permit` allowed, at `now`.
     pub fn record(&self, permit: Permit, success: bool, now: Instant) {
+        self.record_at(permit, success, self.nanos(now));
+    }
+
+    /// [`Self::record`] at `nanos` since the origin.
+    #[inline]
+    pub(crate) fn record_at(&self, permit: Permit, success: bool, nanos: u64) {
         let state = self.state.load(Acquire);
         let open = state & OPEN != 0;
         if generation(state) != permit.generation || open != permit.probe {
@@ -212,21 +234,23 @@ impl CircuitBreaker {
             if success {
                 self.probe_succeeded(state, permit.generation);
             } else {
-                self.open(state, now);
+                self.open(state, nanos);
             }
             return;
         }
-        let slot = self.window.advance(now);
-        self.window.add(slot, ATTEMPTS);
+        let slot = self.window.advance(nanos);
         if success {
+            self.window.add(slot, SUCCESSES);
             return;
         }
         self.window.add(slot, FAILURES);
-        let attempts = self.window.sum(slot, ATTEMPTS, Span::Inside);
-        let failures = self.window.sum(slot, FAILURES, Span::Inside);
+        let [successes, failures] = self
+            .window
+            .sums(slot, [(Span::Inside, 0), (Span::Inside, 0)]);
+        let attempts = successes + failures;
         if attempts >= self.min_requests
             && failures as f64 + EPSILON >= self.failure_ratio * attempts as f64
-            && self.open(state, now)
+            && self.open(state, nanos)
         {
             self.window.clear();
         }
@@ -253,11 +277,10 @@ impl CircuitBreaker {
         let _ = self.state.compare_exchange(state, closed, AcqRel, Acquire);
     }
 
-    /// Moves from `state` to open for `open_for` from `now`; `false` if another thread changed
+    /// Moves from `state` to open for `open_for` from `nanos`; `false` if another thread changed
     /// the state first.
-    fn open(&self, state: u64, now: Instant) -> bool {
-        let until = self
-            .nanos(now)
+    fn open(&self, state: u64, nanos: u64) -> bool {
+        let until = nanos
             .saturating_add(self.open_for_nanos)
             .div_ceil(NANOS_PER_MS)
             .min(UNTIL_MASK);
@@ -269,207 +292,5 @@ impl CircuitBreaker {
 }
 
 #[cfg(test)]
-mod tests {
-    use std::time::Duration;
-
-    use super::BreakerState::{Closed, HalfOpen, Open};
-    use super::*;
-
-    /// The default settings (ratio 0.5, window 10 s, open for 30 s, 3 probes).
-    fn breaker(min_requests: u32, t0: Instant) -> CircuitBreaker {
-        let cfg = BreakerConfig {
-            min_requests,
-            ..BreakerConfig::default()
-        };
-        CircuitBreaker::new(&cfg, t0)
-    }
-
-    fn ms(t: Instant, ms: u64) -> Instant {
-        t + Duration::from_millis(ms)
-    }
-
-    fn call(b: &CircuitBreaker, success: bool, now: Instant) -> Result<(), BreakerOpen> {
-        let permit = b.try_acquire(now)?;
-        b.record(permit, success, now);
-        Ok(())
-    }
-
-    /// Opens `b` at `t0` + 1 s with 10 failures.
-    fn trip(b: &CircuitBreaker, t0: Instant) -> Instant {
-        let at = t0 + Duration::from_secs(1);
-        (0..10).for_each(|_| call(b, false, at).unwrap_or(()));
-        assert_eq!(b.state(at), Open);
-        at
-    }
-
-    #[test]
-    fn opens_at_the_failure_ratio_with_enough_requests() {
-        let t0 = Instant::now();
-        let b = breaker(10, t0);
-        for i in 0..5 {
-            call(&b, true, ms(t0, i)).unwrap();
-        }
-        for i in 0..4 {
-            call(&b, false, ms(t0, 10 + i)).unwrap();
-        }
-        assert_eq!(b.state(ms(t0, 20)), Closed);
-        call(&b, false, ms(t0, 20)).unwrap();
-        assert_eq!(b.state(ms(t0, 20)), Open);
-    }
-
-    #[test]
-    fn does_not_open_below_min_requests_or_below_the_ratio() {
-        let t0 = Instant::now();
-        let b = breaker(20, t0);
-        (0..19).for_each(|_| call(&b, false, t0).unwrap());
-        assert_eq!(b.state(t0), Closed);
-        let b = breaker(10, t0);
-        (0..11).for_each(|_| call(&b, true, t0).unwrap());
-        (0..10).for_each(|_| call(&b, false, t0).unwrap());
-        assert_eq!(b.state(t0), Closed);
-    }
-
-    #[test]
-    fn rejects_while_open() {
-        let t0 = Instant::now();
-        let b = breaker(10, t0);
-        let opened = trip(&b, t0);
-        for wait in [0, 1, 29_999] {
-            let now = ms(opened, wait);
-            assert_eq!(b.try_acquire(now), Err(BreakerOpen));
-            assert_eq!(b.state(now), Open);
-        }
-    }
-
-    #[test]
-    fn half_open_after_open_for_lets_exactly_n_probes() {
-        let t0 = Instant::now();
-        let b = breaker(10, t0);
-        let half = trip(&b, t0) + Duration::from_secs(30);
-        assert_eq!(b.state(half), HalfOpen);
-        let probes: Vec<_> = (0..3).map(|_| b.try_acquire(half)).collect();
-        assert!(probes.iter().all(|p| p.is_ok_and(Permit::is_probe)));
-        assert_eq!(b.try_acquire(half), Err(BreakerOpen));
-        assert_eq!(
-            b.try_acquire(half + Duration::from_secs(29)),
-            Err(BreakerOpen)
-        );
-    }
-
-    #[test]
-    fn concurrent_acquires_while_half_open_get_exactly_n_probes() {
-        let t0 = Instant::now();
-        let b = breaker(10, t0);
-        let half = trip(&b, t0) + Duration::from_secs(30);
-        let granted: usize = std::thread::scope(|s| {
-            let racers: Vec<_> = (0..2)
-                .map(|_| s.spawn(|| (0..1000).filter(|_| b.try_acquire(half).is_ok()).count()))
-                .collect();
-            racers.into_iter().map(|r| r.join().unwrap_or(0)).sum()
-        });
-        assert_eq!(granted, 3);
-    }
-
-    #[test]
-    fn n_probe_successes_close_it_with_counts_reset() {
-        let t0 = Instant::now();
-        let cfg = BreakerConfig {
-            min_requests: 4,
-            window: Duration::from_secs(60),
-            ..BreakerConfig::default()
-        };
-        let b = CircuitBreaker::new(&cfg, t0);
-        (0..4).for_each(|_| call(&b, false, t0).unwrap());
-        let half = t0 + Duration::from_secs(30);
-        let probes: Vec<_> = (0..3).filter_map(|_| b.try_acquire(half).ok()).collect();
-        for (i, p) in probes.into_iter().enumerate() {
-            assert_eq!(b.state(half), HalfOpen, "after {i} successes");
-            b.record(p, true, half);
-        }
-        assert_eq!(b.state(half), Closed);
-        // The 4 failures before opening are still inside the 60 s window, but do not count.
-        (0..3).for_each(|_| call(&b, false, half).unwrap());
-        assert_eq!(b.state(half), Closed);
-        call(&b, false, half).unwrap();
-        assert_eq!(b.state(half), Open);
-    }
-
-    #[test]
-    fn one_probe_failure_reopens_for_a_new_open_for() {
-        let t0 = Instant::now();
-        let b = breaker(10, t0);
-        let half = trip(&b, t0) + Duration::from_secs(30);
-        let first = b.try_acquire(half).unwrap();
-        let second = b.try_acquire(half).unwrap();
-        b.record(first, true, half);
-        let failed_at = ms(half, 1500);
-        b.record(second, false, failed_at);
-        let reopened_until = failed_at + Duration::from_secs(30);
-        assert_eq!(b.state(reopened_until - Duration::from_millis(1)), Open);
-        assert_eq!(
-            b.try_acquire(half + Duration::from_secs(30)),
-            Err(BreakerOpen)
-        );
-        assert_eq!(b.state(reopened_until), HalfOpen);
-        let fresh = (0..4)
-            .filter(|_| b.try_acquire(reopened_until).is_ok())
-            .count();
-        assert_eq!(fresh, 3);
-    }
-
-    #[test]
-    fn counts_expire_with_the_window() {
-        let t0 = Instant::now();
-        let b = breaker(10, t0);
-        (0..9).for_each(|_| call(&b, false, t0).unwrap());
-        call(&b, false, t0 + Duration::from_secs(10)).unwrap();
-        assert_eq!(b.state(t0 + Duration::from_secs(10)), Closed);
-    }
-
-    #[test]
-    fn outcomes_from_an_earlier_period_are_ignored() {
-        let t0 = Instant::now();
-        let b = breaker(10, t0);
-        let in_flight = b.try_acquire(t0).unwrap();
-        let half = trip(&b, t0) + Duration::from_secs(30);
-        b.record(in_flight, true, half);
-        let probes: Vec<_> = (0..3).filter_map(|_| b.try_acquire(half).ok()).collect();
-        assert_eq!(b.state(half), HalfOpen);
-        probes.iter().for_each(|p| b.record(*p, true, half));
-        assert_eq!(b.state(half), Closed);
-        b.record(probes[0], false, half); // reported twice: ignored
-        assert_eq!(b.state(half), Closed);
-    }
-
-    #[test]
-    fn lost_probes_are_replaced_after_another_open_for() {
-        let t0 = Instant::now();
-        let b = breaker(10, t0);
-        let half = trip(&b, t0) + Duration::from_secs(30);
-        let lost: Vec<_> = (0..3).filter_map(|_| b.try_acquire(half).ok()).collect();
-        let later = half + Duration::from_secs(30);
-        let fresh: Vec<_> = (0..4).filter_map(|_| b.try_acquire(later).ok()).collect();
-        assert_eq!(fresh.len(), 3);
-        b.record(lost[0], false, later); // a late report of the lost period is ignored
-        fresh.iter().for_each(|p| b.record(*p, true, later));
-        assert_eq!(b.state(later), Closed);
-    }
-
-    #[test]
-    fn zero_probes_means_one_and_instants_before_origin_do_not_panic() {
-        let t0 = Instant::now();
-        let cfg = BreakerConfig {
-            min_requests: 1,
-            half_open_probes: 0,
-            ..BreakerConfig::default()
-        };
-        let b = CircuitBreaker::new(&cfg, t0 + Duration::from_secs(5));
-        call(&b, false, t0).unwrap();
-        assert_eq!(b.state(t0), Open);
-        let half = t0 + Duration::from_secs(35);
-        let probe = b.try_acquire(half).unwrap();
-        assert_eq!(b.try_acquire(half), Err(BreakerOpen));
-        b.record(probe, true, half);
-        assert_eq!(b.state(half), Closed);
-    }
-}
+#[path = "breaker_tests.rs"]
+mod tests;

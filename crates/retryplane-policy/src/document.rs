@@ -149,6 +149,7 @@ pub enum RouteMatch {
 
 impl RouteMatch {
     /// Whether a call fits this match.
+    #[inline]
     pub fn matches(&self, target: &Target<'_>) -> bool {
         match (self, target) {
             (
@@ -157,17 +158,54 @@ impl RouteMatch {
                     path_prefix,
                 },
                 Target::Http { method: m, path },
-            ) => method.as_deref().is_none_or(|want| want == *m) && path.starts_with(path_prefix),
+            ) => {
+                method.as_deref().is_none_or(|want| str_eq(want, m))
+                    && path
+                        .as_bytes()
+                        .get(..path_prefix.len())
+                        .is_some_and(|head| bytes_eq(head, path_prefix.as_bytes()))
+            }
             (RouteMatch::Grpc { service, method }, Target::Grpc { path }) => {
                 let Some((svc, meth)) = path.strip_prefix('/').and_then(|p| p.split_once('/'))
                 else {
                     return false;
                 };
-                svc == service && method.as_deref().is_none_or(|want| want == meth)
+                str_eq(svc, service) && method.as_deref().is_none_or(|want| str_eq(want, meth))
             }
             _ => false,
         }
     }
+}
+
+/// `a == b`, inline: route matching compares short strings on every call, where a call into
+/// `memcmp` costs more than the comparison.
+#[inline]
+fn str_eq(a: &str, b: &str) -> bool {
+    bytes_eq(a.as_bytes(), b.as_bytes())
+}
+
+#[inline]
+fn bytes_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    let (mut a8, mut b8) = (a.chunks_exact(8), b.chunks_exact(8));
+    let words = a8
+        .by_ref()
+        .zip(b8.by_ref())
+        .all(|(x, y)| word(x) == word(y));
+    words
+        && a8
+            .remainder()
+            .iter()
+            .zip(b8.remainder())
+            .all(|(x, y)| x == y)
+}
+
+/// An 8-byte chunk as one word.
+#[inline]
+fn word(chunk: &[u8]) -> u64 {
+    chunk.try_into().map_or(0, u64::from_ne_bytes)
 }
 
 impl std::fmt::Display for RouteMatch {

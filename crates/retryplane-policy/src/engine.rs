@@ -7,6 +7,15 @@
 //! The machine never allows more than `max_attempts`, never plans a pause that ends at or past
 //! the deadline, and keeps the last failure. It sleeps on nothing and reads no clock: the caller
 //! passes `now` (tokio's clock, pausable in tests) and the RNG.
+//!
+//! Cost: each step turns `now` into nanoseconds since the endpoint state's origin at most once
+//! (the first attempt reuses the call's when it starts at the same instant), and the budget, the
+//! breaker and the deadline all work in that unit. A call that succeeds at once does two
+//! uncontended CAS (the budget's deposit, the breaker's success count); the backoff state is
+//! built on the first failure only, and the failure path is kept out of line. `new`,
+//! `start_attempt` and `on_outcome` are `#[inline(always)]`: what is left of them once the
+//! failure path is out of line is small, and inlining them into the caller took about a tenth
+//! off the success path of the engine bench (see BENCHMARKS.md).
 
 use std::time::Duration;
 
@@ -14,117 +23,18 @@ use tokio::time::Instant;
 
 use crate::backoff::Backoff;
 use crate::breaker::{CircuitBreaker, Permit};
-use crate::budget::RetryBudget;
-use crate::codes::GrpcCode;
+use crate::budget::{RetryBudget, Withdrawal};
 use crate::model::{ErrorClass, RetryPolicy};
-use crate::retry_after::{Pushback, RetryAfterError};
+use crate::retry_after::Pushback;
 use crate::rng::Rng;
 
-/// What one attempt produced, as far as retrying is concerned.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Outcome {
-    /// An HTTP response.
-    Http {
-        /// The status code.
-        status: u16,
-        /// The parsed `Retry-After` header, if the response had one
-        /// ([`crate::retry_after::parse_retry_after`]).
-        retry_after: Option<Result<Duration, RetryAfterError>>,
-    },
-    /// A gRPC status.
-    Grpc {
-        /// The status code.
-        code: GrpcCode,
-        /// The parsed `grpc-retry-pushback-ms` trailer, if present.
-        pushback: Option<Pushback>,
-    },
-    /// No response: a transport failure.
-    Transport(ErrorClass),
-}
+#[path = "engine_outcome.rs"]
+mod outcome;
 
-impl Outcome {
-    /// Whether the attempt succeeded (HTTP below 400, gRPC `OK`).
-    pub fn is_success(&self) -> bool {
-        match self {
-            Outcome::Http { status, .. } => *status < 400,
-            Outcome::Grpc { code, .. } => *code == GrpcCode::Ok,
-            Outcome::Transport(_) => false,
-        }
-    }
+pub use outcome::{Decision, GiveUpCause, Outcome};
 
-    /// Whether the failure says the upstream is unhealthy, which is what the circuit breaker
-    /// counts: a failure class listed in `retry_on` (a 404 or a 400 says nothing about health).
-    pub fn is_upstream_failure(&self, policy: &RetryPolicy) -> bool {
-        match self {
-            Outcome::Http { status, .. } => policy.retry_on.http_status.contains(status),
-            Outcome::Grpc { code, .. } => policy.retry_on.grpc_status.contains(code),
-            Outcome::Transport(_) => true,
-        }
-    }
-}
-
-/// Why a logical call stopped without success.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum GiveUpCause {
-    /// The failure is not retryable (class not listed, non-idempotent call, pushback said no).
-    NotRetryable,
-    /// `max_attempts` attempts were made.
-    AttemptsExhausted,
-    /// The endpoint's retry budget refused a retry.
-    BudgetExhausted,
-    /// The next pause or attempt does not fit in what is left of the deadline.
-    DeadlineExceeded,
-    /// The server asked for a wait longer than `retry_after.max`.
-    RetryAfterTooLong,
-    /// The endpoint's circuit breaker is open.
-    CircuitOpen,
-}
-
-impl GiveUpCause {
-    /// Every cause.
-    pub const ALL: [GiveUpCause; 6] = [
-        GiveUpCause::NotRetryable,
-        GiveUpCause::AttemptsExhausted,
-        GiveUpCause::BudgetExhausted,
-        GiveUpCause::DeadlineExceeded,
-        GiveUpCause::RetryAfterTooLong,
-        GiveUpCause::CircuitOpen,
-    ];
-
-    /// The snake_case name used in reports and metrics (`budget_exhausted`).
-    pub fn as_str(self) -> &'static str {
-        match self {
-            GiveUpCause::NotRetryable => "not_retryable",
-            GiveUpCause::AttemptsExhausted => "attempts_exhausted",
-            GiveUpCause::BudgetExhausted => "budget_exhausted",
-            GiveUpCause::DeadlineExceeded => "deadline_exceeded",
-            GiveUpCause::RetryAfterTooLong => "retry_after_too_long",
-            GiveUpCause::CircuitOpen => "circuit_open",
-        }
-    }
-}
-
-impl std::fmt::Display for GiveUpCause {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-/// What to do after an attempt.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Decision {
-    /// The attempt succeeded: return its result.
-    Return,
-    /// Sleep `pause`, then make the next attempt.
-    Retry {
-        /// How long to wait.
-        pause: Duration,
-        /// Whether a server hint set or lengthened the pause.
-        hinted: bool,
-    },
-    /// Return the last failure with this cause.
-    GiveUp(GiveUpCause),
-}
+/// Where [`RetryCall::deadline`] saturates: 30 years, as tokio's far future.
+const FAR_FUTURE: Duration = Duration::from_secs(86_400 * 365 * 30);
 
 /// How the call may be repeated, decided by the caller from the request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -137,6 +47,7 @@ pub struct CallInfo {
 
 impl CallInfo {
     /// An HTTP call: idempotency from the policy's method list.
+    #[inline]
     pub fn http(policy: &RetryPolicy, method: &str, has_idempotency_key: bool) -> Self {
         Self {
             idempotent: policy.is_idempotent(method),
@@ -158,15 +69,17 @@ impl CallInfo {
 /// An endpoint's shared runtime state: one budget and one breaker for all its calls.
 #[derive(Debug)]
 pub struct EndpointState {
+    origin: Instant,
     budget: Option<RetryBudget>,
     breaker: Option<CircuitBreaker>,
 }
 
 impl EndpointState {
     /// State for an endpoint whose policy is `policy` (its budget and breaker settings; routes
-    /// share them and can only turn them off for their calls).
+    /// share them and can only turn them off for their calls). Time is measured from `origin`.
     pub fn new(policy: &RetryPolicy, origin: Instant) -> Self {
         Self {
+            origin,
             budget: policy.budget.as_ref().map(|c| RetryBudget::new(c, origin)),
             breaker: policy
                 .circuit_breaker
@@ -184,6 +97,42 @@ impl EndpointState {
     pub fn breaker(&self) -> Option<&CircuitBreaker> {
         self.breaker.as_ref()
     }
+
+    /// `now` in signed nanoseconds since the origin (exact: an `i128` holds any `Duration`).
+    /// The one `Instant` subtraction of an engine step.
+    #[inline]
+    fn offset(&self, now: Instant) -> i128 {
+        match now.checked_duration_since(self.origin) {
+            Some(d) => nanos(d),
+            None => -nanos(self.origin.saturating_duration_since(now)),
+        }
+    }
+}
+
+#[inline]
+fn nanos(d: Duration) -> i128 {
+    // `as_nanos` is below 2^94, so the cast is exact.
+    d.as_nanos() as i128
+}
+
+/// `nanos` (at least 0) as a `Duration`, saturating.
+fn from_nanos(nanos: i128) -> Duration {
+    match u64::try_from(nanos) {
+        Ok(n) => Duration::from_nanos(n),
+        Err(_) if nanos < 0 => Duration::ZERO,
+        // More than 584 years.
+        Err(_) => {
+            let secs = u64::try_from(nanos / 1_000_000_000).unwrap_or(u64::MAX);
+            Duration::new(secs, (nanos % 1_000_000_000) as u32)
+        }
+    }
+}
+
+/// The window time of an offset: the budget and breaker count instants before the origin at
+/// the origin (and saturate 584 years after it).
+#[inline]
+fn window_nanos(offset: i128) -> u64 {
+    u64::try_from(offset.max(0)).unwrap_or(u64::MAX)
 }
 
 /// One logical call in progress.
@@ -192,9 +141,14 @@ pub struct RetryCall<'a> {
     policy: &'a RetryPolicy,
     state: &'a EndpointState,
     info: CallInfo,
-    deadline: Instant,
+    start: Instant,
+    /// `start` as an offset from the state's origin (see [`EndpointState::offset`]).
+    start_offset: i128,
+    /// The deadline as an offset from the state's origin.
+    deadline: i128,
     attempts: u32,
-    backoff: Backoff,
+    /// Built on the first failure.
+    backoff: Option<Backoff>,
     permit: Option<Permit>,
     last_failure: Option<Outcome>,
 }
@@ -211,24 +165,28 @@ pub struct Attempt {
 impl<'a> RetryCall<'a> {
     /// Starts a logical call at `now`: counts it in the budget. Policy and state are held for
     /// the whole call.
+    #[inline(always)]
     pub fn new(
         policy: &'a RetryPolicy,
         state: &'a EndpointState,
         info: CallInfo,
         now: Instant,
     ) -> Self {
+        let offset = state.offset(now);
         if policy.budget.is_some()
             && let Some(budget) = &state.budget
         {
-            budget.deposit(now);
+            budget.deposit_at(window_nanos(offset));
         }
         Self {
             policy,
             state,
             info,
-            deadline: now + policy.deadline,
+            start: now,
+            start_offset: offset,
+            deadline: offset + nanos(policy.deadline),
             attempts: 0,
-            backoff: Backoff::new(&policy.backoff),
+            backoff: None,
             permit: None,
             last_failure: None,
         }
@@ -237,9 +195,16 @@ impl<'a> RetryCall<'a> {
     /// Asks to start the next attempt at `now`: refused when the breaker is open or the deadline
     /// has passed. On `Ok`, run the attempt with the given timeout, then call
     /// [`RetryCall::on_outcome`].
+    #[inline(always)]
     pub fn start_attempt(&mut self, now: Instant) -> Result<Attempt, GiveUpCause> {
-        let left = self.deadline.saturating_duration_since(now);
-        if left.is_zero() {
+        // The first attempt usually starts at the instant the call did: no second conversion.
+        let offset = if now == self.start {
+            self.start_offset
+        } else {
+            self.state.offset(now)
+        };
+        let left = self.left(offset);
+        if left <= 0 {
             return Err(GiveUpCause::DeadlineExceeded);
         }
         if self.policy.circuit_breaker.is_some()
@@ -247,48 +212,86 @@ impl<'a> RetryCall<'a> {
         {
             self.permit = Some(
                 breaker
-                    .try_acquire(now)
+                    .try_acquire_at(window_nanos(offset))
                     .map_err(|_| GiveUpCause::CircuitOpen)?,
             );
         }
         self.attempts += 1;
         Ok(Attempt {
             number: self.attempts,
-            timeout: self.policy.per_try_timeout.min(left),
+            timeout: if nanos(self.policy.per_try_timeout) <= left {
+                self.policy.per_try_timeout
+            } else {
+                from_nanos(left)
+            },
         })
     }
 
     /// Reports the outcome of the attempt started last and decides what comes next.
+    #[inline(always)]
     pub fn on_outcome(
         &mut self,
         outcome: Outcome,
         now: Instant,
         rng: &mut (impl Rng + ?Sized),
     ) -> Decision {
-        if let (Some(permit), Some(breaker)) = (self.permit.take(), &self.state.breaker) {
-            breaker.record(permit, !outcome.is_upstream_failure(self.policy), now);
-        }
-        if outcome.is_success() {
+        let success = outcome.is_success();
+        let permit = self.permit.take();
+        if success {
+            if let (Some(permit), Some(breaker)) = (permit, &self.state.breaker) {
+                breaker.record_at(permit, true, window_nanos(self.state.offset(now)));
+            }
             return Decision::Return;
         }
-        let decision = self.decide(&outcome, now, rng);
-        self.last_failure = Some(outcome);
-        decision
+        self.on_failure(outcome, permit, now, rng)
     }
 
-    fn decide(
+    /// [`Self::on_outcome`] for a failed attempt (kept out of line: the success path stays
+    /// small).
+    #[inline(never)]
+    fn on_failure(
         &mut self,
-        outcome: &Outcome,
+        outcome: Outcome,
+        permit: Option<Permit>,
         now: Instant,
         rng: &mut (impl Rng + ?Sized),
     ) -> Decision {
+        let offset = self.state.offset(now);
         let p = self.policy;
-        // Step 4: classification.
-        let listed = match outcome {
+        // Whether `retry_on` lists the failure: step 4's first question, and (except for
+        // transport failures, which always count) whether the breaker counts it.
+        let listed = match &outcome {
             Outcome::Http { status, .. } => p.retry_on.http_status.contains(status),
             Outcome::Grpc { code, .. } => p.retry_on.grpc_status.contains(code),
             Outcome::Transport(class) => p.retry_on.errors.contains(class),
         };
+        if let (Some(permit), Some(breaker)) = (permit, &self.state.breaker) {
+            // `!outcome.is_upstream_failure(p)`, without a second scan of `retry_on`.
+            let healthy = !listed && !matches!(outcome, Outcome::Transport(_));
+            breaker.record_at(permit, healthy, window_nanos(offset));
+        }
+        let decision = self.decide(&outcome, listed, offset, rng);
+        self.last_failure = Some(outcome);
+        decision
+    }
+
+    /// Nanoseconds left of the deadline at `offset` (negative once past it).
+    #[inline]
+    fn left(&self, offset: i128) -> i128 {
+        self.deadline - offset
+    }
+
+    /// Steps 4 to 7 for a failed attempt; `listed`: whether `retry_on` lists it.
+    #[inline]
+    fn decide(
+        &mut self,
+        outcome: &Outcome,
+        listed: bool,
+        offset: i128,
+        rng: &mut (impl Rng + ?Sized),
+    ) -> Decision {
+        let p = self.policy;
+        // Step 4: classification.
         let pushback_refuses = p.retry_after.honor
             && matches!(
                 outcome,
@@ -304,13 +307,21 @@ impl<'a> RetryCall<'a> {
         if self.attempts >= p.max_attempts {
             return Decision::GiveUp(GiveUpCause::AttemptsExhausted);
         }
-        // Step 6: budget (checked here, spent only once the retry is certain).
-        let budget = p.budget.as_ref().and(self.state.budget.as_ref());
-        if budget.is_some_and(|b| !b.can_withdraw(now)) {
-            return Decision::GiveUp(GiveUpCause::BudgetExhausted);
-        }
+        // Step 6: budget. The window is read once here; the retry is counted (one CAS, which can
+        // still refuse if the current slot filled up meanwhile) only once it is certain.
+        let withdrawal: Option<(&RetryBudget, Withdrawal)> =
+            match p.budget.as_ref().and(self.state.budget.as_ref()) {
+                Some(b) => match b.check_at(window_nanos(offset)) {
+                    Some(w) => Some((b, w)),
+                    None => return Decision::GiveUp(GiveUpCause::BudgetExhausted),
+                },
+                None => None,
+            };
         // Step 7: pause, server hints, deadline.
-        let computed = self.backoff.next_pause(rng);
+        let computed = self
+            .backoff
+            .get_or_insert_with(|| Backoff::new(&p.backoff))
+            .next_pause(rng);
         let hint = if p.retry_after.honor {
             match outcome {
                 Outcome::Http {
@@ -334,10 +345,12 @@ impl<'a> RetryCall<'a> {
             Some((d, false)) => (computed.max(d), d > computed),
             None => (computed, false),
         };
-        if pause >= self.deadline.saturating_duration_since(now) {
+        if nanos(pause) >= self.left(offset) {
             return Decision::GiveUp(GiveUpCause::DeadlineExceeded);
         }
-        if budget.is_some_and(|b| !b.try_withdraw(now)) {
+        if let Some((budget, w)) = withdrawal
+            && !budget.take(w)
+        {
             return Decision::GiveUp(GiveUpCause::BudgetExhausted);
         }
         Decision::Retry { pause, hinted }
@@ -353,9 +366,13 @@ impl<'a> RetryCall<'a> {
         self.last_failure.as_ref()
     }
 
-    /// When the whole call must be over.
+    /// When the whole call must be over: its start plus the policy's deadline (30 years after
+    /// the start for a deadline too long for an `Instant`).
     pub fn deadline(&self) -> Instant {
-        self.deadline
+        self.start
+            .checked_add(self.policy.deadline)
+            .or_else(|| self.start.checked_add(FAR_FUTURE))
+            .unwrap_or(self.start)
     }
 
     /// The policy this call runs under.
@@ -367,3 +384,7 @@ impl<'a> RetryCall<'a> {
 #[cfg(test)]
 #[path = "engine_tests.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "engine_step_tests.rs"]
+mod step_tests;

@@ -6,7 +6,9 @@ use proptest::prelude::*;
 use tokio::time::Instant;
 
 use super::*;
+use crate::codes::GrpcCode;
 use crate::model::{BackoffConfig, BudgetConfig, Jitter};
+use crate::retry_after::RetryAfterError;
 use crate::rng::SeededRng;
 
 fn policy() -> RetryPolicy {

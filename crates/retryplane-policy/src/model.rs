@@ -241,6 +241,7 @@ impl Default for RetryPolicy {
 
 impl RetryPolicy {
     /// Whether `method` (any case) is listed as idempotent.
+    #[inline]
     pub fn is_idempotent(&self, method: &str) -> bool {
         self.idempotent_methods
             .iter()

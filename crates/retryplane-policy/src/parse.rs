@@ -5,6 +5,8 @@
 //! one run reports every problem in the file. Range and cross-field checks run afterwards on the
 //! document ([`crate::validate`]), the same checks the admin API and the agent use.
 
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::time::Duration;
 
 use crate::codes::{self, GrpcCode};
@@ -82,8 +84,8 @@ impl Walker {
     }
 
     /// The entries of a mapping whose keys are in `known`, first occurrence of each; reports
-    /// non-string keys, duplicates and unknown keys (with a suggestion). `extra` names fields
-    /// that belong elsewhere, with the message to give.
+    /// non-string keys, duplicates and unknown keys (with a suggestion). `misplaced` names
+    /// fields that belong elsewhere, with the message to give. Linear in the number of keys.
     fn fields<'n>(
         &mut self,
         node: &'n Node,
@@ -98,6 +100,9 @@ impl Walker {
             return Vec::new();
         };
         let mut out: Vec<(&'n str, &'n Node, Loc)> = Vec::new();
+        // Every key seen (unknown ones too, so a second copy is still called a duplicate), with
+        // its first place. SipHash with a random key: the file may come from anyone.
+        let mut seen: HashMap<&'n str, Loc> = HashMap::new();
         for (key, value) in entries {
             let Value::Str(name) = &key.value else {
                 self.error(
@@ -108,14 +113,19 @@ impl Walker {
                 continue;
             };
             let field_path = join(path, name);
-            if let Some((_, _, first)) = out.iter().find(|(k, _, _)| *k == name.as_str()) {
-                let first = *first;
-                self.error(
-                    key.loc,
-                    &field_path,
-                    format!("duplicate key `{name}` (first set at {first})"),
-                );
-                continue;
+            match seen.entry(name.as_str()) {
+                Entry::Occupied(first) => {
+                    let first = *first.get();
+                    self.error(
+                        key.loc,
+                        &field_path,
+                        format!("duplicate key `{name}` (first set at {first})"),
+                    );
+                    continue;
+                }
+                Entry::Vacant(slot) => {
+                    slot.insert(key.loc);
+                }
             }
             if !known.contains(&name.as_str()) {
                 if let Some((_, why)) = misplaced.iter().find(|(f, _)| *f == name) {
@@ -130,13 +140,10 @@ impl Walker {
                         ),
                     );
                 }
-                // Remember it so a second copy is still called a duplicate.
-                out.push((name.as_str(), value, key.loc));
                 continue;
             }
             out.push((name.as_str(), value, key.loc));
         }
-        out.retain(|(k, _, _)| known.contains(k));
         out
     }
 
@@ -199,6 +206,10 @@ impl Walker {
         if entries.is_empty() {
             self.error(node.loc, "endpoints", "the file defines no endpoints");
         }
+        // Each name's first place, to find duplicates in linear time (a file under the size
+        // limits can hold about 60,000 endpoints). SipHash with a random key: the file may come
+        // from anyone.
+        let mut seen: HashMap<String, Loc> = HashMap::with_capacity(entries.len());
         for (key, value) in entries {
             let name = match &key.value {
                 Value::Str(s) => s.clone(),
@@ -213,14 +224,19 @@ impl Walker {
                 }
             };
             let path = join("endpoints", &name);
-            if let Some(first) = out.iter().find(|e| e.name.value == name) {
-                let first = first.name.loc;
-                self.error(
-                    key.loc,
-                    &path,
-                    format!("duplicate endpoint `{name}` (first defined at {first})"),
-                );
-                continue;
+            match seen.entry(name.clone()) {
+                Entry::Occupied(first) => {
+                    let first = *first.get();
+                    self.error(
+                        key.loc,
+                        &path,
+                        format!("duplicate endpoint `{name}` (first defined at {first})"),
+                    );
+                    continue;
+                }
+                Entry::Vacant(slot) => {
+                    slot.insert(key.loc);
+                }
             }
             let overlay = self.overlay(value, &path, Layer::Endpoint);
             let routes = get(value, "routes")

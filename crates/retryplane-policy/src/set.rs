@@ -32,7 +32,11 @@ pub struct EndpointPolicy {
 
 impl EndpointPolicy {
     /// The policy for `target`: the first matching route's, else the endpoint's.
+    #[inline]
     pub fn resolve(&self, target: &Target<'_>) -> &Arc<RetryPolicy> {
+        if self.routes.is_empty() {
+            return &self.policy;
+        }
         self.routes
             .iter()
             .find(|r| r.matcher.matches(target))
@@ -115,11 +119,13 @@ impl PolicySet {
     }
 
     /// The endpoint named `name`.
+    #[inline]
     pub fn endpoint(&self, name: &str) -> Option<&Arc<EndpointPolicy>> {
         self.endpoints.get(name)
     }
 
     /// The policy for `target` on endpoint `name`, if the endpoint exists.
+    #[inline]
     pub fn resolve(&self, name: &str, target: &Target<'_>) -> Option<&Arc<RetryPolicy>> {
         self.endpoint(name).map(|e| e.resolve(target))
     }

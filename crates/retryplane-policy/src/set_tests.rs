@@ -69,6 +69,46 @@ fn duplicate_keys_in_a_policy_are_an_error() {
 }
 
 #[test]
+fn a_repeated_unknown_key_is_reported_once_unknown_then_as_a_duplicate() {
+    let src = "version: 1\nendpoints:\n  a:\n    dedline: 10s\n    dedline: 20s\n";
+    let errs = errors(src);
+    assert_eq!(errs.len(), 2, "{errs:#?}");
+    assert!(errs[0].starts_with("4:5: error: endpoints.a.dedline: unknown field `dedline`"));
+    assert_eq!(
+        errs[1],
+        "5:5: error: endpoints.a.dedline: duplicate key `dedline` (first set at 4:5)"
+    );
+}
+
+/// `n` endpoints `e0` … with defaults only, about 12 bytes each.
+fn tiny_endpoints(n: usize) -> String {
+    let mut y = String::from("version: 1\nendpoints:\n");
+    for i in 0..n {
+        y.push_str(&format!("  e{i}: {{}}\n"));
+    }
+    y
+}
+
+/// About the most endpoints a file under the size and event limits can hold. Duplicates used to
+/// be found by a scan of every earlier endpoint, which took seconds here (see BENCHMARKS.md).
+#[test]
+fn sixty_thousand_endpoints_load_without_errors() {
+    let src = tiny_endpoints(60_000);
+    assert!(src.len() < 1024 * 1024, "{} bytes", src.len());
+    let loaded = load(src.as_bytes());
+    assert_eq!(loaded.diagnostics, vec![]);
+    let set = loaded.policies.expect("valid");
+    assert_eq!(set.len(), 60_000);
+    assert!(set.endpoint("e59999").is_some());
+    // A duplicate at the end of a long file is still found, with the first place.
+    let dup = format!("{src}  e1: {{}}\n");
+    assert_eq!(
+        errors(&dup),
+        ["60003:3: error: endpoints.e1: duplicate endpoint `e1` (first defined at 4:3)"]
+    );
+}
+
+#[test]
 fn a_file_without_endpoints_is_an_error() {
     assert_eq!(
         errors("version: 1\n"),
@@ -218,6 +258,31 @@ proptest! {
     fn arbitrary_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..512)) {
         let loaded = load(&bytes);
         prop_assert_eq!(loaded.policies.is_some(), !loaded.has_errors());
+    }
+
+    #[test]
+    fn route_matching_agrees_with_plain_string_comparison(
+        want in "[A-Z]{0,3}|GET|DELETE",
+        method in "[A-Z]{0,3}|GET|DELETE",
+        prefix in "/[ab/]{0,12}",
+        path in "/[ab/]{0,16}",
+    ) {
+        let http = crate::document::RouteMatch::Http {
+            method: Some(want.clone()),
+            path_prefix: prefix.clone(),
+        };
+        let target = Target::Http { method: &method, path: &path };
+        prop_assert_eq!(http.matches(&target), want == method && path.starts_with(&prefix));
+        let grpc = crate::document::RouteMatch::Grpc {
+            service: prefix.trim_matches('/').to_owned(),
+            method: Some(want.clone()),
+        };
+        let call = format!("{path}/{method}");
+        let expected = call
+            .strip_prefix('/')
+            .and_then(|p| p.split_once('/'))
+            .is_some_and(|(svc, m)| svc == prefix.trim_matches('/') && m == want);
+        prop_assert_eq!(grpc.matches(&Target::Grpc { path: &call }), expected);
     }
 
     #[test]

@@ -6,6 +6,7 @@
 //! run on every effective policy — the defaults, each endpoint, each route — and are reported at
 //! the most specific layer that wrote one of the fields involved, once.
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use crate::backoff;
@@ -45,14 +46,14 @@ pub fn check(doc: &PolicyDocument, diags: &mut Vec<Diagnostic>) {
         let mut layers = defaults_layers.to_vec();
         layers.push((Level::Endpoint, ep_path.clone(), &ep.overlay));
         check_effective(&layers, diags);
+        // Each match's first route, so that repeats are found in linear time.
+        let mut first_route = HashMap::with_capacity(ep.routes.len());
         for (i, route) in ep.routes.iter().enumerate() {
             let route_path = format!("{ep_path}.routes[{i}]");
             check_layer(&route.overlay, &route_path, diags);
             check_route_sharing(&route.overlay, &route_path, diags);
-            if let Some(j) = ep.routes[..i]
-                .iter()
-                .position(|r| r.matcher.value == route.matcher.value)
-            {
+            let j = *first_route.entry(&route.matcher.value).or_insert(i);
+            if j != i {
                 diags.push(Diagnostic::warning(
                     route.matcher.loc,
                     format!("{route_path}.match"),

@@ -15,11 +15,13 @@
 //! - [`Span::Covering`]: the last `1 + ceil((W - 1ns) / d)` slots (11 when `d` divides `W`). They
 //!   start at or before `now - W + 1ns`, so they hold a **superset** of the trailing window.
 //!
-//! Time: `now` before the origin saturates to slot 0. The newest slot seen is kept in `latest`
-//! (`fetch_max`); a `now` that falls in an older slot (time going backwards, or threads passing
-//! slightly different instants) is treated as that newest slot, so counts never land in a slot
-//! that was already recycled. Finding the slot costs a multiplication and a comparison against
-//! `latest`; the division runs only when time enters a new slot.
+//! Time: the counter works in nanoseconds since an origin kept by its owner, which converts each
+//! `Instant` once ([`nanos_since`]; instants before the origin saturate to 0, so to slot 0). The
+//! newest slot seen is kept in `latest` (`fetch_max`); a `now` that falls in an older slot (time
+//! going backwards, or threads passing slightly different instants) is treated as that newest
+//! slot, so counts never land in a slot that was already recycled. Finding the slot costs a
+//! multiplication and a comparison against `latest`; the division runs only when time enters a
+//! new slot.
 //!
 //! Epoch wrap: an epoch repeats every 2³² slots, so a word left untouched that long would look
 //! current again. Whenever `latest` crosses a multiple of 2²⁹ slots (as any jump of 2²⁹ slots or
@@ -33,6 +35,20 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
 
 use tokio::time::Instant;
+
+/// `d` in nanoseconds, saturating at `u64::MAX` (584 years).
+#[inline]
+pub(crate) fn duration_nanos(d: Duration) -> u64 {
+    d.as_secs()
+        .saturating_mul(1_000_000_000)
+        .saturating_add(u64::from(d.subsec_nanos()))
+}
+
+/// Nanoseconds from `origin` to `now`: 0 when `now` is before `origin`, saturating at
+/// `u64::MAX`.
+pub(crate) fn nanos_since(origin: Instant, now: Instant) -> u64 {
+    duration_nanos(now.saturating_duration_since(origin))
+}
 
 /// Slots per window (the last slot may be shorter when the window does not divide evenly).
 const SLOTS_PER_WINDOW: u64 = 10;
@@ -50,10 +66,10 @@ pub(crate) enum Span {
     Covering,
 }
 
-/// `C` counters over a sliding window, updated and read lock-free through `&self`.
+/// `C` counters over a sliding window, updated and read lock-free through `&self`. Time is in
+/// nanoseconds since the owner's origin.
 #[derive(Debug)]
 pub(crate) struct SlidingCounter<const C: usize> {
-    origin: Instant,
     slot_nanos: u64,
     inside: u64,
     covering: u64,
@@ -82,8 +98,8 @@ fn live_count(word: u64, slot: u64) -> Option<u64> {
 }
 
 impl<const C: usize> SlidingCounter<C> {
-    /// An empty counter whose slots are measured from `origin`.
-    pub(crate) fn new(window: Duration, origin: Instant) -> Self {
+    /// An empty counter for a window of `window`.
+    pub(crate) fn new(window: Duration) -> Self {
         let window = u64::try_from(window.as_nanos()).unwrap_or(u64::MAX).max(1);
         let slot_nanos = window.div_ceil(SLOTS_PER_WINDOW);
         let covering = 1 + (window - 1).div_ceil(slot_nanos);
@@ -92,7 +108,6 @@ impl<const C: usize> SlidingCounter<C> {
             .map(|_| std::array::from_fn(|_| AtomicU64::new(0)))
             .collect();
         Self {
-            origin,
             slot_nanos,
             inside: window / slot_nanos,
             covering,
@@ -102,14 +117,10 @@ impl<const C: usize> SlidingCounter<C> {
         }
     }
 
-    /// The newest slot seen, and the slot of `now` if it is newer (`None` when `now` falls in the
-    /// newest slot or before it: the common case costs a multiplication, not a division).
-    fn slots(&self, now: Instant) -> (u64, Option<u64>) {
-        let since = now.saturating_duration_since(self.origin);
-        let nanos = since
-            .as_secs()
-            .saturating_mul(1_000_000_000)
-            .saturating_add(u64::from(since.subsec_nanos()));
+    /// The newest slot seen, and the slot of `nanos` if it is newer (`None` when `nanos` falls in
+    /// the newest slot or before it: the common case costs a multiplication, not a division).
+    #[inline]
+    fn slots(&self, nanos: u64) -> (u64, Option<u64>) {
         let latest = self.latest.load(Relaxed);
         if nanos < latest.saturating_add(1).saturating_mul(self.slot_nanos) {
             (latest, None)
@@ -118,17 +129,18 @@ impl<const C: usize> SlidingCounter<C> {
         }
     }
 
-    /// The slot `now` falls in, never older than the newest slot seen. Read-only: it neither
+    /// The slot `nanos` falls in, never older than the newest slot seen. Read-only: it neither
     /// records the slot nor sweeps.
-    pub(crate) fn peek(&self, now: Instant) -> u64 {
-        let (latest, newer) = self.slots(now);
+    pub(crate) fn peek(&self, nanos: u64) -> u64 {
+        let (latest, newer) = self.slots(nanos);
         newer.unwrap_or(latest)
     }
 
     /// Like [`Self::peek`], and records the slot as the newest seen, sweeping the ring when that
     /// crosses a multiple of 2²⁹ slots. Call before writing.
-    pub(crate) fn advance(&self, now: Instant) -> u64 {
-        let (latest, newer) = self.slots(now);
+    #[inline]
+    pub(crate) fn advance(&self, nanos: u64) -> u64 {
+        let (latest, newer) = self.slots(nanos);
         let Some(raw) = newer else {
             return latest;
         };
@@ -140,6 +152,7 @@ impl<const C: usize> SlidingCounter<C> {
     }
 
     /// Zeroes every word last written at or before `prev` whose slot left the ring by `slot`.
+    #[cold]
     fn sweep(&self, prev: u64, slot: u64) {
         for word in self.ring.iter().flatten() {
             let w = word.load(Relaxed);
@@ -154,11 +167,13 @@ impl<const C: usize> SlidingCounter<C> {
         }
     }
 
+    #[inline]
     fn word(&self, slot: u64, counter: usize) -> &AtomicU64 {
         &self.ring[(slot & self.mask) as usize][counter]
     }
 
     /// Adds one to `counter` in `slot` (from [`Self::advance`]).
+    #[inline]
     pub(crate) fn add(&self, slot: u64, counter: usize) {
         let word = self.word(slot, counter);
         let mut w = word.load(Relaxed);
@@ -175,11 +190,20 @@ impl<const C: usize> SlidingCounter<C> {
         }
     }
 
-    /// Adds one to `counter` in `slot` only if the sum over `span` stays `<= limit` with it.
-    /// The CAS on the current slot's word makes this strict against every writer of that slot;
-    /// the older slots of the span are read once, before the loop.
-    pub(crate) fn try_add(&self, slot: u64, counter: usize, span: Span, limit: u64) -> bool {
-        let older = self.sum_from(slot, counter, span, 1);
+    /// The count of `counter` in `slot` itself (0 when its word holds another slot).
+    pub(crate) fn current(&self, slot: u64, counter: usize) -> u64 {
+        let w = self.word(slot, counter).load(Relaxed);
+        if epoch(w) == slot as u32 {
+            w & COUNT_MASK
+        } else {
+            0
+        }
+    }
+
+    /// Adds one to `counter` in `slot` only if `older` (the span's other slots, read by
+    /// [`Self::sums`] with `skip` 1) plus the slot's own count stays `<= limit` with it. The CAS
+    /// on the slot's word makes this strict against every writer of that slot.
+    pub(crate) fn try_add(&self, slot: u64, counter: usize, older: u64, limit: u64) -> bool {
         let word = self.word(slot, counter);
         let mut w = word.load(Relaxed);
         loop {
@@ -196,31 +220,37 @@ impl<const C: usize> SlidingCounter<C> {
         }
     }
 
-    /// The sum of `counter` over `span`, ending at `slot` (from [`Self::peek`] or
-    /// [`Self::advance`]).
-    pub(crate) fn sum(&self, slot: u64, counter: usize, span: Span) -> u64 {
-        self.sum_from(slot, counter, span, 0)
-    }
-
-    fn sum_from(&self, slot: u64, counter: usize, span: Span, skip: u64) -> u64 {
-        let len = match span {
+    fn len(&self, span: Span) -> u64 {
+        match span {
             Span::Inside => self.inside,
             Span::Covering => self.covering,
-        };
+        }
+    }
+
+    /// Every counter's sum in one pass over the ring: counter `i` over `spans[i].0` ending at
+    /// `slot` (from [`Self::peek`] or [`Self::advance`]), leaving out its `spans[i].1` newest
+    /// slots (1: all but `slot` itself).
+    pub(crate) fn sums(&self, slot: u64, spans: [(Span, u64); C]) -> [u64; C] {
+        let ranges = spans.map(|(span, skip)| (skip, self.len(span)));
+        let end = ranges.iter().map(|r| r.1).max().unwrap_or(0);
         // Slots newer than the newest one written to are empty: skipping them keeps a read-only
         // `peek` after a long idle gap from seeing a stale word whose epoch wrapped around.
-        let first = skip.max(slot.saturating_sub(self.latest.load(Relaxed)));
-        (first..len.min(slot.saturating_add(1)))
-            .map(|back| {
-                let s = slot - back;
-                let w = self.word(s, counter).load(Relaxed);
-                if epoch(w) == s as u32 {
-                    w & COUNT_MASK
-                } else {
-                    0
+        let first = slot.saturating_sub(self.latest.load(Relaxed));
+        let mut out = [0; C];
+        for back in first..end.min(slot.saturating_add(1)) {
+            let s = slot - back;
+            let words = &self.ring[(s & self.mask) as usize];
+            for ((sum, word), (skip, len)) in out.iter_mut().zip(words).zip(ranges) {
+                if back < skip || back >= len {
+                    continue;
                 }
-            })
-            .sum()
+                let w = word.load(Relaxed);
+                if epoch(w) == s as u32 {
+                    *sum += w & COUNT_MASK;
+                }
+            }
+        }
+        out
     }
 
     /// Zeroes every counter. Increments racing with it may survive or be lost.
@@ -237,7 +267,7 @@ mod tests {
 
     #[test]
     fn a_ten_second_window_has_ten_inside_and_eleven_covering_slots() {
-        let c = SlidingCounter::<1>::new(Duration::from_secs(10), Instant::now());
+        let c = SlidingCounter::<1>::new(Duration::from_secs(10));
         assert_eq!(
             (c.slot_nanos, c.inside, c.covering),
             (1_000_000_000, 10, 11)
@@ -247,17 +277,17 @@ mod tests {
     #[test]
     fn windows_shorter_than_ten_nanoseconds_use_one_nanosecond_slots() {
         for w in 1..10 {
-            let c = SlidingCounter::<1>::new(Duration::from_nanos(w), Instant::now());
+            let c = SlidingCounter::<1>::new(Duration::from_nanos(w));
             assert_eq!((c.slot_nanos, c.inside, c.covering), (1, w, w));
         }
-        let c = SlidingCounter::<1>::new(Duration::ZERO, Instant::now());
+        let c = SlidingCounter::<1>::new(Duration::ZERO);
         assert_eq!((c.slot_nanos, c.inside, c.covering), (1, 1, 1));
     }
 
     #[test]
     fn uneven_windows_keep_inside_a_subset_and_covering_a_superset() {
         for w in [11u64, 19, 95, 101, 999, 1_000_000_007] {
-            let c = SlidingCounter::<1>::new(Duration::from_nanos(w), Instant::now());
+            let c = SlidingCounter::<1>::new(Duration::from_nanos(w));
             assert!(c.inside * c.slot_nanos <= w, "inside {w}");
             assert!((c.covering - 1) * c.slot_nanos + 1 >= w, "covering {w}");
         }
@@ -265,17 +295,27 @@ mod tests {
 
     #[test]
     fn counts_sum_over_the_span_and_expire_out_of_it() {
-        let t0 = Instant::now();
-        let c = SlidingCounter::<2>::new(Duration::from_secs(10), t0);
+        const SEC: u64 = 1_000_000_000;
+        let c = SlidingCounter::<2>::new(Duration::from_secs(10));
         for i in 0..10 {
-            let s = c.advance(t0 + Duration::from_secs(i));
+            let s = c.advance(i * SEC);
             c.add(s, 0);
         }
-        let s = c.advance(t0 + Duration::from_secs(10));
-        assert_eq!(c.sum(s, 0, Span::Inside), 9);
-        assert_eq!(c.sum(s, 0, Span::Covering), 10);
-        assert_eq!(c.sum(s, 1, Span::Covering), 0);
-        let s = c.advance(t0 + Duration::from_secs(30));
-        assert_eq!(c.sum(s, 0, Span::Covering), 0);
+        let s = c.advance(10 * SEC);
+        assert_eq!(c.sums(s, [(Span::Inside, 0); 2]), [9, 0]);
+        assert_eq!(c.sums(s, [(Span::Covering, 0); 2]), [10, 0]);
+        assert_eq!(c.sums(s, [(Span::Inside, 0), (Span::Covering, 1)]), [9, 0]);
+        assert_eq!(c.sums(s, [(Span::Covering, 1), (Span::Inside, 0)]), [10, 0]);
+        let s = c.advance(30 * SEC);
+        assert_eq!(c.sums(s, [(Span::Covering, 0); 2]), [0, 0]);
+    }
+
+    #[test]
+    fn nanos_since_saturates_before_the_origin() {
+        let t0 = Instant::now();
+        let later = t0 + Duration::from_nanos(1_500_000_007);
+        assert_eq!(nanos_since(t0, later), 1_500_000_007);
+        assert_eq!(nanos_since(later, t0), 0);
+        assert_eq!(duration_nanos(Duration::MAX), u64::MAX);
     }
 }

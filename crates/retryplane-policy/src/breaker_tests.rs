@@ -1,0 +1,204 @@
+//! Tests of the circuit breaker: opening, half-open probes, stale permits.
+
+use std::time::Duration;
+
+use super::BreakerState::{Closed, HalfOpen, Open};
+use super::*;
+
+/// The default settings (ratio 0.5, window 10 s, open for 30 s, 3 probes).
+fn breaker(min_requests: u32, t0: Instant) -> CircuitBreaker {
+    let cfg = BreakerConfig {
+        min_requests,
+        ..BreakerConfig::default()
+    };
+    CircuitBreaker::new(&cfg, t0)
+}
+
+fn ms(t: Instant, ms: u64) -> Instant {
+    t + Duration::from_millis(ms)
+}
+
+fn call(b: &CircuitBreaker, success: bool, now: Instant) -> Result<(), BreakerOpen> {
+    let permit = b.try_acquire(now)?;
+    b.record(permit, success, now);
+    Ok(())
+}
+
+/// Opens `b` at `t0` + 1 s with 10 failures.
+fn trip(b: &CircuitBreaker, t0: Instant) -> Instant {
+    let at = t0 + Duration::from_secs(1);
+    (0..10).for_each(|_| call(b, false, at).unwrap_or(()));
+    assert_eq!(b.state(at), Open);
+    at
+}
+
+#[test]
+fn opens_at_the_failure_ratio_with_enough_requests() {
+    let t0 = Instant::now();
+    let b = breaker(10, t0);
+    for i in 0..5 {
+        call(&b, true, ms(t0, i)).unwrap();
+    }
+    for i in 0..4 {
+        call(&b, false, ms(t0, 10 + i)).unwrap();
+    }
+    assert_eq!(b.state(ms(t0, 20)), Closed);
+    call(&b, false, ms(t0, 20)).unwrap();
+    assert_eq!(b.state(ms(t0, 20)), Open);
+}
+
+#[test]
+fn does_not_open_below_min_requests_or_below_the_ratio() {
+    let t0 = Instant::now();
+    let b = breaker(20, t0);
+    (0..19).for_each(|_| call(&b, false, t0).unwrap());
+    assert_eq!(b.state(t0), Closed);
+    let b = breaker(10, t0);
+    (0..11).for_each(|_| call(&b, true, t0).unwrap());
+    (0..10).for_each(|_| call(&b, false, t0).unwrap());
+    assert_eq!(b.state(t0), Closed);
+}
+
+#[test]
+fn rejects_while_open() {
+    let t0 = Instant::now();
+    let b = breaker(10, t0);
+    let opened = trip(&b, t0);
+    for wait in [0, 1, 29_999] {
+        let now = ms(opened, wait);
+        assert_eq!(b.try_acquire(now), Err(BreakerOpen));
+        assert_eq!(b.state(now), Open);
+    }
+}
+
+#[test]
+fn half_open_after_open_for_lets_exactly_n_probes() {
+    let t0 = Instant::now();
+    let b = breaker(10, t0);
+    let half = trip(&b, t0) + Duration::from_secs(30);
+    assert_eq!(b.state(half), HalfOpen);
+    let probes: Vec<_> = (0..3).map(|_| b.try_acquire(half)).collect();
+    assert!(probes.iter().all(|p| p.is_ok_and(Permit::is_probe)));
+    assert_eq!(b.try_acquire(half), Err(BreakerOpen));
+    assert_eq!(
+        b.try_acquire(half + Duration::from_secs(29)),
+        Err(BreakerOpen)
+    );
+}
+
+#[test]
+fn concurrent_acquires_while_half_open_get_exactly_n_probes() {
+    let t0 = Instant::now();
+    let b = breaker(10, t0);
+    let half = trip(&b, t0) + Duration::from_secs(30);
+    let granted: usize = std::thread::scope(|s| {
+        let racers: Vec<_> = (0..2)
+            .map(|_| s.spawn(|| (0..1000).filter(|_| b.try_acquire(half).is_ok()).count()))
+            .collect();
+        racers.into_iter().map(|r| r.join().unwrap_or(0)).sum()
+    });
+    assert_eq!(granted, 3);
+}
+
+#[test]
+fn n_probe_successes_close_it_with_counts_reset() {
+    let t0 = Instant::now();
+    let cfg = BreakerConfig {
+        min_requests: 4,
+        window: Duration::from_secs(60),
+        ..BreakerConfig::default()
+    };
+    let b = CircuitBreaker::new(&cfg, t0);
+    (0..4).for_each(|_| call(&b, false, t0).unwrap());
+    let half = t0 + Duration::from_secs(30);
+    let probes: Vec<_> = (0..3).filter_map(|_| b.try_acquire(half).ok()).collect();
+    for (i, p) in probes.into_iter().enumerate() {
+        assert_eq!(b.state(half), HalfOpen, "after {i} successes");
+        b.record(p, true, half);
+    }
+    assert_eq!(b.state(half), Closed);
+    // The 4 failures before opening are still inside the 60 s window, but do not count.
+    (0..3).for_each(|_| call(&b, false, half).unwrap());
+    assert_eq!(b.state(half), Closed);
+    call(&b, false, half).unwrap();
+    assert_eq!(b.state(half), Open);
+}
+
+#[test]
+fn one_probe_failure_reopens_for_a_new_open_for() {
+    let t0 = Instant::now();
+    let b = breaker(10, t0);
+    let half = trip(&b, t0) + Duration::from_secs(30);
+    let first = b.try_acquire(half).unwrap();
+    let second = b.try_acquire(half).unwrap();
+    b.record(first, true, half);
+    let failed_at = ms(half, 1500);
+    b.record(second, false, failed_at);
+    let reopened_until = failed_at + Duration::from_secs(30);
+    assert_eq!(b.state(reopened_until - Duration::from_millis(1)), Open);
+    assert_eq!(
+        b.try_acquire(half + Duration::from_secs(30)),
+        Err(BreakerOpen)
+    );
+    assert_eq!(b.state(reopened_until), HalfOpen);
+    let fresh = (0..4)
+        .filter(|_| b.try_acquire(reopened_until).is_ok())
+        .count();
+    assert_eq!(fresh, 3);
+}
+
+#[test]
+fn counts_expire_with_the_window() {
+    let t0 = Instant::now();
+    let b = breaker(10, t0);
+    (0..9).for_each(|_| call(&b, false, t0).unwrap());
+    call(&b, false, t0 + Duration::from_secs(10)).unwrap();
+    assert_eq!(b.state(t0 + Duration::from_secs(10)), Closed);
+}
+
+#[test]
+fn outcomes_from_an_earlier_period_are_ignored() {
+    let t0 = Instant::now();
+    let b = breaker(10, t0);
+    let in_flight = b.try_acquire(t0).unwrap();
+    let half = trip(&b, t0) + Duration::from_secs(30);
+    b.record(in_flight, true, half);
+    let probes: Vec<_> = (0..3).filter_map(|_| b.try_acquire(half).ok()).collect();
+    assert_eq!(b.state(half), HalfOpen);
+    probes.iter().for_each(|p| b.record(*p, true, half));
+    assert_eq!(b.state(half), Closed);
+    b.record(probes[0], false, half); // reported twice: ignored
+    assert_eq!(b.state(half), Closed);
+}
+
+#[test]
+fn lost_probes_are_replaced_after_another_open_for() {
+    let t0 = Instant::now();
+    let b = breaker(10, t0);
+    let half = trip(&b, t0) + Duration::from_secs(30);
+    let lost: Vec<_> = (0..3).filter_map(|_| b.try_acquire(half).ok()).collect();
+    let later = half + Duration::from_secs(30);
+    let fresh: Vec<_> = (0..4).filter_map(|_| b.try_acquire(later).ok()).collect();
+    assert_eq!(fresh.len(), 3);
+    b.record(lost[0], false, later); // a late report of the lost period is ignored
+    fresh.iter().for_each(|p| b.record(*p, true, later));
+    assert_eq!(b.state(later), Closed);
+}
+
+#[test]
+fn zero_probes_means_one_and_instants_before_origin_do_not_panic() {
+    let t0 = Instant::now();
+    let cfg = BreakerConfig {
+        min_requests: 1,
+        half_open_probes: 0,
+        ..BreakerConfig::default()
+    };
+    let b = CircuitBreaker::new(&cfg, t0 + Duration::from_secs(5));
+    call(&b, false, t0).unwrap();
+    assert_eq!(b.state(t0), Open);
+    let half = t0 + Duration::from_secs(35);
+    let probe = b.try_acquire(half).unwrap();
+    assert_eq!(b.try_acquire(half), Err(BreakerOpen));
+    b.record(probe, true, half);
+    assert_eq!(b.state(half), Closed);
+}

@@ -1,0 +1,227 @@
+//! Tests of the retry budget: the bound, expiry, concurrency.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use proptest::prelude::*;
+
+use super::*;
+
+fn cfg(ratio: f64, min_per_second: u32, window: Duration) -> BudgetConfig {
+    BudgetConfig {
+        ratio,
+        min_per_second,
+        window,
+    }
+}
+
+fn withdraw_all(b: &RetryBudget, now: Instant) -> u64 {
+    let mut n = 0;
+    while b.try_withdraw(now) {
+        n += 1;
+        assert!(n <= 1_000_000, "budget never ran out");
+    }
+    n
+}
+
+#[test]
+fn reserve_allows_min_per_second_times_window_retries_with_no_traffic() {
+    let t0 = Instant::now();
+    let b = RetryBudget::new(&cfg(0.2, 10, Duration::from_secs(10)), t0);
+    assert_eq!(withdraw_all(&b, t0 + Duration::from_millis(1)), 100);
+    let b = RetryBudget::new(&cfg(0.2, 10, Duration::from_millis(250)), t0);
+    assert_eq!(withdraw_all(&b, t0), 2);
+}
+
+#[test]
+fn ratio_allows_ratio_times_logical_calls() {
+    let t0 = Instant::now();
+    let b = RetryBudget::new(&cfg(0.2, 0, Duration::from_secs(10)), t0);
+    for i in 0..50 {
+        b.deposit(t0 + Duration::from_millis(100 * i));
+    }
+    let now = t0 + Duration::from_secs(6);
+    assert_eq!(withdraw_all(&b, now), 10);
+    let b = RetryBudget::new(&cfg(0.29, 0, Duration::from_secs(10)), t0);
+    (0..100).for_each(|_| b.deposit(t0));
+    assert_eq!(withdraw_all(&b, t0), 29);
+}
+
+#[test]
+fn counts_expire_after_the_window() {
+    let t0 = Instant::now();
+    let b = RetryBudget::new(&cfg(0.5, 0, Duration::from_secs(10)), t0);
+    (0..20).for_each(|_| b.deposit(t0));
+    assert_eq!(withdraw_all(&b, t0), 10);
+    assert!(!b.can_withdraw(t0 + Duration::from_secs(5)));
+    // The calls no longer count; the retries still do, for up to one more slot.
+    let later = t0 + Duration::from_secs(10);
+    (0..20).for_each(|_| b.deposit(later));
+    assert_eq!(withdraw_all(&b, later), 0);
+    assert_eq!(withdraw_all(&b, later + Duration::from_secs(1)), 10);
+    let snap = b.snapshot(t0 + Duration::from_secs(22));
+    assert_eq!((snap.requests, snap.retries), (0, 0));
+}
+
+#[test]
+fn first_attempts_never_consume_budget() {
+    let t0 = Instant::now();
+    let b = RetryBudget::new(&cfg(0.0, 1, Duration::from_secs(5)), t0);
+    (0..1000).for_each(|_| b.deposit(t0));
+    assert_eq!(b.snapshot(t0).retries, 0);
+    assert_eq!(withdraw_all(&b, t0), 5);
+}
+
+#[test]
+fn can_withdraw_and_snapshot_do_not_count() {
+    let t0 = Instant::now();
+    let b = RetryBudget::new(&cfg(0.5, 0, Duration::from_secs(10)), t0);
+    (0..4).for_each(|_| b.deposit(t0));
+    for _ in 0..10 {
+        assert!(b.can_withdraw(t0));
+    }
+    assert!(b.try_withdraw(t0));
+    let snap = b.snapshot(t0);
+    assert_eq!(
+        snap,
+        BudgetSnapshot {
+            requests: 4,
+            retries: 1,
+            allowed: 2
+        }
+    );
+    assert!(b.try_withdraw(t0));
+    assert!(!b.can_withdraw(t0));
+    assert!(!b.try_withdraw(t0));
+}
+
+#[test]
+fn zero_ratio_and_zero_reserve_allow_no_retries() {
+    let t0 = Instant::now();
+    let b = RetryBudget::new(&cfg(0.0, 0, Duration::from_secs(10)), t0);
+    (0..100).for_each(|_| b.deposit(t0));
+    assert!(!b.can_withdraw(t0));
+    assert!(!b.try_withdraw(t0));
+}
+
+#[test]
+fn windows_shorter_than_ten_nanoseconds_still_count_and_expire() {
+    let t0 = Instant::now();
+    let b = RetryBudget::new(&cfg(1.0, 0, Duration::from_nanos(3)), t0);
+    b.deposit(t0);
+    b.deposit(t0 + Duration::from_nanos(2));
+    assert_eq!(withdraw_all(&b, t0 + Duration::from_nanos(2)), 2);
+    b.deposit(t0 + Duration::from_nanos(5));
+    assert_eq!(withdraw_all(&b, t0 + Duration::from_nanos(5)), 1);
+}
+
+#[test]
+fn instants_before_origin_and_going_backwards_count_in_the_newest_slot() {
+    let t0 = Instant::now();
+    let origin = t0 + Duration::from_secs(3600);
+    let b = RetryBudget::new(&cfg(1.0, 0, Duration::from_secs(10)), origin);
+    b.deposit(t0);
+    assert_eq!(b.snapshot(origin).requests, 1);
+    b.deposit(origin + Duration::from_secs(5));
+    assert!(b.try_withdraw(origin + Duration::from_secs(4)));
+    assert!(b.try_withdraw(t0));
+    assert!(!b.try_withdraw(origin + Duration::from_secs(5)));
+    assert_eq!(b.snapshot(origin + Duration::from_secs(5)).retries, 2);
+}
+
+#[test]
+fn a_stale_slot_is_not_mistaken_for_a_current_one_after_the_epoch_wraps() {
+    let t0 = Instant::now();
+    let b = RetryBudget::new(&cfg(1.0, 0, Duration::from_nanos(10)), t0);
+    (0..5).for_each(|_| b.deposit(t0));
+    // 2^32 one-nanosecond slots later: same ring position, same 32-bit epoch.
+    let wrapped = t0 + Duration::from_nanos(1 << 32);
+    assert_eq!(b.snapshot(wrapped).requests, 0);
+    assert!(!b.can_withdraw(wrapped));
+    b.deposit(wrapped);
+    assert_eq!(b.snapshot(wrapped).requests, 1);
+    // Steady traffic across the wrap keeps counting.
+    let b = RetryBudget::new(&cfg(1.0, 0, Duration::from_nanos(10)), t0);
+    for i in (1u64 << 32) - 5..(1 << 32) + 5 {
+        b.deposit(t0 + Duration::from_nanos(i));
+    }
+    assert_eq!(
+        b.snapshot(t0 + Duration::from_nanos((1 << 32) + 4))
+            .requests,
+        10
+    );
+}
+
+#[test]
+fn concurrent_use_from_two_threads_stays_within_the_bound_plus_thread_count() {
+    const THREADS: u64 = 2;
+    const CALLS: u64 = 20_000;
+    let t0 = Instant::now();
+    let b = RetryBudget::new(&cfg(0.25, 1, Duration::from_secs(10)), t0);
+    let granted = AtomicU64::new(0);
+    std::thread::scope(|s| {
+        for _ in 0..THREADS {
+            s.spawn(|| {
+                for i in 0..CALLS {
+                    // 8 s in all: crosses slots, nothing expires.
+                    let now = t0 + Duration::from_micros(400 * i);
+                    b.deposit(now);
+                    if i % 2 == 0 && b.try_withdraw(now) {
+                        granted.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            });
+        }
+    });
+    let granted = granted.into_inner();
+    let bound = allowance(10, 0.25, THREADS * CALLS);
+    assert!(
+        granted <= bound + THREADS,
+        "{granted} > {bound} + {THREADS}"
+    );
+    assert!(granted >= bound / 2, "{granted} retries only");
+    let snap = b.snapshot(t0 + Duration::from_secs(8));
+    assert_eq!((snap.requests, snap.retries), (THREADS * CALLS, granted));
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    #[test]
+    fn allowed_retries_never_exceed_the_budget_in_any_trailing_window(
+        window_ns in prop_oneof![
+            1u64..12, Just(95u64), Just(1_000_003), Just(2_500_000_000), Just(10_000_000_000)
+        ],
+        ratio in prop_oneof![Just(0.0), Just(1.0), 0.0f64..=1.0],
+        min_per_second in 0u32..3,
+        events in prop::collection::vec((0u64..250, any::<bool>()), 1..600),
+    ) {
+        let t0 = Instant::now();
+        let config = cfg(ratio, min_per_second, Duration::from_nanos(window_ns));
+        let b = RetryBudget::new(&config, t0);
+        let reserve = b.reserve;
+        // (time, is_deposit) of every deposit and every granted retry.
+        let mut log: Vec<(u64, bool)> = Vec::new();
+        let mut t = 0u64;
+        for (permille, deposit) in events {
+            // Gaps up to a quarter window (about 8 events per window), many of them zero.
+            t += (window_ns * permille.saturating_sub(50) / 1000).max(u64::from(permille % 7 == 0));
+            let now = t0 + Duration::from_nanos(t);
+            if deposit {
+                b.deposit(now);
+                log.push((t, true));
+            } else if b.try_withdraw(now) {
+                log.push((t, false));
+                let recent = log.iter().filter(|(at, _)| at + window_ns > t);
+                let (deposits, retries) = recent.fold((0, 0), |(d, r), (_, dep)| {
+                    if *dep { (d + 1, r) } else { (d, r + 1) }
+                });
+                let allowed = allowance(reserve, ratio, deposits);
+                prop_assert!(
+                    retries <= allowed,
+                    "at {t}: {retries} retries > {allowed} allowed ({deposits} calls)"
+                );
+            }
+        }
+    }
+}

@@ -1,0 +1,120 @@
+//! The data of the engine's steps: what an attempt produced ([`Outcome`]), what comes next
+//! ([`Decision`]) and why a call gave up ([`GiveUpCause`]). Re-exported from
+//! [`crate::engine`].
+
+use std::time::Duration;
+
+use crate::codes::GrpcCode;
+use crate::model::{ErrorClass, RetryPolicy};
+use crate::retry_after::{Pushback, RetryAfterError};
+
+/// What one attempt produced, as far as retrying is concerned.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// An HTTP response.
+    Http {
+        /// The status code.
+        status: u16,
+        /// The parsed `Retry-After` header, if the response had one
+        /// ([`crate::retry_after::parse_retry_after`]).
+        retry_after: Option<Result<Duration, RetryAfterError>>,
+    },
+    /// A gRPC status.
+    Grpc {
+        /// The status code.
+        code: GrpcCode,
+        /// The parsed `grpc-retry-pushback-ms` trailer, if present.
+        pushback: Option<Pushback>,
+    },
+    /// No response: a transport failure.
+    Transport(ErrorClass),
+}
+
+impl Outcome {
+    /// Whether the attempt succeeded (HTTP below 400, gRPC `OK`).
+    #[inline]
+    pub fn is_success(&self) -> bool {
+        match self {
+            Outcome::Http { status, .. } => *status < 400,
+            Outcome::Grpc { code, .. } => *code == GrpcCode::Ok,
+            Outcome::Transport(_) => false,
+        }
+    }
+
+    /// Whether the failure says the upstream is unhealthy, which is what the circuit breaker
+    /// counts: a failure class listed in `retry_on` (a 404 or a 400 says nothing about health).
+    /// A success never is, whatever `retry_on` lists.
+    pub fn is_upstream_failure(&self, policy: &RetryPolicy) -> bool {
+        if self.is_success() {
+            return false;
+        }
+        match self {
+            Outcome::Http { status, .. } => policy.retry_on.http_status.contains(status),
+            Outcome::Grpc { code, .. } => policy.retry_on.grpc_status.contains(code),
+            Outcome::Transport(_) => true,
+        }
+    }
+}
+
+/// Why a logical call stopped without success.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum GiveUpCause {
+    /// The failure is not retryable (class not listed, non-idempotent call, pushback said no).
+    NotRetryable,
+    /// `max_attempts` attempts were made.
+    AttemptsExhausted,
+    /// The endpoint's retry budget refused a retry.
+    BudgetExhausted,
+    /// The next pause or attempt does not fit in what is left of the deadline.
+    DeadlineExceeded,
+    /// The server asked for a wait longer than `retry_after.max`.
+    RetryAfterTooLong,
+    /// The endpoint's circuit breaker is open.
+    CircuitOpen,
+}
+
+impl GiveUpCause {
+    /// Every cause.
+    pub const ALL: [GiveUpCause; 6] = [
+        GiveUpCause::NotRetryable,
+        GiveUpCause::AttemptsExhausted,
+        GiveUpCause::BudgetExhausted,
+        GiveUpCause::DeadlineExceeded,
+        GiveUpCause::RetryAfterTooLong,
+        GiveUpCause::CircuitOpen,
+    ];
+
+    /// The snake_case name used in reports and metrics (`budget_exhausted`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            GiveUpCause::NotRetryable => "not_retryable",
+            GiveUpCause::AttemptsExhausted => "attempts_exhausted",
+            GiveUpCause::BudgetExhausted => "budget_exhausted",
+            GiveUpCause::DeadlineExceeded => "deadline_exceeded",
+            GiveUpCause::RetryAfterTooLong => "retry_after_too_long",
+            GiveUpCause::CircuitOpen => "circuit_open",
+        }
+    }
+}
+
+impl std::fmt::Display for GiveUpCause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What to do after an attempt.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Decision {
+    /// The attempt succeeded: return its result.
+    Return,
+    /// Sleep `pause`, then make the next attempt.
+    Retry {
+        /// How long to wait.
+        pause: Duration,
+        /// Whether a server hint set or lengthened the pause.
+        hinted: bool,
+    },
+    /// Return the last failure with this cause.
+    GiveUp(GiveUpCause),
+}

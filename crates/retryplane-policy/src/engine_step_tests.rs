@@ -1,0 +1,211 @@
+//! Tests of how the engine keeps SPEC §2 while doing less work per step: one read of the budget
+//! (its cause still comes first), one time conversion per step, state built only when needed.
+
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::*;
+use crate::model::{BackoffConfig, BudgetConfig, Jitter};
+use crate::rng::SeededRng;
+
+/// Counts the values it hands out.
+struct Counting(SeededRng, u32);
+
+impl Rng for Counting {
+    fn next_u64(&mut self) -> u64 {
+        self.1 += 1;
+        self.0.next_u64()
+    }
+}
+
+fn policy(min_per_second: u32) -> RetryPolicy {
+    RetryPolicy {
+        backoff: BackoffConfig {
+            base: Duration::from_millis(100),
+            max: Duration::from_secs(2),
+            multiplier: 2.0,
+            jitter: Jitter::Full,
+        },
+        deadline: Duration::from_secs(1),
+        per_try_timeout: Duration::from_millis(500),
+        budget: Some(BudgetConfig {
+            ratio: 0.0,
+            min_per_second,
+            window: Duration::from_secs(1),
+        }),
+        circuit_breaker: None,
+        ..RetryPolicy::default()
+    }
+}
+
+const GET: CallInfo = CallInfo {
+    idempotent: true,
+    has_idempotency_key: false,
+};
+
+fn http(status: u16, retry_after: Option<Duration>) -> Outcome {
+    Outcome::Http {
+        status,
+        retry_after: retry_after.map(Ok),
+    }
+}
+
+/// One attempt at `now` answered by `outcome`.
+fn step(call: &mut RetryCall<'_>, outcome: Outcome, now: Instant, rng: &mut Counting) -> Decision {
+    call.start_attempt(now).expect("attempt allowed");
+    call.on_outcome(outcome, now, rng)
+}
+
+#[test]
+fn an_exhausted_budget_is_the_cause_even_when_the_pause_would_not_fit_either() {
+    let p = policy(0); // no reserve, no ratio: every retry is refused
+    let t0 = Instant::now();
+    let state = EndpointState::new(&p, t0);
+    let mut rng = Counting(SeededRng::with_seed(1), 0);
+    let late = t0 + Duration::from_millis(990);
+    for outcome in [http(503, None), http(429, Some(Duration::from_secs(60)))] {
+        let mut call = RetryCall::new(&p, &state, GET, t0);
+        assert_eq!(
+            step(&mut call, outcome, late, &mut rng),
+            Decision::GiveUp(GiveUpCause::BudgetExhausted)
+        );
+    }
+    assert_eq!(rng.1, 0, "no pause is drawn for a retry the budget refuses");
+}
+
+#[test]
+fn a_retry_refused_by_the_deadline_or_a_long_hint_does_not_spend_budget() {
+    let p = policy(1); // a reserve of one retry
+    let t0 = Instant::now();
+    let state = EndpointState::new(&p, t0);
+    let budget = state.budget().expect("budget on");
+    let mut rng = Counting(SeededRng::with_seed(1), 0);
+    let mut call = RetryCall::new(&p, &state, GET, t0);
+    let long_hint = http(429, Some(Duration::from_secs(31)));
+    assert_eq!(
+        step(&mut call, long_hint, t0, &mut rng),
+        Decision::GiveUp(GiveUpCause::RetryAfterTooLong)
+    );
+    let mut call = RetryCall::new(&p, &state, GET, t0);
+    let hint_past_deadline = http(503, Some(Duration::from_millis(1500)));
+    assert_eq!(
+        step(&mut call, hint_past_deadline, t0, &mut rng),
+        Decision::GiveUp(GiveUpCause::DeadlineExceeded)
+    );
+    assert_eq!(budget.snapshot(t0).retries, 0);
+    let mut call = RetryCall::new(&p, &state, GET, t0);
+    assert!(matches!(
+        step(&mut call, http(503, None), t0, &mut rng),
+        Decision::Retry { .. }
+    ));
+    assert_eq!(budget.snapshot(t0).retries, 1);
+}
+
+#[test]
+fn the_deadline_is_exact_for_calls_before_the_state_origin() {
+    let mut p = policy(10);
+    p.backoff.jitter = Jitter::None;
+    let t0 = Instant::now();
+    // The state was created an hour "after" the call: the budget counts the call at its origin,
+    // the deadline still runs from the call's own start.
+    let state = EndpointState::new(&p, t0 + Duration::from_secs(3600));
+    let mut rng = Counting(SeededRng::with_seed(1), 0);
+    let mut call = RetryCall::new(&p, &state, GET, t0);
+    assert_eq!(call.deadline(), t0 + Duration::from_secs(1));
+    let at = t0 + Duration::from_millis(850);
+    assert_eq!(
+        call.start_attempt(at).map(|a| a.timeout),
+        Ok(Duration::from_millis(150))
+    );
+    // 150 ms are left: a 100 ms pause fits, then 50 ms are left for a 200 ms one.
+    assert_eq!(
+        call.on_outcome(http(503, None), at, &mut rng),
+        Decision::Retry {
+            pause: Duration::from_millis(100),
+            hinted: false
+        }
+    );
+    assert_eq!(
+        step(
+            &mut call,
+            http(503, None),
+            at + Duration::from_millis(100),
+            &mut rng
+        ),
+        Decision::GiveUp(GiveUpCause::DeadlineExceeded)
+    );
+    assert_eq!(
+        call.start_attempt(t0 + Duration::from_secs(1)),
+        Err(GiveUpCause::DeadlineExceeded)
+    );
+    let snap = state.budget().expect("budget on").snapshot(t0);
+    assert_eq!((snap.requests, snap.retries), (1, 1));
+}
+
+#[test]
+fn a_deadline_too_long_for_an_instant_neither_panics_nor_ends() {
+    let mut p = policy(10);
+    p.deadline = Duration::MAX;
+    p.per_try_timeout = Duration::MAX;
+    let t0 = Instant::now();
+    let state = EndpointState::new(&p, t0);
+    let mut call = RetryCall::new(&p, &state, GET, t0);
+    let later = t0 + Duration::from_secs(86_400 * 365);
+    assert_eq!(
+        call.start_attempt(later).map(|a| a.timeout),
+        Ok(Duration::MAX - Duration::from_secs(86_400 * 365))
+    );
+    assert!(call.deadline() > later);
+}
+
+#[test]
+fn a_success_is_never_an_upstream_failure() {
+    let mut p = policy(10);
+    p.retry_on.http_status = std::sync::Arc::from([200, 503]);
+    assert!(!http(200, None).is_upstream_failure(&p));
+    assert!(http(503, None).is_upstream_failure(&p));
+    assert!(Outcome::Transport(ErrorClass::Connect).is_upstream_failure(&p));
+}
+
+#[test]
+fn the_breaker_counts_transport_failures_and_listed_statuses_only() {
+    let mut p = policy(10);
+    p.circuit_breaker = Some(crate::model::BreakerConfig {
+        min_requests: 3,
+        failure_ratio: 1.0,
+        ..Default::default()
+    });
+    let t0 = Instant::now();
+    let state = EndpointState::new(&p, t0);
+    let mut rng = Counting(SeededRng::with_seed(1), 0);
+    let breaker = state.breaker().expect("breaker on");
+    for outcome in [http(404, None), http(503, None), http(503, None)] {
+        let mut call = RetryCall::new(&p, &state, GET, t0);
+        let _ = step(&mut call, outcome, t0, &mut rng);
+    }
+    // 1 of 3 attempts was healthy (a 404 says nothing about health): below a ratio of 1.
+    assert_eq!(breaker.state(t0), crate::breaker::BreakerState::Closed);
+    let mut call = RetryCall::new(&p, &state, GET, t0);
+    let _ = step(
+        &mut call,
+        Outcome::Transport(ErrorClass::Reset),
+        t0,
+        &mut rng,
+    );
+    let mut call = RetryCall::new(&p, &state, GET, t0);
+    let _ = step(&mut call, http(503, None), t0, &mut rng);
+    // Still 1 healthy of 5: the check compares failures with every attempt in the window.
+    assert_eq!(breaker.state(t0), crate::breaker::BreakerState::Closed);
+    let fresh = EndpointState::new(&p, t0);
+    for outcome in [
+        Outcome::Transport(ErrorClass::Timeout),
+        http(503, None),
+        http(502, None),
+    ] {
+        let mut call = RetryCall::new(&p, &fresh, GET, t0);
+        let _ = step(&mut call, outcome, t0, &mut rng);
+    }
+    let open = fresh.breaker().expect("breaker on").state(t0);
+    assert_eq!(open, crate::breaker::BreakerState::Open);
+}
