@@ -6,6 +6,7 @@
 //!   from, the retry schedule against the deadline and the worst-case load; `simulate --policy
 //!   FILE --endpoint NAME [...]` runs a fleet of the policy's clients against an upstream that
 //!   falls over, in virtual time, beside no budget, no jitter and a naive client;
+//! - `simulate` runs a retry-storm what-if of a policy; `request` makes one call under a policy;
 //! - the control plane: `serve` runs it; `apply`, `diff`, `get`, `history`, `rollback` and
 //!   `status` talk to its admin API (`--server`, `--token` / `RETRYPLANE_TOKEN`).
 //!

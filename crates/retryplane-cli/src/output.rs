@@ -154,6 +154,34 @@ pub fn table(out: &mut String, indent: &str, align: &[Align], rows: &[Vec<String
     }
 }
 
+/// The report of a command refused because its policy file has errors: exactly what
+/// `validate` prints for that file, in the requested format, with the failure outcome.
+pub fn invalid_file_report(
+    file: &str,
+    diagnostics: &[Diagnostic],
+    format: Format,
+) -> anyhow::Result<crate::Report> {
+    let stdout = match format {
+        Format::Text => {
+            let mut out = String::new();
+            for d in diagnostics {
+                push_diagnostic_line(&mut out, file, d);
+            }
+            out
+        }
+        Format::Json => json(
+            &diagnostics
+                .iter()
+                .map(|d| JsonDiagnostic::new(file, d))
+                .collect::<Vec<_>>(),
+        )?,
+    };
+    Ok(crate::Report {
+        stdout,
+        outcome: crate::Outcome::Failure,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

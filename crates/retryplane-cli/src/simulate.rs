@@ -20,7 +20,7 @@ use retryplane_policy::duration::parse_duration;
 use retryplane_sim::{Config, Scenario};
 
 use crate::input::Source;
-use crate::output::{self, Format, JsonDiagnostic};
+use crate::output::{self, Format};
 use crate::{Outcome, Report};
 
 /// `retryplane simulate` flags, as parsed.
@@ -118,26 +118,7 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
     let loaded = settings.source.load()?;
     let file = settings.source.to_string();
     let Some(policies) = &loaded.policies else {
-        let stdout = match settings.format {
-            Format::Text => {
-                let mut out = String::new();
-                for d in &loaded.diagnostics {
-                    output::push_diagnostic_line(&mut out, &file, d);
-                }
-                out
-            }
-            Format::Json => output::json(
-                &loaded
-                    .diagnostics
-                    .iter()
-                    .map(|d| JsonDiagnostic::new(&file, d))
-                    .collect::<Vec<_>>(),
-            )?,
-        };
-        return Ok(Report {
-            stdout,
-            outcome: Outcome::Failure,
-        });
+        return output::invalid_file_report(&file, &loaded.diagnostics, settings.format);
     };
     let Some(endpoint) = policies.endpoint(&settings.endpoint) else {
         let names = policies.names();

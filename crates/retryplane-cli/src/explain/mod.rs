@@ -141,27 +141,7 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
     let loaded = settings.source.load()?;
     let file = settings.source.to_string();
     let Some(policies) = &loaded.policies else {
-        // Exactly what `validate` prints for this file.
-        let stdout = match settings.format {
-            Format::Text => {
-                let mut out = String::new();
-                for d in &loaded.diagnostics {
-                    output::push_diagnostic_line(&mut out, &file, d);
-                }
-                out
-            }
-            Format::Json => output::json(
-                &loaded
-                    .diagnostics
-                    .iter()
-                    .map(|d| JsonDiagnostic::new(&file, d))
-                    .collect::<Vec<_>>(),
-            )?,
-        };
-        return Ok(Report {
-            stdout,
-            outcome: Outcome::Failure,
-        });
+        return output::invalid_file_report(&file, &loaded.diagnostics, settings.format);
     };
     let doc = policies.document();
     let Some(endpoint) = doc.endpoint(&settings.endpoint) else {
