@@ -6,14 +6,15 @@
 //!   from, the retry schedule against the deadline and the worst-case load; `simulate --policy
 //!   FILE --endpoint NAME [...]` runs a fleet of the policy's clients against an upstream that
 //!   falls over, in virtual time, beside no budget, no jitter and a naive client;
-//! - `simulate` runs a retry-storm what-if of a policy; `request` makes one call under a policy;
+//! - `request --policy FILE --endpoint NAME URL` makes one HTTP call under a policy and shows
+//!   every attempt;
 //! - the control plane: `serve` runs it; `apply`, `diff`, `get`, `history`, `rollback` and
 //!   `status` talk to its admin API (`--server`, `--token` / `RETRYPLANE_TOKEN`).
 //!
 //! Each command is one [`Command`] variant and one module: clap parses raw flags (`Args`), the
 //! module turns them into validated `Settings` once, and its `run` returns a [`Report`] — what
 //! to print on stdout and the [`Outcome`]. Only `main` touches the process: it prints, and maps
-//! the outcome to the exit code. Commands still to come (`request`, `top`, `stats`)
+//! the outcome to the exit code. Commands still to come (`top`, `stats`)
 //! follow the same path.
 //!
 //! # Exit codes (every command)
