@@ -176,17 +176,17 @@ impl ControlPlane {
     }
 
     async fn apply_locked(&self, req: ChangeRequest) -> Result<ChangeOutcome, ChangeError> {
-        let (_, warnings) =
+        // One conversion and one validation: the compiled set keeps the document it came from.
+        let (set, warnings) =
             convert::validate(req.document.clone()).map_err(ChangeError::Invalid)?;
-        let new_doc = PolicyDocument::try_from(req.document.clone())
-            .map_err(|e| ChangeError::Invalid(e.errors))?;
+        let new_doc: &PolicyDocument = set.document();
         let current = self.blocking(|s| s.current()).await?;
         let old_doc = match &current {
             Some(r) => PolicyDocument::try_from(r.document.clone())
                 .map_err(|e| ChangeError::Store(StoreError::Corrupt(e.to_string())))?,
             None => PolicyDocument::default(),
         };
-        let changes = diff::diff(&old_doc, &new_doc);
+        let changes = diff::diff(&old_doc, new_doc);
         let survivors = old_doc
             .endpoints
             .iter()
