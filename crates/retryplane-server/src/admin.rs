@@ -307,6 +307,7 @@ impl AdminService for AdminApi {
         let filter = (!endpoint.is_empty()).then_some(endpoint.as_str());
         Ok(Response::new(pb::StatsResponse {
             endpoints: self.control.stats.snapshot(filter),
+            ..Default::default()
         }))
     }
 }

@@ -93,6 +93,7 @@ pub async fn stats(running: &Running) -> Option<pb::EndpointStats> {
         .await
         .stats(pb::StatsRequest {
             endpoint: "ep".into(),
+            ..Default::default()
         })
         .await
         .ok()?
