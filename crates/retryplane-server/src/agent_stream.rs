@@ -24,7 +24,9 @@ use crate::stats::Stats;
 pub struct StreamLimits {
     /// How long a new stream may take to send Hello.
     pub hello_timeout: Duration,
-    /// Metrics reports accepted per second per stream, on average.
+    /// Metrics reports accepted per second per stream, on average (see
+    /// [`StreamLimits::for_metrics_interval`]); a report past the limit is dropped and counted
+    /// in `retryplane_server_reports_dropped`.
     pub reports_per_second: f64,
     /// Reports accepted in a burst.
     pub report_burst: f64,
@@ -32,6 +34,20 @@ pub struct StreamLimits {
     pub max_field_len: usize,
     /// Most labels on one agent.
     pub max_labels: usize,
+}
+
+impl StreamLimits {
+    /// These limits, with the report rate raised to at least twice the rate agents report at
+    /// when they follow `metrics_interval` (the interval the server sends in every snapshot):
+    /// a dropped report loses its counts, so an agent that reports on the interval it was
+    /// given is never limited. The limit is there for agents that report far faster.
+    pub fn for_metrics_interval(mut self, metrics_interval: Duration) -> Self {
+        let secs = metrics_interval.as_secs_f64();
+        if secs > 0.0 {
+            self.reports_per_second = self.reports_per_second.max(2.0 / secs);
+        }
+        self
+    }
 }
 
 impl Default for StreamLimits {
@@ -299,5 +315,21 @@ impl AgentStream {
         } else {
             false
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_report_rate_allows_twice_the_interval_agents_are_given() {
+        let fast = StreamLimits::default().for_metrics_interval(Duration::from_millis(200));
+        assert_eq!(fast.reports_per_second, 10.0);
+        // The default interval (10 s) keeps the default limit, which is already above it.
+        let slow = StreamLimits::default().for_metrics_interval(Duration::from_secs(10));
+        assert_eq!(slow.reports_per_second, 2.0);
+        let zero = StreamLimits::default().for_metrics_interval(Duration::ZERO);
+        assert_eq!(zero.reports_per_second, 2.0);
     }
 }

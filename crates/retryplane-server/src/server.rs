@@ -203,7 +203,10 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
         fleet: control.fleet.clone(),
         metrics: control.metrics.clone(),
         stats: control.stats.clone(),
-        limits: cfg.stream_limits.clone(),
+        limits: cfg
+            .stream_limits
+            .clone()
+            .for_metrics_interval(cfg.metrics_interval),
         shutdown: shutdown_rx.clone(),
     });
     let agent_service = InterceptedService::new(
