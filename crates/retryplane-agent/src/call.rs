@@ -7,6 +7,7 @@
 //! this file only runs attempts, sleeps, counts and logs.
 
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 
 use retryplane_policy::engine::{CallInfo, Decision, GiveUpCause, Outcome, RetryCall};
@@ -82,13 +83,35 @@ impl Endpoint {
     pub async fn call_with<T, E, C, F, Fut>(
         &self,
         meta: CallMeta,
-        mut classify: C,
-        mut attempt: F,
+        classify: C,
+        attempt: F,
     ) -> Result<T, CallError<T, E>>
     where
         C: FnMut(&Result<T, E>) -> Classification,
         F: FnMut(AttemptInfo) -> Fut,
         Fut: Future<Output = Result<T, E>>,
+    {
+        self.call_reauth(meta, classify, attempt, &mut NoReauth)
+            .await
+    }
+
+    /// [`Endpoint::call_with`] with a once-only credential refresh: when `reauth` wants it,
+    /// the answer of an attempt is put aside, the credentials are refreshed (within the
+    /// deadline) and the attempt is sent again with a fresh per-try timeout. The engine sees
+    /// one attempt (its number, breaker permit and counters), judged on the second answer;
+    /// no budget is taken and no pause is slept.
+    pub(crate) async fn call_reauth<T, E, C, F, Fut, A>(
+        &self,
+        meta: CallMeta,
+        mut classify: C,
+        mut attempt: F,
+        reauth: &mut A,
+    ) -> Result<T, CallError<T, E>>
+    where
+        C: FnMut(&Result<T, E>) -> Classification,
+        F: FnMut(AttemptInfo) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+        A: Reauth<T, E>,
     {
         let started = Instant::now();
         // The one read of the policies for this call.
@@ -125,11 +148,47 @@ impl Endpoint {
                 pause_before,
             };
             let run = tokio::time::timeout(plan.timeout, attempt(info));
-            let result = tokio::select! {
+            let mut result = tokio::select! {
                 biased;
                 () = cancel.cancelled() => break End::Fail(Cause::Cancelled, last, last_outcome),
                 r = run => r,
             };
+            if let Ok(r) = &result
+                && reauth.wants(r)
+            {
+                // Once per call: refresh within what is left of the deadline, then send the
+                // same attempt again. A failed or late refresh leaves the first answer.
+                let left = call.deadline().saturating_duration_since(Instant::now());
+                let refreshed = tokio::select! {
+                    biased;
+                    () = cancel.cancelled() => break End::Fail(Cause::Cancelled, last, last_outcome),
+                    r = tokio::time::timeout(left, reauth.refresh()) => r.unwrap_or(false),
+                };
+                let left = call.deadline().saturating_duration_since(Instant::now());
+                if refreshed && !left.is_zero() {
+                    debug!(
+                        endpoint = %self.name,
+                        attempt = plan.number,
+                        "credentials refreshed, sending again"
+                    );
+                    let info = AttemptInfo {
+                        timeout: call.policy().per_try_timeout.min(left),
+                        ..info
+                    };
+                    let run = tokio::time::timeout(info.timeout, attempt(info));
+                    result = tokio::select! {
+                        biased;
+                        () = cancel.cancelled() => break End::Fail(Cause::Cancelled, last, last_outcome),
+                        r = run => r,
+                    };
+                } else {
+                    debug!(
+                        endpoint = %self.name,
+                        attempt = plan.number,
+                        "credentials not refreshed, the answer stands"
+                    );
+                }
+            }
             let now = Instant::now();
             let (outcome, result) = match result {
                 Err(_elapsed) => (
@@ -266,6 +325,29 @@ impl Endpoint {
             deadline_left_ms = call.deadline().saturating_duration_since(now).as_millis() as u64,
             "attempt"
         );
+    }
+}
+
+/// A once-only step between an attempt's answer and the policy's judgement of it: an answer
+/// that asks for fresh credentials (an HTTP 401) has them refreshed and the attempt sent again.
+pub(crate) trait Reauth<T, E> {
+    /// Whether `result` asks for a refresh that has not been made yet in this call.
+    fn wants(&self, result: &Result<T, E>) -> bool;
+    /// Refreshes the credentials of the request; `true` when it may be sent again. (Boxed: an
+    /// `impl Future` here defeats the `Send` proof of the layer's future; it runs once a call.)
+    fn refresh(&mut self) -> Pin<Box<dyn Future<Output = bool> + Send + '_>>;
+}
+
+/// No refresh: every answer is judged as it is.
+pub(crate) struct NoReauth;
+
+impl<T, E> Reauth<T, E> for NoReauth {
+    fn wants(&self, _: &Result<T, E>) -> bool {
+        false
+    }
+
+    fn refresh(&mut self) -> Pin<Box<dyn Future<Output = bool> + Send + '_>> {
+        Box::pin(std::future::ready(false))
     }
 }
 

@@ -13,7 +13,13 @@
 //!   shared by every call. A failed call returns a [`CallError`] with the cause and the real last
 //!   response or error.
 //! - [`layer::RetryLayer`] puts an endpoint's policy around a tower HTTP client, buffering
-//!   request bodies (up to a limit) so that they can be sent again.
+//!   request bodies (up to a limit) so that they can be sent again. Opt-in:
+//!   [`with_auth_refresh`](layer::RetryLayer::with_auth_refresh) calls a
+//!   [`RefreshCredentials`](layer::RefreshCredentials) hook at most once per call on a 401
+//!   and sends the request again once with the new credentials;
+//!   [`with_dedup`](layer::RetryLayer::with_dedup) lets identical in-flight reads (same
+//!   method, URI, body and answer-changing headers such as `Authorization` and
+//!   `Accept-Language`) share one call and its response.
 //! - Per-endpoint counters (SPEC §4) are plain atomics on the call path and leave as deltas in
 //!   `MetricsReport`s; counts made while disconnected wait for the next stream.
 //!

@@ -1,13 +1,16 @@
-//! Request bodies the layer can send again: buffered up to a limit, or streamed once.
+//! Request bodies the layer can send again (buffered up to a limit, or streamed once) and
+//! response bodies it can share ([`SharedBody`]).
 
 use std::collections::VecDeque;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use bytes::Bytes;
+use bytes::{Buf, Bytes};
 use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt as _;
+
+use super::BoxError;
 
 /// The request body the inner service receives: a buffered copy (sent again on every attempt)
 /// or, for a body over the limit, the bytes read so far followed by the rest of the original.
@@ -59,26 +62,51 @@ pub(crate) async fn buffer<B>(body: B, limit: usize) -> Result<Buffered<B>, B::E
 where
     B: Body<Data = Bytes>,
 {
-    let once = |prefix, rest| {
-        Buffered::Once(ReplayBody {
+    match read_up_to(Box::pin(body), limit).await {
+        Ok(Read::Whole(data, trailers)) => Ok(Buffered::Replayable(data, trailers)),
+        Ok(Read::Over(prefix, rest)) => Ok(Buffered::Once(ReplayBody {
             inner: Inner::Streaming { prefix, rest },
-        })
-    };
+        })),
+        Err((_, e)) => Err(e),
+    }
+}
+
+/// What [`read_up_to`] found.
+pub(crate) enum Read<B> {
+    /// The whole body (its data in one piece) and its trailers.
+    Whole(Bytes, Option<HeaderMap>),
+    /// More than the limit: the chunks read so far and the rest.
+    Over(VecDeque<Bytes>, Pin<Box<B>>),
+}
+
+/// Reads `body` while it stays within `limit` bytes; on an error, the chunks read before it.
+pub(crate) async fn read_up_to<B>(
+    mut body: Pin<Box<B>>,
+    limit: usize,
+) -> Result<Read<B>, (VecDeque<Bytes>, B::Error)>
+where
+    B: Body,
+    B::Data: Buf,
+{
     let limit_u64 = u64::try_from(limit).unwrap_or(u64::MAX);
-    let mut body = Box::pin(body);
     if body.size_hint().lower() > limit_u64 {
-        return Ok(once(VecDeque::new(), body));
+        return Ok(Read::Over(VecDeque::new(), body));
     }
     let mut chunks = VecDeque::new();
     let mut len = 0usize;
     let mut trailers = None;
     while let Some(frame) = body.frame().await {
-        match frame?.into_data() {
-            Ok(data) => {
+        let frame = match frame {
+            Ok(frame) => frame,
+            Err(e) => return Err((chunks, e)),
+        };
+        match frame.into_data() {
+            Ok(mut data) => {
+                let data = data.copy_to_bytes(data.remaining());
                 len = len.saturating_add(data.len());
                 chunks.push_back(data);
                 if len > limit {
-                    return Ok(once(chunks, body));
+                    return Ok(Read::Over(chunks, body));
                 }
             }
             Err(frame) => {
@@ -99,7 +127,7 @@ where
             Bytes::from(all)
         }
     };
-    Ok(Buffered::Replayable(data, trailers))
+    Ok(Read::Whole(data, trailers))
 }
 
 impl<B> Body for ReplayBody<B>
@@ -150,6 +178,137 @@ where
                 }
                 out
             }
+        }
+    }
+}
+
+/// The response body of a client with de-duplication on ([`super::Dedup`]): the bytes of a
+/// response read into memory to be shared (a follower's copy, or the leader's own), or the
+/// upstream's body as it comes (a request that is not shared, or a response over the limit,
+/// whose bytes read so far come first). Errors are boxed.
+pub struct SharedBody<B> {
+    inner: SharedInner<B>,
+}
+
+enum SharedInner<B> {
+    Full {
+        data: Option<Bytes>,
+        trailers: Option<HeaderMap>,
+    },
+    Streaming {
+        prefix: VecDeque<Bytes>,
+        rest: Pin<Box<B>>,
+    },
+    /// Reading failed: the bytes read, then the error.
+    Failed {
+        prefix: VecDeque<Bytes>,
+        error: Option<BoxError>,
+    },
+}
+
+// Bodies stay out of Debug.
+impl<B> std::fmt::Debug for SharedBody<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = match self.inner {
+            SharedInner::Full { .. } => "full",
+            SharedInner::Streaming { .. } => "streaming",
+            SharedInner::Failed { .. } => "failed",
+        };
+        f.debug_struct("SharedBody").field("kind", &kind).finish()
+    }
+}
+
+impl<B> SharedBody<B> {
+    pub(crate) fn full(data: Bytes, trailers: Option<HeaderMap>) -> Self {
+        let data = (!data.is_empty()).then_some(data);
+        Self {
+            inner: SharedInner::Full { data, trailers },
+        }
+    }
+
+    pub(crate) fn streaming(prefix: VecDeque<Bytes>, rest: Pin<Box<B>>) -> Self {
+        Self {
+            inner: SharedInner::Streaming { prefix, rest },
+        }
+    }
+
+    pub(crate) fn passthrough(body: B) -> Self {
+        Self::streaming(VecDeque::new(), Box::pin(body))
+    }
+
+    pub(crate) fn failed(prefix: VecDeque<Bytes>, error: BoxError) -> Self {
+        Self {
+            inner: SharedInner::Failed {
+                prefix,
+                error: Some(error),
+            },
+        }
+    }
+}
+
+impl<B> Body for SharedBody<B>
+where
+    B: Body,
+    B::Data: Buf,
+    B::Error: Into<BoxError>,
+{
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        // Every field is Unpin (the upstream body is boxed).
+        match &mut self.get_mut().inner {
+            SharedInner::Full { data, trailers } => Poll::Ready(
+                data.take()
+                    .map(Frame::data)
+                    .or_else(|| trailers.take().map(Frame::trailers))
+                    .map(Ok),
+            ),
+            SharedInner::Streaming { prefix, rest } => match prefix.pop_front() {
+                Some(chunk) => Poll::Ready(Some(Ok(Frame::data(chunk)))),
+                None => rest.as_mut().poll_frame(cx).map(|frame| {
+                    frame.map(|r| {
+                        r.map(|f| f.map_data(|mut d| d.copy_to_bytes(d.remaining())))
+                            .map_err(Into::into)
+                    })
+                }),
+            },
+            SharedInner::Failed { prefix, error } => Poll::Ready(
+                prefix
+                    .pop_front()
+                    .map(|c| Ok(Frame::data(c)))
+                    .or_else(|| error.take().map(Err)),
+            ),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.inner {
+            SharedInner::Full { data, trailers } => data.is_none() && trailers.is_none(),
+            SharedInner::Streaming { prefix, rest } => prefix.is_empty() && rest.is_end_stream(),
+            SharedInner::Failed { prefix, error } => prefix.is_empty() && error.is_none(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.inner {
+            SharedInner::Full { data, .. } => {
+                SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
+            }
+            SharedInner::Streaming { prefix, rest } => {
+                let read: u64 = prefix.iter().map(|c| c.len() as u64).sum();
+                let hint = rest.size_hint();
+                let mut out = SizeHint::new();
+                out.set_lower(hint.lower().saturating_add(read));
+                if let Some(upper) = hint.upper() {
+                    out.set_upper(upper.saturating_add(read));
+                }
+                out
+            }
+            SharedInner::Failed { .. } => SizeHint::new(),
         }
     }
 }

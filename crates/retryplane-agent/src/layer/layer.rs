@@ -1,13 +1,18 @@
 //! [`RetryLayer`] and the [`Retry`] service it wraps around a client.
 
+use std::fmt;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
-use http::{Request, Response};
+use http::request::Parts;
+use http::{HeaderMap, Request, Response, StatusCode};
 use http_body::Body;
 use tower::{Layer, Service, ServiceExt as _};
 
-use super::body::{Buffered, ReplayBody, buffer};
+use super::auth::{DynRefresh, HttpReauth, RefreshCredentials, RefreshFailed, lock};
+use super::body::{Buffered, Read, ReplayBody, SharedBody, buffer, read_up_to};
+use super::dedup::{Dedup, Landing, Leader, Role, SharedResponse};
 use super::{BoxError, DEFAULT_BODY_LIMIT, GaveUp, ResponseFuture, RetryError, classify_error};
 use crate::call::Endpoint;
 use crate::classify::Classify as _;
@@ -15,50 +20,118 @@ use crate::error::{CallError, Last};
 use crate::meta::CallMeta;
 
 /// Wraps a `Service<http::Request<B>>` in [`Retry`]. Defaults: bodies up to
-/// [`DEFAULT_BODY_LIMIT`] are buffered for replay.
-#[derive(Clone, Debug)]
-pub struct RetryLayer {
+/// [`DEFAULT_BODY_LIMIT`] are buffered for replay; no credential refresh; no de-duplication
+/// (`D` is [`NoDedup`] until [`RetryLayer::with_dedup`]).
+#[derive(Clone)]
+pub struct RetryLayer<D = NoDedup> {
+    settings: Settings,
+    dedup: D,
+}
+
+/// What every call of a [`Retry`] needs, cloned into it.
+#[derive(Clone)]
+struct Settings {
     endpoint: Endpoint,
     body_limit: usize,
+    refresh: Option<Arc<dyn DynRefresh>>,
 }
+
+// The hook stays out of Debug (it may hold credentials).
+impl fmt::Debug for Settings {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Settings")
+            .field("endpoint", &self.endpoint.name())
+            .field("body_limit", &self.body_limit)
+            .field("auth_refresh", &self.refresh.is_some())
+            .finish()
+    }
+}
+
+impl<D: fmt::Debug> fmt::Debug for RetryLayer<D> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RetryLayer")
+            .field("settings", &self.settings)
+            .field("dedup", &self.dedup)
+            .finish()
+    }
+}
+
+/// The de-duplication setting of a [`RetryLayer`] without it (the default): every request
+/// makes its own call and responses are passed through as they are.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct NoDedup;
 
 impl RetryLayer {
     /// Every request through the layer is a logical call of `endpoint`.
     pub fn new(endpoint: Endpoint) -> Self {
         Self {
-            endpoint,
-            body_limit: DEFAULT_BODY_LIMIT,
+            settings: Settings {
+                endpoint,
+                body_limit: DEFAULT_BODY_LIMIT,
+                refresh: None,
+            },
+            dedup: NoDedup,
         }
-    }
-
-    /// The largest request body kept for replay; larger ones are sent once, never retried.
-    pub fn with_body_limit(mut self, limit: usize) -> Self {
-        self.body_limit = limit;
-        self
     }
 }
 
-impl<S> Layer<S> for RetryLayer {
-    type Service = Retry<S>;
+impl<D> RetryLayer<D> {
+    /// The largest request body kept for replay; larger ones are sent once, never retried
+    /// (nor sent again after a credential refresh, nor shared).
+    pub fn with_body_limit(mut self, limit: usize) -> Self {
+        self.settings.body_limit = limit;
+        self
+    }
 
-    fn layer(&self, inner: S) -> Retry<S> {
+    /// Calls `hook` at most once per logical call, when an attempt is answered
+    /// `401 Unauthorized`, and sends that attempt again with the request it updated (see the
+    /// [module docs](super)). Requests whose body was not buffered are not sent again.
+    pub fn with_auth_refresh(mut self, hook: impl RefreshCredentials) -> Self {
+        self.settings.refresh = Some(Arc::new(hook));
+        self
+    }
+
+    /// Shares one logical call among identical in-flight reads (see [`Dedup`] and the
+    /// [module docs](super)). The client's response body becomes a [`SharedBody`].
+    pub fn with_dedup(self, dedup: Dedup) -> RetryLayer<Dedup> {
+        RetryLayer {
+            settings: self.settings,
+            dedup,
+        }
+    }
+}
+
+impl<S, D: Clone> Layer<S> for RetryLayer<D> {
+    type Service = Retry<S, D>;
+
+    fn layer(&self, inner: S) -> Retry<S, D> {
         Retry {
             inner,
-            endpoint: self.endpoint.clone(),
-            body_limit: self.body_limit,
+            settings: self.settings.clone(),
+            dedup: self.dedup.clone(),
         }
     }
 }
 
 /// A client whose requests run under the endpoint's retry policy (see [`super`]).
-#[derive(Clone, Debug)]
-pub struct Retry<S> {
+#[derive(Clone)]
+pub struct Retry<S, D = NoDedup> {
     inner: S,
-    endpoint: Endpoint,
-    body_limit: usize,
+    settings: Settings,
+    dedup: D,
 }
 
-impl<S, B, RB> Service<Request<B>> for Retry<S>
+impl<S: fmt::Debug, D: fmt::Debug> fmt::Debug for Retry<S, D> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Retry")
+            .field("inner", &self.inner)
+            .field("settings", &self.settings)
+            .field("dedup", &self.dedup)
+            .finish()
+    }
+}
+
+impl<S, B, RB> Service<Request<B>> for Retry<S, NoDedup>
 where
     S: Service<Request<ReplayBody<B>>, Response = Response<RB>> + Clone + Send + 'static,
     S::Error: Into<BoxError>,
@@ -77,38 +150,75 @@ where
 
     fn call(&mut self, request: Request<B>) -> Self::Future {
         let inner = self.inner.clone();
-        let endpoint = self.endpoint.clone();
-        let limit = self.body_limit;
-        ResponseFuture::new(Box::pin(run(inner, endpoint, limit, request)))
+        let settings = self.settings.clone();
+        ResponseFuture::new(Box::pin(async move {
+            let prepared = prepare(request, settings.body_limit).await?;
+            send(inner, &settings, prepared).await
+        }))
     }
 }
 
-/// A request's head, copied for each attempt.
-struct Head {
-    method: http::Method,
-    uri: http::Uri,
-    version: http::Version,
-    headers: http::HeaderMap,
-    extensions: http::Extensions,
-}
+impl<S, B, RB> Service<Request<B>> for Retry<S, Dedup>
+where
+    S: Service<Request<ReplayBody<B>>, Response = Response<RB>> + Clone + Send + 'static,
+    S::Error: Into<BoxError>,
+    S::Future: Send,
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+    RB: Body + Send + 'static,
+    RB::Data: Send,
+    RB::Error: Into<BoxError>,
+{
+    type Response = Response<SharedBody<RB>>;
+    type Error = BoxError;
+    type Future = ResponseFuture<Response<SharedBody<RB>>>;
 
-impl Head {
-    fn request<B>(&self, body: B) -> Request<B> {
-        let mut r = Request::new(body);
-        *r.method_mut() = self.method.clone();
-        *r.uri_mut() = self.uri.clone();
-        *r.version_mut() = self.version;
-        *r.headers_mut() = self.headers.clone();
-        *r.extensions_mut() = self.extensions.clone();
-        r
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, request: Request<B>) -> Self::Future {
+        let inner = self.inner.clone();
+        let settings = self.settings.clone();
+        let dedup = self.dedup.clone();
+        ResponseFuture::new(Box::pin(run_dedup(inner, settings, dedup, request)))
     }
 }
 
-async fn run<S, B, RB>(
+/// A request ready to be sent: its head, and its body in memory or still to come.
+enum Prepared<B> {
+    /// Sent again as often as needed.
+    Buffered {
+        head: Parts,
+        data: Bytes,
+        trailers: Option<HeaderMap>,
+    },
+    /// Over the limit: sent once.
+    Once { head: Parts, body: ReplayBody<B> },
+}
+
+/// Reads the body of `request` into memory if it fits in `limit`.
+async fn prepare<B>(request: Request<B>, limit: usize) -> Result<Prepared<B>, BoxError>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    let (head, body) = request.into_parts();
+    Ok(match buffer(body, limit).await.map_err(Into::into)? {
+        Buffered::Replayable(data, trailers) => Prepared::Buffered {
+            head,
+            data,
+            trailers,
+        },
+        Buffered::Once(body) => Prepared::Once { head, body },
+    })
+}
+
+/// Runs one logical call of `prepared`.
+async fn send<S, B, RB>(
     inner: S,
-    endpoint: Endpoint,
-    limit: usize,
-    request: Request<B>,
+    settings: &Settings,
+    prepared: Prepared<B>,
 ) -> Result<Response<RB>, BoxError>
 where
     S: Service<Request<ReplayBody<B>>, Response = Response<RB>> + Clone,
@@ -116,38 +226,59 @@ where
     B: Body<Data = Bytes>,
     B::Error: Into<BoxError>,
 {
-    let (parts, body) = request.into_parts();
-    let head = Head {
-        method: parts.method,
-        uri: parts.uri,
-        version: parts.version,
-        headers: parts.headers,
-        extensions: parts.extensions,
-    };
-    let meta = CallMeta::http(head.method.as_str(), head.uri.path());
+    let endpoint = &settings.endpoint;
     let classify = |r: &Result<Response<RB>, BoxError>| match r {
         Ok(response) => response.classify(),
         Err(e) => classify_error(&**e),
     };
-    let result = match buffer(body, limit).await.map_err(Into::into)? {
-        Buffered::Replayable(data, trailers) => {
-            let meta = meta.with_headers(&head.headers);
+    match prepared {
+        Prepared::Buffered {
+            head,
+            data,
+            trailers,
+        } => {
+            let meta =
+                CallMeta::http(head.method.as_str(), head.uri.path()).with_headers(&head.headers);
+            // Shared with the refresh hook, which may update it for the attempts that follow.
+            let head = Mutex::new(head);
             let (head, data, trailers) = (&head, &data, &trailers);
             // `inner` moves in: the closure must not share `S` across threads.
             let attempt = move |_| {
-                let request = head.request(ReplayBody::buffered(data.clone(), trailers.clone()));
+                let parts = lock(head).clone();
+                let request = Request::from_parts(
+                    parts,
+                    ReplayBody::buffered(data.clone(), trailers.clone()),
+                );
                 let svc = inner.clone();
                 async move { svc.oneshot(request).await.map_err(Into::into) }
             };
-            endpoint.call_with(meta, classify, attempt).await
+            let Some(hook) = &settings.refresh else {
+                return endpoint
+                    .call_with(meta, classify, attempt)
+                    .await
+                    .or_else(gave_up);
+            };
+            let mut reauth = HttpReauth::new(&**hook, head);
+            let result = endpoint
+                .call_reauth(meta, classify, attempt, &mut reauth)
+                .await
+                .or_else(gave_up);
+            match (result, reauth.error) {
+                (Ok(mut response), Some(e)) if response.status() == StatusCode::UNAUTHORIZED => {
+                    response
+                        .extensions_mut()
+                        .insert(RefreshFailed(Arc::from(e)));
+                    Ok(response)
+                }
+                (result, _) => result,
+            }
         }
-        Buffered::Once(body) => {
+        Prepared::Once { head, body } => {
             // Not idempotent and without the key: never retried.
-            let meta = meta.idempotent(false);
-            let mut body = Some(body);
-            let head = &head;
+            let meta = CallMeta::http(head.method.as_str(), head.uri.path()).idempotent(false);
+            let mut request = Some(Request::from_parts(head, body));
             let attempt = move |_| {
-                let request = body.take().map(|b| head.request(b));
+                let request = request.take();
                 let svc = inner.clone();
                 async move {
                     match request {
@@ -156,10 +287,109 @@ where
                     }
                 }
             };
-            endpoint.call_with(meta, classify, attempt).await
+            endpoint
+                .call_with(meta, classify, attempt)
+                .await
+                .or_else(gave_up)
+        }
+    }
+}
+
+/// A logical call that identical in-flight reads share: the first (the leader) runs it,
+/// the others wait and get a copy of its response.
+async fn run_dedup<S, B, RB>(
+    inner: S,
+    settings: Settings,
+    dedup: Dedup,
+    request: Request<B>,
+) -> Result<Response<SharedBody<RB>>, BoxError>
+where
+    S: Service<Request<ReplayBody<B>>, Response = Response<RB>> + Clone,
+    S::Error: Into<BoxError>,
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+    RB: Body,
+    RB::Error: Into<BoxError>,
+{
+    let prepared = prepare(request, settings.body_limit).await?;
+    let key = match &prepared {
+        // Trailers are rare on a read; such a request is simply not shared.
+        Prepared::Buffered {
+            head,
+            data,
+            trailers: None,
+        } if dedup.shares(&head.method) => Some(dedup.key(settings.endpoint.name(), head, data)),
+        _ => None,
+    };
+    let Some(key) = key else {
+        return passthrough(send(inner, &settings, prepared).await);
+    };
+    loop {
+        match dedup.join(key) {
+            Role::Lead(leader) => {
+                let result = send(inner, &settings, prepared).await;
+                return land(result, leader, dedup.response_limit()).await;
+            }
+            Role::Follow(follower) => match follower.wait().await {
+                Some(Landing::Shared(response)) => return Ok(response.copy()),
+                Some(Landing::OwnCall) => {
+                    return passthrough(send(inner, &settings, prepared).await);
+                }
+                // The leader was dropped (its caller went away): lead or follow anew.
+                None => {}
+            },
+        }
+    }
+}
+
+/// The leader's response, read into memory (up to `limit`) and shared with the followers.
+async fn land<RB>(
+    result: Result<Response<RB>, BoxError>,
+    leader: Leader,
+    limit: usize,
+) -> Result<Response<SharedBody<RB>>, BoxError>
+where
+    RB: Body,
+    RB::Error: Into<BoxError>,
+{
+    let response = match result {
+        Ok(response) => response,
+        Err(e) => {
+            leader.land(Landing::OwnCall);
+            return Err(e);
         }
     };
-    result.or_else(gave_up)
+    let (parts, body) = response.into_parts();
+    match read_up_to(Box::pin(body), limit).await {
+        Ok(Read::Whole(data, trailers)) => {
+            let shared = SharedResponse::new(parts.clone(), data.clone(), trailers.clone());
+            leader.land(Landing::Shared(Arc::new(shared)));
+            Ok(Response::from_parts(
+                parts,
+                SharedBody::full(data, trailers),
+            ))
+        }
+        Ok(Read::Over(prefix, rest)) => {
+            leader.land(Landing::OwnCall);
+            Ok(Response::from_parts(
+                parts,
+                SharedBody::streaming(prefix, rest),
+            ))
+        }
+        Err((prefix, e)) => {
+            leader.land(Landing::OwnCall);
+            Ok(Response::from_parts(
+                parts,
+                SharedBody::failed(prefix, e.into()),
+            ))
+        }
+    }
+}
+
+fn passthrough<RB>(
+    result: Result<Response<RB>, BoxError>,
+) -> Result<Response<SharedBody<RB>>, BoxError> {
+    result.map(|r| r.map(SharedBody::passthrough))
 }
 
 /// The response or error a call that gave up returns.

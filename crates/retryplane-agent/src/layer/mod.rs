@@ -24,8 +24,74 @@
 //! let client = RetryLayer::new(agent.endpoint("payments")).layer(client);
 //! # }
 //! ```
+//!
+//! # Credential refresh on 401 ([`RetryLayer::with_auth_refresh`])
+//!
+//! With a [`RefreshCredentials`] hook, the first attempt of a logical call that is answered
+//! `401 Unauthorized` is not judged yet: the hook updates the request (its `Authorization`
+//! header, say) and that attempt is sent again, once, with the updated request, which every
+//! later attempt of the call also uses. The hook runs at most once per logical call.
+//!
+//! - Counting: the second send belongs to the same attempt. It gets a fresh per-try timeout
+//!   (within the deadline), but takes no pause, no retry budget and none of `max_attempts`;
+//!   the attempt number, the breaker and the counters see one attempt, judged on the second
+//!   answer. So a call makes at most one send more than `max_attempts`.
+//! - A second 401 is judged by the policy like any answer: with the default `retry_on` (which
+//!   does not list 401; `validate` warns if it does) it is returned at once, marked
+//!   [`GaveUp`] `not_retryable`. The hook is not called again.
+//! - The hook runs within what is left of the deadline and stops with the call's
+//!   cancellation. If it fails, the 401 stands and is returned with a [`RefreshFailed`]
+//!   holding the hook's error (the agent never logs it); if the deadline passes first, the
+//!   401 stands.
+//! - A request whose body was over the body limit (streamed, not buffered) cannot be sent
+//!   again: its 401 is returned and the hook is not called. Other statuses (403 included)
+//!   never call the hook.
+//!
+//! # De-duplication of identical reads ([`RetryLayer::with_dedup`])
+//!
+//! Off by default. With a [`Dedup`], identical requests in flight at the same time share one
+//! logical call: the first (the leader) runs it, retries included; the others (followers)
+//! wait for it and get a copy of its response (status, headers, extensions, body bytes), marked
+//! [`Deduplicated`]. [`Dedup::stats`] counts what happened.
+//!
+//! ```no_run
+//! # fn f<S>(agent: retryplane_agent::Agent, client: S) {
+//! use retryplane_agent::layer::{Dedup, RetryLayer};
+//! use tower::Layer as _;
+//!
+//! let dedup = Dedup::default().vary_on(http::HeaderName::from_static("x-tenant"));
+//! let client = RetryLayer::new(agent.endpoint("catalog"))
+//!     .with_dedup(dedup.clone())
+//!     .layer(client);
+//! // dedup.stats().shared: requests answered without a call of their own.
+//! # }
+//! ```
+//!
+//! - Shared: `GET` and `HEAD` ([`Dedup::share_method`] adds others) whose body was buffered
+//!   (within the body limit) and that carry no trailers. Everything else makes its own call.
+//! - Same request: same endpoint, method, full URI (query included), body (compared by a
+//!   SHA-256 digest) and values of the headers that change the answer: `Host`,
+//!   `Authorization`, `Cookie`, `Accept`, `Accept-Encoding`, `Accept-Language`, plus
+//!   [`Dedup::vary_on`] names, or every header with [`Dedup::vary_on_all_headers`]. The
+//!   table keeps only the digest, never a header value. Request extensions are not compared.
+//! - The response is shared once its body is read into memory, up to
+//!   [`Dedup::with_response_limit`] ([`DEFAULT_SHARED_RESPONSE_LIMIT`]); the client's response
+//!   body type becomes [`SharedBody`]. With a larger body, the leader gets it as it comes and
+//!   each follower makes its own call.
+//! - A leader that ends with an error (no response) shares nothing: each follower makes its
+//!   own call (under the same budget and breaker), so it gets an error of its own with its
+//!   real type. A response the call gave up on (a 503 after the last attempt) is shared.
+//! - A leader whose caller goes away (its future dropped) leaves: its followers start over,
+//!   one of them leading. Followers wait as long as the leader takes, no longer than its
+//!   call (bounded by the deadline) and the reading of its response body.
+//! - The table holds a call only while it is in flight: the leader removes it when it ends
+//!   or is dropped. Its lock is held only to look up, insert or remove.
+//!
+//! Followers' own calls (after an error or an oversized body) are not shared again.
 
+mod auth;
 mod body;
+mod dedup;
 mod future;
 #[allow(clippy::module_inception)]
 mod layer;
@@ -36,9 +102,11 @@ use retryplane_policy::engine::Outcome;
 use crate::classify::{Classification, io_class};
 use crate::error::Cause;
 
-pub use body::ReplayBody;
+pub use auth::{RefreshCredentials, RefreshFailed};
+pub use body::{ReplayBody, SharedBody};
+pub use dedup::{DEFAULT_SHARED_RESPONSE_LIMIT, Dedup, DedupStats, Deduplicated};
 pub use future::ResponseFuture;
-pub use layer::{Retry, RetryLayer};
+pub use layer::{NoDedup, Retry, RetryLayer};
 
 /// The largest request body buffered for replay unless set otherwise: 64 KiB.
 pub const DEFAULT_BODY_LIMIT: usize = 64 * 1024;

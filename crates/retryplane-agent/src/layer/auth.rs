@@ -1,0 +1,110 @@
+//! The once-only credential refresh on a 401 ([`RefreshCredentials`]).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use http::request::Parts;
+use http::{Response, StatusCode};
+
+use super::BoxError;
+use crate::call::Reauth;
+
+/// Fresh credentials for a request an upstream answered `401 Unauthorized`.
+///
+/// Set with [`RetryLayer::with_auth_refresh`](super::RetryLayer::with_auth_refresh). The
+/// layer calls [`refresh`](Self::refresh) at most once per logical call, on the first 401,
+/// and then sends the request again once; see the [module docs](super) for how that counts.
+///
+/// ```
+/// use http::header::{AUTHORIZATION, HeaderValue};
+/// use http::request::Parts;
+/// use retryplane_agent::layer::{BoxError, RefreshCredentials};
+///
+/// struct Tokens;
+///
+/// impl RefreshCredentials for Tokens {
+///     async fn refresh(&self, parts: &mut Parts) -> Result<(), BoxError> {
+///         let token = "fetched from the token service"; // an await in real code
+///         parts
+///             .headers
+///             .insert(AUTHORIZATION, HeaderValue::from_str(&format!("Bearer {token}"))?);
+///         Ok(())
+///     }
+/// }
+/// ```
+pub trait RefreshCredentials: Send + Sync + 'static {
+    /// Updates the credentials of the request about to be sent again (usually its
+    /// `Authorization` header; any part may change). An error leaves the request as it was:
+    /// the 401 is returned with a [`RefreshFailed`] holding the error.
+    fn refresh(&self, parts: &mut Parts) -> impl Future<Output = Result<(), BoxError>> + Send;
+}
+
+/// In the extensions of a 401 returned because the refresh hook failed: its error (never
+/// logged by the agent).
+#[derive(Clone, Debug)]
+pub struct RefreshFailed(pub Arc<dyn std::error::Error + Send + Sync>);
+
+type RefreshFuture<'a> = Pin<Box<dyn Future<Output = Result<(), BoxError>> + Send + 'a>>;
+
+/// [`RefreshCredentials`] behind a pointer.
+pub(crate) trait DynRefresh: Send + Sync {
+    fn refresh_dyn<'a>(&'a self, parts: &'a mut Parts) -> RefreshFuture<'a>;
+}
+
+impl<T: RefreshCredentials> DynRefresh for T {
+    fn refresh_dyn<'a>(&'a self, parts: &'a mut Parts) -> RefreshFuture<'a> {
+        Box::pin(self.refresh(parts))
+    }
+}
+
+/// The request head shared by the attempts of a call and its refresh hook. Never held across
+/// an await.
+pub(crate) fn lock(head: &Mutex<Parts>) -> MutexGuard<'_, Parts> {
+    head.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The refresh of one HTTP call: on its first 401, the hook updates the shared head.
+pub(crate) struct HttpReauth<'a> {
+    hook: &'a dyn DynRefresh,
+    head: &'a Mutex<Parts>,
+    used: bool,
+    /// The hook's error, if it failed.
+    pub(crate) error: Option<BoxError>,
+}
+
+impl<'a> HttpReauth<'a> {
+    pub(crate) fn new(hook: &'a dyn DynRefresh, head: &'a Mutex<Parts>) -> Self {
+        Self {
+            hook,
+            head,
+            used: false,
+            error: None,
+        }
+    }
+}
+
+impl<RB> Reauth<Response<RB>, BoxError> for HttpReauth<'_> {
+    fn wants(&self, result: &Result<Response<RB>, BoxError>) -> bool {
+        !self.used && matches!(result, Ok(r) if r.status() == StatusCode::UNAUTHORIZED)
+    }
+
+    fn refresh(&mut self) -> Pin<Box<dyn Future<Output = bool> + Send + '_>> {
+        self.used = true;
+        Box::pin(async move {
+            // The hook works on a copy: one dropped half-way (the deadline passed) changes
+            // nothing.
+            let mut parts = lock(self.head).clone();
+            match self.hook.refresh_dyn(&mut parts).await {
+                Ok(()) => {
+                    *lock(self.head) = parts;
+                    true
+                }
+                Err(e) => {
+                    self.error = Some(e);
+                    false
+                }
+            }
+        })
+    }
+}

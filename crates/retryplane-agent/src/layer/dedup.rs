@@ -1,0 +1,480 @@
+//! Sharing one logical call among identical in-flight reads ([`Dedup`]).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use bytes::Bytes;
+use http::header::{ACCEPT, ACCEPT_ENCODING, ACCEPT_LANGUAGE, AUTHORIZATION, COOKIE, HOST};
+use http::request::Parts;
+use http::{HeaderMap, HeaderName, Method, Response, response};
+use sha2::{Digest as _, Sha256};
+use tokio::sync::watch;
+
+use super::body::SharedBody;
+
+/// The largest response body read into memory to be shared unless set otherwise: 1 MiB.
+pub const DEFAULT_SHARED_RESPONSE_LIMIT: usize = 1024 * 1024;
+
+/// Opt-in de-duplication of identical in-flight reads, for
+/// [`RetryLayer::with_dedup`](super::RetryLayer::with_dedup); see the [module docs](super).
+///
+/// Clones share one table of calls in flight and one set of [`DedupStats`]. Defaults: `GET`
+/// and `HEAD` are shared; the key covers the method, the full URI, the body and the values of
+/// `Host`, `Authorization`, `Cookie`, `Accept`, `Accept-Encoding` and `Accept-Language`;
+/// responses up to [`DEFAULT_SHARED_RESPONSE_LIMIT`] are shared.
+#[derive(Clone, Debug)]
+pub struct Dedup {
+    config: Arc<Config>,
+    state: Arc<State>,
+}
+
+#[derive(Clone, Debug)]
+struct Config {
+    methods: Vec<Method>,
+    vary: Vary,
+    response_limit: usize,
+}
+
+/// Which request headers are part of the key.
+#[derive(Clone, Debug)]
+enum Vary {
+    /// These (sorted, no duplicates).
+    Listed(Vec<HeaderName>),
+    /// Every header the request carries.
+    All,
+}
+
+#[derive(Default)]
+struct State {
+    /// Calls in flight by key. The lock is held only to look up, insert or remove.
+    flights: Mutex<HashMap<Key, Arc<Flight>>>,
+    led: AtomicU64,
+    shared: AtomicU64,
+    own_calls: AtomicU64,
+    waiting: AtomicU64,
+}
+
+impl std::fmt::Debug for State {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("State").finish_non_exhaustive()
+    }
+}
+
+/// What [`Dedup`] has done so far (counts since it was made, across its clones).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DedupStats {
+    /// Shareable requests that ran the call themselves (as leaders).
+    pub led: u64,
+    /// Requests answered with a copy of a leader's response, without a call of their own.
+    pub shared: u64,
+    /// Requests that waited for a leader and then made their own call: the leader failed
+    /// with an error, or its response body was over the limit.
+    pub own_calls: u64,
+    /// Requests waiting for a leader right now.
+    pub waiting: u64,
+    /// Calls in flight that others can join right now.
+    pub in_flight: u64,
+}
+
+/// In the extensions of a response a request got from another's call (a copy of that
+/// response), not from a call of its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Deduplicated;
+
+/// A SHA-256 digest of everything that makes two requests the same (see [`Dedup::key`]).
+type Key = [u8; 32];
+
+/// How a leader's call ended, for those waiting on it.
+#[derive(Clone)]
+pub(crate) enum Landing {
+    /// A response to copy.
+    Shared(Arc<SharedResponse>),
+    /// Nothing to share (an error, or a body over the limit): make your own call.
+    OwnCall,
+}
+
+/// A response read into memory. Its headers live only as long as some follower still has
+/// to copy them.
+pub(crate) struct SharedResponse {
+    parts: response::Parts,
+    data: Bytes,
+    trailers: Option<HeaderMap>,
+}
+
+impl SharedResponse {
+    pub(crate) fn new(parts: response::Parts, data: Bytes, trailers: Option<HeaderMap>) -> Self {
+        Self {
+            parts,
+            data,
+            trailers,
+        }
+    }
+
+    /// A follower's copy, marked [`Deduplicated`].
+    pub(crate) fn copy<B>(&self) -> Response<SharedBody<B>> {
+        let mut parts = self.parts.clone();
+        parts.extensions.insert(Deduplicated);
+        Response::from_parts(
+            parts,
+            SharedBody::full(self.data.clone(), self.trailers.clone()),
+        )
+    }
+}
+
+type Flight = watch::Sender<Option<Landing>>;
+
+/// The part a request plays.
+pub(crate) enum Role {
+    /// Run the call and land it.
+    Lead(Leader),
+    /// Wait for the leader's landing.
+    Follow(Follower),
+}
+
+/// The leader of a flight. Dropped without landing (cancelled), it removes the flight and
+/// its followers see the channel closed.
+pub(crate) struct Leader {
+    state: Arc<State>,
+    key: Key,
+    flight: Arc<Flight>,
+}
+
+impl Leader {
+    /// Ends the flight: no one joins it any more, and those waiting get `landing`.
+    pub(crate) fn land(self, landing: Landing) {
+        self.remove();
+        self.flight.send_replace(Some(landing));
+    }
+
+    fn remove(&self) {
+        let mut flights = lock(&self.state.flights);
+        if flights
+            .get(&self.key)
+            .is_some_and(|f| Arc::ptr_eq(f, &self.flight))
+        {
+            flights.remove(&self.key);
+        }
+    }
+}
+
+impl Drop for Leader {
+    fn drop(&mut self) {
+        self.remove();
+    }
+}
+
+/// A request waiting for a leader.
+pub(crate) struct Follower {
+    state: Arc<State>,
+    rx: watch::Receiver<Option<Landing>>,
+}
+
+impl Follower {
+    /// The leader's landing; `None` if the leader was dropped without one.
+    pub(crate) async fn wait(mut self) -> Option<Landing> {
+        let waiting = Waiting::enter(&self.state.waiting);
+        let landing = match self.rx.wait_for(Option::is_some).await {
+            Ok(landing) => landing.clone(),
+            Err(_closed) => None,
+        };
+        match &landing {
+            Some(Landing::Shared(_)) => self.state.shared.fetch_add(1, Relaxed),
+            Some(Landing::OwnCall) => self.state.own_calls.fetch_add(1, Relaxed),
+            None => 0,
+        };
+        drop(waiting);
+        landing
+    }
+}
+
+/// Counts a follower in [`DedupStats::waiting`] while it exists (a dropped wait included).
+struct Waiting<'a>(&'a AtomicU64);
+
+impl<'a> Waiting<'a> {
+    fn enter(gauge: &'a AtomicU64) -> Self {
+        gauge.fetch_add(1, Relaxed);
+        Self(gauge)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Relaxed);
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl Default for Dedup {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Dedup {
+    /// The defaults (see [`Dedup`]).
+    pub fn new() -> Self {
+        let mut listed = vec![
+            HOST,
+            AUTHORIZATION,
+            COOKIE,
+            ACCEPT,
+            ACCEPT_ENCODING,
+            ACCEPT_LANGUAGE,
+        ];
+        sort(&mut listed);
+        Self {
+            config: Arc::new(Config {
+                methods: vec![Method::GET, Method::HEAD],
+                vary: Vary::Listed(listed),
+                response_limit: DEFAULT_SHARED_RESPONSE_LIMIT,
+            }),
+            state: Arc::default(),
+        }
+    }
+
+    /// Shares requests of `method` too (say `OPTIONS`, or a `POST` that only reads). Only do
+    /// this for methods that do not change anything upstream.
+    pub fn share_method(mut self, method: Method) -> Self {
+        let config = Arc::make_mut(&mut self.config);
+        if !config.methods.contains(&method) {
+            config.methods.push(method);
+        }
+        self
+    }
+
+    /// Makes the values of `name` part of the key too (say `X-Tenant`): requests that differ
+    /// in it are not shared.
+    pub fn vary_on(mut self, name: HeaderName) -> Self {
+        if let Vary::Listed(names) = &mut Arc::make_mut(&mut self.config).vary {
+            names.push(name);
+            sort(names);
+        }
+        self
+    }
+
+    /// Makes every request header part of the key: only requests with the same headers and
+    /// values (in any order of names) are shared.
+    pub fn vary_on_all_headers(mut self) -> Self {
+        Arc::make_mut(&mut self.config).vary = Vary::All;
+        self
+    }
+
+    /// The largest response body read into memory to be shared; with a larger one, the leader
+    /// gets it as it comes and those waiting make their own calls.
+    pub fn with_response_limit(mut self, limit: usize) -> Self {
+        Arc::make_mut(&mut self.config).response_limit = limit;
+        self
+    }
+
+    /// Counts so far.
+    pub fn stats(&self) -> DedupStats {
+        let s = &self.state;
+        DedupStats {
+            led: s.led.load(Relaxed),
+            shared: s.shared.load(Relaxed),
+            own_calls: s.own_calls.load(Relaxed),
+            waiting: s.waiting.load(Relaxed),
+            in_flight: lock(&s.flights).len() as u64,
+        }
+    }
+
+    pub(crate) fn response_limit(&self) -> usize {
+        self.config.response_limit
+    }
+
+    /// Whether requests of `method` may be shared.
+    pub(crate) fn shares(&self, method: &Method) -> bool {
+        self.config.methods.contains(method)
+    }
+
+    /// The key of a request to `endpoint` with head `head` and body `body`.
+    ///
+    /// SHA-256, not a fast 64-bit hash: two requests with the same key get the same answer,
+    /// so a collision between two `Authorization` values would hand one caller's response to
+    /// another. The digest also means no header value is kept in the table. Every field is
+    /// length-prefixed, so no two different requests feed the same bytes.
+    pub(crate) fn key(&self, endpoint: &str, head: &Parts, body: &[u8]) -> Key {
+        let mut h = Sha256::new();
+        field(&mut h, endpoint.as_bytes());
+        field(&mut h, head.method.as_str().as_bytes());
+        let uri = &head.uri;
+        field(&mut h, uri.scheme_str().unwrap_or_default().as_bytes());
+        field(
+            &mut h,
+            uri.authority().map_or("", |a| a.as_str()).as_bytes(),
+        );
+        field(
+            &mut h,
+            uri.path_and_query().map_or("", |p| p.as_str()).as_bytes(),
+        );
+        let all;
+        let names: &[HeaderName] = match &self.config.vary {
+            Vary::Listed(names) => names,
+            Vary::All => {
+                let mut v: Vec<HeaderName> = head.headers.keys().cloned().collect();
+                sort(&mut v);
+                all = v;
+                &all
+            }
+        };
+        for name in names {
+            field(&mut h, name.as_str().as_bytes());
+            let values = head.headers.get_all(name);
+            h.update((values.iter().count() as u64).to_le_bytes());
+            for v in values {
+                field(&mut h, v.as_bytes());
+            }
+        }
+        field(&mut h, body);
+        h.finalize().into()
+    }
+
+    /// Joins the flight of `key`, or starts it.
+    pub(crate) fn join(&self, key: Key) -> Role {
+        let mut flights = lock(&self.state.flights);
+        if let Some(flight) = flights.get(&key) {
+            return Role::Follow(Follower {
+                state: self.state.clone(),
+                rx: flight.subscribe(),
+            });
+        }
+        let flight = Arc::new(watch::Sender::new(None));
+        flights.insert(key, flight.clone());
+        drop(flights);
+        self.state.led.fetch_add(1, Relaxed);
+        Role::Lead(Leader {
+            state: self.state.clone(),
+            key,
+            flight,
+        })
+    }
+}
+
+fn sort(names: &mut Vec<HeaderName>) {
+    names.sort_by(|a, b| a.as_str().cmp(b.as_str()));
+    names.dedup();
+}
+
+fn field(h: &mut Sha256, bytes: &[u8]) {
+    h.update((bytes.len() as u64).to_le_bytes());
+    h.update(bytes);
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    fn head(method: &str, uri: &str, headers: &[(&str, &str)]) -> Parts {
+        let mut b = http::Request::builder().method(method).uri(uri);
+        for (n, v) in headers {
+            b = b.header(*n, *v);
+        }
+        b.body(()).unwrap().into_parts().0
+    }
+
+    #[test]
+    fn the_key_covers_endpoint_method_uri_listed_headers_and_body() {
+        let d = Dedup::default();
+        let base = head("GET", "http://h/p?q=1", &[("authorization", "a")]);
+        let k = d.key("ep", &base, b"body");
+        assert_eq!(k, d.key("ep", &base.clone(), b"body"));
+        assert_ne!(k, d.key("other", &base, b"body"));
+        assert_ne!(k, d.key("ep", &base, b"bodY"));
+        assert_ne!(
+            k,
+            d.key(
+                "ep",
+                &head("HEAD", "http://h/p?q=1", &[("authorization", "a")]),
+                b"body"
+            )
+        );
+        assert_ne!(
+            k,
+            d.key(
+                "ep",
+                &head("GET", "http://h/p?q=2", &[("authorization", "a")]),
+                b"body"
+            )
+        );
+        assert_ne!(
+            k,
+            d.key(
+                "ep",
+                &head("GET", "https://h/p?q=1", &[("authorization", "a")]),
+                b"body"
+            )
+        );
+        assert_ne!(
+            k,
+            d.key(
+                "ep",
+                &head("GET", "http://h/p?q=1", &[("authorization", "b")]),
+                b"body"
+            )
+        );
+        assert_ne!(k, d.key("ep", &head("GET", "http://h/p?q=1", &[]), b"body"));
+        // A second value of a listed header counts.
+        let two = head(
+            "GET",
+            "http://h/p?q=1",
+            &[("authorization", "a"), ("authorization", "a")],
+        );
+        assert_ne!(k, d.key("ep", &two, b"body"));
+        // A header that is not listed does not.
+        let extra = head(
+            "GET",
+            "http://h/p?q=1",
+            &[("authorization", "a"), ("x-id", "1")],
+        );
+        assert_eq!(k, d.key("ep", &extra, b"body"));
+    }
+
+    #[test]
+    fn fields_are_length_prefixed() {
+        let d = Dedup::default();
+        // "ab" + "" and "a" + "b" must not meet.
+        let h1 = head(
+            "GET",
+            "http://h/",
+            &[("accept", "ab"), ("accept-language", "")],
+        );
+        let h2 = head(
+            "GET",
+            "http://h/",
+            &[("accept", "a"), ("accept-language", "b")],
+        );
+        assert_ne!(d.key("ep", &h1, b""), d.key("ep", &h2, b""));
+    }
+
+    #[test]
+    fn every_header_mode_ignores_the_order_of_names() {
+        let d = Dedup::default().vary_on_all_headers();
+        let h1 = head("GET", "http://h/", &[("x-a", "1"), ("x-b", "2")]);
+        let h2 = head("GET", "http://h/", &[("x-b", "2"), ("x-a", "1")]);
+        let h3 = head("GET", "http://h/", &[("x-b", "2"), ("x-a", "3")]);
+        assert_eq!(d.key("ep", &h1, b""), d.key("ep", &h2, b""));
+        assert_ne!(d.key("ep", &h1, b""), d.key("ep", &h3, b""));
+    }
+
+    #[test]
+    fn a_leader_dropped_without_landing_leaves_the_table_and_closes_the_flight() {
+        let d = Dedup::default();
+        let Role::Lead(leader) = d.join([1; 32]) else {
+            panic!("the first request leads");
+        };
+        let Role::Follow(follower) = d.join([1; 32]) else {
+            panic!("the second follows");
+        };
+        assert_eq!(d.stats().in_flight, 1);
+        drop(leader);
+        assert_eq!(d.stats().in_flight, 0);
+        assert!(follower.rx.has_changed().is_err());
+        assert!(matches!(d.join([1; 32]), Role::Lead(_)));
+    }
+}

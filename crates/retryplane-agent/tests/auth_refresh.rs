@@ -1,0 +1,263 @@
+//! The once-only credential refresh on 401 through the tower layer, against a scripted
+//! upstream, under paused tokio time.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{AUTHORIZATION, HeaderValue};
+use http::request::Parts;
+use http::{Request, Response};
+use http_body_util::{BodyExt as _, Full};
+use retryplane_agent::layer::{
+    BoxError, GaveUp, RefreshCredentials, RefreshFailed, ReplayBody, RetryLayer,
+};
+use retryplane_agent::{Agent, Cause, GiveUpCause};
+use support::{agent, policy};
+use tokio::time::Instant;
+use tower::{Layer as _, ServiceExt as _, service_fn};
+
+/// What the upstream saw: the `Authorization` value and body of each request.
+type Seen = Arc<Mutex<Vec<(String, Bytes)>>>;
+
+/// Answers with the scripted statuses (then 200), recording every request.
+fn upstream(
+    statuses: &[u16],
+) -> (
+    impl tower::Service<
+        Request<ReplayBody<Full<Bytes>>>,
+        Response = Response<()>,
+        Error = Infallible,
+        Future = impl Send,
+    > + Clone
+    + Send
+    + 'static,
+    Seen,
+) {
+    let script = Arc::new(Mutex::new(
+        statuses.iter().copied().collect::<VecDeque<_>>(),
+    ));
+    let seen: Seen = Arc::default();
+    let log = seen.clone();
+    let svc = service_fn(move |req: Request<ReplayBody<Full<Bytes>>>| {
+        let script = script.clone();
+        let log = log.clone();
+        async move {
+            let auth = req
+                .headers()
+                .get(AUTHORIZATION)
+                .map(|v| v.to_str().unwrap().to_owned())
+                .unwrap_or_default();
+            let body = req.into_body().collect().await.unwrap().to_bytes();
+            log.lock().unwrap().push((auth, body));
+            let status = script.lock().unwrap().pop_front().unwrap_or(200);
+            Ok::<_, Infallible>(Response::builder().status(status).body(()).unwrap())
+        }
+    });
+    (svc, seen)
+}
+
+/// A hook that sets `Authorization: Bearer new-<n>` on its n-th call (from 1), fails when
+/// told to, or never finishes.
+#[derive(Clone, Default)]
+struct Hook {
+    calls: Arc<AtomicUsize>,
+    fail: bool,
+    hang: bool,
+}
+
+impl RefreshCredentials for Hook {
+    async fn refresh(&self, parts: &mut Parts) -> Result<(), BoxError> {
+        let n = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
+        if self.hang {
+            std::future::pending::<()>().await;
+        }
+        if self.fail {
+            return Err("the token service said no".into());
+        }
+        parts.headers.insert(
+            AUTHORIZATION,
+            HeaderValue::from_str(&format!("Bearer new-{n}"))?,
+        );
+        Ok(())
+    }
+}
+
+fn request(method: &str, body: &'static str) -> Request<Full<Bytes>> {
+    Request::builder()
+        .method(method)
+        .uri("http://up/v1/me")
+        .header(AUTHORIZATION, "Bearer old")
+        .body(Full::new(Bytes::from_static(body.as_bytes())))
+        .unwrap()
+}
+
+fn auths(seen: &Seen) -> Vec<String> {
+    seen.lock()
+        .unwrap()
+        .iter()
+        .map(|(a, _)| a.clone())
+        .collect()
+}
+
+async fn send(
+    agent: &Agent,
+    hook: &Hook,
+    statuses: &[u16],
+    req: Request<Full<Bytes>>,
+) -> (Response<()>, Seen) {
+    let (svc, seen) = upstream(statuses);
+    let client = RetryLayer::new(agent.endpoint("ep"))
+        .with_auth_refresh(hook.clone())
+        .layer(svc);
+    (client.oneshot(req).await.unwrap(), seen)
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_401_refreshes_once_and_the_request_is_sent_again_with_the_new_credentials() {
+    let agent = agent(&policy("max_attempts: 3"));
+    let hook = Hook::default();
+    let started = Instant::now();
+    let (response, seen) = send(&agent, &hook, &[401], request("PUT", "data")).await;
+    assert_eq!(response.status(), 200);
+    assert!(response.extensions().get::<GaveUp>().is_none());
+    assert_eq!(hook.calls.load(Ordering::SeqCst), 1);
+    assert_eq!(auths(&seen), ["Bearer old", "Bearer new-1"]);
+    // The body is sent again, whole; no pause before the second send.
+    assert!(seen.lock().unwrap().iter().all(|(_, b)| b == "data"));
+    assert_eq!(started.elapsed(), Duration::ZERO);
+    // One attempt, no retry, in the counters.
+    let counts = agent.endpoint("ep").pending_counts();
+    assert_eq!((counts.calls, counts.attempts, counts.retries), (1, 1, 0));
+    assert_eq!(counts.success_first_try, 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_second_401_is_returned_without_a_third_send() {
+    let agent = agent(&policy("max_attempts: 3"));
+    let hook = Hook::default();
+    let (response, seen) = send(&agent, &hook, &[401, 401, 401], request("GET", "")).await;
+    assert_eq!(response.status(), 401);
+    assert_eq!(
+        response.extensions().get::<GaveUp>(),
+        Some(&GaveUp {
+            cause: Cause::GaveUp(GiveUpCause::NotRetryable),
+            attempts: 1
+        })
+    );
+    assert!(response.extensions().get::<RefreshFailed>().is_none());
+    assert_eq!(hook.calls.load(Ordering::SeqCst), 1);
+    assert_eq!(auths(&seen), ["Bearer old", "Bearer new-1"]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn later_attempts_keep_the_refreshed_credentials_and_the_hook_runs_once() {
+    let agent = agent(&policy("max_attempts: 3"));
+    let hook = Hook::default();
+    // 401 → refresh → 503 → (100ms) retry → 401: judged by the policy, returned.
+    let started = Instant::now();
+    let (response, seen) = send(&agent, &hook, &[401, 503, 401], request("GET", "")).await;
+    assert_eq!(response.status(), 401);
+    assert_eq!(hook.calls.load(Ordering::SeqCst), 1);
+    assert_eq!(auths(&seen), ["Bearer old", "Bearer new-1", "Bearer new-1"]);
+    assert_eq!(started.elapsed(), Duration::from_millis(100));
+    assert_eq!(response.extensions().get::<GaveUp>().unwrap().attempts, 2);
+
+    // 503 → retry → 401 → refresh → 200: the refresh may come on a later attempt.
+    let (response, seen) = send(&agent, &hook, &[503, 401], request("GET", "")).await;
+    assert_eq!(response.status(), 200);
+    assert_eq!(hook.calls.load(Ordering::SeqCst), 2);
+    assert_eq!(auths(&seen), ["Bearer old", "Bearer old", "Bearer new-2"]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_second_send_is_one_more_than_max_attempts_allows() {
+    let agent = agent(&policy("max_attempts: 1"));
+    let hook = Hook::default();
+    let (response, seen) = send(&agent, &hook, &[401], request("GET", "")).await;
+    assert_eq!(response.status(), 200);
+    assert_eq!(seen.lock().unwrap().len(), 2);
+
+    // With attempts left, the second send does not use one of them: 401, 503, 503, 200.
+    let agent = support::agent(&policy("max_attempts: 3"));
+    let (response, seen) = send(&agent, &hook, &[401, 503, 503], request("GET", "")).await;
+    assert_eq!(response.status(), 200);
+    assert_eq!(seen.lock().unwrap().len(), 4);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failing_hook_leaves_the_401_with_its_error() {
+    let agent = agent(&policy("max_attempts: 3"));
+    let hook = Hook {
+        fail: true,
+        ..Hook::default()
+    };
+    let (response, seen) = send(&agent, &hook, &[401], request("GET", "")).await;
+    assert_eq!(response.status(), 401);
+    let failed = response.extensions().get::<RefreshFailed>().unwrap();
+    assert_eq!(failed.0.to_string(), "the token service said no");
+    assert_eq!(hook.calls.load(Ordering::SeqCst), 1);
+    assert_eq!(auths(&seen), ["Bearer old"]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_hook_that_never_finishes_is_cut_at_the_deadline() {
+    let agent = agent(&policy("max_attempts: 3\ndeadline: 3s"));
+    let hook = Hook {
+        hang: true,
+        ..Hook::default()
+    };
+    let started = Instant::now();
+    let (response, seen) = send(&agent, &hook, &[401], request("GET", "")).await;
+    assert_eq!(response.status(), 401);
+    assert_eq!(started.elapsed(), Duration::from_secs(3));
+    assert_eq!(seen.lock().unwrap().len(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn other_statuses_never_call_the_hook() {
+    let agent = agent(&policy("max_attempts: 3"));
+    let hook = Hook::default();
+    let (response, seen) = send(&agent, &hook, &[403], request("GET", "")).await;
+    assert_eq!(response.status(), 403);
+    assert_eq!(seen.lock().unwrap().len(), 1);
+    let (response, seen) = send(&agent, &hook, &[200], request("GET", "")).await;
+    assert_eq!(response.status(), 200);
+    assert_eq!(seen.lock().unwrap().len(), 1);
+    let (response, seen) = send(&agent, &hook, &[503, 200], request("GET", "")).await;
+    assert_eq!(response.status(), 200);
+    assert_eq!(seen.lock().unwrap().len(), 2);
+    assert_eq!(hook.calls.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_body_over_the_limit_is_not_sent_again() {
+    let agent = agent(&policy("max_attempts: 3"));
+    let hook = Hook::default();
+    let (svc, seen) = upstream(&[401]);
+    let client = RetryLayer::new(agent.endpoint("ep"))
+        .with_body_limit(2)
+        .with_auth_refresh(hook.clone())
+        .layer(svc);
+    let response = client.oneshot(request("GET", "long")).await.unwrap();
+    assert_eq!(response.status(), 401);
+    assert_eq!(hook.calls.load(Ordering::SeqCst), 0);
+    assert_eq!(auths(&seen), ["Bearer old"]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn without_a_hook_a_401_is_returned_as_it_is() {
+    let agent = agent(&policy("max_attempts: 3"));
+    let (svc, seen) = upstream(&[401]);
+    let client = RetryLayer::new(agent.endpoint("ep")).layer(svc);
+    let response = client.oneshot(request("GET", "")).await.unwrap();
+    assert_eq!(response.status(), 401);
+    assert_eq!(seen.lock().unwrap().len(), 1);
+}

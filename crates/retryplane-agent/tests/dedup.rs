@@ -1,0 +1,535 @@
+//! De-duplication of identical in-flight reads through the tower layer, against a scripted
+//! upstream that holds every request at a gate until the test opens it.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use std::collections::VecDeque;
+use std::io;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body_util::{BodyExt as _, Full};
+use retryplane_agent::layer::{
+    Dedup, DedupStats, Deduplicated, GaveUp, ReplayBody, Retry, RetryLayer, SharedBody,
+};
+use support::{agent, policy};
+use tokio::sync::Semaphore;
+use tokio::task::JoinHandle;
+use tower::{Layer as _, ServiceExt as _, service_fn};
+
+/// Long per-try timeout and deadline: requests held at the gate never time out in a test.
+const POLICY: &str = "max_attempts: 3\ndeadline: 600s\nper_try_timeout: 600s";
+
+/// What one request to the upstream does once the gate lets it through.
+#[derive(Clone, Copy, Debug)]
+enum Step {
+    Status(u16),
+    Refused,
+}
+
+/// The upstream's side: requests seen (in order of arrival), the gate, the script.
+struct Upstream {
+    seen: Mutex<Vec<Request<Bytes>>>,
+    gate: Semaphore,
+    script: Mutex<VecDeque<Step>>,
+}
+
+impl Upstream {
+    fn seen(&self) -> usize {
+        self.seen.lock().unwrap().len()
+    }
+
+    /// Lets `n` more requests through.
+    fn open(&self, n: usize) {
+        self.gate.add_permits(n);
+    }
+}
+
+type Body = ReplayBody<Full<Bytes>>;
+
+/// An upstream answering request number `n` (from 0) with `answer n`, an `x-call: n` header,
+/// and the scripted status (then 200), once the gate lets it through.
+fn upstream(
+    script: &[Step],
+) -> (
+    impl tower::Service<
+        Request<Body>,
+        Response = Response<Full<Bytes>>,
+        Error = io::Error,
+        Future = impl Send,
+    > + Clone
+    + Send
+    + 'static,
+    Arc<Upstream>,
+) {
+    let up = Arc::new(Upstream {
+        seen: Mutex::default(),
+        gate: Semaphore::new(0),
+        script: Mutex::new(script.iter().copied().collect()),
+    });
+    let state = up.clone();
+    let svc = service_fn(move |req: Request<Body>| {
+        let up = state.clone();
+        async move {
+            let (parts, body) = req.into_parts();
+            let body = body.collect().await.unwrap().to_bytes();
+            let n = {
+                let mut seen = up.seen.lock().unwrap();
+                seen.push(Request::from_parts(parts, body));
+                seen.len() - 1
+            };
+            up.gate.acquire().await.unwrap().forget();
+            let step = up.script.lock().unwrap().pop_front();
+            let status = match step {
+                Some(Step::Refused) => return Err(io::ErrorKind::ConnectionRefused.into()),
+                Some(Step::Status(s)) => s,
+                None => 200,
+            };
+            Ok(Response::builder()
+                .status(status)
+                .header("x-call", n.to_string())
+                .body(Full::new(Bytes::from(format!("answer {n}"))))
+                .unwrap())
+        }
+    });
+    (svc, up)
+}
+
+type Client<S> = Retry<S, Dedup>;
+
+fn client<S>(svc: S, dedup: &Dedup) -> Client<S> {
+    let agent = agent(&policy(POLICY));
+    RetryLayer::new(agent.endpoint("ep"))
+        .with_dedup(dedup.clone())
+        .layer(svc)
+}
+
+fn get(uri: &str) -> http::request::Builder {
+    Request::builder().method("GET").uri(uri)
+}
+
+fn req(b: http::request::Builder, body: &'static str) -> Request<Full<Bytes>> {
+    b.body(Full::new(Bytes::from_static(body.as_bytes())))
+        .unwrap()
+}
+
+type Answer = Result<(u16, Option<String>, Bytes, bool), String>;
+
+/// Sends `request` on a task; the answer is status, `x-call`, body and whether it was a
+/// copy of another's response.
+fn spawn<S>(client: &Client<S>, request: Request<Full<Bytes>>) -> JoinHandle<Answer>
+where
+    Client<S>: tower::Service<
+            Request<Full<Bytes>>,
+            Response = Response<SharedBody<Full<Bytes>>>,
+            Error = retryplane_agent::layer::BoxError,
+            Future: Send,
+        > + Clone
+        + Send
+        + 'static,
+{
+    let client = client.clone();
+    tokio::spawn(async move {
+        let response = client.oneshot(request).await.map_err(|e| e.to_string())?;
+        let status = response.status().as_u16();
+        let call = response
+            .headers()
+            .get("x-call")
+            .map(|v| v.to_str().unwrap().to_owned());
+        let copy = response.extensions().get::<Deduplicated>().is_some();
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        Ok((status, call, body, copy))
+    })
+}
+
+/// Waits (yielding, bounded) until `f` holds.
+async fn until(what: &str, mut f: impl FnMut() -> bool) {
+    for _ in 0..10_000 {
+        if f() {
+            return;
+        }
+        tokio::task::yield_now().await;
+    }
+    panic!("never happened: {what}");
+}
+
+async fn join(h: JoinHandle<Answer>) -> Answer {
+    tokio::time::timeout(Duration::from_secs(60), h)
+        .await
+        .expect("a request hung")
+        .expect("task failed")
+}
+
+#[tokio::test(start_paused = true)]
+async fn identical_gets_share_one_call_and_its_response() {
+    let (svc, up) = upstream(&[]);
+    let dedup = Dedup::default();
+    let client = client(svc, &dedup);
+    let request = || {
+        req(
+            get("http://up/items?page=2")
+                .header("authorization", "Bearer a")
+                .header("accept-language", "uk"),
+            "",
+        )
+    };
+    let leader = spawn(&client, request());
+    until("the leader reaches the upstream", || up.seen() == 1).await;
+    let followers: Vec<_> = (0..4).map(|_| spawn(&client, request())).collect();
+    until("four followers wait", || dedup.stats().waiting == 4).await;
+    up.open(1);
+
+    let (status, call, body, copy) = join(leader).await.unwrap();
+    assert_eq!(
+        (status, call.as_deref(), &body[..], copy),
+        (200, Some("0"), &b"answer 0"[..], false)
+    );
+    for f in followers {
+        let (status, call, body, copy) = join(f).await.unwrap();
+        assert_eq!(
+            (status, call.as_deref(), &body[..], copy),
+            (200, Some("0"), &b"answer 0"[..], true)
+        );
+    }
+    assert_eq!(up.seen(), 1);
+    assert_eq!(
+        dedup.stats(),
+        DedupStats {
+            led: 1,
+            shared: 4,
+            own_calls: 0,
+            waiting: 0,
+            in_flight: 0
+        }
+    );
+
+    // The call left the table when it ended: the same request now makes a new call.
+    up.open(1);
+    let again = join(spawn(&client, request())).await.unwrap();
+    assert_eq!(again.1.as_deref(), Some("1"));
+    assert_eq!(up.seen(), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_response_the_call_gave_up_on_is_shared_with_its_mark() {
+    let (svc, up) = upstream(&[Step::Status(404)]);
+    let dedup = Dedup::default();
+    let client = client(svc, &dedup);
+    let leader = spawn(&client, req(get("http://up/x"), ""));
+    until("the leader reaches the upstream", || up.seen() == 1).await;
+    let c = client.clone();
+    let follower = tokio::spawn(async move { c.oneshot(req(get("http://up/x"), "")).await });
+    until("one follower waits", || dedup.stats().waiting == 1).await;
+    up.open(1);
+    assert_eq!(join(leader).await.unwrap().0, 404);
+    let copy = follower.await.unwrap().unwrap();
+    assert_eq!(copy.status(), 404);
+    assert!(copy.extensions().get::<GaveUp>().is_some());
+    assert!(copy.extensions().get::<Deduplicated>().is_some());
+    assert_eq!(up.seen(), 1);
+}
+
+/// Sends `a`, then `b` while `a` is held at the gate, and says whether `b` was shared
+/// (checking that both got the answer that goes with it).
+async fn shared(dedup: Dedup, a: Request<Full<Bytes>>, b: Request<Full<Bytes>>) -> bool {
+    let (svc, up) = upstream(&[]);
+    let client = client(svc, &dedup);
+    let first = spawn(&client, a);
+    until("the first request reaches the upstream", || up.seen() == 1).await;
+    let second = spawn(&client, b);
+    until("the second request waits or reaches the upstream", || {
+        dedup.stats().waiting == 1 || up.seen() == 2
+    })
+    .await;
+    let was_shared = dedup.stats().waiting == 1;
+    up.open(2);
+    let first = join(first).await.unwrap();
+    let second = join(second).await.unwrap();
+    assert_eq!(first.1.as_deref(), Some("0"));
+    if was_shared {
+        assert_eq!(second.1.as_deref(), Some("0"));
+        assert!(second.3);
+        assert_eq!(up.seen(), 1);
+    } else {
+        assert_eq!(second.1.as_deref(), Some("1"));
+        assert!(!second.3);
+        assert_eq!(up.seen(), 2);
+    }
+    assert_eq!(dedup.stats().in_flight, 0);
+    was_shared
+}
+
+#[tokio::test(start_paused = true)]
+async fn requests_that_may_get_different_answers_are_not_shared() {
+    let d = Dedup::default;
+    let auth = |v: &str| get("http://up/me").header("authorization", v);
+    assert!(shared(d(), req(auth("Bearer a"), ""), req(auth("Bearer a"), "")).await);
+    assert!(!shared(d(), req(auth("Bearer a"), ""), req(auth("Bearer b"), "")).await);
+
+    let lang = |v: &str| get("http://up/me").header("accept-language", v);
+    assert!(!shared(d(), req(lang("en"), ""), req(lang("uk"), "")).await);
+    // The same values, one header missing.
+    assert!(!shared(d(), req(lang("en"), ""), req(get("http://up/me"), "")).await);
+    let cookie = |v: &str| get("http://up/me").header("cookie", v);
+    assert!(!shared(d(), req(cookie("s=1"), ""), req(cookie("s=2"), "")).await);
+
+    // The query string and the host are part of the URI.
+    assert!(
+        !shared(
+            d(),
+            req(get("http://up/a?x=1"), ""),
+            req(get("http://up/a?x=2"), "")
+        )
+        .await
+    );
+    assert!(
+        !shared(
+            d(),
+            req(get("http://up/a"), ""),
+            req(get("http://other/a"), "")
+        )
+        .await
+    );
+    assert!(
+        !shared(
+            d(),
+            req(get("/a").header("host", "up"), ""),
+            req(get("/a").header("host", "other"), "")
+        )
+        .await
+    );
+
+    // The body.
+    assert!(
+        shared(
+            d(),
+            req(get("http://up/q"), "same"),
+            req(get("http://up/q"), "same")
+        )
+        .await
+    );
+    assert!(
+        !shared(
+            d(),
+            req(get("http://up/q"), "one"),
+            req(get("http://up/q"), "two")
+        )
+        .await
+    );
+
+    // Another method.
+    let head = Request::builder().method("HEAD").uri("http://up/me");
+    assert!(!shared(d(), req(get("http://up/me"), ""), req(head, "")).await);
+}
+
+#[tokio::test(start_paused = true)]
+async fn which_headers_count_is_configurable() {
+    let id = |v: &str| get("http://up/me").header("x-request-id", v);
+    let tenant = |v: &str| get("http://up/me").header("x-tenant", v);
+    // Not in the default list: ignored.
+    assert!(shared(Dedup::default(), req(id("1"), ""), req(id("2"), "")).await);
+    assert!(shared(Dedup::default(), req(tenant("a"), ""), req(tenant("b"), "")).await);
+    let by_tenant = || Dedup::default().vary_on(http::HeaderName::from_static("x-tenant"));
+    assert!(!shared(by_tenant(), req(tenant("a"), ""), req(tenant("b"), "")).await);
+    assert!(shared(by_tenant(), req(tenant("a"), ""), req(tenant("a"), "")).await);
+    // Every header: any difference counts, the order of names does not.
+    let all = || Dedup::default().vary_on_all_headers();
+    assert!(!shared(all(), req(id("1"), ""), req(id("2"), "")).await);
+    let two = |first: (&str, &str), second: (&str, &str)| {
+        req(
+            get("http://up/me")
+                .header(first.0, first.1)
+                .header(second.0, second.1),
+            "",
+        )
+    };
+    assert!(
+        shared(
+            all(),
+            two(("x-a", "1"), ("x-b", "2")),
+            two(("x-b", "2"), ("x-a", "1"))
+        )
+        .await
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn writes_are_not_shared_unless_their_method_is_added() {
+    let post = || {
+        req(
+            Request::builder().method("POST").uri("http://up/search"),
+            "q",
+        )
+    };
+    assert!(!shared(Dedup::default(), post(), post()).await);
+    let options = || req(Request::builder().method("OPTIONS").uri("http://up/"), "");
+    assert!(!shared(Dedup::default(), options(), options()).await);
+    assert!(
+        shared(
+            Dedup::default().share_method(http::Method::POST),
+            post(),
+            post()
+        )
+        .await
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_body_over_the_request_limit_is_not_shared() {
+    let (svc, up) = upstream(&[]);
+    let dedup = Dedup::default();
+    let agent = agent(&policy(POLICY));
+    let client = RetryLayer::new(agent.endpoint("ep"))
+        .with_body_limit(2)
+        .with_dedup(dedup.clone())
+        .layer(svc);
+    let a = spawn(&client, req(get("http://up/q"), "long"));
+    let b = spawn(&client, req(get("http://up/q"), "long"));
+    until("both reach the upstream", || up.seen() == 2).await;
+    up.open(2);
+    assert_eq!(join(a).await.unwrap().0, 200);
+    assert_eq!(join(b).await.unwrap().0, 200);
+    assert_eq!(dedup.stats().led, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn followers_of_a_cancelled_leader_complete_one_leading() {
+    let (svc, up) = upstream(&[]);
+    let dedup = Dedup::default();
+    let client = client(svc, &dedup);
+    let leader = spawn(&client, req(get("http://up/x"), ""));
+    until("the leader reaches the upstream", || up.seen() == 1).await;
+    let followers: Vec<_> = (0..3)
+        .map(|_| spawn(&client, req(get("http://up/x"), "")))
+        .collect();
+    until("three followers wait", || dedup.stats().waiting == 3).await;
+
+    leader.abort();
+    // One follower takes the lead and calls; the other two follow it.
+    until("a new leader calls and two follow it", || {
+        up.seen() == 2 && dedup.stats().waiting == 2
+    })
+    .await;
+    up.open(1);
+    let mut copies = 0;
+    for f in followers {
+        let (status, call, body, copy) = join(f).await.unwrap();
+        assert_eq!(
+            (status, call.as_deref(), &body[..]),
+            (200, Some("1"), &b"answer 1"[..])
+        );
+        copies += usize::from(copy);
+    }
+    assert_eq!(copies, 2);
+    assert_eq!(up.seen(), 2);
+    let stats = dedup.stats();
+    assert_eq!(
+        (stats.led, stats.shared, stats.waiting, stats.in_flight),
+        (2, 2, 0, 0)
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_dropped_follower_leaves_the_others_waiting() {
+    let (svc, up) = upstream(&[]);
+    let dedup = Dedup::default();
+    let client = client(svc, &dedup);
+    let leader = spawn(&client, req(get("http://up/x"), ""));
+    until("the leader reaches the upstream", || up.seen() == 1).await;
+    let gone = spawn(&client, req(get("http://up/x"), ""));
+    let stays = spawn(&client, req(get("http://up/x"), ""));
+    until("two followers wait", || dedup.stats().waiting == 2).await;
+    gone.abort();
+    until("one follower waits", || dedup.stats().waiting == 1).await;
+    up.open(1);
+    assert_eq!(join(leader).await.unwrap().1.as_deref(), Some("0"));
+    assert_eq!(join(stays).await.unwrap().1.as_deref(), Some("0"));
+    assert_eq!(up.seen(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn over_the_response_limit_followers_make_their_own_calls() {
+    let (svc, up) = upstream(&[]);
+    // "answer n" is 8 bytes.
+    let dedup = Dedup::default().with_response_limit(4);
+    let client = client(svc, &dedup);
+    let leader = spawn(&client, req(get("http://up/big"), ""));
+    until("the leader reaches the upstream", || up.seen() == 1).await;
+    let followers: Vec<_> = (0..3)
+        .map(|_| spawn(&client, req(get("http://up/big"), "")))
+        .collect();
+    until("three followers wait", || dedup.stats().waiting == 3).await;
+    up.open(4);
+    // The leader gets its whole body, streamed past the limit.
+    let (status, call, body, copy) = join(leader).await.unwrap();
+    assert_eq!(
+        (status, call.as_deref(), &body[..], copy),
+        (200, Some("0"), &b"answer 0"[..], false)
+    );
+    let mut calls = Vec::new();
+    for f in followers {
+        let (status, call, body, copy) = join(f).await.unwrap();
+        let call = call.unwrap();
+        assert_eq!((status, copy), (200, false));
+        assert_eq!(body, format!("answer {call}"));
+        calls.push(call);
+    }
+    calls.sort();
+    assert_eq!(calls, ["1", "2", "3"]);
+    assert_eq!(up.seen(), 4);
+    let stats = dedup.stats();
+    assert_eq!((stats.led, stats.shared, stats.own_calls), (1, 0, 3));
+    assert_eq!(stats.in_flight, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_leader_error_sends_followers_to_their_own_calls() {
+    // Refused, and not retried (max_attempts 1): the leader returns the error.
+    let (svc, up) = upstream(&[Step::Refused]);
+    let dedup = Dedup::default();
+    let agent = agent(&policy(
+        "max_attempts: 1\ndeadline: 600s\nper_try_timeout: 600s",
+    ));
+    let client = RetryLayer::new(agent.endpoint("ep"))
+        .with_dedup(dedup.clone())
+        .layer(svc);
+    let leader = spawn(&client, req(get("http://up/x"), ""));
+    until("the leader reaches the upstream", || up.seen() == 1).await;
+    let followers: Vec<_> = (0..2)
+        .map(|_| spawn(&client, req(get("http://up/x"), "")))
+        .collect();
+    until("two followers wait", || dedup.stats().waiting == 2).await;
+    up.open(3);
+    let err = join(leader).await.unwrap_err();
+    assert!(err.contains("refused"), "{err}");
+    for f in followers {
+        let (status, _, _, copy) = join(f).await.unwrap();
+        assert_eq!((status, copy), (200, false));
+    }
+    assert_eq!(up.seen(), 3);
+    assert_eq!(dedup.stats().own_calls, 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn without_dedup_identical_requests_each_make_a_call() {
+    let (svc, up) = upstream(&[]);
+    let agent = agent(&policy(POLICY));
+    let client = RetryLayer::new(agent.endpoint("ep")).layer(svc);
+    let handles: Vec<_> = (0..2)
+        .map(|_| {
+            let c = client.clone();
+            tokio::spawn(async move { c.oneshot(req(get("http://up/x"), "")).await.unwrap() })
+        })
+        .collect();
+    until("both reach the upstream", || up.seen() == 2).await;
+    up.open(2);
+    for h in handles {
+        let response = h.await.unwrap();
+        assert_eq!(response.status(), 200);
+        assert!(response.extensions().get::<Deduplicated>().is_none());
+    }
+}
