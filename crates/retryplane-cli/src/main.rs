@@ -8,14 +8,15 @@
 //!   falls over, in virtual time, beside no budget, no jitter and a naive client;
 //! - `request --policy FILE --endpoint NAME URL` makes one HTTP call under a policy and shows
 //!   every attempt;
-//! - the control plane: `serve` runs it; `apply`, `diff`, `get`, `history`, `rollback` and
-//!   `status` talk to its admin API (`--server`, `--token` / `RETRYPLANE_TOKEN`).
+//! - the control plane: `serve` runs it; `apply`, `diff`, `get`, `history`, `rollback`,
+//!   `status`, `stats` and `top` talk to its admin API (`--server`, `--token` /
+//!   `RETRYPLANE_TOKEN`); `top` is the one command that keeps running: a live view, on the
+//!   terminal's alternate screen when stdout is a terminal, plain text blocks otherwise.
 //!
 //! Each command is one [`Command`] variant and one module: clap parses raw flags (`Args`), the
 //! module turns them into validated `Settings` once, and its `run` returns a [`Report`] — what
 //! to print on stdout and the [`Outcome`]. Only `main` touches the process: it prints, and maps
-//! the outcome to the exit code. Commands still to come (`top`, `stats`)
-//! follow the same path.
+//! the outcome to the exit code. `top` prints as it goes and returns an empty report.
 //!
 //! # Exit codes (every command)
 //!
@@ -78,8 +79,13 @@ enum Command {
     History(admin::history::Args),
     /// Publish the content of a past version as a new version.
     Rollback(admin::rollback::Args),
-    /// Show the connected agents and how far the fleet is on the current version.
+    /// Show the connected agents, how far the fleet is on the current version, and the
+    /// endpoints whose retry ratio is past its threshold.
     Status(admin::status::Args),
+    /// Print the fleet's retry metrics per service and endpoint, and lifetime totals.
+    Stats(admin::stats::Args),
+    /// A live view of the retry metrics, worst retry ratio first; q, Esc or Ctrl-C quits.
+    Top(admin::top::Args),
     /// Run the control plane until SIGTERM or Ctrl-C.
     Serve(serve::Args),
     /// Simulate a policy's clients against an upstream that falls over (a retry storm),
@@ -172,6 +178,8 @@ fn run(cli: Cli) -> anyhow::Result<Report> {
         Command::History(args) => admin::history::run(&args.try_into()?),
         Command::Rollback(args) => admin::rollback::run(&args.try_into()?),
         Command::Status(args) => admin::status::run(&args.try_into()?),
+        Command::Stats(args) => admin::stats::run(&args.try_into()?),
+        Command::Top(args) => admin::top::run(&args.try_into()?),
         Command::Serve(args) => serve::run(args.into()),
         Command::Simulate(args) => simulate::run(&args.try_into()?),
         Command::Request(args) => request::run(&args.try_into()?),

@@ -118,7 +118,7 @@ async fn serve(settings: ServeConfig) -> anyhow::Result<()> {
 }
 
 /// SIGTERM and Ctrl-C (SIGINT), listened for from the moment they are installed.
-struct Signals {
+pub(crate) struct Signals {
     #[cfg(unix)]
     term: tokio::signal::unix::Signal,
     #[cfg(unix)]
@@ -126,7 +126,7 @@ struct Signals {
 }
 
 impl Signals {
-    fn install() -> anyhow::Result<Self> {
+    pub(crate) fn install() -> anyhow::Result<Self> {
         #[cfg(unix)]
         {
             use tokio::signal::unix::{SignalKind, signal};
@@ -140,7 +140,7 @@ impl Signals {
     }
 
     /// Resolves on the first signal.
-    async fn recv(&mut self) {
+    pub(crate) async fn recv(&mut self) {
         #[cfg(unix)]
         tokio::select! {
             _ = self.term.recv() => {}

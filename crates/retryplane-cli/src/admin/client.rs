@@ -85,4 +85,10 @@ impl Client {
         let request = self.request(pb::FleetStatusRequest {});
         Ok(self.inner.fleet_status(request).await?.into_inner())
     }
+
+    /// `Stats`.
+    pub async fn stats(&mut self, message: pb::StatsRequest) -> Result<pb::StatsResponse, Status> {
+        let request = self.request(message);
+        Ok(self.inner.stats(request).await?.into_inner())
+    }
 }

@@ -6,7 +6,10 @@
 //! - `get` prints the current (or a past) version as a policy file or as JSON;
 //! - `history` lists every stored version, newest first;
 //! - `rollback VERSION` publishes the content of a past version as a new version;
-//! - `status` shows every agent the server knows and how far the fleet is on the current version.
+//! - `status` shows every agent the server knows, how far the fleet is on the current version,
+//!   and the endpoints whose retry ratio is past its threshold;
+//! - `stats` prints the fleet's retry metrics per (service, endpoint) and per endpoint;
+//! - `top` is a live view of the same metrics, worst retry ratio first.
 //!
 //! Every one takes `--server URL` (`RETRYPLANE_SERVER`, default [`DEFAULT_SERVER`]) and
 //! `--token TOKEN` (`RETRYPLANE_TOKEN`), sent as `authorization: Bearer TOKEN` and never
@@ -28,9 +31,12 @@ pub mod diff;
 pub mod get;
 pub mod history;
 mod json;
+mod metrics;
 pub mod rollback;
+pub mod stats;
 pub mod status;
 mod time;
+pub mod top;
 
 use std::fmt;
 use std::str::FromStr;
@@ -155,6 +161,16 @@ pub fn failed(status: &Status, stdout: String) -> Report {
         message => message,
     };
     failed_with(status.code(), message, stdout)
+}
+
+/// `CODE_NAME: message` on one line, for a status shown without failing the command.
+pub fn status_line(status: &Status) -> String {
+    let message = match status.message() {
+        "" => status.code().description(),
+        message => message,
+    };
+    let message = message.split_whitespace().collect::<Vec<_>>().join(" ");
+    format!("{}: {message}", code_name(status.code()))
 }
 
 /// [`failed`] with a message of our own (a summary of diagnostics printed on stdout, say).

@@ -10,15 +10,28 @@
 //! - pending: the other connected agents (the push is on its way, or unanswered);
 //! - disconnected: the other agents the server still remembers.
 //!
-//! JSON: `{current_version, summary: {acked, nacked, pending, disconnected}, agents: [...]}`,
-//! each agent with every field of the wire message (`labels` an object; times in Unix
-//! milliseconds and, for people, RFC 3339 UTC; empty strings as `null`).
+//! Then one line per endpoint whose retry ratio over the last 5 minutes is past its threshold
+//! (SPEC §4), from the server's `Stats`:
+//! `alert: payments (checkout) retry ratio 7.2% > 5.0% over 5m`.
+//!
+//! JSON: `{current_version, summary: {acked, nacked, pending, disconnected}, agents: [...],
+//! alerts: [...]}`, each agent with every field of the wire message (`labels` an object; times
+//! in Unix milliseconds and, for people, RFC 3339 UTC; empty strings as `null`), each alert as
+//! `retryplane stats` prints it (`{service, endpoint, ratio, threshold, window_seconds,
+//! since_unix_ms, since}`).
+//!
+//! A server without `Stats` (UNIMPLEMENTED) gives no alert lines and `"alerts": null`; any
+//! other `Stats` failure does the same with a note on stderr: the fleet's state is still worth
+//! printing, and the exit code is the fleet call's.
 
 use serde_json::{Value, json};
 
+use tonic::Code;
+
 use super::client::Client;
+use super::metrics;
 use super::time::rfc3339_or_dash;
-use super::{Server, ServerArgs, block_on, json::non_empty};
+use super::{Server, ServerArgs, block_on, json::non_empty, status_line};
 use crate::output::{self, Format};
 use crate::{Outcome, Report};
 use retryplane_proto::pb;
@@ -53,7 +66,7 @@ impl TryFrom<Args> for Settings {
     }
 }
 
-/// Calls `FleetStatus` and prints the fleet.
+/// Calls `FleetStatus` and `Stats`, and prints the fleet and its alerts.
 pub fn run(settings: &Settings) -> anyhow::Result<Report> {
     block_on(async {
         let mut client = Client::connect(&settings.server).await?;
@@ -64,18 +77,21 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
         response
             .agents
             .sort_by(|a, b| (&a.service, &a.agent_id).cmp(&(&b.service, &b.agent_id)));
+        let stats = match client.stats(pb::StatsRequest::default()).await {
+            Ok(stats) => Some(stats),
+            Err(status) if status.code() == Code::Unimplemented => None,
+            Err(status) => {
+                output::note(format_args!(
+                    "retryplane: note: no alerts shown: {}",
+                    status_line(&status)
+                ));
+                None
+            }
+        };
         let counts = Counts::of(response.current_version, &response.agents);
         let stdout = match settings.format {
-            Format::Json => output::json(&status_json(&response, counts))?,
-            Format::Text => {
-                let mut out = String::new();
-                if !response.agents.is_empty() {
-                    table(&mut out, &response.agents);
-                }
-                out.push_str(&counts.line(response.current_version));
-                out.push('\n');
-                out
-            }
+            Format::Json => output::json(&status_json(&response, counts, stats.as_ref()))?,
+            Format::Text => status_text(&response, counts, stats.as_ref()),
         };
         Ok(Report {
             stdout,
@@ -122,6 +138,26 @@ impl Counts {
         }
         line
     }
+}
+
+/// The agents' table, the summary line, then one line per alert.
+fn status_text(
+    response: &pb::FleetStatusResponse,
+    counts: Counts,
+    stats: Option<&pb::StatsResponse>,
+) -> String {
+    let mut out = String::new();
+    if !response.agents.is_empty() {
+        table(&mut out, &response.agents);
+    }
+    out.push_str(&counts.line(response.current_version));
+    out.push('\n');
+    for line in stats.map(metrics::alert_lines).unwrap_or_default() {
+        out.push_str("alert: ");
+        out.push_str(&line);
+        out.push('\n');
+    }
+    out
 }
 
 fn table(out: &mut String, agents: &[pb::AgentStatus]) {
@@ -176,7 +212,11 @@ fn table(out: &mut String, agents: &[pb::AgentStatus]) {
     output::table(out, "", &[], &rows);
 }
 
-fn status_json(response: &pb::FleetStatusResponse, counts: Counts) -> Value {
+fn status_json(
+    response: &pb::FleetStatusResponse,
+    counts: Counts,
+    stats: Option<&pb::StatsResponse>,
+) -> Value {
     let time = |ms: u64| {
         if ms == 0 {
             Value::Null
@@ -220,6 +260,7 @@ fn status_json(response: &pb::FleetStatusResponse, counts: Counts) -> Value {
             "disconnected": counts.disconnected,
         },
         "agents": agents,
+        "alerts": stats.map_or(Value::Null, metrics::alerts_json),
     })
 }
 
@@ -300,7 +341,7 @@ z      checkout  127.0.0.1:50000  disconnected  -        -        -             
             current_version: 7,
             agents: vec![agent("a", true, 7, "ack", 7)],
         };
-        let value = status_json(&response, Counts::of(7, &response.agents));
+        let value = status_json(&response, Counts::of(7, &response.agents), None);
         assert_eq!(
             value["summary"],
             json!({"acked": 1, "nacked": 0, "pending": 0, "disconnected": 0})
@@ -312,5 +353,43 @@ z      checkout  127.0.0.1:50000  disconnected  -        -        -             
         assert_eq!(value["agents"][0]["connected_since"], Value::Null);
         assert_eq!(value["agents"][0]["last_error"], Value::Null);
         assert_eq!(value["agents"][0]["labels"], json!({}));
+        assert_eq!(value["alerts"], Value::Null, "no Stats, no alerts");
+    }
+
+    #[test]
+    fn text_and_json_list_the_firing_alerts() {
+        use crate::admin::metrics::tests::{alerting, counters, series};
+        let response = pb::FleetStatusResponse {
+            current_version: 7,
+            agents: vec![],
+        };
+        let stats = pb::StatsResponse {
+            series: vec![
+                series("checkout", "inventory", counters(100, 1, 99)),
+                alerting(
+                    series("checkout", "payments", counters(1000, 72, 900)),
+                    0.072,
+                ),
+            ],
+            ..Default::default()
+        };
+        let value = status_json(&response, Counts::default(), Some(&stats));
+        assert_eq!(value["alerts"].as_array().map(Vec::len), Some(1));
+        assert_eq!(value["alerts"][0]["endpoint"], "payments");
+        assert_eq!(value["alerts"][0]["ratio"], json!(0.072));
+        assert_eq!(
+            status_text(&response, Counts::default(), Some(&stats)),
+            "v7: 0 acked, 0 nacked, 0 pending\nalert: payments (checkout) retry ratio 7.2% > 5.0% over 5m\n"
+        );
+        assert_eq!(
+            status_text(&response, Counts::default(), None),
+            "v7: 0 acked, 0 nacked, 0 pending\n"
+        );
+        let quiet = status_json(
+            &response,
+            Counts::default(),
+            Some(&pb::StatsResponse::default()),
+        );
+        assert_eq!(quiet["alerts"], json!([]));
     }
 }

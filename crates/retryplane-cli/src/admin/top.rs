@@ -1,0 +1,793 @@
+//! `retryplane top [--interval 2s] [--window 1m|5m|15m] [--iterations N]`: a live view of the
+//! fleet's retry metrics, refreshed every interval, like `top` or `kubectl top`.
+//!
+//! Every refresh calls `FleetStatus` (the current version, the connected agents) and `Stats`,
+//! and shows one header line — the time of the figures (UTC), the server, the current policy
+//! version, connected agents, series and how many of them alert — then one row per (service,
+//! endpoint), highest retry ratio first over the chosen window (default `1m`):
+//! `! ENDPOINT SERVICE CALLS/S RETRIES/S RETRY% FIRST-TRY VERSION GIVE-UPS`, where `!` marks a
+//! series whose 5-minute retry ratio is past its threshold (the columns are those of
+//! `retryplane stats`).
+//!
+//! Two modes, chosen by whether stdout is a terminal:
+//!
+//! - **terminal**: the view takes the alternate screen and redraws in place; it fits the
+//!   terminal (names are shortened with `…` to fit the width, the rows with the highest ratios
+//!   are kept to fit the height). `q`, `Q`, Esc or Ctrl-C (and SIGTERM) end it with exit 0. A
+//!   failed refresh (server down, refused) shows on the second header line and the view keeps
+//!   the last figures and tries again at the next interval. The terminal is restored on every
+//!   way out: the normal one, an error, and a panic (a guard and a panic hook).
+//! - **plain** (stdout is a pipe or a file): the same header and table as text, once per
+//!   interval, blocks separated by a blank line, no escape codes and no truncation. Like
+//!   `top -b`, it runs until stopped (Ctrl-C or SIGTERM end it with exit 0) unless
+//!   `--iterations N` is given. A failed refresh ends the run like the other admin commands
+//!   (exit 1 when the server refused, 2 when it could not be reached).
+//!
+//! `--iterations N` stops after N refreshes in both modes.
+
+use std::fmt::Write as _;
+use std::future::Future;
+use std::io::{self, IsTerminal as _, Write as _};
+use std::pin::Pin;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use anyhow::Context as _;
+use crossterm::event::{Event, EventStream, KeyCode, KeyEvent, KeyEventKind, KeyModifiers};
+use retryplane_policy::duration::parse_duration;
+use tokio::time::{self, MissedTickBehavior};
+use tokio_stream::StreamExt as _;
+use tonic::Status;
+
+use super::client::Client;
+use super::metrics::{self, Window};
+use super::time::rfc3339_utc;
+use super::{Server, ServerArgs, block_on, status_line};
+use crate::output::{self, Align};
+use crate::serve::Signals;
+use crate::{Outcome, Report};
+use retryplane_proto::pb;
+
+/// The shortest `--interval`: a refresh is two admin calls.
+pub const MIN_INTERVAL: Duration = Duration::from_millis(100);
+
+/// `retryplane top` flags, as parsed.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Time between refreshes (at least 100ms).
+    #[arg(long, value_name = "D", default_value = "2s", value_parser = interval)]
+    interval: Duration,
+    /// The trailing window that rates and ratios are taken over.
+    #[arg(long, value_enum, default_value = "1m")]
+    window: Window,
+    /// Stop after N refreshes [default: run until q, Ctrl-C or SIGTERM, also when stdout is
+    /// not a terminal, like `top -b`].
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    iterations: Option<u64>,
+    #[command(flatten)]
+    server: ServerArgs,
+}
+
+fn interval(text: &str) -> Result<Duration, String> {
+    let d = parse_duration(text).map_err(|e| e.to_string())?;
+    if d < MIN_INTERVAL {
+        return Err(format!("{text} is too short: refresh at most every 100ms"));
+    }
+    Ok(d)
+}
+
+/// What to show, checked once.
+#[derive(Debug)]
+pub struct Settings {
+    /// Time between refreshes.
+    pub interval: Duration,
+    /// The window of rates and ratios.
+    pub window: Window,
+    /// Stop after this many refreshes; `None` runs until stopped.
+    pub iterations: Option<u64>,
+    /// The control plane.
+    pub server: Server,
+}
+
+impl TryFrom<Args> for Settings {
+    type Error = anyhow::Error;
+
+    fn try_from(args: Args) -> anyhow::Result<Self> {
+        Ok(Self {
+            interval: args.interval,
+            window: args.window,
+            iterations: args.iterations,
+            server: args.server.try_into()?,
+        })
+    }
+}
+
+/// Runs the view: on the terminal when stdout is one, else as plain text.
+pub fn run(settings: &Settings) -> anyhow::Result<Report> {
+    if io::stdout().is_terminal() {
+        block_on(interactive(settings))
+    } else {
+        block_on(plain(settings))
+    }
+}
+
+/// What one refresh brought.
+#[derive(Clone, Debug)]
+pub struct Snapshot {
+    /// The version the control plane publishes.
+    pub current_version: u64,
+    /// Agents connected now.
+    pub agents: usize,
+    /// The metrics.
+    pub stats: pb::StatsResponse,
+    /// When the figures were taken (the server's clock if it says, else ours), Unix ms.
+    pub taken_unix_ms: u64,
+}
+
+async fn poll(client: &mut Client) -> Result<Snapshot, Status> {
+    let fleet = client.fleet_status().await?;
+    let stats = client.stats(pb::StatsRequest::default()).await?;
+    let taken_unix_ms = match stats.now_unix_ms {
+        0 => now_unix_ms(),
+        ms => ms,
+    };
+    Ok(Snapshot {
+        current_version: fleet.current_version,
+        agents: fleet.agents.iter().filter(|a| a.connected).count(),
+        stats,
+        taken_unix_ms,
+    })
+}
+
+/// The wall clock in Unix milliseconds, for the header only (0 before 1970).
+fn now_unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// Plain mode; see the module docs.
+async fn plain(settings: &Settings) -> anyhow::Result<Report> {
+    let mut signals = Signals::install()?;
+    let mut client = Client::connect(&settings.server).await?;
+    let mut ticker = time::interval(settings.interval);
+    ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let mut refreshes = 0_u64;
+    loop {
+        tokio::select! {
+            _ = ticker.tick() => {}
+            () = signals.recv() => break,
+        }
+        let polled = tokio::select! {
+            polled = poll(&mut client) => polled,
+            () = signals.recv() => break,
+        };
+        let snapshot = match polled {
+            Ok(snapshot) => snapshot,
+            Err(status) => return Ok(super::failed(&status, String::new())),
+        };
+        let view = View {
+            server: &settings.server.url,
+            window: settings.window,
+            snapshot: Some(&snapshot),
+            error: None,
+            interactive: false,
+            interval: settings.interval,
+        };
+        let mut block = String::new();
+        if refreshes > 0 {
+            block.push('\n');
+        }
+        for line in render(&view, None) {
+            block.push_str(&line);
+            block.push('\n');
+        }
+        match write_stdout(&block) {
+            Ok(()) => {}
+            // The reader went away (`retryplane top | head`): nothing more to show.
+            Err(e) if e.kind() == io::ErrorKind::BrokenPipe => break,
+            Err(e) => return Err(e).context("cannot write to stdout"),
+        }
+        refreshes += 1;
+        if settings.iterations.is_some_and(|n| refreshes >= n) {
+            break;
+        }
+    }
+    Ok(Report {
+        stdout: String::new(),
+        outcome: Outcome::Success,
+    })
+}
+
+fn write_stdout(text: &str) -> io::Result<()> {
+    let mut out = io::stdout().lock();
+    out.write_all(text.as_bytes())?;
+    out.flush()
+}
+
+/// A refresh in flight: it owns the client and gives it back (`None` after a failure, so that
+/// the next refresh connects anew).
+type Fetch = Pin<Box<dyn Future<Output = (Option<Client>, Result<Snapshot, String>)>>>;
+
+async fn fetch(
+    server: Server,
+    client: Option<Client>,
+) -> (Option<Client>, Result<Snapshot, String>) {
+    let mut client = match client {
+        Some(client) => client,
+        None => match Client::connect(&server).await {
+            Ok(client) => client,
+            Err(e) => return (None, Err(format!("{e:#}"))),
+        },
+    };
+    match poll(&mut client).await {
+        Ok(snapshot) => (Some(client), Ok(snapshot)),
+        Err(status) => (None, Err(status_line(&status))),
+    }
+}
+
+/// Resolves with the fetch's result, or never when none is in flight.
+async fn finished(fetch: &mut Option<Fetch>) -> (Option<Client>, Result<Snapshot, String>) {
+    match fetch.as_mut() {
+        Some(f) => f.await,
+        None => std::future::pending().await,
+    }
+}
+
+/// What a terminal event asks for.
+#[derive(Debug, PartialEq, Eq)]
+enum Action {
+    Quit,
+    Redraw,
+    Nothing,
+}
+
+/// `q`, `Q`, Esc and Ctrl-C quit; a resize redraws.
+fn action(event: &Event) -> Action {
+    match event {
+        Event::Key(KeyEvent {
+            code,
+            modifiers,
+            kind: KeyEventKind::Press | KeyEventKind::Repeat,
+            ..
+        }) => match code {
+            KeyCode::Char('q' | 'Q') | KeyCode::Esc => Action::Quit,
+            KeyCode::Char('c' | 'C') if modifiers.contains(KeyModifiers::CONTROL) => Action::Quit,
+            _ => Action::Nothing,
+        },
+        Event::Resize(..) => Action::Redraw,
+        _ => Action::Nothing,
+    }
+}
+
+/// Terminal mode; see the module docs.
+async fn interactive(settings: &Settings) -> anyhow::Result<Report> {
+    let mut signals = Signals::install()?;
+    let terminal = terminal::Terminal::enter()?;
+    let mut keys = EventStream::new();
+    let mut keys_open = true;
+    let mut snapshot: Option<Snapshot> = None;
+    let mut error: Option<String> = None;
+    let draw = |snapshot: &Option<Snapshot>, error: &Option<String>| {
+        let view = View {
+            server: &settings.server.url,
+            window: settings.window,
+            snapshot: snapshot.as_ref(),
+            error: error.as_deref(),
+            interactive: true,
+            interval: settings.interval,
+        };
+        terminal.draw(&render(&view, Some(terminal::size())))
+    };
+    draw(&snapshot, &error).context("cannot draw on the terminal")?;
+
+    let mut ticker = time::interval(settings.interval);
+    ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let mut client: Option<Client> = None;
+    let mut in_flight: Option<Fetch> = None;
+    let mut refreshes = 0_u64;
+    loop {
+        tokio::select! {
+            _ = ticker.tick(), if in_flight.is_none() => {
+                in_flight = Some(Box::pin(fetch(settings.server.clone(), client.take())));
+            }
+            (back, result) = finished(&mut in_flight) => {
+                in_flight = None;
+                client = back;
+                match result {
+                    Ok(s) => {
+                        snapshot = Some(s);
+                        error = None;
+                    }
+                    Err(e) => error = Some(e),
+                }
+                draw(&snapshot, &error).context("cannot draw on the terminal")?;
+                refreshes += 1;
+                if settings.iterations.is_some_and(|n| refreshes >= n) {
+                    break;
+                }
+            }
+            event = keys.next(), if keys_open => match event {
+                Some(Ok(event)) => match action(&event) {
+                    Action::Quit => break,
+                    Action::Redraw => draw(&snapshot, &error).context("cannot draw on the terminal")?,
+                    Action::Nothing => {}
+                },
+                Some(Err(e)) => return Err(e).context("cannot read keys from the terminal"),
+                // No more input will come: only a signal (or --iterations) ends the view now.
+                None => keys_open = false,
+            },
+            () = signals.recv() => break,
+        }
+    }
+    drop(terminal);
+    Ok(Report {
+        stdout: String::new(),
+        outcome: Outcome::Success,
+    })
+}
+
+/// What one screen (or one plain block) shows.
+#[derive(Debug)]
+pub struct View<'a> {
+    /// The server's URL.
+    pub server: &'a str,
+    /// The window of rates and ratios.
+    pub window: Window,
+    /// The last figures, if any came.
+    pub snapshot: Option<&'a Snapshot>,
+    /// Why the last refresh failed, when it did.
+    pub error: Option<&'a str>,
+    /// On a terminal: a second header line with the error or the keys.
+    pub interactive: bool,
+    /// Time between refreshes, for the error line.
+    pub interval: Duration,
+}
+
+/// The screen's lines: the header, then the table. With a `size` (columns, rows) every line
+/// fits the width and the lines fit the height; without, nothing is cut (plain mode).
+pub fn render(view: &View<'_>, size: Option<(usize, usize)>) -> Vec<String> {
+    let mut lines = vec![header(view)];
+    if view.interactive {
+        lines.push(match view.error {
+            Some(e) => format!(
+                "error (retrying every {}): {}",
+                metrics::compact_ms(u64::try_from(view.interval.as_millis()).unwrap_or(u64::MAX)),
+                one_line(e)
+            ),
+            None => "q: quit".to_owned(),
+        });
+    }
+    let empty = pb::StatsResponse::default();
+    let stats = view.snapshot.map_or(&empty, |s| &s.stats);
+    let mut rows = metrics::rows(stats, view.window, None, None);
+    metrics::sort_by_ratio(&mut rows);
+    let mut cells = vec![
+        [
+            " ",
+            "ENDPOINT",
+            "SERVICE",
+            "CALLS/S",
+            "RETRIES/S",
+            "RETRY%",
+            "FIRST-TRY",
+            "VERSION",
+            "GIVE-UPS",
+        ]
+        .map(str::to_owned)
+        .to_vec(),
+    ];
+    for row in &rows {
+        cells.push(vec![
+            if row.alerting() { "!" } else { " " }.to_owned(),
+            row.series.endpoint.clone(),
+            metrics::service_name(&row.series.service).to_owned(),
+            metrics::rate(row.rates.calls_per_second),
+            metrics::rate(row.rates.retries_per_second),
+            metrics::percent(row.rates.retry_ratio),
+            metrics::percent(row.rates.first_try_success),
+            metrics::versions(row.series),
+            metrics::give_ups(&row.counters()),
+        ]);
+    }
+    let mut hidden = 0;
+    if let Some((_, height)) = size {
+        // Room for the table's header and rows under the header lines.
+        let room = height.saturating_sub(lines.len() + 1);
+        if rows.len() > room {
+            // One line says how many rows are not shown.
+            let shown = room.saturating_sub(1);
+            hidden = rows.len() - shown;
+            cells.truncate(1 + shown);
+        }
+    }
+    if let Some((width, _)) = size {
+        shorten_names(&mut cells, width);
+    }
+    use Align::{Left, Right};
+    let align = [Left, Left, Left, Right, Right, Right, Right, Left, Left];
+    let mut table = String::new();
+    output::table(&mut table, "", &align, &cells);
+    lines.extend(table.lines().map(str::to_owned));
+    if rows.is_empty() {
+        lines.push(match view.snapshot {
+            Some(_) => "no series reported in the window yet".to_owned(),
+            None => "waiting for the first answer".to_owned(),
+        });
+    }
+    if hidden > 0 {
+        lines.push(format!("… {hidden} more"));
+    }
+    if let Some((width, height)) = size {
+        lines.truncate(height);
+        for line in &mut lines {
+            *line = fit(line, width);
+        }
+    }
+    lines
+}
+
+/// `TIME  SERVER  vN  A agents  S series  K alerting  window W`.
+fn header(view: &View<'_>) -> String {
+    let Some(s) = view.snapshot else {
+        return format!("{}  window {}", view.server, view.window.label());
+    };
+    let alerting = s
+        .stats
+        .series
+        .iter()
+        .filter(|series| series.alert.is_some_and(|a| a.firing))
+        .count();
+    let mut line = format!(
+        "{}  {}  v{}  {} agent{}  {} series  {alerting} alerting  window {}",
+        rfc3339_utc(s.taken_unix_ms),
+        view.server,
+        s.current_version,
+        s.agents,
+        if s.agents == 1 { "" } else { "s" },
+        s.stats.series.len(),
+        view.window.label(),
+    );
+    if s.stats.overflowed_reports > 0 {
+        let _ = write!(
+            line,
+            "  {} reports over the series cap",
+            s.stats.overflowed_reports
+        );
+    }
+    line
+}
+
+/// Index of the endpoint and service columns.
+const ENDPOINT: usize = 1;
+const SERVICE: usize = 2;
+/// Names are not shortened below this many characters (the line is cut instead).
+const MIN_NAME: usize = 6;
+
+/// Shortens the endpoint and service columns so that the table fits `width`: the longer name
+/// gives up characters first.
+fn shorten_names(cells: &mut [Vec<String>], width: usize) {
+    let widths: Vec<usize> = (0..cells.first().map_or(0, Vec::len))
+        .map(|c| {
+            cells
+                .iter()
+                .filter_map(|r| r.get(c))
+                .map(|cell| cell.chars().count())
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let total = widths.iter().sum::<usize>() + 2 * widths.len().saturating_sub(1);
+    let (Some(&endpoint), Some(&service)) = (widths.get(ENDPOINT), widths.get(SERVICE)) else {
+        return;
+    };
+    if total <= width {
+        return;
+    }
+    let floor = endpoint.min(MIN_NAME) + service.min(MIN_NAME);
+    let budget = (endpoint + service)
+        .saturating_sub(total - width)
+        .max(floor);
+    let (endpoint_width, service_width) = share(budget, endpoint, service);
+    for row in cells.iter_mut() {
+        if let Some(cell) = row.get_mut(ENDPOINT) {
+            *cell = fit(cell, endpoint_width);
+        }
+        if let Some(cell) = row.get_mut(SERVICE) {
+            *cell = fit(cell, service_width);
+        }
+    }
+}
+
+/// Splits `budget` characters between two columns `a` and `b` wide: the narrower keeps its
+/// width if it fits in half, the wider takes the rest.
+fn share(budget: usize, a: usize, b: usize) -> (usize, usize) {
+    if a + b <= budget {
+        return (a, b);
+    }
+    let half = budget / 2;
+    if a <= half {
+        (a, budget - a)
+    } else if b <= budget - half {
+        (budget - b, b)
+    } else {
+        (half, budget - half)
+    }
+}
+
+/// `text` cut to `width` characters, the last one `…` when cut.
+fn fit(text: &str, width: usize) -> String {
+    if text.chars().count() <= width {
+        return text.to_owned();
+    }
+    if width == 0 {
+        return String::new();
+    }
+    let mut out: String = text.chars().take(width - 1).collect();
+    out.push('…');
+    out
+}
+
+/// Whitespace (newlines included) collapsed to single spaces.
+fn one_line(text: &str) -> String {
+    text.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// The terminal in raw mode on the alternate screen, restored however the view ends.
+mod terminal {
+    use std::io::{self, Write as _};
+    use std::sync::Once;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use anyhow::Context as _;
+    use crossterm::cursor::{Hide, MoveTo, Show};
+    use crossterm::style::Print;
+    use crossterm::terminal::{
+        self as term, Clear, ClearType, EnterAlternateScreen, LeaveAlternateScreen,
+    };
+    use crossterm::{execute, queue};
+
+    /// Whether the terminal is in the view's state and needs restoring.
+    static ACTIVE: AtomicBool = AtomicBool::new(false);
+    static PANIC_HOOK: Once = Once::new();
+
+    /// The size used when the terminal does not tell its own.
+    const FALLBACK_SIZE: (usize, usize) = (80, 24);
+
+    /// While alive, the terminal is in raw mode on the alternate screen with the cursor
+    /// hidden; dropping it (or a panic) restores the terminal.
+    #[derive(Debug)]
+    pub struct Terminal(());
+
+    impl Terminal {
+        /// Raw mode, alternate screen, hidden cursor; a panic hook restores the terminal
+        /// before the panic message is printed.
+        pub fn enter() -> anyhow::Result<Self> {
+            PANIC_HOOK.call_once(|| {
+                let previous = std::panic::take_hook();
+                std::panic::set_hook(Box::new(move |info| {
+                    restore();
+                    previous(info);
+                }));
+            });
+            term::enable_raw_mode().context("cannot put the terminal in raw mode")?;
+            ACTIVE.store(true, Ordering::SeqCst);
+            // From here on, an early return restores what was changed.
+            let guard = Terminal(());
+            execute!(io::stdout(), EnterAlternateScreen, Hide)
+                .context("cannot switch to the alternate screen")?;
+            Ok(guard)
+        }
+
+        /// Replaces the screen's contents with `lines` (each already fitting the width).
+        pub fn draw(&self, lines: &[String]) -> io::Result<()> {
+            let mut out = io::stdout().lock();
+            queue!(out, MoveTo(0, 0))?;
+            for (row, line) in lines.iter().enumerate() {
+                let row = u16::try_from(row).unwrap_or(u16::MAX);
+                queue!(
+                    out,
+                    MoveTo(0, row),
+                    Print(line),
+                    Clear(ClearType::UntilNewLine)
+                )?;
+            }
+            queue!(out, Clear(ClearType::FromCursorDown))?;
+            out.flush()
+        }
+    }
+
+    impl Drop for Terminal {
+        fn drop(&mut self) {
+            restore();
+        }
+    }
+
+    /// (columns, rows), or 80×24 when the terminal does not say.
+    pub fn size() -> (usize, usize) {
+        match term::size() {
+            Ok((w, h)) if w > 0 && h > 0 => (w.into(), h.into()),
+            _ => FALLBACK_SIZE,
+        }
+    }
+
+    /// Leaves the alternate screen, shows the cursor and leaves raw mode, once.
+    fn restore() {
+        if ACTIVE.swap(false, Ordering::SeqCst) {
+            let _ = execute!(io::stdout(), Show, LeaveAlternateScreen);
+            let _ = term::disable_raw_mode();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::admin::metrics::tests::{alerting, counters, series};
+
+    fn snapshot(series: Vec<pb::SeriesStats>) -> Snapshot {
+        Snapshot {
+            current_version: 7,
+            agents: 12,
+            stats: pb::StatsResponse {
+                series,
+                ..Default::default()
+            },
+            taken_unix_ms: 1_764_473_825_000,
+        }
+    }
+
+    fn view<'a>(s: Option<&'a Snapshot>, interactive: bool) -> View<'a> {
+        View {
+            server: "http://127.0.0.1:7471",
+            window: Window::OneMinute,
+            snapshot: s,
+            error: None,
+            interactive,
+            interval: Duration::from_secs(2),
+        }
+    }
+
+    fn fleet() -> Snapshot {
+        snapshot(vec![
+            series("checkout", "inventory", counters(600, 6, 594)),
+            alerting(
+                series(
+                    "checkout",
+                    "payments-gateway-eu-west",
+                    counters(600, 120, 480),
+                ),
+                0.2,
+            ),
+            series("search", "idle", counters(0, 0, 0)),
+            series("search", "payments-gateway-eu-west", counters(600, 30, 570)),
+        ])
+    }
+
+    #[test]
+    fn plain_output_is_the_whole_table_sorted_by_retry_ratio() {
+        let s = fleet();
+        let lines = render(&view(Some(&s), false), None);
+        assert_eq!(
+            lines.join("\n"),
+            "\
+2025-11-30T03:37:05Z  http://127.0.0.1:7471  v7  12 agents  4 series  1 alerting  window 1m
+   ENDPOINT                  SERVICE   CALLS/S  RETRIES/S  RETRY%  FIRST-TRY  VERSION  GIVE-UPS
+!  payments-gateway-eu-west  checkout     10.0        2.0   20.0%      80.0%  v7       -
+   payments-gateway-eu-west  search       10.0        0.5    5.0%      95.0%  v7       -
+   inventory                 checkout     10.0        0.1    1.0%      99.0%  v7       -
+   idle                      search        0.0        0.0       -          -  v7       -"
+        );
+    }
+
+    #[test]
+    fn names_are_shortened_to_fit_the_width() {
+        let s = fleet();
+        let lines = render(&view(Some(&s), true), Some((80, 40)));
+        assert!(lines.iter().all(|l| l.chars().count() <= 80), "{lines:#?}");
+        // 95 columns wide: the endpoint (24 wide) gives up 15 characters; the service (8)
+        // keeps its width.
+        assert_eq!(
+            lines[2],
+            "   ENDPOINT   SERVICE   CALLS/S  RETRIES/S  RETRY%  FIRST-TRY  VERSION  GIVE-UPS"
+        );
+        assert!(
+            lines[3].starts_with("!  payments…  checkout     10.0  "),
+            "{lines:#?}"
+        );
+        assert!(
+            lines[4].starts_with("   payments…  search       10.0  "),
+            "{lines:#?}"
+        );
+        // Very narrow: every line is cut to the width.
+        let narrow = render(&view(Some(&s), true), Some((20, 40)));
+        assert!(
+            narrow.iter().all(|l| l.chars().count() <= 20),
+            "{narrow:#?}"
+        );
+        // Both names down to 6 characters, and the rest of the line cut.
+        assert_eq!(narrow[3], "!  payme…  check…  …");
+    }
+
+    #[test]
+    fn the_rows_with_the_highest_ratios_are_kept_to_fit_the_height() {
+        let s = fleet();
+        // Header, keys line, table header: 3 lines; 2 left for 4 rows → 1 row and "… 3 more".
+        let lines = render(&view(Some(&s), true), Some((200, 5)));
+        assert_eq!(lines.len(), 5, "{lines:#?}");
+        assert!(
+            lines[3].starts_with("!  payments-gateway-eu-west  checkout"),
+            "{lines:#?}"
+        );
+        assert_eq!(lines[4], "… 3 more");
+        let all = render(&view(Some(&s), true), Some((200, 7)));
+        assert_eq!(all.len(), 7);
+        assert!(all.iter().all(|l| !l.starts_with('…')));
+        let tiny = render(&view(Some(&s), true), Some((200, 1)));
+        assert_eq!(tiny.len(), 1);
+    }
+
+    #[test]
+    fn no_calls_and_no_answer_are_said_in_words() {
+        let empty = snapshot(vec![]);
+        let lines = render(&view(Some(&empty), false), None);
+        assert_eq!(lines.len(), 3, "{lines:#?}");
+        assert!(lines[0].contains("  0 series  0 alerting  "), "{lines:#?}");
+        assert_eq!(lines[2], "no series reported in the window yet");
+        let waiting = render(&view(None, true), Some((80, 24)));
+        assert_eq!(waiting[0], "http://127.0.0.1:7471  window 1m");
+        assert_eq!(waiting[1], "q: quit");
+        assert_eq!(waiting[3], "waiting for the first answer");
+    }
+
+    #[test]
+    fn an_error_shows_in_the_header_and_the_last_figures_stay() {
+        let s = fleet();
+        let mut v = view(Some(&s), true);
+        v.error = Some("UNAVAILABLE: connection\nrefused");
+        let lines = render(&v, Some((120, 24)));
+        assert_eq!(
+            lines[1],
+            "error (retrying every 2s): UNAVAILABLE: connection refused"
+        );
+        assert!(lines[0].starts_with("2025-11-30T03:37:05Z  "), "{lines:#?}");
+        assert!(lines[3].starts_with("!  payments"), "{lines:#?}");
+    }
+
+    #[test]
+    fn quit_keys_and_resizes() {
+        let key = |code, modifiers| Event::Key(KeyEvent::new(code, modifiers));
+        let none = KeyModifiers::NONE;
+        assert_eq!(action(&key(KeyCode::Char('q'), none)), Action::Quit);
+        assert_eq!(
+            action(&key(KeyCode::Char('Q'), KeyModifiers::SHIFT)),
+            Action::Quit
+        );
+        assert_eq!(action(&key(KeyCode::Esc, none)), Action::Quit);
+        assert_eq!(
+            action(&key(KeyCode::Char('c'), KeyModifiers::CONTROL)),
+            Action::Quit
+        );
+        assert_eq!(action(&key(KeyCode::Char('c'), none)), Action::Nothing);
+        assert_eq!(action(&key(KeyCode::Char('x'), none)), Action::Nothing);
+        assert_eq!(action(&Event::Resize(100, 30)), Action::Redraw);
+    }
+
+    #[test]
+    fn names_share_the_room_the_longer_one_first() {
+        assert_eq!(share(30, 10, 8), (10, 8));
+        assert_eq!(share(16, 24, 8), (8, 8));
+        assert_eq!(share(20, 24, 8), (12, 8));
+        assert_eq!(share(20, 4, 30), (4, 16));
+        assert_eq!(fit("payments", 8), "payments");
+        assert_eq!(fit("payments", 5), "paym…");
+        assert_eq!(fit("payments", 0), "");
+    }
+
+    #[test]
+    fn the_interval_has_a_floor() {
+        assert_eq!(interval("2s"), Ok(Duration::from_secs(2)));
+        assert_eq!(interval("100ms"), Ok(Duration::from_millis(100)));
+        assert!(interval("50ms").is_err());
+        assert!(interval("2").is_err());
+    }
+}
