@@ -8,9 +8,9 @@ use http_body::Body;
 use tower::{Layer, Service, ServiceExt as _};
 
 use super::body::{Buffered, ReplayBody, buffer};
-use super::{BoxError, DEFAULT_BODY_LIMIT, GaveUp, ResponseFuture, RetryError, classify_error};
+use super::{BoxError, DEFAULT_BODY_LIMIT, GaveUp, ResponseFuture, RetryError};
 use crate::call::Endpoint;
-use crate::classify::Classify as _;
+use crate::classify::{Classify as _, classify_boxed};
 use crate::error::{CallError, Last};
 use crate::meta::CallMeta;
 
@@ -127,7 +127,7 @@ where
     let meta = CallMeta::http(head.method.as_str(), head.uri.path());
     let classify = |r: &Result<Response<RB>, BoxError>| match r {
         Ok(response) => response.classify(),
-        Err(e) => classify_error(&**e),
+        Err(e) => classify_boxed(&**e),
     };
     let result = match buffer(body, limit).await.map_err(Into::into)? {
         Buffered::Replayable(data, trailers) => {
