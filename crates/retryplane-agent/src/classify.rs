@@ -2,10 +2,16 @@
 //!
 //! [`crate::Endpoint::call`] classifies `Ok(t)` with `t.classify()` and `Err(e)` with
 //! `e.classify()`. Implemented here for HTTP responses (status and `Retry-After`), gRPC
-//! statuses (code and `grpc-retry-pushback-ms`), tonic responses (success) and
-//! `std::io::Error` (connect / reset / timeout). Implement it for your own response or error
-//! types, or pass a closure to [`crate::Endpoint::call_with`].
+//! statuses (code and `grpc-retry-pushback-ms`), tonic responses (success), `std::io::Error`,
+//! `hyper::Error` and `hyper_util::client::legacy::Error` (connect / reset / timeout).
+//! Implement it for your own response or error types, or pass a closure to
+//! [`crate::Endpoint::call_with`].
+//!
+//! The hyper impls are not behind a cargo feature: tonic's transport, which the agent always
+//! needs for its control-plane stream, already builds hyper and hyper-util's legacy client, so
+//! they cost no extra crate.
 
+use std::error::Error as StdError;
 use std::io::ErrorKind;
 use std::time::SystemTime;
 
@@ -100,6 +106,109 @@ impl Classify for reqwest::Error {
         };
         Classification::Outcome(Outcome::Transport(class))
     }
+}
+
+/// hyper never dials, so every error it reports happened on a connection that was up: the
+/// request may have been sent. A timeout (hyper's own timers, such as the HTTP/2 keep-alive)
+/// → timeout; an `io::Error` in the source chain → its class, except that the "never
+/// connected" kinds count as reset here; a closed channel, a canceled request or a message cut
+/// short by EOF → reset; an error of the caller's own making (`is_user`: its request body
+/// failed, the runtime dropped the connection task, …) is fatal; anything else (a malformed
+/// response, an HTTP/2 protocol error) → reset. Reset and timeout are unknown outcomes: only
+/// idempotent or keyed requests are retried.
+impl Classify for hyper::Error {
+    fn classify(&self) -> Classification {
+        match hyper_class(self) {
+            Some(class) => Classification::Outcome(Outcome::Transport(class)),
+            None => Classification::Fatal,
+        }
+    }
+}
+
+/// `is_connect()` → connect, whatever the cause below it (refused, unreachable, DNS, or the
+/// connector's `connect_timeout`): the request never left, so any method may be retried.
+/// Otherwise the `hyper::Error` in the source chain decides (see its impl); without one, an
+/// `io::Error` in the chain (the connection was up: "never connected" kinds count as reset);
+/// failing both → reset. hyper-util does not expose the kind of its remaining errors (an
+/// unsupported method or version, a relative URI), so those count as reset too: retried, for
+/// an idempotent request only, to the same end.
+impl Classify for hyper_util::client::legacy::Error {
+    fn classify(&self) -> Classification {
+        if self.is_connect() {
+            return Classification::Outcome(Outcome::Transport(ErrorClass::Connect));
+        }
+        let mut next = self.source();
+        while let Some(err) = next {
+            if let Some(h) = err.downcast_ref::<hyper::Error>() {
+                return h.classify();
+            }
+            next = err.source();
+        }
+        let class = connected_io_class(self).unwrap_or(ErrorClass::Reset);
+        Classification::Outcome(Outcome::Transport(class))
+    }
+}
+
+/// The class of a `hyper::Error`, `None` when it is the caller's own error.
+fn hyper_class(e: &hyper::Error) -> Option<ErrorClass> {
+    if e.is_timeout() {
+        return Some(ErrorClass::Timeout);
+    }
+    if let Some(class) = connected_io_class(e) {
+        return Some(class);
+    }
+    if e.is_closed() || e.is_canceled() || e.is_incomplete_message() {
+        return Some(ErrorClass::Reset);
+    }
+    if e.is_user() {
+        return None;
+    }
+    Some(ErrorClass::Reset)
+}
+
+/// The class of the first `io::Error` with one in `e`'s source chain (`e` included), on a
+/// connection that was established: a "never connected" kind there means it broke (reset).
+fn connected_io_class(e: &(dyn StdError + 'static)) -> Option<ErrorClass> {
+    io_class_in_chain(e).map(|class| match class {
+        ErrorClass::Connect => ErrorClass::Reset,
+        other => other,
+    })
+}
+
+/// The class of the first `io::Error` with one in `e`'s source chain, `e` included.
+fn io_class_in_chain(e: &(dyn StdError + 'static)) -> Option<ErrorClass> {
+    let mut next = Some(e);
+    while let Some(err) = next {
+        if let Some(io) = err.downcast_ref::<std::io::Error>()
+            && let Some(class) = io_class(io.kind())
+        {
+            return Some(class);
+        }
+        next = err.source();
+    }
+    None
+}
+
+/// The classification of a type-erased client error (what a tower stack returns): the first
+/// hyper-util client error, hyper error or classifiable `io::Error` in its source chain decides,
+/// by the impls above; with none of them → reset (unknown outcome).
+pub(crate) fn classify_boxed(e: &(dyn StdError + 'static)) -> Classification {
+    let mut next = Some(e);
+    while let Some(err) = next {
+        if let Some(e) = err.downcast_ref::<hyper_util::client::legacy::Error>() {
+            return e.classify();
+        }
+        if let Some(e) = err.downcast_ref::<hyper::Error>() {
+            return e.classify();
+        }
+        if let Some(io) = err.downcast_ref::<std::io::Error>()
+            && let Some(class) = io_class(io.kind())
+        {
+            return Classification::Outcome(Outcome::Transport(class));
+        }
+        next = err.source();
+    }
+    Classification::Outcome(Outcome::Transport(ErrorClass::Reset))
 }
 
 /// The transport class of an I/O error kind, if it is one.
@@ -221,5 +330,37 @@ mod tests {
         assert_eq!(c(ErrorKind::UnexpectedEof), t(ErrorClass::Reset));
         assert_eq!(c(ErrorKind::TimedOut), t(ErrorClass::Timeout));
         assert_eq!(c(ErrorKind::InvalidData), Classification::Fatal);
+    }
+
+    /// An error that wraps another, as middleware does.
+    #[derive(Debug, thiserror::Error)]
+    #[error("wrapped")]
+    struct Wrapped(#[source] Box<dyn StdError + Send + Sync>);
+
+    #[test]
+    fn a_boxed_error_is_classified_by_the_first_known_error_in_its_chain() {
+        let t = |class| Classification::Outcome(Outcome::Transport(class));
+        let io = |k| Box::new(std::io::Error::from(k)) as Box<dyn StdError + Send + Sync>;
+        let wrapped = Wrapped(Box::new(Wrapped(io(ErrorKind::TimedOut))));
+        assert_eq!(classify_boxed(&wrapped), t(ErrorClass::Timeout));
+        assert_eq!(
+            classify_boxed(&*io(ErrorKind::ConnectionRefused)),
+            t(ErrorClass::Connect)
+        );
+        // An I/O error of no transport class is passed over, as is an unknown error.
+        let other = Wrapped(Box::new(Wrapped(io(ErrorKind::InvalidData))));
+        assert_eq!(classify_boxed(&other), t(ErrorClass::Reset));
+        let unknown = Wrapped(Box::<dyn StdError + Send + Sync>::from("no cause"));
+        assert_eq!(classify_boxed(&unknown), t(ErrorClass::Reset));
+    }
+
+    #[test]
+    fn never_connected_kinds_on_an_established_connection_are_resets() {
+        let e = Wrapped(Box::new(std::io::Error::from(ErrorKind::NotConnected)));
+        assert_eq!(io_class_in_chain(&e), Some(ErrorClass::Connect));
+        assert_eq!(connected_io_class(&e), Some(ErrorClass::Reset));
+        let e = Wrapped(Box::new(std::io::Error::from(ErrorKind::TimedOut)));
+        assert_eq!(connected_io_class(&e), Some(ErrorClass::Timeout));
+        assert_eq!(connected_io_class(&Wrapped("x".into())), None);
     }
 }

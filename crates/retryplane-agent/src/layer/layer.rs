@@ -13,9 +13,9 @@ use tower::{Layer, Service, ServiceExt as _};
 use super::auth::{DynRefresh, HttpReauth, RefreshCredentials, RefreshFailed, lock};
 use super::body::{Buffered, Read, ReplayBody, SharedBody, buffer, read_up_to};
 use super::dedup::{Dedup, Landing, Leader, Role, SharedResponse};
-use super::{BoxError, DEFAULT_BODY_LIMIT, GaveUp, ResponseFuture, RetryError, classify_error};
+use super::{BoxError, DEFAULT_BODY_LIMIT, GaveUp, ResponseFuture, RetryError};
 use crate::call::Endpoint;
-use crate::classify::Classify as _;
+use crate::classify::{Classify as _, classify_boxed};
 use crate::error::{CallError, Last};
 use crate::meta::CallMeta;
 
@@ -229,7 +229,7 @@ where
     let endpoint = &settings.endpoint;
     let classify = |r: &Result<Response<RB>, BoxError>| match r {
         Ok(response) => response.classify(),
-        Err(e) => classify_error(&**e),
+        Err(e) => classify_boxed(&**e),
     };
     match prepared {
         Prepared::Buffered {

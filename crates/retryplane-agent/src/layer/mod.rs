@@ -9,9 +9,11 @@
 //!   streamed as it comes, once: the call is made as not idempotent and without a key, so it
 //!   is never retried (per-try timeout, breaker and metrics still apply).
 //! - Responses are classified with the [`Classify`](crate::Classify) impl of `http::Response`
-//!   (status, `Retry-After`); errors of the inner service by their source chain (an
-//!   `io::Error` gives connect / reset / timeout, anything else counts as a reset: the outcome
-//!   is unknown, so only idempotent or keyed requests are retried).
+//!   (status, `Retry-After`); errors of the inner service by their source chain: the first
+//!   `hyper_util::client::legacy::Error`, `hyper::Error` or `io::Error` in it is classified by
+//!   its [`Classify`](crate::Classify) impl (connect / reset / timeout, or fatal for the
+//!   caller's own errors); anything else counts as a reset: the outcome is unknown, so only
+//!   idempotent or keyed requests are retried.
 //! - A call that gives up with a response returns that response, with a [`GaveUp`] in its
 //!   extensions; one that gives up with an error returns the error; one that never got an
 //!   answer returns a [`RetryError`].
@@ -96,10 +98,6 @@ mod future;
 #[allow(clippy::module_inception)]
 mod layer;
 
-use retryplane_policy::ErrorClass;
-use retryplane_policy::engine::Outcome;
-
-use crate::classify::{Classification, io_class};
 use crate::error::Cause;
 
 pub use auth::{RefreshCredentials, RefreshFailed};
@@ -141,19 +139,4 @@ pub enum RetryError {
         /// Why the call stopped.
         cause: Cause,
     },
-}
-
-/// The class of an inner service's error, from the first `io::Error` in its source chain;
-/// otherwise a reset (unknown outcome).
-pub(crate) fn classify_error(e: &(dyn std::error::Error + 'static)) -> Classification {
-    let mut next = Some(e);
-    while let Some(err) = next {
-        if let Some(io) = err.downcast_ref::<std::io::Error>()
-            && let Some(class) = io_class(io.kind())
-        {
-            return Classification::Outcome(Outcome::Transport(class));
-        }
-        next = err.source();
-    }
-    Classification::Outcome(Outcome::Transport(ErrorClass::Reset))
 }

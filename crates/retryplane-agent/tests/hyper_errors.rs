@@ -1,0 +1,371 @@
+//! Real hyper / hyper-util client errors on loopback (no mocks), classified (connect / reset /
+//! timeout) directly and through the tower layer around a hyper-util legacy client.
+//!
+//! What hyper reports, as observed here: a refused connection is `Connect` with an
+//! `io::Error(ConnectionRefused)` below it; a server that reads the request and closes without
+//! a byte gives `SendRequest(hyper::Error(IncompleteMessage))`; one that sends part of the
+//! response head and resets gives `SendRequest(hyper::Error(Io(ConnectionReset)))`; the
+//! connector's `connect_timeout` is `Connect` over `io::Error(TimedOut)`; an unanswered HTTP/2
+//! keep-alive ping is `SendRequest(hyper::Error(Http2, KeepAliveTimedOut))`, whose
+//! `is_timeout()` holds.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
+use retryplane_agent::layer::{ReplayBody, RetryLayer};
+use retryplane_agent::{Agent, Classification, Classify, Outcome};
+use retryplane_policy::ErrorClass;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::{TcpListener, TcpStream};
+use tower::{Layer as _, ServiceExt as _};
+
+/// The longest any single wait may take before the test fails.
+const WAIT: Duration = Duration::from_secs(10);
+
+type LegacyClient<B = Full<Bytes>> = Client<HttpConnector, B>;
+
+fn client<B>(connector: HttpConnector) -> LegacyClient<B>
+where
+    B: http_body::Body + Send + 'static,
+    B::Data: Send,
+{
+    Client::builder(TokioExecutor::new()).build(connector)
+}
+
+fn transport(class: ErrorClass) -> Classification {
+    Classification::Outcome(Outcome::Transport(class))
+}
+
+fn get(url: &str) -> http::Request<Full<Bytes>> {
+    http::Request::get(url).body(Full::default()).unwrap()
+}
+
+/// One request, which must fail within [`WAIT`].
+async fn fails(
+    client: &LegacyClient,
+    req: http::Request<Full<Bytes>>,
+) -> hyper_util::client::legacy::Error {
+    tokio::time::timeout(WAIT, client.request(req))
+        .await
+        .expect("the request ends")
+        .expect_err("the request fails")
+}
+
+/// A port on 127.0.0.1 that nothing listens on (it was bound, then released).
+async fn closed_port() -> u16 {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = l.local_addr().unwrap().port();
+    drop(l);
+    port
+}
+
+/// The I/O error kinds in `e`'s source chain.
+fn io_kinds(e: &(dyn std::error::Error + 'static)) -> Vec<std::io::ErrorKind> {
+    let mut kinds = Vec::new();
+    let mut next = Some(e);
+    while let Some(err) = next {
+        if let Some(io) = err.downcast_ref::<std::io::Error>() {
+            kinds.push(io.kind());
+        }
+        next = err.source();
+    }
+    kinds
+}
+
+/// How a scripted server treats each connection once it has read the request head.
+#[derive(Clone, Copy, Debug)]
+enum Close {
+    /// Closes the socket without a byte of response (FIN).
+    Silently,
+    /// Sends half a response head, then resets the socket (RST, zero linger).
+    ResetMidResponse,
+}
+
+/// A server on 127.0.0.1:0 that reads each request head, then closes as told; counts requests.
+async fn breaking_server(how: Close) -> (u16, Arc<AtomicU32>) {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = l.local_addr().unwrap().port();
+    let seen = Arc::new(AtomicU32::new(0));
+    let count = seen.clone();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            let count = count.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 1024];
+                while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match s.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                }
+                count.fetch_add(1, Ordering::SeqCst);
+                match how {
+                    Close::Silently => drop(s),
+                    Close::ResetMidResponse => {
+                        let _ = s.write_all(b"HTTP/1.1 200 OK\r\nContent-Le").await;
+                        let _ = s.flush().await;
+                        s.set_zero_linger().unwrap();
+                        drop(s);
+                    }
+                }
+            });
+        }
+    });
+    (port, seen)
+}
+
+#[tokio::test]
+async fn a_refused_connection_is_a_connect_error() {
+    let port = closed_port().await;
+    let err = fails(
+        &client(HttpConnector::new()),
+        get(&format!("http://127.0.0.1:{port}/")),
+    )
+    .await;
+    assert!(err.is_connect(), "{err:?}");
+    assert!(
+        io_kinds(&err).contains(&std::io::ErrorKind::ConnectionRefused),
+        "{err:?}"
+    );
+    assert_eq!(err.classify(), transport(ErrorClass::Connect));
+}
+
+#[tokio::test]
+async fn a_connection_closed_before_the_response_is_a_reset() {
+    let (port, seen) = breaking_server(Close::Silently).await;
+    let err = fails(
+        &client(HttpConnector::new()),
+        get(&format!("http://127.0.0.1:{port}/")),
+    )
+    .await;
+    assert_eq!(seen.load(Ordering::SeqCst), 1);
+    let hyper = std::error::Error::source(&err)
+        .and_then(|e| e.downcast_ref::<hyper::Error>())
+        .expect("a hyper error under the client error");
+    assert!(hyper.is_incomplete_message(), "{err:?}");
+    assert!(io_kinds(&err).is_empty(), "no I/O error to go by: {err:?}");
+    assert_eq!(hyper.classify(), transport(ErrorClass::Reset));
+    assert_eq!(err.classify(), transport(ErrorClass::Reset));
+}
+
+#[tokio::test]
+async fn a_connection_reset_mid_response_is_a_reset() {
+    let (port, seen) = breaking_server(Close::ResetMidResponse).await;
+    let err = fails(
+        &client(HttpConnector::new()),
+        get(&format!("http://127.0.0.1:{port}/")),
+    )
+    .await;
+    assert_eq!(seen.load(Ordering::SeqCst), 1);
+    // The RST arrives while hyper waits for the rest of the head: an I/O error, not an EOF.
+    let hyper = std::error::Error::source(&err)
+        .and_then(|e| e.downcast_ref::<hyper::Error>())
+        .expect("a hyper error under the client error");
+    assert!(
+        !err.is_connect() && !hyper.is_incomplete_message(),
+        "{err:?}"
+    );
+    assert_eq!(
+        io_kinds(&err),
+        [std::io::ErrorKind::ConnectionReset],
+        "{err:?}"
+    );
+    assert_eq!(hyper.classify(), transport(ErrorClass::Reset));
+    assert_eq!(err.classify(), transport(ErrorClass::Reset));
+}
+
+/// A listener whose accept queue is full: one more connection attempt hangs in SYN-SENT.
+async fn full_backlog() -> (tokio::net::TcpListener, Vec<TcpStream>) {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let l = socket.listen(1).unwrap();
+    let addr = l.local_addr().unwrap();
+    let mut held = Vec::new();
+    for _ in 0..16 {
+        match tokio::time::timeout(Duration::from_millis(200), TcpStream::connect(addr)).await {
+            Ok(Ok(s)) => held.push(s),
+            Ok(Err(e)) => panic!("{e}"),
+            Err(_) => return (l, held),
+        }
+    }
+    panic!("the accept queue never filled");
+}
+
+#[tokio::test]
+async fn a_connector_timeout_is_a_connect_error() {
+    let (l, _held) = full_backlog().await;
+    let port = l.local_addr().unwrap().port();
+    let err = fails(
+        &timing_out_client(),
+        get(&format!("http://127.0.0.1:{port}/")),
+    )
+    .await;
+    assert!(err.is_connect(), "{err:?}");
+    assert_eq!(io_kinds(&err), [std::io::ErrorKind::TimedOut], "{err:?}");
+    // Connect, not timeout: the request never left, so even a POST may be sent again.
+    assert_eq!(err.classify(), transport(ErrorClass::Connect));
+}
+
+/// A client whose connector gives up after 200 ms.
+fn timing_out_client<B>() -> LegacyClient<B>
+where
+    B: http_body::Body + Send + 'static,
+    B::Data: Send,
+{
+    let mut c = HttpConnector::new();
+    c.set_connect_timeout(Some(Duration::from_millis(200)));
+    client(c)
+}
+
+/// A server that accepts and reads but never writes a byte.
+async fn silent_server() -> u16 {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = l.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            tokio::spawn(async move {
+                let mut chunk = [0u8; 1024];
+                while let Ok(n) = s.read(&mut chunk).await {
+                    if n == 0 {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    port
+}
+
+/// An HTTP/2 client that pings every 100 ms and gives a ping 100 ms to be answered.
+fn h2_client<B>() -> LegacyClient<B>
+where
+    B: http_body::Body + Send + 'static + Unpin,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .timer(TokioTimer::new())
+        .http2_keep_alive_interval(Duration::from_millis(100))
+        .http2_keep_alive_timeout(Duration::from_millis(100))
+        .http2_keep_alive_while_idle(true)
+        .build(HttpConnector::new())
+}
+
+#[tokio::test]
+async fn an_unanswered_http2_keep_alive_ping_is_a_timeout() {
+    let port = silent_server().await;
+    let err = fails(&h2_client(), get(&format!("http://127.0.0.1:{port}/"))).await;
+    let hyper = std::error::Error::source(&err)
+        .and_then(|e| e.downcast_ref::<hyper::Error>())
+        .expect("a hyper error under the client error");
+    assert!(hyper.is_timeout(), "{err:?}");
+    assert!(io_kinds(&err).is_empty(), "{err:?}");
+    assert_eq!(err.classify(), transport(ErrorClass::Timeout));
+}
+
+/// An agent whose endpoint `ep` makes 3 attempts with short pauses, with `extra` lines.
+fn agent(extra: &str) -> Agent {
+    support::agent(&support::policy(&format!(
+        "max_attempts: 3\nbackoff: {{base: 5ms, max: 20ms, multiplier: 2.0, jitter: none}}\n{extra}"
+    )))
+}
+
+fn request(method: &str, url: &str) -> http::Request<Full<Bytes>> {
+    http::Request::builder()
+        .method(method)
+        .uri(url)
+        .body(Full::new(Bytes::from_static(b"pay")))
+        .unwrap()
+}
+
+/// Sends `method` to `url` through the layer around `client`; the client error it ends with
+/// and the attempts the endpoint counted.
+async fn through_layer(
+    client: LegacyClient<ReplayBody<Full<Bytes>>>,
+    method: &str,
+    url: &str,
+) -> (hyper_util::client::legacy::Error, u64) {
+    through_layer_with(client, "", method, url).await
+}
+
+/// [`through_layer`] with `extra` policy lines for `ep`.
+async fn through_layer_with(
+    client: LegacyClient<ReplayBody<Full<Bytes>>>,
+    extra: &str,
+    method: &str,
+    url: &str,
+) -> (hyper_util::client::legacy::Error, u64) {
+    let agent = agent(extra);
+    let ep = agent.endpoint("ep");
+    let svc = RetryLayer::new(ep.clone()).layer(client);
+    let err = tokio::time::timeout(WAIT, svc.oneshot(request(method, url)))
+        .await
+        .expect("the call ends")
+        .expect_err("the call fails");
+    let err = *err
+        .downcast::<hyper_util::client::legacy::Error>()
+        .expect("the client's own error is returned");
+    (err, ep.pending_counts().attempts)
+}
+
+#[tokio::test]
+async fn the_layer_retries_a_refused_post_since_it_never_left() {
+    let port = closed_port().await;
+    let url = format!("http://127.0.0.1:{port}/v1/charges");
+    let (err, attempts) = through_layer(client(HttpConnector::new()), "POST", &url).await;
+    assert!(err.is_connect());
+    assert_eq!(attempts, 3);
+}
+
+#[tokio::test]
+async fn the_layer_retries_a_post_whose_connect_timed_out() {
+    // Classified by the I/O error alone (TimedOut) this would be a timeout, an unknown outcome
+    // that a POST without the key must not repeat; the client error says connect.
+    let (l, _held) = full_backlog().await;
+    let port = l.local_addr().unwrap().port();
+    let url = format!("http://127.0.0.1:{port}/v1/charges");
+    let (err, attempts) = through_layer(timing_out_client(), "POST", &url).await;
+    assert!(err.is_connect());
+    assert_eq!(attempts, 3);
+}
+
+#[tokio::test]
+async fn the_layer_retries_a_reset_get_but_not_a_reset_post() {
+    let (port, seen) = breaking_server(Close::ResetMidResponse).await;
+    let url = format!("http://127.0.0.1:{port}/v1/things");
+    let (_, attempts) = through_layer(client(HttpConnector::new()), "GET", &url).await;
+    assert_eq!((attempts, seen.load(Ordering::SeqCst)), (3, 3));
+
+    let (port, seen) = breaking_server(Close::ResetMidResponse).await;
+    let url = format!("http://127.0.0.1:{port}/v1/charges");
+    let (_, attempts) = through_layer(client(HttpConnector::new()), "POST", &url).await;
+    assert_eq!(
+        (attempts, seen.load(Ordering::SeqCst)),
+        (1, 1),
+        "unknown outcome: sent once"
+    );
+}
+
+#[tokio::test]
+async fn the_layer_counts_an_unanswered_keep_alive_ping_as_a_timeout() {
+    // Only timeouts are retried here: had the error counted as a reset (no I/O error to go
+    // by), the call would stop after one attempt.
+    let port = silent_server().await;
+    let url = format!("http://127.0.0.1:{port}/v1/things");
+    let only_timeouts = "retry_on: {errors: [timeout]}";
+    let (err, attempts) = through_layer_with(h2_client(), only_timeouts, "GET", &url).await;
+    assert!(!err.is_connect());
+    assert_eq!(attempts, 3);
+}

@@ -1,0 +1,313 @@
+//! An invalid snapshot over a real stream is NACKed and the last good policy keeps applying.
+//!
+//! The real control plane never publishes an invalid policy, so a scripted one stands in: a
+//! tonic `AgentService` on 127.0.0.1:0 that hands every stream and every agent message to the
+//! test, which decides what to send. The agent is the real one (`Agent::builder().connect()`).
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use prost::Message as _;
+use retryplane_agent::{Agent, CallMeta, ReconnectBackoff, Source};
+use retryplane_proto::convert;
+use retryplane_proto::pb::agent_message::Kind;
+use retryplane_proto::pb::agent_service_server::{AgentService, AgentServiceServer};
+use retryplane_proto::pb::{self, ServerMessage};
+use support::plane::{WAIT, failing, yaml};
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, oneshot};
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tonic::{Request, Response, Status, Streaming};
+
+/// The sending half of one stream, towards the agent.
+type ToAgent = mpsc::Sender<Result<ServerMessage, Status>>;
+
+/// What the scripted control plane saw.
+#[derive(Debug)]
+enum Event {
+    /// The agent opened a stream; send on this to reach it, drop it to end the stream.
+    Opened(ToAgent),
+    /// A message from the agent.
+    Message(Kind),
+    /// The agent's side of a stream ended.
+    Ended,
+}
+
+/// The scripted `AgentService`: every stream and message goes to the test.
+#[derive(Clone)]
+struct Scripted {
+    events: mpsc::UnboundedSender<Event>,
+}
+
+#[tonic::async_trait]
+impl AgentService for Scripted {
+    type ConnectStream = ReceiverStream<Result<ServerMessage, Status>>;
+
+    async fn connect(
+        &self,
+        request: Request<Streaming<pb::AgentMessage>>,
+    ) -> Result<Response<Self::ConnectStream>, Status> {
+        let (tx, rx) = mpsc::channel(4);
+        self.events
+            .send(Event::Opened(tx))
+            .map_err(|_| Status::unavailable("the test is over"))?;
+        let mut inbound = request.into_inner();
+        let events = self.events.clone();
+        tokio::spawn(async move {
+            while let Ok(Some(m)) = inbound.message().await {
+                let kind = m.kind.expect("every agent message has a kind");
+                if events.send(Event::Message(kind)).is_err() {
+                    return;
+                }
+            }
+            let _ = events.send(Event::Ended);
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+/// The test's side of the scripted control plane.
+struct Script {
+    addr: SocketAddr,
+    events: mpsc::UnboundedReceiver<Event>,
+    stop: Option<oneshot::Sender<()>>,
+    server: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+}
+
+impl Script {
+    async fn start() -> Script {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (events_tx, events) = mpsc::unbounded_channel();
+        let (stop, stopped) = oneshot::channel::<()>();
+        let service = AgentServiceServer::new(Scripted { events: events_tx });
+        let server = tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(service)
+                .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
+                    let _ = stopped.await;
+                }),
+        );
+        Script {
+            addr,
+            events,
+            stop: Some(stop),
+            server,
+        }
+    }
+
+    /// The next event, within [`WAIT`].
+    async fn next(&mut self) -> Event {
+        tokio::time::timeout(WAIT, self.events.recv())
+            .await
+            .expect("the agent does something in time")
+            .expect("the server is up")
+    }
+
+    /// The next agent message on the open stream that is not a metrics report.
+    async fn reply(&mut self) -> Kind {
+        loop {
+            match self.next().await {
+                Event::Message(Kind::Metrics(_)) => {}
+                Event::Message(kind) => return kind,
+                other => panic!("expected a message on the open stream, got {other:?}"),
+            }
+        }
+    }
+
+    /// Waits for a new stream and its Hello; the old stream may end on the way, and metrics
+    /// reports may come, but nothing else.
+    async fn reconnected(&mut self) -> (ToAgent, pb::Hello) {
+        let to_agent = loop {
+            match self.next().await {
+                Event::Opened(tx) => break tx,
+                Event::Ended | Event::Message(Kind::Metrics(_)) => {}
+                other => panic!("expected only a new stream, got {other:?}"),
+            }
+        };
+        match self.reply().await {
+            Kind::Hello(hello) => (to_agent, hello),
+            other => panic!("expected Hello first, got {other:?}"),
+        }
+    }
+
+    /// Waits for the agent's side of the open stream to end (metrics may come first).
+    async fn until_ended(&mut self) {
+        loop {
+            match self.next().await {
+                Event::Ended => return,
+                Event::Message(Kind::Metrics(_)) => {}
+                other => panic!("expected the stream to end, got {other:?}"),
+            }
+        }
+    }
+
+    async fn stop(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        tokio::time::timeout(WAIT, self.server)
+            .await
+            .expect("the server stops in time")
+            .unwrap()
+            .unwrap();
+        // Nothing arrived that the test did not look at.
+        while let Ok(event) = self.events.try_recv() {
+            assert!(
+                matches!(event, Event::Ended | Event::Message(Kind::Metrics(_))),
+                "unexpected {event:?}"
+            );
+        }
+    }
+}
+
+/// A valid snapshot: endpoint `ep` with `max_attempts`.
+fn snapshot(version: u64, max_attempts: u32) -> pb::Snapshot {
+    let loaded = retryplane_policy::load(yaml(max_attempts).as_bytes());
+    let doc = pb::PolicyDocument::from(loaded.policies.unwrap().document().as_ref());
+    pb::Snapshot {
+        version,
+        content_hash: convert::content_hash(&doc),
+        policies: Some(doc),
+        nonce: format!("nonce-{version}"),
+        metrics_interval_ms: 60_000,
+    }
+}
+
+/// Version 2 with `max_attempts: 0` on `ep` and a hash that matches it: only the validator
+/// can refuse it.
+fn invalid_snapshot() -> pb::Snapshot {
+    let mut snap = snapshot(2, 3);
+    let doc = snap.policies.as_mut().unwrap();
+    let ep = doc.endpoints.iter_mut().find(|e| e.name == "ep").unwrap();
+    ep.overlay.get_or_insert_with(Default::default).max_attempts = Some(0);
+    snap.content_hash = convert::content_hash(doc);
+    snap
+}
+
+async fn send(to_agent: &ToAgent, snap: &pb::Snapshot) {
+    to_agent
+        .send(Ok(ServerMessage::with_snapshot(snap)))
+        .await
+        .unwrap();
+}
+
+/// Attempts one always-failing GET on `ep` makes.
+async fn attempts_of(agent: &Agent) -> u32 {
+    let count = Arc::new(AtomicU32::new(0));
+    let err = agent
+        .endpoint("ep")
+        .call(CallMeta::http("GET", "/"), failing(count.clone()))
+        .await
+        .unwrap_err();
+    assert_eq!(err.attempts, count.load(Ordering::SeqCst));
+    err.attempts
+}
+
+/// The snapshot in the cache file.
+fn cached(path: &Path) -> pb::Snapshot {
+    pb::Snapshot::decode(std::fs::read(path).unwrap().as_slice()).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_invalid_snapshot_is_nacked_and_the_last_good_policy_keeps_applying() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("agent.cache");
+    let mut script = Script::start().await;
+    let agent = Agent::builder()
+        .url(format!("http://{}", script.addr))
+        .service("checkout")
+        .agent_id("a")
+        .cache_file(&cache)
+        .rng_seed(1)
+        .reconnect_backoff(ReconnectBackoff::new(
+            Duration::from_millis(20),
+            Duration::from_millis(300),
+            Duration::from_secs(10),
+        ))
+        .connect()
+        .unwrap();
+
+    // Hello, then v1 (4 attempts) is ACKed with its nonce.
+    let (to_agent, hello) = script.reconnected().await;
+    assert_eq!(
+        (hello.agent_id.as_str(), hello.last_applied_version),
+        ("a", 0)
+    );
+    let v1 = snapshot(1, 4);
+    send(&to_agent, &v1).await;
+    match script.reply().await {
+        Kind::Ack(ack) => assert_eq!((ack.version, ack.nonce.as_str()), (1, "nonce-1")),
+        other => panic!("expected Ack v1, got {other:?}"),
+    }
+    assert_eq!(agent.policies().version(), 1);
+    assert_eq!(attempts_of(&agent).await, 4);
+    assert_eq!(
+        cached(&cache),
+        v1,
+        "the ACKed snapshot is cached before the ACK"
+    );
+
+    // v2 with max_attempts 0 is NACKed with its nonce and a reason that names the field.
+    send(&to_agent, &invalid_snapshot()).await;
+    match script.reply().await {
+        Kind::Nack(nack) => {
+            assert_eq!((nack.version, nack.nonce.as_str()), (2, "nonce-2"));
+            assert!(nack.error.contains("max_attempts"), "{}", nack.error);
+        }
+        other => panic!("expected Nack v2, got {other:?}"),
+    }
+    // v2 again, its content no longer matching its hash: NACKed for the hash.
+    let mut tampered = snapshot(2, 3);
+    tampered.content_hash = "0".repeat(64);
+    tampered.nonce = "nonce-2b".into();
+    send(&to_agent, &tampered).await;
+    match script.reply().await {
+        Kind::Nack(nack) => {
+            assert_eq!((nack.version, nack.nonce.as_str()), (2, "nonce-2b"));
+            assert!(nack.error.contains("hash"), "{}", nack.error);
+        }
+        other => panic!("expected Nack v2, got {other:?}"),
+    }
+    let p = agent.policies();
+    assert_eq!((p.version(), p.source()), (1, Source::ControlPlane));
+    assert_eq!(p.content_hash(), v1.content_hash);
+    assert_eq!(attempts_of(&agent).await, 4, "v1 still applies");
+    assert_eq!(cached(&cache), v1, "the cache still holds v1");
+    assert!(agent.is_connected(), "a NACK does not end the stream");
+
+    // The control plane ends the stream: the agent comes back on v1, not on the refused v2,
+    // and has sent nothing but metrics since the NACK (no NACK loop).
+    drop(to_agent);
+    let (to_agent, hello) = script.reconnected().await;
+    assert_eq!(hello.last_applied_version, 1);
+    assert_eq!(hello.last_applied_hash, v1.content_hash);
+
+    // v3 (2 attempts) is ACKed: the next answer after the NACKs, on the new stream.
+    let v3 = snapshot(3, 2);
+    send(&to_agent, &v3).await;
+    match script.reply().await {
+        Kind::Ack(ack) => assert_eq!((ack.version, ack.nonce.as_str()), (3, "nonce-3")),
+        other => panic!("expected Ack v3, got {other:?}"),
+    }
+    assert_eq!(agent.policies().version(), 3);
+    assert_eq!(attempts_of(&agent).await, 2);
+    assert_eq!(cached(&cache), v3);
+
+    // Shutdown: the agent half-closes its side; the server then ends the stream.
+    let close = async {
+        script.until_ended().await;
+        drop(to_agent);
+    };
+    tokio::time::timeout(WAIT, async { tokio::join!(agent.shutdown(), close) })
+        .await
+        .expect("the agent shuts down in time");
+    script.stop().await;
+}
