@@ -414,7 +414,62 @@ fn explain_json_names_the_layer_and_place_of_each_value() {
     assert_eq!(field("backoff.jitter")["line"], Value::Null);
     assert_eq!(e["route"]["index"], 0);
     assert_eq!(e["route"]["match"], "POST /v1/charges");
-    assert_eq!(e["policy"].as_array().unwrap().len(), 24);
+    assert_eq!(e["policy"].as_array().unwrap().len(), 25);
+}
+
+const ALERTS: &str = "\
+version: 1
+defaults:
+  alert: {retry_ratio: 0.1}
+endpoints:
+  payments:
+    alert:
+      retry_ratio: 0.02
+    routes:
+      - match: {method: POST}
+        max_attempts: 2
+  search: {}
+";
+
+#[test]
+fn explain_shows_the_alert_ratio_and_the_layer_it_comes_from() {
+    let dir = dir_with(&[("alerts.yaml", ALERTS), ("valid.yaml", VALID)]);
+    let explain = |file: &str, endpoint: &str, extra: &[&str]| {
+        let mut args = vec!["explain", file, "--endpoint", endpoint];
+        args.extend_from_slice(extra);
+        stdout_of(retryplane(dir.path(), &args).assert().code(0))
+    };
+    // A route is used for the call, but the alert setting is the endpoint's.
+    assert_eq!(
+        policy_line(
+            &explain("alerts.yaml", "payments", &["-X", "POST"]),
+            "alert.retry_ratio"
+        ),
+        ["alert.retry_ratio", "0.02", "endpoint", "alerts.yaml:7:20"]
+    );
+    assert_eq!(
+        policy_line(&explain("alerts.yaml", "search", &[]), "alert.retry_ratio"),
+        ["alert.retry_ratio", "0.1", "defaults", "alerts.yaml:3:24"]
+    );
+    assert_eq!(
+        policy_line(
+            &explain("valid.yaml", "inventory", &[]),
+            "alert.retry_ratio"
+        ),
+        ["alert.retry_ratio", "0.05", "built-in"]
+    );
+    let e: Value =
+        serde_json::from_str(&explain("alerts.yaml", "search", &["--format", "json"])).unwrap();
+    let row = e["policy"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["field"] == "alert.retry_ratio")
+        .cloned()
+        .unwrap();
+    assert_eq!(row["value"], 0.1);
+    assert_eq!(row["level"], "defaults");
+    assert_eq!(row["line"], 3);
 }
 
 #[test]

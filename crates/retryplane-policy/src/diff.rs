@@ -9,8 +9,8 @@
 use std::fmt;
 
 use crate::document::{
-    BackoffOverlay, BreakerOverlay, BudgetOverlay, EndpointDoc, Field, Overlay, PolicyDocument,
-    RetryAfterOverlay, RetryOnOverlay, RouteDoc,
+    AlertOverlay, BackoffOverlay, BreakerOverlay, BudgetOverlay, EndpointDoc, Field, Overlay,
+    PolicyDocument, RetryAfterOverlay, RetryOnOverlay, RouteDoc,
 };
 use crate::render::leaf_values;
 
@@ -316,6 +316,9 @@ fn unplace_overlay(o: &Overlay) -> Overlay {
             window: opt(&cb.window),
             open_for: opt(&cb.open_for),
             half_open_probes: opt(&cb.half_open_probes),
+        },
+        alert: AlertOverlay {
+            retry_ratio: opt(&o.alert.retry_ratio),
         },
     }
 }

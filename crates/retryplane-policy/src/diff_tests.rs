@@ -231,3 +231,30 @@ fn grpc_codes_and_floats_are_written_as_in_a_file() {
         ]
     );
 }
+
+#[test]
+fn alert_changes_are_shown_like_other_fields() {
+    let a = doc("version: 1\nendpoints:\n  a: {}\n  b:\n    alert: {retry_ratio: 0.05}\n");
+    let b = doc(
+        "version: 1\ndefaults:\n  alert: {retry_ratio: 0.1}\nendpoints:\n  a:\n    alert:\n      retry_ratio: 0.02\n  b: {}\n",
+    );
+    let changes = diff(&a, &b);
+    assert_eq!(
+        details(&changes, "defaults"),
+        ["alert.retry_ratio: (inherited) -> 0.1"]
+    );
+    assert_eq!(
+        details(&changes, "a"),
+        ["alert.retry_ratio: (inherited) -> 0.02"]
+    );
+    assert_eq!(
+        details(&changes, "b"),
+        ["alert.retry_ratio: 0.05 -> (inherited)"]
+    );
+    assert!(!same_content(&a, &b));
+    let added = diff(
+        &a,
+        &doc("version: 1\nendpoints:\n  c: {alert: {retry_ratio: 0.2}}\n"),
+    );
+    assert_eq!(details(&added, "c"), ["alert.retry_ratio: 0.2"]);
+}

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::codes::GrpcCode;
-use crate::model::{BreakerConfig, BudgetConfig, ErrorClass, Jitter, RetryPolicy};
+use crate::model::{AlertConfig, BreakerConfig, BudgetConfig, ErrorClass, Jitter, RetryPolicy};
 use crate::yaml::Loc;
 
 /// A value and where it is written.
@@ -103,6 +103,14 @@ pub struct BreakerOverlay {
     pub half_open_probes: Option<Field<u32>>,
 }
 
+/// `alert:` fields of one layer. Alerting is per endpoint: only `defaults:` and endpoints may
+/// set them ([`crate::validate`] refuses them on a route).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct AlertOverlay {
+    /// `alert.retry_ratio`
+    pub retry_ratio: Option<Field<f64>>,
+}
+
 /// The policy fields one layer (defaults, endpoint or route) sets.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Overlay {
@@ -126,6 +134,8 @@ pub struct Overlay {
     pub budget: BudgetOverlay,
     /// `circuit_breaker`
     pub circuit_breaker: BreakerOverlay,
+    /// `alert` (endpoint-level; not part of [`RetryPolicy`], see [`Overlay::resolve_alert`])
+    pub alert: AlertOverlay,
 }
 
 /// Which calls a route applies to.
@@ -311,7 +321,8 @@ fn list<T: Clone>(field: &Option<Field<Vec<Field<T>>>>) -> Option<Arc<[T]>> {
 
 impl Overlay {
     /// `base` with this layer's fields laid over it. To stack layers, merge them first with
-    /// [`Overlay::over`] (or use [`Overlay::resolve`]).
+    /// [`Overlay::over`] (or use [`Overlay::resolve`]). `alert` is not a call's setting and is
+    /// left out: see [`Overlay::alert`].
     pub fn apply(&self, base: &RetryPolicy) -> RetryPolicy {
         let mut p = base.clone();
         set(&mut p.max_attempts, &self.max_attempts);
@@ -400,7 +411,27 @@ impl Overlay {
                     &l.circuit_breaker.half_open_probes,
                 ),
             },
+            alert: AlertOverlay {
+                retry_ratio: pick(&u.alert.retry_ratio, &l.alert.retry_ratio),
+            },
         }
+    }
+
+    /// The alert settings this layer makes over the built-in values ([`AlertConfig::default`]).
+    /// To stack layers, merge them first with [`Overlay::over`] (or use
+    /// [`Overlay::resolve_alert`]).
+    pub fn alert(&self) -> AlertConfig {
+        let mut a = AlertConfig::default();
+        set(&mut a.retry_ratio, &self.alert.retry_ratio);
+        a
+    }
+
+    /// The alert settings of a stack of layers, lowest first, over the built-in values.
+    pub fn resolve_alert<'a>(layers: impl IntoIterator<Item = &'a Overlay>) -> AlertConfig {
+        layers
+            .into_iter()
+            .fold(Overlay::default(), |acc, layer| layer.over(&acc))
+            .alert()
     }
 
     /// The effective policy of a stack of layers, lowest first, over the built-in values.
@@ -415,7 +446,7 @@ impl Overlay {
     /// (`backoff.max`), in the order [`FIELD_PATHS`] lists them.
     pub fn set_fields(&self) -> Vec<(&'static str, Loc)> {
         let o = self;
-        let candidates: [(&'static str, Option<Loc>); 24] = [
+        let candidates: [(&'static str, Option<Loc>); 25] = [
             ("max_attempts", o.max_attempts.as_ref().map(|f| f.loc)),
             ("backoff.base", o.backoff.base.as_ref().map(|f| f.loc)),
             ("backoff.max", o.backoff.max.as_ref().map(|f| f.loc)),
@@ -479,6 +510,10 @@ impl Overlay {
                 "circuit_breaker.half_open_probes",
                 o.circuit_breaker.half_open_probes.as_ref().map(|f| f.loc),
             ),
+            (
+                "alert.retry_ratio",
+                o.alert.retry_ratio.as_ref().map(|f| f.loc),
+            ),
         ];
         candidates
             .into_iter()
@@ -496,7 +531,7 @@ impl Overlay {
 }
 
 /// Every leaf field path of a policy, in display order.
-pub const FIELD_PATHS: [&str; 24] = [
+pub const FIELD_PATHS: [&str; 25] = [
     "max_attempts",
     "backoff.base",
     "backoff.max",
@@ -521,6 +556,7 @@ pub const FIELD_PATHS: [&str; 24] = [
     "circuit_breaker.window",
     "circuit_breaker.open_for",
     "circuit_breaker.half_open_probes",
+    "alert.retry_ratio",
 ];
 
 /// Budget settings survive `enabled: false` in a lower layer, so a higher layer that turns the
@@ -576,5 +612,11 @@ impl PolicyDocument {
     pub fn effective(&self, endpoint: &EndpointDoc, target: &Target<'_>) -> RetryPolicy {
         let (layers, _) = self.layers(endpoint, target);
         Overlay::resolve(layers.iter().map(|(_, o)| *o))
+    }
+
+    /// The alert settings of `endpoint`: built-in ← `defaults:` ← the endpoint (routes have
+    /// none).
+    pub fn effective_alert(&self, endpoint: &EndpointDoc) -> AlertConfig {
+        Overlay::resolve_alert([&self.defaults, &endpoint.overlay])
     }
 }

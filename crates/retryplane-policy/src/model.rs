@@ -194,6 +194,29 @@ impl Default for BreakerConfig {
     }
 }
 
+/// Alerting settings of an endpoint (SPEC §4), read by the control plane when it evaluates the
+/// endpoint's metrics, never by a call: they are set per endpoint (in `defaults:` or on the
+/// endpoint, not on a route) and are not part of [`RetryPolicy`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct AlertConfig {
+    /// The endpoint is flagged when its retries / logical calls over the last 5 minutes pass
+    /// this ratio, `0..=1` (0 flags any retry).
+    pub retry_ratio: f64,
+}
+
+impl AlertConfig {
+    /// The built-in `alert.retry_ratio`: 5%.
+    pub const DEFAULT_RETRY_RATIO: f64 = 0.05;
+}
+
+impl Default for AlertConfig {
+    fn default() -> Self {
+        Self {
+            retry_ratio: Self::DEFAULT_RETRY_RATIO,
+        }
+    }
+}
+
 /// The effective retry policy of one logical call.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RetryPolicy {

@@ -12,14 +12,15 @@ use std::time::Duration;
 use crate::codes::{self, GrpcCode};
 use crate::diag::{Diagnostic, did_you_mean};
 use crate::document::{
-    BackoffOverlay, BreakerOverlay, BudgetOverlay, EndpointDoc, Field, Overlay, PolicyDocument,
-    RetryAfterOverlay, RetryOnOverlay, RouteDoc, RouteMatch,
+    AlertOverlay, BackoffOverlay, BreakerOverlay, BudgetOverlay, EndpointDoc, Field, Overlay,
+    PolicyDocument, RetryAfterOverlay, RetryOnOverlay, RouteDoc, RouteMatch,
 };
 use crate::duration::parse_duration;
 use crate::model::{ErrorClass, Jitter};
 use crate::yaml::{Loc, Node, Value};
 
 const TOP_FIELDS: [&str; 3] = ["version", "defaults", "endpoints"];
+/// Fields of every layer; `defaults:` and endpoints also take [`ENDPOINT_FIELDS`].
 const POLICY_FIELDS: [&str; 10] = [
     "max_attempts",
     "backoff",
@@ -32,6 +33,11 @@ const POLICY_FIELDS: [&str; 10] = [
     "budget",
     "circuit_breaker",
 ];
+/// Fields of `defaults:` and endpoints only: the control plane evaluates them per endpoint.
+const ENDPOINT_FIELDS: [&str; 1] = ["alert"];
+/// Why a route cannot set `alert`.
+pub const ROUTE_ALERT: &str = "alert is set per endpoint, not per route: the control plane compares the retries / calls of the whole endpoint; set it on the endpoint or in `defaults:`";
+const ALERT_FIELDS: [&str; 1] = ["retry_ratio"];
 const BACKOFF_FIELDS: [&str; 4] = ["base", "max", "multiplier", "jitter"];
 const RETRY_ON_FIELDS: [&str; 3] = ["http_status", "grpc_status", "errors"];
 const RETRY_AFTER_FIELDS: [&str; 2] = ["honor", "max"];
@@ -347,20 +353,27 @@ impl Walker {
     fn overlay(&mut self, node: &Node, path: &str, layer: Layer) -> Overlay {
         let mut known: Vec<&str> = POLICY_FIELDS.to_vec();
         let misplaced: &[(&str, &str)] = match layer {
-            Layer::Defaults => &[
-                (
-                    "routes",
-                    "`routes` belong to an endpoint, not to `defaults`",
-                ),
-                ("match", "`match` belongs to a route"),
-            ],
+            Layer::Defaults => {
+                known.extend(ENDPOINT_FIELDS);
+                &[
+                    (
+                        "routes",
+                        "`routes` belong to an endpoint, not to `defaults`",
+                    ),
+                    ("match", "`match` belongs to a route"),
+                ]
+            }
             Layer::Endpoint => {
+                known.extend(ENDPOINT_FIELDS);
                 known.push("routes");
                 &[("match", "`match` belongs to a route, under `routes:`")]
             }
             Layer::Route => {
                 known.push("match");
-                &[("routes", "routes cannot be nested")]
+                &[
+                    ("routes", "routes cannot be nested"),
+                    ("alert", ROUTE_ALERT),
+                ]
             }
         };
         let mut o = Overlay::default();
@@ -382,6 +395,7 @@ impl Walker {
                 "retry_after" => o.retry_after = self.retry_after(value, &p),
                 "budget" => o.budget = self.budget(value, &p),
                 "circuit_breaker" => o.circuit_breaker = self.breaker(value, &p),
+                "alert" => o.alert = self.alert(value, &p),
                 _ => {}
             }
         }
@@ -447,7 +461,7 @@ impl Walker {
             let p = join(path, key);
             match key {
                 "enabled" => o.enabled = self.boolean(value, &p),
-                "ratio" => o.ratio = self.number(value, &p),
+                "ratio" => o.ratio = self.ratio(value, &p),
                 "min_per_second" => o.min_per_second = self.count(value, &p),
                 _ => o.window = self.duration(value, &p),
             }
@@ -461,11 +475,33 @@ impl Walker {
             let p = join(path, key);
             match key {
                 "enabled" => o.enabled = self.boolean(value, &p),
-                "failure_ratio" => o.failure_ratio = self.number(value, &p),
+                "failure_ratio" => o.failure_ratio = self.ratio(value, &p),
                 "min_requests" => o.min_requests = self.count(value, &p),
                 "window" => o.window = self.duration(value, &p),
                 "open_for" => o.open_for = self.duration(value, &p),
                 _ => o.half_open_probes = self.count(value, &p),
+            }
+        }
+        o
+    }
+
+    fn alert(&mut self, node: &Node, path: &str) -> AlertOverlay {
+        let mut o = AlertOverlay::default();
+        if matches!(node.value, Value::Int(_) | Value::Float(_)) {
+            self.error(
+                node.loc,
+                path,
+                format!(
+                    "`alert` is a mapping of alert settings: write `alert: {{retry_ratio: {}}}`",
+                    scalar_text(node)
+                ),
+            );
+            return o;
+        }
+        for (key, value, _) in self.fields(node, path, &ALERT_FIELDS, &[]) {
+            let p = join(path, key);
+            if key == "retry_ratio" {
+                o.retry_ratio = self.ratio(value, &p);
             }
         }
         o
@@ -526,6 +562,27 @@ impl Walker {
                 None
             }
         }
+    }
+
+    /// A ratio: a plain number (its range is checked later). A percentage such as `5%` is
+    /// refused with the number to write instead.
+    fn ratio(&mut self, node: &Node, path: &str) -> Option<Field<f64>> {
+        if let Value::Str(s) = &node.value
+            && let Some(pct) = s.strip_suffix('%')
+            && let Ok(pct) = pct.trim().parse::<f64>()
+            && pct.is_finite()
+        {
+            self.error(
+                node.loc,
+                path,
+                format!(
+                    "a ratio is a plain number from 0 to 1: write {:?} for `{s}`",
+                    pct / 100.0
+                ),
+            );
+            return None;
+        }
+        self.number(node, path)
     }
 
     fn duration(&mut self, node: &Node, path: &str) -> Option<Field<Duration>> {

@@ -59,7 +59,7 @@ pub fn leaf_values(o: &Overlay) -> Vec<(&'static str, String)> {
         &o.budget,
         &o.circuit_breaker,
     );
-    let candidates: [(&'static str, Option<String>); 24] = [
+    let candidates: [(&'static str, Option<String>); 25] = [
         ("max_attempts", show(&o.max_attempts, u32::to_string)),
         ("backoff.base", show(&b.base, dur)),
         ("backoff.max", show(&b.max, dur)),
@@ -114,6 +114,7 @@ pub fn leaf_values(o: &Overlay) -> Vec<(&'static str, String)> {
             "circuit_breaker.half_open_probes",
             show(&cb.half_open_probes, u32::to_string),
         ),
+        ("alert.retry_ratio", show(&o.alert.retry_ratio, float)),
     ];
     candidates
         .into_iter()

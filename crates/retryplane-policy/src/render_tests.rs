@@ -8,7 +8,7 @@ use proptest::prelude::*;
 use super::*;
 use crate::codes::GrpcCode;
 use crate::diff::same_content;
-use crate::document::{EndpointDoc, FIELD_PATHS, RouteDoc};
+use crate::document::{AlertOverlay, EndpointDoc, FIELD_PATHS, RouteDoc};
 use crate::load;
 use crate::model::{ErrorClass, Jitter};
 
@@ -159,6 +159,7 @@ fn leaf_values_cover_every_field_path() {
     o.circuit_breaker.window = f(1);
     o.circuit_breaker.open_for = f(1);
     o.circuit_breaker.half_open_probes = Some(Field::new(1));
+    o.alert.retry_ratio = Some(Field::new(0.05));
     let paths: Vec<&str> = leaf_values(&o).into_iter().map(|(p, _)| p).collect();
     assert_eq!(paths, FIELD_PATHS);
     let set: Vec<&str> = o.set_fields().into_iter().map(|(p, _)| p).collect();
@@ -241,8 +242,17 @@ fn overlay() -> impl Strategy<Value = Overlay> {
         (opt(any::<bool>()), opt(finite()), opt(any::<u32>())),
         (opt(duration()), opt(duration()), opt(any::<u32>())),
     );
-    (top, backoff, retry_on, retry_after, budget, breaker).prop_map(
-        |((m, d, p, im, ik), (bb, bm, bx, bj), (rh, rg, re), (rah, ram), (ue, ur, um, uw), cb)| {
+    let alert = opt(finite());
+    (top, backoff, retry_on, retry_after, budget, breaker, alert).prop_map(
+        |(
+            (m, d, p, im, ik),
+            (bb, bm, bx, bj),
+            (rh, rg, re),
+            (rah, ram),
+            (ue, ur, um, uw),
+            cb,
+            al,
+        )| {
             let ((ce, cr, cm), (cw, co, ch)) = cb;
             let mut o = Overlay {
                 max_attempts: m,
@@ -273,6 +283,7 @@ fn overlay() -> impl Strategy<Value = Overlay> {
             let b = &mut o.circuit_breaker;
             (b.enabled, b.failure_ratio, b.min_requests) = (ce, cr, cm);
             (b.window, b.open_for, b.half_open_probes) = (cw, co, ch);
+            o.alert.retry_ratio = al;
             o
         },
     )
@@ -296,8 +307,11 @@ fn route_match() -> impl Strategy<Value = RouteMatch> {
 }
 
 fn document() -> impl Strategy<Value = PolicyDocument> {
-    let route = (field(route_match()), overlay())
-        .prop_map(|(matcher, overlay)| RouteDoc { matcher, overlay });
+    // A file cannot set `alert` on a route.
+    let route = (field(route_match()), overlay()).prop_map(|(matcher, mut overlay)| {
+        overlay.alert = AlertOverlay::default();
+        RouteDoc { matcher, overlay }
+    });
     let endpoint = (
         field(any::<String>()),
         overlay(),
@@ -331,4 +345,25 @@ proptest! {
         prop_assert!(same_content(&doc, &back), "{text}\n{back:#?}");
         prop_assert_eq!(crate::diff::diff(&doc, &back), vec![]);
     }
+}
+
+#[test]
+fn alert_renders_as_a_block_mapping_and_round_trips() {
+    let src = "version: 1\ndefaults:\n  alert: {retry_ratio: 0.05}\nendpoints:\n  payments:\n    max_attempts: 4\n    alert: {retry_ratio: 0.02}\n  inventory: {}\n";
+    let doc = (**load(src.as_bytes()).policies.expect("valid").document()).clone();
+    assert_eq!(
+        to_yaml(&doc),
+        "version: 1
+defaults:
+  alert:
+    retry_ratio: 0.05
+endpoints:
+  payments:
+    max_attempts: 4
+    alert:
+      retry_ratio: 0.02
+  inventory: {}
+"
+    );
+    assert_round_trips_valid(src);
 }

@@ -1,14 +1,16 @@
 //! The compiled policy set: every effective policy built once, looked up per call.
 //!
 //! Built from a checked [`PolicyDocument`]; the agent keeps one in an `ArcSwap` and looks an
-//! endpoint up by name (a hash lookup), then a route by first match in file order.
+//! endpoint up by name (a hash lookup), then a route by first match in file order. The control
+//! plane reads each endpoint's alert settings ([`PolicySet::alert`]), kept apart from the
+//! policies calls run under.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use crate::diag::{self, Diagnostic};
 use crate::document::{Overlay, PolicyDocument, RouteMatch, Target};
-use crate::model::RetryPolicy;
+use crate::model::{AlertConfig, RetryPolicy};
 
 /// One route of an endpoint, compiled.
 #[derive(Clone, Debug, PartialEq)]
@@ -44,14 +46,18 @@ impl EndpointPolicy {
     }
 }
 
-type Map = HashMap<Arc<str>, Arc<EndpointPolicy>, foldhash::fast::FixedState>;
+type Map<V> = HashMap<Arc<str>, V, foldhash::fast::FixedState>;
 
 /// Every endpoint's compiled policies, and the document they came from.
 #[derive(Clone, Debug)]
 pub struct PolicySet {
     document: Arc<PolicyDocument>,
     defaults: Arc<RetryPolicy>,
-    endpoints: Map,
+    endpoints: Map<Arc<EndpointPolicy>>,
+    /// `defaults:` over the built-in alert settings.
+    default_alert: AlertConfig,
+    /// Every endpoint's alert settings (defaults → endpoint).
+    alerts: Map<AlertConfig>,
 }
 
 /// Why a document could not become a policy set.
@@ -89,7 +95,9 @@ impl PolicySet {
     /// Compiles an already checked document.
     fn compile(document: PolicyDocument) -> Self {
         let defaults = Arc::new(Overlay::resolve([&document.defaults]));
+        let default_alert = document.defaults.alert();
         let mut endpoints = Map::default();
+        let mut alerts = Map::default();
         for ep in &document.endpoints {
             let merged = ep.overlay.over(&document.defaults);
             let policy = Arc::new(Overlay::resolve([&merged]));
@@ -102,6 +110,7 @@ impl PolicySet {
                 })
                 .collect();
             let name: Arc<str> = Arc::from(ep.name.value.as_str());
+            alerts.insert(name.clone(), merged.alert());
             endpoints.insert(
                 name.clone(),
                 Arc::new(EndpointPolicy {
@@ -115,6 +124,8 @@ impl PolicySet {
             document: Arc::new(document),
             defaults,
             endpoints,
+            default_alert,
+            alerts,
         }
     }
 
@@ -133,6 +144,26 @@ impl PolicySet {
     /// The file's `defaults:` over the built-in values, for endpoints the file does not name.
     pub fn defaults(&self) -> &Arc<RetryPolicy> {
         &self.defaults
+    }
+
+    /// The alert settings of endpoint `name` (built-in ← `defaults:` ← the endpoint), if the
+    /// endpoint exists. One hash lookup.
+    #[inline]
+    pub fn alert(&self, name: &str) -> Option<&AlertConfig> {
+        self.alerts.get(name)
+    }
+
+    /// The `alert.retry_ratio` of endpoint `name`, if the endpoint exists: the endpoint is
+    /// flagged when its retries / calls over 5 minutes pass it (SPEC §4).
+    #[inline]
+    pub fn alert_retry_ratio(&self, name: &str) -> Option<f64> {
+        self.alert(name).map(|a| a.retry_ratio)
+    }
+
+    /// The file's `defaults:` over the built-in alert settings, for endpoints the file does not
+    /// name (agents run those calls on [`PolicySet::defaults`] and report them too).
+    pub fn default_alert(&self) -> &AlertConfig {
+        &self.default_alert
     }
 
     /// Endpoint names, sorted.

@@ -318,3 +318,108 @@ fn a_route_may_only_turn_the_shared_budget_and_breaker_on_or_off() {
         ]
     );
 }
+
+// === alert.retry_ratio ===
+
+#[test]
+fn alert_retry_ratio_is_built_in_then_defaults_then_endpoint() {
+    let none = load(b"version: 1\nendpoints:\n  a: {}\n")
+        .policies
+        .expect("valid");
+    assert_eq!(none.alert_retry_ratio("a"), Some(0.05));
+    assert_eq!(none.default_alert().retry_ratio, 0.05);
+
+    let src = "version: 1\ndefaults:\n  alert:\n    retry_ratio: 0.1\nendpoints:\n  a:\n    alert:\n      retry_ratio: 0.02\n    routes:\n      - match: {path_prefix: /x}\n        max_attempts: 2\n  b: {max_attempts: 4}\n";
+    let set = load(src.as_bytes()).policies.expect("valid");
+    assert_eq!(set.alert_retry_ratio("a"), Some(0.02));
+    assert_eq!(set.alert_retry_ratio("b"), Some(0.1));
+    assert_eq!(set.alert("b").map(|a| a.retry_ratio), Some(0.1));
+    assert_eq!(set.alert_retry_ratio("nope"), None);
+    assert_eq!(set.default_alert().retry_ratio, 0.1);
+    // The policies calls run under are the same with or without alert settings.
+    let plain = load(b"version: 1\nendpoints:\n  a:\n    routes:\n      - match: {path_prefix: /x}\n        max_attempts: 2\n  b: {max_attempts: 4}\n")
+        .policies
+        .expect("valid");
+    for name in ["a", "b"] {
+        assert_eq!(set.endpoint(name), plain.endpoint(name), "{name}");
+    }
+}
+
+#[test]
+fn alert_retry_ratio_bounds_are_zero_and_one_inclusive() {
+    for ok in ["0", "0.0", "1", "1.0", "0.05"] {
+        let src = format!("version: 1\nendpoints:\n  a: {{alert: {{retry_ratio: {ok}}}}}\n");
+        assert_eq!(errors(&src), Vec::<String>::new(), "{ok}");
+    }
+    let src = "version: 1\ndefaults:\n  alert: {retry_ratio: -0.01}\nendpoints:\n  a:\n    alert:\n      retry_ratio: 1.5\n";
+    assert_eq!(
+        errors(src),
+        [
+            "3:24: error: defaults.alert.retry_ratio: must be from 0.0 (flag any retry) to 1.0 (one retry per call), found -0.01",
+            "7:20: error: endpoints.a.alert.retry_ratio: must be from 0.0 (flag any retry) to 1.0 (one retry per call), found 1.5",
+        ]
+    );
+}
+
+#[test]
+fn alert_on_a_route_is_an_error_that_says_where_it_belongs() {
+    let src = "version: 1\nendpoints:\n  a:\n    routes:\n      - match: {path_prefix: /x}\n        alert: {retry_ratio: 0.1}\n";
+    assert_eq!(
+        errors(src),
+        [
+            "6:9: error: endpoints.a.routes[0].alert: alert is set per endpoint, not per route: the control plane compares the retries / calls of the whole endpoint; set it on the endpoint or in `defaults:`"
+        ]
+    );
+}
+
+#[test]
+fn alert_on_a_route_of_a_document_from_no_file_is_refused_too() {
+    let mut doc =
+        load(b"version: 1\nendpoints:\n  a:\n    routes:\n      - match: {path_prefix: /x}\n")
+            .policies
+            .expect("valid")
+            .document()
+            .as_ref()
+            .clone();
+    doc.endpoints[0].routes[0].overlay.alert.retry_ratio = Some(crate::document::Field::new(0.1));
+    let err = PolicySet::from_document(doc).expect_err("invalid");
+    let got: Vec<(&str, &str)> = err
+        .errors
+        .iter()
+        .map(|d| (d.path.as_str(), d.message.as_str()))
+        .collect();
+    assert_eq!(
+        got,
+        [(
+            "endpoints.a.routes[0].alert.retry_ratio",
+            crate::parse::ROUTE_ALERT
+        )]
+    );
+}
+
+#[test]
+fn alert_fields_are_checked_by_name_type_and_form() {
+    let src = "version: 1\nendpoints:\n  a:\n    alert: {retry_rato: 0.1}\n  b:\n    alert: {retry_ratio: 5%}\n  c:\n    alert: 0.05\n  d:\n    alert: {retry_ratio: high}\n  e:\n    alert: [0.05]\n";
+    assert_eq!(
+        errors(src),
+        [
+            "4:13: error: endpoints.a.alert.retry_rato: unknown field `retry_rato` (did you mean `retry_ratio`?)",
+            "6:26: error: endpoints.b.alert.retry_ratio: a ratio is a plain number from 0 to 1: write 0.05 for `5%`",
+            "8:12: error: endpoints.c.alert: `alert` is a mapping of alert settings: write `alert: {retry_ratio: 0.05}`",
+            "10:26: error: endpoints.d.alert.retry_ratio: expected a number, found a string",
+            "12:12: error: endpoints.e.alert: expected a mapping, found a list",
+        ]
+    );
+}
+
+#[test]
+fn other_ratios_refuse_percentages_the_same_way() {
+    let src = "version: 1\nendpoints:\n  a:\n    budget: {ratio: 20%}\n    circuit_breaker: {failure_ratio: 50 %}\n";
+    assert_eq!(
+        errors(src),
+        [
+            "4:21: error: endpoints.a.budget.ratio: a ratio is a plain number from 0 to 1: write 0.2 for `20%`",
+            "5:38: error: endpoints.a.circuit_breaker.failure_ratio: a ratio is a plain number from 0 to 1: write 0.5 for `50 %`",
+        ]
+    );
+}

@@ -14,7 +14,7 @@ use crate::codes::{GrpcCode, RETRYABLE_4XX};
 use crate::diag::Diagnostic;
 use crate::document::{Level, Overlay, PolicyDocument};
 use crate::model::RetryPolicy;
-use crate::parse::check_method;
+use crate::parse::{ROUTE_ALERT, check_method};
 use crate::yaml::Loc;
 
 /// Highest `max_attempts` accepted.
@@ -70,9 +70,18 @@ pub fn check(doc: &PolicyDocument, diags: &mut Vec<Diagnostic>) {
 }
 
 /// The budget and the breaker are shared by every call of an endpoint, so a route can turn
-/// them off for its calls but cannot give them other numbers.
+/// them off for its calls but cannot give them other numbers; alerting is per endpoint, so a
+/// route cannot set it at all (a file gets this from the parser, a wire document here).
 fn check_route_sharing(o: &Overlay, prefix: &str, diags: &mut Vec<Diagnostic>) {
     for (field, loc) in o.set_fields() {
+        if field.starts_with("alert.") {
+            diags.push(Diagnostic::error(
+                loc,
+                format!("{prefix}.{field}"),
+                ROUTE_ALERT,
+            ));
+            continue;
+        }
         let shared = (field.starts_with("budget.") && field != "budget.enabled")
             || (field.starts_with("circuit_breaker.") && field != "circuit_breaker.enabled");
         if shared {
@@ -152,6 +161,18 @@ fn check_layer(o: &Overlay, prefix: &str, diags: &mut Vec<Diagnostic>) {
             f.loc,
             "budget.ratio",
             format!("must be from 0.0 to 1.0, found {}", f.value),
+        );
+    }
+    if let Some(f) = &o.alert.retry_ratio
+        && !(0.0..=1.0).contains(&f.value)
+    {
+        error(
+            f.loc,
+            "alert.retry_ratio",
+            format!(
+                "must be from 0.0 (flag any retry) to 1.0 (one retry per call), found {}",
+                f.value
+            ),
         );
     }
     if let Some(f) = &o.circuit_breaker.failure_ratio

@@ -18,8 +18,8 @@ use std::time::Duration;
 use retryplane_policy::codes::GrpcCode;
 use retryplane_policy::diff::{Change, ChangeKind};
 use retryplane_policy::document::{
-    BackoffOverlay, BreakerOverlay, BudgetOverlay, EndpointDoc, Field, Overlay, RetryAfterOverlay,
-    RetryOnOverlay, RouteDoc, RouteMatch,
+    AlertOverlay, BackoffOverlay, BreakerOverlay, BudgetOverlay, EndpointDoc, Field, Overlay,
+    RetryAfterOverlay, RetryOnOverlay, RouteDoc, RouteMatch,
 };
 use retryplane_policy::duration::{MAX_DURATION, format_duration};
 use retryplane_policy::parse::{check_method, parse_grpc_route};
@@ -123,6 +123,7 @@ impl Checker {
         let ra = o.retry_after.unwrap_or_default();
         let bu = o.budget.unwrap_or_default();
         let cb = o.circuit_breaker.unwrap_or_default();
+        let al = o.alert.unwrap_or_default();
         Overlay {
             max_attempts: o.max_attempts.map(Field::new),
             backoff: BackoffOverlay {
@@ -165,6 +166,9 @@ impl Checker {
                 window: self.duration(cb.window_ms, &p("circuit_breaker.window")),
                 open_for: self.duration(cb.open_for_ms, &p("circuit_breaker.open_for")),
                 half_open_probes: cb.half_open_probes.map(Field::new),
+            },
+            alert: AlertOverlay {
+                retry_ratio: self.number(al.retry_ratio, &p("alert.retry_ratio")),
             },
         }
     }

@@ -395,3 +395,162 @@ fn diff_entries_carry_scope_kind_and_details() {
         }]
     );
 }
+
+/// A document written before `alert` existed, covering every section and a route.
+const PRE_ALERT: &str = "version: 1
+defaults:
+  max_attempts: 3
+  backoff: {base: 100ms, max: 5s, multiplier: 2.0, jitter: full}
+  deadline: 15s
+  per_try_timeout: 2s
+  retry_on: {http_status: [429, 503], grpc_status: [UNAVAILABLE], errors: [connect]}
+  idempotent_methods: [GET, PUT]
+  idempotency_key_header: Idempotency-Key
+  retry_after: {honor: true, max: 30s}
+  budget: {ratio: 0.2, min_per_second: 10, window: 10s}
+  circuit_breaker: {failure_ratio: 0.5, min_requests: 20, window: 10s, open_for: 30s, half_open_probes: 3}
+endpoints:
+  payments:
+    max_attempts: 4
+    routes:
+      - match: {method: POST, path_prefix: /v1/charges}
+        max_attempts: 2
+  inventory: {}
+";
+
+/// The content hash of [`PRE_ALERT`], computed before `alert` was added to the wire form: a
+/// stored version without alert settings keeps its hash.
+const PRE_ALERT_HASH: &str = "52806d43cc19f100112a58e1e7d9c0bddb85a3e314d23950a3ee081f43f7a9c9";
+
+fn wire(src: &str) -> pb::PolicyDocument {
+    let loaded = load(src.as_bytes());
+    let set = loaded.policies.unwrap_or_else(|| {
+        panic!("invalid test document: {:#?}", loaded.diagnostics);
+    });
+    pb::PolicyDocument::from(&**set.document())
+}
+
+#[test]
+fn documents_without_alert_keep_the_hash_they_had_before_alert_existed() {
+    let before = wire(PRE_ALERT);
+    assert_eq!(content_hash(&before), PRE_ALERT_HASH);
+    // Other clients may send an empty `alert` section: still the same content.
+    let mut padded = before.clone();
+    padded.defaults.as_mut().unwrap().alert = Some(pb::Alert::default());
+    padded.endpoints[1].overlay = Some(pb::Overlay {
+        alert: Some(pb::Alert::default()),
+        ..Default::default()
+    });
+    assert_eq!(content_hash(&padded), PRE_ALERT_HASH);
+}
+
+#[test]
+fn alert_settings_change_the_hash() {
+    let base = content_hash(&wire(PRE_ALERT));
+    let with_default = PRE_ALERT.replace(
+        "  max_attempts: 3\n",
+        "  max_attempts: 3\n  alert: {retry_ratio: 0.05}\n",
+    );
+    let with_endpoint = PRE_ALERT.replace(
+        "  inventory: {}",
+        "  inventory: {alert: {retry_ratio: 0.05}}",
+    );
+    let hashes = [
+        base,
+        content_hash(&wire(&with_default)),
+        content_hash(&wire(&with_endpoint)),
+        content_hash(&wire(&with_endpoint.replace("0.05", "0.1"))),
+    ];
+    for (i, a) in hashes.iter().enumerate() {
+        for b in &hashes[i + 1..] {
+            assert_ne!(a, b);
+        }
+    }
+}
+
+#[test]
+fn alert_round_trips_yaml_model_wire_model_yaml() {
+    let src = "version: 1\ndefaults:\n  alert: {retry_ratio: 0.05}\nendpoints:\n  payments:\n    alert:\n      retry_ratio: 0.02\n    routes:\n      - match: {method: POST}\n        max_attempts: 2\n  inventory: {}\n";
+    let original = load(src.as_bytes()).policies.unwrap();
+    let w = pb::PolicyDocument::from(&**original.document());
+    let alert = |o: &Option<pb::Overlay>| o.as_ref().and_then(|o| o.alert);
+    assert_eq!(
+        alert(&w.defaults),
+        Some(pb::Alert {
+            retry_ratio: Some(0.05)
+        })
+    );
+    assert_eq!(
+        alert(&w.endpoints[0].overlay),
+        Some(pb::Alert {
+            retry_ratio: Some(0.02)
+        })
+    );
+    assert_eq!(alert(&w.endpoints[0].routes[0].overlay), None);
+    assert_eq!(w.endpoints[1].overlay, None);
+
+    let (set, warnings) = validate(w.clone()).unwrap();
+    assert_eq!(warnings, vec![]);
+    assert_eq!(set.alert_retry_ratio("payments"), Some(0.02));
+    assert_eq!(set.alert_retry_ratio("inventory"), Some(0.05));
+    assert!(same_content(original.document(), set.document()));
+    assert_eq!(pb::PolicyDocument::from(&**set.document()), w);
+    let yaml = retryplane_policy::render::to_yaml(set.document());
+    let again = load(yaml.as_bytes()).policies.unwrap();
+    assert!(
+        same_content(original.document(), again.document()),
+        "{yaml}"
+    );
+    assert_eq!(
+        content_hash(&pb::PolicyDocument::from(&**again.document())),
+        content_hash(&w)
+    );
+}
+
+#[test]
+fn alert_on_a_wire_route_and_out_of_range_ratios_are_refused_at_their_paths() {
+    let mut on_route =
+        wire("version: 1\nendpoints:\n  a:\n    routes:\n      - match: {path_prefix: /x}\n");
+    on_route.endpoints[0].routes[0].overlay = Some(pb::Overlay {
+        alert: Some(pb::Alert {
+            retry_ratio: Some(0.1),
+        }),
+        ..Default::default()
+    });
+    let errs = validate(on_route).unwrap_err();
+    let got: Vec<(&str, &str)> = errs
+        .iter()
+        .map(|d| (d.path.as_str(), d.message.as_str()))
+        .collect();
+    assert_eq!(
+        got,
+        [(
+            "endpoints.a.routes[0].alert.retry_ratio",
+            retryplane_policy::parse::ROUTE_ALERT
+        )]
+    );
+
+    let with = |v: f64| {
+        doc(vec![endpoint(
+            "a",
+            pb::Overlay {
+                alert: Some(pb::Alert {
+                    retry_ratio: Some(v),
+                }),
+                ..Default::default()
+            },
+        )])
+    };
+    assert_eq!(
+        errors(with(f64::NAN)),
+        [(
+            "endpoints.a.alert.retry_ratio".to_owned(),
+            "must be a finite number".to_owned()
+        )]
+    );
+    let errs = validate(with(1.5)).unwrap_err();
+    assert_eq!(errs.len(), 1);
+    assert_eq!(errs[0].path, "endpoints.a.alert.retry_ratio");
+    assert!(errs[0].message.contains("found 1.5"), "{}", errs[0].message);
+    assert!(validate(with(0.0)).is_ok());
+}

@@ -171,6 +171,11 @@ fn push_overlay(o: &mut Map<String, Value>, ov: &pb::Overlay) {
         insert_opt(&mut m, "half_open_probes", c.half_open_probes);
         insert_object(o, "circuit_breaker", m);
     }
+    if let Some(a) = &ov.alert {
+        let mut m = Map::new();
+        insert_opt(&mut m, "retry_ratio", a.retry_ratio);
+        insert_object(o, "alert", m);
+    }
 }
 
 /// `UNAVAILABLE` for 14; the number itself when it names no code.
@@ -237,6 +242,9 @@ mod tests {
                 ..Default::default()
             }),
             retry_after: Some(pb::RetryAfter::default()),
+            alert: Some(pb::Alert {
+                retry_ratio: Some(0.02),
+            }),
             ..Default::default()
         }
     }
@@ -286,6 +294,7 @@ mod tests {
                             "errors": ["connect"]
                         },
                         "budget": {"enabled": false},
+                        "alert": {"retry_ratio": 0.02},
                         "routes": [
                             {"match": {"http": {"method": "POST", "path_prefix": "/v1/charges"}},
                              "max_attempts": 2}

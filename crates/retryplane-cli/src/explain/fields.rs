@@ -3,15 +3,16 @@
 
 use std::time::Duration;
 
-use retryplane_policy::RetryPolicy;
 use retryplane_policy::duration::format_duration;
+use retryplane_policy::{AlertConfig, RetryPolicy};
 use serde_json::Value;
 
 use crate::output::Millis;
 
 /// The value of a [`FIELD_PATHS`](retryplane_policy::document::FIELD_PATHS) entry as JSON
-/// and as a policy file writes it; `None` for a path this version does not know.
-pub fn value(p: &RetryPolicy, field: &str) -> Option<(Value, String)> {
+/// and as a policy file writes it, from the call's policy `p` or the endpoint's `alert`
+/// settings; `None` for a path this version does not know.
+pub fn value(p: &RetryPolicy, alert: &AlertConfig, field: &str) -> Option<(Value, String)> {
     fn dur(d: Duration) -> (Value, String) {
         (ms_value(d), format_duration(d))
     }
@@ -66,6 +67,7 @@ pub fn value(p: &RetryPolicy, field: &str) -> Option<(Value, String)> {
         "circuit_breaker.window" => c.map_or_else(off, |c| dur(c.window)),
         "circuit_breaker.open_for" => c.map_or_else(off, |c| dur(c.open_for)),
         "circuit_breaker.half_open_probes" => c.map_or_else(off, |c| num(c.half_open_probes)),
+        "alert.retry_ratio" => float(alert.retry_ratio),
         _ => return None,
     })
 }
@@ -87,11 +89,17 @@ mod tests {
     #[test]
     fn every_field_path_has_a_value() {
         let mut p = RetryPolicy::default();
+        let a = AlertConfig::default();
         for field in FIELD_PATHS {
-            assert!(value(&p, field).is_some(), "{field}");
+            assert!(value(&p, &a, field).is_some(), "{field}");
         }
         p.budget = None;
-        assert_eq!(value(&p, "budget.ratio").unwrap().0, Value::Null);
-        assert_eq!(value(&p, "budget.enabled").unwrap().1, "false");
+        assert_eq!(value(&p, &a, "budget.ratio").unwrap().0, Value::Null);
+        assert_eq!(value(&p, &a, "budget.enabled").unwrap().1, "false");
+        let a = AlertConfig { retry_ratio: 0.2 };
+        assert_eq!(
+            value(&p, &a, "alert.retry_ratio").unwrap(),
+            (Value::from(0.2), "0.2".to_owned())
+        );
     }
 }

@@ -6,7 +6,7 @@ use std::time::Duration;
 use retryplane_policy::backoff;
 use retryplane_policy::document::{EndpointDoc, FIELD_PATHS, Level, Overlay, PolicyDocument};
 use retryplane_policy::yaml::Loc;
-use retryplane_policy::{BudgetConfig, RetryPolicy};
+use retryplane_policy::{AlertConfig, BudgetConfig, RetryPolicy};
 use serde::Serialize;
 use serde_json::Value;
 
@@ -27,7 +27,8 @@ pub struct Explanation {
     pub route: Option<RouteRef>,
     /// Whether the call is retried at all.
     pub retried: Retried,
-    /// The effective policy, one leaf field per entry, in [`FIELD_PATHS`] order.
+    /// The effective policy, one leaf field per entry, in [`FIELD_PATHS`] order; the
+    /// endpoint's `alert` settings come last (routes cannot set them).
     pub policy: Vec<FieldRow>,
     /// The pauses, retry by retry, against the deadline.
     pub schedule: Schedule,
@@ -173,6 +174,7 @@ pub fn explain(
     let target = call.target();
     let (layers, route_index) = doc.layers(endpoint, &target);
     let policy = doc.effective(endpoint, &target);
+    let alert = doc.effective_alert(endpoint);
     let route = route_index.and_then(|i| endpoint.routes.get(i).map(|r| (i, r)));
     Explanation {
         file: file.to_owned(),
@@ -191,7 +193,7 @@ pub fn explain(
         retried: retried(&policy, call),
         policy: FIELD_PATHS
             .iter()
-            .map(|&field| field_row(&policy, &layers, field))
+            .map(|&field| field_row(&policy, &alert, &layers, field))
             .collect(),
         schedule: schedule(&policy),
         load: Load {
@@ -248,14 +250,19 @@ fn retried(p: &RetryPolicy, call: &Call) -> Retried {
 }
 
 /// The most specific layer that sets `field`, and where; built-in when none does.
-fn field_row(p: &RetryPolicy, layers: &[(Level, &Overlay)], field: &'static str) -> FieldRow {
+fn field_row(
+    p: &RetryPolicy,
+    alert: &AlertConfig,
+    layers: &[(Level, &Overlay)],
+    field: &'static str,
+) -> FieldRow {
     let (level, loc) = layers
         .iter()
         .rev()
         .find_map(|(level, overlay)| overlay.loc_of(field).map(|loc| (*level, known(loc))))
         .unwrap_or((Level::BuiltIn, None));
     let (value, text) =
-        fields::value(p, field).unwrap_or_else(|| (Value::Null, "(not shown)".to_owned()));
+        fields::value(p, alert, field).unwrap_or_else(|| (Value::Null, "(not shown)".to_owned()));
     FieldRow {
         field,
         value,

@@ -62,12 +62,13 @@ impl From<&Overlay> for pb::Overlay {
     /// Every field the layer sets; a section (`backoff`, `budget`, …) it does not touch is
     /// `None`, a list it sets is present even when empty.
     fn from(o: &Overlay) -> Self {
-        let (b, r, ra, bu, cb) = (
+        let (b, r, ra, bu, cb, al) = (
             &o.backoff,
             &o.retry_on,
             &o.retry_after,
             &o.budget,
             &o.circuit_breaker,
+            &o.alert,
         );
         pb::Overlay {
             max_attempts: value(&o.max_attempts),
@@ -107,6 +108,9 @@ impl From<&Overlay> for pb::Overlay {
                 window_ms: millis(&cb.window),
                 open_for_ms: millis(&cb.open_for),
                 half_open_probes: value(&cb.half_open_probes),
+            }),
+            alert: non_empty(pb::Alert {
+                retry_ratio: value(&al.retry_ratio),
             }),
         }
     }
@@ -157,6 +161,9 @@ fn canonical_overlay(mut o: pb::Overlay) -> Option<pb::Overlay> {
     o.retry_after = o.retry_after.and_then(non_empty);
     o.budget = o.budget.and_then(non_empty);
     o.circuit_breaker = o.circuit_breaker.and_then(non_empty);
+    // An empty `alert` is left out like the other sections: a document without alert settings
+    // hashes exactly as it did before `alert` existed.
+    o.alert = o.alert.and_then(non_empty);
     non_empty(o)
 }
 
