@@ -76,9 +76,8 @@ fn rss_kib() -> Option<u64> {
 }
 
 fn run(cfg: Config) {
-    let reports: Vec<pb::MetricsReport> = (0..cfg.agents)
-        .map(|a| report(a, cfg.endpoints))
-        .collect();
+    let reports: Vec<pb::MetricsReport> =
+        (0..cfg.agents).map(|a| report(a, cfg.endpoints)).collect();
     let rss_before = rss_kib();
     let agg = Arc::new(Aggregator::new(DEFAULT_MAX_SERIES, Instant::now()));
     let handles: Vec<ServiceHandle> = (0..cfg.agents)
@@ -89,8 +88,12 @@ fn run(cfg: Config) {
     let barrier = Arc::new(Barrier::new(cfg.threads));
     let threads: Vec<_> = (0..cfg.threads)
         .map(|t| {
-            let (agg, reports, handles, barrier) =
-                (agg.clone(), reports.clone(), handles.clone(), barrier.clone());
+            let (agg, reports, handles, barrier) = (
+                agg.clone(),
+                reports.clone(),
+                handles.clone(),
+                barrier.clone(),
+            );
             std::thread::spawn(move || {
                 let mine: Vec<usize> = (t..cfg.agents).step_by(cfg.threads).collect();
                 for &a in &mine {
@@ -188,8 +191,14 @@ fn main() {
             ..base
         },
     ] {
-        let args = [cfg.agents, cfg.endpoints, cfg.services, cfg.threads, cfg.rounds]
-            .map(|n| n.to_string());
+        let args = [
+            cfg.agents,
+            cfg.endpoints,
+            cfg.services,
+            cfg.threads,
+            cfg.rounds,
+        ]
+        .map(|n| n.to_string());
         let status = exe
             .as_ref()
             .and_then(|exe| std::process::Command::new(exe).args(&args).status().ok());

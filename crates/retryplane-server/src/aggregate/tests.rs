@@ -513,3 +513,22 @@ fn memory_per_series_follows_the_layout() {
     // One version's rings (2 × 2,352 bytes would mean a second copy) plus totals and names.
     assert!((2_400..3_400).contains(&per_series), "{per_series}");
 }
+
+#[test]
+fn memory_of_a_series_is_bounded_whatever_versions_agents_report() {
+    let agg = Aggregator::new(10, Instant::now());
+    let svc = agg.service("checkout");
+    agg.ingest(&svc, &report(0, &[("payments", 1, 0)]), Instant::now());
+    let one = agg.approx_bytes();
+    for version in 1..1_000 {
+        agg.ingest(
+            &svc,
+            &report(version, &[("payments", 1, 0)]),
+            Instant::now(),
+        );
+    }
+    let most = agg.approx_bytes();
+    // MAX_VERSIONS version entries and one retired ring pair, never more.
+    assert!(most - one < series::MAX_VERSIONS * 2_600, "{one} -> {most}");
+    assert_eq!(agg.stats(Instant::now(), all()).series[0].versions.len(), 4);
+}
