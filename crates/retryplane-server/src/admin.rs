@@ -27,6 +27,7 @@ use retryplane_proto::pb::{self, admin_service_server::AdminService, policy_sour
 use tonic::{Request, Response, Status};
 use tracing::error;
 
+use crate::aggregate::Filter;
 use crate::auth::TokenName;
 use crate::control::{ChangeError, ChangeOutcome, ChangeRequest, ControlPlane, Mode};
 use crate::store::{Source, StoreError};
@@ -69,6 +70,11 @@ impl AdminApi {
 /// The author recorded for a write: the admin token's name, if authentication is on.
 fn author<T>(request: &Request<T>) -> Option<String> {
     request.extensions().get::<TokenName>().map(|t| t.0.clone())
+}
+
+/// `Some(s)` unless `s` is empty (an unset filter).
+fn given(s: &str) -> Option<&str> {
+    (!s.is_empty()).then_some(s)
 }
 
 fn expected(version: u64) -> Option<u64> {
@@ -296,6 +302,10 @@ impl AdminService for AdminApi {
         Ok(Response::new(pb::FleetStatusResponse {
             current_version: self.control.publisher.current().map_or(0, |s| s.version),
             agents: self.control.fleet.status(),
+            alerting_endpoints: self
+                .control
+                .aggregates
+                .alerting_endpoints(tokio::time::Instant::now()),
         }))
     }
 
@@ -303,12 +313,16 @@ impl AdminService for AdminApi {
         &self,
         request: Request<pb::StatsRequest>,
     ) -> Result<Response<pb::StatsResponse>, Status> {
-        let endpoint = request.into_inner().endpoint;
-        let filter = (!endpoint.is_empty()).then_some(endpoint.as_str());
-        Ok(Response::new(pb::StatsResponse {
-            endpoints: self.control.stats.snapshot(filter),
-            ..Default::default()
-        }))
+        let req = request.into_inner();
+        let filter = Filter {
+            service: given(&req.service),
+            endpoint: given(&req.endpoint),
+        };
+        Ok(Response::new(
+            self.control
+                .aggregates
+                .stats(tokio::time::Instant::now(), filter),
+        ))
     }
 }
 

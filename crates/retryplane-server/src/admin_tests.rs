@@ -5,10 +5,10 @@ use retryplane_proto::pb::diff_entry::Change as DiffChange;
 use tonic::Code;
 
 use super::*;
+use crate::aggregate::Aggregator;
 use crate::fleet::Fleet;
 use crate::metrics::ServerMetrics;
 use crate::publisher::Publisher;
-use crate::stats::Stats;
 use crate::store::{MemoryStore, VersionStore};
 
 const V1: &str = "version: 1\nendpoints:\n  payments:\n    max_attempts: 3\n  search: {}\n";
@@ -22,7 +22,7 @@ fn api(mode: Mode) -> AdminApi {
         Arc::new(Publisher::new(10_000)),
         Arc::new(Fleet::new(100)),
         Arc::new(ServerMetrics::new()),
-        Arc::new(Stats::new(100)),
+        Arc::new(Aggregator::new(100, tokio::time::Instant::now())),
         mode,
     )))
 }

@@ -14,10 +14,10 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::{debug, info, warn};
 
+use crate::aggregate::{Aggregator, ServiceHandle};
 use crate::fleet::{Fleet, RegisterError};
 use crate::metrics::ServerMetrics;
 use crate::publisher::Publisher;
-use crate::stats::Stats;
 
 /// Bounds on what one stream may do.
 #[derive(Clone, Debug)]
@@ -72,7 +72,7 @@ pub struct StreamContext {
     /// Server figures.
     pub metrics: Arc<ServerMetrics>,
     /// Aggregated agent metrics.
-    pub stats: Arc<Stats>,
+    pub aggregates: Arc<Aggregator>,
     /// Per-stream bounds.
     pub limits: StreamLimits,
     /// Becomes true when the server shuts down.
@@ -165,6 +165,7 @@ impl pb::agent_service_server::AgentService for AgentStreamService {
             known_version: hello.last_applied_version,
             known_hash: hello.last_applied_hash.clone(),
             sent_nonce: None,
+            service: self.ctx.aggregates.service(&hello.service),
             tokens: limits.report_burst,
             refilled: Instant::now(),
         };
@@ -183,6 +184,8 @@ struct AgentStream {
     known_hash: String,
     /// The nonce of the last snapshot sent; answers to other nonces are stale.
     sent_nonce: Option<String>,
+    /// Where this agent's metrics reports are added (its Hello's service).
+    service: ServiceHandle,
     /// Report rate limiter (token bucket).
     tokens: f64,
     refilled: Instant,
@@ -285,8 +288,9 @@ impl AgentStream {
                 }
             }
             Some(Kind::Metrics(report)) => {
-                if self.take_token() {
-                    ctx.stats.add(&report);
+                let now = Instant::now();
+                if self.take_token(now) {
+                    ctx.aggregates.ingest(&self.service, &report, now);
                 } else {
                     ctx.metrics.reports_dropped.inc();
                 }
@@ -303,9 +307,8 @@ impl AgentStream {
         Next::Continue
     }
 
-    fn take_token(&mut self) -> bool {
+    fn take_token(&mut self, now: Instant) -> bool {
         let limits = &self.ctx.limits;
-        let now = Instant::now();
         let elapsed = now.duration_since(self.refilled).as_secs_f64();
         self.refilled = now;
         self.tokens = (self.tokens + elapsed * limits.reports_per_second).min(limits.report_burst);

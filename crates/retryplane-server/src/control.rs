@@ -12,10 +12,10 @@ use retryplane_proto::{convert, pb};
 use tokio::sync::Mutex;
 use tracing::info;
 
+use crate::aggregate::Aggregator;
 use crate::fleet::{Fleet, unix_ms};
 use crate::metrics::ServerMetrics;
 use crate::publisher::Publisher;
-use crate::stats::Stats;
 use crate::store::{NewVersion, Published, Source, StoreError, VersionRecord, VersionStore};
 
 /// Who owns the policies (SPEC §3).
@@ -102,8 +102,8 @@ pub struct ControlPlane {
     pub fleet: Arc<Fleet>,
     /// Server figures.
     pub metrics: Arc<ServerMetrics>,
-    /// Aggregated agent metrics.
-    pub stats: Arc<Stats>,
+    /// Aggregated agent metrics; its alert thresholds follow every publish.
+    pub aggregates: Arc<Aggregator>,
     /// Who owns the policies.
     pub mode: Mode,
     changes: Mutex<()>,
@@ -125,7 +125,7 @@ impl ControlPlane {
         publisher: Arc<Publisher>,
         fleet: Arc<Fleet>,
         metrics: Arc<ServerMetrics>,
-        stats: Arc<Stats>,
+        aggregates: Arc<Aggregator>,
         mode: Mode,
     ) -> Self {
         Self {
@@ -133,10 +133,20 @@ impl ControlPlane {
             publisher,
             fleet,
             metrics,
-            stats,
+            aggregates,
             mode,
             changes: Mutex::new(()),
         }
+    }
+
+    /// Makes `record` current: the snapshot streams send, the version gauge and the alert
+    /// thresholds.
+    fn publish(&self, record: &VersionRecord) {
+        self.publisher.publish(record);
+        self.aggregates.thresholds().set_from(&record.document);
+        self.metrics
+            .current_version
+            .set(i64::try_from(record.meta.version).unwrap_or(i64::MAX));
     }
 
     /// Runs a blocking store call off the async threads.
@@ -154,10 +164,7 @@ impl ControlPlane {
     pub async fn publish_current(&self) -> Result<Option<VersionRecord>, StoreError> {
         let current = self.blocking(|s| s.current()).await?;
         if let Some(record) = &current {
-            self.publisher.publish(record);
-            self.metrics
-                .current_version
-                .set(i64::try_from(record.meta.version).unwrap_or(i64::MAX));
+            self.publish(record);
         }
         Ok(current)
     }
@@ -235,11 +242,8 @@ impl ControlPlane {
             Published::Unchanged(r) => (r, false),
         };
         if changed {
-            self.publisher.publish(&record);
+            self.publish(&record);
             self.metrics.publishes.inc();
-            self.metrics
-                .current_version
-                .set(i64::try_from(record.meta.version).unwrap_or(i64::MAX));
             info!(
                 version = record.meta.version,
                 source = record.meta.source.as_str(),

@@ -4,7 +4,7 @@
 //! stream is told to end, and its late updates are ignored (each registration has its own
 //! generation). Disconnected agents stay listed, up to a bound, so status shows who went away.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -37,6 +37,15 @@ struct Inner {
     agents: HashMap<String, Entry>,
     next_generation: u64,
     connected: usize,
+}
+
+/// Connected agents counted by version, from [`Fleet::versions`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct FleetVersions {
+    /// Version applied → connected agents running it (0 = none yet).
+    pub applied: BTreeMap<u64, u64>,
+    /// Version refused → connected agents whose last answer was a NACK of it.
+    pub nacked: BTreeMap<u64, u64>,
 }
 
 /// The fleet registry.
@@ -199,6 +208,25 @@ impl Fleet {
         self.lock().connected
     }
 
+    /// Connected agents by the version they run, and connected agents whose last answer was a
+    /// NACK by the version they refused; for the fleet gauges of `/metrics`.
+    pub fn versions(&self) -> FleetVersions {
+        let inner = self.lock();
+        let mut out = FleetVersions::default();
+        for s in inner
+            .agents
+            .values()
+            .map(|e| &e.status)
+            .filter(|s| s.connected)
+        {
+            *out.applied.entry(s.applied_version).or_default() += 1;
+            if s.last_response == "nack" {
+                *out.nacked.entry(s.last_response_version).or_default() += 1;
+            }
+        }
+        out
+    }
+
     /// Every listed agent, sorted by id.
     pub fn status(&self) -> Vec<pb::AgentStatus> {
         let mut agents: Vec<_> = self
@@ -283,6 +311,22 @@ mod tests {
             RegisterError::Full(1)
         );
         assert!(fleet.register(&hello("a"), None).is_ok());
+    }
+
+    #[test]
+    fn versions_count_connected_agents_and_their_nacks() {
+        let fleet = Fleet::new(10);
+        let a = fleet.register(&hello("a"), None).unwrap();
+        let b = fleet.register(&hello("b"), None).unwrap();
+        let c = fleet.register(&hello("c"), None).unwrap();
+        fleet.ack("a", a.generation, 2);
+        fleet.ack("b", b.generation, 2);
+        fleet.nack("b", b.generation, 3, "bad");
+        fleet.ack("c", c.generation, 2);
+        fleet.disconnected("c", c.generation);
+        let v = fleet.versions();
+        assert_eq!(v.applied, BTreeMap::from([(2, 2)]));
+        assert_eq!(v.nacked, BTreeMap::from([(3, 1)]));
     }
 
     #[test]

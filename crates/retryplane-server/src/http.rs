@@ -3,8 +3,9 @@
 //! - `GET /healthz`: `200 ok` while the process serves at all;
 //! - `GET /readyz`: `200 ready` once a valid snapshot is published, `503` before (an API-mode
 //!   server with an empty store is not ready until the first `retryplane apply`);
-//! - `GET /metrics`: the server's own figures ([`ServerMetrics`]) in the OpenMetrics text format
-//!   that Prometheus scrapes.
+//! - `GET /metrics`: the server's own figures ([`ServerMetrics`]) and the agents' aggregated
+//!   retry metrics and fleet gauges ([`crate::aggregate::prometheus`]) in the OpenMetrics text
+//!   format that Prometheus scrapes.
 //!
 //! [`router`] builds the whole app, so tests drive it without a socket.
 

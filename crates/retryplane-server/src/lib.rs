@@ -5,12 +5,14 @@
 //! which policies change (validate, safety checks, store, publish); the [`agent_stream`] service
 //! only fans the current snapshot out to connected agents and records their ACKs and NACKs; the
 //! [`admin`] service validates, applies, diffs and rolls back; [`http`] serves health and
-//! Prometheus metrics; [`server`] wires listeners, auth, the file watcher and shutdown.
+//! Prometheus metrics; [`aggregate`] sums the agents' metric reports into windows and
+//! alerts; [`server`] wires listeners, auth, the file watcher and shutdown.
 
 #![forbid(unsafe_code)]
 
 pub mod admin;
 pub mod agent_stream;
+pub mod aggregate;
 pub mod auth;
 pub mod control;
 pub mod fleet;
@@ -18,6 +20,5 @@ pub mod http;
 pub mod metrics;
 pub mod publisher;
 pub mod server;
-pub mod stats;
 pub mod store;
 pub mod watch;

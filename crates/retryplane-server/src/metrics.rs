@@ -1,9 +1,17 @@
-//! The server's own figures, in Prometheus text format (`/metrics`).
+//! The server's own figures (`retryplane_server_*`) and, through
+//! [`AggregateCollector`], the agents' aggregated retry metrics and the fleet gauges, in
+//! Prometheus text format (`/metrics`).
+
+use std::sync::Arc;
 
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
+
+use crate::aggregate::Aggregator;
+use crate::aggregate::prometheus::AggregateCollector;
+use crate::fleet::Fleet;
 
 /// Counters and gauges the server updates; cheap to clone handles, shared by all streams.
 #[derive(Debug)]
@@ -36,9 +44,20 @@ impl Default for ServerMetrics {
 }
 
 impl ServerMetrics {
-    /// A fresh registry with every metric registered under the `retryplane_server` prefix.
+    /// The server's own figures, registered under the `retryplane_server` prefix, and the
+    /// aggregates of `aggregator` and gauges of `fleet`, read at each scrape.
+    pub fn with_aggregates(aggregator: Arc<Aggregator>, fleet: Arc<Fleet>) -> Self {
+        let mut metrics = Self::new();
+        metrics
+            .registry
+            .register_collector(Box::new(AggregateCollector::new(aggregator, fleet)));
+        metrics
+    }
+
+    /// Only the server's own figures, every one under the `retryplane_server` prefix.
     pub fn new() -> Self {
-        let mut registry = Registry::with_prefix("retryplane_server");
+        let mut root = Registry::default();
+        let registry = root.sub_registry_with_prefix("retryplane_server");
         let agents_connected = Gauge::default();
         let pushes = Counter::default();
         let acks = Counter::default();
@@ -82,7 +101,7 @@ impl ServerMetrics {
             streams_refused.clone(),
         );
         Self {
-            registry,
+            registry: root,
             agents_connected,
             pushes,
             acks,

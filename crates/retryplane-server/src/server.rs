@@ -37,13 +37,13 @@ use tracing::{info, warn};
 
 use crate::admin::AdminApi;
 use crate::agent_stream::{AgentStreamService, StreamContext};
+use crate::aggregate::{self, Aggregator};
 use crate::auth::{Guard, Role, Tokens};
 use crate::control::{ControlPlane, Mode};
 use crate::fleet::Fleet;
 use crate::http::{HttpState, router};
 use crate::metrics::ServerMetrics;
 use crate::publisher::Publisher;
-use crate::stats::Stats;
 use crate::store::{RedbStore, VersionStore};
 
 mod boot;
@@ -60,8 +60,6 @@ pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(20);
 /// How long a keepalive ping may go unanswered before the connection is dropped.
 pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
-/// Most endpoints the aggregated stats keep apart (the rest are summed as `other`).
-pub const MAX_STATS_ENDPOINTS: usize = 10_000;
 
 const AGENT_SERVICE: &str = <AgentServiceServer<AgentStreamService> as NamedService>::NAME;
 const ADMIN_SERVICE: &str = <AdminServiceServer<AdminApi> as NamedService>::NAME;
@@ -146,16 +144,22 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
         Mode::File(cfg.config_file.clone())
     };
     let metrics_interval_ms = u64::try_from(cfg.metrics_interval.as_millis()).unwrap_or(u64::MAX);
+    let fleet = Arc::new(Fleet::new(cfg.max_agents));
+    let aggregates = Arc::new(Aggregator::new(cfg.max_series, tokio::time::Instant::now()));
     let control = Arc::new(ControlPlane::new(
         store,
         Arc::new(Publisher::new(metrics_interval_ms)),
-        Arc::new(Fleet::new(cfg.max_agents)),
-        Arc::new(ServerMetrics::new()),
-        Arc::new(Stats::new(MAX_STATS_ENDPOINTS)),
+        fleet.clone(),
+        Arc::new(ServerMetrics::with_aggregates(aggregates.clone(), fleet)),
+        aggregates.clone(),
         mode,
     ));
     let (shutdown, shutdown_rx) = watch::channel(false);
-    let mut background = Vec::new();
+    let mut background = vec![aggregate::spawn_ticker(
+        aggregates,
+        aggregate::TICK,
+        shutdown_rx.clone(),
+    )];
     if !cfg.api_mode {
         // Watch before the first read, so a save during start-up is not missed.
         background.push(crate::watch::spawn(
@@ -202,7 +206,7 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
         publisher: control.publisher.clone(),
         fleet: control.fleet.clone(),
         metrics: control.metrics.clone(),
-        stats: control.stats.clone(),
+        aggregates: control.aggregates.clone(),
         limits: cfg
             .stream_limits
             .clone()

@@ -329,3 +329,120 @@ async fn reflection_lists_the_services() {
     drop(responses);
     running.shutdown().await.unwrap();
 }
+
+/// Polls `check` every 20 ms for at most 10 s.
+async fn eventually<F, Fut>(what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    for _ in 0..500 {
+        if check().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("timed out waiting until {what}");
+}
+
+#[tokio::test]
+async fn reports_over_a_stream_show_in_metrics_stats_and_fleet_status() {
+    let (_dir, cfg) = with_file(V1);
+    let running = start(cfg).await.unwrap();
+    let mut agent = AgentServiceClient::new(channel(running.agent_addr).await);
+    let (tx, rx) = mpsc::channel(4);
+    let hello = pb::Hello {
+        agent_id: "a-1".to_owned(),
+        service: "checkout".to_owned(),
+        ..Default::default()
+    };
+    tx.send(pb::AgentMessage {
+        kind: Some(Kind::Hello(hello)),
+    })
+    .await
+    .unwrap();
+    let mut inbound = agent
+        .connect(ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    let snapshot = inbound.message().await.unwrap().unwrap();
+    let snapshot = snapshot.decode_snapshot().unwrap().unwrap();
+    tx.send(pb::AgentMessage {
+        kind: Some(Kind::Ack(pb::Ack {
+            version: snapshot.version,
+            nonce: snapshot.nonce.clone(),
+        })),
+    })
+    .await
+    .unwrap();
+    let report = pb::MetricsReport {
+        policy_version: snapshot.version,
+        endpoints: vec![pb::EndpointCounters {
+            endpoint: "payments".to_owned(),
+            calls: 40,
+            attempts: 50,
+            retries: 10,
+            gave_up_budget: 2,
+            backoff_ms: 250,
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    tx.send(pb::AgentMessage {
+        kind: Some(Kind::Metrics(report)),
+    })
+    .await
+    .unwrap();
+    let calls = r#"retryplane_calls_total{service="checkout",endpoint="payments"} 40"#;
+    eventually("the report shows in /metrics", || async {
+        http_get(running.http_addr, "/metrics")
+            .await
+            .1
+            .lines()
+            .any(|l| l == calls)
+    })
+    .await;
+    let (_, text) = http_get(running.http_addr, "/metrics").await;
+    let series = r#"{service="checkout",endpoint="payments"}"#;
+    for line in [
+        format!("retryplane_retries_total{series} 10"),
+        r#"retryplane_giveups_total{service="checkout",endpoint="payments",cause="budget_exhausted"} 2"#.to_owned(),
+        format!("retryplane_backoff_seconds_total{series} 0.25"),
+        r#"retryplane_retry_ratio{service="checkout",endpoint="payments",window="5m"} 0.25"#.to_owned(),
+        format!("retryplane_retry_ratio_alert{series} 1.0"),
+        r#"retryplane_agents{applied_version="1"} 1"#.to_owned(),
+        "retryplane_server_acks_total 1".to_owned(),
+    ] {
+        assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
+    }
+    let mut admin = admin(&running).await;
+    let stats = admin
+        .stats(pb::StatsRequest {
+            service: "checkout".to_owned(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(stats.series.len(), 1);
+    let s = &stats.series[0];
+    assert_eq!(
+        (s.service.as_str(), s.endpoint.as_str()),
+        ("checkout", "payments")
+    );
+    assert_eq!(s.policy_version, 1);
+    let alert = s.alert.unwrap();
+    assert!(alert.firing);
+    assert_eq!((alert.ratio, alert.threshold), (0.25, 0.05));
+    assert_eq!(stats.endpoints[0].calls, 40);
+    assert_eq!(stats.max_series, 10_000);
+    let fleet = admin
+        .fleet_status(pb::FleetStatusRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(fleet.alerting_endpoints, ["payments"]);
+    drop(tx);
+    running.shutdown().await.unwrap();
+}

@@ -5,11 +5,11 @@ use std::time::Duration;
 use tokio::sync::watch;
 
 use super::*;
+use crate::aggregate::Aggregator;
 use crate::control::Mode;
 use crate::fleet::Fleet;
 use crate::metrics::ServerMetrics;
 use crate::publisher::Publisher;
-use crate::stats::Stats;
 use crate::store::{MemoryStore, VersionStore};
 
 /// SPEC/issue 3: a valid save is published within a second.
@@ -38,7 +38,7 @@ async fn fixture() -> Fixture {
         Arc::new(Publisher::new(10_000)),
         Arc::new(Fleet::new(100)),
         Arc::new(ServerMetrics::new()),
-        Arc::new(Stats::new(100)),
+        Arc::new(Aggregator::new(100, tokio::time::Instant::now())),
         Mode::File(file.clone()),
     ));
     reload(&control, &file).await;
@@ -160,7 +160,7 @@ async fn the_watcher_stops_at_shutdown() {
         Arc::new(Publisher::new(10_000)),
         Arc::new(Fleet::new(100)),
         Arc::new(ServerMetrics::new()),
-        Arc::new(Stats::new(100)),
+        Arc::new(Aggregator::new(100, tokio::time::Instant::now())),
         Mode::File(file.clone()),
     ));
     let (stop, shutdown) = watch::channel(false);

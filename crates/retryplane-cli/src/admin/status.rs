@@ -340,6 +340,7 @@ z      checkout  127.0.0.1:50000  disconnected  -        -        -             
         let response = pb::FleetStatusResponse {
             current_version: 7,
             agents: vec![agent("a", true, 7, "ack", 7)],
+            ..Default::default()
         };
         let value = status_json(&response, Counts::of(7, &response.agents), None);
         assert_eq!(

@@ -8,6 +8,7 @@ use tracing::warn;
 
 use super::ServeError;
 use crate::agent_stream::StreamLimits;
+use crate::aggregate::DEFAULT_MAX_SERIES;
 
 /// Everything `retryplane serve` is told.
 #[derive(Clone, Debug)]
@@ -38,6 +39,9 @@ pub struct ServeConfig {
     pub metrics_interval: Duration,
     /// Per-stream bounds.
     pub stream_limits: StreamLimits,
+    /// Most (service, endpoint) metrics series kept apart; reports past it are counted in one
+    /// `other` series. Default [`DEFAULT_MAX_SERIES`] (10,000).
+    pub max_series: usize,
 }
 
 impl Default for ServeConfig {
@@ -56,6 +60,7 @@ impl Default for ServeConfig {
             max_message_bytes: 4 * 1024 * 1024,
             metrics_interval: Duration::from_secs(10),
             stream_limits: StreamLimits::default(),
+            max_series: DEFAULT_MAX_SERIES,
         }
     }
 }

@@ -1,0 +1,441 @@
+//! The agents' retry metrics (SPEC §4), aggregated per (calling service, endpoint) and per
+//! policy version into lifetime totals and rolling 1-, 5- and 15-minute windows, with the
+//! retry-ratio alert, for the admin `Stats` call and `/metrics`.
+//!
+//! # Shape and bounds
+//!
+//! A **series** is one (service, endpoint): the service from the agent's `Hello`, the endpoint
+//! from the report. At most `max_series` series are kept apart ([`DEFAULT_MAX_SERIES`] unless
+//! [`crate::server::ServeConfig::max_series`] says otherwise); reports for any further series,
+//! and for names longer than [`MAX_NAME_LEN`] bytes, are counted in the one series whose
+//! service and endpoint are both [`OTHER`]. Each such endpoint report is counted
+//! (`overflowed_reports`), the first one is logged at warn and later ones in a summary at most
+//! every [`OVERFLOW_SUMMARY_EVERY`]. Series are never dropped: lifetime totals stay. Each
+//! series holds its windows in fixed rings ([`window`] documents the bucket layout and
+//! resolution) split by policy version ([`series`] documents version pruning), so a series
+//! costs about 2.8 KB with one live version ([`Aggregator::approx_bytes`]: 2,820 bytes, of
+//! which 2,496 are the version's totals and rings) and at most about 12.7 KB, with
+//! [`series::MAX_VERSIONS`] versions and the retired buckets: 10,000 series take 27–121 MiB.
+//!
+//! # Ingestion
+//!
+//! An agent stream resolves its service once, at `Hello` ([`Aggregator::service`]), and keeps
+//! the [`ServiceHandle`]. For each report, [`Aggregator::ingest`] takes that service's map
+//! under a read lock once, finds each endpoint's series by `&str` (no allocation) and adds the
+//! deltas under that series' own mutex. Only an endpoint seen for the first time takes the
+//! service's write lock. Streams of different services share nothing but the atomic series
+//! count; streams of one service share read locks and contend only on the same series.
+//!
+//! # Alerting
+//!
+//! A series alerts when its retry ratio (retries / calls) over the 5-minute window is above its
+//! endpoint's threshold ([`thresholds`]; default 5 %) with at least [`series::MIN_ALERT_CALLS`]
+//! calls in that window. It is re-evaluated every [`TICK`] by the task of
+//! [`spawn_ticker`], and on every Stats call and scrape. The start is logged once at warn
+//! (endpoint, service, ratio, threshold), the end once at info.
+//!
+//! Time is tokio's clock, passed in, so tests run under paused time.
+
+pub mod counts;
+pub mod prometheus;
+pub mod series;
+pub mod thresholds;
+pub mod window;
+
+#[cfg(test)]
+mod tests;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::time::Duration;
+
+use retryplane_proto::pb;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tracing::warn;
+
+use self::counts::Counts;
+use self::series::{Alert, Series, SeriesView};
+use self::thresholds::Thresholds;
+use self::window::{Tick, WINDOWS};
+use crate::fleet::unix_ms;
+
+/// The series cap unless configured.
+pub const DEFAULT_MAX_SERIES: usize = 10_000;
+/// Longest service or endpoint name kept apart, in bytes; longer ones count as [`OTHER`].
+pub const MAX_NAME_LEN: usize = 256;
+/// Service and endpoint of the series that takes what is past the cap.
+pub const OTHER: &str = "other";
+/// How often alerts are re-evaluated and versions pruned in the background.
+pub const TICK: Duration = Duration::from_secs(5);
+/// Shortest time between two summaries of overflowed reports in the log.
+pub const OVERFLOW_SUMMARY_EVERY: Duration = Duration::from_secs(60);
+
+/// One calling service's series.
+#[derive(Debug)]
+struct ServiceSeries {
+    name: Box<str>,
+    endpoints: RwLock<HashMap<Box<str>, Arc<Series>>>,
+}
+
+/// A stream's handle on its service's series, from [`Aggregator::service`].
+#[derive(Clone, Debug)]
+pub struct ServiceHandle(Option<Arc<ServiceSeries>>);
+
+#[derive(Debug)]
+struct OverflowLog {
+    at: Instant,
+    reports: u64,
+}
+
+/// The aggregated metrics of the whole fleet; see the module docs.
+#[derive(Debug)]
+pub struct Aggregator {
+    epoch: Instant,
+    max_series: usize,
+    series: AtomicUsize,
+    services: RwLock<HashMap<Box<str>, Arc<ServiceSeries>>>,
+    other: Series,
+    overflowed: AtomicU64,
+    overflow_warned: AtomicBool,
+    overflow_log: Mutex<OverflowLog>,
+    thresholds: Thresholds,
+}
+
+fn read<T>(lock: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
+    lock.read().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn write<T>(lock: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
+    lock.write().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Which series a Stats call or scrape reads.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Filter<'a> {
+    /// Only this calling service.
+    pub service: Option<&'a str>,
+    /// Only this endpoint.
+    pub endpoint: Option<&'a str>,
+}
+
+impl Filter<'_> {
+    fn matches(&self, service: &str, endpoint: &str) -> bool {
+        self.service.is_none_or(|s| s == service) && self.endpoint.is_none_or(|e| e == endpoint)
+    }
+}
+
+impl Aggregator {
+    /// An empty aggregate keeping at most `max_series` series apart; windows count from `now`.
+    pub fn new(max_series: usize, now: Instant) -> Self {
+        Self {
+            epoch: now,
+            max_series,
+            series: AtomicUsize::new(0),
+            services: RwLock::new(HashMap::new()),
+            other: Series::new(OTHER, OTHER, now),
+            overflowed: AtomicU64::new(0),
+            overflow_warned: AtomicBool::new(false),
+            overflow_log: Mutex::new(OverflowLog {
+                at: now,
+                reports: 0,
+            }),
+            thresholds: Thresholds::default(),
+        }
+    }
+
+    /// The cap on series.
+    pub fn max_series(&self) -> usize {
+        self.max_series
+    }
+
+    /// Series kept apart so far (not counting `other`).
+    pub fn series_count(&self) -> usize {
+        self.series.load(Ordering::Relaxed)
+    }
+
+    /// Endpoint reports counted in `other`.
+    pub fn overflowed_reports(&self) -> u64 {
+        self.overflowed.load(Ordering::Relaxed)
+    }
+
+    /// The alert thresholds, set on every publish.
+    pub fn thresholds(&self) -> &Thresholds {
+        &self.thresholds
+    }
+
+    /// The handle a stream of `service` keeps for [`Aggregator::ingest`]. Past the cap (more
+    /// services than series allowed) or for a too long name, every report of the stream
+    /// counts in `other`.
+    pub fn service(&self, service: &str) -> ServiceHandle {
+        if service.len() > MAX_NAME_LEN {
+            return ServiceHandle(None);
+        }
+        if let Some(s) = read(&self.services).get(service) {
+            return ServiceHandle(Some(s.clone()));
+        }
+        let mut services = write(&self.services);
+        if let Some(s) = services.get(service) {
+            return ServiceHandle(Some(s.clone()));
+        }
+        if services.len() >= self.max_series {
+            return ServiceHandle(None);
+        }
+        let s = Arc::new(ServiceSeries {
+            name: service.into(),
+            endpoints: RwLock::new(HashMap::new()),
+        });
+        services.insert(service.into(), s.clone());
+        ServiceHandle(Some(s))
+    }
+
+    /// Adds one report's deltas, received at `now` from a stream of `service`. This is what
+    /// the agent stream calls for each accepted `MetricsReport`.
+    pub fn ingest(&self, service: &ServiceHandle, report: &pb::MetricsReport, now: Instant) {
+        let tick = Tick::new(self.epoch, now);
+        let version = report.policy_version;
+        let Some(svc) = &service.0 else {
+            for c in &report.endpoints {
+                self.add_other(&tick, version, &Counts::of(c), &c.endpoint);
+            }
+            return;
+        };
+        let mut missed = Vec::new();
+        {
+            let endpoints = read(&svc.endpoints);
+            for (i, c) in report.endpoints.iter().enumerate() {
+                match endpoints.get(c.endpoint.as_str()) {
+                    Some(series) => series.add(&tick, version, &Counts::of(c)),
+                    None => missed.push(i),
+                }
+            }
+        }
+        for c in missed.into_iter().filter_map(|i| report.endpoints.get(i)) {
+            match self.resolve(svc, &c.endpoint, tick.now) {
+                Some(series) => series.add(&tick, version, &Counts::of(c)),
+                None => self.add_other(&tick, version, &Counts::of(c), &c.endpoint),
+            }
+        }
+    }
+
+    /// The series of `endpoint` in `svc`, made if the cap allows.
+    fn resolve(&self, svc: &ServiceSeries, endpoint: &str, now: Instant) -> Option<Arc<Series>> {
+        if endpoint.len() > MAX_NAME_LEN {
+            return None;
+        }
+        let mut endpoints = write(&svc.endpoints);
+        if let Some(s) = endpoints.get(endpoint) {
+            return Some(s.clone());
+        }
+        let max = self.max_series;
+        self.series
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .ok()?;
+        let series = Arc::new(Series::new(&svc.name, endpoint, now));
+        endpoints.insert(endpoint.into(), series.clone());
+        Some(series)
+    }
+
+    fn add_other(&self, tick: &Tick, version: u64, counts: &Counts, endpoint: &str) {
+        self.other.add(tick, version, counts);
+        self.overflowed.fetch_add(1, Ordering::Relaxed);
+        if !self.overflow_warned.swap(true, Ordering::Relaxed) {
+            warn!(
+                max_series = self.max_series,
+                endpoint = %truncated(endpoint),
+                "metrics series cap reached (or a name is too long): further reports are counted in the \"other\" series; a summary follows at most every minute"
+            );
+        }
+    }
+
+    /// Every series matching `filter`, sorted by service then endpoint; `other` last when it
+    /// has counts.
+    fn matching(&self, filter: Filter<'_>) -> Vec<Arc<Series>> {
+        let mut out = Vec::new();
+        for (name, svc) in read(&self.services).iter() {
+            if filter.service.is_some_and(|s| s != &**name) {
+                continue;
+            }
+            for (endpoint, series) in read(&svc.endpoints).iter() {
+                if filter.endpoint.is_none_or(|e| e == &**endpoint) {
+                    out.push(series.clone());
+                }
+            }
+        }
+        out.sort_by(|a, b| (a.service(), a.endpoint()).cmp(&(b.service(), b.endpoint())));
+        out
+    }
+
+    /// Whether `other` is to be listed under `filter`.
+    fn other_listed(&self, filter: Filter<'_>) -> bool {
+        self.overflowed_reports() > 0 && filter.matches(OTHER, OTHER)
+    }
+
+    /// Every series matching `filter` as of `now` (alerts re-evaluated), sorted by service
+    /// then endpoint, with `other` last when anything overflowed.
+    pub fn views(&self, now: Instant, filter: Filter<'_>) -> Vec<SeriesView> {
+        let tick = Tick::new(self.epoch, now);
+        let mut views: Vec<SeriesView> = self
+            .matching(filter)
+            .iter()
+            .map(|s| s.view(&tick, self.thresholds.get(s.endpoint())))
+            .collect();
+        if self.other_listed(filter) {
+            views.push(self.other.view(&tick, self.thresholds.get(OTHER)));
+        }
+        views
+    }
+
+    /// The admin `Stats` answer as of `now`.
+    pub fn stats(&self, now: Instant, filter: Filter<'_>) -> pb::StatsResponse {
+        let tick = Tick::new(self.epoch, now);
+        let mut series: Vec<&Series> = Vec::new();
+        let matching = self.matching(filter);
+        series.extend(matching.iter().map(AsRef::as_ref));
+        if self.other_listed(filter) {
+            series.push(&self.other);
+        }
+        let mut endpoints: HashMap<&str, Counts> = HashMap::new();
+        let mut out = Vec::with_capacity(series.len());
+        for s in series {
+            let view = s.view(&tick, self.thresholds.get(s.endpoint()));
+            endpoints
+                .entry(s.endpoint())
+                .or_default()
+                .add(&view.lifetime);
+            out.push(pb::SeriesStats {
+                service: view.service,
+                endpoint: view.endpoint,
+                policy_version: view.newest_version,
+                lifetime: Some(view.lifetime.to_pb()),
+                windows: WINDOWS
+                    .iter()
+                    .zip(view.windows.iter())
+                    .map(|(&w, (counts, covered))| pb::WindowStats {
+                        window_seconds: w.seconds(),
+                        covered_seconds: *covered,
+                        counters: Some(counts.to_pb()),
+                    })
+                    .collect(),
+                versions: s.versions(&tick),
+                alert: Some(view.alert.to_pb()),
+            });
+        }
+        let mut endpoints: Vec<pb::EndpointStats> = endpoints
+            .into_iter()
+            .map(|(e, c)| c.to_endpoint_stats(e))
+            .collect();
+        endpoints.sort_by(|a, b| a.endpoint.cmp(&b.endpoint));
+        pb::StatsResponse {
+            endpoints,
+            series: out,
+            max_series: u32::try_from(self.max_series).unwrap_or(u32::MAX),
+            overflowed_reports: self.overflowed_reports(),
+            now_unix_ms: unix_ms(),
+        }
+    }
+
+    /// Endpoints whose alert fires for at least one calling service, as of `now`, sorted.
+    pub fn alerting_endpoints(&self, now: Instant) -> Vec<String> {
+        let mut out: Vec<String> = self
+            .views(now, Filter::default())
+            .into_iter()
+            .filter(|v| v.alert.firing)
+            .map(|v| v.endpoint)
+            .collect();
+        out.sort();
+        out.dedup();
+        out
+    }
+
+    /// The background work at `now`: prunes versions, re-evaluates every alert (logging
+    /// transitions) and logs the overflow summary when due. Returns the alerts that fire.
+    pub fn tick(&self, now: Instant) -> usize {
+        let tick = Tick::new(self.epoch, now);
+        let mut firing = 0;
+        let all = self.matching(Filter::default());
+        for s in all
+            .iter()
+            .map(AsRef::as_ref)
+            .chain(std::iter::once(&self.other))
+        {
+            let Alert { firing: f, .. } = s.evaluate(&tick, self.thresholds.get(s.endpoint()));
+            firing += usize::from(f);
+        }
+        self.log_overflow(now);
+        firing
+    }
+
+    fn log_overflow(&self, now: Instant) {
+        let total = self.overflowed_reports();
+        let mut log = self
+            .overflow_log
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if total > log.reports && now.duration_since(log.at) >= OVERFLOW_SUMMARY_EVERY {
+            warn!(
+                reports = total - log.reports,
+                total,
+                seconds = now.duration_since(log.at).as_secs(),
+                max_series = self.max_series,
+                "endpoint reports counted in the \"other\" series since the last summary (series cap reached)"
+            );
+            *log = OverflowLog {
+                at: now,
+                reports: total,
+            };
+        }
+    }
+
+    /// Bytes the aggregate holds, from the layout: every series (struct, names, version
+    /// entries, retired buckets, its `Arc`) and the two levels of hash maps (buckets of a key
+    /// `Box<str>`, an `Arc` and a control byte). Allocator overhead is not counted.
+    pub fn approx_bytes(&self) -> usize {
+        const ARC_COUNTS: usize = 2 * size_of::<usize>();
+        let entry = size_of::<Box<str>>() + size_of::<Arc<Series>>() + 1;
+        let services = read(&self.services);
+        let mut bytes = size_of::<Self>() + services.capacity() * entry + self.other.heap_bytes();
+        for (name, svc) in services.iter() {
+            let endpoints = read(&svc.endpoints);
+            bytes += 2 * name.len() + ARC_COUNTS + size_of::<ServiceSeries>();
+            bytes += endpoints.capacity() * entry;
+            for (key, series) in endpoints.iter() {
+                bytes += key.len() + ARC_COUNTS + size_of::<Series>() + series.heap_bytes();
+            }
+        }
+        bytes
+    }
+}
+
+/// At most 64 bytes of a name, for a log line.
+fn truncated(name: &str) -> &str {
+    let mut end = name.len().min(64);
+    while !name.is_char_boundary(end) {
+        end -= 1;
+    }
+    &name[..end]
+}
+
+/// Runs [`Aggregator::tick`] every `every` until `shutdown` turns true.
+pub fn spawn_ticker(
+    aggregator: Arc<Aggregator>,
+    every: Duration,
+    mut shutdown: watch::Receiver<bool>,
+) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut interval = tokio::time::interval(every);
+        interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                at = interval.tick() => {
+                    aggregator.tick(at);
+                }
+                _ = shutdown.wait_for(|stop| *stop) => break,
+            }
+        }
+    })
+}

@@ -1,0 +1,426 @@
+//! One (service, endpoint) series: lifetime totals, windows split by policy version, and its
+//! retry-ratio alert.
+//!
+//! The series' windows are the sum of its versions' windows (plus `retired`, below), so each
+//! count is kept once per bucket size. A version is pruned once nothing of it is left in the
+//! 15-minute window (no counts for 14–15 minutes); its lifetime stays in the series lifetime.
+//! At most [`MAX_VERSIONS`] versions are kept apart: a report under yet another version evicts
+//! the version counted least recently, whose buckets are folded into `retired` (allocated only
+//! then, freed once empty) so the series' windows lose nothing.
+
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use retryplane_proto::pb;
+use tokio::time::Instant;
+use tracing::{info, warn};
+
+use super::counts::{CALLS, Counts, RETRIES, ratio};
+use super::window::{Tick, WINDOWS, Window, Windows};
+use crate::fleet::unix_ms;
+
+/// Most policy versions one series keeps apart.
+pub const MAX_VERSIONS: usize = 4;
+
+/// Fewest calls in the 5-minute window for an alert to start: below it, one retry out of two
+/// calls is noise, not a retry storm.
+pub const MIN_ALERT_CALLS: u64 = 20;
+
+/// Counts made under one policy version.
+#[derive(Debug)]
+struct VersionSeries {
+    version: u64,
+    first: Instant,
+    last: Instant,
+    lifetime: Counts,
+    windows: Windows,
+}
+
+/// The alert's state as last evaluated.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Alert {
+    /// The threshold it was evaluated against.
+    pub threshold: f64,
+    /// `retries / calls` over the 5-minute window; 0 without calls.
+    pub ratio: f64,
+    /// Whether it fires.
+    pub firing: bool,
+    /// When it started firing, Unix milliseconds; 0 when not firing.
+    pub since_unix_ms: u64,
+}
+
+impl Alert {
+    /// The wire form.
+    pub fn to_pb(self) -> pb::RetryRatioAlert {
+        pb::RetryRatioAlert {
+            threshold: self.threshold,
+            ratio: self.ratio,
+            firing: self.firing,
+            since_unix_ms: self.since_unix_ms,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct State {
+    created: Instant,
+    lifetime: Counts,
+    newest_version: u64,
+    /// Most recently counted first.
+    versions: Vec<VersionSeries>,
+    /// Buckets of evicted versions that may still be inside a window.
+    retired: Option<Box<Windows>>,
+    alert: Alert,
+}
+
+/// One (service, endpoint) series.
+#[derive(Debug)]
+pub struct Series {
+    service: Box<str>,
+    endpoint: Box<str>,
+    state: Mutex<State>,
+}
+
+/// What a series looks like at one instant: what Stats and `/metrics` read.
+#[derive(Clone, Debug)]
+pub struct SeriesView {
+    /// The calling service.
+    pub service: String,
+    /// The endpoint.
+    pub endpoint: String,
+    /// The newest policy version counted.
+    pub newest_version: u64,
+    /// Lifetime totals.
+    pub lifetime: Counts,
+    /// The 1-, 5- and 15-minute windows, with their covered seconds.
+    pub windows: [(Counts, f64); 3],
+    /// The retry-ratio alert.
+    pub alert: Alert,
+}
+
+/// A change of an alert, for the caller to log after the series lock is released.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Transition {
+    /// It started firing.
+    Started {
+        /// The ratio.
+        ratio: f64,
+        /// The threshold.
+        threshold: f64,
+        /// Calls in the window.
+        calls: u64,
+    },
+    /// It stopped firing.
+    Ended {
+        /// The ratio.
+        ratio: f64,
+        /// The threshold.
+        threshold: f64,
+        /// Calls in the window.
+        calls: u64,
+    },
+}
+
+impl Series {
+    /// A series with nothing counted yet, created at `now`.
+    pub fn new(service: &str, endpoint: &str, now: Instant) -> Self {
+        Self {
+            service: service.into(),
+            endpoint: endpoint.into(),
+            state: Mutex::new(State {
+                created: now,
+                lifetime: Counts::default(),
+                newest_version: 0,
+                versions: Vec::new(),
+                retired: None,
+                alert: Alert::default(),
+            }),
+        }
+    }
+
+    /// The calling service.
+    pub fn service(&self) -> &str {
+        &self.service
+    }
+
+    /// The endpoint.
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // Plain counters: a panic elsewhere leaves nothing half-updated that matters.
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Adds one endpoint's deltas, made under `version`, at `tick`.
+    pub fn add(&self, tick: &Tick, version: u64, counts: &Counts) {
+        let mut s = self.lock();
+        s.lifetime.add(counts);
+        s.newest_version = s.newest_version.max(version);
+        let at = match s.versions.iter().position(|v| v.version == version) {
+            Some(i) => i,
+            None => s.new_version(version, tick),
+        };
+        let v = &mut s.versions[at];
+        v.last = tick.now;
+        v.lifetime.add(counts);
+        v.windows.add(tick, counts);
+        // Keep the most recent version first, so the usual lookup is one comparison.
+        if at != 0 {
+            s.versions.swap(0, at);
+        }
+    }
+
+    /// Drops versions and retired buckets with nothing left in any window.
+    pub fn prune(&self, tick: &Tick) {
+        self.lock().prune(tick);
+    }
+
+    /// Re-evaluates the alert against `threshold` as of `tick`; the transition, if any, is
+    /// logged here once (after the lock is released).
+    pub fn evaluate(&self, tick: &Tick, threshold: f64) -> Alert {
+        let (alert, transition) = {
+            let mut s = self.lock();
+            s.prune(tick);
+            s.evaluate(tick, threshold)
+        };
+        if let Some(t) = transition {
+            self.log(t);
+        }
+        alert
+    }
+
+    /// Prunes, evaluates the alert and returns the whole series as of `tick`.
+    pub fn view(&self, tick: &Tick, threshold: f64) -> SeriesView {
+        let (view, transition) = {
+            let mut s = self.lock();
+            s.prune(tick);
+            let (alert, transition) = s.evaluate(tick, threshold);
+            let windows = WINDOWS.map(|w| (s.window(tick, w), tick.covered_seconds(w, s.created)));
+            let view = SeriesView {
+                service: self.service.to_string(),
+                endpoint: self.endpoint.to_string(),
+                newest_version: s.newest_version,
+                lifetime: s.lifetime,
+                windows,
+                alert,
+            };
+            (view, transition)
+        };
+        if let Some(t) = transition {
+            self.log(t);
+        }
+        view
+    }
+
+    /// Per version with counts in the last 15 minutes, newest version first.
+    pub fn versions(&self, tick: &Tick) -> Vec<pb::VersionStats> {
+        let s = self.lock();
+        let mut out: Vec<pb::VersionStats> = s
+            .versions
+            .iter()
+            .map(|v| pb::VersionStats {
+                policy_version: v.version,
+                lifetime: Some(v.lifetime.to_pb()),
+                windows: WINDOWS
+                    .iter()
+                    .map(|&w| window_stats(w, &v.windows.sum(tick, w), tick, v.first))
+                    .collect(),
+            })
+            .collect();
+        out.sort_by_key(|v| std::cmp::Reverse(v.policy_version));
+        out
+    }
+
+    fn log(&self, t: Transition) {
+        match t {
+            Transition::Started {
+                ratio,
+                threshold,
+                calls,
+            } => warn!(
+                endpoint = %self.endpoint,
+                service = %self.service,
+                ratio,
+                threshold,
+                calls,
+                "retry ratio over 5 minutes passed the endpoint's threshold"
+            ),
+            Transition::Ended {
+                ratio,
+                threshold,
+                calls,
+            } => info!(
+                endpoint = %self.endpoint,
+                service = %self.service,
+                ratio,
+                threshold,
+                calls,
+                "retry ratio over 5 minutes is back under the endpoint's threshold"
+            ),
+        }
+    }
+
+    /// Heap bytes this series holds beyond `size_of::<Series>()`: names, the version entries
+    /// and retired buckets.
+    pub fn heap_bytes(&self) -> usize {
+        let s = self.lock();
+        self.service.len()
+            + self.endpoint.len()
+            + s.versions.capacity() * size_of::<VersionSeries>()
+            + s.retired.as_ref().map_or(0, |_| size_of::<Windows>())
+    }
+}
+
+/// One window's wire form.
+pub fn window_stats(
+    window: Window,
+    counts: &Counts,
+    tick: &Tick,
+    since: Instant,
+) -> pb::WindowStats {
+    pb::WindowStats {
+        window_seconds: window.seconds(),
+        covered_seconds: tick.covered_seconds(window, since),
+        counters: Some(counts.to_pb()),
+    }
+}
+
+impl State {
+    /// Makes room for and adds `version`; returns its index.
+    fn new_version(&mut self, version: u64, tick: &Tick) -> usize {
+        self.prune(tick);
+        if self.versions.len() >= MAX_VERSIONS {
+            let oldest = self
+                .versions
+                .iter()
+                .enumerate()
+                .min_by_key(|(_, v)| v.last)
+                .map_or(0, |(i, _)| i);
+            let evicted = self.versions.swap_remove(oldest);
+            self.retired
+                .get_or_insert_with(Box::default)
+                .merge(&evicted.windows);
+        }
+        self.versions.push(VersionSeries {
+            version,
+            first: tick.now,
+            last: tick.now,
+            lifetime: Counts::default(),
+            windows: Windows::default(),
+        });
+        self.versions.len() - 1
+    }
+
+    fn prune(&mut self, tick: &Tick) {
+        self.versions.retain(|v| v.windows.is_live(tick));
+        if self.retired.as_ref().is_some_and(|r| !r.is_live(tick)) {
+            self.retired = None;
+        }
+    }
+
+    fn window(&self, tick: &Tick, window: Window) -> Counts {
+        let mut c = Counts::default();
+        for v in &self.versions {
+            v.windows.sum_into(tick, window, &mut c);
+        }
+        if let Some(r) = &self.retired {
+            r.sum_into(tick, window, &mut c);
+        }
+        c
+    }
+
+    fn evaluate(&mut self, tick: &Tick, threshold: f64) -> (Alert, Option<Transition>) {
+        let w = self.window(tick, Window::FiveMinutes);
+        let (calls, retries) = (w.0[CALLS], w.0[RETRIES]);
+        let ratio = ratio(retries, calls);
+        let fire = calls >= MIN_ALERT_CALLS && ratio > threshold;
+        let was = self.alert.firing;
+        let since_unix_ms = match (was, fire) {
+            (false, true) => unix_ms(),
+            (true, true) => self.alert.since_unix_ms,
+            (_, false) => 0,
+        };
+        self.alert = Alert {
+            threshold,
+            ratio,
+            firing: fire,
+            since_unix_ms,
+        };
+        let transition = match (was, fire) {
+            (false, true) => Some(Transition::Started {
+                ratio,
+                threshold,
+                calls,
+            }),
+            (true, false) => Some(Transition::Ended {
+                ratio,
+                threshold,
+                calls,
+            }),
+            _ => None,
+        };
+        (self.alert, transition)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    fn counts(calls: u64, retries: u64) -> Counts {
+        let mut c = Counts::default();
+        c.0[CALLS] = calls;
+        c.0[RETRIES] = retries;
+        c
+    }
+
+    #[test]
+    fn a_transition_is_reported_once_when_it_starts_and_once_when_it_ends() {
+        let epoch = Instant::now();
+        let tick = Tick::new(epoch, epoch);
+        let series = Series::new("checkout", "payments", epoch);
+        series.add(&tick, 1, &counts(40, 10));
+        let mut s = series.lock();
+        let (alert, started) = s.evaluate(&tick, 0.05);
+        assert_eq!(
+            started,
+            Some(Transition::Started {
+                ratio: 0.25,
+                threshold: 0.05,
+                calls: 40
+            })
+        );
+        assert!(alert.firing);
+        assert_eq!(
+            s.evaluate(&tick, 0.05).1,
+            None,
+            "still firing: nothing to log"
+        );
+        let (alert, ended) = s.evaluate(&tick, 0.5);
+        assert_eq!(
+            ended,
+            Some(Transition::Ended {
+                ratio: 0.25,
+                threshold: 0.5,
+                calls: 40
+            })
+        );
+        assert!(!alert.firing);
+        assert_eq!(s.evaluate(&tick, 0.5).1, None);
+    }
+
+    #[test]
+    fn a_report_waiting_across_a_bucket_edge_is_not_lost() {
+        let epoch = Instant::now();
+        let later = Tick::new(epoch, epoch + Duration::from_secs(61));
+        let earlier = Tick::new(epoch, epoch + Duration::from_secs(59));
+        let series = Series::new("checkout", "payments", epoch);
+        series.add(&later, 1, &counts(1, 0));
+        series.add(&earlier, 1, &counts(2, 0));
+        let view = series.view(&later, 0.05);
+        assert_eq!(view.windows.map(|(c, _)| c.0[CALLS]), [3, 3, 3]);
+    }
+}

@@ -1,0 +1,575 @@
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use retryplane_proto::pb;
+use tokio::time::{Instant, advance};
+
+use super::*;
+use crate::fleet::Fleet;
+use crate::metrics::ServerMetrics;
+
+/// A report under `version` with `(endpoint, calls, retries)` per endpoint.
+fn report(version: u64, endpoints: &[(&str, u64, u64)]) -> pb::MetricsReport {
+    pb::MetricsReport {
+        policy_version: version,
+        endpoints: endpoints
+            .iter()
+            .map(|&(e, calls, retries)| pb::EndpointCounters {
+                endpoint: e.to_owned(),
+                calls,
+                attempts: calls + retries,
+                retries,
+                ..Default::default()
+            })
+            .collect(),
+        ..Default::default()
+    }
+}
+
+fn all() -> Filter<'static> {
+    Filter::default()
+}
+
+fn one<'a>(service: &'a str, endpoint: &'a str) -> Filter<'a> {
+    Filter {
+        service: Some(service),
+        endpoint: Some(endpoint),
+    }
+}
+
+/// (calls, covered seconds) of each window of the only series matching `filter`.
+fn windows(agg: &Aggregator, filter: Filter<'_>) -> [(u64, f64); 3] {
+    let views = agg.views(Instant::now(), filter);
+    assert_eq!(views.len(), 1, "{views:?}");
+    views[0]
+        .windows
+        .map(|(c, covered)| (c.0[counts::CALLS], covered))
+}
+
+fn calls(agg: &Aggregator, filter: Filter<'_>) -> [u64; 3] {
+    windows(agg, filter).map(|(c, _)| c)
+}
+
+#[tokio::test(start_paused = true)]
+async fn counts_leave_the_1_minute_window_after_60_s_and_the_5_minute_after_300_s() {
+    let agg = Aggregator::new(10, Instant::now());
+    let svc = agg.service("checkout");
+    agg.ingest(&svc, &report(1, &[("payments", 7, 0)]), Instant::now());
+    let f = one("checkout", "payments");
+    assert_eq!(calls(&agg, f), [7, 7, 7]);
+    advance(Duration::from_secs(59)).await;
+    assert_eq!(calls(&agg, f), [7, 7, 7]);
+    advance(Duration::from_secs(1)).await;
+    assert_eq!(
+        calls(&agg, f),
+        [0, 7, 7],
+        "out of the 1-minute window at 60 s"
+    );
+    advance(Duration::from_secs(239)).await;
+    assert_eq!(calls(&agg, f), [0, 7, 7], "299 s");
+    advance(Duration::from_secs(1)).await;
+    assert_eq!(
+        calls(&agg, f),
+        [0, 0, 7],
+        "out of the 5-minute window at 300 s"
+    );
+    advance(Duration::from_secs(599)).await;
+    assert_eq!(calls(&agg, f), [0, 0, 7], "899 s");
+    advance(Duration::from_secs(1)).await;
+    assert_eq!(calls(&agg, f), [0, 0, 0], "out of every window at 900 s");
+    let view = &agg.views(Instant::now(), f)[0];
+    assert_eq!(view.lifetime.0[counts::CALLS], 7, "the lifetime stays");
+}
+
+#[tokio::test(start_paused = true)]
+async fn windows_sum_every_bucket_inside_them() {
+    let agg = Aggregator::new(10, Instant::now());
+    let svc = agg.service("checkout");
+    // One report every 10 s for 20 minutes, 1 call each.
+    for _ in 0..120 {
+        agg.ingest(&svc, &report(1, &[("payments", 1, 0)]), Instant::now());
+        advance(Duration::from_secs(10)).await;
+    }
+    // Now 1,200 s: the current buckets are empty, 5 fine / 4 coarse / 14 coarse full ones.
+    assert_eq!(calls(&agg, all()), [5, 4 * 6, 14 * 6]);
+    agg.ingest(&svc, &report(1, &[("payments", 1, 0)]), Instant::now());
+    assert_eq!(calls(&agg, all()), [6, 4 * 6 + 1, 14 * 6 + 1]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn covered_seconds_is_the_time_the_window_spans_and_less_for_a_young_series() {
+    let agg = Aggregator::new(10, Instant::now());
+    let svc = agg.service("checkout");
+    advance(Duration::from_secs(100)).await;
+    agg.ingest(&svc, &report(1, &[("payments", 1, 0)]), Instant::now());
+    advance(Duration::from_secs(30)).await;
+    // The series is 30 s old: every window covers those 30 s.
+    let covered = windows(&agg, all()).map(|(_, s)| s);
+    assert_eq!(covered, [30.0, 30.0, 30.0]);
+    advance(Duration::from_secs(995)).await;
+    // At 1,125 s: the 1-minute window starts at bucket 112 - 5 = 107 (1,070 s): 55 s; the
+    // 5-minute window at minute 18 - 4 = 14 (840 s): 285 s; the 15-minute window at minute
+    // 18 - 14 = 4 (240 s) but the series began at 100 s: 885 s.
+    let covered = windows(&agg, all()).map(|(_, s)| s);
+    assert_eq!(covered, [55.0, 285.0, 885.0]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn counts_are_split_by_policy_version_and_old_versions_are_pruned_after_15_minutes() {
+    let agg = Aggregator::new(10, Instant::now());
+    let svc = agg.service("checkout");
+    agg.ingest(&svc, &report(1, &[("payments", 3, 1)]), Instant::now());
+    advance(Duration::from_secs(30)).await;
+    agg.ingest(&svc, &report(2, &[("payments", 5, 0)]), Instant::now());
+    let stats = agg.stats(Instant::now(), all());
+    let s = &stats.series[0];
+    assert_eq!(s.policy_version, 2);
+    assert_eq!(
+        s.lifetime.as_ref().map(|c| (c.calls, c.retries)),
+        Some((8, 1))
+    );
+    let versions: Vec<(u64, u64, u64)> = s
+        .versions
+        .iter()
+        .map(|v| {
+            let l = v.lifetime.unwrap_or_default();
+            (v.policy_version, l.calls, l.retries)
+        })
+        .collect();
+    assert_eq!(versions, [(2, 5, 0), (1, 3, 1)], "newest first");
+    let v1_minute = s.versions[1].windows[0];
+    assert_eq!(v1_minute.window_seconds, 60);
+    assert_eq!(v1_minute.counters.map(|c| c.calls), Some(3));
+    assert_eq!(
+        s.versions[0].windows[0].covered_seconds, 0.0,
+        "v2 has just begun"
+    );
+
+    // Version 2 keeps reporting; version 1 has nothing after 0 s.
+    for _ in 0..89 {
+        advance(Duration::from_secs(10)).await;
+        agg.ingest(&svc, &report(2, &[("payments", 1, 0)]), Instant::now());
+    }
+    // 920 s: version 1's only bucket (minute 0) left the 15-minute window at 900 s.
+    let stats = agg.stats(Instant::now(), all());
+    let s = &stats.series[0];
+    let listed: Vec<u64> = s.versions.iter().map(|v| v.policy_version).collect();
+    assert_eq!(listed, [2]);
+    assert_eq!(
+        s.lifetime.as_ref().map(|c| c.calls),
+        Some(3 + 5 + 89),
+        "a pruned version's counts stay in the series lifetime"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_version_is_kept_until_its_last_count_leaves_the_15_minute_window() {
+    let agg = Aggregator::new(10, Instant::now());
+    let svc = agg.service("checkout");
+    agg.ingest(&svc, &report(1, &[("payments", 1, 0)]), Instant::now());
+    agg.ingest(&svc, &report(2, &[("payments", 1, 0)]), Instant::now());
+    advance(Duration::from_secs(899)).await;
+    agg.tick(Instant::now());
+    assert_eq!(agg.stats(Instant::now(), all()).series[0].versions.len(), 2);
+    advance(Duration::from_secs(1)).await;
+    agg.tick(Instant::now());
+    assert!(
+        agg.stats(Instant::now(), all()).series[0]
+            .versions
+            .is_empty()
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn past_the_version_bound_the_least_recent_version_goes_but_its_counts_stay() {
+    let agg = Aggregator::new(10, Instant::now());
+    let svc = agg.service("checkout");
+    for version in 1..=(series::MAX_VERSIONS as u64 + 1) {
+        agg.ingest(
+            &svc,
+            &report(version, &[("payments", 1, 0)]),
+            Instant::now(),
+        );
+        advance(Duration::from_secs(1)).await;
+    }
+    let stats = agg.stats(Instant::now(), all());
+    let s = &stats.series[0];
+    let listed: Vec<u64> = s.versions.iter().map(|v| v.policy_version).collect();
+    assert_eq!(listed, [5, 4, 3, 2], "version 1 was counted least recently");
+    let five = series::MAX_VERSIONS as u64 + 1;
+    let window_calls: Vec<u64> = s
+        .windows
+        .iter()
+        .map(|w| w.counters.as_ref().map_or(0, |c| c.calls))
+        .collect();
+    assert_eq!(window_calls, [five, five, five]);
+    // The evicted version's buckets still leave the windows on time.
+    advance(Duration::from_secs(900)).await;
+    assert_eq!(calls(&agg, all()), [0, 0, 0]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn series_past_the_cap_are_counted_in_other() {
+    let agg = Aggregator::new(2, Instant::now());
+    let a = agg.service("checkout");
+    let now = Instant::now();
+    agg.ingest(
+        &a,
+        &report(1, &[("e1", 1, 0), ("e2", 2, 0), ("e3", 3, 0)]),
+        now,
+    );
+    agg.ingest(&a, &report(1, &[("e3", 4, 0), ("e1", 10, 0)]), now);
+    let too_long = "x".repeat(MAX_NAME_LEN + 1);
+    agg.ingest(&a, &report(1, &[(too_long.as_str(), 5, 0)]), now);
+    assert_eq!(agg.series_count(), 2);
+    assert_eq!(agg.overflowed_reports(), 3);
+    let stats = agg.stats(now, all());
+    let listed: Vec<(&str, &str, u64)> = stats
+        .series
+        .iter()
+        .map(|s| {
+            let calls = s.lifetime.as_ref().map_or(0, |c| c.calls);
+            (s.service.as_str(), s.endpoint.as_str(), calls)
+        })
+        .collect();
+    assert_eq!(
+        listed,
+        [
+            ("checkout", "e1", 11),
+            ("checkout", "e2", 2),
+            (OTHER, OTHER, 12)
+        ]
+    );
+    assert_eq!((stats.max_series, stats.overflowed_reports), (2, 3));
+    // A service past the cap sends everything to `other`.
+    let b = agg.service("search");
+    let c = agg.service("ads");
+    agg.ingest(&c, &report(1, &[("e1", 100, 0)]), now);
+    assert_eq!(agg.overflowed_reports(), 4);
+    agg.ingest(&b, &report(1, &[("e9", 1, 0)]), now);
+    assert_eq!(
+        agg.overflowed_reports(),
+        5,
+        "the cap is on series, not services"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn stats_filter_by_service_and_endpoint_and_sum_endpoints_over_services() {
+    let agg = Aggregator::new(10, Instant::now());
+    let now = Instant::now();
+    let checkout = agg.service("checkout");
+    let search = agg.service("search");
+    agg.ingest(
+        &checkout,
+        &report(1, &[("payments", 2, 1), ("inventory", 1, 0)]),
+        now,
+    );
+    agg.ingest(&search, &report(1, &[("payments", 5, 2)]), now);
+    let stats = agg.stats(now, all());
+    let endpoints: Vec<(&str, u64, u64)> = stats
+        .endpoints
+        .iter()
+        .map(|e| (e.endpoint.as_str(), e.calls, e.retries))
+        .collect();
+    assert_eq!(endpoints, [("inventory", 1, 0), ("payments", 7, 3)]);
+    let names = |s: &pb::StatsResponse| -> Vec<(String, String)> {
+        s.series
+            .iter()
+            .map(|s| (s.service.clone(), s.endpoint.clone()))
+            .collect()
+    };
+    let pair = |a: &str, b: &str| (a.to_owned(), b.to_owned());
+    assert_eq!(
+        names(&stats),
+        [
+            pair("checkout", "inventory"),
+            pair("checkout", "payments"),
+            pair("search", "payments")
+        ]
+    );
+    let by_endpoint = agg.stats(
+        now,
+        Filter {
+            endpoint: Some("payments"),
+            ..Filter::default()
+        },
+    );
+    assert_eq!(
+        names(&by_endpoint),
+        [pair("checkout", "payments"), pair("search", "payments")]
+    );
+    assert_eq!(by_endpoint.endpoints.len(), 1);
+    let by_service = agg.stats(
+        now,
+        Filter {
+            service: Some("search"),
+            ..Filter::default()
+        },
+    );
+    assert_eq!(names(&by_service), [pair("search", "payments")]);
+    assert_eq!(by_service.endpoints[0].calls, 5);
+    assert!(stats.now_unix_ms > 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_alert_needs_the_minimum_volume_and_a_ratio_above_the_threshold() {
+    let agg = Aggregator::new(10, Instant::now());
+    let svc = agg.service("checkout");
+    let alert = |agg: &Aggregator| agg.views(Instant::now(), all())[0].alert;
+    // 19 retries in 19 calls: a ratio of 1, but below the minimum volume.
+    agg.ingest(&svc, &report(1, &[("payments", 19, 19)]), Instant::now());
+    agg.tick(Instant::now());
+    assert!(!alert(&agg).firing);
+    assert_eq!(alert(&agg).ratio, 1.0);
+    // 20 calls: it starts.
+    agg.ingest(&svc, &report(1, &[("payments", 1, 0)]), Instant::now());
+    assert_eq!(agg.tick(Instant::now()), 1);
+    let a = alert(&agg);
+    assert!(a.firing && a.since_unix_ms > 0, "{a:?}");
+    assert_eq!((a.ratio, a.threshold), (19.0 / 20.0, 0.05));
+    assert_eq!(agg.alerting_endpoints(Instant::now()), ["payments"]);
+    // It stays firing with the same start while the window holds the retries.
+    advance(Duration::from_secs(200)).await;
+    assert_eq!(alert(&agg).since_unix_ms, a.since_unix_ms);
+    // Once the retries leave the 5-minute window, it ends.
+    advance(Duration::from_secs(100)).await;
+    assert_eq!(agg.tick(Instant::now()), 0);
+    let ended = alert(&agg);
+    assert!(!ended.firing);
+    assert_eq!((ended.ratio, ended.since_unix_ms), (0.0, 0));
+    assert!(agg.alerting_endpoints(Instant::now()).is_empty());
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_threshold_is_exclusive_and_follows_the_published_thresholds() {
+    let agg = Aggregator::new(10, Instant::now());
+    let svc = agg.service("checkout");
+    let firing = |agg: &Aggregator| agg.views(Instant::now(), all())[0].alert.firing;
+    agg.ingest(&svc, &report(1, &[("payments", 100, 5)]), Instant::now());
+    assert!(!firing(&agg), "5 % is not above 5 %");
+    agg.ingest(&svc, &report(1, &[("payments", 0, 1)]), Instant::now());
+    assert!(firing(&agg), "6 %");
+    agg.thresholds()
+        .set(HashMap::from([("payments".to_owned(), 0.10)]), 0.05);
+    assert!(!firing(&agg), "a threshold of 10 % ends it");
+    assert_eq!(agg.views(Instant::now(), all())[0].alert.threshold, 0.10);
+    let doc = pb::PolicyDocument {
+        endpoints: vec![pb::Endpoint {
+            name: "payments".to_owned(),
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    agg.thresholds().set_from(&doc);
+    assert!(firing(&agg), "back to the default");
+}
+
+#[test]
+fn thresholds_come_from_the_published_alert_retry_ratio() {
+    let alert = |ratio: f64| pb::Overlay {
+        alert: Some(pb::Alert {
+            retry_ratio: Some(ratio),
+        }),
+        ..Default::default()
+    };
+    let doc = pb::PolicyDocument {
+        defaults: Some(alert(0.02)),
+        endpoints: vec![
+            pb::Endpoint {
+                name: "payments".to_owned(),
+                overlay: Some(alert(0.2)),
+                ..Default::default()
+            },
+            pb::Endpoint {
+                name: "search".to_owned(),
+                ..Default::default()
+            },
+        ],
+    };
+    let agg = Aggregator::new(10, Instant::now());
+    agg.thresholds().set_from(&doc);
+    assert_eq!(agg.thresholds().get("payments"), 0.2, "the endpoint's own");
+    assert_eq!(agg.thresholds().get("search"), 0.02, "from defaults");
+    assert_eq!(
+        agg.thresholds().get("unnamed"),
+        0.02,
+        "endpoints the file does not name"
+    );
+    agg.thresholds().set_from(&pb::PolicyDocument {
+        endpoints: vec![pb::Endpoint {
+            name: "payments".to_owned(),
+            ..Default::default()
+        }],
+        ..Default::default()
+    });
+    assert_eq!(agg.thresholds().get("payments"), 0.05, "built-in");
+}
+
+#[test]
+fn concurrent_ingestion_loses_no_count() {
+    let agg = Arc::new(Aggregator::new(100, Instant::now()));
+    let threads: Vec<_> = (0..4)
+        .map(|t| {
+            let agg = agg.clone();
+            std::thread::spawn(move || {
+                let svc = agg.service(if t % 2 == 0 { "a" } else { "b" });
+                for i in 0..2_000u64 {
+                    let e = format!("e{}", i % 7);
+                    agg.ingest(&svc, &report(i % 3, &[(e.as_str(), 1, 1)]), Instant::now());
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let stats = agg.stats(Instant::now(), all());
+    let total: u64 = stats.endpoints.iter().map(|e| e.calls).sum();
+    assert_eq!(total, 8_000);
+    assert_eq!(stats.series.len(), 14);
+    assert_eq!(agg.series_count(), 14);
+}
+
+fn metrics_text(agg: &Arc<Aggregator>, fleet: &Arc<Fleet>) -> String {
+    ServerMetrics::with_aggregates(agg.clone(), fleet.clone()).render()
+}
+
+#[tokio::test(start_paused = true)]
+async fn prometheus_lines_are_exact() {
+    let agg = Arc::new(Aggregator::new(10, Instant::now()));
+    let fleet = Arc::new(Fleet::new(10));
+    let svc = agg.service("checkout");
+    let counters = pb::EndpointCounters {
+        endpoint: "payments".to_owned(),
+        calls: 40,
+        attempts: 52,
+        retries: 12,
+        success_first_try: 30,
+        success_after_retry: 6,
+        gave_up_attempts: 1,
+        gave_up_budget: 2,
+        gave_up_deadline: 3,
+        gave_up_retry_after: 4,
+        gave_up_not_retryable: 5,
+        circuit_open: 7,
+        backoff_ms: 1_500,
+        retry_after_honored: 8,
+    };
+    let r = pb::MetricsReport {
+        policy_version: 3,
+        endpoints: vec![counters],
+        ..Default::default()
+    };
+    agg.ingest(&svc, &r, Instant::now());
+    advance(Duration::from_secs(70)).await;
+    agg.ingest(&svc, &report(3, &[("payments", 10, 0)]), Instant::now());
+    let hello = |id: &str, version| pb::Hello {
+        agent_id: id.to_owned(),
+        service: "checkout".to_owned(),
+        last_applied_version: version,
+        ..Default::default()
+    };
+    fleet.register(&hello("a", 3), None).unwrap();
+    let b = fleet.register(&hello("b", 2), None).unwrap();
+    fleet.nack("b", b.generation, 3, "bad");
+    let text = metrics_text(&agg, &fleet);
+    let l = r#"{service="checkout",endpoint="payments"}"#;
+    let expected = [
+        "# TYPE retryplane_calls counter".to_owned(),
+        format!("retryplane_calls_total{l} 50"),
+        format!("retryplane_attempts_total{l} 62"),
+        format!("retryplane_retries_total{l} 12"),
+        format!("retryplane_success_first_try_total{l} 30"),
+        format!("retryplane_success_after_retry_total{l} 6"),
+        format!("retryplane_circuit_open_total{l} 7"),
+        format!("retryplane_retry_after_honored_total{l} 8"),
+        r#"retryplane_giveups_total{service="checkout",endpoint="payments",cause="attempts_exhausted"} 1"#.to_owned(),
+        r#"retryplane_giveups_total{service="checkout",endpoint="payments",cause="budget_exhausted"} 2"#.to_owned(),
+        r#"retryplane_giveups_total{service="checkout",endpoint="payments",cause="deadline_exceeded"} 3"#.to_owned(),
+        r#"retryplane_giveups_total{service="checkout",endpoint="payments",cause="retry_after_too_long"} 4"#.to_owned(),
+        r#"retryplane_giveups_total{service="checkout",endpoint="payments",cause="not_retryable"} 5"#.to_owned(),
+        "# TYPE retryplane_backoff_seconds counter".to_owned(),
+        "# UNIT retryplane_backoff_seconds seconds".to_owned(),
+        format!("retryplane_backoff_seconds_total{l} 1.5"),
+        // 1 minute: only the second report (10 calls, no retries); 5 and 15: 12 / 50.
+        r#"retryplane_retry_ratio{service="checkout",endpoint="payments",window="1m"} 0.0"#.to_owned(),
+        r#"retryplane_retry_ratio{service="checkout",endpoint="payments",window="5m"} 0.24"#.to_owned(),
+        r#"retryplane_retry_ratio{service="checkout",endpoint="payments",window="15m"} 0.24"#.to_owned(),
+        format!("retryplane_retry_ratio_threshold{l} 0.05"),
+        format!("retryplane_retry_ratio_alert{l} 1.0"),
+        "retryplane_metrics_series 1".to_owned(),
+        "retryplane_metrics_max_series 10".to_owned(),
+        "retryplane_metrics_overflowed_reports_total 0".to_owned(),
+        r#"retryplane_agents{applied_version="2"} 1"#.to_owned(),
+        r#"retryplane_agents{applied_version="3"} 1"#.to_owned(),
+        r#"retryplane_agents_nacked{version="3"} 1"#.to_owned(),
+        "retryplane_server_nacks_total 0".to_owned(),
+    ];
+    let lines: Vec<&str> = text.lines().collect();
+    for line in &expected {
+        assert!(
+            lines.contains(&line.as_str()),
+            "missing {line:?} in\n{text}"
+        );
+    }
+    assert!(text.ends_with("# EOF\n"), "{text}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn label_values_from_agents_are_escaped() {
+    let agg = Arc::new(Aggregator::new(10, Instant::now()));
+    let svc = agg.service("we\"ird");
+    agg.ingest(&svc, &report(1, &[("a\\b\nc", 1, 0)]), Instant::now());
+    let text = metrics_text(&agg, &Arc::new(Fleet::new(1)));
+    let line = r#"retryplane_calls_total{service="we\"ird",endpoint="a\\b\nc"} 1"#;
+    assert!(text.lines().any(|l| l == line), "{text}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_ticker_stops_on_shutdown() {
+    let agg = Arc::new(Aggregator::new(10, Instant::now()));
+    let (tx, rx) = tokio::sync::watch::channel(false);
+    let task = spawn_ticker(agg, TICK, rx);
+    advance(TICK * 3).await;
+    assert!(!task.is_finished());
+    tx.send_replace(true);
+    tokio::time::timeout(Duration::from_secs(1), task)
+        .await
+        .unwrap()
+        .unwrap();
+}
+
+#[test]
+fn memory_per_series_follows_the_layout() {
+    let agg = Aggregator::new(1_000, Instant::now());
+    let empty = agg.approx_bytes();
+    let svc = agg.service("checkout");
+    for i in 0..100 {
+        let e = format!("endpoint-{i:03}");
+        agg.ingest(&svc, &report(1, &[(e.as_str(), 1, 0)]), Instant::now());
+    }
+    let per_series = (agg.approx_bytes() - empty) / 100;
+    // One version's rings (2 × 2,352 bytes would mean a second copy) plus totals and names.
+    assert!((2_400..3_400).contains(&per_series), "{per_series}");
+}
+
+#[test]
+fn memory_of_a_series_is_bounded_whatever_versions_agents_report() {
+    let agg = Aggregator::new(10, Instant::now());
+    let svc = agg.service("checkout");
+    agg.ingest(&svc, &report(0, &[("payments", 1, 0)]), Instant::now());
+    let one = agg.approx_bytes();
+    for version in 1..1_000 {
+        agg.ingest(
+            &svc,
+            &report(version, &[("payments", 1, 0)]),
+            Instant::now(),
+        );
+    }
+    let most = agg.approx_bytes();
+    // MAX_VERSIONS version entries and one retired ring pair, never more.
+    assert!(most - one < series::MAX_VERSIONS * 2_600, "{one} -> {most}");
+    assert_eq!(agg.stats(Instant::now(), all()).series[0].versions.len(), 4);
+}
