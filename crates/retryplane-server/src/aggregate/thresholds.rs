@@ -52,7 +52,9 @@ pub fn of_document(document: &pb::PolicyDocument) -> HashMap<String, f64> {
         .endpoints
         .iter()
         .map(|e| {
-            // SEAM(alert.retry_ratio): read `PolicySet::alert_retry_ratio(&e.name)` here once the policy model has it.
+            // SEAM(alert.retry_ratio): once the policy model has it, this one line becomes the
+            // endpoint's effective value, `PolicySet::alert_retry_ratio(&e.name)` (the caller,
+            // `ControlPlane::publish`, can pass the compiled set) or its overlay's field here.
             let threshold = DEFAULT_RETRY_RATIO_THRESHOLD;
             (e.name.clone(), threshold)
         })
