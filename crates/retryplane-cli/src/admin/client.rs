@@ -9,6 +9,11 @@ use tonic::{Request, Status};
 
 use super::Server;
 
+/// The largest answer the CLI decodes. tonic's default is 4 MiB; `Stats` for a fleet near the
+/// server's series cap (10,000 series with their windows) and `get` of a large policy can pass
+/// it.
+pub const MAX_RESPONSE_BYTES: usize = 64 * 1024 * 1024;
+
 /// One connection to the admin service.
 #[derive(Debug)]
 pub struct Client {
@@ -26,7 +31,7 @@ impl Client {
             .await
             .with_context(|| format!("cannot connect to {}", server.url))?;
         Ok(Self {
-            inner: AdminServiceClient::new(channel),
+            inner: AdminServiceClient::new(channel).max_decoding_message_size(MAX_RESPONSE_BYTES),
             authorization: server.authorization.clone(),
         })
     }

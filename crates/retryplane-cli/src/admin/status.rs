@@ -363,6 +363,7 @@ z      checkout  127.0.0.1:50000  disconnected  -        -        -             
         let response = pb::FleetStatusResponse {
             current_version: 7,
             agents: vec![],
+            ..Default::default()
         };
         let stats = pb::StatsResponse {
             series: vec![
