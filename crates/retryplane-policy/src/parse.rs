@@ -57,6 +57,9 @@ struct Walker {
     diags: Vec<Diagnostic>,
 }
 
+/// The field path of the file's top level.
+const ROOT: &str = "<root>";
+
 fn join(path: &str, key: &str) -> String {
     if path.is_empty() {
         key.to_owned()
@@ -77,7 +80,10 @@ pub fn document(root: &Node, diags: &mut Vec<Diagnostic>) -> Option<PolicyDocume
 }
 
 impl Walker {
+    /// A problem at `path`; the top level of the file (an empty path) is called `<root>`, so
+    /// every diagnostic names a place.
     fn error(&mut self, loc: Loc, path: &str, message: impl Into<String>) {
+        let path = if path.is_empty() { ROOT } else { path };
         self.diags.push(Diagnostic::error(loc, path, message));
     }
 
@@ -162,7 +168,7 @@ impl Walker {
             };
             self.error(
                 root.loc,
-                "<root>",
+                ROOT,
                 format!(
                     "a policy file is a mapping with `version: 1` and `endpoints:`, found {found}"
                 ),

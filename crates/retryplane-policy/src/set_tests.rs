@@ -228,6 +228,23 @@ fn documents_from_no_file_run_the_same_checks() {
 }
 
 #[test]
+fn a_problem_at_the_top_level_names_the_root() {
+    // A null key at the top level (found by `mutated_valid_files_never_panic`).
+    let loaded = load(b"version: 1\n:\nendpoints:\n  a: {}\n");
+    let d = &loaded.diagnostics[0];
+    assert_eq!(
+        (
+            d.loc.line,
+            d.loc.column,
+            d.path.as_str(),
+            d.message.as_str()
+        ),
+        (2, 1, "<root>", "keys must be strings, found null")
+    );
+    assert!(loaded.policies.is_none());
+}
+
+#[test]
 fn hostile_inputs_are_refused_quickly() {
     let mut bomb = String::from("a: &a [x, x, x, x, x, x, x, x, x, x]\n");
     for i in 1..20u8 {
