@@ -19,7 +19,10 @@
 //!     an agent whose policy set has 1,000 endpoints: the endpoint in the middle, route 2 of 2
 //!     matches. Budget and circuit breaker are on (the defaults), counters count. The
 //!     `CallMeta` is built per call, as a user does;
-//!   - `retryplane_call_endpoint_meta`: the same with `CallMeta::endpoint()` (no route).
+//!   - `retryplane_call_endpoint_meta`: the same with `CallMeta::endpoint()` (no route);
+//!   - `parts/*`, pieces of `retryplane_call` alone, to show where its time goes: a read of
+//!     tokio's clock (the call makes two), building and dropping the `CallMeta`, and the bare
+//!     call inside `tokio::time::timeout_at` (the per-try timeout; never fires here).
 //! - `two_threads`: `bare`, `tower_retry_tps_budget` (one budget shared by both threads) and
 //!   `retryplane_call` (one agent, one endpoint) on 2 threads at once, each with its own
 //!   runtime; and `retryplane_call_swapping`, the same while a third thread swaps the agent's
@@ -64,6 +67,7 @@ use backon::{ExponentialBuilder, Retryable};
 use criterion::{Criterion, criterion_group, criterion_main};
 use retryplane_agent::{CallMeta, Endpoint};
 use support::{HOT, Stopwatch, Swapper, agent, cpu_time_mode, meta, runtime, upstream};
+use tokio::time::Instant;
 use tower::Service;
 use tower::retry::Retry;
 use tower::retry::budget::{Budget, TpsBudget};
@@ -104,6 +108,9 @@ enum Kind {
     Backon,
     Retryplane(Endpoint),
     RetryplaneEndpointMeta(Endpoint),
+    ClockRead,
+    MetaOnly,
+    TimeoutOnly,
 }
 
 async fn tower_batch(policy: TowerPolicy, iters: u64) {
@@ -142,6 +149,23 @@ async fn batch(kind: &Kind, iters: u64) {
                 black_box(ep.call(CallMeta::endpoint(), |_| upstream()).await).expect("200");
             }
         }
+        Kind::ClockRead => {
+            for _ in 0..iters {
+                black_box(Instant::now());
+            }
+        }
+        Kind::MetaOnly => {
+            for _ in 0..iters {
+                black_box(meta());
+            }
+        }
+        Kind::TimeoutOnly => {
+            let until = Instant::now() + Duration::from_secs(60);
+            for _ in 0..iters {
+                let r = tokio::time::timeout_at(black_box(until), upstream()).await;
+                black_box(r).expect("in time").expect("200");
+            }
+        }
     }
 }
 
@@ -163,6 +187,9 @@ fn kinds() -> Vec<(&'static str, Kind)> {
             "retryplane_call_endpoint_meta",
             Kind::RetryplaneEndpointMeta(ep),
         ),
+        ("parts/tokio_Instant_now", Kind::ClockRead),
+        ("parts/CallMeta_http", Kind::MetaOnly),
+        ("parts/bare_in_timeout_at", Kind::TimeoutOnly),
     ]
 }
 
