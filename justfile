@@ -16,3 +16,5 @@ lint:
 # Benchmarks (see BENCHMARKS.md).
 bench:
     cargo bench -p retryplane-policy --bench engine
+    cargo bench -p retryplane-agent --bench call
+    cargo bench -p retryplane-agent --bench call_latency

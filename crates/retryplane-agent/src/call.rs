@@ -2,9 +2,14 @@
 //!
 //! The policy snapshot is loaded once when the call starts and that `Arc` is kept for every
 //! attempt (STYLE #4): a push mid-call does not change the call. Each attempt runs under
-//! `tokio::time::timeout(min(per_try_timeout, deadline left))`; pauses are `tokio::time::sleep`,
-//! so both follow tokio's (pausable) clock. The engine ([`RetryCall`]) makes every decision;
-//! this file only runs attempts, sleeps, counts and logs.
+//! `tokio::time::timeout_at(start + min(per_try_timeout, deadline left))`; pauses are
+//! `tokio::time::sleep`, so both follow tokio's (pausable) clock. The engine ([`RetryCall`])
+//! makes every decision; this file only runs attempts, sleeps, counts and logs.
+//!
+//! Cost on the success path (see BENCHMARKS.md, "Agent: `Endpoint::call`"): two clock reads
+//! (the call's start, which is also the first attempt's, and the attempt's end), no allocation
+//! and no lock of the agent's own; the cancellation token is only polled when the call has
+//! one, and the per-call RNG is only made when a pause is drawn.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -12,6 +17,7 @@ use std::sync::Arc;
 
 use retryplane_policy::engine::{CallInfo, Decision, GiveUpCause, Outcome, RetryCall};
 use retryplane_policy::retry_after::RetryAfterError;
+use retryplane_policy::rng::{Rng, SeededRng};
 use tokio::time::Instant;
 use tracing::{debug, warn};
 
@@ -117,22 +123,26 @@ impl Endpoint {
         // The one read of the policies for this call.
         let snapshot = self.shared.policies.load_full();
         let (policy, runtime) = snapshot.resolve(&self.name, &meta.target());
-        let (idempotent, has_idempotency_key) = meta.idempotency(&policy);
+        let (idempotent, has_idempotency_key) = meta.idempotency(policy);
         let info = CallInfo {
             idempotent,
             has_idempotency_key,
         };
-        let mut rng = self.shared.call_rng();
+        let mut rng = CallRng {
+            shared: &self.shared,
+            rng: None,
+        };
         let c = &*self.counters;
         Counters::inc(&c.calls);
-        let mut call = RetryCall::new(&policy, &runtime.state, info, started);
-        let cancel = meta.cancel_token().cloned().unwrap_or_default();
+        let mut call = RetryCall::new(policy, &runtime.state, info, started);
+        let cancel = meta.cancel_token();
         let mut last: Option<Last<T, E>> = None;
         let mut last_outcome: Option<Outcome> = None;
         let mut pause_before = None;
+        // The first attempt starts when the call does; later ones after their pause.
+        let mut now = started;
 
         let end = loop {
-            let now = Instant::now();
             let plan = match call.start_attempt(now) {
                 Ok(plan) => plan,
                 Err(cause) => break End::Fail(Cause::GaveUp(cause), last, last_outcome),
@@ -147,21 +157,36 @@ impl Endpoint {
                 deadline: call.deadline(),
                 pause_before,
             };
-            let run = tokio::time::timeout(plan.timeout, attempt(info));
-            let mut result = tokio::select! {
-                biased;
-                () = cancel.cancelled() => break End::Fail(Cause::Cancelled, last, last_outcome),
-                r = run => r,
+            // `timeout` would read the clock again: the attempt starts at `now`.
+            let until = now
+                .checked_add(plan.timeout)
+                .unwrap_or_else(|| call.deadline());
+            let run = tokio::time::timeout_at(until, attempt(info));
+            let mut result = match cancel {
+                None => run.await,
+                Some(cancel) => tokio::select! {
+                    biased;
+                    () = cancel.cancelled() => break End::Fail(Cause::Cancelled, last, last_outcome),
+                    r = run => r,
+                },
             };
             if let Ok(r) = &result
                 && reauth.wants(r)
             {
                 // Once per call: refresh within what is left of the deadline, then send the
-                // same attempt again. A failed or late refresh leaves the first answer.
+                // same attempt again. A failed or late refresh leaves the first answer. (Rare:
+                // the clock reads and the boxed future here are off the success path.)
+                let cancelled = async {
+                    match cancel {
+                        Some(cancel) => cancel.cancelled().await,
+                        None => std::future::pending().await,
+                    }
+                };
+                tokio::pin!(cancelled);
                 let left = call.deadline().saturating_duration_since(Instant::now());
                 let refreshed = tokio::select! {
                     biased;
-                    () = cancel.cancelled() => break End::Fail(Cause::Cancelled, last, last_outcome),
+                    () = &mut cancelled => break End::Fail(Cause::Cancelled, last, last_outcome),
                     r = tokio::time::timeout(left, reauth.refresh()) => r.unwrap_or(false),
                 };
                 let left = call.deadline().saturating_duration_since(Instant::now());
@@ -178,7 +203,7 @@ impl Endpoint {
                     let run = tokio::time::timeout(info.timeout, attempt(info));
                     result = tokio::select! {
                         biased;
-                        () = cancel.cancelled() => break End::Fail(Cause::Cancelled, last, last_outcome),
+                        () = &mut cancelled => break End::Fail(Cause::Cancelled, last, last_outcome),
                         r = run => r,
                     };
                 } else {
@@ -189,7 +214,7 @@ impl Endpoint {
                     );
                 }
             }
-            let now = Instant::now();
+            now = Instant::now();
             let (outcome, result) = match result {
                 Err(_elapsed) => (
                     Some(Outcome::Transport(retryplane_policy::ErrorClass::Timeout)),
@@ -201,7 +226,7 @@ impl Endpoint {
                             // Tell the breaker about the success through the engine.
                             call.on_outcome(success(), now, &mut rng);
                             count_success(c, plan.number);
-                            self.debug_attempt(plan.number, "success", None, &call, now);
+                            self.debug_attempt(plan.number, &"success", None, &call, now);
                             break End::Ok(t);
                         }
                         // An error classified as a success cannot be returned as a value.
@@ -217,7 +242,7 @@ impl Endpoint {
                 Some(Err(e)) => Last::Error(e),
             });
             let Some(outcome) = outcome else {
-                self.debug_attempt(plan.number, "fatal", None, &call, now);
+                self.debug_attempt(plan.number, &"fatal", None, &call, now);
                 break End::Fail(Cause::GaveUp(GiveUpCause::NotRetryable), last, None);
             };
             if let Outcome::Http {
@@ -260,11 +285,15 @@ impl Endpoint {
                     }
                     last_outcome = Some(outcome);
                     pause_before = Some(pause);
-                    tokio::select! {
-                        biased;
-                        () = cancel.cancelled() => break End::Fail(Cause::Cancelled, last, last_outcome),
-                        () = tokio::time::sleep(pause) => {}
+                    match cancel {
+                        None => tokio::time::sleep(pause).await,
+                        Some(cancel) => tokio::select! {
+                            biased;
+                            () = cancel.cancelled() => break End::Fail(Cause::Cancelled, last, last_outcome),
+                            () = tokio::time::sleep(pause) => {}
+                        },
                     }
+                    now = Instant::now();
                 }
             }
         };
@@ -288,7 +317,7 @@ impl Endpoint {
                         Some(_) => "fatal".to_owned(),
                         None => "none".to_owned(),
                     },
-                    class_name,
+                    |o| class_name(o).to_string(),
                 );
                 warn!(
                     endpoint = %self.name,
@@ -312,7 +341,7 @@ impl Endpoint {
     fn debug_attempt(
         &self,
         attempt: u32,
-        class: &str,
+        class: &dyn std::fmt::Display,
         pause: Option<std::time::Duration>,
         call: &RetryCall<'_>,
         now: Instant,
@@ -320,7 +349,7 @@ impl Endpoint {
         debug!(
             endpoint = %self.name,
             attempt,
-            class,
+            class = %class,
             pause_ms = pause.map(|p| p.as_millis() as u64),
             deadline_left_ms = call.deadline().saturating_duration_since(now).as_millis() as u64,
             "attempt"
@@ -348,6 +377,21 @@ impl<T, E> Reauth<T, E> for NoReauth {
 
     fn refresh(&mut self) -> Pin<Box<dyn Future<Output = bool> + Send + '_>> {
         Box::pin(std::future::ready(false))
+    }
+}
+
+/// The call's generator, made on first use: a call that never draws a pause does not touch
+/// the agent's call counter (shared by every thread).
+struct CallRng<'a> {
+    shared: &'a Shared,
+    rng: Option<SeededRng>,
+}
+
+impl Rng for CallRng<'_> {
+    fn next_u64(&mut self) -> u64 {
+        self.rng
+            .get_or_insert_with(|| self.shared.call_rng())
+            .next_u64()
     }
 }
 

@@ -229,12 +229,22 @@ pub(crate) fn io_class(kind: ErrorKind) -> Option<ErrorClass> {
     }
 }
 
-/// A short, value-free name of an outcome for logs: `503`, `UNAVAILABLE`, `reset`.
-pub(crate) fn class_name(outcome: &Outcome) -> String {
-    match outcome {
-        Outcome::Http { status, .. } => status.to_string(),
-        Outcome::Grpc { code, .. } => code.name().to_owned(),
-        Outcome::Transport(class) => class.as_str().to_owned(),
+/// A short, value-free name of an outcome for logs: `503`, `UNAVAILABLE`, `reset`. Formatted
+/// only when a log line is written: the call path does not allocate it.
+pub(crate) fn class_name(outcome: &Outcome) -> ClassName<'_> {
+    ClassName(outcome)
+}
+
+/// See [`class_name`].
+pub(crate) struct ClassName<'a>(&'a Outcome);
+
+impl std::fmt::Display for ClassName<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            Outcome::Http { status, .. } => write!(f, "{status}"),
+            Outcome::Grpc { code, .. } => f.write_str(code.name()),
+            Outcome::Transport(class) => f.write_str(class.as_str()),
+        }
     }
 }
 
@@ -362,5 +372,25 @@ mod tests {
         let e = Wrapped(Box::new(std::io::Error::from(ErrorKind::TimedOut)));
         assert_eq!(connected_io_class(&e), Some(ErrorClass::Timeout));
         assert_eq!(connected_io_class(&Wrapped("x".into())), None);
+    }
+
+    #[test]
+    fn class_names_are_the_status_the_code_name_or_the_transport_class() {
+        let name = |o: Outcome| class_name(&o).to_string();
+        assert_eq!(
+            name(Outcome::Http {
+                status: 503,
+                retry_after: None
+            }),
+            "503"
+        );
+        assert_eq!(
+            name(Outcome::Grpc {
+                code: GrpcCode::Unavailable,
+                pushback: None
+            }),
+            "UNAVAILABLE"
+        );
+        assert_eq!(name(Outcome::Transport(ErrorClass::Reset)), "reset");
     }
 }

@@ -1,6 +1,7 @@
 //! What the agent is told about a call ([`CallMeta`]) and what each attempt is told
 //! ([`AttemptInfo`]).
 
+use std::borrow::Cow;
 use std::time::Duration;
 
 use http::HeaderName;
@@ -10,8 +11,13 @@ use tokio_util::sync::CancellationToken;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Route {
-    Http { method: String, path: String },
-    Grpc { path: String },
+    Http {
+        method: Cow<'static, str>,
+        path: String,
+    },
+    Grpc {
+        path: String,
+    },
     None,
 }
 
@@ -33,7 +39,7 @@ impl CallMeta {
     pub fn http(method: &str, path: &str) -> Self {
         let path = path.split(['?', '#']).next().unwrap_or_default();
         Self::new(Route::Http {
-            method: method.to_ascii_uppercase(),
+            method: upper_method(method),
             path: path.to_owned(),
         })
     }
@@ -138,6 +144,18 @@ impl CallMeta {
     }
 }
 
+/// `method` in upper case: one of the standard methods without an allocation, any other
+/// upper-cased into a new string.
+fn upper_method(method: &str) -> Cow<'static, str> {
+    const STANDARD: [&str; 9] = [
+        "GET", "POST", "PUT", "DELETE", "HEAD", "OPTIONS", "PATCH", "CONNECT", "TRACE",
+    ];
+    match STANDARD.iter().find(|m| m.eq_ignore_ascii_case(method)) {
+        Some(m) => Cow::Borrowed(m),
+        None => Cow::Owned(method.to_ascii_uppercase()),
+    }
+}
+
 /// What one attempt is told.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AttemptInfo {
@@ -167,6 +185,8 @@ mod tests {
             }
         );
         assert_eq!(m.path(), "/v1/charges");
+        assert_eq!(CallMeta::http("Get", "/").method(), "GET");
+        assert_eq!(CallMeta::http("purge", "/").method(), "PURGE");
     }
 
     #[test]

@@ -41,6 +41,28 @@ async fn a_cancellation_token_stops_a_pause_at_once() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_cancellation_token_stops_an_attempt_in_flight() {
+    let agent = agent(&policy(
+        "max_attempts: 3\nper_try_timeout: 10s\ndeadline: 30s",
+    ));
+    let up = Upstream::new([Step::Hang]);
+    let token = CancellationToken::new();
+    let ep = agent.endpoint("ep");
+    let call = tokio::spawn({
+        let (up, token) = (up.clone(), token.clone());
+        async move { ep.call(get().with_cancel(token), up.attempt()).await }
+    });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let start = tokio::time::Instant::now();
+    token.cancel();
+    let err = call.await.unwrap().unwrap_err();
+    assert_eq!(err.cause, Cause::Cancelled);
+    assert!(err.last.is_none(), "the attempt never answered");
+    assert_eq!(start.elapsed(), Duration::ZERO);
+    assert_eq!(up.attempts(), 1);
+}
+
+#[tokio::test(start_paused = true)]
 async fn dropping_the_call_stops_it_during_a_pause() {
     let agent = agent(&policy(
         "max_attempts: 3\nbackoff: {base: 10s, max: 10s}\ndeadline: 30s",

@@ -5,7 +5,6 @@
 //! settings did not change) and ACKed; a bad one is NACKed with the reason and the policies in
 //! force stay.
 
-use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
@@ -69,7 +68,8 @@ pub(crate) fn apply(shared: &Shared, snap: pb::Snapshot, default_interval: Durat
         Source::ControlPlane,
         Some(&current),
     );
-    shared.policies.store(Arc::new(next));
+    drop(current);
+    shared.swap_policies(next);
     let interval = match snap.metrics_interval_ms {
         0 => default_interval,
         ms => Duration::from_millis(ms),
