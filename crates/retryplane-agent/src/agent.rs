@@ -28,9 +28,10 @@ pub const DEFAULT_METRICS_INTERVAL: Duration = Duration::from_secs(10);
 /// State shared by the handles, the calls and the stream task.
 #[derive(Debug)]
 pub(crate) struct Shared {
-    /// Read once per call; replaced only through [`Shared::swap_policies`].
+    /// Read once per call; replaced only through [`Shared::update_policies`].
     pub(crate) policies: ArcSwap<PolicySnapshot>,
-    /// The snapshot replaced last, kept until the next swap: see [`Shared::swap_policies`].
+    /// The snapshot replaced last, kept until the next swap; its lock is the writers' turn.
+    /// See [`Shared::update_policies`].
     retired: std::sync::Mutex<Option<Arc<PolicySnapshot>>>,
     pub(crate) metrics: Registry,
     /// Milliseconds between metrics reports (the control plane may change it).
@@ -55,18 +56,24 @@ impl Shared {
         }
     }
 
-    /// Puts `next` in force. Whoever releases a snapshot last frees it, and freeing one of
-    /// 1,000 endpoints takes about 0.7 ms (BENCHMARKS.md): so that this is not a call that was
-    /// running during the swap, the replaced snapshot stays here until the next swap, which
-    /// frees it unless a call that started before the previous swap still holds it. The cost
-    /// is one more snapshot in memory.
-    pub(crate) fn swap_policies(&self, next: PolicySnapshot) {
+    /// Builds the next policies from those in force (`build` gets them, to carry endpoint
+    /// state over) and puts them in force. Writers take turns (the stream task and
+    /// [`Agent::set_policies`] may both write), so no update is built on a snapshot that
+    /// another writer replaced in the meantime and then lost; readers never wait.
+    ///
+    /// Whoever releases a snapshot last frees it, and freeing one of 1,000 endpoints takes
+    /// about 0.7 ms (BENCHMARKS.md): so that this is not a call that was running during the
+    /// swap, the replaced snapshot stays here until the next swap, which frees it (after the
+    /// writers' lock is released) unless a call that started before the previous swap still
+    /// holds it. The cost is one more snapshot in memory.
+    pub(crate) fn update_policies(&self, build: impl FnOnce(&PolicySnapshot) -> PolicySnapshot) {
+        let mut retired = self.retired.lock().unwrap_or_else(|e| e.into_inner());
+        let current = self.policies.load_full();
+        let next = build(&current);
+        drop(current);
         let replaced = self.policies.swap(Arc::new(next));
-        let older = self
-            .retired
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .replace(replaced);
+        let older = retired.replace(replaced);
+        drop(retired);
         drop(older);
     }
 
@@ -152,9 +159,9 @@ impl Agent {
     /// and breaker settings did not change. An agent on a control plane is updated by it.
     pub fn set_policies(&self, policies: PolicySet) {
         let hash = convert::content_hash(&pb::PolicyDocument::from(policies.document().as_ref()));
-        let old = self.shared.policies.load();
-        let next = PolicySnapshot::build(policies, 0, hash, Source::Static, Some(&old));
-        self.shared.swap_policies(next);
+        self.shared.update_policies(|current| {
+            PolicySnapshot::build(policies, 0, hash, Source::Static, Some(current))
+        });
     }
 
     /// Whether the stream to the control plane is up now.

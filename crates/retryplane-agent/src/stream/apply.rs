@@ -60,16 +60,15 @@ pub(crate) fn apply(shared: &Shared, snap: pb::Snapshot, default_interval: Durat
         }
     };
     let cache = snap.encode_to_vec();
-    let current = shared.policies.load();
-    let next = PolicySnapshot::build(
-        set,
-        snap.version,
-        snap.content_hash.clone(),
-        Source::ControlPlane,
-        Some(&current),
-    );
-    drop(current);
-    shared.swap_policies(next);
+    shared.update_policies(|current| {
+        PolicySnapshot::build(
+            set,
+            snap.version,
+            snap.content_hash.clone(),
+            Source::ControlPlane,
+            Some(current),
+        )
+    });
     let interval = match snap.metrics_interval_ms {
         0 => default_interval,
         ms => Duration::from_millis(ms),
