@@ -67,7 +67,11 @@ impl Endpoint {
     /// `attempt` is called once per attempt with its [`AttemptInfo`]; its future is dropped
     /// when the attempt's timeout passes. Returns the first success, or a [`CallError`] with
     /// the cause and the last attempt's response or error.
-    pub async fn call<T, E, F, Fut>(&self, meta: CallMeta, attempt: F) -> Result<T, CallError<T, E>>
+    pub async fn call<T, E, F, Fut>(
+        &self,
+        meta: CallMeta<'_>,
+        attempt: F,
+    ) -> Result<T, CallError<T, E>>
     where
         T: Classify,
         E: Classify,
@@ -88,7 +92,7 @@ impl Endpoint {
     /// [`Endpoint::call`] with a classifier of your own.
     pub async fn call_with<T, E, C, F, Fut>(
         &self,
-        meta: CallMeta,
+        meta: CallMeta<'_>,
         classify: C,
         attempt: F,
     ) -> Result<T, CallError<T, E>>
@@ -108,7 +112,7 @@ impl Endpoint {
     /// no budget is taken and no pause is slept.
     pub(crate) async fn call_reauth<T, E, C, F, Fut, A>(
         &self,
-        meta: CallMeta,
+        meta: CallMeta<'_>,
         mut classify: C,
         mut attempt: F,
         reauth: &mut A,

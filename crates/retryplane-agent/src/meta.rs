@@ -10,13 +10,13 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
-enum Route {
+enum Route<'a> {
     Http {
         method: Cow<'static, str>,
-        path: String,
+        path: &'a str,
     },
     Grpc {
-        path: String,
+        path: &'a str,
     },
     None,
 }
@@ -24,32 +24,32 @@ enum Route {
 /// A logical call's description: what picks the route policy and decides idempotency.
 ///
 /// Only header *names* are kept (to see whether the idempotency key is present), never values.
+/// The path is borrowed, not copied (a copy cost about as much as the rest of the agent's
+/// bookkeeping on a call that succeeds at once): build the meta where the request's path lives.
 #[derive(Clone, Debug)]
-pub struct CallMeta {
-    route: Route,
+pub struct CallMeta<'a> {
+    route: Route<'a>,
     idempotent: Option<bool>,
     has_idempotency_key: bool,
     header_names: Vec<HeaderName>,
     cancel: Option<CancellationToken>,
 }
 
-impl CallMeta {
+impl<'a> CallMeta<'a> {
     /// An HTTP call: `method` (any case) and path; a query string is cut off and never used or
     /// logged. Idempotency comes from the policy's `idempotent_methods` and the key header.
-    pub fn http(method: &str, path: &str) -> Self {
+    pub fn http(method: &str, path: &'a str) -> Self {
         let path = path.split(['?', '#']).next().unwrap_or_default();
         Self::new(Route::Http {
             method: upper_method(method),
-            path: path.to_owned(),
+            path,
         })
     }
 
     /// A gRPC call to `/pkg.Service/Method`. Not idempotent unless declared with
     /// [`CallMeta::idempotent`] or carrying the key.
-    pub fn grpc(path: &str) -> Self {
-        let mut meta = Self::new(Route::Grpc {
-            path: path.to_owned(),
-        });
+    pub fn grpc(path: &'a str) -> Self {
+        let mut meta = Self::new(Route::Grpc { path });
         meta.idempotent = Some(false);
         meta
     }
@@ -62,7 +62,7 @@ impl CallMeta {
         meta
     }
 
-    fn new(route: Route) -> Self {
+    fn new(route: Route<'a>) -> Self {
         Self {
             route,
             idempotent: None,

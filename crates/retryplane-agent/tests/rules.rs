@@ -11,7 +11,7 @@ use retryplane_agent::{CallMeta, Cause, GiveUpCause, Last};
 use retryplane_policy::retry_after::format_http_date;
 use support::{Step, Upstream, agent, policy};
 
-fn get() -> CallMeta {
+fn get() -> CallMeta<'static> {
     CallMeta::http("GET", "/v1/items?secret=1")
 }
 

@@ -10,7 +10,7 @@ use std::time::Duration;
 use retryplane_agent::{CallMeta, CancellationToken, Cause, GiveUpCause};
 use support::{Fut, Step, Upstream, agent, policy, response};
 
-fn get() -> CallMeta {
+fn get() -> CallMeta<'static> {
     CallMeta::http("GET", "/")
 }
 

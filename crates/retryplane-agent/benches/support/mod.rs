@@ -177,7 +177,7 @@ pub async fn unavailable() -> Result<http::Response<()>, std::io::Error> {
 }
 
 /// What a user writes for each call: the method and the path of the request.
-pub fn meta() -> CallMeta {
+pub fn meta() -> CallMeta<'static> {
     CallMeta::http(METHOD, PATH)
 }
 

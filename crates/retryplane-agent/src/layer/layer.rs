@@ -237,8 +237,9 @@ where
             data,
             trailers,
         } => {
-            let meta =
-                CallMeta::http(head.method.as_str(), head.uri.path()).with_headers(&head.headers);
+            // The meta borrows the path; `head` moves on (an `Uri` clone shares its bytes).
+            let uri = head.uri.clone();
+            let meta = CallMeta::http(head.method.as_str(), uri.path()).with_headers(&head.headers);
             // Shared with the refresh hook, which may update it for the attempts that follow.
             let head = Mutex::new(head);
             let (head, data, trailers) = (&head, &data, &trailers);
@@ -275,7 +276,8 @@ where
         }
         Prepared::Once { head, body } => {
             // Not idempotent and without the key: never retried.
-            let meta = CallMeta::http(head.method.as_str(), head.uri.path()).idempotent(false);
+            let uri = head.uri.clone();
+            let meta = CallMeta::http(head.method.as_str(), uri.path()).idempotent(false);
             let mut request = Some(Request::from_parts(head, body));
             let attempt = move |_| {
                 let request = request.take();
