@@ -23,7 +23,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use retryplane_proto::pb::admin_service_server::AdminServiceServer;
-use retryplane_proto::pb::agent_service_server::AgentServiceServer;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::{JoinHandle, JoinSet};
@@ -36,6 +35,7 @@ use tonic_health::server::HealthReporter;
 use tracing::{info, warn};
 
 use crate::admin::AdminApi;
+use crate::agent_route::AgentRoute;
 use crate::agent_stream::{AgentStreamService, StreamContext};
 use crate::auth::{Guard, Role, Tokens};
 use crate::control::{ControlPlane, Mode};
@@ -63,7 +63,7 @@ pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Most endpoints the aggregated stats keep apart (the rest are summed as `other`).
 pub const MAX_STATS_ENDPOINTS: usize = 10_000;
 
-const AGENT_SERVICE: &str = <AgentServiceServer<AgentStreamService> as NamedService>::NAME;
+const AGENT_SERVICE: &str = <AgentRoute as NamedService>::NAME;
 const ADMIN_SERVICE: &str = <AdminServiceServer<AdminApi> as NamedService>::NAME;
 
 /// A started server.
@@ -206,9 +206,13 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
         limits: cfg.stream_limits.clone(),
         shutdown: shutdown_rx.clone(),
     });
+    // Not the generated `AgentServiceServer`: the route sends one shared frame per version
+    // to every stream (see `crate::agent_route`).
     let agent_service = InterceptedService::new(
-        AgentServiceServer::new(AgentStreamService::new(stream_context))
-            .max_decoding_message_size(cfg.max_message_bytes),
+        AgentRoute::new(
+            AgentStreamService::new(stream_context),
+            cfg.max_message_bytes,
+        ),
         Guard::new(tokens.clone(), Role::Agent),
     );
     let admin_service = InterceptedService::new(
