@@ -2,10 +2,12 @@
 //!
 //! Places ([`Loc`](crate::yaml::Loc)) are ignored: a file saved again with new comments, blank
 //! lines or flow-instead-of-block style has no changes. Endpoints are matched by name and their
-//! order in the file does not matter (lookup is by name); routes are matched by their `match`,
+//! order in the file does not matter (lookup is by name, through a map, so a diff of two
+//! documents of n endpoints costs O(n)); routes are matched by their `match`,
 //! and their order does matter (first match wins), so a reordering is reported. Values are
 //! shown as a policy file writes them ([`crate::render::leaf_values`]).
 
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 
 use crate::document::{
@@ -75,9 +77,19 @@ pub fn diff(old: &PolicyDocument, new: &PolicyDocument) -> Vec<Change> {
             details: defaults,
         });
     }
+    // By name; the first of duplicate names counts, as `PolicyDocument::endpoint` finds it.
+    let mut old_by_name: HashMap<&str, &EndpointDoc> = HashMap::with_capacity(old.endpoints.len());
+    for ep in &old.endpoints {
+        old_by_name.entry(ep.name.value.as_str()).or_insert(ep);
+    }
+    let new_names: HashSet<&str> = new
+        .endpoints
+        .iter()
+        .map(|e| e.name.value.as_str())
+        .collect();
     for ep in &new.endpoints {
         let name = &ep.name.value;
-        let (kind, details) = match old.endpoint(name) {
+        let (kind, details) = match old_by_name.get(name.as_str()) {
             None => (ChangeKind::Added, added_endpoint(ep)),
             Some(before) => (ChangeKind::Modified, endpoint_changes(before, ep)),
         };
@@ -90,7 +102,7 @@ pub fn diff(old: &PolicyDocument, new: &PolicyDocument) -> Vec<Change> {
         }
     }
     for ep in &old.endpoints {
-        if new.endpoint(&ep.name.value).is_none() {
+        if !new_names.contains(ep.name.value.as_str()) {
             changes.push(Change {
                 scope: ep.name.value.clone(),
                 kind: ChangeKind::Removed,

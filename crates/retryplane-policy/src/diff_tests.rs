@@ -99,6 +99,39 @@ fn a_removed_endpoint_is_reported_after_the_others() {
     assert_eq!(summary(&changes), "+0 endpoints, -2, 1 modified");
 }
 
+/// `n` endpoints `ep-<i>` for `i` in `range`, each with `max_attempts` from `attempts(i)`.
+fn many(range: std::ops::Range<usize>, attempts: impl Fn(usize) -> usize) -> PolicyDocument {
+    let mut src = String::from("version: 1\nendpoints:\n");
+    for i in range {
+        src.push_str(&format!("  ep-{i}: {{max_attempts: {}}}\n", attempts(i)));
+    }
+    doc(&src)
+}
+
+#[test]
+fn a_large_document_is_diffed_endpoint_by_endpoint() {
+    // 5,000 endpoints: 0..1000 removed, 1000..5000 kept, every 10th of them modified,
+    // 5000..6000 added, and the new file lists its endpoints in reverse order.
+    let old = many(0..5_000, |_| 3);
+    let mut new = many(1_000..6_000, |i| if i % 10 == 0 { 4 } else { 3 });
+    new.endpoints.reverse();
+    let changes = diff(&old, &new);
+    let of = |kind| changes.iter().filter(|c| c.kind == kind).count();
+    assert_eq!(of(ChangeKind::Added), 1_000);
+    assert_eq!(of(ChangeKind::Removed), 1_000);
+    assert_eq!(of(ChangeKind::Modified), 400);
+    assert_eq!(summary(&changes), "+1000 endpoints, -1000, 400 modified");
+    // Added and modified in the new file's order, then removed in the old file's order.
+    let scopes: Vec<&str> = changes.iter().map(|c| c.scope.as_str()).collect();
+    assert_eq!(&scopes[..3], ["ep-5999", "ep-5998", "ep-5997"]);
+    assert_eq!(scopes[1_000], "ep-4990");
+    assert_eq!(details(&changes, "ep-4990"), ["max_attempts: 3 -> 4"]);
+    assert_eq!(details(&changes, "ep-5999"), ["max_attempts: 3"]);
+    assert_eq!(&scopes[1_400..1_402], ["ep-0", "ep-1"]);
+    assert_eq!(scopes.last(), Some(&"ep-999"));
+    assert_eq!(diff(&new, &new), vec![]);
+}
+
 #[test]
 fn a_modified_field_shows_old_and_new_values_in_file_syntax() {
     let a = doc(

@@ -3,6 +3,10 @@
 //!
 //! One task per stream owns its state; it wakes on a new publish, on the agent's next message,
 //! when a newer stream replaces it, or at shutdown.
+//!
+//! The outbound side is not tonic's encoder: the task sends the publisher's shared, pre-framed
+//! snapshot bytes to the stream's [`crate::frame_body::SharedFrameBody`], and
+//! [`crate::agent_route`] serves the `Connect` route (see there for why).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,12 +14,12 @@ use std::time::Duration;
 use retryplane_proto::pb::{self, agent_message::Kind};
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
-use tokio_stream::wrappers::ReceiverStream;
-use tonic::{Request, Response, Status, Streaming};
+use tonic::{Request, Status, Streaming};
 use tracing::{debug, info, warn};
 
 use crate::aggregate::{Aggregator, ServiceHandle};
 use crate::fleet::{Fleet, RegisterError};
+use crate::frame_body::Outbound;
 use crate::metrics::ServerMetrics;
 use crate::publisher::Publisher;
 
@@ -114,14 +118,14 @@ fn check_hello(hello: &pb::Hello, limits: &StreamLimits) -> Result<(), Status> {
     Ok(())
 }
 
-#[tonic::async_trait]
-impl pb::agent_service_server::AgentService for AgentStreamService {
-    type ConnectStream = ReceiverStream<Result<pb::ServerMessage, Status>>;
-
-    async fn connect(
+impl AgentStreamService {
+    /// `retryplane.v1.AgentService/Connect`: waits for Hello, registers the agent and starts
+    /// the stream's task. Returns what the task sends (shared frames, then at most one final
+    /// status), or the status that refuses the stream.
+    pub async fn connect(
         &self,
         request: Request<Streaming<pb::AgentMessage>>,
-    ) -> Result<Response<Self::ConnectStream>, Status> {
+    ) -> Result<mpsc::Receiver<Outbound>, Status> {
         let peer = request.remote_addr();
         let mut inbound = request.into_inner();
         let limits = &self.ctx.limits;
@@ -170,7 +174,7 @@ impl pb::agent_service_server::AgentService for AgentStreamService {
             refilled: Instant::now(),
         };
         tokio::spawn(stream.run(inbound, tx, registration.replaced));
-        Ok(Response::new(ReceiverStream::new(rx)))
+        Ok(rx)
     }
 }
 
@@ -200,7 +204,7 @@ impl AgentStream {
     async fn run(
         mut self,
         mut inbound: Streaming<pb::AgentMessage>,
-        tx: mpsc::Sender<Result<pb::ServerMessage, Status>>,
+        tx: mpsc::Sender<Outbound>,
         mut replaced: tokio::sync::oneshot::Receiver<()>,
     ) {
         let mut snapshots = self.ctx.publisher.subscribe();
@@ -210,7 +214,7 @@ impl AgentStream {
             if let Some(snap) = current
                 && self.behind(&snap)
             {
-                if tx.send(Ok(snap.message.clone())).await.is_err() {
+                if tx.send(snap.frame()).await.is_err() {
                     break None;
                 }
                 self.known_version = snap.version;

@@ -3,6 +3,7 @@
 //! File reloads, admin applies and rollbacks all go through [`ControlPlane::apply`], one at a
 //! time, so versions are decided in one place (the store) and the publisher only fans out.
 
+use std::collections::HashSet;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -194,10 +195,16 @@ impl ControlPlane {
             None => PolicyDocument::default(),
         };
         let changes = diff::diff(&old_doc, new_doc);
+        // A set, not a lookup per endpoint: linear in the number of endpoints.
+        let new_names: HashSet<&str> = new_doc
+            .endpoints
+            .iter()
+            .map(|e| e.name.value.as_str())
+            .collect();
         let survivors = old_doc
             .endpoints
             .iter()
-            .filter(|e| new_doc.endpoint(&e.name.value).is_some())
+            .filter(|e| new_names.contains(e.name.value.as_str()))
             .count();
         if !old_doc.endpoints.is_empty() && survivors == 0 && !req.force {
             let names: Vec<&str> = old_doc

@@ -3,19 +3,22 @@
 //! A versioned snapshot store plus thin gRPC and HTTP layers (STYLE.md #9): the [`store`] decides
 //! versions and keeps every one of them in an embedded database; [`control`] is the one path by
 //! which policies change (validate, safety checks, store, publish); the [`agent_stream`] service
-//! only fans the current snapshot out to connected agents and records their ACKs and NACKs; the
-//! [`admin`] service validates, applies, diffs and rolls back; [`http`] serves health and
-//! Prometheus metrics; [`aggregate`] sums the agents' metric reports into windows and
-//! alerts; [`server`] wires listeners, auth, the file watcher and shutdown.
+//! only fans the current snapshot out to connected agents and records their ACKs and NACKs (its
+//! route, [`agent_route`], sends each version's one shared [`frame_body`] frame to every
+//! stream); the [`admin`] service validates, applies, diffs and rolls back; [`http`] serves
+//! health and Prometheus metrics; [`aggregate`] sums the agents' metric reports into windows
+//! and alerts; [`server`] wires listeners, auth, the file watcher and shutdown.
 
 #![forbid(unsafe_code)]
 
 pub mod admin;
+pub mod agent_route;
 pub mod agent_stream;
 pub mod aggregate;
 pub mod auth;
 pub mod control;
 pub mod fleet;
+pub mod frame_body;
 pub mod http;
 pub mod metrics;
 pub mod publisher;

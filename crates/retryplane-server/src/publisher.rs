@@ -1,15 +1,19 @@
 //! The current snapshot, encoded once and shared by every agent stream.
 //!
 //! Encoding a large snapshot per stream costs more than everything else a push does, so the
-//! publisher encodes each version once into a [`pb::ServerMessage`] whose snapshot is kept as
-//! bytes; every stream clones the handle (a reference count) and tonic copies the same bytes
-//! onto each connection.
+//! publisher encodes each version once, as the complete gRPC frame of its
+//! [`pb::ServerMessage`] ([`crate::frame_body`]); every stream sends a clone of that handle (a
+//! reference count), so one allocation serves every connection.
 
 use std::sync::Arc;
 
+use bytes::Bytes;
 use retryplane_proto::pb;
 use tokio::sync::watch;
+use tonic::Status;
+use tracing::error;
 
+use crate::frame_body::{FrameError, encode_frame};
 use crate::store::VersionRecord;
 
 /// One published version, ready to send.
@@ -23,8 +27,18 @@ pub struct Snapshot {
     pub nonce: String,
     /// The policies.
     pub document: Arc<pb::PolicyDocument>,
-    /// The message every stream sends, encoded once.
-    pub message: pb::ServerMessage,
+    /// The gRPC frame of the `ServerMessage` every stream sends, built once.
+    frame: Result<Bytes, FrameError>,
+}
+
+impl Snapshot {
+    /// What a stream sends for this version: the shared frame (a reference-count clone), or,
+    /// for a snapshot too large for a gRPC frame, the status that ends the stream.
+    pub fn frame(&self) -> Result<Bytes, Status> {
+        self.frame
+            .clone()
+            .map_err(|e| Status::resource_exhausted(e.to_string()))
+    }
 }
 
 /// Holds the current snapshot and wakes streams when it changes.
@@ -58,12 +72,16 @@ impl Publisher {
             nonce: nonce.clone(),
             metrics_interval_ms: self.metrics_interval_ms,
         };
+        let frame = encode_frame(&pb::ServerMessage::with_snapshot(&snapshot));
+        if let Err(e) = &frame {
+            error!(version = record.meta.version, error = %e, "cannot frame the snapshot; streams end with an error");
+        }
         let published = Arc::new(Snapshot {
             version: record.meta.version,
             content_hash: record.meta.content_hash.clone(),
             nonce,
             document: Arc::new(record.document.clone()),
-            message: pb::ServerMessage::with_snapshot(&snapshot),
+            frame,
         });
         self.tx.send_replace(Some(published.clone()));
         published

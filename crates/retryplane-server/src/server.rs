@@ -23,7 +23,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use retryplane_proto::pb::admin_service_server::AdminServiceServer;
-use retryplane_proto::pb::agent_service_server::AgentServiceServer;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::{JoinHandle, JoinSet};
@@ -36,6 +35,7 @@ use tonic_health::server::HealthReporter;
 use tracing::{info, warn};
 
 use crate::admin::AdminApi;
+use crate::agent_route::AgentRoute;
 use crate::agent_stream::{AgentStreamService, StreamContext};
 use crate::aggregate::{self, Aggregator};
 use crate::auth::{Guard, Role, Tokens};
@@ -61,7 +61,7 @@ pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(20);
 /// How long a keepalive ping may go unanswered before the connection is dropped.
 pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 
-const AGENT_SERVICE: &str = <AgentServiceServer<AgentStreamService> as NamedService>::NAME;
+const AGENT_SERVICE: &str = <AgentRoute as NamedService>::NAME;
 const ADMIN_SERVICE: &str = <AdminServiceServer<AdminApi> as NamedService>::NAME;
 
 /// A started server.
@@ -213,9 +213,13 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
             .for_metrics_interval(cfg.metrics_interval),
         shutdown: shutdown_rx.clone(),
     });
+    // Not the generated `AgentServiceServer`: the route sends one shared frame per version
+    // to every stream (see `crate::agent_route`).
     let agent_service = InterceptedService::new(
-        AgentServiceServer::new(AgentStreamService::new(stream_context))
-            .max_decoding_message_size(cfg.max_message_bytes),
+        AgentRoute::new(
+            AgentStreamService::new(stream_context),
+            cfg.max_message_bytes,
+        ),
         Guard::new(tokens.clone(), Role::Agent),
     );
     let admin_service = InterceptedService::new(

@@ -446,3 +446,127 @@ async fn reports_over_a_stream_show_in_metrics_stats_and_fleet_status() {
     drop(tx);
     running.shutdown().await.unwrap();
 }
+
+fn hello(agent_id: &str) -> pb::AgentMessage {
+    pb::AgentMessage {
+        kind: Some(Kind::Hello(pb::Hello {
+            agent_id: agent_id.to_owned(),
+            service: "checkout".to_owned(),
+            ..Default::default()
+        })),
+    }
+}
+
+/// Opens an agent stream with the stock generated client; the stream's inbound side stays
+/// open while the returned sender lives.
+async fn open_stream(
+    addr: SocketAddr,
+    first: pb::AgentMessage,
+    secret: Option<&str>,
+) -> Result<
+    (
+        mpsc::Sender<pb::AgentMessage>,
+        tonic::Streaming<pb::ServerMessage>,
+    ),
+    tonic::Status,
+> {
+    let mut client = AgentServiceClient::new(channel(addr).await);
+    let (tx, rx) = mpsc::channel(4);
+    tx.send(first).await.unwrap();
+    let request = match secret {
+        Some(secret) => authorized(ReceiverStream::new(rx), secret),
+        None => Request::new(ReceiverStream::new(rx)),
+    };
+    let inbound = client.connect(request).await?.into_inner();
+    Ok((tx, inbound))
+}
+
+async fn next_version(inbound: &mut tonic::Streaming<pb::ServerMessage>) -> u64 {
+    let message = tokio::time::timeout(SHUTDOWN_GRACE, inbound.message())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    message.decode_snapshot().unwrap().unwrap().version
+}
+
+#[tokio::test]
+async fn a_replaced_stream_ends_with_aborted_and_its_message() {
+    let (_dir, cfg) = with_file(V1);
+    let running = start(cfg).await.unwrap();
+    let (_tx1, mut first) = open_stream(running.agent_addr, hello("a-1"), None)
+        .await
+        .unwrap();
+    assert_eq!(next_version(&mut first).await, 1);
+    let (_tx2, mut second) = open_stream(running.agent_addr, hello("a-1"), None)
+        .await
+        .unwrap();
+    assert_eq!(next_version(&mut second).await, 1);
+    let ended = tokio::time::timeout(SHUTDOWN_GRACE, first.message())
+        .await
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(ended.code(), Code::Aborted, "{ended:?}");
+    assert_eq!(
+        ended.message(),
+        "replaced by a newer stream with the same agent id"
+    );
+    // The stream is over: the client sees the end, not another message.
+    assert!(matches!(first.message().await, Ok(None) | Err(_)));
+    drop(second);
+    running.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_stream_without_hello_is_refused_with_invalid_argument() {
+    let (_dir, mut cfg) = with_file(V1);
+    cfg.stream_limits.hello_timeout = Duration::from_millis(200);
+    let running = start(cfg).await.unwrap();
+    let mut client = AgentServiceClient::new(channel(running.agent_addr).await);
+    let (tx, rx) = mpsc::channel::<pb::AgentMessage>(1);
+    let refused = client.connect(ReceiverStream::new(rx)).await.unwrap_err();
+    assert_eq!(refused.code(), Code::InvalidArgument, "{refused:?}");
+    assert_eq!(refused.message(), "no Hello within 200ms");
+    drop(tx);
+    running.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn agent_streams_need_an_agent_token() {
+    let (dir, mut cfg) = with_file(V1);
+    fs::write(dir.path().join("tokens.yaml"), TOKENS).unwrap();
+    cfg.tokens_file = Some(dir.path().join("tokens.yaml"));
+    let running = start(cfg).await.unwrap();
+    let addr = running.agent_addr;
+    let missing = open_stream(addr, hello("a-1"), None).await.unwrap_err();
+    assert_eq!(missing.code(), Code::Unauthenticated, "{missing:?}");
+    let admin = open_stream(addr, hello("a-1"), Some("admin-secret-0123456789"))
+        .await
+        .unwrap_err();
+    assert_eq!(admin.code(), Code::PermissionDenied, "{admin:?}");
+    let (_tx, mut inbound) = open_stream(addr, hello("a-1"), Some("agent-secret-0123456789"))
+        .await
+        .unwrap();
+    assert_eq!(next_version(&mut inbound).await, 1);
+    drop(inbound);
+    running.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn another_agent_service_method_is_unimplemented() {
+    use tonic::codegen::http::uri::PathAndQuery;
+    let (_dir, cfg) = with_file(V1);
+    let running = start(cfg).await.unwrap();
+    let mut grpc = tonic::client::Grpc::new(channel(running.agent_addr).await);
+    grpc.ready().await.unwrap();
+    let err = grpc
+        .unary::<pb::Ack, pb::Ack, _>(
+            Request::new(pb::Ack::default()),
+            PathAndQuery::from_static("/retryplane.v1.AgentService/Other"),
+            tonic_prost::ProstCodec::default(),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unimplemented, "{err:?}");
+    running.shutdown().await.unwrap();
+}

@@ -1,0 +1,303 @@
+//! The `retryplane.v1.AgentService` route, served without tonic's generated server.
+//!
+//! tonic's generated `AgentServiceServer` encodes each outbound message into a per-stream
+//! buffer; this route exists only so that every stream sends the publisher's one shared frame
+//! instead (see [`crate::frame_body`] for the measured cost that removes). Everything else is
+//! what the generated server does: the inbound stream is decoded by
+//! [`tonic::codec::Streaming`] with the prost decoder and the configured size limit, `Connect`
+//! is [`AgentStreamService::connect`] unchanged, a refusal before the stream starts is a
+//! trailers-only response, another method is `UNIMPLEMENTED`, and a compressed request is
+//! refused as tonic refuses it (no compression is enabled). The route implements
+//! [`NamedService`], so the server's router, the auth interceptor, health and reflection treat
+//! it as they treat a generated service.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http::header::CONTENT_TYPE;
+use retryplane_proto::pb;
+use tonic::body::Body;
+use tonic::codec::{BufferSettings, Streaming};
+use tonic::metadata::GRPC_CONTENT_TYPE;
+use tonic::server::NamedService;
+use tonic::{Request, Status};
+use tonic_prost::ProstDecoder;
+
+use crate::agent_stream::AgentStreamService;
+use crate::frame_body::SharedFrameBody;
+
+/// The gRPC path of `Connect`.
+pub const CONNECT_PATH: &str = "/retryplane.v1.AgentService/Connect";
+
+/// Initial capacity of a stream's inbound buffer. Agents send small messages (Ack, Nack, a
+/// metrics report); the buffer grows for a larger one. tonic's default is 8 KiB per stream.
+pub const INBOUND_BUFFER: usize = 1024;
+
+/// The agent service as a `tower::Service` over HTTP requests.
+#[derive(Clone, Debug)]
+pub struct AgentRoute {
+    service: AgentStreamService,
+    max_decoding_message_size: usize,
+}
+
+impl AgentRoute {
+    /// Serves `service`, refusing inbound messages larger than `max_decoding_message_size`
+    /// bytes (as `max_decoding_message_size` does on a generated server).
+    pub fn new(service: AgentStreamService, max_decoding_message_size: usize) -> Self {
+        Self {
+            service,
+            max_decoding_message_size,
+        }
+    }
+}
+
+impl NamedService for AgentRoute {
+    const NAME: &'static str = pb::agent_service_server::SERVICE_NAME;
+}
+
+/// Refuses a request whose messages are compressed: none of tonic's compression features is
+/// built in, and tonic's own server answers such a request the same way.
+fn check_encoding<B>(request: &http::Request<B>) -> Result<(), Status> {
+    match request.headers().get("grpc-encoding") {
+        None => Ok(()),
+        Some(value) if value.as_bytes() == b"identity" => Ok(()),
+        Some(value) => {
+            let name = String::from_utf8_lossy(value.as_bytes());
+            let mut status = Status::unimplemented(format!(
+                "Content is compressed with `{name}` which isn't supported"
+            ));
+            status.metadata_mut().insert(
+                "grpc-accept-encoding",
+                tonic::metadata::MetadataValue::from_static("identity"),
+            );
+            Err(status)
+        }
+    }
+}
+
+impl<B> tonic::codegen::Service<http::Request<B>> for AgentRoute
+where
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>> + Send + 'static,
+{
+    type Response = http::Response<Body>;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        if request.uri().path() != CONNECT_PATH {
+            return Box::pin(async { Ok(Status::unimplemented("").into_http()) });
+        }
+        let service = self.service.clone();
+        let limit = self.max_decoding_message_size;
+        Box::pin(async move {
+            if let Err(status) = check_encoding(&request) {
+                return Ok(status.into_http());
+            }
+            let decoder = ProstDecoder::<pb::AgentMessage>::new(BufferSettings::new(
+                INBOUND_BUFFER,
+                INBOUND_BUFFER,
+            ));
+            let request = Request::from_http(
+                request.map(|body| Streaming::new_request(decoder, body, None, Some(limit))),
+            );
+            Ok(match service.connect(request).await {
+                Ok(frames) => {
+                    let mut response = http::Response::new(Body::new(SharedFrameBody::new(frames)));
+                    response
+                        .headers_mut()
+                        .insert(CONTENT_TYPE, GRPC_CONTENT_TYPE);
+                    response
+                }
+                Err(status) => status.into_http(),
+            })
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::convert::Infallible;
+    use std::sync::Arc;
+
+    use http_body::Frame;
+    use http_body_util::{BodyExt as _, StreamBody};
+    use prost::Message as _;
+    use retryplane_proto::pb::agent_message::Kind;
+    use tokio::sync::{mpsc, watch};
+    use tokio_stream::wrappers::ReceiverStream;
+    use tonic::Code;
+    use tonic::codegen::Service as _;
+
+    use super::*;
+    use crate::agent_stream::{StreamContext, StreamLimits};
+    use crate::aggregate::Aggregator;
+    use crate::fleet::Fleet;
+    use crate::frame_body::{HEADER_LEN, encode_frame};
+    use crate::metrics::ServerMetrics;
+    use crate::publisher::Publisher;
+    use crate::store::{Source, VersionMeta, VersionRecord};
+
+    type Inbound = StreamBody<ReceiverStream<Result<Frame<Bytes>, Infallible>>>;
+
+    fn route() -> (AgentRoute, Arc<Publisher>, watch::Sender<bool>) {
+        let publisher = Arc::new(Publisher::new(10_000));
+        let (shutdown, shutdown_rx) = watch::channel(false);
+        let ctx = StreamContext {
+            publisher: publisher.clone(),
+            fleet: Arc::new(Fleet::new(100)),
+            metrics: Arc::new(ServerMetrics::new()),
+            aggregates: Arc::new(Aggregator::new(100, tokio::time::Instant::now())),
+            limits: StreamLimits::default(),
+            shutdown: shutdown_rx,
+        };
+        let route = AgentRoute::new(AgentStreamService::new(Arc::new(ctx)), 1 << 20);
+        (route, publisher, shutdown)
+    }
+
+    fn publish(publisher: &Publisher, version: u64) {
+        let document = pb::PolicyDocument {
+            defaults: None,
+            endpoints: vec![pb::Endpoint {
+                name: "payments".to_owned(),
+                ..Default::default()
+            }],
+        };
+        publisher.publish(&VersionRecord {
+            meta: VersionMeta {
+                version,
+                content_hash: format!("{version:064x}"),
+                source: Source::File,
+                author: None,
+                created_unix_ms: 0,
+                summary: String::new(),
+            },
+            document,
+        });
+    }
+
+    /// A Connect request whose inbound stream stays open while the returned sender lives.
+    fn connect(
+        path: &str,
+        agent_id: &str,
+    ) -> (
+        http::Request<Inbound>,
+        mpsc::Sender<Result<Frame<Bytes>, Infallible>>,
+    ) {
+        let (tx, rx) = mpsc::channel(4);
+        let hello = pb::AgentMessage {
+            kind: Some(Kind::Hello(pb::Hello {
+                agent_id: agent_id.to_owned(),
+                service: "checkout".to_owned(),
+                ..Default::default()
+            })),
+        };
+        tx.try_send(Ok(Frame::data(encode_frame(&hello).unwrap())))
+            .unwrap();
+        let request = http::Request::builder()
+            .method("POST")
+            .uri(path)
+            .header(CONTENT_TYPE, "application/grpc")
+            .body(StreamBody::new(ReceiverStream::new(rx)))
+            .unwrap();
+        (request, tx)
+    }
+
+    async fn next_data(body: &mut Body) -> Bytes {
+        let frame = body.frame().await.unwrap().unwrap();
+        frame.into_data().unwrap()
+    }
+
+    #[tokio::test]
+    async fn every_stream_sends_the_one_frame_the_publisher_built() {
+        let (mut route, publisher, _shutdown) = route();
+        publish(&publisher, 1);
+        let (first, _keep_first) = connect(CONNECT_PATH, "a-1");
+        let (second, _keep_second) = connect(CONNECT_PATH, "a-2");
+        let first = route.call(first).await.unwrap();
+        let second = route.call(second).await.unwrap();
+        assert_eq!(first.headers()[CONTENT_TYPE], "application/grpc");
+        let (mut first, mut second) = (first.into_body(), second.into_body());
+        let shared = publisher.current().unwrap().frame().unwrap();
+        let (a, b) = (next_data(&mut first).await, next_data(&mut second).await);
+        assert_eq!(a.as_ptr(), b.as_ptr(), "two streams, two allocations");
+        assert_eq!(a.as_ptr(), shared.as_ptr(), "the stream copied the frame");
+        assert_eq!(a, shared);
+        let message = pb::ServerMessage::decode(&a[HEADER_LEN..]).unwrap();
+        assert_eq!(message.decode_snapshot().unwrap().unwrap().version, 1);
+        // The next version too: one new allocation, shared again.
+        publish(&publisher, 2);
+        let (a, b) = (next_data(&mut first).await, next_data(&mut second).await);
+        assert_eq!(a.as_ptr(), b.as_ptr());
+        assert_ne!(a.as_ptr(), shared.as_ptr());
+    }
+
+    #[tokio::test]
+    async fn shutdown_ends_the_stream_with_unavailable_trailers() {
+        let (mut route, publisher, shutdown) = route();
+        publish(&publisher, 1);
+        let (request, _keep) = connect(CONNECT_PATH, "a-1");
+        let mut body = route.call(request).await.unwrap().into_body();
+        next_data(&mut body).await;
+        shutdown.send_replace(true);
+        let trailers = body
+            .frame()
+            .await
+            .unwrap()
+            .unwrap()
+            .into_trailers()
+            .unwrap();
+        let status = Status::from_header_map(&trailers).unwrap();
+        assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+        assert_eq!(status.message(), "control plane shutting down; reconnect");
+        assert!(body.frame().await.is_none());
+    }
+
+    #[tokio::test]
+    async fn a_refusal_before_the_stream_starts_is_a_trailers_only_response() {
+        let (mut route, publisher, _shutdown) = route();
+        publish(&publisher, 1);
+        let (request, _keep) = connect(CONNECT_PATH, "");
+        let response = route.call(request).await.unwrap();
+        let status = Status::from_header_map(response.headers()).unwrap();
+        assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+        assert_eq!(status.message(), "Hello.agent_id is empty");
+        assert!(response.into_body().frame().await.is_none());
+    }
+
+    #[tokio::test]
+    async fn another_method_is_unimplemented() {
+        let (mut route, _publisher, _shutdown) = route();
+        let (request, _keep) = connect("/retryplane.v1.AgentService/Other", "a-1");
+        let response = route.call(request).await.unwrap();
+        let status = Status::from_header_map(response.headers()).unwrap();
+        assert_eq!(status.code(), Code::Unimplemented);
+    }
+
+    #[tokio::test]
+    async fn a_compressed_request_is_refused() {
+        let (mut route, publisher, _shutdown) = route();
+        publish(&publisher, 1);
+        let (mut request, _keep) = connect(CONNECT_PATH, "a-1");
+        request
+            .headers_mut()
+            .insert("grpc-encoding", http::HeaderValue::from_static("gzip"));
+        let response = route.call(request).await.unwrap();
+        let status = Status::from_header_map(response.headers()).unwrap();
+        assert_eq!(status.code(), Code::Unimplemented, "{status:?}");
+        assert!(status.message().contains("gzip"), "{status:?}");
+    }
+
+    #[test]
+    fn the_route_has_the_generated_service_name_and_path() {
+        assert_eq!(AgentRoute::NAME, "retryplane.v1.AgentService");
+        assert_eq!(CONNECT_PATH, format!("/{}/Connect", AgentRoute::NAME));
+    }
+}
