@@ -30,7 +30,8 @@
 //!
 //! A series alerts when its retry ratio (retries / calls) over the 5-minute window is above its
 //! endpoint's threshold ([`thresholds`]; default 5 %) with at least [`series::MIN_ALERT_CALLS`]
-//! calls in that window. It is re-evaluated every [`TICK`] by the task of
+//! calls in that window; once firing it ends only when the ratio is back at or under the
+//! threshold, whatever the volume. It is re-evaluated every [`TICK`] by the task of
 //! [`spawn_ticker`], and on every Stats call and scrape. The start is logged once at warn
 //! (endpoint, service, ratio, threshold), the end once at info.
 //!
@@ -66,7 +67,9 @@ use crate::fleet::unix_ms;
 pub const DEFAULT_MAX_SERIES: usize = 10_000;
 /// Longest service or endpoint name kept apart, in bytes; longer ones count as [`OTHER`].
 pub const MAX_NAME_LEN: usize = 256;
-/// Service and endpoint of the series that takes what is past the cap.
+/// Service and endpoint of the series that takes what is past the cap. The pair is reserved:
+/// an agent whose service and endpoint are both `other` is counted in that series too, so two
+/// series never carry the same labels.
 pub const OTHER: &str = "other";
 /// How often alerts are re-evaluated and versions pruned in the background.
 pub const TICK: Duration = Duration::from_secs(5);
@@ -222,7 +225,7 @@ impl Aggregator {
 
     /// The series of `endpoint` in `svc`, made if the cap allows.
     fn resolve(&self, svc: &ServiceSeries, endpoint: &str, now: Instant) -> Option<Arc<Series>> {
-        if endpoint.len() > MAX_NAME_LEN {
+        if endpoint.len() > MAX_NAME_LEN || (&*svc.name == OTHER && endpoint == OTHER) {
             return None;
         }
         let mut endpoints = write(&svc.endpoints);
@@ -299,14 +302,9 @@ impl Aggregator {
         if self.other_listed(filter) {
             series.push(&self.other);
         }
-        let mut endpoints: HashMap<&str, Counts> = HashMap::new();
         let mut out = Vec::with_capacity(series.len());
         for s in series {
             let view = s.view(&tick, self.thresholds.get(s.endpoint()));
-            endpoints
-                .entry(s.endpoint())
-                .or_default()
-                .add(&view.lifetime);
             out.push(pb::SeriesStats {
                 service: view.service,
                 endpoint: view.endpoint,
@@ -325,9 +323,25 @@ impl Aggregator {
                 alert: Some(view.alert.to_pb()),
             });
         }
+        // Per endpoint over every service, as the message says: the service filter picks the
+        // series listed, not what the totals cover.
+        let every_service = Filter {
+            service: None,
+            ..filter
+        };
+        let mut endpoints: HashMap<String, Counts> = HashMap::new();
+        let totals: Vec<Arc<Series>> = self.matching(every_service);
+        let other = self.other_listed(every_service).then_some(&self.other);
+        for s in totals.iter().map(AsRef::as_ref).chain(other) {
+            let view = s.view(&tick, self.thresholds.get(s.endpoint()));
+            endpoints
+                .entry(view.endpoint.clone())
+                .or_default()
+                .add(&view.lifetime);
+        }
         let mut endpoints: Vec<pb::EndpointStats> = endpoints
             .into_iter()
-            .map(|(e, c)| c.to_endpoint_stats(e))
+            .map(|(e, c)| c.to_endpoint_stats(&e))
             .collect();
         endpoints.sort_by(|a, b| a.endpoint.cmp(&b.endpoint));
         pb::StatsResponse {

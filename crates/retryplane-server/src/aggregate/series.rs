@@ -22,7 +22,8 @@ use crate::fleet::unix_ms;
 pub const MAX_VERSIONS: usize = 4;
 
 /// Fewest calls in the 5-minute window for an alert to start: below it, one retry out of two
-/// calls is noise, not a retry storm.
+/// calls is noise, not a retry storm. A firing alert ends only when the ratio is back at or
+/// under the threshold, whatever the volume.
 pub const MIN_ALERT_CALLS: u64 = 20;
 
 /// Counts made under one policy version.
@@ -334,8 +335,11 @@ impl State {
         let w = self.window(tick, Window::FiveMinutes);
         let (calls, retries) = (w.0[CALLS], w.0[RETRIES]);
         let ratio = ratio(retries, calls);
-        let fire = calls >= MIN_ALERT_CALLS && ratio > threshold;
         let was = self.alert.firing;
+        // The volume guard only keeps an alert from starting: one that fires goes on while the
+        // ratio stays above the threshold, so a storm that also cuts the traffic does not
+        // flap the alert.
+        let fire = ratio > threshold && (was || calls >= MIN_ALERT_CALLS);
         let since_unix_ms = match (was, fire) {
             (false, true) => unix_ms(),
             (true, true) => self.alert.since_unix_ms,

@@ -210,6 +210,27 @@ async fn past_the_version_bound_the_least_recent_version_goes_but_its_counts_sta
 }
 
 #[tokio::test(start_paused = true)]
+async fn an_agent_named_like_the_overflow_series_is_counted_in_it() {
+    let agg = Aggregator::new(10, Instant::now());
+    let svc = agg.service(OTHER);
+    agg.ingest(
+        &svc,
+        &report(1, &[(OTHER, 4, 1), ("payments", 2, 0)]),
+        Instant::now(),
+    );
+    let stats = agg.stats(Instant::now(), all());
+    let labels: Vec<(&str, &str, u64)> = stats
+        .series
+        .iter()
+        .map(|s| {
+            let calls = s.lifetime.as_ref().map_or(0, |c| c.calls);
+            (s.service.as_str(), s.endpoint.as_str(), calls)
+        })
+        .collect();
+    assert_eq!(labels, [(OTHER, "payments", 2), (OTHER, OTHER, 4)]);
+}
+
+#[tokio::test(start_paused = true)]
 async fn series_past_the_cap_are_counted_in_other() {
     let agg = Aggregator::new(2, Instant::now());
     let a = agg.service("checkout");
@@ -309,8 +330,32 @@ async fn stats_filter_by_service_and_endpoint_and_sum_endpoints_over_services() 
         },
     );
     assert_eq!(names(&by_service), [pair("search", "payments")]);
-    assert_eq!(by_service.endpoints[0].calls, 5);
+    // The per-endpoint totals cover every service whatever the service filter (the message
+    // says "summed over the fleet"); only the endpoint filter narrows them.
+    assert_eq!(by_service.endpoints, stats.endpoints);
     assert!(stats.now_unix_ms > 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_firing_alert_goes_on_when_the_traffic_drops_but_the_ratio_stays_high() {
+    let agg = Aggregator::new(10, Instant::now());
+    let svc = agg.service("checkout");
+    let alert = |agg: &Aggregator| agg.views(Instant::now(), all())[0].alert;
+    agg.ingest(&svc, &report(1, &[("payments", 20, 10)]), Instant::now());
+    assert_eq!(agg.tick(Instant::now()), 1);
+    let started = alert(&agg).since_unix_ms;
+    // The first 20 calls leave the window; 3 new calls, all retried: below the volume needed
+    // to start an alert, but still a ratio far above the threshold.
+    advance(Duration::from_secs(200)).await;
+    agg.ingest(&svc, &report(1, &[("payments", 3, 3)]), Instant::now());
+    advance(Duration::from_secs(110)).await;
+    let a = alert(&agg);
+    assert!(a.firing, "{a:?}");
+    assert_eq!((a.ratio, a.since_unix_ms), (1.0, started));
+    // The ratio falls to the threshold: it ends.
+    agg.ingest(&svc, &report(1, &[("payments", 57, 0)]), Instant::now());
+    assert_eq!(agg.tick(Instant::now()), 0);
+    assert!(!alert(&agg).firing);
 }
 
 #[tokio::test(start_paused = true)]
