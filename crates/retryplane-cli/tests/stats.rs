@@ -355,6 +355,45 @@ fn calls_made_by_a_real_agent_show_in_stats() {
 }
 
 #[test]
+fn an_endpoint_retrying_too_much_is_flagged_in_status_stats_and_top() {
+    let server = TestServer::start(None);
+    let agent = server.agent();
+    server.runtime.block_on(async {
+        // 20 calls (the volume an alert needs), each after one retry: a ratio of 100 %.
+        for _ in 0..20 {
+            call(&agent, &[503]).await;
+        }
+    });
+    let status = eventually("status shows the alert", || {
+        let json = json_of(
+            &server
+                .retryplane(&["status", "--output", "json"])
+                .assert()
+                .code(0),
+        );
+        (json["alerts"].as_array().map(Vec::len) == Some(1)).then_some(json)
+    });
+    assert_eq!(status["alerts"][0]["endpoint"], "ep");
+    assert_eq!(status["alerts"][0]["service"], "checkout");
+    assert_eq!(status["alerts"][0]["ratio"], 1.0);
+    let text = stdout_of(&server.retryplane(&["status"]).assert().code(0));
+    assert!(
+        text.contains("alert: ep (checkout) retry ratio 100.0% > 5.0% over 5m"),
+        "{text}"
+    );
+    let stats = stdout_of(&server.retryplane(&["stats"]).assert().code(0));
+    assert!(stats.contains("ALERT 100.0% > 5.0%"), "{stats}");
+    let top = stdout_of(
+        &server
+            .retryplane(&["top", "--iterations", "1"])
+            .assert()
+            .code(0),
+    );
+    let row = top.lines().find(|l| l.contains(" ep ")).unwrap_or_default();
+    assert!(row.starts_with('!'), "the alerting row is marked:\n{top}");
+}
+
+#[test]
 fn errors_exit_like_the_other_admin_commands() {
     let dead = dead_server();
     for args in [
