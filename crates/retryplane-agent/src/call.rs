@@ -62,6 +62,19 @@ impl Endpoint {
         self.shared.metrics.pending(&self.name)
     }
 
+    /// When a call described by `meta` that starts at `start` must be over, under the policies
+    /// in force now: what its [`AttemptInfo::deadline`] would say (30 years after `start` for
+    /// a deadline too long for an `Instant`, as the engine does).
+    pub(crate) fn deadline_of(&self, meta: &CallMeta<'_>, start: Instant) -> Instant {
+        const FAR_FUTURE: std::time::Duration = std::time::Duration::from_secs(86_400 * 365 * 30);
+        let snapshot = self.shared.policies.load();
+        let (policy, _) = snapshot.resolve(&self.name, &meta.target());
+        start
+            .checked_add(policy.deadline)
+            .or_else(|| start.checked_add(FAR_FUTURE))
+            .unwrap_or(start)
+    }
+
     /// Runs `attempt` under the endpoint's policy, classifying results with [`Classify`].
     ///
     /// `attempt` is called once per attempt with its [`AttemptInfo`]; its future is dropped

@@ -6,8 +6,11 @@
 mod support;
 
 use std::collections::VecDeque;
+use std::future::Future as _;
 use std::io;
+use std::pin::Pin;
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -17,12 +20,17 @@ use retryplane_agent::layer::{
     Dedup, DedupStats, Deduplicated, GaveUp, ReplayBody, Retry, RetryLayer, SharedBody,
 };
 use support::{agent, policy};
-use tokio::sync::Semaphore;
+use tokio::sync::{Semaphore, mpsc};
 use tokio::task::JoinHandle;
+use tokio::time::Instant;
 use tower::{Layer as _, ServiceExt as _, service_fn};
 
 /// Long per-try timeout and deadline: requests held at the gate never time out in a test.
 const POLICY: &str = "max_attempts: 3\ndeadline: 600s\nper_try_timeout: 600s";
+
+/// A deadline the tests that wait for it reach (on tokio's paused clock).
+const SHORT: &str = "max_attempts: 3\ndeadline: 10s\nper_try_timeout: 10s";
+const DEADLINE: Duration = Duration::from_secs(10);
 
 /// What one request to the upstream does once the gate lets it through.
 #[derive(Clone, Copy, Debug)]
@@ -102,7 +110,11 @@ fn upstream(
 type Client<S> = Retry<S, Dedup>;
 
 fn client<S>(svc: S, dedup: &Dedup) -> Client<S> {
-    let agent = agent(&policy(POLICY));
+    client_with(svc, dedup, POLICY)
+}
+
+fn client_with<S>(svc: S, dedup: &Dedup, yaml: &str) -> Client<S> {
+    let agent = agent(&policy(yaml));
     RetryLayer::new(agent.endpoint("ep"))
         .with_dedup(dedup.clone())
         .layer(svc)
@@ -532,4 +544,203 @@ async fn without_dedup_identical_requests_each_make_a_call() {
         assert_eq!(response.status(), 200);
         assert!(response.extensions().get::<Deduplicated>().is_none());
     }
+}
+
+#[tokio::test(start_paused = true)]
+async fn requests_that_differ_only_in_proxy_authorization_are_not_shared() {
+    let proxy = |v: &str| get("http://up/me").header("proxy-authorization", v);
+    assert!(
+        !shared(
+            Dedup::default(),
+            req(proxy("Basic a"), ""),
+            req(proxy("Basic b"), "")
+        )
+        .await
+    );
+    assert!(
+        shared(
+            Dedup::default(),
+            req(proxy("Basic a"), ""),
+            req(proxy("Basic a"), "")
+        )
+        .await
+    );
+}
+
+/// A response body whose chunks come when the test sends them; it ends when the sender is
+/// dropped.
+struct ChanBody(mpsc::UnboundedReceiver<Bytes>);
+
+impl http_body::Body for ChanBody {
+    type Data = Bytes;
+    type Error = io::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, io::Error>>> {
+        self.0
+            .poll_recv(cx)
+            .map(|chunk| chunk.map(|c| Ok(http_body::Frame::data(c))))
+    }
+}
+
+/// An upstream that answers at once: request 0 with its head and `first`, the rest of its
+/// body held until the test sends it (through the sender it leaves in the returned slot);
+/// request `n` > 0 with `answer n`, whole. Counts the requests it saw.
+#[allow(clippy::type_complexity)]
+fn stalling_upstream(
+    first: &'static str,
+) -> (
+    impl tower::Service<
+        Request<Body>,
+        Response = Response<ChanBody>,
+        Error = io::Error,
+        Future = impl Send,
+    > + Clone
+    + Send
+    + 'static,
+    Arc<Mutex<Option<mpsc::UnboundedSender<Bytes>>>>,
+    Arc<Mutex<usize>>,
+) {
+    let stalled = Arc::new(Mutex::new(None));
+    let seen = Arc::new(Mutex::new(0usize));
+    let (slot, count) = (stalled.clone(), seen.clone());
+    let svc = service_fn(move |_req: Request<Body>| {
+        let (slot, count) = (slot.clone(), count.clone());
+        async move {
+            let n = {
+                let mut seen = count.lock().unwrap();
+                *seen += 1;
+                *seen - 1
+            };
+            let (tx, rx) = mpsc::unbounded_channel();
+            if n == 0 {
+                tx.send(Bytes::from_static(first.as_bytes())).unwrap();
+                *slot.lock().unwrap() = Some(tx);
+            } else {
+                tx.send(Bytes::from(format!("answer {n}"))).unwrap();
+            }
+            Ok::<_, io::Error>(
+                Response::builder()
+                    .header("x-call", n.to_string())
+                    .body(ChanBody(rx))
+                    .unwrap(),
+            )
+        }
+    });
+    (svc, stalled, seen)
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_leader_whose_body_stalls_hands_its_followers_to_their_own_calls_by_its_deadline() {
+    let (svc, stalled, seen) = stalling_upstream("part one, ");
+    let dedup = Dedup::default();
+    let agent = agent(&policy(SHORT));
+    let client = RetryLayer::new(agent.endpoint("ep"))
+        .with_dedup(dedup.clone())
+        .layer(svc);
+    let t0 = Instant::now();
+    let c = client.clone();
+    let leader = tokio::spawn(async move { c.oneshot(req(get("http://up/slow"), "")).await });
+    until("the upstream answers the leader's head", || {
+        stalled.lock().unwrap().is_some()
+    })
+    .await;
+    // Followers come later: their own deadlines are after the leader's.
+    tokio::time::sleep(DEADLINE / 2).await;
+    let followers: Vec<_> = (0..2)
+        .map(|_| {
+            let c = client.clone();
+            tokio::spawn(async move {
+                let response = c.oneshot(req(get("http://up/slow"), "")).await.unwrap();
+                let at = t0.elapsed();
+                let call = response.headers()["x-call"].to_str().unwrap().to_owned();
+                let copy = response.extensions().get::<Deduplicated>().is_some();
+                let body = response.into_body().collect().await.unwrap().to_bytes();
+                (at, call, copy, body)
+            })
+        })
+        .collect();
+    until("two followers wait", || dedup.stats().waiting == 2).await;
+
+    // The leader's body read ends at its deadline: each follower makes its own call then.
+    let mut calls = Vec::new();
+    for f in followers {
+        let (at, call, copy, body) = tokio::time::timeout(Duration::from_secs(60), f)
+            .await
+            .expect("a follower hung")
+            .unwrap();
+        assert!(
+            at >= DEADLINE && at <= DEADLINE + Duration::from_millis(1),
+            "{at:?}"
+        );
+        assert!(!copy);
+        assert_eq!(body, format!("answer {call}"));
+        calls.push(call);
+    }
+    calls.sort();
+    assert_eq!(calls, ["1", "2"]);
+
+    // The leader's caller has the response head, before the upstream sends the rest.
+    let response = tokio::time::timeout(Duration::from_secs(60), leader)
+        .await
+        .expect("the leader hung")
+        .unwrap()
+        .unwrap();
+    assert!(t0.elapsed() <= DEADLINE + Duration::from_millis(1));
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.headers()["x-call"], "0");
+    assert!(response.extensions().get::<Deduplicated>().is_none());
+    let rest = stalled.lock().unwrap().take().unwrap();
+    rest.send(Bytes::from_static(b"part two")).unwrap();
+    drop(rest);
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(&body[..], b"part one, part two");
+
+    assert_eq!(*seen.lock().unwrap(), 3);
+    assert_eq!(
+        dedup.stats(),
+        DedupStats {
+            led: 1,
+            shared: 0,
+            own_calls: 2,
+            waiting: 0,
+            in_flight: 0
+        }
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_follower_of_a_leader_that_is_not_polled_calls_itself_at_its_deadline() {
+    let (svc, up) = upstream(&[]);
+    let dedup = Dedup::default();
+    let client = client_with(svc, &dedup, SHORT);
+    // Polled once: the leader reaches the upstream and waits at the gate. Its caller holds it
+    // and never polls it again.
+    let mut leader = Box::pin(client.clone().oneshot(req(get("http://up/x"), "")));
+    let polled = std::future::poll_fn(|cx| Poll::Ready(leader.as_mut().poll(cx))).await;
+    assert!(polled.is_pending());
+    assert_eq!(up.seen(), 1);
+
+    let t0 = Instant::now();
+    let follower = spawn(&client, req(get("http://up/x"), ""));
+    until("the follower waits", || dedup.stats().waiting == 1).await;
+    // The first permit goes to the leader's place in the gate's queue.
+    up.open(2);
+    let (status, call, body, copy) = join(follower).await.unwrap();
+    assert_eq!(
+        (status, call.as_deref(), &body[..], copy),
+        (200, Some("1"), &b"answer 1"[..], false)
+    );
+    let waited = t0.elapsed();
+    assert!(
+        waited >= DEADLINE && waited <= DEADLINE + Duration::from_millis(1),
+        "{waited:?}"
+    );
+    assert_eq!(up.seen(), 2);
+    let stats = dedup.stats();
+    assert_eq!((stats.own_calls, stats.waiting, stats.in_flight), (1, 0, 1));
+    drop(leader);
+    assert_eq!(dedup.stats().in_flight, 0);
 }

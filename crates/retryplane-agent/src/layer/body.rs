@@ -9,6 +9,7 @@ use bytes::{Buf, Bytes};
 use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt as _;
+use tokio::time::{Instant, Sleep};
 
 use super::BoxError;
 
@@ -62,9 +63,10 @@ pub(crate) async fn buffer<B>(body: B, limit: usize) -> Result<Buffered<B>, B::E
 where
     B: Body<Data = Bytes>,
 {
-    match read_up_to(Box::pin(body), limit).await {
+    match read_up_to(Box::pin(body), limit, None).await {
         Ok(Read::Whole(data, trailers)) => Ok(Buffered::Replayable(data, trailers)),
-        Ok(Read::Over(prefix, rest)) => Ok(Buffered::Once(ReplayBody {
+        // `Late` cannot happen without a deadline; were it to, the body is sent as it comes.
+        Ok(Read::Over(prefix, rest) | Read::Late(prefix, rest)) => Ok(Buffered::Once(ReplayBody {
             inner: Inner::Streaming { prefix, rest },
         })),
         Err((_, e)) => Err(e),
@@ -77,12 +79,18 @@ pub(crate) enum Read<B> {
     Whole(Bytes, Option<HeaderMap>),
     /// More than the limit: the chunks read so far and the rest.
     Over(VecDeque<Bytes>, Pin<Box<B>>),
+    /// The deadline passed before the end: the chunks read so far and the rest.
+    Late(VecDeque<Bytes>, Pin<Box<B>>),
 }
 
-/// Reads `body` while it stays within `limit` bytes; on an error, the chunks read before it.
+/// Reads `body` while it stays within `limit` bytes and, if there is one, until `deadline`
+/// (tokio's clock; a frame already there is still taken after it); on an error, the chunks
+/// read before it. Nothing read is lost: [`Read::Over`] and [`Read::Late`] hand back the
+/// chunks and the body where it stopped.
 pub(crate) async fn read_up_to<B>(
     mut body: Pin<Box<B>>,
     limit: usize,
+    deadline: Option<Instant>,
 ) -> Result<Read<B>, (VecDeque<Bytes>, B::Error)>
 where
     B: Body,
@@ -95,7 +103,21 @@ where
     let mut chunks = VecDeque::new();
     let mut len = 0usize;
     let mut trailers = None;
-    while let Some(frame) = body.frame().await {
+    // Registered with the timer only if a frame is not there at once.
+    let sleep = deadline.map(tokio::time::sleep_until);
+    tokio::pin!(sleep);
+    loop {
+        // The body first: a frame that is ready wins over a deadline that has passed.
+        let next = tokio::select! {
+            biased;
+            frame = body.frame() => Some(frame),
+            () = expired(sleep.as_mut()) => None,
+        };
+        let frame = match next {
+            Some(Some(frame)) => frame,
+            Some(None) => break,
+            None => return Ok(Read::Late(chunks, body)),
+        };
         let frame = match frame {
             Ok(frame) => frame,
             Err(e) => return Err((chunks, e)),
@@ -128,6 +150,14 @@ where
         }
     };
     Ok(Read::Whole(data, trailers))
+}
+
+/// Ends when `sleep` does; never without one.
+async fn expired(sleep: Pin<&mut Option<Sleep>>) {
+    match sleep.as_pin_mut() {
+        Some(sleep) => sleep.await,
+        None => std::future::pending().await,
+    }
 }
 
 impl<B> Body for ReplayBody<B>

@@ -5,11 +5,15 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use bytes::Bytes;
-use http::header::{ACCEPT, ACCEPT_ENCODING, ACCEPT_LANGUAGE, AUTHORIZATION, COOKIE, HOST};
+use http::header::{
+    ACCEPT, ACCEPT_ENCODING, ACCEPT_LANGUAGE, AUTHORIZATION, COOKIE, HOST, PROXY_AUTHORIZATION,
+};
 use http::request::Parts;
 use http::{HeaderMap, HeaderName, Method, Response, response};
 use sha2::{Digest as _, Sha256};
 use tokio::sync::watch;
+use tokio::time::Instant;
+use tracing::debug;
 
 use super::body::SharedBody;
 
@@ -21,8 +25,16 @@ pub const DEFAULT_SHARED_RESPONSE_LIMIT: usize = 1024 * 1024;
 ///
 /// Clones share one table of calls in flight and one set of [`DedupStats`]. Defaults: `GET`
 /// and `HEAD` are shared; the key covers the method, the full URI, the body and the values of
-/// `Host`, `Authorization`, `Cookie`, `Accept`, `Accept-Encoding` and `Accept-Language`;
-/// responses up to [`DEFAULT_SHARED_RESPONSE_LIMIT`] are shared.
+/// `Host`, `Authorization`, `Proxy-Authorization`, `Cookie`, `Accept`, `Accept-Encoding` and
+/// `Accept-Language`; responses up to [`DEFAULT_SHARED_RESPONSE_LIMIT`] are shared.
+///
+/// # Warning: credentials in other headers
+///
+/// Only the headers listed above (and those added) are compared. A request that carries its
+/// credentials or its tenant in any other header (`X-Api-Key`, `X-Auth-Token`, `X-Tenant`, …)
+/// **must** add it with [`Dedup::vary_on`] (or use [`Dedup::vary_on_all_headers`]):
+/// otherwise two callers that differ only in it share one response, and one caller gets an
+/// answer meant for another.
 #[derive(Clone, Debug)]
 pub struct Dedup {
     config: Arc<Config>,
@@ -69,7 +81,8 @@ pub struct DedupStats {
     /// Requests answered with a copy of a leader's response, without a call of their own.
     pub shared: u64,
     /// Requests that waited for a leader and then made their own call: the leader failed
-    /// with an error, or its response body was over the limit.
+    /// with an error, its response body was over the limit or not read by its deadline, or
+    /// the request's own deadline passed while it waited.
     pub own_calls: u64,
     /// Requests waiting for a leader right now.
     pub waiting: u64,
@@ -90,7 +103,8 @@ type Key = [u8; 32];
 pub(crate) enum Landing {
     /// A response to copy.
     Shared(Arc<SharedResponse>),
-    /// Nothing to share (an error, or a body over the limit): make your own call.
+    /// Nothing to share (an error, or a body over the limit or not read by the deadline):
+    /// make your own call.
     OwnCall,
 }
 
@@ -171,13 +185,19 @@ pub(crate) struct Follower {
 }
 
 impl Follower {
-    /// The leader's landing; `None` if the leader was dropped without one.
-    pub(crate) async fn wait(mut self) -> Option<Landing> {
+    /// The leader's landing; `None` if the leader was dropped without one. Waits no later than
+    /// `deadline` (tokio's clock): then it is [`Landing::OwnCall`], whatever the leader does.
+    pub(crate) async fn wait(mut self, deadline: Instant) -> Option<Landing> {
         let waiting = Waiting::enter(&self.state.waiting);
-        let landing = match self.rx.wait_for(Option::is_some).await {
-            Ok(landing) => landing.clone(),
-            Err(_closed) => None,
-        };
+        let landing =
+            match tokio::time::timeout_at(deadline, self.rx.wait_for(Option::is_some)).await {
+                Ok(Ok(landing)) => landing.clone(),
+                Ok(Err(_closed)) => None,
+                Err(_elapsed) => {
+                    debug!("deadline passed waiting for an identical call; making its own");
+                    Some(Landing::OwnCall)
+                }
+            };
         match &landing {
             Some(Landing::Shared(_)) => self.state.shared.fetch_add(1, Relaxed),
             Some(Landing::OwnCall) => self.state.own_calls.fetch_add(1, Relaxed),
@@ -220,6 +240,7 @@ impl Dedup {
         let mut listed = vec![
             HOST,
             AUTHORIZATION,
+            PROXY_AUTHORIZATION,
             COOKIE,
             ACCEPT,
             ACCEPT_ENCODING,
@@ -246,8 +267,10 @@ impl Dedup {
         self
     }
 
-    /// Makes the values of `name` part of the key too (say `X-Tenant`): requests that differ
-    /// in it are not shared.
+    /// Makes the values of `name` part of the key too (say `X-Tenant`, or `X-Api-Key`):
+    /// requests that differ in it are not shared. Every header that carries a credential or
+    /// otherwise changes the answer and is not in the default list must be added (see the
+    /// warning on [`Dedup`]).
     pub fn vary_on(mut self, name: HeaderName) -> Self {
         if let Vary::Listed(names) = &mut Arc::make_mut(&mut self.config).vary {
             names.push(name);
@@ -264,7 +287,8 @@ impl Dedup {
     }
 
     /// The largest response body read into memory to be shared; with a larger one, the leader
-    /// gets it as it comes and those waiting make their own calls.
+    /// gets it as it comes (the bytes read so far first) and those waiting make their own
+    /// calls.
     pub fn with_response_limit(mut self, limit: usize) -> Self {
         Arc::make_mut(&mut self.config).response_limit = limit;
         self
@@ -433,6 +457,16 @@ mod tests {
             &[("authorization", "a"), ("x-id", "1")],
         );
         assert_eq!(k, d.key("ep", &extra, b"body"));
+    }
+
+    #[test]
+    fn proxy_authorization_is_in_the_default_key() {
+        let d = Dedup::default();
+        let with = |v: &str| head("GET", "http://h/p", &[("proxy-authorization", v)]);
+        let k = d.key("ep", &with("Basic a"), b"");
+        assert_eq!(k, d.key("ep", &with("Basic a"), b""));
+        assert_ne!(k, d.key("ep", &with("Basic b"), b""));
+        assert_ne!(k, d.key("ep", &head("GET", "http://h/p", &[]), b""));
     }
 
     #[test]

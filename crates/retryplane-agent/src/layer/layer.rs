@@ -1,14 +1,16 @@
 //! [`RetryLayer`] and the [`Retry`] service it wraps around a client.
 
 use std::fmt;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use http::request::Parts;
 use http::{HeaderMap, Request, Response, StatusCode};
 use http_body::Body;
+use tokio::time::Instant;
 use tower::{Layer, Service, ServiceExt as _};
+use tracing::debug;
 
 use super::auth::{DynRefresh, HttpReauth, RefreshCredentials, RefreshFailed, lock};
 use super::body::{Buffered, Read, ReplayBody, SharedBody, buffer, read_up_to};
@@ -17,7 +19,7 @@ use super::{BoxError, DEFAULT_BODY_LIMIT, GaveUp, ResponseFuture, RetryError};
 use crate::call::Endpoint;
 use crate::classify::{Classify as _, classify_boxed};
 use crate::error::{CallError, Last};
-use crate::meta::CallMeta;
+use crate::meta::{AttemptInfo, CallMeta};
 
 /// Wraps a `Service<http::Request<B>>` in [`Retry`]. Defaults: bodies up to
 /// [`DEFAULT_BODY_LIMIT`] are buffered for replay; no credential refresh; no de-duplication
@@ -153,7 +155,7 @@ where
         let settings = self.settings.clone();
         ResponseFuture::new(Box::pin(async move {
             let prepared = prepare(request, settings.body_limit).await?;
-            send(inner, &settings, prepared).await
+            send(inner, &settings, prepared, None).await
         }))
     }
 }
@@ -214,11 +216,13 @@ where
     })
 }
 
-/// Runs one logical call of `prepared`.
+/// Runs one logical call of `prepared`. With `deadline`, the call's deadline is set in it
+/// once an attempt is made.
 async fn send<S, B, RB>(
     inner: S,
     settings: &Settings,
     prepared: Prepared<B>,
+    deadline: Option<&OnceLock<Instant>>,
 ) -> Result<Response<RB>, BoxError>
 where
     S: Service<Request<ReplayBody<B>>, Response = Response<RB>> + Clone,
@@ -244,7 +248,11 @@ where
             let head = Mutex::new(head);
             let (head, data, trailers) = (&head, &data, &trailers);
             // `inner` moves in: the closure must not share `S` across threads.
-            let attempt = move |_| {
+            let attempt = move |info: AttemptInfo| {
+                if let Some(seen) = deadline {
+                    // The same for every attempt of the call: the first sets it.
+                    let _ = seen.set(info.deadline);
+                }
                 let parts = lock(head).clone();
                 let request = Request::from_parts(
                     parts,
@@ -324,31 +332,50 @@ where
         _ => None,
     };
     let Some(key) = key else {
-        return passthrough(send(inner, &settings, prepared).await);
+        return passthrough(send(inner, &settings, prepared, None).await);
     };
+    // Set when this request first follows: the deadline a call of its own started then
+    // would have. It bounds all its waiting, whichever leaders it follows.
+    let mut wait_until = None;
     loop {
         match dedup.join(key) {
             Role::Lead(leader) => {
-                let result = send(inner, &settings, prepared).await;
-                return land(result, leader, dedup.response_limit()).await;
+                let deadline = OnceLock::new();
+                let result = send(inner, &settings, prepared, Some(&deadline)).await;
+                // A response comes from an attempt, which set the deadline; were it unset,
+                // nothing is waited for.
+                let deadline = deadline.get().copied().unwrap_or_else(Instant::now);
+                return land(result, leader, dedup.response_limit(), deadline).await;
             }
-            Role::Follow(follower) => match follower.wait().await {
-                Some(Landing::Shared(response)) => return Ok(response.copy()),
-                Some(Landing::OwnCall) => {
-                    return passthrough(send(inner, &settings, prepared).await);
+            Role::Follow(follower) => {
+                let until = *wait_until.get_or_insert_with(|| match &prepared {
+                    Prepared::Buffered { head, .. } | Prepared::Once { head, .. } => {
+                        let meta = CallMeta::http(head.method.as_str(), head.uri.path());
+                        settings.endpoint.deadline_of(&meta, Instant::now())
+                    }
+                });
+                match follower.wait(until).await {
+                    Some(Landing::Shared(response)) => return Ok(response.copy()),
+                    Some(Landing::OwnCall) => {
+                        return passthrough(send(inner, &settings, prepared, None).await);
+                    }
+                    // The leader was dropped (its caller went away): lead or follow anew.
+                    None => {}
                 }
-                // The leader was dropped (its caller went away): lead or follow anew.
-                None => {}
-            },
+            }
         }
     }
 }
 
-/// The leader's response, read into memory (up to `limit`) and shared with the followers.
+/// The leader's response, read into memory (up to `limit`, until the call's `deadline`) and
+/// shared with the followers. A body over the limit or not read by the deadline is not
+/// shared: the followers make their own calls and the leader's caller gets the bytes read so
+/// far followed by the rest as it comes.
 async fn land<RB>(
     result: Result<Response<RB>, BoxError>,
     leader: Leader,
     limit: usize,
+    deadline: Instant,
 ) -> Result<Response<SharedBody<RB>>, BoxError>
 where
     RB: Body,
@@ -362,7 +389,7 @@ where
         }
     };
     let (parts, body) = response.into_parts();
-    match read_up_to(Box::pin(body), limit).await {
+    match read_up_to(Box::pin(body), limit, Some(deadline)).await {
         Ok(Read::Whole(data, trailers)) => {
             let shared = SharedResponse::new(parts.clone(), data.clone(), trailers.clone());
             leader.land(Landing::Shared(Arc::new(shared)));
@@ -372,6 +399,14 @@ where
             ))
         }
         Ok(Read::Over(prefix, rest)) => {
+            leader.land(Landing::OwnCall);
+            Ok(Response::from_parts(
+                parts,
+                SharedBody::streaming(prefix, rest),
+            ))
+        }
+        Ok(Read::Late(prefix, rest)) => {
+            debug!("response body not read by the deadline; not shared");
             leader.land(Landing::OwnCall);
             Ok(Response::from_parts(
                 parts,

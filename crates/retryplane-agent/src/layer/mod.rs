@@ -73,19 +73,34 @@
 //!   (within the body limit) and that carry no trailers. Everything else makes its own call.
 //! - Same request: same endpoint, method, full URI (query included), body (compared by a
 //!   SHA-256 digest) and values of the headers that change the answer: `Host`,
-//!   `Authorization`, `Cookie`, `Accept`, `Accept-Encoding`, `Accept-Language`, plus
-//!   [`Dedup::vary_on`] names, or every header with [`Dedup::vary_on_all_headers`]. The
-//!   table keeps only the digest, never a header value. Request extensions are not compared.
+//!   `Authorization`, `Proxy-Authorization`, `Cookie`, `Accept`, `Accept-Encoding`,
+//!   `Accept-Language`, plus [`Dedup::vary_on`] names, or every header with
+//!   [`Dedup::vary_on_all_headers`]. The table keeps only the digest, never a header value.
+//!   Request extensions are not compared.
+//! - **Credentials in any other header** (`X-Api-Key`, a tenant header, …) are not compared
+//!   unless added with [`Dedup::vary_on`]: without that, callers that differ only in them share
+//!   one response, and one gets an answer meant for another.
 //! - The response is shared once its body is read into memory, up to
-//!   [`Dedup::with_response_limit`] ([`DEFAULT_SHARED_RESPONSE_LIMIT`]); the client's response
-//!   body type becomes [`SharedBody`]. With a larger body, the leader gets it as it comes and
-//!   each follower makes its own call.
+//!   [`Dedup::with_response_limit`] ([`DEFAULT_SHARED_RESPONSE_LIMIT`]) and no later than the
+//!   leader's deadline (the policy's, from the start of its call); the client's response body
+//!   type becomes [`SharedBody`]. With a larger body, or one not all there by the deadline,
+//!   nothing is shared: the leader's caller gets the response with the bytes read so far
+//!   followed by the rest as it comes (with no further bound from the layer, as without
+//!   de-duplication), and each follower makes its own call.
 //! - A leader that ends with an error (no response) shares nothing: each follower makes its
 //!   own call (under the same budget and breaker), so it gets an error of its own with its
 //!   real type. A response the call gave up on (a 503 after the last attempt) is shared.
 //! - A leader whose caller goes away (its future dropped) leaves: its followers start over,
-//!   one of them leading. Followers wait as long as the leader takes, no longer than its
-//!   call (bounded by the deadline) and the reading of its response body.
+//!   one of them leading.
+//! - Bounds: the leader's call and the reading of its response body both end by the leader's
+//!   deadline, so the leader's caller gets the response head by then and followers get a copy
+//!   or are sent to their own calls by then. Each follower also waits no later than its own
+//!   deadline (the one a call of its own would have had, counted from when it started
+//!   waiting), in case the leader's future is not polled (its caller holds it without awaiting
+//!   it) or a policy update gave the leader a longer deadline; then it makes its own call.
+//!   A follower's own call (or the call it leads after its leader left) runs under a deadline
+//!   of its own from when it starts: a follower's caller waits at most its deadline for a
+//!   copy, plus one call of its own.
 //! - The table holds a call only while it is in flight: the leader removes it when it ends
 //!   or is dropped. Its lock is held only to look up, insert or remove.
 //!
