@@ -19,6 +19,7 @@ use retryplane_policy::engine::{CallInfo, Decision, GiveUpCause, Outcome, RetryC
 use retryplane_policy::retry_after::RetryAfterError;
 use retryplane_policy::rng::{Rng, SeededRng};
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use crate::agent::Shared;
@@ -190,45 +191,19 @@ impl Endpoint {
             if let Ok(r) = &result
                 && reauth.wants(r)
             {
-                // Once per call: refresh within what is left of the deadline, then send the
-                // same attempt again. A failed or late refresh leaves the first answer. (Rare:
-                // the clock reads and the boxed future here are off the success path.)
-                let cancelled = async {
-                    match cancel {
-                        Some(cancel) => cancel.cancelled().await,
-                        None => std::future::pending().await,
-                    }
-                };
-                tokio::pin!(cancelled);
-                let left = call.deadline().saturating_duration_since(Instant::now());
-                let refreshed = tokio::select! {
-                    biased;
-                    () = &mut cancelled => break End::Fail(Cause::Cancelled, last, last_outcome),
-                    r = tokio::time::timeout(left, reauth.refresh()) => r.unwrap_or(false),
-                };
-                let left = call.deadline().saturating_duration_since(Instant::now());
-                if refreshed && !left.is_zero() {
-                    debug!(
-                        endpoint = %self.name,
-                        attempt = plan.number,
-                        "credentials refreshed, sending again"
-                    );
-                    let info = AttemptInfo {
-                        timeout: call.policy().per_try_timeout.min(left),
-                        ..info
-                    };
-                    let run = tokio::time::timeout(info.timeout, attempt(info));
-                    result = tokio::select! {
-                        biased;
-                        () = &mut cancelled => break End::Fail(Cause::Cancelled, last, last_outcome),
-                        r = run => r,
-                    };
-                } else {
-                    debug!(
-                        endpoint = %self.name,
-                        attempt = plan.number,
-                        "credentials not refreshed, the answer stands"
-                    );
+                // Boxed: the refresh's state stays out of every call's future.
+                let resend = Box::pin(self.refresh_and_resend(
+                    reauth,
+                    &mut attempt,
+                    info,
+                    call.policy().per_try_timeout,
+                    cancel,
+                ))
+                .await;
+                match resend {
+                    Resend::Cancelled => break End::Fail(Cause::Cancelled, last, last_outcome),
+                    Resend::Kept => {}
+                    Resend::Sent(r) => result = r,
                 }
             }
             now = Instant::now();
@@ -355,6 +330,61 @@ impl Endpoint {
         }
     }
 
+    /// The once-only credential refresh of [`Endpoint::call_reauth`]: refreshes within what is
+    /// left of the deadline, then sends the attempt `info` again with a fresh per-try timeout.
+    /// A failed or late refresh keeps the first answer.
+    async fn refresh_and_resend<T, E, F, Fut, A>(
+        &self,
+        reauth: &mut A,
+        attempt: &mut F,
+        info: AttemptInfo,
+        per_try_timeout: std::time::Duration,
+        cancel: Option<&CancellationToken>,
+    ) -> Resend<T, E>
+    where
+        F: FnMut(AttemptInfo) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+        A: Reauth<T, E>,
+    {
+        let cancelled = async {
+            match cancel {
+                Some(cancel) => cancel.cancelled().await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::pin!(cancelled);
+        let left = info.deadline.saturating_duration_since(Instant::now());
+        let refreshed = tokio::select! {
+            biased;
+            () = &mut cancelled => return Resend::Cancelled,
+            r = tokio::time::timeout(left, reauth.refresh()) => r.unwrap_or(false),
+        };
+        let left = info.deadline.saturating_duration_since(Instant::now());
+        if !refreshed || left.is_zero() {
+            debug!(
+                endpoint = %self.name,
+                attempt = info.number,
+                "credentials not refreshed, the answer stands"
+            );
+            return Resend::Kept;
+        }
+        debug!(
+            endpoint = %self.name,
+            attempt = info.number,
+            "credentials refreshed, sending again"
+        );
+        let info = AttemptInfo {
+            timeout: per_try_timeout.min(left),
+            ..info
+        };
+        let run = tokio::time::timeout(info.timeout, attempt(info));
+        tokio::select! {
+            biased;
+            () = &mut cancelled => Resend::Cancelled,
+            r = run => Resend::Sent(r),
+        }
+    }
+
     fn debug_attempt(
         &self,
         attempt: u32,
@@ -372,6 +402,16 @@ impl Endpoint {
             "attempt"
         );
     }
+}
+
+/// What [`Endpoint::refresh_and_resend`] did.
+enum Resend<T, E> {
+    /// The call was cancelled meanwhile.
+    Cancelled,
+    /// No refresh (it failed, or the deadline passed): the first answer stands.
+    Kept,
+    /// The second answer, or its per-try timeout.
+    Sent(Result<Result<T, E>, tokio::time::error::Elapsed>),
 }
 
 /// A once-only step between an attempt's answer and the policy's judgement of it: an answer
