@@ -18,3 +18,5 @@ bench:
     cargo bench -p retryplane-policy --bench engine
     cargo bench -p retryplane-agent --bench call
     cargo bench -p retryplane-agent --bench call_latency
+    cargo bench -p retryplane-server --bench ingest
+    cargo bench -p retryplane-sim --bench simulate
