@@ -317,6 +317,7 @@ impl AdminService for AdminApi {
         let filter = Filter {
             service: given(&req.service),
             endpoint: given(&req.endpoint),
+            firing_only: req.firing_only,
         };
         Ok(Response::new(
             self.control

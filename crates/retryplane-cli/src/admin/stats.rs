@@ -109,6 +109,7 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
         let request = pb::StatsRequest {
             endpoint: settings.endpoint.clone().unwrap_or_default(),
             service: settings.service.clone().unwrap_or_default(),
+            firing_only: false,
         };
         let mut response = match client.stats(request).await {
             Ok(response) => response,

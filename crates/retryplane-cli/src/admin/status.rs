@@ -78,11 +78,17 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
             .agents
             .sort_by(|a, b| (&a.service, &a.agent_id).cmp(&(&b.service, &b.agent_id)));
         // The fleet answer names the alerting endpoints; the figures of their alerts come
-        // from `Stats`, asked only when there is one (a full `Stats` of a large fleet is big).
+        // from `Stats`, asked only when there is one and only for the firing series (a full
+        // `Stats` of a large fleet is big).
         let stats = if response.alerting_endpoints.is_empty() {
             Ok(pb::StatsResponse::default())
         } else {
-            client.stats(pb::StatsRequest::default()).await
+            client
+                .stats(pb::StatsRequest {
+                    firing_only: true,
+                    ..Default::default()
+                })
+                .await
         };
         let stats = match stats {
             Ok(stats) => Some(stats),

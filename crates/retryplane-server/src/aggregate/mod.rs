@@ -122,6 +122,9 @@ pub struct Filter<'a> {
     pub service: Option<&'a str>,
     /// Only this endpoint.
     pub endpoint: Option<&'a str>,
+    /// Only series whose alert is firing (Stats' `series`; its per-endpoint totals are not
+    /// narrowed by it).
+    pub firing_only: bool,
 }
 
 impl Filter<'_> {
@@ -305,6 +308,9 @@ impl Aggregator {
         let mut out = Vec::with_capacity(series.len());
         for s in series {
             let view = s.view(&tick, self.thresholds.get(s.endpoint()));
+            if filter.firing_only && !view.alert.firing {
+                continue;
+            }
             out.push(pb::SeriesStats {
                 service: view.service,
                 endpoint: view.endpoint,

@@ -35,6 +35,7 @@ fn one<'a>(service: &'a str, endpoint: &'a str) -> Filter<'a> {
     Filter {
         service: Some(service),
         endpoint: Some(endpoint),
+        ..Filter::default()
     }
 }
 
@@ -334,6 +335,28 @@ async fn stats_filter_by_service_and_endpoint_and_sum_endpoints_over_services() 
     // says "summed over the fleet"); only the endpoint filter narrows them.
     assert_eq!(by_service.endpoints, stats.endpoints);
     assert!(stats.now_unix_ms > 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn stats_can_list_only_the_firing_series() {
+    let agg = Aggregator::new(10, Instant::now());
+    let svc = agg.service("checkout");
+    agg.ingest(
+        &svc,
+        &report(1, &[("payments", 20, 10), ("inventory", 20, 0)]),
+        Instant::now(),
+    );
+    let firing = agg.stats(
+        Instant::now(),
+        Filter {
+            firing_only: true,
+            ..Filter::default()
+        },
+    );
+    let names: Vec<&str> = firing.series.iter().map(|s| s.endpoint.as_str()).collect();
+    assert_eq!(names, ["payments"]);
+    assert_eq!(firing.endpoints.len(), 2, "the totals are not narrowed");
+    assert_eq!(agg.stats(Instant::now(), all()).series.len(), 2);
 }
 
 #[tokio::test(start_paused = true)]
