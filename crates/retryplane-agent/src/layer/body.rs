@@ -198,16 +198,7 @@ where
             Inner::Buffered { data, .. } => {
                 SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
             }
-            Inner::Streaming { prefix, rest } => {
-                let read: u64 = prefix.iter().map(|c| c.len() as u64).sum();
-                let hint = rest.size_hint();
-                let mut out = SizeHint::new();
-                out.set_lower(hint.lower().saturating_add(read));
-                if let Some(upper) = hint.upper() {
-                    out.set_upper(upper.saturating_add(read));
-                }
-                out
-            }
+            Inner::Streaming { prefix, rest } => prefixed_hint(prefix, rest.size_hint()),
         }
     }
 }
@@ -328,17 +319,20 @@ where
             SharedInner::Full { data, .. } => {
                 SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
             }
-            SharedInner::Streaming { prefix, rest } => {
-                let read: u64 = prefix.iter().map(|c| c.len() as u64).sum();
-                let hint = rest.size_hint();
-                let mut out = SizeHint::new();
-                out.set_lower(hint.lower().saturating_add(read));
-                if let Some(upper) = hint.upper() {
-                    out.set_upper(upper.saturating_add(read));
-                }
-                out
-            }
+            SharedInner::Streaming { prefix, rest } => prefixed_hint(prefix, rest.size_hint()),
             SharedInner::Failed { .. } => SizeHint::new(),
         }
     }
+}
+
+/// The size hint of a body made of `prefix` (chunks already read) followed by a body whose
+/// hint is `rest`.
+fn prefixed_hint(prefix: &VecDeque<Bytes>, rest: SizeHint) -> SizeHint {
+    let read: u64 = prefix.iter().map(|c| c.len() as u64).sum();
+    let mut out = SizeHint::new();
+    out.set_lower(rest.lower().saturating_add(read));
+    if let Some(upper) = rest.upper() {
+        out.set_upper(upper.saturating_add(read));
+    }
+    out
 }
