@@ -237,23 +237,9 @@ async fn roles_are_enforced_over_the_wire() {
 async fn shutdown_ends_agent_streams_with_unavailable() {
     let (_dir, cfg) = with_file(V1);
     let running = start(cfg).await.unwrap();
-    let mut agent = AgentServiceClient::new(channel(running.agent_addr).await);
-    let (tx, rx) = mpsc::channel(4);
-    let hello = pb::Hello {
-        agent_id: "a-1".to_owned(),
-        service: "checkout".to_owned(),
-        ..Default::default()
-    };
-    tx.send(pb::AgentMessage {
-        kind: Some(Kind::Hello(hello)),
-    })
-    .await
-    .unwrap();
-    let mut inbound = agent
-        .connect(ReceiverStream::new(rx))
+    let (tx, mut inbound) = open_stream(running.agent_addr, hello("a-1"), None)
         .await
-        .unwrap()
-        .into_inner();
+        .unwrap();
     let first = inbound.message().await.unwrap().unwrap();
     let snapshot = first.decode_snapshot().unwrap().unwrap();
     assert_eq!(snapshot.version, 1);
@@ -349,23 +335,9 @@ where
 async fn reports_over_a_stream_show_in_metrics_stats_and_fleet_status() {
     let (_dir, cfg) = with_file(V1);
     let running = start(cfg).await.unwrap();
-    let mut agent = AgentServiceClient::new(channel(running.agent_addr).await);
-    let (tx, rx) = mpsc::channel(4);
-    let hello = pb::Hello {
-        agent_id: "a-1".to_owned(),
-        service: "checkout".to_owned(),
-        ..Default::default()
-    };
-    tx.send(pb::AgentMessage {
-        kind: Some(Kind::Hello(hello)),
-    })
-    .await
-    .unwrap();
-    let mut inbound = agent
-        .connect(ReceiverStream::new(rx))
+    let (tx, mut inbound) = open_stream(running.agent_addr, hello("a-1"), None)
         .await
-        .unwrap()
-        .into_inner();
+        .unwrap();
     let snapshot = inbound.message().await.unwrap().unwrap();
     let snapshot = snapshot.decode_snapshot().unwrap().unwrap();
     tx.send(pb::AgentMessage {
