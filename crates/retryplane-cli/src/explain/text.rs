@@ -1,15 +1,15 @@
 //! `explain` for people: a header, the effective policy, the schedule, the load, the warnings.
 //!
 //! ```text
-//! endpoint  payments (config/policies.yaml:44:3)
+//! endpoint  payments (config/policies.yaml:40:3)
 //! call      HTTP POST /v1/charges
-//! route     routes[0]: POST /v1/charges (config/policies.yaml:51:16)
+//! route     routes[0]: POST /v1/charges (config/policies.yaml:48:16)
 //! retried   only when the request carries the `Idempotency-Key` header: POST is not in ...
 //!
 //! effective policy (each value from the most specific layer that sets it: built-in < defaults < endpoint < route)
 //!   field            value   from      set at
-//!   max_attempts     2       route     config/policies.yaml:52:23
-//!   backoff.base     200ms   endpoint  config/policies.yaml:49:13
+//!   max_attempts     2       route     config/policies.yaml:49:23
+//!   backoff.base     200ms   endpoint  config/policies.yaml:45:13
 //!   ...
 //!
 //! schedule (deadline 10s, per_try_timeout 1500ms, jitter decorrelated; times in ms)
