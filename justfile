@@ -6,7 +6,7 @@ run:
 
 # The whole test suite, as CI runs it.
 test:
-    scripts/test
+    bash scripts/test
 
 # What CI checks before the tests.
 lint:
