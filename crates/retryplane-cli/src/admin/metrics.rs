@@ -135,20 +135,12 @@ pub fn find_window(windows: &[pb::WindowStats], window: Window) -> Option<&pb::W
         .find(|w| w.window_seconds == window.seconds())
 }
 
-/// Every series of `response` through `window`, in the server's order, keeping only `service`
-/// and `endpoint` when given (the server filters too; this keeps the view right with a server
-/// that does not).
-pub fn rows<'a>(
-    response: &'a pb::StatsResponse,
-    window: Window,
-    service: Option<&str>,
-    endpoint: Option<&str>,
-) -> Vec<Row<'a>> {
+/// Every series of `response` through `window`, in the server's order (the server applies the
+/// `--service` and `--endpoint` filters).
+pub fn rows(response: &pb::StatsResponse, window: Window) -> Vec<Row<'_>> {
     response
         .series
         .iter()
-        .filter(|s| service.is_none_or(|name| s.service == name))
-        .filter(|s| endpoint.is_none_or(|name| s.endpoint == name))
         .map(|s| Row::new(s, window))
         .collect()
 }
@@ -535,38 +527,10 @@ pub(crate) mod tests {
             ],
             ..Default::default()
         };
-        let mut rows = rows(&response, Window::OneMinute, None, None);
+        let mut rows = rows(&response, Window::OneMinute);
         sort_by_ratio(&mut rows);
         let order: Vec<&str> = rows.iter().map(|r| r.series.endpoint.as_str()).collect();
         assert_eq!(order, ["high", "mid-alerting", "mid", "low", "idle"]);
-    }
-
-    #[test]
-    fn rows_keep_only_the_asked_service_and_endpoint() {
-        let response = pb::StatsResponse {
-            series: vec![
-                series("checkout", "payments", counters(1, 0, 1)),
-                series("search", "payments", counters(1, 0, 1)),
-                series("checkout", "inventory", counters(1, 0, 1)),
-            ],
-            ..Default::default()
-        };
-        assert_eq!(
-            rows(&response, Window::FiveMinutes, Some("checkout"), None).len(),
-            2
-        );
-        assert_eq!(
-            rows(&response, Window::FiveMinutes, None, Some("payments")).len(),
-            2
-        );
-        let one = rows(
-            &response,
-            Window::FiveMinutes,
-            Some("search"),
-            Some("payments"),
-        );
-        assert_eq!(one.len(), 1);
-        assert_eq!(one[0].series.service, "search");
     }
 
     #[test]

@@ -111,15 +111,10 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
             service: settings.service.clone().unwrap_or_default(),
             firing_only: false,
         };
-        let mut response = match client.stats(request).await {
+        let response = match client.stats(request).await {
             Ok(response) => response,
             Err(status) => return Ok(super::failed(&status, String::new())),
         };
-        keep_only(
-            &mut response,
-            settings.service.as_deref(),
-            settings.endpoint.as_deref(),
-        );
         let stdout = match settings.format {
             Format::Json => output::json(&stats_json(&response))?,
             Format::Text if response.series.is_empty() && response.endpoints.is_empty() => {
@@ -135,23 +130,10 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
     })
 }
 
-/// Drops the series and endpoints the filters exclude (the server filters too; this keeps the
-/// output right with a server that does not). Lifetime endpoint totals are over every service,
-/// so only the endpoint filter applies to them.
-pub fn keep_only(response: &mut pb::StatsResponse, service: Option<&str>, endpoint: Option<&str>) {
-    response.series.retain(|s| {
-        service.is_none_or(|name| s.service == name)
-            && endpoint.is_none_or(|name| s.endpoint == name)
-    });
-    response
-        .endpoints
-        .retain(|e| endpoint.is_none_or(|name| e.endpoint == name));
-}
-
 /// The text view; see the module docs.
 pub fn text(response: &pb::StatsResponse, window: Window) -> String {
     let mut out = String::new();
-    let rows = metrics::rows(response, window, None, None);
+    let rows = metrics::rows(response, window);
     if !rows.is_empty() {
         let _ = writeln!(out, "last {}, per service and endpoint:", window.label());
         series_table(&mut out, &rows);
@@ -368,24 +350,6 @@ payments   10000      700    7.0%      90.0%          950  att:50      2m05s
             out.starts_with("lifetime, per endpoint (every service):\nENDPOINT"),
             "{out}"
         );
-    }
-
-    #[test]
-    fn filters_keep_the_asked_series_and_endpoints() {
-        let mut r = response();
-        keep_only(&mut r, Some("checkout"), None);
-        assert_eq!(r.series.len(), 1);
-        assert_eq!(
-            r.endpoints.len(),
-            2,
-            "lifetime totals are over every service"
-        );
-        let mut r = response();
-        keep_only(&mut r, None, Some("inventory"));
-        assert_eq!(r.series.len(), 1);
-        assert_eq!(r.series[0].service, "search");
-        assert_eq!(r.endpoints.len(), 1);
-        assert_eq!(r.endpoints[0].endpoint, "inventory");
     }
 
     #[test]

@@ -359,7 +359,7 @@ pub fn render(view: &View<'_>, size: Option<(usize, usize)>) -> Vec<String> {
     }
     let empty = pb::StatsResponse::default();
     let stats = view.snapshot.map_or(&empty, |s| &s.stats);
-    let mut rows = metrics::rows(stats, view.window, None, None);
+    let mut rows = metrics::rows(stats, view.window);
     metrics::sort_by_ratio(&mut rows);
     let mut cells = vec![
         [
