@@ -15,7 +15,6 @@ use retryplane_proto::pb::{self, agent_message::Kind};
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
-use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::{Channel, Endpoint};
 
 use crate::WAIT;
@@ -198,24 +197,13 @@ async fn agent_loop(
     events: &mpsc::UnboundedSender<Event>,
     check_endpoints: Option<usize>,
 ) -> anyhow::Result<()> {
-    let (tx, rx) = mpsc::channel(4);
     let hello = pb::Hello {
         agent_id: format!("bench-{agent:05}"),
         service: "bench".to_owned(),
         agent_version: concat!("retryplane-bench/", env!("CARGO_PKG_VERSION")).to_owned(),
         ..Default::default()
     };
-    tx.send(pb::AgentMessage {
-        kind: Some(Kind::Hello(hello)),
-    })
-    .await
-    .context("cannot queue Hello")?;
-    let mut client = pb::agent_service_client::AgentServiceClient::new(channel);
-    let mut inbound = client
-        .connect(ReceiverStream::new(rx))
-        .await
-        .context("the server refused the stream")?
-        .into_inner();
+    let (tx, mut inbound) = crate::stream::open(channel, hello).await?;
     while let Some(message) = inbound.message().await.context("the stream failed")? {
         let at = Instant::now();
         let bytes = message

@@ -34,6 +34,7 @@
 
 mod policy;
 mod server;
+mod stream;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -46,7 +47,6 @@ use retryplane_proto::pb::{self, agent_message::Kind};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
-use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::{Channel, Endpoint};
 
 use crate::server::{ServerProcess, cpu_ms};
@@ -106,23 +106,12 @@ async fn agent(
     ready: mpsc::Sender<()>,
     mut start: watch::Receiver<Option<Instant>>,
 ) -> anyhow::Result<u64> {
-    let (tx, rx) = mpsc::channel(4);
     let hello = pb::Hello {
         agent_id: format!("ingest-{:05}", plan.agent),
         service: plan.service,
         ..Default::default()
     };
-    tx.send(pb::AgentMessage {
-        kind: Some(Kind::Hello(hello)),
-    })
-    .await
-    .context("cannot queue Hello")?;
-    let mut client = pb::agent_service_client::AgentServiceClient::new(channel);
-    let mut inbound = client
-        .connect(ReceiverStream::new(rx))
-        .await
-        .context("the server refused the stream")?
-        .into_inner();
+    let (tx, mut inbound) = crate::stream::open(channel, hello).await?;
     let first = inbound
         .message()
         .await

@@ -48,6 +48,7 @@ mod measure;
 mod policy;
 mod report;
 mod server;
+mod stream;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
