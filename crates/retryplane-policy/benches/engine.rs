@@ -25,6 +25,8 @@
 //! ```text
 //! cargo bench -p retryplane-policy --bench engine -- --warm-up-time 1 --measurement-time 3
 //! cargo bench -p retryplane-policy --bench engine -- success_path   # one group
+//! # the hot-path groups timed by the thread's CPU time (time-slicing does not count):
+//! RETRYPLANE_BENCH_CPU_TIME=1 cargo bench -p retryplane-policy --bench engine -- success_path
 //! ```
 
 // The criterion macros generate undocumented public items.
@@ -159,6 +161,37 @@ fn engine_call(
     call.on_outcome(outcome, now, rng)
 }
 
+/// Whether the hot-path groups time by the thread's CPU time instead of the wall clock:
+/// `RETRYPLANE_BENCH_CPU_TIME=1`. On a shared machine, time-slicing by other processes then
+/// does not count.
+fn cpu_time_mode() -> bool {
+    std::env::var_os("RETRYPLANE_BENCH_CPU_TIME").is_some_and(|v| v == "1")
+}
+
+/// This thread's CPU time so far (`CLOCK_THREAD_CPUTIME_ID`).
+fn thread_cpu_time() -> Duration {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
+    Duration::new(
+        u64::try_from(t.tv_sec).unwrap_or(0),
+        u32::try_from(t.tv_nsec).unwrap_or(0),
+    )
+}
+
+/// `b.iter(f)`, or in [`cpu_time_mode`] the same loop timed by this thread's CPU time.
+fn timed<O>(b: &mut Bencher<'_>, mut f: impl FnMut() -> O) {
+    if cpu_time_mode() {
+        b.iter_custom(|iters| {
+            let start = thread_cpu_time();
+            for _ in 0..iters {
+                black_box(f());
+            }
+            thread_cpu_time().saturating_sub(start)
+        });
+    } else {
+        b.iter(f);
+    }
+}
+
 fn success_path(c: &mut Criterion) {
     let set = thousand_endpoints();
     let origin = Instant::now();
@@ -171,17 +204,21 @@ fn success_path(c: &mut Criterion) {
         Decision::Return
     );
     g.bench_function("retryplane/full_call", |b| {
-        b.iter(|| black_box(full_call(&set, HOT, &state, OK, Instant::now(), &mut rng)));
+        timed(b, || {
+            black_box(full_call(&set, HOT, &state, OK, Instant::now(), &mut rng))
+        });
     });
 
     let (_, state) = hot(&set, HOT, origin);
     let fixed = Instant::now();
     g.bench_function("retryplane/full_call_fixed_now", |b| {
-        b.iter(|| black_box(full_call(&set, HOT, &state, OK, black_box(fixed), &mut rng)));
+        timed(b, || {
+            black_box(full_call(&set, HOT, &state, OK, black_box(fixed), &mut rng))
+        });
     });
 
     g.bench_function("retryplane/lookup_and_route_only", |b| {
-        b.iter(|| {
+        timed(b, || {
             let endpoint = set.endpoint(black_box(HOT)).expect("endpoint exists");
             black_box(endpoint.resolve(black_box(&TARGET)));
         });
@@ -189,13 +226,15 @@ fn success_path(c: &mut Criterion) {
 
     let (policy, state) = hot(&set, HOT, origin);
     g.bench_function("retryplane/no_lookup", |b| {
-        b.iter(|| black_box(engine_call(&policy, &state, OK, Instant::now(), &mut rng)));
+        timed(b, || {
+            black_box(engine_call(&policy, &state, OK, Instant::now(), &mut rng))
+        });
     });
 
     let (mut no_breaker, state) = hot(&set, HOT, origin);
     no_breaker.circuit_breaker = None;
     g.bench_function("retryplane/no_lookup_no_breaker", |b| {
-        b.iter(|| {
+        timed(b, || {
             black_box(engine_call(
                 &no_breaker,
                 &state,
@@ -209,25 +248,27 @@ fn success_path(c: &mut Criterion) {
     let mut bare = no_breaker.clone();
     bare.budget = None;
     g.bench_function("retryplane/no_lookup_no_breaker_no_budget", |b| {
-        b.iter(|| black_box(engine_call(&bare, &state, OK, Instant::now(), &mut rng)));
+        timed(b, || {
+            black_box(engine_call(&bare, &state, OK, Instant::now(), &mut rng))
+        });
     });
 
     let (policy, _) = hot(&set, HOT, origin);
     let budget = RetryBudget::new(policy.budget.as_ref().expect("budget on"), origin);
     g.bench_function("retryplane/RetryBudget_deposit", |b| {
-        b.iter(|| budget.deposit(Instant::now()));
+        timed(b, || budget.deposit(Instant::now()));
     });
 
-    g.bench_function("tokio_Instant_now", |b| b.iter(Instant::now));
+    g.bench_function("tokio_Instant_now", |b| timed(b, Instant::now));
 
     let names: HashMap<String, usize> =
         (0..ENDPOINTS).map(|i| (format!("svc-{i:04}"), i)).collect();
     g.bench_function("std_HashMap_get", |b| {
-        b.iter(|| black_box(names.get(black_box(HOT))));
+        timed(b, || black_box(names.get(black_box(HOT))));
     });
 
     let tower = TpsBudget::default();
-    g.bench_function("tower/TpsBudget_deposit", |b| b.iter(|| tower.deposit()));
+    g.bench_function("tower/TpsBudget_deposit", |b| timed(b, || tower.deposit()));
     g.finish();
 }
 
@@ -241,7 +282,7 @@ fn failure_path(c: &mut Criterion) {
     let first = full_call(&set, FAILING, &state, UNAVAILABLE, Instant::now(), &mut rng);
     assert!(matches!(first, Decision::Retry { .. }), "{first:?}");
     g.bench_function("retryplane/full_call", |b| {
-        b.iter(|| {
+        timed(b, || {
             let now = Instant::now();
             black_box(full_call(&set, FAILING, &state, UNAVAILABLE, now, &mut rng))
         });
@@ -250,7 +291,7 @@ fn failure_path(c: &mut Criterion) {
     let (_, state) = hot(&set, FAILING, origin);
     let fixed = Instant::now();
     g.bench_function("retryplane/full_call_fixed_now", |b| {
-        b.iter(|| {
+        timed(b, || {
             let now = black_box(fixed);
             black_box(full_call(&set, FAILING, &state, UNAVAILABLE, now, &mut rng))
         });
@@ -259,7 +300,7 @@ fn failure_path(c: &mut Criterion) {
     let (mut no_breaker, state) = hot(&set, FAILING, origin);
     no_breaker.circuit_breaker = None;
     g.bench_function("retryplane/no_lookup_no_breaker", |b| {
-        b.iter(|| {
+        timed(b, || {
             let now = Instant::now();
             black_box(engine_call(&no_breaker, &state, UNAVAILABLE, now, &mut rng))
         });
@@ -268,7 +309,7 @@ fn failure_path(c: &mut Criterion) {
     let tower = TpsBudget::new(Duration::from_secs(10), 1_000_000_000, 0.2);
     assert!(tower.withdraw());
     g.bench_function("tower/TpsBudget_deposit_withdraw", |b| {
-        b.iter(|| {
+        timed(b, || {
             tower.deposit();
             black_box(tower.withdraw())
         });

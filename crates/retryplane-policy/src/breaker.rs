@@ -222,9 +222,24 @@ impl CircuitBreaker {
         self.record_at(permit, success, self.nanos(now));
     }
 
-    /// [`Self::record`] at `nanos` since the origin.
-    #[inline]
+    /// [`Self::record`] at `nanos` since the origin. The common case, a success while closed,
+    /// is inline (one load and one CAS); everything else is out of line.
+    #[inline(always)]
     pub(crate) fn record_at(&self, permit: Permit, success: bool, nanos: u64) {
+        if success && !permit.probe {
+            let state = self.state.load(Acquire);
+            if state & OPEN == 0 && generation(state) == permit.generation {
+                let slot = self.window.advance(nanos);
+                self.window.add(slot, SUCCESSES);
+            }
+            return;
+        }
+        self.record_other(permit, success, nanos);
+    }
+
+    /// [`Self::record_at`] for a failure or a probe's outcome.
+    #[inline(never)]
+    fn record_other(&self, permit: Permit, success: bool, nanos: u64) {
         let state = self.state.load(Acquire);
         let open = state & OPEN != 0;
         if generation(state) != permit.generation || open != permit.probe {

@@ -187,29 +187,38 @@ impl RouteMatch {
     }
 }
 
-/// `a == b`, inline: route matching compares short strings on every call, where a call into
-/// `memcmp` costs more than the comparison.
+/// `a == b`, inline: route matching and the endpoint lookup compare short strings on every
+/// call, where a call into `memcmp` costs more than the comparison.
 #[inline]
-fn str_eq(a: &str, b: &str) -> bool {
+pub(crate) fn str_eq(a: &str, b: &str) -> bool {
     bytes_eq(a.as_bytes(), b.as_bytes())
 }
 
+/// `a == b` for the short strings of route matching and endpoint names, without a call: whole
+/// 8-byte words, then the tail as one more word (or two halves) overlapping what was compared.
 #[inline]
 fn bytes_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
+    let n = a.len();
+    if n != b.len() {
         return false;
     }
-    let (mut a8, mut b8) = (a.chunks_exact(8), b.chunks_exact(8));
-    let words = a8
-        .by_ref()
-        .zip(b8.by_ref())
-        .all(|(x, y)| word(x) == word(y));
-    words
-        && a8
-            .remainder()
-            .iter()
-            .zip(b8.remainder())
-            .all(|(x, y)| x == y)
+    if n >= 8 {
+        let (mut a8, mut b8) = (a.chunks_exact(8), b.chunks_exact(8));
+        let words = a8
+            .by_ref()
+            .zip(b8.by_ref())
+            .all(|(x, y)| word(x) == word(y));
+        return words && (a8.remainder().is_empty() || a.last_chunk::<8>() == b.last_chunk::<8>());
+    }
+    if n >= 4 {
+        return a.first_chunk::<4>() == b.first_chunk::<4>()
+            && a.last_chunk::<4>() == b.last_chunk::<4>();
+    }
+    if n >= 2 {
+        return a.first_chunk::<2>() == b.first_chunk::<2>()
+            && a.last_chunk::<2>() == b.last_chunk::<2>();
+    }
+    a.first() == b.first()
 }
 
 /// An 8-byte chunk as one word.

@@ -8,8 +8,9 @@
 //! the deadline, and keeps the last failure. It sleeps on nothing and reads no clock: the caller
 //! passes `now` (tokio's clock, pausable in tests) and the RNG.
 //!
-//! Cost: each step turns `now` into nanoseconds since the endpoint state's origin at most once
-//! (the first attempt reuses the call's when it starts at the same instant), and the budget, the
+//! Cost: each step turns `now` into nanoseconds since the endpoint state's origin at most once,
+//! and not at all when `now` is the instant the call converted last (the first attempt starts at
+//! the call's instant, and the agent reports a success at its attempt's start), and the budget, the
 //! breaker and the deadline all work in that unit. A call that succeeds at once does two
 //! uncontended CAS (the budget's deposit, the breaker's success count); the backoff state is
 //! built on the first failure only, and the failure path is kept out of line. `new`,
@@ -142,8 +143,11 @@ pub struct RetryCall<'a> {
     state: &'a EndpointState,
     info: CallInfo,
     start: Instant,
-    /// `start` as an offset from the state's origin (see [`EndpointState::offset`]).
-    start_offset: i128,
+    /// The last instant this call turned into an offset, and that offset (see
+    /// [`EndpointState::offset`]): a call that succeeds at once is told the same instant three
+    /// times and converts it once.
+    seen: Instant,
+    seen_offset: i128,
     /// The deadline as an offset from the state's origin.
     deadline: i128,
     attempts: u32,
@@ -183,7 +187,8 @@ impl<'a> RetryCall<'a> {
             state,
             info,
             start: now,
-            start_offset: offset,
+            seen: now,
+            seen_offset: offset,
             deadline: offset + nanos(policy.deadline),
             attempts: 0,
             backoff: None,
@@ -197,12 +202,7 @@ impl<'a> RetryCall<'a> {
     /// [`RetryCall::on_outcome`].
     #[inline(always)]
     pub fn start_attempt(&mut self, now: Instant) -> Result<Attempt, GiveUpCause> {
-        // The first attempt usually starts at the instant the call did: no second conversion.
-        let offset = if now == self.start {
-            self.start_offset
-        } else {
-            self.state.offset(now)
-        };
+        let offset = self.offset(now);
         let left = self.left(offset);
         if left <= 0 {
             return Err(GiveUpCause::DeadlineExceeded);
@@ -239,7 +239,8 @@ impl<'a> RetryCall<'a> {
         let permit = self.permit.take();
         if success {
             if let (Some(permit), Some(breaker)) = (permit, &self.state.breaker) {
-                breaker.record_at(permit, true, window_nanos(self.state.offset(now)));
+                let offset = self.offset(now);
+                breaker.record_at(permit, true, window_nanos(offset));
             }
             return Decision::Return;
         }
@@ -256,7 +257,7 @@ impl<'a> RetryCall<'a> {
         now: Instant,
         rng: &mut (impl Rng + ?Sized),
     ) -> Decision {
-        let offset = self.state.offset(now);
+        let offset = self.offset(now);
         let p = self.policy;
         // Whether `retry_on` lists the failure: step 4's first question, and (except for
         // transport failures, which always count) whether the breaker counts it.
@@ -273,6 +274,18 @@ impl<'a> RetryCall<'a> {
         let decision = self.decide(&outcome, listed, offset, rng);
         self.last_failure = Some(outcome);
         decision
+    }
+
+    /// `now` as an offset from the state's origin; no conversion when `now` is the instant
+    /// converted last (the first attempt starts at the call's instant, and the agent reports a
+    /// success at its attempt's start).
+    #[inline(always)]
+    fn offset(&mut self, now: Instant) -> i128 {
+        if now != self.seen {
+            self.seen = now;
+            self.seen_offset = self.state.offset(now);
+        }
+        self.seen_offset
     }
 
     /// Nanoseconds left of the deadline at `offset` (negative once past it).

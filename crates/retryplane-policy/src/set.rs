@@ -6,6 +6,7 @@
 //! policies calls run under.
 
 use std::collections::HashMap;
+use std::hash::BuildHasher as _;
 use std::sync::Arc;
 
 use crate::diag::{self, Diagnostic};
@@ -34,7 +35,7 @@ pub struct EndpointPolicy {
 
 impl EndpointPolicy {
     /// The policy for `target`: the first matching route's, else the endpoint's.
-    #[inline]
+    #[inline(always)]
     pub fn resolve(&self, target: &Target<'_>) -> &Arc<RetryPolicy> {
         if self.routes.is_empty() {
             return &self.policy;
@@ -48,12 +49,44 @@ impl EndpointPolicy {
 
 type Map<V> = HashMap<Arc<str>, V, foldhash::fast::FixedState>;
 
+/// The endpoints by name: the one lookup every call makes.
+///
+/// Why not a `HashMap<Arc<str>, _>`: its key comparison goes through `str`'s `==`, a call into
+/// `memcmp`, which costs more than hashing the short name (BENCHMARKS.md, success path).
+/// hashbrown's `HashTable` takes the comparison as a closure, so it is the inline
+/// [`crate::document::str_eq`]. Names are unique (the document is checked first).
+#[derive(Clone, Debug, Default)]
+struct Endpoints {
+    table: hashbrown::HashTable<Arc<EndpointPolicy>>,
+    hasher: foldhash::fast::FixedState,
+}
+
+impl Endpoints {
+    #[inline]
+    fn hash(&self, name: &str) -> u64 {
+        self.hasher.hash_one(name)
+    }
+
+    fn insert(&mut self, endpoint: Arc<EndpointPolicy>) {
+        let hash = self.hash(&endpoint.name);
+        let hasher = &self.hasher;
+        self.table
+            .insert_unique(hash, endpoint, |e| hasher.hash_one(&*e.name));
+    }
+
+    #[inline]
+    fn get(&self, name: &str) -> Option<&Arc<EndpointPolicy>> {
+        self.table
+            .find(self.hash(name), |e| crate::document::str_eq(&e.name, name))
+    }
+}
+
 /// Every endpoint's compiled policies, and the document they came from.
 #[derive(Clone, Debug)]
 pub struct PolicySet {
     document: Arc<PolicyDocument>,
     defaults: Arc<RetryPolicy>,
-    endpoints: Map<Arc<EndpointPolicy>>,
+    endpoints: Endpoints,
     /// `defaults:` over the built-in alert settings.
     default_alert: AlertConfig,
     /// Every endpoint's alert settings (defaults → endpoint).
@@ -96,7 +129,7 @@ impl PolicySet {
     fn compile(document: PolicyDocument) -> Self {
         let defaults = Arc::new(Overlay::resolve([&document.defaults]));
         let default_alert = document.defaults.alert();
-        let mut endpoints = Map::default();
+        let mut endpoints = Endpoints::default();
         let mut alerts = Map::default();
         for ep in &document.endpoints {
             let merged = ep.overlay.over(&document.defaults);
@@ -111,14 +144,11 @@ impl PolicySet {
                 .collect();
             let name: Arc<str> = Arc::from(ep.name.value.as_str());
             alerts.insert(name.clone(), merged.alert());
-            endpoints.insert(
-                name.clone(),
-                Arc::new(EndpointPolicy {
-                    name,
-                    policy,
-                    routes,
-                }),
-            );
+            endpoints.insert(Arc::new(EndpointPolicy {
+                name,
+                policy,
+                routes,
+            }));
         }
         Self {
             document: Arc::new(document),
@@ -168,19 +198,19 @@ impl PolicySet {
 
     /// Endpoint names, sorted.
     pub fn names(&self) -> Vec<&str> {
-        let mut names: Vec<&str> = self.endpoints.keys().map(AsRef::as_ref).collect();
+        let mut names: Vec<&str> = self.endpoints.table.iter().map(|e| &*e.name).collect();
         names.sort_unstable();
         names
     }
 
     /// Number of endpoints.
     pub fn len(&self) -> usize {
-        self.endpoints.len()
+        self.endpoints.table.len()
     }
 
     /// Whether there are no endpoints.
     pub fn is_empty(&self) -> bool {
-        self.endpoints.is_empty()
+        self.endpoints.table.is_empty()
     }
 
     /// The document the set was compiled from.

@@ -303,6 +303,28 @@ proptest! {
     }
 
     #[test]
+    fn inline_string_comparison_agrees_with_eq(
+        a in "[ab]{0,40}",
+        flip in any::<prop::sample::Index>(),
+        same in any::<bool>(),
+        other in "[ab]{0,40}",
+    ) {
+        // Equal, differing in one byte anywhere (each word, the overlapping tail), or unrelated.
+        let b = if same {
+            let mut bytes = a.clone().into_bytes();
+            if !bytes.is_empty() {
+                let at = flip.index(bytes.len());
+                bytes[at] = if bytes[at] == b'a' { b'b' } else { b'a' };
+            }
+            String::from_utf8(bytes).expect("ascii")
+        } else {
+            other
+        };
+        prop_assert_eq!(crate::document::str_eq(&a, &b), a == b);
+        prop_assert!(crate::document::str_eq(&a, &a.clone()));
+    }
+
+    #[test]
     fn mutated_valid_files_never_panic(
         edits in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>(), 0u8..3), 1..8)
     ) {
