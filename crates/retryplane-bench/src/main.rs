@@ -28,6 +28,14 @@
 //! and the durable store commit: publish-to-agent as an operator sees it. Each round waits for
 //! every ACK (the server's `/metrics`) before the next one starts. Agents live in this process,
 //! on the same cores as the server: on a small machine their CPU time is part of the figures.
+//! So by default this process runs on one thread (a current-thread runtime, `--threads 1`).
+//! On tokio's multi-thread runtime, a task that wakes another runs it next on the same worker
+//! (the "LIFO slot"), so each agent's ACK went out in its own `writev` right after it was
+//! queued, and the workers woke each other through futexes: with 0.9 KiB snapshots that cost
+//! the bench about twice the CPU per round (BENCHMARKS.md, "Control plane fan-out",
+//! 2026-11-30). With 76 KiB snapshots and 10,000 agents the bench's own decoding needs more
+//! than one core: `--threads 2` is faster there. Either way every agent gets the whole message
+//! on its own stream, decodes its version and nonce and ACKs it.
 //!
 //! # How to run it
 //!
@@ -94,6 +102,10 @@ struct Cli {
     /// Result format.
     #[arg(long, value_enum, default_value_t = Format::Text)]
     output: Format,
+    /// Threads this process runs its agents on: 1 is a current-thread runtime, more a
+    /// multi-thread runtime with that many workers.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]
+    threads: u16,
     /// Run the four configurations (1,000 and 10,000 agents × 10 and 1,000
     /// endpoints), each on a fresh server, and print a table (text) or an array (json).
     #[arg(long)]
@@ -152,10 +164,15 @@ async fn main_inner(cli: Cli) -> anyhow::Result<()> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    // One thread by default: see "What it measures" for why.
+    let mut builder = if cli.threads == 1 {
+        tokio::runtime::Builder::new_current_thread()
+    } else {
+        let mut builder = tokio::runtime::Builder::new_multi_thread();
+        builder.worker_threads(usize::from(cli.threads));
+        builder
+    };
+    let runtime = match builder.enable_all().build() {
         Ok(runtime) => runtime,
         Err(e) => {
             eprintln!("error: cannot start the async runtime: {e}");
@@ -197,5 +214,13 @@ mod tests {
         .unwrap();
         assert_eq!(cli.agents, 10);
         assert!(cli.matrix);
+        assert_eq!(cli.threads, 1, "one thread by default");
+    }
+
+    #[test]
+    fn threads_are_at_least_one() {
+        let two = Cli::try_parse_from(["retryplane-bench-fanout", "--threads", "2"]).unwrap();
+        assert_eq!(two.threads, 2);
+        assert!(Cli::try_parse_from(["retryplane-bench-fanout", "--threads", "0"]).is_err());
     }
 }
