@@ -16,6 +16,7 @@ lint:
 # Benchmarks (see BENCHMARKS.md).
 bench:
     cargo bench -p retryplane-policy --bench engine
+    cargo bench -p retryplane-policy --bench hot_path
     cargo bench -p retryplane-agent --bench call
     cargo bench -p retryplane-agent --bench call_latency
     cargo bench -p retryplane-server --bench ingest
