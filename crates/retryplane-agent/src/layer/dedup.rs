@@ -5,9 +5,6 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use bytes::Bytes;
-use http::header::{
-    ACCEPT, ACCEPT_ENCODING, ACCEPT_LANGUAGE, AUTHORIZATION, COOKIE, HOST, PROXY_AUTHORIZATION,
-};
 use http::request::Parts;
 use http::{HeaderMap, HeaderName, Method, Response, response};
 use sha2::{Digest as _, Sha256};
@@ -24,17 +21,17 @@ pub const DEFAULT_SHARED_RESPONSE_LIMIT: usize = 1024 * 1024;
 /// [`RetryLayer::with_dedup`](super::RetryLayer::with_dedup); see the [module docs](super).
 ///
 /// Clones share one table of calls in flight and one set of [`DedupStats`]. Defaults: `GET`
-/// and `HEAD` are shared; the key covers the method, the full URI, the body and the values of
-/// `Host`, `Authorization`, `Proxy-Authorization`, `Cookie`, `Accept`, `Accept-Encoding` and
-/// `Accept-Language`; responses up to [`DEFAULT_SHARED_RESPONSE_LIMIT`] are shared.
+/// and `HEAD` are shared; the key covers the method, the full URI, the body and **every request
+/// header except the ones that only identify or trace the request** ([`DEFAULT_IGNORED_HEADERS`]:
+/// `traceparent`, `x-request-id`, B3, …); responses up to [`DEFAULT_SHARED_RESPONSE_LIMIT`] are
+/// shared.
 ///
-/// # Warning: credentials in other headers
-///
-/// Only the headers listed above (and those added) are compared. A request that carries its
-/// credentials or its tenant in any other header (`X-Api-Key`, `X-Auth-Token`, `X-Tenant`, …)
-/// **must** add it with [`Dedup::vary_on`] (or use [`Dedup::vary_on_all_headers`]):
-/// otherwise two callers that differ only in it share one response, and one caller gets an
-/// answer meant for another.
+/// Why every header by default: a header that carries a credential or a tenant (`X-Api-Key`,
+/// `X-Auth-Token`, `X-Tenant`, …) changes the answer, and a key that left it out would hand one
+/// caller a response meant for another. A header this list does not know is therefore part of
+/// the key; one that differs on every request and does not change the answer (a custom request
+/// id) only costs sharing, and [`Dedup::ignore_header`] leaves it out.
+/// [`Dedup::vary_only_on`] keys on a fixed list of headers instead.
 #[derive(Clone, Debug)]
 pub struct Dedup {
     config: Arc<Config>,
@@ -51,11 +48,34 @@ struct Config {
 /// Which request headers are part of the key.
 #[derive(Clone, Debug)]
 enum Vary {
-    /// These (sorted, no duplicates).
+    /// Every header the request carries, except these (sorted, no duplicates).
+    AllExcept(Vec<HeaderName>),
+    /// Only these (sorted, no duplicates).
     Listed(Vec<HeaderName>),
-    /// Every header the request carries.
-    All,
 }
+
+/// Request headers left out of the key by default: they identify or trace one request (so they
+/// differ between otherwise identical requests) and do not change the answer. Tracing: W3C Trace
+/// Context and Baggage, B3, Jaeger, AWS X-Ray, Google Cloud, Sentry, gRPC's binary trace
+/// context; request ids.
+pub const DEFAULT_IGNORED_HEADERS: &[&str] = &[
+    "b3",
+    "baggage",
+    "grpc-trace-bin",
+    "sentry-trace",
+    "traceparent",
+    "tracestate",
+    "uber-trace-id",
+    "x-amzn-trace-id",
+    "x-b3-flags",
+    "x-b3-parentspanid",
+    "x-b3-sampled",
+    "x-b3-spanid",
+    "x-b3-traceid",
+    "x-cloud-trace-context",
+    "x-correlation-id",
+    "x-request-id",
+];
 
 #[derive(Default)]
 struct State {
@@ -237,20 +257,15 @@ impl Default for Dedup {
 impl Dedup {
     /// The defaults (see [`Dedup`]).
     pub fn new() -> Self {
-        let mut listed = vec![
-            HOST,
-            AUTHORIZATION,
-            PROXY_AUTHORIZATION,
-            COOKIE,
-            ACCEPT,
-            ACCEPT_ENCODING,
-            ACCEPT_LANGUAGE,
-        ];
-        sort(&mut listed);
+        let mut ignored: Vec<HeaderName> = DEFAULT_IGNORED_HEADERS
+            .iter()
+            .map(|n| HeaderName::from_static(n))
+            .collect();
+        sort(&mut ignored);
         Self {
             config: Arc::new(Config {
                 methods: vec![Method::GET, Method::HEAD],
-                vary: Vary::Listed(listed),
+                vary: Vary::AllExcept(ignored),
                 response_limit: DEFAULT_SHARED_RESPONSE_LIMIT,
             }),
             state: Arc::default(),
@@ -267,22 +282,52 @@ impl Dedup {
         self
     }
 
-    /// Makes the values of `name` part of the key too (say `X-Tenant`, or `X-Api-Key`):
-    /// requests that differ in it are not shared. Every header that carries a credential or
-    /// otherwise changes the answer and is not in the default list must be added (see the
-    /// warning on [`Dedup`]).
+    /// Makes sure the values of `name` are part of the key: requests that differ in it are not
+    /// shared. By default every header is, except [`DEFAULT_IGNORED_HEADERS`] and those
+    /// [`Dedup::ignore_header`] names; this takes `name` back out of that list. After
+    /// [`Dedup::vary_only_on`], it adds `name` to the listed headers.
     pub fn vary_on(mut self, name: HeaderName) -> Self {
-        if let Vary::Listed(names) = &mut Arc::make_mut(&mut self.config).vary {
-            names.push(name);
-            sort(names);
+        match &mut Arc::make_mut(&mut self.config).vary {
+            Vary::AllExcept(ignored) => ignored.retain(|n| *n != name),
+            Vary::Listed(names) => {
+                names.push(name);
+                sort(names);
+            }
         }
         self
     }
 
-    /// Makes every request header part of the key: only requests with the same headers and
-    /// values (in any order of names) are shared.
+    /// Leaves `name` out of the key: requests that differ only in it are shared. For a header
+    /// that differs on every request and never changes the answer (a request id of your own).
+    /// Never for one that carries a credential or a tenant. After [`Dedup::vary_only_on`], it
+    /// removes `name` from the listed headers.
+    pub fn ignore_header(mut self, name: HeaderName) -> Self {
+        match &mut Arc::make_mut(&mut self.config).vary {
+            Vary::AllExcept(ignored) => {
+                ignored.push(name);
+                sort(ignored);
+            }
+            Vary::Listed(names) => names.retain(|n| *n != name),
+        }
+        self
+    }
+
+    /// Makes every request header part of the key, the tracing headers of
+    /// [`DEFAULT_IGNORED_HEADERS`] included: only requests with the same headers and values (in
+    /// any order of names) are shared.
     pub fn vary_on_all_headers(mut self) -> Self {
-        Arc::make_mut(&mut self.config).vary = Vary::All;
+        Arc::make_mut(&mut self.config).vary = Vary::AllExcept(Vec::new());
+        self
+    }
+
+    /// Keys on these headers only, and on no other (say `Authorization` and `Accept`): requests
+    /// that differ only in headers not listed are shared. Every header that carries a credential
+    /// or a tenant, or otherwise changes the answer, must be listed, or one caller gets a
+    /// response meant for another.
+    pub fn vary_only_on(mut self, names: impl IntoIterator<Item = HeaderName>) -> Self {
+        let mut names: Vec<HeaderName> = names.into_iter().collect();
+        sort(&mut names);
+        Arc::make_mut(&mut self.config).vary = Vary::Listed(names);
         self
     }
 
@@ -335,14 +380,23 @@ impl Dedup {
             &mut h,
             uri.path_and_query().map_or("", |p| p.as_str()).as_bytes(),
         );
-        let all;
+        let present;
         let names: &[HeaderName] = match &self.config.vary {
             Vary::Listed(names) => names,
-            Vary::All => {
-                let mut v: Vec<HeaderName> = head.headers.keys().cloned().collect();
+            Vary::AllExcept(ignored) => {
+                let mut v: Vec<HeaderName> = head
+                    .headers
+                    .keys()
+                    .filter(|n| {
+                        ignored
+                            .binary_search_by(|i| i.as_str().cmp(n.as_str()))
+                            .is_err()
+                    })
+                    .cloned()
+                    .collect();
                 sort(&mut v);
-                all = v;
-                &all
+                present = v;
+                &present
             }
         };
         for name in names {
@@ -450,13 +504,58 @@ mod tests {
             &[("authorization", "a"), ("authorization", "a")],
         );
         assert_ne!(k, d.key("ep", &two, b"body"));
-        // A header that is not listed does not.
-        let extra = head(
-            "GET",
-            "http://h/p?q=1",
-            &[("authorization", "a"), ("x-id", "1")],
-        );
-        assert_eq!(k, d.key("ep", &extra, b"body"));
+        // A tracing header or a request id does not count.
+        for ignored in ["x-request-id", "traceparent", "x-b3-traceid"] {
+            let extra = head(
+                "GET",
+                "http://h/p?q=1",
+                &[("authorization", "a"), (ignored, "1")],
+            );
+            assert_eq!(k, d.key("ep", &extra, b"body"), "{ignored}");
+        }
+        // Any other header does, one the layer has never heard of included.
+        for counted in ["x-api-key", "x-tenant", "accept-language", "cookie"] {
+            let extra = head(
+                "GET",
+                "http://h/p?q=1",
+                &[("authorization", "a"), (counted, "1")],
+            );
+            assert_ne!(k, d.key("ep", &extra, b"body"), "{counted}");
+        }
+    }
+
+    #[test]
+    fn the_ignored_list_can_be_changed_and_a_fixed_list_used_instead() {
+        let name = |n: &'static str| HeaderName::from_static(n);
+        let with = |n: &str, v: &str| head("GET", "http://h/p", &[(n, v)]);
+        let differ =
+            |d: &Dedup, n: &str| d.key("ep", &with(n, "1"), b"") != d.key("ep", &with(n, "2"), b"");
+        let d = Dedup::default().ignore_header(name("x-debug-id"));
+        assert!(!differ(&d, "x-debug-id"));
+        assert!(differ(&d, "x-api-key"));
+        let d = d.vary_on(name("x-debug-id")).vary_on(name("x-request-id"));
+        assert!(differ(&d, "x-debug-id"));
+        assert!(differ(&d, "x-request-id"));
+        assert!(!differ(&d, "traceparent"));
+        assert!(differ(
+            &Dedup::default().vary_on_all_headers(),
+            "traceparent"
+        ));
+        let fixed = Dedup::default().vary_only_on([name("authorization"), name("accept")]);
+        assert!(differ(&fixed, "authorization"));
+        assert!(!differ(&fixed, "x-api-key"));
+        assert!(differ(
+            &fixed.clone().vary_on(name("x-api-key")),
+            "x-api-key"
+        ));
+        assert!(!differ(&fixed.ignore_header(name("accept")), "accept"));
+    }
+
+    #[test]
+    fn the_default_ignored_names_are_valid_lower_case_header_names() {
+        for n in DEFAULT_IGNORED_HEADERS {
+            assert_eq!(HeaderName::from_static(n).as_str(), *n);
+        }
     }
 
     #[test]

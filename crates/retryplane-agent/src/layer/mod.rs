@@ -61,7 +61,9 @@
 //! use retryplane_agent::layer::{Dedup, RetryLayer};
 //! use tower::Layer as _;
 //!
-//! let dedup = Dedup::default().vary_on(http::HeaderName::from_static("x-tenant"));
+//! // Every request header is part of the key except tracing headers and request ids; this
+//! // service's own per-request header is left out too.
+//! let dedup = Dedup::default().ignore_header(http::HeaderName::from_static("x-debug-id"));
 //! let client = RetryLayer::new(agent.endpoint("catalog"))
 //!     .with_dedup(dedup.clone())
 //!     .layer(client);
@@ -72,14 +74,14 @@
 //! - Shared: `GET` and `HEAD` ([`Dedup::share_method`] adds others) whose body was buffered
 //!   (within the body limit) and that carry no trailers. Everything else makes its own call.
 //! - Same request: same endpoint, method, full URI (query included), body (compared by a
-//!   SHA-256 digest) and values of the headers that change the answer: `Host`,
-//!   `Authorization`, `Proxy-Authorization`, `Cookie`, `Accept`, `Accept-Encoding`,
-//!   `Accept-Language`, plus [`Dedup::vary_on`] names, or every header with
-//!   [`Dedup::vary_on_all_headers`]. The table keeps only the digest, never a header value.
-//!   Request extensions are not compared.
-//! - **Credentials in any other header** (`X-Api-Key`, a tenant header, …) are not compared
-//!   unless added with [`Dedup::vary_on`]: without that, callers that differ only in them share
-//!   one response, and one gets an answer meant for another.
+//!   SHA-256 digest) and the values of every request header except those that only identify or
+//!   trace the request ([`DEFAULT_IGNORED_HEADERS`]: W3C trace context, B3, request ids, …).
+//!   A header the layer does not know, such as `X-Api-Key` or a tenant header, is compared: a
+//!   credential left out of the key would hand one caller an answer meant for another.
+//!   [`Dedup::ignore_header`] leaves out a header that differs on every request and does not
+//!   change the answer; [`Dedup::vary_only_on`] keys on a fixed list instead, and
+//!   [`Dedup::vary_on_all_headers`] on every header, tracing ones included. The table keeps
+//!   only the digest, never a header value. Request extensions are not compared.
 //! - The response is shared once its body is read into memory, up to
 //!   [`Dedup::with_response_limit`] ([`DEFAULT_SHARED_RESPONSE_LIMIT`]) and no later than the
 //!   leader's deadline (the policy's, from the start of its call); the client's response body
@@ -117,7 +119,9 @@ use crate::error::Cause;
 
 pub use auth::{RefreshCredentials, RefreshFailed};
 pub use body::{ReplayBody, SharedBody};
-pub use dedup::{DEFAULT_SHARED_RESPONSE_LIMIT, Dedup, DedupStats, Deduplicated};
+pub use dedup::{
+    DEFAULT_IGNORED_HEADERS, DEFAULT_SHARED_RESPONSE_LIMIT, Dedup, DedupStats, Deduplicated,
+};
 pub use future::ResponseFuture;
 pub use layer::{NoDedup, Retry, RetryLayer};
 
