@@ -271,13 +271,15 @@ impl AgentStream {
             }
         };
         let ctx = self.ctx.clone();
-        ctx.fleet.seen(&self.agent_id, self.generation);
+        // One registry update per message: an ACK or NACK of the snapshot sent marks the agent
+        // seen as it records the answer.
         match message.kind {
             Some(Kind::Ack(ack)) => {
                 if self.sent_nonce.as_deref() == Some(ack.nonce.as_str()) {
                     ctx.fleet.ack(&self.agent_id, self.generation, ack.version);
                     ctx.metrics.acks.inc();
                 } else {
+                    ctx.fleet.seen(&self.agent_id, self.generation);
                     debug!(agent = %self.agent_id, "stale ACK ignored");
                 }
             }
@@ -288,10 +290,12 @@ impl AgentStream {
                     ctx.metrics.nacks.inc();
                     warn!(agent = %self.agent_id, version = nack.version, "agent refused a snapshot");
                 } else {
+                    ctx.fleet.seen(&self.agent_id, self.generation);
                     debug!(agent = %self.agent_id, "stale NACK ignored");
                 }
             }
             Some(Kind::Metrics(report)) => {
+                ctx.fleet.seen(&self.agent_id, self.generation);
                 let now = Instant::now();
                 if self.take_token(now) {
                     ctx.aggregates.ingest(&self.service, &report, now);

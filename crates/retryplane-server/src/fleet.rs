@@ -48,6 +48,15 @@ pub struct FleetVersions {
     pub nacked: BTreeMap<u64, u64>,
 }
 
+/// Sets an agent's last answer, reusing the string's buffer: an ACK of every push from every
+/// agent would otherwise allocate.
+fn set_response(last: &mut String, answer: &str) {
+    if last != answer {
+        last.clear();
+        last.push_str(answer);
+    }
+}
+
 /// The fleet registry.
 #[derive(Debug)]
 pub struct Fleet {
@@ -154,7 +163,7 @@ impl Fleet {
         }
     }
 
-    /// The agent sent something.
+    /// The agent sent something ([`Fleet::ack`] and [`Fleet::nack`] count as seen too).
     pub fn seen(&self, id: &str, generation: u64) {
         self.update(id, generation, |_| {});
     }
@@ -163,7 +172,7 @@ impl Fleet {
     pub fn ack(&self, id: &str, generation: u64, version: u64) {
         self.update(id, generation, |s| {
             s.applied_version = version;
-            s.last_response = "ack".to_owned();
+            set_response(&mut s.last_response, "ack");
             s.last_response_version = version;
             s.last_error.clear();
         });
@@ -180,7 +189,7 @@ impl Fleet {
             error.truncate(cut);
         }
         self.update(id, generation, |s| {
-            s.last_response = "nack".to_owned();
+            set_response(&mut s.last_response, "nack");
             s.last_response_version = version;
             s.last_error = error;
         });
