@@ -18,8 +18,8 @@
 //!   [`RefreshCredentials`](layer::RefreshCredentials) hook at most once per call on a 401
 //!   and sends the request again once with the new credentials;
 //!   [`with_dedup`](layer::RetryLayer::with_dedup) lets identical in-flight reads (same
-//!   method, URI, body and answer-changing headers such as `Authorization` and
-//!   `Accept-Language`) share one call and its response.
+//!   method, URI, body and request headers, tracing headers and request ids aside) share one
+//!   call and its response.
 //! - Per-endpoint counters (SPEC §4) are plain atomics on the call path and leave as deltas in
 //!   `MetricsReport`s; counts made while disconnected wait for the next stream.
 //!

@@ -351,10 +351,19 @@ async fn which_headers_count_is_configurable() {
     let no_debug = || Dedup::default().ignore_header(http::HeaderName::from_static("x-debug-id"));
     assert!(!shared(Dedup::default(), req(debug("1"), ""), req(debug("2"), "")).await);
     assert!(shared(no_debug(), req(debug("1"), ""), req(debug("2"), "")).await);
-    // A fixed list: only those headers count.
+    // A fixed list: only those headers count, and the credential headers always do.
     let by_tenant = || Dedup::default().vary_only_on([http::HeaderName::from_static("x-tenant")]);
     assert!(!shared(by_tenant(), req(tenant("a"), ""), req(tenant("b"), "")).await);
     assert!(shared(by_tenant(), req(debug("1"), ""), req(debug("2"), "")).await);
+    let user = |v: &str| get("http://up/me").header("authorization", v);
+    assert!(
+        !shared(
+            by_tenant(),
+            req(user("Bearer a"), ""),
+            req(user("Bearer b"), "")
+        )
+        .await
+    );
     // Every header: any difference counts, the order of names does not.
     let all = || Dedup::default().vary_on_all_headers();
     assert!(!shared(all(), req(id("1"), ""), req(id("2"), "")).await);

@@ -31,7 +31,14 @@ pub const DEFAULT_SHARED_RESPONSE_LIMIT: usize = 1024 * 1024;
 /// caller a response meant for another. A header this list does not know is therefore part of
 /// the key; one that differs on every request and does not change the answer (a custom request
 /// id) only costs sharing, and [`Dedup::ignore_header`] leaves it out.
-/// [`Dedup::vary_only_on`] keys on a fixed list of headers instead.
+/// [`Dedup::vary_only_on`] keys on a fixed list of headers instead. In every mode the
+/// [`CREDENTIAL_HEADERS`] (`Authorization`, `Proxy-Authorization`, `Cookie`) are part of the key.
+/// Of the calls that choose headers, the later wins: [`Dedup::vary_only_on`] and
+/// [`Dedup::vary_on_all_headers`] start from their own list.
+///
+/// If tracing headers this list does not know differ on every request, nothing is ever shared:
+/// [`Dedup::stats`] then counts every request as `led` and none as `shared`, and
+/// [`Dedup::ignore_header`] is the fix.
 #[derive(Clone, Debug)]
 pub struct Dedup {
     config: Arc<Config>,
@@ -56,12 +63,14 @@ enum Vary {
 
 /// Request headers left out of the key by default: they identify or trace one request (so they
 /// differ between otherwise identical requests) and do not change the answer. Tracing: W3C Trace
-/// Context and Baggage, B3, Jaeger, AWS X-Ray, Google Cloud, Sentry, gRPC's binary trace
-/// context; request ids.
+/// Context, B3, Jaeger, OpenTracing, Datadog, New Relic, AWS X-Ray, Google Cloud, Sentry,
+/// Envoy, gRPC's binary trace context; request ids. W3C `baggage` is not among them: it often
+/// carries a tenant or a user.
 pub const DEFAULT_IGNORED_HEADERS: &[&str] = &[
     "b3",
-    "baggage",
     "grpc-trace-bin",
+    "newrelic",
+    "request-id",
     "sentry-trace",
     "traceparent",
     "tracestate",
@@ -72,10 +81,27 @@ pub const DEFAULT_IGNORED_HEADERS: &[&str] = &[
     "x-b3-sampled",
     "x-b3-spanid",
     "x-b3-traceid",
+    "x-client-trace-id",
     "x-cloud-trace-context",
     "x-correlation-id",
+    "x-datadog-origin",
+    "x-datadog-parent-id",
+    "x-datadog-sampling-priority",
+    "x-datadog-tags",
+    "x-datadog-trace-id",
+    "x-ms-client-request-id",
+    "x-ot-span-context",
     "x-request-id",
 ];
+
+/// Headers that carry credentials: part of the key in every mode, whatever
+/// [`Dedup::ignore_header`] or [`Dedup::vary_only_on`] say, since leaving one out would hand one
+/// caller an answer meant for another.
+pub const CREDENTIAL_HEADERS: &[&str] = &["authorization", "cookie", "proxy-authorization"];
+
+fn is_credential(name: &HeaderName) -> bool {
+    CREDENTIAL_HEADERS.contains(&name.as_str())
+}
 
 #[derive(Default)]
 struct State {
@@ -299,9 +325,13 @@ impl Dedup {
 
     /// Leaves `name` out of the key: requests that differ only in it are shared. For a header
     /// that differs on every request and never changes the answer (a request id of your own).
-    /// Never for one that carries a credential or a tenant. After [`Dedup::vary_only_on`], it
-    /// removes `name` from the listed headers.
+    /// Never for one that carries a credential or a tenant; the [`CREDENTIAL_HEADERS`] stay in
+    /// the key whatever this says. After [`Dedup::vary_only_on`], it removes `name` from the
+    /// listed headers.
     pub fn ignore_header(mut self, name: HeaderName) -> Self {
+        if is_credential(&name) {
+            return self;
+        }
         match &mut Arc::make_mut(&mut self.config).vary {
             Vary::AllExcept(ignored) => {
                 ignored.push(name);
@@ -320,12 +350,19 @@ impl Dedup {
         self
     }
 
-    /// Keys on these headers only, and on no other (say `Authorization` and `Accept`): requests
-    /// that differ only in headers not listed are shared. Every header that carries a credential
-    /// or a tenant, or otherwise changes the answer, must be listed, or one caller gets a
-    /// response meant for another.
+    /// Keys on these headers and the [`CREDENTIAL_HEADERS`] only (say `Accept` and
+    /// `X-Tenant`): requests that differ only in other headers are shared. Every other header
+    /// that carries a credential or a tenant, or otherwise changes the answer, must be listed,
+    /// or one caller gets a response meant for another.
     pub fn vary_only_on(mut self, names: impl IntoIterator<Item = HeaderName>) -> Self {
-        let mut names: Vec<HeaderName> = names.into_iter().collect();
+        let mut names: Vec<HeaderName> = names
+            .into_iter()
+            .chain(
+                CREDENTIAL_HEADERS
+                    .iter()
+                    .map(|n| HeaderName::from_static(n)),
+            )
+            .collect();
         sort(&mut names);
         Arc::make_mut(&mut self.config).vary = Vary::Listed(names);
         self
@@ -380,11 +417,12 @@ impl Dedup {
             &mut h,
             uri.path_and_query().map_or("", |p| p.as_str()).as_bytes(),
         );
-        let present;
-        let names: &[HeaderName] = match &self.config.vary {
-            Vary::Listed(names) => names,
+        let names: Vec<&HeaderName> = match &self.config.vary {
+            Vary::Listed(names) => names.iter().collect(),
             Vary::AllExcept(ignored) => {
-                let mut v: Vec<HeaderName> = head
+                // `keys` yields each name once; sorted, the key does not depend on the order
+                // the headers were added in.
+                let mut present: Vec<&HeaderName> = head
                     .headers
                     .keys()
                     .filter(|n| {
@@ -392,11 +430,9 @@ impl Dedup {
                             .binary_search_by(|i| i.as_str().cmp(n.as_str()))
                             .is_err()
                     })
-                    .cloned()
                     .collect();
-                sort(&mut v);
-                present = v;
-                &present
+                present.sort_by(|a, b| a.as_str().cmp(b.as_str()));
+                present
             }
         };
         for name in names {
@@ -541,21 +577,38 @@ mod tests {
             &Dedup::default().vary_on_all_headers(),
             "traceparent"
         ));
-        let fixed = Dedup::default().vary_only_on([name("authorization"), name("accept")]);
-        assert!(differ(&fixed, "authorization"));
+        let fixed = Dedup::default().vary_only_on([name("accept")]);
+        assert!(differ(&fixed, "accept"));
         assert!(!differ(&fixed, "x-api-key"));
         assert!(differ(
             &fixed.clone().vary_on(name("x-api-key")),
             "x-api-key"
         ));
-        assert!(!differ(&fixed.ignore_header(name("accept")), "accept"));
+        assert!(!differ(
+            &fixed.clone().ignore_header(name("accept")),
+            "accept"
+        ));
+        // Credentials count in every mode, whatever is asked.
+        for credential in CREDENTIAL_HEADERS {
+            let c = HeaderName::from_static(credential);
+            assert!(differ(&fixed, credential), "{credential}");
+            assert!(differ(&fixed.clone().ignore_header(c.clone()), credential));
+            assert!(differ(&Dedup::default().ignore_header(c), credential));
+        }
+        // W3C baggage often names the tenant: it counts by default.
+        assert!(differ(&Dedup::default(), "baggage"));
     }
 
     #[test]
     fn the_default_ignored_names_are_valid_lower_case_header_names() {
-        for n in DEFAULT_IGNORED_HEADERS {
+        for n in DEFAULT_IGNORED_HEADERS.iter().chain(CREDENTIAL_HEADERS) {
             assert_eq!(HeaderName::from_static(n).as_str(), *n);
         }
+        assert!(
+            !DEFAULT_IGNORED_HEADERS
+                .iter()
+                .any(|n| CREDENTIAL_HEADERS.contains(n))
+        );
     }
 
     #[test]

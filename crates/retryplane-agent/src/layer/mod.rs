@@ -80,8 +80,10 @@
 //!   credential left out of the key would hand one caller an answer meant for another.
 //!   [`Dedup::ignore_header`] leaves out a header that differs on every request and does not
 //!   change the answer; [`Dedup::vary_only_on`] keys on a fixed list instead, and
-//!   [`Dedup::vary_on_all_headers`] on every header, tracing ones included. The table keeps
-//!   only the digest, never a header value. Request extensions are not compared.
+//!   [`Dedup::vary_on_all_headers`] on every header, tracing ones included. `Authorization`,
+//!   `Proxy-Authorization` and `Cookie` ([`CREDENTIAL_HEADERS`]) are in the key in every mode.
+//!   The table keeps only the digest, never a header value. Request extensions are not
+//!   compared.
 //! - The response is shared once its body is read into memory, up to
 //!   [`Dedup::with_response_limit`] ([`DEFAULT_SHARED_RESPONSE_LIMIT`]) and no later than the
 //!   leader's deadline (the policy's, from the start of its call); the client's response body
@@ -120,7 +122,8 @@ use crate::error::Cause;
 pub use auth::{RefreshCredentials, RefreshFailed};
 pub use body::{ReplayBody, SharedBody};
 pub use dedup::{
-    DEFAULT_IGNORED_HEADERS, DEFAULT_SHARED_RESPONSE_LIMIT, Dedup, DedupStats, Deduplicated,
+    CREDENTIAL_HEADERS, DEFAULT_IGNORED_HEADERS, DEFAULT_SHARED_RESPONSE_LIMIT, Dedup, DedupStats,
+    Deduplicated,
 };
 pub use future::ResponseFuture;
 pub use layer::{NoDedup, Retry, RetryLayer};
