@@ -13,8 +13,8 @@
 //! and since the baseline is timed in the same rounds, the ratio is what to read.
 //!
 //! ```text
-//! cargo bench -p retryplane-policy --bench hot_path            # 15 rounds
-//! cargo bench -p retryplane-policy --bench hot_path -- 40      # 40 rounds
+//! cargo bench -p retryplane-policy --bench hot_path                 # 15 rounds
+//! cargo bench -p retryplane-policy --bench hot_path -- --rounds 40  # 40 rounds
 //! ```
 
 #![allow(missing_docs)]
@@ -38,24 +38,32 @@ use tower::retry::budget::{Budget, TpsBudget};
 const CALLS: u32 = 2_000_000;
 const DEFAULT_ROUNDS: u32 = 15;
 
-/// `CALLS` calls of `f`, by this thread's CPU time. Generic, so that each variant's loop is
+/// `calls` calls of `f`, by this thread's CPU time. Generic, so that each variant's loop is
 /// compiled with its closure inlined, as a call site in a service would be.
 #[inline(never)]
-fn time(mut f: impl FnMut()) -> Duration {
+fn time(calls: u32, mut f: impl FnMut()) -> Duration {
     let start = thread_cpu_time();
-    for _ in 0..CALLS {
+    for _ in 0..calls {
         f();
     }
     thread_cpu_time().saturating_sub(start)
 }
 
 fn main() {
-    // `cargo bench` passes `--bench`; the one other argument is the number of rounds.
-    let rounds = std::env::args()
-        .skip(1)
-        .find(|a| !a.starts_with('-'))
-        .map(|a| a.parse().expect("ROUNDS is a number"))
-        .unwrap_or(DEFAULT_ROUNDS);
+    // `cargo bench` passes `--bench`; without it (`cargo test --benches`) one short round
+    // checks that the harness runs. `--rounds N` sets the rounds; other arguments (criterion's
+    // filters and options, given to every bench) are ignored.
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let measuring = args.iter().any(|a| a == "--bench");
+    let rounds = match args.iter().position(|a| a == "--rounds") {
+        Some(i) => args
+            .get(i + 1)
+            .and_then(|n| n.parse().ok())
+            .expect("--rounds takes a number"),
+        None if measuring => DEFAULT_ROUNDS,
+        None => 1,
+    };
+    let calls = if measuring { CALLS } else { 1_000 };
 
     let set = thousand_endpoints();
     let origin = Instant::now();
@@ -82,14 +90,14 @@ fn main() {
     let mut best = [Duration::MAX; NAMES.len()];
     for _ in 0..rounds {
         let times = [
-            time(|| tower.deposit()),
-            time(|| {
+            time(calls, || tower.deposit()),
+            time(calls, || {
                 black_box(full_call(&set, HOT, &call_state, OK, black_box(fixed), r1));
             }),
-            time(|| {
+            time(calls, || {
                 black_box(full_call(&set, HOT, &clock_state, OK, Instant::now(), r2));
             }),
-            time(|| {
+            time(calls, || {
                 black_box(engine_call(
                     &policy,
                     &engine_state,
@@ -98,11 +106,11 @@ fn main() {
                     r3,
                 ));
             }),
-            time(|| {
+            time(calls, || {
                 let endpoint = set.endpoint(black_box(HOT)).expect("endpoint exists");
                 black_box(endpoint.resolve(black_box(&TARGET)));
             }),
-            time(|| {
+            time(calls, || {
                 black_box(Instant::now());
             }),
         ];
@@ -111,9 +119,9 @@ fn main() {
         }
     }
 
-    let per_call = |d: Duration| d.as_secs_f64() * 1e9 / f64::from(CALLS);
+    let per_call = |d: Duration| d.as_secs_f64() * 1e9 / f64::from(calls);
     let baseline = per_call(best[0]);
-    println!("best of {rounds} rounds × {CALLS} calls, CPU time per call:");
+    println!("best of {rounds} rounds × {calls} calls, CPU time per call:");
     for (name, b) in NAMES.iter().zip(best) {
         let ns = per_call(b);
         println!("{name:40} {ns:7.1} ns  {:5.2}×", ns / baseline);

@@ -202,3 +202,20 @@ fn zero_probes_means_one_and_instants_before_origin_do_not_panic() {
     b.record(probe, true, half);
     assert_eq!(b.state(half), Closed);
 }
+
+#[test]
+fn a_success_from_before_the_breaker_last_opened_is_not_counted() {
+    let t0 = Instant::now();
+    let b = breaker(10, t0);
+    // Permits taken while closed, answered only once the breaker has opened and closed again.
+    let stale: Vec<Permit> = (0..100).map(|_| b.try_acquire(t0).unwrap()).collect();
+    let opened = trip(&b, t0);
+    let half = opened + Duration::from_secs(31);
+    let probes: Vec<Permit> = (0..3).map(|_| b.try_acquire(half).unwrap()).collect();
+    probes.into_iter().for_each(|p| b.record(p, true, half));
+    assert_eq!(b.state(half), Closed);
+    stale.into_iter().for_each(|p| b.record(p, true, half));
+    // Had they counted, 100 successes would keep 10 failures under the ratio.
+    (0..10).for_each(|_| call(&b, false, half).unwrap());
+    assert_eq!(b.state(half), Open);
+}

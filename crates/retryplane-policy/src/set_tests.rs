@@ -213,6 +213,23 @@ endpoints:
 }
 
 #[test]
+fn a_document_with_two_endpoints_of_one_name_is_refused() {
+    let mut doc = load(EXAMPLE.as_bytes())
+        .policies
+        .expect("valid")
+        .document()
+        .as_ref()
+        .clone();
+    let copy = doc.endpoints[0].clone();
+    let name = copy.name.value.clone();
+    doc.endpoints.push(copy);
+    let err = PolicySet::from_document(doc).expect_err("a second endpoint of one name");
+    assert_eq!(err.errors.len(), 1, "{:?}", err.errors);
+    assert_eq!(err.errors[0].path, format!("endpoints.{name}"));
+    assert!(err.errors[0].message.starts_with("duplicate endpoint"));
+}
+
+#[test]
 fn documents_from_no_file_run_the_same_checks() {
     let mut doc = load(EXAMPLE.as_bytes())
         .policies
@@ -305,15 +322,16 @@ proptest! {
     #[test]
     fn inline_string_comparison_agrees_with_eq(
         a in "[ab]{0,40}",
-        flip in any::<prop::sample::Index>(),
-        same in any::<bool>(),
+        position in any::<prop::sample::Index>(),
+        flip_one in any::<bool>(),
         other in "[ab]{0,40}",
     ) {
-        // Equal, differing in one byte anywhere (each word, the overlapping tail), or unrelated.
-        let b = if same {
+        // `a` with one byte flipped (in any word, or in the overlapping tail; `a` itself when
+        // empty), or an unrelated string; and `a` against itself.
+        let b = if flip_one {
             let mut bytes = a.clone().into_bytes();
             if !bytes.is_empty() {
-                let at = flip.index(bytes.len());
+                let at = position.index(bytes.len());
                 bytes[at] = if bytes[at] == b'a' { b'b' } else { b'a' };
             }
             String::from_utf8(bytes).expect("ascii")

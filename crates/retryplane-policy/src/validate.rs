@@ -39,8 +39,24 @@ pub fn check(doc: &PolicyDocument, diags: &mut Vec<Diagnostic>) {
     let defaults_layers = [(Level::Defaults, "defaults".to_owned(), &doc.defaults)];
     check_layer(&doc.defaults, "defaults", diags);
     check_effective(&defaults_layers, diags);
+    // Each name's first place. A file's parser already refuses a second endpoint of the same
+    // name (and leaves it out), and so does the wire conversion; a document built in code gets
+    // the same error here, since a set has one policy per name.
+    let mut first_named: HashMap<&str, Loc> = HashMap::with_capacity(doc.endpoints.len());
     for ep in &doc.endpoints {
         let ep_path = format!("endpoints.{}", ep.name.value);
+        if let Some(first) = first_named.insert(&ep.name.value, ep.name.loc) {
+            first_named.insert(&ep.name.value, first);
+            diags.push(Diagnostic::error(
+                ep.name.loc,
+                ep_path.clone(),
+                format!(
+                    "duplicate endpoint `{}` (first defined at {first})",
+                    ep.name.value
+                ),
+            ));
+            continue;
+        }
         check_endpoint_name(&ep.name.value, ep.name.loc, &ep_path, diags);
         check_layer(&ep.overlay, &ep_path, diags);
         let mut layers = defaults_layers.to_vec();

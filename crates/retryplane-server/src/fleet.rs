@@ -298,6 +298,31 @@ mod tests {
     }
 
     #[test]
+    fn every_answer_and_report_marks_the_agent_seen() {
+        let fleet = Fleet::new(10);
+        let reg = fleet.register(&hello("a"), None).unwrap();
+        let forget = || {
+            if let Some(e) = fleet.lock().agents.get_mut("a") {
+                e.status.last_seen_unix_ms = 0;
+            }
+        };
+        let seen = || fleet.status()[0].last_seen_unix_ms > 0;
+        forget();
+        fleet.ack("a", reg.generation, 1);
+        assert!(seen(), "ack");
+        forget();
+        fleet.nack("a", reg.generation, 2, "bad");
+        assert!(seen(), "nack");
+        forget();
+        fleet.seen("a", reg.generation);
+        assert!(seen(), "a report or a stale answer");
+        // A stream that was replaced does not touch the new one's status.
+        forget();
+        fleet.ack("a", reg.generation + 1, 3);
+        assert!(!seen());
+    }
+
+    #[test]
     fn nack_keeps_the_applied_version_and_records_the_error() {
         let fleet = Fleet::new(10);
         let mut h = hello("a");
