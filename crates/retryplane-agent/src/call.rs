@@ -280,32 +280,44 @@ impl Endpoint {
                             Some(Outcome::Transport(retryplane_policy::ErrorClass::Timeout)),
                             None,
                         ),
-                        Ok(r) => match classify(&r) {
-                            Classification::Success => {
-                                if let Ok(t) = r {
-                                    // Tell the breaker about the success through the engine, at the
-                                    // attempt's start: one clock read less on every call that
-                                    // succeeds, and the breaker's window (slots of a tenth of it)
-                                    // counts the success all the same.
-                                    call.on_outcome(success(), now, &mut rng);
-                                    count_success(&mut first, plan.number);
-                                    if tracing::enabled!(tracing::Level::DEBUG) {
-                                        let end = Instant::now();
-                                        self.debug_attempt(
-                                            plan.number,
-                                            &"success",
-                                            None,
-                                            &call,
-                                            end,
-                                        );
-                                    }
-                                    break End::Ok(t);
+                        Ok(r) => match (classify(&r), r) {
+                            (Classification::Success, Ok(t)) => {
+                                // Tell the breaker about the success through the engine, at the
+                                // attempt's start: one clock read less on every call that
+                                // succeeds, and the breaker's window (slots of a tenth of it)
+                                // counts the success all the same.
+                                call.on_outcome(success(), now, &mut rng);
+                                count_success(&mut first, plan.number);
+                                if tracing::enabled!(tracing::Level::DEBUG) {
+                                    let end = Instant::now();
+                                    self.debug_attempt(plan.number, &"success", None, &call, end);
                                 }
-                                // An error classified as a success cannot be returned as a value.
-                                (None, Some(r))
+                                break End::Ok(t);
                             }
-                            Classification::Outcome(o) => (Some(o), Some(r)),
-                            Classification::Fatal => (None, Some(r)),
+                            // An answer whose outcome is a success (HTTP below 400, gRPC `OK`):
+                            // the engine returns it at once whatever the policy, so it takes the
+                            // same path, without the clock read and the moves of a failure.
+                            (Classification::Outcome(o), Ok(t)) if o.is_success() => {
+                                if let Outcome::Http {
+                                    retry_after: Some(Err(e)),
+                                    ..
+                                } = &o
+                                {
+                                    log_bad_hint(&self.name, e);
+                                }
+                                if tracing::enabled!(tracing::Level::DEBUG) {
+                                    let end = Instant::now();
+                                    let class = class_name(&o);
+                                    self.debug_attempt(plan.number, &class, None, &call, end);
+                                }
+                                call.on_outcome(o, now, &mut rng);
+                                count_success(&mut first, plan.number);
+                                break End::Ok(t);
+                            }
+                            // An error classified as a success cannot be returned as a value.
+                            (Classification::Success, r) => (None, Some(r)),
+                            (Classification::Outcome(o), r) => (Some(o), Some(r)),
+                            (Classification::Fatal, r) => (None, Some(r)),
                         },
                     };
                     now = Instant::now();

@@ -410,3 +410,21 @@ async fn a_call_refused_by_an_open_circuit_counts_a_call_and_no_attempt() {
     assert_eq!(c.circuit_open, 1);
     assert_eq!(c.success_first_try, 0);
 }
+
+#[tokio::test(start_paused = true)]
+async fn an_http_answer_below_400_is_returned_at_once_as_a_success() {
+    let agent = agent(&policy("max_attempts: 3"));
+    let ep = agent.endpoint("ep");
+    for status in [200, 204, 304] {
+        let up = Upstream::new([Step::Status(status), Step::Status(503)]);
+        let r = ep.call(get(), up.attempt()).await.unwrap();
+        assert_eq!(r.status(), status);
+        assert_eq!(up.attempts(), 1);
+    }
+    // A malformed Retry-After on a success changes nothing.
+    let up = Upstream::new([Step::RetryAfter(200, "soon".into())]);
+    assert_eq!(ep.call(get(), up.attempt()).await.unwrap().status(), 200);
+    let c = ep.pending_counts();
+    assert_eq!((c.calls, c.attempts, c.success_first_try), (4, 4, 4));
+    assert_eq!((c.retries, c.success_after_retry), (0, 0));
+}
