@@ -30,7 +30,8 @@ pub const DEFAULT_METRICS_INTERVAL: Duration = Duration::from_secs(10);
 /// State shared by the handles, the calls and the stream task.
 #[derive(Debug)]
 pub(crate) struct Shared {
-    /// Read once per call; replaced only through [`Shared::update_policies`].
+    /// Replaced only through [`Shared::update_policies`]. A call reads its endpoint's entry
+    /// from its [`Endpoint`] handle, which looks it up here again after each swap.
     pub(crate) policies: ArcSwap<PolicySnapshot>,
     /// How many times `policies` was replaced: raised just after each swap, so whoever reads
     /// a generation and then loads `policies` gets that snapshot or a newer one. Endpoint
