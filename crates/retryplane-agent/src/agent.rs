@@ -4,7 +4,9 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{
+    AtomicBool, AtomicU64, Ordering::Acquire, Ordering::Relaxed, Ordering::Release,
+};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -28,8 +30,13 @@ pub const DEFAULT_METRICS_INTERVAL: Duration = Duration::from_secs(10);
 /// State shared by the handles, the calls and the stream task.
 #[derive(Debug)]
 pub(crate) struct Shared {
-    /// Read once per call; replaced only through [`Shared::update_policies`].
+    /// Replaced only through [`Shared::update_policies`]. A call reads its endpoint's entry
+    /// from its [`Endpoint`] handle, which looks it up here again after each swap.
     pub(crate) policies: ArcSwap<PolicySnapshot>,
+    /// How many times `policies` was replaced: raised just after each swap, so whoever reads
+    /// a generation and then loads `policies` gets that snapshot or a newer one. Endpoint
+    /// handles key their cached entry on it (see [`crate::Endpoint`]).
+    generation: AtomicU64,
     /// The snapshot replaced last, kept until the next swap; its lock is the writers' turn.
     /// See [`Shared::update_policies`].
     retired: std::sync::Mutex<Option<Arc<PolicySnapshot>>>,
@@ -45,6 +52,7 @@ impl Shared {
     pub(crate) fn new(snapshot: PolicySnapshot, seed: u64, metrics_interval: Duration) -> Self {
         Self {
             policies: ArcSwap::from_pointee(snapshot),
+            generation: AtomicU64::new(0),
             retired: std::sync::Mutex::new(None),
             metrics: Registry::default(),
             metrics_interval_ms: AtomicU64::new(
@@ -72,9 +80,17 @@ impl Shared {
         let next = build(&current);
         drop(current);
         let replaced = self.policies.swap(Arc::new(next));
+        // After the swap (Release): a reader that sees the new generation sees the new
+        // snapshot. Writers take turns, so a plain add is enough.
+        self.generation.fetch_add(1, Release);
         let older = retired.replace(replaced);
         drop(retired);
         drop(older);
+    }
+
+    /// The number of swaps so far (Acquire: read it before loading `policies`).
+    pub(crate) fn generation(&self) -> u64 {
+        self.generation.load(Acquire)
     }
 
     /// A generator for one call: the agent's seed mixed with a call counter, so a seeded agent

@@ -1,7 +1,8 @@
 //! One logical call under SPEC §2: the [`Endpoint`] handle and its executor.
 //!
-//! The policy snapshot is loaded once when the call starts and that `Arc` is kept for every
-//! attempt (STYLE #4): a push mid-call does not change the call. Each attempt runs under
+//! The endpoint's entry in the policy snapshot (its policy and shared state) is read once when
+//! the call starts and that `Arc` is kept for every attempt (STYLE #4): a push mid-call does
+//! not change the call. Each attempt runs under
 //! `tokio::time::timeout_at(start + min(per_try_timeout, deadline left))`; pauses are
 //! `tokio::time::sleep`, so both follow tokio's (pausable) clock. The engine ([`RetryCall`])
 //! makes every decision; this file only runs attempts, sleeps, counts and logs.
@@ -10,12 +11,15 @@
 //! call's start, which is also the first attempt's; a success is counted at its attempt's
 //! start, and only failures read the clock again), no allocation
 //! and no lock of the agent's own; the cancellation token is only polled when the call has
-//! one, and the per-call RNG is only made when a pause is drawn.
+//! one, and the per-call RNG is only made when a pause is drawn. The endpoint's entry comes
+//! from its handle (no lookup, no write to the snapshot's reference count), and a first-try
+//! success is one counter increment ([`FirstCounts`]).
 
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 
+use arc_swap::ArcSwapOption;
 use retryplane_policy::engine::{CallInfo, Decision, GiveUpCause, Outcome, RetryCall};
 use retryplane_policy::retry_after::RetryAfterError;
 use retryplane_policy::rng::{Rng, SeededRng};
@@ -28,13 +32,27 @@ use crate::classify::{Classification, Classify, class_name};
 use crate::error::{CallError, Cause, Last};
 use crate::meta::{AttemptInfo, CallMeta};
 use crate::metrics::{CounterValues, Counters};
+use crate::snapshot::Entry;
 
 /// A cheap handle on one logical upstream: clone it freely and keep it.
+///
+/// The handle and its clones keep the endpoint's entry (policy and shared state) of the
+/// snapshot in force, keyed on the agent's swap count: a call checks the count and takes the
+/// entry, without a lookup among the snapshot's endpoints; the first call after a swap looks
+/// it up again.
 #[derive(Clone, Debug)]
 pub struct Endpoint {
     shared: Arc<Shared>,
     name: Arc<str>,
     counters: Arc<Counters>,
+    cache: Arc<ArcSwapOption<Cached>>,
+}
+
+/// An [`Endpoint`]'s entry and the generation ([`Shared::generation`]) it is valid for.
+#[derive(Debug)]
+struct Cached {
+    generation: u64,
+    entry: Arc<Entry>,
 }
 
 /// How the attempt loop ended.
@@ -51,7 +69,35 @@ impl Endpoint {
             shared,
             name,
             counters,
+            cache: Arc::default(),
         }
+    }
+
+    /// The endpoint's entry in the snapshot in force: the one this handle keeps, unless the
+    /// policies were swapped since. A call holds what this returns from start to end.
+    fn entry(&self) -> Arc<Entry> {
+        let generation = self.shared.generation();
+        if let Some(cached) = &*self.cache.load()
+            && cached.generation == generation
+        {
+            return cached.entry.clone();
+        }
+        self.refresh_entry(generation)
+    }
+
+    /// Looks the entry up in the snapshot in force and keeps it for `generation`. The
+    /// generation was read before the snapshot was loaded, so the snapshot is that one or a
+    /// newer one: at worst a newer entry is kept under an older generation, and the next call
+    /// looks it up again; an older entry is never kept under a newer generation.
+    #[cold]
+    #[inline(never)]
+    fn refresh_entry(&self, generation: u64) -> Arc<Entry> {
+        let entry = self.shared.policies.load().entry(&self.name);
+        self.cache.store(Some(Arc::new(Cached {
+            generation,
+            entry: entry.clone(),
+        })));
+        entry
     }
 
     /// The endpoint's name.
@@ -69,8 +115,8 @@ impl Endpoint {
     /// a deadline too long for an `Instant`, as the engine does).
     pub(crate) fn deadline_of(&self, meta: &CallMeta<'_>, start: Instant) -> Instant {
         const FAR_FUTURE: std::time::Duration = std::time::Duration::from_secs(86_400 * 365 * 30);
-        let snapshot = self.shared.policies.load();
-        let (policy, _) = snapshot.resolve(&self.name, &meta.target());
+        let entry = self.entry();
+        let (policy, _) = entry.resolve(&meta.target());
         start
             .checked_add(policy.deadline)
             .or_else(|| start.checked_add(FAR_FUTURE))
@@ -82,42 +128,44 @@ impl Endpoint {
     /// `attempt` is called once per attempt with its [`AttemptInfo`]; its future is dropped
     /// when the attempt's timeout passes. Returns the first success, or a [`CallError`] with
     /// the cause and the last attempt's response or error.
-    pub async fn call<T, E, F, Fut>(
+    ///
+    /// (Not an `async fn`: it hands back the one future that runs the call, so the call's state
+    /// is not wrapped, moved and polled through two more layers on every call.)
+    pub fn call<T, E, F, Fut>(
         &self,
         meta: CallMeta<'_>,
         attempt: F,
-    ) -> Result<T, CallError<T, E>>
+    ) -> impl Future<Output = Result<T, CallError<T, E>>>
     where
         T: Classify,
         E: Classify,
         F: FnMut(AttemptInfo) -> Fut,
         Fut: Future<Output = Result<T, E>>,
     {
-        self.call_with(
+        self.call_reauth(
             meta,
             |r: &Result<T, E>| match r {
                 Ok(t) => t.classify(),
                 Err(e) => e.classify(),
             },
             attempt,
+            NoReauth,
         )
-        .await
     }
 
     /// [`Endpoint::call`] with a classifier of your own.
-    pub async fn call_with<T, E, C, F, Fut>(
+    pub fn call_with<T, E, C, F, Fut>(
         &self,
         meta: CallMeta<'_>,
         classify: C,
         attempt: F,
-    ) -> Result<T, CallError<T, E>>
+    ) -> impl Future<Output = Result<T, CallError<T, E>>>
     where
         C: FnMut(&Result<T, E>) -> Classification,
         F: FnMut(AttemptInfo) -> Fut,
         Fut: Future<Output = Result<T, E>>,
     {
-        self.call_reauth(meta, classify, attempt, &mut NoReauth)
-            .await
+        self.call_reauth(meta, classify, attempt, NoReauth)
     }
 
     /// [`Endpoint::call_with`] with a once-only credential refresh: when `reauth` wants it,
@@ -125,214 +173,257 @@ impl Endpoint {
     /// deadline) and the attempt is sent again with a fresh per-try timeout. The engine sees
     /// one attempt (its number, breaker permit and counters), judged on the second answer;
     /// no budget is taken and no pause is slept.
-    pub(crate) async fn call_reauth<T, E, C, F, Fut, A>(
+    ///
+    /// (An `async` block rather than an `async fn`: the arguments are kept once in the call's
+    /// state, not once as arguments and again as locals.)
+    #[allow(
+        clippy::manual_async_fn,
+        reason = "an async fn keeps its arguments twice in the call's state"
+    )]
+    pub(crate) fn call_reauth<T, E, C, F, Fut, A>(
         &self,
         meta: CallMeta<'_>,
         mut classify: C,
         mut attempt: F,
-        reauth: &mut A,
-    ) -> Result<T, CallError<T, E>>
+        mut reauth: A,
+    ) -> impl Future<Output = Result<T, CallError<T, E>>>
     where
         C: FnMut(&Result<T, E>) -> Classification,
         F: FnMut(AttemptInfo) -> Fut,
         Fut: Future<Output = Result<T, E>>,
         A: Reauth<T, E>,
     {
-        let started = Instant::now();
-        // The one read of the policies for this call.
-        let snapshot = self.shared.policies.load_full();
-        let (policy, runtime) = snapshot.resolve(&self.name, &meta.target());
-        let (idempotent, has_idempotency_key) = meta.idempotency(policy);
-        let info = CallInfo {
-            idempotent,
-            has_idempotency_key,
-        };
-        let mut rng = CallRng {
-            shared: &self.shared,
-            rng: None,
-        };
-        let c = &*self.counters;
-        Counters::inc(&c.calls);
-        let mut call = RetryCall::new(policy, &runtime.state, info, started);
-        let cancel = meta.cancel_token();
-        let mut last: Option<Last<T, E>> = None;
-        let mut last_outcome: Option<Outcome> = None;
-        let mut pause_before = None;
-        // The first attempt starts when the call does; later ones after their pause.
-        let mut now = started;
+        async move {
+            let started = Instant::now();
+            // The one read of the policies for this call.
+            let entry = self.entry();
+            let (policy, runtime) = entry.resolve(&meta.target());
+            let (idempotent, has_idempotency_key) = meta.idempotency(policy);
+            let info = CallInfo {
+                idempotent,
+                has_idempotency_key,
+            };
+            let mut rng = CallRng {
+                shared: &self.shared,
+                rng: None,
+            };
+            let c = &*self.counters;
+            let mut first = FirstCounts { c, owed: OWE_CALL };
+            let mut call = RetryCall::new(policy, &runtime.state, info, started);
+            let cancel = meta.cancel_token();
+            let mut last: Option<Last<T, E>> = None;
+            let mut last_outcome: Option<Outcome> = None;
+            let mut pause_before = None;
+            // The first attempt starts when the call does; later ones after their pause.
+            let mut now = started;
 
-        let end = loop {
-            let plan = match call.start_attempt(now) {
-                Ok(plan) => plan,
-                Err(cause) => break End::Fail(Cause::GaveUp(cause), last, last_outcome),
-            };
-            Counters::inc(&c.attempts);
-            if plan.number > 1 {
-                Counters::inc(&c.retries);
-            }
-            let info = AttemptInfo {
-                number: plan.number,
-                timeout: plan.timeout,
-                deadline: call.deadline(),
-                pause_before,
-            };
-            // `timeout` would read the clock again: the attempt starts at `now`.
-            let until = now
-                .checked_add(plan.timeout)
-                .unwrap_or_else(|| call.deadline());
-            let run = tokio::time::timeout_at(until, attempt(info));
-            let mut result = match cancel {
-                None => run.await,
-                Some(cancel) => tokio::select! {
-                    biased;
-                    () = cancel.cancelled() => break End::Fail(Cause::Cancelled, last, last_outcome),
-                    r = run => r,
-                },
-            };
-            if let Ok(r) = &result
-                && reauth.wants(r)
-            {
-                // Boxed: the refresh's state stays out of every call's future.
-                let resend = Box::pin(self.refresh_and_resend(
-                    reauth,
-                    &mut attempt,
-                    info,
-                    call.policy().per_try_timeout,
-                    cancel,
-                ))
-                .await;
-                match resend {
-                    Resend::Cancelled => break End::Fail(Cause::Cancelled, last, last_outcome),
-                    Resend::Kept => {}
-                    Resend::Sent(r) => result = r,
-                }
-            }
-            let (outcome, result) = match result {
-                Err(_elapsed) => (
-                    Some(Outcome::Transport(retryplane_policy::ErrorClass::Timeout)),
-                    None,
-                ),
-                Ok(r) => match classify(&r) {
-                    Classification::Success => {
-                        if let Ok(t) = r {
-                            // Tell the breaker about the success through the engine, at the
-                            // attempt's start: one clock read less on every call that
-                            // succeeds, and the breaker's window (slots of a tenth of it)
-                            // counts the success all the same.
-                            call.on_outcome(success(), now, &mut rng);
-                            count_success(c, plan.number);
-                            if tracing::enabled!(tracing::Level::DEBUG) {
-                                let end = Instant::now();
-                                self.debug_attempt(plan.number, &"success", None, &call, end);
-                            }
-                            break End::Ok(t);
-                        }
-                        // An error classified as a success cannot be returned as a value.
-                        (None, Some(r))
+            let end = loop {
+                // One attempt and its judgement, in a block: what it leaves (the answer, its
+                // classification) is dead before the pause, so it takes no room in the call's
+                // state while the call sleeps.
+                let pause = {
+                    let plan = match call.start_attempt(now) {
+                        Ok(plan) => plan,
+                        Err(cause) => break End::Fail(Cause::GaveUp(cause), last, last_outcome),
+                    };
+                    if plan.number == 1 {
+                        first.owed |= OWE_ATTEMPT;
+                    } else {
+                        first.settle();
+                        Counters::inc(&c.attempts);
+                        Counters::inc(&c.retries);
                     }
-                    Classification::Outcome(o) => (Some(o), Some(r)),
-                    Classification::Fatal => (None, Some(r)),
-                },
-            };
-            now = Instant::now();
-            last = Some(match result {
-                None => Last::TimedOut,
-                Some(Ok(t)) => Last::Response(t),
-                Some(Err(e)) => Last::Error(e),
-            });
-            let Some(outcome) = outcome else {
-                self.debug_attempt(plan.number, &"fatal", None, &call, now);
-                break End::Fail(Cause::GaveUp(GiveUpCause::NotRetryable), last, None);
-            };
-            if let Outcome::Http {
-                retry_after: Some(Err(e)),
-                ..
-            } = &outcome
-            {
-                log_bad_hint(&self.name, e);
-            }
-            let class = class_name(&outcome);
-            match call.on_outcome(outcome.clone(), now, &mut rng) {
-                Decision::Return => {
-                    self.debug_attempt(plan.number, &class, None, &call, now);
-                    match last {
-                        Some(Last::Response(t)) => {
-                            count_success(c, plan.number);
-                            break End::Ok(t);
-                        }
-                        other => {
-                            break End::Fail(
-                                Cause::GaveUp(GiveUpCause::NotRetryable),
-                                other,
-                                Some(outcome),
-                            );
-                        }
-                    }
-                }
-                Decision::GiveUp(cause) => {
-                    self.debug_attempt(plan.number, &class, None, &call, now);
-                    break End::Fail(Cause::GaveUp(cause), last, Some(outcome));
-                }
-                Decision::Retry { pause, hinted } => {
-                    self.debug_attempt(plan.number, &class, Some(pause), &call, now);
-                    c.backoff_ms.fetch_add(
-                        u64::try_from(pause.as_millis()).unwrap_or(u64::MAX),
-                        std::sync::atomic::Ordering::Relaxed,
-                    );
-                    if hinted {
-                        Counters::inc(&c.retry_after_honored);
-                    }
-                    last_outcome = Some(outcome);
-                    pause_before = Some(pause);
-                    match cancel {
-                        None => tokio::time::sleep(pause).await,
+                    let info = AttemptInfo {
+                        number: plan.number,
+                        timeout: plan.timeout,
+                        deadline: call.deadline(),
+                        pause_before,
+                    };
+                    // `timeout` would read the clock again: the attempt starts at `now`.
+                    let until = now
+                        .checked_add(plan.timeout)
+                        .unwrap_or_else(|| call.deadline());
+                    let run = tokio::time::timeout_at(until, attempt(info));
+                    let result = match cancel {
+                        None => run.await,
                         Some(cancel) => tokio::select! {
                             biased;
                             () = cancel.cancelled() => break End::Fail(Cause::Cancelled, last, last_outcome),
-                            () = tokio::time::sleep(pause) => {}
+                            r = run => r,
                         },
-                    }
+                    };
+                    let result = match result {
+                        Ok(first_answer) if reauth.wants(&first_answer) => {
+                            // Boxed, the first answer with it: the refresh's state stays out of every
+                            // call's future.
+                            let resend = Box::pin(self.refresh_and_resend(
+                                &mut reauth,
+                                &mut attempt,
+                                info,
+                                call.policy().per_try_timeout,
+                                cancel,
+                                first_answer,
+                            ))
+                            .await;
+                            match resend {
+                                Resend::Cancelled => {
+                                    break End::Fail(Cause::Cancelled, last, last_outcome);
+                                }
+                                Resend::Kept(r) => Ok(r),
+                                Resend::Sent(r) => r,
+                            }
+                        }
+                        other => other,
+                    };
+                    let (outcome, result) = match result {
+                        Err(_elapsed) => (
+                            Some(Outcome::Transport(retryplane_policy::ErrorClass::Timeout)),
+                            None,
+                        ),
+                        Ok(r) => match (classify(&r), r) {
+                            (Classification::Success, Ok(t)) => {
+                                // Tell the breaker about the success through the engine, at the
+                                // attempt's start: one clock read less on every call that
+                                // succeeds, and the breaker's window (slots of a tenth of it)
+                                // counts the success all the same.
+                                call.on_outcome(success(), now, &mut rng);
+                                count_success(&mut first, plan.number);
+                                if tracing::enabled!(tracing::Level::DEBUG) {
+                                    let end = Instant::now();
+                                    self.debug_attempt(plan.number, &"success", None, &call, end);
+                                }
+                                break End::Ok(t);
+                            }
+                            // An answer whose outcome is a success (HTTP below 400, gRPC `OK`):
+                            // the engine returns it at once whatever the policy, so it takes the
+                            // same path, without the clock read and the moves of a failure.
+                            (Classification::Outcome(o), Ok(t)) if o.is_success() => {
+                                if let Outcome::Http {
+                                    retry_after: Some(Err(e)),
+                                    ..
+                                } = &o
+                                {
+                                    log_bad_hint(&self.name, e);
+                                }
+                                if tracing::enabled!(tracing::Level::DEBUG) {
+                                    let end = Instant::now();
+                                    let class = class_name(&o);
+                                    self.debug_attempt(plan.number, &class, None, &call, end);
+                                }
+                                call.on_outcome(o, now, &mut rng);
+                                count_success(&mut first, plan.number);
+                                break End::Ok(t);
+                            }
+                            // An error classified as a success cannot be returned as a value.
+                            (Classification::Success, r) => (None, Some(r)),
+                            (Classification::Outcome(o), r) => (Some(o), Some(r)),
+                            (Classification::Fatal, r) => (None, Some(r)),
+                        },
+                    };
                     now = Instant::now();
+                    last = Some(match result {
+                        None => Last::TimedOut,
+                        Some(Ok(t)) => Last::Response(t),
+                        Some(Err(e)) => Last::Error(e),
+                    });
+                    let Some(outcome) = outcome else {
+                        self.debug_attempt(plan.number, &"fatal", None, &call, now);
+                        break End::Fail(Cause::GaveUp(GiveUpCause::NotRetryable), last, None);
+                    };
+                    if let Outcome::Http {
+                        retry_after: Some(Err(e)),
+                        ..
+                    } = &outcome
+                    {
+                        log_bad_hint(&self.name, e);
+                    }
+                    let class = class_name(&outcome);
+                    match call.on_outcome(outcome.clone(), now, &mut rng) {
+                        Decision::Return => {
+                            self.debug_attempt(plan.number, &class, None, &call, now);
+                            match last {
+                                Some(Last::Response(t)) => {
+                                    count_success(&mut first, plan.number);
+                                    break End::Ok(t);
+                                }
+                                other => {
+                                    break End::Fail(
+                                        Cause::GaveUp(GiveUpCause::NotRetryable),
+                                        other,
+                                        Some(outcome),
+                                    );
+                                }
+                            }
+                        }
+                        Decision::GiveUp(cause) => {
+                            self.debug_attempt(plan.number, &class, None, &call, now);
+                            break End::Fail(Cause::GaveUp(cause), last, Some(outcome));
+                        }
+                        Decision::Retry { pause, hinted } => {
+                            self.debug_attempt(plan.number, &class, Some(pause), &call, now);
+                            c.backoff_ms.fetch_add(
+                                u64::try_from(pause.as_millis()).unwrap_or(u64::MAX),
+                                std::sync::atomic::Ordering::Relaxed,
+                            );
+                            if hinted {
+                                Counters::inc(&c.retry_after_honored);
+                            }
+                            last_outcome = Some(outcome);
+                            pause_before = Some(pause);
+                            pause
+                        }
+                    }
+                };
+                match cancel {
+                    None => tokio::time::sleep(pause).await,
+                    Some(cancel) => tokio::select! {
+                        biased;
+                        () = cancel.cancelled() => break End::Fail(Cause::Cancelled, last, last_outcome),
+                        () = tokio::time::sleep(pause) => {}
+                    },
                 }
-            }
-        };
+                now = Instant::now();
+            };
 
-        let attempts = call.attempts();
-        match end {
-            End::Ok(t) => Ok(t),
-            End::Fail(cause, last, outcome) => {
-                let Cause::GaveUp(g) = cause else {
-                    debug!(endpoint = %self.name, attempts, "call cancelled");
-                    return Err(CallError {
+            // A call that did not succeed at its first attempt is counted in full.
+            first.settle();
+            let attempts = call.attempts();
+            match end {
+                End::Ok(t) => Ok(t),
+                End::Fail(cause, last, outcome) => {
+                    let Cause::GaveUp(g) = cause else {
+                        debug!(endpoint = %self.name, attempts, "call cancelled");
+                        return Err(CallError {
+                            cause,
+                            last,
+                            attempts,
+                        });
+                    };
+                    c.gave_up(g);
+                    let class = outcome.as_ref().map_or_else(
+                        || match &last {
+                            Some(Last::TimedOut) => "timeout".to_owned(),
+                            Some(_) => "fatal".to_owned(),
+                            None => "none".to_owned(),
+                        },
+                        |o| class_name(o).to_string(),
+                    );
+                    warn!(
+                        endpoint = %self.name,
+                        method = meta.method(),
+                        path = meta.path(),
+                        attempts,
+                        class = %class,
+                        cause = %cause,
+                        duration_ms = Instant::now().duration_since(started).as_millis() as u64,
+                        "call failed"
+                    );
+                    Err(CallError {
                         cause,
                         last,
                         attempts,
-                    });
-                };
-                c.gave_up(g);
-                let class = outcome.as_ref().map_or_else(
-                    || match &last {
-                        Some(Last::TimedOut) => "timeout".to_owned(),
-                        Some(_) => "fatal".to_owned(),
-                        None => "none".to_owned(),
-                    },
-                    |o| class_name(o).to_string(),
-                );
-                warn!(
-                    endpoint = %self.name,
-                    method = meta.method(),
-                    path = meta.path(),
-                    attempts,
-                    class = %class,
-                    cause = %cause,
-                    duration_ms = Instant::now().duration_since(started).as_millis() as u64,
-                    "call failed"
-                );
-                Err(CallError {
-                    cause,
-                    last,
-                    attempts,
-                })
+                    })
+                }
             }
         }
     }
@@ -347,6 +438,7 @@ impl Endpoint {
         info: AttemptInfo,
         per_try_timeout: std::time::Duration,
         cancel: Option<&CancellationToken>,
+        first_answer: Result<T, E>,
     ) -> Resend<T, E>
     where
         F: FnMut(AttemptInfo) -> Fut,
@@ -373,7 +465,7 @@ impl Endpoint {
                 attempt = info.number,
                 "credentials not refreshed, the answer stands"
             );
-            return Resend::Kept;
+            return Resend::Kept(first_answer);
         }
         debug!(
             endpoint = %self.name,
@@ -384,6 +476,7 @@ impl Endpoint {
             timeout: per_try_timeout.min(left),
             ..info
         };
+        drop(first_answer);
         let run = tokio::time::timeout(info.timeout, attempt(info));
         tokio::select! {
             biased;
@@ -416,7 +509,7 @@ enum Resend<T, E> {
     /// The call was cancelled meanwhile.
     Cancelled,
     /// No refresh (it failed, or the deadline passed): the first answer stands.
-    Kept,
+    Kept(Result<T, E>),
     /// The second answer, or its per-try timeout.
     Sent(Result<Result<T, E>, tokio::time::error::Elapsed>),
 }
@@ -433,6 +526,16 @@ pub(crate) trait Reauth<T, E> {
 
 /// No refresh: every answer is judged as it is.
 pub(crate) struct NoReauth;
+
+impl<T, E, R: Reauth<T, E>> Reauth<T, E> for &mut R {
+    fn wants(&self, result: &Result<T, E>) -> bool {
+        (**self).wants(result)
+    }
+
+    fn refresh(&mut self) -> Pin<Box<dyn Future<Output = bool> + Send + '_>> {
+        (**self).refresh()
+    }
+}
 
 impl<T, E> Reauth<T, E> for NoReauth {
     fn wants(&self, _: &Result<T, E>) -> bool {
@@ -467,15 +570,112 @@ fn success() -> Outcome {
     }
 }
 
-fn count_success(c: &Counters, attempt: u32) {
+/// `calls` is owed.
+const OWE_CALL: u8 = 1;
+/// `attempts` (for the first attempt) is owed.
+const OWE_ATTEMPT: u8 = 2;
+
+/// The counts of a call's start (`calls`, and `attempts` once its first attempt starts), held
+/// back until the first attempt's answer: a call that succeeds at once is counted by
+/// [`Counters::first_try_success`] alone (one atomic add instead of three; the registry adds it
+/// back into `calls` and `attempts`). Any other call pays what it owes with
+/// [`FirstCounts::settle`], or when it is dropped (a call future dropped mid-call is counted).
+struct FirstCounts<'a> {
+    c: &'a Counters,
+    owed: u8,
+}
+
+impl FirstCounts<'_> {
+    /// Counts what is owed, once.
+    fn settle(&mut self) {
+        if self.owed & OWE_CALL != 0 {
+            Counters::inc(&self.c.calls);
+        }
+        if self.owed & OWE_ATTEMPT != 0 {
+            Counters::inc(&self.c.attempts);
+        }
+        self.owed = 0;
+    }
+}
+
+impl Drop for FirstCounts<'_> {
+    fn drop(&mut self) {
+        self.settle();
+    }
+}
+
+fn count_success(first: &mut FirstCounts<'_>, attempt: u32) {
     if attempt == 1 {
-        Counters::inc(&c.success_first_try);
+        // Nothing was settled yet (that happens when a second attempt starts or the call
+        // fails): the call and its attempt are counted by `success_first_try`.
+        debug_assert_eq!(first.owed, OWE_CALL | OWE_ATTEMPT);
+        first.owed = 0;
+        first.c.first_try_success();
     } else {
-        Counters::inc(&c.success_after_retry);
+        Counters::inc(&first.c.success_after_retry);
     }
 }
 
 fn log_bad_hint(endpoint: &str, e: &RetryAfterError) {
     // The error never carries the header value.
     debug!(endpoint, error = %e, "malformed Retry-After ignored");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Agent;
+    use retryplane_policy::Target;
+
+    fn set(max_attempts: u32) -> retryplane_policy::PolicySet {
+        let yaml = format!("version: 1\nendpoints:\n  a: {{max_attempts: {max_attempts}}}\n");
+        retryplane_policy::load(yaml.as_bytes()).policies.unwrap()
+    }
+
+    fn max_attempts(entry: &Entry) -> u32 {
+        entry.resolve(&Target::Endpoint).0.max_attempts
+    }
+
+    #[test]
+    fn the_kept_entry_is_reused_until_a_swap_then_looked_up_again() {
+        let agent = Agent::from_policies_seeded(set(2), 1);
+        let ep = agent.endpoint("a");
+        let first = ep.entry();
+        assert!(
+            Arc::ptr_eq(&first, &ep.entry()),
+            "kept, not looked up again"
+        );
+        assert!(
+            Arc::ptr_eq(&first, &ep.clone().entry()),
+            "clones share what is kept"
+        );
+        agent.set_policies(set(3));
+        let second = ep.entry();
+        assert_eq!((max_attempts(&first), max_attempts(&second)), (2, 3));
+        assert!(Arc::ptr_eq(&second, &agent.policies().entry("a")));
+        assert!(Arc::ptr_eq(&second, &ep.entry()));
+    }
+
+    #[test]
+    fn an_entry_looked_up_during_a_swap_is_looked_up_again_after_it() {
+        let agent = Agent::from_policies_seeded(set(2), 1);
+        let ep = agent.endpoint("a");
+        // A call read the generation, then the swap happened, then it loaded the snapshot:
+        // the newer entry is kept under the older generation.
+        let before = agent.shared().generation();
+        agent.set_policies(set(3));
+        let looked_up = ep.refresh_entry(before);
+        assert_eq!(max_attempts(&looked_up), 3);
+        // The next call does not trust it, and ends up with the same (current) entry.
+        assert_ne!(agent.shared().generation(), before);
+        let next = ep.entry();
+        assert_eq!(max_attempts(&next), 3);
+        assert!(Arc::ptr_eq(&next, &agent.policies().entry("a")));
+        let kept = ep.cache.load();
+        assert_eq!(
+            kept.as_ref().map(|c| c.generation),
+            Some(agent.shared().generation()),
+            "kept under the generation it belongs to"
+        );
+    }
 }

@@ -39,7 +39,12 @@ impl<'a> CallMeta<'a> {
     /// An HTTP call: `method` (any case) and path; a query string is cut off and never used or
     /// logged. Idempotency comes from the policy's `idempotent_methods` and the key header.
     pub fn http(method: &str, path: &'a str) -> Self {
-        let path = path.split(['?', '#']).next().unwrap_or_default();
+        // A byte scan: `?` and `#` are ASCII, so the cut is on a character boundary.
+        let path = path
+            .bytes()
+            .position(|b| b == b'?' || b == b'#')
+            .and_then(|end| path.get(..end))
+            .unwrap_or(path);
         Self::new(Route::Http {
             method: upper_method(method),
             path,
@@ -150,6 +155,10 @@ fn upper_method(method: &str) -> Cow<'static, str> {
     const STANDARD: [&str; 9] = [
         "GET", "POST", "PUT", "DELETE", "HEAD", "OPTIONS", "PATCH", "CONNECT", "TRACE",
     ];
+    // Most callers pass the method as `http::Method::as_str` gives it: upper case already.
+    if let Some(m) = STANDARD.iter().find(|m| **m == method) {
+        return Cow::Borrowed(m);
+    }
     match STANDARD.iter().find(|m| m.eq_ignore_ascii_case(method)) {
         Some(m) => Cow::Borrowed(m),
         None => Cow::Owned(method.to_ascii_uppercase()),
@@ -187,6 +196,9 @@ mod tests {
         assert_eq!(m.path(), "/v1/charges");
         assert_eq!(CallMeta::http("Get", "/").method(), "GET");
         assert_eq!(CallMeta::http("purge", "/").method(), "PURGE");
+        assert_eq!(CallMeta::http("GET", "/a#b?c").path(), "/a");
+        assert_eq!(CallMeta::http("GET", "?q=1").path(), "");
+        assert_eq!(CallMeta::http("GET", "/é/ü?x").path(), "/é/ü");
     }
 
     #[test]

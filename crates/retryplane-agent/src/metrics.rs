@@ -31,18 +31,18 @@ macro_rules! counters {
         }
 
         impl Counters {
-            /// Takes every count, leaving zeros.
-            fn take(&self) -> CounterValues {
+            /// Takes every count as stored, leaving zeros.
+            fn take_stored(&self) -> CounterValues {
                 CounterValues { $($field: self.$field.swap(0, Relaxed),)* }
             }
 
-            /// Adds `v` back (a report that was not sent).
-            fn add(&self, v: &CounterValues) {
+            /// Adds stored counts back.
+            fn add_stored(&self, v: &CounterValues) {
                 $(self.$field.fetch_add(v.$field, Relaxed);)*
             }
 
-            /// Reads without taking.
-            fn peek(&self) -> CounterValues {
+            /// Reads the stored counts without taking them.
+            fn peek_stored(&self) -> CounterValues {
                 CounterValues { $($field: self.$field.load(Relaxed),)* }
             }
         }
@@ -87,6 +87,32 @@ impl Counters {
         c.fetch_add(1, Relaxed);
     }
 
+    /// Counts a call whose first attempt succeeded: one increment instead of three. The
+    /// stored `calls` and `attempts` leave such calls out; [`Counters::take`] and
+    /// [`Counters::peek`] add `success_first_try` back into both, so every figure read or sent
+    /// is the full count (SPEC §4).
+    pub(crate) fn first_try_success(&self) {
+        Self::inc(&self.success_first_try);
+    }
+
+    /// Takes every count, leaving zeros.
+    fn take(&self) -> CounterValues {
+        derived(self.take_stored())
+    }
+
+    /// Adds `v` back (a report that was not sent): the inverse of [`Counters::take`].
+    fn add(&self, v: &CounterValues) {
+        let mut stored = v.clone();
+        stored.calls = v.calls.wrapping_sub(v.success_first_try);
+        stored.attempts = v.attempts.wrapping_sub(v.success_first_try);
+        self.add_stored(&stored);
+    }
+
+    /// Reads without taking.
+    fn peek(&self) -> CounterValues {
+        derived(self.peek_stored())
+    }
+
     /// Counts a call that gave up with `cause`.
     pub(crate) fn gave_up(&self, cause: GiveUpCause) {
         let c = match cause {
@@ -99,6 +125,15 @@ impl Counters {
         };
         Self::inc(c);
     }
+}
+
+/// The full counts from stored ones: a first-try success is stored in `success_first_try`
+/// alone (see [`Counters::first_try_success`]). Each field is a sum of deltas, so a success
+/// counted between two fields' swaps lands in one report or the next, never in none or two.
+fn derived(mut stored: CounterValues) -> CounterValues {
+    stored.calls = stored.calls.wrapping_add(stored.success_first_try);
+    stored.attempts = stored.attempts.wrapping_add(stored.success_first_try);
+    stored
 }
 
 /// Every endpoint's counters. The map is touched when a handle is made and when a report is
@@ -179,5 +214,46 @@ mod tests {
         r.restore(&taken);
         let again = r.take();
         assert_eq!((again[0].calls, again[0].gave_up_budget), (3, 1));
+    }
+
+    #[test]
+    fn a_first_try_success_is_one_call_one_attempt_in_every_figure() {
+        let r = Registry::default();
+        let a = r.counters(&Arc::from("a"));
+        a.first_try_success();
+        a.first_try_success();
+        // A call that needed a retry is counted in full.
+        Counters::inc(&a.calls);
+        Counters::inc(&a.attempts);
+        Counters::inc(&a.attempts);
+        Counters::inc(&a.retries);
+        Counters::inc(&a.success_after_retry);
+        let pending = r.pending("a");
+        assert_eq!(
+            (pending.calls, pending.attempts, pending.success_first_try),
+            (3, 4, 2)
+        );
+        let taken = r.take();
+        assert_eq!(
+            (taken[0].calls, taken[0].attempts, taken[0].retries),
+            (3, 4, 1)
+        );
+        assert_eq!(taken[0].success_first_try, 2);
+        assert_eq!(r.pending("a"), CounterValues::default());
+
+        // Restored, then one more first-try success: nothing lost or doubled.
+        r.restore(&taken);
+        assert_eq!(r.pending("a"), pending);
+        a.first_try_success();
+        let again = r.take();
+        assert_eq!(
+            (
+                again[0].calls,
+                again[0].attempts,
+                again[0].success_first_try
+            ),
+            (4, 5, 3)
+        );
+        assert!(r.take().is_empty());
     }
 }

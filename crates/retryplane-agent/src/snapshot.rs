@@ -8,7 +8,6 @@
 //! created on first use and carried over the same way.
 
 use std::collections::HashMap;
-use std::ops::Deref;
 use std::sync::{Arc, RwLock};
 
 use retryplane_policy::engine::EndpointState;
@@ -77,29 +76,34 @@ impl Runtime {
 /// 15 ns per call here.
 type Map<V> = HashMap<Arc<str>, V, foldhash::fast::FixedState>;
 
-/// An endpoint's runtime state as a call holds it: borrowed from the snapshot for a named
-/// endpoint (no reference count touched on the call path), shared for an unnamed one.
+/// Which policy an [`Entry`] runs under.
 #[derive(Debug)]
-pub(crate) enum RuntimeRef<'a> {
-    Named(&'a Runtime),
-    Unnamed(Arc<Runtime>),
+enum EntryPolicy {
+    /// The endpoint's own policy (its routes included).
+    Named(Arc<EndpointPolicy>),
+    /// The set's `defaults:` (an endpoint the set does not name).
+    Defaults(Arc<RetryPolicy>),
 }
 
-impl Deref for RuntimeRef<'_> {
-    type Target = Runtime;
-
-    fn deref(&self) -> &Runtime {
-        match self {
-            RuntimeRef::Named(rt) => rt,
-            RuntimeRef::Unnamed(rt) => rt,
-        }
-    }
-}
-
+/// One endpoint's policy and shared state as one snapshot has them. A call holds one entry
+/// from start to end (it reads the policies once), and an [`crate::Endpoint`] keeps the entry
+/// of the snapshot in force, so a call neither looks its endpoint up among the snapshot's nor
+/// touches the snapshot's reference count.
 #[derive(Debug)]
-struct Entry {
-    policy: Arc<EndpointPolicy>,
+pub(crate) struct Entry {
+    policy: EntryPolicy,
     runtime: Arc<Runtime>,
+}
+
+impl Entry {
+    /// The policy of a call aimed at `target`, and the endpoint's state.
+    pub(crate) fn resolve(&self, target: &Target<'_>) -> (&RetryPolicy, &Runtime) {
+        let policy = match &self.policy {
+            EntryPolicy::Named(p) => p.resolve(target),
+            EntryPolicy::Defaults(p) => p,
+        };
+        (policy, &self.runtime)
+    }
 }
 
 /// One immutable version of the agent's policies.
@@ -110,7 +114,7 @@ pub struct PolicySnapshot {
     version: u64,
     hash: String,
     source: Source,
-    named: Map<Entry>,
+    named: Map<Arc<Entry>>,
     /// Runtime state of endpoints the set does not name, created on first use.
     unnamed: RwLock<Map<Arc<Runtime>>>,
 }
@@ -147,10 +151,10 @@ impl PolicySnapshot {
             let runtime = Runtime::carry(old.as_ref(), &policy.policy);
             named.insert(
                 policy.name.clone(),
-                Entry {
-                    policy: policy.clone(),
+                Arc::new(Entry {
+                    policy: EntryPolicy::Named(policy.clone()),
                     runtime,
-                },
+                }),
             );
         }
         let mut unnamed = Map::default();
@@ -189,30 +193,30 @@ impl PolicySnapshot {
             .cloned()
     }
 
-    /// The policy and shared state of a call to `endpoint` aimed at `target`, borrowed from
-    /// the snapshot the call holds.
-    pub(crate) fn resolve(
-        &self,
-        endpoint: &str,
-        target: &Target<'_>,
-    ) -> (&RetryPolicy, RuntimeRef<'_>) {
+    /// The entry of `endpoint` in this snapshot: its own, or the defaults with the state of
+    /// an endpoint the set does not name (created on first use).
+    pub(crate) fn entry(&self, endpoint: &str) -> Arc<Entry> {
         if let Some(e) = self.named.get(endpoint) {
-            return (e.policy.resolve(target), RuntimeRef::Named(&e.runtime));
+            return e.clone();
         }
-        if let Some(rt) = self
+        let runtime = self
             .unnamed
             .read()
             .unwrap_or_else(|e| e.into_inner())
             .get(endpoint)
-        {
-            return (&self.defaults, RuntimeRef::Unnamed(rt.clone()));
-        }
-        let mut unnamed = self.unnamed.write().unwrap_or_else(|e| e.into_inner());
-        let rt = unnamed
-            .entry(Arc::from(endpoint))
-            .or_insert_with(|| Arc::new(Runtime::new(&self.defaults)))
-            .clone();
-        (&self.defaults, RuntimeRef::Unnamed(rt))
+            .cloned();
+        let runtime = runtime.unwrap_or_else(|| {
+            self.unnamed
+                .write()
+                .unwrap_or_else(|e| e.into_inner())
+                .entry(Arc::from(endpoint))
+                .or_insert_with(|| Arc::new(Runtime::new(&self.defaults)))
+                .clone()
+        });
+        Arc::new(Entry {
+            policy: EntryPolicy::Defaults(self.defaults.clone()),
+            runtime,
+        })
     }
 
     /// The compiled policies; `None` for the fallback.
@@ -249,8 +253,8 @@ mod tests {
         retryplane_policy::load(yaml.as_bytes()).policies.unwrap()
     }
 
-    fn same(a: &RuntimeRef<'_>, b: &RuntimeRef<'_>) -> bool {
-        std::ptr::eq::<Runtime>(&**a, &**b)
+    fn same(a: &Entry, b: &Entry) -> bool {
+        Arc::ptr_eq(&a.runtime, &b.runtime)
     }
 
     #[tokio::test(start_paused = true)]
@@ -262,9 +266,9 @@ mod tests {
             Source::ControlPlane,
             None,
         );
-        let (_, a1) = v1.resolve("a", &Target::Endpoint);
-        let (_, b1) = v1.resolve("b", &Target::Endpoint);
-        let (_, z1) = v1.resolve("zzz", &Target::Endpoint);
+        let a1 = v1.entry("a");
+        let b1 = v1.entry("b");
+        let z1 = v1.entry("zzz");
         let v2 = PolicySnapshot::build(
             set(
                 "version: 1\nendpoints:\n  a:\n    max_attempts: 5\n  b:\n    budget: {ratio: 0.5}\n",
@@ -274,9 +278,10 @@ mod tests {
             Source::ControlPlane,
             Some(&v1),
         );
-        let (policy, a2) = v2.resolve("a", &Target::Endpoint);
-        let (_, b2) = v2.resolve("b", &Target::Endpoint);
-        let (_, z2) = v2.resolve("zzz", &Target::Endpoint);
+        let a2 = v2.entry("a");
+        let (policy, _) = a2.resolve(&Target::Endpoint);
+        let b2 = v2.entry("b");
+        let z2 = v2.entry("zzz");
         assert_eq!(policy.max_attempts, 5);
         assert!(same(&a1, &a2), "only max_attempts changed: state kept");
         assert!(!same(&b1, &b2), "budget changed: fresh state");

@@ -296,3 +296,135 @@ async fn the_same_seed_gives_the_same_jittered_pauses() {
     };
     assert_eq!(run().await, run().await);
 }
+
+fn set(yaml: &str) -> retryplane_agent::PolicySet {
+    retryplane_policy::load(yaml.as_bytes()).policies.unwrap()
+}
+
+/// Both `ep` (named) and `other` (under the defaults) get `max_attempts: n` and a per-try
+/// timeout of `n` seconds.
+fn both(n: u32) -> String {
+    format!(
+        "version: 1\ndefaults:\n  max_attempts: {n}\n  per_try_timeout: {n}s\n  backoff: {{base: 100ms, max: 2s, multiplier: 2.0, jitter: none}}\n  budget: {{enabled: false}}\n  circuit_breaker: {{enabled: false}}\nendpoints:\n  ep:\n    max_attempts: {n}\n    per_try_timeout: {n}s\n"
+    )
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_kept_handle_and_its_clones_follow_every_swap() {
+    let agent = agent(&both(2));
+    let named = agent.endpoint("ep");
+    let unnamed = agent.endpoint("other");
+    let handles = [
+        named.clone(),
+        named.clone(),
+        unnamed.clone(),
+        unnamed.clone(),
+    ];
+    for n in [2, 4, 3, 5, 2] {
+        agent.set_policies(set(&both(n)));
+        for (i, ep) in handles.iter().enumerate() {
+            let up = Upstream::new(vec![Step::Status(503); 6]);
+            let err = ep.call(get(), up.attempt()).await.unwrap_err();
+            assert_eq!(err.attempts, n, "handle {i} under max_attempts {n}");
+            let timeouts: Vec<_> = up.infos().iter().map(|i| i.timeout).collect();
+            assert_eq!(
+                timeouts,
+                vec![Duration::from_secs(u64::from(n)); n as usize],
+                "handle {i}: every attempt under the set of max_attempts {n}"
+            );
+        }
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_kept_handle_holds_one_set_for_a_call_that_spans_a_swap() {
+    let agent = agent(&both(2));
+    let ep = agent.endpoint("ep");
+    // The handle keeps the entry of the first set.
+    ep.call(get(), Upstream::new([]).attempt()).await.unwrap();
+    let swap = Mutex::new(Some((agent.clone(), set(&both(4)))));
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let record = seen.clone();
+    let err = ep
+        .call(get(), |info| {
+            record.lock().unwrap().push(info);
+            if let Some((agent, set)) = swap.lock().unwrap().take() {
+                agent.set_policies(set);
+            }
+            let f: Fut = Box::pin(async { Ok(response(503, None)) });
+            f
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.attempts, 2, "the call kept max_attempts 2");
+    let infos = seen.lock().unwrap().clone();
+    assert_eq!(infos.len(), 2);
+    assert!(
+        infos.iter().all(|i| i.timeout == Duration::from_secs(2)),
+        "every attempt under the first set: {infos:?}"
+    );
+    // The same handle, the next call: the second set, in full.
+    let up = Upstream::new(vec![Step::Status(503); 6]);
+    let err = ep.call(get(), up.attempt()).await.unwrap_err();
+    assert_eq!(err.attempts, 4);
+    assert!(
+        up.infos()
+            .iter()
+            .all(|i| i.timeout == Duration::from_secs(4))
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_call_dropped_during_its_first_attempt_is_counted_in_full() {
+    let agent = agent(&policy("max_attempts: 3\nper_try_timeout: 10s"));
+    let ep = agent.endpoint("ep");
+    let up = Upstream::new([Step::Hang]);
+    let dropped = tokio::time::timeout(Duration::from_secs(1), ep.call(get(), up.attempt())).await;
+    assert!(dropped.is_err());
+    assert_eq!(up.attempts(), 1);
+    ep.call(get(), Upstream::new([]).attempt()).await.unwrap();
+    let c = ep.pending_counts();
+    assert_eq!((c.calls, c.attempts, c.retries), (2, 2, 0));
+    assert_eq!((c.success_first_try, c.success_after_retry), (1, 0));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_call_refused_by_an_open_circuit_counts_a_call_and_no_attempt() {
+    let agent = agent(&policy(
+        "max_attempts: 1\ncircuit_breaker: {enabled: true, failure_ratio: 0.5, min_requests: 2, window: 10s, open_for: 30s}",
+    ));
+    let ep = agent.endpoint("ep");
+    let mut refused = None;
+    for _ in 0..20 {
+        let up = Upstream::new([Step::Status(503)]);
+        let err = ep.call(get(), up.attempt()).await.unwrap_err();
+        if err.cause == Cause::GaveUp(GiveUpCause::CircuitOpen) {
+            refused = Some(err);
+            break;
+        }
+    }
+    let refused = refused.expect("the circuit opened");
+    assert_eq!(refused.attempts, 0);
+    let c = ep.pending_counts();
+    assert_eq!(c.calls, c.attempts + 1, "{c:?}");
+    assert_eq!(c.circuit_open, 1);
+    assert_eq!(c.success_first_try, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_http_answer_below_400_is_returned_at_once_as_a_success() {
+    let agent = agent(&policy("max_attempts: 3"));
+    let ep = agent.endpoint("ep");
+    for status in [200, 204, 304] {
+        let up = Upstream::new([Step::Status(status), Step::Status(503)]);
+        let r = ep.call(get(), up.attempt()).await.unwrap();
+        assert_eq!(r.status(), status);
+        assert_eq!(up.attempts(), 1);
+    }
+    // A malformed Retry-After on a success changes nothing.
+    let up = Upstream::new([Step::RetryAfter(200, "soon".into())]);
+    assert_eq!(ep.call(get(), up.attempt()).await.unwrap().status(), 200);
+    let c = ep.pending_counts();
+    assert_eq!((c.calls, c.attempts, c.success_first_try), (4, 4, 4));
+    assert_eq!((c.retries, c.success_after_retry), (0, 0));
+}
