@@ -212,14 +212,19 @@ endpoints:
     assert_eq!(route.budget.as_ref().map(|b| b.ratio), Some(0.5));
 }
 
-#[test]
-fn a_document_with_two_endpoints_of_one_name_is_refused() {
-    let mut doc = load(EXAMPLE.as_bytes())
+/// The checked document of a valid file, to edit as code would.
+fn document_of(file: &[u8]) -> crate::document::PolicyDocument {
+    load(file)
         .policies
         .expect("valid")
         .document()
         .as_ref()
-        .clone();
+        .clone()
+}
+
+#[test]
+fn a_document_with_two_endpoints_of_one_name_is_refused() {
+    let mut doc = document_of(EXAMPLE.as_bytes());
     let copy = doc.endpoints[0].clone();
     let name = copy.name.value.clone();
     doc.endpoints.push(copy);
@@ -231,12 +236,7 @@ fn a_document_with_two_endpoints_of_one_name_is_refused() {
 
 #[test]
 fn documents_from_no_file_run_the_same_checks() {
-    let mut doc = load(EXAMPLE.as_bytes())
-        .policies
-        .expect("valid")
-        .document()
-        .as_ref()
-        .clone();
+    let mut doc = document_of(EXAMPLE.as_bytes());
     doc.endpoints[0].overlay.max_attempts = Some(crate::document::Field::new(11));
     let err = PolicySet::from_document(doc).expect_err("invalid");
     assert_eq!(err.errors.len(), 1);
@@ -431,13 +431,9 @@ fn alert_on_a_route_is_an_error_that_says_where_it_belongs() {
 
 #[test]
 fn alert_on_a_route_of_a_document_from_no_file_is_refused_too() {
-    let mut doc =
-        load(b"version: 1\nendpoints:\n  a:\n    routes:\n      - match: {path_prefix: /x}\n")
-            .policies
-            .expect("valid")
-            .document()
-            .as_ref()
-            .clone();
+    let mut doc = document_of(
+        b"version: 1\nendpoints:\n  a:\n    routes:\n      - match: {path_prefix: /x}\n",
+    );
     doc.endpoints[0].routes[0].overlay.alert.retry_ratio = Some(crate::document::Field::new(0.1));
     let err = PolicySet::from_document(doc).expect_err("invalid");
     let got: Vec<(&str, &str)> = err
