@@ -72,8 +72,9 @@ impl Shared {
     /// Whoever releases a snapshot last frees it, and freeing one of 1,000 endpoints takes
     /// about 0.7 ms (BENCHMARKS.md): so that this is not a call that was running during the
     /// swap, the replaced snapshot stays here until the next swap, which frees it (after the
-    /// writers' lock is released) unless a call that started before the previous swap still
-    /// holds it. The cost is one more snapshot in memory.
+    /// writers' lock is released). Calls hold one endpoint's entry, not the snapshot; an idle
+    /// handle may keep its endpoint's old entry until its next call refreshes it, which frees
+    /// that one entry. The cost is one more snapshot in memory.
     pub(crate) fn update_policies(&self, build: impl FnOnce(&PolicySnapshot) -> PolicySnapshot) {
         let mut retired = self.retired.lock().unwrap_or_else(|e| e.into_inner());
         let current = self.policies.load_full();

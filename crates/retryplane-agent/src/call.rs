@@ -10,7 +10,9 @@
 //! Cost on the success path (see BENCHMARKS.md, "Agent: `Endpoint::call`"): one clock read (the
 //! call's start, which is also the first attempt's; a success is counted at its attempt's
 //! start, and only failures read the clock again), no allocation
-//! and no lock of the agent's own; the cancellation token is only polled when the call has
+//! and no lock of the agent's own (except on a handle's first call after a policy swap, which
+//! looks its entry up again and, for an endpoint the policies do not name, may create it); the
+//! cancellation token is only polled when the call has
 //! one, and the per-call RNG is only made when a pause is drawn. The endpoint's entry comes
 //! from its handle (no lookup, no write to the snapshot's reference count), and a first-try
 //! success is one counter increment ([`FirstCounts`]).

@@ -5,6 +5,13 @@
 //! and, if the report cannot be handed to the stream, adds them back, so counts made while
 //! disconnected accumulate (in the same fixed set of counters: the memory is bounded by the
 //! number of endpoints) until a report is accepted. Nothing is counted twice.
+//!
+//! A call is counted in `calls` (and its first attempt in `attempts`) once its first attempt
+//! has answered, or when it ends or is dropped before that: a call still waiting for its first
+//! answer when a report is taken is in a later report. A first-try success is one add to
+//! `success_first_try`, which is added into `calls` and `attempts` whenever counts are read or
+//! taken (and taken back out by a restore). A report already handed to the stream when the
+//! connection drops is lost with it; only a report that could not be handed over is restored.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
