@@ -26,14 +26,7 @@ async fn a_cancellation_token_stops_a_pause_at_once() {
         let (up, token) = (up.clone(), token.clone());
         async move { ep.call(get().with_cancel(token), up.attempt()).await }
     });
-    // Wait for the attempt to start (a bounded poll, no time passes).
-    for _ in 0..10_000 {
-        if up.attempts() == 1 {
-            break;
-        }
-        tokio::task::yield_now().await;
-    }
-    assert_eq!(up.attempts(), 1, "the attempt started");
+    up.until_attempts(1).await;
     let start = tokio::time::Instant::now();
     token.cancel();
     let err = call.await.unwrap().unwrap_err();
@@ -59,14 +52,7 @@ async fn a_cancellation_token_stops_an_attempt_in_flight() {
         let (up, token) = (up.clone(), token.clone());
         async move { ep.call(get().with_cancel(token), up.attempt()).await }
     });
-    // Wait for the attempt to start (a bounded poll, no time passes).
-    for _ in 0..10_000 {
-        if up.attempts() == 1 {
-            break;
-        }
-        tokio::task::yield_now().await;
-    }
-    assert_eq!(up.attempts(), 1, "the attempt started");
+    up.until_attempts(1).await;
     let start = tokio::time::Instant::now();
     token.cancel();
     let err = call.await.unwrap().unwrap_err();

@@ -72,6 +72,18 @@ impl Upstream {
         self.seen.lock().unwrap().len()
     }
 
+    /// Yields (a bounded number of times; no time passes) until `n` attempts have started.
+    #[allow(dead_code, reason = "not every test file waits for attempts")]
+    pub async fn until_attempts(&self, n: usize) {
+        for _ in 0..10_000 {
+            if self.attempts() >= n {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(self.attempts(), n, "{n} attempt(s) started");
+    }
+
     /// When each attempt started, from the upstream's creation, in milliseconds.
     pub fn starts_ms(&self) -> Vec<u64> {
         self.seen
