@@ -5,18 +5,13 @@
 // clippy's allow-*-in-tests covers `#[test]` functions only; the helpers here are tests too.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::fs;
-use std::net::{Ipv4Addr, SocketAddr, TcpListener};
+mod support;
 
 use assert_cmd::Command;
-use assert_cmd::assert::Assert;
 use predicates::prelude::*;
 use retryplane_proto::pb;
 use retryplane_proto::pb::agent_service_client::AgentServiceClient;
-use retryplane_server::server::{Running, ServeConfig, start};
-use serde_json::Value;
-use tempfile::TempDir;
-use tokio::runtime::Runtime;
+use support::{TestServer, dead_server, json_of, stdout_of};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::Channel;
@@ -44,129 +39,56 @@ tokens:
   - {name: alice, role: admin, secret: admin-secret-0123456789}
 ";
 
-/// A control plane running on a runtime of its own while the test thread runs the binary.
-struct TestServer {
-    runtime: Runtime,
-    running: Option<Running>,
-    dir: TempDir,
-    url: String,
+/// API mode with an empty store, or file mode on `V1`; `tokens` turns authentication on.
+fn test_server(api_mode: bool, tokens: Option<&str>) -> TestServer {
+    let file = (!api_mode).then_some(V1);
+    TestServer::start(file, tokens, |cfg| cfg.api_mode = api_mode)
 }
 
-impl TestServer {
-    /// API mode with an empty store, or file mode on `V1`; `tokens` turns authentication on.
-    fn start(api_mode: bool, tokens: Option<&str>) -> Self {
-        let dir = tempfile::tempdir().unwrap();
-        let any = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
-        if !api_mode {
-            fs::write(dir.path().join("policies.yaml"), V1).unwrap();
-        }
-        let tokens_file = tokens.map(|t| {
-            let path = dir.path().join("tokens.yaml");
-            fs::write(&path, t).unwrap();
-            path
-        });
-        let cfg = ServeConfig {
-            config_file: dir.path().join("policies.yaml"),
-            data_dir: dir.path().join("data"),
-            listen: any,
-            admin_listen: any,
-            http_listen: any,
-            tokens_file,
-            api_mode,
-            ..ServeConfig::default()
-        };
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
-        let running = runtime.block_on(start(cfg)).unwrap();
-        let url = format!("http://{}", running.admin_addr());
-        Self {
-            runtime,
-            running: Some(running),
-            dir,
-            url,
-        }
-    }
-
-    fn running(&self) -> &Running {
-        self.running.as_ref().unwrap()
-    }
-
-    /// `retryplane ARGS... --server URL`, run in the temporary directory, with no token or
-    /// server from the environment of the test.
-    fn retryplane(&self, args: &[&str]) -> Command {
-        let mut cmd = Command::cargo_bin("retryplane").unwrap();
-        cmd.current_dir(self.dir.path())
-            .env_remove("RETRYPLANE_TOKEN")
-            .env_remove("RETRYPLANE_SERVER")
-            .args(args)
-            .args(["--server", &self.url]);
-        cmd
-    }
-
-    fn write(&self, name: &str, contents: &str) {
-        fs::write(self.dir.path().join(name), contents).unwrap();
-    }
-
-    /// Opens an agent stream that says Hello with `last_applied_version` and then stays open
-    /// (until the returned sender is dropped). Once `connect` returns the server has
-    /// registered the agent, so `status` sees it.
-    fn agent(&self, id: &str, last_applied_version: u64) -> mpsc::Sender<pb::AgentMessage> {
-        let addr = self.running().agent_addr();
-        self.runtime.block_on(async {
-            let channel = Channel::from_shared(format!("http://{addr}"))
-                .unwrap()
-                .connect()
-                .await
-                .unwrap();
-            let (tx, rx) = mpsc::channel(4);
-            let hello = pb::Hello {
-                agent_id: id.to_owned(),
-                service: "checkout".to_owned(),
-                last_applied_version,
-                ..Default::default()
-            };
-            tx.send(pb::AgentMessage {
-                kind: Some(pb::agent_message::Kind::Hello(hello)),
-            })
+/// Opens an agent stream that says Hello with `last_applied_version` and then stays open
+/// (until the returned sender is dropped). Once `connect` returns the server has
+/// registered the agent, so `status` sees it.
+fn raw_agent(
+    server: &TestServer,
+    id: &str,
+    last_applied_version: u64,
+) -> mpsc::Sender<pb::AgentMessage> {
+    let addr = server.running().agent_addr();
+    server.runtime.block_on(async {
+        let channel = Channel::from_shared(format!("http://{addr}"))
+            .unwrap()
+            .connect()
             .await
             .unwrap();
-            let inbound = AgentServiceClient::new(channel)
-                .connect(ReceiverStream::new(rx))
-                .await
-                .unwrap()
-                .into_inner();
-            // Keep reading (and dropping) snapshots so the stream never backs up.
-            tokio::spawn(async move {
-                let mut inbound = inbound;
-                while let Ok(Some(_)) = inbound.message().await {}
-            });
-            tx
+        let (tx, rx) = mpsc::channel(4);
+        let hello = pb::Hello {
+            agent_id: id.to_owned(),
+            service: "checkout".to_owned(),
+            last_applied_version,
+            ..Default::default()
+        };
+        tx.send(pb::AgentMessage {
+            kind: Some(pb::agent_message::Kind::Hello(hello)),
         })
-    }
-}
-
-impl Drop for TestServer {
-    fn drop(&mut self) {
-        if let Some(running) = self.running.take() {
-            let _ = self.runtime.block_on(running.shutdown());
-        }
-    }
-}
-
-fn stdout_of(assert: &Assert) -> String {
-    String::from_utf8(assert.get_output().stdout.clone()).unwrap()
-}
-
-fn json_of(assert: &Assert) -> Value {
-    serde_json::from_slice(&assert.get_output().stdout).unwrap()
+        .await
+        .unwrap();
+        let inbound = AgentServiceClient::new(channel)
+            .connect(ReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner();
+        // Keep reading (and dropping) snapshots so the stream never backs up.
+        tokio::spawn(async move {
+            let mut inbound = inbound;
+            while let Ok(Some(_)) = inbound.message().await {}
+        });
+        tx
+    })
 }
 
 #[test]
 fn apply_get_history_diff_rollback_and_status_work_against_a_real_server() {
-    let server = TestServer::start(true, None);
+    let server = test_server(true, None);
     server.write("v1.yaml", V1);
     server.write("v2.yaml", V2);
 
@@ -300,8 +222,8 @@ fn apply_get_history_diff_rollback_and_status_work_against_a_real_server() {
         .stderr(predicate::str::contains("NOT_FOUND"));
 
     // status: one agent resumes on the current version, one is still on v1.
-    let _on_current = server.agent("agent-a", 3);
-    let _behind = server.agent("agent-b", 1);
+    let _on_current = raw_agent(&server, "agent-a", 3);
+    let _behind = raw_agent(&server, "agent-b", 1);
     let status = server.retryplane(&["status"]).assert().code(0);
     let text = stdout_of(&status);
     assert!(
@@ -324,7 +246,7 @@ fn apply_get_history_diff_rollback_and_status_work_against_a_real_server() {
 
 #[test]
 fn an_invalid_file_prints_the_servers_diagnostics_and_exits_1() {
-    let server = TestServer::start(true, None);
+    let server = test_server(true, None);
     server.write("bad.yaml", INVALID);
     let assert = server
         .retryplane(&["apply", "bad.yaml"])
@@ -361,7 +283,7 @@ fn an_invalid_file_prints_the_servers_diagnostics_and_exits_1() {
 
 #[test]
 fn file_mode_refuses_writes_naming_the_file() {
-    let server = TestServer::start(false, None);
+    let server = test_server(false, None);
     server.write("v2.yaml", V2);
     server
         .retryplane(&["apply", "v2.yaml"])
@@ -379,7 +301,7 @@ fn file_mode_refuses_writes_naming_the_file() {
 
 #[test]
 fn the_token_is_sent_as_a_bearer_token_and_never_printed() {
-    let server = TestServer::start(true, Some(TOKENS));
+    let server = test_server(true, Some(TOKENS));
     server
         .retryplane(&["history"])
         .assert()
@@ -410,20 +332,15 @@ fn the_token_is_sent_as_a_bearer_token_and_never_printed() {
 
 #[test]
 fn an_unreachable_server_exits_2() {
-    // A port that was free a moment ago and has no listener now.
-    let port = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let url = dead_server();
     let mut cmd = Command::cargo_bin("retryplane").unwrap();
     cmd.env_remove("RETRYPLANE_TOKEN")
-        .env("RETRYPLANE_SERVER", format!("http://127.0.0.1:{port}"))
+        .env("RETRYPLANE_SERVER", &url)
         .arg("status")
         .assert()
         .code(2)
         .stdout("")
         .stderr(predicate::str::contains(format!(
-            "retryplane: error: cannot connect to http://127.0.0.1:{port}"
+            "retryplane: error: cannot connect to {url}"
         )));
 }

@@ -5,8 +5,9 @@
 // clippy's allow-*-in-tests covers `#[test]` functions only; the helpers here are tests too.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod support;
+
 use std::io::{self, Read as _, Write as _};
-use std::net::{Ipv4Addr, SocketAddr, TcpListener};
 use std::process::{ExitStatus, Stdio};
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
@@ -14,13 +15,9 @@ use std::thread;
 use std::time::Duration;
 
 use assert_cmd::Command;
-use assert_cmd::assert::Assert;
 use predicates::prelude::*;
 use retryplane_agent::{Agent, CallMeta};
-use retryplane_server::server::{Running, ServeConfig, start};
-use serde_json::Value;
-use tempfile::TempDir;
-use tokio::runtime::Runtime;
+use support::{TestServer, WAIT, dead_server, json_of, stdout_of};
 
 /// Fast deterministic pauses (5 ms, 10 ms), no budget or breaker; `ep` makes 3 attempts.
 const POLICY: &str = "\
@@ -38,96 +35,35 @@ tokens:
   - {name: alice, role: admin, secret: admin-secret-0123456789}
 ";
 
-/// The longest any wait in these tests may take before the test fails.
-const WAIT: Duration = Duration::from_secs(20);
-
-/// A control plane (API mode, seeded with [`POLICY`], agents report every 100 ms) on a
-/// runtime of its own while the test thread runs the binary.
-struct TestServer {
-    runtime: Runtime,
-    running: Option<Running>,
-    dir: TempDir,
-    url: String,
+/// A control plane in API mode, seeded with [`POLICY`], whose agents report every 100 ms.
+fn test_server(tokens: Option<&str>) -> TestServer {
+    TestServer::start(Some(POLICY), tokens, |cfg| {
+        cfg.api_mode = true;
+        cfg.metrics_interval = Duration::from_millis(100);
+    })
 }
 
-impl TestServer {
-    fn start(tokens: Option<&str>) -> Self {
-        let dir = tempfile::tempdir().unwrap();
-        std::fs::write(dir.path().join("policies.yaml"), POLICY).unwrap();
-        let tokens_file = tokens.map(|t| {
-            let path = dir.path().join("tokens.yaml");
-            std::fs::write(&path, t).unwrap();
-            path
-        });
-        let any = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
-        let cfg = ServeConfig {
-            config_file: dir.path().join("policies.yaml"),
-            data_dir: dir.path().join("data"),
-            listen: any,
-            admin_listen: any,
-            http_listen: any,
-            tokens_file,
-            api_mode: true,
-            metrics_interval: Duration::from_millis(100),
-            ..ServeConfig::default()
-        };
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
+/// A real agent of service `checkout`, connected and on version 1.
+fn real_agent(server: &TestServer) -> Agent {
+    let addr = server.running().agent_addr();
+    server.runtime.block_on(async {
+        let agent = Agent::builder()
+            .url(format!("http://{addr}"))
+            .service("checkout")
+            .agent_id("agent-1")
+            .rng_seed(1)
+            .connect()
             .unwrap();
-        let running = runtime.block_on(start(cfg)).unwrap();
-        let url = format!("http://{}", running.admin_addr());
-        Self {
-            runtime,
-            running: Some(running),
-            dir,
-            url,
+        let deadline = tokio::time::Instant::now() + WAIT;
+        while agent.policies().version() != 1 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the agent never got v1"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
-    }
-
-    /// `retryplane ARGS... --server URL`, with no token or server from the environment.
-    fn retryplane(&self, args: &[&str]) -> Command {
-        let mut cmd = Command::cargo_bin("retryplane").unwrap();
-        cmd.current_dir(self.dir.path())
-            .env_remove("RETRYPLANE_TOKEN")
-            .env_remove("RETRYPLANE_SERVER")
-            .args(args)
-            .args(["--server", &self.url])
-            .timeout(WAIT);
-        cmd
-    }
-
-    /// A real agent of service `checkout`, connected and on version 1.
-    fn agent(&self) -> Agent {
-        let addr = self.running.as_ref().unwrap().agent_addr();
-        self.runtime.block_on(async {
-            let agent = Agent::builder()
-                .url(format!("http://{addr}"))
-                .service("checkout")
-                .agent_id("agent-1")
-                .rng_seed(1)
-                .connect()
-                .unwrap();
-            let deadline = tokio::time::Instant::now() + WAIT;
-            while agent.policies().version() != 1 {
-                assert!(
-                    tokio::time::Instant::now() < deadline,
-                    "the agent never got v1"
-                );
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-            agent
-        })
-    }
-}
-
-impl Drop for TestServer {
-    fn drop(&mut self) {
-        if let Some(running) = self.running.take() {
-            let _ = self.runtime.block_on(running.shutdown());
-        }
-    }
+        agent
+    })
 }
 
 /// One logical call of `ep` whose attempts answer `statuses` in turn (then 200).
@@ -152,14 +88,6 @@ async fn call(agent: &Agent, statuses: &[u16]) {
         .await;
 }
 
-fn stdout_of(assert: &Assert) -> String {
-    String::from_utf8(assert.get_output().stdout.clone()).unwrap()
-}
-
-fn json_of(assert: &Assert) -> Value {
-    serde_json::from_slice(&assert.get_output().stdout).unwrap()
-}
-
 /// Calls `check` until it returns something, every 50 ms, failing after [`WAIT`].
 fn eventually<T>(what: &str, mut check: impl FnMut() -> Option<T>) -> T {
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -181,19 +109,9 @@ fn eventually<T>(what: &str, mut check: impl FnMut() -> Option<T>) -> T {
     })
 }
 
-/// A loopback port that was free a moment ago and has no listener now.
-fn dead_server() -> String {
-    let port = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    format!("http://127.0.0.1:{port}")
-}
-
 #[test]
 fn with_no_agents_stats_is_empty_and_top_prints_plain_blocks() {
-    let server = TestServer::start(None);
+    let server = test_server(None);
     let json = json_of(
         &server
             .retryplane(&["stats", "--output", "json"])
@@ -266,8 +184,8 @@ fn with_no_agents_stats_is_empty_and_top_prints_plain_blocks() {
 
 #[test]
 fn calls_made_by_a_real_agent_show_in_stats() {
-    let server = TestServer::start(None);
-    let agent = server.agent();
+    let server = test_server(None);
+    let agent = real_agent(&server);
     server.runtime.block_on(async {
         call(&agent, &[]).await; // first try
         call(&agent, &[503]).await; // after one retry (5 ms pause)
@@ -356,8 +274,8 @@ fn calls_made_by_a_real_agent_show_in_stats() {
 
 #[test]
 fn an_endpoint_retrying_too_much_is_flagged_in_status_stats_and_top() {
-    let server = TestServer::start(None);
-    let agent = server.agent();
+    let server = test_server(None);
+    let agent = real_agent(&server);
     server.runtime.block_on(async {
         // 20 calls (the volume an alert needs), each after one retry: a ratio of 100 %.
         for _ in 0..20 {
@@ -415,7 +333,7 @@ fn errors_exit_like_the_other_admin_commands() {
             )));
     }
     // Refused (no token): exit 1, and `top` stops at the first refusal in plain mode.
-    let server = TestServer::start(Some(TOKENS));
+    let server = test_server(Some(TOKENS));
     server
         .retryplane(&["stats"])
         .assert()
@@ -502,7 +420,7 @@ fn top_in_a_terminal(url: &str, ready: &str, keys: &[u8]) -> (ExitStatus, String
 
 #[test]
 fn on_a_terminal_top_draws_on_the_alternate_screen_and_quits_on_q_and_ctrl_c() {
-    let server = TestServer::start(None);
+    let server = test_server(None);
     let header = format!("  {}  v1  0 agents", server.url);
     for keys in [&b"q"[..], b"\x03"] {
         let (status, out) = top_in_a_terminal(&server.url, &header, keys);

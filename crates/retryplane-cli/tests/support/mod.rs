@@ -1,0 +1,124 @@
+//! What the CLI's end-to-end tests share: a real control plane on `127.0.0.1:0` in this
+//! process, the `retryplane` binary pointed at it, and output helpers. Each test file uses part
+//! of it.
+#![allow(dead_code, reason = "each test file uses part of the shared set-up")]
+
+use std::fs;
+use std::net::{Ipv4Addr, SocketAddr, TcpListener};
+use std::time::Duration;
+
+use assert_cmd::Command;
+use assert_cmd::assert::Assert;
+use retryplane_server::server::{Running, ServeConfig, start};
+use serde_json::Value;
+use tempfile::TempDir;
+use tokio::runtime::Runtime;
+
+/// The longest one run of the binary may take before the test fails.
+pub const WAIT: Duration = Duration::from_secs(20);
+
+/// A control plane running on a runtime of its own while the test thread runs the binary.
+pub struct TestServer {
+    /// Runs the server (and whatever a test runs next to it).
+    pub runtime: Runtime,
+    running: Option<Running>,
+    /// The temporary directory: the policy file, the tokens, the data, the binary's cwd.
+    pub dir: TempDir,
+    /// The admin API's URL.
+    pub url: String,
+}
+
+impl TestServer {
+    /// Starts a server with `policies.yaml` holding `policy_file` (when given) and `tokens`
+    /// turning authentication on, after `configure` has adjusted the config.
+    pub fn start(
+        policy_file: Option<&str>,
+        tokens: Option<&str>,
+        configure: impl FnOnce(&mut ServeConfig),
+    ) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        if let Some(policy) = policy_file {
+            fs::write(dir.path().join("policies.yaml"), policy).unwrap();
+        }
+        let tokens_file = tokens.map(|t| {
+            let path = dir.path().join("tokens.yaml");
+            fs::write(&path, t).unwrap();
+            path
+        });
+        let any = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
+        let mut cfg = ServeConfig {
+            config_file: dir.path().join("policies.yaml"),
+            data_dir: dir.path().join("data"),
+            listen: any,
+            admin_listen: any,
+            http_listen: any,
+            tokens_file,
+            ..ServeConfig::default()
+        };
+        configure(&mut cfg);
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let running = runtime.block_on(start(cfg)).unwrap();
+        let url = format!("http://{}", running.admin_addr());
+        Self {
+            runtime,
+            running: Some(running),
+            dir,
+            url,
+        }
+    }
+
+    /// The running server.
+    pub fn running(&self) -> &Running {
+        self.running.as_ref().unwrap()
+    }
+
+    /// `retryplane ARGS... --server URL`, run in the temporary directory, with no token or
+    /// server from the environment of the test, and failing after [`WAIT`].
+    pub fn retryplane(&self, args: &[&str]) -> Command {
+        let mut cmd = Command::cargo_bin("retryplane").unwrap();
+        cmd.current_dir(self.dir.path())
+            .env_remove("RETRYPLANE_TOKEN")
+            .env_remove("RETRYPLANE_SERVER")
+            .args(args)
+            .args(["--server", &self.url])
+            .timeout(WAIT);
+        cmd
+    }
+
+    /// Writes `contents` to `name` in the temporary directory.
+    pub fn write(&self, name: &str, contents: &str) {
+        fs::write(self.dir.path().join(name), contents).unwrap();
+    }
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        if let Some(running) = self.running.take() {
+            let _ = self.runtime.block_on(running.shutdown());
+        }
+    }
+}
+
+/// What the binary printed on stdout.
+pub fn stdout_of(assert: &Assert) -> String {
+    String::from_utf8(assert.get_output().stdout.clone()).unwrap()
+}
+
+/// The binary's stdout as JSON.
+pub fn json_of(assert: &Assert) -> Value {
+    serde_json::from_slice(&assert.get_output().stdout).unwrap()
+}
+
+/// A loopback URL whose port was free a moment ago and has no listener now.
+pub fn dead_server() -> String {
+    let port = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    format!("http://127.0.0.1:{port}")
+}
