@@ -4,24 +4,9 @@
 
 mod support;
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
-
 use retryplane_agent::{Agent, CallMeta, Source};
 use support::Upstream;
-use support::plane::{agent, apply, eventually, failing, plane, stats, yaml};
-
-/// Attempts one always-failing GET makes.
-async fn attempts_of(agent: &Agent) -> u32 {
-    let count = Arc::new(AtomicU32::new(0));
-    let err = agent
-        .endpoint("ep")
-        .call(CallMeta::http("GET", "/"), failing(count.clone()))
-        .await
-        .unwrap_err();
-    assert_eq!(err.attempts, count.load(Ordering::SeqCst));
-    err.attempts
-}
+use support::plane::{agent, apply, attempts_of, eventually, plane, stats, yaml};
 
 async fn on_version(agents: &[&Agent], version: u64) {
     eventually(&format!("every agent on version {version}"), || async {

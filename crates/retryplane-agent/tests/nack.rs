@@ -10,17 +10,15 @@ mod support;
 
 use std::net::SocketAddr;
 use std::path::Path;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use prost::Message as _;
-use retryplane_agent::{Agent, CallMeta, ReconnectBackoff, Source};
+use retryplane_agent::{Agent, ReconnectBackoff, Source};
 use retryplane_proto::convert;
 use retryplane_proto::pb::agent_message::Kind;
 use retryplane_proto::pb::agent_service_server::{AgentService, AgentServiceServer};
 use retryplane_proto::pb::{self, ServerMessage};
-use support::plane::{WAIT, failing, yaml};
+use support::plane::{WAIT, attempts_of, yaml};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
@@ -197,18 +195,6 @@ async fn send(to_agent: &ToAgent, snap: &pb::Snapshot) {
         .send(Ok(ServerMessage::with_snapshot(snap)))
         .await
         .unwrap();
-}
-
-/// Attempts one always-failing GET on `ep` makes.
-async fn attempts_of(agent: &Agent) -> u32 {
-    let count = Arc::new(AtomicU32::new(0));
-    let err = agent
-        .endpoint("ep")
-        .call(CallMeta::http("GET", "/"), failing(count.clone()))
-        .await
-        .unwrap_err();
-    assert_eq!(err.attempts, count.load(Ordering::SeqCst));
-    err.attempts
 }
 
 /// The snapshot in the cache file.

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use retryplane_agent::{Agent, AttemptInfo, ReconnectBackoff};
+use retryplane_agent::{Agent, AttemptInfo, CallMeta, ReconnectBackoff};
 use retryplane_proto::pb;
 use retryplane_server::server::{Running, ServeConfig, start};
 use tonic::transport::{Channel, Endpoint};
@@ -115,6 +115,18 @@ where
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// Attempts one always-failing GET on `ep` makes (checked against the upstream's count).
+pub async fn attempts_of(agent: &Agent) -> u32 {
+    let count = Arc::new(AtomicU32::new(0));
+    let err = agent
+        .endpoint("ep")
+        .call(CallMeta::http("GET", "/"), failing(count.clone()))
+        .await
+        .unwrap_err();
+    assert_eq!(err.attempts, count.load(Ordering::SeqCst));
+    err.attempts
 }
 
 /// An upstream that always answers 503 and counts attempts.
