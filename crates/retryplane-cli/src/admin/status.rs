@@ -1,8 +1,9 @@
 //! `retryplane status`: every agent the server knows, and how far the fleet is on the current
 //! version.
 //!
-//! Text: a table (`AGENT SERVICE PEER STATE APPLIED LAST ERROR LAST-SEEN`, sorted by service
-//! then agent id; `LAST` is the agent's last answer, `ack v7` or `nack v8`), then one summary
+//! Text: a table (`AGENT SERVICE LABELS PEER STATE SINCE APPLIED LAST ERROR LAST-SEEN`, sorted by
+//! service then agent id; `LABELS` is `k=v,…` sorted by key; `SINCE` is when the agent's current
+//! (or last) stream started; `LAST` is the agent's last answer, `ack v7` or `nack v8`), then one summary
 //! line, `v7: 998 acked, 2 nacked, 0 pending` (and `, 3 disconnected` when some are):
 //!
 //! - acked: connected agents that run the current version;
@@ -177,8 +178,10 @@ fn table(out: &mut String, agents: &[pb::AgentStatus]) {
     let header = [
         "AGENT",
         "SERVICE",
+        "LABELS",
         "PEER",
         "STATE",
+        "SINCE",
         "APPLIED",
         "LAST",
         "ERROR",
@@ -200,6 +203,7 @@ fn table(out: &mut String, agents: &[pb::AgentStatus]) {
         rows.push(vec![
             dash(&a.agent_id),
             dash(&a.service),
+            dash(&labels_text(&a.labels)),
             dash(&a.peer),
             if a.connected {
                 "connected"
@@ -207,6 +211,7 @@ fn table(out: &mut String, agents: &[pb::AgentStatus]) {
                 "disconnected"
             }
             .to_owned(),
+            rfc3339_or_dash(a.connected_since_unix_ms),
             match a.applied_version {
                 0 => "-".to_owned(),
                 v => format!("v{v}"),
@@ -223,6 +228,18 @@ fn table(out: &mut String, agents: &[pb::AgentStatus]) {
         ]);
     }
     output::table(out, "", &[], &rows);
+}
+
+/// `k=v,k2=v2`, sorted by key, each on one line whatever the agent sent.
+fn labels_text(labels: &std::collections::HashMap<String, String>) -> String {
+    let one_line = |s: &str| s.split_whitespace().collect::<Vec<_>>().join(" ");
+    let mut pairs: Vec<_> = labels.iter().collect();
+    pairs.sort();
+    pairs
+        .iter()
+        .map(|(k, v)| format!("{}={}", one_line(k), one_line(v)))
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 fn status_json(
@@ -328,22 +345,20 @@ mod tests {
     fn the_fleet_table_shows_one_line_per_agent() {
         let mut nacking = agent("c", true, 6, "nack", 7);
         nacking.last_error = "endpoints.payments:\n  bad".to_owned();
+        let mut labelled = agent("a", true, 7, "ack", 7);
+        labelled.labels = [("zone", "eu-1"), ("pod", "checkout\n7f")]
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .into();
+        labelled.connected_since_unix_ms = 1_764_473_000_000;
         let mut out = String::new();
-        table(
-            &mut out,
-            &[
-                agent("a", true, 7, "ack", 7),
-                nacking,
-                agent("z", false, 0, "", 0),
-            ],
-        );
+        table(&mut out, &[labelled, nacking, agent("z", false, 0, "", 0)]);
         assert_eq!(
             out,
             "\
-AGENT  SERVICE   PEER             STATE         APPLIED  LAST     ERROR                    LAST-SEEN
-a      checkout  127.0.0.1:50000  connected     v7       ack v7   -                        2025-11-30T03:37:05Z
-c      checkout  127.0.0.1:50000  connected     v6       nack v7  endpoints.payments: bad  2025-11-30T03:37:05Z
-z      checkout  127.0.0.1:50000  disconnected  -        -        -                        2025-11-30T03:37:05Z
+AGENT  SERVICE   LABELS                     PEER             STATE         SINCE                 APPLIED  LAST     ERROR                    LAST-SEEN
+a      checkout  pod=checkout 7f,zone=eu-1  127.0.0.1:50000  connected     2025-11-30T03:23:20Z  v7       ack v7   -                        2025-11-30T03:37:05Z
+c      checkout  -                          127.0.0.1:50000  connected     -                     v6       nack v7  endpoints.payments: bad  2025-11-30T03:37:05Z
+z      checkout  -                          127.0.0.1:50000  disconnected  -                     -        -        -                        2025-11-30T03:37:05Z
 "
         );
     }
