@@ -21,3 +21,13 @@ bench:
     cargo bench -p retryplane-agent --bench call_latency
     cargo bench -p retryplane-server --bench ingest
     cargo bench -p retryplane-sim --bench simulate
+
+# The control plane's fan-out and ingestion benches: the server runs as its own process
+# (target/release/retryplane, built first).
+bench-fanout:
+    cargo build --release -p retryplane-cli -p retryplane-bench
+    target/release/retryplane-bench-fanout --matrix
+
+bench-ingest:
+    cargo build --release -p retryplane-cli -p retryplane-bench
+    target/release/retryplane-bench-ingest --agents 10000 --endpoints 20 --services 100 --seconds 20
