@@ -311,13 +311,15 @@ impl AgentBuilder {
             })
             .transpose()?;
         let seed = self.seed.unwrap_or_else(fastrand_seed);
-        let snapshot = self
-            .cache_file
-            .as_deref()
-            .and_then(crate::cache::load)
-            .unwrap_or_else(PolicySnapshot::fallback);
+        let cached = self.cache_file.as_deref().and_then(crate::cache::load);
         let interval = self.metrics_interval.unwrap_or(DEFAULT_METRICS_INTERVAL);
-        let shared = Arc::new(Shared::new(snapshot, seed, interval));
+        // The control plane's interval, kept with the cached snapshot, wins over the agent's own,
+        // as it does when a snapshot arrives: an up-to-date agent is sent no snapshot.
+        let (snapshot, current_interval) = match cached {
+            Some(c) => (c.snapshot, c.metrics_interval.unwrap_or(interval)),
+            None => (PolicySnapshot::fallback(), interval),
+        };
+        let shared = Arc::new(Shared::new(snapshot, seed, current_interval));
         let agent_id = self
             .agent_id
             .unwrap_or_else(|| format!("{}-{:016x}", self.service, fastrand_seed()));
@@ -388,5 +390,52 @@ mod tests {
         agent.set_policies(set(5));
         assert!(replaced.upgrade().is_none(), "freed by the swap after");
         assert_eq!(max_attempts(&agent), 5);
+    }
+
+    /// Writes a cache file holding version 3 of `set(4)`, with the control plane's interval.
+    fn cache_with_interval(dir: &std::path::Path, interval_ms: u64) -> PathBuf {
+        use prost::Message as _;
+        let doc = pb::PolicyDocument::from(set(4).document().as_ref());
+        let snap = pb::Snapshot {
+            version: 3,
+            content_hash: convert::content_hash(&doc),
+            policies: Some(doc),
+            nonce: "n".into(),
+            metrics_interval_ms: interval_ms,
+        };
+        let path = dir.join(format!("agent-{interval_ms}.cache"));
+        crate::cache::write_atomic(&path, &snap.encode_to_vec()).unwrap();
+        path
+    }
+
+    #[tokio::test]
+    async fn an_agent_started_from_its_cache_reports_at_the_interval_the_control_plane_set() {
+        let dir = tempfile::tempdir().unwrap();
+        // Nothing listens there: the agent runs on its cache.
+        let url = "http://127.0.0.1:9";
+        let builder = || {
+            Agent::builder()
+                .url(url)
+                .service("checkout")
+                .metrics_interval(Duration::from_secs(7))
+        };
+        let interval = |agent: &Agent| agent.shared().metrics_interval_ms.load(Relaxed);
+
+        let agent = builder()
+            .cache_file(cache_with_interval(dir.path(), 250))
+            .connect()
+            .unwrap();
+        assert_eq!(agent.policies().version(), 3);
+        assert_eq!(interval(&agent), 250, "the control plane's, from the cache");
+
+        let agent = builder()
+            .cache_file(cache_with_interval(dir.path(), 0))
+            .connect()
+            .unwrap();
+        assert_eq!(agent.policies().version(), 3);
+        assert_eq!(interval(&agent), 7_000, "left to the agent: its own");
+
+        let agent = builder().connect().unwrap();
+        assert_eq!(interval(&agent), 7_000, "no cache: its own");
     }
 }

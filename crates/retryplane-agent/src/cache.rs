@@ -4,10 +4,13 @@
 //! Written atomically after every applied snapshot: a temporary file in the same directory is
 //! written and fsynced, then renamed over the cache file, and the directory is fsynced, so a
 //! crash leaves either the old file or the new one, never a torn one. Read at start; a missing,
-//! unreadable, corrupt or invalid file is logged and ignored.
+//! unreadable, corrupt or invalid file is logged and ignored. The metrics interval the control
+//! plane set in that snapshot applies again from the start, as it did before the restart: a
+//! control plane that finds the agent up to date sends it nothing.
 
 use std::io::Write as _;
 use std::path::Path;
+use std::time::Duration;
 
 use prost::Message as _;
 use retryplane_proto::{convert, pb};
@@ -47,8 +50,17 @@ pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     result
 }
 
+/// What a valid cache file gives back.
+#[derive(Debug)]
+pub(crate) struct Cached {
+    /// The last applied snapshot.
+    pub(crate) snapshot: PolicySnapshot,
+    /// The metrics interval the control plane set with it; `None` when it left it to the agent.
+    pub(crate) metrics_interval: Option<Duration>,
+}
+
 /// The snapshot kept in `path`, if it is there and valid.
-pub(crate) fn load(path: &Path) -> Option<PolicySnapshot> {
+pub(crate) fn load(path: &Path) -> Option<Cached> {
     let bytes = match read(path) {
         Ok(Some(b)) => b,
         Ok(None) => return None,
@@ -58,9 +70,9 @@ pub(crate) fn load(path: &Path) -> Option<PolicySnapshot> {
         }
     };
     match decode(&bytes) {
-        Ok(snapshot) => {
-            info!(file = %path.display(), version = snapshot.version(), "starting on cached policies");
-            Some(snapshot)
+        Ok(cached) => {
+            info!(file = %path.display(), version = cached.snapshot.version(), "starting on cached policies");
+            Some(cached)
         }
         Err(reason) => {
             warn!(file = %path.display(), %reason, "the policy cache is not usable; ignored");
@@ -84,7 +96,7 @@ fn read(path: &Path) -> std::io::Result<Option<Vec<u8>>> {
     Ok(Some(bytes))
 }
 
-fn decode(bytes: &[u8]) -> Result<PolicySnapshot, String> {
+fn decode(bytes: &[u8]) -> Result<Cached, String> {
     let snap = pb::Snapshot::decode(bytes).map_err(|e| format!("not a snapshot: {e}"))?;
     let doc = snap.policies.ok_or("the snapshot holds no policies")?;
     if convert::content_hash(&doc) != snap.content_hash {
@@ -96,13 +108,14 @@ fn decode(bytes: &[u8]) -> Result<PolicySnapshot, String> {
             errors.first().map(ToString::to_string).unwrap_or_default()
         )
     })?;
-    Ok(PolicySnapshot::build(
-        set,
-        snap.version,
-        snap.content_hash,
-        Source::Cache,
-        None,
-    ))
+    let metrics_interval = match snap.metrics_interval_ms {
+        0 => None,
+        ms => Some(Duration::from_millis(ms)),
+    };
+    Ok(Cached {
+        snapshot: PolicySnapshot::build(set, snap.version, snap.content_hash, Source::Cache, None),
+        metrics_interval,
+    })
 }
 
 #[cfg(test)]
@@ -126,7 +139,18 @@ mod tests {
         };
         write_atomic(&path, &snap.encode_to_vec()).unwrap();
         let loaded = load(&path).unwrap();
-        assert_eq!((loaded.version(), loaded.source()), (9, Source::Cache));
+        assert_eq!(
+            (loaded.snapshot.version(), loaded.snapshot.source()),
+            (9, Source::Cache)
+        );
+        assert_eq!(loaded.metrics_interval, None, "left to the agent");
+        let set_by_server = pb::Snapshot {
+            metrics_interval_ms: 250,
+            ..snap
+        };
+        write_atomic(&path, &set_by_server.encode_to_vec()).unwrap();
+        let loaded = load(&path).unwrap();
+        assert_eq!(loaded.metrics_interval, Some(Duration::from_millis(250)));
         std::fs::write(&path, b"garbage").unwrap();
         assert!(load(&path).is_none());
         assert!(load(&dir.path().join("missing")).is_none());
