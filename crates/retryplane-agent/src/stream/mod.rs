@@ -213,6 +213,8 @@ fn send_metrics(shared: &Shared, tx: &mpsc::Sender<pb::AgentMessage>, window_sta
         window_end_unix_ms: end,
         policy_version: shared.policies.load().version(),
         endpoints,
+        // Not numbered yet: counted on arrival, never acknowledged.
+        seq: 0,
     };
     match tx.try_send(message(Kind::Metrics(report))) {
         Ok(()) => *window_start = end,
