@@ -293,18 +293,3 @@ async fn a_thousand_concurrent_streams_all_receive_one_push() {
     })
     .await;
 }
-
-/// The server's `/metrics` text.
-async fn metrics_text(addr: std::net::SocketAddr) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let Ok(mut stream) = tokio::net::TcpStream::connect(addr).await else {
-        return String::new();
-    };
-    let request = format!("GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
-    if stream.write_all(request.as_bytes()).await.is_err() {
-        return String::new();
-    }
-    let mut body = String::new();
-    let _ = stream.read_to_string(&mut body).await;
-    body
-}

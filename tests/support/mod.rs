@@ -55,7 +55,18 @@ impl Plane {
 
     /// Starts a server over an existing directory (a restart).
     pub async fn start_in(dir: tempfile::TempDir, api: bool, tokens: Option<PathBuf>) -> Plane {
-        let cfg = config(dir.path(), api, tokens);
+        Self::start_with(dir, api, tokens, |_| {}).await
+    }
+
+    /// Starts a server over `dir` with the test configuration as changed by `change`.
+    pub async fn start_with(
+        dir: tempfile::TempDir,
+        api: bool,
+        tokens: Option<PathBuf>,
+        change: impl FnOnce(&mut ServeConfig),
+    ) -> Plane {
+        let mut cfg = config(dir.path(), api, tokens);
+        change(&mut cfg);
         let running = start(cfg).await.expect("server starts");
         Plane { running, dir }
     }
@@ -114,6 +125,29 @@ pub struct RawAgent {
     pub rx: Streaming<pb::ServerMessage>,
 }
 
+/// A Hello for `id` from agent process `instance` (which numbers its metrics reports).
+pub fn hello_instance(id: &str, instance: u64) -> pb::AgentMessage {
+    let mut message = hello(id, 0, "");
+    if let Some(Kind::Hello(h)) = &mut message.kind {
+        h.instance_id = instance;
+    }
+    message
+}
+
+/// A metrics report numbered `seq` (0: not numbered) of `calls` calls to `endpoint`.
+pub fn report(seq: u64, endpoint: &str, calls: u64) -> Kind {
+    Kind::Metrics(pb::MetricsReport {
+        seq,
+        endpoints: vec![pb::EndpointCounters {
+            endpoint: endpoint.to_owned(),
+            calls,
+            attempts: calls,
+            ..Default::default()
+        }],
+        ..Default::default()
+    })
+}
+
 /// A Hello for `id`.
 pub fn hello(id: &str, last_version: u64, last_hash: &str) -> pb::AgentMessage {
     pb::AgentMessage {
@@ -144,12 +178,24 @@ impl RawAgent {
         })
     }
 
-    /// The next snapshot, or the status the stream ended with.
-    pub async fn next_snapshot(&mut self) -> Result<pb::Snapshot, tonic::Status> {
-        let message = tokio::time::timeout(WAIT, self.rx.message())
+    /// The next message, or the status the stream ended with.
+    pub async fn next_message(&mut self) -> Result<pb::ServerMessage, tonic::Status> {
+        tokio::time::timeout(WAIT, self.rx.message())
             .await
             .map_err(|_| tonic::Status::deadline_exceeded("no message from the server in time"))??
-            .ok_or_else(|| tonic::Status::cancelled("stream ended"))?;
+            .ok_or_else(|| tonic::Status::cancelled("stream ended"))
+    }
+
+    /// The next message, which must be a metrics ack: `(seq, dropped)`.
+    pub async fn next_ack(&mut self) -> (u64, bool) {
+        let message = self.next_message().await.unwrap();
+        let ack = message.metrics_ack.expect("a metrics ack");
+        (ack.seq, ack.dropped)
+    }
+
+    /// The next snapshot, or the status the stream ended with.
+    pub async fn next_snapshot(&mut self) -> Result<pb::Snapshot, tonic::Status> {
+        let message = self.next_message().await?;
         message
             .decode_snapshot()
             .map_err(|e| tonic::Status::internal(e.to_string()))?
@@ -212,4 +258,34 @@ pub async fn agent_status(plane: &Plane, agent_id: &str) -> Option<pb::AgentStat
         .ok()?
         .into_inner();
     status.agents.into_iter().find(|a| a.agent_id == agent_id)
+}
+
+/// The server's `/metrics` text (empty when it cannot be read).
+pub async fn metrics_text(addr: SocketAddr) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(mut stream) = tokio::net::TcpStream::connect(addr).await else {
+        return String::new();
+    };
+    let request = format!("GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    if stream.write_all(request.as_bytes()).await.is_err() {
+        return String::new();
+    }
+    let mut body = String::new();
+    let _ = stream.read_to_string(&mut body).await;
+    body
+}
+
+/// The fleet-wide lifetime totals of `endpoint` (None before any report).
+pub async fn endpoint_stats(plane: &Plane, endpoint: &str) -> Option<pb::EndpointStats> {
+    let stats = plane
+        .admin()
+        .await
+        .stats(pb::StatsRequest {
+            endpoint: endpoint.to_owned(),
+            ..Default::default()
+        })
+        .await
+        .ok()?
+        .into_inner();
+    stats.endpoints.into_iter().find(|e| e.endpoint == endpoint)
 }

@@ -208,6 +208,14 @@ fn fastrand_seed() -> u64 {
     SeededRng::from_entropy().next_u64()
 }
 
+/// This process's `Hello.instance_id`: drawn from entropy even when [`AgentBuilder::rng_seed`]
+/// fixes the seed, so that a restarted process (same seed, same agent id) never passes for the
+/// previous one and has its numbered metrics reports taken for duplicates. Never 0 (0 says "the
+/// client does not number its reports").
+fn instance_id() -> u64 {
+    fastrand_seed().max(1)
+}
+
 /// Settings of an agent fed by a control plane. Defaults: agent id `<service>-<random hex>`,
 /// no labels, no token, no cache file, metrics every [`DEFAULT_METRICS_INTERVAL`] (the control
 /// plane may set another), RNG seeded from entropy.
@@ -333,6 +341,7 @@ impl AgentBuilder {
                 agent_version: env!("CARGO_PKG_VERSION").to_owned(),
                 last_applied_version: 0,
                 last_applied_hash: String::new(),
+                instance_id: instance_id(),
             },
             cache_file: self.cache_file,
             default_metrics_interval: interval,

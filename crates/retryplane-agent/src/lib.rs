@@ -21,7 +21,10 @@
 //!   method, URI, body and request headers, tracing headers and request ids aside) share one
 //!   call and its response.
 //! - Per-endpoint counters (SPEC §4) are plain atomics on the call path and leave as deltas in
-//!   `MetricsReport`s; counts made while disconnected wait for the next stream.
+//!   numbered `MetricsReport`s, each kept until the control plane acknowledges it and sent again
+//!   on the next stream if the connection drops first, so none is lost or counted twice; counts
+//!   made while disconnected wait (bounded: one set of counters per endpoint) for the next
+//!   stream. Needs a control plane that acknowledges reports (this version or later).
 //!
 //! Without a control plane and without a cache file the agent runs the [`fallback_policy`].
 //! Nothing here logs header values, tokens or bodies.

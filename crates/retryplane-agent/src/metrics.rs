@@ -10,8 +10,15 @@
 //! has answered, or when it ends or is dropped before that: a call still waiting for its first
 //! answer when a report is taken is in a later report. A first-try success is one add to
 //! `success_first_try`, which is added into `calls` and `attempts` whenever counts are read or
-//! taken (and taken back out by a restore). A report already handed to the stream when the
-//! connection drops is lost with it; only a report that could not be handed over is restored.
+//! taken (and taken back out by a restore).
+//!
+//! A report handed to the stream is not forgotten: it is numbered and kept until the control
+//! plane acknowledges it (`crate::stream::outbox`), sent again on the next stream if the
+//! connection drops first (the control plane counts each number once), and added back here if
+//! the control plane refused it (its rate limit). While the few reports allowed to wait for an
+//! answer do, no counts are taken: they keep adding up here. So every count reaches the control
+//! plane exactly once, as long as the process lives and the control plane keeps its record of
+//! the agent (see `retryplane_server::report_seq`).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};

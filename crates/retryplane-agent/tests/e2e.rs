@@ -7,6 +7,7 @@ mod support;
 use retryplane_agent::{Agent, CallMeta, Source};
 use support::Upstream;
 use support::plane::{agent, apply, attempts_of, eventually, plane, stats, yaml};
+use support::proxy::Proxy;
 
 async fn on_version(agents: &[&Agent], version: u64) {
     eventually(&format!("every agent on version {version}"), || async {
@@ -148,5 +149,66 @@ async fn metrics_sent_by_agents_add_up_exactly_at_the_server() {
     b.shutdown().await;
     let s = stats(&running).await.unwrap();
     assert_eq!(s.calls, 12, "shutdown sends nothing twice");
+    running.shutdown().await.unwrap();
+}
+
+/// `n` calls to `ep` that succeed on the first try.
+async fn succeed(agent: &Agent, n: u64) {
+    for _ in 0..n {
+        agent
+            .endpoint("ep")
+            .call(CallMeta::http("GET", "/"), Upstream::new([]).attempt())
+            .await
+            .unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_add_up_exactly_when_streams_are_lost_with_reports_or_acks_in_flight() {
+    let dir = tempfile::tempdir().unwrap();
+    let running = plane(dir.path(), &yaml(3), None).await;
+    let proxy = Proxy::start(running.agent_addr).await;
+    let a = agent(proxy.addr, "a", None);
+    on_version(&[&a], 1).await;
+    let calls = || async { stats(&running).await.map_or(0, |s| s.calls) };
+
+    // A report lost on the way: the agent sends it into a stream that then dies.
+    proxy.hold_up(true);
+    succeed(&a, 3).await;
+    eventually("the agent sends the report", || async {
+        a.endpoint("ep").pending_counts().calls == 0
+    })
+    .await;
+    assert_eq!(calls().await, 0, "held in the proxy");
+    proxy.cut();
+    eventually(
+        "the report reaches the server on the next stream",
+        || async { calls().await >= 3 },
+    )
+    .await;
+
+    // An acknowledgement lost on the way back: the server counted the report, the agent does
+    // not know and sends it again on the next stream.
+    eventually("the agent is connected", || async { a.is_connected() }).await;
+    proxy.hold_down(true);
+    succeed(&a, 4).await;
+    eventually("the server counts the report", || async {
+        calls().await >= 7
+    })
+    .await;
+    proxy.cut();
+    eventually("the agent reconnects", || async { a.is_connected() }).await;
+
+    // The next report follows anything sent again on the same stream.
+    succeed(&a, 2).await;
+    eventually("the last report arrives", || async { calls().await >= 9 }).await;
+    let s = stats(&running).await.unwrap();
+    assert_eq!(
+        (s.calls, s.attempts, s.success_first_try),
+        (9, 9, 9),
+        "every call counted exactly once"
+    );
+    a.shutdown().await;
+    assert_eq!(stats(&running).await.unwrap().calls, 9);
     running.shutdown().await.unwrap();
 }

@@ -4,7 +4,9 @@
 //! bytes is what keeps a push to thousands of streams cheap, so the Rust type of
 //! `ServerMessage` (mapped with `extern_path` in `build.rs`) holds the encoded `Snapshot` as
 //! [`Bytes`]: on the wire a length-delimited bytes field with tag 1 is exactly a `Snapshot`
-//! message field with tag 1, so other languages see the `.proto` as written.
+//! message field with tag 1, so other languages see the `.proto` as written. The other arm of
+//! the oneof, `metrics_ack` (tag 2), is an ordinary message field; the constructors set one arm
+//! only, as a oneof would.
 
 use bytes::Bytes;
 use prost::Message;
@@ -17,6 +19,9 @@ pub struct ServerMessage {
     /// The encoded snapshot (the `kind.snapshot` oneof arm of the `.proto`).
     #[prost(bytes = "bytes", optional, tag = "1")]
     pub snapshot: Option<Bytes>,
+    /// The answer to a numbered metrics report (the `kind.metrics_ack` oneof arm).
+    #[prost(message, optional, tag = "2")]
+    pub metrics_ack: Option<pb::MetricsAck>,
 }
 
 impl ServerMessage {
@@ -24,6 +29,15 @@ impl ServerMessage {
     pub fn with_snapshot(snapshot: &pb::Snapshot) -> Self {
         Self {
             snapshot: Some(Bytes::from(snapshot.encode_to_vec())),
+            metrics_ack: None,
+        }
+    }
+
+    /// A message carrying `ack` alone.
+    pub fn with_metrics_ack(ack: pb::MetricsAck) -> Self {
+        Self {
+            snapshot: None,
+            metrics_ack: Some(ack),
         }
     }
 
@@ -43,14 +57,20 @@ mod tests {
     /// The shape the `.proto` describes, as prost would generate it.
     #[derive(Clone, PartialEq, ::prost::Message)]
     struct AsGenerated {
-        #[prost(oneof = "Kind", tags = "1")]
+        #[prost(oneof = "Kind", tags = "1, 2")]
         kind: Option<Kind>,
     }
 
     #[derive(Clone, PartialEq, ::prost::Oneof)]
+    #[allow(
+        clippy::large_enum_variant,
+        reason = "what prost generates for the oneof"
+    )]
     enum Kind {
         #[prost(message, tag = "1")]
         Snapshot(pb::Snapshot),
+        #[prost(message, tag = "2")]
+        MetricsAck(pb::MetricsAck),
     }
 
     #[test]
@@ -69,5 +89,25 @@ mod tests {
         assert_eq!(ours, theirs);
         let back = ServerMessage::decode(ours.as_slice()).unwrap();
         assert_eq!(back.decode_snapshot().unwrap(), Some(snapshot));
+        assert_eq!(back.metrics_ack, None);
+    }
+
+    #[test]
+    fn a_metrics_ack_has_the_wire_format_of_the_proto() {
+        let ack = pb::MetricsAck {
+            seq: 300,
+            dropped: true,
+        };
+        let ours = ServerMessage::with_metrics_ack(ack).encode_to_vec();
+        let theirs = AsGenerated {
+            kind: Some(Kind::MetricsAck(ack)),
+        }
+        .encode_to_vec();
+        assert_eq!(ours, theirs);
+        let back = ServerMessage::decode(ours.as_slice()).unwrap();
+        assert_eq!(back.metrics_ack, Some(ack));
+        assert_eq!(back.decode_snapshot().unwrap(), None);
+        let as_generated = AsGenerated::decode(ours.as_slice()).unwrap();
+        assert_eq!(as_generated.kind, Some(Kind::MetricsAck(ack)));
     }
 }

@@ -58,6 +58,7 @@ fn report(agent: usize, endpoints: usize) -> pb::MetricsReport {
                 ..Default::default()
             })
             .collect(),
+        seq: 0,
     }
 }
 

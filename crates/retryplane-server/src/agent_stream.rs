@@ -1,11 +1,19 @@
 //! The agent stream service (SPEC §3): Hello first, a Snapshot whenever the agent is behind,
 //! ACK/NACK recorded by nonce, metrics reports taken at a bounded rate.
 //!
+//! A numbered report (`seq` > 0) is answered with a `MetricsAck`: counted now, or already
+//! counted (a report sent again after a lost stream: acknowledged, counted once, and counted in
+//! `retryplane_server_reports_duplicate`), or refused by the rate limit (`dropped`, nothing
+//! counted, so the agent sends the counts again later). Which reports were counted is kept in
+//! the agent's [`Fleet`] entry, shared by every stream of the agent id
+//! ([`crate::report_seq`]). A report with seq 0 is counted as it comes, unanswered.
+//!
 //! One task per stream owns its state; it wakes on a new publish, on the agent's next message,
 //! when a newer stream replaces it, or at shutdown.
 //!
 //! The outbound side is not tonic's encoder: the task sends the publisher's shared, pre-framed
-//! snapshot bytes to the stream's [`crate::frame_body::SharedFrameBody`], and
+//! snapshot bytes (and each ack, framed by [`encode_frame`]) to the stream's
+//! [`crate::frame_body::SharedFrameBody`], and
 //! [`crate::agent_route`] serves the `Connect` route (see there for why).
 
 use std::sync::Arc;
@@ -19,9 +27,10 @@ use tracing::{debug, info, warn};
 
 use crate::aggregate::{Aggregator, ServiceHandle};
 use crate::fleet::{Fleet, RegisterError};
-use crate::frame_body::Outbound;
+use crate::frame_body::{Outbound, encode_frame};
 use crate::metrics::ServerMetrics;
 use crate::publisher::Publisher;
+use crate::report_seq::ReportVerdict;
 
 /// Bounds on what one stream may do.
 #[derive(Clone, Debug)]
@@ -30,7 +39,8 @@ pub struct StreamLimits {
     pub hello_timeout: Duration,
     /// Metrics reports accepted per second per stream, on average (see
     /// [`StreamLimits::for_metrics_interval`]); a report past the limit is dropped and counted
-    /// in `retryplane_server_reports_dropped`.
+    /// in `retryplane_server_reports_dropped` (a numbered one is acknowledged as dropped, so
+    /// its agent sends the counts again).
     pub reports_per_second: f64,
     /// Reports accepted in a burst.
     pub report_burst: f64,
@@ -42,9 +52,10 @@ pub struct StreamLimits {
 
 impl StreamLimits {
     /// These limits, with the report rate raised to at least twice the rate agents report at
-    /// when they follow `metrics_interval` (the interval the server sends in every snapshot):
-    /// a dropped report loses its counts, so an agent that reports on the interval it was
-    /// given is never limited. The limit is there for agents that report far faster.
+    /// when they follow `metrics_interval` (the interval the server sends in every snapshot),
+    /// so an agent that reports on the interval it was given is never limited: a dropped report
+    /// without a seq loses its counts (a numbered one is acknowledged as dropped and its counts
+    /// come back in a later report). The limit is there for agents that report far faster.
     pub fn for_metrics_interval(mut self, metrics_interval: Duration) -> Self {
         let secs = metrics_interval.as_secs_f64();
         if secs > 0.0 {
@@ -168,10 +179,13 @@ impl AgentStreamService {
             generation: registration.generation,
             known_version: hello.last_applied_version,
             known_hash: hello.last_applied_hash.clone(),
+            instance_id: hello.instance_id,
             sent_nonce: None,
             service: self.ctx.aggregates.service(&hello.service),
-            tokens: limits.report_burst,
-            refilled: Instant::now(),
+            bucket: Bucket {
+                tokens: limits.report_burst,
+                refilled: Instant::now(),
+            },
         };
         tokio::spawn(stream.run(inbound, tx, registration.replaced));
         Ok(rx)
@@ -186,17 +200,41 @@ struct AgentStream {
     /// What the agent runs, or was last sent.
     known_version: u64,
     known_hash: String,
+    /// The agent process (`Hello.instance_id`) its numbered reports belong to.
+    instance_id: u64,
     /// The nonce of the last snapshot sent; answers to other nonces are stale.
     sent_nonce: Option<String>,
     /// Where this agent's metrics reports are added (its Hello's service).
     service: ServiceHandle,
-    /// Report rate limiter (token bucket).
+    /// Report rate limiter.
+    bucket: Bucket,
+}
+
+/// A token bucket.
+struct Bucket {
     tokens: f64,
     refilled: Instant,
 }
 
+impl Bucket {
+    /// Refills for the time since the last call, then takes a token if there is one.
+    fn take(&mut self, now: Instant, limits: &StreamLimits) -> bool {
+        let elapsed = now.duration_since(self.refilled).as_secs_f64();
+        self.refilled = now;
+        self.tokens = (self.tokens + elapsed * limits.reports_per_second).min(limits.report_burst);
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+}
+
 enum Next {
     Continue,
+    /// Send this answer to a numbered metrics report, then carry on.
+    Ack(pb::MetricsAck),
     End(Option<Status>),
 }
 
@@ -236,8 +274,20 @@ impl AgentStream {
                     "control plane shutting down; reconnect",
                 ))),
             };
-            if let Next::End(status) = next {
-                break status;
+            match next {
+                Next::Continue => {}
+                Next::Ack(ack) => match encode_frame(&pb::ServerMessage::with_metrics_ack(ack)) {
+                    Ok(frame) => {
+                        if tx.send(Ok(frame)).await.is_err() {
+                            break None;
+                        }
+                    }
+                    // A message of two integers always encodes.
+                    Err(e) => {
+                        warn!(agent = %self.agent_id, error = %e, "cannot frame a metrics ack")
+                    }
+                },
+                Next::End(status) => break status,
             }
         };
         if let Some(status) = end {
@@ -294,15 +344,7 @@ impl AgentStream {
                     debug!(agent = %self.agent_id, "stale NACK ignored");
                 }
             }
-            Some(Kind::Metrics(report)) => {
-                ctx.fleet.seen(&self.agent_id, self.generation);
-                let now = Instant::now();
-                if self.take_token(now) {
-                    ctx.aggregates.ingest(&self.service, &report, now);
-                } else {
-                    ctx.metrics.reports_dropped.inc();
-                }
-            }
+            Some(Kind::Metrics(report)) => return self.on_report(&report),
             Some(Kind::Hello(_)) => {
                 return Next::End(Some(Status::invalid_argument(
                     "Hello may only be the first message",
@@ -315,17 +357,46 @@ impl AgentStream {
         Next::Continue
     }
 
-    fn take_token(&mut self, now: Instant) -> bool {
-        let limits = &self.ctx.limits;
-        let elapsed = now.duration_since(self.refilled).as_secs_f64();
-        self.refilled = now;
-        self.tokens = (self.tokens + elapsed * limits.reports_per_second).min(limits.report_burst);
-        if self.tokens >= 1.0 {
-            self.tokens -= 1.0;
-            true
-        } else {
-            false
+    /// A metrics report: counted at most once per (instance, seq) when numbered, within the
+    /// rate limit; a numbered report is answered.
+    fn on_report(&mut self, report: &pb::MetricsReport) -> Next {
+        let ctx = self.ctx.clone();
+        let now = Instant::now();
+        if report.seq == 0 {
+            ctx.fleet.seen(&self.agent_id, self.generation);
+            if self.bucket.take(now, &ctx.limits) {
+                ctx.aggregates.ingest(&self.service, report, now);
+            } else {
+                ctx.metrics.reports_dropped.inc();
+            }
+            return Next::Continue;
         }
+        let verdict = ctx.fleet.claim_report(
+            &self.agent_id,
+            self.generation,
+            self.instance_id,
+            report.seq,
+            || self.bucket.take(now, &ctx.limits),
+        );
+        let dropped = match verdict {
+            ReportVerdict::Count => {
+                ctx.aggregates.ingest(&self.service, report, now);
+                false
+            }
+            ReportVerdict::Duplicate => {
+                ctx.metrics.reports_duplicate.inc();
+                debug!(agent = %self.agent_id, seq = report.seq, "metrics report already counted");
+                false
+            }
+            ReportVerdict::Refused => {
+                ctx.metrics.reports_dropped.inc();
+                true
+            }
+        };
+        Next::Ack(pb::MetricsAck {
+            seq: report.seq,
+            dropped,
+        })
     }
 }
 

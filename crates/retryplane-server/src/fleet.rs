@@ -3,6 +3,9 @@
 //! One entry per agent id. A second stream with the same id replaces the first: the older
 //! stream is told to end, and its late updates are ignored (each registration has its own
 //! generation). Disconnected agents stay listed, up to a bound, so status shows who went away.
+//! Each entry also keeps which numbered metrics reports of the agent were counted
+//! ([`crate::report_seq`]); it is carried over when a stream replaces another and kept while
+//! the agent is listed, so a report sent again after a reconnect is counted once.
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
@@ -11,6 +14,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use retryplane_proto::pb;
 use tokio::sync::oneshot;
+
+use crate::report_seq::{ReportSeqs, ReportVerdict};
 
 /// How many disconnected agents status keeps listing.
 pub const MAX_DISCONNECTED: usize = 10_000;
@@ -30,6 +35,8 @@ struct Entry {
     generation: u64,
     /// Fires to end the stream when a newer one replaces it.
     replaced: Option<oneshot::Sender<()>>,
+    /// The numbered metrics reports counted, across this agent id's streams.
+    reports: ReportSeqs,
 }
 
 #[derive(Debug, Default)]
@@ -116,6 +123,7 @@ impl Fleet {
         let generation = inner.next_generation;
         let (tx, rx) = oneshot::channel();
         let previous = inner.agents.remove(&hello.agent_id);
+        let mut reports = ReportSeqs::default();
         if let Some(mut old) = previous {
             if let Some(kick) = old.replaced.take() {
                 let _ = kick.send(());
@@ -123,7 +131,9 @@ impl Fleet {
             if old.status.connected {
                 inner.connected -= 1;
             }
+            reports = old.reports;
         }
+        reports.hello(hello.instance_id);
         let status = pb::AgentStatus {
             agent_id: hello.agent_id.clone(),
             service: hello.service.clone(),
@@ -144,6 +154,7 @@ impl Fleet {
                 status,
                 generation,
                 replaced: Some(tx),
+                reports,
             },
         );
         inner.connected += 1;
@@ -166,6 +177,34 @@ impl Fleet {
     /// The agent sent something ([`Fleet::ack`] and [`Fleet::nack`] count as seen too).
     pub fn seen(&self, id: &str, generation: u64) {
         self.update(id, generation, |_| {});
+    }
+
+    /// A metrics report numbered `seq` (> 0) by process `instance` of agent `id` arrived on the
+    /// stream of registration `generation` (which it marks seen, when that is still the
+    /// agent's stream). Decided against every report of the agent id counted so far, whichever
+    /// stream brought it, so that a report sent again is counted once; `admit` (the stream's
+    /// rate limit) is asked only about a report not counted before. An unknown agent id (its
+    /// entry pruned) has no record: the report is decided by `admit` alone.
+    pub fn claim_report(
+        &self,
+        id: &str,
+        generation: u64,
+        instance: u64,
+        seq: u64,
+        admit: impl FnOnce() -> bool,
+    ) -> ReportVerdict {
+        let mut inner = self.lock();
+        let Some(entry) = inner.agents.get_mut(id) else {
+            return if admit() {
+                ReportVerdict::Count
+            } else {
+                ReportVerdict::Refused
+            };
+        };
+        if entry.generation == generation {
+            entry.status.last_seen_unix_ms = unix_ms();
+        }
+        entry.reports.claim(instance, seq, admit)
     }
 
     /// The agent acknowledged `version`.
@@ -361,6 +400,34 @@ mod tests {
         let v = fleet.versions();
         assert_eq!(v.applied, BTreeMap::from([(2, 2)]));
         assert_eq!(v.nacked, BTreeMap::from([(3, 1)]));
+    }
+
+    #[test]
+    fn counted_reports_are_remembered_across_streams_of_the_same_agent_id() {
+        let fleet = Fleet::new(10);
+        let mut h = hello("a");
+        h.instance_id = 11;
+        let first = fleet.register(&h, None).unwrap();
+        let yes = || true;
+        let claim =
+            |generation, instance, seq| fleet.claim_report("a", generation, instance, seq, yes);
+        assert_eq!(claim(first.generation, 11, 1), ReportVerdict::Count);
+        fleet.disconnected("a", first.generation);
+        let second = fleet.register(&h, None).unwrap();
+        assert_eq!(claim(second.generation, 11, 1), ReportVerdict::Duplicate);
+        assert_eq!(claim(second.generation, 11, 2), ReportVerdict::Count);
+        // A replaced stream's late report is decided against the same record.
+        let third = fleet.register(&h, None).unwrap();
+        assert_eq!(claim(second.generation, 11, 2), ReportVerdict::Duplicate);
+        assert_eq!(claim(second.generation, 11, 3), ReportVerdict::Count);
+        assert_eq!(claim(third.generation, 11, 3), ReportVerdict::Duplicate);
+        // A restarted process starts afresh.
+        h.instance_id = 12;
+        let restarted = fleet.register(&h, None).unwrap();
+        assert_eq!(claim(restarted.generation, 12, 1), ReportVerdict::Count);
+        let refused = fleet.claim_report("a", restarted.generation, 12, 2, || false);
+        assert_eq!(refused, ReportVerdict::Refused);
+        assert_eq!(claim(restarted.generation, 12, 2), ReportVerdict::Count);
     }
 
     #[test]

@@ -1,4 +1,5 @@
-//! Server→agent messages as pre-framed gRPC bytes, shared by every stream.
+//! Server→agent messages as pre-framed gRPC bytes, shared by every stream (a snapshot), or
+//! framed for one stream (a metrics ack: [`encode_frame`] too, a few bytes).
 //!
 //! Why this is hand-written: tonic's response encoder (`tonic::codec::EncodeBody`) writes every
 //! message of every stream into that stream's own `BytesMut`. For the agent stream that means a
@@ -150,6 +151,7 @@ mod tests {
     fn a_length_above_255_uses_every_header_byte() {
         let big = pb::ServerMessage {
             snapshot: Some(Bytes::from(vec![7u8; 70_000])),
+            ..Default::default()
         };
         let frame = encode_frame(&big).unwrap();
         let expected = u32::try_from(big.encoded_len()).unwrap().to_be_bytes();

@@ -3,11 +3,12 @@
 //! A versioned snapshot store plus thin gRPC and HTTP layers (STYLE.md #9): the [`store`] decides
 //! versions and keeps every one of them in an embedded database; [`control`] is the one path by
 //! which policies change (validate, safety checks, store, publish); the [`agent_stream`] service
-//! only fans the current snapshot out to connected agents and records their ACKs and NACKs (its
-//! route, [`agent_route`], sends each version's one shared [`frame_body`] frame to every
-//! stream); the [`admin`] service validates, applies, diffs and rolls back; [`http`] serves
-//! health and Prometheus metrics; [`aggregate`] sums the agents' metric reports into windows
-//! and alerts; [`server`] wires listeners, auth, the file watcher and shutdown.
+//! only fans the current snapshot out to connected agents, records their ACKs and NACKs and
+//! acknowledges their numbered metrics reports, counting each once ([`report_seq`]); its route,
+//! [`agent_route`], sends each version's one shared [`frame_body`] frame to every stream; the
+//! [`admin`] service validates, applies, diffs and rolls back; [`http`] serves health and
+//! Prometheus metrics; [`aggregate`] sums the agents' metric reports into windows and alerts;
+//! [`server`] wires listeners, auth, the file watcher and shutdown.
 
 #![forbid(unsafe_code)]
 
@@ -22,6 +23,7 @@ pub mod frame_body;
 pub mod http;
 pub mod metrics;
 pub mod publisher;
+pub mod report_seq;
 pub mod server;
 pub mod store;
 pub mod watch;

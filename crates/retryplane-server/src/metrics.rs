@@ -33,6 +33,9 @@ pub struct ServerMetrics {
     pub rejected_changes: Counter,
     /// Metrics reports dropped for coming too fast.
     pub reports_dropped: Counter,
+    /// Numbered metrics reports received again after they were counted (sent again after a
+    /// lost stream), acknowledged and not counted twice.
+    pub reports_duplicate: Counter,
     /// Streams refused because the agent limit was reached.
     pub streams_refused: Counter,
 }
@@ -66,6 +69,7 @@ impl ServerMetrics {
         let publishes = Counter::default();
         let rejected_changes = Counter::default();
         let reports_dropped = Counter::default();
+        let reports_duplicate = Counter::default();
         let streams_refused = Counter::default();
         registry.register(
             "agents_connected",
@@ -96,6 +100,11 @@ impl ServerMetrics {
             reports_dropped.clone(),
         );
         registry.register(
+            "reports_duplicate",
+            "Agent metrics reports received again after they were counted, not counted twice",
+            reports_duplicate.clone(),
+        );
+        registry.register(
             "streams_refused",
             "Agent streams refused because the agent limit was reached",
             streams_refused.clone(),
@@ -110,6 +119,7 @@ impl ServerMetrics {
             publishes,
             rejected_changes,
             reports_dropped,
+            reports_duplicate,
             streams_refused,
         }
     }

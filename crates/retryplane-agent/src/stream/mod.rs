@@ -1,13 +1,17 @@
 //! The one background task that owns the control-plane stream (SPEC §3, STYLE #5).
 //!
 //! Each session: connect (HTTP/2 keepalive on), send Hello with the version in force (when it
-//! came from the control plane or the cache), then apply every snapshot ([`apply`]), write the
-//! cache file, answer ACK or NACK, and send a `MetricsReport` of counter deltas every interval.
-//! When the stream ends or cannot be opened the task waits a [`ReconnectBackoff`] delay and
-//! tries again; the policies in force are never dropped. On shutdown it sends the counts not yet
-//! reported, half-closes the stream and waits (bounded) for the server to close it.
+//! came from the control plane or the cache) and the process's instance id, send again the
+//! metrics reports the previous streams left unacknowledged ([`outbox`]), then apply every
+//! snapshot ([`apply`]), write the cache file, answer ACK or NACK, and send a numbered
+//! `MetricsReport` of counter deltas every interval, each kept until the control plane
+//! acknowledges it. When the stream ends or cannot be opened the task waits a
+//! [`ReconnectBackoff`] delay and tries again; the policies in force are never dropped. On
+//! shutdown it sends the counts not yet reported, half-closes the stream and waits (bounded) for
+//! the server to close it.
 
 pub(crate) mod apply;
+pub(crate) mod outbox;
 pub mod reconnect;
 
 use std::path::PathBuf;
@@ -26,6 +30,7 @@ use tracing::{debug, info, warn};
 
 use crate::agent::Shared;
 use crate::snapshot::Source;
+use outbox::{NotSent, Outbox};
 use reconnect::ReconnectBackoff;
 
 /// HTTP/2 keepalive ping interval (the server uses the same).
@@ -38,6 +43,8 @@ pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
 /// Messages queued towards the control plane.
 const OUTBOUND: usize = 16;
+// A new stream queues Hello and every unacknowledged report at once.
+const _: () = assert!(outbox::WINDOW < OUTBOUND);
 
 /// What the stream task is told.
 #[derive(Debug)]
@@ -79,8 +86,18 @@ pub(crate) async fn run(
     let mut backoff = config.backoff.clone();
     let mut rng = SeededRng::with_seed(seed.rotate_left(29) ^ 0xA076_1D64_78BD_642F);
     let mut window_start = unix_ms();
+    // Outlives the sessions: what one stream left unacknowledged goes out on the next.
+    let mut outbox = Outbox::default();
     loop {
-        let end = session(&shared, &config, &endpoint, &cancel, &mut window_start).await;
+        let end = session(
+            &shared,
+            &config,
+            &endpoint,
+            &cancel,
+            &mut window_start,
+            &mut outbox,
+        )
+        .await;
         shared.connected.store(false, Relaxed);
         let SessionEnd::Lost { up, reason } = end else {
             return;
@@ -103,6 +120,7 @@ async fn session(
     endpoint: &tonic::transport::Endpoint,
     cancel: &CancellationToken,
     window_start: &mut u64,
+    outbox: &mut Outbox,
 ) -> SessionEnd {
     let lost = |up: Option<Duration>, reason: String| SessionEnd::Lost { up, reason };
     let channel = tokio::select! {
@@ -123,6 +141,13 @@ async fn session(
     drop(current);
     if tx.try_send(message(Kind::Hello(hello))).is_err() {
         return lost(None, "cannot queue Hello".into());
+    }
+    // Before any new report: what earlier streams left unacknowledged, same seqs.
+    if !outbox.resend(&tx) {
+        return lost(
+            None,
+            "cannot queue the unacknowledged metrics reports".into(),
+        );
     }
     let token = config.token.clone();
     let mut client = pb::agent_service_client::AgentServiceClient::with_interceptor(
@@ -150,11 +175,15 @@ async fn session(
     loop {
         tokio::select! {
             () = cancel.cancelled() => {
-                send_metrics(shared, &tx, window_start);
+                send_metrics(shared, &tx, window_start, outbox);
                 drop(tx);
                 // Let the server read what was queued and close its side.
                 let _ = tokio::time::timeout(CLOSE_GRACE, async {
-                    while let Ok(Some(_)) = inbound.message().await {}
+                    while let Ok(Some(m)) = inbound.message().await {
+                        if let Some(ack) = m.metrics_ack {
+                            outbox.ack(&shared.metrics, ack.seq, ack.dropped);
+                        }
+                    }
                 })
                 .await;
                 return SessionEnd::Cancelled;
@@ -165,6 +194,10 @@ async fn session(
                     Ok(None) => return lost(up(), "the control plane closed the stream".into()),
                     Err(status) => return lost(up(), format!("stream ended: {:?}", status.code())),
                 };
+                if let Some(ack) = m.metrics_ack {
+                    outbox.ack(&shared.metrics, ack.seq, ack.dropped);
+                    continue;
+                }
                 let snap = match m.decode_snapshot() {
                     Ok(Some(snap)) => snap,
                     Ok(None) => {
@@ -186,7 +219,7 @@ async fn session(
                 next_report = next_report.min(Instant::now() + interval(shared));
             }
             () = tokio::time::sleep_until(next_report) => {
-                send_metrics(shared, &tx, window_start);
+                send_metrics(shared, &tx, window_start, outbox);
                 next_report = Instant::now() + interval(shared);
             }
         }
@@ -201,25 +234,29 @@ fn interval(shared: &Shared) -> Duration {
     Duration::from_millis(shared.metrics_interval_ms.load(Relaxed).max(1))
 }
 
-/// Hands the counter deltas to the stream; when it cannot take them they are added back.
-fn send_metrics(shared: &Shared, tx: &mpsc::Sender<pb::AgentMessage>, window_start: &mut u64) {
-    let endpoints = shared.metrics.take();
-    if endpoints.is_empty() {
-        return;
-    }
+/// Hands the counter deltas to the stream as the next numbered report, kept in `outbox` until
+/// acknowledged. While the outbox is full, or when the stream cannot take the report, the
+/// counts stay in (or go back into) the counters for a later report.
+fn send_metrics(
+    shared: &Shared,
+    tx: &mpsc::Sender<pb::AgentMessage>,
+    window_start: &mut u64,
+    outbox: &mut Outbox,
+) {
     let end = unix_ms();
-    let report = pb::MetricsReport {
-        window_start_unix_ms: *window_start,
-        window_end_unix_ms: end,
-        policy_version: shared.policies.load().version(),
-        endpoints,
-    };
-    match tx.try_send(message(Kind::Metrics(report))) {
-        Ok(()) => *window_start = end,
-        Err(e) => {
-            if let Some(Kind::Metrics(report)) = e.into_inner().kind {
-                shared.metrics.restore(&report.endpoints);
-            }
+    let start = *window_start;
+    let sent = outbox.send(&shared.metrics, tx, |report| {
+        report.window_start_unix_ms = start;
+        report.window_end_unix_ms = end;
+        report.policy_version = shared.policies.load().version();
+    });
+    match sent {
+        Ok(_) => *window_start = end,
+        Err(NotSent::Empty) => {}
+        Err(NotSent::WindowFull) => {
+            debug!("metrics reports await acknowledgement; counts kept for a later one");
+        }
+        Err(NotSent::StreamFull) => {
             debug!("metrics report not queued; counts kept for the next one");
         }
     }
@@ -269,7 +306,8 @@ mod tests {
         let (tx, rx) = mpsc::channel(1);
         drop(rx);
         let mut start = 0;
-        send_metrics(shared, &tx, &mut start);
+        let mut outbox = Outbox::default();
+        send_metrics(shared, &tx, &mut start, &mut outbox);
         assert_eq!(
             shared.metrics.pending("a").calls,
             3,
@@ -278,7 +316,7 @@ mod tests {
 
         let (tx, mut rx) = mpsc::channel(1);
         tx.try_send(message(Kind::Ack(pb::Ack::default()))).unwrap();
-        send_metrics(shared, &tx, &mut start);
+        send_metrics(shared, &tx, &mut start, &mut outbox);
         assert_eq!(
             shared.metrics.pending("a").calls,
             3,
@@ -287,12 +325,13 @@ mod tests {
 
         rx.recv().await.unwrap();
         count_calls(shared, 2);
-        send_metrics(shared, &tx, &mut start);
+        send_metrics(shared, &tx, &mut start, &mut outbox);
         assert_eq!(shared.metrics.pending("a").calls, 0);
         let Some(Kind::Metrics(report)) = rx.recv().await.unwrap().kind else {
             panic!("a metrics report");
         };
         assert_eq!(report.endpoints[0].calls, 5, "sent once, all of them");
+        assert_eq!(report.seq, 1, "the reports not queued used no seq");
         assert!(start > 0, "the next window starts where this one ended");
     }
 }

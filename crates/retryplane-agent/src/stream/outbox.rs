@@ -1,0 +1,261 @@
+//! Metrics reports sent and not yet acknowledged: what makes delivery exactly once.
+//!
+//! Each report taken from the counters gets the next `seq` (1, 2, 3… for the life of the agent
+//! process, whose `Hello.instance_id` tells it apart from a restarted one) and stays here until
+//! the control plane answers with a `MetricsAck` of that seq: `dropped = false` forgets it (it
+//! is counted), `dropped = true` adds its counts back into the counters (the server refused it
+//! and counted nothing; they go out in a later report). When a stream ends, whatever is still
+//! here is sent again, same seqs and in seq order, right after the next stream's Hello and
+//! before any new report; the server counts each seq once. At most [`WINDOW`] reports wait for
+//! an answer: while that many do, no counts are taken, so they keep adding up in the counters
+//! (whose memory is bounded by the number of endpoints) and nothing is lost.
+
+use std::collections::VecDeque;
+
+use retryplane_proto::pb::{self, agent_message::Kind};
+use tokio::sync::mpsc;
+use tracing::debug;
+
+use super::message;
+use crate::metrics::Registry;
+
+/// Most reports sent and not yet acknowledged.
+pub(crate) const WINDOW: usize = 8;
+
+/// The unacknowledged reports, in seq order, and the next seq.
+#[derive(Debug)]
+pub(crate) struct Outbox {
+    next_seq: u64,
+    pending: VecDeque<pb::MetricsReport>,
+}
+
+impl Default for Outbox {
+    fn default() -> Self {
+        Self {
+            next_seq: 1,
+            pending: VecDeque::with_capacity(WINDOW),
+        }
+    }
+}
+
+/// Why a report was not queued.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum NotSent {
+    /// Nothing to report.
+    Empty,
+    /// [`WINDOW`] reports wait for an answer; the counts stay in the counters.
+    WindowFull,
+    /// The stream could not take the report; its counts were added back.
+    StreamFull,
+}
+
+impl Outbox {
+    /// Whether [`WINDOW`] reports wait for an answer.
+    pub(crate) fn is_full(&self) -> bool {
+        self.pending.len() >= WINDOW
+    }
+
+    /// The reports waiting for an answer, oldest first.
+    #[cfg(test)]
+    pub(crate) fn pending_seqs(&self) -> Vec<u64> {
+        self.pending.iter().map(|r| r.seq).collect()
+    }
+
+    /// Takes the counts from `registry` into a report numbered with the next seq (filled in
+    /// by `fill`: window and policy version) and queues it on `tx`. Nothing is taken while the
+    /// window is full; a report the stream cannot take is added back and uses no seq.
+    pub(crate) fn send(
+        &mut self,
+        registry: &Registry,
+        tx: &mpsc::Sender<pb::AgentMessage>,
+        fill: impl FnOnce(&mut pb::MetricsReport),
+    ) -> Result<u64, NotSent> {
+        if self.is_full() {
+            return Err(NotSent::WindowFull);
+        }
+        let endpoints = registry.take();
+        if endpoints.is_empty() {
+            return Err(NotSent::Empty);
+        }
+        let mut report = pb::MetricsReport {
+            endpoints,
+            seq: self.next_seq,
+            ..Default::default()
+        };
+        fill(&mut report);
+        match tx.try_send(message(Kind::Metrics(report.clone()))) {
+            Ok(()) => {
+                self.next_seq += 1;
+                self.pending.push_back(report);
+                Ok(self.next_seq - 1)
+            }
+            Err(_) => {
+                registry.restore(&report.endpoints);
+                Err(NotSent::StreamFull)
+            }
+        }
+    }
+
+    /// The control plane answered report `seq`: forget it, and when it was `dropped` add its
+    /// counts back into `registry`. An answer to a seq not waiting (answered already, or never
+    /// sent) changes nothing.
+    pub(crate) fn ack(&mut self, registry: &Registry, seq: u64, dropped: bool) {
+        let Some(i) = self.pending.iter().position(|r| r.seq == seq) else {
+            debug!(seq, "metrics ack for no pending report ignored");
+            return;
+        };
+        if let Some(report) = self.pending.remove(i)
+            && dropped
+        {
+            debug!(
+                seq,
+                "metrics report refused by the control plane; counts kept"
+            );
+            registry.restore(&report.endpoints);
+        }
+    }
+
+    /// Queues every waiting report on a new stream's `tx`, in seq order. `tx` is fresh and
+    /// holds at least `WINDOW + 1` messages (Hello and these), so this fails only when the
+    /// stream is already gone; what was not queued is sent on the next stream.
+    pub(crate) fn resend(&self, tx: &mpsc::Sender<pb::AgentMessage>) -> bool {
+        for report in &self.pending {
+            if tx.try_send(message(Kind::Metrics(report.clone()))).is_err() {
+                return false;
+            }
+        }
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::metrics::Counters;
+
+    fn count_calls(r: &Registry, n: u64) {
+        let c = r.counters(&Arc::from("a"));
+        for _ in 0..n {
+            Counters::inc(&c.calls);
+        }
+    }
+
+    fn sent(rx: &mut mpsc::Receiver<pb::AgentMessage>) -> Vec<(u64, u64)> {
+        let mut out = Vec::new();
+        while let Ok(m) = rx.try_recv() {
+            let Some(Kind::Metrics(r)) = m.kind else {
+                panic!("a metrics report");
+            };
+            out.push((r.seq, r.endpoints[0].calls));
+        }
+        out
+    }
+
+    fn no_fill(_: &mut pb::MetricsReport) {}
+
+    #[test]
+    fn seqs_count_up_from_one_and_an_ack_forgets_the_report() {
+        let r = Registry::default();
+        let mut o = Outbox::default();
+        let (tx, mut rx) = mpsc::channel(16);
+        assert_eq!(o.send(&r, &tx, no_fill), Err(NotSent::Empty));
+        count_calls(&r, 2);
+        assert_eq!(o.send(&r, &tx, no_fill), Ok(1));
+        count_calls(&r, 3);
+        assert_eq!(o.send(&r, &tx, no_fill), Ok(2));
+        assert_eq!(sent(&mut rx), [(1, 2), (2, 3)]);
+        assert_eq!(o.pending_seqs(), [1, 2]);
+        o.ack(&r, 2, false);
+        assert_eq!(o.pending_seqs(), [1]);
+        o.ack(&r, 2, false);
+        o.ack(&r, 9, true);
+        assert_eq!(o.pending_seqs(), [1], "unknown seqs are ignored");
+        assert_eq!(r.pending("a").calls, 0, "an ack adds nothing back");
+        o.ack(&r, 1, false);
+        assert!(o.pending_seqs().is_empty());
+        assert_eq!(r.pending("a").calls, 0);
+    }
+
+    #[test]
+    fn a_dropped_report_goes_back_into_the_counters_and_out_in_a_later_report() {
+        let r = Registry::default();
+        let mut o = Outbox::default();
+        let (tx, mut rx) = mpsc::channel(16);
+        count_calls(&r, 4);
+        o.send(&r, &tx, no_fill).unwrap();
+        count_calls(&r, 1);
+        o.ack(&r, 1, true);
+        assert!(o.pending_seqs().is_empty());
+        assert_eq!(r.pending("a").calls, 5);
+        assert_eq!(o.send(&r, &tx, no_fill), Ok(2));
+        assert_eq!(sent(&mut rx), [(1, 4), (2, 5)]);
+        // A second answer to the dropped seq adds nothing.
+        o.ack(&r, 1, true);
+        assert_eq!(r.pending("a").calls, 0);
+    }
+
+    #[test]
+    fn a_full_window_takes_nothing_until_an_ack_frees_a_place() {
+        let r = Registry::default();
+        let mut o = Outbox::default();
+        let (tx, mut rx) = mpsc::channel(64);
+        for seq in 1..=u64::try_from(WINDOW).unwrap() {
+            count_calls(&r, 1);
+            assert_eq!(o.send(&r, &tx, no_fill), Ok(seq));
+        }
+        assert!(o.is_full());
+        count_calls(&r, 7);
+        assert_eq!(o.send(&r, &tx, no_fill), Err(NotSent::WindowFull));
+        assert_eq!(r.pending("a").calls, 7, "the counts stay in the counters");
+        assert_eq!(sent(&mut rx).len(), WINDOW);
+        o.ack(&r, 3, false);
+        let next = u64::try_from(WINDOW).unwrap() + 1;
+        assert_eq!(o.send(&r, &tx, no_fill), Ok(next));
+        assert_eq!(sent(&mut rx), [(next, 7)]);
+        assert_eq!(r.pending("a").calls, 0);
+    }
+
+    #[test]
+    fn a_report_the_stream_cannot_take_goes_back_and_uses_no_seq() {
+        let r = Registry::default();
+        let mut o = Outbox::default();
+        count_calls(&r, 3);
+        let (closed, rx) = mpsc::channel(1);
+        drop(rx);
+        assert_eq!(o.send(&r, &closed, no_fill), Err(NotSent::StreamFull));
+        assert_eq!(r.pending("a").calls, 3);
+        assert!(o.pending_seqs().is_empty());
+        let (tx, mut rx) = mpsc::channel(4);
+        assert_eq!(o.send(&r, &tx, no_fill), Ok(1));
+        assert_eq!(sent(&mut rx), [(1, 3)]);
+    }
+
+    #[test]
+    fn a_new_stream_gets_the_unanswered_reports_again_in_seq_order() {
+        let r = Registry::default();
+        let mut o = Outbox::default();
+        let (tx, rx) = mpsc::channel(16);
+        for n in 1..=4 {
+            count_calls(&r, n);
+            o.send(&r, &tx, no_fill).unwrap();
+        }
+        o.ack(&r, 2, false);
+        drop((tx, rx));
+        // The next stream: Hello first, then the three unanswered reports, same seqs.
+        let (tx, mut rx) = mpsc::channel(WINDOW + 1);
+        tx.try_send(message(Kind::Hello(pb::Hello::default())))
+            .unwrap();
+        assert!(o.resend(&tx));
+        assert!(matches!(rx.try_recv().unwrap().kind, Some(Kind::Hello(_))));
+        assert_eq!(sent(&mut rx), [(1, 1), (3, 3), (4, 4)]);
+        count_calls(&r, 5);
+        assert_eq!(o.send(&r, &tx, no_fill), Ok(5), "new reports after them");
+        // A stream that is already gone keeps them for the next one.
+        let (gone, rx) = mpsc::channel(16);
+        drop(rx);
+        assert!(!o.resend(&gone));
+        assert_eq!(o.pending_seqs(), [1, 3, 4, 5]);
+    }
+}

@@ -1,0 +1,117 @@
+//! End-to-end, raw protocol: numbered metrics reports are acknowledged and counted once per
+//! (agent id, instance, seq), across streams; reports without a seq are counted as before.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, missing_docs)]
+
+use std::time::Duration;
+
+use retryplane_e2e::*;
+
+const EP: &str = "ep-0";
+
+async fn calls(plane: &Plane) -> u64 {
+    endpoint_stats(plane, EP).await.map_or(0, |s| s.calls)
+}
+
+/// The value of the server figure `name` in `/metrics`.
+async fn server_figure(plane: &Plane, name: &str) -> Option<u64> {
+    let text = metrics_text(plane.running.http_addr).await;
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+/// A stream of `id` from process `instance`, past its first snapshot.
+async fn stream(plane: &Plane, id: &str, instance: u64) -> RawAgent {
+    let mut agent = RawAgent::connect(plane.agent_channel().await, hello_instance(id, instance))
+        .await
+        .unwrap();
+    agent.next_snapshot().await.unwrap();
+    agent
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_report_sent_again_on_a_new_stream_is_acknowledged_and_counted_once() {
+    let plane = Plane::file_mode(&policy_yaml(1, 3)).await;
+    let mut first = stream(&plane, "a1", 7).await;
+    first.send(report(1, EP, 5)).await;
+    assert_eq!(first.next_ack().await, (1, false));
+    assert_eq!(calls(&plane).await, 5);
+
+    // The agent did not hear the ack (say) and sends seq 1 again on its next stream.
+    let mut second = stream(&plane, "a1", 7).await;
+    second.send(report(1, EP, 5)).await;
+    second.send(report(2, EP, 3)).await;
+    assert_eq!(second.next_ack().await, (1, false), "acknowledged again");
+    assert_eq!(second.next_ack().await, (2, false));
+    assert_eq!(calls(&plane).await, 8, "seq 1 counted once");
+    assert_eq!(
+        server_figure(&plane, "retryplane_server_reports_duplicate_total").await,
+        Some(1)
+    );
+
+    // A restarted process (new instance id) numbers from 1 again and is counted.
+    let mut restarted = stream(&plane, "a1", 8).await;
+    restarted.send(report(1, EP, 4)).await;
+    assert_eq!(restarted.next_ack().await, (1, false));
+    assert_eq!(calls(&plane).await, 12);
+    restarted.send(report(2, EP, 1)).await;
+    assert_eq!(restarted.next_ack().await, (2, false));
+    assert_eq!(calls(&plane).await, 13);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_report_without_a_seq_is_counted_every_time_and_never_acknowledged() {
+    let plane = Plane::file_mode(&policy_yaml(1, 3)).await;
+    let mut agent = stream(&plane, "old", 0).await;
+    agent.send(report(0, EP, 2)).await;
+    agent.send(report(0, EP, 2)).await;
+    // The next message answers the numbered report: nothing was sent for the two before it.
+    agent.send(report(1, EP, 1)).await;
+    assert_eq!(agent.next_ack().await, (1, false));
+    assert_eq!(calls(&plane).await, 5);
+    let mut again = stream(&plane, "old", 0).await;
+    again.send(report(0, EP, 2)).await;
+    again.send(report(2, EP, 1)).await;
+    assert_eq!(again.next_ack().await, (2, false));
+    assert_eq!(calls(&plane).await, 8);
+    assert_eq!(
+        server_figure(&plane, "retryplane_server_reports_duplicate_total").await,
+        Some(0)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rate_limited_report_is_acknowledged_as_dropped_and_not_counted() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("policies.yaml"), policy_yaml(1, 3)).unwrap();
+    // One report, then none for the rest of the test (a token every 30 minutes).
+    let plane = Plane::start_with(dir, false, None, |cfg| {
+        cfg.metrics_interval = Duration::from_secs(3600);
+        cfg.stream_limits.report_burst = 1.0;
+        cfg.stream_limits.reports_per_second = 0.0;
+    })
+    .await;
+    let mut agent = stream(&plane, "fast", 9).await;
+    agent.send(report(1, EP, 5)).await;
+    agent.send(report(2, EP, 3)).await;
+    assert_eq!(agent.next_ack().await, (1, false));
+    assert_eq!(agent.next_ack().await, (2, true), "refused");
+    assert_eq!(calls(&plane).await, 5);
+    assert_eq!(
+        server_figure(&plane, "retryplane_server_reports_dropped_total").await,
+        Some(1)
+    );
+    // Refused seqs are not recorded: sent again with a token to spend, seq 2 would count. A
+    // new stream has a new bucket.
+    let mut next = stream(&plane, "fast", 9).await;
+    next.send(report(2, EP, 3)).await;
+    assert_eq!(next.next_ack().await, (2, false));
+    assert_eq!(calls(&plane).await, 8);
+    next.send(report(3, EP, 1)).await;
+    assert_eq!(next.next_ack().await, (3, true));
+    assert_eq!(calls(&plane).await, 8);
+    assert_eq!(
+        server_figure(&plane, "retryplane_server_reports_duplicate_total").await,
+        Some(0)
+    );
+}
