@@ -155,10 +155,6 @@ impl AgentStreamService {
                 RegisterError::Full(_) => Status::resource_exhausted(e.to_string()),
             }
         })?;
-        self.ctx
-            .metrics
-            .agents_connected
-            .set(i64::try_from(self.ctx.fleet.connected()).unwrap_or(i64::MAX));
         info!(agent = %hello.agent_id, service = %hello.service, version = hello.last_applied_version, "agent connected");
         // Two slots: a snapshot in flight and a closing status never wait on each other for long.
         let (tx, rx) = mpsc::channel(2);
@@ -245,10 +241,6 @@ impl AgentStream {
             let _ = tx.send(Err(status)).await;
         }
         self.ctx.fleet.disconnected(&self.agent_id, self.generation);
-        self.ctx
-            .metrics
-            .agents_connected
-            .set(i64::try_from(self.ctx.fleet.connected()).unwrap_or(i64::MAX));
         info!(agent = %self.agent_id, "agent disconnected");
     }
 

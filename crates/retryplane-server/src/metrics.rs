@@ -17,7 +17,7 @@ use crate::fleet::Fleet;
 #[derive(Debug)]
 pub struct ServerMetrics {
     registry: Registry,
-    /// Agents with an open stream.
+    /// Agents with an open stream; with [`ServerMetrics::with_aggregates`], the fleet's gauge.
     pub agents_connected: Gauge,
     /// Snapshots sent to agents.
     pub pushes: Counter,
@@ -46,8 +46,9 @@ impl Default for ServerMetrics {
 impl ServerMetrics {
     /// The server's own figures, registered under the `retryplane_server` prefix, and the
     /// aggregates of `aggregator` and gauges of `fleet`, read at each scrape.
+    /// `agents_connected` is the fleet's own gauge, which it sets as agents come and go.
     pub fn with_aggregates(aggregator: Arc<Aggregator>, fleet: Arc<Fleet>) -> Self {
-        let mut metrics = Self::new();
+        let mut metrics = Self::build(fleet.connected_gauge());
         metrics
             .registry
             .register_collector(Box::new(AggregateCollector::new(aggregator, fleet)));
@@ -56,9 +57,12 @@ impl ServerMetrics {
 
     /// Only the server's own figures, every one under the `retryplane_server` prefix.
     pub fn new() -> Self {
+        Self::build(Gauge::default())
+    }
+
+    fn build(agents_connected: Gauge) -> Self {
         let mut root = Registry::default();
         let registry = root.sub_registry_with_prefix("retryplane_server");
-        let agents_connected = Gauge::default();
         let pushes = Counter::default();
         let acks = Counter::default();
         let nacks = Counter::default();
