@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use retryplane_proto::pb::{self, agent_message::Kind};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{Semaphore, mpsc, watch};
 use tokio::time::Instant;
 use tonic::{Request, Status, Streaming};
 use tracing::{debug, info, warn};
@@ -22,6 +22,11 @@ use crate::fleet::{Fleet, RegisterError};
 use crate::frame_body::Outbound;
 use crate::metrics::ServerMetrics;
 use crate::publisher::Publisher;
+
+/// The default of [`StreamLimits::max_pending_handshakes`]: enough for a fleet reconnecting at
+/// once (a handshake takes one round trip), small enough that streams which never say Hello
+/// cannot pile up.
+pub const DEFAULT_MAX_PENDING_HANDSHAKES: usize = 1024;
 
 /// Bounds on what one stream may do.
 #[derive(Clone, Debug)]
@@ -38,6 +43,9 @@ pub struct StreamLimits {
     pub max_field_len: usize,
     /// Most labels on one agent.
     pub max_labels: usize,
+    /// Most streams waiting for their Hello at once; a stream past it is refused with
+    /// `RESOURCE_EXHAUSTED` at once. Registered agents do not count.
+    pub max_pending_handshakes: usize,
 }
 
 impl StreamLimits {
@@ -62,6 +70,7 @@ impl Default for StreamLimits {
             report_burst: 10.0,
             max_field_len: 256,
             max_labels: 64,
+            max_pending_handshakes: DEFAULT_MAX_PENDING_HANDSHAKES,
         }
     }
 }
@@ -87,12 +96,31 @@ pub struct StreamContext {
 #[derive(Clone, Debug)]
 pub struct AgentStreamService {
     ctx: Arc<StreamContext>,
+    /// One permit per stream waiting for its Hello ([`StreamLimits::max_pending_handshakes`]).
+    handshakes: Arc<Semaphore>,
 }
 
 impl AgentStreamService {
     /// A service over `ctx`.
     pub fn new(ctx: Arc<StreamContext>) -> Self {
-        Self { ctx }
+        let pending = ctx
+            .limits
+            .max_pending_handshakes
+            .min(Semaphore::MAX_PERMITS);
+        Self {
+            ctx,
+            handshakes: Arc::new(Semaphore::new(pending)),
+        }
+    }
+}
+
+/// The status for an inbound stream error. tonic reports a message over the size limit as
+/// `OUT_OF_RANGE`; gRPC's own servers (and its status code guide) say `RESOURCE_EXHAUSTED`.
+fn inbound_error(status: Status) -> Status {
+    if status.code() == tonic::Code::OutOfRange {
+        Status::resource_exhausted(status.message().to_owned())
+    } else {
+        status
     }
 }
 
@@ -127,8 +155,17 @@ impl AgentStreamService {
         request: Request<Streaming<pb::AgentMessage>>,
     ) -> Result<mpsc::Receiver<Outbound>, Status> {
         let peer = request.remote_addr();
-        let mut inbound = request.into_inner();
         let limits = &self.ctx.limits;
+        // Held until the stream is registered (or refused), so streams that never say Hello
+        // cannot pile up; a registered stream counts against the agent limit instead.
+        let Ok(_handshake) = self.handshakes.clone().try_acquire_owned() else {
+            self.ctx.metrics.streams_refused.inc();
+            return Err(Status::resource_exhausted(format!(
+                "{} streams are already waiting to send Hello; retry later",
+                limits.max_pending_handshakes
+            )));
+        };
+        let mut inbound = request.into_inner();
         let first = tokio::time::timeout(limits.hello_timeout, inbound.message()).await;
         let hello = match first {
             Ok(Ok(Some(pb::AgentMessage {
@@ -140,7 +177,7 @@ impl AgentStreamService {
                 ));
             }
             Ok(Ok(None)) => return Err(Status::cancelled("stream closed before Hello")),
-            Ok(Err(status)) => return Err(status),
+            Ok(Err(status)) => return Err(inbound_error(status)),
             Err(_) => {
                 return Err(Status::invalid_argument(format!(
                     "no Hello within {:?}",
@@ -156,7 +193,7 @@ impl AgentStreamService {
             }
         })?;
         info!(agent = %hello.agent_id, service = %hello.service, version = hello.last_applied_version, "agent connected");
-        // Two slots: a snapshot in flight and a closing status never wait on each other for long.
+        // Two slots: at most one snapshot waits, and a closing status always has room.
         let (tx, rx) = mpsc::channel(2);
         let stream = AgentStream {
             ctx: self.ctx.clone(),
@@ -165,6 +202,7 @@ impl AgentStreamService {
             known_version: hello.last_applied_version,
             known_hash: hello.last_applied_hash.clone(),
             sent_nonce: None,
+            sent_version: 0,
             service: self.ctx.aggregates.service(&hello.service),
             tokens: limits.report_burst,
             refilled: Instant::now(),
@@ -184,6 +222,8 @@ struct AgentStream {
     known_hash: String,
     /// The nonce of the last snapshot sent; answers to other nonces are stale.
     sent_nonce: Option<String>,
+    /// The version sent with `sent_nonce`; an answer naming another version is stale too.
+    sent_version: u64,
     /// Where this agent's metrics reports are added (its Hello's service).
     service: ServiceHandle,
     /// Report rate limiter (token bucket).
@@ -194,6 +234,14 @@ struct AgentStream {
 enum Next {
     Continue,
     End(Option<Status>),
+}
+
+fn replaced_status() -> Status {
+    Status::aborted("replaced by a newer stream with the same agent id")
+}
+
+fn shutdown_status() -> Status {
+    Status::unavailable("control plane shutting down; reconnect")
 }
 
 impl AgentStream {
@@ -210,38 +258,50 @@ impl AgentStream {
             if let Some(snap) = current
                 && self.behind(&snap)
             {
-                if tx.send(snap.frame()).await.is_err() {
-                    break None;
+                // Wait for room for the snapshot and for a closing status after it, so the
+                // status can always be queued; an agent that stops reading still ends here
+                // when it is replaced or the server shuts down.
+                let room = tokio::select! {
+                    room = tx.reserve_many(2) => room,
+                    _ = &mut replaced => break Some(replaced_status()),
+                    _ = shutdown.wait_for(|s| *s) => break Some(shutdown_status()),
+                };
+                let Ok(mut room) = room else { break None };
+                if let Some(permit) = room.next() {
+                    permit.send(snap.frame());
                 }
                 self.known_version = snap.version;
                 self.known_hash.clone_from(&snap.content_hash);
                 self.sent_nonce = Some(snap.nonce.clone());
+                self.sent_version = snap.version;
                 self.ctx.metrics.pushes.inc();
                 debug!(agent = %self.agent_id, version = snap.version, "snapshot sent");
             }
             let next = tokio::select! {
                 changed = snapshots.changed() => match changed {
                     Ok(()) => Next::Continue,
-                    Err(_) => Next::End(Some(Status::unavailable("control plane shutting down; reconnect"))),
+                    Err(_) => Next::End(Some(shutdown_status())),
                 },
                 message = inbound.message() => self.on_message(message),
-                _ = &mut replaced => Next::End(Some(Status::aborted(
-                    "replaced by a newer stream with the same agent id",
-                ))),
-                _ = shutdown.wait_for(|s| *s) => Next::End(Some(Status::unavailable(
-                    "control plane shutting down; reconnect",
-                ))),
+                _ = &mut replaced => Next::End(Some(replaced_status())),
+                _ = shutdown.wait_for(|s| *s) => Next::End(Some(shutdown_status())),
             };
             if let Next::End(status) = next {
                 break status;
             }
         };
         if let Some(status) = end {
+            // A slot is free (see above), so this never waits on an agent that does not read.
             // The agent may be gone already; nothing to do then.
-            let _ = tx.send(Err(status)).await;
+            let _ = tx.try_send(Err(status));
         }
         self.ctx.fleet.disconnected(&self.agent_id, self.generation);
         info!(agent = %self.agent_id, "agent disconnected");
+    }
+
+    /// Whether an ACK or NACK with `nonce` and `version` answers the last snapshot sent.
+    fn answers_last_push(&self, nonce: &str, version: u64) -> bool {
+        self.sent_nonce.as_deref() == Some(nonce) && version == self.sent_version
     }
 
     /// Whether the agent should get `snap`: another version, or the same number with other
@@ -259,7 +319,7 @@ impl AgentStream {
                 // Garbage, an oversized message or a broken connection: this stream ends with
                 // the decoder's status; every other stream carries on.
                 debug!(agent = %self.agent_id, code = ?status.code(), "stream ended with an error");
-                return Next::End(Some(status));
+                return Next::End(Some(inbound_error(status)));
             }
         };
         let ctx = self.ctx.clone();
@@ -267,23 +327,28 @@ impl AgentStream {
         // seen as it records the answer.
         match message.kind {
             Some(Kind::Ack(ack)) => {
-                if self.sent_nonce.as_deref() == Some(ack.nonce.as_str()) {
-                    ctx.fleet.ack(&self.agent_id, self.generation, ack.version);
+                if self.answers_last_push(&ack.nonce, ack.version) {
+                    ctx.fleet
+                        .ack(&self.agent_id, self.generation, self.sent_version);
                     ctx.metrics.acks.inc();
                 } else {
                     ctx.fleet.seen(&self.agent_id, self.generation);
-                    debug!(agent = %self.agent_id, "stale ACK ignored");
+                    debug!(agent = %self.agent_id, version = ack.version, nonce = %ack.nonce, "stale ACK ignored: not the last snapshot sent");
                 }
             }
             Some(Kind::Nack(nack)) => {
-                if self.sent_nonce.as_deref() == Some(nack.nonce.as_str()) {
-                    ctx.fleet
-                        .nack(&self.agent_id, self.generation, nack.version, &nack.error);
+                if self.answers_last_push(&nack.nonce, nack.version) {
+                    ctx.fleet.nack(
+                        &self.agent_id,
+                        self.generation,
+                        self.sent_version,
+                        &nack.error,
+                    );
                     ctx.metrics.nacks.inc();
                     warn!(agent = %self.agent_id, version = nack.version, "agent refused a snapshot");
                 } else {
                     ctx.fleet.seen(&self.agent_id, self.generation);
-                    debug!(agent = %self.agent_id, "stale NACK ignored");
+                    debug!(agent = %self.agent_id, version = nack.version, nonce = %nack.nonce, "stale NACK ignored: not the last snapshot sent");
                 }
             }
             Some(Kind::Metrics(report)) => {

@@ -33,7 +33,8 @@ pub struct ServerMetrics {
     pub rejected_changes: Counter,
     /// Metrics reports dropped for coming too fast.
     pub reports_dropped: Counter,
-    /// Streams refused because the agent limit was reached.
+    /// Streams refused because the agent limit, or the limit on streams waiting for Hello,
+    /// was reached.
     pub streams_refused: Counter,
 }
 
@@ -101,7 +102,7 @@ impl ServerMetrics {
         );
         registry.register(
             "streams_refused",
-            "Agent streams refused because the agent limit was reached",
+            "Agent streams refused because the agent limit or the limit on streams waiting for Hello was reached",
             streams_refused.clone(),
         );
         Self {
