@@ -221,7 +221,11 @@ async fn an_oversized_message_closes_only_that_stream() {
         })
         .await;
     let err = big.next_snapshot().await.unwrap_err();
-    assert_ne!(err.code(), Code::Ok);
+    assert_eq!(err.code(), Code::ResourceExhausted, "{err:?}");
+    assert!(
+        err.message().ends_with("the limit is: 4194304 bytes"),
+        "{err:?}"
+    );
     let mut ok = RawAgent::connect(plane.agent_channel().await, hello("small", 0, ""))
         .await
         .unwrap();
@@ -290,6 +294,428 @@ async fn a_thousand_concurrent_streams_all_receive_one_push() {
             .filter(|a| a.applied_version == 2)
             .count()
             == 1000
+    })
+    .await;
+}
+
+/// Sends a NACK of `snapshot` (agent `a1`'s last push) whose error is `marker` and waits
+/// until status shows it: the server handles a stream's messages in order, so every message
+/// sent before the marker has been handled by then.
+async fn after_answers_then_marker(plane: &Plane, agent: &RawAgent, snapshot: &pb::Snapshot) {
+    agent.nack(snapshot, "marker").await;
+    eventually("the marker NACK shows in fleet status", || async {
+        agent_status(plane, "a1")
+            .await
+            .is_some_and(|s| s.last_error == "marker")
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_counts_only_for_the_version_its_nonce_was_sent_with() {
+    let plane = Plane::file_mode(&policy_yaml(1, 3)).await;
+    let mut agent = RawAgent::connect(plane.agent_channel().await, hello("a1", 0, ""))
+        .await
+        .unwrap();
+    let v1 = agent.next_snapshot().await.unwrap();
+    // The nonce of the snapshot sent, with another version: both answers are ignored.
+    agent
+        .send(Kind::Ack(pb::Ack {
+            version: 7,
+            nonce: v1.nonce.clone(),
+        }))
+        .await;
+    agent
+        .send(Kind::Nack(pb::Nack {
+            version: 7,
+            nonce: v1.nonce.clone(),
+            error: "not the version that was sent".into(),
+        }))
+        .await;
+    after_answers_then_marker(&plane, &agent, &v1).await;
+    let status = agent_status(&plane, "a1").await.unwrap();
+    assert_eq!(status.applied_version, 0, "{status:?}");
+    assert_eq!(status.last_response_version, 1, "{status:?}");
+    let metrics = &plane.running.control().metrics;
+    assert_eq!((metrics.acks.get(), metrics.nacks.get()), (0, 1));
+    // The right version with its nonce is recorded.
+    agent.ack(&v1).await;
+    eventually("the ACK of version 1 shows in fleet status", || async {
+        agent_status(&plane, "a1")
+            .await
+            .is_some_and(|s| s.applied_version == 1 && s.last_response == "ack")
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_with_a_stale_nonce_is_ignored() {
+    let plane = Plane::api_mode(&policy_yaml(1, 3)).await;
+    let mut agent = RawAgent::connect(plane.agent_channel().await, hello("a1", 0, ""))
+        .await
+        .unwrap();
+    let v1 = agent.next_snapshot().await.unwrap();
+    assert_eq!(plane.apply(&policy_yaml(1, 4)).await, 2);
+    let v2 = agent.next_snapshot().await.unwrap();
+    assert_eq!(v2.version, 2);
+    // Answers to the push before the last one, and to a nonce never sent.
+    agent.ack(&v1).await;
+    agent.nack(&v1, "late").await;
+    agent
+        .send(Kind::Ack(pb::Ack {
+            version: 2,
+            nonce: "never-sent".into(),
+        }))
+        .await;
+    after_answers_then_marker(&plane, &agent, &v2).await;
+    let status = agent_status(&plane, "a1").await.unwrap();
+    assert_eq!(status.applied_version, 0, "{status:?}");
+    assert_eq!(status.last_response_version, 2, "{status:?}");
+    let metrics = &plane.running.control().metrics;
+    assert_eq!((metrics.acks.get(), metrics.nacks.get()), (0, 1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_that_stops_reading_is_still_replaced_and_its_stream_ends() {
+    let plane = Plane::api_mode(&policy_yaml(2, 3)).await;
+    let control = plane.running.control().clone();
+    let idle = control.publisher.subscribers();
+    // A tiny stream window: once the client stops reading, the server can send nothing more.
+    let stalled_channel =
+        tonic::transport::Endpoint::from_shared(format!("http://{}", plane.running.agent_addr))
+            .unwrap()
+            .initial_stream_window_size(64)
+            .connect()
+            .await
+            .unwrap();
+    let mut stalled = RawAgent::connect(stalled_channel, hello("a1", 0, ""))
+        .await
+        .unwrap();
+    eventually("the first snapshot is sent", || async {
+        control.metrics.pushes.get() >= 1
+    })
+    .await;
+    // More versions than the stream can hold while its agent does not read.
+    for max_attempts in 4..=9 {
+        plane.apply(&policy_yaml(2, max_attempts)).await;
+    }
+    let mut second = RawAgent::connect(plane.agent_channel().await, hello("a1", 0, ""))
+        .await
+        .unwrap();
+    assert_eq!(second.next_snapshot().await.unwrap().version, 7);
+    // The replaced stream's task ends although its agent never read: only the new stream
+    // still follows the publisher, and status shows the new stream.
+    eventually("the replaced stream's task ends", || async {
+        control.publisher.subscribers() == idle + 1
+    })
+    .await;
+    let status = agent_status(&plane, "a1").await.unwrap();
+    assert!(status.connected);
+    assert_eq!(control.fleet.connected(), 1);
+    assert_eq!(
+        metric(
+            plane.running.http_addr,
+            "retryplane_server_agents_connected"
+        )
+        .await,
+        Some(1.0)
+    );
+    // When the stalled agent reads again, what was queued arrives, then the reason it ended.
+    let ended = loop {
+        match stalled.next_snapshot().await {
+            Ok(snapshot) => assert!(snapshot.version < 7, "{snapshot:?}"),
+            Err(status) => break status,
+        }
+    };
+    assert_eq!(ended.code(), Code::Aborted, "{ended:?}");
+    // The new stream is unaffected.
+    assert_eq!(plane.apply(&policy_yaml(2, 10)).await, 8);
+    assert_eq!(second.next_snapshot().await.unwrap().version, 8);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_waiting_for_hello_are_bounded() {
+    let plane = Plane::api_mode_with(&policy_yaml(1, 3), |cfg| {
+        cfg.stream_limits.max_pending_handshakes = 2;
+        cfg.stream_limits.hello_timeout = Duration::from_secs(60);
+    })
+    .await;
+    // Two streams that have not sent Hello yet hold both handshake places.
+    let mut silent = Vec::new();
+    for _ in 0..2 {
+        let (tx, rx) = tokio::sync::mpsc::channel::<pb::AgentMessage>(1);
+        let channel = plane.agent_channel().await;
+        let pending = tokio::spawn(async move {
+            pb::agent_service_client::AgentServiceClient::new(channel)
+                .connect(tokio_stream::wrappers::ReceiverStream::new(rx))
+                .await
+                .map(tonic::Response::into_inner)
+        });
+        silent.push((tx, pending));
+    }
+    // A third stream is refused at once while they wait (probes that get in are closed).
+    let mut probe = 0;
+    let refused = loop {
+        probe += 1;
+        assert!(probe < 500, "no stream was refused");
+        match RawAgent::connect(
+            plane.agent_channel().await,
+            hello(&format!("probe-{probe}"), 0, ""),
+        )
+        .await
+        {
+            Err(status) => break status,
+            Ok(agent) => drop(agent),
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
+    assert!(
+        refused.message().contains("waiting to send Hello"),
+        "{refused:?}"
+    );
+    // Once the waiting streams say Hello, new streams are accepted again.
+    for (i, (tx, pending)) in silent.into_iter().enumerate() {
+        tx.send(hello(&format!("slow-{i}"), 0, "")).await.unwrap();
+        let mut inbound = pending.await.unwrap().unwrap();
+        let first = inbound.message().await.unwrap().unwrap();
+        assert_eq!(first.decode_snapshot().unwrap().unwrap().version, 1);
+    }
+    let mut late = RawAgent::connect(plane.agent_channel().await, hello("late", 0, ""))
+        .await
+        .unwrap();
+    assert_eq!(late.next_snapshot().await.unwrap().version, 1);
+}
+
+/// An encoded Hello, for [`BytesAgent`].
+fn hello_bytes(id: &str) -> Vec<u8> {
+    prost::Message::encode_to_vec(&hello(id, 0, ""))
+}
+
+/// Bytes that are no AgentMessage: a varint that never ends.
+const GARBAGE: [u8; 12] = [0xff; 12];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn garbage_after_hello_ends_only_that_stream_with_invalid_argument() {
+    let plane = Plane::api_mode(&policy_yaml(1, 3)).await;
+    let mut other = RawAgent::connect(plane.agent_channel().await, hello("other", 0, ""))
+        .await
+        .unwrap();
+    assert_eq!(other.next_snapshot().await.unwrap().version, 1);
+    let mut bad = BytesAgent::connect(plane.agent_channel().await, hello_bytes("bad"))
+        .await
+        .unwrap();
+    let first = bad.rx.message().await.unwrap().unwrap();
+    assert_eq!(first.decode_snapshot().unwrap().unwrap().version, 1);
+    bad.tx.send(GARBAGE.to_vec()).await.unwrap();
+    let ended = bad.ended().await;
+    assert_eq!(ended.code(), Code::InvalidArgument, "{ended:?}");
+    assert!(
+        ended.message().starts_with("cannot decode the message"),
+        "{ended:?}"
+    );
+    eventually("the bad stream shows as disconnected", || async {
+        agent_status(&plane, "bad")
+            .await
+            .is_some_and(|s| !s.connected)
+    })
+    .await;
+    // Every other stream keeps working.
+    assert_eq!(plane.apply(&policy_yaml(1, 4)).await, 2);
+    assert_eq!(other.next_snapshot().await.unwrap().version, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_undecodable_first_message_is_refused_with_invalid_argument() {
+    let plane = Plane::file_mode(&policy_yaml(1, 3)).await;
+    let refused = match BytesAgent::connect(plane.agent_channel().await, GARBAGE.to_vec()).await {
+        Err(status) => status,
+        Ok(mut agent) => agent.ended().await,
+    };
+    assert_eq!(refused.code(), Code::InvalidArgument, "{refused:?}");
+    assert!(
+        refused.message().starts_with("cannot decode the message"),
+        "{refused:?}"
+    );
+    let mut ok = RawAgent::connect(plane.agent_channel().await, hello("a1", 0, ""))
+        .await
+        .unwrap();
+    assert_eq!(ok.next_snapshot().await.unwrap().version, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agent_limit_refuses_new_agents_over_the_wire() {
+    let plane = Plane::api_mode_with(&policy_yaml(1, 3), |cfg| cfg.max_agents = 2).await;
+    let channel = plane.agent_channel().await;
+    let mut a1 = RawAgent::connect(channel.clone(), hello("a1", 0, ""))
+        .await
+        .unwrap();
+    a1.next_snapshot().await.unwrap();
+    let mut a2 = RawAgent::connect(channel.clone(), hello("a2", 0, ""))
+        .await
+        .unwrap();
+    a2.next_snapshot().await.unwrap();
+    let refused = match RawAgent::connect(channel.clone(), hello("a3", 0, "")).await {
+        Err(status) => status,
+        Ok(mut agent) => agent.next_snapshot().await.unwrap_err(),
+    };
+    assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
+    assert_eq!(
+        refused.message(),
+        "the control plane already serves its maximum of 2 agents"
+    );
+    assert_eq!(
+        metric(
+            plane.running.http_addr,
+            "retryplane_server_streams_refused_total"
+        )
+        .await,
+        Some(1.0)
+    );
+    // A known agent that reconnects replaces its stream, at the limit too.
+    let mut again = RawAgent::connect(channel.clone(), hello("a1", 0, ""))
+        .await
+        .unwrap();
+    again.next_snapshot().await.unwrap();
+    // Once an agent leaves, a new one gets its place.
+    drop(a2);
+    eventually("a2 shows as disconnected", || async {
+        agent_status(&plane, "a2")
+            .await
+            .is_some_and(|s| !s.connected)
+    })
+    .await;
+    let mut a3 = RawAgent::connect(channel, hello("a3", 0, ""))
+        .await
+        .unwrap();
+    a3.next_snapshot().await.unwrap();
+    drop(a1);
+}
+
+/// A Hello for `id` with `labels`.
+fn hello_with(id: &str, service: &str, labels: &[(String, String)]) -> pb::AgentMessage {
+    pb::AgentMessage {
+        kind: Some(Kind::Hello(pb::Hello {
+            agent_id: id.to_owned(),
+            service: service.to_owned(),
+            agent_version: "test".to_owned(),
+            labels: labels.iter().cloned().collect(),
+            ..Default::default()
+        })),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hello_fields_and_labels_are_bounded() {
+    let plane = Plane::file_mode(&policy_yaml(1, 3)).await;
+    let channel = plane.agent_channel().await;
+    let refused = |message: pb::AgentMessage| {
+        let channel = channel.clone();
+        async move {
+            match RawAgent::connect(channel, message).await {
+                Err(status) => status,
+                Ok(mut agent) => agent.next_snapshot().await.unwrap_err(),
+            }
+        }
+    };
+    let long = "x".repeat(257);
+    let at_limit = "x".repeat(256);
+    let fields = "Hello fields are limited to 256 bytes";
+    let labels_message = "Hello carries at most 64 labels of at most 256 bytes";
+    let label = |k: &str, v: &str| (k.to_owned(), v.to_owned());
+    let many: Vec<_> = (0..65).map(|i| label(&format!("k{i}"), "v")).collect();
+    for (message, expected) in [
+        (hello_with("", "checkout", &[]), "Hello.agent_id is empty"),
+        (hello_with(&long, "checkout", &[]), fields),
+        (hello_with("a1", &long, &[]), fields),
+        (hello_with("a1", "checkout", &many), labels_message),
+        (
+            hello_with("a1", "checkout", &[label(&long, "v")]),
+            labels_message,
+        ),
+        (
+            hello_with("a1", "checkout", &[label("zone", &long)]),
+            labels_message,
+        ),
+    ] {
+        let status = refused(message).await;
+        assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+        assert_eq!(status.message(), expected);
+    }
+    let mut long_version = hello_with("a1", "checkout", &[]);
+    if let Some(Kind::Hello(h)) = &mut long_version.kind {
+        h.agent_version = long.clone();
+    }
+    let status = refused(long_version).await;
+    assert_eq!(
+        (status.code(), status.message()),
+        (Code::InvalidArgument, fields)
+    );
+    // At the limits, the agent is accepted.
+    let most: Vec<_> = (0..64)
+        .map(|i| label(&format!("{i:0>256}"), &at_limit))
+        .collect();
+    let mut ok = RawAgent::connect(channel.clone(), hello_with(&at_limit, &at_limit, &most))
+        .await
+        .unwrap();
+    assert_eq!(ok.next_snapshot().await.unwrap().version, 1);
+    let status = agent_status(&plane, &at_limit).await.unwrap();
+    assert_eq!(status.labels.len(), 64);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fleet_status_shows_who_connected_from_where_and_who_left() {
+    let plane = Plane::file_mode(&policy_yaml(1, 3)).await;
+    let http = plane.running.http_addr;
+    let wall_ms = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as u64
+    };
+    let before = wall_ms();
+    let labels = [("zone".to_owned(), "eu-1".to_owned())];
+    let mut agent = RawAgent::connect(
+        plane.agent_channel().await,
+        hello_with("a1", "checkout", &labels),
+    )
+    .await
+    .unwrap();
+    agent.next_snapshot().await.unwrap();
+    let after = wall_ms();
+    let status = agent_status(&plane, "a1").await.unwrap();
+    assert!(status.connected);
+    assert_eq!(status.service, "checkout");
+    assert_eq!(status.agent_version, "test");
+    assert_eq!(status.labels.get("zone").map(String::as_str), Some("eu-1"));
+    assert_eq!(status.labels.len(), 1);
+    let peer: std::net::SocketAddr = status.peer.parse().unwrap();
+    assert!(peer.ip().is_loopback(), "{peer}");
+    assert_ne!(peer.port(), 0);
+    assert_ne!(peer.port(), plane.running.agent_addr.port());
+    assert!(
+        (before..=after).contains(&status.connected_since_unix_ms),
+        "{} not in {before}..={after}",
+        status.connected_since_unix_ms
+    );
+    assert!(status.last_seen_unix_ms >= status.connected_since_unix_ms);
+    assert_eq!(
+        metric(http, "retryplane_server_agents_connected").await,
+        Some(1.0)
+    );
+    // A dropped stream stays listed as disconnected, and the gauge goes down.
+    drop(agent);
+    eventually("a1 shows as disconnected", || async {
+        agent_status(&plane, "a1")
+            .await
+            .is_some_and(|s| !s.connected)
+    })
+    .await;
+    let gone = agent_status(&plane, "a1").await.unwrap();
+    assert_eq!(gone.connected_since_unix_ms, status.connected_since_unix_ms);
+    assert_eq!(gone.peer, status.peer);
+    eventually("the gauge shows no agent", || async {
+        metric(http, "retryplane_server_agents_connected").await == Some(0.0)
     })
     .await;
 }

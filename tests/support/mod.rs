@@ -71,6 +71,36 @@ impl Plane {
         Plane { running, dir }
     }
 
+    /// Starts a server in API mode, seeded with `policy`, with `tune` applied to its
+    /// configuration.
+    pub async fn api_mode_with(policy: &str, tune: impl FnOnce(&mut ServeConfig)) -> Plane {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("policies.yaml"), policy).unwrap();
+        let mut cfg = config(dir.path(), true, None);
+        tune(&mut cfg);
+        let running = start(cfg).await.expect("server starts");
+        Plane { running, dir }
+    }
+
+    /// Applies `policy` through the admin API; the new version.
+    pub async fn apply(&self, policy: &str) -> u64 {
+        let applied = self
+            .admin()
+            .await
+            .apply(pb::ApplyRequest {
+                source: Some(pb::PolicySource {
+                    kind: Some(pb::policy_source::Kind::Yaml(policy.to_owned())),
+                    origin: "test".into(),
+                }),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(applied.changed);
+        applied.version
+    }
+
     /// The policy file path.
     pub fn policy_path(&self) -> PathBuf {
         self.dir.path().join("policies.yaml")
@@ -230,6 +260,128 @@ impl RawAgent {
     }
 }
 
+/// An agent that writes raw message bytes (each sent as one gRPC message), to send what no
+/// well-behaved client would.
+pub struct BytesAgent {
+    /// Message bodies to the server.
+    pub tx: mpsc::Sender<Vec<u8>>,
+    /// Messages from the server.
+    pub rx: Streaming<pb::ServerMessage>,
+}
+
+impl BytesAgent {
+    /// Opens a stream and sends `first` as its first message body.
+    pub async fn connect(channel: Channel, first: Vec<u8>) -> Result<BytesAgent, tonic::Status> {
+        let (tx, rx) = mpsc::channel(16);
+        tx.send(first).await.unwrap();
+        let mut grpc = tonic::client::Grpc::new(channel);
+        grpc.ready()
+            .await
+            .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+        let response = grpc
+            .streaming(
+                tonic::Request::new(ReceiverStream::new(rx)),
+                http::uri::PathAndQuery::from_static("/retryplane.v1.AgentService/Connect"),
+                BytesCodec,
+            )
+            .await?;
+        Ok(BytesAgent {
+            tx,
+            rx: response.into_inner(),
+        })
+    }
+
+    /// The status the stream ends with, skipping any snapshots before it.
+    pub async fn ended(&mut self) -> tonic::Status {
+        loop {
+            match tokio::time::timeout(WAIT, self.rx.message()).await {
+                Err(_) => panic!("the stream did not end within {WAIT:?}"),
+                Ok(Ok(Some(_))) => {}
+                Ok(Ok(None)) => return tonic::Status::ok(""),
+                Ok(Err(status)) => return status,
+            }
+        }
+    }
+}
+
+/// Writes raw bytes as the message; reads server messages with prost.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct BytesCodec;
+
+/// The encoder of [`BytesCodec`].
+#[derive(Debug)]
+pub struct BytesEncoder;
+
+/// The decoder of [`BytesCodec`].
+#[derive(Debug)]
+pub struct ServerMessageDecoder;
+
+impl tonic::codec::Codec for BytesCodec {
+    type Encode = Vec<u8>;
+    type Decode = pb::ServerMessage;
+    type Encoder = BytesEncoder;
+    type Decoder = ServerMessageDecoder;
+
+    fn encoder(&mut self) -> BytesEncoder {
+        BytesEncoder
+    }
+
+    fn decoder(&mut self) -> ServerMessageDecoder {
+        ServerMessageDecoder
+    }
+}
+
+impl tonic::codec::Encoder for BytesEncoder {
+    type Item = Vec<u8>;
+    type Error = tonic::Status;
+
+    fn encode(
+        &mut self,
+        item: Vec<u8>,
+        dst: &mut tonic::codec::EncodeBuf<'_>,
+    ) -> Result<(), tonic::Status> {
+        bytes::BufMut::put_slice(dst, &item);
+        Ok(())
+    }
+}
+
+impl tonic::codec::Decoder for ServerMessageDecoder {
+    type Item = pb::ServerMessage;
+    type Error = tonic::Status;
+
+    fn decode(
+        &mut self,
+        src: &mut tonic::codec::DecodeBuf<'_>,
+    ) -> Result<Option<pb::ServerMessage>, tonic::Status> {
+        <pb::ServerMessage as prost::Message>::decode(src)
+            .map(Some)
+            .map_err(|e| tonic::Status::internal(e.to_string()))
+    }
+}
+
+/// The server's `/metrics` text (empty when it cannot be read).
+pub async fn metrics_text(addr: SocketAddr) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(mut stream) = tokio::net::TcpStream::connect(addr).await else {
+        return String::new();
+    };
+    let request = format!("GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    if stream.write_all(request.as_bytes()).await.is_err() {
+        return String::new();
+    }
+    let mut body = String::new();
+    let _ = stream.read_to_string(&mut body).await;
+    body
+}
+
+/// The value of the unlabelled sample `name` in the server's `/metrics`, if present.
+pub async fn metric(addr: SocketAddr, name: &str) -> Option<f64> {
+    metrics_text(addr).await.lines().find_map(|line| {
+        let (key, value) = line.split_once(' ')?;
+        (key == name).then(|| value.parse().ok()).flatten()
+    })
+}
+
 /// Polls `check` until it holds, at most [`WAIT`]; tokio's clock, no fixed sleeps hoping.
 pub async fn eventually<F, Fut>(what: &str, mut check: F)
 where
@@ -258,21 +410,6 @@ pub async fn agent_status(plane: &Plane, agent_id: &str) -> Option<pb::AgentStat
         .ok()?
         .into_inner();
     status.agents.into_iter().find(|a| a.agent_id == agent_id)
-}
-
-/// The server's `/metrics` text (empty when it cannot be read).
-pub async fn metrics_text(addr: SocketAddr) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let Ok(mut stream) = tokio::net::TcpStream::connect(addr).await else {
-        return String::new();
-    };
-    let request = format!("GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
-    if stream.write_all(request.as_bytes()).await.is_err() {
-        return String::new();
-    }
-    let mut body = String::new();
-    let _ = stream.read_to_string(&mut body).await;
-    body
 }
 
 /// The fleet-wide lifetime totals of `endpoint` (None before any report).

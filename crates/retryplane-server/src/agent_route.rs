@@ -4,7 +4,9 @@
 //! buffer; this route exists only so that every stream sends the publisher's one shared frame
 //! instead (see [`crate::frame_body`] for the measured cost that removes). Everything else is
 //! what the generated server does: the inbound stream is decoded by
-//! [`tonic::codec::Streaming`] with the prost decoder and the configured size limit, `Connect`
+//! [`tonic::codec::Streaming`] with the prost decoder and the configured size limit (a message
+//! that does not decode ends its stream with `INVALID_ARGUMENT`, where tonic says `INTERNAL`:
+//! the fault is the sender's, and the message says what failed), `Connect`
 //! is [`AgentStreamService::connect`] unchanged, a refusal before the stream starts is a
 //! trailers-only response, another method is `UNIMPLEMENTED`, and a compressed request is
 //! refused as tonic refuses it (no compression is enabled). The route implements
@@ -20,7 +22,7 @@ use bytes::Bytes;
 use http::header::CONTENT_TYPE;
 use retryplane_proto::pb;
 use tonic::body::Body;
-use tonic::codec::{BufferSettings, Streaming};
+use tonic::codec::{BufferSettings, DecodeBuf, Decoder, Streaming};
 use tonic::metadata::GRPC_CONTENT_TYPE;
 use tonic::server::NamedService;
 use tonic::{Request, Status};
@@ -78,6 +80,29 @@ fn check_encoding<B>(request: &http::Request<B>) -> Result<(), Status> {
     }
 }
 
+/// The prost decoder of [`pb::AgentMessage`], answering bytes that do not decode with
+/// `INVALID_ARGUMENT` and what failed.
+#[derive(Debug)]
+struct AgentMessageDecoder(ProstDecoder<pb::AgentMessage>);
+
+impl Decoder for AgentMessageDecoder {
+    type Item = pb::AgentMessage;
+    type Error = Status;
+
+    fn decode(&mut self, src: &mut DecodeBuf<'_>) -> Result<Option<pb::AgentMessage>, Status> {
+        self.0.decode(src).map_err(|status| {
+            Status::invalid_argument(format!(
+                "cannot decode the message as an AgentMessage: {}",
+                status.message()
+            ))
+        })
+    }
+
+    fn buffer_settings(&self) -> BufferSettings {
+        self.0.buffer_settings()
+    }
+}
+
 impl<B> tonic::codegen::Service<http::Request<B>> for AgentRoute
 where
     B: http_body::Body<Data = Bytes> + Send + 'static,
@@ -101,10 +126,10 @@ where
             if let Err(status) = check_encoding(&request) {
                 return Ok(status.into_http());
             }
-            let decoder = ProstDecoder::<pb::AgentMessage>::new(BufferSettings::new(
+            let decoder = AgentMessageDecoder(ProstDecoder::new(BufferSettings::new(
                 INBOUND_BUFFER,
                 INBOUND_BUFFER,
-            ));
+            )));
             let request = Request::from_http(
                 request.map(|body| Streaming::new_request(decoder, body, None, Some(limit))),
             );
@@ -126,6 +151,7 @@ where
 mod tests {
     use std::convert::Infallible;
     use std::sync::Arc;
+    use std::time::Duration;
 
     use http_body::Frame;
     use http_body_util::{BodyExt as _, StreamBody};
@@ -258,6 +284,45 @@ mod tests {
         assert_eq!(status.code(), Code::Unavailable, "{status:?}");
         assert_eq!(status.message(), "control plane shutting down; reconnect");
         assert!(body.frame().await.is_none());
+    }
+
+    #[tokio::test]
+    async fn shutdown_ends_a_stream_whose_peer_stopped_reading() {
+        let (mut route, publisher, shutdown) = route();
+        publish(&publisher, 1);
+        let (request, _keep) = connect(CONNECT_PATH, "a-1");
+        // The body is not read: the peer has stopped reading.
+        let response = route.call(request).await.unwrap();
+        tokio::task::yield_now().await;
+        assert_eq!(publisher.subscribers(), 1, "the stream's task runs");
+        for version in 2..=5 {
+            publish(&publisher, version);
+            for _ in 0..3 {
+                tokio::task::yield_now().await;
+            }
+        }
+        shutdown.send_replace(true);
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while publisher.subscribers() > 0 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await
+        .expect("the stream's task ends although nobody reads its body");
+        // Read now, the body holds what was queued, then the closing status.
+        let mut body = response.into_body();
+        let trailers = loop {
+            let frame = body.frame().await.unwrap().unwrap();
+            match frame.into_data() {
+                Ok(data) => {
+                    let message = pb::ServerMessage::decode(&data[HEADER_LEN..]).unwrap();
+                    assert!(message.decode_snapshot().unwrap().is_some());
+                }
+                Err(frame) => break frame.into_trailers().unwrap(),
+            }
+        };
+        let status = Status::from_header_map(&trailers).unwrap();
+        assert_eq!(status.code(), Code::Unavailable, "{status:?}");
     }
 
     #[tokio::test]

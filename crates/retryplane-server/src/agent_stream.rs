@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use retryplane_proto::pb::{self, agent_message::Kind};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{Semaphore, mpsc, watch};
 use tokio::time::Instant;
 use tonic::{Request, Status, Streaming};
 use tracing::{debug, info, warn};
@@ -31,6 +31,11 @@ use crate::frame_body::{Outbound, encode_frame};
 use crate::metrics::ServerMetrics;
 use crate::publisher::Publisher;
 use crate::report_seq::ReportVerdict;
+
+/// The default of [`StreamLimits::max_pending_handshakes`]: enough for a fleet reconnecting at
+/// once (a handshake takes one round trip), small enough that streams which never say Hello
+/// cannot pile up.
+pub const DEFAULT_MAX_PENDING_HANDSHAKES: usize = 1024;
 
 /// Bounds on what one stream may do.
 #[derive(Clone, Debug)]
@@ -48,6 +53,9 @@ pub struct StreamLimits {
     pub max_field_len: usize,
     /// Most labels on one agent.
     pub max_labels: usize,
+    /// Most streams waiting for their Hello at once; a stream past it is refused with
+    /// `RESOURCE_EXHAUSTED` at once. Registered agents do not count.
+    pub max_pending_handshakes: usize,
 }
 
 impl StreamLimits {
@@ -73,6 +81,7 @@ impl Default for StreamLimits {
             report_burst: 10.0,
             max_field_len: 256,
             max_labels: 64,
+            max_pending_handshakes: DEFAULT_MAX_PENDING_HANDSHAKES,
         }
     }
 }
@@ -98,12 +107,31 @@ pub struct StreamContext {
 #[derive(Clone, Debug)]
 pub struct AgentStreamService {
     ctx: Arc<StreamContext>,
+    /// One permit per stream waiting for its Hello ([`StreamLimits::max_pending_handshakes`]).
+    handshakes: Arc<Semaphore>,
 }
 
 impl AgentStreamService {
     /// A service over `ctx`.
     pub fn new(ctx: Arc<StreamContext>) -> Self {
-        Self { ctx }
+        let pending = ctx
+            .limits
+            .max_pending_handshakes
+            .min(Semaphore::MAX_PERMITS);
+        Self {
+            ctx,
+            handshakes: Arc::new(Semaphore::new(pending)),
+        }
+    }
+}
+
+/// The status for an inbound stream error. tonic reports a message over the size limit as
+/// `OUT_OF_RANGE`; gRPC's own servers (and its status code guide) say `RESOURCE_EXHAUSTED`.
+fn inbound_error(status: Status) -> Status {
+    if status.code() == tonic::Code::OutOfRange {
+        Status::resource_exhausted(status.message().to_owned())
+    } else {
+        status
     }
 }
 
@@ -138,8 +166,17 @@ impl AgentStreamService {
         request: Request<Streaming<pb::AgentMessage>>,
     ) -> Result<mpsc::Receiver<Outbound>, Status> {
         let peer = request.remote_addr();
-        let mut inbound = request.into_inner();
         let limits = &self.ctx.limits;
+        // Held until the stream is registered (or refused), so streams that never say Hello
+        // cannot pile up; a registered stream counts against the agent limit instead.
+        let Ok(_handshake) = self.handshakes.clone().try_acquire_owned() else {
+            self.ctx.metrics.streams_refused.inc();
+            return Err(Status::resource_exhausted(format!(
+                "{} streams are already waiting to send Hello; retry later",
+                limits.max_pending_handshakes
+            )));
+        };
+        let mut inbound = request.into_inner();
         let first = tokio::time::timeout(limits.hello_timeout, inbound.message()).await;
         let hello = match first {
             Ok(Ok(Some(pb::AgentMessage {
@@ -151,7 +188,7 @@ impl AgentStreamService {
                 ));
             }
             Ok(Ok(None)) => return Err(Status::cancelled("stream closed before Hello")),
-            Ok(Err(status)) => return Err(status),
+            Ok(Err(status)) => return Err(inbound_error(status)),
             Err(_) => {
                 return Err(Status::invalid_argument(format!(
                     "no Hello within {:?}",
@@ -166,12 +203,8 @@ impl AgentStreamService {
                 RegisterError::Full(_) => Status::resource_exhausted(e.to_string()),
             }
         })?;
-        self.ctx
-            .metrics
-            .agents_connected
-            .set(i64::try_from(self.ctx.fleet.connected()).unwrap_or(i64::MAX));
         info!(agent = %hello.agent_id, service = %hello.service, version = hello.last_applied_version, "agent connected");
-        // Two slots: a snapshot in flight and a closing status never wait on each other for long.
+        // Two slots: at most one snapshot waits, and a closing status always has room.
         let (tx, rx) = mpsc::channel(2);
         let stream = AgentStream {
             ctx: self.ctx.clone(),
@@ -181,6 +214,7 @@ impl AgentStreamService {
             known_hash: hello.last_applied_hash.clone(),
             instance_id: hello.instance_id,
             sent_nonce: None,
+            sent_version: 0,
             service: self.ctx.aggregates.service(&hello.service),
             bucket: Bucket {
                 tokens: limits.report_burst,
@@ -204,6 +238,8 @@ struct AgentStream {
     instance_id: u64,
     /// The nonce of the last snapshot sent; answers to other nonces are stale.
     sent_nonce: Option<String>,
+    /// The version sent with `sent_nonce`; an answer naming another version is stale too.
+    sent_version: u64,
     /// Where this agent's metrics reports are added (its Hello's service).
     service: ServiceHandle,
     /// Report rate limiter.
@@ -238,6 +274,14 @@ enum Next {
     End(Option<Status>),
 }
 
+fn replaced_status() -> Status {
+    Status::aborted("replaced by a newer stream with the same agent id")
+}
+
+fn shutdown_status() -> Status {
+    Status::unavailable("control plane shutting down; reconnect")
+}
+
 impl AgentStream {
     async fn run(
         mut self,
@@ -252,54 +296,72 @@ impl AgentStream {
             if let Some(snap) = current
                 && self.behind(&snap)
             {
-                if tx.send(snap.frame()).await.is_err() {
-                    break None;
+                // Wait for room for the snapshot and for a closing status after it, so the
+                // status can always be queued; an agent that stops reading still ends here
+                // when it is replaced or the server shuts down.
+                let room = tokio::select! {
+                    room = tx.reserve_many(2) => room,
+                    _ = &mut replaced => break Some(replaced_status()),
+                    _ = shutdown.wait_for(|s| *s) => break Some(shutdown_status()),
+                };
+                let Ok(mut room) = room else { break None };
+                if let Some(permit) = room.next() {
+                    permit.send(snap.frame());
                 }
                 self.known_version = snap.version;
                 self.known_hash.clone_from(&snap.content_hash);
                 self.sent_nonce = Some(snap.nonce.clone());
+                self.sent_version = snap.version;
                 self.ctx.metrics.pushes.inc();
                 debug!(agent = %self.agent_id, version = snap.version, "snapshot sent");
             }
             let next = tokio::select! {
                 changed = snapshots.changed() => match changed {
                     Ok(()) => Next::Continue,
-                    Err(_) => Next::End(Some(Status::unavailable("control plane shutting down; reconnect"))),
+                    Err(_) => Next::End(Some(shutdown_status())),
                 },
                 message = inbound.message() => self.on_message(message),
-                _ = &mut replaced => Next::End(Some(Status::aborted(
-                    "replaced by a newer stream with the same agent id",
-                ))),
-                _ = shutdown.wait_for(|s| *s) => Next::End(Some(Status::unavailable(
-                    "control plane shutting down; reconnect",
-                ))),
+                _ = &mut replaced => Next::End(Some(replaced_status())),
+                _ = shutdown.wait_for(|s| *s) => Next::End(Some(shutdown_status())),
             };
             match next {
                 Next::Continue => {}
-                Next::Ack(ack) => match encode_frame(&pb::ServerMessage::with_metrics_ack(ack)) {
-                    Ok(frame) => {
-                        if tx.send(Ok(frame)).await.is_err() {
-                            break None;
+                Next::Ack(ack) => {
+                    let frame = match encode_frame(&pb::ServerMessage::with_metrics_ack(ack)) {
+                        Ok(frame) => frame,
+                        // A message of two integers always encodes.
+                        Err(e) => {
+                            warn!(agent = %self.agent_id, error = %e, "cannot frame a metrics ack");
+                            continue;
                         }
+                    };
+                    // As for a snapshot: room for the ack and a closing status, so an agent
+                    // that stops reading still ends here when replaced or at shutdown.
+                    let room = tokio::select! {
+                        room = tx.reserve_many(2) => room,
+                        _ = &mut replaced => break Some(replaced_status()),
+                        _ = shutdown.wait_for(|s| *s) => break Some(shutdown_status()),
+                    };
+                    let Ok(mut room) = room else { break None };
+                    if let Some(permit) = room.next() {
+                        permit.send(Ok(frame));
                     }
-                    // A message of two integers always encodes.
-                    Err(e) => {
-                        warn!(agent = %self.agent_id, error = %e, "cannot frame a metrics ack")
-                    }
-                },
+                }
                 Next::End(status) => break status,
             }
         };
         if let Some(status) = end {
+            // A slot is free (see above), so this never waits on an agent that does not read.
             // The agent may be gone already; nothing to do then.
-            let _ = tx.send(Err(status)).await;
+            let _ = tx.try_send(Err(status));
         }
         self.ctx.fleet.disconnected(&self.agent_id, self.generation);
-        self.ctx
-            .metrics
-            .agents_connected
-            .set(i64::try_from(self.ctx.fleet.connected()).unwrap_or(i64::MAX));
         info!(agent = %self.agent_id, "agent disconnected");
+    }
+
+    /// Whether an ACK or NACK with `nonce` and `version` answers the last snapshot sent.
+    fn answers_last_push(&self, nonce: &str, version: u64) -> bool {
+        self.sent_nonce.as_deref() == Some(nonce) && version == self.sent_version
     }
 
     /// Whether the agent should get `snap`: another version, or the same number with other
@@ -317,7 +379,7 @@ impl AgentStream {
                 // Garbage, an oversized message or a broken connection: this stream ends with
                 // the decoder's status; every other stream carries on.
                 debug!(agent = %self.agent_id, code = ?status.code(), "stream ended with an error");
-                return Next::End(Some(status));
+                return Next::End(Some(inbound_error(status)));
             }
         };
         let ctx = self.ctx.clone();
@@ -325,23 +387,28 @@ impl AgentStream {
         // seen as it records the answer.
         match message.kind {
             Some(Kind::Ack(ack)) => {
-                if self.sent_nonce.as_deref() == Some(ack.nonce.as_str()) {
-                    ctx.fleet.ack(&self.agent_id, self.generation, ack.version);
+                if self.answers_last_push(&ack.nonce, ack.version) {
+                    ctx.fleet
+                        .ack(&self.agent_id, self.generation, self.sent_version);
                     ctx.metrics.acks.inc();
                 } else {
                     ctx.fleet.seen(&self.agent_id, self.generation);
-                    debug!(agent = %self.agent_id, "stale ACK ignored");
+                    debug!(agent = %self.agent_id, version = ack.version, nonce = %ack.nonce, "stale ACK ignored: not the last snapshot sent");
                 }
             }
             Some(Kind::Nack(nack)) => {
-                if self.sent_nonce.as_deref() == Some(nack.nonce.as_str()) {
-                    ctx.fleet
-                        .nack(&self.agent_id, self.generation, nack.version, &nack.error);
+                if self.answers_last_push(&nack.nonce, nack.version) {
+                    ctx.fleet.nack(
+                        &self.agent_id,
+                        self.generation,
+                        self.sent_version,
+                        &nack.error,
+                    );
                     ctx.metrics.nacks.inc();
                     warn!(agent = %self.agent_id, version = nack.version, "agent refused a snapshot");
                 } else {
                     ctx.fleet.seen(&self.agent_id, self.generation);
-                    debug!(agent = %self.agent_id, "stale NACK ignored");
+                    debug!(agent = %self.agent_id, version = nack.version, nonce = %nack.nonce, "stale NACK ignored: not the last snapshot sent");
                 }
             }
             Some(Kind::Metrics(report)) => return self.on_report(&report),

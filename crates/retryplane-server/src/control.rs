@@ -2,6 +2,12 @@
 //!
 //! File reloads, admin applies and rollbacks all go through [`ControlPlane::apply`], one at a
 //! time, so versions are decided in one place (the store) and the publisher only fans out.
+//!
+//! Storing a version and publishing it are one step that cannot be cut in half: they run in a
+//! task of their own, which finishes even when the caller goes away (an admin client that
+//! hangs up or hits its deadline drops the RPC's future). Otherwise the store could hold a new
+//! version that no agent is ever sent, and applying the same content again would change
+//! nothing, as it equals the stored current version.
 
 use std::collections::HashSet;
 use std::path::PathBuf;
@@ -10,7 +16,7 @@ use std::sync::Arc;
 use retryplane_policy::diff::{self, Change};
 use retryplane_policy::{Diagnostic, PolicyDocument};
 use retryplane_proto::{convert, pb};
-use tokio::sync::Mutex;
+use tokio::sync::{Mutex, OwnedMutexGuard};
 use tracing::info;
 
 use crate::aggregate::Aggregator;
@@ -50,7 +56,8 @@ pub struct ChangeRequest {
 pub struct ChangeOutcome {
     /// The version current after the change (unchanged on a no-op or dry run).
     pub record: Option<VersionRecord>,
-    /// Whether a new version was stored.
+    /// Whether a new version was stored: false for a dry run and for content equal to the
+    /// current version's (content equal to an older version's is stored as a new version).
     pub changed: bool,
     /// What differs from the version that was current.
     pub diff: Vec<Change>,
@@ -107,7 +114,9 @@ pub struct ControlPlane {
     pub aggregates: Arc<Aggregator>,
     /// Who owns the policies.
     pub mode: Mode,
-    changes: Mutex<()>,
+    /// Held from the read of the current version until the new one is published; the commit
+    /// task takes it over, so it is held until the publish even if the caller is gone.
+    changes: Arc<Mutex<()>>,
 }
 
 impl std::fmt::Debug for ControlPlane {
@@ -136,18 +145,17 @@ impl ControlPlane {
             metrics,
             aggregates,
             mode,
-            changes: Mutex::new(()),
+            changes: Arc::new(Mutex::new(())),
         }
     }
 
-    /// Makes `record` current: the snapshot streams send, the version gauge and the alert
-    /// thresholds.
-    fn publish(&self, record: &VersionRecord) {
-        self.publisher.publish(record);
-        self.aggregates.thresholds().set_from(&record.document);
-        self.metrics
-            .current_version
-            .set(i64::try_from(record.meta.version).unwrap_or(i64::MAX));
+    /// What makes a stored version current, detached from `self` so a commit task owns it.
+    fn fanout(&self) -> Fanout {
+        Fanout {
+            publisher: self.publisher.clone(),
+            aggregates: self.aggregates.clone(),
+            metrics: self.metrics.clone(),
+        }
     }
 
     /// Runs a blocking store call off the async threads.
@@ -165,15 +173,18 @@ impl ControlPlane {
     pub async fn publish_current(&self) -> Result<Option<VersionRecord>, StoreError> {
         let current = self.blocking(|s| s.current()).await?;
         if let Some(record) = &current {
-            self.publish(record);
+            self.fanout().publish(record);
         }
         Ok(current)
     }
 
     /// Validates, checks and stores a change, then publishes it. One change at a time.
+    ///
+    /// Dropping the returned future before it completes either changes nothing or lets the
+    /// store write and the publish both finish (see the module docs).
     pub async fn apply(&self, req: ChangeRequest) -> Result<ChangeOutcome, ChangeError> {
-        let _one_at_a_time = self.changes.lock().await;
-        let result = self.apply_locked(req).await;
+        let one_at_a_time = self.changes.clone().lock_owned().await;
+        let result = self.apply_locked(req, one_at_a_time).await;
         if matches!(
             result,
             Err(ChangeError::Invalid(_) | ChangeError::RemovesEverything(_))
@@ -183,7 +194,11 @@ impl ControlPlane {
         result
     }
 
-    async fn apply_locked(&self, req: ChangeRequest) -> Result<ChangeOutcome, ChangeError> {
+    async fn apply_locked(
+        &self,
+        req: ChangeRequest,
+        one_at_a_time: OwnedMutexGuard<()>,
+    ) -> Result<ChangeOutcome, ChangeError> {
         // One conversion and one validation: the compiled set keeps the document it came from.
         let (set, warnings) =
             convert::validate(req.document.clone()).map_err(ChangeError::Invalid)?;
@@ -223,6 +238,8 @@ impl ControlPlane {
             });
         }
         let content_hash = convert::content_hash(&req.document);
+        // Only the current version counts: content equal to an older version's (a rollback, a
+        // reverted file) is a change and gets a new version.
         let unchanged = current
             .as_ref()
             .is_some_and(|c| c.meta.content_hash == content_hash);
@@ -242,22 +259,18 @@ impl ControlPlane {
             summary: diff::summary(&changes),
             created_unix_ms: unix_ms(),
         };
-        let expected = req.expected_version;
-        let published = self.blocking(move |s| s.publish(new, expected)).await?;
-        let (record, changed) = match published {
-            Published::New(r) => (r, true),
-            Published::Unchanged(r) => (r, false),
+        let commit = Commit {
+            store: self.store.clone(),
+            fanout: self.fanout(),
+            new,
+            expected: req.expected_version,
+            one_at_a_time,
         };
-        if changed {
-            self.publish(&record);
-            self.metrics.publishes.inc();
-            info!(
-                version = record.meta.version,
-                source = record.meta.source.as_str(),
-                summary = %record.meta.summary,
-                "published a new policy version"
-            );
-        }
+        // The task is not cancelled when this future is dropped: it stores and publishes, or
+        // fails before storing anything.
+        let (record, changed) = tokio::spawn(commit.run())
+            .await
+            .map_err(|e| StoreError::Backend(Box::new(e)))??;
         Ok(ChangeOutcome {
             record: Some(record),
             changed,
@@ -266,3 +279,69 @@ impl ControlPlane {
         })
     }
 }
+
+/// The parts of the control plane a publish touches.
+struct Fanout {
+    publisher: Arc<Publisher>,
+    aggregates: Arc<Aggregator>,
+    metrics: Arc<ServerMetrics>,
+}
+
+impl Fanout {
+    /// Makes `record` current: the snapshot streams send, the version gauge and the alert
+    /// thresholds.
+    fn publish(&self, record: &VersionRecord) {
+        self.publisher.publish(record);
+        self.aggregates.thresholds().set_from(&record.document);
+        self.metrics
+            .current_version
+            .set(i64::try_from(record.meta.version).unwrap_or(i64::MAX));
+    }
+}
+
+/// A store write and its publish, run as one task (see the module docs).
+struct Commit {
+    store: Arc<dyn VersionStore>,
+    fanout: Fanout,
+    new: NewVersion,
+    expected: Option<u64>,
+    /// Released when the task ends, after the publish.
+    one_at_a_time: OwnedMutexGuard<()>,
+}
+
+impl Commit {
+    /// Stores the new version and, if it is new, publishes it; returns the version now current
+    /// and whether it is new.
+    async fn run(self) -> Result<(VersionRecord, bool), StoreError> {
+        let Commit {
+            store,
+            fanout,
+            new,
+            expected,
+            one_at_a_time,
+        } = self;
+        let published = tokio::task::spawn_blocking(move || store.publish(new, expected))
+            .await
+            .map_err(|e| StoreError::Backend(Box::new(e)))??;
+        let (record, changed) = match published {
+            Published::New(r) => (r, true),
+            Published::Unchanged(r) => (r, false),
+        };
+        if changed {
+            fanout.publish(&record);
+            fanout.metrics.publishes.inc();
+            info!(
+                version = record.meta.version,
+                source = record.meta.source.as_str(),
+                summary = %record.meta.summary,
+                "published a new policy version"
+            );
+        }
+        drop(one_at_a_time);
+        Ok((record, changed))
+    }
+}
+
+#[cfg(test)]
+#[path = "control_tests.rs"]
+mod tests;

@@ -12,6 +12,7 @@ use std::net::SocketAddr;
 use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use prometheus_client::metrics::gauge::Gauge;
 use retryplane_proto::pb;
 use tokio::sync::oneshot;
 
@@ -69,6 +70,9 @@ fn set_response(last: &mut String, answer: &str) {
 pub struct Fleet {
     inner: Mutex<Inner>,
     max_agents: usize,
+    /// Agents with an open stream, set under the lock with every change of the count, so two
+    /// streams changing it at once cannot leave it stale.
+    connected_gauge: Gauge,
 }
 
 /// A stream's registration: its generation and the signal that it was replaced.
@@ -94,7 +98,19 @@ impl Fleet {
         Self {
             inner: Mutex::new(Inner::default()),
             max_agents,
+            connected_gauge: Gauge::default(),
         }
+    }
+
+    /// The gauge of agents with an open stream (`retryplane_server_agents_connected`); the
+    /// registry keeps it equal to [`Fleet::connected`].
+    pub fn connected_gauge(&self) -> Gauge {
+        self.connected_gauge.clone()
+    }
+
+    fn set_gauge(&self, inner: &Inner) {
+        self.connected_gauge
+            .set(i64::try_from(inner.connected).unwrap_or(i64::MAX));
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -158,6 +174,7 @@ impl Fleet {
             },
         );
         inner.connected += 1;
+        self.set_gauge(&inner);
         Ok(Registration {
             generation,
             replaced: rx,
@@ -247,6 +264,7 @@ impl Fleet {
         };
         if ended {
             inner.connected -= 1;
+            self.set_gauge(&inner);
             prune(&mut inner);
         }
     }
@@ -308,6 +326,8 @@ fn prune(inner: &mut Inner) {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
     use super::*;
 
     fn hello(id: &str) -> pb::Hello {
@@ -428,6 +448,53 @@ mod tests {
         let refused = fleet.claim_report("a", restarted.generation, 12, 2, || false);
         assert_eq!(refused, ReportVerdict::Refused);
         assert_eq!(claim(restarted.generation, 12, 2), ReportVerdict::Count);
+    }
+
+    #[test]
+    fn the_gauge_follows_every_change_of_the_count() {
+        let fleet = Fleet::new(10);
+        let gauge = fleet.connected_gauge();
+        let a = fleet.register(&hello("a"), None).unwrap();
+        let b = fleet.register(&hello("b"), None).unwrap();
+        assert_eq!(gauge.get(), 2);
+        // A replacement keeps the count.
+        let a2 = fleet.register(&hello("a"), None).unwrap();
+        assert_eq!(gauge.get(), 2);
+        fleet.disconnected("a", a.generation);
+        assert_eq!(
+            gauge.get(),
+            2,
+            "a replaced stream's end is not a disconnect"
+        );
+        fleet.disconnected("b", b.generation);
+        fleet.disconnected("b", b.generation);
+        assert_eq!(gauge.get(), 1);
+        fleet.disconnected("a", a2.generation);
+        assert_eq!(gauge.get(), 0);
+    }
+
+    #[test]
+    fn the_gauge_is_exact_after_concurrent_connects_and_disconnects() {
+        let fleet = Arc::new(Fleet::new(10_000));
+        let threads: Vec<_> = (0..8)
+            .map(|t| {
+                let fleet = fleet.clone();
+                std::thread::spawn(move || {
+                    for i in 0..500 {
+                        let id = format!("{t}-{i}");
+                        let reg = fleet.register(&hello(&id), None).unwrap();
+                        if i % 2 == 0 {
+                            fleet.disconnected(&id, reg.generation);
+                        }
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert_eq!(fleet.connected(), 8 * 250);
+        assert_eq!(fleet.connected_gauge().get(), 8 * 250);
     }
 
     #[test]

@@ -17,7 +17,7 @@ use crate::fleet::Fleet;
 #[derive(Debug)]
 pub struct ServerMetrics {
     registry: Registry,
-    /// Agents with an open stream.
+    /// Agents with an open stream; with [`ServerMetrics::with_aggregates`], the fleet's gauge.
     pub agents_connected: Gauge,
     /// Snapshots sent to agents.
     pub pushes: Counter,
@@ -36,7 +36,8 @@ pub struct ServerMetrics {
     /// Numbered metrics reports received again after they were counted (sent again after a
     /// lost stream), acknowledged and not counted twice.
     pub reports_duplicate: Counter,
-    /// Streams refused because the agent limit was reached.
+    /// Streams refused because the agent limit, or the limit on streams waiting for Hello,
+    /// was reached.
     pub streams_refused: Counter,
 }
 
@@ -49,8 +50,9 @@ impl Default for ServerMetrics {
 impl ServerMetrics {
     /// The server's own figures, registered under the `retryplane_server` prefix, and the
     /// aggregates of `aggregator` and gauges of `fleet`, read at each scrape.
+    /// `agents_connected` is the fleet's own gauge, which it sets as agents come and go.
     pub fn with_aggregates(aggregator: Arc<Aggregator>, fleet: Arc<Fleet>) -> Self {
-        let mut metrics = Self::new();
+        let mut metrics = Self::build(fleet.connected_gauge());
         metrics
             .registry
             .register_collector(Box::new(AggregateCollector::new(aggregator, fleet)));
@@ -59,9 +61,12 @@ impl ServerMetrics {
 
     /// Only the server's own figures, every one under the `retryplane_server` prefix.
     pub fn new() -> Self {
+        Self::build(Gauge::default())
+    }
+
+    fn build(agents_connected: Gauge) -> Self {
         let mut root = Registry::default();
         let registry = root.sub_registry_with_prefix("retryplane_server");
-        let agents_connected = Gauge::default();
         let pushes = Counter::default();
         let acks = Counter::default();
         let nacks = Counter::default();
@@ -106,7 +111,7 @@ impl ServerMetrics {
         );
         registry.register(
             "streams_refused",
-            "Agent streams refused because the agent limit was reached",
+            "Agent streams refused because the agent limit or the limit on streams waiting for Hello was reached",
             streams_refused.clone(),
         );
         Self {

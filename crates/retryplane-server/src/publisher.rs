@@ -96,4 +96,10 @@ impl Publisher {
     pub fn subscribe(&self) -> watch::Receiver<Option<Arc<Snapshot>>> {
         self.tx.subscribe()
     }
+
+    /// How many receivers follow the publisher: one per running agent stream task, plus the
+    /// server's own watchers (health until the first publish).
+    pub fn subscribers(&self) -> usize {
+        self.tx.receiver_count()
+    }
 }

@@ -117,7 +117,8 @@ impl From<&Overlay> for pb::Overlay {
 }
 
 /// Lowercase hex SHA-256 of the canonical encoding of `doc` (SPEC §3: a version is a number
-/// plus this hash, and the same content is never published under a new version).
+/// plus this hash, and content equal to the current version's is never published under a new
+/// version; content equal to an older version's is, as a rollback is).
 ///
 /// Canonical: endpoints sorted by name (lookup is by name, so their order carries no meaning;
 /// routes keep theirs, the first match wins), empty sections left out, an empty HTTP path

@@ -3,9 +3,11 @@
 //! The store is the single place that decides version numbers (STYLE.md #9). A publish is one
 //! atomic step: it reads the current version, checks the caller's expected version (optimistic
 //! concurrency), compares content hashes, and appends `current + 1` — or, when the content is
-//! the same as the current version's, writes nothing and answers [`Published::Unchanged`], so the
-//! same content is never republished under a new version. Versions start at 1; 0 means "the
-//! store is empty" wherever a version number is expected.
+//! the same as the current version's, writes nothing and answers [`Published::Unchanged`], so
+//! the content being served is never republished under a new version. The comparison is with
+//! the current version only: content equal to an older version's (a rollback, a file reverted
+//! by hand) is stored again under a new number. Versions start at 1; 0 means "the store is
+//! empty" wherever a version number is expected.
 //!
 //! The content hash is the caller's: `retryplane_proto::convert::content_hash`, computed over a
 //! canonical form of the document (endpoint order and empty sections do not count), so equal

@@ -1,0 +1,270 @@
+//! A change whose caller goes away half way: the store write and the publish happen together
+//! or not at all.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex as StdMutex, mpsc as std_mpsc};
+use std::time::Duration;
+
+use retryplane_proto::pb::admin_service_client::AdminServiceClient;
+use retryplane_proto::pb::admin_service_server::{AdminService as _, AdminServiceServer};
+use retryplane_proto::pb::agent_service_client::AgentServiceClient;
+use retryplane_proto::pb::{agent_message::Kind, policy_source};
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::Request;
+use tonic::transport::Server;
+use tonic::transport::server::TcpIncoming;
+
+use super::*;
+use crate::admin::AdminApi;
+use crate::agent_route::AgentRoute;
+use crate::agent_stream::{AgentStreamService, StreamContext, StreamLimits};
+use crate::store::{MemoryStore, VersionMeta};
+
+const V1: &str = "version: 1\nendpoints:\n  payments:\n    max_attempts: 3\n";
+const V2: &str = "version: 1\nendpoints:\n  payments:\n    max_attempts: 4\n";
+const V3: &str = "version: 1\nendpoints:\n  payments:\n    max_attempts: 5\n";
+
+/// The longest any wait in these tests may take.
+const WAIT: Duration = Duration::from_secs(10);
+
+/// A memory store whose publishes, while the gate is closed, report that they started and then
+/// wait until the test lets them go on (a slow commit).
+struct GatedStore {
+    inner: MemoryStore,
+    closed: AtomicBool,
+    entered: mpsc::UnboundedSender<()>,
+    open: StdMutex<std_mpsc::Receiver<()>>,
+}
+
+/// The test's side of a [`GatedStore`].
+struct Gate {
+    store: Arc<GatedStore>,
+    entered: mpsc::UnboundedReceiver<()>,
+    open: std_mpsc::Sender<()>,
+}
+
+impl Gate {
+    fn new() -> Self {
+        let (entered_tx, entered) = mpsc::unbounded_channel();
+        let (open, open_rx) = std_mpsc::channel();
+        let store = Arc::new(GatedStore {
+            inner: MemoryStore::new(),
+            closed: AtomicBool::new(false),
+            entered: entered_tx,
+            open: StdMutex::new(open_rx),
+        });
+        Self {
+            store,
+            entered,
+            open,
+        }
+    }
+
+    fn close(&self) {
+        self.store.closed.store(true, Ordering::SeqCst);
+    }
+
+    /// Lets the waiting publish go on; later publishes pass.
+    fn open(&self) {
+        self.store.closed.store(false, Ordering::SeqCst);
+        self.open.send(()).unwrap();
+    }
+}
+
+impl VersionStore for GatedStore {
+    fn current(&self) -> Result<Option<VersionRecord>, StoreError> {
+        self.inner.current()
+    }
+
+    fn get(&self, version: u64) -> Result<Option<VersionRecord>, StoreError> {
+        self.inner.get(version)
+    }
+
+    fn history(&self, limit: usize) -> Result<Vec<VersionMeta>, StoreError> {
+        self.inner.history(limit)
+    }
+
+    fn publish(&self, new: NewVersion, expected: Option<u64>) -> Result<Published, StoreError> {
+        if self.closed.load(Ordering::SeqCst) {
+            let _ = self.entered.send(());
+            let open = self.open.lock().unwrap();
+            open.recv_timeout(WAIT).unwrap();
+        }
+        self.inner.publish(new, expected)
+    }
+}
+
+fn control(store: Arc<GatedStore>, mode: Mode) -> Arc<ControlPlane> {
+    Arc::new(ControlPlane::new(
+        store,
+        Arc::new(Publisher::new(10_000)),
+        Arc::new(Fleet::new(100)),
+        Arc::new(ServerMetrics::new()),
+        Arc::new(Aggregator::new(100, tokio::time::Instant::now())),
+        mode,
+    ))
+}
+
+fn apply_request(yaml: &str) -> pb::ApplyRequest {
+    pb::ApplyRequest {
+        source: Some(pb::PolicySource {
+            kind: Some(policy_source::Kind::Yaml(yaml.to_owned())),
+            origin: String::new(),
+        }),
+        ..Default::default()
+    }
+}
+
+/// Serves the agent and admin services of `control` on 127.0.0.1:0.
+async fn serve(control: &Arc<ControlPlane>) -> (std::net::SocketAddr, watch::Sender<bool>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = watch::channel(false);
+    let ctx = StreamContext {
+        publisher: control.publisher.clone(),
+        fleet: control.fleet.clone(),
+        metrics: control.metrics.clone(),
+        aggregates: control.aggregates.clone(),
+        limits: StreamLimits::default(),
+        shutdown: stopped.clone(),
+    };
+    let router = Server::builder()
+        .add_service(AgentRoute::new(
+            AgentStreamService::new(Arc::new(ctx)),
+            1 << 20,
+        ))
+        .add_service(AdminServiceServer::new(AdminApi::new(control.clone())));
+    let mut stopped = stopped;
+    tokio::spawn(
+        router.serve_with_incoming_shutdown(TcpIncoming::from(listener), async move {
+            let _ = stopped.wait_for(|s| *s).await;
+        }),
+    );
+    (addr, stop)
+}
+
+async fn channel(addr: std::net::SocketAddr) -> tonic::transport::Channel {
+    tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap()
+}
+
+/// The next snapshot's version on `inbound`, waiting at most [`WAIT`].
+async fn next_version(inbound: &mut tonic::Streaming<pb::ServerMessage>) -> u64 {
+    let message = tokio::time::timeout(WAIT, inbound.message())
+        .await
+        .expect("a snapshot in time")
+        .unwrap()
+        .unwrap();
+    message.decode_snapshot().unwrap().unwrap().version
+}
+
+/// Drives `change` until the store's publish has started, then drops it, as hyper drops the
+/// handler of an RPC whose client hung up.
+async fn drop_mid_commit<F: std::future::Future>(gate: &mut Gate, change: F) {
+    gate.close();
+    let mut change = Box::pin(change);
+    tokio::select! {
+        _ = &mut change => panic!("the change finished while the store was held"),
+        entered = gate.entered.recv() => entered.unwrap(),
+    }
+    drop(change);
+    gate.open();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admin_apply_dropped_mid_commit_is_still_sent_to_agents() {
+    let mut gate = Gate::new();
+    let control = control(gate.store.clone(), Mode::Api);
+    let api = AdminApi::new(control.clone());
+    api.apply(Request::new(apply_request(V1))).await.unwrap();
+    let (addr, _stop) = serve(&control).await;
+    let (agent_tx, agent_rx) = mpsc::channel(4);
+    agent_tx
+        .send(pb::AgentMessage {
+            kind: Some(Kind::Hello(pb::Hello {
+                agent_id: "a-1".to_owned(),
+                service: "checkout".to_owned(),
+                ..Default::default()
+            })),
+        })
+        .await
+        .unwrap();
+    let mut inbound = AgentServiceClient::new(channel(addr).await)
+        .connect(ReceiverStream::new(agent_rx))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(next_version(&mut inbound).await, 1);
+
+    drop_mid_commit(&mut gate, api.apply(Request::new(apply_request(V2)))).await;
+
+    // The running server serves what the store holds: to the connected agent and in status.
+    assert_eq!(next_version(&mut inbound).await, 2);
+    assert_eq!(control.store.current().unwrap().unwrap().meta.version, 2);
+    let mut admin = AdminServiceClient::new(channel(addr).await);
+    let fleet = admin
+        .fleet_status(pb::FleetStatusRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(fleet.current_version, 2);
+    assert_eq!(control.metrics.current_version.get(), 2);
+    // The next change is not held up by the one whose caller left.
+    let applied = tokio::time::timeout(WAIT, admin.apply(apply_request(V3)))
+        .await
+        .unwrap()
+        .unwrap()
+        .into_inner();
+    assert_eq!((applied.version, applied.changed), (3, true));
+    assert_eq!(next_version(&mut inbound).await, 3);
+    drop(agent_tx);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rollback_dropped_mid_commit_is_still_published() {
+    let mut gate = Gate::new();
+    let control = control(gate.store.clone(), Mode::Api);
+    let api = AdminApi::new(control.clone());
+    api.apply(Request::new(apply_request(V1))).await.unwrap();
+    api.apply(Request::new(apply_request(V2))).await.unwrap();
+    let rollback = api.rollback(Request::new(pb::RollbackRequest {
+        version: 1,
+        ..Default::default()
+    }));
+    drop_mid_commit(&mut gate, rollback).await;
+    let mut published = control.publisher.subscribe();
+    tokio::time::timeout(
+        WAIT,
+        published.wait_for(|s| s.as_ref().is_some_and(|s| s.version == 3)),
+    )
+    .await
+    .expect("the rollback is published")
+    .unwrap();
+    let current = control.store.current().unwrap().unwrap();
+    assert_eq!(current.meta.source, Source::Rollback { from: 1 });
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_reload_dropped_mid_commit_is_still_published() {
+    let mut gate = Gate::new();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("policies.yaml");
+    std::fs::write(&file, V1).unwrap();
+    let control = control(gate.store.clone(), Mode::File(file.clone()));
+    crate::watch::reload(&control, &file).await;
+    assert_eq!(control.publisher.current().unwrap().version, 1);
+    std::fs::write(&file, V2).unwrap();
+    drop_mid_commit(&mut gate, crate::watch::reload(&control, &file)).await;
+    let mut published = control.publisher.subscribe();
+    tokio::time::timeout(
+        WAIT,
+        published.wait_for(|s| s.as_ref().is_some_and(|s| s.version == 2)),
+    )
+    .await
+    .expect("the saved file is published")
+    .unwrap();
+}
