@@ -11,7 +11,8 @@
 //!   `min(per_try_timeout, deadline left)`, failures are classified through [`Classify`], pauses
 //!   honour `Retry-After` and gRPC pushback, and the endpoint's budget and circuit breaker are
 //!   shared by every call. A failed call returns a [`CallError`] with the cause and the real last
-//!   response or error.
+//!   response or error. [`Endpoint::call_with_auth_refresh`] adds the once-only credential
+//!   refresh on a 401 (or whatever answer you say wants one).
 //! - [`layer::RetryLayer`] puts an endpoint's policy around a tower HTTP client, buffering
 //!   request bodies (up to a limit) so that they can be sent again. Opt-in:
 //!   [`with_auth_refresh`](layer::RetryLayer::with_auth_refresh) calls a
