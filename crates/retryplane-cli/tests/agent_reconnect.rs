@@ -43,7 +43,12 @@ async fn serve(dir: &Path, port: u16, run: usize) -> Child {
         .current_dir(dir)
         .args(["serve", "--config", "policies.yaml", "--data-dir", "data"])
         .args(["--listen", &format!("127.0.0.1:{port}")])
-        .args(["--admin-listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"])
+        .args([
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--http-listen",
+            "127.0.0.1:0",
+        ])
         .env("RUST_LOG", "info")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
