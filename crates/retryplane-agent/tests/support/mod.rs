@@ -132,3 +132,4 @@ pub fn policy(extra: &str) -> String {
     s
 }
 pub mod plane;
+pub mod script;
