@@ -22,7 +22,9 @@
 //!   method, URI, body and request headers, tracing headers and request ids aside) share one
 //!   call and its response.
 //! - Per-endpoint counters (SPEC §4) are plain atomics on the call path and leave as deltas in
-//!   `MetricsReport`s; counts made while disconnected wait for the next stream.
+//!   `MetricsReport`s; counts made while disconnected wait for the next stream. They count
+//!   logical calls made: a request answered by de-duplication with a copy of another's
+//!   response made none and is not counted (see [`layer`], "What the endpoint's counters see").
 //!
 //! Without a control plane and without a cache file the agent runs the [`fallback_policy`].
 //! Nothing here logs header values, tokens or bodies.

@@ -356,6 +356,8 @@ where
                     }
                 });
                 match follower.wait(until).await {
+                    // No call made, none counted: see the module docs ("What the
+                    // endpoint's counters see"); `DedupStats::shared` counts it.
                     Some(Landing::Shared(response)) => return Ok(response.copy()),
                     Some(Landing::OwnCall) => {
                         return passthrough(send(inner, &settings, prepared, None).await);

@@ -124,6 +124,18 @@
 //!   or is dropped. Its lock is held only to look up, insert or remove.
 //!
 //! Followers' own calls (after an error or an oversized body) are not shared again.
+//!
+//! ## What the endpoint's counters see
+//!
+//! The endpoint's counters (SPEC §4: `calls`, `attempts`, the successes and give-ups, what the
+//! agent reports to the control plane) count logical calls the agent made. A follower
+//! answered with a copy of its leader's response made no call: it is **not counted** there,
+//! neither as a call nor as a success, whatever the shared response was (a 200, or a 503
+//! the leader gave up on). Only the leader's call is counted, once. So with de-duplication on,
+//! `calls` is the number of upstream calls, not of requests, and the retry ratio (retries /
+//! calls) is that of the upstream calls. Count the answered followers with
+//! [`DedupStats::shared`] (from [`Dedup::stats`]). A follower that makes its own call (after
+//! a leader's error, an oversized body, or its wait's deadline) is counted as any call.
 
 mod auth;
 mod body;
