@@ -20,11 +20,15 @@
 //!     matches. Budget and circuit breaker are on (the defaults), counters count. The
 //!     `CallMeta` is built per call, as a user does;
 //!   - `retryplane_call_endpoint_meta`: the same with `CallMeta::endpoint()` (no route);
+//!   - `retryplane_call_handle_per_call`: `agent.endpoint(name)` then `call`, a new handle for
+//!     every call: what a caller pays that does not keep its handle (the endpoint's lookup
+//!     among the 1,000, its counters' lookup, and the handle's first-call entry lookup);
 //!   - `parts/*`, pieces of `retryplane_call` alone, to show where its time goes: a read of
 //!     tokio's clock (the call makes two), building and dropping the `CallMeta`, and the bare
 //!     call inside `tokio::time::timeout_at` (the per-try timeout; never fires here).
-//! - `two_threads`: `bare`, `tower_retry_tps_budget` (one budget shared by both threads) and
-//!   `retryplane_call` (one agent, one endpoint) on 2 threads at once, each with its own
+//! - `two_threads`: `bare`, `tower_retry`, `tower_retry_tps_budget` (one budget shared by both
+//!   threads), `backon`, `retryplane_call` (one agent, one endpoint) and
+//!   `retryplane_call_handle_per_call` (one agent) on 2 threads at once, each with its own
 //!   runtime; and `retryplane_call_swapping`, the same while a third thread swaps the agent's
 //!   policy set every 10 ms with `Agent::set_policies` (two sets that differ in
 //!   `max_attempts`, timeouts and deadlines). The figure is wall time per call per thread.
@@ -65,7 +69,7 @@ use std::time::Duration;
 
 use backon::{ExponentialBuilder, Retryable};
 use criterion::{Criterion, criterion_group, criterion_main};
-use retryplane_agent::{CallMeta, Endpoint};
+use retryplane_agent::{Agent, CallMeta, Endpoint};
 use support::{HOT, Stopwatch, Swapper, agent, cpu_time_mode, meta, runtime, upstream};
 use tokio::time::Instant;
 use tower::Service;
@@ -108,6 +112,7 @@ enum Kind {
     Backon,
     Retryplane(Endpoint),
     RetryplaneEndpointMeta(Endpoint),
+    RetryplaneHandlePerCall(Agent),
     ClockRead,
     MetaOnly,
     TimeoutOnly,
@@ -149,6 +154,12 @@ async fn batch(kind: &Kind, iters: u64) {
                 black_box(ep.call(CallMeta::endpoint(), |_| upstream()).await).expect("200");
             }
         }
+        Kind::RetryplaneHandlePerCall(agent) => {
+            for _ in 0..iters {
+                let ep = agent.endpoint(black_box(HOT));
+                black_box(ep.call(meta(), |_| upstream()).await).expect("200");
+            }
+        }
         Kind::ClockRead => {
             for _ in 0..iters {
                 black_box(Instant::now());
@@ -186,6 +197,10 @@ fn kinds() -> Vec<(&'static str, Kind)> {
         (
             "retryplane_call_endpoint_meta",
             Kind::RetryplaneEndpointMeta(ep),
+        ),
+        (
+            "retryplane_call_handle_per_call",
+            Kind::RetryplaneHandlePerCall(agent),
         ),
         ("parts/tokio_Instant_now", Kind::ClockRead),
         ("parts/CallMeta_http", Kind::MetaOnly),
@@ -243,9 +258,17 @@ fn on_two_threads(kind: &Kind, iters: u64) -> Duration {
 
 fn two_threads(c: &mut Criterion) {
     let mut g = c.benchmark_group("two_threads");
+    const ON_TWO_THREADS: [&str; 6] = [
+        "bare",
+        "tower_retry",
+        "tower_retry_tps_budget",
+        "backon",
+        "retryplane_call",
+        "retryplane_call_handle_per_call",
+    ];
     let kinds = kinds()
         .into_iter()
-        .filter(|(name, _)| ["bare", "tower_retry_tps_budget", "retryplane_call"].contains(name));
+        .filter(|(name, _)| ON_TWO_THREADS.contains(name));
     for (name, kind) in kinds {
         g.bench_function(name, |b| {
             b.iter_custom(|iters| on_two_threads(&kind, iters))

@@ -381,6 +381,63 @@ mod tests {
     }
 
     #[test]
+    fn from_file_runs_on_the_files_policies() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("policies.yaml");
+        std::fs::write(&path, "version: 1\nendpoints:\n  a: {max_attempts: 4}\n").unwrap();
+        let agent = Agent::from_file(&path).unwrap();
+        assert_eq!(max_attempts(&agent), 4);
+        assert_eq!(agent.policies().source(), Source::Static);
+        assert!(!agent.is_connected());
+    }
+
+    #[test]
+    fn from_file_reports_a_file_it_cannot_read_with_its_path_and_io_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("missing.yaml");
+        match Agent::from_file(&path) {
+            Err(AgentError::ReadPolicyFile { path: p, source }) => {
+                assert_eq!(p, path);
+                assert_eq!(source.kind(), std::io::ErrorKind::NotFound);
+            }
+            other => panic!("expected ReadPolicyFile, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn from_file_reports_an_invalid_file_with_its_error_count_and_first_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("policies.yaml");
+        // Two errors: max_attempts 0, and a multiplier below 1.
+        std::fs::write(
+            &path,
+            "version: 1\nendpoints:\n  a:\n    max_attempts: 0\n    backoff: {multiplier: 0.5}\n",
+        )
+        .unwrap();
+        match Agent::from_file(&path) {
+            Err(AgentError::InvalidPolicyFile {
+                path: p,
+                errors,
+                first,
+            }) => {
+                assert_eq!(p, path);
+                assert_eq!(errors, 2, "{first}");
+                assert!(first.contains("max_attempts"), "{first}");
+            }
+            other => panic!("expected InvalidPolicyFile, got {other:?}"),
+        }
+        // A file that is not a policy document at all.
+        std::fs::write(&path, "endpoints: [").unwrap();
+        match Agent::from_file(&path) {
+            Err(AgentError::InvalidPolicyFile { errors, first, .. }) => {
+                assert!(errors >= 1);
+                assert!(!first.is_empty());
+            }
+            other => panic!("expected InvalidPolicyFile, got {other:?}"),
+        }
+    }
+
+    #[test]
     fn a_replaced_snapshot_is_freed_by_the_next_swap_not_by_a_call_that_held_it() {
         let agent = Agent::from_policies_seeded(set(2), 1);
         let in_flight = agent.policies();

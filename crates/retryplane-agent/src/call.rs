@@ -170,6 +170,93 @@ impl Endpoint {
         self.call_reauth(meta, classify, attempt, NoReauth)
     }
 
+    /// [`Endpoint::call`] with a once-only credential refresh (SPEC §2, "Agent extras"): the
+    /// first answer for which `wants_refresh` is true (a 401, say) is put aside, `refresh` runs
+    /// and, if it returns `true`, the same attempt is sent again: `attempt` is called once more
+    /// with the same [`AttemptInfo`] (its number) and a fresh per-try timeout, and should pick
+    /// up the new credentials. `refresh` runs at most once per call.
+    ///
+    /// - Counting: the second send belongs to the same attempt; it takes no pause, no retry
+    ///   budget and none of `max_attempts`. The attempt number, the breaker and the counters see
+    ///   one attempt, judged (by [`Classify`]) on the second answer. A second 401 is judged
+    ///   like any answer (`retry_on` does not list 401 by default: it is returned at once).
+    /// - `refresh` runs within what is left of the deadline and stops with the call's
+    ///   cancellation. If it returns `false` or the deadline passes first, the first answer
+    ///   stands. The agent neither logs nor keeps anything of it: keep its error yourself if
+    ///   you need it.
+    /// - [`Endpoint::call`] itself does none of this work: a call without a hook costs the same.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() {
+    /// # let yaml = &b"version: 1\nendpoints:\n  users: {}\n"[..];
+    /// # let agent = retryplane_agent::Agent::from_policies(
+    /// #     retryplane_policy::load(yaml).policies.unwrap());
+    /// use std::sync::{Arc, Mutex};
+    /// use retryplane_agent::CallMeta;
+    ///
+    /// let handle = agent.endpoint("users");
+    /// let token = Arc::new(Mutex::new(String::from("expired")));
+    /// let result = handle
+    ///     .call_with_auth_refresh(
+    ///         CallMeta::http("GET", "/v1/me"),
+    ///         |_attempt| {
+    ///             let token = token.lock().unwrap().clone();
+    ///             async move {
+    ///                 // Send the request with `Authorization: Bearer {token}` here.
+    ///                 let status = if token == "expired" { 401 } else { 200 };
+    ///                 http::Response::builder()
+    ///                     .status(status)
+    ///                     .body(())
+    ///                     .map_err(std::io::Error::other)
+    ///             }
+    ///         },
+    ///         |answer| matches!(answer, Ok(r) if r.status() == 401),
+    ///         || {
+    ///             let token = token.clone();
+    ///             async move {
+    ///                 // Fetch a new token here (an await in real code).
+    ///                 *token.lock().unwrap() = String::from("fresh");
+    ///                 true
+    ///             }
+    ///         },
+    ///     )
+    ///     .await;
+    /// assert_eq!(result.ok().map(|r| r.status()), Some(http::StatusCode::OK));
+    /// # }
+    /// ```
+    pub fn call_with_auth_refresh<T, E, F, Fut, W, R, RFut>(
+        &self,
+        meta: CallMeta<'_>,
+        attempt: F,
+        wants_refresh: W,
+        refresh: R,
+    ) -> impl Future<Output = Result<T, CallError<T, E>>>
+    where
+        T: Classify,
+        E: Classify,
+        F: FnMut(AttemptInfo) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+        W: Fn(&Result<T, E>) -> bool,
+        R: FnMut() -> RFut,
+        RFut: Future<Output = bool> + Send,
+    {
+        self.call_reauth(
+            meta,
+            |r: &Result<T, E>| match r {
+                Ok(t) => t.classify(),
+                Err(e) => e.classify(),
+            },
+            attempt,
+            FnReauth {
+                wants: wants_refresh,
+                refresh,
+                used: false,
+                _future: std::marker::PhantomData,
+            },
+        )
+    }
+
     /// [`Endpoint::call_with`] with a once-only credential refresh: when `reauth` wants it,
     /// the answer of an attempt is put aside, the credentials are refreshed (within the
     /// deadline) and the attempt is sent again with a fresh per-try timeout. The engine sees
@@ -546,6 +633,31 @@ impl<T, E> Reauth<T, E> for NoReauth {
 
     fn refresh(&mut self) -> Pin<Box<dyn Future<Output = bool> + Send + '_>> {
         Box::pin(std::future::ready(false))
+    }
+}
+
+/// The refresh of [`Endpoint::call_with_auth_refresh`]: two closures, used once. (`RFut` is a
+/// parameter so that a borrow of this outlives the future it boxes.)
+struct FnReauth<W, R, RFut> {
+    wants: W,
+    refresh: R,
+    used: bool,
+    _future: std::marker::PhantomData<fn() -> RFut>,
+}
+
+impl<T, E, W, R, RFut> Reauth<T, E> for FnReauth<W, R, RFut>
+where
+    W: Fn(&Result<T, E>) -> bool,
+    R: FnMut() -> RFut,
+    RFut: Future<Output = bool> + Send,
+{
+    fn wants(&self, result: &Result<T, E>) -> bool {
+        !self.used && (self.wants)(result)
+    }
+
+    fn refresh(&mut self) -> Pin<Box<dyn Future<Output = bool> + Send + '_>> {
+        self.used = true;
+        Box::pin((self.refresh)())
     }
 }
 

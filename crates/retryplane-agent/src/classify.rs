@@ -1,7 +1,8 @@
 //! How an attempt's result counts for retrying: the [`Classify`] trait.
 //!
 //! [`crate::Endpoint::call`] classifies `Ok(t)` with `t.classify()` and `Err(e)` with
-//! `e.classify()`. Implemented here for HTTP responses (status and `Retry-After`), gRPC
+//! `e.classify()`. Implemented here for HTTP responses (status and `Retry-After`; a gRPC
+//! "Trailers-Only" response by its `grpc-status`, as a `tonic::Status`), gRPC
 //! statuses (code and `grpc-retry-pushback-ms`), tonic responses (success), `std::io::Error`,
 //! `hyper::Error` and `hyper_util::client::legacy::Error` (connect / reset / timeout).
 //! Implement it for your own response or error types, or pass a closure to
@@ -41,8 +42,17 @@ pub trait Classify {
 
 /// `Retry-After` is read against the wall clock (an HTTP-date is wall-clock time); a malformed
 /// value is kept as an error that the call ignores and logs (without the value).
+///
+/// A gRPC response (`content-type: application/grpc…`) with `grpc-status` among its headers
+/// (a "Trailers-Only" response: what a server sends for an error before any message) is
+/// classified by that code and its `grpc-retry-pushback-ms` header exactly as a
+/// [`tonic::Status`] is. A gRPC response whose status comes in trailers (after data) is judged
+/// by its HTTP status, a success: what was streamed cannot be taken back.
 impl<B> Classify for http::Response<B> {
     fn classify(&self) -> Classification {
+        if let Some(code) = trailers_only_grpc_code(self.headers()) {
+            return grpc_classification(code, self.headers());
+        }
         let retry_after = self.headers().get(http::header::RETRY_AFTER).map(|v| {
             v.to_str()
                 .map_err(|_| retryplane_policy::retry_after::RetryAfterError::Malformed)
@@ -59,16 +69,41 @@ impl<B> Classify for http::Response<B> {
 /// `grpc-retry-pushback-ms` trailer (non-ASCII counts as unparseable: do not retry).
 impl Classify for tonic::Status {
     fn classify(&self) -> Classification {
-        if self.code() == tonic::Code::Ok {
-            return Classification::Success;
-        }
-        let code = GrpcCode::from_i32(self.code() as i32).unwrap_or(GrpcCode::Unknown);
-        let pushback = self
-            .metadata()
-            .get("grpc-retry-pushback-ms")
-            .map(|v| v.to_str().map_or(Pushback::DoNotRetry, parse_grpc_pushback));
-        Classification::Outcome(Outcome::Grpc { code, pushback })
+        grpc_classification(self.code(), self.metadata().as_ref())
     }
+}
+
+/// `grpc-status`, as tonic names it.
+const GRPC_STATUS: http::HeaderName = http::HeaderName::from_static("grpc-status");
+/// The gRPC pushback header (gRFC A6).
+const GRPC_PUSHBACK: http::HeaderName = http::HeaderName::from_static("grpc-retry-pushback-ms");
+
+/// The gRPC code of a "Trailers-Only" response: `grpc-status` in the headers of a response
+/// whose content type is `application/grpc` (or `application/grpc+proto`, …). `None` for any
+/// other response (an HTTP response, or a gRPC one whose status comes in trailers). An
+/// unparseable code is `UNKNOWN`, as tonic reads it.
+fn trailers_only_grpc_code(headers: &http::HeaderMap) -> Option<tonic::Code> {
+    // `grpc-status` first: an HTTP response (the common case) stops at one lookup.
+    let status = headers.get(GRPC_STATUS)?;
+    let content_type = headers.get(http::header::CONTENT_TYPE)?;
+    content_type
+        .as_bytes()
+        .starts_with(b"application/grpc")
+        .then(|| tonic::Code::from_bytes(status.as_bytes()))
+}
+
+/// The one reading of a gRPC status, shared by [`tonic::Status`] and Trailers-Only HTTP
+/// responses: `OK` is a success; any other code is an outcome the policy judges, with the
+/// `grpc-retry-pushback-ms` value of `headers` (non-ASCII counts as unparseable: do not retry).
+fn grpc_classification(code: tonic::Code, headers: &http::HeaderMap) -> Classification {
+    if code == tonic::Code::Ok {
+        return Classification::Success;
+    }
+    let code = GrpcCode::from_i32(code as i32).unwrap_or(GrpcCode::Unknown);
+    let pushback = headers
+        .get(GRPC_PUSHBACK)
+        .map(|v| v.to_str().map_or(Pushback::DoNotRetry, parse_grpc_pushback));
+    Classification::Outcome(Outcome::Grpc { code, pushback })
 }
 
 /// A gRPC response is a success.
@@ -326,6 +361,77 @@ mod tests {
         assert_eq!(
             tonic::Status::new(tonic::Code::Ok, "").classify(),
             Classification::Success
+        );
+    }
+
+    fn grpc_response(content_type: &str, headers: &[(&str, &str)]) -> Classification {
+        let mut b = http::Response::builder()
+            .status(200)
+            .header("content-type", content_type);
+        for (name, value) in headers {
+            b = b.header(*name, *value);
+        }
+        b.body(()).unwrap().classify()
+    }
+
+    #[test]
+    fn a_trailers_only_grpc_response_is_classified_by_its_grpc_status_and_pushback() {
+        let status = [("grpc-status", "14"), ("grpc-retry-pushback-ms", "250")];
+        let expected = Classification::Outcome(Outcome::Grpc {
+            code: GrpcCode::Unavailable,
+            pushback: Some(Pushback::After(Duration::from_millis(250))),
+        });
+        assert_eq!(grpc_response("application/grpc", &status), expected);
+        assert_eq!(grpc_response("application/grpc+proto", &status), expected);
+        // The same as the status tonic makes of those headers.
+        let mut headers = http::HeaderMap::new();
+        headers.insert("grpc-status", "14".parse().unwrap());
+        headers.insert("grpc-retry-pushback-ms", "250".parse().unwrap());
+        let from_headers = tonic::Status::from_header_map(&headers).unwrap();
+        assert_eq!(from_headers.classify(), expected);
+
+        assert_eq!(
+            grpc_response("application/grpc", &[("grpc-status", "3")]),
+            Classification::Outcome(Outcome::Grpc {
+                code: GrpcCode::InvalidArgument,
+                pushback: None
+            })
+        );
+        assert_eq!(
+            grpc_response(
+                "application/grpc",
+                &[("grpc-status", "8"), ("grpc-retry-pushback-ms", "-1")]
+            ),
+            Classification::Outcome(Outcome::Grpc {
+                code: GrpcCode::ResourceExhausted,
+                pushback: Some(Pushback::DoNotRetry)
+            })
+        );
+        assert_eq!(
+            grpc_response("application/grpc", &[("grpc-status", "0")]),
+            Classification::Success
+        );
+        assert_eq!(
+            grpc_response("application/grpc", &[("grpc-status", "x")]),
+            Classification::Outcome(Outcome::Grpc {
+                code: GrpcCode::Unknown,
+                pushback: None
+            })
+        );
+    }
+
+    #[test]
+    fn a_grpc_response_without_grpc_status_or_an_http_one_with_it_is_judged_by_http_status() {
+        let http_200 = Classification::Outcome(Outcome::Http {
+            status: 200,
+            retry_after: None,
+        });
+        // Status in trailers, after data: the head is all the layer sees.
+        assert_eq!(grpc_response("application/grpc", &[]), http_200);
+        // Not gRPC: the header means nothing.
+        assert_eq!(
+            grpc_response("application/json", &[("grpc-status", "14")]),
+            http_200
         );
     }
 

@@ -11,7 +11,8 @@
 //!   `min(per_try_timeout, deadline left)`, failures are classified through [`Classify`], pauses
 //!   honour `Retry-After` and gRPC pushback, and the endpoint's budget and circuit breaker are
 //!   shared by every call. A failed call returns a [`CallError`] with the cause and the real last
-//!   response or error.
+//!   response or error. [`Endpoint::call_with_auth_refresh`] adds the once-only credential
+//!   refresh on a 401 (or whatever answer you say wants one).
 //! - [`layer::RetryLayer`] puts an endpoint's policy around a tower HTTP client, buffering
 //!   request bodies (up to a limit) so that they can be sent again. Opt-in:
 //!   [`with_auth_refresh`](layer::RetryLayer::with_auth_refresh) calls a
@@ -24,7 +25,9 @@
 //!   numbered `MetricsReport`s, each kept until the control plane acknowledges it and sent again
 //!   on the next stream if the connection drops first, so none is lost or counted twice; counts
 //!   made while disconnected wait (bounded: one set of counters per endpoint) for the next
-//!   stream. Needs a control plane that acknowledges reports (this version or later).
+//!   stream. Needs a control plane that acknowledges reports (this version or later). They
+//!   count logical calls made: a request answered by de-duplication with a copy of another's
+//!   response made none and is not counted (see [`layer`], "What the endpoint's counters see").
 //!
 //! Without a control plane and without a cache file the agent runs the [`fallback_policy`].
 //! Nothing here logs header values, tokens or bodies.

@@ -10,7 +10,8 @@
 //! has answered, or when it ends or is dropped before that: a call still waiting for its first
 //! answer when a report is taken is in a later report. A first-try success is one add to
 //! `success_first_try`, which is added into `calls` and `attempts` whenever counts are read or
-//! taken (and taken back out by a restore).
+//! taken (and taken back out by a restore). Only calls made are counted: a request the layer's
+//! de-duplication answered with a copy of another call's response made none and is not here.
 //!
 //! A report handed to the stream is not forgotten: it is numbered and kept until the control
 //! plane acknowledges it (`crate::stream::outbox`), sent again on the next stream if the

@@ -760,3 +760,34 @@ async fn a_follower_of_a_leader_that_is_not_polled_calls_itself_at_its_deadline(
     drop(leader);
     assert_eq!(dedup.stats().in_flight, 0);
 }
+
+#[tokio::test(start_paused = true)]
+async fn followers_answered_with_a_copy_are_not_counted_only_the_leaders_call_is() {
+    let agent = agent(&policy(POLICY));
+    let (svc, up) = upstream(&[Step::Status(503)]);
+    let dedup = Dedup::default();
+    let client = RetryLayer::new(agent.endpoint("ep"))
+        .with_dedup(dedup.clone())
+        .layer(svc);
+    let leader = spawn(&client, req(get("http://up/x"), ""));
+    until("the leader reaches the upstream", || up.seen() == 1).await;
+    let followers: Vec<_> = (0..3)
+        .map(|_| spawn(&client, req(get("http://up/x"), "")))
+        .collect();
+    until("three followers wait", || dedup.stats().waiting == 3).await;
+    // A 503, then the retry's 200.
+    up.open(2);
+    assert_eq!(join(leader).await.unwrap().0, 200);
+    for f in followers {
+        let (status, _, _, copy) = join(f).await.unwrap();
+        assert_eq!((status, copy), (200, true));
+    }
+    assert_eq!(dedup.stats().shared, 3);
+    // One logical call (the leader's: two attempts), none for the three copies.
+    let c = agent.endpoint("ep").pending_counts();
+    assert_eq!(
+        (c.calls, c.attempts, c.retries, c.success_after_retry),
+        (1, 2, 1, 1)
+    );
+    assert_eq!(c.success_first_try, 0);
+}

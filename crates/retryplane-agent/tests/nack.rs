@@ -1,183 +1,22 @@
 //! An invalid snapshot over a real stream is NACKed and the last good policy keeps applying.
 //!
-//! The real control plane never publishes an invalid policy, so a scripted one stands in: a
-//! tonic `AgentService` on 127.0.0.1:0 that hands every stream and every agent message to the
-//! test, which decides what to send. The agent is the real one (`Agent::builder().connect()`).
+//! The real control plane never publishes an invalid policy, so a scripted one stands in
+//! (`support::script`). The agent is the real one (`Agent::builder().connect()`).
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod support;
 
-use std::net::SocketAddr;
 use std::path::Path;
 use std::time::Duration;
 
 use prost::Message as _;
 use retryplane_agent::{Agent, ReconnectBackoff, Source};
 use retryplane_proto::convert;
+use retryplane_proto::pb;
 use retryplane_proto::pb::agent_message::Kind;
-use retryplane_proto::pb::agent_service_server::{AgentService, AgentServiceServer};
-use retryplane_proto::pb::{self, ServerMessage};
-use support::plane::{WAIT, attempts_of, yaml};
-use tokio::net::TcpListener;
-use tokio::sync::{mpsc, oneshot};
-use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
-use tonic::{Request, Response, Status, Streaming};
-
-/// The sending half of one stream, towards the agent.
-type ToAgent = mpsc::Sender<Result<ServerMessage, Status>>;
-
-/// What the scripted control plane saw.
-#[derive(Debug)]
-enum Event {
-    /// The agent opened a stream; send on this to reach it, drop it to end the stream.
-    Opened(ToAgent),
-    /// A message from the agent.
-    Message(Kind),
-    /// The agent's side of a stream ended.
-    Ended,
-}
-
-/// The scripted `AgentService`: every stream and message goes to the test.
-#[derive(Clone)]
-struct Scripted {
-    events: mpsc::UnboundedSender<Event>,
-}
-
-#[tonic::async_trait]
-impl AgentService for Scripted {
-    type ConnectStream = ReceiverStream<Result<ServerMessage, Status>>;
-
-    async fn connect(
-        &self,
-        request: Request<Streaming<pb::AgentMessage>>,
-    ) -> Result<Response<Self::ConnectStream>, Status> {
-        let (tx, rx) = mpsc::channel(4);
-        self.events
-            .send(Event::Opened(tx))
-            .map_err(|_| Status::unavailable("the test is over"))?;
-        let mut inbound = request.into_inner();
-        let events = self.events.clone();
-        tokio::spawn(async move {
-            while let Ok(Some(m)) = inbound.message().await {
-                let kind = m.kind.expect("every agent message has a kind");
-                if events.send(Event::Message(kind)).is_err() {
-                    return;
-                }
-            }
-            let _ = events.send(Event::Ended);
-        });
-        Ok(Response::new(ReceiverStream::new(rx)))
-    }
-}
-
-/// The test's side of the scripted control plane.
-struct Script {
-    addr: SocketAddr,
-    events: mpsc::UnboundedReceiver<Event>,
-    stop: Option<oneshot::Sender<()>>,
-    server: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
-}
-
-impl Script {
-    async fn start() -> Script {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (events_tx, events) = mpsc::unbounded_channel();
-        let (stop, stopped) = oneshot::channel::<()>();
-        let service = AgentServiceServer::new(Scripted { events: events_tx });
-        let server = tokio::spawn(
-            tonic::transport::Server::builder()
-                .add_service(service)
-                .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
-                    let _ = stopped.await;
-                }),
-        );
-        Script {
-            addr,
-            events,
-            stop: Some(stop),
-            server,
-        }
-    }
-
-    /// The next event, within [`WAIT`].
-    async fn next(&mut self) -> Event {
-        tokio::time::timeout(WAIT, self.events.recv())
-            .await
-            .expect("the agent does something in time")
-            .expect("the server is up")
-    }
-
-    /// The next agent message on the open stream that is not a metrics report.
-    async fn reply(&mut self) -> Kind {
-        loop {
-            match self.next().await {
-                Event::Message(Kind::Metrics(_)) => {}
-                Event::Message(kind) => return kind,
-                other => panic!("expected a message on the open stream, got {other:?}"),
-            }
-        }
-    }
-
-    /// Waits for a new stream and its Hello; the old stream may end on the way, and metrics
-    /// reports may come, but nothing else.
-    async fn reconnected(&mut self) -> (ToAgent, pb::Hello) {
-        let to_agent = loop {
-            match self.next().await {
-                Event::Opened(tx) => break tx,
-                Event::Ended | Event::Message(Kind::Metrics(_)) => {}
-                other => panic!("expected only a new stream, got {other:?}"),
-            }
-        };
-        match self.reply().await {
-            Kind::Hello(hello) => (to_agent, hello),
-            other => panic!("expected Hello first, got {other:?}"),
-        }
-    }
-
-    /// Waits for the agent's side of the open stream to end (metrics may come first).
-    async fn until_ended(&mut self) {
-        loop {
-            match self.next().await {
-                Event::Ended => return,
-                Event::Message(Kind::Metrics(_)) => {}
-                other => panic!("expected the stream to end, got {other:?}"),
-            }
-        }
-    }
-
-    async fn stop(mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-        tokio::time::timeout(WAIT, self.server)
-            .await
-            .expect("the server stops in time")
-            .unwrap()
-            .unwrap();
-        // Nothing arrived that the test did not look at.
-        while let Ok(event) = self.events.try_recv() {
-            assert!(
-                matches!(event, Event::Ended | Event::Message(Kind::Metrics(_))),
-                "unexpected {event:?}"
-            );
-        }
-    }
-}
-
-/// A valid snapshot: endpoint `ep` with `max_attempts`.
-fn snapshot(version: u64, max_attempts: u32) -> pb::Snapshot {
-    let loaded = retryplane_policy::load(yaml(max_attempts).as_bytes());
-    let doc = pb::PolicyDocument::from(loaded.policies.unwrap().document().as_ref());
-    pb::Snapshot {
-        version,
-        content_hash: convert::content_hash(&doc),
-        policies: Some(doc),
-        nonce: format!("nonce-{version}"),
-        metrics_interval_ms: 60_000,
-    }
-}
+use support::plane::{WAIT, attempts_of};
+use support::script::{Script, send, snapshot};
 
 /// Version 2 with `max_attempts: 0` on `ep` and a hash that matches it: only the validator
 /// can refuse it.
@@ -188,13 +27,6 @@ fn invalid_snapshot() -> pb::Snapshot {
     ep.overlay.get_or_insert_with(Default::default).max_attempts = Some(0);
     snap.content_hash = convert::content_hash(doc);
     snap
-}
-
-async fn send(to_agent: &ToAgent, snap: &pb::Snapshot) {
-    to_agent
-        .send(Ok(ServerMessage::with_snapshot(snap)))
-        .await
-        .unwrap();
 }
 
 /// The snapshot in the cache file.

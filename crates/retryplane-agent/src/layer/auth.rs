@@ -15,6 +15,8 @@ use crate::call::Reauth;
 /// Set with [`RetryLayer::with_auth_refresh`](super::RetryLayer::with_auth_refresh). The
 /// layer calls [`refresh`](Self::refresh) at most once per logical call, on the first 401,
 /// and then sends the request again once; see the [module docs](super) for how that counts.
+/// Calls made through an endpoint handle have the same hook in
+/// [`Endpoint::call_with_auth_refresh`](crate::Endpoint::call_with_auth_refresh).
 ///
 /// ```
 /// use http::header::{AUTHORIZATION, HeaderValue};

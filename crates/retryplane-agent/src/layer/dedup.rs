@@ -125,6 +125,8 @@ pub struct DedupStats {
     /// Shareable requests that ran the call themselves (as leaders).
     pub led: u64,
     /// Requests answered with a copy of a leader's response, without a call of their own.
+    /// They are not in the endpoint's counters, which count calls made (see the
+    /// [module docs](super), "What the endpoint's counters see").
     pub shared: u64,
     /// Requests that waited for a leader and then made their own call: the leader failed
     /// with an error, its response body was over the limit or not read by its deadline, or

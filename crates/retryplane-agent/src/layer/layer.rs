@@ -15,11 +15,12 @@ use tracing::debug;
 use super::auth::{DynRefresh, HttpReauth, RefreshCredentials, RefreshFailed, lock};
 use super::body::{Buffered, Read, ReplayBody, SharedBody, buffer, read_up_to};
 use super::dedup::{Dedup, Landing, Leader, Role, SharedResponse};
+use super::grpc::call_meta;
 use super::{BoxError, DEFAULT_BODY_LIMIT, GaveUp, ResponseFuture, RetryError};
 use crate::call::Endpoint;
 use crate::classify::{Classify as _, classify_boxed};
 use crate::error::{CallError, Last};
-use crate::meta::{AttemptInfo, CallMeta};
+use crate::meta::AttemptInfo;
 
 /// Wraps a `Service<http::Request<B>>` in [`Retry`]. Defaults: bodies up to
 /// [`DEFAULT_BODY_LIMIT`] are buffered for replay; no credential refresh; no de-duplication
@@ -243,7 +244,7 @@ where
         } => {
             // The meta borrows the path; `head` moves on (an `Uri` clone shares its bytes).
             let uri = head.uri.clone();
-            let meta = CallMeta::http(head.method.as_str(), uri.path()).with_headers(&head.headers);
+            let meta = call_meta(&head, uri.path()).with_headers(&head.headers);
             // Shared with the refresh hook, which may update it for the attempts that follow.
             let head = Mutex::new(head);
             let (head, data, trailers) = (&head, &data, &trailers);
@@ -285,7 +286,7 @@ where
         Prepared::Once { head, body } => {
             // Not idempotent and without the key: never retried.
             let uri = head.uri.clone();
-            let meta = CallMeta::http(head.method.as_str(), uri.path()).idempotent(false);
+            let meta = call_meta(&head, uri.path()).idempotent(false);
             let mut request = Some(Request::from_parts(head, body));
             let attempt = move |_| {
                 let request = request.take();
@@ -350,11 +351,13 @@ where
             Role::Follow(follower) => {
                 let until = *wait_until.get_or_insert_with(|| match &prepared {
                     Prepared::Buffered { head, .. } | Prepared::Once { head, .. } => {
-                        let meta = CallMeta::http(head.method.as_str(), head.uri.path());
+                        let meta = call_meta(head, head.uri.path());
                         settings.endpoint.deadline_of(&meta, Instant::now())
                     }
                 });
                 match follower.wait(until).await {
+                    // No call made, none counted: see the module docs ("What the
+                    // endpoint's counters see"); `DedupStats::shared` counts it.
                     Some(Landing::Shared(response)) => return Ok(response.copy()),
                     Some(Landing::OwnCall) => {
                         return passthrough(send(inner, &settings, prepared, None).await);

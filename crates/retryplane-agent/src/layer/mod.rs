@@ -4,12 +4,19 @@
 //!
 //! - The route comes from the request's method and path (never the query string); idempotency
 //!   from the policy's method list and the presence of its idempotency key header (by name).
+//!   A gRPC request (`content-type: application/grpc…`) is a gRPC call of its path
+//!   (`/pkg.Service/Method`, which gRPC routes match): not idempotent unless it carries the
+//!   key header or an [`Idempotent`] extension, which also overrides the method list of an
+//!   HTTP request.
 //! - The request body is buffered up to a limit ([`DEFAULT_BODY_LIMIT`], 64 KiB; see
 //!   [`RetryLayer::with_body_limit`]) so that each attempt sends it again. A larger body is
 //!   streamed as it comes, once: the call is made as not idempotent and without a key, so it
 //!   is never retried (per-try timeout, breaker and metrics still apply).
 //! - Responses are classified with the [`Classify`](crate::Classify) impl of `http::Response`
-//!   (status, `Retry-After`); errors of the inner service by their source chain: the first
+//!   (status, `Retry-After`; for a gRPC response with `grpc-status` in its headers, a
+//!   "Trailers-Only" error such as `UNAVAILABLE`, that code and `grpc-retry-pushback-ms`, as
+//!   for a `tonic::Status`; a gRPC status in trailers, after data, is not seen: that call
+//!   counts as a success); errors of the inner service by their source chain: the first
 //!   `hyper_util::client::legacy::Error`, `hyper::Error` or `io::Error` in it is classified by
 //!   its [`Classify`](crate::Classify) impl (connect / reset / timeout, or fatal for the
 //!   caller's own errors); anything else counts as a reset: the outcome is unknown, so only
@@ -26,6 +33,14 @@
 //! let client = RetryLayer::new(agent.endpoint("payments")).layer(client);
 //! # }
 //! ```
+//!
+//! # gRPC over a tonic `Channel`
+//!
+//! The inner service gets `http::Request<ReplayBody<B>>`; a tonic `Channel` takes
+//! `http::Request<tonic::body::Body>`: put [`into_tonic_request`] between them with
+//! `map_request` and hand the stack to a generated client (see its example). Unary calls only:
+//! the request body is buffered before the first send. Declare idempotent calls with
+//! [`Idempotent`] on the `tonic::Request`.
 //!
 //! # Credential refresh on 401 ([`RetryLayer::with_auth_refresh`])
 //!
@@ -109,11 +124,24 @@
 //!   or is dropped. Its lock is held only to look up, insert or remove.
 //!
 //! Followers' own calls (after an error or an oversized body) are not shared again.
+//!
+//! ## What the endpoint's counters see
+//!
+//! The endpoint's counters (SPEC §4: `calls`, `attempts`, the successes and give-ups, what the
+//! agent reports to the control plane) count logical calls the agent made. A follower
+//! answered with a copy of its leader's response made no call: it is **not counted** there,
+//! neither as a call nor as a success, whatever the shared response was (a 200, or a 503
+//! the leader gave up on). Only the leader's call is counted, once. So with de-duplication on,
+//! `calls` is the number of upstream calls, not of requests, and the retry ratio (retries /
+//! calls) is that of the upstream calls. Count the answered followers with
+//! [`DedupStats::shared`] (from [`Dedup::stats`]). A follower that makes its own call (after
+//! a leader's error, an oversized body, or its wait's deadline) is counted as any call.
 
 mod auth;
 mod body;
 mod dedup;
 mod future;
+mod grpc;
 #[allow(clippy::module_inception)]
 mod layer;
 
@@ -126,6 +154,7 @@ pub use dedup::{
     Deduplicated,
 };
 pub use future::ResponseFuture;
+pub use grpc::{Idempotent, into_tonic_request};
 pub use layer::{NoDedup, Retry, RetryLayer};
 
 /// The largest request body buffered for replay unless set otherwise: 64 KiB.

@@ -133,3 +133,4 @@ pub fn policy(extra: &str) -> String {
 }
 pub mod plane;
 pub mod proxy;
+pub mod script;

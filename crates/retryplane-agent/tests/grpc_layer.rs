@@ -1,0 +1,201 @@
+//! A generated tonic client over a `Channel` wrapped with the retry layer, against a real
+//! tonic server on 127.0.0.1:0 whose errors are "Trailers-Only" responses (HTTP 200 with
+//! `grpc-status` in the headers): the layer classifies them by their gRPC code.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use retryplane_agent::layer::{Idempotent, RetryLayer, into_tonic_request};
+use retryplane_agent::{Agent, CounterValues};
+use retryplane_proto::pb;
+use retryplane_proto::pb::admin_service_client::AdminServiceClient;
+use retryplane_proto::pb::admin_service_server::{AdminService, AdminServiceServer};
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic::transport::Channel;
+use tonic::{Code, Request, Response, Status};
+
+/// The longest any wait may take.
+const WAIT: Duration = Duration::from_secs(15);
+
+/// One scripted answer: an error code and its pushback (ms), if any.
+type Scripted = (Code, Option<&'static str>);
+
+/// An `AdminService` whose `Get` plays a script of errors, then answers version 7; the other
+/// methods are not used.
+#[derive(Clone, Default)]
+struct Upstream {
+    script: Arc<Mutex<VecDeque<Scripted>>>,
+    gets: Arc<Mutex<u32>>,
+}
+
+impl Upstream {
+    fn gets(&self) -> u32 {
+        *self.gets.lock().unwrap()
+    }
+}
+
+fn unused<T>() -> Result<Response<T>, Status> {
+    Err(Status::unimplemented("not used by the test"))
+}
+
+#[tonic::async_trait]
+impl AdminService for Upstream {
+    async fn get(&self, _: Request<pb::GetRequest>) -> Result<Response<pb::GetResponse>, Status> {
+        *self.gets.lock().unwrap() += 1;
+        let next = self.script.lock().unwrap().pop_front();
+        match next {
+            Some((code, pushback)) => {
+                let mut status = Status::new(code, "scripted");
+                if let Some(ms) = pushback {
+                    status
+                        .metadata_mut()
+                        .insert("grpc-retry-pushback-ms", ms.parse().unwrap());
+                }
+                Err(status)
+            }
+            None => Ok(Response::new(pb::GetResponse {
+                info: Some(pb::VersionInfo {
+                    version: 7,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })),
+        }
+    }
+
+    async fn validate(
+        &self,
+        _: Request<pb::ValidateRequest>,
+    ) -> Result<Response<pb::ValidateResponse>, Status> {
+        unused()
+    }
+    async fn apply(
+        &self,
+        _: Request<pb::ApplyRequest>,
+    ) -> Result<Response<pb::ApplyResponse>, Status> {
+        unused()
+    }
+    async fn history(
+        &self,
+        _: Request<pb::HistoryRequest>,
+    ) -> Result<Response<pb::HistoryResponse>, Status> {
+        unused()
+    }
+    async fn rollback(
+        &self,
+        _: Request<pb::RollbackRequest>,
+    ) -> Result<Response<pb::ApplyResponse>, Status> {
+        unused()
+    }
+    async fn fleet_status(
+        &self,
+        _: Request<pb::FleetStatusRequest>,
+    ) -> Result<Response<pb::FleetStatusResponse>, Status> {
+        unused()
+    }
+    async fn stats(
+        &self,
+        _: Request<pb::StatsRequest>,
+    ) -> Result<Response<pb::StatsResponse>, Status> {
+        unused()
+    }
+}
+
+/// Starts the scripted server on 127.0.0.1:0 and returns it with a channel to it.
+async fn serve(script: &[Scripted]) -> (Upstream, Channel) {
+    let upstream = Upstream::default();
+    *upstream.script.lock().unwrap() = script.iter().copied().collect();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(AdminServiceServer::new(upstream.clone()))
+            .serve_with_incoming(TcpListenerStream::new(listener)),
+    );
+    let channel = Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect_timeout(WAIT)
+        .connect()
+        .await
+        .unwrap();
+    (upstream, channel)
+}
+
+/// Fast deterministic pauses, no budget or breaker: `upstream` has 3 attempts.
+fn agent() -> Agent {
+    let yaml = "version: 1\ndefaults:\n  backoff: {base: 5ms, max: 20ms, jitter: none}\n  budget: {enabled: false}\n  circuit_breaker: {enabled: false}\nendpoints:\n  upstream:\n    max_attempts: 3\n";
+    let loaded = retryplane_policy::load(yaml.as_bytes());
+    Agent::from_policies_seeded(loaded.policies.unwrap(), 1)
+}
+
+/// A `Get` through the layer, declared idempotent or not.
+async fn get(agent: &Agent, channel: Channel, idempotent: Option<bool>) -> Result<u64, Status> {
+    let service = tower::ServiceBuilder::new()
+        .layer(RetryLayer::new(agent.endpoint("upstream")))
+        .map_request(into_tonic_request)
+        .service(channel);
+    let mut client = AdminServiceClient::new(service);
+    let mut request = Request::new(pb::GetRequest { version: 0 });
+    if let Some(declared) = idempotent {
+        request.extensions_mut().insert(Idempotent(declared));
+    }
+    let response = tokio::time::timeout(WAIT, client.get(request))
+        .await
+        .expect("the call ends in time")?;
+    Ok(response.into_inner().info.unwrap().version)
+}
+
+fn counts(agent: &Agent) -> CounterValues {
+    agent.endpoint("upstream").pending_counts()
+}
+
+#[tokio::test]
+async fn unavailable_twice_then_ok_succeeds_at_the_third_attempt_honouring_the_pushback() {
+    let (upstream, channel) =
+        serve(&[(Code::Unavailable, Some("60")), (Code::Unavailable, None)]).await;
+    let agent = agent();
+    assert_eq!(get(&agent, channel, Some(true)).await.unwrap(), 7);
+    assert_eq!(upstream.gets(), 3);
+    let c = counts(&agent);
+    assert_eq!(
+        (c.calls, c.attempts, c.retries, c.success_after_retry),
+        (1, 3, 2, 1)
+    );
+    assert_eq!((c.success_first_try, c.gave_up_not_retryable), (0, 0));
+    // The pushback replaced the first pause (5 ms); the second is the schedule's 10 ms.
+    assert_eq!(c.retry_after_honored, 1);
+    assert_eq!(c.backoff_ms, 60 + 10);
+}
+
+#[tokio::test]
+async fn a_non_retryable_code_returns_at_once_and_counts_as_a_failure() {
+    let (upstream, channel) = serve(&[(Code::InvalidArgument, None)]).await;
+    let agent = agent();
+    let status = get(&agent, channel, Some(true)).await.unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument);
+    assert_eq!(upstream.gets(), 1);
+    let c = counts(&agent);
+    assert_eq!((c.calls, c.attempts, c.retries), (1, 1, 0));
+    assert_eq!((c.success_first_try, c.gave_up_not_retryable), (0, 1));
+}
+
+#[tokio::test]
+async fn a_grpc_call_not_declared_idempotent_is_not_retried() {
+    for declared in [None, Some(false)] {
+        let (upstream, channel) = serve(&[(Code::Unavailable, None)]).await;
+        let agent = agent();
+        let status = get(&agent, channel, declared).await.unwrap_err();
+        assert_eq!(status.code(), Code::Unavailable, "{declared:?}");
+        assert_eq!(upstream.gets(), 1, "{declared:?}");
+        let c = counts(&agent);
+        assert_eq!(
+            (c.attempts, c.gave_up_not_retryable),
+            (1, 1),
+            "{declared:?}"
+        );
+    }
+}

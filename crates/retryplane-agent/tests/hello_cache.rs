@@ -1,0 +1,101 @@
+//! An agent that starts from its cache file says so in its Hello: the cached version and
+//! content hash, so the control plane can tell whether it is behind. Against the scripted
+//! control plane (`support::script`), which records the Hello as sent.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use std::time::Duration;
+
+use prost::Message as _;
+use retryplane_agent::{Agent, ReconnectBackoff, Source};
+use retryplane_proto::pb::agent_message::Kind;
+use support::plane::{WAIT, attempts_of};
+use support::script::{Script, send, snapshot};
+
+fn agent(script: &Script, cache: &std::path::Path) -> Agent {
+    Agent::builder()
+        .url(format!("http://{}", script.addr))
+        .service("checkout")
+        .agent_id("a")
+        .cache_file(cache)
+        .rng_seed(1)
+        .reconnect_backoff(ReconnectBackoff::new(
+            Duration::from_millis(20),
+            Duration::from_millis(300),
+            Duration::from_secs(10),
+        ))
+        .connect()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hello_after_a_start_from_the_cache_carries_the_cached_version_and_hash() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("agent.cache");
+    let cached = snapshot(7, 4);
+    std::fs::write(&cache, cached.encode_to_vec()).unwrap();
+
+    let mut script = Script::start().await;
+    let agent = agent(&script, &cache);
+    // On the cached policies before the control plane says anything.
+    let p = agent.policies();
+    assert_eq!((p.source(), p.version()), (Source::Cache, 7));
+    assert_eq!(attempts_of(&agent).await, 4);
+
+    let (to_agent, hello) = script.reconnected().await;
+    assert_eq!(hello.agent_id, "a");
+    assert_eq!(hello.last_applied_version, 7);
+    assert_eq!(hello.last_applied_hash, cached.content_hash);
+
+    // A newer version is applied and ACKed, and the next Hello carries it.
+    let v8 = snapshot(8, 2);
+    send(&to_agent, &v8).await;
+    match script.reply().await {
+        Kind::Ack(ack) => assert_eq!(ack.version, 8),
+        other => panic!("expected Ack v8, got {other:?}"),
+    }
+    drop(to_agent);
+    let (to_agent, hello) = script.reconnected().await;
+    assert_eq!(
+        (hello.last_applied_version, hello.last_applied_hash.as_str()),
+        (8, v8.content_hash.as_str())
+    );
+
+    let close = async {
+        script.until_ended().await;
+        drop(to_agent);
+    };
+    tokio::time::timeout(WAIT, async { tokio::join!(agent.shutdown(), close) })
+        .await
+        .expect("the agent shuts down in time");
+    script.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hello_without_a_usable_cache_says_version_zero() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("agent.cache");
+    // A snapshot whose content does not match its hash is not used.
+    let mut tampered = snapshot(7, 4);
+    tampered.content_hash = "0".repeat(64);
+    std::fs::write(&cache, tampered.encode_to_vec()).unwrap();
+
+    let mut script = Script::start().await;
+    let agent = agent(&script, &cache);
+    assert_eq!(agent.policies().source(), Source::Fallback);
+    let (to_agent, hello) = script.reconnected().await;
+    assert_eq!(
+        (hello.last_applied_version, hello.last_applied_hash.as_str()),
+        (0, "")
+    );
+    let close = async {
+        script.until_ended().await;
+        drop(to_agent);
+    };
+    tokio::time::timeout(WAIT, async { tokio::join!(agent.shutdown(), close) })
+        .await
+        .expect("the agent shuts down in time");
+    script.stop().await;
+}

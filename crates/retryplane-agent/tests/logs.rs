@@ -1,0 +1,257 @@
+//! The agent's log lines never carry header values, tokens or bodies (SPEC §2), and each
+//! attempt's debug line has what SPEC §2 lists: endpoint, attempt, outcome class, pause,
+//! deadline left. The agent's tracing output (target `retryplane_agent`, debug and up) is
+//! captured into a buffer while calls carry secrets in every place a request can.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::io;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{AUTHORIZATION, HeaderValue};
+use http::request::Parts;
+use http::{Request, Response};
+use http_body_util::{BodyExt as _, Full};
+use retryplane_agent::layer::{BoxError, RefreshCredentials, ReplayBody, RetryLayer};
+use retryplane_agent::{Agent, CallMeta, ReconnectBackoff};
+use support::{agent, policy};
+use tower::{Layer as _, ServiceExt as _, service_fn};
+
+/// Every secret the calls carry; none may appear in the log.
+const SECRETS: [&str; 7] = [
+    "AUTH-HEADER-SECRET",
+    "API-KEY-HEADER-SECRET",
+    "QUERY-SECRET",
+    "BODY-SECRET",
+    "REFRESHED-TOKEN-SECRET",
+    "HOOK-ERROR-SECRET",
+    "AGENT-TOKEN-SECRET",
+];
+
+/// A log sink shared with the test.
+#[derive(Clone, Default)]
+struct Sink(Arc<Mutex<Vec<u8>>>);
+
+impl io::Write for Sink {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Sink {
+    fn text(&self) -> String {
+        String::from_utf8(self.0.lock().unwrap().clone()).unwrap()
+    }
+}
+
+/// An upstream that answers the scripted statuses, then 200, and reads every body.
+fn upstream(
+    statuses: &[u16],
+) -> impl tower::Service<
+    Request<ReplayBody<Full<Bytes>>>,
+    Response = Response<()>,
+    Error = Infallible,
+    Future = impl Send,
+> + Clone
++ Send
++ 'static {
+    let script = Arc::new(Mutex::new(
+        statuses.iter().copied().collect::<VecDeque<_>>(),
+    ));
+    service_fn(move |req: Request<ReplayBody<Full<Bytes>>>| {
+        let script = script.clone();
+        async move {
+            req.into_body().collect().await.unwrap();
+            let status = script.lock().unwrap().pop_front().unwrap_or(200);
+            Ok::<_, Infallible>(Response::builder().status(status).body(()).unwrap())
+        }
+    })
+}
+
+fn request() -> Request<Full<Bytes>> {
+    Request::builder()
+        .method("PUT")
+        .uri("http://up/v1/things?api_key=QUERY-SECRET")
+        .header(AUTHORIZATION, "Bearer AUTH-HEADER-SECRET")
+        .header("x-api-key", "API-KEY-HEADER-SECRET")
+        .body(Full::new(Bytes::from_static(b"{\"card\":\"BODY-SECRET\"}")))
+        .unwrap()
+}
+
+/// Sets a new token, or fails with an error that holds a secret.
+#[derive(Clone)]
+struct Hook {
+    fail: bool,
+}
+
+impl RefreshCredentials for Hook {
+    async fn refresh(&self, parts: &mut Parts) -> Result<(), BoxError> {
+        if self.fail {
+            return Err("token service: HOOK-ERROR-SECRET".into());
+        }
+        parts.headers.insert(
+            AUTHORIZATION,
+            HeaderValue::from_static("Bearer REFRESHED-TOKEN-SECRET"),
+        );
+        Ok(())
+    }
+}
+
+/// The first captured line that contains every one of `parts`.
+fn line_with<'a>(log: &'a str, parts: &[&str]) -> Option<&'a str> {
+    log.lines().find(|l| parts.iter().all(|p| l.contains(p)))
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn no_log_line_carries_a_header_value_a_token_or_a_body() {
+    let sink = Sink::default();
+    let writer = sink.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_env_filter("retryplane_agent=debug")
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+
+    // Fast, deterministic pauses: base 5 ms, ×2.
+    let agent = agent(&policy(
+        "max_attempts: 3\nbackoff: {base: 5ms, max: 20ms, multiplier: 2.0, jitter: none}",
+    ));
+    let layer = RetryLayer::new(agent.endpoint("ep"));
+
+    // A call retried once, then one that gives up after every attempt (the warn line).
+    let ok = layer
+        .clone()
+        .layer(upstream(&[503]))
+        .oneshot(request())
+        .await
+        .unwrap();
+    assert_eq!(ok.status(), 200);
+    let failed = layer
+        .clone()
+        .layer(upstream(&[503, 503, 503]))
+        .oneshot(request())
+        .await
+        .unwrap();
+    assert_eq!(failed.status(), 503);
+
+    // A 401 with a credential refresh that works, and one whose hook fails.
+    for fail in [false, true] {
+        let client = layer
+            .clone()
+            .with_auth_refresh(Hook { fail })
+            .layer(upstream(&[401]));
+        client.oneshot(request()).await.unwrap();
+    }
+
+    // A failing call through a handle, with the meta built from the request (its path with
+    // the query string, which the warn line must leave out).
+    let req = request();
+    let meta = CallMeta::http(req.method().as_str(), "/v1/things?api_key=QUERY-SECRET")
+        .with_headers(req.headers());
+    let up = support::Upstream::new(vec![support::Step::Status(503); 3]);
+    let err = agent
+        .endpoint("ep")
+        .call(meta, up.attempt())
+        .await
+        .unwrap_err();
+    assert_eq!(err.attempts, 3);
+
+    // An agent with a token whose control plane is not there: it logs its reconnects.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", closed.local_addr().unwrap());
+    drop(closed);
+    let connected = Agent::builder()
+        .url(url)
+        .token("AGENT-TOKEN-SECRET")
+        .service("checkout")
+        .reconnect_backoff(ReconnectBackoff::new(
+            Duration::from_millis(5),
+            Duration::from_millis(20),
+            Duration::from_secs(1),
+        ))
+        .rng_seed(1)
+        .connect()
+        .unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    while line_with(&sink.text(), &["control plane stream lost"]).is_none() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no reconnect logged:\n{}",
+            sink.text()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    connected.shutdown().await;
+
+    let log = sink.text();
+    for secret in SECRETS {
+        assert!(!log.contains(secret), "{secret} in the log:\n{log}");
+    }
+    // The per-attempt lines: endpoint, attempt, class, pause (when one follows), deadline left.
+    let retried = line_with(
+        &log,
+        &[
+            "DEBUG",
+            "attempt",
+            "endpoint=ep",
+            "attempt=1",
+            "class=503",
+            "pause_ms=5",
+            "deadline_left_ms=",
+        ],
+    );
+    assert!(
+        retried.is_some(),
+        "no per-attempt line of a retried attempt:\n{log}"
+    );
+    let second = line_with(
+        &log,
+        &[
+            "DEBUG",
+            "endpoint=ep",
+            "attempt=2",
+            "class=200",
+            "deadline_left_ms=",
+        ],
+    );
+    assert!(
+        second.is_some(),
+        "no per-attempt line of the successful retry:\n{log}"
+    );
+    let gave_up = line_with(
+        &log,
+        &[
+            "WARN",
+            "call failed",
+            "endpoint=ep",
+            "method=\"PUT\"",
+            "path=\"/v1/things\"",
+            "attempts=3",
+            "class=503",
+            "cause=",
+        ],
+    );
+    assert!(
+        gave_up.is_some(),
+        "no warn line for the failed call:\n{log}"
+    );
+    assert!(
+        line_with(&log, &["credentials refreshed, sending again"]).is_some(),
+        "{log}"
+    );
+    assert!(
+        line_with(&log, &["credentials not refreshed, the answer stands"]).is_some(),
+        "{log}"
+    );
+}
