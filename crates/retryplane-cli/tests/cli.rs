@@ -226,6 +226,61 @@ fn an_unknown_field_suggests_the_known_one() {
         .stdout(predicate::str::contains("did you mean `max_attempts`"));
 }
 
+/// A route that turns the endpoint's budget back on and gives the breaker a number: neither
+/// would run (the endpoint's budget and breaker are shared by all its calls).
+const ROUTE_SHARED: &str = "\
+version: 1
+endpoints:
+  payments:
+    budget: {enabled: false}
+    routes:
+      - match: {method: GET}
+        budget: {enabled: true}
+        circuit_breaker: {min_requests: 5}
+";
+
+#[test]
+fn a_route_that_turns_the_shared_budget_on_or_tunes_the_breaker_is_refused() {
+    let dir = dir_with(&[("route.yaml", ROUTE_SHARED)]);
+    let out = stdout_of(
+        retryplane(dir.path(), &["validate", "route.yaml"])
+            .assert()
+            .code(1),
+    );
+    assert_eq!(
+        out,
+        "route.yaml:7:27: error: endpoints.payments.routes[0].budget.enabled: budget is per endpoint, shared by its routes; a route can only turn it off (enabled: false): set it on the endpoint or in `defaults:`\n\
+         route.yaml:8:41: error: endpoints.payments.routes[0].circuit_breaker.min_requests: circuit_breaker is per endpoint, shared by its routes; a route can only turn it off (enabled: false): set it on the endpoint or in `defaults:`\n"
+    );
+}
+
+#[test]
+fn explain_shows_a_route_turning_the_shared_budget_off() {
+    let dir = dir_with(&[(
+        "off.yaml",
+        "version: 1\nendpoints:\n  payments:\n    routes:\n      - match: {method: POST}\n        budget: {enabled: false}\n",
+    )]);
+    let args = [
+        "explain",
+        "off.yaml",
+        "--endpoint",
+        "payments",
+        "-X",
+        "POST",
+    ];
+    let out = stdout_of(retryplane(dir.path(), &args).assert().code(0));
+    assert_eq!(
+        policy_line(&out, "budget.enabled"),
+        ["budget.enabled", "false", "route", "off.yaml:6:27"]
+    );
+    let get = ["explain", "off.yaml", "--endpoint", "payments", "-X", "GET"];
+    let out = stdout_of(retryplane(dir.path(), &get).assert().code(0));
+    assert_eq!(
+        policy_line(&out, "budget.enabled"),
+        ["budget.enabled", "true", "built-in"]
+    );
+}
+
 #[test]
 fn a_ten_gigabyte_file_is_refused_without_being_read() {
     let dir = dir_with(&[]);

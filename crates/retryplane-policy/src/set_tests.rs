@@ -190,26 +190,47 @@ endpoints:
 }
 
 #[test]
-fn a_route_can_turn_the_budget_off_and_keeps_inherited_numbers_when_on() {
+fn an_endpoint_that_turns_the_budget_back_on_keeps_the_numbers_of_defaults() {
     let src = r"
 version: 1
 defaults:
-  budget: {ratio: 0.5}
+  budget: {enabled: false, ratio: 0.5}
 endpoints:
   a:
-    budget: {enabled: false}
+    budget: {enabled: true}
+  b: {}
+";
+    let set = load(src.as_bytes()).policies.expect("valid");
+    let a = set.endpoint("a").expect("a");
+    assert_eq!(a.policy.budget.as_ref().map(|b| b.ratio), Some(0.5));
+    assert_eq!(set.endpoint("b").expect("b").policy.budget, None);
+}
+
+#[test]
+fn a_route_can_turn_the_shared_budget_and_breaker_off_for_its_calls() {
+    let src = r"
+version: 1
+endpoints:
+  a:
+    budget: {ratio: 0.3}
     routes:
       - match: {path_prefix: /x}
-        budget: {enabled: true}
+        budget: {enabled: false}
+        circuit_breaker: {enabled: false}
 ";
     let set = load(src.as_bytes()).policies.expect("valid");
     let ep = set.endpoint("a").expect("a");
-    assert_eq!(ep.policy.budget, None);
-    let route = ep.resolve(&Target::Http {
+    let x = ep.resolve(&Target::Http {
         method: "GET",
         path: "/x",
     });
-    assert_eq!(route.budget.as_ref().map(|b| b.ratio), Some(0.5));
+    assert_eq!((&x.budget, &x.circuit_breaker), (&None, &None));
+    let other = ep.resolve(&Target::Http {
+        method: "GET",
+        path: "/y",
+    });
+    assert_eq!(other.budget.as_ref().map(|b| b.ratio), Some(0.3));
+    assert!(other.circuit_breaker.is_some());
 }
 
 /// The checked document of a valid file, to edit as code would.
@@ -366,12 +387,19 @@ proptest! {
 }
 
 #[test]
-fn a_route_may_only_turn_the_shared_budget_and_breaker_on_or_off() {
-    let src = "version: 1\nendpoints:\n  a:\n    routes:\n      - match: {path_prefix: /x}\n        budget: {enabled: true, ratio: 0.5}\n        circuit_breaker: {enabled: false}\n";
+fn a_route_may_only_turn_the_shared_budget_and_breaker_off() {
+    // The endpoint's budget and breaker are built from the endpoint's settings and shared by
+    // all its calls: anything else a route says about them would be shown but never run.
+    let src = "version: 1\nendpoints:\n  a:\n    budget: {enabled: false}\n    routes:\n      - match: {path_prefix: /x}\n        budget: {enabled: true, ratio: 0.5}\n        circuit_breaker: {enabled: false, window: 5s}\n      - match: {path_prefix: /y}\n        circuit_breaker: {enabled: true}\n";
+    let budget = "budget is per endpoint, shared by its routes; a route can only turn it off (enabled: false): set it on the endpoint or in `defaults:`";
+    let breaker = "circuit_breaker is per endpoint, shared by its routes; a route can only turn it off (enabled: false): set it on the endpoint or in `defaults:`";
     assert_eq!(
         errors(src),
         [
-            "6:40: error: endpoints.a.routes[0].budget.ratio: the budget is shared by all calls of the endpoint: a route may only set `budget.enabled`; set the numbers on the endpoint"
+            format!("7:27: error: endpoints.a.routes[0].budget.enabled: {budget}"),
+            format!("7:40: error: endpoints.a.routes[0].budget.ratio: {budget}"),
+            format!("8:51: error: endpoints.a.routes[0].circuit_breaker.window: {breaker}"),
+            format!("10:36: error: endpoints.a.routes[1].circuit_breaker.enabled: {breaker}"),
         ]
     );
 }

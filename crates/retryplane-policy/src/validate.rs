@@ -85,9 +85,12 @@ pub fn check(doc: &PolicyDocument, diags: &mut Vec<Diagnostic>) {
     }
 }
 
-/// The budget and the breaker are shared by every call of an endpoint, so a route can turn
-/// them off for its calls but cannot give them other numbers; alerting is per endpoint, so a
-/// route cannot set it at all (a file gets this from the parser, a wire document here).
+/// The budget and the breaker are per endpoint: one of each, built from the endpoint's own
+/// settings and shared by every call of the endpoint, whichever route it takes. So the one
+/// thing a route can do with them is turn them off for its calls (`enabled: false`); numbers
+/// or `enabled: true` on a route would be shown but never run, and are refused. Alerting is per
+/// endpoint too, so a route cannot set it at all (a file gets this from the parser, a wire
+/// document here).
 fn check_route_sharing(o: &Overlay, prefix: &str, diags: &mut Vec<Diagnostic>) {
     for (field, loc) in o.set_fields() {
         if field.starts_with("alert.") {
@@ -98,19 +101,32 @@ fn check_route_sharing(o: &Overlay, prefix: &str, diags: &mut Vec<Diagnostic>) {
             ));
             continue;
         }
-        let shared = (field.starts_with("budget.") && field != "budget.enabled")
-            || (field.starts_with("circuit_breaker.") && field != "circuit_breaker.enabled");
-        if shared {
-            let section = field.split('.').next().unwrap_or(field);
+        let section = match field.split_once('.') {
+            Some((section @ ("budget" | "circuit_breaker"), _)) => section,
+            _ => continue,
+        };
+        let turns_off = match field {
+            "budget.enabled" => o.budget.enabled.as_ref().is_some_and(|f| !f.value),
+            "circuit_breaker.enabled" => {
+                o.circuit_breaker.enabled.as_ref().is_some_and(|f| !f.value)
+            }
+            _ => false,
+        };
+        if !turns_off {
             diags.push(Diagnostic::error(
                 loc,
                 format!("{prefix}.{field}"),
-                format!(
-                    "the {section} is shared by all calls of the endpoint: a route may only set `{section}.enabled`; set the numbers on the endpoint"
-                ),
+                route_shared_message(section),
             ));
         }
     }
+}
+
+/// Why a route cannot set `section` (`budget` or `circuit_breaker`) other than to turn it off.
+fn route_shared_message(section: &str) -> String {
+    format!(
+        "{section} is per endpoint, shared by its routes; a route can only turn it off (enabled: false): set it on the endpoint or in `defaults:`"
+    )
 }
 
 fn check_endpoint_name(name: &str, loc: Loc, path: &str, diags: &mut Vec<Diagnostic>) {
