@@ -354,10 +354,6 @@ impl<'a> RetryCall<'a> {
                 None => None,
             };
         // Step 7: pause, server hints, deadline.
-        let computed = self
-            .backoff
-            .get_or_insert_with(|| Backoff::new(&p.backoff))
-            .next_pause(rng);
         let hint = if p.retry_after.honor {
             match outcome {
                 Outcome::Http {
@@ -377,9 +373,20 @@ impl<'a> RetryCall<'a> {
             Some((d, _)) if d > p.retry_after.max => {
                 return Decision::GiveUp(GiveUpCause::RetryAfterTooLong);
             }
-            Some((d, true)) => (d, true),
-            Some((d, false)) => (computed.max(d), d > computed),
-            None => (computed, false),
+            // gRFC A6: a valid pushback replaces the computed pause, and the retries after the
+            // one it paces start over from the initial backoff (retry 1's ceiling; for
+            // `decorrelated`, a previous pause of `base`).
+            Some((d, true)) => {
+                self.backoff = None;
+                (d, true)
+            }
+            // HTTP `Retry-After` only lengthens the computed pause (SPEC §2 step 7); the
+            // schedule goes on.
+            Some((d, false)) => {
+                let computed = self.next_pause(rng);
+                (computed.max(d), d > computed)
+            }
+            None => (self.next_pause(rng), false),
         };
         if nanos(pause) >= self.left(offset) {
             return Decision::GiveUp(GiveUpCause::DeadlineExceeded);
@@ -392,6 +399,14 @@ impl<'a> RetryCall<'a> {
         // Step 5 made sure `attempts < max_attempts`: one more attempt may start.
         self.allowed = self.attempts + 1;
         Decision::Retry { pause, hinted }
+    }
+
+    /// The computed pause of the next retry; the backoff state is built on the first use.
+    fn next_pause(&mut self, rng: &mut (impl Rng + ?Sized)) -> Duration {
+        let p = self.policy;
+        self.backoff
+            .get_or_insert_with(|| Backoff::new(&p.backoff))
+            .next_pause(rng)
     }
 
     /// Attempts started so far.

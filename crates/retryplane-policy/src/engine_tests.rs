@@ -421,6 +421,70 @@ fn an_open_breaker_fails_fast_without_an_attempt() {
     assert_eq!(next.attempts(), 0);
 }
 
+fn grpc(pushback: Option<Pushback>) -> Outcome {
+    Outcome::Grpc {
+        code: GrpcCode::Unavailable,
+        pushback,
+    }
+}
+
+/// The pauses of `outcomes`, one attempt each at `t0`, until the call stops retrying.
+fn pauses(p: &RetryPolicy, outcomes: Vec<Outcome>) -> Vec<Duration> {
+    let t0 = Instant::now();
+    let state = EndpointState::new(p, t0);
+    let mut call = RetryCall::new(p, &state, get(), t0);
+    let mut out = Vec::new();
+    for outcome in outcomes {
+        match step(&mut call, outcome, t0) {
+            Decision::Retry { pause, .. } => out.push(pause),
+            other => panic!("expected a retry, got {other:?}"),
+        }
+    }
+    out
+}
+
+#[test]
+fn after_a_grpc_pushback_the_backoff_starts_over() {
+    // gRFC A6: base 100ms, multiplier 2, jitter none; a pushback of 50ms paces retry 2, and
+    // the retries after it start again from the initial backoff.
+    let mut p = policy();
+    p.max_attempts = 5;
+    let ms = Duration::from_millis;
+    let pushback = Some(Pushback::After(ms(50)));
+    assert_eq!(
+        pauses(&p, vec![grpc(None), grpc(pushback), grpc(None), grpc(None)]),
+        [ms(100), ms(50), ms(100), ms(200)]
+    );
+    // A pushback first, then the schedule from its start.
+    assert_eq!(
+        pauses(&p, vec![grpc(pushback), grpc(None), grpc(None)]),
+        [ms(50), ms(100), ms(200)]
+    );
+}
+
+#[test]
+fn after_an_http_retry_after_the_backoff_goes_on() {
+    // SPEC §2 step 7: `Retry-After` lengthens the computed pause and does not reset it.
+    let mut p = policy();
+    p.max_attempts = 5;
+    let ms = Duration::from_millis;
+    let retry_after = |d| Outcome::Http {
+        status: 429,
+        retry_after: Some(Ok(d)),
+    };
+    assert_eq!(
+        pauses(
+            &p,
+            vec![http(503), retry_after(ms(50)), http(503), http(503)]
+        ),
+        [ms(100), ms(200), ms(400), ms(800)]
+    );
+    assert_eq!(
+        pauses(&p, vec![http(503), retry_after(ms(1500)), http(503)]),
+        [ms(100), ms(1500), ms(400)]
+    );
+}
+
 #[test]
 fn a_call_that_is_over_starts_no_more_attempts() {
     let mut p = policy();
