@@ -49,6 +49,75 @@ fn three_bad_fields_give_three_located_errors() {
     );
 }
 
+/// Every diagnostic, errors and warnings, as printed.
+fn all(src: &str) -> Vec<String> {
+    load(src.as_bytes())
+        .diagnostics
+        .iter()
+        .map(ToString::to_string)
+        .collect()
+}
+
+#[test]
+fn a_refused_field_gets_no_second_error_from_the_built_in_value_in_its_place() {
+    // `base: 10` has no unit: the cross-field check must not compare `max` with the built-in
+    // 100ms that stands in for it.
+    assert_eq!(
+        all("version: 1\nendpoints:\n  a:\n    backoff: {base: 10, max: 50ms}\n"),
+        [
+            "4:21: error: endpoints.a.backoff.base: duration `10` needs a unit: ms, s, m or h (for example `10ms`)"
+        ]
+    );
+    assert_eq!(
+        all("version: 1\nendpoints:\n  a:\n    deadline: 1s\n    per_try_timeout: 5\n"),
+        [
+            "5:22: error: endpoints.a.per_try_timeout: duration `5` needs a unit: ms, s, m or h (for example `5ms`)"
+        ]
+    );
+    // A whole section refused: its fields are unknown too.
+    let section = all(
+        "version: 1\ndefaults:\n  backoff: {jitter: none}\nendpoints:\n  a:\n    backoff: fast\n    max_attempts: 4\n    deadline: 300ms\n    per_try_timeout: 100ms\n",
+    );
+    assert_eq!(
+        section,
+        ["6:14: error: endpoints.a.backoff: expected a mapping, found a string"]
+    );
+    // A refused value in a lower layer that a higher layer replaces does not hide the higher
+    // layer's own problem.
+    assert_eq!(
+        errors(
+            "version: 1\ndefaults:\n  backoff: {base: 10}\nendpoints:\n  a:\n    backoff: {base: 1s, max: 500ms}\n"
+        ),
+        [
+            "3:19: error: defaults.backoff.base: duration `10` needs a unit: ms, s, m or h (for example `10ms`)",
+            "6:30: error: endpoints.a.backoff.max: backoff.max (500ms) is shorter than backoff.base (1s)",
+        ]
+    );
+}
+
+#[test]
+fn counts_out_of_range_name_the_range_of_the_field() {
+    assert_eq!(
+        errors("version: 1\nendpoints:\n  a:\n    max_attempts: -1\n"),
+        ["4:19: error: endpoints.a.max_attempts: must be from 1 (never retry) to 10, found -1"]
+    );
+    assert_eq!(
+        errors("version: 1\nendpoints:\n  a:\n    max_attempts: 99999999999\n"),
+        [
+            "4:19: error: endpoints.a.max_attempts: must be from 1 (never retry) to 10, found 99999999999"
+        ]
+    );
+    assert_eq!(
+        errors(
+            "version: 1\nendpoints:\n  a:\n    circuit_breaker: {min_requests: -1}\n    budget: {min_per_second: -1}\n"
+        ),
+        [
+            "4:37: error: endpoints.a.circuit_breaker.min_requests: must be a whole number from 1 to 4294967295, found -1",
+            "5:30: error: endpoints.a.budget.min_per_second: must be a whole number from 0 to 4294967295, found -1",
+        ]
+    );
+}
+
 #[test]
 fn duplicate_endpoints_are_an_error_not_a_silent_overwrite() {
     let src =
