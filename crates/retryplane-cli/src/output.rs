@@ -28,9 +28,40 @@ pub fn note(message: fmt::Arguments<'_>) {
     let _ = writeln!(io::stderr().lock(), "{message}");
 }
 
-/// Appends `FILE:LINE:COLUMN: SEVERITY: PATH: MESSAGE` and a newline (SPEC §5).
+/// Appends `FILE:LINE:COLUMN: SEVERITY: PATH: MESSAGE` and a newline (SPEC §5): one line per
+/// problem, whatever the file's names hold. Paths and messages carry names as written (a key
+/// `"a\nb"`), and the file is named as given, so control characters in them are escaped
+/// ([`OneLine`]).
 pub fn push_diagnostic_line(out: &mut String, file: &str, diag: &Diagnostic) {
-    let _ = writeln!(out, "{file}:{diag}");
+    let _ = writeln!(
+        out,
+        "{}:{}: {}: {}: {}",
+        OneLine(file),
+        diag.loc,
+        diag.severity.as_str(),
+        OneLine(&diag.path),
+        OneLine(&diag.message)
+    );
+}
+
+/// Text with every control character (and the Unicode line and paragraph separators) written
+/// as a Rust escape (`\n`, `\t`, `\u{1b}`), so it stays on one line; everything else,
+/// backslashes and non-ASCII letters included, as is.
+pub struct OneLine<'a>(pub &'a str);
+
+impl fmt::Display for OneLine<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut rest = self.0;
+        while let Some(at) =
+            rest.find(|c: char| c.is_control() || matches!(c, '\u{2028}' | '\u{2029}'))
+        {
+            f.write_str(&rest[..at])?;
+            let c = rest[at..].chars().next().unwrap_or_default();
+            write!(f, "{}", c.escape_default())?;
+            rest = &rest[at + c.len_utf8()..];
+        }
+        f.write_str(rest)
+    }
 }
 
 /// One diagnostic as JSON: `{file, line, column, severity, path, message}` (SPEC §5).
@@ -185,6 +216,16 @@ pub fn invalid_file_report(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn one_line_escapes_control_characters_only() {
+        assert_eq!(
+            OneLine("a\nb\r\tc\u{1b}[0m\u{2028}").to_string(),
+            "a\\nb\\r\\tc\\u{1b}[0m\\u{2028}"
+        );
+        assert_eq!(OneLine("платежі \\ ok").to_string(), "платежі \\ ok");
+        assert_eq!(OneLine("").to_string(), "");
+    }
 
     #[test]
     fn millis_print_whole_numbers_without_decimals() {

@@ -155,6 +155,44 @@ fn json_format_is_one_array_with_every_field() {
     assert_eq!(problems[0]["path"], "defaults.max_attempts");
 }
 
+/// Names written with control characters: a line break in an endpoint name and in a key.
+const CONTROL_NAMES: &str = "version: 1\nendpoints:\n  \"pay\\nments\":\n    \"max\\nattempts\": 2\n    deadline: \"1\\u001b[2Jm\"\n";
+
+#[test]
+fn text_output_keeps_each_problem_on_one_line_whatever_the_names_hold() {
+    let dir = dir_with(&[("names.yaml", CONTROL_NAMES)]);
+    let out = stdout_of(
+        retryplane(dir.path(), &["validate", "names.yaml"])
+            .assert()
+            .code(1),
+    );
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 3, "{out}");
+    assert_eq!(
+        lines[0],
+        "names.yaml:3:3: error: endpoints.pay\\nments: endpoint names are 1 to 128 letters, digits, `-`, `_` or `.`"
+    );
+    assert_eq!(
+        lines[1],
+        "names.yaml:4:5: error: endpoints.pay\\nments.max\\nattempts: unknown field `max\\nattempts` (did you mean `max_attempts`?)"
+    );
+    assert!(
+        lines[2].starts_with("names.yaml:5:15: error: endpoints.pay\\nments.deadline: "),
+        "{}",
+        lines[2]
+    );
+    assert!(lines[2].contains("1\\u{1b}[2Jm"), "{}", lines[2]);
+    assert!(!out.contains('\u{1b}'), "{out:?}");
+    // JSON carries the names as written.
+    let json = stdout_of(
+        retryplane(dir.path(), &["validate", "--format", "json", "names.yaml"])
+            .assert()
+            .code(1),
+    );
+    let problems: Vec<Value> = serde_json::from_str(&json).unwrap();
+    assert_eq!(problems[1]["path"], "endpoints.pay\nments.max\nattempts");
+}
+
 #[test]
 fn json_format_prints_an_empty_array_for_a_clean_file() {
     let dir = dir_with(&[("good.yaml", VALID)]);
@@ -224,6 +262,61 @@ fn an_unknown_field_suggests_the_known_one() {
             "typo.yaml:4:5: error: endpoints.payments.max_attempt: ",
         ))
         .stdout(predicate::str::contains("did you mean `max_attempts`"));
+}
+
+/// A route that turns the endpoint's budget back on and gives the breaker a number: neither
+/// would run (the endpoint's budget and breaker are shared by all its calls).
+const ROUTE_SHARED: &str = "\
+version: 1
+endpoints:
+  payments:
+    budget: {enabled: false}
+    routes:
+      - match: {method: GET}
+        budget: {enabled: true}
+        circuit_breaker: {min_requests: 5}
+";
+
+#[test]
+fn a_route_that_turns_the_shared_budget_on_or_tunes_the_breaker_is_refused() {
+    let dir = dir_with(&[("route.yaml", ROUTE_SHARED)]);
+    let out = stdout_of(
+        retryplane(dir.path(), &["validate", "route.yaml"])
+            .assert()
+            .code(1),
+    );
+    assert_eq!(
+        out,
+        "route.yaml:7:27: error: endpoints.payments.routes[0].budget.enabled: budget is per endpoint, shared by its routes; a route can only turn it off (enabled: false): set it on the endpoint or in `defaults:`\n\
+         route.yaml:8:41: error: endpoints.payments.routes[0].circuit_breaker.min_requests: circuit_breaker is per endpoint, shared by its routes; a route can only turn it off (enabled: false): set it on the endpoint or in `defaults:`\n"
+    );
+}
+
+#[test]
+fn explain_shows_a_route_turning_the_shared_budget_off() {
+    let dir = dir_with(&[(
+        "off.yaml",
+        "version: 1\nendpoints:\n  payments:\n    routes:\n      - match: {method: POST}\n        budget: {enabled: false}\n",
+    )]);
+    let args = [
+        "explain",
+        "off.yaml",
+        "--endpoint",
+        "payments",
+        "-X",
+        "POST",
+    ];
+    let out = stdout_of(retryplane(dir.path(), &args).assert().code(0));
+    assert_eq!(
+        policy_line(&out, "budget.enabled"),
+        ["budget.enabled", "false", "route", "off.yaml:6:27"]
+    );
+    let get = ["explain", "off.yaml", "--endpoint", "payments", "-X", "GET"];
+    let out = stdout_of(retryplane(dir.path(), &get).assert().code(0));
+    assert_eq!(
+        policy_line(&out, "budget.enabled"),
+        ["budget.enabled", "true", "built-in"]
+    );
 }
 
 #[test]

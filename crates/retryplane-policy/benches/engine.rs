@@ -18,7 +18,8 @@
 //!   `TpsBudget`, from 2 threads at once (time per pair per thread), and from 1 thread.
 //! - `parse`: [`load`] of `config/policies.yaml`, of the generated 1,000-endpoint file and of
 //!   10,000 endpoints with defaults only, and how fast hostile inputs (an alias bomb, 100k nested
-//!   brackets, a 2 MiB file) are refused.
+//!   brackets, a 2 MiB file) are refused; also an alias bomb and 100-deep nesting after 55,000
+//!   tiny endpoints (about 700 KB), beside the load and the YAML pass of that padding alone.
 //!
 //! Run (see BENCHMARKS.md at the repository root for results):
 //!
@@ -319,6 +320,31 @@ fn many_tiny_endpoints(n: usize) -> String {
     y
 }
 
+/// 55,000 tiny endpoints (about 700 KB, 165,000 YAML events) followed by `tail`: hostile input
+/// placed after a large valid prefix is refused only once the parser reaches it.
+fn padded(tail: &str) -> String {
+    let mut y = many_tiny_endpoints(55_000);
+    y.push_str(tail);
+    y
+}
+
+/// [`alias_bomb`]'s anchors after the padding, as top-level keys.
+fn padded_alias_bomb() -> String {
+    let mut tail = String::from("l0: &l0 [lol, lol, lol, lol, lol, lol, lol, lol, lol, lol]\n");
+    for level in 1..9 {
+        let prev = level - 1;
+        let refs = vec![format!("*l{prev}"); 10].join(", ");
+        tail.push_str(&format!("l{level}: &l{level} [{refs}]\n"));
+    }
+    tail.push_str("boom: *l8\n");
+    padded(&tail)
+}
+
+/// An endpoint nested 100 deep after the padding.
+fn padded_nesting() -> String {
+    padded(&format!("  deep: {}{}\n", "[".repeat(100), "]".repeat(100)))
+}
+
 fn two_mib() -> String {
     let mut y = String::from("version: 1\nendpoints:\n  svc: {}\n");
     while y.len() < 2 * 1024 * 1024 {
@@ -349,6 +375,40 @@ fn parse(c: &mut Criterion) {
     g.bench_function("load/many_tiny_endpoints_10k", |b| {
         b.iter(|| black_box(load(black_box(tiny.as_bytes()))));
     });
+    // Hostile input after a large valid prefix costs about what parsing the prefix costs.
+    let padding = padded("");
+    assert!(padding.len() < 1024 * 1024);
+    assert!(
+        load(padding.as_bytes()).policies.is_some(),
+        "the padding alone loads"
+    );
+    g.bench_function("load/padding_55k", |b| {
+        b.iter(|| black_box(load(black_box(padding.as_bytes()))));
+    });
+    // The YAML pass alone (no checks, no compiling): what a refusal at the end can cost at most.
+    g.bench_function("yaml/padding_55k", |b| {
+        b.iter(|| {
+            black_box(retryplane_policy::yaml::parse(black_box(
+                padding.as_bytes(),
+            )))
+        });
+    });
+    for (name, text) in [
+        ("padded_alias_bomb", padded_alias_bomb()),
+        ("padded_nesting_100", padded_nesting()),
+    ] {
+        assert!(text.len() < 1024 * 1024, "{name} is under the size limit");
+        let loaded = load(text.as_bytes());
+        assert!(loaded.policies.is_none(), "{name} is refused");
+        let first = loaded
+            .diagnostics
+            .first()
+            .expect("a refused file has a diagnostic");
+        eprintln!("parse/refuse/{name} ({} bytes): {first}", text.len());
+        g.bench_function(format!("refuse/{name}"), |b| {
+            b.iter(|| black_box(load(black_box(text.as_bytes()))));
+        });
+    }
     g.sample_size(20);
     for (name, text) in [
         ("alias_bomb", alias_bomb()),

@@ -369,8 +369,10 @@ impl Overlay {
 
     /// This layer laid over `lower`: every field this layer sets, else `lower`'s. Layers are
     /// merged before they are applied so that a setting survives a lower layer turning its
-    /// section off (`budget: {enabled: false}` on an endpoint, `enabled: true` on a route
-    /// brings back the endpoint's and defaults' numbers, not the built-in ones).
+    /// section off (`budget: {enabled: false, ratio: 0.5}` in `defaults:`, `enabled: true` on
+    /// an endpoint brings back the ratio of `defaults:`, not the built-in one). A route cannot
+    /// turn a section back on: the budget and the breaker are the endpoint's
+    /// ([`crate::validate`]).
     pub fn over(&self, lower: &Overlay) -> Overlay {
         fn pick<T: Clone>(upper: &Option<T>, lower: &Option<T>) -> Option<T> {
             upper.as_ref().or(lower.as_ref()).cloned()

@@ -4,15 +4,17 @@
 //! that call (STYLE.md #4) and the endpoint's shared [`EndpointState`] (budget and breaker). The
 //! caller runs attempts; after each it reports the classified [`Outcome`] with the current time
 //! and gets a [`Decision`]: return, retry after a pause, or give up with a [`GiveUpCause`].
-//! The machine never allows more than `max_attempts`, never plans a pause that ends at or past
-//! the deadline, and keeps the last failure. It sleeps on nothing and reads no clock: the caller
+//! The machine never allows more than `max_attempts` (it counts them itself: a call that is
+//! over starts nothing, see [`RetryCall::start_attempt`]), never plans a pause that ends at or
+//! past the deadline, and keeps the last failure. It sleeps on nothing and reads no clock: the caller
 //! passes `now` (tokio's clock, pausable in tests) and the RNG.
 //!
 //! Cost: each step turns `now` into nanoseconds since the endpoint state's origin at most once,
 //! and not at all when `now` is the instant the call converted last (the first attempt starts at
 //! the call's instant, and the agent reports a success at its attempt's start), and the budget, the
 //! breaker and the deadline all work in that unit. A call that succeeds at once does two
-//! uncontended CAS (the budget's deposit, the breaker's success count); the backoff state is
+//! uncontended CAS (the budget's deposit, the breaker's success count) and one predictable
+//! branch in `start_attempt` (the count of attempts that may start); the backoff state is
 //! built on the first failure only, and the failure path is kept out of line. `new`,
 //! `start_attempt` and `on_outcome` are `#[inline(always)]`: what is left of them once the
 //! failure path is out of line is small, and inlining them into the caller took about a tenth
@@ -151,6 +153,11 @@ pub struct RetryCall<'a> {
     /// The deadline as an offset from the state's origin.
     deadline: i128,
     attempts: u32,
+    /// How many attempts may have been started by now: one at the start (none when
+    /// `max_attempts` is 0), one more for each [`Decision::Retry`], never more than
+    /// `max_attempts`. A call that returned or gave up has `attempts == allowed`, so it starts
+    /// nothing more, with no flag to set on the success path.
+    allowed: u32,
     /// Built on the first failure.
     backoff: Option<Backoff>,
     permit: Option<Permit>,
@@ -191,6 +198,7 @@ impl<'a> RetryCall<'a> {
             seen_offset: offset,
             deadline: offset + nanos(policy.deadline),
             attempts: 0,
+            allowed: policy.max_attempts.min(1),
             backoff: None,
             permit: None,
             last_failure: None,
@@ -200,21 +208,29 @@ impl<'a> RetryCall<'a> {
     /// Asks to start the next attempt at `now`: refused when the breaker is open or the deadline
     /// has passed. On `Ok`, run the attempt with the given timeout, then call
     /// [`RetryCall::on_outcome`].
+    ///
+    /// The machine itself keeps the count: only the first attempt, and one attempt after each
+    /// [`Decision::Retry`], may start. Once the call is over — it returned, gave up (by a
+    /// [`Decision::GiveUp`] or a refusal here), or made `max_attempts` attempts — every further
+    /// request is refused with [`GiveUpCause::AttemptsExhausted`]: it starts no attempt and
+    /// leaves the budget, the breaker and the count alone.
     #[inline(always)]
     pub fn start_attempt(&mut self, now: Instant) -> Result<Attempt, GiveUpCause> {
+        if self.attempts >= self.allowed {
+            return Err(GiveUpCause::AttemptsExhausted);
+        }
         let offset = self.offset(now);
         let left = self.left(offset);
         if left <= 0 {
-            return Err(GiveUpCause::DeadlineExceeded);
+            return Err(self.refuse(GiveUpCause::DeadlineExceeded));
         }
         if self.policy.circuit_breaker.is_some()
             && let Some(breaker) = &self.state.breaker
         {
-            self.permit = Some(
-                breaker
-                    .try_acquire_at(window_nanos(offset))
-                    .map_err(|_| GiveUpCause::CircuitOpen)?,
-            );
+            match breaker.try_acquire_at(window_nanos(offset)) {
+                Ok(permit) => self.permit = Some(permit),
+                Err(_) => return Err(self.refuse(GiveUpCause::CircuitOpen)),
+            }
         }
         self.attempts += 1;
         Ok(Attempt {
@@ -225,6 +241,13 @@ impl<'a> RetryCall<'a> {
                 from_nanos(left)
             },
         })
+    }
+
+    /// Ends the call from [`Self::start_attempt`] with `cause`: nothing more may start.
+    #[cold]
+    fn refuse(&mut self, cause: GiveUpCause) -> GiveUpCause {
+        self.allowed = self.attempts;
+        cause
     }
 
     /// Reports the outcome of the attempt started last and decides what comes next.
@@ -331,10 +354,6 @@ impl<'a> RetryCall<'a> {
                 None => None,
             };
         // Step 7: pause, server hints, deadline.
-        let computed = self
-            .backoff
-            .get_or_insert_with(|| Backoff::new(&p.backoff))
-            .next_pause(rng);
         let hint = if p.retry_after.honor {
             match outcome {
                 Outcome::Http {
@@ -354,9 +373,20 @@ impl<'a> RetryCall<'a> {
             Some((d, _)) if d > p.retry_after.max => {
                 return Decision::GiveUp(GiveUpCause::RetryAfterTooLong);
             }
-            Some((d, true)) => (d, true),
-            Some((d, false)) => (computed.max(d), d > computed),
-            None => (computed, false),
+            // gRFC A6: a valid pushback replaces the computed pause, and the retries after the
+            // one it paces start over from the initial backoff (retry 1's ceiling; for
+            // `decorrelated`, a previous pause of `base`).
+            Some((d, true)) => {
+                self.backoff = None;
+                (d, true)
+            }
+            // HTTP `Retry-After` only lengthens the computed pause (SPEC §2 step 7); the
+            // schedule goes on.
+            Some((d, false)) => {
+                let computed = self.next_pause(rng);
+                (computed.max(d), d > computed)
+            }
+            None => (self.next_pause(rng), false),
         };
         if nanos(pause) >= self.left(offset) {
             return Decision::GiveUp(GiveUpCause::DeadlineExceeded);
@@ -366,7 +396,17 @@ impl<'a> RetryCall<'a> {
         {
             return Decision::GiveUp(GiveUpCause::BudgetExhausted);
         }
+        // Step 5 made sure `attempts < max_attempts`: one more attempt may start.
+        self.allowed = self.attempts + 1;
         Decision::Retry { pause, hinted }
+    }
+
+    /// The computed pause of the next retry; the backoff state is built on the first use.
+    fn next_pause(&mut self, rng: &mut (impl Rng + ?Sized)) -> Duration {
+        let p = self.policy;
+        self.backoff
+            .get_or_insert_with(|| Backoff::new(&p.backoff))
+            .next_pause(rng)
     }
 
     /// Attempts started so far.

@@ -135,12 +135,19 @@ fn the_deadline_is_exact_for_calls_before_the_state_origin() {
         ),
         Decision::GiveUp(GiveUpCause::DeadlineExceeded)
     );
-    assert_eq!(
-        call.start_attempt(t0 + Duration::from_secs(1)),
-        Err(GiveUpCause::DeadlineExceeded)
-    );
     let snap = state.budget().expect("budget on").snapshot(t0);
     assert_eq!((snap.requests, snap.retries), (1, 1));
+    // The call is over; another that starts at the same instant has no time left at its
+    // deadline.
+    assert_eq!(
+        call.start_attempt(t0 + Duration::from_secs(1)),
+        Err(GiveUpCause::AttemptsExhausted)
+    );
+    let mut other = RetryCall::new(&p, &state, GET, t0);
+    assert_eq!(
+        other.start_attempt(t0 + Duration::from_secs(1)),
+        Err(GiveUpCause::DeadlineExceeded)
+    );
 }
 
 #[test]

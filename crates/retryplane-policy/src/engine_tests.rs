@@ -391,8 +391,10 @@ fn the_attempt_timeout_is_capped_by_what_is_left_of_the_deadline() {
             timeout: Duration::from_millis(200)
         })
     );
+    // At the deadline nothing starts.
+    let mut other = RetryCall::new(&p, &state, get(), t0);
     assert_eq!(
-        call.start_attempt(t0 + Duration::from_secs(1)),
+        other.start_attempt(t0 + Duration::from_secs(1)),
         Err(GiveUpCause::DeadlineExceeded)
     );
 }
@@ -417,6 +419,120 @@ fn an_open_breaker_fails_fast_without_an_attempt() {
     let mut next = RetryCall::new(&p, &state, get(), t0);
     assert_eq!(next.start_attempt(t0), Err(GiveUpCause::CircuitOpen));
     assert_eq!(next.attempts(), 0);
+}
+
+fn grpc(pushback: Option<Pushback>) -> Outcome {
+    Outcome::Grpc {
+        code: GrpcCode::Unavailable,
+        pushback,
+    }
+}
+
+/// The pauses of `outcomes`, one attempt each at `t0`, until the call stops retrying.
+fn pauses(p: &RetryPolicy, outcomes: Vec<Outcome>) -> Vec<Duration> {
+    let t0 = Instant::now();
+    let state = EndpointState::new(p, t0);
+    let mut call = RetryCall::new(p, &state, get(), t0);
+    let mut out = Vec::new();
+    for outcome in outcomes {
+        match step(&mut call, outcome, t0) {
+            Decision::Retry { pause, .. } => out.push(pause),
+            other => panic!("expected a retry, got {other:?}"),
+        }
+    }
+    out
+}
+
+#[test]
+fn after_a_grpc_pushback_the_backoff_starts_over() {
+    // gRFC A6: base 100ms, multiplier 2, jitter none; a pushback of 50ms paces retry 2, and
+    // the retries after it start again from the initial backoff.
+    let mut p = policy();
+    p.max_attempts = 5;
+    let ms = Duration::from_millis;
+    let pushback = Some(Pushback::After(ms(50)));
+    assert_eq!(
+        pauses(&p, vec![grpc(None), grpc(pushback), grpc(None), grpc(None)]),
+        [ms(100), ms(50), ms(100), ms(200)]
+    );
+    // A pushback first, then the schedule from its start.
+    assert_eq!(
+        pauses(&p, vec![grpc(pushback), grpc(None), grpc(None)]),
+        [ms(50), ms(100), ms(200)]
+    );
+}
+
+#[test]
+fn after_an_http_retry_after_the_backoff_goes_on() {
+    // SPEC §2 step 7: `Retry-After` lengthens the computed pause and does not reset it.
+    let mut p = policy();
+    p.max_attempts = 5;
+    let ms = Duration::from_millis;
+    let retry_after = |d| Outcome::Http {
+        status: 429,
+        retry_after: Some(Ok(d)),
+    };
+    assert_eq!(
+        pauses(
+            &p,
+            vec![http(503), retry_after(ms(50)), http(503), http(503)]
+        ),
+        [ms(100), ms(200), ms(400), ms(800)]
+    );
+    assert_eq!(
+        pauses(&p, vec![http(503), retry_after(ms(1500)), http(503)]),
+        [ms(100), ms(1500), ms(400)]
+    );
+}
+
+#[test]
+fn a_call_that_is_over_starts_no_more_attempts() {
+    let mut p = policy();
+    p.circuit_breaker = None;
+    let t0 = Instant::now();
+    let state = EndpointState::new(&p, t0);
+    // Attempts exhausted.
+    let mut call = RetryCall::new(&p, &state, get(), t0);
+    assert!(matches!(
+        step(&mut call, http(503), t0),
+        Decision::Retry { .. }
+    ));
+    assert!(matches!(
+        step(&mut call, http(503), t0),
+        Decision::Retry { .. }
+    ));
+    assert_eq!(
+        step(&mut call, http(503), t0),
+        Decision::GiveUp(GiveUpCause::AttemptsExhausted)
+    );
+    for _ in 0..3 {
+        assert_eq!(call.start_attempt(t0), Err(GiveUpCause::AttemptsExhausted));
+    }
+    assert_eq!(call.attempts(), 3);
+    // Returned, or gave up early.
+    for outcome in [http(200), http(404)] {
+        let mut call = RetryCall::new(&p, &state, get(), t0);
+        let _ = step(&mut call, outcome, t0);
+        assert_eq!(call.start_attempt(t0), Err(GiveUpCause::AttemptsExhausted));
+        assert_eq!(call.attempts(), 1);
+    }
+    // An attempt in flight: the next one waits for its outcome and a retry.
+    let mut call = RetryCall::new(&p, &state, get(), t0);
+    assert!(call.start_attempt(t0).is_ok());
+    assert_eq!(call.start_attempt(t0), Err(GiveUpCause::AttemptsExhausted));
+    // A refusal at the start ends the call too.
+    let mut call = RetryCall::new(&p, &state, get(), t0);
+    let late = t0 + p.deadline;
+    assert_eq!(call.start_attempt(late), Err(GiveUpCause::DeadlineExceeded));
+    assert_eq!(call.start_attempt(t0), Err(GiveUpCause::AttemptsExhausted));
+    assert_eq!(call.attempts(), 0);
+    // A policy built in code with `max_attempts: 0` starts nothing.
+    let none = RetryPolicy {
+        max_attempts: 0,
+        ..p.clone()
+    };
+    let mut call = RetryCall::new(&none, &state, get(), t0);
+    assert_eq!(call.start_attempt(t0), Err(GiveUpCause::AttemptsExhausted));
 }
 
 fn arb_outcome() -> impl Strategy<Value = Outcome> {
@@ -454,9 +570,23 @@ proptest! {
         let mut rng = SeededRng::with_seed(seed);
         let mut call = RetryCall::new(&p, &state, get(), t0);
         let mut now = t0;
+        // Whether the call is over (it returned or gave up): the outcomes left are still
+        // offered, as a careless caller would, and must start nothing.
+        let mut over = false;
         for (outcome, took_ms) in outcomes {
-            let Ok(attempt) = call.start_attempt(now) else { break };
+            let attempt = match call.start_attempt(now) {
+                Ok(attempt) => attempt,
+                Err(cause) => {
+                    if over {
+                        prop_assert_eq!(cause, GiveUpCause::AttemptsExhausted);
+                    }
+                    over = true;
+                    continue;
+                }
+            };
+            prop_assert!(!over, "attempt {} started after the call was over", attempt.number);
             prop_assert!(attempt.number <= max_attempts);
+            prop_assert_eq!(attempt.number, call.attempts());
             prop_assert!(now + attempt.timeout <= call.deadline());
             now += Duration::from_millis(took_ms).min(attempt.timeout);
             match call.on_outcome(outcome, now, &mut rng) {
@@ -464,8 +594,9 @@ proptest! {
                     prop_assert!(now + pause < call.deadline(), "pause ends past the deadline");
                     now += pause;
                 }
-                Decision::Return | Decision::GiveUp(_) => break,
+                Decision::Return | Decision::GiveUp(_) => over = true,
             }
+            prop_assert!(call.attempts() <= max_attempts);
         }
         prop_assert!(call.attempts() <= max_attempts);
     }

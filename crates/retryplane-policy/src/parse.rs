@@ -386,7 +386,7 @@ impl Walker {
         for (key, value, _) in self.fields(node, path, &known, misplaced) {
             let p = join(path, key);
             match key {
-                "max_attempts" => o.max_attempts = self.count(value, &p),
+                "max_attempts" => o.max_attempts = self.max_attempts(value, &p),
                 "deadline" => o.deadline = self.duration(value, &p),
                 "per_try_timeout" => o.per_try_timeout = self.duration(value, &p),
                 "backoff" => o.backoff = self.backoff(value, &p),
@@ -468,7 +468,7 @@ impl Walker {
             match key {
                 "enabled" => o.enabled = self.boolean(value, &p),
                 "ratio" => o.ratio = self.ratio(value, &p),
-                "min_per_second" => o.min_per_second = self.count(value, &p),
+                "min_per_second" => o.min_per_second = self.count(value, &p, 0),
                 _ => o.window = self.duration(value, &p),
             }
         }
@@ -482,10 +482,10 @@ impl Walker {
             match key {
                 "enabled" => o.enabled = self.boolean(value, &p),
                 "failure_ratio" => o.failure_ratio = self.ratio(value, &p),
-                "min_requests" => o.min_requests = self.count(value, &p),
+                "min_requests" => o.min_requests = self.count(value, &p, 1),
                 "window" => o.window = self.duration(value, &p),
                 "open_for" => o.open_for = self.duration(value, &p),
-                _ => o.half_open_probes = self.count(value, &p),
+                _ => o.half_open_probes = self.count(value, &p, 1),
             }
         }
         o
@@ -535,7 +535,9 @@ impl Walker {
         }
     }
 
-    fn count(&mut self, node: &Node, path: &str) -> Option<Field<u32>> {
+    /// A whole number that fits a `u32`; one that does not is refused with the range the
+    /// field accepts, from `min` (the validator refuses what fits but is below `min`).
+    fn count(&mut self, node: &Node, path: &str, min: u32) -> Option<Field<u32>> {
         match node.value {
             Value::Int(i) => match u32::try_from(i) {
                 Ok(v) => Some(Field::at(v, node.loc)),
@@ -543,7 +545,10 @@ impl Walker {
                     self.error(
                         node.loc,
                         path,
-                        format!("must be a whole number from 0 to {}, found {i}", u32::MAX),
+                        format!(
+                            "must be a whole number from {min} to {}, found {i}",
+                            u32::MAX
+                        ),
                     );
                     None
                 }
@@ -553,6 +558,18 @@ impl Walker {
                 None
             }
         }
+    }
+
+    /// `max_attempts`: a number outside `u32` gets the same message as one the validator
+    /// refuses (1 to 10), not the range of the type.
+    fn max_attempts(&mut self, node: &Node, path: &str) -> Option<Field<u32>> {
+        if let Value::Int(i) = node.value
+            && u32::try_from(i).is_err()
+        {
+            self.error(node.loc, path, crate::validate::max_attempts_range(i));
+            return None;
+        }
+        self.count(node, path, 1)
     }
 
     fn number(&mut self, node: &Node, path: &str) -> Option<Field<f64>> {

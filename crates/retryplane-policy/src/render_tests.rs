@@ -49,7 +49,7 @@ fn the_example_file_round_trips_and_stays_valid() {
 #[test]
 fn grpc_routes_and_disabled_sections_round_trip() {
     assert_round_trips_valid(
-        "version: 1\ndefaults:\n  budget: {enabled: false}\n  retry_on: {errors: []}\nendpoints:\n  search:\n    circuit_breaker: {enabled: false, window: 5s}\n    budget: {ratio: 0.05}\n    routes:\n      - match: {grpc: /search.v1.SearchService/Query}\n        max_attempts: 2\n        budget: {enabled: true}\n        circuit_breaker: {enabled: true}\n      - match: {grpc: /search.v1.Indexer/*}\n        max_attempts: 1\n      - match: {path_prefix: /health}\n        retry_on: {grpc_status: [UNAVAILABLE, ABORTED]}\n",
+        "version: 1\ndefaults:\n  budget: {enabled: false}\n  retry_on: {errors: []}\nendpoints:\n  search:\n    circuit_breaker: {enabled: false, window: 5s}\n    budget: {enabled: true, ratio: 0.05}\n    routes:\n      - match: {grpc: /search.v1.SearchService/Query}\n        max_attempts: 2\n        budget: {enabled: false}\n      - match: {grpc: /search.v1.Indexer/*}\n        max_attempts: 1\n      - match: {path_prefix: /health}\n        retry_on: {grpc_status: [UNAVAILABLE, ABORTED]}\n",
     );
 }
 

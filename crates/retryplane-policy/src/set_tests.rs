@@ -49,6 +49,75 @@ fn three_bad_fields_give_three_located_errors() {
     );
 }
 
+/// Every diagnostic, errors and warnings, as printed.
+fn all(src: &str) -> Vec<String> {
+    load(src.as_bytes())
+        .diagnostics
+        .iter()
+        .map(ToString::to_string)
+        .collect()
+}
+
+#[test]
+fn a_refused_field_gets_no_second_error_from_the_built_in_value_in_its_place() {
+    // `base: 10` has no unit: the cross-field check must not compare `max` with the built-in
+    // 100ms that stands in for it.
+    assert_eq!(
+        all("version: 1\nendpoints:\n  a:\n    backoff: {base: 10, max: 50ms}\n"),
+        [
+            "4:21: error: endpoints.a.backoff.base: duration `10` needs a unit: ms, s, m or h (for example `10ms`)"
+        ]
+    );
+    assert_eq!(
+        all("version: 1\nendpoints:\n  a:\n    deadline: 1s\n    per_try_timeout: 5\n"),
+        [
+            "5:22: error: endpoints.a.per_try_timeout: duration `5` needs a unit: ms, s, m or h (for example `5ms`)"
+        ]
+    );
+    // A whole section refused: its fields are unknown too.
+    let section = all(
+        "version: 1\ndefaults:\n  backoff: {jitter: none}\nendpoints:\n  a:\n    backoff: fast\n    max_attempts: 4\n    deadline: 300ms\n    per_try_timeout: 100ms\n",
+    );
+    assert_eq!(
+        section,
+        ["6:14: error: endpoints.a.backoff: expected a mapping, found a string"]
+    );
+    // A refused value in a lower layer that a higher layer replaces does not hide the higher
+    // layer's own problem.
+    assert_eq!(
+        errors(
+            "version: 1\ndefaults:\n  backoff: {base: 10}\nendpoints:\n  a:\n    backoff: {base: 1s, max: 500ms}\n"
+        ),
+        [
+            "3:19: error: defaults.backoff.base: duration `10` needs a unit: ms, s, m or h (for example `10ms`)",
+            "6:30: error: endpoints.a.backoff.max: backoff.max (500ms) is shorter than backoff.base (1s)",
+        ]
+    );
+}
+
+#[test]
+fn counts_out_of_range_name_the_range_of_the_field() {
+    assert_eq!(
+        errors("version: 1\nendpoints:\n  a:\n    max_attempts: -1\n"),
+        ["4:19: error: endpoints.a.max_attempts: must be from 1 (never retry) to 10, found -1"]
+    );
+    assert_eq!(
+        errors("version: 1\nendpoints:\n  a:\n    max_attempts: 99999999999\n"),
+        [
+            "4:19: error: endpoints.a.max_attempts: must be from 1 (never retry) to 10, found 99999999999"
+        ]
+    );
+    assert_eq!(
+        errors(
+            "version: 1\nendpoints:\n  a:\n    circuit_breaker: {min_requests: -1}\n    budget: {min_per_second: -1}\n"
+        ),
+        [
+            "4:37: error: endpoints.a.circuit_breaker.min_requests: must be a whole number from 1 to 4294967295, found -1",
+            "5:30: error: endpoints.a.budget.min_per_second: must be a whole number from 0 to 4294967295, found -1",
+        ]
+    );
+}
+
 #[test]
 fn duplicate_endpoints_are_an_error_not_a_silent_overwrite() {
     let src =
@@ -190,26 +259,47 @@ endpoints:
 }
 
 #[test]
-fn a_route_can_turn_the_budget_off_and_keeps_inherited_numbers_when_on() {
+fn an_endpoint_that_turns_the_budget_back_on_keeps_the_numbers_of_defaults() {
     let src = r"
 version: 1
 defaults:
-  budget: {ratio: 0.5}
+  budget: {enabled: false, ratio: 0.5}
 endpoints:
   a:
-    budget: {enabled: false}
+    budget: {enabled: true}
+  b: {}
+";
+    let set = load(src.as_bytes()).policies.expect("valid");
+    let a = set.endpoint("a").expect("a");
+    assert_eq!(a.policy.budget.as_ref().map(|b| b.ratio), Some(0.5));
+    assert_eq!(set.endpoint("b").expect("b").policy.budget, None);
+}
+
+#[test]
+fn a_route_can_turn_the_shared_budget_and_breaker_off_for_its_calls() {
+    let src = r"
+version: 1
+endpoints:
+  a:
+    budget: {ratio: 0.3}
     routes:
       - match: {path_prefix: /x}
-        budget: {enabled: true}
+        budget: {enabled: false}
+        circuit_breaker: {enabled: false}
 ";
     let set = load(src.as_bytes()).policies.expect("valid");
     let ep = set.endpoint("a").expect("a");
-    assert_eq!(ep.policy.budget, None);
-    let route = ep.resolve(&Target::Http {
+    let x = ep.resolve(&Target::Http {
         method: "GET",
         path: "/x",
     });
-    assert_eq!(route.budget.as_ref().map(|b| b.ratio), Some(0.5));
+    assert_eq!((&x.budget, &x.circuit_breaker), (&None, &None));
+    let other = ep.resolve(&Target::Http {
+        method: "GET",
+        path: "/y",
+    });
+    assert_eq!(other.budget.as_ref().map(|b| b.ratio), Some(0.3));
+    assert!(other.circuit_breaker.is_some());
 }
 
 /// The checked document of a valid file, to edit as code would.
@@ -366,12 +456,19 @@ proptest! {
 }
 
 #[test]
-fn a_route_may_only_turn_the_shared_budget_and_breaker_on_or_off() {
-    let src = "version: 1\nendpoints:\n  a:\n    routes:\n      - match: {path_prefix: /x}\n        budget: {enabled: true, ratio: 0.5}\n        circuit_breaker: {enabled: false}\n";
+fn a_route_may_only_turn_the_shared_budget_and_breaker_off() {
+    // The endpoint's budget and breaker are built from the endpoint's settings and shared by
+    // all its calls: anything else a route says about them would be shown but never run.
+    let src = "version: 1\nendpoints:\n  a:\n    budget: {enabled: false}\n    routes:\n      - match: {path_prefix: /x}\n        budget: {enabled: true, ratio: 0.5}\n        circuit_breaker: {enabled: false, window: 5s}\n      - match: {path_prefix: /y}\n        circuit_breaker: {enabled: true}\n";
+    let budget = "budget is per endpoint, shared by its routes; a route can only turn it off (enabled: false): set it on the endpoint or in `defaults:`";
+    let breaker = "circuit_breaker is per endpoint, shared by its routes; a route can only turn it off (enabled: false): set it on the endpoint or in `defaults:`";
     assert_eq!(
         errors(src),
         [
-            "6:40: error: endpoints.a.routes[0].budget.ratio: the budget is shared by all calls of the endpoint: a route may only set `budget.enabled`; set the numbers on the endpoint"
+            format!("7:27: error: endpoints.a.routes[0].budget.enabled: {budget}"),
+            format!("7:40: error: endpoints.a.routes[0].budget.ratio: {budget}"),
+            format!("8:51: error: endpoints.a.routes[0].circuit_breaker.window: {breaker}"),
+            format!("10:36: error: endpoints.a.routes[1].circuit_breaker.enabled: {breaker}"),
         ]
     );
 }

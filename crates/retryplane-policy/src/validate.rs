@@ -6,7 +6,7 @@
 //! run on every effective policy — the defaults, each endpoint, each route — and are reported at
 //! the most specific layer that wrote one of the fields involved, once.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use crate::backoff;
@@ -22,6 +22,11 @@ pub const MAX_ATTEMPTS_LIMIT: u32 = 10;
 /// Above this many attempts, a warning.
 pub const MAX_ATTEMPTS_WARN: u32 = 5;
 
+/// Why `found` is not a valid `max_attempts`.
+pub(crate) fn max_attempts_range(found: impl std::fmt::Display) -> String {
+    format!("must be from 1 (never retry) to {MAX_ATTEMPTS_LIMIT}, found {found}")
+}
+
 /// gRPC codes that do not get better by repetition (the counterpart of the 4xx warning).
 const NON_RETRYABLE_GRPC: [GrpcCode; 8] = [
     GrpcCode::InvalidArgument,
@@ -34,11 +39,13 @@ const NON_RETRYABLE_GRPC: [GrpcCode; 8] = [
     GrpcCode::Unauthenticated,
 ];
 
-/// Checks `doc`, appending every problem to `diags`.
+/// Checks `doc`, appending every problem to `diags`. Errors already in `diags` (the parser's)
+/// mark the fields they refused: cross-field checks leave those fields alone.
 pub fn check(doc: &PolicyDocument, diags: &mut Vec<Diagnostic>) {
+    let refused = Refused::new(diags);
     let defaults_layers = [(Level::Defaults, "defaults".to_owned(), &doc.defaults)];
     check_layer(&doc.defaults, "defaults", diags);
-    check_effective(&defaults_layers, diags);
+    check_effective(&defaults_layers, &refused, diags);
     // Each name's first place. A file's parser already refuses a second endpoint of the same
     // name (and leaves it out), and so does the wire conversion; a document built in code gets
     // the same error here, since a set has one policy per name.
@@ -61,7 +68,7 @@ pub fn check(doc: &PolicyDocument, diags: &mut Vec<Diagnostic>) {
         check_layer(&ep.overlay, &ep_path, diags);
         let mut layers = defaults_layers.to_vec();
         layers.push((Level::Endpoint, ep_path.clone(), &ep.overlay));
-        check_effective(&layers, diags);
+        check_effective(&layers, &refused, diags);
         // Each match's first route, so that repeats are found in linear time.
         let mut first_route = HashMap::with_capacity(ep.routes.len());
         for (i, route) in ep.routes.iter().enumerate() {
@@ -80,14 +87,17 @@ pub fn check(doc: &PolicyDocument, diags: &mut Vec<Diagnostic>) {
             }
             let mut route_layers = layers.clone();
             route_layers.push((Level::Route, route_path, &route.overlay));
-            check_effective(&route_layers, diags);
+            check_effective(&route_layers, &refused, diags);
         }
     }
 }
 
-/// The budget and the breaker are shared by every call of an endpoint, so a route can turn
-/// them off for its calls but cannot give them other numbers; alerting is per endpoint, so a
-/// route cannot set it at all (a file gets this from the parser, a wire document here).
+/// The budget and the breaker are per endpoint: one of each, built from the endpoint's own
+/// settings and shared by every call of the endpoint, whichever route it takes. So the one
+/// thing a route can do with them is turn them off for its calls (`enabled: false`); numbers
+/// or `enabled: true` on a route would be shown but never run, and are refused. Alerting is per
+/// endpoint too, so a route cannot set it at all (a file gets this from the parser, a wire
+/// document here).
 fn check_route_sharing(o: &Overlay, prefix: &str, diags: &mut Vec<Diagnostic>) {
     for (field, loc) in o.set_fields() {
         if field.starts_with("alert.") {
@@ -98,19 +108,32 @@ fn check_route_sharing(o: &Overlay, prefix: &str, diags: &mut Vec<Diagnostic>) {
             ));
             continue;
         }
-        let shared = (field.starts_with("budget.") && field != "budget.enabled")
-            || (field.starts_with("circuit_breaker.") && field != "circuit_breaker.enabled");
-        if shared {
-            let section = field.split('.').next().unwrap_or(field);
+        let section = match field.split_once('.') {
+            Some((section @ ("budget" | "circuit_breaker"), _)) => section,
+            _ => continue,
+        };
+        let turns_off = match field {
+            "budget.enabled" => o.budget.enabled.as_ref().is_some_and(|f| !f.value),
+            "circuit_breaker.enabled" => {
+                o.circuit_breaker.enabled.as_ref().is_some_and(|f| !f.value)
+            }
+            _ => false,
+        };
+        if !turns_off {
             diags.push(Diagnostic::error(
                 loc,
                 format!("{prefix}.{field}"),
-                format!(
-                    "the {section} is shared by all calls of the endpoint: a route may only set `{section}.enabled`; set the numbers on the endpoint"
-                ),
+                route_shared_message(section),
             ));
         }
     }
+}
+
+/// Why a route cannot set `section` (`budget` or `circuit_breaker`) other than to turn it off.
+fn route_shared_message(section: &str) -> String {
+    format!(
+        "{section} is per endpoint, shared by its routes; a route can only turn it off (enabled: false): set it on the endpoint or in `defaults:`"
+    )
 }
 
 fn check_endpoint_name(name: &str, loc: Loc, path: &str, diags: &mut Vec<Diagnostic>) {
@@ -136,14 +159,7 @@ fn check_layer(o: &Overlay, prefix: &str, diags: &mut Vec<Diagnostic>) {
     if let Some(f) = &o.max_attempts
         && !(1..=MAX_ATTEMPTS_LIMIT).contains(&f.value)
     {
-        error(
-            f.loc,
-            "max_attempts",
-            format!(
-                "must be from 1 (never retry) to {MAX_ATTEMPTS_LIMIT}, found {}",
-                f.value
-            ),
-        );
+        error(f.loc, "max_attempts", max_attempts_range(f.value));
     }
     for (field, value) in [
         ("backoff.base", &o.backoff.base),
@@ -315,11 +331,59 @@ fn blame(layers: &Layers<'_>, fields: &[&str]) -> (Loc, String) {
     (Loc::UNKNOWN, prefix.clone())
 }
 
-/// Cross-field checks on the effective policy the layers make.
-fn check_effective(layers: &Layers<'_>, diags: &mut Vec<Diagnostic>) {
+/// The paths of the errors found before [`check`] ran: the parser refused the value there, so
+/// the field is absent from its layer, and the effective policy holds a lower layer's value
+/// (often the built-in one) in its place.
+struct Refused(HashSet<String>);
+
+impl Refused {
+    fn new(diags: &[Diagnostic]) -> Self {
+        Self(
+            diags
+                .iter()
+                .filter(|d| d.is_error())
+                .map(|d| d.path.clone())
+                .collect(),
+        )
+    }
+
+    /// Whether the effective value of one of `fields` stands in for a value the file wrote
+    /// but the parser refused: the most specific layer that says anything about the field
+    /// had it refused (the field itself, or its whole section, such as `backoff: 5`).
+    fn any(&self, layers: &Layers<'_>, fields: &[&str]) -> bool {
+        !self.0.is_empty() && fields.iter().any(|f| self.field(layers, f))
+    }
+
+    fn field(&self, layers: &Layers<'_>, field: &str) -> bool {
+        let section = field.split_once('.').map(|(s, _)| s);
+        for (_, prefix, overlay) in layers.iter().rev() {
+            let set = overlay.set_fields();
+            if set.iter().any(|(p, _)| *p == field) {
+                return false;
+            }
+            if self.0.contains(&format!("{prefix}.{field}")) {
+                return true;
+            }
+            if let Some(section) = section
+                && !set
+                    .iter()
+                    .any(|(p, _)| p.strip_prefix(section).is_some_and(|r| r.starts_with('.')))
+                && self.0.contains(&format!("{prefix}.{section}"))
+            {
+                return true;
+            }
+        }
+        false
+    }
+}
+
+/// Cross-field checks on the effective policy the layers make. A check that involves a field
+/// the parser refused is skipped: that error is reported already, and the value standing in
+/// for it is not what the author wrote.
+fn check_effective(layers: &Layers<'_>, refused: &Refused, diags: &mut Vec<Diagnostic>) {
     let p: RetryPolicy = Overlay::resolve(layers.iter().map(|(_, _, o)| *o));
     let mut push = |d: Diagnostic| diags.push(d);
-    if p.backoff.max < p.backoff.base {
+    if p.backoff.max < p.backoff.base && !refused.any(layers, &["backoff.max", "backoff.base"]) {
         let (loc, path) = blame(layers, &["backoff.max", "backoff.base"]);
         push(Diagnostic::error(
             loc,
@@ -331,7 +395,7 @@ fn check_effective(layers: &Layers<'_>, diags: &mut Vec<Diagnostic>) {
             ),
         ));
     }
-    if p.per_try_timeout > p.deadline {
+    if p.per_try_timeout > p.deadline && !refused.any(layers, &["per_try_timeout", "deadline"]) {
         let (loc, path) = blame(layers, &["per_try_timeout", "deadline"]);
         push(Diagnostic::error(
             loc,
@@ -350,6 +414,17 @@ fn check_effective(layers: &Layers<'_>, diags: &mut Vec<Diagnostic>) {
         && p.backoff.max >= p.backoff.base;
     if p.max_attempts > 1
         && schedule_valid
+        && !refused.any(
+            layers,
+            &[
+                "max_attempts",
+                "deadline",
+                "backoff.base",
+                "backoff.max",
+                "backoff.multiplier",
+                "backoff.jitter",
+            ],
+        )
         && let Some(first) = first_unreachable_attempt(&p)
     {
         let (loc, path) = blame(
@@ -371,7 +446,10 @@ fn check_effective(layers: &Layers<'_>, diags: &mut Vec<Diagnostic>) {
             ),
         ));
     }
-    if p.budget.is_none() && p.max_attempts > 3 {
+    if p.budget.is_none()
+        && p.max_attempts > 3
+        && !refused.any(layers, &["budget.enabled", "max_attempts"])
+    {
         let (loc, path) = blame(layers, &["budget.enabled", "max_attempts"]);
         push(Diagnostic::warning(
             loc,

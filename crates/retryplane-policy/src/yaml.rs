@@ -13,11 +13,15 @@ use serde_saphyr::Spanned;
 
 /// Files larger than this are refused before parsing.
 pub const MAX_FILE_BYTES: usize = 1024 * 1024;
-/// Deepest nesting of mappings and sequences accepted. A policy file needs 6.
+/// Deepest nesting of mappings and sequences accepted. A policy file needs [`NEEDED_DEPTH`].
 pub const MAX_DEPTH: usize = 24;
+/// The deepest nesting a policy file needs: `endpoints.NAME.routes[i].retry_on.http_status`.
+pub const NEEDED_DEPTH: usize = 6;
 /// Upper bound on events replayed by alias expansion (an alias "bomb" hits it quickly).
 pub const MAX_ALIAS_EVENTS: usize = 20_000;
-/// Upper bound on parser events in one file.
+/// Upper bound on parser events in one file: each scalar, alias, and start or end of a mapping
+/// or sequence is one. Also the bound on nodes (scalars, mappings and sequences), which a file
+/// always reaches later.
 pub const MAX_EVENTS: usize = 200_000;
 
 /// A 1-based position in the source; `0:0` when unknown (a policy built from the API).
@@ -146,7 +150,7 @@ pub fn parse(bytes: &[u8]) -> Result<Node, YamlError> {
                 })
                 .filter(|l| l.is_known())
                 .unwrap_or(Loc { line: 1, column: 1 }),
-            message: first_line(&e.to_string()),
+            message: limit_message(&e).unwrap_or_else(|| first_line(&e.to_string())),
         })?;
     Ok(node(spanned))
 }
@@ -155,8 +159,65 @@ fn clamp(v: u64) -> u32 {
     u32::try_from(v).unwrap_or(u32::MAX)
 }
 
+/// What a limit the parser enforces means to a policy author, when `e` is one: which limit
+/// (nesting depth, alias expansion, size in nodes) and its number.
+fn limit_message(e: &serde_saphyr::Error) -> Option<String> {
+    use serde_saphyr::Error as E;
+    use serde_saphyr::budget::BudgetBreach as B;
+    let mut e = e;
+    while let E::AliasError { error, .. } | E::WithSnippet { error, .. } = e {
+        e = error;
+    }
+    // The scanner's own bound on nested flow collections (`[[[…`), above ours.
+    let scanner_depth = |source: &serde_saphyr::ExternalMessageSource| {
+        matches!(source, serde_saphyr::ExternalMessageSource::Parser(scan)
+            if matches!(scan.kind(), serde_saphyr::granit_parser::ErrorKind::RecursionLimitExceeded))
+    };
+    let text = match e {
+        E::Budget {
+            breach: B::Depth { .. },
+            ..
+        } => format!(
+            "mappings and lists nest more than {MAX_DEPTH} deep; a policy file needs {NEEDED_DEPTH}"
+        ),
+        E::ExternalMessage { source, .. } if scanner_depth(source) => format!(
+            "mappings and lists nest more than {MAX_DEPTH} deep; a policy file needs {NEEDED_DEPTH}"
+        ),
+        E::Budget {
+            breach: B::Events { .. } | B::Nodes { .. },
+            ..
+        } => format!(
+            "the document has more than {MAX_EVENTS} YAML nodes (each scalar, alias, and start or end of a mapping or list counts one)"
+        ),
+        E::Budget {
+            breach: B::Documents { .. },
+            ..
+        } => "a policy file holds exactly one YAML document".to_owned(),
+        E::AliasReplayStackDepthExceeded { .. } => {
+            format!("aliases refer to aliases more than {MAX_DEPTH} deep")
+        }
+        E::Budget {
+            breach:
+                B::Aliases { .. }
+                | B::Anchors { .. }
+                | B::AliasAnchorRatio { .. }
+                | B::RecordedAnchorEvents { .. }
+                | B::RecordedAnchorBytes { .. }
+                | B::MergeKeys { .. },
+            ..
+        }
+        | E::AliasReplayLimitExceeded { .. }
+        | E::AliasExpansionLimitExceeded { .. }
+        | E::AliasReplayCounterOverflow { .. } => format!(
+            "aliases expand to more than {MAX_ALIAS_EVENTS} YAML nodes; a policy file needs no aliases"
+        ),
+        _ => return None,
+    };
+    Some(format!("invalid YAML: {text}"))
+}
+
 /// The parser's message without the position it appends (we print positions ourselves), and
-/// with its budget wording turned into what a policy author can act on.
+/// with the wording of a limit [`limit_message`] does not know made plain.
 fn first_line(message: &str) -> String {
     let mut line = message.lines().next().unwrap_or("syntax error").trim();
     if let Some(at) = line.rfind(" at line ") {
@@ -165,7 +226,7 @@ fn first_line(message: &str) -> String {
     let line = if line.contains("Documents") {
         "a policy file holds exactly one YAML document"
     } else if line.contains("budget breached") || line.contains("limit exceeded") {
-        "the document is nested too deeply or expands too many aliases"
+        "the document is larger than the parser's limits allow"
     } else {
         line
     };
@@ -352,12 +413,43 @@ mod tests {
         assert!(err.message.starts_with("invalid YAML"), "{err}");
     }
 
+    const TOO_DEEP: &str =
+        "invalid YAML: mappings and lists nest more than 24 deep; a policy file needs 6";
+    const TOO_MANY_NODES: &str = "invalid YAML: the document has more than 200000 YAML nodes (each scalar, alias, and start or end of a mapping or list counts one)";
+    const ALIASES: &str = "invalid YAML: aliases expand to more than 20000 YAML nodes; a policy file needs no aliases";
+
     #[test]
-    fn deep_nesting_is_refused() {
+    fn deep_nesting_is_refused_as_such() {
         let deep = format!("{}{}", "[".repeat(10_000), "]".repeat(10_000));
-        assert!(parse(deep.as_bytes()).is_err());
+        assert_eq!(parse(deep.as_bytes()).unwrap_err().message, TOO_DEEP);
         let deep_block: String = (0..200).map(|i| format!("{}k:\n", " ".repeat(i))).collect();
-        assert!(parse(deep_block.as_bytes()).is_err());
+        assert_eq!(parse(deep_block.as_bytes()).unwrap_err().message, TOO_DEEP);
+        // 24 levels are fine, 25 are not.
+        let nest = |n: usize| format!("{}{}", "[".repeat(n), "]".repeat(n));
+        assert!(parse(nest(MAX_DEPTH).as_bytes()).is_ok());
+        assert_eq!(
+            parse(nest(MAX_DEPTH + 1).as_bytes()).unwrap_err().message,
+            TOO_DEEP
+        );
+    }
+
+    #[test]
+    fn too_many_nodes_are_refused_as_such() {
+        // 70,000 endpoints (about 900 KB): 210,000 events.
+        let mut many = String::from("version: 1\nendpoints:\n");
+        for i in 0..70_000 {
+            many.push_str(&format!("  e{i}: {{}}\n"));
+        }
+        assert!(many.len() < MAX_FILE_BYTES);
+        let err = parse(many.as_bytes()).unwrap_err();
+        assert_eq!(err.message, TOO_MANY_NODES);
+        assert!(err.loc.line > 60_000, "{:?}", err.loc);
+        // One list of 250,000 statuses (1 MB).
+        let mut list = String::from("a: [");
+        list.push_str(&"500,".repeat(250_000));
+        list.push_str("]\n");
+        assert!(list.len() < MAX_FILE_BYTES);
+        assert_eq!(parse(list.as_bytes()).unwrap_err().message, TOO_MANY_NODES);
     }
 
     #[test]
@@ -371,11 +463,20 @@ mod tests {
             ));
         }
         let err = parse(bomb.as_bytes()).unwrap_err();
-        assert!(err.message.starts_with("invalid YAML"), "{err}");
+        assert_eq!(err.message, ALIASES);
+        // Aliases that nest lists past the depth limit: the depth is what is refused.
+        let mut chain = String::from("a0: &a0 [x]\n");
+        for i in 1..40 {
+            chain.push_str(&format!("a{i}: &a{i} [*a{}]\n", i - 1));
+        }
+        assert_eq!(parse(chain.as_bytes()).unwrap_err().message, TOO_DEEP);
     }
 
     #[test]
     fn multiple_documents_are_refused() {
-        assert!(parse(b"a: 1\n---\nb: 2\n").is_err());
+        assert_eq!(
+            parse(b"a: 1\n---\nb: 2\n").unwrap_err().message,
+            "invalid YAML: a policy file holds exactly one YAML document"
+        );
     }
 }

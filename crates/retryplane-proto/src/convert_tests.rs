@@ -104,6 +104,58 @@ fn validate_runs_the_file_validator_on_wire_documents() {
 }
 
 #[test]
+fn a_wire_route_may_only_turn_the_shared_budget_and_breaker_off() {
+    let mut off = endpoint("a", pb::Overlay::default());
+    off.routes = vec![pb::Route {
+        r#match: http("GET", "/x"),
+        overlay: Some(pb::Overlay {
+            budget: Some(pb::Budget {
+                enabled: Some(false),
+                ..Default::default()
+            }),
+            circuit_breaker: Some(pb::CircuitBreaker {
+                enabled: Some(false),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+    }];
+    assert!(validate(doc(vec![off])).is_ok());
+    let mut on = endpoint("a", pb::Overlay::default());
+    on.routes = vec![pb::Route {
+        r#match: http("GET", "/x"),
+        overlay: Some(pb::Overlay {
+            budget: Some(pb::Budget {
+                enabled: Some(true),
+                ..Default::default()
+            }),
+            circuit_breaker: Some(pb::CircuitBreaker {
+                min_requests: Some(5),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+    }];
+    let errs = validate(doc(vec![on])).unwrap_err();
+    let got: Vec<(&str, bool)> = errs
+        .iter()
+        .map(|d| {
+            (
+                d.path.as_str(),
+                d.message.contains("a route can only turn it off"),
+            )
+        })
+        .collect();
+    assert_eq!(
+        got,
+        [
+            ("endpoints.a.routes[0].budget.enabled", true),
+            ("endpoints.a.routes[0].circuit_breaker.min_requests", true),
+        ]
+    );
+}
+
+#[test]
 fn the_content_hash_ignores_comments_and_endpoint_order_but_not_values() {
     let original = pb::PolicyDocument::from(&example());
     let hash = content_hash(&original);
