@@ -62,14 +62,14 @@ async fn a_report_sent_again_on_a_new_stream_is_acknowledged_and_counted_once() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_report_without_a_seq_is_counted_every_time_and_never_acknowledged() {
     let plane = Plane::file_mode(&policy_yaml(1, 3)).await;
-    let mut agent = stream(&plane, "old", 0).await;
+    let mut agent = stream(&plane, "old", 9).await;
     agent.send(report(0, EP, 2)).await;
     agent.send(report(0, EP, 2)).await;
     // The next message answers the numbered report: nothing was sent for the two before it.
     agent.send(report(1, EP, 1)).await;
     assert_eq!(agent.next_ack().await, (1, false));
     assert_eq!(calls(&plane).await, 5);
-    let mut again = stream(&plane, "old", 0).await;
+    let mut again = stream(&plane, "old", 9).await;
     again.send(report(0, EP, 2)).await;
     again.send(report(2, EP, 1)).await;
     assert_eq!(again.next_ack().await, (2, false));
@@ -78,6 +78,35 @@ async fn a_report_without_a_seq_is_counted_every_time_and_never_acknowledged() {
         server_figure(&plane, "retryplane_server_reports_duplicate_total").await,
         Some(0)
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_seq_from_a_client_with_no_instance_id_is_taken_as_unnumbered() {
+    let plane = Plane::file_mode(&policy_yaml(1, 3)).await;
+    // Without an instance id a restarted client's seq 1 looks like its previous process's:
+    // every report is counted as it comes, as an unnumbered one would be.
+    let first = stream(&plane, "no-instance", 0).await;
+    first.send(report(1, EP, 2)).await;
+    // Counted before the next stream replaces this one (there is no ack to wait for).
+    eventually("the first report counted", || async {
+        calls(&plane).await == 2
+    })
+    .await;
+    let restarted = stream(&plane, "no-instance", 0).await;
+    restarted.send(report(1, EP, 3)).await;
+    eventually("the same seq counted again", || async {
+        calls(&plane).await == 5
+    })
+    .await;
+    assert_eq!(
+        server_figure(&plane, "retryplane_server_reports_duplicate_total").await,
+        Some(0)
+    );
+    // A numbered client on the same server is answered, and only it.
+    let mut numbered = stream(&plane, "numbered", 4).await;
+    numbered.send(report(1, EP, 1)).await;
+    assert_eq!(numbered.next_ack().await, (1, false));
+    assert_eq!(calls(&plane).await, 6);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -144,15 +144,7 @@ impl Endpoint {
         F: FnMut(AttemptInfo) -> Fut,
         Fut: Future<Output = Result<T, E>>,
     {
-        self.call_reauth(
-            meta,
-            |r: &Result<T, E>| match r {
-                Ok(t) => t.classify(),
-                Err(e) => e.classify(),
-            },
-            attempt,
-            NoReauth,
-        )
+        self.call_reauth(meta, classify_result::<T, E>, attempt, NoReauth)
     }
 
     /// [`Endpoint::call`] with a classifier of your own.
@@ -243,10 +235,7 @@ impl Endpoint {
     {
         self.call_reauth(
             meta,
-            |r: &Result<T, E>| match r {
-                Ok(t) => t.classify(),
-                Err(e) => e.classify(),
-            },
+            classify_result::<T, E>,
             attempt,
             FnReauth {
                 wants: wants_refresh,
@@ -733,6 +722,14 @@ fn count_success(first: &mut FirstCounts<'_>, attempt: u32) {
 fn log_bad_hint(endpoint: &str, e: &RetryAfterError) {
     // The error never carries the header value.
     debug!(endpoint, error = %e, "malformed Retry-After ignored");
+}
+
+/// How a call's answer or error counts: each side by its own [`Classify`].
+fn classify_result<T: Classify, E: Classify>(r: &Result<T, E>) -> Classification {
+    match r {
+        Ok(t) => t.classify(),
+        Err(e) => e.classify(),
+    }
 }
 
 #[cfg(test)]

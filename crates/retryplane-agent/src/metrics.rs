@@ -19,7 +19,9 @@
 //! the control plane refused it (its rate limit). While the few reports allowed to wait for an
 //! answer do, no counts are taken: they keep adding up here. So every count reaches the control
 //! plane exactly once, as long as the process lives and the control plane keeps its record of
-//! the agent (see `retryplane_server::report_seq`).
+//! the agent (see `retryplane_server::report_seq`). What is left at shutdown is lost: reports
+//! still unacknowledged once the stream's close grace has passed, and counts held back while the
+//! window was full.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};

@@ -166,9 +166,10 @@ async fn unavailable_twice_then_ok_succeeds_at_the_third_attempt_honouring_the_p
         (1, 3, 2, 1)
     );
     assert_eq!((c.success_first_try, c.gave_up_not_retryable), (0, 0));
-    // The pushback replaced the first pause (5 ms); the second is the schedule's 10 ms.
+    // The pushback replaced the first pause (5 ms); after it the schedule starts over (gRFC
+    // A6), so the second pause is the base again, 5 ms, not 10.
     assert_eq!(c.retry_after_honored, 1);
-    assert_eq!(c.backoff_ms, 60 + 10);
+    assert_eq!(c.backoff_ms, 60 + 5);
 }
 
 #[tokio::test]

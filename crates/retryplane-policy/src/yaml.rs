@@ -198,15 +198,18 @@ fn limit_message(e: &serde_saphyr::Error) -> Option<String> {
         }
         E::Budget {
             breach:
-                B::Aliases { .. }
-                | B::Anchors { .. }
-                | B::AliasAnchorRatio { .. }
-                | B::RecordedAnchorEvents { .. }
-                | B::RecordedAnchorBytes { .. }
-                | B::MergeKeys { .. },
+                B::Anchors { .. } | B::RecordedAnchorEvents { .. } | B::RecordedAnchorBytes { .. },
             ..
-        }
-        | E::AliasReplayLimitExceeded { .. }
+        } => "the document defines more anchors (`&name`) than the parser allows; a policy file needs none".to_owned(),
+        E::Budget {
+            breach: B::MergeKeys { .. },
+            ..
+        } => "the document uses more merge keys (`<<`) than the parser allows; a policy file needs none".to_owned(),
+        E::Budget {
+            breach: B::Aliases { .. } | B::AliasAnchorRatio { .. },
+            ..
+        } => "the document uses more aliases (`*name`) than the parser allows; a policy file needs none".to_owned(),
+        E::AliasReplayLimitExceeded { .. }
         | E::AliasExpansionLimitExceeded { .. }
         | E::AliasReplayCounterOverflow { .. } => format!(
             "aliases expand to more than {MAX_ALIAS_EVENTS} YAML nodes; a policy file needs no aliases"
@@ -470,6 +473,29 @@ mod tests {
             chain.push_str(&format!("a{i}: &a{i} [*a{}]\n", i - 1));
         }
         assert_eq!(parse(chain.as_bytes()).unwrap_err().message, TOO_DEEP);
+    }
+
+    #[test]
+    fn anchors_and_merge_keys_past_the_limits_are_refused_as_such() {
+        // 50,001 anchors and no alias (about 1 MB with short lines, under the node limit).
+        let mut anchors = String::from("l:\n");
+        for i in 0..50_001 {
+            anchors.push_str(&format!("- &{i} 0\n"));
+        }
+        assert!(anchors.len() < MAX_FILE_BYTES);
+        assert_eq!(
+            parse(anchors.as_bytes()).unwrap_err().message,
+            "invalid YAML: the document defines more anchors (`&name`) than the parser allows; a policy file needs none"
+        );
+        // 10,001 merge keys of inline mappings (no alias to expand).
+        let mut merges = String::from("l:\n");
+        for _ in 0..10_001 {
+            merges.push_str("- <<: {x: 1}\n");
+        }
+        assert_eq!(
+            parse(merges.as_bytes()).unwrap_err().message,
+            "invalid YAML: the document uses more merge keys (`<<`) than the parser allows; a policy file needs none"
+        );
     }
 
     #[test]

@@ -425,11 +425,13 @@ impl AgentStream {
     }
 
     /// A metrics report: counted at most once per (instance, seq) when numbered, within the
-    /// rate limit; a numbered report is answered.
+    /// rate limit; a numbered report is answered. A seq from a client that sent no instance id
+    /// in its Hello cannot be told apart from the same seq of its previous process, so such a
+    /// report is taken as unnumbered: counted as it comes, not answered.
     fn on_report(&mut self, report: &pb::MetricsReport) -> Next {
         let ctx = self.ctx.clone();
         let now = Instant::now();
-        if report.seq == 0 {
+        if report.seq == 0 || self.instance_id == 0 {
             ctx.fleet.seen(&self.agent_id, self.generation);
             if self.bucket.take(now, &ctx.limits) {
                 ctx.aggregates.ingest(&self.service, report, now);

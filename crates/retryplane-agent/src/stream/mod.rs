@@ -213,7 +213,12 @@ async fn session(
                 if let (Some(bytes), Some(path)) = (handled.cache, &config.cache_file) {
                     write_cache(path.clone(), bytes).await;
                 }
-                if tx.send(message(handled.reply)).await.is_err() {
+                // Waits only while the stream cannot take more; cancellation still ends it.
+                let sent = tokio::select! {
+                    () = cancel.cancelled() => return SessionEnd::Cancelled,
+                    sent = tx.send(message(handled.reply)) => sent,
+                };
+                if sent.is_err() {
                     return lost(up(), "the stream closed before the answer".into());
                 }
                 next_report = next_report.min(Instant::now() + interval(shared));

@@ -230,9 +230,14 @@ fn table(out: &mut String, agents: &[pb::AgentStatus]) {
     output::table(out, "", &[], &rows);
 }
 
-/// `k=v,k2=v2`, sorted by key, each on one line whatever the agent sent.
+/// `k=v,k2=v2`, sorted by key, each on one line whatever the agent sent: runs of white space
+/// become one space and other control characters are escaped, so an agent's label cannot move
+/// the cursor or change colours in the admin's terminal.
 fn labels_text(labels: &std::collections::HashMap<String, String>) -> String {
-    let one_line = |s: &str| s.split_whitespace().collect::<Vec<_>>().join(" ");
+    let one_line = |s: &str| {
+        let spaced = s.split_whitespace().collect::<Vec<_>>().join(" ");
+        output::OneLine(&spaced).to_string()
+    };
     let mut pairs: Vec<_> = labels.iter().collect();
     pairs.sort();
     pairs
@@ -346,7 +351,7 @@ mod tests {
         let mut nacking = agent("c", true, 6, "nack", 7);
         nacking.last_error = "endpoints.payments:\n  bad".to_owned();
         let mut labelled = agent("a", true, 7, "ack", 7);
-        labelled.labels = [("zone", "eu-1"), ("pod", "checkout\n7f")]
+        labelled.labels = [("zone", "eu-1\u{1b}[31m"), ("pod", "checkout\n7f")]
             .map(|(k, v)| (k.to_owned(), v.to_owned()))
             .into();
         labelled.connected_since_unix_ms = 1_764_473_000_000;
@@ -355,10 +360,10 @@ mod tests {
         assert_eq!(
             out,
             "\
-AGENT  SERVICE   LABELS                     PEER             STATE         SINCE                 APPLIED  LAST     ERROR                    LAST-SEEN
-a      checkout  pod=checkout 7f,zone=eu-1  127.0.0.1:50000  connected     2025-11-30T03:23:20Z  v7       ack v7   -                        2025-11-30T03:37:05Z
-c      checkout  -                          127.0.0.1:50000  connected     -                     v6       nack v7  endpoints.payments: bad  2025-11-30T03:37:05Z
-z      checkout  -                          127.0.0.1:50000  disconnected  -                     -        -        -                        2025-11-30T03:37:05Z
+AGENT  SERVICE   LABELS                               PEER             STATE         SINCE                 APPLIED  LAST     ERROR                    LAST-SEEN
+a      checkout  pod=checkout 7f,zone=eu-1\\u{1b}[31m  127.0.0.1:50000  connected     2025-11-30T03:23:20Z  v7       ack v7   -                        2025-11-30T03:37:05Z
+c      checkout  -                                    127.0.0.1:50000  connected     -                     v6       nack v7  endpoints.payments: bad  2025-11-30T03:37:05Z
+z      checkout  -                                    127.0.0.1:50000  disconnected  -                     -        -        -                        2025-11-30T03:37:05Z
 "
         );
     }
