@@ -130,14 +130,21 @@ async fn a_rate_limited_report_is_acknowledged_as_dropped_and_not_counted() {
         server_figure(&plane, "retryplane_server_reports_dropped_total").await,
         Some(1)
     );
-    // Refused seqs are not recorded: sent again with a token to spend, seq 2 would count. A
-    // new stream has a new bucket.
+    // A refused seq stays refused, even with a token to spend (a new stream has a new
+    // bucket): the agent sends its counts again under a new seq, so a late or repeated copy of
+    // seq 2 must not count as well.
     let mut next = stream(&plane, "fast", 9).await;
     next.send(report(2, EP, 3)).await;
-    assert_eq!(next.next_ack().await, (2, false));
+    assert_eq!(next.next_ack().await, (2, true), "refused again");
+    next.send(report(3, EP, 3)).await;
+    assert_eq!(
+        next.next_ack().await,
+        (3, false),
+        "the token was not spent on seq 2"
+    );
     assert_eq!(calls(&plane).await, 8);
-    next.send(report(3, EP, 1)).await;
-    assert_eq!(next.next_ack().await, (3, true));
+    next.send(report(4, EP, 1)).await;
+    assert_eq!(next.next_ack().await, (4, true));
     assert_eq!(calls(&plane).await, 8);
     assert_eq!(
         server_figure(&plane, "retryplane_server_reports_duplicate_total").await,

@@ -4,14 +4,17 @@
 //! Kept in the agent's [`crate::fleet`] entry, which outlives its streams: a reconnect, and a
 //! second stream that replaces the first, see the same record, so a late report of the old
 //! stream and the same report sent again on the new one cannot both be counted. Per instance
-//! (`Hello.instance_id`, drawn anew by each agent process) the record is the highest seq counted
-//! and a 64-bit mask of which of the 64 seqs up to it were counted; a seq more than 63 below the
-//! highest counts as counted. The agent keeps at most a handful of reports unacknowledged and
+//! (`Hello.instance_id`, drawn anew by each agent process) the record is the highest seq decided
+//! and two 64-bit masks of which of the 64 seqs up to it were counted and which were refused
+//! (the rate limit); a seq more than 63 below the highest counts as counted. A refused seq stays
+//! refused: the agent puts a refused report's counts back into its counters and sends them under
+//! a new seq, so the same seq arriving later (a replaced stream's late copy, or a resend whose
+//! refusal was not heard) must not be counted too. The agent keeps at most a handful of reports unacknowledged and
 //! sends them again in order before anything newer, so a report it sends again is always well
 //! inside those 64. The [`MAX_INSTANCES`] instances that said Hello last are kept: an older
 //! stream of a replaced process is still told apart while it drains.
 //!
-//! Memory: `MAX_INSTANCES` × 24 bytes per fleet entry, and fleet entries are bounded
+//! Memory: `MAX_INSTANCES` × 32 bytes per fleet entry, and fleet entries are bounded
 //! ([`crate::fleet::MAX_DISCONNECTED`] disconnected ones). When an agent's entry is pruned its
 //! record goes with it; a report it sends again after that is counted again.
 
@@ -25,18 +28,21 @@ pub enum ReportVerdict {
     Count,
     /// Counted before: do not count it again; acknowledge it.
     Duplicate,
-    /// Not counted before and refused (the rate limit): count nothing, record nothing.
+    /// Refused (the rate limit), now or before: count nothing; the agent sends the counts again
+    /// under a new seq.
     Refused,
 }
 
-/// The counted seqs of one instance.
+/// The decided seqs of one instance.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 struct Window {
     instance: u64,
-    /// The highest seq counted (0: none yet).
+    /// The highest seq decided, counted or refused (0: none yet).
     highest: u64,
     /// Bit `i` set: seq `highest - i` was counted.
     counted: u64,
+    /// Bit `i` set: seq `highest - i` was refused.
+    refused: u64,
 }
 
 impl Window {
@@ -47,29 +53,38 @@ impl Window {
         }
     }
 
-    fn contains(&self, seq: u64) -> bool {
+    /// What was decided for `seq` before, if anything.
+    fn decided(&self, seq: u64) -> Option<ReportVerdict> {
         if seq > self.highest {
-            return false;
+            return None;
         }
         let back = self.highest - seq;
-        back >= 64 || self.counted & (1 << back) != 0
+        if back >= 64 || self.counted & (1 << back) != 0 {
+            Some(ReportVerdict::Duplicate)
+        } else if self.refused & (1 << back) != 0 {
+            Some(ReportVerdict::Refused)
+        } else {
+            None
+        }
     }
 
-    fn record(&mut self, seq: u64) {
+    /// Records `seq` as counted, or as refused.
+    fn record(&mut self, seq: u64, refused: bool) {
         if seq > self.highest {
             let shift = seq - self.highest;
-            self.counted = if shift >= 64 {
-                0
-            } else {
-                self.counted << shift
-            };
-            self.counted |= 1;
+            let slide = |mask: u64| if shift >= 64 { 0 } else { mask << shift };
+            self.counted = slide(self.counted);
+            self.refused = slide(self.refused);
             self.highest = seq;
-        } else {
-            let back = self.highest - seq;
-            if back < 64 {
-                self.counted |= 1 << back;
-            }
+        }
+        let back = self.highest - seq;
+        if back < 64 {
+            let mask = if refused {
+                &mut self.refused
+            } else {
+                &mut self.counted
+            };
+            *mask |= 1 << back;
         }
     }
 }
@@ -100,8 +115,9 @@ impl ReportSeqs {
         &mut self.windows[0]
     }
 
-    /// Decides report `seq` (> 0) of `instance`: a duplicate is never admitted; otherwise
-    /// `admit` is asked (the rate limit) and an admitted report is recorded as counted.
+    /// Decides report `seq` (> 0) of `instance`: a seq decided before gets the same answer
+    /// (`Duplicate` once counted, `Refused` once refused) without asking `admit`; otherwise
+    /// `admit` is asked (the rate limit) and the answer is recorded.
     pub fn claim(
         &mut self,
         instance: u64,
@@ -109,12 +125,14 @@ impl ReportSeqs {
         admit: impl FnOnce() -> bool,
     ) -> ReportVerdict {
         let w = self.window(instance);
-        if w.contains(seq) {
-            ReportVerdict::Duplicate
-        } else if admit() {
-            w.record(seq);
+        if let Some(before) = w.decided(seq) {
+            return before;
+        }
+        if admit() {
+            w.record(seq, false);
             ReportVerdict::Count
         } else {
+            w.record(seq, true);
             ReportVerdict::Refused
         }
     }
@@ -148,13 +166,19 @@ mod tests {
     }
 
     #[test]
-    fn a_refused_report_is_not_recorded_and_counts_when_sent_again() {
+    fn a_refused_report_stays_refused() {
         let mut r = ReportSeqs::default();
         assert_eq!(r.claim(7, 1, || false), Refused);
         assert_eq!(r.claim(7, 2, yes), Count);
-        // Seq 1 sent again (its refusal was not heard) lies below the highest: still counted.
-        assert_eq!(r.claim(7, 1, yes), Count);
-        assert_eq!(r.claim(7, 1, yes), Duplicate);
+        // Seq 1 again (a replaced stream's late copy, or a resend whose refusal was not
+        // heard): the agent sends its counts under a new seq, so this one must not count.
+        assert_eq!(r.claim(7, 1, || panic!("asked")), Refused);
+        assert_eq!(r.claim(7, 2, yes), Duplicate);
+        // Refusals slide with the window like counts.
+        assert_eq!(r.claim(7, 70, || false), Refused);
+        assert_eq!(r.claim(7, 1, yes), Duplicate, "63 below: taken as decided");
+        assert_eq!(r.claim(7, 70, yes), Refused);
+        assert_eq!(r.claim(7, 69, yes), Count);
     }
 
     #[test]
