@@ -218,7 +218,8 @@ fn instance_id() -> u64 {
 
 /// Settings of an agent fed by a control plane. Defaults: agent id `<service>-<random hex>`,
 /// no labels, no token, no cache file, metrics every [`DEFAULT_METRICS_INTERVAL`] (the control
-/// plane may set another), RNG seeded from entropy.
+/// plane may set another), HTTP/2 keepalive pings every 20 s with 10 s to answer, RNG seeded
+/// from entropy.
 #[derive(Clone, Default)]
 pub struct AgentBuilder {
     url: Option<String>,
@@ -230,6 +231,7 @@ pub struct AgentBuilder {
     metrics_interval: Option<Duration>,
     seed: Option<u64>,
     backoff: Option<ReconnectBackoff>,
+    keepalive: Option<(Duration, Duration)>,
 }
 
 // The token stays out of Debug.
@@ -243,6 +245,7 @@ impl std::fmt::Debug for AgentBuilder {
             .field("agent_id", &self.agent_id)
             .field("cache_file", &self.cache_file)
             .field("metrics_interval", &self.metrics_interval)
+            .field("keepalive", &self.keepalive)
             .finish()
     }
 }
@@ -296,6 +299,15 @@ impl AgentBuilder {
         self
     }
 
+    /// HTTP/2 keepalive: a ping every `interval`, and the connection counts as dead (the agent
+    /// reconnects, keeping its policies) when one goes unanswered for `timeout`. This is what
+    /// finds a control plane that vanished without closing the connection (a host gone, a
+    /// network partition). Default: 20 s and 10 s, the server's own interval.
+    pub fn keepalive(mut self, interval: Duration, timeout: Duration) -> Self {
+        self.keepalive = Some((interval, timeout));
+        self
+    }
+
     /// A fixed seed for the RNG behind jitter (tests).
     pub fn rng_seed(mut self, seed: u64) -> Self {
         self.seed = Some(seed);
@@ -346,6 +358,9 @@ impl AgentBuilder {
             cache_file: self.cache_file,
             default_metrics_interval: interval,
             backoff: self.backoff.unwrap_or_default(),
+            keepalive: self
+                .keepalive
+                .unwrap_or((stream::KEEPALIVE_INTERVAL, stream::KEEPALIVE_TIMEOUT)),
         };
         let cancel = CancellationToken::new();
         let handle = runtime.spawn(stream::run(shared.clone(), config, cancel.clone(), seed));

@@ -4,7 +4,9 @@
 //! - [`Agent`] holds the current policies in an `ArcSwap`. [`Agent::builder`] connects it to a
 //!   control plane: [`AgentBuilder::connect`] returns at once and one background task owns the
 //!   policy stream — it validates and swaps in every snapshot, ACKs or NACKs it, writes the cache
-//!   file, reconnects with jittered exponential backoff and streams metrics back.
+//!   file, reconnects with jittered exponential backoff and streams metrics back. HTTP/2
+//!   keepalive pings ([`AgentBuilder::keepalive`]) find a control plane that vanished without
+//!   closing the connection.
 //!   [`Agent::from_file`] and [`Agent::from_policies`] run on static policies.
 //! - [`Agent::endpoint`] gives a cheap [`Endpoint`] handle; [`Endpoint::call`] runs one logical
 //!   call under SPEC §2: the policy is read once per call, each attempt gets

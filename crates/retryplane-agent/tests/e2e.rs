@@ -4,7 +4,9 @@
 
 mod support;
 
-use retryplane_agent::{Agent, CallMeta, Source};
+use std::time::Duration;
+
+use retryplane_agent::{Agent, CallMeta, ReconnectBackoff, Source};
 use support::Upstream;
 use support::plane::{agent, apply, attempts_of, eventually, plane, stats, yaml};
 use support::proxy::Proxy;
@@ -211,4 +213,42 @@ async fn metrics_add_up_exactly_when_streams_are_lost_with_reports_or_acks_in_fl
     a.shutdown().await;
     assert_eq!(stats(&running).await.unwrap().calls, 9);
     running.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_control_plane_that_goes_silent_is_found_by_keepalive_and_the_agent_reconnects() {
+    let dir = tempfile::tempdir().unwrap();
+    let running = plane(dir.path(), &yaml(3), None).await;
+    let proxy = Proxy::start(running.agent_addr).await;
+    // The default ping (20 s, 10 s to answer) would not notice within the wait below.
+    let a = Agent::builder()
+        .url(format!("http://{}", proxy.addr))
+        .service("checkout")
+        .agent_id("silent")
+        .rng_seed(1)
+        .reconnect_backoff(ReconnectBackoff::new(
+            Duration::from_millis(20),
+            Duration::from_millis(300),
+            Duration::from_secs(10),
+        ))
+        .keepalive(Duration::from_millis(200), Duration::from_millis(300))
+        .connect()
+        .unwrap();
+    on_version(&[&a], 1).await;
+
+    // The control plane goes silent: the connection stays open and nothing comes through.
+    proxy.hold_up(true);
+    proxy.hold_down(true);
+    eventually("keepalive finds the dead connection", || async {
+        !a.is_connected()
+    })
+    .await;
+    assert_eq!(attempts_of(&a).await, 3, "the policy in force is kept");
+
+    // The network heals: the agent connects again and takes the next version.
+    proxy.cut();
+    eventually("the agent reconnects", || async { a.is_connected() }).await;
+    apply(&running, yaml(5)).await;
+    on_version(&[&a], 2).await;
+    assert_eq!(attempts_of(&a).await, 5);
 }

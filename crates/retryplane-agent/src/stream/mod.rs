@@ -55,6 +55,8 @@ pub(crate) struct StreamConfig {
     pub(crate) cache_file: Option<PathBuf>,
     pub(crate) default_metrics_interval: Duration,
     pub(crate) backoff: ReconnectBackoff,
+    /// HTTP/2 keepalive: ping interval, and how long a ping may go unanswered.
+    pub(crate) keepalive: (Duration, Duration),
 }
 
 /// How a session ended.
@@ -78,8 +80,8 @@ pub(crate) async fn run(
     let endpoint = config
         .endpoint
         .clone()
-        .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
-        .keep_alive_timeout(KEEPALIVE_TIMEOUT)
+        .http2_keep_alive_interval(config.keepalive.0)
+        .keep_alive_timeout(config.keepalive.1)
         .keep_alive_while_idle(true)
         .connect_timeout(CONNECT_TIMEOUT)
         .tcp_nodelay(true);
