@@ -11,7 +11,7 @@ use std::time::Duration;
 use prost::Message as _;
 use retryplane_agent::{Agent, ReconnectBackoff, Source};
 use retryplane_proto::pb::agent_message::Kind;
-use support::plane::{WAIT, attempts_of};
+use support::plane::attempts_of;
 use support::script::{Script, send, snapshot};
 
 fn agent(script: &Script, cache: &std::path::Path) -> Agent {
@@ -63,14 +63,7 @@ async fn a_hello_after_a_start_from_the_cache_carries_the_cached_version_and_has
         (8, v8.content_hash.as_str())
     );
 
-    let close = async {
-        script.until_ended().await;
-        drop(to_agent);
-    };
-    tokio::time::timeout(WAIT, async { tokio::join!(agent.shutdown(), close) })
-        .await
-        .expect("the agent shuts down in time");
-    script.stop().await;
+    script.shut_down(agent, to_agent).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -90,12 +83,6 @@ async fn a_hello_without_a_usable_cache_says_version_zero() {
         (hello.last_applied_version, hello.last_applied_hash.as_str()),
         (0, "")
     );
-    let close = async {
-        script.until_ended().await;
-        drop(to_agent);
-    };
-    tokio::time::timeout(WAIT, async { tokio::join!(agent.shutdown(), close) })
-        .await
-        .expect("the agent shuts down in time");
-    script.stop().await;
+
+    script.shut_down(agent, to_agent).await;
 }

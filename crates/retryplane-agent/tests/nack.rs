@@ -15,7 +15,7 @@ use retryplane_agent::{Agent, ReconnectBackoff, Source};
 use retryplane_proto::convert;
 use retryplane_proto::pb;
 use retryplane_proto::pb::agent_message::Kind;
-use support::plane::{WAIT, attempts_of};
+use support::plane::attempts_of;
 use support::script::{Script, send, snapshot};
 
 /// Version 2 with `max_attempts: 0` on `ep` and a hash that matches it: only the validator
@@ -119,13 +119,5 @@ async fn an_invalid_snapshot_is_nacked_and_the_last_good_policy_keeps_applying()
     assert_eq!(attempts_of(&agent).await, 2);
     assert_eq!(cached(&cache), v3);
 
-    // Shutdown: the agent half-closes its side; the server then ends the stream.
-    let close = async {
-        script.until_ended().await;
-        drop(to_agent);
-    };
-    tokio::time::timeout(WAIT, async { tokio::join!(agent.shutdown(), close) })
-        .await
-        .expect("the agent shuts down in time");
-    script.stop().await;
+    script.shut_down(agent, to_agent).await;
 }

@@ -140,6 +140,19 @@ impl Script {
         }
     }
 
+    /// Shuts `agent` down as a service would and checks the stream ends cleanly: the agent
+    /// half-closes its side, then the server (this script) ends the stream; then stops.
+    pub async fn shut_down(mut self, agent: retryplane_agent::Agent, to_agent: ToAgent) {
+        let close = async {
+            self.until_ended().await;
+            drop(to_agent);
+        };
+        tokio::time::timeout(WAIT, async { tokio::join!(agent.shutdown(), close) })
+            .await
+            .expect("the agent shuts down in time");
+        self.stop().await;
+    }
+
     pub async fn stop(mut self) {
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
