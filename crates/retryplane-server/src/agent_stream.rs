@@ -274,6 +274,28 @@ enum Next {
     End(Option<Status>),
 }
 
+/// Queues `frame` on a stream's body once there is room for it and for a closing status after
+/// it, so that the status can always be queued (`try_send` at the end of [`AgentStream::run`]).
+/// An agent that stops reading therefore still ends here when its stream is replaced or the
+/// server shuts down: `Err` carries the status to end with (`None`: the body is gone).
+async fn send(
+    tx: &mpsc::Sender<Outbound>,
+    frame: Outbound,
+    replaced: &mut tokio::sync::oneshot::Receiver<()>,
+    shutdown: &mut watch::Receiver<bool>,
+) -> Result<(), Option<Status>> {
+    let room = tokio::select! {
+        room = tx.reserve_many(2) => room,
+        _ = replaced => return Err(Some(replaced_status())),
+        _ = shutdown.wait_for(|s| *s) => return Err(Some(shutdown_status())),
+    };
+    let mut room = room.map_err(|_| None)?;
+    if let Some(permit) = room.next() {
+        permit.send(frame);
+    }
+    Ok(())
+}
+
 fn replaced_status() -> Status {
     Status::aborted("replaced by a newer stream with the same agent id")
 }
@@ -296,17 +318,8 @@ impl AgentStream {
             if let Some(snap) = current
                 && self.behind(&snap)
             {
-                // Wait for room for the snapshot and for a closing status after it, so the
-                // status can always be queued; an agent that stops reading still ends here
-                // when it is replaced or the server shuts down.
-                let room = tokio::select! {
-                    room = tx.reserve_many(2) => room,
-                    _ = &mut replaced => break Some(replaced_status()),
-                    _ = shutdown.wait_for(|s| *s) => break Some(shutdown_status()),
-                };
-                let Ok(mut room) = room else { break None };
-                if let Some(permit) = room.next() {
-                    permit.send(snap.frame());
+                if let Err(end) = send(&tx, snap.frame(), &mut replaced, &mut shutdown).await {
+                    break end;
                 }
                 self.known_version = snap.version;
                 self.known_hash.clone_from(&snap.content_hash);
@@ -335,23 +348,15 @@ impl AgentStream {
                             continue;
                         }
                     };
-                    // As for a snapshot: room for the ack and a closing status, so an agent
-                    // that stops reading still ends here when replaced or at shutdown.
-                    let room = tokio::select! {
-                        room = tx.reserve_many(2) => room,
-                        _ = &mut replaced => break Some(replaced_status()),
-                        _ = shutdown.wait_for(|s| *s) => break Some(shutdown_status()),
-                    };
-                    let Ok(mut room) = room else { break None };
-                    if let Some(permit) = room.next() {
-                        permit.send(Ok(frame));
+                    if let Err(end) = send(&tx, Ok(frame), &mut replaced, &mut shutdown).await {
+                        break end;
                     }
                 }
                 Next::End(status) => break status,
             }
         };
         if let Some(status) = end {
-            // A slot is free (see above), so this never waits on an agent that does not read.
+            // A slot is free (see `send`), so this never waits on an agent that does not read.
             // The agent may be gone already; nothing to do then.
             let _ = tx.try_send(Err(status));
         }
