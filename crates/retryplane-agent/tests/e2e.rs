@@ -6,9 +6,9 @@ mod support;
 
 use std::time::Duration;
 
-use retryplane_agent::{Agent, CallMeta, ReconnectBackoff, Source};
+use retryplane_agent::{Agent, CallMeta, Source};
 use support::Upstream;
-use support::plane::{agent, apply, attempts_of, eventually, plane, stats, yaml};
+use support::plane::{agent, apply, attempts_of, builder, eventually, plane, stats, yaml};
 use support::proxy::Proxy;
 
 async fn on_version(agents: &[&Agent], version: u64) {
@@ -221,16 +221,7 @@ async fn a_control_plane_that_goes_silent_is_found_by_keepalive_and_the_agent_re
     let running = plane(dir.path(), &yaml(3), None).await;
     let proxy = Proxy::start(running.agent_addr).await;
     // The default ping (20 s, 10 s to answer) would not notice within the wait below.
-    let a = Agent::builder()
-        .url(format!("http://{}", proxy.addr))
-        .service("checkout")
-        .agent_id("silent")
-        .rng_seed(1)
-        .reconnect_backoff(ReconnectBackoff::new(
-            Duration::from_millis(20),
-            Duration::from_millis(300),
-            Duration::from_secs(10),
-        ))
+    let a = builder(proxy.addr, "silent")
         .keepalive(Duration::from_millis(200), Duration::from_millis(300))
         .connect()
         .unwrap();

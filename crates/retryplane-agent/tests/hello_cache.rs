@@ -6,28 +6,14 @@
 
 mod support;
 
-use std::time::Duration;
-
 use prost::Message as _;
-use retryplane_agent::{Agent, ReconnectBackoff, Source};
+use retryplane_agent::{Agent, Source};
 use retryplane_proto::pb::agent_message::Kind;
 use support::plane::attempts_of;
 use support::script::{Script, send, snapshot};
 
 fn agent(script: &Script, cache: &std::path::Path) -> Agent {
-    Agent::builder()
-        .url(format!("http://{}", script.addr))
-        .service("checkout")
-        .agent_id("a")
-        .cache_file(cache)
-        .rng_seed(1)
-        .reconnect_backoff(ReconnectBackoff::new(
-            Duration::from_millis(20),
-            Duration::from_millis(300),
-            Duration::from_secs(10),
-        ))
-        .connect()
-        .unwrap()
+    support::plane::agent(script.addr, "a", Some(cache))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -8,10 +8,9 @@
 mod support;
 
 use std::path::Path;
-use std::time::Duration;
 
 use prost::Message as _;
-use retryplane_agent::{Agent, ReconnectBackoff, Source};
+use retryplane_agent::Source;
 use retryplane_proto::convert;
 use retryplane_proto::pb;
 use retryplane_proto::pb::agent_message::Kind;
@@ -39,19 +38,7 @@ async fn an_invalid_snapshot_is_nacked_and_the_last_good_policy_keeps_applying()
     let dir = tempfile::tempdir().unwrap();
     let cache = dir.path().join("agent.cache");
     let mut script = Script::start().await;
-    let agent = Agent::builder()
-        .url(format!("http://{}", script.addr))
-        .service("checkout")
-        .agent_id("a")
-        .cache_file(&cache)
-        .rng_seed(1)
-        .reconnect_backoff(ReconnectBackoff::new(
-            Duration::from_millis(20),
-            Duration::from_millis(300),
-            Duration::from_secs(10),
-        ))
-        .connect()
-        .unwrap();
+    let agent = support::plane::agent(script.addr, "a", Some(&cache));
 
     // Hello, then v1 (4 attempts) is ACKed with its nonce.
     let (to_agent, hello) = script.reconnected().await;

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use retryplane_agent::{Agent, AttemptInfo, CallMeta, ReconnectBackoff};
+use retryplane_agent::{Agent, AgentBuilder, AttemptInfo, CallMeta, ReconnectBackoff};
 use retryplane_proto::pb;
 use retryplane_server::server::{Running, ServeConfig, start};
 use tonic::transport::{Channel, Endpoint};
@@ -41,9 +41,9 @@ pub async fn plane(dir: &Path, seed: &str, agent_listen: Option<SocketAddr>) -> 
     start(cfg).await.unwrap()
 }
 
-/// An agent connected to `addr`.
-pub fn agent(addr: SocketAddr, id: &str, cache: Option<&Path>) -> Agent {
-    let mut b = Agent::builder()
+/// The tests' agent settings for a control plane at `addr`: seeded, reconnecting quickly.
+pub fn builder(addr: SocketAddr, id: &str) -> AgentBuilder {
+    Agent::builder()
         .url(format!("http://{addr}"))
         .service("checkout")
         .label("zone", "test")
@@ -53,7 +53,12 @@ pub fn agent(addr: SocketAddr, id: &str, cache: Option<&Path>) -> Agent {
             Duration::from_millis(20),
             Duration::from_millis(300),
             Duration::from_secs(10),
-        ));
+        ))
+}
+
+/// An agent connected to `addr`.
+pub fn agent(addr: SocketAddr, id: &str, cache: Option<&Path>) -> Agent {
+    let mut b = builder(addr, id);
     if let Some(c) = cache {
         b = b.cache_file(c);
     }
