@@ -174,6 +174,10 @@ fn the_last_allowed_attempt_gives_up_with_attempts_exhausted() {
         step(&mut call, http(502), t0),
         Decision::GiveUp(GiveUpCause::AttemptsExhausted)
     );
+    // The call keeps the count itself: a caller that asks again starts nothing.
+    for _ in 0..3 {
+        assert_eq!(call.start_attempt(t0), Err(GiveUpCause::AttemptsExhausted));
+    }
     assert_eq!(call.attempts(), 3);
     assert_eq!(call.last_failure(), Some(&http(502)));
 }
@@ -491,24 +495,7 @@ fn a_call_that_is_over_starts_no_more_attempts() {
     p.circuit_breaker = None;
     let t0 = Instant::now();
     let state = EndpointState::new(&p, t0);
-    // Attempts exhausted.
-    let mut call = RetryCall::new(&p, &state, get(), t0);
-    assert!(matches!(
-        step(&mut call, http(503), t0),
-        Decision::Retry { .. }
-    ));
-    assert!(matches!(
-        step(&mut call, http(503), t0),
-        Decision::Retry { .. }
-    ));
-    assert_eq!(
-        step(&mut call, http(503), t0),
-        Decision::GiveUp(GiveUpCause::AttemptsExhausted)
-    );
-    for _ in 0..3 {
-        assert_eq!(call.start_attempt(t0), Err(GiveUpCause::AttemptsExhausted));
-    }
-    assert_eq!(call.attempts(), 3);
+    // Attempts exhausted: `the_last_allowed_attempt_gives_up_with_attempts_exhausted`.
     // Returned, or gave up early.
     for outcome in [http(200), http(404)] {
         let mut call = RetryCall::new(&p, &state, get(), t0);
