@@ -114,7 +114,11 @@ fn client<S>(svc: S, dedup: &Dedup) -> Client<S> {
 }
 
 fn client_with<S>(svc: S, dedup: &Dedup, yaml: &str) -> Client<S> {
-    let agent = agent(&policy(yaml));
+    client_of(&agent(&policy(yaml)), svc, dedup)
+}
+
+/// The de-duplicating client of `agent`'s endpoint `ep`, for a test that reads its counters.
+fn client_of<S>(agent: &retryplane_agent::Agent, svc: S, dedup: &Dedup) -> Client<S> {
     RetryLayer::new(agent.endpoint("ep"))
         .with_dedup(dedup.clone())
         .layer(svc)
@@ -519,12 +523,11 @@ async fn a_leader_error_sends_followers_to_their_own_calls() {
     // Refused, and not retried (max_attempts 1): the leader returns the error.
     let (svc, up) = upstream(&[Step::Refused]);
     let dedup = Dedup::default();
-    let agent = agent(&policy(
+    let client = client_with(
+        svc,
+        &dedup,
         "max_attempts: 1\ndeadline: 600s\nper_try_timeout: 600s",
-    ));
-    let client = RetryLayer::new(agent.endpoint("ep"))
-        .with_dedup(dedup.clone())
-        .layer(svc);
+    );
     let leader = spawn(&client, req(get("http://up/x"), ""));
     until("the leader reaches the upstream", || up.seen() == 1).await;
     let followers: Vec<_> = (0..2)
@@ -652,10 +655,7 @@ fn stalling_upstream(
 async fn a_leader_whose_body_stalls_hands_its_followers_to_their_own_calls_by_its_deadline() {
     let (svc, stalled, seen) = stalling_upstream("part one, ");
     let dedup = Dedup::default();
-    let agent = agent(&policy(SHORT));
-    let client = RetryLayer::new(agent.endpoint("ep"))
-        .with_dedup(dedup.clone())
-        .layer(svc);
+    let client = client_with(svc, &dedup, SHORT);
     let t0 = Instant::now();
     let c = client.clone();
     let leader = tokio::spawn(async move { c.oneshot(req(get("http://up/slow"), "")).await });
@@ -766,9 +766,7 @@ async fn followers_answered_with_a_copy_are_not_counted_only_the_leaders_call_is
     let agent = agent(&policy(POLICY));
     let (svc, up) = upstream(&[Step::Status(503)]);
     let dedup = Dedup::default();
-    let client = RetryLayer::new(agent.endpoint("ep"))
-        .with_dedup(dedup.clone())
-        .layer(svc);
+    let client = client_of(&agent, svc, &dedup);
     let leader = spawn(&client, req(get("http://up/x"), ""));
     until("the leader reaches the upstream", || up.seen() == 1).await;
     let followers: Vec<_> = (0..3)
