@@ -4,9 +4,10 @@
 //! A numbered report (`seq` > 0) is answered with a `MetricsAck`: counted now, or already
 //! counted (a report sent again after a lost stream: acknowledged, counted once, and counted in
 //! `retryplane_server_reports_duplicate`), or refused by the rate limit (`dropped`, nothing
-//! counted, so the agent sends the counts again later). Which reports were counted is kept in
-//! the agent's [`Fleet`] entry, shared by every stream of the agent id
-//! ([`crate::report_seq`]). A report with seq 0 is counted as it comes, unanswered.
+//! counted, so the agent sends the counts again later under a new seq; the refused seq stays
+//! refused). Which reports were counted or refused is kept in the agent's [`Fleet`] entry,
+//! shared by every stream of the agent id ([`crate::report_seq`]). A report with seq 0, or from
+//! an agent whose Hello gave no instance id, is counted as it comes, unanswered.
 //!
 //! One task per stream owns its state; it wakes on a new publish, on the agent's next message,
 //! when a newer stream replaces it, or at shutdown.
