@@ -375,7 +375,8 @@ fn parse(c: &mut Criterion) {
     g.bench_function("load/many_tiny_endpoints_10k", |b| {
         b.iter(|| black_box(load(black_box(tiny.as_bytes()))));
     });
-    // Hostile input after a large valid prefix costs about what parsing the prefix costs.
+    // Hostile input after a large valid prefix: the quick event scan finds it, so it costs about
+    // what the parser's bare events of the prefix cost.
     let padding = padded("");
     assert!(padding.len() < 1024 * 1024);
     assert!(
@@ -385,12 +386,26 @@ fn parse(c: &mut Criterion) {
     g.bench_function("load/padding_55k", |b| {
         b.iter(|| black_box(load(black_box(padding.as_bytes()))));
     });
-    // The YAML pass alone (no checks, no compiling): what a refusal at the end can cost at most.
+    // The YAML pass alone (the quick event scan for hostile parts, then the located values; no
+    // checks, no compiling).
     g.bench_function("yaml/padding_55k", |b| {
         b.iter(|| {
             black_box(retryplane_policy::yaml::parse(black_box(
                 padding.as_bytes(),
             )))
+        });
+    });
+    // The baseline for a refusal: the YAML parser's bare event stream over the padding, which
+    // any pass that reads the file in order pays before it reaches the hostile part.
+    g.bench_function("yaml/padding_55k_parser_events", |b| {
+        b.iter(|| {
+            let mut events = 0_usize;
+            for item in serde_saphyr::granit_parser::Parser::new_from_str(black_box(&padding)) {
+                if item.is_ok() {
+                    events += 1;
+                }
+            }
+            black_box(events)
         });
     });
     // Each hostile file is checked to be refused before its refusal is timed.

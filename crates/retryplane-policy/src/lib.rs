@@ -27,6 +27,7 @@ pub mod set;
 pub mod validate;
 mod window;
 pub mod yaml;
+mod yaml_scan;
 
 pub use diag::{Diagnostic, Severity};
 pub use document::{PolicyDocument, Target};
