@@ -25,3 +25,11 @@ pub mod pb {
 /// The encoded `FileDescriptorSet` of `retryplane.v1`, for gRPC reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] =
     include_bytes!(concat!(env!("OUT_DIR"), "/retryplane_v1_descriptor.bin"));
+
+/// Response metadata of `AgentService.Connect` by which the control plane says it answers every
+/// numbered metrics report with a `MetricsAck` (value `1`). An agent numbers its reports, keeps
+/// them until acknowledged and sends them again on its next stream only when the stream's
+/// response carries it; from a control plane that does not send it (one that predates
+/// `MetricsAck`), the agent sends its reports unnumbered, so nothing waits for an answer that
+/// never comes and nothing is counted twice.
+pub const METRICS_ACK_METADATA: &str = "retryplane-metrics-ack";

@@ -136,9 +136,13 @@ where
             Ok(match service.connect(request).await {
                 Ok(frames) => {
                     let mut response = http::Response::new(Body::new(SharedFrameBody::new(frames)));
-                    response
-                        .headers_mut()
-                        .insert(CONTENT_TYPE, GRPC_CONTENT_TYPE);
+                    let headers = response.headers_mut();
+                    headers.insert(CONTENT_TYPE, GRPC_CONTENT_TYPE);
+                    // Every numbered metrics report on this stream is answered.
+                    headers.insert(
+                        retryplane_proto::METRICS_ACK_METADATA,
+                        http::HeaderValue::from_static("1"),
+                    );
                     response
                 }
                 Err(status) => status.into_http(),
@@ -250,6 +254,7 @@ mod tests {
         let first = route.call(first).await.unwrap();
         let second = route.call(second).await.unwrap();
         assert_eq!(first.headers()[CONTENT_TYPE], "application/grpc");
+        assert_eq!(first.headers()[retryplane_proto::METRICS_ACK_METADATA], "1");
         let (mut first, mut second) = (first.into_body(), second.into_body());
         let shared = publisher.current().unwrap().frame().unwrap();
         let (a, b) = (next_data(&mut first).await, next_data(&mut second).await);

@@ -1,11 +1,13 @@
 //! The one background task that owns the control-plane stream (SPEC §3, STYLE #5).
 //!
 //! Each session: connect (HTTP/2 keepalive on), send Hello with the version in force (when it
-//! came from the control plane or the cache) and the process's instance id, send again the
-//! metrics reports the previous streams left unacknowledged ([`outbox`]), then apply every
-//! snapshot ([`apply`]), write the cache file, answer ACK or NACK, and send a numbered
-//! `MetricsReport` of counter deltas every interval, each kept until the control plane
-//! acknowledges it. When the stream ends or cannot be opened the task waits a
+//! came from the control plane or the cache) and the process's instance id; once the stream's
+//! response says the control plane acknowledges metrics reports
+//! ([`retryplane_proto::METRICS_ACK_METADATA`]), send again the reports the previous streams
+//! left unacknowledged ([`outbox`]). Then apply every snapshot ([`apply`]), write the cache
+//! file, answer ACK or NACK, and send a `MetricsReport` of counter deltas every interval:
+//! numbered and kept until acknowledged, or unnumbered to a control plane that does not
+//! acknowledge reports. When the stream ends or cannot be opened the task waits a
 //! [`ReconnectBackoff`] delay and tries again; the policies in force are never dropped. On
 //! shutdown it sends the counts not yet reported, half-closes the stream and waits (bounded) for
 //! the server to close it.
@@ -43,7 +45,7 @@ pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
 /// Messages queued towards the control plane.
 const OUTBOUND: usize = 16;
-// A new stream queues Hello and every unacknowledged report at once.
+// A new stream holds Hello and every unacknowledged report at once.
 const _: () = assert!(outbox::WINDOW < OUTBOUND);
 
 /// What the stream task is told.
@@ -144,13 +146,6 @@ async fn session(
     if tx.try_send(message(Kind::Hello(hello))).is_err() {
         return lost(None, "cannot queue Hello".into());
     }
-    // Before any new report: what earlier streams left unacknowledged, same seqs.
-    if !outbox.resend(&tx) {
-        return lost(
-            None,
-            "cannot queue the unacknowledged metrics reports".into(),
-        );
-    }
     let token = config.token.clone();
     let mut client = pb::agent_service_client::AgentServiceClient::with_interceptor(
         channel,
@@ -165,10 +160,28 @@ async fn session(
         () = cancel.cancelled() => return SessionEnd::Cancelled,
         r = client.connect(ReceiverStream::new(rx)) => r,
     };
-    let mut inbound = match opened {
-        Ok(r) => r.into_inner(),
+    let opened = match opened {
+        Ok(r) => r,
         Err(status) => return lost(None, format!("stream refused: {:?}", status.code())),
     };
+    // Reports are numbered, kept and resent only for a control plane that answers them.
+    let numbered = opened
+        .metadata()
+        .get(retryplane_proto::METRICS_ACK_METADATA)
+        .is_some_and(|v| v == "1");
+    if numbered {
+        // Before any new report: what earlier streams left unacknowledged, same seqs.
+        if !outbox.resend(&tx) {
+            return lost(
+                None,
+                "cannot queue the unacknowledged metrics reports".into(),
+            );
+        }
+    } else {
+        debug!("the control plane does not acknowledge metrics reports; sending them unnumbered");
+        outbox.give_back(&shared.metrics);
+    }
+    let mut inbound = opened.into_inner();
     shared.connected.store(true, Relaxed);
     let opened_at = Instant::now();
     let up = || Some(Instant::now().duration_since(opened_at));
@@ -177,7 +190,7 @@ async fn session(
     loop {
         tokio::select! {
             () = cancel.cancelled() => {
-                send_metrics(shared, &tx, window_start, outbox);
+                send_metrics(shared, &tx, window_start, outbox, numbered);
                 drop(tx);
                 // Let the server read what was queued and close its side.
                 let _ = tokio::time::timeout(CLOSE_GRACE, async {
@@ -226,7 +239,7 @@ async fn session(
                 next_report = next_report.min(Instant::now() + interval(shared));
             }
             () = tokio::time::sleep_until(next_report) => {
-                send_metrics(shared, &tx, window_start, outbox);
+                send_metrics(shared, &tx, window_start, outbox, numbered);
                 next_report = Instant::now() + interval(shared);
             }
         }
@@ -249,10 +262,11 @@ fn send_metrics(
     tx: &mpsc::Sender<pb::AgentMessage>,
     window_start: &mut u64,
     outbox: &mut Outbox,
+    numbered: bool,
 ) {
     let end = unix_ms();
     let start = *window_start;
-    let sent = outbox.send(&shared.metrics, tx, |report| {
+    let sent = outbox.send(&shared.metrics, tx, numbered, |report| {
         report.window_start_unix_ms = start;
         report.window_end_unix_ms = end;
         report.policy_version = shared.policies.load().version();
@@ -314,7 +328,7 @@ mod tests {
         drop(rx);
         let mut start = 0;
         let mut outbox = Outbox::default();
-        send_metrics(shared, &tx, &mut start, &mut outbox);
+        send_metrics(shared, &tx, &mut start, &mut outbox, true);
         assert_eq!(
             shared.metrics.pending("a").calls,
             3,
@@ -323,7 +337,7 @@ mod tests {
 
         let (tx, mut rx) = mpsc::channel(1);
         tx.try_send(message(Kind::Ack(pb::Ack::default()))).unwrap();
-        send_metrics(shared, &tx, &mut start, &mut outbox);
+        send_metrics(shared, &tx, &mut start, &mut outbox, true);
         assert_eq!(
             shared.metrics.pending("a").calls,
             3,
@@ -332,7 +346,7 @@ mod tests {
 
         rx.recv().await.unwrap();
         count_calls(shared, 2);
-        send_metrics(shared, &tx, &mut start, &mut outbox);
+        send_metrics(shared, &tx, &mut start, &mut outbox, true);
         assert_eq!(shared.metrics.pending("a").calls, 0);
         let Some(Kind::Metrics(report)) = rx.recv().await.unwrap().kind else {
             panic!("a metrics report");

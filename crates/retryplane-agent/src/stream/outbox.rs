@@ -9,6 +9,12 @@
 //! before any new report; the server counts each seq once. At most [`WINDOW`] reports wait for
 //! an answer: while that many do, no counts are taken, so they keep adding up in the counters
 //! (whose memory is bounded by the number of endpoints) and nothing is lost.
+//!
+//! All of that only on a stream whose response says the control plane acknowledges reports
+//! ([`retryplane_proto::METRICS_ACK_METADATA`]). A control plane that predates `MetricsAck`
+//! never answers: there reports go out unnumbered (seq 0) and are not kept, and reports kept
+//! from an earlier stream give their counts back to the counters for the next report, since
+//! such a server would count a resent report again.
 
 use std::collections::VecDeque;
 
@@ -61,16 +67,19 @@ impl Outbox {
         self.pending.iter().map(|r| r.seq).collect()
     }
 
-    /// Takes the counts from `registry` into a report numbered with the next seq (filled in
-    /// by `fill`: window and policy version) and queues it on `tx`. Nothing is taken while the
-    /// window is full; a report the stream cannot take is added back and uses no seq.
+    /// Takes the counts from `registry` into a report (filled in by `fill`: window and policy
+    /// version) and queues it on `tx`. When `numbered` (the stream's control plane acknowledges
+    /// reports), the report gets the next seq and is kept until acknowledged, and nothing is
+    /// taken while the window is full; otherwise it goes out with seq 0, is not kept, and
+    /// `Ok(0)` is returned. A report the stream cannot take is added back and uses no seq.
     pub(crate) fn send(
         &mut self,
         registry: &Registry,
         tx: &mpsc::Sender<pb::AgentMessage>,
+        numbered: bool,
         fill: impl FnOnce(&mut pb::MetricsReport),
     ) -> Result<u64, NotSent> {
-        if self.is_full() {
+        if numbered && self.is_full() {
             return Err(NotSent::WindowFull);
         }
         let endpoints = registry.take();
@@ -79,11 +88,12 @@ impl Outbox {
         }
         let mut report = pb::MetricsReport {
             endpoints,
-            seq: self.next_seq,
+            seq: if numbered { self.next_seq } else { 0 },
             ..Default::default()
         };
         fill(&mut report);
         match tx.try_send(message(Kind::Metrics(report.clone()))) {
+            Ok(()) if !numbered => Ok(0),
             Ok(()) => {
                 self.next_seq += 1;
                 self.pending.push_back(report);
@@ -111,6 +121,16 @@ impl Outbox {
                 seq,
                 "metrics report refused by the control plane; counts kept"
             );
+            registry.restore(&report.endpoints);
+        }
+    }
+
+    /// On a stream to a control plane that does not acknowledge reports: forgets every waiting
+    /// report and adds its counts back into `registry`, to go out in the next (unnumbered)
+    /// report. Whether the earlier control plane counted them is unknown; this one would count
+    /// a resent report every time, so they are counted again at most once.
+    pub(crate) fn give_back(&mut self, registry: &Registry) {
+        for report in self.pending.drain(..) {
             registry.restore(&report.endpoints);
         }
     }
@@ -160,11 +180,11 @@ mod tests {
         let r = Registry::default();
         let mut o = Outbox::default();
         let (tx, mut rx) = mpsc::channel(16);
-        assert_eq!(o.send(&r, &tx, no_fill), Err(NotSent::Empty));
+        assert_eq!(o.send(&r, &tx, true, no_fill), Err(NotSent::Empty));
         count_calls(&r, 2);
-        assert_eq!(o.send(&r, &tx, no_fill), Ok(1));
+        assert_eq!(o.send(&r, &tx, true, no_fill), Ok(1));
         count_calls(&r, 3);
-        assert_eq!(o.send(&r, &tx, no_fill), Ok(2));
+        assert_eq!(o.send(&r, &tx, true, no_fill), Ok(2));
         assert_eq!(sent(&mut rx), [(1, 2), (2, 3)]);
         assert_eq!(o.pending_seqs(), [1, 2]);
         o.ack(&r, 2, false);
@@ -184,12 +204,12 @@ mod tests {
         let mut o = Outbox::default();
         let (tx, mut rx) = mpsc::channel(16);
         count_calls(&r, 4);
-        o.send(&r, &tx, no_fill).unwrap();
+        o.send(&r, &tx, true, no_fill).unwrap();
         count_calls(&r, 1);
         o.ack(&r, 1, true);
         assert!(o.pending_seqs().is_empty());
         assert_eq!(r.pending("a").calls, 5);
-        assert_eq!(o.send(&r, &tx, no_fill), Ok(2));
+        assert_eq!(o.send(&r, &tx, true, no_fill), Ok(2));
         assert_eq!(sent(&mut rx), [(1, 4), (2, 5)]);
         // A second answer to the dropped seq adds nothing.
         o.ack(&r, 1, true);
@@ -203,16 +223,16 @@ mod tests {
         let (tx, mut rx) = mpsc::channel(64);
         for seq in 1..=u64::try_from(WINDOW).unwrap() {
             count_calls(&r, 1);
-            assert_eq!(o.send(&r, &tx, no_fill), Ok(seq));
+            assert_eq!(o.send(&r, &tx, true, no_fill), Ok(seq));
         }
         assert!(o.is_full());
         count_calls(&r, 7);
-        assert_eq!(o.send(&r, &tx, no_fill), Err(NotSent::WindowFull));
+        assert_eq!(o.send(&r, &tx, true, no_fill), Err(NotSent::WindowFull));
         assert_eq!(r.pending("a").calls, 7, "the counts stay in the counters");
         assert_eq!(sent(&mut rx).len(), WINDOW);
         o.ack(&r, 3, false);
         let next = u64::try_from(WINDOW).unwrap() + 1;
-        assert_eq!(o.send(&r, &tx, no_fill), Ok(next));
+        assert_eq!(o.send(&r, &tx, true, no_fill), Ok(next));
         assert_eq!(sent(&mut rx), [(next, 7)]);
         assert_eq!(r.pending("a").calls, 0);
     }
@@ -224,11 +244,11 @@ mod tests {
         count_calls(&r, 3);
         let (closed, rx) = mpsc::channel(1);
         drop(rx);
-        assert_eq!(o.send(&r, &closed, no_fill), Err(NotSent::StreamFull));
+        assert_eq!(o.send(&r, &closed, true, no_fill), Err(NotSent::StreamFull));
         assert_eq!(r.pending("a").calls, 3);
         assert!(o.pending_seqs().is_empty());
         let (tx, mut rx) = mpsc::channel(4);
-        assert_eq!(o.send(&r, &tx, no_fill), Ok(1));
+        assert_eq!(o.send(&r, &tx, true, no_fill), Ok(1));
         assert_eq!(sent(&mut rx), [(1, 3)]);
     }
 
@@ -239,7 +259,7 @@ mod tests {
         let (tx, rx) = mpsc::channel(16);
         for n in 1..=4 {
             count_calls(&r, n);
-            o.send(&r, &tx, no_fill).unwrap();
+            o.send(&r, &tx, true, no_fill).unwrap();
         }
         o.ack(&r, 2, false);
         drop((tx, rx));
@@ -251,11 +271,52 @@ mod tests {
         assert!(matches!(rx.try_recv().unwrap().kind, Some(Kind::Hello(_))));
         assert_eq!(sent(&mut rx), [(1, 1), (3, 3), (4, 4)]);
         count_calls(&r, 5);
-        assert_eq!(o.send(&r, &tx, no_fill), Ok(5), "new reports after them");
+        assert_eq!(
+            o.send(&r, &tx, true, no_fill),
+            Ok(5),
+            "new reports after them"
+        );
         // A stream that is already gone keeps them for the next one.
         let (gone, rx) = mpsc::channel(16);
         drop(rx);
         assert!(!o.resend(&gone));
         assert_eq!(o.pending_seqs(), [1, 3, 4, 5]);
+    }
+
+    #[test]
+    fn without_acks_reports_go_out_unnumbered_and_kept_ones_give_their_counts_back() {
+        let r = Registry::default();
+        let mut o = Outbox::default();
+        let (tx, mut rx) = mpsc::channel(64);
+        count_calls(&r, 2);
+        assert_eq!(o.send(&r, &tx, true, no_fill), Ok(1));
+        count_calls(&r, 3);
+        assert_eq!(o.send(&r, &tx, true, no_fill), Ok(2));
+        assert_eq!(sent(&mut rx), [(1, 2), (2, 3)]);
+        // The next stream's control plane does not acknowledge reports.
+        o.give_back(&r);
+        assert!(o.pending_seqs().is_empty());
+        assert_eq!(r.pending("a").calls, 5);
+        // More reports than the window holds, none kept, none waiting for an answer.
+        for n in 1..=u64::try_from(WINDOW).unwrap() + 2 {
+            count_calls(&r, n);
+            assert_eq!(o.send(&r, &tx, false, no_fill), Ok(0));
+        }
+        assert!(o.pending_seqs().is_empty());
+        let reports = sent(&mut rx);
+        assert_eq!(reports.len(), WINDOW + 2);
+        assert!(reports.iter().all(|(seq, _)| *seq == 0));
+        assert_eq!(reports[0].1, 5 + 1, "the given-back counts go out first");
+        // An unnumbered report the stream cannot take goes back too.
+        count_calls(&r, 4);
+        let (closed, gone) = mpsc::channel(1);
+        drop(gone);
+        assert_eq!(
+            o.send(&r, &closed, false, no_fill),
+            Err(NotSent::StreamFull)
+        );
+        assert_eq!(r.pending("a").calls, 4);
+        // Numbering resumes where it stopped when a stream acknowledges again.
+        assert_eq!(o.send(&r, &tx, true, no_fill), Ok(3));
     }
 }

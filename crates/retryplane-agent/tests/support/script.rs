@@ -4,6 +4,8 @@
 //! look at the raw messages; this one does.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use retryplane_proto::convert;
 use retryplane_proto::pb::agent_message::Kind;
@@ -34,6 +36,9 @@ pub enum Event {
 #[derive(Clone)]
 struct Scripted {
     events: mpsc::UnboundedSender<Event>,
+    /// Whether a new stream's response says metrics reports are acknowledged. The script
+    /// itself never acknowledges one; the test does, or does not.
+    announce_acks: Arc<AtomicBool>,
 }
 
 #[tonic::async_trait]
@@ -59,7 +64,14 @@ impl AgentService for Scripted {
             }
             let _ = events.send(Event::Ended);
         });
-        Ok(Response::new(ReceiverStream::new(rx)))
+        let mut response = Response::new(ReceiverStream::new(rx));
+        if self.announce_acks.load(Ordering::SeqCst) {
+            response.metadata_mut().insert(
+                retryplane_proto::METRICS_ACK_METADATA,
+                tonic::metadata::MetadataValue::from_static("1"),
+            );
+        }
+        Ok(response)
     }
 }
 
@@ -68,6 +80,7 @@ pub struct Script {
     /// Where the agent connects.
     pub addr: SocketAddr,
     events: mpsc::UnboundedReceiver<Event>,
+    announce_acks: Arc<AtomicBool>,
     stop: Option<oneshot::Sender<()>>,
     server: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
 }
@@ -78,7 +91,11 @@ impl Script {
         let addr = listener.local_addr().unwrap();
         let (events_tx, events) = mpsc::unbounded_channel();
         let (stop, stopped) = oneshot::channel::<()>();
-        let service = AgentServiceServer::new(Scripted { events: events_tx });
+        let announce_acks = Arc::new(AtomicBool::new(false));
+        let service = AgentServiceServer::new(Scripted {
+            events: events_tx,
+            announce_acks: announce_acks.clone(),
+        });
         let server = tokio::spawn(
             tonic::transport::Server::builder()
                 .add_service(service)
@@ -89,9 +106,17 @@ impl Script {
         Script {
             addr,
             events,
+            announce_acks,
             stop: Some(stop),
             server,
         }
+    }
+
+    /// Whether streams opened from now on say, in their response metadata, that metrics
+    /// reports are acknowledged (as the real control plane does). Off at the start, as on a
+    /// control plane that predates acknowledgements.
+    pub fn announce_acks(&self, on: bool) {
+        self.announce_acks.store(on, Ordering::SeqCst);
     }
 
     /// The next event, within [`WAIT`].

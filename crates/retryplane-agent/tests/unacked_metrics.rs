@@ -1,0 +1,131 @@
+//! Metrics towards a control plane that does not acknowledge reports (one that predates
+//! `MetricsAck`): the agent numbers, keeps and resends reports only on a stream whose response
+//! says they are acknowledged (`retryplane-metrics-ack: 1`). Against the scripted control plane
+//! (`support::script`), which announces acknowledgements only when told to and never sends one.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use std::time::Duration;
+
+use retryplane_agent::{Agent, CallMeta};
+use retryplane_proto::pb;
+use retryplane_proto::pb::agent_message::Kind;
+use support::Upstream;
+use support::script::{Event, Script, ToAgent, send, snapshot};
+
+/// Reports every 20 ms, from the first snapshot on.
+async fn connected(script: &mut Script) -> (Agent, ToAgent) {
+    let agent = support::plane::builder(script.addr, "a")
+        .metrics_interval(Duration::from_millis(20))
+        .connect()
+        .unwrap();
+    let (to_agent, _hello) = script.reconnected().await;
+    let mut v1 = snapshot(1, 1);
+    v1.metrics_interval_ms = 20;
+    send(&to_agent, &v1).await;
+    match script.reply().await {
+        Kind::Ack(ack) => assert_eq!(ack.version, 1),
+        other => panic!("expected Ack v1, got {other:?}"),
+    }
+    (agent, to_agent)
+}
+
+/// `n` calls to `ep` that succeed on the first try.
+async fn succeed(agent: &Agent, n: u64) {
+    for _ in 0..n {
+        agent
+            .endpoint("ep")
+            .call(CallMeta::http("GET", "/"), Upstream::new([]).attempt())
+            .await
+            .unwrap();
+    }
+}
+
+/// Reports on the open stream until their calls add up to `calls`, in arrival order.
+async fn reports_until(script: &mut Script, calls: u64) -> Vec<pb::MetricsReport> {
+    let mut reports = Vec::new();
+    let mut seen = 0;
+    while seen < calls {
+        match script.next().await {
+            Event::Message(Kind::Metrics(r)) => {
+                seen += r.endpoints.iter().map(|e| e.calls).sum::<u64>();
+                reports.push(r);
+            }
+            other => panic!("expected a metrics report, got {other:?}"),
+        }
+    }
+    assert_eq!(seen, calls, "no call counted twice");
+    reports
+}
+
+/// Shuts the agent down and returns the calls of every report it still sends.
+async fn shut_down(mut script: Script, agent: Agent, to_agent: ToAgent) -> u64 {
+    let mut late = 0;
+    let drain = async {
+        loop {
+            match script.next().await {
+                Event::Message(Kind::Metrics(r)) => {
+                    late += r.endpoints.iter().map(|e| e.calls).sum::<u64>();
+                }
+                Event::Ended => break,
+                other => panic!("expected the stream to end, got {other:?}"),
+            }
+        }
+        drop(to_agent);
+    };
+    tokio::time::timeout(support::plane::WAIT, async {
+        tokio::join!(agent.shutdown(), drain)
+    })
+    .await
+    .expect("the agent shuts down in time");
+    script.stop().await;
+    late
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_control_plane_that_never_acknowledges_gets_every_report_unnumbered() {
+    let mut script = Script::start().await;
+    let (agent, to_agent) = connected(&mut script).await;
+    // More reports than an agent keeps unacknowledged: a numbering agent would stop here.
+    let mut reports = Vec::new();
+    for _ in 0..12 {
+        succeed(&agent, 2).await;
+        reports.extend(reports_until(&mut script, 2).await);
+    }
+    assert!(reports.len() >= 12, "{} reports", reports.len());
+    assert!(
+        reports.iter().all(|r| r.seq == 0),
+        "seqs {:?}",
+        reports.iter().map(|r| r.seq).collect::<Vec<_>>()
+    );
+    assert_eq!(shut_down(script, agent, to_agent).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reports_kept_for_an_acknowledging_control_plane_go_once_to_one_that_does_not() {
+    let mut script = Script::start().await;
+    script.announce_acks(true);
+    let (agent, to_agent) = connected(&mut script).await;
+    succeed(&agent, 3).await;
+    // Numbered and kept: the script never acknowledges.
+    let first = reports_until(&mut script, 3).await;
+    assert!(first.iter().all(|r| r.seq > 0), "numbered: {first:?}");
+
+    // The stream is lost; the next one comes from a control plane without acknowledgements.
+    script.announce_acks(false);
+    drop(to_agent);
+    let (to_agent, _hello) = script.reconnected().await;
+    // The kept counts come back once, unnumbered, with no new call made.
+    let again = reports_until(&mut script, 3).await;
+    assert!(again.iter().all(|r| r.seq == 0), "unnumbered: {again:?}");
+    succeed(&agent, 2).await;
+    let next = reports_until(&mut script, 2).await;
+    assert!(next.iter().all(|r| r.seq == 0), "unnumbered: {next:?}");
+    assert_eq!(
+        shut_down(script, agent, to_agent).await,
+        0,
+        "nothing sent twice"
+    );
+}
