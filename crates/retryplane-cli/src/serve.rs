@@ -14,7 +14,11 @@ use std::io::{self, Write as _};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
+use std::time::Duration;
+
 use anyhow::Context as _;
+use retryplane_policy::duration::parse_duration;
+use retryplane_server::agent_stream::StreamLimits;
 use retryplane_server::server::{self, ServeConfig};
 use tracing_subscriber::EnvFilter;
 
@@ -49,10 +53,47 @@ pub struct Args {
     /// Allow non-loopback listeners without a tokens file.
     #[arg(long)]
     insecure: bool,
+    /// How often agents send metrics reports (sent to them in every snapshot): a duration with
+    /// its unit (`500ms`, `10s`, `1m`), from 100ms to 1h.
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = metrics_interval)]
+    metrics_interval: Duration,
+    /// Most agents connected at once; one more is refused with RESOURCE_EXHAUSTED.
+    #[arg(long, value_name = "N", default_value_t = ServeConfig::default().max_agents,
+          value_parser = at_least_one())]
+    max_agents: usize,
+    /// Most agent streams waiting for their Hello at once; one more is refused with
+    /// RESOURCE_EXHAUSTED.
+    #[arg(long, value_name = "N",
+          default_value_t = StreamLimits::default().max_pending_handshakes,
+          value_parser = at_least_one())]
+    max_pending_handshakes: usize,
+    /// Most (service, endpoint) metrics series kept apart; reports past it are counted in one
+    /// `other` series.
+    #[arg(long, value_name = "N", default_value_t = ServeConfig::default().max_series,
+          value_parser = at_least_one())]
+    max_series: usize,
+}
+
+/// A count of 1 or more.
+fn at_least_one() -> clap::builder::RangedU64ValueParser<usize> {
+    clap::builder::RangedU64ValueParser::new().range(1..)
+}
+
+/// Parses `--metrics-interval`: a policy-style duration between 100 ms and 1 h.
+fn metrics_interval(text: &str) -> Result<Duration, String> {
+    const RANGE: std::ops::RangeInclusive<Duration> =
+        Duration::from_millis(100)..=Duration::from_secs(3600);
+    let interval = parse_duration(text).map_err(|e| e.to_string())?;
+    if RANGE.contains(&interval) {
+        Ok(interval)
+    } else {
+        Err(format!("`{text}` is out of range: from 100ms to 1h"))
+    }
 }
 
 impl From<Args> for ServeConfig {
     fn from(args: Args) -> Self {
+        let defaults = ServeConfig::default();
         ServeConfig {
             config_file: args.config,
             data_dir: args.data_dir,
@@ -62,7 +103,14 @@ impl From<Args> for ServeConfig {
             tokens_file: args.tokens,
             api_mode: args.api,
             insecure: args.insecure,
-            ..ServeConfig::default()
+            metrics_interval: args.metrics_interval,
+            max_agents: args.max_agents,
+            max_series: args.max_series,
+            stream_limits: StreamLimits {
+                max_pending_handshakes: args.max_pending_handshakes,
+                ..defaults.stream_limits
+            },
+            ..defaults
         }
     }
 }

@@ -1,13 +1,20 @@
-//! `retryplane serve` as a process: prints its addresses, serves, and stops cleanly on SIGTERM.
+//! `retryplane serve` as a process: prints its addresses, serves, stops cleanly on SIGTERM, and
+//! takes its limits from flags.
 
 // clippy's allow-*-in-tests covers `#[test]` functions only; the helpers here are tests too.
 #![allow(clippy::unwrap_used, clippy::panic)]
+#![cfg(unix)]
 
 use std::process::Stdio;
 use std::time::Duration;
 
+use retryplane_proto::pb;
+use retryplane_proto::pb::agent_message::Kind;
+use retryplane_proto::pb::agent_service_client::AgentServiceClient;
 use tokio::io::{AsyncBufReadExt as _, AsyncReadExt as _, AsyncWriteExt as _, BufReader};
-use tokio::process::Command;
+use tokio::process::{Child, Command};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
 
 const POLICY: &str = "version: 1\nendpoints:\n  payments:\n    max_attempts: 4\n";
 const BOUND: Duration = Duration::from_secs(30);
@@ -21,16 +28,16 @@ async fn http_get(addr: &str, path: &str) -> String {
     response
 }
 
-#[cfg(unix)]
-#[tokio::test]
-async fn serve_prints_its_addresses_and_stops_on_sigterm() {
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("policies.yaml"), POLICY).unwrap();
+/// `retryplane serve` in file mode on a temp dir, every listener on port 0, with `extra` flags;
+/// returns once it has printed its three addresses (`agent`, `admin`, `http`, in that order).
+async fn serve(dir: &std::path::Path, extra: &[&str]) -> (Child, Vec<(String, String)>) {
+    std::fs::write(dir.join("policies.yaml"), POLICY).unwrap();
     let mut child = Command::new(env!("CARGO_BIN_EXE_retryplane"))
-        .current_dir(dir.path())
+        .current_dir(dir)
         .args(["serve", "--config", "policies.yaml", "--data-dir", "data"])
         .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
         .args(["--http-listen", "127.0.0.1:0"])
+        .args(extra)
         .env("RUST_LOG", "warn")
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -50,9 +57,12 @@ async fn serve_prints_its_addresses_and_stops_on_sigterm() {
     }
     let names: Vec<&str> = addrs.iter().map(|(n, _)| n.as_str()).collect();
     assert_eq!(names, ["agent", "admin", "http"]);
-    let response = http_get(&addrs[2].1, "/readyz").await;
-    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+    (child, addrs)
+}
 
+/// Sends SIGTERM and expects a clean exit.
+#[cfg(unix)]
+async fn terminate(mut child: Child) {
     let pid = child.id().unwrap().to_string();
     let killed = Command::new("kill")
         .args(["-TERM", &pid])
@@ -65,5 +75,102 @@ async fn serve_prints_its_addresses_and_stops_on_sigterm() {
         .unwrap()
         .unwrap();
     assert!(status.success(), "{status:?}");
+}
+
+#[cfg(unix)]
+#[tokio::test]
+async fn serve_prints_its_addresses_and_stops_on_sigterm() {
+    let dir = tempfile::tempdir().unwrap();
+    let (child, addrs) = serve(dir.path(), &[]).await;
+    let response = http_get(&addrs[2].1, "/readyz").await;
+    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+    terminate(child).await;
     assert!(dir.path().join("data").is_dir());
+}
+
+/// Opens an agent stream as `id` and says Hello; the stream, or the status it was refused with.
+async fn open_stream(
+    agent_addr: &str,
+    id: &str,
+) -> Result<
+    (
+        tonic::Streaming<pb::ServerMessage>,
+        mpsc::Sender<pb::AgentMessage>,
+    ),
+    tonic::Status,
+> {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{agent_addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut client = AgentServiceClient::new(channel);
+    let (tx, rx) = mpsc::channel(4);
+    let hello = pb::Hello {
+        agent_id: id.to_owned(),
+        service: "checkout".to_owned(),
+        ..Default::default()
+    };
+    tx.send(pb::AgentMessage {
+        kind: Some(Kind::Hello(hello)),
+    })
+    .await
+    .unwrap();
+    let stream = client.connect(ReceiverStream::new(rx)).await?.into_inner();
+    Ok((stream, tx))
+}
+
+#[cfg(unix)]
+#[tokio::test]
+async fn serve_flags_set_the_metrics_interval_and_the_agent_limit() {
+    let dir = tempfile::tempdir().unwrap();
+    let (child, addrs) = serve(
+        dir.path(),
+        &["--metrics-interval", "2500ms", "--max-agents", "1"],
+    )
+    .await;
+    let agent_addr = &addrs[0].1;
+    let (mut first, _keep) = open_stream(agent_addr, "a-1").await.unwrap();
+    let message = tokio::time::timeout(BOUND, first.message())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    let snapshot = message.decode_snapshot().unwrap().unwrap();
+    assert_eq!(snapshot.metrics_interval_ms, 2500);
+    // A second agent is one too many; the first stays.
+    let refused = match open_stream(agent_addr, "a-2").await {
+        Err(status) => status,
+        Ok((mut second, _keep)) => tokio::time::timeout(BOUND, second.message())
+            .await
+            .unwrap()
+            .unwrap_err(),
+    };
+    assert_eq!(
+        refused.code(),
+        tonic::Code::ResourceExhausted,
+        "{refused:?}"
+    );
+    terminate(child).await;
+}
+
+#[test]
+fn bad_serve_flags_are_usage_errors() {
+    for (args, says) in [
+        (["--metrics-interval", "10"], "needs a unit"),
+        (["--metrics-interval", "50ms"], "from 100ms to 1h"),
+        (["--max-agents", "0"], "--max-agents"),
+        (
+            ["--max-pending-handshakes", "0"],
+            "--max-pending-handshakes",
+        ),
+        (["--max-series", "x"], "--max-series"),
+    ] {
+        assert_cmd::Command::new(env!("CARGO_BIN_EXE_retryplane"))
+            .arg("serve")
+            .args(args)
+            .assert()
+            .code(2)
+            .stderr(predicates::str::contains(says));
+    }
 }
