@@ -19,9 +19,11 @@
 //! the control plane refused it (its rate limit). While the few reports allowed to wait for an
 //! answer do, no counts are taken: they keep adding up here. So every count reaches the control
 //! plane exactly once, as long as the process lives and the control plane keeps its record of
-//! the agent (see `retryplane_server::report_seq`). What is left at shutdown is lost: reports
-//! still unacknowledged once the stream's close grace has passed, and counts held back while the
-//! window was full.
+//! the agent (see `retryplane_server::report_seq`). At shutdown the last report goes out even
+//! when the window is full; what is left after it is lost: reports still unacknowledged once
+//! the stream's close grace has passed (the control plane has most likely counted them), and
+//! counts made while no stream is up. A control plane that does not acknowledge reports gets
+//! them unnumbered, counted as they come (see `crate::stream::outbox`).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};

@@ -129,3 +129,19 @@ async fn reports_kept_for_an_acknowledging_control_plane_go_once_to_one_that_doe
         "nothing sent twice"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_shutdown_counts_held_back_by_a_full_window_still_go_out() {
+    let mut script = Script::start().await;
+    script.announce_acks(true);
+    let (agent, to_agent) = connected(&mut script).await;
+    // Eight reports, none acknowledged: the window is full and new counts are held back.
+    let mut numbered = 0;
+    while numbered < 8 {
+        succeed(&agent, 1).await;
+        numbered += reports_until(&mut script, 1).await.len();
+    }
+    succeed(&agent, 5).await;
+    // The held-back counts go out in the last report.
+    assert_eq!(shut_down(script, agent, to_agent).await, 5);
+}

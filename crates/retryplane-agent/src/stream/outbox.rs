@@ -82,6 +82,29 @@ impl Outbox {
         if numbered && self.is_full() {
             return Err(NotSent::WindowFull);
         }
+        self.send_past_window(registry, tx, numbered, fill)
+    }
+
+    /// [`Outbox::send`] for the last report of a shutdown: sent even when the window is full,
+    /// since no later report would carry the counts held back. It is kept like any other, and
+    /// the control plane counts it once.
+    pub(crate) fn send_last(
+        &mut self,
+        registry: &Registry,
+        tx: &mpsc::Sender<pb::AgentMessage>,
+        numbered: bool,
+        fill: impl FnOnce(&mut pb::MetricsReport),
+    ) -> Result<u64, NotSent> {
+        self.send_past_window(registry, tx, numbered, fill)
+    }
+
+    fn send_past_window(
+        &mut self,
+        registry: &Registry,
+        tx: &mpsc::Sender<pb::AgentMessage>,
+        numbered: bool,
+        fill: impl FnOnce(&mut pb::MetricsReport),
+    ) -> Result<u64, NotSent> {
         let endpoints = registry.take();
         if endpoints.is_empty() {
             return Err(NotSent::Empty);
@@ -235,6 +258,12 @@ mod tests {
         assert_eq!(o.send(&r, &tx, true, no_fill), Ok(next));
         assert_eq!(sent(&mut rx), [(next, 7)]);
         assert_eq!(r.pending("a").calls, 0);
+        // The last report of a shutdown goes out past a full window, and is kept.
+        assert!(o.is_full());
+        count_calls(&r, 2);
+        assert_eq!(o.send_last(&r, &tx, true, no_fill), Ok(next + 1));
+        assert_eq!(sent(&mut rx), [(next + 1, 2)]);
+        assert_eq!(o.pending_seqs().last(), Some(&(next + 1)));
     }
 
     #[test]
