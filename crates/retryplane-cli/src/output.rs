@@ -44,25 +44,8 @@ pub fn push_diagnostic_line(out: &mut String, file: &str, diag: &Diagnostic) {
     );
 }
 
-/// Text with every control character (and the Unicode line and paragraph separators) written
-/// as a Rust escape (`\n`, `\t`, `\u{1b}`), so it stays on one line; everything else,
-/// backslashes and non-ASCII letters included, as is.
-pub struct OneLine<'a>(pub &'a str);
-
-impl fmt::Display for OneLine<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let mut rest = self.0;
-        while let Some(at) =
-            rest.find(|c: char| c.is_control() || matches!(c, '\u{2028}' | '\u{2029}'))
-        {
-            f.write_str(&rest[..at])?;
-            let c = rest[at..].chars().next().unwrap_or_default();
-            write!(f, "{}", c.escape_default())?;
-            rest = &rest[at + c.len_utf8()..];
-        }
-        f.write_str(rest)
-    }
-}
+/// Control characters written as escapes, so a name from a file stays on one line.
+pub use retryplane_policy::diag::OneLine;
 
 /// One diagnostic as JSON: `{file, line, column, severity, path, message}` (SPEC §5).
 #[derive(Debug, Serialize)]
@@ -216,16 +199,6 @@ pub fn invalid_file_report(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn one_line_escapes_control_characters_only() {
-        assert_eq!(
-            OneLine("a\nb\r\tc\u{1b}[0m\u{2028}").to_string(),
-            "a\\nb\\r\\tc\\u{1b}[0m\\u{2028}"
-        );
-        assert_eq!(OneLine("платежі \\ ok").to_string(), "платежі \\ ok");
-        assert_eq!(OneLine("").to_string(), "");
-    }
 
     #[test]
     fn millis_print_whole_numbers_without_decimals() {

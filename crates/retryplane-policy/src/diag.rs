@@ -63,7 +63,9 @@ impl Diagnostic {
     }
 }
 
-/// `LINE:COLUMN: SEVERITY: PATH: MESSAGE` — the CLI prefixes the file name.
+/// `LINE:COLUMN: SEVERITY: PATH: MESSAGE` — the CLI prefixes the file name. Paths and messages
+/// carry names as a file wrote them (a key `"a\nb"`), so their control characters are escaped
+/// ([`OneLine`]): a diagnostic is one line in a log or a terminal whatever the file holds.
 impl fmt::Display for Diagnostic {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
@@ -71,9 +73,29 @@ impl fmt::Display for Diagnostic {
             "{}: {}: {}: {}",
             self.loc,
             self.severity.as_str(),
-            self.path,
-            self.message
+            OneLine(&self.path),
+            OneLine(&self.message)
         )
+    }
+}
+
+/// Text with every control character (and the Unicode line and paragraph separators) written
+/// as a Rust escape (`\n`, `\t`, `\u{1b}`), so it stays on one line and cannot drive a
+/// terminal; everything else, backslashes and non-ASCII letters included, as is.
+pub struct OneLine<'a>(pub &'a str);
+
+impl fmt::Display for OneLine<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut rest = self.0;
+        while let Some(at) =
+            rest.find(|c: char| c.is_control() || matches!(c, '\u{2028}' | '\u{2029}'))
+        {
+            f.write_str(&rest[..at])?;
+            let c = rest[at..].chars().next().unwrap_or_default();
+            write!(f, "{}", c.escape_default())?;
+            rest = &rest[at + c.len_utf8()..];
+        }
+        f.write_str(rest)
     }
 }
 
@@ -112,6 +134,29 @@ mod tests {
         assert_eq!(suggest("dedline", fields), Some("deadline"));
         assert_eq!(suggest("colour", fields), None);
         assert_eq!(suggest("unavailable", ["UNAVAILABLE"]), Some("UNAVAILABLE"));
+    }
+
+    #[test]
+    fn one_line_escapes_control_characters_only() {
+        assert_eq!(
+            OneLine("a\nb\r\tc\u{1b}[0m\u{2028}").to_string(),
+            "a\\nb\\r\\tc\\u{1b}[0m\\u{2028}"
+        );
+        assert_eq!(OneLine("платежі \\ ok").to_string(), "платежі \\ ok");
+        assert_eq!(OneLine("").to_string(), "");
+    }
+
+    #[test]
+    fn a_diagnostic_is_one_line_whatever_its_names_hold() {
+        let d = Diagnostic::error(
+            Loc { line: 2, column: 3 },
+            "endpoints.pay\nments",
+            "unknown field `\u{1b}[31mx`",
+        );
+        assert_eq!(
+            d.to_string(),
+            "2:3: error: endpoints.pay\\nments: unknown field `\\u{1b}[31mx`"
+        );
     }
 
     #[test]
