@@ -102,14 +102,23 @@ impl EndpointState {
     }
 
     /// `now` in signed nanoseconds since the origin (exact: an `i128` holds any `Duration`).
-    /// The one `Instant` subtraction of an engine step.
+    /// The one `Instant` subtraction of an engine step, done on the `std` instants that tokio's
+    /// wrap (see [`crate::window::since`]).
     #[inline]
     fn offset(&self, now: Instant) -> i128 {
-        match now.checked_duration_since(self.origin) {
+        match crate::window::since(self.origin, now) {
             Some(d) => nanos(d),
-            None => -nanos(self.origin.saturating_duration_since(now)),
+            None => before_origin(self.origin, now),
         }
     }
+}
+
+/// [`EndpointState::offset`] of an instant before the origin (negative; out of line, as it
+/// only happens to instants taken before the state was built).
+#[cold]
+#[inline(never)]
+fn before_origin(origin: Instant, now: Instant) -> i128 {
+    -nanos(origin.saturating_duration_since(now))
 }
 
 #[inline]

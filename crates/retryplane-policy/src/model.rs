@@ -264,10 +264,13 @@ impl Default for RetryPolicy {
 
 impl RetryPolicy {
     /// Whether `method` (any case) is listed as idempotent.
+    ///
+    /// Each entry is first compared exactly (a few word compares, inline), then byte by byte
+    /// ignoring case: a method written as listed, as callers pass `GET`, skips the folding.
     #[inline]
     pub fn is_idempotent(&self, method: &str) -> bool {
         self.idempotent_methods
             .iter()
-            .any(|m| m.eq_ignore_ascii_case(method))
+            .any(|m| crate::document::str_eq(m, method) || m.eq_ignore_ascii_case(method))
     }
 }

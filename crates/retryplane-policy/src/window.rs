@@ -44,10 +44,22 @@ pub(crate) fn duration_nanos(d: Duration) -> u64 {
         .saturating_add(u64::from(d.subsec_nanos()))
 }
 
+/// `now - origin`, or `None` when `now` is before `origin`.
+///
+/// It subtracts the `std` instants that tokio's wrap (`into_std` is a field read, inlined):
+/// tokio's own `checked_duration_since` is one more call around `std`'s, and neither is
+/// inlined into another crate without LTO. On the engine's success path this is the one call
+/// chain left (BENCHMARKS.md, section 1).
+#[inline]
+pub(crate) fn since(origin: Instant, now: Instant) -> Option<Duration> {
+    now.into_std().checked_duration_since(origin.into_std())
+}
+
 /// Nanoseconds from `origin` to `now`: 0 when `now` is before `origin`, saturating at
 /// `u64::MAX`.
+#[inline]
 pub(crate) fn nanos_since(origin: Instant, now: Instant) -> u64 {
-    duration_nanos(now.saturating_duration_since(origin))
+    since(origin, now).map_or(0, duration_nanos)
 }
 
 /// Slots per window (the last slot may be shorter when the window does not divide evenly).
