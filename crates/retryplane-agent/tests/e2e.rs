@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use retryplane_agent::{Agent, CallMeta, Source};
 use support::Upstream;
-use support::plane::{agent, apply, attempts_of, builder, eventually, plane, stats, yaml};
+use support::plane::{agent, apply, attempts_of, builder, eventually, plane, stats, succeed, yaml};
 use support::proxy::Proxy;
 
 async fn on_version(agents: &[&Agent], version: u64) {
@@ -152,17 +152,6 @@ async fn metrics_sent_by_agents_add_up_exactly_at_the_server() {
     let s = stats(&running).await.unwrap();
     assert_eq!(s.calls, 12, "shutdown sends nothing twice");
     running.shutdown().await.unwrap();
-}
-
-/// `n` calls to `ep` that succeed on the first try.
-async fn succeed(agent: &Agent, n: u64) {
-    for _ in 0..n {
-        agent
-            .endpoint("ep")
-            .call(CallMeta::http("GET", "/"), Upstream::new([]).attempt())
-            .await
-            .unwrap();
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -9,10 +9,10 @@ mod support;
 
 use std::time::Duration;
 
-use retryplane_agent::{Agent, CallMeta};
+use retryplane_agent::Agent;
 use retryplane_proto::pb;
 use retryplane_proto::pb::agent_message::Kind;
-use support::Upstream;
+use support::plane::succeed;
 use support::script::{Event, Script, ToAgent, send, snapshot};
 
 /// Reports every 20 ms, from the first snapshot on.
@@ -30,17 +30,6 @@ async fn connected(script: &mut Script) -> (Agent, ToAgent) {
         other => panic!("expected Ack v1, got {other:?}"),
     }
     (agent, to_agent)
-}
-
-/// `n` calls to `ep` that succeed on the first try.
-async fn succeed(agent: &Agent, n: u64) {
-    for _ in 0..n {
-        agent
-            .endpoint("ep")
-            .call(CallMeta::http("GET", "/"), Upstream::new([]).attempt())
-            .await
-            .unwrap();
-    }
 }
 
 /// Reports on the open stream until their calls add up to `calls`, in arrival order.

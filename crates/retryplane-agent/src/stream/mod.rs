@@ -190,7 +190,8 @@ async fn session(
     loop {
         tokio::select! {
             () = cancel.cancelled() => {
-                send_last_metrics(shared, &tx, window_start, outbox, numbered);
+                outbox.closing();
+                send_metrics(shared, &tx, window_start, outbox, numbered);
                 drop(tx);
                 // Let the server read what was queued and close its side.
                 let _ = tokio::time::timeout(CLOSE_GRACE, async {
@@ -254,9 +255,10 @@ fn interval(shared: &Shared) -> Duration {
     Duration::from_millis(shared.metrics_interval_ms.load(Relaxed).max(1))
 }
 
-/// Hands the counter deltas to the stream as the next numbered report, kept in `outbox` until
-/// acknowledged. While the outbox is full, or when the stream cannot take the report, the
-/// counts stay in (or go back into) the counters for a later report.
+/// Hands the counter deltas to the stream as the next report: numbered and kept in `outbox`
+/// until acknowledged when `numbered`. While the outbox is full (until shutdown), or when the
+/// stream cannot take the report, the counts stay in (or go back into) the counters for a later
+/// report.
 fn send_metrics(
     shared: &Shared,
     tx: &mpsc::Sender<pb::AgentMessage>,
@@ -264,34 +266,9 @@ fn send_metrics(
     outbox: &mut Outbox,
     numbered: bool,
 ) {
-    report(shared, window_start, |fill| {
-        outbox.send(&shared.metrics, tx, numbered, fill)
-    });
-}
-
-/// [`send_metrics`] at shutdown: the report goes out even when the window is full, since
-/// nothing would send the counts held back later.
-fn send_last_metrics(
-    shared: &Shared,
-    tx: &mpsc::Sender<pb::AgentMessage>,
-    window_start: &mut u64,
-    outbox: &mut Outbox,
-    numbered: bool,
-) {
-    report(shared, window_start, |fill| {
-        outbox.send_last(&shared.metrics, tx, numbered, fill)
-    });
-}
-
-/// Fills a report's window and policy version for `send`, and moves the window on when it went.
-fn report(
-    shared: &Shared,
-    window_start: &mut u64,
-    send: impl FnOnce(&dyn Fn(&mut pb::MetricsReport)) -> Result<u64, NotSent>,
-) {
     let end = unix_ms();
     let start = *window_start;
-    let sent = send(&|report: &mut pb::MetricsReport| {
+    let sent = outbox.send(&shared.metrics, tx, numbered, |report| {
         report.window_start_unix_ms = start;
         report.window_end_unix_ms = end;
         report.policy_version = shared.policies.load().version();

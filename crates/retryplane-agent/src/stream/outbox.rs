@@ -33,6 +33,8 @@ pub(crate) const WINDOW: usize = 8;
 pub(crate) struct Outbox {
     next_seq: u64,
     pending: VecDeque<pb::MetricsReport>,
+    /// Set at shutdown ([`Outbox::closing`]): the window no longer holds reports back.
+    closing: bool,
 }
 
 impl Default for Outbox {
@@ -40,6 +42,7 @@ impl Default for Outbox {
         Self {
             next_seq: 1,
             pending: VecDeque::with_capacity(WINDOW),
+            closing: false,
         }
     }
 }
@@ -56,6 +59,13 @@ pub(crate) enum NotSent {
 }
 
 impl Outbox {
+    /// At shutdown, before the last report: from now on a report goes out even when the
+    /// window is full, since no later report would carry the counts held back. It is kept like
+    /// any other, and the control plane counts it once.
+    pub(crate) fn closing(&mut self) {
+        self.closing = true;
+    }
+
     /// Whether [`WINDOW`] reports wait for an answer.
     pub(crate) fn is_full(&self) -> bool {
         self.pending.len() >= WINDOW
@@ -79,32 +89,9 @@ impl Outbox {
         numbered: bool,
         fill: impl FnOnce(&mut pb::MetricsReport),
     ) -> Result<u64, NotSent> {
-        if numbered && self.is_full() {
+        if numbered && self.is_full() && !self.closing {
             return Err(NotSent::WindowFull);
         }
-        self.send_past_window(registry, tx, numbered, fill)
-    }
-
-    /// [`Outbox::send`] for the last report of a shutdown: sent even when the window is full,
-    /// since no later report would carry the counts held back. It is kept like any other, and
-    /// the control plane counts it once.
-    pub(crate) fn send_last(
-        &mut self,
-        registry: &Registry,
-        tx: &mpsc::Sender<pb::AgentMessage>,
-        numbered: bool,
-        fill: impl FnOnce(&mut pb::MetricsReport),
-    ) -> Result<u64, NotSent> {
-        self.send_past_window(registry, tx, numbered, fill)
-    }
-
-    fn send_past_window(
-        &mut self,
-        registry: &Registry,
-        tx: &mpsc::Sender<pb::AgentMessage>,
-        numbered: bool,
-        fill: impl FnOnce(&mut pb::MetricsReport),
-    ) -> Result<u64, NotSent> {
         let endpoints = registry.take();
         if endpoints.is_empty() {
             return Err(NotSent::Empty);
@@ -261,7 +248,8 @@ mod tests {
         // The last report of a shutdown goes out past a full window, and is kept.
         assert!(o.is_full());
         count_calls(&r, 2);
-        assert_eq!(o.send_last(&r, &tx, true, no_fill), Ok(next + 1));
+        o.closing();
+        assert_eq!(o.send(&r, &tx, true, no_fill), Ok(next + 1));
         assert_eq!(sent(&mut rx), [(next + 1, 2)]);
         assert_eq!(o.pending_seqs().last(), Some(&(next + 1)));
     }

@@ -122,6 +122,20 @@ where
     }
 }
 
+/// `n` calls to `ep` that succeed on the first try.
+pub async fn succeed(agent: &Agent, n: u64) {
+    for _ in 0..n {
+        agent
+            .endpoint("ep")
+            .call(
+                CallMeta::http("GET", "/"),
+                super::Upstream::new([]).attempt(),
+            )
+            .await
+            .unwrap();
+    }
+}
+
 /// Attempts one always-failing GET on `ep` makes (checked against the upstream's count).
 pub async fn attempts_of(agent: &Agent) -> u32 {
     let count = Arc::new(AtomicU32::new(0));
