@@ -169,8 +169,11 @@ impl ControlPlane {
             .map_err(|e| StoreError::Backend(Box::new(e)))?
     }
 
-    /// Publishes the stored current version, if any (at start).
+    /// Publishes the stored current version, if any (at start). Holds the lock changes take, so
+    /// a change committed meanwhile (a file save seen by the watcher) is published after this,
+    /// never before it.
     pub async fn publish_current(&self) -> Result<Option<VersionRecord>, StoreError> {
+        let _one_at_a_time = self.changes.lock().await;
         let current = self.blocking(|s| s.current()).await?;
         if let Some(record) = &current {
             self.fanout().publish(record);
@@ -291,7 +294,11 @@ impl Fanout {
     /// Makes `record` current: the snapshot streams send, the version gauge and the alert
     /// thresholds.
     fn publish(&self, record: &VersionRecord) {
-        self.publisher.publish(record);
+        let published = self.publisher.publish(record);
+        if published.version != record.meta.version {
+            // Older than what is served (see `Publisher::publish`): nothing changes.
+            return;
+        }
         self.aggregates.thresholds().set_from(&record.document);
         self.metrics
             .current_version

@@ -11,7 +11,7 @@ use bytes::Bytes;
 use retryplane_proto::pb;
 use tokio::sync::watch;
 use tonic::Status;
-use tracing::error;
+use tracing::{error, warn};
 
 use crate::frame_body::{FrameError, encode_frame};
 use crate::store::VersionRecord;
@@ -62,8 +62,20 @@ impl Publisher {
         }
     }
 
-    /// Makes `record` the current snapshot and wakes every stream.
+    /// Makes `record` the current snapshot and wakes every stream. Versions only go forward:
+    /// a record older than the current snapshot is not published (logged), and the current
+    /// snapshot is returned instead.
     pub fn publish(&self, record: &VersionRecord) -> Arc<Snapshot> {
+        if let Some(current) = self.current()
+            && current.version > record.meta.version
+        {
+            warn!(
+                current = current.version,
+                refused = record.meta.version,
+                "an older version was not published over the current one"
+            );
+            return current;
+        }
         let nonce = format!("{}-{}", self.instance, record.meta.version);
         let snapshot = pb::Snapshot {
             version: record.meta.version,
@@ -101,5 +113,42 @@ impl Publisher {
     /// server's own watchers (health until the first publish).
     pub fn subscribers(&self) -> usize {
         self.tx.receiver_count()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::{Source, VersionMeta};
+
+    fn record(version: u64) -> VersionRecord {
+        VersionRecord {
+            meta: VersionMeta {
+                version,
+                content_hash: format!("{version:064x}"),
+                source: Source::File,
+                author: None,
+                created_unix_ms: 0,
+                summary: String::new(),
+            },
+            document: pb::PolicyDocument::default(),
+        }
+    }
+
+    #[test]
+    fn versions_only_go_forward() {
+        let publisher = Publisher::new(10_000);
+        let mut seen = publisher.subscribe();
+        assert_eq!(publisher.publish(&record(2)).version, 2);
+        assert!(seen.has_changed().unwrap());
+        seen.mark_unchanged();
+        // A late publish of an older version (a stale read) changes nothing and wakes no one.
+        assert_eq!(publisher.publish(&record(1)).version, 2);
+        assert!(!seen.has_changed().unwrap());
+        assert_eq!(publisher.current().unwrap().version, 2);
+        // The same version again (a restart's first publish) and newer ones go out.
+        assert_eq!(publisher.publish(&record(2)).version, 2);
+        assert_eq!(publisher.publish(&record(3)).version, 3);
+        assert_eq!(publisher.current().unwrap().version, 3);
     }
 }
