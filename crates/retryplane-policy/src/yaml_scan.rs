@@ -29,7 +29,7 @@ pub(crate) enum Breach {
 }
 
 /// What an anchored value adds where an alias repeats it.
-#[derive(Clone, Copy, Default)]
+#[derive(Clone, Copy)]
 struct Anchored {
     /// Nodes (scalars, lists and mappings) in the value, aliases inside it counted expanded.
     nodes: u64,
@@ -55,8 +55,9 @@ pub(crate) fn scan(text: &str) -> Option<(Breach, Loc)> {
     let mut nodes: u64 = 0;
     // Nodes replayed by aliases.
     let mut replayed: u64 = 0;
-    // Indexed by anchor id; the parser numbers anchors from 1 in order.
-    let mut anchors: Vec<Anchored> = Vec::new();
+    // Indexed by anchor id (the parser numbers anchors from 1 in order); `None` until the
+    // anchored value is complete.
+    let mut anchors: Vec<Option<Anchored>> = Vec::new();
     let mut open: Vec<Open> = Vec::new();
     for item in Parser::new_from_str(text) {
         let Ok((event, span)) = item else {
@@ -79,7 +80,7 @@ pub(crate) fn scan(text: &str) -> Option<(Breach, Loc)> {
                 ))
             }
             Event::Alias(id) => {
-                let Some(value) = anchors.get(id).copied() else {
+                let Some(value) = anchors.get(id).copied().flatten() else {
                     // An alias to an anchor still open (a recursive value) or unknown: the full
                     // pass refuses it.
                     return None;
@@ -127,9 +128,9 @@ pub(crate) fn scan(text: &str) -> Option<(Breach, Loc)> {
             }
             if anchor > 0 {
                 if anchors.len() <= anchor {
-                    anchors.resize(anchor + 1, Anchored::default());
+                    anchors.resize(anchor + 1, None);
                 }
-                anchors[anchor] = value;
+                anchors[anchor] = Some(value);
             }
         }
     }
@@ -216,5 +217,7 @@ mod tests {
     fn syntax_errors_are_left_to_the_full_pass() {
         assert_eq!(scan("a: [\n"), None);
         assert_eq!(scan("a: *nowhere\n"), None);
+        // An alias to a value still open (a recursive value), after a later anchor completed.
+        assert_eq!(scan("a: &a [&b x, *b, *a]\n"), None);
     }
 }
