@@ -5,7 +5,8 @@
 //! caller runs attempts; after each it reports the classified [`Outcome`] with the current time
 //! and gets a [`Decision`]: return, retry after a pause, or give up with a [`GiveUpCause`].
 //! The machine never allows more than `max_attempts` (it counts them itself: a call that is
-//! over starts nothing, see [`RetryCall::start_attempt`]), never plans a pause that ends at or
+//! over starts nothing, see [`RetryCall::start_attempt`], and takes one outcome per attempt,
+//! see [`RetryCall::on_outcome`]), never plans a pause that ends at or
 //! past the deadline, and keeps the last failure. It sleeps on nothing and reads no clock: the caller
 //! passes `now` (tokio's clock, pausable in tests) and the RNG.
 //!
@@ -162,6 +163,9 @@ pub struct RetryCall<'a> {
     /// The deadline as an offset from the state's origin.
     deadline: i128,
     attempts: u32,
+    /// Outcomes reported so far: an outcome is taken only while `answered < attempts`, so a
+    /// second report for one attempt, or one after the call is over, changes nothing.
+    answered: u32,
     /// How many attempts may have been started by now: one at the start (none when
     /// `max_attempts` is 0), one more for each [`Decision::Retry`], never more than
     /// `max_attempts`. A call that returned or gave up has `attempts == allowed`, so it starts
@@ -207,6 +211,7 @@ impl<'a> RetryCall<'a> {
             seen_offset: offset,
             deadline: offset + nanos(policy.deadline),
             attempts: 0,
+            answered: 0,
             allowed: policy.max_attempts.min(1),
             backoff: None,
             permit: None,
@@ -260,6 +265,11 @@ impl<'a> RetryCall<'a> {
     }
 
     /// Reports the outcome of the attempt started last and decides what comes next.
+    ///
+    /// One outcome per started attempt: a report with no attempt waiting for one (a second
+    /// report for the same attempt, or one after the call returned or gave up) is refused with
+    /// [`GiveUpCause::AttemptsExhausted`] and changes nothing: no budget, breaker or backoff
+    /// step, and no further attempt may start.
     #[inline(always)]
     pub fn on_outcome(
         &mut self,
@@ -267,6 +277,10 @@ impl<'a> RetryCall<'a> {
         now: Instant,
         rng: &mut (impl Rng + ?Sized),
     ) -> Decision {
+        if self.answered >= self.attempts {
+            return Decision::GiveUp(GiveUpCause::AttemptsExhausted);
+        }
+        self.answered += 1;
         let success = outcome.is_success();
         let permit = self.permit.take();
         if success {

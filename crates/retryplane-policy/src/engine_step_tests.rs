@@ -216,3 +216,51 @@ fn the_breaker_counts_transport_failures_and_listed_statuses_only() {
     let open = fresh.breaker().expect("breaker on").state(t0);
     assert_eq!(open, crate::breaker::BreakerState::Open);
 }
+
+#[test]
+fn one_outcome_per_attempt_and_none_after_the_call_is_over() {
+    let p = policy(10); // a reserve of ten retries
+    let t0 = Instant::now();
+    let state = EndpointState::new(&p, t0);
+    let budget = state.budget().expect("budget on");
+    let mut rng = Counting(SeededRng::with_seed(1), 0);
+    let refused = Decision::GiveUp(GiveUpCause::AttemptsExhausted);
+
+    // After a return, a late failure reopens nothing.
+    let mut call = RetryCall::new(&p, &state, GET, t0);
+    assert_eq!(
+        step(&mut call, http(200, None), t0, &mut rng),
+        Decision::Return
+    );
+    assert_eq!(call.on_outcome(http(503, None), t0, &mut rng), refused);
+    assert_eq!(call.start_attempt(t0), Err(GiveUpCause::AttemptsExhausted));
+    assert_eq!(budget.snapshot(t0).retries, 0);
+
+    // A failure reported twice for one attempt is one retry: budget and backoff move once.
+    let mut call = RetryCall::new(&p, &state, GET, t0);
+    assert!(matches!(
+        step(&mut call, http(503, None), t0, &mut rng),
+        Decision::Retry { .. }
+    ));
+    let draws = rng.1;
+    assert_eq!(call.on_outcome(http(503, None), t0, &mut rng), refused);
+    assert_eq!(budget.snapshot(t0).retries, 1);
+    assert_eq!(rng.1, draws, "no second pause drawn");
+    // The retry it earned still runs, once.
+    assert!(call.start_attempt(t0).is_ok());
+    assert_eq!(call.start_attempt(t0), Err(GiveUpCause::AttemptsExhausted));
+
+    // No outcome before any attempt started.
+    let mut call = RetryCall::new(&p, &state, GET, t0);
+    assert_eq!(call.on_outcome(http(503, None), t0, &mut rng), refused);
+
+    // After a give-up, nothing more either.
+    let mut call = RetryCall::new(&p, &state, GET, t0);
+    assert_eq!(
+        step(&mut call, http(404, None), t0, &mut rng),
+        Decision::GiveUp(GiveUpCause::NotRetryable)
+    );
+    assert_eq!(call.on_outcome(http(503, None), t0, &mut rng), refused);
+    assert_eq!(call.start_attempt(t0), Err(GiveUpCause::AttemptsExhausted));
+    assert_eq!(budget.snapshot(t0).retries, 1);
+}
