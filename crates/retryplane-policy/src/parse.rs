@@ -244,6 +244,24 @@ impl Walker {
                         &path,
                         format!("duplicate endpoint `{name}` (first defined at {first})"),
                     );
+                    // Left out of the document, but its own problems are reported too. They
+                    // share the first endpoint's paths, so the first's cross-field checks
+                    // leave a field alone that the duplicate got wrong: a file with errors
+                    // may then show one message fewer, never a wrong one.
+                    let overlay = self.overlay(value, &path, Layer::Endpoint);
+                    crate::validate::check_detached(&overlay, &path, false, &mut self.diags);
+                    if let Some(routes) = get(value, "routes") {
+                        let routes_path = join(&path, "routes");
+                        for (i, route) in self.routes(routes, &routes_path).iter().enumerate() {
+                            let route_path = format!("{routes_path}[{i}]");
+                            crate::validate::check_detached(
+                                &route.overlay,
+                                &route_path,
+                                true,
+                                &mut self.diags,
+                            );
+                        }
+                    }
                     continue;
                 }
                 Entry::Vacant(slot) => {
@@ -276,10 +294,13 @@ impl Walker {
                 get(item, "match").and_then(|m| self.route_match(m, &join(&path, "match")));
             match matcher {
                 Some(matcher) => out.push(RouteDoc { matcher, overlay }),
-                None if matches!(item.value, Value::Map(_)) && get(item, "match").is_none() => {
-                    self.error(item.loc, &path, "a route needs a `match:`");
+                None => {
+                    if matches!(item.value, Value::Map(_)) && get(item, "match").is_none() {
+                        self.error(item.loc, &path, "a route needs a `match:`");
+                    }
+                    // Left out of the document; its settings are still checked.
+                    crate::validate::check_detached(&overlay, &path, true, &mut self.diags);
                 }
-                None => {}
             }
         }
         out

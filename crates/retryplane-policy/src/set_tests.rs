@@ -129,6 +129,42 @@ fn duplicate_endpoints_are_an_error_not_a_silent_overwrite() {
 }
 
 #[test]
+fn a_duplicate_endpoint_has_its_own_problems_reported_too() {
+    let src = "version: 1\nendpoints:\n  payments: {max_attempts: 2}\n  payments:\n    max_attempts: 0\n    backoff: {multiplier: 0.5}\n    routes:\n      - match: {method: GET}\n        max_attempts: 11\n";
+    assert_eq!(
+        errors(src),
+        [
+            "4:3: error: endpoints.payments: duplicate endpoint `payments` (first defined at 3:3)",
+            "5:19: error: endpoints.payments.max_attempts: must be from 1 (never retry) to 10, found 0",
+            "6:27: error: endpoints.payments.backoff.multiplier: must be from 1.0 to 100.0, found 0.5",
+            "9:23: error: endpoints.payments.routes[0].max_attempts: must be from 1 (never retry) to 10, found 11",
+        ]
+    );
+}
+
+#[test]
+fn a_route_whose_match_is_refused_still_has_its_settings_checked() {
+    let src = "version: 1\nendpoints:\n  payments:\n    routes:\n      - match: {method: get}\n        max_attempts: 0\n        budget: {ratio: 0.5}\n        retry_on: {grpc_status: [NOT_A_CODE]}\n";
+    let errors = errors(src);
+    assert_eq!(errors.len(), 4, "{errors:#?}");
+    for (line, path) in [
+        (5, "routes[0].match.method"),
+        (6, "routes[0].max_attempts"),
+        (7, "routes[0].budget.ratio"),
+        (8, "routes[0].retry_on.grpc_status"),
+    ] {
+        let prefix = format!("{line}:");
+        let path = format!("endpoints.payments.{path}");
+        assert!(
+            errors
+                .iter()
+                .any(|e| e.starts_with(&prefix) && e.contains(&path)),
+            "no error on {path} at line {line}: {errors:#?}"
+        );
+    }
+}
+
+#[test]
 fn duplicate_keys_in_a_policy_are_an_error() {
     let src = "version: 1\nendpoints:\n  a:\n    deadline: 10s\n    deadline: 20s\n";
     assert_eq!(

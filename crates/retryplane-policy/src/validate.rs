@@ -92,6 +92,16 @@ pub fn check(doc: &PolicyDocument, diags: &mut Vec<Diagnostic>) {
     }
 }
 
+/// The checks of one layer that does not make it into the document, so that its problems are
+/// still reported with the rest: a route whose `match` was refused, or a second endpoint of a
+/// name already used. Cross-layer checks need the layer's place in a policy, which it has not.
+pub(crate) fn check_detached(o: &Overlay, prefix: &str, route: bool, diags: &mut Vec<Diagnostic>) {
+    check_layer(o, prefix, diags);
+    if route {
+        check_route_sharing(o, prefix, diags);
+    }
+}
+
 /// The budget and the breaker are per endpoint: one of each, built from the endpoint's own
 /// settings and shared by every call of the endpoint, whichever route it takes. So the one
 /// thing a route can do with them is turn them off for its calls (`enabled: false`); numbers
