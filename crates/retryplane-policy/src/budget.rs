@@ -11,11 +11,13 @@
 //! self-inflicted denial of service.
 //!
 //! A budget limits retries to a fraction of the traffic instead: over a trailing window, an
-//! endpoint may send at most `ratio` retries per logical call, plus a small reserve
-//! (`min_per_second × window`) so that a quiet endpoint can still retry at all. However badly the
-//! upstream fails, the load it receives is bounded by `1 + ratio` times the calls (plus the
-//! reserve), not by `max_attempts` times. This is the scheme of Finagle's `RetryBudget` and
-//! tower's `TpsBudget`.
+//! endpoint may send at most `ratio` retries per logical call, or a small reserve
+//! (`min_per_second × window`) when that is more, so that a quiet endpoint can still retry at
+//! all. However badly the upstream fails, the load it receives is bounded by `1 + ratio` times
+//! the calls (or the reserve), not by `max_attempts` times. This is the idea of Finagle's
+//! `RetryBudget` and tower's `TpsBudget`, which add the reserve to the ratio's allowance; SPEC §2
+//! takes the larger of the two instead, so the reserve never raises the bound on a busy
+//! endpoint.
 //!
 //! # Semantics
 //!

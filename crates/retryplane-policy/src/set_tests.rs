@@ -420,6 +420,26 @@ proptest! {
         prop_assert_eq!(loaded.policies.is_some(), !loaded.has_errors());
     }
 
+    /// Text made of YAML's own tokens (indentation, flow brackets, anchors, aliases, merge
+    /// keys, tags, block scalars, quotes) and policy keys, so the parser, the quick scan and
+    /// the checks get far past the first byte; random bytes are nearly all refused as UTF-8.
+    #[test]
+    fn yaml_shaped_text_never_panics(tokens in prop::collection::vec(prop::sample::select(vec![
+        "version: 1\n", "endpoints:\n", "defaults:\n", "  a:\n", "  b: ", "    ", "  ", "\n",
+        "max_attempts: ", "deadline: ", "backoff: ", "routes:\n", "- match: ", "{method: GET}",
+        "retry_on: ", "budget: ", "circuit_breaker: ", "alert: ", "3", "0", "-1", "1e999", "2.5",
+        "100ms", "10", "true", "~", "[", "]", "{", "}", ", ", ": ", "- ", "&x ", "*x", "&y ", "*y",
+        "<<: ", "!!str ", "!!int ", "? ", "|\n", ">-\n", "\"", "'", "#", "---\n", "...\n",
+        "\u{2028}", "\t", "é", "\u{feff}",
+    ]), 0..64)) {
+        let text: String = tokens.concat();
+        let loaded = load(text.as_bytes());
+        prop_assert_eq!(loaded.policies.is_some(), !loaded.has_errors());
+        for d in &loaded.diagnostics {
+            prop_assert!(!d.to_string().contains('\n'), "one line: {d}");
+        }
+    }
+
     #[test]
     fn route_matching_agrees_with_plain_string_comparison(
         want in "[A-Z]{0,3}|GET|DELETE",
