@@ -21,8 +21,9 @@
 //! plane exactly once, as long as the process lives and the control plane keeps its record of
 //! the agent (see `retryplane_server::report_seq`). At shutdown the last report goes out even
 //! when the window is full; what is left after it is lost: reports still unacknowledged once
-//! the stream's close grace has passed (the control plane has most likely counted them), and
-//! counts made while no stream is up. A control plane that does not acknowledge reports gets
+//! the stream's close grace has passed (the control plane has most likely counted them), the
+//! counts of a report it refuses (its rate limit) during that grace, and counts made while no
+//! stream is up. A control plane that does not acknowledge reports gets
 //! them unnumbered, counted as they come (see `crate::stream::outbox`).
 
 use std::collections::HashMap;

@@ -19,7 +19,8 @@
 //! - `parse`: [`load`] of `config/policies.yaml`, of the generated 1,000-endpoint file and of
 //!   10,000 endpoints with defaults only, and how fast hostile inputs (an alias bomb, 100k nested
 //!   brackets, a 2 MiB file) are refused; also an alias bomb and 100-deep nesting after 55,000
-//!   tiny endpoints (about 700 KB), beside the load and the YAML pass of that padding alone.
+//!   tiny endpoints (about 700 KB), beside the load and the YAML pass of that padding alone, and
+//!   an alias bomb after flow lists of about 199,000 events (the most the event limit allows).
 //!
 //! Run (see BENCHMARKS.md at the repository root for results):
 //!
@@ -340,6 +341,26 @@ fn padded_alias_bomb() -> String {
     padded(&tail)
 }
 
+/// The alias bomb after flow lists holding as many events as the limit allows (about 199,000
+/// scalars, 620 KB): the most events any pass must read before it reaches a hostile part.
+fn flow_lists_then_alias_bomb() -> String {
+    let mut y = String::from("version: 1\nendpoints:\n  a: {}\npad:\n");
+    let per_list = 1_000;
+    let lists = 199;
+    for _ in 0..lists {
+        y.push_str("- [");
+        y.push_str(&"1,".repeat(per_list));
+        y.push_str("]\n");
+    }
+    y.push_str("l0: &l0 [lol, lol, lol, lol, lol, lol, lol, lol, lol, lol]\n");
+    for level in 1..9 {
+        let prev = level - 1;
+        let refs = vec![format!("*l{prev}"); 10].join(", ");
+        y.push_str(&format!("l{level}: &l{level} [{refs}]\n"));
+    }
+    y
+}
+
 /// An endpoint nested 100 deep after the padding.
 fn padded_nesting() -> String {
     padded(&format!("  deep: {}{}\n", "[".repeat(100), "]".repeat(100)))
@@ -424,6 +445,7 @@ fn parse(c: &mut Criterion) {
     for (name, text) in [
         ("padded_alias_bomb", padded_alias_bomb()),
         ("padded_nesting_100", padded_nesting()),
+        ("flow_lists_199k_events_alias_bomb", flow_lists_then_alias_bomb()),
     ] {
         assert!(text.len() < 1024 * 1024, "{name} is under the size limit");
         refuse(&mut g, name, text);

@@ -190,18 +190,7 @@ async fn session(
     loop {
         tokio::select! {
             () = cancel.cancelled() => {
-                outbox.closing();
-                send_metrics(shared, &tx, window_start, outbox, numbered);
-                drop(tx);
-                // Let the server read what was queued and close its side.
-                let _ = tokio::time::timeout(CLOSE_GRACE, async {
-                    while let Ok(Some(m)) = inbound.message().await {
-                        if let Some(ack) = m.metrics_ack {
-                            outbox.ack(&shared.metrics, ack.seq, ack.dropped);
-                        }
-                    }
-                })
-                .await;
+                close(shared, tx, &mut inbound, window_start, outbox, numbered).await;
                 return SessionEnd::Cancelled;
             }
             m = inbound.message() => {
@@ -231,7 +220,10 @@ async fn session(
                 }
                 // Waits only while the stream cannot take more; cancellation still ends it.
                 let sent = tokio::select! {
-                    () = cancel.cancelled() => return SessionEnd::Cancelled,
+                    () = cancel.cancelled() => {
+                        close(shared, tx, &mut inbound, window_start, outbox, numbered).await;
+                        return SessionEnd::Cancelled;
+                    }
                     sent = tx.send(message(handled.reply)) => sent,
                 };
                 if sent.is_err() {
@@ -245,6 +237,30 @@ async fn session(
             }
         }
     }
+}
+
+/// Shutdown on an open stream: the last report (past a full window), then the half-close, then
+/// a bounded wait for the server to read what was queued and close its side, taking the acks
+/// that come meanwhile.
+async fn close(
+    shared: &Shared,
+    tx: mpsc::Sender<pb::AgentMessage>,
+    inbound: &mut tonic::Streaming<pb::ServerMessage>,
+    window_start: &mut u64,
+    outbox: &mut Outbox,
+    numbered: bool,
+) {
+    outbox.closing();
+    send_metrics(shared, &tx, window_start, outbox, numbered);
+    drop(tx);
+    let _ = tokio::time::timeout(CLOSE_GRACE, async {
+        while let Ok(Some(m)) = inbound.message().await {
+            if let Some(ack) = m.metrics_ack {
+                outbox.ack(&shared.metrics, ack.seq, ack.dropped);
+            }
+        }
+    })
+    .await;
 }
 
 fn message(kind: Kind) -> pb::AgentMessage {
