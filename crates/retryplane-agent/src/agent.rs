@@ -208,6 +208,16 @@ fn fastrand_seed() -> u64 {
     SeededRng::from_entropy().next_u64()
 }
 
+/// `authorization: Bearer <token>` as metadata marked sensitive: HPACK never indexes it, so the
+/// secret stays out of the connection's header tables (and any proxy's that honours the flag).
+fn bearer(token: &str) -> Result<tonic::metadata::AsciiMetadataValue, AgentError> {
+    let mut value: tonic::metadata::AsciiMetadataValue = format!("Bearer {token}")
+        .parse()
+        .map_err(|_| AgentError::InvalidToken)?;
+    value.set_sensitive(true);
+    Ok(value)
+}
+
 /// This process's `Hello.instance_id`: drawn from entropy even when [`AgentBuilder::rng_seed`]
 /// fixes the seed, so that a restarted process (same seed, same agent id) never passes for the
 /// previous one and has its numbered metrics reports taken for duplicates. Never 0 (0 says "the
@@ -322,14 +332,7 @@ impl AgentBuilder {
         let url = self.url.ok_or(AgentError::MissingUrl)?;
         let endpoint =
             tonic::transport::Endpoint::from_shared(url).map_err(AgentError::InvalidUrl)?;
-        let token = self
-            .token
-            .map(|t| {
-                format!("Bearer {t}")
-                    .parse()
-                    .map_err(|_| AgentError::InvalidToken)
-            })
-            .transpose()?;
+        let token = self.token.as_deref().map(bearer).transpose()?;
         let seed = self.seed.unwrap_or_else(fastrand_seed);
         let cached = self.cache_file.as_deref().and_then(crate::cache::load);
         let interval = self.metrics_interval.unwrap_or(DEFAULT_METRICS_INTERVAL);
@@ -382,6 +385,17 @@ mod tests {
     fn set(max_attempts: u32) -> PolicySet {
         let yaml = format!("version: 1\nendpoints:\n  a: {{max_attempts: {max_attempts}}}\n");
         retryplane_policy::load(yaml.as_bytes()).policies.unwrap()
+    }
+
+    #[test]
+    fn the_token_goes_out_as_a_sensitive_bearer_value() {
+        let value = bearer("s3cret").unwrap();
+        assert!(value.is_sensitive());
+        assert_eq!(value.to_str().unwrap(), "Bearer s3cret");
+        assert!(matches!(
+            bearer("bad\ntoken"),
+            Err(AgentError::InvalidToken)
+        ));
     }
 
     fn max_attempts(agent: &Agent) -> u32 {

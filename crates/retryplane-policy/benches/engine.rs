@@ -445,7 +445,10 @@ fn parse(c: &mut Criterion) {
     for (name, text) in [
         ("padded_alias_bomb", padded_alias_bomb()),
         ("padded_nesting_100", padded_nesting()),
-        ("flow_lists_199k_events_alias_bomb", flow_lists_then_alias_bomb()),
+        (
+            "flow_lists_199k_events_alias_bomb",
+            flow_lists_then_alias_bomb(),
+        ),
     ] {
         assert!(text.len() < 1024 * 1024, "{name} is under the size limit");
         refuse(&mut g, name, text);
