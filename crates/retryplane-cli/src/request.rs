@@ -2,9 +2,10 @@
 //! [--data BODY] [--output text|json] URL`: one HTTP call made through the agent under the
 //! endpoint's policy (SPEC §2, §5).
 //!
-//! With `--server URL` instead of `--policy` (the default when neither is given:
-//! [`DEFAULT_AGENT_SERVER`]), an agent connects to the control plane's *agent* listener and the
-//! call waits for its first snapshot, at most [`SNAPSHOT_WAIT`].
+//! With `--server URL` instead of `--policy` (one of the two is required), an agent connects to
+//! the control plane's *agent* listener (`retryplane serve`'s `--listen`, 127.0.0.1:7470 by
+//! default; not the admin listener the admin commands' `--server` names) and the call waits for
+//! its first snapshot, at most [`SNAPSHOT_WAIT`].
 //!
 //! The method is `-X`, else `POST` with `--data`, else `GET` (as curl). Redirects are not
 //! followed: a 3xx is the upstream's answer. The response body is read (so a reset mid-body is a
@@ -37,20 +38,19 @@ use crate::output::{self, Format};
 use crate::{Outcome as Exit, Report};
 use report::{Attempt, Summary};
 
-/// The agent listener of a control plane started with its defaults on this machine.
-pub const DEFAULT_AGENT_SERVER: &str = "http://127.0.0.1:7470";
-
 /// How long `--server` waits for the control plane's first snapshot.
 pub const SNAPSHOT_WAIT: Duration = Duration::from_secs(5);
 
-/// `retryplane request` flags, as parsed.
+/// `retryplane request` flags, as parsed. Exactly one of `--policy` and `--server` says where
+/// the policy comes from (SPEC §5).
 #[derive(Debug, clap::Args)]
+#[command(group(clap::ArgGroup::new("policy_from").required(true).args(["policy", "server"])))]
 pub struct Args {
     /// Policy file; `-` reads standard input.
     #[arg(long, value_name = "FILE", conflicts_with = "server")]
     policy: Option<PathBuf>,
-    /// Use the policy of the control plane's agent listener (`http://HOST:PORT`)
-    /// [default without --policy: http://127.0.0.1:7470].
+    /// Use the policy a control plane serves its agents: the URL of its agent listener (not
+    /// the admin one), for example http://127.0.0.1:7470, the default of `retryplane serve`.
     #[arg(long, value_name = "URL")]
     server: Option<String>,
     /// Agent token for --server, sent as `authorization: Bearer TOKEN`.
@@ -142,8 +142,7 @@ impl TryFrom<Args> for Settings {
         }
         let policy = match (args.policy, args.server) {
             (Some(path), _) => PolicyFrom::File(input::Source::from_arg(path)),
-            (None, server) => {
-                let url = server.unwrap_or_else(|| DEFAULT_AGENT_SERVER.to_owned());
+            (None, Some(url)) => {
                 let url = if url.contains("://") {
                     url
                 } else {
@@ -151,6 +150,8 @@ impl TryFrom<Args> for Settings {
                 };
                 PolicyFrom::Server(url, args.token)
             }
+            // clap requires one of the two.
+            (None, None) => bail!("say where the policy comes from: --policy FILE or --server URL"),
         };
         Ok(Self {
             policy,

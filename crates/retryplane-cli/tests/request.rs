@@ -435,3 +435,18 @@ fn server_mode_uses_the_control_planes_policy() {
     assert_eq!(v["attempts"].as_array().unwrap().len(), 2);
     drop(running);
 }
+
+#[test]
+fn the_policy_must_come_from_a_file_or_a_server() {
+    let out = Command::cargo_bin("retryplane")
+        .unwrap()
+        .args(["request", "--endpoint", "api", "http://127.0.0.1:9/"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert!(
+        stderr.contains("--policy") && stderr.contains("--server"),
+        "{stderr}"
+    );
+}
