@@ -48,6 +48,21 @@ pub fn validate(doc: pb::PolicyDocument) -> Result<(PolicySet, Vec<Diagnostic>),
     PolicySet::from_document(doc).map_err(|e| e.errors)
 }
 
+/// A wire document as a compiled set, through the same validator as files and the admin API:
+/// [`validate`] without the warnings.
+impl TryFrom<pb::PolicyDocument> for PolicySet {
+    type Error = InvalidDocument;
+
+    fn try_from(doc: pb::PolicyDocument) -> Result<Self, InvalidDocument> {
+        validate(doc)
+            .map(|(set, _warnings)| set)
+            .map_err(|errors| InvalidDocument { errors })
+    }
+}
+
+/// The structural conversion only: every field present, of the right kind, names unique, enums
+/// known. Ranges and cross-field rules are the validator's: use [`validate`] or
+/// `PolicySet::try_from` for a document to run.
 impl TryFrom<pb::PolicyDocument> for PolicyDocument {
     type Error = InvalidDocument;
 

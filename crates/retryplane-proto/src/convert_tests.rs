@@ -606,3 +606,22 @@ fn alert_on_a_wire_route_and_out_of_range_ratios_are_refused_at_their_paths() {
     assert!(errs[0].message.contains("found 1.5"), "{}", errs[0].message);
     assert!(validate(with(0.0)).is_ok());
 }
+
+#[test]
+fn a_policy_set_from_the_wire_runs_the_validator() {
+    let wire = pb::PolicyDocument::from(&example());
+    let set = retryplane_policy::PolicySet::try_from(wire).unwrap();
+    assert_eq!(set.len(), 5);
+    // Structurally fine, out of range: the document converts, the set is refused.
+    let bad = doc(vec![endpoint(
+        "a",
+        pb::Overlay {
+            max_attempts: Some(0),
+            ..Default::default()
+        },
+    )]);
+    assert!(PolicyDocument::try_from(bad.clone()).is_ok());
+    let refused = retryplane_policy::PolicySet::try_from(bad).unwrap_err();
+    assert_eq!(refused.errors.len(), 1, "{refused:?}");
+    assert_eq!(refused.errors[0].path, "endpoints.a.max_attempts");
+}
