@@ -344,3 +344,46 @@ fn an_unreachable_server_exits_2() {
             "retryplane: error: cannot connect to {url}"
         )));
 }
+
+#[test]
+fn removing_every_endpoint_needs_force_for_apply_and_rollback() {
+    let server = test_server(true, None);
+    server.write("v1.yaml", V1);
+    server.write("other.yaml", "version: 1\nendpoints:\n  search: {}\n");
+    server.retryplane(&["apply", "v1.yaml"]).assert().code(0);
+
+    // `payments` would go and nothing of v1 stay: refused, nothing stored.
+    server
+        .retryplane(&["apply", "other.yaml"])
+        .assert()
+        .code(1)
+        .stderr(predicate::str::contains("payments"))
+        .stderr(predicate::str::contains("--force"));
+    server
+        .retryplane(&["get"])
+        .assert()
+        .code(0)
+        .stdout(predicate::str::contains("payments"));
+    server
+        .retryplane(&["apply", "other.yaml", "--force"])
+        .assert()
+        .code(0)
+        .stdout(predicate::str::contains("applied v2"));
+
+    // Back to v1 removes `search`, every endpoint of v2.
+    server
+        .retryplane(&["rollback", "1"])
+        .assert()
+        .code(1)
+        .stderr(predicate::str::contains("--force"));
+    server
+        .retryplane(&["rollback", "1", "--force"])
+        .assert()
+        .code(0);
+    server
+        .retryplane(&["get"])
+        .assert()
+        .code(0)
+        .stdout(predicate::str::contains("payments"))
+        .stdout(predicate::str::contains("search").not());
+}
