@@ -1,4 +1,5 @@
-//! An invalid snapshot over a real stream is NACKed and the last good policy keeps applying.
+//! An invalid or undecodable snapshot over a real stream is NACKed and the last good policy keeps
+//! applying.
 //!
 //! The real control plane never publishes an invalid policy, so a scripted one stands in
 //! (`support::script`). The agent is the real one (`Agent::builder().connect()`).
@@ -78,6 +79,27 @@ async fn an_invalid_snapshot_is_nacked_and_the_last_good_policy_keeps_applying()
         Kind::Nack(nack) => {
             assert_eq!((nack.version, nack.nonce.as_str()), (2, "nonce-2b"));
             assert!(nack.error.contains("hash"), "{}", nack.error);
+        }
+        other => panic!("expected Nack v2, got {other:?}"),
+    }
+    // v2 whose policies do not decode at all: NACKed with the version and nonce it carries.
+    let head = pb::Snapshot {
+        version: 2,
+        nonce: "nonce-2c".into(),
+        ..Default::default()
+    };
+    let mut bytes = head.encode_to_vec();
+    // Field 3 (policies), 2 bytes long, holding a truncated varint.
+    bytes.extend_from_slice(&[0x1a, 0x02, 0x08, 0xff]);
+    let broken = pb::ServerMessage {
+        snapshot: Some(bytes.into()),
+        metrics_ack: None,
+    };
+    to_agent.send(Ok(broken)).await.unwrap();
+    match script.reply().await {
+        Kind::Nack(nack) => {
+            assert_eq!((nack.version, nack.nonce.as_str()), (2, "nonce-2c"));
+            assert!(nack.error.contains("does not decode"), "{}", nack.error);
         }
         other => panic!("expected Nack v2, got {other:?}"),
     }

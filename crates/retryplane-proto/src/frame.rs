@@ -48,6 +48,23 @@ impl ServerMessage {
             .map(|b| pb::Snapshot::decode(b.clone()))
             .transpose()
     }
+
+    /// The version and nonce of a snapshot that does not decode whole, when those two fields
+    /// do: the other fields are skipped undecoded, so a bad `policies` still lets the agent
+    /// answer a NACK the control plane can match to what it sent.
+    pub fn snapshot_version_and_nonce(&self) -> Option<(u64, String)> {
+        let head = SnapshotHead::decode(self.snapshot.clone()?).ok()?;
+        Some((head.version, head.nonce))
+    }
+}
+
+/// The two fields of `retryplane.v1.Snapshot` an answer echoes; the rest is skipped.
+#[derive(Clone, PartialEq, ::prost::Message)]
+struct SnapshotHead {
+    #[prost(uint64, tag = "1")]
+    version: u64,
+    #[prost(string, tag = "4")]
+    nonce: String,
 }
 
 #[cfg(test)]
@@ -71,6 +88,34 @@ mod tests {
         Snapshot(pb::Snapshot),
         #[prost(message, tag = "2")]
         MetricsAck(pb::MetricsAck),
+    }
+
+    #[test]
+    fn a_snapshot_with_bad_policies_still_gives_its_version_and_nonce() {
+        let snapshot = pb::Snapshot {
+            version: 7,
+            nonce: "n-7".into(),
+            ..Default::default()
+        };
+        let mut bytes = snapshot.encode_to_vec();
+        // Field 3 (policies), length 2, holding a truncated varint.
+        bytes.extend_from_slice(&[0x1a, 0x02, 0x08, 0xff]);
+        let message = ServerMessage {
+            snapshot: Some(Bytes::from(bytes)),
+            metrics_ack: None,
+        };
+        assert!(message.decode_snapshot().is_err());
+        assert_eq!(
+            message.snapshot_version_and_nonce(),
+            Some((7, "n-7".to_owned()))
+        );
+        // Garbage throughout gives nothing to answer.
+        let garbage = ServerMessage {
+            snapshot: Some(Bytes::from_static(&[0xff, 0xff])),
+            metrics_ack: None,
+        };
+        assert_eq!(garbage.snapshot_version_and_nonce(), None);
+        assert_eq!(ServerMessage::default().snapshot_version_and_nonce(), None);
     }
 
     #[test]

@@ -27,6 +27,21 @@ pub(crate) struct Handled {
 }
 
 /// Checks `snap` and, if it is good, makes it the agent's policies.
+/// The NACK of a snapshot that does not decode whole but whose version and nonce do: the
+/// policies in force stay, and the control plane records why.
+pub(crate) fn undecodable(version: u64, nonce: String, error: &prost::DecodeError) -> Handled {
+    let error = format!("the snapshot does not decode: {error}");
+    warn!(version, %error, "snapshot refused; keeping the policies in force");
+    Handled {
+        reply: Kind::Nack(pb::Nack {
+            version,
+            nonce,
+            error,
+        }),
+        cache: None,
+    }
+}
+
 pub(crate) fn apply(shared: &Shared, snap: pb::Snapshot, default_interval: Duration) -> Handled {
     let nack = |error: String| {
         warn!(version = snap.version, %error, "snapshot refused; keeping the policies in force");

@@ -203,18 +203,21 @@ async fn session(
                     outbox.ack(&shared.metrics, ack.seq, ack.dropped);
                     continue;
                 }
-                let snap = match m.decode_snapshot() {
-                    Ok(Some(snap)) => snap,
+                let handled = match m.decode_snapshot() {
+                    Ok(Some(snap)) => apply::apply(shared, snap, config.default_metrics_interval),
                     Ok(None) => {
                         debug!("server message without a snapshot ignored");
                         continue;
                     }
-                    Err(e) => {
-                        warn!(error = %e, "undecodable snapshot ignored");
-                        continue;
-                    }
+                    Err(e) => match m.snapshot_version_and_nonce() {
+                        // NACKed like an invalid one, when it says what it is.
+                        Some((version, nonce)) => apply::undecodable(version, nonce, &e),
+                        None => {
+                            warn!(error = %e, "undecodable snapshot ignored; keeping the policies in force");
+                            continue;
+                        }
+                    },
                 };
-                let handled = apply::apply(shared, snap, config.default_metrics_interval);
                 if let (Some(bytes), Some(path)) = (handled.cache, &config.cache_file) {
                     write_cache(path.clone(), bytes).await;
                 }
