@@ -307,3 +307,192 @@ async fn an_open_breaker_fails_fast_without_calling_the_upstream() {
     assert!(err.last.is_none());
     assert_eq!(ep.pending_counts().circuit_open, 1);
 }
+
+/// An agent on `yaml` whose RNG is seeded with `seed`.
+fn seeded(yaml: &str, seed: u64) -> retryplane_agent::Agent {
+    let loaded = retryplane_policy::load(yaml.as_bytes());
+    assert!(!loaded.has_errors(), "{:?}", loaded.diagnostics);
+    retryplane_agent::Agent::from_policies_seeded(loaded.policies.unwrap(), seed)
+}
+
+/// The pauses before retries 1, 2, … of one call that fails every attempt but the last, as the
+/// agent reports them; each is checked against the time the upstream saw pass between the
+/// attempts (paused time wakes a sleep on the next whole millisecond).
+async fn jittered_pauses(jitter: &str, seed: u64) -> Vec<Duration> {
+    let agent = seeded(
+        &policy(&format!(
+            "max_attempts: 6\ndeadline: 60s\nbackoff: {{base: 100ms, max: 1s, multiplier: 2.0, jitter: {jitter}}}"
+        )),
+        seed,
+    );
+    let up = Upstream::new(vec![Step::Status(503); 5]);
+    agent
+        .endpoint("ep")
+        .call(get(), up.attempt())
+        .await
+        .unwrap();
+    let infos = up.infos();
+    assert_eq!(infos.len(), 6, "{jitter}, seed {seed}");
+    assert_eq!(infos[0].pause_before, None);
+    let pauses: Vec<Duration> = infos[1..].iter().map(|i| i.pause_before.unwrap()).collect();
+    let starts = up.starts_ms();
+    for (i, pause) in pauses.iter().enumerate() {
+        let slept = starts[i + 1] - starts[i];
+        let asked = pause.as_millis() as u64;
+        assert!(
+            slept + 1 >= asked && slept <= asked + 2,
+            "{jitter}, seed {seed}: retry {} paused {pause:?} but the upstream saw {slept} ms",
+            i + 1
+        );
+    }
+    pauses
+}
+
+/// The ceilings of retries 1 to 5 under base 100ms, ×2, max 1s.
+const CEILINGS_MS: [u64; 5] = [100, 200, 400, 800, 1000];
+const SEEDS: std::ops::Range<u64> = 0..200;
+
+#[tokio::test(start_paused = true)]
+async fn jitter_none_pauses_exactly_at_the_ceiling_whatever_the_seed() {
+    for seed in [0, 1, 7, 12_345, u64::MAX] {
+        let pauses = jittered_pauses("none", seed).await;
+        let ceilings: Vec<Duration> = CEILINGS_MS.map(Duration::from_millis).into();
+        assert_eq!(pauses, ceilings, "seed {seed}");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn jitter_full_pauses_anywhere_from_zero_to_the_ceiling() {
+    let mut by_retry = vec![Vec::new(); CEILINGS_MS.len()];
+    for seed in SEEDS {
+        for (n, pause) in jittered_pauses("full", seed).await.into_iter().enumerate() {
+            let ceiling = Duration::from_millis(CEILINGS_MS[n]);
+            assert!(pause <= ceiling, "seed {seed}, retry {}: {pause:?}", n + 1);
+            by_retry[n].push(pause.as_secs_f64() / ceiling.as_secs_f64());
+        }
+    }
+    // The whole range is used: the low tenth and the high tenth both occur (a pause stuck at
+    // the ceiling, or at its upper half, fails here).
+    for (n, ratios) in by_retry.iter().enumerate() {
+        let lo = ratios.iter().copied().fold(f64::MAX, f64::min);
+        let hi = ratios.iter().copied().fold(0.0, f64::max);
+        assert!(lo < 0.1 && hi > 0.9, "retry {}: [{lo}, {hi}]", n + 1);
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn jitter_equal_pauses_from_half_the_ceiling_to_the_ceiling() {
+    let mut by_retry = vec![Vec::new(); CEILINGS_MS.len()];
+    for seed in SEEDS {
+        for (n, pause) in jittered_pauses("equal", seed).await.into_iter().enumerate() {
+            let ceiling = Duration::from_millis(CEILINGS_MS[n]);
+            assert!(
+                pause >= ceiling / 2 && pause <= ceiling,
+                "seed {seed}, retry {}: {pause:?}",
+                n + 1
+            );
+            by_retry[n].push(pause.as_secs_f64() / ceiling.as_secs_f64());
+        }
+    }
+    for (n, ratios) in by_retry.iter().enumerate() {
+        let lo = ratios.iter().copied().fold(f64::MAX, f64::min);
+        let hi = ratios.iter().copied().fold(0.0, f64::max);
+        assert!(lo < 0.55 && hi > 0.95, "retry {}: [{lo}, {hi}]", n + 1);
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn jitter_decorrelated_pauses_from_base_to_three_times_the_previous_pause_capped() {
+    let (base, max) = (Duration::from_millis(100), Duration::from_secs(1));
+    // How far into its range [base, high] each pause fell, and how often the cap cut it.
+    let (mut lo, mut hi, mut capped) = (f64::MAX, 0.0f64, 0);
+    for seed in SEEDS {
+        // Retry 1's previous pause is `base` (SPEC §2 step 7, AWS's decorrelated jitter).
+        let mut previous = base;
+        for (n, pause) in jittered_pauses("decorrelated", seed)
+            .await
+            .into_iter()
+            .enumerate()
+        {
+            let high = max.min(previous * 3);
+            assert!(
+                pause >= base && pause <= high,
+                "seed {seed}, retry {}: {pause:?} outside [{base:?}, {high:?}] after {previous:?}",
+                n + 1
+            );
+            if previous * 3 <= max {
+                let at = (pause - base).as_secs_f64() / (high - base).as_secs_f64();
+                (lo, hi) = (lo.min(at), hi.max(at));
+            }
+            capped += usize::from(pause == max);
+            previous = pause;
+        }
+    }
+    assert!(lo < 0.05 && hi > 0.95, "[{lo}, {hi}]");
+    assert!(capped > 0, "the cap at backoff.max is reached");
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_pause_stops_growing_at_backoff_max() {
+    let agent = agent(&policy(
+        "max_attempts: 5\nbackoff: {base: 100ms, multiplier: 2.0, max: 300ms}",
+    ));
+    let up = Upstream::new(vec![Step::Status(503); 4]);
+    agent
+        .endpoint("ep")
+        .call(get(), up.attempt())
+        .await
+        .unwrap();
+    let pauses: Vec<_> = up.infos().iter().map(|i| i.pause_before).collect();
+    let ms = |n| Some(Duration::from_millis(n));
+    assert_eq!(pauses, [None, ms(100), ms(200), ms(300), ms(300)]);
+    assert_eq!(up.starts_ms(), [0, 100, 300, 600, 900]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_timed_out_post_with_the_key_is_retried() {
+    let agent = agent(&policy("per_try_timeout: 1s"));
+    let mut headers = http::HeaderMap::new();
+    headers.insert("idempotency-key", "k-2".parse().unwrap());
+    let up = Upstream::new([Step::Hang]);
+    let meta = CallMeta::http("POST", "/v1/charges").with_headers(&headers);
+    let res = agent.endpoint("ep").call(meta, up.attempt()).await.unwrap();
+    assert_eq!(res.status(), 200);
+    assert_eq!(
+        up.starts_ms(),
+        [0, 1100],
+        "a 1 s timeout, then the 100 ms pause"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_budget_allows_ratio_times_the_calls_in_the_window() {
+    // Reserve floor(1/s × 2s) = 2; ratio 0.25. Pauses of 1ms keep every call in the window's
+    // first slot (a tenth of it), so every count is exact.
+    let agent = agent(&policy(
+        "max_attempts: 2\nbackoff: {base: 1ms, max: 1ms}\nbudget: {enabled: true, ratio: 0.25, min_per_second: 1, window: 2s}",
+    ));
+    let ep = agent.endpoint("ep");
+    for _ in 0..20 {
+        ep.call(get(), Upstream::new([]).attempt()).await.unwrap();
+    }
+    // The k-th failing call is call 20 + k; its retry is retry k if allowed, and a retry is
+    // allowed iff retries + 1 <= max(2, floor(0.25 × calls)):
+    // k = 1..=6: k <= floor((20 + k) / 4) = 5, 5, 5, 6, 6, 6 → allowed;
+    // k = 7: 7 > floor(27 / 4) = 6 → refused (and not counted);
+    // k = 8: 7 <= floor(28 / 4) = 7 → allowed; k = 9: 8 > floor(29 / 4) = 7 → refused.
+    let mut outcomes = Vec::new();
+    for _ in 0..9 {
+        let up = Upstream::new([Step::Status(503)]);
+        let cause = ep.call(get(), up.attempt()).await.err().map(|e| e.cause);
+        assert_eq!(up.attempts(), if cause.is_none() { 2 } else { 1 });
+        outcomes.push(cause);
+    }
+    let refused = Some(gave_up(GiveUpCause::BudgetExhausted));
+    let mut expected = vec![None; 9];
+    expected[6] = refused;
+    expected[8] = refused;
+    assert_eq!(outcomes, expected);
+    let c = ep.pending_counts();
+    assert_eq!((c.calls, c.retries, c.gave_up_budget), (29, 7, 2));
+}

@@ -414,3 +414,92 @@ async fn an_http_answer_below_400_is_returned_at_once_as_a_success() {
     assert_eq!((c.calls, c.attempts, c.success_first_try), (4, 4, 4));
     assert_eq!((c.retries, c.success_after_retry), (0, 0));
 }
+
+#[tokio::test(start_paused = true)]
+async fn an_unparseable_grpc_pushback_means_do_not_retry() {
+    // SPEC §2 step 7 and gRFC A6: a pushback that is not a plain decimal number of
+    // milliseconds is read as "do not retry", not ignored.
+    let agent = agent(&policy("max_attempts: 3"));
+    for bad in ["abc", "1.5", "+40", "", "4O"] {
+        let starts = Arc::new(Mutex::new(Vec::new()));
+        let meta = CallMeta::grpc("/shop.Payments/Get").idempotent(true);
+        let err = agent
+            .endpoint("ep")
+            .call(
+                meta,
+                grpc(
+                    vec![grpc_status(tonic::Code::Unavailable, Some(bad))],
+                    starts.clone(),
+                ),
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(
+            err.cause,
+            Cause::GaveUp(GiveUpCause::NotRetryable),
+            "{bad:?}"
+        );
+        assert_eq!(err.error().unwrap().code(), tonic::Code::Unavailable);
+        assert_eq!(*starts.lock().unwrap(), [0], "{bad:?}");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_grpc_pushback_is_ignored_when_hints_are_not_honored() {
+    // With `retry_after.honor: false` neither a garbage pushback stops the call nor a valid one
+    // paces it: the computed backoff (100 ms, then 200 ms) applies.
+    let agent = agent(&policy("max_attempts: 3\nretry_after: {honor: false}"));
+    let starts = Arc::new(Mutex::new(Vec::new()));
+    let meta = CallMeta::grpc("/shop.Payments/Get").idempotent(true);
+    agent
+        .endpoint("ep")
+        .call(
+            meta,
+            grpc(
+                vec![
+                    grpc_status(tonic::Code::Unavailable, Some("abc")),
+                    grpc_status(tonic::Code::Unavailable, Some("5000")),
+                ],
+                starts.clone(),
+            ),
+        )
+        .await
+        .unwrap();
+    assert_eq!(*starts.lock().unwrap(), [0, 100, 300]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_grpc_pushback_above_the_max_gives_up_and_one_at_the_max_is_waited() {
+    let agent = agent(&policy(
+        "max_attempts: 3\ndeadline: 10s\nretry_after: {honor: true, max: 2s}",
+    ));
+    let meta = || CallMeta::grpc("/shop.Payments/Get").idempotent(true);
+    let starts = Arc::new(Mutex::new(Vec::new()));
+    let err = agent
+        .endpoint("ep")
+        .call(
+            meta(),
+            grpc(
+                vec![grpc_status(tonic::Code::Unavailable, Some("2001"))],
+                starts.clone(),
+            ),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.cause, Cause::GaveUp(GiveUpCause::RetryAfterTooLong));
+    assert_eq!(err.error().unwrap().code(), tonic::Code::Unavailable);
+    assert_eq!(*starts.lock().unwrap(), [0], "no retry, no wait");
+    let starts = Arc::new(Mutex::new(Vec::new()));
+    agent
+        .endpoint("ep")
+        .call(
+            meta(),
+            grpc(
+                vec![grpc_status(tonic::Code::Unavailable, Some("2000"))],
+                starts.clone(),
+            ),
+        )
+        .await
+        .unwrap();
+    assert_eq!(*starts.lock().unwrap(), [0, 2000]);
+}
