@@ -1,10 +1,22 @@
 //! File mode hot reload (SPEC §3): a saved edit of the policy file is validated and published.
 //!
-//! The watch is on the file's *parent directory*, not the file: editors and `sed -i` save by
-//! writing a new file and renaming it over the old one, which replaces the inode a file watch
-//! would be attached to. Events are filtered by file name and debounced — a reload starts after
-//! [`DEBOUNCE`] without further events — so a save that arrives as several writes (or a rename
-//! plus a chmod) is read once, complete.
+//! Directories are watched, not the file: editors and `sed -i` save by writing a new file and
+//! renaming it over the old one, which replaces the inode a file watch would be attached to.
+//! The watched directories are the file's own (the parent of the path as given) and, when the
+//! path goes through symbolic links (the file itself, a link it points to, or a directory on
+//! the way), the real directory holding each link and the real directory of the file the chain
+//! ends at. So a Kubernetes ConfigMap volume (`policies.yaml -> ..data/policies.yaml`, where
+//! `..data` is swapped atomically for a new timestamped directory) and a link to a file kept in
+//! another directory are both followed. The chain is resolved again before every read, since a
+//! swap changes it; at most [`MAX_LINKS`] links are followed, so a link loop ends the walk
+//! rather than hanging it.
+//!
+//! Any event in a watched directory other than a pure read (ours included) starts the
+//! debounced read: a reload starts after [`DEBOUNCE`] without further events, so a save that
+//! arrives as several writes (or a rename plus a chmod) is read once, complete. Events are not
+//! filtered by file name, since a swap renames a link other than the file (`..data_tmp` over
+//! `..data`); instead, a read whose bytes equal those last read is skipped quietly (at debug),
+//! so unrelated files touched in a watched directory neither publish nor log.
 //!
 //! A reload reads the file (at most [`MAX_FILE_BYTES`] + 1 bytes; the validator reports a larger
 //! file), loads it with the validator `retryplane validate` runs, and hands the document to
@@ -18,7 +30,7 @@
 
 use std::ffi::OsString;
 use std::io::{self, Read as _};
-use std::path::{Path, PathBuf};
+use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -37,6 +49,10 @@ use crate::store::Source;
 /// Quiet time after the last event before the file is read.
 pub const DEBOUNCE: Duration = Duration::from_millis(200);
 
+/// At most this many symbolic links are followed when resolving the policy file's path; the
+/// watch covers at most this many directories plus two.
+pub const MAX_LINKS: usize = 8;
+
 /// Why the file cannot be watched.
 #[derive(Debug, thiserror::Error)]
 pub enum WatchError {
@@ -54,19 +70,27 @@ pub enum WatchError {
     },
 }
 
+/// Reads at most [`MAX_FILE_BYTES`] + 1 bytes of `path` (one byte more than allowed, so the
+/// validator reports an oversized file). Blocking.
+fn read_bytes(path: &Path) -> io::Result<Vec<u8>> {
+    let file = std::fs::File::open(path)?;
+    let mut bytes = Vec::new();
+    let limit = u64::try_from(MAX_FILE_BYTES).map_or(u64::MAX, |m| m + 1);
+    file.take(limit).read_to_end(&mut bytes)?;
+    Ok(bytes)
+}
+
+/// Runs `f` off the async threads.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> io::Result<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(io::Error::other)
+}
+
 /// Reads and loads a policy file, off the async threads. `Err` only when it cannot be read.
 pub async fn read_policy_file(path: &Path) -> io::Result<Loaded> {
     let path = path.to_owned();
-    tokio::task::spawn_blocking(move || {
-        let file = std::fs::File::open(&path)?;
-        let mut bytes = Vec::new();
-        // One byte more than allowed, so the validator reports an oversized file.
-        let limit = u64::try_from(MAX_FILE_BYTES).map_or(u64::MAX, |m| m + 1);
-        file.take(limit).read_to_end(&mut bytes)?;
-        Ok(retryplane_policy::load(&bytes))
-    })
-    .await
-    .map_err(io::Error::other)?
+    blocking(move || read_bytes(&path).map(|bytes| retryplane_policy::load(&bytes))).await?
 }
 
 /// Logs every diagnostic of `file` at warn, as `FILE:LINE:COLUMN: SEVERITY: PATH: MESSAGE`.
@@ -78,25 +102,30 @@ pub fn log_diagnostics(file: &Path, loaded: &Loaded) {
 
 /// Starts watching `file`; the task reloads it on every (debounced) save until `shutdown`
 /// becomes true or its sender is dropped. Call inside a tokio runtime.
+///
+/// The watches are in place when this returns. Only the file's own directory must be
+/// watchable; a directory further along a symbolic link chain that cannot be watched is
+/// logged and left out.
 pub fn spawn(
     control: Arc<ControlPlane>,
     file: PathBuf,
     debounce: Duration,
     shutdown: watch::Receiver<bool>,
 ) -> Result<JoinHandle<()>, WatchError> {
-    let name = file
-        .file_name()
-        .map(OsString::from)
-        .ok_or_else(|| WatchError::NoFileName(file.clone()))?;
+    if file.file_name().is_none() {
+        return Err(WatchError::NoFileName(file));
+    }
     let dir = match file.parent() {
         Some(p) if !p.as_os_str().is_empty() => p.to_owned(),
         _ => PathBuf::from("."),
     };
+    // Watched by its real path: two paths to one directory would share one inotify watch,
+    // and unwatching one would end the other.
+    let own_dir = std::fs::canonicalize(&dir).unwrap_or(dir);
     let (tx, rx) = mpsc::channel(1);
-    let watched = name.clone();
-    let mut watcher = notify::recommended_watcher(move |event: notify::Result<Event>| {
+    let watcher = notify::recommended_watcher(move |event: notify::Result<Event>| {
         match event {
-            Ok(event) if concerns(&event, &watched) => {
+            Ok(event) if !is_read(&event) => {
                 // Full: a wake-up is already pending. Closed: the task is gone.
                 let _ = tx.try_send(());
             }
@@ -105,34 +134,184 @@ pub fn spawn(
         }
     })
     .map_err(|source| WatchError::Watch {
-        dir: dir.clone(),
+        dir: own_dir.clone(),
         source,
     })?;
-    watcher
-        .watch(&dir, RecursiveMode::NonRecursive)
-        .map_err(|source| WatchError::Watch {
-            dir: dir.clone(),
-            source,
-        })?;
-    info!(file = %file.display(), "watching the policy file for changes");
+    let mut watches = Watches {
+        watcher,
+        file: file.clone(),
+        own_dir,
+        wanted: Vec::new(),
+        active: Vec::new(),
+    };
+    watches.watch_own_dir()?;
+    watches.update();
+    info!(
+        file = %file.display(),
+        directories = ?watches.active,
+        "watching the policy file for changes"
+    );
     Ok(tokio::spawn(run(
-        control, file, debounce, rx, shutdown, watcher,
+        control, file, debounce, rx, shutdown, watches,
     )))
 }
 
-/// Whether `event` may have changed the file called `name`. Reads (ours included) do not.
-fn concerns(event: &Event, name: &OsString) -> bool {
-    let read_only = matches!(
+/// Whether `event` is a pure read (ours included), which changes nothing.
+fn is_read(event: &Event) -> bool {
+    matches!(
         event.kind,
         EventKind::Access(
             AccessKind::Open(_) | AccessKind::Read | AccessKind::Close(AccessMode::Read)
         )
-    );
-    !read_only
-        && event
-            .paths
-            .iter()
-            .any(|p| p.file_name() == Some(name.as_os_str()))
+    )
+}
+
+/// The directories watched for the policy file.
+struct Watches {
+    // Watching stops when the watcher is dropped.
+    watcher: RecommendedWatcher,
+    file: PathBuf,
+    /// The real path of the file's own directory; always watched.
+    own_dir: PathBuf,
+    /// The directories the last resolution of the path asked for.
+    wanted: Vec<PathBuf>,
+    /// The directories watched now.
+    active: Vec<PathBuf>,
+}
+
+impl Watches {
+    fn watch_own_dir(&mut self) -> Result<(), WatchError> {
+        self.watcher
+            .watch(&self.own_dir, RecursiveMode::NonRecursive)
+            .map_err(|source| WatchError::Watch {
+                dir: self.own_dir.clone(),
+                source,
+            })?;
+        self.active.push(self.own_dir.clone());
+        Ok(())
+    }
+
+    /// Resolves the path again and watches the directories it now goes through. Blocking.
+    fn update(&mut self) {
+        let mut wanted = vec![self.own_dir.clone()];
+        for dir in link_dirs(&self.file) {
+            if !wanted.contains(&dir) {
+                wanted.push(dir);
+            }
+        }
+        if wanted == self.wanted {
+            return;
+        }
+        for dir in &self.active {
+            if !wanted.contains(dir) {
+                // Fails when the directory is gone (the old one after a ConfigMap swap).
+                if let Err(e) = self.watcher.unwatch(dir) {
+                    debug!(dir = %dir.display(), error = %e, "unwatching a directory");
+                }
+            }
+        }
+        self.active.retain(|dir| wanted.contains(dir));
+        for dir in &wanted {
+            if self.active.contains(dir) {
+                continue;
+            }
+            match self.watcher.watch(dir, RecursiveMode::NonRecursive) {
+                Ok(()) => self.active.push(dir.clone()),
+                Err(e) => warn!(
+                    file = %self.file.display(),
+                    dir = %dir.display(),
+                    error = %e,
+                    "cannot watch a directory the policy file's symbolic links go through; \
+                     changes made there are not seen"
+                ),
+            }
+        }
+        debug!(file = %self.file.display(), directories = ?self.active, "policy file watch");
+        self.wanted = wanted;
+    }
+}
+
+/// A part of a path still to resolve.
+enum Part {
+    Root(OsString),
+    Up,
+    Name(OsString),
+}
+
+fn parts(path: &Path) -> impl DoubleEndedIterator<Item = Part> + '_ {
+    path.components().filter_map(|c| match c {
+        Component::Prefix(_) | Component::RootDir => Some(Part::Root(c.as_os_str().to_owned())),
+        Component::CurDir => None,
+        Component::ParentDir => Some(Part::Up),
+        Component::Normal(name) => Some(Part::Name(name.to_owned())),
+    })
+}
+
+/// The real directories a change to `file` can happen in, beyond its own: the directory
+/// holding each symbolic link met while resolving the path component by component (where
+/// swapping the link is a rename), and the real directory of the file the chain ends at (or
+/// where it should be, when it is missing). Follows at most [`MAX_LINKS`] links; a loop, or
+/// a part that cannot be read, ends the walk with what was found. Blocking.
+fn link_dirs(file: &Path) -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = Vec::new();
+    let Ok(absolute) = std::path::absolute(file) else {
+        return dirs;
+    };
+    // A stack: the next part is last.
+    let mut pending: Vec<Part> = parts(&absolute).rev().collect();
+    let mut resolved = PathBuf::new();
+    let mut links = 0;
+    while let Some(part) = pending.pop() {
+        match part {
+            Part::Root(root) => resolved.push(root),
+            Part::Up => {
+                resolved.pop();
+            }
+            Part::Name(name) => {
+                let next = resolved.join(&name);
+                let is_link = std::fs::symlink_metadata(&next)
+                    .map(|m| m.file_type().is_symlink())
+                    .ok();
+                match is_link {
+                    Some(true) => {
+                        links += 1;
+                        if links > MAX_LINKS {
+                            return dirs;
+                        }
+                        if !dirs.contains(&resolved) {
+                            dirs.push(resolved.clone());
+                        }
+                        let Ok(target) = std::fs::read_link(&next) else {
+                            return dirs;
+                        };
+                        // An absolute target starts again from its root.
+                        pending.extend(parts(&target).rev());
+                    }
+                    Some(false) => resolved = next,
+                    None => {
+                        // Missing (or unreadable): watch where it should appear.
+                        resolved = next;
+                        break;
+                    }
+                }
+            }
+        }
+    }
+    if let Some(dir) = resolved.parent()
+        && !dirs.iter().any(|d| d == dir)
+    {
+        dirs.push(dir.to_owned());
+    }
+    dirs
+}
+
+/// What the watcher last read from the file.
+enum LastRead {
+    Nothing,
+    /// These bytes, settled: applied, equal to the current version's, or refused for good.
+    Bytes(Vec<u8>),
+    /// Reading failed like this (already logged).
+    Failed(io::ErrorKind),
 }
 
 async fn run(
@@ -141,9 +320,9 @@ async fn run(
     debounce: Duration,
     mut events: mpsc::Receiver<()>,
     mut shutdown: watch::Receiver<bool>,
-    // Watching stops when the watcher is dropped, with this task.
-    _watcher: RecommendedWatcher,
+    mut watches: Watches,
 ) {
+    let mut last = LastRead::Nothing;
     loop {
         tokio::select! {
             _ = shutdown.wait_for(|stop| *stop) => return,
@@ -160,30 +339,92 @@ async fn run(
                 },
             }
         }
-        reload(&control, &file).await;
+        // Follow the link chain as it is now before reading, so a change made after the
+        // read, in a directory the chain newly goes through, is seen.
+        watches = match blocking(move || {
+            watches.update();
+            watches
+        })
+        .await
+        {
+            Ok(watches) => watches,
+            Err(e) => {
+                warn!(file = %file.display(), error = %e, "the policy file watch stopped");
+                return;
+            }
+        };
+        reload_if_changed(&control, &file, &mut last).await;
     }
+}
+
+/// Reads `file` and applies it unless its bytes are those last read: an event on another
+/// file in a watched directory publishes and logs nothing.
+async fn reload_if_changed(control: &ControlPlane, file: &Path, last: &mut LastRead) {
+    let path = file.to_owned();
+    let bytes = match blocking(move || read_bytes(&path)).await.and_then(|r| r) {
+        Ok(bytes) => bytes,
+        Err(e) => {
+            if matches!(last, LastRead::Failed(kind) if *kind == e.kind()) {
+                debug!(file = %file.display(), error = %e, "the policy file still cannot be read");
+            } else {
+                warn!(file = %file.display(), error = %e, "cannot read the policy file; still serving {}", serving(control));
+                *last = LastRead::Failed(e.kind());
+            }
+            return;
+        }
+    };
+    if matches!(last, LastRead::Bytes(seen) if *seen == bytes) {
+        debug!(file = %file.display(), "the policy file is unchanged since it was last read");
+        return;
+    }
+    let loaded = match blocking({
+        let bytes = bytes.clone();
+        move || retryplane_policy::load(&bytes)
+    })
+    .await
+    {
+        Ok(loaded) => loaded,
+        Err(e) => {
+            warn!(file = %file.display(), error = %e, "cannot load the policy file; still serving {}", serving(control));
+            *last = LastRead::Nothing;
+            return;
+        }
+    };
+    *last = if apply(control, file, loaded).await {
+        LastRead::Bytes(bytes)
+    } else {
+        LastRead::Nothing
+    };
+}
+
+fn serving(control: &ControlPlane) -> String {
+    control.publisher.current().map_or_else(
+        || "nothing".to_owned(),
+        |s| format!("version {}", s.version),
+    )
 }
 
 /// Reads `file` and applies it; on any problem logs it and keeps the current version.
 pub async fn reload(control: &ControlPlane, file: &Path) {
-    let serving = || {
-        control.publisher.current().map_or_else(
-            || "nothing".to_owned(),
-            |s| format!("version {}", s.version),
-        )
-    };
-    let loaded = match read_policy_file(file).await {
-        Ok(loaded) => loaded,
-        Err(e) => {
-            warn!(file = %file.display(), error = %e, "cannot read the policy file; still serving {}", serving());
-            return;
+    match read_policy_file(file).await {
+        Ok(loaded) => {
+            apply(control, file, loaded).await;
         }
-    };
+        Err(e) => {
+            warn!(file = %file.display(), error = %e, "cannot read the policy file; still serving {}", serving(control));
+        }
+    }
+}
+
+/// Applies what was loaded from `file`, logging any problem. Returns whether the outcome is
+/// settled, so that the same bytes would get the same answer again (only a store failure is
+/// worth another try).
+async fn apply(control: &ControlPlane, file: &Path, loaded: Loaded) -> bool {
     log_diagnostics(file, &loaded);
     let Some(policies) = loaded.policies else {
         control.metrics.rejected_changes.inc();
-        warn!(file = %file.display(), "the policy file has errors; the change is rejected and {} stays served", serving());
-        return;
+        warn!(file = %file.display(), "the policy file has errors; the change is rejected and {} stays served", serving(control));
+        return true;
     };
     let request = ChangeRequest {
         document: pb::PolicyDocument::from(policies.document().as_ref()),
@@ -196,16 +437,25 @@ pub async fn reload(control: &ControlPlane, file: &Path) {
     match control.apply(request).await {
         Ok(outcome) if !outcome.changed => {
             debug!(file = %file.display(), "the policy file was saved without changes");
+            true
         }
-        Ok(_) => {}
-        Err(ChangeError::RemovesEverything(names)) => warn!(
-            file = %file.display(),
-            "the saved file removes every endpoint ({names}); refused, {} stays served. To replace \
-             every endpoint, add the new ones first, save, then remove the old ones",
-            serving()
-        ),
-        Err(e) => {
-            warn!(file = %file.display(), error = %e, "the saved policy file was not applied; {} stays served", serving())
+        Ok(_) => true,
+        Err(ChangeError::RemovesEverything(names)) => {
+            warn!(
+                file = %file.display(),
+                "the saved file removes every endpoint ({names}); refused, {} stays served. To \
+                 replace every endpoint, add the new ones first, save, then remove the old ones",
+                serving(control)
+            );
+            true
+        }
+        Err(e @ (ChangeError::Store(_) | ChangeError::Conflict { .. })) => {
+            warn!(file = %file.display(), error = %e, "the saved policy file was not applied; {} stays served", serving(control));
+            false
+        }
+        Err(e @ ChangeError::Invalid(_)) => {
+            warn!(file = %file.display(), error = %e, "the saved policy file was not applied; {} stays served", serving(control));
+            true
         }
     }
 }

@@ -32,6 +32,12 @@ async fn fixture() -> Fixture {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("policies.yaml");
     fs::write(&file, V1).unwrap();
+    start(dir, file).await
+}
+
+/// A control plane in file mode serving `file` (which must hold `V1`) as version 1, with the
+/// watcher running.
+async fn start(dir: tempfile::TempDir, file: PathBuf) -> Fixture {
     let store: Arc<dyn VersionStore> = Arc::new(MemoryStore::new());
     let control = Arc::new(ControlPlane::new(
         store,
@@ -170,4 +176,166 @@ async fn the_watcher_stops_at_shutdown() {
         .await
         .unwrap()
         .unwrap();
+}
+
+/// Lays out `config/` as a Kubernetes ConfigMap volume does: the data in a timestamped
+/// directory, `..data` a link to it, and `policies.yaml -> ..data/policies.yaml`.
+#[cfg(unix)]
+fn configmap(config: &std::path::Path, version_dir: &str, contents: &str) {
+    use std::os::unix::fs::symlink;
+    let data = config.join(version_dir);
+    fs::create_dir_all(&data).unwrap();
+    fs::write(data.join("policies.yaml"), contents).unwrap();
+    // The kubelet's atomic swap: a new link, renamed over `..data`.
+    symlink(version_dir, config.join("..data_tmp")).unwrap();
+    fs::rename(config.join("..data_tmp"), config.join("..data")).unwrap();
+}
+
+#[cfg(unix)]
+#[tokio::test]
+async fn a_configmap_swap_of_the_data_link_is_published() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config");
+    fs::create_dir(&config).unwrap();
+    configmap(&config, "..2026_01_01_00_00_00.1", V1);
+    std::os::unix::fs::symlink("..data/policies.yaml", config.join("policies.yaml")).unwrap();
+    let f = start(dir, config.join("policies.yaml")).await;
+
+    configmap(&config, "..2026_01_01_00_01_00.2", V2);
+    fs::remove_dir_all(config.join("..2026_01_01_00_00_00.1")).unwrap();
+    wait_for_version(&f.control, 2, PUBLISH_BOUND).await;
+    assert_eq!(max_attempts_served(&f.control).await, Some(4));
+
+    // The watch followed the swap: an edit inside the new data directory is seen too.
+    fs::write(config.join("..2026_01_01_00_01_00.2/policies.yaml"), V3).unwrap();
+    wait_for_version(&f.control, 3, PUBLISH_BOUND).await;
+    assert_eq!(max_attempts_served(&f.control).await, Some(5));
+}
+
+#[cfg(unix)]
+#[tokio::test]
+async fn a_link_to_a_file_in_another_directory_follows_edits_there() {
+    let dir = tempfile::tempdir().unwrap();
+    let (config, shared) = (dir.path().join("config"), dir.path().join("shared"));
+    fs::create_dir(&config).unwrap();
+    fs::create_dir(&shared).unwrap();
+    let target = shared.join("retry.yaml");
+    fs::write(&target, V1).unwrap();
+    std::os::unix::fs::symlink("../shared/retry.yaml", config.join("policies.yaml")).unwrap();
+    let f = start(dir, config.join("policies.yaml")).await;
+
+    // Edited in place there,
+    fs::write(&target, V2).unwrap();
+    wait_for_version(&f.control, 2, PUBLISH_BOUND).await;
+    assert_eq!(max_attempts_served(&f.control).await, Some(4));
+    // and saved by rename there.
+    let tmp = shared.join(".retry.yaml.swp");
+    fs::write(&tmp, V3).unwrap();
+    fs::rename(&tmp, &target).unwrap();
+    wait_for_version(&f.control, 3, PUBLISH_BOUND).await;
+    assert_eq!(max_attempts_served(&f.control).await, Some(5));
+}
+
+/// Captured log output.
+#[derive(Clone, Default)]
+struct Sink(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl Sink {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+}
+
+impl std::io::Write for Sink {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+const SKIPPED: &str = "the policy file is unchanged since it was last read";
+
+/// Touches a file next to the policy file and waits until the watcher has looked at the
+/// policy file again; returns what was logged meanwhile.
+async fn touch_unrelated(f: &Fixture, log: &Sink) -> String {
+    let before = log.text();
+    let skips = before.matches(SKIPPED).count();
+    fs::write(f.dir.path().join("unrelated.txt"), before.len().to_string()).unwrap();
+    eventually("the unchanged policy file to be skipped", || {
+        log.text().matches(SKIPPED).count() > skips
+    })
+    .await;
+    log.text()[before.len()..].to_owned()
+}
+
+#[tokio::test]
+async fn touching_an_unrelated_file_publishes_and_logs_nothing() {
+    let log = Sink::default();
+    let writer = log.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_env_filter("retryplane_server=debug")
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish();
+    // The watch task runs on this (current-thread) runtime's thread.
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let f = fixture().await;
+    save_by_rename(&f, V2);
+    wait_for_version(&f.control, 2, PUBLISH_BOUND).await;
+    // The level reads as below in this format: the publish was logged at info.
+    eventually("the publish to be logged", || {
+        log.text()
+            .lines()
+            .any(|l| l.contains(" INFO ") && l.contains("published a new policy version"))
+    })
+    .await;
+
+    let logged = touch_unrelated(&f, &log).await;
+    let history = f.control.blocking(|s| s.history(0)).await.unwrap();
+    assert_eq!(history.len(), 2, "no new version");
+    assert!(
+        !logged.contains(" INFO ") && !logged.contains(" WARN "),
+        "logged: {logged}"
+    );
+
+    // An invalid file is not rejected (and logged) again for every unrelated change.
+    save_by_rename(&f, INVALID);
+    eventually("the invalid save to be rejected", || {
+        f.control.metrics.rejected_changes.get() == 1
+    })
+    .await;
+    let logged = touch_unrelated(&f, &log).await;
+    assert_eq!(f.control.metrics.rejected_changes.get(), 1);
+    assert!(!logged.contains(" WARN "), "logged: {logged}");
+    assert_eq!(current_version(&f.control), Some(2));
+}
+
+#[cfg(unix)]
+#[test]
+fn link_dirs_follow_the_chain_and_end_on_a_loop() {
+    use std::os::unix::fs::symlink;
+    let dir = tempfile::tempdir().unwrap();
+    let root = fs::canonicalize(dir.path()).unwrap();
+    let config = root.join("config");
+    fs::create_dir(&config).unwrap();
+    fs::create_dir(config.join("..d1")).unwrap();
+    fs::write(config.join("..d1/policies.yaml"), V1).unwrap();
+    symlink("..d1", config.join("..data")).unwrap();
+    symlink("..data/policies.yaml", config.join("policies.yaml")).unwrap();
+    assert_eq!(
+        link_dirs(&config.join("policies.yaml")),
+        [config.clone(), config.join("..d1")]
+    );
+
+    // A missing file: its directory, where it would appear.
+    assert_eq!(link_dirs(&root.join("missing.yaml")), vec![root.clone()]);
+
+    // A loop ends after MAX_LINKS links, with the directories met.
+    symlink("b.yaml", root.join("a.yaml")).unwrap();
+    symlink("a.yaml", root.join("b.yaml")).unwrap();
+    assert_eq!(link_dirs(&root.join("a.yaml")), vec![root]);
 }
