@@ -125,6 +125,14 @@ impl Endpoint {
             .unwrap_or(start)
     }
 
+    /// Whether a call described by `meta` is idempotent under the policies in force now: its
+    /// method listed for its route, or declared so (the idempotency key does not count).
+    pub(crate) fn is_idempotent(&self, meta: &CallMeta<'_>) -> bool {
+        let entry = self.entry();
+        let (policy, _) = entry.resolve(&meta.target());
+        meta.idempotency(policy).0
+    }
+
     /// Runs `attempt` under the endpoint's policy, classifying results with [`Classify`].
     ///
     /// `attempt` is called once per attempt with its [`AttemptInfo`]; its future is dropped
@@ -280,6 +288,7 @@ impl Endpoint {
             let info = CallInfo {
                 idempotent,
                 has_idempotency_key,
+                replayable: meta.replayable(),
             };
             let mut rng = CallRng {
                 shared: &self.shared,

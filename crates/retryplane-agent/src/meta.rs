@@ -31,6 +31,7 @@ pub struct CallMeta<'a> {
     route: Route<'a>,
     idempotent: Option<bool>,
     has_idempotency_key: bool,
+    replayable: bool,
     header_names: Vec<HeaderName>,
     cancel: Option<CancellationToken>,
 }
@@ -72,6 +73,7 @@ impl<'a> CallMeta<'a> {
             route,
             idempotent: None,
             has_idempotency_key: false,
+            replayable: true,
             header_names: Vec::new(),
             cancel: None,
         }
@@ -87,6 +89,18 @@ impl<'a> CallMeta<'a> {
     pub fn with_idempotency_key(mut self, present: bool) -> Self {
         self.has_idempotency_key = present;
         self
+    }
+
+    /// Says the request cannot be sent again (its body was streamed, not kept): the call
+    /// makes one attempt, whatever its failure (a failed connect included).
+    pub(crate) fn not_replayable(mut self) -> Self {
+        self.replayable = false;
+        self
+    }
+
+    /// Whether the request can be sent again.
+    pub(crate) fn replayable(&self) -> bool {
+        self.replayable
     }
 
     /// Records the request's header names (not values), so the key header named by the

@@ -17,7 +17,7 @@ use bytes::Bytes;
 use http::{Request, Response};
 use http_body_util::{BodyExt as _, Full};
 use retryplane_agent::layer::{
-    Dedup, DedupStats, Deduplicated, GaveUp, ReplayBody, Retry, RetryLayer, SharedBody,
+    Dedup, DedupStats, Deduplicated, GaveUp, Idempotent, ReplayBody, Retry, RetryLayer, SharedBody,
 };
 use support::{agent, policy};
 use tokio::sync::{Semaphore, mpsc};
@@ -252,8 +252,18 @@ async fn a_response_the_call_gave_up_on_is_shared_with_its_mark() {
 /// Sends `a`, then `b` while `a` is held at the gate, and says whether `b` was shared
 /// (checking that both got the answer that goes with it).
 async fn shared(dedup: Dedup, a: Request<Full<Bytes>>, b: Request<Full<Bytes>>) -> bool {
+    shared_under(POLICY, dedup, a, b).await
+}
+
+/// [`shared`] with the endpoint's policy lines `yaml`.
+async fn shared_under(
+    yaml: &str,
+    dedup: Dedup,
+    a: Request<Full<Bytes>>,
+    b: Request<Full<Bytes>>,
+) -> bool {
     let (svc, up) = upstream(&[]);
-    let client = client(svc, &dedup);
+    let client = client_with(svc, &dedup, yaml);
     let first = spawn(&client, a);
     until("the first request reaches the upstream", || up.seen() == 1).await;
     let second = spawn(&client, b);
@@ -400,14 +410,65 @@ async fn writes_are_not_shared_unless_their_method_is_added() {
     assert!(!shared(Dedup::default(), post(), post()).await);
     let options = || req(Request::builder().method("OPTIONS").uri("http://up/"), "");
     assert!(!shared(Dedup::default(), options(), options()).await);
-    assert!(
-        shared(
-            Dedup::default().share_method(http::Method::POST),
-            post(),
-            post()
-        )
-        .await
+    // An added method is shared only for requests declared idempotent (or that the policy
+    // calls idempotent).
+    let declared = || {
+        let mut r = post();
+        r.extensions_mut().insert(Idempotent(true));
+        r
+    };
+    let share_post = || Dedup::default().share_method(http::Method::POST);
+    assert!(!shared(share_post(), post(), post()).await);
+    assert!(shared(share_post(), declared(), declared()).await);
+}
+
+#[tokio::test(start_paused = true)]
+async fn reads_that_are_not_idempotent_under_the_policy_in_force_are_not_shared() {
+    let d = Dedup::default;
+    let me = || req(get("http://up/me"), "");
+    let marked = |idempotent: bool| {
+        let mut r = me();
+        r.extensions_mut().insert(Idempotent(idempotent));
+        r
+    };
+    assert!(shared(d(), me(), me()).await);
+    assert!(!shared(d(), marked(false), marked(false)).await);
+    assert!(shared(d(), marked(true), marked(true)).await);
+
+    // The endpoint's method list, then a route's.
+    let no_get = format!("{POLICY}\nidempotent_methods: [HEAD, PUT]");
+    assert!(!shared_under(&no_get, d(), me(), me()).await);
+    assert!(shared_under(&no_get, d(), marked(true), marked(true)).await);
+    let live = || req(get("http://up/live/feed"), "");
+    let route = format!(
+        "{POLICY}\nroutes:\n  - match: {{method: GET, path_prefix: /live}}\n    idempotent_methods: [PUT]"
     );
+    assert!(!shared_under(&route, d(), live(), live()).await);
+    assert!(shared_under(&route, d(), me(), me()).await);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_inner_service_that_reserves_capacity_in_poll_ready_is_called_on_it() {
+    // `ConcurrencyLimit` takes its permit in `poll_ready`, for the readied instance only.
+    let (svc, up) = upstream(&[Step::Status(503)]);
+    let client = client(
+        tower::limit::ConcurrencyLimit::new(svc, 1),
+        &Dedup::default(),
+    );
+    up.open(3);
+    let first = join(spawn(&client, req(get("http://up/a"), "")))
+        .await
+        .unwrap();
+    assert_eq!(
+        (first.0, first.1.as_deref()),
+        (200, Some("1")),
+        "retried once"
+    );
+    let second = join(spawn(&client, req(get("http://up/a"), "")))
+        .await
+        .unwrap();
+    assert_eq!((second.0, second.1.as_deref()), (200, Some("2")));
+    assert_eq!(up.seen(), 3);
 }
 
 #[tokio::test(start_paused = true)]

@@ -369,3 +369,46 @@ async fn the_layer_counts_an_unanswered_keep_alive_ping_as_a_timeout() {
     assert!(!err.is_connect());
     assert_eq!(attempts, 3);
 }
+
+#[tokio::test]
+async fn the_layer_tries_a_refused_body_over_its_limit_once_and_returns_the_client_error() {
+    // Pauses of 5 s or more: a call that slept one would not end within the bound below.
+    let agent = support::agent(&support::policy(
+        "max_attempts: 3\nbackoff: {base: 5s, max: 10s, multiplier: 2.0, jitter: none}",
+    ));
+    let ep = agent.endpoint("ep");
+    let svc = RetryLayer::new(ep.clone())
+        .with_body_limit(2)
+        .layer(client(HttpConnector::new()));
+    let port = closed_port().await;
+    let url = format!("http://127.0.0.1:{port}/v1/charges");
+    // PUT with the key: a request kept for replay would be retried on this refusal.
+    let mut req = request("PUT", &url);
+    req.headers_mut()
+        .insert("idempotency-key", http::HeaderValue::from_static("k-1"));
+    let start = tokio::time::Instant::now();
+    let err = tokio::time::timeout(Duration::from_secs(4), svc.oneshot(req))
+        .await
+        .expect("the call ends without a pause")
+        .expect_err("the call fails");
+    assert!(start.elapsed() < Duration::from_secs(4));
+    let err = err
+        .downcast::<hyper_util::client::legacy::Error>()
+        .expect("the client's own error is returned");
+    assert!(err.is_connect(), "{err:?}");
+    assert!(
+        io_kinds(&*err).contains(&std::io::ErrorKind::ConnectionRefused),
+        "{err:?}"
+    );
+    let counts = ep.pending_counts();
+    assert_eq!(
+        (
+            counts.calls,
+            counts.attempts,
+            counts.retries,
+            counts.backoff_ms
+        ),
+        (1, 1, 0, 0)
+    );
+    assert_eq!(counts.gave_up_not_retryable, 1);
+}

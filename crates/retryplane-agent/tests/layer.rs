@@ -186,3 +186,102 @@ async fn connection_refused_errors_are_retried_and_returned() {
     );
     assert_eq!(*calls.lock().unwrap(), 2);
 }
+
+/// Long enough for any call below on tokio's paused clock (its pauses are 100 ms); a call
+/// that waits for capacity nobody will release ends the test there.
+const BOUND: Duration = Duration::from_secs(30);
+
+/// Readies `client` and sends `req` through it, within [`BOUND`].
+async fn ready_and_call<S>(client: &mut S, req: Request<Full<Bytes>>) -> S::Response
+where
+    S: tower::Service<Request<Full<Bytes>>>,
+    S::Error: std::fmt::Debug,
+{
+    let call = async { client.ready().await?.call(req).await };
+    tokio::time::timeout(BOUND, call)
+        .await
+        .expect("the call ends: the capacity readied for it is the one it uses")
+        .unwrap()
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_inner_service_that_reserves_capacity_in_poll_ready_is_called_on_it() {
+    // `ConcurrencyLimit` takes its permit in `poll_ready`, for that instance only: a call
+    // made on a clone waits for a permit of its own, which the readied instance holds.
+    let agent = agent(&policy("max_attempts: 3"));
+    let (svc, seen) = upstream(&[503]);
+    let limited = tower::limit::ConcurrencyLimit::new(svc, 1);
+    let mut client = RetryLayer::new(agent.endpoint("ep")).layer(limited);
+
+    // A 503, then a 200 on the second attempt (which readies a permit of its own, released
+    // by the first).
+    let first = ready_and_call(&mut client, request("GET", false, "")).await;
+    assert_eq!(first.status(), 200);
+    // The same client again: the permit of the first call went back.
+    let second = ready_and_call(&mut client, request("GET", false, "")).await;
+    assert_eq!(second.status(), 200);
+    assert_eq!(seen.lock().unwrap().len(), 3);
+    // A body over the limit (sent once) goes through the readied instance too.
+    let mut once = RetryLayer::new(agent.endpoint("ep"))
+        .with_body_limit(4)
+        .layer(tower::limit::ConcurrencyLimit::new(upstream(&[]).0, 1));
+    let answer = ready_and_call(&mut once, request("PUT", false, "hello world")).await;
+    assert_eq!(answer.status(), 200);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_retry_that_waits_for_capacity_gets_it_within_its_call() {
+    // Two clients share one permit: the second's retry readies after the first is done.
+    let agent = agent(&policy("max_attempts: 3"));
+    let (svc, seen) = upstream(&[503, 503]);
+    let limited = tower::limit::ConcurrencyLimit::new(svc, 1);
+    let client = RetryLayer::new(agent.endpoint("ep")).layer(limited);
+    let (a, b) = tokio::join!(
+        tokio::time::timeout(BOUND, client.clone().oneshot(request("GET", false, ""))),
+        tokio::time::timeout(BOUND, client.clone().oneshot(request("GET", false, ""))),
+    );
+    assert_eq!(a.expect("ends").unwrap().status(), 200);
+    assert_eq!(b.expect("ends").unwrap().status(), 200);
+    assert_eq!(seen.lock().unwrap().len(), 4);
+    assert_eq!(agent.endpoint("ep").pending_counts().retries, 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_refused_body_over_the_limit_is_tried_once_and_its_error_returned_at_once() {
+    let agent = agent(&policy("max_attempts: 3"));
+    let calls = Arc::new(Mutex::new(0));
+    let counted = calls.clone();
+    let svc = service_fn(move |req: Request<ReplayBody<Full<Bytes>>>| {
+        *counted.lock().unwrap() += 1;
+        async move {
+            let body = req.into_body().collect().await.unwrap().to_bytes();
+            assert_eq!(body, "hello world", "sent whole");
+            Err::<Response<()>, _>(std::io::Error::from(std::io::ErrorKind::ConnectionRefused))
+        }
+    });
+    let ep = agent.endpoint("ep");
+    let client = RetryLayer::new(ep.clone()).with_body_limit(4).layer(svc);
+    let start = Instant::now();
+    // Keyed and idempotent: a buffered body would be retried on any of these failures.
+    let err = client
+        .oneshot(request("PUT", true, "hello world"))
+        .await
+        .unwrap_err();
+    assert_eq!(start.elapsed(), Duration::ZERO, "no pause slept");
+    assert_eq!(
+        err.downcast_ref::<std::io::Error>().unwrap().kind(),
+        std::io::ErrorKind::ConnectionRefused
+    );
+    assert_eq!(*calls.lock().unwrap(), 1);
+    let counts = ep.pending_counts();
+    assert_eq!(
+        (
+            counts.calls,
+            counts.attempts,
+            counts.retries,
+            counts.gave_up_not_retryable,
+            counts.backoff_ms
+        ),
+        (1, 1, 0, 1, 0)
+    );
+}

@@ -47,6 +47,10 @@ pub struct CallInfo {
     pub idempotent: bool,
     /// The request carries the idempotency key header.
     pub has_idempotency_key: bool,
+    /// The request can be sent again (the caller kept it). When `false` (a body streamed as
+    /// it came, say) the call makes one attempt: every failure is
+    /// [`GiveUpCause::NotRetryable`], a failed connect included.
+    pub replayable: bool,
 }
 
 impl CallInfo {
@@ -56,17 +60,20 @@ impl CallInfo {
         Self {
             idempotent: policy.is_idempotent(method),
             has_idempotency_key,
+            replayable: true,
         }
     }
 
     /// Whether a failure whose outcome is known (a status, a failed connect) may be retried,
     /// and whether an unknown outcome (timeout, reset) may: both need idempotency or the key,
-    /// except a failed connect, which never reached the server.
+    /// except a failed connect, which never reached the server. Nothing is retried when the
+    /// request cannot be sent again.
     fn may_retry(&self, outcome: &Outcome) -> bool {
-        match outcome {
-            Outcome::Transport(ErrorClass::Connect) => true,
-            _ => self.idempotent || self.has_idempotency_key,
-        }
+        self.replayable
+            && match outcome {
+                Outcome::Transport(ErrorClass::Connect) => true,
+                _ => self.idempotent || self.has_idempotency_key,
+            }
     }
 }
 

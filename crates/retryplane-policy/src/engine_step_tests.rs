@@ -42,6 +42,7 @@ fn policy(min_per_second: u32) -> RetryPolicy {
 const GET: CallInfo = CallInfo {
     idempotent: true,
     has_idempotency_key: false,
+    replayable: true,
 };
 
 fn http(status: u16, retry_after: Option<Duration>) -> Outcome {

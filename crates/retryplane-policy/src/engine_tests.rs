@@ -34,6 +34,7 @@ fn get() -> CallInfo {
     CallInfo {
         idempotent: true,
         has_idempotency_key: false,
+        replayable: true,
     }
 }
 
@@ -41,6 +42,7 @@ fn post(key: bool) -> CallInfo {
     CallInfo {
         idempotent: false,
         has_idempotency_key: key,
+        replayable: true,
     }
 }
 
@@ -132,6 +134,51 @@ fn post_connect_failure_is_retried_without_key_since_nothing_was_sent() {
         step(&mut call, Outcome::Transport(ErrorClass::Connect), t0),
         Decision::Retry { .. }
     ));
+}
+
+#[test]
+fn a_request_that_cannot_be_sent_again_gets_one_attempt_whatever_the_failure() {
+    // No budget or breaker: the many failures below must not run the one dry or open the
+    // other.
+    let p = RetryPolicy {
+        budget: None,
+        circuit_breaker: None,
+        ..policy()
+    };
+    let t0 = Instant::now();
+    let state = EndpointState::new(&p, t0);
+    let once = |info: CallInfo| CallInfo {
+        replayable: false,
+        ..info
+    };
+    let failures = [
+        Outcome::Transport(ErrorClass::Connect),
+        Outcome::Transport(ErrorClass::Reset),
+        Outcome::Transport(ErrorClass::Timeout),
+        http(503),
+    ];
+    for info in [get(), post(true), post(false)] {
+        for outcome in failures.clone() {
+            let mut call = RetryCall::new(&p, &state, once(info), t0);
+            assert_eq!(
+                step(&mut call, outcome.clone(), t0),
+                Decision::GiveUp(GiveUpCause::NotRetryable),
+                "{info:?} {outcome:?}"
+            );
+            assert_eq!(
+                call.start_attempt(t0),
+                Err(GiveUpCause::AttemptsExhausted),
+                "nothing more starts"
+            );
+            // The same request kept for replay is retried.
+            let mut kept = RetryCall::new(&p, &state, info, t0);
+            let retried = matches!(step(&mut kept, outcome.clone(), t0), Decision::Retry { .. });
+            let may = info.idempotent
+                || info.has_idempotency_key
+                || outcome == Outcome::Transport(ErrorClass::Connect);
+            assert_eq!(retried, may, "{info:?} {outcome:?}");
+        }
+    }
 }
 
 #[test]

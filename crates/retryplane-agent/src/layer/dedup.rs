@@ -21,7 +21,7 @@ pub const DEFAULT_SHARED_RESPONSE_LIMIT: usize = 1024 * 1024;
 /// [`RetryLayer::with_dedup`](super::RetryLayer::with_dedup); see the [module docs](super).
 ///
 /// Clones share one table of calls in flight and one set of [`DedupStats`]. Defaults: `GET`
-/// and `HEAD` are shared; the key covers the method, the full URI, the body and **every request
+/// and `HEAD` are shared (when idempotent under the policy in force); the key covers the method, the full URI, the body and **every request
 /// header except the ones that only identify or trace the request** ([`DEFAULT_IGNORED_HEADERS`]:
 /// `traceparent`, `x-request-id`, B3, …); responses up to [`DEFAULT_SHARED_RESPONSE_LIMIT`] are
 /// shared.
@@ -301,7 +301,10 @@ impl Dedup {
     }
 
     /// Shares requests of `method` too (say `OPTIONS`, or a `POST` that only reads). Only do
-    /// this for methods that do not change anything upstream.
+    /// this for methods that do not change anything upstream. As for `GET` and `HEAD`, a
+    /// request is shared only when it is idempotent under the policy in force (its method in
+    /// the route's `idempotent_methods`, or [`Idempotent`](super::Idempotent)`(true)` on it):
+    /// declare such a `POST` with that extension.
     pub fn share_method(mut self, method: Method) -> Self {
         let config = Arc::make_mut(&mut self.config);
         if !config.methods.contains(&method) {
@@ -394,7 +397,7 @@ impl Dedup {
         self.config.response_limit
     }
 
-    /// Whether requests of `method` may be shared.
+    /// Whether requests of `method` may be shared (if idempotent: the layer checks that).
     pub(crate) fn shares(&self, method: &Method) -> bool {
         self.config.methods.contains(method)
     }

@@ -152,7 +152,7 @@ where
     }
 
     fn call(&mut self, request: Request<B>) -> Self::Future {
-        let inner = self.inner.clone();
+        let inner = Inner::take_ready(&mut self.inner);
         let settings = self.settings.clone();
         ResponseFuture::new(Box::pin(async move {
             let prepared = prepare(request, settings.body_limit).await?;
@@ -181,10 +181,63 @@ where
     }
 
     fn call(&mut self, request: Request<B>) -> Self::Future {
-        let inner = self.inner.clone();
+        let inner = Inner::take_ready(&mut self.inner);
         let settings = self.settings.clone();
         let dedup = self.dedup.clone();
         ResponseFuture::new(Box::pin(run_dedup(inner, settings, dedup, request)))
+    }
+}
+
+/// The inner service of one logical call. `poll_ready` reserved capacity (a concurrency
+/// permit, a buffer slot) on [`Retry`]'s own service, and only that instance may use it: the
+/// call takes it (leaving a clone behind, the usual tower pattern) and sends its first request
+/// through it; every later send (a retry, the resend after a credential refresh, a follower's
+/// own call) readies a clone of its own first.
+struct Inner<S> {
+    /// The service `poll_ready` readied, until the first send takes it.
+    ready: Option<S>,
+    /// Cloned for each later send.
+    spare: S,
+}
+
+impl<S: Clone> Inner<S> {
+    /// Takes the readied service out of `slot`, leaving a clone there (not ready).
+    fn take_ready(slot: &mut S) -> Self {
+        let spare = slot.clone();
+        let ready = std::mem::replace(slot, spare.clone());
+        Self {
+            ready: Some(ready),
+            spare,
+        }
+    }
+
+    /// Gives up the reserved capacity without using it (a follower that waits for its
+    /// leader holds none meanwhile).
+    fn release(&mut self) {
+        self.ready = None;
+    }
+
+    /// Sends `request`: through the readied service the first time, through a clone readied
+    /// for it afterwards.
+    fn send<R>(
+        &mut self,
+        request: R,
+    ) -> impl Future<Output = Result<S::Response, BoxError>> + use<S, R>
+    where
+        S: Service<R>,
+        S::Error: Into<BoxError>,
+    {
+        let svc = match self.ready.take() {
+            Some(ready) => Ok(ready),
+            None => Err(self.spare.clone()),
+        };
+        async move {
+            match svc {
+                Ok(mut ready) => ready.call(request).await,
+                Err(svc) => svc.oneshot(request).await,
+            }
+            .map_err(Into::into)
+        }
     }
 }
 
@@ -220,7 +273,7 @@ where
 /// Runs one logical call of `prepared`. With `deadline`, the call's deadline is set in it
 /// once an attempt is made.
 async fn send<S, B, RB>(
-    inner: S,
+    mut inner: Inner<S>,
     settings: &Settings,
     prepared: Prepared<B>,
     deadline: Option<&OnceLock<Instant>>,
@@ -259,8 +312,7 @@ where
                     parts,
                     ReplayBody::buffered(data.clone(), trailers.clone()),
                 );
-                let svc = inner.clone();
-                async move { svc.oneshot(request).await.map_err(Into::into) }
+                inner.send(request)
             };
             let Some(hook) = &settings.refresh else {
                 return endpoint
@@ -284,16 +336,18 @@ where
             }
         }
         Prepared::Once { head, body } => {
-            // Not idempotent and without the key: never retried.
+            // Sent once: the call makes one attempt, whatever it fails with (a failed connect
+            // included), and that attempt's answer or error is returned.
             let uri = head.uri.clone();
-            let meta = call_meta(&head, uri.path()).idempotent(false);
+            let meta = call_meta(&head, uri.path()).not_replayable();
             let mut request = Some(Request::from_parts(head, body));
             let attempt = move |_| {
-                let request = request.take();
-                let svc = inner.clone();
+                // The engine starts no second attempt; were one asked for, it fails here
+                // rather than send an empty request.
+                let sent = request.take().map(|r| inner.send(r));
                 async move {
-                    match request {
-                        Some(r) => svc.oneshot(r).await.map_err(Into::into),
+                    match sent {
+                        Some(sent) => sent.await,
                         None => Err(BoxError::from("a streamed body cannot be sent twice")),
                     }
                 }
@@ -309,7 +363,7 @@ where
 /// A logical call that identical in-flight reads share: the first (the leader) runs it,
 /// the others wait and get a copy of its response.
 async fn run_dedup<S, B, RB>(
-    inner: S,
+    mut inner: Inner<S>,
     settings: Settings,
     dedup: Dedup,
     request: Request<B>,
@@ -324,12 +378,19 @@ where
 {
     let prepared = prepare(request, settings.body_limit).await?;
     let key = match &prepared {
-        // Trailers are rare on a read; such a request is simply not shared.
+        // Trailers are rare on a read; such a request is simply not shared. Nor is one the
+        // policy in force (or an `Idempotent(false)` on it) does not call idempotent.
         Prepared::Buffered {
             head,
             data,
             trailers: None,
-        } if dedup.shares(&head.method) => Some(dedup.key(settings.endpoint.name(), head, data)),
+        } if dedup.shares(&head.method)
+            && settings
+                .endpoint
+                .is_idempotent(&call_meta(head, head.uri.path())) =>
+        {
+            Some(dedup.key(settings.endpoint.name(), head, data))
+        }
         _ => None,
     };
     let Some(key) = key else {
@@ -349,6 +410,8 @@ where
                 return land(result, leader, dedup.response_limit(), deadline).await;
             }
             Role::Follow(follower) => {
+                // No capacity is held while waiting: a call of its own readies its own.
+                inner.release();
                 let until = *wait_until.get_or_insert_with(|| match &prepared {
                     Prepared::Buffered { head, .. } | Prepared::Once { head, .. } => {
                         let meta = call_meta(head, head.uri.path());

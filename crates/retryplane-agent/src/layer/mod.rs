@@ -10,8 +10,12 @@
 //!   HTTP request.
 //! - The request body is buffered up to a limit ([`DEFAULT_BODY_LIMIT`], 64 KiB; see
 //!   [`RetryLayer::with_body_limit`]) so that each attempt sends it again. A larger body is
-//!   streamed as it comes, once: the call is made as not idempotent and without a key, so it
-//!   is never retried (per-try timeout, breaker and metrics still apply).
+//!   streamed as it comes, once: the call makes one attempt, whatever it fails with (a failed
+//!   connect included), and returns that attempt's response or error as it is (per-try
+//!   timeout, breaker and metrics still apply).
+//! - The inner service is called on the instance `poll_ready` readied (capacity reserved
+//!   there, such as a `ConcurrencyLimit` permit or a `Buffer` slot, is what the first attempt
+//!   uses); each later attempt readies a clone of its own first.
 //! - Responses are classified with the [`Classify`](crate::Classify) impl of `http::Response`
 //!   (status, `Retry-After`; for a gRPC response with `grpc-status` in its headers, a
 //!   "Trailers-Only" error such as `UNAVAILABLE`, that code and `grpc-retry-pushback-ms`, as
@@ -86,8 +90,11 @@
 //! # }
 //! ```
 //!
-//! - Shared: `GET` and `HEAD` ([`Dedup::share_method`] adds others) whose body was buffered
-//!   (within the body limit) and that carry no trailers. Everything else makes its own call.
+//! - Shared: `GET` and `HEAD` ([`Dedup::share_method`] adds others) that are idempotent
+//!   under the policy in force for their route (the method is in its `idempotent_methods`,
+//!   or the request carries [`Idempotent`]`(true)`; an `Idempotent(false)` is never shared),
+//!   whose body was buffered (within the body limit) and that carry no trailers. Everything
+//!   else makes its own call.
 //! - Same request: same endpoint, method, full URI (query included), body (compared by a
 //!   SHA-256 digest) and the values of every request header except those that only identify or
 //!   trace the request ([`DEFAULT_IGNORED_HEADERS`]: W3C trace context, B3, request ids, …).
