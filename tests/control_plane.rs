@@ -544,6 +544,78 @@ async fn an_undecodable_first_message_is_refused_with_invalid_argument() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_grpc_message_header_ends_only_that_stream_with_invalid_argument() {
+    let plane = Plane::api_mode(&policy_yaml(1, 3)).await;
+    let mut other = RawAgent::connect(plane.agent_channel().await, hello("other", 0, ""))
+        .await
+        .unwrap();
+    assert_eq!(other.next_snapshot().await.unwrap().version, 1);
+    // A message that decodes; only its header is wrong.
+    let ack = prost::Message::encode_to_vec(&pb::AgentMessage {
+        kind: Some(Kind::Ack(pb::Ack {
+            version: 1,
+            nonce: "n".into(),
+        })),
+    });
+    for (id, flag, says) in [
+        (
+            "bad-flag",
+            2,
+            "invalid gRPC message header: compressed-flag 2; it must be 0 or 1",
+        ),
+        (
+            "bad-compressed",
+            1,
+            "invalid gRPC message header: compressed-flag 1 on a stream without compression (no grpc-encoding)",
+        ),
+    ] {
+        let mut bad =
+            FramedAgent::connect(plane.agent_channel().await, framed(0, &hello_bytes(id)))
+                .await
+                .unwrap();
+        let first = bad.rx.message().await.unwrap().unwrap();
+        assert_eq!(first.decode_snapshot().unwrap().unwrap().version, 1);
+        bad.tx.send(framed(flag, &ack)).await.unwrap();
+        let ended = bad.ended().await;
+        assert_eq!(
+            (ended.code(), ended.message()),
+            (Code::InvalidArgument, says),
+            "{ended:?}"
+        );
+        eventually("the bad stream shows as disconnected", || async {
+            agent_status(&plane, id).await.is_some_and(|s| !s.connected)
+        })
+        .await;
+    }
+    // As the first message, the stream is refused the same way.
+    let refused = match FramedAgent::connect(
+        plane.agent_channel().await,
+        framed(0xff, &hello_bytes("bad-first")),
+    )
+    .await
+    {
+        Err(status) => status,
+        Ok(mut agent) => agent.ended().await,
+    };
+    assert_eq!(
+        (refused.code(), refused.message()),
+        (
+            Code::InvalidArgument,
+            "invalid gRPC message header: compressed-flag 255; it must be 0 or 1"
+        ),
+        "{refused:?}"
+    );
+    assert!(agent_status(&plane, "bad-first").await.is_none());
+    // Every other stream keeps working, and a new one is served.
+    assert_eq!(plane.apply(&policy_yaml(1, 4)).await, 2);
+    assert_eq!(other.next_snapshot().await.unwrap().version, 2);
+    let mut late = RawAgent::connect(plane.agent_channel().await, hello("late", 0, ""))
+        .await
+        .unwrap();
+    assert_eq!(late.next_snapshot().await.unwrap().version, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_agent_limit_refuses_new_agents_over_the_wire() {
     let plane = Plane::api_mode_with(&policy_yaml(1, 3), |cfg| cfg.max_agents = 2).await;
     let channel = plane.agent_channel().await;

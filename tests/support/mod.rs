@@ -293,14 +293,81 @@ impl BytesAgent {
 
     /// The status the stream ends with, skipping any snapshots before it.
     pub async fn ended(&mut self) -> tonic::Status {
-        loop {
-            match tokio::time::timeout(WAIT, self.rx.message()).await {
-                Err(_) => panic!("the stream did not end within {WAIT:?}"),
-                Ok(Ok(Some(_))) => {}
-                Ok(Ok(None)) => return tonic::Status::ok(""),
-                Ok(Err(status)) => return status,
-            }
+        ended(&mut self.rx).await
+    }
+}
+
+/// The status `rx` ends with, skipping any messages before it.
+async fn ended(rx: &mut Streaming<pb::ServerMessage>) -> tonic::Status {
+    loop {
+        match tokio::time::timeout(WAIT, rx.message()).await {
+            Err(_) => panic!("the stream did not end within {WAIT:?}"),
+            Ok(Ok(Some(_))) => {}
+            Ok(Ok(None)) => return tonic::Status::ok(""),
+            Ok(Err(status)) => return status,
         }
+    }
+}
+
+/// `message` as one gRPC message: the compressed-flag byte `flag`, the big-endian `u32`
+/// length, the bytes.
+pub fn framed(flag: u8, message: &[u8]) -> bytes::Bytes {
+    let mut frame = bytes::BytesMut::with_capacity(5 + message.len());
+    bytes::BufMut::put_u8(&mut frame, flag);
+    bytes::BufMut::put_u32(&mut frame, u32::try_from(message.len()).unwrap());
+    bytes::BufMut::put_slice(&mut frame, message);
+    frame.freeze()
+}
+
+/// An agent that writes the request body itself, gRPC message headers included (see
+/// [`framed`]), to send framing no gRPC client would.
+pub struct FramedAgent {
+    /// Body bytes to the server, sent as they are.
+    pub tx: mpsc::Sender<bytes::Bytes>,
+    /// Messages from the server.
+    pub rx: Streaming<pb::ServerMessage>,
+}
+
+impl FramedAgent {
+    /// Opens a `Connect` stream whose body starts with `first`; `Err` with the status of a
+    /// refusal before the stream starts.
+    pub async fn connect(
+        mut channel: Channel,
+        first: bytes::Bytes,
+    ) -> Result<FramedAgent, tonic::Status> {
+        use tokio_stream::StreamExt as _;
+        use tonic::codegen::Service as _;
+        let (tx, rx) = mpsc::channel(16);
+        tx.send(first).await.unwrap();
+        let frames = ReceiverStream::new(rx)
+            .map(|bytes| Ok::<_, std::convert::Infallible>(http_body::Frame::data(bytes)));
+        let request = http::Request::post("/retryplane.v1.AgentService/Connect")
+            .header(http::header::CONTENT_TYPE, "application/grpc")
+            .header(http::header::TE, "trailers")
+            .body(tonic::body::Body::new(http_body_util::StreamBody::new(
+                frames,
+            )))
+            .unwrap();
+        std::future::poll_fn(|cx| channel.poll_ready(cx))
+            .await
+            .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+        let response = channel
+            .call(request)
+            .await
+            .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+        if let Some(status) = tonic::Status::from_header_map(response.headers())
+            && status.code() != tonic::Code::Ok
+        {
+            return Err(status);
+        }
+        let (parts, body) = response.into_parts();
+        let rx = Streaming::new_response(ServerMessageDecoder, body, parts.status, None, None);
+        Ok(FramedAgent { tx, rx })
+    }
+
+    /// The status the stream ends with, skipping any messages before it.
+    pub async fn ended(&mut self) -> tonic::Status {
+        ended(&mut self.rx).await
     }
 }
 

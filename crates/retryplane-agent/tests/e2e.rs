@@ -8,7 +8,10 @@ use std::time::Duration;
 
 use retryplane_agent::{Agent, CallMeta, Source};
 use support::Upstream;
-use support::plane::{agent, apply, attempts_of, builder, eventually, plane, stats, succeed, yaml};
+use support::plane::{
+    agent, apply, attempts_of, builder, eventually, listed_connected, metric, plane, plane_with,
+    stats, succeed, yaml,
+};
 use support::proxy::Proxy;
 
 async fn on_version(agents: &[&Agent], version: u64) {
@@ -231,4 +234,48 @@ async fn a_control_plane_that_goes_silent_is_found_by_keepalive_and_the_agent_re
     apply(&running, yaml(5)).await;
     on_version(&[&a], 2).await;
     assert_eq!(attempts_of(&a).await, 5);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_that_goes_silent_is_dropped_by_the_server_keepalive_and_shown_disconnected() {
+    const CONNECTED: &str = "retryplane_server_agents_connected";
+    let dir = tempfile::tempdir().unwrap();
+    // With the default keepalive (a ping after 20 s, 10 s to answer) the server would not
+    // notice within the waits below.
+    let running = plane_with(dir.path(), &yaml(3), None, |cfg| {
+        cfg.keepalive_interval = Duration::from_millis(200);
+        cfg.keepalive_timeout = Duration::from_millis(200);
+    })
+    .await;
+    let proxy = Proxy::start(running.agent_addr).await;
+    // The agent's own pings are too slow to matter: only the server can notice.
+    let a = builder(proxy.addr, "mute")
+        .keepalive(Duration::from_secs(3600), Duration::from_secs(3600))
+        .connect()
+        .unwrap();
+    on_version(&[&a], 1).await;
+    eventually("the server lists the agent as connected", || async {
+        listed_connected(&running, "mute").await == Some(true)
+            && metric(&running, CONNECTED).await == Some(1.0)
+    })
+    .await;
+
+    // The agent goes silent: its connection stays open, nothing comes back, not even PING acks.
+    proxy.hold_up(true);
+    proxy.hold_down(true);
+    eventually("the server drops the silent agent", || async {
+        listed_connected(&running, "mute").await == Some(false)
+            && metric(&running, CONNECTED).await == Some(0.0)
+    })
+    .await;
+
+    // The network heals: the agent connects again and shows as connected.
+    proxy.cut();
+    eventually("the agent is listed as connected again", || async {
+        listed_connected(&running, "mute").await == Some(true)
+            && metric(&running, CONNECTED).await == Some(1.0)
+    })
+    .await;
+    a.shutdown().await;
+    running.shutdown().await.unwrap();
 }

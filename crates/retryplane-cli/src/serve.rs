@@ -57,6 +57,14 @@ pub struct Args {
     /// its unit (`500ms`, `10s`, `1m`), from 100ms to 1h.
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = metrics_interval)]
     metrics_interval: Duration,
+    /// How often the gRPC listeners send an HTTP/2 PING on each connection: a duration with
+    /// its unit, from 1s to 1h.
+    #[arg(long, value_name = "DURATION", default_value = "20s", value_parser = keepalive)]
+    keepalive_interval: Duration,
+    /// How long a PING may go unanswered before the connection is dropped (an agent on it
+    /// then shows as disconnected): a duration with its unit, from 1s to 1h.
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = keepalive)]
+    keepalive_timeout: Duration,
     /// Most agents connected at once; one more is refused with RESOURCE_EXHAUSTED.
     #[arg(long, value_name = "N", default_value_t = ServeConfig::default().max_agents,
           value_parser = at_least_one())]
@@ -81,13 +89,34 @@ fn at_least_one() -> clap::builder::RangedU64ValueParser<usize> {
 
 /// Parses `--metrics-interval`: a policy-style duration between 100 ms and 1 h.
 fn metrics_interval(text: &str) -> Result<Duration, String> {
-    const RANGE: std::ops::RangeInclusive<Duration> =
-        Duration::from_millis(100)..=Duration::from_secs(3600);
-    let interval = parse_duration(text).map_err(|e| e.to_string())?;
-    if RANGE.contains(&interval) {
-        Ok(interval)
+    duration_in(
+        text,
+        Duration::from_millis(100)..=Duration::from_secs(3600),
+        "from 100ms to 1h",
+    )
+}
+
+/// Parses `--keepalive-interval` and `--keepalive-timeout`: a policy-style duration between
+/// 1 s and 1 h (a PING more often than every second is what gRPC peers call abuse).
+fn keepalive(text: &str) -> Result<Duration, String> {
+    duration_in(
+        text,
+        Duration::from_secs(1)..=Duration::from_secs(3600),
+        "from 1s to 1h",
+    )
+}
+
+/// A policy-style duration within `range` (`said` is the range in words).
+fn duration_in(
+    text: &str,
+    range: std::ops::RangeInclusive<Duration>,
+    said: &str,
+) -> Result<Duration, String> {
+    let duration = parse_duration(text).map_err(|e| e.to_string())?;
+    if range.contains(&duration) {
+        Ok(duration)
     } else {
-        Err(format!("`{text}` is out of range: from 100ms to 1h"))
+        Err(format!("`{text}` is out of range: {said}"))
     }
 }
 
@@ -104,6 +133,8 @@ impl From<Args> for ServeConfig {
             api_mode: args.api,
             insecure: args.insecure,
             metrics_interval: args.metrics_interval,
+            keepalive_interval: args.keepalive_interval,
+            keepalive_timeout: args.keepalive_timeout,
             max_agents: args.max_agents,
             max_series: args.max_series,
             stream_limits: StreamLimits {
@@ -231,6 +262,10 @@ mod tests {
         );
         assert_eq!(parsed.tokens_file, None);
         assert!(!parsed.api_mode && !parsed.insecure);
+        assert_eq!(
+            (parsed.keepalive_interval, parsed.keepalive_timeout),
+            (defaults.keepalive_interval, defaults.keepalive_timeout)
+        );
     }
 
     #[test]
@@ -246,10 +281,16 @@ mod tests {
             "tokens.yaml",
             "--api",
             "--insecure",
+            "--keepalive-interval",
+            "1m",
+            "--keepalive-timeout",
+            "5s",
         ]);
         assert_eq!(parsed.config_file, PathBuf::from("p.yaml"));
         assert_eq!(parsed.listen.port(), 9000);
         assert_eq!(parsed.tokens_file, Some(PathBuf::from("tokens.yaml")));
         assert!(parsed.api_mode && parsed.insecure);
+        assert_eq!(parsed.keepalive_interval, Duration::from_secs(60));
+        assert_eq!(parsed.keepalive_timeout, Duration::from_secs(5));
     }
 }

@@ -165,6 +165,10 @@ fn bad_serve_flags_are_usage_errors() {
             "--max-pending-handshakes",
         ),
         (["--max-series", "x"], "--max-series"),
+        (["--keepalive-interval", "500ms"], "from 1s to 1h"),
+        (["--keepalive-interval", "20"], "needs a unit"),
+        (["--keepalive-timeout", "0s"], "from 1s to 1h"),
+        (["--keepalive-timeout", "2h"], "from 1s to 1h"),
     ] {
         assert_cmd::Command::new(env!("CARGO_BIN_EXE_retryplane"))
             .arg("serve")

@@ -128,12 +128,42 @@ impl AgentStreamService {
 
 /// The status for an inbound stream error. tonic reports a message over the size limit as
 /// `OUT_OF_RANGE`; gRPC's own servers (and its status code guide) say `RESOURCE_EXHAUSTED`.
+/// A message header tonic cannot read (see [`bad_message_header`]) is the sender's fault:
+/// `INVALID_ARGUMENT`, where tonic says `INTERNAL`.
 fn inbound_error(status: Status) -> Status {
     if status.code() == tonic::Code::OutOfRange {
         Status::resource_exhausted(status.message().to_owned())
+    } else if let Some(message) = bad_message_header(&status) {
+        Status::invalid_argument(message)
     } else {
         status
     }
+}
+
+/// What is wrong with an inbound gRPC message header, when `status` is tonic's `INTERNAL` for
+/// one: a compressed-flag byte other than 0 or 1, or flag 1 on a stream that names no
+/// compression (`grpc-encoding`). tonic (0.14, `codec/decode.rs`) gives no other way to tell
+/// these from its other `INTERNAL` errors than its message; the wire tests in
+/// `tests/control_plane.rs` fail if that message changes.
+fn bad_message_header(status: &Status) -> Option<String> {
+    if status.code() != tonic::Code::Internal {
+        return None;
+    }
+    let what = status
+        .message()
+        .strip_prefix("protocol error: received message with ")?;
+    if let Some(rest) = what.strip_prefix("invalid compression flag: ") {
+        let flag: String = rest.chars().take_while(char::is_ascii_digit).collect();
+        return Some(format!(
+            "invalid gRPC message header: compressed-flag {flag}; it must be 0 or 1"
+        ));
+    }
+    what.starts_with("compressed-flag but no grpc-encoding")
+        .then(|| {
+            "invalid gRPC message header: compressed-flag 1 on a stream without compression \
+         (no grpc-encoding)"
+                .to_owned()
+        })
 }
 
 fn check_hello(hello: &pb::Hello, limits: &StreamLimits) -> Result<(), Status> {
@@ -478,6 +508,37 @@ impl AgentStream {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_bad_message_header_is_invalid_argument_and_other_errors_keep_their_code() {
+        let flag = inbound_error(Status::internal(
+            "protocol error: received message with invalid compression flag: 7 (valid flags are 0 and 1), while sending request",
+        ));
+        assert_eq!(flag.code(), tonic::Code::InvalidArgument);
+        assert_eq!(
+            flag.message(),
+            "invalid gRPC message header: compressed-flag 7; it must be 0 or 1"
+        );
+        let compressed = inbound_error(Status::internal(
+            "protocol error: received message with compressed-flag but no grpc-encoding was specified",
+        ));
+        assert_eq!(compressed.code(), tonic::Code::InvalidArgument);
+        assert!(
+            compressed.message().contains("without compression"),
+            "{compressed:?}"
+        );
+        let eof = inbound_error(Status::internal("Unexpected EOF decoding stream."));
+        assert_eq!(
+            (eof.code(), eof.message()),
+            (tonic::Code::Internal, "Unexpected EOF decoding stream.")
+        );
+        let big = inbound_error(Status::out_of_range("too large"));
+        assert_eq!(big.code(), tonic::Code::ResourceExhausted);
+        let other = inbound_error(Status::unknown(
+            "protocol error: received message with invalid compression flag: 7",
+        ));
+        assert_eq!(other.code(), tonic::Code::Unknown);
+    }
 
     #[test]
     fn the_report_rate_allows_twice_the_interval_agents_are_given() {

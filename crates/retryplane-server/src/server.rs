@@ -10,8 +10,10 @@
 //! - the admin listener: `retryplane.v1.AdminService` (role `admin`), health and reflection;
 //! - the HTTP listener: `/healthz`, `/readyz`, `/metrics` ([`crate::http`]).
 //!
-//! Both gRPC listeners send HTTP/2 keepalive pings every 20 s and drop a peer that does not
-//! answer within 10 s, and set `TCP_NODELAY`. Health reports both services `NOT_SERVING` until a
+//! Both gRPC listeners send HTTP/2 keepalive pings every [`ServeConfig::keepalive_interval`]
+//! (default 20 s) and drop a peer that does not answer within
+//! [`ServeConfig::keepalive_timeout`] (default 10 s) — an agent whose connection is dropped so
+//! shows as disconnected — and set `TCP_NODELAY`. Health reports both services `NOT_SERVING` until a
 //! snapshot is published. Port 0 binds a free port; [`Running`] tells which.
 //!
 //! [`Running::shutdown`] tells every agent stream to end with `UNAVAILABLE` ("reconnect"),
@@ -51,14 +53,16 @@ mod config;
 mod error;
 
 pub use self::config::ServeConfig;
-use self::config::check_exposure;
+use self::config::{check_exposure, check_keepalive};
 pub use self::error::ServeError;
 
 /// How long shutdown waits for the servers to drain before closing what is left.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
-/// HTTP/2 keepalive ping interval on the gRPC listeners.
+/// The default HTTP/2 keepalive ping interval on the gRPC listeners
+/// ([`ServeConfig::keepalive_interval`]).
 pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(20);
-/// How long a keepalive ping may go unanswered before the connection is dropped.
+/// The default of how long a keepalive ping may go unanswered before the connection is
+/// dropped ([`ServeConfig::keepalive_timeout`]).
 pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 
 const AGENT_SERVICE: &str = <AgentRoute as NamedService>::NAME;
@@ -103,10 +107,10 @@ async fn stopped(mut shutdown: watch::Receiver<bool>) {
     let _ = shutdown.wait_for(|stop| *stop).await;
 }
 
-fn grpc_server() -> Server {
+fn grpc_server(cfg: &ServeConfig) -> Server {
     Server::builder()
-        .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
-        .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
+        .http2_keepalive_interval(Some(cfg.keepalive_interval))
+        .http2_keepalive_timeout(Some(cfg.keepalive_timeout))
         .tcp_nodelay(true)
 }
 
@@ -118,6 +122,7 @@ fn incoming(socket: TcpListener) -> TcpIncoming {
 /// Starts the control plane; see the module docs.
 pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
     check_exposure(&cfg)?;
+    check_keepalive(&cfg)?;
     let tokens = match &cfg.tokens_file {
         Some(path) => {
             let tokens = Tokens::load(path)?;
@@ -229,7 +234,7 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
     );
 
     let mut servers = JoinSet::new();
-    let agent_router = grpc_server()
+    let agent_router = grpc_server(&cfg)
         .add_service(health_service.clone())
         .add_service(reflection_v1.clone())
         .add_service(reflection_v1alpha.clone())
@@ -244,7 +249,7 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
                 source,
             })
     });
-    let admin_router = grpc_server()
+    let admin_router = grpc_server(&cfg)
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)

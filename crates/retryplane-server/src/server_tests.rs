@@ -178,6 +178,34 @@ async fn api_mode_without_a_seed_is_not_ready_until_an_apply() {
 }
 
 #[tokio::test]
+async fn a_keepalive_of_zero_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    for (cfg, setting) in [
+        (
+            ServeConfig {
+                keepalive_interval: Duration::ZERO,
+                ..config(dir.path())
+            },
+            "keepalive_interval",
+        ),
+        (
+            ServeConfig {
+                keepalive_timeout: Duration::ZERO,
+                ..config(dir.path())
+            },
+            "keepalive_timeout",
+        ),
+    ] {
+        let err = start(cfg).await.unwrap_err();
+        assert!(
+            matches!(err, ServeError::ZeroDuration { setting: s } if s == setting),
+            "{err}"
+        );
+        assert_eq!(err.to_string(), format!("{setting} must be more than zero"));
+    }
+}
+
+#[tokio::test]
 async fn non_loopback_without_tokens_is_refused_unless_insecure() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = ServeConfig {

@@ -26,9 +26,19 @@ pub fn yaml(max_attempts: u32) -> String {
 /// Starts a control plane in API mode over `dir` (seeded with `seed` when the store is empty),
 /// its agent listener on `agent_listen`.
 pub async fn plane(dir: &Path, seed: &str, agent_listen: Option<SocketAddr>) -> Running {
+    plane_with(dir, seed, agent_listen, |_| {}).await
+}
+
+/// [`plane`], with `tune` applied to the server's configuration.
+pub async fn plane_with(
+    dir: &Path,
+    seed: &str,
+    agent_listen: Option<SocketAddr>,
+    tune: impl FnOnce(&mut ServeConfig),
+) -> Running {
     std::fs::write(dir.join("policies.yaml"), seed).unwrap();
     let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-    let cfg = ServeConfig {
+    let mut cfg = ServeConfig {
         config_file: dir.join("policies.yaml"),
         data_dir: dir.join("data"),
         listen: agent_listen.unwrap_or(any),
@@ -38,6 +48,7 @@ pub async fn plane(dir: &Path, seed: &str, agent_listen: Option<SocketAddr>) -> 
         metrics_interval: Duration::from_millis(200),
         ..ServeConfig::default()
     };
+    tune(&mut cfg);
     start(cfg).await.unwrap()
 }
 
@@ -104,6 +115,39 @@ pub async fn stats(running: &Running) -> Option<pb::EndpointStats> {
         .ok()?
         .into_inner();
     r.endpoints.into_iter().find(|e| e.endpoint == "ep")
+}
+
+/// Whether the server lists agent `id` as connected (`None`: not listed).
+pub async fn listed_connected(running: &Running, id: &str) -> Option<bool> {
+    let fleet = admin(running)
+        .await
+        .fleet_status(pb::FleetStatusRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    fleet
+        .agents
+        .iter()
+        .find(|a| a.agent_id == id)
+        .map(|a| a.connected)
+}
+
+/// The value of the sample `name` (no labels) on the server's `/metrics`.
+pub async fn metric(running: &Running, name: &str) -> Option<f64> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut tcp = tokio::net::TcpStream::connect(running.http_addr)
+        .await
+        .unwrap();
+    tcp.write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut response = String::new();
+    tcp.read_to_string(&mut response).await.unwrap();
+    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+    response.lines().find_map(|line| {
+        let value = line.strip_prefix(name)?.strip_prefix(' ')?;
+        Some(value.trim().parse().unwrap())
+    })
 }
 
 /// Polls `check` until it holds, failing after [`WAIT`].

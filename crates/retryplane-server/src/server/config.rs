@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use tracing::warn;
 
-use super::ServeError;
+use super::{KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT, ServeError};
 use crate::agent_stream::StreamLimits;
 use crate::aggregate::DEFAULT_MAX_SERIES;
 
@@ -42,6 +42,13 @@ pub struct ServeConfig {
     /// Most (service, endpoint) metrics series kept apart; reports past it are counted in one
     /// `other` series. Default [`DEFAULT_MAX_SERIES`] (10,000).
     pub max_series: usize,
+    /// How often both gRPC listeners send an HTTP/2 PING on each connection. Default
+    /// [`KEEPALIVE_INTERVAL`] (20 s). Must be more than zero.
+    pub keepalive_interval: Duration,
+    /// How long a PING may go unanswered before the connection is dropped; an agent's stream
+    /// on it ends and the agent shows as disconnected. Default [`KEEPALIVE_TIMEOUT`] (10 s).
+    /// Must be more than zero.
+    pub keepalive_timeout: Duration,
 }
 
 impl Default for ServeConfig {
@@ -61,8 +68,24 @@ impl Default for ServeConfig {
             metrics_interval: Duration::from_secs(10),
             stream_limits: StreamLimits::default(),
             max_series: DEFAULT_MAX_SERIES,
+            keepalive_interval: KEEPALIVE_INTERVAL,
+            keepalive_timeout: KEEPALIVE_TIMEOUT,
         }
     }
+}
+
+/// Refuses a keepalive interval or timeout of zero: a PING after every frame, or a connection
+/// dropped as soon as a PING goes out.
+pub(super) fn check_keepalive(cfg: &ServeConfig) -> Result<(), ServeError> {
+    for (setting, value) in [
+        ("keepalive_interval", cfg.keepalive_interval),
+        ("keepalive_timeout", cfg.keepalive_timeout),
+    ] {
+        if value.is_zero() {
+            return Err(ServeError::ZeroDuration { setting });
+        }
+    }
+    Ok(())
 }
 
 /// Refuses addresses other than loopback without a tokens file, unless `insecure`.

@@ -23,6 +23,12 @@ pub enum ServeError {
         /// The address asked for.
         addr: SocketAddr,
     },
+    /// A duration setting that must be more than zero is zero.
+    #[error("{setting} must be more than zero")]
+    ZeroDuration {
+        /// The [`super::ServeConfig`] field.
+        setting: &'static str,
+    },
     /// The tokens file cannot be used.
     #[error(transparent)]
     Tokens(#[from] TokensError),
