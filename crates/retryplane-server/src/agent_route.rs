@@ -5,9 +5,10 @@
 //! instead (see [`crate::frame_body`] for the measured cost that removes). Everything else is
 //! what the generated server does: the inbound stream is decoded by
 //! [`tonic::codec::Streaming`] with the prost decoder and the configured size limit (a message
-//! that does not decode, or whose 5-byte gRPC header is invalid — a compressed-flag other than
-//! 0 or 1, or 1 without compression — ends its stream with `INVALID_ARGUMENT`, where tonic says
-//! `INTERNAL`: the fault is the sender's, and the message says what failed), `Connect`
+//! that does not decode, or whose 5-byte gRPC header has a compressed-flag other than 0 or 1,
+//! ends its stream with `INVALID_ARGUMENT`, where tonic says `INTERNAL`: the fault is the
+//! sender's, and the message says what failed; flag 1 without compression keeps `INTERNAL`, as
+//! gRPC's compression spec asks, with a plain message), `Connect`
 //! is [`AgentStreamService::connect`] unchanged, a refusal before the stream starts is a
 //! trailers-only response, another method is `UNIMPLEMENTED`, and a compressed request is
 //! refused as tonic refuses it (no compression is enabled). The route implements

@@ -133,19 +133,20 @@ impl AgentStreamService {
 fn inbound_error(status: Status) -> Status {
     if status.code() == tonic::Code::OutOfRange {
         Status::resource_exhausted(status.message().to_owned())
-    } else if let Some(message) = bad_message_header(&status) {
-        Status::invalid_argument(message)
+    } else if let Some(bad) = bad_message_header(&status) {
+        bad
     } else {
         status
     }
 }
 
-/// What is wrong with an inbound gRPC message header, when `status` is tonic's `INTERNAL` for
-/// one: a compressed-flag byte other than 0 or 1, or flag 1 on a stream that names no
-/// compression (`grpc-encoding`). tonic (0.14, `codec/decode.rs`) gives no other way to tell
-/// these from its other `INTERNAL` errors than its message; the wire tests in
-/// `tests/control_plane.rs` fail if that message changes.
-fn bad_message_header(status: &Status) -> Option<String> {
+/// The status for an inbound gRPC message header tonic could not read, when `status` is
+/// tonic's `INTERNAL` for one, with a plain message: a compressed-flag byte other than 0 or 1
+/// gets `INVALID_ARGUMENT` (the sender's fault); flag 1 on a stream that names no compression
+/// (`grpc-encoding`) keeps `INTERNAL`, as gRPC's compression spec requires. tonic (0.14,
+/// `codec/decode.rs`) gives no other way to tell these from its other `INTERNAL` errors than
+/// its message; the wire tests in `tests/control_plane.rs` fail if that message changes.
+fn bad_message_header(status: &Status) -> Option<Status> {
     if status.code() != tonic::Code::Internal {
         return None;
     }
@@ -154,15 +155,16 @@ fn bad_message_header(status: &Status) -> Option<String> {
         .strip_prefix("protocol error: received message with ")?;
     if let Some(rest) = what.strip_prefix("invalid compression flag: ") {
         let flag: String = rest.chars().take_while(char::is_ascii_digit).collect();
-        return Some(format!(
+        return Some(Status::invalid_argument(format!(
             "invalid gRPC message header: compressed-flag {flag}; it must be 0 or 1"
-        ));
+        )));
     }
     what.starts_with("compressed-flag but no grpc-encoding")
         .then(|| {
-            "invalid gRPC message header: compressed-flag 1 on a stream without compression \
-         (no grpc-encoding)"
-                .to_owned()
+            Status::internal(
+                "invalid gRPC message header: compressed-flag 1 on a stream without compression \
+                 (no grpc-encoding)",
+            )
         })
 }
 
@@ -510,7 +512,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_bad_message_header_is_invalid_argument_and_other_errors_keep_their_code() {
+    fn a_bad_message_header_gets_a_plain_message_and_other_errors_keep_their_code() {
         let flag = inbound_error(Status::internal(
             "protocol error: received message with invalid compression flag: 7 (valid flags are 0 and 1), while sending request",
         ));
@@ -522,7 +524,7 @@ mod tests {
         let compressed = inbound_error(Status::internal(
             "protocol error: received message with compressed-flag but no grpc-encoding was specified",
         ));
-        assert_eq!(compressed.code(), tonic::Code::InvalidArgument);
+        assert_eq!(compressed.code(), tonic::Code::Internal);
         assert!(
             compressed.message().contains("without compression"),
             "{compressed:?}"

@@ -35,7 +35,7 @@ use crate::snapshot::Source;
 use outbox::{NotSent, Outbox};
 use reconnect::ReconnectBackoff;
 
-/// HTTP/2 keepalive ping interval (the server uses the same).
+/// HTTP/2 keepalive ping interval by default (the same as the control plane's default).
 pub(crate) const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(20);
 /// How long a ping may go unanswered before the connection counts as dead.
 pub(crate) const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
