@@ -473,33 +473,31 @@ async fn a_grpc_pushback_above_the_max_gives_up_and_one_at_the_max_is_waited() {
     let agent = agent(&policy(
         "max_attempts: 3\ndeadline: 10s\nretry_after: {honor: true, max: 2s}",
     ));
-    let meta = || CallMeta::grpc("/shop.Payments/Get").idempotent(true);
-    let starts = Arc::new(Mutex::new(Vec::new()));
-    let err = agent
-        .endpoint("ep")
-        .call(
-            meta(),
-            grpc(
-                vec![grpc_status(tonic::Code::Unavailable, Some("2001"))],
-                starts.clone(),
-            ),
-        )
-        .await
-        .unwrap_err();
+    // One UNAVAILABLE with `pushback` ms, then OK: the call's result and its attempts' starts.
+    let run = |pushback: &'static str| {
+        let agent = &agent;
+        async move {
+            let starts = Arc::new(Mutex::new(Vec::new()));
+            let result = agent
+                .endpoint("ep")
+                .call(
+                    CallMeta::grpc("/shop.Payments/Get").idempotent(true),
+                    grpc(
+                        vec![grpc_status(tonic::Code::Unavailable, Some(pushback))],
+                        starts.clone(),
+                    ),
+                )
+                .await;
+            let starts = starts.lock().unwrap().clone();
+            (result, starts)
+        }
+    };
+    let (result, starts) = run("2001").await;
+    let err = result.unwrap_err();
     assert_eq!(err.cause, Cause::GaveUp(GiveUpCause::RetryAfterTooLong));
     assert_eq!(err.error().unwrap().code(), tonic::Code::Unavailable);
-    assert_eq!(*starts.lock().unwrap(), [0], "no retry, no wait");
-    let starts = Arc::new(Mutex::new(Vec::new()));
-    agent
-        .endpoint("ep")
-        .call(
-            meta(),
-            grpc(
-                vec![grpc_status(tonic::Code::Unavailable, Some("2000"))],
-                starts.clone(),
-            ),
-        )
-        .await
-        .unwrap();
-    assert_eq!(*starts.lock().unwrap(), [0, 2000]);
+    assert_eq!(starts, [0], "no retry, no wait");
+    let (result, starts) = run("2000").await;
+    result.unwrap();
+    assert_eq!(starts, [0, 2000]);
 }

@@ -175,7 +175,7 @@ mod tests {
     use crate::frame_body::{HEADER_LEN, encode_frame};
     use crate::metrics::ServerMetrics;
     use crate::publisher::Publisher;
-    use crate::store::{Source, VersionMeta, VersionRecord};
+    use crate::store::VersionRecord;
 
     type Inbound = StreamBody<ReceiverStream<Result<Frame<Bytes>, Infallible>>>;
 
@@ -202,17 +202,7 @@ mod tests {
                 ..Default::default()
             }],
         };
-        publisher.publish(&VersionRecord {
-            meta: VersionMeta {
-                version,
-                content_hash: format!("{version:064x}"),
-                source: Source::File,
-                author: None,
-                created_unix_ms: 0,
-                summary: String::new(),
-            },
-            document,
-        });
+        publisher.publish(&VersionRecord::of_version(version, document));
     }
 
     /// A Connect request whose inbound stream stays open while the returned sender lives.

@@ -71,7 +71,7 @@ mod tests {
     use tonic::codegen::Service as _;
 
     use super::*;
-    use crate::store::{Source, VersionMeta, VersionRecord};
+    use crate::store::VersionRecord;
 
     fn state() -> HttpState {
         HttpState {
@@ -100,17 +100,7 @@ mod tests {
     }
 
     fn record(version: u64) -> VersionRecord {
-        VersionRecord {
-            meta: VersionMeta {
-                version,
-                content_hash: "ab".repeat(32),
-                source: Source::File,
-                author: None,
-                created_unix_ms: 0,
-                summary: String::new(),
-            },
-            document: pb::PolicyDocument::default(),
-        }
+        VersionRecord::of_version(version, pb::PolicyDocument::default())
     }
 
     #[tokio::test]

@@ -119,20 +119,9 @@ impl Publisher {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::{Source, VersionMeta};
 
     fn record(version: u64) -> VersionRecord {
-        VersionRecord {
-            meta: VersionMeta {
-                version,
-                content_hash: format!("{version:064x}"),
-                source: Source::File,
-                author: None,
-                created_unix_ms: 0,
-                summary: String::new(),
-            },
-            document: pb::PolicyDocument::default(),
-        }
+        VersionRecord::of_version(version, pb::PolicyDocument::default())
     }
 
     #[test]

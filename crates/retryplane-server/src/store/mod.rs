@@ -96,6 +96,25 @@ pub struct VersionRecord {
     pub document: pb::PolicyDocument,
 }
 
+#[cfg(test)]
+impl VersionRecord {
+    /// Version `version` of `document`, from the file, with a hash made of the version: what
+    /// the tests publish without a store.
+    pub(crate) fn of_version(version: u64, document: pb::PolicyDocument) -> Self {
+        Self {
+            meta: VersionMeta {
+                version,
+                content_hash: format!("{version:064x}"),
+                source: Source::File,
+                author: None,
+                created_unix_ms: 0,
+                summary: String::new(),
+            },
+            document,
+        }
+    }
+}
+
 /// A document to publish, with what the store records about it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct NewVersion {
