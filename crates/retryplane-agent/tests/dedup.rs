@@ -180,6 +180,32 @@ async fn join(h: JoinHandle<Answer>) -> Answer {
         .expect("task failed")
 }
 
+/// A leader sent first and held at the upstream, then `n` followers of the same request, once
+/// every one of them waits for it.
+async fn leader_and_followers<S>(
+    client: &Client<S>,
+    dedup: &Dedup,
+    up: &Upstream,
+    request: impl Fn() -> Request<Full<Bytes>>,
+    n: usize,
+) -> (JoinHandle<Answer>, Vec<JoinHandle<Answer>>)
+where
+    Client<S>: tower::Service<
+            Request<Full<Bytes>>,
+            Response = Response<SharedBody<Full<Bytes>>>,
+            Error = retryplane_agent::layer::BoxError,
+            Future: Send,
+        > + Clone
+        + Send
+        + 'static,
+{
+    let leader = spawn(client, request());
+    until("the leader reaches the upstream", || up.seen() == 1).await;
+    let followers: Vec<_> = (0..n).map(|_| spawn(client, request())).collect();
+    until("the followers wait", || dedup.stats().waiting == n as u64).await;
+    (leader, followers)
+}
+
 #[tokio::test(start_paused = true)]
 async fn identical_gets_share_one_call_and_its_response() {
     let (svc, up) = upstream(&[]);
@@ -193,10 +219,7 @@ async fn identical_gets_share_one_call_and_its_response() {
             "",
         )
     };
-    let leader = spawn(&client, request());
-    until("the leader reaches the upstream", || up.seen() == 1).await;
-    let followers: Vec<_> = (0..4).map(|_| spawn(&client, request())).collect();
-    until("four followers wait", || dedup.stats().waiting == 4).await;
+    let (leader, followers) = leader_and_followers(&client, &dedup, &up, request, 4).await;
     up.open(1);
 
     let (status, call, body, copy) = join(leader).await.unwrap();
@@ -494,12 +517,8 @@ async fn followers_of_a_cancelled_leader_complete_one_leading() {
     let (svc, up) = upstream(&[]);
     let dedup = Dedup::default();
     let client = client(svc, &dedup);
-    let leader = spawn(&client, req(get("http://up/x"), ""));
-    until("the leader reaches the upstream", || up.seen() == 1).await;
-    let followers: Vec<_> = (0..3)
-        .map(|_| spawn(&client, req(get("http://up/x"), "")))
-        .collect();
-    until("three followers wait", || dedup.stats().waiting == 3).await;
+    let (leader, followers) =
+        leader_and_followers(&client, &dedup, &up, || req(get("http://up/x"), ""), 3).await;
 
     leader.abort();
     // One follower takes the lead and calls; the other two follow it.
@@ -550,12 +569,8 @@ async fn over_the_response_limit_followers_make_their_own_calls() {
     // "answer n" is 8 bytes.
     let dedup = Dedup::default().with_response_limit(4);
     let client = client(svc, &dedup);
-    let leader = spawn(&client, req(get("http://up/big"), ""));
-    until("the leader reaches the upstream", || up.seen() == 1).await;
-    let followers: Vec<_> = (0..3)
-        .map(|_| spawn(&client, req(get("http://up/big"), "")))
-        .collect();
-    until("three followers wait", || dedup.stats().waiting == 3).await;
+    let (leader, followers) =
+        leader_and_followers(&client, &dedup, &up, || req(get("http://up/big"), ""), 3).await;
     up.open(4);
     // The leader gets its whole body, streamed past the limit.
     let (status, call, body, copy) = join(leader).await.unwrap();
@@ -589,12 +604,8 @@ async fn a_leader_error_sends_followers_to_their_own_calls() {
         &dedup,
         "max_attempts: 1\ndeadline: 600s\nper_try_timeout: 600s",
     );
-    let leader = spawn(&client, req(get("http://up/x"), ""));
-    until("the leader reaches the upstream", || up.seen() == 1).await;
-    let followers: Vec<_> = (0..2)
-        .map(|_| spawn(&client, req(get("http://up/x"), "")))
-        .collect();
-    until("two followers wait", || dedup.stats().waiting == 2).await;
+    let (leader, followers) =
+        leader_and_followers(&client, &dedup, &up, || req(get("http://up/x"), ""), 2).await;
     up.open(3);
     let err = join(leader).await.unwrap_err();
     assert!(err.contains("refused"), "{err}");
@@ -828,12 +839,8 @@ async fn followers_answered_with_a_copy_are_not_counted_only_the_leaders_call_is
     let (svc, up) = upstream(&[Step::Status(503)]);
     let dedup = Dedup::default();
     let client = client_of(&agent, svc, &dedup);
-    let leader = spawn(&client, req(get("http://up/x"), ""));
-    until("the leader reaches the upstream", || up.seen() == 1).await;
-    let followers: Vec<_> = (0..3)
-        .map(|_| spawn(&client, req(get("http://up/x"), "")))
-        .collect();
-    until("three followers wait", || dedup.stats().waiting == 3).await;
+    let (leader, followers) =
+        leader_and_followers(&client, &dedup, &up, || req(get("http://up/x"), ""), 3).await;
     // A 503, then the retry's 200.
     up.open(2);
     assert_eq!(join(leader).await.unwrap().0, 200);
