@@ -7,7 +7,7 @@ mod support;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use retryplane_agent::{CallMeta, CancellationToken, Cause, GiveUpCause};
+use retryplane_agent::{Agent, CallError, CallMeta, CancellationToken, Cause, GiveUpCause};
 use support::{Fut, Step, Upstream, agent, policy, response};
 
 fn get() -> CallMeta<'static> {
@@ -175,43 +175,43 @@ fn grpc(
     }
 }
 
+type GrpcAnswer = Result<tonic::Response<u32>, CallError<tonic::Response<u32>, tonic::Status>>;
+
+/// An idempotent gRPC call on `ep` whose upstream answers UNAVAILABLE once per `pushbacks`
+/// entry, with that `grpc-retry-pushback-ms`, then OK: the result, and when each attempt
+/// started (ms).
+async fn pushed_back(agent: &Agent, pushbacks: &[&str]) -> (GrpcAnswer, Vec<u64>) {
+    let starts = Arc::new(Mutex::new(Vec::new()));
+    let script = pushbacks
+        .iter()
+        .map(|p| grpc_status(tonic::Code::Unavailable, Some(p)))
+        .collect();
+    let result = agent
+        .endpoint("ep")
+        .call(
+            CallMeta::grpc("/shop.Payments/Get").idempotent(true),
+            grpc(script, starts.clone()),
+        )
+        .await;
+    let starts = starts.lock().unwrap().clone();
+    (result, starts)
+}
+
 #[tokio::test(start_paused = true)]
 async fn grpc_pushback_replaces_the_computed_pause() {
     let agent = agent(&policy("max_attempts: 3"));
-    let starts = Arc::new(Mutex::new(Vec::new()));
-    let meta = CallMeta::grpc("/shop.Payments/Get").idempotent(true);
-    let ok = agent
-        .endpoint("ep")
-        .call(
-            meta,
-            grpc(
-                vec![grpc_status(tonic::Code::Unavailable, Some("40"))],
-                starts.clone(),
-            ),
-        )
-        .await
-        .unwrap();
-    assert_eq!(*ok.get_ref(), 7);
-    assert_eq!(*starts.lock().unwrap(), [0, 40]);
+    let (result, starts) = pushed_back(&agent, &["40"]).await;
+    assert_eq!(*result.unwrap().get_ref(), 7);
+    assert_eq!(starts, [0, 40]);
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_negative_grpc_pushback_means_do_not_retry() {
     let agent = agent(&policy("max_attempts: 3"));
-    let starts = Arc::new(Mutex::new(Vec::new()));
-    let meta = CallMeta::grpc("/shop.Payments/Get").idempotent(true);
-    let err = agent
-        .endpoint("ep")
-        .call(
-            meta,
-            grpc(
-                vec![grpc_status(tonic::Code::Unavailable, Some("-1"))],
-                starts.clone(),
-            ),
-        )
-        .await
-        .unwrap_err();
+    let (result, starts) = pushed_back(&agent, &["-1"]).await;
+    let err = result.unwrap_err();
     assert_eq!(err.cause, Cause::GaveUp(GiveUpCause::NotRetryable));
+    assert_eq!(starts, [0]);
     assert_eq!(err.error().unwrap().code(), tonic::Code::Unavailable);
 }
 
@@ -421,26 +421,15 @@ async fn an_unparseable_grpc_pushback_means_do_not_retry() {
     // milliseconds is read as "do not retry", not ignored.
     let agent = agent(&policy("max_attempts: 3"));
     for bad in ["abc", "1.5", "+40", "", "4O"] {
-        let starts = Arc::new(Mutex::new(Vec::new()));
-        let meta = CallMeta::grpc("/shop.Payments/Get").idempotent(true);
-        let err = agent
-            .endpoint("ep")
-            .call(
-                meta,
-                grpc(
-                    vec![grpc_status(tonic::Code::Unavailable, Some(bad))],
-                    starts.clone(),
-                ),
-            )
-            .await
-            .unwrap_err();
+        let (result, starts) = pushed_back(&agent, &[bad]).await;
+        let err = result.unwrap_err();
         assert_eq!(
             err.cause,
             Cause::GaveUp(GiveUpCause::NotRetryable),
             "{bad:?}"
         );
         assert_eq!(err.error().unwrap().code(), tonic::Code::Unavailable);
-        assert_eq!(*starts.lock().unwrap(), [0], "{bad:?}");
+        assert_eq!(starts, [0], "{bad:?}");
     }
 }
 
@@ -449,23 +438,9 @@ async fn a_grpc_pushback_is_ignored_when_hints_are_not_honored() {
     // With `retry_after.honor: false` neither a garbage pushback stops the call nor a valid one
     // paces it: the computed backoff (100 ms, then 200 ms) applies.
     let agent = agent(&policy("max_attempts: 3\nretry_after: {honor: false}"));
-    let starts = Arc::new(Mutex::new(Vec::new()));
-    let meta = CallMeta::grpc("/shop.Payments/Get").idempotent(true);
-    agent
-        .endpoint("ep")
-        .call(
-            meta,
-            grpc(
-                vec![
-                    grpc_status(tonic::Code::Unavailable, Some("abc")),
-                    grpc_status(tonic::Code::Unavailable, Some("5000")),
-                ],
-                starts.clone(),
-            ),
-        )
-        .await
-        .unwrap();
-    assert_eq!(*starts.lock().unwrap(), [0, 100, 300]);
+    let (result, starts) = pushed_back(&agent, &["abc", "5000"]).await;
+    result.unwrap();
+    assert_eq!(starts, [0, 100, 300]);
 }
 
 #[tokio::test(start_paused = true)]
@@ -473,31 +448,12 @@ async fn a_grpc_pushback_above_the_max_gives_up_and_one_at_the_max_is_waited() {
     let agent = agent(&policy(
         "max_attempts: 3\ndeadline: 10s\nretry_after: {honor: true, max: 2s}",
     ));
-    // One UNAVAILABLE with `pushback` ms, then OK: the call's result and its attempts' starts.
-    let run = |pushback: &'static str| {
-        let agent = &agent;
-        async move {
-            let starts = Arc::new(Mutex::new(Vec::new()));
-            let result = agent
-                .endpoint("ep")
-                .call(
-                    CallMeta::grpc("/shop.Payments/Get").idempotent(true),
-                    grpc(
-                        vec![grpc_status(tonic::Code::Unavailable, Some(pushback))],
-                        starts.clone(),
-                    ),
-                )
-                .await;
-            let starts = starts.lock().unwrap().clone();
-            (result, starts)
-        }
-    };
-    let (result, starts) = run("2001").await;
+    let (result, starts) = pushed_back(&agent, &["2001"]).await;
     let err = result.unwrap_err();
     assert_eq!(err.cause, Cause::GaveUp(GiveUpCause::RetryAfterTooLong));
     assert_eq!(err.error().unwrap().code(), tonic::Code::Unavailable);
     assert_eq!(starts, [0], "no retry, no wait");
-    let (result, starts) = run("2000").await;
+    let (result, starts) = pushed_back(&agent, &["2000"]).await;
     result.unwrap();
     assert_eq!(starts, [0, 2000]);
 }
