@@ -5,10 +5,6 @@ use retryplane_proto::pb::diff_entry::Change as DiffChange;
 use tonic::Code;
 
 use super::*;
-use crate::aggregate::Aggregator;
-use crate::fleet::Fleet;
-use crate::metrics::ServerMetrics;
-use crate::publisher::Publisher;
 use crate::store::{MemoryStore, VersionStore};
 
 const V1: &str = "version: 1\nendpoints:\n  payments:\n    max_attempts: 3\n  search: {}\n";
@@ -17,14 +13,7 @@ const OTHER: &str = "version: 1\nendpoints:\n  inventory: {}\n";
 
 fn api(mode: Mode) -> AdminApi {
     let store: Arc<dyn VersionStore> = Arc::new(MemoryStore::new());
-    AdminApi::new(Arc::new(ControlPlane::new(
-        store,
-        Arc::new(Publisher::new(10_000)),
-        Arc::new(Fleet::new(100)),
-        Arc::new(ServerMetrics::new()),
-        Arc::new(Aggregator::new(100, tokio::time::Instant::now())),
-        mode,
-    )))
+    AdminApi::new(Arc::new(ControlPlane::for_tests(store, mode)))
 }
 
 fn yaml(text: &str) -> Option<pb::PolicySource> {

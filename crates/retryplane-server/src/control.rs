@@ -149,6 +149,20 @@ impl ControlPlane {
         }
     }
 
+    /// A control plane over `store` with a fresh publisher, fleet (100 agents), metrics and
+    /// aggregator (100 series): what the unit tests run.
+    #[cfg(test)]
+    pub(crate) fn for_tests(store: Arc<dyn VersionStore>, mode: Mode) -> Self {
+        Self::new(
+            store,
+            Arc::new(Publisher::new(10_000)),
+            Arc::new(Fleet::new(100)),
+            Arc::new(ServerMetrics::new()),
+            Arc::new(Aggregator::new(100, tokio::time::Instant::now())),
+            mode,
+        )
+    }
+
     /// What makes a stored version current, detached from `self` so a commit task owns it.
     fn fanout(&self) -> Fanout {
         Fanout {

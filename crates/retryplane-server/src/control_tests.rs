@@ -96,14 +96,7 @@ impl VersionStore for GatedStore {
 }
 
 fn control(store: Arc<GatedStore>, mode: Mode) -> Arc<ControlPlane> {
-    Arc::new(ControlPlane::new(
-        store,
-        Arc::new(Publisher::new(10_000)),
-        Arc::new(Fleet::new(100)),
-        Arc::new(ServerMetrics::new()),
-        Arc::new(Aggregator::new(100, tokio::time::Instant::now())),
-        mode,
-    ))
+    Arc::new(ControlPlane::for_tests(store, mode))
 }
 
 fn apply_request(yaml: &str) -> pb::ApplyRequest {

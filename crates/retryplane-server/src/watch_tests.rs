@@ -5,11 +5,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 
 use super::*;
-use crate::aggregate::Aggregator;
 use crate::control::Mode;
-use crate::fleet::Fleet;
-use crate::metrics::ServerMetrics;
-use crate::publisher::Publisher;
 use crate::store::{MemoryStore, VersionStore};
 
 /// SPEC/issue 3: a valid save is published within a second.
@@ -39,14 +35,7 @@ async fn fixture() -> Fixture {
 /// watcher running.
 async fn start(dir: tempfile::TempDir, file: PathBuf) -> Fixture {
     let store: Arc<dyn VersionStore> = Arc::new(MemoryStore::new());
-    let control = Arc::new(ControlPlane::new(
-        store,
-        Arc::new(Publisher::new(10_000)),
-        Arc::new(Fleet::new(100)),
-        Arc::new(ServerMetrics::new()),
-        Arc::new(Aggregator::new(100, tokio::time::Instant::now())),
-        Mode::File(file.clone()),
-    ));
+    let control = Arc::new(ControlPlane::for_tests(store, Mode::File(file.clone())));
     reload(&control, &file).await;
     assert_eq!(current_version(&control), Some(1));
     let (stop, shutdown) = watch::channel(false);
@@ -161,12 +150,8 @@ async fn the_watcher_stops_at_shutdown() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("policies.yaml");
     fs::write(&file, V1).unwrap();
-    let control = Arc::new(ControlPlane::new(
+    let control = Arc::new(ControlPlane::for_tests(
         Arc::new(MemoryStore::new()),
-        Arc::new(Publisher::new(10_000)),
-        Arc::new(Fleet::new(100)),
-        Arc::new(ServerMetrics::new()),
-        Arc::new(Aggregator::new(100, tokio::time::Instant::now())),
         Mode::File(file.clone()),
     ));
     let (stop, shutdown) = watch::channel(false);
