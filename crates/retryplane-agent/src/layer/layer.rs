@@ -194,27 +194,29 @@ where
 /// through it; every later send (a retry, the resend after a credential refresh, a follower's
 /// own call) readies a clone of its own first.
 struct Inner<S> {
-    /// The service `poll_ready` readied, until the first send takes it.
-    ready: Option<S>,
-    /// Cloned for each later send.
-    spare: S,
+    /// The service `poll_ready` readied, until the first send; after it, the template each
+    /// later send clones.
+    svc: S,
+    /// Whether `svc` still holds the capacity `poll_ready` reserved.
+    ready: bool,
 }
 
 impl<S: Clone> Inner<S> {
     /// Takes the readied service out of `slot`, leaving a clone there (not ready).
     fn take_ready(slot: &mut S) -> Self {
-        let spare = slot.clone();
-        let ready = std::mem::replace(slot, spare.clone());
+        let clone = slot.clone();
         Self {
-            ready: Some(ready),
-            spare,
+            svc: std::mem::replace(slot, clone),
+            ready: true,
         }
     }
 
     /// Gives up the reserved capacity without using it (a follower that waits for its
-    /// leader holds none meanwhile).
+    /// leader holds none meanwhile): the readied instance is dropped for a clone.
     fn release(&mut self) {
-        self.ready = None;
+        if std::mem::take(&mut self.ready) {
+            self.svc = self.svc.clone();
+        }
     }
 
     /// Sends `request`: through the readied service the first time, through a clone readied
@@ -227,14 +229,15 @@ impl<S: Clone> Inner<S> {
         S: Service<R>,
         S::Error: Into<BoxError>,
     {
-        let svc = match self.ready.take() {
-            Some(ready) => Ok(ready),
-            None => Err(self.spare.clone()),
+        let call = if std::mem::take(&mut self.ready) {
+            Ok(self.svc.call(request))
+        } else {
+            Err((self.svc.clone(), request))
         };
         async move {
-            match svc {
-                Ok(mut ready) => ready.call(request).await,
-                Err(svc) => svc.oneshot(request).await,
+            match call {
+                Ok(first) => first.await,
+                Err((svc, request)) => svc.oneshot(request).await,
             }
             .map_err(Into::into)
         }
