@@ -26,11 +26,18 @@ pub(crate) struct Handled {
     pub(crate) cache: Option<Vec<u8>>,
 }
 
-/// Checks `snap` and, if it is good, makes it the agent's policies.
 /// The NACK of a snapshot that does not decode whole but whose version and nonce do: the
 /// policies in force stay, and the control plane records why.
 pub(crate) fn undecodable(version: u64, nonce: String, error: &prost::DecodeError) -> Handled {
-    let error = format!("the snapshot does not decode: {error}");
+    refuse(
+        version,
+        nonce,
+        format!("the snapshot does not decode: {error}"),
+    )
+}
+
+/// The NACK of version `version` (nonce `nonce`), logged; the policies in force stay.
+fn refuse(version: u64, nonce: String, error: String) -> Handled {
     warn!(version, %error, "snapshot refused; keeping the policies in force");
     Handled {
         reply: Kind::Nack(pb::Nack {
@@ -42,18 +49,9 @@ pub(crate) fn undecodable(version: u64, nonce: String, error: &prost::DecodeErro
     }
 }
 
+/// Checks `snap` and, if it is good, makes it the agent's policies.
 pub(crate) fn apply(shared: &Shared, snap: pb::Snapshot, default_interval: Duration) -> Handled {
-    let nack = |error: String| {
-        warn!(version = snap.version, %error, "snapshot refused; keeping the policies in force");
-        Handled {
-            reply: Kind::Nack(pb::Nack {
-                version: snap.version,
-                nonce: snap.nonce.clone(),
-                error,
-            }),
-            cache: None,
-        }
-    };
+    let nack = |error: String| refuse(snap.version, snap.nonce.clone(), error);
     let Some(doc) = snap.policies.clone() else {
         return nack("the snapshot holds no policies".into());
     };

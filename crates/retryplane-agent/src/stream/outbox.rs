@@ -102,15 +102,18 @@ impl Outbox {
             ..Default::default()
         };
         fill(&mut report);
-        match tx.try_send(message(Kind::Metrics(report.clone()))) {
-            Ok(()) if !numbered => Ok(0),
-            Ok(()) => {
+        // Kept until acknowledged only when numbered; an unnumbered report is moved, not cloned.
+        let kept = numbered.then(|| report.clone());
+        match tx.try_send(message(Kind::Metrics(report))) {
+            Ok(()) => Ok(kept.map_or(0, |report| {
                 self.next_seq += 1;
                 self.pending.push_back(report);
-                Ok(self.next_seq - 1)
-            }
-            Err(_) => {
-                registry.restore(&report.endpoints);
+                self.next_seq - 1
+            })),
+            Err(e) => {
+                if let Some(Kind::Metrics(report)) = e.into_inner().kind {
+                    registry.restore(&report.endpoints);
+                }
                 Err(NotSent::StreamFull)
             }
         }
