@@ -377,12 +377,7 @@ async fn reload_if_changed(control: &ControlPlane, file: &Path, last: &mut LastR
         debug!(file = %file.display(), "the policy file is unchanged since it was last read");
         return;
     }
-    let loaded = match blocking({
-        let bytes = bytes.clone();
-        move || retryplane_policy::load(&bytes)
-    })
-    .await
-    {
+    let (loaded, bytes) = match blocking(move || (retryplane_policy::load(&bytes), bytes)).await {
         Ok(loaded) => loaded,
         Err(e) => {
             warn!(file = %file.display(), error = %e, "cannot load the policy file; still serving {}", serving(control));
@@ -404,16 +399,10 @@ fn serving(control: &ControlPlane) -> String {
     )
 }
 
-/// Reads `file` and applies it; on any problem logs it and keeps the current version.
+/// Reads `file` and applies it, whatever was read before; on any problem logs it and keeps the
+/// current version.
 pub async fn reload(control: &ControlPlane, file: &Path) {
-    match read_policy_file(file).await {
-        Ok(loaded) => {
-            apply(control, file, loaded).await;
-        }
-        Err(e) => {
-            warn!(file = %file.display(), error = %e, "cannot read the policy file; still serving {}", serving(control));
-        }
-    }
+    reload_if_changed(control, file, &mut LastRead::Nothing).await;
 }
 
 /// Applies what was loaded from `file`, logging any problem. Returns whether the outcome is
@@ -449,13 +438,10 @@ async fn apply(control: &ControlPlane, file: &Path, loaded: Loaded) -> bool {
             );
             true
         }
-        Err(e @ (ChangeError::Store(_) | ChangeError::Conflict { .. })) => {
+        Err(e) => {
             warn!(file = %file.display(), error = %e, "the saved policy file was not applied; {} stays served", serving(control));
-            false
-        }
-        Err(e @ ChangeError::Invalid(_)) => {
-            warn!(file = %file.display(), error = %e, "the saved policy file was not applied; {} stays served", serving(control));
-            true
+            // A store failure or a conflict may go another way next time.
+            !matches!(e, ChangeError::Store(_) | ChangeError::Conflict { .. })
         }
     }
 }
