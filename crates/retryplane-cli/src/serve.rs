@@ -266,6 +266,15 @@ mod tests {
             (parsed.keepalive_interval, parsed.keepalive_timeout),
             (defaults.keepalive_interval, defaults.keepalive_timeout)
         );
+        assert_eq!(parsed.metrics_interval, defaults.metrics_interval);
+        assert_eq!(
+            (parsed.max_agents, parsed.max_series),
+            (defaults.max_agents, defaults.max_series)
+        );
+        assert_eq!(
+            parsed.stream_limits.max_pending_handshakes,
+            defaults.stream_limits.max_pending_handshakes
+        );
     }
 
     #[test]

@@ -8,6 +8,10 @@
 //! nesting depth, the number of events, and for each anchor how many nodes and how many levels its
 //! value would add where an alias repeats it. Nothing is built, nothing is expanded.
 //!
+//! serde-saphyr's own `budget::check_yaml_budget` is a similar event pass for depth and counts,
+//! but it does not account alias expansion and reports no place, so this one does all three in
+//! one pass instead of running that and a second pass for aliases.
+//!
 //! It decides only the three limits a hostile file uses to cost time or memory: nesting depth,
 //! events, and alias expansion. Everything else (syntax errors, several documents, the anchor,
 //! alias and merge-key counts) is left to the full pass, which reports it in its own words; on a
