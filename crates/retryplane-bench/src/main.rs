@@ -48,10 +48,30 @@
 //! The server binary defaults to the `retryplane` next to this executable (`--server-bin` to
 //! choose another). Every wait is bounded ([`WAIT`]); the server process is killed at the end
 //! and on any error. Memory is read from `/proc`, so the bench runs on Linux.
+//!
+//! # Same-run baseline: `--baseline`
+//!
+//! Figures on a shared machine are read as ratios against a baseline measured in the same run.
+//! With `--baseline`, each configuration runs `--pairs K` times (default 2) on each of two
+//! servers, alternating: the plain tonic fan-out `retryplane-bench-plain-server` (its doc says
+//! what "plain" means: generated services, prost codec, a watch and an mpsc per stream, nothing
+//! durable), then `retryplane serve`, then plain again, …, each on a fresh server process with
+//! the same agents and settings. The report has both servers' figures and, per figure,
+//! retryplane ÷ plain of the same pair: time to every agent p50/p99, fan-out p50/p99, first
+//! arrival, server CPU per round, memory per agent connected and after the rounds (text: a
+//! table per configuration; json: an object per configuration with `plain` and `retryplane`
+//! arrays and `ratios`). The plain server defaults to the one next to this executable
+//! (`--baseline-bin` to choose another).
+//!
+//! ```sh
+//! target/release/retryplane-bench-fanout --agents 1000 --endpoints 10 --baseline --pairs 2
+//! target/release/retryplane-bench-fanout --matrix --baseline --output json
+//! ```
 
 #![forbid(unsafe_code)]
 
 mod agents;
+mod baseline;
 mod measure;
 mod policy;
 mod report;
@@ -65,7 +85,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::Parser;
 
-use crate::measure::{Config, run};
+use crate::measure::{BETWEEN_SERVERS, Config, run};
 use crate::report::Format;
 
 /// The bound on any single wait: server start, a connection, a round, a metric.
@@ -110,25 +130,44 @@ struct Cli {
     /// endpoints), each on a fresh server, and print a table (text) or an array (json).
     #[arg(long)]
     matrix: bool,
+    /// Also measure the plain tonic fan-out server in the same run, alternating with
+    /// `retryplane` on fresh processes, and report retryplane ÷ plain per figure.
+    #[arg(long)]
+    baseline: bool,
+    /// The plain tonic server [default: `retryplane-bench-plain-server` next to this
+    /// executable].
+    #[arg(long, value_name = "PATH", requires = "baseline")]
+    baseline_bin: Option<PathBuf>,
+    /// With --baseline: runs of each server per configuration (plain, retryplane, plain, …).
+    #[arg(long, default_value_t = 2, requires = "baseline",
+          value_parser = clap::value_parser!(u16).range(1..))]
+    pairs: u16,
 }
 
 fn connections_for(agents: usize, explicit: Option<usize>) -> usize {
     explicit.unwrap_or_else(|| agents.div_ceil(STREAMS_PER_CONNECTION).max(4))
 }
 
-async fn main_inner(cli: Cli) -> anyhow::Result<()> {
-    let server_bin = match cli.server_bin {
+/// `explicit`, or the binary `name` next to this executable; an error naming `flag` when there
+/// is no file there.
+fn binary(explicit: Option<PathBuf>, name: &str, flag: &str) -> anyhow::Result<PathBuf> {
+    let path = match explicit {
         Some(path) => path,
         None => std::env::current_exe()
             .context("cannot find this executable's path")?
-            .with_file_name("retryplane"),
+            .with_file_name(name),
     };
     anyhow::ensure!(
-        server_bin.is_file(),
+        path.is_file(),
         "no server binary at {}: build it with `cargo build --release -p retryplane-cli -p \
-         retryplane-bench`, or pass --server-bin",
-        server_bin.display()
+         retryplane-bench`, or pass {flag}",
+        path.display()
     );
+    Ok(path)
+}
+
+async fn main_inner(cli: Cli) -> anyhow::Result<()> {
+    let server_bin = binary(cli.server_bin.clone(), "retryplane", "--server-bin")?;
     let config = |agents, endpoints| Config {
         agents,
         endpoints,
@@ -137,6 +176,14 @@ async fn main_inner(cli: Cli) -> anyhow::Result<()> {
         warmup: cli.warmup,
         server_bin: server_bin.clone(),
     };
+    if cli.baseline {
+        let plain_bin = binary(
+            cli.baseline_bin.clone(),
+            "retryplane-bench-plain-server",
+            "--baseline-bin",
+        )?;
+        return with_baseline(&cli, config, &plain_bin).await;
+    }
     if !cli.matrix {
         let outcome = run(&config(cli.agents, cli.endpoints)).await?;
         println!("{}", report::one(&outcome, cli.output)?);
@@ -156,9 +203,43 @@ async fn main_inner(cli: Cli) -> anyhow::Result<()> {
         }
         results.push((cfg, result));
         // Let the sockets of the last server close before the next one starts.
-        tokio::time::sleep(Duration::from_secs(2)).await;
+        tokio::time::sleep(BETWEEN_SERVERS).await;
     }
     println!("{}", report::matrix(&results, cli.output)?);
+    Ok(())
+}
+
+/// `--baseline`: one configuration, or with `--matrix` the issue's four, each as pairs of
+/// runs on the plain tonic server and on `retryplane`.
+async fn with_baseline(
+    cli: &Cli,
+    config: impl Fn(usize, usize) -> Config,
+    plain_bin: &std::path::Path,
+) -> anyhow::Result<()> {
+    let pairs = usize::from(cli.pairs);
+    if !cli.matrix {
+        let comparison =
+            baseline::run_pairs(&config(cli.agents, cli.endpoints), plain_bin, pairs).await?;
+        println!("{}", baseline::one(&comparison, cli.output)?);
+        return Ok(());
+    }
+    let mut results = Vec::with_capacity(MATRIX.len());
+    for (agents, endpoints) in MATRIX {
+        let cfg = config(agents, endpoints);
+        eprintln!(
+            "running {agents} agents × {endpoints} endpoints over {} connections, {pairs} \
+             pairs…",
+            cfg.connections
+        );
+        let result = baseline::run_pairs(&cfg, plain_bin, pairs).await;
+        match &result {
+            Ok(comparison) => eprintln!("{}", baseline::one(comparison, Format::Text)?),
+            Err(e) => eprintln!("failed: {e:#}"),
+        }
+        results.push((cfg, result));
+        tokio::time::sleep(BETWEEN_SERVERS).await;
+    }
+    println!("{}", baseline::matrix(&results, cli.output)?);
     Ok(())
 }
 
@@ -215,6 +296,35 @@ mod tests {
         assert_eq!(cli.agents, 10);
         assert!(cli.matrix);
         assert_eq!(cli.threads, 1, "one thread by default");
+    }
+
+    #[test]
+    fn the_baseline_flags_parse() {
+        let plain = Cli::try_parse_from(["retryplane-bench-fanout"]).unwrap();
+        assert!(!plain.baseline, "no baseline unless asked");
+        let cli = Cli::try_parse_from([
+            "retryplane-bench-fanout",
+            "--baseline",
+            "--baseline-bin",
+            "/tmp/plain",
+            "--matrix",
+            "--output",
+            "json",
+        ])
+        .unwrap();
+        assert!(cli.baseline && cli.matrix);
+        assert_eq!(cli.pairs, 2, "two pairs by default");
+        assert_eq!(cli.baseline_bin, Some(PathBuf::from("/tmp/plain")));
+        assert_eq!(cli.output, Format::Json);
+        let three =
+            Cli::try_parse_from(["retryplane-bench-fanout", "--baseline", "--pairs", "3"]).unwrap();
+        assert_eq!(three.pairs, 3);
+        assert!(
+            Cli::try_parse_from(["retryplane-bench-fanout", "--baseline", "--pairs", "0"]).is_err()
+        );
+        // The baseline's own flags mean nothing without --baseline.
+        assert!(Cli::try_parse_from(["retryplane-bench-fanout", "--pairs", "3"]).is_err());
+        assert!(Cli::try_parse_from(["retryplane-bench-fanout", "--baseline-bin", "x"]).is_err());
     }
 
     #[test]

@@ -21,6 +21,8 @@ const BETWEEN_ROUNDS: Duration = Duration::from_millis(100);
 const DRY_RUNS: usize = 5;
 /// Pause before reading the server's memory, so allocations in flight have landed.
 const SETTLE: Duration = Duration::from_secs(1);
+/// Pause between two server processes, so the sockets of the last one close first.
+pub const BETWEEN_SERVERS: Duration = Duration::from_secs(2);
 
 /// What to run.
 #[derive(Clone, Debug)]
@@ -35,7 +37,7 @@ pub struct Config {
     pub rounds: usize,
     /// Publishes before the measured ones, not counted.
     pub warmup: usize,
-    /// The `retryplane` binary.
+    /// The server binary: `retryplane`, or the plain tonic baseline.
     pub server_bin: PathBuf,
 }
 

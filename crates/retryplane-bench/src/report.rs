@@ -79,8 +79,9 @@ pub fn one(o: &Outcome, format: Format) -> anyhow::Result<String> {
     ))
 }
 
+/// Bytes as KiB.
 #[allow(clippy::cast_precision_loss)]
-fn kib(bytes: usize) -> f64 {
+pub fn kib(bytes: usize) -> f64 {
     bytes as f64 / 1024.0
 }
 
@@ -167,7 +168,8 @@ pub fn matrix(
     Ok(s)
 }
 
-fn thousands(n: usize) -> String {
+/// `n` with thousands separators (`10,000`).
+pub fn thousands(n: usize) -> String {
     let digits = n.to_string();
     let mut out = String::with_capacity(digits.len() + digits.len() / 3);
     for (i, c) in digits.chars().enumerate() {
