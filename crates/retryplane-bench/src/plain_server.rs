@@ -25,12 +25,15 @@
 //!   metrics aggregation, no keepalive, no resumption (every stream gets the current snapshot
 //!   first), no nonce matching (every ACK counts).
 //!
-//! One difference from a textbook tonic server is inherited from the wire types, not added:
-//! `pb::ServerMessage` carries its snapshot already encoded (`Bytes`; see `retryplane-proto`'s
-//! `frame`), so the snapshot is encoded once per version and each stream's prost codec copies
-//! those bytes into its own frame buffer (one copy per stream, no per-stream re-encode of the
-//! policy messages). What the real server adds over this is its own framing path and the
-//! store, diff, fleet and limits above.
+//! Each stream encodes the snapshot itself, as a server written with a generated
+//! `ServerMessage { oneof kind { Snapshot snapshot = 1; … } }` would: the watch holds the
+//! `pb::Snapshot`, and each stream's task builds its message with
+//! `pb::ServerMessage::with_snapshot` (an encode of the whole snapshot, policies included), which
+//! the stream's prost codec then copies into its own frame buffer. (`pb::ServerMessage` keeps
+//! its snapshot as encoded bytes, see `retryplane-proto`'s `frame`; that is the control plane's
+//! own encode-once path, which this baseline leaves out on purpose: it is the "per-stream
+//! encode" the issue's plain tonic fan-out figures describe.) What the real server adds over
+//! this is that encode-once framing, the store, the diff, the fleet and the limits above.
 //!
 //! A small HTTP/1.1 listener answers `GET /readyz` (200 once a snapshot is published) and
 //! `GET /metrics` with the two samples the bench waits on, `retryplane_server_agents_connected`
@@ -119,8 +122,8 @@ struct Current {
     version: u64,
     content_hash: String,
     document: pb::PolicyDocument,
-    /// The snapshot message, built once per version.
-    message: pb::ServerMessage,
+    /// The snapshot; every stream encodes it itself.
+    snapshot: Arc<pb::Snapshot>,
 }
 
 /// What the services and the HTTP listener share.
@@ -197,12 +200,11 @@ impl Shared {
             nonce: format!("{}-{version}", self.instance),
             metrics_interval_ms: METRICS_INTERVAL_MS,
         };
-        let message = pb::ServerMessage::with_snapshot(&snapshot);
         self.current.send_replace(Arc::new(Current {
             version,
             content_hash: content_hash.clone(),
             document,
-            message,
+            snapshot: Arc::new(snapshot),
         }));
         Ok(pb::ApplyResponse {
             version,
@@ -227,6 +229,11 @@ impl Drop for ConnectedGuard {
 
 type Outbound = mpsc::Sender<Result<pb::ServerMessage, Status>>;
 
+/// This stream's own encode of `snapshot` (see the module docs: no sharing across streams).
+fn encode(snapshot: &pb::Snapshot) -> pb::ServerMessage {
+    pb::ServerMessage::with_snapshot(snapshot)
+}
+
 /// One stream: the current snapshot, then every new one; ACKs counted until the agent goes.
 async fn stream_task(
     guard: ConnectedGuard,
@@ -235,8 +242,8 @@ async fn stream_task(
     outbound: Outbound,
 ) {
     let shared = guard.0.clone();
-    let first = snapshots.borrow_and_update().message.clone();
-    if outbound.send(Ok(first)).await.is_err() {
+    let first = snapshots.borrow_and_update().snapshot.clone();
+    if outbound.send(Ok(encode(&first))).await.is_err() {
         return;
     }
     loop {
@@ -245,8 +252,8 @@ async fn stream_task(
                 if changed.is_err() {
                     return;
                 }
-                let message = snapshots.borrow_and_update().message.clone();
-                if outbound.send(Ok(message)).await.is_err() {
+                let snapshot = snapshots.borrow_and_update().snapshot.clone();
+                if outbound.send(Ok(encode(&snapshot))).await.is_err() {
                     return;
                 }
             }
@@ -569,9 +576,7 @@ mod tests {
         let first = shared.apply(&yaml(10_000), 0, false).await.unwrap();
         assert_eq!((first.version, first.changed), (1, true));
         assert!(seen.has_changed().unwrap());
-        let sent = seen
-            .borrow_and_update()
-            .message
+        let sent = encode(&seen.borrow_and_update().snapshot)
             .decode_snapshot()
             .unwrap()
             .unwrap();
@@ -593,9 +598,7 @@ mod tests {
         let second = shared.apply(&yaml(20_000), 1, false).await.unwrap();
         assert_eq!((second.version, second.changed), (2, true));
         assert_ne!(second.content_hash, first.content_hash);
-        let next = seen
-            .borrow_and_update()
-            .message
+        let next = encode(&seen.borrow_and_update().snapshot)
             .decode_snapshot()
             .unwrap()
             .unwrap();

@@ -61,7 +61,8 @@ impl ServerProcess {
             .with_context(|| {
                 format!(
                     "cannot start the server {} (build it with `cargo build --release -p \
-                     retryplane-cli -p retryplane-bench`, or pass --server-bin)",
+                     retryplane-cli -p retryplane-bench`, or pass its path: --server-bin, or \
+                     --baseline-bin for the plain server)",
                     bin.display()
                 )
             })?;
