@@ -5,64 +5,20 @@
 
 mod support;
 
-use std::collections::VecDeque;
-use std::convert::Infallible;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{AUTHORIZATION, HeaderValue};
 use http::request::Parts;
 use http::{Request, Response};
-use http_body_util::{BodyExt as _, Full};
-use retryplane_agent::layer::{
-    BoxError, GaveUp, RefreshCredentials, RefreshFailed, ReplayBody, RetryLayer,
-};
+use http_body_util::Full;
+use retryplane_agent::layer::{BoxError, GaveUp, RefreshCredentials, RefreshFailed, RetryLayer};
 use retryplane_agent::{Agent, Cause, GiveUpCause};
-use support::{agent, policy};
+use support::{Seen, agent, policy, status_upstream as upstream};
 use tokio::time::Instant;
-use tower::{Layer as _, ServiceExt as _, service_fn};
-
-/// What the upstream saw: the `Authorization` value and body of each request.
-type Seen = Arc<Mutex<Vec<(String, Bytes)>>>;
-
-/// Answers with the scripted statuses (then 200), recording every request.
-fn upstream(
-    statuses: &[u16],
-) -> (
-    impl tower::Service<
-        Request<ReplayBody<Full<Bytes>>>,
-        Response = Response<()>,
-        Error = Infallible,
-        Future = impl Send,
-    > + Clone
-    + Send
-    + 'static,
-    Seen,
-) {
-    let script = Arc::new(Mutex::new(
-        statuses.iter().copied().collect::<VecDeque<_>>(),
-    ));
-    let seen: Seen = Arc::default();
-    let log = seen.clone();
-    let svc = service_fn(move |req: Request<ReplayBody<Full<Bytes>>>| {
-        let script = script.clone();
-        let log = log.clone();
-        async move {
-            let auth = req
-                .headers()
-                .get(AUTHORIZATION)
-                .map(|v| v.to_str().unwrap().to_owned())
-                .unwrap_or_default();
-            let body = req.into_body().collect().await.unwrap().to_bytes();
-            log.lock().unwrap().push((auth, body));
-            let status = script.lock().unwrap().pop_front().unwrap_or(200);
-            Ok::<_, Infallible>(Response::builder().status(status).body(()).unwrap())
-        }
-    });
-    (svc, seen)
-}
+use tower::{Layer as _, ServiceExt as _};
 
 /// A hook that sets `Authorization: Bearer new-<n>` on its n-th call (from 1), fails when
 /// told to, or never finishes.
@@ -103,7 +59,7 @@ fn auths(seen: &Seen) -> Vec<String> {
     seen.lock()
         .unwrap()
         .iter()
-        .map(|(a, _)| a.clone())
+        .map(|sent| sent.auth.clone())
         .collect()
 }
 
@@ -131,7 +87,7 @@ async fn a_401_refreshes_once_and_the_request_is_sent_again_with_the_new_credent
     assert_eq!(hook.calls.load(Ordering::SeqCst), 1);
     assert_eq!(auths(&seen), ["Bearer old", "Bearer new-1"]);
     // The body is sent again, whole; no pause before the second send.
-    assert!(seen.lock().unwrap().iter().all(|(_, b)| b == "data"));
+    assert!(seen.lock().unwrap().iter().all(|sent| sent.body == "data"));
     assert_eq!(started.elapsed(), Duration::ZERO);
     // One attempt, no retry, in the counters.
     let counts = agent.endpoint("ep").pending_counts();

@@ -89,10 +89,13 @@ enum Close {
     Silently,
     /// Sends half a response head, then resets the socket (RST, zero linger).
     ResetMidResponse,
+    /// Never: keeps reading and never writes a byte.
+    Never,
 }
 
-/// A server on 127.0.0.1:0 that reads each request head, then closes as told; counts requests.
-async fn breaking_server(how: Close) -> (u16, Arc<AtomicU32>) {
+/// A server on 127.0.0.1:0 that reads each request head (for HTTP/2, the connection preface),
+/// then closes as told; counts requests.
+async fn scripted_server(how: Close) -> (u16, Arc<AtomicU32>) {
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = l.local_addr().unwrap().port();
     let seen = Arc::new(AtomicU32::new(0));
@@ -117,6 +120,13 @@ async fn breaking_server(how: Close) -> (u16, Arc<AtomicU32>) {
                         let _ = s.flush().await;
                         s.set_zero_linger().unwrap();
                         drop(s);
+                    }
+                    Close::Never => {
+                        while let Ok(n) = s.read(&mut chunk).await {
+                            if n == 0 {
+                                break;
+                            }
+                        }
                     }
                 }
             });
@@ -143,7 +153,7 @@ async fn a_refused_connection_is_a_connect_error() {
 
 #[tokio::test]
 async fn a_connection_closed_before_the_response_is_a_reset() {
-    let (port, seen) = breaking_server(Close::Silently).await;
+    let (port, seen) = scripted_server(Close::Silently).await;
     let err = fails(
         &client(HttpConnector::new()),
         get(&format!("http://127.0.0.1:{port}/")),
@@ -161,7 +171,7 @@ async fn a_connection_closed_before_the_response_is_a_reset() {
 
 #[tokio::test]
 async fn a_connection_reset_mid_response_is_a_reset() {
-    let (port, seen) = breaking_server(Close::ResetMidResponse).await;
+    let (port, seen) = scripted_server(Close::ResetMidResponse).await;
     let err = fails(
         &client(HttpConnector::new()),
         get(&format!("http://127.0.0.1:{port}/")),
@@ -228,25 +238,6 @@ where
     client(c)
 }
 
-/// A server that accepts and reads but never writes a byte.
-async fn silent_server() -> u16 {
-    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = l.local_addr().unwrap().port();
-    tokio::spawn(async move {
-        while let Ok((mut s, _)) = l.accept().await {
-            tokio::spawn(async move {
-                let mut chunk = [0u8; 1024];
-                while let Ok(n) = s.read(&mut chunk).await {
-                    if n == 0 {
-                        break;
-                    }
-                }
-            });
-        }
-    });
-    port
-}
-
 /// An HTTP/2 client that pings every 100 ms and gives a ping 100 ms to be answered.
 fn h2_client<B>() -> LegacyClient<B>
 where
@@ -265,7 +256,7 @@ where
 
 #[tokio::test]
 async fn an_unanswered_http2_keep_alive_ping_is_a_timeout() {
-    let port = silent_server().await;
+    let (port, _) = scripted_server(Close::Never).await;
     let err = fails(&h2_client(), get(&format!("http://127.0.0.1:{port}/"))).await;
     let hyper = std::error::Error::source(&err)
         .and_then(|e| e.downcast_ref::<hyper::Error>())
@@ -343,12 +334,12 @@ async fn the_layer_retries_a_post_whose_connect_timed_out() {
 
 #[tokio::test]
 async fn the_layer_retries_a_reset_get_but_not_a_reset_post() {
-    let (port, seen) = breaking_server(Close::ResetMidResponse).await;
+    let (port, seen) = scripted_server(Close::ResetMidResponse).await;
     let url = format!("http://127.0.0.1:{port}/v1/things");
     let (_, attempts) = through_layer(client(HttpConnector::new()), "GET", &url).await;
     assert_eq!((attempts, seen.load(Ordering::SeqCst)), (3, 3));
 
-    let (port, seen) = breaking_server(Close::ResetMidResponse).await;
+    let (port, seen) = scripted_server(Close::ResetMidResponse).await;
     let url = format!("http://127.0.0.1:{port}/v1/charges");
     let (_, attempts) = through_layer(client(HttpConnector::new()), "POST", &url).await;
     assert_eq!(
@@ -362,7 +353,7 @@ async fn the_layer_retries_a_reset_get_but_not_a_reset_post() {
 async fn the_layer_counts_an_unanswered_keep_alive_ping_as_a_timeout() {
     // Only timeouts are retried here: had the error counted as a reset (no I/O error to go
     // by), the call would stop after one attempt.
-    let port = silent_server().await;
+    let (port, _) = scripted_server(Close::Never).await;
     let url = format!("http://127.0.0.1:{port}/v1/things");
     let only_timeouts = "retry_on: {errors: [timeout]}";
     let (err, attempts) = through_layer_with(h2_client(), only_timeouts, "GET", &url).await;

@@ -4,7 +4,6 @@
 
 mod support;
 
-use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -15,51 +14,9 @@ use http_body::Frame;
 use http_body_util::{BodyExt as _, Full, StreamBody};
 use retryplane_agent::layer::{GaveUp, ReplayBody, RetryLayer};
 use retryplane_agent::{Cause, GiveUpCause};
-use support::{agent, policy};
+use support::{agent, policy, status_upstream as upstream};
 use tokio::time::Instant;
 use tower::{Layer as _, ServiceExt as _, service_fn};
-
-/// What the scripted upstream saw: method and body of each attempt, and when it came.
-type Seen = Arc<Mutex<Vec<(String, Bytes, Duration)>>>;
-
-/// A client that answers with the scripted statuses (then 200) and records every request.
-fn upstream<B>(
-    statuses: &[u16],
-) -> (
-    impl tower::Service<
-        Request<ReplayBody<B>>,
-        Response = Response<()>,
-        Error = Infallible,
-        Future = impl Send,
-    > + Clone
-    + Send
-    + Sync
-    + 'static,
-    Seen,
-)
-where
-    B: http_body::Body<Data = Bytes> + Send + 'static,
-    B::Error: std::fmt::Debug,
-{
-    let script = Arc::new(Mutex::new(
-        statuses.iter().copied().collect::<VecDeque<_>>(),
-    ));
-    let seen: Seen = Arc::default();
-    let log = seen.clone();
-    let origin = Instant::now();
-    let svc = service_fn(move |req: Request<ReplayBody<B>>| {
-        let script = script.clone();
-        let log = log.clone();
-        async move {
-            let method = req.method().to_string();
-            let body = req.into_body().collect().await.unwrap().to_bytes();
-            log.lock().unwrap().push((method, body, origin.elapsed()));
-            let status = script.lock().unwrap().pop_front().unwrap_or(200);
-            Ok::<_, Infallible>(Response::builder().status(status).body(()).unwrap())
-        }
-    });
-    (svc, seen)
-}
 
 fn request(method: &str, key: bool, body: &'static str) -> Request<Full<Bytes>> {
     let mut b = Request::builder()
@@ -85,11 +42,11 @@ async fn a_503_then_200_is_retried_with_the_body_replayed() {
     assert!(response.extensions().get::<GaveUp>().is_none());
     let seen = seen.lock().unwrap().clone();
     assert_eq!(seen.len(), 2);
-    for (method, body, _) in &seen {
-        assert_eq!(method, "PUT");
-        assert_eq!(body, "hello");
+    for sent in &seen {
+        assert_eq!(sent.method, "PUT");
+        assert_eq!(sent.body, "hello");
     }
-    assert_eq!(seen[1].2 - seen[0].2, Duration::from_millis(100));
+    assert_eq!(seen[1].at - seen[0].at, Duration::from_millis(100));
 }
 
 #[tokio::test(start_paused = true)]
@@ -109,7 +66,7 @@ async fn a_body_over_the_limit_is_sent_once_and_whole() {
     assert_eq!(gave_up.cause, Cause::GaveUp(GiveUpCause::NotRetryable));
     assert_eq!(gave_up.attempts, 1);
     assert_eq!(seen.lock().unwrap().len(), 1);
-    assert_eq!(seen.lock().unwrap()[0].1, "hello world");
+    assert_eq!(seen.lock().unwrap()[0].body, "hello world");
 
     // An unknown size, found over the limit while reading: the bytes read are sent first.
     let (svc, seen) = upstream(&[503]);
@@ -127,7 +84,7 @@ async fn a_body_over_the_limit_is_sent_once_and_whole() {
     let response = client.oneshot(req).await.unwrap();
     assert_eq!(response.status(), 503);
     assert_eq!(seen.lock().unwrap().len(), 1);
-    assert_eq!(seen.lock().unwrap()[0].1, "abcdefghi");
+    assert_eq!(seen.lock().unwrap()[0].body, "abcdefghi");
 }
 
 #[tokio::test(start_paused = true)]

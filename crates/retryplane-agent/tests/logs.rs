@@ -7,21 +7,19 @@
 
 mod support;
 
-use std::collections::VecDeque;
-use std::convert::Infallible;
 use std::io;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
+use http::Request;
 use http::header::{AUTHORIZATION, HeaderValue};
 use http::request::Parts;
-use http::{Request, Response};
-use http_body_util::{BodyExt as _, Full};
-use retryplane_agent::layer::{BoxError, RefreshCredentials, ReplayBody, RetryLayer};
+use http_body_util::Full;
+use retryplane_agent::layer::{BoxError, RefreshCredentials, RetryLayer};
 use retryplane_agent::{Agent, CallMeta, ReconnectBackoff};
-use support::{agent, policy};
-use tower::{Layer as _, ServiceExt as _, service_fn};
+use support::{agent, policy, status_upstream};
+use tower::{Layer as _, ServiceExt as _};
 
 /// Every secret the calls carry; none may appear in the log.
 const SECRETS: [&str; 7] = [
@@ -52,30 +50,6 @@ impl Sink {
     fn text(&self) -> String {
         String::from_utf8(self.0.lock().unwrap().clone()).unwrap()
     }
-}
-
-/// An upstream that answers the scripted statuses, then 200, and reads every body.
-fn upstream(
-    statuses: &[u16],
-) -> impl tower::Service<
-    Request<ReplayBody<Full<Bytes>>>,
-    Response = Response<()>,
-    Error = Infallible,
-    Future = impl Send,
-> + Clone
-+ Send
-+ 'static {
-    let script = Arc::new(Mutex::new(
-        statuses.iter().copied().collect::<VecDeque<_>>(),
-    ));
-    service_fn(move |req: Request<ReplayBody<Full<Bytes>>>| {
-        let script = script.clone();
-        async move {
-            req.into_body().collect().await.unwrap();
-            let status = script.lock().unwrap().pop_front().unwrap_or(200);
-            Ok::<_, Infallible>(Response::builder().status(status).body(()).unwrap())
-        }
-    })
 }
 
 fn request() -> Request<Full<Bytes>> {
@@ -132,14 +106,14 @@ async fn no_log_line_carries_a_header_value_a_token_or_a_body() {
     // A call retried once, then one that gives up after every attempt (the warn line).
     let ok = layer
         .clone()
-        .layer(upstream(&[503]))
+        .layer(status_upstream(&[503]).0)
         .oneshot(request())
         .await
         .unwrap();
     assert_eq!(ok.status(), 200);
     let failed = layer
         .clone()
-        .layer(upstream(&[503, 503, 503]))
+        .layer(status_upstream(&[503, 503, 503]).0)
         .oneshot(request())
         .await
         .unwrap();
@@ -150,7 +124,7 @@ async fn no_log_line_carries_a_header_value_a_token_or_a_body() {
         let client = layer
             .clone()
             .with_auth_refresh(Hook { fail })
-            .layer(upstream(&[401]));
+            .layer(status_upstream(&[401]).0);
         client.oneshot(request()).await.unwrap();
     }
 

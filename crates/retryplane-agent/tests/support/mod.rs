@@ -3,14 +3,20 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, dead_code)]
 
 use std::collections::VecDeque;
+use std::convert::Infallible;
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use bytes::Bytes;
+use http::Request;
+use http_body_util::BodyExt as _;
+use retryplane_agent::layer::ReplayBody;
 use retryplane_agent::{Agent, AttemptInfo};
 use tokio::time::Instant;
+use tower::service_fn;
 
 /// What one attempt does.
 #[derive(Clone, Debug)]
@@ -106,6 +112,73 @@ pub fn response(status: u16, retry_after: Option<&str>) -> http::Response<()> {
         b = b.header(http::header::RETRY_AFTER, v);
     }
     b.body(()).unwrap()
+}
+
+/// One request a [`status_upstream`] saw.
+#[derive(Clone, Debug)]
+pub struct Sent {
+    /// Its method.
+    pub method: String,
+    /// Its `Authorization` value (empty without one).
+    pub auth: String,
+    /// Its whole body.
+    pub body: Bytes,
+    /// When it came, from the upstream's creation.
+    pub at: Duration,
+}
+
+/// What a [`status_upstream`] saw, in order.
+pub type Seen = Arc<Mutex<Vec<Sent>>>;
+
+/// A client for the tower layer to wrap: it answers the scripted `statuses` (then 200), reads
+/// every body whole and records each request.
+pub fn status_upstream<B>(
+    statuses: &[u16],
+) -> (
+    impl tower::Service<
+        Request<ReplayBody<B>>,
+        Response = http::Response<()>,
+        Error = Infallible,
+        Future = impl Send,
+    > + Clone
+    + Send
+    + Sync
+    + 'static,
+    Seen,
+)
+where
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: std::fmt::Debug,
+{
+    let script = Arc::new(Mutex::new(
+        statuses.iter().copied().collect::<VecDeque<_>>(),
+    ));
+    let seen: Seen = Arc::default();
+    let log = seen.clone();
+    let origin = Instant::now();
+    let svc = service_fn(move |req: Request<ReplayBody<B>>| {
+        let script = script.clone();
+        let log = log.clone();
+        async move {
+            let method = req.method().to_string();
+            let auth = req
+                .headers()
+                .get(http::header::AUTHORIZATION)
+                .map(|v| v.to_str().unwrap().to_owned())
+                .unwrap_or_default();
+            let body = req.into_body().collect().await.unwrap().to_bytes();
+            let at = origin.elapsed();
+            log.lock().unwrap().push(Sent {
+                method,
+                auth,
+                body,
+                at,
+            });
+            let status = script.lock().unwrap().pop_front().unwrap_or(200);
+            Ok::<_, Infallible>(response(status, None))
+        }
+    });
+    (svc, seen)
 }
 
 /// An agent on the policy file `yaml`, seeded.
