@@ -180,6 +180,17 @@ async fn join(h: JoinHandle<Answer>) -> Answer {
         .expect("task failed")
 }
 
+/// Checks that `answer` is the upstream's `200` to request number `call` (its `x-call` and
+/// its body), and whether it was a copy of another's response.
+fn assert_answered(answer: Answer, call: usize, copy: bool) {
+    let (status, got, body, was_copy) = answer.unwrap();
+    let (call, text) = (call.to_string(), format!("answer {call}"));
+    assert_eq!(
+        (status, got.as_deref(), &body[..], was_copy),
+        (200, Some(call.as_str()), text.as_bytes(), copy)
+    );
+}
+
 /// A leader sent first and held at the upstream, then `n` followers of the same request, once
 /// every one of them waits for it.
 async fn leader_and_followers<S>(
@@ -222,17 +233,9 @@ async fn identical_gets_share_one_call_and_its_response() {
     let (leader, followers) = leader_and_followers(&client, &dedup, &up, request, 4).await;
     up.open(1);
 
-    let (status, call, body, copy) = join(leader).await.unwrap();
-    assert_eq!(
-        (status, call.as_deref(), &body[..], copy),
-        (200, Some("0"), &b"answer 0"[..], false)
-    );
+    assert_answered(join(leader).await, 0, false);
     for f in followers {
-        let (status, call, body, copy) = join(f).await.unwrap();
-        assert_eq!(
-            (status, call.as_deref(), &body[..], copy),
-            (200, Some("0"), &b"answer 0"[..], true)
-        );
+        assert_answered(join(f).await, 0, true);
     }
     assert_eq!(up.seen(), 1);
     assert_eq!(
@@ -550,11 +553,9 @@ async fn a_dropped_follower_leaves_the_others_waiting() {
     let (svc, up) = upstream(&[]);
     let dedup = Dedup::default();
     let client = client(svc, &dedup);
-    let leader = spawn(&client, req(get("http://up/x"), ""));
-    until("the leader reaches the upstream", || up.seen() == 1).await;
-    let gone = spawn(&client, req(get("http://up/x"), ""));
-    let stays = spawn(&client, req(get("http://up/x"), ""));
-    until("two followers wait", || dedup.stats().waiting == 2).await;
+    let (leader, followers) =
+        leader_and_followers(&client, &dedup, &up, || req(get("http://up/x"), ""), 2).await;
+    let [gone, stays] = <[_; 2]>::try_from(followers).unwrap();
     gone.abort();
     until("one follower waits", || dedup.stats().waiting == 1).await;
     up.open(1);
@@ -573,11 +574,7 @@ async fn over_the_response_limit_followers_make_their_own_calls() {
         leader_and_followers(&client, &dedup, &up, || req(get("http://up/big"), ""), 3).await;
     up.open(4);
     // The leader gets its whole body, streamed past the limit.
-    let (status, call, body, copy) = join(leader).await.unwrap();
-    assert_eq!(
-        (status, call.as_deref(), &body[..], copy),
-        (200, Some("0"), &b"answer 0"[..], false)
-    );
+    assert_answered(join(leader).await, 0, false);
     let mut calls = Vec::new();
     for f in followers {
         let (status, call, body, copy) = join(f).await.unwrap();
@@ -816,11 +813,7 @@ async fn a_follower_of_a_leader_that_is_not_polled_calls_itself_at_its_deadline(
     until("the follower waits", || dedup.stats().waiting == 1).await;
     // The first permit goes to the leader's place in the gate's queue.
     up.open(2);
-    let (status, call, body, copy) = join(follower).await.unwrap();
-    assert_eq!(
-        (status, call.as_deref(), &body[..], copy),
-        (200, Some("1"), &b"answer 1"[..], false)
-    );
+    assert_answered(join(follower).await, 1, false);
     let waited = t0.elapsed();
     assert!(
         waited >= DEADLINE && waited <= DEADLINE + Duration::from_millis(1),

@@ -46,8 +46,18 @@ fn transport(class: ErrorClass) -> Classification {
     Classification::Outcome(Outcome::Transport(class))
 }
 
-fn get(url: &str) -> http::Request<Full<Bytes>> {
-    http::Request::get(url).body(Full::default()).unwrap()
+/// A GET of `/` on 127.0.0.1:`port`.
+fn get(port: u16) -> http::Request<Full<Bytes>> {
+    http::Request::get(format!("http://127.0.0.1:{port}/"))
+        .body(Full::default())
+        .unwrap()
+}
+
+/// The hyper error under a client error.
+fn hyper_error(err: &hyper_util::client::legacy::Error) -> &hyper::Error {
+    std::error::Error::source(err)
+        .and_then(|e| e.downcast_ref::<hyper::Error>())
+        .expect("a hyper error under the client error")
 }
 
 /// One request, which must fail within [`WAIT`].
@@ -138,11 +148,7 @@ async fn scripted_server(how: Close) -> (u16, Arc<AtomicU32>) {
 #[tokio::test]
 async fn a_refused_connection_is_a_connect_error() {
     let port = closed_port().await;
-    let err = fails(
-        &client(HttpConnector::new()),
-        get(&format!("http://127.0.0.1:{port}/")),
-    )
-    .await;
+    let err = fails(&client(HttpConnector::new()), get(port)).await;
     assert!(err.is_connect(), "{err:?}");
     assert!(
         io_kinds(&err).contains(&std::io::ErrorKind::ConnectionRefused),
@@ -154,15 +160,9 @@ async fn a_refused_connection_is_a_connect_error() {
 #[tokio::test]
 async fn a_connection_closed_before_the_response_is_a_reset() {
     let (port, seen) = scripted_server(Close::Silently).await;
-    let err = fails(
-        &client(HttpConnector::new()),
-        get(&format!("http://127.0.0.1:{port}/")),
-    )
-    .await;
+    let err = fails(&client(HttpConnector::new()), get(port)).await;
     assert_eq!(seen.load(Ordering::SeqCst), 1);
-    let hyper = std::error::Error::source(&err)
-        .and_then(|e| e.downcast_ref::<hyper::Error>())
-        .expect("a hyper error under the client error");
+    let hyper = hyper_error(&err);
     assert!(hyper.is_incomplete_message(), "{err:?}");
     assert!(io_kinds(&err).is_empty(), "no I/O error to go by: {err:?}");
     assert_eq!(hyper.classify(), transport(ErrorClass::Reset));
@@ -172,16 +172,10 @@ async fn a_connection_closed_before_the_response_is_a_reset() {
 #[tokio::test]
 async fn a_connection_reset_mid_response_is_a_reset() {
     let (port, seen) = scripted_server(Close::ResetMidResponse).await;
-    let err = fails(
-        &client(HttpConnector::new()),
-        get(&format!("http://127.0.0.1:{port}/")),
-    )
-    .await;
+    let err = fails(&client(HttpConnector::new()), get(port)).await;
     assert_eq!(seen.load(Ordering::SeqCst), 1);
     // The RST arrives while hyper waits for the rest of the head: an I/O error, not an EOF.
-    let hyper = std::error::Error::source(&err)
-        .and_then(|e| e.downcast_ref::<hyper::Error>())
-        .expect("a hyper error under the client error");
+    let hyper = hyper_error(&err);
     assert!(
         !err.is_connect() && !hyper.is_incomplete_message(),
         "{err:?}"
@@ -216,11 +210,7 @@ async fn full_backlog() -> (tokio::net::TcpListener, Vec<TcpStream>) {
 async fn a_connector_timeout_is_a_connect_error() {
     let (l, _held) = full_backlog().await;
     let port = l.local_addr().unwrap().port();
-    let err = fails(
-        &timing_out_client(),
-        get(&format!("http://127.0.0.1:{port}/")),
-    )
-    .await;
+    let err = fails(&timing_out_client(), get(port)).await;
     assert!(err.is_connect(), "{err:?}");
     assert_eq!(io_kinds(&err), [std::io::ErrorKind::TimedOut], "{err:?}");
     // Connect, not timeout: the request never left, so even a POST may be sent again.
@@ -257,10 +247,8 @@ where
 #[tokio::test]
 async fn an_unanswered_http2_keep_alive_ping_is_a_timeout() {
     let (port, _) = scripted_server(Close::Never).await;
-    let err = fails(&h2_client(), get(&format!("http://127.0.0.1:{port}/"))).await;
-    let hyper = std::error::Error::source(&err)
-        .and_then(|e| e.downcast_ref::<hyper::Error>())
-        .expect("a hyper error under the client error");
+    let err = fails(&h2_client(), get(port)).await;
+    let hyper = hyper_error(&err);
     assert!(hyper.is_timeout(), "{err:?}");
     assert!(io_kinds(&err).is_empty(), "{err:?}");
     assert_eq!(err.classify(), transport(ErrorClass::Timeout));

@@ -134,11 +134,7 @@ async fn no_log_line_carries_a_header_value_a_token_or_a_body() {
     let meta = CallMeta::http(req.method().as_str(), "/v1/things?api_key=QUERY-SECRET")
         .with_headers(req.headers());
     let up = support::Upstream::new(vec![support::Step::Status(503); 3]);
-    let err = agent
-        .endpoint("ep")
-        .call(meta, up.attempt())
-        .await
-        .unwrap_err();
+    let err = up.call(&agent, meta).await.unwrap_err();
     assert_eq!(err.attempts, 3);
 
     // An agent with a token whose control plane is not there: it logs its reconnects.

@@ -9,7 +9,7 @@ use std::time::{Duration, SystemTime};
 
 use retryplane_agent::{CallMeta, Cause, GiveUpCause, Last};
 use retryplane_policy::retry_after::format_http_date;
-use support::{Step, Upstream, agent, policy};
+use support::{Step, Upstream, agent, policy, seeded};
 
 fn get() -> CallMeta<'static> {
     CallMeta::http("GET", "/v1/items?secret=1")
@@ -23,11 +23,7 @@ fn gave_up(cause: GiveUpCause) -> Cause {
 async fn retryable_statuses_are_retried_on_the_backoff_schedule() {
     let agent = agent(&policy("max_attempts: 4"));
     let up = Upstream::new([Step::Status(503), Step::Status(502), Step::Status(429)]);
-    let res = agent
-        .endpoint("ep")
-        .call(get(), up.attempt())
-        .await
-        .unwrap();
+    let res = up.call(&agent, get()).await.unwrap();
     assert_eq!(res.status(), 200);
     assert_eq!(up.starts_ms(), [0, 100, 300, 700]);
     let numbers: Vec<u32> = up.infos().iter().map(|i| i.number).collect();
@@ -39,11 +35,7 @@ async fn statuses_not_in_retry_on_are_returned_at_once_with_the_response() {
     let agent = agent(&policy(""));
     for status in [400, 401, 404, 409, 501] {
         let up = Upstream::new([Step::Status(status)]);
-        let err = agent
-            .endpoint("ep")
-            .call(get(), up.attempt())
-            .await
-            .unwrap_err();
+        let err = up.call(&agent, get()).await.unwrap_err();
         assert_eq!(err.cause, gave_up(GiveUpCause::NotRetryable), "{status}");
         assert_eq!(err.attempts, 1);
         assert_eq!(err.response().unwrap().status(), status);
@@ -54,11 +46,7 @@ async fn statuses_not_in_retry_on_are_returned_at_once_with_the_response() {
 async fn the_last_failure_is_returned_when_attempts_run_out() {
     let agent = agent(&policy("max_attempts: 3"));
     let up = Upstream::new([Step::Status(503), Step::Status(503), Step::Status(504)]);
-    let err = agent
-        .endpoint("ep")
-        .call(get(), up.attempt())
-        .await
-        .unwrap_err();
+    let err = up.call(&agent, get()).await.unwrap_err();
     assert_eq!(err.cause, gave_up(GiveUpCause::AttemptsExhausted));
     assert_eq!(err.attempts, 3);
     assert_eq!(err.response().unwrap().status(), 504);
@@ -68,11 +56,7 @@ async fn the_last_failure_is_returned_when_attempts_run_out() {
 async fn retry_after_seconds_lengthen_the_pause() {
     let agent = agent(&policy(""));
     let up = Upstream::new([Step::RetryAfter(503, "3".into())]);
-    agent
-        .endpoint("ep")
-        .call(get(), up.attempt())
-        .await
-        .unwrap();
+    up.call(&agent, get()).await.unwrap();
     assert_eq!(up.starts_ms(), [0, 3000]);
     assert_eq!(agent.endpoint("ep").pending_counts().retry_after_honored, 1);
 }
@@ -81,11 +65,7 @@ async fn retry_after_seconds_lengthen_the_pause() {
 async fn retry_after_shorter_than_the_backoff_does_not_shorten_it() {
     let agent = agent(&policy(""));
     let up = Upstream::new([Step::RetryAfter(503, "0".into())]);
-    agent
-        .endpoint("ep")
-        .call(get(), up.attempt())
-        .await
-        .unwrap();
+    up.call(&agent, get()).await.unwrap();
     assert_eq!(up.starts_ms(), [0, 100]);
 }
 
@@ -94,11 +74,7 @@ async fn retry_after_as_an_http_date_is_honored() {
     let agent = agent(&policy(""));
     let date = format_http_date(SystemTime::now() + Duration::from_secs(5));
     let up = Upstream::new([Step::RetryAfter(429, date)]);
-    agent
-        .endpoint("ep")
-        .call(get(), up.attempt())
-        .await
-        .unwrap();
+    up.call(&agent, get()).await.unwrap();
     let starts = up.starts_ms();
     // The date has whole seconds: the wait is in (4 s, 5 s].
     assert!(starts[1] > 4000 && starts[1] <= 5000, "{starts:?}");
@@ -109,11 +85,7 @@ async fn a_malformed_or_negative_retry_after_is_ignored() {
     let agent = agent(&policy(""));
     for bad in ["soon", "-5", "1.5"] {
         let up = Upstream::new([Step::RetryAfter(503, bad.into())]);
-        agent
-            .endpoint("ep")
-            .call(get(), up.attempt())
-            .await
-            .unwrap();
+        up.call(&agent, get()).await.unwrap();
         assert_eq!(up.starts_ms(), [0, 100], "{bad}");
     }
 }
@@ -124,11 +96,7 @@ async fn a_retry_after_above_the_max_gives_up_instead_of_waiting() {
         "max_attempts: 3\nretry_after: {honor: true, max: 30s}",
     ));
     let up = Upstream::new([Step::RetryAfter(503, "31".into())]);
-    let err = agent
-        .endpoint("ep")
-        .call(get(), up.attempt())
-        .await
-        .unwrap_err();
+    let err = up.call(&agent, get()).await.unwrap_err();
     assert_eq!(err.cause, gave_up(GiveUpCause::RetryAfterTooLong));
     assert_eq!(up.attempts(), 1);
 }
@@ -137,11 +105,7 @@ async fn a_retry_after_above_the_max_gives_up_instead_of_waiting() {
 async fn retry_after_is_ignored_when_not_honored() {
     let agent = agent(&policy("max_attempts: 3\nretry_after: {honor: false}"));
     let up = Upstream::new([Step::RetryAfter(503, "60".into())]);
-    agent
-        .endpoint("ep")
-        .call(get(), up.attempt())
-        .await
-        .unwrap();
+    up.call(&agent, get()).await.unwrap();
     assert_eq!(up.starts_ms(), [0, 100]);
 }
 
@@ -149,9 +113,8 @@ async fn retry_after_is_ignored_when_not_honored() {
 async fn post_without_the_key_is_not_retried() {
     let agent = agent(&policy(""));
     let up = Upstream::new([Step::Status(503)]);
-    let err = agent
-        .endpoint("ep")
-        .call(CallMeta::http("POST", "/v1/charges"), up.attempt())
+    let err = up
+        .call(&agent, CallMeta::http("POST", "/v1/charges"))
         .await
         .unwrap_err();
     assert_eq!(err.cause, gave_up(GiveUpCause::NotRetryable));
@@ -165,7 +128,7 @@ async fn post_with_the_key_header_is_retried() {
     headers.insert("idempotency-key", "k-1".parse().unwrap());
     let up = Upstream::new([Step::Status(503), Step::Io(ErrorKind::ConnectionReset)]);
     let meta = CallMeta::http("POST", "/v1/charges").with_headers(&headers);
-    agent.endpoint("ep").call(meta, up.attempt()).await.unwrap();
+    up.call(&agent, meta).await.unwrap();
     assert_eq!(up.attempts(), 3);
 }
 
@@ -173,9 +136,8 @@ async fn post_with_the_key_header_is_retried() {
 async fn a_reset_on_post_without_the_key_has_an_unknown_outcome_and_is_not_retried() {
     let agent = agent(&policy(""));
     let up = Upstream::new([Step::Io(ErrorKind::ConnectionReset)]);
-    let err = agent
-        .endpoint("ep")
-        .call(CallMeta::http("POST", "/"), up.attempt())
+    let err = up
+        .call(&agent, CallMeta::http("POST", "/"))
         .await
         .unwrap_err();
     assert_eq!(err.cause, gave_up(GiveUpCause::NotRetryable));
@@ -186,11 +148,7 @@ async fn a_reset_on_post_without_the_key_has_an_unknown_outcome_and_is_not_retri
 async fn a_refused_connection_is_retried_even_for_post() {
     let agent = agent(&policy(""));
     let up = Upstream::new([Step::Io(ErrorKind::ConnectionRefused)]);
-    agent
-        .endpoint("ep")
-        .call(CallMeta::http("POST", "/"), up.attempt())
-        .await
-        .unwrap();
+    up.call(&agent, CallMeta::http("POST", "/")).await.unwrap();
     assert_eq!(up.attempts(), 2);
 }
 
@@ -198,11 +156,7 @@ async fn a_refused_connection_is_retried_even_for_post() {
 async fn an_io_error_that_is_no_transport_failure_is_not_retried() {
     let agent = agent(&policy(""));
     let up = Upstream::new([Step::Io(ErrorKind::InvalidData)]);
-    let err = agent
-        .endpoint("ep")
-        .call(get(), up.attempt())
-        .await
-        .unwrap_err();
+    let err = up.call(&agent, get()).await.unwrap_err();
     assert_eq!(err.cause, gave_up(GiveUpCause::NotRetryable));
     assert_eq!(err.error().unwrap().kind(), ErrorKind::InvalidData);
 }
@@ -213,11 +167,7 @@ async fn the_per_try_timeout_drops_a_slow_attempt_and_retries() {
         "max_attempts: 3\nper_try_timeout: 1s\ndeadline: 10s",
     ));
     let up = Upstream::new([Step::Hang]);
-    agent
-        .endpoint("ep")
-        .call(get(), up.attempt())
-        .await
-        .unwrap();
+    up.call(&agent, get()).await.unwrap();
     assert_eq!(up.starts_ms(), [0, 1100]);
     assert_eq!(up.infos()[0].timeout, Duration::from_secs(1));
 }
@@ -226,9 +176,8 @@ async fn the_per_try_timeout_drops_a_slow_attempt_and_retries() {
 async fn a_timed_out_post_without_the_key_is_not_retried() {
     let agent = agent(&policy("per_try_timeout: 1s"));
     let up = Upstream::new([Step::Hang]);
-    let err = agent
-        .endpoint("ep")
-        .call(CallMeta::http("POST", "/"), up.attempt())
+    let err = up
+        .call(&agent, CallMeta::http("POST", "/"))
         .await
         .unwrap_err();
     assert_eq!(err.cause, gave_up(GiveUpCause::NotRetryable));
@@ -243,11 +192,7 @@ async fn a_pause_that_does_not_fit_the_deadline_gives_up_without_sleeping() {
     ));
     let up = Upstream::new([Step::Status(503), Step::Status(503)]);
     let start = tokio::time::Instant::now();
-    let err = agent
-        .endpoint("ep")
-        .call(get(), up.attempt())
-        .await
-        .unwrap_err();
+    let err = up.call(&agent, get()).await.unwrap_err();
     assert_eq!(err.cause, gave_up(GiveUpCause::DeadlineExceeded));
     assert_eq!(err.response().unwrap().status(), 503);
     assert_eq!(up.starts_ms(), [0, 400]);
@@ -265,11 +210,7 @@ async fn an_attempt_never_runs_past_the_deadline() {
     ));
     let up = Upstream::new([Step::Status(503), Step::Hang]);
     let start = tokio::time::Instant::now();
-    let err = agent
-        .endpoint("ep")
-        .call(get(), up.attempt())
-        .await
-        .unwrap_err();
+    let err = up.call(&agent, get()).await.unwrap_err();
     assert_eq!(up.infos()[1].timeout, Duration::from_millis(700));
     assert_eq!(err.cause, gave_up(GiveUpCause::DeadlineExceeded));
     assert_eq!(start.elapsed(), Duration::from_secs(1));
@@ -308,13 +249,6 @@ async fn an_open_breaker_fails_fast_without_calling_the_upstream() {
     assert_eq!(ep.pending_counts().circuit_open, 1);
 }
 
-/// An agent on `yaml` whose RNG is seeded with `seed`.
-fn seeded(yaml: &str, seed: u64) -> retryplane_agent::Agent {
-    let loaded = retryplane_policy::load(yaml.as_bytes());
-    assert!(!loaded.has_errors(), "{:?}", loaded.diagnostics);
-    retryplane_agent::Agent::from_policies_seeded(loaded.policies.unwrap(), seed)
-}
-
 /// The pauses before retries 1, 2, … of one call that fails every attempt but the last, as the
 /// agent reports them; each is checked against the time the upstream saw pass between the
 /// attempts (paused time wakes a sleep on the next whole millisecond).
@@ -326,11 +260,7 @@ async fn jittered_pauses(jitter: &str, seed: u64) -> Vec<Duration> {
         seed,
     );
     let up = Upstream::new(vec![Step::Status(503); 5]);
-    agent
-        .endpoint("ep")
-        .call(get(), up.attempt())
-        .await
-        .unwrap();
+    up.call(&agent, get()).await.unwrap();
     let infos = up.infos();
     assert_eq!(infos.len(), 6, "{jitter}, seed {seed}");
     assert_eq!(infos[0].pause_before, None);
@@ -361,42 +291,38 @@ async fn jitter_none_pauses_exactly_at_the_ceiling_whatever_the_seed() {
     }
 }
 
-#[tokio::test(start_paused = true)]
-async fn jitter_full_pauses_anywhere_from_zero_to_the_ceiling() {
-    let mut by_retry = vec![Vec::new(); CEILINGS_MS.len()];
+/// For each retry, the lowest and the highest of its pauses over [`SEEDS`] as a share of its
+/// ceiling; every pause is checked to lie between `low` times the ceiling and the ceiling.
+async fn pause_shares(jitter: &str, low: f64) -> Vec<(f64, f64)> {
+    let mut spans = vec![(f64::MAX, 0.0f64); CEILINGS_MS.len()];
     for seed in SEEDS {
-        for (n, pause) in jittered_pauses("full", seed).await.into_iter().enumerate() {
+        for (n, pause) in jittered_pauses(jitter, seed).await.into_iter().enumerate() {
             let ceiling = Duration::from_millis(CEILINGS_MS[n]);
-            assert!(pause <= ceiling, "seed {seed}, retry {}: {pause:?}", n + 1);
-            by_retry[n].push(pause.as_secs_f64() / ceiling.as_secs_f64());
+            assert!(
+                pause >= ceiling.mul_f64(low) && pause <= ceiling,
+                "{jitter}, seed {seed}, retry {}: {pause:?}",
+                n + 1
+            );
+            let share = pause.as_secs_f64() / ceiling.as_secs_f64();
+            let (lo, hi) = spans[n];
+            spans[n] = (lo.min(share), hi.max(share));
         }
     }
+    spans
+}
+
+#[tokio::test(start_paused = true)]
+async fn jitter_full_pauses_anywhere_from_zero_to_the_ceiling() {
     // The whole range is used: the low tenth and the high tenth both occur (a pause stuck at
     // the ceiling, or at its upper half, fails here).
-    for (n, ratios) in by_retry.iter().enumerate() {
-        let lo = ratios.iter().copied().fold(f64::MAX, f64::min);
-        let hi = ratios.iter().copied().fold(0.0, f64::max);
+    for (n, (lo, hi)) in pause_shares("full", 0.0).await.into_iter().enumerate() {
         assert!(lo < 0.1 && hi > 0.9, "retry {}: [{lo}, {hi}]", n + 1);
     }
 }
 
 #[tokio::test(start_paused = true)]
 async fn jitter_equal_pauses_from_half_the_ceiling_to_the_ceiling() {
-    let mut by_retry = vec![Vec::new(); CEILINGS_MS.len()];
-    for seed in SEEDS {
-        for (n, pause) in jittered_pauses("equal", seed).await.into_iter().enumerate() {
-            let ceiling = Duration::from_millis(CEILINGS_MS[n]);
-            assert!(
-                pause >= ceiling / 2 && pause <= ceiling,
-                "seed {seed}, retry {}: {pause:?}",
-                n + 1
-            );
-            by_retry[n].push(pause.as_secs_f64() / ceiling.as_secs_f64());
-        }
-    }
-    for (n, ratios) in by_retry.iter().enumerate() {
-        let lo = ratios.iter().copied().fold(f64::MAX, f64::min);
-        let hi = ratios.iter().copied().fold(0.0, f64::max);
+    for (n, (lo, hi)) in pause_shares("equal", 0.5).await.into_iter().enumerate() {
         assert!(lo < 0.55 && hi > 0.95, "retry {}: [{lo}, {hi}]", n + 1);
     }
 }
@@ -438,11 +364,7 @@ async fn the_pause_stops_growing_at_backoff_max() {
         "max_attempts: 5\nbackoff: {base: 100ms, multiplier: 2.0, max: 300ms}",
     ));
     let up = Upstream::new(vec![Step::Status(503); 4]);
-    agent
-        .endpoint("ep")
-        .call(get(), up.attempt())
-        .await
-        .unwrap();
+    up.call(&agent, get()).await.unwrap();
     let pauses: Vec<_> = up.infos().iter().map(|i| i.pause_before).collect();
     let ms = |n| Some(Duration::from_millis(n));
     assert_eq!(pauses, [None, ms(100), ms(200), ms(300), ms(300)]);
@@ -456,7 +378,7 @@ async fn a_timed_out_post_with_the_key_is_retried() {
     headers.insert("idempotency-key", "k-2".parse().unwrap());
     let up = Upstream::new([Step::Hang]);
     let meta = CallMeta::http("POST", "/v1/charges").with_headers(&headers);
-    let res = agent.endpoint("ep").call(meta, up.attempt()).await.unwrap();
+    let res = up.call(&agent, meta).await.unwrap();
     assert_eq!(res.status(), 200);
     assert_eq!(
         up.starts_ms(),

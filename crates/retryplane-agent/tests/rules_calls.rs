@@ -14,12 +14,18 @@ fn get() -> CallMeta<'static> {
     CallMeta::http("GET", "/")
 }
 
-#[tokio::test(start_paused = true)]
-async fn a_cancellation_token_stops_a_pause_at_once() {
-    let agent = agent(&policy(
-        "max_attempts: 3\nbackoff: {base: 10s, max: 10s}\ndeadline: 30s",
-    ));
-    let up = Upstream::new([Step::Status(503)]);
+/// One call of `agent`'s `ep` against an upstream that plays `step` (then answers 200), with a
+/// cancellation token that is cancelled once the first attempt has started: the call's error,
+/// how long after the cancellation it came, and the attempts the upstream saw.
+async fn cancelled_after_the_first_attempt(
+    agent: &Agent,
+    step: Step,
+) -> (
+    CallError<http::Response<()>, std::io::Error>,
+    Duration,
+    usize,
+) {
+    let up = Upstream::new([step]);
     let token = CancellationToken::new();
     let ep = agent.endpoint("ep");
     let call = tokio::spawn({
@@ -30,14 +36,23 @@ async fn a_cancellation_token_stops_a_pause_at_once() {
     let start = tokio::time::Instant::now();
     token.cancel();
     let err = call.await.unwrap().unwrap_err();
+    (err, start.elapsed(), up.attempts())
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_cancellation_token_stops_a_pause_at_once() {
+    let agent = agent(&policy(
+        "max_attempts: 3\nbackoff: {base: 10s, max: 10s}\ndeadline: 30s",
+    ));
+    let (err, took, attempts) = cancelled_after_the_first_attempt(&agent, Step::Status(503)).await;
     assert_eq!(err.cause, Cause::Cancelled);
     assert_eq!(
         err.response().unwrap().status(),
         503,
         "the last failure comes back"
     );
-    assert_eq!(start.elapsed(), Duration::ZERO);
-    assert_eq!(up.attempts(), 1);
+    assert_eq!(took, Duration::ZERO);
+    assert_eq!(attempts, 1);
 }
 
 #[tokio::test(start_paused = true)]
@@ -45,21 +60,11 @@ async fn a_cancellation_token_stops_an_attempt_in_flight() {
     let agent = agent(&policy(
         "max_attempts: 3\nper_try_timeout: 10s\ndeadline: 30s",
     ));
-    let up = Upstream::new([Step::Hang]);
-    let token = CancellationToken::new();
-    let ep = agent.endpoint("ep");
-    let call = tokio::spawn({
-        let (up, token) = (up.clone(), token.clone());
-        async move { ep.call(get().with_cancel(token), up.attempt()).await }
-    });
-    up.until_attempts(1).await;
-    let start = tokio::time::Instant::now();
-    token.cancel();
-    let err = call.await.unwrap().unwrap_err();
+    let (err, took, attempts) = cancelled_after_the_first_attempt(&agent, Step::Hang).await;
     assert_eq!(err.cause, Cause::Cancelled);
     assert!(err.last.is_none(), "the attempt never answered");
-    assert_eq!(start.elapsed(), Duration::ZERO);
-    assert_eq!(up.attempts(), 1);
+    assert_eq!(took, Duration::ZERO);
+    assert_eq!(attempts, 1);
 }
 
 #[tokio::test(start_paused = true)]
@@ -99,11 +104,7 @@ async fn the_policy_is_read_once_per_call_even_if_swapped_mid_call() {
     assert_eq!(err.cause, Cause::GaveUp(GiveUpCause::AttemptsExhausted));
     assert_eq!(*attempts.lock().unwrap(), 2, "the call kept max_attempts 2");
     let up = Upstream::new([Step::Status(503), Step::Status(503), Step::Status(503)]);
-    agent
-        .endpoint("ep")
-        .call(get(), up.attempt())
-        .await
-        .unwrap();
+    up.call(&agent, get()).await.unwrap();
     assert_eq!(up.attempts(), 4, "the next call runs under max_attempts 5");
 }
 
@@ -113,18 +114,13 @@ async fn a_route_override_applies_to_matching_calls_only() {
         "max_attempts: 4\nroutes:\n  - match: {method: GET, path_prefix: /slow}\n    max_attempts: 2",
     ));
     let up = Upstream::new(vec![Step::Status(503); 5]);
-    let err = agent
-        .endpoint("ep")
-        .call(CallMeta::http("GET", "/slow/x?q=1"), up.attempt())
+    let err = up
+        .call(&agent, CallMeta::http("GET", "/slow/x?q=1"))
         .await
         .unwrap_err();
     assert_eq!(err.attempts, 2);
     let up = Upstream::new(vec![Step::Status(503); 5]);
-    let err = agent
-        .endpoint("ep")
-        .call(get(), up.attempt())
-        .await
-        .unwrap_err();
+    let err = up.call(&agent, get()).await.unwrap_err();
     assert_eq!(err.attempts, 4);
 }
 
@@ -273,11 +269,7 @@ async fn the_same_seed_gives_the_same_jittered_pauses() {
     let run = || async {
         let agent = support::agent(yaml);
         let up = Upstream::new([Step::Status(503), Step::Status(503), Step::Status(503)]);
-        agent
-            .endpoint("ep")
-            .call(get(), up.attempt())
-            .await
-            .unwrap();
+        up.call(&agent, get()).await.unwrap();
         up.starts_ms()
     };
     assert_eq!(run().await, run().await);

@@ -33,6 +33,34 @@ fn stdout_of(assert: Assert) -> String {
     String::from_utf8(assert.get_output().stdout.clone()).unwrap()
 }
 
+/// The stdout of `retryplane ARGS...` run inside `dir`, which must exit with `code`.
+fn output(dir: &Path, args: &[&str], code: i32) -> String {
+    stdout_of(retryplane(dir, args).assert().code(code))
+}
+
+/// `retryplane explain FILE --endpoint ENDPOINT EXTRA...` run inside `dir`.
+fn explain(dir: &Path, file: &str, endpoint: &str, extra: &[&str]) -> Command {
+    let mut cmd = retryplane(dir, &["explain", file, "--endpoint", endpoint]);
+    cmd.args(extra);
+    cmd
+}
+
+/// The stdout of [`explain`], which must exit 0.
+fn explained(dir: &Path, file: &str, endpoint: &str, extra: &[&str]) -> String {
+    stdout_of(explain(dir, file, endpoint, extra).assert().code(0))
+}
+
+/// The row of `field` in the `policy` array of `explain --format json`.
+fn policy_row(explained: &Value, field: &str) -> Value {
+    explained["policy"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["field"] == field)
+        .cloned()
+        .unwrap_or_else(|| panic!("no row for {field} in {explained}"))
+}
+
 const VALID: &str = "\
 version: 1
 endpoints:
@@ -105,11 +133,7 @@ fn a_valid_file_exits_zero_and_prints_nothing_on_stdout() {
 #[test]
 fn three_bad_fields_give_exactly_three_lines_at_their_places() {
     let dir = dir_with(&[("bad.yaml", THREE_ERRORS)]);
-    let out = stdout_of(
-        retryplane(dir.path(), &["validate", "bad.yaml"])
-            .assert()
-            .code(1),
-    );
+    let out = output(dir.path(), &["validate", "bad.yaml"], 1);
     let lines: Vec<&str> = out.lines().collect();
     let prefixes = [
         "bad.yaml:3:17: error: defaults.max_attempts: ",
@@ -129,13 +153,10 @@ fn three_bad_fields_give_exactly_three_lines_at_their_places() {
 #[test]
 fn json_format_is_one_array_with_every_field() {
     let dir = dir_with(&[("bad.yaml", THREE_ERRORS), ("good.yaml", VALID)]);
-    let out = stdout_of(
-        retryplane(
-            dir.path(),
-            &["validate", "--format", "json", "bad.yaml", "good.yaml"],
-        )
-        .assert()
-        .code(1),
+    let out = output(
+        dir.path(),
+        &["validate", "--format", "json", "bad.yaml", "good.yaml"],
+        1,
     );
     let problems: Vec<Value> = serde_json::from_str(&out).unwrap();
     assert_eq!(problems.len(), 3);
@@ -161,11 +182,7 @@ const CONTROL_NAMES: &str = "version: 1\nendpoints:\n  \"pay\\nments\":\n    \"m
 #[test]
 fn text_output_keeps_each_problem_on_one_line_whatever_the_names_hold() {
     let dir = dir_with(&[("names.yaml", CONTROL_NAMES)]);
-    let out = stdout_of(
-        retryplane(dir.path(), &["validate", "names.yaml"])
-            .assert()
-            .code(1),
-    );
+    let out = output(dir.path(), &["validate", "names.yaml"], 1);
     let lines: Vec<&str> = out.lines().collect();
     assert_eq!(lines.len(), 3, "{out}");
     assert_eq!(
@@ -184,10 +201,10 @@ fn text_output_keeps_each_problem_on_one_line_whatever_the_names_hold() {
     assert!(lines[2].contains("1\\u{1b}[2Jm"), "{}", lines[2]);
     assert!(!out.contains('\u{1b}'), "{out:?}");
     // JSON carries the names as written.
-    let json = stdout_of(
-        retryplane(dir.path(), &["validate", "--format", "json", "names.yaml"])
-            .assert()
-            .code(1),
+    let json = output(
+        dir.path(),
+        &["validate", "--format", "json", "names.yaml"],
+        1,
     );
     let problems: Vec<Value> = serde_json::from_str(&json).unwrap();
     assert_eq!(problems[1]["path"], "endpoints.pay\nments.max\nattempts");
@@ -240,11 +257,7 @@ fn a_missing_file_does_not_stop_the_others_and_exit_two_wins() {
 #[test]
 fn of_two_files_only_the_bad_ones_problems_are_printed() {
     let dir = dir_with(&[("good.yaml", VALID), ("bad.yaml", THREE_ERRORS)]);
-    let out = stdout_of(
-        retryplane(dir.path(), &["validate", "good.yaml", "bad.yaml"])
-            .assert()
-            .code(1),
-    );
+    let out = output(dir.path(), &["validate", "good.yaml", "bad.yaml"], 1);
     assert_eq!(out.lines().count(), 3);
     assert!(out.lines().all(|l| l.starts_with("bad.yaml:")), "{out}");
 }
@@ -280,11 +293,7 @@ endpoints:
 #[test]
 fn a_route_that_turns_the_shared_budget_on_or_tunes_the_breaker_is_refused() {
     let dir = dir_with(&[("route.yaml", ROUTE_SHARED)]);
-    let out = stdout_of(
-        retryplane(dir.path(), &["validate", "route.yaml"])
-            .assert()
-            .code(1),
-    );
+    let out = output(dir.path(), &["validate", "route.yaml"], 1);
     assert_eq!(
         out,
         "route.yaml:7:27: error: endpoints.payments.routes[0].budget.enabled: budget is per endpoint, shared by its routes; a route can only turn it off (enabled: false): set it on the endpoint or in `defaults:`\n\
@@ -298,21 +307,12 @@ fn explain_shows_a_route_turning_the_shared_budget_off() {
         "off.yaml",
         "version: 1\nendpoints:\n  payments:\n    routes:\n      - match: {method: POST}\n        budget: {enabled: false}\n",
     )]);
-    let args = [
-        "explain",
-        "off.yaml",
-        "--endpoint",
-        "payments",
-        "-X",
-        "POST",
-    ];
-    let out = stdout_of(retryplane(dir.path(), &args).assert().code(0));
+    let out = explained(dir.path(), "off.yaml", "payments", &["-X", "POST"]);
     assert_eq!(
         policy_line(&out, "budget.enabled"),
         ["budget.enabled", "false", "route", "off.yaml:6:27"]
     );
-    let get = ["explain", "off.yaml", "--endpoint", "payments", "-X", "GET"];
-    let out = stdout_of(retryplane(dir.path(), &get).assert().code(0));
+    let out = explained(dir.path(), "off.yaml", "payments", &["-X", "GET"]);
     assert_eq!(
         policy_line(&out, "budget.enabled"),
         ["budget.enabled", "true", "built-in"]
@@ -375,14 +375,7 @@ fn policy_line(out: &str, field: &str) -> Vec<String> {
 #[test]
 fn explain_prints_the_worked_schedule_ceilings_in_milliseconds() {
     let dir = dir_with(&[("worked.yaml", WORKED)]);
-    let out = stdout_of(
-        retryplane(
-            dir.path(),
-            &["explain", "worked.yaml", "--endpoint", "worked"],
-        )
-        .assert()
-        .code(0),
-    );
+    let out = explained(dir.path(), "worked.yaml", "worked", &[]);
     // Rows: retry, attempt, ceiling, [low, high], worst-case start, fits.
     let ceilings: Vec<&str> = out
         .lines()
@@ -404,21 +397,7 @@ fn explain_prints_the_worked_schedule_ceilings_in_milliseconds() {
 #[test]
 fn explain_json_has_the_schedule_and_load_in_milliseconds() {
     let dir = dir_with(&[("worked.yaml", WORKED)]);
-    let out = stdout_of(
-        retryplane(
-            dir.path(),
-            &[
-                "explain",
-                "worked.yaml",
-                "--endpoint",
-                "worked",
-                "--format",
-                "json",
-            ],
-        )
-        .assert()
-        .code(0),
-    );
+    let out = explained(dir.path(), "worked.yaml", "worked", &["--format", "json"]);
     let e: Value = serde_json::from_str(&out).unwrap();
     let retries = e["schedule"]["retries"].as_array().unwrap();
     let ceilings: Vec<u64> = retries
@@ -440,17 +419,8 @@ fn explain_json_has_the_schedule_and_load_in_milliseconds() {
 #[test]
 fn explain_names_the_layer_each_value_comes_from() {
     let dir = dir_with(&[("layers.yaml", LAYERED)]);
-    let args = [
-        "explain",
-        "layers.yaml",
-        "--endpoint",
-        "payments",
-        "-X",
-        "POST",
-        "--path",
-        "/v1/charges/ch_1",
-    ];
-    let out = stdout_of(retryplane(dir.path(), &args).assert().code(0));
+    let args = ["-X", "POST", "--path", "/v1/charges/ch_1"];
+    let out = explained(dir.path(), "layers.yaml", "payments", &args);
     assert!(
         out.contains("routes[0]: POST /v1/charges (layers.yaml:8:16)"),
         "{out}"
@@ -476,29 +446,10 @@ fn explain_names_the_layer_each_value_comes_from() {
 #[test]
 fn explain_json_names_the_layer_and_place_of_each_value() {
     let dir = dir_with(&[("layers.yaml", LAYERED)]);
-    let args = [
-        "explain",
-        "layers.yaml",
-        "--endpoint",
-        "payments",
-        "-X",
-        "POST",
-        "--path",
-        "/v1/charges",
-        "--format",
-        "json",
-    ];
+    let args = ["-X", "POST", "--path", "/v1/charges", "--format", "json"];
     let e: Value =
-        serde_json::from_str(&stdout_of(retryplane(dir.path(), &args).assert().code(0))).unwrap();
-    let field = |name: &str| {
-        e["policy"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|f| f["field"] == name)
-            .cloned()
-            .unwrap()
-    };
+        serde_json::from_str(&explained(dir.path(), "layers.yaml", "payments", &args)).unwrap();
+    let field = |name: &str| policy_row(&e, name);
     assert_eq!(field("max_attempts")["level"], "route");
     assert_eq!(field("max_attempts")["line"], 9);
     assert_eq!(field("deadline")["value"], 20_000);
@@ -527,39 +478,29 @@ endpoints:
 #[test]
 fn explain_shows_the_alert_ratio_and_the_layer_it_comes_from() {
     let dir = dir_with(&[("alerts.yaml", ALERTS), ("valid.yaml", VALID)]);
-    let explain = |file: &str, endpoint: &str, extra: &[&str]| {
-        let mut args = vec!["explain", file, "--endpoint", endpoint];
-        args.extend_from_slice(extra);
-        stdout_of(retryplane(dir.path(), &args).assert().code(0))
+    let alert = |file: &str, endpoint: &str, extra: &[&str]| {
+        policy_line(
+            &explained(dir.path(), file, endpoint, extra),
+            "alert.retry_ratio",
+        )
     };
     // A route is used for the call, but the alert setting is the endpoint's.
     assert_eq!(
-        policy_line(
-            &explain("alerts.yaml", "payments", &["-X", "POST"]),
-            "alert.retry_ratio"
-        ),
+        alert("alerts.yaml", "payments", &["-X", "POST"]),
         ["alert.retry_ratio", "0.02", "endpoint", "alerts.yaml:7:20"]
     );
     assert_eq!(
-        policy_line(&explain("alerts.yaml", "search", &[]), "alert.retry_ratio"),
+        alert("alerts.yaml", "search", &[]),
         ["alert.retry_ratio", "0.1", "defaults", "alerts.yaml:3:24"]
     );
     assert_eq!(
-        policy_line(
-            &explain("valid.yaml", "inventory", &[]),
-            "alert.retry_ratio"
-        ),
+        alert("valid.yaml", "inventory", &[]),
         ["alert.retry_ratio", "0.05", "built-in"]
     );
+    let json = ["--format", "json"];
     let e: Value =
-        serde_json::from_str(&explain("alerts.yaml", "search", &["--format", "json"])).unwrap();
-    let row = e["policy"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|f| f["field"] == "alert.retry_ratio")
-        .cloned()
-        .unwrap();
+        serde_json::from_str(&explained(dir.path(), "alerts.yaml", "search", &json)).unwrap();
+    let row = policy_row(&e, "alert.retry_ratio");
     assert_eq!(row["value"], 0.1);
     assert_eq!(row["level"], "defaults");
     assert_eq!(row["line"], 3);
@@ -568,34 +509,16 @@ fn explain_shows_the_alert_ratio_and_the_layer_it_comes_from() {
 #[test]
 fn explain_says_a_non_idempotent_call_needs_the_key() {
     let dir = dir_with(&[("layers.yaml", LAYERED)]);
-    let post = [
-        "explain",
-        "layers.yaml",
-        "--endpoint",
-        "payments",
-        "-X",
-        "POST",
-        "--path",
-        "/v1/charges",
-    ];
-    retryplane(dir.path(), &post)
+    let post = ["-X", "POST", "--path", "/v1/charges"];
+    explain(dir.path(), "layers.yaml", "payments", &post)
         .assert()
         .code(0)
         .stdout(predicate::str::contains(
             "only when the request carries the `Idempotency-Key` header: POST is not in idempotent_methods",
         ));
-    let get = [
-        "explain",
-        "layers.yaml",
-        "--endpoint",
-        "payments",
-        "--path",
-        "/v1/charges",
-        "--format",
-        "json",
-    ];
+    let get = ["--path", "/v1/charges", "--format", "json"];
     let e: Value =
-        serde_json::from_str(&stdout_of(retryplane(dir.path(), &get).assert().code(0))).unwrap();
+        serde_json::from_str(&explained(dir.path(), "layers.yaml", "payments", &get)).unwrap();
     assert_eq!(e["call"]["method"], "GET");
     assert_eq!(e["retried"]["idempotent"], true);
     assert_eq!(e["route"], Value::Null, "the route is for POST only");
@@ -604,29 +527,15 @@ fn explain_says_a_non_idempotent_call_needs_the_key() {
 #[test]
 fn explain_matches_grpc_routes_and_shows_a_never_retried_method() {
     let dir = dir_with(&[("layers.yaml", LAYERED)]);
-    let query = [
-        "explain",
-        "layers.yaml",
-        "--endpoint",
-        "search",
-        "--grpc",
-        "/search.v1.SearchService/Query",
-    ];
-    let out = stdout_of(retryplane(dir.path(), &query).assert().code(0));
+    let query = ["--grpc", "/search.v1.SearchService/Query"];
+    let out = explained(dir.path(), "layers.yaml", "search", &query);
     assert!(
         out.contains("routes[0]: /search.v1.SearchService/Query"),
         "{out}"
     );
     assert_eq!(policy_line(&out, "max_attempts")[2], "route");
-    let put = [
-        "explain",
-        "layers.yaml",
-        "--endpoint",
-        "search",
-        "--grpc",
-        "/search.v1.Indexer/Put",
-    ];
-    retryplane(dir.path(), &put)
+    let put = ["--grpc", "/search.v1.Indexer/Put"];
+    explain(dir.path(), "layers.yaml", "search", &put)
         .assert()
         .code(0)
         .stdout(predicate::str::contains("routes[1]: /search.v1.Indexer/*"))
@@ -637,46 +546,29 @@ fn explain_matches_grpc_routes_and_shows_a_never_retried_method() {
 #[test]
 fn explain_of_an_unknown_endpoint_lists_the_known_ones_and_exits_two() {
     let dir = dir_with(&[("layers.yaml", LAYERED)]);
-    retryplane(
-        dir.path(),
-        &["explain", "layers.yaml", "--endpoint", "paymnts"],
-    )
-    .assert()
-    .code(2)
-    .stdout("")
-    .stderr(predicate::str::contains("did you mean `payments`"))
-    .stderr(predicate::str::contains("payments, search"));
+    explain(dir.path(), "layers.yaml", "paymnts", &[])
+        .assert()
+        .code(2)
+        .stdout("")
+        .stderr(predicate::str::contains("did you mean `payments`"))
+        .stderr(predicate::str::contains("payments, search"));
 }
 
 #[test]
 fn explain_of_an_invalid_file_prints_what_validate_prints_and_exits_one() {
     let dir = dir_with(&[("bad.yaml", THREE_ERRORS)]);
-    let validate = stdout_of(
-        retryplane(dir.path(), &["validate", "bad.yaml"])
-            .assert()
-            .code(1),
-    );
-    retryplane(
-        dir.path(),
-        &["explain", "bad.yaml", "--endpoint", "payments"],
-    )
-    .assert()
-    .code(1)
-    .stdout(validate);
+    let validate = output(dir.path(), &["validate", "bad.yaml"], 1);
+    explain(dir.path(), "bad.yaml", "payments", &[])
+        .assert()
+        .code(1)
+        .stdout(validate);
 }
 
 #[test]
 fn explain_refuses_grpc_together_with_an_http_method() {
     let dir = dir_with(&[("layers.yaml", LAYERED)]);
-    let args = [
-        "explain",
-        "layers.yaml",
-        "--endpoint",
-        "search",
-        "--grpc",
-        "/a.B/C",
-        "-X",
-        "GET",
-    ];
-    retryplane(dir.path(), &args).assert().code(2);
+    let args = ["--grpc", "/a.B/C", "-X", "GET"];
+    explain(dir.path(), "layers.yaml", "search", &args)
+        .assert()
+        .code(2);
 }

@@ -53,6 +53,15 @@ fn step(call: &mut RetryCall<'_>, outcome: Outcome, now: Instant) -> Decision {
     call.on_outcome(outcome, now, &mut rng)
 }
 
+/// The decision on `outcome` as the first attempt of a new call with `info` under `p`, on a
+/// new endpoint state.
+fn first(p: &RetryPolicy, info: CallInfo, outcome: Outcome) -> Decision {
+    let t0 = Instant::now();
+    let state = EndpointState::new(p, t0);
+    let mut call = RetryCall::new(p, &state, info, t0);
+    step(&mut call, outcome, t0)
+}
+
 #[test]
 fn success_returns_at_once() {
     let p = policy();
@@ -102,36 +111,28 @@ fn unlisted_status_is_not_retried() {
 
 #[test]
 fn post_without_key_is_not_retried() {
-    let p = policy();
-    let t0 = Instant::now();
-    let state = EndpointState::new(&p, t0);
-    let mut call = RetryCall::new(&p, &state, post(false), t0);
     assert_eq!(
-        step(&mut call, http(503), t0),
+        first(&policy(), post(false), http(503)),
         Decision::GiveUp(GiveUpCause::NotRetryable)
     );
 }
 
 #[test]
 fn post_with_key_is_retried() {
-    let p = policy();
-    let t0 = Instant::now();
-    let state = EndpointState::new(&p, t0);
-    let mut call = RetryCall::new(&p, &state, post(true), t0);
     assert!(matches!(
-        step(&mut call, http(503), t0),
+        first(&policy(), post(true), http(503)),
         Decision::Retry { .. }
     ));
 }
 
 #[test]
 fn post_connect_failure_is_retried_without_key_since_nothing_was_sent() {
-    let p = policy();
-    let t0 = Instant::now();
-    let state = EndpointState::new(&p, t0);
-    let mut call = RetryCall::new(&p, &state, post(false), t0);
     assert!(matches!(
-        step(&mut call, Outcome::Transport(ErrorClass::Connect), t0),
+        first(
+            &policy(),
+            post(false),
+            Outcome::Transport(ErrorClass::Connect)
+        ),
         Decision::Retry { .. }
     ));
 }
@@ -235,11 +236,8 @@ fn max_attempts_of_one_never_retries() {
         max_attempts: 1,
         ..policy()
     };
-    let t0 = Instant::now();
-    let state = EndpointState::new(&p, t0);
-    let mut call = RetryCall::new(&p, &state, get(), t0);
     assert_eq!(
-        step(&mut call, http(503), t0),
+        first(&p, get(), http(503)),
         Decision::GiveUp(GiveUpCause::AttemptsExhausted)
     );
 }
@@ -275,16 +273,12 @@ fn budget_refuses_retries_past_the_reserve_and_first_attempts_never_consume_it()
 
 #[test]
 fn retry_after_lengthens_the_pause() {
-    let p = policy();
-    let t0 = Instant::now();
-    let state = EndpointState::new(&p, t0);
-    let mut call = RetryCall::new(&p, &state, get(), t0);
     let outcome = Outcome::Http {
         status: 429,
         retry_after: Some(Ok(Duration::from_secs(3))),
     };
     assert_eq!(
-        step(&mut call, outcome, t0),
+        first(&policy(), get(), outcome),
         Decision::Retry {
             pause: Duration::from_secs(3),
             hinted: true
@@ -294,16 +288,12 @@ fn retry_after_lengthens_the_pause() {
 
 #[test]
 fn retry_after_shorter_than_the_backoff_keeps_the_backoff() {
-    let p = policy();
-    let t0 = Instant::now();
-    let state = EndpointState::new(&p, t0);
-    let mut call = RetryCall::new(&p, &state, get(), t0);
     let outcome = Outcome::Http {
         status: 503,
         retry_after: Some(Ok(Duration::ZERO)),
     };
     assert_eq!(
-        step(&mut call, outcome, t0),
+        first(&policy(), get(), outcome),
         Decision::Retry {
             pause: Duration::from_millis(100),
             hinted: false
@@ -313,32 +303,24 @@ fn retry_after_shorter_than_the_backoff_keeps_the_backoff() {
 
 #[test]
 fn retry_after_above_the_max_gives_up_instead_of_retrying_early() {
-    let p = policy();
-    let t0 = Instant::now();
-    let state = EndpointState::new(&p, t0);
-    let mut call = RetryCall::new(&p, &state, get(), t0);
     let outcome = Outcome::Http {
         status: 429,
         retry_after: Some(Ok(Duration::from_secs(31))),
     };
     assert_eq!(
-        step(&mut call, outcome, t0),
+        first(&policy(), get(), outcome),
         Decision::GiveUp(GiveUpCause::RetryAfterTooLong)
     );
 }
 
 #[test]
 fn malformed_retry_after_is_ignored() {
-    let p = policy();
-    let t0 = Instant::now();
-    let state = EndpointState::new(&p, t0);
-    let mut call = RetryCall::new(&p, &state, get(), t0);
     let outcome = Outcome::Http {
         status: 503,
         retry_after: Some(Err(RetryAfterError::Malformed)),
     };
     assert_eq!(
-        step(&mut call, outcome, t0),
+        first(&policy(), get(), outcome),
         Decision::Retry {
             pause: Duration::from_millis(100),
             hinted: false
@@ -350,15 +332,12 @@ fn malformed_retry_after_is_ignored() {
 fn hints_are_ignored_when_not_honored() {
     let mut p = policy();
     p.retry_after.honor = false;
-    let t0 = Instant::now();
-    let state = EndpointState::new(&p, t0);
-    let mut call = RetryCall::new(&p, &state, get(), t0);
     let outcome = Outcome::Http {
         status: 429,
         retry_after: Some(Ok(Duration::from_secs(60))),
     };
     assert_eq!(
-        step(&mut call, outcome, t0),
+        first(&p, get(), outcome),
         Decision::Retry {
             pause: Duration::from_millis(100),
             hinted: false
@@ -368,16 +347,12 @@ fn hints_are_ignored_when_not_honored() {
 
 #[test]
 fn grpc_pushback_replaces_the_computed_pause() {
-    let p = policy();
-    let t0 = Instant::now();
-    let state = EndpointState::new(&p, t0);
-    let mut call = RetryCall::new(&p, &state, get(), t0);
     let outcome = Outcome::Grpc {
         code: GrpcCode::Unavailable,
         pushback: Some(Pushback::After(Duration::from_millis(10))),
     };
     assert_eq!(
-        step(&mut call, outcome, t0),
+        first(&policy(), get(), outcome),
         Decision::Retry {
             pause: Duration::from_millis(10),
             hinted: true
@@ -387,16 +362,12 @@ fn grpc_pushback_replaces_the_computed_pause() {
 
 #[test]
 fn grpc_pushback_that_is_negative_or_garbage_means_do_not_retry() {
-    let p = policy();
-    let t0 = Instant::now();
-    let state = EndpointState::new(&p, t0);
-    let mut call = RetryCall::new(&p, &state, get(), t0);
     let outcome = Outcome::Grpc {
         code: GrpcCode::Unavailable,
         pushback: Some(Pushback::DoNotRetry),
     };
     assert_eq!(
-        step(&mut call, outcome, t0),
+        first(&policy(), get(), outcome),
         Decision::GiveUp(GiveUpCause::NotRetryable)
     );
 }

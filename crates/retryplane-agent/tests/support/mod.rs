@@ -14,7 +14,7 @@ use bytes::Bytes;
 use http::Request;
 use http_body_util::BodyExt as _;
 use retryplane_agent::layer::ReplayBody;
-use retryplane_agent::{Agent, AttemptInfo};
+use retryplane_agent::{Agent, AttemptInfo, CallError, CallMeta};
 use tokio::time::Instant;
 use tower::service_fn;
 
@@ -71,6 +71,15 @@ impl Upstream {
                 }
             })
         }
+    }
+
+    /// One call of `meta` through `agent`'s endpoint `ep`, each attempt taking the next step.
+    pub async fn call(
+        self: &Arc<Self>,
+        agent: &Agent,
+        meta: CallMeta<'_>,
+    ) -> Result<http::Response<()>, CallError<http::Response<()>, io::Error>> {
+        agent.endpoint("ep").call(meta, self.attempt()).await
     }
 
     /// Attempts made.
@@ -183,9 +192,14 @@ where
 
 /// An agent on the policy file `yaml`, seeded.
 pub fn agent(yaml: &str) -> Agent {
+    seeded(yaml, 7)
+}
+
+/// An agent on the policy file `yaml` whose RNG is seeded with `seed`.
+pub fn seeded(yaml: &str, seed: u64) -> Agent {
     let loaded = retryplane_policy::load(yaml.as_bytes());
     assert!(!loaded.has_errors(), "{:?}", loaded.diagnostics);
-    Agent::from_policies_seeded(loaded.policies.unwrap(), 7)
+    Agent::from_policies_seeded(loaded.policies.unwrap(), seed)
 }
 
 /// A policy with one endpoint `ep`, deterministic pauses (base 100ms, ×2, no jitter), budget
