@@ -150,7 +150,7 @@ impl TryFrom<Args> for Settings {
                 };
                 PolicyFrom::Server(url, args.token)
             }
-            // clap requires one of the two.
+            // Unreachable: clap refuses a command line without either (`policy_from` is required).
             (None, None) => bail!("say where the policy comes from: --policy FILE or --server URL"),
         };
         Ok(Self {

@@ -449,4 +449,9 @@ fn the_policy_must_come_from_a_file_or_a_server() {
         stderr.contains("--policy") && stderr.contains("--server"),
         "{stderr}"
     );
+    // clap's own usage error: the command never gets as far as reading its flags.
+    assert!(
+        stderr.contains("the following required arguments were not provided"),
+        "{stderr}"
+    );
 }

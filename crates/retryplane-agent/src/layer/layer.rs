@@ -344,16 +344,13 @@ where
             let uri = head.uri.clone();
             let meta = call_meta(&head, uri.path()).not_replayable();
             let mut request = Some(Request::from_parts(head, body));
+            // `attempt` runs once: for a request marked not replayable the engine retries no
+            // failure (`CallInfo::may_retry`), and `call_with` sends nothing again after a
+            // 401. So `take` always finds the request; the error is for a second run that
+            // cannot come, and stands in for an empty request, never a panic.
             let attempt = move |_| {
-                // The engine starts no second attempt; were one asked for, it fails here
-                // rather than send an empty request.
                 let sent = request.take().map(|r| inner.send(r));
-                async move {
-                    match sent {
-                        Some(sent) => sent.await,
-                        None => Err(BoxError::from("a streamed body cannot be sent twice")),
-                    }
-                }
+                async move { sent.ok_or("a streamed body cannot be sent twice")?.await }
             };
             endpoint
                 .call_with(meta, classify, attempt)
