@@ -16,42 +16,41 @@ use std::cmp::Ordering;
 use std::fmt::Write as _;
 
 use retryplane_proto::pb;
+use retryplane_server::aggregate::window::WINDOWS;
+pub use retryplane_server::aggregate::window::Window;
 use serde_json::{Value, json};
 
 use super::time::rfc3339_utc;
 
-/// `--window`: the trailing window that rates and ratios are taken over.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
-pub enum Window {
-    /// The last minute.
-    #[value(name = "1m")]
-    OneMinute,
-    /// The last five minutes (the alert's window).
-    #[default]
-    #[value(name = "5m")]
-    FiveMinutes,
-    /// The last fifteen minutes.
-    #[value(name = "15m")]
-    FifteenMinutes,
+/// `--window`: the trailing window that rates and ratios are taken over, one of the control
+/// plane's [`Window`]s by its label (`1m`, `5m`, `15m`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WindowArg(pub Window);
+
+impl Default for WindowArg {
+    /// The alert's window.
+    fn default() -> Self {
+        WindowArg(ALERT_WINDOW)
+    }
 }
 
-impl Window {
-    /// The window's nominal length, as `WindowStats.window_seconds` carries it.
-    pub fn seconds(self) -> u32 {
-        match self {
-            Window::OneMinute => 60,
-            Window::FiveMinutes => 300,
-            Window::FifteenMinutes => 900,
-        }
+impl clap::ValueEnum for WindowArg {
+    fn value_variants<'a>() -> &'a [Self] {
+        const ALL: [WindowArg; 3] = [
+            WindowArg(WINDOWS[0]),
+            WindowArg(WINDOWS[1]),
+            WindowArg(WINDOWS[2]),
+        ];
+        &ALL
     }
 
-    /// `1m`, `5m` or `15m`.
-    pub fn label(self) -> &'static str {
-        match self {
-            Window::OneMinute => "1m",
-            Window::FiveMinutes => "5m",
-            Window::FifteenMinutes => "15m",
-        }
+    fn to_possible_value(&self) -> Option<clap::builder::PossibleValue> {
+        let help = match self.0 {
+            Window::OneMinute => "The last minute",
+            Window::FiveMinutes => "The last five minutes (the alert's window)",
+            Window::FifteenMinutes => "The last fifteen minutes",
+        };
+        Some(clap::builder::PossibleValue::new(self.0.label()).help(help))
     }
 }
 
@@ -469,6 +468,27 @@ pub(crate) mod tests {
             since_unix_ms: 1_764_473_825_000,
         });
         s
+    }
+
+    #[test]
+    fn window_flag_values_are_the_servers_windows_by_label() {
+        use clap::ValueEnum as _;
+        let parsed: Vec<(Window, u32)> = ["1m", "5m", "15m"]
+            .into_iter()
+            .map(|label| WindowArg::from_str(label, false).map(|w| (w.0, w.0.seconds())))
+            .collect::<Result<_, _>>()
+            .unwrap();
+        assert_eq!(
+            parsed,
+            [
+                (Window::OneMinute, 60),
+                (Window::FiveMinutes, 300),
+                (Window::FifteenMinutes, 900)
+            ]
+        );
+        assert!(WindowArg::from_str("2m", false).is_err());
+        assert_eq!(WindowArg::default().0, ALERT_WINDOW);
+        assert_eq!(ALERT_WINDOW.label(), "5m");
     }
 
     #[test]

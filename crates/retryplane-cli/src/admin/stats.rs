@@ -46,7 +46,7 @@ use clap::builder::NonEmptyStringValueParser;
 use serde_json::{Value, json};
 
 use super::client::Client;
-use super::metrics::{self, Row, Window};
+use super::metrics::{self, Row, Window, WindowArg};
 use super::time::rfc3339_utc;
 use super::{Server, ServerArgs, block_on};
 use crate::output::{self, Align, Format};
@@ -65,7 +65,7 @@ pub struct Args {
     /// The trailing window that rates and ratios are taken over (text only: JSON has them
     /// all).
     #[arg(long, value_enum, default_value_t)]
-    window: Window,
+    window: WindowArg,
     /// Output format.
     #[arg(long, value_enum, default_value_t, alias = "format")]
     output: Format,
@@ -95,7 +95,7 @@ impl TryFrom<Args> for Settings {
         Ok(Self {
             endpoint: args.endpoint,
             service: args.service,
-            window: args.window,
+            window: args.window.0,
             format: args.output,
             server: args.server.try_into()?,
         })

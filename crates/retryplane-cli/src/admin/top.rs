@@ -39,7 +39,7 @@ use tokio_stream::StreamExt as _;
 use tonic::Status;
 
 use super::client::Client;
-use super::metrics::{self, Window};
+use super::metrics::{self, Window, WindowArg};
 use super::time::rfc3339_utc;
 use super::{Server, ServerArgs, block_on, status_line};
 use crate::output::{self, Align};
@@ -58,7 +58,7 @@ pub struct Args {
     interval: Duration,
     /// The trailing window that rates and ratios are taken over.
     #[arg(long, value_enum, default_value = "1m")]
-    window: Window,
+    window: WindowArg,
     /// Stop after N refreshes [default: run until q, Ctrl-C or SIGTERM, also when stdout is
     /// not a terminal, like `top -b`].
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
@@ -94,7 +94,7 @@ impl TryFrom<Args> for Settings {
     fn try_from(args: Args) -> anyhow::Result<Self> {
         Ok(Self {
             interval: args.interval,
-            window: args.window,
+            window: args.window.0,
             iterations: args.iterations,
             server: args.server.try_into()?,
         })
