@@ -50,9 +50,10 @@ use retryplane_policy::budget::RetryBudget;
 use retryplane_policy::engine::Decision;
 use retryplane_policy::rng::SeededRng;
 use retryplane_policy::{BudgetConfig, load};
+use support::cpu_clock::{cpu_time_mode, thread_cpu_time};
 use support::{
-    ENDPOINTS, FAILING, HOT, OK, TARGET, UNAVAILABLE, cpu_time_mode, engine_call, full_call, hot,
-    thousand_endpoints, thousand_endpoints_yaml, thread_cpu_time,
+    ENDPOINTS, FAILING, HOT, OK, TARGET, UNAVAILABLE, engine_call, full_call, hot,
+    thousand_endpoints, thousand_endpoints_yaml,
 };
 use tokio::time::Instant;
 use tower::retry::budget::{Budget, TpsBudget};

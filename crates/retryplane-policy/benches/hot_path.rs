@@ -30,7 +30,8 @@ use std::time::Duration;
 
 use retryplane_policy::engine::Decision;
 use retryplane_policy::rng::SeededRng;
-use support::{HOT, OK, TARGET, engine_call, full_call, hot, thousand_endpoints, thread_cpu_time};
+use support::cpu_clock::thread_cpu_time;
+use support::{HOT, OK, TARGET, engine_call, full_call, hot, thousand_endpoints};
 use tokio::time::Instant;
 use tower::retry::budget::{Budget, TpsBudget};
 

@@ -9,6 +9,9 @@ use std::time::Duration;
 use retryplane_agent::{Agent, CallMeta, PolicySet};
 use tokio::time::Instant;
 
+#[path = "../../../retryplane-policy/benches/support/cpu_clock.rs"]
+pub mod cpu_clock;
+
 /// Endpoints in each set: `svc-0000` … `svc-0999`.
 pub const ENDPOINTS: usize = 1000;
 /// The endpoint every call goes to: the one in the middle (two routes, the call matches the
@@ -190,24 +193,8 @@ pub fn runtime() -> tokio::runtime::Runtime {
         .expect("a current-thread runtime")
 }
 
-/// Whether the benches time with the thread's CPU time instead of the wall clock:
-/// `RETRYPLANE_BENCH_CPU_TIME=1`. On a shared machine, time-slicing by other processes then
-/// does not count.
-pub fn cpu_time_mode() -> bool {
-    std::env::var_os("RETRYPLANE_BENCH_CPU_TIME").is_some_and(|v| v == "1")
-}
-
-/// This thread's CPU time so far (`CLOCK_THREAD_CPUTIME_ID`).
-pub fn thread_cpu_time() -> Duration {
-    let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
-    Duration::new(
-        u64::try_from(t.tv_sec).unwrap_or(0),
-        u32::try_from(t.tv_nsec).unwrap_or(0),
-    )
-}
-
-/// Times a stretch of this thread's work by the wall clock or, in [`cpu_time_mode`], by its
-/// CPU time.
+/// Times a stretch of this thread's work by the wall clock or, in
+/// [`cpu_clock::cpu_time_mode`], by its CPU time.
 #[derive(Clone, Copy, Debug)]
 pub struct Stopwatch {
     wall: Instant,
@@ -218,7 +205,7 @@ impl Stopwatch {
     /// Starts timing now.
     pub fn start(cpu: bool) -> Stopwatch {
         Stopwatch {
-            cpu: cpu.then(thread_cpu_time),
+            cpu: cpu.then(cpu_clock::thread_cpu_time),
             wall: Instant::now(),
         }
     }
@@ -226,7 +213,7 @@ impl Stopwatch {
     /// The time since [`Stopwatch::start`].
     pub fn elapsed(&self) -> Duration {
         match self.cpu {
-            Some(c0) => thread_cpu_time().saturating_sub(c0),
+            Some(c0) => cpu_clock::thread_cpu_time().saturating_sub(c0),
             None => self.wall.elapsed(),
         }
     }

@@ -10,6 +10,8 @@ use retryplane_policy::rng::SeededRng;
 use retryplane_policy::{PolicySet, RetryPolicy, Target, load};
 use tokio::time::Instant;
 
+pub mod cpu_clock;
+
 /// The endpoint of the success path (two routes; the call matches the second).
 pub const HOT: &str = "svc-0042";
 /// The endpoint of the failure path: same routes, a budget that never runs out and a breaker
@@ -122,20 +124,4 @@ pub fn engine_call(
     let mut call = RetryCall::new(policy, state, info, now);
     let _ = call.start_attempt(now);
     call.on_outcome(outcome, now, rng)
-}
-
-/// Whether the hot-path groups time by the thread's CPU time instead of the wall clock:
-/// `RETRYPLANE_BENCH_CPU_TIME=1`. On a shared machine, time-slicing by other processes then
-/// does not count.
-pub fn cpu_time_mode() -> bool {
-    std::env::var_os("RETRYPLANE_BENCH_CPU_TIME").is_some_and(|v| v == "1")
-}
-
-/// This thread's CPU time so far (`CLOCK_THREAD_CPUTIME_ID`).
-pub fn thread_cpu_time() -> Duration {
-    let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
-    Duration::new(
-        u64::try_from(t.tv_sec).unwrap_or(0),
-        u32::try_from(t.tv_nsec).unwrap_or(0),
-    )
 }
