@@ -262,7 +262,9 @@ impl Swapper {
                     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
                     tick.tick().await;
                     let mut next = Variant::B;
-                    while !stop.load(Relaxed) {
+                    // At least one swap, however short the run (`cargo test --benches` runs
+                    // each bench once, in well under one interval).
+                    loop {
                         tick.tick().await;
                         let set = match next {
                             Variant::A => a.clone(),
@@ -275,6 +277,9 @@ impl Swapper {
                         max_swap_nanos.fetch_max(took, Relaxed);
                         swaps.fetch_add(1, Relaxed);
                         next = next.other();
+                        if stop.load(Relaxed) {
+                            break;
+                        }
                     }
                 });
             }
