@@ -291,7 +291,11 @@ fn two_threads(c: &mut Criterion) {
             "two_threads/retryplane_call_swapping: {} swaps, set_policies mean {:?}, max {:?}",
             stats.swaps, stats.mean, stats.max
         );
-        assert!(stats.swaps > 0, "the policies were swapped");
+        // `cargo test --benches` runs each bench once, in less than one swap interval; only a
+        // measured run (`cargo bench` passes `--bench`) must have swapped.
+        if std::env::args().any(|a| a == "--bench") {
+            assert!(stats.swaps > 0, "the policies were swapped");
+        }
     }
     g.finish();
 }

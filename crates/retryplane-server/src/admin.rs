@@ -118,6 +118,10 @@ fn change_status(e: ChangeError) -> Status {
             Status::not_found(format!("version {version} does not exist"))
         }
         ChangeError::Store(e) => internal(&e),
+        ChangeError::Unfinished(why) => {
+            error!(error = %why, "an admin change's check did not finish");
+            Status::internal("the change's check did not finish; see the control plane's log")
+        }
     }
 }
 

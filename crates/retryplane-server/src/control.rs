@@ -87,6 +87,10 @@ pub enum ChangeError {
     /// The store failed.
     #[error("store: {0}")]
     Store(StoreError),
+    /// The change's validation and diff (run on a blocking thread) did not finish: the task
+    /// panicked or the runtime is shutting down. Nothing was stored.
+    #[error("the change's check did not finish: {0}")]
+    Unfinished(String),
 }
 
 impl From<StoreError> for ChangeError {
@@ -216,19 +220,34 @@ impl ControlPlane {
         req: ChangeRequest,
         one_at_a_time: OwnedMutexGuard<()>,
     ) -> Result<ChangeOutcome, ChangeError> {
-        let current = self.blocking(|s| s.current()).await?;
         // Validating and diffing a large document takes tens of milliseconds of CPU (about
-        // 30 ms at 1,000 endpoints): off the async threads, so agent streams sharing a worker
-        // with this Apply are not held up.
+        // 30 ms at 1,000 endpoints): done off the async threads, with the store read between
+        // the two, so agent streams sharing a worker with this Apply are not held up. The order
+        // is the same as ever: an invalid change is refused before the store is read.
         let document = req.document.clone();
-        let stored = current.as_ref().map(|r| r.document.clone());
+        let store = self.store.clone();
+        let force = req.force;
+        let (current, checked) = tokio::task::spawn_blocking(move || {
+            let content_hash = convert::content_hash(&document);
+            // One conversion and one validation: the compiled set keeps its document.
+            let (set, warnings) = convert::validate(document).map_err(ChangeError::Invalid)?;
+            let current = store.current()?;
+            let checked = check(
+                set.document(),
+                current.as_ref().map(|r| &r.document),
+                force,
+                warnings,
+                content_hash,
+            )?;
+            Ok::<_, ChangeError>((current, checked))
+        })
+        .await
+        .map_err(|e| ChangeError::Unfinished(e.to_string()))??;
         let Checked {
             changes,
             warnings,
             content_hash,
-        } = tokio::task::spawn_blocking(move || check(document, stored, req.force))
-            .await
-            .map_err(|e| StoreError::Backend(Box::new(e)))??;
+        } = checked;
         if let (Some(expected), Some(cur)) = (req.expected_version, &current)
             && expected != cur.meta.version
         {
@@ -289,20 +308,17 @@ struct Checked {
     content_hash: String,
 }
 
-/// Validates `document` (one conversion and one validation), diffs it against the `stored`
-/// current version and refuses a change that removes every endpoint unless `force`. CPU-bound:
-/// run it off the async threads.
+/// Diffs the validated `new_doc` against the `stored` current version and refuses a change
+/// that removes every endpoint unless `force`. CPU-bound: run it off the async threads.
 fn check(
-    document: pb::PolicyDocument,
-    stored: Option<pb::PolicyDocument>,
+    new_doc: &PolicyDocument,
+    stored: Option<&pb::PolicyDocument>,
     force: bool,
+    warnings: Vec<Diagnostic>,
+    content_hash: String,
 ) -> Result<Checked, ChangeError> {
-    let content_hash = convert::content_hash(&document);
-    // The compiled set keeps the document it came from.
-    let (set, warnings) = convert::validate(document).map_err(ChangeError::Invalid)?;
-    let new_doc: &PolicyDocument = set.document();
     let old_doc = match stored {
-        Some(stored) => PolicyDocument::try_from(stored)
+        Some(stored) => PolicyDocument::try_from(stored.clone())
             .map_err(|e| ChangeError::Store(StoreError::Corrupt(e.to_string())))?,
         None => PolicyDocument::default(),
     };

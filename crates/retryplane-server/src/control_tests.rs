@@ -261,3 +261,70 @@ async fn a_file_reload_dropped_mid_commit_is_still_published() {
     .expect("the saved file is published")
     .unwrap();
 }
+
+/// A store whose reads fail, counting them.
+struct BrokenStore {
+    reads: std::sync::atomic::AtomicUsize,
+}
+
+impl VersionStore for BrokenStore {
+    fn current(&self) -> Result<Option<VersionRecord>, StoreError> {
+        self.reads.fetch_add(1, Ordering::SeqCst);
+        Err(StoreError::Corrupt("unreadable".to_owned()))
+    }
+
+    fn get(&self, _version: u64) -> Result<Option<VersionRecord>, StoreError> {
+        Err(StoreError::Corrupt("unreadable".to_owned()))
+    }
+
+    fn history(&self, _limit: usize) -> Result<Vec<VersionMeta>, StoreError> {
+        Err(StoreError::Corrupt("unreadable".to_owned()))
+    }
+
+    fn publish(&self, _new: NewVersion, _expected: Option<u64>) -> Result<Published, StoreError> {
+        Err(StoreError::Corrupt("unwritable".to_owned()))
+    }
+}
+
+fn change(document: pb::PolicyDocument) -> ChangeRequest {
+    ChangeRequest {
+        document,
+        source: Source::Admin,
+        author: None,
+        expected_version: None,
+        dry_run: false,
+        force: false,
+    }
+}
+
+#[tokio::test]
+async fn an_invalid_change_is_refused_before_the_store_is_read() {
+    let store = Arc::new(BrokenStore {
+        reads: std::sync::atomic::AtomicUsize::new(0),
+    });
+    let control = Arc::new(ControlPlane::for_tests(store.clone(), Mode::Api));
+    let valid = retryplane_policy::load(V1.as_bytes()).policies.unwrap();
+    let valid = pb::PolicyDocument::from(valid.document().as_ref());
+    let mut invalid = valid.clone();
+    invalid.endpoints[0]
+        .overlay
+        .get_or_insert_with(Default::default)
+        .max_attempts = Some(0);
+
+    let refused = control.apply(change(invalid)).await.unwrap_err();
+    assert!(matches!(refused, ChangeError::Invalid(_)), "{refused:?}");
+    assert_eq!(store.reads.load(Ordering::SeqCst), 0, "the store was read");
+    assert_eq!(control.metrics.rejected_changes.get(), 1);
+
+    let failed = control.apply(change(valid)).await.unwrap_err();
+    assert!(
+        matches!(failed, ChangeError::Store(StoreError::Corrupt(_))),
+        "{failed:?}"
+    );
+    assert_eq!(store.reads.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        control.metrics.rejected_changes.get(),
+        1,
+        "a store failure is no rejection"
+    );
+}

@@ -262,9 +262,7 @@ impl Swapper {
                     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
                     tick.tick().await;
                     let mut next = Variant::B;
-                    // At least one swap, however short the run (`cargo test --benches` runs
-                    // each bench once, in well under one interval).
-                    loop {
+                    while !stop.load(Relaxed) {
                         tick.tick().await;
                         let set = match next {
                             Variant::A => a.clone(),
@@ -277,9 +275,6 @@ impl Swapper {
                         max_swap_nanos.fetch_max(took, Relaxed);
                         swaps.fetch_add(1, Relaxed);
                         next = next.other();
-                        if stop.load(Relaxed) {
-                            break;
-                        }
                     }
                 });
             }
