@@ -153,9 +153,14 @@ impl Comparison {
     }
 }
 
-/// Runs `cfg` `pairs` times on each server, alternating plain (`plain_bin`), retryplane
-/// (`cfg.server_bin`), plain, …; each run on a fresh server process. Any failed run fails the
-/// configuration.
+/// Whether pair `pair` (from 1) runs retryplane before plain: every even pair.
+fn plain_goes_second(pair: usize) -> bool {
+    pair.is_multiple_of(2)
+}
+
+/// Runs `cfg` `pairs` times on each server: plain (`plain_bin`) then retryplane
+/// (`cfg.server_bin`) in odd pairs, retryplane then plain in even ones; each run on a fresh
+/// server process. Any failed run fails the configuration.
 pub async fn run_pairs(cfg: &Config, plain_bin: &Path, pairs: usize) -> anyhow::Result<Comparison> {
     let plain_cfg = Config {
         server_bin: plain_bin.to_owned(),
@@ -164,17 +169,27 @@ pub async fn run_pairs(cfg: &Config, plain_bin: &Path, pairs: usize) -> anyhow::
     let mut plain = Vec::with_capacity(pairs);
     let mut retryplane = Vec::with_capacity(pairs);
     for pair in 1..=pairs {
-        for (name, config, into) in [
+        // Plain first in odd pairs, retryplane first in even ones (ABBA), so a load that
+        // drifts during the runs does not always fall on the same server.
+        let mut order = [
             ("plain tonic", &plain_cfg, &mut plain),
             ("retryplane", cfg, &mut retryplane),
-        ] {
+        ];
+        if plain_goes_second(pair) {
+            order.reverse();
+        }
+        let last_of_pair = order[1].0;
+        for (name, config, into) in order {
             eprintln!("  pair {pair}/{pairs}: {name}…");
             let outcome = run(config)
                 .await
                 .with_context(|| format!("pair {pair}, {name} server"))?;
             eprintln!(
-                "  pair {pair}/{pairs}: {name}: every agent p50 {:.1} ms p99 {:.1} ms, fan-out \
-                 p99 {:.1} ms, server CPU {:.0} ms per round, {:.1} KiB per agent",
+                "  pair {pair}/{pairs}: {name} (started {} UTC, load {:.2}): every agent p50 \
+                 {:.1} ms p99 {:.1} ms, fan-out p99 {:.1} ms, server CPU {:.0} ms per round, \
+                 {:.1} KiB per agent",
+                outcome.started_utc,
+                outcome.load_at_start,
                 outcome.all_p50_ms,
                 outcome.all_p99_ms,
                 outcome.spread_p99_ms,
@@ -182,7 +197,7 @@ pub async fn run_pairs(cfg: &Config, plain_bin: &Path, pairs: usize) -> anyhow::
                 outcome.kib_per_agent
             );
             into.push(outcome);
-            if !(pair == pairs && name == "retryplane") {
+            if !(pair == pairs && name == last_of_pair) {
                 // Let the sockets of the last server close before the next one starts.
                 tokio::time::sleep(BETWEEN_SERVERS).await;
             }
@@ -210,8 +225,8 @@ fn table(c: &Comparison) -> String {
     let rounds = c.retryplane.first().map_or(0, |o| o.rounds);
     let mut s = format!(
         "{} agents × {} endpoints, {} connections, snapshot {:.1} KiB, {rounds} rounds, {} \
-         pair{} (plain tonic then retryplane, each on a fresh server); ratio = retryplane ÷ \
-         plain of the same pair\n",
+         pair{} (plain tonic first in odd pairs, retryplane first in even ones, each on a fresh \
+         server); ratio = retryplane ÷ plain of the same pair\n",
         thousands(c.agents),
         thousands(c.endpoints),
         c.connections,
@@ -238,6 +253,24 @@ fn table(c: &Comparison) -> String {
             );
         }
         s.push('\n');
+    }
+    for (pair, (p, r)) in c.plain.iter().zip(&c.retryplane).enumerate() {
+        let (first, second) = if plain_goes_second(pair + 1) {
+            (("retryplane", r), ("plain", p))
+        } else {
+            (("plain", p), ("retryplane", r))
+        };
+        let _ = writeln!(
+            s,
+            "pair {}: {} at {} UTC (load {:.2}), then {} at {} UTC (load {:.2})",
+            pair + 1,
+            first.0,
+            first.1.started_utc,
+            first.1.load_at_start,
+            second.0,
+            second.1.started_utc,
+            second.1.load_at_start,
+        );
     }
     s
 }
@@ -305,6 +338,8 @@ mod tests {
     /// An outcome whose every compared figure is `scale` times a base value.
     fn outcome(scale: f64) -> Outcome {
         Outcome {
+            started_utc: "16:00:00".to_owned(),
+            load_at_start: 1.5,
             agents: 1_000,
             endpoints: 10,
             connections: 10,
@@ -396,8 +431,17 @@ mod tests {
         assert!(lines[0].starts_with(
             "1,000 agents × 10 endpoints, 10 connections, snapshot 2.0 KiB, 20 rounds, 2 pairs"
         ));
-        // Heading, header, separator, one row per figure.
-        assert_eq!(lines.len(), 3 + FIGURES.len());
+        // Heading, header, separator, one row per figure, one line per pair with its order.
+        assert_eq!(lines.len(), 3 + FIGURES.len() + 2);
+        assert_eq!(
+            lines[3 + FIGURES.len()],
+            "pair 1: plain at 16:00:00 UTC (load 1.50), then retryplane at 16:00:00 UTC (load 1.50)"
+        );
+        assert!(
+            lines[4 + FIGURES.len()].starts_with("pair 2: retryplane at"),
+            "even pairs run retryplane first: {}",
+            lines[4 + FIGURES.len()]
+        );
         assert_eq!(lines[1].matches("plain").count(), 2);
         assert_eq!(
             lines[3],

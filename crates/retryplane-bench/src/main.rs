@@ -53,10 +53,12 @@
 //!
 //! Figures on a shared machine are read as ratios against a baseline measured in the same run.
 //! With `--baseline`, each configuration runs `--pairs K` times (default 2) on each of two
-//! servers, alternating: the plain tonic fan-out `retryplane-bench-plain-server` (its doc says
-//! what "plain" means: generated services, prost codec, a watch and an mpsc per stream, nothing
-//! durable), then `retryplane serve`, then plain again, …, each on a fresh server process with
-//! the same agents and settings. The report has both servers' figures and, per figure,
+//! servers: the plain tonic fan-out `retryplane-bench-plain-server` (its doc says what "plain"
+//! means: generated services, prost codec, a watch and an mpsc per stream, a per-stream encode,
+//! nothing durable) and `retryplane serve`; plain first in odd pairs and retryplane first in
+//! even ones, so a load that drifts does not always fall on the same server; each run on a
+//! fresh server process with the same agents and settings, its start time and load average
+//! reported. The report has both servers' figures and, per figure,
 //! retryplane ÷ plain of the same pair: time to every agent p50/p99, fan-out p50/p99, first
 //! arrival, server CPU per round, memory per agent connected and after the rounds (text: a
 //! table per configuration; json: an object per configuration with `plain` and `retryplane`

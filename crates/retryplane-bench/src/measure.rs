@@ -44,6 +44,11 @@ pub struct Config {
 /// The figures of one configuration. Times in milliseconds, memory in KiB.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct Outcome {
+    /// When the run started: UTC time of day, `HH:MM:SS`.
+    pub started_utc: String,
+    /// The machine's 1-minute load average when the run started (`/proc/loadavg`; -1 when it
+    /// cannot be read): on a shared machine, what else was running.
+    pub load_at_start: f64,
     /// Agents.
     pub agents: usize,
     /// Endpoints per policy.
@@ -107,6 +112,23 @@ pub fn percentile(values: &mut [f64], p: f64) -> f64 {
     values[rank.clamp(1, values.len()) - 1]
 }
 
+/// The UTC time of day now, `HH:MM:SS` (the bench's report only needs the time).
+fn utc_time_of_day() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let day = secs % 86_400;
+    format!("{:02}:{:02}:{:02}", day / 3_600, day % 3_600 / 60, day % 60)
+}
+
+/// The 1-minute load average from `/proc/loadavg`; -1 when it cannot be read.
+fn load_average() -> f64 {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .unwrap_or(-1.0)
+}
+
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
@@ -119,8 +141,13 @@ pub async fn run(cfg: &Config) -> anyhow::Result<Outcome> {
     ensure!(cfg.connections > 0, "--connections must be at least 1");
     let seed = policy_yaml(cfg.endpoints, 0);
     check(&seed, cfg.endpoints)?;
+    let (started_utc, load_at_start) = (utc_time_of_day(), load_average());
     let server = ServerProcess::start(&cfg.server_bin, &seed).await?;
-    let outcome = measure(&server, cfg).await;
+    let outcome = measure(&server, cfg).await.map(|o| Outcome {
+        started_utc,
+        load_at_start,
+        ..o
+    });
     let outcome =
         outcome.with_context(|| format!("server log (last lines):\n{}", server.log_tail()));
     let stopped = server.stop().await;
@@ -295,6 +322,8 @@ async fn rounds(
     tokio::time::sleep(SETTLE).await;
     let rss_after_kib = server.rss_kib()?;
     Ok(Outcome {
+        started_utc: String::new(),
+        load_at_start: -1.0,
         agents: agents.len(),
         endpoints: cfg.endpoints,
         connections: cfg.connections,
