@@ -64,6 +64,17 @@ async fn metric_reaches(server: &ServerProcess, name: &str, want: f64) -> f64 {
     }
 }
 
+/// The current version's info, from `Get`.
+async fn current(admin: &mut AdminServiceClient<Channel>) -> pb::VersionInfo {
+    admin
+        .get(pb::GetRequest { version: 0 })
+        .await
+        .unwrap()
+        .into_inner()
+        .info
+        .unwrap()
+}
+
 fn apply(round: u64, expected_version: u64, dry_run: bool) -> pb::ApplyRequest {
     pb::ApplyRequest {
         source: Some(pb::PolicySource {
@@ -82,13 +93,7 @@ async fn every_agent_gets_a_published_version_and_every_ack_is_counted() {
         .await
         .unwrap();
     let mut admin = AdminServiceClient::new(channel(server.admin_addr).await);
-    let info = admin
-        .get(pb::GetRequest { version: 0 })
-        .await
-        .unwrap()
-        .into_inner()
-        .info
-        .unwrap();
+    let info = current(&mut admin).await;
     assert_eq!(info.version, 1, "the seed file is version 1");
 
     // Agent 0 decodes every snapshot in full and checks it carries ENDPOINTS endpoints.
@@ -114,13 +119,7 @@ async fn every_agent_gets_a_published_version_and_every_ack_is_counted() {
     // Fails if an agent got the dry run's or another version instead, or got it twice.
     agents.wait_version(0..AGENTS, 2).await.unwrap();
     assert_eq!(metric_reaches(&server, acks, 2.0 * n).await, 2.0 * n);
-    let info = admin
-        .get(pb::GetRequest { version: 0 })
-        .await
-        .unwrap()
-        .into_inner()
-        .info
-        .unwrap();
+    let info = current(&mut admin).await;
     assert_eq!(info.version, 2);
     assert_eq!(info.content_hash, applied.content_hash);
 
