@@ -170,7 +170,7 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
         background.push(crate::watch::spawn(
             control.clone(),
             cfg.config_file.clone(),
-            crate::watch::DEBOUNCE,
+            crate::watch::Timing::default(),
             shutdown_rx.clone(),
         )?);
     }

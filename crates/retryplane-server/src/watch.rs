@@ -25,6 +25,15 @@
 //! `retryplane_server_rejected_changes`, and the last good version stays served. Content equal
 //! to the current version's publishes nothing.
 //!
+//! A watch is attached to a directory's inode, so a watched directory deleted and created
+//! again, or replaced by a rename, would no longer be watched: every read sets the watches up
+//! again on the paths as they are then (a missing directory is covered by watching where it
+//! should appear). And some changes raise no event in a watched directory at all: a write
+//! through a hard link elsewhere, a file bind-mounted into a container and edited from outside,
+//! a network file system, events lost when the kernel's queue overflows. So every [`RESCAN`]
+//! the watcher also reads the file without an event (after the same quiet period); equal
+//! bytes are skipped quietly, so this costs a read and a few system calls.
+//!
 //! notify calls back on its own thread; the callback only forwards a wake-up into a
 //! one-slot tokio channel with `try_send` (a full slot already means "look again").
 
@@ -41,6 +50,7 @@ use retryplane_policy::yaml::MAX_FILE_BYTES;
 use retryplane_proto::pb;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
+use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
 use crate::control::{ChangeError, ChangeRequest, ControlPlane};
@@ -48,6 +58,28 @@ use crate::store::Source;
 
 /// Quiet time after the last event before the file is read.
 pub const DEBOUNCE: Duration = Duration::from_millis(200);
+
+/// How often the watches are set up again and the file read, events or not (see the module
+/// docs): the longest a change the events missed takes to be seen.
+pub const RESCAN: Duration = Duration::from_secs(10);
+
+/// The watcher's timings.
+#[derive(Clone, Copy, Debug)]
+pub struct Timing {
+    /// Quiet time after the last event before the file is read ([`DEBOUNCE`]).
+    pub debounce: Duration,
+    /// How often the watches are renewed and the file read without an event ([`RESCAN`]).
+    pub rescan: Duration,
+}
+
+impl Default for Timing {
+    fn default() -> Self {
+        Self {
+            debounce: DEBOUNCE,
+            rescan: RESCAN,
+        }
+    }
+}
 
 /// At most this many symbolic links are followed when resolving the policy file's path; the
 /// watch covers at most this many directories plus two.
@@ -109,7 +141,7 @@ pub fn log_diagnostics(file: &Path, loaded: &Loaded) {
 pub fn spawn(
     control: Arc<ControlPlane>,
     file: PathBuf,
-    debounce: Duration,
+    timing: Timing,
     shutdown: watch::Receiver<bool>,
 ) -> Result<JoinHandle<()>, WatchError> {
     if file.file_name().is_none() {
@@ -145,14 +177,14 @@ pub fn spawn(
         active: Vec::new(),
     };
     watches.watch_own_dir()?;
-    watches.update();
+    watches.update(false);
     info!(
         file = %file.display(),
         directories = ?watches.active,
         "watching the policy file for changes"
     );
     Ok(tokio::spawn(run(
-        control, file, debounce, rx, shutdown, watches,
+        control, file, timing, rx, shutdown, watches,
     )))
 }
 
@@ -191,16 +223,27 @@ impl Watches {
         Ok(())
     }
 
-    /// Resolves the path again and watches the directories it now goes through. Blocking.
-    fn update(&mut self) {
+    /// Resolves the path again and watches the directories it now goes through; with
+    /// `rearm`, sets up again the watches of directories already watched too, so a directory
+    /// deleted and created again under the same path is watched again. Blocking.
+    fn update(&mut self, rearm: bool) {
         let mut wanted = vec![self.own_dir.clone()];
         for dir in link_dirs(&self.file) {
             if !wanted.contains(&dir) {
                 wanted.push(dir);
             }
         }
-        if wanted == self.wanted {
+        if wanted == self.wanted && !rearm {
             return;
+        }
+        if rearm {
+            // Dropped and added again, a watch is attached to the directory now at its path
+            // (a watch of a deleted directory is gone, or follows the old inode).
+            for dir in self.active.drain(..) {
+                if let Err(e) = self.watcher.unwatch(&dir) {
+                    debug!(dir = %dir.display(), error = %e, "unwatching a directory to watch it again");
+                }
+            }
         }
         for dir in &self.active {
             if !wanted.contains(dir) {
@@ -217,6 +260,13 @@ impl Watches {
             }
             match self.watcher.watch(dir, RecursiveMode::NonRecursive) {
                 Ok(()) => self.active.push(dir.clone()),
+                // Missing for now (deleted, not yet created again): tried again at the next
+                // read; the read that follows says if the file cannot be read.
+                Err(e) if rearm => debug!(
+                    dir = %dir.display(),
+                    error = %e,
+                    "cannot watch a directory of the policy file's path for now"
+                ),
                 Err(e) => warn!(
                     file = %self.file.display(),
                     dir = %dir.display(),
@@ -317,16 +367,21 @@ enum LastRead {
 async fn run(
     control: Arc<ControlPlane>,
     file: PathBuf,
-    debounce: Duration,
+    timing: Timing,
     mut events: mpsc::Receiver<()>,
     mut shutdown: watch::Receiver<bool>,
     mut watches: Watches,
 ) {
+    let debounce = timing.debounce;
+    let mut rescan = tokio::time::interval_at(Instant::now() + timing.rescan, timing.rescan);
+    rescan.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut last = LastRead::Nothing;
     loop {
         tokio::select! {
             _ = shutdown.wait_for(|stop| *stop) => return,
             event = events.recv() => if event.is_none() { return },
+            // No event: read anyway, for a change no watch saw.
+            _ = rescan.tick() => {}
         }
         // Debounce: wait for a quiet period.
         loop {
@@ -342,7 +397,9 @@ async fn run(
         // Follow the link chain as it is now before reading, so a change made after the
         // read, in a directory the chain newly goes through, is seen.
         watches = match blocking(move || {
-            watches.update();
+            // Set up again on every read: a directory replaced since the last one (deleted
+            // and created again, or renamed over) is watched from now on.
+            watches.update(true);
             watches
         })
         .await

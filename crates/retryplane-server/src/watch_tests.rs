@@ -11,6 +11,12 @@ use crate::store::{MemoryStore, VersionStore};
 /// SPEC/issue 3: a valid save is published within a second.
 const PUBLISH_BOUND: Duration = Duration::from_secs(1);
 
+/// The production quiet period; a short rescan, so a test that needs one does not wait 10 s.
+const TIMING: Timing = Timing {
+    debounce: DEBOUNCE,
+    rescan: Duration::from_millis(500),
+};
+
 const V1: &str = "version: 1\nendpoints:\n  payments:\n    max_attempts: 3\n";
 const V2: &str = "version: 1\nendpoints:\n  payments:\n    max_attempts: 4\n";
 const V3: &str = "version: 1\nendpoints:\n  payments:\n    max_attempts: 5\n";
@@ -34,12 +40,17 @@ async fn fixture() -> Fixture {
 /// A control plane in file mode serving `file` (which must hold `V1`) as version 1, with the
 /// watcher running.
 async fn start(dir: tempfile::TempDir, file: PathBuf) -> Fixture {
+    start_with(dir, file, TIMING).await
+}
+
+/// [`start`] with the watcher's `timing`.
+async fn start_with(dir: tempfile::TempDir, file: PathBuf, timing: Timing) -> Fixture {
     let store: Arc<dyn VersionStore> = Arc::new(MemoryStore::new());
     let control = Arc::new(ControlPlane::for_tests(store, Mode::File(file.clone())));
     reload(&control, &file).await;
     assert_eq!(current_version(&control), Some(1));
     let (stop, shutdown) = watch::channel(false);
-    spawn(control.clone(), file.clone(), DEBOUNCE, shutdown).unwrap();
+    spawn(control.clone(), file.clone(), timing, shutdown).unwrap();
     Fixture {
         dir,
         file,
@@ -155,7 +166,7 @@ async fn the_watcher_stops_at_shutdown() {
         Mode::File(file.clone()),
     ));
     let (stop, shutdown) = watch::channel(false);
-    let task = spawn(control, file, DEBOUNCE, shutdown).unwrap();
+    let task = spawn(control, file, TIMING, shutdown).unwrap();
     stop.send_replace(true);
     tokio::time::timeout(Duration::from_secs(5), task)
         .await
@@ -329,4 +340,56 @@ fn link_dirs_follow_the_chain_and_end_on_a_loop() {
     symlink("b.yaml", root.join("a.yaml")).unwrap();
     symlink("a.yaml", root.join("b.yaml")).unwrap();
     assert_eq!(link_dirs(&root.join("a.yaml")), vec![root]);
+}
+
+#[tokio::test]
+async fn a_directory_deleted_and_created_again_is_watched_again() {
+    // The policy file sits in a directory of its own, which a deploy replaces whole. The
+    // old directory's watch goes with it, so only the rescan can see the new one.
+    const RESCAN_EVERY: Duration = Duration::from_secs(2);
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config");
+    fs::create_dir(&config).unwrap();
+    let file = config.join("policies.yaml");
+    fs::write(&file, V1).unwrap();
+    let timing = Timing {
+        debounce: DEBOUNCE,
+        rescan: RESCAN_EVERY,
+    };
+    let f = start_with(dir, file.clone(), timing).await;
+
+    fs::remove_dir_all(&config).unwrap();
+    fs::create_dir(&config).unwrap();
+    fs::write(&file, V2).unwrap();
+    wait_for_version(&f.control, 2, RESCAN_EVERY * 3).await;
+    assert_eq!(max_attempts_served(&f.control).await, Some(4));
+
+    // The rescan watched the new directory: the next save is seen by its events, well before
+    // the next rescan (which comes a whole period after the one that published version 2).
+    let tmp = config.join(".policies.yaml.swp");
+    fs::write(&tmp, V3).unwrap();
+    fs::rename(&tmp, &file).unwrap();
+    wait_for_version(&f.control, 3, RESCAN_EVERY * 3 / 4).await;
+    assert_eq!(max_attempts_served(&f.control).await, Some(5));
+}
+
+#[tokio::test]
+async fn a_change_no_event_reports_is_found_by_the_rescan() {
+    // A write through a hard link in another directory changes the file, but the watched
+    // directory hears nothing of it (the same holds for a file bind-mounted into a container
+    // and edited from outside): only the rescan can see it.
+    let dir = tempfile::tempdir().unwrap();
+    let elsewhere = tempfile::tempdir().unwrap();
+    let file = dir.path().join("policies.yaml");
+    fs::write(&file, V1).unwrap();
+    let link = elsewhere.path().join("policies.yaml");
+    fs::hard_link(&file, &link).unwrap();
+    let timing = Timing {
+        debounce: DEBOUNCE,
+        rescan: Duration::from_secs(1),
+    };
+    let f = start_with(dir, file.clone(), timing).await;
+    fs::write(&link, V2).unwrap();
+    wait_for_version(&f.control, 2, Duration::from_secs(5)).await;
+    assert_eq!(max_attempts_served(&f.control).await, Some(4));
 }
