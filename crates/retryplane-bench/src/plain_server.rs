@@ -120,21 +120,12 @@ struct ServeArgs {
     http_listen: SocketAddr,
 }
 
-/// The published version: what `Get` answers and what every stream sends.
-#[derive(Debug, Default)]
-struct Current {
-    /// 0 until the first publish.
-    version: u64,
-    content_hash: String,
-    document: pb::PolicyDocument,
-    /// The snapshot; every stream encodes it itself.
-    snapshot: Arc<pb::Snapshot>,
-}
-
 /// What the services and the HTTP listener share.
 #[derive(Debug)]
 struct Shared {
-    current: watch::Sender<Arc<Current>>,
+    /// The published snapshot (version 0 until the first publish): what `Get` answers and what
+    /// every stream encodes itself.
+    current: watch::Sender<Arc<pb::Snapshot>>,
     /// One Apply at a time, so versions go up by one and `expected_version` is checked
     /// against what is then published.
     applying: Mutex<()>,
@@ -148,7 +139,7 @@ struct Shared {
 
 impl Shared {
     fn new() -> Self {
-        let (current, _) = watch::channel(Arc::new(Current::default()));
+        let (current, _) = watch::channel(Arc::new(pb::Snapshot::default()));
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.subsec_nanos());
@@ -201,16 +192,11 @@ impl Shared {
         let snapshot = pb::Snapshot {
             version,
             content_hash: content_hash.clone(),
-            policies: Some(document.clone()),
+            policies: Some(document),
             nonce: format!("{}-{version}", self.instance),
             metrics_interval_ms: METRICS_INTERVAL_MS,
         };
-        self.current.send_replace(Arc::new(Current {
-            version,
-            content_hash: content_hash.clone(),
-            document,
-            snapshot: Arc::new(snapshot),
-        }));
+        self.current.send_replace(Arc::new(snapshot));
         Ok(pb::ApplyResponse {
             version,
             content_hash,
@@ -242,12 +228,12 @@ fn encode(snapshot: &pb::Snapshot) -> pb::ServerMessage {
 /// One stream: the current snapshot, then every new one; ACKs counted until the agent goes.
 async fn stream_task(
     guard: ConnectedGuard,
-    mut snapshots: watch::Receiver<Arc<Current>>,
+    mut snapshots: watch::Receiver<Arc<pb::Snapshot>>,
     mut inbound: Streaming<pb::AgentMessage>,
     outbound: Outbound,
 ) {
     let shared = guard.0.clone();
-    let first = snapshots.borrow_and_update().snapshot.clone();
+    let first = snapshots.borrow_and_update().clone();
     if outbound.send(Ok(encode(&first))).await.is_err() {
         return;
     }
@@ -257,7 +243,7 @@ async fn stream_task(
                 if changed.is_err() {
                     return;
                 }
-                let snapshot = snapshots.borrow_and_update().snapshot.clone();
+                let snapshot = snapshots.borrow_and_update().clone();
                 if outbound.send(Ok(encode(&snapshot))).await.is_err() {
                     return;
                 }
@@ -373,7 +359,7 @@ impl AdminService for Admin {
                 source: "admin".to_owned(),
                 ..Default::default()
             }),
-            policies: Some(current.document.clone()),
+            policies: current.policies.clone(),
             yaml: String::new(),
         }))
     }
@@ -581,7 +567,7 @@ mod tests {
         let first = shared.apply(&yaml(10_000), 0, false).await.unwrap();
         assert_eq!((first.version, first.changed), (1, true));
         assert!(seen.has_changed().unwrap());
-        let sent = encode(&seen.borrow_and_update().snapshot)
+        let sent = encode(&seen.borrow_and_update())
             .decode_snapshot()
             .unwrap()
             .unwrap();
@@ -603,7 +589,7 @@ mod tests {
         let second = shared.apply(&yaml(20_000), 1, false).await.unwrap();
         assert_eq!((second.version, second.changed), (2, true));
         assert_ne!(second.content_hash, first.content_hash);
-        let next = encode(&seen.borrow_and_update().snapshot)
+        let next = encode(&seen.borrow_and_update())
             .decode_snapshot()
             .unwrap()
             .unwrap();
