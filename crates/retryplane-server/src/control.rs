@@ -227,27 +227,17 @@ impl ControlPlane {
         let document = req.document.clone();
         let store = self.store.clone();
         let force = req.force;
-        let (current, checked) = tokio::task::spawn_blocking(move || {
+        let (current, changes, warnings, content_hash) = tokio::task::spawn_blocking(move || {
             let content_hash = convert::content_hash(&document);
             // One conversion and one validation: the compiled set keeps its document.
             let (set, warnings) = convert::validate(document).map_err(ChangeError::Invalid)?;
             let current = store.current()?;
-            let checked = check(
-                set.document(),
-                current.as_ref().map(|r| &r.document),
-                force,
-                warnings,
-                content_hash,
-            )?;
-            Ok::<_, ChangeError>((current, checked))
+            let stored = current.as_ref().map(|r| &r.document);
+            let changes = check(set.document(), stored, force)?;
+            Ok::<_, ChangeError>((current, changes, warnings, content_hash))
         })
         .await
         .map_err(|e| ChangeError::Unfinished(e.to_string()))??;
-        let Checked {
-            changes,
-            warnings,
-            content_hash,
-        } = checked;
         if let (Some(expected), Some(cur)) = (req.expected_version, &current)
             && expected != cur.meta.version
         {
@@ -298,25 +288,13 @@ impl ControlPlane {
     }
 }
 
-/// What [`check`] finds in a change.
-struct Checked {
-    /// What differs from the current version.
-    changes: Vec<Change>,
-    /// Validation warnings.
-    warnings: Vec<Diagnostic>,
-    /// The new document's content hash.
-    content_hash: String,
-}
-
-/// Diffs the validated `new_doc` against the `stored` current version and refuses a change
-/// that removes every endpoint unless `force`. CPU-bound: run it off the async threads.
+/// What differs between the `stored` current version and the validated `new_doc`; refuses a
+/// change that removes every endpoint unless `force`. CPU-bound: run it off the async threads.
 fn check(
     new_doc: &PolicyDocument,
     stored: Option<&pb::PolicyDocument>,
     force: bool,
-    warnings: Vec<Diagnostic>,
-    content_hash: String,
-) -> Result<Checked, ChangeError> {
+) -> Result<Vec<Change>, ChangeError> {
     let old_doc = match stored {
         Some(stored) => PolicyDocument::try_from(stored.clone())
             .map_err(|e| ChangeError::Store(StoreError::Corrupt(e.to_string())))?,
@@ -342,11 +320,7 @@ fn check(
             .collect();
         return Err(ChangeError::RemovesEverything(names.join(", ")));
     }
-    Ok(Checked {
-        changes,
-        warnings,
-        content_hash,
-    })
+    Ok(changes)
 }
 
 /// The parts of the control plane a publish touches.
