@@ -177,7 +177,7 @@ pub fn spawn(
         active: Vec::new(),
     };
     watches.watch_own_dir()?;
-    watches.update(false);
+    watches.update();
     info!(
         file = %file.display(),
         directories = ?watches.active,
@@ -223,46 +223,29 @@ impl Watches {
         Ok(())
     }
 
-    /// Resolves the path again and watches the directories it now goes through; with
-    /// `rearm`, sets up again the watches of directories already watched too, so a directory
-    /// deleted and created again under the same path is watched again. Blocking.
-    fn update(&mut self, rearm: bool) {
+    /// Resolves the path again and sets up the watches of the directories it now goes
+    /// through, those already watched included: dropped and added again, a watch is attached
+    /// to the directory now at its path, so a directory deleted and created again, or replaced
+    /// by a rename, is watched again. Blocking.
+    fn update(&mut self) {
         let mut wanted = vec![self.own_dir.clone()];
         for dir in link_dirs(&self.file) {
             if !wanted.contains(&dir) {
                 wanted.push(dir);
             }
         }
-        if wanted == self.wanted && !rearm {
-            return;
-        }
-        if rearm {
-            // Dropped and added again, a watch is attached to the directory now at its path
-            // (a watch of a deleted directory is gone, or follows the old inode).
-            for dir in self.active.drain(..) {
-                if let Err(e) = self.watcher.unwatch(&dir) {
-                    debug!(dir = %dir.display(), error = %e, "unwatching a directory to watch it again");
-                }
+        for dir in self.active.drain(..) {
+            // Fails when the directory is gone (deleted, or the old one after a ConfigMap swap).
+            if let Err(e) = self.watcher.unwatch(&dir) {
+                debug!(dir = %dir.display(), error = %e, "unwatching a directory");
             }
         }
-        for dir in &self.active {
-            if !wanted.contains(dir) {
-                // Fails when the directory is gone (the old one after a ConfigMap swap).
-                if let Err(e) = self.watcher.unwatch(dir) {
-                    debug!(dir = %dir.display(), error = %e, "unwatching a directory");
-                }
-            }
-        }
-        self.active.retain(|dir| wanted.contains(dir));
         for dir in &wanted {
-            if self.active.contains(dir) {
-                continue;
-            }
             match self.watcher.watch(dir, RecursiveMode::NonRecursive) {
                 Ok(()) => self.active.push(dir.clone()),
-                // Missing for now (deleted, not yet created again): tried again at the next
-                // read; the read that follows says if the file cannot be read.
-                Err(e) if rearm => debug!(
+                // Already wanted at the last read: missing for now (deleted, not yet created
+                // again, say), and said once. Tried again at every read.
+                Err(e) if self.wanted.contains(dir) => debug!(
                     dir = %dir.display(),
                     error = %e,
                     "cannot watch a directory of the policy file's path for now"
@@ -271,8 +254,8 @@ impl Watches {
                     file = %self.file.display(),
                     dir = %dir.display(),
                     error = %e,
-                    "cannot watch a directory the policy file's symbolic links go through; \
-                     changes made there are not seen"
+                    "cannot watch a directory of the policy file's path; changes made there are \
+                     not seen until it can be (tried again at every read)"
                 ),
             }
         }
@@ -399,7 +382,7 @@ async fn run(
         watches = match blocking(move || {
             // Set up again on every read: a directory replaced since the last one (deleted
             // and created again, or renamed over) is watched from now on.
-            watches.update(true);
+            watches.update();
             watches
         })
         .await
