@@ -191,24 +191,43 @@ async fn main_inner(cli: Cli) -> anyhow::Result<()> {
         println!("{}", report::one(&outcome, cli.output)?);
         return Ok(());
     }
+    let results = over_matrix(
+        config,
+        "",
+        async |cfg| run(cfg).await,
+        |outcome| report::one(outcome, Format::Text),
+    )
+    .await?;
+    println!("{}", report::matrix(&results, cli.output)?);
+    Ok(())
+}
+
+/// Runs `each` on the issue's four configurations in turn (`what` says more of each in the
+/// progress line), printing each result as it comes with `show`; returns every
+/// configuration's result, failed ones included.
+async fn over_matrix<T>(
+    config: impl Fn(usize, usize) -> Config,
+    what: &str,
+    each: impl AsyncFn(&Config) -> anyhow::Result<T>,
+    show: impl Fn(&T) -> anyhow::Result<String>,
+) -> anyhow::Result<Vec<(Config, anyhow::Result<T>)>> {
     let mut results = Vec::with_capacity(MATRIX.len());
     for (agents, endpoints) in MATRIX {
         let cfg = config(agents, endpoints);
         eprintln!(
-            "running {agents} agents × {endpoints} endpoints over {} connections…",
+            "running {agents} agents × {endpoints} endpoints over {} connections{what}…",
             cfg.connections
         );
-        let result = run(&cfg).await;
+        let result = each(&cfg).await;
         match &result {
-            Ok(outcome) => eprintln!("{}", report::one(outcome, Format::Text)?),
+            Ok(done) => eprintln!("{}", show(done)?),
             Err(e) => eprintln!("failed: {e:#}"),
         }
         results.push((cfg, result));
         // Let the sockets of the last server close before the next one starts.
         tokio::time::sleep(BETWEEN_SERVERS).await;
     }
-    println!("{}", report::matrix(&results, cli.output)?);
-    Ok(())
+    Ok(results)
 }
 
 /// `--baseline`: one configuration, or with `--matrix` the issue's four, each as pairs of
@@ -225,22 +244,13 @@ async fn with_baseline(
         println!("{}", baseline::one(&comparison, cli.output)?);
         return Ok(());
     }
-    let mut results = Vec::with_capacity(MATRIX.len());
-    for (agents, endpoints) in MATRIX {
-        let cfg = config(agents, endpoints);
-        eprintln!(
-            "running {agents} agents × {endpoints} endpoints over {} connections, {pairs} \
-             pairs…",
-            cfg.connections
-        );
-        let result = baseline::run_pairs(&cfg, plain_bin, pairs).await;
-        match &result {
-            Ok(comparison) => eprintln!("{}", baseline::one(comparison, Format::Text)?),
-            Err(e) => eprintln!("failed: {e:#}"),
-        }
-        results.push((cfg, result));
-        tokio::time::sleep(BETWEEN_SERVERS).await;
-    }
+    let results = over_matrix(
+        config,
+        &format!(", {pairs} pairs"),
+        async |cfg| baseline::run_pairs(cfg, plain_bin, pairs).await,
+        |comparison| baseline::one(comparison, Format::Text),
+    )
+    .await?;
     println!("{}", baseline::matrix(&results, cli.output)?);
     Ok(())
 }
