@@ -87,6 +87,60 @@ fn raw_agent(
 }
 
 #[test]
+fn an_endpoint_named_defaults_is_told_apart_from_the_defaults_block() {
+    let server = test_server(true, None);
+    server.write("v1.yaml", V1);
+    server.write(
+        "v2.yaml",
+        "version: 1\ndefaults: {deadline: 20s}\nendpoints:\n  payments:\n    max_attempts: 3\n  defaults: {max_attempts: 2}\n",
+    );
+    server.retryplane(&["apply", "v1.yaml"]).assert().code(0);
+    server
+        .retryplane(&["diff", "v2.yaml"])
+        .assert()
+        .code(0)
+        .stdout(
+            "~ defaults\n    deadline: (inherited) -> 20s\n+ endpoints.defaults\n    max_attempts: 2\n",
+        );
+    let json = json_of(
+        &server
+            .retryplane(&["apply", "v2.yaml", "--output", "json"])
+            .assert()
+            .code(0),
+    );
+    let scopes: Vec<(&str, &str, &str)> = json["diff"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            (
+                e["endpoint"].as_str().unwrap(),
+                e["scope"].as_str().unwrap(),
+                e["change"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        scopes,
+        [
+            ("defaults", "defaults", "modified"),
+            ("defaults", "endpoint", "added")
+        ]
+    );
+    // The stored summary counts the endpoint as one.
+    let history = json_of(
+        &server
+            .retryplane(&["history", "--output", "json"])
+            .assert()
+            .code(0),
+    );
+    assert_eq!(
+        history[0]["summary"],
+        "+1 endpoint, -0, 0 modified, defaults modified"
+    );
+}
+
+#[test]
 fn apply_get_history_diff_rollback_and_status_work_against_a_real_server() {
     let server = test_server(true, None);
     server.write("v1.yaml", V1);

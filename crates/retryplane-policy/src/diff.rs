@@ -38,11 +38,45 @@ impl ChangeKind {
     }
 }
 
+/// Where a change is: the file's `defaults:` block, or one endpoint.
+///
+/// Typed rather than a name, because `defaults` is also a valid endpoint name: an endpoint
+/// called `defaults` must not be counted, summarised or shown as the `defaults:` block.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Scope {
+    /// The file's `defaults:` block.
+    Defaults,
+    /// The endpoint of this name.
+    Endpoint(String),
+}
+
+impl Scope {
+    /// The endpoint's name; `None` for the `defaults:` block.
+    pub fn endpoint(&self) -> Option<&str> {
+        match self {
+            Scope::Defaults => None,
+            Scope::Endpoint(name) => Some(name),
+        }
+    }
+}
+
+/// `defaults` for the block, the name for an endpoint, and `endpoints.defaults` (the field path
+/// in the file) for an endpoint named `defaults`, so that the two never read the same.
+impl fmt::Display for Scope {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Scope::Defaults => f.write_str("defaults"),
+            Scope::Endpoint(name) if name == "defaults" => f.write_str("endpoints.defaults"),
+            Scope::Endpoint(name) => f.write_str(name),
+        }
+    }
+}
+
 /// What changed in one scope: `defaults` or one endpoint.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Change {
-    /// `defaults`, or the endpoint name.
-    pub scope: String,
+    /// The `defaults:` block, or an endpoint.
+    pub scope: Scope,
     /// Added, removed or modified.
     pub kind: ChangeKind,
     /// One line per changed field or route, such as `max_attempts: 3 -> 4`,
@@ -72,7 +106,7 @@ pub fn diff(old: &PolicyDocument, new: &PolicyDocument) -> Vec<Change> {
     let defaults = overlay_changes(&old.defaults, &new.defaults, "");
     if !defaults.is_empty() {
         changes.push(Change {
-            scope: "defaults".to_owned(),
+            scope: Scope::Defaults,
             kind: ChangeKind::Modified,
             details: defaults,
         });
@@ -95,7 +129,7 @@ pub fn diff(old: &PolicyDocument, new: &PolicyDocument) -> Vec<Change> {
         };
         if kind == ChangeKind::Added || !details.is_empty() {
             changes.push(Change {
-                scope: name.clone(),
+                scope: Scope::Endpoint(name.clone()),
                 kind,
                 details,
             });
@@ -104,7 +138,7 @@ pub fn diff(old: &PolicyDocument, new: &PolicyDocument) -> Vec<Change> {
     for ep in &old.endpoints {
         if !new_names.contains(ep.name.value.as_str()) {
             changes.push(Change {
-                scope: ep.name.value.clone(),
+                scope: Scope::Endpoint(ep.name.value.clone()),
                 kind: ChangeKind::Removed,
                 details: Vec::new(),
             });
@@ -122,7 +156,7 @@ pub fn summary(changes: &[Change]) -> String {
     let count = |kind| {
         changes
             .iter()
-            .filter(|c| c.kind == kind && c.scope != "defaults")
+            .filter(|c| c.kind == kind && c.scope != Scope::Defaults)
             .count()
     };
     let added = count(ChangeKind::Added);
@@ -132,7 +166,7 @@ pub fn summary(changes: &[Change]) -> String {
         count(ChangeKind::Removed),
         count(ChangeKind::Modified)
     );
-    if changes.iter().any(|c| c.scope == "defaults") {
+    if changes.iter().any(|c| c.scope == Scope::Defaults) {
         line.push_str(", defaults modified");
     }
     line

@@ -16,7 +16,7 @@ fn doc(src: &str) -> PolicyDocument {
 fn details(changes: &[Change], scope: &str) -> Vec<String> {
     changes
         .iter()
-        .find(|c| c.scope == scope)
+        .find(|c| c.scope.to_string() == scope)
         .map(|c| c.details.clone())
         .unwrap_or_else(|| panic!("no change for {scope}: {changes:#?}"))
 }
@@ -68,7 +68,7 @@ fn an_added_endpoint_lists_what_it_sets() {
     assert_eq!(
         changes,
         vec![Change {
-            scope: "b".into(),
+            scope: Scope::Endpoint("b".into()),
             kind: ChangeKind::Added,
             details: vec![
                 "max_attempts: 2".into(),
@@ -86,14 +86,16 @@ fn a_removed_endpoint_is_reported_after_the_others() {
     let a = doc("version: 1\nendpoints:\n  a: {}\n  b: {}\n  c: {}\n");
     let b = doc("version: 1\nendpoints:\n  c: {max_attempts: 2}\n");
     let changes = diff(&a, &b);
-    let kinds: Vec<(&str, ChangeKind)> =
-        changes.iter().map(|c| (c.scope.as_str(), c.kind)).collect();
+    let kinds: Vec<(Option<&str>, ChangeKind)> = changes
+        .iter()
+        .map(|c| (c.scope.endpoint(), c.kind))
+        .collect();
     assert_eq!(
         kinds,
         [
-            ("c", ChangeKind::Modified),
-            ("a", ChangeKind::Removed),
-            ("b", ChangeKind::Removed)
+            (Some("c"), ChangeKind::Modified),
+            (Some("a"), ChangeKind::Removed),
+            (Some("b"), ChangeKind::Removed)
         ]
     );
     assert_eq!(summary(&changes), "+0 endpoints, -2, 1 modified");
@@ -122,7 +124,7 @@ fn a_large_document_is_diffed_endpoint_by_endpoint() {
     assert_eq!(of(ChangeKind::Modified), 400);
     assert_eq!(summary(&changes), "+1000 endpoints, -1000, 400 modified");
     // Added and modified in the new file's order, then removed in the old file's order.
-    let scopes: Vec<&str> = changes.iter().map(|c| c.scope.as_str()).collect();
+    let scopes: Vec<&str> = changes.iter().filter_map(|c| c.scope.endpoint()).collect();
     assert_eq!(&scopes[..3], ["ep-5999", "ep-5998", "ep-5997"]);
     assert_eq!(scopes[1_000], "ep-4990");
     assert_eq!(details(&changes, "ep-4990"), ["max_attempts: 3 -> 4"]);
@@ -235,7 +237,7 @@ fn a_defaults_change_comes_first_and_is_counted_apart() {
     let a = doc("version: 1\ndefaults: {deadline: 15s}\nendpoints:\n  a: {}\n");
     let b = doc("version: 1\ndefaults: {deadline: 20s}\nendpoints:\n  a: {}\n  b: {}\n");
     let changes = diff(&a, &b);
-    assert_eq!(changes[0].scope, "defaults");
+    assert_eq!(changes[0].scope, Scope::Defaults);
     assert_eq!(changes[0].kind, ChangeKind::Modified);
     assert_eq!(changes[0].details, ["deadline: 15s -> 20s"]);
     assert_eq!(
@@ -290,4 +292,38 @@ fn alert_changes_are_shown_like_other_fields() {
         &doc("version: 1\nendpoints:\n  c: {alert: {retry_ratio: 0.2}}\n"),
     );
     assert_eq!(details(&added, "c"), ["alert.retry_ratio: 0.2"]);
+}
+
+#[test]
+fn an_endpoint_named_defaults_is_an_endpoint_not_the_defaults_block() {
+    let a = doc("version: 1\nendpoints:\n  a: {}\n");
+    let b = doc("version: 1\nendpoints:\n  a: {}\n  defaults: {max_attempts: 2}\n");
+    let added = diff(&a, &b);
+    assert_eq!(added[0].scope, Scope::Endpoint("defaults".into()));
+    assert_eq!(summary(&added), "+1 endpoint, -0, 0 modified");
+    assert_eq!(
+        added[0].to_string(),
+        "endpoints.defaults added: max_attempts: 2"
+    );
+    let c = doc(
+        "version: 1\ndefaults: {deadline: 20s}\nendpoints:\n  a: {}\n  defaults: {max_attempts: 3}\n",
+    );
+    let both = diff(&b, &c);
+    let shown: Vec<String> = both.iter().map(ToString::to_string).collect();
+    assert_eq!(
+        shown,
+        [
+            "defaults modified: deadline: (inherited) -> 20s",
+            "endpoints.defaults modified: max_attempts: 2 -> 3"
+        ]
+    );
+    assert_eq!(
+        summary(&both),
+        "+0 endpoints, -0, 1 modified, defaults modified"
+    );
+    let removed = diff(&c, &a);
+    assert_eq!(
+        summary(&removed),
+        "+0 endpoints, -1, 0 modified, defaults modified"
+    );
 }

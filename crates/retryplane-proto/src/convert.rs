@@ -16,7 +16,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use retryplane_policy::codes::GrpcCode;
-use retryplane_policy::diff::{Change, ChangeKind};
+use retryplane_policy::diff::{Change, ChangeKind, Scope};
 use retryplane_policy::document::{
     AlertOverlay, BackoffOverlay, BreakerOverlay, BudgetOverlay, EndpointDoc, Field, Overlay,
     RetryAfterOverlay, RetryOnOverlay, RouteDoc, RouteMatch,
@@ -409,10 +409,37 @@ impl From<&Change> for pb::DiffEntry {
             ChangeKind::Removed => pb::diff_entry::Change::Removed,
             ChangeKind::Modified => pb::diff_entry::Change::Modified,
         };
+        let (endpoint, defaults) = match &c.scope {
+            Scope::Defaults => ("defaults".to_owned(), true),
+            Scope::Endpoint(name) => (name.clone(), false),
+        };
         pb::DiffEntry {
-            endpoint: c.scope.clone(),
+            endpoint,
             change: change as i32,
             details: c.details.clone(),
+            defaults,
+        }
+    }
+}
+
+/// A change as the wire carries it; an unspecified kind reads as modified.
+impl From<&pb::DiffEntry> for Change {
+    fn from(e: &pb::DiffEntry) -> Self {
+        let kind = match e.change() {
+            pb::diff_entry::Change::Added => ChangeKind::Added,
+            pb::diff_entry::Change::Removed => ChangeKind::Removed,
+            pb::diff_entry::Change::Modified | pb::diff_entry::Change::Unspecified => {
+                ChangeKind::Modified
+            }
+        };
+        Change {
+            scope: if e.defaults {
+                Scope::Defaults
+            } else {
+                Scope::Endpoint(e.endpoint.clone())
+            },
+            kind,
+            details: e.details.clone(),
         }
     }
 }

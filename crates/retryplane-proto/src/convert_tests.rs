@@ -444,8 +444,37 @@ fn diff_entries_carry_scope_kind_and_details() {
             endpoint: "events".into(),
             change: pb::diff_entry::Change::Removed as i32,
             details: vec![],
+            defaults: false,
         }]
     );
+    let back: Vec<Change> = entries.iter().map(Change::from).collect();
+    assert_eq!(back, changes);
+}
+
+#[test]
+fn the_defaults_block_and_an_endpoint_named_defaults_stay_apart_on_the_wire() {
+    let changes = [
+        Change {
+            scope: Scope::Defaults,
+            kind: ChangeKind::Modified,
+            details: vec!["deadline: 15s -> 20s".into()],
+        },
+        Change {
+            scope: Scope::Endpoint("defaults".into()),
+            kind: ChangeKind::Added,
+            details: vec![],
+        },
+    ];
+    let entries: Vec<pb::DiffEntry> = changes.iter().map(pb::DiffEntry::from).collect();
+    assert_eq!(
+        entries
+            .iter()
+            .map(|e| (e.endpoint.as_str(), e.defaults))
+            .collect::<Vec<_>>(),
+        [("defaults", true), ("defaults", false)]
+    );
+    let back: Vec<Change> = entries.iter().map(Change::from).collect();
+    assert_eq!(back, changes);
 }
 
 /// A document written before `alert` existed, covering every section and a route.

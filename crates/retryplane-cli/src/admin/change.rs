@@ -2,7 +2,9 @@
 //! (its diff, its warnings) or the diagnostics of a refused one.
 
 use retryplane_policy::Diagnostic;
-use retryplane_policy::diff::{self, Change, ChangeKind};
+use std::fmt::Write as _;
+
+use retryplane_policy::diff::{self, Change, Scope};
 use retryplane_policy::yaml::Loc;
 use retryplane_proto::pb;
 use serde_json::{Value, json};
@@ -25,7 +27,8 @@ pub fn push_diff(out: &mut String, diff: &[pb::DiffEntry]) {
         };
         out.push(mark);
         out.push(' ');
-        out.push_str(&entry.endpoint);
+        // `defaults`, an endpoint's name, or `endpoints.defaults` for an endpoint so named.
+        let _ = write!(out, "{}", Change::from(entry).scope);
         out.push('\n');
         for line in &entry.details {
             out.push_str("    ");
@@ -38,25 +41,8 @@ pub fn push_diff(out: &mut String, diff: &[pb::DiffEntry]) {
 /// `+1 endpoint, -0, 2 modified` (and `, defaults modified`), as the server summarises
 /// versions in `history`.
 pub fn summary(diff: &[pb::DiffEntry]) -> String {
-    let changes: Vec<Change> = diff
-        .iter()
-        .map(|e| Change {
-            scope: e.endpoint.clone(),
-            kind: change_kind(e.change()),
-            details: e.details.clone(),
-        })
-        .collect();
+    let changes: Vec<Change> = diff.iter().map(Change::from).collect();
     diff::summary(&changes)
-}
-
-fn change_kind(change: pb::diff_entry::Change) -> ChangeKind {
-    match change {
-        pb::diff_entry::Change::Added => ChangeKind::Added,
-        pb::diff_entry::Change::Removed => ChangeKind::Removed,
-        pb::diff_entry::Change::Modified | pb::diff_entry::Change::Unspecified => {
-            ChangeKind::Modified
-        }
-    }
 }
 
 /// A diagnostic from the wire, printed by the same code as `retryplane validate`'s.
@@ -88,16 +74,22 @@ fn diagnostics_json(file: &str, diags: &[Diagnostic]) -> Value {
         .collect()
 }
 
-/// `{version, content_hash, changed, dry_run, diff: [{endpoint, change, details}],
-/// warnings: [...]}` for `--output json`.
+/// `{version, content_hash, changed, dry_run, diff: [{endpoint, scope, change, details}],
+/// warnings: [...]}` for `--output json`; `scope` is `defaults` for the file's `defaults:` block
+/// (whose `endpoint` reads `defaults`) and `endpoint` for an endpoint, even one named `defaults`.
 pub fn change_json(response: &pb::ApplyResponse, file: &str, dry_run: bool) -> Value {
     let diff: Vec<Value> = response
         .diff
         .iter()
         .map(|e| {
+            let change = Change::from(e);
             json!({
                 "endpoint": e.endpoint,
-                "change": change_kind(e.change()).as_str(),
+                "scope": match change.scope {
+                    Scope::Defaults => "defaults",
+                    Scope::Endpoint(_) => "endpoint",
+                },
+                "change": change.kind.as_str(),
                 "details": e.details,
             })
         })
@@ -242,13 +234,21 @@ mod tests {
             endpoint: endpoint.to_owned(),
             change: change as i32,
             details: details.iter().map(|d| (*d).to_owned()).collect(),
+            defaults: false,
+        }
+    }
+
+    fn defaults_block(details: &[&str]) -> pb::DiffEntry {
+        pb::DiffEntry {
+            defaults: true,
+            ..entry("defaults", pb::diff_entry::Change::Modified, details)
         }
     }
 
     fn sample() -> Vec<pb::DiffEntry> {
         use pb::diff_entry::Change::{Added, Modified, Removed};
         vec![
-            entry("defaults", Modified, &["deadline: 15s -> 10s"]),
+            defaults_block(&["deadline: 15s -> 10s"]),
             entry("search", Added, &["max_attempts: 2"]),
             entry(
                 "payments",
@@ -267,6 +267,42 @@ mod tests {
             out,
             "~ defaults\n    deadline: 15s -> 10s\n+ search\n    max_attempts: 2\n~ payments\n    max_attempts: 3 -> 4\n    backoff.jitter: full -> none\n- legacy\n"
         );
+    }
+
+    #[test]
+    fn an_endpoint_named_defaults_is_shown_and_counted_as_an_endpoint() {
+        use pb::diff_entry::Change::Added;
+        let diff = [
+            defaults_block(&["deadline: 15s -> 10s"]),
+            entry("defaults", Added, &["max_attempts: 2"]),
+        ];
+        let mut out = String::new();
+        push_diff(&mut out, &diff);
+        assert_eq!(
+            out,
+            "~ defaults\n    deadline: 15s -> 10s\n+ endpoints.defaults\n    max_attempts: 2\n"
+        );
+        assert_eq!(
+            summary(&diff),
+            "+1 endpoint, -0, 0 modified, defaults modified"
+        );
+        let response = pb::ApplyResponse {
+            diff: diff.to_vec(),
+            ..Default::default()
+        };
+        let json = change_json(&response, "p.yaml", false);
+        let scopes: Vec<(&str, &str)> = json["diff"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|e| {
+                (
+                    e["endpoint"].as_str().unwrap_or_default(),
+                    e["scope"].as_str().unwrap_or_default(),
+                )
+            })
+            .collect();
+        assert_eq!(scopes, [("defaults", "defaults"), ("defaults", "endpoint")]);
     }
 
     #[test]
@@ -316,7 +352,7 @@ mod tests {
             change_json(&response, "f.yaml", false),
             json!({
                 "version": 7, "content_hash": "ab", "changed": true, "dry_run": false,
-                "diff": [{"endpoint": "search", "change": "added", "details": []}],
+                "diff": [{"endpoint": "search", "scope": "endpoint", "change": "added", "details": []}],
                 "warnings": [{"file": "f.yaml", "line": 1, "column": 2, "severity": "warning",
                               "path": "p", "message": "m"}]
             })
