@@ -284,7 +284,7 @@ async fn a_thousand_concurrent_streams_all_receive_one_push() {
     eventually("every agent's ACK of v2 shows in status", || async {
         let status = admin
             .clone()
-            .fleet_status(pb::FleetStatusRequest {})
+            .fleet_status(pb::FleetStatusRequest::default())
             .await
             .unwrap()
             .into_inner();

@@ -472,7 +472,7 @@ where
 pub async fn agent_status(plane: &Plane, agent_id: &str) -> Option<pb::AgentStatus> {
     let mut admin = plane.admin().await;
     let status = admin
-        .fleet_status(pb::FleetStatusRequest {})
+        .fleet_status(pb::FleetStatusRequest::default())
         .await
         .ok()?
         .into_inner();

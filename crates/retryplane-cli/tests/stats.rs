@@ -449,3 +449,48 @@ fn on_a_terminal_top_shows_a_failed_refresh_and_keeps_going() {
     assert!(out.contains("waiting for the first answer"), "{out:?}");
     assert!(out.contains("\x1b[?1049l"), "{out:?}");
 }
+
+#[test]
+fn on_a_terminal_top_asks_for_the_rows_that_fit_and_counts_the_rest() {
+    let server = test_server(None);
+    let agent = real_agent(&server);
+    server.runtime.block_on(async {
+        // `ep` retried once (ratio 50 %), then 40 endpoints of one call each (no retries).
+        call(&agent, &[503]).await;
+        for i in 0..40 {
+            let _ = agent
+                .endpoint(&format!("quiet-{i:02}"))
+                .call(CallMeta::http("GET", "/"), |_| async {
+                    Ok::<_, io::Error>(http::Response::new(()))
+                })
+                .await;
+        }
+    });
+    eventually("every series is reported", || {
+        let json = json_of(
+            &server
+                .retryplane(&["stats", "--output", "json"])
+                .assert()
+                .code(0),
+        );
+        (json["series"].as_array().map(Vec::len) == Some(41)).then_some(())
+    });
+    // 30 rows: the header, the keys line and the table's header leave 27; 26 rows and a line
+    // for the 15 the server did not send or that do not fit.
+    let (status, out) = top_in_a_terminal(&server.url, "… 15 more", b"q");
+    assert_eq!(status.code(), Some(0), "{out:?}");
+    assert!(
+        out.contains("  v1  1 agent  41 series  0 alerting  "),
+        "{out:?}"
+    );
+    let worst = out.find("  ep  ").expect("the retried endpoint is listed");
+    let quiet = out
+        .find("quiet-00")
+        .expect("the first quiet endpoint is listed");
+    assert!(worst < quiet, "worst first: {out:?}");
+    assert!(
+        !out.contains("quiet-39"),
+        "the last ones are counted, not listed"
+    );
+    server.runtime.block_on(agent.shutdown());
+}

@@ -27,7 +27,8 @@ use retryplane_proto::pb::{self, admin_service_server::AdminService, policy_sour
 use tonic::{Request, Response, Status};
 use tracing::error;
 
-use crate::aggregate::Filter;
+use crate::aggregate::window::Window;
+use crate::aggregate::{Filter, Limit};
 use crate::auth::TokenName;
 use crate::control::{ChangeError, ChangeOutcome, ChangeRequest, ControlPlane, Mode};
 use crate::store::{Source, StoreError};
@@ -318,15 +319,24 @@ impl AdminService for AdminApi {
 
     async fn fleet_status(
         &self,
-        _request: Request<pb::FleetStatusRequest>,
+        request: Request<pb::FleetStatusRequest>,
     ) -> Result<Response<pb::FleetStatusResponse>, Status> {
+        let counts_only = request.into_inner().counts_only;
+        let fleet = &self.control.fleet;
+        let (connected, known) = fleet.counts();
         Ok(Response::new(pb::FleetStatusResponse {
             current_version: self.control.publisher.current().map_or(0, |s| s.version),
-            agents: self.control.fleet.status(),
+            agents: if counts_only {
+                Vec::new()
+            } else {
+                fleet.status()
+            },
             alerting_endpoints: self
                 .control
                 .aggregates
                 .alerting_endpoints(tokio::time::Instant::now()),
+            connected_agents: u32::try_from(connected).unwrap_or(u32::MAX),
+            known_agents: u32::try_from(known).unwrap_or(u32::MAX),
         }))
     }
 
@@ -335,16 +345,33 @@ impl AdminService for AdminApi {
         request: Request<pb::StatsRequest>,
     ) -> Result<Response<pb::StatsResponse>, Status> {
         let req = request.into_inner();
+        let window = order_window(req.order_window_seconds)?;
+        let limit = (req.limit > 0).then(|| Limit {
+            count: usize::try_from(req.limit).unwrap_or(usize::MAX),
+            window,
+        });
         let filter = Filter {
             service: given(&req.service),
             endpoint: given(&req.endpoint),
             firing_only: req.firing_only,
         };
-        Ok(Response::new(
-            self.control
-                .aggregates
-                .stats(tokio::time::Instant::now(), filter),
-        ))
+        Ok(Response::new(self.control.aggregates.stats_limited(
+            tokio::time::Instant::now(),
+            filter,
+            limit,
+        )))
+    }
+}
+
+/// The window of `StatsRequest.order_window_seconds`: 60 (or 0), 300 or 900.
+fn order_window(seconds: u32) -> Result<Window, Status> {
+    match seconds {
+        0 | 60 => Ok(Window::OneMinute),
+        300 => Ok(Window::FiveMinutes),
+        900 => Ok(Window::FifteenMinutes),
+        other => Err(Status::invalid_argument(format!(
+            "order_window_seconds is {other}; the windows are 60, 300 and 900 seconds"
+        ))),
     }
 }
 

@@ -88,7 +88,7 @@ async fn file_mode_still_answers_reads() {
     assert!(history(&api).await.is_empty());
     assert_eq!(get(&api, 0).await.unwrap_err().code(), Code::NotFound);
     let fleet = api
-        .fleet_status(Request::new(pb::FleetStatusRequest {}))
+        .fleet_status(Request::new(pb::FleetStatusRequest::default()))
         .await
         .unwrap()
         .into_inner();
@@ -120,7 +120,7 @@ async fn first_apply_is_version_1_by_the_token_name() {
         ("admin", "alice")
     );
     let fleet = api
-        .fleet_status(Request::new(pb::FleetStatusRequest {}))
+        .fleet_status(Request::new(pb::FleetStatusRequest::default()))
         .await
         .unwrap();
     assert_eq!(fleet.into_inner().current_version, 1);
@@ -348,4 +348,55 @@ async fn history_is_newest_first_and_limited() {
         .into_inner();
     assert_eq!(limited.versions.len(), 1);
     assert_eq!(limited.versions[0].version, 2);
+}
+
+#[tokio::test]
+async fn stats_refuses_an_unknown_order_window_and_fleet_status_can_send_counts_only() {
+    let api = api(Mode::Api);
+    for seconds in [0, 60, 300, 900] {
+        let request = pb::StatsRequest {
+            limit: 5,
+            order_window_seconds: seconds,
+            ..Default::default()
+        };
+        assert!(api.stats(Request::new(request)).await.is_ok(), "{seconds}");
+    }
+    let status = api
+        .stats(Request::new(pb::StatsRequest {
+            limit: 5,
+            order_window_seconds: 120,
+            ..Default::default()
+        }))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument);
+    assert_eq!(
+        status.message(),
+        "order_window_seconds is 120; the windows are 60, 300 and 900 seconds"
+    );
+
+    let hello = |id: &str| pb::Hello {
+        agent_id: id.to_owned(),
+        service: "checkout".to_owned(),
+        ..Default::default()
+    };
+    let fleet = &api.control.fleet;
+    let _a = fleet.register(&hello("a"), None).unwrap();
+    let b = fleet.register(&hello("b"), None).unwrap();
+    fleet.disconnected("b", b.generation);
+    let status = |counts_only| {
+        let api = &api;
+        async move {
+            api.fleet_status(Request::new(pb::FleetStatusRequest { counts_only }))
+                .await
+                .unwrap()
+                .into_inner()
+        }
+    };
+    let full = status(false).await;
+    assert_eq!(full.agents.len(), 2);
+    assert_eq!((full.connected_agents, full.known_agents), (1, 2));
+    let counts = status(true).await;
+    assert!(counts.agents.is_empty());
+    assert_eq!((counts.connected_agents, counts.known_agents), (1, 2));
 }

@@ -200,7 +200,7 @@ async fn an_admin_apply_dropped_mid_commit_is_still_sent_to_agents() {
     assert_eq!(control.store.current().unwrap().unwrap().meta.version, 2);
     let mut admin = AdminServiceClient::new(channel(addr).await);
     let fleet = admin
-        .fleet_status(pb::FleetStatusRequest {})
+        .fleet_status(pb::FleetStatusRequest::default())
         .await
         .unwrap()
         .into_inner();

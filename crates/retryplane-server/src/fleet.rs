@@ -274,6 +274,12 @@ impl Fleet {
         self.lock().connected
     }
 
+    /// Agents connected now, and agents known (connected, and disconnected ones still kept).
+    pub fn counts(&self) -> (usize, usize) {
+        let inner = self.lock();
+        (inner.connected, inner.agents.len())
+    }
+
     /// Connected agents by the version they run, and connected agents whose last answer was a
     /// NACK by the version they refused; for the fleet gauges of `/metrics`.
     pub fn versions(&self) -> FleetVersions {

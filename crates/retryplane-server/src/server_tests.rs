@@ -438,7 +438,7 @@ async fn reports_over_a_stream_show_in_metrics_stats_and_fleet_status() {
     assert_eq!(stats.endpoints[0].calls, 40);
     assert_eq!(stats.max_series, 10_000);
     let fleet = admin
-        .fleet_status(pb::FleetStatusRequest {})
+        .fleet_status(pb::FleetStatusRequest::default())
         .await
         .unwrap()
         .into_inner();

@@ -121,7 +121,7 @@ pub async fn stats(running: &Running) -> Option<pb::EndpointStats> {
 pub async fn listed_connected(running: &Running, id: &str) -> Option<bool> {
     let fleet = admin(running)
         .await
-        .fleet_status(pb::FleetStatusRequest {})
+        .fleet_status(pb::FleetStatusRequest::default())
         .await
         .unwrap()
         .into_inner();

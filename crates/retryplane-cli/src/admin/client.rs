@@ -87,7 +87,16 @@ impl Client {
 
     /// `FleetStatus`.
     pub async fn fleet_status(&mut self) -> Result<pb::FleetStatusResponse, Status> {
-        let request = self.request(pb::FleetStatusRequest {});
+        self.fleet_status_with(pb::FleetStatusRequest::default())
+            .await
+    }
+
+    /// `FleetStatus` with `message` (`counts_only` leaves the agent list out).
+    pub async fn fleet_status_with(
+        &mut self,
+        message: pb::FleetStatusRequest,
+    ) -> Result<pb::FleetStatusResponse, Status> {
+        let request = self.request(message);
         Ok(self.inner.fleet_status(request).await?.into_inner())
     }
 

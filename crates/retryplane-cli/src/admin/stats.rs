@@ -109,7 +109,8 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
         let request = pb::StatsRequest {
             endpoint: settings.endpoint.clone().unwrap_or_default(),
             service: settings.service.clone().unwrap_or_default(),
-            firing_only: false,
+            // Every series: `stats` lists them all, sorted by the server.
+            ..Default::default()
         };
         let response = match client.stats(request).await {
             Ok(response) => response,
@@ -289,6 +290,7 @@ mod tests {
             max_series: 1000,
             overflowed_reports: 0,
             now_unix_ms: 1_764_473_825_000,
+            ..Default::default()
         }
     }
 

@@ -1,10 +1,13 @@
 //! `retryplane top [--interval 2s] [--window 1m|5m|15m] [--iterations N]`: a live view of the
 //! fleet's retry metrics, refreshed every interval, like `top` or `kubectl top`.
 //!
-//! Every refresh calls `FleetStatus` (the current version, the connected agents) and `Stats`,
-//! and shows one header line — the time of the figures (UTC), the server, the current policy
-//! version, connected agents, series and how many of them alert — then one row per (service,
-//! endpoint), highest retry ratio first over the chosen window (default `1m`):
+//! Every refresh calls `FleetStatus` (the current version and the count of connected agents,
+//! without the agent list) and `Stats`; on a terminal, `Stats` asks for only as many series as
+//! the screen has rows, ranked worst first by the server, which counts the rest, so a refresh
+//! stays small with thousands of series. It shows one header line — the time of the figures
+//! (UTC), the server, the current policy version, connected agents, series and how many of them
+//! alert — then one row per (service, endpoint), highest retry ratio first over the chosen
+//! window (default `1m`):
 //! `! ENDPOINT SERVICE CALLS/S RETRIES/S RETRY% FIRST-TRY VERSION GIVE-UPS`, where `!` marks a
 //! series whose 5-minute retry ratio is past its threshold (the columns are those of
 //! `retryplane stats`).
@@ -123,16 +126,35 @@ pub struct Snapshot {
     pub taken_unix_ms: u64,
 }
 
-async fn poll(client: &mut Client) -> Result<Snapshot, Status> {
-    let fleet = client.fleet_status().await?;
-    let stats = client.stats(pb::StatsRequest::default()).await?;
+/// One refresh. With a `limit` (on a terminal: the rows that fit), the server sends only that
+/// many series, worst first over `window`, and the counts of the rest; without (plain mode),
+/// every series. The agent list is never fetched: only its counts are shown.
+async fn poll(
+    client: &mut Client,
+    window: Window,
+    limit: Option<usize>,
+) -> Result<Snapshot, Status> {
+    let fleet = client
+        .fleet_status_with(pb::FleetStatusRequest { counts_only: true })
+        .await?;
+    let request = pb::StatsRequest {
+        limit: limit.map_or(0, |n| u32::try_from(n.max(1)).unwrap_or(u32::MAX)),
+        order_window_seconds: window.seconds(),
+        ..Default::default()
+    };
+    let stats = client.stats(request).await?;
     let taken_unix_ms = match stats.now_unix_ms {
         0 => now_unix_ms(),
         ms => ms,
     };
+    // A control plane that predates the counts sends the whole list and no count.
+    let listed = fleet.agents.iter().filter(|a| a.connected).count();
+    let agents = usize::try_from(fleet.connected_agents)
+        .unwrap_or(usize::MAX)
+        .max(listed);
     Ok(Snapshot {
         current_version: fleet.current_version,
-        agents: fleet.agents.iter().filter(|a| a.connected).count(),
+        agents,
         stats,
         taken_unix_ms,
     })
@@ -158,7 +180,7 @@ async fn plain(settings: &Settings) -> anyhow::Result<Report> {
             () = signals.recv() => break,
         }
         let polled = tokio::select! {
-            polled = poll(&mut client) => polled,
+            polled = poll(&mut client, settings.window, None) => polled,
             () = signals.recv() => break,
         };
         let snapshot = match polled {
@@ -211,6 +233,8 @@ type Fetch = Pin<Box<dyn Future<Output = (Option<Client>, Result<Snapshot, Strin
 async fn fetch(
     server: Server,
     client: Option<Client>,
+    window: Window,
+    limit: usize,
 ) -> (Option<Client>, Result<Snapshot, String>) {
     let mut client = match client {
         Some(client) => client,
@@ -219,7 +243,7 @@ async fn fetch(
             Err(e) => return (None, Err(format!("{e:#}"))),
         },
     };
-    match poll(&mut client).await {
+    match poll(&mut client, window, Some(limit)).await {
         Ok(snapshot) => (Some(client), Ok(snapshot)),
         Err(status) => (None, Err(status_line(&status))),
     }
@@ -288,7 +312,14 @@ async fn interactive(settings: &Settings) -> anyhow::Result<Report> {
     loop {
         tokio::select! {
             _ = ticker.tick(), if in_flight.is_none() => {
-                in_flight = Some(Box::pin(fetch(settings.server.clone(), client.take())));
+                // No more series than the screen has rows (the server ranks them).
+                let (_, rows) = terminal::size();
+                in_flight = Some(Box::pin(fetch(
+                    settings.server.clone(),
+                    client.take(),
+                    settings.window,
+                    rows,
+                )));
             }
             (back, result) = finished(&mut in_flight) => {
                 in_flight = None;
@@ -389,14 +420,16 @@ pub fn render(view: &View<'_>, size: Option<(usize, usize)>) -> Vec<String> {
             metrics::give_ups(&row.counters()),
         ]);
     }
-    let mut hidden = 0;
+    // Series that matched on the server: more than `rows` when it sent only the worst.
+    let total = series_count(stats).max(rows.len());
+    let mut hidden = total - rows.len();
     if let Some((_, height)) = size {
         // Room for the table's header and rows under the header lines.
         let room = height.saturating_sub(lines.len() + 1);
-        if rows.len() > room {
+        if total > room {
             // One line says how many rows are not shown.
-            let shown = room.saturating_sub(1);
-            hidden = rows.len() - shown;
+            let shown = room.saturating_sub(1).min(rows.len());
+            hidden = total - shown;
             cells.truncate(1 + shown);
         }
     }
@@ -431,12 +464,15 @@ fn header(view: &View<'_>) -> String {
     let Some(s) = view.snapshot else {
         return format!("{}  window {}", view.server, view.window.label());
     };
-    let alerting = s
+    let listed_alerting = s
         .stats
         .series
         .iter()
         .filter(|series| series.alert.is_some_and(|a| a.firing))
         .count();
+    let alerting = usize::try_from(s.stats.firing_series)
+        .unwrap_or(usize::MAX)
+        .max(listed_alerting);
     let mut line = format!(
         "{}  {}  v{}  {} agent{}  {} series  {alerting} alerting  window {}",
         rfc3339_utc(s.taken_unix_ms),
@@ -444,7 +480,7 @@ fn header(view: &View<'_>) -> String {
         s.current_version,
         s.agents,
         if s.agents == 1 { "" } else { "s" },
-        s.stats.series.len(),
+        series_count(&s.stats),
         view.window.label(),
     );
     if s.stats.overflowed_reports > 0 {
@@ -455,6 +491,14 @@ fn header(view: &View<'_>) -> String {
         );
     }
     line
+}
+
+/// The series that matched on the server, of which `stats.series` may be the worst only (a
+/// control plane that predates the count sends every series and no count).
+fn series_count(stats: &pb::StatsResponse) -> usize {
+    usize::try_from(stats.matched_series)
+        .unwrap_or(usize::MAX)
+        .max(stats.series.len())
 }
 
 /// Index of the endpoint and service columns.
@@ -724,6 +768,29 @@ mod tests {
         assert!(all.iter().all(|l| !l.starts_with('…')));
         let tiny = render(&view(Some(&s), true), Some((200, 1)));
         assert_eq!(tiny.len(), 1);
+    }
+
+    #[test]
+    fn a_server_that_sent_only_the_worst_series_has_the_rest_counted() {
+        // 40 series matched on the server, 3 of them alerting; it sent the 2 worst.
+        let mut s = snapshot(vec![
+            alerting(series("checkout", "payments", counters(600, 120, 480)), 0.2),
+            series("search", "payments", counters(600, 30, 570)),
+        ]);
+        s.stats.matched_series = 40;
+        s.stats.firing_series = 3;
+        let lines = render(&view(Some(&s), true), Some((200, 24)));
+        assert!(
+            lines[0].contains("  12 agents  40 series  3 alerting  window 1m"),
+            "{lines:#?}"
+        );
+        assert!(lines[3].starts_with("!  payments  checkout"), "{lines:#?}");
+        assert!(lines[4].starts_with("   payments  search"), "{lines:#?}");
+        assert_eq!(lines[5], "… 38 more");
+        assert_eq!(lines.len(), 6, "{lines:#?}");
+        // Fewer rows than it sent: the same count of what is not shown.
+        let short = render(&view(Some(&s), true), Some((200, 5)));
+        assert_eq!(short[4], "… 39 more");
     }
 
     #[test]

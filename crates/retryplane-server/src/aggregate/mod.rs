@@ -127,6 +127,37 @@ pub struct Filter<'a> {
     pub firing_only: bool,
 }
 
+/// How many series a `Stats` answer keeps, and the window it ranks them over.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limit {
+    /// Series kept.
+    pub count: usize,
+    /// The window whose retry ratio ranks them.
+    pub window: window::Window,
+}
+
+/// `retryplane top`'s order, worst first, over window number `w` of [`WINDOWS`]: highest retry
+/// ratio first, series without calls in the window last, then firing alerts first, then by
+/// service and endpoint (so the order is the same from one refresh to the next).
+fn worst_first(a: &SeriesView, b: &SeriesView, w: usize) -> std::cmp::Ordering {
+    use std::cmp::Ordering;
+    let ratio = |v: &SeriesView| {
+        v.windows
+            .get(w)
+            .filter(|(c, _)| c.0[counts::CALLS] > 0)
+            .map(|(c, _)| c.retry_ratio())
+    };
+    let by_ratio = match (ratio(a), ratio(b)) {
+        (Some(x), Some(y)) => y.total_cmp(&x),
+        (Some(_), None) => Ordering::Less,
+        (None, Some(_)) => Ordering::Greater,
+        (None, None) => Ordering::Equal,
+    };
+    by_ratio
+        .then_with(|| b.alert.firing.cmp(&a.alert.firing))
+        .then_with(|| (&a.service, &a.endpoint).cmp(&(&b.service, &b.endpoint)))
+}
+
 impl Filter<'_> {
     fn matches(&self, service: &str, endpoint: &str) -> bool {
         self.service.is_none_or(|s| s == service) && self.endpoint.is_none_or(|e| e == endpoint)
@@ -296,8 +327,19 @@ impl Aggregator {
         views
     }
 
-    /// The admin `Stats` answer as of `now`.
+    /// The admin `Stats` answer as of `now`: every matching series.
     pub fn stats(&self, now: Instant, filter: Filter<'_>) -> pb::StatsResponse {
+        self.stats_limited(now, filter, None)
+    }
+
+    /// The admin `Stats` answer as of `now`; with a `limit`, only its count of series, worst
+    /// first (see [`Limit`]). Only the series kept are encoded.
+    pub fn stats_limited(
+        &self,
+        now: Instant,
+        filter: Filter<'_>,
+        limit: Option<Limit>,
+    ) -> pb::StatsResponse {
         let tick = Tick::new(self.epoch, now);
         let mut series: Vec<&Series> = Vec::new();
         let matching = self.matching(filter);
@@ -305,12 +347,23 @@ impl Aggregator {
         if self.other_listed(filter) {
             series.push(&self.other);
         }
-        let mut out = Vec::with_capacity(series.len());
-        for s in series {
-            let view = s.view(&tick, self.thresholds.get(s.endpoint()));
-            if filter.firing_only && !view.alert.firing {
-                continue;
-            }
+        let mut views: Vec<(&Series, SeriesView)> = series
+            .into_iter()
+            .map(|s| (s, s.view(&tick, self.thresholds.get(s.endpoint()))))
+            .filter(|(_, view)| !filter.firing_only || view.alert.firing)
+            .collect();
+        let matched_series = views.len();
+        let firing_series = views.iter().filter(|(_, v)| v.alert.firing).count();
+        if let Some(limit) = limit {
+            let w = WINDOWS
+                .iter()
+                .position(|&w| w == limit.window)
+                .unwrap_or_default();
+            views.sort_by(|(_, a), (_, b)| worst_first(a, b, w));
+            views.truncate(limit.count);
+        }
+        let mut out = Vec::with_capacity(views.len());
+        for (s, view) in views {
             out.push(pb::SeriesStats {
                 service: view.service,
                 endpoint: view.endpoint,
@@ -356,6 +409,8 @@ impl Aggregator {
             max_series: u32::try_from(self.max_series).unwrap_or(u32::MAX),
             overflowed_reports: self.overflowed_reports(),
             now_unix_ms: unix_ms(),
+            matched_series: u32::try_from(matched_series).unwrap_or(u32::MAX),
+            firing_series: u32::try_from(firing_series).unwrap_or(u32::MAX),
         }
     }
 

@@ -641,3 +641,59 @@ fn memory_of_a_series_is_bounded_whatever_versions_agents_report() {
     assert!(most - one < series::MAX_VERSIONS * 2_600, "{one} -> {most}");
     assert_eq!(agg.stats(Instant::now(), all()).series[0].versions.len(), 4);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_limit_keeps_the_worst_series_over_the_chosen_window() {
+    let agg = Aggregator::new(10, Instant::now());
+    let svc = agg.service("checkout");
+    agg.ingest(
+        &svc,
+        &report(
+            1,
+            &[("a", 20, 10), ("b", 10, 1), ("c", 10, 0), ("d", 20, 0)],
+        ),
+        Instant::now(),
+    );
+    advance(Duration::from_secs(61)).await;
+    // Over the last minute only `b` had calls (ratio 0.9); over five minutes `a` and `b` are
+    // at 0.5 (both alerts fire), `c` and `d` at 0.
+    agg.ingest(&svc, &report(1, &[("b", 10, 9)]), Instant::now());
+    let ranked = |count, window| {
+        let stats = agg.stats_limited(Instant::now(), all(), Some(Limit { count, window }));
+        let names: Vec<String> = stats.series.iter().map(|s| s.endpoint.clone()).collect();
+        (names, stats.matched_series, stats.firing_series)
+    };
+    use window::Window::{FiveMinutes, OneMinute};
+    // No calls in the minute: after `b`, firing `a` first, then by name.
+    assert_eq!(
+        ranked(10, OneMinute),
+        (vec!["b".into(), "a".into(), "c".into(), "d".into()], 4, 2)
+    );
+    assert_eq!(ranked(2, OneMinute), (vec!["b".into(), "a".into()], 4, 2));
+    // Equal ratios: by name (both fire).
+    assert_eq!(
+        ranked(3, FiveMinutes),
+        (vec!["a".into(), "b".into(), "c".into()], 4, 2)
+    );
+    // Without a limit: every series, by service then endpoint, the same counts.
+    let all_of = agg.stats(Instant::now(), all());
+    let names: Vec<&str> = all_of.series.iter().map(|s| s.endpoint.as_str()).collect();
+    assert_eq!(names, ["a", "b", "c", "d"]);
+    assert_eq!((all_of.matched_series, all_of.firing_series), (4, 2));
+    // The limit applies after the filters; the totals per endpoint are not narrowed.
+    let firing = agg.stats_limited(
+        Instant::now(),
+        Filter {
+            firing_only: true,
+            ..Filter::default()
+        },
+        Some(Limit {
+            count: 1,
+            window: OneMinute,
+        }),
+    );
+    assert_eq!(firing.series.len(), 1);
+    assert_eq!(firing.series[0].endpoint, "b");
+    assert_eq!((firing.matched_series, firing.firing_series), (2, 2));
+    assert_eq!(firing.endpoints.len(), 4);
+}
