@@ -285,11 +285,8 @@ impl Endpoint {
             let entry = self.entry();
             let (policy, runtime) = entry.resolve(&meta.target());
             let (idempotent, has_idempotency_key) = meta.idempotency(policy);
-            let info = CallInfo {
-                idempotent,
-                has_idempotency_key,
-                replayable: meta.replayable(),
-            };
+            let info =
+                CallInfo::new(idempotent, has_idempotency_key).with_replayable(meta.replayable());
             let mut rng = CallRng {
                 shared: &self.shared,
                 rng: None,

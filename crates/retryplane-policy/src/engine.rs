@@ -41,7 +41,12 @@ pub use outcome::{Decision, GiveUpCause, Outcome};
 const FAR_FUTURE: Duration = Duration::from_secs(86_400 * 365 * 30);
 
 /// How the call may be repeated, decided by the caller from the request.
+///
+/// Made with [`CallInfo::http`] or [`CallInfo::new`] (and [`CallInfo::with_replayable`]); the
+/// fields can be read and set, but the struct is `#[non_exhaustive]`, so a field added later
+/// does not break callers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct CallInfo {
     /// The method is listed in `idempotent_methods` (for gRPC: the caller declares it).
     pub idempotent: bool,
@@ -54,6 +59,24 @@ pub struct CallInfo {
 }
 
 impl CallInfo {
+    /// A call that is `idempotent` (or not) and carries the idempotency key (or not), and can
+    /// be sent again. For gRPC the caller says whether the method is idempotent.
+    #[inline]
+    pub const fn new(idempotent: bool, has_idempotency_key: bool) -> Self {
+        Self {
+            idempotent,
+            has_idempotency_key,
+            replayable: true,
+        }
+    }
+
+    /// The same call, sent again only when `replayable` (see [`CallInfo::replayable`]).
+    #[inline]
+    #[must_use]
+    pub const fn with_replayable(self, replayable: bool) -> Self {
+        Self { replayable, ..self }
+    }
+
     /// An HTTP call: idempotency from the policy's method list.
     #[inline]
     pub fn http(policy: &RetryPolicy, method: &str, has_idempotency_key: bool) -> Self {

@@ -31,19 +31,23 @@ fn http(status: u16) -> Outcome {
 }
 
 fn get() -> CallInfo {
-    CallInfo {
-        idempotent: true,
-        has_idempotency_key: false,
-        replayable: true,
-    }
+    CallInfo::new(true, false)
 }
 
 fn post(key: bool) -> CallInfo {
-    CallInfo {
-        idempotent: false,
-        has_idempotency_key: key,
-        replayable: true,
-    }
+    CallInfo::new(false, key)
+}
+
+#[test]
+fn call_info_is_replayable_unless_told_otherwise() {
+    let info = CallInfo::new(false, true);
+    assert_eq!(
+        (info.idempotent, info.has_idempotency_key, info.replayable),
+        (false, true, true)
+    );
+    assert!(!info.with_replayable(false).replayable);
+    assert_eq!(info.with_replayable(false).with_replayable(true), info);
+    assert_eq!(CallInfo::http(&RetryPolicy::default(), "GET", false), get());
 }
 
 /// Runs one attempt at `now` with `outcome` and returns the decision.
