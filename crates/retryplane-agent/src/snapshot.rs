@@ -5,7 +5,8 @@
 //! snapshot replaces an old one, an endpoint whose budget and breaker settings did not change
 //! keeps its state, so a push that only changes `max_attempts` does not reset a breaker that is
 //! open. Endpoints the policies do not name run under the file's `defaults:`; their state is
-//! created on first use and carried over the same way.
+//! created on first use, kept in one registry that every snapshot of the agent shares, and
+//! carried over the same way.
 
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
@@ -76,6 +77,75 @@ impl Runtime {
 /// 15 ns per call here.
 type Map<V> = HashMap<Arc<str>, V, foldhash::fast::FixedState>;
 
+/// The runtime state of endpoints the policies do not name, shared by every snapshot of one
+/// agent (each snapshot is built from the one before it and takes the same registry).
+///
+/// Shared rather than copied into each new snapshot: a call that started on the outgoing
+/// snapshot may create an endpoint's state after the new snapshot was built, and a copy
+/// would miss it, so the endpoint would run two budgets and breakers. Here both snapshots see
+/// the one state, as long as it fits the newest snapshot's `defaults:`.
+#[derive(Debug)]
+struct Unnamed {
+    inner: RwLock<UnnamedInner>,
+}
+
+#[derive(Debug)]
+struct UnnamedInner {
+    /// The `defaults:` of the newest snapshot: a state is kept only if it fits them.
+    newest: Arc<RetryPolicy>,
+    by_name: Map<Arc<Runtime>>,
+}
+
+impl Unnamed {
+    fn new(defaults: Arc<RetryPolicy>) -> Self {
+        Self {
+            inner: RwLock::new(UnnamedInner {
+                newest: defaults,
+                by_name: Map::default(),
+            }),
+        }
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, UnnamedInner> {
+        self.inner.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, UnnamedInner> {
+        self.inner.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The state `name` has under `defaults`, created on first use. A state made for an
+    /// outgoing snapshot whose `defaults:` no longer fit the newest ones is not kept.
+    fn runtime(&self, name: &str, defaults: &RetryPolicy) -> Arc<Runtime> {
+        if let Some(rt) = self.read().by_name.get(name)
+            && rt.fits(defaults)
+        {
+            return rt.clone();
+        }
+        let mut inner = self.write();
+        if let Some(rt) = inner.by_name.get(name)
+            && rt.fits(defaults)
+        {
+            return rt.clone();
+        }
+        let rt = Arc::new(Runtime::new(defaults));
+        if rt.fits(&inner.newest) {
+            inner.by_name.insert(Arc::from(name), rt.clone());
+        }
+        rt
+    }
+
+    /// Makes `defaults` the newest, dropping the states that no longer fit them and those of
+    /// endpoints the newest policies name (`named`).
+    fn advance(&self, defaults: &Arc<RetryPolicy>, named: impl Fn(&str) -> bool) {
+        let mut inner = self.write();
+        inner.newest = defaults.clone();
+        inner
+            .by_name
+            .retain(|name, rt| !named(name) && rt.fits(defaults));
+    }
+}
+
 /// Which policy an [`Entry`] runs under.
 #[derive(Debug)]
 enum EntryPolicy {
@@ -116,20 +186,21 @@ pub struct PolicySnapshot {
     source: Source,
     named: Map<Arc<Entry>>,
     /// Runtime state of endpoints the set does not name, created on first use.
-    unnamed: RwLock<Map<Arc<Runtime>>>,
+    unnamed: Arc<Unnamed>,
 }
 
 impl PolicySnapshot {
     /// The fallback snapshot: version 0, no endpoints, [`fallback_policy`] for every call.
     pub(crate) fn fallback() -> Self {
+        let defaults = Arc::new(fallback_policy());
         Self {
             set: None,
-            defaults: Arc::new(fallback_policy()),
+            unnamed: Arc::new(Unnamed::new(defaults.clone())),
+            defaults,
             version: 0,
             hash: String::new(),
             source: Source::Fallback,
             named: Map::default(),
-            unnamed: RwLock::default(),
         }
     }
 
@@ -157,19 +228,14 @@ impl PolicySnapshot {
                 }),
             );
         }
-        let mut unnamed = Map::default();
-        if let Some(prev) = previous {
-            for (name, rt) in prev
-                .unnamed
-                .read()
-                .unwrap_or_else(|e| e.into_inner())
-                .iter()
-            {
-                if !named.contains_key(name) && rt.fits(&defaults) {
-                    unnamed.insert(name.clone(), rt.clone());
-                }
+        let unnamed = match previous {
+            Some(prev) => {
+                prev.unnamed
+                    .advance(&defaults, |name| named.contains_key(name));
+                prev.unnamed.clone()
             }
-        }
+            None => Arc::new(Unnamed::new(defaults.clone())),
+        };
         Self {
             set: Some(set),
             defaults,
@@ -177,7 +243,7 @@ impl PolicySnapshot {
             hash,
             source,
             named,
-            unnamed: RwLock::new(unnamed),
+            unnamed,
         }
     }
 
@@ -186,11 +252,7 @@ impl PolicySnapshot {
         if let Some(e) = self.named.get(name) {
             return Some(e.runtime.clone());
         }
-        self.unnamed
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(name)
-            .cloned()
+        self.unnamed.read().by_name.get(name).cloned()
     }
 
     /// The entry of `endpoint` in this snapshot: its own, or the defaults with the state of
@@ -199,20 +261,7 @@ impl PolicySnapshot {
         if let Some(e) = self.named.get(endpoint) {
             return e.clone();
         }
-        let runtime = self
-            .unnamed
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(endpoint)
-            .cloned();
-        let runtime = runtime.unwrap_or_else(|| {
-            self.unnamed
-                .write()
-                .unwrap_or_else(|e| e.into_inner())
-                .entry(Arc::from(endpoint))
-                .or_insert_with(|| Arc::new(Runtime::new(&self.defaults)))
-                .clone()
-        });
+        let runtime = self.unnamed.runtime(endpoint, &self.defaults);
         Arc::new(Entry {
             policy: EntryPolicy::Defaults(self.defaults.clone()),
             runtime,
@@ -289,6 +338,51 @@ mod tests {
             same(&z1, &z2),
             "unnamed endpoint on unchanged defaults: state kept"
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn state_made_on_the_outgoing_snapshot_after_a_swap_is_the_state_of_the_new_one() {
+        let build = |yaml: &str, version, previous| {
+            PolicySnapshot::build(
+                set(yaml),
+                version,
+                "h".into(),
+                Source::ControlPlane,
+                previous,
+            )
+        };
+        let v1 = build("version: 1\nendpoints:\n  a: {}\n", 1, None);
+        let v2 = build(
+            "version: 1\nendpoints:\n  a: {max_attempts: 5}\n",
+            2,
+            Some(&v1),
+        );
+        // A call that loaded v1 before the swap makes the first use of `zzz` after v2 was
+        // built; the next call, on v2, gets the same budget and breaker.
+        let late = v1.entry("zzz");
+        assert!(same(&late, &v2.entry("zzz")), "one state for the endpoint");
+        // New `defaults:` budget: v3 starts a fresh state and keeps it; a straggler on v2 gets
+        // a state of v2's settings that is not kept.
+        let v3 = build(
+            "version: 1\ndefaults:\n  budget: {ratio: 0.5}\nendpoints:\n  a: {}\n",
+            3,
+            Some(&v2),
+        );
+        let fresh = v3.entry("zzz");
+        assert!(!same(&late, &fresh), "budget changed: fresh state");
+        let straggler = v2.entry("yyy");
+        assert!(
+            !same(&straggler, &v3.entry("yyy")),
+            "v2's settings are not v3's"
+        );
+        assert!(same(&fresh, &v3.entry("zzz")), "v3's state is kept");
+        // An endpoint the newest policies name takes the unnamed state over, once.
+        let v4 = build(
+            "version: 1\ndefaults:\n  budget: {ratio: 0.5}\nendpoints:\n  a: {}\n  zzz: {}\n",
+            4,
+            Some(&v3),
+        );
+        assert!(same(&fresh, &v4.entry("zzz")), "named now, same state");
     }
 
     #[test]
