@@ -75,6 +75,12 @@ pub struct Args {
           default_value_t = StreamLimits::default().max_pending_handshakes,
           value_parser = at_least_one())]
     max_pending_handshakes: usize,
+    /// Most HTTP/2 streams one connection may have open at once, on each gRPC listener (an
+    /// agent needs one).
+    #[arg(long, value_name = "N",
+          default_value_t = ServeConfig::default().max_streams_per_connection,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    max_streams_per_connection: u32,
     /// Most (service, endpoint) metrics series kept apart; reports past it are counted in one
     /// `other` series.
     #[arg(long, value_name = "N", default_value_t = ServeConfig::default().max_series,
@@ -137,6 +143,7 @@ impl From<Args> for ServeConfig {
             keepalive_timeout: args.keepalive_timeout,
             max_agents: args.max_agents,
             max_series: args.max_series,
+            max_streams_per_connection: args.max_streams_per_connection,
             stream_limits: StreamLimits {
                 max_pending_handshakes: args.max_pending_handshakes,
                 ..defaults.stream_limits
@@ -275,6 +282,10 @@ mod tests {
             parsed.stream_limits.max_pending_handshakes,
             defaults.stream_limits.max_pending_handshakes
         );
+        assert_eq!(
+            parsed.max_streams_per_connection,
+            defaults.max_streams_per_connection
+        );
     }
 
     #[test]
@@ -294,6 +305,8 @@ mod tests {
             "1m",
             "--keepalive-timeout",
             "5s",
+            "--max-streams-per-connection",
+            "64",
         ]);
         assert_eq!(parsed.config_file, PathBuf::from("p.yaml"));
         assert_eq!(parsed.listen.port(), 9000);
@@ -301,5 +314,6 @@ mod tests {
         assert!(parsed.api_mode && parsed.insecure);
         assert_eq!(parsed.keepalive_interval, Duration::from_secs(60));
         assert_eq!(parsed.keepalive_timeout, Duration::from_secs(5));
+        assert_eq!(parsed.max_streams_per_connection, 64);
     }
 }

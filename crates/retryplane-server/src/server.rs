@@ -64,6 +64,8 @@ pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(20);
 /// The default of how long a keepalive ping may go unanswered before the connection is
 /// dropped ([`ServeConfig::keepalive_timeout`]).
 pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
+/// The default of [`ServeConfig::max_streams_per_connection`].
+pub const MAX_STREAMS_PER_CONNECTION: u32 = 1024;
 
 const AGENT_SERVICE: &str = <AgentRoute as NamedService>::NAME;
 const ADMIN_SERVICE: &str = <AdminServiceServer<AdminApi> as NamedService>::NAME;
@@ -111,6 +113,8 @@ fn grpc_server(cfg: &ServeConfig) -> Server {
     Server::builder()
         .http2_keepalive_interval(Some(cfg.keepalive_interval))
         .http2_keepalive_timeout(Some(cfg.keepalive_timeout))
+        // tonic's default is no bound at all (it overrides hyper's 200).
+        .max_concurrent_streams(cfg.max_streams_per_connection)
         .tcp_nodelay(true)
 }
 

@@ -178,7 +178,7 @@ async fn api_mode_without_a_seed_is_not_ready_until_an_apply() {
 }
 
 #[tokio::test]
-async fn a_keepalive_of_zero_is_refused() {
+async fn a_keepalive_or_a_stream_limit_of_zero_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     for (cfg, setting) in [
         (
@@ -195,10 +195,17 @@ async fn a_keepalive_of_zero_is_refused() {
             },
             "keepalive_timeout",
         ),
+        (
+            ServeConfig {
+                max_streams_per_connection: 0,
+                ..config(dir.path())
+            },
+            "max_streams_per_connection",
+        ),
     ] {
         let err = start(cfg).await.unwrap_err();
         assert!(
-            matches!(err, ServeError::ZeroDuration { setting: s } if s == setting),
+            matches!(err, ServeError::ZeroSetting { setting: s } if s == setting),
             "{err}"
         );
         assert_eq!(err.to_string(), format!("{setting} must be more than zero"));
@@ -568,5 +575,39 @@ async fn another_agent_service_method_is_unimplemented() {
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::Unimplemented, "{err:?}");
+    running.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn each_grpc_listener_bounds_the_streams_of_one_connection() {
+    let (_dir, cfg) = with_file(V1);
+    let cfg = ServeConfig {
+        max_streams_per_connection: 3,
+        ..cfg
+    };
+    let running = start(cfg).await.unwrap();
+    for addr in [running.agent_addr(), running.admin_addr] {
+        let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (send, mut conn) = h2::client::handshake(tcp).await.unwrap();
+        // Before the server's SETTINGS arrive the client assumes no bound.
+        assert_eq!(conn.max_concurrent_send_streams(), usize::MAX);
+        let request = http::Request::post("/grpc.health.v1.Health/Check")
+            .header("content-type", "application/grpc")
+            .header("te", "trailers")
+            .body(())
+            .unwrap();
+        let answered = async {
+            let mut send = send.ready().await?;
+            let (response, _) = send.send_request(request, true)?;
+            response.await
+        };
+        // Drive the connection until the answer (which comes after the SETTINGS).
+        let response = tokio::select! {
+            r = answered => r.unwrap(),
+            end = &mut conn => panic!("the connection ended first: {end:?}"),
+        };
+        assert_eq!(response.status(), 200);
+        assert_eq!(conn.max_concurrent_send_streams(), 3, "{addr}");
+    }
     running.shutdown().await.unwrap();
 }

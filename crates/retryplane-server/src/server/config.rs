@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use tracing::warn;
 
-use super::{KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT, ServeError};
+use super::{KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT, MAX_STREAMS_PER_CONNECTION, ServeError};
 use crate::agent_stream::StreamLimits;
 use crate::aggregate::DEFAULT_MAX_SERIES;
 
@@ -49,6 +49,11 @@ pub struct ServeConfig {
     /// on it ends and the agent shows as disconnected. Default [`KEEPALIVE_TIMEOUT`] (10 s).
     /// Must be more than zero.
     pub keepalive_timeout: Duration,
+    /// Most HTTP/2 streams one connection may have open at once, on each gRPC listener
+    /// (advertised in the connection's SETTINGS; a stream past it is refused by the HTTP/2
+    /// layer). Default [`MAX_STREAMS_PER_CONNECTION`] (1,024): an agent needs one stream, and
+    /// without a bound one connection could open streams without end. Must be more than zero.
+    pub max_streams_per_connection: u32,
 }
 
 impl Default for ServeConfig {
@@ -70,19 +75,25 @@ impl Default for ServeConfig {
             max_series: DEFAULT_MAX_SERIES,
             keepalive_interval: KEEPALIVE_INTERVAL,
             keepalive_timeout: KEEPALIVE_TIMEOUT,
+            max_streams_per_connection: MAX_STREAMS_PER_CONNECTION,
         }
     }
 }
 
-/// Refuses a keepalive interval or timeout of zero: a PING after every frame, or a connection
-/// dropped as soon as a PING goes out.
+/// Refuses a keepalive interval or timeout of zero (a PING after every frame, or a connection
+/// dropped as soon as a PING goes out) and a connection that may open no stream.
 pub(super) fn check_keepalive(cfg: &ServeConfig) -> Result<(), ServeError> {
+    if cfg.max_streams_per_connection == 0 {
+        return Err(ServeError::ZeroSetting {
+            setting: "max_streams_per_connection",
+        });
+    }
     for (setting, value) in [
         ("keepalive_interval", cfg.keepalive_interval),
         ("keepalive_timeout", cfg.keepalive_timeout),
     ] {
         if value.is_zero() {
-            return Err(ServeError::ZeroDuration { setting });
+            return Err(ServeError::ZeroSetting { setting });
         }
     }
     Ok(())

@@ -23,9 +23,9 @@ pub enum ServeError {
         /// The address asked for.
         addr: SocketAddr,
     },
-    /// A duration setting that must be more than zero is zero.
+    /// A setting that must be more than zero (a duration, a count) is zero.
     #[error("{setting} must be more than zero")]
-    ZeroDuration {
+    ZeroSetting {
         /// The [`super::ServeConfig`] field.
         setting: &'static str,
     },
