@@ -417,12 +417,14 @@ impl From<&Change> for pb::DiffEntry {
             endpoint,
             change: change as i32,
             details: c.details.clone(),
-            defaults,
+            defaults: Some(defaults),
         }
     }
 }
 
-/// A change as the wire carries it; an unspecified kind reads as modified.
+/// A change as the wire carries it; an unspecified kind reads as modified, and an entry
+/// without `defaults` (from a control plane that predates it) is the `defaults:` block when it
+/// is named `defaults`, as such a control plane meant it.
 impl From<&pb::DiffEntry> for Change {
     fn from(e: &pb::DiffEntry) -> Self {
         let kind = match e.change() {
@@ -433,7 +435,7 @@ impl From<&pb::DiffEntry> for Change {
             }
         };
         Change {
-            scope: if e.defaults {
+            scope: if e.defaults.unwrap_or(e.endpoint == "defaults") {
                 Scope::Defaults
             } else {
                 Scope::Endpoint(e.endpoint.clone())

@@ -444,7 +444,7 @@ fn diff_entries_carry_scope_kind_and_details() {
             endpoint: "events".into(),
             change: pb::diff_entry::Change::Removed as i32,
             details: vec![],
-            defaults: false,
+            defaults: Some(false),
         }]
     );
     let back: Vec<Change> = entries.iter().map(Change::from).collect();
@@ -471,10 +471,25 @@ fn the_defaults_block_and_an_endpoint_named_defaults_stay_apart_on_the_wire() {
             .iter()
             .map(|e| (e.endpoint.as_str(), e.defaults))
             .collect::<Vec<_>>(),
-        [("defaults", true), ("defaults", false)]
+        [("defaults", Some(true)), ("defaults", Some(false))]
     );
     let back: Vec<Change> = entries.iter().map(Change::from).collect();
     assert_eq!(back, changes);
+    // From a control plane that predates the field: `defaults` is the block, as it meant.
+    let old_server = pb::DiffEntry {
+        defaults: None,
+        ..entries[0].clone()
+    };
+    assert_eq!(Change::from(&old_server).scope, Scope::Defaults);
+    let old_endpoint = pb::DiffEntry {
+        endpoint: "payments".into(),
+        defaults: None,
+        ..entries[0].clone()
+    };
+    assert_eq!(
+        Change::from(&old_endpoint).scope,
+        Scope::Endpoint("payments".into())
+    );
 }
 
 /// A document written before `alert` existed, covering every section and a route.

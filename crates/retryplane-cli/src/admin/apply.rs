@@ -154,7 +154,7 @@ mod tests {
                     endpoint: format!("e{i}"),
                     change: pb::diff_entry::Change::Added as i32,
                     details: Vec::new(),
-                    defaults: false,
+                    defaults: Some(false),
                 })
                 .collect(),
             warnings: Vec::new(),

@@ -16,7 +16,8 @@ use crate::output::{self, Format, JsonDiagnostic};
 use crate::{Outcome, Report};
 
 /// `+ payments` (added), `- payments` (removed), `~ payments` (modified), each followed by its
-/// detail lines indented by four spaces (`    max_attempts: 3 -> 4`).
+/// detail lines indented by four spaces (`    max_attempts: 3 -> 4`). The `defaults:` block is
+/// `defaults`, and an endpoint named `defaults` is `endpoints.defaults` (its path in the file).
 pub fn push_diff(out: &mut String, diff: &[pb::DiffEntry]) {
     for entry in diff {
         let mark = match entry.change() {
@@ -234,13 +235,13 @@ mod tests {
             endpoint: endpoint.to_owned(),
             change: change as i32,
             details: details.iter().map(|d| (*d).to_owned()).collect(),
-            defaults: false,
+            defaults: Some(false),
         }
     }
 
     fn defaults_block(details: &[&str]) -> pb::DiffEntry {
         pb::DiffEntry {
-            defaults: true,
+            defaults: Some(true),
             ..entry("defaults", pb::diff_entry::Change::Modified, details)
         }
     }
