@@ -78,12 +78,15 @@ impl Runtime {
 type Map<V> = HashMap<Arc<str>, V, foldhash::fast::FixedState>;
 
 /// The runtime state of endpoints the policies do not name, shared by every snapshot of one
-/// agent (each snapshot is built from the one before it and takes the same registry).
+/// agent (each snapshot is built from the one before it and takes the same registry), with
+/// the state of the endpoints the newest snapshot names.
 ///
 /// Shared rather than copied into each new snapshot: a call that started on the outgoing
-/// snapshot may create an endpoint's state after the new snapshot was built, and a copy
-/// would miss it, so the endpoint would run two budgets and breakers. Here both snapshots see
-/// the one state, as long as it fits the newest snapshot's `defaults:`.
+/// snapshot may first use an endpoint after the new snapshot was built, and a copy would miss
+/// the state it creates, so the endpoint would run two budgets and breakers. Here a call on
+/// any snapshot finds the newest snapshot's state of the endpoint (named there or not) as
+/// long as it fits its own settings; a state that fits only an outgoing snapshot is made for
+/// that call and not kept.
 #[derive(Debug)]
 struct Unnamed {
     inner: RwLock<UnnamedInner>,
@@ -91,17 +94,21 @@ struct Unnamed {
 
 #[derive(Debug)]
 struct UnnamedInner {
-    /// The `defaults:` of the newest snapshot: a state is kept only if it fits them.
+    /// The `defaults:` of the newest snapshot: an unnamed state is kept only if it fits them.
     newest: Arc<RetryPolicy>,
+    /// The states of endpoints the newest snapshot does not name.
     by_name: Map<Arc<Runtime>>,
+    /// The states of endpoints the newest snapshot names.
+    named: Map<Arc<Runtime>>,
 }
 
 impl Unnamed {
-    fn new(defaults: Arc<RetryPolicy>) -> Self {
+    fn new(defaults: Arc<RetryPolicy>, named: Map<Arc<Runtime>>) -> Self {
         Self {
             inner: RwLock::new(UnnamedInner {
                 newest: defaults,
                 by_name: Map::default(),
+                named,
             }),
         }
     }
@@ -114,35 +121,52 @@ impl Unnamed {
         self.inner.write().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The state `name` has under `defaults`, created on first use. A state made for an
-    /// outgoing snapshot whose `defaults:` no longer fit the newest ones is not kept.
+    /// The state `name` has under `defaults` for a snapshot that does not name it: the newest
+    /// snapshot's state of it when that fits `defaults`, else one created on first use and
+    /// kept if it fits the newest snapshot's `defaults:` and that snapshot does not name it.
     fn runtime(&self, name: &str, defaults: &RetryPolicy) -> Arc<Runtime> {
-        if let Some(rt) = self.read().by_name.get(name)
-            && rt.fits(defaults)
         {
-            return rt.clone();
+            let inner = self.read();
+            if let Some(rt) = inner.newest_state(name)
+                && rt.fits(defaults)
+            {
+                return rt.clone();
+            }
         }
         let mut inner = self.write();
-        if let Some(rt) = inner.by_name.get(name)
+        if let Some(rt) = inner.newest_state(name)
             && rt.fits(defaults)
         {
             return rt.clone();
         }
         let rt = Arc::new(Runtime::new(defaults));
-        if rt.fits(&inner.newest) {
+        if rt.fits(&inner.newest) && !inner.named.contains_key(name) {
             inner.by_name.insert(Arc::from(name), rt.clone());
         }
         rt
     }
 
-    /// Makes `defaults` the newest, dropping the states that no longer fit them and those of
-    /// endpoints the newest policies name (`named`).
-    fn advance(&self, defaults: &Arc<RetryPolicy>, named: impl Fn(&str) -> bool) {
+    /// Makes a new snapshot the newest: its `defaults:` and the states of the endpoints it
+    /// names. Unnamed states that no longer fit, or whose endpoints it names, are dropped; an
+    /// endpoint it no longer names keeps its state when that fits the new `defaults:`.
+    fn advance(&self, defaults: &Arc<RetryPolicy>, named: Map<Arc<Runtime>>) {
         let mut inner = self.write();
+        let before = std::mem::replace(&mut inner.named, named);
         inner.newest = defaults.clone();
-        inner
-            .by_name
-            .retain(|name, rt| !named(name) && rt.fits(defaults));
+        let UnnamedInner { by_name, named, .. } = &mut *inner;
+        by_name.retain(|name, rt| !named.contains_key(name) && rt.fits(defaults));
+        for (name, rt) in before {
+            if !named.contains_key(&name) && rt.fits(defaults) {
+                by_name.entry(name).or_insert(rt);
+            }
+        }
+    }
+}
+
+impl UnnamedInner {
+    /// The newest snapshot's state of `name`, named there or not.
+    fn newest_state(&self, name: &str) -> Option<&Arc<Runtime>> {
+        self.named.get(name).or_else(|| self.by_name.get(name))
     }
 }
 
@@ -195,7 +219,7 @@ impl PolicySnapshot {
         let defaults = Arc::new(fallback_policy());
         Self {
             set: None,
-            unnamed: Arc::new(Unnamed::new(defaults.clone())),
+            unnamed: Arc::new(Unnamed::new(defaults.clone(), Map::default())),
             defaults,
             version: 0,
             hash: String::new(),
@@ -205,6 +229,11 @@ impl PolicySnapshot {
     }
 
     /// A snapshot of `set`, keeping the runtime state of `previous` where the settings match.
+    ///
+    /// `previous` must be the snapshot in force, about to be replaced by the one built (the
+    /// agent builds under its swap lock, one at a time): the new snapshot shares its registry
+    /// of endpoint states ([`Unnamed`]) and becomes the newest there, so a snapshot built and
+    /// then not swapped in would leave the registry describing it.
     pub(crate) fn build(
         set: PolicySet,
         version: u64,
@@ -228,13 +257,16 @@ impl PolicySnapshot {
                 }),
             );
         }
+        let states: Map<Arc<Runtime>> = named
+            .iter()
+            .map(|(name, entry)| (name.clone(), entry.runtime.clone()))
+            .collect();
         let unnamed = match previous {
             Some(prev) => {
-                prev.unnamed
-                    .advance(&defaults, |name| named.contains_key(name));
+                prev.unnamed.advance(&defaults, states);
                 prev.unnamed.clone()
             }
-            None => Arc::new(Unnamed::new(defaults.clone())),
+            None => Arc::new(Unnamed::new(defaults.clone(), states)),
         };
         Self {
             set: Some(set),
@@ -383,6 +415,44 @@ mod tests {
             Some(&v3),
         );
         assert!(same(&fresh, &v4.entry("zzz")), "named now, same state");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_endpoint_named_by_the_new_snapshot_has_one_state_for_calls_on_either() {
+        let build = |yaml: &str, version, previous| {
+            PolicySnapshot::build(
+                set(yaml),
+                version,
+                "h".into(),
+                Source::ControlPlane,
+                previous,
+            )
+        };
+        let v1 = build("version: 1\nendpoints:\n  a: {}\n", 1, None);
+        let v2 = build(
+            "version: 1\nendpoints:\n  a: {}\n  x: {max_attempts: 4}\n",
+            2,
+            Some(&v1),
+        );
+        // First used by a call still on v1 (which does not name it), after v2 was built.
+        let straggler = v1.entry("x");
+        let named = v2.entry("x");
+        assert!(same(&straggler, &named), "v2's state, not a second one");
+        // v3 no longer names it: the state goes on.
+        let v3 = build("version: 1\nendpoints:\n  a: {}\n", 3, Some(&v2));
+        assert!(same(&named, &v3.entry("x")), "unnamed again, same state");
+        // v4 names it with its own budget: a fresh state, and a straggler on v3 (whose
+        // defaults the new state does not fit) gets one of v3's settings, not kept.
+        let v4 = build(
+            "version: 1\nendpoints:\n  a: {}\n  x:\n    budget: {ratio: 0.5}\n",
+            4,
+            Some(&v3),
+        );
+        let own = v4.entry("x");
+        assert!(!same(&named, &own), "budget changed: fresh state");
+        let late = v3.entry("x");
+        assert!(!same(&late, &own));
+        assert!(same(&own, &v4.entry("x")));
     }
 
     #[test]
