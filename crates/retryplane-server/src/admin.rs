@@ -322,15 +322,10 @@ impl AdminService for AdminApi {
         request: Request<pb::FleetStatusRequest>,
     ) -> Result<Response<pb::FleetStatusResponse>, Status> {
         let counts_only = request.into_inner().counts_only;
-        let fleet = &self.control.fleet;
-        let (connected, known) = fleet.counts();
+        let (agents, connected, known) = self.control.fleet.status_and_counts(!counts_only);
         Ok(Response::new(pb::FleetStatusResponse {
             current_version: self.control.publisher.current().map_or(0, |s| s.version),
-            agents: if counts_only {
-                Vec::new()
-            } else {
-                fleet.status()
-            },
+            agents,
             alerting_endpoints: self
                 .control
                 .aggregates
@@ -359,6 +354,7 @@ impl AdminService for AdminApi {
             tokio::time::Instant::now(),
             filter,
             limit,
+            req.series_only,
         )))
     }
 }

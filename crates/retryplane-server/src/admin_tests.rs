@@ -353,14 +353,55 @@ async fn history_is_newest_first_and_limited() {
 #[tokio::test]
 async fn stats_refuses_an_unknown_order_window_and_fleet_status_can_send_counts_only() {
     let api = api(Mode::Api);
+    // Three series: `b` retries most, `c` not at all.
+    let aggregates = &api.control.aggregates;
+    let checkout = aggregates.service("checkout");
+    let counters = |endpoint: &str, calls, retries| pb::EndpointCounters {
+        endpoint: endpoint.to_owned(),
+        calls,
+        attempts: calls + retries,
+        retries,
+        ..Default::default()
+    };
+    let report = pb::MetricsReport {
+        policy_version: 1,
+        endpoints: vec![
+            counters("a", 10, 1),
+            counters("b", 10, 5),
+            counters("c", 10, 0),
+        ],
+        ..Default::default()
+    };
+    aggregates.ingest(&checkout, &report, tokio::time::Instant::now());
     for seconds in [0, 60, 300, 900] {
         let request = pb::StatsRequest {
-            limit: 5,
+            limit: 2,
             order_window_seconds: seconds,
+            series_only: true,
             ..Default::default()
         };
-        assert!(api.stats(Request::new(request)).await.is_ok(), "{seconds}");
+        let stats = api.stats(Request::new(request)).await.unwrap().into_inner();
+        let names: Vec<&str> = stats.series.iter().map(|s| s.endpoint.as_str()).collect();
+        assert_eq!(
+            names,
+            ["b", "a"],
+            "{seconds}: worst first, cut to the limit"
+        );
+        assert_eq!(stats.matched_series, 3);
+        assert!(stats.endpoints.is_empty(), "series only");
     }
+    let every = api
+        .stats(Request::new(pb::StatsRequest::default()))
+        .await
+        .unwrap()
+        .into_inner();
+    let names: Vec<&str> = every.series.iter().map(|s| s.endpoint.as_str()).collect();
+    assert_eq!(
+        names,
+        ["a", "b", "c"],
+        "without a limit: by name, all of them"
+    );
+    assert_eq!(every.endpoints.len(), 3);
     let status = api
         .stats(Request::new(pb::StatsRequest {
             limit: 5,

@@ -274,12 +274,6 @@ impl Fleet {
         self.lock().connected
     }
 
-    /// Agents connected now, and agents known (connected, and disconnected ones still kept).
-    pub fn counts(&self) -> (usize, usize) {
-        let inner = self.lock();
-        (inner.connected, inner.agents.len())
-    }
-
     /// Connected agents by the version they run, and connected agents whose last answer was a
     /// NACK by the version they refused; for the fleet gauges of `/metrics`.
     pub fn versions(&self) -> FleetVersions {
@@ -301,14 +295,22 @@ impl Fleet {
 
     /// Every listed agent, sorted by id.
     pub fn status(&self) -> Vec<pb::AgentStatus> {
-        let mut agents: Vec<_> = self
-            .lock()
-            .agents
-            .values()
-            .map(|e| e.status.clone())
-            .collect();
+        self.status_and_counts(true).0
+    }
+
+    /// Every listed agent sorted by id (none unless `list`), the agents connected now, and the
+    /// agents known (connected, and disconnected ones still kept), all read at one instant.
+    pub fn status_and_counts(&self, list: bool) -> (Vec<pb::AgentStatus>, usize, usize) {
+        let inner = self.lock();
+        let mut agents: Vec<_> = if list {
+            inner.agents.values().map(|e| e.status.clone()).collect()
+        } else {
+            Vec::new()
+        };
+        let (connected, known) = (inner.connected, inner.agents.len());
+        drop(inner);
         agents.sort_by(|a, b| a.agent_id.cmp(&b.agent_id));
-        agents
+        (agents, connected, known)
     }
 }
 

@@ -53,7 +53,7 @@ mod config;
 mod error;
 
 pub use self::config::ServeConfig;
-use self::config::{check_exposure, check_keepalive};
+use self::config::{check_exposure, check_settings};
 pub use self::error::ServeError;
 
 /// How long shutdown waits for the servers to drain before closing what is left.
@@ -126,7 +126,7 @@ fn incoming(socket: TcpListener) -> TcpIncoming {
 /// Starts the control plane; see the module docs.
 pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
     check_exposure(&cfg)?;
-    check_keepalive(&cfg)?;
+    check_settings(&cfg)?;
     let tokens = match &cfg.tokens_file {
         Some(path) => {
             let tokens = Tokens::load(path)?;

@@ -140,6 +140,7 @@ async fn poll(
     let request = pb::StatsRequest {
         limit: limit.map_or(0, |n| u32::try_from(n.max(1)).unwrap_or(u32::MAX)),
         order_window_seconds: window.seconds(),
+        series_only: true,
         ..Default::default()
     };
     let stats = client.stats(request).await?;

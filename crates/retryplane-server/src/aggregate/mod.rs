@@ -329,16 +329,18 @@ impl Aggregator {
 
     /// The admin `Stats` answer as of `now`: every matching series.
     pub fn stats(&self, now: Instant, filter: Filter<'_>) -> pb::StatsResponse {
-        self.stats_limited(now, filter, None)
+        self.stats_limited(now, filter, None, false)
     }
 
     /// The admin `Stats` answer as of `now`; with a `limit`, only its count of series, worst
-    /// first (see [`Limit`]). Only the series kept are encoded.
+    /// first (see [`Limit`]), and only the series kept are encoded; with `series_only`, no
+    /// per-endpoint totals.
     pub fn stats_limited(
         &self,
         now: Instant,
         filter: Filter<'_>,
         limit: Option<Limit>,
+        series_only: bool,
     ) -> pb::StatsResponse {
         let tick = Tick::new(self.epoch, now);
         let mut series: Vec<&Series> = Vec::new();
@@ -389,8 +391,12 @@ impl Aggregator {
             ..filter
         };
         let mut endpoints: HashMap<String, Counts> = HashMap::new();
-        let totals: Vec<Arc<Series>> = self.matching(every_service);
-        let other = self.other_listed(every_service).then_some(&self.other);
+        let totals: Vec<Arc<Series>> = if series_only {
+            Vec::new()
+        } else {
+            self.matching(every_service)
+        };
+        let other = (!series_only && self.other_listed(every_service)).then_some(&self.other);
         for s in totals.iter().map(AsRef::as_ref).chain(other) {
             let view = s.view(&tick, self.thresholds.get(s.endpoint()));
             endpoints

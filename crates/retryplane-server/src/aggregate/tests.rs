@@ -659,7 +659,7 @@ async fn a_limit_keeps_the_worst_series_over_the_chosen_window() {
     // at 0.5 (both alerts fire), `c` and `d` at 0.
     agg.ingest(&svc, &report(1, &[("b", 10, 9)]), Instant::now());
     let ranked = |count, window| {
-        let stats = agg.stats_limited(Instant::now(), all(), Some(Limit { count, window }));
+        let stats = agg.stats_limited(Instant::now(), all(), Some(Limit { count, window }), false);
         let names: Vec<String> = stats.series.iter().map(|s| s.endpoint.clone()).collect();
         (names, stats.matched_series, stats.firing_series)
     };
@@ -691,9 +691,13 @@ async fn a_limit_keeps_the_worst_series_over_the_chosen_window() {
             count: 1,
             window: OneMinute,
         }),
+        false,
     );
     assert_eq!(firing.series.len(), 1);
     assert_eq!(firing.series[0].endpoint, "b");
     assert_eq!((firing.matched_series, firing.firing_series), (2, 2));
     assert_eq!(firing.endpoints.len(), 4);
+    let series_only = agg.stats_limited(Instant::now(), all(), None, true);
+    assert!(series_only.endpoints.is_empty());
+    assert_eq!(series_only.series.len(), 4);
 }

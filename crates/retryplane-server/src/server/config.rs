@@ -82,7 +82,7 @@ impl Default for ServeConfig {
 
 /// Refuses a keepalive interval or timeout of zero (a PING after every frame, or a connection
 /// dropped as soon as a PING goes out) and a connection that may open no stream.
-pub(super) fn check_keepalive(cfg: &ServeConfig) -> Result<(), ServeError> {
+pub(super) fn check_settings(cfg: &ServeConfig) -> Result<(), ServeError> {
     if cfg.max_streams_per_connection == 0 {
         return Err(ServeError::ZeroSetting {
             setting: "max_streams_per_connection",
