@@ -310,11 +310,14 @@ async fn interactive(settings: &Settings) -> anyhow::Result<Report> {
     let mut client: Option<Client> = None;
     let mut in_flight: Option<Fetch> = None;
     let mut refreshes = 0_u64;
+    // The screen height the last refresh asked for.
+    let mut asked = 0;
     loop {
         tokio::select! {
             _ = ticker.tick(), if in_flight.is_none() => {
                 // No more series than the screen has rows (the server ranks them).
                 let (_, rows) = terminal::size();
+                asked = rows;
                 in_flight = Some(Box::pin(fetch(
                     settings.server.clone(),
                     client.take(),
@@ -341,7 +344,14 @@ async fn interactive(settings: &Settings) -> anyhow::Result<Report> {
             event = keys.next(), if keys_open => match event {
                 Some(Ok(event)) => match action(&event) {
                     Action::Quit => break,
-                    Action::Redraw => draw(&snapshot, &error).context("cannot draw on the terminal")?,
+                    Action::Redraw => {
+                        draw(&snapshot, &error).context("cannot draw on the terminal")?;
+                        // Taller than what the last refresh asked for: refresh now rather
+                        // than show blank rows until the next tick.
+                        if terminal::size().1 > asked {
+                            ticker.reset_immediately();
+                        }
+                    }
                     Action::Nothing => {}
                 },
                 Some(Err(e)) => return Err(e).context("cannot read keys from the terminal"),
