@@ -77,9 +77,9 @@ impl Runtime {
 /// 15 ns per call here.
 type Map<V> = HashMap<Arc<str>, V, foldhash::fast::FixedState>;
 
-/// The runtime state of endpoints the policies do not name, shared by every snapshot of one
-/// agent (each snapshot is built from the one before it and takes the same registry), with
-/// the state of the endpoints the newest snapshot names.
+/// Every endpoint's runtime state as the newest snapshot has it, shared by every snapshot of
+/// one agent (each snapshot is built from the one before it and takes the same registry): the
+/// states of endpoints the policies do not name, and the newest snapshot's own named entries.
 ///
 /// Shared rather than copied into each new snapshot: a call that started on the outgoing
 /// snapshot may first use an endpoint after the new snapshot was built, and a copy would miss
@@ -88,36 +88,36 @@ type Map<V> = HashMap<Arc<str>, V, foldhash::fast::FixedState>;
 /// long as it fits its own settings; a state that fits only an outgoing snapshot is made for
 /// that call and not kept.
 #[derive(Debug)]
-struct Unnamed {
-    inner: RwLock<UnnamedInner>,
+struct States {
+    inner: RwLock<StatesInner>,
 }
 
 #[derive(Debug)]
-struct UnnamedInner {
+struct StatesInner {
     /// The `defaults:` of the newest snapshot: an unnamed state is kept only if it fits them.
     newest: Arc<RetryPolicy>,
     /// The states of endpoints the newest snapshot does not name.
-    by_name: Map<Arc<Runtime>>,
-    /// The states of endpoints the newest snapshot names.
-    named: Map<Arc<Runtime>>,
+    unnamed: Map<Arc<Runtime>>,
+    /// The newest snapshot's entries of the endpoints it names (its own map, shared).
+    named: Arc<Map<Arc<Entry>>>,
 }
 
-impl Unnamed {
-    fn new(defaults: Arc<RetryPolicy>, named: Map<Arc<Runtime>>) -> Self {
+impl States {
+    fn new(defaults: Arc<RetryPolicy>, named: Arc<Map<Arc<Entry>>>) -> Self {
         Self {
-            inner: RwLock::new(UnnamedInner {
+            inner: RwLock::new(StatesInner {
                 newest: defaults,
-                by_name: Map::default(),
+                unnamed: Map::default(),
                 named,
             }),
         }
     }
 
-    fn read(&self) -> std::sync::RwLockReadGuard<'_, UnnamedInner> {
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, StatesInner> {
         self.inner.read().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn write(&self) -> std::sync::RwLockWriteGuard<'_, UnnamedInner> {
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, StatesInner> {
         self.inner.write().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -141,7 +141,7 @@ impl Unnamed {
         }
         let rt = Arc::new(Runtime::new(defaults));
         if rt.fits(&inner.newest) && !inner.named.contains_key(name) {
-            inner.by_name.insert(Arc::from(name), rt.clone());
+            inner.unnamed.insert(Arc::from(name), rt.clone());
         }
         rt
     }
@@ -149,24 +149,29 @@ impl Unnamed {
     /// Makes a new snapshot the newest: its `defaults:` and the states of the endpoints it
     /// names. Unnamed states that no longer fit, or whose endpoints it names, are dropped; an
     /// endpoint it no longer names keeps its state when that fits the new `defaults:`.
-    fn advance(&self, defaults: &Arc<RetryPolicy>, named: Map<Arc<Runtime>>) {
+    fn advance(&self, defaults: &Arc<RetryPolicy>, named: &Arc<Map<Arc<Entry>>>) {
         let mut inner = self.write();
-        let before = std::mem::replace(&mut inner.named, named);
+        let before = std::mem::replace(&mut inner.named, named.clone());
         inner.newest = defaults.clone();
-        let UnnamedInner { by_name, named, .. } = &mut *inner;
-        by_name.retain(|name, rt| !named.contains_key(name) && rt.fits(defaults));
-        for (name, rt) in before {
-            if !named.contains_key(&name) && rt.fits(defaults) {
-                by_name.entry(name).or_insert(rt);
+        let unnamed = &mut inner.unnamed;
+        unnamed.retain(|name, rt| !named.contains_key(name) && rt.fits(defaults));
+        for (name, entry) in before.iter() {
+            if !named.contains_key(name) && entry.runtime.fits(defaults) {
+                unnamed
+                    .entry(name.clone())
+                    .or_insert_with(|| entry.runtime.clone());
             }
         }
     }
 }
 
-impl UnnamedInner {
+impl StatesInner {
     /// The newest snapshot's state of `name`, named there or not.
     fn newest_state(&self, name: &str) -> Option<&Arc<Runtime>> {
-        self.named.get(name).or_else(|| self.by_name.get(name))
+        self.named
+            .get(name)
+            .map(|e| &e.runtime)
+            .or_else(|| self.unnamed.get(name))
     }
 }
 
@@ -208,9 +213,10 @@ pub struct PolicySnapshot {
     version: u64,
     hash: String,
     source: Source,
-    named: Map<Arc<Entry>>,
-    /// Runtime state of endpoints the set does not name, created on first use.
-    unnamed: Arc<Unnamed>,
+    /// The endpoints the set names (shared with [`States`] while this snapshot is the newest).
+    named: Arc<Map<Arc<Entry>>>,
+    /// Every endpoint's state; those the set does not name are created on first use.
+    states: Arc<States>,
 }
 
 impl PolicySnapshot {
@@ -219,12 +225,12 @@ impl PolicySnapshot {
         let defaults = Arc::new(fallback_policy());
         Self {
             set: None,
-            unnamed: Arc::new(Unnamed::new(defaults.clone(), Map::default())),
+            states: Arc::new(States::new(defaults.clone(), Arc::default())),
             defaults,
             version: 0,
             hash: String::new(),
             source: Source::Fallback,
-            named: Map::default(),
+            named: Arc::default(),
         }
     }
 
@@ -232,7 +238,7 @@ impl PolicySnapshot {
     ///
     /// `previous` must be the snapshot in force, about to be replaced by the one built (the
     /// agent builds under its swap lock, one at a time): the new snapshot shares its registry
-    /// of endpoint states ([`Unnamed`]) and becomes the newest there, so a snapshot built and
+    /// of endpoint states ([`States`]) and becomes the newest there, so a snapshot built and
     /// then not swapped in would leave the registry describing it.
     pub(crate) fn build(
         set: PolicySet,
@@ -257,16 +263,13 @@ impl PolicySnapshot {
                 }),
             );
         }
-        let states: Map<Arc<Runtime>> = named
-            .iter()
-            .map(|(name, entry)| (name.clone(), entry.runtime.clone()))
-            .collect();
-        let unnamed = match previous {
+        let named = Arc::new(named);
+        let states = match previous {
             Some(prev) => {
-                prev.unnamed.advance(&defaults, states);
-                prev.unnamed.clone()
+                prev.states.advance(&defaults, &named);
+                prev.states.clone()
             }
-            None => Arc::new(Unnamed::new(defaults.clone(), states)),
+            None => Arc::new(States::new(defaults.clone(), named.clone())),
         };
         Self {
             set: Some(set),
@@ -275,7 +278,7 @@ impl PolicySnapshot {
             hash,
             source,
             named,
-            unnamed,
+            states,
         }
     }
 
@@ -284,7 +287,7 @@ impl PolicySnapshot {
         if let Some(e) = self.named.get(name) {
             return Some(e.runtime.clone());
         }
-        self.unnamed.read().by_name.get(name).cloned()
+        self.states.read().unnamed.get(name).cloned()
     }
 
     /// The entry of `endpoint` in this snapshot: its own, or the defaults with the state of
@@ -293,7 +296,7 @@ impl PolicySnapshot {
         if let Some(e) = self.named.get(endpoint) {
             return e.clone();
         }
-        let runtime = self.unnamed.runtime(endpoint, &self.defaults);
+        let runtime = self.states.runtime(endpoint, &self.defaults);
         Arc::new(Entry {
             policy: EntryPolicy::Defaults(self.defaults.clone()),
             runtime,
@@ -338,25 +341,26 @@ mod tests {
         Arc::ptr_eq(&a.runtime, &b.runtime)
     }
 
+    /// A snapshot of `yaml` pushed as `version`, built from `previous`.
+    fn build(yaml: &str, version: u64, previous: Option<&PolicySnapshot>) -> PolicySnapshot {
+        PolicySnapshot::build(
+            set(yaml),
+            version,
+            format!("h{version}"),
+            Source::ControlPlane,
+            previous,
+        )
+    }
+
     #[tokio::test(start_paused = true)]
     async fn unchanged_budget_and_breaker_keep_their_state_across_a_swap() {
-        let v1 = PolicySnapshot::build(
-            set("version: 1\nendpoints:\n  a: {}\n  b: {}\n"),
-            1,
-            "h1".into(),
-            Source::ControlPlane,
-            None,
-        );
+        let v1 = build("version: 1\nendpoints:\n  a: {}\n  b: {}\n", 1, None);
         let a1 = v1.entry("a");
         let b1 = v1.entry("b");
         let z1 = v1.entry("zzz");
-        let v2 = PolicySnapshot::build(
-            set(
-                "version: 1\nendpoints:\n  a:\n    max_attempts: 5\n  b:\n    budget: {ratio: 0.5}\n",
-            ),
+        let v2 = build(
+            "version: 1\nendpoints:\n  a:\n    max_attempts: 5\n  b:\n    budget: {ratio: 0.5}\n",
             2,
-            "h2".into(),
-            Source::ControlPlane,
             Some(&v1),
         );
         let a2 = v2.entry("a");
@@ -374,15 +378,6 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn state_made_on_the_outgoing_snapshot_after_a_swap_is_the_state_of_the_new_one() {
-        let build = |yaml: &str, version, previous| {
-            PolicySnapshot::build(
-                set(yaml),
-                version,
-                "h".into(),
-                Source::ControlPlane,
-                previous,
-            )
-        };
         let v1 = build("version: 1\nendpoints:\n  a: {}\n", 1, None);
         let v2 = build(
             "version: 1\nendpoints:\n  a: {max_attempts: 5}\n",
@@ -419,15 +414,6 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn an_endpoint_named_by_the_new_snapshot_has_one_state_for_calls_on_either() {
-        let build = |yaml: &str, version, previous| {
-            PolicySnapshot::build(
-                set(yaml),
-                version,
-                "h".into(),
-                Source::ControlPlane,
-                previous,
-            )
-        };
         let v1 = build("version: 1\nendpoints:\n  a: {}\n", 1, None);
         let v2 = build(
             "version: 1\nendpoints:\n  a: {}\n  x: {max_attempts: 4}\n",
