@@ -362,12 +362,12 @@ impl AdminService for AdminApi {
 /// The window of `StatsRequest.order_window_seconds`: 60 (or 0), 300 or 900.
 fn order_window(seconds: u32) -> Result<Window, Status> {
     match seconds {
-        0 | 60 => Ok(Window::OneMinute),
-        300 => Ok(Window::FiveMinutes),
-        900 => Ok(Window::FifteenMinutes),
-        other => Err(Status::invalid_argument(format!(
-            "order_window_seconds is {other}; the windows are 60, 300 and 900 seconds"
-        ))),
+        0 => Ok(Window::OneMinute),
+        other => Window::from_seconds(other).ok_or_else(|| {
+            Status::invalid_argument(format!(
+                "order_window_seconds is {other}; the windows are 60, 300 and 900 seconds"
+            ))
+        }),
     }
 }
 

@@ -60,6 +60,11 @@ impl Window {
         }
     }
 
+    /// The window of nominal length `seconds` (60, 300 or 900), if there is one.
+    pub fn from_seconds(seconds: u32) -> Option<Self> {
+        WINDOWS.into_iter().find(|w| w.seconds() == seconds)
+    }
+
     /// The `window` label: `1m`, `5m`, `15m`.
     pub fn label(self) -> &'static str {
         match self {
