@@ -629,3 +629,65 @@ fn other_ratios_refuse_percentages_the_same_way() {
         ]
     );
 }
+
+fn compiled(name: &str) -> Arc<EndpointPolicy> {
+    let policy = Arc::new(Overlay::resolve(std::iter::empty::<&Overlay>()));
+    Arc::new(EndpointPolicy {
+        name: Arc::from(name),
+        policy,
+        routes: Arc::from([]),
+    })
+}
+
+#[test]
+fn the_endpoint_table_finds_every_name_and_nothing_else() {
+    for n in [0usize, 1, 2, 3, 7, 8, 9, 1000] {
+        let names: Vec<String> = (0..n).map(|i| format!("svc-{i:04}")).collect();
+        let table = Endpoints::new(names.iter().map(|name| compiled(name)).collect());
+        assert_eq!(table.len, n);
+        assert!(table.slots.len() >= 2 * n && table.slots.len().is_power_of_two());
+        for name in &names {
+            let found = table.get(name).map(|e| e.name.to_string());
+            assert_eq!(found.as_deref(), Some(name.as_str()), "{n} endpoints");
+        }
+        // Same lengths and prefixes as the names, and the empty name: absent, and the probe ends.
+        for missing in ["svc-9999", "svc-", "", "svc-00000", "SVC-0000"] {
+            assert!(table.get(missing).is_none(), "{missing} among {n}");
+        }
+        let mut listed: Vec<&str> = table.iter().map(|e| &*e.name).collect();
+        listed.sort_unstable();
+        assert_eq!(listed, names.iter().map(String::as_str).collect::<Vec<_>>());
+    }
+}
+
+#[test]
+fn the_endpoint_table_keeps_the_last_of_two_endpoints_of_one_name() {
+    let mut second = EndpointPolicy::clone(&compiled("a"));
+    second.routes = Arc::from([Route {
+        matcher: RouteMatch::Grpc {
+            service: "p.S".into(),
+            method: None,
+        },
+        policy: Arc::new(Overlay::resolve(std::iter::empty::<&Overlay>())),
+    }]);
+    let table = Endpoints::new(vec![compiled("a"), compiled("b"), Arc::new(second)]);
+    assert_eq!(table.len, 2);
+    assert_eq!(table.get("a").map(|e| e.routes.len()), Some(1));
+    assert!(table.get("b").is_some());
+}
+
+proptest! {
+    /// Whatever the names (colliding hashes included, since slots are few), every one is found
+    /// and a name not in the table is not.
+    #[test]
+    fn the_endpoint_table_agrees_with_a_hash_set(
+        names in proptest::collection::hash_set("[a-c]{0,3}", 0..40),
+        probe in "[a-d]{0,4}",
+    ) {
+        let table = Endpoints::new(names.iter().map(|name| compiled(name)).collect());
+        for name in &names {
+            prop_assert_eq!(table.get(name).map(|e| e.name.to_string()), Some(name.clone()));
+        }
+        prop_assert_eq!(table.get(&probe).is_some(), names.contains(&probe));
+    }
+}
