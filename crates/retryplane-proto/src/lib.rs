@@ -3,13 +3,15 @@
 //! The generated protobuf and gRPC code is private to this crate and re-exported as [`pb`];
 //! [`convert`] turns policy messages into [`retryplane_policy::PolicyDocument`]s and back, and
 //! runs the same validator as `retryplane validate`, so a document is checked the same way
-//! whether it came from a file, the admin API or the agent stream.
+//! whether it came from a file, the admin API or the agent stream. [`rank`] is the order of
+//! ranked `Stats` series, shared by the control plane and the CLI.
 
 #![forbid(unsafe_code)]
 
 mod frame;
 
 pub mod convert;
+pub mod rank;
 
 mod generated {
     #![allow(missing_docs, clippy::all, clippy::pedantic, rust_2018_idioms)]

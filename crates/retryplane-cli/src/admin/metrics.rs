@@ -12,10 +12,10 @@
 //! `att` attempts exhausted, `bud` retry budget exhausted, `dl` deadline, `ra` a Retry-After
 //! hint longer than allowed, `nr` not retryable.
 
-use std::cmp::Ordering;
 use std::fmt::Write as _;
 
 use retryplane_proto::pb;
+use retryplane_proto::rank::{Rank, worst_first};
 use retryplane_server::aggregate::window::WINDOWS;
 pub use retryplane_server::aggregate::window::Window;
 use serde_json::{Value, json};
@@ -144,23 +144,21 @@ pub fn rows(response: &pb::StatsResponse, window: Window) -> Vec<Row<'_>> {
         .collect()
 }
 
-/// Highest retry ratio first; rows without a ratio (no calls) last; then firing alerts first,
-/// then by service and endpoint, so that the order is stable between refreshes.
+/// The control plane's order of ranked series ([`retryplane_proto::rank::worst_first`]):
+/// highest retry ratio first, rows without calls last, then firing alerts first, then by
+/// service and endpoint, so that the order is stable between refreshes.
 pub fn sort_by_ratio(rows: &mut [Row<'_>]) {
-    rows.sort_by(|a, b| {
-        let by_ratio = match (a.rates.retry_ratio, b.rates.retry_ratio) {
-            (Some(x), Some(y)) => y.total_cmp(&x),
-            (Some(_), None) => Ordering::Less,
-            (None, Some(_)) => Ordering::Greater,
-            (None, None) => Ordering::Equal,
-        };
-        by_ratio
-            .then_with(|| b.alerting().cmp(&a.alerting()))
-            .then_with(|| {
-                (&a.series.service, &a.series.endpoint)
-                    .cmp(&(&b.series.service, &b.series.endpoint))
-            })
-    });
+    rows.sort_by(|a, b| worst_first(&rank(a), &rank(b)));
+}
+
+/// What `row` is ranked by.
+fn rank<'r>(row: &'r Row<'_>) -> Rank<'r> {
+    Rank {
+        retry_ratio: row.rates.retry_ratio,
+        firing: row.alerting(),
+        service: &row.series.service,
+        endpoint: &row.series.endpoint,
+    }
 }
 
 /// A rate with one decimal (`12.3`), or `-`.

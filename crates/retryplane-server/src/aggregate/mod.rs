@@ -51,7 +51,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::Duration;
 
-use retryplane_proto::pb;
+use retryplane_proto::{pb, rank};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -136,26 +136,18 @@ pub struct Limit {
     pub window: window::Window,
 }
 
-/// `retryplane top`'s order, worst first, over window number `w` of [`WINDOWS`]: highest retry
-/// ratio first, series without calls in the window last, then firing alerts first, then by
-/// service and endpoint (so the order is the same from one refresh to the next).
+/// `retryplane top`'s order ([`rank::worst_first`]) over window number `w` of [`WINDOWS`].
 fn worst_first(a: &SeriesView, b: &SeriesView, w: usize) -> std::cmp::Ordering {
-    use std::cmp::Ordering;
-    let ratio = |v: &SeriesView| {
-        v.windows
-            .get(w)
-            .filter(|(c, _)| c.0[counts::CALLS] > 0)
-            .map(|(c, _)| c.retry_ratio())
-    };
-    let by_ratio = match (ratio(a), ratio(b)) {
-        (Some(x), Some(y)) => y.total_cmp(&x),
-        (Some(_), None) => Ordering::Less,
-        (None, Some(_)) => Ordering::Greater,
-        (None, None) => Ordering::Equal,
-    };
-    by_ratio
-        .then_with(|| b.alert.firing.cmp(&a.alert.firing))
-        .then_with(|| (&a.service, &a.endpoint).cmp(&(&b.service, &b.endpoint)))
+    rank::worst_first(&rank_of(a, w), &rank_of(b, w))
+}
+
+/// What `v` is ranked by over window number `w`.
+fn rank_of(v: &SeriesView, w: usize) -> rank::Rank<'_> {
+    let (retries, calls) = v
+        .windows
+        .get(w)
+        .map_or((0, 0), |(c, _)| (c.0[counts::RETRIES], c.0[counts::CALLS]));
+    rank::Rank::new(retries, calls, v.alert.firing, &v.service, &v.endpoint)
 }
 
 impl Filter<'_> {
