@@ -677,17 +677,47 @@ fn the_endpoint_table_keeps_the_last_of_two_endpoints_of_one_name() {
 }
 
 proptest! {
-    /// Whatever the names (colliding hashes included, since slots are few), every one is found
-    /// and a name not in the table is not.
+    /// Whatever the names (many of them sharing a first slot, since slots are few), every one
+    /// is found and a name not in the table is not.
     #[test]
     fn the_endpoint_table_agrees_with_a_hash_set(
         names in proptest::collection::hash_set("[a-c]{0,3}", 0..40),
         probe in "[a-d]{0,4}",
     ) {
         let table = Endpoints::new(names.iter().map(|name| compiled(name)).collect());
+        prop_assert_eq!(table.len, names.len());
         for name in &names {
             prop_assert_eq!(table.get(name).map(|e| e.name.to_string()), Some(name.clone()));
         }
         prop_assert_eq!(table.get(&probe).is_some(), names.contains(&probe));
     }
+}
+
+#[test]
+fn a_name_with_the_same_full_hash_as_another_is_still_told_apart() {
+    let mut table = Endpoints::new(vec![compiled("x"), compiled("y")]);
+    let hash = table.hash("b");
+    let at = hash as usize & table.mask;
+    table.slots.iter_mut().for_each(|slot| *slot = None);
+    // "a" stored where "b" would be, under "b"'s hash: only the name comparison tells them apart.
+    table.slots[at] = Some(Slot {
+        hash,
+        endpoint: compiled("a"),
+    });
+    assert!(table.get("b").is_none());
+    table.slots[at] = Some(Slot {
+        hash,
+        endpoint: compiled("b"),
+    });
+    assert_eq!(table.get("b").map(|e| &*e.name), Some("b"));
+}
+
+#[test]
+fn a_set_shows_its_endpoints_not_its_empty_slots() {
+    let table = Endpoints::new(vec![compiled("only")]);
+    let shown = format!("{table:?}");
+    assert!(
+        shown.contains("\"only\"") && !shown.contains("None"),
+        "{shown}"
+    );
 }
