@@ -74,7 +74,7 @@ struct Endpoints {
     hasher: foldhash::fast::FixedState,
 }
 
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 struct Slot {
     hash: u64,
     endpoint: Arc<EndpointPolicy>,
