@@ -47,6 +47,18 @@ pub fn push_diagnostic_line(out: &mut String, file: &str, diag: &Diagnostic) {
 /// Control characters written as escapes, so a name from a file stays on one line.
 pub use retryplane_policy::diag::OneLine;
 
+/// A name an agent sent (agent id, service, endpoint), for a terminal: control characters
+/// escaped ([`OneLine`]), so it stays in its cell and cannot move the cursor or change colours.
+pub fn name(s: &str) -> String {
+    OneLine(s).to_string()
+}
+
+/// Free text an agent sent (a NACK's error, a label), on one line: runs of white space become
+/// one space, other control characters are escaped ([`OneLine`]).
+pub fn spaced(s: &str) -> String {
+    name(&s.split_whitespace().collect::<Vec<_>>().join(" "))
+}
+
 /// One diagnostic as JSON: `{file, line, column, severity, path, message}` (SPEC §5).
 #[derive(Debug, Serialize)]
 pub struct JsonDiagnostic<'a> {

@@ -168,10 +168,40 @@ fn bad_message_header(status: &Status) -> Option<Status> {
         })
 }
 
+/// Whether `s` holds a control character (or a Unicode line or paragraph separator): such a
+/// name could move the cursor or change colours where `retryplane status` or `stats` print it.
+pub(crate) fn has_control(s: &str) -> bool {
+    s.chars()
+        .any(|c| c.is_control() || matches!(c, '\u{2028}' | '\u{2029}'))
+}
+
+/// Refuses (`INVALID_ARGUMENT`, naming the field) a Hello without an agent id, with a field or
+/// label past the limits, or with a control character in its agent id, service, agent version
+/// or a label key or value.
 fn check_hello(hello: &pb::Hello, limits: &StreamLimits) -> Result<(), Status> {
     let too_long = |s: &str| s.len() > limits.max_field_len;
     if hello.agent_id.is_empty() {
         return Err(Status::invalid_argument("Hello.agent_id is empty"));
+    }
+    for (field, value) in [
+        ("agent_id", &hello.agent_id),
+        ("service", &hello.service),
+        ("agent_version", &hello.agent_version),
+    ] {
+        if has_control(value) {
+            return Err(Status::invalid_argument(format!(
+                "Hello.{field} holds a control character"
+            )));
+        }
+    }
+    if hello
+        .labels
+        .iter()
+        .any(|(k, v)| has_control(k) || has_control(v))
+    {
+        return Err(Status::invalid_argument(
+            "Hello.labels: a label key or value holds a control character",
+        ));
     }
     if too_long(&hello.agent_id) || too_long(&hello.service) || too_long(&hello.agent_version) {
         return Err(Status::invalid_argument(format!(
@@ -540,6 +570,41 @@ mod tests {
             "protocol error: received message with invalid compression flag: 7",
         ));
         assert_eq!(other.code(), tonic::Code::Unknown);
+    }
+
+    #[test]
+    fn hello_refuses_control_characters_and_names_the_field() {
+        let limits = StreamLimits::default();
+        let good = pb::Hello {
+            agent_id: "checkout-7f".to_owned(),
+            service: "checkout".to_owned(),
+            labels: [("zone".to_owned(), "eu-1 a".to_owned())].into(),
+            ..Default::default()
+        };
+        assert!(check_hello(&good, &limits).is_ok());
+        let refused = |edit: &dyn Fn(&mut pb::Hello)| {
+            let mut hello = good.clone();
+            edit(&mut hello);
+            let status = check_hello(&hello, &limits).err();
+            status.map(|s| (s.code(), s.message().to_owned()))
+        };
+        let code = tonic::Code::InvalidArgument;
+        assert_eq!(
+            refused(&|h| h.agent_id = "a\u{1b}[2J".to_owned()),
+            Some((code, "Hello.agent_id holds a control character".to_owned()))
+        );
+        assert_eq!(
+            refused(&|h| h.service = "ep\u{1b}[31mX".to_owned()),
+            Some((code, "Hello.service holds a control character".to_owned()))
+        );
+        for (k, v) in [("zone\n", "eu"), ("zone", "eu\u{2028}"), ("zone", "\r")] {
+            let status = refused(&|h| h.labels = [(k.to_owned(), v.to_owned())].into());
+            assert_eq!(
+                status.map(|(c, m)| (c, m.starts_with("Hello.labels: "))),
+                Some((code, true)),
+                "{k:?}={v:?}"
+            );
+        }
     }
 
     #[test]

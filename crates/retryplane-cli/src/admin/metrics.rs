@@ -261,7 +261,7 @@ pub fn alert_lines(response: &pb::StatsResponse) -> Vec<String> {
             alert_text(s).map(|text| {
                 format!(
                     "{} ({}) retry ratio {text} over {}",
-                    s.endpoint,
+                    crate::output::name(&s.endpoint),
                     service_name(&s.service),
                     ALERT_WINDOW.label()
                 )
@@ -270,9 +270,14 @@ pub fn alert_lines(response: &pb::StatsResponse) -> Vec<String> {
         .collect()
 }
 
-/// A service name for people: `-` when the agents sent none.
-pub fn service_name(service: &str) -> &str {
-    if service.is_empty() { "-" } else { service }
+/// A service name for people: `-` when the agents sent none, control characters escaped
+/// ([`crate::output::name`]).
+pub fn service_name(service: &str) -> String {
+    if service.is_empty() {
+        "-".to_owned()
+    } else {
+        crate::output::name(service)
+    }
 }
 
 /// The firing alerts as JSON: `[{service, endpoint, ratio, threshold, since_unix_ms, since}]`.

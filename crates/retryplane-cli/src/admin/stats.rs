@@ -176,8 +176,8 @@ fn series_table(out: &mut String, rows: &[Row<'_>]) {
     for row in rows {
         let c = row.counters();
         cells.push(vec![
-            metrics::service_name(&row.series.service).to_owned(),
-            row.series.endpoint.clone(),
+            metrics::service_name(&row.series.service),
+            output::name(&row.series.endpoint),
             metrics::rate(row.rates.calls_per_second),
             metrics::rate(row.rates.retries_per_second),
             metrics::percent(row.rates.retry_ratio),
@@ -216,7 +216,7 @@ fn endpoint_table(out: &mut String, endpoints: &[pb::EndpointStats]) {
     ];
     for e in endpoints {
         cells.push(vec![
-            e.endpoint.clone(),
+            output::name(&e.endpoint),
             e.calls.to_string(),
             e.retries.to_string(),
             metrics::percent(metrics::ratio(e.retries, e.calls)),
@@ -310,6 +310,25 @@ inventory      0        0       -          -            0  -             0ms
 payments   10000      700    7.0%      90.0%          950  att:50      2m05s
 "
         );
+    }
+
+    #[test]
+    fn names_from_agents_cannot_drive_the_terminal() {
+        let mut r = response();
+        r.series[0].service = "check\u{1b}[2Jout".to_owned();
+        r.series[0].endpoint = "ep\u{1b}[31mX".to_owned();
+        r.endpoints[0].endpoint = "inv\r\nentory".to_owned();
+        let out = text(&r, Window::FiveMinutes);
+        assert!(!out.contains('\u{1b}') && !out.contains('\r'), "{out}");
+        assert!(out.contains("check\\u{1b}[2Jout  ep\\u{1b}[31mX"), "{out}");
+        assert!(out.contains("\ninv\\r\\nentory  "), "{out}");
+        let alerts = metrics::alert_lines(&r);
+        assert_eq!(
+            alerts,
+            ["ep\\u{1b}[31mX (check\\u{1b}[2Jout) retry ratio 7.2% > 5.0% over 5m"]
+        );
+        // JSON keeps the names as sent: its encoding escapes them.
+        assert_eq!(stats_json(&r)["series"][0]["endpoint"], "ep\u{1b}[31mX");
     }
 
     #[test]

@@ -201,10 +201,10 @@ fn table(out: &mut String, agents: &[pb::AgentStatus]) {
             answer => format!("{answer} v{}", a.last_response_version),
         };
         rows.push(vec![
-            dash(&a.agent_id),
-            dash(&a.service),
+            dash(&output::name(&a.agent_id)),
+            dash(&output::name(&a.service)),
             dash(&labels_text(&a.labels)),
-            dash(&a.peer),
+            dash(&output::name(&a.peer)),
             if a.connected {
                 "connected"
             } else {
@@ -218,12 +218,7 @@ fn table(out: &mut String, agents: &[pb::AgentStatus]) {
             },
             last,
             // One line per agent, whatever the agent wrote.
-            dash(
-                &a.last_error
-                    .split_whitespace()
-                    .collect::<Vec<_>>()
-                    .join(" "),
-            ),
+            dash(&output::spaced(&a.last_error)),
             rfc3339_or_dash(a.last_seen_unix_ms),
         ]);
     }
@@ -234,10 +229,7 @@ fn table(out: &mut String, agents: &[pb::AgentStatus]) {
 /// become one space and other control characters are escaped, so an agent's label cannot move
 /// the cursor or change colours in the admin's terminal.
 fn labels_text(labels: &std::collections::HashMap<String, String>) -> String {
-    let one_line = |s: &str| {
-        let spaced = s.split_whitespace().collect::<Vec<_>>().join(" ");
-        output::OneLine(&spaced).to_string()
-    };
+    let one_line = output::spaced;
     let mut pairs: Vec<_> = labels.iter().collect();
     pairs.sort();
     pairs
@@ -366,6 +358,25 @@ c      checkout  -                                    127.0.0.1:50000  connected
 z      checkout  -                                    127.0.0.1:50000  disconnected  -                     -        -        -                        2025-11-30T03:37:05Z
 "
         );
+    }
+
+    #[test]
+    fn agent_ids_services_and_errors_cannot_drive_the_terminal() {
+        let mut a = agent("a\u{1b}[2J", true, 6, "nack", 7);
+        a.service = "svc\u{1b}]0;title\u{7}".to_owned();
+        a.last_error = "bad\u{1b}[31m red\r\n  next".to_owned();
+        let mut out = String::new();
+        table(&mut out, &[a]);
+        assert!(
+            !out.contains('\u{1b}') && !out.contains('\u{7}') && !out.contains('\r'),
+            "{out}"
+        );
+        let row = out.lines().nth(1).unwrap_or_default();
+        assert!(
+            row.starts_with("a\\u{1b}[2J  svc\\u{1b}]0;title\\u{7}  -  "),
+            "{out}"
+        );
+        assert!(row.contains("  bad\\u{1b}[31m red next  "), "{out}");
     }
 
     #[test]

@@ -421,8 +421,8 @@ pub fn render(view: &View<'_>, size: Option<(usize, usize)>) -> Vec<String> {
     for row in &rows {
         cells.push(vec![
             if row.alerting() { "!" } else { " " }.to_owned(),
-            row.series.endpoint.clone(),
-            metrics::service_name(&row.series.service).to_owned(),
+            crate::output::name(&row.series.endpoint),
+            metrics::service_name(&row.series.service),
             metrics::rate(row.rates.calls_per_second),
             metrics::rate(row.rates.retries_per_second),
             metrics::percent(row.rates.retry_ratio),
@@ -731,6 +731,22 @@ mod tests {
    payments-gateway-eu-west  search       10.0        0.5    5.0%      95.0%  v7       -
    inventory                 checkout     10.0        0.1    1.0%      99.0%  v7       -
    idle                      search        0.0        0.0       -          -  v7       -"
+        );
+    }
+
+    #[test]
+    fn names_from_agents_cannot_drive_the_terminal() {
+        let s = snapshot(vec![series(
+            "svc\u{1b}]0;x\u{7}",
+            "ep\u{1b}[31mX",
+            counters(600, 6, 594),
+        )]);
+        let lines = render(&view(Some(&s), false), None);
+        let all = lines.join("\n");
+        assert!(!all.contains('\u{1b}') && !all.contains('\u{7}'), "{all}");
+        assert!(
+            all.contains("ep\\u{1b}[31mX  svc\\u{1b}]0;x\\u{7}"),
+            "{all}"
         );
     }
 

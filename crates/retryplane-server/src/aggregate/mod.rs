@@ -7,7 +7,8 @@
 //! A **series** is one (service, endpoint): the service from the agent's `Hello`, the endpoint
 //! from the report. At most `max_series` series are kept apart ([`DEFAULT_MAX_SERIES`] unless
 //! [`crate::server::ServeConfig::max_series`] says otherwise); reports for any further series,
-//! and for names longer than [`MAX_NAME_LEN`] bytes, are counted in the one series whose
+//! and for names longer than [`MAX_NAME_LEN`] bytes or holding a control character (which
+//! `retryplane stats` would otherwise print to a terminal), are counted in the one series whose
 //! service and endpoint are both [`OTHER`]. Each such endpoint report is counted
 //! (`overflowed_reports`), the first one is logged at warn and later ones in a summary at most
 //! every [`OVERFLOW_SUMMARY_EVERY`]. Series are never dropped: lifetime totals stay. Each
@@ -196,10 +197,10 @@ impl Aggregator {
     }
 
     /// The handle a stream of `service` keeps for [`Aggregator::ingest`]. Past the cap (more
-    /// services than series allowed) or for a too long name, every report of the stream
-    /// counts in `other`.
+    /// services than series allowed), or for a too long name or one with a control character,
+    /// every report of the stream counts in `other`.
     pub fn service(&self, service: &str) -> ServiceHandle {
-        if service.len() > MAX_NAME_LEN {
+        if service.len() > MAX_NAME_LEN || crate::agent_stream::has_control(service) {
             return ServiceHandle(None);
         }
         if let Some(s) = read(&self.services).get(service) {
@@ -251,7 +252,10 @@ impl Aggregator {
 
     /// The series of `endpoint` in `svc`, made if the cap allows.
     fn resolve(&self, svc: &ServiceSeries, endpoint: &str, now: Instant) -> Option<Arc<Series>> {
-        if endpoint.len() > MAX_NAME_LEN || (&*svc.name == OTHER && endpoint == OTHER) {
+        if endpoint.len() > MAX_NAME_LEN
+            || crate::agent_stream::has_control(endpoint)
+            || (&*svc.name == OTHER && endpoint == OTHER)
+        {
             return None;
         }
         let mut endpoints = write(&svc.endpoints);

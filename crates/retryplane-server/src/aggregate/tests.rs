@@ -589,9 +589,10 @@ async fn prometheus_lines_are_exact() {
 async fn label_values_from_agents_are_escaped() {
     let agg = Arc::new(Aggregator::new(10, Instant::now()));
     let svc = agg.service("we\"ird");
-    agg.ingest(&svc, &report(1, &[("a\\b\nc", 1, 0)]), Instant::now());
+    // (A name with a control character, `\n` included, is counted in `other`.)
+    agg.ingest(&svc, &report(1, &[("a\\b\"c", 1, 0)]), Instant::now());
     let text = metrics_text(&agg, &Arc::new(Fleet::new(1)));
-    let line = r#"retryplane_calls_total{service="we\"ird",endpoint="a\\b\nc"} 1"#;
+    let line = r#"retryplane_calls_total{service="we\"ird",endpoint="a\\b\"c"} 1"#;
     assert!(text.lines().any(|l| l == line), "{text}");
 }
 
@@ -700,4 +701,29 @@ async fn a_limit_keeps_the_worst_series_over_the_chosen_window() {
     let series_only = agg.stats_limited(Instant::now(), all(), None, true);
     assert!(series_only.endpoints.is_empty());
     assert_eq!(series_only.series.len(), 4);
+}
+
+#[tokio::test(start_paused = true)]
+async fn names_with_control_characters_are_counted_in_other() {
+    let agg = Aggregator::new(10, Instant::now());
+    let a = agg.service("checkout");
+    let now = Instant::now();
+    agg.ingest(
+        &a,
+        &report(1, &[("ep\u{1b}[31mX", 1, 0), ("ok", 2, 0), ("a\nb", 4, 0)]),
+        now,
+    );
+    let bad = agg.service("svc\u{7}");
+    agg.ingest(&bad, &report(1, &[("ok", 8, 0)]), now);
+    assert_eq!(agg.overflowed_reports(), 3);
+    let stats = agg.stats(now, all());
+    let listed: Vec<(&str, &str, u64)> = stats
+        .series
+        .iter()
+        .map(|s| {
+            let calls = s.lifetime.as_ref().map_or(0, |c| c.calls);
+            (s.service.as_str(), s.endpoint.as_str(), calls)
+        })
+        .collect();
+    assert_eq!(listed, [("checkout", "ok", 2), (OTHER, OTHER, 13)]);
 }
