@@ -13,7 +13,8 @@
 //! - `FAILED_PRECONDITION`: a write in file mode (the message names the file), or a change that
 //!   removes every endpoint without `force` (the message names `--force`);
 //! - `ABORTED`: `expected_version` is not the current version — another change came first; read
-//!   the current version and retry (the gRPC code for a failed read-modify-write);
+//!   the current version and retry (the gRPC code for a failed read-modify-write). Checked
+//!   before the removal check, so a stale version never asks for `--force`;
 //! - `NOT_FOUND`: a version that is not stored, or `Get` on an empty store;
 //! - `INTERNAL`: the store failed; details go to the server log, not to the caller.
 

@@ -203,6 +203,53 @@ async fn a_stale_expected_version_is_aborted() {
 }
 
 #[tokio::test]
+async fn a_stale_expected_version_is_aborted_before_the_removal_check() {
+    let api = api(Mode::Api);
+    apply(&api, apply_request(V1)).await.unwrap();
+    apply(&api, apply_request(V2)).await.unwrap();
+    let aborted = |status: Status| {
+        assert_eq!(status.code(), Code::Aborted, "{status:?}");
+        assert!(
+            status.message().contains("expected version 1"),
+            "{}",
+            status.message()
+        );
+    };
+    // OTHER removes every endpoint: with or without --force, a stale version is the answer.
+    for force in [false, true] {
+        for dry_run in [false, true] {
+            let stale = pb::ApplyRequest {
+                expected_version: 1,
+                force,
+                dry_run,
+                ..apply_request(OTHER)
+            };
+            aborted(apply(&api, stale).await.unwrap_err());
+        }
+    }
+    // A rollback to content that removes every endpoint, against a stale version.
+    apply(
+        &api,
+        pb::ApplyRequest {
+            force: true,
+            ..apply_request(OTHER)
+        },
+    )
+    .await
+    .unwrap();
+    let status = api
+        .rollback(as_alice(pb::RollbackRequest {
+            version: 1,
+            expected_version: 1,
+            ..Default::default()
+        }))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::Aborted, "{status:?}");
+    assert_eq!(history(&api).await.len(), 3);
+}
+
+#[tokio::test]
 async fn rollback_publishes_the_old_content_as_a_new_version() {
     let api = api(Mode::Api);
     let v1 = apply(&api, apply_request(V1)).await.unwrap();

@@ -227,25 +227,28 @@ impl ControlPlane {
         let document = req.document.clone();
         let store = self.store.clone();
         let force = req.force;
+        let expected_version = req.expected_version;
         let (current, changes, warnings, content_hash) = tokio::task::spawn_blocking(move || {
             let content_hash = convert::content_hash(&document);
             // One conversion and one validation: the compiled set keeps its document.
             let (set, warnings) = convert::validate(document).map_err(ChangeError::Invalid)?;
             let current = store.current()?;
+            // A stale expected version is a conflict whatever the change holds: the caller
+            // must read the current version again before the rest of the checks mean anything.
+            if let (Some(expected), Some(cur)) = (expected_version, &current)
+                && expected != cur.meta.version
+            {
+                return Err(ChangeError::Conflict {
+                    expected,
+                    current: cur.meta.version,
+                });
+            }
             let stored = current.as_ref().map(|r| &r.document);
             let changes = check(set.document(), stored, force)?;
             Ok::<_, ChangeError>((current, changes, warnings, content_hash))
         })
         .await
         .map_err(|e| ChangeError::Unfinished(e.to_string()))??;
-        if let (Some(expected), Some(cur)) = (req.expected_version, &current)
-            && expected != cur.meta.version
-        {
-            return Err(ChangeError::Conflict {
-                expected,
-                current: cur.meta.version,
-            });
-        }
         // Only the current version counts: content equal to an older version's (a rollback, a
         // reverted file) is a change and gets a new version.
         let unchanged = current
