@@ -64,6 +64,66 @@ async fn nack_keeps_the_last_good_version_and_shows_the_error_in_status() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nacked_snapshot_is_not_pushed_again_after_a_reconnect() {
+    let plane = Plane::api_mode(&policy_yaml(2, 3)).await;
+    let with_instance = |mut message: pb::AgentMessage, last: &pb::Snapshot| {
+        if let Some(Kind::Hello(h)) = &mut message.kind {
+            h.instance_id = 7;
+            h.last_applied_version = last.version;
+            h.last_applied_hash.clone_from(&last.content_hash);
+        }
+        message
+    };
+    let mut agent = RawAgent::connect(plane.agent_channel().await, hello_instance("a1", 7))
+        .await
+        .unwrap();
+    let v1 = agent.next_snapshot().await.unwrap();
+    agent.ack(&v1).await;
+    assert_eq!(plane.apply(&policy_yaml(2, 5)).await, 2);
+    let v2 = agent.next_snapshot().await.unwrap();
+    agent.nack(&v2, "unknown field in policy").await;
+    let nacked = |s: &pb::AgentStatus| {
+        s.applied_version == 1
+            && s.last_response == "nack"
+            && s.last_response_version == 2
+            && s.last_error == "unknown field in policy"
+    };
+    eventually("the NACK shows in fleet status", || async {
+        agent_status(&plane, "a1").await.is_some_and(|s| nacked(&s))
+    })
+    .await;
+    // The agent reconnects running v1, as an agent does after a lost stream.
+    drop(agent);
+    let mut agent = RawAgent::connect(
+        plane.agent_channel().await,
+        with_instance(hello("a1", 0, ""), &v1),
+    )
+    .await
+    .unwrap();
+    // The stream's task answers a numbered report after it has decided whether to push: the
+    // ack comes first, with no snapshot before it.
+    agent.send(report(1, "payments", 1)).await;
+    let first = agent.next_message().await.unwrap();
+    assert!(
+        first.metrics_ack.is_some(),
+        "the NACKed snapshot was pushed again: {first:?}"
+    );
+    let status = agent_status(&plane, "a1").await.unwrap();
+    assert!(status.connected && nacked(&status), "{status:?}");
+    // A newer version is pushed as usual, and its ACK replaces the NACK.
+    assert_eq!(plane.apply(&policy_yaml(2, 4)).await, 3);
+    let v3 = agent.next_snapshot().await.unwrap();
+    assert_eq!(v3.version, 3);
+    agent.ack(&v3).await;
+    eventually("the ACK replaces the NACK", || async {
+        agent_status(&plane, "a1")
+            .await
+            .is_some_and(|s| s.last_response == "ack" && s.last_error.is_empty())
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_that_resumes_with_the_current_version_gets_no_duplicate_push() {
     let plane = Plane::file_mode(&policy_yaml(2, 3)).await;
     let mut first = RawAgent::connect(plane.agent_channel().await, hello("a1", 0, ""))

@@ -278,6 +278,8 @@ impl AgentStreamService {
             instance_id: hello.instance_id,
             sent_nonce: None,
             sent_version: 0,
+            sent_hash: String::new(),
+            refused: registration.refused,
             service: self.ctx.aggregates.service(&hello.service),
             bucket: Bucket {
                 tokens: limits.report_burst,
@@ -303,6 +305,11 @@ struct AgentStream {
     sent_nonce: Option<String>,
     /// The version sent with `sent_nonce`; an answer naming another version is stale too.
     sent_version: u64,
+    /// The content hash of the snapshot sent with `sent_nonce`.
+    sent_hash: String,
+    /// The snapshot the agent refused on an earlier stream ([`crate::fleet::Registration`]):
+    /// never pushed again on this one.
+    refused: Option<crate::fleet::Refused>,
     /// Where this agent's metrics reports are added (its Hello's service).
     service: ServiceHandle,
     /// Report rate limiter.
@@ -388,6 +395,7 @@ impl AgentStream {
                 self.known_hash.clone_from(&snap.content_hash);
                 self.sent_nonce = Some(snap.nonce.clone());
                 self.sent_version = snap.version;
+                self.sent_hash.clone_from(&snap.content_hash);
                 self.ctx.metrics.pushes.inc();
                 debug!(agent = %self.agent_id, version = snap.version, "snapshot sent");
             }
@@ -433,10 +441,17 @@ impl AgentStream {
     }
 
     /// Whether the agent should get `snap`: another version, or the same number with other
-    /// content (a store that was reset).
+    /// content (a store that was reset). Never the snapshot the agent refused on an earlier
+    /// stream: the same version number with the same content hash (a rollback to equal
+    /// content gets a new number, so it is pushed).
     fn behind(&self, snap: &crate::publisher::Snapshot) -> bool {
-        snap.version != self.known_version
-            || (!self.known_hash.is_empty() && self.known_hash != snap.content_hash)
+        let refused = self
+            .refused
+            .as_ref()
+            .is_some_and(|r| r.version == snap.version && r.content_hash == snap.content_hash);
+        !refused
+            && (snap.version != self.known_version
+                || (!self.known_hash.is_empty() && self.known_hash != snap.content_hash))
     }
 
     fn on_message(&mut self, message: Result<Option<pb::AgentMessage>, Status>) -> Next {
@@ -470,6 +485,7 @@ impl AgentStream {
                         &self.agent_id,
                         self.generation,
                         self.sent_version,
+                        &self.sent_hash,
                         &nack.error,
                     );
                     ctx.metrics.nacks.inc();

@@ -6,6 +6,12 @@
 //! Each entry also keeps which numbered metrics reports of the agent were counted
 //! ([`crate::report_seq`]); it is carried over when a stream replaces another and kept while
 //! the agent is listed, so a report sent again after a reconnect is counted once.
+//!
+//! The agent's last NACK (the version, its content hash and the error) is carried over the
+//! same way: status keeps showing it after a reconnect, and the new stream is told
+//! ([`Registration::refused`]) not to push that snapshot again, since the agent would refuse
+//! it again. It is forgotten when the agent ACKs a version, or says in its Hello that it runs
+//! the refused version.
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
@@ -38,6 +44,19 @@ struct Entry {
     replaced: Option<oneshot::Sender<()>>,
     /// The numbered metrics reports counted, across this agent id's streams.
     reports: ReportSeqs,
+    /// The snapshot the agent refused last, across this agent id's streams; `None` once it
+    /// ACKs a version.
+    refused: Option<Refused>,
+}
+
+/// A snapshot an agent refused (NACKed).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Refused {
+    /// Its version.
+    pub version: u64,
+    /// Its content hash: a store that was reset can publish other content under the same
+    /// number, which the agent has not refused.
+    pub content_hash: String,
 }
 
 #[derive(Debug, Default)]
@@ -82,6 +101,9 @@ pub struct Registration {
     pub generation: u64,
     /// Resolves when a newer stream with the same agent id takes over.
     pub replaced: oneshot::Receiver<()>,
+    /// The snapshot an earlier stream of this agent id pushed and the agent refused: not to be
+    /// pushed to it again.
+    pub refused: Option<Refused>,
 }
 
 /// Why a stream could not register.
@@ -140,6 +162,8 @@ impl Fleet {
         let (tx, rx) = oneshot::channel();
         let previous = inner.agents.remove(&hello.agent_id);
         let mut reports = ReportSeqs::default();
+        // The last NACK, unless the agent now runs the version it refused.
+        let mut refused = None;
         if let Some(mut old) = previous {
             if let Some(kick) = old.replaced.take() {
                 let _ = kick.send(());
@@ -148,8 +172,17 @@ impl Fleet {
                 inner.connected -= 1;
             }
             reports = old.reports;
+            refused = old
+                .refused
+                .filter(|r| r.version != hello.last_applied_version)
+                .map(|r| (r, old.status.last_error));
         }
         reports.hello(hello.instance_id);
+        let (last_response, last_response_version, last_error) = match &refused {
+            Some((r, error)) => ("nack".to_owned(), r.version, error.clone()),
+            None => (String::new(), 0, String::new()),
+        };
+        let refused = refused.map(|(r, _)| r);
         let status = pb::AgentStatus {
             agent_id: hello.agent_id.clone(),
             service: hello.service.clone(),
@@ -160,9 +193,9 @@ impl Fleet {
             connected_since_unix_ms: now,
             last_seen_unix_ms: now,
             applied_version: hello.last_applied_version,
-            last_response: String::new(),
-            last_response_version: 0,
-            last_error: String::new(),
+            last_response,
+            last_response_version,
+            last_error,
         };
         inner.agents.insert(
             hello.agent_id.clone(),
@@ -171,6 +204,7 @@ impl Fleet {
                 generation,
                 replaced: Some(tx),
                 reports,
+                refused: refused.clone(),
             },
         );
         inner.connected += 1;
@@ -178,16 +212,17 @@ impl Fleet {
         Ok(Registration {
             generation,
             replaced: rx,
+            refused,
         })
     }
 
-    fn update(&self, id: &str, generation: u64, f: impl FnOnce(&mut pb::AgentStatus)) {
+    fn update(&self, id: &str, generation: u64, f: impl FnOnce(&mut Entry)) {
         let mut inner = self.lock();
         if let Some(entry) = inner.agents.get_mut(id)
             && entry.generation == generation
         {
             entry.status.last_seen_unix_ms = unix_ms();
-            f(&mut entry.status);
+            f(entry);
         }
     }
 
@@ -224,9 +259,11 @@ impl Fleet {
         entry.reports.claim(instance, seq, admit)
     }
 
-    /// The agent acknowledged `version`.
+    /// The agent acknowledged `version`; its last NACK is forgotten.
     pub fn ack(&self, id: &str, generation: u64, version: u64) {
-        self.update(id, generation, |s| {
+        self.update(id, generation, |e| {
+            e.refused = None;
+            let s = &mut e.status;
             s.applied_version = version;
             set_response(&mut s.last_response, "ack");
             s.last_response_version = version;
@@ -234,8 +271,9 @@ impl Fleet {
         });
     }
 
-    /// The agent refused `version`; it keeps running what it had.
-    pub fn nack(&self, id: &str, generation: u64, version: u64, error: &str) {
+    /// The agent refused `version` (with `content_hash`); it keeps running what it had. Kept
+    /// across the agent's streams (see the module docs).
+    pub fn nack(&self, id: &str, generation: u64, version: u64, content_hash: &str, error: &str) {
         let mut error = error.to_owned();
         if error.len() > MAX_ERROR_LEN {
             let mut cut = MAX_ERROR_LEN;
@@ -244,7 +282,12 @@ impl Fleet {
             }
             error.truncate(cut);
         }
-        self.update(id, generation, |s| {
+        self.update(id, generation, |e| {
+            e.refused = Some(Refused {
+                version,
+                content_hash: content_hash.to_owned(),
+            });
+            let s = &mut e.status;
             set_response(&mut s.last_response, "nack");
             s.last_response_version = version;
             s.last_error = error;
@@ -378,7 +421,7 @@ mod tests {
         fleet.ack("a", reg.generation, 1);
         assert!(seen(), "ack");
         forget();
-        fleet.nack("a", reg.generation, 2, "bad");
+        fleet.nack("a", reg.generation, 2, "h2", "bad");
         assert!(seen(), "nack");
         forget();
         fleet.seen("a", reg.generation);
@@ -395,12 +438,52 @@ mod tests {
         let mut h = hello("a");
         h.last_applied_version = 3;
         let reg = fleet.register(&h, None).unwrap();
-        fleet.nack("a", reg.generation, 4, &"x".repeat(5000));
+        fleet.nack("a", reg.generation, 4, "h4", &"x".repeat(5000));
         let s = &fleet.status()[0];
         assert_eq!(s.applied_version, 3);
         assert_eq!(s.last_response, "nack");
         assert_eq!(s.last_response_version, 4);
         assert_eq!(s.last_error.len(), MAX_ERROR_LEN);
+    }
+
+    #[test]
+    fn the_last_nack_is_kept_across_streams_until_an_ack() {
+        let fleet = Fleet::new(10);
+        let mut h = hello("a");
+        h.last_applied_version = 1;
+        let first = fleet.register(&h, None).unwrap();
+        assert_eq!(first.refused, None);
+        fleet.nack("a", first.generation, 2, "h2", "bad");
+        fleet.disconnected("a", first.generation);
+        let second = fleet.register(&h, None).unwrap();
+        let refused = Refused {
+            version: 2,
+            content_hash: "h2".to_owned(),
+        };
+        assert_eq!(second.refused, Some(refused.clone()));
+        let s = &fleet.status()[0];
+        assert_eq!(
+            (
+                s.last_response.as_str(),
+                s.last_response_version,
+                s.last_error.as_str()
+            ),
+            ("nack", 2, "bad")
+        );
+        // A replacement while connected keeps it too.
+        let third = fleet.register(&h, None).unwrap();
+        assert_eq!(third.refused, Some(refused));
+        // An agent that says it runs the refused version has no NACK to keep.
+        h.last_applied_version = 2;
+        let runs_it = fleet.register(&h, None).unwrap();
+        assert_eq!(runs_it.refused, None);
+        assert_eq!(fleet.status()[0].last_response, "");
+        // An ACK forgets it.
+        h.last_applied_version = 1;
+        let fourth = fleet.register(&h, None).unwrap();
+        fleet.nack("a", fourth.generation, 3, "h3", "bad");
+        fleet.ack("a", fourth.generation, 4);
+        assert_eq!(fleet.register(&h, None).unwrap().refused, None);
     }
 
     #[test]
@@ -422,7 +505,7 @@ mod tests {
         let c = fleet.register(&hello("c"), None).unwrap();
         fleet.ack("a", a.generation, 2);
         fleet.ack("b", b.generation, 2);
-        fleet.nack("b", b.generation, 3, "bad");
+        fleet.nack("b", b.generation, 3, "h3", "bad");
         fleet.ack("c", c.generation, 2);
         fleet.disconnected("c", c.generation);
         let v = fleet.versions();

@@ -541,7 +541,7 @@ async fn prometheus_lines_are_exact() {
     };
     fleet.register(&hello("a", 3), None).unwrap();
     let b = fleet.register(&hello("b", 2), None).unwrap();
-    fleet.nack("b", b.generation, 3, "bad");
+    fleet.nack("b", b.generation, 3, "h3", "bad");
     let text = metrics_text(&agg, &fleet);
     let l = r#"{service="checkout",endpoint="payments"}"#;
     let expected = [
