@@ -225,7 +225,16 @@ impl AdminService for AdminApi {
         }
         let author = author(&request);
         let req = request.into_inner();
-        let (document, warnings) = document_of(source_kind(req.source)?).await?;
+        let (document, warnings) = match document_of(source_kind(req.source)?).await {
+            Ok(document) => document,
+            Err(invalid) => {
+                // Invalid YAML never reaches the control plane, which counts the other refusals.
+                if !req.dry_run && invalid.code() == tonic::Code::InvalidArgument {
+                    self.control.metrics.rejected_changes.inc();
+                }
+                return Err(invalid);
+            }
+        };
         let change = ChangeRequest {
             document,
             source: Source::Admin,

@@ -353,6 +353,51 @@ async fn an_invalid_typed_document_is_invalid_argument() {
 }
 
 #[tokio::test]
+async fn rejected_changes_count_invalid_applies_of_every_kind_and_no_dry_run() {
+    let api = api(Mode::Api);
+    let rejected = || api.control.metrics.rejected_changes.get();
+    apply(&api, apply_request(V1)).await.unwrap();
+    let bad_yaml = "version: 1\nendpoints:\n  payments:\n    max_attempts: 0\n";
+    let dry = |request: pb::ApplyRequest| pb::ApplyRequest {
+        dry_run: true,
+        ..request
+    };
+    // Dry runs (`retryplane diff`) change nothing and are not counted.
+    let status = apply(&api, dry(apply_request(bad_yaml))).await.unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument);
+    let status = apply(&api, dry(apply_request(OTHER))).await.unwrap_err();
+    assert_eq!(status.code(), Code::FailedPrecondition);
+    assert_eq!(rejected(), 0, "dry runs");
+    // Invalid YAML, an invalid typed document, a change that removes every endpoint.
+    let status = apply(&api, apply_request(bad_yaml)).await.unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument);
+    assert_eq!(rejected(), 1, "invalid YAML");
+    let typed = pb::ApplyRequest {
+        source: Some(pb::PolicySource {
+            kind: Some(Kind::Document(pb::PolicyDocument {
+                defaults: None,
+                endpoints: vec![pb::Endpoint {
+                    name: "payments".to_owned(),
+                    overlay: Some(pb::Overlay {
+                        max_attempts: Some(0),
+                        ..Default::default()
+                    }),
+                    routes: Vec::new(),
+                }],
+            })),
+            origin: String::new(),
+        }),
+        ..Default::default()
+    };
+    let status = apply(&api, typed).await.unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument);
+    assert_eq!(rejected(), 2, "an invalid typed document");
+    let status = apply(&api, apply_request(OTHER)).await.unwrap_err();
+    assert_eq!(status.code(), Code::FailedPrecondition);
+    assert_eq!(rejected(), 3, "a change that removes every endpoint");
+}
+
+#[tokio::test]
 async fn a_source_over_1_mib_or_none_is_invalid_argument() {
     let api = api(Mode::Api);
     let huge = format!("{V1}#{}\n", "x".repeat(MAX_FILE_BYTES));

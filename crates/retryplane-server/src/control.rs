@@ -199,17 +199,22 @@ impl ControlPlane {
         Ok(current)
     }
 
-    /// Validates, checks and stores a change, then publishes it. One change at a time.
+    /// Validates, checks and stores a change, then publishes it. One change at a time. A change
+    /// refused as invalid or as removing every endpoint counts in
+    /// `retryplane_server_rejected_changes`, unless it is a dry run.
     ///
     /// Dropping the returned future before it completes either changes nothing or lets the
     /// store write and the publish both finish (see the module docs).
     pub async fn apply(&self, req: ChangeRequest) -> Result<ChangeOutcome, ChangeError> {
         let one_at_a_time = self.changes.clone().lock_owned().await;
+        let dry_run = req.dry_run;
         let result = self.apply_locked(req, one_at_a_time).await;
-        if matches!(
-            result,
-            Err(ChangeError::Invalid(_) | ChangeError::RemovesEverything(_))
-        ) {
+        if !dry_run
+            && matches!(
+                result,
+                Err(ChangeError::Invalid(_) | ChangeError::RemovesEverything(_))
+            )
+        {
             self.metrics.rejected_changes.inc();
         }
         result

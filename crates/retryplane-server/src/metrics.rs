@@ -29,7 +29,9 @@ pub struct ServerMetrics {
     pub current_version: Gauge,
     /// Versions published since start.
     pub publishes: Counter,
-    /// Policy changes refused (invalid file saves, invalid applies).
+    /// Policy changes refused: invalid file saves, invalid applies (YAML or typed documents)
+    /// and applies or rollbacks that remove every endpoint without force. Dry runs
+    /// (`retryplane diff`) are not counted.
     pub rejected_changes: Counter,
     /// Metrics reports dropped for coming too fast.
     pub reports_dropped: Counter,
