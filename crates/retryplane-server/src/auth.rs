@@ -33,7 +33,9 @@ use subtle::{ConditionallySelectable, ConstantTimeEq};
 use tonic::service::Interceptor;
 use tonic::{Request, Status};
 
-/// Shortest secret accepted, in bytes.
+/// Shortest secret accepted, in bytes. A secret must also neither start nor end with white
+/// space (the presented one is trimmed) nor hold a control character: such a secret could never
+/// match, so the tokens file is refused.
 pub const MIN_SECRET_LEN: usize = 16;
 /// Largest tokens file read.
 pub const MAX_FILE_BYTES: u64 = 1024 * 1024;
@@ -192,6 +194,21 @@ impl Tokens {
                     None
                 }
             };
+            // The presented secret is trimmed (see `bearer`) and a header carries no control
+            // character: such a secret could never match.
+            if t.secret.starts_with(char::is_whitespace) || t.secret.ends_with(char::is_whitespace)
+            {
+                problems.push(format!(
+                    "{at}: secret starts or ends with white space, which an authorization header \
+                     cannot carry; remove it"
+                ));
+            }
+            if t.secret.contains(char::is_control) {
+                problems.push(format!(
+                    "{at}: secret holds a control character, which an authorization header \
+                     cannot carry"
+                ));
+            }
             if t.secret.len() < MIN_SECRET_LEN {
                 problems.push(format!(
                     "{at}: secret is shorter than {MIN_SECRET_LEN} bytes"

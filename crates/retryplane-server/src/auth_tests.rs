@@ -106,6 +106,39 @@ fn short_secret_is_refused_naming_the_file() {
 }
 
 #[test]
+fn secrets_no_header_can_carry_are_refused_without_showing_them() {
+    for secret in [
+        "\" spaced-secret-0123456789 \"",
+        "\"spaced-secret-0123456789\\t\"",
+        "\"tab\\tin-the-middle-0123456789\"",
+        "\"bell\\ain-the-middle-0123456789\"",
+    ] {
+        let err = invalid(&format!(
+            "tokens: [{{name: a, role: admin, secret: {secret}}}]"
+        ));
+        assert!(err.contains("tokens[0] (`a`): secret "), "{err}");
+        assert!(
+            err.contains("white space") || err.contains("control character"),
+            "{err}"
+        );
+        assert!(!err.contains("0123456789"), "{err}");
+    }
+    // Refused for its white space whatever its length.
+    let err = invalid("tokens: [{name: a, role: admin, secret: \"  short-secret-x  \"}]");
+    assert!(err.contains("white space"), "{err}");
+    // White space inside a secret is fine.
+    let inside = "tokens: [{name: a, role: admin, secret: \"a secret with spaces inside\"}]";
+    let tokens = Arc::new(Tokens::parse(inside, Path::new("tokens.yaml")).unwrap());
+    let passed = Guard::new(Some(tokens), Role::Admin)
+        .call(request(Some("Bearer a secret with spaces inside")))
+        .unwrap();
+    assert_eq!(
+        passed.extensions().get::<TokenName>(),
+        Some(&TokenName("a".to_owned()))
+    );
+}
+
+#[test]
 fn empty_secret_is_refused() {
     let err = invalid("tokens: [{name: a, role: admin, secret: ''}]");
     assert!(err.contains("secret is shorter"), "{err}");
