@@ -134,6 +134,26 @@ async fn an_invalid_file_over_a_stored_version_serves_the_stored_one() {
 }
 
 #[tokio::test]
+async fn a_missing_config_directory_over_a_stored_version_serves_the_stored_one() {
+    let (dir, cfg) = with_file(V1);
+    start(cfg.clone()).await.unwrap().shutdown().await.unwrap();
+    let moved = ServeConfig {
+        config_file: dir.path().join("nodir").join("policies.yaml"),
+        ..cfg.clone()
+    };
+    let running = start(moved.clone()).await.unwrap();
+    assert_eq!(current(&running).await.version, 1);
+    running.shutdown().await.unwrap();
+    // With nothing stored there is nothing to serve: start-up still stops.
+    let empty = ServeConfig {
+        data_dir: dir.path().join("empty-data"),
+        ..moved
+    };
+    let err = start(empty).await.unwrap_err().to_string();
+    assert!(err.contains("nodir"), "{err}");
+}
+
+#[tokio::test]
 async fn api_mode_seeds_only_an_empty_store() {
     let (dir, mut cfg) = with_file(V1);
     cfg.api_mode = true;

@@ -28,7 +28,9 @@
 //! A watch is attached to a directory's inode, so a watched directory deleted and created
 //! again, or replaced by a rename, would no longer be watched: every read sets the watches up
 //! again on the paths as they are then (a missing directory is covered by watching where it
-//! should appear). And some changes raise no event in a watched directory at all: a write
+//! should appear: the nearest directory above it that exists, from start-up on, so a server
+//! started with a file whose directory does not exist yet serves its stored version and reads
+//! the file once it appears). And some changes raise no event in a watched directory at all: a write
 //! through a hard link elsewhere, a file bind-mounted into a container and edited from outside,
 //! a network file system, events lost when the kernel's queue overflows. So every [`RESCAN`]
 //! the watcher also reads the file without an event (after the same quiet period); equal
@@ -91,6 +93,13 @@ pub enum WatchError {
     /// The path names no file.
     #[error("the policy file path {} has no file name", .0.display())]
     NoFileName(PathBuf),
+    /// The file's directory is missing, and no directory above it can be watched either.
+    #[error(
+        "the directory {} of the policy file does not exist and no directory above it can be \
+         watched",
+        .0.display()
+    )]
+    Unwatchable(PathBuf),
     /// The directory cannot be watched.
     #[error("cannot watch the directory {} for changes to the policy file", dir.display())]
     Watch {
@@ -137,7 +146,9 @@ pub fn log_diagnostics(file: &Path, loaded: &Loaded) {
 ///
 /// The watches are in place when this returns. Only the file's own directory must be
 /// watchable; a directory further along a symbolic link chain that cannot be watched is
-/// logged and left out.
+/// logged and left out. When the file's directory does not exist (yet), the nearest directory
+/// above it that does is watched instead, so the file is read once it appears there; only when
+/// no directory on the way can be watched is that an error.
 pub fn spawn(
     control: Arc<ControlPlane>,
     file: PathBuf,
@@ -152,8 +163,12 @@ pub fn spawn(
         _ => PathBuf::from("."),
     };
     // Watched by its real path: two paths to one directory would share one inotify watch,
-    // and unwatching one would end the other.
-    let own_dir = std::fs::canonicalize(&dir).unwrap_or(dir);
+    // and unwatching one would end the other. A missing directory has none yet: its absolute
+    // path stands in until it exists (see `Watches::update`).
+    let own_dir = std::fs::canonicalize(&dir)
+        .or_else(|_| std::path::absolute(&dir))
+        .unwrap_or(dir);
+    let own_dir_exists = own_dir.is_dir();
     let (tx, rx) = mpsc::channel(1);
     let watcher = notify::recommended_watcher(move |event: notify::Result<Event>| {
         match event {
@@ -176,8 +191,21 @@ pub fn spawn(
         wanted: Vec::new(),
         active: Vec::new(),
     };
-    watches.watch_own_dir()?;
+    if own_dir_exists {
+        watches.watch_own_dir()?;
+    } else {
+        warn!(
+            file = %file.display(),
+            dir = %watches.own_dir.display(),
+            "the policy file's directory does not exist; watching for it to appear"
+        );
+        // Said once, here: `update` only notes it at debug from now on.
+        watches.wanted.push(watches.own_dir.clone());
+    }
     watches.update();
+    if watches.active.is_empty() {
+        return Err(WatchError::Unwatchable(watches.own_dir));
+    }
     info!(
         file = %file.display(),
         directories = ?watches.active,
@@ -228,6 +256,10 @@ impl Watches {
     /// to the directory now at its path, so a directory deleted and created again, or replaced
     /// by a rename, is watched again. Blocking.
     fn update(&mut self) {
+        // A directory missing at start has its real path once it exists.
+        if let Ok(real) = std::fs::canonicalize(&self.own_dir) {
+            self.own_dir = real;
+        }
         let mut wanted = vec![self.own_dir.clone()];
         for dir in link_dirs(&self.file) {
             if !wanted.contains(&dir) {

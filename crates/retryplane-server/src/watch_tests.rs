@@ -374,6 +374,37 @@ async fn a_directory_deleted_and_created_again_is_watched_again() {
 }
 
 #[tokio::test]
+async fn a_missing_directory_is_watched_for_and_the_file_read_once_it_appears() {
+    // The store already has a version (from an earlier file); the configured file's directory
+    // does not exist yet. Start-up watches the directory above it, and the file is read as
+    // soon as it appears, by the events alone: the rescan is far away.
+    let dir = tempfile::tempdir().unwrap();
+    let seed = dir.path().join("seed.yaml");
+    fs::write(&seed, V1).unwrap();
+    let config = dir.path().join("nodir");
+    let file = config.join("policies.yaml");
+    let store: Arc<dyn VersionStore> = Arc::new(MemoryStore::new());
+    let control = Arc::new(ControlPlane::for_tests(store, Mode::File(file.clone())));
+    reload(&control, &seed).await;
+    assert_eq!(current_version(&control), Some(1));
+    let timing = Timing {
+        debounce: DEBOUNCE,
+        rescan: Duration::from_secs(600),
+    };
+    let (_stop, shutdown) = watch::channel(false);
+    spawn(control.clone(), file.clone(), timing, shutdown).unwrap();
+    fs::create_dir(&config).unwrap();
+    fs::write(config.join(".policies.yaml.swp"), V2).unwrap();
+    fs::rename(config.join(".policies.yaml.swp"), &file).unwrap();
+    wait_for_version(&control, 2, Duration::from_secs(5)).await;
+    assert_eq!(max_attempts_served(&control).await, Some(4));
+    // Now watched in its own directory: the next save is seen too.
+    fs::write(config.join(".policies.yaml.swp"), V3).unwrap();
+    fs::rename(config.join(".policies.yaml.swp"), &file).unwrap();
+    wait_for_version(&control, 3, Duration::from_secs(5)).await;
+}
+
+#[tokio::test]
 async fn a_change_no_event_reports_is_found_by_the_rescan() {
     // A write through a hard link in another directory changes the file, but the watched
     // directory hears nothing of it (the same holds for a file bind-mounted into a container
