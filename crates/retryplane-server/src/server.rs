@@ -13,8 +13,9 @@
 //! Both gRPC listeners send HTTP/2 keepalive pings every [`ServeConfig::keepalive_interval`]
 //! (default 20 s) and drop a peer that does not answer within
 //! [`ServeConfig::keepalive_timeout`] (default 10 s) — an agent whose connection is dropped so
-//! shows as disconnected — and set `TCP_NODELAY`. Health reports both services `NOT_SERVING` until a
-//! snapshot is published. Port 0 binds a free port; [`Running`] tells which.
+//! shows as disconnected — and set `TCP_NODELAY`. Health reports both services, and the server as a
+//! whole (service `""`), `NOT_SERVING` until a snapshot is published and from the start of
+//! shutdown. Port 0 binds a free port; [`Running`] tells which.
 //!
 //! [`Running::shutdown`] tells every agent stream to end with `UNAVAILABLE` ("reconnect"),
 //! stops accepting, waits up to [`SHUTDOWN_GRACE`] for the servers to drain and closes the store
@@ -292,9 +293,10 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
     })
 }
 
-/// Sets the health of both services.
+/// Sets the health of both services and of the whole server (the empty service name, which a
+/// probe without a service asks about; tonic starts it `SERVING`).
 async fn set_health(health: &HealthReporter, status: ServingStatus) {
-    for service in [AGENT_SERVICE, ADMIN_SERVICE] {
+    for service in ["", AGENT_SERVICE, ADMIN_SERVICE] {
         health.set_service_status(service, status).await;
     }
 }

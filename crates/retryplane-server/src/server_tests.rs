@@ -312,7 +312,7 @@ async fn health(addr: SocketAddr) -> Vec<i32> {
     use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
     let mut client = HealthClient::new(channel(addr).await);
     let mut statuses = Vec::new();
-    for service in [AGENT_SERVICE, ADMIN_SERVICE] {
+    for service in ["", AGENT_SERVICE, ADMIN_SERVICE] {
         let request = HealthCheckRequest {
             service: service.to_owned(),
         };
@@ -331,14 +331,50 @@ async fn health_is_serving_on_both_listeners_once_a_snapshot_is_loaded() {
         ..config(dir.path())
     };
     let running = start(cfg).await.unwrap();
-    assert_eq!(health(running.agent_addr).await, [not_serving, not_serving]);
+    // The server as a whole (service "") too.
+    let none = [not_serving, not_serving, not_serving];
+    assert_eq!(health(running.agent_addr).await, none);
+    assert_eq!(health(running.admin_addr).await, none);
     running.shutdown().await.unwrap();
 
     let (_dir, cfg) = with_file(V1);
     let running = start(cfg).await.unwrap();
-    assert_eq!(health(running.agent_addr).await, [serving, serving]);
-    assert_eq!(health(running.admin_addr).await, [serving, serving]);
+    let all = [serving, serving, serving];
+    assert_eq!(health(running.agent_addr).await, all);
+    assert_eq!(health(running.admin_addr).await, all);
     running.shutdown().await.unwrap();
+}
+
+/// The next status of a health `Watch` stream, waiting at most [`SHUTDOWN_GRACE`].
+async fn next_status(
+    statuses: &mut tonic::Streaming<tonic_health::pb::HealthCheckResponse>,
+) -> Option<i32> {
+    let message = tokio::time::timeout(SHUTDOWN_GRACE, statuses.message()).await;
+    message.unwrap().unwrap().map(|m| m.status)
+}
+
+#[tokio::test]
+async fn the_server_as_a_whole_is_not_serving_from_the_start_of_shutdown() {
+    use tonic_health::pb::health_check_response::ServingStatus as Wire;
+    use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
+    let (_dir, cfg) = with_file(V1);
+    let running = start(cfg).await.unwrap();
+    let mut client = HealthClient::new(channel(running.agent_addr).await);
+    let mut statuses = client
+        .watch(HealthCheckRequest {
+            service: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(next_status(&mut statuses).await, Some(Wire::Serving as i32));
+    let stopping = tokio::spawn(running.shutdown());
+    assert_eq!(
+        next_status(&mut statuses).await,
+        Some(Wire::NotServing as i32)
+    );
+    drop(statuses);
+    stopping.await.unwrap().unwrap();
 }
 
 #[tokio::test]
