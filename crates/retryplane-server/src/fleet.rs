@@ -10,8 +10,10 @@
 //! The agent's last NACK (the version, its content hash and the error) is carried over the
 //! same way: status keeps showing it after a reconnect, and the new stream is told
 //! ([`Registration::refused`]) not to push that snapshot again, since the agent would refuse
-//! it again. It is forgotten when the agent ACKs a version, or says in its Hello that it runs
-//! the refused version.
+//! it again. It is kept for the same agent process only (the same Hello `instance_id`): a
+//! restarted or upgraded agent may accept what the old process refused, so a new instance gets
+//! the current version as any agent would. It is also forgotten when the agent ACKs a version,
+//! or says in its Hello that it runs the refused version.
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
@@ -47,6 +49,8 @@ struct Entry {
     /// The snapshot the agent refused last, across this agent id's streams; `None` once it
     /// ACKs a version.
     refused: Option<Refused>,
+    /// The Hello's `instance_id` of the stream registered last (0: not given).
+    instance_id: u64,
 }
 
 /// A snapshot an agent refused (NACKed).
@@ -57,6 +61,8 @@ pub struct Refused {
     /// Its content hash: a store that was reset can publish other content under the same
     /// number, which the agent has not refused.
     pub content_hash: String,
+    /// The agent process that refused it (Hello `instance_id`, never 0).
+    pub instance_id: u64,
 }
 
 #[derive(Debug, Default)]
@@ -162,7 +168,7 @@ impl Fleet {
         let (tx, rx) = oneshot::channel();
         let previous = inner.agents.remove(&hello.agent_id);
         let mut reports = ReportSeqs::default();
-        // The last NACK, unless the agent now runs the version it refused.
+        // The last NACK, if the same process comes back and does not run the version it refused.
         let mut refused = None;
         if let Some(mut old) = previous {
             if let Some(kick) = old.replaced.take() {
@@ -174,7 +180,9 @@ impl Fleet {
             reports = old.reports;
             refused = old
                 .refused
-                .filter(|r| r.version != hello.last_applied_version)
+                .filter(|r| {
+                    r.instance_id == hello.instance_id && r.version != hello.last_applied_version
+                })
                 .map(|r| (r, old.status.last_error));
         }
         reports.hello(hello.instance_id);
@@ -205,6 +213,7 @@ impl Fleet {
                 replaced: Some(tx),
                 reports,
                 refused: refused.clone(),
+                instance_id: hello.instance_id,
             },
         );
         inner.connected += 1;
@@ -283,9 +292,12 @@ impl Fleet {
             error.truncate(cut);
         }
         self.update(id, generation, |e| {
-            e.refused = Some(Refused {
+            // A stream without an instance id cannot be told from a restarted process: its
+            // NACK is shown, but not carried over to its next stream.
+            e.refused = (e.instance_id != 0).then(|| Refused {
                 version,
                 content_hash: content_hash.to_owned(),
+                instance_id: e.instance_id,
             });
             let s = &mut e.status;
             set_response(&mut s.last_response, "nack");
@@ -451,6 +463,7 @@ mod tests {
         let fleet = Fleet::new(10);
         let mut h = hello("a");
         h.last_applied_version = 1;
+        h.instance_id = 5;
         let first = fleet.register(&h, None).unwrap();
         assert_eq!(first.refused, None);
         fleet.nack("a", first.generation, 2, "h2", "bad");
@@ -459,6 +472,7 @@ mod tests {
         let refused = Refused {
             version: 2,
             content_hash: "h2".to_owned(),
+            instance_id: 5,
         };
         assert_eq!(second.refused, Some(refused.clone()));
         let s = &fleet.status()[0];
@@ -483,6 +497,26 @@ mod tests {
         let fourth = fleet.register(&h, None).unwrap();
         fleet.nack("a", fourth.generation, 3, "h3", "bad");
         fleet.ack("a", fourth.generation, 4);
+        assert_eq!(fleet.register(&h, None).unwrap().refused, None);
+    }
+
+    #[test]
+    fn a_restarted_agent_process_is_not_held_to_the_old_processs_nack() {
+        let fleet = Fleet::new(10);
+        let mut h = hello("a");
+        h.last_applied_version = 1;
+        h.instance_id = 5;
+        let first = fleet.register(&h, None).unwrap();
+        fleet.nack("a", first.generation, 2, "h2", "bad");
+        // Another process (an upgrade, say) under the same agent id: it gets the version again.
+        h.instance_id = 6;
+        assert_eq!(fleet.register(&h, None).unwrap().refused, None);
+        assert_eq!(fleet.status()[0].last_response, "");
+        // A client that gives no instance id cannot be told from a restart: not carried over.
+        h.instance_id = 0;
+        let unnumbered = fleet.register(&h, None).unwrap();
+        fleet.nack("a", unnumbered.generation, 2, "h2", "bad");
+        assert_eq!(fleet.status()[0].last_response, "nack");
         assert_eq!(fleet.register(&h, None).unwrap().refused, None);
     }
 
