@@ -289,6 +289,12 @@ impl Walker {
         let mut out = Vec::new();
         for (i, item) in items.iter().enumerate() {
             let path = format!("{path}[{i}]");
+            // A list item left empty (`- ` or `~`) is not a route; any other non-mapping is
+            // reported by `overlay` below.
+            if item.value == Value::Null {
+                self.type_error(item, &path, "a route (a mapping with `match:`)");
+                continue;
+            }
             let overlay = self.overlay(item, &path, Layer::Route);
             let matcher =
                 get(item, "match").and_then(|m| self.route_match(m, &join(&path, "match")));
@@ -307,6 +313,15 @@ impl Walker {
     }
 
     fn route_match(&mut self, node: &Node, path: &str) -> Option<Field<RouteMatch>> {
+        // `match:` left empty matches nothing; any other non-mapping is reported by `fields`.
+        if node.value == Value::Null {
+            self.type_error(
+                node,
+                path,
+                "a mapping of `method` and/or `path_prefix`, or `grpc`",
+            );
+            return None;
+        }
         let entries = self.fields(node, path, &MATCH_FIELDS, &[]);
         if !matches!(node.value, Value::Map(_)) {
             return None;

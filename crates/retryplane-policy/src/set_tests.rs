@@ -165,6 +165,23 @@ fn a_route_whose_match_is_refused_still_has_its_settings_checked() {
 }
 
 #[test]
+fn an_empty_match_or_an_empty_route_is_an_error_not_dropped() {
+    let src = "version: 1\nendpoints:\n  a:\n    routes:\n      - match: ~\n        max_attempts: 1\n      - ~\n      -\n      - match:\n      - match: []\n      - 5\n";
+    assert_eq!(
+        errors(src),
+        [
+            "5:16: error: endpoints.a.routes[0].match: expected a mapping of `method` and/or `path_prefix`, or `grpc`, found null",
+            "7:9: error: endpoints.a.routes[1]: expected a route (a mapping with `match:`), found null",
+            "8:8: error: endpoints.a.routes[2]: expected a route (a mapping with `match:`), found null",
+            "9:14: error: endpoints.a.routes[3].match: expected a mapping of `method` and/or `path_prefix`, or `grpc`, found null",
+            "10:16: error: endpoints.a.routes[4].match: expected a mapping, found a list",
+            "11:9: error: endpoints.a.routes[5]: expected a mapping, found an integer",
+        ]
+    );
+    assert!(load(src.as_bytes()).policies.is_none());
+}
+
+#[test]
 fn duplicate_keys_in_a_policy_are_an_error() {
     let src = "version: 1\nendpoints:\n  a:\n    deadline: 10s\n    deadline: 20s\n";
     assert_eq!(
