@@ -252,8 +252,8 @@ impl Walker {
                     crate::validate::check_detached(&overlay, &path, false, &mut self.diags);
                     if let Some(routes) = get(value, "routes") {
                         let routes_path = join(&path, "routes");
-                        for (i, route) in self.routes(routes, &routes_path).iter().enumerate() {
-                            let route_path = format!("{routes_path}[{i}]");
+                        for route in self.routes(routes, &routes_path) {
+                            let route_path = format!("{routes_path}[{}]", route.index);
                             crate::validate::check_detached(
                                 &route.overlay,
                                 &route_path,
@@ -299,7 +299,11 @@ impl Walker {
             let matcher =
                 get(item, "match").and_then(|m| self.route_match(m, &join(&path, "match")));
             match matcher {
-                Some(matcher) => out.push(RouteDoc { matcher, overlay }),
+                Some(matcher) => out.push(RouteDoc {
+                    matcher,
+                    overlay,
+                    index: i,
+                }),
                 None => {
                     if matches!(item.value, Value::Map(_)) && get(item, "match").is_none() {
                         self.error(item.loc, &path, "a route needs a `match:`");

@@ -182,6 +182,30 @@ fn an_empty_match_or_an_empty_route_is_an_error_not_dropped() {
 }
 
 #[test]
+fn a_route_after_a_refused_one_is_named_by_its_place_in_the_file() {
+    // routes[0] is refused (lower-case method); routes[1] has a `max` without a unit. Every
+    // message about the second route names routes[1], and its refused `max` is not replaced
+    // by the defaults' 150ms for a cross-field check.
+    let src = "version: 1\ndefaults:\n  backoff: {max: 150ms}\nendpoints:\n  a:\n    routes:\n      - match: {method: get}\n      - match: {method: PUT}\n        backoff: {base: 200ms, max: 1}\n";
+    assert_eq!(
+        all(src),
+        [
+            "7:25: error: endpoints.a.routes[0].match.method: HTTP methods are case-sensitive: write `GET`",
+            "9:37: error: endpoints.a.routes[1].backoff.max: duration `1` needs a unit: ms, s, m or h (for example `1ms`)",
+        ]
+    );
+    // The repeated-match warning names both routes by their place in the file too.
+    let src = "version: 1\nendpoints:\n  a:\n    routes:\n      - match: ~\n      - match: {method: PUT}\n      - match: {method: PUT}\n";
+    assert_eq!(
+        all(src),
+        [
+            "5:16: error: endpoints.a.routes[0].match: expected a mapping of `method` and/or `path_prefix`, or `grpc`, found null",
+            "7:16: warning: endpoints.a.routes[2].match: this route can never match: routes[1] has the same match and comes first",
+        ]
+    );
+}
+
+#[test]
 fn duplicate_keys_in_a_policy_are_an_error() {
     let src = "version: 1\nendpoints:\n  a:\n    deadline: 10s\n    deadline: 20s\n";
     assert_eq!(

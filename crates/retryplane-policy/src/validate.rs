@@ -70,8 +70,11 @@ pub fn check(doc: &PolicyDocument, diags: &mut Vec<Diagnostic>) {
         layers.push((Level::Endpoint, ep_path.clone(), &ep.overlay));
         check_effective(&layers, &refused, diags);
         // Each match's first route, so that repeats are found in linear time.
+        // Paths name a route by its place as written (`RouteDoc::index`), which counts routes
+        // the parser refused, so that every message about one route names the same index.
         let mut first_route = HashMap::with_capacity(ep.routes.len());
-        for (i, route) in ep.routes.iter().enumerate() {
+        for route in &ep.routes {
+            let i = route.index;
             let route_path = format!("{ep_path}.routes[{i}]");
             check_layer(&route.overlay, &route_path, diags);
             check_route_sharing(&route.overlay, &route_path, diags);

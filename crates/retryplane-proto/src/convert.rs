@@ -99,6 +99,7 @@ impl TryFrom<pb::PolicyDocument> for PolicyDocument {
                     routes.push(RouteDoc {
                         matcher: Field::new(m),
                         overlay,
+                        index: k,
                     });
                 }
             }
