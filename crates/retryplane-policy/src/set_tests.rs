@@ -96,6 +96,21 @@ fn a_refused_field_gets_no_second_error_from_the_built_in_value_in_its_place() {
 }
 
 #[test]
+fn a_non_finite_number_is_an_error_at_its_place_among_the_others() {
+    let src = "version: 1\nendpoints:\n  a:\n    max_attempts: 0\n    backoff: {multiplier: .inf}\n    deadline: 100\n  b:\n    budget: {ratio: .nan, min_per_second: 1e999}\n";
+    assert_eq!(
+        errors(src),
+        [
+            "4:19: error: endpoints.a.max_attempts: must be from 1 (never retry) to 10, found 0",
+            "5:27: error: endpoints.a.backoff.multiplier: must be a finite number",
+            "6:15: error: endpoints.a.deadline: duration `100` needs a unit: ms, s, m or h (for example `100ms`)",
+            "8:21: error: endpoints.b.budget.ratio: must be a finite number",
+            "8:43: error: endpoints.b.budget.min_per_second: expected a whole number, found a number",
+        ]
+    );
+}
+
+#[test]
 fn counts_out_of_range_name_the_range_of_the_field() {
     assert_eq!(
         errors("version: 1\nendpoints:\n  a:\n    max_attempts: -1\n"),
