@@ -568,8 +568,20 @@ impl Walker {
     fn boolean(&mut self, node: &Node, path: &str) -> Option<Field<bool>> {
         match node.value {
             Value::Bool(b) => Some(Field::at(b, node.loc)),
+            // `yes`, `on` and the like are strings (YAML 1.2): say what was written.
+            Value::Str(_) => {
+                self.error(
+                    node.loc,
+                    path,
+                    format!(
+                        "expected a boolean (true or false), found a string {}",
+                        scalar_text(node)
+                    ),
+                );
+                None
+            }
             _ => {
-                self.type_error(node, path, "true or false");
+                self.type_error(node, path, "a boolean (true or false)");
                 None
             }
         }

@@ -111,6 +111,26 @@ fn a_non_finite_number_is_an_error_at_its_place_among_the_others() {
 }
 
 #[test]
+fn yes_and_on_are_strings_a_boolean_field_refuses_them_and_an_endpoint_may_have_the_name() {
+    let src = "version: 1\nendpoints:\n  a:\n    retry_after: {honor: yes}\n    budget: {enabled: off}\n    circuit_breaker: {enabled: 1}\n";
+    assert_eq!(
+        errors(src),
+        [
+            "4:26: error: endpoints.a.retry_after.honor: expected a boolean (true or false), found a string `yes`",
+            "5:23: error: endpoints.a.budget.enabled: expected a boolean (true or false), found a string `off`",
+            "6:32: error: endpoints.a.circuit_breaker.enabled: expected a boolean (true or false), found an integer",
+        ]
+    );
+    let src = "version: 1\nendpoints:\n  yes: {}\n  no: {}\n  on: {}\n  off: {}\n  y: {}\n  a: {retry_after: {honor: false}, budget: {enabled: true}}\n";
+    let loaded = load(src.as_bytes());
+    assert_eq!(loaded.diagnostics, vec![], "{:#?}", loaded.diagnostics);
+    assert_eq!(
+        loaded.policies.expect("valid").names(),
+        ["a", "no", "off", "on", "y", "yes"]
+    );
+}
+
+#[test]
 fn counts_out_of_range_name_the_range_of_the_field() {
     assert_eq!(
         errors("version: 1\nendpoints:\n  a:\n    max_attempts: -1\n"),
