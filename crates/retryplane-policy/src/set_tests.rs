@@ -327,6 +327,27 @@ fn cross_field_errors_are_reported_once_where_the_field_is_written() {
 }
 
 #[test]
+fn an_unreachable_attempt_is_blamed_on_the_layer_whose_jitter_or_cap_causes_it() {
+    // With the built-in full jitter the shortest pause is zero: only `slow`, whose jitter is
+    // none, has attempts that can never start.
+    let src = "version: 1\ndefaults: {max_attempts: 5, deadline: 1s, per_try_timeout: 200ms}\nendpoints:\n  fast: {}\n  slow: {backoff: {jitter: none}}\n";
+    assert_eq!(
+        all(src),
+        [
+            "5:28: warning: endpoints.slow.backoff.jitter: attempts 5 to 5 can never start inside the deadline (1s): their shortest possible pauses add up to more"
+        ]
+    );
+    // The same for a cap that lets the pauses grow.
+    let src = "version: 1\ndefaults: {max_attempts: 5, deadline: 1s, per_try_timeout: 200ms, backoff: {jitter: none, max: 100ms}}\nendpoints:\n  fast: {}\n  slow: {backoff: {max: 1s}}\n";
+    assert_eq!(
+        all(src),
+        [
+            "5:25: warning: endpoints.slow.backoff.max: attempts 5 to 5 can never start inside the deadline (1s): their shortest possible pauses add up to more"
+        ]
+    );
+}
+
+#[test]
 fn precedence_is_builtin_then_defaults_then_endpoint_then_route() {
     let src = r"
 version: 1

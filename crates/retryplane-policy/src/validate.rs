@@ -440,13 +440,17 @@ fn check_effective(layers: &Layers<'_>, refused: &Refused, diags: &mut Vec<Diagn
         )
         && let Some(first) = first_unreachable_attempt(&p)
     {
+        // Every field the schedule depends on: a layer that only changes the jitter (or the
+        // cap) can be what makes attempts unreachable.
         let (loc, path) = blame(
             layers,
             &[
                 "max_attempts",
                 "deadline",
                 "backoff.base",
+                "backoff.max",
                 "backoff.multiplier",
+                "backoff.jitter",
             ],
         );
         push(Diagnostic::warning(
