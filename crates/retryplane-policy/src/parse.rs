@@ -236,6 +236,7 @@ impl Walker {
                 }
             };
             let path = join("endpoints", &name);
+            let first_diag = self.diags.len();
             match seen.entry(name.clone()) {
                 Entry::Occupied(first) => {
                     let first = *first.get();
@@ -262,6 +263,7 @@ impl Walker {
                             );
                         }
                     }
+                    crate::diag::tag_endpoint(&mut self.diags[first_diag..], &name, &path);
                     continue;
                 }
                 Entry::Vacant(slot) => {
@@ -272,6 +274,7 @@ impl Walker {
             let routes = get(value, "routes")
                 .map(|routes| self.routes(routes, &join(&path, "routes")))
                 .unwrap_or_default();
+            crate::diag::tag_endpoint(&mut self.diags[first_diag..], &name, &path);
             out.push(EndpointDoc {
                 name: Field::at(name, key.loc),
                 overlay,

@@ -52,6 +52,7 @@ pub fn check(doc: &PolicyDocument, diags: &mut Vec<Diagnostic>) {
     let mut first_named: HashMap<&str, Loc> = HashMap::with_capacity(doc.endpoints.len());
     for ep in &doc.endpoints {
         let ep_path = format!("endpoints.{}", ep.name.value);
+        let first_diag = diags.len();
         if let Some(first) = first_named.insert(&ep.name.value, ep.name.loc) {
             first_named.insert(&ep.name.value, first);
             diags.push(Diagnostic::error(
@@ -62,6 +63,7 @@ pub fn check(doc: &PolicyDocument, diags: &mut Vec<Diagnostic>) {
                     ep.name.value
                 ),
             ));
+            crate::diag::tag_endpoint(&mut diags[first_diag..], &ep.name.value, &ep_path);
             continue;
         }
         check_endpoint_name(&ep.name.value, ep.name.loc, &ep_path, diags);
@@ -92,6 +94,7 @@ pub fn check(doc: &PolicyDocument, diags: &mut Vec<Diagnostic>) {
             route_layers.push((Level::Route, route_path, &route.overlay));
             check_effective(&route_layers, &refused, diags);
         }
+        crate::diag::tag_endpoint(&mut diags[first_diag..], &ep.name.value, &ep_path);
     }
 }
 

@@ -399,6 +399,7 @@ impl From<&pb::Diagnostic> for Diagnostic {
             },
             path: d.path.clone(),
             message: d.message.clone(),
+            endpoint: None,
         }
     }
 }
