@@ -788,7 +788,8 @@ fn get<'n>(node: &'n Node, key: &str) -> Option<&'n Node> {
 fn scalar_text(node: &Node) -> String {
     match &node.value {
         Value::Int(i) => i.to_string(),
-        Value::Float(f) => f.to_string(),
+        // `1.0` prints as `1.0`, not `1`: a float written where an integer belongs shows as one.
+        Value::Float(f) => format!("{f:?}"),
         Value::Str(s) => format!("`{s}`"),
         Value::Bool(b) => b.to_string(),
         other => other.kind().to_owned(),

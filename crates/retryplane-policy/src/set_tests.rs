@@ -131,6 +131,14 @@ fn yes_and_on_are_strings_a_boolean_field_refuses_them_and_an_endpoint_may_have_
 }
 
 #[test]
+fn a_version_written_as_a_float_is_shown_as_written() {
+    assert_eq!(
+        errors("version: 1.0\nendpoints:\n  a: {}\n"),
+        ["1:10: error: version: unsupported schema version: expected 1, found 1.0"]
+    );
+}
+
+#[test]
 fn counts_out_of_range_name_the_range_of_the_field() {
     assert_eq!(
         errors("version: 1\nendpoints:\n  a:\n    max_attempts: -1\n"),
