@@ -319,6 +319,52 @@ fn explain_shows_a_route_turning_the_shared_budget_off() {
     );
 }
 
+/// The paths of the warnings `explain --format json` lists for `endpoint`.
+fn warning_paths(dir: &Path, file: &str, endpoint: &str) -> Vec<String> {
+    let out: Value =
+        serde_json::from_str(&explained(dir, file, endpoint, &["--format", "json"])).unwrap();
+    out["warnings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| w["path"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+#[test]
+fn explain_shows_only_the_warnings_of_its_endpoint_when_names_contain_dots() {
+    let dir = dir_with(&[(
+        "dots.yaml",
+        "version: 1\nendpoints:\n  pay: {}\n  pay.v2: {max_attempts: 8}\n",
+    )]);
+    assert_eq!(
+        warning_paths(dir.path(), "dots.yaml", "pay"),
+        Vec::<String>::new()
+    );
+    assert_eq!(
+        warning_paths(dir.path(), "dots.yaml", "pay.v2"),
+        ["endpoints.pay.v2.max_attempts"]
+    );
+    let text = explained(dir.path(), "dots.yaml", "pay", &[]);
+    assert!(!text.contains("pay.v2"), "{text}");
+}
+
+#[test]
+fn explain_shows_an_unreachable_attempt_only_for_the_endpoint_whose_jitter_causes_it() {
+    let dir = dir_with(&[(
+        "jitter.yaml",
+        "version: 1\ndefaults: {max_attempts: 5, deadline: 1s, per_try_timeout: 200ms}\nendpoints:\n  fast: {}\n  slow: {backoff: {jitter: none}}\n",
+    )]);
+    assert_eq!(
+        warning_paths(dir.path(), "jitter.yaml", "fast"),
+        Vec::<String>::new()
+    );
+    assert_eq!(
+        warning_paths(dir.path(), "jitter.yaml", "slow"),
+        ["endpoints.slow.backoff.jitter"]
+    );
+}
+
 #[test]
 fn a_ten_gigabyte_file_is_refused_without_being_read() {
     let dir = dir_with(&[]);

@@ -34,6 +34,11 @@ pub struct Diagnostic {
     pub path: String,
     /// What is wrong, and where useful what to write instead.
     pub message: String,
+    /// The endpoint whose settings the problem is in, by name, when a policy file's check
+    /// knows it: an endpoint name may contain `.`, so [`Self::path`] alone cannot tell
+    /// `endpoints.pay.v2.max_attempts` of endpoint `pay.v2` from a field `v2` of endpoint `pay`.
+    /// `None` for `defaults`, the file's top level, and diagnostics from the wire.
+    pub endpoint: Option<String>,
 }
 
 impl Diagnostic {
@@ -44,6 +49,7 @@ impl Diagnostic {
             loc,
             path: path.into(),
             message: message.into(),
+            endpoint: None,
         }
     }
 
@@ -54,6 +60,7 @@ impl Diagnostic {
             loc,
             path: path.into(),
             message: message.into(),
+            endpoint: None,
         }
     }
 
@@ -105,6 +112,20 @@ pub fn normalize(diags: &mut Vec<Diagnostic>) {
         (a.loc, a.severity, &a.path, &a.message).cmp(&(b.loc, b.severity, &b.path, &b.message))
     });
     diags.dedup();
+}
+
+/// Marks `diags` (those found while checking one endpoint) as being about `endpoint`, except
+/// the ones on another layer (a cross-field problem blamed on `defaults`).
+pub(crate) fn tag_endpoint(diags: &mut [Diagnostic], endpoint: &str, path: &str) {
+    for d in diags {
+        let within = d
+            .path
+            .strip_prefix(path)
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with(['.', '[']));
+        if within {
+            d.endpoint = Some(endpoint.to_owned());
+        }
+    }
 }
 
 /// The closest of `candidates` to `word`, if close enough to be a likely typo.

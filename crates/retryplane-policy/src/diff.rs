@@ -294,6 +294,7 @@ fn canonical(doc: &PolicyDocument) -> PolicyDocument {
                 .map(|r| RouteDoc {
                     matcher: unplace(&r.matcher),
                     overlay: unplace_overlay(&r.overlay),
+                    index: r.index,
                 })
                 .collect(),
         })

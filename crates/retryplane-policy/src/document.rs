@@ -270,6 +270,10 @@ pub struct RouteDoc {
     pub matcher: Field<RouteMatch>,
     /// The fields it overrides.
     pub overlay: Overlay,
+    /// Its place in the endpoint's `routes:` as written (`routes[0]` is the first), which
+    /// diagnostics name. A route refused before it still counts, so this can be larger than
+    /// the route's place in [`EndpointDoc::routes`].
+    pub index: usize,
 }
 
 /// One `endpoints:` entry.

@@ -86,7 +86,12 @@ pub fn parse_duration(input: &str) -> Result<Duration, DurationError> {
                 continue;
             }
             scale /= 10;
-            millis += d * scale;
+            // A whole part near `u64::MAX` milliseconds plus its fraction must not wrap to a
+            // small duration.
+            millis = d
+                .checked_mul(scale)
+                .and_then(|add| millis.checked_add(add))
+                .ok_or_else(out_of_range)?;
         }
     }
     let duration = Duration::from_millis(millis);
@@ -167,6 +172,75 @@ mod tests {
             parse_duration("99999999999999999999h"),
             Err(DurationError::OutOfRange(_))
         ));
+    }
+
+    #[test]
+    fn a_huge_duration_is_out_of_range_not_wrapped() {
+        // Each of these used to wrap around `u64::MAX` milliseconds to a small duration (or to
+        // zero), and was accepted as such.
+        for s in [
+            "5124095576030.9h",
+            "18446744073709551.617s",
+            "18446744073709551.616s",
+            "18446744073709551.615s",
+            "307445734561825.9m",
+        ] {
+            assert_eq!(
+                parse_duration(s),
+                Err(DurationError::OutOfRange(s.into())),
+                "{s}"
+            );
+        }
+    }
+
+    proptest::proptest! {
+        /// Any decimal number of any unit parses to exactly its value in milliseconds when that
+        /// is at most a day and whole, and is refused as out of range otherwise; never a
+        /// different value.
+        #[test]
+        fn a_parsed_duration_is_the_value_written(
+            pick in 0u8..3,
+            any_whole in proptest::prelude::any::<u64>(),
+            small in 0u64..200_000,
+            below_edge in 0u64..3,
+            frac in "[0-9]{0,6}",
+            unit in proptest::sample::select(vec![("ms", 1u128), ("s", 1_000), ("m", 60_000), ("h", 3_600_000)]),
+        ) {
+            // Small values, any value, and values just below where the unit's milliseconds
+            // reach `u64::MAX` (where a fraction could wrap).
+            let edge = u64::MAX / u64::try_from(unit.1).unwrap_or(1);
+            let whole = match pick {
+                0 => small,
+                1 => any_whole,
+                _ => edge - below_edge,
+            };
+            let text = if frac.is_empty() {
+                format!("{whole}{}", unit.0)
+            } else {
+                format!("{whole}.{frac}{}", unit.0)
+            };
+            // The exact value in units of 10^-6 ms.
+            let scale = 10u128.pow(6);
+            let frac_micro: u128 = if frac.is_empty() {
+                0
+            } else {
+                frac.parse::<u128>().unwrap_or(0) * 10u128.pow(6 - u32::try_from(frac.len()).unwrap_or(6))
+            };
+            let exact = (u128::from(whole) * scale + frac_micro) * unit.1;
+            let millis = exact / scale;
+            let whole_ms = exact.is_multiple_of(scale);
+            let max = MAX_DURATION.as_millis();
+            match parse_duration(&text) {
+                Ok(d) => {
+                    proptest::prop_assert!(whole_ms && millis <= max, "{text} accepted as {d:?}");
+                    proptest::prop_assert_eq!(d.as_millis(), millis, "{}", text);
+                }
+                Err(e) => {
+                    proptest::prop_assert_eq!(e, DurationError::OutOfRange(text.clone()));
+                    proptest::prop_assert!(!whole_ms || millis > max, "{} refused", text);
+                }
+            }
+        }
     }
 
     #[test]

@@ -236,6 +236,7 @@ impl Walker {
                 }
             };
             let path = join("endpoints", &name);
+            let first_diag = self.diags.len();
             match seen.entry(name.clone()) {
                 Entry::Occupied(first) => {
                     let first = *first.get();
@@ -252,8 +253,8 @@ impl Walker {
                     crate::validate::check_detached(&overlay, &path, false, &mut self.diags);
                     if let Some(routes) = get(value, "routes") {
                         let routes_path = join(&path, "routes");
-                        for (i, route) in self.routes(routes, &routes_path).iter().enumerate() {
-                            let route_path = format!("{routes_path}[{i}]");
+                        for route in self.routes(routes, &routes_path) {
+                            let route_path = format!("{routes_path}[{}]", route.index);
                             crate::validate::check_detached(
                                 &route.overlay,
                                 &route_path,
@@ -262,6 +263,7 @@ impl Walker {
                             );
                         }
                     }
+                    crate::diag::tag_endpoint(&mut self.diags[first_diag..], &name, &path);
                     continue;
                 }
                 Entry::Vacant(slot) => {
@@ -272,6 +274,7 @@ impl Walker {
             let routes = get(value, "routes")
                 .map(|routes| self.routes(routes, &join(&path, "routes")))
                 .unwrap_or_default();
+            crate::diag::tag_endpoint(&mut self.diags[first_diag..], &name, &path);
             out.push(EndpointDoc {
                 name: Field::at(name, key.loc),
                 overlay,
@@ -289,11 +292,21 @@ impl Walker {
         let mut out = Vec::new();
         for (i, item) in items.iter().enumerate() {
             let path = format!("{path}[{i}]");
+            // A list item left empty (`- ` or `~`) is not a route; any other non-mapping is
+            // reported by `overlay` below.
+            if item.value == Value::Null {
+                self.type_error(item, &path, "a route (a mapping with `match:`)");
+                continue;
+            }
             let overlay = self.overlay(item, &path, Layer::Route);
             let matcher =
                 get(item, "match").and_then(|m| self.route_match(m, &join(&path, "match")));
             match matcher {
-                Some(matcher) => out.push(RouteDoc { matcher, overlay }),
+                Some(matcher) => out.push(RouteDoc {
+                    matcher,
+                    overlay,
+                    index: i,
+                }),
                 None => {
                     if matches!(item.value, Value::Map(_)) && get(item, "match").is_none() {
                         self.error(item.loc, &path, "a route needs a `match:`");
@@ -307,6 +320,15 @@ impl Walker {
     }
 
     fn route_match(&mut self, node: &Node, path: &str) -> Option<Field<RouteMatch>> {
+        // `match:` left empty matches nothing; any other non-mapping is reported by `fields`.
+        if node.value == Value::Null {
+            self.type_error(
+                node,
+                path,
+                "a mapping of `method` and/or `path_prefix`, or `grpc`",
+            );
+            return None;
+        }
         let entries = self.fields(node, path, &MATCH_FIELDS, &[]);
         if !matches!(node.value, Value::Map(_)) {
             return None;
@@ -549,8 +571,20 @@ impl Walker {
     fn boolean(&mut self, node: &Node, path: &str) -> Option<Field<bool>> {
         match node.value {
             Value::Bool(b) => Some(Field::at(b, node.loc)),
+            // `yes`, `on` and the like are strings (YAML 1.2): say what was written.
+            Value::Str(_) => {
+                self.error(
+                    node.loc,
+                    path,
+                    format!(
+                        "expected a boolean (true or false), found a string {}",
+                        scalar_text(node)
+                    ),
+                );
+                None
+            }
             _ => {
-                self.type_error(node, path, "true or false");
+                self.type_error(node, path, "a boolean (true or false)");
                 None
             }
         }
@@ -754,7 +788,8 @@ fn get<'n>(node: &'n Node, key: &str) -> Option<&'n Node> {
 fn scalar_text(node: &Node) -> String {
     match &node.value {
         Value::Int(i) => i.to_string(),
-        Value::Float(f) => f.to_string(),
+        // `1.0` prints as `1.0`, not `1`: a float written where an integer belongs shows as one.
+        Value::Float(f) => format!("{f:?}"),
         Value::Str(s) => format!("`{s}`"),
         Value::Bool(b) => b.to_string(),
         other => other.kind().to_owned(),

@@ -310,17 +310,26 @@ fn document() -> impl Strategy<Value = PolicyDocument> {
     // A file cannot set `alert` on a route.
     let route = (field(route_match()), overlay()).prop_map(|(matcher, mut overlay)| {
         overlay.alert = AlertOverlay::default();
-        RouteDoc { matcher, overlay }
+        RouteDoc {
+            matcher,
+            overlay,
+            index: 0,
+        }
     });
     let endpoint = (
         field(any::<String>()),
         overlay(),
         proptest::collection::vec(route, 0..3),
     )
-        .prop_map(|(name, overlay, routes)| EndpointDoc {
-            name,
-            overlay,
-            routes,
+        .prop_map(|(name, overlay, mut routes)| {
+            for (i, route) in routes.iter_mut().enumerate() {
+                route.index = i;
+            }
+            EndpointDoc {
+                name,
+                overlay,
+                routes,
+            }
         });
     (overlay(), proptest::collection::vec(endpoint, 1..4)).prop_map(|(defaults, endpoints)| {
         let mut seen = HashSet::new();

@@ -96,6 +96,49 @@ fn a_refused_field_gets_no_second_error_from_the_built_in_value_in_its_place() {
 }
 
 #[test]
+fn a_non_finite_number_is_an_error_at_its_place_among_the_others() {
+    let src = "version: 1\nendpoints:\n  a:\n    max_attempts: 0\n    backoff: {multiplier: .inf}\n    deadline: 100\n  b:\n    budget: {ratio: .nan, min_per_second: 1e999}\n";
+    assert_eq!(
+        errors(src),
+        [
+            "4:19: error: endpoints.a.max_attempts: must be from 1 (never retry) to 10, found 0",
+            "5:27: error: endpoints.a.backoff.multiplier: must be a finite number",
+            "6:15: error: endpoints.a.deadline: duration `100` needs a unit: ms, s, m or h (for example `100ms`)",
+            "8:21: error: endpoints.b.budget.ratio: must be a finite number",
+            "8:43: error: endpoints.b.budget.min_per_second: expected a whole number, found a number",
+        ]
+    );
+}
+
+#[test]
+fn yes_and_on_are_strings_a_boolean_field_refuses_them_and_an_endpoint_may_have_the_name() {
+    let src = "version: 1\nendpoints:\n  a:\n    retry_after: {honor: yes}\n    budget: {enabled: off}\n    circuit_breaker: {enabled: 1}\n";
+    assert_eq!(
+        errors(src),
+        [
+            "4:26: error: endpoints.a.retry_after.honor: expected a boolean (true or false), found a string `yes`",
+            "5:23: error: endpoints.a.budget.enabled: expected a boolean (true or false), found a string `off`",
+            "6:32: error: endpoints.a.circuit_breaker.enabled: expected a boolean (true or false), found an integer",
+        ]
+    );
+    let src = "version: 1\nendpoints:\n  yes: {}\n  no: {}\n  on: {}\n  off: {}\n  y: {}\n  a: {retry_after: {honor: false}, budget: {enabled: true}}\n";
+    let loaded = load(src.as_bytes());
+    assert_eq!(loaded.diagnostics, vec![], "{:#?}", loaded.diagnostics);
+    assert_eq!(
+        loaded.policies.expect("valid").names(),
+        ["a", "no", "off", "on", "y", "yes"]
+    );
+}
+
+#[test]
+fn a_version_written_as_a_float_is_shown_as_written() {
+    assert_eq!(
+        errors("version: 1.0\nendpoints:\n  a: {}\n"),
+        ["1:10: error: version: unsupported schema version: expected 1, found 1.0"]
+    );
+}
+
+#[test]
 fn counts_out_of_range_name_the_range_of_the_field() {
     assert_eq!(
         errors("version: 1\nendpoints:\n  a:\n    max_attempts: -1\n"),
@@ -162,6 +205,47 @@ fn a_route_whose_match_is_refused_still_has_its_settings_checked() {
             "no error on {path} at line {line}: {errors:#?}"
         );
     }
+}
+
+#[test]
+fn an_empty_match_or_an_empty_route_is_an_error_not_dropped() {
+    let src = "version: 1\nendpoints:\n  a:\n    routes:\n      - match: ~\n        max_attempts: 1\n      - ~\n      -\n      - match:\n      - match: []\n      - 5\n";
+    assert_eq!(
+        errors(src),
+        [
+            "5:16: error: endpoints.a.routes[0].match: expected a mapping of `method` and/or `path_prefix`, or `grpc`, found null",
+            "7:9: error: endpoints.a.routes[1]: expected a route (a mapping with `match:`), found null",
+            "8:8: error: endpoints.a.routes[2]: expected a route (a mapping with `match:`), found null",
+            "9:14: error: endpoints.a.routes[3].match: expected a mapping of `method` and/or `path_prefix`, or `grpc`, found null",
+            "10:16: error: endpoints.a.routes[4].match: expected a mapping, found a list",
+            "11:9: error: endpoints.a.routes[5]: expected a mapping, found an integer",
+        ]
+    );
+    assert!(load(src.as_bytes()).policies.is_none());
+}
+
+#[test]
+fn a_route_after_a_refused_one_is_named_by_its_place_in_the_file() {
+    // routes[0] is refused (lower-case method); routes[1] has a `max` without a unit. Every
+    // message about the second route names routes[1], and its refused `max` is not replaced
+    // by the defaults' 150ms for a cross-field check.
+    let src = "version: 1\ndefaults:\n  backoff: {max: 150ms}\nendpoints:\n  a:\n    routes:\n      - match: {method: get}\n      - match: {method: PUT}\n        backoff: {base: 200ms, max: 1}\n";
+    assert_eq!(
+        all(src),
+        [
+            "7:25: error: endpoints.a.routes[0].match.method: HTTP methods are case-sensitive: write `GET`",
+            "9:37: error: endpoints.a.routes[1].backoff.max: duration `1` needs a unit: ms, s, m or h (for example `1ms`)",
+        ]
+    );
+    // The repeated-match warning names both routes by their place in the file too.
+    let src = "version: 1\nendpoints:\n  a:\n    routes:\n      - match: ~\n      - match: {method: PUT}\n      - match: {method: PUT}\n";
+    assert_eq!(
+        all(src),
+        [
+            "5:16: error: endpoints.a.routes[0].match: expected a mapping of `method` and/or `path_prefix`, or `grpc`, found null",
+            "7:16: warning: endpoints.a.routes[2].match: this route can never match: routes[1] has the same match and comes first",
+        ]
+    );
 }
 
 #[test]
@@ -246,6 +330,27 @@ fn cross_field_errors_are_reported_once_where_the_field_is_written() {
         errors(src),
         [
             "3:20: error: defaults.per_try_timeout: per_try_timeout (20s) is longer than the deadline (15s)"
+        ]
+    );
+}
+
+#[test]
+fn an_unreachable_attempt_is_blamed_on_the_layer_whose_jitter_or_cap_causes_it() {
+    // With the built-in full jitter the shortest pause is zero: only `slow`, whose jitter is
+    // none, has attempts that can never start.
+    let src = "version: 1\ndefaults: {max_attempts: 5, deadline: 1s, per_try_timeout: 200ms}\nendpoints:\n  fast: {}\n  slow: {backoff: {jitter: none}}\n";
+    assert_eq!(
+        all(src),
+        [
+            "5:28: warning: endpoints.slow.backoff.jitter: attempts 5 to 5 can never start inside the deadline (1s): their shortest possible pauses add up to more"
+        ]
+    );
+    // The same for a cap that lets the pauses grow.
+    let src = "version: 1\ndefaults: {max_attempts: 5, deadline: 1s, per_try_timeout: 200ms, backoff: {jitter: none, max: 100ms}}\nendpoints:\n  fast: {}\n  slow: {backoff: {max: 1s}}\n";
+    assert_eq!(
+        all(src),
+        [
+            "5:25: warning: endpoints.slow.backoff.max: attempts 5 to 5 can never start inside the deadline (1s): their shortest possible pauses add up to more"
         ]
     );
 }

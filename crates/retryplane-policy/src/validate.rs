@@ -52,6 +52,7 @@ pub fn check(doc: &PolicyDocument, diags: &mut Vec<Diagnostic>) {
     let mut first_named: HashMap<&str, Loc> = HashMap::with_capacity(doc.endpoints.len());
     for ep in &doc.endpoints {
         let ep_path = format!("endpoints.{}", ep.name.value);
+        let first_diag = diags.len();
         if let Some(first) = first_named.insert(&ep.name.value, ep.name.loc) {
             first_named.insert(&ep.name.value, first);
             diags.push(Diagnostic::error(
@@ -62,6 +63,7 @@ pub fn check(doc: &PolicyDocument, diags: &mut Vec<Diagnostic>) {
                     ep.name.value
                 ),
             ));
+            crate::diag::tag_endpoint(&mut diags[first_diag..], &ep.name.value, &ep_path);
             continue;
         }
         check_endpoint_name(&ep.name.value, ep.name.loc, &ep_path, diags);
@@ -70,8 +72,11 @@ pub fn check(doc: &PolicyDocument, diags: &mut Vec<Diagnostic>) {
         layers.push((Level::Endpoint, ep_path.clone(), &ep.overlay));
         check_effective(&layers, &refused, diags);
         // Each match's first route, so that repeats are found in linear time.
+        // Paths name a route by its place as written (`RouteDoc::index`), which counts routes
+        // the parser refused, so that every message about one route names the same index.
         let mut first_route = HashMap::with_capacity(ep.routes.len());
-        for (i, route) in ep.routes.iter().enumerate() {
+        for route in &ep.routes {
+            let i = route.index;
             let route_path = format!("{ep_path}.routes[{i}]");
             check_layer(&route.overlay, &route_path, diags);
             check_route_sharing(&route.overlay, &route_path, diags);
@@ -89,6 +94,7 @@ pub fn check(doc: &PolicyDocument, diags: &mut Vec<Diagnostic>) {
             route_layers.push((Level::Route, route_path, &route.overlay));
             check_effective(&route_layers, &refused, diags);
         }
+        crate::diag::tag_endpoint(&mut diags[first_diag..], &ep.name.value, &ep_path);
     }
 }
 
@@ -437,13 +443,17 @@ fn check_effective(layers: &Layers<'_>, refused: &Refused, diags: &mut Vec<Diagn
         )
         && let Some(first) = first_unreachable_attempt(&p)
     {
+        // Every field the schedule depends on: a layer that only changes the jitter (or the
+        // cap) can be what makes attempts unreachable.
         let (loc, path) = blame(
             layers,
             &[
                 "max_attempts",
                 "deadline",
                 "backoff.base",
+                "backoff.max",
                 "backoff.multiplier",
+                "backoff.jitter",
             ],
         );
         push(Diagnostic::warning(

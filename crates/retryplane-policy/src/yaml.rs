@@ -60,11 +60,13 @@ impl fmt::Display for Loc {
 pub enum Value {
     /// `~`, `null` or nothing.
     Null,
-    /// `true` / `false`.
+    /// `true` / `false` (also `True`, `FALSE`, ...); the YAML 1.1 forms `yes`, `no`, `on`,
+    /// `off`, `y`, `n` are strings.
     Bool(bool),
     /// An integer.
     Int(i64),
-    /// A float, or an integer too large for `i64`.
+    /// A float, or an integer too large for `i64`; may be infinite or NaN (`.inf`, `.nan`,
+    /// `1e999`).
     Float(f64),
     /// A string scalar.
     Str(String),
@@ -152,6 +154,12 @@ pub fn parse(bytes: &[u8]) -> Result<Node, YamlError> {
     let mut options = serde_saphyr::Options::default();
     options.duplicate_keys = serde_saphyr::DuplicateKeyPolicy::PassThrough;
     options.with_snippet = false;
+    // YAML 1.2 booleans only: `yes`, `no`, `on`, `off`, `y` and `n` are strings, so an
+    // endpoint may be called `on`, and `honor: yes` is refused rather than guessed at.
+    options.strict_booleans = true;
+    // `.inf`, `.nan` and `1e999` become floats, which the policy checks refuse at their place
+    // along with every other problem, rather than one error for the whole file.
+    options.non_finite_float_policy = serde_saphyr::NonFiniteFloatPolicy::PassThrough;
     options.alias_limits.max_total_replayed_events = MAX_ALIAS_EVENTS;
     options.alias_limits.max_replay_stack_depth = MAX_DEPTH;
     let mut budget = serde_saphyr::Budget::default();
@@ -423,6 +431,36 @@ mod tests {
             kinds,
             ["a number", "a string", "a boolean", "null", "a list"]
         );
+    }
+
+    #[test]
+    fn non_finite_floats_are_values_not_a_syntax_error() {
+        let root = parse(b"a: .inf\nb: -.inf\nc: .nan\nd: 1e999\ne: '.inf'\n").unwrap();
+        let values: Vec<_> = map(&root).iter().map(|(_, v)| &v.value).collect();
+        assert_eq!(values[0], &Value::Float(f64::INFINITY));
+        assert_eq!(values[1], &Value::Float(f64::NEG_INFINITY));
+        assert!(matches!(values[2], Value::Float(f) if f.is_nan()));
+        assert_eq!(values[3], &Value::Float(f64::INFINITY));
+        assert_eq!(values[4], &Value::Str(".inf".to_owned()));
+    }
+
+    #[test]
+    fn only_yaml_1_2_booleans_are_booleans() {
+        let root = parse(b"a: true\nb: False\nc: yes\nd: off\ne: y\nf: NO\non: 1\n").unwrap();
+        let values: Vec<_> = map(&root).iter().map(|(_, v)| v.value.clone()).collect();
+        assert_eq!(
+            values,
+            [
+                Value::Bool(true),
+                Value::Bool(false),
+                Value::Str("yes".into()),
+                Value::Str("off".into()),
+                Value::Str("y".into()),
+                Value::Str("NO".into()),
+                Value::Int(1),
+            ]
+        );
+        assert_eq!(map(&root)[6].0.value, Value::Str("on".into()));
     }
 
     #[test]

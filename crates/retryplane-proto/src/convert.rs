@@ -99,6 +99,7 @@ impl TryFrom<pb::PolicyDocument> for PolicyDocument {
                     routes.push(RouteDoc {
                         matcher: Field::new(m),
                         overlay,
+                        index: k,
                     });
                 }
             }
@@ -398,6 +399,7 @@ impl From<&pb::Diagnostic> for Diagnostic {
             },
             path: d.path.clone(),
             message: d.message.clone(),
+            endpoint: None,
         }
     }
 }

@@ -26,7 +26,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, bail};
 use retryplane_policy::Target;
-use retryplane_policy::diag::did_you_mean;
+use retryplane_policy::diag::{Diagnostic, did_you_mean};
 use retryplane_policy::parse::{check_method, parse_grpc_route};
 use serde::Serialize;
 
@@ -167,7 +167,7 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
     let warnings: Vec<_> = loaded
         .diagnostics
         .iter()
-        .filter(|d| concerns(&d.path, &settings.endpoint))
+        .filter(|d| concerns(d, &settings.endpoint))
         .collect();
     let explanation = report::explain(&file, doc, endpoint, &settings.call);
     let stdout = match settings.format {
@@ -195,14 +195,17 @@ struct JsonOutput<'a> {
     warnings: Vec<JsonDiagnostic<'a>>,
 }
 
-/// Whether a diagnostic at `path` is about `endpoint`'s policy: it is in `defaults` or in that
-/// endpoint.
-fn concerns(path: &str, endpoint: &str) -> bool {
-    let within = |prefix: &str| {
-        path.strip_prefix(prefix)
-            .is_some_and(|rest| rest.is_empty() || rest.starts_with('.'))
-    };
-    within("defaults") || within(&format!("endpoints.{endpoint}"))
+/// Whether `d` is about `endpoint`'s policy: it is in that endpoint (by the name the check
+/// recorded, not by its path: `endpoints.pay.v2.max_attempts` is endpoint `pay.v2`'s, not
+/// `pay`'s) or in `defaults`.
+fn concerns(d: &Diagnostic, endpoint: &str) -> bool {
+    match &d.endpoint {
+        Some(name) => name == endpoint,
+        None => d
+            .path
+            .strip_prefix("defaults")
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with('.')),
+    }
 }
 
 #[cfg(test)]
@@ -258,10 +261,24 @@ mod tests {
 
     #[test]
     fn warnings_concern_defaults_and_the_endpoint_only() {
-        assert!(concerns("defaults.max_attempts", "pay"));
-        assert!(concerns("endpoints.pay", "pay"));
-        assert!(concerns("endpoints.pay.routes[0].max_attempts", "pay"));
-        assert!(!concerns("endpoints.payments.max_attempts", "pay"));
-        assert!(!concerns("endpoints.other.max_attempts", "pay"));
+        let warnings = |src: &str| -> Vec<(String, bool)> {
+            retryplane_policy::load(src.as_bytes())
+                .diagnostics
+                .iter()
+                .map(|d| (d.path.clone(), concerns(d, "pay")))
+                .collect()
+        };
+        // `pay.v2`'s warning is not `pay`'s, though its path starts with `endpoints.pay.`.
+        assert_eq!(
+            warnings(
+                "version: 1\ndefaults: {max_attempts: 7}\nendpoints:\n  pay: {routes: [{match: {method: GET}, max_attempts: 6}]}\n  pay.v2: {max_attempts: 8}\n  payments: {max_attempts: 9}\n"
+            ),
+            [
+                ("defaults.max_attempts".to_owned(), true),
+                ("endpoints.pay.routes[0].max_attempts".to_owned(), true),
+                ("endpoints.pay.v2.max_attempts".to_owned(), false),
+                ("endpoints.payments.max_attempts".to_owned(), false),
+            ]
+        );
     }
 }

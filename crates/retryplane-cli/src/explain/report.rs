@@ -175,7 +175,7 @@ pub fn explain(
     let (layers, route_index) = doc.layers(endpoint, &target);
     let policy = doc.effective(endpoint, &target);
     let alert = doc.effective_alert(endpoint);
-    let route = route_index.and_then(|i| endpoint.routes.get(i).map(|r| (i, r)));
+    let route = route_index.and_then(|i| endpoint.routes.get(i));
     Explanation {
         file: file.to_owned(),
         endpoint: EndpointRef {
@@ -184,8 +184,8 @@ pub fn explain(
             column: known(endpoint.name.loc).map(|l| l.column),
         },
         call: call.clone(),
-        route: route.map(|(index, r)| RouteRef {
-            index,
+        route: route.map(|r| RouteRef {
+            index: r.index,
             matcher: r.matcher.value.to_string(),
             line: known(r.matcher.loc).map(|l| l.line),
             column: known(r.matcher.loc).map(|l| l.column),
