@@ -126,7 +126,12 @@ impl Classify for std::io::Error {
 
 /// (feature `reqwest`) A failure to connect → connect (a connect timeout included: the request
 /// never left); a timeout → timeout; a request or body that failed on the way → reset (unknown
-/// outcome); anything else (a bad URL or builder, a redirect loop, a decoding error) is fatal.
+/// outcome). Any other error is judged by the transport error below it, if there is one:
+/// reqwest reports a connection that broke while the response body was read (`chunk()`,
+/// `bytes()`, `text()`) as a decoding error over the `hyper::Error` or `io::Error` that says
+/// what happened, so that one decides (a reset mid-body is a reset). Without a transport
+/// error below it (a bad URL or builder, a redirect loop, a body that is not valid JSON or
+/// gzip) the error is fatal.
 #[cfg(feature = "reqwest")]
 impl Classify for reqwest::Error {
     fn classify(&self) -> Classification {
@@ -136,11 +141,45 @@ impl Classify for reqwest::Error {
             ErrorClass::Timeout
         } else if self.is_request() || self.is_body() {
             ErrorClass::Reset
+        } else if let Some(class) = reqwest_transport_class(self) {
+            class
         } else {
             return Classification::Fatal;
         };
         Classification::Outcome(Outcome::Transport(class))
     }
+}
+
+/// The transport class of the first reqwest body error, hyper error or classifiable
+/// `io::Error` in `e`'s source chain (`e` excluded), on a connection that was up (a
+/// "never connected" kind there is a reset); `None` when there is none, or when the hyper
+/// error is the caller's own.
+#[cfg(feature = "reqwest")]
+fn reqwest_transport_class(e: &reqwest::Error) -> Option<ErrorClass> {
+    let mut next = e.source();
+    while let Some(err) = next {
+        if let Some(r) = err.downcast_ref::<reqwest::Error>() {
+            if r.is_timeout() {
+                return Some(ErrorClass::Timeout);
+            }
+            if r.is_request() || r.is_body() {
+                return Some(ErrorClass::Reset);
+            }
+        }
+        if let Some(h) = err.downcast_ref::<hyper::Error>() {
+            return hyper_class(h);
+        }
+        if let Some(io) = err.downcast_ref::<std::io::Error>()
+            && let Some(class) = io_class(io.kind())
+        {
+            return Some(match class {
+                ErrorClass::Connect => ErrorClass::Reset,
+                other => other,
+            });
+        }
+        next = err.source();
+    }
+    None
 }
 
 /// hyper never dials, so every error it reports happened on a connection that was up: the

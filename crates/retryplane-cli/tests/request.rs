@@ -31,6 +31,9 @@ endpoints:
     max_attempts: 3
 ";
 
+/// A script step: a 200 head announcing 100 bytes, 3 of them, then a reset (RST).
+const RESET_MID_BODY: u16 = 0;
+
 /// One request as the upstream saw it.
 #[derive(Clone, Debug)]
 struct Seen {
@@ -40,7 +43,8 @@ struct Seen {
 }
 
 /// A scripted upstream: each connection reads one request and answers with the next
-/// `(status, extra header lines)` of the script, then 200.
+/// `(status, extra header lines)` of the script, then 200. Status [`RESET_MID_BODY`] sends a
+/// 200 head and part of its body, then resets the connection.
 struct Upstream {
     _runtime: Runtime,
     addr: SocketAddr,
@@ -123,6 +127,18 @@ async fn serve_one(mut stream: TcpStream, status: u16, extra: &str) -> Option<Se
         buf.extend_from_slice(&chunk[..n]);
     }
     let body = buf[head_end..].to_vec();
+    if status == RESET_MID_BODY {
+        let head = "HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nabc";
+        stream.write_all(head.as_bytes()).await.ok()?;
+        stream.flush().await.ok()?;
+        stream.set_zero_linger().ok()?;
+        drop(stream);
+        return Some(Seen {
+            method,
+            headers,
+            body,
+        });
+    }
     let response =
         format!("HTTP/1.1 {status} X\r\ncontent-length: 2\r\nconnection: close\r\n{extra}\r\nok");
     stream.write_all(response.as_bytes()).await.ok()?;
@@ -271,6 +287,25 @@ fn a_closed_port_gives_connect_errors_until_attempts_run_out() {
             .collect::<Vec<_>>()
     );
     assert_eq!(pauses, [json!(10), json!(20), Value::Null]);
+}
+
+#[test]
+fn a_reset_while_the_body_is_read_is_a_reset_error_and_retried() {
+    let up = Upstream::start(&[(RESET_MID_BODY, ""), (RESET_MID_BODY, "")]);
+    let (v, code) = request(&[&up.url("/v1/items")]);
+    assert_eq!(code, 0, "{v}");
+    assert_eq!(v["outcome"], "success");
+    assert_eq!(v["status"], 200);
+    let (shapes, _) = attempts(&v);
+    assert_eq!(
+        shapes,
+        [
+            json!({"attempt": 1, "status": null, "error": "reset"}),
+            json!({"attempt": 2, "status": null, "error": "reset"}),
+            json!({"attempt": 3, "status": 200, "error": null}),
+        ]
+    );
+    assert_eq!(up.seen().len(), 3);
 }
 
 #[test]
