@@ -3,7 +3,8 @@
 //! [`crate::Endpoint::call`] classifies `Ok(t)` with `t.classify()` and `Err(e)` with
 //! `e.classify()`. Implemented here for HTTP responses (status and `Retry-After`; a gRPC
 //! "Trailers-Only" response by its `grpc-status`, as a `tonic::Status`), gRPC
-//! statuses (code and `grpc-retry-pushback-ms`), tonic responses (success), `std::io::Error`,
+//! statuses (code and `grpc-retry-pushback-ms`; a status tonic made of a transport error, such
+//! as a failed connect, by that error), tonic responses (success), `std::io::Error`,
 //! `hyper::Error` and `hyper_util::client::legacy::Error` (connect / reset / timeout).
 //! Implement it for your own response or error types, or pass a closure to
 //! [`crate::Endpoint::call_with`].
@@ -65,10 +66,22 @@ impl<B> Classify for http::Response<B> {
     }
 }
 
-/// `Code::Ok` is a success; any other code is an outcome the policy judges, with the
-/// `grpc-retry-pushback-ms` trailer (non-ASCII counts as unparseable: do not retry).
+/// A status that tonic made of a transport error (it keeps that error as the status's
+/// `source()`) is classified by that error, as the layer classifies a client error: a failed
+/// connect → connect (tonic says `UNAVAILABLE`, but the request never left, so any method may
+/// be retried, and `retry_on.errors: [connect]` applies), a connection that broke → reset, a
+/// keep-alive or I/O timeout → timeout. Any other status (one the server sent, or one with no
+/// transport error below it): `Code::Ok` is a success; any other code is an outcome the policy
+/// judges, with the `grpc-retry-pushback-ms` trailer (non-ASCII counts as unparseable: do not
+/// retry).
 impl Classify for tonic::Status {
     fn classify(&self) -> Classification {
+        if let Some(source) = self.source()
+            && let Some(transport @ Classification::Outcome(Outcome::Transport(_))) =
+                transport_in_chain(source)
+        {
+            return transport;
+        }
         grpc_classification(self.code(), self.metadata().as_ref())
     }
 }
@@ -267,22 +280,30 @@ fn io_class_in_chain(e: &(dyn StdError + 'static)) -> Option<ErrorClass> {
 /// hyper-util client error, hyper error or classifiable `io::Error` in its source chain decides,
 /// by the impls above; with none of them → reset (unknown outcome).
 pub(crate) fn classify_boxed(e: &(dyn StdError + 'static)) -> Classification {
+    transport_in_chain(e).unwrap_or(Classification::Outcome(Outcome::Transport(
+        ErrorClass::Reset,
+    )))
+}
+
+/// The classification of the first hyper-util client error, hyper error or classifiable
+/// `io::Error` in `e`'s source chain (`e` included), by the impls above; `None` without one.
+fn transport_in_chain(e: &(dyn StdError + 'static)) -> Option<Classification> {
     let mut next = Some(e);
     while let Some(err) = next {
         if let Some(e) = err.downcast_ref::<hyper_util::client::legacy::Error>() {
-            return e.classify();
+            return Some(e.classify());
         }
         if let Some(e) = err.downcast_ref::<hyper::Error>() {
-            return e.classify();
+            return Some(e.classify());
         }
         if let Some(io) = err.downcast_ref::<std::io::Error>()
             && let Some(class) = io_class(io.kind())
         {
-            return Classification::Outcome(Outcome::Transport(class));
+            return Some(Classification::Outcome(Outcome::Transport(class)));
         }
         next = err.source();
     }
-    Classification::Outcome(Outcome::Transport(ErrorClass::Reset))
+    None
 }
 
 /// The transport class of an I/O error kind, if it is one.
