@@ -100,6 +100,10 @@ enum Close {
     /// Sends half a response head, then resets the socket (RST, zero linger).
     ResetMidResponse,
     /// Sends a 200 head announcing 100 bytes and 3 of them, then resets the socket.
+    #[cfg_attr(
+        not(feature = "reqwest"),
+        allow(dead_code, reason = "the reqwest tests only")
+    )]
     ResetMidBody,
     /// Never: keeps reading and never writes a byte.
     Never,
