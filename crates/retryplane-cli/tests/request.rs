@@ -259,6 +259,18 @@ fn post_without_idempotency_key_is_not_retried_and_with_it_is() {
 }
 
 #[test]
+fn post_with_an_empty_idempotency_key_is_not_retried() {
+    for header in ["Idempotency-Key:", "Idempotency-Key:   "] {
+        let up = Upstream::start(&[(503, "")]);
+        let (v, code) = request(&["-H", header, "--data", "x", &up.url("/v1/charges")]);
+        assert_eq!(code, 1, "{header:?}: {v}");
+        assert_eq!(v["cause"], "not_retryable");
+        assert_eq!(v["attempts"].as_array().unwrap().len(), 1);
+        assert_eq!(up.seen().len(), 1);
+    }
+}
+
+#[test]
 fn a_429_with_retry_after_over_the_max_gives_up_as_retry_after_too_long() {
     let up = Upstream::start(&[(429, "retry-after: 60\r\n")]);
     let (v, code) = request(&[&up.url("/")]);
