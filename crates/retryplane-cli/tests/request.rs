@@ -480,6 +480,42 @@ fn server_mode_uses_the_control_planes_policy() {
     assert_eq!(out.status.code(), Some(1), "{v}");
     assert_eq!(v["cause"], "attempts_exhausted");
     assert_eq!(v["attempts"].as_array().unwrap().len(), 2);
+
+    // The agent sent its counts before the command exited (the first periodic report would
+    // have come 10 s later): the control plane has the call, and no agent connected.
+    let admin = format!("http://{}", running.admin_addr);
+    let admin_json = |args: &[&str]| -> Value {
+        let out = Command::cargo_bin("retryplane")
+            .unwrap()
+            .env_remove("RETRYPLANE_TOKEN")
+            .env_remove("RETRYPLANE_SERVER")
+            .args(args)
+            .args(["--output", "json", "--server", &admin])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(0), "{args:?}");
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    // Polled with a bound well under the 10 s the first periodic report would take.
+    let ep = runtime.block_on(async {
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
+        loop {
+            let stats = admin_json(&["stats", "--endpoint", "api"]);
+            let ep = stats["endpoints"][0].clone();
+            if ep["calls"] == 1 {
+                break ep;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the call never reached the control plane: {stats}"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    });
+    assert_eq!(
+        (ep["attempts"].clone(), ep["retries"].clone()),
+        (json!(2), json!(1))
+    );
     drop(running);
 }
 
