@@ -1,7 +1,8 @@
 //! How an attempt's result counts for retrying: the [`Classify`] trait.
 //!
 //! [`crate::Endpoint::call`] classifies `Ok(t)` with `t.classify()` and `Err(e)` with
-//! `e.classify()`. Implemented here for HTTP responses (status and `Retry-After`; a gRPC
+//! `e.classify()`. Implemented here for HTTP responses (`http::Response`, and with the `reqwest`
+//! feature `reqwest::Response`: status and `Retry-After`; a gRPC
 //! "Trailers-Only" response by its `grpc-status`, as a `tonic::Status`), gRPC
 //! statuses (code and `grpc-retry-pushback-ms`; a status tonic made of a transport error, such
 //! as a failed connect, by that error), tonic responses (success), `std::io::Error`,
@@ -51,19 +52,35 @@ pub trait Classify {
 /// by its HTTP status, a success: what was streamed cannot be taken back.
 impl<B> Classify for http::Response<B> {
     fn classify(&self) -> Classification {
-        if let Some(code) = trailers_only_grpc_code(self.headers()) {
-            return grpc_classification(code, self.headers());
-        }
-        let retry_after = self.headers().get(http::header::RETRY_AFTER).map(|v| {
-            v.to_str()
-                .map_err(|_| retryplane_policy::retry_after::RetryAfterError::Malformed)
-                .and_then(|s| parse_retry_after(s, SystemTime::now()))
-        });
-        Classification::Outcome(Outcome::Http {
-            status: self.status().as_u16(),
-            retry_after,
-        })
+        http_classification(self.status(), self.headers())
     }
+}
+
+/// (feature `reqwest`) As [`http::Response`]: the status, `Retry-After`, and a
+/// "Trailers-Only" gRPC response by its `grpc-status`; the body is not read. So
+/// `endpoint.call(meta, |_| client.get(url).send())` classifies both the response and the
+/// [`reqwest::Error`].
+#[cfg(feature = "reqwest")]
+impl Classify for reqwest::Response {
+    fn classify(&self) -> Classification {
+        http_classification(self.status(), self.headers())
+    }
+}
+
+/// The one reading of an HTTP response head, shared by the response types above.
+fn http_classification(status: http::StatusCode, headers: &http::HeaderMap) -> Classification {
+    if let Some(code) = trailers_only_grpc_code(headers) {
+        return grpc_classification(code, headers);
+    }
+    let retry_after = headers.get(http::header::RETRY_AFTER).map(|v| {
+        v.to_str()
+            .map_err(|_| retryplane_policy::retry_after::RetryAfterError::Malformed)
+            .and_then(|s| parse_retry_after(s, SystemTime::now()))
+    });
+    Classification::Outcome(Outcome::Http {
+        status: status.as_u16(),
+        retry_after,
+    })
 }
 
 /// A status that tonic made of a transport error (it keeps that error as the status's
