@@ -78,7 +78,9 @@ async fn main() {
     let running = start_control_plane(dir.path()).await;
     let client = connect(&running).await;
 
-    let policies = retryplane_policy::load(POLICY.as_bytes()).policies.unwrap();
+    let policies = retryplane_agent::policy::load(POLICY.as_bytes())
+        .policies
+        .unwrap();
     let agent = Agent::from_policies(policies);
     let handle = agent.endpoint("control-plane");
     match current_version(&handle, &client).await {

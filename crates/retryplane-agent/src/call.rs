@@ -293,7 +293,9 @@ impl Endpoint {
             };
             let c = &*self.counters;
             let mut first = FirstCounts { c, owed: OWE_CALL };
-            let mut call = RetryCall::new(policy, &runtime.state, info, started);
+            // Released on drop: a fatal result, a cancellation or a dropped call future hands
+            // back the attempt's breaker permit.
+            let mut call = ReleaseOnDrop(RetryCall::new(policy, &runtime.state, info, started));
             let cancel = meta.cancel_token();
             let mut last: Option<Last<T, E>> = None;
             let mut last_outcome: Option<Outcome> = None;
@@ -710,6 +712,33 @@ impl FirstCounts<'_> {
 impl Drop for FirstCounts<'_> {
     fn drop(&mut self) {
         self.settle();
+    }
+}
+
+/// The engine's call, [released](RetryCall::release) when the call ends or its future is
+/// dropped: an attempt that ended with no outcome for the breaker (a fatal error, a
+/// cancellation, a dropped call) hands its half-open probe back instead of keeping it until
+/// the breaker gives up on lost probes. After an outcome the permit is spent and the release
+/// touches no atomic: the success path pays one branch.
+struct ReleaseOnDrop<'a>(RetryCall<'a>);
+
+impl<'a> std::ops::Deref for ReleaseOnDrop<'a> {
+    type Target = RetryCall<'a>;
+
+    fn deref(&self) -> &RetryCall<'a> {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for ReleaseOnDrop<'_> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.0
+    }
+}
+
+impl Drop for ReleaseOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.release();
     }
 }
 

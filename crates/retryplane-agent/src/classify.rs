@@ -1,9 +1,11 @@
 //! How an attempt's result counts for retrying: the [`Classify`] trait.
 //!
 //! [`crate::Endpoint::call`] classifies `Ok(t)` with `t.classify()` and `Err(e)` with
-//! `e.classify()`. Implemented here for HTTP responses (status and `Retry-After`; a gRPC
+//! `e.classify()`. Implemented here for HTTP responses (`http::Response`, and with the `reqwest`
+//! feature `reqwest::Response`: status and `Retry-After`; a gRPC
 //! "Trailers-Only" response by its `grpc-status`, as a `tonic::Status`), gRPC
-//! statuses (code and `grpc-retry-pushback-ms`), tonic responses (success), `std::io::Error`,
+//! statuses (code and `grpc-retry-pushback-ms`; a status tonic made of a transport error, such
+//! as a failed connect, by that error), tonic responses (success), `std::io::Error`,
 //! `hyper::Error` and `hyper_util::client::legacy::Error` (connect / reset / timeout).
 //! Implement it for your own response or error types, or pass a closure to
 //! [`crate::Endpoint::call_with`].
@@ -50,25 +52,53 @@ pub trait Classify {
 /// by its HTTP status, a success: what was streamed cannot be taken back.
 impl<B> Classify for http::Response<B> {
     fn classify(&self) -> Classification {
-        if let Some(code) = trailers_only_grpc_code(self.headers()) {
-            return grpc_classification(code, self.headers());
-        }
-        let retry_after = self.headers().get(http::header::RETRY_AFTER).map(|v| {
-            v.to_str()
-                .map_err(|_| retryplane_policy::retry_after::RetryAfterError::Malformed)
-                .and_then(|s| parse_retry_after(s, SystemTime::now()))
-        });
-        Classification::Outcome(Outcome::Http {
-            status: self.status().as_u16(),
-            retry_after,
-        })
+        http_classification(self.status(), self.headers())
     }
 }
 
-/// `Code::Ok` is a success; any other code is an outcome the policy judges, with the
-/// `grpc-retry-pushback-ms` trailer (non-ASCII counts as unparseable: do not retry).
+/// (feature `reqwest`) As [`http::Response`]: the status, `Retry-After`, and a
+/// "Trailers-Only" gRPC response by its `grpc-status`; the body is not read. So
+/// `endpoint.call(meta, |_| client.get(url).send())` classifies both the response and the
+/// [`reqwest::Error`].
+#[cfg(feature = "reqwest")]
+impl Classify for reqwest::Response {
+    fn classify(&self) -> Classification {
+        http_classification(self.status(), self.headers())
+    }
+}
+
+/// The one reading of an HTTP response head, shared by the response types above.
+fn http_classification(status: http::StatusCode, headers: &http::HeaderMap) -> Classification {
+    if let Some(code) = trailers_only_grpc_code(headers) {
+        return grpc_classification(code, headers);
+    }
+    let retry_after = headers.get(http::header::RETRY_AFTER).map(|v| {
+        v.to_str()
+            .map_err(|_| retryplane_policy::retry_after::RetryAfterError::Malformed)
+            .and_then(|s| parse_retry_after(s, SystemTime::now()))
+    });
+    Classification::Outcome(Outcome::Http {
+        status: status.as_u16(),
+        retry_after,
+    })
+}
+
+/// A status that tonic made of a transport error (it keeps that error as the status's
+/// `source()`) is classified by that error, as the layer classifies a client error: a failed
+/// connect → connect (tonic says `UNAVAILABLE`, but the request never left, so any method may
+/// be retried, and `retry_on.errors: [connect]` applies), a connection that broke → reset, a
+/// keep-alive or I/O timeout → timeout. Any other status (one the server sent, or one with no
+/// transport error below it): `Code::Ok` is a success; any other code is an outcome the policy
+/// judges, with the `grpc-retry-pushback-ms` trailer (non-ASCII counts as unparseable: do not
+/// retry).
 impl Classify for tonic::Status {
     fn classify(&self) -> Classification {
+        if let Some(source) = self.source()
+            && let Some(transport @ Classification::Outcome(Outcome::Transport(_))) =
+                transport_in_chain(source)
+        {
+            return transport;
+        }
         grpc_classification(self.code(), self.metadata().as_ref())
     }
 }
@@ -126,7 +156,12 @@ impl Classify for std::io::Error {
 
 /// (feature `reqwest`) A failure to connect → connect (a connect timeout included: the request
 /// never left); a timeout → timeout; a request or body that failed on the way → reset (unknown
-/// outcome); anything else (a bad URL or builder, a redirect loop, a decoding error) is fatal.
+/// outcome). Any other error is judged by the transport error below it, if there is one:
+/// reqwest reports a connection that broke while the response body was read (`chunk()`,
+/// `bytes()`, `text()`) as a decoding error over the `hyper::Error` or `io::Error` that says
+/// what happened, so that one decides (a reset mid-body is a reset). Without a transport
+/// error below it (a bad URL or builder, a redirect loop, a body that is not valid JSON or
+/// gzip) the error is fatal.
 #[cfg(feature = "reqwest")]
 impl Classify for reqwest::Error {
     fn classify(&self) -> Classification {
@@ -136,11 +171,45 @@ impl Classify for reqwest::Error {
             ErrorClass::Timeout
         } else if self.is_request() || self.is_body() {
             ErrorClass::Reset
+        } else if let Some(class) = reqwest_transport_class(self) {
+            class
         } else {
             return Classification::Fatal;
         };
         Classification::Outcome(Outcome::Transport(class))
     }
+}
+
+/// The transport class of the first reqwest body error, hyper error or classifiable
+/// `io::Error` in `e`'s source chain (`e` excluded), on a connection that was up (a
+/// "never connected" kind there is a reset); `None` when there is none, or when the hyper
+/// error is the caller's own.
+#[cfg(feature = "reqwest")]
+fn reqwest_transport_class(e: &reqwest::Error) -> Option<ErrorClass> {
+    let mut next = e.source();
+    while let Some(err) = next {
+        if let Some(r) = err.downcast_ref::<reqwest::Error>() {
+            if r.is_timeout() {
+                return Some(ErrorClass::Timeout);
+            }
+            if r.is_request() || r.is_body() {
+                return Some(ErrorClass::Reset);
+            }
+        }
+        if let Some(h) = err.downcast_ref::<hyper::Error>() {
+            return hyper_class(h);
+        }
+        if let Some(io) = err.downcast_ref::<std::io::Error>()
+            && let Some(class) = io_class(io.kind())
+        {
+            return Some(match class {
+                ErrorClass::Connect => ErrorClass::Reset,
+                other => other,
+            });
+        }
+        next = err.source();
+    }
+    None
 }
 
 /// hyper never dials, so every error it reports happened on a connection that was up: the
@@ -228,22 +297,30 @@ fn io_class_in_chain(e: &(dyn StdError + 'static)) -> Option<ErrorClass> {
 /// hyper-util client error, hyper error or classifiable `io::Error` in its source chain decides,
 /// by the impls above; with none of them → reset (unknown outcome).
 pub(crate) fn classify_boxed(e: &(dyn StdError + 'static)) -> Classification {
+    transport_in_chain(e).unwrap_or(Classification::Outcome(Outcome::Transport(
+        ErrorClass::Reset,
+    )))
+}
+
+/// The classification of the first hyper-util client error, hyper error or classifiable
+/// `io::Error` in `e`'s source chain (`e` included), by the impls above; `None` without one.
+fn transport_in_chain(e: &(dyn StdError + 'static)) -> Option<Classification> {
     let mut next = Some(e);
     while let Some(err) = next {
         if let Some(e) = err.downcast_ref::<hyper_util::client::legacy::Error>() {
-            return e.classify();
+            return Some(e.classify());
         }
         if let Some(e) = err.downcast_ref::<hyper::Error>() {
-            return e.classify();
+            return Some(e.classify());
         }
         if let Some(io) = err.downcast_ref::<std::io::Error>()
             && let Some(class) = io_class(io.kind())
         {
-            return Classification::Outcome(Outcome::Transport(class));
+            return Some(Classification::Outcome(Outcome::Transport(class)));
         }
         next = err.source();
     }
-    Classification::Outcome(Outcome::Transport(ErrorClass::Reset))
+    None
 }
 
 /// The transport class of an I/O error kind, if it is one.

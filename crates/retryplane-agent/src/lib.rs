@@ -31,6 +31,11 @@
 //!   count logical calls made: a request answered by de-duplication with a copy of another's
 //!   response made none and is not counted (see [`layer`], "What the endpoint's counters see").
 //!
+//! The types a [`Classify`] implementation builds an [`Outcome`] from ([`ErrorClass`],
+//! [`GrpcCode`], [`Pushback`], [`RetryAfterError`]) are re-exported here, and the policy crate
+//! itself as [`policy`] (for [`policy::load`], which makes the [`PolicySet`] of
+//! [`Agent::from_policies`]): no separate dependency on it is needed.
+//!
 //! Without a control plane and without a cache file the agent runs the [`fallback_policy`].
 //! Nothing here logs header values, tokens or bodies.
 
@@ -56,6 +61,16 @@ pub use metrics::CounterValues;
 pub use snapshot::{PolicySnapshot, Source, fallback_policy};
 pub use stream::reconnect::ReconnectBackoff;
 
-pub use retryplane_policy::PolicySet;
 pub use retryplane_policy::engine::{GiveUpCause, Outcome};
+pub use retryplane_policy::{ErrorClass, PolicySet, RetryPolicy};
 pub use tokio_util::sync::CancellationToken;
+
+// What a `Classify` implementation builds an `Outcome` from, with `ErrorClass` above.
+pub use retryplane_policy::codes::GrpcCode;
+pub use retryplane_policy::retry_after::{Pushback, RetryAfterError};
+
+/// The policy crate, for the rest of the policy model (the fields of [`RetryPolicy`], the
+/// document and diagnostics of a policy file, the engine), at the version this agent uses: no
+/// separate dependency to keep in step. [`policy::load`] parses a policy file into the
+/// [`PolicySet`] that [`Agent::from_policies`] runs.
+pub use retryplane_policy as policy;

@@ -23,7 +23,9 @@ enum Route<'a> {
 
 /// A logical call's description: what picks the route policy and decides idempotency.
 ///
-/// Only header *names* are kept (to see whether the idempotency key is present), never values.
+/// Only header *names* are kept (to see whether the idempotency key is present), never values:
+/// a header whose every value is empty (or blank) is not recorded, so an empty key does not
+/// count as a key.
 /// The path is borrowed, not copied (a copy cost about as much as the rest of the agent's
 /// bookkeeping on a call that succeeds at once): build the meta where the request's path lives.
 #[derive(Clone, Debug)]
@@ -104,9 +106,20 @@ impl<'a> CallMeta<'a> {
     }
 
     /// Records the request's header names (not values), so the key header named by the
-    /// policy is recognised.
+    /// policy is recognised. A header counts only with a value that is not empty or blank: an
+    /// empty `Idempotency-Key:` is no key, and a non-idempotent call carrying it is not
+    /// retried. The values are looked at, never kept.
     pub fn with_headers(mut self, headers: &http::HeaderMap) -> Self {
-        self.header_names = headers.keys().cloned().collect();
+        self.header_names = headers
+            .keys()
+            .filter(|name| {
+                headers
+                    .get_all(*name)
+                    .iter()
+                    .any(|v| !v.as_bytes().trim_ascii().is_empty())
+            })
+            .cloned()
+            .collect();
         self
     }
 
@@ -213,6 +226,25 @@ mod tests {
         assert_eq!(CallMeta::http("GET", "/a#b?c").path(), "/a");
         assert_eq!(CallMeta::http("GET", "?q=1").path(), "");
         assert_eq!(CallMeta::http("GET", "/é/ü?x").path(), "/é/ü");
+    }
+
+    #[test]
+    fn an_empty_or_blank_key_header_is_no_key() {
+        let policy = RetryPolicy::default();
+        for empty in [&[""][..], &[" "], &["", "\t"]] {
+            let mut headers = http::HeaderMap::new();
+            for v in empty {
+                headers.append("idempotency-key", v.parse().unwrap());
+            }
+            let m = CallMeta::http("POST", "/").with_headers(&headers);
+            assert_eq!(m.idempotency(&policy), (false, false), "{empty:?}");
+        }
+        // One value that is not empty is enough.
+        let mut headers = http::HeaderMap::new();
+        headers.append("idempotency-key", "".parse().unwrap());
+        headers.append("idempotency-key", "k-1".parse().unwrap());
+        let m = CallMeta::http("POST", "/").with_headers(&headers);
+        assert_eq!(m.idempotency(&policy), (false, true));
     }
 
     #[test]

@@ -9,7 +9,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use retryplane_agent::layer::{Idempotent, RetryLayer, into_tonic_request};
-use retryplane_agent::{Agent, CounterValues};
+use retryplane_agent::{Agent, CallMeta, Classification, Classify as _, CounterValues, Outcome};
+use retryplane_policy::ErrorClass;
 use retryplane_proto::pb;
 use retryplane_proto::pb::admin_service_client::AdminServiceClient;
 use retryplane_proto::pb::admin_service_server::{AdminService, AdminServiceServer};
@@ -199,4 +200,72 @@ async fn a_grpc_call_not_declared_idempotent_is_not_retried() {
             "{declared:?}"
         );
     }
+}
+
+/// A channel to a port on 127.0.0.1 that nothing listens on (bound, then released).
+async fn channel_to_a_closed_port() -> Channel {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    drop(listener);
+    Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect_timeout(WAIT)
+        .connect_lazy()
+}
+
+#[tokio::test]
+async fn a_failed_connect_is_a_connect_error_and_retried_whatever_the_method() {
+    let channel = channel_to_a_closed_port().await;
+    let mut client = AdminServiceClient::new(channel);
+    let status = tokio::time::timeout(WAIT, client.get(pb::GetRequest { version: 0 }))
+        .await
+        .expect("the call ends in time")
+        .unwrap_err();
+    // tonic says UNAVAILABLE; the transport error below it says the request never left.
+    assert_eq!(status.code(), Code::Unavailable);
+    assert_eq!(
+        status.classify(),
+        Classification::Outcome(Outcome::Transport(ErrorClass::Connect))
+    );
+
+    // Not declared idempotent: only a failed connect may be sent again.
+    let agent = agent();
+    let ep = agent.endpoint("upstream");
+    let err = tokio::time::timeout(
+        WAIT,
+        ep.call(CallMeta::grpc("/retryplane.v1.AdminService/Get"), |_| {
+            let mut client = client.clone();
+            async move { client.get(pb::GetRequest { version: 0 }).await }
+        }),
+    )
+    .await
+    .expect("the call ends in time")
+    .unwrap_err();
+    assert_eq!(err.cause.to_string(), "attempts_exhausted");
+    let c = counts(&agent);
+    assert_eq!((c.calls, c.attempts, c.retries), (1, 3, 2));
+    assert_eq!(c.gave_up_not_retryable, 0);
+}
+
+#[tokio::test]
+async fn a_failed_grpc_connect_is_retried_by_retry_on_errors_connect_not_by_its_code() {
+    // UNAVAILABLE is not listed: only the transport class can make the call retry.
+    let yaml = "version: 1\ndefaults:\n  backoff: {base: 5ms, max: 20ms, jitter: none}\n  budget: {enabled: false}\n  circuit_breaker: {enabled: false}\nendpoints:\n  upstream:\n    max_attempts: 3\n    retry_on: {grpc_status: [INTERNAL], errors: [connect]}\n";
+    let loaded = retryplane_policy::load(yaml.as_bytes());
+    assert!(!loaded.has_errors(), "{:?}", loaded.diagnostics);
+    let agent = Agent::from_policies_seeded(loaded.policies.unwrap(), 1);
+    let client = AdminServiceClient::new(channel_to_a_closed_port().await);
+    let meta = CallMeta::grpc("/retryplane.v1.AdminService/Get").idempotent(true);
+    let err = tokio::time::timeout(
+        WAIT,
+        agent.endpoint("upstream").call(meta, |_| {
+            let mut client = client.clone();
+            async move { client.get(pb::GetRequest { version: 0 }).await }
+        }),
+    )
+    .await
+    .expect("the call ends in time")
+    .unwrap_err();
+    assert_eq!(err.cause.to_string(), "attempts_exhausted");
+    assert_eq!(counts(&agent).attempts, 3);
 }

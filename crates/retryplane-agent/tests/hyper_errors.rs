@@ -99,6 +99,12 @@ enum Close {
     Silently,
     /// Sends half a response head, then resets the socket (RST, zero linger).
     ResetMidResponse,
+    /// Sends a 200 head announcing 100 bytes and 3 of them, then resets the socket.
+    #[cfg_attr(
+        not(feature = "reqwest"),
+        allow(dead_code, reason = "the reqwest tests only")
+    )]
+    ResetMidBody,
     /// Never: keeps reading and never writes a byte.
     Never,
 }
@@ -127,6 +133,14 @@ async fn scripted_server(how: Close) -> (u16, Arc<AtomicU32>) {
                     Close::Silently => drop(s),
                     Close::ResetMidResponse => {
                         let _ = s.write_all(b"HTTP/1.1 200 OK\r\nContent-Le").await;
+                        let _ = s.flush().await;
+                        s.set_zero_linger().unwrap();
+                        drop(s);
+                    }
+                    Close::ResetMidBody => {
+                        let _ = s
+                            .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nabc")
+                            .await;
                         let _ = s.flush().await;
                         s.set_zero_linger().unwrap();
                         drop(s);
@@ -390,4 +404,62 @@ async fn the_layer_tries_a_refused_body_over_its_limit_once_and_returns_the_clie
         (1, 1, 0, 0)
     );
     assert_eq!(counts.gave_up_not_retryable, 1);
+}
+
+/// (feature `reqwest`) Sends a GET to `url` and reads the whole body as `retryplane request`
+/// does, with `Response::chunk`; the head it got, or the error.
+#[cfg(feature = "reqwest")]
+async fn reqwest_get(url: &str) -> Result<http::Response<()>, reqwest::Error> {
+    let mut response = reqwest::Client::new().get(url).send().await?;
+    let mut head = http::Response::new(());
+    *head.status_mut() = response.status();
+    while response.chunk().await?.is_some() {}
+    Ok(head)
+}
+
+#[cfg(feature = "reqwest")]
+#[tokio::test]
+async fn a_reqwest_body_read_cut_by_a_reset_is_a_reset() {
+    let (port, seen) = scripted_server(Close::ResetMidBody).await;
+    let url = format!("http://127.0.0.1:{port}/");
+    let mut response = tokio::time::timeout(WAIT, reqwest::Client::new().get(&url).send())
+        .await
+        .expect("the head arrives")
+        .expect("the head is read before the reset");
+    assert_eq!(response.status(), 200);
+    let err = loop {
+        match tokio::time::timeout(WAIT, response.chunk()).await {
+            Ok(Ok(Some(_))) => {}
+            Ok(Ok(None)) => panic!("the body cannot end: 3 bytes of 100"),
+            Ok(Err(e)) => break e,
+            Err(_) => panic!("the body read ends"),
+        }
+    };
+    assert_eq!(seen.load(Ordering::SeqCst), 1);
+    // reqwest reports it as a decoding error, the transport error below it.
+    assert!(err.is_decode(), "{err:?}");
+    assert!(!err.is_body() && !err.is_request(), "{err:?}");
+    assert_eq!(err.classify(), transport(ErrorClass::Reset));
+}
+
+#[cfg(feature = "reqwest")]
+#[tokio::test]
+async fn a_call_whose_body_read_is_reset_is_retried_when_idempotent() {
+    let (port, seen) = scripted_server(Close::ResetMidBody).await;
+    let url = format!("http://127.0.0.1:{port}/v1/things");
+    let agent = agent("");
+    let ep = agent.endpoint("ep");
+    let err = tokio::time::timeout(
+        WAIT,
+        ep.call(
+            retryplane_agent::CallMeta::http("GET", "/v1/things"),
+            |_| reqwest_get(&url),
+        ),
+    )
+    .await
+    .expect("the call ends")
+    .expect_err("the call fails");
+    assert_eq!(err.cause.to_string(), "attempts_exhausted");
+    assert_eq!(seen.load(Ordering::SeqCst), 3);
+    assert_eq!(ep.pending_counts().attempts, 3);
 }

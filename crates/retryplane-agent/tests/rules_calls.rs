@@ -449,3 +449,64 @@ async fn a_grpc_pushback_above_the_max_gives_up_and_one_at_the_max_is_waited() {
     result.unwrap();
     assert_eq!(starts, [0, 2000]);
 }
+
+/// An agent whose `ep` makes one attempt a call, with a breaker that one failure opens for
+/// 30 s and one half-open probe; the breaker is opened, and the time moved to half-open.
+async fn half_open_with_one_probe() -> Agent {
+    let agent = agent(&policy(
+        "max_attempts: 1\ncircuit_breaker: {enabled: true, failure_ratio: 0.5, min_requests: 1, window: 10s, open_for: 30s, half_open_probes: 1}",
+    ));
+    let ep = agent.endpoint("ep");
+    let up = Upstream::new([Step::Status(503)]);
+    ep.call(get(), up.attempt()).await.unwrap_err();
+    let up = Upstream::new([]);
+    let err = ep.call(get(), up.attempt()).await.unwrap_err();
+    assert_eq!(err.cause, Cause::GaveUp(GiveUpCause::CircuitOpen));
+    tokio::time::advance(Duration::from_secs(30)).await;
+    agent
+}
+
+/// The next call of `agent`'s `ep` gets the probe and, answered 200, closes the breaker.
+async fn the_next_call_gets_the_probe(agent: &Agent) {
+    let ep = agent.endpoint("ep");
+    let up = Upstream::new([]);
+    let r = ep.call(get(), up.attempt()).await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(up.attempts(), 1);
+    // The probe succeeded: closed, every call goes through.
+    for _ in 0..3 {
+        ep.call(get(), Upstream::new([]).attempt()).await.unwrap();
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_cancelled_half_open_probe_is_handed_to_the_next_call() {
+    let agent = half_open_with_one_probe().await;
+    let (err, _, attempts) = cancelled_after_the_first_attempt(&agent, Step::Hang).await;
+    assert_eq!((err.cause, attempts), (Cause::Cancelled, 1));
+    the_next_call_gets_the_probe(&agent).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_half_open_probe_that_fails_on_the_callers_side_is_handed_to_the_next_call() {
+    let agent = half_open_with_one_probe().await;
+    let ep = agent.endpoint("ep");
+    let up = Upstream::new([Step::Io(std::io::ErrorKind::InvalidData)]);
+    let err = ep.call(get(), up.attempt()).await.unwrap_err();
+    assert_eq!(err.cause, Cause::GaveUp(GiveUpCause::NotRetryable));
+    the_next_call_gets_the_probe(&agent).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_dropped_call_hands_its_half_open_probe_to_the_next_call() {
+    let agent = half_open_with_one_probe().await;
+    let ep = agent.endpoint("ep");
+    let up = Upstream::new([Step::Hang]);
+    // The caller stops waiting (its own timeout) while the probe attempt hangs.
+    let call = ep.call(get(), up.attempt());
+    tokio::time::timeout(Duration::from_millis(100), call)
+        .await
+        .unwrap_err();
+    assert_eq!(up.attempts(), 1);
+    the_next_call_gets_the_probe(&agent).await;
+}

@@ -5,7 +5,9 @@
 //! With `--server URL` instead of `--policy` (one of the two is required), an agent connects to
 //! the control plane's *agent* listener (`retryplane serve`'s `--listen`, 127.0.0.1:7470 by
 //! default; not the admin listener the admin commands' `--server` names) and the call waits for
-//! its first snapshot, at most [`SNAPSHOT_WAIT`].
+//! its first snapshot, at most [`SNAPSHOT_WAIT`]. Before the command exits the agent sends its
+//! counts of the call and closes its stream ([`SHUTDOWN_WAIT`] at most), so `retryplane stats`
+//! shows the call and `status` shows the agent as gone.
 //!
 //! The method is `-X`, else `POST` with `--data`, else `GET` (as curl). Redirects are not
 //! followed: a 3xx is the upstream's answer. The response body is read (so a reset mid-body is a
@@ -41,6 +43,10 @@ use report::{Attempt, Summary};
 /// How long `--server` waits for the control plane's first snapshot.
 pub const SNAPSHOT_WAIT: Duration = Duration::from_secs(5);
 
+/// How long `--server` waits, at the end, for the agent to send its last report and close its
+/// stream (the agent's own wait for the control plane is shorter; this bounds the rest).
+pub const SHUTDOWN_WAIT: Duration = Duration::from_secs(3);
+
 /// `retryplane request` flags, as parsed. Exactly one of `--policy` and `--server` says where
 /// the policy comes from (SPEC §5).
 #[derive(Debug, clap::Args)]
@@ -51,6 +57,7 @@ pub struct Args {
     policy: Option<PathBuf>,
     /// Use the policy a control plane serves its agents: the URL of its agent listener (not
     /// the admin one), for example http://127.0.0.1:7470, the default of `retryplane serve`.
+    /// The call's counts are reported to it before the command exits.
     #[arg(long, value_name = "URL")]
     server: Option<String>,
     /// Agent token for --server, sent as `authorization: Bearer TOKEN`.
@@ -193,7 +200,11 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
             }
             (None, PolicyFrom::File(_)) => bail!("no policy"),
         };
-        let summary = call(&agent, settings).await?;
+        let summary = call(&agent, settings).await;
+        if matches!(settings.policy, PolicyFrom::Server(..)) {
+            shutdown(&agent).await;
+        }
+        let summary = summary?;
         let stdout = match settings.format {
             Format::Text => summary.to_text(),
             Format::Json => summary.to_json()?,
@@ -242,6 +253,18 @@ async fn from_server(url: &str, token: Option<&Secret>, endpoint: &str) -> anyho
     let agent = builder
         .connect()
         .with_context(|| format!("--server {url}"))?;
+    match first_snapshot(&agent, url, endpoint).await {
+        Ok(()) => Ok(agent),
+        Err(e) => {
+            shutdown(&agent).await;
+            Err(e)
+        }
+    }
+}
+
+/// Waits for `agent`'s first snapshot from the control plane at `url`, which must define
+/// `endpoint`.
+async fn first_snapshot(agent: &Agent, url: &str, endpoint: &str) -> anyhow::Result<()> {
     let waited = Instant::now();
     let mut tick = tokio::time::interval(Duration::from_millis(10));
     while agent.policies().source() != Source::ControlPlane {
@@ -264,7 +287,14 @@ async fn from_server(url: &str, token: Option<&Secret>, endpoint: &str) -> anyho
             names.join(", ")
         );
     }
-    Ok(agent)
+    Ok(())
+}
+
+/// Stops a connected agent: its last report goes out and its stream is closed, within
+/// [`SHUTDOWN_WAIT`] (past it the command exits anyway; the report is then lost).
+async fn shutdown(agent: &Agent) {
+    // Past the bound the command's answer matters more than the report: exit without it.
+    let _ = tokio::time::timeout(SHUTDOWN_WAIT, agent.shutdown()).await;
 }
 
 /// Runs the call through the agent, recording each attempt from inside the attempt closure.

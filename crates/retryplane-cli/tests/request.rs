@@ -31,6 +31,9 @@ endpoints:
     max_attempts: 3
 ";
 
+/// A script step: a 200 head announcing 100 bytes, 3 of them, then a reset (RST).
+const RESET_MID_BODY: u16 = 0;
+
 /// One request as the upstream saw it.
 #[derive(Clone, Debug)]
 struct Seen {
@@ -40,7 +43,8 @@ struct Seen {
 }
 
 /// A scripted upstream: each connection reads one request and answers with the next
-/// `(status, extra header lines)` of the script, then 200.
+/// `(status, extra header lines)` of the script, then 200. Status [`RESET_MID_BODY`] sends a
+/// 200 head and part of its body, then resets the connection.
 struct Upstream {
     _runtime: Runtime,
     addr: SocketAddr,
@@ -123,6 +127,18 @@ async fn serve_one(mut stream: TcpStream, status: u16, extra: &str) -> Option<Se
         buf.extend_from_slice(&chunk[..n]);
     }
     let body = buf[head_end..].to_vec();
+    if status == RESET_MID_BODY {
+        let head = "HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nabc";
+        stream.write_all(head.as_bytes()).await.ok()?;
+        stream.flush().await.ok()?;
+        stream.set_zero_linger().ok()?;
+        drop(stream);
+        return Some(Seen {
+            method,
+            headers,
+            body,
+        });
+    }
     let response =
         format!("HTTP/1.1 {status} X\r\ncontent-length: 2\r\nconnection: close\r\n{extra}\r\nok");
     stream.write_all(response.as_bytes()).await.ok()?;
@@ -243,6 +259,18 @@ fn post_without_idempotency_key_is_not_retried_and_with_it_is() {
 }
 
 #[test]
+fn post_with_an_empty_idempotency_key_is_not_retried() {
+    for header in ["Idempotency-Key:", "Idempotency-Key:   "] {
+        let up = Upstream::start(&[(503, "")]);
+        let (v, code) = request(&["-H", header, "--data", "x", &up.url("/v1/charges")]);
+        assert_eq!(code, 1, "{header:?}: {v}");
+        assert_eq!(v["cause"], "not_retryable");
+        assert_eq!(v["attempts"].as_array().unwrap().len(), 1);
+        assert_eq!(up.seen().len(), 1);
+    }
+}
+
+#[test]
 fn a_429_with_retry_after_over_the_max_gives_up_as_retry_after_too_long() {
     let up = Upstream::start(&[(429, "retry-after: 60\r\n")]);
     let (v, code) = request(&[&up.url("/")]);
@@ -271,6 +299,25 @@ fn a_closed_port_gives_connect_errors_until_attempts_run_out() {
             .collect::<Vec<_>>()
     );
     assert_eq!(pauses, [json!(10), json!(20), Value::Null]);
+}
+
+#[test]
+fn a_reset_while_the_body_is_read_is_a_reset_error_and_retried() {
+    let up = Upstream::start(&[(RESET_MID_BODY, ""), (RESET_MID_BODY, "")]);
+    let (v, code) = request(&[&up.url("/v1/items")]);
+    assert_eq!(code, 0, "{v}");
+    assert_eq!(v["outcome"], "success");
+    assert_eq!(v["status"], 200);
+    let (shapes, _) = attempts(&v);
+    assert_eq!(
+        shapes,
+        [
+            json!({"attempt": 1, "status": null, "error": "reset"}),
+            json!({"attempt": 2, "status": null, "error": "reset"}),
+            json!({"attempt": 3, "status": 200, "error": null}),
+        ]
+    );
+    assert_eq!(up.seen().len(), 3);
 }
 
 #[test]
@@ -433,6 +480,42 @@ fn server_mode_uses_the_control_planes_policy() {
     assert_eq!(out.status.code(), Some(1), "{v}");
     assert_eq!(v["cause"], "attempts_exhausted");
     assert_eq!(v["attempts"].as_array().unwrap().len(), 2);
+
+    // The agent sent its counts before the command exited (the first periodic report would
+    // have come 10 s later): the control plane has the call, and no agent connected.
+    let admin = format!("http://{}", running.admin_addr);
+    let admin_json = |args: &[&str]| -> Value {
+        let out = Command::cargo_bin("retryplane")
+            .unwrap()
+            .env_remove("RETRYPLANE_TOKEN")
+            .env_remove("RETRYPLANE_SERVER")
+            .args(args)
+            .args(["--output", "json", "--server", &admin])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(0), "{args:?}");
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    // Polled with a bound well under the 10 s the first periodic report would take.
+    let ep = runtime.block_on(async {
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
+        loop {
+            let stats = admin_json(&["stats", "--endpoint", "api"]);
+            let ep = stats["endpoints"][0].clone();
+            if ep["calls"] == 1 {
+                break ep;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the call never reached the control plane: {stats}"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    });
+    assert_eq!(
+        (ep["attempts"].clone(), ep["retries"].clone()),
+        (json!(2), json!(1))
+    );
     drop(running);
 }
 

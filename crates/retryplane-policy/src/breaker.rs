@@ -13,7 +13,8 @@
 //!   probes is let through, so a lost probe cannot wedge the breaker half-open.
 //!
 //! Usage: [`CircuitBreaker::try_acquire`] before an attempt, then [`CircuitBreaker::record`] the
-//! attempt's outcome with the permit. A [`Permit`] is a plain `Copy` token; it remembers which
+//! attempt's outcome with the permit, or [`CircuitBreaker::release`] it when the attempt has no
+//! outcome to count (it failed on the caller's side, or was abandoned). A [`Permit`] is a plain `Copy` token; it remembers which
 //! closed or half-open period issued it, so an outcome reported after the breaker has changed
 //! state (a call in flight when it opened, a probe of an earlier half-open period) is ignored.
 //!
@@ -268,6 +269,36 @@ impl CircuitBreaker {
             && self.open(state, nanos)
         {
             self.window.clear();
+        }
+    }
+
+    /// Hands back `permit` without an outcome: its attempt says nothing about the upstream (it
+    /// failed on the caller's side, or was cancelled or dropped). A half-open probe is returned
+    /// to the pool, so another call may take it at once, without counting a success or a
+    /// failure; any other permit needs nothing (a closed period counts outcomes only). A probe
+    /// of an earlier period is ignored, as its outcome would be.
+    pub fn release(&self, permit: Permit) {
+        if !permit.probe {
+            return;
+        }
+        let state = self.state.load(Acquire);
+        if state & OPEN == 0 || generation(state) != permit.generation {
+            return; // issued by an earlier period
+        }
+        let mut probes = self.probes.load(Acquire);
+        loop {
+            let (issued, succeeded) = probe_counts(probes, permit.generation);
+            if issued == 0 {
+                return; // a later period
+            }
+            let back = pack_probes(permit.generation, issued - 1, succeeded);
+            match self
+                .probes
+                .compare_exchange_weak(probes, back, AcqRel, Acquire)
+            {
+                Ok(_) => return,
+                Err(current) => probes = current,
+            }
         }
     }
 

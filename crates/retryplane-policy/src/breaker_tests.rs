@@ -219,3 +219,47 @@ fn a_success_from_before_the_breaker_last_opened_is_not_counted() {
     (0..10).for_each(|_| call(&b, false, half).unwrap());
     assert_eq!(b.state(half), Open);
 }
+
+#[test]
+fn a_released_probe_goes_back_to_the_pool_without_an_outcome() {
+    let t0 = Instant::now();
+    let b = breaker(10, t0);
+    let half = trip(&b, t0) + Duration::from_secs(30);
+    let probes: Vec<_> = (0..3).map(|_| b.try_acquire(half).unwrap()).collect();
+    assert_eq!(b.try_acquire(half), Err(BreakerOpen));
+    // Handed back: the next call gets a probe at once, and the breaker stays half-open.
+    b.release(probes[0]);
+    assert_eq!(b.state(half), HalfOpen);
+    let again = b.try_acquire(half).unwrap();
+    assert!(again.is_probe());
+    assert_eq!(b.try_acquire(half), Err(BreakerOpen));
+    // The released probe counted as neither: three successes are still needed to close.
+    b.record(probes[1], true, half);
+    b.record(probes[2], true, half);
+    assert_eq!(b.state(half), HalfOpen);
+    b.record(again, true, half);
+    assert_eq!(b.state(half), Closed);
+}
+
+#[test]
+fn releasing_a_stale_or_closed_period_permit_changes_nothing() {
+    let t0 = Instant::now();
+    let b = breaker(10, t0);
+    let closed = b.try_acquire(t0).unwrap();
+    assert!(!closed.is_probe());
+    b.release(closed);
+    assert_eq!(b.state(t0), Closed);
+    let half = trip(&b, t0) + Duration::from_secs(30);
+    let probe = b.try_acquire(half).unwrap();
+    // The probes of this period run out and a failure opens it again: the old probe is stale.
+    let other = b.try_acquire(half).unwrap();
+    b.record(other, false, half);
+    let reopened = half + Duration::from_secs(30);
+    assert_eq!(b.state(reopened), HalfOpen);
+    b.release(probe);
+    let fresh = (0..4).filter(|_| b.try_acquire(reopened).is_ok()).count();
+    assert_eq!(
+        fresh, 3,
+        "the stale release gave the new period no extra probe"
+    );
+}

@@ -323,6 +323,24 @@ impl<'a> RetryCall<'a> {
         self.on_failure(outcome, permit, now, rng)
     }
 
+    /// Ends the call without an outcome for the attempt started last: for an attempt whose
+    /// result says nothing about the upstream (an error on the caller's side, which the caller
+    /// returns as is) or that was abandoned (the call cancelled, or its future dropped). Its
+    /// circuit-breaker permit, if it has not been reported, is handed back without counting a
+    /// success or a failure, so a half-open probe goes to the next call instead of staying
+    /// taken. The budget and backoff are left alone; no further attempt may start and no
+    /// outcome is taken. Does nothing to the breaker after [`Self::on_outcome`] (the permit is
+    /// spent) or when no attempt was started.
+    pub fn release(&mut self) {
+        if let Some(permit) = self.permit.take()
+            && let Some(breaker) = &self.state.breaker
+        {
+            breaker.release(permit);
+        }
+        self.allowed = self.attempts;
+        self.answered = self.attempts;
+    }
+
     /// [`Self::on_outcome`] for a failed attempt (kept out of line: the success path stays
     /// small).
     #[inline(never)]

@@ -6,6 +6,7 @@ use proptest::prelude::*;
 use tokio::time::Instant;
 
 use super::*;
+use crate::breaker::BreakerState;
 use crate::codes::GrpcCode;
 use crate::model::{BackoffConfig, BudgetConfig, Jitter};
 use crate::retry_after::RetryAfterError;
@@ -542,6 +543,58 @@ fn a_call_that_is_over_starts_no_more_attempts() {
     };
     let mut call = RetryCall::new(&none, &state, get(), t0);
     assert_eq!(call.start_attempt(t0), Err(GiveUpCause::AttemptsExhausted));
+}
+
+#[test]
+fn a_released_attempt_hands_its_half_open_probe_to_the_next_call() {
+    let mut p = policy();
+    if let Some(b) = p.circuit_breaker.as_mut() {
+        b.min_requests = 1;
+        b.failure_ratio = 0.5;
+        b.half_open_probes = 1;
+    }
+    p.budget = None;
+    let open_for = p.circuit_breaker.as_ref().map(|b| b.open_for).unwrap();
+    let t0 = Instant::now();
+    let state = EndpointState::new(&p, t0);
+    let mut call = RetryCall::new(&p, &state, get(), t0);
+    let _ = step(&mut call, http(503), t0);
+    let half = t0 + open_for;
+    // The one probe is taken, and the attempt ends with no outcome (a local error, a cancel).
+    let mut probing = RetryCall::new(&p, &state, get(), half);
+    assert!(probing.start_attempt(half).is_ok());
+    let mut blocked = RetryCall::new(&p, &state, get(), half);
+    assert_eq!(blocked.start_attempt(half), Err(GiveUpCause::CircuitOpen));
+    probing.release();
+    let mut next = RetryCall::new(&p, &state, get(), half);
+    assert!(
+        next.start_attempt(half).is_ok(),
+        "the probe was handed back"
+    );
+    // Neither a success nor a failure was counted: still half-open, the probe out again.
+    assert_eq!(
+        state.breaker().map(|b| b.state(half)),
+        Some(BreakerState::HalfOpen)
+    );
+    // The released call is over: no outcome is taken and nothing more starts.
+    let mut rng = SeededRng::with_seed(1);
+    assert_eq!(
+        probing.on_outcome(http(200), half, &mut rng),
+        Decision::GiveUp(GiveUpCause::AttemptsExhausted)
+    );
+    assert_eq!(
+        probing.start_attempt(half),
+        Err(GiveUpCause::AttemptsExhausted)
+    );
+    // Released again, or after its outcome: the breaker is left alone.
+    probing.release();
+    let mut rng = SeededRng::with_seed(1);
+    assert_eq!(next.on_outcome(http(200), half, &mut rng), Decision::Return);
+    next.release();
+    assert_eq!(
+        state.breaker().map(|b| b.state(half)),
+        Some(BreakerState::Closed)
+    );
 }
 
 fn arb_outcome() -> impl Strategy<Value = Outcome> {

@@ -3,7 +3,8 @@
 //! call of an [`Endpoint`](crate::Endpoint) under SPEC §2.
 //!
 //! - The route comes from the request's method and path (never the query string); idempotency
-//!   from the policy's method list and the presence of its idempotency key header (by name).
+//!   from the policy's method list and the presence of its idempotency key header (by name,
+//!   with a value that is not empty: an empty key is no key).
 //!   A gRPC request (`content-type: application/grpc…`) is a gRPC call of its path
 //!   (`/pkg.Service/Method`, which gRPC routes match): not idempotent unless it carries the
 //!   key header or an [`Idempotent`] extension, which also overrides the method list of an
