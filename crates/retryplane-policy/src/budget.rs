@@ -23,8 +23,9 @@
 //!
 //! A retry at `now` is allowed iff
 //! `retries_in_window + 1 <= max(floor(min_per_second × window_secs), floor(ratio × requests_in_window))`,
-//! where requests are **logical calls**: [`RetryBudget::deposit`] once when a call starts (its
-//! first attempt), [`RetryBudget::try_withdraw`] once per retry. First attempts never consume
+//! where requests are **logical calls**: [`RetryBudget::deposit`] once when a call's first
+//! attempt starts (a call the open circuit breaker stops sends nothing and is not counted),
+//! [`RetryBudget::try_withdraw`] once per retry. First attempts never consume
 //! budget, and a denied retry is not counted.
 //!
 //! # Implementation

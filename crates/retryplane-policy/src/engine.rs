@@ -217,8 +217,10 @@ pub struct Attempt {
 }
 
 impl<'a> RetryCall<'a> {
-    /// Starts a logical call at `now`: counts it in the budget. Policy and state are held for
-    /// the whole call.
+    /// Starts a logical call at `now`. Policy and state are held for the whole call. The call
+    /// counts as a request in the budget when its first attempt starts
+    /// ([`RetryCall::start_attempt`]): a call the open breaker (or a spent deadline) stops sends
+    /// nothing, so it adds nothing to the requests retries are measured against.
     #[inline(always)]
     pub fn new(
         policy: &'a RetryPolicy,
@@ -227,11 +229,6 @@ impl<'a> RetryCall<'a> {
         now: Instant,
     ) -> Self {
         let offset = state.offset(now);
-        if policy.budget.is_some()
-            && let Some(budget) = &state.budget
-        {
-            budget.deposit_at(window_nanos(offset));
-        }
         Self {
             policy,
             state,
@@ -275,6 +272,14 @@ impl<'a> RetryCall<'a> {
                 Ok(permit) => self.permit = Some(permit),
                 Err(_) => return Err(self.refuse(GiveUpCause::CircuitOpen)),
             }
+        }
+        // SPEC §2 step 6 measures retries against the requests in the window: the call is one
+        // once its first attempt is let through.
+        if self.attempts == 0
+            && self.policy.budget.is_some()
+            && let Some(budget) = &self.state.budget
+        {
+            budget.deposit_at(window_nanos(offset));
         }
         self.attempts += 1;
         Ok(Attempt {

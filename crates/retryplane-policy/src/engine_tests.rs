@@ -448,6 +448,32 @@ fn an_open_breaker_fails_fast_without_an_attempt() {
     assert_eq!(next.attempts(), 0);
 }
 
+#[test]
+fn a_call_the_open_breaker_stops_is_no_request_for_the_budget() {
+    let mut p = policy();
+    if let Some(b) = p.circuit_breaker.as_mut() {
+        b.min_requests = 2;
+        b.failure_ratio = 0.5;
+    }
+    let t0 = Instant::now();
+    let state = EndpointState::new(&p, t0);
+    let requests = || state.budget().map(|b| b.snapshot(t0).requests);
+    // Creating a call counts nothing; its first attempt does.
+    let mut call = RetryCall::new(&p, &state, get(), t0);
+    assert_eq!(requests(), Some(0));
+    let _ = step(&mut call, http(503), t0);
+    assert_eq!(requests(), Some(1));
+    let mut call = RetryCall::new(&p, &state, get(), t0);
+    let _ = step(&mut call, http(503), t0);
+    assert_eq!(requests(), Some(2));
+    // Two failed requests of two: the breaker is open, and the calls it stops send nothing.
+    for _ in 0..5 {
+        let mut stopped = RetryCall::new(&p, &state, get(), t0);
+        assert_eq!(stopped.start_attempt(t0), Err(GiveUpCause::CircuitOpen));
+    }
+    assert_eq!(requests(), Some(2));
+}
+
 fn grpc(pushback: Option<Pushback>) -> Outcome {
     Outcome::Grpc {
         code: GrpcCode::Unavailable,
