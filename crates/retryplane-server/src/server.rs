@@ -196,14 +196,6 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
             shutdown_rx.clone(),
         )));
     }
-    let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(retryplane_proto::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET);
-    let reflection_v1 = reflection.build_v1()?;
-    let reflection_v1alpha = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(retryplane_proto::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1alpha()?;
 
     let agent_socket = bind("agent", cfg.listen).await?;
     let admin_socket = bind("admin", cfg.admin_listen).await?;
@@ -241,8 +233,8 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
     let mut servers = JoinSet::new();
     let agent_router = grpc_server(&cfg)
         .add_service(health_service.clone())
-        .add_service(reflection_v1.clone())
-        .add_service(reflection_v1alpha.clone())
+        .add_service(reflection(AGENT_SERVICE).build_v1()?)
+        .add_service(reflection(AGENT_SERVICE).build_v1alpha()?)
         .add_service(agent_service);
     let stop = stopped(shutdown_rx.clone());
     servers.spawn(async move {
@@ -256,8 +248,8 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
     });
     let admin_router = grpc_server(&cfg)
         .add_service(health_service)
-        .add_service(reflection_v1)
-        .add_service(reflection_v1alpha)
+        .add_service(reflection(ADMIN_SERVICE).build_v1()?)
+        .add_service(reflection(ADMIN_SERVICE).build_v1alpha()?)
         .add_service(admin_service);
     let stop = stopped(shutdown_rx.clone());
     servers.spawn(async move {
@@ -295,6 +287,19 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
 
 /// Sets the health of both services and of the whole server (the empty service name, which a
 /// probe without a service asks about; tonic starts it `SERVING`).
+/// The gRPC health service's name, advertised by reflection on both listeners.
+const HEALTH_SERVICE: &str = "grpc.health.v1.Health";
+
+/// Reflection for the listener that serves `service`: it lists that service and health, not the
+/// other listener's service, which would answer UNIMPLEMENTED here.
+fn reflection(service: &str) -> tonic_reflection::server::Builder<'static> {
+    tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(retryplane_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .with_service_name(service)
+        .with_service_name(HEALTH_SERVICE)
+}
+
 async fn set_health(health: &HealthReporter, status: ServingStatus) {
     for service in ["", AGENT_SERVICE, ADMIN_SERVICE] {
         health.set_service_status(service, status).await;
