@@ -400,8 +400,14 @@ impl Endpoint {
                                 count_success(&mut first, plan.number);
                                 break End::Ok(t);
                             }
-                            // An error classified as a success cannot be returned as a value.
-                            (Classification::Success, r) => (None, Some(r)),
+                            // An error classified as a success cannot be returned as a value:
+                            // it is returned as it is, but the breaker counts the success (a
+                            // half-open probe answered so closes it, rather than being handed
+                            // back as if the attempt said nothing).
+                            (Classification::Success, r) => {
+                                call.on_outcome(success(), now, &mut rng);
+                                (None, Some(r))
+                            }
                             (Classification::Outcome(o), r) => (Some(o), Some(r)),
                             (Classification::Fatal, r) => (None, Some(r)),
                         },

@@ -498,6 +498,32 @@ async fn a_half_open_probe_that_fails_on_the_callers_side_is_handed_to_the_next_
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_half_open_probe_whose_error_the_caller_calls_a_success_closes_the_breaker() {
+    let agent = half_open_with_one_probe().await;
+    let ep = agent.endpoint("ep");
+    let up = Upstream::new([Step::Io(std::io::ErrorKind::InvalidData)]);
+    let err = ep
+        .call_with(
+            get(),
+            |_| retryplane_agent::Classification::Success,
+            up.attempt(),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.cause, Cause::GaveUp(GiveUpCause::NotRetryable));
+    // Closed: a call whose attempt hangs takes no probe, and another call goes through beside it.
+    let hanging = ep.call(get(), Upstream::new([Step::Hang]).attempt());
+    tokio::pin!(hanging);
+    tokio::select! {
+        biased;
+        _ = &mut hanging => panic!("the hanging call ended"),
+        () = std::future::ready(()) => {}
+    }
+    let r = ep.call(get(), Upstream::new([]).attempt()).await.unwrap();
+    assert_eq!(r.status(), 200);
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_dropped_call_hands_its_half_open_probe_to_the_next_call() {
     let agent = half_open_with_one_probe().await;
     let ep = agent.endpoint("ep");
