@@ -202,10 +202,7 @@ fn reqwest_transport_class(e: &reqwest::Error) -> Option<ErrorClass> {
         if let Some(io) = err.downcast_ref::<std::io::Error>()
             && let Some(class) = io_class(io.kind())
         {
-            return Some(match class {
-                ErrorClass::Connect => ErrorClass::Reset,
-                other => other,
-            });
+            return Some(on_connection(class));
         }
         next = err.source();
     }
@@ -273,10 +270,16 @@ fn hyper_class(e: &hyper::Error) -> Option<ErrorClass> {
 /// The class of the first `io::Error` with one in `e`'s source chain (`e` included), on a
 /// connection that was established: a "never connected" kind there means it broke (reset).
 fn connected_io_class(e: &(dyn StdError + 'static)) -> Option<ErrorClass> {
-    io_class_in_chain(e).map(|class| match class {
+    io_class_in_chain(e).map(on_connection)
+}
+
+/// `class` of an I/O error on a connection that was established: a "never connected" kind
+/// there means it broke (reset).
+fn on_connection(class: ErrorClass) -> ErrorClass {
+    match class {
         ErrorClass::Connect => ErrorClass::Reset,
         other => other,
-    })
+    }
 }
 
 /// The class of the first `io::Error` with one in `e`'s source chain, `e` included.

@@ -516,6 +516,22 @@ fn server_mode_uses_the_control_planes_policy() {
         (ep["attempts"].clone(), ep["retries"].clone()),
         (json!(2), json!(1))
     );
+    // The agent closed its stream on the way out: the control plane sees it gone.
+    runtime.block_on(async {
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
+        loop {
+            let status = admin_json(&["status"]);
+            let agents = status["agents"].as_array().cloned().unwrap_or_default();
+            if agents.len() == 1 && agents[0]["connected"] == json!(false) {
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the agent is still shown connected: {status}"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    });
     drop(running);
 }
 

@@ -5,7 +5,7 @@
 //! Groups:
 //! - `success_path`: one logical call that succeeds at once, as the agent runs it: look the
 //!   endpoint up by name in a 1,000-endpoint `PolicySet`, resolve the route for the request,
-//!   start a `RetryCall` (budget deposit), `start_attempt` (breaker permit), `on_outcome(200)`
+//!   start a `RetryCall`, `start_attempt` (breaker permit, budget deposit), `on_outcome(200)`
 //!   → `Return`. `now` is read once per call with `tokio::time::Instant::now()` (tower's
 //!   `deposit` reads the clock too), and again with `now` fixed to show the clock's share.
 //!   Variants drop the lookup, the breaker and the budget to show where the time goes.

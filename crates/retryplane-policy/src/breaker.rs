@@ -277,6 +277,11 @@ impl CircuitBreaker {
     /// to the pool, so another call may take it at once, without counting a success or a
     /// failure; any other permit needs nothing (a closed period counts outcomes only). A probe
     /// of an earlier period is ignored, as its outcome would be.
+    ///
+    /// Each permit ends once: [`CircuitBreaker::record`] it or release it, never both and never
+    /// twice ([`Permit`] is `Copy`, so this is the caller's to keep). A probe handed back twice
+    /// would let more than `half_open_probes` probes out at once. [`crate::engine::RetryCall`] keeps
+    /// this rule for its attempts.
     pub fn release(&self, permit: Permit) {
         if !permit.probe {
             return;

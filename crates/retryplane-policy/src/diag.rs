@@ -86,6 +86,13 @@ impl fmt::Display for Diagnostic {
     }
 }
 
+/// Whether `c` is a control character or a Unicode line or paragraph separator: what
+/// [`OneLine`] escapes, and what a name shown in a terminal must not hold (it could break the
+/// line, move the cursor or change colours).
+pub fn is_control(c: char) -> bool {
+    c.is_control() || matches!(c, '\u{2028}' | '\u{2029}')
+}
+
 /// Text with every control character (and the Unicode line and paragraph separators) written
 /// as a Rust escape (`\n`, `\t`, `\u{1b}`), so it stays on one line and cannot drive a
 /// terminal; everything else, backslashes and non-ASCII letters included, as is.
@@ -94,9 +101,7 @@ pub struct OneLine<'a>(pub &'a str);
 impl fmt::Display for OneLine<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mut rest = self.0;
-        while let Some(at) =
-            rest.find(|c: char| c.is_control() || matches!(c, '\u{2028}' | '\u{2029}'))
-        {
+        while let Some(at) = rest.find(is_control) {
             f.write_str(&rest[..at])?;
             let c = rest[at..].chars().next().unwrap_or_default();
             write!(f, "{}", c.escape_default())?;

@@ -171,8 +171,7 @@ fn bad_message_header(status: &Status) -> Option<Status> {
 /// Whether `s` holds a control character (or a Unicode line or paragraph separator): such a
 /// name could move the cursor or change colours where `retryplane status` or `stats` print it.
 pub(crate) fn has_control(s: &str) -> bool {
-    s.chars()
-        .any(|c| c.is_control() || matches!(c, '\u{2028}' | '\u{2029}'))
+    s.chars().any(retryplane_policy::diag::is_control)
 }
 
 /// Refuses (`INVALID_ARGUMENT`, naming the field) a Hello without an agent id, with a field or

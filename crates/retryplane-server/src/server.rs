@@ -285,8 +285,6 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
     })
 }
 
-/// Sets the health of both services and of the whole server (the empty service name, which a
-/// probe without a service asks about; tonic starts it `SERVING`).
 /// The gRPC health service's name, advertised by reflection on both listeners.
 const HEALTH_SERVICE: &str = "grpc.health.v1.Health";
 
@@ -300,6 +298,8 @@ fn reflection(service: &str) -> tonic_reflection::server::Builder<'static> {
         .with_service_name(HEALTH_SERVICE)
 }
 
+/// Sets the health of both services and of the whole server (the empty service name, which a
+/// probe without a service asks about; tonic starts it `SERVING`).
 async fn set_health(health: &HealthReporter, status: ServingStatus) {
     for service in ["", AGENT_SERVICE, ADMIN_SERVICE] {
         health.set_service_status(service, status).await;

@@ -394,7 +394,7 @@ pub fn render(view: &View<'_>, size: Option<(usize, usize)>) -> Vec<String> {
             Some(e) => format!(
                 "error (retrying every {}): {}",
                 metrics::compact_ms(u64::try_from(view.interval.as_millis()).unwrap_or(u64::MAX)),
-                one_line(e)
+                crate::output::spaced(e)
             ),
             None => "q: quit".to_owned(),
         });
@@ -580,11 +580,6 @@ fn fit(text: &str, width: usize) -> String {
     let mut out: String = text.chars().take(width - 1).collect();
     out.push('…');
     out
-}
-
-/// Whitespace (newlines included) collapsed to single spaces.
-fn one_line(text: &str) -> String {
-    text.split_whitespace().collect::<Vec<_>>().join(" ")
 }
 
 /// The terminal in raw mode on the alternate screen, restored however the view ends.
