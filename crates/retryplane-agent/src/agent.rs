@@ -291,7 +291,9 @@ impl AgentBuilder {
         self
     }
 
-    /// Where the last applied snapshot is kept, for a start without the control plane.
+    /// Where the last applied snapshot is kept, for a start without the control plane. A file
+    /// there that is not a policy cache (another file, given by mistake) is never replaced: it
+    /// is logged, and no cache is kept for the run.
     pub fn cache_file(mut self, path: impl Into<PathBuf>) -> Self {
         self.cache_file = Some(path.into());
         self
@@ -334,7 +336,14 @@ impl AgentBuilder {
             tonic::transport::Endpoint::from_shared(url).map_err(AgentError::InvalidUrl)?;
         let token = self.token.as_deref().map(bearer).transpose()?;
         let seed = self.seed.unwrap_or_else(fastrand_seed);
-        let cached = self.cache_file.as_deref().and_then(crate::cache::load);
+        // A file that is not a policy cache is left alone: no cache is kept this run.
+        let (cached, cache_file) = match self.cache_file {
+            Some(path) => match crate::cache::load(&path) {
+                Ok(cached) => (cached, Some(path)),
+                Err(crate::cache::Foreign) => (None, None),
+            },
+            None => (None, None),
+        };
         let interval = self.metrics_interval.unwrap_or(DEFAULT_METRICS_INTERVAL);
         // The control plane's interval, kept with the cached snapshot, wins over the agent's own,
         // as it does when a snapshot arrives: an up-to-date agent is sent no snapshot.
@@ -358,7 +367,7 @@ impl AgentBuilder {
                 last_applied_hash: String::new(),
                 instance_id: instance_id(),
             },
-            cache_file: self.cache_file,
+            cache_file,
             default_metrics_interval: interval,
             backoff: self.backoff.unwrap_or_default(),
             keepalive: self

@@ -3,13 +3,19 @@
 //!
 //! Written atomically after every applied snapshot: a temporary file in the same directory is
 //! written and fsynced, then renamed over the cache file, and the directory is fsynced, so a
-//! crash leaves either the old file or the new one, never a torn one. Read at start; a missing,
-//! unreadable, corrupt or invalid file is logged and ignored. The metrics interval the control
+//! crash leaves either the old file or the new one, never a torn one. The temporary file's name
+//! is unique per write (process id and a counter), so two agents of one process never share it.
+//!
+//! Read at start; a missing, unreadable or invalid file is logged and ignored. A file that is
+//! not a snapshot at all (it does not decode as one, or its content hash does not match its
+//! policies) is most likely another file the agent was pointed at by mistake: it is left as it
+//! is and no cache is written for the whole run, rather than being replaced. The metrics interval the control
 //! plane set in that snapshot applies again from the start, as it did before the restart: a
 //! control plane that finds the agent up to date sends it nothing.
 
 use std::io::Write as _;
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use prost::Message as _;
@@ -31,7 +37,9 @@ pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| "cache".to_owned());
-    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
+    static WRITES: AtomicU64 = AtomicU64::new(0);
+    let n = WRITES.fetch_add(1, Ordering::Relaxed);
+    let tmp = dir.join(format!(".{name}.tmp-{}-{n}", std::process::id()));
     let result = (|| {
         let mut f = std::fs::File::create(&tmp)?;
         f.write_all(bytes)?;
@@ -59,26 +67,50 @@ pub(crate) struct Cached {
     pub(crate) metrics_interval: Option<Duration>,
 }
 
-/// The snapshot kept in `path`, if it is there and valid.
-pub(crate) fn load(path: &Path) -> Option<Cached> {
+/// A file at the cache path that is not a policy cache: left as it is, and no cache is kept.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct Foreign;
+
+/// The snapshot kept in `path`, if it is there and valid; [`Foreign`] when the file there is not
+/// a policy cache (see the module docs).
+pub(crate) fn load(path: &Path) -> Result<Option<Cached>, Foreign> {
     let bytes = match read(path) {
         Ok(Some(b)) => b,
-        Ok(None) => return None,
+        Ok(None) => return Ok(None),
         Err(e) => {
             warn!(file = %path.display(), error = %e, "cannot read the policy cache; ignored");
-            return None;
+            return Ok(None);
         }
     };
     match decode(&bytes) {
         Ok(cached) => {
             info!(file = %path.display(), version = cached.snapshot.version(), "starting on cached policies");
-            Some(cached)
+            Ok(Some(cached))
         }
-        Err(reason) => {
+        Err(Unusable::Ours(reason)) => {
             warn!(file = %path.display(), %reason, "the policy cache is not usable; ignored");
-            None
+            Ok(None)
         }
+        Err(Unusable::Foreign(reason)) if !bytes.is_empty() => {
+            warn!(
+                file = %path.display(),
+                %reason,
+                "the cache file is not a policy cache; it is left as it is and no cache is kept: \
+                 give the agent a cache file of its own"
+            );
+            Err(Foreign)
+        }
+        Err(Unusable::Foreign(_)) => Ok(None),
     }
+}
+
+/// Why a cache file cannot be used.
+enum Unusable {
+    /// A snapshot this agent (or another version of it) wrote, whose policies no longer
+    /// validate: replaced by the next applied snapshot.
+    Ours(String),
+    /// Not a snapshot with policies and a matching content hash: not ours to replace.
+    Foreign(String),
 }
 
 fn read(path: &Path) -> std::io::Result<Option<Vec<u8>>> {
@@ -96,17 +128,20 @@ fn read(path: &Path) -> std::io::Result<Option<Vec<u8>>> {
     Ok(Some(bytes))
 }
 
-fn decode(bytes: &[u8]) -> Result<Cached, String> {
-    let snap = pb::Snapshot::decode(bytes).map_err(|e| format!("not a snapshot: {e}"))?;
-    let doc = snap.policies.ok_or("the snapshot holds no policies")?;
+fn decode(bytes: &[u8]) -> Result<Cached, Unusable> {
+    let snap = pb::Snapshot::decode(bytes)
+        .map_err(|e| Unusable::Foreign(format!("not a snapshot: {e}")))?;
+    let doc = snap
+        .policies
+        .ok_or_else(|| Unusable::Foreign("the snapshot holds no policies".to_owned()))?;
     if convert::content_hash(&doc) != snap.content_hash {
-        return Err("content hash does not match".into());
+        return Err(Unusable::Foreign("content hash does not match".to_owned()));
     }
     let (set, _) = convert::validate(doc).map_err(|errors| {
-        format!(
+        Unusable::Ours(format!(
             "invalid policies: {}",
             errors.first().map(ToString::to_string).unwrap_or_default()
-        )
+        ))
     })?;
     let metrics_interval = match snap.metrics_interval_ms {
         0 => None,
@@ -138,7 +173,7 @@ mod tests {
             metrics_interval_ms: 0,
         };
         write_atomic(&path, &snap.encode_to_vec()).unwrap();
-        let loaded = load(&path).unwrap();
+        let loaded = load(&path).unwrap().unwrap();
         assert_eq!(
             (loaded.snapshot.version(), loaded.snapshot.source()),
             (9, Source::Cache)
@@ -149,11 +184,77 @@ mod tests {
             ..snap
         };
         write_atomic(&path, &set_by_server.encode_to_vec()).unwrap();
-        let loaded = load(&path).unwrap();
+        let loaded = load(&path).unwrap().unwrap();
         assert_eq!(loaded.metrics_interval, Some(Duration::from_millis(250)));
-        std::fs::write(&path, b"garbage").unwrap();
-        assert!(load(&path).is_none());
-        assert!(load(&dir.path().join("missing")).is_none());
+        assert_eq!(
+            load(&dir.path().join("missing")).map(|c| c.is_none()),
+            Ok(true)
+        );
+        std::fs::write(&path, b"").unwrap();
+        assert_eq!(
+            load(&path).map(|c| c.is_none()),
+            Ok(true),
+            "an empty file is no one's"
+        );
+        let leftovers = std::fs::read_dir(dir.path()).unwrap().count();
+        assert_eq!(leftovers, 1, "no temporary file left behind");
+    }
+
+    #[test]
+    fn a_file_that_is_not_a_snapshot_is_foreign_and_a_stale_snapshot_is_ours() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("policies.yaml");
+        std::fs::write(&path, b"version: 1\nendpoints:\n  a: {}\n").unwrap();
+        assert_eq!(load(&path).map(|c| c.is_none()), Err(Foreign));
+        // A snapshot whose hash does not match its policies is no cache of ours either.
+        let doc = pb::PolicyDocument::default();
+        let wrong_hash = pb::Snapshot {
+            version: 1,
+            content_hash: "0".repeat(64),
+            policies: Some(doc.clone()),
+            ..Default::default()
+        };
+        std::fs::write(&path, wrong_hash.encode_to_vec()).unwrap();
+        assert_eq!(load(&path).map(|c| c.is_none()), Err(Foreign));
+        // Ours, but its policies no longer validate (here: no attempt at all): ignored,
+        // replaceable.
+        let mut invalid = doc;
+        invalid.endpoints.push(pb::Endpoint {
+            name: "a".to_owned(),
+            overlay: Some(pb::Overlay {
+                max_attempts: Some(0),
+                ..Default::default()
+            }),
+            routes: Vec::new(),
+        });
+        let stale = pb::Snapshot {
+            version: 1,
+            content_hash: convert::content_hash(&invalid),
+            policies: Some(invalid),
+            ..Default::default()
+        };
+        std::fs::write(&path, stale.encode_to_vec()).unwrap();
+        assert_eq!(load(&path).map(|c| c.is_none()), Ok(true));
+    }
+
+    #[test]
+    fn each_write_has_its_own_temporary_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agent.cache");
+        // Many writers of one process at once: every rename lands a whole file.
+        std::thread::scope(|scope| {
+            for i in 0..8u8 {
+                let path = &path;
+                scope.spawn(move || {
+                    for _ in 0..50 {
+                        write_atomic(path, &[i; 4096]).unwrap();
+                    }
+                });
+            }
+        });
+        let bytes = std::fs::read(&path).unwrap();
+        assert_eq!(bytes.len(), 4096);
+        assert!(bytes.iter().all(|b| *b == bytes[0]), "a torn cache file");
         let leftovers = std::fs::read_dir(dir.path()).unwrap().count();
         assert_eq!(leftovers, 1, "no temporary file left behind");
     }

@@ -69,6 +69,40 @@ async fn a_hello_without_a_usable_cache_says_version_zero() {
         (hello.last_applied_version, hello.last_applied_hash.as_str()),
         (0, "")
     );
+    // Not a cache this agent wrote: an applied snapshot does not replace it.
+    send(&to_agent, &snapshot(8, 2)).await;
+    match script.reply().await {
+        Kind::Ack(ack) => assert_eq!(ack.version, 8),
+        other => panic!("expected Ack v8, got {other:?}"),
+    }
+    assert_eq!(std::fs::read(&cache).unwrap(), tampered.encode_to_vec());
+
+    script.shut_down(agent, to_agent).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_that_is_not_a_cache_is_never_replaced() {
+    let dir = tempfile::tempdir().unwrap();
+    // The policies file given as the cache file by mistake.
+    let cache = dir.path().join("policies.yaml");
+    let yaml = b"version: 1\nendpoints:\n  a: {max_attempts: 4}\n";
+    std::fs::write(&cache, yaml).unwrap();
+
+    let mut script = Script::start().await;
+    let agent = agent(&script, &cache);
+    assert_eq!(agent.policies().source(), Source::Fallback);
+    let (to_agent, _) = script.reconnected().await;
+    send(&to_agent, &snapshot(8, 2)).await;
+    match script.reply().await {
+        Kind::Ack(ack) => assert_eq!(ack.version, 8),
+        other => panic!("expected Ack v8, got {other:?}"),
+    }
+    assert_eq!(
+        attempts_of(&agent).await,
+        2,
+        "the snapshot applies all the same"
+    );
+    assert_eq!(std::fs::read(&cache).unwrap(), yaml);
 
     script.shut_down(agent, to_agent).await;
 }
