@@ -69,7 +69,19 @@ enum SessionEnd {
     Lost {
         up: Option<Duration>,
         reason: String,
+        /// The control plane ended the stream because a newer stream with the same agent id
+        /// took over (`ABORTED`): two processes share the id.
+        replaced: bool,
     },
+}
+
+/// How a stream that the control plane ended with `status`, after `up`, ends the session.
+fn ended(up: Option<Duration>, status: &tonic::Status) -> SessionEnd {
+    SessionEnd::Lost {
+        up,
+        reason: format!("stream ended: {:?}: {}", status.code(), status.message()),
+        replaced: status.code() == tonic::Code::Aborted,
+    }
 }
 
 /// The task: sessions until cancelled.
@@ -103,11 +115,26 @@ pub(crate) async fn run(
         )
         .await;
         shared.connected.store(false, Relaxed);
-        let SessionEnd::Lost { up, reason } = end else {
+        let SessionEnd::Lost {
+            up,
+            reason,
+            replaced,
+        } = end
+        else {
             return;
         };
         if let Some(up) = up {
             backoff.session_ended(up);
+        }
+        if replaced {
+            // Reconnecting at once would replace the other stream in turn, and the two would
+            // push each other off for ever: wait the longest delay, and say why.
+            warn!(
+                agent = %config.hello.agent_id,
+                "another stream with this agent id replaced this one: is the id shared by two \
+                 processes? Reconnecting after the longest backoff"
+            );
+            backoff.back_off_fully();
         }
         let delay = backoff.next_delay(&mut rng);
         info!(%reason, delay_ms = delay.as_millis() as u64, "control plane stream lost; reconnecting");
@@ -126,7 +153,11 @@ async fn session(
     window_start: &mut u64,
     outbox: &mut Outbox,
 ) -> SessionEnd {
-    let lost = |up: Option<Duration>, reason: String| SessionEnd::Lost { up, reason };
+    let lost = |up: Option<Duration>, reason: String| SessionEnd::Lost {
+        up,
+        reason,
+        replaced: false,
+    };
     let channel = tokio::select! {
         () = cancel.cancelled() => return SessionEnd::Cancelled,
         c = endpoint.connect() => c,
@@ -197,7 +228,7 @@ async fn session(
                 let m = match m {
                     Ok(Some(m)) => m,
                     Ok(None) => return lost(up(), "the control plane closed the stream".into()),
-                    Err(status) => return lost(up(), format!("stream ended: {:?}", status.code())),
+                    Err(status) => return ended(up(), &status),
                 };
                 if let Some(ack) = m.metrics_ack {
                     outbox.ack(&shared.metrics, ack.seq, ack.dropped);
@@ -325,6 +356,28 @@ mod tests {
     use super::*;
     use crate::Agent;
     use crate::metrics::Counters;
+
+    #[test]
+    fn a_stream_replaced_by_the_same_agent_id_is_told_apart() {
+        let replaced = tonic::Status::aborted("replaced by a newer stream with the same agent id");
+        let SessionEnd::Lost {
+            replaced: true,
+            reason,
+            ..
+        } = ended(None, &replaced)
+        else {
+            panic!("not told apart");
+        };
+        assert!(reason.contains("replaced by a newer stream"), "{reason}");
+        let shutdown = tonic::Status::unavailable("control plane shutting down; reconnect");
+        assert!(matches!(
+            ended(None, &shutdown),
+            SessionEnd::Lost {
+                replaced: false,
+                ..
+            }
+        ));
+    }
 
     fn agent() -> Agent {
         let set = retryplane_policy::load(b"version: 1\nendpoints:\n  a: {}\n")

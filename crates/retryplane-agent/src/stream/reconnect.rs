@@ -57,6 +57,13 @@ impl ReconnectBackoff {
         half + Duration::from_nanos(rng.below_inclusive(span))
     }
 
+    /// Raises the ceiling to `max`: the next delay is the longest (a stream another process
+    /// with the same agent id replaced, which reconnecting at once would replace in turn). A
+    /// later stable stream resets it as usual.
+    pub fn back_off_fully(&mut self) {
+        self.failures = 31;
+    }
+
     /// A stream that was up for `lasted` ended: a stable one resets the backoff.
     pub fn session_ended(&mut self, lasted: Duration) {
         if lasted >= self.stable_after {
@@ -72,6 +79,18 @@ mod tests {
 
     fn ms(n: u64) -> Duration {
         Duration::from_millis(n)
+    }
+
+    #[test]
+    fn backing_off_fully_waits_at_least_half_the_max_until_a_stable_stream() {
+        let mut b = ReconnectBackoff::new(ms(100), ms(30_000), ms(10_000));
+        let mut rng = SeededRng::with_seed(3);
+        b.back_off_fully();
+        assert_eq!(b.ceiling(), ms(30_000));
+        let d = b.next_delay(&mut rng);
+        assert!(d >= ms(15_000) && d <= ms(30_000), "{d:?}");
+        b.session_ended(ms(10_000));
+        assert_eq!(b.ceiling(), ms(100));
     }
 
     #[test]
