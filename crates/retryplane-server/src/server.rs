@@ -170,16 +170,22 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
         aggregate::TICK,
         shutdown_rx.clone(),
     )];
+    let mut start_read = None;
     if !cfg.api_mode {
         // Watch before the first read, so a save during start-up is not missed.
-        background.push(crate::watch::spawn(
+        let (task, read) = crate::watch::spawn_before_start(
             control.clone(),
             cfg.config_file.clone(),
             crate::watch::Timing::default(),
             shutdown_rx.clone(),
-        )?);
+        )?;
+        background.push(task);
+        start_read = Some(read);
     }
-    boot::load_policies(&control, &cfg).await?;
+    let settled = boot::load_policies(&control, &cfg).await?;
+    if let (Some(read), Some(bytes)) = (start_read, settled) {
+        read.settled(bytes);
+    }
     control
         .publish_current()
         .await

@@ -50,7 +50,7 @@ use notify::{Event, EventKind, RecommendedWatcher, RecursiveMode, Watcher as _};
 use retryplane_policy::Loaded;
 use retryplane_policy::yaml::MAX_FILE_BYTES;
 use retryplane_proto::pb;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
@@ -129,9 +129,15 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> 
 }
 
 /// Reads and loads a policy file, off the async threads. `Err` only when it cannot be read.
-pub async fn read_policy_file(path: &Path) -> io::Result<Loaded> {
+pub async fn read_policy_file(path: &Path) -> io::Result<(Vec<u8>, Loaded)> {
     let path = path.to_owned();
-    blocking(move || read_bytes(&path).map(|bytes| retryplane_policy::load(&bytes))).await?
+    blocking(move || {
+        read_bytes(&path).map(|bytes| {
+            let loaded = retryplane_policy::load(&bytes);
+            (bytes, loaded)
+        })
+    })
+    .await?
 }
 
 /// Logs every diagnostic of `file` at warn, as `FILE:LINE:COLUMN: SEVERITY: PATH: MESSAGE`.
@@ -155,6 +161,32 @@ pub fn spawn(
     timing: Timing,
     shutdown: watch::Receiver<bool>,
 ) -> Result<JoinHandle<()>, WatchError> {
+    spawn_before_start(control, file, timing, shutdown).map(|(task, _)| task)
+}
+
+/// What start-up read from the policy file, for a watcher started before that read.
+#[derive(Debug)]
+pub struct StartRead(oneshot::Sender<Vec<u8>>);
+
+impl StartRead {
+    /// Start-up read `bytes` and settled them (applied, equal to the stored version, or refused
+    /// with its problems logged): the watcher treats them as read, so the first event in a
+    /// watched directory neither applies nor logs them again.
+    pub fn settled(self, bytes: Vec<u8>) {
+        // The watcher may have stopped already: nothing to tell then.
+        let _ = self.0.send(bytes);
+    }
+}
+
+/// [`spawn`] for a watcher started before the server's own first read of the file (so a save
+/// during start-up is not missed): hand that read to the returned [`StartRead`]. Dropping it
+/// instead is fine: the watcher then reads the file afresh on its first event.
+pub fn spawn_before_start(
+    control: Arc<ControlPlane>,
+    file: PathBuf,
+    timing: Timing,
+    shutdown: watch::Receiver<bool>,
+) -> Result<(JoinHandle<()>, StartRead), WatchError> {
     if file.file_name().is_none() {
         return Err(WatchError::NoFileName(file));
     }
@@ -211,9 +243,17 @@ pub fn spawn(
         directories = ?watches.active,
         "watching the policy file for changes"
     );
-    Ok(tokio::spawn(run(
-        control, file, timing, rx, shutdown, watches,
-    )))
+    let (start_tx, start_rx) = oneshot::channel();
+    let task = tokio::spawn(run(
+        control,
+        file,
+        timing,
+        rx,
+        shutdown,
+        watches,
+        Some(start_rx),
+    ));
+    Ok((task, StartRead(start_tx)))
 }
 
 /// Whether `event` is a pure read (ours included), which changes nothing.
@@ -386,6 +426,7 @@ async fn run(
     mut events: mpsc::Receiver<()>,
     mut shutdown: watch::Receiver<bool>,
     mut watches: Watches,
+    mut start: Option<oneshot::Receiver<Vec<u8>>>,
 ) {
     let debounce = timing.debounce;
     let mut rescan = tokio::time::interval_at(Instant::now() + timing.rescan, timing.rescan);
@@ -425,6 +466,20 @@ async fn run(
                 return;
             }
         };
+        // What start-up read counts as read: an event that changed nothing in the file (or a
+        // rescan) does not apply or log it a second time.
+        if let Some(read) = &mut start {
+            match read.try_recv() {
+                Ok(bytes) => {
+                    if matches!(last, LastRead::Nothing) {
+                        last = LastRead::Bytes(bytes);
+                    }
+                    start = None;
+                }
+                Err(oneshot::error::TryRecvError::Closed) => start = None,
+                Err(oneshot::error::TryRecvError::Empty) => {}
+            }
+        }
         reload_if_changed(&control, &file, &mut last).await;
     }
 }

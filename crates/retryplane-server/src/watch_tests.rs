@@ -268,8 +268,9 @@ async fn touch_unrelated(f: &Fixture, log: &Sink) -> String {
     log.text()[before.len()..].to_owned()
 }
 
-#[tokio::test]
-async fn touching_an_unrelated_file_publishes_and_logs_nothing() {
+/// This thread's logs from here on, at debug, for as long as the guard lives. The watch task
+/// of a current-thread test runtime runs on this thread.
+fn capture_logs() -> (Sink, tracing::subscriber::DefaultGuard) {
     let log = Sink::default();
     let writer = log.clone();
     let subscriber = tracing_subscriber::fmt()
@@ -277,8 +278,7 @@ async fn touching_an_unrelated_file_publishes_and_logs_nothing() {
         .with_ansi(false)
         .with_writer(move || writer.clone())
         .finish();
-    // The watch task runs on this (current-thread) runtime's thread.
-    let _guard = tracing::subscriber::set_default(subscriber);
+    let guard = tracing::subscriber::set_default(subscriber);
     // Other tests of this binary run on other threads with no subscriber. A callsite they
     // registered while this subscriber was being set up can keep an interest of "never";
     // rebuilding the interests now makes this subscriber count for every callsite.
@@ -292,6 +292,43 @@ async fn touching_an_unrelated_file_publishes_and_logs_nothing() {
         "{}",
         log.text()
     );
+    (log, guard)
+}
+
+#[tokio::test]
+async fn what_start_up_read_is_not_applied_or_logged_again() {
+    let (log, _guard) = capture_logs();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("policies.yaml");
+    fs::write(&file, V1).unwrap();
+    let store: Arc<dyn VersionStore> = Arc::new(MemoryStore::new());
+    let control = Arc::new(ControlPlane::for_tests(store, Mode::File(file.clone())));
+    reload(&control, &file).await;
+    assert_eq!(current_version(&control), Some(1));
+    // A start over a stored version with an invalid file: the watcher starts first, then the
+    // start-up read refuses the file (and logs its problems) and hands its bytes over.
+    fs::write(&file, INVALID).unwrap();
+    let (stop, shutdown) = watch::channel(false);
+    let (_task, read) =
+        spawn_before_start(control.clone(), file.clone(), TIMING, shutdown).unwrap();
+    reload(&control, &file).await;
+    assert_eq!(control.metrics.rejected_changes.get(), 1);
+    read.settled(fs::read(&file).unwrap());
+    let f = Fixture {
+        dir,
+        file,
+        control,
+        _stop: stop,
+    };
+    let logged = touch_unrelated(&f, &log).await;
+    assert_eq!(f.control.metrics.rejected_changes.get(), 1, "refused once");
+    assert!(!logged.contains(" WARN "), "logged again: {logged}");
+    assert_eq!(current_version(&f.control), Some(1));
+}
+
+#[tokio::test]
+async fn touching_an_unrelated_file_publishes_and_logs_nothing() {
+    let (log, _guard) = capture_logs();
     let f = fixture().await;
     save_by_rename(&f, V2);
     wait_for_version(&f.control, 2, PUBLISH_BOUND).await;

@@ -21,11 +21,13 @@ use crate::control::{ChangeRequest, ControlPlane};
 use crate::store::Source;
 use crate::watch::{log_diagnostics, read_policy_file};
 
-/// Loads the policies the server starts with; see the module docs.
+/// Loads the policies the server starts with; see the module docs. In file mode, returns the
+/// file's bytes once they are settled (applied, equal to the stored version, or refused and
+/// logged), for the watcher to count as read.
 pub(super) async fn load_policies(
     control: &ControlPlane,
     cfg: &ServeConfig,
-) -> Result<(), ServeError> {
+) -> Result<Option<Vec<u8>>, ServeError> {
     let file = cfg.config_file.as_path();
     let stored = control
         .blocking(|s| s.current())
@@ -38,27 +40,27 @@ pub(super) async fn load_policies(
                 version,
                 "API mode: serving the stored version; the policy file is not read"
             );
-            return Ok(());
+            return Ok(None);
         }
         return match read_policy_file(file).await {
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
                 warn!(file = %file.display(), "API mode: the store is empty and there is no seed file; not ready until the first `retryplane apply`");
-                Ok(())
+                Ok(None)
             }
             Err(source) => Err(read_error(file, source)),
-            Ok(loaded) => {
+            Ok((_, loaded)) => {
                 apply_valid(control, file, loaded).await?;
                 info!(file = %file.display(), "API mode: seeded the empty store from the policy file");
-                Ok(())
+                Ok(None)
             }
         };
     }
-    let loaded = match (read_policy_file(file).await, stored) {
-        (Ok(loaded), _) => loaded,
+    let (bytes, loaded) = match (read_policy_file(file).await, stored) {
+        (Ok(read), _) => read,
         (Err(source), None) => return Err(read_error(file, source)),
         (Err(e), Some(version)) => {
             error!(file = %file.display(), error = %e, version, "cannot read the policy file; serving the stored version");
-            return Ok(());
+            return Ok(None);
         }
     };
     match stored {
@@ -66,10 +68,10 @@ pub(super) async fn load_policies(
             log_diagnostics(file, &loaded);
             control.metrics.rejected_changes.inc();
             error!(file = %file.display(), version, "the policy file is invalid; serving the stored version until it is fixed");
-            Ok(())
         }
-        _ => apply_valid(control, file, loaded).await,
+        _ => apply_valid(control, file, loaded).await?,
     }
+    Ok(Some(bytes))
 }
 
 fn read_error(file: &Path, source: io::Error) -> ServeError {
