@@ -28,16 +28,22 @@ pub fn note(message: fmt::Arguments<'_>) {
     let _ = writeln!(io::stderr().lock(), "{message}");
 }
 
-/// Appends `FILE:LINE:COLUMN: SEVERITY: PATH: MESSAGE` and a newline (SPEC §5): one line per
-/// problem, whatever the file's names hold. Paths and messages carry names as written (a key
+/// Appends `FILE:LINE:COLUMN: SEVERITY: PATH: MESSAGE` and a newline (SPEC §5), or
+/// `FILE: SEVERITY: PATH: MESSAGE` for a diagnostic with no place (a stored version's): one line
+/// per problem, whatever the file's names hold. Paths and messages carry names as written (a key
 /// `"a\nb"`), and the file is named as given, so control characters in them are escaped
 /// ([`OneLine`]).
 pub fn push_diagnostic_line(out: &mut String, file: &str, diag: &Diagnostic) {
+    // A diagnostic of a stored version (a rollback's warnings) has no place in any file.
+    let place = if diag.loc.is_known() {
+        format!(":{}", diag.loc)
+    } else {
+        String::new()
+    };
     let _ = writeln!(
         out,
-        "{}:{}: {}: {}: {}",
+        "{}{place}: {}: {}: {}",
         OneLine(file),
-        diag.loc,
         diag.severity.as_str(),
         OneLine(&diag.path),
         OneLine(&diag.message)
@@ -64,10 +70,10 @@ pub fn spaced(s: &str) -> String {
 pub struct JsonDiagnostic<'a> {
     /// The file as named on the command line (`<stdin>` for `-`).
     pub file: &'a str,
-    /// 1-based line; 0 when unknown.
-    pub line: u32,
-    /// 1-based column; 0 when unknown.
-    pub column: u32,
+    /// 1-based line; `null` when unknown (a stored version's diagnostic).
+    pub line: Option<u32>,
+    /// 1-based column; `null` when unknown.
+    pub column: Option<u32>,
     /// `error` or `warning`.
     pub severity: &'static str,
     /// The field path, such as `endpoints.payments.backoff.max`.
@@ -81,8 +87,8 @@ impl<'a> JsonDiagnostic<'a> {
     pub fn new(file: &'a str, diag: &'a Diagnostic) -> Self {
         Self {
             file,
-            line: diag.loc.line,
-            column: diag.loc.column,
+            line: diag.loc.is_known().then_some(diag.loc.line),
+            column: diag.loc.is_known().then_some(diag.loc.column),
             severity: diag.severity.as_str(),
             path: &diag.path,
             message: &diag.message,
@@ -211,6 +217,33 @@ pub fn invalid_file_report(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_diagnostic_without_a_place_is_printed_without_one() {
+        use retryplane_policy::yaml::Loc;
+        use serde_json::{Value, json};
+        let mut d = Diagnostic::warning(Loc::UNKNOWN, "endpoints.a.max_attempts", "many attempts");
+        let mut out = String::new();
+        push_diagnostic_line(&mut out, "v2", &d);
+        assert_eq!(
+            out,
+            "v2: warning: endpoints.a.max_attempts: many attempts\n"
+        );
+        let json = serde_json::to_value(JsonDiagnostic::new("v2", &d)).unwrap();
+        assert_eq!(
+            (&json["line"], &json["column"]),
+            (&Value::Null, &Value::Null)
+        );
+        d.loc = Loc { line: 3, column: 5 };
+        out.clear();
+        push_diagnostic_line(&mut out, "f.yaml", &d);
+        assert_eq!(
+            out,
+            "f.yaml:3:5: warning: endpoints.a.max_attempts: many attempts\n"
+        );
+        let json = serde_json::to_value(JsonDiagnostic::new("f.yaml", &d)).unwrap();
+        assert_eq!((&json["line"], &json["column"]), (&json!(3), &json!(5)));
+    }
 
     #[test]
     fn millis_print_whole_numbers_without_decimals() {
