@@ -63,7 +63,8 @@ pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 /// `--server` and `--token`, shared by every admin command.
 #[derive(Debug, clap::Args)]
 pub struct ServerArgs {
-    /// The control plane's admin address (`http://HOST:PORT`).
+    /// The control plane's admin address (`http://HOST:PORT`; `http://` and port 7471 when not
+    /// given).
     #[arg(long, env = "RETRYPLANE_SERVER", default_value = DEFAULT_SERVER, value_name = "URL")]
     server: String,
     /// Admin token, sent as `authorization: Bearer TOKEN`.
@@ -105,6 +106,25 @@ pub struct Server {
     authorization: Option<MetadataValue<Ascii>>,
 }
 
+/// The admin listener's port of `retryplane serve`, used when `--server` names none.
+const DEFAULT_PORT: u16 = 7471;
+
+/// `url` with [`DEFAULT_PORT`] when it names a host and no port (`http://cp.internal`), since
+/// the admin listener is not on HTTP's port 80; as given otherwise, an invalid URL included
+/// (the caller reports it).
+fn with_default_port(url: String) -> String {
+    let Ok(uri) = url.parse::<http::Uri>() else {
+        return url;
+    };
+    match uri.authority() {
+        Some(authority) if authority.port().is_none() => {
+            let path = uri.path_and_query().map_or("", |p| p.as_str());
+            format!("http://{authority}:{DEFAULT_PORT}{path}")
+        }
+        _ => url,
+    }
+}
+
 impl TryFrom<ServerArgs> for Server {
     type Error = anyhow::Error;
 
@@ -119,6 +139,7 @@ impl TryFrom<ServerArgs> for Server {
                 "--server {url}: only http:// is supported (TLS on the admin listener comes later)"
             );
         }
+        let url = with_default_port(url);
         let endpoint = Endpoint::from_shared(url.clone())
             .with_context(|| format!("--server {url}: not a valid URL"))?
             .connect_timeout(CONNECT_TIMEOUT)
@@ -236,6 +257,19 @@ mod tests {
         assert_eq!(
             server("127.0.0.1:7471", None).unwrap().url,
             "http://127.0.0.1:7471"
+        );
+        // No port: the admin listener's, not HTTP's 80.
+        assert_eq!(
+            server("127.0.0.1", None).unwrap().url,
+            "http://127.0.0.1:7471/"
+        );
+        assert_eq!(
+            server("http://[::1]", None).unwrap().url,
+            "http://[::1]:7471/"
+        );
+        assert_eq!(
+            server("http://cp.internal:9000", None).unwrap().url,
+            "http://cp.internal:9000"
         );
         assert!(server("https://cp.example:7471", None).is_err());
         assert!(server("http://bad host", None).is_err());
