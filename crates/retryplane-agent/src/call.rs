@@ -551,10 +551,13 @@ impl Endpoint {
             r = tokio::time::timeout(left, reauth.refresh()) => r.unwrap_or(false),
         };
         let left = info.deadline.saturating_duration_since(Instant::now());
+        // The first send of the attempt, logged like an attempt: its answer asked for a refresh.
         if !refreshed || left.is_zero() {
             debug!(
                 endpoint = %self.name,
                 attempt = info.number,
+                class = "refresh_wanted",
+                deadline_left_ms = left.as_millis() as u64,
                 "credentials not refreshed, the answer stands"
             );
             return Resend::Kept(first_answer);
@@ -562,6 +565,8 @@ impl Endpoint {
         debug!(
             endpoint = %self.name,
             attempt = info.number,
+            class = "refresh_wanted",
+            deadline_left_ms = left.as_millis() as u64,
             "credentials refreshed, sending again"
         );
         let info = AttemptInfo {

@@ -217,11 +217,27 @@ async fn no_log_line_carries_a_header_value_a_token_or_a_body() {
         "no warn line for the failed call:\n{log}"
     );
     assert!(
-        line_with(&log, &["credentials refreshed, sending again"]).is_some(),
+        line_with(
+            &log,
+            &[
+                "credentials refreshed, sending again",
+                "class=\"refresh_wanted\"",
+                "deadline_left_ms="
+            ]
+        )
+        .is_some(),
         "{log}"
     );
     assert!(
-        line_with(&log, &["credentials not refreshed, the answer stands"]).is_some(),
+        line_with(
+            &log,
+            &[
+                "credentials not refreshed, the answer stands",
+                "class=\"refresh_wanted\"",
+                "deadline_left_ms="
+            ]
+        )
+        .is_some(),
         "{log}"
     );
 }
