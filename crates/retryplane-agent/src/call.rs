@@ -133,6 +133,13 @@ impl Endpoint {
         meta.idempotency(policy).0
     }
 
+    /// The deadline of a call described by `meta` under the policies in force now.
+    pub(crate) fn deadline_for(&self, meta: &CallMeta<'_>) -> std::time::Duration {
+        let entry = self.entry();
+        let (policy, _) = entry.resolve(&meta.target());
+        policy.deadline
+    }
+
     /// Runs `attempt` under the endpoint's policy, classifying results with [`Classify`].
     ///
     /// `attempt` is called once per attempt with its [`AttemptInfo`]; its future is dropped

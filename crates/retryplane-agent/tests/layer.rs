@@ -242,3 +242,41 @@ async fn a_refused_body_over_the_limit_is_tried_once_and_its_error_returned_at_o
         (1, 1, 0, 1, 0)
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_stalled_request_body_is_waited_for_until_the_deadline_then_sent_as_it_comes() {
+    let agent = agent(&policy("max_attempts: 3\ndeadline: 2s"));
+    // The caller's upload sends three bytes, then nothing more, ever.
+    let chunks = tokio_stream::iter([Ok::<_, Infallible>(Frame::data(Bytes::from_static(b"abc")))]);
+    let stalled = StreamBody::new(tokio_stream::StreamExt::chain(
+        chunks,
+        tokio_stream::pending(),
+    ));
+    type Stalled = StreamBody<
+        tokio_stream::adapters::Chain<
+            tokio_stream::Iter<std::array::IntoIter<Result<Frame<Bytes>, Infallible>, 1>>,
+            tokio_stream::Pending<Result<Frame<Bytes>, Infallible>>,
+        >,
+    >;
+    let start = Instant::now();
+    let called: Arc<Mutex<Vec<Duration>>> = Arc::default();
+    let log = called.clone();
+    // An upstream that answers without reading the body.
+    let svc = service_fn(move |_req: Request<ReplayBody<Stalled>>| {
+        log.lock().unwrap().push(start.elapsed());
+        async { Ok::<_, Infallible>(Response::new(())) }
+    });
+    let client = RetryLayer::new(agent.endpoint("ep")).layer(svc);
+    let req = Request::builder()
+        .method("PUT")
+        .uri("/s")
+        .body(stalled)
+        .unwrap();
+    let response = tokio::time::timeout(Duration::from_secs(60), client.oneshot(req))
+        .await
+        .expect("the call waited for the body for ever")
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    // Sent once the deadline the call would have had passed, with what had come so far first.
+    assert_eq!(*called.lock().unwrap(), [Duration::from_secs(2)]);
+}

@@ -58,14 +58,18 @@ impl<B> ReplayBody<B> {
     }
 }
 
-/// Reads `body` while it stays within `limit` bytes.
-pub(crate) async fn buffer<B>(body: B, limit: usize) -> Result<Buffered<B>, B::Error>
+/// Reads `body` while it stays within `limit` bytes and `deadline` has not passed: a body over
+/// the limit, or still coming at the deadline (a stalled upload), is sent once, as it comes.
+pub(crate) async fn buffer<B>(
+    body: B,
+    limit: usize,
+    deadline: Instant,
+) -> Result<Buffered<B>, B::Error>
 where
     B: Body<Data = Bytes>,
 {
-    match read_up_to(Box::pin(body), limit, None).await {
+    match read_up_to(Box::pin(body), limit, Some(deadline)).await {
         Ok(Read::Whole(data, trailers)) => Ok(Buffered::Replayable(data, trailers)),
-        // `Late` cannot happen without a deadline; were it to, the body is sent as it comes.
         Ok(Read::Over(prefix, rest) | Read::Late(prefix, rest)) => Ok(Buffered::Once(ReplayBody {
             inner: Inner::Streaming { prefix, rest },
         })),

@@ -155,7 +155,7 @@ where
         let inner = Inner::take_ready(&mut self.inner);
         let settings = self.settings.clone();
         ResponseFuture::new(Box::pin(async move {
-            let prepared = prepare(request, settings.body_limit).await?;
+            let prepared = prepare(request, &settings).await?;
             send(inner, &settings, prepared, None).await
         }))
     }
@@ -257,20 +257,31 @@ enum Prepared<B> {
 }
 
 /// Reads the body of `request` into memory if it fits in `limit`.
-async fn prepare<B>(request: Request<B>, limit: usize) -> Result<Prepared<B>, BoxError>
+async fn prepare<B>(request: Request<B>, settings: &Settings) -> Result<Prepared<B>, BoxError>
 where
     B: Body<Data = Bytes>,
     B::Error: Into<BoxError>,
 {
     let (head, body) = request.into_parts();
-    Ok(match buffer(body, limit).await.map_err(Into::into)? {
-        Buffered::Replayable(data, trailers) => Prepared::Buffered {
-            head,
-            data,
-            trailers,
+    // Reading the body waits on the caller's stream: a stalled one is bounded by the deadline
+    // the call would have, then sent once as it comes (the call's own timeouts bound the rest).
+    let wait = settings
+        .endpoint
+        .deadline_for(&call_meta(&head, head.uri.path()));
+    let deadline = Instant::now() + wait;
+    Ok(
+        match buffer(body, settings.body_limit, deadline)
+            .await
+            .map_err(Into::into)?
+        {
+            Buffered::Replayable(data, trailers) => Prepared::Buffered {
+                head,
+                data,
+                trailers,
+            },
+            Buffered::Once(body) => Prepared::Once { head, body },
         },
-        Buffered::Once(body) => Prepared::Once { head, body },
-    })
+    )
 }
 
 /// Runs one logical call of `prepared`. With `deadline`, the call's deadline is set in it
@@ -376,7 +387,7 @@ where
     RB: Body,
     RB::Error: Into<BoxError>,
 {
-    let prepared = prepare(request, settings.body_limit).await?;
+    let prepared = prepare(request, &settings).await?;
     let key = match &prepared {
         // Trailers are rare on a read; such a request is simply not shared. Nor is one the
         // policy in force (or an `Idempotent(false)` on it) does not call idempotent.

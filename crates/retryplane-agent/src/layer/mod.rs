@@ -13,7 +13,8 @@
 //!   [`RetryLayer::with_body_limit`]) so that each attempt sends it again. A larger body is
 //!   streamed as it comes, once: the call makes one attempt, whatever it fails with (a failed
 //!   connect included), and returns that attempt's response or error as it is (per-try
-//!   timeout, breaker and metrics still apply).
+//!   timeout, breaker and metrics still apply). So is a body still coming when the deadline
+//!   the call would have passes (a stalled upload): reading it never holds the call for ever.
 //! - The inner service is called on the instance `poll_ready` readied (capacity reserved
 //!   there, such as a `ConcurrencyLimit` permit or a `Buffer` slot, is what the first attempt
 //!   uses); each later attempt readies a clone of its own first.
