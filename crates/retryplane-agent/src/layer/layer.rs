@@ -256,7 +256,8 @@ enum Prepared<B> {
     Once { head: Parts, body: ReplayBody<B> },
 }
 
-/// Reads the body of `request` into memory if it fits in `limit`.
+/// Reads the body of `request` into memory if it fits in the layer's limit and comes before the
+/// deadline the call would have.
 async fn prepare<B>(request: Request<B>, settings: &Settings) -> Result<Prepared<B>, BoxError>
 where
     B: Body<Data = Bytes>,
@@ -269,19 +270,17 @@ where
         .endpoint
         .deadline_for(&call_meta(&head, head.uri.path()));
     let deadline = Instant::now() + wait;
-    Ok(
-        match buffer(body, settings.body_limit, deadline)
-            .await
-            .map_err(Into::into)?
-        {
-            Buffered::Replayable(data, trailers) => Prepared::Buffered {
-                head,
-                data,
-                trailers,
-            },
-            Buffered::Once(body) => Prepared::Once { head, body },
+    let buffered = buffer(body, settings.body_limit, deadline)
+        .await
+        .map_err(Into::into)?;
+    Ok(match buffered {
+        Buffered::Replayable(data, trailers) => Prepared::Buffered {
+            head,
+            data,
+            trailers,
         },
-    )
+        Buffered::Once(body) => Prepared::Once { head, body },
+    })
 }
 
 /// Runs one logical call of `prepared`. With `deadline`, the call's deadline is set in it
