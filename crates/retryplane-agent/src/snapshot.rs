@@ -2,9 +2,10 @@
 //!
 //! A snapshot is the compiled [`PolicySet`] with its version and content hash, plus the runtime
 //! state of every endpoint (its [`EndpointState`]: retry budget and circuit breaker). When a new
-//! snapshot replaces an old one, an endpoint whose budget and breaker settings did not change
-//! keeps its state, so a push that only changes `max_attempts` does not reset a breaker that is
-//! open. Endpoints the policies do not name run under the file's `defaults:`; their state is
+//! snapshot replaces an old one, an endpoint keeps the state of whichever of its budget and
+//! breaker kept its settings, so a push that changes `max_attempts`, or only the budget, does
+//! not close a breaker that is open; a breaker whose settings changed stays open until the open
+//! period it started ends, and a budget whose settings changed starts empty. Endpoints the policies do not name run under the file's `defaults:`; their state is
 //! created on first use, kept in one registry that every snapshot of the agent shares, and
 //! carried over the same way.
 
@@ -12,9 +13,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 
 use retryplane_policy::engine::EndpointState;
-use retryplane_policy::{
-    BreakerConfig, BudgetConfig, EndpointPolicy, PolicySet, RetryPolicy, Target,
-};
+use retryplane_policy::{EndpointPolicy, PolicySet, RetryPolicy, Target};
 use tokio::time::Instant;
 
 /// Where a snapshot's policies came from.
@@ -42,32 +41,34 @@ pub fn fallback_policy() -> RetryPolicy {
     }
 }
 
-/// An endpoint's shared runtime state and the settings it was built from.
+/// An endpoint's shared runtime state (its budget and breaker, and the settings they were
+/// built from).
 #[derive(Debug)]
 pub(crate) struct Runtime {
     pub(crate) state: EndpointState,
-    budget: Option<BudgetConfig>,
-    breaker: Option<BreakerConfig>,
 }
 
 impl Runtime {
     fn new(policy: &RetryPolicy) -> Self {
         Self {
             state: EndpointState::new(policy, Instant::now()),
-            budget: policy.budget.clone(),
-            breaker: policy.circuit_breaker.clone(),
         }
     }
 
     fn fits(&self, policy: &RetryPolicy) -> bool {
-        self.budget == policy.budget && self.breaker == policy.circuit_breaker
+        self.state.fits(policy)
     }
 
-    /// `old` when its settings match `policy`, else a fresh state.
+    /// `old` when its settings match `policy`; else a state for `policy` that keeps the part
+    /// of `old` whose settings did not change (see [`EndpointState::carry`]); with no `old`, a
+    /// fresh state.
     fn carry(old: Option<&Arc<Runtime>>, policy: &RetryPolicy) -> Arc<Runtime> {
         match old {
             Some(rt) if rt.fits(policy) => rt.clone(),
-            _ => Arc::new(Runtime::new(policy)),
+            Some(rt) => Arc::new(Runtime {
+                state: rt.state.carry(policy),
+            }),
+            None => Arc::new(Runtime::new(policy)),
         }
     }
 }
@@ -139,7 +140,7 @@ impl States {
         {
             return rt.clone();
         }
-        let rt = Arc::new(Runtime::new(defaults));
+        let rt = Runtime::carry(inner.newest_state(name), defaults);
         if rt.fits(&inner.newest) && !inner.named.contains_key(name) {
             inner.unnamed.insert(Arc::from(name), rt.clone());
         }
@@ -147,19 +148,23 @@ impl States {
     }
 
     /// Makes a new snapshot the newest: its `defaults:` and the states of the endpoints it
-    /// names. Unnamed states that no longer fit, or whose endpoints it names, are dropped; an
-    /// endpoint it no longer names keeps its state when that fits the new `defaults:`.
+    /// names. Unnamed states whose endpoints it names are dropped (the named entries carried
+    /// them); the others, and the states of endpoints it no longer names, are kept under the
+    /// new `defaults:`, as [`Runtime::carry`] keeps them.
     fn advance(&self, defaults: &Arc<RetryPolicy>, named: &Arc<Map<Arc<Entry>>>) {
         let mut inner = self.write();
         let before = std::mem::replace(&mut inner.named, named.clone());
         inner.newest = defaults.clone();
         let unnamed = &mut inner.unnamed;
-        unnamed.retain(|name, rt| !named.contains_key(name) && rt.fits(defaults));
+        unnamed.retain(|name, _| !named.contains_key(name));
+        for rt in unnamed.values_mut() {
+            *rt = Runtime::carry(Some(rt), defaults);
+        }
         for (name, entry) in before.iter() {
-            if !named.contains_key(name) && entry.runtime.fits(defaults) {
+            if !named.contains_key(name) {
                 unnamed
                     .entry(name.clone())
-                    .or_insert_with(|| entry.runtime.clone());
+                    .or_insert_with(|| Runtime::carry(Some(&entry.runtime), defaults));
             }
         }
     }

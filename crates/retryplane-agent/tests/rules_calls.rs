@@ -536,3 +536,49 @@ async fn a_dropped_call_hands_its_half_open_probe_to_the_next_call() {
     assert_eq!(up.attempts(), 1);
     the_next_call_gets_the_probe(&agent).await;
 }
+
+/// `ep` (named) and `other` (under the defaults) make one attempt a call, with a breaker that
+/// two failures open for 30 s; `budget` and `min_requests` are set in `defaults:`.
+fn breaker_set(budget: &str, min_requests: u32) -> String {
+    format!(
+        "version: 1\ndefaults:\n  max_attempts: 1\n  budget: {budget}\n  circuit_breaker: {{failure_ratio: 0.5, min_requests: {min_requests}, window: 10s, open_for: 30s, half_open_probes: 1}}\nendpoints:\n  ep: {{}}\n"
+    )
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_open_breaker_stays_open_across_a_swap_that_changes_the_budget_or_the_breaker() {
+    let agent = agent(&breaker_set("{ratio: 0.2}", 2));
+    let handles = [agent.endpoint("ep"), agent.endpoint("other")];
+    for ep in &handles {
+        for _ in 0..2 {
+            let up = Upstream::new([Step::Status(503)]);
+            ep.call(get(), up.attempt()).await.unwrap_err();
+        }
+    }
+    let refused = |err: CallError<http::Response<()>, std::io::Error>| {
+        err.cause == Cause::GaveUp(GiveUpCause::CircuitOpen)
+    };
+    for (budget, min_requests) in [
+        ("{ratio: 0.1}", 2),
+        ("{ratio: 0.1}", 5),
+        ("{enabled: false}", 5),
+    ] {
+        agent.set_policies(set(&breaker_set(budget, min_requests)));
+        for ep in &handles {
+            let up = Upstream::new([]);
+            let err = ep.call(get(), up.attempt()).await.unwrap_err();
+            assert!(
+                refused(err),
+                "budget {budget}, min_requests {min_requests}: the upstream was called"
+            );
+            assert_eq!(up.attempts(), 0);
+        }
+    }
+    // The open period the breakers started under ends: each lets a probe through.
+    tokio::time::advance(Duration::from_secs(30)).await;
+    for ep in &handles {
+        let up = Upstream::new([Step::Status(200)]);
+        ep.call(get(), up.attempt()).await.unwrap();
+        assert_eq!(up.attempts(), 1);
+    }
+}

@@ -32,7 +32,7 @@
 //! cleared when the breaker opens. Time comes in as `now` values.
 
 use std::sync::atomic::AtomicU64;
-use std::sync::atomic::Ordering::{AcqRel, Acquire};
+use std::sync::atomic::Ordering::{AcqRel, Acquire, Release};
 
 use tokio::time::Instant;
 
@@ -144,6 +144,25 @@ impl CircuitBreaker {
             open_for_nanos: u64::try_from(cfg.open_for.as_nanos()).unwrap_or(u64::MAX),
             half_open_probes: u64::from(cfg.half_open_probes).clamp(1, PROBE_MASK),
         }
+    }
+
+    /// A breaker for `cfg` that takes over from `old`, a breaker of the same endpoint built
+    /// under other settings, measuring time from `old`'s origin. An `old` that is open stays
+    /// open in the new breaker until the end of the open period it started (`old`'s
+    /// `open_for`), and then probes under `cfg`; an `old` that is half-open is half-open here
+    /// with no probe out. So a settings change never lets full traffic through to an upstream
+    /// the breaker had cut off. The counts of a closed `old` are not taken over: they were
+    /// made against other thresholds, and the new window starts empty.
+    ///
+    /// Permits `old` issued stay `old`'s: report them to `old`, which the calls holding them
+    /// keep.
+    pub fn taking_over(cfg: &BreakerConfig, old: &CircuitBreaker) -> Self {
+        let breaker = Self::new(cfg, old.origin);
+        let state = old.state.load(Acquire);
+        if state & OPEN != 0 {
+            breaker.state.store(state & (OPEN | UNTIL_MASK), Release);
+        }
+        breaker
     }
 
     fn nanos(&self, now: Instant) -> u64 {

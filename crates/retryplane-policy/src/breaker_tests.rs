@@ -267,3 +267,60 @@ fn releasing_a_stale_or_closed_period_permit_changes_nothing() {
         "the stale release gave the new period no extra probe"
     );
 }
+
+#[test]
+fn a_breaker_taking_over_an_open_one_stays_open_until_its_period_ends() {
+    let t0 = Instant::now();
+    let old = breaker(10, t0);
+    let opened = trip(&old, t0);
+    let cfg = BreakerConfig {
+        min_requests: 5,
+        open_for: Duration::from_secs(5),
+        half_open_probes: 1,
+        ..BreakerConfig::default()
+    };
+    let new = CircuitBreaker::taking_over(&cfg, &old);
+    // Still open under the old period (30 s), not the new `open_for` (5 s).
+    assert_eq!(new.state(opened + Duration::from_secs(6)), Open);
+    assert!(new.try_acquire(opened + Duration::from_secs(29)).is_err());
+    // Then half-open with the new number of probes.
+    let after = opened + Duration::from_secs(30);
+    assert_eq!(new.state(after), HalfOpen);
+    let probe = new.try_acquire(after).unwrap();
+    assert!(new.try_acquire(after).is_err());
+    new.record(probe, true, after);
+    assert_eq!(new.state(after), Closed);
+}
+
+#[test]
+fn a_breaker_taking_over_a_half_open_one_is_half_open_with_no_probe_out() {
+    let t0 = Instant::now();
+    let old = breaker(10, t0);
+    let opened = trip(&old, t0);
+    let after = opened + Duration::from_secs(30);
+    let _probe = old.try_acquire(after).unwrap();
+    let new = CircuitBreaker::taking_over(&BreakerConfig::default(), &old);
+    assert_eq!(new.state(after), HalfOpen);
+    for _ in 0..3 {
+        assert!(new.try_acquire(after).is_ok());
+    }
+    assert!(new.try_acquire(after).is_err());
+}
+
+#[test]
+fn a_breaker_taking_over_a_closed_one_is_closed_with_empty_counts() {
+    let t0 = Instant::now();
+    let old = breaker(10, t0);
+    (0..9).for_each(|_| call(&old, false, t0).unwrap());
+    let new = CircuitBreaker::taking_over(
+        &BreakerConfig {
+            min_requests: 10,
+            ..BreakerConfig::default()
+        },
+        &old,
+    );
+    assert_eq!(new.state(t0), Closed);
+    // One more failure would open `old`; `new` counts from zero.
+    call(&new, false, t0).unwrap();
+    assert_eq!(new.state(t0), Closed);
+}

@@ -21,6 +21,7 @@
 //! failure path is out of line is small, and inlining them into the caller took about a tenth
 //! off the success path of the engine bench (see BENCHMARKS.md).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -28,7 +29,7 @@ use tokio::time::Instant;
 use crate::backoff::Backoff;
 use crate::breaker::{CircuitBreaker, Permit};
 use crate::budget::{RetryBudget, Withdrawal};
-use crate::model::{ErrorClass, RetryPolicy};
+use crate::model::{BreakerConfig, BudgetConfig, ErrorClass, RetryPolicy};
 use crate::retry_after::Pushback;
 use crate::rng::Rng;
 
@@ -101,11 +102,16 @@ impl CallInfo {
 }
 
 /// An endpoint's shared runtime state: one budget and one breaker for all its calls.
+///
+/// The budget and the breaker are shared (`Arc`) so that a state built for new settings can
+/// keep the part whose settings did not change ([`EndpointState::carry`]).
 #[derive(Debug)]
 pub struct EndpointState {
     origin: Instant,
-    budget: Option<RetryBudget>,
-    breaker: Option<CircuitBreaker>,
+    budget: Option<Arc<RetryBudget>>,
+    breaker: Option<Arc<CircuitBreaker>>,
+    budget_cfg: Option<BudgetConfig>,
+    breaker_cfg: Option<BreakerConfig>,
 }
 
 impl EndpointState {
@@ -114,22 +120,60 @@ impl EndpointState {
     pub fn new(policy: &RetryPolicy, origin: Instant) -> Self {
         Self {
             origin,
-            budget: policy.budget.as_ref().map(|c| RetryBudget::new(c, origin)),
+            budget: policy
+                .budget
+                .as_ref()
+                .map(|c| Arc::new(RetryBudget::new(c, origin))),
             breaker: policy
                 .circuit_breaker
                 .as_ref()
-                .map(|c| CircuitBreaker::new(c, origin)),
+                .map(|c| Arc::new(CircuitBreaker::new(c, origin))),
+            budget_cfg: policy.budget.clone(),
+            breaker_cfg: policy.circuit_breaker.clone(),
+        }
+    }
+
+    /// Whether this state was built for `policy`'s budget and breaker settings, so that calls
+    /// under `policy` can use it as it is.
+    pub fn fits(&self, policy: &RetryPolicy) -> bool {
+        self.budget_cfg == policy.budget && self.breaker_cfg == policy.circuit_breaker
+    }
+
+    /// The state of the same endpoint under `policy`, whose budget or breaker settings differ
+    /// from this state's: the part whose settings are unchanged is shared with this state (a
+    /// new budget window does not let a retry storm start again because a breaker number
+    /// changed, and a budget change does not close an open breaker); a breaker whose settings
+    /// changed takes over from this one ([`CircuitBreaker::taking_over`]: an open breaker
+    /// stays open until its open period ends); a budget whose settings changed starts empty.
+    pub fn carry(&self, policy: &RetryPolicy) -> Self {
+        let budget = match (&policy.budget, &self.budget) {
+            (Some(cfg), Some(old)) if self.budget_cfg.as_ref() == Some(cfg) => Some(old.clone()),
+            (Some(cfg), _) => Some(Arc::new(RetryBudget::new(cfg, self.origin))),
+            (None, _) => None,
+        };
+        let breaker = match (&policy.circuit_breaker, &self.breaker) {
+            (Some(cfg), Some(old)) if self.breaker_cfg.as_ref() == Some(cfg) => Some(old.clone()),
+            (Some(cfg), Some(old)) => Some(Arc::new(CircuitBreaker::taking_over(cfg, old))),
+            (Some(cfg), None) => Some(Arc::new(CircuitBreaker::new(cfg, self.origin))),
+            (None, _) => None,
+        };
+        Self {
+            origin: self.origin,
+            budget,
+            breaker,
+            budget_cfg: policy.budget.clone(),
+            breaker_cfg: policy.circuit_breaker.clone(),
         }
     }
 
     /// The budget, when enabled.
     pub fn budget(&self) -> Option<&RetryBudget> {
-        self.budget.as_ref()
+        self.budget.as_deref()
     }
 
     /// The breaker, when enabled.
     pub fn breaker(&self) -> Option<&CircuitBreaker> {
-        self.breaker.as_ref()
+        self.breaker.as_deref()
     }
 
     /// `now` in signed nanoseconds since the origin (exact: an `i128` holds any `Duration`).

@@ -689,3 +689,93 @@ proptest! {
         prop_assert!(call.attempts() <= max_attempts);
     }
 }
+
+#[test]
+fn a_carried_state_keeps_the_part_whose_settings_did_not_change() {
+    let t0 = Instant::now();
+    let p = policy();
+    let old = EndpointState::new(&p, t0);
+    assert!(old.fits(&p));
+    let (Some(old_budget), Some(old_breaker)) = (old.budget(), old.breaker()) else {
+        panic!("the default policy has a budget and a breaker");
+    };
+
+    // Only the budget changes: the breaker (and whatever state it is in) is the same one.
+    let mut budget_changed = p.clone();
+    budget_changed.budget = Some(BudgetConfig {
+        ratio: 0.1,
+        ..BudgetConfig::default()
+    });
+    assert!(!old.fits(&budget_changed));
+    let carried = old.carry(&budget_changed);
+    assert!(carried.fits(&budget_changed));
+    assert!(
+        carried
+            .breaker()
+            .is_some_and(|b| std::ptr::eq(b, old_breaker))
+    );
+    assert!(
+        carried
+            .budget()
+            .is_some_and(|b| !std::ptr::eq(b, old_budget))
+    );
+
+    // Only the breaker changes: the budget's window is the same one.
+    let mut breaker_changed = p.clone();
+    breaker_changed.circuit_breaker = Some(BreakerConfig {
+        min_requests: 5,
+        ..BreakerConfig::default()
+    });
+    let carried = old.carry(&breaker_changed);
+    assert!(
+        carried
+            .budget()
+            .is_some_and(|b| std::ptr::eq(b, old_budget))
+    );
+    assert!(
+        carried
+            .breaker()
+            .is_some_and(|b| !std::ptr::eq(b, old_breaker))
+    );
+
+    // Turned off, then on again: a new one.
+    let mut off = p.clone();
+    off.budget = None;
+    off.circuit_breaker = None;
+    let carried = old.carry(&off);
+    assert!(carried.budget().is_none() && carried.breaker().is_none());
+    let again = carried.carry(&p);
+    assert!(again.fits(&p));
+    assert!(again.budget().is_some_and(|b| !std::ptr::eq(b, old_budget)));
+    assert!(
+        again
+            .breaker()
+            .is_some_and(|b| !std::ptr::eq(b, old_breaker))
+    );
+}
+
+#[test]
+fn a_carried_state_keeps_an_open_breaker_open_when_its_settings_change() {
+    let t0 = Instant::now();
+    let mut p = policy();
+    p.circuit_breaker = Some(BreakerConfig {
+        min_requests: 2,
+        ..BreakerConfig::default()
+    });
+    let old = EndpointState::new(&p, t0);
+    let breaker = old.breaker().unwrap();
+    for _ in 0..2 {
+        let permit = breaker.try_acquire(t0).unwrap();
+        breaker.record(permit, false, t0);
+    }
+    assert_eq!(breaker.state(t0), BreakerState::Open);
+    let mut changed = p.clone();
+    changed.circuit_breaker = Some(BreakerConfig {
+        min_requests: 20,
+        open_for: Duration::from_secs(1),
+        ..BreakerConfig::default()
+    });
+    let carried = old.carry(&changed);
+    let at = t0 + Duration::from_secs(2);
+    assert_eq!(carried.breaker().unwrap().state(at), BreakerState::Open);
+}
