@@ -102,16 +102,19 @@ impl Shared {
     }
 }
 
-/// The background task and what stops it.
+/// The background task and what stops it: when the last [`Agent`] clone and the last
+/// [`Endpoint`] handle holding it are dropped.
 #[derive(Debug)]
-struct Task {
+pub(crate) struct Task {
     cancel: CancellationToken,
     handle: Mutex<Option<JoinHandle<()>>>,
     _guard: DropGuard,
 }
 
-/// The agent a service embeds: cheap to clone; the background task stops when the last clone
-/// is dropped or [`Agent::shutdown`] is called.
+/// The agent a service embeds: cheap to clone. The background task (the stream to the control
+/// plane, the cache file, the metrics reports) runs until [`Agent::shutdown`] is called or the
+/// last clone of the agent and the last [`Endpoint`] handle made from it are dropped, so a
+/// service may keep only its handles.
 #[derive(Clone, Debug)]
 pub struct Agent {
     shared: Arc<Shared>,
@@ -164,7 +167,7 @@ impl Agent {
     /// A handle on the endpoint `name` (a policy may or may not name it; unnamed endpoints run
     /// under the policies' defaults).
     pub fn endpoint(&self, name: &str) -> Endpoint {
-        Endpoint::new(self.shared.clone(), name)
+        Endpoint::new(self.shared.clone(), self.task.clone(), name)
     }
 
     /// The policies in force now.

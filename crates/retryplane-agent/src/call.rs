@@ -29,14 +29,16 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-use crate::agent::Shared;
+use crate::agent::{Shared, Task};
 use crate::classify::{Classification, Classify, class_name};
 use crate::error::{CallError, Cause, Last};
 use crate::meta::{AttemptInfo, CallMeta};
 use crate::metrics::{CounterValues, Counters};
 use crate::snapshot::Entry;
 
-/// A cheap handle on one logical upstream: clone it freely and keep it.
+/// A cheap handle on one logical upstream: clone it freely and keep it. It keeps the agent's
+/// background task running, so policy pushes reach it and its counts are reported even when the
+/// [`crate::Agent`] it came from is dropped; [`crate::Agent::shutdown`] stops the task anyway.
 ///
 /// The handle and its clones keep the endpoint's entry (policy and shared state) of the
 /// snapshot in force, keyed on the agent's swap count: a call checks the count and takes the
@@ -48,6 +50,9 @@ pub struct Endpoint {
     name: Arc<str>,
     counters: Arc<Counters>,
     cache: Arc<ArcSwapOption<Cached>>,
+    /// The agent's background task, kept running while a handle lives (`None` for an agent
+    /// with no control plane).
+    _task: Option<Arc<Task>>,
 }
 
 /// An [`Endpoint`]'s entry and the generation ([`Shared::generation`]) it is valid for.
@@ -64,7 +69,7 @@ enum End<T, E> {
 }
 
 impl Endpoint {
-    pub(crate) fn new(shared: Arc<Shared>, name: &str) -> Self {
+    pub(crate) fn new(shared: Arc<Shared>, task: Option<Arc<Task>>, name: &str) -> Self {
         let name: Arc<str> = Arc::from(name);
         let counters = shared.metrics.counters(&name);
         Self {
@@ -72,6 +77,7 @@ impl Endpoint {
             name,
             counters,
             cache: Arc::default(),
+            _task: task,
         }
     }
 

@@ -4,13 +4,15 @@
 
 mod support;
 
+use std::sync::Arc;
+use std::sync::atomic::AtomicU32;
 use std::time::Duration;
 
 use retryplane_agent::{Agent, CallMeta, Source};
 use support::Upstream;
 use support::plane::{
-    agent, apply, attempts_of, builder, eventually, listed_connected, metric, plane, plane_with,
-    stats, succeed, yaml,
+    agent, apply, attempts_of, builder, eventually, failing, listed_connected, metric, plane,
+    plane_with, stats, succeed, yaml,
 };
 use support::proxy::Proxy;
 
@@ -277,5 +279,33 @@ async fn an_agent_that_goes_silent_is_dropped_by_the_server_keepalive_and_shown_
     })
     .await;
     a.shutdown().await;
+    running.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_endpoint_handle_keeps_the_agent_running_after_the_agent_is_dropped() {
+    let dir = tempfile::tempdir().unwrap();
+    let running = plane(dir.path(), &yaml(2), None).await;
+    let a = agent(running.agent_addr, "a", None);
+    on_version(&[&a], 1).await;
+    let ep = a.endpoint("ep");
+    drop(a);
+    assert_eq!(apply(&running, yaml(4)).await, 2);
+    eventually("the handle runs on version 2", || async {
+        let count = Arc::new(AtomicU32::new(0));
+        let err = ep
+            .call(CallMeta::http("GET", "/"), failing(count))
+            .await
+            .unwrap_err();
+        err.attempts == 4
+    })
+    .await;
+    assert_eq!(listed_connected(&running, "a").await, Some(true));
+    // The last handle gone, the agent's stream ends.
+    drop(ep);
+    eventually("the agent is shown disconnected", || async {
+        listed_connected(&running, "a").await == Some(false)
+    })
+    .await;
     running.shutdown().await.unwrap();
 }
