@@ -139,13 +139,6 @@ impl Endpoint {
         meta.idempotency(policy).0
     }
 
-    /// The deadline of a call described by `meta` under the policies in force now.
-    pub(crate) fn deadline_for(&self, meta: &CallMeta<'_>) -> std::time::Duration {
-        let entry = self.entry();
-        let (policy, _) = entry.resolve(&meta.target());
-        policy.deadline
-    }
-
     /// Runs `attempt` under the endpoint's policy, classifying results with [`Classify`].
     ///
     /// `attempt` is called once per attempt with its [`AttemptInfo`]; its future is dropped
@@ -165,7 +158,7 @@ impl Endpoint {
         F: FnMut(AttemptInfo) -> Fut,
         Fut: Future<Output = Result<T, E>>,
     {
-        self.call_reauth(meta, classify_result::<T, E>, attempt, NoReauth)
+        self.call_reauth(None, meta, classify_result::<T, E>, attempt, NoReauth)
     }
 
     /// [`Endpoint::call`] with a classifier of your own.
@@ -180,7 +173,25 @@ impl Endpoint {
         F: FnMut(AttemptInfo) -> Fut,
         Fut: Future<Output = Result<T, E>>,
     {
-        self.call_reauth(meta, classify, attempt, NoReauth)
+        self.call_reauth(None, meta, classify, attempt, NoReauth)
+    }
+
+    /// [`Endpoint::call_with`] for a logical call that began at `since` (the tower layer's,
+    /// which reads the request body first): the deadline runs from `since`, the first attempt
+    /// starts now.
+    pub(crate) fn call_since<T, E, C, F, Fut>(
+        &self,
+        since: Instant,
+        meta: CallMeta<'_>,
+        classify: C,
+        attempt: F,
+    ) -> impl Future<Output = Result<T, CallError<T, E>>>
+    where
+        C: FnMut(&Result<T, E>) -> Classification,
+        F: FnMut(AttemptInfo) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+    {
+        self.call_reauth(Some(since), meta, classify, attempt, NoReauth)
     }
 
     /// [`Endpoint::call`] with a once-only credential refresh (SPEC §2, "Agent extras"): the
@@ -255,6 +266,7 @@ impl Endpoint {
         RFut: Future<Output = bool> + Send,
     {
         self.call_reauth(
+            None,
             meta,
             classify_result::<T, E>,
             attempt,
@@ -281,6 +293,7 @@ impl Endpoint {
     )]
     pub(crate) fn call_reauth<T, E, C, F, Fut, A>(
         &self,
+        since: Option<Instant>,
         meta: CallMeta<'_>,
         mut classify: C,
         mut attempt: F,
@@ -293,7 +306,15 @@ impl Endpoint {
         A: Reauth<T, E>,
     {
         async move {
-            let started = Instant::now();
+            // The call's start, from which its deadline runs; the first attempt starts now.
+            // Without `since` they are one instant and one clock read.
+            let (started, first_start) = match since {
+                None => {
+                    let now = Instant::now();
+                    (now, now)
+                }
+                Some(since) => (since, Instant::now().max(since)),
+            };
             // The one read of the policies for this call.
             let entry = self.entry();
             let (policy, runtime) = entry.resolve(&meta.target());
@@ -313,8 +334,9 @@ impl Endpoint {
             let mut last: Option<Last<T, E>> = None;
             let mut last_outcome: Option<Outcome> = None;
             let mut pause_before = None;
-            // The first attempt starts when the call does; later ones after their pause.
-            let mut now = started;
+            // The first attempt starts when the call does (or, for a call that began earlier,
+            // now); later ones after their pause.
+            let mut now = first_start;
 
             let end = loop {
                 // One attempt and its judgement, in a block: what it leaves (the answer, its

@@ -12,7 +12,7 @@ use bytes::Bytes;
 use http::{Request, Response};
 use http_body::Frame;
 use http_body_util::{BodyExt as _, Full, StreamBody};
-use retryplane_agent::layer::{GaveUp, ReplayBody, RetryLayer};
+use retryplane_agent::layer::{GaveUp, ReplayBody, RetryError, RetryLayer};
 use retryplane_agent::{Cause, GiveUpCause};
 use support::{agent, policy, status_upstream as upstream};
 use tokio::time::Instant;
@@ -244,7 +244,7 @@ async fn a_refused_body_over_the_limit_is_tried_once_and_its_error_returned_at_o
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_stalled_request_body_is_waited_for_until_the_deadline_then_sent_as_it_comes() {
+async fn a_stalled_request_body_ends_the_call_at_its_deadline_with_nothing_sent() {
     let agent = agent(&policy("max_attempts: 3\ndeadline: 2s"));
     // The caller's upload sends three bytes, then nothing more, ever.
     let chunks = tokio_stream::iter([Ok::<_, Infallible>(Frame::data(Bytes::from_static(b"abc")))]);
@@ -261,7 +261,6 @@ async fn a_stalled_request_body_is_waited_for_until_the_deadline_then_sent_as_it
     let start = Instant::now();
     let called: Arc<Mutex<Vec<Duration>>> = Arc::default();
     let log = called.clone();
-    // An upstream that answers without reading the body.
     let svc = service_fn(move |_req: Request<ReplayBody<Stalled>>| {
         log.lock().unwrap().push(start.elapsed());
         async { Ok::<_, Infallible>(Response::new(())) }
@@ -272,11 +271,57 @@ async fn a_stalled_request_body_is_waited_for_until_the_deadline_then_sent_as_it
         .uri("/s")
         .body(stalled)
         .unwrap();
-    let response = tokio::time::timeout(Duration::from_secs(60), client.oneshot(req))
+    let err = tokio::time::timeout(Duration::from_secs(60), client.oneshot(req))
         .await
         .expect("the call waited for the body for ever")
+        .unwrap_err();
+    assert_eq!(start.elapsed(), Duration::from_secs(2));
+    match err.downcast_ref::<RetryError>() {
+        Some(RetryError::NoAnswer { cause }) => {
+            assert_eq!(*cause, Cause::GaveUp(GiveUpCause::DeadlineExceeded));
+        }
+        other => panic!("expected no answer at the deadline, got {other:?}"),
+    }
+    assert!(called.lock().unwrap().is_empty(), "nothing is sent");
+}
+
+#[tokio::test(start_paused = true)]
+async fn reading_the_request_body_counts_in_the_calls_deadline() {
+    let agent = agent(&policy(
+        "max_attempts: 3\ndeadline: 3s\nper_try_timeout: 1s\nbackoff: {base: 100ms, max: 100ms, jitter: none}",
+    ));
+    // The body's last bytes come 2.9 s after the call starts.
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, Infallible>>(1);
+    let body = StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(2_900)).await;
+        let _ = tx
+            .send(Ok(Frame::data(Bytes::from_static(b"payload"))))
+            .await;
+    });
+    let attempts: Arc<Mutex<Vec<Duration>>> = Arc::default();
+    let log = attempts.clone();
+    let start = Instant::now();
+    // An upstream that never answers.
+    let svc = service_fn(move |_req: Request<ReplayBody<_>>| {
+        log.lock().unwrap().push(start.elapsed());
+        std::future::pending::<Result<Response<()>, Infallible>>()
+    });
+    let client = RetryLayer::new(agent.endpoint("ep")).layer(svc);
+    let req = Request::builder()
+        .method("PUT")
+        .uri("/s")
+        .body(body)
         .unwrap();
-    assert_eq!(response.status(), 200);
-    // Sent once the deadline the call would have had passed, with what had come so far first.
-    assert_eq!(*called.lock().unwrap(), [Duration::from_secs(2)]);
+    let err = client.oneshot(req).await.unwrap_err();
+    // One attempt in the 0.1 s left; no pause fits after it.
+    assert_eq!(start.elapsed(), Duration::from_secs(3));
+    assert_eq!(*attempts.lock().unwrap(), [Duration::from_millis(2_900)]);
+    assert!(
+        matches!(
+            err.downcast_ref::<RetryError>(),
+            Some(RetryError::TimedOut { attempts: 1, .. })
+        ),
+        "{err:?}"
+    );
 }

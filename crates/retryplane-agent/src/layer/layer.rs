@@ -155,8 +155,9 @@ where
         let inner = Inner::take_ready(&mut self.inner);
         let settings = self.settings.clone();
         ResponseFuture::new(Box::pin(async move {
-            let prepared = prepare(request, &settings).await?;
-            send(inner, &settings, prepared, None).await
+            let started = Instant::now();
+            let prepared = prepare(request, &settings, started).await?;
+            send(inner, &settings, prepared, started, None).await
         }))
     }
 }
@@ -257,19 +258,22 @@ enum Prepared<B> {
 }
 
 /// Reads the body of `request` into memory if it fits in the layer's limit and comes before the
-/// deadline the call would have.
-async fn prepare<B>(request: Request<B>, settings: &Settings) -> Result<Prepared<B>, BoxError>
+/// deadline of the call, which began at `started`.
+async fn prepare<B>(
+    request: Request<B>,
+    settings: &Settings,
+    started: Instant,
+) -> Result<Prepared<B>, BoxError>
 where
     B: Body<Data = Bytes>,
     B::Error: Into<BoxError>,
 {
     let (head, body) = request.into_parts();
-    // Reading the body waits on the caller's stream: a stalled one is bounded by the deadline
-    // the call would have, then sent once as it comes (the call's own timeouts bound the rest).
-    let wait = settings
+    // Reading the body waits on the caller's stream, inside the call's deadline: a stalled one
+    // is bounded by it, then sent once as it comes (the call's own timeouts bound the rest).
+    let deadline = settings
         .endpoint
-        .deadline_for(&call_meta(&head, head.uri.path()));
-    let deadline = Instant::now() + wait;
+        .deadline_of(&call_meta(&head, head.uri.path()), started);
     let buffered = buffer(body, settings.body_limit, deadline)
         .await
         .map_err(Into::into)?;
@@ -283,12 +287,14 @@ where
     })
 }
 
-/// Runs one logical call of `prepared`. With `deadline`, the call's deadline is set in it
-/// once an attempt is made.
+/// Runs one logical call of `prepared`, which began at `started` (its deadline runs from
+/// there, the body read included). With `deadline`, the call's deadline is set in it once an
+/// attempt is made.
 async fn send<S, B, RB>(
     mut inner: Inner<S>,
     settings: &Settings,
     prepared: Prepared<B>,
+    started: Instant,
     deadline: Option<&OnceLock<Instant>>,
 ) -> Result<Response<RB>, BoxError>
 where
@@ -329,13 +335,13 @@ where
             };
             let Some(hook) = &settings.refresh else {
                 return endpoint
-                    .call_with(meta, classify, attempt)
+                    .call_since(started, meta, classify, attempt)
                     .await
                     .or_else(gave_up);
             };
             let mut reauth = HttpReauth::new(&**hook, head);
             let result = endpoint
-                .call_reauth(meta, classify, attempt, &mut reauth)
+                .call_reauth(Some(started), meta, classify, attempt, &mut reauth)
                 .await
                 .or_else(gave_up);
             match (result, reauth.error) {
@@ -363,7 +369,7 @@ where
                 async move { sent.ok_or("a streamed body cannot be sent twice")?.await }
             };
             endpoint
-                .call_with(meta, classify, attempt)
+                .call_since(started, meta, classify, attempt)
                 .await
                 .or_else(gave_up)
         }
@@ -386,7 +392,8 @@ where
     RB: Body,
     RB::Error: Into<BoxError>,
 {
-    let prepared = prepare(request, &settings).await?;
+    let started = Instant::now();
+    let prepared = prepare(request, &settings, started).await?;
     let key = match &prepared {
         // Trailers are rare on a read; such a request is simply not shared. Nor is one the
         // policy in force (or an `Idempotent(false)` on it) does not call idempotent.
@@ -404,16 +411,16 @@ where
         _ => None,
     };
     let Some(key) = key else {
-        return passthrough(send(inner, &settings, prepared, None).await);
+        return passthrough(send(inner, &settings, prepared, started, None).await);
     };
-    // Set when this request first follows: the deadline a call of its own started then
-    // would have. It bounds all its waiting, whichever leaders it follows.
+    // The deadline of this request's call, which began at `started`: it bounds all its
+    // waiting, whichever leaders it follows, and its own call if it makes one.
     let mut wait_until = None;
     loop {
         match dedup.join(key) {
             Role::Lead(leader) => {
                 let deadline = OnceLock::new();
-                let result = send(inner, &settings, prepared, Some(&deadline)).await;
+                let result = send(inner, &settings, prepared, started, Some(&deadline)).await;
                 // A response comes from an attempt, which set the deadline; were it unset,
                 // nothing is waited for.
                 let deadline = deadline.get().copied().unwrap_or_else(Instant::now);
@@ -425,7 +432,7 @@ where
                 let until = *wait_until.get_or_insert_with(|| match &prepared {
                     Prepared::Buffered { head, .. } | Prepared::Once { head, .. } => {
                         let meta = call_meta(head, head.uri.path());
-                        settings.endpoint.deadline_of(&meta, Instant::now())
+                        settings.endpoint.deadline_of(&meta, started)
                     }
                 });
                 match follower.wait(until).await {
@@ -433,7 +440,7 @@ where
                     // endpoint's counters see"); `DedupStats::shared` counts it.
                     Some(Landing::Shared(response)) => return Ok(response.copy()),
                     Some(Landing::OwnCall) => {
-                        return passthrough(send(inner, &settings, prepared, None).await);
+                        return passthrough(send(inner, &settings, prepared, started, None).await);
                     }
                     // The leader was dropped (its caller went away): lead or follow anew.
                     None => {}

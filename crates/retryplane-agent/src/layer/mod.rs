@@ -13,8 +13,12 @@
 //!   [`RetryLayer::with_body_limit`]) so that each attempt sends it again. A larger body is
 //!   streamed as it comes, once: the call makes one attempt, whatever it fails with (a failed
 //!   connect included), and returns that attempt's response or error as it is (per-try
-//!   timeout, breaker and metrics still apply). So is a body still coming when the deadline
-//!   the call would have passes (a stalled upload): reading it never holds the call for ever.
+//!   timeout, breaker and metrics still apply). So is a body still coming when the call's
+//!   deadline passes (a stalled upload): reading it never holds the call for ever.
+//! - The call's deadline runs from when the layer's future first runs, so reading the request
+//!   body counts in it: a call made through the layer ends by its deadline, body read
+//!   included, as one made with [`crate::Endpoint::call`] does (a body still coming at the
+//!   deadline leaves no time for an attempt, and the call gives up with `deadline_exceeded`).
 //! - The inner service is called on the instance `poll_ready` readied (capacity reserved
 //!   there, such as a `ConcurrencyLimit` permit or a `Buffer` slot, is what the first attempt
 //!   uses); each later attempt readies a clone of its own first.
@@ -123,12 +127,10 @@
 //! - Bounds: the leader's call and the reading of its response body both end by the leader's
 //!   deadline, so the leader's caller gets the response head by then and followers get a copy
 //!   or are sent to their own calls by then. Each follower also waits no later than its own
-//!   deadline (the one a call of its own would have had, counted from when it started
-//!   waiting), in case the leader's future is not polled (its caller holds it without awaiting
-//!   it) or a policy update gave the leader a longer deadline; then it makes its own call.
-//!   A follower's own call (or the call it leads after its leader left) runs under a deadline
-//!   of its own from when it starts: a follower's caller waits at most its deadline for a
-//!   copy, plus one call of its own.
+//!   deadline (counted from when its call began), in case the leader's future is not polled
+//!   (its caller holds it without awaiting it) or a policy update gave the leader a longer
+//!   deadline; then it makes its own call, under what is left of that same deadline. So a
+//!   follower's caller waits at most its deadline in all.
 //! - The table holds a call only while it is in flight: the leader removes it when it ends
 //!   or is dropped. Its lock is held only to look up, insert or remove.
 //!
@@ -193,7 +195,8 @@ pub enum RetryError {
         /// Attempts made.
         attempts: u32,
     },
-    /// No attempt ended: the circuit is open, or the call was cancelled.
+    /// No attempt ended: the circuit is open, the call was cancelled, or its deadline passed
+    /// before an attempt could start (a request body still coming).
     #[error("no answer: {cause}")]
     NoAnswer {
         /// Why the call stopped.
