@@ -296,7 +296,8 @@ impl AgentBuilder {
 
     /// Where the last applied snapshot is kept, for a start without the control plane. A file
     /// there that is not a policy cache (another file, given by mistake) is never replaced: it
-    /// is logged, and no cache is kept for the run.
+    /// is logged, and no cache is kept for the run. A cache file of the agent's own that cannot
+    /// be used (damaged, or written by a newer agent) is replaced by the next applied snapshot.
     pub fn cache_file(mut self, path: impl Into<PathBuf>) -> Self {
         self.cache_file = Some(path.into());
         self

@@ -1,15 +1,19 @@
-//! The cache file: the last applied snapshot, encoded as a `retryplane.v1.Snapshot`, so a
-//! restarted agent starts on its last good policies when the control plane is unreachable.
+//! The cache file: the last applied snapshot, encoded as a `retryplane.v1.Snapshot` after a
+//! one-line header ([`HEADER`]), so a restarted agent starts on its last good policies when the
+//! control plane is unreachable.
 //!
 //! Written atomically after every applied snapshot: a temporary file in the same directory is
 //! written and fsynced, then renamed over the cache file, and the directory is fsynced, so a
 //! crash leaves either the old file or the new one, never a torn one. The temporary file's name
 //! is unique per write (process id and a counter), so two agents of one process never share it.
 //!
-//! Read at start; a missing, unreadable or invalid file is logged and ignored. A file that is
-//! not a snapshot at all (it does not decode as one, or its content hash does not match its
-//! policies) is most likely another file the agent was pointed at by mistake: it is left as it
-//! is and no cache is written for the whole run, rather than being replaced. The metrics interval the control
+//! Read at start; a missing, unreadable or invalid file is logged and ignored. A file that
+//! begins with the header is ours whatever follows it (damaged on disk, or written by a newer
+//! agent whose snapshot this one cannot check): it is not used, and the next applied snapshot
+//! replaces it. A file without the header is ours only if it is a snapshot whose content hash
+//! matches its policies (what agents wrote before the header); anything else is most likely
+//! another file the agent was pointed at by mistake: it is left as it is and no cache is
+//! written for the whole run, rather than being replaced. The metrics interval the control
 //! plane set in that snapshot applies again from the start, as it did before the restart: a
 //! control plane that finds the agent up to date sends it nothing.
 
@@ -26,6 +30,18 @@ use crate::snapshot::{PolicySnapshot, Source};
 
 /// Largest cache file read.
 const MAX_BYTES: u64 = 16 * 1024 * 1024;
+
+/// The first bytes of every cache file the agent writes: they mark the file as the agent's own.
+pub(crate) const HEADER: &[u8] = b"retryplane agent policy cache 1\n";
+
+/// The bytes of the cache file for `snap`: [`HEADER`], then the encoded snapshot.
+pub(crate) fn encode(snap: &pb::Snapshot) -> Vec<u8> {
+    let mut bytes = Vec::with_capacity(HEADER.len() + snap.encoded_len());
+    bytes.extend_from_slice(HEADER);
+    // Writing into a `Vec` cannot run out of room.
+    let _ = snap.encode(&mut bytes);
+    bytes
+}
 
 /// Writes `bytes` to `path` atomically.
 pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
@@ -129,13 +145,18 @@ fn read(path: &Path) -> std::io::Result<Option<Vec<u8>>> {
 }
 
 fn decode(bytes: &[u8]) -> Result<Cached, Unusable> {
-    let snap = pb::Snapshot::decode(bytes)
-        .map_err(|e| Unusable::Foreign(format!("not a snapshot: {e}")))?;
+    // With the header, every problem below is one of our own file's; without it, only a
+    // snapshot that checks out is ours.
+    let (bytes, problem): (&[u8], fn(String) -> Unusable) = match bytes.strip_prefix(HEADER) {
+        Some(rest) => (rest, Unusable::Ours),
+        None => (bytes, Unusable::Foreign),
+    };
+    let snap = pb::Snapshot::decode(bytes).map_err(|e| problem(format!("not a snapshot: {e}")))?;
     let doc = snap
         .policies
-        .ok_or_else(|| Unusable::Foreign("the snapshot holds no policies".to_owned()))?;
+        .ok_or_else(|| problem("the snapshot holds no policies".to_owned()))?;
     if convert::content_hash(&doc) != snap.content_hash {
-        return Err(Unusable::Foreign("content hash does not match".to_owned()));
+        return Err(problem("content hash does not match".to_owned()));
     }
     let (set, _) = convert::validate(doc).map_err(|errors| {
         Unusable::Ours(format!(

@@ -106,3 +106,43 @@ async fn a_file_that_is_not_a_cache_is_never_replaced() {
 
     script.shut_down(agent, to_agent).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_damaged_cache_file_of_the_agents_own_is_replaced_by_the_next_snapshot() {
+    // The first line of every cache file the agent writes.
+    const HEADER: &[u8] = b"retryplane agent policy cache 1\n";
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("agent.cache");
+    // A cache file as the agent writes it, damaged on disk: its hash no longer matches.
+    let mut damaged = snapshot(7, 4);
+    damaged.content_hash = "0".repeat(64);
+    let bytes = [HEADER, &damaged.encode_to_vec()].concat();
+    std::fs::write(&cache, &bytes).unwrap();
+
+    let mut script = Script::start().await;
+    let agent = agent(&script, &cache);
+    assert_eq!(agent.policies().source(), Source::Fallback);
+    let (to_agent, _) = script.reconnected().await;
+    let v8 = snapshot(8, 2);
+    send(&to_agent, &v8).await;
+    match script.reply().await {
+        Kind::Ack(ack) => assert_eq!(ack.version, 8),
+        other => panic!("expected Ack v8, got {other:?}"),
+    }
+    support::plane::eventually("the cache file is replaced", || async {
+        std::fs::read(&cache).unwrap() != bytes
+    })
+    .await;
+    assert!(std::fs::read(&cache).unwrap().starts_with(HEADER));
+    script.shut_down(agent, to_agent).await;
+
+    // A restart with no control plane starts on it.
+    let nothing = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = nothing.local_addr().unwrap();
+    drop(nothing);
+    let restarted = support::plane::agent(addr, "a", Some(&cache));
+    let p = restarted.policies();
+    assert_eq!((p.source(), p.version()), (Source::Cache, 8));
+    assert_eq!(attempts_of(&restarted).await, 2);
+    restarted.shutdown().await;
+}

@@ -29,9 +29,13 @@ fn invalid_snapshot() -> pb::Snapshot {
     snap
 }
 
-/// The snapshot in the cache file.
+/// The snapshot in the cache file (after the file's one-line header).
 fn cached(path: &Path) -> pb::Snapshot {
-    pb::Snapshot::decode(std::fs::read(path).unwrap().as_slice()).unwrap()
+    let bytes = std::fs::read(path).unwrap();
+    let body = bytes
+        .strip_prefix(b"retryplane agent policy cache 1\n".as_slice())
+        .expect("the cache file's header");
+    pb::Snapshot::decode(body).unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

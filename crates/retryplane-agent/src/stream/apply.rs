@@ -8,7 +8,6 @@
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
-use prost::Message as _;
 use retryplane_proto::convert;
 use retryplane_proto::pb::{self, agent_message::Kind};
 use tracing::{info, warn};
@@ -72,7 +71,7 @@ pub(crate) fn apply(shared: &Shared, snap: pb::Snapshot, default_interval: Durat
             return nack(text.join("; "));
         }
     };
-    let cache = snap.encode_to_vec();
+    let cache = crate::cache::encode(&snap);
     shared.update_policies(|current| {
         PolicySnapshot::build(
             set,
