@@ -18,7 +18,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 use crate::call::Endpoint;
-use crate::error::AgentError;
+use crate::error::{AgentError, StreamError};
 use crate::metrics::Registry;
 use crate::snapshot::{PolicySnapshot, Source};
 use crate::stream::reconnect::ReconnectBackoff;
@@ -44,6 +44,8 @@ pub(crate) struct Shared {
     /// Milliseconds between metrics reports (the control plane may change it).
     pub(crate) metrics_interval_ms: AtomicU64,
     pub(crate) connected: AtomicBool,
+    /// Why the last stream ended or could not start; cleared when a stream opens.
+    pub(crate) stream_error: std::sync::Mutex<Option<StreamError>>,
     seed: u64,
     calls: AtomicU64,
 }
@@ -59,6 +61,7 @@ impl Shared {
                 u64::try_from(metrics_interval.as_millis()).unwrap_or(u64::MAX),
             ),
             connected: AtomicBool::new(false),
+            stream_error: std::sync::Mutex::new(None),
             seed,
             calls: AtomicU64::new(0),
         }
@@ -187,6 +190,18 @@ impl Agent {
     /// Whether the stream to the control plane is up now.
     pub fn is_connected(&self) -> bool {
         self.shared.connected.load(Relaxed)
+    }
+
+    /// Why the stream to the control plane last ended or could not start, while it is down;
+    /// `None` while a stream is up, before the first try ends, and for an agent with no control
+    /// plane. For tools that want to say why no policy came (a wrong token, the wrong
+    /// listener); the agent keeps reconnecting whatever it is.
+    pub fn stream_error(&self) -> Option<StreamError> {
+        self.shared
+            .stream_error
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Stops the background task after it sends the counts not yet reported (when connected).

@@ -5,6 +5,18 @@ use std::path::PathBuf;
 
 use retryplane_policy::engine::GiveUpCause;
 
+/// Why the agent's stream to the control plane last ended or could not start
+/// ([`crate::Agent::stream_error`]). The agent keeps reconnecting whatever it is.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct StreamError {
+    /// The gRPC status the control plane answered or ended the stream with; `None` when no
+    /// answer came (the connection failed or was cut).
+    pub code: Option<tonic::Code>,
+    /// What happened, for people: the status and its message, or the connection error.
+    pub message: String,
+}
+
 /// Why an agent could not be built. Messages never include the token.
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {

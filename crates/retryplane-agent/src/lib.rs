@@ -55,7 +55,7 @@ mod stream;
 pub use agent::{Agent, AgentBuilder, DEFAULT_METRICS_INTERVAL};
 pub use call::Endpoint;
 pub use classify::{Classification, Classify};
-pub use error::{AgentError, CallError, Cause, Last};
+pub use error::{AgentError, CallError, Cause, Last, StreamError};
 pub use meta::{AttemptInfo, CallMeta};
 pub use metrics::CounterValues;
 pub use snapshot::{PolicySnapshot, Source, fallback_policy};

@@ -5,7 +5,9 @@
 //! With `--server URL` instead of `--policy` (one of the two is required), an agent connects to
 //! the control plane's *agent* listener (`retryplane serve`'s `--listen`, 127.0.0.1:7470 by
 //! default; not the admin listener the admin commands' `--server` names) and the call waits for
-//! its first snapshot, at most [`SNAPSHOT_WAIT`]. Before the command exits the agent sends its
+//! its first snapshot, at most [`SNAPSHOT_WAIT`]; a refusal that another try would only repeat
+//! (no or a wrong token, the admin listener named instead) ends the wait at once, and the
+//! error says what the control plane answered and what to do. Before the command exits the agent sends its
 //! counts of the call and closes its stream ([`SHUTDOWN_WAIT`] at most), so `retryplane stats`
 //! shows the call and `status` shows the agent as gone.
 //!
@@ -40,6 +42,9 @@ use crate::output::{self, Format};
 use crate::{Outcome as Exit, Report};
 use report::{Attempt, Summary};
 
+/// The agent listener's port of `retryplane serve`, used when `--server` names none.
+const AGENT_PORT: u16 = 7470;
+
 /// How long `--server` waits for the control plane's first snapshot.
 pub const SNAPSHOT_WAIT: Duration = Duration::from_secs(5);
 
@@ -56,7 +61,8 @@ pub struct Args {
     #[arg(long, value_name = "FILE", conflicts_with = "server")]
     policy: Option<PathBuf>,
     /// Use the policy a control plane serves its agents: the URL of its agent listener (not
-    /// the admin one), for example http://127.0.0.1:7470, the default of `retryplane serve`.
+    /// the admin one), for example http://127.0.0.1:7470, the default of `retryplane serve`
+    /// (port 7470 when the URL names none).
     /// The call's counts are reported to it before the command exits.
     #[arg(long, value_name = "URL")]
     server: Option<String>,
@@ -155,6 +161,7 @@ impl TryFrom<Args> for Settings {
                 } else {
                     format!("http://{url}")
                 };
+                let url = crate::admin::with_default_port(url, AGENT_PORT);
                 PolicyFrom::Server(url, args.token)
             }
             // Unreachable: clap refuses a command line without either (`policy_from` is required).
@@ -244,6 +251,23 @@ fn from_file(source: &input::Source, endpoint: &str) -> anyhow::Result<Option<Ag
     Ok(Some(Agent::from_policies(policies)))
 }
 
+/// What to do about a control plane's refusal with `code` that trying again would not change;
+/// `None` for any other code (the wait goes on).
+fn refusal_hint(code: tonic::Code) -> Option<&'static str> {
+    match code {
+        tonic::Code::Unauthenticated => Some(
+            "give the agent token with --token or RETRYPLANE_AGENT_TOKEN (admin commands read \
+             RETRYPLANE_TOKEN; this one does not)",
+        ),
+        tonic::Code::PermissionDenied => Some("the token given is not an agent token"),
+        tonic::Code::Unimplemented => Some(
+            "this is not an agent listener: --server takes the address of `retryplane serve \
+             --listen` (port 7470 by default), not the admin listener",
+        ),
+        _ => None,
+    }
+}
+
 /// An agent on the control plane's policies, once its first snapshot is in.
 async fn from_server(url: &str, token: Option<&Secret>, endpoint: &str) -> anyhow::Result<Agent> {
     let mut builder = Agent::builder().url(url).service("retryplane-cli");
@@ -268,9 +292,17 @@ async fn first_snapshot(agent: &Agent, url: &str, endpoint: &str) -> anyhow::Res
     let waited = Instant::now();
     let mut tick = tokio::time::interval(Duration::from_millis(10));
     while agent.policies().source() != Source::ControlPlane {
+        let error = agent.stream_error();
+        // An answer that another try would only repeat ends the wait at once.
+        if let Some(e) = &error
+            && let Some(hint) = e.code.and_then(refusal_hint)
+        {
+            bail!("the control plane at {url} refused the agent: {e}; {hint}");
+        }
         if waited.elapsed() >= SNAPSHOT_WAIT {
+            let why = error.map(|e| format!(": {e}")).unwrap_or_default();
             bail!(
-                "no policy from the control plane at {url} within {} s",
+                "no policy from the control plane at {url} within {} s{why}",
                 SNAPSHOT_WAIT.as_secs()
             );
         }
@@ -391,5 +423,48 @@ impl fmt::Display for ErrorChain<'_> {
             source = e.source();
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser as _;
+
+    use super::*;
+
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: Args,
+    }
+
+    fn server_of(flags: &[&str]) -> String {
+        let cli = Cli::try_parse_from(
+            ["retryplane", "--endpoint", "api"]
+                .iter()
+                .chain(flags)
+                .chain(&["http://127.0.0.1:9/"]),
+        )
+        .unwrap();
+        match Settings::try_from(cli.args).unwrap().policy {
+            PolicyFrom::Server(url, _) => url,
+            PolicyFrom::File(_) => panic!("not --server"),
+        }
+    }
+
+    #[test]
+    fn a_server_without_a_port_is_the_agent_listeners_default_port() {
+        assert_eq!(
+            server_of(&["--server", "127.0.0.1"]),
+            "http://127.0.0.1:7470/"
+        );
+        assert_eq!(
+            server_of(&["--server", "http://cp.internal"]),
+            "http://cp.internal:7470/"
+        );
+        assert_eq!(
+            server_of(&["--server", "http://cp.internal:9000"]),
+            "http://cp.internal:9000"
+        );
     }
 }

@@ -10,6 +10,8 @@ use std::fs;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::{Arc, Mutex};
 
+mod support;
+
 use assert_cmd::Command;
 use retryplane_server::server::{ServeConfig, start};
 use serde_json::{Value, json};
@@ -553,4 +555,46 @@ fn the_policy_must_come_from_a_file_or_a_server() {
         stderr.contains("the following required arguments were not provided"),
         "{stderr}"
     );
+}
+
+#[test]
+fn server_mode_says_why_the_control_plane_gave_no_policy() {
+    let server = support::TestServer::start(
+        Some(POLICY),
+        Some(
+            "tokens:\n  - {name: fleet, role: agent, secret: agent-secret-0123456789}\n  - {name: alice, role: admin, secret: admin-secret-0123456789}\n",
+        ),
+        |_| {},
+    );
+    let agent_url = format!("http://{}", server.running().agent_addr());
+    let request = |server_url: &str, token: Option<&str>| {
+        let mut cmd = Command::cargo_bin("retryplane").unwrap();
+        cmd.env_remove("RETRYPLANE_AGENT_TOKEN")
+            .args(["request", "--endpoint", "api", "--server", server_url])
+            .timeout(std::time::Duration::from_secs(30));
+        if let Some(token) = token {
+            cmd.args(["--token", token]);
+        }
+        let out = cmd.arg("http://127.0.0.1:9/").output().unwrap();
+        (out.status.code(), String::from_utf8(out.stderr).unwrap())
+    };
+    // No token: the refusal and what to do, without waiting out the 5 s.
+    let (code, stderr) = request(&agent_url, None);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("Unauthenticated") && stderr.contains("RETRYPLANE_AGENT_TOKEN"),
+        "{stderr}"
+    );
+    // An admin token: not an agent's.
+    let (code, stderr) = request(&agent_url, Some("admin-secret-0123456789"));
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("not an agent token"), "{stderr}");
+    // The admin listener instead of the agent listener.
+    let (code, stderr) = request(&server.url, Some("agent-secret-0123456789"));
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("not an agent listener"), "{stderr}");
+    // Nothing listening: the connection error, after the wait.
+    let (code, stderr) = request(&support::dead_server(), None);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("within 5 s: cannot connect"), "{stderr}");
 }

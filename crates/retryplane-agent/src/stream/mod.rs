@@ -31,6 +31,7 @@ use tonic::metadata::{Ascii, MetadataValue};
 use tracing::{debug, info, warn};
 
 use crate::agent::Shared;
+use crate::error::StreamError;
 use crate::snapshot::Source;
 use outbox::{NotSent, Outbox};
 use reconnect::ReconnectBackoff;
@@ -69,6 +70,8 @@ enum SessionEnd {
     Lost {
         up: Option<Duration>,
         reason: String,
+        /// The gRPC status the control plane answered with, if it did.
+        code: Option<tonic::Code>,
         /// The control plane ended the stream because a newer stream with the same agent id
         /// took over (`ABORTED`): two processes share the id.
         replaced: bool,
@@ -80,8 +83,22 @@ fn ended(up: Option<Duration>, status: &tonic::Status) -> SessionEnd {
     SessionEnd::Lost {
         up,
         reason: format!("stream ended: {:?}: {}", status.code(), status.message()),
+        code: Some(status.code()),
         replaced: status.code() == tonic::Code::Aborted,
     }
+}
+
+/// `e` and its sources, `: `-separated (a transport error's own text is only "transport
+/// error"; the cause is in its sources).
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
 }
 
 /// The task: sessions until cancelled.
@@ -118,11 +135,19 @@ pub(crate) async fn run(
         let SessionEnd::Lost {
             up,
             reason,
+            code,
             replaced,
         } = end
         else {
             return;
         };
+        *shared
+            .stream_error
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(StreamError {
+            code,
+            message: reason.clone(),
+        });
         if let Some(up) = up {
             backoff.session_ended(up);
         }
@@ -156,6 +181,7 @@ async fn session(
     let lost = |up: Option<Duration>, reason: String| SessionEnd::Lost {
         up,
         reason,
+        code: None,
         replaced: false,
     };
     let channel = tokio::select! {
@@ -164,7 +190,7 @@ async fn session(
     };
     let channel = match channel {
         Ok(c) => c,
-        Err(e) => return lost(None, format!("cannot connect: {e}")),
+        Err(e) => return lost(None, format!("cannot connect: {}", chain(&e))),
     };
     let (tx, rx) = mpsc::channel::<pb::AgentMessage>(OUTBOUND);
     let mut hello = config.hello.clone();
@@ -193,7 +219,14 @@ async fn session(
     };
     let opened = match opened {
         Ok(r) => r,
-        Err(status) => return lost(None, format!("stream refused: {:?}", status.code())),
+        Err(status) => {
+            return SessionEnd::Lost {
+                up: None,
+                reason: format!("stream refused: {:?}: {}", status.code(), status.message()),
+                code: Some(status.code()),
+                replaced: false,
+            };
+        }
     };
     // Reports are numbered, kept and resent only for a control plane that answers them.
     let numbered = opened
@@ -214,6 +247,10 @@ async fn session(
     }
     let mut inbound = opened.into_inner();
     shared.connected.store(true, Relaxed);
+    *shared
+        .stream_error
+        .lock()
+        .unwrap_or_else(|e| e.into_inner()) = None;
     let opened_at = Instant::now();
     let up = || Some(Instant::now().duration_since(opened_at));
     info!("connected to the control plane");

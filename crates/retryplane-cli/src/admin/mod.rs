@@ -109,17 +109,17 @@ pub struct Server {
 /// The admin listener's port of `retryplane serve`, used when `--server` names none.
 const DEFAULT_PORT: u16 = 7471;
 
-/// `url` with [`DEFAULT_PORT`] when it names a host and no port (`http://cp.internal`), since
-/// the admin listener is not on HTTP's port 80; as given otherwise, an invalid URL included
-/// (the caller reports it).
-fn with_default_port(url: String) -> String {
+/// `url` with `port` when it names a host and no port (`http://cp.internal`), since the
+/// control plane's listeners are not on HTTP's port 80; as given otherwise, an invalid URL
+/// included (the caller reports it).
+pub(crate) fn with_default_port(url: String, port: u16) -> String {
     let Ok(uri) = url.parse::<http::Uri>() else {
         return url;
     };
     match uri.authority() {
         Some(authority) if authority.port().is_none() => {
             let path = uri.path_and_query().map_or("", |p| p.as_str());
-            format!("http://{authority}:{DEFAULT_PORT}{path}")
+            format!("http://{authority}:{port}{path}")
         }
         _ => url,
     }
@@ -139,7 +139,7 @@ impl TryFrom<ServerArgs> for Server {
                 "--server {url}: only http:// is supported (TLS on the admin listener comes later)"
             );
         }
-        let url = with_default_port(url);
+        let url = with_default_port(url, DEFAULT_PORT);
         let endpoint = Endpoint::from_shared(url.clone())
             .with_context(|| format!("--server {url}: not a valid URL"))?
             .connect_timeout(CONNECT_TIMEOUT)
