@@ -71,11 +71,12 @@ pub enum ChangeError {
     /// The policies are invalid.
     #[error("invalid policies: {} error(s)", .0.len())]
     Invalid(Vec<Diagnostic>),
-    /// The change removes every endpoint of the current version.
+    /// The change removes every endpoint of the current version; holds their names.
     #[error(
-        "the change removes every endpoint ({0}); this takes the whole fleet's policies away: pass force to do it anyway"
+        "the change removes every endpoint ({}); this takes the whole fleet's policies away: pass force to do it anyway",
+        .0.join(", ")
     )]
-    RemovesEverything(String),
+    RemovesEverything(Vec<String>),
     /// Another change came first.
     #[error("version conflict: expected version {expected}, current is {current}")]
     Conflict {
@@ -321,12 +322,12 @@ fn check(
         .filter(|e| new_names.contains(e.name.value.as_str()))
         .count();
     if !old_doc.endpoints.is_empty() && survivors == 0 && !force {
-        let names: Vec<&str> = old_doc
+        let names = old_doc
             .endpoints
             .iter()
-            .map(|e| e.name.value.as_str())
+            .map(|e| e.name.value.clone())
             .collect();
-        return Err(ChangeError::RemovesEverything(names.join(", ")));
+        return Err(ChangeError::RemovesEverything(names));
     }
     Ok(changes)
 }

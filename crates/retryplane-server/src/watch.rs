@@ -557,6 +557,7 @@ async fn apply(control: &ControlPlane, file: &Path, loaded: Loaded) -> bool {
         }
         Ok(_) => true,
         Err(ChangeError::RemovesEverything(names)) => {
+            let names = names.join(", ");
             warn!(
                 file = %file.display(),
                 "the saved file removes every endpoint ({names}); refused, {} stays served. To \
