@@ -31,6 +31,7 @@ use retryplane_proto::pb::{self, admin_service_server::AdminService, policy_sour
 use tonic::{Request, Response, Status};
 use tracing::error;
 
+use crate::ErrorChain;
 use crate::aggregate::window::Window;
 use crate::aggregate::{Filter, Limit};
 use crate::auth::TokenName;
@@ -174,7 +175,7 @@ fn pb_diagnostics(diagnostics: &[Diagnostic]) -> Vec<pb::Diagnostic> {
 
 /// Logs a store failure and answers INTERNAL without its details.
 fn internal(e: &StoreError) -> Status {
-    error!(error = %e, cause = ?std::error::Error::source(e).map(ToString::to_string), "admin request failed in the version store");
+    error!(error = %ErrorChain(e), "admin request failed in the version store");
     Status::internal("the version store failed; see the control plane's log")
 }
 

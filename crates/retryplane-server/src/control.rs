@@ -85,8 +85,9 @@ pub enum ChangeError {
         /// What is current.
         current: u64,
     },
-    /// The store failed.
-    #[error("store: {0}")]
+    /// The store failed; its message and causes are the store error's own, so a log line or a
+    /// start-up error that prints the chain ([`crate::ErrorChain`]) says what the disk said.
+    #[error(transparent)]
     Store(StoreError),
     /// The change's validation and diff (run on a blocking thread) did not finish: the task
     /// panicked or the runtime is shutting down. Nothing was stored.
