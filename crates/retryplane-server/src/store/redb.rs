@@ -137,7 +137,8 @@ fn open_file(path: &Path) -> Result<Database, DatabaseError> {
 
 impl RedbStore {
     /// Opens the store in `dir`, creating the directory and an empty store if needed, and
-    /// checks its consistency (see the module docs).
+    /// checks its consistency (see the module docs). A file of zero bytes only, left by a first
+    /// start that could not write it (a full disk), holds no data and becomes an empty store.
     ///
     /// Fails with [`StoreError::InUse`] when another process holds the store, and with
     /// [`StoreError::Corrupt`] when its content is inconsistent.
@@ -152,7 +153,19 @@ impl RedbStore {
             source,
         })?;
         let path = dir.join(FILE_NAME);
-        let db = open_db(&path).map_err(|error| open_error(dir, &path, error))?;
+        let db = match open_db(&path) {
+            Err(error) if is_not_redb(&error) && holds_only_zeros(&path) => {
+                warn!(file = %path.display(), "the store's file holds only zeros: an earlier first start could not write it (a full disk?); starting an empty store in it");
+                std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(&path)
+                    .and_then(|file| file.set_len(0))
+                    .map_err(|error| StoreError::Backend(Box::new(error)))?;
+                open_db(&path)
+            }
+            opened => opened,
+        }
+        .map_err(|error| open_error(dir, &path, error))?;
         let store = Self {
             db: RwLock::new(Slot {
                 db: Some(db),
@@ -337,6 +350,30 @@ fn check(db: &Database) -> Result<(), StoreError> {
             current.unwrap_or(0),
             last.unwrap_or(0),
         ))),
+    }
+}
+
+/// Whether redb refused the file as not being a redb database.
+fn is_not_redb(error: &DatabaseError) -> bool {
+    matches!(error, DatabaseError::Storage(StorageError::Io(e)) if e.kind() == std::io::ErrorKind::InvalidData)
+}
+
+/// Whether the file at `path` holds zero bytes only, as a first start leaves it when the disk
+/// is full: the file got its length but never its header, so it holds no data and can be
+/// started afresh. A file that cannot be read counts as holding something.
+fn holds_only_zeros(path: &Path) -> bool {
+    use std::io::Read as _;
+    let Ok(mut file) = std::fs::File::open(path) else {
+        return false;
+    };
+    let mut buffer = vec![0; 64 * 1024];
+    loop {
+        match file.read(&mut buffer) {
+            Ok(0) => return true,
+            Ok(n) if buffer[..n].iter().all(|&b| b == 0) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Ok(_) | Err(_) => return false,
+        }
     }
 }
 

@@ -346,3 +346,31 @@ fn writes_work_again_once_a_full_disk_has_room() {
         2
     );
 }
+
+#[test]
+fn a_file_of_zeros_left_by_a_first_start_on_a_full_disk_is_a_new_store() {
+    let dir = tempfile::tempdir().unwrap();
+    // What a first start leaves when the disk is full: the file's length, never its header.
+    std::fs::write(dir.path().join("retryplane.redb"), vec![0; 73_728]).unwrap();
+    let store = RedbStore::open(dir.path()).unwrap();
+    assert_eq!(store.current().unwrap(), None);
+    assert_eq!(publish_new(&store, "a"), 1);
+    drop(store);
+    let reopened = RedbStore::open(dir.path()).unwrap();
+    assert_eq!(reopened.current().unwrap().unwrap().meta.version, 1);
+}
+
+#[test]
+fn zeros_with_anything_else_in_them_are_still_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut bytes = vec![0; 73_728];
+    bytes[70_000] = 1;
+    std::fs::write(dir.path().join("retryplane.redb"), &bytes).unwrap();
+    let err = open_err(dir.path());
+    assert!(matches!(err, StoreError::Corrupt(_)), "{err:?}");
+    assert_eq!(
+        std::fs::read(dir.path().join("retryplane.redb")).unwrap(),
+        bytes,
+        "the file is left as it was"
+    );
+}
