@@ -299,7 +299,7 @@ fn apply_get_history_diff_rollback_and_status_work_against_a_real_server() {
 }
 
 #[test]
-fn an_invalid_file_prints_the_servers_diagnostics_and_exits_1() {
+fn an_invalid_file_prints_its_diagnostics_and_exits_1() {
     let server = test_server(true, None);
     server.write("bad.yaml", INVALID);
     let assert = server
@@ -307,7 +307,7 @@ fn an_invalid_file_prints_the_servers_diagnostics_and_exits_1() {
         .assert()
         .code(1)
         .stderr(predicate::str::contains(
-            "retryplane: error: INVALID_ARGUMENT: bad.yaml is invalid: 1 error, 1 warning",
+            "retryplane: error: bad.yaml is invalid: 1 error, 1 warning",
         ));
     let out = stdout_of(&assert);
     assert!(
@@ -327,6 +327,50 @@ fn an_invalid_file_prints_the_servers_diagnostics_and_exits_1() {
     assert_eq!(json[0]["file"], "bad.yaml");
     assert_eq!(json[0]["severity"], "error");
     assert_eq!(json[0]["line"], 4);
+    // Nothing was stored.
+    server
+        .retryplane(&["get"])
+        .assert()
+        .code(1)
+        .stderr(predicate::str::contains("NOT_FOUND"));
+}
+
+#[test]
+fn apply_of_a_file_with_many_problems_prints_every_one_like_validate_and_exits_1() {
+    let server = test_server(true, None);
+    let mut bad = String::from("version: 1\nendpoints:\n");
+    for i in 0..200 {
+        bad.push_str(&format!("  checkout-service-{i:04}: {{max_attempts: 0}}\n"));
+    }
+    server.write("bad.yaml", &bad);
+    let validate = Command::cargo_bin("retryplane")
+        .unwrap()
+        .current_dir(server.dir.path())
+        .args(["validate", "bad.yaml"])
+        .timeout(support::WAIT)
+        .assert()
+        .code(1);
+    let every_problem = stdout_of(&validate);
+    assert_eq!(every_problem.lines().count(), 200, "{every_problem}");
+    for command in ["apply", "diff"] {
+        let assert = server
+            .retryplane(&[command, "bad.yaml"])
+            .assert()
+            .code(1)
+            .stderr(predicate::str::contains(
+                "retryplane: error: bad.yaml is invalid: 200 errors, 0 warnings",
+            ));
+        assert_eq!(stdout_of(&assert), every_problem, "{command}");
+    }
+    // Checked before any call: the same answer with no server to talk to.
+    Command::cargo_bin("retryplane")
+        .unwrap()
+        .current_dir(server.dir.path())
+        .args(["apply", "bad.yaml", "--server", &dead_server()])
+        .timeout(support::WAIT)
+        .assert()
+        .code(1)
+        .stdout(every_problem);
     // Nothing was stored.
     server
         .retryplane(&["get"])

@@ -9,9 +9,12 @@
 //!
 //! - `INVALID_ARGUMENT`: no source, a YAML source over 1 MiB, or invalid policies. The message
 //!   is the diagnostics, one per line, as `LINE:COLUMN: SEVERITY: PATH: MESSAGE` (`0:0` for a
-//!   typed document, which has no places);
+//!   typed document, which has no places), as many as fit [`MAX_MESSAGE_WIRE_BYTES`] and then
+//!   `… and K more problems; Validate (retryplane validate) lists them all`: `Validate`
+//!   answers every diagnostic in its response body, which has no such limit;
 //! - `FAILED_PRECONDITION`: a write in file mode (the message names the file), or a change that
-//!   removes every endpoint without `force` (the message names `--force`);
+//!   removes every endpoint without `force` (the message names `--force`, and as many of the
+//!   removed endpoints as fit, then `… and K more endpoints`);
 //! - `ABORTED`: `expected_version` is not the current version — another change came first; read
 //!   the current version and retry (the gRPC code for a failed read-modify-write). Checked
 //!   before the removal check, so a stale version never asks for `--force`;
@@ -28,6 +31,7 @@ use retryplane_proto::pb::{self, admin_service_server::AdminService, policy_sour
 use tonic::{Request, Response, Status};
 use tracing::error;
 
+use crate::ErrorChain;
 use crate::aggregate::window::Window;
 use crate::aggregate::{Filter, Limit};
 use crate::auth::TokenName;
@@ -83,13 +87,86 @@ fn expected(version: u64) -> Option<u64> {
     (version != 0).then_some(version)
 }
 
-/// One diagnostic per line, `LINE:COLUMN: SEVERITY: PATH: MESSAGE`.
+/// The most a status message may take on the wire. gRPC sends the message percent-encoded in
+/// the `grpc-message` trailer, and clients limit a response's metadata: gRPC core (Python, C++,
+/// ...) and grpc-go start refusing it past 8 KiB in all, and past 16 KiB the call fails with a
+/// protocol error instead of the status. 6 KiB leaves room for the other trailers.
+pub const MAX_MESSAGE_WIRE_BYTES: usize = 6 * 1024;
+
+/// How many bytes `text` takes in the `grpc-message` trailer: tonic percent-encodes control
+/// characters, bytes outside ASCII and ` "#%<>`?{}` (three bytes each) and sends the rest as is.
+/// Counted by hand rather than by encoding, since only the length matters here.
+fn wire_len(text: &str) -> usize {
+    text.bytes()
+        .map(|b| match b {
+            0x00..=0x1f | 0x7f..=0xff => 3,
+            b' ' | b'"' | b'#' | b'%' | b'<' | b'>' | b'`' | b'?' | b'{' | b'}' => 3,
+            _ => 1,
+        })
+        .sum()
+}
+
+/// `items` joined by `separator`, whole items only, within `budget` wire bytes ([`wire_len`]):
+/// when they do not all fit, the first ones that do and then `… and K more NOUN` (and `tail`,
+/// if not empty, after it). `noun` is singular; an `s` makes it plural.
+fn capped_list(items: &[String], separator: &str, budget: usize, noun: &str, tail: &str) -> String {
+    let lengths: Vec<usize> = items.iter().map(|item| wire_len(item)).collect();
+    let separator_len = wire_len(separator);
+    let joined_len = |shown: usize| {
+        lengths[..shown].iter().sum::<usize>() + separator_len * shown.saturating_sub(1)
+    };
+    if joined_len(items.len()) <= budget {
+        return items.join(separator);
+    }
+    let more = |shown: usize| {
+        let left = items.len() - shown;
+        let plural = if left == 1 { "" } else { "s" };
+        format!("… and {left} more {noun}{plural}{tail}")
+    };
+    // Each item shown costs its length and a separator; stop before the one that no longer
+    // leaves room for the closing line.
+    let mut shown = 0;
+    let mut used = 0;
+    while shown < items.len() {
+        let next = used + lengths[shown] + separator_len;
+        if next + wire_len(&more(shown + 1)) > budget {
+            break;
+        }
+        used = next;
+        shown += 1;
+    }
+    let mut text = items[..shown].join(separator);
+    if shown > 0 {
+        text.push_str(separator);
+    }
+    text.push_str(&more(shown));
+    text
+}
+
+/// One diagnostic per line, `LINE:COLUMN: SEVERITY: PATH: MESSAGE`, as many as fit a status
+/// message ([`MAX_MESSAGE_WIRE_BYTES`]).
 fn diagnostic_lines(diagnostics: &[Diagnostic]) -> String {
-    diagnostics
-        .iter()
-        .map(ToString::to_string)
-        .collect::<Vec<_>>()
-        .join("\n")
+    let lines: Vec<String> = diagnostics.iter().map(ToString::to_string).collect();
+    capped_list(
+        &lines,
+        "\n",
+        MAX_MESSAGE_WIRE_BYTES,
+        "problem",
+        "; Validate (retryplane validate) lists them all",
+    )
+}
+
+/// The refusal of a change that removes every endpoint, naming as many of them as fit a status
+/// message ([`MAX_MESSAGE_WIRE_BYTES`]).
+fn removes_everything_message(names: &[String]) -> String {
+    const BEFORE: &str = "the change removes every endpoint (";
+    const AFTER: &str =
+        "), which takes every policy away from the fleet; pass --force to do it anyway";
+    let budget = MAX_MESSAGE_WIRE_BYTES.saturating_sub(wire_len(BEFORE) + wire_len(AFTER));
+    format!(
+        "{BEFORE}{}{AFTER}",
+        capped_list(names, ", ", budget, "endpoint", "")
+    )
 }
 
 fn pb_diagnostics(diagnostics: &[Diagnostic]) -> Vec<pb::Diagnostic> {
@@ -98,7 +175,7 @@ fn pb_diagnostics(diagnostics: &[Diagnostic]) -> Vec<pb::Diagnostic> {
 
 /// Logs a store failure and answers INTERNAL without its details.
 fn internal(e: &StoreError) -> Status {
-    error!(error = %e, cause = ?std::error::Error::source(e).map(ToString::to_string), "admin request failed in the version store");
+    error!(error = %ErrorChain(e), "admin request failed in the version store");
     Status::internal("the version store failed; see the control plane's log")
 }
 
@@ -108,10 +185,9 @@ fn change_status(e: ChangeError) -> Status {
         ChangeError::Invalid(diagnostics) => {
             Status::invalid_argument(diagnostic_lines(&diagnostics))
         }
-        ChangeError::RemovesEverything(names) => Status::failed_precondition(format!(
-            "the change removes every endpoint ({names}), which takes every policy away from \
-             the fleet; pass --force to do it anyway"
-        )),
+        ChangeError::RemovesEverything(names) => {
+            Status::failed_precondition(removes_everything_message(&names))
+        }
         ChangeError::Conflict { expected, current } => Status::aborted(format!(
             "version conflict: expected version {expected} to be current, but it is {current}; \
              get the current version and retry"

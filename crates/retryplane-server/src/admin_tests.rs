@@ -533,3 +533,127 @@ async fn stats_refuses_an_unknown_order_window_and_fleet_status_can_send_counts_
     assert!(counts.agents.is_empty());
     assert_eq!((counts.connected_agents, counts.known_agents), (1, 2));
 }
+
+/// Serves `api` alone on 127.0.0.1:0 and returns a client of it: statuses then travel as
+/// real trailers, with the limits clients put on them.
+async fn loopback_client(
+    api: AdminApi,
+) -> pb::admin_service_client::AdminServiceClient<tonic::transport::Channel> {
+    use pb::admin_service_server::AdminServiceServer;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(AdminServiceServer::new(api))
+            .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
+    );
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    pb::admin_service_client::AdminServiceClient::new(channel)
+}
+
+/// A file of `count` endpoints named `name(i)`, each with `max_attempts: max_attempts`.
+fn endpoints(count: usize, name: impl Fn(usize) -> String, max_attempts: u32) -> String {
+    let mut yaml = "version: 1\nendpoints:\n".to_owned();
+    for i in 0..count {
+        yaml.push_str(&format!(
+            "  {}: {{max_attempts: {max_attempts}}}\n",
+            name(i)
+        ));
+    }
+    yaml
+}
+
+#[test]
+fn a_capped_list_keeps_whole_items_and_counts_the_rest() {
+    let items = ["alpha".to_owned(), "béta".to_owned(), "gamma".repeat(10)];
+    assert_eq!(
+        capped_list(&items, ", ", 100, "endpoint", ""),
+        items.join(", ")
+    );
+    // "alpha, " is 9 bytes on the wire (the space is %20), "… and 2 more endpoints" 38.
+    let cut = capped_list(&items, ", ", 47, "endpoint", "");
+    assert_eq!(cut, "alpha, … and 2 more endpoints");
+    assert_eq!(wire_len(&cut), 47);
+    assert_eq!(
+        capped_list(&items, ", ", 46, "endpoint", "!"),
+        "… and 3 more endpoints!"
+    );
+    // Non-ASCII and spaces count as sent: three bytes each.
+    assert_eq!(wire_len("a é"), 1 + 3 + 3 * 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_problems_reach_the_caller_as_a_capped_status_ending_with_how_many_more() {
+    let bad = endpoints(200, |i| format!("checkout-service-{i:04}"), 0);
+    let all = retryplane_policy::load(bad.as_bytes()).diagnostics;
+    assert_eq!(all.len(), 200);
+    let mut client = loopback_client(api(Mode::Api)).await;
+    let status = client.apply(apply_request(&bad)).await.unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    let message = status.message();
+    assert!(
+        wire_len(message) <= MAX_MESSAGE_WIRE_BYTES,
+        "{}",
+        message.len()
+    );
+    let lines: Vec<&str> = message.lines().collect();
+    let (last, shown) = lines.split_last().unwrap();
+    assert!(shown.len() > 10, "{message}");
+    // Whole diagnostics, in order, then the count of the rest.
+    for (line, diagnostic) in shown.iter().zip(&all) {
+        assert_eq!(*line, diagnostic.to_string());
+    }
+    assert_eq!(
+        *last,
+        format!(
+            "… and {} more problems; Validate (retryplane validate) lists them all",
+            200 - shown.len()
+        )
+    );
+    // Validate still answers every one.
+    let validated = client
+        .validate(pb::ValidateRequest { source: yaml(&bad) })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(validated.diagnostics.len(), 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn removing_a_thousand_long_named_endpoints_is_refused_with_a_capped_list() {
+    let name = |i: usize| format!("{}-{i:04}", "a-rather-long-endpoint-name".repeat(4));
+    let api = api(Mode::Api);
+    apply(&api, apply_request(&endpoints(1_000, name, 2)))
+        .await
+        .unwrap();
+    let mut client = loopback_client(api).await;
+    let status = client.apply(apply_request(OTHER)).await.unwrap_err();
+    assert_eq!(status.code(), Code::FailedPrecondition, "{status:?}");
+    let message = status.message();
+    assert!(
+        wire_len(message) <= MAX_MESSAGE_WIRE_BYTES,
+        "{}",
+        message.len()
+    );
+    assert!(
+        message.starts_with(&format!(
+            "the change removes every endpoint ({}, {}, ",
+            name(0),
+            name(1)
+        )),
+        "{message}"
+    );
+    let shown = message.matches(", a-rather").count() + 1;
+    assert!(
+        message.ends_with(&format!(
+            ", … and {} more endpoints), which takes every policy away from the fleet; pass \
+             --force to do it anyway",
+            1_000 - shown
+        )),
+        "{message}"
+    );
+}

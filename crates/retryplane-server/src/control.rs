@@ -71,11 +71,12 @@ pub enum ChangeError {
     /// The policies are invalid.
     #[error("invalid policies: {} error(s)", .0.len())]
     Invalid(Vec<Diagnostic>),
-    /// The change removes every endpoint of the current version.
+    /// The change removes every endpoint of the current version; holds their names.
     #[error(
-        "the change removes every endpoint ({0}); this takes the whole fleet's policies away: pass force to do it anyway"
+        "the change removes every endpoint ({}); this takes the whole fleet's policies away: pass force to do it anyway",
+        .0.join(", ")
     )]
-    RemovesEverything(String),
+    RemovesEverything(Vec<String>),
     /// Another change came first.
     #[error("version conflict: expected version {expected}, current is {current}")]
     Conflict {
@@ -84,8 +85,9 @@ pub enum ChangeError {
         /// What is current.
         current: u64,
     },
-    /// The store failed.
-    #[error("store: {0}")]
+    /// The store failed; its message and causes are the store error's own, so a log line or a
+    /// start-up error that prints the chain ([`crate::ErrorChain`]) says what the disk said.
+    #[error(transparent)]
     Store(StoreError),
     /// The change's validation and diff (run on a blocking thread) did not finish: the task
     /// panicked or the runtime is shutting down. Nothing was stored.
@@ -321,12 +323,12 @@ fn check(
         .filter(|e| new_names.contains(e.name.value.as_str()))
         .count();
     if !old_doc.endpoints.is_empty() && survivors == 0 && !force {
-        let names: Vec<&str> = old_doc
+        let names = old_doc
             .endpoints
             .iter()
-            .map(|e| e.name.value.as_str())
+            .map(|e| e.name.value.clone())
             .collect();
-        return Err(ChangeError::RemovesEverything(names.join(", ")));
+        return Err(ChangeError::RemovesEverything(names));
     }
     Ok(changes)
 }

@@ -328,3 +328,23 @@ async fn an_invalid_change_is_refused_before_the_store_is_read() {
         "a store failure is no rejection"
     );
 }
+
+#[test]
+fn a_store_failure_keeps_the_disks_error_for_logs_and_start_up_errors() {
+    let disk = std::io::Error::new(std::io::ErrorKind::StorageFull, "No space left on device");
+    let failed = ChangeError::from(StoreError::Backend(Box::new(disk)));
+    assert_eq!(
+        crate::ErrorChain(&failed).to_string(),
+        "the version store backend failed: No space left on device"
+    );
+    let start = crate::server::ServeError::Apply {
+        file: PathBuf::from("policies.yaml"),
+        source: failed,
+    };
+    // What `retryplane serve` prints when it cannot start.
+    assert_eq!(
+        format!("{:#}", anyhow::Error::new(start)),
+        "cannot apply the policy file policies.yaml: the version store backend failed: No space \
+         left on device"
+    );
+}

@@ -27,3 +27,21 @@ pub mod report_seq;
 pub mod server;
 pub mod store;
 pub mod watch;
+
+/// An error and every cause under it, `error: cause: cause`, as `anyhow` prints `{:#}`: what
+/// log lines show of an error whose own message is only a summary (a store failure's cause is
+/// the disk's error).
+#[derive(Clone, Copy, Debug)]
+pub struct ErrorChain<'a>(pub &'a (dyn std::error::Error + 'static));
+
+impl std::fmt::Display for ErrorChain<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut cause = self.0.source();
+        while let Some(e) = cause {
+            write!(f, ": {e}")?;
+            cause = e.source();
+        }
+        Ok(())
+    }
+}

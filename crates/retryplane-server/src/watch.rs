@@ -55,6 +55,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
+use crate::ErrorChain;
 use crate::control::{ChangeError, ChangeRequest, ControlPlane};
 use crate::store::Source;
 
@@ -557,6 +558,7 @@ async fn apply(control: &ControlPlane, file: &Path, loaded: Loaded) -> bool {
         }
         Ok(_) => true,
         Err(ChangeError::RemovesEverything(names)) => {
+            let names = names.join(", ");
             warn!(
                 file = %file.display(),
                 "the saved file removes every endpoint ({names}); refused, {} stays served. To \
@@ -566,7 +568,7 @@ async fn apply(control: &ControlPlane, file: &Path, loaded: Loaded) -> bool {
             true
         }
         Err(e) => {
-            warn!(file = %file.display(), error = %e, "the saved policy file was not applied; {} stays served", serving(control));
+            warn!(file = %file.display(), error = %ErrorChain(&e), "the saved policy file was not applied; {} stays served", serving(control));
             // A store failure or a conflict may go another way next time.
             !matches!(e, ChangeError::Store(_) | ChangeError::Conflict { .. })
         }

@@ -4,9 +4,10 @@
 //! diff against the current version (`+ added`, `- removed`, `~ modified` endpoints, detail
 //! lines indented), then one result line: `applied v7 (sha256 0123456789ab…)`,
 //! `no changes (v6)`, or with `--dry-run` `dry run: would change v6: +1 endpoint, -0, 2 modified`
-//! (`dry run: no changes (v6)`). A refused file prints the server's diagnostics like
-//! `retryplane validate` and exits 1; so do a version conflict (`--expected-version`) and a
-//! change that removes every endpoint without `--force`.
+//! (`dry run: no changes (v6)`). A file with errors is checked here and never sent: every
+//! diagnostic is printed exactly as `retryplane validate` prints it, and the command exits 1;
+//! so does a file the server refuses (its diagnostics printed the same way), a version conflict
+//! (`--expected-version`) and a change that removes every endpoint without `--force`.
 
 use std::fmt::Write as _;
 use std::path::PathBuf;

@@ -115,15 +115,27 @@ pub struct PolicyFile {
     pub yaml: String,
 }
 
-/// Reads `source` under the size limit. `Ok(Err(report))` when the file cannot be sent (too
-/// large, not UTF-8): its diagnostics, exit 1, as `validate` reports them. `Err` when it cannot
-/// be read at all (exit 2).
+/// Reads `source` under the size limit and validates it here, with the same checks as the
+/// server. `Ok(Err(report))` when the file is not worth sending (too large, not UTF-8, or with
+/// errors): every diagnostic on stdout, exactly as `validate` prints them, one summary line on
+/// stderr, exit 1, and the server is never contacted. A file with warnings only is sent (the
+/// server answers its warnings, which are printed with the outcome). `Err` when it cannot be
+/// read at all (exit 2).
+///
+/// Checking here first matters for large files: the server's refusal carries only as many
+/// problems as fit a gRPC status message, while this prints them all.
 pub fn read_policy(source: &Source, format: Format) -> anyhow::Result<Result<PolicyFile, Report>> {
     let name = source.to_string();
     let loaded = match source.read()? {
         Contents::TooLarge(size) => input::too_large(size),
         Contents::Bytes(bytes) => match String::from_utf8(bytes) {
-            Ok(yaml) => return Ok(Ok(PolicyFile { name, yaml })),
+            Ok(yaml) => {
+                let loaded = retryplane_policy::load(yaml.as_bytes());
+                if !loaded.has_errors() {
+                    return Ok(Ok(PolicyFile { name, yaml }));
+                }
+                loaded
+            }
             // The policy crate says what is wrong with the bytes, with a place.
             Err(e) => retryplane_policy::load(e.as_bytes()),
         },
@@ -136,6 +148,10 @@ pub fn read_policy(source: &Source, format: Format) -> anyhow::Result<Result<Pol
             "the file is not UTF-8 text",
         ));
     }
+    output::error(format_args!(
+        "{name} is invalid: {}; nothing was sent to the server",
+        counts(&diags)
+    ));
     Ok(Err(diagnostics_report(&name, &diags, format)?))
 }
 

@@ -114,6 +114,7 @@ async fn apply_valid(
         Ok(_) => Ok(()),
         // The stored version keeps being served, as for a bad save while running.
         Err(crate::control::ChangeError::RemovesEverything(names)) => {
+            let names = names.join(", ");
             error!(file = %file.display(), "the policy file removes every stored endpoint ({names}); refused, serving the stored version. To replace every endpoint, add the new ones first, then remove the old ones");
             Ok(())
         }

@@ -25,8 +25,18 @@
 //!
 //! redb locks the file: a second open, from another process or this one, fails with
 //! [`StoreError::InUse`].
+//!
+//! # After an I/O error
+//!
+//! When a commit fails on the disk (a full disk, say), redb refuses every later call with
+//! "Previous I/O error occurred. Please close and re-open the database." The store then does
+//! just that: it closes the database, opens the file again (redb recovers the last commit) and
+//! runs the call once more. Freeing the space is enough for writes to work again, without a
+//! restart; while the disk is still full, each call tries the reopen again and fails with the
+//! disk's error.
 
 use std::path::{Path, PathBuf};
+use std::sync::{PoisonError, RwLock};
 
 use prost::Message as _;
 use redb::{
@@ -35,6 +45,7 @@ use redb::{
 };
 use retryplane_proto::pb;
 use sha2::{Digest as _, Sha256};
+use tracing::{debug, warn};
 
 use super::{
     NewVersion, Plan, Published, Source, StoreError, VersionMeta, VersionRecord, VersionStore,
@@ -87,44 +98,85 @@ struct StoredRecord {
     document: Vec<u8>,
 }
 
+/// Opens the database in a file: redb's own file backend, except in tests that put a disk that
+/// fails on demand in between.
+pub(crate) type OpenDb = Box<dyn Fn(&Path) -> Result<Database, DatabaseError> + Send + Sync>;
+
 /// The embedded [`VersionStore`], backed by a redb file under the data directory.
-#[derive(Debug)]
 pub struct RedbStore {
-    db: Database,
+    /// The open database; replaced after an I/O error (see the module docs).
+    db: RwLock<Slot>,
     path: PathBuf,
+    dir: PathBuf,
+    open_db: OpenDb,
+}
+
+impl std::fmt::Debug for RedbStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedbStore")
+            .field("path", &self.path)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The database a [`RedbStore`] runs its calls on.
+struct Slot {
+    /// `None` once a reopen failed: the next call tries again.
+    db: Option<Database>,
+    /// How many times the database was reopened, so that calls that failed on the same
+    /// database reopen it once.
+    generation: u64,
+}
+
+/// redb with the integrity check on open.
+fn open_file(path: &Path) -> Result<Database, DatabaseError> {
+    Database::builder()
+        .set_check_integrity_on_open(true)
+        .create(path)
 }
 
 impl RedbStore {
     /// Opens the store in `dir`, creating the directory and an empty store if needed, and
-    /// checks its consistency (see the module docs).
+    /// checks its consistency (see the module docs). A file of zero bytes only, left by a first
+    /// start that could not write it (a full disk), holds no data and becomes an empty store.
     ///
     /// Fails with [`StoreError::InUse`] when another process holds the store, and with
     /// [`StoreError::Corrupt`] when its content is inconsistent.
     pub fn open(dir: &Path) -> Result<Self, StoreError> {
+        Self::open_with(dir, Box::new(open_file))
+    }
+
+    /// [`RedbStore::open`], with `open_db` opening the database file (now and on every reopen).
+    pub(crate) fn open_with(dir: &Path, open_db: OpenDb) -> Result<Self, StoreError> {
         std::fs::create_dir_all(dir).map_err(|source| StoreError::CreateDir {
             dir: dir.to_owned(),
             source,
         })?;
         let path = dir.join(FILE_NAME);
-        let db = Database::builder()
-            .set_check_integrity_on_open(true)
-            .create(&path)
-            .map_err(|error| match error {
-                DatabaseError::DatabaseAlreadyOpen | DatabaseError::LockProtocolMismatch => {
-                    StoreError::InUse {
-                        dir: dir.to_owned(),
-                    }
-                }
-                DatabaseError::Storage(StorageError::Io(error))
-                    if error.kind() == std::io::ErrorKind::InvalidData =>
-                {
-                    StoreError::Corrupt(format!("{} is not a redb file: {error}", path.display()))
-                }
-                other => backend(other),
-            })?;
-        let store = Self { db, path };
-        store.create_tables()?;
-        store.check()?;
+        let db = match open_db(&path) {
+            Err(error) if is_not_redb(&error) && holds_only_zeros(&path) => {
+                warn!(file = %path.display(), "the store's file holds only zeros: an earlier first start could not write it (a full disk?); starting an empty store in it");
+                std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(&path)
+                    .and_then(|file| file.set_len(0))
+                    .map_err(|error| StoreError::Backend(Box::new(error)))?;
+                open_db(&path)
+            }
+            opened => opened,
+        }
+        .map_err(|error| open_error(dir, &path, error))?;
+        let store = Self {
+            db: RwLock::new(Slot {
+                db: Some(db),
+                generation: 0,
+            }),
+            path,
+            dir: dir.to_owned(),
+            open_db,
+        };
+        store.run(create_tables)?;
+        store.run(check)?;
         Ok(store)
     }
 
@@ -133,105 +185,212 @@ impl RedbStore {
         &self.path
     }
 
-    /// Creates the tables of a new store, so that read transactions find them.
-    fn create_tables(&self) -> Result<(), StoreError> {
-        let txn = self.db.begin_write().map_err(backend)?;
-        txn.open_table(VERSIONS).map_err(backend)?;
-        txn.open_table(META).map_err(backend)?;
-        txn.commit().map_err(backend)
+    /// Runs `op` on the database; after redb's "previous I/O error", reopens the database and
+    /// runs `op` once more (see the module docs).
+    fn run<T>(&self, op: impl Fn(&Database) -> Result<T, StoreError>) -> Result<T, StoreError> {
+        let generation = {
+            let slot = self.db.read().unwrap_or_else(PoisonError::into_inner);
+            match &slot.db {
+                Some(db) => match op(db) {
+                    Err(error) if is_previous_io(&error) => {
+                        warn!(file = %self.path.display(), "an earlier write to the version store failed on the disk; reopening it");
+                        slot.generation
+                    }
+                    done => return done,
+                },
+                None => slot.generation,
+            }
+        };
+        self.reopen(generation)?;
+        let slot = self.db.read().unwrap_or_else(PoisonError::into_inner);
+        match &slot.db {
+            Some(db) => op(db),
+            // Another call's reopen failed in between; the next call tries again.
+            None => Err(StoreError::Backend(
+                "the version store could not be reopened after an I/O error".into(),
+            )),
+        }
     }
 
-    /// Checks the invariants listed in the module docs.
-    fn check(&self) -> Result<(), StoreError> {
-        let txn = self.db.begin_read().map_err(backend)?;
-        let versions = txn.open_table(VERSIONS).map_err(backend)?;
-        let meta = txn.open_table(META).map_err(backend)?;
-        let current = read_current(&meta)?;
-        let last = versions
-            .last()
-            .map_err(backend)?
-            .map(|(key, _)| key.value());
-        let count = versions.len().map_err(backend)?;
-        match (current, last) {
-            (None, None) => Ok(()),
-            (Some(current), Some(last)) if current == last && count == current => {
-                read_record(&versions, current)?
-                    .map(|_| ())
-                    .ok_or_else(|| corrupt_missing(current))
-            }
-            (Some(current), _) if count == 0 => Err(StoreError::Corrupt(format!(
-                "the current version is {current}, but no version is stored"
-            ))),
-            (None, Some(last)) => Err(StoreError::Corrupt(format!(
-                "{count} versions are stored, up to {last}, but no current version is recorded"
-            ))),
-            (current, last) => Err(StoreError::Corrupt(format!(
-                "the current version is {}, but the {count} stored versions end at {}",
-                current.unwrap_or(0),
-                last.unwrap_or(0),
-            ))),
+    /// Closes and opens the database again, unless another call did since `seen`.
+    fn reopen(&self, seen: u64) -> Result<(), StoreError> {
+        let mut slot = self.db.write().unwrap_or_else(PoisonError::into_inner);
+        if slot.generation != seen && slot.db.is_some() {
+            return Ok(());
         }
+        // The file lock must go before the file is opened again. No call is running: each holds
+        // the read lock while it runs.
+        if let Some(db) = slot.db.take()
+            && let Err(error) = db.close()
+        {
+            debug!(error = %error, "closing the version store before reopening it");
+        }
+        slot.generation += 1;
+        let db =
+            (self.open_db)(&self.path).map_err(|error| open_error(&self.dir, &self.path, error))?;
+        slot.db = Some(db);
+        Ok(())
     }
 }
 
 impl VersionStore for RedbStore {
     fn current(&self) -> Result<Option<VersionRecord>, StoreError> {
-        let txn = self.db.begin_read().map_err(backend)?;
-        let versions = txn.open_table(VERSIONS).map_err(backend)?;
-        let meta = txn.open_table(META).map_err(backend)?;
-        read_current_record(&versions, &meta)
+        self.run(|db| {
+            let txn = db.begin_read().map_err(backend)?;
+            let versions = txn.open_table(VERSIONS).map_err(backend)?;
+            let meta = txn.open_table(META).map_err(backend)?;
+            read_current_record(&versions, &meta)
+        })
     }
 
     fn get(&self, version: u64) -> Result<Option<VersionRecord>, StoreError> {
-        let txn = self.db.begin_read().map_err(backend)?;
-        let versions = txn.open_table(VERSIONS).map_err(backend)?;
-        read_record(&versions, version)
+        self.run(|db| {
+            let txn = db.begin_read().map_err(backend)?;
+            let versions = txn.open_table(VERSIONS).map_err(backend)?;
+            read_record(&versions, version)
+        })
     }
 
     fn history(&self, limit: usize) -> Result<Vec<VersionMeta>, StoreError> {
-        let txn = self.db.begin_read().map_err(backend)?;
-        let versions = txn.open_table(VERSIONS).map_err(backend)?;
-        let count = usize::try_from(versions.len().map_err(backend)?).unwrap_or(usize::MAX);
-        let take = history_len(count, limit);
-        let mut metas = Vec::with_capacity(take);
-        for entry in versions.iter().map_err(backend)?.rev().take(take) {
-            let (key, value) = entry.map_err(backend)?;
-            let (meta, _) = decode(key.value(), value.value())?;
-            metas.push(meta);
-        }
-        Ok(metas)
+        self.run(|db| {
+            let txn = db.begin_read().map_err(backend)?;
+            let versions = txn.open_table(VERSIONS).map_err(backend)?;
+            let count = usize::try_from(versions.len().map_err(backend)?).unwrap_or(usize::MAX);
+            let take = history_len(count, limit);
+            let mut metas = Vec::with_capacity(take);
+            for entry in versions.iter().map_err(backend)?.rev().take(take) {
+                let (key, value) = entry.map_err(backend)?;
+                let (meta, _) = decode(key.value(), value.value())?;
+                metas.push(meta);
+            }
+            Ok(metas)
+        })
     }
 
     fn publish(&self, new: NewVersion, expected: Option<u64>) -> Result<Published, StoreError> {
         let encoded = new.document.encode_to_vec();
-        let mut txn = self.db.begin_write().map_err(backend)?;
-        txn.set_durability(Durability::Immediate).map_err(backend)?;
-        let published = {
-            let mut versions = txn.open_table(VERSIONS).map_err(backend)?;
-            let mut meta = txn.open_table(META).map_err(backend)?;
-            let current = read_current_record(&versions, &meta)?;
-            match plan(current.as_ref(), &new, expected)? {
-                Plan::Unchanged(current) => Published::Unchanged(current.clone()),
-                Plan::Append(version) => {
-                    let record = VersionRecord {
-                        meta: meta_of(&new, version),
-                        document: new.document,
-                    };
-                    let bytes = encode(&record.meta, encoded);
-                    versions
-                        .insert(version, bytes.as_slice())
-                        .map_err(backend)?;
-                    meta.insert(CURRENT, version).map_err(backend)?;
-                    Published::New(record)
-                }
+        // A call redb refused before committing anything may run twice (see `run`).
+        self.run(|db| publish_in(db, &new, &encoded, expected))
+    }
+}
+
+/// One publish transaction (see [`VersionStore::publish`]).
+fn publish_in(
+    db: &Database,
+    new: &NewVersion,
+    encoded: &[u8],
+    expected: Option<u64>,
+) -> Result<Published, StoreError> {
+    let mut txn = db.begin_write().map_err(backend)?;
+    txn.set_durability(Durability::Immediate).map_err(backend)?;
+    let published = {
+        let mut versions = txn.open_table(VERSIONS).map_err(backend)?;
+        let mut meta = txn.open_table(META).map_err(backend)?;
+        let current = read_current_record(&versions, &meta)?;
+        match plan(current.as_ref(), new, expected)? {
+            Plan::Unchanged(current) => Published::Unchanged(current.clone()),
+            Plan::Append(version) => {
+                let record = VersionRecord {
+                    meta: meta_of(new, version),
+                    document: new.document.clone(),
+                };
+                let bytes = encode(&record.meta, encoded.to_vec());
+                versions
+                    .insert(version, bytes.as_slice())
+                    .map_err(backend)?;
+                meta.insert(CURRENT, version).map_err(backend)?;
+                Published::New(record)
             }
-        };
-        // On an error above, dropping the transaction aborts it.
-        match published {
-            Published::New(_) => txn.commit().map_err(backend)?,
-            Published::Unchanged(_) => txn.abort().map_err(backend)?,
         }
-        Ok(published)
+    };
+    // On an error above, dropping the transaction aborts it.
+    match published {
+        Published::New(_) => txn.commit().map_err(backend)?,
+        Published::Unchanged(_) => txn.abort().map_err(backend)?,
+    }
+    Ok(published)
+}
+
+// === opening ===
+
+/// Creates the tables of a new store, so that read transactions find them.
+fn create_tables(db: &Database) -> Result<(), StoreError> {
+    let txn = db.begin_write().map_err(backend)?;
+    txn.open_table(VERSIONS).map_err(backend)?;
+    txn.open_table(META).map_err(backend)?;
+    txn.commit().map_err(backend)
+}
+
+/// Checks the invariants listed in the module docs.
+fn check(db: &Database) -> Result<(), StoreError> {
+    let txn = db.begin_read().map_err(backend)?;
+    let versions = txn.open_table(VERSIONS).map_err(backend)?;
+    let meta = txn.open_table(META).map_err(backend)?;
+    let current = read_current(&meta)?;
+    let last = versions
+        .last()
+        .map_err(backend)?
+        .map(|(key, _)| key.value());
+    let count = versions.len().map_err(backend)?;
+    match (current, last) {
+        (None, None) => Ok(()),
+        (Some(current), Some(last)) if current == last && count == current => {
+            read_record(&versions, current)?
+                .map(|_| ())
+                .ok_or_else(|| corrupt_missing(current))
+        }
+        (Some(current), _) if count == 0 => Err(StoreError::Corrupt(format!(
+            "the current version is {current}, but no version is stored"
+        ))),
+        (None, Some(last)) => Err(StoreError::Corrupt(format!(
+            "{count} versions are stored, up to {last}, but no current version is recorded"
+        ))),
+        (current, last) => Err(StoreError::Corrupt(format!(
+            "the current version is {}, but the {count} stored versions end at {}",
+            current.unwrap_or(0),
+            last.unwrap_or(0),
+        ))),
+    }
+}
+
+/// Whether redb refused the file as not being a redb database.
+fn is_not_redb(error: &DatabaseError) -> bool {
+    matches!(error, DatabaseError::Storage(StorageError::Io(e)) if e.kind() == std::io::ErrorKind::InvalidData)
+}
+
+/// Whether the file at `path` holds zero bytes only, as a first start leaves it when the disk
+/// is full: the file got its length but never its header, so it holds no data and can be
+/// started afresh. A file that cannot be read counts as holding something.
+fn holds_only_zeros(path: &Path) -> bool {
+    use std::io::Read as _;
+    let Ok(mut file) = std::fs::File::open(path) else {
+        return false;
+    };
+    let mut buffer = vec![0; 64 * 1024];
+    loop {
+        match file.read(&mut buffer) {
+            Ok(0) => return true,
+            Ok(n) if buffer[..n].iter().all(|&b| b == 0) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Ok(_) | Err(_) => return false,
+        }
+    }
+}
+
+/// The error of an open of `path` in `dir` that failed.
+fn open_error(dir: &Path, path: &Path, error: DatabaseError) -> StoreError {
+    match error {
+        DatabaseError::DatabaseAlreadyOpen | DatabaseError::LockProtocolMismatch => {
+            StoreError::InUse {
+                dir: dir.to_owned(),
+            }
+        }
+        DatabaseError::Storage(StorageError::Io(error))
+            if error.kind() == std::io::ErrorKind::InvalidData =>
+        {
+            StoreError::Corrupt(format!("{} is not a redb file: {error}", path.display()))
+        }
+        other => backend(other),
     }
 }
 
@@ -352,6 +511,15 @@ fn corrupt_missing(current: u64) -> StoreError {
     StoreError::Corrupt(format!(
         "the current version is {current}, but its record is missing"
     ))
+}
+
+/// Whether `error` is redb's "previous I/O error": the database refuses every call until it
+/// is reopened.
+fn is_previous_io(error: &StoreError) -> bool {
+    matches!(
+        error,
+        StoreError::Backend(e) if matches!(e.downcast_ref::<redb::Error>(), Some(redb::Error::PreviousIo))
+    )
 }
 
 /// Maps a redb error: corruption it detects is [`StoreError::Corrupt`], the rest

@@ -1,7 +1,12 @@
 //! Tests of the embedded backend beyond the [`VersionStore`] contract: reopening, locking, and
 //! refusing inconsistent data on open.
 
+use std::ops::Bound;
 use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use ::redb::BackendError;
 
 use retryplane_proto::{convert::content_hash, pb};
 
@@ -192,4 +197,180 @@ fn a_damaged_page_is_corrupt_on_open() {
     std::fs::write(&file, bytes).unwrap();
     let err = open_err(dir.path());
     assert!(matches!(err, StoreError::Corrupt(_)), "{err:?}");
+}
+
+/// A disk that fills up on demand: while `full` is set, every write, sync and resize fails as
+/// on a full disk. Reads and locks go to redb's own file backend.
+#[derive(Debug)]
+struct FillingDisk {
+    file: ::redb::backends::FileBackend,
+    full: Arc<AtomicBool>,
+}
+
+impl FillingDisk {
+    fn space(&self) -> std::io::Result<()> {
+        if self.full.load(Ordering::SeqCst) {
+            Err(std::io::Error::new(
+                std::io::ErrorKind::StorageFull,
+                "No space left on device",
+            ))
+        } else {
+            Ok(())
+        }
+    }
+}
+
+impl ::redb::StorageBackend for FillingDisk {
+    fn len(&self) -> std::io::Result<u64> {
+        self.file.len()
+    }
+
+    fn read(&self, offset: u64, out: &mut [u8]) -> std::io::Result<()> {
+        self.file.read(offset, out)
+    }
+
+    fn set_len(&self, len: u64) -> std::io::Result<()> {
+        self.space()?;
+        self.file.set_len(len)
+    }
+
+    fn sync_data(&self) -> std::io::Result<()> {
+        self.space()?;
+        self.file.sync_data()
+    }
+
+    fn write(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
+        self.space()?;
+        self.file.write(offset, data)
+    }
+
+    fn close(&self) -> std::io::Result<()> {
+        self.file.close()
+    }
+
+    fn try_lock_range(&self, start: Bound<u64>, end: Bound<u64>) -> Result<bool, BackendError> {
+        self.file.try_lock_range(start, end)
+    }
+
+    fn try_lock_shared_range(
+        &self,
+        start: Bound<u64>,
+        end: Bound<u64>,
+    ) -> Result<bool, BackendError> {
+        self.file.try_lock_shared_range(start, end)
+    }
+
+    fn lock_range(&self, start: Bound<u64>, end: Bound<u64>) -> Result<(), BackendError> {
+        self.file.lock_range(start, end)
+    }
+
+    fn lock_shared_range(&self, start: Bound<u64>, end: Bound<u64>) -> Result<(), BackendError> {
+        self.file.lock_shared_range(start, end)
+    }
+
+    fn unlock_range(&self, start: Bound<u64>, end: Bound<u64>) -> Result<(), BackendError> {
+        self.file.unlock_range(start, end)
+    }
+
+    fn query_lock_range(&self, start: Bound<u64>, end: Bound<u64>) -> Result<bool, BackendError> {
+        self.file.query_lock_range(start, end)
+    }
+}
+
+/// A store in `dir` on a [`FillingDisk`] that fills up while `full` is set, on every open.
+fn store_on_a_filling_disk(dir: &Path, full: &Arc<AtomicBool>) -> RedbStore {
+    let full = full.clone();
+    RedbStore::open_with(
+        dir,
+        Box::new(move |path| {
+            let file = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .open(path)?;
+            let disk = FillingDisk {
+                file: ::redb::backends::FileBackend::new(file)?,
+                full: full.clone(),
+            };
+            ::redb::Database::builder()
+                .set_check_integrity_on_open(true)
+                .create_with_backend(disk)
+        }),
+    )
+    .unwrap()
+}
+
+#[test]
+fn writes_work_again_once_a_full_disk_has_room() {
+    let dir = tempfile::tempdir().unwrap();
+    let full = Arc::new(AtomicBool::new(false));
+    let store = store_on_a_filling_disk(dir.path(), &full);
+    assert_eq!(publish_new(&store, "a"), 1);
+
+    full.store(true, Ordering::SeqCst);
+    let failed = store
+        .publish(version_of("b", Source::File), None)
+        .unwrap_err();
+    assert!(
+        crate::ErrorChain(&failed)
+            .to_string()
+            .contains("No space left on device"),
+        "{failed:?}"
+    );
+    // Still full: the reopen fails too, and says why.
+    let still = store
+        .publish(version_of("b", Source::File), None)
+        .unwrap_err();
+    assert!(
+        crate::ErrorChain(&still)
+            .to_string()
+            .contains("No space left on device"),
+        "{still:?}"
+    );
+
+    // Room again: reads and writes work, on what was committed before the disk filled up.
+    full.store(false, Ordering::SeqCst);
+    assert_eq!(store.current().unwrap().unwrap().meta.version, 1);
+    assert_eq!(publish_new(&store, "b"), 2);
+    assert_eq!(store.history(0).unwrap().len(), 2);
+    drop(store);
+    assert_eq!(
+        RedbStore::open(dir.path())
+            .unwrap()
+            .current()
+            .unwrap()
+            .unwrap()
+            .meta
+            .version,
+        2
+    );
+}
+
+#[test]
+fn a_file_of_zeros_left_by_a_first_start_on_a_full_disk_is_a_new_store() {
+    let dir = tempfile::tempdir().unwrap();
+    // What a first start leaves when the disk is full: the file's length, never its header.
+    std::fs::write(dir.path().join("retryplane.redb"), vec![0; 73_728]).unwrap();
+    let store = RedbStore::open(dir.path()).unwrap();
+    assert_eq!(store.current().unwrap(), None);
+    assert_eq!(publish_new(&store, "a"), 1);
+    drop(store);
+    let reopened = RedbStore::open(dir.path()).unwrap();
+    assert_eq!(reopened.current().unwrap().unwrap().meta.version, 1);
+}
+
+#[test]
+fn zeros_with_anything_else_in_them_are_still_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut bytes = vec![0; 73_728];
+    bytes[70_000] = 1;
+    std::fs::write(dir.path().join("retryplane.redb"), &bytes).unwrap();
+    let err = open_err(dir.path());
+    assert!(matches!(err, StoreError::Corrupt(_)), "{err:?}");
+    assert_eq!(
+        std::fs::read(dir.path().join("retryplane.redb")).unwrap(),
+        bytes,
+        "the file is left as it was"
+    );
 }
