@@ -20,6 +20,7 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Duration;
 
 use arc_swap::ArcSwapOption;
 use retryplane_policy::engine::{CallInfo, Decision, GiveUpCause, Outcome, RetryCall};
@@ -60,6 +61,27 @@ pub struct Endpoint {
 struct Cached {
     generation: u64,
     entry: Arc<Entry>,
+}
+
+/// A pause in progress: on drop (the pause slept, cut short by a cancellation, or its call
+/// dropped) it adds the time paused, at most the pause, to the endpoint's backoff time, so the
+/// figure counts pauses taken, not pauses planned.
+struct Paused<'a> {
+    backoff_ms: &'a std::sync::atomic::AtomicU64,
+    from: Instant,
+    pause: Duration,
+}
+
+impl Drop for Paused<'_> {
+    fn drop(&mut self) {
+        let paused = Instant::now()
+            .saturating_duration_since(self.from)
+            .min(self.pause);
+        self.backoff_ms.fetch_add(
+            u64::try_from(paused.as_millis()).unwrap_or(u64::MAX),
+            std::sync::atomic::Ordering::Relaxed,
+        );
+    }
 }
 
 /// How the attempt loop ended.
@@ -488,10 +510,6 @@ impl Endpoint {
                         }
                         Decision::Retry { pause, hinted } => {
                             self.debug_attempt(plan.number, &class, Some(pause), &call, now);
-                            c.backoff_ms.fetch_add(
-                                u64::try_from(pause.as_millis()).unwrap_or(u64::MAX),
-                                std::sync::atomic::Ordering::Relaxed,
-                            );
                             if hinted {
                                 Counters::inc(&c.retry_after_honored);
                             }
@@ -500,6 +518,12 @@ impl Endpoint {
                             pause
                         }
                     }
+                };
+                // Counts the time paused when the pause ends, is cancelled or is dropped.
+                let _paused = Paused {
+                    backoff_ms: &c.backoff_ms,
+                    from: now,
+                    pause,
                 };
                 match cancel {
                     None => tokio::time::sleep(pause).await,

@@ -582,3 +582,38 @@ async fn an_open_breaker_stays_open_across_a_swap_that_changes_the_budget_or_the
         assert_eq!(up.attempts(), 1);
     }
 }
+
+#[tokio::test(start_paused = true)]
+async fn backoff_time_counts_the_part_of_a_pause_taken_when_the_call_ends_during_it() {
+    let agent = agent(&policy(
+        "max_attempts: 3\nbackoff: {base: 10s, max: 10s}\ndeadline: 60s",
+    ));
+    let ep = agent.endpoint("ep");
+    // Cancelled by its token 4 s into the 10 s pause.
+    let up = Upstream::new([Step::Status(503)]);
+    let token = CancellationToken::new();
+    let call = tokio::spawn({
+        let (ep, up, token) = (ep.clone(), up.clone(), token.clone());
+        async move { ep.call(get().with_cancel(token), up.attempt()).await }
+    });
+    up.until_attempts(1).await;
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    token.cancel();
+    assert_eq!(call.await.unwrap().unwrap_err().cause, Cause::Cancelled);
+    assert_eq!(ep.pending_counts().backoff_ms, 4_000);
+    // Dropped 3 s into the pause.
+    let up = Upstream::new([Step::Status(503)]);
+    let call = tokio::spawn({
+        let (ep, up) = (ep.clone(), up.clone());
+        async move { ep.call(get(), up.attempt()).await }
+    });
+    up.until_attempts(1).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    call.abort();
+    assert!(call.await.unwrap_err().is_cancelled());
+    assert_eq!(ep.pending_counts().backoff_ms, 7_000);
+    // Slept in full.
+    let up = Upstream::new([Step::Status(503)]);
+    ep.call(get(), up.attempt()).await.unwrap();
+    assert_eq!(ep.pending_counts().backoff_ms, 17_000);
+}
