@@ -40,17 +40,19 @@ pub struct Args {
     /// Admin gRPC listener.
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:7471")]
     admin_listen: SocketAddr,
-    /// HTTP listener: /healthz, /readyz, /metrics.
+    /// HTTP listener: /healthz, /readyz and /metrics (the server's own figures), served to
+    /// anyone who can reach it, with or without --tokens; no policy and no change goes
+    /// through it.
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:7472")]
     http_listen: SocketAddr,
     /// Tokens file (names, roles agent/admin, secrets). Without one there is no
-    /// authentication and only loopback addresses are allowed.
+    /// authentication and the agent and admin listeners must be on loopback addresses.
     #[arg(long, value_name = "FILE")]
     tokens: Option<PathBuf>,
     /// API mode: the store owns the policies and `retryplane apply` changes them.
     #[arg(long)]
     api: bool,
-    /// Allow non-loopback listeners without a tokens file.
+    /// Allow non-loopback agent and admin listeners without a tokens file.
     #[arg(long)]
     insecure: bool,
     /// How often agents send metrics reports (sent to them in every snapshot): a duration with

@@ -253,6 +253,19 @@ async fn non_loopback_without_tokens_is_refused_unless_insecure() {
     assert!(err.to_string().contains("--insecure"));
 }
 
+#[tokio::test]
+async fn the_http_listener_needs_no_tokens_file_on_any_address() {
+    let (_dir, cfg) = with_file(V1);
+    let cfg = ServeConfig {
+        http_listen: SocketAddr::from((Ipv4Addr::UNSPECIFIED, 0)),
+        ..cfg
+    };
+    let running = start(cfg).await.unwrap();
+    let http = SocketAddr::from((Ipv4Addr::LOCALHOST, running.http_addr.port()));
+    assert_eq!(http_get(http, "/healthz").await.0, 200);
+    running.shutdown().await.unwrap();
+}
+
 fn authorized<T>(message: T, secret: &str) -> Request<T> {
     let mut request = Request::new(message);
     let value = format!("Bearer {secret}").parse().unwrap();
