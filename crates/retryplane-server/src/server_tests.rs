@@ -233,6 +233,64 @@ async fn a_keepalive_or_a_stream_limit_of_zero_is_refused() {
 }
 
 #[tokio::test]
+async fn two_listeners_on_the_same_address_are_refused_naming_both() {
+    let dir = tempfile::tempdir().unwrap();
+    // Taken and released: a free port, refused before anything binds it.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let same = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+    let cases = [
+        (
+            "agent",
+            "admin",
+            ServeConfig {
+                listen: same,
+                admin_listen: same,
+                ..config(dir.path())
+            },
+        ),
+        (
+            "admin",
+            "http",
+            ServeConfig {
+                admin_listen: same,
+                http_listen: same,
+                ..config(dir.path())
+            },
+        ),
+        (
+            "agent",
+            "http",
+            ServeConfig {
+                listen: same,
+                http_listen: same,
+                ..config(dir.path())
+            },
+        ),
+    ];
+    for (a, b, cfg) in cases {
+        let err = start(cfg).await.unwrap_err();
+        assert!(
+            matches!(err, ServeError::SameAddress { first, second, addr }
+                if first == a && second == b && addr == same),
+            "{err}"
+        );
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "the {a} and {b} listeners are both given {same}: each listener needs its own address"
+            )
+        );
+    }
+    // Port 0 on every listener (the test configuration) is not the same address.
+    let (_dir, cfg) = with_file(V1);
+    start(cfg).await.unwrap().shutdown().await.unwrap();
+}
+
+#[tokio::test]
 async fn non_loopback_without_tokens_is_refused_unless_insecure() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = ServeConfig {

@@ -82,8 +82,27 @@ impl Default for ServeConfig {
 }
 
 /// Refuses a keepalive interval or timeout of zero (a PING after every frame, or a connection
-/// dropped as soon as a PING goes out) and a connection that may open no stream.
+/// dropped as soon as a PING goes out), a connection that may open no stream, and two
+/// listeners given the same address (the second could not bind it).
 pub(super) fn check_settings(cfg: &ServeConfig) -> Result<(), ServeError> {
+    let listeners = [
+        ("agent", cfg.listen),
+        ("admin", cfg.admin_listen),
+        ("http", cfg.http_listen),
+    ];
+    for (i, &(first, addr)) in listeners.iter().enumerate() {
+        // Port 0 asks the system for a free port: each listener gets its own.
+        if addr.port() == 0 {
+            continue;
+        }
+        if let Some(&(second, _)) = listeners[i + 1..].iter().find(|(_, a)| *a == addr) {
+            return Err(ServeError::SameAddress {
+                first,
+                second,
+                addr,
+            });
+        }
+    }
     if cfg.max_streams_per_connection == 0 {
         return Err(ServeError::ZeroSetting {
             setting: "max_streams_per_connection",

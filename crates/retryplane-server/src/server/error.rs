@@ -24,6 +24,19 @@ pub enum ServeError {
         /// The address asked for.
         addr: SocketAddr,
     },
+    /// Two listeners are given the same address (a port of 0 excepted: each gets its own).
+    #[error(
+        "the {first} and {second} listeners are both given {addr}: each listener needs its own \
+         address"
+    )]
+    SameAddress {
+        /// `agent`, `admin` or `http`: the first of the two.
+        first: &'static str,
+        /// `admin` or `http`: the second of the two.
+        second: &'static str,
+        /// The address both are given.
+        addr: SocketAddr,
+    },
     /// A setting that must be more than zero (a duration, a count) is zero.
     #[error("{setting} must be more than zero")]
     ZeroSetting {
