@@ -6,7 +6,8 @@
 //!
 //! Once serving, stdout gets one line per listener with the address actually bound (so port 0
 //! can be used), `agent: ADDR`, `admin: ADDR`, `http: ADDR`; logs go to stderr (`RUST_LOG`,
-//! default `info`). SIGTERM or Ctrl-C ends agent streams with "reconnect", drains and exits 0.
+//! default `info`). Stdout that cannot be written (a full disk, closed) is logged as a warning
+//! and serving goes on. SIGTERM or Ctrl-C ends agent streams with "reconnect", drains and exits 0.
 //! Anything that stops the start (a bad tokens file, an invalid policy file with an empty
 //! store, a port in use) exits 2 with the reason.
 
@@ -20,6 +21,7 @@ use anyhow::Context as _;
 use retryplane_policy::duration::parse_duration;
 use retryplane_server::agent_stream::StreamLimits;
 use retryplane_server::server::{self, ServeConfig};
+use tracing::warn;
 use tracing_subscriber::EnvFilter;
 
 use crate::{Outcome, Report};
@@ -187,11 +189,15 @@ async fn serve(settings: ServeConfig) -> anyhow::Result<()> {
     let mut running = server::start(settings).await?;
     {
         let mut out = io::stdout().lock();
-        writeln!(out, "agent: {}", running.agent_addr)
+        let printed = writeln!(out, "agent: {}", running.agent_addr)
             .and_then(|()| writeln!(out, "admin: {}", running.admin_addr))
             .and_then(|()| writeln!(out, "http: {}", running.http_addr))
-            .and_then(|()| out.flush())
-            .context("cannot write to stdout")?;
+            .and_then(|()| out.flush());
+        // A full disk or a closed stdout must not stop the control plane: the addresses are
+        // in the log line start-up wrote too.
+        if let Err(e) = printed {
+            warn!(error = %e, "cannot write the listener addresses to stdout; serving anyway");
+        }
     }
     let stopped = tokio::select! {
         stopped = running.wait() => Some(stopped),
