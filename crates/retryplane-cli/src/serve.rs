@@ -6,7 +6,8 @@
 //!
 //! Once serving, stdout gets one line per listener with the address actually bound (so port 0
 //! can be used), `agent: ADDR`, `admin: ADDR`, `http: ADDR`; logs go to stderr (`RUST_LOG`,
-//! default `info`). Stdout that cannot be written (a full disk, closed) is logged as a warning
+//! default `info`; the file watching crate's own messages only at error unless `RUST_LOG`
+//! names `notify`). Stdout that cannot be written (a full disk, closed) is logged as a warning
 //! and serving goes on. SIGTERM or Ctrl-C ends agent streams with "reconnect", drains and exits 0.
 //! Anything that stops the start (a bad tokens file, an invalid policy file with an empty
 //! store, a port in use) exits 2 with the reason.
@@ -171,8 +172,24 @@ pub fn run(settings: ServeConfig) -> anyhow::Result<Report> {
     })
 }
 
+/// notify logs its own bookkeeping of a watched directory that was deleted (at info and warn:
+/// "Unable to remove the path from the watches", on every Kubernetes ConfigMap swap), which the
+/// policy file watcher handles; its real errors reach the watcher. Kept to errors unless
+/// `RUST_LOG` names it.
+const NOTIFY_QUIET: &str = "notify=error";
+
 fn init_logging() {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let spec = std::env::var("RUST_LOG")
+        .ok()
+        .filter(|s| !s.trim().is_empty())
+        .unwrap_or_else(|| "info".to_owned());
+    let spec = if spec.contains("notify") {
+        spec
+    } else {
+        format!("{spec},{NOTIFY_QUIET}")
+    };
+    let filter = EnvFilter::try_new(&spec)
+        .unwrap_or_else(|_| EnvFilter::new(format!("info,{NOTIFY_QUIET}")));
     // Already set (never, in the binary) is not worth failing over.
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)

@@ -307,7 +307,13 @@ impl Watches {
             }
         }
         for dir in self.active.drain(..) {
-            // Fails when the directory is gone (deleted, or the old one after a ConfigMap swap).
+            // A directory that is gone (deleted, or the old one after a ConfigMap swap) took
+            // its watch with it, and notify drops the watch on the deletion event: unwatching
+            // it again would only fail.
+            if matches!(dir.try_exists(), Ok(false)) {
+                continue;
+            }
+            // Fails when the directory went between the check and here.
             if let Err(e) = self.watcher.unwatch(&dir) {
                 debug!(dir = %dir.display(), error = %e, "unwatching a directory");
             }

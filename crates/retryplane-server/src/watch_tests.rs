@@ -461,3 +461,28 @@ async fn a_change_no_event_reports_is_found_by_the_rescan() {
     wait_for_version(&f.control, 2, Duration::from_secs(5)).await;
     assert_eq!(max_attempts_served(&f.control).await, Some(4));
 }
+
+#[test]
+fn a_directory_gone_since_the_last_read_is_not_unwatched() {
+    let (log, _guard) = capture_logs();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("policies.yaml");
+    fs::write(&file, V1).unwrap();
+    let watcher = notify::recommended_watcher(|_: notify::Result<Event>| {}).unwrap();
+    let mut watches = Watches {
+        watcher,
+        file,
+        own_dir: fs::canonicalize(dir.path()).unwrap(),
+        wanted: Vec::new(),
+        active: Vec::new(),
+    };
+    watches.watch_own_dir().unwrap();
+    // The old data directory of a ConfigMap swap: deleted, its watch already dropped by notify
+    // when the deletion was reported.
+    let old = watches.own_dir.join("..2026_01_01_00_00_00.1");
+    watches.active.push(old.clone());
+    watches.update();
+    assert_eq!(watches.active, [watches.own_dir.clone()]);
+    let text = log.text();
+    assert!(!text.contains("unwatching a directory"), "{text}");
+}
