@@ -502,6 +502,53 @@ where
     panic!("timed out waiting until {what}");
 }
 
+/// `retryplane_server_config_last_reload_successful` as `/metrics` shows it.
+async fn last_reload_successful(running: &Running) -> String {
+    let (_, metrics) = http_get(running.http_addr, "/metrics").await;
+    let line = metrics
+        .lines()
+        .find(|l| l.starts_with("retryplane_server_config_last_reload_successful "));
+    line.unwrap_or_else(|| panic!("no reload gauge in {metrics}"))
+        .rsplit(' ')
+        .next()
+        .unwrap()
+        .to_owned()
+}
+
+#[tokio::test]
+async fn the_reload_gauge_follows_every_read_of_the_policy_file() {
+    let (dir, cfg) = with_file(V1);
+    let file = dir.path().join("policies.yaml");
+    let running = start(cfg).await.unwrap();
+    assert_eq!(last_reload_successful(&running).await, "1");
+    fs::write(&file, INVALID).unwrap();
+    let served = &running;
+    eventually("the invalid save to set the gauge to 0", || async move {
+        last_reload_successful(served).await == "0"
+    })
+    .await;
+    fs::write(&file, V2).unwrap();
+    eventually("the valid save to set the gauge to 1", || async move {
+        last_reload_successful(served).await == "1"
+    })
+    .await;
+    assert_eq!(current(served).await.version, 2);
+    // A file that cannot be read counts as a failed reload too.
+    fs::remove_file(&file).unwrap();
+    eventually("the missing file to set the gauge to 0", || async move {
+        last_reload_successful(served).await == "0"
+    })
+    .await;
+    fs::write(&file, V2).unwrap();
+    eventually(
+        "the file back as it was to set the gauge to 1",
+        || async move { last_reload_successful(served).await == "1" },
+    )
+    .await;
+    assert_eq!(current(served).await.version, 2);
+    running.shutdown().await.unwrap();
+}
+
 #[tokio::test]
 async fn reports_over_a_stream_show_in_metrics_stats_and_fleet_status() {
     let (_dir, cfg) = with_file(V1);

@@ -23,7 +23,10 @@
 //! [`ControlPlane::apply`] as [`Source::File`]. An invalid save is logged, one warning per
 //! problem as `FILE:LINE:COLUMN: error: PATH: message`, counted in
 //! `retryplane_server_rejected_changes`, and the last good version stays served. Content equal
-//! to the current version's publishes nothing.
+//! to the current version's publishes nothing. Every read sets
+//! `retryplane_server_config_last_reload_successful` (1 for a valid file applied or equal to the
+//! version served, 0 otherwise), and the first good read after one that was not logs one info
+//! line saying the file is valid again and which version is served.
 //!
 //! A watch is attached to a directory's inode, so a watched directory deleted and created
 //! again, or replaced by a rename, would no longer be watched: every read sets the watches up
@@ -497,6 +500,7 @@ async fn reload_if_changed(control: &ControlPlane, file: &Path, last: &mut LastR
     let bytes = match blocking(move || read_bytes(&path)).await.and_then(|r| r) {
         Ok(bytes) => bytes,
         Err(e) => {
+            reload_result(control, file, false);
             if matches!(last, LastRead::Failed(kind) if *kind == e.kind()) {
                 debug!(file = %file.display(), error = %e, "the policy file still cannot be read");
             } else {
@@ -514,15 +518,30 @@ async fn reload_if_changed(control: &ControlPlane, file: &Path, last: &mut LastR
         Ok(loaded) => loaded,
         Err(e) => {
             warn!(file = %file.display(), error = %e, "cannot load the policy file; still serving {}", serving(control));
+            reload_result(control, file, false);
             *last = LastRead::Nothing;
             return;
         }
     };
-    *last = if apply(control, file, loaded).await {
+    let (settled, valid) = apply(control, file, loaded).await;
+    reload_result(control, file, valid);
+    *last = if settled {
         LastRead::Bytes(bytes)
     } else {
         LastRead::Nothing
     };
+}
+
+/// Sets `retryplane_server_config_last_reload_successful` from one read of the file, and says
+/// once when the file is good again after a read that was not.
+fn reload_result(control: &ControlPlane, file: &Path, ok: bool) {
+    let was = control
+        .metrics
+        .config_last_reload_successful
+        .set(i64::from(ok));
+    if ok && was == 0 {
+        info!(file = %file.display(), "the policy file is readable and valid again; {} is served", serving(control));
+    }
 }
 
 fn serving(control: &ControlPlane) -> String {
@@ -540,13 +559,14 @@ pub async fn reload(control: &ControlPlane, file: &Path) {
 
 /// Applies what was loaded from `file`, logging any problem. Returns whether the outcome is
 /// settled, so that the same bytes would get the same answer again (only a store failure is
-/// worth another try).
-async fn apply(control: &ControlPlane, file: &Path, loaded: Loaded) -> bool {
+/// worth another try), and whether the file was valid and applied (or equal to the version
+/// served).
+async fn apply(control: &ControlPlane, file: &Path, loaded: Loaded) -> (bool, bool) {
     log_diagnostics(file, &loaded);
     let Some(policies) = loaded.policies else {
         control.metrics.rejected_changes.inc();
         warn!(file = %file.display(), "the policy file has errors; the change is rejected and {} stays served", serving(control));
-        return true;
+        return (true, false);
     };
     let request = ChangeRequest {
         document: pb::PolicyDocument::from(policies.document().as_ref()),
@@ -559,9 +579,9 @@ async fn apply(control: &ControlPlane, file: &Path, loaded: Loaded) -> bool {
     match control.apply(request).await {
         Ok(outcome) if !outcome.changed => {
             debug!(file = %file.display(), "the policy file was saved without changes");
-            true
+            (true, true)
         }
-        Ok(_) => true,
+        Ok(_) => (true, true),
         Err(ChangeError::RemovesEverything(names)) => {
             warn!(
                 file = %file.display(),
@@ -569,12 +589,13 @@ async fn apply(control: &ControlPlane, file: &Path, loaded: Loaded) -> bool {
                  replace every endpoint, add the new ones first, save, then remove the old ones",
                 serving(control)
             );
-            true
+            (true, false)
         }
         Err(e) => {
             warn!(file = %file.display(), error = %e, "the saved policy file was not applied; {} stays served", serving(control));
             // A store failure or a conflict may go another way next time.
-            !matches!(e, ChangeError::Store(_) | ChangeError::Conflict { .. })
+            let settled = !matches!(e, ChangeError::Store(_) | ChangeError::Conflict { .. });
+            (settled, false)
         }
     }
 }

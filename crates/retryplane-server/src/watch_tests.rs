@@ -486,3 +486,29 @@ fn a_directory_gone_since_the_last_read_is_not_unwatched() {
     let text = log.text();
     assert!(!text.contains("unwatching a directory"), "{text}");
 }
+
+#[tokio::test]
+async fn a_valid_save_after_an_invalid_one_says_once_that_the_file_is_valid_again() {
+    let f = fixture().await;
+    let (log, _guard) = capture_logs();
+    let again = "the policy file is readable and valid again";
+    save_by_rename(&f, INVALID);
+    eventually("the invalid save to be rejected", || {
+        f.control.metrics.rejected_changes.get() == 1
+    })
+    .await;
+    assert!(!log.text().contains(again), "{}", log.text());
+    save_by_rename(&f, V2);
+    wait_for_version(&f.control, 2, PUBLISH_BOUND).await;
+    eventually("the recovery to be logged", || log.text().contains(again)).await;
+    let text = log.text();
+    let line = text.lines().find(|l| l.contains(again)).unwrap();
+    assert!(
+        line.contains(" INFO ") && line.contains("version 2 is served"),
+        "{line}"
+    );
+    // The next good save is no recovery.
+    save_by_rename(&f, V3);
+    wait_for_version(&f.control, 3, PUBLISH_BOUND).await;
+    assert_eq!(log.text().matches(again).count(), 1, "{}", log.text());
+}
