@@ -18,9 +18,9 @@
 //! `..data`); instead, a read whose bytes equal those last read is skipped quietly (at debug),
 //! so unrelated files touched in a watched directory neither publish nor log.
 //!
-//! A reload reads the file (at most [`MAX_FILE_BYTES`] + 1 bytes; the validator reports a larger
-//! file), loads it with the validator `retryplane validate` runs, and hands the document to
-//! [`ControlPlane::apply`] as [`Source::File`]. An invalid save is logged, one warning per
+//! A reload reads the file (at most [`MAX_FILE_BYTES`] + 1 bytes; a larger file is refused with
+//! its size from the metadata), loads it with the validator `retryplane validate` runs, and
+//! hands the document to [`ControlPlane::apply`] as [`Source::File`]. An invalid save is logged, one warning per
 //! problem as `FILE:LINE:COLUMN: error: PATH: message`, counted in
 //! `retryplane_server_rejected_changes`, and the last good version stays served. Content equal
 //! to the current version's publishes nothing. Every read sets
@@ -50,8 +50,8 @@ use std::time::Duration;
 
 use notify::event::{AccessKind, AccessMode};
 use notify::{Event, EventKind, RecommendedWatcher, RecursiveMode, Watcher as _};
-use retryplane_policy::Loaded;
-use retryplane_policy::yaml::MAX_FILE_BYTES;
+use retryplane_policy::yaml::{Loc, MAX_FILE_BYTES};
+use retryplane_policy::{Diagnostic, Loaded};
 use retryplane_proto::pb;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
@@ -114,14 +114,53 @@ pub enum WatchError {
     },
 }
 
-/// Reads at most [`MAX_FILE_BYTES`] + 1 bytes of `path` (one byte more than allowed, so the
-/// validator reports an oversized file). Blocking.
-fn read_bytes(path: &Path) -> io::Result<Vec<u8>> {
+/// What one read of the policy file found.
+struct FileRead {
+    /// At most [`MAX_FILE_BYTES`] + 1 bytes: one more than allowed tells an oversized file.
+    bytes: Vec<u8>,
+    /// The file's size from its metadata, when it is a regular file (a FIFO or a device says 0).
+    size: Option<u64>,
+}
+
+impl FileRead {
+    /// Loads the bytes with the validator; an oversized file is refused with its real size
+    /// (or "more than" the limit, when it is not known), not the number of bytes read.
+    fn load(&self) -> Loaded {
+        if self.bytes.len() <= MAX_FILE_BYTES {
+            return retryplane_policy::load(&self.bytes);
+        }
+        let limit = u64::try_from(MAX_FILE_BYTES).unwrap_or(u64::MAX);
+        let size = self.size.filter(|&size| size > limit).map_or_else(
+            || format!("more than {MAX_FILE_BYTES}"),
+            |size| size.to_string(),
+        );
+        Loaded {
+            policies: None,
+            diagnostics: vec![Diagnostic::error(
+                Loc { line: 1, column: 1 },
+                "<root>",
+                format!(
+                    "file is {size} bytes; policy files are limited to {MAX_FILE_BYTES} bytes \
+                     (1 MiB)"
+                ),
+            )],
+        }
+    }
+}
+
+/// Reads at most [`MAX_FILE_BYTES`] + 1 bytes of `path` (one byte more than allowed, so an
+/// oversized file is told apart) and its size. Blocking.
+fn read_bytes(path: &Path) -> io::Result<FileRead> {
     let file = std::fs::File::open(path)?;
+    let size = file
+        .metadata()
+        .ok()
+        .filter(std::fs::Metadata::is_file)
+        .map(|m| m.len());
     let mut bytes = Vec::new();
     let limit = u64::try_from(MAX_FILE_BYTES).map_or(u64::MAX, |m| m + 1);
     file.take(limit).read_to_end(&mut bytes)?;
-    Ok(bytes)
+    Ok(FileRead { bytes, size })
 }
 
 /// Runs `f` off the async threads.
@@ -135,9 +174,9 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> 
 pub async fn read_policy_file(path: &Path) -> io::Result<(Vec<u8>, Loaded)> {
     let path = path.to_owned();
     blocking(move || {
-        read_bytes(&path).map(|bytes| {
-            let loaded = retryplane_policy::load(&bytes);
-            (bytes, loaded)
+        read_bytes(&path).map(|read| {
+            let loaded = read.load();
+            (read.bytes, loaded)
         })
     })
     .await?
@@ -497,8 +536,8 @@ async fn run(
 /// file in a watched directory publishes and logs nothing.
 async fn reload_if_changed(control: &ControlPlane, file: &Path, last: &mut LastRead) {
     let path = file.to_owned();
-    let bytes = match blocking(move || read_bytes(&path)).await.and_then(|r| r) {
-        Ok(bytes) => bytes,
+    let read = match blocking(move || read_bytes(&path)).await.and_then(|r| r) {
+        Ok(read) => read,
         Err(e) => {
             reload_result(control, file, false);
             if matches!(last, LastRead::Failed(kind) if *kind == e.kind()) {
@@ -510,11 +549,11 @@ async fn reload_if_changed(control: &ControlPlane, file: &Path, last: &mut LastR
             return;
         }
     };
-    if matches!(last, LastRead::Bytes(seen) if *seen == bytes) {
+    if matches!(last, LastRead::Bytes(seen) if *seen == read.bytes) {
         debug!(file = %file.display(), "the policy file is unchanged since it was last read");
         return;
     }
-    let (loaded, bytes) = match blocking(move || (retryplane_policy::load(&bytes), bytes)).await {
+    let (loaded, bytes) = match blocking(move || (read.load(), read.bytes)).await {
         Ok(loaded) => loaded,
         Err(e) => {
             warn!(file = %file.display(), error = %e, "cannot load the policy file; still serving {}", serving(control));

@@ -512,3 +512,26 @@ async fn a_valid_save_after_an_invalid_one_says_once_that_the_file_is_valid_agai
     wait_for_version(&f.control, 3, PUBLISH_BOUND).await;
     assert_eq!(log.text().matches(again).count(), 1, "{}", log.text());
 }
+
+#[tokio::test]
+async fn an_oversized_file_is_refused_with_its_real_size() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("policies.yaml");
+    let size = MAX_FILE_BYTES * 2 + 7;
+    fs::write(&file, vec![b'#'; size]).unwrap();
+    let (bytes, loaded) = read_policy_file(&file).await.unwrap();
+    assert_eq!(
+        bytes.len(),
+        MAX_FILE_BYTES + 1,
+        "read no further than needed"
+    );
+    assert!(loaded.policies.is_none());
+    let [diag] = &loaded.diagnostics[..] else {
+        panic!("{:?}", loaded.diagnostics)
+    };
+    assert!(diag.is_error());
+    assert_eq!(
+        diag.message,
+        format!("file is {size} bytes; policy files are limited to {MAX_FILE_BYTES} bytes (1 MiB)")
+    );
+}
