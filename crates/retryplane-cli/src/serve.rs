@@ -178,16 +178,20 @@ pub fn run(settings: ServeConfig) -> anyhow::Result<Report> {
 /// `RUST_LOG` names it.
 const NOTIFY_QUIET: &str = "notify=error";
 
-fn init_logging() {
-    let spec = std::env::var("RUST_LOG")
-        .ok()
+/// The log filter for `RUST_LOG` (`info` when unset or empty), notify kept quiet unless named.
+fn filter_spec(rust_log: Option<String>) -> String {
+    let spec = rust_log
         .filter(|s| !s.trim().is_empty())
         .unwrap_or_else(|| "info".to_owned());
-    let spec = if spec.contains("notify") {
+    if spec.contains("notify") {
         spec
     } else {
         format!("{spec},{NOTIFY_QUIET}")
-    };
+    }
+}
+
+fn init_logging() {
+    let spec = filter_spec(std::env::var("RUST_LOG").ok());
     let filter = EnvFilter::try_new(&spec)
         .unwrap_or_else(|_| EnvFilter::new(format!("info,{NOTIFY_QUIET}")));
     // Already set (never, in the binary) is not worth failing over.
@@ -280,6 +284,21 @@ mod tests {
             Command::Serve(args) => args.into(),
             other => panic!("parsed as {other:?}"),
         }
+    }
+
+    #[test]
+    fn the_log_filter_keeps_notify_to_errors_unless_rust_log_names_it() {
+        assert_eq!(filter_spec(None), "info,notify=error");
+        assert_eq!(filter_spec(Some(" ".to_owned())), "info,notify=error");
+        assert_eq!(
+            filter_spec(Some("retryplane_server=debug".to_owned())),
+            "retryplane_server=debug,notify=error"
+        );
+        assert_eq!(
+            filter_spec(Some("info,notify=debug".to_owned())),
+            "info,notify=debug"
+        );
+        assert!(EnvFilter::try_new(filter_spec(None)).is_ok());
     }
 
     #[test]
