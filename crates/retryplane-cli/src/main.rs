@@ -187,8 +187,13 @@ fn run(cli: Cli) -> anyhow::Result<Report> {
 }
 
 /// Writes `text` to stdout. A reader that went away (`retryplane validate … | head -1`) is not
-/// an error: the exit code still tells what was found.
+/// an error: the exit code still tells what was found. Nothing to write touches nothing: `serve`
+/// prints its own lines as it goes, and a write of them that failed (and was logged) must not
+/// turn its clean stop into an error when the same bytes fail again here.
 fn print_stdout(text: &str) -> io::Result<()> {
+    if text.is_empty() {
+        return Ok(());
+    }
     let mut out = io::stdout().lock();
     match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
         Err(e) if e.kind() == io::ErrorKind::BrokenPipe => Ok(()),

@@ -6,7 +6,9 @@
 //!
 //! Once serving, stdout gets one line per listener with the address actually bound (so port 0
 //! can be used), `agent: ADDR`, `admin: ADDR`, `http: ADDR`; logs go to stderr (`RUST_LOG`,
-//! default `info`). SIGTERM or Ctrl-C ends agent streams with "reconnect", drains and exits 0.
+//! default `info`; the file watching crate's own messages only at error unless `RUST_LOG`
+//! names `notify`). Stdout that cannot be written (a full disk, closed) is logged as a warning
+//! and serving goes on. SIGTERM or Ctrl-C ends agent streams with "reconnect", drains and exits 0.
 //! Anything that stops the start (a bad tokens file, an invalid policy file with an empty
 //! store, a port in use) exits 2 with the reason.
 
@@ -20,6 +22,7 @@ use anyhow::Context as _;
 use retryplane_policy::duration::parse_duration;
 use retryplane_server::agent_stream::StreamLimits;
 use retryplane_server::server::{self, ServeConfig};
+use tracing::warn;
 use tracing_subscriber::EnvFilter;
 
 use crate::{Outcome, Report};
@@ -40,17 +43,19 @@ pub struct Args {
     /// Admin gRPC listener.
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:7471")]
     admin_listen: SocketAddr,
-    /// HTTP listener: /healthz, /readyz, /metrics.
+    /// HTTP listener: /healthz, /readyz and /metrics (the server's own figures), served to
+    /// anyone who can reach it, with or without --tokens; no policy and no change goes
+    /// through it.
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:7472")]
     http_listen: SocketAddr,
     /// Tokens file (names, roles agent/admin, secrets). Without one there is no
-    /// authentication and only loopback addresses are allowed.
+    /// authentication and the agent and admin listeners must be on loopback addresses.
     #[arg(long, value_name = "FILE")]
     tokens: Option<PathBuf>,
     /// API mode: the store owns the policies and `retryplane apply` changes them.
     #[arg(long)]
     api: bool,
-    /// Allow non-loopback listeners without a tokens file.
+    /// Allow non-loopback agent and admin listeners without a tokens file.
     #[arg(long)]
     insecure: bool,
     /// How often agents send metrics reports (sent to them in every snapshot): a duration with
@@ -167,8 +172,28 @@ pub fn run(settings: ServeConfig) -> anyhow::Result<Report> {
     })
 }
 
+/// notify logs its own bookkeeping of a watched directory that was deleted (at info and warn:
+/// "Unable to remove the path from the watches", on every Kubernetes ConfigMap swap), which the
+/// policy file watcher handles; its real errors reach the watcher. Kept to errors unless
+/// `RUST_LOG` names it.
+const NOTIFY_QUIET: &str = "notify=error";
+
+/// The log filter for `RUST_LOG` (`info` when unset or empty), notify kept quiet unless named.
+fn filter_spec(rust_log: Option<String>) -> String {
+    let spec = rust_log
+        .filter(|s| !s.trim().is_empty())
+        .unwrap_or_else(|| "info".to_owned());
+    if spec.contains("notify") {
+        spec
+    } else {
+        format!("{spec},{NOTIFY_QUIET}")
+    }
+}
+
 fn init_logging() {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let spec = filter_spec(std::env::var("RUST_LOG").ok());
+    let filter = EnvFilter::try_new(&spec)
+        .unwrap_or_else(|_| EnvFilter::new(format!("info,{NOTIFY_QUIET}")));
     // Already set (never, in the binary) is not worth failing over.
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
@@ -185,11 +210,15 @@ async fn serve(settings: ServeConfig) -> anyhow::Result<()> {
     let mut running = server::start(settings).await?;
     {
         let mut out = io::stdout().lock();
-        writeln!(out, "agent: {}", running.agent_addr)
+        let printed = writeln!(out, "agent: {}", running.agent_addr)
             .and_then(|()| writeln!(out, "admin: {}", running.admin_addr))
             .and_then(|()| writeln!(out, "http: {}", running.http_addr))
-            .and_then(|()| out.flush())
-            .context("cannot write to stdout")?;
+            .and_then(|()| out.flush());
+        // A full disk or a closed stdout must not stop the control plane: the addresses are
+        // in the log line start-up wrote too.
+        if let Err(e) = printed {
+            warn!(error = %e, "cannot write the listener addresses to stdout; serving anyway");
+        }
     }
     let stopped = tokio::select! {
         stopped = running.wait() => Some(stopped),
@@ -255,6 +284,21 @@ mod tests {
             Command::Serve(args) => args.into(),
             other => panic!("parsed as {other:?}"),
         }
+    }
+
+    #[test]
+    fn the_log_filter_keeps_notify_to_errors_unless_rust_log_names_it() {
+        assert_eq!(filter_spec(None), "info,notify=error");
+        assert_eq!(filter_spec(Some(" ".to_owned())), "info,notify=error");
+        assert_eq!(
+            filter_spec(Some("retryplane_server=debug".to_owned())),
+            "retryplane_server=debug,notify=error"
+        );
+        assert_eq!(
+            filter_spec(Some("info,notify=debug".to_owned())),
+            "info,notify=debug"
+        );
+        assert!(EnvFilter::try_new(filter_spec(None)).is_ok());
     }
 
     #[test]

@@ -571,6 +571,36 @@ fn explain_says_a_non_idempotent_call_needs_the_key() {
 }
 
 #[test]
+fn explain_says_a_failed_connect_is_retried_only_when_connect_is_in_retry_on_errors() {
+    const NO_CONNECT: &str = "\
+version: 1
+defaults:
+  retry_on: {errors: [timeout]}
+endpoints:
+  payments: {}
+  search:
+    retry_on: {errors: [connect, reset]}
+";
+    let dir = dir_with(&[("errors.yaml", NO_CONNECT)]);
+    let connect = "a failed connect, which never reached the server, is retried anyway";
+    let post = ["-X", "POST"];
+    let grpc = ["--grpc", "/search.v1.SearchService/Query"];
+    for args in [&post[..], &grpc[..]] {
+        let out = explained(dir.path(), "errors.yaml", "payments", args);
+        assert!(!out.contains(connect), "{out}");
+        let out = explained(dir.path(), "errors.yaml", "search", args);
+        assert!(out.contains(connect), "{out}");
+    }
+    let json = ["-X", "POST", "--format", "json"];
+    let e: Value =
+        serde_json::from_str(&explained(dir.path(), "errors.yaml", "payments", &json)).unwrap();
+    assert_eq!(
+        e["retried"]["summary"],
+        "only when the request carries the `Idempotency-Key` header: POST is not in idempotent_methods"
+    );
+}
+
+#[test]
 fn explain_matches_grpc_routes_and_shows_a_never_retried_method() {
     let dir = dir_with(&[("layers.yaml", LAYERED)]);
     let query = ["--grpc", "/search.v1.SearchService/Query"];

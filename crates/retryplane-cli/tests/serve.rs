@@ -88,6 +88,49 @@ async fn serve_prints_its_addresses_and_stops_on_sigterm() {
     assert!(dir.path().join("data").is_dir());
 }
 
+#[cfg(target_os = "linux")]
+#[tokio::test]
+async fn serve_keeps_serving_when_its_stdout_cannot_be_written() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("policies.yaml"), POLICY).unwrap();
+    // Every write to /dev/full fails with "no space left on device", as on a full log disk.
+    let full = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/full")
+        .unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_retryplane"))
+        .current_dir(dir.path())
+        .args(["serve", "--config", "policies.yaml", "--data-dir", "data"])
+        .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+        .args(["--http-listen", "127.0.0.1:0"])
+        .env("RUST_LOG", "warn,retryplane_server::server=info")
+        .stdout(full)
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let (mut http_addr, mut warned) = (None, false);
+    while http_addr.is_none() || !warned {
+        let line = tokio::time::timeout(BOUND, lines.next_line())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap_or_else(|| panic!("serve ended its log before serving"));
+        if line.contains("control plane serving") {
+            let addr = line.split("http_addr=").nth(1).unwrap();
+            http_addr = Some(addr.split(' ').next().unwrap().to_owned());
+        }
+        warned |= line.contains("WARN")
+            && line.contains("cannot write the listener addresses to stdout; serving anyway");
+    }
+    let response = http_get(&http_addr.unwrap(), "/readyz").await;
+    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+    // The log is read no further; it must not fill the pipe and block the server meanwhile.
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    terminate(child).await;
+}
+
 /// Opens an agent stream as `id` and says Hello; the stream, or the status it was refused with.
 async fn open_stream(
     agent_addr: &str,

@@ -33,6 +33,11 @@ pub struct ServerMetrics {
     /// and applies or rollbacks that remove every endpoint without force. Dry runs
     /// (`retryplane diff`) are not counted.
     pub rejected_changes: Counter,
+    /// 1 when the last read of the policy file in file mode gave a valid file that was
+    /// applied (or equal to the version served), 0 when it could not be read, was invalid or
+    /// was refused; like Prometheus's own `prometheus_config_last_reload_successful`. Set at
+    /// start and by every read the watcher makes; 1 in API mode, where the file is not watched.
+    pub config_last_reload_successful: Gauge,
     /// Metrics reports dropped for coming too fast.
     pub reports_dropped: Counter,
     /// Numbered metrics reports received again after they were counted (sent again after a
@@ -75,6 +80,7 @@ impl ServerMetrics {
         let current_version = Gauge::default();
         let publishes = Counter::default();
         let rejected_changes = Counter::default();
+        let config_last_reload_successful = Gauge::default();
         let reports_dropped = Counter::default();
         let reports_duplicate = Counter::default();
         let streams_refused = Counter::default();
@@ -102,6 +108,11 @@ impl ServerMetrics {
             rejected_changes.clone(),
         );
         registry.register(
+            "config_last_reload_successful",
+            "Whether the last read of the policy file (file mode) gave a valid file that was applied",
+            config_last_reload_successful.clone(),
+        );
+        registry.register(
             "reports_dropped",
             "Agent metrics reports dropped for exceeding the per-stream rate",
             reports_dropped.clone(),
@@ -125,6 +136,7 @@ impl ServerMetrics {
             current_version,
             publishes,
             rejected_changes,
+            config_last_reload_successful,
             reports_dropped,
             reports_duplicate,
             streams_refused,

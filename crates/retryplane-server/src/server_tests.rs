@@ -233,6 +233,64 @@ async fn a_keepalive_or_a_stream_limit_of_zero_is_refused() {
 }
 
 #[tokio::test]
+async fn two_listeners_on_the_same_address_are_refused_naming_both() {
+    let dir = tempfile::tempdir().unwrap();
+    // Taken and released: a free port, refused before anything binds it.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let same = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+    let cases = [
+        (
+            "agent",
+            "admin",
+            ServeConfig {
+                listen: same,
+                admin_listen: same,
+                ..config(dir.path())
+            },
+        ),
+        (
+            "admin",
+            "http",
+            ServeConfig {
+                admin_listen: same,
+                http_listen: same,
+                ..config(dir.path())
+            },
+        ),
+        (
+            "agent",
+            "http",
+            ServeConfig {
+                listen: same,
+                http_listen: same,
+                ..config(dir.path())
+            },
+        ),
+    ];
+    for (a, b, cfg) in cases {
+        let err = start(cfg).await.unwrap_err();
+        assert!(
+            matches!(err, ServeError::SameAddress { first, second, addr }
+                if first == a && second == b && addr == same),
+            "{err}"
+        );
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "the {a} and {b} listeners are both given {same}: each listener needs its own address"
+            )
+        );
+    }
+    // Port 0 on every listener (the test configuration) is not the same address.
+    let (_dir, cfg) = with_file(V1);
+    start(cfg).await.unwrap().shutdown().await.unwrap();
+}
+
+#[tokio::test]
 async fn non_loopback_without_tokens_is_refused_unless_insecure() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = ServeConfig {
@@ -251,6 +309,19 @@ async fn non_loopback_without_tokens_is_refused_unless_insecure() {
         "{err}"
     );
     assert!(err.to_string().contains("--insecure"));
+}
+
+#[tokio::test]
+async fn the_http_listener_needs_no_tokens_file_on_any_address() {
+    let (_dir, cfg) = with_file(V1);
+    let cfg = ServeConfig {
+        http_listen: SocketAddr::from((Ipv4Addr::UNSPECIFIED, 0)),
+        ..cfg
+    };
+    let running = start(cfg).await.unwrap();
+    let http = SocketAddr::from((Ipv4Addr::LOCALHOST, running.http_addr.port()));
+    assert_eq!(http_get(http, "/healthz").await.0, 200);
+    running.shutdown().await.unwrap();
 }
 
 fn authorized<T>(message: T, secret: &str) -> Request<T> {
@@ -429,6 +500,53 @@ where
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     panic!("timed out waiting until {what}");
+}
+
+/// `retryplane_server_config_last_reload_successful` as `/metrics` shows it.
+async fn last_reload_successful(running: &Running) -> String {
+    let (_, metrics) = http_get(running.http_addr, "/metrics").await;
+    let line = metrics
+        .lines()
+        .find(|l| l.starts_with("retryplane_server_config_last_reload_successful "));
+    line.unwrap_or_else(|| panic!("no reload gauge in {metrics}"))
+        .rsplit(' ')
+        .next()
+        .unwrap()
+        .to_owned()
+}
+
+#[tokio::test]
+async fn the_reload_gauge_follows_every_read_of_the_policy_file() {
+    let (dir, cfg) = with_file(V1);
+    let file = dir.path().join("policies.yaml");
+    let running = start(cfg).await.unwrap();
+    assert_eq!(last_reload_successful(&running).await, "1");
+    fs::write(&file, INVALID).unwrap();
+    let served = &running;
+    eventually("the invalid save to set the gauge to 0", || async move {
+        last_reload_successful(served).await == "0"
+    })
+    .await;
+    fs::write(&file, V2).unwrap();
+    eventually("the valid save to set the gauge to 1", || async move {
+        last_reload_successful(served).await == "1"
+    })
+    .await;
+    assert_eq!(current(served).await.version, 2);
+    // A file that cannot be read counts as a failed reload too.
+    fs::remove_file(&file).unwrap();
+    eventually("the missing file to set the gauge to 0", || async move {
+        last_reload_successful(served).await == "0"
+    })
+    .await;
+    fs::write(&file, V2).unwrap();
+    eventually(
+        "the file back as it was to set the gauge to 1",
+        || async move { last_reload_successful(served).await == "1" },
+    )
+    .await;
+    assert_eq!(current(served).await.version, 2);
+    running.shutdown().await.unwrap();
 }
 
 #[tokio::test]

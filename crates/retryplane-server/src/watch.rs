@@ -18,12 +18,15 @@
 //! `..data`); instead, a read whose bytes equal those last read is skipped quietly (at debug),
 //! so unrelated files touched in a watched directory neither publish nor log.
 //!
-//! A reload reads the file (at most [`MAX_FILE_BYTES`] + 1 bytes; the validator reports a larger
-//! file), loads it with the validator `retryplane validate` runs, and hands the document to
-//! [`ControlPlane::apply`] as [`Source::File`]. An invalid save is logged, one warning per
+//! A reload reads the file (at most [`MAX_FILE_BYTES`] + 1 bytes; a larger file is refused with
+//! its size from the metadata), loads it with the validator `retryplane validate` runs, and
+//! hands the document to [`ControlPlane::apply`] as [`Source::File`]. An invalid save is logged, one warning per
 //! problem as `FILE:LINE:COLUMN: error: PATH: message`, counted in
 //! `retryplane_server_rejected_changes`, and the last good version stays served. Content equal
-//! to the current version's publishes nothing.
+//! to the current version's publishes nothing. Every read sets
+//! `retryplane_server_config_last_reload_successful` (1 for a valid file applied or equal to the
+//! version served, 0 otherwise), and the first good read after one that was not logs one info
+//! line saying the file is valid again and which version is served.
 //!
 //! A watch is attached to a directory's inode, so a watched directory deleted and created
 //! again, or replaced by a rename, would no longer be watched: every read sets the watches up
@@ -47,8 +50,8 @@ use std::time::Duration;
 
 use notify::event::{AccessKind, AccessMode};
 use notify::{Event, EventKind, RecommendedWatcher, RecursiveMode, Watcher as _};
-use retryplane_policy::Loaded;
-use retryplane_policy::yaml::MAX_FILE_BYTES;
+use retryplane_policy::yaml::{Loc, MAX_FILE_BYTES};
+use retryplane_policy::{Diagnostic, Loaded};
 use retryplane_proto::pb;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
@@ -112,14 +115,53 @@ pub enum WatchError {
     },
 }
 
-/// Reads at most [`MAX_FILE_BYTES`] + 1 bytes of `path` (one byte more than allowed, so the
-/// validator reports an oversized file). Blocking.
-fn read_bytes(path: &Path) -> io::Result<Vec<u8>> {
+/// What one read of the policy file found.
+struct FileRead {
+    /// At most [`MAX_FILE_BYTES`] + 1 bytes: one more than allowed tells an oversized file.
+    bytes: Vec<u8>,
+    /// The file's size from its metadata, when it is a regular file (a FIFO or a device says 0).
+    size: Option<u64>,
+}
+
+impl FileRead {
+    /// Loads the bytes with the validator; an oversized file is refused with its real size
+    /// (or "more than" the limit, when it is not known), not the number of bytes read.
+    fn load(&self) -> Loaded {
+        if self.bytes.len() <= MAX_FILE_BYTES {
+            return retryplane_policy::load(&self.bytes);
+        }
+        let limit = u64::try_from(MAX_FILE_BYTES).unwrap_or(u64::MAX);
+        let size = self.size.filter(|&size| size > limit).map_or_else(
+            || format!("more than {MAX_FILE_BYTES}"),
+            |size| size.to_string(),
+        );
+        Loaded {
+            policies: None,
+            diagnostics: vec![Diagnostic::error(
+                Loc { line: 1, column: 1 },
+                "<root>",
+                format!(
+                    "file is {size} bytes; policy files are limited to {MAX_FILE_BYTES} bytes \
+                     (1 MiB)"
+                ),
+            )],
+        }
+    }
+}
+
+/// Reads at most [`MAX_FILE_BYTES`] + 1 bytes of `path` (one byte more than allowed, so an
+/// oversized file is told apart) and its size. Blocking.
+fn read_bytes(path: &Path) -> io::Result<FileRead> {
     let file = std::fs::File::open(path)?;
+    let size = file
+        .metadata()
+        .ok()
+        .filter(std::fs::Metadata::is_file)
+        .map(|m| m.len());
     let mut bytes = Vec::new();
     let limit = u64::try_from(MAX_FILE_BYTES).map_or(u64::MAX, |m| m + 1);
     file.take(limit).read_to_end(&mut bytes)?;
-    Ok(bytes)
+    Ok(FileRead { bytes, size })
 }
 
 /// Runs `f` off the async threads.
@@ -133,9 +175,9 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> 
 pub async fn read_policy_file(path: &Path) -> io::Result<(Vec<u8>, Loaded)> {
     let path = path.to_owned();
     blocking(move || {
-        read_bytes(&path).map(|bytes| {
-            let loaded = retryplane_policy::load(&bytes);
-            (bytes, loaded)
+        read_bytes(&path).map(|read| {
+            let loaded = read.load();
+            (read.bytes, loaded)
         })
     })
     .await?
@@ -308,7 +350,13 @@ impl Watches {
             }
         }
         for dir in self.active.drain(..) {
-            // Fails when the directory is gone (deleted, or the old one after a ConfigMap swap).
+            // A directory that is gone (deleted, or the old one after a ConfigMap swap) took
+            // its watch with it, and notify drops the watch on the deletion event: unwatching
+            // it again would only fail.
+            if matches!(dir.try_exists(), Ok(false)) {
+                continue;
+            }
+            // Fails when the directory went between the check and here.
             if let Err(e) = self.watcher.unwatch(&dir) {
                 debug!(dir = %dir.display(), error = %e, "unwatching a directory");
             }
@@ -489,9 +537,10 @@ async fn run(
 /// file in a watched directory publishes and logs nothing.
 async fn reload_if_changed(control: &ControlPlane, file: &Path, last: &mut LastRead) {
     let path = file.to_owned();
-    let bytes = match blocking(move || read_bytes(&path)).await.and_then(|r| r) {
-        Ok(bytes) => bytes,
+    let read = match blocking(move || read_bytes(&path)).await.and_then(|r| r) {
+        Ok(read) => read,
         Err(e) => {
+            reload_result(control, file, false);
             if matches!(last, LastRead::Failed(kind) if *kind == e.kind()) {
                 debug!(file = %file.display(), error = %e, "the policy file still cannot be read");
             } else {
@@ -501,23 +550,38 @@ async fn reload_if_changed(control: &ControlPlane, file: &Path, last: &mut LastR
             return;
         }
     };
-    if matches!(last, LastRead::Bytes(seen) if *seen == bytes) {
+    if matches!(last, LastRead::Bytes(seen) if *seen == read.bytes) {
         debug!(file = %file.display(), "the policy file is unchanged since it was last read");
         return;
     }
-    let (loaded, bytes) = match blocking(move || (retryplane_policy::load(&bytes), bytes)).await {
+    let (loaded, bytes) = match blocking(move || (read.load(), read.bytes)).await {
         Ok(loaded) => loaded,
         Err(e) => {
             warn!(file = %file.display(), error = %e, "cannot load the policy file; still serving {}", serving(control));
+            reload_result(control, file, false);
             *last = LastRead::Nothing;
             return;
         }
     };
-    *last = if apply(control, file, loaded).await {
+    let (settled, valid) = apply(control, file, loaded).await;
+    reload_result(control, file, valid);
+    *last = if settled {
         LastRead::Bytes(bytes)
     } else {
         LastRead::Nothing
     };
+}
+
+/// Sets `retryplane_server_config_last_reload_successful` from one read of the file, and says
+/// once when the file is good again after a read that was not.
+fn reload_result(control: &ControlPlane, file: &Path, ok: bool) {
+    let was = control
+        .metrics
+        .config_last_reload_successful
+        .set(i64::from(ok));
+    if ok && was == 0 {
+        info!(file = %file.display(), "the policy file is readable and valid again; {} is served", serving(control));
+    }
 }
 
 fn serving(control: &ControlPlane) -> String {
@@ -535,13 +599,14 @@ pub async fn reload(control: &ControlPlane, file: &Path) {
 
 /// Applies what was loaded from `file`, logging any problem. Returns whether the outcome is
 /// settled, so that the same bytes would get the same answer again (only a store failure is
-/// worth another try).
-async fn apply(control: &ControlPlane, file: &Path, loaded: Loaded) -> bool {
+/// worth another try), and whether the file was valid and applied (or equal to the version
+/// served).
+async fn apply(control: &ControlPlane, file: &Path, loaded: Loaded) -> (bool, bool) {
     log_diagnostics(file, &loaded);
     let Some(policies) = loaded.policies else {
         control.metrics.rejected_changes.inc();
         warn!(file = %file.display(), "the policy file has errors; the change is rejected and {} stays served", serving(control));
-        return true;
+        return (true, false);
     };
     let request = ChangeRequest {
         document: pb::PolicyDocument::from(policies.document().as_ref()),
@@ -554,9 +619,9 @@ async fn apply(control: &ControlPlane, file: &Path, loaded: Loaded) -> bool {
     match control.apply(request).await {
         Ok(outcome) if !outcome.changed => {
             debug!(file = %file.display(), "the policy file was saved without changes");
-            true
+            (true, true)
         }
-        Ok(_) => true,
+        Ok(_) => (true, true),
         Err(ChangeError::RemovesEverything(names)) => {
             let names = names.join(", ");
             warn!(
@@ -565,12 +630,13 @@ async fn apply(control: &ControlPlane, file: &Path, loaded: Loaded) -> bool {
                  replace every endpoint, add the new ones first, save, then remove the old ones",
                 serving(control)
             );
-            true
+            (true, false)
         }
         Err(e) => {
             warn!(file = %file.display(), error = %ErrorChain(&e), "the saved policy file was not applied; {} stays served", serving(control));
             // A store failure or a conflict may go another way next time.
-            !matches!(e, ChangeError::Store(_) | ChangeError::Conflict { .. })
+            let settled = !matches!(e, ChangeError::Store(_) | ChangeError::Conflict { .. });
+            (settled, false)
         }
     }
 }

@@ -461,3 +461,77 @@ async fn a_change_no_event_reports_is_found_by_the_rescan() {
     wait_for_version(&f.control, 2, Duration::from_secs(5)).await;
     assert_eq!(max_attempts_served(&f.control).await, Some(4));
 }
+
+#[test]
+fn a_directory_gone_since_the_last_read_is_not_unwatched() {
+    let (log, _guard) = capture_logs();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("policies.yaml");
+    fs::write(&file, V1).unwrap();
+    let watcher = notify::recommended_watcher(|_: notify::Result<Event>| {}).unwrap();
+    let mut watches = Watches {
+        watcher,
+        file,
+        own_dir: fs::canonicalize(dir.path()).unwrap(),
+        wanted: Vec::new(),
+        active: Vec::new(),
+    };
+    watches.watch_own_dir().unwrap();
+    // The old data directory of a ConfigMap swap: deleted, its watch already dropped by notify
+    // when the deletion was reported.
+    let old = watches.own_dir.join("..2026_01_01_00_00_00.1");
+    watches.active.push(old.clone());
+    watches.update();
+    assert_eq!(watches.active, [watches.own_dir.clone()]);
+    let text = log.text();
+    assert!(!text.contains("unwatching a directory"), "{text}");
+}
+
+#[tokio::test]
+async fn a_valid_save_after_an_invalid_one_says_once_that_the_file_is_valid_again() {
+    let f = fixture().await;
+    let (log, _guard) = capture_logs();
+    let again = "the policy file is readable and valid again";
+    save_by_rename(&f, INVALID);
+    eventually("the invalid save to be rejected", || {
+        f.control.metrics.rejected_changes.get() == 1
+    })
+    .await;
+    assert!(!log.text().contains(again), "{}", log.text());
+    save_by_rename(&f, V2);
+    wait_for_version(&f.control, 2, PUBLISH_BOUND).await;
+    eventually("the recovery to be logged", || log.text().contains(again)).await;
+    let text = log.text();
+    let line = text.lines().find(|l| l.contains(again)).unwrap();
+    assert!(
+        line.contains(" INFO ") && line.contains("version 2 is served"),
+        "{line}"
+    );
+    // The next good save is no recovery.
+    save_by_rename(&f, V3);
+    wait_for_version(&f.control, 3, PUBLISH_BOUND).await;
+    assert_eq!(log.text().matches(again).count(), 1, "{}", log.text());
+}
+
+#[tokio::test]
+async fn an_oversized_file_is_refused_with_its_real_size() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("policies.yaml");
+    let size = MAX_FILE_BYTES * 2 + 7;
+    fs::write(&file, vec![b'#'; size]).unwrap();
+    let (bytes, loaded) = read_policy_file(&file).await.unwrap();
+    assert_eq!(
+        bytes.len(),
+        MAX_FILE_BYTES + 1,
+        "read no further than needed"
+    );
+    assert!(loaded.policies.is_none());
+    let [diag] = &loaded.diagnostics[..] else {
+        panic!("{:?}", loaded.diagnostics)
+    };
+    assert!(diag.is_error());
+    assert_eq!(
+        diag.message,
+        format!("file is {size} bytes; policy files are limited to {MAX_FILE_BYTES} bytes (1 MiB)")
+    );
+}

@@ -6,7 +6,7 @@ use std::time::Duration;
 use retryplane_policy::backoff;
 use retryplane_policy::document::{EndpointDoc, FIELD_PATHS, Level, Overlay, PolicyDocument};
 use retryplane_policy::yaml::Loc;
-use retryplane_policy::{AlertConfig, BudgetConfig, RetryPolicy};
+use retryplane_policy::{AlertConfig, BudgetConfig, ErrorClass, RetryPolicy};
 use serde::Serialize;
 use serde_json::Value;
 
@@ -212,7 +212,13 @@ fn known(loc: Loc) -> Option<Loc> {
 
 fn retried(p: &RetryPolicy, call: &Call) -> Retried {
     let key = p.idempotency_key_header.to_string();
-    let connect = "a failed connect, which never reached the server, is retried anyway";
+    // The engine retries a failed connect of any call, but only when `connect` is in
+    // retry_on.errors; otherwise nothing is retried without the key.
+    let connect = if p.retry_on.errors.contains(&ErrorClass::Connect) {
+        " (a failed connect, which never reached the server, is retried anyway)"
+    } else {
+        ""
+    };
     let (idempotent, summary) = match call {
         _ if p.max_attempts <= 1 => (
             match call {
@@ -228,13 +234,13 @@ fn retried(p: &RetryPolicy, call: &Call) -> Retried {
         Call::Http { method, .. } => (
             Some(false),
             format!(
-                "only when the request carries the `{key}` header: {method} is not in idempotent_methods ({connect})"
+                "only when the request carries the `{key}` header: {method} is not in idempotent_methods{connect}"
             ),
         ),
         Call::Grpc { .. } => (
             None,
             format!(
-                "when the caller declares the method idempotent or sends `{key}` metadata ({connect})"
+                "when the caller declares the method idempotent or sends `{key}` metadata{connect}"
             ),
         ),
         Call::Endpoint => (

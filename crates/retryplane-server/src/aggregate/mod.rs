@@ -10,8 +10,9 @@
 //! and for names longer than [`MAX_NAME_LEN`] bytes or holding a control character (which
 //! `retryplane stats` would otherwise print to a terminal), are counted in the one series whose
 //! service and endpoint are both [`OTHER`]. Each such endpoint report is counted
-//! (`overflowed_reports`), the first one is logged at warn and later ones in a summary at most
-//! every [`OVERFLOW_SUMMARY_EVERY`]. Series are never dropped: lifetime totals stay. Each
+//! (`overflowed_reports`); the first for a name not kept apart and the first past the cap are
+//! each logged at warn once (the name escaped, so it cannot forge a log line), and later ones
+//! in a summary at most every [`OVERFLOW_SUMMARY_EVERY`]. Series are never dropped: lifetime totals stay. Each
 //! series holds its windows in fixed rings ([`window`] documents the bucket layout and
 //! resolution) split by policy version ([`series`] documents version pruning), so a series
 //! costs about 2.8 KB with one live version ([`Aggregator::approx_bytes`]: 2,820 bytes, of
@@ -52,6 +53,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::Duration;
 
+use retryplane_policy::diag::OneLine;
 use retryplane_proto::{pb, rank};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -86,7 +88,17 @@ struct ServiceSeries {
 
 /// A stream's handle on its service's series, from [`Aggregator::service`].
 #[derive(Clone, Debug)]
-pub struct ServiceHandle(Option<Arc<ServiceSeries>>);
+pub struct ServiceHandle(Result<Arc<ServiceSeries>, Overflow>);
+
+/// Why a report is counted in `other`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Overflow {
+    /// A service or endpoint name longer than [`MAX_NAME_LEN`], holding a control character,
+    /// or the overflow series' own.
+    BadName,
+    /// The cap on series is reached.
+    Cap,
+}
 
 #[derive(Debug)]
 struct OverflowLog {
@@ -104,6 +116,7 @@ pub struct Aggregator {
     other: Series,
     overflowed: AtomicU64,
     overflow_warned: AtomicBool,
+    bad_name_warned: AtomicBool,
     overflow_log: Mutex<OverflowLog>,
     thresholds: Thresholds,
 }
@@ -168,6 +181,7 @@ impl Aggregator {
             other: Series::new(OTHER, OTHER, now),
             overflowed: AtomicU64::new(0),
             overflow_warned: AtomicBool::new(false),
+            bad_name_warned: AtomicBool::new(false),
             overflow_log: Mutex::new(OverflowLog {
                 at: now,
                 reports: 0,
@@ -201,24 +215,24 @@ impl Aggregator {
     /// every report of the stream counts in `other`.
     pub fn service(&self, service: &str) -> ServiceHandle {
         if service.len() > MAX_NAME_LEN || crate::agent_stream::has_control(service) {
-            return ServiceHandle(None);
+            return ServiceHandle(Err(Overflow::BadName));
         }
         if let Some(s) = read(&self.services).get(service) {
-            return ServiceHandle(Some(s.clone()));
+            return ServiceHandle(Ok(s.clone()));
         }
         let mut services = write(&self.services);
         if let Some(s) = services.get(service) {
-            return ServiceHandle(Some(s.clone()));
+            return ServiceHandle(Ok(s.clone()));
         }
         if services.len() >= self.max_series {
-            return ServiceHandle(None);
+            return ServiceHandle(Err(Overflow::Cap));
         }
         let s = Arc::new(ServiceSeries {
             name: service.into(),
             endpoints: RwLock::new(HashMap::new()),
         });
         services.insert(service.into(), s.clone());
-        ServiceHandle(Some(s))
+        ServiceHandle(Ok(s))
     }
 
     /// Adds one report's deltas, received at `now` from a stream of `service`. This is what
@@ -226,11 +240,14 @@ impl Aggregator {
     pub fn ingest(&self, service: &ServiceHandle, report: &pb::MetricsReport, now: Instant) {
         let tick = Tick::new(self.epoch, now);
         let version = report.policy_version;
-        let Some(svc) = &service.0 else {
-            for c in &report.endpoints {
-                self.add_other(&tick, version, &Counts::of(c), &c.endpoint);
+        let svc = match &service.0 {
+            Ok(svc) => svc,
+            Err(why) => {
+                for c in &report.endpoints {
+                    self.add_other(&tick, version, &Counts::of(c), &c.endpoint, *why);
+                }
+                return;
             }
-            return;
         };
         let mut missed = Vec::new();
         {
@@ -244,44 +261,60 @@ impl Aggregator {
         }
         for c in missed.into_iter().filter_map(|i| report.endpoints.get(i)) {
             match self.resolve(svc, &c.endpoint, tick.now) {
-                Some(series) => series.add(&tick, version, &Counts::of(c)),
-                None => self.add_other(&tick, version, &Counts::of(c), &c.endpoint),
+                Ok(series) => series.add(&tick, version, &Counts::of(c)),
+                Err(why) => self.add_other(&tick, version, &Counts::of(c), &c.endpoint, why),
             }
         }
     }
 
     /// The series of `endpoint` in `svc`, made if the cap allows.
-    fn resolve(&self, svc: &ServiceSeries, endpoint: &str, now: Instant) -> Option<Arc<Series>> {
+    fn resolve(
+        &self,
+        svc: &ServiceSeries,
+        endpoint: &str,
+        now: Instant,
+    ) -> Result<Arc<Series>, Overflow> {
         if endpoint.len() > MAX_NAME_LEN
             || crate::agent_stream::has_control(endpoint)
             || (&*svc.name == OTHER && endpoint == OTHER)
         {
-            return None;
+            return Err(Overflow::BadName);
         }
         let mut endpoints = write(&svc.endpoints);
         if let Some(s) = endpoints.get(endpoint) {
-            return Some(s.clone());
+            return Ok(s.clone());
         }
         let max = self.max_series;
         self.series
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
                 (n < max).then_some(n + 1)
             })
-            .ok()?;
+            .map_err(|_| Overflow::Cap)?;
         let series = Arc::new(Series::new(&svc.name, endpoint, now));
         endpoints.insert(endpoint.into(), series.clone());
-        Some(series)
+        Ok(series)
     }
 
-    fn add_other(&self, tick: &Tick, version: u64, counts: &Counts, endpoint: &str) {
+    fn add_other(&self, tick: &Tick, version: u64, counts: &Counts, endpoint: &str, why: Overflow) {
         self.other.add(tick, version, counts);
         self.overflowed.fetch_add(1, Ordering::Relaxed);
-        if !self.overflow_warned.swap(true, Ordering::Relaxed) {
-            warn!(
+        // The name comes from an agent: escaped, so a line break or an escape sequence in it
+        // cannot forge a log line or drive a terminal.
+        let endpoint = OneLine(truncated(endpoint));
+        match why {
+            Overflow::BadName if !self.bad_name_warned.swap(true, Ordering::Relaxed) => warn!(
+                %endpoint,
+                "a metrics report names a service or endpoint too long, with a control \
+                 character, or the \"other\" series' own: such reports are counted in the \
+                 \"other\" series; a summary follows at most every minute"
+            ),
+            Overflow::Cap if !self.overflow_warned.swap(true, Ordering::Relaxed) => warn!(
                 max_series = self.max_series,
-                endpoint = %truncated(endpoint),
-                "metrics series cap reached (or a name is too long): further reports are counted in the \"other\" series; a summary follows at most every minute"
-            );
+                %endpoint,
+                "metrics series cap reached: further reports are counted in the \"other\" \
+                 series; a summary follows at most every minute"
+            ),
+            Overflow::BadName | Overflow::Cap => {}
         }
     }
 

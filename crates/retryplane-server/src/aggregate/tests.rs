@@ -727,3 +727,55 @@ async fn names_with_control_characters_are_counted_in_other() {
         .collect();
     assert_eq!(listed, [("checkout", "ok", 2), (OTHER, OTHER, 13)]);
 }
+
+/// Captured log output.
+#[derive(Clone, Default)]
+struct Sink(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Sink {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[test]
+fn a_bad_endpoint_name_is_logged_escaped_and_does_not_hide_the_cap_warning() {
+    let log = Sink::default();
+    let writer = log.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_env_filter("retryplane_server=warn")
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    // Other tests of this binary may have registered the callsites with no subscriber.
+    tracing::callsite::rebuild_interest_cache();
+    let text = || String::from_utf8_lossy(&log.0.lock().unwrap()).into_owned();
+
+    let agg = Aggregator::new(1, Instant::now());
+    let svc = agg.service("checkout");
+    let forged = "x\n2026-01-01T00:00:00Z  INFO retryplane_server: all good";
+    agg.ingest(&svc, &report(1, &[(forged, 1, 0)]), Instant::now());
+    agg.ingest(&svc, &report(1, &[("payments", 1, 0)]), Instant::now());
+    agg.ingest(&svc, &report(1, &[("search", 1, 0)]), Instant::now());
+    assert_eq!(agg.overflowed_reports(), 2);
+
+    let text = text();
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 2, "{text}");
+    assert!(
+        lines[0].contains(" WARN ") && lines[0].contains(r"x\n2026-01-01T00:00:00Z  INFO"),
+        "{text}"
+    );
+    assert!(
+        lines[1].contains(" WARN ")
+            && lines[1].contains("metrics series cap reached")
+            && lines[1].contains("search"),
+        "{text}"
+    );
+}

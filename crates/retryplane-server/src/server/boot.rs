@@ -34,7 +34,10 @@ pub(super) async fn load_policies(
         .await
         .map_err(ServeError::ReadStore)?
         .map(|record| record.meta.version);
+    let reload_ok = &control.metrics.config_last_reload_successful;
     if cfg.api_mode {
+        // The file is not watched: nothing about it to alert on.
+        reload_ok.set(1);
         if let Some(version) = stored {
             info!(
                 version,
@@ -69,7 +72,10 @@ pub(super) async fn load_policies(
             control.metrics.rejected_changes.inc();
             error!(file = %file.display(), version, "the policy file is invalid; serving the stored version until it is fixed");
         }
-        _ => apply_valid(control, file, loaded).await?,
+        _ => {
+            let applied = apply_valid(control, file, loaded).await?;
+            reload_ok.set(i64::from(applied));
+        }
     }
     Ok(Some(bytes))
 }
@@ -81,12 +87,13 @@ fn read_error(file: &Path, source: io::Error) -> ServeError {
     }
 }
 
-/// Applies `loaded` as [`Source::File`]; `Err` when it has errors or is refused.
+/// Applies `loaded` as [`Source::File`]; `Err` when it has errors or cannot be applied,
+/// `Ok(false)` when it is refused for removing every stored endpoint (the stored version stays).
 async fn apply_valid(
     control: &ControlPlane,
     file: &Path,
     loaded: Loaded,
-) -> Result<(), ServeError> {
+) -> Result<bool, ServeError> {
     let Some(policies) = loaded.policies.as_ref() else {
         return Err(ServeError::InvalidConfig {
             file: file.to_owned(),
@@ -109,14 +116,14 @@ async fn apply_valid(
     match control.apply(request).await {
         Ok(outcome) if !outcome.changed => {
             info!(file = %file.display(), "the policy file matches the stored version");
-            Ok(())
+            Ok(true)
         }
-        Ok(_) => Ok(()),
+        Ok(_) => Ok(true),
         // The stored version keeps being served, as for a bad save while running.
         Err(crate::control::ChangeError::RemovesEverything(names)) => {
             let names = names.join(", ");
             error!(file = %file.display(), "the policy file removes every stored endpoint ({names}); refused, serving the stored version. To replace every endpoint, add the new ones first, then remove the old ones");
-            Ok(())
+            Ok(false)
         }
         Err(source) => Err(ServeError::Apply {
             file: file.to_owned(),

@@ -22,14 +22,15 @@ pub struct ServeConfig {
     pub listen: SocketAddr,
     /// The admin gRPC listener. Default `127.0.0.1:7471`.
     pub admin_listen: SocketAddr,
-    /// The HTTP listener (health, metrics). Default `127.0.0.1:7472`.
+    /// The HTTP listener: `/healthz`, `/readyz` and `/metrics`, to anyone who can reach it
+    /// (with or without a tokens file). Default `127.0.0.1:7472`.
     pub http_listen: SocketAddr,
-    /// The tokens file; without one there is no authentication and only loopback addresses
-    /// are allowed (unless `insecure`).
+    /// The tokens file; without one there is no authentication and the agent and admin
+    /// listeners must be on loopback addresses (unless `insecure`).
     pub tokens_file: Option<PathBuf>,
     /// API mode: the store owns the policies and the admin API changes them.
     pub api_mode: bool,
-    /// Allow non-loopback addresses without a tokens file.
+    /// Allow non-loopback agent and admin listeners without a tokens file.
     pub insecure: bool,
     /// Most agents connected at once. Default 20,000.
     pub max_agents: usize,
@@ -81,8 +82,27 @@ impl Default for ServeConfig {
 }
 
 /// Refuses a keepalive interval or timeout of zero (a PING after every frame, or a connection
-/// dropped as soon as a PING goes out) and a connection that may open no stream.
+/// dropped as soon as a PING goes out), a connection that may open no stream, and two
+/// listeners given the same address (the second could not bind it).
 pub(super) fn check_settings(cfg: &ServeConfig) -> Result<(), ServeError> {
+    let listeners = [
+        ("agent", cfg.listen),
+        ("admin", cfg.admin_listen),
+        ("http", cfg.http_listen),
+    ];
+    for (i, &(first, addr)) in listeners.iter().enumerate() {
+        // Port 0 asks the system for a free port: each listener gets its own.
+        if addr.port() == 0 {
+            continue;
+        }
+        if let Some(&(second, _)) = listeners[i + 1..].iter().find(|(_, a)| *a == addr) {
+            return Err(ServeError::SameAddress {
+                first,
+                second,
+                addr,
+            });
+        }
+    }
     if cfg.max_streams_per_connection == 0 {
         return Err(ServeError::ZeroSetting {
             setting: "max_streams_per_connection",
@@ -99,23 +119,21 @@ pub(super) fn check_settings(cfg: &ServeConfig) -> Result<(), ServeError> {
     Ok(())
 }
 
-/// Refuses addresses other than loopback without a tokens file, unless `insecure`.
+/// Refuses agent and admin listeners on addresses other than loopback without a tokens file,
+/// unless `insecure`. The HTTP listener is left out: it serves only `/healthz`, `/readyz` and
+/// `/metrics`, never a policy or a change, and a tokens file would not guard it either.
 pub(super) fn check_exposure(cfg: &ServeConfig) -> Result<(), ServeError> {
     if cfg.tokens_file.is_some() {
         return Ok(());
     }
-    let listeners = [
-        ("agent", cfg.listen),
-        ("admin", cfg.admin_listen),
-        ("http", cfg.http_listen),
-    ];
+    let listeners = [("agent", cfg.listen), ("admin", cfg.admin_listen)];
     let exposed: Vec<_> = listeners
         .into_iter()
         .filter(|(_, addr)| !addr.ip().is_loopback())
         .collect();
     match exposed.first() {
         None => {
-            warn!("no tokens file: serving on loopback only");
+            warn!("no tokens file: the agent and admin listeners serve on loopback only");
             Ok(())
         }
         Some(&(listener, addr)) if !cfg.insecure => Err(ServeError::Exposed { listener, addr }),

@@ -11,16 +11,30 @@ use crate::watch::WatchError;
 /// Why `retryplane serve` could not start, or a server stopped.
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
-    /// A listener on a non-loopback address without a tokens file and without `insecure`.
+    /// The agent or admin listener on a non-loopback address without a tokens file and
+    /// without `insecure`.
     #[error(
         "refusing to serve the {listener} listener on {addr} without a tokens file: anyone who \
          can reach it could read or change the policies. Pass --tokens FILE, listen on a \
          loopback address, or pass --insecure to do it anyway"
     )]
     Exposed {
-        /// `agent`, `admin` or `http`.
+        /// `agent` or `admin`.
         listener: &'static str,
         /// The address asked for.
+        addr: SocketAddr,
+    },
+    /// Two listeners are given the same address (a port of 0 excepted: each gets its own).
+    #[error(
+        "the {first} and {second} listeners are both given {addr}: each listener needs its own \
+         address"
+    )]
+    SameAddress {
+        /// `agent`, `admin` or `http`: the first of the two.
+        first: &'static str,
+        /// `admin` or `http`: the second of the two.
+        second: &'static str,
+        /// The address both are given.
         addr: SocketAddr,
     },
     /// A setting that must be more than zero (a duration, a count) is zero.
@@ -83,7 +97,7 @@ pub enum ServeError {
     /// A listener cannot be bound.
     #[error("cannot listen on {addr} ({listener})")]
     Bind {
-        /// `agent`, `admin` or `http`.
+        /// `agent` or `admin`.
         listener: &'static str,
         /// The address asked for.
         addr: SocketAddr,
