@@ -134,3 +134,32 @@ async fn at_shutdown_counts_held_back_by_a_full_window_still_go_out() {
     // The held-back counts go out in the last report.
     assert_eq!(shut_down(script, agent, to_agent).await, 5);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn counts_made_before_a_new_version_are_reported_under_the_old_one() {
+    let mut script = Script::start().await;
+    script.announce_acks(true);
+    // The default interval (10 s): no periodic report comes during the test.
+    let agent = support::plane::builder(script.addr, "a").connect().unwrap();
+    let (to_agent, _hello) = script.reconnected().await;
+    send(&to_agent, &snapshot(1, 1)).await;
+    match script.reply().await {
+        Kind::Ack(ack) => assert_eq!(ack.version, 1),
+        other => panic!("expected Ack v1, got {other:?}"),
+    }
+    succeed(&agent, 3).await;
+    send(&to_agent, &snapshot(2, 1)).await;
+    // Before the new version is acknowledged, a report of the three calls under version 1.
+    match script.next().await {
+        Event::Message(Kind::Metrics(r)) => {
+            assert_eq!(r.policy_version, 1);
+            assert_eq!(r.endpoints.iter().map(|e| e.calls).sum::<u64>(), 3);
+        }
+        other => panic!("expected a metrics report first, got {other:?}"),
+    }
+    match script.next().await {
+        Event::Message(Kind::Ack(ack)) => assert_eq!(ack.version, 2),
+        other => panic!("expected Ack v2, got {other:?}"),
+    }
+    script.shut_down(agent, to_agent).await;
+}

@@ -272,7 +272,14 @@ async fn session(
                     continue;
                 }
                 let handled = match m.decode_snapshot() {
-                    Ok(Some(snap)) => apply::apply(shared, snap, config.default_metrics_interval),
+                    Ok(Some(snap)) => {
+                        // The counts so far were made under the policies in force: reported
+                        // under their version before a new one can replace them.
+                        if snap.version != shared.policies.load().version() {
+                            send_metrics(shared, &tx, window_start, outbox, numbered);
+                        }
+                        apply::apply(shared, snap, config.default_metrics_interval)
+                    }
                     Ok(None) => {
                         debug!("server message without a snapshot ignored");
                         continue;
