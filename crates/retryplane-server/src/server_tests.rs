@@ -274,15 +274,33 @@ async fn two_listeners_on_the_same_address_are_refused_naming_both() {
     for (a, b, cfg) in cases {
         let err = start(cfg).await.unwrap_err();
         assert!(
-            matches!(err, ServeError::SameAddress { first, second, addr }
-                if first == a && second == b && addr == same),
+            matches!(err, ServeError::SameAddress { first, second, addr, other }
+                if first == a && second == b && addr == same && other == same),
             "{err}"
         );
-        assert_eq!(
-            err.to_string(),
-            format!(
-                "the {a} and {b} listeners are both given {same}: each listener needs its own address"
-            )
+        assert!(
+            err.to_string().starts_with(&format!(
+                "the {a} listener ({same}) and the {b} listener ({same}) would share an address"
+            )),
+            "{err}"
+        );
+    }
+    // An unspecified address takes the port on every address: it overlaps any other address
+    // with that port ([::] on IPv4 too, as a dual-stack socket would).
+    let all = SocketAddr::from((Ipv4Addr::UNSPECIFIED, port));
+    let all6 = SocketAddr::from((std::net::Ipv6Addr::UNSPECIFIED, port));
+    for (listen, admin_listen) in [(all, same), (same, all), (all6, same)] {
+        let cfg = ServeConfig {
+            listen,
+            admin_listen,
+            insecure: true,
+            ..config(dir.path())
+        };
+        let err = start(cfg).await.unwrap_err();
+        assert!(
+            matches!(err, ServeError::SameAddress { addr, other, .. }
+                if addr == listen && other == admin_listen),
+            "{listen} and {admin_listen}: {err}"
         );
     }
     // Port 0 on every listener (the test configuration) is not the same address.

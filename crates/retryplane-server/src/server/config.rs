@@ -81,6 +81,20 @@ impl Default for ServeConfig {
     }
 }
 
+/// Whether listeners on `a` and `b` (the same port, not 0) could not both bind: the same
+/// address, or one unspecified address of the same family (it takes the port on every address
+/// of that family), or `[::]`, which on a dual-stack system takes it on IPv4 too.
+fn overlap(a: SocketAddr, b: SocketAddr) -> bool {
+    if a.port() != b.port() {
+        return false;
+    }
+    let dual_stack = |x: SocketAddr| x.is_ipv6() && x.ip().is_unspecified();
+    a.ip() == b.ip()
+        || (a.is_ipv4() == b.is_ipv4() && (a.ip().is_unspecified() || b.ip().is_unspecified()))
+        || dual_stack(a)
+        || dual_stack(b)
+}
+
 /// Refuses a keepalive interval or timeout of zero (a PING after every frame, or a connection
 /// dropped as soon as a PING goes out), a connection that may open no stream, and two
 /// listeners given the same address (the second could not bind it).
@@ -95,11 +109,15 @@ pub(super) fn check_settings(cfg: &ServeConfig) -> Result<(), ServeError> {
         if addr.port() == 0 {
             continue;
         }
-        if let Some(&(second, _)) = listeners[i + 1..].iter().find(|(_, a)| *a == addr) {
+        if let Some(&(second, other)) = listeners[i + 1..]
+            .iter()
+            .find(|&&(_, other)| overlap(addr, other))
+        {
             return Err(ServeError::SameAddress {
                 first,
                 second,
                 addr,
+                other,
             });
         }
     }
@@ -142,6 +160,37 @@ pub(super) fn check_exposure(cfg: &ServeConfig) -> Result<(), ServeError> {
                 warn!(%addr, "--insecure: the {listener} listener accepts anyone, with no tokens file");
             }
             Ok(())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(s: &str) -> SocketAddr {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn listeners_overlap_on_one_address_or_an_unspecified_one_of_that_port() {
+        for (a, b) in [
+            ("127.0.0.1:7000", "127.0.0.1:7000"),
+            ("0.0.0.0:7000", "127.0.0.1:7000"),
+            ("127.0.0.1:7000", "0.0.0.0:7000"),
+            ("[::]:7000", "[::1]:7000"),
+            ("[::]:7000", "127.0.0.1:7000"),
+        ] {
+            assert!(overlap(at(a), at(b)), "{a} and {b}");
+        }
+        for (a, b) in [
+            ("127.0.0.1:7000", "127.0.0.1:7001"),
+            ("127.0.0.1:7000", "127.0.0.2:7000"),
+            ("[::1]:7000", "127.0.0.1:7000"),
+            ("0.0.0.0:7000", "[::1]:7000"),
+            ("0.0.0.0:7000", "0.0.0.0:7001"),
+        ] {
+            assert!(!overlap(at(a), at(b)), "{a} and {b}");
         }
     }
 }

@@ -24,18 +24,23 @@ pub enum ServeError {
         /// The address asked for.
         addr: SocketAddr,
     },
-    /// Two listeners are given the same address (a port of 0 excepted: each gets its own).
+    /// Two listeners are given addresses that cannot both be bound: the same address, or the
+    /// same port where one address is unspecified (`0.0.0.0`, `[::]`), which takes the port on
+    /// every address. A port of 0 is excepted: each listener gets its own.
     #[error(
-        "the {first} and {second} listeners are both given {addr}: each listener needs its own \
-         address"
+        "the {first} listener ({addr}) and the {second} listener ({other}) would share an \
+         address: each listener needs its own port, or its own address (an unspecified address \
+         such as 0.0.0.0 takes its port on every address)"
     )]
     SameAddress {
         /// `agent`, `admin` or `http`: the first of the two.
         first: &'static str,
         /// `admin` or `http`: the second of the two.
         second: &'static str,
-        /// The address both are given.
+        /// The first listener's address.
         addr: SocketAddr,
+        /// The second listener's address.
+        other: SocketAddr,
     },
     /// A setting that must be more than zero (a duration, a count) is zero.
     #[error("{setting} must be more than zero")]
