@@ -161,6 +161,13 @@ impl TryFrom<Args> for Settings {
                 } else {
                     format!("http://{url}")
                 };
+                // The agent's token would go out in clear text on a URL that asked for TLS.
+                if !url.starts_with("http://") {
+                    bail!(
+                        "--server {url}: only http:// is supported (TLS on the agent listener \
+                         comes later)"
+                    );
+                }
                 let url = crate::admin::with_default_port(url, AGENT_PORT);
                 PolicyFrom::Server(url, args.token)
             }
@@ -450,6 +457,21 @@ mod tests {
             PolicyFrom::Server(url, _) => url,
             PolicyFrom::File(_) => panic!("not --server"),
         }
+    }
+
+    #[test]
+    fn a_server_url_that_asks_for_tls_is_refused_rather_than_sent_in_clear_text() {
+        let cli = Cli::try_parse_from([
+            "retryplane",
+            "--endpoint",
+            "api",
+            "--server",
+            "https://cp.internal",
+            "http://127.0.0.1:9/",
+        ])
+        .unwrap();
+        let err = Settings::try_from(cli.args).unwrap_err();
+        assert!(err.to_string().contains("only http://"), "{err}");
     }
 
     #[test]

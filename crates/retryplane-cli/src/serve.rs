@@ -214,10 +214,16 @@ async fn serve(settings: ServeConfig) -> anyhow::Result<()> {
             .and_then(|()| writeln!(out, "admin: {}", running.admin_addr))
             .and_then(|()| writeln!(out, "http: {}", running.http_addr))
             .and_then(|()| out.flush());
-        // A full disk or a closed stdout must not stop the control plane: the addresses are
-        // in the log line start-up wrote too.
+        // A full disk or a closed stdout must not stop the control plane: the addresses go
+        // to the log instead.
         if let Err(e) = printed {
-            warn!(error = %e, "cannot write the listener addresses to stdout; serving anyway");
+            warn!(
+                error = %e,
+                agent = %running.agent_addr,
+                admin = %running.admin_addr,
+                http = %running.http_addr,
+                "cannot write the listener addresses to stdout; serving anyway"
+            );
         }
     }
     let stopped = tokio::select! {

@@ -59,7 +59,8 @@ impl<B> ReplayBody<B> {
 }
 
 /// Reads `body` while it stays within `limit` bytes and `deadline` has not passed: a body over
-/// the limit, or still coming at the deadline (a stalled upload), is sent once, as it comes.
+/// the limit is sent once, as it comes; one still coming at the deadline (a stalled upload) is
+/// handed back the same way, and the call, whose deadline it is, then gives up before sending.
 pub(crate) async fn buffer<B>(
     body: B,
     limit: usize,

@@ -128,9 +128,10 @@ pub struct DedupStats {
     /// They are not in the endpoint's counters, which count calls made (see the
     /// [module docs](super), "What the endpoint's counters see").
     pub shared: u64,
-    /// Requests that waited for a leader and then made their own call: the leader failed
-    /// with an error, its response body was over the limit or not read by its deadline, or
-    /// the request's own deadline passed while it waited.
+    /// Requests that waited for a leader and then went on to a call of their own: the leader
+    /// failed with an error, or its response body was over the limit or not read by its
+    /// deadline; or the request's own deadline passed while it waited, and then its call
+    /// gave up at once with `deadline_exceeded`, making no attempt.
     pub own_calls: u64,
     /// Requests waiting for a leader right now.
     pub waiting: u64,
@@ -242,7 +243,7 @@ impl Follower {
                 Ok(Ok(landing)) => landing.clone(),
                 Ok(Err(_closed)) => None,
                 Err(_elapsed) => {
-                    debug!("deadline passed waiting for an identical call; making its own");
+                    debug!("deadline passed waiting for an identical call; giving up");
                     Some(Landing::OwnCall)
                 }
             };

@@ -270,7 +270,7 @@ where
 {
     let (head, body) = request.into_parts();
     // Reading the body waits on the caller's stream, inside the call's deadline: a stalled one
-    // is bounded by it, then sent once as it comes (the call's own timeouts bound the rest).
+    // is bounded by it, and the call then gives up at that same deadline, sending nothing.
     let deadline = settings
         .endpoint
         .deadline_of(&call_meta(&head, head.uri.path()), started);

@@ -13,12 +13,12 @@
 //!   [`RetryLayer::with_body_limit`]) so that each attempt sends it again. A larger body is
 //!   streamed as it comes, once: the call makes one attempt, whatever it fails with (a failed
 //!   connect included), and returns that attempt's response or error as it is (per-try
-//!   timeout, breaker and metrics still apply). So is a body still coming when the call's
-//!   deadline passes (a stalled upload): reading it never holds the call for ever.
+//!   timeout, breaker and metrics still apply).
 //! - The call's deadline runs from when the layer's future first runs, so reading the request
 //!   body counts in it: a call made through the layer ends by its deadline, body read
-//!   included, as one made with [`crate::Endpoint::call`] does (a body still coming at the
-//!   deadline leaves no time for an attempt, and the call gives up with `deadline_exceeded`).
+//!   included, as one made with [`crate::Endpoint::call`] does. A body still coming at the
+//!   deadline (a stalled upload) leaves no time for an attempt: nothing is sent, and the call
+//!   gives up with `deadline_exceeded` ([`RetryError::NoAnswer`]).
 //! - The inner service is called on the instance `poll_ready` readied (capacity reserved
 //!   there, such as a `ConcurrencyLimit` permit or a `Buffer` slot, is what the first attempt
 //!   uses); each later attempt readies a clone of its own first.
@@ -129,8 +129,9 @@
 //!   or are sent to their own calls by then. Each follower also waits no later than its own
 //!   deadline (counted from when its call began), in case the leader's future is not polled
 //!   (its caller holds it without awaiting it) or a policy update gave the leader a longer
-//!   deadline; then it makes its own call, under what is left of that same deadline. So a
-//!   follower's caller waits at most its deadline in all.
+//!   deadline; then it gives up with `deadline_exceeded`, making no attempt (its call has no
+//!   time left). A follower sent to its own call earlier runs it under what is left of that
+//!   same deadline. So a follower's caller waits at most its deadline in all.
 //! - The table holds a call only while it is in flight: the leader removes it when it ends
 //!   or is dropped. Its lock is held only to look up, insert or remove.
 //!

@@ -119,7 +119,8 @@ pub(crate) fn with_default_port(url: String, port: u16) -> String {
     match uri.authority() {
         Some(authority) if authority.port().is_none() => {
             let path = uri.path_and_query().map_or("", |p| p.as_str());
-            format!("http://{authority}:{port}{path}")
+            let scheme = uri.scheme_str().unwrap_or("http");
+            format!("{scheme}://{authority}:{port}{path}")
         }
         _ => url,
     }

@@ -102,7 +102,7 @@ pub enum ServeError {
     /// A listener cannot be bound.
     #[error("cannot listen on {addr} ({listener})")]
     Bind {
-        /// `agent` or `admin`.
+        /// `agent`, `admin` or `http`.
         listener: &'static str,
         /// The address asked for.
         addr: SocketAddr,
