@@ -12,8 +12,8 @@ use std::io::{self, Read};
 use std::path::PathBuf;
 
 use anyhow::{Context, bail};
-use retryplane_policy::yaml::{Loc, MAX_FILE_BYTES};
-use retryplane_policy::{Diagnostic, Loaded};
+use retryplane_policy::Loaded;
+use retryplane_policy::yaml::MAX_FILE_BYTES;
 
 /// Where a policy file comes from.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -100,17 +100,7 @@ fn read_limited(reader: impl Read, size_hint: Option<u64>) -> io::Result<Content
 
 /// The same refusal the policy crate gives an oversized buffer, without reading it all.
 pub fn too_large(size: Option<u64>) -> Loaded {
-    let size = size.map_or_else(|| format!("more than {MAX_FILE_BYTES}"), |s| s.to_string());
-    Loaded {
-        policies: None,
-        diagnostics: vec![Diagnostic::error(
-            Loc { line: 1, column: 1 },
-            "<root>",
-            format!(
-                "file is {size} bytes; policy files are limited to {MAX_FILE_BYTES} bytes (1 MiB)"
-            ),
-        )],
-    }
+    retryplane_policy::too_large(size)
 }
 
 #[cfg(test)]

@@ -32,4 +32,4 @@ mod yaml_scan;
 pub use diag::{Diagnostic, Severity};
 pub use document::{PolicyDocument, Target};
 pub use model::*;
-pub use set::{EndpointPolicy, InvalidPolicy, Loaded, PolicySet, load};
+pub use set::{EndpointPolicy, InvalidPolicy, Loaded, PolicySet, load, too_large};

@@ -334,6 +334,20 @@ pub fn load(bytes: &[u8]) -> Loaded {
     }
 }
 
+/// What [`load`] gives a file over [`crate::yaml::MAX_FILE_BYTES`], for a reader that stops
+/// reading at the limit: `size` in bytes, when known (the file's metadata), else "more than
+/// the limit".
+pub fn too_large(size: Option<u64>) -> Loaded {
+    Loaded {
+        policies: None,
+        diagnostics: vec![Diagnostic::error(
+            crate::yaml::Loc { line: 1, column: 1 },
+            "<root>",
+            crate::yaml::too_large_message(size),
+        )],
+    }
+}
+
 #[cfg(test)]
 #[path = "set_tests.rs"]
 mod tests;

@@ -110,17 +110,20 @@ pub struct YamlError {
     pub message: String,
 }
 
+/// What a file over [`MAX_FILE_BYTES`] is refused with: its `size` in bytes, when known (a
+/// reader that stops at the limit knows only that it is larger).
+pub fn too_large_message(size: Option<u64>) -> String {
+    let size = size.map_or_else(|| format!("more than {MAX_FILE_BYTES}"), |s| s.to_string());
+    format!("file is {size} bytes; policy files are limited to {MAX_FILE_BYTES} bytes (1 MiB)")
+}
+
 /// Parses policy-file bytes into a located tree, enforcing the size, encoding, depth and alias
 /// limits. Never panics; bounded time on any input.
 pub fn parse(bytes: &[u8]) -> Result<Node, YamlError> {
     if bytes.len() > MAX_FILE_BYTES {
         return Err(YamlError {
             loc: Loc { line: 1, column: 1 },
-            message: format!(
-                "file is {} bytes; policy files are limited to {} bytes (1 MiB)",
-                bytes.len(),
-                MAX_FILE_BYTES
-            ),
+            message: too_large_message(u64::try_from(bytes.len()).ok()),
         });
     }
     let text = std::str::from_utf8(bytes).map_err(|e| {

@@ -50,8 +50,8 @@ use std::time::Duration;
 
 use notify::event::{AccessKind, AccessMode};
 use notify::{Event, EventKind, RecommendedWatcher, RecursiveMode, Watcher as _};
-use retryplane_policy::yaml::{Loc, MAX_FILE_BYTES};
-use retryplane_policy::{Diagnostic, Loaded};
+use retryplane_policy::Loaded;
+use retryplane_policy::yaml::MAX_FILE_BYTES;
 use retryplane_proto::pb;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
@@ -131,21 +131,7 @@ impl FileRead {
             return retryplane_policy::load(&self.bytes);
         }
         let limit = u64::try_from(MAX_FILE_BYTES).unwrap_or(u64::MAX);
-        let size = self.size.filter(|&size| size > limit).map_or_else(
-            || format!("more than {MAX_FILE_BYTES}"),
-            |size| size.to_string(),
-        );
-        Loaded {
-            policies: None,
-            diagnostics: vec![Diagnostic::error(
-                Loc { line: 1, column: 1 },
-                "<root>",
-                format!(
-                    "file is {size} bytes; policy files are limited to {MAX_FILE_BYTES} bytes \
-                     (1 MiB)"
-                ),
-            )],
-        }
+        retryplane_policy::too_large(self.size.filter(|&size| size > limit))
     }
 }
 
