@@ -242,12 +242,14 @@ impl ControlPlane {
             let current = store.current()?;
             // A stale expected version is a conflict whatever the change holds: the caller
             // must read the current version again before the rest of the checks mean anything.
-            if let (Some(expected), Some(cur)) = (expected_version, &current)
-                && expected != cur.meta.version
+            // An empty store is version 0, as the store's own check has it.
+            let current_version = current.as_ref().map_or(0, |c| c.meta.version);
+            if let Some(expected) = expected_version
+                && expected != current_version
             {
                 return Err(ChangeError::Conflict {
                     expected,
-                    current: cur.meta.version,
+                    current: current_version,
                 });
             }
             let stored = current.as_ref().map(|r| &r.document);

@@ -348,3 +348,42 @@ fn a_store_failure_keeps_the_disks_error_for_logs_and_start_up_errors() {
          left on device"
     );
 }
+
+#[tokio::test]
+async fn a_dry_run_on_an_empty_store_with_an_expected_version_is_a_conflict_as_the_apply_is() {
+    let control = Arc::new(ControlPlane::for_tests(
+        Arc::new(MemoryStore::default()),
+        Mode::Api,
+    ));
+    let valid = retryplane_policy::load(V1.as_bytes()).policies.unwrap();
+    let valid = pb::PolicyDocument::from(valid.document().as_ref());
+    for dry_run in [true, false] {
+        let refused = control
+            .apply(ChangeRequest {
+                expected_version: Some(3),
+                dry_run,
+                ..change(valid.clone())
+            })
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(
+                refused,
+                ChangeError::Conflict {
+                    expected: 3,
+                    current: 0
+                }
+            ),
+            "dry run {dry_run}: {refused:?}"
+        );
+    }
+    // 0 is what an empty store is.
+    let applied = control
+        .apply(ChangeRequest {
+            expected_version: Some(0),
+            ..change(valid)
+        })
+        .await
+        .unwrap();
+    assert_eq!(applied.record.map(|r| r.meta.version), Some(1));
+}
