@@ -559,16 +559,40 @@ impl Endpoint {
                         },
                         |o| class_name(o).to_string(),
                     );
-                    warn!(
-                        endpoint = %self.name,
-                        method = meta.method(),
-                        path = meta.path(),
-                        attempts,
-                        class = %class,
-                        cause = %cause,
-                        duration_ms = Instant::now().duration_since(started).as_millis() as u64,
-                        "call failed"
-                    );
+                    let end = Instant::now();
+                    let duration_ms = end.duration_since(started).as_millis() as u64;
+                    // An open breaker refuses calls at the callers' rate: one warn line per
+                    // endpoint per second for those, the others at debug.
+                    let refused = g == GiveUpCause::CircuitOpen && attempts == 0;
+                    match refused.then(|| runtime.refusal_line(end)) {
+                        Some(None) => debug!(
+                            endpoint = %self.name,
+                            method = meta.method(),
+                            path = meta.path(),
+                            "call refused: circuit open"
+                        ),
+                        Some(Some(quiet)) => warn!(
+                            endpoint = %self.name,
+                            method = meta.method(),
+                            path = meta.path(),
+                            attempts,
+                            class = %class,
+                            cause = %cause,
+                            duration_ms,
+                            refused_since_last_line = quiet,
+                            "call failed"
+                        ),
+                        None => warn!(
+                            endpoint = %self.name,
+                            method = meta.method(),
+                            path = meta.path(),
+                            attempts,
+                            class = %class,
+                            cause = %cause,
+                            duration_ms,
+                            "call failed"
+                        ),
+                    }
                     Err(CallError {
                         cause,
                         last,

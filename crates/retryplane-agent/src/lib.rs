@@ -37,7 +37,10 @@
 //! [`Agent::from_policies`]): no separate dependency on it is needed.
 //!
 //! Without a control plane and without a cache file the agent runs the [`fallback_policy`].
-//! Nothing here logs header values, tokens or bodies.
+//! Nothing here logs header values, tokens or bodies. Each attempt is logged at debug; a call
+//! that fails is logged once at warn, except calls an open circuit breaker refuses without an
+//! attempt: one warn line per endpoint per second for those (with how many were refused since
+//! the last line), the others at debug, so an open breaker does not flood the log.
 
 #![forbid(unsafe_code)]
 

@@ -10,6 +10,8 @@
 //! carried over the same way.
 
 use std::collections::HashMap;
+use std::sync::atomic::AtomicU64;
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, RwLock};
 
 use retryplane_policy::engine::EndpointState;
@@ -46,13 +48,52 @@ pub fn fallback_policy() -> RetryPolicy {
 #[derive(Debug)]
 pub(crate) struct Runtime {
     pub(crate) state: EndpointState,
+    /// When the last warn line for a call refused by the open breaker was written: 1 + ms
+    /// since `created` (0: never).
+    refusal_logged: AtomicU64,
+    /// Refused calls logged at debug only since that line.
+    refusals_quiet: AtomicU64,
+    created: Instant,
 }
+
+/// At most one warn line per endpoint per this long for calls refused by its open breaker: an
+/// open breaker refuses every call at the caller's rate, and a line each would flood the log.
+pub(crate) const REFUSAL_LOG_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl Runtime {
     fn new(policy: &RetryPolicy) -> Self {
+        Self::with_state(EndpointState::new(policy, Instant::now()))
+    }
+
+    fn with_state(state: EndpointState) -> Self {
         Self {
-            state: EndpointState::new(policy, Instant::now()),
+            state,
+            refusal_logged: AtomicU64::new(0),
+            refusals_quiet: AtomicU64::new(0),
+            created: Instant::now(),
         }
+    }
+
+    /// For a call the open breaker refused at `now`: `Some(n)` when it gets a warn line (the
+    /// first in [`REFUSAL_LOG_EVERY`]; `n` refusals since the last line were logged at debug
+    /// only), `None` when it is logged at debug.
+    pub(crate) fn refusal_line(&self, now: Instant) -> Option<u64> {
+        let at = u64::try_from(now.saturating_duration_since(self.created).as_millis())
+            .unwrap_or(u64::MAX - 1)
+            + 1;
+        let last = self.refusal_logged.load(Relaxed);
+        let every = REFUSAL_LOG_EVERY.as_millis() as u64;
+        let due = last == 0 || at >= last.saturating_add(every);
+        if due
+            && self
+                .refusal_logged
+                .compare_exchange(last, at, Relaxed, Relaxed)
+                .is_ok()
+        {
+            return Some(self.refusals_quiet.swap(0, Relaxed));
+        }
+        self.refusals_quiet.fetch_add(1, Relaxed);
+        None
     }
 
     fn fits(&self, policy: &RetryPolicy) -> bool {
@@ -65,9 +106,7 @@ impl Runtime {
     fn carry(old: Option<&Arc<Runtime>>, policy: &RetryPolicy) -> Arc<Runtime> {
         match old {
             Some(rt) if rt.fits(policy) => rt.clone(),
-            Some(rt) => Arc::new(Runtime {
-                state: rt.state.carry(policy),
-            }),
+            Some(rt) => Arc::new(Runtime::with_state(rt.state.carry(policy))),
             None => Arc::new(Runtime::new(policy)),
         }
     }

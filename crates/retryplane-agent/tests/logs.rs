@@ -241,3 +241,54 @@ async fn no_log_line_carries_a_header_value_a_token_or_a_body() {
         "{log}"
     );
 }
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn calls_refused_by_an_open_breaker_get_one_warn_line_per_second() {
+    let sink = Sink::default();
+    let writer = sink.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_env_filter("retryplane_agent=warn")
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+
+    let agent = agent(&policy(
+        "max_attempts: 1\ncircuit_breaker: {enabled: true, failure_ratio: 0.5, min_requests: 2, open_for: 30s}",
+    ));
+    let ep = agent.endpoint("ep");
+    for _ in 0..2 {
+        let up = support::Upstream::new([support::Step::Status(503)]);
+        ep.call(CallMeta::http("GET", "/"), up.attempt())
+            .await
+            .unwrap_err();
+    }
+    let refused = |log: &str| {
+        log.lines()
+            .filter(|l| l.contains("call failed") && l.contains("circuit"))
+            .count()
+    };
+    let refuse = || async {
+        let up = support::Upstream::new([]);
+        ep.call(CallMeta::http("GET", "/"), up.attempt())
+            .await
+            .unwrap_err();
+    };
+    for _ in 0..100 {
+        refuse().await;
+    }
+    assert_eq!(refused(&sink.text()), 1, "{}", sink.text());
+    tokio::time::advance(Duration::from_millis(999)).await;
+    refuse().await;
+    assert_eq!(refused(&sink.text()), 1);
+    tokio::time::advance(Duration::from_millis(1)).await;
+    refuse().await;
+    let log = sink.text();
+    assert_eq!(refused(&log), 2, "{log}");
+    assert!(
+        line_with(&log, &["call failed", "refused_since_last_line=100"]).is_some(),
+        "{log}"
+    );
+    // Every refusal is still counted.
+    assert_eq!(ep.pending_counts().circuit_open, 102);
+}
