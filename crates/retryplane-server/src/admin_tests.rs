@@ -321,10 +321,9 @@ async fn invalid_yaml_is_invalid_argument_with_line_and_column() {
     assert!(history(&api).await.is_empty());
 }
 
-#[tokio::test]
-async fn an_invalid_typed_document_is_invalid_argument() {
-    let api = api(Mode::Api);
-    let request = pb::ApplyRequest {
+/// An Apply of a typed document (not YAML) whose `payments` has `max_attempts: 0`.
+fn invalid_typed_request() -> pb::ApplyRequest {
+    pb::ApplyRequest {
         source: Some(pb::PolicySource {
             kind: Some(Kind::Document(pb::PolicyDocument {
                 defaults: None,
@@ -340,7 +339,13 @@ async fn an_invalid_typed_document_is_invalid_argument() {
             origin: String::new(),
         }),
         ..Default::default()
-    };
+    }
+}
+
+#[tokio::test]
+async fn an_invalid_typed_document_is_invalid_argument() {
+    let api = api(Mode::Api);
+    let request = invalid_typed_request();
     let status = apply(&api, request).await.unwrap_err();
     assert_eq!(status.code(), Code::InvalidArgument);
     assert!(
@@ -372,23 +377,7 @@ async fn rejected_changes_count_invalid_applies_of_every_kind_and_no_dry_run() {
     let status = apply(&api, apply_request(bad_yaml)).await.unwrap_err();
     assert_eq!(status.code(), Code::InvalidArgument);
     assert_eq!(rejected(), 1, "invalid YAML");
-    let typed = pb::ApplyRequest {
-        source: Some(pb::PolicySource {
-            kind: Some(Kind::Document(pb::PolicyDocument {
-                defaults: None,
-                endpoints: vec![pb::Endpoint {
-                    name: "payments".to_owned(),
-                    overlay: Some(pb::Overlay {
-                        max_attempts: Some(0),
-                        ..Default::default()
-                    }),
-                    routes: Vec::new(),
-                }],
-            })),
-            origin: String::new(),
-        }),
-        ..Default::default()
-    };
+    let typed = invalid_typed_request();
     let status = apply(&api, typed).await.unwrap_err();
     assert_eq!(status.code(), Code::InvalidArgument);
     assert_eq!(rejected(), 2, "an invalid typed document");

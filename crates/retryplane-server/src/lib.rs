@@ -28,6 +28,9 @@ pub mod server;
 pub mod store;
 pub mod watch;
 
+#[cfg(test)]
+mod test_logs;
+
 /// An error and every cause under it, `error: cause: cause`, as `anyhow` prints `{:#}`: what
 /// log lines show of an error whose own message is only a summary (a store failure's cause is
 /// the disk's error).

@@ -7,6 +7,7 @@ use tokio::sync::watch;
 use super::*;
 use crate::control::Mode;
 use crate::store::{MemoryStore, VersionStore};
+use crate::test_logs::Sink;
 
 /// SPEC/issue 3: a valid save is published within a second.
 const PUBLISH_BOUND: Duration = Duration::from_secs(1);
@@ -232,27 +233,6 @@ async fn a_link_to_a_file_in_another_directory_follows_edits_there() {
     assert_eq!(max_attempts_served(&f.control).await, Some(5));
 }
 
-/// Captured log output.
-#[derive(Clone, Default)]
-struct Sink(Arc<std::sync::Mutex<Vec<u8>>>);
-
-impl Sink {
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
-    }
-}
-
-impl std::io::Write for Sink {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
 const SKIPPED: &str = "the policy file is unchanged since it was last read";
 
 /// Touches a file next to the policy file and waits until the watcher has looked at the
@@ -271,18 +251,7 @@ async fn touch_unrelated(f: &Fixture, log: &Sink) -> String {
 /// This thread's logs from here on, at debug, for as long as the guard lives. The watch task
 /// of a current-thread test runtime runs on this thread.
 fn capture_logs() -> (Sink, tracing::subscriber::DefaultGuard) {
-    let log = Sink::default();
-    let writer = log.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_env_filter("retryplane_server=debug")
-        .with_ansi(false)
-        .with_writer(move || writer.clone())
-        .finish();
-    let guard = tracing::subscriber::set_default(subscriber);
-    // Other tests of this binary run on other threads with no subscriber. A callsite they
-    // registered while this subscriber was being set up can keep an interest of "never";
-    // rebuilding the interests now makes this subscriber count for every callsite.
-    tracing::callsite::rebuild_interest_cache();
+    let (log, guard) = crate::test_logs::capture("retryplane_server=debug");
     // The levels read as below in this format.
     tracing::info!("format check");
     assert!(

@@ -728,34 +728,10 @@ async fn names_with_control_characters_are_counted_in_other() {
     assert_eq!(listed, [("checkout", "ok", 2), (OTHER, OTHER, 13)]);
 }
 
-/// Captured log output.
-#[derive(Clone, Default)]
-struct Sink(Arc<std::sync::Mutex<Vec<u8>>>);
-
-impl std::io::Write for Sink {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
 #[test]
 fn a_bad_endpoint_name_is_logged_escaped_and_does_not_hide_the_cap_warning() {
-    let log = Sink::default();
-    let writer = log.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_env_filter("retryplane_server=warn")
-        .with_ansi(false)
-        .with_writer(move || writer.clone())
-        .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
-    // Other tests of this binary may have registered the callsites with no subscriber.
-    tracing::callsite::rebuild_interest_cache();
-    let text = || String::from_utf8_lossy(&log.0.lock().unwrap()).into_owned();
+    let (log, _guard) = crate::test_logs::capture("retryplane_server=warn");
+    let text = || log.text();
 
     let agg = Aggregator::new(1, Instant::now());
     let svc = agg.service("checkout");
