@@ -39,7 +39,7 @@ impl Source {
     pub fn load(&self) -> anyhow::Result<Loaded> {
         Ok(match self.read()? {
             Contents::Bytes(bytes) => retryplane_policy::load(&bytes),
-            Contents::TooLarge(size) => too_large(size),
+            Contents::TooLarge(size) => retryplane_policy::too_large(size),
         })
     }
 
@@ -98,11 +98,6 @@ fn read_limited(reader: impl Read, size_hint: Option<u64>) -> io::Result<Content
     })
 }
 
-/// The same refusal the policy crate gives an oversized buffer, without reading it all.
-pub fn too_large(size: Option<u64>) -> Loaded {
-    retryplane_policy::too_large(size)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -118,14 +113,5 @@ mod tests {
             Contents::Bytes(b) => assert_eq!(b, b"version: 1"),
             Contents::TooLarge(_) => panic!("a small input fits"),
         }
-    }
-
-    #[test]
-    fn an_oversized_file_is_one_error_at_the_top() {
-        let loaded = too_large(Some(10 << 30));
-        assert!(loaded.policies.is_none());
-        assert_eq!(loaded.diagnostics.len(), 1);
-        assert!(loaded.diagnostics[0].is_error());
-        assert!(loaded.diagnostics[0].message.contains("10737418240 bytes"));
     }
 }

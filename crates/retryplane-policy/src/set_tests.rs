@@ -826,3 +826,16 @@ fn a_set_shows_its_endpoints_not_its_empty_slots() {
         "{shown}"
     );
 }
+
+#[test]
+fn an_oversized_file_is_one_error_at_the_top_whoever_reads_it() {
+    let loaded = too_large(Some(10 << 30));
+    assert!(loaded.policies.is_none());
+    assert_eq!(loaded.diagnostics.len(), 1);
+    assert!(loaded.diagnostics[0].is_error());
+    assert!(loaded.diagnostics[0].message.contains("10737418240 bytes"));
+    // A bounded read that stops at the limit refuses the file as `load` does.
+    let big = vec![b' '; crate::yaml::MAX_FILE_BYTES + 1];
+    let size = u64::try_from(big.len()).unwrap();
+    assert_eq!(load(&big).diagnostics, too_large(Some(size)).diagnostics);
+}

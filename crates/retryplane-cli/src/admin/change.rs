@@ -11,7 +11,7 @@ use serde_json::{Value, json};
 use tonic::Code;
 
 use super::client::Client;
-use crate::input::{self, Contents, Source};
+use crate::input::{Contents, Source};
 use crate::output::{self, Format, JsonDiagnostic};
 use crate::{Outcome, Report};
 
@@ -127,7 +127,7 @@ pub struct PolicyFile {
 pub fn read_policy(source: &Source, format: Format) -> anyhow::Result<Result<PolicyFile, Report>> {
     let name = source.to_string();
     let loaded = match source.read()? {
-        Contents::TooLarge(size) => input::too_large(size),
+        Contents::TooLarge(size) => retryplane_policy::too_large(size),
         Contents::Bytes(bytes) => match String::from_utf8(bytes) {
             Ok(yaml) => {
                 let loaded = retryplane_policy::load(yaml.as_bytes());
