@@ -198,24 +198,6 @@ impl Endpoint {
         self.call_reauth(None, meta, classify, attempt, NoReauth)
     }
 
-    /// [`Endpoint::call_with`] for a logical call that began at `since` (the tower layer's,
-    /// which reads the request body first): the deadline runs from `since`, the first attempt
-    /// starts now.
-    pub(crate) fn call_since<T, E, C, F, Fut>(
-        &self,
-        since: Instant,
-        meta: CallMeta<'_>,
-        classify: C,
-        attempt: F,
-    ) -> impl Future<Output = Result<T, CallError<T, E>>>
-    where
-        C: FnMut(&Result<T, E>) -> Classification,
-        F: FnMut(AttemptInfo) -> Fut,
-        Fut: Future<Output = Result<T, E>>,
-    {
-        self.call_reauth(Some(since), meta, classify, attempt, NoReauth)
-    }
-
     /// [`Endpoint::call`] with a once-only credential refresh (SPEC §2, "Agent extras"): the
     /// first answer for which `wants_refresh` is true (a 401, say) is put aside, `refresh` runs
     /// and, if it returns `true`, the same attempt is sent again: `attempt` is called once more
@@ -305,7 +287,9 @@ impl Endpoint {
     /// the answer of an attempt is put aside, the credentials are refreshed (within the
     /// deadline) and the attempt is sent again with a fresh per-try timeout. The engine sees
     /// one attempt (its number, breaker permit and counters), judged on the second answer;
-    /// no budget is taken and no pause is slept.
+    /// no budget is taken and no pause is slept. With `since`, the call began then (the tower
+    /// layer's, which reads the request body first): its deadline runs from `since` and its
+    /// first attempt starts now; without, both are now. [`NoReauth`] for no refresh.
     ///
     /// (An `async` block rather than an `async fn`: the arguments are kept once in the call's
     /// state, not once as arguments and again as locals.)

@@ -17,7 +17,7 @@ use super::body::{Buffered, Read, ReplayBody, SharedBody, buffer, read_up_to};
 use super::dedup::{Dedup, Landing, Leader, Role, SharedResponse};
 use super::grpc::call_meta;
 use super::{BoxError, DEFAULT_BODY_LIMIT, GaveUp, ResponseFuture, RetryError};
-use crate::call::Endpoint;
+use crate::call::{Endpoint, NoReauth};
 use crate::classify::{Classify as _, classify_boxed};
 use crate::error::{CallError, Last};
 use crate::meta::AttemptInfo;
@@ -335,7 +335,7 @@ where
             };
             let Some(hook) = &settings.refresh else {
                 return endpoint
-                    .call_since(started, meta, classify, attempt)
+                    .call_reauth(Some(started), meta, classify, attempt, NoReauth)
                     .await
                     .or_else(gave_up);
             };
@@ -369,7 +369,7 @@ where
                 async move { sent.ok_or("a streamed body cannot be sent twice")?.await }
             };
             endpoint
-                .call_since(started, meta, classify, attempt)
+                .call_reauth(Some(started), meta, classify, attempt, NoReauth)
                 .await
                 .or_else(gave_up)
         }
