@@ -14,8 +14,9 @@
 //! and not at all when `now` is the instant the call converted last (the first attempt starts at
 //! the call's instant, and the agent reports a success at its attempt's start), and the budget, the
 //! breaker and the deadline all work in that unit. A call that succeeds at once does two
-//! uncontended CAS (the budget's deposit, the breaker's success count) and one predictable
-//! branch in `start_attempt` (the count of attempts that may start); the backoff state is
+//! uncontended CAS (the budget's deposit, the breaker's success count) and two predictable
+//! branches in `start_attempt` (the count of attempts that may start, and whether it is the
+//! first, which deposits in the budget); the backoff state is
 //! built on the first failure only, and the failure path is kept out of line. `new`,
 //! `start_attempt` and `on_outcome` are `#[inline(always)]`: what is left of them once the
 //! failure path is out of line is small, and inlining them into the caller took about a tenth
@@ -380,14 +381,25 @@ impl<'a> RetryCall<'a> {
     /// taken. The budget and backoff are left alone; no further attempt may start and no
     /// outcome is taken. Does nothing to the breaker after [`Self::on_outcome`] (the permit is
     /// spent) or when no attempt was started.
+    ///
+    /// Inline: after an outcome (every success) it is one branch and two stores; handing a
+    /// permit back is out of line.
+    #[inline]
     pub fn release(&mut self) {
-        if let Some(permit) = self.permit.take()
-            && let Some(breaker) = &self.state.breaker
-        {
-            breaker.release(permit);
+        if let Some(permit) = self.permit.take() {
+            self.release_permit(permit);
         }
         self.allowed = self.attempts;
         self.answered = self.attempts;
+    }
+
+    /// [`Self::release`]'s hand-back of an unreported permit.
+    #[cold]
+    #[inline(never)]
+    fn release_permit(&self, permit: Permit) {
+        if let Some(breaker) = &self.state.breaker {
+            breaker.release(permit);
+        }
     }
 
     /// [`Self::on_outcome`] for a failed attempt (kept out of line: the success path stays
