@@ -276,8 +276,6 @@ impl AgentStreamService {
             known_hash: hello.last_applied_hash.clone(),
             instance_id: hello.instance_id,
             sent_nonce: None,
-            sent_version: 0,
-            sent_hash: String::new(),
             refused: registration.refused,
             service: self.ctx.aggregates.service(&hello.service),
             bucket: Bucket {
@@ -295,17 +293,14 @@ struct AgentStream {
     ctx: Arc<StreamContext>,
     agent_id: String,
     generation: u64,
-    /// What the agent runs, or was last sent.
+    /// What the agent runs, or was last sent: once `sent_nonce` is set, the snapshot sent with
+    /// it (an answer naming another version is stale).
     known_version: u64,
     known_hash: String,
     /// The agent process (`Hello.instance_id`) its numbered reports belong to.
     instance_id: u64,
     /// The nonce of the last snapshot sent; answers to other nonces are stale.
     sent_nonce: Option<String>,
-    /// The version sent with `sent_nonce`; an answer naming another version is stale too.
-    sent_version: u64,
-    /// The content hash of the snapshot sent with `sent_nonce`.
-    sent_hash: String,
     /// The snapshot the agent refused on an earlier stream ([`crate::fleet::Registration`]):
     /// never pushed again on this one.
     refused: Option<crate::fleet::Refused>,
@@ -393,8 +388,6 @@ impl AgentStream {
                 self.known_version = snap.version;
                 self.known_hash.clone_from(&snap.content_hash);
                 self.sent_nonce = Some(snap.nonce.clone());
-                self.sent_version = snap.version;
-                self.sent_hash.clone_from(&snap.content_hash);
                 self.ctx.metrics.pushes.inc();
                 debug!(agent = %self.agent_id, version = snap.version, "snapshot sent");
             }
@@ -436,7 +429,7 @@ impl AgentStream {
 
     /// Whether an ACK or NACK with `nonce` and `version` answers the last snapshot sent.
     fn answers_last_push(&self, nonce: &str, version: u64) -> bool {
-        self.sent_nonce.as_deref() == Some(nonce) && version == self.sent_version
+        self.sent_nonce.as_deref() == Some(nonce) && version == self.known_version
     }
 
     /// Whether the agent should get `snap`: another version, or the same number with other
@@ -471,7 +464,7 @@ impl AgentStream {
             Some(Kind::Ack(ack)) => {
                 if self.answers_last_push(&ack.nonce, ack.version) {
                     ctx.fleet
-                        .ack(&self.agent_id, self.generation, self.sent_version);
+                        .ack(&self.agent_id, self.generation, self.known_version);
                     ctx.metrics.acks.inc();
                 } else {
                     ctx.fleet.seen(&self.agent_id, self.generation);
@@ -483,8 +476,8 @@ impl AgentStream {
                     ctx.fleet.nack(
                         &self.agent_id,
                         self.generation,
-                        self.sent_version,
-                        &self.sent_hash,
+                        self.known_version,
+                        &self.known_hash,
                         &nack.error,
                     );
                     ctx.metrics.nacks.inc();

@@ -61,8 +61,6 @@ pub struct Refused {
     /// Its content hash: a store that was reset can publish other content under the same
     /// number, which the agent has not refused.
     pub content_hash: String,
-    /// The agent process that refused it (Hello `instance_id`, never 0).
-    pub instance_id: u64,
 }
 
 #[derive(Debug, Default)]
@@ -178,11 +176,12 @@ impl Fleet {
                 inner.connected -= 1;
             }
             reports = old.reports;
+            // Kept only from a stream of the same process: the entry's `instance_id` is the
+            // one that refused it (a NACK is recorded only with a non-zero id).
+            let same_process = old.instance_id == hello.instance_id;
             refused = old
                 .refused
-                .filter(|r| {
-                    r.instance_id == hello.instance_id && r.version != hello.last_applied_version
-                })
+                .filter(|r| same_process && r.version != hello.last_applied_version)
                 .map(|r| (r, old.status.last_error));
         }
         reports.hello(hello.instance_id);
@@ -297,7 +296,6 @@ impl Fleet {
             e.refused = (e.instance_id != 0).then(|| Refused {
                 version,
                 content_hash: content_hash.to_owned(),
-                instance_id: e.instance_id,
             });
             let s = &mut e.status;
             set_response(&mut s.last_response, "nack");
@@ -472,7 +470,6 @@ mod tests {
         let refused = Refused {
             version: 2,
             content_hash: "h2".to_owned(),
-            instance_id: 5,
         };
         assert_eq!(second.refused, Some(refused.clone()));
         let s = &fleet.status()[0];
