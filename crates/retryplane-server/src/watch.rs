@@ -176,23 +176,6 @@ pub fn log_diagnostics(file: &Path, loaded: &Loaded) {
     }
 }
 
-/// Starts watching `file`; the task reloads it on every (debounced) save until `shutdown`
-/// becomes true or its sender is dropped. Call inside a tokio runtime.
-///
-/// The watches are in place when this returns. Only the file's own directory must be
-/// watchable; a directory further along a symbolic link chain that cannot be watched is
-/// logged and left out. When the file's directory does not exist (yet), the nearest directory
-/// above it that does is watched instead, so the file is read once it appears there; only when
-/// no directory on the way can be watched is that an error.
-pub fn spawn(
-    control: Arc<ControlPlane>,
-    file: PathBuf,
-    timing: Timing,
-    shutdown: watch::Receiver<bool>,
-) -> Result<JoinHandle<()>, WatchError> {
-    spawn_before_start(control, file, timing, shutdown).map(|(task, _)| task)
-}
-
 /// What start-up read from the policy file, for a watcher started before that read.
 #[derive(Debug)]
 pub struct StartRead(oneshot::Sender<Vec<u8>>);
@@ -207,9 +190,18 @@ impl StartRead {
     }
 }
 
-/// [`spawn`] for a watcher started before the server's own first read of the file (so a save
-/// during start-up is not missed): hand that read to the returned [`StartRead`]. Dropping it
-/// instead is fine: the watcher then reads the file afresh on its first event.
+/// Starts watching `file`; the task reloads it on every (debounced) save until `shutdown`
+/// becomes true or its sender is dropped. Call inside a tokio runtime.
+///
+/// The watches are in place when this returns. Only the file's own directory must be
+/// watchable; a directory further along a symbolic link chain that cannot be watched is
+/// logged and left out. When the file's directory does not exist (yet), the nearest directory
+/// above it that does is watched instead, so the file is read once it appears there; only when
+/// no directory on the way can be watched is that an error.
+///
+/// The watcher is started before the server's own first read of the file (so a save during
+/// start-up is not missed): hand that read to the returned [`StartRead`]. Dropping it instead
+/// is fine: the watcher then reads the file afresh on its first event.
 pub fn spawn_before_start(
     control: Arc<ControlPlane>,
     file: PathBuf,

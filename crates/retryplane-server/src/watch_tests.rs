@@ -9,6 +9,16 @@ use crate::control::Mode;
 use crate::store::{MemoryStore, VersionStore};
 use crate::test_logs::Sink;
 
+/// A watcher with no start-up read handed over: it reads the file afresh on its first event.
+fn spawn(
+    control: Arc<ControlPlane>,
+    file: PathBuf,
+    timing: Timing,
+    shutdown: watch::Receiver<bool>,
+) -> Result<JoinHandle<()>, WatchError> {
+    spawn_before_start(control, file, timing, shutdown).map(|(task, _)| task)
+}
+
 /// SPEC/issue 3: a valid save is published within a second.
 const PUBLISH_BOUND: Duration = Duration::from_secs(1);
 
