@@ -249,6 +249,28 @@ async fn an_open_breaker_fails_fast_without_calling_the_upstream() {
     assert_eq!(ep.pending_counts().circuit_open, 1);
 }
 
+#[tokio::test(start_paused = true)]
+async fn a_failure_that_opens_the_breaker_ends_the_call_without_a_pause() {
+    let agent = agent(&policy(
+        "max_attempts: 3\nbackoff: {base: 3s, max: 5s, jitter: none}\ncircuit_breaker: {enabled: true, failure_ratio: 0.1, min_requests: 1, open_for: 30s}",
+    ));
+    let ep = agent.endpoint("ep");
+    let up = Upstream::new([Step::Status(503), Step::Status(200)]);
+    let started = tokio::time::Instant::now();
+    let err = ep.call(get(), up.attempt()).await.unwrap_err();
+    // The first 503 opens the breaker for 30 s: the retry 3 s later could not be sent, so the
+    // call ends at once with the 503, instead of sleeping 3 s to be refused.
+    assert_eq!(err.cause, gave_up(GiveUpCause::CircuitOpen));
+    assert_eq!(started.elapsed(), Duration::ZERO);
+    assert_eq!((err.attempts, up.attempts()), (1, 1));
+    assert_eq!(err.response().map(|r| r.status().as_u16()), Some(503));
+    let counts = ep.pending_counts();
+    assert_eq!(
+        (counts.circuit_open, counts.retries, counts.backoff_ms),
+        (1, 0, 0)
+    );
+}
+
 /// The pauses before retries 1, 2, … of one call that fails every attempt but the last, as the
 /// agent reports them; each is checked against the time the upstream saw pass between the
 /// attempts (paused time wakes a sleep on the next whole millisecond).

@@ -181,6 +181,17 @@ impl CircuitBreaker {
         }
     }
 
+    /// Whether an attempt asked for at `nanos` since the origin will be refused whatever
+    /// happens meanwhile: the breaker is open and its open period lasts past `nanos`. Only a
+    /// half-open period ends an open one, and it starts when the open period ends, so until
+    /// then the answer cannot change. Read-only; half-open (a probe may be free by then) is
+    /// not counted as refused.
+    #[inline]
+    pub(crate) fn open_past(&self, nanos: u64) -> bool {
+        let state = self.state.load(Acquire);
+        state & OPEN != 0 && nanos < until_nanos(state)
+    }
+
     /// Asks to make one attempt at `now`: always granted while closed; while half-open, granted
     /// as a probe until `half_open_probes` have been taken; rejected otherwise.
     pub fn try_acquire(&self, now: Instant) -> Result<Permit, BreakerOpen> {

@@ -523,6 +523,16 @@ impl<'a> RetryCall<'a> {
         if nanos(pause) >= self.left(offset) {
             return Decision::GiveUp(GiveUpCause::DeadlineExceeded);
         }
+        // Step 2 of the next attempt, asked now: a breaker that will still be open when the
+        // pause ends will refuse that attempt, so the call gives up at once instead of sleeping
+        // first, and spends no budget on a retry that cannot be sent. A breaker that opens
+        // during the pause is still found by `start_attempt`.
+        if p.circuit_breaker.is_some()
+            && let Some(breaker) = &self.state.breaker
+            && breaker.open_past(window_nanos(offset + nanos(pause)))
+        {
+            return Decision::GiveUp(GiveUpCause::CircuitOpen);
+        }
         if let Some((budget, w)) = withdrawal
             && !budget.take(w)
         {

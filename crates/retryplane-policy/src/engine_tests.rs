@@ -449,6 +449,54 @@ fn an_open_breaker_fails_fast_without_an_attempt() {
 }
 
 #[test]
+fn a_failure_that_opens_the_breaker_gives_up_at_once_and_spends_no_budget() {
+    let mut p = policy();
+    if let Some(b) = p.circuit_breaker.as_mut() {
+        b.min_requests = 1;
+        b.failure_ratio = 0.5;
+    }
+    let t0 = Instant::now();
+    let state = EndpointState::new(&p, t0);
+    let mut call = RetryCall::new(&p, &state, get(), t0);
+    // The attempt's failure opens the breaker for 30 s: the retry it would plan, 100 ms later,
+    // could not start, so the call ends now, with the failure kept.
+    assert_eq!(
+        step(&mut call, http(503), t0),
+        Decision::GiveUp(GiveUpCause::CircuitOpen)
+    );
+    assert_eq!(call.last_failure(), Some(&http(503)));
+    assert_eq!(call.start_attempt(t0), Err(GiveUpCause::AttemptsExhausted));
+    let budget = state.budget().map(|b| b.snapshot(t0));
+    assert_eq!(budget.map(|b| (b.requests, b.retries)), Some((1, 0)));
+}
+
+#[test]
+fn a_retry_planned_past_the_open_period_still_goes_ahead() {
+    let mut p = policy();
+    if let Some(b) = p.circuit_breaker.as_mut() {
+        b.min_requests = 1;
+        b.failure_ratio = 0.5;
+        b.open_for = Duration::from_millis(50);
+    }
+    let t0 = Instant::now();
+    let state = EndpointState::new(&p, t0);
+    let mut call = RetryCall::new(&p, &state, get(), t0);
+    // Open until 50 ms; the pause of 100 ms ends in the half-open period, where a probe may go.
+    let pause = Duration::from_millis(100);
+    assert_eq!(
+        step(&mut call, http(503), t0),
+        Decision::Retry {
+            pause,
+            hinted: false
+        }
+    );
+    let probe = call
+        .start_attempt(t0 + pause)
+        .expect("the probe is let through");
+    assert_eq!(probe.number, 2);
+}
+
+#[test]
 fn a_call_the_open_breaker_stops_is_no_request_for_the_budget() {
     let mut p = policy();
     if let Some(b) = p.circuit_breaker.as_mut() {
