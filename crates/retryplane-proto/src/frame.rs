@@ -33,6 +33,20 @@ impl ServerMessage {
         }
     }
 
+    /// The encoded length of a message carrying `head` with `policies` as its policies, counted
+    /// without building or encoding that message (a large document is not copied); `head`'s own
+    /// `policies`, if any, are not counted. Compare it with [`crate::MAX_MESSAGE_BYTES`].
+    pub fn snapshot_message_len(head: &pb::Snapshot, policies: &pb::PolicyDocument) -> usize {
+        // A length-delimited field: a one-byte key (tags 1 and 3), its length, its bytes.
+        let field_len = |len: usize| 1 + prost::length_delimiter_len(len) + len;
+        let head_len = head.encoded_len()
+            - head
+                .policies
+                .as_ref()
+                .map_or(0, |own| field_len(own.encoded_len()));
+        field_len(head_len + field_len(policies.encoded_len()))
+    }
+
     /// A message carrying `ack` alone.
     pub fn with_metrics_ack(ack: pb::MetricsAck) -> Self {
         Self {
@@ -154,5 +168,42 @@ mod tests {
         assert_eq!(back.decode_snapshot().unwrap(), None);
         let as_generated = AsGenerated::decode(ours.as_slice()).unwrap();
         assert_eq!(as_generated.kind, Some(Kind::MetricsAck(ack)));
+    }
+
+    #[test]
+    fn the_snapshot_message_len_is_the_encoded_len_without_encoding() {
+        let name = |i: usize| format!("endpoint-{i}");
+        for endpoints in [0, 1, 20, 3_000] {
+            let policies = pb::PolicyDocument {
+                endpoints: (0..endpoints)
+                    .map(|i| pb::Endpoint {
+                        name: name(i),
+                        ..Default::default()
+                    })
+                    .collect(),
+                ..Default::default()
+            };
+            let head = pb::Snapshot {
+                version: u64::MAX,
+                content_hash: "0".repeat(64),
+                policies: None,
+                nonce: "0123abcd-18446744073709551615".into(),
+                metrics_interval_ms: 10_000,
+            };
+            let whole = pb::Snapshot {
+                policies: Some(policies.clone()),
+                ..head.clone()
+            };
+            let encoded = ServerMessage::with_snapshot(&whole).encoded_len();
+            assert_eq!(
+                ServerMessage::snapshot_message_len(&head, &policies),
+                encoded
+            );
+            // Policies already in the head are not counted twice.
+            assert_eq!(
+                ServerMessage::snapshot_message_len(&whole, &policies),
+                encoded
+            );
+        }
     }
 }

@@ -35,3 +35,9 @@ pub const FILE_DESCRIPTOR_SET: &[u8] =
 /// `MetricsAck`), the agent sends its reports unnumbered, so nothing waits for an answer that
 /// never comes and nothing is counted twice.
 pub const METRICS_ACK_METADATA: &str = "retryplane-metrics-ack";
+
+/// The largest `retryplane.v1` message either side decodes: 4 MiB, gRPC's usual default. An
+/// agent refuses a `ServerMessage` longer than this, so the control plane refuses a change whose
+/// snapshot message would be longer ([`pb::ServerMessage::snapshot_message_len`]), and decodes
+/// requests up to this size unless configured otherwise.
+pub const MAX_MESSAGE_BYTES: usize = 4 * 1024 * 1024;

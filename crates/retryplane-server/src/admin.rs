@@ -7,9 +7,11 @@
 //!
 //! # Status codes
 //!
-//! - `INVALID_ARGUMENT`: no source, a YAML source over 1 MiB, or invalid policies. The message
-//!   is the diagnostics, one per line, as `LINE:COLUMN: SEVERITY: PATH: MESSAGE` (`0:0` for a
-//!   typed document, which has no places), as many as fit [`MAX_MESSAGE_WIRE_BYTES`] and then
+//! - `INVALID_ARGUMENT`: no source, a YAML source over 1 MiB, policies whose snapshot would be
+//!   a message larger than agents decode (4 MiB; the message names the sizes and the limit),
+//!   or invalid policies. For invalid policies the message is the diagnostics, one per line,
+//!   as `LINE:COLUMN: SEVERITY: PATH: MESSAGE` (`0:0` for a typed document, which has no
+//!   places), as many as fit [`MAX_MESSAGE_WIRE_BYTES`] and then
 //!   `… and K more problems; Validate (retryplane validate) lists them all`: `Validate`
 //!   answers every diagnostic in its response body, which has no such limit;
 //! - `FAILED_PRECONDITION`: a write in file mode (the message names the file), or a change that
@@ -185,6 +187,7 @@ fn change_status(e: ChangeError) -> Status {
         ChangeError::Invalid(diagnostics) => {
             Status::invalid_argument(diagnostic_lines(&diagnostics))
         }
+        e @ ChangeError::TooLarge { .. } => Status::invalid_argument(e.to_string()),
         ChangeError::RemovesEverything(names) => {
             Status::failed_precondition(removes_everything_message(&names))
         }

@@ -1,6 +1,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use prost::Message as _;
 use retryplane_proto::pb::diff_entry::Change as DiffChange;
 use tonic::Code;
 
@@ -384,6 +385,77 @@ async fn rejected_changes_count_invalid_applies_of_every_kind_and_no_dry_run() {
     let status = apply(&api, apply_request(OTHER)).await.unwrap_err();
     assert_eq!(status.code(), Code::FailedPrecondition);
     assert_eq!(rejected(), 3, "a change that removes every endpoint");
+}
+
+/// A valid typed Apply of `payments` with one route, whose path prefix is long enough that the
+/// request takes exactly `len` bytes.
+fn typed_request_of_len(len: usize) -> pb::ApplyRequest {
+    let request = |prefix_len: usize| pb::ApplyRequest {
+        source: Some(pb::PolicySource {
+            kind: Some(Kind::Document(pb::PolicyDocument {
+                defaults: None,
+                endpoints: vec![pb::Endpoint {
+                    name: "payments".to_owned(),
+                    overlay: None,
+                    routes: vec![pb::Route {
+                        r#match: Some(pb::RouteMatch {
+                            kind: Some(pb::route_match::Kind::Http(pb::HttpMatch {
+                                method: String::new(),
+                                path_prefix: format!("/{}", "a".repeat(prefix_len)),
+                            })),
+                        }),
+                        overlay: None,
+                    }],
+                }],
+            })),
+            origin: String::new(),
+        }),
+        ..Default::default()
+    };
+    // Lengths near `len` take as many bytes to encode, so one correction is exact.
+    let first = request(len).encoded_len();
+    let exact = request(len - (first - len));
+    assert_eq!(exact.encoded_len(), len);
+    exact
+}
+
+#[tokio::test]
+async fn a_document_whose_snapshot_agents_cannot_decode_is_refused_and_stores_nothing() {
+    use retryplane_proto::MAX_MESSAGE_BYTES;
+
+    let api = api(Mode::Api);
+    apply(&api, apply_request(V1)).await.unwrap();
+    // As large as the admin API decodes (its default limit), so it would be accepted.
+    let request = typed_request_of_len(MAX_MESSAGE_BYTES);
+    let Some(Kind::Document(document)) = request.source.clone().and_then(|s| s.kind) else {
+        unreachable!("a typed request");
+    };
+    let message_len = api.control.publisher.largest_message_len(&document);
+    assert!(message_len > MAX_MESSAGE_BYTES, "{message_len}");
+    let dry_run = pb::ApplyRequest {
+        dry_run: true,
+        ..request.clone()
+    };
+    for request in [dry_run, request] {
+        let status = apply(&api, request).await.unwrap_err();
+        assert_eq!(status.code(), Code::InvalidArgument, "{}", status.message());
+        assert_eq!(
+            status.message(),
+            format!(
+                "the policies encode to {} bytes, a snapshot message of up to {message_len} \
+                 bytes; agents decode messages of at most 4194304 bytes: make the policies \
+                 smaller (fewer endpoints or routes, shorter names)",
+                document.encoded_len()
+            )
+        );
+    }
+    assert_eq!(history(&api).await.len(), 1);
+    assert_eq!(api.control.publisher.current().map(|s| s.version), Some(1));
+    assert_eq!(
+        api.control.metrics.rejected_changes.get(),
+        1,
+        "the Apply, not the dry run"
+    );
 }
 
 #[tokio::test]

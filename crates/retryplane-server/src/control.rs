@@ -13,9 +13,10 @@ use std::collections::HashSet;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use prost::Message;
 use retryplane_policy::diff::{self, Change};
 use retryplane_policy::{Diagnostic, PolicyDocument};
-use retryplane_proto::{convert, pb};
+use retryplane_proto::{MAX_MESSAGE_BYTES, convert, pb};
 use tokio::sync::{Mutex, OwnedMutexGuard};
 use tracing::info;
 
@@ -77,6 +78,19 @@ pub enum ChangeError {
         .0.join(", ")
     )]
     RemovesEverything(Vec<String>),
+    /// The snapshot of the policies would be a message longer than an agent decodes
+    /// ([`retryplane_proto::MAX_MESSAGE_BYTES`]): every agent would refuse every push of it.
+    #[error(
+        "the policies encode to {document_len} bytes, a snapshot message of up to {message_len} bytes; agents decode messages of at most {limit} bytes: make the policies smaller (fewer endpoints or routes, shorter names)"
+    )]
+    TooLarge {
+        /// The encoded policy document.
+        document_len: usize,
+        /// The snapshot message the document makes, at most.
+        message_len: usize,
+        /// The most an agent decodes.
+        limit: usize,
+    },
     /// Another change came first.
     #[error("version conflict: expected version {expected}, current is {current}")]
     Conflict {
@@ -202,7 +216,7 @@ impl ControlPlane {
     }
 
     /// Validates, checks and stores a change, then publishes it. One change at a time. A change
-    /// refused as invalid or as removing every endpoint counts in
+    /// refused as invalid, as too large for the agents or as removing every endpoint counts in
     /// `retryplane_server_rejected_changes`, unless it is a dry run.
     ///
     /// Dropping the returned future before it completes either changes nothing or lets the
@@ -214,7 +228,9 @@ impl ControlPlane {
         if !dry_run
             && matches!(
                 result,
-                Err(ChangeError::Invalid(_) | ChangeError::RemovesEverything(_))
+                Err(ChangeError::Invalid(_)
+                    | ChangeError::RemovesEverything(_)
+                    | ChangeError::TooLarge { .. })
             )
         {
             self.metrics.rejected_changes.inc();
@@ -235,7 +251,18 @@ impl ControlPlane {
         let store = self.store.clone();
         let force = req.force;
         let expected_version = req.expected_version;
+        let publisher = self.publisher.clone();
         let (current, changes, warnings, content_hash) = tokio::task::spawn_blocking(move || {
+            // Before anything else: a snapshot no agent can decode is never stored, whatever
+            // else the change holds.
+            let message_len = publisher.largest_message_len(&document);
+            if message_len > MAX_MESSAGE_BYTES {
+                return Err(ChangeError::TooLarge {
+                    document_len: document.encoded_len(),
+                    message_len,
+                    limit: MAX_MESSAGE_BYTES,
+                });
+            }
             let content_hash = convert::content_hash(&document);
             // One conversion and one validation: the compiled set keeps its document.
             let (set, warnings) = convert::validate(document).map_err(ChangeError::Invalid)?;

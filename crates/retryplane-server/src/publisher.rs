@@ -76,7 +76,7 @@ impl Publisher {
             );
             return current;
         }
-        let nonce = format!("{}-{}", self.instance, record.meta.version);
+        let nonce = self.nonce(record.meta.version);
         let snapshot = pb::Snapshot {
             version: record.meta.version,
             content_hash: record.meta.content_hash.clone(),
@@ -97,6 +97,26 @@ impl Publisher {
         });
         self.tx.send_replace(Some(published.clone()));
         published
+    }
+
+    /// The nonce of `version`'s push by this publisher.
+    fn nonce(&self, version: u64) -> String {
+        format!("{}-{version}", self.instance)
+    }
+
+    /// The most bytes the `ServerMessage` of a snapshot of `document` can take, whatever its
+    /// version: what an agent must be able to decode ([`retryplane_proto::MAX_MESSAGE_BYTES`]).
+    /// Counted, not encoded, so a large document is neither copied nor encoded.
+    pub fn largest_message_len(&self, document: &pb::PolicyDocument) -> usize {
+        let head = pb::Snapshot {
+            version: u64::MAX,
+            // A content hash is the hex SHA-256 of the document: always 64 characters.
+            content_hash: "0".repeat(64),
+            policies: None,
+            nonce: self.nonce(u64::MAX),
+            metrics_interval_ms: self.metrics_interval_ms,
+        };
+        pb::ServerMessage::snapshot_message_len(&head, document)
     }
 
     /// The current snapshot, if any has been published.
@@ -139,5 +159,28 @@ mod tests {
         assert_eq!(publisher.publish(&record(2)).version, 2);
         assert_eq!(publisher.publish(&record(3)).version, 3);
         assert_eq!(publisher.current().unwrap().version, 3);
+    }
+
+    #[test]
+    fn the_largest_message_len_covers_every_version_s_frame() {
+        let publisher = Publisher::new(10_000);
+        let document = pb::PolicyDocument {
+            endpoints: vec![pb::Endpoint {
+                name: "payments".into(),
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let largest = publisher.largest_message_len(&document);
+        for version in [1, 300, u64::MAX] {
+            let published =
+                publisher.publish(&VersionRecord::of_version(version, document.clone()));
+            let frame = published.frame().unwrap();
+            // The frame is the 5-byte gRPC header and then the message.
+            assert!(frame.len() - 5 <= largest, "version {version}");
+            if version == u64::MAX {
+                assert_eq!(frame.len() - 5, largest);
+            }
+        }
     }
 }

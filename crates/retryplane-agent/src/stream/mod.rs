@@ -212,7 +212,9 @@ async fn session(
             }
             Ok(req)
         },
-    );
+    )
+    // The limit the control plane keeps every snapshot within (it refuses a larger change).
+    .max_decoding_message_size(retryplane_proto::MAX_MESSAGE_BYTES);
     let opened = tokio::select! {
         () = cancel.cancelled() => return SessionEnd::Cancelled,
         r = client.connect(ReceiverStream::new(rx)) => r,

@@ -34,7 +34,7 @@ pub struct ServeConfig {
     pub insecure: bool,
     /// Most agents connected at once. Default 20,000.
     pub max_agents: usize,
-    /// Largest gRPC message decoded. Default 4 MiB.
+    /// Largest gRPC message decoded. Default 4 MiB ([`retryplane_proto::MAX_MESSAGE_BYTES`]).
     pub max_message_bytes: usize,
     /// How often agents send metrics reports. Default 10 s.
     pub metrics_interval: Duration,
@@ -70,7 +70,7 @@ impl Default for ServeConfig {
             api_mode: false,
             insecure: false,
             max_agents: 20_000,
-            max_message_bytes: 4 * 1024 * 1024,
+            max_message_bytes: retryplane_proto::MAX_MESSAGE_BYTES,
             metrics_interval: Duration::from_secs(10),
             stream_limits: StreamLimits::default(),
             max_series: DEFAULT_MAX_SERIES,

@@ -32,11 +32,13 @@
 //! "Previous I/O error occurred. Please close and re-open the database." The store then does
 //! just that: it closes the database, opens the file again (redb recovers the last commit) and
 //! runs the call once more. Freeing the space is enough for writes to work again, without a
-//! restart; while the disk is still full, each call tries the reopen again and fails with the
-//! disk's error.
+//! restart. While the disk is still full, the reopen (which checks the whole file) is tried at
+//! most once every [`REOPEN_INTERVAL`]: the calls in between fail at once, without touching the
+//! file, with the error that says why the store is failing (the disk's, when the reopen failed).
 
 use std::path::{Path, PathBuf};
-use std::sync::{PoisonError, RwLock};
+use std::sync::{Arc, PoisonError, RwLock};
+use std::time::Duration;
 
 use prost::Message as _;
 use redb::{
@@ -45,6 +47,7 @@ use redb::{
 };
 use retryplane_proto::pb;
 use sha2::{Digest as _, Sha256};
+use tokio::time::Instant;
 use tracing::{debug, warn};
 
 use super::{
@@ -62,6 +65,8 @@ const META: TableDefinition<'_, &str, u64> = TableDefinition::new("meta");
 const CURRENT: &str = "current";
 /// The [`StoredRecord::format`] this code writes and reads.
 const RECORD_FORMAT: u32 = 1;
+/// The least time between two reopens after an I/O error (see the module docs).
+pub(crate) const REOPEN_INTERVAL: Duration = Duration::from_secs(1);
 
 /// One stored version, as encoded in the `versions` table.
 #[derive(Clone, PartialEq, prost::Message)]
@@ -121,12 +126,27 @@ impl std::fmt::Debug for RedbStore {
 
 /// The database a [`RedbStore`] runs its calls on.
 struct Slot {
-    /// `None` once a reopen failed: the next call tries again.
+    /// `None` once a reopen failed: a later call tries again.
     db: Option<Database>,
     /// How many times the database was reopened, so that calls that failed on the same
     /// database reopen it once.
     generation: u64,
+    /// When the last reopen was tried (on the tokio clock), if ever.
+    reopened_at: Option<Instant>,
+    /// Why the store is failing, once a call has needed a reopen: what the calls refused until
+    /// the next reopen carry.
+    failing: Option<Arc<StoreError>>,
 }
+
+/// The error of a call while the store is failing after an I/O error: the reopen that failed,
+/// and each call refused without touching the file until the next reopen, [`REOPEN_INTERVAL`]
+/// after it. Its source says why the store is failing (the disk's error, when the reopen failed).
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "the version store is failing after an I/O error; it is reopened at most once every {} ms",
+    REOPEN_INTERVAL.as_millis()
+)]
+struct Failing(#[source] Arc<StoreError>);
 
 /// redb with the integrity check on open.
 fn open_file(path: &Path) -> Result<Database, DatabaseError> {
@@ -170,6 +190,8 @@ impl RedbStore {
             db: RwLock::new(Slot {
                 db: Some(db),
                 generation: 0,
+                reopened_at: None,
+                failing: None,
             }),
             path,
             dir: dir.to_owned(),
@@ -186,38 +208,50 @@ impl RedbStore {
     }
 
     /// Runs `op` on the database; after redb's "previous I/O error", reopens the database and
-    /// runs `op` once more (see the module docs).
+    /// runs `op` once more, at most once every [`REOPEN_INTERVAL`] (see the module docs).
     fn run<T>(&self, op: impl Fn(&Database) -> Result<T, StoreError>) -> Result<T, StoreError> {
-        let generation = {
+        let (generation, previous_io) = {
             let slot = self.db.read().unwrap_or_else(PoisonError::into_inner);
             match &slot.db {
                 Some(db) => match op(db) {
-                    Err(error) if is_previous_io(&error) => {
-                        warn!(file = %self.path.display(), "an earlier write to the version store failed on the disk; reopening it");
-                        slot.generation
-                    }
+                    Err(error) if is_previous_io(&error) => (slot.generation, Some(error)),
                     done => return done,
                 },
-                None => slot.generation,
+                None => (slot.generation, None),
             }
         };
-        self.reopen(generation)?;
+        self.reopen(generation, previous_io)?;
         let slot = self.db.read().unwrap_or_else(PoisonError::into_inner);
         match &slot.db {
             Some(db) => op(db),
-            // Another call's reopen failed in between; the next call tries again.
-            None => Err(StoreError::Backend(
-                "the version store could not be reopened after an I/O error".into(),
-            )),
+            // Another call's reopen failed in between; a call after the interval tries again.
+            None => Err(failing(&slot)),
         }
     }
 
-    /// Closes and opens the database again, unless another call did since `seen`.
-    fn reopen(&self, seen: u64) -> Result<(), StoreError> {
+    /// Closes and opens the database again, unless another call did since `seen`, or a reopen
+    /// was tried less than [`REOPEN_INTERVAL`] ago (then fails with why the store is failing).
+    /// `previous_io` is the error that made the caller ask, if the database was open.
+    fn reopen(&self, seen: u64, previous_io: Option<StoreError>) -> Result<(), StoreError> {
         let mut slot = self.db.write().unwrap_or_else(PoisonError::into_inner);
         if slot.generation != seen && slot.db.is_some() {
             return Ok(());
         }
+        if let Some(error) = previous_io
+            && slot.generation == seen
+        {
+            // A failure newer than the last reopen's: the database refuses every call again.
+            slot.failing = Some(Arc::new(error));
+        }
+        let now = Instant::now();
+        if slot
+            .reopened_at
+            .is_some_and(|at| now.saturating_duration_since(at) < REOPEN_INTERVAL)
+        {
+            return Err(failing(&slot));
+        }
+        warn!(file = %self.path.display(), "the version store failed after an I/O error; reopening it");
+        slot.reopened_at = Some(now);
         // The file lock must go before the file is opened again. No call is running: each holds
         // the read lock while it runs.
         if let Some(db) = slot.db.take()
@@ -226,11 +260,29 @@ impl RedbStore {
             debug!(error = %error, "closing the version store before reopening it");
         }
         slot.generation += 1;
-        let db =
-            (self.open_db)(&self.path).map_err(|error| open_error(&self.dir, &self.path, error))?;
-        slot.db = Some(db);
-        Ok(())
+        match (self.open_db)(&self.path) {
+            Ok(db) => {
+                slot.db = Some(db);
+                slot.failing = None;
+                Ok(())
+            }
+            Err(error) => {
+                slot.failing = Some(Arc::new(open_error(&self.dir, &self.path, error)));
+                Err(failing(&slot))
+            }
+        }
     }
+}
+
+/// What a call fails with while the store is failing after an I/O error (a failed reopen, and
+/// every call until the next one): [`Failing`], with why.
+fn failing(slot: &Slot) -> StoreError {
+    let cause = slot.failing.clone().unwrap_or_else(|| {
+        Arc::new(StoreError::Backend(
+            "the version store could not be reopened after an I/O error".into(),
+        ))
+    });
+    StoreError::Backend(Box::new(Failing(cause)))
 }
 
 impl VersionStore for RedbStore {

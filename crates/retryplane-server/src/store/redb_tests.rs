@@ -4,12 +4,13 @@
 use std::ops::Bound;
 use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use ::redb::BackendError;
 
 use retryplane_proto::{convert::content_hash, pb};
 
+use super::redb::REOPEN_INTERVAL;
 use super::tests::{publish_new, version_of};
 use super::{RedbStore, Source, StoreError, VersionStore};
 
@@ -277,12 +278,19 @@ impl ::redb::StorageBackend for FillingDisk {
     }
 }
 
-/// A store in `dir` on a [`FillingDisk`] that fills up while `full` is set, on every open.
-fn store_on_a_filling_disk(dir: &Path, full: &Arc<AtomicBool>) -> RedbStore {
+/// A store in `dir` on a [`FillingDisk`] that fills up while `full` is set, on every open;
+/// `opens` counts the opens (the first one included).
+fn store_on_a_filling_disk(
+    dir: &Path,
+    full: &Arc<AtomicBool>,
+    opens: &Arc<AtomicUsize>,
+) -> RedbStore {
     let full = full.clone();
+    let opens = opens.clone();
     RedbStore::open_with(
         dir,
         Box::new(move |path| {
+            opens.fetch_add(1, Ordering::SeqCst);
             let file = std::fs::OpenOptions::new()
                 .read(true)
                 .write(true)
@@ -301,11 +309,17 @@ fn store_on_a_filling_disk(dir: &Path, full: &Arc<AtomicBool>) -> RedbStore {
     .unwrap()
 }
 
-#[test]
-fn writes_work_again_once_a_full_disk_has_room() {
+fn says_no_space(error: &StoreError) -> bool {
+    crate::ErrorChain(error)
+        .to_string()
+        .contains("No space left on device")
+}
+
+#[tokio::test(start_paused = true)]
+async fn writes_work_again_once_a_full_disk_has_room() {
     let dir = tempfile::tempdir().unwrap();
     let full = Arc::new(AtomicBool::new(false));
-    let store = store_on_a_filling_disk(dir.path(), &full);
+    let store = store_on_a_filling_disk(dir.path(), &full, &Arc::default());
     assert_eq!(publish_new(&store, "a"), 1);
 
     full.store(true, Ordering::SeqCst);
@@ -329,8 +343,10 @@ fn writes_work_again_once_a_full_disk_has_room() {
         "{still:?}"
     );
 
-    // Room again: reads and writes work, on what was committed before the disk filled up.
+    // Room again: reads and writes work (from the next reopen on), on what was committed
+    // before the disk filled up.
     full.store(false, Ordering::SeqCst);
+    tokio::time::advance(REOPEN_INTERVAL).await;
     assert_eq!(store.current().unwrap().unwrap().meta.version, 1);
     assert_eq!(publish_new(&store, "b"), 2);
     assert_eq!(store.history(0).unwrap().len(), 2);
@@ -345,6 +361,58 @@ fn writes_work_again_once_a_full_disk_has_room() {
             .version,
         2
     );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failing_store_is_reopened_at_most_once_an_interval_and_recovers_after_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let full = Arc::new(AtomicBool::new(false));
+    let opens = Arc::new(AtomicUsize::new(0));
+    let store = store_on_a_filling_disk(dir.path(), &full, &opens);
+    assert_eq!(publish_new(&store, "a"), 1);
+    assert_eq!(opens.load(Ordering::SeqCst), 1);
+
+    full.store(true, Ordering::SeqCst);
+    let failed = store
+        .publish(version_of("b", Source::File), None)
+        .unwrap_err();
+    assert!(says_no_space(&failed), "{failed:?}");
+    // Calls in quick succession, while the disk is full: the first (a write: reads still work
+    // on the database until it is reopened) reopens, and fails, the disk still full; the others
+    // fail at once with the same error, saying why.
+    for call in 0..10 {
+        let error = match call % 3 {
+            0 => store
+                .publish(version_of("b", Source::File), None)
+                .map(|_| ())
+                .unwrap_err(),
+            1 => store.current().map(|_| ()).unwrap_err(),
+            _ => store.history(0).map(|_| ()).unwrap_err(),
+        };
+        assert!(matches!(error, StoreError::Backend(_)), "{error:?}");
+        assert!(says_no_space(&error), "call {call}: {error:?}");
+        assert!(
+            crate::ErrorChain(&error)
+                .to_string()
+                .contains("reopened at most once every 1000 ms"),
+            "call {call}: {error:?}"
+        );
+    }
+    assert_eq!(opens.load(Ordering::SeqCst), 2, "one reopen");
+
+    // Room again, but within the interval: still refused, without a reopen.
+    full.store(false, Ordering::SeqCst);
+    tokio::time::advance(REOPEN_INTERVAL - std::time::Duration::from_millis(1)).await;
+    let error = store.current().unwrap_err();
+    assert!(says_no_space(&error), "{error:?}");
+    assert_eq!(opens.load(Ordering::SeqCst), 2);
+
+    // After the interval: one reopen, and the store works again.
+    tokio::time::advance(std::time::Duration::from_millis(1)).await;
+    assert_eq!(store.current().unwrap().unwrap().meta.version, 1);
+    assert_eq!(publish_new(&store, "b"), 2);
+    assert_eq!(store.history(0).unwrap().len(), 2);
+    assert_eq!(opens.load(Ordering::SeqCst), 3);
 }
 
 #[test]
