@@ -87,6 +87,9 @@ impl Drop for Paused<'_> {
 /// How the attempt loop ended.
 enum End<T, E> {
     Ok(T),
+    /// An error the caller's classifier called a success: a success in every count, returned in
+    /// a [`CallError`] since it cannot be a `T`.
+    OkErr(E),
     Fail(Cause, Option<Last<T, E>>, Option<Outcome>),
 }
 
@@ -173,6 +176,11 @@ impl Endpoint {
     }
 
     /// [`Endpoint::call`] with a classifier of your own.
+    ///
+    /// An `Err` your classifier calls [`Classification::Success`] ends the call as a success:
+    /// the breaker, the counters (`success_first_try` or `success_after_retry`) and the log
+    /// count it as one. Since it cannot be returned as a `T`, it comes back as it is in a
+    /// [`CallError`] (`last` holds it; the cause says `not_retryable`).
     pub fn call_with<T, E, C, F, Fut>(
         &self,
         meta: CallMeta<'_>,
@@ -425,12 +433,18 @@ impl Endpoint {
                                 break End::Ok(t);
                             }
                             // An error classified as a success cannot be returned as a value:
-                            // it is returned as it is, but the breaker counts the success (a
-                            // half-open probe answered so closes it, rather than being handed
-                            // back as if the attempt said nothing).
-                            (Classification::Success, r) => {
+                            // it is returned as it is, in the call's error, but it counts as the
+                            // success it is: for the breaker (a half-open probe answered so
+                            // closes it, rather than being handed back as if the attempt said
+                            // nothing), the counters and the log.
+                            (Classification::Success, Err(e)) => {
                                 call.on_outcome(success(), now, &mut rng);
-                                (None, Some(r))
+                                count_success(&mut first, plan.number);
+                                if tracing::enabled!(tracing::Level::DEBUG) {
+                                    let end = Instant::now();
+                                    self.debug_attempt(plan.number, &"success", None, &call, end);
+                                }
+                                break End::OkErr(e);
                             }
                             (Classification::Outcome(o), r) => (Some(o), Some(r)),
                             (Classification::Fatal, r) => (None, Some(r)),
@@ -508,6 +522,11 @@ impl Endpoint {
             let attempts = call.attempts();
             match end {
                 End::Ok(t) => Ok(t),
+                End::OkErr(e) => Err(CallError {
+                    cause: Cause::GaveUp(GiveUpCause::NotRetryable),
+                    last: Some(Last::Error(e)),
+                    attempts,
+                }),
                 End::Fail(cause, last, outcome) => {
                     let Cause::GaveUp(g) = cause else {
                         debug!(endpoint = %self.name, attempts, "call cancelled");
