@@ -87,6 +87,9 @@ impl Drop for Paused<'_> {
 /// How the attempt loop ended.
 enum End<T, E> {
     Ok(T),
+    /// An error the caller's classifier called a success: a success in every count, returned in
+    /// a [`CallError`] since it cannot be a `T`.
+    OkErr(E),
     Fail(Cause, Option<Last<T, E>>, Option<Outcome>),
 }
 
@@ -140,25 +143,14 @@ impl Endpoint {
         self.shared.metrics.pending(&self.name)
     }
 
-    /// When a call described by `meta` that starts at `start` must be over, under the policies
-    /// in force now: what its [`AttemptInfo::deadline`] would say (30 years after `start` for
-    /// a deadline too long for an `Instant`, as the engine does).
-    pub(crate) fn deadline_of(&self, meta: &CallMeta<'_>, start: Instant) -> Instant {
-        const FAR_FUTURE: std::time::Duration = std::time::Duration::from_secs(86_400 * 365 * 30);
-        let entry = self.entry();
-        let (policy, _) = entry.resolve(&meta.target());
-        start
-            .checked_add(policy.deadline)
-            .or_else(|| start.checked_add(FAR_FUTURE))
-            .unwrap_or(start)
-    }
-
-    /// Whether a call described by `meta` is idempotent under the policies in force now: its
-    /// method listed for its route, or declared so (the idempotency key does not count).
-    pub(crate) fn is_idempotent(&self, meta: &CallMeta<'_>) -> bool {
-        let entry = self.entry();
-        let (policy, _) = entry.resolve(&meta.target());
-        meta.idempotency(policy).0
+    /// Begins a logical call now, reading the endpoint's entry (its policy) for it: the tower
+    /// layer's calls, which read the request body (and may wait on other calls) before their
+    /// first attempt, go by this one read from start to end (SPEC §2).
+    pub(crate) fn begin(&self) -> Begun {
+        Begun {
+            at: Instant::now(),
+            entry: self.entry(),
+        }
     }
 
     /// Runs `attempt` under the endpoint's policy, classifying results with [`Classify`].
@@ -180,10 +172,15 @@ impl Endpoint {
         F: FnMut(AttemptInfo) -> Fut,
         Fut: Future<Output = Result<T, E>>,
     {
-        self.call_reauth(None, meta, classify_result::<T, E>, attempt, NoReauth)
+        self.call_reauth(Now, meta, classify_result::<T, E>, attempt, NoReauth)
     }
 
     /// [`Endpoint::call`] with a classifier of your own.
+    ///
+    /// An `Err` your classifier calls [`Classification::Success`] ends the call as a success:
+    /// the breaker, the counters (`success_first_try` or `success_after_retry`) and the log
+    /// count it as one. Since it cannot be returned as a `T`, it comes back as it is in a
+    /// [`CallError`] (`last` holds it; the cause says `not_retryable`).
     pub fn call_with<T, E, C, F, Fut>(
         &self,
         meta: CallMeta<'_>,
@@ -195,7 +192,7 @@ impl Endpoint {
         F: FnMut(AttemptInfo) -> Fut,
         Fut: Future<Output = Result<T, E>>,
     {
-        self.call_reauth(None, meta, classify, attempt, NoReauth)
+        self.call_reauth(Now, meta, classify, attempt, NoReauth)
     }
 
     /// [`Endpoint::call`] with a once-only credential refresh (SPEC §2, "Agent extras"): the
@@ -270,7 +267,7 @@ impl Endpoint {
         RFut: Future<Output = bool> + Send,
     {
         self.call_reauth(
-            None,
+            Now,
             meta,
             classify_result::<T, E>,
             attempt,
@@ -287,9 +284,10 @@ impl Endpoint {
     /// the answer of an attempt is put aside, the credentials are refreshed (within the
     /// deadline) and the attempt is sent again with a fresh per-try timeout. The engine sees
     /// one attempt (its number, breaker permit and counters), judged on the second answer;
-    /// no budget is taken and no pause is slept. With `since`, the call began then (the tower
-    /// layer's, which reads the request body first): its deadline runs from `since` and its
-    /// first attempt starts now; without, both are now. [`NoReauth`] for no refresh.
+    /// no budget is taken and no pause is slept. With [`Now`], the call begins now and reads
+    /// the endpoint's entry then; with a [`Begun`] (the tower layer's, which reads the request
+    /// body first), its deadline runs from when it began, it goes by the entry read then, and
+    /// its first attempt starts now. [`NoReauth`] for no refresh.
     ///
     /// (An `async` block rather than an `async fn`: the arguments are kept once in the call's
     /// state, not once as arguments and again as locals.)
@@ -297,9 +295,9 @@ impl Endpoint {
         clippy::manual_async_fn,
         reason = "an async fn keeps its arguments twice in the call's state"
     )]
-    pub(crate) fn call_reauth<T, E, C, F, Fut, A>(
+    pub(crate) fn call_reauth<T, E, C, F, Fut, A, S>(
         &self,
-        since: Option<Instant>,
+        start: S,
         meta: CallMeta<'_>,
         mut classify: C,
         mut attempt: F,
@@ -310,19 +308,12 @@ impl Endpoint {
         F: FnMut(AttemptInfo) -> Fut,
         Fut: Future<Output = Result<T, E>>,
         A: Reauth<T, E>,
+        S: Start,
     {
         async move {
-            // The call's start, from which its deadline runs; the first attempt starts now.
-            // Without `since` they are one instant and one clock read.
-            let (started, first_start) = match since {
-                None => {
-                    let now = Instant::now();
-                    (now, now)
-                }
-                Some(since) => (since, Instant::now().max(since)),
-            };
-            // The one read of the policies for this call.
-            let entry = self.entry();
+            // The call's start, from which its deadline runs, its first attempt's, and the one
+            // read of the policies for this call.
+            let (started, first_start, entry) = start.read(self);
             let (policy, runtime) = entry.resolve(&meta.target());
             let (idempotent, has_idempotency_key) = meta.idempotency(policy);
             let info =
@@ -442,12 +433,18 @@ impl Endpoint {
                                 break End::Ok(t);
                             }
                             // An error classified as a success cannot be returned as a value:
-                            // it is returned as it is, but the breaker counts the success (a
-                            // half-open probe answered so closes it, rather than being handed
-                            // back as if the attempt said nothing).
-                            (Classification::Success, r) => {
+                            // it is returned as it is, in the call's error, but it counts as the
+                            // success it is: for the breaker (a half-open probe answered so
+                            // closes it, rather than being handed back as if the attempt said
+                            // nothing), the counters and the log.
+                            (Classification::Success, Err(e)) => {
                                 call.on_outcome(success(), now, &mut rng);
-                                (None, Some(r))
+                                count_success(&mut first, plan.number);
+                                if tracing::enabled!(tracing::Level::DEBUG) {
+                                    let end = Instant::now();
+                                    self.debug_attempt(plan.number, &"success", None, &call, end);
+                                }
+                                break End::OkErr(e);
                             }
                             (Classification::Outcome(o), r) => (Some(o), Some(r)),
                             (Classification::Fatal, r) => (None, Some(r)),
@@ -525,6 +522,11 @@ impl Endpoint {
             let attempts = call.attempts();
             match end {
                 End::Ok(t) => Ok(t),
+                End::OkErr(e) => Err(CallError {
+                    cause: Cause::GaveUp(GiveUpCause::NotRetryable),
+                    last: Some(Last::Error(e)),
+                    attempts,
+                }),
                 End::Fail(cause, last, outcome) => {
                     let Cause::GaveUp(g) = cause else {
                         debug!(endpoint = %self.name, attempts, "call cancelled");
@@ -665,6 +667,61 @@ impl Endpoint {
             deadline_left_ms = call.deadline().saturating_duration_since(now).as_millis() as u64,
             "attempt"
         );
+    }
+}
+
+/// A logical call begun by [`Endpoint::begin`]: when, and the endpoint's entry read then.
+/// Everything the call does before its attempts (the tower layer's body read and
+/// de-duplication) and the attempts themselves ([`Endpoint::call_reauth`]) go by this entry.
+pub(crate) struct Begun {
+    at: Instant,
+    entry: Arc<Entry>,
+}
+
+impl Begun {
+    /// When a call described by `meta` must be over: what its [`AttemptInfo::deadline`] will
+    /// say (30 years after its start for a deadline too long for an `Instant`, as the engine
+    /// does).
+    pub(crate) fn deadline(&self, meta: &CallMeta<'_>) -> Instant {
+        const FAR_FUTURE: std::time::Duration = std::time::Duration::from_secs(86_400 * 365 * 30);
+        let (policy, _) = self.entry.resolve(&meta.target());
+        self.at
+            .checked_add(policy.deadline)
+            .or_else(|| self.at.checked_add(FAR_FUTURE))
+            .unwrap_or(self.at)
+    }
+
+    /// Whether a call described by `meta` is idempotent: its method listed for its route, or
+    /// declared so (the idempotency key does not count).
+    pub(crate) fn is_idempotent(&self, meta: &CallMeta<'_>) -> bool {
+        let (policy, _) = self.entry.resolve(&meta.target());
+        meta.idempotency(policy).0
+    }
+}
+
+/// How [`Endpoint::call_reauth`] learns when its call began and which entry it goes by.
+pub(crate) trait Start {
+    /// The call's start (its deadline runs from there), its first attempt's start, and the
+    /// endpoint's entry the call holds from start to end.
+    fn read(self, endpoint: &Endpoint) -> (Instant, Instant, Arc<Entry>);
+}
+
+/// A call that begins when its future first runs: one clock read for both starts, and the
+/// entry read then. (A type of its own rather than an `Option<Begun>`: the calls made with
+/// [`Endpoint::call`] keep nothing for it in their state and take no branch.)
+pub(crate) struct Now;
+
+impl Start for Now {
+    #[inline]
+    fn read(self, endpoint: &Endpoint) -> (Instant, Instant, Arc<Entry>) {
+        let now = Instant::now();
+        (now, now, endpoint.entry())
+    }
+}
+
+impl Start for Begun {
+    fn read(self, _: &Endpoint) -> (Instant, Instant, Arc<Entry>) {
+        (self.at, Instant::now().max(self.at), self.entry)
     }
 }
 

@@ -325,3 +325,133 @@ async fn reading_the_request_body_counts_in_the_calls_deadline() {
         "{err:?}"
     );
 }
+
+/// A request body whose bytes come 2 s after the call starts, with the endpoint's policy
+/// swapped at 0.5 s, while the body is being read, from `before` to `after`.
+fn a_slow_body_across_a_swap(
+    agent: &retryplane_agent::Agent,
+    after: &str,
+) -> StreamBody<tokio_stream::wrappers::ReceiverStream<Result<Frame<Bytes>, Infallible>>> {
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, Infallible>>(1);
+    let after = retryplane_policy::load(policy(after).as_bytes())
+        .policies
+        .unwrap();
+    let agent = agent.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        agent.set_policies(after);
+        tokio::time::sleep(Duration::from_millis(1_500)).await;
+        let _ = tx
+            .send(Ok(Frame::data(Bytes::from_static(b"payload"))))
+            .await;
+    });
+    StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx))
+}
+
+/// Three attempts in 10 s before the swap; one in 1 s after it (over by the time the body is
+/// read).
+const BEFORE_THE_SWAP: &str = "max_attempts: 3\ndeadline: 10s\nper_try_timeout: 5s";
+const AFTER_THE_SWAP: &str = "max_attempts: 1\ndeadline: 1s\nper_try_timeout: 1s";
+
+#[tokio::test(start_paused = true)]
+async fn a_call_goes_by_the_policy_read_when_it_began_though_a_swap_comes_during_its_body_read() {
+    let agent = agent(&policy(BEFORE_THE_SWAP));
+    let (svc, seen) = upstream(&[503, 503]);
+    let client = RetryLayer::new(agent.endpoint("ep")).layer(svc);
+    let req = Request::builder()
+        .method("PUT")
+        .uri("/s")
+        .body(a_slow_body_across_a_swap(&agent, AFTER_THE_SWAP))
+        .unwrap();
+    let response = client.oneshot(req).await.unwrap();
+    // The policy of the call's start: its deadline (10 s, not 1 s already past when the body
+    // came) and its three attempts.
+    assert_eq!(response.status(), 200);
+    assert!(response.extensions().get::<GaveUp>().is_none());
+    let at: Vec<_> = seen.lock().unwrap().iter().map(|s| s.at).collect();
+    assert_eq!(
+        at,
+        [2_000, 2_100, 2_300].map(Duration::from_millis),
+        "three attempts once the body came"
+    );
+    // The swap did happen: the next call goes by the new policy (one attempt).
+    let (svc, seen) = upstream(&[503]);
+    let client = RetryLayer::new(agent.endpoint("ep")).layer(svc);
+    let response = client.oneshot(request("PUT", false, "x")).await.unwrap();
+    assert_eq!(response.status(), 503);
+    assert_eq!(seen.lock().unwrap().len(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_deduplicated_call_goes_by_the_policy_read_when_it_began_though_a_swap_comes_during_its_body_read()
+ {
+    let agent = agent(&policy(BEFORE_THE_SWAP));
+    let (svc, seen) = upstream(&[503, 503]);
+    let svc = svc.map_response(|r| r.map(|()| Full::new(Bytes::new())));
+    let client = RetryLayer::new(agent.endpoint("ep"))
+        .with_dedup(retryplane_agent::layer::Dedup::default())
+        .layer(svc);
+    let req = Request::builder()
+        .method("GET")
+        .uri("/s")
+        .body(a_slow_body_across_a_swap(&agent, AFTER_THE_SWAP))
+        .unwrap();
+    let response = client.oneshot(req).await.unwrap();
+    assert_eq!(response.status(), 200);
+    assert!(response.extensions().get::<GaveUp>().is_none());
+    let at: Vec<_> = seen.lock().unwrap().iter().map(|s| s.at).collect();
+    assert_eq!(at, [2_000, 2_100, 2_300].map(Duration::from_millis));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_follower_waits_for_its_leader_by_the_policy_read_when_it_began_though_a_swap_came_since()
+{
+    use retryplane_agent::layer::{Dedup, Deduplicated};
+    let agent = agent(&policy(BEFORE_THE_SWAP));
+    let start = Instant::now();
+    let calls: Arc<Mutex<Vec<Duration>>> = Arc::default();
+    let log = calls.clone();
+    // Answers 3 s after it is called.
+    let svc = service_fn(move |_req: Request<ReplayBody<_>>| {
+        log.lock().unwrap().push(start.elapsed());
+        async {
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"answer"))))
+        }
+    });
+    let client = RetryLayer::new(agent.endpoint("ep"))
+        .with_dedup(Dedup::default())
+        .layer(svc);
+    // The leader's body is there at once: it calls at 0 s. The follower's comes at 2 s, the
+    // policy swapped meanwhile to a 1 s deadline; it began at 0 s under a 10 s one.
+    let leader = Request::builder()
+        .method("GET")
+        .uri("/s")
+        .body(http_body_util::Either::Left(Full::new(Bytes::from_static(
+            b"payload",
+        ))))
+        .unwrap();
+    let follower = Request::builder()
+        .method("GET")
+        .uri("/s")
+        .body(http_body_util::Either::Right(a_slow_body_across_a_swap(
+            &agent,
+            AFTER_THE_SWAP,
+        )))
+        .unwrap();
+    let (leader, follower) = tokio::join!(
+        client.clone().oneshot(leader),
+        client.clone().oneshot(follower)
+    );
+    let (leader, follower) = (leader.unwrap(), follower.unwrap());
+    assert_eq!(start.elapsed(), Duration::from_secs(3));
+    assert_eq!(
+        (leader.status(), follower.status()),
+        (http::StatusCode::OK, http::StatusCode::OK)
+    );
+    assert!(
+        follower.extensions().get::<Deduplicated>().is_some(),
+        "the follower waited for the leader's answer (by its 10 s deadline) and got a copy"
+    );
+    assert_eq!(*calls.lock().unwrap(), [Duration::ZERO]);
+}

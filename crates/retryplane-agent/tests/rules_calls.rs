@@ -617,3 +617,50 @@ async fn backoff_time_counts_the_part_of_a_pause_taken_when_the_call_ends_during
     ep.call(get(), up.attempt()).await.unwrap();
     assert_eq!(ep.pending_counts().backoff_ms, 17_000);
 }
+
+#[tokio::test(start_paused = true)]
+async fn an_error_the_caller_calls_a_success_is_counted_as_a_success_not_a_give_up() {
+    use retryplane_agent::{Classification, Classify as _, CounterValues};
+    // An error is a success to this caller; a response counts as usual.
+    let classify = |r: &support::Reply| match r {
+        Ok(response) => response.classify(),
+        Err(_) => Classification::Success,
+    };
+    let ok = std::io::ErrorKind::InvalidData;
+    for (steps, attempts, expected) in [
+        (
+            vec![Step::Io(ok)],
+            1,
+            CounterValues {
+                calls: 1,
+                attempts: 1,
+                success_first_try: 1,
+                ..CounterValues::default()
+            },
+        ),
+        (
+            vec![Step::Status(503), Step::Io(ok)],
+            2,
+            CounterValues {
+                calls: 1,
+                attempts: 2,
+                retries: 1,
+                success_after_retry: 1,
+                backoff_ms: 100,
+                ..CounterValues::default()
+            },
+        ),
+    ] {
+        let agent = agent(&policy("max_attempts: 3"));
+        let ep = agent.endpoint("ep");
+        let up = Upstream::new(steps);
+        let err = ep
+            .call_with(get(), classify, up.attempt())
+            .await
+            .unwrap_err();
+        // The error cannot be returned as a response: it comes back as it is, in the error.
+        assert!(matches!(&err.last, Some(retryplane_agent::Last::Error(e)) if e.kind() == ok));
+        assert_eq!(err.attempts, attempts);
+        assert_eq!(ep.pending_counts(), expected, "after {attempts} attempt(s)");
+    }
+}

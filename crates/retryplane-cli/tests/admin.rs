@@ -429,6 +429,58 @@ fn the_token_is_sent_as_a_bearer_token_and_never_printed() {
 }
 
 #[test]
+fn an_empty_retryplane_server_is_the_default_server() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("v1.yaml"), V1).unwrap();
+    // Every admin command reads it through the same flags; `apply` and `rollback` are left out
+    // here only because they would change a control plane running on the default address.
+    for args in [
+        &["diff", "v1.yaml"][..],
+        &["get"],
+        &["history"],
+        &["status"],
+        &["stats"],
+        &["top", "--iterations", "1", "--interval", "100ms"],
+    ] {
+        let out = Command::cargo_bin("retryplane")
+            .unwrap()
+            .current_dir(dir.path())
+            .env_remove("RETRYPLANE_TOKEN")
+            .env("RETRYPLANE_SERVER", "")
+            .args(args)
+            .timeout(support::WAIT)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        // No complaint about the URL (each names `--server`). Nothing listens on the default
+        // address, usually: then the command names it; a control plane that does answers.
+        assert!(!stderr.contains("--server"), "{args:?}: {stderr}");
+        if stderr.contains("cannot connect") {
+            assert!(
+                stderr.contains("cannot connect to http://127.0.0.1:7471"),
+                "{args:?}: {stderr}"
+            );
+        }
+    }
+}
+
+#[test]
+fn an_empty_retryplane_token_is_reported_missing_like_an_unset_one() {
+    let server = test_server(true, Some(TOKENS));
+    let stderr = |cmd: &mut Command| {
+        let assert = cmd.assert().code(1);
+        String::from_utf8(assert.get_output().stderr.clone()).unwrap()
+    };
+    let unset = stderr(&mut server.retryplane(&["history"]));
+    let empty = stderr(server.retryplane(&["history"]).env("RETRYPLANE_TOKEN", ""));
+    assert!(
+        empty.contains("retryplane: error: UNAUTHENTICATED: missing credentials"),
+        "{empty}"
+    );
+    assert_eq!(empty, unset);
+}
+
+#[test]
 fn an_unreachable_server_exits_2() {
     let url = dead_server();
     let mut cmd = Command::cargo_bin("retryplane").unwrap();

@@ -17,7 +17,7 @@ use super::body::{Buffered, Read, ReplayBody, SharedBody, buffer, read_up_to};
 use super::dedup::{Dedup, Landing, Leader, Role, SharedResponse};
 use super::grpc::call_meta;
 use super::{BoxError, DEFAULT_BODY_LIMIT, GaveUp, ResponseFuture, RetryError};
-use crate::call::{Endpoint, NoReauth};
+use crate::call::{Begun, Endpoint, NoReauth};
 use crate::classify::{Classify as _, classify_boxed};
 use crate::error::{CallError, Last};
 use crate::meta::AttemptInfo;
@@ -155,9 +155,11 @@ where
         let inner = Inner::take_ready(&mut self.inner);
         let settings = self.settings.clone();
         ResponseFuture::new(Box::pin(async move {
-            let started = Instant::now();
-            let prepared = prepare(request, &settings, started).await?;
-            send(inner, &settings, prepared, started, None).await
+            // The call begins here, with its one read of the policies (SPEC §2): the body read,
+            // the attempts and their deadline all go by it, whatever a swap does meanwhile.
+            let begun = settings.endpoint.begin();
+            let prepared = prepare(request, &settings, &begun).await?;
+            send(inner, &settings, prepared, begun, None).await
         }))
     }
 }
@@ -258,11 +260,11 @@ enum Prepared<B> {
 }
 
 /// Reads the body of `request` into memory if it fits in the layer's limit and comes before the
-/// deadline of the call, which began at `started`.
+/// deadline of the call `begun`.
 async fn prepare<B>(
     request: Request<B>,
     settings: &Settings,
-    started: Instant,
+    begun: &Begun,
 ) -> Result<Prepared<B>, BoxError>
 where
     B: Body<Data = Bytes>,
@@ -271,9 +273,7 @@ where
     let (head, body) = request.into_parts();
     // Reading the body waits on the caller's stream, inside the call's deadline: a stalled one
     // is bounded by it, and the call then gives up at that same deadline, sending nothing.
-    let deadline = settings
-        .endpoint
-        .deadline_of(&call_meta(&head, head.uri.path()), started);
+    let deadline = begun.deadline(&call_meta(&head, head.uri.path()));
     let buffered = buffer(body, settings.body_limit, deadline)
         .await
         .map_err(Into::into)?;
@@ -287,14 +287,14 @@ where
     })
 }
 
-/// Runs one logical call of `prepared`, which began at `started` (its deadline runs from
-/// there, the body read included). With `deadline`, the call's deadline is set in it once an
-/// attempt is made.
+/// Runs the logical call `begun` of `prepared` (its deadline runs from when it began, the body
+/// read included, and it goes by the policy read then). With `deadline`, the call's deadline
+/// is set in it once an attempt is made.
 async fn send<S, B, RB>(
     mut inner: Inner<S>,
     settings: &Settings,
     prepared: Prepared<B>,
-    started: Instant,
+    begun: Begun,
     deadline: Option<&OnceLock<Instant>>,
 ) -> Result<Response<RB>, BoxError>
 where
@@ -335,13 +335,13 @@ where
             };
             let Some(hook) = &settings.refresh else {
                 return endpoint
-                    .call_reauth(Some(started), meta, classify, attempt, NoReauth)
+                    .call_reauth(begun, meta, classify, attempt, NoReauth)
                     .await
                     .or_else(gave_up);
             };
             let mut reauth = HttpReauth::new(&**hook, head);
             let result = endpoint
-                .call_reauth(Some(started), meta, classify, attempt, &mut reauth)
+                .call_reauth(begun, meta, classify, attempt, &mut reauth)
                 .await
                 .or_else(gave_up);
             match (result, reauth.error) {
@@ -369,7 +369,7 @@ where
                 async move { sent.ok_or("a streamed body cannot be sent twice")?.await }
             };
             endpoint
-                .call_reauth(Some(started), meta, classify, attempt, NoReauth)
+                .call_reauth(begun, meta, classify, attempt, NoReauth)
                 .await
                 .or_else(gave_up)
         }
@@ -392,8 +392,10 @@ where
     RB: Body,
     RB::Error: Into<BoxError>,
 {
-    let started = Instant::now();
-    let prepared = prepare(request, &settings, started).await?;
+    // As in the call without de-duplication: one read of the policies for the whole call, its
+    // sharing and its wait for a leader included.
+    let begun = settings.endpoint.begin();
+    let prepared = prepare(request, &settings, &begun).await?;
     let key = match &prepared {
         // Trailers are rare on a read; such a request is simply not shared. Nor is one the
         // policy in force (or an `Idempotent(false)` on it) does not call idempotent.
@@ -402,25 +404,23 @@ where
             data,
             trailers: None,
         } if dedup.shares(&head.method)
-            && settings
-                .endpoint
-                .is_idempotent(&call_meta(head, head.uri.path())) =>
+            && begun.is_idempotent(&call_meta(head, head.uri.path())) =>
         {
             Some(dedup.key(settings.endpoint.name(), head, data))
         }
         _ => None,
     };
     let Some(key) = key else {
-        return passthrough(send(inner, &settings, prepared, started, None).await);
+        return passthrough(send(inner, &settings, prepared, begun, None).await);
     };
-    // The deadline of this request's call, which began at `started`: it bounds all its
-    // waiting, whichever leaders it follows, and its own call if it makes one.
+    // The deadline of this request's call `begun`: it bounds all its waiting, whichever
+    // leaders it follows, and its own call if it makes one.
     let mut wait_until = None;
     loop {
         match dedup.join(key) {
             Role::Lead(leader) => {
                 let deadline = OnceLock::new();
-                let result = send(inner, &settings, prepared, started, Some(&deadline)).await;
+                let result = send(inner, &settings, prepared, begun, Some(&deadline)).await;
                 // A response comes from an attempt, which set the deadline; were it unset,
                 // nothing is waited for.
                 let deadline = deadline.get().copied().unwrap_or_else(Instant::now);
@@ -431,8 +431,7 @@ where
                 inner.release();
                 let until = *wait_until.get_or_insert_with(|| match &prepared {
                     Prepared::Buffered { head, .. } | Prepared::Once { head, .. } => {
-                        let meta = call_meta(head, head.uri.path());
-                        settings.endpoint.deadline_of(&meta, started)
+                        begun.deadline(&call_meta(head, head.uri.path()))
                     }
                 });
                 match follower.wait(until).await {
@@ -440,7 +439,7 @@ where
                     // endpoint's counters see"); `DedupStats::shared` counts it.
                     Some(Landing::Shared(response)) => return Ok(response.copy()),
                     Some(Landing::OwnCall) => {
-                        return passthrough(send(inner, &settings, prepared, started, None).await);
+                        return passthrough(send(inner, &settings, prepared, begun, None).await);
                     }
                     // The leader was dropped (its caller went away): lead or follow anew.
                     None => {}

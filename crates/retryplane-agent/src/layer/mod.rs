@@ -19,6 +19,11 @@
 //!   included, as one made with [`crate::Endpoint::call`] does. A body still coming at the
 //!   deadline (a stalled upload) leaves no time for an attempt: nothing is sent, and the call
 //!   gives up with `deadline_exceeded` ([`RetryError::NoAnswer`]).
+//! - The endpoint's policy is read once, when the layer's future first runs (SPEC §2): the
+//!   body read's deadline, whether the request is shared and how long it waits for another
+//!   call ([`RetryLayer::with_dedup`]), and the call's attempts all go by that one read. A
+//!   policy update that comes meanwhile (while the body is still coming, say) applies to
+//!   later calls.
 //! - The inner service is called on the instance `poll_ready` readied (capacity reserved
 //!   there, such as a `ConcurrencyLimit` permit or a `Buffer` slot, is what the first attempt
 //!   uses); each later attempt readies a clone of its own first.

@@ -13,7 +13,7 @@
 //!
 //! Every one takes `--server URL` (`RETRYPLANE_SERVER`, default [`DEFAULT_SERVER`]) and
 //! `--token TOKEN` (`RETRYPLANE_TOKEN`), sent as `authorization: Bearer TOKEN` and never
-//! printed. Connecting gives up after [`CONNECT_TIMEOUT`], a call after [`REQUEST_TIMEOUT`]. Each
+//! printed; an empty value of either counts as not given. Connecting gives up after [`CONNECT_TIMEOUT`], a call after [`REQUEST_TIMEOUT`]. Each
 //! command runs its calls on a current-thread tokio runtime of its own ([`block_on`]).
 //!
 //! # Errors and exit codes
@@ -64,10 +64,10 @@ pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 #[derive(Debug, clap::Args)]
 pub struct ServerArgs {
     /// The control plane's admin address (`http://HOST:PORT`; `http://` and port 7471 when not
-    /// given).
+    /// given). An empty value counts as not given.
     #[arg(long, env = "RETRYPLANE_SERVER", default_value = DEFAULT_SERVER, value_name = "URL")]
     server: String,
-    /// Admin token, sent as `authorization: Bearer TOKEN`.
+    /// Admin token, sent as `authorization: Bearer TOKEN`. An empty value counts as not given.
     #[arg(
         long,
         env = "RETRYPLANE_TOKEN",
@@ -130,7 +130,11 @@ impl TryFrom<ServerArgs> for Server {
     type Error = anyhow::Error;
 
     fn try_from(args: ServerArgs) -> anyhow::Result<Self> {
-        let url = if args.server.contains("://") {
+        // An empty value (`RETRYPLANE_SERVER=`, as scripts and CI often leave it) is the
+        // default, as when the variable is not set at all (an empty token is no token, below).
+        let url = if args.server.is_empty() {
+            DEFAULT_SERVER.to_owned()
+        } else if args.server.contains("://") {
             args.server
         } else {
             format!("http://{}", args.server)
@@ -271,6 +275,11 @@ mod tests {
         assert_eq!(
             server("http://cp.internal:9000", None).unwrap().url,
             "http://cp.internal:9000"
+        );
+        assert_eq!(
+            server("", None).unwrap().url,
+            DEFAULT_SERVER,
+            "empty is unset"
         );
         assert!(server("https://cp.example:7471", None).is_err());
         assert!(server("http://bad host", None).is_err());
