@@ -66,7 +66,8 @@ pub struct Args {
     /// The call's counts are reported to it before the command exits.
     #[arg(long, value_name = "URL")]
     server: Option<String>,
-    /// Agent token for --server, sent as `authorization: Bearer TOKEN`.
+    /// Agent token for --server, sent as `authorization: Bearer TOKEN`. An empty value counts
+    /// as not given.
     #[arg(
         long,
         env = "RETRYPLANE_AGENT_TOKEN",
@@ -169,7 +170,10 @@ impl TryFrom<Args> for Settings {
                     );
                 }
                 let url = crate::admin::with_default_port(url, AGENT_PORT);
-                PolicyFrom::Server(url, args.token)
+                // An empty token (`RETRYPLANE_AGENT_TOKEN=`) is no token, as for the admin
+                // commands: nothing is sent rather than an empty credential.
+                let token = args.token.filter(|Secret(t)| !t.is_empty());
+                PolicyFrom::Server(url, token)
             }
             // Unreachable: clap refuses a command line without either (`policy_from` is required).
             (None, None) => bail!("say where the policy comes from: --policy FILE or --server URL"),
@@ -457,6 +461,30 @@ mod tests {
             PolicyFrom::Server(url, _) => url,
             PolicyFrom::File(_) => panic!("not --server"),
         }
+    }
+
+    fn token_of(flags: &[&str]) -> Option<String> {
+        let cli = Cli::try_parse_from(
+            ["retryplane", "--endpoint", "api", "--server", "127.0.0.1"]
+                .iter()
+                .chain(flags)
+                .chain(&["http://127.0.0.1:9/"]),
+        )
+        .unwrap();
+        match Settings::try_from(cli.args).unwrap().policy {
+            PolicyFrom::Server(_, token) => token.map(|Secret(t)| t),
+            PolicyFrom::File(_) => panic!("not --server"),
+        }
+    }
+
+    #[test]
+    fn an_empty_agent_token_is_no_token() {
+        assert_eq!(token_of(&["--token", ""]), None);
+        assert_eq!(token_of(&[]), None);
+        assert_eq!(
+            token_of(&["--token", "a-long-agent-secret"]).as_deref(),
+            Some("a-long-agent-secret")
+        );
     }
 
     #[test]
