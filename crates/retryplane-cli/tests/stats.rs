@@ -129,6 +129,12 @@ fn with_no_agents_stats_is_empty_and_top_prints_plain_blocks() {
         .stdout("")
         .stderr("no metrics reported yet\n");
     server
+        .retryplane(&["stats", "--endpoint", "nope"])
+        .assert()
+        .code(0)
+        .stdout("")
+        .stderr("no metrics reported yet\n");
+    server
         .retryplane(&["stats", "--window", "2m"])
         .assert()
         .code(2)
@@ -260,6 +266,25 @@ fn calls_made_by_a_real_agent_show_in_stats() {
             .code(0),
     );
     assert_eq!(other_service["series"], serde_json::json!([]));
+    // In text, that is not "nothing reported": the filters name what matched nothing.
+    server
+        .retryplane(&["stats", "--endpoint", "nope"])
+        .assert()
+        .code(0)
+        .stdout("")
+        .stderr(
+            "no metrics match --endpoint nope (other series were reported: retryplane stats \
+             lists them)\n",
+        );
+    server
+        .retryplane(&["stats", "--endpoint", "nope", "--service", "checkout"])
+        .assert()
+        .code(0)
+        .stdout("")
+        .stderr(
+            "no metrics match --endpoint nope --service checkout (other series were reported: \
+             retryplane stats lists them)\n",
+        );
 
     // top sees the connected agent.
     let top = stdout_of(

@@ -5,6 +5,10 @@
 //! below it. Writes record the admin token's name ([`TokenName`], put there by
 //! [`crate::auth::Guard`]) as the version's author.
 //!
+//! `Validate` answers `valid: false` for what Apply would refuse as invalid: policies with an
+//! error diagnostic, and policies whose snapshot would be larger than agents decode (an error
+//! on `<root>` with Apply's message).
+//!
 //! # Status codes
 //!
 //! - `INVALID_ARGUMENT`: no source, a YAML source over 1 MiB, policies whose snapshot would be
@@ -26,7 +30,7 @@
 use std::sync::Arc;
 
 use retryplane_policy::render::to_yaml;
-use retryplane_policy::yaml::MAX_FILE_BYTES;
+use retryplane_policy::yaml::{Loc, MAX_FILE_BYTES};
 use retryplane_policy::{Diagnostic, PolicyDocument};
 use retryplane_proto::convert;
 use retryplane_proto::pb::{self, admin_service_server::AdminService, policy_source::Kind};
@@ -37,7 +41,8 @@ use crate::ErrorChain;
 use crate::aggregate::window::Window;
 use crate::aggregate::{Filter, Limit};
 use crate::auth::TokenName;
-use crate::control::{ChangeError, ChangeOutcome, ChangeRequest, ControlPlane, Mode};
+use crate::control::{ChangeError, ChangeOutcome, ChangeRequest, ControlPlane, Mode, check_size};
+use crate::publisher::Publisher;
 use crate::store::{Source, StoreError};
 
 /// The `retryplane.v1.AdminService` implementation.
@@ -247,6 +252,14 @@ async fn off_runtime<T: Send + 'static>(
     })
 }
 
+/// The error diagnostic for a document whose snapshot agents could not decode, with the message
+/// Apply refuses it with ([`ChangeError::TooLarge`]); it has no place, so it is on `<root>`.
+fn too_large(publisher: &Publisher, document: &pb::PolicyDocument) -> Option<Diagnostic> {
+    check_size(publisher, document)
+        .err()
+        .map(|e| Diagnostic::error(Loc::UNKNOWN, "<root>", e.to_string()))
+}
+
 /// `retryplane_policy::load` of `yaml`, off the async threads.
 async fn load_yaml(yaml: String) -> Result<retryplane_policy::Loaded, Status> {
     off_runtime(move || retryplane_policy::load(yaml.as_bytes())).await
@@ -278,15 +291,36 @@ impl AdminService for AdminApi {
         &self,
         request: Request<pb::ValidateRequest>,
     ) -> Result<Response<pb::ValidateResponse>, Status> {
+        let publisher = self.control.publisher.clone();
         let (valid, diagnostics) = match source_kind(request.into_inner().source)? {
             Kind::Yaml(yaml) => {
-                let loaded = load_yaml(yaml).await?;
-                (!loaded.has_errors(), loaded.diagnostics)
+                off_runtime(move || {
+                    let loaded = retryplane_policy::load(yaml.as_bytes());
+                    let mut diagnostics = loaded.diagnostics;
+                    let too_large = loaded.policies.and_then(|policies| {
+                        let document = pb::PolicyDocument::from(policies.document().as_ref());
+                        too_large(&publisher, &document)
+                    });
+                    diagnostics.extend(too_large);
+                    let valid = !diagnostics.iter().any(Diagnostic::is_error);
+                    (valid, diagnostics)
+                })
+                .await?
             }
-            Kind::Document(document) => match off_runtime(|| convert::validate(document)).await? {
-                Ok((_, warnings)) => (true, warnings),
-                Err(errors) => (false, errors),
-            },
+            Kind::Document(document) => {
+                off_runtime(move || {
+                    // Apply refuses a document too large for the agents before validating it;
+                    // Validate reports that first and the validation's findings after it.
+                    let too_large = too_large(&publisher, &document);
+                    let (valid, found) = match convert::validate(document) {
+                        Ok((_, warnings)) => (true, warnings),
+                        Err(errors) => (false, errors),
+                    };
+                    let valid = valid && too_large.is_none();
+                    (valid, too_large.into_iter().chain(found).collect())
+                })
+                .await?
+            }
         };
         Ok(Response::new(pb::ValidateResponse {
             valid,

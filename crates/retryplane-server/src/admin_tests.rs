@@ -459,6 +459,29 @@ async fn a_document_whose_snapshot_agents_cannot_decode_is_refused_and_stores_no
 }
 
 #[tokio::test]
+async fn validate_reports_a_document_too_large_for_agents_with_apply_s_message() {
+    let api = api(Mode::Api);
+    let request = typed_request_of_len(retryplane_proto::MAX_MESSAGE_BYTES);
+    let refused = apply(&api, request.clone()).await.unwrap_err();
+    let checked = api
+        .validate(Request::new(pb::ValidateRequest {
+            source: request.source,
+        }))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!checked.valid);
+    let errors: Vec<_> = checked
+        .diagnostics
+        .iter()
+        .filter(|d| d.severity == pb::diagnostic::Severity::Error as i32)
+        .map(|d| (d.path.as_str(), d.message.as_str()))
+        .collect();
+    assert_eq!(errors, [("<root>", refused.message())]);
+    assert!(history(&api).await.is_empty());
+}
+
+#[tokio::test]
 async fn a_source_over_1_mib_or_none_is_invalid_argument() {
     let api = api(Mode::Api);
     let huge = format!("{V1}#{}\n", "x".repeat(MAX_FILE_BYTES));

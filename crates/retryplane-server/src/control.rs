@@ -148,6 +148,24 @@ impl std::fmt::Debug for ControlPlane {
     }
 }
 
+/// [`ChangeError::TooLarge`] when a snapshot of `document` from `publisher` would be a message
+/// longer than an agent decodes ([`retryplane_proto::MAX_MESSAGE_BYTES`]): what Apply refuses
+/// first, and Validate reports as an error.
+pub(crate) fn check_size(
+    publisher: &Publisher,
+    document: &pb::PolicyDocument,
+) -> Result<(), ChangeError> {
+    let message_len = publisher.largest_message_len(document);
+    if message_len > MAX_MESSAGE_BYTES {
+        return Err(ChangeError::TooLarge {
+            document_len: document.encoded_len(),
+            message_len,
+            limit: MAX_MESSAGE_BYTES,
+        });
+    }
+    Ok(())
+}
+
 impl ControlPlane {
     /// State over `store`; nothing is published until [`ControlPlane::publish_current`].
     pub fn new(
@@ -255,14 +273,7 @@ impl ControlPlane {
         let (current, changes, warnings, content_hash) = tokio::task::spawn_blocking(move || {
             // Before anything else: a snapshot no agent can decode is never stored, whatever
             // else the change holds.
-            let message_len = publisher.largest_message_len(&document);
-            if message_len > MAX_MESSAGE_BYTES {
-                return Err(ChangeError::TooLarge {
-                    document_len: document.encoded_len(),
-                    message_len,
-                    limit: MAX_MESSAGE_BYTES,
-                });
-            }
+            check_size(&publisher, &document)?;
             let content_hash = convert::content_hash(&document);
             // One conversion and one validation: the compiled set keeps its document.
             let (set, warnings) = convert::validate(document).map_err(ChangeError::Invalid)?;

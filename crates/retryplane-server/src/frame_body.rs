@@ -21,6 +21,7 @@ use std::task::{Context, Poll, ready};
 use bytes::{BufMut as _, Bytes, BytesMut};
 use http::{HeaderMap, HeaderValue};
 use http_body::Frame;
+use retryplane_proto::MAX_MESSAGE_BYTES;
 use tokio::sync::mpsc;
 use tonic::Status;
 
@@ -40,15 +41,35 @@ pub enum FrameError {
         /// The encoded length.
         len: usize,
     },
+    /// The encoded message is longer than an agent decodes
+    /// ([`retryplane_proto::MAX_MESSAGE_BYTES`]): every agent would refuse it.
+    #[error(
+        "an encoded message of {len} bytes is longer than agents decode (at most {limit} bytes): \
+         make the policies smaller (fewer endpoints or routes, shorter names)"
+    )]
+    OverAgentLimit {
+        /// The encoded length.
+        len: usize,
+        /// The most an agent decodes.
+        limit: usize,
+    },
     /// prost could not encode the message.
     #[error("cannot encode the message: {0}")]
     Encode(#[from] prost::EncodeError),
 }
 
 /// `message` as one uncompressed gRPC frame: flag `0`, the big-endian `u32` length, the
-/// encoded message. Built once per published version and shared by every stream.
+/// encoded message. Built once per published version and shared by every stream. A message
+/// longer than agents decode ([`retryplane_proto::MAX_MESSAGE_BYTES`]) is not framed: an agent
+/// would fail to decode it, drop the stream and reconnect to the same message.
 pub fn encode_frame(message: &impl prost::Message) -> Result<Bytes, FrameError> {
     let len = message.encoded_len();
+    if len > MAX_MESSAGE_BYTES {
+        return Err(FrameError::OverAgentLimit {
+            len,
+            limit: MAX_MESSAGE_BYTES,
+        });
+    }
     let wire_len = u32::try_from(len).map_err(|_| FrameError::TooLarge { len })?;
     let mut buf = BytesMut::with_capacity(HEADER_LEN + len);
     buf.put_u8(0);

@@ -33,7 +33,9 @@ pub struct Snapshot {
 
 impl Snapshot {
     /// What a stream sends for this version: the shared frame (a reference-count clone), or,
-    /// for a snapshot too large for a gRPC frame, the status that ends the stream.
+    /// for a snapshot too large for a gRPC frame or for agents to decode (a version stored
+    /// before Apply refused such policies), the `RESOURCE_EXHAUSTED` status that ends the
+    /// stream, naming the size and the limit.
     pub fn frame(&self) -> Result<Bytes, Status> {
         self.frame
             .clone()
@@ -159,6 +161,54 @@ mod tests {
         assert_eq!(publisher.publish(&record(2)).version, 2);
         assert_eq!(publisher.publish(&record(3)).version, 3);
         assert_eq!(publisher.current().unwrap().version, 3);
+    }
+
+    #[test]
+    fn a_stored_version_too_large_for_agents_ends_streams_with_resource_exhausted() {
+        use retryplane_proto::MAX_MESSAGE_BYTES;
+
+        // Stored before Apply refused such documents: a route path prefix of 4 MiB.
+        let document = pb::PolicyDocument {
+            endpoints: vec![pb::Endpoint {
+                name: "payments".into(),
+                routes: vec![pb::Route {
+                    r#match: Some(pb::RouteMatch {
+                        kind: Some(pb::route_match::Kind::Http(pb::HttpMatch {
+                            method: String::new(),
+                            path_prefix: format!("/{}", "a".repeat(MAX_MESSAGE_BYTES)),
+                        })),
+                    }),
+                    overlay: None,
+                }],
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let publisher = Publisher::new(10_000);
+        let (log, guard) = crate::test_logs::capture("retryplane_server=warn");
+        let published = publisher.publish(&VersionRecord::of_version(7, document));
+        drop(guard);
+        // Not `unwrap_err`, which would print 4 MiB of frame.
+        let Err(status) = published.frame() else {
+            panic!("a snapshot too large for agents was framed");
+        };
+        assert_eq!(status.code(), tonic::Code::ResourceExhausted);
+        let len = prost::Message::encoded_len(publisher.current().unwrap().document.as_ref());
+        assert!(len > MAX_MESSAGE_BYTES);
+        let message = status.message();
+        assert!(
+            message.contains("longer than agents decode (at most 4194304 bytes)"),
+            "{message}"
+        );
+        let said_len: usize = message
+            .strip_prefix("an encoded message of ")
+            .and_then(|rest| rest.split(' ').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("{message}"));
+        assert!(said_len > len, "{message}");
+        let log = log.text();
+        assert_eq!(log.matches(" ERROR ").count(), 1, "{log}");
+        assert!(log.contains("version=7"), "{log}");
     }
 
     #[test]

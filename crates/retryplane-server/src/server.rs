@@ -1,9 +1,11 @@
 //! `retryplane serve`: wires the store, the services, auth, the file watcher and shutdown.
 //!
 //! [`start`] does everything that can fail before serving — checks the listen addresses
-//! against the tokens file, loads the tokens, opens the store under the data directory, loads
-//! the policy file (file mode) or seeds an empty store (API mode), publishes the current version
-//! and binds the three listeners — and returns a [`Running`] server:
+//! against the tokens file, loads the tokens, binds the three listeners, opens the store under
+//! the data directory, loads the policy file (file mode) or seeds an empty store (API mode) and
+//! publishes the current version — and returns a [`Running`] server. The listeners are bound
+//! before anything touches the data directory, so a start refused for a port in use changes
+//! nothing on disk. The listeners:
 //!
 //! - the agent listener: `retryplane.v1.AgentService` (role `agent`), gRPC health and
 //!   reflection;
@@ -136,6 +138,15 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
         }
         None => None,
     };
+    // Bound before the store is opened: a start that fails on a port in use leaves the data
+    // directory as it was (no store file, no seeded or loaded version). Connections that
+    // arrive meanwhile wait in the listen backlog until the servers start.
+    let agent_socket = bind("agent", cfg.listen).await?;
+    let admin_socket = bind("admin", cfg.admin_listen).await?;
+    let http_socket = bind("http", cfg.http_listen).await?;
+    let agent_addr = local_addr("agent", &agent_socket)?;
+    let admin_addr = local_addr("admin", &admin_socket)?;
+    let http_addr = local_addr("http", &http_socket)?;
     let data_dir = cfg.data_dir.clone();
     let store = tokio::task::spawn_blocking(move || RedbStore::open(&data_dir))
         .await
@@ -202,13 +213,6 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
             shutdown_rx.clone(),
         )));
     }
-
-    let agent_socket = bind("agent", cfg.listen).await?;
-    let admin_socket = bind("admin", cfg.admin_listen).await?;
-    let http_socket = bind("http", cfg.http_listen).await?;
-    let agent_addr = local_addr("agent", &agent_socket)?;
-    let admin_addr = local_addr("admin", &admin_socket)?;
-    let http_addr = local_addr("http", &http_socket)?;
 
     let stream_context = Arc::new(StreamContext {
         publisher: control.publisher.clone(),

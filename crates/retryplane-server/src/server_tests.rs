@@ -309,6 +309,59 @@ async fn two_listeners_on_the_same_address_are_refused_naming_both() {
 }
 
 #[tokio::test]
+async fn a_port_in_use_refuses_the_start_before_the_data_directory_is_touched() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap();
+    let refused = |err: ServeError, which: &str| {
+        assert!(
+            matches!(&err, ServeError::Bind { listener, addr: a, .. }
+                if *listener == which && *a == addr),
+            "{err}"
+        );
+    };
+    // API mode on a fresh data directory: no store file is created, nothing is seeded.
+    let (dir, cfg) = with_file(V1);
+    for (which, cfg) in [
+        (
+            "agent",
+            ServeConfig {
+                listen: addr,
+                api_mode: true,
+                ..cfg.clone()
+            },
+        ),
+        (
+            "admin",
+            ServeConfig {
+                admin_listen: addr,
+                api_mode: true,
+                ..cfg.clone()
+            },
+        ),
+        (
+            "http",
+            ServeConfig {
+                http_listen: addr,
+                ..cfg.clone()
+            },
+        ),
+    ] {
+        refused(start(cfg).await.unwrap_err(), which);
+        assert!(!dir.path().join("data").exists(), "{which}");
+    }
+    // An existing store and a changed file: the change is not stored.
+    start(cfg.clone()).await.unwrap().shutdown().await.unwrap();
+    fs::write(dir.path().join("policies.yaml"), V2).unwrap();
+    let busy = ServeConfig {
+        admin_listen: addr,
+        ..cfg.clone()
+    };
+    refused(start(busy).await.unwrap_err(), "admin");
+    let store = RedbStore::open(&cfg.data_dir).unwrap();
+    assert_eq!(store.current().unwrap().unwrap().meta.version, 1);
+}
+
+#[tokio::test]
 async fn non_loopback_without_tokens_is_refused_unless_insecure() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = ServeConfig {

@@ -14,7 +14,9 @@
 //!   `CALLS RETRIES RETRY% FIRST-TRY AFTER-RETRY GIVE-UPS BACKOFF`.
 //!
 //! A footer says how many reports were counted in the `other` series when the server's cap on
-//! series was reached. With nothing reported yet, stdout is empty and stderr says so.
+//! series was reached. With nothing reported yet, stdout is empty and stderr says so; with
+//! nothing that matches `--endpoint` or `--service` while other series were reported, stderr
+//! says that nothing matches them instead.
 //!
 //! JSON, one object (ratios as fractions, not percentages; `null` where a figure is undefined
 //! or unset):
@@ -119,7 +121,10 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
         let stdout = match settings.format {
             Format::Json => output::json(&stats_json(&response))?,
             Format::Text if response.series.is_empty() && response.endpoints.is_empty() => {
-                output::note(format_args!("no metrics reported yet"));
+                output::note(format_args!(
+                    "{}",
+                    nothing_shown(settings, &mut client).await
+                ));
                 String::new()
             }
             Format::Text => text(&response, settings.window),
@@ -130,6 +135,43 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
         })
     })
 }
+
+/// Why nothing is shown: nothing reported at all, or, with `--endpoint` or `--service`,
+/// nothing that matches them while other series were reported (asked for with one more
+/// `Stats` call, for one series).
+async fn nothing_shown(settings: &Settings, client: &mut Client) -> String {
+    let filters: Vec<String> = [
+        ("endpoint", &settings.endpoint),
+        ("service", &settings.service),
+    ]
+    .into_iter()
+    .filter_map(|(flag, value)| {
+        value
+            .as_ref()
+            .map(|v| format!("--{flag} {}", output::name(v)))
+    })
+    .collect();
+    if filters.is_empty() {
+        return NOTHING_REPORTED.to_owned();
+    }
+    let any = pb::StatsRequest {
+        limit: 1,
+        series_only: true,
+        ..Default::default()
+    };
+    let filters = filters.join(" ");
+    match client.stats(any).await {
+        Ok(all) if all.matched_series == 0 && all.series.is_empty() => NOTHING_REPORTED.to_owned(),
+        Ok(_) => format!(
+            "no metrics match {filters} (other series were reported: retryplane stats lists them)"
+        ),
+        // Whether anything else was reported is unknown: say only what is certain.
+        Err(_) => format!("no metrics match {filters}"),
+    }
+}
+
+/// What `stats` says when the control plane holds no metrics at all.
+const NOTHING_REPORTED: &str = "no metrics reported yet";
 
 /// The text view; see the module docs.
 pub fn text(response: &pb::StatsResponse, window: Window) -> String {
