@@ -5,7 +5,8 @@
 //! snapshot replaces an old one, an endpoint keeps the state of whichever of its budget and
 //! breaker kept its settings, so a push that changes `max_attempts`, or only the budget, does
 //! not close a breaker that is open; a breaker whose settings changed stays open until the open
-//! period it started ends, and a budget whose settings changed starts empty. Endpoints the policies do not name run under the file's `defaults:`; their state is
+//! period it started ends (and opens when calls still on the old settings open the old one),
+//! and a budget whose settings changed starts empty. Endpoints the policies do not name run under the file's `defaults:`; their state is
 //! created on first use, kept in one registry that every snapshot of the agent shares, and
 //! carried over the same way.
 

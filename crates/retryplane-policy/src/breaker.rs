@@ -18,6 +18,14 @@
 //! closed or half-open period issued it, so an outcome reported after the breaker has changed
 //! state (a call in flight when it opened, a probe of an earlier half-open period) is ignored.
 //!
+//! When an endpoint's breaker settings change, the new breaker takes over from the old one
+//! ([`CircuitBreaker::taking_over`]); calls still in flight on the old settings keep reporting
+//! to the old breaker, and when their failures open it (or open it again), every breaker that
+//! took over later in the same line of hand-overs opens too, until the same instant (unless it
+//! is already open for longer). So new calls are refused as soon as the old calls learn the
+//! upstream is failing, not only once the new breaker has counted `min_requests` failures of
+//! its own.
+//!
 //! # Implementation
 //!
 //! Lock-free. The state is one `AtomicU64` (open flag, a 15-bit generation bumped on every
@@ -30,9 +38,18 @@
 //! counted in the same lock-free slotted window as the retry budget (see `window.rs`), over the
 //! slots wholly inside the window, so counts older than `window` never contribute; the window is
 //! cleared when the breaker opens. Time comes in as `now` values.
+//!
+//! The breakers of one line of hand-overs share a list of weak references, oldest first (a
+//! mutex: it is touched only when a breaker takes over or opens, never on an acquire or a
+//! success). They all measure time from the first one's origin, so an open period's end means
+//! the same instant in each. The list rather than a single successor link: a breaker in the
+//! middle of a chain may be gone while the oldest still serves calls, and one breaker may be
+//! taken over more than once (the agent builds a short-lived one for a call on an outgoing
+//! snapshot).
 
 use std::sync::atomic::AtomicU64;
-use std::sync::atomic::Ordering::{AcqRel, Acquire, Release};
+use std::sync::atomic::Ordering::{AcqRel, Acquire};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 
 use tokio::time::Instant;
 
@@ -104,7 +121,14 @@ pub struct CircuitBreaker {
     min_requests: u64,
     open_for_nanos: u64,
     half_open_probes: u64,
+    /// The breakers of this one's line of hand-overs, oldest first; empty for a breaker that
+    /// was never taken over nor took over.
+    line: Arc<Line>,
 }
+
+/// The breakers of one endpoint that took over from one another, oldest first (dropped ones
+/// linger until the next hand-over or opening prunes them).
+type Line = Mutex<Vec<Weak<CircuitBreaker>>>;
 
 fn generation(state: u64) -> u16 {
     ((state >> GEN_SHIFT) & GEN_MASK) as u16
@@ -143,6 +167,7 @@ impl CircuitBreaker {
             min_requests: u64::from(cfg.min_requests),
             open_for_nanos: u64::try_from(cfg.open_for.as_nanos()).unwrap_or(u64::MAX),
             half_open_probes: u64::from(cfg.half_open_probes).clamp(1, PROBE_MASK),
+            line: Arc::default(),
         }
     }
 
@@ -155,12 +180,28 @@ impl CircuitBreaker {
     /// made against other thresholds, and the new window starts empty.
     ///
     /// Permits `old` issued stay `old`'s: report them to `old`, which the calls holding them
-    /// keep.
-    pub fn taking_over(cfg: &BreakerConfig, old: &CircuitBreaker) -> Self {
-        let breaker = Self::new(cfg, old.origin);
+    /// keep. What they teach `old` is passed on: whenever `old` opens later (or opens again),
+    /// the new breaker opens until the same instant, unless it is already open for longer;
+    /// so does every breaker that takes over after it in the same line (from the new one, or
+    /// from `old` again), even when a breaker between them is gone.
+    pub fn taking_over(cfg: &BreakerConfig, old: &Arc<CircuitBreaker>) -> Arc<Self> {
+        let breaker = Arc::new(Self {
+            line: old.line.clone(),
+            ..Self::new(cfg, old.origin)
+        });
+        {
+            let mut line = lock(&old.line);
+            if line.is_empty() {
+                line.push(Arc::downgrade(old));
+            }
+            line.retain(|b| b.strong_count() > 0);
+            line.push(Arc::downgrade(&breaker));
+        }
+        // Read after joining the line: an opening of `old` either is seen here or, coming
+        // after the join (the lock orders them), is passed on to the new breaker.
         let state = old.state.load(Acquire);
         if state & OPEN != 0 {
-            breaker.state.store(state & (OPEN | UNTIL_MASK), Release);
+            breaker.open_until(state & UNTIL_MASK);
         }
         breaker
     }
@@ -358,18 +399,64 @@ impl CircuitBreaker {
         let _ = self.state.compare_exchange(state, closed, AcqRel, Acquire);
     }
 
-    /// Moves from `state` to open for `open_for` from `nanos`; `false` if another thread changed
-    /// the state first.
+    /// Moves from `state` to open for `open_for` from `nanos`, and passes the opening on to
+    /// the breakers that took over later; `false` if another thread changed the state first.
     fn open(&self, state: u64, nanos: u64) -> bool {
         let until = nanos
             .saturating_add(self.open_for_nanos)
             .div_ceil(NANOS_PER_MS)
             .min(UNTIL_MASK);
         let opened = OPEN | next_generation(state) << GEN_SHIFT | until;
-        self.state
+        let won = self
+            .state
             .compare_exchange(state, opened, AcqRel, Acquire)
-            .is_ok()
+            .is_ok();
+        if won {
+            self.pass_on(until);
+        }
+        won
     }
+
+    /// Opens every breaker that took over after this one in its line until `until` (ms since
+    /// the origin they share).
+    #[cold]
+    #[inline(never)]
+    fn pass_on(&self, until: u64) {
+        let later: Vec<Arc<CircuitBreaker>> = {
+            let mut line = lock(&self.line);
+            line.retain(|b| b.strong_count() > 0);
+            let me = line.iter().position(|b| std::ptr::eq(b.as_ptr(), self));
+            match me {
+                Some(i) => line[i + 1..].iter().filter_map(Weak::upgrade).collect(),
+                None => return, // never taken over
+            }
+        };
+        // Outside the lock: an upgraded breaker whose last owner is gone is dropped here.
+        later.iter().for_each(|b| b.open_until(until));
+    }
+
+    /// Opens until `until` (ms since the origin) unless already open at least that long, with
+    /// a new generation (permits out are stale) and empty counts. Passes nothing on: the
+    /// opener reaches every later breaker of the line itself.
+    fn open_until(&self, until: u64) {
+        let mut state = self.state.load(Acquire);
+        loop {
+            if state & OPEN != 0 && state & UNTIL_MASK >= until {
+                return;
+            }
+            let opened = OPEN | next_generation(state) << GEN_SHIFT | until;
+            match self.state.compare_exchange(state, opened, AcqRel, Acquire) {
+                Ok(_) => break,
+                Err(current) => state = current,
+            }
+        }
+        self.window.clear();
+    }
+}
+
+/// The line's list, whether or not a thread panicked holding it (the list is valid either way).
+fn lock(line: &Line) -> std::sync::MutexGuard<'_, Vec<Weak<CircuitBreaker>>> {
+    line.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 #[cfg(test)]

@@ -1,5 +1,6 @@
 //! Tests of the circuit breaker: opening, half-open probes, stale permits.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use super::BreakerState::{Closed, HalfOpen, Open};
@@ -271,7 +272,7 @@ fn releasing_a_stale_or_closed_period_permit_changes_nothing() {
 #[test]
 fn a_breaker_taking_over_an_open_one_stays_open_until_its_period_ends() {
     let t0 = Instant::now();
-    let old = breaker(10, t0);
+    let old = Arc::new(breaker(10, t0));
     let opened = trip(&old, t0);
     let cfg = BreakerConfig {
         min_requests: 5,
@@ -295,7 +296,7 @@ fn a_breaker_taking_over_an_open_one_stays_open_until_its_period_ends() {
 #[test]
 fn a_breaker_taking_over_a_half_open_one_is_half_open_with_no_probe_out() {
     let t0 = Instant::now();
-    let old = breaker(10, t0);
+    let old = Arc::new(breaker(10, t0));
     let opened = trip(&old, t0);
     let after = opened + Duration::from_secs(30);
     let _probe = old.try_acquire(after).unwrap();
@@ -310,7 +311,7 @@ fn a_breaker_taking_over_a_half_open_one_is_half_open_with_no_probe_out() {
 #[test]
 fn a_breaker_taking_over_a_closed_one_is_closed_with_empty_counts() {
     let t0 = Instant::now();
-    let old = breaker(10, t0);
+    let old = Arc::new(breaker(10, t0));
     (0..9).for_each(|_| call(&old, false, t0).unwrap());
     let new = CircuitBreaker::taking_over(
         &BreakerConfig {
@@ -323,4 +324,149 @@ fn a_breaker_taking_over_a_closed_one_is_closed_with_empty_counts() {
     // One more failure would open `old`; `new` counts from zero.
     call(&new, false, t0).unwrap();
     assert_eq!(new.state(t0), Closed);
+}
+
+/// Settings for a breaker taking over: 5 s open, one probe.
+fn short_open() -> BreakerConfig {
+    BreakerConfig {
+        min_requests: 5,
+        open_for: Duration::from_secs(5),
+        half_open_probes: 1,
+        ..BreakerConfig::default()
+    }
+}
+
+/// Ten permits of `b`, taken at `t0` by calls that will report failures later.
+fn in_flight(b: &CircuitBreaker, t0: Instant) -> Vec<Permit> {
+    (0..10).map(|_| b.try_acquire(t0).unwrap()).collect()
+}
+
+/// Reports `permits` as failures at `t0` + 1 s; `old` is open then.
+fn fail(old: &CircuitBreaker, permits: Vec<Permit>, t0: Instant) -> Instant {
+    let at = t0 + Duration::from_secs(1);
+    permits.into_iter().for_each(|p| old.record(p, false, at));
+    assert_eq!(old.state(at), Open);
+    at
+}
+
+#[test]
+fn a_breaker_taking_over_a_closed_one_opens_when_calls_still_on_the_old_one_open_it() {
+    let t0 = Instant::now();
+    let old = Arc::new(breaker(10, t0));
+    let permits = in_flight(&old, t0);
+    let new = CircuitBreaker::taking_over(&short_open(), &old);
+    assert_eq!(new.state(t0), Closed);
+    let opened = fail(&old, permits, t0);
+    // Refused at once, for the old breaker's period (30 s), not only its own 5 s.
+    assert_eq!(new.try_acquire(opened), Err(BreakerOpen));
+    assert_eq!(new.state(opened + Duration::from_secs(29)), Open);
+    // Then it probes under its own settings (one probe).
+    let after = opened + Duration::from_secs(30);
+    let probe = new.try_acquire(after).unwrap();
+    assert!(probe.is_probe());
+    assert_eq!(new.try_acquire(after), Err(BreakerOpen));
+    new.record(probe, true, after);
+    assert_eq!(new.state(after), Closed);
+}
+
+#[test]
+fn a_breaker_taking_over_opens_again_when_a_probe_of_the_old_one_fails() {
+    let t0 = Instant::now();
+    let old = Arc::new(breaker(10, t0));
+    let half = trip(&old, t0) + Duration::from_secs(30);
+    let probe = old.try_acquire(half).unwrap();
+    let new = CircuitBreaker::taking_over(&short_open(), &old);
+    assert_eq!(new.state(half), HalfOpen);
+    let failed = half + Duration::from_secs(1);
+    old.record(probe, false, failed);
+    assert_eq!(new.try_acquire(failed), Err(BreakerOpen));
+    assert_eq!(new.state(failed + Duration::from_secs(29)), Open);
+    assert_eq!(new.state(failed + Duration::from_secs(30)), HalfOpen);
+}
+
+#[test]
+fn a_breaker_already_open_for_longer_keeps_its_own_period() {
+    let t0 = Instant::now();
+    let old = Arc::new(breaker(10, t0));
+    let permits = in_flight(&old, t0);
+    let cfg = BreakerConfig {
+        min_requests: 1,
+        open_for: Duration::from_secs(60),
+        ..BreakerConfig::default()
+    };
+    let new = CircuitBreaker::taking_over(&cfg, &old);
+    call(&new, false, t0).unwrap();
+    fail(&old, permits, t0);
+    // Its own 60 s from t0, not the old one's 30 s from t0 + 1 s.
+    assert_eq!(new.state(t0 + Duration::from_secs(45)), Open);
+}
+
+#[test]
+fn an_opening_goes_down_a_chain_of_hand_overs_even_past_a_dropped_breaker() {
+    let t0 = Instant::now();
+    for drop_mid in [false, true] {
+        let old = Arc::new(breaker(10, t0));
+        let permits = in_flight(&old, t0);
+        let mid = CircuitBreaker::taking_over(&short_open(), &old);
+        let new = CircuitBreaker::taking_over(&BreakerConfig::default(), &mid);
+        let mid = (!drop_mid).then_some(mid);
+        let opened = fail(&old, permits, t0);
+        assert_eq!(new.try_acquire(opened), Err(BreakerOpen), "{drop_mid}");
+        assert_eq!(new.state(opened + Duration::from_secs(29)), Open);
+        if let Some(mid) = mid {
+            assert_eq!(mid.try_acquire(opened), Err(BreakerOpen));
+        }
+    }
+}
+
+#[test]
+fn an_opening_reaches_every_breaker_that_took_over_but_not_an_older_one() {
+    let t0 = Instant::now();
+    let old = Arc::new(breaker(10, t0));
+    let first = CircuitBreaker::taking_over(&short_open(), &old);
+    let second = CircuitBreaker::taking_over(&BreakerConfig::default(), &old);
+    let permits = in_flight(&first, t0);
+    let cfg = short_open();
+    let at = t0 + Duration::from_secs(1);
+    permits
+        .into_iter()
+        .take(cfg.min_requests as usize)
+        .for_each(|p| first.record(p, false, at));
+    assert_eq!(first.state(at), Open);
+    // `second` came later in the line, `old` earlier.
+    assert_eq!(second.try_acquire(at), Err(BreakerOpen));
+    assert_eq!(old.state(at), Closed);
+    let opened = fail(&old, in_flight(&old, at), t0);
+    assert_eq!(first.state(opened + Duration::from_secs(29)), Open);
+}
+
+#[test]
+fn a_breaker_whose_successor_is_gone_opens_as_before() {
+    let t0 = Instant::now();
+    let old = Arc::new(breaker(10, t0));
+    let permits = in_flight(&old, t0);
+    drop(CircuitBreaker::taking_over(&short_open(), &old));
+    let opened = fail(&old, permits, t0);
+    assert_eq!(old.try_acquire(opened), Err(BreakerOpen));
+    // And it can still be taken over.
+    let new = CircuitBreaker::taking_over(&short_open(), &old);
+    assert_eq!(new.state(opened + Duration::from_secs(29)), Open);
+}
+
+#[test]
+fn a_hand_over_racing_the_opening_of_the_old_breaker_never_misses_it() {
+    let t0 = Instant::now();
+    let at = t0 + Duration::from_secs(1);
+    for _ in 0..200 {
+        let old = Arc::new(breaker(10, t0));
+        let permits = in_flight(&old, t0);
+        let new = std::thread::scope(|s| {
+            s.spawn(|| permits.into_iter().for_each(|p| old.record(p, false, at)));
+            s.spawn(|| CircuitBreaker::taking_over(&short_open(), &old))
+                .join()
+                .ok()
+        });
+        assert_eq!(old.state(at), Open);
+        assert!(new.is_some_and(|new| new.state(at) == Open));
+    }
 }

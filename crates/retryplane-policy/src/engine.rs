@@ -145,7 +145,8 @@ impl EndpointState {
     /// new budget window does not let a retry storm start again because a breaker number
     /// changed, and a budget change does not close an open breaker); a breaker whose settings
     /// changed takes over from this one ([`CircuitBreaker::taking_over`]: an open breaker
-    /// stays open until its open period ends); a budget whose settings changed starts empty.
+    /// stays open until its open period ends, and one that the calls still on this state open
+    /// later opens the new one too); a budget whose settings changed starts empty.
     pub fn carry(&self, policy: &RetryPolicy) -> Self {
         let budget = match (&policy.budget, &self.budget) {
             (Some(cfg), Some(old)) if self.budget_cfg.as_ref() == Some(cfg) => Some(old.clone()),
@@ -154,7 +155,7 @@ impl EndpointState {
         };
         let breaker = match (&policy.circuit_breaker, &self.breaker) {
             (Some(cfg), Some(old)) if self.breaker_cfg.as_ref() == Some(cfg) => Some(old.clone()),
-            (Some(cfg), Some(old)) => Some(Arc::new(CircuitBreaker::taking_over(cfg, old))),
+            (Some(cfg), Some(old)) => Some(CircuitBreaker::taking_over(cfg, old)),
             (Some(cfg), None) => Some(Arc::new(CircuitBreaker::new(cfg, self.origin))),
             (None, _) => None,
         };

@@ -1,7 +1,7 @@
 //! [`RetryLayer`] and the [`Retry`] service it wraps around a client.
 
 use std::fmt;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
@@ -20,7 +20,6 @@ use super::{BoxError, DEFAULT_BODY_LIMIT, GaveUp, ResponseFuture, RetryError};
 use crate::call::{Begun, Endpoint, NoReauth};
 use crate::classify::{Classify as _, classify_boxed};
 use crate::error::{CallError, Last};
-use crate::meta::AttemptInfo;
 
 /// Wraps a `Service<http::Request<B>>` in [`Retry`]. Defaults: bodies up to
 /// [`DEFAULT_BODY_LIMIT`] are buffered for replay; no credential refresh; no de-duplication
@@ -159,7 +158,7 @@ where
             // the attempts and their deadline all go by it, whatever a swap does meanwhile.
             let begun = settings.endpoint.begin();
             let prepared = prepare(request, &settings, &begun).await?;
-            send(inner, &settings, prepared, begun, None).await
+            send(inner, &settings, prepared, begun).await
         }))
     }
 }
@@ -288,14 +287,12 @@ where
 }
 
 /// Runs the logical call `begun` of `prepared` (its deadline runs from when it began, the body
-/// read included, and it goes by the policy read then). With `deadline`, the call's deadline
-/// is set in it once an attempt is made.
+/// read included, and it goes by the policy read then).
 async fn send<S, B, RB>(
     mut inner: Inner<S>,
     settings: &Settings,
     prepared: Prepared<B>,
     begun: Begun,
-    deadline: Option<&OnceLock<Instant>>,
 ) -> Result<Response<RB>, BoxError>
 where
     S: Service<Request<ReplayBody<B>>, Response = Response<RB>> + Clone,
@@ -321,11 +318,7 @@ where
             let head = Mutex::new(head);
             let (head, data, trailers) = (&head, &data, &trailers);
             // `inner` moves in: the closure must not share `S` across threads.
-            let attempt = move |info: AttemptInfo| {
-                if let Some(seen) = deadline {
-                    // The same for every attempt of the call: the first sets it.
-                    let _ = seen.set(info.deadline);
-                }
+            let attempt = move |_| {
                 let parts = lock(head).clone();
                 let request = Request::from_parts(
                     parts,
@@ -396,50 +389,43 @@ where
     // sharing and its wait for a leader included.
     let begun = settings.endpoint.begin();
     let prepared = prepare(request, &settings, &begun).await?;
-    let key = match &prepared {
+    // The key it is shared under, and the deadline of the call `begun`: it bounds all its
+    // waiting, whichever leaders it follows, its own call if it makes one, and, as the leader,
+    // the read of the response it shares.
+    let shared = match &prepared {
         // Trailers are rare on a read; such a request is simply not shared. Nor is one the
         // policy in force (or an `Idempotent(false)` on it) does not call idempotent.
         Prepared::Buffered {
             head,
             data,
             trailers: None,
-        } if dedup.shares(&head.method)
-            && begun.is_idempotent(&call_meta(head, head.uri.path())) =>
-        {
-            Some(dedup.key(settings.endpoint.name(), head, data))
+        } if dedup.shares(&head.method) => {
+            let meta = call_meta(head, head.uri.path());
+            begun.is_idempotent(&meta).then(|| {
+                let key = dedup.key(settings.endpoint.name(), head, data);
+                (key, begun.deadline(&meta))
+            })
         }
         _ => None,
     };
-    let Some(key) = key else {
-        return passthrough(send(inner, &settings, prepared, begun, None).await);
+    let Some((key, deadline)) = shared else {
+        return passthrough(send(inner, &settings, prepared, begun).await);
     };
-    // The deadline of this request's call `begun`: it bounds all its waiting, whichever
-    // leaders it follows, and its own call if it makes one.
-    let mut wait_until = None;
     loop {
         match dedup.join(key) {
             Role::Lead(leader) => {
-                let deadline = OnceLock::new();
-                let result = send(inner, &settings, prepared, begun, Some(&deadline)).await;
-                // A response comes from an attempt, which set the deadline; were it unset,
-                // nothing is waited for.
-                let deadline = deadline.get().copied().unwrap_or_else(Instant::now);
+                let result = send(inner, &settings, prepared, begun).await;
                 return land(result, leader, dedup.response_limit(), deadline).await;
             }
             Role::Follow(follower) => {
                 // No capacity is held while waiting: a call of its own readies its own.
                 inner.release();
-                let until = *wait_until.get_or_insert_with(|| match &prepared {
-                    Prepared::Buffered { head, .. } | Prepared::Once { head, .. } => {
-                        begun.deadline(&call_meta(head, head.uri.path()))
-                    }
-                });
-                match follower.wait(until).await {
+                match follower.wait(deadline).await {
                     // No call made, none counted: see the module docs ("What the
                     // endpoint's counters see"); `DedupStats::shared` counts it.
                     Some(Landing::Shared(response)) => return Ok(response.copy()),
                     Some(Landing::OwnCall) => {
-                        return passthrough(send(inner, &settings, prepared, begun, None).await);
+                        return passthrough(send(inner, &settings, prepared, begun).await);
                     }
                     // The leader was dropped (its caller went away): lead or follow anew.
                     None => {}
