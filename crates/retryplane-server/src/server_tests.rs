@@ -133,6 +133,47 @@ async fn an_invalid_file_over_a_stored_version_serves_the_stored_one() {
     running.shutdown().await.unwrap();
 }
 
+/// A valid file under the 1 MiB limit whose snapshot is over the 4 MiB agents decode: one
+/// 900 KB path prefix, repeated by aliases in six routes.
+fn too_large_for_agents() -> String {
+    let prefix = format!("/{}", "a".repeat(900_000));
+    let mut yaml = format!(
+        "version: 1\nendpoints:\n  payments:\n    routes:\n      - match: {{method: GET, path_prefix: &p {prefix}}}\n"
+    );
+    for method in ["PUT", "POST", "DELETE", "PATCH", "HEAD"] {
+        yaml.push_str(&format!(
+            "      - match: {{method: {method}, path_prefix: *p}}\n"
+        ));
+    }
+    yaml
+}
+
+#[tokio::test]
+async fn a_file_too_large_for_agents_over_a_stored_version_serves_the_stored_one() {
+    let (dir, cfg) = with_file(V1);
+    start(cfg.clone()).await.unwrap().shutdown().await.unwrap();
+    fs::write(dir.path().join("policies.yaml"), too_large_for_agents()).unwrap();
+    let running = start(cfg).await.unwrap();
+    assert_eq!(current(&running).await.version, 1);
+    let metrics = &running.control().metrics;
+    assert_eq!(metrics.rejected_changes.get(), 1);
+    assert_eq!(metrics.config_last_reload_successful.get(), 0);
+    running.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_file_too_large_for_agents_and_an_empty_store_refuse_to_start() {
+    let (_dir, cfg) = with_file(&too_large_for_agents());
+    let err = start(cfg).await.unwrap_err();
+    let cause = std::error::Error::source(&err).map(ToString::to_string);
+    assert!(
+        cause
+            .as_deref()
+            .is_some_and(|c| c.contains("agents decode messages of at most")),
+        "{err}: {cause:?}"
+    );
+}
+
 #[tokio::test]
 async fn a_missing_config_directory_over_a_stored_version_serves_the_stored_one() {
     let (dir, cfg) = with_file(V1);

@@ -2,9 +2,9 @@
 //!
 //! File mode: a valid file is applied as [`Source::File`] (content equal to the stored current
 //! version's stores nothing, so a restart with an unchanged file keeps version and hash). An
-//! unreadable or invalid file stops the start when the store is empty — there would be nothing
-//! to serve — and otherwise is logged while the stored version keeps being served, exactly as
-//! a bad save is while running.
+//! unreadable or invalid file (or one whose snapshot would be larger than agents decode) stops
+//! the start when the store is empty — there would be nothing to serve — and otherwise is
+//! logged while the stored version keeps being served, exactly as a bad save is while running.
 //!
 //! API mode: the store is the source of truth. Only an empty store is seeded from the file; a
 //! missing seed file leaves the server unready until the first `retryplane apply`.
@@ -52,7 +52,7 @@ pub(super) async fn load_policies(
             }
             Err(source) => Err(read_error(file, source)),
             Ok((_, loaded)) => {
-                apply_valid(control, file, loaded).await?;
+                apply_valid(control, file, loaded, None).await?;
                 info!(file = %file.display(), "API mode: seeded the empty store from the policy file");
                 Ok(None)
             }
@@ -73,7 +73,7 @@ pub(super) async fn load_policies(
             error!(file = %file.display(), version, "the policy file is invalid; serving the stored version until it is fixed");
         }
         _ => {
-            let applied = apply_valid(control, file, loaded).await?;
+            let applied = apply_valid(control, file, loaded, stored).await?;
             reload_ok.set(i64::from(applied));
         }
     }
@@ -88,11 +88,13 @@ fn read_error(file: &Path, source: io::Error) -> ServeError {
 }
 
 /// Applies `loaded` as [`Source::File`]; `Err` when it has errors or cannot be applied,
-/// `Ok(false)` when it is refused for removing every stored endpoint (the stored version stays).
+/// `Ok(false)` when it is refused for removing every stored endpoint, or, over the `stored`
+/// version, for being larger than agents decode (the stored version stays).
 async fn apply_valid(
     control: &ControlPlane,
     file: &Path,
     loaded: Loaded,
+    stored: Option<u64>,
 ) -> Result<bool, ServeError> {
     let Some(policies) = loaded.policies.as_ref() else {
         return Err(ServeError::InvalidConfig {
@@ -123,6 +125,10 @@ async fn apply_valid(
         Err(crate::control::ChangeError::RemovesEverything(names)) => {
             let names = names.join(", ");
             error!(file = %file.display(), "the policy file removes every stored endpoint ({names}); refused, serving the stored version. To replace every endpoint, add the new ones first, then remove the old ones");
+            Ok(false)
+        }
+        Err(e @ crate::control::ChangeError::TooLarge { .. }) if stored.is_some() => {
+            error!(file = %file.display(), error = %e, version = stored, "the policy file was not applied; serving the stored version");
             Ok(false)
         }
         Err(source) => Err(ServeError::Apply {
