@@ -35,12 +35,6 @@ pub type Outbound = Result<Bytes, Status>;
 /// Why a message cannot be framed.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum FrameError {
-    /// The encoded message is longer than a gRPC frame's `u32` length can say.
-    #[error("an encoded message of {len} bytes does not fit a gRPC frame (at most 4 GiB)")]
-    TooLarge {
-        /// The encoded length.
-        len: usize,
-    },
     /// The encoded message is longer than an agent decodes
     /// ([`retryplane_proto::MAX_MESSAGE_BYTES`]): every agent would refuse it.
     #[error(
@@ -64,13 +58,15 @@ pub enum FrameError {
 /// would fail to decode it, drop the stream and reconnect to the same message.
 pub fn encode_frame(message: &impl prost::Message) -> Result<Bytes, FrameError> {
     let len = message.encoded_len();
+    let over = || FrameError::OverAgentLimit {
+        len,
+        limit: MAX_MESSAGE_BYTES,
+    };
     if len > MAX_MESSAGE_BYTES {
-        return Err(FrameError::OverAgentLimit {
-            len,
-            limit: MAX_MESSAGE_BYTES,
-        });
+        return Err(over());
     }
-    let wire_len = u32::try_from(len).map_err(|_| FrameError::TooLarge { len })?;
+    // Within the agents' limit, the length fits the frame's `u32`.
+    let wire_len = u32::try_from(len).map_err(|_| over())?;
     let mut buf = BytesMut::with_capacity(HEADER_LEN + len);
     buf.put_u8(0);
     buf.put_u32(wire_len);

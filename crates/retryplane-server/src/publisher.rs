@@ -33,7 +33,7 @@ pub struct Snapshot {
 
 impl Snapshot {
     /// What a stream sends for this version: the shared frame (a reference-count clone), or,
-    /// for a snapshot too large for a gRPC frame or for agents to decode (a version stored
+    /// for a snapshot too large for agents to decode (a version stored
     /// before Apply refused such policies), the `RESOURCE_EXHAUSTED` status that ends the
     /// stream, naming the size and the limit.
     pub fn frame(&self) -> Result<Bytes, Status> {
