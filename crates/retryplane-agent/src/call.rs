@@ -399,7 +399,12 @@ impl Endpoint {
                             None,
                         ),
                         Ok(r) => match (classify(&r), r) {
-                            (Classification::Success, Ok(t)) => {
+                            // A success, answer or error: an error classified as one cannot be
+                            // returned as a value, so it comes back as it is, in the call's
+                            // error, but it counts as the success it is: for the breaker (a
+                            // half-open probe answered so closes it, rather than being handed
+                            // back as if the attempt said nothing), the counters and the log.
+                            (Classification::Success, r) => {
                                 // Tell the breaker about the success through the engine, at the
                                 // attempt's start: one clock read less on every call that
                                 // succeeds, and the breaker's window (slots of a tenth of it)
@@ -410,7 +415,10 @@ impl Endpoint {
                                     let end = Instant::now();
                                     self.debug_attempt(plan.number, &"success", None, &call, end);
                                 }
-                                break End::Ok(t);
+                                break match r {
+                                    Ok(t) => End::Ok(t),
+                                    Err(e) => End::OkErr(e),
+                                };
                             }
                             // An answer whose outcome is a success (HTTP below 400, gRPC `OK`):
                             // the engine returns it at once whatever the policy, so it takes the
@@ -431,20 +439,6 @@ impl Endpoint {
                                 call.on_outcome(o, now, &mut rng);
                                 count_success(&mut first, plan.number);
                                 break End::Ok(t);
-                            }
-                            // An error classified as a success cannot be returned as a value:
-                            // it is returned as it is, in the call's error, but it counts as the
-                            // success it is: for the breaker (a half-open probe answered so
-                            // closes it, rather than being handed back as if the attempt said
-                            // nothing), the counters and the log.
-                            (Classification::Success, Err(e)) => {
-                                call.on_outcome(success(), now, &mut rng);
-                                count_success(&mut first, plan.number);
-                                if tracing::enabled!(tracing::Level::DEBUG) {
-                                    let end = Instant::now();
-                                    self.debug_attempt(plan.number, &"success", None, &call, end);
-                                }
-                                break End::OkErr(e);
                             }
                             (Classification::Outcome(o), r) => (Some(o), Some(r)),
                             (Classification::Fatal, r) => (None, Some(r)),
