@@ -12,8 +12,9 @@ use std::io::{self, Read};
 use std::path::PathBuf;
 
 use anyhow::{Context, bail};
-use retryplane_policy::Loaded;
+use retryplane_policy::yaml::Loc;
 use retryplane_policy::yaml::MAX_FILE_BYTES;
+use retryplane_policy::{Diagnostic, Loaded};
 
 /// Where a policy file comes from.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -41,6 +42,15 @@ impl Source {
             Contents::Bytes(bytes) => retryplane_policy::load(&bytes),
             Contents::TooLarge(size) => retryplane_policy::too_large(size),
         })
+    }
+
+    /// [`Source::load`] of a file meant for a control plane (`validate`): it also gets the
+    /// error the control plane would refuse it with when its snapshot could be too large for
+    /// agents ([`fit_agents`]).
+    pub fn load_for_agents(&self) -> anyhow::Result<Loaded> {
+        let mut loaded = self.load()?;
+        fit_agents(&mut loaded);
+        Ok(loaded)
     }
 
     /// Reads the raw bytes, at most [`MAX_FILE_BYTES`] (for sending them elsewhere, such as
@@ -77,6 +87,24 @@ impl fmt::Display for Source {
 }
 
 const MAX_BYTES: u64 = MAX_FILE_BYTES as u64;
+
+/// Adds an error at 1:1 to `loaded`, and drops its compiled set, when its policies could make
+/// a snapshot message longer than agents decode (`retryplane_proto::check_agent_limit`): the
+/// control plane refuses such a change, so a file `validate` passes is one it takes. A policy
+/// file is at most 1 MiB, so only aliases or anchors that repeat large parts get there.
+pub fn fit_agents(loaded: &mut Loaded) {
+    let Some(policies) = &loaded.policies else {
+        return;
+    };
+    let document = retryplane_proto::pb::PolicyDocument::from(policies.document().as_ref());
+    if let Err(e) = retryplane_proto::check_agent_limit(&document) {
+        loaded.policies = None;
+        loaded.diagnostics.insert(
+            0,
+            Diagnostic::error(Loc { line: 1, column: 1 }, "<root>", e.to_string()),
+        );
+    }
+}
 
 /// What reading found.
 pub enum Contents {

@@ -73,7 +73,7 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
     let mut outcome = Outcome::Success;
     let mut checked = Vec::with_capacity(settings.sources.len());
     for source in &settings.sources {
-        let loaded = match source.load() {
+        let loaded = match source.load_for_agents() {
             Ok(loaded) => loaded,
             Err(e) => {
                 output::error(format_args!("{e:#}"));

@@ -378,6 +378,46 @@ fn a_ten_gigabyte_file_is_refused_without_being_read() {
         ));
 }
 
+/// A valid file under the 1 MiB limit whose snapshot is over the 4 MiB agents decode: one
+/// 900 KB path prefix, repeated by aliases in six routes.
+fn too_large_for_agents() -> String {
+    let prefix = format!("/{}", "a".repeat(900_000));
+    let mut yaml = format!(
+        "version: 1\nendpoints:\n  payments:\n    routes:\n      - match: {{method: GET, path_prefix: &p {prefix}}}\n"
+    );
+    for method in ["PUT", "POST", "DELETE", "PATCH", "HEAD"] {
+        yaml.push_str(&format!(
+            "      - match: {{method: {method}, path_prefix: *p}}\n"
+        ));
+    }
+    yaml
+}
+
+#[test]
+fn a_file_whose_snapshot_agents_cannot_decode_is_invalid_as_the_control_plane_says() {
+    let yaml = too_large_for_agents();
+    assert!(yaml.len() < 1 << 20);
+    let dir = dir_with(&[("big.yaml", &yaml)]);
+    let out = output(dir.path(), &["validate", "big.yaml"], 1);
+    assert!(
+        out.starts_with("big.yaml:1:1: error: <root>: the policies encode to "),
+        "{out}"
+    );
+    assert!(
+        out.contains("agents decode messages of at most 4194304 bytes"),
+        "{out}"
+    );
+    assert_eq!(out.lines().count(), 1, "{out}");
+    let json: Value = serde_json::from_str(&output(
+        dir.path(),
+        &["validate", "--format", "json", "big.yaml"],
+        1,
+    ))
+    .unwrap();
+    assert_eq!(json[0]["severity"], "error");
+    assert_eq!(json[0]["path"], "<root>");
+}
+
 #[test]
 fn a_dash_reads_the_policy_from_stdin() {
     let dir = dir_with(&[]);

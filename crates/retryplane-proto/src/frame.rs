@@ -47,6 +47,21 @@ impl ServerMessage {
         field_len(head_len + field_len(policies.encoded_len()))
     }
 
+    /// The most bytes a snapshot message of `policies` can take, whatever the control plane
+    /// that sends it puts in the other fields: the largest version and metrics interval, a
+    /// 64-character content hash (hex SHA-256) and a nonce of [`MAX_NONCE_LEN`] bytes. Counted,
+    /// not encoded. What [`check_agent_limit`] compares with [`crate::MAX_MESSAGE_BYTES`].
+    pub fn largest_snapshot_message_len(policies: &pb::PolicyDocument) -> usize {
+        let head = pb::Snapshot {
+            version: u64::MAX,
+            content_hash: "0".repeat(64),
+            policies: None,
+            nonce: "0".repeat(MAX_NONCE_LEN),
+            metrics_interval_ms: u64::MAX,
+        };
+        Self::snapshot_message_len(&head, policies)
+    }
+
     /// A message carrying `ack` alone.
     pub fn with_metrics_ack(ack: pb::MetricsAck) -> Self {
         Self {
@@ -70,6 +85,43 @@ impl ServerMessage {
         let head = SnapshotHead::decode(self.snapshot.clone()?).ok()?;
         Some((head.version, head.nonce))
     }
+}
+
+/// The longest nonce a control plane puts in a snapshot, in bytes. `retryplane serve`'s are
+/// about 30 (an 8-digit instance and the version); the bound leaves room, so that whether a
+/// document fits agents does not depend on which control plane, or which settings, serve it.
+pub const MAX_NONCE_LEN: usize = 64;
+
+/// A policy document whose snapshot would be a message longer than agents decode
+/// ([`crate::MAX_MESSAGE_BYTES`]): every agent would refuse every push of it.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "the policies encode to {document_len} bytes, a snapshot message of up to {message_len} bytes; agents decode messages of at most {limit} bytes: make the policies smaller (fewer endpoints or routes, shorter names)"
+)]
+pub struct TooLargeForAgents {
+    /// The encoded policy document.
+    pub document_len: usize,
+    /// The snapshot message the document makes, at most
+    /// ([`ServerMessage::largest_snapshot_message_len`]).
+    pub message_len: usize,
+    /// The most an agent decodes.
+    pub limit: usize,
+}
+
+/// `Err` when a snapshot of `policies` could be longer than agents decode
+/// ([`crate::MAX_MESSAGE_BYTES`]). The control plane refuses such a change (Apply, Validate, a
+/// policy file) and `retryplane validate` reports it, so a file that passes validation is one
+/// the control plane takes.
+pub fn check_agent_limit(policies: &pb::PolicyDocument) -> Result<(), TooLargeForAgents> {
+    let message_len = ServerMessage::largest_snapshot_message_len(policies);
+    if message_len > crate::MAX_MESSAGE_BYTES {
+        return Err(TooLargeForAgents {
+            document_len: policies.encoded_len(),
+            message_len,
+            limit: crate::MAX_MESSAGE_BYTES,
+        });
+    }
+    Ok(())
 }
 
 /// The two fields of `retryplane.v1.Snapshot` an answer echoes; the rest is skipped.
@@ -205,5 +257,90 @@ mod tests {
                 encoded
             );
         }
+    }
+
+    /// A document of one endpoint whose one route's path prefix makes the encoded document
+    /// `len` bytes long.
+    fn document_of_len(len: usize) -> pb::PolicyDocument {
+        let with_prefix = |prefix: String| pb::PolicyDocument {
+            endpoints: vec![pb::Endpoint {
+                name: "payments".into(),
+                routes: vec![pb::Route {
+                    r#match: Some(pb::RouteMatch {
+                        kind: Some(pb::route_match::Kind::Http(pb::HttpMatch {
+                            method: String::new(),
+                            path_prefix: prefix,
+                        })),
+                    }),
+                    overlay: None,
+                }],
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        // Varint lengths grow with the prefix: shrink it until the whole fits `len` exactly.
+        let mut prefix_len = len;
+        loop {
+            let document = with_prefix("a".repeat(prefix_len));
+            let over = document.encoded_len() - len;
+            if over == 0 {
+                return document;
+            }
+            prefix_len -= over;
+        }
+    }
+
+    #[test]
+    fn the_largest_snapshot_message_len_bounds_every_head() {
+        let policies = document_of_len(10_000);
+        let largest = ServerMessage::largest_snapshot_message_len(&policies);
+        for (version, nonce_len, interval) in [
+            (1, 10, 1_000),
+            (u64::MAX, 29, 10_000),
+            (7, MAX_NONCE_LEN, u64::MAX),
+            (u64::MAX, MAX_NONCE_LEN, u64::MAX),
+        ] {
+            let snapshot = pb::Snapshot {
+                version,
+                content_hash: "f".repeat(64),
+                policies: Some(policies.clone()),
+                nonce: "n".repeat(nonce_len),
+                metrics_interval_ms: interval,
+            };
+            let len = ServerMessage::with_snapshot(&snapshot).encoded_len();
+            assert!(len <= largest, "{version} {nonce_len} {interval}");
+            if version == u64::MAX && nonce_len == MAX_NONCE_LEN && interval == u64::MAX {
+                assert_eq!(len, largest);
+            }
+        }
+    }
+
+    #[test]
+    fn the_agent_limit_refuses_a_document_whose_largest_snapshot_is_over_it() {
+        // The head and the framing of the largest snapshot, for a document near the limit
+        // (length prefixes take as many bytes for any length from 2 MiB to 256 MiB).
+        let near = crate::MAX_MESSAGE_BYTES - 1_000;
+        let overhead = ServerMessage::largest_snapshot_message_len(&document_of_len(near)) - near;
+        let fits = document_of_len(crate::MAX_MESSAGE_BYTES - overhead);
+        assert_eq!(
+            ServerMessage::largest_snapshot_message_len(&fits),
+            crate::MAX_MESSAGE_BYTES
+        );
+        assert_eq!(check_agent_limit(&fits), Ok(()));
+        let over = document_of_len(crate::MAX_MESSAGE_BYTES - overhead + 1);
+        let err = check_agent_limit(&over).unwrap_err();
+        assert_eq!(
+            err,
+            TooLargeForAgents {
+                document_len: crate::MAX_MESSAGE_BYTES - overhead + 1,
+                message_len: crate::MAX_MESSAGE_BYTES + 1,
+                limit: crate::MAX_MESSAGE_BYTES,
+            }
+        );
+        assert!(
+            err.to_string()
+                .contains("agents decode messages of at most 4194304 bytes"),
+            "{err}"
+        );
     }
 }

@@ -10,6 +10,8 @@
 
 mod frame;
 
+pub use frame::{MAX_NONCE_LEN, TooLargeForAgents, check_agent_limit};
+
 pub mod convert;
 pub mod rank;
 
@@ -38,6 +40,6 @@ pub const METRICS_ACK_METADATA: &str = "retryplane-metrics-ack";
 
 /// The largest `retryplane.v1` message either side decodes: 4 MiB, gRPC's usual default. An
 /// agent refuses a `ServerMessage` longer than this, so the control plane refuses a change whose
-/// snapshot message would be longer ([`pb::ServerMessage::snapshot_message_len`]), and decodes
-/// requests up to this size unless configured otherwise.
+/// snapshot message could be longer ([`check_agent_limit`]), `retryplane validate` reports such a
+/// file, and the control plane decodes requests up to this size unless configured otherwise.
 pub const MAX_MESSAGE_BYTES: usize = 4 * 1024 * 1024;

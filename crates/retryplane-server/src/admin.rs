@@ -42,7 +42,6 @@ use crate::aggregate::window::Window;
 use crate::aggregate::{Filter, Limit};
 use crate::auth::TokenName;
 use crate::control::{ChangeError, ChangeOutcome, ChangeRequest, ControlPlane, Mode, check_size};
-use crate::publisher::Publisher;
 use crate::store::{Source, StoreError};
 
 /// The `retryplane.v1.AdminService` implementation.
@@ -254,8 +253,8 @@ async fn off_runtime<T: Send + 'static>(
 
 /// The error diagnostic for a document whose snapshot agents could not decode, with the message
 /// Apply refuses it with ([`ChangeError::TooLarge`]); it has no place, so it is on `<root>`.
-fn too_large(publisher: &Publisher, document: &pb::PolicyDocument) -> Option<Diagnostic> {
-    check_size(publisher, document)
+fn too_large(document: &pb::PolicyDocument) -> Option<Diagnostic> {
+    check_size(document)
         .err()
         .map(|e| Diagnostic::error(Loc::UNKNOWN, "<root>", e.to_string()))
 }
@@ -291,7 +290,6 @@ impl AdminService for AdminApi {
         &self,
         request: Request<pb::ValidateRequest>,
     ) -> Result<Response<pb::ValidateResponse>, Status> {
-        let publisher = self.control.publisher.clone();
         let (valid, diagnostics) = match source_kind(request.into_inner().source)? {
             Kind::Yaml(yaml) => {
                 off_runtime(move || {
@@ -299,7 +297,7 @@ impl AdminService for AdminApi {
                     let mut diagnostics = loaded.diagnostics;
                     let too_large = loaded.policies.and_then(|policies| {
                         let document = pb::PolicyDocument::from(policies.document().as_ref());
-                        too_large(&publisher, &document)
+                        too_large(&document)
                     });
                     diagnostics.extend(too_large);
                     let valid = !diagnostics.iter().any(Diagnostic::is_error);
@@ -311,7 +309,7 @@ impl AdminService for AdminApi {
                 off_runtime(move || {
                     // Apply refuses a document too large for the agents before validating it;
                     // Validate reports that first and the validation's findings after it.
-                    let too_large = too_large(&publisher, &document);
+                    let too_large = too_large(&document);
                     let (valid, found) = match convert::validate(document) {
                         Ok((_, warnings)) => (true, warnings),
                         Err(errors) => (false, errors),

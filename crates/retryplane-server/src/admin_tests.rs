@@ -430,7 +430,7 @@ async fn a_document_whose_snapshot_agents_cannot_decode_is_refused_and_stores_no
     let Some(Kind::Document(document)) = request.source.clone().and_then(|s| s.kind) else {
         unreachable!("a typed request");
     };
-    let message_len = api.control.publisher.largest_message_len(&document);
+    let message_len = pb::ServerMessage::largest_snapshot_message_len(&document);
     assert!(message_len > MAX_MESSAGE_BYTES, "{message_len}");
     let dry_run = pb::ApplyRequest {
         dry_run: true,

@@ -13,10 +13,9 @@ use std::collections::HashSet;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use prost::Message;
 use retryplane_policy::diff::{self, Change};
 use retryplane_policy::{Diagnostic, PolicyDocument};
-use retryplane_proto::{MAX_MESSAGE_BYTES, convert, pb};
+use retryplane_proto::{TooLargeForAgents, convert, pb};
 use tokio::sync::{Mutex, OwnedMutexGuard};
 use tracing::info;
 
@@ -80,17 +79,8 @@ pub enum ChangeError {
     RemovesEverything(Vec<String>),
     /// The snapshot of the policies would be a message longer than an agent decodes
     /// ([`retryplane_proto::MAX_MESSAGE_BYTES`]): every agent would refuse every push of it.
-    #[error(
-        "the policies encode to {document_len} bytes, a snapshot message of up to {message_len} bytes; agents decode messages of at most {limit} bytes: make the policies smaller (fewer endpoints or routes, shorter names)"
-    )]
-    TooLarge {
-        /// The encoded policy document.
-        document_len: usize,
-        /// The snapshot message the document makes, at most.
-        message_len: usize,
-        /// The most an agent decodes.
-        limit: usize,
-    },
+    #[error(transparent)]
+    TooLarge(#[from] TooLargeForAgents),
     /// Another change came first.
     #[error("version conflict: expected version {expected}, current is {current}")]
     Conflict {
@@ -148,22 +138,12 @@ impl std::fmt::Debug for ControlPlane {
     }
 }
 
-/// [`ChangeError::TooLarge`] when a snapshot of `document` from `publisher` would be a message
-/// longer than an agent decodes ([`retryplane_proto::MAX_MESSAGE_BYTES`]): what Apply refuses
-/// first, and Validate reports as an error.
-pub(crate) fn check_size(
-    publisher: &Publisher,
-    document: &pb::PolicyDocument,
-) -> Result<(), ChangeError> {
-    let message_len = publisher.largest_message_len(document);
-    if message_len > MAX_MESSAGE_BYTES {
-        return Err(ChangeError::TooLarge {
-            document_len: document.encoded_len(),
-            message_len,
-            limit: MAX_MESSAGE_BYTES,
-        });
-    }
-    Ok(())
+/// [`ChangeError::TooLarge`] when a snapshot of `document` could be a message longer than an
+/// agent decodes ([`retryplane_proto::MAX_MESSAGE_BYTES`]): what Apply refuses first, and
+/// Validate reports as an error. Whatever this control plane's nonce or metrics interval, as
+/// `retryplane validate` checks it.
+pub(crate) fn check_size(document: &pb::PolicyDocument) -> Result<(), ChangeError> {
+    Ok(retryplane_proto::check_agent_limit(document)?)
 }
 
 impl ControlPlane {
@@ -248,7 +228,7 @@ impl ControlPlane {
                 result,
                 Err(ChangeError::Invalid(_)
                     | ChangeError::RemovesEverything(_)
-                    | ChangeError::TooLarge { .. })
+                    | ChangeError::TooLarge(_))
             )
         {
             self.metrics.rejected_changes.inc();
@@ -269,11 +249,10 @@ impl ControlPlane {
         let store = self.store.clone();
         let force = req.force;
         let expected_version = req.expected_version;
-        let publisher = self.publisher.clone();
         let (current, changes, warnings, content_hash) = tokio::task::spawn_blocking(move || {
             // Before anything else: a snapshot no agent can decode is never stored, whatever
             // else the change holds.
-            check_size(&publisher, &document)?;
+            check_size(&document)?;
             let content_hash = convert::content_hash(&document);
             // One conversion and one validation: the compiled set keeps its document.
             let (set, warnings) = convert::validate(document).map_err(ChangeError::Invalid)?;

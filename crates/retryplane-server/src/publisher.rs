@@ -106,21 +106,6 @@ impl Publisher {
         format!("{}-{version}", self.instance)
     }
 
-    /// The most bytes the `ServerMessage` of a snapshot of `document` can take, whatever its
-    /// version: what an agent must be able to decode ([`retryplane_proto::MAX_MESSAGE_BYTES`]).
-    /// Counted, not encoded, so a large document is neither copied nor encoded.
-    pub fn largest_message_len(&self, document: &pb::PolicyDocument) -> usize {
-        let head = pb::Snapshot {
-            version: u64::MAX,
-            // A content hash is the hex SHA-256 of the document: always 64 characters.
-            content_hash: "0".repeat(64),
-            policies: None,
-            nonce: self.nonce(u64::MAX),
-            metrics_interval_ms: self.metrics_interval_ms,
-        };
-        pb::ServerMessage::snapshot_message_len(&head, document)
-    }
-
     /// The current snapshot, if any has been published.
     pub fn current(&self) -> Option<Arc<Snapshot>> {
         self.tx.borrow().clone()
@@ -212,8 +197,9 @@ mod tests {
     }
 
     #[test]
-    fn the_largest_message_len_covers_every_version_s_frame() {
-        let publisher = Publisher::new(10_000);
+    fn every_frame_is_within_the_largest_snapshot_message_len() {
+        // The size check agents' limit is held to (`check_agent_limit`) must bound what this
+        // publisher sends, whatever the version and the metrics interval.
         let document = pb::PolicyDocument {
             endpoints: vec![pb::Endpoint {
                 name: "payments".into(),
@@ -221,15 +207,16 @@ mod tests {
             }],
             ..Default::default()
         };
-        let largest = publisher.largest_message_len(&document);
-        for version in [1, 300, u64::MAX] {
-            let published =
-                publisher.publish(&VersionRecord::of_version(version, document.clone()));
-            let frame = published.frame().unwrap();
-            // The frame is the 5-byte gRPC header and then the message.
-            assert!(frame.len() - 5 <= largest, "version {version}");
-            if version == u64::MAX {
-                assert_eq!(frame.len() - 5, largest);
+        let largest = pb::ServerMessage::largest_snapshot_message_len(&document);
+        for interval_ms in [1, 10_000, u64::MAX] {
+            let publisher = Publisher::new(interval_ms);
+            for version in [1, 300, u64::MAX] {
+                assert!(publisher.nonce(version).len() <= retryplane_proto::MAX_NONCE_LEN);
+                let published =
+                    publisher.publish(&VersionRecord::of_version(version, document.clone()));
+                let frame = published.frame().unwrap();
+                // The frame is the 5-byte gRPC header and then the message.
+                assert!(frame.len() - 5 <= largest, "version {version}");
             }
         }
     }

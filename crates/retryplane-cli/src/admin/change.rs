@@ -130,7 +130,8 @@ pub fn read_policy(source: &Source, format: Format) -> anyhow::Result<Result<Pol
         Contents::TooLarge(size) => retryplane_policy::too_large(size),
         Contents::Bytes(bytes) => match String::from_utf8(bytes) {
             Ok(yaml) => {
-                let loaded = retryplane_policy::load(yaml.as_bytes());
+                let mut loaded = retryplane_policy::load(yaml.as_bytes());
+                crate::input::fit_agents(&mut loaded);
                 if !loaded.has_errors() {
                     return Ok(Ok(PolicyFile { name, yaml }));
                 }

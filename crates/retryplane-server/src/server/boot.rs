@@ -127,7 +127,7 @@ async fn apply_valid(
             error!(file = %file.display(), "the policy file removes every stored endpoint ({names}); refused, serving the stored version. To replace every endpoint, add the new ones first, then remove the old ones");
             Ok(false)
         }
-        Err(e @ crate::control::ChangeError::TooLarge { .. }) if stored.is_some() => {
+        Err(e @ crate::control::ChangeError::TooLarge(_)) if stored.is_some() => {
             error!(file = %file.display(), error = %e, version = stored, "the policy file was not applied; serving the stored version");
             Ok(false)
         }
