@@ -9,6 +9,9 @@
 //! default `info`; the file watching crate's own messages only at error unless `RUST_LOG`
 //! names `notify`). Stdout that cannot be written (a full disk, closed) is logged as a warning
 //! and serving goes on. SIGTERM or Ctrl-C ends agent streams with "reconnect", drains and exits 0.
+//! SIGHUP reads the tokens file again (`Running::reload_tokens`): added, rotated and removed
+//! tokens take effect at once, agent streams whose secret was removed end, and a file that
+//! cannot be used is logged and leaves the tokens in force.
 //! Anything that stops the start (a bad tokens file, an invalid policy file with an empty
 //! store, a port in use) exits 2 with the reason.
 
@@ -48,8 +51,9 @@ pub struct Args {
     /// through it.
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:7472")]
     http_listen: SocketAddr,
-    /// Tokens file (names, roles agent/admin, secrets). Without one there is no
-    /// authentication and the agent and admin listeners must be on loopback addresses.
+    /// Tokens file (names, roles agent/admin, secrets), read again on SIGHUP. Without one
+    /// there is no authentication and the agent and admin listeners must be on loopback
+    /// addresses.
     #[arg(long, value_name = "FILE")]
     tokens: Option<PathBuf>,
     /// API mode: the store owns the policies and `retryplane apply` changes them.
@@ -207,6 +211,7 @@ async fn serve(settings: ServeConfig) -> anyhow::Result<()> {
     // Installed before the addresses are printed: a SIGTERM sent as soon as they appear must
     // shut down cleanly, not kill the process.
     let mut terminated = Signals::install()?;
+    let mut hangups = Hangups::install()?;
     let mut running = server::start(settings).await?;
     {
         let mut out = io::stdout().lock();
@@ -226,15 +231,51 @@ async fn serve(settings: ServeConfig) -> anyhow::Result<()> {
             );
         }
     }
-    let stopped = tokio::select! {
-        stopped = running.wait() => Some(stopped),
-        () = terminated.recv() => None,
+    let stopped = loop {
+        tokio::select! {
+            stopped = running.wait() => break Some(stopped),
+            () = terminated.recv() => break None,
+            // `reload_tokens` logs the outcome; a bad file keeps the tokens in force.
+            () = hangups.recv() => {
+                let _ = running.reload_tokens();
+            }
+        }
     };
     running.shutdown().await?;
     match stopped {
         Some(Err(e)) => Err(e).context("the control plane stopped"),
         Some(Ok(())) => anyhow::bail!("the control plane stopped unexpectedly"),
         None => Ok(()),
+    }
+}
+
+/// SIGHUP, which makes `serve` read its tokens file again: listened for from the moment it is
+/// installed (before, a SIGHUP would end the process).
+struct Hangups {
+    #[cfg(unix)]
+    hup: tokio::signal::unix::Signal,
+}
+
+impl Hangups {
+    fn install() -> anyhow::Result<Self> {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{SignalKind, signal};
+            Ok(Self {
+                hup: signal(SignalKind::hangup()).context("cannot listen for SIGHUP")?,
+            })
+        }
+        #[cfg(not(unix))]
+        Ok(Self {})
+    }
+
+    /// Resolves on each SIGHUP; never where there is none.
+    async fn recv(&mut self) {
+        #[cfg(unix)]
+        if self.hup.recv().await.is_some() {
+            return;
+        }
+        std::future::pending::<()>().await;
     }
 }
 

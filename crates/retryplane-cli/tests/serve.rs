@@ -1,5 +1,5 @@
-//! `retryplane serve` as a process: prints its addresses, serves, stops cleanly on SIGTERM, and
-//! takes its limits from flags.
+//! `retryplane serve` as a process: prints its addresses, serves, stops cleanly on SIGTERM,
+//! reads its tokens file again on SIGHUP, and takes its limits from flags.
 
 // clippy's allow-*-in-tests covers `#[test]` functions only; the helpers here are tests too.
 #![allow(clippy::unwrap_used, clippy::panic)]
@@ -128,6 +128,72 @@ async fn serve_keeps_serving_when_its_stdout_cannot_be_written() {
     assert!(response.starts_with("HTTP/1.1 200"), "{response}");
     // The log is read no further; it must not fill the pipe and block the server meanwhile.
     tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    terminate(child).await;
+}
+
+/// `retryplane get --server http://ADMIN --token SECRET`, run to its end: the exit code.
+async fn get_with_token(admin: &str, secret: &str) -> i32 {
+    let status = Command::new(env!("CARGO_BIN_EXE_retryplane"))
+        .args([
+            "get",
+            "--server",
+            &format!("http://{admin}"),
+            "--token",
+            secret,
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .await
+        .unwrap();
+    status.code().unwrap()
+}
+
+#[cfg(unix)]
+#[tokio::test]
+async fn sighup_reloads_the_tokens_file_and_a_bad_one_keeps_the_tokens_in_force() {
+    let dir = tempfile::tempdir().unwrap();
+    let tokens = dir.path().join("tokens.yaml");
+    let write = |secret: &str| {
+        std::fs::write(
+            &tokens,
+            format!("tokens:\n  - {{name: alice, role: admin, secret: {secret}}}\n"),
+        )
+        .unwrap();
+    };
+    write("first-secret-0123456789");
+    let (child, addrs) = serve(dir.path(), &["--tokens", "tokens.yaml"]).await;
+    let admin = addrs[1].1.clone();
+    let pid = child.id().unwrap().to_string();
+    let hangup = || async {
+        let sent = Command::new("kill")
+            .args(["-HUP", &pid])
+            .status()
+            .await
+            .unwrap();
+        assert!(sent.success());
+    };
+    assert_eq!(get_with_token(&admin, "first-secret-0123456789").await, 0);
+    // The secret is rotated: the old one works until the reload, the new one after it.
+    write("second-secret-012345678");
+    assert_eq!(get_with_token(&admin, "second-secret-012345678").await, 1);
+    hangup().await;
+    let mut rotated = false;
+    for _ in 0..100 {
+        if get_with_token(&admin, "second-secret-012345678").await == 0 {
+            rotated = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(rotated, "the new secret was not taken after SIGHUP");
+    assert_eq!(get_with_token(&admin, "first-secret-0123456789").await, 1);
+    // A file that cannot be used does not stop the server (the server's own tests check that
+    // the tokens in force stay).
+    std::fs::write(&tokens, "tokens: [}").unwrap();
+    hangup().await;
+    hangup().await;
+    assert_eq!(get_with_token(&admin, "second-secret-012345678").await, 0);
     terminate(child).await;
 }
 

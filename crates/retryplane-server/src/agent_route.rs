@@ -189,6 +189,7 @@ mod tests {
             aggregates: Arc::new(Aggregator::new(100, tokio::time::Instant::now())),
             limits: StreamLimits::default(),
             shutdown: shutdown_rx,
+            tokens: None,
         };
         let route = AgentRoute::new(AgentStreamService::new(Arc::new(ctx)), 1 << 20);
         (route, publisher, shutdown)

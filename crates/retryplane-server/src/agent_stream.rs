@@ -10,7 +10,8 @@
 //! an agent whose Hello gave no instance id, is counted as it comes, unanswered.
 //!
 //! One task per stream owns its state; it wakes on a new publish, on the agent's next message,
-//! when a newer stream replaces it, or at shutdown.
+//! when a newer stream replaces it, when a tokens reload takes its secret away, or at
+//! shutdown.
 //!
 //! The outbound side is not tonic's encoder: the task sends the publisher's shared, pre-framed
 //! snapshot bytes (and each ack, framed by [`encode_frame`]) to the stream's
@@ -27,6 +28,7 @@ use tonic::{Request, Status, Streaming};
 use tracing::{debug, info, warn};
 
 use crate::aggregate::{Aggregator, ServiceHandle};
+use crate::auth::{Credential, TokenSet, Tokens};
 use crate::fleet::{Fleet, RegisterError};
 use crate::frame_body::{Outbound, encode_frame};
 use crate::metrics::ServerMetrics;
@@ -102,6 +104,9 @@ pub struct StreamContext {
     pub limits: StreamLimits,
     /// Becomes true when the server shuts down.
     pub shutdown: watch::Receiver<bool>,
+    /// The tokens in force, when there is a tokens file: a reload that takes a stream's secret
+    /// away ends the stream.
+    pub tokens: Option<Arc<TokenSet>>,
 }
 
 /// The `retryplane.v1.AgentService` implementation.
@@ -228,6 +233,7 @@ impl AgentStreamService {
         request: Request<Streaming<pb::AgentMessage>>,
     ) -> Result<mpsc::Receiver<Outbound>, Status> {
         let peer = request.remote_addr();
+        let credential = request.extensions().get::<Credential>().cloned();
         let limits = &self.ctx.limits;
         // Held until the stream is registered (or refused), so streams that never say Hello
         // cannot pile up; a registered stream counts against the agent limit instead.
@@ -283,9 +289,46 @@ impl AgentStreamService {
                 refilled: Instant::now(),
             },
         };
-        tokio::spawn(stream.run(inbound, tx, registration.replaced));
+        // What ends the stream when a reload takes its secret away. Subscribed before the
+        // task starts: a reload between the Guard's check and here is seen as a change.
+        let revocation = match (&self.ctx.tokens, credential) {
+            (Some(tokens), Some(credential)) => Some(Revocation {
+                tokens: tokens.subscribe(),
+                credential,
+            }),
+            _ => None,
+        };
+        tokio::spawn(stream.run(inbound, tx, registration.replaced, revocation));
         Ok(rx)
     }
+}
+
+/// The tokens in force as a stream sees them, and the credential it was admitted with.
+struct Revocation {
+    tokens: watch::Receiver<Arc<Tokens>>,
+    credential: Credential,
+}
+
+impl Revocation {
+    /// Resolves when the tokens in force no longer admit the stream's credential (at once if
+    /// a reload took it away before this was first polled); never without a revocation.
+    async fn revoked(revocation: &mut Option<Self>) {
+        let Some(Revocation { tokens, credential }) = revocation else {
+            return std::future::pending().await;
+        };
+        // `wait_for` looks at the value in force first, then at every change.
+        if tokens.wait_for(|t| !t.admits(credential)).await.is_err() {
+            // The token set is gone: the server is stopping, which ends the stream anyway.
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+/// The status ending a stream whose secret a reload took away.
+fn revoked_status() -> Status {
+    Status::unauthenticated(
+        "the token this stream authenticated with was removed from the control plane's tokens file",
+    )
 }
 
 /// One open stream's state, owned by its task.
@@ -374,6 +417,7 @@ impl AgentStream {
         mut inbound: Streaming<pb::AgentMessage>,
         tx: mpsc::Sender<Outbound>,
         mut replaced: tokio::sync::oneshot::Receiver<()>,
+        mut revocation: Option<Revocation>,
     ) {
         let mut snapshots = self.ctx.publisher.subscribe();
         let mut shutdown = self.ctx.shutdown.clone();
@@ -399,6 +443,10 @@ impl AgentStream {
                 message = inbound.message() => self.on_message(message),
                 _ = &mut replaced => Next::End(Some(replaced_status())),
                 _ = shutdown.wait_for(|s| *s) => Next::End(Some(shutdown_status())),
+                () = Revocation::revoked(&mut revocation) => {
+                    info!(agent = %self.agent_id, "the stream's token was removed; ending the stream");
+                    Next::End(Some(revoked_status()))
+                }
             };
             match next {
                 Next::Continue => {}

@@ -21,6 +21,13 @@
 //! file there is no authentication at all, and the server only binds loopback addresses unless
 //! told `--insecure` (see [`crate::server`]).
 //!
+//! The file is read again on [`TokenSet::reload`] (`retryplane serve` does it on `SIGHUP`), so
+//! a token can be added, rotated or revoked without a restart. A file that cannot be used then
+//! is refused and the tokens in force stay. Calls are checked against the tokens in force when
+//! they start; an agent stream, which lasts, is also ended (`UNAUTHENTICATED`) by the reload
+//! that takes its secret away, so a revoked agent stops receiving policies at once instead of
+//! at its next reconnect.
+//!
 //! Secrets and header values are never logged or put into an error message.
 
 use std::collections::HashMap;
@@ -30,6 +37,7 @@ use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
 use subtle::{ConditionallySelectable, ConstantTimeEq};
+use tokio::sync::watch;
 use tonic::service::Interceptor;
 use tonic::{Request, Status};
 
@@ -238,6 +246,12 @@ impl Tokens {
         }
     }
 
+    /// Whether a token of `role` still has the secret `credential` was checked against.
+    pub(crate) fn admits(&self, credential: &Credential) -> bool {
+        self.find_digest(&credential.digest)
+            .is_some_and(|token| token.role == credential.role)
+    }
+
     /// Number of tokens.
     pub fn len(&self) -> usize {
         self.tokens.len()
@@ -250,12 +264,17 @@ impl Tokens {
 
     /// The token whose secret is `secret`, comparing against every token in constant time.
     fn find(&self, secret: &[u8]) -> Option<&Token> {
-        let presented = digest(secret);
+        self.find_digest(&digest(secret))
+    }
+
+    /// The token whose secret hashes to `presented`, comparing against every token in
+    /// constant time.
+    fn find_digest(&self, presented: &[u8; 32]) -> Option<&Token> {
         // 0 = none; otherwise index + 1 of the matching token. Every token is compared.
         let mut found: u64 = 0;
         for (i, token) in self.tokens.iter().enumerate() {
             let candidate = u64::try_from(i).map_or(0, |i| i + 1);
-            found.conditional_assign(&candidate, token.digest.ct_eq(&presented));
+            found.conditional_assign(&candidate, token.digest.ct_eq(presented));
         }
         let index = usize::try_from(found.checked_sub(1)?).ok()?;
         self.tokens.get(index)
@@ -275,25 +294,85 @@ fn warn_if_world_readable(path: &Path, file: &std::fs::File) {
 #[cfg(not(unix))]
 fn warn_if_world_readable(_path: &Path, _file: &std::fs::File) {}
 
+/// The tokens in force, read from a tokens file and read again on [`TokenSet::reload`].
+#[derive(Debug)]
+pub struct TokenSet {
+    file: PathBuf,
+    current: watch::Sender<Arc<Tokens>>,
+}
+
+impl TokenSet {
+    /// Reads `file` ([`Tokens::load`]).
+    pub fn load(file: &Path) -> Result<Self, TokensError> {
+        let tokens = Tokens::load(file)?;
+        Ok(Self::of(file, tokens))
+    }
+
+    /// `tokens` in force, as if read from `file`.
+    pub fn of(file: &Path, tokens: Tokens) -> Self {
+        Self {
+            file: file.to_owned(),
+            current: watch::Sender::new(Arc::new(tokens)),
+        }
+    }
+
+    /// The tokens file.
+    pub fn file(&self) -> &Path {
+        &self.file
+    }
+
+    /// The tokens in force.
+    pub fn current(&self) -> Arc<Tokens> {
+        self.current.borrow().clone()
+    }
+
+    /// Reads the file again and puts its tokens in force: later calls are checked against
+    /// them, and agent streams whose secret they no longer hold (with the agent role) end with
+    /// `UNAUTHENTICATED`. A file that cannot be used changes nothing; the error says why.
+    /// Returns the number of tokens now in force.
+    pub fn reload(&self) -> Result<usize, TokensError> {
+        let tokens = Tokens::load(&self.file)?;
+        let count = tokens.len();
+        self.current.send_replace(Arc::new(tokens));
+        Ok(count)
+    }
+
+    /// A receiver that sees every reload.
+    pub(crate) fn subscribe(&self) -> watch::Receiver<Arc<Tokens>> {
+        self.current.subscribe()
+    }
+}
+
+/// What a request authenticated with: the hash of its secret (never the secret) and the role
+/// it was admitted for. Put into the request's extensions, so a long call (an agent stream) can
+/// be ended when a reload takes the secret away ([`Tokens::admits`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Credential {
+    digest: [u8; 32],
+    role: Role,
+}
+
 /// A tonic interceptor that admits only tokens of one role; admits everything when there are
 /// no tokens.
 #[derive(Clone, Debug)]
 pub struct Guard {
-    tokens: Option<Arc<Tokens>>,
+    tokens: Option<Arc<TokenSet>>,
     role: Role,
 }
 
 impl Guard {
-    /// Admits callers holding a token of `role` from `tokens`; everyone when `tokens` is `None`.
-    pub fn new(tokens: Option<Arc<Tokens>>, role: Role) -> Self {
+    /// Admits callers holding a token of `role` from the tokens in force in `tokens`; everyone
+    /// when `tokens` is `None`.
+    pub fn new(tokens: Option<Arc<TokenSet>>, role: Role) -> Self {
         Self { tokens, role }
     }
 
     /// The name of the token that `request` authenticates with, or the status refusing it.
-    fn check<T>(&self, request: &Request<T>) -> Result<Option<String>, Status> {
+    fn check<T>(&self, request: &Request<T>) -> Result<Option<(String, Credential)>, Status> {
         let Some(tokens) = &self.tokens else {
             return Ok(None);
         };
+        let tokens = tokens.current();
         let secret = bearer(request).ok_or_else(|| {
             Status::unauthenticated(
                 "missing credentials: send the metadata `authorization: Bearer <secret>`",
@@ -310,7 +389,13 @@ impl Guard {
                 self.role.as_str()
             )));
         }
-        Ok(Some(token.name.clone()))
+        Ok(Some((
+            token.name.clone(),
+            Credential {
+                digest: token.digest,
+                role: token.role,
+            },
+        )))
     }
 }
 
@@ -324,8 +409,9 @@ fn bearer<T>(request: &Request<T>) -> Option<&[u8]> {
 
 impl Interceptor for Guard {
     fn call(&mut self, mut request: Request<()>) -> Result<Request<()>, Status> {
-        if let Some(name) = self.check(&request)? {
+        if let Some((name, credential)) = self.check(&request)? {
             request.extensions_mut().insert(TokenName(name));
+            request.extensions_mut().insert(credential);
         }
         Ok(request)
     }

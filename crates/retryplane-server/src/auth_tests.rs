@@ -12,8 +12,9 @@ tokens:
   - {name: alice, role: admin, secret: admin-secret-0123456789}
 ";
 
-fn tokens() -> Arc<Tokens> {
-    Arc::new(Tokens::parse(FILE, Path::new("tokens.yaml")).unwrap())
+fn tokens() -> Arc<TokenSet> {
+    let path = Path::new("tokens.yaml");
+    Arc::new(TokenSet::of(path, Tokens::parse(FILE, path).unwrap()))
 }
 
 fn request(authorization: Option<&str>) -> Request<()> {
@@ -134,7 +135,8 @@ fn secrets_no_header_can_carry_are_refused_without_showing_them() {
         ),
     ] {
         let inside = format!("tokens: [{{name: a, role: admin, secret: \"{written}\"}}]");
-        let tokens = Arc::new(Tokens::parse(&inside, Path::new("tokens.yaml")).unwrap());
+        let path = Path::new("tokens.yaml");
+        let tokens = Arc::new(TokenSet::of(path, Tokens::parse(&inside, path).unwrap()));
         let passed = Guard::new(Some(tokens), Role::Admin)
             .call(request(Some(&format!("Bearer {sent}"))))
             .unwrap();
@@ -192,4 +194,63 @@ fn unknown_fields_and_empty_lists_are_refused() {
 fn missing_file_error_names_it() {
     let err = Tokens::load(Path::new("/nonexistent/tokens.yaml")).unwrap_err();
     assert!(err.to_string().contains("/nonexistent/tokens.yaml"));
+}
+
+#[test]
+fn a_reload_puts_the_file_s_tokens_in_force_and_a_bad_file_changes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tokens.yaml");
+    std::fs::write(&path, FILE).unwrap();
+    let set = Arc::new(TokenSet::load(&path).unwrap());
+    let admin = |secret: &str| {
+        Guard::new(Some(set.clone()), Role::Admin).call(request(Some(&format!("Bearer {secret}"))))
+    };
+    let fleet = |secret: &str| {
+        Guard::new(Some(set.clone()), Role::Agent).call(request(Some(&format!("Bearer {secret}"))))
+    };
+    assert!(admin("admin-secret-0123456789").is_ok());
+    // alice's secret is rotated and a second agent token is added.
+    std::fs::write(
+        &path,
+        "tokens:
+  - {name: fleet, role: agent, secret: agent-secret-0123456789}
+  - {name: batch, role: agent, secret: batch-secret-0123456789}
+  - {name: alice, role: admin, secret: admin-secret-rotated-0001}
+",
+    )
+    .unwrap();
+    // Read when the file is, not before.
+    assert!(fleet("batch-secret-0123456789").is_err());
+    assert_eq!(set.reload().unwrap(), 3);
+    assert!(fleet("batch-secret-0123456789").is_ok());
+    assert!(admin("admin-secret-rotated-0001").is_ok());
+    let old = admin("admin-secret-0123456789").unwrap_err();
+    assert_eq!(old.code(), Code::Unauthenticated);
+    // A file that cannot be used is refused, and the tokens in force stay.
+    std::fs::write(&path, "tokens: []\n").unwrap();
+    let err = set.reload().unwrap_err();
+    assert!(err.to_string().contains("`tokens` is empty"), "{err}");
+    assert!(admin("admin-secret-rotated-0001").is_ok());
+    std::fs::remove_file(&path).unwrap();
+    assert!(matches!(set.reload(), Err(TokensError::Read { .. })));
+    assert!(fleet("batch-secret-0123456789").is_ok());
+    assert_eq!(set.current().len(), 3);
+}
+
+#[test]
+fn a_credential_is_admitted_while_a_token_of_its_role_has_its_secret() {
+    let set = tokens();
+    let admitted = Guard::new(Some(set.clone()), Role::Agent)
+        .call(request(Some("Bearer agent-secret-0123456789")))
+        .unwrap();
+    let credential = admitted.extensions().get::<Credential>().unwrap().clone();
+    assert!(set.current().admits(&credential));
+    let path = Path::new("tokens.yaml");
+    // The same secret under another name still admits it; under the admin role it does not.
+    let renamed = "tokens: [{name: other, role: agent, secret: agent-secret-0123456789}]";
+    assert!(Tokens::parse(renamed, path).unwrap().admits(&credential));
+    let promoted = "tokens: [{name: fleet, role: admin, secret: agent-secret-0123456789}]";
+    assert!(!Tokens::parse(promoted, path).unwrap().admits(&credential));
+    let rotated = "tokens: [{name: fleet, role: agent, secret: agent-secret-rotated-0001}]";
+    assert!(!Tokens::parse(rotated, path).unwrap().admits(&credential));
 }

@@ -121,6 +121,7 @@ async fn serve(control: &Arc<ControlPlane>) -> (std::net::SocketAddr, watch::Sen
         aggregates: control.aggregates.clone(),
         limits: StreamLimits::default(),
         shutdown: stopped.clone(),
+        tokens: None,
     };
     let router = Server::builder()
         .add_service(AgentRoute::new(

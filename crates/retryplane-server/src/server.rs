@@ -37,13 +37,13 @@ use tonic::transport::Server;
 use tonic::transport::server::TcpIncoming;
 use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 use crate::admin::AdminApi;
 use crate::agent_route::AgentRoute;
 use crate::agent_stream::{AgentStreamService, StreamContext};
 use crate::aggregate::{self, Aggregator};
-use crate::auth::{Guard, Role, Tokens};
+use crate::auth::{Guard, Role, TokenSet, TokensError};
 use crate::control::{ControlPlane, Mode};
 use crate::fleet::Fleet;
 use crate::http::{HttpState, router};
@@ -87,6 +87,7 @@ pub struct Running {
     health: HealthReporter,
     servers: JoinSet<Result<(), ServeError>>,
     background: Vec<JoinHandle<()>>,
+    tokens: Option<Arc<TokenSet>>,
 }
 
 async fn bind(listener: &'static str, addr: SocketAddr) -> Result<TcpListener, ServeError> {
@@ -132,8 +133,8 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
     check_settings(&cfg)?;
     let tokens = match &cfg.tokens_file {
         Some(path) => {
-            let tokens = Tokens::load(path)?;
-            info!(file = %path.display(), tokens = tokens.len(), "authentication on");
+            let tokens = TokenSet::load(path)?;
+            info!(file = %path.display(), tokens = tokens.current().len(), "authentication on");
             Some(Arc::new(tokens))
         }
         None => None,
@@ -224,6 +225,7 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
             .clone()
             .for_metrics_interval(cfg.metrics_interval),
         shutdown: shutdown_rx.clone(),
+        tokens: tokens.clone(),
     });
     // Not the generated `AgentServiceServer`: the route sends one shared frame per version
     // to every stream (see `crate::agent_route`).
@@ -237,7 +239,7 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
     let admin_service = InterceptedService::new(
         AdminServiceServer::new(AdminApi::new(control.clone()))
             .max_decoding_message_size(cfg.max_message_bytes),
-        Guard::new(tokens, Role::Admin),
+        Guard::new(tokens.clone(), Role::Admin),
     );
 
     let mut servers = JoinSet::new();
@@ -292,6 +294,7 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
         health,
         servers,
         background,
+        tokens,
     })
 }
 
@@ -333,6 +336,27 @@ async fn serving_once_published(
 }
 
 impl Running {
+    /// Reads the tokens file again and puts its tokens in force ([`TokenSet::reload`]): a
+    /// token added, rotated or removed takes effect without a restart, and agent streams whose
+    /// secret is gone end. `Ok(None)` without a tokens file (there is nothing to reload); `Err`
+    /// when the file cannot be used, and the tokens in force stay. Logs the outcome.
+    pub fn reload_tokens(&self) -> Result<Option<usize>, TokensError> {
+        let Some(tokens) = &self.tokens else {
+            info!("no tokens file to reload: authentication is off");
+            return Ok(None);
+        };
+        match tokens.reload() {
+            Ok(count) => {
+                info!(file = %tokens.file().display(), tokens = count, "tokens file reloaded");
+                Ok(Some(count))
+            }
+            Err(e) => {
+                error!(error = %e, tokens = tokens.current().len(), "tokens file not reloaded; the tokens in force stay");
+                Err(e)
+            }
+        }
+    }
+
     /// The `agent_addr` field, for callers that prefer a method.
     pub fn agent_addr(&self) -> SocketAddr {
         self.agent_addr

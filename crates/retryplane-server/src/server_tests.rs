@@ -855,6 +855,68 @@ async fn agent_streams_need_an_agent_token() {
 }
 
 #[tokio::test]
+async fn a_tokens_reload_ends_the_streams_whose_secret_it_removes_and_admits_new_ones() {
+    let (dir, mut cfg) = with_file(V1);
+    let tokens_file = dir.path().join("tokens.yaml");
+    fs::write(
+        &tokens_file,
+        "tokens:
+  - {name: fleet, role: agent, secret: agent-secret-0123456789}
+  - {name: batch, role: agent, secret: batch-secret-0123456789}
+  - {name: alice, role: admin, secret: admin-secret-0123456789}
+",
+    )
+    .unwrap();
+    cfg.tokens_file = Some(tokens_file.clone());
+    let running = start(cfg).await.unwrap();
+    let addr = running.agent_addr;
+    let (_tx1, mut fleet) = open_stream(addr, hello("a-1"), Some("agent-secret-0123456789"))
+        .await
+        .unwrap();
+    assert_eq!(next_version(&mut fleet).await, 1);
+    let (_tx2, mut batch) = open_stream(addr, hello("a-2"), Some("batch-secret-0123456789"))
+        .await
+        .unwrap();
+    assert_eq!(next_version(&mut batch).await, 1);
+    // A file that cannot be used changes nothing.
+    fs::write(
+        &tokens_file,
+        "tokens: [{name: x, role: agent, secret: short}]\n",
+    )
+    .unwrap();
+    assert!(running.reload_tokens().is_err());
+    // `batch` is revoked, `fleet` kept, and a new agent token added.
+    fs::write(
+        &tokens_file,
+        "tokens:
+  - {name: fleet, role: agent, secret: agent-secret-0123456789}
+  - {name: new, role: agent, secret: newer-secret-0123456789}
+  - {name: alice, role: admin, secret: admin-secret-0123456789}
+",
+    )
+    .unwrap();
+    assert_eq!(running.reload_tokens().unwrap(), Some(3));
+    let ended = tokio::time::timeout(SHUTDOWN_GRACE, batch.message())
+        .await
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(ended.code(), Code::Unauthenticated, "{ended:?}");
+    assert!(ended.message().contains("removed"), "{ended:?}");
+    let refused = open_stream(addr, hello("a-2"), Some("batch-secret-0123456789"))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Code::Unauthenticated, "{refused:?}");
+    let (_tx3, mut new) = open_stream(addr, hello("a-3"), Some("newer-secret-0123456789"))
+        .await
+        .unwrap();
+    assert_eq!(next_version(&mut new).await, 1);
+    // The stream whose token stayed still gets what is published.
+    fs::write(dir.path().join("policies.yaml"), V2).unwrap();
+    assert_eq!(next_version(&mut fleet).await, 2);
+    running.shutdown().await.unwrap();
+}
+
+#[tokio::test]
 async fn another_agent_service_method_is_unimplemented() {
     use tonic::codegen::http::uri::PathAndQuery;
     let (_dir, cfg) = with_file(V1);

@@ -25,8 +25,9 @@ pub struct ServeConfig {
     /// The HTTP listener: `/healthz`, `/readyz` and `/metrics`, to anyone who can reach it
     /// (with or without a tokens file). Default `127.0.0.1:7472`.
     pub http_listen: SocketAddr,
-    /// The tokens file; without one there is no authentication and the agent and admin
-    /// listeners must be on loopback addresses (unless `insecure`).
+    /// The tokens file, read at start and again by [`crate::server::Running::reload_tokens`];
+    /// without one there is no authentication and the agent and admin listeners must be on
+    /// loopback addresses (unless `insecure`).
     pub tokens_file: Option<PathBuf>,
     /// API mode: the store owns the policies and the admin API changes them.
     pub api_mode: bool,
