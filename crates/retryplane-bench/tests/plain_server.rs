@@ -124,7 +124,7 @@ async fn every_agent_gets_a_published_version_and_every_ack_is_counted() {
     assert_eq!(info.content_hash, applied.content_hash);
 
     let history = admin
-        .history(pb::HistoryRequest { limit: 0 })
+        .history(pb::HistoryRequest::default())
         .await
         .unwrap_err();
     assert_eq!(history.code(), tonic::Code::Unimplemented);

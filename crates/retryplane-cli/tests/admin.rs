@@ -299,6 +299,53 @@ fn apply_get_history_diff_rollback_and_status_work_against_a_real_server() {
 }
 
 #[test]
+fn history_reads_every_page_of_a_long_history() {
+    use retryplane_server::store::{NewVersion, RedbStore, Source, VersionStore as _};
+
+    const VERSIONS: u64 = 1_205;
+    let server = TestServer::start(None, None, |cfg| {
+        cfg.api_mode = true;
+        // Stored before the server starts: more versions than one History answer holds.
+        let store = RedbStore::open(&cfg.data_dir).unwrap();
+        for i in 1..=VERSIONS {
+            let yaml = format!("version: 1\nendpoints:\n  e{i}: {{}}\n");
+            let policies = retryplane_policy::load(yaml.as_bytes()).policies.unwrap();
+            let document = pb::PolicyDocument::from(policies.document().as_ref());
+            let new = NewVersion {
+                content_hash: retryplane_proto::convert::content_hash(&document),
+                document,
+                source: Source::Admin,
+                author: None,
+                summary: format!("v{i}"),
+                created_unix_ms: i,
+            };
+            store.publish(new, None).unwrap();
+        }
+    });
+    let versions = |args: &[&str]| -> Vec<u64> {
+        let mut all = vec!["history", "--output", "json"];
+        all.extend(args);
+        let json = json_of(&server.retryplane(&all).assert().code(0));
+        json.as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v["version"].as_u64().unwrap())
+            .collect()
+    };
+    assert_eq!(versions(&[]), (1..=VERSIONS).rev().collect::<Vec<_>>());
+    assert_eq!(
+        versions(&["--limit", "1100"]),
+        (VERSIONS - 1_099..=VERSIONS).rev().collect::<Vec<_>>()
+    );
+    let text = stdout_of(&server.retryplane(&["history"]).assert().code(0));
+    assert_eq!(
+        text.lines().count() as u64,
+        VERSIONS + 1,
+        "header and every version"
+    );
+}
+
+#[test]
 fn an_invalid_file_prints_its_diagnostics_and_exits_1() {
     let server = test_server(true, None);
     server.write("bad.yaml", INVALID);

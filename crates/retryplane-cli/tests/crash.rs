@@ -152,7 +152,7 @@ impl Server {
         let history = self
             .admin
             .clone()
-            .history(pb::HistoryRequest { limit: 0 })
+            .history(pb::HistoryRequest::default())
             .await
             .unwrap()
             .into_inner();

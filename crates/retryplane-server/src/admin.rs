@@ -9,6 +9,10 @@
 //! error diagnostic, and policies whose snapshot would be larger than agents decode (an error
 //! on `<root>` with Apply's message).
 //!
+//! `History` answers a page of at most [`HISTORY_PAGE`] versions (and about
+//! [`HISTORY_PAGE_BYTES`]), with where the next page starts, so a long history never makes an
+//! answer larger than a client decodes.
+//!
 //! # Status codes
 //!
 //! - `INVALID_ARGUMENT`: no source, a YAML source over 1 MiB, policies whose snapshot would be
@@ -29,6 +33,7 @@
 
 use std::sync::Arc;
 
+use prost::Message as _;
 use retryplane_policy::render::to_yaml;
 use retryplane_policy::yaml::{Loc, MAX_FILE_BYTES};
 use retryplane_policy::{Diagnostic, PolicyDocument};
@@ -42,7 +47,7 @@ use crate::aggregate::window::Window;
 use crate::aggregate::{Filter, Limit};
 use crate::auth::TokenName;
 use crate::control::{ChangeError, ChangeOutcome, ChangeRequest, ControlPlane, Mode, check_size};
-use crate::store::{Source, StoreError};
+use crate::store::{Source, StoreError, VersionMeta};
 
 /// The `retryplane.v1.AdminService` implementation.
 #[derive(Clone, Debug)]
@@ -92,6 +97,15 @@ fn given(s: &str) -> Option<&str> {
 fn expected(version: u64) -> Option<u64> {
     (version != 0).then_some(version)
 }
+
+/// The most versions one `History` answer holds; more are read a page at a time
+/// (`HistoryResponse.next_before`).
+pub const HISTORY_PAGE: usize = 1_000;
+
+/// About the most bytes of versions one `History` answer holds (at least one version is
+/// always sent): far below the 4 MiB a client decodes, whatever token names and summaries
+/// the versions carry.
+pub const HISTORY_PAGE_BYTES: usize = 1024 * 1024;
 
 /// The most a status message may take on the wire. gRPC sends the message percent-encoded in
 /// the `grpc-message` trailer, and clients limit a response's metadata: gRPC core (Python, C++,
@@ -259,6 +273,32 @@ fn too_large(document: &pb::PolicyDocument) -> Option<Diagnostic> {
         .map(|e| Diagnostic::error(Loc::UNKNOWN, "<root>", e.to_string()))
 }
 
+/// The `History` answer holding as many of `metas` (newest first, at most [`HISTORY_PAGE`]) as
+/// fit [`HISTORY_PAGE_BYTES`], at least one; `next_before` is set when versions older than the
+/// last one sent were asked for (`limit` 0, or more than were sent).
+fn history_page(metas: &[VersionMeta], limit: usize) -> pb::HistoryResponse {
+    let mut versions = Vec::with_capacity(metas.len());
+    let mut bytes = 0;
+    for meta in metas {
+        let info = pb::VersionInfo::from(meta);
+        bytes += info.encoded_len();
+        if !versions.is_empty() && bytes > HISTORY_PAGE_BYTES {
+            break;
+        }
+        versions.push(info);
+    }
+    // Versions are numbered from 1 without gaps, so older ones exist below any but 1.
+    let more_wanted = limit == 0 || versions.len() < limit;
+    let next_before = match versions.last() {
+        Some(last) if last.version > 1 && more_wanted => last.version,
+        _ => 0,
+    };
+    pb::HistoryResponse {
+        versions,
+        next_before,
+    }
+}
+
 /// `retryplane_policy::load` of `yaml`, off the async threads.
 async fn load_yaml(yaml: String) -> Result<retryplane_policy::Loaded, Status> {
     off_runtime(move || retryplane_policy::load(yaml.as_bytes())).await
@@ -397,15 +437,20 @@ impl AdminService for AdminApi {
         &self,
         request: Request<pb::HistoryRequest>,
     ) -> Result<Response<pb::HistoryResponse>, Status> {
-        let limit = usize::try_from(request.into_inner().limit).unwrap_or(usize::MAX);
-        let versions = self
+        let request = request.into_inner();
+        let limit = usize::try_from(request.limit).unwrap_or(usize::MAX);
+        let page = if limit == 0 {
+            HISTORY_PAGE
+        } else {
+            limit.min(HISTORY_PAGE)
+        };
+        let before = (request.before != 0).then_some(request.before);
+        let metas = self
             .control
-            .blocking(move |s| s.history(limit))
+            .blocking(move |s| s.history(page, before))
             .await
             .map_err(|e| internal(&e))?;
-        Ok(Response::new(pb::HistoryResponse {
-            versions: versions.iter().map(pb::VersionInfo::from).collect(),
-        }))
+        Ok(Response::new(history_page(&metas, limit)))
     }
 
     async fn rollback(

@@ -45,11 +45,14 @@ async fn apply(api: &AdminApi, request: pb::ApplyRequest) -> Result<pb::ApplyRes
 }
 
 async fn history(api: &AdminApi) -> Vec<pb::VersionInfo> {
-    api.history(Request::new(pb::HistoryRequest { limit: 0 }))
-        .await
-        .unwrap()
-        .into_inner()
-        .versions
+    api.history(Request::new(pb::HistoryRequest {
+        limit: 0,
+        ..Default::default()
+    }))
+    .await
+    .unwrap()
+    .into_inner()
+    .versions
 }
 
 async fn get(api: &AdminApi, version: u64) -> Result<pb::GetResponse, Status> {
@@ -518,12 +521,95 @@ async fn history_is_newest_first_and_limited() {
     let all: Vec<u64> = history(&api).await.iter().map(|v| v.version).collect();
     assert_eq!(all, [2, 1]);
     let limited = api
-        .history(Request::new(pb::HistoryRequest { limit: 1 }))
+        .history(Request::new(pb::HistoryRequest {
+            limit: 1,
+            ..Default::default()
+        }))
         .await
         .unwrap()
         .into_inner();
     assert_eq!(limited.versions.len(), 1);
     assert_eq!(limited.versions[0].version, 2);
+}
+
+fn new_version(i: u64, summary: String) -> crate::store::NewVersion {
+    crate::store::NewVersion {
+        document: pb::PolicyDocument::default(),
+        content_hash: format!("{i:064x}"),
+        source: Source::Admin,
+        author: None,
+        summary,
+        created_unix_ms: i,
+    }
+}
+
+#[tokio::test]
+async fn history_answers_a_page_at_a_time_and_says_where_the_next_starts() {
+    let store: Arc<dyn VersionStore> = Arc::new(MemoryStore::new());
+    let total = 2 * HISTORY_PAGE as u64 + 500;
+    for i in 1..=total {
+        store.publish(new_version(i, String::new()), None).unwrap();
+    }
+    let api = AdminApi::new(Arc::new(ControlPlane::for_tests(store, Mode::Api)));
+    let page = |limit, before| {
+        let api = &api;
+        async move {
+            let answer = api
+                .history(Request::new(pb::HistoryRequest { limit, before }))
+                .await
+                .unwrap()
+                .into_inner();
+            let versions: Vec<u64> = answer.versions.iter().map(|v| v.version).collect();
+            (versions, answer.next_before)
+        }
+    };
+    // All of them: three pages, each newest first, each continuing where the last stopped.
+    let mut all = Vec::new();
+    let mut before = 0;
+    for _ in 0..3 {
+        let (versions, next) = page(0, before).await;
+        assert!(versions.len() <= HISTORY_PAGE);
+        all.extend(versions);
+        before = next;
+    }
+    assert_eq!(before, 0, "nothing left after the third page");
+    assert_eq!(all, (1..=total).rev().collect::<Vec<_>>());
+    // A limit over one page: the rest of it on the next, and nothing more.
+    let (first, next) = page(1_200, 0).await;
+    assert_eq!(first.len(), HISTORY_PAGE);
+    let (second, last) = page(200, next).await;
+    assert_eq!(
+        second,
+        (total - 1_199..=total - 1_000).rev().collect::<Vec<_>>()
+    );
+    assert_eq!(last, 0);
+    // A limit within one page asks for nothing more.
+    assert_eq!(page(3, 0).await, (vec![total, total - 1, total - 2], 0));
+    // Past the oldest, nothing.
+    assert_eq!(page(0, 1).await, (Vec::new(), 0));
+}
+
+#[test]
+fn a_history_page_stays_under_its_byte_bound_and_always_holds_one_version() {
+    let store = MemoryStore::new();
+    for i in 1..=5 {
+        let summary = "x".repeat(if i == 5 {
+            2 * HISTORY_PAGE_BYTES
+        } else {
+            300 * 1024
+        });
+        store.publish(new_version(i, summary), None).unwrap();
+    }
+    let metas = store.history(0, None).unwrap();
+    // Version 5 alone is over the bound: it is sent alone.
+    let answer = history_page(&metas, 0);
+    assert_eq!(answer.versions.len(), 1);
+    assert_eq!(answer.next_before, 5);
+    let answer = history_page(&metas[1..], 0);
+    let versions: Vec<u64> = answer.versions.iter().map(|v| v.version).collect();
+    assert_eq!(versions, [4, 3, 2]);
+    assert!(answer.encoded_len() <= HISTORY_PAGE_BYTES + 16);
+    assert_eq!(answer.next_before, 2);
 }
 
 #[tokio::test]

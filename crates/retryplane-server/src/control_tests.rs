@@ -81,8 +81,8 @@ impl VersionStore for GatedStore {
         self.inner.get(version)
     }
 
-    fn history(&self, limit: usize) -> Result<Vec<VersionMeta>, StoreError> {
-        self.inner.history(limit)
+    fn history(&self, limit: usize, before: Option<u64>) -> Result<Vec<VersionMeta>, StoreError> {
+        self.inner.history(limit, before)
     }
 
     fn publish(&self, new: NewVersion, expected: Option<u64>) -> Result<Published, StoreError> {
@@ -278,7 +278,7 @@ impl VersionStore for BrokenStore {
         Err(StoreError::Corrupt("unreadable".to_owned()))
     }
 
-    fn history(&self, _limit: usize) -> Result<Vec<VersionMeta>, StoreError> {
+    fn history(&self, _limit: usize, _before: Option<u64>) -> Result<Vec<VersionMeta>, StoreError> {
         Err(StoreError::Corrupt("unreadable".to_owned()))
     }
 

@@ -450,7 +450,7 @@ async fn roles_are_enforced_over_the_wire() {
     cfg.tokens_file = Some(dir.path().join("tokens.yaml"));
     let running = start(cfg).await.unwrap();
     let mut client = admin(&running).await;
-    let history = || pb::HistoryRequest { limit: 0 };
+    let history = || pb::HistoryRequest::default();
     let missing = client.history(history()).await.unwrap_err();
     assert_eq!(missing.code(), Code::Unauthenticated);
     let wrong = client

@@ -129,7 +129,7 @@ async fn a_burst_of_writes_is_read_once_after_the_quiet_period() {
     }
     wait_for_version(&f.control, 2, PUBLISH_BOUND).await;
     assert_eq!(max_attempts_served(&f.control).await, Some(5));
-    let history = f.control.blocking(|s| s.history(0)).await.unwrap();
+    let history = f.control.blocking(|s| s.history(0, None)).await.unwrap();
     assert_eq!(history.len(), 2, "one version for the whole burst");
 }
 
@@ -154,7 +154,7 @@ async fn saving_the_same_content_publishes_nothing() {
     save_by_rename(&f, &format!("# a comment\n{V1}"));
     save_by_rename(&f, V2);
     wait_for_version(&f.control, 2, PUBLISH_BOUND).await;
-    let history = f.control.blocking(|s| s.history(0)).await.unwrap();
+    let history = f.control.blocking(|s| s.history(0, None)).await.unwrap();
     assert_eq!(history.len(), 2);
 }
 
@@ -313,7 +313,7 @@ async fn touching_an_unrelated_file_publishes_and_logs_nothing() {
     wait_for_version(&f.control, 2, PUBLISH_BOUND).await;
 
     let logged = touch_unrelated(&f, &log).await;
-    let history = f.control.blocking(|s| s.history(0)).await.unwrap();
+    let history = f.control.blocking(|s| s.history(0, None)).await.unwrap();
     assert_eq!(history.len(), 2, "no new version");
     assert!(
         !logged.contains(" INFO ") && !logged.contains(" WARN "),

@@ -5,6 +5,9 @@
 //! for no author, the first 12 hex digits of the content hash. JSON: an array of
 //! `{version, content_hash, source, author, created_unix_ms, created, summary,
 //! rolled_back_from}`.
+//!
+//! The control plane answers a page at a time (1,000 versions); the pages are read one after
+//! the other until every version asked for has come.
 
 use serde_json::Value;
 
@@ -55,27 +58,44 @@ impl TryFrom<Args> for Settings {
 pub fn run(settings: &Settings) -> anyhow::Result<Report> {
     block_on(async {
         let mut client = Client::connect(&settings.server).await?;
-        let request = pb::HistoryRequest {
-            limit: settings.limit.unwrap_or(0),
-        };
-        let response = match client.history(request).await {
-            Ok(response) => response,
-            Err(status) => return Ok(super::failed(&status, String::new())),
-        };
+        let mut versions: Vec<pb::VersionInfo> = Vec::new();
+        let mut before = 0;
+        loop {
+            let sent = u32::try_from(versions.len()).unwrap_or(u32::MAX);
+            let request = pb::HistoryRequest {
+                // Whatever is left of the limit; 0 asks for all.
+                limit: settings.limit.map_or(0, |limit| limit.saturating_sub(sent)),
+                before,
+            };
+            let response = match client.history(request).await {
+                Ok(response) => response,
+                Err(status) => return Ok(super::failed(&status, String::new())),
+            };
+            versions.extend(response.versions);
+            let next = response.next_before;
+            let wanted = settings
+                .limit
+                .is_none_or(|limit| versions.len() < limit as usize);
+            // Each page starts below the last, so this ends; a control plane that does not
+            // page (no `next_before`) answers once.
+            if next == 0 || !wanted || (before != 0 && next >= before) {
+                break;
+            }
+            before = next;
+        }
         let stdout = match settings.format {
             Format::Json => {
-                let all: Vec<Value> = response
-                    .versions
+                let all: Vec<Value> = versions
                     .iter()
                     .map(|v| Value::Object(json::version_info(v)))
                     .collect();
                 output::json(&all)?
             }
-            Format::Text if response.versions.is_empty() => {
+            Format::Text if versions.is_empty() => {
                 output::note(format_args!("no versions stored yet"));
                 String::new()
             }
-            Format::Text => table(&response.versions),
+            Format::Text => table(&versions),
         };
         Ok(Report {
             stdout,

@@ -40,10 +40,16 @@ impl VersionStore for MemoryStore {
         Ok(self.versions().get(index).cloned())
     }
 
-    fn history(&self, limit: usize) -> Result<Vec<VersionMeta>, StoreError> {
+    fn history(&self, limit: usize, before: Option<u64>) -> Result<Vec<VersionMeta>, StoreError> {
         let versions = self.versions();
-        let take = history_len(versions.len(), limit);
-        Ok(versions
+        // Version v is at index v - 1: the versions older than `before` are the first
+        // `before - 1`.
+        let older = before.map_or(versions.len(), |before| {
+            usize::try_from(before.saturating_sub(1))
+                .map_or(versions.len(), |n| n.min(versions.len()))
+        });
+        let take = history_len(older, limit);
+        Ok(versions[..older]
             .iter()
             .rev()
             .take(take)

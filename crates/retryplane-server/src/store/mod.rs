@@ -214,8 +214,9 @@ pub trait VersionStore: Send + Sync + 'static {
     /// A stored version, or `None` if it does not exist.
     fn get(&self, version: u64) -> Result<Option<VersionRecord>, StoreError>;
 
-    /// The metadata of the newest `limit` versions, newest first; `limit == 0` means all.
-    fn history(&self, limit: usize) -> Result<Vec<VersionMeta>, StoreError>;
+    /// The metadata of the newest `limit` versions older than `before` (all versions when
+    /// `None`), newest first; `limit == 0` means all of them.
+    fn history(&self, limit: usize, before: Option<u64>) -> Result<Vec<VersionMeta>, StoreError>;
 
     /// Publishes `new` as version `current + 1` in one atomic transaction.
     ///

@@ -303,14 +303,18 @@ impl VersionStore for RedbStore {
         })
     }
 
-    fn history(&self, limit: usize) -> Result<Vec<VersionMeta>, StoreError> {
+    fn history(&self, limit: usize, before: Option<u64>) -> Result<Vec<VersionMeta>, StoreError> {
         self.run(|db| {
             let txn = db.begin_read().map_err(backend)?;
             let versions = txn.open_table(VERSIONS).map_err(backend)?;
             let count = usize::try_from(versions.len().map_err(backend)?).unwrap_or(usize::MAX);
             let take = history_len(count, limit);
-            let mut metas = Vec::with_capacity(take);
-            for entry in versions.iter().map_err(backend)?.rev().take(take) {
+            let entries = match before {
+                Some(before) => versions.range(..before).map_err(backend)?,
+                None => versions.iter().map_err(backend)?,
+            };
+            let mut metas = Vec::with_capacity(take.min(1_024));
+            for entry in entries.rev().take(take) {
                 let (key, value) = entry.map_err(backend)?;
                 let (meta, _) = decode(key.value(), value.value())?;
                 metas.push(meta);

@@ -53,11 +53,14 @@ fn reopening_after_drop_serves_the_same_version_and_hash() {
         store
             .publish(version_of("b", Source::Rollback { from: 1 }), None)
             .unwrap();
-        (store.current().unwrap().unwrap(), store.history(0).unwrap())
+        (
+            store.current().unwrap().unwrap(),
+            store.history(0, None).unwrap(),
+        )
     };
     let store = RedbStore::open(dir.path()).unwrap();
     assert_eq!(store.current().unwrap().unwrap(), before);
-    assert_eq!(store.history(0).unwrap(), history);
+    assert_eq!(store.history(0, None).unwrap(), history);
     assert_eq!(before.meta.version, 2);
     assert_eq!(
         before.meta.content_hash,
@@ -349,7 +352,7 @@ async fn writes_work_again_once_a_full_disk_has_room() {
     tokio::time::advance(REOPEN_INTERVAL).await;
     assert_eq!(store.current().unwrap().unwrap().meta.version, 1);
     assert_eq!(publish_new(&store, "b"), 2);
-    assert_eq!(store.history(0).unwrap().len(), 2);
+    assert_eq!(store.history(0, None).unwrap().len(), 2);
     drop(store);
     assert_eq!(
         RedbStore::open(dir.path())
@@ -387,7 +390,7 @@ async fn a_failing_store_is_reopened_at_most_once_an_interval_and_recovers_after
                 .map(|_| ())
                 .unwrap_err(),
             1 => store.current().map(|_| ()).unwrap_err(),
-            _ => store.history(0).map(|_| ()).unwrap_err(),
+            _ => store.history(0, None).map(|_| ()).unwrap_err(),
         };
         assert!(matches!(error, StoreError::Backend(_)), "{error:?}");
         assert!(says_no_space(&error), "call {call}: {error:?}");
@@ -411,7 +414,7 @@ async fn a_failing_store_is_reopened_at_most_once_an_interval_and_recovers_after
     tokio::time::advance(std::time::Duration::from_millis(1)).await;
     assert_eq!(store.current().unwrap().unwrap().meta.version, 1);
     assert_eq!(publish_new(&store, "b"), 2);
-    assert_eq!(store.history(0).unwrap().len(), 2);
+    assert_eq!(store.history(0, None).unwrap().len(), 2);
     assert_eq!(opens.load(Ordering::SeqCst), 3);
 }
 

@@ -51,7 +51,7 @@ fn empty_store_has_no_current_version(store: &dyn VersionStore) {
     assert_eq!(store.current().unwrap(), None);
     assert_eq!(store.get(1).unwrap(), None);
     assert_eq!(store.get(0).unwrap(), None);
-    assert!(store.history(0).unwrap().is_empty());
+    assert!(store.history(0, None).unwrap().is_empty());
 }
 
 fn first_publish_is_version_one_and_the_next_is_two(store: &dyn VersionStore) {
@@ -81,7 +81,7 @@ fn same_content_is_unchanged_and_writes_nothing(store: &dyn VersionStore) {
     again.summary = "another summary".to_owned();
     let published = store.publish(again, Some(1)).unwrap();
     assert_eq!(published, Published::Unchanged(before.clone()));
-    assert_eq!(store.history(0).unwrap().len(), 1);
+    assert_eq!(store.history(0, None).unwrap().len(), 1);
     assert_eq!(store.current().unwrap(), Some(before));
 }
 
@@ -107,7 +107,7 @@ fn stale_expected_version_is_a_conflict(store: &dyn VersionStore) {
             "{name} expecting {expected}: {err:?}"
         );
     }
-    assert_eq!(store.history(0).unwrap().len(), 2);
+    assert_eq!(store.history(0, None).unwrap().len(), 2);
 }
 
 fn history_is_newest_first_and_honours_the_limit(store: &dyn VersionStore) {
@@ -115,14 +115,31 @@ fn history_is_newest_first_and_honours_the_limit(store: &dyn VersionStore) {
         publish_new(store, name);
     }
     let versions = |limit| -> Vec<u64> {
-        let history = store.history(limit).unwrap();
+        let history = store.history(limit, None).unwrap();
         history.iter().map(|meta| meta.version).collect()
     };
     assert_eq!(versions(0), [4, 3, 2, 1]);
     assert_eq!(versions(2), [4, 3]);
     assert_eq!(versions(10), [4, 3, 2, 1]);
-    let newest = &store.history(1).unwrap()[0];
+    let newest = &store.history(1, None).unwrap()[0];
     assert_eq!(newest, &store.current().unwrap().unwrap().meta);
+}
+
+fn history_pages_through_the_versions_older_than_before(store: &dyn VersionStore) {
+    for name in ["a", "b", "c", "d", "e"] {
+        publish_new(store, name);
+    }
+    let versions = |limit, before| -> Vec<u64> {
+        let history = store.history(limit, Some(before)).unwrap();
+        history.iter().map(|meta| meta.version).collect()
+    };
+    assert_eq!(versions(2, 6), [5, 4]);
+    assert_eq!(versions(2, 4), [3, 2]);
+    assert_eq!(versions(2, 2), [1]);
+    assert_eq!(versions(2, 1), Vec::<u64>::new());
+    assert_eq!(versions(0, 4), [3, 2, 1]);
+    assert_eq!(versions(0, u64::MAX), [5, 4, 3, 2, 1]);
+    assert_eq!(versions(0, 0), Vec::<u64>::new());
 }
 
 fn past_versions_can_be_read_back(store: &dyn VersionStore) {
@@ -165,7 +182,7 @@ fn rollback_from_a_version_that_is_not_stored_is_refused(store: &dyn VersionStor
         let err = store.publish(version_of("b", Source::Rollback { from }), None);
         assert!(matches!(err, Err(StoreError::NoSuchVersion { version }) if version == from));
     }
-    assert_eq!(store.history(0).unwrap().len(), 1);
+    assert_eq!(store.history(0, None).unwrap().len(), 1);
 }
 
 fn same_content_in_another_order_is_unchanged(store: &dyn VersionStore) {
@@ -195,7 +212,7 @@ fn concurrent_publishers_get_distinct_contiguous_versions(store: &dyn VersionSto
         }
     });
     let mut versions: Vec<u64> = store
-        .history(0)
+        .history(0, None)
         .unwrap()
         .iter()
         .map(|m| m.version)
@@ -225,6 +242,7 @@ on_every_backend!(
     same_content_is_unchanged_and_writes_nothing,
     stale_expected_version_is_a_conflict,
     history_is_newest_first_and_honours_the_limit,
+    history_pages_through_the_versions_older_than_before,
     past_versions_can_be_read_back,
     rollback_source_round_trips,
     rollback_from_a_version_that_is_not_stored_is_refused,
