@@ -15,6 +15,8 @@
 //!
 //! # Status codes
 //!
+//! - `PERMISSION_DENIED`: Apply (not its dry run) or Rollback with a `viewer` token, which
+//!   reads only (checked first);
 //! - `INVALID_ARGUMENT`: no source, a YAML source over 1 MiB, policies whose snapshot would be
 //!   a message larger than agents decode (4 MiB; the message names the sizes and the limit),
 //!   or invalid policies. For invalid policies the message is the diagnostics, one per line,
@@ -45,7 +47,7 @@ use tracing::error;
 use crate::ErrorChain;
 use crate::aggregate::window::Window;
 use crate::aggregate::{Filter, Limit};
-use crate::auth::TokenName;
+use crate::auth::{Credential, TokenName};
 use crate::control::{ChangeError, ChangeOutcome, ChangeRequest, ControlPlane, Mode, check_size};
 use crate::store::{Source, StoreError, VersionMeta};
 
@@ -85,6 +87,21 @@ impl AdminApi {
 }
 
 /// The author recorded for a write: the admin token's name, if authentication is on.
+/// `PERMISSION_DENIED` for a caller whose token may not change the policies (a `viewer`);
+/// without authentication everyone may.
+fn check_may_change<T>(request: &Request<T>) -> Result<(), Status> {
+    match request.extensions().get::<Credential>() {
+        Some(credential) if !credential.role().may_change() => {
+            let name = author(request).unwrap_or_default();
+            Err(Status::permission_denied(format!(
+                "token `{name}` has role `{}`, which reads only; changing the policies needs role `admin`",
+                credential.role().as_str()
+            )))
+        }
+        _ => Ok(()),
+    }
+}
+
 fn author<T>(request: &Request<T>) -> Option<String> {
     request.extensions().get::<TokenName>().map(|t| t.0.clone())
 }
@@ -372,6 +389,7 @@ impl AdminService for AdminApi {
     ) -> Result<Response<pb::ApplyResponse>, Status> {
         // A dry run writes nothing, so it also answers in file mode (`retryplane diff`).
         if !request.get_ref().dry_run {
+            check_may_change(&request)?;
             self.check_writable()?;
         }
         let author = author(&request);
@@ -457,6 +475,7 @@ impl AdminService for AdminApi {
         &self,
         request: Request<pb::RollbackRequest>,
     ) -> Result<Response<pb::ApplyResponse>, Status> {
+        check_may_change(&request)?;
         self.check_writable()?;
         let author = author(&request);
         let req = request.into_inner();

@@ -532,6 +532,80 @@ async fn history_is_newest_first_and_limited() {
     assert_eq!(limited.versions[0].version, 2);
 }
 
+/// `message` as the auth guard passes it on for a token of `role` named `carol`.
+fn with_role<T>(role: crate::auth::Role, message: T) -> Request<T> {
+    use tonic::service::Interceptor as _;
+    let path = std::path::Path::new("tokens.yaml");
+    let text = format!(
+        "tokens: [{{name: carol, role: {}, secret: carol-secret-0123456789}}]",
+        role.as_str()
+    );
+    let tokens = crate::auth::Tokens::parse(&text, path).unwrap();
+    let set = Arc::new(crate::auth::TokenSet::of(path, tokens));
+    let mut authorized = Request::new(());
+    authorized.metadata_mut().insert(
+        "authorization",
+        "Bearer carol-secret-0123456789".parse().unwrap(),
+    );
+    let passed = crate::auth::Guard::new(Some(set), crate::auth::Role::Admin)
+        .call(authorized)
+        .unwrap();
+    let (metadata, extensions, ()) = passed.into_parts();
+    Request::from_parts(metadata, extensions, message)
+}
+
+#[tokio::test]
+async fn a_viewer_reads_and_dry_runs_but_cannot_apply_or_roll_back() {
+    use crate::auth::Role;
+
+    let api = api(Mode::Api);
+    apply(&api, apply_request(V1)).await.unwrap();
+    let denied = api
+        .apply(with_role(Role::Viewer, apply_request(V2)))
+        .await
+        .unwrap_err();
+    assert_eq!(denied.code(), Code::PermissionDenied);
+    assert_eq!(
+        denied.message(),
+        "token `carol` has role `viewer`, which reads only; changing the policies needs role `admin`"
+    );
+    let rollback = pb::RollbackRequest {
+        version: 1,
+        ..Default::default()
+    };
+    let denied = api
+        .rollback(with_role(Role::Viewer, rollback))
+        .await
+        .unwrap_err();
+    assert_eq!(denied.code(), Code::PermissionDenied);
+    assert_eq!(history(&api).await.len(), 1, "nothing was stored");
+    let dry_run = pb::ApplyRequest {
+        dry_run: true,
+        ..apply_request(V2)
+    };
+    let diff = api
+        .apply(with_role(Role::Viewer, dry_run))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!diff.diff.is_empty());
+    let read = api
+        .history(with_role(Role::Viewer, pb::HistoryRequest::default()))
+        .await
+        .unwrap();
+    assert_eq!(read.into_inner().versions.len(), 1);
+    api.get(with_role(Role::Viewer, pb::GetRequest { version: 1 }))
+        .await
+        .unwrap();
+    // An admin token changes them.
+    let applied = api
+        .apply(with_role(Role::Admin, apply_request(V2)))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(applied.version, 2);
+}
+
 fn new_version(i: u64, summary: String) -> crate::store::NewVersion {
     crate::store::NewVersion {
         document: pb::PolicyDocument::default(),

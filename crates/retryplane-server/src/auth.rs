@@ -7,6 +7,7 @@
 //! tokens:
 //!   - {name: checkout-agents, role: agent, secret: "at least sixteen characters"}
 //!   - {name: alice, role: admin, secret: "another long random string"}
+//!   - {name: dashboards, role: viewer, secret: "a third long random string"}
 //! ```
 //!
 //! Every gRPC call to the agent or admin service carries `authorization: Bearer <secret>`. The
@@ -14,7 +15,8 @@
 //! with [`subtle::ConstantTimeEq`], without stopping at a match, so the time taken tells nothing
 //! about which token, or how much of one, matched. A missing or unknown secret gets
 //! `UNAUTHENTICATED`; a known token of the wrong role gets `PERMISSION_DENIED` (an agent token
-//! cannot call the admin service, and an admin token cannot pose as an agent). The admin service
+//! cannot call the admin service, and an admin token cannot pose as an agent). A `viewer` token
+//! calls the admin service's reads only; Apply and Rollback refuse it ([`Role::Viewer`]). The admin service
 //! reads the caller's [`TokenName`] from the request extensions to record who made a version.
 //!
 //! Health and reflection are not guarded: they reveal nothing that is not public. With no tokens
@@ -53,16 +55,40 @@ pub const MAX_FILE_BYTES: u64 = 1024 * 1024;
 pub enum Role {
     /// The agent stream service.
     Agent,
-    /// The admin service.
+    /// The admin service, every call.
     Admin,
+    /// The admin service's reads only: Validate, Get, History, FleetStatus, Stats and a dry
+    /// run of Apply (`retryplane diff`), for dashboards and on-call tooling that must not
+    /// change the policies. Apply and Rollback answer `PERMISSION_DENIED`.
+    Viewer,
 }
 
 impl Role {
-    /// `agent` or `admin`, as written in the tokens file.
+    /// `agent`, `admin` or `viewer`, as written in the tokens file.
     pub fn as_str(self) -> &'static str {
         match self {
             Role::Agent => "agent",
             Role::Admin => "admin",
+            Role::Viewer => "viewer",
+        }
+    }
+
+    /// Whether a token of this role is let into a service guarded for `service`: a viewer
+    /// into the admin service (whose writes check [`Role::may_change`] themselves).
+    fn enters(self, service: Role) -> bool {
+        self == service || (self == Role::Viewer && service == Role::Admin)
+    }
+
+    /// Whether a caller admitted with this role may change the policies.
+    pub fn may_change(self) -> bool {
+        self == Role::Admin
+    }
+
+    /// The roles a service guarded for this role lets in, for messages.
+    fn admitted(self) -> &'static str {
+        match self {
+            Role::Agent => "`agent`",
+            Role::Admin | Role::Viewer => "`admin` (or `viewer`, for reads)",
         }
     }
 }
@@ -195,9 +221,10 @@ impl Tokens {
             let role = match t.role.as_str() {
                 "agent" => Some(Role::Agent),
                 "admin" => Some(Role::Admin),
+                "viewer" => Some(Role::Viewer),
                 other => {
                     problems.push(format!(
-                        "{at}: unknown role `{other}` (expected `agent` or `admin`)"
+                        "{at}: unknown role `{other}` (expected `agent`, `admin` or `viewer`)"
                     ));
                     None
                 }
@@ -352,6 +379,13 @@ pub(crate) struct Credential {
     role: Role,
 }
 
+impl Credential {
+    /// The role the request was admitted with.
+    pub(crate) fn role(&self) -> Role {
+        self.role
+    }
+}
+
 /// A tonic interceptor that admits only tokens of one role; admits everything when there are
 /// no tokens.
 #[derive(Clone, Debug)]
@@ -381,12 +415,12 @@ impl Guard {
         let token = tokens
             .find(secret)
             .ok_or_else(|| Status::unauthenticated("unknown token"))?;
-        if token.role != self.role {
+        if !token.role.enters(self.role) {
             return Err(Status::permission_denied(format!(
-                "token `{}` has role `{}`; this service needs role `{}`",
+                "token `{}` has role `{}`; this service needs role {}",
                 token.name,
                 token.role.as_str(),
-                self.role.as_str()
+                self.role.admitted()
             )));
         }
         Ok(Some((

@@ -177,7 +177,7 @@ fn duplicate_names_and_secrets_are_refused() {
 fn unknown_role_is_refused() {
     let err = invalid("tokens: [{name: a, role: root, secret: aaaaaaaaaaaaaaaaaaaa}]");
     assert!(
-        err.contains("unknown role `root` (expected `agent` or `admin`)"),
+        err.contains("unknown role `root` (expected `agent`, `admin` or `viewer`)"),
         "{err}"
     );
 }
@@ -253,4 +253,31 @@ fn a_credential_is_admitted_while_a_token_of_its_role_has_its_secret() {
     assert!(!Tokens::parse(promoted, path).unwrap().admits(&credential));
     let rotated = "tokens: [{name: fleet, role: agent, secret: agent-secret-rotated-0001}]";
     assert!(!Tokens::parse(rotated, path).unwrap().admits(&credential));
+}
+
+#[test]
+fn a_viewer_token_enters_the_admin_service_only() {
+    let path = Path::new("tokens.yaml");
+    let text = "tokens: [{name: dashboards, role: viewer, secret: viewer-secret-0123456789}]";
+    let set = Arc::new(TokenSet::of(path, Tokens::parse(text, path).unwrap()));
+    let bearer = Some("Bearer viewer-secret-0123456789");
+    let admitted = Guard::new(Some(set.clone()), Role::Admin)
+        .call(request(bearer))
+        .unwrap();
+    let credential = admitted.extensions().get::<Credential>().unwrap();
+    assert_eq!(credential.role(), Role::Viewer);
+    assert!(!credential.role().may_change());
+    let refused = Guard::new(Some(set), Role::Agent)
+        .call(request(bearer))
+        .unwrap_err();
+    assert_eq!(refused.code(), Code::PermissionDenied);
+    assert_eq!(
+        refused.message(),
+        "token `dashboards` has role `viewer`; this service needs role `agent`"
+    );
+    let agent = call(Role::Admin, Some("Bearer agent-secret-0123456789")).unwrap_err();
+    assert_eq!(
+        agent.message(),
+        "token `fleet` has role `agent`; this service needs role `admin` (or `viewer`, for reads)"
+    );
 }
