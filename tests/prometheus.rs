@@ -55,6 +55,43 @@ fn prometheus_binary() -> PathBuf {
     })
 }
 
+/// Runs `promtool check metrics` (beside the Prometheus binary, else on `PATH`) on `text`
+/// and fails with what it said unless it found nothing to say.
+async fn promtool_checks_clean(text: &str) {
+    use tokio::io::AsyncWriteExt as _;
+    let beside = prometheus_binary().with_file_name("promtool");
+    let promtool = if beside.is_file() {
+        beside
+    } else {
+        PathBuf::from("promtool")
+    };
+    let mut child = Command::new(&promtool)
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", promtool.display()));
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(text.as_bytes()).await.unwrap();
+    drop(stdin);
+    let out = tokio::time::timeout(WAIT, child.wait_with_output())
+        .await
+        .unwrap()
+        .unwrap();
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success() && said.trim().is_empty(),
+        "promtool check metrics: {:?}\n{said}\n{text}",
+        out.status
+    );
+}
+
 /// A port that was free a moment ago (Prometheus takes an address, not a listener).
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -305,6 +342,24 @@ async fn prometheus_reads_back_exactly_what_agents_did() {
     ] {
         prometheus.wait_for(&query, want).await;
     }
+
+    // A scraper that does not ask for OpenMetrics (reqwest sends `Accept: */*`) gets
+    // Prometheus' text format 0.0.4, which promtool, from the same package, checks clean.
+    let plain = http
+        .get(format!("http://{}/metrics", running.http_addr))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        plain.headers()["content-type"],
+        "text/plain; version=0.0.4; charset=utf-8"
+    );
+    let text = plain.text().await.unwrap();
+    assert!(
+        text.contains(&format!("retryplane_calls_total{{{c}}} 40\n")),
+        "{text}"
+    );
+    promtool_checks_clean(&text).await;
 
     checkout.shutdown().await;
     search.shutdown().await;

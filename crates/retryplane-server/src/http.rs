@@ -4,8 +4,9 @@
 //! - `GET /readyz`: `200 ready` once a valid snapshot is published, `503` before (an API-mode
 //!   server with an empty store is not ready until the first `retryplane apply`);
 //! - `GET /metrics`: the server's own figures ([`ServerMetrics`]) and the agents' aggregated
-//!   retry metrics and fleet gauges ([`crate::aggregate::prometheus`]) in the OpenMetrics text
-//!   format that Prometheus scrapes.
+//!   retry metrics and fleet gauges ([`crate::aggregate::prometheus`]): in the OpenMetrics text
+//!   format to a scraper that asks for it (Prometheus does), else in Prometheus' text format
+//!   0.0.4 ([`crate::text_format`]).
 //!
 //! [`router`] builds the whole app, so tests drive it without a socket.
 
@@ -13,14 +14,15 @@ use std::sync::Arc;
 
 use axum::Router;
 use axum::extract::State;
-use axum::http::{StatusCode, header};
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
 
 use crate::metrics::ServerMetrics;
 use crate::publisher::Publisher;
+use crate::text_format;
 
-/// The `Content-Type` of `/metrics` (prometheus-client writes OpenMetrics text).
+/// The `Content-Type` of `/metrics` in OpenMetrics (what prometheus-client writes).
 pub const METRICS_CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 /// What the HTTP handlers read.
@@ -56,11 +58,16 @@ async fn readyz(State(state): State<HttpState>) -> (StatusCode, &'static str) {
     }
 }
 
-async fn metrics(State(state): State<HttpState>) -> impl IntoResponse {
-    (
-        [(header::CONTENT_TYPE, METRICS_CONTENT_TYPE)],
-        state.metrics.render(),
-    )
+async fn metrics(State(state): State<HttpState>, headers: HeaderMap) -> impl IntoResponse {
+    let openmetrics = state.metrics.render();
+    if text_format::wants_openmetrics(headers.get(header::ACCEPT)) {
+        ([(header::CONTENT_TYPE, METRICS_CONTENT_TYPE)], openmetrics)
+    } else {
+        (
+            [(header::CONTENT_TYPE, text_format::TEXT_CONTENT_TYPE)],
+            text_format::from_openmetrics(&openmetrics),
+        )
+    }
 }
 
 #[cfg(test)]
@@ -81,8 +88,20 @@ mod tests {
     }
 
     async fn get(state: &HttpState, path: &str) -> (StatusCode, String, Option<String>) {
+        get_accepting(state, path, None).await
+    }
+
+    async fn get_accepting(
+        state: &HttpState,
+        path: &str,
+        accept: Option<&str>,
+    ) -> (StatusCode, String, Option<String>) {
         let mut app = router(state.clone());
-        let request = Request::get(path).body(Body::empty()).unwrap();
+        let mut request = Request::get(path);
+        if let Some(accept) = accept {
+            request = request.header(header::ACCEPT, accept);
+        }
+        let request = request.body(Body::empty()).unwrap();
         let response = app.call(request).await.unwrap();
         let status = response.status();
         let content_type = response
@@ -121,10 +140,12 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn metrics_are_openmetrics_text_with_the_server_figures() {
+    async fn metrics_are_openmetrics_text_to_a_scraper_that_asks_for_it() {
         let state = state();
         state.metrics.agents_connected.set(3);
-        let (status, body, content_type) = get(&state, "/metrics").await;
+        state.metrics.pushes.inc();
+        let accept = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5";
+        let (status, body, content_type) = get_accepting(&state, "/metrics", Some(accept)).await;
         assert_eq!(status, StatusCode::OK);
         assert_eq!(content_type.as_deref(), Some(METRICS_CONTENT_TYPE));
         assert!(
@@ -132,7 +153,38 @@ mod tests {
             "{body}"
         );
         assert!(body.contains("retryplane_server_current_version"), "{body}");
+        assert!(
+            body.contains("# TYPE retryplane_server_pushes counter\n"),
+            "{body}"
+        );
         assert!(body.ends_with("# EOF\n"), "{body}");
+    }
+
+    #[tokio::test]
+    async fn metrics_are_prometheus_text_0_0_4_otherwise() {
+        let state = state();
+        state.metrics.agents_connected.set(3);
+        state.metrics.pushes.inc();
+        for accept in [None, Some("*/*"), Some("text/plain")] {
+            let (status, body, content_type) = get_accepting(&state, "/metrics", accept).await;
+            assert_eq!(status, StatusCode::OK);
+            assert_eq!(
+                content_type.as_deref(),
+                Some(text_format::TEXT_CONTENT_TYPE)
+            );
+            assert!(
+                body.contains("retryplane_server_agents_connected 3"),
+                "{body}"
+            );
+            assert!(
+                body.contains(
+                    "# TYPE retryplane_server_pushes_total counter\nretryplane_server_pushes_total 1\n"
+                ),
+                "{body}"
+            );
+            assert!(!body.contains("# EOF"), "{body}");
+            assert!(!body.contains("# UNIT"), "{body}");
+        }
     }
 
     #[tokio::test]

@@ -26,6 +26,7 @@ pub mod publisher;
 pub mod report_seq;
 pub mod server;
 pub mod store;
+pub mod text_format;
 pub mod watch;
 
 #[cfg(test)]
