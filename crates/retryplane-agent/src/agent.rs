@@ -236,21 +236,21 @@ fn bearer(token: &str) -> Result<tonic::metadata::AsciiMetadataValue, AgentError
     Ok(value)
 }
 
-/// Refuses a control-plane URL that is not `http://`: without a scheme no connection can be
-/// made (the agent would retry for ever), and an `https://` one would be served in clear text,
-/// token included, since the agent does not speak TLS.
+/// Refuses a control-plane URL without a scheme (no connection can be made with it: the agent
+/// would retry for ever) or with `https://` (it would be served in clear text, token included,
+/// since the agent does not speak TLS).
 fn check_scheme(uri: &http::Uri) -> Result<(), AgentError> {
     let reason = match uri.scheme_str() {
-        Some("http") => return Ok(()),
-        None => "it has no scheme".to_owned(),
-        Some("https") => {
+        None => "it has no scheme",
+        Some(s) if s.eq_ignore_ascii_case("https") => {
             "https:// is not supported yet (TLS comes later), and the agent will not send its \
              token in clear text to a URL that asks for TLS"
-                .to_owned()
         }
-        Some(other) => format!("{other}:// is not supported"),
+        Some(_) => return Ok(()),
     };
-    Err(AgentError::UnsupportedUrl { reason })
+    Err(AgentError::UnsupportedUrl {
+        reason: reason.to_owned(),
+    })
 }
 
 /// This process's `Hello.instance_id`: drawn from entropy even when [`AgentBuilder::rng_seed`]
@@ -297,7 +297,7 @@ impl std::fmt::Debug for AgentBuilder {
 
 impl AgentBuilder {
     /// The control plane's agent listener, `http://host:port` ([`AgentBuilder::connect`]
-    /// refuses any other scheme, and a URL without one).
+    /// refuses a URL without a scheme, and `https://`: the agent does not speak TLS yet).
     pub fn url(mut self, url: impl Into<String>) -> Self {
         self.url = Some(url.into());
         self
@@ -446,14 +446,14 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_url_that_is_not_plain_http_is_refused_at_connect() {
+    async fn a_url_without_a_scheme_or_asking_for_tls_is_refused_at_connect() {
         let connect = |url: &str| Agent::builder().url(url).token("s3cret").connect();
         // `https://` asks for TLS, which the agent does not speak: the token would go out in
         // clear text.
-        for url in ["https://127.0.0.1:7470", "grpc://127.0.0.1:7470"] {
+        for url in ["https://127.0.0.1:7470", "HTTPS://127.0.0.1:7470"] {
             match connect(url) {
                 Err(AgentError::UnsupportedUrl { reason }) => {
-                    assert!(reason.contains(url.split(':').next().unwrap()), "{reason}");
+                    assert!(reason.contains("https://"), "{reason}");
                 }
                 other => panic!("{url}: expected UnsupportedUrl, got {other:?}"),
             }
