@@ -236,6 +236,23 @@ fn bearer(token: &str) -> Result<tonic::metadata::AsciiMetadataValue, AgentError
     Ok(value)
 }
 
+/// Refuses a control-plane URL without a scheme (no connection can be made with it: the agent
+/// would retry for ever) or with `https://` (it would be served in clear text, token included,
+/// since the agent does not speak TLS).
+fn check_scheme(uri: &http::Uri) -> Result<(), AgentError> {
+    let reason = match uri.scheme_str() {
+        None => "it has no scheme",
+        Some(s) if s.eq_ignore_ascii_case("https") => {
+            "https:// is not supported yet (TLS comes later), and the agent will not send its \
+             token in clear text to a URL that asks for TLS"
+        }
+        Some(_) => return Ok(()),
+    };
+    Err(AgentError::UnsupportedUrl {
+        reason: reason.to_owned(),
+    })
+}
+
 /// This process's `Hello.instance_id`: drawn from entropy even when [`AgentBuilder::rng_seed`]
 /// fixes the seed, so that a restarted process (same seed, same agent id) never passes for the
 /// previous one and has its numbered metrics reports taken for duplicates. Never 0 (0 says "the
@@ -279,7 +296,8 @@ impl std::fmt::Debug for AgentBuilder {
 }
 
 impl AgentBuilder {
-    /// The control plane's agent listener, `http://host:port`.
+    /// The control plane's agent listener, `http://host:port` ([`AgentBuilder::connect`]
+    /// refuses a URL without a scheme, and `https://`: the agent does not speak TLS yet).
     pub fn url(mut self, url: impl Into<String>) -> Self {
         self.url = Some(url.into());
         self
@@ -353,6 +371,7 @@ impl AgentBuilder {
         let url = self.url.ok_or(AgentError::MissingUrl)?;
         let endpoint =
             tonic::transport::Endpoint::from_shared(url).map_err(AgentError::InvalidUrl)?;
+        check_scheme(endpoint.uri())?;
         let token = self.token.as_deref().map(bearer).transpose()?;
         let seed = self.seed.unwrap_or_else(fastrand_seed);
         // A file that is not a policy cache is left alone: no cache is kept this run.
@@ -424,6 +443,30 @@ mod tests {
             bearer("bad\ntoken"),
             Err(AgentError::InvalidToken)
         ));
+    }
+
+    #[tokio::test]
+    async fn a_url_without_a_scheme_or_asking_for_tls_is_refused_at_connect() {
+        let connect = |url: &str| Agent::builder().url(url).token("s3cret").connect();
+        // `https://` asks for TLS, which the agent does not speak: the token would go out in
+        // clear text.
+        for url in ["https://127.0.0.1:7470", "HTTPS://127.0.0.1:7470"] {
+            match connect(url) {
+                Err(AgentError::UnsupportedUrl { reason }) => {
+                    assert!(reason.contains("https://"), "{reason}");
+                }
+                other => panic!("{url}: expected UnsupportedUrl, got {other:?}"),
+            }
+        }
+        // No scheme: no connection could ever be made.
+        match connect("127.0.0.1:7470") {
+            Err(e @ AgentError::UnsupportedUrl { .. }) => {
+                assert!(e.to_string().contains("http://"), "{e}");
+            }
+            other => panic!("expected UnsupportedUrl, got {other:?}"),
+        }
+        let agent = connect("http://127.0.0.1:9").unwrap();
+        agent.shutdown().await;
     }
 
     fn max_attempts(agent: &Agent) -> u32 {

@@ -11,7 +11,8 @@
 //! begins with the header is ours whatever follows it (damaged on disk, or written by a newer
 //! agent whose snapshot this one cannot check): it is not used, and the next applied snapshot
 //! replaces it. A file without the header is ours only if it is a snapshot whose content hash
-//! matches its policies (what agents wrote before the header); anything else is most likely
+//! matches its policies (what agents wrote before the header), and a file larger than any cache
+//! is ours only if it begins with the header; anything else is most likely
 //! another file the agent was pointed at by mistake: it is left as it is and no cache is
 //! written for the whole run, rather than being replaced. The metrics interval the control
 //! plane set in that snapshot applies again from the start, as it did before the restart: a
@@ -98,7 +99,17 @@ pub(crate) fn load(path: &Path) -> Result<Option<Cached>, Foreign> {
             return Ok(None);
         }
     };
-    match decode(&bytes) {
+    // Larger than any cache the agent writes: ours (damaged) only if it starts like one.
+    let checked = if bytes.len() as u64 > MAX_BYTES {
+        Err(if bytes.starts_with(HEADER) {
+            Unusable::Ours("the cache file is too large".to_owned())
+        } else {
+            Unusable::Foreign("too large for a policy cache".to_owned())
+        })
+    } else {
+        decode(&bytes)
+    };
+    match checked {
         Ok(cached) => {
             info!(file = %path.display(), version = cached.snapshot.version(), "starting on cached policies");
             Ok(Some(cached))
@@ -137,10 +148,8 @@ fn read(path: &Path) -> std::io::Result<Option<Vec<u8>>> {
         Err(e) => return Err(e),
     };
     let mut bytes = Vec::new();
+    // One byte more than the limit tells a file over it (see `load`).
     f.take(MAX_BYTES + 1).read_to_end(&mut bytes)?;
-    if bytes.len() as u64 > MAX_BYTES {
-        return Err(std::io::Error::other("the cache file is too large"));
-    }
     Ok(Some(bytes))
 }
 
@@ -256,6 +265,22 @@ mod tests {
         };
         std::fs::write(&path, stale.encode_to_vec()).unwrap();
         assert_eq!(load(&path).map(|c| c.is_none()), Ok(true));
+    }
+
+    #[test]
+    fn a_file_too_large_for_a_cache_is_foreign_unless_it_starts_like_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("data.bin");
+        let big = vec![7u8; usize::try_from(MAX_BYTES).unwrap() + 1];
+        std::fs::write(&path, &big).unwrap();
+        assert_eq!(load(&path).map(|c| c.is_none()), Err(Foreign), "left alone");
+        let ours = [HEADER, &big].concat();
+        std::fs::write(&path, ours).unwrap();
+        assert_eq!(
+            load(&path).map(|c| c.is_none()),
+            Ok(true),
+            "ours, replaceable"
+        );
     }
 
     #[test]

@@ -23,6 +23,14 @@ pub enum AgentError {
     /// The control-plane URL is not a valid URI.
     #[error("invalid control-plane URL")]
     InvalidUrl(#[source] tonic::transport::Error),
+    /// The control-plane URL has no scheme (so no connection could ever be made) or asks for
+    /// TLS (`https://`): the agent speaks plain HTTP/2 only (TLS comes later), so such a URL
+    /// is refused rather than served in clear text, token included.
+    #[error("the control-plane URL must be http://host:port: {reason}")]
+    UnsupportedUrl {
+        /// What is wrong with it (never the URL itself, which may hold credentials).
+        reason: String,
+    },
     /// The token cannot be sent in a header (it holds non-visible-ASCII characters).
     #[error("the token is not valid in an authorization header")]
     InvalidToken,

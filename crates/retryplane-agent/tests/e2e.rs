@@ -210,6 +210,38 @@ async fn metrics_add_up_exactly_when_streams_are_lost_with_reports_or_acks_in_fl
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn counts_too_large_for_one_message_reach_the_server_in_several_reports() {
+    let dir = tempfile::tempdir().unwrap();
+    let running = plane_with(dir.path(), &yaml(3), None, |cfg| {
+        // No periodic report during the calls: they all go out in one, when version 2 comes.
+        cfg.metrics_interval = Duration::from_secs(600);
+        cfg.max_series = 100_000;
+    })
+    .await;
+    let a = agent(running.agent_addr, "a", None);
+    on_version(&[&a], 1).await;
+    // 22,000 endpoints with long names: about 5.7 MB of counts, over the 4 MiB a message may
+    // be. In one report, the server would end the stream on it, and again on every resend.
+    for i in 0..22_000 {
+        a.endpoint(&format!("{i:0>250}"))
+            .call(CallMeta::http("GET", "/"), Upstream::new([]).attempt())
+            .await
+            .unwrap();
+    }
+    succeed(&a, 1).await;
+    assert_eq!(apply(&running, yaml(4)).await, 2);
+    on_version(&[&a], 2).await;
+    eventually("the counts reach the server", || async {
+        stats(&running).await.is_some_and(|s| s.calls == 1)
+    })
+    .await;
+    assert!(a.is_connected(), "{:?}", a.stream_error());
+    assert!(a.stream_error().is_none(), "{:?}", a.stream_error());
+    a.shutdown().await;
+    running.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_control_plane_that_goes_silent_is_found_by_keepalive_and_the_agent_reconnects() {
     let dir = tempfile::tempdir().unwrap();
     let running = plane(dir.path(), &yaml(3), None).await;

@@ -7,6 +7,7 @@
 
 mod support;
 
+use std::collections::BTreeSet;
 use std::time::Duration;
 
 use retryplane_agent::Agent;
@@ -162,4 +163,49 @@ async fn counts_made_before_a_new_version_are_reported_under_the_old_one() {
         other => panic!("expected Ack v2, got {other:?}"),
     }
     script.shut_down(agent, to_agent).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reports_still_go_out_when_every_stream_is_shorter_than_the_interval() {
+    let mut script = Script::start().await;
+    script.announce_acks(true);
+    let agent = support::plane::builder(script.addr, "a").connect().unwrap();
+    let (to_agent, _hello) = script.reconnected().await;
+    let mut v1 = snapshot(1, 1);
+    v1.metrics_interval_ms = 400;
+    send(&to_agent, &v1).await;
+    match script.reply().await {
+        Kind::Ack(ack) => assert_eq!(ack.version, 1),
+        other => panic!("expected Ack v1, got {other:?}"),
+    }
+    succeed(&agent, 3).await;
+    drop(to_agent);
+    // From now on every stream is cut within 200 ms of the last cut: none lives as long as
+    // the interval. The script never acknowledges, so a report comes again on every stream:
+    // each seq counts once.
+    let deadline = tokio::time::Instant::now() + support::plane::WAIT;
+    let mut cut = tokio::time::interval(Duration::from_millis(200));
+    let mut open = None;
+    let mut seqs = BTreeSet::new();
+    let mut calls = 0;
+    while calls < 3 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no report while streams kept being cut before the interval ended"
+        );
+        tokio::select! {
+            event = script.next() => match event {
+                Event::Opened(tx) => open = Some(tx),
+                Event::Message(Kind::Metrics(r)) if seqs.insert(r.seq) => {
+                    calls += r.endpoints.iter().map(|e| e.calls).sum::<u64>();
+                }
+                _ => {}
+            },
+            _ = cut.tick() => open = None,
+        }
+    }
+    assert_eq!(calls, 3);
+    drop(open);
+    agent.shutdown().await;
+    script.stop().await;
 }

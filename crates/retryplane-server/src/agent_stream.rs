@@ -391,7 +391,11 @@ async fn send(
     replaced: &mut tokio::sync::oneshot::Receiver<()>,
     shutdown: &mut watch::Receiver<bool>,
 ) -> Result<(), Option<Status>> {
+    // Room first: a frame that can be queued is, even when the stream is ending (the ack of a
+    // report just counted must reach the agent, or it sends the report again to the next
+    // server process, which counts it again).
     let room = tokio::select! {
+        biased;
         room = tx.reserve_many(2) => room,
         _ = replaced => return Err(Some(replaced_status())),
         _ = shutdown.wait_for(|s| *s) => return Err(Some(shutdown_status())),
@@ -660,6 +664,35 @@ mod tests {
                 Some((code, true)),
                 "{k:?}={v:?}"
             );
+        }
+    }
+
+    #[tokio::test]
+    async fn a_frame_with_room_is_queued_even_as_the_stream_ends() {
+        // An ack of a report just counted, as the server shuts down or a newer stream takes
+        // over: not queued, the agent would send the report again, to be counted again by
+        // the next server process.
+        let ack = encode_frame(&pb::ServerMessage::with_metrics_ack(pb::MetricsAck {
+            seq: 1,
+            dropped: false,
+        }))
+        .unwrap();
+        for ending in ["shutdown", "replaced"] {
+            for _ in 0..64 {
+                let (tx, mut rx) = mpsc::channel(2);
+                let (kick, mut replaced) = tokio::sync::oneshot::channel::<()>();
+                let (_stop, mut shutdown) = watch::channel(ending == "shutdown");
+                // Kept while not replaced: a dropped sender ends the wait too.
+                let _kept = if ending == "replaced" {
+                    let _ = kick.send(());
+                    None
+                } else {
+                    Some(kick)
+                };
+                let sent = send(&tx, Ok(ack.clone()), &mut replaced, &mut shutdown).await;
+                assert!(sent.is_ok(), "{ending}: not queued");
+                assert!(rx.try_recv().is_ok());
+            }
         }
     }
 

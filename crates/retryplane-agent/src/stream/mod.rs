@@ -5,8 +5,9 @@
 //! response says the control plane acknowledges metrics reports
 //! ([`retryplane_proto::METRICS_ACK_METADATA`]), send again the reports the previous streams
 //! left unacknowledged ([`outbox`]). Then apply every snapshot ([`apply`]), write the cache
-//! file, answer ACK or NACK, and send a `MetricsReport` of counter deltas every interval:
-//! numbered and kept until acknowledged, or unnumbered to a control plane that does not
+//! file, answer ACK or NACK, and send a `MetricsReport` of counter deltas every interval (on a
+//! schedule kept across streams, so a report due while no stream was up goes out as soon as one
+//! opens): numbered and kept until acknowledged, or unnumbered to a control plane that does not
 //! acknowledge reports. When the stream ends or cannot be opened the task waits a
 //! [`ReconnectBackoff`] delay and tries again; the policies in force are never dropped. On
 //! shutdown it sends the counts not yet reported, half-closes the stream and waits (bounded) for
@@ -121,6 +122,11 @@ pub(crate) async fn run(
     let mut window_start = unix_ms();
     // Outlives the sessions: what one stream left unacknowledged goes out on the next.
     let mut outbox = Outbox::default();
+    // So does the report schedule: a report falls due an interval after the last one, whether
+    // or not the stream was lost meanwhile, and one that fell due while no stream was up goes
+    // out as soon as the next one opens. Counted from each stream's opening, reports would
+    // never go out over streams that each last less than the interval.
+    let mut next_report = Instant::now() + interval(&shared);
     loop {
         let end = session(
             &shared,
@@ -129,6 +135,7 @@ pub(crate) async fn run(
             &cancel,
             &mut window_start,
             &mut outbox,
+            &mut next_report,
         )
         .await;
         shared.connected.store(false, Relaxed);
@@ -177,6 +184,7 @@ async fn session(
     cancel: &CancellationToken,
     window_start: &mut u64,
     outbox: &mut Outbox,
+    next_report: &mut Instant,
 ) -> SessionEnd {
     let lost = |up: Option<Duration>, reason: String| SessionEnd::Lost {
         up,
@@ -256,7 +264,6 @@ async fn session(
     let opened_at = Instant::now();
     let up = || Some(Instant::now().duration_since(opened_at));
     info!("connected to the control plane");
-    let mut next_report = opened_at + interval(shared);
     loop {
         tokio::select! {
             () = cancel.cancelled() => {
@@ -309,11 +316,11 @@ async fn session(
                 if sent.is_err() {
                     return lost(up(), "the stream closed before the answer".into());
                 }
-                next_report = next_report.min(Instant::now() + interval(shared));
+                *next_report = (*next_report).min(Instant::now() + interval(shared));
             }
-            () = tokio::time::sleep_until(next_report) => {
+            () = tokio::time::sleep_until(*next_report) => {
                 send_metrics(shared, &tx, window_start, outbox, numbered);
-                next_report = Instant::now() + interval(shared);
+                *next_report = Instant::now() + interval(shared);
             }
         }
     }

@@ -10,6 +10,11 @@
 //! an answer: while that many do, no counts are taken, so they keep adding up in the counters
 //! (whose memory is bounded by the number of endpoints) and nothing is lost.
 //!
+//! A report is at most [`MAX_REPORT_BYTES`] encoded: counts that would make a larger one (tens
+//! of thousands of endpoints in one interval) go out as several reports, each numbered and kept
+//! like any other, so that none is larger than the control plane decodes (a report it cannot
+//! decode would end the stream, and the same report sent again would end the next one).
+//!
 //! All of that only on a stream whose response says the control plane acknowledges reports
 //! ([`retryplane_proto::METRICS_ACK_METADATA`]). A control plane that predates `MetricsAck`
 //! never answers: there reports go out unnumbered (seq 0) and are not kept, and reports kept
@@ -27,6 +32,11 @@ use crate::metrics::Registry;
 
 /// Most reports sent and not yet acknowledged.
 pub(crate) const WINDOW: usize = 8;
+
+/// Largest report, encoded: a quarter of the largest message the control plane decodes
+/// ([`retryplane_proto::MAX_MESSAGE_BYTES`]), so a report with its envelope is always well
+/// inside it.
+pub(crate) const MAX_REPORT_BYTES: usize = retryplane_proto::MAX_MESSAGE_BYTES / 4;
 
 /// The unacknowledged reports, in seq order, and the next seq.
 #[derive(Debug)]
@@ -82,12 +92,16 @@ impl Outbox {
     /// reports), the report gets the next seq and is kept until acknowledged, and nothing is
     /// taken while the window is full; otherwise it goes out with seq 0, is not kept, and
     /// `Ok(0)` is returned. A report the stream cannot take is added back and uses no seq.
+    ///
+    /// Counts larger than [`MAX_REPORT_BYTES`] go out as several reports (in endpoint order),
+    /// as many as the window and the stream take; the counts of the others are added back for
+    /// a later report. Returns the seq of the last report queued.
     pub(crate) fn send(
         &mut self,
         registry: &Registry,
         tx: &mpsc::Sender<pb::AgentMessage>,
         numbered: bool,
-        fill: impl FnOnce(&mut pb::MetricsReport),
+        mut fill: impl FnMut(&mut pb::MetricsReport),
     ) -> Result<u64, NotSent> {
         if numbered && self.is_full() && !self.closing {
             return Err(NotSent::WindowFull);
@@ -96,6 +110,38 @@ impl Outbox {
         if endpoints.is_empty() {
             return Err(NotSent::Empty);
         }
+        let mut parts = split(endpoints, MAX_REPORT_BYTES).into_iter();
+        let mut sent = Err(NotSent::StreamFull);
+        while let Some(part) = parts.next() {
+            let room = !(numbered && self.is_full() && !self.closing);
+            let queued = if room {
+                self.send_one(tx, numbered, part, &mut fill)
+            } else {
+                Err(part)
+            };
+            match queued {
+                Ok(seq) => sent = Ok(seq),
+                Err(part) => {
+                    registry.restore(&part);
+                    for rest in parts {
+                        registry.restore(&rest);
+                    }
+                    break;
+                }
+            }
+        }
+        sent
+    }
+
+    /// Queues one report of `endpoints` on `tx` (see [`Outbox::send`]); gives them back when
+    /// the stream cannot take it.
+    fn send_one(
+        &mut self,
+        tx: &mpsc::Sender<pb::AgentMessage>,
+        numbered: bool,
+        endpoints: Vec<pb::EndpointCounters>,
+        fill: &mut impl FnMut(&mut pb::MetricsReport),
+    ) -> Result<u64, Vec<pb::EndpointCounters>> {
         let mut report = pb::MetricsReport {
             endpoints,
             seq: if numbered { self.next_seq } else { 0 },
@@ -110,12 +156,10 @@ impl Outbox {
                 self.pending.push_back(report);
                 self.next_seq - 1
             })),
-            Err(e) => {
-                if let Some(Kind::Metrics(report)) = e.into_inner().kind {
-                    registry.restore(&report.endpoints);
-                }
-                Err(NotSent::StreamFull)
-            }
+            Err(e) => match e.into_inner().kind {
+                Some(Kind::Metrics(report)) => Err(report.endpoints),
+                _ => Err(Vec::new()),
+            },
         }
     }
 
@@ -159,6 +203,28 @@ impl Outbox {
         }
         true
     }
+}
+
+/// `endpoints` in order, cut into parts whose encoded size in a report is at most `max` bytes
+/// (an endpoint larger than that alone makes a part).
+fn split(endpoints: Vec<pb::EndpointCounters>, max: usize) -> Vec<Vec<pb::EndpointCounters>> {
+    let mut parts = Vec::with_capacity(1);
+    let mut part = Vec::new();
+    let mut size = 0;
+    for e in endpoints {
+        // As a `MetricsReport.endpoints` entry (field 4): tag, length and message.
+        let len = prost::encoding::message::encoded_len(4, &e);
+        if !part.is_empty() && size + len > max {
+            parts.push(std::mem::take(&mut part));
+            size = 0;
+        }
+        size += len;
+        part.push(e);
+    }
+    if !part.is_empty() {
+        parts.push(part);
+    }
+    parts
 }
 
 #[cfg(test)]
@@ -270,6 +336,84 @@ mod tests {
         let (tx, mut rx) = mpsc::channel(4);
         assert_eq!(o.send(&r, &tx, true, no_fill), Ok(1));
         assert_eq!(sent(&mut rx), [(1, 3)]);
+    }
+
+    /// Counts `n` calls on each of `endpoints` endpoints with names of 250 bytes.
+    fn count_many(r: &Registry, endpoints: usize, n: u64) {
+        for i in 0..endpoints {
+            let c = r.counters(&Arc::from(format!("{i:0>250}").as_str()));
+            for _ in 0..n {
+                Counters::inc(&c.calls);
+            }
+        }
+    }
+
+    #[test]
+    fn counts_too_large_for_one_report_go_out_in_several_each_within_the_limit() {
+        use prost::Message as _;
+        let r = Registry::default();
+        let mut o = Outbox::default();
+        let (tx, mut rx) = mpsc::channel(64);
+        // About 6 MiB of counts: more than the control plane decodes in one message.
+        let endpoints = 24_000;
+        count_many(&r, endpoints, 1);
+        let last = o.send(&r, &tx, true, no_fill).unwrap();
+        let mut reports = Vec::new();
+        while let Ok(m) = rx.try_recv() {
+            let Some(Kind::Metrics(report)) = m.kind else {
+                panic!("a metrics report");
+            };
+            reports.push(report);
+        }
+        assert!(reports.len() > 1, "{} report(s)", reports.len());
+        for report in &reports {
+            let len = pb::AgentMessage {
+                kind: Some(Kind::Metrics(report.clone())),
+            }
+            .encoded_len();
+            assert!(
+                len <= retryplane_proto::MAX_MESSAGE_BYTES / 2,
+                "{len} bytes"
+            );
+        }
+        let seqs: Vec<u64> = reports.iter().map(|r| r.seq).collect();
+        assert_eq!(seqs, (1..=last).collect::<Vec<_>>(), "numbered in order");
+        assert_eq!(o.pending_seqs(), seqs, "each kept until acknowledged");
+        let calls: u64 = reports
+            .iter()
+            .flat_map(|r| &r.endpoints)
+            .map(|e| e.calls)
+            .sum();
+        assert_eq!(calls, endpoints as u64, "every count once");
+        assert!(r.take().is_empty());
+    }
+
+    #[test]
+    fn parts_of_a_large_report_past_the_window_wait_in_the_counters() {
+        let r = Registry::default();
+        let mut o = Outbox::default();
+        let (tx, mut rx) = mpsc::channel(64);
+        for seq in 1..u64::try_from(WINDOW).unwrap() {
+            count_calls(&r, 1);
+            assert_eq!(o.send(&r, &tx, true, no_fill), Ok(seq));
+        }
+        // One place left in the window, and counts for several reports.
+        count_many(&r, 24_000, 2);
+        let last = u64::try_from(WINDOW).unwrap();
+        assert_eq!(o.send(&r, &tx, true, no_fill), Ok(last));
+        assert!(o.is_full());
+        let mut sent_calls = 0;
+        while let Ok(m) = rx.try_recv() {
+            if let Some(Kind::Metrics(report)) = m.kind {
+                sent_calls += report.endpoints.iter().map(|e| e.calls).sum::<u64>();
+            }
+        }
+        let kept: u64 = r.take().iter().map(|e| e.calls).sum();
+        assert!(kept > 0, "the rest waits for a place");
+        assert_eq!(
+            sent_calls + kept,
+            u64::try_from(WINDOW).unwrap() - 1 + 48_000
+        );
     }
 
     #[test]

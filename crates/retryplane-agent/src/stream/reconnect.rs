@@ -31,9 +31,15 @@ impl Default for ReconnectBackoff {
 }
 
 impl ReconnectBackoff {
+    /// The smallest `base`: 1 ms.
+    pub const MIN_BASE: Duration = Duration::from_millis(1);
+
     /// Backoff from `base` to `max` (`max` below `base` is raised to `base`), reset after a
-    /// stream stays up `stable_after`.
+    /// stream stays up `stable_after`. A `base` under [`MIN_BASE`](Self::MIN_BASE) (zero, say)
+    /// is raised to it: doubling zero would never back off, and the agent would retry a control
+    /// plane that is down in a busy loop.
     pub fn new(base: Duration, max: Duration, stable_after: Duration) -> Self {
+        let base = base.max(Self::MIN_BASE);
         Self {
             base,
             max: max.max(base),
@@ -142,6 +148,15 @@ mod tests {
             b.next_delay(&mut rng);
         }
         assert_eq!(b.ceiling(), ms(30_000));
+    }
+
+    #[test]
+    fn a_zero_base_still_backs_off_and_never_waits_zero() {
+        let mut b = ReconnectBackoff::new(Duration::ZERO, ms(1000), ms(10_000));
+        let mut rng = SeededRng::with_seed(5);
+        let delays: Vec<Duration> = (0..20).map(|_| b.next_delay(&mut rng)).collect();
+        assert!(delays.iter().all(|d| !d.is_zero()), "{delays:?}");
+        assert_eq!(b.ceiling(), ms(1000), "the ceiling still grows to max");
     }
 
     #[test]
