@@ -265,6 +265,19 @@ impl AgentStreamService {
             }
         };
         check_hello(&hello, limits)?;
+        // What ends the stream when a reload takes its secret away. A reload while the stream
+        // waited for its Hello (after the Guard admitted it) refuses it here, before it is
+        // registered or sent anything.
+        let revocation = match (&self.ctx.tokens, credential) {
+            (Some(tokens), Some(credential)) => Some(Revocation {
+                tokens: tokens.subscribe(),
+                credential,
+            }),
+            _ => None,
+        };
+        if revocation.as_ref().is_some_and(Revocation::is_revoked) {
+            return Err(revoked_status());
+        }
         let registration = self.ctx.fleet.register(&hello, peer).map_err(|e| {
             self.ctx.metrics.streams_refused.inc();
             match e {
@@ -289,15 +302,6 @@ impl AgentStreamService {
                 refilled: Instant::now(),
             },
         };
-        // What ends the stream when a reload takes its secret away. Subscribed before the
-        // task starts: a reload between the Guard's check and here is seen as a change.
-        let revocation = match (&self.ctx.tokens, credential) {
-            (Some(tokens), Some(credential)) => Some(Revocation {
-                tokens: tokens.subscribe(),
-                credential,
-            }),
-            _ => None,
-        };
         tokio::spawn(stream.run(inbound, tx, registration.replaced, revocation));
         Ok(rx)
     }
@@ -310,6 +314,11 @@ struct Revocation {
 }
 
 impl Revocation {
+    /// Whether the tokens in force no longer admit the stream's credential.
+    fn is_revoked(&self) -> bool {
+        !self.tokens.borrow().admits(&self.credential)
+    }
+
     /// Resolves when the tokens in force no longer admit the stream's credential (at once if
     /// a reload took it away before this was first polled); never without a revocation.
     async fn revoked(revocation: &mut Option<Self>) {
@@ -324,10 +333,10 @@ impl Revocation {
     }
 }
 
-/// The status ending a stream whose secret a reload took away.
+/// The status ending a stream whose secret a reload took away (or gave another role).
 fn revoked_status() -> Status {
     Status::unauthenticated(
-        "the token this stream authenticated with was removed from the control plane's tokens file",
+        "the token this stream authenticated with is no longer an agent token in the control plane's tokens file",
     )
 }
 
@@ -390,12 +399,16 @@ async fn send(
     frame: Outbound,
     replaced: &mut tokio::sync::oneshot::Receiver<()>,
     shutdown: &mut watch::Receiver<bool>,
+    revocation: &mut Option<Revocation>,
 ) -> Result<(), Option<Status>> {
-    // Room first: a frame that can be queued is, even when the stream is ending (the ack of a
+    // A stream whose secret was taken away gets nothing more, even when there is room; one
+    // whose agent stopped reading ends here too.
+    // Then room: a frame that can be queued is, even when the stream is ending (the ack of a
     // report just counted must reach the agent, or it sends the report again to the next
     // server process, which counts it again).
     let room = tokio::select! {
         biased;
+        () = Revocation::revoked(revocation) => return Err(Some(revoked_status())),
         room = tx.reserve_many(2) => room,
         _ = replaced => return Err(Some(replaced_status())),
         _ = shutdown.wait_for(|s| *s) => return Err(Some(shutdown_status())),
@@ -430,7 +443,15 @@ impl AgentStream {
             if let Some(snap) = current
                 && self.behind(&snap)
             {
-                if let Err(end) = send(&tx, snap.frame(), &mut replaced, &mut shutdown).await {
+                if let Err(end) = send(
+                    &tx,
+                    snap.frame(),
+                    &mut replaced,
+                    &mut shutdown,
+                    &mut revocation,
+                )
+                .await
+                {
                     break end;
                 }
                 self.known_version = snap.version;
@@ -447,10 +468,7 @@ impl AgentStream {
                 message = inbound.message() => self.on_message(message),
                 _ = &mut replaced => Next::End(Some(replaced_status())),
                 _ = shutdown.wait_for(|s| *s) => Next::End(Some(shutdown_status())),
-                () = Revocation::revoked(&mut revocation) => {
-                    info!(agent = %self.agent_id, "the stream's token was removed; ending the stream");
-                    Next::End(Some(revoked_status()))
-                }
+                () = Revocation::revoked(&mut revocation) => Next::End(Some(revoked_status())),
             };
             match next {
                 Next::Continue => {}
@@ -463,13 +481,27 @@ impl AgentStream {
                             continue;
                         }
                     };
-                    if let Err(end) = send(&tx, Ok(frame), &mut replaced, &mut shutdown).await {
+                    if let Err(end) = send(
+                        &tx,
+                        Ok(frame),
+                        &mut replaced,
+                        &mut shutdown,
+                        &mut revocation,
+                    )
+                    .await
+                    {
                         break end;
                     }
                 }
                 Next::End(status) => break status,
             }
         };
+        if end
+            .as_ref()
+            .is_some_and(|s| s.code() == tonic::Code::Unauthenticated)
+        {
+            info!(agent = %self.agent_id, "a tokens reload took the stream's token away; ending the stream");
+        }
         if let Some(status) = end {
             // A slot is free (see `send`), so this never waits on an agent that does not read.
             // The agent may be gone already; nothing to do then.
@@ -689,7 +721,14 @@ mod tests {
                 } else {
                     Some(kick)
                 };
-                let sent = send(&tx, Ok(ack.clone()), &mut replaced, &mut shutdown).await;
+                let sent = send(
+                    &tx,
+                    Ok(ack.clone()),
+                    &mut replaced,
+                    &mut shutdown,
+                    &mut None,
+                )
+                .await;
                 assert!(sent.is_ok(), "{ending}: not queued");
                 assert!(rx.try_recv().is_ok());
             }

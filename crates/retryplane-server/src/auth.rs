@@ -15,9 +15,10 @@
 //! with [`subtle::ConstantTimeEq`], without stopping at a match, so the time taken tells nothing
 //! about which token, or how much of one, matched. A missing or unknown secret gets
 //! `UNAUTHENTICATED`; a known token of the wrong role gets `PERMISSION_DENIED` (an agent token
-//! cannot call the admin service, and an admin token cannot pose as an agent). A `viewer` token
-//! calls the admin service's reads only; Apply and Rollback refuse it ([`Role::Viewer`]). The admin service
-//! reads the caller's [`TokenName`] from the request extensions to record who made a version.
+//! cannot call the admin service, and an admin token cannot pose as an agent). A `viewer`
+//! token calls the admin service's reads only; Apply and Rollback refuse it
+//! ([`Role::Viewer`]). The admin service reads the caller's [`TokenName`] from the request
+//! extensions to record who made a version.
 //!
 //! Health and reflection are not guarded: they reveal nothing that is not public. With no tokens
 //! file there is no authentication at all, and the server only binds loopback addresses unless
@@ -27,8 +28,9 @@
 //! a token can be added, rotated or revoked without a restart. A file that cannot be used then
 //! is refused and the tokens in force stay. Calls are checked against the tokens in force when
 //! they start; an agent stream, which lasts, is also ended (`UNAUTHENTICATED`) by the reload
-//! that takes its secret away, so a revoked agent stops receiving policies at once instead of
-//! at its next reconnect.
+//! that takes its secret away (or gives it another role), even while it waits for its Hello
+//! or for room to send, so a revoked agent is sent nothing more instead of receiving policies
+//! until its next reconnect.
 //!
 //! Secrets and header values are never logged or put into an error message.
 

@@ -135,7 +135,7 @@ async fn an_invalid_file_over_a_stored_version_serves_the_stored_one() {
 
 /// A valid file under the 1 MiB limit whose snapshot is over the 4 MiB agents decode: one
 /// 900 KB path prefix, repeated by aliases in six routes.
-fn too_large_for_agents() -> String {
+pub(crate) fn too_large_for_agents() -> String {
     let prefix = format!("/{}", "a".repeat(900_000));
     let mut yaml = format!(
         "version: 1\nendpoints:\n  payments:\n    routes:\n      - match: {{method: GET, path_prefix: &p {prefix}}}\n"
@@ -901,7 +901,10 @@ async fn a_tokens_reload_ends_the_streams_whose_secret_it_removes_and_admits_new
         .unwrap()
         .unwrap_err();
     assert_eq!(ended.code(), Code::Unauthenticated, "{ended:?}");
-    assert!(ended.message().contains("removed"), "{ended:?}");
+    assert!(
+        ended.message().contains("no longer an agent token"),
+        "{ended:?}"
+    );
     let refused = open_stream(addr, hello("a-2"), Some("batch-secret-0123456789"))
         .await
         .unwrap_err();
@@ -914,6 +917,112 @@ async fn a_tokens_reload_ends_the_streams_whose_secret_it_removes_and_admits_new
     fs::write(dir.path().join("policies.yaml"), V2).unwrap();
     assert_eq!(next_version(&mut fleet).await, 2);
     running.shutdown().await.unwrap();
+}
+
+const TWO_AGENT_TOKENS: &str = "\
+tokens:
+  - {name: fleet, role: agent, secret: agent-secret-0123456789}
+  - {name: batch, role: agent, secret: batch-secret-0123456789}
+  - {name: alice, role: admin, secret: admin-secret-0123456789}
+";
+
+/// `TWO_AGENT_TOKENS` without `fleet`.
+const FLEET_REVOKED: &str = "\
+tokens:
+  - {name: batch, role: agent, secret: batch-secret-0123456789}
+  - {name: alice, role: admin, secret: admin-secret-0123456789}
+";
+
+#[tokio::test]
+async fn a_stream_whose_token_is_removed_while_it_waits_for_hello_is_refused_unregistered() {
+    let (dir, mut cfg) = with_file(V1);
+    let tokens_file = dir.path().join("tokens.yaml");
+    fs::write(&tokens_file, TWO_AGENT_TOKENS).unwrap();
+    cfg.tokens_file = Some(tokens_file.clone());
+    // One stream at a time may wait for its Hello: a second one refused for that shows the
+    // first is past the token check and waiting.
+    cfg.stream_limits.max_pending_handshakes = 1;
+    cfg.stream_limits.hello_timeout = Duration::from_secs(30);
+    let running = start(cfg).await.unwrap();
+    let addr = running.agent_addr;
+    let (tx, rx) = mpsc::channel(4);
+    let mut client = AgentServiceClient::new(channel(addr).await);
+    let request = authorized(ReceiverStream::new(rx), "agent-secret-0123456789");
+    let waiting = tokio::spawn(async move { client.connect(request).await });
+    let mut probes = 0;
+    loop {
+        probes += 1;
+        assert!(probes <= 500, "the first stream never waited for its Hello");
+        let probe = format!("probe-{probes}");
+        match open_stream(addr, hello(&probe), Some("batch-secret-0123456789")).await {
+            Err(status) if status.code() == Code::ResourceExhausted => break,
+            // The probe got in first, said Hello and was served: try again.
+            Ok(_) => {}
+            Err(status) => panic!("{status:?}"),
+        }
+    }
+    fs::write(&tokens_file, FLEET_REVOKED).unwrap();
+    assert_eq!(running.reload_tokens().unwrap(), Some(2));
+    tx.send(hello("a-1")).await.unwrap();
+    let refused = waiting.await.unwrap().unwrap_err();
+    assert_eq!(refused.code(), Code::Unauthenticated, "{refused:?}");
+    assert!(
+        refused.message().contains("no longer an agent token"),
+        "{refused:?}"
+    );
+    let (fleet, _, _) = running.control().fleet.status_and_counts(true);
+    assert!(fleet.iter().all(|a| a.agent_id != "a-1"), "{fleet:?}");
+    running.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_stream_whose_agent_stopped_reading_ends_when_its_token_is_removed() {
+    let (dir, mut cfg) = with_file(V1);
+    let tokens_file = dir.path().join("tokens.yaml");
+    fs::write(&tokens_file, TWO_AGENT_TOKENS).unwrap();
+    cfg.tokens_file = Some(tokens_file.clone());
+    cfg.api_mode = true;
+    let running = start(cfg).await.unwrap();
+    let (_tx, mut inbound) = open_stream(
+        running.agent_addr,
+        hello("a-1"),
+        Some("agent-secret-0123456789"),
+    )
+    .await
+    .unwrap();
+    assert_eq!(next_version(&mut inbound).await, 1);
+    // From here the agent reads nothing: versions of about 900 KB fill the flow-control
+    // window and the stream's queue, and its task waits for room to send.
+    let mut admin = AdminServiceClient::new(channel(running.admin_addr).await);
+    for c in ['b', 'c', 'd', 'e', 'f', 'g', 'h', 'i'] {
+        let yaml = format!(
+            "version: 1\nendpoints:\n  payments:\n    routes:\n      - match: {{method: GET, path_prefix: /{}}}\n",
+            c.to_string().repeat(900_000)
+        );
+        let request = pb::ApplyRequest {
+            source: Some(pb::PolicySource {
+                kind: Some(pb::policy_source::Kind::Yaml(yaml)),
+                origin: String::new(),
+            }),
+            ..Default::default()
+        };
+        admin
+            .apply(authorized(request, "admin-secret-0123456789"))
+            .await
+            .unwrap();
+    }
+    fs::write(&tokens_file, FLEET_REVOKED).unwrap();
+    assert_eq!(running.reload_tokens().unwrap(), Some(2));
+    // Polled, at most 10 s.
+    for _ in 0..200 {
+        let (_, connected, _) = running.control().fleet.status_and_counts(false);
+        if connected == 0 {
+            running.shutdown().await.unwrap();
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("the stream of the removed token is still connected");
 }
 
 #[tokio::test]
