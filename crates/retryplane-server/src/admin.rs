@@ -284,10 +284,10 @@ async fn off_runtime<T: Send + 'static>(
 
 /// The error diagnostic for a document whose snapshot agents could not decode, with the message
 /// Apply refuses it with ([`ChangeError::TooLarge`]); it has no place, so it is on `<root>`.
-fn too_large(document: &pb::PolicyDocument) -> Option<Diagnostic> {
+fn too_large(document: &pb::PolicyDocument, loc: Loc) -> Option<Diagnostic> {
     check_size(document)
         .err()
-        .map(|e| Diagnostic::error(Loc::UNKNOWN, "<root>", e.to_string()))
+        .map(|e| Diagnostic::error(loc, "<root>", e.to_string()))
 }
 
 /// The `History` answer holding as many of `metas` (newest first, at most [`HISTORY_PAGE`]) as
@@ -351,12 +351,13 @@ impl AdminService for AdminApi {
             Kind::Yaml(yaml) => {
                 off_runtime(move || {
                     let loaded = retryplane_policy::load(yaml.as_bytes());
-                    let mut diagnostics = loaded.diagnostics;
+                    // First and at 1:1, as `retryplane validate` reports it.
                     let too_large = loaded.policies.and_then(|policies| {
                         let document = pb::PolicyDocument::from(policies.document().as_ref());
-                        too_large(&document)
+                        too_large(&document, Loc { line: 1, column: 1 })
                     });
-                    diagnostics.extend(too_large);
+                    let diagnostics: Vec<Diagnostic> =
+                        too_large.into_iter().chain(loaded.diagnostics).collect();
                     let valid = !diagnostics.iter().any(Diagnostic::is_error);
                     (valid, diagnostics)
                 })
@@ -366,7 +367,7 @@ impl AdminService for AdminApi {
                 off_runtime(move || {
                     // Apply refuses a document too large for the agents before validating it;
                     // Validate reports that first and the validation's findings after it.
-                    let too_large = too_large(&document);
+                    let too_large = too_large(&document, Loc::UNKNOWN);
                     let (valid, found) = match convert::validate(document) {
                         Ok((_, warnings)) => (true, warnings),
                         Err(errors) => (false, errors),

@@ -485,6 +485,28 @@ async fn validate_reports_a_document_too_large_for_agents_with_apply_s_message()
 }
 
 #[tokio::test]
+async fn validate_reports_a_yaml_file_too_large_for_agents_first_at_1_1_as_the_cli_does() {
+    let api = api(Mode::Api);
+    let checked = api
+        .validate(Request::new(pb::ValidateRequest {
+            source: yaml(&crate::server::tests::too_large_for_agents()),
+        }))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!checked.valid);
+    let first = &checked.diagnostics[0];
+    assert_eq!((first.line, first.column), (1, 1));
+    assert_eq!(first.path, "<root>");
+    assert!(
+        first
+            .message
+            .contains("agents decode messages of at most 4194304 bytes"),
+        "{first:?}"
+    );
+}
+
+#[tokio::test]
 async fn a_source_over_1_mib_or_none_is_invalid_argument() {
     let api = api(Mode::Api);
     let huge = format!("{V1}#{}\n", "x".repeat(MAX_FILE_BYTES));

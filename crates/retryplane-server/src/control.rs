@@ -220,8 +220,14 @@ impl ControlPlane {
     /// Dropping the returned future before it completes either changes nothing or lets the
     /// store write and the publish both finish (see the module docs).
     pub async fn apply(&self, req: ChangeRequest) -> Result<ChangeOutcome, ChangeError> {
-        let one_at_a_time = self.changes.clone().lock_owned().await;
         let dry_run = req.dry_run;
+        // A dry run stores nothing, so it does not wait for (or hold up) the changes being
+        // committed: it is checked against the version current when it reads the store.
+        let one_at_a_time = if dry_run {
+            None
+        } else {
+            Some(self.changes.clone().lock_owned().await)
+        };
         let result = self.apply_locked(req, one_at_a_time).await;
         if !dry_run
             && matches!(
@@ -236,10 +242,11 @@ impl ControlPlane {
         result
     }
 
+    /// [`ControlPlane::apply`] of `req`, holding the change lock unless it is a dry run.
     async fn apply_locked(
         &self,
         req: ChangeRequest,
-        one_at_a_time: OwnedMutexGuard<()>,
+        one_at_a_time: Option<OwnedMutexGuard<()>>,
     ) -> Result<ChangeOutcome, ChangeError> {
         // Validating and diffing a large document takes tens of milliseconds of CPU (about
         // 30 ms at 1,000 endpoints): done off the async threads, with the store read between
@@ -280,14 +287,17 @@ impl ControlPlane {
         let unchanged = current
             .as_ref()
             .is_some_and(|c| c.meta.content_hash == content_hash);
-        if req.dry_run || unchanged {
-            return Ok(ChangeOutcome {
-                record: current,
-                changed: false,
-                diff: if unchanged { Vec::new() } else { changes },
-                warnings,
-            });
-        }
+        let one_at_a_time = match one_at_a_time {
+            Some(held) if !req.dry_run && !unchanged => held,
+            _ => {
+                return Ok(ChangeOutcome {
+                    record: current,
+                    changed: false,
+                    diff: if unchanged { Vec::new() } else { changes },
+                    warnings,
+                });
+            }
+        };
         let new = NewVersion {
             document: req.document,
             content_hash,

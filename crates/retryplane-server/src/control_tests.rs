@@ -388,3 +388,37 @@ async fn a_dry_run_on_an_empty_store_with_an_expected_version_is_a_conflict_as_t
         .unwrap();
     assert_eq!(applied.record.map(|r| r.meta.version), Some(1));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dry_run_does_not_wait_for_a_change_being_committed() {
+    let mut gate = Gate::new();
+    let control = control(gate.store.clone(), Mode::Api);
+    let api = AdminApi::new(control.clone());
+    api.apply(Request::new(apply_request(V1))).await.unwrap();
+    gate.close();
+    let committing = {
+        let api = AdminApi::new(control.clone());
+        tokio::spawn(async move { api.apply(Request::new(apply_request(V2))).await })
+    };
+    // The change holds the change lock in the store's publish.
+    tokio::time::timeout(WAIT, gate.entered.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    let dry_run = pb::ApplyRequest {
+        dry_run: true,
+        ..apply_request(V3)
+    };
+    let answered = tokio::time::timeout(WAIT, api.apply(Request::new(dry_run)))
+        .await
+        .expect("the dry run answers while the change commits")
+        .unwrap()
+        .into_inner();
+    // Against the version current when it read the store.
+    assert_eq!(answered.version, 1);
+    assert!(!answered.changed);
+    assert_eq!(answered.diff.len(), 1);
+    gate.open();
+    let committed = committing.await.unwrap().unwrap().into_inner();
+    assert_eq!(committed.version, 2);
+}

@@ -426,4 +426,4 @@ impl Running {
 
 #[cfg(test)]
 #[path = "server_tests.rs"]
-mod tests;
+pub(crate) mod tests;

@@ -71,14 +71,15 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
                 Ok(response) => response,
                 Err(status) => return Ok(super::failed(&status, String::new())),
             };
+            let empty = response.versions.is_empty();
             versions.extend(response.versions);
             let next = response.next_before;
             let wanted = settings
                 .limit
                 .is_none_or(|limit| versions.len() < limit as usize);
-            // Each page starts below the last, so this ends; a control plane that does not
-            // page (no `next_before`) answers once.
-            if next == 0 || !wanted || (before != 0 && next >= before) {
+            // Each page starts below the last and holds something, so this ends; a control
+            // plane that does not page (no `next_before`) answers once.
+            if next == 0 || !wanted || empty || (before != 0 && next >= before) {
                 break;
             }
             before = next;
