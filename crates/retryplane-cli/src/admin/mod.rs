@@ -18,7 +18,9 @@
 //!
 //! # Errors and exit codes
 //!
-//! A gRPC error prints `retryplane: error: CODE_NAME: message` on stderr. Exit `1` when the
+//! A gRPC error prints `retryplane: error: CODE_NAME: message` on stderr (and, for
+//! `UNIMPLEMENTED`, which another listener of the control plane answers, and
+//! `UNAUTHENTICATED`, a `retryplane: hint: …` line saying what to check). Exit `1` when the
 //! server answered and refused: an invalid policy (its diagnostics are printed like
 //! `retryplane validate` prints them), a version conflict, a change that removes every endpoint,
 //! a missing or wrong token, an unknown version (see [`refused`]). Exit `2` for usage errors,
@@ -200,8 +202,13 @@ pub fn status_line(status: &Status) -> String {
 }
 
 /// [`failed`] with a message of our own (a summary of diagnostics printed on stdout, say).
+/// A code whose usual cause is the command line (see [`hint`]) gets a second line,
+/// `retryplane: hint: …`, saying what to check.
 pub fn failed_with(code: Code, message: &str, stdout: String) -> Report {
     output::error(format_args!("{}: {message}", code_name(code)));
+    if let Some(hint) = hint(code) {
+        output::note(format_args!("retryplane: hint: {hint}"));
+    }
     Report {
         stdout,
         outcome: if refused(code) {
@@ -209,6 +216,23 @@ pub fn failed_with(code: Code, message: &str, stdout: String) -> Report {
         } else {
             Outcome::Error
         },
+    }
+}
+
+/// What to check when the server answers `code` to an admin call, when the usual cause is the
+/// command line: `--server` naming another listener of the control plane (the agent one, whose
+/// gRPC server has no admin service, or the HTTP one, which answers 404), or no admin token.
+fn hint(code: Code) -> Option<&'static str> {
+    match code {
+        Code::Unimplemented => Some(
+            "the server does not offer this admin call: --server takes the admin listener of \
+             `retryplane serve` (--admin-listen, port 7471 by default), not its agent listener \
+             (--listen, 7470) or its HTTP listener (--http-listen, 7472)",
+        ),
+        Code::Unauthenticated => {
+            Some("give a token of role admin with --token or RETRYPLANE_TOKEN")
+        }
+        _ => None,
     }
 }
 
@@ -309,6 +333,14 @@ mod tests {
         assert!(!refused(Code::Internal));
         assert_eq!(code_name(Code::PermissionDenied), "PERMISSION_DENIED");
         assert_eq!(code_name(Code::Unavailable), "UNAVAILABLE");
+    }
+
+    #[test]
+    fn a_wrong_listener_or_a_missing_token_gets_a_hint() {
+        assert!(hint(Code::Unimplemented).is_some_and(|h| h.contains("--admin-listen")));
+        assert!(hint(Code::Unauthenticated).is_some_and(|h| h.contains("RETRYPLANE_TOKEN")));
+        assert_eq!(hint(Code::PermissionDenied), None);
+        assert_eq!(hint(Code::Aborted), None);
     }
 
     #[test]
