@@ -564,6 +564,52 @@ fn an_empty_retryplane_token_is_reported_missing_like_an_unset_one() {
 }
 
 #[test]
+fn the_agent_or_http_listener_instead_of_the_admin_one_is_named_as_the_likely_mistake() {
+    let server = test_server(true, None);
+    let running = server.running();
+    for (listener, addr) in [
+        ("agent", running.agent_addr()),
+        ("http", running.http_addr()),
+    ] {
+        for command in ["history", "status", "get"] {
+            let assert = Command::cargo_bin("retryplane")
+                .unwrap()
+                .env_remove("RETRYPLANE_TOKEN")
+                .args([command, "--server", &addr.to_string()])
+                .timeout(support::WAIT)
+                .assert()
+                .code(2)
+                .stdout("");
+            let stderr = String::from_utf8_lossy(&assert.get_output().stderr).into_owned();
+            assert!(
+                stderr.contains("retryplane: error: UNIMPLEMENTED")
+                    && stderr.contains("retryplane: hint: ")
+                    && stderr.contains("--admin-listen, port 7471 by default"),
+                "{command} on the {listener} listener: {stderr}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_missing_or_unknown_token_says_how_to_give_one() {
+    let server = test_server(true, Some(TOKENS));
+    for token in [None, Some("not-a-known-token-at-all")] {
+        let mut cmd = server.retryplane(&["history"]);
+        if let Some(token) = token {
+            cmd.env("RETRYPLANE_TOKEN", token);
+        }
+        cmd.assert()
+            .code(1)
+            .stderr(predicate::str::contains("UNAUTHENTICATED"))
+            .stderr(predicate::str::contains(
+                "retryplane: hint: give a token of role admin with --token or RETRYPLANE_TOKEN",
+            ))
+            .stderr(predicate::str::contains("not-a-known").not());
+    }
+}
+
+#[test]
 fn an_unreachable_server_exits_2() {
     let url = dead_server();
     let mut cmd = Command::cargo_bin("retryplane").unwrap();

@@ -39,16 +39,26 @@
 //! the watcher also reads the file without an event (after the same quiet period); equal
 //! bytes are skipped quietly, so this costs a read and a few system calls.
 //!
-//! notify calls back on its own thread; the callback only forwards a wake-up into a
-//! one-slot tokio channel with `try_send` (a full slot already means "look again").
+//! A save written in place in pieces (truncated, then written; `scp` or a generator writing
+//! on a slow link) can look complete to the debounce when the writer pauses longer than the
+//! quiet period, and half a file may well be a valid one (the first endpoints only). Where the
+//! platform reports a writer closing the file (inotify on Linux), a file written to and not yet
+//! closed is not read: the read waits for the writer to close it, at most
+//! [`Timing::unclosed`] ([`UNCLOSED`]) after the quiet period, and then reads what is there (a
+//! writer that keeps the file open for good delays a reload by that much, no more).
+//!
+//! notify calls back on its own thread; the callback notes which files are written to and not
+//! yet closed, and forwards a wake-up into a one-slot tokio channel with `try_send` (a full
+//! slot already means "look again").
 
+use std::collections::HashSet;
 use std::ffi::OsString;
 use std::io::{self, Read as _};
 use std::path::{Component, Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use notify::event::{AccessKind, AccessMode};
+use notify::event::{AccessKind, AccessMode, ModifyKind, RenameMode};
 use notify::{Event, EventKind, RecommendedWatcher, RecursiveMode, Watcher as _};
 use retryplane_policy::Loaded;
 use retryplane_policy::yaml::MAX_FILE_BYTES;
@@ -69,6 +79,10 @@ pub const DEBOUNCE: Duration = Duration::from_millis(200);
 /// docs): the longest a change the events missed takes to be seen.
 pub const RESCAN: Duration = Duration::from_secs(10);
 
+/// The longest a read waits, after the quiet period, for a writer that still has the policy
+/// file open to close it (see the module docs).
+pub const UNCLOSED: Duration = Duration::from_secs(5);
+
 /// The watcher's timings.
 #[derive(Clone, Copy, Debug)]
 pub struct Timing {
@@ -76,6 +90,8 @@ pub struct Timing {
     pub debounce: Duration,
     /// How often the watches are renewed and the file read without an event ([`RESCAN`]).
     pub rescan: Duration,
+    /// The longest a read waits for a writer to close the file it wrote to ([`UNCLOSED`]).
+    pub unclosed: Duration,
 }
 
 impl Default for Timing {
@@ -83,7 +99,71 @@ impl Default for Timing {
         Self {
             debounce: DEBOUNCE,
             rescan: RESCAN,
+            unclosed: UNCLOSED,
         }
+    }
+}
+
+/// Whether the platform's watch reports a writer closing a file, so that a file written to and
+/// not closed yet can be told (inotify does; FSEvents, kqueue and polling do not, and there
+/// every file written to would look open for good).
+const CLOSES_REPORTED: bool = cfg!(any(target_os = "linux", target_os = "android"));
+
+/// At most this many files of the watched directories are remembered as open for writing; past
+/// it they are all forgotten (a directory full of files held open, logs say: the policy file
+/// is then read after the quiet period, as on a platform that does not report closes).
+const MAX_OPEN_WRITES: usize = 1024;
+
+/// The files of the watched directories written to and not closed since, by the path their
+/// events carry (a watched directory's real path and the file's name). Filled by notify's
+/// thread, read before every read of the policy file.
+#[derive(Clone, Debug, Default)]
+struct OpenWrites(Arc<Mutex<HashSet<PathBuf>>>);
+
+impl OpenWrites {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashSet<PathBuf>> {
+        // Plain data: a panic while holding the lock leaves nothing half-done worth refusing.
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Notes what `event` says about files open for writing.
+    fn note(&self, event: &Event) {
+        if !CLOSES_REPORTED {
+            return;
+        }
+        let mut open = self.lock();
+        match event.kind {
+            EventKind::Modify(ModifyKind::Data(_) | ModifyKind::Any) => {
+                if open.len() + event.paths.len() > MAX_OPEN_WRITES {
+                    open.clear();
+                }
+                open.extend(event.paths.iter().cloned());
+            }
+            EventKind::Access(AccessKind::Close(AccessMode::Write)) | EventKind::Remove(_) => {
+                for path in &event.paths {
+                    open.remove(path);
+                }
+            }
+            // A file renamed while still open keeps its writer under its new name.
+            EventKind::Modify(ModifyKind::Name(RenameMode::Both)) => {
+                if let [from, to] = event.paths.as_slice()
+                    && open.remove(from)
+                {
+                    open.insert(to.clone());
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// Whether `path` (a real path) was written to and not closed since.
+    fn is_open(&self, path: &Path) -> bool {
+        self.lock().contains(path)
+    }
+
+    /// Stops waiting for `path`'s writer to close it.
+    fn forget(&self, path: &Path) {
+        self.lock().remove(path);
     }
 }
 
@@ -223,9 +303,13 @@ pub fn spawn_before_start(
         .unwrap_or(dir);
     let own_dir_exists = own_dir.is_dir();
     let (tx, rx) = mpsc::channel(1);
+    let open_writes = OpenWrites::default();
+    let noted = open_writes.clone();
     let watcher = notify::recommended_watcher(move |event: notify::Result<Event>| {
         match event {
             Ok(event) if !is_read(&event) => {
+                // Before the wake-up, so the read it starts sees the close.
+                noted.note(&event);
                 // Full: a wake-up is already pending. Closed: the task is gone.
                 let _ = tx.try_send(());
             }
@@ -243,6 +327,7 @@ pub fn spawn_before_start(
         own_dir,
         wanted: Vec::new(),
         active: Vec::new(),
+        open_writes,
     };
     if own_dir_exists {
         watches.watch_own_dir()?;
@@ -298,6 +383,8 @@ struct Watches {
     wanted: Vec<PathBuf>,
     /// The directories watched now.
     active: Vec<PathBuf>,
+    /// The files of the watched directories open for writing, as the watcher's events tell.
+    open_writes: OpenWrites,
 }
 
 impl Watches {
@@ -456,6 +543,7 @@ async fn run(
     mut start: Option<oneshot::Receiver<Vec<u8>>>,
 ) {
     let debounce = timing.debounce;
+    let open_writes = watches.open_writes.clone();
     let mut rescan = tokio::time::interval_at(Instant::now() + timing.rescan, timing.rescan);
     rescan.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut last = LastRead::Nothing;
@@ -466,33 +554,60 @@ async fn run(
             // No event: read anyway, for a change no watch saw.
             _ = rescan.tick() => {}
         }
-        // Debounce: wait for a quiet period.
+        // When the quiet period first found the file still open for writing.
+        let mut open_since: Option<Instant> = None;
         loop {
+            // Debounce: wait for a quiet period.
+            loop {
+                tokio::select! {
+                    _ = shutdown.wait_for(|stop| *stop) => return,
+                    event = tokio::time::timeout(debounce, events.recv()) => match event {
+                        Ok(Some(())) => {}
+                        Ok(None) => return,
+                        Err(_quiet) => break,
+                    },
+                }
+            }
+            // Follow the link chain as it is now before reading, so a change made after the
+            // read, in a directory the chain newly goes through, is seen.
+            let real;
+            (watches, real) = match blocking(move || {
+                // Set up again on every read: a directory replaced since the last one (deleted
+                // and created again, or renamed over) is watched from now on.
+                watches.update();
+                let real = std::fs::canonicalize(&watches.file).ok();
+                (watches, real)
+            })
+            .await
+            {
+                Ok(done) => done,
+                Err(e) => {
+                    warn!(file = %file.display(), error = %e, "the policy file watch stopped");
+                    return;
+                }
+            };
+            // A writer still has the file open: what is there may be half of its save.
+            let Some(real) = real.filter(|real| open_writes.is_open(real)) else {
+                break;
+            };
+            let since = *open_since.get_or_insert_with(Instant::now);
+            let left = timing.unclosed.saturating_sub(since.elapsed());
+            if left.is_zero() {
+                debug!(file = %file.display(), "the policy file is still open for writing; reading it anyway");
+                open_writes.forget(&real);
+                break;
+            }
+            debug!(file = %file.display(), "the policy file is open for writing; waiting for the writer to close it");
+            // The close (or any other event) starts another quiet period.
             tokio::select! {
                 _ = shutdown.wait_for(|stop| *stop) => return,
-                event = tokio::time::timeout(debounce, events.recv()) => match event {
-                    Ok(Some(())) => {}
-                    Ok(None) => return,
-                    Err(_quiet) => break,
-                },
+                event = tokio::time::timeout(left, events.recv()) => {
+                    if matches!(event, Ok(None)) {
+                        return;
+                    }
+                }
             }
         }
-        // Follow the link chain as it is now before reading, so a change made after the
-        // read, in a directory the chain newly goes through, is seen.
-        watches = match blocking(move || {
-            // Set up again on every read: a directory replaced since the last one (deleted
-            // and created again, or renamed over) is watched from now on.
-            watches.update();
-            watches
-        })
-        .await
-        {
-            Ok(watches) => watches,
-            Err(e) => {
-                warn!(file = %file.display(), error = %e, "the policy file watch stopped");
-                return;
-            }
-        };
         // What start-up read counts as read: an event that changed nothing in the file (or a
         // rescan) does not apply or log it a second time.
         if let Some(read) = &mut start {

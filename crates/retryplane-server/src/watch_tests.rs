@@ -26,6 +26,7 @@ const PUBLISH_BOUND: Duration = Duration::from_secs(1);
 const TIMING: Timing = Timing {
     debounce: DEBOUNCE,
     rescan: Duration::from_millis(500),
+    unclosed: UNCLOSED,
 };
 
 const V1: &str = "version: 1\nendpoints:\n  payments:\n    max_attempts: 3\n";
@@ -371,6 +372,7 @@ async fn a_directory_deleted_and_created_again_is_watched_again() {
     let timing = Timing {
         debounce: DEBOUNCE,
         rescan: RESCAN_EVERY,
+        unclosed: UNCLOSED,
     };
     let f = start_with(dir, file.clone(), timing).await;
 
@@ -406,6 +408,7 @@ async fn a_missing_directory_is_watched_for_and_the_file_read_once_it_appears() 
     let timing = Timing {
         debounce: DEBOUNCE,
         rescan: Duration::from_secs(600),
+        unclosed: UNCLOSED,
     };
     let (_stop, shutdown) = watch::channel(false);
     spawn(control.clone(), file.clone(), timing, shutdown).unwrap();
@@ -434,6 +437,7 @@ async fn a_change_no_event_reports_is_found_by_the_rescan() {
     let timing = Timing {
         debounce: DEBOUNCE,
         rescan: Duration::from_secs(1),
+        unclosed: UNCLOSED,
     };
     let f = start_with(dir, file.clone(), timing).await;
     fs::write(&link, V2).unwrap();
@@ -454,6 +458,7 @@ fn a_directory_gone_since_the_last_read_is_not_unwatched() {
         own_dir: fs::canonicalize(dir.path()).unwrap(),
         wanted: Vec::new(),
         active: Vec::new(),
+        open_writes: OpenWrites::default(),
     };
     watches.watch_own_dir().unwrap();
     // The old data directory of a ConfigMap swap: deleted, its watch already dropped by notify
@@ -513,4 +518,94 @@ async fn an_oversized_file_is_refused_with_its_real_size() {
         diag.message,
         format!("file is {size} bytes; policy files are limited to {MAX_FILE_BYTES} bytes (1 MiB)")
     );
+}
+
+/// Writes `first`, then `rest` `pause` later, into `file` opened (and truncated) once and
+/// closed only at the end: a save written in place in two pieces.
+#[cfg(any(target_os = "linux", target_os = "android"))]
+struct SlowWriter(fs::File);
+
+#[cfg(any(target_os = "linux", target_os = "android"))]
+impl SlowWriter {
+    fn start(file: &Path, first: &str) -> Self {
+        use std::io::Write as _;
+        let mut out = fs::File::create(file).unwrap();
+        out.write_all(first.as_bytes()).unwrap();
+        out.flush().unwrap();
+        Self(out)
+    }
+
+    fn finish(mut self, rest: &str) {
+        use std::io::Write as _;
+        self.0.write_all(rest.as_bytes()).unwrap();
+        drop(self);
+    }
+}
+
+#[cfg(any(target_os = "linux", target_os = "android"))]
+const OPEN_FOR_WRITING: &str = "the policy file is open for writing; waiting for the writer";
+
+/// A save whose first half is a valid file on its own.
+#[cfg(any(target_os = "linux", target_os = "android"))]
+const FIRST_HALF: &str = "version: 1\nendpoints:\n  payments:\n    max_attempts: 4\n";
+#[cfg(any(target_os = "linux", target_os = "android"))]
+const SECOND_HALF: &str = "  inventory:\n    max_attempts: 2\n";
+
+#[cfg(any(target_os = "linux", target_os = "android"))]
+#[tokio::test]
+async fn a_file_still_open_for_writing_is_read_once_its_writer_closes_it() {
+    let (log, _guard) = capture_logs();
+    let f = fixture().await;
+    // The writer pauses far longer than the quiet period between its two writes.
+    let writer = SlowWriter::start(&f.file, FIRST_HALF);
+    let waited = tokio::time::timeout(Duration::from_secs(5), async {
+        while !log.text().contains(OPEN_FOR_WRITING) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    assert!(
+        waited.is_ok(),
+        "the watcher did not wait for the writer: {}",
+        log.text()
+    );
+    assert_eq!(
+        current_version(&f.control),
+        Some(1),
+        "half a save was published"
+    );
+    assert_eq!(f.control.metrics.rejected_changes.get(), 0);
+    writer.finish(SECOND_HALF);
+    wait_for_version(&f.control, 2, PUBLISH_BOUND).await;
+    let served = f.control.publisher.current().unwrap();
+    let names: Vec<&str> = served
+        .document
+        .endpoints
+        .iter()
+        .map(|e| e.name.as_str())
+        .collect();
+    assert_eq!(names.len(), 2, "{names:?}");
+    let history = f.control.blocking(|s| s.history(0, None)).await.unwrap();
+    assert_eq!(history.len(), 2, "only the whole save was published");
+}
+
+#[cfg(any(target_os = "linux", target_os = "android"))]
+#[tokio::test]
+async fn a_file_kept_open_for_writing_is_read_after_the_bound() {
+    // Captured here too: the first test to reach a log line decides, for the whole test
+    // binary, whether a capture sees it (see `crate::test_logs::capture`).
+    let (log, _guard) = capture_logs();
+    let timing = Timing {
+        unclosed: Duration::from_millis(600),
+        ..TIMING
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("policies.yaml");
+    fs::write(&file, V1).unwrap();
+    let f = start_with(dir, file, timing).await;
+    let writer = SlowWriter::start(&f.file, V2);
+    wait_for_version(&f.control, 2, Duration::from_secs(3)).await;
+    assert_eq!(max_attempts_served(&f.control).await, Some(4));
+    assert!(log.text().contains(OPEN_FOR_WRITING), "{}", log.text());
+    drop(writer);
 }

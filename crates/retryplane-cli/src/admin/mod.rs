@@ -18,7 +18,11 @@
 //!
 //! # Errors and exit codes
 //!
-//! A gRPC error prints `retryplane: error: CODE_NAME: message` on stderr. Exit `1` when the
+//! A gRPC error prints `retryplane: error: CODE_NAME: message` on stderr (and, for
+//! `UNIMPLEMENTED`, which another listener of the control plane answers, `UNAUTHENTICATED`
+//! and `DEADLINE_EXCEEDED`, a `retryplane: hint: …` line saying what to check); a call with no
+//! answer within [`REQUEST_TIMEOUT`] is `DEADLINE_EXCEEDED: no answer from the server within
+//! 30 s`. Exit `1` when the
 //! server answered and refused: an invalid policy (its diagnostics are printed like
 //! `retryplane validate` prints them), a version conflict, a change that removes every endpoint,
 //! a missing or wrong token, an unknown version (see [`refused`]). Exit `2` for usage errors,
@@ -182,26 +186,46 @@ pub fn block_on<T>(work: impl Future<Output = anyhow::Result<T>>) -> anyhow::Res
 /// Prints `retryplane: error: CODE_NAME: message` on stderr and returns the exit outcome of
 /// `status`, with `stdout` to print before it (diagnostics, for instance).
 pub fn failed(status: &Status, stdout: String) -> Report {
+    let (code, message) = code_and_message(status);
+    failed_with(code, &message, stdout)
+}
+
+/// The code and message to show for `status`. The client's own [`REQUEST_TIMEOUT`] reaches
+/// us as tonic's `CANCELLED: Timeout expired`; it is shown as what it is, `DEADLINE_EXCEEDED`
+/// with the time waited (a server that takes the connection and never answers).
+fn code_and_message(status: &Status) -> (Code, String) {
+    if status.code() == Code::Cancelled && status.message() == tonic::TimeoutExpired(()).to_string()
+    {
+        return (
+            Code::DeadlineExceeded,
+            format!(
+                "no answer from the server within {} s",
+                REQUEST_TIMEOUT.as_secs()
+            ),
+        );
+    }
     let message = match status.message() {
         "" => status.code().description(),
         message => message,
     };
-    failed_with(status.code(), message, stdout)
+    (status.code(), message.to_owned())
 }
 
 /// `CODE_NAME: message` on one line, for a status shown without failing the command.
 pub fn status_line(status: &Status) -> String {
-    let message = match status.message() {
-        "" => status.code().description(),
-        message => message,
-    };
+    let (code, message) = code_and_message(status);
     let message = message.split_whitespace().collect::<Vec<_>>().join(" ");
-    format!("{}: {message}", code_name(status.code()))
+    format!("{}: {message}", code_name(code))
 }
 
 /// [`failed`] with a message of our own (a summary of diagnostics printed on stdout, say).
+/// A code whose usual cause is the command line (see [`hint`]) gets a second line,
+/// `retryplane: hint: …`, saying what to check.
 pub fn failed_with(code: Code, message: &str, stdout: String) -> Report {
     output::error(format_args!("{}: {message}", code_name(code)));
+    if let Some(hint) = hint(code) {
+        output::note(format_args!("retryplane: hint: {hint}"));
+    }
     Report {
         stdout,
         outcome: if refused(code) {
@@ -209,6 +233,28 @@ pub fn failed_with(code: Code, message: &str, stdout: String) -> Report {
         } else {
             Outcome::Error
         },
+    }
+}
+
+/// What to check when the server answers `code` to an admin call, when the usual cause is the
+/// command line: `--server` naming another listener of the control plane (the agent one, whose
+/// gRPC server has no admin service, or the HTTP one, which answers 404), or no admin token.
+fn hint(code: Code) -> Option<&'static str> {
+    match code {
+        Code::Unimplemented => Some(
+            "the server does not offer this admin call: --server takes the admin listener of \
+             `retryplane serve` (--admin-listen, port 7471 by default), not its agent listener \
+             (--listen, 7470) or its HTTP listener (--http-listen, 7472)",
+        ),
+        Code::DeadlineExceeded => Some(
+            "is --server the admin listener of a running `retryplane serve` (--admin-listen, \
+             port 7471 by default)? A server that accepts the connection and never answers \
+             ends like this",
+        ),
+        Code::Unauthenticated => {
+            Some("give a token of role admin with --token or RETRYPLANE_TOKEN")
+        }
+        _ => None,
     }
 }
 
@@ -309,6 +355,36 @@ mod tests {
         assert!(!refused(Code::Internal));
         assert_eq!(code_name(Code::PermissionDenied), "PERMISSION_DENIED");
         assert_eq!(code_name(Code::Unavailable), "UNAVAILABLE");
+    }
+
+    #[test]
+    fn a_wrong_listener_or_a_missing_token_gets_a_hint() {
+        assert!(hint(Code::Unimplemented).is_some_and(|h| h.contains("--admin-listen")));
+        assert!(hint(Code::Unauthenticated).is_some_and(|h| h.contains("RETRYPLANE_TOKEN")));
+        assert_eq!(hint(Code::PermissionDenied), None);
+        assert_eq!(hint(Code::Aborted), None);
+    }
+
+    #[test]
+    fn the_request_timeout_is_shown_as_a_deadline_with_the_time_waited() {
+        // What tonic answers when `REQUEST_TIMEOUT` passes without an answer.
+        let timed_out = Status::cancelled(tonic::TimeoutExpired(()).to_string());
+        let (code, message) = code_and_message(&timed_out);
+        assert_eq!(code, Code::DeadlineExceeded);
+        assert_eq!(message, "no answer from the server within 30 s");
+        assert!(hint(code).is_some_and(|h| h.contains("--admin-listen")));
+        assert_eq!(
+            status_line(&timed_out),
+            "DEADLINE_EXCEEDED: no answer from the server within 30 s"
+        );
+        // Still exit 2: the call did not work.
+        assert!(!refused(code));
+        // Another cancellation keeps its code and message.
+        let cancelled = Status::cancelled("the server went away");
+        assert_eq!(
+            code_and_message(&cancelled),
+            (Code::Cancelled, "the server went away".to_owned())
+        );
     }
 
     #[test]

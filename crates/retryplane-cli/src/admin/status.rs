@@ -6,7 +6,8 @@
 //! (or last) stream started; `LAST` is the agent's last answer, `ack v7` or `nack v8`), then one summary
 //! line, `v7: 998 acked, 2 nacked, 0 pending` (and `, 3 disconnected` when some are):
 //!
-//! - acked: connected agents that run the current version;
+//! - acked: connected agents that run the current version (none while no version is
+//!   published);
 //! - nacked: agents whose last answer is a NACK of the current version (connected or not);
 //! - pending: the other connected agents (the push is on its way, or unanswered);
 //! - disconnected: the other agents the server still remembers.
@@ -128,7 +129,9 @@ impl Counts {
         let mut counts = Counts::default();
         for a in agents {
             let nacked_current = a.last_response == "nack" && a.last_response_version == current;
-            if a.connected && a.applied_version == current {
+            // With nothing published yet (version 0) there is nothing to have acked: an agent
+            // that has applied nothing waits for the first push.
+            if a.connected && current != 0 && a.applied_version == current {
                 counts.acked += 1;
             } else if nacked_current {
                 counts.nacked += 1;
@@ -336,6 +339,20 @@ mod tests {
         );
         let all_good = Counts::of(7, &agents[..2]);
         assert_eq!(all_good.line(7), "v7: 2 acked, 0 nacked, 0 pending");
+    }
+
+    #[test]
+    fn with_no_version_published_a_connected_agent_is_pending_not_acked() {
+        let agents = vec![agent("a", true, 0, "", 0), agent("b", false, 0, "", 0)];
+        assert_eq!(
+            Counts::of(0, &agents),
+            Counts {
+                acked: 0,
+                nacked: 0,
+                pending: 1,
+                disconnected: 1
+            }
+        );
     }
 
     #[test]

@@ -189,6 +189,20 @@ pub enum StoreError {
     /// The stored data is inconsistent; the store refuses to serve it.
     #[error("the version store is corrupt: {0}")]
     Corrupt(String),
+    /// A record was written by a newer release, in a format this build does not read: the
+    /// store is refused (and left as it is), not taken for a damaged one.
+    #[error(
+        "version {version} of the version store was written by a newer retryplane (record \
+         format {format}; this build reads format {supported}): run that release or a later one"
+    )]
+    NewerFormat {
+        /// The version whose record it is.
+        version: u64,
+        /// The record's format.
+        format: u32,
+        /// The format this build reads.
+        supported: u32,
+    },
     /// The data directory cannot be created.
     #[error("cannot create the data directory {}", dir.display())]
     CreateDir {

@@ -21,7 +21,9 @@
 //! the file's integrity (redb page checksums) and then the store's own invariants — `current`
 //! names the last of `1..=current` stored records, and that record decodes and its document
 //! matches its checksum — and refuses to serve anything else with [`StoreError::Corrupt`]. Every
-//! record read later is decoded and verified the same way.
+//! record read later is decoded and verified the same way. A record in a format newer than
+//! [`RECORD_FORMAT`] (written by a later release, before a downgrade) is refused with
+//! [`StoreError::NewerFormat`], which says so instead of calling the store corrupt.
 //!
 //! redb locks the file: a second open, from another process or this one, fails with
 //! [`StoreError::InUse`].
@@ -475,6 +477,13 @@ fn decode(key: u64, bytes: &[u8]) -> Result<(VersionMeta, Vec<u8>), StoreError> 
     let bad = |what: String| StoreError::Corrupt(format!("the record of version {key} {what}"));
     let stored =
         StoredRecord::decode(bytes).map_err(|error| bad(format!("cannot be decoded: {error}")))?;
+    if stored.format > RECORD_FORMAT {
+        return Err(StoreError::NewerFormat {
+            version: key,
+            format: stored.format,
+            supported: RECORD_FORMAT,
+        });
+    }
     if stored.format != RECORD_FORMAT {
         return Err(bad(format!(
             "has format {}, but this build reads format {RECORD_FORMAT} only",

@@ -129,6 +129,34 @@ fn garbage_in_the_current_record_is_corrupt_on_open() {
 }
 
 #[test]
+fn a_record_written_by_a_newer_release_is_refused_as_such_not_as_corrupt() {
+    let dir = tempfile::tempdir().unwrap();
+    store_with_one_version(dir.path());
+    tamper(dir.path(), |txn| {
+        use ::redb::ReadableTable as _;
+        let mut versions = txn.open_table(VERSIONS).unwrap();
+        let mut bytes = versions.get(1).unwrap().unwrap().value().to_vec();
+        // The record starts with its format: field 1, a varint, 1.
+        assert_eq!(bytes[..2], [0x08, 0x01]);
+        bytes[1] = 0x02;
+        versions.insert(1, bytes.as_slice()).unwrap();
+    });
+    let err = open_err(dir.path());
+    assert!(
+        matches!(
+            err,
+            StoreError::NewerFormat {
+                version: 1,
+                format: 2,
+                supported: 1
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("newer retryplane"), "{err}");
+}
+
+#[test]
 fn a_record_whose_document_does_not_match_its_checksum_is_corrupt_on_open() {
     let dir = tempfile::tempdir().unwrap();
     store_with_one_version(dir.path());
