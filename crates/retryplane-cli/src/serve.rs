@@ -95,6 +95,10 @@ pub struct Args {
     #[arg(long, value_name = "N", default_value_t = ServeConfig::default().max_series,
           value_parser = at_least_one())]
     max_series: usize,
+    /// How long a disconnected agent stays listed by `status`: a duration with its unit, up
+    /// to 30d; `0` keeps it until 10,000 disconnected agents push out the longest gone.
+    #[arg(long, value_name = "DURATION", default_value = "1h", value_parser = forget_after)]
+    forget_disconnected_after: Duration,
 }
 
 /// A count of 1 or more.
@@ -118,6 +122,18 @@ fn keepalive(text: &str) -> Result<Duration, String> {
         text,
         Duration::from_secs(1)..=Duration::from_secs(3600),
         "from 1s to 1h",
+    )
+}
+
+/// Parses `--forget-disconnected-after`: `0`, or a policy-style duration up to 30 days.
+fn forget_after(text: &str) -> Result<Duration, String> {
+    if text.trim() == "0" {
+        return Ok(Duration::ZERO);
+    }
+    duration_in(
+        text,
+        Duration::from_millis(1)..=Duration::from_secs(30 * 24 * 3600),
+        "0, or up to 30d",
     )
 }
 
@@ -153,6 +169,8 @@ impl From<Args> for ServeConfig {
             max_agents: args.max_agents,
             max_series: args.max_series,
             max_streams_per_connection: args.max_streams_per_connection,
+            forget_disconnected_after: (!args.forget_disconnected_after.is_zero())
+                .then_some(args.forget_disconnected_after),
             stream_limits: StreamLimits {
                 max_pending_handshakes: args.max_pending_handshakes,
                 ..defaults.stream_limits
@@ -377,6 +395,10 @@ mod tests {
             parsed.max_streams_per_connection,
             defaults.max_streams_per_connection
         );
+        assert_eq!(
+            parsed.forget_disconnected_after,
+            defaults.forget_disconnected_after
+        );
     }
 
     #[test]
@@ -398,6 +420,8 @@ mod tests {
             "5s",
             "--max-streams-per-connection",
             "64",
+            "--forget-disconnected-after",
+            "15m",
         ]);
         assert_eq!(parsed.config_file, PathBuf::from("p.yaml"));
         assert_eq!(parsed.listen.port(), 9000);
@@ -406,5 +430,11 @@ mod tests {
         assert_eq!(parsed.keepalive_interval, Duration::from_secs(60));
         assert_eq!(parsed.keepalive_timeout, Duration::from_secs(5));
         assert_eq!(parsed.max_streams_per_connection, 64);
+        assert_eq!(
+            parsed.forget_disconnected_after,
+            Some(Duration::from_secs(900))
+        );
+        let kept = parse(&["--forget-disconnected-after", "0"]);
+        assert_eq!(kept.forget_disconnected_after, None);
     }
 }

@@ -2,10 +2,14 @@
 //!
 //! One entry per agent id. A second stream with the same id replaces the first: the older
 //! stream is told to end, and its late updates are ignored (each registration has its own
-//! generation). Disconnected agents stay listed, up to a bound, so status shows who went away.
+//! generation). Disconnected agents stay listed, so status shows who went away: for an hour by
+//! default ([`Fleet::forgetting_after`], `--forget-disconnected-after`), and at most
+//! [`MAX_DISCONNECTED`] of them (the longest gone go first).
 //! Each entry also keeps which numbered metrics reports of the agent were counted
 //! ([`crate::report_seq`]); it is carried over when a stream replaces another and kept while
-//! the agent is listed, so a report sent again after a reconnect is counted once.
+//! the agent is listed, so a report sent again after a reconnect is counted once. (A forgotten
+//! agent's record goes with it: a report counted just before its stream broke, whose ack was
+//! lost, and sent again more than the forget time later, is counted twice.)
 //!
 //! The agent's last NACK (the version, its content hash and the error) is carried over the
 //! same way: status keeps showing it after a reconnect, and the new stream is told
@@ -15,10 +19,11 @@
 //! the current version as any agent would. It is also forgotten when the agent ACKs a version,
 //! or says in its Hello that it runs the refused version.
 
+use std::collections::VecDeque;
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::sync::Mutex;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use prometheus_client::metrics::gauge::Gauge;
 use retryplane_proto::pb;
@@ -28,6 +33,9 @@ use crate::report_seq::{ReportSeqs, ReportVerdict};
 
 /// How many disconnected agents status keeps listing.
 pub const MAX_DISCONNECTED: usize = 10_000;
+/// How long a disconnected agent stays listed by default: pods that are replaced every day
+/// would otherwise fill the list with agents that are never coming back.
+pub const FORGET_DISCONNECTED_AFTER: Duration = Duration::from_secs(3600);
 /// Longest NACK error kept, in bytes.
 pub const MAX_ERROR_LEN: usize = 1024;
 
@@ -68,6 +76,9 @@ struct Inner {
     agents: HashMap<String, Entry>,
     next_generation: u64,
     connected: usize,
+    /// Streams in the order they ended (tokio's clock), with the generation that ended: an
+    /// entry whose agent reconnected since has another generation and is not forgotten.
+    gone: VecDeque<(tokio::time::Instant, String, u64)>,
 }
 
 /// Connected agents counted by version, from [`Fleet::versions`].
@@ -93,6 +104,9 @@ fn set_response(last: &mut String, answer: &str) {
 pub struct Fleet {
     inner: Mutex<Inner>,
     max_agents: usize,
+    /// How long a disconnected agent stays listed; `None`: until [`MAX_DISCONNECTED`] push it
+    /// out.
+    forget_after: Option<Duration>,
     /// Agents with an open stream, set under the lock with every change of the count, so two
     /// streams changing it at once cannot leave it stale.
     connected_gauge: Gauge,
@@ -124,7 +138,38 @@ impl Fleet {
         Self {
             inner: Mutex::new(Inner::default()),
             max_agents,
+            forget_after: Some(FORGET_DISCONNECTED_AFTER),
             connected_gauge: Gauge::default(),
+        }
+    }
+
+    /// The registry, forgetting an agent `forget_after` after its stream ended (`None`: only
+    /// when [`MAX_DISCONNECTED`] disconnected agents are listed and it is the longest gone).
+    pub fn forgetting_after(mut self, forget_after: Option<Duration>) -> Self {
+        self.forget_after = forget_after;
+        self
+    }
+
+    /// Forgets the agents whose stream ended `forget_after` ago or more and who did not come
+    /// back since. Oldest first, so each call looks only at what it removes, and one more.
+    fn forget_gone(&self, inner: &mut Inner) {
+        let Some(forget_after) = self.forget_after else {
+            return;
+        };
+        let now = tokio::time::Instant::now();
+        while let Some((ended, _, _)) = inner.gone.front()
+            && now.saturating_duration_since(*ended) >= forget_after
+        {
+            let Some((_, id, generation)) = inner.gone.pop_front() else {
+                break;
+            };
+            if inner
+                .agents
+                .get(&id)
+                .is_some_and(|e| e.generation == generation && !e.status.connected)
+            {
+                inner.agents.remove(&id);
+            }
         }
     }
 
@@ -154,6 +199,7 @@ impl Fleet {
     ) -> Result<Registration, RegisterError> {
         let now = unix_ms();
         let mut inner = self.lock();
+        self.forget_gone(&mut inner);
         let replacing = inner
             .agents
             .get(&hello.agent_id)
@@ -318,6 +364,22 @@ impl Fleet {
         if ended {
             inner.connected -= 1;
             self.set_gauge(&inner);
+            if self.forget_after.is_some() {
+                let ended_at = tokio::time::Instant::now();
+                inner.gone.push_back((ended_at, id.to_owned(), generation));
+                // Agents that come and go quickly leave stale records (they reconnected since):
+                // past a bound, keep only those of agents still gone, which are at most
+                // MAX_DISCONNECTED + 1, so the records stay bounded at O(1) amortised cost.
+                if inner.gone.len() > 2 * MAX_DISCONNECTED + self.max_agents {
+                    let Inner { agents, gone, .. } = &mut *inner;
+                    gone.retain(|(_, id, generation)| {
+                        agents
+                            .get(id)
+                            .is_some_and(|e| e.generation == *generation && !e.status.connected)
+                    });
+                }
+            }
+            self.forget_gone(&mut inner);
             prune(&mut inner);
         }
     }
@@ -354,7 +416,8 @@ impl Fleet {
     /// Every listed agent sorted by id (none unless `list`), the agents connected now, and the
     /// agents known (connected, and disconnected ones still kept), all read at one instant.
     pub fn status_and_counts(&self, list: bool) -> (Vec<pb::AgentStatus>, usize, usize) {
-        let inner = self.lock();
+        let mut inner = self.lock();
+        self.forget_gone(&mut inner);
         let mut agents: Vec<_> = if list {
             inner.agents.values().map(|e| e.status.clone()).collect()
         } else {
@@ -627,5 +690,53 @@ mod tests {
         fleet.disconnected("a", reg.generation);
         assert_eq!(fleet.connected(), 0);
         assert!(!fleet.status()[0].connected);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_disconnected_agent_is_forgotten_after_the_set_time_unless_it_came_back() {
+        let minute = Duration::from_secs(60);
+        let fleet = Fleet::new(10).forgetting_after(Some(60 * minute));
+        let ids = |fleet: &Fleet| -> Vec<String> {
+            fleet.status().into_iter().map(|a| a.agent_id).collect()
+        };
+        let a = fleet.register(&hello("a"), None).unwrap();
+        let b = fleet.register(&hello("b"), None).unwrap();
+        fleet.register(&hello("c"), None).unwrap();
+        fleet.disconnected("a", a.generation);
+        tokio::time::advance(30 * minute).await;
+        fleet.disconnected("b", b.generation);
+        // `b` comes back; its ended stream is not what is forgotten.
+        let b = fleet.register(&hello("b"), None).unwrap();
+        tokio::time::advance(29 * minute).await;
+        assert_eq!(ids(&fleet), ["a", "b", "c"]);
+        tokio::time::advance(minute).await;
+        assert_eq!(ids(&fleet), ["b", "c"], "a, gone for an hour, is forgotten");
+        assert_eq!(fleet.status_and_counts(false).2, 2);
+        // `b` leaves again: an hour from now, not from its first disconnect.
+        fleet.disconnected("b", b.generation);
+        tokio::time::advance(59 * minute).await;
+        assert_eq!(ids(&fleet), ["b", "c"]);
+        tokio::time::advance(minute).await;
+        assert_eq!(ids(&fleet), ["c"]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn without_a_time_disconnected_agents_stay_listed() {
+        let fleet = Fleet::new(10).forgetting_after(None);
+        let a = fleet.register(&hello("a"), None).unwrap();
+        fleet.disconnected("a", a.generation);
+        tokio::time::advance(Duration::from_secs(365 * 24 * 3600)).await;
+        assert_eq!(fleet.status().len(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn agents_that_come_and_go_leave_a_bounded_record() {
+        let fleet = Fleet::new(1).forgetting_after(Some(Duration::from_secs(3600)));
+        for _ in 0..3 * MAX_DISCONNECTED {
+            let a = fleet.register(&hello("a"), None).unwrap();
+            fleet.disconnected("a", a.generation);
+        }
+        assert!(fleet.lock().gone.len() <= 2 * MAX_DISCONNECTED + 1);
+        assert_eq!(fleet.status().len(), 1);
     }
 }

@@ -166,7 +166,8 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
         Mode::File(cfg.config_file.clone())
     };
     let metrics_interval_ms = u64::try_from(cfg.metrics_interval.as_millis()).unwrap_or(u64::MAX);
-    let fleet = Arc::new(Fleet::new(cfg.max_agents));
+    let fleet =
+        Arc::new(Fleet::new(cfg.max_agents).forgetting_after(cfg.forget_disconnected_after));
     let aggregates = Arc::new(Aggregator::new(cfg.max_series, tokio::time::Instant::now()));
     let control = Arc::new(ControlPlane::new(
         store,

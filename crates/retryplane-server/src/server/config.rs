@@ -56,6 +56,10 @@ pub struct ServeConfig {
     /// layer). Default [`MAX_STREAMS_PER_CONNECTION`] (1,024): an agent needs one stream, and
     /// without a bound one connection could open streams without end. Must be more than zero.
     pub max_streams_per_connection: u32,
+    /// How long a disconnected agent stays in FleetStatus; `None` keeps it until
+    /// [`crate::fleet::MAX_DISCONNECTED`] disconnected agents push out the longest gone.
+    /// Default [`crate::fleet::FORGET_DISCONNECTED_AFTER`] (1 h).
+    pub forget_disconnected_after: Option<Duration>,
 }
 
 impl Default for ServeConfig {
@@ -78,6 +82,7 @@ impl Default for ServeConfig {
             keepalive_interval: KEEPALIVE_INTERVAL,
             keepalive_timeout: KEEPALIVE_TIMEOUT,
             max_streams_per_connection: MAX_STREAMS_PER_CONNECTION,
+            forget_disconnected_after: Some(crate::fleet::FORGET_DISCONNECTED_AFTER),
         }
     }
 }
