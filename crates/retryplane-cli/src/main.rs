@@ -160,7 +160,10 @@ fn main() -> ExitCode {
             }
         },
         Err(e) => {
-            output::error(format_args!("{e:#}"));
+            output::error(format_args!(
+                "{}",
+                retryplane_server::ErrorChain(e.as_ref())
+            ));
             Outcome::Error
         }
     };

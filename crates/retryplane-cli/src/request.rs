@@ -428,12 +428,10 @@ struct ErrorChain<'a>(&'a reqwest::Error);
 impl fmt::Display for ErrorChain<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "request failed")?;
-        let mut source = std::error::Error::source(self.0);
-        while let Some(e) = source {
-            write!(f, ": {e}")?;
-            source = e.source();
+        match std::error::Error::source(self.0) {
+            Some(source) => write!(f, ": {}", retryplane_server::ErrorChain(source)),
+            None => Ok(()),
         }
-        Ok(())
     }
 }
 

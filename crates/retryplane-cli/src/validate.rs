@@ -76,7 +76,10 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
         let loaded = match source.load_for_agents() {
             Ok(loaded) => loaded,
             Err(e) => {
-                output::error(format_args!("{e:#}"));
+                output::error(format_args!(
+                    "{}",
+                    retryplane_server::ErrorChain(e.as_ref())
+                ));
                 outcome = outcome.worst(Outcome::Error);
                 continue;
             }

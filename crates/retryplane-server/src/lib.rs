@@ -34,18 +34,74 @@ mod test_logs;
 
 /// An error and every cause under it, `error: cause: cause`, as `anyhow` prints `{:#}`: what
 /// log lines show of an error whose own message is only a summary (a store failure's cause is
-/// the disk's error).
+/// the disk's error). A cause whose text the error above it already ends with is not repeated
+/// (hyper's connect error wraps another that says the same: "tcp connect error: tcp connect
+/// error: Connection refused").
 #[derive(Clone, Copy, Debug)]
 pub struct ErrorChain<'a>(pub &'a (dyn std::error::Error + 'static));
 
 impl std::fmt::Display for ErrorChain<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}", self.0)?;
+        let mut above = self.0.to_string();
+        f.write_str(&above)?;
         let mut cause = self.0.source();
         while let Some(e) = cause {
-            write!(f, ": {e}")?;
+            let text = e.to_string();
+            if !above.ends_with(&text) {
+                write!(f, ": {text}")?;
+            }
+            above = text;
             cause = e.source();
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod error_chain_tests {
+    use super::ErrorChain;
+
+    #[derive(Debug)]
+    struct Layer(&'static str, Option<Box<Layer>>);
+
+    impl std::fmt::Display for Layer {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str(self.0)
+        }
+    }
+
+    impl std::error::Error for Layer {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            self.1.as_deref().map(|l| l as _)
+        }
+    }
+
+    fn chain(layers: &[&'static str]) -> Layer {
+        layers
+            .iter()
+            .rev()
+            .fold(None, |below, text| Some(Layer(text, below.map(Box::new))))
+            .unwrap()
+    }
+
+    #[test]
+    fn a_cause_is_not_repeated_when_the_error_above_already_says_it() {
+        let e = chain(&[
+            "transport error",
+            "tcp connect error",
+            "tcp connect error",
+            "Connection refused (os error 111)",
+        ]);
+        assert_eq!(
+            ErrorChain(&e).to_string(),
+            "transport error: tcp connect error: Connection refused (os error 111)"
+        );
+        let e = chain(&["cannot read a: No such file", "No such file"]);
+        assert_eq!(ErrorChain(&e).to_string(), "cannot read a: No such file");
+        let e = chain(&["store failed", "I/O error", "disk full"]);
+        assert_eq!(
+            ErrorChain(&e).to_string(),
+            "store failed: I/O error: disk full"
+        );
     }
 }

@@ -90,13 +90,20 @@ fn ended(up: Option<Duration>, status: &tonic::Status) -> SessionEnd {
 }
 
 /// `e` and its sources, `: `-separated (a transport error's own text is only "transport
-/// error"; the cause is in its sources).
+/// error"; the cause is in its sources). A source whose text the one above it already ends
+/// with is not repeated (hyper's connect error wraps another that says the same). The
+/// control plane's `ErrorChain` does the same; this crate does not depend on it.
 fn chain(e: &dyn std::error::Error) -> String {
     let mut text = e.to_string();
+    let mut above = text.clone();
     let mut source = e.source();
     while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
+        let said = s.to_string();
+        if !above.ends_with(&said) {
+            text.push_str(": ");
+            text.push_str(&said);
+        }
+        above = said;
         source = s.source();
     }
     text

@@ -241,7 +241,12 @@ async fn fetch(
         Some(client) => client,
         None => match Client::connect(&server).await {
             Ok(client) => client,
-            Err(e) => return (None, Err(format!("{e:#}"))),
+            Err(e) => {
+                return (
+                    None,
+                    Err(retryplane_server::ErrorChain(e.as_ref()).to_string()),
+                );
+            }
         },
     };
     match poll(&mut client, window, Some(limit)).await {
