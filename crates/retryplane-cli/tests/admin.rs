@@ -385,17 +385,7 @@ fn an_invalid_file_prints_its_diagnostics_and_exits_1() {
 #[test]
 fn apply_of_a_file_too_large_for_agents_is_refused_here_and_sends_nothing() {
     let server = test_server(true, None);
-    // One 900 KB path prefix repeated by aliases in six routes: under the 1 MiB file limit, a
-    // snapshot over the 4 MiB agents decode.
-    let prefix = format!("/{}", "a".repeat(900_000));
-    let mut yaml = format!(
-        "version: 1\nendpoints:\n  payments:\n    routes:\n      - match: {{method: GET, path_prefix: &p {prefix}}}\n"
-    );
-    for method in ["PUT", "POST", "DELETE", "PATCH", "HEAD"] {
-        yaml.push_str(&format!(
-            "      - match: {{method: {method}, path_prefix: *p}}\n"
-        ));
-    }
+    let yaml = support::too_large_for_agents();
     server.write("big.yaml", &yaml);
     for command in ["apply", "diff"] {
         let assert = server

@@ -12,6 +12,9 @@ use predicates::prelude::*;
 use serde_json::Value;
 use tempfile::TempDir;
 
+mod support;
+use support::too_large_for_agents;
+
 /// A temporary directory holding `files` (name, contents).
 fn dir_with(files: &[(&str, &str)]) -> TempDir {
     let dir = tempfile::tempdir().unwrap();
@@ -376,21 +379,6 @@ fn a_ten_gigabyte_file_is_refused_without_being_read() {
         .stdout(predicate::str::starts_with(
             "big.yaml:1:1: error: <root>: file is 10737418240 bytes",
         ));
-}
-
-/// A valid file under the 1 MiB limit whose snapshot is over the 4 MiB agents decode: one
-/// 900 KB path prefix, repeated by aliases in six routes.
-fn too_large_for_agents() -> String {
-    let prefix = format!("/{}", "a".repeat(900_000));
-    let mut yaml = format!(
-        "version: 1\nendpoints:\n  payments:\n    routes:\n      - match: {{method: GET, path_prefix: &p {prefix}}}\n"
-    );
-    for method in ["PUT", "POST", "DELETE", "PATCH", "HEAD"] {
-        yaml.push_str(&format!(
-            "      - match: {{method: {method}, path_prefix: *p}}\n"
-        ));
-    }
-    yaml
 }
 
 #[test]

@@ -122,3 +122,18 @@ pub fn dead_server() -> String {
         .port();
     format!("http://127.0.0.1:{port}")
 }
+
+/// A valid policy file under the 1 MiB limit whose snapshot is over the 4 MiB agents decode:
+/// one 900 KB path prefix, repeated by aliases in six routes.
+pub fn too_large_for_agents() -> String {
+    let prefix = format!("/{}", "a".repeat(900_000));
+    let mut yaml = format!(
+        "version: 1\nendpoints:\n  payments:\n    routes:\n      - match: {{method: GET, path_prefix: &p {prefix}}}\n"
+    );
+    for method in ["PUT", "POST", "DELETE", "PATCH", "HEAD"] {
+        yaml.push_str(&format!(
+            "      - match: {{method: {method}, path_prefix: *p}}\n"
+        ));
+    }
+    yaml
+}
