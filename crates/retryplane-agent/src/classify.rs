@@ -154,9 +154,11 @@ impl Classify for std::io::Error {
     }
 }
 
-/// (feature `reqwest`) A failure to connect → connect (a connect timeout included: the request
-/// never left); a timeout → timeout; a request or body that failed on the way → reset (unknown
-/// outcome). Any other error is judged by the transport error below it, if there is one:
+/// (feature `reqwest`) The error `Response::error_for_status` makes of a 4xx or 5xx answer →
+/// that HTTP status, as the response itself would count (its `Retry-After` is not kept in the
+/// error, so none is honored); a failure to connect → connect (a connect timeout included: the
+/// request never left); a timeout → timeout; a request or body that failed on the way → reset
+/// (unknown outcome). Any other error is judged by the transport error below it, if there is one:
 /// reqwest reports a connection that broke while the response body was read (`chunk()`,
 /// `bytes()`, `text()`) as a decoding error over the `hyper::Error` or `io::Error` that says
 /// what happened, so that one decides (a reset mid-body is a reset). Without a transport
@@ -165,6 +167,12 @@ impl Classify for std::io::Error {
 #[cfg(feature = "reqwest")]
 impl Classify for reqwest::Error {
     fn classify(&self) -> Classification {
+        if let Some(status) = self.status() {
+            return Classification::Outcome(Outcome::Http {
+                status: status.as_u16(),
+                retry_after: None,
+            });
+        }
         let class = if self.is_connect() {
             ErrorClass::Connect
         } else if self.is_timeout() {
@@ -513,6 +521,29 @@ mod tests {
             grpc_response("application/json", &[("grpc-status", "14")]),
             http_200
         );
+    }
+
+    #[cfg(feature = "reqwest")]
+    #[test]
+    fn a_reqwest_status_error_counts_as_its_http_status() {
+        for status in [503, 429, 404] {
+            let response = http::Response::builder()
+                .status(status)
+                .header("retry-after", "7")
+                .body("")
+                .unwrap();
+            let err = reqwest::Response::from(response)
+                .error_for_status()
+                .unwrap_err();
+            assert_eq!(
+                err.classify(),
+                Classification::Outcome(Outcome::Http {
+                    status,
+                    retry_after: None
+                }),
+                "{status}"
+            );
+        }
     }
 
     #[test]
