@@ -85,8 +85,9 @@ fn http_classification(status: http::StatusCode, headers: &http::HeaderMap) -> C
 
 /// A status that tonic made of a transport error (it keeps that error as the status's
 /// `source()`) is classified by that error, as the layer classifies a client error: a failed
-/// connect → connect (tonic says `UNAVAILABLE`, but the request never left, so any method may
-/// be retried, and `retry_on.errors: [connect]` applies), a connection that broke → reset, a
+/// connect → connect, whatever failed (refused, DNS, the channel's `connect_timeout`; tonic
+/// says `UNAVAILABLE`, but the request never left, so any method may be retried, and
+/// `retry_on.errors: [connect]` applies), a connection that broke → reset, a
 /// keep-alive or I/O timeout → timeout. Any other status (one the server sent, or one with no
 /// transport error below it): `Code::Ok` is a success; any other code is an outcome the policy
 /// judges, with the `grpc-retry-pushback-ms` trailer (non-ASCII counts as unparseable: do not
@@ -313,11 +314,19 @@ pub(crate) fn classify_boxed(e: &(dyn StdError + 'static)) -> Classification {
     )))
 }
 
-/// The classification of the first hyper-util client error, hyper error or classifiable
-/// `io::Error` in `e`'s source chain (`e` included), by the impls above; `None` without one.
+/// The classification of the first tonic connect error, hyper-util client error, hyper error or
+/// classifiable `io::Error` in `e`'s source chain (`e` included), by the impls above; `None`
+/// without one. A [`tonic::ConnectError`] (what a tonic `Channel` makes of a failed dial: a
+/// refused connection, a DNS failure, its `connect_timeout`) is connect whatever is below it,
+/// as hyper-util's `is_connect()` is: the request never left.
 fn transport_in_chain(e: &(dyn StdError + 'static)) -> Option<Classification> {
     let mut next = Some(e);
     while let Some(err) = next {
+        if err.is::<tonic::ConnectError>() {
+            return Some(Classification::Outcome(Outcome::Transport(
+                ErrorClass::Connect,
+            )));
+        }
         if let Some(e) = err.downcast_ref::<hyper_util::client::legacy::Error>() {
             return Some(e.classify());
         }
