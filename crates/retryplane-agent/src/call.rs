@@ -340,6 +340,14 @@ impl Endpoint {
                 // classification) is dead before the pause, so it takes no room in the call's
                 // state while the call sleeps.
                 let pause = {
+                    // A token cancelled before the call began starts nothing: no attempt, no
+                    // breaker permit, no request in the budget. (After a pause, the sleep
+                    // below has already seen a cancellation.)
+                    if let Some(cancel) = cancel
+                        && cancel.is_cancelled()
+                    {
+                        break End::Fail(Cause::Cancelled, last, last_outcome);
+                    }
                     let plan = match call.start_attempt(now) {
                         Ok(plan) => plan,
                         Err(cause) => break End::Fail(Cause::GaveUp(cause), last, last_outcome),

@@ -85,8 +85,9 @@ fn http_classification(status: http::StatusCode, headers: &http::HeaderMap) -> C
 
 /// A status that tonic made of a transport error (it keeps that error as the status's
 /// `source()`) is classified by that error, as the layer classifies a client error: a failed
-/// connect → connect (tonic says `UNAVAILABLE`, but the request never left, so any method may
-/// be retried, and `retry_on.errors: [connect]` applies), a connection that broke → reset, a
+/// connect → connect, whatever failed (refused, DNS, the channel's `connect_timeout`; tonic
+/// says `UNAVAILABLE`, but the request never left, so any method may be retried, and
+/// `retry_on.errors: [connect]` applies), a connection that broke → reset, a
 /// keep-alive or I/O timeout → timeout. Any other status (one the server sent, or one with no
 /// transport error below it): `Code::Ok` is a success; any other code is an outcome the policy
 /// judges, with the `grpc-retry-pushback-ms` trailer (non-ASCII counts as unparseable: do not
@@ -154,9 +155,11 @@ impl Classify for std::io::Error {
     }
 }
 
-/// (feature `reqwest`) A failure to connect → connect (a connect timeout included: the request
-/// never left); a timeout → timeout; a request or body that failed on the way → reset (unknown
-/// outcome). Any other error is judged by the transport error below it, if there is one:
+/// (feature `reqwest`) The error `Response::error_for_status` makes of a 4xx or 5xx answer →
+/// that HTTP status, as the response itself would count (its `Retry-After` is not kept in the
+/// error, so none is honored); a failure to connect → connect (a connect timeout included: the
+/// request never left); a timeout → timeout; a request or body that failed on the way → reset
+/// (unknown outcome). Any other error is judged by the transport error below it, if there is one:
 /// reqwest reports a connection that broke while the response body was read (`chunk()`,
 /// `bytes()`, `text()`) as a decoding error over the `hyper::Error` or `io::Error` that says
 /// what happened, so that one decides (a reset mid-body is a reset). Without a transport
@@ -165,6 +168,12 @@ impl Classify for std::io::Error {
 #[cfg(feature = "reqwest")]
 impl Classify for reqwest::Error {
     fn classify(&self) -> Classification {
+        if let Some(status) = self.status() {
+            return Classification::Outcome(Outcome::Http {
+                status: status.as_u16(),
+                retry_after: None,
+            });
+        }
         let class = if self.is_connect() {
             ErrorClass::Connect
         } else if self.is_timeout() {
@@ -305,11 +314,19 @@ pub(crate) fn classify_boxed(e: &(dyn StdError + 'static)) -> Classification {
     )))
 }
 
-/// The classification of the first hyper-util client error, hyper error or classifiable
-/// `io::Error` in `e`'s source chain (`e` included), by the impls above; `None` without one.
+/// The classification of the first tonic connect error, hyper-util client error, hyper error or
+/// classifiable `io::Error` in `e`'s source chain (`e` included), by the impls above; `None`
+/// without one. A [`tonic::ConnectError`] (what a tonic `Channel` makes of a failed dial: a
+/// refused connection, a DNS failure, its `connect_timeout`) is connect whatever is below it,
+/// as hyper-util's `is_connect()` is: the request never left.
 fn transport_in_chain(e: &(dyn StdError + 'static)) -> Option<Classification> {
     let mut next = Some(e);
     while let Some(err) = next {
+        if err.is::<tonic::ConnectError>() {
+            return Some(Classification::Outcome(Outcome::Transport(
+                ErrorClass::Connect,
+            )));
+        }
         if let Some(e) = err.downcast_ref::<hyper_util::client::legacy::Error>() {
             return Some(e.classify());
         }
@@ -513,6 +530,29 @@ mod tests {
             grpc_response("application/json", &[("grpc-status", "14")]),
             http_200
         );
+    }
+
+    #[cfg(feature = "reqwest")]
+    #[test]
+    fn a_reqwest_status_error_counts_as_its_http_status() {
+        for status in [503, 429, 404] {
+            let response = http::Response::builder()
+                .status(status)
+                .header("retry-after", "7")
+                .body("")
+                .unwrap();
+            let err = reqwest::Response::from(response)
+                .error_for_status()
+                .unwrap_err();
+            assert_eq!(
+                err.classify(),
+                Classification::Outcome(Outcome::Http {
+                    status,
+                    retry_after: None
+                }),
+                "{status}"
+            );
+        }
     }
 
     #[test]

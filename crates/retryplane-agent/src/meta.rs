@@ -123,7 +123,8 @@ impl<'a> CallMeta<'a> {
         self
     }
 
-    /// A token that cancels the call, even during a pause.
+    /// A token that cancels the call, even during a pause or an attempt; a call whose token is
+    /// cancelled before it starts makes no attempt.
     pub fn with_cancel(mut self, token: CancellationToken) -> Self {
         self.cancel = Some(token);
         self

@@ -269,3 +269,58 @@ async fn a_failed_grpc_connect_is_retried_by_retry_on_errors_connect_not_by_its_
     assert_eq!(err.cause.to_string(), "attempts_exhausted");
     assert_eq!(counts(&agent).attempts, 3);
 }
+
+/// A listener whose accept queue is full: one more connection attempt hangs in SYN-SENT.
+async fn full_backlog() -> (TcpListener, Vec<tokio::net::TcpStream>) {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let l = socket.listen(1).unwrap();
+    let addr = l.local_addr().unwrap();
+    let mut held = Vec::new();
+    for _ in 0..16 {
+        let connect = tokio::net::TcpStream::connect(addr);
+        match tokio::time::timeout(Duration::from_millis(200), connect).await {
+            Ok(Ok(s)) => held.push(s),
+            Ok(Err(e)) => panic!("{e}"),
+            Err(_) => return (l, held),
+        }
+    }
+    panic!("the accept queue never filled");
+}
+
+#[tokio::test]
+async fn a_grpc_connect_that_times_out_is_a_connect_error_and_retried_whatever_the_method() {
+    let (listener, _held) = full_backlog().await;
+    let channel = Channel::from_shared(format!("http://{}", listener.local_addr().unwrap()))
+        .unwrap()
+        .connect_timeout(Duration::from_millis(200))
+        .connect_lazy();
+    let mut client = AdminServiceClient::new(channel);
+    let status = tokio::time::timeout(WAIT, client.get(pb::GetRequest { version: 0 }))
+        .await
+        .expect("the call ends in time")
+        .unwrap_err();
+    // The connector gave up: the request never left, so it is a connect error, not a timeout
+    // (an unknown outcome that a call not declared idempotent may not repeat).
+    assert_eq!(status.code(), Code::Unavailable);
+    assert_eq!(
+        status.classify(),
+        Classification::Outcome(Outcome::Transport(ErrorClass::Connect))
+    );
+
+    let agent = agent();
+    let err = tokio::time::timeout(
+        WAIT,
+        agent
+            .endpoint("upstream")
+            .call(CallMeta::grpc("/retryplane.v1.AdminService/Get"), |_| {
+                let mut client = client.clone();
+                async move { client.get(pb::GetRequest { version: 0 }).await }
+            }),
+    )
+    .await
+    .expect("the call ends in time")
+    .unwrap_err();
+    assert_eq!(err.cause.to_string(), "attempts_exhausted");
+    assert_eq!(counts(&agent).attempts, 3);
+}

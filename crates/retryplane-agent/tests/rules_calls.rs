@@ -56,6 +56,24 @@ async fn a_cancellation_token_stops_a_pause_at_once() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_token_cancelled_before_the_call_starts_makes_no_attempt() {
+    let agent = agent(&policy("max_attempts: 3"));
+    let ep = agent.endpoint("ep");
+    let token = CancellationToken::new();
+    token.cancel();
+    let up = Upstream::new([]);
+    let err = ep
+        .call(get().with_cancel(token), up.attempt())
+        .await
+        .unwrap_err();
+    assert_eq!(err.cause, Cause::Cancelled);
+    assert!(err.last.is_none());
+    assert_eq!((err.attempts, up.attempts()), (0, 0), "nothing was started");
+    let c = ep.pending_counts();
+    assert_eq!((c.calls, c.attempts), (1, 0), "{c:?}");
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_cancellation_token_stops_an_attempt_in_flight() {
     let agent = agent(&policy(
         "max_attempts: 3\nper_try_timeout: 10s\ndeadline: 30s",
