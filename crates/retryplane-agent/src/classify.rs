@@ -87,7 +87,8 @@ fn http_classification(status: http::StatusCode, headers: &http::HeaderMap) -> C
 /// `source()`) is classified by that error, as the layer classifies a client error: a failed
 /// connect → connect, whatever failed (refused, DNS, the channel's `connect_timeout`; tonic
 /// says `UNAVAILABLE`, but the request never left, so any method may be retried, and
-/// `retry_on.errors: [connect]` applies), a connection that broke → reset, a
+/// `retry_on.errors: [connect]` applies), and so is a stream the server refused (HTTP/2
+/// `REFUSED_STREAM`: not processed); a connection that broke → reset, a
 /// keep-alive or I/O timeout → timeout. Any other status (one the server sent, or one with no
 /// transport error below it): `Code::Ok` is a success; any other code is an outcome the policy
 /// judges, with the `grpc-retry-pushback-ms` trailer (non-ASCII counts as unparseable: do not
@@ -259,8 +260,30 @@ impl Classify for hyper_util::client::legacy::Error {
     }
 }
 
-/// The class of a `hyper::Error`, `None` when it is the caller's own error.
+/// Whether an HTTP/2 `REFUSED_STREAM` is in `e`'s source chain (`e` included): the server
+/// refused the stream before processing it (RFC 9113 §8.7), so the request was certainly not
+/// acted on, as with a refused connection, and any method may be sent again. gRPC clients
+/// retry it transparently for the same reason.
+fn refused_stream_in_chain(e: &(dyn StdError + 'static)) -> bool {
+    let mut next = Some(e);
+    while let Some(err) = next {
+        if err
+            .downcast_ref::<h2::Error>()
+            .is_some_and(|h2| h2.reason() == Some(h2::Reason::REFUSED_STREAM))
+        {
+            return true;
+        }
+        next = err.source();
+    }
+    false
+}
+
+/// The class of a `hyper::Error`, `None` when it is the caller's own error. A stream the server
+/// refused (HTTP/2 `REFUSED_STREAM`) is connect: the request was not processed.
 fn hyper_class(e: &hyper::Error) -> Option<ErrorClass> {
+    if refused_stream_in_chain(e) {
+        return Some(ErrorClass::Connect);
+    }
     if e.is_timeout() {
         return Some(ErrorClass::Timeout);
     }
@@ -320,6 +343,12 @@ pub(crate) fn classify_boxed(e: &(dyn StdError + 'static)) -> Classification {
 /// refused connection, a DNS failure, its `connect_timeout`) is connect whatever is below it,
 /// as hyper-util's `is_connect()` is: the request never left.
 fn transport_in_chain(e: &(dyn StdError + 'static)) -> Option<Classification> {
+    // A refused stream, wherever it is (tonic puts the h2 error itself under its status).
+    if refused_stream_in_chain(e) {
+        return Some(Classification::Outcome(Outcome::Transport(
+            ErrorClass::Connect,
+        )));
+    }
     let mut next = Some(e);
     while let Some(err) = next {
         if err.is::<tonic::ConnectError>() {

@@ -463,3 +463,65 @@ async fn a_call_whose_body_read_is_reset_is_retried_when_idempotent() {
     assert_eq!(seen.load(Ordering::SeqCst), 3);
     assert_eq!(ep.pending_counts().attempts, 3);
 }
+
+/// An HTTP/2 server (prior knowledge) on loopback that refuses its first stream with
+/// `REFUSED_STREAM` and answers `200` to every later one; counts the streams it answered.
+async fn refuses_first_stream() -> (u16, Arc<AtomicU32>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let answered = Arc::new(AtomicU32::new(0));
+    let counted = answered.clone();
+    tokio::spawn(async move {
+        let mut refused = false;
+        loop {
+            let Ok((socket, _)) = listener.accept().await else {
+                return;
+            };
+            let Ok(mut conn) = h2::server::handshake(socket).await else {
+                continue;
+            };
+            while let Some(Ok((_request, mut respond))) = conn.accept().await {
+                if refused {
+                    let response = http::Response::new(());
+                    let _ = respond.send_response(response, true);
+                    counted.fetch_add(1, Ordering::SeqCst);
+                } else {
+                    refused = true;
+                    respond.send_reset(h2::Reason::REFUSED_STREAM);
+                }
+            }
+        }
+    });
+    (port, answered)
+}
+
+#[tokio::test]
+async fn a_stream_the_server_refused_is_a_connect_error() {
+    let (port, answered) = refuses_first_stream().await;
+    let client: LegacyClient = Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .build(HttpConnector::new());
+    let post = || {
+        http::Request::post(format!("http://127.0.0.1:{port}/charges"))
+            .body(Full::new(Bytes::from_static(b"{}")))
+            .unwrap()
+    };
+    let err = fails(&client, post()).await;
+    assert_eq!(err.classify(), transport(ErrorClass::Connect), "{err:?}");
+    assert_eq!(answered.load(Ordering::SeqCst), 0);
+
+    // tonic puts the h2 error itself under the status it makes of it.
+    let status = tonic::Status::from_error(Box::new(h2::Error::from(h2::Reason::REFUSED_STREAM)));
+    assert_eq!(
+        status.classify(),
+        transport(ErrorClass::Connect),
+        "{status:?}"
+    );
+    // Any other reset is an unknown outcome still.
+    let status = tonic::Status::from_error(Box::new(h2::Error::from(h2::Reason::INTERNAL_ERROR)));
+    assert_ne!(
+        status.classify(),
+        transport(ErrorClass::Connect),
+        "{status:?}"
+    );
+}
