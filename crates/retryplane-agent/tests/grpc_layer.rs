@@ -4,6 +4,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod support;
+
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -213,9 +215,10 @@ async fn channel_to_a_closed_port() -> Channel {
         .connect_lazy()
 }
 
-#[tokio::test]
-async fn a_failed_connect_is_a_connect_error_and_retried_whatever_the_method() {
-    let channel = channel_to_a_closed_port().await;
+/// A call over `channel`, which cannot connect, fails with UNAVAILABLE over a connect error,
+/// and the agent sends it again although it is not declared idempotent: the request never
+/// left.
+async fn a_connect_error_retried_whatever_the_method(channel: Channel) {
     let mut client = AdminServiceClient::new(channel);
     let status = tokio::time::timeout(WAIT, client.get(pb::GetRequest { version: 0 }))
         .await
@@ -248,6 +251,11 @@ async fn a_failed_connect_is_a_connect_error_and_retried_whatever_the_method() {
 }
 
 #[tokio::test]
+async fn a_failed_connect_is_a_connect_error_and_retried_whatever_the_method() {
+    a_connect_error_retried_whatever_the_method(channel_to_a_closed_port().await).await;
+}
+
+#[tokio::test]
 async fn a_failed_grpc_connect_is_retried_by_retry_on_errors_connect_not_by_its_code() {
     // UNAVAILABLE is not listed: only the transport class can make the call retry.
     let yaml = "version: 1\ndefaults:\n  backoff: {base: 5ms, max: 20ms, jitter: none}\n  budget: {enabled: false}\n  circuit_breaker: {enabled: false}\nendpoints:\n  upstream:\n    max_attempts: 3\n    retry_on: {grpc_status: [INTERNAL], errors: [connect]}\n";
@@ -270,57 +278,14 @@ async fn a_failed_grpc_connect_is_retried_by_retry_on_errors_connect_not_by_its_
     assert_eq!(counts(&agent).attempts, 3);
 }
 
-/// A listener whose accept queue is full: one more connection attempt hangs in SYN-SENT.
-async fn full_backlog() -> (TcpListener, Vec<tokio::net::TcpStream>) {
-    let socket = tokio::net::TcpSocket::new_v4().unwrap();
-    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
-    let l = socket.listen(1).unwrap();
-    let addr = l.local_addr().unwrap();
-    let mut held = Vec::new();
-    for _ in 0..16 {
-        let connect = tokio::net::TcpStream::connect(addr);
-        match tokio::time::timeout(Duration::from_millis(200), connect).await {
-            Ok(Ok(s)) => held.push(s),
-            Ok(Err(e)) => panic!("{e}"),
-            Err(_) => return (l, held),
-        }
-    }
-    panic!("the accept queue never filled");
-}
-
 #[tokio::test]
 async fn a_grpc_connect_that_times_out_is_a_connect_error_and_retried_whatever_the_method() {
-    let (listener, _held) = full_backlog().await;
+    // The connector gives up: the request never left, so it is a connect error, not a timeout
+    // (an unknown outcome that a call not declared idempotent may not repeat).
+    let (listener, _held) = support::full_backlog().await;
     let channel = Channel::from_shared(format!("http://{}", listener.local_addr().unwrap()))
         .unwrap()
         .connect_timeout(Duration::from_millis(200))
         .connect_lazy();
-    let mut client = AdminServiceClient::new(channel);
-    let status = tokio::time::timeout(WAIT, client.get(pb::GetRequest { version: 0 }))
-        .await
-        .expect("the call ends in time")
-        .unwrap_err();
-    // The connector gave up: the request never left, so it is a connect error, not a timeout
-    // (an unknown outcome that a call not declared idempotent may not repeat).
-    assert_eq!(status.code(), Code::Unavailable);
-    assert_eq!(
-        status.classify(),
-        Classification::Outcome(Outcome::Transport(ErrorClass::Connect))
-    );
-
-    let agent = agent();
-    let err = tokio::time::timeout(
-        WAIT,
-        agent
-            .endpoint("upstream")
-            .call(CallMeta::grpc("/retryplane.v1.AdminService/Get"), |_| {
-                let mut client = client.clone();
-                async move { client.get(pb::GetRequest { version: 0 }).await }
-            }),
-    )
-    .await
-    .expect("the call ends in time")
-    .unwrap_err();
-    assert_eq!(err.cause.to_string(), "attempts_exhausted");
-    assert_eq!(counts(&agent).attempts, 3);
+    a_connect_error_retried_whatever_the_method(channel).await;
 }

@@ -26,7 +26,7 @@ use retryplane_agent::layer::{ReplayBody, RetryLayer};
 use retryplane_agent::{Agent, Classification, Classify, Outcome};
 use retryplane_policy::ErrorClass;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tower::{Layer as _, ServiceExt as _};
 
 /// The longest any single wait may take before the test fails.
@@ -203,26 +203,9 @@ async fn a_connection_reset_mid_response_is_a_reset() {
     assert_eq!(err.classify(), transport(ErrorClass::Reset));
 }
 
-/// A listener whose accept queue is full: one more connection attempt hangs in SYN-SENT.
-async fn full_backlog() -> (tokio::net::TcpListener, Vec<TcpStream>) {
-    let socket = tokio::net::TcpSocket::new_v4().unwrap();
-    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
-    let l = socket.listen(1).unwrap();
-    let addr = l.local_addr().unwrap();
-    let mut held = Vec::new();
-    for _ in 0..16 {
-        match tokio::time::timeout(Duration::from_millis(200), TcpStream::connect(addr)).await {
-            Ok(Ok(s)) => held.push(s),
-            Ok(Err(e)) => panic!("{e}"),
-            Err(_) => return (l, held),
-        }
-    }
-    panic!("the accept queue never filled");
-}
-
 #[tokio::test]
 async fn a_connector_timeout_is_a_connect_error() {
-    let (l, _held) = full_backlog().await;
+    let (l, _held) = support::full_backlog().await;
     let port = l.local_addr().unwrap().port();
     let err = fails(&timing_out_client(), get(port)).await;
     assert!(err.is_connect(), "{err:?}");
@@ -326,7 +309,7 @@ async fn the_layer_retries_a_refused_post_since_it_never_left() {
 async fn the_layer_retries_a_post_whose_connect_timed_out() {
     // Classified by the I/O error alone (TimedOut) this would be a timeout, an unknown outcome
     // that a POST without the key must not repeat; the client error says connect.
-    let (l, _held) = full_backlog().await;
+    let (l, _held) = support::full_backlog().await;
     let port = l.local_addr().unwrap().port();
     let url = format!("http://127.0.0.1:{port}/v1/charges");
     let (err, attempts) = through_layer(timing_out_client(), "POST", &url).await;

@@ -218,6 +218,25 @@ pub fn policy(extra: &str) -> String {
     }
     s
 }
+/// A listener on 127.0.0.1 whose accept queue is full, with the connections that fill it:
+/// one more connection attempt hangs in SYN-SENT (a connector's `connect_timeout` fires).
+pub async fn full_backlog() -> (tokio::net::TcpListener, Vec<tokio::net::TcpStream>) {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let l = socket.listen(1).unwrap();
+    let addr = l.local_addr().unwrap();
+    let mut held = Vec::new();
+    for _ in 0..16 {
+        let connect = tokio::net::TcpStream::connect(addr);
+        match tokio::time::timeout(Duration::from_millis(200), connect).await {
+            Ok(Ok(s)) => held.push(s),
+            Ok(Err(e)) => panic!("{e}"),
+            Err(_) => return (l, held),
+        }
+    }
+    panic!("the accept queue never filled");
+}
+
 pub mod plane;
 pub mod proxy;
 pub mod script;
