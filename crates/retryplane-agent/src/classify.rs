@@ -267,15 +267,18 @@ impl Classify for hyper_util::client::legacy::Error {
 fn refused_stream_in_chain(e: &(dyn StdError + 'static)) -> bool {
     let mut next = Some(e);
     while let Some(err) = next {
-        if err
-            .downcast_ref::<h2::Error>()
-            .is_some_and(|h2| h2.reason() == Some(h2::Reason::REFUSED_STREAM))
-        {
+        if refused_stream(err) {
             return true;
         }
         next = err.source();
     }
     false
+}
+
+/// Whether `e` itself is an HTTP/2 `REFUSED_STREAM` (see [`refused_stream_in_chain`]).
+fn refused_stream(e: &(dyn StdError + 'static)) -> bool {
+    e.downcast_ref::<h2::Error>()
+        .is_some_and(|h2| h2.reason() == Some(h2::Reason::REFUSED_STREAM))
 }
 
 /// The class of a `hyper::Error`, `None` when it is the caller's own error. A stream the server
@@ -343,15 +346,11 @@ pub(crate) fn classify_boxed(e: &(dyn StdError + 'static)) -> Classification {
 /// refused connection, a DNS failure, its `connect_timeout`) is connect whatever is below it,
 /// as hyper-util's `is_connect()` is: the request never left.
 fn transport_in_chain(e: &(dyn StdError + 'static)) -> Option<Classification> {
-    // A refused stream, wherever it is (tonic puts the h2 error itself under its status).
-    if refused_stream_in_chain(e) {
-        return Some(Classification::Outcome(Outcome::Transport(
-            ErrorClass::Connect,
-        )));
-    }
     let mut next = Some(e);
     while let Some(err) = next {
-        if err.is::<tonic::ConnectError>() {
+        // A stream the server refused: tonic puts the h2 error itself under its status (under
+        // a hyper error, the hyper arm below says the same).
+        if err.is::<tonic::ConnectError>() || refused_stream(err) {
             return Some(Classification::Outcome(Outcome::Transport(
                 ErrorClass::Connect,
             )));
