@@ -173,6 +173,35 @@ fn with_no_agents_stats_is_empty_and_top_prints_plain_blocks() {
         .code(2)
         .stderr(predicate::str::contains("too short"));
 
+    // --output json: one object per refresh, each on its own line.
+    let top = server
+        .retryplane(&[
+            "top",
+            "--iterations",
+            "2",
+            "--interval",
+            "100ms",
+            "--output",
+            "json",
+        ])
+        .assert()
+        .code(0);
+    let out = stdout_of(&top);
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 2, "{out}");
+    for line in lines {
+        let json: serde_json::Value = serde_json::from_str(line).expect("a JSON object per line");
+        assert_eq!(json["server"], server.url.as_str(), "{line}");
+        assert_eq!(json["current_version"], 1, "{line}");
+        assert_eq!(json["agents"], 0, "{line}");
+        assert_eq!(json["window"], "1m", "{line}");
+        assert_eq!(json["stats"]["series"], serde_json::json!([]), "{line}");
+        assert!(
+            json["taken"].as_str().is_some_and(|t| t.ends_with('Z')),
+            "{line}"
+        );
+    }
+
     // status asks Stats for alerts: none here.
     let status = json_of(
         &server
@@ -294,6 +323,16 @@ fn calls_made_by_a_real_agent_show_in_stats() {
             .code(0),
     );
     assert!(top.contains("  v1  1 agent  "), "{top}");
+    let top: serde_json::Value = serde_json::from_str(&stdout_of(
+        &server
+            .retryplane(&["top", "--iterations", "1", "--output", "json"])
+            .assert()
+            .code(0),
+    ))
+    .expect("one JSON object");
+    assert_eq!(top["agents"], 1, "{top}");
+    assert_eq!(top["stats"]["series"][0]["endpoint"], "ep", "{top}");
+    assert_eq!(top["stats"]["endpoints"][0]["calls"], 4, "{top}");
     server.runtime.block_on(agent.shutdown());
 }
 

@@ -1,5 +1,6 @@
-//! `retryplane top [--interval 2s] [--window 1m|5m|15m] [--iterations N]`: a live view of the
-//! fleet's retry metrics, refreshed every interval, like `top` or `kubectl top`.
+//! `retryplane top [--interval 2s] [--window 1m|5m|15m] [--iterations N] [--output json]`: a
+//! live view of the fleet's retry metrics, refreshed every interval, like `top` or
+//! `kubectl top`.
 //!
 //! Every refresh calls `FleetStatus` (the current version and the count of connected agents,
 //! without the agent list) and `Stats`; on a terminal, `Stats` asks for only as many series as
@@ -27,6 +28,14 @@
 //!   (exit 1 when the server refused, 2 when it could not be reached).
 //!
 //! `--iterations N` stops after N refreshes in both modes.
+//!
+//! `--output json` is the plain mode for programs, on a terminal or not: one JSON object per
+//! refresh on a line of its own (JSON Lines), so `retryplane top --output json | jq` follows the
+//! fleet as it changes. Each object is
+//! `{"taken", "taken_unix_ms", "server", "current_version", "agents", "window", "stats"}`
+//! (`taken` is the header's time, RFC 3339 UTC), where `stats` is the whole document
+//! of `retryplane stats --output json` (every series, every window's rates, the lifetime
+//! totals and the alerts); `window` only names the window the text view would rank by.
 
 use std::fmt::Write as _;
 use std::future::Future;
@@ -43,9 +52,10 @@ use tonic::Status;
 
 use super::client::Client;
 use super::metrics::{self, Window, WindowArg};
+use super::stats::stats_json;
 use super::time::rfc3339_utc;
 use super::{Server, ServerArgs, block_on, status_line};
-use crate::output::{self, Align};
+use crate::output::{self, Align, Format};
 use crate::serve::Signals;
 use crate::{Outcome, Report};
 use retryplane_proto::pb;
@@ -66,6 +76,10 @@ pub struct Args {
     /// not a terminal, like `top -b`].
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     iterations: Option<u64>,
+    /// Output format: `json` prints one JSON object per refresh, one per line, and never takes
+    /// over the terminal.
+    #[arg(long, value_enum, default_value_t, alias = "format")]
+    output: Format,
     #[command(flatten)]
     server: ServerArgs,
 }
@@ -87,6 +101,8 @@ pub struct Settings {
     pub window: Window,
     /// Stop after this many refreshes; `None` runs until stopped.
     pub iterations: Option<u64>,
+    /// Text (the view) or JSON Lines.
+    pub format: Format,
     /// The control plane.
     pub server: Server,
 }
@@ -99,14 +115,16 @@ impl TryFrom<Args> for Settings {
             interval: args.interval,
             window: args.window.0,
             iterations: args.iterations,
+            format: args.output,
             server: args.server.try_into()?,
         })
     }
 }
 
-/// Runs the view: on the terminal when stdout is one, else as plain text.
+/// Runs the view: on the terminal when stdout is one and text is asked for, else as plain text
+/// or JSON Lines.
 pub fn run(settings: &Settings) -> anyhow::Result<Report> {
-    if io::stdout().is_terminal() {
+    if settings.format == Format::Text && io::stdout().is_terminal() {
         block_on(interactive(settings))
     } else {
         block_on(plain(settings))
@@ -128,11 +146,13 @@ pub struct Snapshot {
 
 /// One refresh. With a `limit` (on a terminal: the rows that fit), the server sends only that
 /// many series, worst first over `window`, and the counts of the rest; without (plain mode),
-/// every series. The agent list is never fetched: only its counts are shown.
+/// every series. The per-endpoint lifetime totals come only with `totals` (JSON: the view
+/// does not show them). The agent list is never fetched: only its counts are shown.
 async fn poll(
     client: &mut Client,
     window: Window,
     limit: Option<usize>,
+    totals: bool,
 ) -> Result<Snapshot, Status> {
     let fleet = client
         .fleet_status_with(pb::FleetStatusRequest { counts_only: true })
@@ -140,7 +160,7 @@ async fn poll(
     let request = pb::StatsRequest {
         limit: limit.map_or(0, |n| u32::try_from(n.max(1)).unwrap_or(u32::MAX)),
         order_window_seconds: window.seconds(),
-        series_only: true,
+        series_only: !totals,
         ..Default::default()
     };
     let stats = client.stats(request).await?;
@@ -181,29 +201,35 @@ async fn plain(settings: &Settings) -> anyhow::Result<Report> {
             () = signals.recv() => break,
         }
         let polled = tokio::select! {
-            polled = poll(&mut client, settings.window, None) => polled,
+            polled = poll(&mut client, settings.window, None, settings.format == Format::Json) => polled,
             () = signals.recv() => break,
         };
         let snapshot = match polled {
             Ok(snapshot) => snapshot,
             Err(status) => return Ok(super::failed(&status, String::new())),
         };
-        let view = View {
-            server: &settings.server.url,
-            window: settings.window,
-            snapshot: Some(&snapshot),
-            error: None,
-            interactive: false,
-            interval: settings.interval,
+        let block = match settings.format {
+            Format::Json => json_line(&settings.server.url, settings.window, &snapshot)?,
+            Format::Text => {
+                let view = View {
+                    server: &settings.server.url,
+                    window: settings.window,
+                    snapshot: Some(&snapshot),
+                    error: None,
+                    interactive: false,
+                    interval: settings.interval,
+                };
+                let mut block = String::new();
+                if refreshes > 0 {
+                    block.push('\n');
+                }
+                for line in render(&view, None) {
+                    block.push_str(&line);
+                    block.push('\n');
+                }
+                block
+            }
         };
-        let mut block = String::new();
-        if refreshes > 0 {
-            block.push('\n');
-        }
-        for line in render(&view, None) {
-            block.push_str(&line);
-            block.push('\n');
-        }
         match write_stdout(&block) {
             Ok(()) => {}
             // The reader went away (`retryplane top | head`): nothing more to show.
@@ -219,6 +245,22 @@ async fn plain(settings: &Settings) -> anyhow::Result<Report> {
         stdout: String::new(),
         outcome: Outcome::Success,
     })
+}
+
+/// One refresh as a JSON object on one line; see the module docs.
+fn json_line(server: &str, window: Window, snapshot: &Snapshot) -> anyhow::Result<String> {
+    let value = serde_json::json!({
+        "taken": rfc3339_utc(snapshot.taken_unix_ms),
+        "taken_unix_ms": snapshot.taken_unix_ms,
+        "server": server,
+        "current_version": snapshot.current_version,
+        "agents": snapshot.agents,
+        "window": window.label(),
+        "stats": stats_json(&snapshot.stats),
+    });
+    let mut line = serde_json::to_string(&value)?;
+    line.push('\n');
+    Ok(line)
 }
 
 fn write_stdout(text: &str) -> io::Result<()> {
@@ -249,7 +291,7 @@ async fn fetch(
             }
         },
     };
-    match poll(&mut client, window, Some(limit)).await {
+    match poll(&mut client, window, Some(limit), false).await {
         Ok(snapshot) => (Some(client), Ok(snapshot)),
         Err(status) => (None, Err(status_line(&status))),
     }
