@@ -149,17 +149,34 @@ impl Server {
     /// hash.
     async fn check_whole(&self) -> (u64, String) {
         let current = self.get(0).await.info.unwrap();
-        let history = self
-            .admin
-            .clone()
-            .history(pb::HistoryRequest::default())
-            .await
-            .unwrap()
-            .into_inner();
-        let listed: Vec<u64> = history.versions.iter().map(|v| v.version).collect();
+        // Every page of the history, newest first (a page holds at most 1,000 versions).
+        let mut versions = Vec::new();
+        let mut before = 0;
+        loop {
+            let page = self
+                .admin
+                .clone()
+                .history(pb::HistoryRequest {
+                    before,
+                    ..Default::default()
+                })
+                .await
+                .unwrap()
+                .into_inner();
+            assert!(
+                page.next_before == 0 || !page.versions.is_empty(),
+                "an empty page that names a next one"
+            );
+            versions.extend(page.versions);
+            if page.next_before == 0 {
+                break;
+            }
+            before = page.next_before;
+        }
+        let listed: Vec<u64> = versions.iter().map(|v| v.version).collect();
         let contiguous: Vec<u64> = (1..=current.version).rev().collect();
         assert_eq!(listed, contiguous, "History is not 1..={}", current.version);
-        for listed in &history.versions {
+        for listed in &versions {
             let record = self.get(listed.version).await;
             let info = record.info.unwrap();
             assert_eq!(info.version, listed.version);
