@@ -239,12 +239,13 @@ impl Aggregator {
     /// the agent stream calls for each accepted `MetricsReport`.
     pub fn ingest(&self, service: &ServiceHandle, report: &pb::MetricsReport, now: Instant) {
         let tick = Tick::new(self.epoch, now);
+        let from = report_start(report, now);
         let version = report.policy_version;
         let svc = match &service.0 {
             Ok(svc) => svc,
             Err(why) => {
                 for c in &report.endpoints {
-                    self.add_other(&tick, version, &Counts::of(c), &c.endpoint, *why);
+                    self.add_other(&tick, version, &Counts::of(c), from, &c.endpoint, *why);
                 }
                 return;
             }
@@ -254,15 +255,17 @@ impl Aggregator {
             let endpoints = read(&svc.endpoints);
             for (i, c) in report.endpoints.iter().enumerate() {
                 match endpoints.get(c.endpoint.as_str()) {
-                    Some(series) => series.add(&tick, version, &Counts::of(c)),
+                    Some(series) => series.add(&tick, version, &Counts::of(c), from),
                     None => missed.push(i),
                 }
             }
         }
         for c in missed.into_iter().filter_map(|i| report.endpoints.get(i)) {
             match self.resolve(svc, &c.endpoint, tick.now) {
-                Ok(series) => series.add(&tick, version, &Counts::of(c)),
-                Err(why) => self.add_other(&tick, version, &Counts::of(c), &c.endpoint, why),
+                Ok(series) => series.add(&tick, version, &Counts::of(c), from),
+                Err(why) => {
+                    self.add_other(&tick, version, &Counts::of(c), from, &c.endpoint, why);
+                }
             }
         }
     }
@@ -295,8 +298,16 @@ impl Aggregator {
         Ok(series)
     }
 
-    fn add_other(&self, tick: &Tick, version: u64, counts: &Counts, endpoint: &str, why: Overflow) {
-        self.other.add(tick, version, counts);
+    fn add_other(
+        &self,
+        tick: &Tick,
+        version: u64,
+        counts: &Counts,
+        from: Instant,
+        endpoint: &str,
+        why: Overflow,
+    ) {
+        self.other.add(tick, version, counts, from);
         self.overflowed.fetch_add(1, Ordering::Relaxed);
         // The name comes from an agent: escaped, so a line break or an escape sequence in it
         // cannot forge a log line or drive a terminal.
@@ -548,4 +559,24 @@ pub fn spawn_ticker(
             }
         }
     })
+}
+
+/// The longest span a report is taken to cover: the longest window. An earlier start would
+/// change no window's covered time.
+const MAX_REPORT_SPAN: Duration = Duration::from_secs(15 * 60);
+
+/// When the counts of `report`, received at `now`, began: `now` less the report's own span
+/// (`window_end - window_start`, both from the agent's clock, so clock skew between the agent
+/// and this server does not matter), at most [`MAX_REPORT_SPAN`]. A report without a start
+/// (`0`, as a client that leaves it unset sends) or with its end before its start is taken to
+/// cover no time: its counts begin at `now`.
+fn report_start(report: &pb::MetricsReport, now: Instant) -> Instant {
+    if report.window_start_unix_ms == 0 {
+        return now;
+    }
+    let span = report
+        .window_end_unix_ms
+        .saturating_sub(report.window_start_unix_ms);
+    now.checked_sub(Duration::from_millis(span).min(MAX_REPORT_SPAN))
+        .unwrap_or(now)
 }

@@ -153,9 +153,14 @@ impl Series {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Adds one endpoint's deltas, made under `version`, at `tick`.
-    pub fn add(&self, tick: &Tick, version: u64, counts: &Counts) {
+    /// Adds one endpoint's deltas, made under `version` from `from` (the start of the report
+    /// that carried them, at the latest `tick.now`) and received at `tick`. The series' and
+    /// the version's windows then cover at least the time since `from`, so the rates of a
+    /// young series are not taken over less time than its counts span.
+    pub fn add(&self, tick: &Tick, version: u64, counts: &Counts, from: Instant) {
+        let from = from.min(tick.now);
         let mut s = self.lock();
+        s.created = s.created.min(from);
         s.lifetime.add(counts);
         s.newest_version = s.newest_version.max(version);
         let at = match s.versions.iter().position(|v| v.version == version) {
@@ -163,6 +168,7 @@ impl Series {
             None => s.new_version(version, tick),
         };
         let v = &mut s.versions[at];
+        v.first = v.first.min(from);
         v.last = tick.now;
         v.lifetime.add(counts);
         v.windows.add(tick, counts);
@@ -386,7 +392,7 @@ mod tests {
         let epoch = Instant::now();
         let tick = Tick::new(epoch, epoch);
         let series = Series::new("checkout", "payments", epoch);
-        series.add(&tick, 1, &counts(40, 10));
+        series.add(&tick, 1, &counts(40, 10), tick.now);
         let mut s = series.lock();
         let (alert, started) = s.evaluate(&tick, 0.05);
         assert_eq!(
@@ -422,8 +428,8 @@ mod tests {
         let later = Tick::new(epoch, epoch + Duration::from_secs(61));
         let earlier = Tick::new(epoch, epoch + Duration::from_secs(59));
         let series = Series::new("checkout", "payments", epoch);
-        series.add(&later, 1, &counts(1, 0));
-        series.add(&earlier, 1, &counts(2, 0));
+        series.add(&later, 1, &counts(1, 0), later.now);
+        series.add(&earlier, 1, &counts(2, 0), earlier.now);
         let view = series.view(&later, 0.05);
         assert_eq!(view.windows.map(|(c, _)| c.0[CALLS]), [3, 3, 3]);
     }

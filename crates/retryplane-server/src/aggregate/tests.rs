@@ -116,6 +116,57 @@ async fn covered_seconds_is_the_time_the_window_spans_and_less_for_a_young_serie
     assert_eq!(covered, [55.0, 285.0, 885.0]);
 }
 
+/// `report` with the span an agent gives it: counts made from `start_ms` to `end_ms` (Unix
+/// ms on the agent's clock).
+fn spanning(mut report: pb::MetricsReport, start_ms: u64, end_ms: u64) -> pb::MetricsReport {
+    report.window_start_unix_ms = start_ms;
+    report.window_end_unix_ms = end_ms;
+    report
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_young_series_covers_the_span_of_its_first_report_not_only_its_own_age() {
+    let agg = Aggregator::new(10, Instant::now());
+    let svc = agg.service("checkout");
+    advance(Duration::from_secs(100)).await;
+    // The first report of a new series counts 50 calls made over the agent's last 10 s.
+    let first = spanning(report(1, &[("payments", 50, 0)]), 1_000_000, 1_010_000);
+    agg.ingest(&svc, &first, Instant::now());
+    // At once: 50 calls over 10 s (5 calls/s), not over the instant since it arrived.
+    assert_eq!(windows(&agg, all()), [(50, 10.0), (50, 10.0), (50, 10.0)]);
+    let version = &agg.stats(Instant::now(), all()).series[0].versions[0];
+    assert_eq!(version.windows[0].covered_seconds, 10.0, "{version:?}");
+    advance(Duration::from_secs(5)).await;
+    assert_eq!(windows(&agg, all()), [(50, 15.0), (50, 15.0), (50, 15.0)]);
+
+    // Neither an unset start (a client that does not say) nor an end before the start moves
+    // a new series' start; a span longer than the longest window counts as that window.
+    let unset = spanning(report(1, &[("unset", 1, 0)]), 0, 1_010_000);
+    agg.ingest(&svc, &unset, Instant::now());
+    assert_eq!(windows(&agg, one("checkout", "unset"))[0], (1, 0.0));
+    let backwards = spanning(report(1, &[("backwards", 1, 0)]), 1_010_000, 1_000_000);
+    agg.ingest(&svc, &backwards, Instant::now());
+    assert_eq!(windows(&agg, one("checkout", "backwards"))[0], (1, 0.0));
+    let long = spanning(report(1, &[("long", 1, 0)]), 1, 1_010_000);
+    agg.ingest(&svc, &long, Instant::now());
+    // At 105 s: the 1-minute window starts at 50 s, the 5-minute one at the epoch's minute
+    // less 4 (before the epoch: 105 s back to the long report's start, at most 15 minutes).
+    let covered = windows(&agg, one("checkout", "long")).map(|(_, s)| s);
+    assert_eq!(covered, [55.0, 300.0 - 60.0 + 45.0, 900.0 - 60.0 + 45.0]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn reports_just_after_a_restart_cover_the_time_before_it() {
+    // The control plane has just started (its epoch), and an agent's first report on the new
+    // stream counts the 30 s since its last report to the previous process.
+    let agg = Aggregator::new(10, Instant::now());
+    let svc = agg.service("checkout");
+    advance(Duration::from_secs(2)).await;
+    let first = spanning(report(1, &[("payments", 60, 6)]), 5_000_000, 5_030_000);
+    agg.ingest(&svc, &first, Instant::now());
+    assert_eq!(windows(&agg, all()), [(60, 30.0), (60, 30.0), (60, 30.0)]);
+}
+
 #[tokio::test(start_paused = true)]
 async fn counts_are_split_by_policy_version_and_old_versions_are_pruned_after_15_minutes() {
     let agg = Aggregator::new(10, Instant::now());

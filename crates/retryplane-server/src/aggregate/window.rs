@@ -114,13 +114,24 @@ impl Tick {
         }
     }
 
-    /// Seconds of `window` that lie after `since` (a series' or version's first count):
-    /// from the start of its oldest bucket (or `since`, or the epoch, whichever is later) to
-    /// now.
+    /// Seconds of `window` that lie after `since` (when a series' or version's counts began):
+    /// from the start of its oldest bucket, or `since` if that is later, to now.
+    ///
+    /// While the aggregator is younger than the window, the oldest bucket lies before the
+    /// epoch: the first buckets hold reports that count calls made before the epoch (a report
+    /// covers the time since the agent's previous one, so the first reports after a restart
+    /// cover the restart). `since` then bounds the span.
     pub fn covered_seconds(&self, window: Window, since: Instant) -> f64 {
         let (size, k) = window.buckets();
-        let first = (self.current(window) + 1).saturating_sub(k);
-        let start = self.epoch + size * u32::try_from(first).unwrap_or(u32::MAX);
+        let current = self.current(window);
+        let start = match (current + 1).checked_sub(k) {
+            Some(first) => self.epoch + size * u32::try_from(first).unwrap_or(u32::MAX),
+            None => {
+                let before = size * u32::try_from(k - 1 - current).unwrap_or(u32::MAX);
+                // An epoch too close to the clock's own origin: no earlier start.
+                self.epoch.checked_sub(before).unwrap_or(self.epoch)
+            }
+        };
         self.now
             .saturating_duration_since(start.max(since))
             .as_secs_f64()
