@@ -203,6 +203,15 @@ pub enum StoreError {
         /// The format this build reads.
         supported: u32,
     },
+    /// The store's file cannot be opened or read (permissions, a directory in its place, ...).
+    #[error("cannot open the store file {}", path.display())]
+    OpenFile {
+        /// The store's file.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
     /// The data directory cannot be created.
     #[error("cannot create the data directory {}", dir.display())]
     CreateDir {

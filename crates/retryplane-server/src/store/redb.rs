@@ -162,7 +162,8 @@ impl RedbStore {
     /// checks its consistency (see the module docs). A file of zero bytes only, left by a first
     /// start that could not write it (a full disk), holds no data and becomes an empty store.
     ///
-    /// Fails with [`StoreError::InUse`] when another process holds the store, and with
+    /// Fails with [`StoreError::InUse`] when another process holds the store, with
+    /// [`StoreError::OpenFile`] when its file cannot be opened, and with
     /// [`StoreError::Corrupt`] when its content is inconsistent.
     pub fn open(dir: &Path) -> Result<Self, StoreError> {
         Self::open_with(dir, Box::new(open_file))
@@ -448,6 +449,10 @@ fn open_error(dir: &Path, path: &Path, error: DatabaseError) -> StoreError {
         {
             StoreError::Corrupt(format!("{} is not a redb file: {error}", path.display()))
         }
+        DatabaseError::Storage(StorageError::Io(source)) => StoreError::OpenFile {
+            path: path.to_owned(),
+            source,
+        },
         other => backend(other),
     }
 }

@@ -473,3 +473,34 @@ fn zeros_with_anything_else_in_them_are_still_refused() {
         "the file is left as it was"
     );
 }
+
+#[test]
+fn a_store_file_that_cannot_be_opened_is_named_in_the_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("retryplane.redb");
+    // Fails to open whoever runs the test, root included.
+    std::fs::create_dir(&file).unwrap();
+    let err = open_err(dir.path());
+    assert!(matches!(err, StoreError::OpenFile { .. }), "{err:?}");
+    let shown = crate::ErrorChain(&err).to_string();
+    assert!(shown.contains(&file.display().to_string()), "{shown}");
+}
+
+#[cfg(unix)]
+#[test]
+fn a_store_file_without_read_permission_is_named_in_the_error() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let dir = tempfile::tempdir().unwrap();
+    store_with_one_version(dir.path());
+    let file = dir.path().join("retryplane.redb");
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o000)).unwrap();
+    if std::fs::File::open(&file).is_ok() {
+        eprintln!("skipped: this user reads a file of mode 000 (root?), so it cannot be refused");
+        return;
+    }
+    let err = open_err(dir.path());
+    assert!(matches!(err, StoreError::OpenFile { .. }), "{err:?}");
+    let shown = crate::ErrorChain(&err).to_string();
+    assert!(shown.contains(&file.display().to_string()), "{shown}");
+    assert!(shown.contains("Permission denied"), "{shown}");
+}
