@@ -340,3 +340,19 @@ fn a_store_file_without_read_permission_is_named_at_start() {
         "{stderr}"
     );
 }
+
+#[test]
+fn a_store_file_of_zeros_only_stops_the_start_and_is_left_as_it_is() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("data/retryplane.redb");
+    std::fs::create_dir(dir.path().join("data")).unwrap();
+    std::fs::write(&file, vec![0; 73_728]).unwrap();
+    let (code, stderr) = serve_until_it_fails(dir.path());
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("the store file data/retryplane.redb holds only zero bytes")
+            && stderr.contains("move it aside"),
+        "{stderr}"
+    );
+    assert_eq!(std::fs::read(&file).unwrap(), vec![0; 73_728]);
+}
