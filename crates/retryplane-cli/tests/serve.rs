@@ -356,3 +356,31 @@ fn a_store_file_of_zeros_only_stops_the_start_and_is_left_as_it_is() {
     );
     assert_eq!(std::fs::read(&file).unwrap(), vec![0; 73_728]);
 }
+
+#[tokio::test]
+async fn a_write_refused_in_file_mode_names_the_policy_file_by_its_absolute_path() {
+    let dir = tempfile::tempdir().unwrap();
+    // Started with `--config policies.yaml`, relative to its working directory.
+    let (child, addrs) = serve(dir.path(), &[]).await;
+    let elsewhere = tempfile::tempdir().unwrap();
+    std::fs::write(elsewhere.path().join("new.yaml"), POLICY).unwrap();
+    let output = Command::new(env!("CARGO_BIN_EXE_retryplane"))
+        .current_dir(elsewhere.path())
+        .args(["apply", "new.yaml", "--server"])
+        .arg(format!("http://{}", addrs[1].1))
+        .env_remove("RETRYPLANE_TOKEN")
+        .output()
+        .await
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    let absolute = dir.path().join("policies.yaml");
+    assert!(
+        stderr.contains(&format!(
+            "policies are owned by the file {}:",
+            absolute.display()
+        )),
+        "{stderr}"
+    );
+    terminate(child).await;
+}

@@ -28,7 +28,8 @@ use crate::store::{NewVersion, Published, Source, StoreError, VersionRecord, Ver
 /// Who owns the policies (SPEC §3).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Mode {
-    /// The file is the source of truth; admin writes are refused.
+    /// The file is the source of truth; admin writes are refused, naming this path (made
+    /// absolute at start by the server, since the refusal is read by remote admins).
     File(PathBuf),
     /// The store is the source of truth; changes come through the admin API.
     Api,
