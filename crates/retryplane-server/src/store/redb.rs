@@ -437,8 +437,13 @@ fn create_file(dir: &Path, path: &Path) -> Result<(), StoreError> {
         source,
     };
     // Removed when dropped, on every way out but the rename.
-    let temp = tempfile::Builder::new()
-        .prefix(TEMP_PREFIX)
+    let mut builder = tempfile::Builder::new();
+    builder.prefix(TEMP_PREFIX);
+    // The mode the umask gives, as for any file the server creates (a temporary file's own
+    // default is owner-only).
+    #[cfg(unix)]
+    builder.permissions(std::os::unix::fs::PermissionsExt::from_mode(0o666));
+    let temp = builder
         .tempfile_in(dir)
         .map_err(|error| failed(error.into()))?;
     let db = Database::builder()

@@ -518,6 +518,18 @@ fn a_new_store_leaves_only_its_file_in_the_data_directory() {
     assert_eq!(reopened.current().unwrap().unwrap().meta.version, 1);
 }
 
+#[cfg(unix)]
+#[test]
+fn a_new_store_file_gets_the_mode_the_umask_gives() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let dir = tempfile::tempdir().unwrap();
+    let plain = dir.path().join("plain");
+    std::fs::write(&plain, b"").unwrap();
+    let store = RedbStore::open(&dir.path().join("data")).unwrap();
+    let mode = |path: &Path| std::fs::metadata(path).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(store.path()), mode(&plain));
+}
+
 #[test]
 fn what_an_interrupted_first_start_left_does_not_stop_the_next_one() {
     let dir = tempfile::tempdir().unwrap();
