@@ -102,6 +102,17 @@ async fn a_python_grpcio_client_runs_the_agent_stream_and_the_admin_calls() {
         serde_json::json!({"seq": 1, "dropped": false})
     );
 
+    // Its dry run said what the Apply would change and the hash it would get, as the current
+    // version stayed.
+    assert_eq!(seen["dry_run"]["version"], seeded.version);
+    assert_eq!(seen["dry_run"]["content_hash"], seeded.content_hash);
+    assert_eq!(seen["dry_run"]["changed"], false);
+    assert_eq!(seen["dry_run"]["would_change"], true);
+    assert_eq!(
+        seen["dry_run"]["new_content_hash"],
+        seen["get"]["content_hash"]
+    );
+
     // Its Apply made a version that was pushed to it, and it ACKed that.
     let applied = seeded.version + 1;
     assert_eq!(

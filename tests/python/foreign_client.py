@@ -106,12 +106,22 @@ def main():
 
     # --- the admin service ------------------------------------------------------------
     admin = admin_pb2_grpc.AdminServiceStub(grpc.insecure_channel(admin_addr))
+    change = admin_pb2.PolicySource(
+        yaml="version: 1\nendpoints:\n  payments:\n    max_attempts: 5\n  search: {}\n",
+        origin="python",
+    )
+    dry_run = admin.Apply(admin_pb2.ApplyRequest(
+        source=change, expected_version=snapshot.version, dry_run=True,
+    ), timeout=WAIT_S)
+    seen["dry_run"] = {
+        "version": dry_run.version,
+        "content_hash": dry_run.content_hash,
+        "changed": dry_run.changed,
+        "would_change": dry_run.would_change,
+        "new_content_hash": dry_run.new_content_hash,
+    }
     applied = admin.Apply(admin_pb2.ApplyRequest(
-        source=admin_pb2.PolicySource(
-            yaml="version: 1\nendpoints:\n  payments:\n    max_attempts: 5\n  search: {}\n",
-            origin="python",
-        ),
-        expected_version=snapshot.version,
+        source=change, expected_version=snapshot.version,
     ), timeout=WAIT_S)
     seen["applied"] = {"version": applied.version, "changed": applied.changed}
     pushed = next(stream)

@@ -185,6 +185,8 @@ impl Shared {
                 version: current.version,
                 content_hash: current.content_hash.clone(),
                 changed: false,
+                would_change: content_hash != current.content_hash,
+                new_content_hash: content_hash,
                 ..Default::default()
             });
         }
@@ -199,8 +201,10 @@ impl Shared {
         self.current.send_replace(Arc::new(snapshot));
         Ok(pb::ApplyResponse {
             version,
+            new_content_hash: content_hash.clone(),
             content_hash,
             changed: true,
+            would_change: true,
             ..Default::default()
         })
     }

@@ -656,3 +656,54 @@ fn removing_every_endpoint_needs_force_for_apply_and_rollback() {
         .stdout(predicate::str::contains("payments"))
         .stdout(predicate::str::contains("search").not());
 }
+
+#[test]
+fn a_dry_run_in_json_says_the_hash_the_content_would_get_and_whether_it_changes_anything() {
+    let server = test_server(true, None);
+    server.write("v1.yaml", V1);
+    server.write("v2.yaml", V2);
+    let json = |args: &[&str]| json_of(&server.retryplane(args).assert().code(0));
+
+    // An empty store: version 0, no current hash, and the content would be new.
+    let first = json(&["diff", "v1.yaml", "--output", "json"]);
+    assert_eq!(
+        (&first["version"], &first["content_hash"], &first["changed"]),
+        (&0.into(), &"".into(), &false.into())
+    );
+    assert_eq!(first["would_change"], true, "{first}");
+    let v1 = json(&["apply", "v1.yaml", "--output", "json"]);
+    assert_eq!(v1["changed"], true, "{v1}");
+    assert_eq!(v1["would_change"], true, "{v1}");
+    assert_eq!(v1["new_content_hash"], v1["content_hash"], "{v1}");
+    assert_eq!(first["new_content_hash"], v1["content_hash"], "{first}");
+
+    // A dry run of different content: the current version as before, and what would change.
+    for dry_run in [
+        json(&["apply", "v2.yaml", "--dry-run", "--output", "json"]),
+        json(&["diff", "v2.yaml", "--output", "json"]),
+    ] {
+        assert_eq!(dry_run["version"], 1, "{dry_run}");
+        assert_eq!(dry_run["content_hash"], v1["content_hash"], "{dry_run}");
+        assert_eq!(dry_run["changed"], false, "{dry_run}");
+        assert_eq!(dry_run["dry_run"], true, "{dry_run}");
+        assert_eq!(dry_run["would_change"], true, "{dry_run}");
+        assert_ne!(dry_run["new_content_hash"], v1["content_hash"], "{dry_run}");
+        assert_eq!(dry_run["new_content_hash"].as_str().unwrap().len(), 64);
+    }
+    let predicted = json(&["diff", "v2.yaml", "--output", "json"])["new_content_hash"].clone();
+    let v2 = json(&["apply", "v2.yaml", "--output", "json"]);
+    assert_eq!(
+        v2["content_hash"], predicted,
+        "the dry run told the hash v2 got"
+    );
+
+    // A dry run of the content already current changes nothing.
+    let same = json(&["apply", "v2.yaml", "--dry-run", "--output", "json"]);
+    assert_eq!(same["would_change"], false, "{same}");
+    assert_eq!(same["new_content_hash"], v2["content_hash"], "{same}");
+    let again = json(&["apply", "v2.yaml", "--output", "json"]);
+    assert_eq!(
+        (&again["changed"], &again["would_change"]),
+        (&false.into(), &false.into())
+    );
+}

@@ -287,3 +287,100 @@ fn bad_serve_flags_are_usage_errors() {
             .stderr(predicates::str::contains(says));
     }
 }
+
+/// `retryplane serve` in file mode on `dir` (its `data` directory prepared by the caller), run
+/// until it exits, as a start that fails does: the exit code and stderr.
+fn serve_until_it_fails(dir: &std::path::Path) -> (Option<i32>, String) {
+    std::fs::write(dir.join("policies.yaml"), POLICY).unwrap();
+    let output = assert_cmd::Command::new(env!("CARGO_BIN_EXE_retryplane"))
+        .current_dir(dir)
+        .args(["serve", "--config", "policies.yaml", "--data-dir", "data"])
+        .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+        .args(["--http-listen", "127.0.0.1:0"])
+        .env("RUST_LOG", "warn")
+        .timeout(BOUND)
+        .output()
+        .unwrap();
+    (
+        output.status.code(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn a_store_file_that_cannot_be_opened_is_named_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    // A directory in the file's place: opening it fails for every user, root included.
+    std::fs::create_dir_all(dir.path().join("data/retryplane.redb")).unwrap();
+    let (code, stderr) = serve_until_it_fails(dir.path());
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("cannot open the store file data/retryplane.redb"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn a_store_file_without_read_permission_is_named_at_start() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("data/retryplane.redb");
+    std::fs::create_dir(dir.path().join("data")).unwrap();
+    std::fs::write(&file, b"a store").unwrap();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o000)).unwrap();
+    if std::fs::File::open(&file).is_ok() {
+        eprintln!("skipped: this user reads a file of mode 000 (root?), so it cannot be refused");
+        return;
+    }
+    let (code, stderr) = serve_until_it_fails(dir.path());
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("cannot open the store file data/retryplane.redb")
+            && stderr.contains("Permission denied"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn a_store_file_of_zeros_only_stops_the_start_and_is_left_as_it_is() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("data/retryplane.redb");
+    std::fs::create_dir(dir.path().join("data")).unwrap();
+    std::fs::write(&file, vec![0; 73_728]).unwrap();
+    let (code, stderr) = serve_until_it_fails(dir.path());
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("the store file data/retryplane.redb holds only zero bytes")
+            && stderr.contains("move it aside"),
+        "{stderr}"
+    );
+    assert_eq!(std::fs::read(&file).unwrap(), vec![0; 73_728]);
+}
+
+#[tokio::test]
+async fn a_write_refused_in_file_mode_names_the_policy_file_by_its_absolute_path() {
+    let dir = tempfile::tempdir().unwrap();
+    // Started with `--config policies.yaml`, relative to its working directory.
+    let (child, addrs) = serve(dir.path(), &[]).await;
+    let elsewhere = tempfile::tempdir().unwrap();
+    std::fs::write(elsewhere.path().join("new.yaml"), POLICY).unwrap();
+    let output = Command::new(env!("CARGO_BIN_EXE_retryplane"))
+        .current_dir(elsewhere.path())
+        .args(["apply", "new.yaml", "--server"])
+        .arg(format!("http://{}", addrs[1].1))
+        .env_remove("RETRYPLANE_TOKEN")
+        .output()
+        .await
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    let absolute = dir.path().join("policies.yaml");
+    assert!(
+        stderr.contains(&format!(
+            "policies are owned by the file {}:",
+            absolute.display()
+        )),
+        "{stderr}"
+    );
+    terminate(child).await;
+}

@@ -251,6 +251,8 @@ fn apply_response(outcome: ChangeOutcome, warnings: Option<Vec<Diagnostic>>) -> 
         changed: outcome.changed,
         diff: outcome.diff.iter().map(pb::DiffEntry::from).collect(),
         warnings: pb_diagnostics(&warnings.unwrap_or(outcome.warnings)),
+        new_content_hash: outcome.content_hash,
+        would_change: outcome.would_change,
     }
 }
 

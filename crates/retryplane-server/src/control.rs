@@ -28,7 +28,8 @@ use crate::store::{NewVersion, Published, Source, StoreError, VersionRecord, Ver
 /// Who owns the policies (SPEC §3).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Mode {
-    /// The file is the source of truth; admin writes are refused.
+    /// The file is the source of truth; admin writes are refused, naming this path (made
+    /// absolute at start by the server, since the refusal is read by remote admins).
     File(PathBuf),
     /// The store is the source of truth; changes come through the admin API.
     Api,
@@ -59,6 +60,12 @@ pub struct ChangeOutcome {
     /// Whether a new version was stored: false for a dry run and for content equal to the
     /// current version's (content equal to an older version's is stored as a new version).
     pub changed: bool,
+    /// Whether the content differs from the current version's, so that applying it stores a
+    /// new version: for a dry run, whether the apply would; otherwise equal to `changed`.
+    pub would_change: bool,
+    /// The content hash of the requested policies: what a new version of them gets (or, for
+    /// a dry run, would get).
+    pub content_hash: String,
     /// What differs from the version that was current.
     pub diff: Vec<Change>,
     /// Validation warnings.
@@ -293,6 +300,8 @@ impl ControlPlane {
                 return Ok(ChangeOutcome {
                     record: current,
                     changed: false,
+                    would_change: !unchanged,
+                    content_hash,
                     diff: if unchanged { Vec::new() } else { changes },
                     warnings,
                 });
@@ -300,7 +309,7 @@ impl ControlPlane {
         };
         let new = NewVersion {
             document: req.document,
-            content_hash,
+            content_hash: content_hash.clone(),
             source: req.source,
             author: req.author,
             summary: diff::summary(&changes),
@@ -321,6 +330,9 @@ impl ControlPlane {
         Ok(ChangeOutcome {
             record: Some(record),
             changed,
+            // The store found the content current after all (an equal change came first).
+            would_change: changed,
+            content_hash,
             diff: changes,
             warnings,
         })

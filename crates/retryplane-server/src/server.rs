@@ -163,7 +163,12 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
     let mode = if cfg.api_mode {
         Mode::Api
     } else {
-        Mode::File(cfg.config_file.clone())
+        // Absolute, for the message that refuses an admin write: its reader may be anywhere.
+        // Not resolved through links: the file is edited by the name it was given (a ConfigMap's
+        // link is swapped), and it may not exist yet when the store has a version to serve.
+        Mode::File(
+            std::path::absolute(&cfg.config_file).unwrap_or_else(|_| cfg.config_file.clone()),
+        )
     };
     let metrics_interval_ms = u64::try_from(cfg.metrics_interval.as_millis()).unwrap_or(u64::MAX);
     let fleet =

@@ -4,7 +4,9 @@
 //! diff against the current version (`+ added`, `- removed`, `~ modified` endpoints, detail
 //! lines indented), then one result line: `applied v7 (sha256 0123456789ab…)`,
 //! `no changes (v6)`, or with `--dry-run` `dry run: would change v6: +1 endpoint, -0, 2 modified`
-//! (`dry run: no changes (v6)`). A file with errors is checked here and never sent: every
+//! (`dry run: no changes (v6)`). JSON: see `change::change_json`; after a dry run,
+//! `would_change` says whether the apply would store a new version and `new_content_hash` the
+//! hash it would get (`version` and `content_hash` stay the current version's). A file with errors is checked here and never sent: every
 //! diagnostic is printed exactly as `retryplane validate` prints it, and the command exits 1;
 //! so does a file the server refuses (its diagnostics printed the same way), a version conflict
 //! (`--expected-version`) and a change that removes every endpoint without `--force`.
@@ -158,7 +160,7 @@ mod tests {
                     defaults: Some(false),
                 })
                 .collect(),
-            warnings: Vec::new(),
+            ..Default::default()
         }
     }
 

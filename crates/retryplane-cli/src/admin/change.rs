@@ -75,9 +75,18 @@ fn diagnostics_json(file: &str, diags: &[Diagnostic]) -> Value {
         .collect()
 }
 
-/// `{version, content_hash, changed, dry_run, diff: [{endpoint, scope, change, details}],
-/// warnings: [...]}` for `--output json`; `scope` is `defaults` for the file's `defaults:` block
-/// (whose `endpoint` reads `defaults`) and `endpoint` for an endpoint, even one named `defaults`.
+/// `{version, content_hash, changed, dry_run, would_change, new_content_hash, diff: [{endpoint,
+/// scope, change, details}], warnings: [...]}` for `--output json`; `scope` is `defaults` for the
+/// file's `defaults:` block (whose `endpoint` reads `defaults`) and `endpoint` for an endpoint,
+/// even one named `defaults`.
+///
+/// `version` and `content_hash` are the version current after the call (for a dry run, the
+/// one that stays current; 0 and `""` for an empty store); `changed` whether this call stored a
+/// new version (never for a dry run). `would_change` is whether the content differs from the
+/// current version's (for a dry run, whether applying it would store a new version), and
+/// `new_content_hash` the hash the content gets, or would get. A control plane that predates
+/// those two answers neither: `new_content_hash` is `null` then, and `would_change` is read
+/// from the diff.
 pub fn change_json(response: &pb::ApplyResponse, file: &str, dry_run: bool) -> Value {
     let diff: Vec<Value> = response
         .diff
@@ -96,11 +105,18 @@ pub fn change_json(response: &pb::ApplyResponse, file: &str, dry_run: bool) -> V
         })
         .collect();
     let warnings: Vec<Diagnostic> = response.warnings.iter().map(diagnostic).collect();
+    let (would_change, new_content_hash) = if response.new_content_hash.is_empty() {
+        (response.changed || !response.diff.is_empty(), None)
+    } else {
+        (response.would_change, Some(&response.new_content_hash))
+    };
     json!({
         "version": response.version,
         "content_hash": response.content_hash,
         "changed": response.changed,
         "dry_run": dry_run,
+        "would_change": would_change,
+        "new_content_hash": new_content_hash,
         "diff": diff,
         "warnings": diagnostics_json(file, &warnings),
     })
@@ -365,15 +381,38 @@ mod tests {
                 path: "p".to_owned(),
                 message: "m".to_owned(),
             }],
+            new_content_hash: "ab".to_owned(),
+            would_change: true,
         };
         assert_eq!(
             change_json(&response, "f.yaml", false),
             json!({
                 "version": 7, "content_hash": "ab", "changed": true, "dry_run": false,
+                "would_change": true, "new_content_hash": "ab",
                 "diff": [{"endpoint": "search", "scope": "endpoint", "change": "added", "details": []}],
                 "warnings": [{"file": "f.yaml", "line": 1, "column": 2, "severity": "warning",
                               "path": "p", "message": "m"}]
             })
         );
+    }
+
+    #[test]
+    fn a_dry_run_answered_by_an_older_control_plane_reads_would_change_from_the_diff() {
+        let response = pb::ApplyResponse {
+            version: 6,
+            content_hash: "ab".to_owned(),
+            diff: vec![entry("search", pb::diff_entry::Change::Added, &[])],
+            ..Default::default()
+        };
+        let json = change_json(&response, "f.yaml", true);
+        assert_eq!(
+            (&json["would_change"], &json["new_content_hash"]),
+            (&Value::Bool(true), &Value::Null)
+        );
+        let same = pb::ApplyResponse {
+            diff: Vec::new(),
+            ..response
+        };
+        assert_eq!(change_json(&same, "f.yaml", true)["would_change"], false);
     }
 }

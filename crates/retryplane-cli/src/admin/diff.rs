@@ -3,7 +3,9 @@
 //! A dry-run `Apply`. Stdout holds only the diff (`+ added`, `- removed`, `~ modified`
 //! endpoints with their detail lines indented), empty when the file matches the current
 //! version; the server's warnings go to stderr as `FILE:LINE:COLUMN: warning: …` lines. The
-//! check that refuses removing every endpoint is skipped (`force`): a diff only shows.
+//! check that refuses removing every endpoint is skipped (`force`): a diff only shows. With
+//! `--output json`, `apply --dry-run`'s object (see `change::change_json`): `would_change` says
+//! whether the file differs, `new_content_hash` the hash it would get.
 //!
 //! Exit 0 whether or not the file differs; with `--exit-code`, 1 when it differs (like
 //! `git diff --exit-code`). An invalid file prints its diagnostics and exits 1.

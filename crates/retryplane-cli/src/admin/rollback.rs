@@ -3,8 +3,8 @@
 //! Versions only grow: rolling back to v3 while v7 is current stores v8 with v3's content
 //! (the same content hash). Text: the diff against the version that was current, then
 //! `rolled back to v3: now v8 (sha256 0123456789ab…)`, or `no changes: v7 already has the
-//! content of v3`. JSON: `{version, content_hash, changed, dry_run, diff, warnings,
-//! rolled_back_to}`. An unknown version, a version conflict or a rollback that removes every
+//! content of v3`. JSON: `{version, content_hash, changed, dry_run, would_change,
+//! new_content_hash, diff, warnings, rolled_back_to}` (see `change::change_json`). An unknown version, a version conflict or a rollback that removes every
 //! endpoint without `--force` is refused (exit 1).
 
 use std::fmt::Write as _;

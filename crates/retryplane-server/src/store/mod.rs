@@ -203,6 +203,39 @@ pub enum StoreError {
         /// The format this build reads.
         supported: u32,
     },
+    /// The store's file exists but holds no store: it is empty, or holds zero bytes only (as a
+    /// file system that lost its writes, or a failed copy, leaves it). The store never takes
+    /// such a file for a new store: that would replace the version history it may once have
+    /// held. The file is left as it is.
+    #[error(
+        "the store file {} {what}, so it holds no version store; retryplane does not overwrite \
+         it. Restore it from a backup, or, to start a new, empty store, move it aside",
+        path.display()
+    )]
+    NotAStore {
+        /// The store's file.
+        path: PathBuf,
+        /// What is wrong with it: "is empty" or "holds only zero bytes".
+        what: &'static str,
+    },
+    /// The store's file cannot be opened or read (permissions, a directory in its place, ...).
+    #[error("cannot open the store file {}", path.display())]
+    OpenFile {
+        /// The store's file.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A new store's file cannot be created in the data directory.
+    #[error("cannot create the store file {}", path.display())]
+    CreateFile {
+        /// The store's file.
+        path: PathBuf,
+        /// What failed.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync + 'static>,
+    },
     /// The data directory cannot be created.
     #[error("cannot create the data directory {}", dir.display())]
     CreateDir {

@@ -28,6 +28,20 @@
 //! redb locks the file: a second open, from another process or this one, fails with
 //! [`StoreError::InUse`].
 //!
+//! # A new store, and a file that holds none
+//!
+//! A new store is built under a temporary name in the data directory and renamed to
+//! `retryplane.redb` only once its tables are committed (a rename that never replaces a file
+//! another process put there meanwhile). So the store's path holds either nothing or a whole
+//! store: a first start that fails half-way (a full disk, a crash) leaves no file there. A
+//! file at that path that is empty or holds only zero bytes is therefore not a fresh one but a
+//! damaged one (a file system whose flushes were not honoured, a failed copy), and may be all
+//! that is left of a version history: the open refuses it with [`StoreError::NotAStore`],
+//! naming the file and saying to restore it or move it aside, and writes nothing. An empty
+//! file is refused too, although it holds no data: the store never leaves one, so it comes
+//! from somewhere else (a truncated copy), and starting a new store in it would hide that the
+//! history is gone and hand agents version 1 again.
+//!
 //! # After an I/O error
 //!
 //! When a commit fails on the disk (a full disk, say), redb refuses every later call with
@@ -59,6 +73,10 @@ use super::{
 
 /// The store's file name inside the data directory.
 const FILE_NAME: &str = "retryplane.redb";
+/// The start of the temporary name a new store is built under (see [`create_file`]). A file
+/// named so is left only by a first start that was killed before it finished, never held a
+/// version, and may be deleted.
+const TEMP_PREFIX: &str = ".retryplane.redb.new-";
 /// Version number → encoded [`StoredRecord`].
 const VERSIONS: TableDefinition<'_, u64, &[u8]> = TableDefinition::new("versions");
 /// Store-wide values; only [`CURRENT`] so far.
@@ -150,20 +168,21 @@ struct Slot {
 )]
 struct Failing(#[source] Arc<StoreError>);
 
-/// redb with the integrity check on open.
+/// redb with the integrity check on open, on an existing file (never one it would initialize).
 fn open_file(path: &Path) -> Result<Database, DatabaseError> {
     Database::builder()
         .set_check_integrity_on_open(true)
-        .create(path)
+        .open(path)
 }
 
 impl RedbStore {
     /// Opens the store in `dir`, creating the directory and an empty store if needed, and
-    /// checks its consistency (see the module docs). A file of zero bytes only, left by a first
-    /// start that could not write it (a full disk), holds no data and becomes an empty store.
+    /// checks its consistency (see the module docs).
     ///
-    /// Fails with [`StoreError::InUse`] when another process holds the store, and with
-    /// [`StoreError::Corrupt`] when its content is inconsistent.
+    /// Fails with [`StoreError::InUse`] when another process holds the store, with
+    /// [`StoreError::NotAStore`] when the file is empty or holds only zero bytes, with
+    /// [`StoreError::OpenFile`] when it cannot be opened, and with [`StoreError::Corrupt`] when
+    /// its content is inconsistent. A refused file is left as it is.
     pub fn open(dir: &Path) -> Result<Self, StoreError> {
         Self::open_with(dir, Box::new(open_file))
     }
@@ -175,19 +194,15 @@ impl RedbStore {
             source,
         })?;
         let path = dir.join(FILE_NAME);
-        let db = match open_db(&path) {
-            Err(error) if is_not_redb(&error) && holds_only_zeros(&path) => {
-                warn!(file = %path.display(), "the store's file holds only zeros: an earlier first start could not write it (a full disk?); starting an empty store in it");
-                std::fs::OpenOptions::new()
-                    .write(true)
-                    .open(&path)
-                    .and_then(|file| file.set_len(0))
-                    .map_err(|error| StoreError::Backend(Box::new(error)))?;
-                open_db(&path)
+        match std::fs::symlink_metadata(&path) {
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
+                create_file(dir, &path)?;
             }
-            opened => opened,
+            Err(source) => return Err(StoreError::OpenFile { path, source }),
+            Ok(_) => {}
         }
-        .map_err(|error| open_error(dir, &path, error))?;
+        refuse_blank(&path)?;
+        let db = open_db(&path).map_err(|error| open_error(dir, &path, error))?;
         let store = Self {
             db: RwLock::new(Slot {
                 db: Some(db),
@@ -411,28 +426,82 @@ fn check(db: &Database) -> Result<(), StoreError> {
     }
 }
 
-/// Whether redb refused the file as not being a redb database.
-fn is_not_redb(error: &DatabaseError) -> bool {
-    matches!(error, DatabaseError::Storage(StorageError::Io(e)) if e.kind() == std::io::ErrorKind::InvalidData)
+/// Creates a new, empty store at `path`: built under a temporary name in `dir` (see
+/// [`TEMP_PREFIX`]) and moved into place only once its tables are committed, so that a first
+/// start that fails half-way (a full disk, a crash) leaves no file at `path` for a later start
+/// to refuse. When another process created `path` meanwhile, its file is kept and this one
+/// dropped.
+fn create_file(dir: &Path, path: &Path) -> Result<(), StoreError> {
+    let failed = |source: Box<dyn std::error::Error + Send + Sync>| StoreError::CreateFile {
+        path: path.to_owned(),
+        source,
+    };
+    // Removed when dropped, on every way out but the rename.
+    let mut builder = tempfile::Builder::new();
+    builder.prefix(TEMP_PREFIX);
+    // The mode the umask gives, as for any file the server creates (a temporary file's own
+    // default is owner-only).
+    #[cfg(unix)]
+    builder.permissions(std::os::unix::fs::PermissionsExt::from_mode(0o666));
+    let temp = builder
+        .tempfile_in(dir)
+        .map_err(|error| failed(error.into()))?;
+    let db = Database::builder()
+        .create(temp.path())
+        .map_err(|error| failed(error.into()))?;
+    create_tables(&db).map_err(|error| failed(error.into()))?;
+    db.close().map_err(|error| failed(error.into()))?;
+    match temp.persist_noclobber(path) {
+        Ok(_) => {}
+        Err(error) if error.error.kind() == std::io::ErrorKind::AlreadyExists => return Ok(()),
+        Err(error) => return Err(failed(error.error.into())),
+    }
+    // The new name must outlast a power cut as the commits made under it will.
+    sync_dir(dir).map_err(|error| failed(error.into()))
 }
 
-/// Whether the file at `path` holds zero bytes only, as a first start leaves it when the disk
-/// is full: the file got its length but never its header, so it holds no data and can be
-/// started afresh. A file that cannot be read counts as holding something.
-fn holds_only_zeros(path: &Path) -> bool {
+/// Flushes `dir`'s entries to disk.
+#[cfg(unix)]
+fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    std::fs::File::open(dir)?.sync_all()
+}
+
+/// Flushes `dir`'s entries to disk (not possible on this platform: the rename is the best done).
+#[cfg(not(unix))]
+fn sync_dir(_dir: &Path) -> std::io::Result<()> {
+    Ok(())
+}
+
+/// Refuses a store file that is empty or holds only zero bytes, without writing to it: see
+/// [`StoreError::NotAStore`]. The store never leaves such a file at its path (see
+/// [`create_file`]), so one there was damaged or put there by something else, and may be all
+/// that is left of a version history.
+fn refuse_blank(path: &Path) -> Result<(), StoreError> {
     use std::io::Read as _;
-    let Ok(mut file) = std::fs::File::open(path) else {
-        return false;
+    let unreadable = |source| StoreError::OpenFile {
+        path: path.to_owned(),
+        source,
     };
+    let mut file = std::fs::File::open(path).map_err(unreadable)?;
     let mut buffer = vec![0; 64 * 1024];
+    let mut len = 0_usize;
     loop {
         match file.read(&mut buffer) {
-            Ok(0) => return true,
-            Ok(n) if buffer[..n].iter().all(|&b| b == 0) => {}
+            Ok(0) => break,
+            Ok(n) if buffer[..n].iter().all(|&b| b == 0) => len += n,
+            Ok(_) => return Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Ok(_) | Err(_) => return false,
+            Err(e) => return Err(unreadable(e)),
         }
     }
+    Err(StoreError::NotAStore {
+        path: path.to_owned(),
+        what: if len == 0 {
+            "is empty"
+        } else {
+            "holds only zero bytes"
+        },
+    })
 }
 
 /// The error of an open of `path` in `dir` that failed.
@@ -448,6 +517,10 @@ fn open_error(dir: &Path, path: &Path, error: DatabaseError) -> StoreError {
         {
             StoreError::Corrupt(format!("{} is not a redb file: {error}", path.display()))
         }
+        DatabaseError::Storage(StorageError::Io(source)) => StoreError::OpenFile {
+            path: path.to_owned(),
+            source,
+        },
         other => backend(other),
     }
 }

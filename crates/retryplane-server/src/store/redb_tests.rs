@@ -446,17 +446,104 @@ async fn a_failing_store_is_reopened_at_most_once_an_interval_and_recovers_after
     assert_eq!(opens.load(Ordering::SeqCst), 3);
 }
 
+/// The names of the files in `dir`, sorted.
+fn files_in(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
 #[test]
-fn a_file_of_zeros_left_by_a_first_start_on_a_full_disk_is_a_new_store() {
+fn a_store_file_of_zeros_only_is_refused_and_left_as_it_is() {
     let dir = tempfile::tempdir().unwrap();
-    // What a first start leaves when the disk is full: the file's length, never its header.
-    std::fs::write(dir.path().join("retryplane.redb"), vec![0; 73_728]).unwrap();
+    store_with_one_version(dir.path());
+    let file = dir.path().join("retryplane.redb");
+    // What a file system that lost its writes, or a failed copy, leaves of a store.
+    let zeros = vec![0; usize::try_from(std::fs::metadata(&file).unwrap().len()).unwrap()];
+    std::fs::write(&file, &zeros).unwrap();
+    let err = open_err(dir.path());
+    assert!(
+        matches!(
+            err,
+            StoreError::NotAStore {
+                what: "holds only zero bytes",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    let shown = err.to_string();
+    assert!(shown.contains(&file.display().to_string()), "{shown}");
+    assert!(shown.contains("move it aside"), "{shown}");
+    assert_eq!(
+        std::fs::read(&file).unwrap(),
+        zeros,
+        "the file is left as it was"
+    );
+    assert_eq!(files_in(dir.path()), ["retryplane.redb"]);
+}
+
+#[test]
+fn an_empty_store_file_is_refused_and_left_empty() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("retryplane.redb");
+    std::fs::write(&file, b"").unwrap();
+    let err = open_err(dir.path());
+    assert!(
+        matches!(
+            err,
+            StoreError::NotAStore {
+                what: "is empty",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert_eq!(std::fs::metadata(&file).unwrap().len(), 0);
+    assert_eq!(files_in(dir.path()), ["retryplane.redb"]);
+}
+
+#[test]
+fn a_new_store_leaves_only_its_file_in_the_data_directory() {
+    let dir = tempfile::tempdir().unwrap();
     let store = RedbStore::open(dir.path()).unwrap();
     assert_eq!(store.current().unwrap(), None);
+    assert_eq!(files_in(dir.path()), ["retryplane.redb"]);
     assert_eq!(publish_new(&store, "a"), 1);
     drop(store);
     let reopened = RedbStore::open(dir.path()).unwrap();
     assert_eq!(reopened.current().unwrap().unwrap().meta.version, 1);
+}
+
+#[cfg(unix)]
+#[test]
+fn a_new_store_file_gets_the_mode_the_umask_gives() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let dir = tempfile::tempdir().unwrap();
+    let plain = dir.path().join("plain");
+    std::fs::write(&plain, b"").unwrap();
+    let store = RedbStore::open(&dir.path().join("data")).unwrap();
+    let mode = |path: &Path| std::fs::metadata(path).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(store.path()), mode(&plain));
+}
+
+#[test]
+fn what_an_interrupted_first_start_left_does_not_stop_the_next_one() {
+    let dir = tempfile::tempdir().unwrap();
+    // A first start killed while it built the new store, on a full disk: the file's length,
+    // never its header, under the temporary name.
+    let leftover = dir.path().join(".retryplane.redb.new-AbC123");
+    std::fs::write(&leftover, vec![0; 73_728]).unwrap();
+    let store = RedbStore::open(dir.path()).unwrap();
+    assert_eq!(store.current().unwrap(), None);
+    assert_eq!(publish_new(&store, "a"), 1);
+    assert_eq!(
+        files_in(dir.path()),
+        [".retryplane.redb.new-AbC123", "retryplane.redb"]
+    );
 }
 
 #[test]
@@ -472,4 +559,35 @@ fn zeros_with_anything_else_in_them_are_still_refused() {
         bytes,
         "the file is left as it was"
     );
+}
+
+#[test]
+fn a_store_file_that_cannot_be_opened_is_named_in_the_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("retryplane.redb");
+    // Fails to open whoever runs the test, root included.
+    std::fs::create_dir(&file).unwrap();
+    let err = open_err(dir.path());
+    assert!(matches!(err, StoreError::OpenFile { .. }), "{err:?}");
+    let shown = crate::ErrorChain(&err).to_string();
+    assert!(shown.contains(&file.display().to_string()), "{shown}");
+}
+
+#[cfg(unix)]
+#[test]
+fn a_store_file_without_read_permission_is_named_in_the_error() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let dir = tempfile::tempdir().unwrap();
+    store_with_one_version(dir.path());
+    let file = dir.path().join("retryplane.redb");
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o000)).unwrap();
+    if std::fs::File::open(&file).is_ok() {
+        eprintln!("skipped: this user reads a file of mode 000 (root?), so it cannot be refused");
+        return;
+    }
+    let err = open_err(dir.path());
+    assert!(matches!(err, StoreError::OpenFile { .. }), "{err:?}");
+    let shown = crate::ErrorChain(&err).to_string();
+    assert!(shown.contains(&file.display().to_string()), "{shown}");
+    assert!(shown.contains("Permission denied"), "{shown}");
 }
