@@ -164,8 +164,10 @@ impl Server {
                 .unwrap()
                 .into_inner();
             assert!(
-                page.next_before == 0 || !page.versions.is_empty(),
-                "an empty page that names a next one"
+                page.next_before == 0
+                    || (!page.versions.is_empty() && (before == 0 || page.next_before < before)),
+                "a page that names a next one must hold versions and move back: {before} -> {}",
+                page.next_before
             );
             versions.extend(page.versions);
             if page.next_before == 0 {

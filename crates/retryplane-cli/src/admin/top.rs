@@ -31,7 +31,7 @@
 //!
 //! `--output json` is the plain mode for programs, on a terminal or not: one JSON object per
 //! refresh on a line of its own (JSON Lines), so `retryplane top --output json | jq` follows the
-//! fleet as it changes. Each object is
+//! fleet as it changes. Each object has the keys (serialized in alphabetical order)
 //! `{"taken", "taken_unix_ms", "server", "current_version", "agents", "window", "stats"}`
 //! (`taken` is the header's time, RFC 3339 UTC), where `stats` is the whole document
 //! of `retryplane stats --output json` (every series, every window's rates, the lifetime
@@ -72,13 +72,19 @@ pub struct Args {
     /// The trailing window that rates and ratios are taken over.
     #[arg(long, value_enum, default_value = "1m")]
     window: WindowArg,
-    /// Stop after N refreshes [default: run until q, Ctrl-C or SIGTERM, also when stdout is
-    /// not a terminal, like `top -b`].
+    /// Stop after N refreshes [default: run until q, Ctrl-C or SIGTERM (only Ctrl-C or SIGTERM
+    /// when stdout is not a terminal or with `--output json`), like `top -b`].
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     iterations: Option<u64>,
-    /// Output format: `json` prints one JSON object per refresh, one per line, and never takes
-    /// over the terminal.
-    #[arg(long, value_enum, default_value_t, alias = "format")]
+    /// Output format, `text` or `json`: `json` prints one JSON object per refresh, each on a
+    /// line of its own (JSON Lines), and never takes over the terminal.
+    #[arg(
+        long,
+        value_enum,
+        default_value_t,
+        alias = "format",
+        hide_possible_values = true
+    )]
     output: Format,
     #[command(flatten)]
     server: ServerArgs,

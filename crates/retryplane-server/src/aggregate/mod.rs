@@ -239,13 +239,13 @@ impl Aggregator {
     /// the agent stream calls for each accepted `MetricsReport`.
     pub fn ingest(&self, service: &ServiceHandle, report: &pb::MetricsReport, now: Instant) {
         let tick = Tick::new(self.epoch, now);
-        let from = report_start(report, now);
+        let span = report_span(report);
         let version = report.policy_version;
         let svc = match &service.0 {
             Ok(svc) => svc,
             Err(why) => {
                 for c in &report.endpoints {
-                    self.add_other(&tick, version, &Counts::of(c), from, &c.endpoint, *why);
+                    self.add_other(&tick, version, &Counts::of(c), span, &c.endpoint, *why);
                 }
                 return;
             }
@@ -255,16 +255,16 @@ impl Aggregator {
             let endpoints = read(&svc.endpoints);
             for (i, c) in report.endpoints.iter().enumerate() {
                 match endpoints.get(c.endpoint.as_str()) {
-                    Some(series) => series.add(&tick, version, &Counts::of(c), from),
+                    Some(series) => series.add(&tick, version, &Counts::of(c), span),
                     None => missed.push(i),
                 }
             }
         }
         for c in missed.into_iter().filter_map(|i| report.endpoints.get(i)) {
             match self.resolve(svc, &c.endpoint, tick.now) {
-                Ok(series) => series.add(&tick, version, &Counts::of(c), from),
+                Ok(series) => series.add(&tick, version, &Counts::of(c), span),
                 Err(why) => {
-                    self.add_other(&tick, version, &Counts::of(c), from, &c.endpoint, why);
+                    self.add_other(&tick, version, &Counts::of(c), span, &c.endpoint, why);
                 }
             }
         }
@@ -303,11 +303,11 @@ impl Aggregator {
         tick: &Tick,
         version: u64,
         counts: &Counts,
-        from: Instant,
+        span: Duration,
         endpoint: &str,
         why: Overflow,
     ) {
-        self.other.add(tick, version, counts, from);
+        self.other.add(tick, version, counts, span);
         self.overflowed.fetch_add(1, Ordering::Relaxed);
         // The name comes from an agent: escaped, so a line break or an escape sequence in it
         // cannot forge a log line or drive a terminal.
@@ -561,22 +561,20 @@ pub fn spawn_ticker(
     })
 }
 
-/// The longest span a report is taken to cover: the longest window. An earlier start would
-/// change no window's covered time.
+/// The longest span a report is taken to cover: the longest window. A longer one would change
+/// no window's covered time.
 const MAX_REPORT_SPAN: Duration = Duration::from_secs(15 * 60);
 
-/// When the counts of `report`, received at `now`, began: `now` less the report's own span
-/// (`window_end - window_start`, both from the agent's clock, so clock skew between the agent
-/// and this server does not matter), at most [`MAX_REPORT_SPAN`]. A report without a start
-/// (`0`, as a client that leaves it unset sends) or with its end before its start is taken to
-/// cover no time: its counts begin at `now`.
-fn report_start(report: &pb::MetricsReport, now: Instant) -> Instant {
+/// The time the counts of `report` were made over: its `window_end - window_start`, both from
+/// the agent's clock (so clock skew between the agent and this server does not matter), at most
+/// [`MAX_REPORT_SPAN`]. A report without a start (`0`, as a client that leaves it unset sends)
+/// or with its end before its start covers no known time: zero.
+fn report_span(report: &pb::MetricsReport) -> Duration {
     if report.window_start_unix_ms == 0 {
-        return now;
+        return Duration::ZERO;
     }
     let span = report
         .window_end_unix_ms
         .saturating_sub(report.window_start_unix_ms);
-    now.checked_sub(Duration::from_millis(span).min(MAX_REPORT_SPAN))
-        .unwrap_or(now)
+    Duration::from_millis(span).min(MAX_REPORT_SPAN)
 }

@@ -9,13 +9,14 @@
 //! then, freed once empty) so the series' windows lose nothing.
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
 
 use retryplane_proto::pb;
 use tokio::time::Instant;
 use tracing::{info, warn};
 
 use super::counts::{CALLS, Counts, RETRIES, ratio};
-use super::window::{Tick, WINDOWS, Window, Windows};
+use super::window::{Began, Tick, WINDOWS, Window, Windows};
 use crate::fleet::unix_ms;
 
 /// Most policy versions one series keeps apart.
@@ -30,7 +31,7 @@ pub const MIN_ALERT_CALLS: u64 = 20;
 #[derive(Debug)]
 struct VersionSeries {
     version: u64,
-    first: Instant,
+    first: Began,
     last: Instant,
     lifetime: Counts,
     windows: Windows,
@@ -63,7 +64,10 @@ impl Alert {
 
 #[derive(Debug)]
 struct State {
+    /// When the series was made, and the span of the first report that counted into it
+    /// (`None` until one has).
     created: Instant,
+    first_span: Option<Duration>,
     lifetime: Counts,
     newest_version: u64,
     /// Most recently counted first.
@@ -129,6 +133,7 @@ impl Series {
             endpoint: endpoint.into(),
             state: Mutex::new(State {
                 created: now,
+                first_span: None,
                 lifetime: Counts::default(),
                 newest_version: 0,
                 versions: Vec::new(),
@@ -153,22 +158,20 @@ impl Series {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Adds one endpoint's deltas, made under `version` from `from` (the start of the report
-    /// that carried them, at the latest `tick.now`) and received at `tick`. The series' and
-    /// the version's windows then cover at least the time since `from`, so the rates of a
-    /// young series are not taken over less time than its counts span.
-    pub fn add(&self, tick: &Tick, version: u64, counts: &Counts, from: Instant) {
-        let from = from.min(tick.now);
+    /// Adds one endpoint's deltas, made under `version` over `span` (the report's own span)
+    /// and received at `tick`. The first report's span is the least time the series' and the
+    /// version's windows cover (see [`Began`]), so a young series' first counts are not
+    /// divided by the instant since they arrived.
+    pub fn add(&self, tick: &Tick, version: u64, counts: &Counts, span: Duration) {
         let mut s = self.lock();
-        s.created = s.created.min(from);
+        s.first_span.get_or_insert(span);
         s.lifetime.add(counts);
         s.newest_version = s.newest_version.max(version);
         let at = match s.versions.iter().position(|v| v.version == version) {
             Some(i) => i,
-            None => s.new_version(version, tick),
+            None => s.new_version(version, tick, span),
         };
         let v = &mut s.versions[at];
-        v.first = v.first.min(from);
         v.last = tick.now;
         v.lifetime.add(counts);
         v.windows.add(tick, counts);
@@ -203,7 +206,7 @@ impl Series {
             let mut s = self.lock();
             s.prune(tick);
             let (alert, transition) = s.evaluate(tick, threshold);
-            let windows = WINDOWS.map(|w| (s.window(tick, w), tick.covered_seconds(w, s.created)));
+            let windows = WINDOWS.map(|w| (s.window(tick, w), tick.covered_seconds(w, s.began())));
             let view = SeriesView {
                 service: self.service.to_string(),
                 endpoint: self.endpoint.to_string(),
@@ -280,22 +283,25 @@ impl Series {
 }
 
 /// One window's wire form.
-pub fn window_stats(
-    window: Window,
-    counts: &Counts,
-    tick: &Tick,
-    since: Instant,
-) -> pb::WindowStats {
+pub fn window_stats(window: Window, counts: &Counts, tick: &Tick, began: Began) -> pb::WindowStats {
     pb::WindowStats {
         window_seconds: window.seconds(),
-        covered_seconds: tick.covered_seconds(window, since),
+        covered_seconds: tick.covered_seconds(window, began),
         counters: Some(counts.to_pb()),
     }
 }
 
 impl State {
     /// Makes room for and adds `version`; returns its index.
-    fn new_version(&mut self, version: u64, tick: &Tick) -> usize {
+    /// When the series' counts began.
+    fn began(&self) -> Began {
+        Began {
+            at: self.created,
+            span: self.first_span.unwrap_or_default(),
+        }
+    }
+
+    fn new_version(&mut self, version: u64, tick: &Tick, span: Duration) -> usize {
         self.prune(tick);
         if self.versions.len() >= MAX_VERSIONS {
             let oldest = self
@@ -311,7 +317,7 @@ impl State {
         }
         self.versions.push(VersionSeries {
             version,
-            first: tick.now,
+            first: Began { at: tick.now, span },
             last: tick.now,
             lifetime: Counts::default(),
             windows: Windows::default(),
@@ -392,7 +398,7 @@ mod tests {
         let epoch = Instant::now();
         let tick = Tick::new(epoch, epoch);
         let series = Series::new("checkout", "payments", epoch);
-        series.add(&tick, 1, &counts(40, 10), tick.now);
+        series.add(&tick, 1, &counts(40, 10), Duration::ZERO);
         let mut s = series.lock();
         let (alert, started) = s.evaluate(&tick, 0.05);
         assert_eq!(
@@ -428,8 +434,8 @@ mod tests {
         let later = Tick::new(epoch, epoch + Duration::from_secs(61));
         let earlier = Tick::new(epoch, epoch + Duration::from_secs(59));
         let series = Series::new("checkout", "payments", epoch);
-        series.add(&later, 1, &counts(1, 0), later.now);
-        series.add(&earlier, 1, &counts(2, 0), earlier.now);
+        series.add(&later, 1, &counts(1, 0), Duration::ZERO);
+        series.add(&earlier, 1, &counts(2, 0), Duration::ZERO);
         let view = series.view(&later, 0.05);
         assert_eq!(view.windows.map(|(c, _)| c.0[CALLS]), [3, 3, 3]);
     }

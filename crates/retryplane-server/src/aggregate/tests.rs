@@ -136,8 +136,9 @@ async fn a_young_series_covers_the_span_of_its_first_report_not_only_its_own_age
     assert_eq!(windows(&agg, all()), [(50, 10.0), (50, 10.0), (50, 10.0)]);
     let version = &agg.stats(Instant::now(), all()).series[0].versions[0];
     assert_eq!(version.windows[0].covered_seconds, 10.0, "{version:?}");
+    // Until more time has passed than the first report spans, that span is what is covered.
     advance(Duration::from_secs(5)).await;
-    assert_eq!(windows(&agg, all()), [(50, 15.0), (50, 15.0), (50, 15.0)]);
+    assert_eq!(windows(&agg, all()), [(50, 10.0), (50, 10.0), (50, 10.0)]);
 
     // Neither an unset start (a client that does not say) nor an end before the start moves
     // a new series' start; a span longer than the longest window counts as that window.
@@ -149,10 +150,42 @@ async fn a_young_series_covers_the_span_of_its_first_report_not_only_its_own_age
     assert_eq!(windows(&agg, one("checkout", "backwards"))[0], (1, 0.0));
     let long = spanning(report(1, &[("long", 1, 0)]), 1, 1_010_000);
     agg.ingest(&svc, &long, Instant::now());
-    // At 105 s: the 1-minute window starts at 50 s, the 5-minute one at the epoch's minute
-    // less 4 (before the epoch: 105 s back to the long report's start, at most 15 minutes).
+    advance(Duration::from_secs(12)).await;
+    assert_eq!(windows(&agg, one("checkout", "payments"))[0], (50, 17.0));
+    // At 117 s: the 1-minute window reaches back to 60 s, the 5-minute one to 4 minutes
+    // before the current one (3 before the epoch), the 15-minute one to 14 minutes before it:
+    // as far as each reaches, at most the long report's span (counted as 15 minutes).
     let covered = windows(&agg, one("checkout", "long")).map(|(_, s)| s);
-    assert_eq!(covered, [55.0, 300.0 - 60.0 + 45.0, 900.0 - 60.0 + 45.0]);
+    assert_eq!(covered, [57.0, 180.0 + 117.0, 780.0 + 117.0]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_new_series_fed_by_many_agents_gets_its_rate_right_after_one_interval() {
+    // 10 agents report a new endpoint every 10 s, one a second: 10 calls/s each, 100 calls/s
+    // in all.
+    let agg = Aggregator::new(10, Instant::now());
+    let svc = agg.service("checkout");
+    advance(Duration::from_secs(100)).await;
+    let mut start_ms = 1_000_000;
+    for round in 0..30_u64 {
+        if round > 0 {
+            advance(Duration::from_secs(1)).await;
+        }
+        let r = spanning(
+            report(1, &[("payments", 100, 0)]),
+            start_ms,
+            start_ms + 10_000,
+        );
+        agg.ingest(&svc, &r, Instant::now());
+        start_ms += 1_000;
+        if round == 9 {
+            // Every agent has reported once, 9 s after the first: 1,000 calls over the first
+            // report's 10 s.
+            assert_eq!(windows(&agg, all())[0], (1_000, 10.0));
+        }
+    }
+    // 3,000 calls since the first report, 29 s ago: 103 calls/s, within one report of 100.
+    assert_eq!(windows(&agg, all())[0], (3_000, 29.0));
 }
 
 #[tokio::test(start_paused = true)]

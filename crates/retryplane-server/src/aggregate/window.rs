@@ -83,6 +83,25 @@ impl Window {
     }
 }
 
+/// When the counts of a series or a version began: the arrival of the first report that counted
+/// into it, and the span that report covered (its `window_end - window_start`, on the agent's
+/// clock; zero when it did not say).
+///
+/// Why a floor and not a start moved back by the span: the counts of a series come from many
+/// agents, each reporting every interval at its own phase. Moving the start back by the first
+/// report's span would divide the first minutes of a series fed by N agents by too long a
+/// time (about half the rate after one interval with 10 agents); a floor divides the first
+/// report's counts by their own span and is within one report of the truth from then on. (A
+/// single agent's second report, or reports resent together after a restart, can make the
+/// rate up to twice the truth until more time has passed than they span.)
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Began {
+    /// The first report's arrival.
+    pub at: Instant,
+    /// The first report's span.
+    pub span: Duration,
+}
+
 /// Where an instant falls: its fine and coarse bucket numbers since the epoch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Tick {
@@ -114,14 +133,16 @@ impl Tick {
         }
     }
 
-    /// Seconds of `window` that lie after `since` (when a series' or version's counts began):
-    /// from the start of its oldest bucket, or `since` if that is later, to now.
+    /// Seconds of `window` that the counts of a series (or version) that `began` cover: from
+    /// the start of the window's oldest bucket, or the first report's arrival if that is later,
+    /// to now; but never less than the first report's span (as far as the window reaches
+    /// back), since that report's counts were made over that span before it arrived.
     ///
     /// While the aggregator is younger than the window, the oldest bucket lies before the
     /// epoch: the first buckets hold reports that count calls made before the epoch (a report
     /// covers the time since the agent's previous one, so the first reports after a restart
-    /// cover the restart). `since` then bounds the span.
-    pub fn covered_seconds(&self, window: Window, since: Instant) -> f64 {
+    /// cover the restart).
+    pub fn covered_seconds(&self, window: Window, began: Began) -> f64 {
         let (size, k) = window.buckets();
         let current = self.current(window);
         let start = match (current + 1).checked_sub(k) {
@@ -132,9 +153,9 @@ impl Tick {
                 self.epoch.checked_sub(before).unwrap_or(self.epoch)
             }
         };
-        self.now
-            .saturating_duration_since(start.max(since))
-            .as_secs_f64()
+        let since_arrival = self.now.saturating_duration_since(start.max(began.at));
+        let reach = self.now.saturating_duration_since(start);
+        since_arrival.max(began.span.min(reach)).as_secs_f64()
     }
 }
 
