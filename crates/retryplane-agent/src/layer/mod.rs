@@ -116,7 +116,9 @@
 //!   [`Dedup::ignore_header`] leaves out a header that differs on every request and does not
 //!   change the answer; [`Dedup::vary_only_on`] keys on a fixed list instead, and
 //!   [`Dedup::vary_on_all_headers`] on every header, tracing ones included. `Authorization`,
-//!   `Proxy-Authorization` and `Cookie` ([`CREDENTIAL_HEADERS`]) are in the key in every mode.
+//!   `Proxy-Authorization` and `Cookie` ([`CREDENTIAL_HEADERS`]) are in the key in every mode,
+//!   and so is `Host`: with the URI's authority it names the upstream (a request whose URI is
+//!   a bare path names it there only), and two upstreams never share an answer.
 //!   The table keeps only the digest, never a header value. Request extensions are not
 //!   compared.
 //! - The response is shared once its body is read into memory, up to
