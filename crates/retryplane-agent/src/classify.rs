@@ -6,7 +6,9 @@
 //! "Trailers-Only" response by its `grpc-status`, as a `tonic::Status`), gRPC
 //! statuses (code and `grpc-retry-pushback-ms`; a status tonic made of a transport error, such
 //! as a failed connect, by that error), tonic responses (success), `std::io::Error`,
-//! `hyper::Error` and `hyper_util::client::legacy::Error` (connect / reset / timeout).
+//! `hyper::Error` and `hyper_util::client::legacy::Error` (connect / reset / timeout). A
+//! timeout middleware's error in a chain (tower's `Timeout`, `tokio::time::timeout`, tonic's
+//! request timeout) counts as a timeout.
 //! Implement it for your own response or error types, or pass a closure to
 //! [`crate::Endpoint::call_with`].
 //!
@@ -89,7 +91,9 @@ fn http_classification(status: http::StatusCode, headers: &http::HeaderMap) -> C
 /// says `UNAVAILABLE`, but the request never left, so any method may be retried, and
 /// `retry_on.errors: [connect]` applies), and so is a stream the server refused (HTTP/2
 /// `REFUSED_STREAM`: not processed); a connection that broke → reset, a
-/// keep-alive or I/O timeout → timeout. Any other status (one the server sent, or one with no
+/// keep-alive or I/O timeout → timeout, and so is a timeout middleware's error (tower's
+/// `Timeout` under the channel, tonic's own request timeout, which tonic calls `CANCELLED`):
+/// no answer came in time. Any other status (one the server sent, or one with no
 /// transport error below it): `Code::Ok` is a success; any other code is an outcome the policy
 /// judges, with the `grpc-retry-pushback-ms` trailer (non-ASCII counts as unparseable: do not
 /// retry).
@@ -332,28 +336,31 @@ fn io_class_in_chain(e: &(dyn StdError + 'static)) -> Option<ErrorClass> {
 }
 
 /// The classification of a type-erased client error (what a tower stack returns): the first
-/// hyper-util client error, hyper error or classifiable `io::Error` in its source chain decides,
-/// by the impls above; with none of them → reset (unknown outcome).
+/// hyper-util client error, hyper error, timeout of a middleware (see [`timed_out`]) or
+/// classifiable `io::Error` in its source chain decides, by the impls above; with none of them
+/// → reset (unknown outcome).
 pub(crate) fn classify_boxed(e: &(dyn StdError + 'static)) -> Classification {
     transport_in_chain(e).unwrap_or(Classification::Outcome(Outcome::Transport(
         ErrorClass::Reset,
     )))
 }
 
-/// The classification of the first tonic connect error, hyper-util client error, hyper error or
-/// classifiable `io::Error` in `e`'s source chain (`e` included), by the impls above; `None`
-/// without one. A [`tonic::ConnectError`] (what a tonic `Channel` makes of a failed dial: a
-/// refused connection, a DNS failure, its `connect_timeout`) is connect whatever is below it,
-/// as hyper-util's `is_connect()` is: the request never left.
+/// The classification of the first tonic connect error, hyper-util client error, hyper error,
+/// (feature `reqwest`) reqwest transport error, timeout of a middleware or classifiable
+/// `io::Error` in `e`'s source chain (`e` included), by the impls above; `None` without one. A
+/// [`tonic::ConnectError`] (what a tonic `Channel` makes of a failed dial: a refused
+/// connection, a DNS failure, its `connect_timeout`) is connect whatever is below it, as
+/// hyper-util's `is_connect()` is: the request never left. A timeout of a middleware (see
+/// [`timed_out`]) is timeout: it has no source, so a connect error can only be above it in the
+/// chain, and is found first.
 fn transport_in_chain(e: &(dyn StdError + 'static)) -> Option<Classification> {
+    let transport = |class| Some(Classification::Outcome(Outcome::Transport(class)));
     let mut next = Some(e);
     while let Some(err) = next {
         // A stream the server refused: tonic puts the h2 error itself under its status (under
         // a hyper error, the hyper arm below says the same).
         if err.is::<tonic::ConnectError>() || refused_stream(err) {
-            return Some(Classification::Outcome(Outcome::Transport(
-                ErrorClass::Connect,
-            )));
+            return transport(ErrorClass::Connect);
         }
         if let Some(e) = err.downcast_ref::<hyper_util::client::legacy::Error>() {
             return Some(e.classify());
@@ -361,14 +368,36 @@ fn transport_in_chain(e: &(dyn StdError + 'static)) -> Option<Classification> {
         if let Some(e) = err.downcast_ref::<hyper::Error>() {
             return Some(e.classify());
         }
+        // A reqwest error that says connect, timeout or reset (a status or a bad URL is no
+        // transport error: the walk goes on below it).
+        #[cfg(feature = "reqwest")]
+        if let Some(e) = err.downcast_ref::<reqwest::Error>()
+            && let transport @ Classification::Outcome(Outcome::Transport(_)) = e.classify()
+        {
+            return Some(transport);
+        }
+        if timed_out(err) {
+            return transport(ErrorClass::Timeout);
+        }
         if let Some(io) = err.downcast_ref::<std::io::Error>()
             && let Some(class) = io_class(io.kind())
         {
-            return Some(Classification::Outcome(Outcome::Transport(class)));
+            return transport(class);
         }
         next = err.source();
     }
     None
+}
+
+/// Whether `e` is the error of a timeout middleware that gave up waiting for the service below
+/// it: tower's `Timeout` ([`tower::timeout::error::Elapsed`]), `tokio::time::timeout`
+/// ([`tokio::time::error::Elapsed`]) or tonic's own request timeout ([`tonic::TimeoutExpired`],
+/// from its `Endpoint::timeout` or `grpc-timeout`). No answer came in time: a timeout, an
+/// unknown outcome (the request may have been sent and acted on).
+fn timed_out(e: &(dyn StdError + 'static)) -> bool {
+    e.is::<tower::timeout::error::Elapsed>()
+        || e.is::<tokio::time::error::Elapsed>()
+        || e.is::<tonic::TimeoutExpired>()
 }
 
 /// The transport class of an I/O error kind, if it is one.
@@ -616,6 +645,32 @@ mod tests {
         assert_eq!(classify_boxed(&other), t(ErrorClass::Reset));
         let unknown = Wrapped(Box::<dyn StdError + Send + Sync>::from("no cause"));
         assert_eq!(classify_boxed(&unknown), t(ErrorClass::Reset));
+    }
+
+    #[tokio::test]
+    async fn a_timeout_of_a_middleware_anywhere_in_the_chain_is_a_timeout() {
+        let t = |class| Classification::Outcome(Outcome::Transport(class));
+        let tokio_elapsed = tokio::time::timeout(Duration::ZERO, std::future::pending::<()>())
+            .await
+            .unwrap_err();
+        let timeouts: [Box<dyn StdError + Send + Sync>; 3] = [
+            Box::new(tower::timeout::error::Elapsed::new()),
+            Box::new(tokio_elapsed),
+            Box::new(tonic::TimeoutExpired(())),
+        ];
+        for e in timeouts {
+            let name = e.to_string();
+            assert_eq!(classify_boxed(&*e), t(ErrorClass::Timeout), "{name}");
+            let wrapped = Wrapped(Box::new(Wrapped(e)));
+            assert_eq!(classify_boxed(&wrapped), t(ErrorClass::Timeout), "{name}");
+            // tonic keeps the error under the status it makes of it (UNKNOWN, or CANCELLED
+            // for its own timeout).
+            let status = tonic::Status::from_error(Box::new(wrapped));
+            assert_eq!(status.classify(), t(ErrorClass::Timeout), "{name}");
+        }
+        // A failed connect above it still says connect.
+        let connect = tonic::ConnectError(Box::new(tower::timeout::error::Elapsed::new()));
+        assert_eq!(classify_boxed(&connect), t(ErrorClass::Connect));
     }
 
     #[test]

@@ -426,6 +426,37 @@ async fn which_headers_count_is_configurable() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn requests_to_different_hosts_are_never_shared() {
+    // A bare path names its upstream in `Host` (as HTTP/1 carries it): two hosts are two
+    // upstreams, whichever headers the key is told to cover.
+    let host = |v: &str| req(get("/v1/items").header("host", v), "");
+    let host_name = http::header::HOST;
+    let modes = [
+        Dedup::default(),
+        Dedup::default().vary_only_on([http::HeaderName::from_static("accept")]),
+        Dedup::default().vary_only_on([]),
+        Dedup::default().ignore_header(host_name.clone()),
+        Dedup::default()
+            .vary_only_on([host_name.clone()])
+            .ignore_header(host_name),
+    ];
+    for dedup in modes {
+        assert!(
+            !shared(dedup.clone(), host("a.internal"), host("b.internal")).await,
+            "{dedup:?}"
+        );
+        assert!(
+            shared(dedup.clone(), host("a.internal"), host("a.internal")).await,
+            "{dedup:?}"
+        );
+    }
+    // Nor are requests to one authority that name different hosts.
+    let both = |v: &str| req(get("http://10.0.0.1/v1/items").header("host", v), "");
+    let listed = Dedup::default().vary_only_on([]);
+    assert!(!shared(listed, both("a.internal"), both("b.internal")).await);
+}
+
+#[tokio::test(start_paused = true)]
 async fn writes_are_not_shared_unless_their_method_is_added() {
     let post = || {
         req(

@@ -508,3 +508,54 @@ async fn a_stream_the_server_refused_is_a_connect_error() {
         "{status:?}"
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn the_layer_counts_a_timeout_of_the_middleware_below_it_as_a_timeout() {
+    // A `TimeoutLayer` between the retry layer and the client, to a server that never answers:
+    // each attempt ends with tower's `Elapsed` (on tokio's paused clock, which moves on once
+    // every task waits). Only timeouts are retried here: had it counted as a reset, the call
+    // would stop after one attempt.
+    let (port, _) = scripted_server(Close::Never).await;
+    let url = format!("http://127.0.0.1:{port}/v1/things");
+    let agent = agent("retry_on: {errors: [timeout]}");
+    let ep = agent.endpoint("ep");
+    let svc = RetryLayer::new(ep.clone()).layer(
+        tower::timeout::TimeoutLayer::new(Duration::from_secs(1))
+            .layer(client(HttpConnector::new())),
+    );
+    let err = tokio::time::timeout(WAIT, svc.oneshot(request("GET", &url)))
+        .await
+        .expect("the call ends")
+        .expect_err("the call fails");
+    assert!(err.is::<tower::timeout::error::Elapsed>(), "{err:?}");
+    assert_eq!(ep.pending_counts().attempts, 3);
+}
+
+#[cfg(feature = "reqwest")]
+#[tokio::test]
+async fn the_layer_counts_a_reqwest_timeout_below_it_as_a_timeout() {
+    // A reqwest client with its own timeout under the layer, to a server that never answers.
+    // Only timeouts are retried here: had its error counted as a reset, one attempt.
+    let (port, _) = scripted_server(Close::Never).await;
+    let url = format!("http://127.0.0.1:{port}/v1/things");
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_millis(100))
+        .build()
+        .unwrap();
+    let inner = tower::service_fn(move |req: http::Request<ReplayBody<Full<Bytes>>>| {
+        let sent = client.get(req.uri().to_string()).send();
+        async move { sent.await.map(|_| http::Response::new(())) }
+    });
+    let agent = agent("retry_on: {errors: [timeout]}");
+    let ep = agent.endpoint("ep");
+    let svc = RetryLayer::new(ep.clone()).layer(inner);
+    let err = tokio::time::timeout(WAIT, svc.oneshot(request("GET", &url)))
+        .await
+        .expect("the call ends")
+        .expect_err("the call fails");
+    let err = err
+        .downcast::<reqwest::Error>()
+        .expect("reqwest's own error");
+    assert!(err.is_timeout(), "{err:?}");
+    assert_eq!(ep.pending_counts().attempts, 3);
+}

@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use bytes::Bytes;
+use http::header::HOST;
 use http::request::Parts;
 use http::{HeaderMap, HeaderName, Method, Response, response};
 use sha2::{Digest as _, Sha256};
@@ -32,7 +33,10 @@ pub const DEFAULT_SHARED_RESPONSE_LIMIT: usize = 1024 * 1024;
 /// the key; one that differs on every request and does not change the answer (a custom request
 /// id) only costs sharing, and [`Dedup::ignore_header`] leaves it out.
 /// [`Dedup::vary_only_on`] keys on a fixed list of headers instead. In every mode the
-/// [`CREDENTIAL_HEADERS`] (`Authorization`, `Proxy-Authorization`, `Cookie`) are part of the key.
+/// [`CREDENTIAL_HEADERS`] (`Authorization`, `Proxy-Authorization`, `Cookie`) are part of the key,
+/// and so is the upstream host: the URI's scheme and authority and the `Host` header (a
+/// request whose URI is a bare path, as HTTP/1 carries it, names its host there only), so two
+/// hosts never share an answer.
 /// Of the calls that choose headers, the later wins: [`Dedup::vary_only_on`] and
 /// [`Dedup::vary_on_all_headers`] start from their own list.
 ///
@@ -331,8 +335,8 @@ impl Dedup {
 
     /// Leaves `name` out of the key: requests that differ only in it are shared. For a header
     /// that differs on every request and never changes the answer (a request id of your own).
-    /// Never for one that carries a credential or a tenant; the [`CREDENTIAL_HEADERS`] stay in
-    /// the key whatever this says. After [`Dedup::vary_only_on`], it removes `name` from the
+    /// Never for one that carries a credential or a tenant; the [`CREDENTIAL_HEADERS`] and
+    /// `Host` stay in the key whatever this says. After [`Dedup::vary_only_on`], it removes `name` from the
     /// listed headers.
     pub fn ignore_header(mut self, name: HeaderName) -> Self {
         if is_credential(&name) {
@@ -356,7 +360,7 @@ impl Dedup {
         self
     }
 
-    /// Keys on these headers and the [`CREDENTIAL_HEADERS`] only (say `Accept` and
+    /// Keys on these headers, the [`CREDENTIAL_HEADERS`] and `Host` only (say `Accept` and
     /// `X-Tenant`): requests that differ only in other headers are shared. Every other header
     /// that carries a credential or a tenant, or otherwise changes the answer, must be listed,
     /// or one caller gets a response meant for another.
@@ -409,6 +413,10 @@ impl Dedup {
     /// so a collision between two `Authorization` values would hand one caller's response to
     /// another. The digest also means no header value is kept in the table. Every field is
     /// length-prefixed, so no two different requests feed the same bytes.
+    ///
+    /// The upstream host is always in it, whatever the headers chosen: the URI's authority
+    /// and the `Host` header (where a request whose URI is a bare path, as HTTP/1 carries it,
+    /// names its host; a server behind one address may also serve several hosts by it).
     pub(crate) fn key(&self, endpoint: &str, head: &Parts, body: &[u8]) -> Key {
         let mut h = Sha256::new();
         field(&mut h, endpoint.as_bytes());
@@ -423,6 +431,7 @@ impl Dedup {
             &mut h,
             uri.path_and_query().map_or("", |p| p.as_str()).as_bytes(),
         );
+        header(&mut h, &head.headers, &HOST);
         let names: Vec<&HeaderName> = match &self.config.vary {
             Vary::Listed(names) => names.iter().collect(),
             Vary::AllExcept(ignored) => {
@@ -441,13 +450,9 @@ impl Dedup {
                 present
             }
         };
-        for name in names {
-            field(&mut h, name.as_str().as_bytes());
-            let values = head.headers.get_all(name);
-            h.update((values.iter().count() as u64).to_le_bytes());
-            for v in values {
-                field(&mut h, v.as_bytes());
-            }
+        // `Host` is in already.
+        for name in names.into_iter().filter(|n| **n != HOST) {
+            header(&mut h, &head.headers, name);
         }
         field(&mut h, body);
         h.finalize().into()
@@ -482,6 +487,17 @@ fn sort(names: &mut Vec<HeaderName>) {
 fn field(h: &mut Sha256, bytes: &[u8]) {
     h.update((bytes.len() as u64).to_le_bytes());
     h.update(bytes);
+}
+
+/// Feeds `name` and every value of it in `headers` (how many, then each), so that a header
+/// missing, present once and present twice all differ.
+fn header(h: &mut Sha256, headers: &HeaderMap, name: &HeaderName) {
+    field(h, name.as_str().as_bytes());
+    let values = headers.get_all(name);
+    h.update((values.iter().count() as u64).to_le_bytes());
+    for v in values {
+        field(h, v.as_bytes());
+    }
 }
 
 #[cfg(test)]

@@ -32,10 +32,12 @@
 //!   "Trailers-Only" error such as `UNAVAILABLE`, that code and `grpc-retry-pushback-ms`, as
 //!   for a `tonic::Status`; a gRPC status in trailers, after data, is not seen: that call
 //!   counts as a success); errors of the inner service by their source chain: the first
-//!   `hyper_util::client::legacy::Error`, `hyper::Error` or `io::Error` in it is classified by
-//!   its [`Classify`](crate::Classify) impl (connect / reset / timeout, or fatal for the
-//!   caller's own errors); anything else counts as a reset: the outcome is unknown, so only
-//!   idempotent or keyed requests are retried.
+//!   `hyper_util::client::legacy::Error`, `hyper::Error`, (feature `reqwest`)
+//!   `reqwest::Error` or `io::Error` in it is classified by its [`Classify`](crate::Classify)
+//!   impl (connect / reset / timeout, or fatal for the caller's own errors); the error of a
+//!   timeout middleware below the layer (tower's `TimeoutLayer`, `tokio::time::timeout`,
+//!   tonic's request timeout) is a timeout; anything else counts as a reset. Timeout and reset
+//!   are unknown outcomes, so only idempotent or keyed requests are retried.
 //! - A call that gives up with a response returns that response, with a [`GaveUp`] in its
 //!   extensions; one that gives up with an error returns the error; one that never got an
 //!   answer returns a [`RetryError`].
@@ -114,7 +116,9 @@
 //!   [`Dedup::ignore_header`] leaves out a header that differs on every request and does not
 //!   change the answer; [`Dedup::vary_only_on`] keys on a fixed list instead, and
 //!   [`Dedup::vary_on_all_headers`] on every header, tracing ones included. `Authorization`,
-//!   `Proxy-Authorization` and `Cookie` ([`CREDENTIAL_HEADERS`]) are in the key in every mode.
+//!   `Proxy-Authorization` and `Cookie` ([`CREDENTIAL_HEADERS`]) are in the key in every mode,
+//!   and so is `Host`: with the URI's authority it names the upstream (a request whose URI is
+//!   a bare path names it there only), and two upstreams never share an answer.
 //!   The table keeps only the digest, never a header value. Request extensions are not
 //!   compared.
 //! - The response is shared once its body is read into memory, up to
