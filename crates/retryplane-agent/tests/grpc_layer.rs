@@ -10,8 +10,10 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use retryplane_agent::layer::{Idempotent, RetryLayer, into_tonic_request};
-use retryplane_agent::{Agent, CallMeta, Classification, Classify as _, CounterValues, Outcome};
+use retryplane_agent::layer::{Idempotent, RetryError, RetryLayer, into_tonic_request};
+use retryplane_agent::{
+    Agent, CallMeta, Cause, Classification, Classify as _, CounterValues, GiveUpCause, Outcome,
+};
 use retryplane_policy::ErrorClass;
 use retryplane_proto::pb;
 use retryplane_proto::pb::admin_service_client::AdminServiceClient;
@@ -288,4 +290,80 @@ async fn a_grpc_connect_that_times_out_is_a_connect_error_and_retried_whatever_t
         .connect_timeout(Duration::from_millis(200))
         .connect_lazy();
     a_connect_error_retried_whatever_the_method(channel).await;
+}
+
+/// A channel to a server on 127.0.0.1:0 that accepts every connection and never sends a byte
+/// (held open while the test runs): every call on it hangs until its timeout.
+async fn channel_to_a_silent_server() -> Channel {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = listener.accept().await {
+            held.push(socket);
+        }
+    });
+    Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect_lazy()
+}
+
+/// The agent's own error under a status the generated client returned.
+fn retry_error(status: &Status) -> &RetryError {
+    std::error::Error::source(status)
+        .and_then(|e| e.downcast_ref::<RetryError>())
+        .expect("the agent's error is the status's source")
+}
+
+#[tokio::test]
+async fn a_call_whose_attempts_all_time_out_is_deadline_exceeded_for_the_grpc_client() {
+    let yaml = "version: 1\ndefaults:\n  backoff: {base: 5ms, max: 20ms, jitter: none}\n  budget: {enabled: false}\n  circuit_breaker: {enabled: false}\nendpoints:\n  upstream:\n    max_attempts: 2\n    per_try_timeout: 100ms\n";
+    let agent = Agent::from_policies_seeded(
+        retryplane_policy::load(yaml.as_bytes()).policies.unwrap(),
+        1,
+    );
+    let status = get(&agent, channel_to_a_silent_server().await, Some(true))
+        .await
+        .unwrap_err();
+    // Not UNKNOWN: the code says time ran out, as for any gRPC call past its deadline.
+    assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
+    assert!(
+        matches!(
+            retry_error(&status),
+            RetryError::TimedOut { attempts: 2, .. }
+        ),
+        "{status:?}"
+    );
+    assert_eq!(counts(&agent).gave_up_attempts, 1);
+}
+
+#[tokio::test]
+async fn a_call_the_open_breaker_refuses_is_unavailable_for_the_grpc_client() {
+    let yaml = "version: 1\ndefaults:\n  backoff: {base: 5ms, max: 20ms, jitter: none}\n  budget: {enabled: false}\n  circuit_breaker: {failure_ratio: 0.5, min_requests: 1, window: 10s, open_for: 60s, half_open_probes: 1}\nendpoints:\n  upstream:\n    max_attempts: 1\n";
+    let agent = Agent::from_policies_seeded(
+        retryplane_policy::load(yaml.as_bytes()).policies.unwrap(),
+        1,
+    );
+    let (upstream, channel) = serve(&[(Code::Unavailable, None)]).await;
+    // The upstream's own UNAVAILABLE opens the breaker.
+    let status = get(&agent, channel.clone(), Some(true)).await.unwrap_err();
+    assert_eq!(
+        (status.code(), status.message()),
+        (Code::Unavailable, "scripted")
+    );
+    // The next call is refused without an attempt: UNAVAILABLE (what a gRPC client retries
+    // elsewhere or later), with the agent's reason, not UNKNOWN.
+    let status = get(&agent, channel, Some(true)).await.unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert!(
+        matches!(
+            retry_error(&status),
+            RetryError::NoAnswer {
+                cause: Cause::GaveUp(GiveUpCause::CircuitOpen)
+            }
+        ),
+        "{status:?}"
+    );
+    assert_eq!(upstream.gets(), 1);
+    assert_eq!(counts(&agent).circuit_open, 1);
 }

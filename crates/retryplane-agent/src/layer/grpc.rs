@@ -28,7 +28,7 @@ use crate::meta::CallMeta;
 pub struct Idempotent(pub bool);
 
 /// Whether `parts` is a gRPC request (`content-type: application/grpc…`).
-fn is_grpc(parts: &Parts) -> bool {
+pub(crate) fn is_grpc(parts: &Parts) -> bool {
     parts
         .headers
         .get(http::header::CONTENT_TYPE)

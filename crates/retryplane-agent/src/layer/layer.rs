@@ -15,11 +15,12 @@ use tracing::debug;
 use super::auth::{DynRefresh, HttpReauth, RefreshCredentials, RefreshFailed, lock};
 use super::body::{Buffered, Read, ReplayBody, SharedBody, buffer, read_up_to};
 use super::dedup::{Dedup, Landing, Leader, Role, SharedResponse};
-use super::grpc::call_meta;
+use super::grpc::{call_meta, is_grpc};
 use super::{BoxError, DEFAULT_BODY_LIMIT, GaveUp, ResponseFuture, RetryError};
 use crate::call::{Begun, Endpoint, NoReauth};
 use crate::classify::{Classify as _, classify_boxed};
-use crate::error::{CallError, Last};
+use crate::error::{CallError, Cause, Last};
+use retryplane_policy::engine::GiveUpCause;
 
 /// Wraps a `Service<http::Request<B>>` in [`Retry`]. Defaults: bodies up to
 /// [`DEFAULT_BODY_LIMIT`] are buffered for replay; no credential refresh; no de-duplication
@@ -301,6 +302,10 @@ where
     B::Error: Into<BoxError>,
 {
     let endpoint = &settings.endpoint;
+    let grpc = match &prepared {
+        Prepared::Buffered { head, .. } | Prepared::Once { head, .. } => is_grpc(head),
+    };
+    let gave_up = move |e| gave_up(e, grpc);
     let classify = |r: &Result<Response<RB>, BoxError>| match r {
         Ok(response) => response.classify(),
         Err(e) => classify_boxed(&**e),
@@ -497,8 +502,9 @@ fn passthrough<RB>(
     result.map(|r| r.map(SharedBody::passthrough))
 }
 
-/// The response or error a call that gave up returns.
-fn gave_up<RB>(e: CallError<Response<RB>, BoxError>) -> Result<Response<RB>, BoxError> {
+/// The response or error a call that gave up returns; `grpc`: the request was a gRPC one
+/// (see [`no_answer`]).
+fn gave_up<RB>(e: CallError<Response<RB>, BoxError>, grpc: bool) -> Result<Response<RB>, BoxError> {
     let CallError {
         cause,
         last,
@@ -510,7 +516,34 @@ fn gave_up<RB>(e: CallError<Response<RB>, BoxError>) -> Result<Response<RB>, Box
             Ok(response)
         }
         Some(Last::Error(e)) => Err(e),
-        Some(Last::TimedOut) => Err(RetryError::TimedOut { cause, attempts }.into()),
-        None => Err(RetryError::NoAnswer { cause }.into()),
+        Some(Last::TimedOut) => Err(no_answer(RetryError::TimedOut { cause, attempts }, grpc)),
+        None => Err(no_answer(RetryError::NoAnswer { cause }, grpc)),
     }
+}
+
+/// The error of a call that ended with no answer: `e` itself, or for a gRPC request a
+/// `tonic::Status` with the code a gRPC client reports for it (`DEADLINE_EXCEEDED` when time
+/// ran out, `UNAVAILABLE` when the circuit is open, `CANCELLED`), `e` as its message and its
+/// source. A tonic client takes a `Status` it finds as it is, so its caller gets that code
+/// rather than `UNKNOWN`.
+fn no_answer(e: RetryError, grpc: bool) -> BoxError {
+    if !grpc {
+        return e.into();
+    }
+    let code = match &e {
+        RetryError::TimedOut { .. }
+        | RetryError::NoAnswer {
+            cause: Cause::GaveUp(GiveUpCause::DeadlineExceeded),
+        } => tonic::Code::DeadlineExceeded,
+        RetryError::NoAnswer {
+            cause: Cause::GaveUp(GiveUpCause::CircuitOpen),
+        } => tonic::Code::Unavailable,
+        RetryError::NoAnswer {
+            cause: Cause::Cancelled,
+        } => tonic::Code::Cancelled,
+        RetryError::NoAnswer { .. } => tonic::Code::Unknown,
+    };
+    let mut status = tonic::Status::new(code, e.to_string());
+    status.set_source(Arc::new(e));
+    Box::new(status)
 }

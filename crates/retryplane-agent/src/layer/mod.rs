@@ -40,7 +40,10 @@
 //!   are unknown outcomes, so only idempotent or keyed requests are retried.
 //! - A call that gives up with a response returns that response, with a [`GaveUp`] in its
 //!   extensions; one that gives up with an error returns the error; one that never got an
-//!   answer returns a [`RetryError`].
+//!   answer returns a [`RetryError`]. For a gRPC request, that [`RetryError`] comes as the
+//!   source of a `tonic::Status` whose code says what happened (`DEADLINE_EXCEEDED` when the
+//!   last attempt timed out or no time was left, `UNAVAILABLE` when the circuit is open), so
+//!   a generated client returns that code to its caller rather than `UNKNOWN`.
 //!
 //! ```no_run
 //! # fn f<S>(agent: retryplane_agent::Agent, client: S) {
@@ -195,6 +198,11 @@ pub struct GaveUp {
 }
 
 /// A logical call that ended with neither a response nor an error of the inner service.
+///
+/// For a gRPC request the layer returns it inside a `tonic::Status` (as its source): the
+/// status's code is `DEADLINE_EXCEEDED` for [`RetryError::TimedOut`] and for a call with no
+/// time left, `UNAVAILABLE` for an open circuit, `CANCELLED` for a cancelled call; reach it
+/// with `status.source()` and `downcast_ref::<RetryError>()`.
 #[derive(Debug, thiserror::Error)]
 pub enum RetryError {
     /// The last attempt ran out of time.
