@@ -292,9 +292,9 @@ async fn a_grpc_connect_that_times_out_is_a_connect_error_and_retried_whatever_t
     a_connect_error_retried_whatever_the_method(channel).await;
 }
 
-/// A channel to a server on 127.0.0.1:0 that accepts every connection and never sends a byte
-/// (held open while the test runs): every call on it hangs until its timeout.
-async fn channel_to_a_silent_server() -> Channel {
+/// A server on 127.0.0.1:0 that accepts every connection and never sends a byte (each held
+/// open while the test runs): every call to it hangs until a timeout ends it.
+async fn silent_server() -> std::net::SocketAddr {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {
@@ -303,7 +303,12 @@ async fn channel_to_a_silent_server() -> Channel {
             held.push(socket);
         }
     });
-    Channel::from_shared(format!("http://{addr}"))
+    addr
+}
+
+/// A channel to a [`silent_server`].
+async fn channel_to_a_silent_server() -> Channel {
+    Channel::from_shared(format!("http://{}", silent_server().await))
         .unwrap()
         .connect_lazy()
 }
@@ -366,4 +371,54 @@ async fn a_call_the_open_breaker_refuses_is_unavailable_for_the_grpc_client() {
     );
     assert_eq!(upstream.gets(), 1);
     assert_eq!(counts(&agent).circuit_open, 1);
+}
+
+#[tokio::test]
+async fn a_channel_request_timeout_is_a_timeout_and_retried_when_idempotent() {
+    // The channel's own timeout, shorter than the policy's per-try timeout (2 s).
+    let channel = Channel::from_shared(format!("http://{}", silent_server().await))
+        .unwrap()
+        .timeout(Duration::from_millis(100))
+        .connect_lazy();
+    let client = AdminServiceClient::new(channel.clone());
+    let agent = agent();
+    let meta = CallMeta::grpc("/retryplane.v1.AdminService/Get").idempotent(true);
+    let err = tokio::time::timeout(
+        WAIT,
+        agent.endpoint("upstream").call(meta, |_| {
+            let mut client = client.clone();
+            async move { client.get(pb::GetRequest { version: 0 }).await }
+        }),
+    )
+    .await
+    .expect("the call ends in time")
+    .unwrap_err();
+    // tonic says CANCELLED ("Timeout expired"); the call ran out of time: a timeout, which
+    // `retry_on.errors` lists, retried since the call is idempotent.
+    let status = err.error().expect("the last status");
+    assert_eq!(status.code(), Code::Cancelled);
+    assert_eq!(
+        status.classify(),
+        Classification::Outcome(Outcome::Transport(ErrorClass::Timeout))
+    );
+    assert_eq!(err.cause.to_string(), "attempts_exhausted");
+    let c = counts(&agent);
+    assert_eq!(
+        (c.attempts, c.gave_up_attempts, c.gave_up_not_retryable),
+        (3, 1, 0)
+    );
+
+    // Through the layer too: a policy that retries timeouts only retries it.
+    let yaml = "version: 1\ndefaults:\n  backoff: {base: 5ms, max: 20ms, jitter: none}\n  budget: {enabled: false}\n  circuit_breaker: {enabled: false}\nendpoints:\n  upstream:\n    max_attempts: 3\n    retry_on: {errors: [timeout]}\n";
+    let agent = Agent::from_policies_seeded(
+        retryplane_policy::load(yaml.as_bytes()).policies.unwrap(),
+        1,
+    );
+    let status = get(&agent, channel, Some(true)).await.unwrap_err();
+    assert_eq!(status.code(), Code::Cancelled, "{status:?}");
+    let c = counts(&agent);
+    assert_eq!(
+        (c.attempts, c.gave_up_attempts, c.gave_up_not_retryable),
+        (3, 1, 0)
+    );
 }
