@@ -346,7 +346,7 @@ pub(crate) fn classify_boxed(e: &(dyn StdError + 'static)) -> Classification {
 }
 
 /// The classification of the first tonic connect error, hyper-util client error, hyper error,
-/// (feature `reqwest`) reqwest transport error, timeout of a middleware or classifiable
+/// (feature `reqwest`) reqwest transport or status error, timeout of a middleware or classifiable
 /// `io::Error` in `e`'s source chain (`e` included), by the impls above; `None` without one. A
 /// [`tonic::ConnectError`] (what a tonic `Channel` makes of a failed dial: a refused
 /// connection, a DNS failure, its `connect_timeout`) is connect whatever is below it, as
@@ -368,13 +368,15 @@ fn transport_in_chain(e: &(dyn StdError + 'static)) -> Option<Classification> {
         if let Some(e) = err.downcast_ref::<hyper::Error>() {
             return Some(e.classify());
         }
-        // A reqwest error that says connect, timeout or reset (a status or a bad URL is no
-        // transport error: the walk goes on below it).
+        // A reqwest error that says connect, timeout or reset, or the HTTP status of an
+        // answer `error_for_status` turned into an error, as `Endpoint::call` counts it (a bad
+        // URL is neither: the walk goes on below it).
         #[cfg(feature = "reqwest")]
         if let Some(e) = err.downcast_ref::<reqwest::Error>()
-            && let transport @ Classification::Outcome(Outcome::Transport(_)) = e.classify()
+            && let outcome @ Classification::Outcome(Outcome::Transport(_) | Outcome::Http { .. }) =
+                e.classify()
         {
-            return Some(transport);
+            return Some(outcome);
         }
         if timed_out(err) {
             return transport(ErrorClass::Timeout);
@@ -601,14 +603,15 @@ mod tests {
             let err = reqwest::Response::from(response)
                 .error_for_status()
                 .unwrap_err();
-            assert_eq!(
-                err.classify(),
-                Classification::Outcome(Outcome::Http {
-                    status,
-                    retry_after: None
-                }),
-                "{status}"
-            );
+            let expected = Classification::Outcome(Outcome::Http {
+                status,
+                retry_after: None,
+            });
+            assert_eq!(err.classify(), expected, "{status}");
+            // Under a tower stack (the layer's boxed error), wrapped or not.
+            assert_eq!(classify_boxed(&err), expected, "{status}");
+            let wrapped = Wrapped(Box::new(err));
+            assert_eq!(classify_boxed(&wrapped), expected, "{status}");
         }
     }
 

@@ -34,7 +34,8 @@
 //!   counts as a success); errors of the inner service by their source chain: the first
 //!   `hyper_util::client::legacy::Error`, `hyper::Error`, (feature `reqwest`)
 //!   `reqwest::Error` or `io::Error` in it is classified by its [`Classify`](crate::Classify)
-//!   impl (connect / reset / timeout, or fatal for the caller's own errors); the error of a
+//!   impl (connect / reset / timeout, or fatal for the caller's own errors; a reqwest error
+//!   made by `error_for_status` counts as its HTTP status, without `Retry-After`); the error of a
 //!   timeout middleware below the layer (tower's `TimeoutLayer`, `tokio::time::timeout`,
 //!   tonic's request timeout) is a timeout; anything else counts as a reset. Timeout and reset
 //!   are unknown outcomes, so only idempotent or keyed requests are retried.
