@@ -12,7 +12,8 @@ use std::time::Duration;
 
 use retryplane_agent::layer::{Idempotent, RetryError, RetryLayer, into_tonic_request};
 use retryplane_agent::{
-    Agent, CallMeta, Cause, Classification, Classify as _, CounterValues, GiveUpCause, Outcome,
+    Agent, CallError, CallMeta, Cause, Classification, Classify as _, CounterValues, GiveUpCause,
+    Outcome,
 };
 use retryplane_policy::ErrorClass;
 use retryplane_proto::pb;
@@ -257,16 +258,15 @@ async fn a_failed_connect_is_a_connect_error_and_retried_whatever_the_method() {
     a_connect_error_retried_whatever_the_method(channel_to_a_closed_port().await).await;
 }
 
-#[tokio::test]
-async fn a_failed_grpc_connect_is_retried_by_retry_on_errors_connect_not_by_its_code() {
-    // UNAVAILABLE is not listed: only the transport class can make the call retry.
-    let yaml = "version: 1\ndefaults:\n  backoff: {base: 5ms, max: 20ms, jitter: none}\n  budget: {enabled: false}\n  circuit_breaker: {enabled: false}\nendpoints:\n  upstream:\n    max_attempts: 3\n    retry_on: {grpc_status: [INTERNAL], errors: [connect]}\n";
-    let loaded = retryplane_policy::load(yaml.as_bytes());
-    assert!(!loaded.has_errors(), "{:?}", loaded.diagnostics);
-    let agent = Agent::from_policies_seeded(loaded.policies.unwrap(), 1);
-    let client = AdminServiceClient::new(channel_to_a_closed_port().await);
+/// An idempotent `Get` on `channel` through the agent's endpoint `upstream` (`Endpoint::call`),
+/// which must fail: its error.
+async fn idempotent_get_fails(
+    agent: &Agent,
+    channel: Channel,
+) -> CallError<Response<pb::GetResponse>, Status> {
+    let client = AdminServiceClient::new(channel);
     let meta = CallMeta::grpc("/retryplane.v1.AdminService/Get").idempotent(true);
-    let err = tokio::time::timeout(
+    tokio::time::timeout(
         WAIT,
         agent.endpoint("upstream").call(meta, |_| {
             let mut client = client.clone();
@@ -275,7 +275,17 @@ async fn a_failed_grpc_connect_is_retried_by_retry_on_errors_connect_not_by_its_
     )
     .await
     .expect("the call ends in time")
-    .unwrap_err();
+    .expect_err("the call fails")
+}
+
+#[tokio::test]
+async fn a_failed_grpc_connect_is_retried_by_retry_on_errors_connect_not_by_its_code() {
+    // UNAVAILABLE is not listed: only the transport class can make the call retry.
+    let yaml = "version: 1\ndefaults:\n  backoff: {base: 5ms, max: 20ms, jitter: none}\n  budget: {enabled: false}\n  circuit_breaker: {enabled: false}\nendpoints:\n  upstream:\n    max_attempts: 3\n    retry_on: {grpc_status: [INTERNAL], errors: [connect]}\n";
+    let loaded = retryplane_policy::load(yaml.as_bytes());
+    assert!(!loaded.has_errors(), "{:?}", loaded.diagnostics);
+    let agent = Agent::from_policies_seeded(loaded.policies.unwrap(), 1);
+    let err = idempotent_get_fails(&agent, channel_to_a_closed_port().await).await;
     assert_eq!(err.cause.to_string(), "attempts_exhausted");
     assert_eq!(counts(&agent).attempts, 3);
 }
@@ -380,19 +390,8 @@ async fn a_channel_request_timeout_is_a_timeout_and_retried_when_idempotent() {
         .unwrap()
         .timeout(Duration::from_millis(100))
         .connect_lazy();
-    let client = AdminServiceClient::new(channel.clone());
     let agent = agent();
-    let meta = CallMeta::grpc("/retryplane.v1.AdminService/Get").idempotent(true);
-    let err = tokio::time::timeout(
-        WAIT,
-        agent.endpoint("upstream").call(meta, |_| {
-            let mut client = client.clone();
-            async move { client.get(pb::GetRequest { version: 0 }).await }
-        }),
-    )
-    .await
-    .expect("the call ends in time")
-    .unwrap_err();
+    let err = idempotent_get_fails(&agent, channel.clone()).await;
     // tonic says CANCELLED ("Timeout expired"); the call ran out of time: a timeout, which
     // `retry_on.errors` lists, retried since the call is idempotent.
     let status = err.error().expect("the last status");
