@@ -7,8 +7,9 @@
 //! statuses (code and `grpc-retry-pushback-ms`; a status tonic made of a transport error, such
 //! as a failed connect, by that error), tonic responses (success), `std::io::Error`,
 //! `hyper::Error` and `hyper_util::client::legacy::Error` (connect / reset / timeout). A
-//! timeout middleware's error in a chain (tower's `Timeout`, `tokio::time::timeout`, tonic's
-//! request timeout) counts as a timeout.
+//! timeout middleware's error in a chain (tower's `Timeout`, `tokio::time::timeout`) counts as
+//! a timeout; tonic's own request timeout is judged by its code (`CANCELLED`), since it may be
+//! the caller's deadline.
 //! Implement it for your own response or error types, or pass a closure to
 //! [`crate::Endpoint::call_with`].
 //!
@@ -92,8 +93,9 @@ fn http_classification(status: http::StatusCode, headers: &http::HeaderMap) -> C
 /// `retry_on.errors: [connect]` applies), and so is a stream the server refused (HTTP/2
 /// `REFUSED_STREAM`: not processed); a connection that broke → reset, a
 /// keep-alive or I/O timeout → timeout, and so is a timeout middleware's error (tower's
-/// `Timeout` under the channel, tonic's own request timeout, which tonic calls `CANCELLED`):
-/// no answer came in time. Any other status (one the server sent, or one with no
+/// `Timeout` under the channel): no answer came in time. tonic's own request timeout
+/// (`CANCELLED`) is judged by its code: it may be the caller's deadline, which a retry must not
+/// run past (see [`timed_out`]). Any other status (one the server sent, or one with no
 /// transport error below it): `Code::Ok` is a success; any other code is an outcome the policy
 /// judges, with the `grpc-retry-pushback-ms` trailer (non-ASCII counts as unparseable: do not
 /// retry).
@@ -381,6 +383,14 @@ fn transport_in_chain(e: &(dyn StdError + 'static)) -> Option<Classification> {
         if timed_out(err) {
             return transport(ErrorClass::Timeout);
         }
+        // tonic's own request timeout, as the `CANCELLED` status tonic makes of it (see
+        // [`timed_out`]): under the layer it comes as a bare error, not yet a status.
+        if err.is::<tonic::TimeoutExpired>() {
+            return Some(Classification::Outcome(Outcome::Grpc {
+                code: GrpcCode::Cancelled,
+                pushback: None,
+            }));
+        }
         if let Some(io) = err.downcast_ref::<std::io::Error>()
             && let Some(class) = io_class(io.kind())
         {
@@ -392,14 +402,19 @@ fn transport_in_chain(e: &(dyn StdError + 'static)) -> Option<Classification> {
 }
 
 /// Whether `e` is the error of a timeout middleware that gave up waiting for the service below
-/// it: tower's `Timeout` ([`tower::timeout::error::Elapsed`]), `tokio::time::timeout`
-/// ([`tokio::time::error::Elapsed`]) or tonic's own request timeout ([`tonic::TimeoutExpired`],
-/// from its `Endpoint::timeout` or `grpc-timeout`). No answer came in time: a timeout, an
-/// unknown outcome (the request may have been sent and acted on).
+/// it: tower's `Timeout` ([`tower::timeout::error::Elapsed`]) or `tokio::time::timeout`
+/// ([`tokio::time::error::Elapsed`]). Under the agent, each attempt passes through it, so it is
+/// a per-attempt limit: no answer came in time, a timeout, an unknown outcome (the request may
+/// have been sent and acted on).
+///
+/// tonic's own request timeout ([`tonic::TimeoutExpired`], status `CANCELLED`) is not one:
+/// tonic raises it for a channel's `Endpoint::timeout` and for the caller's deadline
+/// (`Request::set_timeout`, the `grpc-timeout` header) alike, and the caller's deadline is the
+/// whole call's. Taken as a timeout, an idempotent call would be sent again with the same
+/// `grpc-timeout` and run past it. So that status is judged by its code, as the server's would
+/// be.
 fn timed_out(e: &(dyn StdError + 'static)) -> bool {
-    e.is::<tower::timeout::error::Elapsed>()
-        || e.is::<tokio::time::error::Elapsed>()
-        || e.is::<tonic::TimeoutExpired>()
+    e.is::<tower::timeout::error::Elapsed>() || e.is::<tokio::time::error::Elapsed>()
 }
 
 /// The transport class of an I/O error kind, if it is one.
@@ -656,21 +671,36 @@ mod tests {
         let tokio_elapsed = tokio::time::timeout(Duration::ZERO, std::future::pending::<()>())
             .await
             .unwrap_err();
-        let timeouts: [Box<dyn StdError + Send + Sync>; 3] = [
+        let timeouts: [Box<dyn StdError + Send + Sync>; 2] = [
             Box::new(tower::timeout::error::Elapsed::new()),
             Box::new(tokio_elapsed),
-            Box::new(tonic::TimeoutExpired(())),
         ];
         for e in timeouts {
             let name = e.to_string();
             assert_eq!(classify_boxed(&*e), t(ErrorClass::Timeout), "{name}");
             let wrapped = Wrapped(Box::new(Wrapped(e)));
             assert_eq!(classify_boxed(&wrapped), t(ErrorClass::Timeout), "{name}");
-            // tonic keeps the error under the status it makes of it (UNKNOWN, or CANCELLED
-            // for its own timeout).
+            // tonic keeps the error under the status it makes of it (UNKNOWN).
             let status = tonic::Status::from_error(Box::new(wrapped));
             assert_eq!(status.classify(), t(ErrorClass::Timeout), "{name}");
         }
+        // tonic's own request timeout may be the caller's deadline: judged by its code, also
+        // as the bare error the layer sees.
+        let cancelled = Classification::Outcome(Outcome::Grpc {
+            code: GrpcCode::Cancelled,
+            pushback: None,
+        });
+        let bare = Wrapped(Box::new(tonic::TimeoutExpired(())));
+        assert_eq!(classify_boxed(&bare), cancelled);
+        let status = tonic::Status::from_error(Box::new(tonic::TimeoutExpired(())));
+        assert_eq!(status.code(), tonic::Code::Cancelled);
+        assert_eq!(
+            status.classify(),
+            Classification::Outcome(Outcome::Grpc {
+                code: GrpcCode::Cancelled,
+                pushback: None
+            })
+        );
         // A failed connect above it still says connect.
         let connect = tonic::ConnectError(Box::new(tower::timeout::error::Elapsed::new()));
         assert_eq!(classify_boxed(&connect), t(ErrorClass::Connect));

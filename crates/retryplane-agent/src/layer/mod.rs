@@ -36,8 +36,9 @@
 //!   `reqwest::Error` or `io::Error` in it is classified by its [`Classify`](crate::Classify)
 //!   impl (connect / reset / timeout, or fatal for the caller's own errors; a reqwest error
 //!   made by `error_for_status` counts as its HTTP status, without `Retry-After`); the error of a
-//!   timeout middleware below the layer (tower's `TimeoutLayer`, `tokio::time::timeout`,
-//!   tonic's request timeout) is a timeout; anything else counts as a reset. Timeout and reset
+//!   timeout middleware below the layer (tower's `TimeoutLayer`, `tokio::time::timeout`) is a
+//!   timeout (tonic's own request timeout is its `CANCELLED` status, judged by its code: it may
+//!   be the caller's `grpc-timeout`); anything else counts as a reset. Timeout and reset
 //!   are unknown outcomes, so only idempotent or keyed requests are retried.
 //! - A call that gives up with a response returns that response, with a [`GaveUp`] in its
 //!   extensions; one that gives up with an error returns the error; one that never got an
