@@ -327,6 +327,9 @@ impl Endpoint {
             // Released on drop: a fatal result, a cancellation or a dropped call future hands
             // back the attempt's breaker permit.
             let mut call = ReleaseOnDrop(RetryCall::new(policy, &runtime.state, info, started));
+            if let Some(within) = meta.within() {
+                call.cap_deadline(within);
+            }
             let cancel = meta.cancel_token();
             let mut last: Option<Last<T, E>> = None;
             let mut last_outcome: Option<Outcome> = None;
@@ -682,13 +685,16 @@ pub(crate) struct Begun {
 
 impl Begun {
     /// When a call described by `meta` must be over: what its [`AttemptInfo::deadline`] will
-    /// say (30 years after its start for a deadline too long for an `Instant`, as the engine
-    /// does).
+    /// say (the policy's deadline or the caller's shorter one, [`CallMeta::deadline_within`];
+    /// 30 years after its start for a deadline too long for an `Instant`, as the engine does).
     pub(crate) fn deadline(&self, meta: &CallMeta<'_>) -> Instant {
         const FAR_FUTURE: std::time::Duration = std::time::Duration::from_secs(86_400 * 365 * 30);
         let (policy, _) = self.entry.resolve(&meta.target());
+        let within = meta
+            .within()
+            .map_or(policy.deadline, |w| w.min(policy.deadline));
         self.at
-            .checked_add(policy.deadline)
+            .checked_add(within)
             .or_else(|| self.at.checked_add(FAR_FUTURE))
             .unwrap_or(self.at)
     }

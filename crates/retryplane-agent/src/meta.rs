@@ -36,6 +36,7 @@ pub struct CallMeta<'a> {
     replayable: bool,
     header_names: Vec<HeaderName>,
     cancel: Option<CancellationToken>,
+    within: Option<Duration>,
 }
 
 impl<'a> CallMeta<'a> {
@@ -78,6 +79,7 @@ impl<'a> CallMeta<'a> {
             replayable: true,
             header_names: Vec::new(),
             cancel: None,
+            within: None,
         }
     }
 
@@ -130,8 +132,22 @@ impl<'a> CallMeta<'a> {
         self
     }
 
+    /// The caller's own deadline, counted from the call's start: the call ends by the earlier
+    /// of it and the policy's `deadline` (every attempt's timeout and every pause keep to it),
+    /// and gives up with `deadline_exceeded` when it passes. A gRPC caller's `grpc-timeout` is
+    /// one; the [`RetryLayer`](crate::layer::RetryLayer) reads it from the request itself.
+    pub fn deadline_within(mut self, within: Duration) -> Self {
+        self.within = Some(within);
+        self
+    }
+
     pub(crate) fn cancel_token(&self) -> Option<&CancellationToken> {
         self.cancel.as_ref()
+    }
+
+    /// The caller's own deadline ([`CallMeta::deadline_within`]).
+    pub(crate) fn within(&self) -> Option<Duration> {
+        self.within
     }
 
     /// The policy lookup target.

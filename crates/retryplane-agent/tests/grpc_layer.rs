@@ -431,3 +431,33 @@ async fn a_tonic_request_timeout_is_judged_by_its_code_so_a_callers_deadline_is_
     assert_eq!(status.code(), Code::Cancelled, "{status:?}");
     assert_eq!(counts(&agent).attempts, 1);
 }
+
+#[tokio::test]
+async fn a_callers_grpc_timeout_bounds_the_whole_call_through_the_layer() {
+    // Each UNAVAILABLE asks for a 200 ms pushback; the caller's deadline is 150 ms. Below the
+    // layer, tonic enforces `grpc-timeout` on each attempt only: without the layer reading it,
+    // the call slept 200 ms twice and answered after 400 ms, long past the deadline.
+    let (upstream, channel) = serve(&[
+        (Code::Unavailable, Some("200")),
+        (Code::Unavailable, Some("200")),
+    ])
+    .await;
+    let agent = agent();
+    let service = tower::ServiceBuilder::new()
+        .layer(RetryLayer::new(agent.endpoint("upstream")))
+        .map_request(into_tonic_request)
+        .service(channel);
+    let mut client = AdminServiceClient::new(service);
+    let mut request = Request::new(pb::GetRequest { version: 0 });
+    request.extensions_mut().insert(Idempotent(true));
+    request.set_timeout(Duration::from_millis(150));
+    let status = tokio::time::timeout(WAIT, client.get(request))
+        .await
+        .expect("the call ends in time")
+        .expect_err("the call gives up");
+    // The last answer, returned when the pause would end past the caller's deadline.
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert_eq!(upstream.gets(), 1);
+    let c = counts(&agent);
+    assert_eq!((c.attempts, c.gave_up_deadline), (1, 1));
+}

@@ -238,6 +238,9 @@ pub struct RetryCall<'a> {
     seen_offset: i128,
     /// The deadline as an offset from the state's origin.
     deadline: i128,
+    /// How long after `start` the deadline falls: the policy's, or a shorter one the caller
+    /// set ([`RetryCall::cap_deadline`]).
+    within: Duration,
     attempts: u32,
     /// Outcomes reported so far: an outcome is taken only while `answered < attempts`, so a
     /// second report for one attempt, or one after the call is over, changes nothing.
@@ -283,6 +286,7 @@ impl<'a> RetryCall<'a> {
             seen: now,
             seen_offset: offset,
             deadline: offset + nanos(policy.deadline),
+            within: policy.deadline,
             attempts: 0,
             answered: 0,
             allowed: policy.max_attempts.min(1),
@@ -562,11 +566,23 @@ impl<'a> RetryCall<'a> {
         self.last_failure.as_ref()
     }
 
-    /// When the whole call must be over: its start plus the policy's deadline (30 years after
-    /// the start for a deadline too long for an `Instant`).
+    /// Ends the call by `within` after its start at the latest: the caller's own deadline (a
+    /// gRPC caller's `grpc-timeout`), when it is shorter than the policy's. Every attempt's
+    /// timeout, every pause and [`RetryCall::deadline`] then keep to it. A longer `within`
+    /// changes nothing: the policy's deadline stays the limit.
+    pub fn cap_deadline(&mut self, within: Duration) {
+        if within < self.within {
+            self.deadline -= nanos(self.within) - nanos(within);
+            self.within = within;
+        }
+    }
+
+    /// When the whole call must be over: its start plus the policy's deadline, or the shorter
+    /// one of [`RetryCall::cap_deadline`] (30 years after the start for a deadline too long for
+    /// an `Instant`).
     pub fn deadline(&self) -> Instant {
         self.start
-            .checked_add(self.policy.deadline)
+            .checked_add(self.within)
             .or_else(|| self.start.checked_add(FAR_FUTURE))
             .unwrap_or(self.start)
     }

@@ -395,6 +395,35 @@ fn a_pause_that_does_not_fit_the_deadline_gives_up_without_sleeping() {
 }
 
 #[test]
+fn a_callers_shorter_deadline_caps_the_call_and_a_longer_one_changes_nothing() {
+    let p = RetryPolicy {
+        deadline: Duration::from_millis(1000),
+        per_try_timeout: Duration::from_millis(500),
+        ..policy()
+    };
+    let t0 = Instant::now();
+    let state = EndpointState::new(&p, t0);
+    let mut call = RetryCall::new(&p, &state, get(), t0);
+    call.cap_deadline(Duration::from_secs(5));
+    assert_eq!(call.deadline(), t0 + Duration::from_millis(1000));
+    call.cap_deadline(Duration::from_millis(300));
+    call.cap_deadline(Duration::from_millis(400));
+    assert_eq!(call.deadline(), t0 + Duration::from_millis(300));
+    // The first attempt gets what is left of the caller's 300 ms, not the per-try 500 ms.
+    assert_eq!(
+        call.start_attempt(t0).map(|a| a.timeout),
+        Ok(Duration::from_millis(300))
+    );
+    // Answered 250 ms in: a 100 ms pause would end past the caller's deadline (not the
+    // policy's).
+    let mut rng = SeededRng::with_seed(1);
+    assert_eq!(
+        call.on_outcome(http(503), t0 + Duration::from_millis(250), &mut rng),
+        Decision::GiveUp(GiveUpCause::DeadlineExceeded)
+    );
+}
+
+#[test]
 fn the_attempt_timeout_is_capped_by_what_is_left_of_the_deadline() {
     let p = RetryPolicy {
         deadline: Duration::from_millis(1000),

@@ -5,6 +5,7 @@ use bytes::Bytes;
 use http::Request;
 use http::request::Parts;
 use http_body::Body;
+use std::time::Duration;
 
 use super::{BoxError, ReplayBody};
 use crate::meta::CallMeta;
@@ -35,13 +36,41 @@ pub(crate) fn is_grpc(parts: &Parts) -> bool {
         .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))
 }
 
+/// The caller's deadline a gRPC request carries in its `grpc-timeout` header, if it carries a
+/// valid one: 1 to 8 ASCII digits and a unit, `H`, `M`, `S`, `m`, `u` or `n` (gRPC over
+/// HTTP/2). Read here because tonic keeps its own parser private; an invalid value is left for
+/// the server to refuse, and the policy's deadline alone applies.
+pub(crate) fn grpc_timeout(parts: &Parts) -> Option<Duration> {
+    let value = parts.headers.get("grpc-timeout")?.as_bytes();
+    let (digits, unit) = value.split_at(value.len().checked_sub(1)?);
+    if digits.is_empty() || digits.len() > 8 || !digits.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    // At most 99,999,999: hours of it fit a `u64` of seconds.
+    let n: u64 = std::str::from_utf8(digits).ok()?.parse().ok()?;
+    Some(match unit {
+        b"H" => Duration::from_secs(n * 3600),
+        b"M" => Duration::from_secs(n * 60),
+        b"S" => Duration::from_secs(n),
+        b"m" => Duration::from_millis(n),
+        b"u" => Duration::from_micros(n),
+        b"n" => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
 /// How the layer describes a request whose path is `path` (borrowed from a copy of its URI,
 /// since the head moves on): a gRPC request as [`CallMeta::grpc`] (its routes are
 /// `/pkg.Service/Method`), anything else as [`CallMeta::http`]; an [`Idempotent`] extension
 /// overrides the idempotency either gives. Header names are not recorded here.
 pub(crate) fn call_meta<'a>(parts: &Parts, path: &'a str) -> CallMeta<'a> {
     let meta = if is_grpc(parts) {
-        CallMeta::grpc(path)
+        // The caller's deadline bounds the whole call, retries and pauses included (gRFC A6):
+        // below the layer, tonic enforces it on each attempt only.
+        match grpc_timeout(parts) {
+            Some(within) => CallMeta::grpc(path).deadline_within(within),
+            None => CallMeta::grpc(path),
+        }
     } else {
         CallMeta::http(parts.method.as_str(), path)
     };
@@ -86,4 +115,49 @@ where
     B::Error: Into<BoxError>,
 {
     request.map(tonic::body::Body::new)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parts(timeout: &str) -> Parts {
+        let (parts, ()) = http::Request::builder()
+            .header("content-type", "application/grpc")
+            .header("grpc-timeout", timeout)
+            .body(())
+            .unwrap()
+            .into_parts();
+        parts
+    }
+
+    #[test]
+    fn grpc_timeout_reads_every_unit_and_refuses_what_the_protocol_does_not_allow() {
+        let read = |t: &str| grpc_timeout(&parts(t));
+        assert_eq!(read("2H"), Some(Duration::from_secs(7200)));
+        assert_eq!(read("3M"), Some(Duration::from_secs(180)));
+        assert_eq!(read("4S"), Some(Duration::from_secs(4)));
+        assert_eq!(read("150m"), Some(Duration::from_millis(150)));
+        assert_eq!(read("7u"), Some(Duration::from_micros(7)));
+        assert_eq!(read("99999999n"), Some(Duration::from_nanos(99_999_999)));
+        assert_eq!(
+            read("99999999H"),
+            Some(Duration::from_secs(99_999_999 * 3600))
+        );
+        for bad in [
+            "",
+            "m",
+            "100",
+            "123456789m",
+            "-1m",
+            "1.5S",
+            "10x",
+            "10 m",
+            "1mm",
+        ] {
+            assert_eq!(read(bad), None, "{bad:?}");
+        }
+        let (no_header, ()) = http::Request::new(()).into_parts();
+        assert_eq!(grpc_timeout(&no_header), None);
+    }
 }

@@ -18,7 +18,11 @@
 //!   body counts in it: a call made through the layer ends by its deadline, body read
 //!   included, as one made with [`crate::Endpoint::call`] does. A body still coming at the
 //!   deadline (a stalled upload) leaves no time for an attempt: nothing is sent, and the call
-//!   gives up with `deadline_exceeded` ([`RetryError::NoAnswer`]).
+//!   gives up with `deadline_exceeded` ([`RetryError::NoAnswer`]). A gRPC request's own
+//!   deadline (`grpc-timeout`, from tonic's `Request::set_timeout`) caps it: the call, its
+//!   attempts and its pauses end by the earlier of the two, since tonic enforces that header
+//!   below the layer on each attempt only. Each attempt still carries the header as the caller
+//!   set it.
 //! - The endpoint's policy is read once, when the layer's future first runs (SPEC §2): the
 //!   body read's deadline, whether the request is shared and how long it waits for another
 //!   call ([`RetryLayer::with_dedup`]), and the call's attempts all go by that one read. A
