@@ -140,6 +140,16 @@ fn agent() -> Agent {
 
 /// A `Get` through the layer, declared idempotent or not.
 async fn get(agent: &Agent, channel: Channel, idempotent: Option<bool>) -> Result<u64, Status> {
+    get_within(agent, channel, idempotent, None).await
+}
+
+/// [`get`], with the caller's own deadline (`grpc-timeout`) when `timeout` is given.
+async fn get_within(
+    agent: &Agent,
+    channel: Channel,
+    idempotent: Option<bool>,
+    timeout: Option<Duration>,
+) -> Result<u64, Status> {
     let service = tower::ServiceBuilder::new()
         .layer(RetryLayer::new(agent.endpoint("upstream")))
         .map_request(into_tonic_request)
@@ -148,6 +158,9 @@ async fn get(agent: &Agent, channel: Channel, idempotent: Option<bool>) -> Resul
     let mut request = Request::new(pb::GetRequest { version: 0 });
     if let Some(declared) = idempotent {
         request.extensions_mut().insert(Idempotent(declared));
+    }
+    if let Some(timeout) = timeout {
+        request.set_timeout(timeout);
     }
     let response = tokio::time::timeout(WAIT, client.get(request))
         .await
@@ -443,18 +456,14 @@ async fn a_callers_grpc_timeout_bounds_the_whole_call_through_the_layer() {
     ])
     .await;
     let agent = agent();
-    let service = tower::ServiceBuilder::new()
-        .layer(RetryLayer::new(agent.endpoint("upstream")))
-        .map_request(into_tonic_request)
-        .service(channel);
-    let mut client = AdminServiceClient::new(service);
-    let mut request = Request::new(pb::GetRequest { version: 0 });
-    request.extensions_mut().insert(Idempotent(true));
-    request.set_timeout(Duration::from_millis(150));
-    let status = tokio::time::timeout(WAIT, client.get(request))
-        .await
-        .expect("the call ends in time")
-        .expect_err("the call gives up");
+    let status = get_within(
+        &agent,
+        channel,
+        Some(true),
+        Some(Duration::from_millis(150)),
+    )
+    .await
+    .expect_err("the call gives up");
     // The last answer, returned when the pause would end past the caller's deadline.
     assert_eq!(status.code(), Code::Unavailable, "{status:?}");
     assert_eq!(upstream.gets(), 1);

@@ -377,13 +377,18 @@ fn grpc_pushback_that_is_negative_or_garbage_means_do_not_retry() {
     );
 }
 
-#[test]
-fn a_pause_that_does_not_fit_the_deadline_gives_up_without_sleeping() {
-    let p = RetryPolicy {
+/// [`policy`] with a 1 s deadline and a 500 ms per-try timeout.
+fn one_second_deadline() -> RetryPolicy {
+    RetryPolicy {
         deadline: Duration::from_millis(1000),
         per_try_timeout: Duration::from_millis(500),
         ..policy()
-    };
+    }
+}
+
+#[test]
+fn a_pause_that_does_not_fit_the_deadline_gives_up_without_sleeping() {
+    let p = one_second_deadline();
     let t0 = Instant::now();
     let state = EndpointState::new(&p, t0);
     let mut call = RetryCall::new(&p, &state, get(), t0);
@@ -396,11 +401,7 @@ fn a_pause_that_does_not_fit_the_deadline_gives_up_without_sleeping() {
 
 #[test]
 fn a_callers_shorter_deadline_caps_the_call_and_a_longer_one_changes_nothing() {
-    let p = RetryPolicy {
-        deadline: Duration::from_millis(1000),
-        per_try_timeout: Duration::from_millis(500),
-        ..policy()
-    };
+    let p = one_second_deadline();
     let t0 = Instant::now();
     let state = EndpointState::new(&p, t0);
     let mut call = RetryCall::new(&p, &state, get(), t0);
@@ -425,11 +426,7 @@ fn a_callers_shorter_deadline_caps_the_call_and_a_longer_one_changes_nothing() {
 
 #[test]
 fn the_attempt_timeout_is_capped_by_what_is_left_of_the_deadline() {
-    let p = RetryPolicy {
-        deadline: Duration::from_millis(1000),
-        per_try_timeout: Duration::from_millis(500),
-        ..policy()
-    };
+    let p = one_second_deadline();
     let t0 = Instant::now();
     let state = EndpointState::new(&p, t0);
     let mut call = RetryCall::new(&p, &state, get(), t0);
