@@ -685,18 +685,14 @@ pub(crate) struct Begun {
 
 impl Begun {
     /// When a call described by `meta` must be over: what its [`AttemptInfo::deadline`] will
-    /// say (the policy's deadline or the caller's shorter one, [`CallMeta::deadline_within`];
-    /// 30 years after its start for a deadline too long for an `Instant`, as the engine does).
+    /// say (the policy's deadline or the caller's shorter one, [`CallMeta::deadline_within`],
+    /// computed as the engine does, [`retryplane_policy::engine::deadline_at`]).
     pub(crate) fn deadline(&self, meta: &CallMeta<'_>) -> Instant {
-        const FAR_FUTURE: std::time::Duration = std::time::Duration::from_secs(86_400 * 365 * 30);
         let (policy, _) = self.entry.resolve(&meta.target());
         let within = meta
             .within()
             .map_or(policy.deadline, |w| w.min(policy.deadline));
-        self.at
-            .checked_add(within)
-            .or_else(|| self.at.checked_add(FAR_FUTURE))
-            .unwrap_or(self.at)
+        retryplane_policy::engine::deadline_at(self.at, within)
     }
 
     /// Whether a call described by `meta` is idempotent: its method listed for its route, or

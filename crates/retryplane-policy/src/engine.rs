@@ -42,6 +42,17 @@ pub use outcome::{Decision, GiveUpCause, Outcome};
 /// Where [`RetryCall::deadline`] saturates: 30 years, as tokio's far future.
 const FAR_FUTURE: Duration = Duration::from_secs(86_400 * 365 * 30);
 
+/// When a call that starts at `start` and must be over `within` after it ends: `start +
+/// within`, or 30 years after `start` for a `within` too long for an `Instant`. What
+/// [`RetryCall::deadline`] says, for callers that need it before the call is made.
+#[inline]
+pub fn deadline_at(start: Instant, within: Duration) -> Instant {
+    start
+        .checked_add(within)
+        .or_else(|| start.checked_add(FAR_FUTURE))
+        .unwrap_or(start)
+}
+
 /// How the call may be repeated, decided by the caller from the request.
 ///
 /// Made with [`CallInfo::http`] or [`CallInfo::new`] (and [`CallInfo::with_replayable`]); the
@@ -581,10 +592,7 @@ impl<'a> RetryCall<'a> {
     /// one of [`RetryCall::cap_deadline`] (30 years after the start for a deadline too long for
     /// an `Instant`).
     pub fn deadline(&self) -> Instant {
-        self.start
-            .checked_add(self.within)
-            .or_else(|| self.start.checked_add(FAR_FUTURE))
-            .unwrap_or(self.start)
+        deadline_at(self.start, self.within)
     }
 
     /// The policy this call runs under.
