@@ -36,11 +36,33 @@ type Scripted = (Code, Option<&'static str>);
 struct Upstream {
     script: Arc<Mutex<VecDeque<Scripted>>>,
     gets: Arc<Mutex<u32>>,
+    /// The `grpc-timeout` each `Get` came with, read as the server reads it.
+    timeouts: Arc<Mutex<Vec<Option<Duration>>>>,
 }
 
 impl Upstream {
     fn gets(&self) -> u32 {
         *self.gets.lock().unwrap()
+    }
+
+    fn timeouts(&self) -> Vec<Option<Duration>> {
+        self.timeouts.lock().unwrap().clone()
+    }
+}
+
+/// A `grpc-timeout` value (gRPC over HTTP/2: 1 to 8 digits and a unit).
+fn read_grpc_timeout(value: &str) -> Duration {
+    let (digits, unit) = value.split_at(value.len() - 1);
+    assert!((1..=8).contains(&digits.len()), "{value:?}");
+    let n: u64 = digits.parse().unwrap();
+    match unit {
+        "H" => Duration::from_secs(n * 3600),
+        "M" => Duration::from_secs(n * 60),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => panic!("not a grpc-timeout: {value:?}"),
     }
 }
 
@@ -50,8 +72,16 @@ fn unused<T>() -> Result<Response<T>, Status> {
 
 #[tonic::async_trait]
 impl AdminService for Upstream {
-    async fn get(&self, _: Request<pb::GetRequest>) -> Result<Response<pb::GetResponse>, Status> {
+    async fn get(
+        &self,
+        request: Request<pb::GetRequest>,
+    ) -> Result<Response<pb::GetResponse>, Status> {
         *self.gets.lock().unwrap() += 1;
+        let timeout = request
+            .metadata()
+            .get("grpc-timeout")
+            .map(|v| read_grpc_timeout(v.to_str().unwrap()));
+        self.timeouts.lock().unwrap().push(timeout);
         let next = self.script.lock().unwrap().pop_front();
         match next {
             Some((code, pushback)) => {
@@ -469,4 +499,33 @@ async fn a_callers_grpc_timeout_bounds_the_whole_call_through_the_layer() {
     assert_eq!(upstream.gets(), 1);
     let c = counts(&agent);
     assert_eq!((c.attempts, c.gave_up_deadline), (1, 1));
+}
+
+#[tokio::test]
+async fn each_attempt_tells_the_upstream_what_is_left_of_the_calls_deadline() {
+    // The first attempt is answered UNAVAILABLE with a 300 ms pushback. Before, the second
+    // attempt carried the caller's `grpc-timeout` as it was set (2 s), though 300 ms of it had
+    // been slept, and a call with no `grpc-timeout` told the upstream nothing of the policy's
+    // deadline.
+    let pushback = Duration::from_millis(300);
+    for (caller, deadline) in [
+        (Some(Duration::from_secs(2)), Duration::from_secs(2)),
+        // The policy's deadline (15 s, the built-in one) when the caller sets none.
+        (None, Duration::from_secs(15)),
+    ] {
+        let (upstream, channel) = serve(&[(Code::Unavailable, Some("300"))]).await;
+        let agent = agent();
+        let version = get_within(&agent, channel, Some(true), caller).await;
+        assert_eq!(version.unwrap(), 7);
+        let sent = upstream.timeouts();
+        let [Some(first), Some(second)] = sent[..] else {
+            panic!("two attempts, each with a grpc-timeout: {sent:?}");
+        };
+        assert!(first <= deadline, "{caller:?}: {first:?}");
+        // Less than the first by the pause at least, and the first attempt's round trip.
+        assert!(
+            second + pushback < first,
+            "{caller:?}: {first:?} then {second:?}"
+        );
+    }
 }

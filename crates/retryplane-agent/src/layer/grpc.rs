@@ -2,10 +2,11 @@
 //! ([`Idempotent`]) and wrapping a tonic `Channel` ([`into_tonic_request`]).
 
 use bytes::Bytes;
-use http::Request;
 use http::request::Parts;
+use http::{HeaderMap, HeaderValue, Request};
 use http_body::Body;
 use std::time::Duration;
+use tokio::time::Instant;
 
 use super::{BoxError, ReplayBody};
 use crate::meta::CallMeta;
@@ -57,6 +58,42 @@ pub(crate) fn grpc_timeout(parts: &Parts) -> Option<Duration> {
         b"n" => Duration::from_nanos(n),
         _ => return None,
     })
+}
+
+/// Sets a gRPC request's `grpc-timeout` to what is left, at `now`, of its call's `deadline`
+/// (the earlier of the policy's deadline and the caller's own `grpc-timeout`): each attempt
+/// tells the upstream how long the caller still waits, as gRPC clients do on their retries
+/// (gRFC A6), rather than the budget the caller started with. Below the layer, tonic's timer
+/// for the header then ends an attempt no later than the call's deadline, at which the agent
+/// gives up anyway. The attempt's own timeout (`per_try_timeout`) is not sent: tonic would end
+/// the attempt with the `CANCELLED` of its own timeout, which is not retried, where the agent's
+/// per-try timeout is.
+pub(crate) fn set_grpc_timeout(headers: &mut HeaderMap, deadline: Instant, now: Instant) {
+    let left = deadline.saturating_duration_since(now);
+    headers.insert("grpc-timeout", encode_grpc_timeout(left));
+}
+
+/// `left` as a `grpc-timeout` value: at most 8 digits, in the finest unit they can hold, rounded
+/// down (the upstream must not think it has more time than the caller), and at least `1n`
+/// (the protocol's values are positive). Written here because tonic keeps its encoder private.
+fn encode_grpc_timeout(left: Duration) -> HeaderValue {
+    const MAX: u128 = 99_999_999;
+    let nanos = left.as_nanos().max(1);
+    let units: [(u128, &str); 6] = [
+        (1, "n"),
+        (1_000, "u"),
+        (1_000_000, "m"),
+        (1_000_000_000, "S"),
+        (60_000_000_000, "M"),
+        (3_600_000_000_000, "H"),
+    ];
+    let (value, unit) = units
+        .iter()
+        .map(|&(per, unit)| (nanos / per, unit))
+        .find(|&(value, _)| value <= MAX)
+        .unwrap_or((MAX, "H"));
+    HeaderValue::from_maybe_shared(Bytes::from(format!("{value}{unit}")))
+        .unwrap_or_else(|_| HeaderValue::from_static("99999999H"))
 }
 
 /// How the layer describes a request whose path is `path` (borrowed from a copy of its URI,
@@ -159,5 +196,41 @@ mod tests {
         }
         let (no_header, ()) = http::Request::new(()).into_parts();
         assert_eq!(grpc_timeout(&no_header), None);
+    }
+
+    #[test]
+    fn an_attempts_grpc_timeout_is_what_is_left_rounded_down_in_the_finest_unit_that_fits() {
+        let encode = |d: Duration| encode_grpc_timeout(d).to_str().unwrap().to_owned();
+        assert_eq!(encode(Duration::ZERO), "1n");
+        assert_eq!(encode(Duration::from_nanos(99_999_999)), "99999999n");
+        assert_eq!(encode(Duration::from_nanos(100_000_001)), "100000u");
+        assert_eq!(encode(Duration::from_millis(1_500)), "1500000u");
+        assert_eq!(encode(Duration::from_secs(15)), "15000000u");
+        assert_eq!(encode(Duration::from_micros(123_456_789)), "123456m");
+        assert_eq!(encode(Duration::from_secs(100_000_000)), "1666666M");
+        assert_eq!(encode(Duration::from_secs(100_000_000 * 3600)), "99999999H");
+        assert_eq!(encode(Duration::MAX), "99999999H");
+        // Whatever it writes, the layer's own reader gives back at most what was left.
+        for left in [
+            Duration::from_nanos(1),
+            Duration::from_millis(150),
+            Duration::from_secs(7),
+            Duration::from_secs(86_400),
+        ] {
+            let read = grpc_timeout(&parts(&encode(left))).unwrap();
+            assert!(
+                read <= left && left - read < left / 100_000 + Duration::from_nanos(1),
+                "{left:?} {read:?}"
+            );
+        }
+
+        let now = Instant::now();
+        let mut headers = HeaderMap::new();
+        headers.insert("grpc-timeout", HeaderValue::from_static("2S"));
+        set_grpc_timeout(&mut headers, now + Duration::from_millis(250), now);
+        assert_eq!(headers["grpc-timeout"], "250000u");
+        assert_eq!(headers.get_all("grpc-timeout").iter().count(), 1);
+        set_grpc_timeout(&mut headers, now, now + Duration::from_secs(1));
+        assert_eq!(headers["grpc-timeout"], "1n");
     }
 }

@@ -15,11 +15,12 @@ use tracing::debug;
 use super::auth::{DynRefresh, HttpReauth, RefreshCredentials, RefreshFailed, lock};
 use super::body::{Buffered, Read, ReplayBody, SharedBody, buffer, read_up_to};
 use super::dedup::{Dedup, Landing, Leader, Role, SharedResponse};
-use super::grpc::{call_meta, is_grpc};
+use super::grpc::{call_meta, is_grpc, set_grpc_timeout};
 use super::{BoxError, DEFAULT_BODY_LIMIT, GaveUp, ResponseFuture, RetryError};
 use crate::call::{Begun, Endpoint, NoReauth};
 use crate::classify::{Classify as _, classify_boxed};
 use crate::error::{CallError, Cause, Last};
+use crate::meta::AttemptInfo;
 use retryplane_policy::engine::GiveUpCause;
 
 /// Wraps a `Service<http::Request<B>>` in [`Retry`]. Defaults: bodies up to
@@ -323,8 +324,11 @@ where
             let head = Mutex::new(head);
             let (head, data, trailers) = (&head, &data, &trailers);
             // `inner` moves in: the closure must not share `S` across threads.
-            let attempt = move |_| {
-                let parts = lock(head).clone();
+            let attempt = move |info: AttemptInfo| {
+                let mut parts = lock(head).clone();
+                if grpc {
+                    set_grpc_timeout(&mut parts.headers, info.deadline, Instant::now());
+                }
                 let request = Request::from_parts(
                     parts,
                     ReplayBody::buffered(data.clone(), trailers.clone()),
@@ -362,8 +366,13 @@ where
             // failure (`CallInfo::may_retry`), and `call_with` sends nothing again after a
             // 401. So `take` always finds the request; the error is for a second run that
             // cannot come, and stands in for an empty request, never a panic.
-            let attempt = move |_| {
-                let sent = request.take().map(|r| inner.send(r));
+            let attempt = move |info: AttemptInfo| {
+                let sent = request.take().map(|mut r| {
+                    if grpc {
+                        set_grpc_timeout(r.headers_mut(), info.deadline, Instant::now());
+                    }
+                    inner.send(r)
+                });
                 async move { sent.ok_or("a streamed body cannot be sent twice")?.await }
             };
             endpoint

@@ -21,8 +21,11 @@
 //!   gives up with `deadline_exceeded` ([`RetryError::NoAnswer`]). A gRPC request's own
 //!   deadline (`grpc-timeout`, from tonic's `Request::set_timeout`) caps it: the call, its
 //!   attempts and its pauses end by the earlier of the two, since tonic enforces that header
-//!   below the layer on each attempt only. Each attempt still carries the header as the caller
-//!   set it.
+//!   below the layer on each attempt only. Each attempt of a gRPC request carries, in
+//!   `grpc-timeout`, what is left of the call's deadline when it is sent (the policy's
+//!   deadline when the caller set none), so that a retry does not tell the upstream it has the
+//!   caller's whole budget again. The attempt's own `per_try_timeout` is not sent: the agent
+//!   enforces it, and retries an attempt that runs out of it.
 //! - The endpoint's policy is read once, when the layer's future first runs (SPEC §2): the
 //!   body read's deadline, whether the request is shared and how long it waits for another
 //!   call ([`RetryLayer::with_dedup`]), and the call's attempts all go by that one read. A
