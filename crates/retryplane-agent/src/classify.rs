@@ -6,7 +6,9 @@
 //! "Trailers-Only" response by its `grpc-status`, as a `tonic::Status`), gRPC
 //! statuses (code and `grpc-retry-pushback-ms`; a status tonic made of a transport error, such
 //! as a failed connect, by that error), tonic responses (success), `std::io::Error`,
-//! `hyper::Error` and `hyper_util::client::legacy::Error` (connect / reset / timeout). A
+//! `hyper::Error` and `hyper_util::client::legacy::Error` (connect / reset / timeout), and
+//! boxed errors (`Box<dyn Error + Send + Sync>`, what a tower stack returns: by the status or
+//! transport error they hold, as the tower layer judges them). A
 //! timeout middleware's error in a chain (tower's `Timeout`, `tokio::time::timeout`) counts as
 //! a timeout; tonic's own request timeout is judged by its code (`CANCELLED`), since it may be
 //! the caller's deadline.
@@ -159,6 +161,33 @@ impl Classify for std::io::Error {
             Some(class) => Classification::Outcome(Outcome::Transport(class)),
             None => Classification::Fatal,
         }
+    }
+}
+
+/// A type-erased error, what a tower stack's services return (`tower::BoxError`) and what
+/// `?` makes of any error: a boxed [`tonic::Status`] counts as that status; anything else by
+/// its source chain, as the tower layer judges its inner service's errors (the first tonic
+/// connect error, hyper-util or hyper error, (feature `reqwest`) reqwest error, timeout of a
+/// middleware or classifiable `io::Error` decides), and as a reset (an unknown outcome: only
+/// idempotent or keyed calls are retried) with none of them.
+impl Classify for Box<dyn StdError + Send + Sync> {
+    fn classify(&self) -> Classification {
+        classify_dyn(&**self)
+    }
+}
+
+/// As for `Box<dyn Error + Send + Sync>`.
+impl Classify for Box<dyn StdError> {
+    fn classify(&self) -> Classification {
+        classify_dyn(&**self)
+    }
+}
+
+/// What a boxed error counts as (see `Classify for Box<dyn Error + Send + Sync>`).
+fn classify_dyn(e: &(dyn StdError + 'static)) -> Classification {
+    match e.downcast_ref::<tonic::Status>() {
+        Some(status) => status.classify(),
+        None => classify_boxed(e),
     }
 }
 
@@ -492,6 +521,38 @@ mod tests {
                 retry_after: None
             })
         );
+    }
+
+    #[test]
+    fn a_boxed_error_counts_as_the_status_or_transport_error_it_holds() {
+        type BoxError = Box<dyn StdError + Send + Sync>;
+        let transport = |class| Classification::Outcome(Outcome::Transport(class));
+        let boxed = |e: BoxError| e.classify();
+        let refused = std::io::Error::from(ErrorKind::ConnectionRefused);
+        assert_eq!(boxed(Box::new(refused)), transport(ErrorClass::Connect));
+        assert_eq!(
+            boxed(Box::new(tower::timeout::error::Elapsed::new())),
+            transport(ErrorClass::Timeout)
+        );
+        // A status with its pushback, as the status itself counts.
+        let mut status = tonic::Status::unavailable("down");
+        status
+            .metadata_mut()
+            .insert("grpc-retry-pushback-ms", "250".parse().unwrap());
+        let expected = status.classify();
+        assert_eq!(
+            expected,
+            Classification::Outcome(Outcome::Grpc {
+                code: GrpcCode::Unavailable,
+                pushback: Some(Pushback::After(Duration::from_millis(250)))
+            })
+        );
+        assert_eq!(boxed(Box::new(status)), expected);
+        // Nothing the agent knows: an unknown outcome.
+        assert_eq!(boxed("no idea".into()), transport(ErrorClass::Reset));
+        // Without Send + Sync too.
+        let local: Box<dyn StdError> = Box::new(std::io::Error::from(ErrorKind::TimedOut));
+        assert_eq!(local.classify(), transport(ErrorClass::Timeout));
     }
 
     #[test]

@@ -172,3 +172,46 @@ mod with_reqwest {
         );
     }
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_tower_stacks_boxed_error_is_classified_by_what_it_holds() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU32, Ordering};
+    use tower::{BoxError, Service as _, ServiceBuilder, ServiceExt as _};
+
+    // A tower stack returns `tower::BoxError`: here, its timeout layer's error on the first
+    // send (the upstream hangs), which counts as a timeout, so the GET is sent again.
+    let sent = Arc::new(AtomicU32::new(0));
+    let upstream = {
+        let sent = sent.clone();
+        tower::service_fn(move |_: http::Request<()>| {
+            let n = sent.fetch_add(1, Ordering::SeqCst);
+            async move {
+                if n == 0 {
+                    std::future::pending::<()>().await;
+                }
+                Ok::<_, std::io::Error>(http::Response::new(()))
+            }
+        })
+    };
+    let service = ServiceBuilder::new()
+        .timeout(Duration::from_millis(100))
+        .service(upstream);
+    let agent = agent();
+    let response = agent
+        .endpoint("ep")
+        .call(CallMeta::http("GET", "/v1/items"), |_| {
+            let mut service = service.clone();
+            async move {
+                let response: Result<http::Response<()>, BoxError> =
+                    service.ready().await?.call(http::Request::new(())).await;
+                response
+            }
+        })
+        .await
+        .expect("the second send answers");
+    assert_eq!(response.status(), http::StatusCode::OK);
+    assert_eq!(sent.load(Ordering::SeqCst), 2);
+    let counts = agent.endpoint("ep").pending_counts();
+    assert_eq!(counts.attempts, 2);
+}
