@@ -97,10 +97,10 @@ fn http_classification(status: http::StatusCode, headers: &http::HeaderMap) -> C
 /// keep-alive or I/O timeout → timeout, and so is a timeout middleware's error (tower's
 /// `Timeout` under the channel): no answer came in time. tonic's own request timeout
 /// (`CANCELLED`) is judged by its code: it may be the caller's deadline, which a retry must not
-/// run past (see [`timed_out`]). Any other status (one the server sent, or one with no
-/// transport error below it): `Code::Ok` is a success; any other code is an outcome the policy
-/// judges, with the `grpc-retry-pushback-ms` trailer (non-ASCII counts as unparseable: do not
-/// retry).
+/// run past (tonic raises the same error for both). Any other status (one the server sent, or
+/// one with no transport error below it): `Code::Ok` is a success; any other code is an
+/// outcome the policy judges, with the `grpc-retry-pushback-ms` trailer (non-ASCII counts as
+/// unparseable: do not retry).
 impl Classify for tonic::Status {
     fn classify(&self) -> Classification {
         if let Some(source) = self.source()

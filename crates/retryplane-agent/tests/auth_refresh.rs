@@ -13,8 +13,10 @@ use bytes::Bytes;
 use http::header::{AUTHORIZATION, HeaderValue};
 use http::request::Parts;
 use http::{Request, Response};
-use http_body_util::Full;
-use retryplane_agent::layer::{BoxError, GaveUp, RefreshCredentials, RefreshFailed, RetryLayer};
+use http_body_util::{Empty, Full};
+use retryplane_agent::layer::{
+    BoxError, GaveUp, RefreshCredentials, RefreshFailed, ResponseBody, RetryLayer,
+};
 use retryplane_agent::{Agent, Cause, GiveUpCause};
 use support::{Seen, agent, policy, status_upstream as upstream};
 use tokio::time::Instant;
@@ -68,7 +70,7 @@ async fn send(
     hook: &Hook,
     statuses: &[u16],
     req: Request<Full<Bytes>>,
-) -> (Response<()>, Seen) {
+) -> (Response<ResponseBody<Empty<Bytes>>>, Seen) {
     let (svc, seen) = upstream(statuses);
     let client = RetryLayer::new(agent.endpoint("ep"))
         .with_auth_refresh(hook.clone())

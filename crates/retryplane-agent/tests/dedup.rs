@@ -17,7 +17,8 @@ use bytes::Bytes;
 use http::{Request, Response};
 use http_body_util::{BodyExt as _, Full};
 use retryplane_agent::layer::{
-    Dedup, DedupStats, Deduplicated, GaveUp, Idempotent, ReplayBody, Retry, RetryLayer, SharedBody,
+    Dedup, DedupStats, Deduplicated, GaveUp, Idempotent, ReplayBody, ResponseBody, Retry,
+    RetryLayer,
 };
 use support::{agent, policy};
 use tokio::sync::{Semaphore, mpsc};
@@ -141,7 +142,7 @@ fn spawn<S>(client: &Client<S>, request: Request<Full<Bytes>>) -> JoinHandle<Ans
 where
     Client<S>: tower::Service<
             Request<Full<Bytes>>,
-            Response = Response<SharedBody<Full<Bytes>>>,
+            Response = Response<ResponseBody<Full<Bytes>>>,
             Error = retryplane_agent::layer::BoxError,
             Future: Send,
         > + Clone
@@ -203,7 +204,7 @@ async fn leader_and_followers<S>(
 where
     Client<S>: tower::Service<
             Request<Full<Bytes>>,
-            Response = Response<SharedBody<Full<Bytes>>>,
+            Response = Response<ResponseBody<Full<Bytes>>>,
             Error = retryplane_agent::layer::BoxError,
             Future: Send,
         > + Clone

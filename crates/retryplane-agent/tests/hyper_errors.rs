@@ -544,7 +544,10 @@ async fn the_layer_counts_a_reqwest_timeout_below_it_as_a_timeout() {
         .unwrap();
     let inner = tower::service_fn(move |req: http::Request<ReplayBody<Full<Bytes>>>| {
         let sent = client.get(req.uri().to_string()).send();
-        async move { sent.await.map(|_| http::Response::new(())) }
+        async move {
+            sent.await
+                .map(|_| http::Response::new(Full::<Bytes>::default()))
+        }
     });
     let agent = agent("retry_on: {errors: [timeout]}");
     let ep = agent.endpoint("ep");

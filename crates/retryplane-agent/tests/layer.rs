@@ -11,7 +11,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{Request, Response};
 use http_body::Frame;
-use http_body_util::{BodyExt as _, Full, StreamBody};
+use http_body_util::{BodyExt as _, Empty, Full, StreamBody};
 use retryplane_agent::layer::{GaveUp, ReplayBody, RetryError, RetryLayer};
 use retryplane_agent::{Cause, GiveUpCause};
 use support::{agent, policy, status_upstream as upstream};
@@ -132,7 +132,9 @@ async fn connection_refused_errors_are_retried_and_returned() {
     let svc = service_fn(move |_req: Request<ReplayBody<Full<Bytes>>>| {
         *counted.lock().unwrap() += 1;
         async {
-            Err::<Response<()>, _>(std::io::Error::from(std::io::ErrorKind::ConnectionRefused))
+            Err::<Response<Empty<Bytes>>, _>(std::io::Error::from(
+                std::io::ErrorKind::ConnectionRefused,
+            ))
         }
     });
     let client = RetryLayer::new(agent.endpoint("ep")).layer(svc);
@@ -213,7 +215,9 @@ async fn a_refused_body_over_the_limit_is_tried_once_and_its_error_returned_at_o
         async move {
             let body = req.into_body().collect().await.unwrap().to_bytes();
             assert_eq!(body, "hello world", "sent whole");
-            Err::<Response<()>, _>(std::io::Error::from(std::io::ErrorKind::ConnectionRefused))
+            Err::<Response<Empty<Bytes>>, _>(std::io::Error::from(
+                std::io::ErrorKind::ConnectionRefused,
+            ))
         }
     });
     let ep = agent.endpoint("ep");
@@ -263,7 +267,7 @@ async fn a_stalled_request_body_ends_the_call_at_its_deadline_with_nothing_sent(
     let log = called.clone();
     let svc = service_fn(move |_req: Request<ReplayBody<Stalled>>| {
         log.lock().unwrap().push(start.elapsed());
-        async { Ok::<_, Infallible>(Response::new(())) }
+        async { Ok::<_, Infallible>(Response::new(Empty::<Bytes>::new())) }
     });
     let client = RetryLayer::new(agent.endpoint("ep")).layer(svc);
     let req = Request::builder()
@@ -305,7 +309,7 @@ async fn reading_the_request_body_counts_in_the_calls_deadline() {
     // An upstream that never answers.
     let svc = service_fn(move |_req: Request<ReplayBody<_>>| {
         log.lock().unwrap().push(start.elapsed());
-        std::future::pending::<Result<Response<()>, Infallible>>()
+        std::future::pending::<Result<Response<Empty<Bytes>>, Infallible>>()
     });
     let client = RetryLayer::new(agent.endpoint("ep")).layer(svc);
     let req = Request::builder()
@@ -387,7 +391,7 @@ async fn a_deduplicated_call_goes_by_the_policy_read_when_it_began_though_a_swap
  {
     let agent = agent(&policy(BEFORE_THE_SWAP));
     let (svc, seen) = upstream(&[503, 503]);
-    let svc = svc.map_response(|r| r.map(|()| Full::new(Bytes::new())));
+    let svc = svc.map_response(|r| r.map(|_| Full::new(Bytes::new())));
     let client = RetryLayer::new(agent.endpoint("ep"))
         .with_dedup(retryplane_agent::layer::Dedup::default())
         .layer(svc);

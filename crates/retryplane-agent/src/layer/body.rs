@@ -1,5 +1,5 @@
 //! Request bodies the layer can send again (buffered up to a limit, or streamed once) and
-//! response bodies it can share ([`SharedBody`]).
+//! response bodies it can share ([`ResponseBody`]).
 
 use std::collections::VecDeque;
 use std::pin::Pin;
@@ -143,18 +143,7 @@ where
             }
         }
     }
-    let data = match chunks.len() {
-        0 => Bytes::new(),
-        1 => chunks.pop_front().unwrap_or_default(),
-        _ => {
-            let mut all = Vec::with_capacity(len);
-            for c in &chunks {
-                all.extend_from_slice(c);
-            }
-            Bytes::from(all)
-        }
-    };
-    Ok(Read::Whole(data, trailers))
+    Ok(Read::Whole(join(&chunks, len), trailers))
 }
 
 /// Ends when `sleep` does; never without one.
@@ -208,15 +197,17 @@ where
     }
 }
 
-/// The response body of a client with de-duplication on ([`super::Dedup`]): the bytes of a
-/// response read into memory to be shared (a follower's copy, or the leader's own), or the
-/// upstream's body as it comes (a request that is not shared, or a response over the limit,
-/// whose bytes read so far come first). Errors are boxed.
-pub struct SharedBody<B> {
-    inner: SharedInner<B>,
+/// The response body of a client the layer wraps: the upstream's body as it comes, or the
+/// bytes of it the layer read into memory: a failed attempt's answer, read before the call
+/// decides to retry it so that its connection goes back to the client's pool (see
+/// [`super`]), or, with de-duplication on ([`super::Dedup`]), a response read to be shared (a
+/// follower's copy, or the leader's own). A body only partly read gives the bytes read first,
+/// then the rest as it comes. Errors are boxed.
+pub struct ResponseBody<B> {
+    inner: ResponseInner<B>,
 }
 
-enum SharedInner<B> {
+enum ResponseInner<B> {
     Full {
         data: Option<Bytes>,
         trailers: Option<HeaderMap>,
@@ -233,28 +224,28 @@ enum SharedInner<B> {
 }
 
 // Bodies stay out of Debug.
-impl<B> std::fmt::Debug for SharedBody<B> {
+impl<B> std::fmt::Debug for ResponseBody<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let kind = match self.inner {
-            SharedInner::Full { .. } => "full",
-            SharedInner::Streaming { .. } => "streaming",
-            SharedInner::Failed { .. } => "failed",
+            ResponseInner::Full { .. } => "full",
+            ResponseInner::Streaming { .. } => "streaming",
+            ResponseInner::Failed { .. } => "failed",
         };
-        f.debug_struct("SharedBody").field("kind", &kind).finish()
+        f.debug_struct("ResponseBody").field("kind", &kind).finish()
     }
 }
 
-impl<B> SharedBody<B> {
+impl<B> ResponseBody<B> {
     pub(crate) fn full(data: Bytes, trailers: Option<HeaderMap>) -> Self {
         let data = (!data.is_empty()).then_some(data);
         Self {
-            inner: SharedInner::Full { data, trailers },
+            inner: ResponseInner::Full { data, trailers },
         }
     }
 
     pub(crate) fn streaming(prefix: VecDeque<Bytes>, rest: Pin<Box<B>>) -> Self {
         Self {
-            inner: SharedInner::Streaming { prefix, rest },
+            inner: ResponseInner::Streaming { prefix, rest },
         }
     }
 
@@ -264,7 +255,7 @@ impl<B> SharedBody<B> {
 
     pub(crate) fn failed(prefix: VecDeque<Bytes>, error: BoxError) -> Self {
         Self {
-            inner: SharedInner::Failed {
+            inner: ResponseInner::Failed {
                 prefix,
                 error: Some(error),
             },
@@ -272,7 +263,7 @@ impl<B> SharedBody<B> {
     }
 }
 
-impl<B> Body for SharedBody<B>
+impl<B> Body for ResponseBody<B>
 where
     B: Body,
     B::Data: Buf,
@@ -287,13 +278,13 @@ where
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         // Every field is Unpin (the upstream body is boxed).
         match &mut self.get_mut().inner {
-            SharedInner::Full { data, trailers } => Poll::Ready(
+            ResponseInner::Full { data, trailers } => Poll::Ready(
                 data.take()
                     .map(Frame::data)
                     .or_else(|| trailers.take().map(Frame::trailers))
                     .map(Ok),
             ),
-            SharedInner::Streaming { prefix, rest } => match prefix.pop_front() {
+            ResponseInner::Streaming { prefix, rest } => match prefix.pop_front() {
                 Some(chunk) => Poll::Ready(Some(Ok(Frame::data(chunk)))),
                 None => rest.as_mut().poll_frame(cx).map(|frame| {
                     frame.map(|r| {
@@ -302,7 +293,7 @@ where
                     })
                 }),
             },
-            SharedInner::Failed { prefix, error } => Poll::Ready(
+            ResponseInner::Failed { prefix, error } => Poll::Ready(
                 prefix
                     .pop_front()
                     .map(|c| Ok(Frame::data(c)))
@@ -313,19 +304,114 @@ where
 
     fn is_end_stream(&self) -> bool {
         match &self.inner {
-            SharedInner::Full { data, trailers } => data.is_none() && trailers.is_none(),
-            SharedInner::Streaming { prefix, rest } => prefix.is_empty() && rest.is_end_stream(),
-            SharedInner::Failed { prefix, error } => prefix.is_empty() && error.is_none(),
+            ResponseInner::Full { data, trailers } => data.is_none() && trailers.is_none(),
+            ResponseInner::Streaming { prefix, rest } => prefix.is_empty() && rest.is_end_stream(),
+            ResponseInner::Failed { prefix, error } => prefix.is_empty() && error.is_none(),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
         match &self.inner {
-            SharedInner::Full { data, .. } => {
+            ResponseInner::Full { data, .. } => {
                 SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
             }
-            SharedInner::Streaming { prefix, rest } => prefixed_hint(prefix, rest.size_hint()),
-            SharedInner::Failed { .. } => SizeHint::new(),
+            ResponseInner::Streaming { prefix, rest } => prefixed_hint(prefix, rest.size_hint()),
+            ResponseInner::Failed { .. } => SizeHint::new(),
+        }
+    }
+}
+
+/// `response` with its body read into memory, if it comes within `limit` bytes and by `until`;
+/// otherwise with the bytes read so far followed by the rest as it comes (or, if reading it
+/// failed, by that error). A body read to its end lets an HTTP/1 client put the connection
+/// back into its pool (and ends an HTTP/2 stream): the layer does this for a failed attempt's
+/// answer, which a call keeps through its pause.
+pub(crate) async fn read_failed<B>(
+    response: http::Response<B>,
+    limit: usize,
+    until: Instant,
+) -> http::Response<ResponseBody<B>>
+where
+    B: Body,
+    B::Data: Buf,
+    B::Error: Into<BoxError>,
+{
+    let (parts, body) = response.into_parts();
+    let body = match read_up_to(Box::pin(body), limit, Some(until)).await {
+        Ok(Read::Whole(data, trailers)) => ResponseBody::full(data, trailers),
+        Ok(Read::Over(prefix, rest) | Read::Late(prefix, rest)) => {
+            ResponseBody::streaming(prefix, rest)
+        }
+        Err((prefix, e)) => ResponseBody::failed(prefix, e.into()),
+    };
+    http::Response::from_parts(parts, body)
+}
+
+/// What [`ResponseBody::read_whole`] found: the whole body, or the body to hand back as it is.
+pub(crate) type Whole<B> = Result<(Bytes, Option<HeaderMap>), ResponseBody<B>>;
+
+impl<B> ResponseBody<B>
+where
+    B: Body,
+    B::Data: Buf,
+    B::Error: Into<BoxError>,
+{
+    /// The whole body in memory, if it is within `limit` bytes and all there by `deadline`
+    /// (its part read already counts); otherwise the body as it now stands (what was read
+    /// first, then the rest as it comes, or the error reading stopped at), so that nothing
+    /// read is lost.
+    pub(crate) async fn read_whole(self, limit: usize, deadline: Instant) -> Whole<B> {
+        match self.inner {
+            ResponseInner::Full { data, trailers } => {
+                let data = data.unwrap_or_default();
+                if data.len() <= limit {
+                    Ok((data, trailers))
+                } else {
+                    Err(Self::full(data, trailers))
+                }
+            }
+            inner @ ResponseInner::Failed { .. } => Err(Self { inner }),
+            ResponseInner::Streaming { mut prefix, rest } => {
+                let read: usize = prefix.iter().map(Bytes::len).sum();
+                let Some(left) = limit.checked_sub(read) else {
+                    return Err(Self::streaming(prefix, rest));
+                };
+                match read_up_to(rest, left, Some(deadline)).await {
+                    Ok(Read::Whole(data, trailers)) => {
+                        let data = if prefix.is_empty() {
+                            data
+                        } else {
+                            let len = read.saturating_add(data.len());
+                            prefix.push_back(data);
+                            join(&prefix, len)
+                        };
+                        Ok((data, trailers))
+                    }
+                    Ok(Read::Over(more, rest) | Read::Late(more, rest)) => {
+                        prefix.extend(more);
+                        Err(Self::streaming(prefix, rest))
+                    }
+                    Err((more, e)) => {
+                        prefix.extend(more);
+                        Err(Self::failed(prefix, e.into()))
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `chunks` in one piece (`capacity`: about their length).
+fn join(chunks: &VecDeque<Bytes>, capacity: usize) -> Bytes {
+    match chunks.len() {
+        0 => Bytes::new(),
+        1 => chunks.front().cloned().unwrap_or_default(),
+        _ => {
+            let mut all = Vec::with_capacity(capacity);
+            for c in chunks {
+                all.extend_from_slice(c);
+            }
+            Bytes::from(all)
         }
     }
 }
@@ -340,4 +426,75 @@ fn prefixed_hint(prefix: &VecDeque<Bytes>, rest: SizeHint) -> SizeHint {
         out.set_upper(upper.saturating_add(read));
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::{Full, StreamBody};
+
+    type Chunks =
+        StreamBody<tokio_stream::Iter<std::vec::IntoIter<Result<Frame<Bytes>, BoxError>>>>;
+
+    /// A body of `chunks`, one frame each.
+    fn chunks(parts: &[&'static str]) -> Chunks {
+        let frames: Vec<Result<Frame<Bytes>, BoxError>> = parts
+            .iter()
+            .map(|p| Ok(Frame::data(Bytes::from_static(p.as_bytes()))))
+            .collect();
+        StreamBody::new(tokio_stream::iter(frames))
+    }
+
+    async fn all<B>(body: ResponseBody<B>) -> Bytes
+    where
+        B: Body,
+        B::Data: Buf,
+        B::Error: Into<BoxError>,
+    {
+        body.collect().await.unwrap().to_bytes()
+    }
+
+    fn later() -> Instant {
+        Instant::now() + std::time::Duration::from_secs(60)
+    }
+
+    #[tokio::test]
+    async fn a_failed_answer_read_in_part_still_gives_every_byte_and_reads_whole_later() {
+        // Over the limit of the first read (4 bytes): the first chunks, then the rest.
+        let response = http::Response::new(chunks(&["abc", "de", "fgh"]));
+        let read = read_failed(response, 4, later()).await.into_body();
+        let ResponseBody {
+            inner: ResponseInner::Streaming { prefix, .. },
+        } = &read
+        else {
+            panic!("over the limit, streamed");
+        };
+        assert_eq!(prefix.len(), 2);
+        // Shared later under a larger limit: the part read and the rest, in one piece.
+        let (data, trailers) = read.read_whole(100, later()).await.ok().unwrap();
+        assert_eq!((&data[..], trailers), (&b"abcdefgh"[..], None));
+
+        // Under a limit the part read alone passes: handed back whole, nothing lost.
+        let response = http::Response::new(chunks(&["abc", "de", "fgh"]));
+        let read = read_failed(response, 4, later()).await.into_body();
+        let kept = read.read_whole(3, later()).await.err().unwrap();
+        assert_eq!(all(kept).await, "abcdefgh");
+        // Past the limit only once the rest is read: handed back with every byte.
+        let response = http::Response::new(chunks(&["abc", "de", "fgh"]));
+        let read = read_failed(response, 4, later()).await.into_body();
+        let kept = read.read_whole(7, later()).await.err().unwrap();
+        assert_eq!(all(kept).await, "abcdefgh");
+    }
+
+    #[tokio::test]
+    async fn a_body_read_whole_is_shared_within_the_limit_and_kept_past_it() {
+        let response = http::Response::new(Full::new(Bytes::from_static(b"busy")));
+        let read = read_failed(response, 64, later()).await.into_body();
+        assert!(matches!(read.inner, ResponseInner::Full { .. }));
+        let kept = read.read_whole(3, later()).await.err().unwrap();
+        assert_eq!(all(kept).await, "busy");
+        let response = http::Response::new(Full::new(Bytes::from_static(b"busy")));
+        let read = read_failed(response, 64, later()).await.into_body();
+        assert_eq!(read.read_whole(4, later()).await.ok().unwrap().0, "busy");
+    }
 }

@@ -13,7 +13,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tracing::debug;
 
-use super::body::SharedBody;
+use super::body::ResponseBody;
 
 /// The largest response body read into memory to be shared unless set otherwise: 1 MiB.
 pub const DEFAULT_SHARED_RESPONSE_LIMIT: usize = 1024 * 1024;
@@ -179,12 +179,12 @@ impl SharedResponse {
     }
 
     /// A follower's copy, marked [`Deduplicated`].
-    pub(crate) fn copy<B>(&self) -> Response<SharedBody<B>> {
+    pub(crate) fn copy<B>(&self) -> Response<ResponseBody<B>> {
         let mut parts = self.parts.clone();
         parts.extensions.insert(Deduplicated);
         Response::from_parts(
             parts,
-            SharedBody::full(self.data.clone(), self.trailers.clone()),
+            ResponseBody::full(self.data.clone(), self.trailers.clone()),
         )
     }
 }

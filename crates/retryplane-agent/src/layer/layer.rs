@@ -3,6 +3,7 @@
 use std::fmt;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::request::Parts;
@@ -13,12 +14,12 @@ use tower::{Layer, Service, ServiceExt as _};
 use tracing::debug;
 
 use super::auth::{DynRefresh, HttpReauth, RefreshCredentials, RefreshFailed, lock};
-use super::body::{Buffered, Read, ReplayBody, SharedBody, buffer, read_up_to};
+use super::body::{Buffered, ReplayBody, ResponseBody, buffer, read_failed};
 use super::dedup::{Dedup, Landing, Leader, Role, SharedResponse};
 use super::grpc::{call_meta, is_grpc, set_grpc_timeout};
 use super::{BoxError, DEFAULT_BODY_LIMIT, GaveUp, ResponseFuture, RetryError};
 use crate::call::{Begun, Endpoint, NoReauth};
-use crate::classify::{Classify as _, classify_boxed};
+use crate::classify::{Classification, Classify as _, classify_boxed};
 use crate::error::{CallError, Cause, Last};
 use crate::meta::AttemptInfo;
 use retryplane_policy::engine::GiveUpCause;
@@ -96,7 +97,7 @@ impl<D> RetryLayer<D> {
     }
 
     /// Shares one logical call among identical in-flight reads (see [`Dedup`] and the
-    /// [module docs](super)). The client's response body becomes a [`SharedBody`].
+    /// [module docs](super)).
     pub fn with_dedup(self, dedup: Dedup) -> RetryLayer<Dedup> {
         RetryLayer {
             settings: self.settings,
@@ -142,11 +143,13 @@ where
     S::Future: Send,
     B: Body<Data = Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
-    RB: Send + 'static,
+    RB: Body + Send + 'static,
+    RB::Data: Send,
+    RB::Error: Into<BoxError>,
 {
-    type Response = Response<RB>;
+    type Response = Response<ResponseBody<RB>>;
     type Error = BoxError;
-    type Future = ResponseFuture<Response<RB>>;
+    type Future = ResponseFuture<Response<ResponseBody<RB>>>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
         self.inner.poll_ready(cx).map_err(Into::into)
@@ -176,9 +179,9 @@ where
     RB::Data: Send,
     RB::Error: Into<BoxError>,
 {
-    type Response = Response<SharedBody<RB>>;
+    type Response = Response<ResponseBody<RB>>;
     type Error = BoxError;
-    type Future = ResponseFuture<Response<SharedBody<RB>>>;
+    type Future = ResponseFuture<Response<ResponseBody<RB>>>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
         self.inner.poll_ready(cx).map_err(Into::into)
@@ -295,19 +298,21 @@ async fn send<S, B, RB>(
     settings: &Settings,
     prepared: Prepared<B>,
     begun: Begun,
-) -> Result<Response<RB>, BoxError>
+) -> Result<Response<ResponseBody<RB>>, BoxError>
 where
     S: Service<Request<ReplayBody<B>>, Response = Response<RB>> + Clone,
     S::Error: Into<BoxError>,
     B: Body<Data = Bytes>,
     B::Error: Into<BoxError>,
+    RB: Body,
+    RB::Error: Into<BoxError>,
 {
     let endpoint = &settings.endpoint;
     let grpc = match &prepared {
         Prepared::Buffered { head, .. } | Prepared::Once { head, .. } => is_grpc(head),
     };
     let gave_up = move |e| gave_up(e, grpc);
-    let classify = |r: &Result<Response<RB>, BoxError>| match r {
+    let classify = |r: &Result<Response<ResponseBody<RB>>, BoxError>| match r {
         Ok(response) => response.classify(),
         Err(e) => classify_boxed(&**e),
     };
@@ -325,15 +330,20 @@ where
             let (head, data, trailers) = (&head, &data, &trailers);
             // `inner` moves in: the closure must not share `S` across threads.
             let attempt = move |info: AttemptInfo| {
+                let sent_at = Instant::now();
                 let mut parts = lock(head).clone();
                 if grpc {
-                    set_grpc_timeout(&mut parts.headers, info.deadline, Instant::now());
+                    set_grpc_timeout(&mut parts.headers, info.deadline, sent_at);
                 }
                 let request = Request::from_parts(
                     parts,
                     ReplayBody::buffered(data.clone(), trailers.clone()),
                 );
-                inner.send(request)
+                let sent = inner.send(request);
+                // The answer's body must be read before the attempt's timeout, which would
+                // lose the answer (the agent's timer runs from just before `sent_at`).
+                let read_by = sent_at + info.timeout.saturating_sub(FAILED_BODY_WAIT);
+                async move { Ok(read_if_failed(sent.await?, read_by).await) }
             };
             let Some(hook) = &settings.refresh else {
                 return endpoint
@@ -373,7 +383,11 @@ where
                     }
                     inner.send(r)
                 });
-                async move { sent.ok_or("a streamed body cannot be sent twice")?.await }
+                // Never sent again: its answer is returned as it comes.
+                async move {
+                    let response = sent.ok_or("a streamed body cannot be sent twice")?.await?;
+                    Ok(response.map(ResponseBody::passthrough))
+                }
             };
             endpoint
                 .call_reauth(begun, meta, classify, attempt, NoReauth)
@@ -390,7 +404,7 @@ async fn run_dedup<S, B, RB>(
     settings: Settings,
     dedup: Dedup,
     request: Request<B>,
-) -> Result<Response<SharedBody<RB>>, BoxError>
+) -> Result<Response<ResponseBody<RB>>, BoxError>
 where
     S: Service<Request<ReplayBody<B>>, Response = Response<RB>> + Clone,
     S::Error: Into<BoxError>,
@@ -423,7 +437,7 @@ where
         _ => None,
     };
     let Some((key, deadline)) = shared else {
-        return passthrough(send(inner, &settings, prepared, begun).await);
+        return send(inner, &settings, prepared, begun).await;
     };
     loop {
         match dedup.join(key) {
@@ -439,7 +453,7 @@ where
                     // endpoint's counters see"); `DedupStats::shared` counts it.
                     Some(Landing::Shared(response)) => return Ok(response.copy()),
                     Some(Landing::OwnCall) => {
-                        return passthrough(send(inner, &settings, prepared, begun).await);
+                        return send(inner, &settings, prepared, begun).await;
                     }
                     // The leader was dropped (its caller went away): lead or follow anew.
                     None => {}
@@ -454,11 +468,11 @@ where
 /// shared: the followers make their own calls and the leader's caller gets the bytes read so
 /// far followed by the rest as it comes.
 async fn land<RB>(
-    result: Result<Response<RB>, BoxError>,
+    result: Result<Response<ResponseBody<RB>>, BoxError>,
     leader: Leader,
     limit: usize,
     deadline: Instant,
-) -> Result<Response<SharedBody<RB>>, BoxError>
+) -> Result<Response<ResponseBody<RB>>, BoxError>
 where
     RB: Body,
     RB::Error: Into<BoxError>,
@@ -471,44 +485,54 @@ where
         }
     };
     let (parts, body) = response.into_parts();
-    match read_up_to(Box::pin(body), limit, Some(deadline)).await {
-        Ok(Read::Whole(data, trailers)) => {
+    match body.read_whole(limit, deadline).await {
+        Ok((data, trailers)) => {
             let shared = SharedResponse::new(parts.clone(), data.clone(), trailers.clone());
             leader.land(Landing::Shared(Arc::new(shared)));
             Ok(Response::from_parts(
                 parts,
-                SharedBody::full(data, trailers),
+                ResponseBody::full(data, trailers),
             ))
         }
-        Ok(Read::Over(prefix, rest)) => {
+        Err(body) => {
+            if Instant::now() >= deadline {
+                debug!("response body not read by the deadline; not shared");
+            }
             leader.land(Landing::OwnCall);
-            Ok(Response::from_parts(
-                parts,
-                SharedBody::streaming(prefix, rest),
-            ))
-        }
-        Ok(Read::Late(prefix, rest)) => {
-            debug!("response body not read by the deadline; not shared");
-            leader.land(Landing::OwnCall);
-            Ok(Response::from_parts(
-                parts,
-                SharedBody::streaming(prefix, rest),
-            ))
-        }
-        Err((prefix, e)) => {
-            leader.land(Landing::OwnCall);
-            Ok(Response::from_parts(
-                parts,
-                SharedBody::failed(prefix, e.into()),
-            ))
+            Ok(Response::from_parts(parts, body))
         }
     }
 }
 
-fn passthrough<RB>(
-    result: Result<Response<RB>, BoxError>,
-) -> Result<Response<SharedBody<RB>>, BoxError> {
-    result.map(|r| r.map(SharedBody::passthrough))
+/// How long the layer waits for the body of a failed attempt's answer (see
+/// [`read_if_failed`]); one that takes longer is left to come as it comes.
+const FAILED_BODY_WAIT: Duration = Duration::from_millis(100);
+
+/// The most of a failed attempt's answer the layer reads into memory (see
+/// [`read_if_failed`]).
+const FAILED_BODY_LIMIT: usize = 64 * 1024;
+
+/// `response`, with its body read into memory (up to [`FAILED_BODY_LIMIT`], for up to
+/// [`FAILED_BODY_WAIT`] and not past `read_by`) if it is a failure; a success as it comes.
+///
+/// A call keeps its last failure through the pause, in case it ends before its next attempt
+/// answers (cancelled, or the breaker opens), and through that next attempt. A body left
+/// unread meanwhile holds its connection: an HTTP/1 client cannot reuse it, so every retry
+/// opened a new connection to an upstream already failing, and closed the old one when the
+/// answer was dropped, unread. Read to its end, the body gives the connection back to the
+/// client's pool (and ends an HTTP/2 stream); the caller still gets the same bytes.
+async fn read_if_failed<RB>(response: Response<RB>, read_by: Instant) -> Response<ResponseBody<RB>>
+where
+    RB: Body,
+    RB::Error: Into<BoxError>,
+{
+    match response.classify() {
+        Classification::Outcome(o) if !o.is_success() => {
+            let until = read_by.min(Instant::now() + FAILED_BODY_WAIT);
+            read_failed(response, FAILED_BODY_LIMIT, until).await
+        }
+        _ => response.map(ResponseBody::passthrough),
+    }
 }
 
 /// The response or error a call that gave up returns; `grpc`: the request was a gRPC one

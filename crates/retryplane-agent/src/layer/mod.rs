@@ -47,6 +47,14 @@
 //!   timeout (tonic's own request timeout is its `CANCELLED` status, judged by its code: it may
 //!   be the caller's `grpc-timeout`); anything else counts as a reset. Timeout and reset
 //!   are unknown outcomes, so only idempotent or keyed requests are retried.
+//! - The client's response body becomes a [`ResponseBody`]. An answer that failed (an HTTP
+//!   status of 400 or more, or a gRPC error in the headers) has its body read into memory
+//!   within its attempt, up to 64 KiB and for up to 100 ms (and never into the attempt's last
+//!   100 ms, so that its timeout does not lose the answer): a call keeps its last failure
+//!   through the pause and the next attempt, and a body left unread there would hold its
+//!   connection, so that an HTTP/1 client opened a new connection for every retry to an
+//!   upstream that was already failing. The caller gets the same bytes; a larger or slower
+//!   body gives the part read, then the rest as it comes. A success is passed on as it comes.
 //! - A call that gives up with a response returns that response, with a [`GaveUp`] in its
 //!   extensions; one that gives up with an error returns the error; one that never got an
 //!   answer returns a [`RetryError`]. For a gRPC request, that [`RetryError`] comes as the
@@ -135,8 +143,7 @@
 //!   compared.
 //! - The response is shared once its body is read into memory, up to
 //!   [`Dedup::with_response_limit`] ([`DEFAULT_SHARED_RESPONSE_LIMIT`]) and no later than the
-//!   leader's deadline (the policy's, from the start of its call); the client's response body
-//!   type becomes [`SharedBody`]. With a larger body, or one not all there by the deadline,
+//!   leader's deadline (the policy's, from the start of its call). With a larger body, or one not all there by the deadline,
 //!   nothing is shared: the leader's caller gets the response with the bytes read so far
 //!   followed by the rest as it comes (with no further bound from the layer, as without
 //!   de-duplication), and each follower makes its own call.
@@ -181,7 +188,7 @@ mod layer;
 use crate::error::Cause;
 
 pub use auth::{RefreshCredentials, RefreshFailed};
-pub use body::{ReplayBody, SharedBody};
+pub use body::{ReplayBody, ResponseBody};
 pub use dedup::{
     CREDENTIAL_HEADERS, DEFAULT_IGNORED_HEADERS, DEFAULT_SHARED_RESPONSE_LIMIT, Dedup, DedupStats,
     Deduplicated,

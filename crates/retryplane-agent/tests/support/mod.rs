@@ -146,7 +146,7 @@ pub fn status_upstream<B>(
 ) -> (
     impl tower::Service<
         Request<ReplayBody<B>>,
-        Response = http::Response<()>,
+        Response = http::Response<http_body_util::Empty<Bytes>>,
         Error = Infallible,
         Future = impl Send,
     > + Clone
@@ -184,7 +184,7 @@ where
                 at,
             });
             let status = script.lock().unwrap().pop_front().unwrap_or(200);
-            Ok::<_, Infallible>(response(status, None))
+            Ok::<_, Infallible>(response(status, None).map(|()| http_body_util::Empty::new()))
         }
     });
     (svc, seen)

@@ -1,0 +1,129 @@
+//! A failed attempt's answer through the tower layer, around a hyper-util legacy client
+//! (HTTP/1) and a real hyper server on 127.0.0.1:0: its body is read before the pause, so the
+//! connection goes back to the client's pool and the retry reuses it, and the caller still
+//! gets every byte of the answer it is handed.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt as _, Full};
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use retryplane_agent::Agent;
+use retryplane_agent::layer::{GaveUp, RetryLayer};
+use tokio::net::TcpListener;
+use tower::{Layer as _, ServiceExt as _};
+
+/// The longest any single wait may take before the test fails.
+const WAIT: Duration = Duration::from_secs(10);
+
+/// What the server counted: connections accepted and requests answered.
+#[derive(Clone, Default)]
+struct Counts {
+    connections: Arc<AtomicU32>,
+    requests: Arc<AtomicU32>,
+}
+
+/// An HTTP/1.1 server on 127.0.0.1:0 that answers its first `failures` requests `503` with a
+/// body of `failure_len` bytes (`x` repeated), then `200 ok`; each connection keeps alive.
+async fn server(failures: u32, failure_len: usize) -> (String, Counts) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/v1/items", listener.local_addr().unwrap());
+    let counts = Counts::default();
+    let c = counts.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                return;
+            };
+            c.connections.fetch_add(1, Ordering::SeqCst);
+            let requests = c.requests.clone();
+            let service = service_fn(move |_req: http::Request<hyper::body::Incoming>| {
+                let n = requests.fetch_add(1, Ordering::SeqCst);
+                async move {
+                    let response = if n < failures {
+                        http::Response::builder()
+                            .status(503)
+                            .body(Full::new(Bytes::from(vec![b'x'; failure_len])))
+                    } else {
+                        http::Response::builder().body(Full::new(Bytes::from_static(b"ok")))
+                    };
+                    Ok::<_, Infallible>(response.unwrap())
+                }
+            });
+            tokio::spawn(http1::Builder::new().serve_connection(TokioIo::new(stream), service));
+        }
+    });
+    (url, counts)
+}
+
+/// Three attempts, short fixed pauses, no budget or breaker.
+fn agent() -> Agent {
+    support::agent(&support::policy(
+        "max_attempts: 3\nbackoff: {base: 5ms, max: 20ms, multiplier: 2.0, jitter: none}",
+    ))
+}
+
+/// A GET of `url` through the layer around a legacy HTTP/1 client: the response and its body.
+async fn get(agent: &Agent, url: &str) -> (http::Response<()>, Bytes) {
+    let client = Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+    let svc = RetryLayer::new(agent.endpoint("ep")).layer(client);
+    let request = http::Request::get(url)
+        .body(Full::<Bytes>::default())
+        .unwrap();
+    let response = tokio::time::timeout(WAIT, svc.oneshot(request))
+        .await
+        .expect("the call ends")
+        .expect("an answer");
+    let (parts, body) = response.into_parts();
+    let body = tokio::time::timeout(WAIT, body.collect())
+        .await
+        .expect("the body ends")
+        .expect("the body reads")
+        .to_bytes();
+    (http::Response::from_parts(parts, ()), body)
+}
+
+#[tokio::test]
+async fn a_retry_reuses_the_connection_of_the_failed_attempt() {
+    // Before, the 503 was kept through the pause with its body unread, so its connection
+    // could not go back to the pool: each retry opened a new connection (3 here), and the old
+    // one was closed when the answer was dropped. (hyper frees the connection of a body that
+    // came whole with the head by itself; one of 32 KiB does not.)
+    let (url, counts) = server(2, 32 * 1024).await;
+    let agent = agent();
+    let (response, body) = get(&agent, &url).await;
+    assert_eq!(response.status(), 200);
+    assert_eq!(body, "ok");
+    assert_eq!(counts.requests.load(Ordering::SeqCst), 3);
+    assert_eq!(counts.connections.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn a_call_that_gives_up_returns_the_whole_body_of_its_last_answer() {
+    // Read into memory (small) or partly read and then streamed (over the layer's 64 KiB):
+    // the caller gets every byte either way.
+    for len in [32 * 1024, 200 * 1024] {
+        let (url, counts) = server(3, len).await;
+        let agent = agent();
+        let (response, body) = get(&agent, &url).await;
+        assert_eq!(response.status(), 503, "{len}");
+        assert_eq!(response.extensions().get::<GaveUp>().unwrap().attempts, 3);
+        assert_eq!(body.len(), len);
+        assert!(body.iter().all(|&b| b == b'x'));
+        assert_eq!(counts.requests.load(Ordering::SeqCst), 3);
+        if len == 32 * 1024 {
+            assert_eq!(counts.connections.load(Ordering::SeqCst), 1, "{len}");
+        }
+    }
+}
