@@ -33,7 +33,10 @@
 //! A new store is built under a temporary name in the data directory and renamed to
 //! `retryplane.redb` only once its tables are committed (a rename that never replaces a file
 //! another process put there meanwhile). So the store's path holds either nothing or a whole
-//! store: a first start that fails half-way (a full disk, a crash) leaves no file there. A
+//! store: a first start that fails half-way (a full disk, a crash) leaves no file there (and
+//! what it left under the temporary name is deleted by the next open, once it holds the
+//! store's lock). A symbolic link at that path that points to nothing gets the new store at
+//! its target. A
 //! file at that path that is empty or holds only zero bytes is therefore not a fresh one but a
 //! damaged one (a file system whose flushes were not honoured, a failed copy), and may be all
 //! that is left of a version history: the open refuses it with [`StoreError::NotAStore`],
@@ -64,7 +67,7 @@ use redb::{
 use retryplane_proto::pb;
 use sha2::{Digest as _, Sha256};
 use tokio::time::Instant;
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 use super::{
     NewVersion, Plan, Published, Source, StoreError, VersionMeta, VersionRecord, VersionStore,
@@ -74,8 +77,8 @@ use super::{
 /// The store's file name inside the data directory.
 const FILE_NAME: &str = "retryplane.redb";
 /// The start of the temporary name a new store is built under (see [`create_file`]). A file
-/// named so is left only by a first start that was killed before it finished, never held a
-/// version, and may be deleted.
+/// named so is left only by a first start that was killed before it finished and never held a
+/// version: a later open deletes it once it holds the store's lock.
 const TEMP_PREFIX: &str = ".retryplane.redb.new-";
 /// Version number → encoded [`StoredRecord`].
 const VERSIONS: TableDefinition<'_, u64, &[u8]> = TableDefinition::new("versions");
@@ -194,10 +197,12 @@ impl RedbStore {
             source,
         })?;
         let path = dir.join(FILE_NAME);
-        match std::fs::symlink_metadata(&path) {
-            Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
-                create_file(dir, &path)?;
-            }
+        match std::fs::metadata(&path) {
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => match dangling(&path) {
+                // A link to where the store is to be (a volume, say): created there.
+                Some(target) => create_file(target.parent().unwrap_or(dir), &target)?,
+                None => create_file(dir, &path)?,
+            },
             Err(source) => return Err(StoreError::OpenFile { path, source }),
             Ok(_) => {}
         }
@@ -216,6 +221,9 @@ impl RedbStore {
         };
         store.run(create_tables)?;
         store.run(check)?;
+        // Only now: the open holds the file's lock, so no other server is building a store here
+        // that it could use.
+        remove_leftovers(dir);
         Ok(store)
     }
 
@@ -458,6 +466,41 @@ fn create_file(dir: &Path, path: &Path) -> Result<(), StoreError> {
     }
     // The new name must outlast a power cut as the commits made under it will.
     sync_dir(dir).map_err(|error| failed(error.into()))
+}
+
+/// Where the symbolic link at `path` points, when it points to nothing (resolved against the
+/// link's directory when relative); `None` when `path` is no link.
+fn dangling(path: &Path) -> Option<PathBuf> {
+    let target = std::fs::read_link(path).ok()?;
+    Some(match path.parent() {
+        Some(dir) if target.is_relative() => dir.join(target),
+        _ => target,
+    })
+}
+
+/// Deletes what first starts that were killed left in `dir` (see [`TEMP_PREFIX`]); a file
+/// that cannot be deleted is logged and left.
+fn remove_leftovers(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        if !name.to_string_lossy().starts_with(TEMP_PREFIX)
+            || !entry.file_type().is_ok_and(|t| t.is_file())
+        {
+            continue;
+        }
+        let path = entry.path();
+        match std::fs::remove_file(&path) {
+            Ok(()) => info!(file = %path.display(), "removed what an interrupted first start left"),
+            Err(error) => warn!(
+                file = %path.display(),
+                %error,
+                "cannot remove what an interrupted first start left"
+            ),
+        }
+    }
 }
 
 /// Flushes `dir`'s entries to disk.

@@ -540,10 +540,41 @@ fn what_an_interrupted_first_start_left_does_not_stop_the_next_one() {
     let store = RedbStore::open(dir.path()).unwrap();
     assert_eq!(store.current().unwrap(), None);
     assert_eq!(publish_new(&store, "a"), 1);
+    // Deleted once the store is open (and its lock held), here and at later starts.
+    assert_eq!(files_in(dir.path()), ["retryplane.redb"]);
+    drop(store);
+    std::fs::write(&leftover, vec![0; 4096]).unwrap();
+    let other = dir.path().join(".retryplane.redb.other");
+    std::fs::write(&other, b"kept").unwrap();
+    let store = RedbStore::open(dir.path()).unwrap();
+    assert_eq!(store.current().unwrap().unwrap().meta.version, 1);
     assert_eq!(
         files_in(dir.path()),
-        [".retryplane.redb.new-AbC123", "retryplane.redb"]
+        [".retryplane.redb.other", "retryplane.redb"]
     );
+}
+
+#[cfg(unix)]
+#[test]
+fn a_link_to_no_file_yet_gets_the_new_store_at_its_target() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let volume = dir.path().join("volume");
+    std::fs::create_dir_all(&data).unwrap();
+    std::fs::create_dir_all(&volume).unwrap();
+    std::os::unix::fs::symlink("../volume/history.redb", data.join("retryplane.redb")).unwrap();
+    let store = RedbStore::open(&data).unwrap();
+    assert_eq!(publish_new(&store, "a"), 1);
+    drop(store);
+    assert!(
+        std::fs::symlink_metadata(data.join("retryplane.redb"))
+            .unwrap()
+            .file_type()
+            .is_symlink()
+    );
+    assert_eq!(files_in(&volume), ["history.redb"]);
+    let store = RedbStore::open(&data).unwrap();
+    assert_eq!(store.current().unwrap().unwrap().meta.version, 1);
 }
 
 #[test]
