@@ -555,14 +555,23 @@ impl Endpoint {
                     // An open breaker refuses calls at the callers' rate: one warn line per
                     // endpoint per second for those, the others at debug.
                     let refused = g == GiveUpCause::CircuitOpen && attempts == 0;
-                    match refused.then(|| runtime.refusal_line(end)) {
-                        Some(None) => debug!(
-                            endpoint = %self.name,
-                            method = meta.method(),
-                            path = meta.path(),
-                            "call refused: circuit open"
-                        ),
-                        Some(Some(quiet)) => warn!(
+                    // `quiet`: refusals since the last line, for a refusal (a field left out
+                    // of any other line: tracing records no `None`).
+                    let quiet = match refused.then(|| runtime.refusal_line(end)) {
+                        Some(None) => {
+                            debug!(
+                                endpoint = %self.name,
+                                method = meta.method(),
+                                path = meta.path(),
+                                "call refused: circuit open"
+                            );
+                            None
+                        }
+                        Some(Some(quiet)) => Some(Some(quiet)),
+                        None => Some(None),
+                    };
+                    if let Some(quiet) = quiet {
+                        warn!(
                             endpoint = %self.name,
                             method = meta.method(),
                             path = meta.path(),
@@ -572,17 +581,7 @@ impl Endpoint {
                             duration_ms,
                             refused_since_last_line = quiet,
                             "call failed"
-                        ),
-                        None => warn!(
-                            endpoint = %self.name,
-                            method = meta.method(),
-                            path = meta.path(),
-                            attempts,
-                            class = %class,
-                            cause = %cause,
-                            duration_ms,
-                            "call failed"
-                        ),
+                        );
                     }
                     Err(CallError {
                         cause,

@@ -216,6 +216,11 @@ async fn no_log_line_carries_a_header_value_a_token_or_a_body() {
         gave_up.is_some(),
         "no warn line for the failed call:\n{log}"
     );
+    // Only a refusal's line says how many refusals it stands for.
+    assert!(
+        gave_up.is_some_and(|line| !line.contains("refused_since_last_line")),
+        "{log}"
+    );
     assert!(
         line_with(
             &log,
