@@ -231,27 +231,22 @@ impl Classify for reqwest::Error {
 /// error is the caller's own.
 #[cfg(feature = "reqwest")]
 fn reqwest_transport_class(e: &reqwest::Error) -> Option<ErrorClass> {
-    let mut next = e.source();
-    while let Some(err) = next {
+    // `Some(None)`: a hyper error of the caller's own, which ends the walk.
+    let found = e.source().map(chain)?.find_map(|err| {
         if let Some(r) = err.downcast_ref::<reqwest::Error>() {
             if r.is_timeout() {
-                return Some(ErrorClass::Timeout);
+                return Some(Some(ErrorClass::Timeout));
             }
             if r.is_request() || r.is_body() {
-                return Some(ErrorClass::Reset);
+                return Some(Some(ErrorClass::Reset));
             }
         }
         if let Some(h) = err.downcast_ref::<hyper::Error>() {
-            return hyper_class(h);
+            return Some(hyper_class(h));
         }
-        if let Some(io) = err.downcast_ref::<std::io::Error>()
-            && let Some(class) = io_class(io.kind())
-        {
-            return Some(on_connection(class));
-        }
-        next = err.source();
-    }
-    None
+        io_error_class(err).map(|class| Some(on_connection(class)))
+    });
+    found.flatten()
 }
 
 /// hyper never dials, so every error it reports happened on a connection that was up: the
@@ -283,12 +278,12 @@ impl Classify for hyper_util::client::legacy::Error {
         if self.is_connect() {
             return Classification::Outcome(Outcome::Transport(ErrorClass::Connect));
         }
-        let mut next = self.source();
-        while let Some(err) = next {
-            if let Some(h) = err.downcast_ref::<hyper::Error>() {
-                return h.classify();
-            }
-            next = err.source();
+        let hyper = self
+            .source()
+            .map(chain)
+            .and_then(|mut c| c.find_map(|err| err.downcast_ref::<hyper::Error>()));
+        if let Some(h) = hyper {
+            return h.classify();
         }
         let class = connected_io_class(self).unwrap_or(ErrorClass::Reset);
         Classification::Outcome(Outcome::Transport(class))
@@ -300,14 +295,14 @@ impl Classify for hyper_util::client::legacy::Error {
 /// acted on, as with a refused connection, and any method may be sent again. gRPC clients
 /// retry it transparently for the same reason.
 fn refused_stream_in_chain(e: &(dyn StdError + 'static)) -> bool {
-    let mut next = Some(e);
-    while let Some(err) = next {
-        if refused_stream(err) {
-            return true;
-        }
-        next = err.source();
-    }
-    false
+    chain(e).any(refused_stream)
+}
+
+/// `e`, then its sources in turn.
+fn chain<'a>(
+    e: &'a (dyn StdError + 'static),
+) -> impl Iterator<Item = &'a (dyn StdError + 'static)> {
+    std::iter::successors(Some(e), |&err| err.source())
 }
 
 /// Whether `e` itself is an HTTP/2 `REFUSED_STREAM` (see [`refused_stream_in_chain`]).
@@ -354,16 +349,13 @@ fn on_connection(class: ErrorClass) -> ErrorClass {
 
 /// The class of the first `io::Error` with one in `e`'s source chain, `e` included.
 fn io_class_in_chain(e: &(dyn StdError + 'static)) -> Option<ErrorClass> {
-    let mut next = Some(e);
-    while let Some(err) = next {
-        if let Some(io) = err.downcast_ref::<std::io::Error>()
-            && let Some(class) = io_class(io.kind())
-        {
-            return Some(class);
-        }
-        next = err.source();
-    }
-    None
+    chain(e).find_map(io_error_class)
+}
+
+/// The class of `e` if it is an `io::Error` of a kind with one.
+fn io_error_class(e: &(dyn StdError + 'static)) -> Option<ErrorClass> {
+    e.downcast_ref::<std::io::Error>()
+        .and_then(|io| io_class(io.kind()))
 }
 
 /// The classification of a type-erased client error (what a tower stack returns): the first
@@ -385,49 +377,45 @@ pub(crate) fn classify_boxed(e: &(dyn StdError + 'static)) -> Classification {
 /// [`timed_out`]) is timeout: it has no source, so a connect error can only be above it in the
 /// chain, and is found first.
 fn transport_in_chain(e: &(dyn StdError + 'static)) -> Option<Classification> {
+    chain(e).find_map(transport_of)
+}
+
+/// What `err` itself says, if it is one of the errors [`transport_in_chain`] looks for.
+fn transport_of(err: &(dyn StdError + 'static)) -> Option<Classification> {
     let transport = |class| Some(Classification::Outcome(Outcome::Transport(class)));
-    let mut next = Some(e);
-    while let Some(err) = next {
-        // A stream the server refused: tonic puts the h2 error itself under its status (under
-        // a hyper error, the hyper arm below says the same).
-        if err.is::<tonic::ConnectError>() || refused_stream(err) {
-            return transport(ErrorClass::Connect);
-        }
-        if let Some(e) = err.downcast_ref::<hyper_util::client::legacy::Error>() {
-            return Some(e.classify());
-        }
-        if let Some(e) = err.downcast_ref::<hyper::Error>() {
-            return Some(e.classify());
-        }
-        // A reqwest error that says connect, timeout or reset, or the HTTP status of an
-        // answer `error_for_status` turned into an error, as `Endpoint::call` counts it (a bad
-        // URL is neither: the walk goes on below it).
-        #[cfg(feature = "reqwest")]
-        if let Some(e) = err.downcast_ref::<reqwest::Error>()
-            && let outcome @ Classification::Outcome(Outcome::Transport(_) | Outcome::Http { .. }) =
-                e.classify()
-        {
-            return Some(outcome);
-        }
-        if timed_out(err) {
-            return transport(ErrorClass::Timeout);
-        }
-        // tonic's own request timeout, as the `CANCELLED` status tonic makes of it (see
-        // [`timed_out`]): under the layer it comes as a bare error, not yet a status.
-        if err.is::<tonic::TimeoutExpired>() {
-            return Some(Classification::Outcome(Outcome::Grpc {
-                code: GrpcCode::Cancelled,
-                pushback: None,
-            }));
-        }
-        if let Some(io) = err.downcast_ref::<std::io::Error>()
-            && let Some(class) = io_class(io.kind())
-        {
-            return transport(class);
-        }
-        next = err.source();
+    // A stream the server refused: tonic puts the h2 error itself under its status (under
+    // a hyper error, the hyper arm below says the same).
+    if err.is::<tonic::ConnectError>() || refused_stream(err) {
+        return transport(ErrorClass::Connect);
     }
-    None
+    if let Some(e) = err.downcast_ref::<hyper_util::client::legacy::Error>() {
+        return Some(e.classify());
+    }
+    if let Some(e) = err.downcast_ref::<hyper::Error>() {
+        return Some(e.classify());
+    }
+    // A reqwest error that says connect, timeout or reset, or the HTTP status of an
+    // answer `error_for_status` turned into an error, as `Endpoint::call` counts it (a bad
+    // URL is neither: the walk goes on below it).
+    #[cfg(feature = "reqwest")]
+    if let Some(e) = err.downcast_ref::<reqwest::Error>()
+        && let outcome @ Classification::Outcome(Outcome::Transport(_) | Outcome::Http { .. }) =
+            e.classify()
+    {
+        return Some(outcome);
+    }
+    if timed_out(err) {
+        return transport(ErrorClass::Timeout);
+    }
+    // tonic's own request timeout, as the `CANCELLED` status tonic makes of it (see
+    // [`timed_out`]): under the layer it comes as a bare error, not yet a status.
+    if err.is::<tonic::TimeoutExpired>() {
+        return Some(Classification::Outcome(Outcome::Grpc {
+            code: GrpcCode::Cancelled,
+            pushback: None,
+        }));
+    }
+    io_error_class(err).and_then(transport)
 }
 
 /// Whether `e` is the error of a timeout middleware that gave up waiting for the service below
