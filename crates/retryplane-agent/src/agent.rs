@@ -336,7 +336,9 @@ impl AgentBuilder {
         self
     }
 
-    /// How often metrics are sent unless the control plane says otherwise.
+    /// How often metrics are sent unless the control plane says otherwise. This one and the
+    /// control plane's are held within the control plane's own range, 100 ms to 1 h: a shorter
+    /// one counts as 100 ms, a longer one as 1 h.
     pub fn metrics_interval(mut self, interval: Duration) -> Self {
         self.metrics_interval = Some(interval);
         self

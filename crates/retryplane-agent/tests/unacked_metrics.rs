@@ -16,15 +16,15 @@ use retryplane_proto::pb::agent_message::Kind;
 use support::plane::succeed;
 use support::script::{Event, Script, ToAgent, send, snapshot};
 
-/// Reports every 20 ms, from the first snapshot on.
+/// Reports every 100 ms (the shortest interval), from the first snapshot on.
 async fn connected(script: &mut Script) -> (Agent, ToAgent) {
     let agent = support::plane::builder(script.addr, "a")
-        .metrics_interval(Duration::from_millis(20))
+        .metrics_interval(Duration::from_millis(100))
         .connect()
         .unwrap();
     let (to_agent, _hello) = script.reconnected().await;
     let mut v1 = snapshot(1, 1);
-    v1.metrics_interval_ms = 20;
+    v1.metrics_interval_ms = 100;
     send(&to_agent, &v1).await;
     match script.reply().await {
         Kind::Ack(ack) => assert_eq!(ack.version, 1),

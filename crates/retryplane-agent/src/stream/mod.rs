@@ -45,6 +45,13 @@ pub(crate) const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Longest wait on shutdown for the server to close the stream after the last report.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
+/// The shortest metrics interval: the control plane's own lower bound (`--metrics-interval`).
+/// A shorter one, from the agent's settings, its cache file or a snapshot, would flood the
+/// control plane with reports that its rate limit then refuses.
+pub(crate) const MIN_METRICS_INTERVAL: Duration = Duration::from_millis(100);
+/// The longest metrics interval: the control plane's own upper bound. A longer one would keep
+/// the counts from the control plane for as long.
+pub(crate) const MAX_METRICS_INTERVAL: Duration = Duration::from_secs(3600);
 /// Messages queued towards the control plane.
 const OUTBOUND: usize = 16;
 // A new stream holds Hello and every unacknowledged report at once.
@@ -361,8 +368,11 @@ fn message(kind: Kind) -> pb::AgentMessage {
     pb::AgentMessage { kind: Some(kind) }
 }
 
+/// The metrics interval in force, within [`MIN_METRICS_INTERVAL`, `MAX_METRICS_INTERVAL`]
+/// whatever set it.
 fn interval(shared: &Shared) -> Duration {
-    Duration::from_millis(shared.metrics_interval_ms.load(Relaxed).max(1))
+    Duration::from_millis(shared.metrics_interval_ms.load(Relaxed))
+        .clamp(MIN_METRICS_INTERVAL, MAX_METRICS_INTERVAL)
 }
 
 /// Hands the counter deltas to the stream as the next report: numbered and kept in `outbox`
@@ -450,6 +460,21 @@ mod tests {
         let c = shared.metrics.counters(&Arc::from("a"));
         for _ in 0..n {
             Counters::inc(&c.calls);
+        }
+    }
+
+    #[test]
+    fn the_metrics_interval_is_bounded_whatever_set_it() {
+        let agent = agent();
+        let shared = agent.shared();
+        for (ms, bounded) in [
+            (0, MIN_METRICS_INTERVAL),
+            (1, MIN_METRICS_INTERVAL),
+            (250, Duration::from_millis(250)),
+            (u64::MAX, MAX_METRICS_INTERVAL),
+        ] {
+            shared.metrics_interval_ms.store(ms, Relaxed);
+            assert_eq!(interval(shared), bounded, "{ms} ms");
         }
     }
 

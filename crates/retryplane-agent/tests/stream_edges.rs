@@ -1,0 +1,142 @@
+//! What a control plane may send that it normally does not: a metrics interval out of range, a
+//! version lower than the one applied, the same version with other content. Against the
+//! scripted control plane (`support::script`).
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use std::time::Duration;
+
+use retryplane_agent::Source;
+use retryplane_proto::pb::agent_message::Kind;
+use support::plane::{attempts_of, succeed};
+use support::script::{Event, Script, send, snapshot};
+use tokio::time::Instant;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_huge_metrics_interval_from_the_control_plane_does_not_stop_the_agent() {
+    let mut script = Script::start().await;
+    let agent = support::plane::agent(script.addr, "a", None);
+    let (to_agent, _) = script.reconnected().await;
+    let mut v1 = snapshot(1, 4);
+    v1.metrics_interval_ms = u64::MAX;
+    send(&to_agent, &v1).await;
+    match script.reply().await {
+        Kind::Ack(ack) => assert_eq!(ack.version, 1),
+        other => panic!("expected Ack v1, got {other:?}"),
+    }
+    // The stream is lost: the agent reconnects and says which version it runs.
+    drop(to_agent);
+    let (to_agent, hello) = script.reconnected().await;
+    assert_eq!(hello.last_applied_version, 1);
+    send(&to_agent, &snapshot(2, 3)).await;
+    match script.reply().await {
+        Kind::Ack(ack) => assert_eq!(ack.version, 2),
+        other => panic!("expected Ack v2, got {other:?}"),
+    }
+    assert_eq!(attempts_of(&agent).await, 3);
+    script.shut_down(agent, to_agent).await;
+}
+
+/// Reports that reach `script` in `watch` while `agent` makes calls all the time (so every
+/// interval has counts to report).
+async fn reports_in(
+    script: &mut Script,
+    agent: &retryplane_agent::Agent,
+    watch: Duration,
+) -> usize {
+    let busy = agent.clone();
+    let calls = tokio::spawn(async move {
+        loop {
+            succeed(&busy, 1).await;
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    });
+    let mut reports = 0;
+    let until = Instant::now() + watch;
+    while Instant::now() < until {
+        tokio::select! {
+            e = script.next() => match e {
+                Event::Message(Kind::Metrics(_)) => reports += 1,
+                other => panic!("expected metrics, got {other:?}"),
+            },
+            () = tokio::time::sleep_until(until) => {}
+        }
+    }
+    calls.abort();
+    let _ = calls.await;
+    reports
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_zero_or_tiny_metrics_interval_is_raised_to_the_shortest_the_control_plane_allows() {
+    let watch = Duration::from_millis(600);
+    // The agent's own interval, zero; then the control plane's, 1 ms.
+    let mut script = Script::start().await;
+    let agent = support::plane::builder(script.addr, "a")
+        .metrics_interval(Duration::ZERO)
+        .connect()
+        .unwrap();
+    let (to_agent, _) = script.reconnected().await;
+    let reports = reports_in(&mut script, &agent, watch).await;
+    // One report per 100 ms at most (and one more for the phase).
+    assert!(
+        reports <= 7,
+        "{reports} reports in {watch:?} on the agent's own zero"
+    );
+    let mut v1 = snapshot(1, 1);
+    v1.metrics_interval_ms = 1;
+    send(&to_agent, &v1).await;
+    loop {
+        match script.next().await {
+            Event::Message(Kind::Ack(ack)) => break assert_eq!(ack.version, 1),
+            Event::Message(Kind::Metrics(_)) => {}
+            other => panic!("expected Ack v1, got {other:?}"),
+        }
+    }
+    let reports = reports_in(&mut script, &agent, watch).await;
+    assert!(
+        reports <= 7,
+        "{reports} reports in {watch:?} on the control plane's 1 ms"
+    );
+    script.shut_down(agent, to_agent).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lower_version_or_other_content_under_the_same_version_is_applied_and_acked() {
+    let mut script = Script::start().await;
+    let agent = support::plane::agent(script.addr, "a", None);
+    let (to_agent, _) = script.reconnected().await;
+    for (snap, attempts) in [
+        (snapshot(5, 4), 4),
+        // A control plane restored from an older store: its version is the truth.
+        (snapshot(3, 2), 2),
+        // The same version with other content.
+        (snapshot(3, 5), 5),
+        // The version the agent runs, again.
+        (snapshot(3, 5), 5),
+    ] {
+        send(&to_agent, &snap).await;
+        match script.reply().await {
+            Kind::Ack(ack) => {
+                assert_eq!(
+                    (ack.version, ack.nonce.as_str()),
+                    (snap.version, snap.nonce.as_str())
+                )
+            }
+            other => panic!("expected Ack, got {other:?}"),
+        }
+        let p = agent.policies();
+        assert_eq!(
+            (p.version(), p.content_hash()),
+            (snap.version, snap.content_hash.as_str())
+        );
+        assert_eq!(p.source(), Source::ControlPlane);
+        assert_eq!(attempts_of(&agent).await, attempts);
+    }
+    drop(to_agent);
+    let (to_agent, hello) = script.reconnected().await;
+    assert_eq!(hello.last_applied_version, 3);
+    script.shut_down(agent, to_agent).await;
+}
