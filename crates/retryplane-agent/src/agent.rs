@@ -16,6 +16,7 @@ use retryplane_proto::{convert, pb};
 use tokio::sync::Mutex;
 use tokio::task::JoinHandle;
 use tokio_util::sync::{CancellationToken, DropGuard};
+use tracing::info;
 
 use crate::call::Endpoint;
 use crate::error::{AgentError, StreamError};
@@ -367,7 +368,8 @@ impl AgentBuilder {
 
     /// Starts the agent and returns at once: the policies come from the cache file if it holds
     /// a valid snapshot, else the [`crate::fallback_policy`], until the control plane sends
-    /// some. One background task owns the stream. Must be called inside a tokio runtime.
+    /// some; which of the two is logged at start, with why the cache file was not used. One
+    /// background task owns the stream. Must be called inside a tokio runtime.
     pub fn connect(self) -> Result<Agent, AgentError> {
         let runtime = tokio::runtime::Handle::try_current().map_err(|_| AgentError::NoRuntime)?;
         let url = self.url.ok_or(AgentError::MissingUrl)?;
@@ -389,7 +391,13 @@ impl AgentBuilder {
         // as it does when a snapshot arrives: an up-to-date agent is sent no snapshot.
         let (snapshot, current_interval) = match cached {
             Some(c) => (c.snapshot, c.metrics_interval.unwrap_or(interval)),
-            None => (PolicySnapshot::fallback(), interval),
+            None => {
+                info!(
+                    max_attempts = crate::fallback_policy().max_attempts,
+                    "starting on the fallback policy until the control plane sends policies"
+                );
+                (PolicySnapshot::fallback(), interval)
+            }
         };
         let shared = Arc::new(Shared::new(snapshot, seed, current_interval));
         let agent_id = self

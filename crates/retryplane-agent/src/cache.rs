@@ -7,7 +7,8 @@
 //! crash leaves either the old file or the new one, never a torn one. The temporary file's name
 //! is unique per write (process id and a counter), so two agents of one process never share it.
 //!
-//! Read at start; a missing, unreadable or invalid file is logged and ignored. A file that
+//! Read at start; a missing (its directory too), empty, unreadable or invalid file is logged
+//! and ignored. A file that
 //! begins with the header is ours whatever follows it (damaged on disk, or written by a newer
 //! agent whose snapshot this one cannot check): it is not used, and the next applied snapshot
 //! replaces it. A file without the header is ours only if it is a snapshot whose content hash
@@ -93,7 +94,17 @@ pub(crate) struct Foreign;
 pub(crate) fn load(path: &Path) -> Result<Option<Cached>, Foreign> {
     let bytes = match read(path) {
         Ok(Some(b)) => b,
-        Ok(None) => return Ok(None),
+        Ok(None) => {
+            match path.parent().filter(|d| !d.as_os_str().is_empty()) {
+                Some(dir) if !dir.is_dir() => warn!(
+                    file = %path.display(),
+                    "the policy cache's directory does not exist: no cache can be kept there \
+                     until it is created"
+                ),
+                _ => info!(file = %path.display(), "no policy cache yet"),
+            }
+            return Ok(None);
+        }
         Err(e) => {
             warn!(file = %path.display(), error = %e, "cannot read the policy cache; ignored");
             return Ok(None);
@@ -127,7 +138,10 @@ pub(crate) fn load(path: &Path) -> Result<Option<Cached>, Foreign> {
             );
             Err(Foreign)
         }
-        Err(Unusable::Foreign(_)) => Ok(None),
+        Err(Unusable::Foreign(_)) => {
+            info!(file = %path.display(), "the policy cache is empty; ignored");
+            Ok(None)
+        }
     }
 }
 

@@ -1,0 +1,119 @@
+//! What an agent that cannot reach its control plane says at start about the policies it runs:
+//! the cached ones, or the fallback policy and why, in one log line.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use std::io;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use prost::Message as _;
+use retryplane_agent::{Agent, Source};
+
+/// A log sink shared with the test.
+#[derive(Clone, Default)]
+struct Sink(Arc<Mutex<Vec<u8>>>);
+
+impl io::Write for Sink {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// The agent's info-and-up log lines while an agent with `cache` (if any) starts with no
+/// control plane and fails its first connection, and the source of its policies.
+async fn start(cache: Option<&Path>) -> (String, Source) {
+    let sink = Sink::default();
+    let writer = sink.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_env_filter("retryplane_agent=info")
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    // Nothing listens there.
+    let nothing = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = nothing.local_addr().unwrap();
+    drop(nothing);
+    let agent: Agent = support::plane::agent(addr, "a", cache);
+    support::plane::eventually("the first connection fails", || async {
+        agent.stream_error().is_some()
+    })
+    .await;
+    let source = agent.policies().source();
+    agent.shutdown().await;
+    let text = String::from_utf8(sink.0.lock().unwrap().clone()).unwrap();
+    (text, source)
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_start_on_the_fallback_policy_says_so_and_why() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = |name: &str, bytes: &[u8]| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, bytes).unwrap();
+        path
+    };
+    let header = b"retryplane agent policy cache 1\n".as_slice();
+    let truncated = file("truncated.cache", &[header, b"\x08\x07\x12\x40"].concat());
+    let foreign = file("garbage.cache", b"\x00\x01not a cache at all");
+    let empty = file("empty.cache", b"");
+    // (case, cache file, what the line about the cache file says)
+    let cases = [
+        ("no cache file", None, None),
+        (
+            "a missing file",
+            Some(dir.path().join("missing.cache")),
+            Some("no policy cache yet"),
+        ),
+        (
+            "a missing directory",
+            Some(dir.path().join("no-such-dir/agent.cache")),
+            Some("directory does not exist"),
+        ),
+        (
+            "an empty file",
+            Some(empty),
+            Some("the policy cache is empty"),
+        ),
+        ("a truncated file", Some(truncated), Some("not usable")),
+        ("a foreign file", Some(foreign), Some("not a policy cache")),
+        (
+            "a directory",
+            Some(dir.path().to_owned()),
+            Some("cannot read"),
+        ),
+    ];
+    for (what, path, says) in cases {
+        let (log, source) = start(path.as_deref()).await;
+        assert_eq!(source, Source::Fallback, "{what}");
+        assert!(
+            log.lines().any(|l| l.contains("INFO")
+                && l.contains("starting on the fallback policy")
+                && l.contains("max_attempts=2")),
+            "{what}: {log}"
+        );
+        if let (Some(path), Some(says)) = (path, says) {
+            let file = format!("file={}", path.display());
+            assert!(
+                log.lines().any(|l| l.contains(&file) && l.contains(says)),
+                "{what}: {log}"
+            );
+        }
+    }
+    // A usable cache: its policies, and no word of the fallback.
+    let good = file(
+        "good.cache",
+        &[header, &support::script::snapshot(7, 4).encode_to_vec()].concat(),
+    );
+    let (log, source) = start(Some(&good)).await;
+    assert_eq!(source, Source::Cache);
+    assert!(log.contains("starting on cached policies"), "{log}");
+    assert!(!log.contains("fallback"), "{log}");
+}
