@@ -354,7 +354,8 @@ impl AgentBuilder {
     /// HTTP/2 keepalive: a ping every `interval`, and the connection counts as dead (the agent
     /// reconnects, keeping its policies) when one goes unanswered for `timeout`. This is what
     /// finds a control plane that vanished without closing the connection (a host gone, a
-    /// network partition). Default: 20 s and 10 s, the server's own interval.
+    /// network partition). Default: 20 s and 10 s, the server's own interval. Each is held
+    /// within the control plane's own range, 1 s to 1 h.
     pub fn keepalive(mut self, interval: Duration, timeout: Duration) -> Self {
         self.keepalive = Some((interval, timeout));
         self

@@ -248,7 +248,7 @@ async fn a_control_plane_that_goes_silent_is_found_by_keepalive_and_the_agent_re
     let proxy = Proxy::start(running.agent_addr).await;
     // The default ping (20 s, 10 s to answer) would not notice within the wait below.
     let a = builder(proxy.addr, "silent")
-        .keepalive(Duration::from_millis(200), Duration::from_millis(300))
+        .keepalive(Duration::from_secs(1), Duration::from_secs(1))
         .connect()
         .unwrap();
     on_version(&[&a], 1).await;

@@ -140,3 +140,38 @@ async fn a_lower_version_or_other_content_under_the_same_version_is_applied_and_
     assert_eq!(hello.last_applied_version, 3);
     script.shut_down(agent, to_agent).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keepalive_out_of_range_is_bounded_and_the_stream_stays_up() {
+    for (interval, timeout) in [
+        (Duration::ZERO, Duration::ZERO),
+        (Duration::ZERO, Duration::from_secs(10)),
+        (Duration::MAX, Duration::MAX),
+    ] {
+        let what = format!("keepalive({interval:?}, {timeout:?})");
+        let mut script = Script::start().await;
+        let agent = support::plane::builder(script.addr, "a")
+            .keepalive(interval, timeout)
+            .connect()
+            .unwrap();
+        let (to_agent, _) = script.reconnected().await;
+        send(&to_agent, &snapshot(1, 4)).await;
+        match script.reply().await {
+            Kind::Ack(ack) => assert_eq!(ack.version, 1, "{what}"),
+            other => panic!("{what}: expected Ack v1, got {other:?}"),
+        }
+        // The stream stays up.
+        let until = Instant::now() + Duration::from_millis(1500);
+        while Instant::now() < until {
+            tokio::select! {
+                e = script.next() => match e {
+                    Event::Message(Kind::Metrics(_)) => {}
+                    other => panic!("{what}: the stream did not stay up: {other:?}"),
+                },
+                () = tokio::time::sleep_until(until) => {}
+            }
+        }
+        assert!(agent.is_connected(), "{what}");
+        script.shut_down(agent, to_agent).await;
+    }
+}

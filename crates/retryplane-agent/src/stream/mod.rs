@@ -41,6 +41,12 @@ use reconnect::ReconnectBackoff;
 pub(crate) const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(20);
 /// How long a ping may go unanswered before the connection counts as dead.
 pub(crate) const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
+/// The range the keepalive interval and timeout are held in: the control plane's own for
+/// `--keepalive-interval` and `--keepalive-timeout`. A zero timeout would count every
+/// connection dead at its first ping, a zero interval ping without pause, and a timer past
+/// the clock's range panics in the HTTP/2 connection on every connection.
+pub(crate) const KEEPALIVE_RANGE: (Duration, Duration) =
+    (Duration::from_secs(1), Duration::from_secs(3600));
 /// Longest wait for a TCP connection to the control plane.
 pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Longest wait on shutdown for the server to close the stream after the last report.
@@ -123,11 +129,12 @@ pub(crate) async fn run(
     cancel: CancellationToken,
     seed: u64,
 ) {
+    let (min, max) = KEEPALIVE_RANGE;
     let endpoint = config
         .endpoint
         .clone()
-        .http2_keep_alive_interval(config.keepalive.0)
-        .keep_alive_timeout(config.keepalive.1)
+        .http2_keep_alive_interval(config.keepalive.0.clamp(min, max))
+        .keep_alive_timeout(config.keepalive.1.clamp(min, max))
         .keep_alive_while_idle(true)
         .connect_timeout(CONNECT_TIMEOUT)
         .tcp_nodelay(true);
