@@ -9,7 +9,9 @@
 //! schedule kept across streams, so a report due while no stream was up goes out as soon as one
 //! opens): numbered and kept until acknowledged, or unnumbered to a control plane that does not
 //! acknowledge reports. When the stream ends or cannot be opened the task waits a
-//! [`ReconnectBackoff`] delay and tries again; the policies in force are never dropped. On
+//! [`ReconnectBackoff`] delay and tries again; the policies in force are never dropped. Each
+//! loss is logged at info, but a token the control plane refuses (`UNAUTHENTICATED`,
+//! `PERMISSION_DENIED`) at warn, once until the reason changes: trying again will not fix it. On
 //! shutdown it sends the counts not yet reported, half-closes the stream and waits (bounded) for
 //! the server to close it.
 
@@ -148,6 +150,8 @@ pub(crate) async fn run(
     // out as soon as the next one opens. Counted from each stream's opening, reports would
     // never go out over streams that each last less than the interval.
     let mut next_report = Instant::now() + interval(&shared);
+    // Why the previous session ended, to say a refused token at warn once, not at every try.
+    let mut last_reason: Option<String> = None;
     loop {
         let end = session(
             &shared,
@@ -190,7 +194,23 @@ pub(crate) async fn run(
             backoff.back_off_fully();
         }
         let delay = backoff.next_delay(&mut rng);
-        info!(%reason, delay_ms = delay.as_millis() as u64, "control plane stream lost; reconnecting");
+        let delay_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
+        let refused = matches!(
+            code,
+            Some(tonic::Code::Unauthenticated | tonic::Code::PermissionDenied)
+        );
+        if refused && last_reason.as_deref() != Some(reason.as_str()) {
+            // Retrying will not change it: said at warn, once until the reason changes.
+            warn!(
+                %reason,
+                delay_ms,
+                "the control plane refuses this agent's token: check the token it is given; \
+                 running on the policies in force and reconnecting"
+            );
+        } else {
+            info!(%reason, delay_ms, "control plane stream lost; reconnecting");
+        }
+        last_reason = Some(reason);
         tokio::select! {
             () = cancel.cancelled() => return,
             () = tokio::time::sleep(delay) => {}

@@ -1,5 +1,6 @@
-//! What an agent that cannot reach its control plane says at start about the policies it runs:
-//! the cached ones, or the fallback policy and why, in one log line.
+//! What an agent says in its log when it has no stream to its control plane: at start, the
+//! policies it runs (the cached ones, or the fallback policy and why), and a token the control
+//! plane refuses, at warn once.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -116,4 +117,54 @@ async fn a_start_on_the_fallback_policy_says_so_and_why() {
     assert_eq!(source, Source::Cache);
     assert!(log.contains("starting on cached policies"), "{log}");
     assert!(!log.contains("fallback"), "{log}");
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_refused_token_is_said_once_at_warn_and_the_agent_keeps_trying() {
+    const SECRET: &str = "agent-secret-0123456789";
+    const WRONG: &str = "wrong-secret-0123456789";
+    let dir = tempfile::tempdir().unwrap();
+    let tokens = dir.path().join("tokens.yaml");
+    let file = format!("tokens:\n  - {{name: a, role: agent, secret: {SECRET}}}\n");
+    std::fs::write(&tokens, file).unwrap();
+    let running = support::plane::plane_with(dir.path(), &support::plane::yaml(2), None, |cfg| {
+        cfg.tokens_file = Some(tokens.clone());
+    })
+    .await;
+    let sink = Sink::default();
+    let writer = sink.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_env_filter("retryplane_agent=info")
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let text = || String::from_utf8(sink.0.lock().unwrap().clone()).unwrap();
+    let bad = support::plane::builder(running.agent_addr, "bad")
+        .token(WRONG)
+        .connect()
+        .unwrap();
+    support::plane::eventually("several tries", || async {
+        text().matches("Unauthenticated").count() >= 5
+    })
+    .await;
+    let code = bad.stream_error().and_then(|e| e.code);
+    assert_eq!(code, Some(tonic::Code::Unauthenticated));
+    bad.shutdown().await;
+    let log = text();
+    let warned: Vec<&str> = log.lines().filter(|l| l.contains("WARN")).collect();
+    assert_eq!(warned.len(), 1, "{log}");
+    assert!(warned[0].contains("refuses this agent's token"), "{log}");
+    assert!(!log.contains(WRONG), "{log}");
+
+    // With the right token: no warning.
+    sink.0.lock().unwrap().clear();
+    let good = support::plane::builder(running.agent_addr, "good")
+        .token(SECRET)
+        .connect()
+        .unwrap();
+    support::plane::eventually("connected", || async { good.is_connected() }).await;
+    good.shutdown().await;
+    assert!(!text().contains("WARN"), "{}", text());
+    running.shutdown().await.unwrap();
 }
