@@ -206,13 +206,17 @@ impl Agent {
     }
 
     /// Stops the background task after it sends the counts not yet reported (when connected).
-    /// Handles keep working on the last policies.
+    /// Handles keep working on the last policies. Every call, from any clone, returns once the
+    /// task has stopped.
     pub async fn shutdown(&self) {
         let Some(task) = &self.task else { return };
         task.cancel.cancel();
-        let handle = task.handle.lock().await.take();
-        if let Some(handle) = handle {
-            let _ = handle.await;
+        // Held while waiting: a call made meanwhile waits for the same end. A call given up
+        // half-way leaves the handle to the next one.
+        let mut handle = task.handle.lock().await;
+        if let Some(running) = handle.as_mut() {
+            let _ = running.await;
+            *handle = None;
         }
     }
 

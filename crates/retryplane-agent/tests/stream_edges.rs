@@ -175,3 +175,69 @@ async fn a_keepalive_out_of_range_is_bounded_and_the_stream_stays_up() {
         script.shut_down(agent, to_agent).await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handle_on_an_endpoint_a_snapshot_removes_runs_under_the_defaults() {
+    use retryplane_proto::{convert, pb};
+    let mut script = Script::start().await;
+    let agent = support::plane::agent(script.addr, "a", None);
+    let ep = agent.endpoint("ep");
+    let (to_agent, _) = script.reconnected().await;
+    send(&to_agent, &snapshot(1, 5)).await;
+    assert!(matches!(script.reply().await, Kind::Ack(a) if a.version == 1));
+    assert_eq!(attempts_of(&agent).await, 5);
+    // v2 names only `other`, with `defaults:` of 2 attempts.
+    let yaml = "version: 1\ndefaults:\n  max_attempts: 2\n  backoff: {base: 5ms, max: 20ms, jitter: none}\n  budget: {enabled: false}\n  circuit_breaker: {enabled: false}\nendpoints:\n  other: {max_attempts: 4}\n";
+    let doc = pb::PolicyDocument::from(
+        retryplane_policy::load(yaml.as_bytes())
+            .policies
+            .unwrap()
+            .document()
+            .as_ref(),
+    );
+    let v2 = pb::Snapshot {
+        version: 2,
+        content_hash: convert::content_hash(&doc),
+        policies: Some(doc),
+        nonce: "nonce-2".into(),
+        metrics_interval_ms: 60_000,
+    };
+    send(&to_agent, &v2).await;
+    assert!(matches!(script.reply().await, Kind::Ack(a) if a.version == 2));
+    let count = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let err = ep
+        .call(
+            retryplane_agent::CallMeta::http("GET", "/"),
+            support::plane::failing(count),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err.attempts, 2,
+        "the held handle runs under the new defaults"
+    );
+    script.shut_down(agent, to_agent).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_shutdown_call_returns_once_the_background_task_has_stopped() {
+    let mut script = Script::start().await;
+    let agent = support::plane::agent(script.addr, "a", None);
+    let (to_agent, _) = script.reconnected().await;
+    send(&to_agent, &snapshot(1, 2)).await;
+    assert!(matches!(script.reply().await, Kind::Ack(a) if a.version == 1));
+    let first = {
+        let agent = agent.clone();
+        tokio::spawn(async move { agent.shutdown().await })
+    };
+    // The agent has half-closed its side; the control plane has not closed its own, so the
+    // task waits (bounded) for it.
+    script.until_ended().await;
+    assert!(agent.is_connected());
+    // A second call, from another clone, while the first waits.
+    agent.clone().shutdown().await;
+    assert!(!agent.is_connected(), "returned before the task stopped");
+    first.await.unwrap();
+    drop(to_agent);
+    script.stop().await;
+}
