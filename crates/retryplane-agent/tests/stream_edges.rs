@@ -1,6 +1,7 @@
-//! What a control plane may send that it normally does not: a metrics interval out of range, a
-//! version lower than the one applied, the same version with other content. Against the
-//! scripted control plane (`support::script`).
+//! The control-plane side of the agent at its edges: a metrics interval or keepalive out of
+//! range, a version lower than the one applied, the same version with other content, a
+//! snapshot that drops a handle's endpoint or is just under the message limit, shutdown from
+//! two clones. Against the scripted control plane (`support::script`).
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -8,6 +9,7 @@ mod support;
 
 use std::time::Duration;
 
+use prost::Message as _;
 use retryplane_agent::Source;
 use retryplane_proto::pb::agent_message::Kind;
 use support::plane::{attempts_of, succeed};
@@ -240,4 +242,52 @@ async fn every_shutdown_call_returns_once_the_background_task_has_stopped() {
     first.await.unwrap();
     drop(to_agent);
     script.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_just_under_the_message_limit_is_applied_cached_and_read_back() {
+    use retryplane_proto::{convert, pb};
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("agent.cache");
+    let mut script = Script::start().await;
+    let agent = support::plane::agent(script.addr, "a", Some(&cache));
+    let (to_agent, _) = script.reconnected().await;
+    let mut doc = snapshot(1, 3).policies.unwrap();
+    let template = doc.endpoints[0].clone();
+    let mut big = pb::Snapshot {
+        version: 9,
+        nonce: "nonce-9".into(),
+        metrics_interval_ms: 60_000,
+        ..Default::default()
+    };
+    // Endpoints with 120-byte names up to 200 kB under the limit.
+    let mut e = template.clone();
+    e.name = "0".repeat(120);
+    let each = prost::encoding::message::encoded_len(2, &e);
+    let n = (retryplane_proto::MAX_MESSAGE_BYTES - 200_000) / each;
+    doc.endpoints.extend((0..n).map(|i| {
+        let mut e = template.clone();
+        e.name = format!("{i:0>120}");
+        e
+    }));
+    big.content_hash = convert::content_hash(&doc);
+    big.policies = Some(doc);
+    let len = pb::ServerMessage::with_snapshot(&big).encoded_len();
+    let limit = retryplane_proto::MAX_MESSAGE_BYTES;
+    assert!(len <= limit && len > limit - 400_000, "{len}");
+    send(&to_agent, &big).await;
+    match script.reply().await {
+        Kind::Ack(ack) => assert_eq!(ack.version, 9),
+        other => panic!("expected Ack v9, got {other:?}"),
+    }
+    assert_eq!(attempts_of(&agent).await, 3);
+    script.shut_down(agent, to_agent).await;
+    // A restart with no control plane starts on it.
+    let nothing = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = nothing.local_addr().unwrap();
+    drop(nothing);
+    let restarted = support::plane::agent(addr, "a", Some(&cache));
+    let p = restarted.policies();
+    assert_eq!((p.source(), p.version()), (Source::Cache, 9));
+    restarted.shutdown().await;
 }
