@@ -1,6 +1,6 @@
 //! What an agent says in its log when it has no stream to its control plane: at start, the
-//! policies it runs (the cached ones, or the fallback policy and why), and a token the control
-//! plane refuses, at warn once.
+//! policies it runs (the cached ones, or the fallback policy and why), and a refusal that trying
+//! again will not fix (a token, a Hello, a URL), at warn once.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -120,7 +120,7 @@ async fn a_start_on_the_fallback_policy_says_so_and_why() {
 }
 
 #[tokio::test(flavor = "current_thread")]
-async fn a_refused_token_is_said_once_at_warn_and_the_agent_keeps_trying() {
+async fn a_refusal_that_trying_again_will_not_fix_is_said_once_at_warn() {
     const SECRET: &str = "agent-secret-0123456789";
     const WRONG: &str = "wrong-secret-0123456789";
     let dir = tempfile::tempdir().unwrap();
@@ -154,8 +154,42 @@ async fn a_refused_token_is_said_once_at_warn_and_the_agent_keeps_trying() {
     let log = text();
     let warned: Vec<&str> = log.lines().filter(|l| l.contains("WARN")).collect();
     assert_eq!(warned.len(), 1, "{log}");
-    assert!(warned[0].contains("refuses this agent's token"), "{log}");
+    assert!(warned[0].contains("the token the agent is given"), "{log}");
     assert!(!log.contains(WRONG), "{log}");
+
+    // A Hello the control plane refuses (an agent id too long), and a URL that is not the
+    // agent listener (the admin one): the same, with what to check.
+    for (url, id, check, code) in [
+        (
+            format!("http://{}", running.agent_addr),
+            "x".repeat(300),
+            "its id, service and labels",
+            tonic::Code::InvalidArgument,
+        ),
+        (
+            format!("http://{}", running.admin_addr),
+            "a".to_owned(),
+            "agent listener",
+            tonic::Code::Unimplemented,
+        ),
+    ] {
+        sink.0.lock().unwrap().clear();
+        let refused = support::plane::builder(running.agent_addr, &id)
+            .url(url)
+            .token(SECRET)
+            .connect()
+            .unwrap();
+        support::plane::eventually("several tries", || async {
+            text().matches("stream refused").count() >= 5
+        })
+        .await;
+        assert_eq!(refused.stream_error().and_then(|e| e.code), Some(code));
+        refused.shutdown().await;
+        let log = text();
+        let warned: Vec<&str> = log.lines().filter(|l| l.contains("WARN")).collect();
+        assert_eq!(warned.len(), 1, "{log}");
+        assert!(warned[0].contains(check), "{log}");
+    }
 
     // With the right token: no warning.
     sink.0.lock().unwrap().clear();

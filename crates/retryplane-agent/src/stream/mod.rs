@@ -10,8 +10,9 @@
 //! opens): numbered and kept until acknowledged, or unnumbered to a control plane that does not
 //! acknowledge reports. When the stream ends or cannot be opened the task waits a
 //! [`ReconnectBackoff`] delay and tries again; the policies in force are never dropped. Each
-//! loss is logged at info, but a token the control plane refuses (`UNAUTHENTICATED`,
-//! `PERMISSION_DENIED`) at warn, once until the reason changes: trying again will not fix it. On
+//! loss is logged at info, but a refusal that trying again will not fix (a token refused, a Hello
+//! refused as invalid, a URL that is not the agent listener) at warn, with what to check, once
+//! until the reason changes. On
 //! shutdown it sends the counts not yet reported, half-closes the stream and waits (bounded) for
 //! the server to close it.
 
@@ -195,26 +196,37 @@ pub(crate) async fn run(
         }
         let delay = backoff.next_delay(&mut rng);
         let delay_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
-        let refused = matches!(
-            code,
-            Some(tonic::Code::Unauthenticated | tonic::Code::PermissionDenied)
-        );
-        if refused && last_reason.as_deref() != Some(reason.as_str()) {
+        match lasting(code) {
             // Retrying will not change it: said at warn, once until the reason changes.
-            warn!(
+            Some(check) if last_reason.as_deref() != Some(reason.as_str()) => warn!(
                 %reason,
                 delay_ms,
-                "the control plane refuses this agent's token: check the token it is given; \
-                 running on the policies in force and reconnecting"
-            );
-        } else {
-            info!(%reason, delay_ms, "control plane stream lost; reconnecting");
+                check,
+                "the control plane refuses this agent; running on the policies in force and \
+                 reconnecting"
+            ),
+            _ => info!(%reason, delay_ms, "control plane stream lost; reconnecting"),
         }
         last_reason = Some(reason);
         tokio::select! {
             () = cancel.cancelled() => return,
             () = tokio::time::sleep(delay) => {}
         }
+    }
+}
+
+/// What to check when the control plane ended or refused the stream with `code`, for the codes
+/// that trying again does not change: the agent's settings (or the control plane's) must.
+fn lasting(code: Option<tonic::Code>) -> Option<&'static str> {
+    match code? {
+        tonic::Code::Unauthenticated | tonic::Code::PermissionDenied => {
+            Some("the token the agent is given")
+        }
+        tonic::Code::InvalidArgument => {
+            Some("what the agent says in its Hello: its id, service and labels")
+        }
+        tonic::Code::Unimplemented => Some("that the URL is the control plane's agent listener"),
+        _ => None,
     }
 }
 
