@@ -1,7 +1,8 @@
 //! The control-plane side of the agent at its edges: a metrics interval or keepalive out of
 //! range, a version lower than the one applied, the same version with other content, a
 //! snapshot that drops a handle's endpoint or is just under the message limit, shutdown from
-//! two clones. Against the scripted control plane (`support::script`).
+//! two clones. Against the scripted control plane (`support::script`), and a peer that never
+//! answers a stream's opening.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -290,4 +291,63 @@ async fn a_snapshot_just_under_the_message_limit_is_applied_cached_and_read_back
     let p = restarted.policies();
     assert_eq!((p.source(), p.version()), (Source::Cache, 9));
     restarted.shutdown().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_control_plane_that_never_answers_the_streams_opening_is_left_and_tried_again() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    // A peer that takes each stream's request and never answers it, but keeps its HTTP/2
+    // connection served (pings included). Before, the agent waited on the first one for good.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let opened = Arc::new(AtomicU32::new(0));
+    let counted = opened.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((socket, _)) = listener.accept().await else {
+                return;
+            };
+            let counted = counted.clone();
+            tokio::spawn(async move {
+                let Ok(mut conn) = h2::server::handshake(socket).await else {
+                    return;
+                };
+                let mut held = Vec::new();
+                while let Some(Ok(request)) = conn.accept().await {
+                    counted.fetch_add(1, Ordering::SeqCst);
+                    held.push(request);
+                }
+            });
+        }
+    });
+    let agent = retryplane_agent::Agent::builder()
+        .url(url)
+        .service("checkout")
+        // No ping before the opening's time limit: only that limit can end the wait.
+        .keepalive(Duration::from_secs(3600), Duration::from_secs(3600))
+        .reconnect_backoff(retryplane_agent::ReconnectBackoff::new(
+            Duration::from_millis(5),
+            Duration::from_millis(20),
+            Duration::from_secs(1),
+        ))
+        .rng_seed(1)
+        .connect()
+        .unwrap();
+    let started = Instant::now();
+    while opened.load(Ordering::SeqCst) < 2 {
+        assert!(
+            started.elapsed() < Duration::from_secs(300),
+            "the agent never left the stream that was not answered"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Left at the time limit, not before.
+    assert!(
+        started.elapsed() >= Duration::from_secs(30),
+        "{:?}",
+        started.elapsed()
+    );
+    agent.shutdown().await;
 }

@@ -8,7 +8,8 @@
 //! file, answer ACK or NACK, and send a `MetricsReport` of counter deltas every interval (on a
 //! schedule kept across streams, so a report due while no stream was up goes out as soon as one
 //! opens): numbered and kept until acknowledged, or unnumbered to a control plane that does not
-//! acknowledge reports. When the stream ends or cannot be opened the task waits a
+//! acknowledge reports. When the stream ends or cannot be opened (a control plane that has not
+//! answered its opening within [`OPEN_TIMEOUT`] included) the task waits a
 //! [`ReconnectBackoff`] delay and tries again; the policies in force are never dropped. Each
 //! loss is logged at info, but a refusal that trying again will not fix (a token refused, a Hello
 //! refused as invalid, a URL that is not the agent listener) at warn, with what to check, once
@@ -52,6 +53,13 @@ pub(crate) const KEEPALIVE_RANGE: (Duration, Duration) =
     (Duration::from_secs(1), Duration::from_secs(3600));
 /// Longest wait for a TCP connection to the control plane.
 pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Longest wait, once connected, for the control plane to answer the stream's opening (its
+/// response headers: the control plane sends them once it has the Hello, sent at once). A peer
+/// that takes the request and never answers it (a proxy or a server that is stuck, but still
+/// answers HTTP/2 pings, so keepalive does not see it) would otherwise hold the agent away
+/// from every other control plane for good. Generous: a control plane that thousands of agents
+/// reconnect to at once answers late, and giving up on it early would only add to that load.
+pub(crate) const OPEN_TIMEOUT: Duration = Duration::from_secs(30);
 /// Longest wait on shutdown for the server to close the stream after the last report.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
 /// The shortest metrics interval: the control plane's own lower bound (`--metrics-interval`).
@@ -278,11 +286,20 @@ async fn session(
     .max_decoding_message_size(retryplane_proto::MAX_MESSAGE_BYTES);
     let opened = tokio::select! {
         () = cancel.cancelled() => return SessionEnd::Cancelled,
-        r = client.connect(ReceiverStream::new(rx)) => r,
+        r = tokio::time::timeout(OPEN_TIMEOUT, client.connect(ReceiverStream::new(rx))) => r,
     };
     let opened = match opened {
-        Ok(r) => r,
-        Err(status) => {
+        Ok(Ok(r)) => r,
+        Err(_elapsed) => {
+            return lost(
+                None,
+                format!(
+                    "the control plane did not answer the stream's opening within {} s",
+                    OPEN_TIMEOUT.as_secs()
+                ),
+            );
+        }
+        Ok(Err(status)) => {
             return SessionEnd::Lost {
                 up: None,
                 reason: format!("stream refused: {:?}: {}", status.code(), status.message()),
