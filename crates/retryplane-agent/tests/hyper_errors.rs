@@ -562,3 +562,26 @@ async fn the_layer_counts_a_reqwest_timeout_below_it_as_a_timeout() {
     assert!(err.is_timeout(), "{err:?}");
     assert_eq!(ep.pending_counts().attempts, 3);
 }
+
+#[cfg(feature = "reqwest")]
+#[tokio::test]
+async fn a_reqwest_http2_keep_alive_timeout_is_a_timeout() {
+    // reqwest calls it a request error that is also a timeout (it finds hyper's timeout below
+    // it), so it counts as one, as with hyper-util's client, not as a reset. (A stream the
+    // server refused never shows through reqwest: it sends the request again itself.)
+    let (port, _) = scripted_server(Close::Never).await;
+    let client = reqwest::Client::builder()
+        .http2_prior_knowledge()
+        .http2_keep_alive_interval(Duration::from_millis(100))
+        .http2_keep_alive_timeout(Duration::from_millis(100))
+        .http2_keep_alive_while_idle(true)
+        .build()
+        .unwrap();
+    let url = format!("http://127.0.0.1:{port}/");
+    let err = tokio::time::timeout(WAIT, client.get(&url).send())
+        .await
+        .expect("the ping goes unanswered in time")
+        .expect_err("no answer");
+    assert!(err.is_request(), "{err:?}");
+    assert_eq!(err.classify(), transport(ErrorClass::Timeout), "{err:?}");
+}
