@@ -169,7 +169,7 @@ impl TryFrom<Args> for Settings {
                          comes later)"
                     );
                 }
-                let url = crate::admin::with_default_port(url, AGENT_PORT);
+                let url = crate::admin::with_default_port(url, AGENT_PORT)?;
                 // An empty token (`RETRYPLANE_AGENT_TOKEN=`) is no token, as for the admin
                 // commands: nothing is sent rather than an empty credential.
                 let token = args.token.filter(|Secret(t)| !t.is_empty());

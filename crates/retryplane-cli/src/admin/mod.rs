@@ -115,19 +115,39 @@ const DEFAULT_PORT: u16 = 7471;
 
 /// `url` with `port` when it names a host and no port (`http://cp.internal`), since the
 /// control plane's listeners are not on HTTP's port 80; as given otherwise, an invalid URL
-/// included (the caller reports it).
-pub(crate) fn with_default_port(url: String, port: u16) -> String {
+/// included (the caller reports it). A port that is written but is not one (`:99999`, `:`)
+/// is an error: the connection would otherwise silently go to port 80.
+pub(crate) fn with_default_port(url: String, port: u16) -> anyhow::Result<String> {
     let Ok(uri) = url.parse::<http::Uri>() else {
-        return url;
+        return Ok(url);
     };
-    match uri.authority() {
-        Some(authority) if authority.port().is_none() => {
+    let Some(authority) = uri.authority() else {
+        return Ok(url);
+    };
+    match written_port(authority.as_str()) {
+        None => {
             let path = uri.path_and_query().map_or("", |p| p.as_str());
             let scheme = uri.scheme_str().unwrap_or("http");
-            format!("{scheme}://{authority}:{port}{path}")
+            Ok(format!("{scheme}://{authority}:{port}{path}"))
         }
-        _ => url,
+        Some(written) if written.parse::<u16>().is_ok_and(|p| p > 0) => Ok(url),
+        Some("") => bail!("--server {url}: no port after the `:`: give one from 1 to 65535"),
+        Some(written) => {
+            bail!("--server {url}: the port must be a number from 1 to 65535, not `{written}`")
+        }
     }
+}
+
+/// The port part of an authority (`user@host:port`, `[::1]:port`) as written, valid or not:
+/// what follows a `:` after the host (after the `]` of an IPv6 address); `None` without one.
+fn written_port(authority: &str) -> Option<&str> {
+    let host_port = authority
+        .rsplit_once('@')
+        .map_or(authority, |(_, rest)| rest);
+    let after_host = host_port
+        .rfind(']')
+        .map_or(host_port, |end| &host_port[end..]);
+    after_host.rsplit_once(':').map(|(_, port)| port)
 }
 
 impl TryFrom<ServerArgs> for Server {
@@ -148,7 +168,7 @@ impl TryFrom<ServerArgs> for Server {
                 "--server {url}: only http:// is supported (TLS on the admin listener comes later)"
             );
         }
-        let url = with_default_port(url, DEFAULT_PORT);
+        let url = with_default_port(url, DEFAULT_PORT)?;
         let endpoint = Endpoint::from_shared(url.clone())
             .with_context(|| format!("--server {url}: not a valid URL"))?
             .connect_timeout(CONNECT_TIMEOUT)
@@ -329,6 +349,38 @@ mod tests {
         );
         assert!(server("https://cp.example:7471", None).is_err());
         assert!(server("http://bad host", None).is_err());
+    }
+
+    #[test]
+    fn a_port_that_is_not_one_is_named_as_written_with_no_second_port_added() {
+        for (given, written) in [
+            ("127.0.0.1:99999", "http://127.0.0.1:99999"),
+            ("http://[::1]:70000/", "http://[::1]:70000/"),
+            ("cp.internal:0", "http://cp.internal:0"),
+            ("cp.internal:7x", "http://cp.internal:7x"),
+        ] {
+            let e = format!("{:#}", server(given, None).unwrap_err());
+            assert!(
+                e.starts_with(&format!(
+                    "--server {written}: the port must be a number from 1 to 65535"
+                )),
+                "{given}: {e}"
+            );
+        }
+        let e = format!("{:#}", server("127.0.0.1:", None).unwrap_err());
+        assert_eq!(
+            e,
+            "--server http://127.0.0.1:: no port after the `:`: give one from 1 to 65535"
+        );
+        // The agent listener's default is added the same way by `request --server`.
+        assert_eq!(
+            with_default_port("http://u@[::1]".to_owned(), 7470).unwrap(),
+            "http://u@[::1]:7470/"
+        );
+        assert_eq!(
+            with_default_port("http://[::1]:9000".to_owned(), 7470).unwrap(),
+            "http://[::1]:9000"
+        );
     }
 
     #[test]
