@@ -614,6 +614,54 @@ fn an_unreachable_server_exits_2() {
         )));
 }
 
+/// A loopback server that is not a gRPC one: each connection gets an HTTP/1.1 answer to
+/// whatever it sent first (the HTTP/2 preface, here), and is closed. Runs until the test ends.
+fn http1_server() -> String {
+    use std::io::{Read as _, Write as _};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            let mut buf = [0_u8; 1024];
+            let _ = stream.read(&mut buf);
+            let _ = stream.write_all(
+                b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+            );
+        }
+    });
+    url
+}
+
+#[test]
+fn a_server_that_does_not_speak_grpc_is_named_with_what_broke_and_a_hint() {
+    let url = http1_server();
+    for command in ["history", "status", "get"] {
+        let assert = Command::cargo_bin("retryplane")
+            .unwrap()
+            .env_remove("RETRYPLANE_TOKEN")
+            .args([command, "--server", &url])
+            .timeout(support::WAIT)
+            .assert()
+            .code(2)
+            .stdout("");
+        let stderr = String::from_utf8_lossy(&assert.get_output().stderr).into_owned();
+        // Before: `retryplane: error: UNKNOWN: transport error`, naming neither the server nor
+        // what happened.
+        assert!(
+            stderr.contains(&format!(
+                "retryplane: error: UNAVAILABLE: the connection to {url} failed before an answer: "
+            )),
+            "{command}: {stderr}"
+        );
+        assert!(
+            stderr.contains("retryplane: hint: is --server the admin listener"),
+            "{command}: {stderr}"
+        );
+        assert_eq!(stderr.lines().count(), 2, "{command}: {stderr}");
+    }
+}
+
 #[test]
 fn removing_every_endpoint_needs_force_for_apply_and_rollback() {
     let server = test_server(true, None);

@@ -19,6 +19,8 @@ pub const MAX_RESPONSE_BYTES: usize = 64 * 1024 * 1024;
 pub struct Client {
     inner: AdminServiceClient<Channel>,
     authorization: Option<MetadataValue<Ascii>>,
+    /// The server's URL, for messages.
+    url: String,
 }
 
 impl Client {
@@ -33,7 +35,29 @@ impl Client {
         Ok(Self {
             inner: AdminServiceClient::new(channel).max_decoding_message_size(MAX_RESPONSE_BYTES),
             authorization: server.authorization.clone(),
+            url: server.url.clone(),
         })
+    }
+
+    /// A call that failed on the connection (it broke before an answer, or what listens there
+    /// does not speak gRPC: an HTTP/1 server, another protocol) is `UNAVAILABLE`, gRPC's code
+    /// for it, naming the server and what broke; tonic makes it `UNKNOWN: transport error` or
+    /// `INTERNAL: h2 protocol error`, which say neither. Any other status is kept as it is,
+    /// `CANCELLED` included: the request timeout, which `super::failed` shows as a deadline.
+    fn connection_failure(&self, status: Status) -> Status {
+        match std::error::Error::source(&status) {
+            Some(source)
+                if status.code() != tonic::Code::Cancelled
+                    && source.is::<tonic::transport::Error>() =>
+            {
+                Status::unavailable(format!(
+                    "the connection to {} failed before an answer: {}",
+                    self.url,
+                    retryplane_server::ErrorChain(source)
+                ))
+            }
+            _ => status,
+        }
     }
 
     fn request<T>(&self, message: T) -> Request<T> {
@@ -52,19 +76,31 @@ impl Client {
         message: pb::ValidateRequest,
     ) -> Result<pb::ValidateResponse, Status> {
         let request = self.request(message);
-        Ok(self.inner.validate(request).await?.into_inner())
+        self.inner
+            .validate(request)
+            .await
+            .map(tonic::Response::into_inner)
+            .map_err(|status| self.connection_failure(status))
     }
 
     /// `Apply`.
     pub async fn apply(&mut self, message: pb::ApplyRequest) -> Result<pb::ApplyResponse, Status> {
         let request = self.request(message);
-        Ok(self.inner.apply(request).await?.into_inner())
+        self.inner
+            .apply(request)
+            .await
+            .map(tonic::Response::into_inner)
+            .map_err(|status| self.connection_failure(status))
     }
 
     /// `Get`.
     pub async fn get(&mut self, message: pb::GetRequest) -> Result<pb::GetResponse, Status> {
         let request = self.request(message);
-        Ok(self.inner.get(request).await?.into_inner())
+        self.inner
+            .get(request)
+            .await
+            .map(tonic::Response::into_inner)
+            .map_err(|status| self.connection_failure(status))
     }
 
     /// `History`.
@@ -73,7 +109,11 @@ impl Client {
         message: pb::HistoryRequest,
     ) -> Result<pb::HistoryResponse, Status> {
         let request = self.request(message);
-        Ok(self.inner.history(request).await?.into_inner())
+        self.inner
+            .history(request)
+            .await
+            .map(tonic::Response::into_inner)
+            .map_err(|status| self.connection_failure(status))
     }
 
     /// `Rollback`.
@@ -82,7 +122,11 @@ impl Client {
         message: pb::RollbackRequest,
     ) -> Result<pb::ApplyResponse, Status> {
         let request = self.request(message);
-        Ok(self.inner.rollback(request).await?.into_inner())
+        self.inner
+            .rollback(request)
+            .await
+            .map(tonic::Response::into_inner)
+            .map_err(|status| self.connection_failure(status))
     }
 
     /// `FleetStatus`.
@@ -97,12 +141,20 @@ impl Client {
         message: pb::FleetStatusRequest,
     ) -> Result<pb::FleetStatusResponse, Status> {
         let request = self.request(message);
-        Ok(self.inner.fleet_status(request).await?.into_inner())
+        self.inner
+            .fleet_status(request)
+            .await
+            .map(tonic::Response::into_inner)
+            .map_err(|status| self.connection_failure(status))
     }
 
     /// `Stats`.
     pub async fn stats(&mut self, message: pb::StatsRequest) -> Result<pb::StatsResponse, Status> {
         let request = self.request(message);
-        Ok(self.inner.stats(request).await?.into_inner())
+        self.inner
+            .stats(request)
+            .await
+            .map(tonic::Response::into_inner)
+            .map_err(|status| self.connection_failure(status))
     }
 }

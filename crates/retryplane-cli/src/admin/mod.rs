@@ -19,8 +19,10 @@
 //! # Errors and exit codes
 //!
 //! A gRPC error prints `retryplane: error: CODE_NAME: message` on stderr (and, for
-//! `UNIMPLEMENTED`, which another listener of the control plane answers, `UNAUTHENTICATED`
-//! and `DEADLINE_EXCEEDED`, a `retryplane: hint: …` line saying what to check); a call with no
+//! `UNIMPLEMENTED`, which another listener of the control plane answers, `UNAUTHENTICATED`,
+//! `DEADLINE_EXCEEDED` and `UNAVAILABLE`, a `retryplane: hint: …` line saying what to check);
+//! a connection that breaks before an answer, or a server on `--server` that does not speak
+//! gRPC, is `UNAVAILABLE: the connection to URL failed before an answer: …`; a call with no
 //! answer within [`REQUEST_TIMEOUT`] is `DEADLINE_EXCEEDED: no answer from the server within
 //! 30 s`. Exit `1` when the
 //! server answered and refused: an invalid policy (its diagnostics are printed like
@@ -271,6 +273,11 @@ fn hint(code: Code) -> Option<&'static str> {
              port 7471 by default)? A server that accepts the connection and never answers \
              ends like this",
         ),
+        Code::Unavailable => Some(
+            "is --server the admin listener of a running `retryplane serve` (--admin-listen, \
+             port 7471 by default)? A connection that breaks, or a server of another kind on \
+             that port, ends like this",
+        ),
         Code::Unauthenticated => {
             Some("give a token of role admin with --token or RETRYPLANE_TOKEN")
         }
@@ -413,6 +420,7 @@ mod tests {
     fn a_wrong_listener_or_a_missing_token_gets_a_hint() {
         assert!(hint(Code::Unimplemented).is_some_and(|h| h.contains("--admin-listen")));
         assert!(hint(Code::Unauthenticated).is_some_and(|h| h.contains("RETRYPLANE_TOKEN")));
+        assert!(hint(Code::Unavailable).is_some_and(|h| h.contains("--admin-listen")));
         assert_eq!(hint(Code::PermissionDenied), None);
         assert_eq!(hint(Code::Aborted), None);
     }
