@@ -14,8 +14,11 @@
 //! The method is `-X`, else `POST` with `--data`, else `GET` (as curl). Redirects are not
 //! followed: a 3xx is the upstream's answer. The response body is read (so a reset mid-body is a
 //! failed attempt) and discarded: stdout gets one line per attempt and the outcome, or with
-//! `--output json` the SPEC §5 object `{outcome, cause, status, attempts, elapsed_ms}`.
-//! Header values and the body are never printed.
+//! `--output json` the SPEC §5 object `{outcome, cause, status, attempts, elapsed_ms}`. A call
+//! that fails on an error rather than an HTTP status also says on stderr what its last attempt
+//! ran into (`retryplane: error: request failed: …`: connection refused, a name that does not
+//! resolve, a TLS handshake, an answer that is not HTTP), which its class alone does not.
+//! Header values, the URL's query and the body are never printed.
 //!
 //! Exit codes: `0` success, `1` the call failed under the policy, `2` usage or configuration
 //! error (bad flags, an unreadable or invalid policy file, an unknown endpoint, no snapshot from
@@ -388,9 +391,10 @@ async fn call(agent: &Agent, s: &Settings) -> anyhow::Result<Summary> {
             elapsed,
         },
         Err(e) => {
-            if let Some(err) = e.error()
-                && error_class(err).is_none()
-            {
+            // What the last attempt ran into, which its class alone does not say: refused,
+            // a name that does not resolve, a TLS handshake, an upstream that does not speak
+            // HTTP. (An attempt its time limit dropped has no error: `timeout` says it all.)
+            if let Some(err) = e.error() {
                 output::error(format_args!("{}", ErrorChain(err)));
             }
             Summary {

@@ -304,6 +304,45 @@ fn a_closed_port_gives_connect_errors_until_attempts_run_out() {
 }
 
 #[test]
+fn an_upstream_that_does_not_speak_http_says_so_on_stderr() {
+    use std::io::{Read as _, Write as _};
+    // An SSH server's greeting, whatever the client sent, then the connection is closed.
+    let listener = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            let mut buf = [0_u8; 1024];
+            let _ = stream.read(&mut buf);
+            let _ = stream.write_all(b"SSH-2.0-OpenSSH_9.2\r\n");
+        }
+    });
+    let dir = TempDir::new().unwrap();
+    let path = dir.path().join("policy.yaml");
+    fs::write(&path, POLICY).unwrap();
+    let out = Command::cargo_bin("retryplane")
+        .unwrap()
+        .args(["request", "--policy"])
+        .arg(&path)
+        .args(["--endpoint", "api", "--output", "json"])
+        .arg(format!("http://{addr}/v1/items?key=s3cret"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["cause"], "attempts_exhausted");
+    assert_eq!(v["attempts"][2]["error"], "reset");
+    // Before, stderr was empty: `reset` was all there was to go on.
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.starts_with("retryplane: error: request failed: ") && stderr.contains("HTTP"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("s3cret"), "{stderr}");
+}
+
+#[test]
 fn a_reset_while_the_body_is_read_is_a_reset_error_and_retried() {
     let up = Upstream::start(&[(RESET_MID_BODY, ""), (RESET_MID_BODY, "")]);
     let (v, code) = request(&[&up.url("/v1/items")]);
