@@ -305,6 +305,17 @@ fn calls_made_by_a_real_agent_show_in_stats() {
             "no metrics match --endpoint nope (other series were reported: retryplane stats \
              lists them)\n",
         );
+    // A service with no series is told the same way, not answered with the lifetime totals
+    // of every other service.
+    server
+        .retryplane(&["stats", "--service", "search"])
+        .assert()
+        .code(0)
+        .stdout("")
+        .stderr(
+            "no metrics match --service search (other series were reported: retryplane stats \
+             lists them)\n",
+        );
     server
         .retryplane(&["stats", "--endpoint", "nope", "--service", "checkout"])
         .assert()

@@ -120,7 +120,12 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
         };
         let stdout = match settings.format {
             Format::Json => output::json(&stats_json(&response))?,
-            Format::Text if response.series.is_empty() && response.endpoints.is_empty() => {
+            // `endpoints` sums every service, whatever `--service` says: with no series of
+            // the service asked for, that is nothing of it to show.
+            Format::Text
+                if response.series.is_empty()
+                    && (response.endpoints.is_empty() || settings.service.is_some()) =>
+            {
                 output::note(format_args!(
                     "{}",
                     nothing_shown(settings, &mut client).await
