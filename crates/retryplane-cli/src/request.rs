@@ -274,9 +274,11 @@ fn refusal_hint(code: tonic::Code) -> Option<&'static str> {
              RETRYPLANE_TOKEN; this one does not)",
         ),
         tonic::Code::PermissionDenied => Some("the token given is not an agent token"),
+        // What the admin listener answers, and (as a 404) the HTTP one.
         tonic::Code::Unimplemented => Some(
             "this is not an agent listener: --server takes the address of `retryplane serve \
-             --listen` (port 7470 by default), not the admin listener",
+             --listen` (port 7470 by default), not its admin listener (--admin-listen, 7471) or \
+             its HTTP listener (--http-listen, 7472)",
         ),
         _ => None,
     }

@@ -632,6 +632,15 @@ fn server_mode_says_why_the_control_plane_gave_no_policy() {
     let (code, stderr) = request(&server.url, Some("agent-secret-0123456789"));
     assert_eq!(code, Some(2), "{stderr}");
     assert!(stderr.contains("not an agent listener"), "{stderr}");
+    // The HTTP listener (which answers 404) is named as the other likely mistake.
+    let http_url = format!("http://{}", server.running().http_addr());
+    let (code, stderr) = request(&http_url, Some("agent-secret-0123456789"));
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("not an agent listener")
+            && stderr.contains("or its HTTP listener (--http-listen, 7472)"),
+        "{stderr}"
+    );
     // Nothing listening: the connection error, after the wait.
     let (code, stderr) = request(&support::dead_server(), None);
     assert_eq!(code, Some(2), "{stderr}");
