@@ -107,9 +107,18 @@ enum SessionEnd {
 fn ended(up: Option<Duration>, status: &tonic::Status) -> SessionEnd {
     SessionEnd::Lost {
         up,
-        reason: format!("stream ended: {:?}: {}", status.code(), status.message()),
+        reason: format!("stream ended: {}", status_text(status)),
         code: Some(status.code()),
         replaced: status.code() == tonic::Code::Aborted,
+    }
+}
+
+/// `Code: message`, or the code alone when the status has no message (what a server
+/// without the service answers), never `Code: ` with nothing after it.
+fn status_text(status: &tonic::Status) -> String {
+    match status.message() {
+        "" => format!("{:?}", status.code()),
+        message => format!("{:?}: {message}", status.code()),
     }
 }
 
@@ -302,7 +311,7 @@ async fn session(
         Ok(Err(status)) => {
             return SessionEnd::Lost {
                 up: None,
-                reason: format!("stream refused: {:?}: {}", status.code(), status.message()),
+                reason: format!("stream refused: {}", status_text(&status)),
                 code: Some(status.code()),
                 replaced: false,
             };
@@ -482,6 +491,18 @@ mod tests {
     use super::*;
     use crate::Agent;
     use crate::metrics::Counters;
+
+    #[test]
+    fn a_status_without_a_message_is_named_by_its_code_alone() {
+        let SessionEnd::Lost { reason, .. } = ended(None, &tonic::Status::unimplemented("")) else {
+            panic!("not lost");
+        };
+        assert_eq!(reason, "stream ended: Unimplemented");
+        assert_eq!(
+            status_text(&tonic::Status::unauthenticated("unknown token")),
+            "Unauthenticated: unknown token"
+        );
+    }
 
     #[test]
     fn a_stream_replaced_by_the_same_agent_id_is_told_apart() {
