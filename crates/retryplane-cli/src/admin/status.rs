@@ -4,7 +4,8 @@
 //! Text: a table (`AGENT SERVICE LABELS PEER STATE SINCE APPLIED LAST ERROR LAST-SEEN`, sorted by
 //! service then agent id; `LABELS` is `k=v,…` sorted by key; `SINCE` is when the agent's current
 //! (or last) stream started; `LAST` is the agent's last answer, `ack v7` or `nack v8`), then one summary
-//! line, `v7: 998 acked, 2 nacked, 0 pending` (and `, 3 disconnected` when some are):
+//! line, `v7: 998 acked, 2 nacked, 0 pending` (and `, 3 disconnected` when some are; `no
+//! version yet: …` before the first version is stored):
 //!
 //! - acked: connected agents that run the current version (none while no version is
 //!   published);
@@ -144,10 +145,15 @@ impl Counts {
         counts
     }
 
-    /// `v7: 998 acked, 2 nacked, 0 pending[, 3 disconnected]`.
+    /// `v7: 998 acked, 2 nacked, 0 pending[, 3 disconnected]`; `no version yet: …` when none
+    /// is stored (an API-mode store before its first `apply`), never a `v0` that does not exist.
     fn line(self, current: u64) -> String {
+        let version = match current {
+            0 => "no version yet".to_owned(),
+            v => format!("v{v}"),
+        };
         let mut line = format!(
-            "v{current}: {} acked, {} nacked, {} pending",
+            "{version}: {} acked, {} nacked, {} pending",
             self.acked, self.nacked, self.pending
         );
         if self.disconnected > 0 {
@@ -352,6 +358,10 @@ mod tests {
                 pending: 1,
                 disconnected: 1
             }
+        );
+        assert_eq!(
+            Counts::of(0, &agents).line(0),
+            "no version yet: 0 acked, 0 nacked, 1 pending, 1 disconnected"
         );
     }
 

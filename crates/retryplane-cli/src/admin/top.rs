@@ -537,11 +537,14 @@ fn header(view: &View<'_>) -> String {
     let alerting = usize::try_from(s.stats.firing_series)
         .unwrap_or(usize::MAX)
         .max(listed_alerting);
+    let version = match s.current_version {
+        0 => "no version yet".to_owned(),
+        v => format!("v{v}"),
+    };
     let mut line = format!(
-        "{}  {}  v{}  {} agent{}  {} series  {alerting} alerting  window {}",
+        "{}  {}  {version}  {} agent{}  {} series  {alerting} alerting  window {}",
         rfc3339_utc(s.taken_unix_ms),
         view.server,
-        s.current_version,
         s.agents,
         if s.agents == 1 { "" } else { "s" },
         series_count(&s.stats),
@@ -779,6 +782,20 @@ mod tests {
    payments-gateway-eu-west  search       10.0        0.5    5.0%      95.0%  v7       -
    inventory                 checkout     10.0        0.1    1.0%      99.0%  v7       -
    idle                      search        0.0        0.0       -          -  v7       -"
+        );
+    }
+
+    #[test]
+    fn before_the_first_version_the_header_says_so_rather_than_v0() {
+        let mut s = snapshot(Vec::new());
+        s.current_version = 0;
+        let lines = render(&view(Some(&s), false), None);
+        assert!(
+            lines[0].starts_with(
+                "2025-11-30T03:37:05Z  http://127.0.0.1:7471  no version yet  12 agents"
+            ),
+            "{}",
+            lines[0]
         );
     }
 
