@@ -694,6 +694,20 @@ impl Begun {
         retryplane_policy::engine::deadline_at(self.at, within)
     }
 
+    /// When the call began: its deadline and the caller's run from there.
+    pub(crate) fn at(&self) -> Instant {
+        self.at
+    }
+
+    /// The policy's `max_attempts` for a call described by `meta`, if an answer to it (an HTTP
+    /// status, a gRPC code) may be sent again: it is idempotent or carries the idempotency key;
+    /// `None` otherwise (only a failed connect is retried then).
+    pub(crate) fn answer_retries(&self, meta: &CallMeta<'_>) -> Option<u32> {
+        let (policy, _) = self.entry.resolve(&meta.target());
+        let (idempotent, keyed) = meta.idempotency(policy);
+        (idempotent || keyed).then_some(policy.max_attempts)
+    }
+
     /// Whether a call described by `meta` is idempotent: its method listed for its route, or
     /// declared so (the idempotency key does not count).
     pub(crate) fn is_idempotent(&self, meta: &CallMeta<'_>) -> bool {

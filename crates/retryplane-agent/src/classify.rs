@@ -298,6 +298,12 @@ fn refused_stream_in_chain(e: &(dyn StdError + 'static)) -> bool {
     chain(e).any(refused_stream)
 }
 
+/// Whether tonic's own request timeout ([`tonic::TimeoutExpired`]) is in `e`'s source chain
+/// (`e` included).
+pub(crate) fn tonic_timeout_in_chain(e: &(dyn StdError + 'static)) -> bool {
+    chain(e).any(|err| err.is::<tonic::TimeoutExpired>())
+}
+
 /// `e`, then its sources in turn.
 fn chain<'a>(
     e: &'a (dyn StdError + 'static),

@@ -127,3 +127,62 @@ async fn a_call_that_gives_up_returns_the_whole_body_of_its_last_answer() {
         }
     }
 }
+
+/// A server that answers every request `503` with 5 bytes of body and then a body that never
+/// ends; it counts the requests.
+async fn stalled_server() -> (String, Counts) {
+    use http_body_util::StreamBody;
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/v1/items", listener.local_addr().unwrap());
+    let counts = Counts::default();
+    let c = counts.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                return;
+            };
+            let requests = c.requests.clone();
+            let service = service_fn(move |_req: http::Request<hyper::body::Incoming>| {
+                requests.fetch_add(1, Ordering::SeqCst);
+                let first = tokio_stream::once(Ok::<_, Infallible>(hyper::body::Frame::data(
+                    Bytes::from_static(b"hello"),
+                )));
+                let body = StreamBody::new(tokio_stream::StreamExt::chain(
+                    first,
+                    tokio_stream::pending(),
+                ));
+                async move {
+                    Ok::<_, Infallible>(http::Response::builder().status(503).body(body).unwrap())
+                }
+            });
+            tokio::spawn(http1::Builder::new().serve_connection(TokioIo::new(stream), service));
+        }
+    });
+    (url, counts)
+}
+
+#[tokio::test]
+async fn a_failed_answer_that_will_be_returned_is_handed_over_unread() {
+    // Reading it would only delay it: its last attempt (`max_attempts: 1`), or a call whose
+    // answers are never sent again (a POST without the idempotency key). A body read in part
+    // would show in the size hint (the 5 bytes read first).
+    for (yaml, method) in [("max_attempts: 1", "GET"), ("max_attempts: 3", "POST")] {
+        let (url, counts) = stalled_server().await;
+        let agent = support::agent(&support::policy(yaml));
+        let client = Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+        let svc = RetryLayer::new(agent.endpoint("ep")).layer(client);
+        let request = http::Request::builder()
+            .method(method)
+            .uri(&url)
+            .body(Full::<Bytes>::default())
+            .unwrap();
+        let response = tokio::time::timeout(WAIT, svc.oneshot(request))
+            .await
+            .expect("the call ends")
+            .expect("an answer");
+        assert_eq!(response.status(), 503);
+        let hint = http_body::Body::size_hint(response.body());
+        assert_eq!(hint.lower(), 0, "{yaml} {method}");
+        assert_eq!(counts.requests.load(Ordering::SeqCst), 1);
+    }
+}

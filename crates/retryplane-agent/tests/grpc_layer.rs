@@ -502,30 +502,76 @@ async fn a_callers_grpc_timeout_bounds_the_whole_call_through_the_layer() {
 }
 
 #[tokio::test]
-async fn each_attempt_tells_the_upstream_what_is_left_of_the_calls_deadline() {
+async fn each_attempt_tells_the_upstream_what_is_left_of_the_callers_deadline() {
     // The first attempt is answered UNAVAILABLE with a 300 ms pushback. Before, the second
     // attempt carried the caller's `grpc-timeout` as it was set (2 s), though 300 ms of it had
-    // been slept, and a call with no `grpc-timeout` told the upstream nothing of the policy's
-    // deadline.
+    // been slept.
     let pushback = Duration::from_millis(300);
-    for (caller, deadline) in [
-        (Some(Duration::from_secs(2)), Duration::from_secs(2)),
-        // The policy's deadline (15 s, the built-in one) when the caller sets none.
-        (None, Duration::from_secs(15)),
+    let deadline = Duration::from_secs(2);
+    let (upstream, channel) = serve(&[(Code::Unavailable, Some("300"))]).await;
+    let agent = agent();
+    let version = get_within(&agent, channel, Some(true), Some(deadline)).await;
+    assert_eq!(version.unwrap(), 7);
+    let sent = upstream.timeouts();
+    let [Some(first), Some(second)] = sent[..] else {
+        panic!("two attempts, each with a grpc-timeout: {sent:?}");
+    };
+    assert!(first <= deadline, "{first:?}");
+    // Less than the first by the pause at least, and the first attempt's round trip.
+    assert!(second + pushback < first, "{first:?} then {second:?}");
+
+    // A caller that set no deadline sets none upstream: gRPC servers hold a whole RPC to it,
+    // a server stream included, which the policy's deadline bounds only until its headers.
+    let (upstream, channel) = serve(&[(Code::Unavailable, Some("10"))]).await;
+    let agent = self::agent();
+    assert_eq!(get(&agent, channel, Some(true)).await.unwrap(), 7);
+    assert_eq!(upstream.timeouts(), [None, None]);
+}
+
+/// An agent whose `upstream` endpoint has the policy lines `lines` (indented), with short
+/// pauses and no budget or breaker.
+fn agent_with(lines: &str) -> Agent {
+    let yaml = format!(
+        "version: 1\ndefaults:\n  backoff: {{base: 5ms, max: 20ms, jitter: none}}\n  budget: {{enabled: false}}\n  circuit_breaker: {{enabled: false}}\nendpoints:\n  upstream:\n{lines}"
+    );
+    let loaded = retryplane_policy::load(yaml.as_bytes());
+    Agent::from_policies_seeded(loaded.policies.unwrap(), 1)
+}
+
+#[tokio::test]
+async fn an_attempt_the_callers_deadline_ends_gives_deadline_exceeded_not_tonics_cancelled() {
+    // The `grpc-timeout` each attempt carries makes tonic's channel time the attempt out at the
+    // caller's deadline, at the same instant as the agent's own timer. tonic's error, had it
+    // been the attempt's result, ended the call CANCELLED ("Timeout expired", not retried) and
+    // counted it as not retryable, in most runs.
+    for (lines, timeout, attempts) in [
+        // Attempts of 100 ms, then one that the caller's 250 ms ends.
+        (
+            "    max_attempts: 5\n    per_try_timeout: 100ms\n    retry_on: {errors: [timeout]}\n",
+            250,
+            3,
+        ),
+        // The first attempt ends at the caller's deadline.
+        ("    max_attempts: 3\n", 150, 1),
     ] {
-        let (upstream, channel) = serve(&[(Code::Unavailable, Some("300"))]).await;
-        let agent = agent();
-        let version = get_within(&agent, channel, Some(true), caller).await;
-        assert_eq!(version.unwrap(), 7);
-        let sent = upstream.timeouts();
-        let [Some(first), Some(second)] = sent[..] else {
-            panic!("two attempts, each with a grpc-timeout: {sent:?}");
-        };
-        assert!(first <= deadline, "{caller:?}: {first:?}");
-        // Less than the first by the pause at least, and the first attempt's round trip.
-        assert!(
-            second + pushback < first,
-            "{caller:?}: {first:?} then {second:?}"
-        );
+        for _ in 0..5 {
+            let agent = agent_with(lines);
+            let channel = channel_to_a_silent_server().await;
+            let status = get_within(
+                &agent,
+                channel,
+                Some(true),
+                Some(Duration::from_millis(timeout)),
+            )
+            .await
+            .expect_err("no answer");
+            assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
+            let c = counts(&agent);
+            assert_eq!(
+                (c.attempts, c.gave_up_deadline, c.gave_up_not_retryable),
+                (attempts, 1, 0),
+                "{lines}"
+            );
+        }
     }
 }

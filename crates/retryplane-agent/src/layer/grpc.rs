@@ -60,14 +60,10 @@ pub(crate) fn grpc_timeout(parts: &Parts) -> Option<Duration> {
     })
 }
 
-/// Sets a gRPC request's `grpc-timeout` to what is left, at `now`, of its call's `deadline`
-/// (the earlier of the policy's deadline and the caller's own `grpc-timeout`): each attempt
-/// tells the upstream how long the caller still waits, as gRPC clients do on their retries
-/// (gRFC A6), rather than the budget the caller started with. Below the layer, tonic's timer
-/// for the header then ends an attempt no later than the call's deadline, at which the agent
-/// gives up anyway. The attempt's own timeout (`per_try_timeout`) is not sent: tonic would end
-/// the attempt with the `CANCELLED` of its own timeout, which is not retried, where the agent's
-/// per-try timeout is.
+/// Sets a gRPC request's `grpc-timeout` to what is left, at `now`, of the caller's `deadline`
+/// (from the `grpc-timeout` the caller set): each attempt tells the upstream how long the
+/// caller still waits, as gRPC clients do on their retries (gRFC A6), rather than the budget
+/// the caller started with.
 pub(crate) fn set_grpc_timeout(headers: &mut HeaderMap, deadline: Instant, now: Instant) {
     let left = deadline.saturating_duration_since(now);
     headers.insert("grpc-timeout", encode_grpc_timeout(left));

@@ -19,9 +19,9 @@ use super::dedup::{Dedup, Landing, Leader, Role, SharedResponse};
 use super::grpc::{call_meta, is_grpc, set_grpc_timeout};
 use super::{BoxError, DEFAULT_BODY_LIMIT, GaveUp, ResponseFuture, RetryError};
 use crate::call::{Begun, Endpoint, NoReauth};
-use crate::classify::{Classification, Classify as _, classify_boxed};
+use crate::classify::{Classification, Classify as _, classify_boxed, tonic_timeout_in_chain};
 use crate::error::{CallError, Cause, Last};
-use crate::meta::AttemptInfo;
+use crate::meta::{AttemptInfo, CallMeta};
 use retryplane_policy::engine::GiveUpCause;
 
 /// Wraps a `Service<http::Request<B>>` in [`Retry`]. Defaults: bodies up to
@@ -325,6 +325,9 @@ where
             // The meta borrows the path; `head` moves on (an `Uri` clone shares its bytes).
             let uri = head.uri.clone();
             let meta = call_meta(&head, uri.path()).with_headers(&head.headers);
+            let callers = callers_deadline(&meta, &begun);
+            // A failed answer's body is read only if the answer may be sent again.
+            let retried_below = begun.answer_retries(&meta);
             // Shared with the refresh hook, which may update it for the attempts that follow.
             let head = Mutex::new(head);
             let (head, data, trailers) = (&head, &data, &trailers);
@@ -332,8 +335,8 @@ where
             let attempt = move |info: AttemptInfo| {
                 let sent_at = Instant::now();
                 let mut parts = lock(head).clone();
-                if grpc {
-                    set_grpc_timeout(&mut parts.headers, info.deadline, sent_at);
+                if let Some(deadline) = callers {
+                    set_grpc_timeout(&mut parts.headers, deadline, sent_at);
                 }
                 let request = Request::from_parts(
                     parts,
@@ -342,8 +345,15 @@ where
                 let sent = inner.send(request);
                 // The answer's body must be read before the attempt's timeout, which would
                 // lose the answer (the agent's timer runs from just before `sent_at`).
-                let read_by = sent_at + info.timeout.saturating_sub(FAILED_BODY_WAIT);
-                async move { Ok(read_if_failed(sent.await?, read_by).await) }
+                let read_by = retried_below
+                    .is_some_and(|max| info.number < max)
+                    .then(|| sent_at + info.timeout.saturating_sub(FAILED_BODY_WAIT));
+                async move {
+                    match sent.await {
+                        Ok(response) => Ok(read_if_failed(response, read_by).await),
+                        Err(e) => Err(unless_callers_deadline(e, callers).await),
+                    }
+                }
             };
             let Some(hook) = &settings.refresh else {
                 return endpoint
@@ -371,22 +381,25 @@ where
             // included), and that attempt's answer or error is returned.
             let uri = head.uri.clone();
             let meta = call_meta(&head, uri.path()).not_replayable();
+            let callers = callers_deadline(&meta, &begun);
             let mut request = Some(Request::from_parts(head, body));
             // `attempt` runs once: for a request marked not replayable the engine retries no
             // failure (`CallInfo::may_retry`), and `call_with` sends nothing again after a
             // 401. So `take` always finds the request; the error is for a second run that
             // cannot come, and stands in for an empty request, never a panic.
-            let attempt = move |info: AttemptInfo| {
+            let attempt = move |_: AttemptInfo| {
                 let sent = request.take().map(|mut r| {
-                    if grpc {
-                        set_grpc_timeout(r.headers_mut(), info.deadline, Instant::now());
+                    if let Some(deadline) = callers {
+                        set_grpc_timeout(r.headers_mut(), deadline, Instant::now());
                     }
                     inner.send(r)
                 });
                 // Never sent again: its answer is returned as it comes.
                 async move {
-                    let response = sent.ok_or("a streamed body cannot be sent twice")?.await?;
-                    Ok(response.map(ResponseBody::passthrough))
+                    match sent.ok_or("a streamed body cannot be sent twice")?.await {
+                        Ok(response) => Ok(response.map(ResponseBody::passthrough)),
+                        Err(e) => Err(unless_callers_deadline(e, callers).await),
+                    }
                 }
             };
             endpoint
@@ -505,15 +518,48 @@ where
 }
 
 /// How long the layer waits for the body of a failed attempt's answer (see
-/// [`read_if_failed`]); one that takes longer is left to come as it comes.
-const FAILED_BODY_WAIT: Duration = Duration::from_millis(100);
+/// [`read_if_failed`]); one that takes longer is left to come as it comes. Short: the body of
+/// an error answer comes with its head or right behind it, and the wait adds to the call.
+const FAILED_BODY_WAIT: Duration = Duration::from_millis(20);
+
+/// How close to the caller's deadline tonic's own timeout for it may end an attempt (see
+/// [`unless_callers_deadline`]): the `grpc-timeout` the layer writes is rounded down by at most
+/// one unit (1 ms at most for a deadline under 27 hours).
+const CALLERS_DEADLINE_MARGIN: Duration = Duration::from_millis(5);
+
+/// The caller's own deadline for a gRPC request that carries one (`grpc-timeout`, from when
+/// the call began): each attempt tells the upstream what is left of it. Only then: a request
+/// without one is sent without one, since gRPC servers and proxies hold a whole RPC to it (a
+/// server stream included, which the agent bounds only until its headers).
+fn callers_deadline(meta: &CallMeta<'_>, begun: &Begun) -> Option<Instant> {
+    meta.within()
+        .map(|within| retryplane_policy::engine::deadline_at(begun.at(), within))
+}
+
+/// `e`, unless it is tonic's own timeout for the caller's `deadline` (the `grpc-timeout` the
+/// layer wrote): then this waits for good, and the agent's own timer, due within
+/// [`CALLERS_DEADLINE_MARGIN`], ends the attempt as the deadline it is. Both timers end at the
+/// same instant; had tonic's error been the attempt's result, the call would end `CANCELLED`
+/// (what tonic makes of its timeout, which is not retried) and count as not retryable, rather
+/// than `DEADLINE_EXCEEDED` and a give-up at the deadline.
+async fn unless_callers_deadline(e: BoxError, deadline: Option<Instant>) -> BoxError {
+    if let Some(deadline) = deadline
+        && Instant::now() + CALLERS_DEADLINE_MARGIN >= deadline
+        && tonic_timeout_in_chain(&*e)
+    {
+        std::future::pending::<()>().await;
+    }
+    e
+}
 
 /// The most of a failed attempt's answer the layer reads into memory (see
 /// [`read_if_failed`]).
 const FAILED_BODY_LIMIT: usize = 64 * 1024;
 
 /// `response`, with its body read into memory (up to [`FAILED_BODY_LIMIT`], for up to
-/// [`FAILED_BODY_WAIT`] and not past `read_by`) if it is a failure; a success as it comes.
+/// [`FAILED_BODY_WAIT`] and not past `read_by`) if it is a failure that may be sent again
+/// (`read_by` is `None` when it may not: a call that is not idempotent, its last attempt); a
+/// success, or a failure that will be returned, as it comes.
 ///
 /// A call keeps its last failure through the pause, in case it ends before its next attempt
 /// answers (cancelled, or the breaker opens), and through that next attempt. A body left
@@ -521,11 +567,17 @@ const FAILED_BODY_LIMIT: usize = 64 * 1024;
 /// opened a new connection to an upstream already failing, and closed the old one when the
 /// answer was dropped, unread. Read to its end, the body gives the connection back to the
 /// client's pool (and ends an HTTP/2 stream); the caller still gets the same bytes.
-async fn read_if_failed<RB>(response: Response<RB>, read_by: Instant) -> Response<ResponseBody<RB>>
+async fn read_if_failed<RB>(
+    response: Response<RB>,
+    read_by: Option<Instant>,
+) -> Response<ResponseBody<RB>>
 where
     RB: Body,
     RB::Error: Into<BoxError>,
 {
+    let Some(read_by) = read_by else {
+        return response.map(ResponseBody::passthrough);
+    };
     match response.classify() {
         Classification::Outcome(o) if !o.is_success() => {
             let until = read_by.min(Instant::now() + FAILED_BODY_WAIT);

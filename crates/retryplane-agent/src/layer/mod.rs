@@ -21,11 +21,14 @@
 //!   gives up with `deadline_exceeded` ([`RetryError::NoAnswer`]). A gRPC request's own
 //!   deadline (`grpc-timeout`, from tonic's `Request::set_timeout`) caps it: the call, its
 //!   attempts and its pauses end by the earlier of the two, since tonic enforces that header
-//!   below the layer on each attempt only. Each attempt of a gRPC request carries, in
-//!   `grpc-timeout`, what is left of the call's deadline when it is sent (the policy's
-//!   deadline when the caller set none), so that a retry does not tell the upstream it has the
-//!   caller's whole budget again. The attempt's own `per_try_timeout` is not sent: the agent
-//!   enforces it, and retries an attempt that runs out of it.
+//!   below the layer on each attempt only. Each attempt of such a request carries, in
+//!   `grpc-timeout`, what is left of the caller's deadline when it is sent, so that a retry
+//!   does not tell the upstream it has the caller's whole budget again; when tonic's timer for
+//!   it ends an attempt at that deadline, the call ends as the agent's deadline
+//!   (`DEADLINE_EXCEEDED`), not as tonic's `CANCELLED`. A request without `grpc-timeout` is
+//!   sent without one (gRPC servers hold a whole RPC to it, a server stream included), and
+//!   the attempt's own `per_try_timeout` is never sent: the agent enforces it, and retries an
+//!   attempt that runs out of it.
 //! - The endpoint's policy is read once, when the layer's future first runs (SPEC §2): the
 //!   body read's deadline, whether the request is shared and how long it waits for another
 //!   call ([`RetryLayer::with_dedup`]), and the call's attempts all go by that one read. A
@@ -48,13 +51,15 @@
 //!   be the caller's `grpc-timeout`); anything else counts as a reset. Timeout and reset
 //!   are unknown outcomes, so only idempotent or keyed requests are retried.
 //! - The client's response body becomes a [`ResponseBody`]. An answer that failed (an HTTP
-//!   status of 400 or more, or a gRPC error in the headers) has its body read into memory
-//!   within its attempt, up to 64 KiB and for up to 100 ms (and never into the attempt's last
-//!   100 ms, so that its timeout does not lose the answer): a call keeps its last failure
+//!   status of 400 or more, or a gRPC error in the headers) and may be sent again (the call is
+//!   idempotent or keyed, and this is not its last attempt) has its body read into memory
+//!   within its attempt, up to 64 KiB and for up to 20 ms (and never into the attempt's last
+//!   20 ms, so that its timeout does not lose the answer): a call keeps its last failure
 //!   through the pause and the next attempt, and a body left unread there would hold its
 //!   connection, so that an HTTP/1 client opened a new connection for every retry to an
 //!   upstream that was already failing. The caller gets the same bytes; a larger or slower
-//!   body gives the part read, then the rest as it comes. A success is passed on as it comes.
+//!   body gives the part read, then the rest as it comes. A success, and a failure that will
+//!   be returned, are passed on as they come.
 //! - A call that gives up with a response returns that response, with a [`GaveUp`] in its
 //!   extensions; one that gives up with an error returns the error; one that never got an
 //!   answer returns a [`RetryError`]. For a gRPC request, that [`RetryError`] comes as the
@@ -189,6 +194,11 @@ use crate::error::Cause;
 
 pub use auth::{RefreshCredentials, RefreshFailed};
 pub use body::{ReplayBody, ResponseBody};
+
+/// The response body of a client with de-duplication on, under its earlier name: it is the
+/// [`ResponseBody`] every client the layer wraps now returns.
+#[deprecated(note = "renamed `ResponseBody`: every client the layer wraps returns it")]
+pub type SharedBody<B> = ResponseBody<B>;
 pub use dedup::{
     CREDENTIAL_HEADERS, DEFAULT_IGNORED_HEADERS, DEFAULT_SHARED_RESPONSE_LIMIT, Dedup, DedupStats,
     Deduplicated,
