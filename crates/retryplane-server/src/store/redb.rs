@@ -34,9 +34,9 @@
 //! `retryplane.redb` only once its tables are committed (a rename that never replaces a file
 //! another process put there meanwhile). So the store's path holds either nothing or a whole
 //! store: a first start that fails half-way (a full disk, a crash) leaves no file there (and
-//! what it left under the temporary name is deleted by the next open, once it holds the
-//! store's lock). A symbolic link at that path that points to nothing gets the new store at
-//! its target. A
+//! what it left under the temporary name is deleted by a later open that holds the store's
+//! lock, once no process holds that file and it is a minute old). A symbolic link at that
+//! path that leads to nothing gets the new store where it leads. A
 //! file at that path that is empty or holds only zero bytes is therefore not a fresh one but a
 //! damaged one (a file system whose flushes were not honoured, a failed copy), and may be all
 //! that is left of a version history: the open refuses it with [`StoreError::NotAStore`],
@@ -468,17 +468,33 @@ fn create_file(dir: &Path, path: &Path) -> Result<(), StoreError> {
     sync_dir(dir).map_err(|error| failed(error.into()))
 }
 
-/// Where the symbolic link at `path` points, when it points to nothing (resolved against the
-/// link's directory when relative); `None` when `path` is no link.
+/// Where the symbolic link at `path` leads, through any links after it, when that is nothing
+/// (each relative link resolved against its own directory); `None` when `path` is no link.
+/// Called only when `path` leads to nothing: a loop of links is another error.
 fn dangling(path: &Path) -> Option<PathBuf> {
-    let target = std::fs::read_link(path).ok()?;
-    Some(match path.parent() {
-        Some(dir) if target.is_relative() => dir.join(target),
-        _ => target,
-    })
+    let mut at = path.to_owned();
+    // As many links as Linux follows in one path.
+    for _ in 0..40 {
+        let Ok(target) = std::fs::read_link(&at) else {
+            return (at != path).then_some(at);
+        };
+        at = match at.parent() {
+            Some(dir) if target.is_relative() => dir.join(target),
+            _ => target,
+        };
+    }
+    None
 }
 
-/// Deletes what first starts that were killed left in `dir` (see [`TEMP_PREFIX`]); a file
+/// How long after its last write a leftover of a first start is kept (see
+/// [`remove_leftovers`]): a server that is building its store this very moment has its file
+/// open and locked, except in the instant between closing it and renaming it into place.
+const LEFTOVER_AGE: Duration = Duration::from_secs(60);
+
+/// Deletes what first starts that were killed left in `dir` (see [`TEMP_PREFIX`]): files of
+/// that name that no process holds locked (as redb holds the one it builds) and that were not
+/// written in the last [`LEFTOVER_AGE`]. Another server's first start in the same directory,
+/// which would then find the store taken, keeps its file and fails as it would have. A file
 /// that cannot be deleted is logged and left.
 fn remove_leftovers(dir: &Path) {
     let Ok(entries) = std::fs::read_dir(dir) else {
@@ -492,6 +508,20 @@ fn remove_leftovers(dir: &Path) {
             continue;
         }
         let path = entry.path();
+        // Held until the file is deleted.
+        let Ok(file) = std::fs::File::open(&path) else {
+            continue;
+        };
+        let recent = file
+            .metadata()
+            .and_then(|m| m.modified())
+            .ok()
+            .and_then(|at| at.elapsed().ok())
+            .is_none_or(|age| age < LEFTOVER_AGE);
+        if recent || file.try_lock().is_err() {
+            debug!(file = %path.display(), "a new store being built: left as it is");
+            continue;
+        }
         match std::fs::remove_file(&path) {
             Ok(()) => info!(file = %path.display(), "removed what an interrupted first start left"),
             Err(error) => warn!(

@@ -536,22 +536,55 @@ fn what_an_interrupted_first_start_left_does_not_stop_the_next_one() {
     // A first start killed while it built the new store, on a full disk: the file's length,
     // never its header, under the temporary name.
     let leftover = dir.path().join(".retryplane.redb.new-AbC123");
-    std::fs::write(&leftover, vec![0; 73_728]).unwrap();
+    write_old(&leftover, &vec![0; 73_728]);
     let store = RedbStore::open(dir.path()).unwrap();
     assert_eq!(store.current().unwrap(), None);
     assert_eq!(publish_new(&store, "a"), 1);
     // Deleted once the store is open (and its lock held), here and at later starts.
     assert_eq!(files_in(dir.path()), ["retryplane.redb"]);
     drop(store);
-    std::fs::write(&leftover, vec![0; 4096]).unwrap();
+    write_old(&leftover, &[0; 4096]);
     let other = dir.path().join(".retryplane.redb.other");
-    std::fs::write(&other, b"kept").unwrap();
+    write_old(&other, b"kept");
     let store = RedbStore::open(dir.path()).unwrap();
     assert_eq!(store.current().unwrap().unwrap().meta.version, 1);
     assert_eq!(
         files_in(dir.path()),
         [".retryplane.redb.other", "retryplane.redb"]
     );
+}
+
+/// Writes `bytes` to `path`, last modified two minutes ago.
+fn write_old(path: &Path, bytes: &[u8]) {
+    std::fs::write(path, bytes).unwrap();
+    let file = std::fs::File::options().write(true).open(path).unwrap();
+    let two_minutes_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(120);
+    file.set_modified(two_minutes_ago).unwrap();
+}
+
+#[test]
+fn a_new_store_another_server_is_building_is_left_alone() {
+    // Another server's first start in the same directory, building its store meanwhile: its
+    // file is locked (as redb locks it), or was written a moment ago (between closing it and
+    // renaming it). It then finds the store taken and fails as it would have; deleting its
+    // file made it fail with a misleading "cannot create the store file".
+    let dir = tempfile::tempdir().unwrap();
+    let locked = dir.path().join(".retryplane.redb.new-Locked");
+    write_old(&locked, &[1; 4096]);
+    let held = std::fs::File::open(&locked).unwrap();
+    held.lock().unwrap();
+    let fresh = dir.path().join(".retryplane.redb.new-Fresh1");
+    std::fs::write(&fresh, [1; 4096]).unwrap();
+    let store = RedbStore::open(dir.path()).unwrap();
+    assert_eq!(
+        files_in(dir.path()),
+        [
+            ".retryplane.redb.new-Fresh1",
+            ".retryplane.redb.new-Locked",
+            "retryplane.redb"
+        ]
+    );
+    drop((store, held));
 }
 
 #[cfg(unix)]
@@ -562,7 +595,9 @@ fn a_link_to_no_file_yet_gets_the_new_store_at_its_target() {
     let volume = dir.path().join("volume");
     std::fs::create_dir_all(&data).unwrap();
     std::fs::create_dir_all(&volume).unwrap();
-    std::os::unix::fs::symlink("../volume/history.redb", data.join("retryplane.redb")).unwrap();
+    // A link to a link to nothing yet.
+    std::os::unix::fs::symlink("../volume/history.redb", data.join("next")).unwrap();
+    std::os::unix::fs::symlink("next", data.join("retryplane.redb")).unwrap();
     let store = RedbStore::open(&data).unwrap();
     assert_eq!(publish_new(&store, "a"), 1);
     drop(store);
