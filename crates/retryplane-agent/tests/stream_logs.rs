@@ -163,7 +163,7 @@ async fn a_refusal_that_trying_again_will_not_fix_is_said_once_at_warn() {
         (
             format!("http://{}", running.agent_addr),
             "x".repeat(300),
-            "its id, service and labels",
+            "its Hello's id, service and labels",
             tonic::Code::InvalidArgument,
         ),
         (

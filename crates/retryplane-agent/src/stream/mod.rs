@@ -239,9 +239,10 @@ fn lasting(code: Option<tonic::Code>) -> Option<&'static str> {
         tonic::Code::Unauthenticated | tonic::Code::PermissionDenied => {
             Some("the token the agent is given")
         }
-        tonic::Code::InvalidArgument => {
-            Some("what the agent says in its Hello: its id, service and labels")
-        }
+        tonic::Code::InvalidArgument => Some(
+            "the reason: what the agent sends (its Hello's id, service and labels) or a \
+             version of the agent the control plane does not understand",
+        ),
         tonic::Code::Unimplemented => Some("that the URL is the control plane's agent listener"),
         _ => None,
     }
