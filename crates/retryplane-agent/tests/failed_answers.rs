@@ -13,7 +13,9 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt as _, Full};
+use http_body::Frame;
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt as _, Full, StreamBody};
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::client::legacy::Client;
@@ -34,9 +36,15 @@ struct Counts {
     requests: Arc<AtomicU32>,
 }
 
-/// An HTTP/1.1 server on 127.0.0.1:0 that answers its first `failures` requests `503` with a
-/// body of `failure_len` bytes (`x` repeated), then `200 ok`; each connection keeps alive.
-async fn server(failures: u32, failure_len: usize) -> (String, Counts) {
+/// The body the test servers answer with.
+type TestBody = BoxBody<Bytes, Infallible>;
+
+/// An HTTP/1.1 server on 127.0.0.1:0 whose `n`th request (from 0) gets `respond(n)`; each
+/// connection keeps alive.
+async fn serve<F>(respond: F) -> (String, Counts)
+where
+    F: Fn(u32) -> http::Response<TestBody> + Clone + Send + Sync + 'static,
+{
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}/v1/items", listener.local_addr().unwrap());
     let counts = Counts::default();
@@ -48,23 +56,30 @@ async fn server(failures: u32, failure_len: usize) -> (String, Counts) {
             };
             c.connections.fetch_add(1, Ordering::SeqCst);
             let requests = c.requests.clone();
+            let respond = respond.clone();
             let service = service_fn(move |_req: http::Request<hyper::body::Incoming>| {
-                let n = requests.fetch_add(1, Ordering::SeqCst);
-                async move {
-                    let response = if n < failures {
-                        http::Response::builder()
-                            .status(503)
-                            .body(Full::new(Bytes::from(vec![b'x'; failure_len])))
-                    } else {
-                        http::Response::builder().body(Full::new(Bytes::from_static(b"ok")))
-                    };
-                    Ok::<_, Infallible>(response.unwrap())
-                }
+                let response = respond(requests.fetch_add(1, Ordering::SeqCst));
+                async move { Ok::<_, Infallible>(response) }
             });
             tokio::spawn(http1::Builder::new().serve_connection(TokioIo::new(stream), service));
         }
     });
     (url, counts)
+}
+
+/// A server that answers its first `failures` requests `503` with a body of `failure_len`
+/// bytes (`x` repeated), then `200 ok`.
+async fn server(failures: u32, failure_len: usize) -> (String, Counts) {
+    serve(move |n| {
+        let (status, body) = if n < failures {
+            (503, Bytes::from(vec![b'x'; failure_len]))
+        } else {
+            (200, Bytes::from_static(b"ok"))
+        };
+        let body = Full::new(body).boxed();
+        http::Response::builder().status(status).body(body).unwrap()
+    })
+    .await
 }
 
 /// Three attempts, short fixed pauses, no budget or breaker.
@@ -129,36 +144,20 @@ async fn a_call_that_gives_up_returns_the_whole_body_of_its_last_answer() {
 }
 
 /// A server that answers every request `503` with 5 bytes of body and then a body that never
-/// ends; it counts the requests.
+/// ends.
 async fn stalled_server() -> (String, Counts) {
-    use http_body_util::StreamBody;
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}/v1/items", listener.local_addr().unwrap());
-    let counts = Counts::default();
-    let c = counts.clone();
-    tokio::spawn(async move {
-        loop {
-            let Ok((stream, _)) = listener.accept().await else {
-                return;
-            };
-            let requests = c.requests.clone();
-            let service = service_fn(move |_req: http::Request<hyper::body::Incoming>| {
-                requests.fetch_add(1, Ordering::SeqCst);
-                let first = tokio_stream::once(Ok::<_, Infallible>(hyper::body::Frame::data(
-                    Bytes::from_static(b"hello"),
-                )));
-                let body = StreamBody::new(tokio_stream::StreamExt::chain(
-                    first,
-                    tokio_stream::pending(),
-                ));
-                async move {
-                    Ok::<_, Infallible>(http::Response::builder().status(503).body(body).unwrap())
-                }
-            });
-            tokio::spawn(http1::Builder::new().serve_connection(TokioIo::new(stream), service));
-        }
-    });
-    (url, counts)
+    serve(|_| {
+        let first = tokio_stream::once(Ok(Frame::data(Bytes::from_static(b"hello"))));
+        let body = StreamBody::new(tokio_stream::StreamExt::chain(
+            first,
+            tokio_stream::pending(),
+        ));
+        http::Response::builder()
+            .status(503)
+            .body(body.boxed())
+            .unwrap()
+    })
+    .await
 }
 
 #[tokio::test]

@@ -7,8 +7,6 @@
 
 mod support;
 
-use std::io;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -31,26 +29,6 @@ const SECRETS: [&str; 7] = [
     "HOOK-ERROR-SECRET",
     "AGENT-TOKEN-SECRET",
 ];
-
-/// A log sink shared with the test.
-#[derive(Clone, Default)]
-struct Sink(Arc<Mutex<Vec<u8>>>);
-
-impl io::Write for Sink {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> io::Result<()> {
-        Ok(())
-    }
-}
-
-impl Sink {
-    fn text(&self) -> String {
-        String::from_utf8(self.0.lock().unwrap().clone()).unwrap()
-    }
-}
 
 fn request() -> Request<Full<Bytes>> {
     Request::builder()
@@ -88,14 +66,7 @@ fn line_with<'a>(log: &'a str, parts: &[&str]) -> Option<&'a str> {
 
 #[tokio::test(flavor = "current_thread")]
 async fn no_log_line_carries_a_header_value_a_token_or_a_body() {
-    let sink = Sink::default();
-    let writer = sink.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_env_filter("retryplane_agent=debug")
-        .with_ansi(false)
-        .with_writer(move || writer.clone())
-        .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
+    let (sink, _guard) = support::capture_logs("retryplane_agent=debug");
 
     // Fast, deterministic pauses: base 5 ms, ×2.
     let agent = agent(&policy(
@@ -249,14 +220,7 @@ async fn no_log_line_carries_a_header_value_a_token_or_a_body() {
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn calls_refused_by_an_open_breaker_get_one_warn_line_per_second() {
-    let sink = Sink::default();
-    let writer = sink.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_env_filter("retryplane_agent=warn")
-        .with_ansi(false)
-        .with_writer(move || writer.clone())
-        .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
+    let (sink, _guard) = support::capture_logs("retryplane_agent=warn");
 
     let agent = agent(&policy(
         "max_attempts: 1\ncircuit_breaker: {enabled: true, failure_ratio: 0.5, min_requests: 2, open_for: 30s}",

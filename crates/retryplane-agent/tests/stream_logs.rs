@@ -6,38 +6,15 @@
 
 mod support;
 
-use std::io;
 use std::path::Path;
-use std::sync::{Arc, Mutex};
 
 use prost::Message as _;
 use retryplane_agent::{Agent, Source};
 
-/// A log sink shared with the test.
-#[derive(Clone, Default)]
-struct Sink(Arc<Mutex<Vec<u8>>>);
-
-impl io::Write for Sink {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> io::Result<()> {
-        Ok(())
-    }
-}
-
 /// The agent's info-and-up log lines while an agent with `cache` (if any) starts with no
 /// control plane and fails its first connection, and the source of its policies.
 async fn start(cache: Option<&Path>) -> (String, Source) {
-    let sink = Sink::default();
-    let writer = sink.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_env_filter("retryplane_agent=info")
-        .with_ansi(false)
-        .with_writer(move || writer.clone())
-        .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
+    let (sink, _guard) = support::capture_logs("retryplane_agent=info");
     // Nothing listens there.
     let nothing = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = nothing.local_addr().unwrap();
@@ -49,7 +26,7 @@ async fn start(cache: Option<&Path>) -> (String, Source) {
     .await;
     let source = agent.policies().source();
     agent.shutdown().await;
-    let text = String::from_utf8(sink.0.lock().unwrap().clone()).unwrap();
+    let text = sink.text();
     (text, source)
 }
 
@@ -131,15 +108,8 @@ async fn a_refusal_that_trying_again_will_not_fix_is_said_once_at_warn() {
         cfg.tokens_file = Some(tokens.clone());
     })
     .await;
-    let sink = Sink::default();
-    let writer = sink.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_env_filter("retryplane_agent=info")
-        .with_ansi(false)
-        .with_writer(move || writer.clone())
-        .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
-    let text = || String::from_utf8(sink.0.lock().unwrap().clone()).unwrap();
+    let (sink, _guard) = support::capture_logs("retryplane_agent=info");
+    let text = || sink.text();
     let bad = support::plane::builder(running.agent_addr, "bad")
         .token(WRONG)
         .connect()
@@ -173,7 +143,7 @@ async fn a_refusal_that_trying_again_will_not_fix_is_said_once_at_warn() {
             tonic::Code::Unimplemented,
         ),
     ] {
-        sink.0.lock().unwrap().clear();
+        sink.clear();
         let refused = support::plane::builder(running.agent_addr, &id)
             .url(url)
             .token(SECRET)
@@ -192,7 +162,7 @@ async fn a_refusal_that_trying_again_will_not_fix_is_said_once_at_warn() {
     }
 
     // With the right token: no warning.
-    sink.0.lock().unwrap().clear();
+    sink.clear();
     let good = support::plane::builder(running.agent_addr, "good")
         .token(SECRET)
         .connect()

@@ -240,3 +240,42 @@ pub async fn full_backlog() -> (tokio::net::TcpListener, Vec<tokio::net::TcpStre
 pub mod plane;
 pub mod proxy;
 pub mod script;
+
+/// The agent's log lines, captured for a test (see [`capture_logs`]).
+#[derive(Clone, Default)]
+pub struct LogSink(Arc<Mutex<Vec<u8>>>);
+
+impl io::Write for LogSink {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+impl LogSink {
+    /// Every line so far.
+    pub fn text(&self) -> String {
+        String::from_utf8(self.0.lock().unwrap().clone()).unwrap()
+    }
+
+    /// Forgets the lines so far.
+    pub fn clear(&self) {
+        self.0.lock().unwrap().clear();
+    }
+}
+
+/// Captures this thread's log lines that pass `filter` (an env-filter directive such as
+/// `retryplane_agent=info`), without colours, until the guard is dropped.
+pub fn capture_logs(filter: &str) -> (LogSink, tracing::subscriber::DefaultGuard) {
+    let sink = LogSink::default();
+    let writer = sink.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish();
+    (sink, tracing::subscriber::set_default(subscriber))
+}
