@@ -699,13 +699,16 @@ impl Begun {
         self.at
     }
 
-    /// The policy's `max_attempts` for a call described by `meta`, if an answer to it (an HTTP
-    /// status, a gRPC code) may be sent again: it is idempotent or carries the idempotency key;
-    /// `None` otherwise (only a failed connect is retried then).
-    pub(crate) fn answer_retries(&self, meta: &CallMeta<'_>) -> Option<u32> {
+    /// The policy's `max_attempts` and `retry_on` for a call described by `meta`, if an answer
+    /// to it (an HTTP status, a gRPC code) may be sent again: it is idempotent or carries the
+    /// idempotency key; `None` otherwise (only a failed connect is retried then).
+    pub(crate) fn answer_retries(
+        &self,
+        meta: &CallMeta<'_>,
+    ) -> Option<(u32, retryplane_policy::model::RetryOn)> {
         let (policy, _) = self.entry.resolve(&meta.target());
         let (idempotent, keyed) = meta.idempotency(policy);
-        (idempotent || keyed).then_some(policy.max_attempts)
+        (idempotent || keyed).then(|| (policy.max_attempts, policy.retry_on.clone()))
     }
 
     /// Whether a call described by `meta` is idempotent: its method listed for its route, or

@@ -22,7 +22,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use retryplane_agent::Agent;
-use retryplane_agent::layer::{GaveUp, RetryLayer};
+use retryplane_agent::layer::{BoxError, GaveUp, RefreshCredentials, RetryLayer};
 use tokio::net::TcpListener;
 use tower::{Layer as _, ServiceExt as _};
 
@@ -143,17 +143,17 @@ async fn a_call_that_gives_up_returns_the_whole_body_of_its_last_answer() {
     }
 }
 
-/// A server that answers every request `503` with 5 bytes of body and then a body that never
-/// ends.
-async fn stalled_server() -> (String, Counts) {
-    serve(|_| {
+/// A server that answers every request `status` with 5 bytes of body and then a body that
+/// never ends.
+async fn stalled_server(status: u16) -> (String, Counts) {
+    serve(move |_| {
         let first = tokio_stream::once(Ok(Frame::data(Bytes::from_static(b"hello"))));
         let body = StreamBody::new(tokio_stream::StreamExt::chain(
             first,
             tokio_stream::pending(),
         ));
         http::Response::builder()
-            .status(503)
+            .status(status)
             .body(body.boxed())
             .unwrap()
     })
@@ -162,11 +162,16 @@ async fn stalled_server() -> (String, Counts) {
 
 #[tokio::test]
 async fn a_failed_answer_that_will_be_returned_is_handed_over_unread() {
-    // Reading it would only delay it: its last attempt (`max_attempts: 1`), or a call whose
-    // answers are never sent again (a POST without the idempotency key). A body read in part
-    // would show in the size hint (the 5 bytes read first).
-    for (yaml, method) in [("max_attempts: 1", "GET"), ("max_attempts: 3", "POST")] {
-        let (url, counts) = stalled_server().await;
+    // Reading it would only delay it: its last attempt (`max_attempts: 1`), a call whose
+    // answers are never sent again (a POST without the idempotency key), or a status the
+    // policy does not retry (404). A body read in part would show in the size hint (the 5
+    // bytes read first).
+    for (yaml, method, status) in [
+        ("max_attempts: 1", "GET", 503),
+        ("max_attempts: 3", "POST", 503),
+        ("max_attempts: 3", "GET", 404),
+    ] {
+        let (url, counts) = stalled_server(status).await;
         let agent = support::agent(&support::policy(yaml));
         let client = Client::builder(TokioExecutor::new()).build(HttpConnector::new());
         let svc = RetryLayer::new(agent.endpoint("ep")).layer(client);
@@ -179,9 +184,58 @@ async fn a_failed_answer_that_will_be_returned_is_handed_over_unread() {
             .await
             .expect("the call ends")
             .expect("an answer");
-        assert_eq!(response.status(), 503);
+        assert_eq!(response.status(), status);
         let hint = http_body::Body::size_hint(response.body());
         assert_eq!(hint.lower(), 0, "{yaml} {method}");
         assert_eq!(counts.requests.load(Ordering::SeqCst), 1);
+    }
+}
+
+/// A credential refresh that always works.
+struct Fresh;
+
+impl RefreshCredentials for Fresh {
+    async fn refresh(&self, parts: &mut http::request::Parts) -> Result<(), BoxError> {
+        let value = http::HeaderValue::from_static("Bearer new");
+        parts.headers.insert(http::header::AUTHORIZATION, value);
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn a_401_sent_again_after_a_credential_refresh_reuses_its_connection() {
+    // The refresh hook sends a 401 again whatever the method or the attempt: its body is read
+    // as a retried answer's is.
+    for (method, yaml) in [("POST", "max_attempts: 3"), ("GET", "max_attempts: 1")] {
+        let (url, counts) = serve(|n| {
+            let (status, body) = match n {
+                0 => (401, Bytes::from(vec![b'x'; 32 * 1024])),
+                _ => (200, Bytes::from_static(b"ok")),
+            };
+            let body = Full::new(body).boxed();
+            http::Response::builder().status(status).body(body).unwrap()
+        })
+        .await;
+        let agent = support::agent(&support::policy(yaml));
+        let client = Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+        let svc = RetryLayer::new(agent.endpoint("ep"))
+            .with_auth_refresh(Fresh)
+            .layer(client);
+        let request = http::Request::builder()
+            .method(method)
+            .uri(&url)
+            .body(Full::<Bytes>::default())
+            .unwrap();
+        let response = tokio::time::timeout(WAIT, svc.oneshot(request))
+            .await
+            .expect("the call ends")
+            .expect("an answer");
+        assert_eq!(response.status(), 200);
+        assert_eq!(counts.requests.load(Ordering::SeqCst), 2);
+        assert_eq!(
+            counts.connections.load(Ordering::SeqCst),
+            1,
+            "{method} {yaml}"
+        );
     }
 }

@@ -22,7 +22,8 @@ use crate::call::{Begun, Endpoint, NoReauth};
 use crate::classify::{Classification, Classify as _, classify_boxed, tonic_timeout_in_chain};
 use crate::error::{CallError, Cause, Last};
 use crate::meta::{AttemptInfo, CallMeta};
-use retryplane_policy::engine::GiveUpCause;
+use retryplane_policy::engine::{GiveUpCause, Outcome};
+use retryplane_policy::model::RetryOn;
 
 /// Wraps a `Service<http::Request<B>>` in [`Retry`]. Defaults: bodies up to
 /// [`DEFAULT_BODY_LIMIT`] are buffered for replay; no credential refresh; no de-duplication
@@ -327,7 +328,8 @@ where
             let meta = call_meta(&head, uri.path()).with_headers(&head.headers);
             let callers = callers_deadline(&meta, &begun);
             // A failed answer's body is read only if the answer may be sent again.
-            let retried_below = begun.answer_retries(&meta);
+            let retried = &begun.answer_retries(&meta);
+            let refresh = settings.refresh.is_some();
             // Shared with the refresh hook, which may update it for the attempts that follow.
             let head = Mutex::new(head);
             let (head, data, trailers) = (&head, &data, &trailers);
@@ -345,12 +347,17 @@ where
                 let sent = inner.send(request);
                 // The answer's body must be read before the attempt's timeout, which would
                 // lose the answer (the agent's timer runs from just before `sent_at`).
-                let read_by = retried_below
-                    .is_some_and(|max| info.number < max)
-                    .then(|| sent_at + info.timeout.saturating_sub(FAILED_BODY_WAIT));
+                let read = ReadFailed {
+                    retried: retried
+                        .as_ref()
+                        .filter(|(max_attempts, _)| info.number < *max_attempts)
+                        .map(|(_, retry_on)| retry_on),
+                    refresh,
+                    read_by: sent_at + info.timeout.saturating_sub(FAILED_BODY_WAIT),
+                };
                 async move {
                     match sent.await {
-                        Ok(response) => Ok(read_if_failed(response, read_by).await),
+                        Ok(response) => Ok(read_if_failed(response, read).await),
                         Err(e) => Err(unless_callers_deadline(e, callers).await),
                     }
                 }
@@ -556,10 +563,41 @@ async fn unless_callers_deadline(e: BoxError, deadline: Option<Instant>) -> BoxE
 /// [`read_if_failed`]).
 const FAILED_BODY_LIMIT: usize = 64 * 1024;
 
+/// Which failed answers an attempt reads the body of (see [`read_if_failed`]): those that may
+/// be sent again.
+struct ReadFailed<'a> {
+    /// What the policy's `retry_on` lists, when an answer may be sent again at all (the call
+    /// is idempotent or keyed, and this is not its last attempt).
+    retried: Option<&'a RetryOn>,
+    /// A credential-refresh hook is set: a 401 is sent again after it runs.
+    refresh: bool,
+    /// The latest the read may go on.
+    read_by: Instant,
+}
+
+impl ReadFailed<'_> {
+    /// Whether the body of an answer with outcome `o` is read. The budget and the breaker may
+    /// still refuse the retry; they are not asked here, since they may change by then.
+    fn wants(&self, o: &Outcome) -> bool {
+        if o.is_success() {
+            return false;
+        }
+        match o {
+            Outcome::Http { status: 401, .. } if self.refresh => true,
+            Outcome::Http { status, .. } => {
+                self.retried.is_some_and(|r| r.http_status.contains(status))
+            }
+            Outcome::Grpc { code, .. } => {
+                self.retried.is_some_and(|r| r.grpc_status.contains(code))
+            }
+            Outcome::Transport(_) => false,
+        }
+    }
+}
+
 /// `response`, with its body read into memory (up to [`FAILED_BODY_LIMIT`], for up to
-/// [`FAILED_BODY_WAIT`] and not past `read_by`) if it is a failure that may be sent again
-/// (`read_by` is `None` when it may not: a call that is not idempotent, its last attempt); a
-/// success, or a failure that will be returned, as it comes.
+/// [`FAILED_BODY_WAIT`] and not past `read.read_by`) if it is a failure that may be sent again
+/// ([`ReadFailed::wants`]); a success, or a failure that will be returned, as it comes.
 ///
 /// A call keeps its last failure through the pause, in case it ends before its next attempt
 /// answers (cancelled, or the breaker opens), and through that next attempt. A body left
@@ -569,18 +607,15 @@ const FAILED_BODY_LIMIT: usize = 64 * 1024;
 /// client's pool (and ends an HTTP/2 stream); the caller still gets the same bytes.
 async fn read_if_failed<RB>(
     response: Response<RB>,
-    read_by: Option<Instant>,
+    read: ReadFailed<'_>,
 ) -> Response<ResponseBody<RB>>
 where
     RB: Body,
     RB::Error: Into<BoxError>,
 {
-    let Some(read_by) = read_by else {
-        return response.map(ResponseBody::passthrough);
-    };
     match response.classify() {
-        Classification::Outcome(o) if !o.is_success() => {
-            let until = read_by.min(Instant::now() + FAILED_BODY_WAIT);
+        Classification::Outcome(o) if read.wants(&o) => {
+            let until = read.read_by.min(Instant::now() + FAILED_BODY_WAIT);
             read_failed(response, FAILED_BODY_LIMIT, until).await
         }
         _ => response.map(ResponseBody::passthrough),
