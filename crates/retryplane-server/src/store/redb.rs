@@ -222,8 +222,15 @@ impl RedbStore {
         store.run(create_tables)?;
         store.run(check)?;
         // Only now: the open holds the file's lock, so no other server is building a store here
-        // that it could use.
+        // that it could use. Where a link put the store, its new stores were built there.
         remove_leftovers(dir);
+        if let Some(real) = std::fs::canonicalize(&store.path)
+            .ok()
+            .and_then(|p| p.parent().map(Path::to_owned))
+            && std::fs::canonicalize(dir).is_ok_and(|d| d != real)
+        {
+            remove_leftovers(&real);
+        }
         Ok(store)
     }
 
@@ -508,8 +515,9 @@ fn remove_leftovers(dir: &Path) {
             continue;
         }
         let path = entry.path();
-        // Held until the file is deleted.
-        let Ok(file) = std::fs::File::open(&path) else {
+        // Held until the file is deleted. Opened for writing too: NFS takes a lock only on a
+        // file open for writing.
+        let Ok(file) = std::fs::File::options().read(true).write(true).open(&path) else {
             continue;
         };
         let recent = file

@@ -563,6 +563,30 @@ fn write_old(path: &Path, bytes: &[u8]) {
 }
 
 #[test]
+fn the_lock_redb_holds_on_a_store_it_builds_is_seen_by_a_file_lock() {
+    // What keeps another server's store in the making from being taken for a leftover: a new
+    // store is built under redb's lock, which a whole-file lock attempt sees. (redb 4 takes
+    // byte-range locks, and this whole-file one for older versions of itself: a redb that no
+    // longer takes it fails here, and the one-minute age rule is all that is left.)
+    let dir = tempfile::tempdir().unwrap();
+    let temp = dir.path().join(".retryplane.redb.new-Probe1");
+    let db = ::redb::Database::builder().create(&temp).unwrap();
+    let probe = std::fs::File::options()
+        .read(true)
+        .write(true)
+        .open(&temp)
+        .unwrap();
+    assert!(matches!(
+        probe.try_lock(),
+        Err(std::fs::TryLockError::WouldBlock)
+    ));
+    drop(probe);
+    db.close().unwrap();
+    let probe = std::fs::File::open(&temp).unwrap();
+    assert!(probe.try_lock().is_ok());
+}
+
+#[test]
 fn a_new_store_another_server_is_building_is_left_alone() {
     // Another server's first start in the same directory, building its store meanwhile: its
     // file is locked (as redb locks it), or was written a moment ago (between closing it and
@@ -608,8 +632,11 @@ fn a_link_to_no_file_yet_gets_the_new_store_at_its_target() {
             .is_symlink()
     );
     assert_eq!(files_in(&volume), ["history.redb"]);
+    // What an interrupted first start left where the link leads is deleted there.
+    write_old(&volume.join(".retryplane.redb.new-Vol123"), &[0; 4096]);
     let store = RedbStore::open(&data).unwrap();
     assert_eq!(store.current().unwrap().unwrap().meta.version, 1);
+    assert_eq!(files_in(&volume), ["history.redb"]);
 }
 
 #[test]
