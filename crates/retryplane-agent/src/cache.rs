@@ -95,21 +95,14 @@ pub(crate) fn load(path: &Path) -> Result<Option<Cached>, Foreign> {
     let bytes = match read(path) {
         Ok(Some(b)) => b,
         Ok(None) => {
+            // (A directory that is a file or cannot be searched fails the read itself: the
+            // warning below says which.)
             let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
             match dir.map(std::fs::metadata) {
                 Some(Err(e)) if e.kind() == std::io::ErrorKind::NotFound => warn!(
                     file = %path.display(),
                     "the policy cache's directory does not exist: no cache can be kept there \
                      until it is created"
-                ),
-                Some(Err(e)) => warn!(
-                    file = %path.display(),
-                    error = %e,
-                    "cannot look at the policy cache's directory"
-                ),
-                Some(Ok(m)) if !m.is_dir() => warn!(
-                    file = %path.display(),
-                    "the policy cache's directory is not a directory: no cache can be kept there"
                 ),
                 _ => info!(file = %path.display(), "no policy cache yet"),
             }
