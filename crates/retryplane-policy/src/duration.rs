@@ -10,7 +10,10 @@ use std::time::Duration;
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum DurationError {
     /// No unit after the number, such as `100`.
-    #[error("duration `{0}` needs a unit: ms, s, m or h (for example `{0}ms`)")]
+    #[error(
+        "duration `{0}` needs a unit: ms, s, m or h (for example `{example}`)",
+        example = unit_example(.0)
+    )]
     MissingUnit(String),
     /// A unit other than the four accepted.
     #[error("duration `{value}` has an unknown unit `{unit}`: use ms, s, m or h")]
@@ -29,6 +32,17 @@ pub enum DurationError {
     /// Larger than a day or finer than a millisecond.
     #[error("duration `{0}` is out of range: between 1ms and 24h, in whole milliseconds")]
     OutOfRange(String),
+}
+
+/// The example a number written without a unit is given: itself in milliseconds, unless it is
+/// zero, which most settings refuse (`0ms` would be no better an example).
+fn unit_example(number: &str) -> String {
+    let number = number.trim();
+    if number.chars().all(|c| c == '0' || c == '.') {
+        "250ms".to_owned()
+    } else {
+        format!("{number}ms")
+    }
 }
 
 /// The longest duration a policy may hold.
@@ -122,6 +136,18 @@ pub fn format_duration(d: Duration) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_number_without_a_unit_is_given_an_example_that_is_not_zero() {
+        let message = |s: &str| parse_duration(s).unwrap_err().to_string();
+        assert_eq!(
+            message("100"),
+            "duration `100` needs a unit: ms, s, m or h (for example `100ms`)"
+        );
+        for zero in ["0", "0.0", " 0 "] {
+            assert!(message(zero).ends_with("(for example `250ms`)"), "{zero:?}");
+        }
+    }
 
     #[test]
     fn accepts_each_unit() {

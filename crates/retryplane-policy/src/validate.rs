@@ -262,9 +262,9 @@ fn check_layer(o: &Overlay, prefix: &str, diags: &mut Vec<Diagnostic>) {
         }
     }
     if let Some(list) = &o.idempotent_methods {
-        for m in &list.value {
+        for (i, m) in list.value.iter().enumerate() {
             if let Err(msg) = check_method(&m.value) {
-                error(m.loc, "idempotent_methods", msg);
+                error(m.loc, &format!("idempotent_methods[{i}]"), msg);
             }
         }
     }
