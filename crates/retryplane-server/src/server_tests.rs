@@ -421,6 +421,33 @@ async fn non_loopback_without_tokens_is_refused_unless_insecure() {
         "{err}"
     );
     assert!(err.to_string().contains("--insecure"));
+    assert!(
+        err.to_string().contains("read or change the policies"),
+        "{err}"
+    );
+
+    // The agent listener cannot change the policies: the message says what it does expose.
+    let cfg = ServeConfig {
+        listen: SocketAddr::from((Ipv4Addr::UNSPECIFIED, 0)),
+        ..config(dir.path())
+    };
+    let err = start(cfg).await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ServeError::Exposed {
+                listener: "agent",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let text = err.to_string();
+    assert!(
+        text.contains("read the policies and send made-up metrics"),
+        "{text}"
+    );
+    assert!(!text.contains("change the policies"), "{text}");
 }
 
 #[tokio::test]

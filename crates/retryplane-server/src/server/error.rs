@@ -15,8 +15,9 @@ pub enum ServeError {
     /// without `insecure`.
     #[error(
         "refusing to serve the {listener} listener on {addr} without a tokens file: anyone who \
-         can reach it could read or change the policies. Pass --tokens FILE, listen on a \
-         loopback address, or pass --insecure to do it anyway"
+         can reach it could {risk}. Pass --tokens FILE, listen on a loopback address, or pass \
+         --insecure to do it anyway",
+        risk = exposure(listener)
     )]
     Exposed {
         /// `agent` or `admin`.
@@ -131,4 +132,12 @@ pub enum ServeError {
         #[source]
         source: tokio::task::JoinError,
     },
+}
+
+/// What anyone could do through the `listener` served with no tokens file.
+fn exposure(listener: &str) -> &'static str {
+    match listener {
+        "agent" => "read the policies and send made-up metrics that show in stats and alerts",
+        _ => "read or change the policies",
+    }
 }
