@@ -34,15 +34,16 @@ pub enum DurationError {
     OutOfRange(String),
 }
 
-/// The example a number written without a unit is given: itself in milliseconds, unless it is
-/// zero, which most settings refuse (`0ms` would be no better an example).
+/// The example a number written without a unit is given: itself in milliseconds, or in
+/// seconds when that is not a duration (`1.5` → `1.5s`: no duration is finer than a
+/// millisecond), or a plain example when neither is (a number past a day).
 fn unit_example(number: &str) -> String {
     let number = number.trim();
-    if number.chars().all(|c| c == '0' || c == '.') {
-        "250ms".to_owned()
-    } else {
-        format!("{number}ms")
-    }
+    ["ms", "s"]
+        .iter()
+        .map(|unit| format!("{number}{unit}"))
+        .find(|candidate| parse_duration(candidate).is_ok())
+        .unwrap_or_else(|| "250ms".to_owned())
 }
 
 /// The longest duration a policy may hold.
@@ -138,14 +139,22 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_number_without_a_unit_is_given_an_example_that_is_not_zero() {
-        let message = |s: &str| parse_duration(s).unwrap_err().to_string();
+    fn a_number_without_a_unit_is_given_an_example_that_is_a_duration() {
+        let example = |s: &str| {
+            let message = parse_duration(s).unwrap_err().to_string();
+            let start = message.find("(for example `").unwrap() + "(for example `".len();
+            message[start..message.len() - 2].to_owned()
+        };
         assert_eq!(
-            message("100"),
+            parse_duration("100").unwrap_err().to_string(),
             "duration `100` needs a unit: ms, s, m or h (for example `100ms`)"
         );
-        for zero in ["0", "0.0", " 0 "] {
-            assert!(message(zero).ends_with("(for example `250ms`)"), "{zero:?}");
+        assert_eq!(example("0"), "0ms");
+        assert_eq!(example("1.5"), "1.5s");
+        assert_eq!(example("0.5"), "0.5s");
+        assert_eq!(example("100000000"), "250ms");
+        for given in ["0", "1.5", "0.5", "100000000", "7"] {
+            assert!(parse_duration(&example(given)).is_ok(), "{given}");
         }
     }
 

@@ -405,49 +405,41 @@ async fn a_port_in_use_refuses_the_start_before_the_data_directory_is_touched() 
 #[tokio::test]
 async fn non_loopback_without_tokens_is_refused_unless_insecure() {
     let dir = tempfile::tempdir().unwrap();
-    let cfg = ServeConfig {
-        admin_listen: SocketAddr::from((Ipv4Addr::UNSPECIFIED, 0)),
-        ..config(dir.path())
+    let exposed = |listen: bool, admin: bool| {
+        let any = SocketAddr::from((Ipv4Addr::UNSPECIFIED, 0));
+        let base = config(dir.path());
+        ServeConfig {
+            listen: if listen { any } else { base.listen },
+            admin_listen: if admin { any } else { base.admin_listen },
+            ..base
+        }
     };
-    let err = start(cfg).await.unwrap_err();
-    assert!(
-        matches!(
-            err,
-            ServeError::Exposed {
-                listener: "admin",
-                ..
-            }
-        ),
-        "{err}"
-    );
-    assert!(err.to_string().contains("--insecure"));
-    assert!(
-        err.to_string().contains("read or change the policies"),
-        "{err}"
-    );
+    let refused = |err: ServeError| match err {
+        ServeError::Exposed { ref listeners } => {
+            let names: Vec<&str> = listeners.iter().map(|(name, _)| *name).collect();
+            (names, err.to_string())
+        }
+        other => panic!("not refused for exposure: {other}"),
+    };
+    let (names, text) = refused(start(exposed(false, true)).await.unwrap_err());
+    assert_eq!(names, ["admin"]);
+    assert!(text.contains("--insecure"), "{text}");
+    assert!(text.contains("read or change the policies"), "{text}");
 
     // The agent listener cannot change the policies: the message says what it does expose.
-    let cfg = ServeConfig {
-        listen: SocketAddr::from((Ipv4Addr::UNSPECIFIED, 0)),
-        ..config(dir.path())
-    };
-    let err = start(cfg).await.unwrap_err();
+    let (names, text) = refused(start(exposed(true, false)).await.unwrap_err());
+    assert_eq!(names, ["agent"]);
     assert!(
-        matches!(
-            err,
-            ServeError::Exposed {
-                listener: "agent",
-                ..
-            }
-        ),
-        "{err}"
-    );
-    let text = err.to_string();
-    assert!(
-        text.contains("read the policies and send made-up metrics"),
+        text.contains("read the policies, and send made-up metrics"),
         "{text}"
     );
     assert!(!text.contains("change the policies"), "{text}");
+
+    // Both: each is named with what it exposes, the worse included.
+    let (names, text) = refused(start(exposed(true, true)).await.unwrap_err());
+    assert_eq!(names, ["agent", "admin"]);
+    assert!(text.contains("made-up metrics"), "{text}");
+    assert!(text.contains("read or change the policies"), "{text}");
 }
 
 #[tokio::test]

@@ -160,7 +160,7 @@ pub(super) fn check_exposure(cfg: &ServeConfig) -> Result<(), ServeError> {
             warn!("no tokens file: the agent and admin listeners serve on loopback only");
             Ok(())
         }
-        Some(&(listener, addr)) if !cfg.insecure => Err(ServeError::Exposed { listener, addr }),
+        Some(_) if !cfg.insecure => Err(ServeError::Exposed { listeners: exposed }),
         Some(_) => {
             for (listener, addr) in exposed {
                 warn!(%addr, "--insecure: the {listener} listener accepts anyone, with no tokens file");

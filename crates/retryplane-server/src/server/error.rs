@@ -11,19 +11,16 @@ use crate::watch::WatchError;
 /// Why `retryplane serve` could not start, or a server stopped.
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
-    /// The agent or admin listener on a non-loopback address without a tokens file and
-    /// without `insecure`.
+    /// The agent or admin listener (or both) on a non-loopback address without a tokens file
+    /// and without `insecure`.
     #[error(
-        "refusing to serve the {listener} listener on {addr} without a tokens file: anyone who \
-         can reach it could {risk}. Pass --tokens FILE, listen on a loopback address, or pass \
-         --insecure to do it anyway",
-        risk = exposure(listener)
+        "refusing to serve without a tokens file: {}. Pass --tokens FILE, listen on a loopback \
+         address, or pass --insecure to do it anyway",
+        exposures(.listeners)
     )]
     Exposed {
-        /// `agent` or `admin`.
-        listener: &'static str,
-        /// The address asked for.
-        addr: SocketAddr,
+        /// Each listener exposed (`agent` or `admin`) and the address asked for it.
+        listeners: Vec<(&'static str, SocketAddr)>,
     },
     /// Two listeners are given addresses that cannot both be bound: the same address, or the
     /// same port where one address is unspecified (`0.0.0.0`, `[::]`), which takes the port on
@@ -134,10 +131,20 @@ pub enum ServeError {
     },
 }
 
-/// What anyone could do through the `listener` served with no tokens file.
-fn exposure(listener: &str) -> &'static str {
-    match listener {
-        "agent" => "read the policies and send made-up metrics that show in stats and alerts",
-        _ => "read or change the policies",
-    }
+/// What anyone could do through each of `listeners` served with no tokens file, joined.
+fn exposures(listeners: &[(&'static str, SocketAddr)]) -> String {
+    listeners
+        .iter()
+        .map(|&(listener, addr)| {
+            let risk = match listener {
+                "agent" => {
+                    "read the policies, and send made-up metrics and fleet entries that show in \
+                     stats, alerts and status"
+                }
+                _ => "read or change the policies",
+            };
+            format!("anyone who can reach the {listener} listener on {addr} could {risk}")
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
 }
