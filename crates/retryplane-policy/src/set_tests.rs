@@ -49,21 +49,6 @@ fn three_bad_fields_give_three_located_errors() {
     );
 }
 
-#[test]
-fn a_bad_idempotent_method_is_named_by_its_place_in_the_list() {
-    // The index counts every item as written, one of another type included.
-    let src =
-        "version: 1\nendpoints:\n  a:\n    idempotent_methods: [[GET], \"bad method\", put]\n";
-    assert_eq!(
-        errors(src),
-        [
-            "4:26: error: endpoints.a.idempotent_methods[0]: expected a string, found a list",
-            "4:33: error: endpoints.a.idempotent_methods[1]: `bad method` is not an HTTP method",
-            "4:47: error: endpoints.a.idempotent_methods[2]: HTTP methods are case-sensitive: write `PUT`",
-        ]
-    );
-}
-
 /// Every diagnostic, errors and warnings, as printed.
 fn all(src: &str) -> Vec<String> {
     load(src.as_bytes())

@@ -262,9 +262,12 @@ fn check_layer(o: &Overlay, prefix: &str, diags: &mut Vec<Diagnostic>) {
         }
     }
     if let Some(list) = &o.idempotent_methods {
-        for (i, m) in list.value.iter().enumerate() {
+        // Named by the list, not the item's index: the parser has already left out any item
+        // of another type, so an index here would not count the list as written. The item's
+        // line and column say which it is.
+        for m in &list.value {
             if let Err(msg) = check_method(&m.value) {
-                error(m.loc, &format!("idempotent_methods[{i}]"), msg);
+                error(m.loc, "idempotent_methods", msg);
             }
         }
     }
