@@ -126,6 +126,18 @@ fn read_limited(reader: impl Read, size_hint: Option<u64>) -> io::Result<Content
     })
 }
 
+/// The error for an endpoint `name` that `source` (a file, or `the control plane at URL`)
+/// does not define: the closest of its `names`, and all of them. The name asked for is shown
+/// escaped, as typed characters: it comes from the command line and may hold anything.
+pub fn no_such_endpoint(source: &str, name: &str, names: &[&str]) -> anyhow::Error {
+    anyhow::anyhow!(
+        "{source} defines no endpoint `{}`{}; its endpoints are: {}",
+        name.escape_debug(),
+        retryplane_policy::diag::did_you_mean(name, names.iter().copied()),
+        names.join(", ")
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -141,5 +153,19 @@ mod tests {
             Contents::Bytes(b) => assert_eq!(b, b"version: 1"),
             Contents::TooLarge(_) => panic!("a small input fits"),
         }
+    }
+
+    #[test]
+    fn an_endpoint_not_defined_is_named_escaped_with_the_closest_and_all() {
+        let names = ["payments", "search"];
+        let e = no_such_endpoint("policies.yaml", "paymnts", &names).to_string();
+        assert_eq!(
+            e,
+            "policies.yaml defines no endpoint `paymnts` (did you mean `payments`?); its \
+             endpoints are: payments, search"
+        );
+        let e = no_such_endpoint("policies.yaml", "a\u{1b}[31mb", &names).to_string();
+        assert!(e.contains("`a\\u{1b}[31mb`"), "{e}");
+        assert!(!e.contains('\u{1b}'), "{e}");
     }
 }

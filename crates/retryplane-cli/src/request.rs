@@ -37,10 +37,9 @@ use anyhow::{Context as _, bail};
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Method};
 use retryplane_agent::{Agent, AttemptInfo, CallMeta, Classification, Classify, Outcome, Source};
-use retryplane_policy::diag::did_you_mean;
 use tokio::time::Instant;
 
-use crate::input;
+use crate::input::{self, no_such_endpoint};
 use crate::output::{self, Format};
 use crate::{Outcome as Exit, Report};
 use report::{Attempt, Summary};
@@ -255,12 +254,7 @@ fn from_file(source: &input::Source, endpoint: &str) -> anyhow::Result<Option<Ag
         }
     };
     if policies.endpoint(endpoint).is_none() {
-        let names = policies.names();
-        bail!(
-            "{file} defines no endpoint `{endpoint}`{}; its endpoints are: {}",
-            did_you_mean(endpoint, names.iter().copied()),
-            names.join(", ")
-        );
+        return Err(no_such_endpoint(&file, endpoint, &policies.names()));
     }
     Ok(Some(Agent::from_policies(policies)))
 }
@@ -328,12 +322,8 @@ async fn first_snapshot(agent: &Agent, url: &str, endpoint: &str) -> anyhow::Res
     if let Some(set) = snapshot.set()
         && set.endpoint(endpoint).is_none()
     {
-        let names = set.names();
-        bail!(
-            "the control plane at {url} defines no endpoint `{endpoint}`{}; its endpoints are: {}",
-            did_you_mean(endpoint, names.iter().copied()),
-            names.join(", ")
-        );
+        let source = format!("the control plane at {url}");
+        return Err(no_such_endpoint(&source, endpoint, &set.names()));
     }
     Ok(())
 }

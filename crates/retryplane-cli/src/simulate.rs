@@ -15,11 +15,10 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use retryplane_policy::diag::did_you_mean;
 use retryplane_policy::duration::parse_duration;
 use retryplane_sim::{Config, Scenario};
 
-use crate::input::Source;
+use crate::input::{Source, no_such_endpoint};
 use crate::output::{self, Format};
 use crate::{Outcome, Report};
 
@@ -121,13 +120,11 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
         return output::invalid_file_report(&file, &loaded.diagnostics, settings.format);
     };
     let Some(endpoint) = policies.endpoint(&settings.endpoint) else {
-        let names = policies.names();
-        bail!(
-            "{file} defines no endpoint `{}`{}; its endpoints are: {}",
-            settings.endpoint,
-            did_you_mean(&settings.endpoint, names.iter().copied()),
-            names.join(", ")
-        );
+        return Err(no_such_endpoint(
+            &file,
+            &settings.endpoint,
+            &policies.names(),
+        ));
     };
     let report = retryplane_sim::simulate(&endpoint.name, &endpoint.policy, &settings.config)?;
     if let Some(path) = &settings.plot {

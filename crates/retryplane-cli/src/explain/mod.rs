@@ -26,11 +26,11 @@ use std::path::PathBuf;
 
 use anyhow::{Context, bail};
 use retryplane_policy::Target;
-use retryplane_policy::diag::{Diagnostic, did_you_mean};
+use retryplane_policy::diag::Diagnostic;
 use retryplane_policy::parse::{check_method, parse_grpc_route};
 use serde::Serialize;
 
-use crate::input::Source;
+use crate::input::{Source, no_such_endpoint};
 use crate::output::{self, Format, JsonDiagnostic};
 use crate::{Outcome, Report};
 
@@ -145,13 +145,11 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
     };
     let doc = policies.document();
     let Some(endpoint) = doc.endpoint(&settings.endpoint) else {
-        let names = policies.names();
-        bail!(
-            "{file} defines no endpoint `{}`{}; its endpoints are: {}",
-            settings.endpoint,
-            did_you_mean(&settings.endpoint, names.iter().copied()),
-            names.join(", ")
-        );
+        return Err(no_such_endpoint(
+            &file,
+            &settings.endpoint,
+            &policies.names(),
+        ));
     };
     if let Call::Http { method, path } = &settings.call
         && parse_grpc_route(path).is_ok_and(|(_, m)| m.is_some())
