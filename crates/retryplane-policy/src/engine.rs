@@ -432,11 +432,7 @@ impl<'a> RetryCall<'a> {
         let p = self.policy;
         // Whether `retry_on` lists the failure: step 4's first question, and (except for
         // transport failures, which always count) whether the breaker counts it.
-        let listed = match &outcome {
-            Outcome::Http { status, .. } => p.retry_on.http_status.contains(status),
-            Outcome::Grpc { code, .. } => p.retry_on.grpc_status.contains(code),
-            Outcome::Transport(class) => p.retry_on.errors.contains(class),
-        };
+        let listed = outcome.listed_in(&p.retry_on);
         if let (Some(permit), Some(breaker)) = (permit, &self.state.breaker) {
             // `!outcome.is_upstream_failure(p)`, without a second scan of `retry_on`.
             let healthy = !listed && !matches!(outcome, Outcome::Transport(_));

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use crate::codes::GrpcCode;
-use crate::model::{ErrorClass, RetryPolicy};
+use crate::model::{ErrorClass, RetryOn, RetryPolicy};
 use crate::retry_after::{Pushback, RetryAfterError};
 
 /// What one attempt produced, as far as retrying is concerned.
@@ -48,10 +48,17 @@ impl Outcome {
         if self.is_success() {
             return false;
         }
+        matches!(self, Outcome::Transport(_)) || self.listed_in(&policy.retry_on)
+    }
+
+    /// Whether `retry_on` lists this outcome: its HTTP status, gRPC code or transport class
+    /// (step 4's first question; a success is never retried, whatever this says).
+    #[inline]
+    pub fn listed_in(&self, retry_on: &RetryOn) -> bool {
         match self {
-            Outcome::Http { status, .. } => policy.retry_on.http_status.contains(status),
-            Outcome::Grpc { code, .. } => policy.retry_on.grpc_status.contains(code),
-            Outcome::Transport(_) => true,
+            Outcome::Http { status, .. } => retry_on.http_status.contains(status),
+            Outcome::Grpc { code, .. } => retry_on.grpc_status.contains(code),
+            Outcome::Transport(class) => retry_on.errors.contains(class),
         }
     }
 }

@@ -582,16 +582,9 @@ impl ReadFailed<'_> {
         if o.is_success() {
             return false;
         }
-        match o {
-            Outcome::Http { status: 401, .. } if self.refresh => true,
-            Outcome::Http { status, .. } => {
-                self.retried.is_some_and(|r| r.http_status.contains(status))
-            }
-            Outcome::Grpc { code, .. } => {
-                self.retried.is_some_and(|r| r.grpc_status.contains(code))
-            }
-            Outcome::Transport(_) => false,
-        }
+        // A transport outcome never comes from an answer.
+        let refreshed = self.refresh && matches!(o, Outcome::Http { status: 401, .. });
+        refreshed || self.retried.is_some_and(|retry_on| o.listed_in(retry_on))
     }
 }
 
