@@ -22,7 +22,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use retryplane_agent::Agent;
-use retryplane_agent::layer::{BoxError, GaveUp, RefreshCredentials, RetryLayer};
+use retryplane_agent::layer::{BoxError, GaveUp, RefreshCredentials, ResponseBody, RetryLayer};
 use tokio::net::TcpListener;
 use tower::{Layer as _, ServiceExt as _};
 
@@ -89,17 +89,28 @@ fn agent() -> Agent {
     ))
 }
 
-/// A GET of `url` through the layer around a legacy HTTP/1 client: the response and its body.
-async fn get(agent: &Agent, url: &str) -> (http::Response<()>, Bytes) {
+/// A `method` request to `url` with no body, through `layer` around a legacy HTTP/1 client:
+/// its answer, body unread.
+async fn send(
+    layer: RetryLayer,
+    method: &str,
+    url: &str,
+) -> http::Response<ResponseBody<hyper::body::Incoming>> {
     let client = Client::builder(TokioExecutor::new()).build(HttpConnector::new());
-    let svc = RetryLayer::new(agent.endpoint("ep")).layer(client);
-    let request = http::Request::get(url)
+    let request = http::Request::builder()
+        .method(method)
+        .uri(url)
         .body(Full::<Bytes>::default())
         .unwrap();
-    let response = tokio::time::timeout(WAIT, svc.oneshot(request))
+    tokio::time::timeout(WAIT, layer.layer(client).oneshot(request))
         .await
         .expect("the call ends")
-        .expect("an answer");
+        .expect("an answer")
+}
+
+/// A GET of `url` through the layer around a legacy HTTP/1 client: the response and its body.
+async fn get(agent: &Agent, url: &str) -> (http::Response<()>, Bytes) {
+    let response = send(RetryLayer::new(agent.endpoint("ep")), "GET", url).await;
     let (parts, body) = response.into_parts();
     let body = tokio::time::timeout(WAIT, body.collect())
         .await
@@ -173,17 +184,7 @@ async fn a_failed_answer_that_will_be_returned_is_handed_over_unread() {
     ] {
         let (url, counts) = stalled_server(status).await;
         let agent = support::agent(&support::policy(yaml));
-        let client = Client::builder(TokioExecutor::new()).build(HttpConnector::new());
-        let svc = RetryLayer::new(agent.endpoint("ep")).layer(client);
-        let request = http::Request::builder()
-            .method(method)
-            .uri(&url)
-            .body(Full::<Bytes>::default())
-            .unwrap();
-        let response = tokio::time::timeout(WAIT, svc.oneshot(request))
-            .await
-            .expect("the call ends")
-            .expect("an answer");
+        let response = send(RetryLayer::new(agent.endpoint("ep")), method, &url).await;
         assert_eq!(response.status(), status);
         let hint = http_body::Body::size_hint(response.body());
         assert_eq!(hint.lower(), 0, "{yaml} {method}");
@@ -217,19 +218,8 @@ async fn a_401_sent_again_after_a_credential_refresh_reuses_its_connection() {
         })
         .await;
         let agent = support::agent(&support::policy(yaml));
-        let client = Client::builder(TokioExecutor::new()).build(HttpConnector::new());
-        let svc = RetryLayer::new(agent.endpoint("ep"))
-            .with_auth_refresh(Fresh)
-            .layer(client);
-        let request = http::Request::builder()
-            .method(method)
-            .uri(&url)
-            .body(Full::<Bytes>::default())
-            .unwrap();
-        let response = tokio::time::timeout(WAIT, svc.oneshot(request))
-            .await
-            .expect("the call ends")
-            .expect("an answer");
+        let layer = RetryLayer::new(agent.endpoint("ep")).with_auth_refresh(Fresh);
+        let response = send(layer, method, &url).await;
         assert_eq!(response.status(), 200);
         assert_eq!(counts.requests.load(Ordering::SeqCst), 2);
         assert_eq!(

@@ -301,7 +301,7 @@ async fn a_control_plane_that_never_answers_the_streams_opening_is_left_and_trie
     // A peer that takes each stream's request and never answers it, but keeps its HTTP/2
     // connection served (pings included). Before, the agent waited on the first one for good.
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
+    let addr = listener.local_addr().unwrap();
     let opened = Arc::new(AtomicU32::new(0));
     let counted = opened.clone();
     tokio::spawn(async move {
@@ -322,17 +322,9 @@ async fn a_control_plane_that_never_answers_the_streams_opening_is_left_and_trie
             });
         }
     });
-    let agent = retryplane_agent::Agent::builder()
-        .url(url)
-        .service("checkout")
+    let agent = support::plane::builder(addr, "a")
         // No ping before the opening's time limit: only that limit can end the wait.
         .keepalive(Duration::from_secs(3600), Duration::from_secs(3600))
-        .reconnect_backoff(retryplane_agent::ReconnectBackoff::new(
-            Duration::from_millis(5),
-            Duration::from_millis(20),
-            Duration::from_secs(1),
-        ))
-        .rng_seed(1)
         .connect()
         .unwrap();
     let started = Instant::now();
