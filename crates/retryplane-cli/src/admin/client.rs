@@ -60,6 +60,13 @@ impl Client {
         }
     }
 
+    /// A call's answer: its message, or its status (see [`Client::connection_failure`]).
+    fn answer<T>(&self, answer: Result<tonic::Response<T>, Status>) -> Result<T, Status> {
+        answer
+            .map(tonic::Response::into_inner)
+            .map_err(|status| self.connection_failure(status))
+    }
+
     fn request<T>(&self, message: T) -> Request<T> {
         let mut request = Request::new(message);
         if let Some(value) = &self.authorization {
@@ -76,31 +83,22 @@ impl Client {
         message: pb::ValidateRequest,
     ) -> Result<pb::ValidateResponse, Status> {
         let request = self.request(message);
-        self.inner
-            .validate(request)
-            .await
-            .map(tonic::Response::into_inner)
-            .map_err(|status| self.connection_failure(status))
+        let answer = self.inner.validate(request).await;
+        self.answer(answer)
     }
 
     /// `Apply`.
     pub async fn apply(&mut self, message: pb::ApplyRequest) -> Result<pb::ApplyResponse, Status> {
         let request = self.request(message);
-        self.inner
-            .apply(request)
-            .await
-            .map(tonic::Response::into_inner)
-            .map_err(|status| self.connection_failure(status))
+        let answer = self.inner.apply(request).await;
+        self.answer(answer)
     }
 
     /// `Get`.
     pub async fn get(&mut self, message: pb::GetRequest) -> Result<pb::GetResponse, Status> {
         let request = self.request(message);
-        self.inner
-            .get(request)
-            .await
-            .map(tonic::Response::into_inner)
-            .map_err(|status| self.connection_failure(status))
+        let answer = self.inner.get(request).await;
+        self.answer(answer)
     }
 
     /// `History`.
@@ -109,11 +107,8 @@ impl Client {
         message: pb::HistoryRequest,
     ) -> Result<pb::HistoryResponse, Status> {
         let request = self.request(message);
-        self.inner
-            .history(request)
-            .await
-            .map(tonic::Response::into_inner)
-            .map_err(|status| self.connection_failure(status))
+        let answer = self.inner.history(request).await;
+        self.answer(answer)
     }
 
     /// `Rollback`.
@@ -122,11 +117,8 @@ impl Client {
         message: pb::RollbackRequest,
     ) -> Result<pb::ApplyResponse, Status> {
         let request = self.request(message);
-        self.inner
-            .rollback(request)
-            .await
-            .map(tonic::Response::into_inner)
-            .map_err(|status| self.connection_failure(status))
+        let answer = self.inner.rollback(request).await;
+        self.answer(answer)
     }
 
     /// `FleetStatus`.
@@ -141,20 +133,14 @@ impl Client {
         message: pb::FleetStatusRequest,
     ) -> Result<pb::FleetStatusResponse, Status> {
         let request = self.request(message);
-        self.inner
-            .fleet_status(request)
-            .await
-            .map(tonic::Response::into_inner)
-            .map_err(|status| self.connection_failure(status))
+        let answer = self.inner.fleet_status(request).await;
+        self.answer(answer)
     }
 
     /// `Stats`.
     pub async fn stats(&mut self, message: pb::StatsRequest) -> Result<pb::StatsResponse, Status> {
         let request = self.request(message);
-        self.inner
-            .stats(request)
-            .await
-            .map(tonic::Response::into_inner)
-            .map_err(|status| self.connection_failure(status))
+        let answer = self.inner.stats(request).await;
+        self.answer(answer)
     }
 }
