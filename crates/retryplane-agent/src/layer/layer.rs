@@ -606,6 +606,10 @@ where
     RB: Body,
     RB::Error: Into<BoxError>,
 {
+    // Nothing could be read: no need to classify an answer the call classifies anyway.
+    if read.retried.is_none() && !read.refresh {
+        return response.map(ResponseBody::passthrough);
+    }
     match response.classify() {
         Classification::Outcome(o) if read.wants(&o) => {
             let until = read.read_by.min(Instant::now() + FAILED_BODY_WAIT);
