@@ -23,6 +23,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use arc_swap::ArcSwapOption;
+use retryplane_policy::RetryPolicy;
 use retryplane_policy::engine::{CallInfo, Decision, GiveUpCause, Outcome, RetryCall};
 use retryplane_policy::retry_after::RetryAfterError;
 use retryplane_policy::rng::{Rng, SeededRng};
@@ -699,16 +700,15 @@ impl Begun {
         self.at
     }
 
-    /// The policy's `max_attempts` and `retry_on` for a call described by `meta`, if an answer
-    /// to it (an HTTP status, a gRPC code) may be sent again: it is idempotent or carries the
-    /// idempotency key; `None` otherwise (only a failed connect is retried then).
-    pub(crate) fn answer_retries(
-        &self,
-        meta: &CallMeta<'_>,
-    ) -> Option<(u32, retryplane_policy::model::RetryOn)> {
+    /// The policy a call described by `meta` goes by and how the engine sees the call, if an
+    /// answer to it (an HTTP status, a gRPC code) may ever be sent again: it is idempotent or
+    /// carries the idempotency key, and can be replayed; `None` otherwise (only a failed connect
+    /// is retried then). [`retryplane_policy::engine::may_retry`] answers for each outcome.
+    pub(crate) fn answer_retries(&self, meta: &CallMeta<'_>) -> Option<(RetryPolicy, CallInfo)> {
         let (policy, _) = self.entry.resolve(&meta.target());
         let (idempotent, keyed) = meta.idempotency(policy);
-        (idempotent || keyed).then(|| (policy.max_attempts, policy.retry_on.clone()))
+        let info = CallInfo::new(idempotent, keyed).with_replayable(meta.replayable());
+        ((idempotent || keyed) && meta.replayable()).then(|| (policy.clone(), info))
     }
 
     /// Whether a call described by `meta` is idempotent: its method listed for its route, or

@@ -155,18 +155,19 @@ async fn a_call_that_gives_up_returns_the_whole_body_of_its_last_answer() {
 }
 
 /// A server that answers every request `status` with 5 bytes of body and then a body that
-/// never ends.
-async fn stalled_server(status: u16) -> (String, Counts) {
+/// never ends, with a `Retry-After` of `retry_after` if given.
+async fn stalled_server(status: u16, retry_after: Option<&'static str>) -> (String, Counts) {
     serve(move |_| {
         let first = tokio_stream::once(Ok(Frame::data(Bytes::from_static(b"hello"))));
         let body = StreamBody::new(tokio_stream::StreamExt::chain(
             first,
             tokio_stream::pending(),
         ));
-        http::Response::builder()
-            .status(status)
-            .body(body.boxed())
-            .unwrap()
+        let mut response = http::Response::builder().status(status);
+        if let Some(hint) = retry_after {
+            response = response.header(http::header::RETRY_AFTER, hint);
+        }
+        response.body(body.boxed()).unwrap()
     })
     .await
 }
@@ -174,15 +175,18 @@ async fn stalled_server(status: u16) -> (String, Counts) {
 #[tokio::test]
 async fn a_failed_answer_that_will_be_returned_is_handed_over_unread() {
     // Reading it would only delay it: its last attempt (`max_attempts: 1`), a call whose
-    // answers are never sent again (a POST without the idempotency key), or a status the
-    // policy does not retry (404). A body read in part would show in the size hint (the 5
-    // bytes read first).
-    for (yaml, method, status) in [
-        ("max_attempts: 1", "GET", 503),
-        ("max_attempts: 3", "POST", 503),
-        ("max_attempts: 3", "GET", 404),
+    // answers are never sent again (a POST without the idempotency key), a status the
+    // policy does not retry (404), or a `Retry-After` longer than the policy waits for. A
+    // body read in part would show in the size hint (the 5 bytes read first).
+    let hint_max = "max_attempts: 3\nretry_after: {honor: true, max: 1s}";
+    for (yaml, method, status, retry_after) in [
+        ("max_attempts: 1", "GET", 503, None),
+        ("max_attempts: 3", "POST", 503, None),
+        ("max_attempts: 3", "GET", 404, None),
+        (hint_max, "GET", 429, Some("60")),
+        (hint_max, "GET", 503, Some("Wed, 21 Oct 2099 07:28:00 GMT")),
     ] {
-        let (url, counts) = stalled_server(status).await;
+        let (url, counts) = stalled_server(status, retry_after).await;
         let agent = support::agent(&support::policy(yaml));
         let response = send(RetryLayer::new(agent.endpoint("ep")), method, &url).await;
         assert_eq!(response.status(), status);
@@ -228,4 +232,18 @@ async fn a_401_sent_again_after_a_credential_refresh_reuses_its_connection() {
             "{method} {yaml}"
         );
     }
+}
+
+#[tokio::test]
+async fn a_second_401_after_the_refresh_is_handed_over_unread() {
+    // The hook runs once per call: the first 401's body is read (the request is sent again),
+    // the second one's is not, since nothing will send it again. A body read in part would
+    // show in the size hint (the 5 bytes read first).
+    let (url, counts) = stalled_server(401, None).await;
+    let agent = support::agent(&support::policy("max_attempts: 3"));
+    let layer = RetryLayer::new(agent.endpoint("ep")).with_auth_refresh(Fresh);
+    let response = send(layer, "GET", &url).await;
+    assert_eq!(response.status(), 401);
+    assert_eq!(http_body::Body::size_hint(response.body()).lower(), 0);
+    assert_eq!(counts.requests.load(Ordering::SeqCst), 2);
 }

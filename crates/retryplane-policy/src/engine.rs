@@ -113,6 +113,79 @@ impl CallInfo {
     }
 }
 
+/// Whether a failed attempt that ended with `outcome`, the `attempt`-th of a call described by
+/// `info`, can be retried as far as the outcome, the call and the policy alone decide: SPEC §2
+/// step 4 (`retry_on`, idempotency, a gRPC "do not retry" pushback), step 5 (`max_attempts`)
+/// and step 7's refusal of a server hint longer than `retry_after.max`.
+///
+/// [`RetryCall::on_outcome`] asks the same questions, through the same functions, so the two
+/// cannot drift apart: when this answers `false`, the call gives up whatever the time. A
+/// `true` may still end in a give-up: the budget, the breaker and the deadline are asked when
+/// the outcome is reported, and change with time. For a success it answers `false` (there is
+/// nothing to retry). The agent's HTTP layer uses it to choose which failed answers to read.
+pub fn may_retry(policy: &RetryPolicy, info: &CallInfo, outcome: &Outcome, attempt: u32) -> bool {
+    !outcome.is_success()
+        && answer_refusal(
+            policy,
+            info,
+            outcome,
+            outcome.listed_in(&policy.retry_on),
+            attempt,
+        )
+        .is_none()
+        && server_hint(policy, outcome).is_none_or(|(d, _)| d <= policy.retry_after.max)
+}
+
+/// SPEC §2 steps 4 and 5 for a failed attempt, the `attempts`-th, with `outcome` (`listed`:
+/// whether `retry_on` lists it): the cause the call gives up with, or `None` if it goes on to
+/// the budget.
+#[inline]
+fn answer_refusal(
+    p: &RetryPolicy,
+    info: &CallInfo,
+    outcome: &Outcome,
+    listed: bool,
+    attempts: u32,
+) -> Option<GiveUpCause> {
+    // Step 4: classification.
+    let pushback_refuses = p.retry_after.honor
+        && matches!(
+            outcome,
+            Outcome::Grpc {
+                pushback: Some(Pushback::DoNotRetry),
+                ..
+            }
+        );
+    if !listed || !info.may_retry(outcome) || pushback_refuses {
+        return Some(GiveUpCause::NotRetryable);
+    }
+    // Step 5: attempts.
+    if attempts >= p.max_attempts {
+        return Some(GiveUpCause::AttemptsExhausted);
+    }
+    None
+}
+
+/// The server's hint step 7 goes by, if the policy honours hints: a valid HTTP `Retry-After`
+/// (`false`) or gRPC pushback delay (`true`). A malformed one is ignored.
+#[inline]
+fn server_hint(p: &RetryPolicy, outcome: &Outcome) -> Option<(Duration, bool)> {
+    if !p.retry_after.honor {
+        return None;
+    }
+    match outcome {
+        Outcome::Http {
+            retry_after: Some(Ok(d)),
+            ..
+        } => Some((*d, false)),
+        Outcome::Grpc {
+            pushback: Some(Pushback::After(d)),
+            ..
+        } => Some((*d, true)),
+        _ => None,
+    }
+}
+
 /// An endpoint's shared runtime state: one budget and one breaker for all its calls.
 ///
 /// The budget and the breaker are shared (`Arc`) so that a state built for new settings can
@@ -471,21 +544,9 @@ impl<'a> RetryCall<'a> {
         rng: &mut (impl Rng + ?Sized),
     ) -> Decision {
         let p = self.policy;
-        // Step 4: classification.
-        let pushback_refuses = p.retry_after.honor
-            && matches!(
-                outcome,
-                Outcome::Grpc {
-                    pushback: Some(Pushback::DoNotRetry),
-                    ..
-                }
-            );
-        if !listed || !self.info.may_retry(outcome) || pushback_refuses {
-            return Decision::GiveUp(GiveUpCause::NotRetryable);
-        }
-        // Step 5: attempts.
-        if self.attempts >= p.max_attempts {
-            return Decision::GiveUp(GiveUpCause::AttemptsExhausted);
+        // Steps 4 and 5: classification, attempts.
+        if let Some(cause) = answer_refusal(p, &self.info, outcome, listed, self.attempts) {
+            return Decision::GiveUp(cause);
         }
         // Step 6: budget. The window is read once here; the retry is counted (one CAS, which can
         // still refuse if the current slot filled up meanwhile) only once it is certain.
@@ -498,21 +559,7 @@ impl<'a> RetryCall<'a> {
                 None => None,
             };
         // Step 7: pause, server hints, deadline.
-        let hint = if p.retry_after.honor {
-            match outcome {
-                Outcome::Http {
-                    retry_after: Some(Ok(d)),
-                    ..
-                } => Some((*d, false)),
-                Outcome::Grpc {
-                    pushback: Some(Pushback::After(d)),
-                    ..
-                } => Some((*d, true)),
-                _ => None,
-            }
-        } else {
-            None
-        };
+        let hint = server_hint(p, outcome);
         let (pause, hinted) = match hint {
             Some((d, _)) if d > p.retry_after.max => {
                 return Decision::GiveUp(GiveUpCause::RetryAfterTooLong);

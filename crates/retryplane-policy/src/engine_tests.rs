@@ -764,6 +764,119 @@ proptest! {
     }
 }
 
+fn arb_any_outcome() -> impl Strategy<Value = Outcome> {
+    let hint = prop_oneof![
+        Just(None),
+        (0u64..120_000).prop_map(|ms| Some(Ok(Duration::from_millis(ms)))),
+        Just(Some(Err(RetryAfterError::Negative))),
+    ];
+    let pushback = prop_oneof![
+        Just(None),
+        Just(Some(Pushback::DoNotRetry)),
+        (0u64..120_000).prop_map(|ms| Some(Pushback::After(Duration::from_millis(ms)))),
+    ];
+    prop_oneof![
+        (
+            prop::sample::select(vec![200u16, 304, 401, 404, 408, 429, 500, 502, 503, 504]),
+            hint
+        )
+            .prop_map(|(status, retry_after)| Outcome::Http {
+                status,
+                retry_after
+            }),
+        (0i32..=16, pushback).prop_map(|(code, pushback)| Outcome::Grpc {
+            code: GrpcCode::from_i32(code).unwrap_or(GrpcCode::Unavailable),
+            pushback,
+        }),
+        prop::sample::select(ErrorClass::ALL.to_vec()).prop_map(Outcome::Transport),
+    ]
+}
+
+proptest! {
+    /// `may_retry` is the part of the decision the outcome, the call and the policy alone
+    /// make: with nothing else in the way (no budget, no breaker, a deadline far off), it
+    /// answers `true` exactly when the engine retries, whatever the attempt.
+    #[test]
+    fn may_retry_answers_as_the_engine_decides(
+        outcome in arb_any_outcome(),
+        (idempotent, keyed, replayable) in any::<(bool, bool, bool)>(),
+        (max_attempts, attempt) in (1u32..=10).prop_flat_map(|m| (Just(m), 1..=m)),
+        honor in any::<bool>(),
+        hint_max_ms in 0u64..90_000,
+    ) {
+        let mut p = policy();
+        p.max_attempts = max_attempts;
+        p.deadline = Duration::from_secs(3_600);
+        p.per_try_timeout = Duration::from_secs(1);
+        p.retry_after.honor = honor;
+        p.retry_after.max = Duration::from_millis(hint_max_ms);
+        p.budget = None;
+        p.circuit_breaker = None;
+        let info = CallInfo::new(idempotent, keyed).with_replayable(replayable);
+        let t0 = Instant::now();
+        let state = EndpointState::new(&p, t0);
+        let mut call = RetryCall::new(&p, &state, info, t0);
+        let mut rng = SeededRng::with_seed(7);
+        // Earlier attempts fail with a retried 503, so that the call reaches `attempt`.
+        for _ in 1..attempt {
+            call.start_attempt(t0).expect("an earlier attempt may start");
+            let earlier = call.on_outcome(http(503), t0, &mut rng);
+            // A call that may not retry a 503 ends at its first attempt (checked there).
+            if !matches!(earlier, Decision::Retry { .. }) {
+                return Ok(());
+            }
+        }
+        call.start_attempt(t0).expect("the attempt may start");
+        let decision = call.on_outcome(outcome.clone(), t0, &mut rng);
+        prop_assert_eq!(
+            may_retry(&p, &info, &outcome, attempt),
+            matches!(decision, Decision::Retry { .. }),
+            "{:?} on attempt {} of {}: {:?}", outcome, attempt, max_attempts, decision
+        );
+    }
+
+    /// With the budget, the breaker and the deadline in play too, a `false` still means the
+    /// call gives up.
+    #[test]
+    fn the_engine_never_retries_what_may_retry_refuses(
+        outcomes in prop::collection::vec((arb_any_outcome(), 0u64..3_000), 1..12),
+        (idempotent, keyed) in any::<(bool, bool)>(),
+        deadline_ms in 1u64..20_000,
+        min_per_second in 0u32..3,
+    ) {
+        let mut p = policy();
+        p.deadline = Duration::from_millis(deadline_ms);
+        p.max_attempts = 5;
+        if let Some(b) = p.budget.as_mut() {
+            b.min_per_second = min_per_second;
+        }
+        let info = CallInfo::new(idempotent, keyed);
+        let t0 = Instant::now();
+        let state = EndpointState::new(&p, t0);
+        let mut rng = SeededRng::with_seed(3);
+        let mut now = t0;
+        let mut call = RetryCall::new(&p, &state, info, t0);
+        for (outcome, took_ms) in outcomes {
+            let Ok(attempt) = call.start_attempt(now) else {
+                // Over: the next outcomes start a new call on the same shared state.
+                call = RetryCall::new(&p, &state, info, now);
+                continue;
+            };
+            now += Duration::from_millis(took_ms).min(attempt.timeout);
+            let allowed = may_retry(&p, &info, &outcome, attempt.number);
+            match call.on_outcome(outcome.clone(), now, &mut rng) {
+                Decision::Retry { pause, .. } => {
+                    prop_assert!(allowed, "{:?} retried on attempt {}", outcome, attempt.number);
+                    now += pause;
+                }
+                Decision::Return | Decision::GiveUp(_) => {
+                    call = RetryCall::new(&p, &state, info, now);
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn a_carried_state_keeps_the_part_whose_settings_did_not_change() {
     let t0 = Instant::now();

@@ -2,6 +2,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use http::request::Parts;
@@ -70,17 +71,23 @@ pub(crate) fn lock(head: &Mutex<Parts>) -> MutexGuard<'_, Parts> {
 pub(crate) struct HttpReauth<'a> {
     hook: &'a dyn DynRefresh,
     head: &'a Mutex<Parts>,
-    used: bool,
+    /// Whether the hook has run for this call (shared with the attempts, which then no longer
+    /// read a 401's body for a resend that will not come).
+    used: &'a AtomicBool,
     /// The hook's error, if it failed.
     pub(crate) error: Option<BoxError>,
 }
 
 impl<'a> HttpReauth<'a> {
-    pub(crate) fn new(hook: &'a dyn DynRefresh, head: &'a Mutex<Parts>) -> Self {
+    pub(crate) fn new(
+        hook: &'a dyn DynRefresh,
+        head: &'a Mutex<Parts>,
+        used: &'a AtomicBool,
+    ) -> Self {
         Self {
             hook,
             head,
-            used: false,
+            used,
             error: None,
         }
     }
@@ -88,11 +95,12 @@ impl<'a> HttpReauth<'a> {
 
 impl<RB> Reauth<Response<RB>, BoxError> for HttpReauth<'_> {
     fn wants(&self, result: &Result<Response<RB>, BoxError>) -> bool {
-        !self.used && matches!(result, Ok(r) if r.status() == StatusCode::UNAUTHORIZED)
+        !self.used.load(Ordering::Relaxed)
+            && matches!(result, Ok(r) if r.status() == StatusCode::UNAUTHORIZED)
     }
 
     fn refresh(&mut self) -> Pin<Box<dyn Future<Output = bool> + Send + '_>> {
-        self.used = true;
+        self.used.store(true, Ordering::Relaxed);
         Box::pin(async move {
             // The hook works on a copy: one dropped half-way (the deadline passed) changes
             // nothing.

@@ -1,6 +1,7 @@
 //! [`RetryLayer`] and the [`Retry`] service it wraps around a client.
 
 use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -22,8 +23,8 @@ use crate::call::{Begun, Endpoint, NoReauth};
 use crate::classify::{Classification, Classify as _, classify_boxed, tonic_timeout_in_chain};
 use crate::error::{CallError, Cause, Last};
 use crate::meta::{AttemptInfo, CallMeta};
-use retryplane_policy::engine::{GiveUpCause, Outcome};
-use retryplane_policy::model::RetryOn;
+use retryplane_policy::RetryPolicy;
+use retryplane_policy::engine::{CallInfo, GiveUpCause, Outcome, may_retry};
 
 /// Wraps a `Service<http::Request<B>>` in [`Retry`]. Defaults: bodies up to
 /// [`DEFAULT_BODY_LIMIT`] are buffered for replay; no credential refresh; no de-duplication
@@ -330,6 +331,8 @@ where
             // A failed answer's body is read only if the answer may be sent again.
             let retried = &begun.answer_retries(&meta);
             let refresh = settings.refresh.is_some();
+            // Whether the refresh hook ran: a 401 after it is not sent again for it.
+            let refresh_used = &AtomicBool::new(false);
             // Shared with the refresh hook, which may update it for the attempts that follow.
             let head = Mutex::new(head);
             let (head, data, trailers) = (&head, &data, &trailers);
@@ -350,9 +353,9 @@ where
                 let read = ReadFailed {
                     retried: retried
                         .as_ref()
-                        .filter(|(max_attempts, _)| info.number < *max_attempts)
-                        .map(|(_, retry_on)| retry_on),
-                    refresh,
+                        .filter(|(policy, _)| info.number < policy.max_attempts),
+                    attempt: info.number,
+                    refresh: refresh && !refresh_used.load(Ordering::Relaxed),
                     read_by: sent_at + info.timeout.saturating_sub(FAILED_BODY_WAIT),
                 };
                 async move {
@@ -368,7 +371,7 @@ where
                     .await
                     .or_else(gave_up);
             };
-            let mut reauth = HttpReauth::new(&**hook, head);
+            let mut reauth = HttpReauth::new(&**hook, head, refresh_used);
             let result = endpoint
                 .call_reauth(begun, meta, classify, attempt, &mut reauth)
                 .await
@@ -566,25 +569,33 @@ const FAILED_BODY_LIMIT: usize = 64 * 1024;
 /// Which failed answers an attempt reads the body of (see [`read_if_failed`]): those that may
 /// be sent again.
 struct ReadFailed<'a> {
-    /// What the policy's `retry_on` lists, when an answer may be sent again at all (the call
-    /// is idempotent or keyed, and this is not its last attempt).
-    retried: Option<&'a RetryOn>,
-    /// A credential-refresh hook is set: a 401 is sent again after it runs.
+    /// The policy the call goes by and how the engine sees the call, when an answer may be
+    /// sent again at all (the call is idempotent or keyed, and this is not its last attempt).
+    retried: Option<&'a (RetryPolicy, CallInfo)>,
+    /// The attempt's number.
+    attempt: u32,
+    /// A credential-refresh hook is set and has not run yet: a 401 is sent again after it
+    /// runs.
     refresh: bool,
     /// The latest the read may go on.
     read_by: Instant,
 }
 
 impl ReadFailed<'_> {
-    /// Whether the body of an answer with outcome `o` is read. The budget and the breaker may
-    /// still refuse the retry; they are not asked here, since they may change by then.
+    /// Whether the body of an answer with outcome `o` is read: the engine's own test of
+    /// whether it may be retried ([`may_retry`]), or a 401 the refresh hook will send again.
+    /// The budget, the breaker and the deadline may still refuse the retry; they are not asked
+    /// here, since they may change by the time the engine asks.
     fn wants(&self, o: &Outcome) -> bool {
         if o.is_success() {
             return false;
         }
         // A transport outcome never comes from an answer.
         let refreshed = self.refresh && matches!(o, Outcome::Http { status: 401, .. });
-        refreshed || self.retried.is_some_and(|retry_on| o.listed_in(retry_on))
+        refreshed
+            || self
+                .retried
+                .is_some_and(|(policy, info)| may_retry(policy, info, o, self.attempt))
     }
 }
 

@@ -53,16 +53,19 @@
 //! - The client's response body becomes a [`ResponseBody`]. An answer that failed (an HTTP
 //!   status of 400 or more, or a gRPC error in the headers) and may be sent again has its body
 //!   read into memory within its attempt, up to 64 KiB and for up to 20 ms (and never into the
-//!   attempt's last 20 ms, so that its timeout does not lose the answer): one whose status or
-//!   code `retry_on` lists, of a call that is idempotent or keyed, on an attempt that is not
-//!   the last; and, with a credential-refresh hook, a 401 (whatever the method or attempt). A
-//!   call keeps its last failure through the pause and the next attempt, and a body left
-//!   unread there would hold its connection, so that an HTTP/1 client opened a new connection
-//!   for every retry to an upstream that was already failing. The caller gets the same bytes;
-//!   a larger or slower body gives the part read, then the rest as it comes. Any other answer
-//!   is passed on as it comes. (The read is decided from the answer's status and the policy's
-//!   lists alone: an answer the budget, the breaker, a `Retry-After` past `retry_after.max` or
-//!   the deadline then keeps from being sent again, or a second 401, was read all the same.)
+//!   attempt's last 20 ms, so that its timeout does not lose the answer): one the engine may
+//!   retry, as far as the answer, the call and the policy decide
+//!   ([`retryplane_policy::engine::may_retry`]: `retry_on` lists its status or code, the call
+//!   is idempotent or keyed, the attempt is not the last, and no `Retry-After` past
+//!   `retry_after.max` or gRPC "do not retry" pushback forbids it); and, with a
+//!   credential-refresh hook that has not run yet in the call, a 401 (whatever the method or
+//!   attempt). A call keeps its last failure through the pause and the next attempt, and a
+//!   body left unread there would hold its connection, so that an HTTP/1 client opened a new
+//!   connection for every retry to an upstream that was already failing. The caller gets the
+//!   same bytes; a larger or slower body gives the part read, then the rest as it comes. Any
+//!   other answer is passed on as it comes. (The budget, the breaker and the deadline are
+//!   asked only once the answer is judged: an answer they then keep from being sent again was
+//!   read all the same.)
 //! - A call that gives up with a response returns that response, with a [`GaveUp`] in its
 //!   extensions; one that gives up with an error returns the error; one that never got an
 //!   answer returns a [`RetryError`]. For a gRPC request, that [`RetryError`] comes as the
