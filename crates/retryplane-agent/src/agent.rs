@@ -205,7 +205,9 @@ impl Agent {
             .clone()
     }
 
-    /// Stops the background task after it sends the counts not yet reported (when connected).
+    /// Stops the background task after it sends the counts not yet reported (when connected)
+    /// and the last applied snapshot is in the cache file. Each of those waits is bounded (2 s
+    /// each), so a control plane or a disk that stopped answering holds shutdown up no longer.
     /// Handles keep working on the last policies. Every call, from any clone, returns once the
     /// task has stopped.
     pub async fn shutdown(&self) {

@@ -75,9 +75,9 @@ async fn a_hello_without_a_usable_cache_says_version_zero() {
         Kind::Ack(ack) => assert_eq!(ack.version, 8),
         other => panic!("expected Ack v8, got {other:?}"),
     }
-    assert_eq!(std::fs::read(&cache).unwrap(), tampered.encode_to_vec());
-
+    // Shutdown waits for the cache writes asked for: none may have replaced it.
     script.shut_down(agent, to_agent).await;
+    assert_eq!(std::fs::read(&cache).unwrap(), tampered.encode_to_vec());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -102,9 +102,9 @@ async fn a_file_that_is_not_a_cache_is_never_replaced() {
         2,
         "the snapshot applies all the same"
     );
-    assert_eq!(std::fs::read(&cache).unwrap(), yaml);
-
+    // Shutdown waits for the cache writes asked for: none may have replaced it.
     script.shut_down(agent, to_agent).await;
+    assert_eq!(std::fs::read(&cache).unwrap(), yaml);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -5,7 +5,8 @@
 //! response says the control plane acknowledges metrics reports
 //! ([`retryplane_proto::METRICS_ACK_METADATA`]), send again the reports the previous streams
 //! left unacknowledged ([`outbox`]). Then apply every snapshot ([`apply`]), write the cache
-//! file, answer ACK or NACK, and send a `MetricsReport` of counter deltas every interval (on a
+//! file (waiting for the disk a bounded time only, [`cache_writer`]), answer ACK or NACK, and
+//! send a `MetricsReport` of counter deltas every interval (on a
 //! schedule kept across streams, so a report due while no stream was up goes out as soon as one
 //! opens): numbered and kept until acknowledged, or unnumbered to a control plane that does not
 //! acknowledge reports. When the stream ends or cannot be opened (a control plane that has not
@@ -15,9 +16,10 @@
 //! refused as invalid, a URL that is not the agent listener) at warn, with what to check, once
 //! until the reason changes. On
 //! shutdown it sends the counts not yet reported, half-closes the stream and waits (bounded) for
-//! the server to close it.
+//! the server to close it, then (bounded too) for the last cache file write.
 
 pub(crate) mod apply;
+mod cache_writer;
 pub(crate) mod outbox;
 pub mod reconnect;
 
@@ -38,6 +40,7 @@ use tracing::{debug, info, warn};
 use crate::agent::Shared;
 use crate::error::StreamError;
 use crate::snapshot::Source;
+use cache_writer::CacheWriter;
 use outbox::{NotSent, Outbox};
 use reconnect::ReconnectBackoff;
 
@@ -62,6 +65,11 @@ pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 pub(crate) const OPEN_TIMEOUT: Duration = Duration::from_secs(30);
 /// Longest wait on shutdown for the server to close the stream after the last report.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
+/// Longest wait on shutdown for the last cache file write (see [`cache_writer`]).
+const CACHE_GRACE: Duration = Duration::from_secs(2);
+/// Longest wait for an applied snapshot's cache file write before it is answered: the answer
+/// then goes, and the write goes on in the background.
+const CACHE_WAIT: Duration = Duration::from_secs(1);
 /// The shortest metrics interval: the control plane's own lower bound (`--metrics-interval`).
 /// A shorter one, from the agent's settings, its cache file or a snapshot, would flood the
 /// control plane with reports that its rate limit then refuses.
@@ -142,12 +150,27 @@ fn chain(e: &dyn std::error::Error) -> String {
     text
 }
 
-/// The task: sessions until cancelled.
+/// The task: sessions until cancelled, then the last cache file write (bounded).
 pub(crate) async fn run(
     shared: Arc<Shared>,
     config: StreamConfig,
     cancel: CancellationToken,
     seed: u64,
+) {
+    let cache = config.cache_file.clone().map(CacheWriter::start);
+    sessions(&shared, &config, &cancel, seed, cache.as_ref()).await;
+    if let Some(cache) = cache {
+        cache.finish(CACHE_GRACE).await;
+    }
+}
+
+/// Sessions until cancelled; each applied snapshot's cache bytes go to `cache`.
+async fn sessions(
+    shared: &Shared,
+    config: &StreamConfig,
+    cancel: &CancellationToken,
+    seed: u64,
+    cache: Option<&CacheWriter>,
 ) {
     let (min, max) = KEEPALIVE_RANGE;
     let endpoint = config
@@ -167,15 +190,16 @@ pub(crate) async fn run(
     // or not the stream was lost meanwhile, and one that fell due while no stream was up goes
     // out as soon as the next one opens. Counted from each stream's opening, reports would
     // never go out over streams that each last less than the interval.
-    let mut next_report = Instant::now() + interval(&shared);
+    let mut next_report = Instant::now() + interval(shared);
     // Why the previous session ended, to say a refused token at warn once, not at every try.
     let mut last_reason: Option<String> = None;
     loop {
         let end = session(
-            &shared,
-            &config,
+            shared,
+            config,
             &endpoint,
-            &cancel,
+            cancel,
+            cache,
             &mut window_start,
             &mut outbox,
             &mut next_report,
@@ -248,11 +272,16 @@ fn lasting(code: Option<tonic::Code>) -> Option<&'static str> {
     }
 }
 
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the session's borrows of the task's state, each named"
+)]
 async fn session(
     shared: &Shared,
     config: &StreamConfig,
     endpoint: &tonic::transport::Endpoint,
     cancel: &CancellationToken,
+    cache: Option<&CacheWriter>,
     window_start: &mut u64,
     outbox: &mut Outbox,
     next_report: &mut Instant,
@@ -382,8 +411,24 @@ async fn session(
                         }
                     },
                 };
-                if let (Some(bytes), Some(path)) = (handled.cache, &config.cache_file) {
-                    write_cache(path.clone(), bytes).await;
+                // Cached before it is answered, unless the disk takes longer than
+                // `CACHE_WAIT`: a hung disk holds up neither the answer nor the reports for
+                // longer.
+                if let (Some(bytes), Some(cache)) = (handled.cache, cache) {
+                    let write = cache.write(bytes);
+                    tokio::select! {
+                        () = cancel.cancelled() => {
+                            close(shared, tx, &mut inbound, window_start, outbox, numbered).await;
+                            return SessionEnd::Cancelled;
+                        }
+                        cached = cache.written(write, CACHE_WAIT) => if !cached {
+                            warn!(
+                                wait_ms = u64::try_from(CACHE_WAIT.as_millis()).unwrap_or(u64::MAX),
+                                "the policy cache file is slow to write; answering the control \
+                                 plane without waiting for it any longer"
+                            );
+                        },
+                    }
                 }
                 // Waits only while the stream cannot take more; cancellation still ends it.
                 let sent = tokio::select! {
@@ -468,15 +513,6 @@ fn send_metrics(
         Err(NotSent::StreamFull) => {
             debug!("metrics report not queued; counts kept for the next one");
         }
-    }
-}
-
-async fn write_cache(path: PathBuf, bytes: Vec<u8>) {
-    let shown = path.display().to_string();
-    match tokio::task::spawn_blocking(move || crate::cache::write_atomic(&path, &bytes)).await {
-        Ok(Ok(())) => debug!(file = %shown, "policy cache written"),
-        Ok(Err(e)) => warn!(file = %shown, error = %e, "cannot write the policy cache"),
-        Err(e) => warn!(file = %shown, error = %e, "the cache writer failed"),
     }
 }
 

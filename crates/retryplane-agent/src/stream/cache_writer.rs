@@ -1,0 +1,173 @@
+//! Writing the cache file off the stream's path.
+//!
+//! The stream task used to write the cache file itself, between applying a snapshot and
+//! answering it: on a slow or hung disk (a network volume that stopped answering) the ACK,
+//! every metrics report and shutdown waited for the disk, for as long as it hung. The writes
+//! now run in a task of their own, one at a time and in order; when several snapshots come
+//! while one is being written, only the newest is written next. The stream still answers a
+//! snapshot once it is cached, but waits for that a bounded time only
+//! ([`CacheWriter::written`]), and so does shutdown ([`CacheWriter::finish`]).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tracing::{debug, warn};
+
+/// How a cache file is written (the agent's own [`crate::cache::write_atomic`]; tests hand
+/// in one that stands for a hung disk).
+pub(crate) type WriteFn = fn(&Path, &[u8]) -> std::io::Result<()>;
+
+/// The task that writes the newest applied snapshot's cache bytes to the cache file.
+#[derive(Debug)]
+pub(crate) struct CacheWriter {
+    /// The newest bytes asked for, and how many writes have been asked for so far.
+    newest: watch::Sender<(u64, Option<Arc<[u8]>>)>,
+    /// The number of the last write done (or failed); later ones replace earlier ones.
+    done: watch::Receiver<u64>,
+    task: JoinHandle<()>,
+}
+
+impl CacheWriter {
+    /// Starts the task that writes to `path`.
+    pub(crate) fn start(path: PathBuf) -> Self {
+        Self::start_with(path, crate::cache::write_atomic)
+    }
+
+    /// [`CacheWriter::start`], writing with `write`.
+    pub(crate) fn start_with(path: PathBuf, write: WriteFn) -> Self {
+        let (newest, rx) = watch::channel((0, None));
+        let (done_tx, done) = watch::channel(0);
+        let task = tokio::spawn(write_newest(path, rx, done_tx, write));
+        Self { newest, done, task }
+    }
+
+    /// Asks for `bytes` to be written, after the write under way if there is one, and returns
+    /// at once the write's number, for [`CacheWriter::written`]. Bytes asked for earlier and
+    /// not yet written are not written.
+    pub(crate) fn write(&self, bytes: Vec<u8>) -> u64 {
+        let mut number = 0;
+        self.newest.send_modify(|(n, newest)| {
+            *n += 1;
+            number = *n;
+            *newest = Some(bytes.into());
+        });
+        number
+    }
+
+    /// Waits, at most `bound`, for write `number` (or a later one) to be done, failed
+    /// included; whether it was.
+    pub(crate) async fn written(&self, number: u64, bound: Duration) -> bool {
+        let mut done = self.done.clone();
+        tokio::time::timeout(bound, done.wait_for(|&n| n >= number))
+            .await
+            .is_ok_and(|r| r.is_ok())
+    }
+
+    /// Waits for the last write asked for to be done, for at most `grace`: a disk that does
+    /// not answer does not hold up shutdown. The write goes on in the background then.
+    pub(crate) async fn finish(self, grace: Duration) {
+        let Self { newest, task, .. } = self;
+        // Closing the channel ends the task once it has written the newest bytes.
+        drop(newest);
+        if tokio::time::timeout(grace, task).await.is_err() {
+            warn!(
+                grace_ms = u64::try_from(grace.as_millis()).unwrap_or(u64::MAX),
+                "the policy cache file is still being written; not waiting for it any longer"
+            );
+        }
+    }
+}
+
+/// The task: each newest bytes in turn, until the channel closes with nothing left unwritten.
+async fn write_newest(
+    path: PathBuf,
+    mut newest: watch::Receiver<(u64, Option<Arc<[u8]>>)>,
+    done: watch::Sender<u64>,
+    write: WriteFn,
+) {
+    // `changed` still reports bytes sent just before the sender was dropped.
+    while newest.changed().await.is_ok() {
+        let (number, Some(bytes)) = newest.borrow_and_update().clone() else {
+            continue;
+        };
+        let shown = path.display().to_string();
+        let at = path.clone();
+        match tokio::task::spawn_blocking(move || write(&at, &bytes)).await {
+            Ok(Ok(())) => debug!(file = %shown, "policy cache written"),
+            Ok(Err(e)) => warn!(file = %shown, error = %e, "cannot write the policy cache"),
+            Err(e) => warn!(file = %shown, error = %e, "the cache writer failed"),
+        }
+        done.send_replace(number);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    use std::sync::Mutex;
+
+    use super::*;
+
+    /// The longest any single wait may take before the test fails.
+    const WAIT: Duration = Duration::from_secs(10);
+
+    #[tokio::test]
+    async fn the_newest_bytes_are_written_and_finish_waits_for_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agent.cache");
+        let writer = CacheWriter::start(path.clone());
+        let first = writer.write(b"first".to_vec());
+        assert!(writer.written(first, WAIT).await);
+        assert_eq!(std::fs::read(&path).unwrap(), b"first");
+        writer.write(b"second".to_vec());
+        writer.write(b"newest".to_vec());
+        writer.finish(WAIT).await;
+        assert_eq!(std::fs::read(&path).unwrap(), b"newest");
+    }
+
+    /// A disk that does not answer until [`release`] is called.
+    static HUNG: Mutex<Option<std::sync::mpsc::Receiver<()>>> = Mutex::new(None);
+    /// The writes `hung_write` took, in order.
+    static WRITTEN: Mutex<Vec<Vec<u8>>> = Mutex::new(Vec::new());
+
+    fn hung_write(_: &Path, bytes: &[u8]) -> std::io::Result<()> {
+        WRITTEN.lock().unwrap().push(bytes.to_vec());
+        if let Some(rx) = HUNG.lock().unwrap().take() {
+            let _ = rx.recv();
+        }
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_hung_disk_holds_up_neither_the_stream_nor_shutdown_for_long() {
+        let (release, hung) = std::sync::mpsc::channel::<()>();
+        *HUNG.lock().unwrap() = Some(hung);
+        let writer = CacheWriter::start_with(PathBuf::from("unused"), hung_write);
+        // The first write hangs; asking for more returns at once, and waiting for one ends
+        // at its bound.
+        writer.write(b"v1".to_vec());
+        writer.write(b"v2".to_vec());
+        let v3 = writer.write(b"v3".to_vec());
+        let waited = tokio::time::timeout(WAIT, writer.written(v3, Duration::from_millis(50)));
+        assert!(!waited.await.expect("the wait ends at its bound"));
+        tokio::time::timeout(WAIT, writer.finish(Duration::from_millis(50)))
+            .await
+            .expect("finish returns while the disk hangs");
+        // Once the disk answers, the newest bytes are written, and nothing older after them.
+        release.send(()).unwrap();
+        let deadline = tokio::time::Instant::now() + WAIT;
+        loop {
+            let written = WRITTEN.lock().unwrap().clone();
+            if written.last().map(Vec::as_slice) == Some(b"v3".as_slice()) {
+                assert!(written.len() <= 2, "{written:?}");
+                break;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "{written:?}");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+}
