@@ -435,7 +435,8 @@ fn transport_of(err: &(dyn StdError + 'static)) -> Option<Classification> {
 /// (`Request::set_timeout`, the `grpc-timeout` header) alike, and the caller's deadline is the
 /// whole call's. Taken as a timeout, an idempotent call would be sent again with the same
 /// `grpc-timeout` and run past it. So that status is judged by its code, as the server's would
-/// be.
+/// be. (The tower layer, which writes the caller's `grpc-timeout` itself and ends the call at
+/// that deadline with its own timer, counts the one it sees as a timeout.)
 fn timed_out(e: &(dyn StdError + 'static)) -> bool {
     e.is::<tower::timeout::error::Elapsed>() || e.is::<tokio::time::error::Elapsed>()
 }

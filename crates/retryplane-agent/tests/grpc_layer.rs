@@ -432,8 +432,10 @@ async fn a_tonic_request_timeout_is_judged_by_its_code_so_a_callers_deadline_is_
     // and a channel's request timeout alike, below the agent, with the same error
     // (`TimeoutExpired`, status CANCELLED). The caller's deadline is the whole call's: taken
     // as a timeout, an idempotent call was sent again with the same `grpc-timeout`, so the
-    // caller waited up to 3 times its deadline. Neither can be told from the other, so the
-    // status is judged by its code, which the policy does not retry.
+    // caller waited up to 3 times its deadline. Neither can be told from the other in a
+    // status, so the status is judged by its code, which the policy does not retry. (The
+    // layer, which writes the caller's deadline itself, can tell them apart: see the test
+    // below.)
     let agent = agent();
     let client = AdminServiceClient::new(channel_to_a_silent_server().await);
     let meta = CallMeta::grpc("/retryplane.v1.AdminService/Get").idempotent(true);
@@ -463,16 +465,32 @@ async fn a_tonic_request_timeout_is_judged_by_its_code_so_a_callers_deadline_is_
     assert_eq!(err.cause.to_string(), "not_retryable");
     let c = counts(&agent);
     assert_eq!((c.attempts, c.gave_up_not_retryable), (1, 1));
+}
 
-    // Through the layer, with a channel's request timeout: one attempt too.
-    let channel = Channel::from_shared(format!("http://{}", silent_server().await))
-        .unwrap()
-        .timeout(Duration::from_millis(100))
-        .connect_lazy();
-    let agent = self::agent();
-    let status = get(&agent, channel, Some(true)).await.unwrap_err();
-    assert_eq!(status.code(), Code::Cancelled, "{status:?}");
-    assert_eq!(counts(&agent).attempts, 1);
+#[tokio::test]
+async fn a_channels_request_timeout_through_the_layer_is_a_per_try_timeout() {
+    // The layer tells the caller's deadline apart (it ends at the agent's timer, as
+    // DEADLINE_EXCEEDED), so tonic's timeout that reaches it is the channel's
+    // `Endpoint::timeout`, which each attempt passes through: a timeout, retried for an
+    // idempotent call and not for another. Before, it was judged as tonic's CANCELLED and
+    // never retried.
+    for (idempotent, attempts) in [(true, 3), (false, 1)] {
+        let channel = Channel::from_shared(format!("http://{}", silent_server().await))
+            .unwrap()
+            .timeout(Duration::from_millis(100))
+            .connect_lazy();
+        let agent = self::agent();
+        let status = get(&agent, channel, Some(idempotent)).await.unwrap_err();
+        // The last attempt's own error, as tonic makes it.
+        assert_eq!(status.code(), Code::Cancelled, "{status:?}");
+        let c = counts(&agent);
+        assert_eq!(c.attempts, attempts, "idempotent: {idempotent}");
+        if idempotent {
+            assert_eq!(c.gave_up_attempts, 1);
+        } else {
+            assert_eq!(c.gave_up_not_retryable, 1);
+        }
+    }
 }
 
 #[tokio::test]

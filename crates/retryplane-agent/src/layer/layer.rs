@@ -24,7 +24,9 @@ use crate::classify::{Classification, Classify as _, classify_boxed, tonic_timeo
 use crate::error::{CallError, Cause, Last};
 use crate::meta::{AttemptInfo, CallMeta};
 use retryplane_policy::RetryPolicy;
+use retryplane_policy::codes::GrpcCode;
 use retryplane_policy::engine::{CallInfo, GiveUpCause, Outcome, may_retry};
+use retryplane_policy::model::ErrorClass;
 
 /// Wraps a `Service<http::Request<B>>` in [`Retry`]. Defaults: bodies up to
 /// [`DEFAULT_BODY_LIMIT`] are buffered for replay; no credential refresh; no de-duplication
@@ -316,7 +318,7 @@ where
     let gave_up = move |e| gave_up(e, grpc);
     let classify = |r: &Result<Response<ResponseBody<RB>>, BoxError>| match r {
         Ok(response) => response.classify(),
-        Err(e) => classify_boxed(&**e),
+        Err(e) => channel_timeout_is_a_timeout(classify_boxed(&**e), &**e),
     };
     match prepared {
         Prepared::Buffered {
@@ -560,6 +562,29 @@ async fn unless_callers_deadline(e: BoxError, deadline: Option<Instant>) -> BoxE
         std::future::pending::<()>().await;
     }
     e
+}
+
+/// `class`, the classification of an attempt's error `e`, unless `e` is tonic's own request
+/// timeout ([`tonic::TimeoutExpired`], which [`classify_boxed`] judges as the `CANCELLED`
+/// status tonic makes of it): through the layer that is a timeout. tonic raises it for the
+/// caller's deadline (the `grpc-timeout` the layer writes) and for the channel's
+/// `Endpoint::timeout` alike, but the caller's deadline never gets here
+/// ([`unless_callers_deadline`] leaves it to the agent's timer). So it is the channel's,
+/// which each attempt passes through on its own: a per-try timeout, an unknown outcome,
+/// retried as the agent's own per-try timeout is (idempotent or keyed calls only).
+fn channel_timeout_is_a_timeout(
+    class: Classification,
+    e: &(dyn std::error::Error + 'static),
+) -> Classification {
+    match class {
+        Classification::Outcome(Outcome::Grpc {
+            code: GrpcCode::Cancelled,
+            ..
+        }) if tonic_timeout_in_chain(e) => {
+            Classification::Outcome(Outcome::Transport(ErrorClass::Timeout))
+        }
+        class => class,
+    }
 }
 
 /// The most of a failed attempt's answer the layer reads into memory (see

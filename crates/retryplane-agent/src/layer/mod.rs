@@ -47,9 +47,11 @@
 //!   impl (connect / reset / timeout, or fatal for the caller's own errors; a reqwest error
 //!   made by `error_for_status` counts as its HTTP status, without `Retry-After`); the error of a
 //!   timeout middleware below the layer (tower's `TimeoutLayer`, `tokio::time::timeout`) is a
-//!   timeout (tonic's own request timeout is its `CANCELLED` status, judged by its code: it may
-//!   be the caller's `grpc-timeout`); anything else counts as a reset. Timeout and reset
-//!   are unknown outcomes, so only idempotent or keyed requests are retried.
+//!   timeout, and so is tonic's own request timeout of a channel's `Endpoint::timeout` (the
+//!   caller's `grpc-timeout`, which tonic enforces with the same error, ends the call at the
+//!   agent's own timer instead, as `DEADLINE_EXCEEDED`); anything else counts as a reset.
+//!   Timeout and reset are unknown outcomes, so only idempotent or keyed requests are
+//!   retried.
 //! - The client's response body becomes a [`ResponseBody`]. An answer that failed (an HTTP
 //!   status of 400 or more, or a gRPC error in the headers) and may be sent again has its body
 //!   read into memory within its attempt, up to 64 KiB and for up to 20 ms (and never into the
