@@ -67,7 +67,8 @@ impl CacheWriter {
     }
 
     /// Waits for the last write asked for to be done, for at most `grace`: a disk that does
-    /// not answer does not hold up shutdown. The write goes on in the background then.
+    /// not answer does not hold up shutdown. The write goes on in the background then, on a
+    /// thread that neither the runtime nor the process's exit waits for.
     pub(crate) async fn finish(self, grace: Duration) {
         let Self { newest, task, .. } = self;
         // Closing the channel ends the task once it has written the newest bytes.
@@ -95,10 +96,23 @@ async fn write_newest(
         };
         let shown = path.display().to_string();
         let at = path.clone();
-        match tokio::task::spawn_blocking(move || write(&at, &bytes)).await {
-            Ok(Ok(())) => debug!(file = %shown, "policy cache written"),
-            Ok(Err(e)) => warn!(file = %shown, error = %e, "cannot write the policy cache"),
-            Err(e) => warn!(file = %shown, error = %e, "the cache writer failed"),
+        // A thread of its own, not tokio's blocking pool: a runtime joins its blocking threads
+        // when it is dropped, so a write hung on the disk would hold up the process's exit
+        // after `finish` stopped waiting for it.
+        let (result_tx, result) = tokio::sync::oneshot::channel();
+        let spawned = std::thread::Builder::new()
+            .name("retryplane-cache".into())
+            .spawn(move || {
+                let _ = result_tx.send(write(&at, &bytes));
+            });
+        match spawned {
+            Err(e) => warn!(file = %shown, error = %e, "cannot start the policy cache writer"),
+            Ok(_detached) => match result.await {
+                Ok(Ok(())) => debug!(file = %shown, "policy cache written"),
+                Ok(Err(e)) => warn!(file = %shown, error = %e, "cannot write the policy cache"),
+                // The write panicked.
+                Err(_) => warn!(file = %shown, "the policy cache writer failed"),
+            },
         }
         done.send_replace(number);
     }
@@ -169,5 +183,43 @@ mod tests {
             assert!(tokio::time::Instant::now() < deadline, "{written:?}");
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
+    }
+
+    /// A disk that never answers (for the test below; the one above has its own).
+    static NEVER: Mutex<Option<std::sync::mpsc::Receiver<()>>> = Mutex::new(None);
+
+    fn never_write(_: &Path, _: &[u8]) -> std::io::Result<()> {
+        if let Some(rx) = NEVER.lock().unwrap().take() {
+            let _ = rx.recv();
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn a_hung_disk_does_not_hold_up_the_end_of_the_runtime() {
+        // Held, never sent on: the write hangs until the test ends.
+        let (_hold, never) = std::sync::mpsc::channel::<()>();
+        *NEVER.lock().unwrap() = Some(never);
+        let (ended_tx, ended) = std::sync::mpsc::channel::<()>();
+        std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .unwrap();
+            runtime.block_on(async {
+                let writer = CacheWriter::start_with(PathBuf::from("unused"), never_write);
+                let write = writer.write(b"v1".to_vec());
+                assert!(!writer.written(write, Duration::from_millis(20)).await);
+                writer.finish(Duration::from_millis(20)).await;
+            });
+            // A runtime joins the threads of its blocking pool when dropped: a write made
+            // there would hold this up for as long as the disk hangs.
+            drop(runtime);
+            let _ = ended_tx.send(());
+        });
+        ended
+            .recv_timeout(WAIT)
+            .expect("the runtime ends while the disk hangs");
     }
 }

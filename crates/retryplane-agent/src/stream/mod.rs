@@ -414,10 +414,13 @@ async fn session(
                 // Cached before it is answered, unless the disk takes longer than
                 // `CACHE_WAIT`: a hung disk holds up neither the answer nor the reports for
                 // longer.
+                let reply = message(handled.reply);
                 if let (Some(bytes), Some(cache)) = (handled.cache, cache) {
                     let write = cache.write(bytes);
                     tokio::select! {
                         () = cancel.cancelled() => {
+                            // The snapshot is applied: answered before the stream closes.
+                            let _ = tx.try_send(reply);
                             close(shared, tx, &mut inbound, window_start, outbox, numbered).await;
                             return SessionEnd::Cancelled;
                         }
@@ -436,7 +439,7 @@ async fn session(
                         close(shared, tx, &mut inbound, window_start, outbox, numbered).await;
                         return SessionEnd::Cancelled;
                     }
-                    sent = tx.send(message(handled.reply)) => sent,
+                    sent = tx.send(reply) => sent,
                 };
                 if sent.is_err() {
                     return lost(up(), "the stream closed before the answer".into());
