@@ -23,8 +23,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use arc_swap::ArcSwapOption;
-use retryplane_policy::RetryPolicy;
-use retryplane_policy::engine::{CallInfo, Decision, GiveUpCause, Outcome, RetryCall};
+use retryplane_policy::engine::{CallInfo, Decision, GiveUpCause, Outcome, RetryCall, RetryRules};
 use retryplane_policy::retry_after::RetryAfterError;
 use retryplane_policy::rng::{Rng, SeededRng};
 use tokio::time::Instant;
@@ -700,15 +699,14 @@ impl Begun {
         self.at
     }
 
-    /// The policy a call described by `meta` goes by and how the engine sees the call, if an
-    /// answer to it (an HTTP status, a gRPC code) may ever be sent again: it is idempotent or
-    /// carries the idempotency key, and can be replayed; `None` otherwise (only a failed connect
-    /// is retried then). [`retryplane_policy::engine::may_retry`] answers for each outcome.
-    pub(crate) fn answer_retries(&self, meta: &CallMeta<'_>) -> Option<(RetryPolicy, CallInfo)> {
+    /// What decides whether an answer to a call described by `meta` (an HTTP status, a gRPC
+    /// code) may be retried, if one ever may: the call is idempotent or carries the idempotency
+    /// key, and can be replayed; `None` otherwise (only a failed connect is retried then).
+    pub(crate) fn answer_retries(&self, meta: &CallMeta<'_>) -> Option<RetryRules> {
         let (policy, _) = self.entry.resolve(&meta.target());
         let (idempotent, keyed) = meta.idempotency(policy);
         let info = CallInfo::new(idempotent, keyed).with_replayable(meta.replayable());
-        ((idempotent || keyed) && meta.replayable()).then(|| (policy.clone(), info))
+        ((idempotent || keyed) && meta.replayable()).then(|| RetryRules::new(policy, info))
     }
 
     /// Whether a call described by `meta` is idempotent: its method listed for its route, or

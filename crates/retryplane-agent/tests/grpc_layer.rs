@@ -474,23 +474,56 @@ async fn a_channels_request_timeout_through_the_layer_is_a_per_try_timeout() {
     // `Endpoint::timeout`, which each attempt passes through: a timeout, retried for an
     // idempotent call and not for another. Before, it was judged as tonic's CANCELLED and
     // never retried.
-    for (idempotent, attempts) in [(true, 3), (false, 1)] {
+    for (idempotent, attempts) in [(true, 3u32), (false, 1)] {
         let channel = Channel::from_shared(format!("http://{}", silent_server().await))
             .unwrap()
             .timeout(Duration::from_millis(100))
             .connect_lazy();
         let agent = self::agent();
         let status = get(&agent, channel, Some(idempotent)).await.unwrap_err();
-        // The last attempt's own error, as tonic makes it.
-        assert_eq!(status.code(), Code::Cancelled, "{status:?}");
+        // As when the agent's own per-try timeout ends the attempts, not tonic's CANCELLED
+        // (which a gRPC client reads as its caller's own doing).
+        assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
+        assert!(
+            matches!(retry_error(&status), RetryError::TimedOut { attempts: n, .. } if *n == attempts),
+            "{status:?}"
+        );
         let c = counts(&agent);
-        assert_eq!(c.attempts, attempts, "idempotent: {idempotent}");
+        assert_eq!(c.attempts, u64::from(attempts), "idempotent: {idempotent}");
         if idempotent {
             assert_eq!(c.gave_up_attempts, 1);
         } else {
             assert_eq!(c.gave_up_not_retryable, 1);
         }
     }
+}
+
+#[tokio::test]
+async fn a_grpc_timeout_only_tonic_reads_is_the_callers_deadline_and_not_retried_past() {
+    // `+1S` is not a `grpc-timeout` the protocol allows, but tonic reads it (as 1 s) and ends
+    // the call there with the same error as a channel's timeout. The layer cannot read it, so
+    // it cannot tell the two apart: tonic's timeout is judged by its code, never retried.
+    let agent = agent();
+    let service = tower::ServiceBuilder::new()
+        .map_request(|mut request: http::Request<tonic::body::Body>| {
+            request
+                .headers_mut()
+                .insert("grpc-timeout", http::HeaderValue::from_static("+1S"));
+            request
+        })
+        .layer(RetryLayer::new(agent.endpoint("upstream")))
+        .map_request(into_tonic_request)
+        .service(channel_to_a_silent_server().await);
+    let mut client = AdminServiceClient::new(service);
+    let mut request = Request::new(pb::GetRequest { version: 0 });
+    request.extensions_mut().insert(Idempotent(true));
+    let status = tokio::time::timeout(WAIT, client.get(request))
+        .await
+        .expect("the call ends in time")
+        .unwrap_err();
+    assert_eq!(status.code(), Code::Cancelled, "{status:?}");
+    let c = counts(&agent);
+    assert_eq!((c.attempts, c.gave_up_not_retryable), (1, 1));
 }
 
 #[tokio::test]

@@ -30,7 +30,9 @@ use tokio::time::Instant;
 use crate::backoff::Backoff;
 use crate::breaker::{CircuitBreaker, Permit};
 use crate::budget::{RetryBudget, Withdrawal};
-use crate::model::{BreakerConfig, BudgetConfig, ErrorClass, RetryPolicy};
+use crate::model::{
+    BreakerConfig, BudgetConfig, ErrorClass, RetryAfterConfig, RetryOn, RetryPolicy,
+};
 use crate::retry_after::Pushback;
 use crate::rng::Rng;
 
@@ -113,42 +115,74 @@ impl CallInfo {
     }
 }
 
-/// Whether a failed attempt that ended with `outcome`, the `attempt`-th of a call described by
-/// `info`, can be retried as far as the outcome, the call and the policy alone decide: SPEC §2
-/// step 4 (`retry_on`, idempotency, a gRPC "do not retry" pushback), step 5 (`max_attempts`)
-/// and step 7's refusal of a server hint longer than `retry_after.max`.
+/// The part of SPEC §2 that decides from a failed attempt's outcome, the call and the policy
+/// alone whether the attempt may be retried: step 4 (`retry_on`, idempotency, a gRPC "do not
+/// retry" pushback), step 5 (`max_attempts`) and step 7's refusal of a server hint longer than
+/// `retry_after.max`. Kept apart from the policy (what these steps read of it, and how the
+/// engine sees the call) for a holder that outlives its borrow of the policy: the agent's HTTP
+/// layer uses it to choose which failed answers to read.
 ///
 /// [`RetryCall::on_outcome`] asks the same questions, through the same functions, so the two
-/// cannot drift apart: when this answers `false`, the call gives up whatever the time. A
-/// `true` may still end in a give-up: the budget, the breaker and the deadline are asked when
-/// the outcome is reported, and change with time. For a success it answers `false` (there is
-/// nothing to retry). The agent's HTTP layer uses it to choose which failed answers to read.
-pub fn may_retry(policy: &RetryPolicy, info: &CallInfo, outcome: &Outcome, attempt: u32) -> bool {
-    !outcome.is_success()
-        && answer_refusal(
-            policy,
+/// cannot drift apart: when [`RetryRules::may_retry`] answers `false`, the call gives up
+/// whatever the time. A `true` may still end in a give-up: the budget, the breaker and the
+/// deadline are asked when the outcome is reported, and change with time.
+#[derive(Clone, Debug)]
+pub struct RetryRules {
+    info: CallInfo,
+    max_attempts: u32,
+    retry_on: RetryOn,
+    retry_after: RetryAfterConfig,
+}
+
+impl RetryRules {
+    /// The rules of `policy` for a call described by `info`.
+    pub fn new(policy: &RetryPolicy, info: CallInfo) -> Self {
+        Self {
             info,
-            outcome,
-            outcome.listed_in(&policy.retry_on),
-            attempt,
-        )
-        .is_none()
-        && server_hint(policy, outcome).is_none_or(|(d, _)| d <= policy.retry_after.max)
+            max_attempts: policy.max_attempts,
+            retry_on: policy.retry_on.clone(),
+            retry_after: policy.retry_after.clone(),
+        }
+    }
+
+    /// The policy's `max_attempts`.
+    pub fn max_attempts(&self) -> u32 {
+        self.max_attempts
+    }
+
+    /// Whether a failed attempt, the `attempt`-th of the call, that ended with `outcome` may
+    /// be retried as far as these rules decide (see [`RetryRules`]); `false` for a success
+    /// (there is nothing to retry).
+    pub fn may_retry(&self, outcome: &Outcome, attempt: u32) -> bool {
+        !outcome.is_success()
+            && answer_refusal(
+                &self.info,
+                self.retry_after.honor,
+                self.max_attempts,
+                outcome,
+                outcome.listed_in(&self.retry_on),
+                attempt,
+            )
+            .is_none()
+            && server_hint(&self.retry_after, outcome)
+                .is_none_or(|(d, _)| d <= self.retry_after.max)
+    }
 }
 
 /// SPEC §2 steps 4 and 5 for a failed attempt, the `attempts`-th, with `outcome` (`listed`:
-/// whether `retry_on` lists it): the cause the call gives up with, or `None` if it goes on to
-/// the budget.
+/// whether `retry_on` lists it; `honor_hints`: `retry_after.honor`): the cause the call gives
+/// up with, or `None` if it goes on to the budget.
 #[inline]
 fn answer_refusal(
-    p: &RetryPolicy,
     info: &CallInfo,
+    honor_hints: bool,
+    max_attempts: u32,
     outcome: &Outcome,
     listed: bool,
     attempts: u32,
 ) -> Option<GiveUpCause> {
     // Step 4: classification.
-    let pushback_refuses = p.retry_after.honor
+    let pushback_refuses = honor_hints
         && matches!(
             outcome,
             Outcome::Grpc {
@@ -160,7 +194,7 @@ fn answer_refusal(
         return Some(GiveUpCause::NotRetryable);
     }
     // Step 5: attempts.
-    if attempts >= p.max_attempts {
+    if attempts >= max_attempts {
         return Some(GiveUpCause::AttemptsExhausted);
     }
     None
@@ -169,8 +203,8 @@ fn answer_refusal(
 /// The server's hint step 7 goes by, if the policy honours hints: a valid HTTP `Retry-After`
 /// (`false`) or gRPC pushback delay (`true`). A malformed one is ignored.
 #[inline]
-fn server_hint(p: &RetryPolicy, outcome: &Outcome) -> Option<(Duration, bool)> {
-    if !p.retry_after.honor {
+fn server_hint(retry_after: &RetryAfterConfig, outcome: &Outcome) -> Option<(Duration, bool)> {
+    if !retry_after.honor {
         return None;
     }
     match outcome {
@@ -545,7 +579,15 @@ impl<'a> RetryCall<'a> {
     ) -> Decision {
         let p = self.policy;
         // Steps 4 and 5: classification, attempts.
-        if let Some(cause) = answer_refusal(p, &self.info, outcome, listed, self.attempts) {
+        let refusal = answer_refusal(
+            &self.info,
+            p.retry_after.honor,
+            p.max_attempts,
+            outcome,
+            listed,
+            self.attempts,
+        );
+        if let Some(cause) = refusal {
             return Decision::GiveUp(cause);
         }
         // Step 6: budget. The window is read once here; the retry is counted (one CAS, which can
@@ -559,7 +601,7 @@ impl<'a> RetryCall<'a> {
                 None => None,
             };
         // Step 7: pause, server hints, deadline.
-        let hint = server_hint(p, outcome);
+        let hint = server_hint(&p.retry_after, outcome);
         let (pause, hinted) = match hint {
             Some((d, _)) if d > p.retry_after.max => {
                 return Decision::GiveUp(GiveUpCause::RetryAfterTooLong);

@@ -53,7 +53,7 @@ impl Outcome {
 
     /// Whether `retry_on` lists this outcome: its HTTP status, gRPC code or transport class
     /// (step 4's first question; a success is never retried, whatever this says; the whole of
-    /// what an outcome alone decides is [`super::may_retry`]).
+    /// what an outcome alone decides is [`super::RetryRules`]).
     #[inline]
     pub fn listed_in(&self, retry_on: &RetryOn) -> bool {
         match self {

@@ -793,11 +793,11 @@ fn arb_any_outcome() -> impl Strategy<Value = Outcome> {
 }
 
 proptest! {
-    /// `may_retry` is the part of the decision the outcome, the call and the policy alone
+    /// `RetryRules::may_retry` is the part of the decision the outcome, the call and the policy alone
     /// make: with nothing else in the way (no budget, no breaker, a deadline far off), it
     /// answers `true` exactly when the engine retries, whatever the attempt.
     #[test]
-    fn may_retry_answers_as_the_engine_decides(
+    fn retry_rules_answer_as_the_engine_decides(
         outcome in arb_any_outcome(),
         (idempotent, keyed, replayable) in any::<(bool, bool, bool)>(),
         (max_attempts, attempt) in (1u32..=10).prop_flat_map(|m| (Just(m), 1..=m)),
@@ -829,7 +829,7 @@ proptest! {
         call.start_attempt(t0).expect("the attempt may start");
         let decision = call.on_outcome(outcome.clone(), t0, &mut rng);
         prop_assert_eq!(
-            may_retry(&p, &info, &outcome, attempt),
+            RetryRules::new(&p, info).may_retry(&outcome, attempt),
             matches!(decision, Decision::Retry { .. }),
             "{:?} on attempt {} of {}: {:?}", outcome, attempt, max_attempts, decision
         );
@@ -838,7 +838,7 @@ proptest! {
     /// With the budget, the breaker and the deadline in play too, a `false` still means the
     /// call gives up.
     #[test]
-    fn the_engine_never_retries_what_may_retry_refuses(
+    fn the_engine_never_retries_what_the_rules_refuse(
         outcomes in prop::collection::vec((arb_any_outcome(), 0u64..3_000), 1..12),
         (idempotent, keyed) in any::<(bool, bool)>(),
         deadline_ms in 1u64..20_000,
@@ -863,7 +863,7 @@ proptest! {
                 continue;
             };
             now += Duration::from_millis(took_ms).min(attempt.timeout);
-            let allowed = may_retry(&p, &info, &outcome, attempt.number);
+            let allowed = RetryRules::new(&p, info).may_retry(&outcome, attempt.number);
             match call.on_outcome(outcome.clone(), now, &mut rng) {
                 Decision::Retry { pause, .. } => {
                     prop_assert!(allowed, "{:?} retried on attempt {}", outcome, attempt.number);

@@ -17,15 +17,14 @@ use tracing::debug;
 use super::auth::{DynRefresh, HttpReauth, RefreshCredentials, RefreshFailed, lock};
 use super::body::{Buffered, ReplayBody, ResponseBody, buffer, read_failed};
 use super::dedup::{Dedup, Landing, Leader, Role, SharedResponse};
-use super::grpc::{call_meta, is_grpc, set_grpc_timeout};
+use super::grpc::{call_meta, grpc_timeout, is_grpc, set_grpc_timeout};
 use super::{BoxError, DEFAULT_BODY_LIMIT, GaveUp, ResponseFuture, RetryError};
 use crate::call::{Begun, Endpoint, NoReauth};
 use crate::classify::{Classification, Classify as _, classify_boxed, tonic_timeout_in_chain};
 use crate::error::{CallError, Cause, Last};
 use crate::meta::{AttemptInfo, CallMeta};
-use retryplane_policy::RetryPolicy;
 use retryplane_policy::codes::GrpcCode;
-use retryplane_policy::engine::{CallInfo, GiveUpCause, Outcome, may_retry};
+use retryplane_policy::engine::{GiveUpCause, Outcome, RetryRules};
 use retryplane_policy::model::ErrorClass;
 
 /// Wraps a `Service<http::Request<B>>` in [`Retry`]. Defaults: bodies up to
@@ -312,13 +311,22 @@ where
     RB::Error: Into<BoxError>,
 {
     let endpoint = &settings.endpoint;
-    let grpc = match &prepared {
-        Prepared::Buffered { head, .. } | Prepared::Once { head, .. } => is_grpc(head),
+    let (grpc, timeouts_are_the_channels) = match &prepared {
+        Prepared::Buffered { head, .. } | Prepared::Once { head, .. } => (
+            is_grpc(head),
+            // A `grpc-timeout` the layer cannot read (tonic reads some the protocol does not
+            // allow, such as `+5S`) is a caller's deadline tonic enforces on its own: its
+            // timeout is then judged by its code, as outside the layer.
+            !head.headers.contains_key("grpc-timeout") || grpc_timeout(head).is_some(),
+        ),
     };
-    let gave_up = move |e| gave_up(e, grpc);
+    let gave_up = move |e| gave_up(e, grpc, timeouts_are_the_channels);
     let classify = |r: &Result<Response<ResponseBody<RB>>, BoxError>| match r {
         Ok(response) => response.classify(),
-        Err(e) => channel_timeout_is_a_timeout(classify_boxed(&**e), &**e),
+        Err(e) if timeouts_are_the_channels => {
+            channel_timeout_is_a_timeout(classify_boxed(&**e), &**e)
+        }
+        Err(e) => classify_boxed(&**e),
     };
     match prepared {
         Prepared::Buffered {
@@ -355,7 +363,7 @@ where
                 let read = ReadFailed {
                     retried: retried
                         .as_ref()
-                        .filter(|(policy, _)| info.number < policy.max_attempts),
+                        .filter(|rules| info.number < rules.max_attempts()),
                     attempt: info.number,
                     refresh: refresh && !refresh_used.load(Ordering::Relaxed),
                     read_by: sent_at + info.timeout.saturating_sub(FAILED_BODY_WAIT),
@@ -594,9 +602,9 @@ const FAILED_BODY_LIMIT: usize = 64 * 1024;
 /// Which failed answers an attempt reads the body of (see [`read_if_failed`]): those that may
 /// be sent again.
 struct ReadFailed<'a> {
-    /// The policy the call goes by and how the engine sees the call, when an answer may be
-    /// sent again at all (the call is idempotent or keyed, and this is not its last attempt).
-    retried: Option<&'a (RetryPolicy, CallInfo)>,
+    /// What decides whether the call's answers may be retried, when one may at all (the call
+    /// is idempotent or keyed, and this is not its last attempt).
+    retried: Option<&'a RetryRules>,
     /// The attempt's number.
     attempt: u32,
     /// A credential-refresh hook is set and has not run yet: a 401 is sent again after it
@@ -608,7 +616,8 @@ struct ReadFailed<'a> {
 
 impl ReadFailed<'_> {
     /// Whether the body of an answer with outcome `o` is read: the engine's own test of
-    /// whether it may be retried ([`may_retry`]), or a 401 the refresh hook will send again.
+    /// whether it may be retried ([`RetryRules::may_retry`]), or a 401 the refresh hook will
+    /// send again.
     /// The budget, the breaker and the deadline may still refuse the retry; they are not asked
     /// here, since they may change by the time the engine asks.
     fn wants(&self, o: &Outcome) -> bool {
@@ -620,7 +629,7 @@ impl ReadFailed<'_> {
         refreshed
             || self
                 .retried
-                .is_some_and(|(policy, info)| may_retry(policy, info, o, self.attempt))
+                .is_some_and(|rules| rules.may_retry(o, self.attempt))
     }
 }
 
@@ -656,8 +665,13 @@ where
 }
 
 /// The response or error a call that gave up returns; `grpc`: the request was a gRPC one
-/// (see [`no_answer`]).
-fn gave_up<RB>(e: CallError<Response<RB>, BoxError>, grpc: bool) -> Result<Response<RB>, BoxError> {
+/// (see [`no_answer`]); `timeouts_are_the_channels`: a tonic request timeout is the channel's
+/// (see [`channel_timeout_is_a_timeout`]).
+fn gave_up<RB>(
+    e: CallError<Response<RB>, BoxError>,
+    grpc: bool,
+    timeouts_are_the_channels: bool,
+) -> Result<Response<RB>, BoxError> {
     let CallError {
         cause,
         last,
@@ -667,6 +681,14 @@ fn gave_up<RB>(e: CallError<Response<RB>, BoxError>, grpc: bool) -> Result<Respo
         Some(Last::Response(mut response)) => {
             response.extensions_mut().insert(GaveUp { cause, attempts });
             Ok(response)
+        }
+        // The channel's own request timeout ended the last attempt: as the agent's per-try
+        // timeout does (see `channel_timeout_is_a_timeout`), not tonic's `CANCELLED`, which a
+        // gRPC client reads as its caller's own doing.
+        Some(Last::Error(e))
+            if grpc && timeouts_are_the_channels && tonic_timeout_in_chain(&*e) =>
+        {
+            Err(no_answer(RetryError::TimedOut { cause, attempts }, grpc))
         }
         Some(Last::Error(e)) => Err(e),
         Some(Last::TimedOut) => Err(no_answer(RetryError::TimedOut { cause, attempts }, grpc)),

@@ -57,7 +57,7 @@
 //!   read into memory within its attempt, up to 64 KiB and for up to 20 ms (and never into the
 //!   attempt's last 20 ms, so that its timeout does not lose the answer): one the engine may
 //!   retry, as far as the answer, the call and the policy decide
-//!   ([`retryplane_policy::engine::may_retry`]: `retry_on` lists its status or code, the call
+//!   ([`retryplane_policy::engine::RetryRules`]: `retry_on` lists its status or code, the call
 //!   is idempotent or keyed, the attempt is not the last, and no `Retry-After` past
 //!   `retry_after.max` or gRPC "do not retry" pushback forbids it); and, with a
 //!   credential-refresh hook that has not run yet in the call, a 401 (whatever the method or
