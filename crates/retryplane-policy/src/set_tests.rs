@@ -96,6 +96,37 @@ fn a_refused_field_gets_no_second_error_from_the_built_in_value_in_its_place() {
 }
 
 #[test]
+fn a_value_out_of_range_gets_no_second_problem_from_a_cross_field_check() {
+    // `deadline: 0s` is one error, not also a deadline shorter than `per_try_timeout` and a
+    // schedule that can never start inside it.
+    assert_eq!(
+        all("version: 1\nendpoints:\n  a:\n    deadline: 0s\n"),
+        ["4:15: error: endpoints.a.deadline: must be longer than zero"]
+    );
+    assert_eq!(
+        all("version: 1\nendpoints:\n  a:\n    backoff: {max: 0s}\n"),
+        ["4:20: error: endpoints.a.backoff.max: must be longer than zero"]
+    );
+    assert_eq!(
+        all("version: 1\nendpoints:\n  a:\n    max_attempts: 11\n    budget: {enabled: false}\n"),
+        ["4:19: error: endpoints.a.max_attempts: must be from 1 (never retry) to 10, found 11"]
+    );
+    // Inherited from `defaults:`, it is still reported once, where it is written.
+    assert_eq!(
+        all("version: 1\ndefaults: {deadline: 0s}\nendpoints:\n  a: {}\n  b: {}\n"),
+        ["2:22: error: defaults.deadline: must be longer than zero"]
+    );
+    // A layer that replaces the refused value has its own problems checked.
+    assert_eq!(
+        all("version: 1\ndefaults: {deadline: 0s}\nendpoints:\n  a: {deadline: 1s}\n"),
+        [
+            "2:22: error: defaults.deadline: must be longer than zero",
+            "4:17: error: endpoints.a.deadline: per_try_timeout (2s) is longer than the deadline (1s)",
+        ]
+    );
+}
+
+#[test]
 fn a_non_finite_number_is_an_error_at_its_place_among_the_others() {
     let src = "version: 1\nendpoints:\n  a:\n    max_attempts: 0\n    backoff: {multiplier: .inf}\n    deadline: 100\n  b:\n    budget: {ratio: .nan, min_per_second: 1e999}\n";
     assert_eq!(

@@ -42,9 +42,9 @@ const NON_RETRYABLE_GRPC: [GrpcCode; 8] = [
 /// Checks `doc`, appending every problem to `diags`. Errors already in `diags` (the parser's)
 /// mark the fields they refused: cross-field checks leave those fields alone.
 pub fn check(doc: &PolicyDocument, diags: &mut Vec<Diagnostic>) {
-    let refused = Refused::new(diags);
+    let mut refused = Refused::new(diags);
     let defaults_layers = [(Level::Defaults, "defaults".to_owned(), &doc.defaults)];
-    check_layer(&doc.defaults, "defaults", diags);
+    check_layer_noting(&doc.defaults, "defaults", &mut refused, diags);
     check_effective(&defaults_layers, &refused, diags);
     // Each name's first place. A file's parser already refuses a second endpoint of the same
     // name (and leaves it out), and so does the wire conversion; a document built in code gets
@@ -67,7 +67,7 @@ pub fn check(doc: &PolicyDocument, diags: &mut Vec<Diagnostic>) {
             continue;
         }
         check_endpoint_name(&ep.name.value, ep.name.loc, &ep_path, diags);
-        check_layer(&ep.overlay, &ep_path, diags);
+        check_layer_noting(&ep.overlay, &ep_path, &mut refused, diags);
         let mut layers = defaults_layers.to_vec();
         layers.push((Level::Endpoint, ep_path.clone(), &ep.overlay));
         check_effective(&layers, &refused, diags);
@@ -78,7 +78,7 @@ pub fn check(doc: &PolicyDocument, diags: &mut Vec<Diagnostic>) {
         for route in &ep.routes {
             let i = route.index;
             let route_path = format!("{ep_path}.routes[{i}]");
-            check_layer(&route.overlay, &route_path, diags);
+            check_layer_noting(&route.overlay, &route_path, &mut refused, diags);
             check_route_sharing(&route.overlay, &route_path, diags);
             let j = *first_route.entry(&route.matcher.value).or_insert(i);
             if j != i {
@@ -96,6 +96,21 @@ pub fn check(doc: &PolicyDocument, diags: &mut Vec<Diagnostic>) {
         }
         crate::diag::tag_endpoint(&mut diags[first_diag..], &ep.name.value, &ep_path);
     }
+}
+
+/// [`check_layer`], noting the fields it refuses in `refused`: the cross-field checks of the
+/// effective policies that take a value from this layer leave those fields alone, as they do the
+/// parser's refusals (a `deadline: 0s` is one error, not also a deadline shorter than
+/// `per_try_timeout` and a schedule that cannot fit in it).
+fn check_layer_noting(
+    o: &Overlay,
+    prefix: &str,
+    refused: &mut Refused,
+    diags: &mut Vec<Diagnostic>,
+) {
+    let first = diags.len();
+    check_layer(o, prefix, diags);
+    refused.note(&diags[first..]);
 }
 
 /// The checks of one layer that does not make it into the document, so that its problems are
@@ -350,24 +365,31 @@ fn blame(layers: &Layers<'_>, fields: &[&str]) -> (Loc, String) {
     (Loc::UNKNOWN, prefix.clone())
 }
 
-/// The paths of the errors found before [`check`] ran: the parser refused the value there, so
-/// the field is absent from its layer, and the effective policy holds a lower layer's value
-/// (often the built-in one) in its place.
+/// The paths of the values refused: by the parser, before [`check`] ran (the field is then
+/// absent from its layer, and the effective policy holds a lower layer's value, often the
+/// built-in one, in its place), or by [`check_layer`]'s range checks (the field holds the
+/// refused value). Either way the effective value is not one the file may hold.
 struct Refused(HashSet<String>);
 
 impl Refused {
     fn new(diags: &[Diagnostic]) -> Self {
-        Self(
+        let mut refused = Self(HashSet::new());
+        refused.note(diags);
+        refused
+    }
+
+    /// Adds the paths of the errors among `diags`.
+    fn note(&mut self, diags: &[Diagnostic]) {
+        self.0.extend(
             diags
                 .iter()
                 .filter(|d| d.is_error())
-                .map(|d| d.path.clone())
-                .collect(),
-        )
+                .map(|d| d.path.clone()),
+        );
     }
 
-    /// Whether the effective value of one of `fields` stands in for a value the file wrote
-    /// but the parser refused: the most specific layer that says anything about the field
+    /// Whether the effective value of one of `fields` is, or stands in for, a value the file
+    /// wrote but that was refused: the most specific layer that says anything about the field
     /// had it refused (the field itself, or its whole section, such as `backoff: 5`).
     fn any(&self, layers: &Layers<'_>, fields: &[&str]) -> bool {
         !self.0.is_empty() && fields.iter().any(|f| self.field(layers, f))
@@ -376,12 +398,14 @@ impl Refused {
     fn field(&self, layers: &Layers<'_>, field: &str) -> bool {
         let section = field.split_once('.').map(|(s, _)| s);
         for (_, prefix, overlay) in layers.iter().rev() {
+            // Refused where it is written (a value out of range, a key written twice), or
+            // left out of its layer by the parser.
+            if self.0.contains(&format!("{prefix}.{field}")) {
+                return true;
+            }
             let set = overlay.set_fields();
             if set.iter().any(|(p, _)| *p == field) {
                 return false;
-            }
-            if self.0.contains(&format!("{prefix}.{field}")) {
-                return true;
             }
             if let Some(section) = section
                 && !set
@@ -396,9 +420,9 @@ impl Refused {
     }
 }
 
-/// Cross-field checks on the effective policy the layers make. A check that involves a field
-/// the parser refused is skipped: that error is reported already, and the value standing in
-/// for it is not what the author wrote.
+/// Cross-field checks on the effective policy the layers make. A check that involves a refused
+/// field is skipped: that error is reported already, and the value in the policy is either out
+/// of range or, for a value the parser refused, not what the author wrote.
 fn check_effective(layers: &Layers<'_>, refused: &Refused, diags: &mut Vec<Diagnostic>) {
     let p: RetryPolicy = Overlay::resolve(layers.iter().map(|(_, _, o)| *o));
     let mut push = |d: Diagnostic| diags.push(d);
