@@ -280,6 +280,35 @@ fn a_route_after_a_refused_one_is_named_by_its_place_in_the_file() {
 }
 
 #[test]
+fn a_route_that_an_earlier_broader_route_hides_is_a_warning() {
+    // First match wins: routes[1] is hidden by routes[0] (any method, a shorter prefix),
+    // routes[3] by routes[2] (the same method, prefix `/`), routes[5] by every method of its
+    // service. routes[2] (GET anywhere, but routes[0] only takes /v1), routes[6] (another
+    // service) and routes[7] (another method) can be reached.
+    let src = "version: 1\nendpoints:\n  a:\n    routes:\n      - match: {path_prefix: /v1}\n      - match: {method: GET, path_prefix: /v1/x}\n      - match: {method: GET}\n      - match: {method: GET, path_prefix: /v2}\n      - match: {grpc: /p.S/*}\n      - match: {grpc: /p.S/M}\n      - match: {grpc: /p.T/M}\n      - match: {method: POST, path_prefix: /v2}\n";
+    assert_eq!(
+        all(src),
+        [
+            "6:16: warning: endpoints.a.routes[1].match: this route can never match: routes[0] comes first and matches every call it matches",
+            "8:16: warning: endpoints.a.routes[3].match: this route can never match: routes[2] comes first and matches every call it matches",
+            "10:16: warning: endpoints.a.routes[5].match: this route can never match: routes[4] comes first and matches every call it matches",
+        ]
+    );
+    // A narrower route before a broader one is how overrides are written: no warning. Nor is
+    // a prefix that only shares a start with an earlier one.
+    let src = "version: 1\nendpoints:\n  a:\n    routes:\n      - match: {method: POST, path_prefix: /v1/charges}\n      - match: {path_prefix: /v1/charge-x}\n      - match: {path_prefix: /v1}\n      - match: {grpc: /p.S/M}\n      - match: {grpc: /p.S/*}\n";
+    assert_eq!(all(src), Vec::<String>::new());
+    // The first of several broader routes is named.
+    let src = "version: 1\nendpoints:\n  a:\n    routes:\n      - match: {method: GET, path_prefix: /v1}\n      - match: {path_prefix: /v}\n      - match: {method: GET, path_prefix: /v1/x}\n";
+    assert_eq!(
+        all(src),
+        [
+            "7:16: warning: endpoints.a.routes[2].match: this route can never match: routes[0] comes first and matches every call it matches"
+        ]
+    );
+}
+
+#[test]
 fn duplicate_keys_in_a_policy_are_an_error() {
     let src = "version: 1\nendpoints:\n  a:\n    deadline: 10s\n    deadline: 20s\n";
     assert_eq!(

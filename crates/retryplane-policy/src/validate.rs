@@ -12,7 +12,7 @@ use std::time::Duration;
 use crate::backoff;
 use crate::codes::{GrpcCode, RETRYABLE_4XX};
 use crate::diag::Diagnostic;
-use crate::document::{Level, Overlay, PolicyDocument};
+use crate::document::{Level, Overlay, PolicyDocument, RouteMatch};
 use crate::model::RetryPolicy;
 use crate::parse::{ROUTE_ALERT, check_method};
 use crate::yaml::Loc;
@@ -71,10 +71,13 @@ pub fn check(doc: &PolicyDocument, diags: &mut Vec<Diagnostic>) {
         let mut layers = defaults_layers.to_vec();
         layers.push((Level::Endpoint, ep_path.clone(), &ep.overlay));
         check_effective(&layers, &refused, diags);
-        // Each match's first route, so that repeats are found in linear time.
+        // Each match's first route, so that repeats are found in linear time, and the
+        // earlier routes' matches, so that one made unreachable by a broader earlier match
+        // (first match wins) is found in time linear in the size of the matches.
         // Paths name a route by its place as written (`RouteDoc::index`), which counts routes
         // the parser refused, so that every message about one route names the same index.
         let mut first_route = HashMap::with_capacity(ep.routes.len());
+        let mut earlier = Coverage::default();
         for route in &ep.routes {
             let i = route.index;
             let route_path = format!("{ep_path}.routes[{i}]");
@@ -89,12 +92,130 @@ pub fn check(doc: &PolicyDocument, diags: &mut Vec<Diagnostic>) {
                         "this route can never match: routes[{j}] has the same match and comes first"
                     ),
                 ));
+            } else if let Some(j) = earlier.first_covering(&route.matcher.value) {
+                diags.push(Diagnostic::warning(
+                    route.matcher.loc,
+                    format!("{route_path}.match"),
+                    format!(
+                        "this route can never match: routes[{j}] comes first and matches every call it matches"
+                    ),
+                ));
             }
+            earlier.add(&route.matcher.value, i);
             let mut route_layers = layers.clone();
             route_layers.push((Level::Route, route_path, &route.overlay));
             check_effective(&route_layers, &refused, diags);
         }
         crate::diag::tag_endpoint(&mut diags[first_diag..], &ep.name.value, &ep_path);
+    }
+}
+
+/// The matches of an endpoint's routes so far, to find a later route that none of its calls
+/// can reach: routes are tried in file order and the first match wins, so a route is dead when
+/// an earlier one matches every call it does (an HTTP route with the same method or none and a
+/// path prefix that starts its own; a gRPC route for every method of its service).
+#[derive(Default)]
+struct Coverage<'a> {
+    /// The HTTP routes' path prefixes, by method (`None`: any method).
+    http: HashMap<Option<&'a str>, PrefixTrie>,
+    /// The first `/pkg.Service/*` route of each service.
+    services: HashMap<&'a str, usize>,
+}
+
+impl<'a> Coverage<'a> {
+    /// The first route added whose match fits every call `m` fits.
+    fn first_covering(&self, m: &RouteMatch) -> Option<usize> {
+        match m {
+            RouteMatch::Http {
+                method,
+                path_prefix,
+            } => {
+                let path = path_prefix.as_bytes();
+                let any = self.http.get(&None).and_then(|t| t.first_prefix_of(path));
+                let same = method
+                    .as_deref()
+                    .and_then(|m| self.http.get(&Some(m)))
+                    .and_then(|t| t.first_prefix_of(path));
+                any.into_iter().chain(same).min()
+            }
+            RouteMatch::Grpc { service, .. } => self.services.get(service.as_str()).copied(),
+        }
+    }
+
+    /// Adds route `index`'s match `m`.
+    fn add(&mut self, m: &'a RouteMatch, index: usize) {
+        match m {
+            RouteMatch::Http {
+                method,
+                path_prefix,
+            } => self
+                .http
+                .entry(method.as_deref())
+                .or_default()
+                .insert(path_prefix.as_bytes(), index),
+            RouteMatch::Grpc {
+                service,
+                method: None,
+            } => {
+                self.services.entry(service).or_insert(index);
+            }
+            RouteMatch::Grpc { .. } => {}
+        }
+    }
+}
+
+/// Byte strings, each with the first index it was added with; finds those that start a given
+/// string in time linear in its length.
+#[derive(Default)]
+struct PrefixTrie {
+    /// The root first, once anything was added.
+    nodes: Vec<TrieNode>,
+}
+
+#[derive(Default)]
+struct TrieNode {
+    /// Sorted by byte.
+    children: Vec<(u8, usize)>,
+    /// The first index added for the string that ends here.
+    first: Option<usize>,
+}
+
+impl PrefixTrie {
+    fn insert(&mut self, key: &[u8], index: usize) {
+        if self.nodes.is_empty() {
+            self.nodes.push(TrieNode::default());
+        }
+        let mut at = 0;
+        for &b in key {
+            let next = self.nodes.len();
+            let children = &mut self.nodes[at].children;
+            at = match children.binary_search_by_key(&b, |&(c, _)| c) {
+                Ok(k) => children[k].1,
+                Err(k) => {
+                    children.insert(k, (b, next));
+                    self.nodes.push(TrieNode::default());
+                    next
+                }
+            };
+        }
+        self.nodes[at].first.get_or_insert(index);
+    }
+
+    /// The smallest index of the strings added that start `key` (`key` itself included).
+    fn first_prefix_of(&self, key: &[u8]) -> Option<usize> {
+        let mut node = self.nodes.first()?;
+        let mut first = node.first;
+        for &b in key {
+            let Ok(k) = node.children.binary_search_by_key(&b, |&(c, _)| c) else {
+                break;
+            };
+            node = &self.nodes[node.children[k].1];
+            first = match (first, node.first) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+        }
+        first
     }
 }
 
