@@ -77,9 +77,9 @@ fn http_classification(status: http::StatusCode, headers: &http::HeaderMap) -> C
     if let Some(code) = trailers_only_grpc_code(headers) {
         return grpc_classification(code, headers);
     }
-    let retry_after = headers.get(http::header::RETRY_AFTER).map(|v| {
-        v.to_str()
-            .map_err(|_| retryplane_policy::retry_after::RetryAfterError::Malformed)
+    let retry_after = sole_value(headers, http::header::RETRY_AFTER).map(|v| {
+        v.and_then(|v| v.to_str().ok())
+            .ok_or(retryplane_policy::retry_after::RetryAfterError::Malformed)
             .and_then(|s| parse_retry_after(s, SystemTime::now()))
     });
     Classification::Outcome(Outcome::Http {
@@ -140,10 +140,26 @@ fn grpc_classification(code: tonic::Code, headers: &http::HeaderMap) -> Classifi
         return Classification::Success;
     }
     let code = GrpcCode::from_i32(code as i32).unwrap_or(GrpcCode::Unknown);
-    let pushback = headers
-        .get(GRPC_PUSHBACK)
-        .map(|v| v.to_str().map_or(Pushback::DoNotRetry, parse_grpc_pushback));
+    let pushback = sole_value(headers, GRPC_PUSHBACK).map(|v| {
+        v.and_then(|v| v.to_str().ok())
+            .map_or(Pushback::DoNotRetry, parse_grpc_pushback)
+    });
     Classification::Outcome(Outcome::Grpc { code, pushback })
+}
+
+/// The value of a header that holds one value (`Retry-After`, `grpc-retry-pushback-ms`):
+/// `None` when it is absent, `Some(None)` when it comes on several field lines. Those mean the
+/// same as one line of the values joined by commas (RFC 9110 §5.3), which neither header can
+/// parse: so a hint reads the same whether or not a proxy joined the lines, and the server's
+/// answer is not picked by the order of its lines (a malformed `Retry-After` is ignored, an
+/// unparseable pushback means "do not retry").
+fn sole_value(
+    headers: &http::HeaderMap,
+    name: http::HeaderName,
+) -> Option<Option<&http::HeaderValue>> {
+    let mut values = headers.get_all(name).into_iter();
+    let first = values.next()?;
+    Some(values.next().is_none().then_some(first))
 }
 
 /// A gRPC response is a success.
@@ -589,6 +605,54 @@ mod tests {
             tonic::Status::new(tonic::Code::Ok, "").classify(),
             Classification::Success
         );
+    }
+
+    #[test]
+    fn a_hint_on_several_lines_reads_as_the_lines_joined_by_commas() {
+        // `Retry-After: 1` and `Retry-After: 120` mean `Retry-After: 1, 120`: malformed, so
+        // ignored, whichever line comes first.
+        let twice = |a: &str, b: &str| {
+            http::Response::builder()
+                .status(503)
+                .header("retry-after", a)
+                .header("retry-after", b)
+                .body(())
+                .unwrap()
+                .classify()
+        };
+        let malformed = Classification::Outcome(Outcome::Http {
+            status: 503,
+            retry_after: Some(Err(RetryAfterError::Malformed)),
+        });
+        assert_eq!(twice("1", "120"), malformed);
+        assert_eq!(twice("120", "1"), malformed);
+        assert_eq!(http(503, Some("1, 120")), malformed);
+        // Several pushback values are unparseable: do not retry (as one joined line is).
+        let do_not_retry = Classification::Outcome(Outcome::Grpc {
+            code: GrpcCode::Unavailable,
+            pushback: Some(Pushback::DoNotRetry),
+        });
+        let mut s = tonic::Status::unavailable("down");
+        s.metadata_mut()
+            .append("grpc-retry-pushback-ms", "10".parse().unwrap());
+        s.metadata_mut()
+            .append("grpc-retry-pushback-ms", "60000".parse().unwrap());
+        assert_eq!(s.classify(), do_not_retry);
+        assert_eq!(
+            grpc_response(
+                "application/grpc",
+                &[
+                    ("grpc-status", "14"),
+                    ("grpc-retry-pushback-ms", "10"),
+                    ("grpc-retry-pushback-ms", "60000")
+                ]
+            ),
+            do_not_retry
+        );
+        let mut s = tonic::Status::unavailable("down");
+        s.metadata_mut()
+            .insert("grpc-retry-pushback-ms", "10, 60000".parse().unwrap());
+        assert_eq!(s.classify(), do_not_retry);
     }
 
     fn grpc_response(content_type: &str, headers: &[(&str, &str)]) -> Classification {
