@@ -49,6 +49,25 @@ fn opens_at_the_failure_ratio_with_enough_requests() {
 }
 
 #[test]
+fn a_failure_ratio_of_zero_opens_on_the_first_failure_once_min_requests_is_met() {
+    let t0 = Instant::now();
+    let cfg = BreakerConfig {
+        failure_ratio: 0.0,
+        min_requests: 5,
+        ..BreakerConfig::default()
+    };
+    let b = CircuitBreaker::new(&cfg, t0);
+    (0..5).for_each(|_| call(&b, true, t0).unwrap());
+    assert_eq!(b.state(t0), Closed, "successes alone never open it");
+    call(&b, false, t0).unwrap();
+    assert_eq!(b.state(t0), Open);
+    // Below min_requests, a failure does not open it.
+    let b = CircuitBreaker::new(&cfg, t0);
+    (0..4).for_each(|_| call(&b, false, t0).unwrap());
+    assert_eq!(b.state(t0), Closed);
+}
+
+#[test]
 fn does_not_open_below_min_requests_or_below_the_ratio() {
     let t0 = Instant::now();
     let b = breaker(20, t0);

@@ -309,6 +309,30 @@ fn a_route_that_an_earlier_broader_route_hides_is_a_warning() {
 }
 
 #[test]
+fn a_breaker_failure_ratio_is_a_ratio_from_zero_to_one() {
+    // 0 is in range (SPEC: a ratio outside 0..=1 is the error): the breaker opens on any
+    // failure once `min_requests` attempts are counted.
+    let src =
+        "version: 1\nendpoints:\n  a:\n    circuit_breaker: {failure_ratio: 0, min_requests: 5}\n";
+    let loaded = load(src.as_bytes());
+    assert_eq!(loaded.diagnostics, vec![]);
+    let set = loaded.policies.expect("valid");
+    let breaker = set.endpoint("a").unwrap().policy.circuit_breaker.clone();
+    assert_eq!(breaker.map(|b| b.failure_ratio), Some(0.0));
+    for (value, found) in [("-0.1", "-0.1"), ("1.5", "1.5")] {
+        let src = format!(
+            "version: 1\nendpoints:\n  a:\n    circuit_breaker: {{failure_ratio: {value}}}\n"
+        );
+        assert_eq!(
+            errors(&src),
+            [format!(
+                "4:38: error: endpoints.a.circuit_breaker.failure_ratio: must be from 0.0 (open on any failure once min_requests is met) to 1.0 (only when every attempt fails), found {found}"
+            )]
+        );
+    }
+}
+
+#[test]
 fn duplicate_keys_in_a_policy_are_an_error() {
     let src = "version: 1\nendpoints:\n  a:\n    deadline: 10s\n    deadline: 20s\n";
     assert_eq!(

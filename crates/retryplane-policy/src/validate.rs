@@ -360,12 +360,15 @@ fn check_layer(o: &Overlay, prefix: &str, diags: &mut Vec<Diagnostic>) {
         );
     }
     if let Some(f) = &o.circuit_breaker.failure_ratio
-        && !(f.value > 0.0 && f.value <= 1.0)
+        && !(0.0..=1.0).contains(&f.value)
     {
         error(
             f.loc,
             "circuit_breaker.failure_ratio",
-            format!("must be above 0.0 and at most 1.0, found {}", f.value),
+            format!(
+                "must be from 0.0 (open on any failure once min_requests is met) to 1.0 (only when every attempt fails), found {}",
+                f.value
+            ),
         );
     }
     for (field, value) in [
