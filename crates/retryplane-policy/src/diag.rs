@@ -133,15 +133,33 @@ pub(crate) fn tag_endpoint(diags: &mut [Diagnostic], endpoint: &str, path: &str)
     }
 }
 
-/// The closest of `candidates` to `word`, if close enough to be a likely typo.
+/// The closest of `candidates` to `word`, if close enough to be a likely typo; else the one
+/// candidate that `word` shortens or lengthens by whole `_`-separated words (`http` or
+/// `http_status_code` for `http_status`), if only one does.
 pub fn suggest<'a>(word: &str, candidates: impl IntoIterator<Item = &'a str>) -> Option<&'a str> {
     let lower = word.to_ascii_lowercase();
-    candidates
-        .into_iter()
-        .map(|c| (strsim::levenshtein(&lower, &c.to_ascii_lowercase()), c))
-        .filter(|(d, c)| *d <= 2.max(c.len() / 3))
-        .min_by_key(|(d, _)| *d)
-        .map(|(_, c)| c)
+    let mut close: Option<(usize, &'a str)> = None;
+    let mut by_words: Option<Option<&'a str>> = None;
+    for c in candidates {
+        let c_lower = c.to_ascii_lowercase();
+        let d = strsim::levenshtein(&lower, &c_lower);
+        if d <= 2.max(c.len() / 3) && close.is_none_or(|(best, _)| d < best) {
+            close = Some((d, c));
+        }
+        if extends_by_words(&lower, &c_lower) || extends_by_words(&c_lower, &lower) {
+            // A second candidate makes it a guess: none.
+            by_words = Some(if by_words.is_none() { Some(c) } else { None });
+        }
+    }
+    close.map(|(_, c)| c).or(by_words.flatten())
+}
+
+/// Whether `long` is `short` followed by `_` and more.
+fn extends_by_words(long: &str, short: &str) -> bool {
+    !short.is_empty()
+        && long
+            .strip_prefix(short)
+            .is_some_and(|rest| rest.starts_with('_'))
 }
 
 /// ` (did you mean `x`?)` or nothing.
@@ -160,6 +178,29 @@ mod tests {
         assert_eq!(suggest("dedline", fields), Some("deadline"));
         assert_eq!(suggest("colour", fields), None);
         assert_eq!(suggest("unavailable", ["UNAVAILABLE"]), Some("UNAVAILABLE"));
+    }
+
+    #[test]
+    fn suggests_a_name_with_a_word_more_or_less() {
+        let retry_on = ["http_status", "grpc_status", "errors"];
+        assert_eq!(suggest("http", retry_on), Some("http_status"));
+        assert_eq!(suggest("grpc_status_codes", retry_on), Some("grpc_status"));
+        assert_eq!(
+            suggest("path", ["method", "path_prefix", "grpc"]),
+            Some("path_prefix")
+        );
+        assert_eq!(
+            suggest("RESOURCE", ["UNAVAILABLE", "RESOURCE_EXHAUSTED"]),
+            Some("RESOURCE_EXHAUSTED")
+        );
+        // Not a word boundary, or more than one candidate: no guess.
+        assert_eq!(suggest("htt", retry_on), None);
+        assert_eq!(suggest("retry", ["retry_on", "retry_after"]), None);
+        // A close typo still wins.
+        assert_eq!(
+            suggest("max_attempt", ["max", "max_attempts"]),
+            Some("max_attempts")
+        );
     }
 
     #[test]

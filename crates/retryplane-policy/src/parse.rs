@@ -177,7 +177,19 @@ impl Walker {
         }
         let mut doc = PolicyDocument::default();
         let (mut version, mut endpoints) = (false, false);
-        for (key, value, _) in self.fields(root, "", &TOP_FIELDS, &[]) {
+        // A policy field at the top level belongs under `defaults:` (or an endpoint).
+        let hints: Vec<(&str, String)> = POLICY_FIELDS
+            .iter()
+            .chain(&ENDPOINT_FIELDS)
+            .map(|f| {
+                let why = format!(
+                    "a policy field goes under `defaults:` (for every endpoint) or under an endpoint, not at the top level (did you mean `defaults.{f}`?)"
+                );
+                (*f, why)
+            })
+            .collect();
+        let misplaced: Vec<(&str, &str)> = hints.iter().map(|(f, w)| (*f, w.as_str())).collect();
+        for (key, value, _) in self.fields(root, "", &TOP_FIELDS, &misplaced) {
             match key {
                 "version" => {
                     version = true;

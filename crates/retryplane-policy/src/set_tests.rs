@@ -333,6 +333,21 @@ fn a_breaker_failure_ratio_is_a_ratio_from_zero_to_one() {
 }
 
 #[test]
+fn an_unknown_field_is_offered_the_field_it_shortens_or_the_place_it_belongs() {
+    let src = "version: 1\nmax_attempts: 2\nendpoints:\n  a:\n    retry_on: {http: [503], grpc_status_codes: [UNAVAILABLE]}\n    routes:\n      - match: {path: /x}\n";
+    assert_eq!(
+        errors(src),
+        [
+            "2:1: error: max_attempts: a policy field goes under `defaults:` (for every endpoint) or under an endpoint, not at the top level (did you mean `defaults.max_attempts`?)",
+            "5:16: error: endpoints.a.retry_on.http: unknown field `http` (did you mean `http_status`?)",
+            "5:29: error: endpoints.a.retry_on.grpc_status_codes: unknown field `grpc_status_codes` (did you mean `grpc_status`?)",
+            "7:16: error: endpoints.a.routes[0].match: set `method` and/or `path_prefix` (HTTP), or `grpc: /pkg.Service/Method`",
+            "7:17: error: endpoints.a.routes[0].match.path: unknown field `path` (did you mean `path_prefix`?)",
+        ]
+    );
+}
+
+#[test]
 fn duplicate_keys_in_a_policy_are_an_error() {
     let src = "version: 1\nendpoints:\n  a:\n    deadline: 10s\n    deadline: 20s\n";
     assert_eq!(
