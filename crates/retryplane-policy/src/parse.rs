@@ -341,7 +341,18 @@ impl Walker {
             );
             return None;
         }
-        let entries = self.fields(node, path, &MATCH_FIELDS, &[]);
+        // A route's setting written inside its `match:` belongs beside it.
+        let hints: Vec<(&str, String)> = POLICY_FIELDS
+            .iter()
+            .map(|f| {
+                let why = format!(
+                    "`{f}` is a setting of the route, not part of what it matches: write it beside `match:`, at the same indentation"
+                );
+                (*f, why)
+            })
+            .collect();
+        let misplaced: Vec<(&str, &str)> = hints.iter().map(|(f, w)| (*f, w.as_str())).collect();
+        let entries = self.fields(node, path, &MATCH_FIELDS, &misplaced);
         if !matches!(node.value, Value::Map(_)) {
             return None;
         }

@@ -348,6 +348,17 @@ fn an_unknown_field_is_offered_the_field_it_shortens_or_the_place_it_belongs() {
 }
 
 #[test]
+fn a_route_setting_written_inside_its_match_is_told_where_it_goes() {
+    let src = "version: 1\nendpoints:\n  a:\n    routes:\n      - match: {method: POST, max_attempts: 2}\n";
+    assert_eq!(
+        errors(src),
+        [
+            "5:31: error: endpoints.a.routes[0].match.max_attempts: `max_attempts` is a setting of the route, not part of what it matches: write it beside `match:`, at the same indentation"
+        ]
+    );
+}
+
+#[test]
 fn duplicate_keys_in_a_policy_are_an_error() {
     let src = "version: 1\nendpoints:\n  a:\n    deadline: 10s\n    deadline: 20s\n";
     assert_eq!(
