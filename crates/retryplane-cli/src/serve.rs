@@ -22,7 +22,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use retryplane_policy::duration::parse_duration;
+use retryplane_policy::duration::{DurationError, parse_duration};
 use retryplane_server::agent_stream::StreamLimits;
 use retryplane_server::server::{self, ServeConfig};
 use tracing::warn;
@@ -95,8 +95,9 @@ pub struct Args {
     #[arg(long, value_name = "N", default_value_t = ServeConfig::default().max_series,
           value_parser = at_least_one())]
     max_series: usize,
-    /// How long a disconnected agent stays listed by `status`: a duration with its unit, up
-    /// to 30d; `0` keeps it until 10,000 disconnected agents push out the longest gone.
+    /// How long a disconnected agent stays listed by `status`: a duration with its unit
+    /// (`30m`, `48h`, `7d`), up to 30d; `0` keeps it until 10,000 disconnected agents push out
+    /// the longest gone.
     #[arg(long, value_name = "DURATION", default_value = "1h", value_parser = forget_after)]
     forget_disconnected_after: Duration,
 }
@@ -125,16 +126,52 @@ fn keepalive(text: &str) -> Result<Duration, String> {
     )
 }
 
-/// Parses `--forget-disconnected-after`: `0`, or a policy-style duration up to 30 days.
+/// Parses `--forget-disconnected-after`: `0`, or a duration up to 30 days. Policy durations
+/// stop at a day, so this one also takes hours past 24 (`48h`) and days (`7d`, `1.5d`).
 fn forget_after(text: &str) -> Result<Duration, String> {
-    if text.trim() == "0" {
+    const SAID: &str = "0, or from 1ms to 30d (720h)";
+    let max = Duration::from_secs(30 * 24 * 3600);
+    let trimmed = text.trim();
+    if trimmed == "0" {
         return Ok(Duration::ZERO);
     }
-    duration_in(
-        text,
-        Duration::from_millis(1)..=Duration::from_secs(30 * 24 * 3600),
-        "0, or up to 30d",
-    )
+    let duration = match parse_duration(trimmed) {
+        Ok(duration) => duration,
+        Err(DurationError::OutOfRange(_)) if trimmed.ends_with('h') => {
+            past_a_day(text, trimmed, "h", 3_600, SAID)?
+        }
+        Err(DurationError::UnknownUnit { unit, .. }) if unit == "d" => {
+            past_a_day(text, trimmed, "d", 24 * 3_600, SAID)?
+        }
+        Err(e) => return Err(e.to_string()),
+    };
+    if (Duration::from_millis(1)..=max).contains(&duration) {
+        Ok(duration)
+    } else {
+        Err(format!("`{text}` is out of range: {SAID}"))
+    }
+}
+
+/// `trimmed` (ending in `unit`, `seconds` long) as a duration: its number is read as a count of
+/// seconds, to the millisecond, then scaled.
+fn past_a_day(
+    text: &str,
+    trimmed: &str,
+    unit: &str,
+    seconds: u32,
+    said: &str,
+) -> Result<Duration, String> {
+    let number = trimmed.strip_suffix(unit).unwrap_or(trimmed);
+    match parse_duration(&format!("{number}s")) {
+        Ok(count) => count
+            .checked_mul(seconds)
+            .ok_or_else(|| format!("`{text}` is out of range: {said}")),
+        Err(DurationError::OutOfRange(_)) => Err(format!("`{text}` is out of range: {said}")),
+        Err(_) => Err(format!(
+            "`{text}` is not a duration: write a number and a unit (ms, s, m, h or d), such as \
+             `30m` or `7d`"
+        )),
+    }
 }
 
 /// A policy-style duration within `range` (`said` is the range in words).
