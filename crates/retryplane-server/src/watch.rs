@@ -23,7 +23,9 @@
 //! hands the document to [`ControlPlane::apply`] as [`Source::File`]. An invalid save is logged, one warning per
 //! problem as `FILE:LINE:COLUMN: error: PATH: message`, counted in
 //! `retryplane_server_rejected_changes`, and the last good version stays served. Content equal
-//! to the current version's publishes nothing. Every read sets
+//! to the current version's publishes nothing; a save whose bytes changed but not its policies
+//! (a comment, the layout) logs one info line saying so, so that whoever saved it knows it was
+//! read. Every read sets
 //! `retryplane_server_config_last_reload_successful` (1 for a valid file applied or equal to the
 //! version served, 0 otherwise), and the first good read after one that was not logs one info
 //! line saying the file is valid again and which version is served.
@@ -711,7 +713,12 @@ async fn apply(control: &ControlPlane, file: &Path, loaded: Loaded) -> (bool, bo
     };
     match control.apply(request).await {
         Ok(outcome) if !outcome.changed => {
-            debug!(file = %file.display(), "the policy file was saved without changes");
+            // Its bytes changed (a comment, the layout, a value spelled another way), so whoever
+            // saved it is told the save was read; after a failed read, the line that says the
+            // file is valid again tells it instead.
+            if control.metrics.config_last_reload_successful.get() == 1 {
+                info!(file = %file.display(), "the policy file was saved, but its policies did not change; {} stays served", serving(control));
+            }
             (true, true)
         }
         Ok(_) => (true, true),

@@ -160,6 +160,34 @@ async fn saving_the_same_content_publishes_nothing() {
 }
 
 #[tokio::test]
+async fn a_save_that_changes_no_policy_says_so_once() {
+    let f = fixture().await;
+    let (log, _guard) = capture_logs();
+    let unchanged = "the policy file was saved, but its policies did not change";
+    save_by_rename(&f, &format!("# a comment\n{V1}"));
+    eventually("the save to be logged", || log.text().contains(unchanged)).await;
+    let text = log.text();
+    let line = text.lines().find(|l| l.contains(unchanged)).unwrap();
+    assert!(
+        line.contains(" INFO ") && line.contains("version 1 stays served"),
+        "{line}"
+    );
+    // After an invalid save, the line that says the file is valid again is the only one.
+    save_by_rename(&f, INVALID);
+    eventually("the invalid save to be rejected", || {
+        f.control.metrics.rejected_changes.get() == 1
+    })
+    .await;
+    save_by_rename(&f, V1);
+    eventually("the recovery to be logged", || {
+        log.text().contains("readable and valid again")
+    })
+    .await;
+    assert_eq!(log.text().matches(unchanged).count(), 1, "{}", log.text());
+    assert_eq!(current_version(&f.control), Some(1));
+}
+
+#[tokio::test]
 async fn other_files_in_the_directory_are_ignored() {
     let f = fixture().await;
     fs::write(f.dir.path().join("other.yaml"), INVALID).unwrap();
