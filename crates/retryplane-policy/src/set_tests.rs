@@ -445,6 +445,20 @@ fn cross_field_errors_are_reported_once_where_the_field_is_written() {
 }
 
 #[test]
+fn a_zero_deadline_is_one_error_not_three() {
+    // Refused where it is written; no per_try_timeout or schedule can fit it, so those checks
+    // would only repeat it, in the endpoint and in each endpoint that inherits it.
+    assert_eq!(
+        all("version: 1\nendpoints:\n  a:\n    deadline: 0s\n"),
+        ["4:15: error: endpoints.a.deadline: must be longer than zero"]
+    );
+    assert_eq!(
+        all("version: 1\ndefaults:\n  deadline: 0s\nendpoints:\n  a: {}\n  b: {max_attempts: 5}\n"),
+        ["3:13: error: defaults.deadline: must be longer than zero"]
+    );
+}
+
+#[test]
 fn an_unreachable_attempt_is_blamed_on_the_layer_whose_jitter_or_cap_causes_it() {
     // With the built-in full jitter the shortest pause is zero: only `slow`, whose jitter is
     // none, has attempts that can never start.

@@ -562,7 +562,11 @@ fn check_effective(layers: &Layers<'_>, refused: &Refused, diags: &mut Vec<Diagn
             ),
         ));
     }
-    if p.per_try_timeout > p.deadline && !refused.any(layers, &["per_try_timeout", "deadline"]) {
+    // A zero deadline is refused where it is written; every per_try_timeout is longer.
+    if p.per_try_timeout > p.deadline
+        && !p.deadline.is_zero()
+        && !refused.any(layers, &["per_try_timeout", "deadline"])
+    {
         let (loc, path) = blame(layers, &["per_try_timeout", "deadline"]);
         push(Diagnostic::error(
             loc,
@@ -578,6 +582,7 @@ fn check_effective(layers: &Layers<'_>, refused: &Refused, diags: &mut Vec<Diagn
     let schedule_valid = p.max_attempts <= MAX_ATTEMPTS_LIMIT
         && p.backoff.multiplier >= 1.0
         && !p.backoff.base.is_zero()
+        && !p.deadline.is_zero()
         && p.backoff.max >= p.backoff.base;
     if p.max_attempts > 1
         && schedule_valid
