@@ -190,7 +190,7 @@ fn text_output_keeps_each_problem_on_one_line_whatever_the_names_hold() {
     assert_eq!(lines.len(), 3, "{out}");
     assert_eq!(
         lines[0],
-        "names.yaml:3:3: error: endpoints.pay\\nments: endpoint names are 1 to 128 letters, digits, `-`, `_` or `.`"
+        "names.yaml:3:3: error: endpoints.pay\\nments: endpoint names are 1 to 128 ASCII letters, digits, `-`, `_` or `.`"
     );
     assert_eq!(
         lines[1],

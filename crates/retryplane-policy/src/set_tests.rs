@@ -445,6 +445,23 @@ fn cross_field_errors_are_reported_once_where_the_field_is_written() {
 }
 
 #[test]
+fn an_endpoint_name_error_says_the_letters_are_ascii_and_the_length_when_too_long() {
+    assert_eq!(
+        errors("version: 1\nendpoints:\n  caf\u{e9}: {}\n"),
+        [
+            "3:3: error: endpoints.caf\u{e9}: endpoint names are 1 to 128 ASCII letters, digits, `-`, `_` or `.`"
+        ]
+    );
+    let long = "a".repeat(130);
+    assert_eq!(
+        errors(&format!("version: 1\nendpoints:\n  {long}: {{}}\n")),
+        [format!(
+            "3:3: error: endpoints.{long}: endpoint names are 1 to 128 ASCII letters, digits, `-`, `_` or `.`; this one is 130 bytes long"
+        )]
+    );
+}
+
+#[test]
 fn a_zero_deadline_is_one_error_not_three() {
     // Refused where it is written; no per_try_timeout or schedule can fit it, so those checks
     // would only repeat it, in the endpoint and in each endpoint that inherits it.

@@ -295,11 +295,14 @@ fn check_endpoint_name(name: &str, loc: Loc, path: &str, diags: &mut Vec<Diagnos
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b));
     if !ok {
-        diags.push(Diagnostic::error(
-            loc,
-            path,
-            "endpoint names are 1 to 128 letters, digits, `-`, `_` or `.`",
-        ));
+        // `é` is a letter to whoever wrote it: say which letters.
+        let rule = "endpoint names are 1 to 128 ASCII letters, digits, `-`, `_` or `.`";
+        let message = if name.len() > 128 {
+            format!("{rule}; this one is {} bytes long", name.len())
+        } else {
+            rule.to_owned()
+        };
+        diags.push(Diagnostic::error(loc, path, message));
     }
 }
 
