@@ -593,7 +593,7 @@ fn a_missing_or_unknown_token_says_how_to_give_one() {
             .code(1)
             .stderr(predicate::str::contains("UNAUTHENTICATED"))
             .stderr(predicate::str::contains(
-                "retryplane: hint: give a token of role admin with --token or RETRYPLANE_TOKEN",
+                "retryplane: hint: give a token of role admin (or viewer, for a command that only reads) with --token or RETRYPLANE_TOKEN",
             ))
             .stderr(predicate::str::contains("not-a-known").not());
     }

@@ -278,9 +278,11 @@ fn hint(code: Code) -> Option<&'static str> {
              port 7471 by default)? A connection that breaks, or a server of another kind on \
              that port, ends like this",
         ),
-        Code::Unauthenticated => {
-            Some("give a token of role admin with --token or RETRYPLANE_TOKEN")
-        }
+        // A read (`get`, `history`, `status`, `stats`, `top`, `diff`) takes a viewer token too.
+        Code::Unauthenticated => Some(
+            "give a token of role admin (or viewer, for a command that only reads) with --token \
+             or RETRYPLANE_TOKEN",
+        ),
         _ => None,
     }
 }
