@@ -462,6 +462,20 @@ fn an_endpoint_name_error_says_the_letters_are_ascii_and_the_length_when_too_lon
 }
 
 #[test]
+fn a_value_listed_twice_is_a_warning_in_every_list() {
+    let src = "version: 1\nendpoints:\n  a:\n    retry_on:\n      http_status: [503, 503]\n      grpc_status: [UNAVAILABLE, UNAVAILABLE]\n      errors: [connect, connect]\n    idempotent_methods: [GET, GET]\n";
+    assert_eq!(
+        all(src),
+        [
+            "5:26: warning: endpoints.a.retry_on.http_status: 503 is listed twice",
+            "6:34: warning: endpoints.a.retry_on.grpc_status: UNAVAILABLE is listed twice",
+            "7:25: warning: endpoints.a.retry_on.errors: connect is listed twice",
+            "8:31: warning: endpoints.a.idempotent_methods: GET is listed twice",
+        ]
+    );
+}
+
+#[test]
 fn a_zero_deadline_is_one_error_not_three() {
     // Refused where it is written; no per_try_timeout or schedule can fit it, so those checks
     // would only repeat it, in the endpoint and in each endpoint that inherits it.

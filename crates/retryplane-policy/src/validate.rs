@@ -464,12 +464,42 @@ fn check_layer(o: &Overlay, prefix: &str, diags: &mut Vec<Diagnostic>) {
         }
     }
     if let Some(list) = &o.retry_on.grpc_status {
-        for c in &list.value {
+        for (i, c) in list.value.iter().enumerate() {
             if NON_RETRYABLE_GRPC.contains(&c.value) {
                 warn(
                     c.loc,
                     "retry_on.grpc_status".into(),
                     format!("{} does not get better by repetition", c.value.name()),
+                );
+            }
+            if list.value[..i].iter().any(|p| p.value == c.value) {
+                warn(
+                    c.loc,
+                    "retry_on.grpc_status".into(),
+                    format!("{} is listed twice", c.value.name()),
+                );
+            }
+        }
+    }
+    // The other lists say a repeat the way `http_status` does.
+    if let Some(list) = &o.retry_on.errors {
+        for (i, e) in list.value.iter().enumerate() {
+            if list.value[..i].iter().any(|p| p.value == e.value) {
+                warn(
+                    e.loc,
+                    "retry_on.errors".into(),
+                    format!("{} is listed twice", e.value.as_str()),
+                );
+            }
+        }
+    }
+    if let Some(list) = &o.idempotent_methods {
+        for (i, m) in list.value.iter().enumerate() {
+            if list.value[..i].iter().any(|p| p.value == m.value) {
+                warn(
+                    m.loc,
+                    "idempotent_methods".into(),
+                    format!("{} is listed twice", m.value),
                 );
             }
         }
