@@ -476,6 +476,15 @@ fn a_value_listed_twice_is_a_warning_in_every_list() {
 }
 
 #[test]
+fn a_key_written_twice_gets_no_second_error_from_the_first_value() {
+    // Which of the two deadlines was meant is not known: the duplicate is the one error.
+    assert_eq!(
+        all("version: 1\ndefaults:\n  deadline: 1s\n  deadline: 20s\nendpoints:\n  a: {}\n"),
+        ["4:3: error: defaults.deadline: duplicate key `deadline` (first set at 3:3)"]
+    );
+}
+
+#[test]
 fn a_zero_deadline_is_one_error_not_three() {
     // Refused where it is written; no per_try_timeout or schedule can fit it, so those checks
     // would only repeat it, in the endpoint and in each endpoint that inherits it.
