@@ -310,7 +310,16 @@ async fn first_snapshot(agent: &Agent, url: &str, endpoint: &str) -> anyhow::Res
             bail!("the control plane at {url} refused the agent: {e}; {hint}");
         }
         if waited.elapsed() >= SNAPSHOT_WAIT {
-            let why = error.map(|e| format!(": {e}")).unwrap_or_default();
+            // A stream that is open and quiet: the control plane has nothing to send yet.
+            let why = match error {
+                Some(e) => format!(": {e}"),
+                None if agent.is_connected() => ": it took the agent's stream but has no \
+                    version to send (a control plane in API mode with an empty store has none \
+                    until the first `retryplane apply`; `retryplane status` on its admin \
+                    listener says `no version yet`)"
+                    .to_owned(),
+                None => String::new(),
+            };
             bail!(
                 "no policy from the control plane at {url} within {} s{why}",
                 SNAPSHOT_WAIT.as_secs()

@@ -597,6 +597,28 @@ fn the_policy_must_come_from_a_file_or_a_server() {
 }
 
 #[test]
+fn server_mode_on_a_control_plane_with_no_version_yet_says_so() {
+    // API mode, an empty store and no seed file: the agent's stream is taken and stays quiet.
+    let server = support::TestServer::start(None, None, |cfg| cfg.api_mode = true);
+    let agent_url = format!("http://{}", server.running().agent_addr());
+    let out = Command::cargo_bin("retryplane")
+        .unwrap()
+        .env_remove("RETRYPLANE_AGENT_TOKEN")
+        .args(["request", "--endpoint", "api", "--server", &agent_url])
+        .arg("http://127.0.0.1:9/")
+        .timeout(std::time::Duration::from_secs(30))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("within 5 s: it took the agent's stream but has no version to send")
+            && stderr.contains("until the first `retryplane apply`"),
+        "{stderr}"
+    );
+}
+
+#[test]
 fn server_mode_says_why_the_control_plane_gave_no_policy() {
     let server = support::TestServer::start(
         Some(POLICY),
