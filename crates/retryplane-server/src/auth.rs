@@ -394,13 +394,26 @@ impl Credential {
 pub struct Guard {
     tokens: Option<Arc<TokenSet>>,
     role: Role,
+    refused: Option<prometheus_client::metrics::counter::Counter>,
 }
 
 impl Guard {
     /// Admits callers holding a token of `role` from the tokens in force in `tokens`; everyone
     /// when `tokens` is `None`.
     pub fn new(tokens: Option<Arc<TokenSet>>, role: Role) -> Self {
-        Self { tokens, role }
+        Self {
+            tokens,
+            role,
+            refused: None,
+        }
+    }
+
+    /// Counts each caller refused in `refused` (`retryplane_server_auth_refused_total`), so
+    /// that an agent or a script with a wrong token shows on the server's side too.
+    #[must_use]
+    pub fn counting(mut self, refused: prometheus_client::metrics::counter::Counter) -> Self {
+        self.refused = Some(refused);
+        self
     }
 
     /// The name of the token that `request` authenticates with, or the status refusing it.
@@ -445,7 +458,14 @@ fn bearer<T>(request: &Request<T>) -> Option<&[u8]> {
 
 impl Interceptor for Guard {
     fn call(&mut self, mut request: Request<()>) -> Result<Request<()>, Status> {
-        if let Some((name, credential)) = self.check(&request)? {
+        let checked = self.check(&request).inspect_err(|status| {
+            if let Some(refused) = &self.refused {
+                refused.inc();
+            }
+            // The reason only: never the token.
+            tracing::debug!(service = self.role.as_str(), code = ?status.code(), reason = status.message(), "refused a caller for its token");
+        })?;
+        if let Some((name, credential)) = checked {
             request.extensions_mut().insert(TokenName(name));
             request.extensions_mut().insert(credential);
         }

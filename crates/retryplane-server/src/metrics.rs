@@ -46,6 +46,9 @@ pub struct ServerMetrics {
     /// Streams refused because the agent limit, or the limit on streams waiting for Hello,
     /// was reached.
     pub streams_refused: Counter,
+    /// Agent streams and admin calls refused for their token: missing, unknown, or of a role
+    /// the listener does not admit.
+    pub auth_refused: Counter,
 }
 
 impl Default for ServerMetrics {
@@ -84,6 +87,7 @@ impl ServerMetrics {
         let reports_dropped = Counter::default();
         let reports_duplicate = Counter::default();
         let streams_refused = Counter::default();
+        let auth_refused = Counter::default();
         registry.register(
             "agents_connected",
             "Agents with an open stream",
@@ -127,6 +131,11 @@ impl ServerMetrics {
             "Agent streams refused because the agent limit or the limit on streams waiting for Hello was reached",
             streams_refused.clone(),
         );
+        registry.register(
+            "auth_refused",
+            "Agent streams and admin calls refused for a missing or unknown token, or one of a role the listener does not admit",
+            auth_refused.clone(),
+        );
         Self {
             registry: root,
             agents_connected,
@@ -140,6 +149,7 @@ impl ServerMetrics {
             reports_dropped,
             reports_duplicate,
             streams_refused,
+            auth_refused,
         }
     }
 

@@ -240,12 +240,12 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
             AgentStreamService::new(stream_context),
             cfg.max_message_bytes,
         ),
-        Guard::new(tokens.clone(), Role::Agent),
+        Guard::new(tokens.clone(), Role::Agent).counting(control.metrics.auth_refused.clone()),
     );
     let admin_service = InterceptedService::new(
         AdminServiceServer::new(AdminApi::new(control.clone()))
             .max_decoding_message_size(cfg.max_message_bytes),
-        Guard::new(tokens.clone(), Role::Admin),
+        Guard::new(tokens.clone(), Role::Admin).counting(control.metrics.auth_refused.clone()),
     );
 
     let mut servers = JoinSet::new();

@@ -870,6 +870,12 @@ async fn agent_streams_need_an_agent_token() {
         .unwrap();
     assert_eq!(next_version(&mut inbound).await, 1);
     drop(inbound);
+    // The two refusals show on the server's side: an agent with a wrong token is not silent.
+    let (_, metrics) = http_get(running.http_addr, "/metrics").await;
+    assert!(
+        metrics.contains("\nretryplane_server_auth_refused_total 2\n"),
+        "{metrics}"
+    );
     running.shutdown().await.unwrap();
 }
 
