@@ -115,7 +115,7 @@ async fn a_refusal_that_trying_again_will_not_fix_is_said_once_at_warn() {
         .connect()
         .unwrap();
     support::plane::eventually("several tries", || async {
-        text().matches("Unauthenticated").count() >= 5
+        text().matches("UNAUTHENTICATED").count() >= 5
     })
     .await;
     let code = bad.stream_error().and_then(|e| e.code);

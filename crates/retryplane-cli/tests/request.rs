@@ -643,7 +643,7 @@ fn server_mode_says_why_the_control_plane_gave_no_policy() {
     let (code, stderr) = request(&agent_url, None);
     assert_eq!(code, Some(2), "{stderr}");
     assert!(
-        stderr.contains("Unauthenticated") && stderr.contains("RETRYPLANE_AGENT_TOKEN"),
+        stderr.contains("UNAUTHENTICATED") && stderr.contains("RETRYPLANE_AGENT_TOKEN"),
         "{stderr}"
     );
     // An admin token: not an agent's.

@@ -28,6 +28,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use retryplane_policy::codes::GrpcCode;
 use retryplane_policy::rng::SeededRng;
 use retryplane_proto::pb::{self, agent_message::Kind};
 use tokio::sync::mpsc;
@@ -121,12 +122,14 @@ fn ended(up: Option<Duration>, status: &tonic::Status) -> SessionEnd {
     }
 }
 
-/// `Code: message`, or the code alone when the status has no message (what a server
-/// without the service answers), never `Code: ` with nothing after it.
+/// `CODE: message`, the code by its canonical gRPC name (`UNAUTHENTICATED`, as the admin
+/// commands and gRPC tools print it), or the code alone when the status has no message (what a
+/// server without the service answers), never `CODE: ` with nothing after it.
 fn status_text(status: &tonic::Status) -> String {
+    let code = GrpcCode::from_i32(status.code() as i32).map_or("UNKNOWN", GrpcCode::name);
     match status.message() {
-        "" => format!("{:?}", status.code()),
-        message => format!("{:?}: {message}", status.code()),
+        "" => code.to_owned(),
+        message => format!("{code}: {message}"),
     }
 }
 
@@ -537,10 +540,10 @@ mod tests {
         let SessionEnd::Lost { reason, .. } = ended(None, &tonic::Status::unimplemented("")) else {
             panic!("not lost");
         };
-        assert_eq!(reason, "stream ended: Unimplemented");
+        assert_eq!(reason, "stream ended: UNIMPLEMENTED");
         assert_eq!(
             status_text(&tonic::Status::unauthenticated("unknown token")),
-            "Unauthenticated: unknown token"
+            "UNAUTHENTICATED: unknown token"
         );
     }
 
