@@ -476,11 +476,25 @@ fn a_value_listed_twice_is_a_warning_in_every_list() {
 }
 
 #[test]
-fn a_key_written_twice_gets_no_second_error_from_the_first_value() {
-    // Which of the two deadlines was meant is not known: the duplicate is the one error.
+fn a_key_or_endpoint_written_twice_still_has_what_it_keeps_checked() {
+    // A key written twice keeps its first value: the policy would hold it, so what is wrong
+    // with it is said too.
     assert_eq!(
         all("version: 1\ndefaults:\n  deadline: 1s\n  deadline: 20s\nendpoints:\n  a: {}\n"),
-        ["4:3: error: defaults.deadline: duplicate key `deadline` (first set at 3:3)"]
+        [
+            "3:13: error: defaults.deadline: per_try_timeout (2s) is longer than the deadline (1s)",
+            "4:3: error: defaults.deadline: duplicate key `deadline` (first set at 3:3)"
+        ]
+    );
+    // An endpoint written twice: the second is refused under the first one's paths, and the
+    // first one's own problems are still reported.
+    assert_eq!(
+        all("version: 1\nendpoints:\n  p: {deadline: 1s}\n  p: {deadline: 0s}\n"),
+        [
+            "3:17: error: endpoints.p.deadline: per_try_timeout (2s) is longer than the deadline (1s)",
+            "4:3: error: endpoints.p: duplicate endpoint `p` (first defined at 3:3)",
+            "4:17: error: endpoints.p.deadline: must be longer than zero"
+        ]
     );
 }
 

@@ -526,49 +526,69 @@ fn blame(layers: &Layers<'_>, fields: &[&str]) -> (Loc, String) {
 /// absent from its layer, and the effective policy holds a lower layer's value, often the
 /// built-in one, in its place), or by [`check_layer`]'s range checks (the field holds the
 /// refused value). Either way the effective value is not one the file may hold.
-struct Refused(HashSet<String>);
+///
+/// Kept apart, because a parser error's path may also be that of a field its layer does set:
+/// a key written twice (the first value is kept, and is checked), or an endpoint written twice
+/// (the second is refused under the first one's paths). So a parser refusal counts only where
+/// its layer does not set the field, and a range refusal wherever it is written.
+struct Refused {
+    parsed: HashSet<String>,
+    ranges: HashSet<String>,
+}
+
+/// The paths of the errors among `diags`.
+fn error_paths(diags: &[Diagnostic]) -> impl Iterator<Item = String> + '_ {
+    diags
+        .iter()
+        .filter(|d| d.is_error())
+        .map(|d| d.path.clone())
+}
 
 impl Refused {
     fn new(diags: &[Diagnostic]) -> Self {
-        let mut refused = Self(HashSet::new());
-        refused.note(diags);
-        refused
+        Self {
+            parsed: error_paths(diags).collect(),
+            ranges: HashSet::new(),
+        }
     }
 
-    /// Adds the paths of the errors among `diags`.
+    /// Adds the paths of the errors among `diags`, [`check_layer`]'s range checks.
     fn note(&mut self, diags: &[Diagnostic]) {
-        self.0.extend(
-            diags
-                .iter()
-                .filter(|d| d.is_error())
-                .map(|d| d.path.clone()),
-        );
+        self.ranges.extend(error_paths(diags));
     }
 
     /// Whether the effective value of one of `fields` is, or stands in for, a value the file
     /// wrote but that was refused: the most specific layer that says anything about the field
     /// had it refused (the field itself, or its whole section, such as `backoff: 5`).
     fn any(&self, layers: &Layers<'_>, fields: &[&str]) -> bool {
-        !self.0.is_empty() && fields.iter().any(|f| self.field(layers, f))
+        !(self.parsed.is_empty() && self.ranges.is_empty())
+            && fields.iter().any(|f| self.field(layers, f))
     }
 
     fn field(&self, layers: &Layers<'_>, field: &str) -> bool {
         let section = field.split_once('.').map(|(s, _)| s);
         for (_, prefix, overlay) in layers.iter().rev() {
-            // Refused where it is written (a value out of range, a key written twice), or
-            // left out of its layer by the parser.
-            if self.0.contains(&format!("{prefix}.{field}")) {
+            let path = format!("{prefix}.{field}");
+            // Refused for its range where it is written.
+            if self.ranges.contains(&path) {
                 return true;
             }
             let set = overlay.set_fields();
             if set.iter().any(|(p, _)| *p == field) {
                 return false;
             }
+            // Left out of its layer by the parser.
+            if self.parsed.contains(&path) {
+                return true;
+            }
             if let Some(section) = section
                 && !set
                     .iter()
                     .any(|(p, _)| p.strip_prefix(section).is_some_and(|r| r.starts_with('.')))
-                && self.0.contains(&format!("{prefix}.{section}"))
+                && {
+                    let path = format!("{prefix}.{section}");
+                    self.parsed.contains(&path) || self.ranges.contains(&path)
+                }
             {
                 return true;
             }
