@@ -77,11 +77,7 @@ fn http_classification(status: http::StatusCode, headers: &http::HeaderMap) -> C
     if let Some(code) = trailers_only_grpc_code(headers) {
         return grpc_classification(code, headers);
     }
-    let retry_after = sole_value(headers, http::header::RETRY_AFTER).map(|v| {
-        v.and_then(|v| v.to_str().ok())
-            .ok_or(retryplane_policy::retry_after::RetryAfterError::Malformed)
-            .and_then(|s| parse_retry_after(s, SystemTime::now()))
-    });
+    let retry_after = retry_after(headers, SystemTime::now());
     Classification::Outcome(Outcome::Http {
         status: status.as_u16(),
         retry_after,
@@ -147,12 +143,37 @@ fn grpc_classification(code: tonic::Code, headers: &http::HeaderMap) -> Classifi
     Classification::Outcome(Outcome::Grpc { code, pushback })
 }
 
-/// The value of a header that holds one value (`Retry-After`, `grpc-retry-pushback-ms`):
-/// `None` when it is absent, `Some(None)` when it comes on several field lines. Those mean the
-/// same as one line of the values joined by commas (RFC 9110 §5.3), which neither header can
-/// parse: so a hint reads the same whether or not a proxy joined the lines, and the server's
-/// answer is not picked by the order of its lines (a malformed `Retry-After` is ignored, an
-/// unparseable pushback means "do not retry").
+/// An HTTP answer's `Retry-After` at `now`: `None` without one. It holds one value, but a proxy
+/// or a middleware may add a line the upstream already sent: several lines that all read as
+/// one delay are that delay (as RFC 9110 §8.6 reads repeated `Content-Length` lines), and lines
+/// that differ give the longest delay among those that read, so that the server's answer is
+/// not picked by the order of its lines and the call errs on the side of waiting (a delay over
+/// `retry_after.max` then gives up). Lines of which none reads are malformed (ignored).
+fn retry_after(
+    headers: &http::HeaderMap,
+    now: SystemTime,
+) -> Option<Result<std::time::Duration, retryplane_policy::retry_after::RetryAfterError>> {
+    let mut lines = headers.get_all(http::header::RETRY_AFTER).into_iter();
+    let read = |v: &http::HeaderValue| {
+        v.to_str()
+            .map_err(|_| retryplane_policy::retry_after::RetryAfterError::Malformed)
+            .and_then(|s| parse_retry_after(s, now))
+    };
+    let first = read(lines.next()?);
+    Some(
+        lines.fold(first, |longest, line| match (longest, read(line)) {
+            (Ok(a), Ok(b)) => Ok(a.max(b)),
+            (Ok(a), Err(_)) | (Err(_), Ok(a)) => Ok(a),
+            (Err(e), Err(_)) => Err(e),
+        }),
+    )
+}
+
+/// The value of a header that holds one value (`grpc-retry-pushback-ms`): `None` when it is
+/// absent, `Some(None)` when it comes on several field lines. Those mean the same as one line
+/// of the values joined by commas, which the header cannot parse: so a hint reads the same
+/// whether or not a proxy joined the lines, and the server's answer is not picked by the order
+/// of its lines (an unparseable pushback means "do not retry", as gRPC-Go reads several).
 fn sole_value(
     headers: &http::HeaderMap,
     name: http::HeaderName,
@@ -608,9 +629,10 @@ mod tests {
     }
 
     #[test]
-    fn a_hint_on_several_lines_reads_as_the_lines_joined_by_commas() {
-        // `Retry-After: 1` and `Retry-After: 120` mean `Retry-After: 1, 120`: malformed, so
-        // ignored, whichever line comes first.
+    fn a_hint_on_several_lines_is_read_whatever_their_order() {
+        // A line added again by a proxy is the same delay; lines that differ give the longest
+        // that reads, whichever comes first; none that reads is malformed, as one joined line
+        // is.
         let twice = |a: &str, b: &str| {
             http::Response::builder()
                 .status(503)
@@ -620,12 +642,22 @@ mod tests {
                 .unwrap()
                 .classify()
         };
+        let after = |secs| {
+            Classification::Outcome(Outcome::Http {
+                status: 503,
+                retry_after: Some(Ok(std::time::Duration::from_secs(secs))),
+            })
+        };
         let malformed = Classification::Outcome(Outcome::Http {
             status: 503,
             retry_after: Some(Err(RetryAfterError::Malformed)),
         });
-        assert_eq!(twice("1", "120"), malformed);
-        assert_eq!(twice("120", "1"), malformed);
+        assert_eq!(twice("120", "120"), after(120));
+        assert_eq!(twice("1", "120"), after(120));
+        assert_eq!(twice("120", "1"), after(120));
+        assert_eq!(twice("soon", "7"), after(7));
+        assert_eq!(twice("7", "soon"), after(7));
+        assert_eq!(twice("soon", "later"), malformed);
         assert_eq!(http(503, Some("1, 120")), malformed);
         // Several pushback values are unparseable: do not retry (as one joined line is).
         let do_not_retry = Classification::Outcome(Outcome::Grpc {

@@ -117,7 +117,7 @@ pub fn check(doc: &PolicyDocument, diags: &mut Vec<Diagnostic>) {
 #[derive(Default)]
 struct Coverage<'a> {
     /// The HTTP routes' path prefixes, by method (`None`: any method).
-    http: HashMap<Option<&'a str>, PrefixTrie>,
+    http: HashMap<Option<&'a str>, PrefixTrie<'a>>,
     /// The first `/pkg.Service/*` route of each service.
     services: HashMap<&'a str, usize>,
 }
@@ -165,51 +165,83 @@ impl<'a> Coverage<'a> {
 }
 
 /// Byte strings, each with the first index it was added with; finds those that start a given
-/// string in time linear in its length.
-#[derive(Default)]
-struct PrefixTrie {
-    /// The root first, once anything was added.
-    nodes: Vec<TrieNode>,
+/// string in time linear in its length. A radix tree whose edges borrow the strings added: its
+/// size grows with the number of strings, not their length (a path prefix may be most of a
+/// 1 MiB file, and a snapshot is checked by every agent).
+struct PrefixTrie<'a> {
+    /// The root first.
+    nodes: Vec<TrieNode<'a>>,
+}
+
+impl Default for PrefixTrie<'_> {
+    fn default() -> Self {
+        Self {
+            nodes: vec![TrieNode::default()],
+        }
+    }
 }
 
 #[derive(Default)]
-struct TrieNode {
-    /// Sorted by byte.
-    children: Vec<(u8, usize)>,
+struct TrieNode<'a> {
+    /// Non-empty labels, no two starting with the same byte, each with the node it leads to.
+    edges: Vec<(&'a [u8], usize)>,
     /// The first index added for the string that ends here.
     first: Option<usize>,
 }
 
-impl PrefixTrie {
-    fn insert(&mut self, key: &[u8], index: usize) {
-        if self.nodes.is_empty() {
-            self.nodes.push(TrieNode::default());
-        }
-        let mut at = 0;
-        for &b in key {
-            let next = self.nodes.len();
-            let children = &mut self.nodes[at].children;
-            at = match children.binary_search_by_key(&b, |&(c, _)| c) {
-                Ok(k) => children[k].1,
-                Err(k) => {
-                    children.insert(k, (b, next));
-                    self.nodes.push(TrieNode::default());
-                    next
-                }
+impl<'a> PrefixTrie<'a> {
+    fn insert(&mut self, key: &'a [u8], index: usize) {
+        let (mut at, mut rest) = (0, key);
+        while let Some(&b) = rest.first() {
+            let edge = self.nodes[at]
+                .edges
+                .iter()
+                .position(|(l, _)| l.first() == Some(&b));
+            let Some(e) = edge else {
+                let leaf = self.push(TrieNode::default());
+                self.nodes[at].edges.push((rest, leaf));
+                at = leaf;
+                break;
             };
+            let (label, child) = self.nodes[at].edges[e];
+            let common = label.iter().zip(rest).take_while(|(a, b)| a == b).count();
+            if common < label.len() {
+                // Split the edge where the key leaves it.
+                let (head, tail) = label.split_at(common);
+                let mid = self.push(TrieNode {
+                    edges: vec![(tail, child)],
+                    first: None,
+                });
+                self.nodes[at].edges[e] = (head, mid);
+                at = mid;
+            } else {
+                at = child;
+            }
+            rest = &rest[common..];
         }
         self.nodes[at].first.get_or_insert(index);
     }
 
+    fn push(&mut self, node: TrieNode<'a>) -> usize {
+        self.nodes.push(node);
+        self.nodes.len() - 1
+    }
+
     /// The smallest index of the strings added that start `key` (`key` itself included).
     fn first_prefix_of(&self, key: &[u8]) -> Option<usize> {
-        let mut node = self.nodes.first()?;
+        let mut node = &self.nodes[0];
         let mut first = node.first;
-        for &b in key {
-            let Ok(k) = node.children.binary_search_by_key(&b, |&(c, _)| c) else {
+        let mut rest = key;
+        while let Some(&b) = rest.first() {
+            let Some(&(label, child)) = node.edges.iter().find(|(l, _)| l.first() == Some(&b))
+            else {
                 break;
             };
-            node = &self.nodes[node.children[k].1];
+            let Some(after) = rest.strip_prefix(label) else {
+                break;
+            };
+            node = &self.nodes[child];
+            rest = after;
             first = match (first, node.first) {
                 (Some(a), Some(b)) => Some(a.min(b)),
                 (a, b) => a.or(b),
@@ -707,4 +739,43 @@ fn first_unreachable_attempt(p: &RetryPolicy) -> Option<u32> {
 
 fn fmt(d: Duration) -> String {
     crate::duration::format_duration(d)
+}
+
+#[cfg(test)]
+mod prefix_trie_tests {
+    use proptest::prelude::*;
+
+    use super::PrefixTrie;
+
+    proptest! {
+        /// The first index among the strings added that start a key, as a scan of them all
+        /// finds it; over a small alphabet, so that prefixes share and split edges often.
+        #[test]
+        fn finds_what_a_scan_finds(
+            added in prop::collection::vec("[ab/]{0,6}", 0..12),
+            keys in prop::collection::vec("[ab/]{0,8}", 1..12),
+        ) {
+            let mut trie = PrefixTrie::default();
+            for (i, s) in added.iter().enumerate() {
+                trie.insert(s.as_bytes(), i);
+            }
+            for key in &keys {
+                let scan = added.iter().position(|s| key.starts_with(s.as_str()));
+                prop_assert_eq!(trie.first_prefix_of(key.as_bytes()), scan, "{:?} in {:?}", key, added);
+            }
+        }
+    }
+
+    #[test]
+    fn its_size_grows_with_the_strings_not_their_length() {
+        let long = "/v".repeat(100_000);
+        let mut trie = PrefixTrie::default();
+        trie.insert(long.as_bytes(), 0);
+        trie.insert(&long.as_bytes()[..1_000], 1);
+        trie.insert(b"/x", 2);
+        assert!(trie.nodes.len() <= 6, "{}", trie.nodes.len());
+        assert_eq!(trie.first_prefix_of(long.as_bytes()), Some(0));
+        assert_eq!(trie.first_prefix_of(&long.as_bytes()[..5_000]), Some(1));
+        assert_eq!(trie.first_prefix_of(b"/v"), None);
+    }
 }
