@@ -702,7 +702,7 @@ impl Begun {
     /// What decides whether an answer to a call described by `meta` (an HTTP status, a gRPC
     /// code) may be retried, if one ever may: the call is idempotent or carries the idempotency
     /// key, and can be replayed; `None` otherwise (only a failed connect is retried then).
-    pub(crate) fn answer_retries(&self, meta: &CallMeta<'_>) -> Option<RetryRules> {
+    pub(crate) fn retry_rules(&self, meta: &CallMeta<'_>) -> Option<RetryRules> {
         let (policy, _) = self.entry.resolve(&meta.target());
         let (idempotent, keyed) = meta.idempotency(policy);
         let info = CallInfo::new(idempotent, keyed).with_replayable(meta.replayable());

@@ -339,7 +339,7 @@ where
             let meta = call_meta(&head, uri.path()).with_headers(&head.headers);
             let callers = callers_deadline(&meta, &begun);
             // A failed answer's body is read only if the answer may be sent again.
-            let retried = &begun.answer_retries(&meta);
+            let retried = &begun.retry_rules(&meta);
             let refresh = settings.refresh.is_some();
             // Whether the refresh hook ran: a 401 after it is not sent again for it.
             let refresh_used = &AtomicBool::new(false);
