@@ -148,7 +148,8 @@ fn grpc_classification(code: tonic::Code, headers: &http::HeaderMap) -> Classifi
 /// one delay are that delay (as RFC 9110 §8.6 reads repeated `Content-Length` lines), and lines
 /// that differ give the longest delay among those that read, so that the server's answer is
 /// not picked by the order of its lines and the call errs on the side of waiting (a delay over
-/// `retry_after.max` then gives up). Lines of which none reads are malformed (ignored).
+/// `retry_after.max` then gives up). Lines of which none reads are malformed (ignored), and so
+/// is one line of several values joined by commas (`120, 120`): not split up here.
 fn retry_after(
     headers: &http::HeaderMap,
     now: SystemTime,

@@ -183,25 +183,30 @@ impl Default for PrefixTrie<'_> {
 
 #[derive(Default)]
 struct TrieNode<'a> {
-    /// Non-empty labels, no two starting with the same byte, each with the node it leads to.
+    /// Non-empty labels, no two starting with the same byte, sorted by that byte, each with
+    /// the node it leads to.
     edges: Vec<(&'a [u8], usize)>,
     /// The first index added for the string that ends here.
     first: Option<usize>,
+}
+
+/// The first byte of an edge's label (labels are never empty; 0 stands in for none).
+fn edge_byte(edge: &(&[u8], usize)) -> u8 {
+    edge.0.first().copied().unwrap_or(0)
 }
 
 impl<'a> PrefixTrie<'a> {
     fn insert(&mut self, key: &'a [u8], index: usize) {
         let (mut at, mut rest) = (0, key);
         while let Some(&b) = rest.first() {
-            let edge = self.nodes[at]
-                .edges
-                .iter()
-                .position(|(l, _)| l.first() == Some(&b));
-            let Some(e) = edge else {
-                let leaf = self.push(TrieNode::default());
-                self.nodes[at].edges.push((rest, leaf));
-                at = leaf;
-                break;
+            let e = match self.nodes[at].edges.binary_search_by_key(&b, edge_byte) {
+                Ok(e) => e,
+                Err(e) => {
+                    let leaf = self.push(TrieNode::default());
+                    self.nodes[at].edges.insert(e, (rest, leaf));
+                    at = leaf;
+                    break;
+                }
             };
             let (label, child) = self.nodes[at].edges[e];
             let common = label.iter().zip(rest).take_while(|(a, b)| a == b).count();
@@ -233,10 +238,10 @@ impl<'a> PrefixTrie<'a> {
         let mut first = node.first;
         let mut rest = key;
         while let Some(&b) = rest.first() {
-            let Some(&(label, child)) = node.edges.iter().find(|(l, _)| l.first() == Some(&b))
-            else {
+            let Ok(e) = node.edges.binary_search_by_key(&b, edge_byte) else {
                 break;
             };
+            let (label, child) = node.edges[e];
             let Some(after) = rest.strip_prefix(label) else {
                 break;
             };
