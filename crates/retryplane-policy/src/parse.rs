@@ -51,6 +51,44 @@ const BREAKER_FIELDS: [&str; 6] = [
     "half_open_probes",
 ];
 const MATCH_FIELDS: [&str; 3] = ["method", "path_prefix", "grpc"];
+/// The sections of a policy and their fields: a field written outside its section is told
+/// which section takes it.
+const SECTIONS: [(&str, &[&str]); 7] = [
+    ("backoff", &BACKOFF_FIELDS),
+    ("retry_on", &RETRY_ON_FIELDS),
+    ("retry_after", &RETRY_AFTER_FIELDS),
+    ("budget", &BUDGET_FIELDS),
+    ("circuit_breaker", &BREAKER_FIELDS),
+    ("alert", &ALERT_FIELDS),
+    ("match", &MATCH_FIELDS),
+];
+
+/// ` (a field of `backoff` or `retry_after`: write it under one of them)`, when `path` is a
+/// policy (`defaults`, an endpoint or a route) and `name` a field of its sections; nothing
+/// otherwise. A field written a level too high is told where it goes, rather than offered a
+/// field it happens to start (`max` is not `max_attempts`). Inside a section, the usual
+/// suggestion applies (`grpc` in `retry_on` is `grpc_status`, not `match.grpc`).
+fn section_of(name: &str, path: &str) -> Option<String> {
+    let here = path.rsplit('.').next().unwrap_or(path);
+    if SECTIONS.iter().any(|(section, _)| *section == here) {
+        return None;
+    }
+    // Only a route has a `match`.
+    let route = path.ends_with(']');
+    let sections: Vec<String> = SECTIONS
+        .iter()
+        .filter(|(section, fields)| (route || *section != "match") && fields.contains(&name))
+        .map(|(section, _)| format!("`{section}`"))
+        .collect();
+    match sections.as_slice() {
+        [] => None,
+        [one] => Some(format!(" (a field of {one}: write it under it)")),
+        [rest @ .., last] => Some(format!(
+            " (a field of {} or {last}: write it under one of them)",
+            rest.join(", ")
+        )),
+    }
+}
 
 /// Walks a tree, collecting diagnostics.
 struct Walker {
@@ -143,13 +181,12 @@ impl Walker {
                 if let Some((_, why)) = misplaced.iter().find(|(f, _)| *f == name) {
                     self.error(key.loc, &field_path, (*why).to_owned());
                 } else {
+                    let hint = section_of(name, path)
+                        .unwrap_or_else(|| did_you_mean(name, known.iter().copied()));
                     self.error(
                         key.loc,
                         &field_path,
-                        format!(
-                            "unknown field `{name}`{}",
-                            did_you_mean(name, known.iter().copied())
-                        ),
+                        format!("unknown field `{name}`{hint}"),
                     );
                 }
                 continue;

@@ -348,6 +348,22 @@ fn an_unknown_field_is_offered_the_field_it_shortens_or_the_place_it_belongs() {
 }
 
 #[test]
+fn a_section_field_written_a_level_too_high_is_told_its_section() {
+    // Not offered `max_attempts` for `max`, which it merely starts.
+    let src = "version: 1\nendpoints:\n  a:\n    max: 5s\n    ratio: 0.1\n    retry_on: {grpc: [UNAVAILABLE]}\n    routes:\n      - match: {grpc: /p.S/M}\n        method: GET\n";
+    assert_eq!(
+        errors(src),
+        [
+            "4:5: error: endpoints.a.max: unknown field `max` (a field of `backoff` or `retry_after`: write it under one of them)",
+            "5:5: error: endpoints.a.ratio: unknown field `ratio` (a field of `budget`: write it under it)",
+            // Inside a section, the usual suggestion.
+            "6:16: error: endpoints.a.retry_on.grpc: unknown field `grpc` (did you mean `grpc_status`?)",
+            "9:9: error: endpoints.a.routes[0].method: unknown field `method` (a field of `match`: write it under it)",
+        ]
+    );
+}
+
+#[test]
 fn a_route_setting_written_inside_its_match_is_told_where_it_goes() {
     let src = "version: 1\nendpoints:\n  a:\n    routes:\n      - match: {method: POST, max_attempts: 2}\n";
     assert_eq!(
