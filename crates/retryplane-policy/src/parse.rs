@@ -63,6 +63,11 @@ const SECTIONS: [(&str, &[&str]); 7] = [
     ("match", &MATCH_FIELDS),
 ];
 
+/// No field belongs elsewhere: every unknown one is offered the nearest known one.
+fn no_hint(_: &str) -> Option<String> {
+    None
+}
+
 /// ` (a field of `backoff` or `retry_after`: write it under one of them)`, when `path` is a
 /// policy (`defaults`, an endpoint or a route) and `name` a field of its sections; nothing
 /// otherwise. A field written a level too high is told where it goes, rather than offered a
@@ -134,14 +139,15 @@ impl Walker {
     }
 
     /// The entries of a mapping whose keys are in `known`, first occurrence of each; reports
-    /// non-string keys, duplicates and unknown keys (with a suggestion). `misplaced` names
-    /// fields that belong elsewhere, with the message to give. Linear in the number of keys.
+    /// non-string keys, duplicates and unknown keys (with a suggestion). `misplaced` gives, for
+    /// an unknown name that belongs elsewhere, the message to give instead (asked only for
+    /// unknown names, so nothing is built for a file without them). Linear in the number of keys.
     fn fields<'n>(
         &mut self,
         node: &'n Node,
         path: &str,
         known: &[&str],
-        misplaced: &[(&str, &str)],
+        misplaced: &dyn Fn(&str) -> Option<String>,
     ) -> Vec<(&'n str, &'n Node, Loc)> {
         let Value::Map(entries) = &node.value else {
             if node.value != Value::Null {
@@ -178,8 +184,8 @@ impl Walker {
                 }
             }
             if !known.contains(&name.as_str()) {
-                if let Some((_, why)) = misplaced.iter().find(|(f, _)| *f == name) {
-                    self.error(key.loc, &field_path, (*why).to_owned());
+                if let Some(why) = misplaced(name) {
+                    self.error(key.loc, &field_path, why);
                 } else {
                     let hint = section_of(name, path)
                         .unwrap_or_else(|| did_you_mean(name, known.iter().copied()));
@@ -215,17 +221,13 @@ impl Walker {
         let mut doc = PolicyDocument::default();
         let (mut version, mut endpoints) = (false, false);
         // A policy field at the top level belongs under `defaults:` (or an endpoint).
-        let hints: Vec<(&str, String)> = POLICY_FIELDS
-            .iter()
-            .chain(&ENDPOINT_FIELDS)
-            .map(|f| {
-                let why = format!(
+        let misplaced = |f: &str| {
+            (POLICY_FIELDS.contains(&f) || ENDPOINT_FIELDS.contains(&f)).then(|| {
+                format!(
                     "a policy field goes under `defaults:` (for every endpoint) or under an endpoint, not at the top level (did you mean `defaults.{f}`?)"
-                );
-                (*f, why)
+                )
             })
-            .collect();
-        let misplaced: Vec<(&str, &str)> = hints.iter().map(|(f, w)| (*f, w.as_str())).collect();
+        };
         for (key, value, _) in self.fields(root, "", &TOP_FIELDS, &misplaced) {
             match key {
                 "version" => {
@@ -379,16 +381,13 @@ impl Walker {
             return None;
         }
         // A route's setting written inside its `match:` belongs beside it.
-        let hints: Vec<(&str, String)> = POLICY_FIELDS
-            .iter()
-            .map(|f| {
-                let why = format!(
+        let misplaced = |f: &str| {
+            POLICY_FIELDS.contains(&f).then(|| {
+                format!(
                     "`{f}` is a setting of the route, not part of what it matches: write it beside `match:`, at the same indentation"
-                );
-                (*f, why)
+                )
             })
-            .collect();
-        let misplaced: Vec<(&str, &str)> = hints.iter().map(|(f, w)| (*f, w.as_str())).collect();
+        };
         let entries = self.fields(node, path, &MATCH_FIELDS, &misplaced);
         if !matches!(node.value, Value::Map(_)) {
             return None;
@@ -485,8 +484,14 @@ impl Walker {
                 ]
             }
         };
+        let misplaced = |f: &str| {
+            misplaced
+                .iter()
+                .find(|(name, _)| *name == f)
+                .map(|(_, why)| (*why).to_owned())
+        };
         let mut o = Overlay::default();
-        for (key, value, _) in self.fields(node, path, &known, misplaced) {
+        for (key, value, _) in self.fields(node, path, &known, &misplaced) {
             let p = join(path, key);
             match key {
                 "max_attempts" => o.max_attempts = self.max_attempts(value, &p),
@@ -513,7 +518,7 @@ impl Walker {
 
     fn backoff(&mut self, node: &Node, path: &str) -> BackoffOverlay {
         let mut o = BackoffOverlay::default();
-        for (key, value, _) in self.fields(node, path, &BACKOFF_FIELDS, &[]) {
+        for (key, value, _) in self.fields(node, path, &BACKOFF_FIELDS, &no_hint) {
             let p = join(path, key);
             match key {
                 "base" => o.base = self.duration(value, &p),
@@ -541,7 +546,7 @@ impl Walker {
 
     fn retry_on(&mut self, node: &Node, path: &str) -> RetryOnOverlay {
         let mut o = RetryOnOverlay::default();
-        for (key, value, _) in self.fields(node, path, &RETRY_ON_FIELDS, &[]) {
+        for (key, value, _) in self.fields(node, path, &RETRY_ON_FIELDS, &no_hint) {
             let p = join(path, key);
             match key {
                 "http_status" => o.http_status = self.list(value, &p, Walker::http_status),
@@ -554,7 +559,7 @@ impl Walker {
 
     fn retry_after(&mut self, node: &Node, path: &str) -> RetryAfterOverlay {
         let mut o = RetryAfterOverlay::default();
-        for (key, value, _) in self.fields(node, path, &RETRY_AFTER_FIELDS, &[]) {
+        for (key, value, _) in self.fields(node, path, &RETRY_AFTER_FIELDS, &no_hint) {
             let p = join(path, key);
             match key {
                 "honor" => o.honor = self.boolean(value, &p),
@@ -566,7 +571,7 @@ impl Walker {
 
     fn budget(&mut self, node: &Node, path: &str) -> BudgetOverlay {
         let mut o = BudgetOverlay::default();
-        for (key, value, _) in self.fields(node, path, &BUDGET_FIELDS, &[]) {
+        for (key, value, _) in self.fields(node, path, &BUDGET_FIELDS, &no_hint) {
             let p = join(path, key);
             match key {
                 "enabled" => o.enabled = self.boolean(value, &p),
@@ -580,7 +585,7 @@ impl Walker {
 
     fn breaker(&mut self, node: &Node, path: &str) -> BreakerOverlay {
         let mut o = BreakerOverlay::default();
-        for (key, value, _) in self.fields(node, path, &BREAKER_FIELDS, &[]) {
+        for (key, value, _) in self.fields(node, path, &BREAKER_FIELDS, &no_hint) {
             let p = join(path, key);
             match key {
                 "enabled" => o.enabled = self.boolean(value, &p),
@@ -607,7 +612,7 @@ impl Walker {
             );
             return o;
         }
-        for (key, value, _) in self.fields(node, path, &ALERT_FIELDS, &[]) {
+        for (key, value, _) in self.fields(node, path, &ALERT_FIELDS, &no_hint) {
             let p = join(path, key);
             if key == "retry_ratio" {
                 o.retry_ratio = self.ratio(value, &p);
