@@ -562,15 +562,7 @@ fn the_agent_or_http_listener_instead_of_the_admin_one_is_named_as_the_likely_mi
         ("http", running.http_addr()),
     ] {
         for command in ["history", "status", "get"] {
-            let assert = Command::cargo_bin("retryplane")
-                .unwrap()
-                .env_remove("RETRYPLANE_TOKEN")
-                .args([command, "--server", &addr.to_string()])
-                .timeout(support::WAIT)
-                .assert()
-                .code(2)
-                .stdout("");
-            let stderr = String::from_utf8_lossy(&assert.get_output().stderr).into_owned();
+            let stderr = failed_against(command, &addr.to_string());
             assert!(
                 stderr.contains("retryplane: error: UNIMPLEMENTED")
                     && stderr.contains("retryplane: hint: ")
@@ -637,15 +629,7 @@ fn http1_server() -> String {
 fn a_server_that_does_not_speak_grpc_is_named_with_what_broke_and_a_hint() {
     let url = http1_server();
     for command in ["history", "status", "get"] {
-        let assert = Command::cargo_bin("retryplane")
-            .unwrap()
-            .env_remove("RETRYPLANE_TOKEN")
-            .args([command, "--server", &url])
-            .timeout(support::WAIT)
-            .assert()
-            .code(2)
-            .stdout("");
-        let stderr = String::from_utf8_lossy(&assert.get_output().stderr).into_owned();
+        let stderr = failed_against(command, &url);
         // Before: `retryplane: error: UNKNOWN: transport error`, naming neither the server nor
         // what happened.
         assert!(
@@ -754,4 +738,18 @@ fn a_dry_run_in_json_says_the_hash_the_content_would_get_and_whether_it_changes_
         (&again["changed"], &again["would_change"]),
         (&false.into(), &false.into())
     );
+}
+
+/// `retryplane COMMAND --server SERVER` without a token, which must fail with exit code 2 and
+/// nothing on stdout: its stderr.
+fn failed_against(command: &str, server: &str) -> String {
+    let assert = Command::cargo_bin("retryplane")
+        .unwrap()
+        .env_remove("RETRYPLANE_TOKEN")
+        .args([command, "--server", server])
+        .timeout(support::WAIT)
+        .assert()
+        .code(2)
+        .stdout("");
+    String::from_utf8_lossy(&assert.get_output().stderr).into_owned()
 }
