@@ -226,7 +226,7 @@ fn apply_request(
             kind: Some(policy_source::Kind::Yaml(policy_yaml(endpoints, round))),
             origin: "retryplane-bench".to_owned(),
         }),
-        expected_version,
+        expected_version: Some(expected_version),
         dry_run,
         force: false,
     }

@@ -336,7 +336,7 @@ impl AdminService for Admin {
             None => return Err(Status::invalid_argument("source is required")),
         };
         self.0
-            .apply(&yaml, req.expected_version, req.dry_run)
+            .apply(&yaml, req.expected_version.unwrap_or(0), req.dry_run)
             .await
             .map(Response::new)
     }

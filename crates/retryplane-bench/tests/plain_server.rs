@@ -81,7 +81,7 @@ fn apply(round: u64, expected_version: u64, dry_run: bool) -> pb::ApplyRequest {
             kind: Some(policy_source::Kind::Yaml(policy_yaml(ENDPOINTS, round))),
             origin: "test".to_owned(),
         }),
-        expected_version,
+        expected_version: Some(expected_version),
         dry_run,
         force: false,
     }

@@ -157,7 +157,11 @@ fn apply_get_history_diff_rollback_and_status_work_against_a_real_server() {
         .assert()
         .code(1);
 
-    let applied = server.retryplane(&["apply", "v1.yaml"]).assert().code(0);
+    // `--expected-version 0`: only while the store is empty (the first of two racing seeds).
+    let applied = server
+        .retryplane(&["apply", "v1.yaml", "--expected-version", "0"])
+        .assert()
+        .code(0);
     let out = stdout_of(&applied);
     assert!(out.starts_with("+ payments\n"), "{out}");
     assert!(
@@ -184,6 +188,16 @@ fn apply_get_history_diff_rollback_and_status_work_against_a_real_server() {
         ));
     let got = server.retryplane(&["get"]).assert().code(0);
     assert!(stdout_of(&got).contains("max_attempts: 3"));
+
+    server
+        .retryplane(&["apply", "v2.yaml", "--expected-version", "0"])
+        .assert()
+        .code(1)
+        .stdout("")
+        .stderr(predicate::str::contains(
+            "ABORTED: version conflict: expected an empty store (no version yet), \
+             but the current version is 1",
+        ));
 
     // Optimistic concurrency: a stale expected version is refused (exit 1).
     server

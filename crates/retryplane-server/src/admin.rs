@@ -111,6 +111,8 @@ fn given(s: &str) -> Option<&str> {
     (!s.is_empty()).then_some(s)
 }
 
+/// A `RollbackRequest.expected_version`: 0 is no check (a rollback needs a stored version, so
+/// an empty store is never what its caller expects).
 fn expected(version: u64) -> Option<u64> {
     (version != 0).then_some(version)
 }
@@ -227,8 +229,13 @@ fn change_status(e: ChangeError) -> Status {
             Status::failed_precondition(removes_everything_message(&names))
         }
         ChangeError::Conflict { expected, current } => Status::aborted(format!(
-            "version conflict: expected version {expected} to be current, but it is {current}; \
-             get the current version and retry"
+            "version conflict: expected {}, but the current version is {current}; \
+             get the current version and retry",
+            if expected == 0 {
+                "an empty store (no version yet)".to_owned()
+            } else {
+                format!("version {expected} to be current")
+            }
         )),
         ChangeError::Store(StoreError::NoSuchVersion { version }) => {
             Status::not_found(format!("version {version} does not exist"))
@@ -411,7 +418,7 @@ impl AdminService for AdminApi {
             document,
             source: Source::Admin,
             author,
-            expected_version: expected(req.expected_version),
+            expected_version: req.expected_version,
             dry_run: req.dry_run,
             force: req.force,
         };

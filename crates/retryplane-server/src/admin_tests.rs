@@ -189,7 +189,7 @@ async fn a_stale_expected_version_is_aborted() {
     apply(&api, apply_request(V1)).await.unwrap();
     apply(&api, apply_request(V2)).await.unwrap();
     let stale = pb::ApplyRequest {
-        expected_version: 1,
+        expected_version: Some(1),
         ..apply_request(V1)
     };
     let status = apply(&api, stale).await.unwrap_err();
@@ -200,10 +200,37 @@ async fn a_stale_expected_version_is_aborted() {
         status.message()
     );
     let current = pb::ApplyRequest {
-        expected_version: 2,
+        expected_version: Some(2),
         ..apply_request(V1)
     };
     assert_eq!(apply(&api, current).await.unwrap().version, 3);
+}
+
+#[tokio::test]
+async fn expected_version_zero_applies_only_to_an_empty_store() {
+    let api = api(Mode::Api);
+    let first = pb::ApplyRequest {
+        expected_version: Some(0),
+        ..apply_request(V1)
+    };
+    assert_eq!(apply(&api, first).await.unwrap().version, 1);
+    let second = pb::ApplyRequest {
+        expected_version: Some(0),
+        ..apply_request(V2)
+    };
+    let status = apply(&api, second).await.unwrap_err();
+    assert_eq!(status.code(), Code::Aborted);
+    assert!(
+        status.message().contains("expected an empty store"),
+        "{}",
+        status.message()
+    );
+    // No expected version: no check.
+    let unchecked = pb::ApplyRequest {
+        expected_version: None,
+        ..apply_request(V2)
+    };
+    assert_eq!(apply(&api, unchecked).await.unwrap().version, 2);
 }
 
 #[tokio::test]
@@ -223,7 +250,7 @@ async fn a_stale_expected_version_is_aborted_before_the_removal_check() {
     for force in [false, true] {
         for dry_run in [false, true] {
             let stale = pb::ApplyRequest {
-                expected_version: 1,
+                expected_version: Some(1),
                 force,
                 dry_run,
                 ..apply_request(OTHER)

@@ -30,8 +30,9 @@ pub struct Args {
     /// Only show what would change; store nothing.
     #[arg(long)]
     dry_run: bool,
-    /// Refuse unless version N is current (another change came first otherwise).
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    /// Refuse unless version N is current (another change came first otherwise); 0 refuses
+    /// unless the store is empty, so that only one of several first applies lands.
+    #[arg(long, value_name = "N")]
     expected_version: Option<u64>,
     /// Allow a change that removes every endpoint.
     #[arg(long)]

@@ -217,7 +217,7 @@ pub async fn apply(
     };
     let request = pb::ApplyRequest {
         source: Some(source()),
-        expected_version: flags.expected_version.unwrap_or(0),
+        expected_version: flags.expected_version,
         dry_run: flags.dry_run,
         force: flags.force,
     };
