@@ -274,3 +274,11 @@ impl RetryPolicy {
             .any(|m| crate::document::str_eq(m, method) || m.eq_ignore_ascii_case(method))
     }
 }
+
+/// `v` with a zero's sign dropped: `-0.0` becomes `0.0`, every other value is returned as is.
+/// `-0.0` equals `0.0` but encodes differently, so every reader of a policy number (the file
+/// parser, the wire conversion) and the content hash normalise it: the same content is never
+/// published under a new version for the sign of a zero (SPEC §3).
+pub fn unsigned_zero(v: f64) -> f64 {
+    if v == 0.0 { 0.0 } else { v }
+}

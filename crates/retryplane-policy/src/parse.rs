@@ -692,10 +692,14 @@ impl Walker {
         self.count(node, path, 1)
     }
 
+    /// A finite number; `-0.0` is read as `0.0`, the same value, so that it compiles, converts
+    /// and hashes as `0` does (a file that only writes a zero's sign differently is unchanged).
     fn number(&mut self, node: &Node, path: &str) -> Option<Field<f64>> {
         match node.value {
             Value::Int(i) => Some(Field::at(i as f64, node.loc)),
-            Value::Float(f) if f.is_finite() => Some(Field::at(f, node.loc)),
+            Value::Float(f) if f.is_finite() => {
+                Some(Field::at(crate::model::unsigned_zero(f), node.loc))
+            }
             Value::Float(_) => {
                 self.error(node.loc, path, "must be a finite number");
                 None

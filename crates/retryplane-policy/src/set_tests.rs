@@ -828,6 +828,43 @@ fn a_route_may_only_turn_the_shared_budget_and_breaker_off() {
     );
 }
 
+// === numbers ===
+
+#[test]
+fn a_negative_zero_is_read_as_zero_in_every_number_field() {
+    let src = "version: 1\nendpoints:\n  a:\n    budget: {ratio: -0.0}\n    circuit_breaker: {failure_ratio: -0.0}\n    alert: {retry_ratio: -0.0}\n";
+    let set = load(src.as_bytes()).policies.expect("valid");
+    let o = &set.document().endpoints[0].overlay;
+    for (field, v) in [
+        ("budget.ratio", &o.budget.ratio),
+        (
+            "circuit_breaker.failure_ratio",
+            &o.circuit_breaker.failure_ratio,
+        ),
+        ("alert.retry_ratio", &o.alert.retry_ratio),
+    ] {
+        let v = v.as_ref().map(|f| f.value);
+        assert!(
+            v.is_some_and(|v| v == 0.0 && v.is_sign_positive()),
+            "{field}: {v:?}"
+        );
+    }
+    let p = &set.endpoint("a").expect("a").policy;
+    let ratios = [
+        p.budget.as_ref().map(|b| b.ratio),
+        p.circuit_breaker.as_ref().map(|c| c.failure_ratio),
+        set.alert_retry_ratio("a"),
+    ];
+    for v in ratios {
+        assert!(v.is_some_and(|v| v.is_sign_positive()), "{ratios:?}");
+    }
+    // A multiplier of zero is refused either way, and is shown as the zero it is.
+    assert_eq!(
+        errors("version: 1\nendpoints:\n  a: {backoff: {multiplier: -0.0}}\n"),
+        ["3:29: error: endpoints.a.backoff.multiplier: must be from 1.0 to 100.0, found 0"]
+    );
+}
+
 // === alert.retry_ratio ===
 
 #[test]

@@ -206,13 +206,14 @@ impl Checker {
         Some(Field::new(d))
     }
 
+    /// A finite number, `-0.0` read as `0.0` as a file's is.
     fn number(&mut self, v: Option<f64>, path: &str) -> Option<Field<f64>> {
         let v = v?;
         if !v.is_finite() {
             self.error(path, "must be a finite number");
             return None;
         }
-        Some(Field::new(v))
+        Some(Field::new(retryplane_policy::unsigned_zero(v)))
     }
 
     fn jitter(&mut self, v: i32, path: &str) -> Option<Field<Jitter>> {

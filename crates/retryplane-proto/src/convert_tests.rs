@@ -191,6 +191,56 @@ fn the_content_hash_ignores_comments_and_endpoint_order_but_not_values() {
     );
 }
 
+/// `-0.0` equals `0.0`: a document that only writes a zero's sign differently has the same
+/// content and hash (so it is not published again under a new version), whether the sign
+/// comes from a file or straight from a wire client, and converts to a positive zero.
+#[test]
+fn a_negative_zero_hashes_and_converts_as_zero_in_every_number_field() {
+    let overlay = |z: f64| pb::Overlay {
+        backoff: Some(pb::Backoff {
+            multiplier: Some(z),
+            ..Default::default()
+        }),
+        budget: Some(pb::Budget {
+            ratio: Some(z),
+            ..Default::default()
+        }),
+        circuit_breaker: Some(pb::CircuitBreaker {
+            failure_ratio: Some(z),
+            ..Default::default()
+        }),
+        alert: Some(pb::Alert {
+            retry_ratio: Some(z),
+        }),
+        ..Default::default()
+    };
+    let plus = doc(vec![endpoint("a", overlay(0.0))]);
+    let minus = doc(vec![endpoint("a", overlay(-0.0))]);
+    assert_eq!(content_hash(&minus), content_hash(&plus));
+    let converted = PolicyDocument::try_from(minus).expect("converts");
+    let o = &converted.endpoints[0].overlay;
+    for v in [
+        &o.backoff.multiplier,
+        &o.budget.ratio,
+        &o.circuit_breaker.failure_ratio,
+        &o.alert.retry_ratio,
+    ] {
+        let v = v.as_ref().map(|f| f.value);
+        assert!(v.is_some_and(|v| v.is_sign_positive()), "{v:?}");
+    }
+
+    // From files: `-0.0`, `0.0` and `0` are one content.
+    let file = |z: &str| {
+        let src = format!(
+            "version: 1\nendpoints:\n  a:\n    budget: {{ratio: {z}}}\n    circuit_breaker: {{failure_ratio: {z}}}\n    alert: {{retry_ratio: {z}}}\n"
+        );
+        let set = load(src.as_bytes()).policies.expect("valid");
+        content_hash(&pb::PolicyDocument::from(&**set.document()))
+    };
+    assert_eq!(file("-0.0"), file("0"));
+    assert_eq!(file("0.0"), file("0"));
+}
+
 #[test]
 fn the_content_hash_ignores_empty_sections_sent_by_other_clients() {
     let lean = doc(vec![endpoint("a", pb::Overlay::default())]);

@@ -122,7 +122,7 @@ impl From<&Overlay> for pb::Overlay {
 ///
 /// Canonical: endpoints sorted by name (lookup is by name, so their order carries no meaning;
 /// routes keep theirs, the first match wins), empty sections left out, an empty HTTP path
-/// prefix written as the `/` it means. Protobuf encoding is deterministic for these messages:
+/// prefix written as the `/` it means, `-0.0` written as the `0.0` it equals. Protobuf encoding is deterministic for these messages:
 /// prost writes fields in tag order and the policy messages hold no `map` fields, whose order
 /// would not be. Two documents with the same content
 /// ([`retryplane_policy::diff::same_content`]) have the same hash.
@@ -157,6 +157,21 @@ fn canonical(doc: &pb::PolicyDocument) -> pb::PolicyDocument {
 }
 
 fn canonical_overlay(mut o: pb::Overlay) -> Option<pb::Overlay> {
+    // Every number of a policy: `-0.0` and `0.0` are the same value (and `same_content` says
+    // so), but encode differently.
+    let zero = |v: &mut Option<f64>| *v = v.map(retryplane_policy::unsigned_zero);
+    if let Some(b) = &mut o.backoff {
+        zero(&mut b.multiplier);
+    }
+    if let Some(b) = &mut o.budget {
+        zero(&mut b.ratio);
+    }
+    if let Some(c) = &mut o.circuit_breaker {
+        zero(&mut c.failure_ratio);
+    }
+    if let Some(a) = &mut o.alert {
+        zero(&mut a.retry_ratio);
+    }
     o.backoff = o.backoff.and_then(non_empty);
     o.retry_on = o.retry_on.and_then(non_empty);
     o.retry_after = o.retry_after.and_then(non_empty);
