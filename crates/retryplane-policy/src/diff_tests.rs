@@ -327,3 +327,16 @@ fn an_endpoint_named_defaults_is_an_endpoint_not_the_defaults_block() {
         "+0 endpoints, -1, 0 modified, defaults modified"
     );
 }
+
+#[test]
+fn a_negative_zero_built_in_code_is_no_change_from_zero() {
+    let zero = doc(
+        "version: 1\nendpoints:\n  a: {budget: {ratio: 0}, circuit_breaker: {failure_ratio: 0.0}}\n",
+    );
+    let mut minus = zero.clone();
+    let o = &mut minus.endpoints[0].overlay;
+    o.budget.ratio = Some(crate::document::Field::new(-0.0));
+    o.circuit_breaker.failure_ratio = Some(crate::document::Field::new(-0.0));
+    assert!(same_content(&zero, &minus));
+    assert_eq!(diff(&zero, &minus), vec![]);
+}
