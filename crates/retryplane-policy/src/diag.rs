@@ -134,24 +134,47 @@ pub(crate) fn tag_endpoint(diags: &mut [Diagnostic], endpoint: &str, path: &str)
 }
 
 /// The closest of `candidates` to `word`, if close enough to be a likely typo; else the one
-/// candidate that `word` shortens or lengthens by whole `_`-separated words (`http` or
-/// `http_status_code` for `http_status`), if only one does.
+/// candidate that shares the most `_`-separated words with `word`, when it shares two or more,
+/// or `word` shortens or lengthens it by whole words (`http` or `http_status_code` for
+/// `http_status`). Ties make it a guess: none. So the extra words count: `deadline_per_try` is
+/// `per_try_timeout` (two words in common), not the `deadline` it merely starts.
 pub fn suggest<'a>(word: &str, candidates: impl IntoIterator<Item = &'a str>) -> Option<&'a str> {
     let lower = word.to_ascii_lowercase();
+    let words: Vec<&str> = lower.split('_').filter(|w| !w.is_empty()).collect();
     let mut close: Option<(usize, &'a str)> = None;
-    let mut by_words: Option<Option<&'a str>> = None;
+    // The most words shared with `word`, and the one candidate sharing them if only one does
+    // and it qualifies (two words or more, or whole words more or less).
+    let mut by_words: (usize, Option<&'a str>) = (0, None);
     for c in candidates {
         let c_lower = c.to_ascii_lowercase();
         let d = strsim::levenshtein(&lower, &c_lower);
         if d <= 2.max(c.len() / 3) && close.is_none_or(|(best, _)| d < best) {
             close = Some((d, c));
         }
-        if extends_by_words(&lower, &c_lower) || extends_by_words(&c_lower, &lower) {
-            // A second candidate makes it a guess: none.
-            by_words = Some(if by_words.is_none() { Some(c) } else { None });
+        let shared = shared_words(&words, &c_lower);
+        if shared == 0 || shared < by_words.0 {
+            continue;
         }
+        let qualifies =
+            shared >= 2 || extends_by_words(&lower, &c_lower) || extends_by_words(&c_lower, &lower);
+        by_words = if shared > by_words.0 {
+            (shared, qualifies.then_some(c))
+        } else {
+            // A second candidate sharing as many words: no guess.
+            (shared, None)
+        };
     }
-    close.map(|(_, c)| c).or(by_words.flatten())
+    close.map(|(_, c)| c).or(by_words.1)
+}
+
+/// How many of the distinct `words` are among the `_`-separated words of `candidate`.
+fn shared_words(words: &[&str], candidate: &str) -> usize {
+    let theirs: Vec<&str> = candidate.split('_').collect();
+    words
+        .iter()
+        .enumerate()
+        .filter(|(i, w)| !words[..*i].contains(w) && theirs.contains(w))
+        .count()
 }
 
 /// Whether `long` is `short` followed by `_` and more.
@@ -196,11 +219,26 @@ mod tests {
         // Not a word boundary, or more than one candidate: no guess.
         assert_eq!(suggest("htt", retry_on), None);
         assert_eq!(suggest("retry", ["retry_on", "retry_after"]), None);
+        // One word in common and not at the start: no guess.
+        assert_eq!(suggest("timeout", ["deadline", "per_try_timeout"]), None);
         // A close typo still wins.
         assert_eq!(
             suggest("max_attempt", ["max", "max_attempts"]),
             Some("max_attempts")
         );
+    }
+
+    #[test]
+    fn the_words_a_name_adds_count_towards_the_guess() {
+        let policy = ["max_attempts", "deadline", "per_try_timeout", "retry_on"];
+        // Not the `deadline` it starts: the other two words name `per_try_timeout`.
+        assert_eq!(suggest("deadline_per_try", policy), Some("per_try_timeout"));
+        assert_eq!(suggest("per_try_deadline", policy), Some("per_try_timeout"));
+        // As many words of each: no guess.
+        assert_eq!(suggest("deadline_try", policy), None);
+        assert_eq!(suggest("max_attempts_per_try", policy), None);
+        // A word more that no other candidate has still shortens to the field.
+        assert_eq!(suggest("deadline_ms", policy), Some("deadline"));
     }
 
     #[test]

@@ -95,6 +95,73 @@ fn section_of(name: &str, path: &str) -> Option<String> {
     }
 }
 
+/// For a route's setting, or a field of one of its sections, written inside its `match:`: what
+/// it is and where it goes instead, as far as a route can set it. Asked before a field of
+/// `match` is guessed, so that `grpc_status` is told it belongs to `retry_on` rather than
+/// offered `grpc`, which it merely starts.
+fn in_match(f: &str) -> Option<String> {
+    const BESIDE: &str = "beside `match:`, at the same indentation";
+    const SHARED: [&str; 2] = ["budget", "circuit_breaker"];
+    match f {
+        "budget" | "circuit_breaker" => {
+            return Some(format!(
+                "`{f}` is not part of what a route matches; it is per endpoint, shared by its routes, and a route can only turn it off: write `{f}: {{enabled: false}}` {BESIDE}"
+            ));
+        }
+        "alert" => {
+            return Some(format!(
+                "`alert` is not part of what a route matches; {ROUTE_ALERT}"
+            ));
+        }
+        f if POLICY_FIELDS.contains(&f) => {
+            return Some(format!(
+                "`{f}` is a setting of the route, not part of what it matches: write it {BESIDE}"
+            ));
+        }
+        _ => {}
+    }
+    let sections: Vec<&str> = SECTIONS
+        .iter()
+        .filter(|(section, fields)| *section != "match" && fields.contains(&f))
+        .map(|(section, _)| *section)
+        .collect();
+    // `budget`, `budget or circuit_breaker`, …, each name followed by `suffix`.
+    let listed = |suffix: &str, and_or: &str| -> String {
+        let names: Vec<String> = sections.iter().map(|s| format!("`{s}{suffix}`")).collect();
+        match names.as_slice() {
+            [rest @ .., last] if !rest.is_empty() => {
+                format!("{} {and_or} {last}", rest.join(", "))
+            }
+            _ => names.concat(),
+        }
+    };
+    let one = sections.len() == 1;
+    let of = format!("`{f}` is a field of {}", listed("", "or"));
+    let under = format!(
+        "under {}{}, {BESIDE}",
+        if one { "" } else { "one of " },
+        listed(":", "or")
+    );
+    match sections.as_slice() {
+        [] => None,
+        ["alert"] => Some(format!(
+            "{of}, not part of what a route matches; {ROUTE_ALERT}"
+        )),
+        s if s.iter().all(|s| SHARED.contains(s)) => Some(format!(
+            "{of}, not part of what a route matches; {} per endpoint, shared by its routes, and a route can only turn {} off: write `enabled: false` {under}",
+            if one {
+                format!("{} is", listed("", "and"))
+            } else {
+                format!("{} are", listed("", "and"))
+            },
+            if one { "it" } else { "them" },
+        )),
+        _ => Some(format!(
+            "{of}, a setting of the route, not part of what it matches: write it {under}"
+        )),
+    }
+}
+
 /// Walks a tree, collecting diagnostics.
 struct Walker {
     diags: Vec<Diagnostic>,
@@ -380,15 +447,7 @@ impl Walker {
             );
             return None;
         }
-        // A route's setting written inside its `match:` belongs beside it.
-        let misplaced = |f: &str| {
-            POLICY_FIELDS.contains(&f).then(|| {
-                format!(
-                    "`{f}` is a setting of the route, not part of what it matches: write it beside `match:`, at the same indentation"
-                )
-            })
-        };
-        let entries = self.fields(node, path, &MATCH_FIELDS, &misplaced);
+        let entries = self.fields(node, path, &MATCH_FIELDS, &in_match);
         if !matches!(node.value, Value::Map(_)) {
             return None;
         }

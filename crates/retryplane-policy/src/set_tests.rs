@@ -375,6 +375,47 @@ fn a_route_setting_written_inside_its_match_is_told_where_it_goes() {
 }
 
 #[test]
+fn a_field_of_a_route_section_written_inside_its_match_is_told_its_section() {
+    // Not offered `grpc` for `grpc_status`: a match has no status.
+    let src = "version: 1\nendpoints:\n  a:\n    routes:\n      - match: {method: GET, grpc_status: [UNAVAILABLE], max: 1s}\n      - match: {method: GET, ratio: 0.1, enabled: false, retry_ratio: 0.1}\n";
+    assert_eq!(
+        errors(src),
+        [
+            "5:30: error: endpoints.a.routes[0].match.grpc_status: `grpc_status` is a field of `retry_on`, a setting of the route, not part of what it matches: write it under `retry_on:`, beside `match:`, at the same indentation",
+            "5:58: error: endpoints.a.routes[0].match.max: `max` is a field of `backoff` or `retry_after`, a setting of the route, not part of what it matches: write it under one of `backoff:` or `retry_after:`, beside `match:`, at the same indentation",
+            "6:30: error: endpoints.a.routes[1].match.ratio: `ratio` is a field of `budget`, not part of what a route matches; `budget` is per endpoint, shared by its routes, and a route can only turn it off: write `enabled: false` under `budget:`, beside `match:`, at the same indentation",
+            "6:42: error: endpoints.a.routes[1].match.enabled: `enabled` is a field of `budget` or `circuit_breaker`, not part of what a route matches; `budget` and `circuit_breaker` are per endpoint, shared by its routes, and a route can only turn them off: write `enabled: false` under one of `budget:` or `circuit_breaker:`, beside `match:`, at the same indentation",
+            "6:58: error: endpoints.a.routes[1].match.retry_ratio: `retry_ratio` is a field of `alert`, not part of what a route matches; alert is set per endpoint, not per route: the control plane compares the retries / calls of the whole endpoint; set it on the endpoint or in `defaults:`",
+        ]
+    );
+}
+
+#[test]
+fn a_budget_or_breaker_written_inside_a_match_is_told_a_route_can_only_turn_it_off() {
+    let src = "version: 1\nendpoints:\n  a:\n    routes:\n      - match: {method: GET, budget: {enabled: false}, circuit_breaker: {}, alert: {}}\n";
+    assert_eq!(
+        errors(src),
+        [
+            "5:30: error: endpoints.a.routes[0].match.budget: `budget` is not part of what a route matches; it is per endpoint, shared by its routes, and a route can only turn it off: write `budget: {enabled: false}` beside `match:`, at the same indentation",
+            "5:56: error: endpoints.a.routes[0].match.circuit_breaker: `circuit_breaker` is not part of what a route matches; it is per endpoint, shared by its routes, and a route can only turn it off: write `circuit_breaker: {enabled: false}` beside `match:`, at the same indentation",
+            "5:77: error: endpoints.a.routes[0].match.alert: `alert` is not part of what a route matches; alert is set per endpoint, not per route: the control plane compares the retries / calls of the whole endpoint; set it on the endpoint or in `defaults:`",
+        ]
+    );
+}
+
+#[test]
+fn a_field_named_after_two_others_is_offered_the_one_it_shares_most_words_with() {
+    let src = "version: 1\nendpoints:\n  a:\n    deadline_per_try: 1s\n    deadline_ms: 100\n";
+    assert_eq!(
+        errors(src),
+        [
+            "4:5: error: endpoints.a.deadline_per_try: unknown field `deadline_per_try` (did you mean `per_try_timeout`?)",
+            "5:5: error: endpoints.a.deadline_ms: unknown field `deadline_ms` (did you mean `deadline`?)",
+        ]
+    );
+}
+
+#[test]
 fn duplicate_keys_in_a_policy_are_an_error() {
     let src = "version: 1\nendpoints:\n  a:\n    deadline: 10s\n    deadline: 20s\n";
     assert_eq!(
