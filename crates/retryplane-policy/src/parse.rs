@@ -7,6 +7,7 @@
 
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
+use std::ops::Range;
 use std::time::Duration;
 
 use crate::codes::{self, GrpcCode};
@@ -165,6 +166,8 @@ fn in_match(f: &str) -> Option<String> {
 /// Walks a tree, collecting diagnostics.
 struct Walker {
     diags: Vec<Diagnostic>,
+    /// The diagnostics (by index into `diags`) of layers left out of the document.
+    detached: Vec<Range<usize>>,
 }
 
 /// The field path of the file's top level.
@@ -181,12 +184,24 @@ fn join(path: &str, key: &str) -> String {
 /// Converts a located tree to a document; problems go to `diags`. Returns `None` when the
 /// tree is not a mapping at all.
 pub fn document(root: &Node, diags: &mut Vec<Diagnostic>) -> Option<PolicyDocument> {
+    document_and_detached(root, diags).map(|(doc, _)| doc)
+}
+
+/// [`document`], and the diagnostics it added that are about layers it left out of the
+/// document (a second endpoint of a name already used, a route whose `match` was refused), as
+/// ranges of indices into `diags`: their paths may be those of a layer the document keeps (a
+/// duplicate endpoint's are the first one's), but they say nothing about its values.
+pub(crate) fn document_and_detached(
+    root: &Node,
+    diags: &mut Vec<Diagnostic>,
+) -> Option<(PolicyDocument, Vec<Range<usize>>)> {
     let mut w = Walker {
         diags: std::mem::take(diags),
+        detached: Vec::new(),
     };
     let doc = w.top(root);
     *diags = w.diags;
-    doc
+    doc.map(|doc| (doc, w.detached))
 }
 
 impl Walker {
@@ -364,9 +379,8 @@ impl Walker {
                         format!("duplicate endpoint `{name}` (first defined at {first})"),
                     );
                     // Left out of the document, but its own problems are reported too. They
-                    // share the first endpoint's paths, so the first's cross-field checks
-                    // leave a field alone that the duplicate got wrong: a file with errors
-                    // may then show one message fewer, never a wrong one.
+                    // share the first endpoint's paths, so they are marked detached: the
+                    // first's cross-field checks still run on the fields it sets.
                     let overlay = self.overlay(value, &path, Layer::Endpoint);
                     crate::validate::check_detached(&overlay, &path, false, &mut self.diags);
                     if let Some(routes) = get(value, "routes") {
@@ -382,6 +396,7 @@ impl Walker {
                         }
                     }
                     crate::diag::tag_endpoint(&mut self.diags[first_diag..], &name, &path);
+                    self.detached.push(first_diag..self.diags.len());
                     continue;
                 }
                 Entry::Vacant(slot) => {
@@ -416,6 +431,7 @@ impl Walker {
                 self.type_error(item, &path, "a route (a mapping with `match:`)");
                 continue;
             }
+            let first_diag = self.diags.len();
             let overlay = self.overlay(item, &path, Layer::Route);
             let matcher =
                 get(item, "match").and_then(|m| self.route_match(m, &join(&path, "match")));
@@ -431,6 +447,7 @@ impl Walker {
                     }
                     // Left out of the document; its settings are still checked.
                     crate::validate::check_detached(&overlay, &path, true, &mut self.diags);
+                    self.detached.push(first_diag..self.diags.len());
                 }
             }
         }

@@ -311,20 +311,20 @@ impl Loaded {
 /// panics; bounded time and memory on any input (see [`crate::yaml`] for the limits).
 pub fn load(bytes: &[u8]) -> Loaded {
     let mut diagnostics = Vec::new();
-    let document = match crate::yaml::parse(bytes) {
-        Ok(root) => crate::parse::document(&root, &mut diagnostics),
+    let parsed = match crate::yaml::parse(bytes) {
+        Ok(root) => crate::parse::document_and_detached(&root, &mut diagnostics),
         Err(e) => {
             diagnostics.push(Diagnostic::error(e.loc, "<root>", e.message));
             None
         }
     };
-    let Some(document) = document else {
+    let Some((document, detached)) = parsed else {
         return Loaded {
             policies: None,
             diagnostics,
         };
     };
-    crate::validate::check(&document, &mut diagnostics);
+    crate::validate::check_parsed(&document, &mut diagnostics, &detached);
     diag::normalize(&mut diagnostics);
     let policies =
         (!diagnostics.iter().any(Diagnostic::is_error)).then(|| PolicySet::compile(document));

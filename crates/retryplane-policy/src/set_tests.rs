@@ -553,6 +553,19 @@ fn a_key_or_endpoint_written_twice_still_has_what_it_keeps_checked() {
             "4:17: error: endpoints.p.deadline: must be longer than zero"
         ]
     );
+    // The second one's refusals are not the first one's: a field the first does not set is
+    // still checked against the others (here the built-in deadline).
+    assert_eq!(
+        all(
+            "version: 1\nendpoints:\n  p: {per_try_timeout: 30s}\n  p: {deadline: 0s, backoff: 5}\n"
+        ),
+        [
+            "3:24: error: endpoints.p.per_try_timeout: per_try_timeout (30s) is longer than the deadline (15s)",
+            "4:3: error: endpoints.p: duplicate endpoint `p` (first defined at 3:3)",
+            "4:17: error: endpoints.p.deadline: must be longer than zero",
+            "4:30: error: endpoints.p.backoff: expected a mapping, found an integer",
+        ]
+    );
 }
 
 #[test]

@@ -7,6 +7,7 @@
 //! the most specific layer that wrote one of the fields involved, once.
 
 use std::collections::{HashMap, HashSet};
+use std::ops::Range;
 use std::time::Duration;
 
 use crate::backoff;
@@ -42,7 +43,18 @@ const NON_RETRYABLE_GRPC: [GrpcCode; 8] = [
 /// Checks `doc`, appending every problem to `diags`. Errors already in `diags` (the parser's)
 /// mark the fields they refused: cross-field checks leave those fields alone.
 pub fn check(doc: &PolicyDocument, diags: &mut Vec<Diagnostic>) {
-    let mut refused = Refused::new(diags);
+    check_parsed(doc, diags, &[]);
+}
+
+/// [`check`], where the errors of `diags` in the `detached` ranges are about layers the parser
+/// left out of `doc` ([`crate::parse::document_and_detached`]): they mark no field of `doc`
+/// as refused, even when their paths are its own (a duplicate endpoint's are the first one's).
+pub(crate) fn check_parsed(
+    doc: &PolicyDocument,
+    diags: &mut Vec<Diagnostic>,
+    detached: &[Range<usize>],
+) {
+    let mut refused = Refused::new(diags, detached);
     let defaults_layers = [(Level::Defaults, "defaults".to_owned(), &doc.defaults)];
     check_layer_noting(&doc.defaults, "defaults", &mut refused, diags);
     check_effective(&defaults_layers, &refused, diags);
@@ -565,9 +577,11 @@ fn blame(layers: &Layers<'_>, fields: &[&str]) -> (Loc, String) {
 /// refused value). Either way the effective value is not one the file may hold.
 ///
 /// Kept apart, because a parser error's path may also be that of a field its layer does set:
-/// a key written twice (the first value is kept, and is checked), or an endpoint written twice
-/// (the second is refused under the first one's paths). So a parser refusal counts only where
-/// its layer does not set the field, and a range refusal wherever it is written.
+/// a key written twice (the first value is kept, and is checked). So a parser refusal counts
+/// only where its layer does not set the field, and a range refusal wherever it is written.
+/// The errors of layers left out of the document (an endpoint written twice, whose paths are
+/// the first one's; a route whose `match` was refused) are not refusals of its fields at all:
+/// the parser says which they are, and they are not counted.
 struct Refused {
     parsed: HashSet<String>,
     ranges: HashSet<String>,
@@ -582,9 +596,23 @@ fn error_paths(diags: &[Diagnostic]) -> impl Iterator<Item = String> + '_ {
 }
 
 impl Refused {
-    fn new(diags: &[Diagnostic]) -> Self {
+    /// The parser's refusals: the errors among `diags`, except those in the `detached` ranges.
+    fn new(diags: &[Diagnostic], detached: &[Range<usize>]) -> Self {
+        let mut attached = vec![true; diags.len()];
+        for range in detached {
+            if let Some(flags) = attached.get_mut(range.clone()) {
+                flags.fill(false);
+            }
+        }
+        let kept = diags
+            .iter()
+            .zip(attached)
+            .filter_map(|(d, attached)| attached.then_some(d));
         Self {
-            parsed: error_paths(diags).collect(),
+            parsed: kept
+                .filter(|d| d.is_error())
+                .map(|d| d.path.clone())
+                .collect(),
             ranges: HashSet::new(),
         }
     }
