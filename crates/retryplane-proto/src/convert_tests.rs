@@ -216,7 +216,38 @@ fn a_negative_zero_hashes_and_converts_as_zero_in_every_number_field() {
     };
     let plus = doc(vec![endpoint("a", overlay(0.0))]);
     let minus = doc(vec![endpoint("a", overlay(-0.0))]);
-    assert_eq!(content_hash(&minus), content_hash(&plus));
+    // The hash is of the bits as they are (what a version stored with `-0.0`, or an agent's
+    // cache of it, was hashed with); `unsigned_zeros` makes the wire document one content.
+    assert_ne!(content_hash(&minus), content_hash(&plus));
+    let mut unsigned = minus.clone();
+    unsigned_zeros(&mut unsigned);
+    assert_eq!(content_hash(&unsigned), content_hash(&plus));
+    let mut everywhere = pb::PolicyDocument {
+        defaults: Some(overlay(-0.0)),
+        ..minus.clone()
+    };
+    everywhere.endpoints[0].routes.push(pb::Route {
+        overlay: Some(overlay(-0.0)),
+        ..Default::default()
+    });
+    unsigned_zeros(&mut everywhere);
+    assert_eq!(
+        everywhere,
+        pb::PolicyDocument {
+            defaults: Some(overlay(0.0)),
+            endpoints: vec![pb::Endpoint {
+                routes: vec![pb::Route {
+                    overlay: Some(overlay(0.0)),
+                    ..Default::default()
+                }],
+                ..plus.endpoints[0].clone()
+            }],
+        }
+    );
+    assert!(
+        format!("{everywhere:?}").matches("-0.0").count() == 0,
+        "{everywhere:?}"
+    );
     let converted = PolicyDocument::try_from(minus).expect("converts");
     let o = &converted.endpoints[0].overlay;
     for v in [

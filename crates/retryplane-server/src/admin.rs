@@ -334,7 +334,12 @@ async fn load_yaml(yaml: String) -> Result<retryplane_policy::Loaded, Status> {
 /// every diagnostic when the YAML has errors.
 async fn document_of(kind: Kind) -> Result<(pb::PolicyDocument, Option<Vec<Diagnostic>>), Status> {
     match kind {
-        Kind::Document(document) => Ok((document, None)),
+        Kind::Document(mut document) => {
+            // A file reads `-0.0` as `0.0`; so does a document, or a change of a zero's sign
+            // alone would get a new hash and version.
+            convert::unsigned_zeros(&mut document);
+            Ok((document, None))
+        }
         Kind::Yaml(yaml) => {
             let loaded = load_yaml(yaml).await?;
             match loaded.policies {

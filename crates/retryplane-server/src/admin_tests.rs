@@ -950,3 +950,44 @@ async fn removing_a_thousand_long_named_endpoints_is_refused_with_a_capped_list(
         "{message}"
     );
 }
+
+/// A document from a wire client that writes a zero as `-0.0` is the content of one that
+/// writes `0.0` (as a file's would be): not a new version, and stored without the sign.
+#[tokio::test]
+async fn a_document_that_only_changes_a_zeros_sign_is_no_change() {
+    let admin = api(Mode::Api);
+    let document = |ratio: f64| pb::ApplyRequest {
+        source: Some(pb::PolicySource {
+            kind: Some(Kind::Document(pb::PolicyDocument {
+                endpoints: vec![pb::Endpoint {
+                    name: "payments".to_owned(),
+                    overlay: Some(pb::Overlay {
+                        budget: Some(pb::Budget {
+                            ratio: Some(ratio),
+                            ..Default::default()
+                        }),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            })),
+            origin: String::new(),
+        }),
+        ..Default::default()
+    };
+    let first = apply(&admin, document(0.0)).await.unwrap();
+    assert_eq!(first.version, 1);
+    let again = apply(&admin, document(-0.0)).await.unwrap();
+    assert_eq!((again.version, again.content_hash), (1, first.content_hash));
+    // Into an empty store, `-0.0` is stored as `0.0`.
+    let fresh = api(Mode::Api);
+    let stored = apply(&fresh, document(-0.0)).await.unwrap();
+    let got = get(&fresh, stored.version).await.unwrap();
+    let ratio = got.policies.unwrap().endpoints[0]
+        .overlay
+        .as_ref()
+        .and_then(|o| o.budget.as_ref())
+        .and_then(|b| b.ratio);
+    assert!(ratio.is_some_and(f64::is_sign_positive), "{ratio:?}");
+}

@@ -122,10 +122,15 @@ impl From<&Overlay> for pb::Overlay {
 ///
 /// Canonical: endpoints sorted by name (lookup is by name, so their order carries no meaning;
 /// routes keep theirs, the first match wins), empty sections left out, an empty HTTP path
-/// prefix written as the `/` it means, `-0.0` written as the `0.0` it equals. Protobuf encoding is deterministic for these messages:
+/// prefix written as the `/` it means. Protobuf encoding is deterministic for these messages:
 /// prost writes fields in tag order and the policy messages hold no `map` fields, whose order
 /// would not be. Two documents with the same content
-/// ([`retryplane_policy::diff::same_content`]) have the same hash.
+/// ([`retryplane_policy::diff::same_content`]) have the same hash, once a document from a wire
+/// client has been through [`unsigned_zeros`] (as the control plane does on Apply; a file's
+/// numbers are read so).
+///
+/// The hash is of the numbers' bits as they are: a version stored, and an agent's cache file
+/// written, before `-0.0` was read as `0.0` still match the hash they were stored with.
 pub fn content_hash(doc: &pb::PolicyDocument) -> String {
     use prost::Message as _;
     let bytes = canonical(doc).encode_to_vec();
@@ -133,6 +138,36 @@ pub fn content_hash(doc: &pb::PolicyDocument) -> String {
         .iter()
         .map(|b| format!("{b:02x}"))
         .collect()
+}
+
+/// Writes every `-0.0` of `doc`'s numbers as `0.0`, the value a policy file reads it as: a
+/// document sent by a wire client that only writes a zero's sign differently from the current
+/// version then has its content hash, and is not published again. Converting a document
+/// (`PolicyDocument::try_from`) reads them so already; this is for the
+/// wire document itself, which the control plane hashes and stores.
+pub fn unsigned_zeros(doc: &mut pb::PolicyDocument) {
+    let overlay = |o: &mut pb::Overlay| {
+        let zero = |v: &mut Option<f64>| *v = v.map(retryplane_policy::unsigned_zero);
+        if let Some(b) = &mut o.backoff {
+            zero(&mut b.multiplier);
+        }
+        if let Some(b) = &mut o.budget {
+            zero(&mut b.ratio);
+        }
+        if let Some(c) = &mut o.circuit_breaker {
+            zero(&mut c.failure_ratio);
+        }
+        if let Some(a) = &mut o.alert {
+            zero(&mut a.retry_ratio);
+        }
+    };
+    doc.defaults.iter_mut().for_each(overlay);
+    for ep in &mut doc.endpoints {
+        ep.overlay.iter_mut().for_each(overlay);
+        for route in &mut ep.routes {
+            route.overlay.iter_mut().for_each(overlay);
+        }
+    }
 }
 
 fn canonical(doc: &pb::PolicyDocument) -> pb::PolicyDocument {
@@ -157,21 +192,6 @@ fn canonical(doc: &pb::PolicyDocument) -> pb::PolicyDocument {
 }
 
 fn canonical_overlay(mut o: pb::Overlay) -> Option<pb::Overlay> {
-    // Every number of a policy: `-0.0` and `0.0` are the same value (and `same_content` says
-    // so), but encode differently.
-    let zero = |v: &mut Option<f64>| *v = v.map(retryplane_policy::unsigned_zero);
-    if let Some(b) = &mut o.backoff {
-        zero(&mut b.multiplier);
-    }
-    if let Some(b) = &mut o.budget {
-        zero(&mut b.ratio);
-    }
-    if let Some(c) = &mut o.circuit_breaker {
-        zero(&mut c.failure_ratio);
-    }
-    if let Some(a) = &mut o.alert {
-        zero(&mut a.retry_ratio);
-    }
     o.backoff = o.backoff.and_then(non_empty);
     o.retry_on = o.retry_on.and_then(non_empty);
     o.retry_after = o.retry_after.and_then(non_empty);
