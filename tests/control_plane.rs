@@ -862,3 +862,83 @@ async fn fleet_status_shows_who_connected_from_where_and_who_left() {
     })
     .await;
 }
+
+/// Copies bytes from `from` to `to` until `frozen` is set; from then on it neither reads nor
+/// writes, and keeps both sockets open: a peer that went silent without closing anything (a
+/// partitioned network, a suspended VM), which only HTTP/2 keepalive can tell.
+async fn pump(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    frozen: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        if frozen.load(std::sync::atomic::Ordering::SeqCst) {
+            // Holds both halves: the connection stays open and says nothing more.
+            return std::future::pending().await;
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_that_goes_silent_is_dropped_by_keepalive_and_shows_disconnected() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let plane = Plane::api_mode_with(&policy_yaml(1, 3), |cfg| {
+        cfg.keepalive_interval = Duration::from_secs(1);
+        cfg.keepalive_timeout = Duration::from_secs(1);
+    })
+    .await;
+    // A TCP relay between the agent and the server that can stop passing anything on.
+    let upstream = plane.running.agent_addr;
+    let relay = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let relay_addr = relay.local_addr().unwrap();
+    let frozen = Arc::new(AtomicBool::new(false));
+    let relay_frozen = frozen.clone();
+    tokio::spawn(async move {
+        loop {
+            let (agent_side, _) = relay.accept().await.unwrap();
+            let server_side = tokio::net::TcpStream::connect(upstream).await.unwrap();
+            let (agent_read, agent_write) = agent_side.into_split();
+            let (server_read, server_write) = server_side.into_split();
+            tokio::spawn(pump(agent_read, server_write, relay_frozen.clone()));
+            tokio::spawn(pump(server_read, agent_write, relay_frozen.clone()));
+        }
+    });
+    let mut silent = RawAgent::connect(channel(relay_addr).await, hello("silent", 0, ""))
+        .await
+        .unwrap();
+    let snapshot = silent.next_snapshot().await.unwrap();
+    silent.ack(&snapshot).await;
+    let mut direct = RawAgent::connect(plane.agent_channel().await, hello("direct", 0, ""))
+        .await
+        .unwrap();
+    direct.next_snapshot().await.unwrap();
+    eventually("the silent agent's ACK is recorded", || async {
+        agent_status(&plane, "silent")
+            .await
+            .is_some_and(|s| s.connected && s.last_response == "ack")
+    })
+    .await;
+    frozen.store(true, Ordering::SeqCst);
+    // No FIN, no RST: only an unanswered PING ends the connection (1 s + 1 s here).
+    eventually("the silent agent shows as disconnected", || async {
+        agent_status(&plane, "silent")
+            .await
+            .is_some_and(|s| !s.connected)
+    })
+    .await;
+    // Everyone else carries on.
+    assert!(agent_status(&plane, "direct").await.unwrap().connected);
+    let version = plane.apply(&policy_yaml(1, 4)).await;
+    assert_eq!(direct.next_snapshot().await.unwrap().version, version);
+    drop(silent);
+}
