@@ -7,9 +7,11 @@
 //! line, `v7: 998 acked, 2 nacked, 0 pending` (and `, 3 disconnected` when some are; `no
 //! version yet: …` before the first version is stored):
 //!
-//! - acked: connected agents that run the current version (none while no version is
-//!   published);
-//! - nacked: agents whose last answer is a NACK of the current version (connected or not);
+//! - nacked: agents whose last answer is a NACK of the current version (connected or not),
+//!   even one whose Hello named the current version's number (with other content: a control
+//!   plane started on a new store);
+//! - acked: the other connected agents that run the current version (none while no version
+//!   is published);
 //! - pending: the other connected agents (the push is on its way, or unanswered);
 //! - disconnected: the other agents the server still remembers.
 //!
@@ -132,10 +134,13 @@ impl Counts {
             let nacked_current = a.last_response == "nack" && a.last_response_version == current;
             // With nothing published yet (version 0) there is nothing to have acked: an agent
             // that has applied nothing waits for the first push.
-            if a.connected && current != 0 && a.applied_version == current {
-                counts.acked += 1;
-            } else if nacked_current {
+            // A NACK of the current version first: an agent whose Hello named the current
+            // version's number with other content (a control plane started on a new store)
+            // was sent this version and refused it, so it does not run it.
+            if nacked_current {
                 counts.nacked += 1;
+            } else if a.connected && current != 0 && a.applied_version == current {
+                counts.acked += 1;
             } else if a.connected {
                 counts.pending += 1;
             } else {
@@ -345,6 +350,20 @@ mod tests {
         );
         let all_good = Counts::of(7, &agents[..2]);
         assert_eq!(all_good.line(7), "v7: 2 acked, 0 nacked, 0 pending");
+    }
+
+    #[test]
+    fn an_agent_that_nacked_the_current_version_is_nacked_whatever_version_it_named() {
+        // Its Hello named v7 with another content hash (a store started afresh): v7 was sent
+        // and refused, so the agent does not run this v7.
+        let agents = vec![
+            agent("a", true, 7, "nack", 7),
+            agent("b", true, 7, "ack", 7),
+        ];
+        assert_eq!(
+            Counts::of(7, &agents).line(7),
+            "v7: 1 acked, 1 nacked, 0 pending"
+        );
     }
 
     #[test]
