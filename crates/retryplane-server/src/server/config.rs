@@ -199,4 +199,51 @@ mod tests {
             assert!(!overlap(at(a), at(b)), "{a} and {b}");
         }
     }
+
+    #[test]
+    fn without_tokens_loopback_is_said_and_another_address_needs_insecure() {
+        let cfg = |listen: &str, admin: &str, insecure: bool| ServeConfig {
+            listen: at(listen),
+            admin_listen: at(admin),
+            insecure,
+            ..ServeConfig::default()
+        };
+        // Loopback (IPv4 or IPv6): served, and the log says there is no authentication.
+        for (listen, admin) in [("127.0.0.1:7470", "127.0.0.1:7471"), ("[::1]:0", "[::1]:0")] {
+            let (log, guard) = crate::test_logs::capture("retryplane_server=warn");
+            assert!(check_exposure(&cfg(listen, admin, false)).is_ok());
+            drop(guard);
+            let log = log.text();
+            assert!(
+                log.contains(
+                    "no tokens file: the agent and admin listeners serve on loopback only"
+                ),
+                "{log}"
+            );
+        }
+        // Another address: refused, unless --insecure, which is said for each such listener.
+        let exposed = cfg("0.0.0.0:7470", "[::]:7471", false);
+        assert!(matches!(
+            check_exposure(&exposed),
+            Err(ServeError::Exposed { ref listeners }) if listeners.len() == 2
+        ));
+        let (log, guard) = crate::test_logs::capture("retryplane_server=warn");
+        assert!(check_exposure(&cfg("0.0.0.0:7470", "[::]:7471", true)).is_ok());
+        drop(guard);
+        let log = log.text();
+        assert!(
+            log.contains("--insecure: the agent listener accepts anyone"),
+            "{log}"
+        );
+        assert!(
+            log.contains("--insecure: the admin listener accepts anyone"),
+            "{log}"
+        );
+        // With a tokens file any address is served.
+        let with_tokens = ServeConfig {
+            tokens_file: Some(PathBuf::from("tokens.yaml")),
+            ..exposed
+        };
+        assert!(check_exposure(&with_tokens).is_ok());
+    }
 }
