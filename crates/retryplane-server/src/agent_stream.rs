@@ -227,7 +227,8 @@ fn check_hello(hello: &pb::Hello, limits: &StreamLimits) -> Result<(), Status> {
 impl AgentStreamService {
     /// `retryplane.v1.AgentService/Connect`: waits for Hello, registers the agent and starts
     /// the stream's task. Returns what the task sends (shared frames, then at most one final
-    /// status), or the status that refuses the stream.
+    /// status), or the status that refuses the stream (`UNAVAILABLE`, "reconnect", when the
+    /// server shuts down before the Hello comes).
     pub async fn connect(
         &self,
         request: Request<Streaming<pb::AgentMessage>>,
@@ -245,7 +246,13 @@ impl AgentStreamService {
             )));
         };
         let mut inbound = request.into_inner();
-        let first = tokio::time::timeout(limits.hello_timeout, inbound.message()).await;
+        // A shutdown does not wait for the Hello: the stream is told to reconnect at once, as
+        // registered ones are, so a stream that never says Hello cannot hold the shutdown up.
+        let mut shutdown = self.ctx.shutdown.clone();
+        let first = tokio::select! {
+            first = tokio::time::timeout(limits.hello_timeout, inbound.message()) => first,
+            _ = shutdown.wait_for(|stop| *stop) => return Err(shutdown_status()),
+        };
         let hello = match first {
             Ok(Ok(Some(pb::AgentMessage {
                 kind: Some(Kind::Hello(hello)),

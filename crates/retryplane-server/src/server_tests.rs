@@ -510,6 +510,44 @@ async fn shutdown_ends_agent_streams_with_unavailable() {
     stopping.await.unwrap().unwrap();
 }
 
+#[tokio::test]
+async fn shutdown_refuses_a_stream_still_waiting_for_its_hello_with_unavailable() {
+    let (_dir, mut cfg) = with_file(V1);
+    // Longer than the whole shutdown may take: the shutdown must not wait for it.
+    cfg.stream_limits.hello_timeout = SHUTDOWN_GRACE * 4;
+    // One stream may wait for its Hello: a second one refused tells the first is waiting.
+    cfg.stream_limits.max_pending_handshakes = 1;
+    let running = start(cfg).await.unwrap();
+    let mut client = AgentServiceClient::new(channel(running.agent_addr).await);
+    let (tx, rx) = mpsc::channel::<pb::AgentMessage>(1);
+    let waiting = tokio::spawn(async move { client.connect(ReceiverStream::new(rx)).await });
+    tokio::time::timeout(SHUTDOWN_GRACE, async {
+        for probe in 0.. {
+            match open_stream(running.agent_addr, hello(&format!("probe-{probe}")), None).await {
+                Err(status) if status.code() == Code::ResourceExhausted => break,
+                _ => tokio::time::sleep(Duration::from_millis(10)).await,
+            }
+        }
+    })
+    .await
+    .expect("the stream reaches the server and waits for its Hello");
+    let began = tokio::time::Instant::now();
+    let stopping = tokio::spawn(running.shutdown());
+    let refused = tokio::time::timeout(SHUTDOWN_GRACE, waiting)
+        .await
+        .expect("the waiting stream is answered before the shutdown grace is over")
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(refused.code(), Code::Unavailable, "{refused:?}");
+    stopping.await.unwrap().unwrap();
+    assert!(
+        began.elapsed() < SHUTDOWN_GRACE,
+        "the shutdown waited {:?} for a stream that never said Hello",
+        began.elapsed()
+    );
+    drop(tx);
+}
+
 async fn health(addr: SocketAddr) -> Vec<i32> {
     use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
     let mut client = HealthClient::new(channel(addr).await);
