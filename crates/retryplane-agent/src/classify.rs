@@ -232,7 +232,9 @@ fn classify_dyn(e: &(dyn StdError + 'static)) -> Classification {
 /// (feature `reqwest`) The error `Response::error_for_status` makes of a 4xx or 5xx answer →
 /// that HTTP status, as the response itself would count (its `Retry-After` is not kept in the
 /// error, so none is honored); a failure to connect → connect (a connect timeout included: the
-/// request never left); a timeout → timeout; a request or body that failed on the way → reset
+/// request never left), and so is a stream the server refused (HTTP/2 `REFUSED_STREAM`, which
+/// reqwest sends again itself twice at most before it reports it: not processed); a timeout →
+/// timeout; a request or body that failed on the way → reset
 /// (unknown outcome). Any other error is judged by the transport error below it, if there is one:
 /// reqwest reports a connection that broke while the response body was read (`chunk()`,
 /// `bytes()`, `text()`) as a decoding error over the `hyper::Error` or `io::Error` that says
@@ -248,7 +250,10 @@ impl Classify for reqwest::Error {
                 retry_after: None,
             });
         }
-        let class = if self.is_connect() {
+        // A stream the server refused (HTTP/2 `REFUSED_STREAM`) was not processed: reqwest sends
+        // it again itself, twice at most, and reports it as a request error once a server
+        // keeps refusing.
+        let class = if self.is_connect() || refused_stream_in_chain(self) {
             ErrorClass::Connect
         } else if self.is_timeout() {
             ErrorClass::Timeout

@@ -568,7 +568,7 @@ async fn the_layer_counts_a_reqwest_timeout_below_it_as_a_timeout() {
 async fn a_reqwest_http2_keep_alive_timeout_is_a_timeout() {
     // reqwest calls it a request error that is also a timeout (it finds hyper's timeout below
     // it), so it counts as one, as with hyper-util's client, not as a reset. (A stream the
-    // server refused never shows through reqwest: it sends the request again itself.)
+    // server refused is sent again by reqwest itself, twice at most; see the test below.)
     let (port, _) = scripted_server(Close::Never).await;
     let client = reqwest::Client::builder()
         .http2_prior_knowledge()
@@ -584,4 +584,69 @@ async fn a_reqwest_http2_keep_alive_timeout_is_a_timeout() {
         .expect_err("no answer");
     assert!(err.is_request(), "{err:?}");
     assert_eq!(err.classify(), transport(ErrorClass::Timeout), "{err:?}");
+}
+
+/// An HTTP/2 server (prior knowledge) on loopback that refuses every stream with
+/// `REFUSED_STREAM`; counts the streams it refused.
+#[cfg(feature = "reqwest")]
+async fn refuses_every_stream() -> (u16, Arc<AtomicU32>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let refused = Arc::new(AtomicU32::new(0));
+    let counted = refused.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((socket, _)) = listener.accept().await else {
+                return;
+            };
+            let counted = counted.clone();
+            tokio::spawn(async move {
+                let Ok(mut conn) = h2::server::handshake(socket).await else {
+                    return;
+                };
+                while let Some(Ok((_request, mut respond))) = conn.accept().await {
+                    counted.fetch_add(1, Ordering::SeqCst);
+                    respond.send_reset(h2::Reason::REFUSED_STREAM);
+                }
+            });
+        }
+    });
+    (port, refused)
+}
+
+#[cfg(feature = "reqwest")]
+#[tokio::test]
+async fn a_stream_refused_past_reqwests_own_resends_is_a_connect_error() {
+    // reqwest sends a refused stream again itself, twice at most: a server that keeps
+    // refusing (overloaded, at its stream limit) gets the error through. The request was
+    // never processed, so it is a connect error, as from hyper-util's client and tonic.
+    let (port, refused) = refuses_every_stream().await;
+    let client = reqwest::Client::builder()
+        .http2_prior_knowledge()
+        .build()
+        .unwrap();
+    let url = format!("http://127.0.0.1:{port}/charges");
+    let err = tokio::time::timeout(WAIT, client.post(&url).body("{}").send())
+        .await
+        .expect("the server answers in time")
+        .expect_err("every stream refused");
+    assert!(refused.load(Ordering::SeqCst) >= 1);
+    assert_eq!(err.classify(), transport(ErrorClass::Connect), "{err:?}");
+    // As a boxed error (what a tower stack returns), the same.
+    let boxed: Box<dyn std::error::Error + Send + Sync> = Box::new(err);
+    assert_eq!(boxed.classify(), transport(ErrorClass::Connect));
+
+    // So a POST without the key is sent again under the policy, as `retryplane request` does.
+    let ep = agent("").endpoint("ep");
+    let err = tokio::time::timeout(
+        WAIT,
+        ep.call(retryplane_agent::CallMeta::http("POST", "/charges"), |_| {
+            client.post(&url).body("{}").send()
+        }),
+    )
+    .await
+    .expect("the call ends")
+    .expect_err("every stream refused");
+    assert_eq!(err.cause.to_string(), "attempts_exhausted");
+    assert_eq!(ep.pending_counts().attempts, 3);
 }
