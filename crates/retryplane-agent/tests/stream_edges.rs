@@ -1,8 +1,8 @@
 //! The control-plane side of the agent at its edges: a metrics interval or keepalive out of
 //! range, a version lower than the one applied, the same version with other content, a
 //! snapshot that drops a handle's endpoint or is just under the message limit, shutdown from
-//! two clones. Against the scripted control plane (`support::script`), and a peer that never
-//! answers a stream's opening.
+//! two clones, reconnect delays. Against the scripted control plane (`support::script`), a peer
+//! that never answers a stream's opening, and one that refuses every stream.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -342,4 +342,65 @@ async fn a_control_plane_that_never_answers_the_streams_opening_is_left_and_trie
         started.elapsed()
     );
     agent.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconnects_to_a_control_plane_that_refuses_every_stream_back_off_up_to_the_cap() {
+    // A peer that answers every stream's opening at once with `UNAVAILABLE`: every session
+    // ends at once, so the time between two streams is the agent's reconnect delay, whose
+    // ceiling doubles from 100 ms to the 400 ms cap, each delay in [ceiling / 2, ceiling]
+    // (equal jitter).
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Ok((socket, _)) = listener.accept().await {
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                let Ok(mut conn) = h2::server::handshake(socket).await else {
+                    return;
+                };
+                while let Some(Ok((_request, mut respond))) = conn.accept().await {
+                    let _ = tx.send(Instant::now());
+                    let refused = http::Response::builder()
+                        .header("content-type", "application/grpc")
+                        .header("grpc-status", "14")
+                        .body(())
+                        .unwrap();
+                    let _ = respond.send_response(refused, true);
+                }
+            });
+        }
+    });
+    let agent = support::plane::builder(addr, "backoff")
+        .reconnect_backoff(retryplane_agent::ReconnectBackoff::new(
+            Duration::from_millis(100),
+            Duration::from_millis(400),
+            Duration::from_secs(10),
+        ))
+        .connect()
+        .unwrap();
+    let mut streams = Vec::new();
+    while streams.len() < 8 {
+        let at = tokio::time::timeout(Duration::from_secs(10), rx.recv())
+            .await
+            .expect("the agent tries again")
+            .unwrap();
+        streams.push(at);
+    }
+    agent.shutdown().await;
+    assert_eq!(agent.policies().source(), Source::Fallback);
+    let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+    let gaps: Vec<f64> = streams.windows(2).map(|w| ms(w[1] - w[0])).collect();
+    for (n, gap) in gaps.iter().enumerate() {
+        let ceiling = (100u64 << n.min(2)) as f64;
+        // A try takes a little time of its own (a busy machine more): the upper bound has a
+        // margin.
+        assert!(
+            *gap >= ceiling / 2.0 - 5.0 && *gap <= ceiling + 250.0,
+            "delay {} was {gap:.0} ms, outside [{}, {ceiling}] ms: {gaps:?}",
+            n + 1,
+            ceiling / 2.0
+        );
+    }
 }
