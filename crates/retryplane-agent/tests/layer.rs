@@ -459,3 +459,38 @@ async fn a_follower_waits_for_its_leader_by_the_policy_read_when_it_began_though
     );
     assert_eq!(*calls.lock().unwrap(), [Duration::ZERO]);
 }
+
+#[tokio::test(start_paused = true)]
+async fn by_default_a_body_of_64_kib_is_replayed_and_one_byte_more_is_sent_once() {
+    let agent = agent(&policy("max_attempts: 3"));
+    let limit = retryplane_agent::layer::DEFAULT_BODY_LIMIT;
+    assert_eq!(limit, 64 * 1024);
+    for (size, sends) in [(limit, 2), (limit + 1, 1)] {
+        let body = Bytes::from(vec![b'x'; size]);
+        // A known size, and the same bytes in chunks of unknown total size.
+        let known = Request::builder()
+            .method("PUT")
+            .uri("/v1/things")
+            .body(Full::new(body.clone()).boxed_unsync())
+            .unwrap();
+        let chunks: Vec<Result<Frame<Bytes>, Infallible>> = body
+            .chunks(10_000)
+            .map(|c| Ok(Frame::data(Bytes::copy_from_slice(c))))
+            .collect();
+        let unknown = Request::builder()
+            .method("PUT")
+            .uri("/v1/things")
+            .body(StreamBody::new(tokio_stream::iter(chunks)).boxed_unsync())
+            .unwrap();
+        for (what, req) in [("known", known), ("unknown", unknown)] {
+            let (svc, seen) = upstream(&[503]);
+            let client = RetryLayer::new(agent.endpoint("ep")).layer(svc);
+            let response = client.oneshot(req).await.unwrap();
+            let seen = seen.lock().unwrap().clone();
+            assert_eq!(seen.len(), sends, "{size} bytes, {what} size");
+            assert!(seen.iter().all(|s| s.body == body), "{size} bytes, {what}");
+            let expected = if sends == 2 { 200 } else { 503 };
+            assert_eq!(response.status(), expected, "{size} bytes, {what} size");
+        }
+    }
+}
