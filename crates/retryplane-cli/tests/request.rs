@@ -36,6 +36,9 @@ endpoints:
 /// A script step: a 200 head announcing 100 bytes, 3 of them, then a reset (RST).
 const RESET_MID_BODY: u16 = 0;
 
+/// A script step: no answer at all; the connection is held open (a hung upstream).
+const HANG: u16 = 1;
+
 /// One request as the upstream saw it.
 #[derive(Clone, Debug)]
 struct Seen {
@@ -129,6 +132,15 @@ async fn serve_one(mut stream: TcpStream, status: u16, extra: &str) -> Option<Se
         buf.extend_from_slice(&chunk[..n]);
     }
     let body = buf[head_end..].to_vec();
+    if status == HANG {
+        // Held until the client gives up on it and closes its side.
+        let _ = stream.read(&mut chunk).await;
+        return Some(Seen {
+            method,
+            headers,
+            body,
+        });
+    }
     if status == RESET_MID_BODY {
         let head = "HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nabc";
         stream.write_all(head.as_bytes()).await.ok()?;
@@ -667,4 +679,43 @@ fn server_mode_says_why_the_control_plane_gave_no_policy() {
     let (code, stderr) = request(&support::dead_server(), None);
     assert_eq!(code, Some(2), "{stderr}");
     assert!(stderr.contains("within 5 s: cannot connect"), "{stderr}");
+}
+
+#[test]
+fn a_hung_upstream_gives_timeout_attempts_and_the_deadline_ends_the_call() {
+    // Per-try timeout 300 ms, deadline 500 ms: attempt 1 times out at 300 ms, the 100 ms
+    // pause, then attempt 2 has the 100 ms left and times out at the deadline.
+    let up = Upstream::start(&[(HANG, ""), (HANG, ""), (HANG, "")]);
+    let dir = TempDir::new().unwrap();
+    let path = dir.path().join("policy.yaml");
+    fs::write(
+        &path,
+        "version: 1\nendpoints:\n  api:\n    max_attempts: 5\n    per_try_timeout: 300ms\n    \
+         deadline: 500ms\n    backoff: {base: 100ms, max: 100ms, jitter: none}\n",
+    )
+    .unwrap();
+    let out = Command::cargo_bin("retryplane")
+        .unwrap()
+        .env_remove("RETRYPLANE_AGENT_TOKEN")
+        .args(["request", "--policy"])
+        .arg(&path)
+        .args(["--endpoint", "api", "--output", "json"])
+        .arg(up.url("/slow"))
+        .output()
+        .unwrap();
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(out.status.code(), Some(1), "{v}");
+    assert_eq!(v["outcome"], "failure");
+    assert_eq!(v["cause"], "deadline_exceeded");
+    assert_eq!(v["status"], Value::Null);
+    let (shapes, pauses) = attempts(&v);
+    assert_eq!(
+        shapes,
+        [
+            json!({"attempt": 1, "status": null, "error": "timeout"}),
+            json!({"attempt": 2, "status": null, "error": "timeout"}),
+        ]
+    );
+    assert_eq!(pauses, [json!(100), Value::Null]);
+    assert!(v["elapsed_ms"].as_u64().unwrap() >= 500, "{v}");
 }
