@@ -375,8 +375,10 @@ impl AgentBuilder {
 
     /// Starts the agent and returns at once: the policies come from the cache file if it holds
     /// a valid snapshot, else the [`crate::fallback_policy`], until the control plane sends
-    /// some; which of the two is logged at start, with why the cache file was not used. One
-    /// background task owns the stream. Must be called inside a tokio runtime.
+    /// some; which of the two is logged at start, with why the cache file was not used. The
+    /// cache file is read before this returns, on a thread of its own: a disk that does not
+    /// answer within 1 s is given up on (no cache this run, logged). One background task owns
+    /// the stream. Must be called inside a tokio runtime.
     pub fn connect(self) -> Result<Agent, AgentError> {
         let runtime = tokio::runtime::Handle::try_current().map_err(|_| AgentError::NoRuntime)?;
         let url = self.url.ok_or(AgentError::MissingUrl)?;

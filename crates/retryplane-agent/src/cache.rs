@@ -8,7 +8,9 @@
 //! is unique per write (process id and a counter), so two agents of one process never share it.
 //!
 //! Read at start; a missing (its directory too), empty, unreadable or invalid file is logged
-//! and ignored. A file that
+//! and ignored. The read runs on a thread of its own and a start waits at most 1 s for it: a
+//! volume that does not answer, or anything at the path that is not a regular file (a FIFO
+//! would wait for a writer), is logged, left alone, and no cache is kept for the run. A file that
 //! begins with the header is ours whatever follows it (damaged on disk, or written by a newer
 //! agent whose snapshot this one cannot check): it is not used, and the next applied snapshot
 //! replaces it. A file without the header is ours only if it is a snapshot whose content hash
@@ -32,6 +34,10 @@ use crate::snapshot::{PolicySnapshot, Source};
 
 /// Largest cache file read.
 const MAX_BYTES: u64 = 16 * 1024 * 1024;
+
+/// How long a start waits for the cache file to be read (see [`read_within`]). A local disk
+/// reads the largest cache in milliseconds.
+const READ_WAIT: Duration = Duration::from_secs(1);
 
 /// The first bytes of every cache file the agent writes: they mark the file as the agent's own.
 pub(crate) const HEADER: &[u8] = b"retryplane agent policy cache 1\n";
@@ -92,9 +98,27 @@ pub(crate) struct Foreign;
 /// The snapshot kept in `path`, if it is there and valid; [`Foreign`] when the file there is not
 /// a policy cache (see the module docs).
 pub(crate) fn load(path: &Path) -> Result<Option<Cached>, Foreign> {
-    let bytes = match read(path) {
-        Ok(Some(b)) => b,
-        Ok(None) => {
+    let bytes = match read_within(path, READ_WAIT) {
+        Some(Ok(Some(b))) => b,
+        None => {
+            warn!(
+                file = %path.display(),
+                wait_ms = READ_WAIT.as_millis() as u64,
+                "the policy cache could not be read in time (a volume that does not answer?); \
+                 starting without it, and no cache is kept this run"
+            );
+            return Err(Foreign);
+        }
+        Some(Err(e)) if e.kind() == std::io::ErrorKind::InvalidInput => {
+            warn!(
+                file = %path.display(),
+                error = %e,
+                "the cache path is not a regular file; it is left as it is and no cache is kept: \
+                 give the agent a cache file of its own"
+            );
+            return Err(Foreign);
+        }
+        Some(Ok(None)) => {
             // (A directory that is a file or cannot be searched fails the read itself: the
             // warning below says which.)
             let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
@@ -108,7 +132,7 @@ pub(crate) fn load(path: &Path) -> Result<Option<Cached>, Foreign> {
             }
             return Ok(None);
         }
-        Err(e) => {
+        Some(Err(e)) => {
             warn!(file = %path.display(), error = %e, "cannot read the policy cache; ignored");
             return Ok(None);
         }
@@ -157,8 +181,46 @@ enum Unusable {
     Foreign(String),
 }
 
+/// [`read`] on a thread of its own, waited for up to `wait`: `None` if it has not finished by
+/// then. [`crate::AgentBuilder::connect`] is not async and must return at once, so a volume that
+/// stops answering may not hold it up; the thread is left to finish (or hang) on its own.
+fn read_within(path: &Path, wait: Duration) -> Option<std::io::Result<Option<Vec<u8>>>> {
+    let at = path.to_owned();
+    within(wait, move || read(&at)).unwrap_or_else(|e| Some(Err(e)))
+}
+
+/// `f`'s result if it comes within `wait` (`Ok(None)` if not), run on a detached thread of its
+/// own; `Err` if no thread can be started. The wait is the wall clock's, not tokio's: a disk
+/// does not run on tokio's clock, and the caller is not async.
+fn within<T: Send + 'static>(
+    wait: Duration,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> std::io::Result<Option<T>> {
+    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    std::thread::Builder::new()
+        .name("retryplane-cache-read".into())
+        .spawn(move || {
+            let _ = tx.send(f());
+        })?;
+    Ok(rx.recv_timeout(wait).ok())
+}
+
+/// The bytes of the file at `path` (up to one more than [`MAX_BYTES`]); `None` if there is
+/// none. Anything but a regular file (or a link to one) is refused as `InvalidInput` before
+/// it is opened: opening a FIFO would wait for a writer.
 fn read(path: &Path) -> std::io::Result<Option<Vec<u8>>> {
     use std::io::Read as _;
+    match std::fs::metadata(path) {
+        Ok(m) if !m.is_file() => {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "not a regular file",
+            ));
+        }
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e),
+    }
     let f = match std::fs::File::open(path) {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
@@ -203,6 +265,45 @@ fn decode(bytes: &[u8]) -> Result<Cached, Unusable> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A FIFO at the cache path would hold the start up until something writes to it: it is
+    /// refused (and left alone) before it is opened.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_fifo_at_the_cache_path_is_left_alone_without_waiting_for_a_writer() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agent.cache");
+        let made = std::process::Command::new("mkfifo")
+            .arg(&path)
+            .status()
+            .unwrap();
+        assert!(made.success());
+        let at = path.clone();
+        let loaded = within(Duration::from_secs(10), move || {
+            load(&at).map(|c| c.is_some())
+        });
+        // If a reader did wait, a writer lets it go. Without one waiting, a non-blocking open
+        // fails at once (`O_NONBLOCK`, Linux's value) instead of waiting for a reader.
+        let _writer = {
+            use std::os::unix::fs::OpenOptionsExt as _;
+            std::fs::OpenOptions::new()
+                .write(true)
+                .custom_flags(0o4000)
+                .open(&path)
+        };
+        assert_eq!(loaded.unwrap(), Some(Err(Foreign)));
+    }
+
+    /// A read that does not come back in time is given up on: the caller goes on.
+    #[test]
+    fn a_read_that_hangs_is_given_up_on_after_the_wait() {
+        let (release, hung) = std::sync::mpsc::channel::<()>();
+        let got = within(Duration::from_millis(50), move || hung.recv().is_ok()).unwrap();
+        assert_eq!(got, None);
+        drop(release);
+        // One that answers in time is returned.
+        assert_eq!(within(Duration::from_secs(10), || 7).unwrap(), Some(7));
+    }
 
     #[test]
     fn a_written_snapshot_loads_back_and_garbage_is_ignored() {
