@@ -337,7 +337,7 @@ async fn document_of(kind: Kind) -> Result<(pb::PolicyDocument, Option<Vec<Diagn
         Kind::Document(mut document) => {
             // A file reads `-0.0` as `0.0`; so does a document, or a change of a zero's sign
             // alone would get a new hash and version.
-            convert::unsigned_zeros(&mut document);
+            let _ = convert::unsigned_zeros(&mut document);
             Ok((document, None))
         }
         Kind::Yaml(yaml) => {

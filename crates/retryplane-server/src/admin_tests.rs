@@ -991,3 +991,48 @@ async fn a_document_that_only_changes_a_zeros_sign_is_no_change() {
         .and_then(|b| b.ratio);
     assert!(ratio.is_some_and(f64::is_sign_positive), "{ratio:?}");
 }
+
+/// A version stored with a `-0.0` (as files were read before `-0.0` became `0.0`) keeps its
+/// hash; applying the same file again, now read without the sign, changes nothing.
+#[tokio::test]
+async fn a_stored_negative_zero_and_the_same_file_read_again_are_no_change() {
+    let store: Arc<dyn VersionStore> = Arc::new(MemoryStore::new());
+    let admin = AdminApi::new(Arc::new(ControlPlane::for_tests(store.clone(), Mode::Api)));
+    let file = "version: 1\nendpoints:\n  payments:\n    budget: {ratio: -0.0}\n";
+    let mut stored = {
+        let set = retryplane_policy::load(file.as_bytes()).policies.unwrap();
+        pb::PolicyDocument::from(set.document().as_ref())
+    };
+    let budget = stored.endpoints[0]
+        .overlay
+        .as_mut()
+        .and_then(|o| o.budget.as_mut())
+        .unwrap();
+    budget.ratio = Some(-0.0);
+    store
+        .publish(
+            crate::store::NewVersion {
+                content_hash: convert::content_hash(&stored),
+                document: stored,
+                source: crate::store::Source::Admin,
+                author: None,
+                summary: "stored with -0.0".into(),
+                created_unix_ms: 1,
+            },
+            None,
+        )
+        .unwrap();
+    let dry = apply(
+        &admin,
+        pb::ApplyRequest {
+            dry_run: true,
+            ..apply_request(file)
+        },
+    )
+    .await
+    .unwrap();
+    assert!(!dry.would_change && dry.diff.is_empty(), "{dry:?}");
+    let again = apply(&admin, apply_request(file)).await.unwrap();
+    assert_eq!((again.version, again.changed), (1, false), "{again:?}");
+    assert_eq!(history(&admin).await.len(), 1);
+}

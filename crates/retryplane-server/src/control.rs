@@ -263,37 +263,45 @@ impl ControlPlane {
         let store = self.store.clone();
         let force = req.force;
         let expected_version = req.expected_version;
-        let (current, changes, warnings, content_hash) = tokio::task::spawn_blocking(move || {
-            // Before anything else: a snapshot no agent can decode is never stored, whatever
-            // else the change holds.
-            check_size(&document)?;
-            let content_hash = convert::content_hash(&document);
-            // One conversion and one validation: the compiled set keeps its document.
-            let (set, warnings) = convert::validate(document).map_err(ChangeError::Invalid)?;
-            let current = store.current()?;
-            // A stale expected version is a conflict whatever the change holds: the caller
-            // must read the current version again before the rest of the checks mean anything.
-            // An empty store is version 0, as the store's own check has it.
-            let current_version = current.as_ref().map_or(0, |c| c.meta.version);
-            if let Some(expected) = expected_version
-                && expected != current_version
-            {
-                return Err(ChangeError::Conflict {
-                    expected,
-                    current: current_version,
+        let (current, changes, warnings, content_hash, current_unsigned) =
+            tokio::task::spawn_blocking(move || {
+                // Before anything else: a snapshot no agent can decode is never stored, whatever
+                // else the change holds.
+                check_size(&document)?;
+                let content_hash = convert::content_hash(&document);
+                // One conversion and one validation: the compiled set keeps its document.
+                let (set, warnings) = convert::validate(document).map_err(ChangeError::Invalid)?;
+                let current = store.current()?;
+                // A stale expected version is a conflict whatever the change holds: the caller
+                // must read the current version again before the rest of the checks mean anything.
+                // An empty store is version 0, as the store's own check has it.
+                let current_version = current.as_ref().map_or(0, |c| c.meta.version);
+                if let Some(expected) = expected_version
+                    && expected != current_version
+                {
+                    return Err(ChangeError::Conflict {
+                        expected,
+                        current: current_version,
+                    });
+                }
+                let stored = current.as_ref().map(|r| &r.document);
+                let changes = check(set.document(), stored, force)?;
+                // A version stored before `-0.0` was read as `0.0` keeps the hash of its `-0.0`:
+                // the same content sent again, now read without the sign, is no change either.
+                let current_unsigned = current.as_ref().and_then(|c| {
+                    let mut document = c.document.clone();
+                    convert::unsigned_zeros(&mut document).then(|| convert::content_hash(&document))
                 });
-            }
-            let stored = current.as_ref().map(|r| &r.document);
-            let changes = check(set.document(), stored, force)?;
-            Ok::<_, ChangeError>((current, changes, warnings, content_hash))
-        })
-        .await
-        .map_err(|e| ChangeError::Unfinished(e.to_string()))??;
+                Ok::<_, ChangeError>((current, changes, warnings, content_hash, current_unsigned))
+            })
+            .await
+            .map_err(|e| ChangeError::Unfinished(e.to_string()))??;
         // Only the current version counts: content equal to an older version's (a rollback, a
         // reverted file) is a change and gets a new version.
         let unchanged = current
             .as_ref()
-            .is_some_and(|c| c.meta.content_hash == content_hash);
+            .is_some_and(|c| c.meta.content_hash == content_hash)
+            || current_unsigned.as_ref() == Some(&content_hash);
         let one_at_a_time = match one_at_a_time {
             Some(held) if !req.dry_run && !unchanged => held,
             _ => {

@@ -144,10 +144,20 @@ pub fn content_hash(doc: &pb::PolicyDocument) -> String {
 /// document sent by a wire client that only writes a zero's sign differently from the current
 /// version then has its content hash, and is not published again. Converting a document
 /// (`PolicyDocument::try_from`) reads them so already; this is for the
-/// wire document itself, which the control plane hashes and stores.
-pub fn unsigned_zeros(doc: &mut pb::PolicyDocument) {
-    let overlay = |o: &mut pb::Overlay| {
-        let zero = |v: &mut Option<f64>| *v = v.map(retryplane_policy::unsigned_zero);
+/// wire document itself, which the control plane hashes and stores. Returns whether it
+/// changed anything.
+pub fn unsigned_zeros(doc: &mut pb::PolicyDocument) -> bool {
+    let mut changed = false;
+    let mut overlay = |o: &mut pb::Overlay| {
+        let mut zero = |v: &mut Option<f64>| {
+            if let Some(x) = v
+                && *x == 0.0
+                && x.is_sign_negative()
+            {
+                *x = 0.0;
+                changed = true;
+            }
+        };
         if let Some(b) = &mut o.backoff {
             zero(&mut b.multiplier);
         }
@@ -161,13 +171,14 @@ pub fn unsigned_zeros(doc: &mut pb::PolicyDocument) {
             zero(&mut a.retry_ratio);
         }
     };
-    doc.defaults.iter_mut().for_each(overlay);
+    doc.defaults.iter_mut().for_each(&mut overlay);
     for ep in &mut doc.endpoints {
-        ep.overlay.iter_mut().for_each(overlay);
+        ep.overlay.iter_mut().for_each(&mut overlay);
         for route in &mut ep.routes {
-            route.overlay.iter_mut().for_each(overlay);
+            route.overlay.iter_mut().for_each(&mut overlay);
         }
     }
+    changed
 }
 
 fn canonical(doc: &pb::PolicyDocument) -> pb::PolicyDocument {
