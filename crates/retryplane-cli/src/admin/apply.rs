@@ -31,7 +31,8 @@ pub struct Args {
     #[arg(long)]
     dry_run: bool,
     /// Refuse unless version N is current (another change came first otherwise); 0 refuses
-    /// unless the store is empty, so that only one of several first applies lands.
+    /// unless the store is empty, so that only one of several first applies lands (a control
+    /// plane older than this command does not check 0: that is reported, exit 1).
     #[arg(long, value_name = "N")]
     expected_version: Option<u64>,
     /// Allow a change that removes every endpoint.

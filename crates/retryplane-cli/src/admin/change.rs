@@ -222,7 +222,16 @@ pub async fn apply(
         force: flags.force,
     };
     let status = match client.apply(request).await {
-        Ok(response) => return Ok(Ok(response)),
+        Ok(response) => {
+            if let Some(message) = ignored_empty_check(flags, &response) {
+                return Ok(Err(super::failed_with(
+                    Code::Aborted,
+                    &message,
+                    String::new(),
+                )));
+            }
+            return Ok(Ok(response));
+        }
         Err(status) => status,
     };
     if status.code() == Code::InvalidArgument {
@@ -247,6 +256,31 @@ pub async fn apply(
     Ok(Err(super::failed(&status, String::new())))
 }
 
+/// Why `response` shows that the control plane did not check `--expected-version 0`: one that
+/// predates the check reads 0 as "no check" and answers as if none was asked. On an empty
+/// store, an apply stores v1 and a dry run answers from v0.
+fn ignored_empty_check(flags: ApplyFlags, response: &pb::ApplyResponse) -> Option<String> {
+    if flags.expected_version != Some(0) {
+        return None;
+    }
+    let ignored = "the control plane ignored --expected-version 0 (it is older than this command)";
+    if flags.dry_run || !response.changed {
+        (response.version != 0).then(|| {
+            format!(
+                "{ignored}: the store is not empty, v{} is current",
+                response.version
+            )
+        })
+    } else {
+        (response.version != 1).then(|| {
+            format!(
+                "{ignored} and stored v{} over a store that was not empty",
+                response.version
+            )
+        })
+    }
+}
+
 /// `2 errors, 1 warning`.
 fn counts(diags: &[Diagnostic]) -> String {
     let errors = diags.iter().filter(|d| d.is_error()).count();
@@ -262,6 +296,45 @@ fn counts(diags: &[Diagnostic]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_control_plane_that_ignored_expected_version_zero_is_told_apart() {
+        let flags = |expected_version, dry_run| ApplyFlags {
+            expected_version,
+            dry_run,
+            force: false,
+        };
+        let answer = |version, changed| pb::ApplyResponse {
+            version,
+            changed,
+            ..Default::default()
+        };
+        // Checked: an apply into the empty store, a dry run against it.
+        assert_eq!(
+            ignored_empty_check(flags(Some(0), false), &answer(1, true)),
+            None
+        );
+        assert_eq!(
+            ignored_empty_check(flags(Some(0), true), &answer(0, false)),
+            None
+        );
+        // Not checked: the store was not empty.
+        let stored = ignored_empty_check(flags(Some(0), false), &answer(4, true));
+        assert!(stored.is_some_and(|m| m.contains("stored v4")));
+        let dry = ignored_empty_check(flags(Some(0), true), &answer(3, false));
+        assert!(dry.is_some_and(|m| m.contains("v3 is current")));
+        let unchanged = ignored_empty_check(flags(Some(0), false), &answer(3, false));
+        assert!(unchanged.is_some_and(|m| m.contains("v3 is current")));
+        // No check asked, or another version: nothing to tell.
+        assert_eq!(
+            ignored_empty_check(flags(None, false), &answer(4, true)),
+            None
+        );
+        assert_eq!(
+            ignored_empty_check(flags(Some(3), false), &answer(4, true)),
+            None
+        );
+    }
 
     fn entry(endpoint: &str, change: pb::diff_entry::Change, details: &[&str]) -> pb::DiffEntry {
         pb::DiffEntry {
