@@ -134,37 +134,72 @@ pub(crate) fn tag_endpoint(diags: &mut [Diagnostic], endpoint: &str, path: &str)
 }
 
 /// The closest of `candidates` to `word`, if close enough to be a likely typo; else the one
-/// candidate that shares the most `_`-separated words with `word`, when it shares two or more,
-/// or `word` shortens or lengthens it by whole words (`http` or `http_status_code` for
-/// `http_status`). Ties make it a guess: none. So the extra words count: `deadline_per_try` is
-/// `per_try_timeout` (two words in common), not the `deadline` it merely starts.
+/// candidate that `word` shortens or lengthens by whole `_`-separated words (`http` or
+/// `http_status_code` for `http_status`), if only one does. For names users choose (endpoints)
+/// and fixed lists (codes, classes); a policy's field names go by [`suggest_field`].
 pub fn suggest<'a>(word: &str, candidates: impl IntoIterator<Item = &'a str>) -> Option<&'a str> {
+    let lower = word.to_ascii_lowercase();
+    let mut close: Option<(usize, &'a str)> = None;
+    let mut by_words: Option<Option<&'a str>> = None;
+    for c in candidates {
+        let c_lower = c.to_ascii_lowercase();
+        if let Some(d) = close_enough(&lower, &c_lower)
+            && close.is_none_or(|(best, _)| d < best)
+        {
+            close = Some((d, c));
+        }
+        if extends_by_words(&lower, &c_lower) || extends_by_words(&c_lower, &lower) {
+            // A second candidate makes it a guess: none.
+            by_words = Some(if by_words.is_none() { Some(c) } else { None });
+        }
+    }
+    close.map(|(_, c)| c).or(by_words.flatten())
+}
+
+/// [`suggest`] for a policy's field names, whose words mean the same wherever they appear: the
+/// closest typo; else, among the candidates that share two or more `_`-separated words with
+/// `word` or that it shortens or lengthens by whole words, the one sharing the most words
+/// (a tie: none). So the extra words count: `deadline_per_try` is `per_try_timeout` (two words
+/// in common), not the `deadline` it merely starts; `backoff_max` is still `backoff`.
+/// (Endpoint names are not held to this: `orders_api_v1` is not `payments_api_v1`.)
+pub fn suggest_field<'a>(
+    word: &str,
+    candidates: impl IntoIterator<Item = &'a str>,
+) -> Option<&'a str> {
     let lower = word.to_ascii_lowercase();
     let words: Vec<&str> = lower.split('_').filter(|w| !w.is_empty()).collect();
     let mut close: Option<(usize, &'a str)> = None;
-    // The most words shared with `word`, and the one candidate sharing them if only one does
-    // and it qualifies (two words or more, or whole words more or less).
+    // The most words shared by a candidate that qualifies, and that candidate if only one
+    // shares that many.
     let mut by_words: (usize, Option<&'a str>) = (0, None);
     for c in candidates {
         let c_lower = c.to_ascii_lowercase();
-        let d = strsim::levenshtein(&lower, &c_lower);
-        if d <= 2.max(c.len() / 3) && close.is_none_or(|(best, _)| d < best) {
+        if let Some(d) = close_enough(&lower, &c_lower)
+            && close.is_none_or(|(best, _)| d < best)
+        {
             close = Some((d, c));
         }
         let shared = shared_words(&words, &c_lower);
-        if shared == 0 || shared < by_words.0 {
+        let qualifies = shared >= 2
+            || (shared >= 1
+                && (extends_by_words(&lower, &c_lower) || extends_by_words(&c_lower, &lower)));
+        if !qualifies || shared < by_words.0 {
             continue;
         }
-        let qualifies =
-            shared >= 2 || extends_by_words(&lower, &c_lower) || extends_by_words(&c_lower, &lower);
         by_words = if shared > by_words.0 {
-            (shared, qualifies.then_some(c))
+            (shared, Some(c))
         } else {
             // A second candidate sharing as many words: no guess.
             (shared, None)
         };
     }
     close.map(|(_, c)| c).or(by_words.1)
+}
+
+/// The edit distance from `word` to `candidate`, if small enough to be a likely typo.
+fn close_enough(word: &str, candidate: &str) -> Option<usize> {
+    let d = strsim::levenshtein(word, candidate);
+    (d <= 2.max(candidate.len() / 3)).then_some(d)
 }
 
 /// How many of the distinct `words` are among the `_`-separated words of `candidate`.
@@ -188,6 +223,11 @@ fn extends_by_words(long: &str, short: &str) -> bool {
 /// ` (did you mean `x`?)` or nothing.
 pub fn did_you_mean<'a>(word: &str, candidates: impl IntoIterator<Item = &'a str>) -> String {
     suggest(word, candidates).map_or_else(String::new, |s| format!(" (did you mean `{s}`?)"))
+}
+
+/// [`did_you_mean`] for a policy's field names ([`suggest_field`]).
+pub fn did_you_mean_field<'a>(word: &str, candidates: impl IntoIterator<Item = &'a str>) -> String {
+    suggest_field(word, candidates).map_or_else(String::new, |s| format!(" (did you mean `{s}`?)"))
 }
 
 #[cfg(test)]
@@ -229,16 +269,60 @@ mod tests {
     }
 
     #[test]
-    fn the_words_a_name_adds_count_towards_the_guess() {
-        let policy = ["max_attempts", "deadline", "per_try_timeout", "retry_on"];
+    fn the_words_a_field_name_adds_count_towards_the_guess() {
+        let policy = [
+            "max_attempts",
+            "deadline",
+            "per_try_timeout",
+            "retry_on",
+            "backoff",
+        ];
         // Not the `deadline` it starts: the other two words name `per_try_timeout`.
-        assert_eq!(suggest("deadline_per_try", policy), Some("per_try_timeout"));
-        assert_eq!(suggest("per_try_deadline", policy), Some("per_try_timeout"));
+        let field = |word| suggest_field(word, policy);
+        assert_eq!(field("deadline_per_try"), Some("per_try_timeout"));
+        assert_eq!(field("per_try_deadline"), Some("per_try_timeout"));
+        // One word shared with a field it does not start or end: no rival to the one it does.
+        assert_eq!(field("deadline_try"), Some("deadline"));
+        assert_eq!(field("deadline_timeout"), Some("deadline"));
+        assert_eq!(field("backoff_max"), Some("backoff"));
+        assert_eq!(
+            suggest_field("open", ["failure_ratio", "open_for"]),
+            Some("open_for")
+        );
+        assert_eq!(
+            suggest_field("grpc_method", ["method", "path_prefix", "grpc"]),
+            Some("grpc")
+        );
         // As many words of each: no guess.
-        assert_eq!(suggest("deadline_try", policy), None);
-        assert_eq!(suggest("max_attempts_per_try", policy), None);
+        assert_eq!(field("max_attempts_per_try"), None);
+        // One word in common and not at the start: no guess.
+        assert_eq!(field("timeout"), None);
         // A word more that no other candidate has still shortens to the field.
-        assert_eq!(suggest("deadline_ms", policy), Some("deadline"));
+        assert_eq!(field("deadline_ms"), Some("deadline"));
+    }
+
+    #[test]
+    fn names_users_choose_and_fixed_lists_are_not_guessed_by_shared_words() {
+        let endpoints = ["payments_api_v1", "search_api_v2", "inventory"];
+        assert_eq!(suggest("orders_api_v1", endpoints), None);
+        assert_eq!(
+            suggest(
+                "billing_service_grpc",
+                ["user_service_grpc", "order_service_http"]
+            ),
+            None
+        );
+        assert_eq!(
+            suggest(
+                "INTERNAL_NOT_FOUND",
+                ["INTERNAL", "NOT_FOUND", "UNAVAILABLE"]
+            ),
+            Some("INTERNAL")
+        );
+        assert_eq!(
+            suggest("connect_timeout", ["connect", "reset", "timeout"]),
+            Some("connect")
+        );
     }
 
     #[test]

@@ -11,7 +11,7 @@ use std::ops::Range;
 use std::time::Duration;
 
 use crate::codes::{self, GrpcCode};
-use crate::diag::{Diagnostic, did_you_mean};
+use crate::diag::{Diagnostic, did_you_mean, did_you_mean_field};
 use crate::document::{
     AlertOverlay, BackoffOverlay, BreakerOverlay, BudgetOverlay, EndpointDoc, Field, Overlay,
     PolicyDocument, RetryAfterOverlay, RetryOnOverlay, RouteDoc, RouteMatch,
@@ -270,7 +270,7 @@ impl Walker {
                     self.error(key.loc, &field_path, why);
                 } else {
                     let hint = section_of(name, path)
-                        .unwrap_or_else(|| did_you_mean(name, known.iter().copied()));
+                        .unwrap_or_else(|| did_you_mean_field(name, known.iter().copied()));
                     self.error(
                         key.loc,
                         &field_path,
