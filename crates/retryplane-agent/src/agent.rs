@@ -335,8 +335,9 @@ impl AgentBuilder {
     }
 
     /// Where the last applied snapshot is kept, for a start without the control plane. A file
-    /// there that is not a policy cache (another file, given by mistake) is never replaced: it
-    /// is logged, and no cache is kept for the run. A cache file of the agent's own that cannot
+    /// there that is not a policy cache (another file, given by mistake), anything that is not
+    /// a regular file, and a file that cannot be read within 1 s at start are never replaced:
+    /// that is logged, and no cache is kept for the run. A cache file of the agent's own that cannot
     /// be used (damaged, or written by a newer agent) is replaced by the next applied snapshot.
     pub fn cache_file(mut self, path: impl Into<PathBuf>) -> Self {
         self.cache_file = Some(path.into());
@@ -373,12 +374,13 @@ impl AgentBuilder {
         self
     }
 
-    /// Starts the agent and returns at once: the policies come from the cache file if it holds
-    /// a valid snapshot, else the [`crate::fallback_policy`], until the control plane sends
-    /// some; which of the two is logged at start, with why the cache file was not used. The
-    /// cache file is read before this returns, on a thread of its own: a disk that does not
-    /// answer within 1 s is given up on (no cache this run, logged). One background task owns
-    /// the stream. Must be called inside a tokio runtime.
+    /// Starts the agent and returns without waiting for the control plane: the policies come
+    /// from the cache file if it holds a valid snapshot, else the [`crate::fallback_policy`],
+    /// until the control plane sends some; which of the two is logged at start, with why the
+    /// cache file was not used. The cache file is read before this returns, on a thread of its
+    /// own, and waited for at most 1 s: a disk that does not answer by then is given up on
+    /// (no cache is kept this run, logged at warn). One background task owns the stream. Must
+    /// be called inside a tokio runtime.
     pub fn connect(self) -> Result<Agent, AgentError> {
         let runtime = tokio::runtime::Handle::try_current().map_err(|_| AgentError::NoRuntime)?;
         let url = self.url.ok_or(AgentError::MissingUrl)?;

@@ -35,7 +35,7 @@ use crate::snapshot::{PolicySnapshot, Source};
 /// Largest cache file read.
 const MAX_BYTES: u64 = 16 * 1024 * 1024;
 
-/// How long a start waits for the cache file to be read (see [`read_within`]). A local disk
+/// How long a start waits for the cache file to be read (see [`within`]). A local disk
 /// reads the largest cache in milliseconds.
 const READ_WAIT: Duration = Duration::from_secs(1);
 
@@ -98,9 +98,23 @@ pub(crate) struct Foreign;
 /// The snapshot kept in `path`, if it is there and valid; [`Foreign`] when the file there is not
 /// a policy cache (see the module docs).
 pub(crate) fn load(path: &Path) -> Result<Option<Cached>, Foreign> {
-    let bytes = match read_within(path, READ_WAIT) {
-        Some(Ok(Some(b))) => b,
-        None => {
+    let bytes = match within(READ_WAIT, {
+        let at = path.to_owned();
+        move || read(&at)
+    }) {
+        Ok(Some(Ok(Read::Bytes(b)))) => b,
+        Err(e) => {
+            // Reading inline could hang the start; not reading, the file was not checked: it
+            // is not ours to replace.
+            warn!(
+                file = %path.display(),
+                error = %e,
+                "cannot start a thread to read the policy cache; starting without it, and no \
+                 cache is kept this run"
+            );
+            return Err(Foreign);
+        }
+        Ok(None) => {
             warn!(
                 file = %path.display(),
                 wait_ms = READ_WAIT.as_millis() as u64,
@@ -109,16 +123,15 @@ pub(crate) fn load(path: &Path) -> Result<Option<Cached>, Foreign> {
             );
             return Err(Foreign);
         }
-        Some(Err(e)) if e.kind() == std::io::ErrorKind::InvalidInput => {
+        Ok(Some(Ok(Read::NotRegular))) => {
             warn!(
                 file = %path.display(),
-                error = %e,
                 "the cache path is not a regular file; it is left as it is and no cache is kept: \
                  give the agent a cache file of its own"
             );
             return Err(Foreign);
         }
-        Some(Ok(None)) => {
+        Ok(Some(Ok(Read::Missing))) => {
             // (A directory that is a file or cannot be searched fails the read itself: the
             // warning below says which.)
             let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
@@ -132,7 +145,7 @@ pub(crate) fn load(path: &Path) -> Result<Option<Cached>, Foreign> {
             }
             return Ok(None);
         }
-        Some(Err(e)) => {
+        Ok(Some(Err(e))) => {
             warn!(file = %path.display(), error = %e, "cannot read the policy cache; ignored");
             return Ok(None);
         }
@@ -181,17 +194,11 @@ enum Unusable {
     Foreign(String),
 }
 
-/// [`read`] on a thread of its own, waited for up to `wait`: `None` if it has not finished by
-/// then. [`crate::AgentBuilder::connect`] is not async and must return at once, so a volume that
-/// stops answering may not hold it up; the thread is left to finish (or hang) on its own.
-fn read_within(path: &Path, wait: Duration) -> Option<std::io::Result<Option<Vec<u8>>>> {
-    let at = path.to_owned();
-    within(wait, move || read(&at)).unwrap_or_else(|e| Some(Err(e)))
-}
-
 /// `f`'s result if it comes within `wait` (`Ok(None)` if not), run on a detached thread of its
-/// own; `Err` if no thread can be started. The wait is the wall clock's, not tokio's: a disk
-/// does not run on tokio's clock, and the caller is not async.
+/// own; `Err` if no thread can be started. [`crate::AgentBuilder::connect`] is not async and
+/// does not wait for the network, so a volume that stops answering may not hold it up either;
+/// the thread is left to finish (or hang) on its own. The wait is the wall clock's, not
+/// tokio's: a disk does not run on tokio's clock.
 fn within<T: Send + 'static>(
     wait: Duration,
     f: impl FnOnce() -> T + Send + 'static,
@@ -205,31 +212,36 @@ fn within<T: Send + 'static>(
     Ok(rx.recv_timeout(wait).ok())
 }
 
-/// The bytes of the file at `path` (up to one more than [`MAX_BYTES`]); `None` if there is
-/// none. Anything but a regular file (or a link to one) is refused as `InvalidInput` before
-/// it is opened: opening a FIFO would wait for a writer.
-fn read(path: &Path) -> std::io::Result<Option<Vec<u8>>> {
+/// What is at the cache path.
+#[derive(Debug)]
+enum Read {
+    /// A regular file's bytes (up to one more than [`MAX_BYTES`]).
+    Bytes(Vec<u8>),
+    /// Nothing.
+    Missing,
+    /// Something other than a regular file (or a link to one), not opened: opening a FIFO
+    /// would wait for a writer.
+    NotRegular,
+}
+
+/// Reads what is at `path` (see [`Read`]).
+fn read(path: &Path) -> std::io::Result<Read> {
     use std::io::Read as _;
     match std::fs::metadata(path) {
-        Ok(m) if !m.is_file() => {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::InvalidInput,
-                "not a regular file",
-            ));
-        }
+        Ok(m) if !m.is_file() => return Ok(Read::NotRegular),
         Ok(_) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Read::Missing),
         Err(e) => return Err(e),
     }
     let f = match std::fs::File::open(path) {
         Ok(f) => f,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Read::Missing),
         Err(e) => return Err(e),
     };
     let mut bytes = Vec::new();
     // One byte more than the limit tells a file over it (see `load`).
     f.take(MAX_BYTES + 1).read_to_end(&mut bytes)?;
-    Ok(Some(bytes))
+    Ok(Read::Bytes(bytes))
 }
 
 fn decode(bytes: &[u8]) -> Result<Cached, Unusable> {
@@ -268,7 +280,10 @@ mod tests {
 
     /// A FIFO at the cache path would hold the start up until something writes to it: it is
     /// refused (and left alone) before it is opened.
-    #[cfg(target_os = "linux")]
+    #[cfg(all(
+        target_os = "linux",
+        any(target_arch = "x86_64", target_arch = "aarch64")
+    ))]
     #[test]
     fn a_fifo_at_the_cache_path_is_left_alone_without_waiting_for_a_writer() {
         let dir = tempfile::tempdir().unwrap();
@@ -283,7 +298,7 @@ mod tests {
             load(&at).map(|c| c.is_some())
         });
         // If a reader did wait, a writer lets it go. Without one waiting, a non-blocking open
-        // fails at once (`O_NONBLOCK`, Linux's value) instead of waiting for a reader.
+        // fails at once (`O_NONBLOCK`, its value on these targets) instead of waiting for a reader.
         let _writer = {
             use std::os::unix::fs::OpenOptionsExt as _;
             std::fs::OpenOptions::new()
@@ -292,6 +307,15 @@ mod tests {
                 .open(&path)
         };
         assert_eq!(loaded.unwrap(), Some(Err(Foreign)));
+    }
+
+    /// A directory is not a file to replace; an error reading the path is only that.
+    #[test]
+    fn a_directory_is_left_alone_and_a_read_error_is_not_taken_for_one() {
+        let dir = tempfile::tempdir().unwrap();
+        assert!(matches!(load(dir.path()), Err(Foreign)));
+        // A path the system refuses (a NUL byte): logged and ignored, the cache kept.
+        assert!(matches!(load(Path::new("agent\0.cache")), Ok(None)));
     }
 
     /// A read that does not come back in time is given up on: the caller goes on.
