@@ -225,9 +225,16 @@ impl Fleet {
             // Kept only from a stream of the same process: the entry's `instance_id` is the
             // one that refused it (a NACK is recorded only with a non-zero id).
             let same_process = old.instance_id == hello.instance_id;
+            // An agent that runs the refused version has no NACK to keep; one that names its
+            // number with other content (its last store's, before a reset) still refuses it.
+            let runs = |r: &Refused| {
+                r.version == hello.last_applied_version
+                    && (hello.last_applied_hash.is_empty()
+                        || hello.last_applied_hash == r.content_hash)
+            };
             refused = old
                 .refused
-                .filter(|r| same_process && r.version != hello.last_applied_version)
+                .filter(|r| same_process && !runs(r))
                 .map(|r| (r, old.status.last_error));
         }
         reports.hello(hello.instance_id);
@@ -546,14 +553,22 @@ mod tests {
         );
         // A replacement while connected keeps it too.
         let third = fleet.register(&h, None).unwrap();
-        assert_eq!(third.refused, Some(refused));
-        // An agent that says it runs the refused version has no NACK to keep.
+        assert_eq!(third.refused, Some(refused.clone()));
+        // One that names the refused version's number with other content (the store it last
+        // ran on was reset) has not run it: the NACK is kept.
         h.last_applied_version = 2;
+        h.last_applied_hash = "h-before-the-reset".to_owned();
+        let other_content = fleet.register(&h, None).unwrap();
+        assert_eq!(other_content.refused, Some(refused.clone()));
+        assert_eq!(fleet.status()[0].last_response, "nack");
+        // An agent that says it runs the refused version has no NACK to keep.
+        h.last_applied_hash = "h2".to_owned();
         let runs_it = fleet.register(&h, None).unwrap();
         assert_eq!(runs_it.refused, None);
         assert_eq!(fleet.status()[0].last_response, "");
         // An ACK forgets it.
         h.last_applied_version = 1;
+        h.last_applied_hash.clear();
         let fourth = fleet.register(&h, None).unwrap();
         fleet.nack("a", fourth.generation, 3, "h3", "bad");
         fleet.ack("a", fourth.generation, 4);
