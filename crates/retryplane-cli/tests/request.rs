@@ -683,15 +683,16 @@ fn server_mode_says_why_the_control_plane_gave_no_policy() {
 
 #[test]
 fn a_hung_upstream_gives_timeout_attempts_and_the_deadline_ends_the_call() {
-    // Per-try timeout 300 ms, deadline 500 ms: attempt 1 times out at 300 ms, the 100 ms
-    // pause, then attempt 2 has the 100 ms left and times out at the deadline.
+    // Per-try timeout 1 s, deadline 1.5 s: attempt 1 times out at 1 s, the 100 ms pause, then
+    // attempt 2 has the 400 ms left and times out at the deadline (400 ms of slack for a slow
+    // machine before the pause would no longer fit).
     let up = Upstream::start(&[(HANG, ""), (HANG, ""), (HANG, "")]);
     let dir = TempDir::new().unwrap();
     let path = dir.path().join("policy.yaml");
     fs::write(
         &path,
-        "version: 1\nendpoints:\n  api:\n    max_attempts: 5\n    per_try_timeout: 300ms\n    \
-         deadline: 500ms\n    backoff: {base: 100ms, max: 100ms, jitter: none}\n",
+        "version: 1\nendpoints:\n  api:\n    max_attempts: 5\n    per_try_timeout: 1s\n    \
+         deadline: 1500ms\n    backoff: {base: 100ms, max: 100ms, jitter: none}\n",
     )
     .unwrap();
     let out = Command::cargo_bin("retryplane")
@@ -701,6 +702,7 @@ fn a_hung_upstream_gives_timeout_attempts_and_the_deadline_ends_the_call() {
         .arg(&path)
         .args(["--endpoint", "api", "--output", "json"])
         .arg(up.url("/slow"))
+        .timeout(std::time::Duration::from_secs(30))
         .output()
         .unwrap();
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
@@ -717,5 +719,5 @@ fn a_hung_upstream_gives_timeout_attempts_and_the_deadline_ends_the_call() {
         ]
     );
     assert_eq!(pauses, [json!(100), Value::Null]);
-    assert!(v["elapsed_ms"].as_u64().unwrap() >= 500, "{v}");
+    assert!(v["elapsed_ms"].as_u64().unwrap() >= 1500, "{v}");
 }

@@ -132,14 +132,14 @@ impl Counts {
         let mut counts = Counts::default();
         for a in agents {
             let nacked_current = a.last_response == "nack" && a.last_response_version == current;
-            // With nothing published yet (version 0) there is nothing to have acked: an agent
-            // that has applied nothing waits for the first push.
             // A NACK of the current version first: an agent whose Hello named the current
             // version's number with other content (a control plane started on a new store)
             // was sent this version and refused it, so it does not run it.
             if nacked_current {
                 counts.nacked += 1;
             } else if a.connected && current != 0 && a.applied_version == current {
+                // (With nothing published yet, version 0, there is nothing to have acked: an
+                // agent that has applied nothing waits for the first push.)
                 counts.acked += 1;
             } else if a.connected {
                 counts.pending += 1;
