@@ -65,7 +65,7 @@ async fn a_start_on_the_fallback_policy_says_so_and_why() {
         (
             "a directory",
             Some(dir.path().to_owned()),
-            Some("cannot read"),
+            Some("not a regular file"),
         ),
     ];
     for (what, path, says) in cases {
