@@ -1032,6 +1032,8 @@ async fn a_stored_negative_zero_and_the_same_file_read_again_are_no_change() {
     .await
     .unwrap();
     assert!(!dry.would_change && dry.diff.is_empty(), "{dry:?}");
+    // One hash for one content: the stored version's.
+    assert_eq!(dry.new_content_hash, dry.content_hash, "{dry:?}");
     let again = apply(&admin, apply_request(file)).await.unwrap();
     assert_eq!((again.version, again.changed), (1, false), "{again:?}");
     assert_eq!(history(&admin).await.len(), 1);

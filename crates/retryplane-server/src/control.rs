@@ -302,6 +302,11 @@ impl ControlPlane {
             .as_ref()
             .is_some_and(|c| c.meta.content_hash == content_hash)
             || current_unsigned.as_ref() == Some(&content_hash);
+        // Unchanged: the hash the content goes by is the current version's, as stored.
+        let content_hash = match (&current, unchanged) {
+            (Some(c), true) => c.meta.content_hash.clone(),
+            _ => content_hash,
+        };
         let one_at_a_time = match one_at_a_time {
             Some(held) if !req.dry_run && !unchanged => held,
             _ => {
