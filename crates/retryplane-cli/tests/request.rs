@@ -166,9 +166,14 @@ async fn serve_one(mut stream: TcpStream, status: u16, extra: &str) -> Option<Se
 
 /// `retryplane request --policy POLICY --output json ARGS...`, run in a temporary directory.
 fn request(args: &[&str]) -> (Value, i32) {
+    request_under(POLICY, args)
+}
+
+/// [`request`] under the policy file `policy` (endpoint `api`), stopped after 30 s.
+fn request_under(policy: &str, args: &[&str]) -> (Value, i32) {
     let dir = TempDir::new().unwrap();
     let path = dir.path().join("policy.yaml");
-    fs::write(&path, POLICY).unwrap();
+    fs::write(&path, policy).unwrap();
     let out = Command::cargo_bin("retryplane")
         .unwrap()
         .env_remove("RETRYPLANE_AGENT_TOKEN")
@@ -176,6 +181,7 @@ fn request(args: &[&str]) -> (Value, i32) {
         .arg(&path)
         .args(["--endpoint", "api", "--output", "json"])
         .args(args)
+        .timeout(std::time::Duration::from_secs(30))
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -687,26 +693,12 @@ fn a_hung_upstream_gives_timeout_attempts_and_the_deadline_ends_the_call() {
     // attempt 2 has the 400 ms left and times out at the deadline (400 ms of slack for a slow
     // machine before the pause would no longer fit).
     let up = Upstream::start(&[(HANG, ""), (HANG, ""), (HANG, "")]);
-    let dir = TempDir::new().unwrap();
-    let path = dir.path().join("policy.yaml");
-    fs::write(
-        &path,
+    let (v, code) = request_under(
         "version: 1\nendpoints:\n  api:\n    max_attempts: 5\n    per_try_timeout: 1s\n    \
          deadline: 1500ms\n    backoff: {base: 100ms, max: 100ms, jitter: none}\n",
-    )
-    .unwrap();
-    let out = Command::cargo_bin("retryplane")
-        .unwrap()
-        .env_remove("RETRYPLANE_AGENT_TOKEN")
-        .args(["request", "--policy"])
-        .arg(&path)
-        .args(["--endpoint", "api", "--output", "json"])
-        .arg(up.url("/slow"))
-        .timeout(std::time::Duration::from_secs(30))
-        .output()
-        .unwrap();
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(out.status.code(), Some(1), "{v}");
+        &[&up.url("/slow")],
+    );
+    assert_eq!(code, 1, "{v}");
     assert_eq!(v["outcome"], "failure");
     assert_eq!(v["cause"], "deadline_exceeded");
     assert_eq!(v["status"], Value::Null);
