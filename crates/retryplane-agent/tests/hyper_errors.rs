@@ -447,40 +447,48 @@ async fn a_call_whose_body_read_is_reset_is_retried_when_idempotent() {
     assert_eq!(ep.pending_counts().attempts, 3);
 }
 
-/// An HTTP/2 server (prior knowledge) on loopback that refuses its first stream with
-/// `REFUSED_STREAM` and answers `200` to every later one; counts the streams it answered.
-async fn refuses_first_stream() -> (u16, Arc<AtomicU32>) {
+/// An HTTP/2 server (prior knowledge) on loopback that refuses its first `refuse` streams
+/// (over all its connections) with `REFUSED_STREAM` and answers `200` to every later one;
+/// counts the streams it refused and the ones it answered.
+async fn refuses_streams(refuse: u32) -> (u16, Arc<AtomicU32>, Arc<AtomicU32>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
+    let refused = Arc::new(AtomicU32::new(0));
     let answered = Arc::new(AtomicU32::new(0));
-    let counted = answered.clone();
+    let counts = (refused.clone(), answered.clone());
     tokio::spawn(async move {
-        let mut refused = false;
         loop {
             let Ok((socket, _)) = listener.accept().await else {
                 return;
             };
-            let Ok(mut conn) = h2::server::handshake(socket).await else {
-                continue;
-            };
-            while let Some(Ok((_request, mut respond))) = conn.accept().await {
-                if refused {
-                    let response = http::Response::new(());
-                    let _ = respond.send_response(response, true);
-                    counted.fetch_add(1, Ordering::SeqCst);
-                } else {
-                    refused = true;
-                    respond.send_reset(h2::Reason::REFUSED_STREAM);
+            let (refused, answered) = counts.clone();
+            tokio::spawn(async move {
+                let Ok(mut conn) = h2::server::handshake(socket).await else {
+                    return;
+                };
+                while let Some(Ok((_request, mut respond))) = conn.accept().await {
+                    // Claims one of the refusals left, if any.
+                    let refuse_this = refused
+                        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                            (n < refuse).then_some(n + 1)
+                        })
+                        .is_ok();
+                    if refuse_this {
+                        respond.send_reset(h2::Reason::REFUSED_STREAM);
+                    } else {
+                        let _ = respond.send_response(http::Response::new(()), true);
+                        answered.fetch_add(1, Ordering::SeqCst);
+                    }
                 }
-            }
+            });
         }
     });
-    (port, answered)
+    (port, refused, answered)
 }
 
 #[tokio::test]
 async fn a_stream_the_server_refused_is_a_connect_error() {
-    let (port, answered) = refuses_first_stream().await;
+    let (port, _, answered) = refuses_streams(1).await;
     let client: LegacyClient = Client::builder(TokioExecutor::new())
         .http2_only(true)
         .build(HttpConnector::new());
@@ -586,41 +594,13 @@ async fn a_reqwest_http2_keep_alive_timeout_is_a_timeout() {
     assert_eq!(err.classify(), transport(ErrorClass::Timeout), "{err:?}");
 }
 
-/// An HTTP/2 server (prior knowledge) on loopback that refuses every stream with
-/// `REFUSED_STREAM`; counts the streams it refused.
-#[cfg(feature = "reqwest")]
-async fn refuses_every_stream() -> (u16, Arc<AtomicU32>) {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let refused = Arc::new(AtomicU32::new(0));
-    let counted = refused.clone();
-    tokio::spawn(async move {
-        loop {
-            let Ok((socket, _)) = listener.accept().await else {
-                return;
-            };
-            let counted = counted.clone();
-            tokio::spawn(async move {
-                let Ok(mut conn) = h2::server::handshake(socket).await else {
-                    return;
-                };
-                while let Some(Ok((_request, mut respond))) = conn.accept().await {
-                    counted.fetch_add(1, Ordering::SeqCst);
-                    respond.send_reset(h2::Reason::REFUSED_STREAM);
-                }
-            });
-        }
-    });
-    (port, refused)
-}
-
 #[cfg(feature = "reqwest")]
 #[tokio::test]
 async fn a_stream_refused_past_reqwests_own_resends_is_a_connect_error() {
     // reqwest sends a refused stream again itself, twice at most: a server that keeps
     // refusing (overloaded, at its stream limit) gets the error through. The request was
     // never processed, so it is a connect error, as from hyper-util's client and tonic.
-    let (port, refused) = refuses_every_stream().await;
+    let (port, refused, _) = refuses_streams(u32::MAX).await;
     let client = reqwest::Client::builder()
         .http2_prior_knowledge()
         .build()
