@@ -354,10 +354,13 @@ fn chain<'a>(
     std::iter::successors(Some(e), |&err| err.source())
 }
 
-/// Whether `e` itself is an HTTP/2 `REFUSED_STREAM` (see [`refused_stream_in_chain`]).
+/// Whether `e` itself is the peer's reset of the stream with `REFUSED_STREAM` (see
+/// [`refused_stream_in_chain`]). Only that says "not processed": the same code in a `GOAWAY`
+/// (whose last stream id may cover the stream) or in an h2 error made by a layer does not.
 fn refused_stream(e: &(dyn StdError + 'static)) -> bool {
-    e.downcast_ref::<h2::Error>()
-        .is_some_and(|h2| h2.reason() == Some(h2::Reason::REFUSED_STREAM))
+    e.downcast_ref::<h2::Error>().is_some_and(|h2| {
+        h2.is_reset() && h2.is_remote() && h2.reason() == Some(h2::Reason::REFUSED_STREAM)
+    })
 }
 
 /// The class of a `hyper::Error`, `None` when it is the caller's own error. A stream the server
