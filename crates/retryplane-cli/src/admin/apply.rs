@@ -9,10 +9,14 @@
 //! hash it would get (`version` and `content_hash` stay the current version's). A file with errors is checked here and never sent: every
 //! diagnostic is printed exactly as `retryplane validate` prints it, and the command exits 1;
 //! so does a file the server refuses (its diagnostics printed the same way), a version conflict
-//! (`--expected-version`) and a change that removes every endpoint without `--force`.
+//! (`--expected-version`) and a change that removes every endpoint without `--force`. A control
+//! plane older than this command ignores `--expected-version 0`: that is reported (`ABORTED`,
+//! exit 1), and if it stored a version all the same, the usual output of that is printed too.
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
+
+use tonic::Code;
 
 use super::change::{self, ApplyFlags};
 use super::client::Client;
@@ -103,11 +107,32 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
                 out
             }
         };
-        Ok(Report {
-            stdout,
-            outcome: Outcome::Success,
-        })
+        Ok(checked(
+            settings.flags,
+            &response,
+            Report {
+                stdout,
+                outcome: Outcome::Success,
+            },
+        ))
     })
+}
+
+/// `report`, unless `response` shows that the control plane ignored `--expected-version 0`
+/// (see [`change::ignored_empty_check`]): then `ABORTED` and exit 1. When it stored a version
+/// all the same, the usual output stays on stdout, so that a script keeps the record of what
+/// was stored (`--output json` included).
+fn checked(
+    flags: ApplyFlags,
+    response: &retryplane_proto::pb::ApplyResponse,
+    report: Report,
+) -> Report {
+    let Some(message) = change::ignored_empty_check(flags, response) else {
+        return report;
+    };
+    let stored = !flags.dry_run && response.changed;
+    let stdout = if stored { report.stdout } else { String::new() };
+    super::failed_with(Code::Aborted, &message, stdout)
 }
 
 /// The last line of `apply`'s text output, with its newline.
@@ -164,6 +189,31 @@ mod tests {
                 .collect(),
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn a_version_stored_despite_an_ignored_empty_check_keeps_its_record() {
+        let flags = |dry_run| ApplyFlags {
+            expected_version: Some(0),
+            dry_run,
+            force: false,
+        };
+        let report = || Report {
+            stdout: "{\"version\":4}\n".to_owned(),
+            outcome: Outcome::Success,
+        };
+        // Stored over a store that was not empty: exit 1, and the record on stdout.
+        let stored = checked(flags(false), &response(4, true, 1), report());
+        assert!(matches!(stored.outcome, Outcome::Failure));
+        assert_eq!(stored.stdout, "{\"version\":4}\n");
+        // A dry run stored nothing: exit 1 and nothing on stdout.
+        let dry = checked(flags(true), &response(3, false, 1), report());
+        assert!(matches!(dry.outcome, Outcome::Failure));
+        assert_eq!(dry.stdout, "");
+        // Checked (the store was empty): the report as it is.
+        let first = checked(flags(false), &response(1, true, 1), report());
+        assert!(matches!(first.outcome, Outcome::Success));
+        assert_eq!(first.stdout, "{\"version\":4}\n");
     }
 
     #[test]

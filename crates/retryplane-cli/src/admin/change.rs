@@ -222,16 +222,7 @@ pub async fn apply(
         force: flags.force,
     };
     let status = match client.apply(request).await {
-        Ok(response) => {
-            if let Some(message) = ignored_empty_check(flags, &response) {
-                return Ok(Err(super::failed_with(
-                    Code::Aborted,
-                    &message,
-                    String::new(),
-                )));
-            }
-            return Ok(Ok(response));
-        }
+        Ok(response) => return Ok(Ok(response)),
         Err(status) => status,
     };
     if status.code() == Code::InvalidArgument {
@@ -259,7 +250,7 @@ pub async fn apply(
 /// Why `response` shows that the control plane did not check `--expected-version 0`: one that
 /// predates the check reads 0 as "no check" and answers as if none was asked. On an empty
 /// store, an apply stores v1 and a dry run answers from v0.
-fn ignored_empty_check(flags: ApplyFlags, response: &pb::ApplyResponse) -> Option<String> {
+pub fn ignored_empty_check(flags: ApplyFlags, response: &pb::ApplyResponse) -> Option<String> {
     if flags.expected_version != Some(0) {
         return None;
     }
