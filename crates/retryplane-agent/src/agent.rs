@@ -44,6 +44,9 @@ pub(crate) struct Shared {
     pub(crate) metrics: Registry,
     /// Milliseconds between metrics reports (the control plane may change it).
     pub(crate) metrics_interval_ms: AtomicU64,
+    /// Told when something other than the stream task changed `metrics_interval_ms` (a
+    /// cache file read late), so the stream task brings its next report forward.
+    pub(crate) interval_changed: tokio::sync::Notify,
     pub(crate) connected: AtomicBool,
     /// Why the last stream ended or could not start; cleared when a stream opens.
     pub(crate) stream_error: std::sync::Mutex<Option<StreamError>>,
@@ -61,6 +64,7 @@ impl Shared {
             metrics_interval_ms: AtomicU64::new(
                 u64::try_from(metrics_interval.as_millis()).unwrap_or(u64::MAX),
             ),
+            interval_changed: tokio::sync::Notify::new(),
             connected: AtomicBool::new(false),
             stream_error: std::sync::Mutex::new(None),
             seed,
@@ -80,9 +84,21 @@ impl Shared {
     /// handle may keep its endpoint's old entry until its next call refreshes it, which frees
     /// that one entry. The cost is one more snapshot in memory.
     pub(crate) fn update_policies(&self, build: impl FnOnce(&PolicySnapshot) -> PolicySnapshot) {
+        self.update_policies_if(|current| Some(build(current)));
+    }
+
+    /// [`Shared::update_policies`], when `build` gives a snapshot: it is given the policies in
+    /// force in the writers' turn, so what it decides from them still holds when its snapshot
+    /// is put in force. Whether it was.
+    pub(crate) fn update_policies_if(
+        &self,
+        build: impl FnOnce(&PolicySnapshot) -> Option<PolicySnapshot>,
+    ) -> bool {
         let mut retired = self.retired.lock().unwrap_or_else(|e| e.into_inner());
         let current = self.policies.load_full();
-        let next = build(&current);
+        let Some(next) = build(&current) else {
+            return false;
+        };
         drop(current);
         let replaced = self.policies.swap(Arc::new(next));
         // After the swap (Release): a reader that sees the new generation sees the new
@@ -91,6 +107,7 @@ impl Shared {
         let older = retired.replace(replaced);
         drop(retired);
         drop(older);
+        true
     }
 
     /// The number of swaps so far (Acquire: read it before loading `policies`).
@@ -284,6 +301,9 @@ pub struct AgentBuilder {
     seed: Option<u64>,
     backoff: Option<ReconnectBackoff>,
     keepalive: Option<(Duration, Duration)>,
+    /// Run on the cache file's reading thread before it reads: a disk that answers late.
+    #[cfg(test)]
+    cache_read_stall: Option<Arc<dyn Fn() + Send + Sync>>,
 }
 
 // The token stays out of Debug.
@@ -335,10 +355,15 @@ impl AgentBuilder {
     }
 
     /// Where the last applied snapshot is kept, for a start without the control plane. A file
-    /// there that is not a policy cache (another file, given by mistake), anything that is not
-    /// a regular file, and a file that cannot be read within 1 s at start are never replaced:
-    /// that is logged, and no cache is kept for the run. A cache file of the agent's own that cannot
-    /// be used (damaged, or written by a newer agent) is replaced by the next applied snapshot.
+    /// there that is not a policy cache (another file, given by mistake) and anything that is
+    /// not a regular file are never replaced: that is logged, and no cache is kept for the run.
+    /// A cache file of the agent's own that cannot be used (damaged, or written by a newer
+    /// agent) is replaced by the next applied snapshot. A file that cannot be read within 1 s
+    /// at start (a cold network volume) is still read: the agent starts on the fallback policy
+    /// and, when the read ends, puts the cached policies in force if it still runs on the
+    /// fallback policy (the control plane sent none meanwhile). Nothing is written to the path
+    /// before the read has ended and found the file the agent's own: a read that never ends
+    /// leaves it alone for the run.
     pub fn cache_file(mut self, path: impl Into<PathBuf>) -> Self {
         self.cache_file = Some(path.into());
         self
@@ -374,13 +399,21 @@ impl AgentBuilder {
         self
     }
 
+    /// Runs `stall` on the cache file's reading thread before it reads: a disk that answers
+    /// when `stall` returns.
+    #[cfg(test)]
+    pub(crate) fn cache_read_stall(mut self, stall: impl Fn() + Send + Sync + 'static) -> Self {
+        self.cache_read_stall = Some(Arc::new(stall));
+        self
+    }
+
     /// Starts the agent and returns without waiting for the control plane: the policies come
     /// from the cache file if it holds a valid snapshot, else the [`crate::fallback_policy`],
     /// until the control plane sends some; which of the two is logged at start, with why the
-    /// cache file was not used. The cache file is read before this returns, on a thread of its
-    /// own, and waited for at most 1 s: a disk that does not answer by then is given up on
-    /// (no cache is kept this run, logged at warn). One background task owns the stream. Must
-    /// be called inside a tokio runtime.
+    /// cache file was not used. The cache file is read on a thread of its own, waited for at
+    /// most 1 s before this returns: a disk that does not answer by then is logged at warn, and
+    /// the read goes on in the background (see [`AgentBuilder::cache_file`]). One background
+    /// task owns the stream. Must be called inside a tokio runtime.
     pub fn connect(self) -> Result<Agent, AgentError> {
         let runtime = tokio::runtime::Handle::try_current().map_err(|_| AgentError::NoRuntime)?;
         let url = self.url.ok_or(AgentError::MissingUrl)?;
@@ -389,19 +422,31 @@ impl AgentBuilder {
         check_scheme(endpoint.uri())?;
         let token = self.token.as_deref().map(bearer).transpose()?;
         let seed = self.seed.unwrap_or_else(fastrand_seed);
-        // A file that is not a policy cache is left alone: no cache is kept this run.
-        let (cached, cache_file) = match self.cache_file {
-            Some(path) => match crate::cache::load(&path) {
-                Ok(cached) => (cached, Some(path)),
-                Err(crate::cache::Foreign) => (None, None),
+        // A file that is not a policy cache is left alone: no cache is kept this run. One not
+        // read in time goes to the stream task, which settles it before writing there.
+        #[cfg(test)]
+        let before_read = self.cache_read_stall.clone().map(|stall| {
+            let stall: crate::cache::BeforeRead = Box::new(move || stall());
+            stall
+        });
+        #[cfg(not(test))]
+        let before_read = None;
+        let (cached, cache_file, late_read) = match self.cache_file {
+            Some(path) => match crate::cache::load(&path, before_read) {
+                crate::cache::Start::Read(Ok(cached)) => (cached, Some(path), None),
+                crate::cache::Start::Read(Err(crate::cache::Foreign)) => (None, None, None),
+                crate::cache::Start::Late(late) => (None, Some(path), Some(late)),
             },
-            None => (None, None),
+            None => (None, None, None),
         };
         let interval = self.metrics_interval.unwrap_or(DEFAULT_METRICS_INTERVAL);
         // The control plane's interval, kept with the cached snapshot, wins over the agent's own,
         // as it does when a snapshot arrives: an up-to-date agent is sent no snapshot.
         let (snapshot, current_interval) = match cached {
-            Some(c) => (c.snapshot, c.metrics_interval.unwrap_or(interval)),
+            Some(c) => {
+                let current = c.metrics_interval.unwrap_or(interval);
+                (c.into_snapshot(None), current)
+            }
             None => {
                 info!(
                     max_attempts = crate::fallback_policy().max_attempts,
@@ -427,6 +472,7 @@ impl AgentBuilder {
                 instance_id: instance_id(),
             },
             cache_file,
+            late_read,
             default_metrics_interval: interval,
             backoff: self.backoff.unwrap_or_default(),
             keepalive: self

@@ -24,7 +24,8 @@ use tokio::time::Instant;
 pub enum Source {
     /// Pushed by the control plane on the stream.
     ControlPlane,
-    /// Read from the cache file at start.
+    /// Read from the cache file at start (or just after, when the disk answered late: see
+    /// [`crate::AgentBuilder::cache_file`]).
     Cache,
     /// A policy file or a value given by the program ([`crate::Agent::from_file`],
     /// [`crate::Agent::from_policies`]).

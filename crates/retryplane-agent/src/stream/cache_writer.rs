@@ -7,9 +7,18 @@
 //! while one is being written, only the newest is written next. The stream still answers a
 //! snapshot once it is cached, but waits for that a bounded time only
 //! ([`CacheWriter::written`]), and so does shutdown ([`CacheWriter::finish`]).
+//!
+//! When the start could not read the cache file in time, the writer first waits for that read
+//! to end and say whether the file is ours ([`Gate`]): until then nothing is written, each
+//! write asked for counts as done at once (the stream does not wait for a disk that has not
+//! been read yet), and only the newest one is kept, to be written once the file is found to be
+//! ours; none is, if it is not.
 
+use std::future::Future;
 use std::path::{Path, PathBuf};
+use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use tokio::sync::watch;
@@ -20,28 +29,44 @@ use tracing::{debug, warn};
 /// in one that stands for a hung disk).
 pub(crate) type WriteFn = fn(&Path, &[u8]) -> std::io::Result<()>;
 
+/// What a writer waits for before its first write: whether the file at the path may be
+/// written (it is ours, or there is none).
+pub(crate) type Gate = Pin<Box<dyn Future<Output = bool> + Send>>;
+
+/// The newest bytes asked for, and how many writes have been asked for so far.
+type Newest = (u64, Option<Arc<[u8]>>);
+
 /// The task that writes the newest applied snapshot's cache bytes to the cache file.
 #[derive(Debug)]
 pub(crate) struct CacheWriter {
     /// The newest bytes asked for, and how many writes have been asked for so far.
-    newest: watch::Sender<(u64, Option<Arc<[u8]>>)>,
-    /// The number of the last write done (or failed); later ones replace earlier ones.
+    newest: watch::Sender<Newest>,
+    /// The number of the last write done (or failed, or put off while the gate is shut);
+    /// later ones replace earlier ones.
     done: watch::Receiver<u64>,
+    /// Whether the task still waits for its [`Gate`].
+    gated: Arc<AtomicBool>,
     task: JoinHandle<()>,
 }
 
 impl CacheWriter {
-    /// Starts the task that writes to `path`.
-    pub(crate) fn start(path: PathBuf) -> Self {
-        Self::start_with(path, crate::cache::write_atomic)
+    /// Starts the task that writes to `path`, once `gate` (if any) says it may.
+    pub(crate) fn start(path: PathBuf, gate: Option<Gate>) -> Self {
+        Self::start_with(path, crate::cache::write_atomic, gate)
     }
 
     /// [`CacheWriter::start`], writing with `write`.
-    pub(crate) fn start_with(path: PathBuf, write: WriteFn) -> Self {
+    pub(crate) fn start_with(path: PathBuf, write: WriteFn, gate: Option<Gate>) -> Self {
         let (newest, rx) = watch::channel((0, None));
         let (done_tx, done) = watch::channel(0);
-        let task = tokio::spawn(write_newest(path, rx, done_tx, write));
-        Self { newest, done, task }
+        let gated = Arc::new(AtomicBool::new(gate.is_some()));
+        let task = tokio::spawn(write_newest(path, rx, done_tx, write, gate, gated.clone()));
+        Self {
+            newest,
+            done,
+            gated,
+            task,
+        }
     }
 
     /// Asks for `bytes` to be written, after the write under way if there is one, and returns
@@ -58,7 +83,7 @@ impl CacheWriter {
     }
 
     /// Waits, at most `bound`, for write `number` (or a later one) to be done, failed
-    /// included; whether it was.
+    /// included, or put off until the gate opens; whether it was.
     pub(crate) async fn written(&self, number: u64, bound: Duration) -> bool {
         let mut done = self.done.clone();
         tokio::time::timeout(bound, done.wait_for(|&n| n >= number))
@@ -68,53 +93,121 @@ impl CacheWriter {
 
     /// Waits for the last write asked for to be done, for at most `grace`: a disk that does
     /// not answer does not hold up shutdown. The write goes on in the background then, on a
-    /// thread that neither the runtime nor the process's exit waits for.
+    /// thread that neither the runtime nor the process's exit waits for. With nothing to write,
+    /// a gate still shut is not waited for.
     pub(crate) async fn finish(self, grace: Duration) {
-        let Self { newest, task, .. } = self;
+        let Self {
+            newest,
+            task,
+            gated,
+            ..
+        } = self;
         // Closing the channel ends the task once it has written the newest bytes.
         drop(newest);
         if tokio::time::timeout(grace, task).await.is_err() {
-            warn!(
-                grace_ms = u64::try_from(grace.as_millis()).unwrap_or(u64::MAX),
-                "the policy cache file is still being written; not waiting for it any longer"
-            );
+            if gated.load(Ordering::Acquire) {
+                // Said at warn when the start gave up waiting for the read.
+                debug!("the policy cache file has not been read yet; nothing is written to it");
+            } else {
+                warn!(
+                    grace_ms = u64::try_from(grace.as_millis()).unwrap_or(u64::MAX),
+                    "the policy cache file is still being written; not waiting for it any longer"
+                );
+            }
         }
     }
 }
 
-/// The task: each newest bytes in turn, until the channel closes with nothing left unwritten.
+/// The task: once `gate` (if any) opens, each newest bytes in turn, until the channel closes
+/// with nothing left unwritten.
 async fn write_newest(
     path: PathBuf,
-    mut newest: watch::Receiver<(u64, Option<Arc<[u8]>>)>,
+    mut newest: watch::Receiver<Newest>,
     done: watch::Sender<u64>,
     write: WriteFn,
+    gate: Option<Gate>,
+    gated: Arc<AtomicBool>,
 ) {
+    if let Some(gate) = gate {
+        let open = wait_for(gate, &mut newest, &done).await;
+        gated.store(false, Ordering::Release);
+        match open {
+            // Closed with nothing to write: no need to know.
+            None => return,
+            Some(false) => {
+                // Not ours: nothing is ever written, and no write is waited for.
+                while newest.changed().await.is_ok() {
+                    let number = newest.borrow_and_update().0;
+                    done.send_replace(number);
+                }
+                return;
+            }
+            Some(true) => {
+                // The newest bytes asked for while the gate was shut.
+                let asked = newest.borrow_and_update().clone();
+                if let (number, Some(bytes)) = asked {
+                    write_one(&path, bytes, write).await;
+                    done.send_replace(number);
+                }
+            }
+        }
+    }
     // `changed` still reports bytes sent just before the sender was dropped.
     while newest.changed().await.is_ok() {
         let (number, Some(bytes)) = newest.borrow_and_update().clone() else {
             continue;
         };
-        let shown = path.display().to_string();
-        let at = path.clone();
-        // A thread of its own, not tokio's blocking pool: a runtime joins its blocking threads
-        // when it is dropped, so a write hung on the disk would hold up the process's exit
-        // after `finish` stopped waiting for it.
-        let (result_tx, result) = tokio::sync::oneshot::channel();
-        let spawned = std::thread::Builder::new()
-            .name("retryplane-cache".into())
-            .spawn(move || {
-                let _ = result_tx.send(write(&at, &bytes));
-            });
-        match spawned {
-            Err(e) => warn!(file = %shown, error = %e, "cannot start the policy cache writer"),
-            Ok(_detached) => match result.await {
-                Ok(Ok(())) => debug!(file = %shown, "policy cache written"),
-                Ok(Err(e)) => warn!(file = %shown, error = %e, "cannot write the policy cache"),
-                // The write panicked.
-                Err(_) => warn!(file = %shown, "the policy cache writer failed"),
+        write_one(&path, bytes, write).await;
+        done.send_replace(number);
+    }
+}
+
+/// Waits for `gate`; meanwhile each write asked for counts as done at once, its bytes left in
+/// `newest` (the newest replacing the others). `None` when the channel closes with no bytes
+/// asked for: the gate is not waited for then.
+async fn wait_for(
+    mut gate: Gate,
+    newest: &mut watch::Receiver<Newest>,
+    done: &watch::Sender<u64>,
+) -> Option<bool> {
+    let mut open = true;
+    loop {
+        tokio::select! {
+            may = &mut gate => return Some(may),
+            changed = newest.changed(), if open => match changed {
+                Ok(()) => {
+                    let number = newest.borrow().0;
+                    done.send_replace(number);
+                }
+                // Closed: only bytes already asked for are left to write.
+                Err(_) if newest.borrow().1.is_none() => return None,
+                Err(_) => open = false,
             },
         }
-        done.send_replace(number);
+    }
+}
+
+/// Writes `bytes` to `path`, logged.
+async fn write_one(path: &Path, bytes: Arc<[u8]>, write: WriteFn) {
+    let shown = path.display().to_string();
+    let at = path.to_owned();
+    // A thread of its own, not tokio's blocking pool: a runtime joins its blocking threads
+    // when it is dropped, so a write hung on the disk would hold up the process's exit
+    // after `finish` stopped waiting for it.
+    let (result_tx, result) = tokio::sync::oneshot::channel();
+    let spawned = std::thread::Builder::new()
+        .name("retryplane-cache".into())
+        .spawn(move || {
+            let _ = result_tx.send(write(&at, &bytes));
+        });
+    match spawned {
+        Err(e) => warn!(file = %shown, error = %e, "cannot start the policy cache writer"),
+        Ok(_detached) => match result.await {
+            Ok(Ok(())) => debug!(file = %shown, "policy cache written"),
+            Ok(Err(e)) => warn!(file = %shown, error = %e, "cannot write the policy cache"),
+            // The write panicked.
+            Err(_) => warn!(file = %shown, "the policy cache writer failed"),
+        },
     }
 }
 
@@ -133,7 +226,7 @@ mod tests {
     async fn the_newest_bytes_are_written_and_finish_waits_for_them() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("agent.cache");
-        let writer = CacheWriter::start(path.clone());
+        let writer = CacheWriter::start(path.clone(), None);
         let first = writer.write(b"first".to_vec());
         assert!(writer.written(first, WAIT).await);
         assert_eq!(std::fs::read(&path).unwrap(), b"first");
@@ -141,6 +234,28 @@ mod tests {
         writer.write(b"newest".to_vec());
         writer.finish(WAIT).await;
         assert_eq!(std::fs::read(&path).unwrap(), b"newest");
+    }
+
+    /// Until the gate opens, writes count as done at once and nothing is written; then the
+    /// newest is written, or none if the gate says the file is not ours.
+    #[tokio::test]
+    async fn writes_wait_for_the_gate_and_only_the_newest_is_written() {
+        for ours in [true, false] {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("agent.cache");
+            std::fs::write(&path, b"old").unwrap();
+            let (open, gate) = tokio::sync::oneshot::channel::<bool>();
+            let gate: Gate = Box::pin(async move { gate.await.unwrap_or(false) });
+            let writer = CacheWriter::start(path.clone(), Some(gate));
+            writer.write(b"v1".to_vec());
+            let v2 = writer.write(b"v2".to_vec());
+            assert!(writer.written(v2, WAIT).await, "not waited for");
+            assert_eq!(std::fs::read(&path).unwrap(), b"old");
+            open.send(ours).unwrap();
+            writer.finish(WAIT).await;
+            let want: &[u8] = if ours { b"v2" } else { b"old" };
+            assert_eq!(std::fs::read(&path).unwrap(), want, "ours: {ours}");
+        }
     }
 
     /// A disk that does not answer until [`release`] is called.
@@ -160,7 +275,7 @@ mod tests {
     async fn a_hung_disk_holds_up_neither_the_stream_nor_shutdown_for_long() {
         let (release, hung) = std::sync::mpsc::channel::<()>();
         *HUNG.lock().unwrap() = Some(hung);
-        let writer = CacheWriter::start_with(PathBuf::from("unused"), hung_write);
+        let writer = CacheWriter::start_with(PathBuf::from("unused"), hung_write, None);
         // The first write hangs; asking for more returns at once, and waiting for one ends
         // at its bound.
         writer.write(b"v1".to_vec());
@@ -208,7 +323,7 @@ mod tests {
                 .build()
                 .unwrap();
             runtime.block_on(async {
-                let writer = CacheWriter::start_with(PathBuf::from("unused"), never_write);
+                let writer = CacheWriter::start_with(PathBuf::from("unused"), never_write, None);
                 let write = writer.write(b"v1".to_vec());
                 assert!(!writer.written(write, Duration::from_millis(20)).await);
                 writer.finish(Duration::from_millis(20)).await;

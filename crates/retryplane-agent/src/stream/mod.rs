@@ -20,6 +20,8 @@
 
 pub(crate) mod apply;
 mod cache_writer;
+#[cfg(test)]
+mod late_read_tests;
 pub(crate) mod outbox;
 pub mod reconnect;
 
@@ -39,9 +41,10 @@ use tonic::metadata::{Ascii, MetadataValue};
 use tracing::{debug, info, warn};
 
 use crate::agent::Shared;
+use crate::cache::{Foreign, LateRead};
 use crate::error::StreamError;
 use crate::snapshot::Source;
-use cache_writer::CacheWriter;
+use cache_writer::{CacheWriter, Gate};
 use outbox::{NotSent, Outbox};
 use reconnect::ReconnectBackoff;
 
@@ -90,6 +93,9 @@ pub(crate) struct StreamConfig {
     pub(crate) token: Option<MetadataValue<Ascii>>,
     pub(crate) hello: pb::Hello,
     pub(crate) cache_file: Option<PathBuf>,
+    /// The start's read of `cache_file` when it did not end in time: settled before the first
+    /// write there ([`settle_late_read`]).
+    pub(crate) late_read: Option<LateRead>,
     pub(crate) default_metrics_interval: Duration,
     pub(crate) backoff: ReconnectBackoff,
     /// HTTP/2 keepalive: ping interval, and how long a ping may go unanswered.
@@ -156,15 +162,66 @@ fn chain(e: &dyn std::error::Error) -> String {
 /// The task: sessions until cancelled, then the last cache file write (bounded).
 pub(crate) async fn run(
     shared: Arc<Shared>,
-    config: StreamConfig,
+    mut config: StreamConfig,
     cancel: CancellationToken,
     seed: u64,
 ) {
-    let cache = config.cache_file.clone().map(CacheWriter::start);
+    let late = config.late_read.take();
+    let cache = config.cache_file.clone().map(|path| {
+        let gate = late.map(|late| {
+            let shared = shared.clone();
+            let gate: Gate = Box::pin(async move { settle_late_read(late, &shared).await });
+            gate
+        });
+        CacheWriter::start(path, gate)
+    });
     sessions(&shared, &config, &cancel, seed, cache.as_ref()).await;
     if let Some(cache) = cache {
         cache.finish(CACHE_GRACE).await;
     }
+}
+
+/// Waits for the start's read of the cache file that did not end in time, and does what the
+/// start would have done with it: a valid cache is put in force, with the metrics interval
+/// cached with it, if the agent still runs on the fallback policy (a snapshot from the control
+/// plane, or policies the program set, are newer). Whether the cache file may be written: not
+/// if what is there is not a policy cache. Never returns if the read never ends.
+async fn settle_late_read(late: LateRead, shared: &Shared) -> bool {
+    let cached = match late.settle().await {
+        Ok(Some(cached)) => cached,
+        Ok(None) => return true,
+        Err(Foreign) => return false,
+    };
+    let version = cached.version();
+    let interval = cached.metrics_interval;
+    // Decided and done in the writers' turn: a snapshot that the stream applies meanwhile
+    // comes after, interval included.
+    let applied = shared.update_policies_if(|current| {
+        if current.source() != Source::Fallback {
+            return None;
+        }
+        if let Some(interval) = interval {
+            shared.metrics_interval_ms.store(
+                u64::try_from(interval.as_millis()).unwrap_or(u64::MAX),
+                Relaxed,
+            );
+        }
+        Some(cached.into_snapshot(Some(current)))
+    });
+    if applied {
+        info!(
+            version,
+            "the policy cache was read late; running on its policies until the control plane \
+             sends policies"
+        );
+        shared.interval_changed.notify_one();
+    } else {
+        info!(
+            version,
+            "the policy cache was read late, after newer policies were put in force; they stay"
+        );
+    }
+    true
 }
 
 /// Sessions until cancelled; each applied snapshot's cache bytes go to `cache`.
@@ -452,6 +509,10 @@ async fn session(
             () = tokio::time::sleep_until(*next_report) => {
                 send_metrics(shared, &tx, window_start, outbox, numbered);
                 *next_report = Instant::now() + interval(shared);
+            }
+            // A cache file read late put its interval in force.
+            () = shared.interval_changed.notified() => {
+                *next_report = (*next_report).min(Instant::now() + interval(shared));
             }
         }
     }
