@@ -11,7 +11,7 @@ use std::ops::Range;
 use std::time::Duration;
 
 use crate::codes::{self, GrpcCode};
-use crate::diag::{Diagnostic, did_you_mean, did_you_mean_field};
+use crate::diag::{Diagnostic, did_you_mean, suggest_field};
 use crate::document::{
     AlertOverlay, BackoffOverlay, BreakerOverlay, BudgetOverlay, EndpointDoc, Field, Overlay,
     PolicyDocument, RetryAfterOverlay, RetryOnOverlay, RouteDoc, RouteMatch,
@@ -62,6 +62,46 @@ const SECTIONS: [(&str, &[&str]); 7] = [
     ("circuit_breaker", &BREAKER_FIELDS),
     ("alert", &ALERT_FIELDS),
     ("match", &MATCH_FIELDS),
+];
+
+/// Every field of the sections a policy layer can hold, as `section.field`: what an unknown
+/// name in a layer may be guessed as when it holds a field's words in another order
+/// (`max_backoff` is `backoff.max`). A route has no `alert` (it is told so).
+const SECTION_FIELD_PATHS: [&str; 20] = [
+    "backoff.base",
+    "backoff.max",
+    "backoff.multiplier",
+    "backoff.jitter",
+    "retry_on.http_status",
+    "retry_on.grpc_status",
+    "retry_on.errors",
+    "retry_after.honor",
+    "retry_after.max",
+    "budget.enabled",
+    "budget.ratio",
+    "budget.min_per_second",
+    "budget.window",
+    "circuit_breaker.enabled",
+    "circuit_breaker.failure_ratio",
+    "circuit_breaker.min_requests",
+    "circuit_breaker.window",
+    "circuit_breaker.open_for",
+    "circuit_breaker.half_open_probes",
+    "alert.retry_ratio",
+];
+
+/// What else an unknown field inside a route's `match:` may be guessed as: a setting of the
+/// route, or a field of one of its sections, which [`in_match`] then says where to write
+/// (`grpc_statuses` is `retry_on`'s `grpc_status`, not the `grpc` it starts).
+const MATCH_ELSEWHERE: [&[&str]; 8] = [
+    &POLICY_FIELDS,
+    &ENDPOINT_FIELDS,
+    &BACKOFF_FIELDS,
+    &RETRY_ON_FIELDS,
+    &RETRY_AFTER_FIELDS,
+    &BUDGET_FIELDS,
+    &BREAKER_FIELDS,
+    &ALERT_FIELDS,
 ];
 
 /// No field belongs elsewhere: every unknown one is offered the nearest known one.
@@ -231,6 +271,20 @@ impl Walker {
         known: &[&str],
         misplaced: &dyn Fn(&str) -> Option<String>,
     ) -> Vec<(&'n str, &'n Node, Loc)> {
+        self.fields_guessing(node, path, known, &[], misplaced)
+    }
+
+    /// [`Walker::fields`], where an unknown name may also be guessed as one of `elsewhere`
+    /// (names that are not keys of this mapping); such a guess is followed by what `misplaced`
+    /// says of it, if anything (where to write it instead).
+    fn fields_guessing<'n>(
+        &mut self,
+        node: &'n Node,
+        path: &str,
+        known: &[&str],
+        elsewhere: &[&[&str]],
+        misplaced: &dyn Fn(&str) -> Option<String>,
+    ) -> Vec<(&'n str, &'n Node, Loc)> {
         let Value::Map(entries) = &node.value else {
             if node.value != Value::Null {
                 self.type_error(node, path, "a mapping");
@@ -269,8 +323,16 @@ impl Walker {
                 if let Some(why) = misplaced(name) {
                     self.error(key.loc, &field_path, why);
                 } else {
-                    let hint = section_of(name, path)
-                        .unwrap_or_else(|| did_you_mean_field(name, known.iter().copied()));
+                    let hint = section_of(name, path).unwrap_or_else(|| {
+                        let candidates = known.iter().chain(elsewhere.iter().copied().flatten());
+                        match suggest_field(name, candidates.copied()) {
+                            None => String::new(),
+                            Some(guess) => match misplaced(guess) {
+                                Some(why) => format!(" (did you mean `{guess}`?): {why}"),
+                                None => format!(" (did you mean `{guess}`?)"),
+                            },
+                        }
+                    });
                     self.error(
                         key.loc,
                         &field_path,
@@ -464,7 +526,7 @@ impl Walker {
             );
             return None;
         }
-        let entries = self.fields(node, path, &MATCH_FIELDS, &in_match);
+        let entries = self.fields_guessing(node, path, &MATCH_FIELDS, &MATCH_ELSEWHERE, &in_match);
         if !matches!(node.value, Value::Map(_)) {
             return None;
         }
@@ -560,14 +622,18 @@ impl Walker {
                 ]
             }
         };
+        // A guessed `section.field` is misplaced where its section is (`alert.retry_ratio` on
+        // a route).
         let misplaced = |f: &str| {
+            let f = f.split_once('.').map_or(f, |(section, _)| section);
             misplaced
                 .iter()
                 .find(|(name, _)| *name == f)
                 .map(|(_, why)| (*why).to_owned())
         };
         let mut o = Overlay::default();
-        for (key, value, _) in self.fields(node, path, &known, &misplaced) {
+        let elsewhere: [&[&str]; 1] = [&SECTION_FIELD_PATHS];
+        for (key, value, _) in self.fields_guessing(node, path, &known, &elsewhere, &misplaced) {
             let p = join(path, key);
             match key {
                 "max_attempts" => o.max_attempts = self.max_attempts(value, &p),
@@ -980,5 +1046,20 @@ pub fn parse_grpc_route(s: &str) -> Result<(String, Option<String>), String> {
         "*" => Ok((service.to_owned(), None)),
         m if ident(m) && !m.contains('.') => Ok((service.to_owned(), Some(m.to_owned()))),
         _ => Err(bad()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_section_field_paths_are_every_field_of_every_section_a_layer_has() {
+        let derived: Vec<String> = SECTIONS
+            .iter()
+            .filter(|(section, _)| *section != "match")
+            .flat_map(|(section, fields)| fields.iter().map(move |f| format!("{section}.{f}")))
+            .collect();
+        assert_eq!(derived, SECTION_FIELD_PATHS);
     }
 }
