@@ -395,6 +395,7 @@ impl Walker {
                 _ => {}
             }
         }
+        self.second_defaults(root);
         if !version {
             self.error(root.loc, "version", "missing `version: 1`");
         }
@@ -402,6 +403,26 @@ impl Walker {
             self.error(root.loc, "endpoints", "the file defines no `endpoints:`");
         }
         Some(doc)
+    }
+
+    /// A second (third…) `defaults:` of the file, which [`Walker::fields`] reports as a duplicate
+    /// key and leaves out of the document: its own problems are reported too, as those of a
+    /// second endpoint of one name are. They share the first's paths, so they are marked
+    /// detached: the first's cross-field checks still run on the fields it sets.
+    fn second_defaults(&mut self, root: &Node) {
+        let Value::Map(entries) = &root.value else {
+            return;
+        };
+        let copies = entries
+            .iter()
+            .filter(|(key, _)| matches!(&key.value, Value::Str(k) if k == "defaults"))
+            .skip(1);
+        for (_, value) in copies {
+            let first_diag = self.diags.len();
+            let overlay = self.overlay(value, "defaults", Layer::Defaults);
+            crate::validate::check_detached(&overlay, "defaults", false, &mut self.diags);
+            self.detached.push(first_diag..self.diags.len());
+        }
     }
 
     fn endpoints(&mut self, node: &Node) -> Vec<EndpointDoc> {

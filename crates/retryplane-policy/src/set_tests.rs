@@ -456,6 +456,31 @@ fn a_sections_field_named_in_another_word_order_is_offered_by_its_path() {
 }
 
 #[test]
+fn a_second_defaults_block_is_a_duplicate_with_its_own_problems_reported_too() {
+    let src = "version: 1\ndefaults:\n  max_attempts: 3\nendpoints:\n  a: {}\ndefaults:\n  max_attempts: 0\n  deadline: banana\n  deadline_ms: 3\n";
+    assert_eq!(
+        errors(src),
+        [
+            "6:1: error: defaults: duplicate key `defaults` (first set at 2:1)",
+            "7:17: error: defaults.max_attempts: must be from 1 (never retry) to 10, found 0",
+            "8:13: error: defaults.deadline: `banana` is not a duration: write a number and a unit, such as `250ms` or `2s`",
+            "9:3: error: defaults.deadline_ms: unknown field `deadline_ms` (did you mean `deadline`?)",
+        ]
+    );
+    // The first block is the one the file runs with; the second's problems do not mark its
+    // fields, whose own checks still run.
+    let src = "version: 1\ndefaults:\n  deadline: 1s\n  per_try_timeout: 2s\nendpoints:\n  a: {}\ndefaults:\n  deadline: 0s\n";
+    assert_eq!(
+        errors(src),
+        [
+            "4:20: error: defaults.per_try_timeout: per_try_timeout (2s) is longer than the deadline (1s)",
+            "7:1: error: defaults: duplicate key `defaults` (first set at 2:1)",
+            "8:13: error: defaults.deadline: must be longer than zero",
+        ]
+    );
+}
+
+#[test]
 fn duplicate_keys_in_a_policy_are_an_error() {
     let src = "version: 1\nendpoints:\n  a:\n    deadline: 10s\n    deadline: 20s\n";
     assert_eq!(
