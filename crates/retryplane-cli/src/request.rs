@@ -11,6 +11,11 @@
 //! counts of the call and closes its stream ([`SHUTDOWN_WAIT`] at most), so `retryplane stats`
 //! shows the call and `status` shows the agent as gone.
 //!
+//! `-H` takes curl's forms: `Name: value`; `Name:` (nothing after the colon), which sends no
+//! `Name` header: a header the HTTP client would add by itself (`accept: */*`, `host`, and with
+//! `--data` `content-length`) cannot be left out, which is an error rather than a header sent
+//! anyway; and `Name;`, which sends `Name` with an empty value.
+//!
 //! The method is `-X`, else `POST` with `--data`, else `GET` (as curl). Redirects are not
 //! followed: a 3xx is the upstream's answer. The response body is read (so a reset mid-body is a
 //! failed attempt) and discarded: stdout gets one line per attempt and the outcome, or with
@@ -83,7 +88,10 @@ pub struct Args {
     /// HTTP method [default: POST with --data, else GET].
     #[arg(short = 'X', long = "request", value_name = "METHOD")]
     method: Option<String>,
-    /// A request header, `Name: value` (repeatable).
+    /// A request header, `Name: value` (repeatable). As in curl, `Name:` with no value sends
+    /// no `Name` header (one the HTTP client sends by default, `Accept`, `Host` and, with
+    /// --data, `Content-Length`, cannot be left out: that is an error), and `Name;` sends `Name`
+    /// with an empty value.
     #[arg(short = 'H', long = "header", value_name = "'NAME: VALUE'")]
     headers: Vec<Secret>,
     /// The request body.
@@ -153,8 +161,16 @@ impl TryFrom<Args> for Settings {
         }
         let mut headers = HeaderMap::new();
         for Secret(h) in &args.headers {
-            let (name, value) = parse_header(h)?;
-            headers.append(name, value);
+            match parse_header(h)? {
+                HeaderFlag::Send(name, value) => {
+                    headers.append(name, value);
+                }
+                HeaderFlag::Leave(name) => {
+                    if let Some(why) = sent_by_the_client(&name, args.data.is_some()) {
+                        bail!("-H '{name}:': {why}, and cannot be left out");
+                    }
+                }
+            }
         }
         let policy = match (args.policy, args.server) {
             (Some(path), _) => PolicyFrom::File(input::Source::from_arg(path)),
@@ -192,18 +208,51 @@ impl TryFrom<Args> for Settings {
     }
 }
 
-/// `Name: value` → a header; errors name the header, never quote its value.
-fn parse_header(text: &str) -> anyhow::Result<(HeaderName, HeaderValue)> {
-    let Some((name, value)) = text.split_once(':') else {
-        bail!("-H: expected 'Name: value'");
+/// What one `-H` asks for, in curl's forms.
+#[derive(Debug)]
+enum HeaderFlag {
+    /// `Name: value`, or `Name;` (an empty value).
+    Send(HeaderName, HeaderValue),
+    /// `Name:` with nothing (or only spaces) after the colon: no such header is sent.
+    Leave(HeaderName),
+}
+
+/// `Name: value`, `Name:` or `Name;` → what to do; errors name the header, never quote its
+/// value.
+fn parse_header(text: &str) -> anyhow::Result<HeaderFlag> {
+    let (name, value) = match text.split_once(':') {
+        Some((name, value)) => (name, Some(value.trim())),
+        // `Name;` and nothing after it: the header, empty (curl's way of asking for one).
+        None => match text.split_once(';') {
+            Some((name, rest)) if rest.trim().is_empty() => (name, None),
+            _ => bail!(
+                "-H: expected 'Name: value', 'Name:' (no such header) or 'Name;' (an empty one)"
+            ),
+        },
     };
     let name = name.trim();
     let name = HeaderName::from_str(name)
         .map_err(|_| anyhow::anyhow!("-H: `{name}` is not a valid header name"))?;
-    let mut value = HeaderValue::from_str(value.trim())
+    let value = match value {
+        Some("") => return Ok(HeaderFlag::Leave(name)),
+        Some(value) => value,
+        None => "",
+    };
+    let mut value = HeaderValue::from_str(value)
         .map_err(|_| anyhow::anyhow!("-H {name}: the value holds characters not allowed"))?;
     value.set_sensitive(true);
-    Ok((name, value))
+    Ok(HeaderFlag::Send(name, value))
+}
+
+/// Why the HTTP client sends `name` whatever the flags say, if it does: `-H 'Name:'` cannot
+/// leave it out. `body`: whether the request has one.
+fn sent_by_the_client(name: &HeaderName, body: bool) -> Option<&'static str> {
+    match name.as_str() {
+        "accept" => Some("the HTTP client sends `accept: */*` unless -H gives another value"),
+        "host" => Some("the HTTP client sends `host` from the URL, as HTTP/1.1 requires"),
+        "content-length" if body => Some("the HTTP client sends the length of the --data body"),
+        _ => None,
+    }
 }
 
 /// Makes the call; see the module docs.

@@ -280,14 +280,105 @@ fn post_without_idempotency_key_is_not_retried_and_with_it_is() {
 
 #[test]
 fn post_with_an_empty_idempotency_key_is_not_retried() {
-    for header in ["Idempotency-Key:", "Idempotency-Key:   "] {
+    // `Name:` sends no key at all, `Name;` an empty one: neither is a key.
+    for (header, sent) in [
+        ("Idempotency-Key:", false),
+        ("Idempotency-Key:   ", false),
+        ("Idempotency-Key;", true),
+    ] {
         let up = Upstream::start(&[(503, "")]);
         let (v, code) = request(&["-H", header, "--data", "x", &up.url("/v1/charges")]);
         assert_eq!(code, 1, "{header:?}: {v}");
         assert_eq!(v["cause"], "not_retryable");
         assert_eq!(v["attempts"].as_array().unwrap().len(), 1);
-        assert_eq!(up.seen().len(), 1);
+        let seen = up.seen();
+        assert_eq!(seen.len(), 1);
+        let key = seen[0]
+            .headers
+            .iter()
+            .find(|(n, _)| n == "idempotency-key")
+            .map(|(_, v)| v.as_str());
+        assert_eq!(key, sent.then_some(""), "{header:?}");
     }
+}
+
+#[test]
+fn a_header_with_nothing_after_its_colon_is_not_sent_and_one_with_a_semicolon_is_sent_empty() {
+    let up = Upstream::start(&[]);
+    let (v, code) = request(&[
+        "-H",
+        "X-Gone:",
+        "-H",
+        "X-Blank:   ",
+        "-H",
+        "X-Empty;",
+        "-H",
+        "X-Kept: 1",
+        "-H",
+        "Accept: text/plain",
+        &up.url("/"),
+    ]);
+    assert_eq!(code, 0, "{v}");
+    let seen = up.seen();
+    assert_eq!(seen.len(), 1);
+    let headers = &seen[0].headers;
+    let values = |name: &str| -> Vec<&str> {
+        headers
+            .iter()
+            .filter(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+            .collect()
+    };
+    assert_eq!(values("x-gone"), Vec::<&str>::new(), "{headers:?}");
+    assert_eq!(values("x-blank"), Vec::<&str>::new(), "{headers:?}");
+    assert_eq!(values("x-empty"), [""], "{headers:?}");
+    assert_eq!(values("x-kept"), ["1"], "{headers:?}");
+    // A value given replaces the client's own `*/*`.
+    assert_eq!(values("accept"), ["text/plain"], "{headers:?}");
+}
+
+#[test]
+fn leaving_out_a_header_the_http_client_always_sends_is_refused() {
+    let up = Upstream::start(&[]);
+    let dir = TempDir::new().unwrap();
+    let path = dir.path().join("policy.yaml");
+    fs::write(&path, POLICY).unwrap();
+    for (header, data, why) in [
+        (
+            "Accept:",
+            None,
+            "-H 'accept:': the HTTP client sends `accept: */*` unless -H gives another value, and cannot be left out",
+        ),
+        (
+            "Host:",
+            None,
+            "-H 'host:': the HTTP client sends `host` from the URL, as HTTP/1.1 requires, and cannot be left out",
+        ),
+        (
+            "Content-Length:",
+            Some("x"),
+            "-H 'content-length:': the HTTP client sends the length of the --data body, and cannot be left out",
+        ),
+    ] {
+        let mut cmd = Command::cargo_bin("retryplane").unwrap();
+        cmd.args(["request", "--policy"])
+            .arg(&path)
+            .args(["--endpoint", "api", "-H", header]);
+        if let Some(data) = data {
+            cmd.args(["--data", data]);
+        }
+        let out = cmd.arg(up.url("/")).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{header}");
+        assert_eq!(
+            String::from_utf8_lossy(&out.stderr),
+            format!("retryplane: error: {why}\n")
+        );
+        assert!(out.stdout.is_empty());
+    }
+    // Without a body there is no length to leave out: nothing is sent, as for any header.
+    let (v, code) = request(&["-H", "Content-Length:", &up.url("/")]);
+    assert_eq!(code, 0, "{v}");
+    assert_eq!(up.seen().len(), 1);
 }
 
 #[test]
