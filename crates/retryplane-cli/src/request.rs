@@ -23,7 +23,8 @@
 //! that fails on an error rather than an HTTP status also says on stderr what its last attempt
 //! ran into (`retryplane: error: request failed: …`: connection refused, a name that does not
 //! resolve, a TLS handshake, an answer that is not HTTP), which its class alone does not.
-//! Header values, the URL's query and the body are never printed.
+//! Header values, the URL's query and the body are never printed, nor the password of a URL's
+//! userinfo (`user:***@host` in messages).
 //!
 //! Exit codes: `0` success, `1` the call failed under the policy, `2` usage or configuration
 //! error (bad flags, an unreadable or invalid policy file, an unknown endpoint, no snapshot from
@@ -44,6 +45,7 @@ use http::{HeaderMap, HeaderName, HeaderValue, Method};
 use retryplane_agent::{Agent, AttemptInfo, CallMeta, Classification, Classify, Outcome, Source};
 use tokio::time::Instant;
 
+use crate::admin::shown_url;
 use crate::input::{self, no_such_endpoint};
 use crate::output::{self, Format};
 use crate::{Outcome as Exit, Report};
@@ -155,9 +157,12 @@ impl TryFrom<Args> for Settings {
             None => Method::GET,
         };
         let url = reqwest::Url::parse(&args.url)
-            .with_context(|| format!("{}: not a valid URL", args.url))?;
+            .with_context(|| format!("{}: not a valid URL", shown_url(&args.url)))?;
         if !matches!(url.scheme(), "http" | "https") {
-            bail!("{}: only http:// and https:// URLs are supported", args.url);
+            bail!(
+                "{}: only http:// and https:// URLs are supported",
+                shown_url(&args.url)
+            );
         }
         let mut headers = HeaderMap::new();
         for Secret(h) in &args.headers {
@@ -183,8 +188,9 @@ impl TryFrom<Args> for Settings {
                 // The agent's token would go out in clear text on a URL that asked for TLS.
                 if !url.starts_with("http://") {
                     bail!(
-                        "--server {url}: only http:// is supported (TLS on the agent listener \
-                         comes later)"
+                        "--server {}: only http:// is supported (TLS on the agent listener \
+                         comes later)",
+                        shown_url(&url)
                     );
                 }
                 let url = crate::admin::with_default_port(url, AGENT_PORT)?;
@@ -333,6 +339,8 @@ async fn from_server(url: &str, token: Option<&Secret>, endpoint: &str) -> anyho
     if let Some(Secret(t)) = token {
         builder = builder.token(t.as_str());
     }
+    // Messages name the server without the password its URL may hold.
+    let url = &shown_url(url);
     let agent = builder
         .connect()
         .with_context(|| format!("--server {url}"))?;
@@ -345,8 +353,8 @@ async fn from_server(url: &str, token: Option<&Secret>, endpoint: &str) -> anyho
     }
 }
 
-/// Waits for `agent`'s first snapshot from the control plane at `url`, which must define
-/// `endpoint`.
+/// Waits for `agent`'s first snapshot from the control plane at `url` (as shown in messages),
+/// which must define `endpoint`.
 async fn first_snapshot(agent: &Agent, url: &str, endpoint: &str) -> anyhow::Result<()> {
     let waited = Instant::now();
     let mut tick = tokio::time::interval(Duration::from_millis(10));

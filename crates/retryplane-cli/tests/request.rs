@@ -804,3 +804,54 @@ fn a_hung_upstream_gives_timeout_attempts_and_the_deadline_ends_the_call() {
     assert_eq!(pauses, [json!(100), Value::Null]);
     assert!(v["elapsed_ms"].as_u64().unwrap() >= 1500, "{v}");
 }
+
+#[test]
+fn a_password_in_a_url_is_never_printed() {
+    let dir = TempDir::new().unwrap();
+    let path = dir.path().join("policy.yaml");
+    fs::write(&path, POLICY).unwrap();
+    let dead = support::dead_server();
+    let with_password = dead.replace("http://", "http://alice:s3cret-pw@");
+    let runs: &[&[&str]] = &[
+        // The control plane's URL: no policy from it within the wait, which names it.
+        &["--server", &with_password, &format!("{dead}/")],
+        &["--server", "http://alice:s3cret-pw@127.0.0.1:", "http://a/"],
+        &["--server", "https://alice:s3cret-pw@127.0.0.1", "http://a/"],
+        // The URL called: refused by the upstream, or not one that can be called.
+        &[
+            "--policy",
+            path.to_str().unwrap(),
+            &format!("{with_password}/x"),
+        ],
+        &[
+            "--policy",
+            path.to_str().unwrap(),
+            "http://alice:s3cret-pw@bad host/",
+        ],
+        &[
+            "--policy",
+            path.to_str().unwrap(),
+            "ftp://alice:s3cret-pw@a/",
+        ],
+    ];
+    for args in runs {
+        let out = Command::cargo_bin("retryplane")
+            .unwrap()
+            .env_remove("RETRYPLANE_AGENT_TOKEN")
+            .args(["request", "--endpoint", "api"])
+            .args(*args)
+            .timeout(std::time::Duration::from_secs(30))
+            .output()
+            .unwrap();
+        assert!(matches!(out.status.code(), Some(1 | 2)), "{args:?}");
+        let shown = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(!shown.contains("s3cret-pw"), "{args:?}: {shown}");
+        if out.status.code() == Some(2) {
+            assert!(shown.contains("alice:***@"), "{args:?}: {shown}");
+        }
+    }
+}
