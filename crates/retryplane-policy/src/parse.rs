@@ -395,7 +395,7 @@ impl Walker {
                 _ => {}
             }
         }
-        self.second_defaults(root);
+        self.second_blocks(root);
         if !version {
             self.error(root.loc, "version", "missing `version: 1`");
         }
@@ -405,24 +405,71 @@ impl Walker {
         Some(doc)
     }
 
-    /// A second (third…) `defaults:` of the file, which [`Walker::fields`] reports as a duplicate
-    /// key and leaves out of the document: its own problems are reported too, as those of a
-    /// second endpoint of one name are. They share the first's paths, so they are marked
-    /// detached: the first's cross-field checks still run on the fields it sets.
-    fn second_defaults(&mut self, root: &Node) {
+    /// A second (third…) `defaults:` or `endpoints:` of the file, which [`Walker::fields`]
+    /// reports as a duplicate key and leaves out of the document: its own problems are reported
+    /// too, as those of a second endpoint of one name are. They share the first's paths, so
+    /// they are marked detached: the first's cross-field checks still run on the fields it sets.
+    fn second_blocks(&mut self, root: &Node) {
         let Value::Map(entries) = &root.value else {
             return;
         };
-        let copies = entries
-            .iter()
-            .filter(|(key, _)| matches!(&key.value, Value::Str(k) if k == "defaults"))
-            .skip(1);
-        for (_, value) in copies {
-            let first_diag = self.diags.len();
-            let overlay = self.overlay(value, "defaults", Layer::Defaults);
-            crate::validate::check_detached(&overlay, "defaults", false, &mut self.diags);
-            self.detached.push(first_diag..self.diags.len());
+        for block in ["defaults", "endpoints"] {
+            let copies = entries
+                .iter()
+                .filter(|(key, _)| matches!(&key.value, Value::Str(k) if k == block))
+                .skip(1);
+            for (_, value) in copies {
+                let first_diag = self.diags.len();
+                if block == "defaults" {
+                    let overlay = self.overlay(value, "defaults", Layer::Defaults);
+                    crate::validate::check_detached(&overlay, "defaults", false, &mut self.diags);
+                    self.detached.push(first_diag..self.diags.len());
+                    continue;
+                }
+                let Value::Map(endpoints) = &value.value else {
+                    self.type_error(
+                        value,
+                        "endpoints",
+                        "a mapping of endpoint names to policies",
+                    );
+                    continue;
+                };
+                for (key, value) in endpoints {
+                    let name = match &key.value {
+                        Value::Str(s) => s.clone(),
+                        Value::Int(i) => i.to_string(),
+                        other => {
+                            self.error(
+                                key.loc,
+                                "endpoints",
+                                format!("endpoint names are strings, found {}", other.kind()),
+                            );
+                            continue;
+                        }
+                    };
+                    let path = join("endpoints", &name);
+                    self.detached_endpoint(&name, value, &path, self.diags.len());
+                }
+            }
         }
+    }
+
+    /// An endpoint left out of the document (a second one of a name, or one of a second
+    /// `endpoints:`), whose own problems are reported too, from `first_diag` on. They share the
+    /// paths of the endpoint of that name the document keeps, if any, so they are marked
+    /// detached: its cross-field checks still run on the fields it sets.
+    fn detached_endpoint(&mut self, name: &str, value: &Node, path: &str, first_diag: usize) {
+        let overlay = self.overlay(value, path, Layer::Endpoint);
+        crate::validate::check_detached(&overlay, path, false, &mut self.diags);
+        if let Some(routes) = get(value, "routes") {
+            let routes_path = join(path, "routes");
+            for route in self.routes(routes, &routes_path) {
+                let route_path = format!("{routes_path}[{}]", route.index);
+                crate::validate::check_detached(&route.overlay, &route_path, true, &mut self.diags);
+            }
+        }
+        crate::diag::tag_endpoint(&mut self.diags[first_diag..], name, path);
+        self.detached.push(first_diag..self.diags.len());
     }
 
     fn endpoints(&mut self, node: &Node) -> Vec<EndpointDoc> {
@@ -461,25 +508,7 @@ impl Walker {
                         &path,
                         format!("duplicate endpoint `{name}` (first defined at {first})"),
                     );
-                    // Left out of the document, but its own problems are reported too. They
-                    // share the first endpoint's paths, so they are marked detached: the
-                    // first's cross-field checks still run on the fields it sets.
-                    let overlay = self.overlay(value, &path, Layer::Endpoint);
-                    crate::validate::check_detached(&overlay, &path, false, &mut self.diags);
-                    if let Some(routes) = get(value, "routes") {
-                        let routes_path = join(&path, "routes");
-                        for route in self.routes(routes, &routes_path) {
-                            let route_path = format!("{routes_path}[{}]", route.index);
-                            crate::validate::check_detached(
-                                &route.overlay,
-                                &route_path,
-                                true,
-                                &mut self.diags,
-                            );
-                        }
-                    }
-                    crate::diag::tag_endpoint(&mut self.diags[first_diag..], &name, &path);
-                    self.detached.push(first_diag..self.diags.len());
+                    self.detached_endpoint(&name, value, &path, first_diag);
                     continue;
                 }
                 Entry::Vacant(slot) => {

@@ -481,6 +481,19 @@ fn a_second_defaults_block_is_a_duplicate_with_its_own_problems_reported_too() {
 }
 
 #[test]
+fn a_second_endpoints_block_is_a_duplicate_with_its_own_problems_reported_too() {
+    let src = "version: 1\nendpoints:\n  a: {max_attempts: 2}\nendpoints:\n  a:\n    max_attempts: 0\n  b:\n    routes:\n      - match: {method: GET}\n        deadline: banana\n";
+    assert_eq!(
+        errors(src),
+        [
+            "4:1: error: endpoints: duplicate key `endpoints` (first set at 2:1)",
+            "6:19: error: endpoints.a.max_attempts: must be from 1 (never retry) to 10, found 0",
+            "10:19: error: endpoints.b.routes[0].deadline: `banana` is not a duration: write a number and a unit, such as `250ms` or `2s`",
+        ]
+    );
+}
+
+#[test]
 fn duplicate_keys_in_a_policy_are_an_error() {
     let src = "version: 1\nendpoints:\n  a:\n    deadline: 10s\n    deadline: 20s\n";
     assert_eq!(
