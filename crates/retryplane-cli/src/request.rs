@@ -11,6 +11,11 @@
 //! counts of the call and closes its stream ([`SHUTDOWN_WAIT`] at most), so `retryplane stats`
 //! shows the call and `status` shows the agent as gone.
 //!
+//! `-H` takes curl's forms: `Name: value`; `Name:` (nothing after the colon), which sends no
+//! `Name` header: a header the HTTP client would add by itself (`accept: */*`, `host`, and with
+//! `--data` `content-length`) cannot be left out, which is an error rather than a header sent
+//! anyway; and `Name;`, which sends `Name` with an empty value.
+//!
 //! The method is `-X`, else `POST` with `--data`, else `GET` (as curl). Redirects are not
 //! followed: a 3xx is the upstream's answer. The response body is read (so a reset mid-body is a
 //! failed attempt) and discarded: stdout gets one line per attempt and the outcome, or with
@@ -18,7 +23,8 @@
 //! that fails on an error rather than an HTTP status also says on stderr what its last attempt
 //! ran into (`retryplane: error: request failed: …`: connection refused, a name that does not
 //! resolve, a TLS handshake, an answer that is not HTTP), which its class alone does not.
-//! Header values, the URL's query and the body are never printed.
+//! Header values, the URL's query and the body are never printed, nor the password of a URL's
+//! userinfo (`user:***@host` in messages).
 //!
 //! Exit codes: `0` success, `1` the call failed under the policy, `2` usage or configuration
 //! error (bad flags, an unreadable or invalid policy file, an unknown endpoint, no snapshot from
@@ -39,6 +45,7 @@ use http::{HeaderMap, HeaderName, HeaderValue, Method};
 use retryplane_agent::{Agent, AttemptInfo, CallMeta, Classification, Classify, Outcome, Source};
 use tokio::time::Instant;
 
+use crate::admin::shown_url;
 use crate::input::{self, no_such_endpoint};
 use crate::output::{self, Format};
 use crate::{Outcome as Exit, Report};
@@ -83,7 +90,10 @@ pub struct Args {
     /// HTTP method [default: POST with --data, else GET].
     #[arg(short = 'X', long = "request", value_name = "METHOD")]
     method: Option<String>,
-    /// A request header, `Name: value` (repeatable).
+    /// A request header, `Name: value` (repeatable). As in curl, `Name:` with no value sends
+    /// no `Name` header (one the HTTP client sends by default, `Accept`, `Host` and, with
+    /// --data, `Content-Length`, cannot be left out: that is an error), and `Name;` sends `Name`
+    /// with an empty value.
     #[arg(short = 'H', long = "header", value_name = "'NAME: VALUE'")]
     headers: Vec<Secret>,
     /// The request body.
@@ -147,14 +157,25 @@ impl TryFrom<Args> for Settings {
             None => Method::GET,
         };
         let url = reqwest::Url::parse(&args.url)
-            .with_context(|| format!("{}: not a valid URL", args.url))?;
+            .with_context(|| format!("{}: not a valid URL", shown_url(&args.url)))?;
         if !matches!(url.scheme(), "http" | "https") {
-            bail!("{}: only http:// and https:// URLs are supported", args.url);
+            bail!(
+                "{}: only http:// and https:// URLs are supported",
+                shown_url(&args.url)
+            );
         }
         let mut headers = HeaderMap::new();
         for Secret(h) in &args.headers {
-            let (name, value) = parse_header(h)?;
-            headers.append(name, value);
+            match parse_header(h)? {
+                HeaderFlag::Send(name, value) => {
+                    headers.append(name, value);
+                }
+                HeaderFlag::Leave(name) => {
+                    if let Some(why) = sent_by_the_client(&name, args.data.is_some()) {
+                        bail!("-H '{name}:': {why}, and cannot be left out");
+                    }
+                }
+            }
         }
         let policy = match (args.policy, args.server) {
             (Some(path), _) => PolicyFrom::File(input::Source::from_arg(path)),
@@ -167,8 +188,9 @@ impl TryFrom<Args> for Settings {
                 // The agent's token would go out in clear text on a URL that asked for TLS.
                 if !url.starts_with("http://") {
                     bail!(
-                        "--server {url}: only http:// is supported (TLS on the agent listener \
-                         comes later)"
+                        "--server {}: only http:// is supported (TLS on the agent listener \
+                         comes later)",
+                        shown_url(&url)
                     );
                 }
                 let url = crate::admin::with_default_port(url, AGENT_PORT)?;
@@ -192,18 +214,51 @@ impl TryFrom<Args> for Settings {
     }
 }
 
-/// `Name: value` → a header; errors name the header, never quote its value.
-fn parse_header(text: &str) -> anyhow::Result<(HeaderName, HeaderValue)> {
-    let Some((name, value)) = text.split_once(':') else {
-        bail!("-H: expected 'Name: value'");
+/// What one `-H` asks for, in curl's forms.
+#[derive(Debug)]
+enum HeaderFlag {
+    /// `Name: value`, or `Name;` (an empty value).
+    Send(HeaderName, HeaderValue),
+    /// `Name:` with nothing (or only spaces) after the colon: no such header is sent.
+    Leave(HeaderName),
+}
+
+/// `Name: value`, `Name:` or `Name;` → what to do; errors name the header, never quote its
+/// value.
+fn parse_header(text: &str) -> anyhow::Result<HeaderFlag> {
+    let (name, value) = match text.split_once(':') {
+        Some((name, value)) => (name, Some(value.trim())),
+        // `Name;` and nothing after it: the header, empty (curl's way of asking for one).
+        None => match text.split_once(';') {
+            Some((name, rest)) if rest.trim().is_empty() => (name, None),
+            _ => bail!(
+                "-H: expected 'Name: value', 'Name:' (no such header) or 'Name;' (an empty one)"
+            ),
+        },
     };
     let name = name.trim();
     let name = HeaderName::from_str(name)
         .map_err(|_| anyhow::anyhow!("-H: `{name}` is not a valid header name"))?;
-    let mut value = HeaderValue::from_str(value.trim())
+    let value = match value {
+        Some("") => return Ok(HeaderFlag::Leave(name)),
+        Some(value) => value,
+        None => "",
+    };
+    let mut value = HeaderValue::from_str(value)
         .map_err(|_| anyhow::anyhow!("-H {name}: the value holds characters not allowed"))?;
     value.set_sensitive(true);
-    Ok((name, value))
+    Ok(HeaderFlag::Send(name, value))
+}
+
+/// Why the HTTP client sends `name` whatever the flags say, if it does: `-H 'Name:'` cannot
+/// leave it out. `body`: whether the request has one.
+fn sent_by_the_client(name: &HeaderName, body: bool) -> Option<&'static str> {
+    match name.as_str() {
+        "accept" => Some("the HTTP client sends `accept: */*` unless -H gives another value"),
+        "host" => Some("the HTTP client sends `host` from the URL, as HTTP/1.1 requires"),
+        "content-length" if body => Some("the HTTP client sends the length of the --data body"),
+        _ => None,
+    }
 }
 
 /// Makes the call; see the module docs.
@@ -284,6 +339,8 @@ async fn from_server(url: &str, token: Option<&Secret>, endpoint: &str) -> anyho
     if let Some(Secret(t)) = token {
         builder = builder.token(t.as_str());
     }
+    // Messages name the server without the password its URL may hold.
+    let url = &shown_url(url);
     let agent = builder
         .connect()
         .with_context(|| format!("--server {url}"))?;
@@ -296,8 +353,8 @@ async fn from_server(url: &str, token: Option<&Secret>, endpoint: &str) -> anyho
     }
 }
 
-/// Waits for `agent`'s first snapshot from the control plane at `url`, which must define
-/// `endpoint`.
+/// Waits for `agent`'s first snapshot from the control plane at `url` (as shown in messages),
+/// which must define `endpoint`.
 async fn first_snapshot(agent: &Agent, url: &str, endpoint: &str) -> anyhow::Result<()> {
     let waited = Instant::now();
     let mut tick = tokio::time::interval(Duration::from_millis(10));

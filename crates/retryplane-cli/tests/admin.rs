@@ -767,3 +767,53 @@ fn failed_against(command: &str, server: &str) -> String {
         .stdout("");
     String::from_utf8_lossy(&assert.get_output().stderr).into_owned()
 }
+
+#[test]
+fn a_password_in_the_server_url_is_never_printed() {
+    let dir = tempfile::TempDir::new().unwrap();
+    let file = dir.path().join("policy.yaml");
+    std::fs::write(&file, V1).unwrap();
+    let file = file.to_str().unwrap();
+    let dead = dead_server().replace("http://", "http://alice:s3cret-pw@");
+    let commands: &[&[&str]] = &[
+        &["status"],
+        &["stats"],
+        &["get"],
+        &["history"],
+        &["diff", file],
+        &["apply", file],
+        &["rollback", "1"],
+        &["top", "--iterations", "1"],
+        &["top", "--iterations", "1", "--output", "json"],
+    ];
+    let mut runs: Vec<(Vec<&str>, &str)> = commands
+        .iter()
+        .map(|c| (c.to_vec(), dead.as_str()))
+        .collect();
+    // Refused before any connection: the URL is named in the error.
+    for bad in [
+        "http://alice:s3cret-pw@127.0.0.1:99999",
+        "alice:s3cret-pw@127.0.0.1:",
+        "https://alice:s3cret-pw@127.0.0.1",
+    ] {
+        runs.push((vec!["status"], bad));
+    }
+    for (args, server) in runs {
+        let out = Command::cargo_bin("retryplane")
+            .unwrap()
+            .env_remove("RETRYPLANE_TOKEN")
+            .args(&args)
+            .args(["--server", server])
+            .timeout(std::time::Duration::from_secs(30))
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?} {server}");
+        let shown = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(!shown.contains("s3cret-pw"), "{args:?}: {shown}");
+        assert!(shown.contains("alice:***@127.0.0.1"), "{args:?}: {shown}");
+    }
+}

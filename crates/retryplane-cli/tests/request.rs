@@ -280,14 +280,105 @@ fn post_without_idempotency_key_is_not_retried_and_with_it_is() {
 
 #[test]
 fn post_with_an_empty_idempotency_key_is_not_retried() {
-    for header in ["Idempotency-Key:", "Idempotency-Key:   "] {
+    // `Name:` sends no key at all, `Name;` an empty one: neither is a key.
+    for (header, sent) in [
+        ("Idempotency-Key:", false),
+        ("Idempotency-Key:   ", false),
+        ("Idempotency-Key;", true),
+    ] {
         let up = Upstream::start(&[(503, "")]);
         let (v, code) = request(&["-H", header, "--data", "x", &up.url("/v1/charges")]);
         assert_eq!(code, 1, "{header:?}: {v}");
         assert_eq!(v["cause"], "not_retryable");
         assert_eq!(v["attempts"].as_array().unwrap().len(), 1);
-        assert_eq!(up.seen().len(), 1);
+        let seen = up.seen();
+        assert_eq!(seen.len(), 1);
+        let key = seen[0]
+            .headers
+            .iter()
+            .find(|(n, _)| n == "idempotency-key")
+            .map(|(_, v)| v.as_str());
+        assert_eq!(key, sent.then_some(""), "{header:?}");
     }
+}
+
+#[test]
+fn a_header_with_nothing_after_its_colon_is_not_sent_and_one_with_a_semicolon_is_sent_empty() {
+    let up = Upstream::start(&[]);
+    let (v, code) = request(&[
+        "-H",
+        "X-Gone:",
+        "-H",
+        "X-Blank:   ",
+        "-H",
+        "X-Empty;",
+        "-H",
+        "X-Kept: 1",
+        "-H",
+        "Accept: text/plain",
+        &up.url("/"),
+    ]);
+    assert_eq!(code, 0, "{v}");
+    let seen = up.seen();
+    assert_eq!(seen.len(), 1);
+    let headers = &seen[0].headers;
+    let values = |name: &str| -> Vec<&str> {
+        headers
+            .iter()
+            .filter(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+            .collect()
+    };
+    assert_eq!(values("x-gone"), Vec::<&str>::new(), "{headers:?}");
+    assert_eq!(values("x-blank"), Vec::<&str>::new(), "{headers:?}");
+    assert_eq!(values("x-empty"), [""], "{headers:?}");
+    assert_eq!(values("x-kept"), ["1"], "{headers:?}");
+    // A value given replaces the client's own `*/*`.
+    assert_eq!(values("accept"), ["text/plain"], "{headers:?}");
+}
+
+#[test]
+fn leaving_out_a_header_the_http_client_always_sends_is_refused() {
+    let up = Upstream::start(&[]);
+    let dir = TempDir::new().unwrap();
+    let path = dir.path().join("policy.yaml");
+    fs::write(&path, POLICY).unwrap();
+    for (header, data, why) in [
+        (
+            "Accept:",
+            None,
+            "-H 'accept:': the HTTP client sends `accept: */*` unless -H gives another value, and cannot be left out",
+        ),
+        (
+            "Host:",
+            None,
+            "-H 'host:': the HTTP client sends `host` from the URL, as HTTP/1.1 requires, and cannot be left out",
+        ),
+        (
+            "Content-Length:",
+            Some("x"),
+            "-H 'content-length:': the HTTP client sends the length of the --data body, and cannot be left out",
+        ),
+    ] {
+        let mut cmd = Command::cargo_bin("retryplane").unwrap();
+        cmd.args(["request", "--policy"])
+            .arg(&path)
+            .args(["--endpoint", "api", "-H", header]);
+        if let Some(data) = data {
+            cmd.args(["--data", data]);
+        }
+        let out = cmd.arg(up.url("/")).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{header}");
+        assert_eq!(
+            String::from_utf8_lossy(&out.stderr),
+            format!("retryplane: error: {why}\n")
+        );
+        assert!(out.stdout.is_empty());
+    }
+    // Without a body there is no length to leave out: nothing is sent, as for any header.
+    let (v, code) = request(&["-H", "Content-Length:", &up.url("/")]);
+    assert_eq!(code, 0, "{v}");
+    assert_eq!(up.seen().len(), 1);
 }
 
 #[test]
@@ -712,4 +803,55 @@ fn a_hung_upstream_gives_timeout_attempts_and_the_deadline_ends_the_call() {
     );
     assert_eq!(pauses, [json!(100), Value::Null]);
     assert!(v["elapsed_ms"].as_u64().unwrap() >= 1500, "{v}");
+}
+
+#[test]
+fn a_password_in_a_url_is_never_printed() {
+    let dir = TempDir::new().unwrap();
+    let path = dir.path().join("policy.yaml");
+    fs::write(&path, POLICY).unwrap();
+    let dead = support::dead_server();
+    let with_password = dead.replace("http://", "http://alice:s3cret-pw@");
+    let runs: &[&[&str]] = &[
+        // The control plane's URL: no policy from it within the wait, which names it.
+        &["--server", &with_password, &format!("{dead}/")],
+        &["--server", "http://alice:s3cret-pw@127.0.0.1:", "http://a/"],
+        &["--server", "https://alice:s3cret-pw@127.0.0.1", "http://a/"],
+        // The URL called: refused by the upstream, or not one that can be called.
+        &[
+            "--policy",
+            path.to_str().unwrap(),
+            &format!("{with_password}/x"),
+        ],
+        &[
+            "--policy",
+            path.to_str().unwrap(),
+            "http://alice:s3cret-pw@bad host/",
+        ],
+        &[
+            "--policy",
+            path.to_str().unwrap(),
+            "ftp://alice:s3cret-pw@a/",
+        ],
+    ];
+    for args in runs {
+        let out = Command::cargo_bin("retryplane")
+            .unwrap()
+            .env_remove("RETRYPLANE_AGENT_TOKEN")
+            .args(["request", "--endpoint", "api"])
+            .args(*args)
+            .timeout(std::time::Duration::from_secs(30))
+            .output()
+            .unwrap();
+        assert!(matches!(out.status.code(), Some(1 | 2)), "{args:?}");
+        let shown = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(!shown.contains("s3cret-pw"), "{args:?}: {shown}");
+        if out.status.code() == Some(2) {
+            assert!(shown.contains("alice:***@"), "{args:?}: {shown}");
+        }
+    }
 }

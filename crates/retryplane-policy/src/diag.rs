@@ -157,10 +157,14 @@ pub fn suggest<'a>(word: &str, candidates: impl IntoIterator<Item = &'a str>) ->
 }
 
 /// [`suggest`] for a policy's field names, whose words mean the same wherever they appear: the
-/// closest typo; else, among the candidates that share two or more `_`-separated words with
-/// `word` or that it shortens or lengthens by whole words, the one sharing the most words
-/// (a tie: none). So the extra words count: `deadline_per_try` is `per_try_timeout` (two words
-/// in common), not the `deadline` it merely starts; `backoff_max` is still `backoff`.
+/// closest typo; else, among the candidates that share two or more words with `word` (in any
+/// order) or that it shortens or lengthens by whole words, the one sharing the most words; else
+/// the one candidate that `word` names with words in front (`http_method` for `method`). So the
+/// extra words count: `deadline_per_try` is `per_try_timeout` (two words in common), not the
+/// `deadline` it merely starts. A candidate may be a field of a section written
+/// `section.field`, whose words are both parts': `max_backoff` is `backoff.max`. A tie is no
+/// guess, except between fields of one section, which guess the section (`retry_on_status` is
+/// `retry_on`, whose fields `http_status` and `grpc_status` it names as well).
 /// (Endpoint names are not held to this: `orders_api_v1` is not `payments_api_v1`.)
 pub fn suggest_field<'a>(
     word: &str,
@@ -172,12 +176,30 @@ pub fn suggest_field<'a>(
     // The most words shared by a candidate that qualifies, and that candidate if only one
     // shares that many.
     let mut by_words: (usize, Option<&'a str>) = (0, None);
+    // The candidates that `word` names with words in front, merged as ties are: the last resort.
+    let mut qualified: Option<Option<&'a str>> = None;
     for c in candidates {
         let c_lower = c.to_ascii_lowercase();
-        if let Some(d) = close_enough(&lower, &c_lower)
+        // A section's field is as close as its own name would be (`backoff_max`), and is
+        // guessed by words only when `word` names the whole section: `retry_max` is not
+        // `retry_after.max`.
+        let (section, field) = c_lower.split_once('.').unwrap_or(("", &c_lower));
+        let names_section = section
+            .split('_')
+            .all(|w| w.is_empty() || words.contains(&w));
+        if let Some(d) = close_enough_to(&lower, &c_lower, field.len())
             && close.is_none_or(|(best, _)| d < best)
         {
             close = Some((d, c));
+        }
+        if !names_section {
+            continue;
+        }
+        if ends_with_words(&lower, &c_lower) {
+            qualified = Some(match qualified {
+                None => Some(c),
+                Some(other) => other.and_then(|other| common_guess(other, c)),
+            });
         }
         let shared = shared_words(&words, &c_lower);
         let qualifies = shared >= 2
@@ -189,22 +211,39 @@ pub fn suggest_field<'a>(
         by_words = if shared > by_words.0 {
             (shared, Some(c))
         } else {
-            // A second candidate sharing as many words: no guess.
-            (shared, None)
+            // A second candidate sharing as many words: no guess, unless both are one section's.
+            (shared, by_words.1.and_then(|other| common_guess(other, c)))
         };
     }
-    close.map(|(_, c)| c).or(by_words.1)
+    close.map(|(_, c)| c).or(by_words.1).or(qualified.flatten())
+}
+
+/// What two equally good guesses have in common: the same name listed twice, or the section
+/// both are fields of (`retry_on` for `retry_on.http_status` and `retry_on.grpc_status`, or for
+/// `retry_on` itself and one of its fields); `None` otherwise.
+fn common_guess<'a>(a: &'a str, b: &'a str) -> Option<&'a str> {
+    let section = |s: &'a str| s.split_once('.').map_or(s, |(section, _)| section);
+    section(a)
+        .eq_ignore_ascii_case(section(b))
+        .then_some(section(a))
 }
 
 /// The edit distance from `word` to `candidate`, if small enough to be a likely typo.
 fn close_enough(word: &str, candidate: &str) -> Option<usize> {
-    let d = strsim::levenshtein(word, candidate);
-    (d <= 2.max(candidate.len() / 3)).then_some(d)
+    close_enough_to(word, candidate, candidate.len())
 }
 
-/// How many of the distinct `words` are among the `_`-separated words of `candidate`.
+/// [`close_enough`], allowing edits in proportion to `len` bytes of the candidate (a section's
+/// field: its own name, not its section's).
+fn close_enough_to(word: &str, candidate: &str, len: usize) -> Option<usize> {
+    let d = strsim::levenshtein(word, candidate);
+    (d <= 2.max(len / 3)).then_some(d)
+}
+
+/// How many of the distinct `words` are among the words of `candidate`, separated by `_` or,
+/// between a section and its field, `.`.
 fn shared_words(words: &[&str], candidate: &str) -> usize {
-    let theirs: Vec<&str> = candidate.split('_').collect();
+    let theirs: Vec<&str> = candidate.split(['_', '.']).collect();
     words
         .iter()
         .enumerate()
@@ -218,6 +257,14 @@ fn extends_by_words(long: &str, short: &str) -> bool {
         && long
             .strip_prefix(short)
             .is_some_and(|rest| rest.starts_with('_'))
+}
+
+/// Whether `long` is more words, then `_`, then `short` (`http_method` for `method`).
+fn ends_with_words(long: &str, short: &str) -> bool {
+    !short.is_empty()
+        && long
+            .strip_suffix(short)
+            .is_some_and(|rest| rest.len() > 1 && rest.ends_with('_'))
 }
 
 /// ` (did you mean `x`?)` or nothing.
@@ -299,6 +346,51 @@ mod tests {
         assert_eq!(field("timeout"), None);
         // A word more that no other candidate has still shortens to the field.
         assert_eq!(field("deadline_ms"), Some("deadline"));
+    }
+
+    #[test]
+    fn a_field_of_a_section_is_guessed_by_its_words_in_any_order() {
+        let layer = [
+            "max_attempts",
+            "backoff",
+            "deadline",
+            "per_try_timeout",
+            "retry_on",
+            "retry_after",
+            "backoff.base",
+            "backoff.max",
+            "retry_on.http_status",
+            "retry_on.grpc_status",
+            "retry_after.max",
+        ];
+        let field = |word| suggest_field(word, layer);
+        assert_eq!(field("max_backoff"), Some("backoff.max"));
+        assert_eq!(field("backoff_max"), Some("backoff.max"));
+        assert_eq!(field("base_backoff"), Some("backoff.base"));
+        // Two fields of one section as good as each other: the section.
+        assert_eq!(field("retry_on_status"), Some("retry_on"));
+        // A word of a section's name is not the section: `retry_max` is not `retry_after.max`.
+        assert_eq!(field("retry_max"), None);
+        assert_eq!(field("max_delay"), None);
+        assert_eq!(field("max_retries"), None);
+        assert_eq!(field("timeout"), None);
+        // A section's field is as close as its own name: not every name within 6 edits.
+        assert_eq!(field("retry_on_codes"), Some("retry_on"));
+    }
+
+    #[test]
+    fn a_field_named_with_words_in_front_is_the_last_guess() {
+        let matcher = ["method", "path_prefix", "grpc", "http_status", "max", "max"];
+        let field = |word| suggest_field(word, matcher);
+        assert_eq!(field("http_method"), Some("method"));
+        // The field a name starts wins over the one it ends with.
+        assert_eq!(field("grpc_method"), Some("grpc"));
+        // The same name twice is one guess.
+        assert_eq!(field("maxx"), Some("max"));
+        assert_eq!(field("max_value"), Some("max"));
+        // Words at the front, not a part of one.
+        assert_eq!(field("httpmethod"), None);
+        assert_eq!(field("status"), None);
     }
 
     #[test]

@@ -11,7 +11,7 @@ use std::ops::Range;
 use std::time::Duration;
 
 use crate::codes::{self, GrpcCode};
-use crate::diag::{Diagnostic, did_you_mean, did_you_mean_field};
+use crate::diag::{Diagnostic, did_you_mean, suggest_field};
 use crate::document::{
     AlertOverlay, BackoffOverlay, BreakerOverlay, BudgetOverlay, EndpointDoc, Field, Overlay,
     PolicyDocument, RetryAfterOverlay, RetryOnOverlay, RouteDoc, RouteMatch,
@@ -62,6 +62,46 @@ const SECTIONS: [(&str, &[&str]); 7] = [
     ("circuit_breaker", &BREAKER_FIELDS),
     ("alert", &ALERT_FIELDS),
     ("match", &MATCH_FIELDS),
+];
+
+/// Every field of the sections a policy layer can hold, as `section.field`: what an unknown
+/// name in a layer may be guessed as when it holds a field's words in another order
+/// (`max_backoff` is `backoff.max`). A route has no `alert` (it is told so).
+const SECTION_FIELD_PATHS: [&str; 20] = [
+    "backoff.base",
+    "backoff.max",
+    "backoff.multiplier",
+    "backoff.jitter",
+    "retry_on.http_status",
+    "retry_on.grpc_status",
+    "retry_on.errors",
+    "retry_after.honor",
+    "retry_after.max",
+    "budget.enabled",
+    "budget.ratio",
+    "budget.min_per_second",
+    "budget.window",
+    "circuit_breaker.enabled",
+    "circuit_breaker.failure_ratio",
+    "circuit_breaker.min_requests",
+    "circuit_breaker.window",
+    "circuit_breaker.open_for",
+    "circuit_breaker.half_open_probes",
+    "alert.retry_ratio",
+];
+
+/// What else an unknown field inside a route's `match:` may be guessed as: a setting of the
+/// route, or a field of one of its sections, which [`in_match`] then says where to write
+/// (`grpc_statuses` is `retry_on`'s `grpc_status`, not the `grpc` it starts).
+const MATCH_ELSEWHERE: [&[&str]; 8] = [
+    &POLICY_FIELDS,
+    &ENDPOINT_FIELDS,
+    &BACKOFF_FIELDS,
+    &RETRY_ON_FIELDS,
+    &RETRY_AFTER_FIELDS,
+    &BUDGET_FIELDS,
+    &BREAKER_FIELDS,
+    &ALERT_FIELDS,
 ];
 
 /// No field belongs elsewhere: every unknown one is offered the nearest known one.
@@ -231,6 +271,20 @@ impl Walker {
         known: &[&str],
         misplaced: &dyn Fn(&str) -> Option<String>,
     ) -> Vec<(&'n str, &'n Node, Loc)> {
+        self.fields_guessing(node, path, known, &[], misplaced)
+    }
+
+    /// [`Walker::fields`], where an unknown name may also be guessed as one of `elsewhere`
+    /// (names that are not keys of this mapping); such a guess is followed by what `misplaced`
+    /// says of it, if anything (where to write it instead).
+    fn fields_guessing<'n>(
+        &mut self,
+        node: &'n Node,
+        path: &str,
+        known: &[&str],
+        elsewhere: &[&[&str]],
+        misplaced: &dyn Fn(&str) -> Option<String>,
+    ) -> Vec<(&'n str, &'n Node, Loc)> {
         let Value::Map(entries) = &node.value else {
             if node.value != Value::Null {
                 self.type_error(node, path, "a mapping");
@@ -269,8 +323,16 @@ impl Walker {
                 if let Some(why) = misplaced(name) {
                     self.error(key.loc, &field_path, why);
                 } else {
-                    let hint = section_of(name, path)
-                        .unwrap_or_else(|| did_you_mean_field(name, known.iter().copied()));
+                    let hint = section_of(name, path).unwrap_or_else(|| {
+                        let candidates = known.iter().chain(elsewhere.iter().copied().flatten());
+                        match suggest_field(name, candidates.copied()) {
+                            None => String::new(),
+                            Some(guess) => match misplaced(guess) {
+                                Some(why) => format!(" (did you mean `{guess}`?): {why}"),
+                                None => format!(" (did you mean `{guess}`?)"),
+                            },
+                        }
+                    });
                     self.error(
                         key.loc,
                         &field_path,
@@ -333,6 +395,7 @@ impl Walker {
                 _ => {}
             }
         }
+        self.second_blocks(root);
         if !version {
             self.error(root.loc, "version", "missing `version: 1`");
         }
@@ -340,6 +403,73 @@ impl Walker {
             self.error(root.loc, "endpoints", "the file defines no `endpoints:`");
         }
         Some(doc)
+    }
+
+    /// A second (third…) `defaults:` or `endpoints:` of the file, which [`Walker::fields`]
+    /// reports as a duplicate key and leaves out of the document: its own problems are reported
+    /// too, as those of a second endpoint of one name are. They share the first's paths, so
+    /// they are marked detached: the first's cross-field checks still run on the fields it sets.
+    fn second_blocks(&mut self, root: &Node) {
+        let Value::Map(entries) = &root.value else {
+            return;
+        };
+        for block in ["defaults", "endpoints"] {
+            let copies = entries
+                .iter()
+                .filter(|(key, _)| matches!(&key.value, Value::Str(k) if k == block))
+                .skip(1);
+            for (_, value) in copies {
+                let first_diag = self.diags.len();
+                if block == "defaults" {
+                    let overlay = self.overlay(value, "defaults", Layer::Defaults);
+                    crate::validate::check_detached(&overlay, "defaults", false, &mut self.diags);
+                    self.detached.push(first_diag..self.diags.len());
+                    continue;
+                }
+                let Value::Map(endpoints) = &value.value else {
+                    self.type_error(
+                        value,
+                        "endpoints",
+                        "a mapping of endpoint names to policies",
+                    );
+                    continue;
+                };
+                for (key, value) in endpoints {
+                    let name = match &key.value {
+                        Value::Str(s) => s.clone(),
+                        Value::Int(i) => i.to_string(),
+                        other => {
+                            self.error(
+                                key.loc,
+                                "endpoints",
+                                format!("endpoint names are strings, found {}", other.kind()),
+                            );
+                            continue;
+                        }
+                    };
+                    let path = join("endpoints", &name);
+                    self.detached_endpoint(&name, value, &path, self.diags.len());
+                }
+            }
+        }
+    }
+
+    /// An endpoint left out of the document (a second one of a name, or one of a second
+    /// `endpoints:`), whose own problems are reported too, from `first_diag` on. They share the
+    /// paths of the endpoint of that name the document keeps, if any, so they are marked
+    /// detached: its cross-field checks still run on the fields it sets.
+    fn detached_endpoint(&mut self, name: &str, value: &Node, path: &str, first_diag: usize) {
+        let overlay = self.overlay(value, path, Layer::Endpoint);
+        crate::validate::check_detached(&overlay, path, false, &mut self.diags);
+        if let Some(routes) = get(value, "routes") {
+            let routes_path = join(path, "routes");
+            for route in self.routes(routes, &routes_path) {
+                let route_path = format!("{routes_path}[{}]", route.index);
+                crate::validate::check_detached(&route.overlay, &route_path, true, &mut self.diags);
+            }
+        }
+        crate::diag::tag_endpoint(&mut self.diags[first_diag..], name, path);
+        self.detached.push(first_diag..self.diags.len());
     }
 
     fn endpoints(&mut self, node: &Node) -> Vec<EndpointDoc> {
@@ -378,25 +508,7 @@ impl Walker {
                         &path,
                         format!("duplicate endpoint `{name}` (first defined at {first})"),
                     );
-                    // Left out of the document, but its own problems are reported too. They
-                    // share the first endpoint's paths, so they are marked detached: the
-                    // first's cross-field checks still run on the fields it sets.
-                    let overlay = self.overlay(value, &path, Layer::Endpoint);
-                    crate::validate::check_detached(&overlay, &path, false, &mut self.diags);
-                    if let Some(routes) = get(value, "routes") {
-                        let routes_path = join(&path, "routes");
-                        for route in self.routes(routes, &routes_path) {
-                            let route_path = format!("{routes_path}[{}]", route.index);
-                            crate::validate::check_detached(
-                                &route.overlay,
-                                &route_path,
-                                true,
-                                &mut self.diags,
-                            );
-                        }
-                    }
-                    crate::diag::tag_endpoint(&mut self.diags[first_diag..], &name, &path);
-                    self.detached.push(first_diag..self.diags.len());
+                    self.detached_endpoint(&name, value, &path, first_diag);
                     continue;
                 }
                 Entry::Vacant(slot) => {
@@ -464,7 +576,7 @@ impl Walker {
             );
             return None;
         }
-        let entries = self.fields(node, path, &MATCH_FIELDS, &in_match);
+        let entries = self.fields_guessing(node, path, &MATCH_FIELDS, &MATCH_ELSEWHERE, &in_match);
         if !matches!(node.value, Value::Map(_)) {
             return None;
         }
@@ -560,14 +672,18 @@ impl Walker {
                 ]
             }
         };
+        // A guessed `section.field` is misplaced where its section is (`alert.retry_ratio` on
+        // a route).
         let misplaced = |f: &str| {
+            let f = f.split_once('.').map_or(f, |(section, _)| section);
             misplaced
                 .iter()
                 .find(|(name, _)| *name == f)
                 .map(|(_, why)| (*why).to_owned())
         };
         let mut o = Overlay::default();
-        for (key, value, _) in self.fields(node, path, &known, &misplaced) {
+        let elsewhere: [&[&str]; 1] = [&SECTION_FIELD_PATHS];
+        for (key, value, _) in self.fields_guessing(node, path, &known, &elsewhere, &misplaced) {
             let p = join(path, key);
             match key {
                 "max_attempts" => o.max_attempts = self.max_attempts(value, &p),
@@ -980,5 +1096,20 @@ pub fn parse_grpc_route(s: &str) -> Result<(String, Option<String>), String> {
         "*" => Ok((service.to_owned(), None)),
         m if ident(m) && !m.contains('.') => Ok((service.to_owned(), Some(m.to_owned()))),
         _ => Err(bad()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_section_field_paths_are_every_field_of_every_section_a_layer_has() {
+        let derived: Vec<String> = SECTIONS
+            .iter()
+            .filter(|(section, _)| *section != "match")
+            .flat_map(|(section, fields)| fields.iter().map(move |f| format!("{section}.{f}")))
+            .collect();
+        assert_eq!(derived, SECTION_FIELD_PATHS);
     }
 }

@@ -416,6 +416,84 @@ fn a_field_named_after_two_others_is_offered_the_one_it_shares_most_words_with()
 }
 
 #[test]
+fn a_near_miss_inside_a_match_is_offered_what_it_is_close_to_or_nothing() {
+    // A match has no status: `grpc_statuses` is `retry_on`'s field, and told where it goes,
+    // not the `grpc` it starts. `http_method` is the `method` it ends with. `grpc_method` is
+    // still `grpc`; `prefix` and `status` are close to nothing a match or a route has.
+    let src = "version: 1\nendpoints:\n  a:\n    routes:\n      - match: {method: GET, http_method: GET, grpc_statuses: [UNAVAILABLE]}\n      - match: {grpc: /a.B/C, grpc_method: /a.B/C, prefix: /v1, status: [503]}\n";
+    assert_eq!(
+        errors(src),
+        [
+            "5:30: error: endpoints.a.routes[0].match.http_method: unknown field `http_method` (did you mean `method`?)",
+            "5:48: error: endpoints.a.routes[0].match.grpc_statuses: unknown field `grpc_statuses` (did you mean `grpc_status`?): `grpc_status` is a field of `retry_on`, a setting of the route, not part of what it matches: write it under `retry_on:`, beside `match:`, at the same indentation",
+            "6:31: error: endpoints.a.routes[1].match.grpc_method: unknown field `grpc_method` (did you mean `grpc`?)",
+            "6:52: error: endpoints.a.routes[1].match.prefix: unknown field `prefix`",
+            "6:65: error: endpoints.a.routes[1].match.status: unknown field `status`",
+        ]
+    );
+}
+
+#[test]
+fn a_sections_field_named_in_another_word_order_is_offered_by_its_path() {
+    let src = "version: 1\ndefaults:\n  max_backoff: 5s\n  budget_ratio: 0.1\n  retry_on_status: [503]\n  max_delay: 5s\n  retry_max: 3\n  timeout: 1s\n  max_retries: 3\nendpoints:\n  a:\n    routes:\n      - match: {method: GET}\n        base_backoff: 1s\n        alert_ratio: 0.1\n";
+    assert_eq!(
+        errors(src),
+        [
+            "3:3: error: defaults.max_backoff: unknown field `max_backoff` (did you mean `backoff.max`?)",
+            "4:3: error: defaults.budget_ratio: unknown field `budget_ratio` (did you mean `budget.ratio`?)",
+            // `http_status` and `grpc_status` alike: their section.
+            "5:3: error: defaults.retry_on_status: unknown field `retry_on_status` (did you mean `retry_on`?)",
+            // `backoff.max` or `retry_after.max`; `max_attempts`?; `deadline` or
+            // `per_try_timeout`? Too far from any one field to guess.
+            "6:3: error: defaults.max_delay: unknown field `max_delay`",
+            "7:3: error: defaults.retry_max: unknown field `retry_max`",
+            "8:3: error: defaults.timeout: unknown field `timeout`",
+            "9:3: error: defaults.max_retries: unknown field `max_retries`",
+            "14:9: error: endpoints.a.routes[0].base_backoff: unknown field `base_backoff` (did you mean `backoff.base`?)",
+            "15:9: error: endpoints.a.routes[0].alert_ratio: unknown field `alert_ratio` (did you mean `alert.retry_ratio`?): alert is set per endpoint, not per route: the control plane compares the retries / calls of the whole endpoint; set it on the endpoint or in `defaults:`",
+        ]
+    );
+}
+
+#[test]
+fn a_second_defaults_block_is_a_duplicate_with_its_own_problems_reported_too() {
+    let src = "version: 1\ndefaults:\n  max_attempts: 3\nendpoints:\n  a: {}\ndefaults:\n  max_attempts: 0\n  deadline: banana\n  deadline_ms: 3\n";
+    assert_eq!(
+        errors(src),
+        [
+            "6:1: error: defaults: duplicate key `defaults` (first set at 2:1)",
+            "7:17: error: defaults.max_attempts: must be from 1 (never retry) to 10, found 0",
+            "8:13: error: defaults.deadline: `banana` is not a duration: write a number and a unit, such as `250ms` or `2s`",
+            "9:3: error: defaults.deadline_ms: unknown field `deadline_ms` (did you mean `deadline`?)",
+        ]
+    );
+    // The first block is the one the file runs with; the second's problems do not mark its
+    // fields, whose own checks still run.
+    let src = "version: 1\ndefaults:\n  deadline: 1s\n  per_try_timeout: 2s\nendpoints:\n  a: {}\ndefaults:\n  deadline: 0s\n";
+    assert_eq!(
+        errors(src),
+        [
+            "4:20: error: defaults.per_try_timeout: per_try_timeout (2s) is longer than the deadline (1s)",
+            "7:1: error: defaults: duplicate key `defaults` (first set at 2:1)",
+            "8:13: error: defaults.deadline: must be longer than zero",
+        ]
+    );
+}
+
+#[test]
+fn a_second_endpoints_block_is_a_duplicate_with_its_own_problems_reported_too() {
+    let src = "version: 1\nendpoints:\n  a: {max_attempts: 2}\nendpoints:\n  a:\n    max_attempts: 0\n  b:\n    routes:\n      - match: {method: GET}\n        deadline: banana\n";
+    assert_eq!(
+        errors(src),
+        [
+            "4:1: error: endpoints: duplicate key `endpoints` (first set at 2:1)",
+            "6:19: error: endpoints.a.max_attempts: must be from 1 (never retry) to 10, found 0",
+            "10:19: error: endpoints.b.routes[0].deadline: `banana` is not a duration: write a number and a unit, such as `250ms` or `2s`",
+        ]
+    );
+}
+
+#[test]
 fn duplicate_keys_in_a_policy_are_an_error() {
     let src = "version: 1\nendpoints:\n  a:\n    deadline: 10s\n    deadline: 20s\n";
     assert_eq!(

@@ -13,7 +13,8 @@
 //!
 //! Every one takes `--server URL` (`RETRYPLANE_SERVER`, default [`DEFAULT_SERVER`]) and
 //! `--token TOKEN` (`RETRYPLANE_TOKEN`), sent as `authorization: Bearer TOKEN` and never
-//! printed; an empty value of either counts as not given. Connecting gives up after [`CONNECT_TIMEOUT`], a call after [`REQUEST_TIMEOUT`]. Each
+//! printed; an empty value of either counts as not given. Messages name the server by its URL
+//! with the password of any `user:password@` in it shown as `***`. Connecting gives up after [`CONNECT_TIMEOUT`], a call after [`REQUEST_TIMEOUT`]. Each
 //! command runs its calls on a current-thread tokio runtime of its own ([`block_on`]).
 //!
 //! # Errors and exit codes
@@ -104,7 +105,8 @@ impl FromStr for Token {
 /// Where the server is and how to authenticate, checked once.
 #[derive(Clone, Debug)]
 pub struct Server {
-    /// The URL as given (normalised with `http://` when it had no scheme), for messages.
+    /// The URL as given (normalised with `http://` when it had no scheme), for messages: the
+    /// password of its userinfo, if any, is `***` ([`shown_url`]).
     pub url: String,
     /// The endpoint with its timeouts.
     endpoint: Endpoint,
@@ -114,6 +116,25 @@ pub struct Server {
 
 /// The admin listener's port of `retryplane serve`, used when `--server` names none.
 const DEFAULT_PORT: u16 = 7471;
+
+/// `url` as it may be shown in a message or a log: the password of its userinfo, if any,
+/// replaced by `***` (`http://user:***@host:7471`). Works on the text as given, so that a URL
+/// that does not parse is shown without its password too.
+pub(crate) fn shown_url(url: &str) -> String {
+    let start = url.find("://").map_or(0, |i| i + 3);
+    let authority_len = url[start..]
+        .find(['/', '?', '#'])
+        .unwrap_or(url.len() - start);
+    let authority = &url[start..start + authority_len];
+    let Some((userinfo, host)) = authority.rsplit_once('@') else {
+        return url.to_owned();
+    };
+    let Some((user, _password)) = userinfo.split_once(':') else {
+        return url.to_owned();
+    };
+    let rest = &url[start + authority_len..];
+    format!("{}{user}:***@{host}{rest}", &url[..start])
+}
 
 /// `url` with `port` when it names a host and no port (`http://cp.internal`), since the
 /// control plane's listeners are not on HTTP's port 80; as given otherwise, an invalid URL
@@ -133,9 +154,15 @@ pub(crate) fn with_default_port(url: String, port: u16) -> anyhow::Result<String
             Ok(format!("{scheme}://{authority}:{port}{path}"))
         }
         Some(written) if written.parse::<u16>().is_ok_and(|p| p > 0) => Ok(url),
-        Some("") => bail!("--server {url}: no port after the `:`: give one from 1 to 65535"),
+        Some("") => bail!(
+            "--server {}: no port after the `:`: give one from 1 to 65535",
+            shown_url(&url)
+        ),
         Some(written) => {
-            bail!("--server {url}: the port must be a number from 1 to 65535, not `{written}`")
+            bail!(
+                "--server {}: the port must be a number from 1 to 65535, not `{written}`",
+                shown_url(&url)
+            )
         }
     }
 }
@@ -167,12 +194,14 @@ impl TryFrom<ServerArgs> for Server {
         };
         if !url.starts_with("http://") {
             bail!(
-                "--server {url}: only http:// is supported (TLS on the admin listener comes later)"
+                "--server {}: only http:// is supported (TLS on the admin listener comes later)",
+                shown_url(&url)
             );
         }
         let url = with_default_port(url, DEFAULT_PORT)?;
-        let endpoint = Endpoint::from_shared(url.clone())
-            .with_context(|| format!("--server {url}: not a valid URL"))?
+        let shown = shown_url(&url);
+        let endpoint = Endpoint::from_shared(url)
+            .with_context(|| format!("--server {shown}: not a valid URL"))?
             .connect_timeout(CONNECT_TIMEOUT)
             .timeout(REQUEST_TIMEOUT);
         let authorization = match args.token {
@@ -189,7 +218,7 @@ impl TryFrom<ServerArgs> for Server {
             }
         };
         Ok(Self {
-            url,
+            url: shown,
             endpoint,
             authorization,
         })
@@ -403,6 +432,28 @@ mod tests {
         assert!(!format!("{args:?}").contains("s3cret"));
         let e = server(DEFAULT_SERVER, Some("bad\ns3cret")).unwrap_err();
         assert!(!format!("{e:#}").contains("s3cret"));
+    }
+
+    #[test]
+    fn a_password_in_a_url_is_shown_as_stars() {
+        for (given, shown) in [
+            ("http://u:pw@h:1/p?q=a@b", "http://u:***@h:1/p?q=a@b"),
+            ("http://u:p:w@[::1]:7471", "http://u:***@[::1]:7471"),
+            ("http://a@b:pw@h", "http://a@b:***@h"),
+            ("u:pw@h:1", "u:***@h:1"),
+            ("http://bad host:pw@x y/", "http://bad host:***@x y/"),
+            // No password: as given.
+            ("http://u@h:1", "http://u@h:1"),
+            ("http://h:1/p@q", "http://h:1/p@q"),
+            ("http://h:1", "http://h:1"),
+            ("", ""),
+        ] {
+            assert_eq!(shown_url(given), shown, "{given}");
+        }
+        let s = server("http://admin:s3cret@127.0.0.1:1", None).unwrap();
+        assert_eq!(s.url, "http://admin:***@127.0.0.1:1");
+        let e = server("http://admin:s3cret@127.0.0.1:0", None).unwrap_err();
+        assert!(!format!("{e:#}").contains("s3cret"), "{e:#}");
     }
 
     #[test]
