@@ -536,61 +536,6 @@ async fn a_grpc_stream_the_server_refused_is_a_connect_error() {
     );
 }
 
-/// An HTTP/2 server (prior knowledge) on loopback that takes the first stream of each
-/// connection and then ends the connection with a `GOAWAY` carrying `reason`, whose last stream
-/// id covers that stream: the request may have been acted on.
-async fn goes_away_after_taking_a_stream(reason: h2::Reason) -> u16 {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    tokio::spawn(async move {
-        loop {
-            let Ok((socket, _)) = listener.accept().await else {
-                return;
-            };
-            tokio::spawn(async move {
-                let Ok(mut conn) = h2::server::handshake(socket).await else {
-                    return;
-                };
-                if let Some(Ok((_request, _respond))) = conn.accept().await {
-                    conn.abrupt_shutdown(reason);
-                    let _ = std::future::poll_fn(|cx| conn.poll_closed(cx)).await;
-                }
-            });
-        }
-    });
-    port
-}
-
-#[tokio::test]
-async fn a_goaway_that_covers_the_stream_is_no_refusal_whatever_its_code() {
-    // A `GOAWAY` whose last stream id covers the stream says the request may have been
-    // processed, even with `REFUSED_STREAM` as its code: an unknown outcome (reset), not a
-    // connect error, which any method would be sent again after. (As observed here, h2 hands
-    // the stream up as a broken pipe once the server closes the connection after the frame.)
-    let port = goes_away_after_taking_a_stream(h2::Reason::REFUSED_STREAM).await;
-    let client: LegacyClient = Client::builder(TokioExecutor::new())
-        .http2_only(true)
-        .build(HttpConnector::new());
-    let err = fails(&client, get(port)).await;
-    assert_eq!(err.classify(), transport(ErrorClass::Reset), "{err:?}");
-
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{port}"))
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let mut client = AdminServiceClient::new(channel);
-    let status = tokio::time::timeout(WAIT, client.get(GetRequest::default()))
-        .await
-        .expect("the call ends")
-        .expect_err("the connection goes away");
-    assert_ne!(
-        status.classify(),
-        transport(ErrorClass::Connect),
-        "{status:?}"
-    );
-}
-
 #[tokio::test(start_paused = true)]
 async fn the_layer_counts_a_timeout_of_the_middleware_below_it_as_a_timeout() {
     // A `TimeoutLayer` between the retry layer and the client, to a server that never answers:
