@@ -91,11 +91,14 @@ const SECTION_FIELD_PATHS: [&str; 20] = [
 ];
 
 /// What else an unknown field inside a route's `match:` may be guessed as: a setting of the
-/// route, or a field of one of its sections, which [`in_match`] then says where to write
-/// (`grpc_statuses` is `retry_on`'s `grpc_status`, not the `grpc` it starts).
-const MATCH_ELSEWHERE: [&[&str]; 8] = [
-    &POLICY_FIELDS,
-    &ENDPOINT_FIELDS,
+/// route, which [`in_match`] then says where to write.
+const MATCH_ELSEWHERE: [&[&str]; 2] = [&POLICY_FIELDS, &ENDPOINT_FIELDS];
+
+/// The fields of a route's sections, which an unknown field inside its `match:` is guessed as
+/// only when it is a near typo of a long one ([`near_typo`]): `grpc_statuses` is `retry_on`'s
+/// `grpc_status`, not the `grpc` it starts. Short ones (`base`, `max`) and guesses by words
+/// would offer a section's field for names that have nothing to do with it (`min`, `base_path`).
+const MATCH_TYPOS: [&[&str]; 6] = [
     &BACKOFF_FIELDS,
     &RETRY_ON_FIELDS,
     &RETRY_AFTER_FIELDS,
@@ -103,6 +106,28 @@ const MATCH_ELSEWHERE: [&[&str]; 8] = [
     &BREAKER_FIELDS,
     &ALERT_FIELDS,
 ];
+
+/// The one of `candidates` that `name` is a near typo of (at most 2 edits, from a candidate of 6
+/// characters or more), if exactly one is nearest.
+fn near_typo<'a>(name: &str, candidates: impl IntoIterator<Item = &'a str>) -> Option<&'a str> {
+    let mut best: Option<(usize, Option<&'a str>)> = None;
+    for c in candidates {
+        if c.len() < 6 {
+            continue;
+        }
+        let d = strsim::levenshtein(&name.to_ascii_lowercase(), c);
+        if d > 2 {
+            continue;
+        }
+        best = match best {
+            Some((b, _)) if d > b => best,
+            Some((b, Some(other))) if d == b && other != c => Some((b, None)),
+            Some((b, None)) if d == b => best,
+            _ => Some((d, Some(c))),
+        };
+    }
+    best.and_then(|(_, c)| c)
+}
 
 /// No field belongs elsewhere: every unknown one is offered the nearest known one.
 fn no_hint(_: &str) -> Option<String> {
@@ -271,18 +296,20 @@ impl Walker {
         known: &[&str],
         misplaced: &dyn Fn(&str) -> Option<String>,
     ) -> Vec<(&'n str, &'n Node, Loc)> {
-        self.fields_guessing(node, path, known, &[], misplaced)
+        self.fields_guessing(node, path, known, &[], &[], misplaced)
     }
 
     /// [`Walker::fields`], where an unknown name may also be guessed as one of `elsewhere`
-    /// (names that are not keys of this mapping); such a guess is followed by what `misplaced`
-    /// says of it, if anything (where to write it instead).
+    /// (names that are not keys of this mapping), or, failing that, as a [`near_typo`] of one of
+    /// `typos`; such a guess is followed by what `misplaced` says of it, if anything (where to
+    /// write it instead). A dotted name whose first part is a key here is told to nest.
     fn fields_guessing<'n>(
         &mut self,
         node: &'n Node,
         path: &str,
         known: &[&str],
         elsewhere: &[&[&str]],
+        typos: &[&[&str]],
         misplaced: &dyn Fn(&str) -> Option<String>,
     ) -> Vec<(&'n str, &'n Node, Loc)> {
         let Value::Map(entries) = &node.value else {
@@ -322,10 +349,28 @@ impl Walker {
             if !known.contains(&name.as_str()) {
                 if let Some(why) = misplaced(name) {
                     self.error(key.loc, &field_path, why);
+                } else if let Some((section, field)) = name.split_once('.')
+                    && known.contains(&section)
+                {
+                    // A flat `backoff.max: 1s`, as in a key=value file.
+                    self.error(
+                        key.loc,
+                        &field_path,
+                        format!(
+                            "unknown field `{name}`: a key is not a path; write `{field}` under `{section}:` (`{section}: {{{field}: …}}`)"
+                        ),
+                    );
                 } else {
                     let hint = section_of(name, path).unwrap_or_else(|| {
-                        let candidates = known.iter().chain(elsewhere.iter().copied().flatten());
-                        match suggest_field(name, candidates.copied()) {
+                        // A name is not offered as a guess for itself (`backoff.max` is among
+                        // the guesses, as a path).
+                        let candidates = known
+                            .iter()
+                            .chain(elsewhere.iter().copied().flatten())
+                            .filter(|c| **c != name.as_str());
+                        let guess = near_typo(name, typos.iter().copied().flatten().copied())
+                            .or_else(|| suggest_field(name, candidates.copied()));
+                        match guess {
                             None => String::new(),
                             Some(guess) => match misplaced(guess) {
                                 Some(why) => format!(" (did you mean `{guess}`?): {why}"),
@@ -576,7 +621,14 @@ impl Walker {
             );
             return None;
         }
-        let entries = self.fields_guessing(node, path, &MATCH_FIELDS, &MATCH_ELSEWHERE, &in_match);
+        let entries = self.fields_guessing(
+            node,
+            path,
+            &MATCH_FIELDS,
+            &MATCH_ELSEWHERE,
+            &MATCH_TYPOS,
+            &in_match,
+        );
         if !matches!(node.value, Value::Map(_)) {
             return None;
         }
@@ -673,8 +725,17 @@ impl Walker {
             }
         };
         // A guessed `section.field` is misplaced where its section is (`alert.retry_ratio` on
-        // a route).
+        // a route), and so is a field of a shared section other than `enabled` on a route.
+        let route = matches!(layer, Layer::Route);
         let misplaced = |f: &str| {
+            if route
+                && let Some((section @ ("budget" | "circuit_breaker"), field)) = f.split_once('.')
+                && field != "enabled"
+            {
+                return Some(format!(
+                    "`{section}` is per endpoint, shared by its routes, and a route can only turn it off (`{section}: {{enabled: false}}`): set `{field}` on the endpoint or in `defaults:`"
+                ));
+            }
             let f = f.split_once('.').map_or(f, |(section, _)| section);
             misplaced
                 .iter()
@@ -683,7 +744,8 @@ impl Walker {
         };
         let mut o = Overlay::default();
         let elsewhere: [&[&str]; 1] = [&SECTION_FIELD_PATHS];
-        for (key, value, _) in self.fields_guessing(node, path, &known, &elsewhere, &misplaced) {
+        for (key, value, _) in self.fields_guessing(node, path, &known, &elsewhere, &[], &misplaced)
+        {
             let p = join(path, key);
             match key {
                 "max_attempts" => o.max_attempts = self.max_attempts(value, &p),

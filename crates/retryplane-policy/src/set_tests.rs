@@ -434,6 +434,31 @@ fn a_near_miss_inside_a_match_is_offered_what_it_is_close_to_or_nothing() {
 }
 
 #[test]
+fn a_match_offers_no_short_section_field_and_a_flat_dotted_key_is_told_to_nest() {
+    // `base`, `max` and `ratio` are fields of sections, but a match offers a section's field
+    // only for a near typo of a long one: `base_path`, `name` and `min` get no guess.
+    let src = "version: 1\nendpoints:\n  a:\n    routes:\n      - match: {method: GET, base_path: /v1, name: x, min: 1}\n";
+    assert_eq!(
+        errors(src),
+        [
+            "5:30: error: endpoints.a.routes[0].match.base_path: unknown field `base_path`",
+            "5:46: error: endpoints.a.routes[0].match.name: unknown field `name`",
+            "5:55: error: endpoints.a.routes[0].match.min: unknown field `min`",
+        ]
+    );
+    // A key is not a path: `backoff.max: 1s` is told to nest, not offered itself. On a route,
+    // a field of the endpoint's shared budget is told where it goes.
+    let src = "version: 1\ndefaults:\n  backoff.max: 1s\nendpoints:\n  a:\n    routes:\n      - match: {method: GET}\n        budget_ratio: 0.2\n";
+    assert_eq!(
+        errors(src),
+        [
+            "3:3: error: defaults.backoff.max: unknown field `backoff.max`: a key is not a path; write `max` under `backoff:` (`backoff: {max: …}`)",
+            "8:9: error: endpoints.a.routes[0].budget_ratio: unknown field `budget_ratio` (did you mean `budget.ratio`?): `budget` is per endpoint, shared by its routes, and a route can only turn it off (`budget: {enabled: false}`): set `ratio` on the endpoint or in `defaults:`",
+        ]
+    );
+}
+
+#[test]
 fn a_sections_field_named_in_another_word_order_is_offered_by_its_path() {
     let src = "version: 1\ndefaults:\n  max_backoff: 5s\n  budget_ratio: 0.1\n  retry_on_status: [503]\n  max_delay: 5s\n  retry_max: 3\n  timeout: 1s\n  max_retries: 3\nendpoints:\n  a:\n    routes:\n      - match: {method: GET}\n        base_backoff: 1s\n        alert_ratio: 0.1\n";
     assert_eq!(
