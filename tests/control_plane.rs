@@ -160,6 +160,58 @@ async fn an_agent_that_resumes_with_the_current_version_gets_no_duplicate_push()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_naming_the_current_number_with_other_content_is_pending_until_it_answers() {
+    let plane = Plane::file_mode(&policy_yaml(2, 3)).await;
+    // The agent last ran v1 of a control plane whose store was since reset and seeded again
+    // with other content: this v1 is not what it runs.
+    let before_the_reset = "0".repeat(64);
+    let mut agent = RawAgent::connect(
+        plane.agent_channel().await,
+        hello("a1", 1, &before_the_reset),
+    )
+    .await
+    .unwrap();
+    let snap = agent.next_snapshot().await.unwrap();
+    assert_eq!(snap.version, 1);
+    assert_ne!(snap.content_hash, before_the_reset);
+    // The push is not answered yet: the agent runs no version this control plane knows.
+    let status = plane
+        .admin()
+        .await
+        .fleet_status(pb::FleetStatusRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(status.current_version, 1);
+    let a1 = status.agents.iter().find(|a| a.agent_id == "a1").unwrap();
+    assert!(a1.connected, "{a1:?}");
+    assert_eq!(
+        (a1.applied_version, a1.last_response.as_str()),
+        (0, ""),
+        "counted as running the current version: {a1:?}"
+    );
+    let metrics = metrics_text(plane.running.http_addr).await;
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l == r#"retryplane_agents{applied_version="0"} 1"#),
+        "{metrics}"
+    );
+    assert!(
+        !metrics.contains(r#"retryplane_agents{applied_version="1"}"#),
+        "{metrics}"
+    );
+    // Its ACK of the push records what it runs.
+    agent.ack(&snap).await;
+    eventually("the ACK shows in fleet status", || async {
+        agent_status(&plane, "a1")
+            .await
+            .is_some_and(|s| s.applied_version == 1 && s.last_response == "ack")
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_stream_with_the_same_agent_id_replaces_the_first() {
     let plane = Plane::file_mode(&policy_yaml(1, 3)).await;
     let mut first = RawAgent::connect(plane.agent_channel().await, hello("a1", 0, ""))

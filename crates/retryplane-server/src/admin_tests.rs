@@ -807,8 +807,8 @@ async fn stats_refuses_an_unknown_order_window_and_fleet_status_can_send_counts_
         ..Default::default()
     };
     let fleet = &api.control.fleet;
-    let _a = fleet.register(&hello("a"), None).unwrap();
-    let b = fleet.register(&hello("b"), None).unwrap();
+    let _a = fleet.register(&hello("a"), None, None).unwrap();
+    let b = fleet.register(&hello("b"), None, None).unwrap();
     fleet.disconnected("b", b.generation);
     let status = |counts_only| {
         let api = &api;

@@ -285,12 +285,20 @@ impl AgentStreamService {
         if revocation.as_ref().is_some_and(Revocation::is_revoked) {
             return Err(revoked_status());
         }
-        let registration = self.ctx.fleet.register(&hello, peer).map_err(|e| {
-            self.ctx.metrics.streams_refused.inc();
-            match e {
-                RegisterError::Full(_) => Status::resource_exhausted(e.to_string()),
-            }
-        })?;
+        let current = self.ctx.publisher.current();
+        let serving = current
+            .as_deref()
+            .map(|s| (s.version, s.content_hash.as_str()));
+        let registration = self
+            .ctx
+            .fleet
+            .register(&hello, peer, serving)
+            .map_err(|e| {
+                self.ctx.metrics.streams_refused.inc();
+                match e {
+                    RegisterError::Full(_) => Status::resource_exhausted(e.to_string()),
+                }
+            })?;
         info!(agent = %hello.agent_id, service = %hello.service, version = hello.last_applied_version, "agent connected");
         // Two slots: at most one snapshot waits, and a closing status always has room.
         let (tx, rx) = mpsc::channel(2);

@@ -18,6 +18,12 @@
 //! restarted or upgraded agent may accept what the old process refused, so a new instance gets
 //! the current version as any agent would. It is also forgotten when the agent ACKs a version,
 //! or says in its Hello that it runs the refused version.
+//!
+//! What an agent runs comes from its Hello, then from each ACK. A Hello that names the current
+//! version's number with another content hash (the agent last ran on a control plane whose
+//! store was reset and seeded again, so numbers repeat with other content) is not taken as
+//! running the current version: it is listed as running none known (0), pending the push, until
+//! it ACKs it.
 
 use std::collections::VecDeque;
 use std::collections::{BTreeMap, HashMap};
@@ -84,7 +90,8 @@ struct Inner {
 /// Connected agents counted by version, from [`Fleet::versions`].
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct FleetVersions {
-    /// Version applied → connected agents running it (0 = none yet).
+    /// Version applied → connected agents running it (0 = none yet, or content this control
+    /// plane does not know; see [`Fleet::register`]).
     pub applied: BTreeMap<u64, u64>,
     /// Version refused → connected agents whose last answer was a NACK of it.
     pub nacked: BTreeMap<u64, u64>,
@@ -192,10 +199,16 @@ impl Fleet {
     }
 
     /// Registers a stream from `hello`, replacing any earlier stream of the same agent id.
+    /// `current` is the version the control plane serves now and its content hash (`None`
+    /// before the first one): a Hello that names that version's number with another content
+    /// hash (the agent ran on a control plane whose store was since reset and seeded again, so
+    /// numbers repeat with other content) does not run it, and is listed as running no known
+    /// version (0) until it answers the push.
     pub fn register(
         &self,
         hello: &pb::Hello,
         peer: Option<SocketAddr>,
+        current: Option<(u64, &str)>,
     ) -> Result<Registration, RegisterError> {
         let now = unix_ms();
         let mut inner = self.lock();
@@ -243,6 +256,17 @@ impl Fleet {
             None => (String::new(), 0, String::new()),
         };
         let refused = refused.map(|(r, _)| r);
+        // An agent that sends no hash is judged by the number, as the push decision does.
+        let other_content = current.is_some_and(|(version, hash)| {
+            hello.last_applied_version == version
+                && !hello.last_applied_hash.is_empty()
+                && hello.last_applied_hash != hash
+        });
+        let applied_version = if other_content {
+            0
+        } else {
+            hello.last_applied_version
+        };
         let status = pb::AgentStatus {
             agent_id: hello.agent_id.clone(),
             service: hello.service.clone(),
@@ -252,7 +276,7 @@ impl Fleet {
             connected: true,
             connected_since_unix_ms: now,
             last_seen_unix_ms: now,
-            applied_version: hello.last_applied_version,
+            applied_version,
             last_response,
             last_response_version,
             last_error,
@@ -472,8 +496,8 @@ mod tests {
     #[test]
     fn a_second_stream_with_the_same_id_replaces_the_first() {
         let fleet = Fleet::new(10);
-        let mut first = fleet.register(&hello("a"), None).unwrap();
-        let second = fleet.register(&hello("a"), None).unwrap();
+        let mut first = fleet.register(&hello("a"), None, None).unwrap();
+        let second = fleet.register(&hello("a"), None, None).unwrap();
         assert!(first.replaced.try_recv().is_ok());
         assert_eq!(fleet.connected(), 1);
         // The first stream's late updates are ignored.
@@ -490,7 +514,7 @@ mod tests {
     #[test]
     fn every_answer_and_report_marks_the_agent_seen() {
         let fleet = Fleet::new(10);
-        let reg = fleet.register(&hello("a"), None).unwrap();
+        let reg = fleet.register(&hello("a"), None, None).unwrap();
         let forget = || {
             if let Some(e) = fleet.lock().agents.get_mut("a") {
                 e.status.last_seen_unix_ms = 0;
@@ -517,7 +541,7 @@ mod tests {
         let fleet = Fleet::new(10);
         let mut h = hello("a");
         h.last_applied_version = 3;
-        let reg = fleet.register(&h, None).unwrap();
+        let reg = fleet.register(&h, None, None).unwrap();
         fleet.nack("a", reg.generation, 4, "h4", &"x".repeat(5000));
         let s = &fleet.status()[0];
         assert_eq!(s.applied_version, 3);
@@ -532,11 +556,11 @@ mod tests {
         let mut h = hello("a");
         h.last_applied_version = 1;
         h.instance_id = 5;
-        let first = fleet.register(&h, None).unwrap();
+        let first = fleet.register(&h, None, None).unwrap();
         assert_eq!(first.refused, None);
         fleet.nack("a", first.generation, 2, "h2", "bad");
         fleet.disconnected("a", first.generation);
-        let second = fleet.register(&h, None).unwrap();
+        let second = fleet.register(&h, None, None).unwrap();
         let refused = Refused {
             version: 2,
             content_hash: "h2".to_owned(),
@@ -552,27 +576,27 @@ mod tests {
             ("nack", 2, "bad")
         );
         // A replacement while connected keeps it too.
-        let third = fleet.register(&h, None).unwrap();
+        let third = fleet.register(&h, None, None).unwrap();
         assert_eq!(third.refused, Some(refused.clone()));
         // One that names the refused version's number with other content (the store it last
         // ran on was reset) has not run it: the NACK is kept.
         h.last_applied_version = 2;
         h.last_applied_hash = "h-before-the-reset".to_owned();
-        let other_content = fleet.register(&h, None).unwrap();
+        let other_content = fleet.register(&h, None, None).unwrap();
         assert_eq!(other_content.refused, Some(refused.clone()));
         assert_eq!(fleet.status()[0].last_response, "nack");
         // An agent that says it runs the refused version has no NACK to keep.
         h.last_applied_hash = "h2".to_owned();
-        let runs_it = fleet.register(&h, None).unwrap();
+        let runs_it = fleet.register(&h, None, None).unwrap();
         assert_eq!(runs_it.refused, None);
         assert_eq!(fleet.status()[0].last_response, "");
         // An ACK forgets it.
         h.last_applied_version = 1;
         h.last_applied_hash.clear();
-        let fourth = fleet.register(&h, None).unwrap();
+        let fourth = fleet.register(&h, None, None).unwrap();
         fleet.nack("a", fourth.generation, 3, "h3", "bad");
         fleet.ack("a", fourth.generation, 4);
-        assert_eq!(fleet.register(&h, None).unwrap().refused, None);
+        assert_eq!(fleet.register(&h, None, None).unwrap().refused, None);
     }
 
     #[test]
@@ -581,37 +605,65 @@ mod tests {
         let mut h = hello("a");
         h.last_applied_version = 1;
         h.instance_id = 5;
-        let first = fleet.register(&h, None).unwrap();
+        let first = fleet.register(&h, None, None).unwrap();
         fleet.nack("a", first.generation, 2, "h2", "bad");
         // Another process (an upgrade, say) under the same agent id: it gets the version again.
         h.instance_id = 6;
-        assert_eq!(fleet.register(&h, None).unwrap().refused, None);
+        assert_eq!(fleet.register(&h, None, None).unwrap().refused, None);
         assert_eq!(fleet.status()[0].last_response, "");
         // A client that gives no instance id cannot be told from a restart: not carried over.
         h.instance_id = 0;
-        let unnumbered = fleet.register(&h, None).unwrap();
+        let unnumbered = fleet.register(&h, None, None).unwrap();
         fleet.nack("a", unnumbered.generation, 2, "h2", "bad");
         assert_eq!(fleet.status()[0].last_response, "nack");
-        assert_eq!(fleet.register(&h, None).unwrap().refused, None);
+        assert_eq!(fleet.register(&h, None, None).unwrap().refused, None);
+    }
+
+    #[test]
+    fn a_hello_naming_the_current_number_with_other_content_runs_no_known_version() {
+        let fleet = Fleet::new(10);
+        let current = Some((3, "h3"));
+        let applied = |version: u64, hash: &str| {
+            let mut h = hello("a");
+            h.last_applied_version = version;
+            h.last_applied_hash = hash.to_owned();
+            fleet.register(&h, None, current).unwrap();
+            fleet.status()[0].applied_version
+        };
+        // The current version's number from a store that was reset: not the current content.
+        assert_eq!(applied(3, "h-before-the-reset"), 0);
+        assert_eq!(fleet.versions().applied, BTreeMap::from([(0, 1)]));
+        assert_eq!(applied(3, "h3"), 3);
+        // Without a hash, the number is taken at its word.
+        assert_eq!(applied(3, ""), 3);
+        // Another number is not the current version whatever its content.
+        assert_eq!(applied(2, "h-before-the-reset"), 2);
+        // Its ACK of the push records what it runs.
+        let mut h = hello("a");
+        h.last_applied_version = 3;
+        h.last_applied_hash = "h-before-the-reset".to_owned();
+        let reg = fleet.register(&h, None, current).unwrap();
+        fleet.ack("a", reg.generation, 3);
+        assert_eq!(fleet.status()[0].applied_version, 3);
     }
 
     #[test]
     fn the_agent_limit_refuses_new_agents_but_not_replacements() {
         let fleet = Fleet::new(1);
-        let _a = fleet.register(&hello("a"), None).unwrap();
+        let _a = fleet.register(&hello("a"), None, None).unwrap();
         assert_eq!(
-            fleet.register(&hello("b"), None).unwrap_err(),
+            fleet.register(&hello("b"), None, None).unwrap_err(),
             RegisterError::Full(1)
         );
-        assert!(fleet.register(&hello("a"), None).is_ok());
+        assert!(fleet.register(&hello("a"), None, None).is_ok());
     }
 
     #[test]
     fn versions_count_connected_agents_and_their_nacks() {
         let fleet = Fleet::new(10);
-        let a = fleet.register(&hello("a"), None).unwrap();
-        let b = fleet.register(&hello("b"), None).unwrap();
-        let c = fleet.register(&hello("c"), None).unwrap();
+        let a = fleet.register(&hello("a"), None, None).unwrap();
+        let b = fleet.register(&hello("b"), None, None).unwrap();
+        let c = fleet.register(&hello("c"), None, None).unwrap();
         fleet.ack("a", a.generation, 2);
         fleet.ack("b", b.generation, 2);
         fleet.nack("b", b.generation, 3, "h3", "bad");
@@ -627,23 +679,23 @@ mod tests {
         let fleet = Fleet::new(10);
         let mut h = hello("a");
         h.instance_id = 11;
-        let first = fleet.register(&h, None).unwrap();
+        let first = fleet.register(&h, None, None).unwrap();
         let yes = || true;
         let claim =
             |generation, instance, seq| fleet.claim_report("a", generation, instance, seq, yes);
         assert_eq!(claim(first.generation, 11, 1), ReportVerdict::Count);
         fleet.disconnected("a", first.generation);
-        let second = fleet.register(&h, None).unwrap();
+        let second = fleet.register(&h, None, None).unwrap();
         assert_eq!(claim(second.generation, 11, 1), ReportVerdict::Duplicate);
         assert_eq!(claim(second.generation, 11, 2), ReportVerdict::Count);
         // A replaced stream's late report is decided against the same record.
-        let third = fleet.register(&h, None).unwrap();
+        let third = fleet.register(&h, None, None).unwrap();
         assert_eq!(claim(second.generation, 11, 2), ReportVerdict::Duplicate);
         assert_eq!(claim(second.generation, 11, 3), ReportVerdict::Count);
         assert_eq!(claim(third.generation, 11, 3), ReportVerdict::Duplicate);
         // A restarted process starts afresh.
         h.instance_id = 12;
-        let restarted = fleet.register(&h, None).unwrap();
+        let restarted = fleet.register(&h, None, None).unwrap();
         assert_eq!(claim(restarted.generation, 12, 1), ReportVerdict::Count);
         let refused = fleet.claim_report("a", restarted.generation, 12, 2, || false);
         assert_eq!(refused, ReportVerdict::Refused);
@@ -655,11 +707,11 @@ mod tests {
     fn the_gauge_follows_every_change_of_the_count() {
         let fleet = Fleet::new(10);
         let gauge = fleet.connected_gauge();
-        let a = fleet.register(&hello("a"), None).unwrap();
-        let b = fleet.register(&hello("b"), None).unwrap();
+        let a = fleet.register(&hello("a"), None, None).unwrap();
+        let b = fleet.register(&hello("b"), None, None).unwrap();
         assert_eq!(gauge.get(), 2);
         // A replacement keeps the count.
-        let a2 = fleet.register(&hello("a"), None).unwrap();
+        let a2 = fleet.register(&hello("a"), None, None).unwrap();
         assert_eq!(gauge.get(), 2);
         fleet.disconnected("a", a.generation);
         assert_eq!(
@@ -683,7 +735,7 @@ mod tests {
                 std::thread::spawn(move || {
                     for i in 0..500 {
                         let id = format!("{t}-{i}");
-                        let reg = fleet.register(&hello(&id), None).unwrap();
+                        let reg = fleet.register(&hello(&id), None, None).unwrap();
                         if i % 2 == 0 {
                             fleet.disconnected(&id, reg.generation);
                         }
@@ -701,7 +753,7 @@ mod tests {
     #[test]
     fn disconnected_agents_stay_listed() {
         let fleet = Fleet::new(10);
-        let reg = fleet.register(&hello("a"), None).unwrap();
+        let reg = fleet.register(&hello("a"), None, None).unwrap();
         fleet.disconnected("a", reg.generation);
         assert_eq!(fleet.connected(), 0);
         assert!(!fleet.status()[0].connected);
@@ -714,14 +766,14 @@ mod tests {
         let ids = |fleet: &Fleet| -> Vec<String> {
             fleet.status().into_iter().map(|a| a.agent_id).collect()
         };
-        let a = fleet.register(&hello("a"), None).unwrap();
-        let b = fleet.register(&hello("b"), None).unwrap();
-        fleet.register(&hello("c"), None).unwrap();
+        let a = fleet.register(&hello("a"), None, None).unwrap();
+        let b = fleet.register(&hello("b"), None, None).unwrap();
+        fleet.register(&hello("c"), None, None).unwrap();
         fleet.disconnected("a", a.generation);
         tokio::time::advance(30 * minute).await;
         fleet.disconnected("b", b.generation);
         // `b` comes back; its ended stream is not what is forgotten.
-        let b = fleet.register(&hello("b"), None).unwrap();
+        let b = fleet.register(&hello("b"), None, None).unwrap();
         tokio::time::advance(29 * minute).await;
         assert_eq!(ids(&fleet), ["a", "b", "c"]);
         tokio::time::advance(minute).await;
@@ -738,7 +790,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn without_a_time_disconnected_agents_stay_listed() {
         let fleet = Fleet::new(10).forgetting_after(None);
-        let a = fleet.register(&hello("a"), None).unwrap();
+        let a = fleet.register(&hello("a"), None, None).unwrap();
         fleet.disconnected("a", a.generation);
         tokio::time::advance(Duration::from_secs(365 * 24 * 3600)).await;
         assert_eq!(fleet.status().len(), 1);
@@ -748,7 +800,7 @@ mod tests {
     async fn agents_that_come_and_go_leave_a_bounded_record() {
         let fleet = Fleet::new(1).forgetting_after(Some(Duration::from_secs(3600)));
         for _ in 0..3 * MAX_DISCONNECTED {
-            let a = fleet.register(&hello("a"), None).unwrap();
+            let a = fleet.register(&hello("a"), None, None).unwrap();
             fleet.disconnected("a", a.generation);
         }
         assert!(fleet.lock().gone.len() <= 2 * MAX_DISCONNECTED + 1);

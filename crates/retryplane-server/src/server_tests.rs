@@ -1140,3 +1140,52 @@ async fn each_grpc_listener_bounds_the_streams_of_one_connection() {
     }
     running.shutdown().await.unwrap();
 }
+
+/// A TCP connection to `addr` that has been served: the server's first HTTP/2 frame (its
+/// SETTINGS, sent before the client's preface is read) has arrived.
+async fn served_connection(addr: SocketAddr, send: &[u8]) -> tokio::net::TcpStream {
+    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    conn.write_all(send).await.unwrap();
+    let mut frame_header = [0u8; 9];
+    tokio::time::timeout(Duration::from_secs(10), conn.read_exact(&mut frame_header))
+        .await
+        .expect("the server serves the connection")
+        .unwrap();
+    conn
+}
+
+#[tokio::test]
+async fn shutdown_closes_connections_without_streams_at_once() {
+    let (_dir, mut cfg) = with_file(V1);
+    // Far longer than the shutdown may take: only live streams deserve the grace.
+    cfg.shutdown_grace = Duration::from_secs(30);
+    let running = start(cfg).await.unwrap();
+    // Never sends the HTTP/2 preface, on either gRPC listener.
+    let silent = served_connection(running.agent_addr, b"").await;
+    let silent_admin = served_connection(running.admin_addr, b"").await;
+    // Sends the preface and its SETTINGS, then never answers anything (the shutdown's PING
+    // included), like a peer that went away without closing.
+    let mute = served_connection(
+        running.agent_addr,
+        b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00",
+    )
+    .await;
+    // A live agent stream is still told to reconnect.
+    let (tx, mut inbound) = open_stream(running.agent_addr, hello("a-1"), None)
+        .await
+        .unwrap();
+    inbound.message().await.unwrap().unwrap();
+    assert_eq!(running.connections.len(), 4);
+    let stopping = tokio::spawn(running.shutdown());
+    let end = tokio::time::timeout(Duration::from_secs(10), inbound.message())
+        .await
+        .expect("the stream is told to reconnect")
+        .unwrap_err();
+    assert_eq!(end.code(), Code::Unavailable, "{end:?}");
+    tokio::time::timeout(Duration::from_secs(10), stopping)
+        .await
+        .expect("the shutdown ends without waiting out the grace for idle connections")
+        .unwrap()
+        .unwrap();
+    drop((tx, silent, silent_admin, mute));
+}

@@ -21,8 +21,9 @@
 //! Besides: `retryplane_metrics_series` (series kept apart), `retryplane_metrics_max_series`,
 //! `retryplane_metrics_overflowed_reports_total` (endpoint reports counted in `other`), and the
 //! fleet gauges `retryplane_agents{applied_version}` (connected agents by the version they run,
-//! 0 = none yet) and `retryplane_agents_nacked{version}` (connected agents whose last answer
-//! was a NACK of that version).
+//! 0 = none yet, or content the control plane does not know, as `AgentStatus.applied_version`)
+//! and `retryplane_agents_nacked{version}` (connected agents whose last answer was a NACK of
+//! that version).
 //!
 //! Each scrape reads every series once, under its own lock, into a short-lived list, so all
 //! families of one series come from the same instant; alerts are re-evaluated on the way.
@@ -217,7 +218,7 @@ impl Collector for AggregateCollector {
         {
             let mut m = encoder.encode_descriptor(
                 "retryplane_agents",
-                "Connected agents by the policy version they run (0 = none yet).",
+                "Connected agents by the policy version they run (0 = none yet, or unknown content).",
                 None,
                 MetricType::Gauge,
             )?;
