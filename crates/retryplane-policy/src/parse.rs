@@ -480,17 +480,8 @@ impl Walker {
                     continue;
                 };
                 for (key, value) in endpoints {
-                    let name = match &key.value {
-                        Value::Str(s) => s.clone(),
-                        Value::Int(i) => i.to_string(),
-                        other => {
-                            self.error(
-                                key.loc,
-                                "endpoints",
-                                format!("endpoint names are strings, found {}", other.kind()),
-                            );
-                            continue;
-                        }
+                    let Some(name) = self.endpoint_name(key) else {
+                        continue;
                     };
                     let path = join("endpoints", &name);
                     self.detached_endpoint(&name, value, &path, self.diags.len());
@@ -517,6 +508,23 @@ impl Walker {
         self.detached.push(first_diag..self.diags.len());
     }
 
+    /// An endpoint's name from its key (a string, or an integer written as one); reported and
+    /// `None` for any other kind of key.
+    fn endpoint_name(&mut self, key: &Node) -> Option<String> {
+        match &key.value {
+            Value::Str(s) => Some(s.clone()),
+            Value::Int(i) => Some(i.to_string()),
+            other => {
+                self.error(
+                    key.loc,
+                    "endpoints",
+                    format!("endpoint names are strings, found {}", other.kind()),
+                );
+                None
+            }
+        }
+    }
+
     fn endpoints(&mut self, node: &Node) -> Vec<EndpointDoc> {
         let mut out: Vec<EndpointDoc> = Vec::new();
         let Value::Map(entries) = &node.value else {
@@ -531,17 +539,8 @@ impl Walker {
         // from anyone.
         let mut seen: HashMap<String, Loc> = HashMap::with_capacity(entries.len());
         for (key, value) in entries {
-            let name = match &key.value {
-                Value::Str(s) => s.clone(),
-                Value::Int(i) => i.to_string(),
-                other => {
-                    self.error(
-                        key.loc,
-                        "endpoints",
-                        format!("endpoint names are strings, found {}", other.kind()),
-                    );
-                    continue;
-                }
+            let Some(name) = self.endpoint_name(key) else {
+                continue;
             };
             let path = join("endpoints", &name);
             let first_diag = self.diags.len();
