@@ -44,9 +44,6 @@ pub(crate) struct Shared {
     pub(crate) metrics: Registry,
     /// Milliseconds between metrics reports (the control plane may change it).
     pub(crate) metrics_interval_ms: AtomicU64,
-    /// Told when something other than the stream task changed `metrics_interval_ms` (a
-    /// cache file read late), so the stream task brings its next report forward.
-    pub(crate) interval_changed: tokio::sync::Notify,
     pub(crate) connected: AtomicBool,
     /// Why the last stream ended or could not start; cleared when a stream opens.
     pub(crate) stream_error: std::sync::Mutex<Option<StreamError>>,
@@ -64,7 +61,6 @@ impl Shared {
             metrics_interval_ms: AtomicU64::new(
                 u64::try_from(metrics_interval.as_millis()).unwrap_or(u64::MAX),
             ),
-            interval_changed: tokio::sync::Notify::new(),
             connected: AtomicBool::new(false),
             stream_error: std::sync::Mutex::new(None),
             seed,
@@ -361,7 +357,9 @@ impl AgentBuilder {
     /// agent) is replaced by the next applied snapshot. A file that cannot be read within 1 s
     /// at start (a cold network volume) is still read: the agent starts on the fallback policy
     /// and, when the read ends, puts the cached policies in force if it still runs on the
-    /// fallback policy (the control plane sent none meanwhile). Nothing is written to the path
+    /// fallback policy (the control plane sent none meanwhile). The counts made on the fallback
+    /// are reported first, under its version, and an open stream is then reopened at once so
+    /// that the control plane learns the version in force. Nothing is written to the path
     /// before the read has ended and found the file the agent's own: a read that never ends
     /// leaves it alone for the run.
     pub fn cache_file(mut self, path: impl Into<PathBuf>) -> Self {

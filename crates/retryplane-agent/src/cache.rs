@@ -11,12 +11,14 @@
 //! and ignored. The read runs on a thread of its own and a start waits at most 1 s for it. A
 //! read that takes longer (a cold network volume) is not given up on: the agent starts on the
 //! fallback policy, and the read is handed to the cache writer, which settles it as a start
-//! would before it writes anything. If the file is our valid cache and the agent still runs on the
-//! fallback policy (no snapshot came from the control plane meanwhile), its policies and metrics
-//! interval are put in force then, as they would have been at start; whatever it holds, nothing is written to the path until the read
-//! has ended and found the file ours, and a read that never ends leaves the path alone for the
-//! whole run. Anything at the path that is not a regular file (a FIFO would wait for a writer)
-//! is logged, left alone, and no cache is kept for the run. A file that
+//! would before it writes anything. If the file is our valid cache and the agent still runs on
+//! the fallback policy (no snapshot came from the control plane meanwhile), the stream task puts
+//! its policies and metrics interval in force then, as they would have been at start: the counts
+//! made on the fallback are reported first, and an open stream is reopened so that its Hello
+//! says the version in force. Whatever the file holds, nothing is written to the path until the
+//! read has ended and found the file ours, and a read that never ends leaves the path alone for
+//! the whole run. Anything at the path that is not a regular file (a FIFO would wait for a
+//! writer) is logged, left alone, and no cache is kept for the run. A file that
 //! begins with the header is ours whatever follows it (damaged on disk, or written by a newer
 //! agent whose snapshot this one cannot check): it is not used, and the next applied snapshot
 //! replaces it. A file without the header is ours only if it is a snapshot whose content hash

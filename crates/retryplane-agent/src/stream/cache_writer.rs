@@ -246,16 +246,38 @@ mod tests {
             std::fs::write(&path, b"old").unwrap();
             let (open, gate) = tokio::sync::oneshot::channel::<bool>();
             let gate: Gate = Box::pin(async move { gate.await.unwrap_or(false) });
-            let writer = CacheWriter::start(path.clone(), Some(gate));
+            let writer = CacheWriter::start_with(path.clone(), recording_write, Some(gate));
             writer.write(b"v1".to_vec());
             let v2 = writer.write(b"v2".to_vec());
             assert!(writer.written(v2, WAIT).await, "not waited for");
             assert_eq!(std::fs::read(&path).unwrap(), b"old");
+            assert!(recorded(&path).is_empty(), "written before the gate opened");
             open.send(ours).unwrap();
             writer.finish(WAIT).await;
             let want: &[u8] = if ours { b"v2" } else { b"old" };
             assert_eq!(std::fs::read(&path).unwrap(), want, "ours: {ours}");
+            let writes: Vec<Vec<u8>> = if ours { vec![b"v2".to_vec()] } else { vec![] };
+            assert_eq!(recorded(&path), writes, "ours: {ours}");
         }
+    }
+
+    /// Every write `recording_write` did: where, and what.
+    static RECORDED: Mutex<Vec<(PathBuf, Vec<u8>)>> = Mutex::new(Vec::new());
+
+    /// Writes as the agent does, recorded.
+    fn recording_write(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+        RECORDED
+            .lock()
+            .unwrap()
+            .push((path.to_owned(), bytes.to_vec()));
+        crate::cache::write_atomic(path, bytes)
+    }
+
+    /// What `recording_write` wrote to `path`, in order.
+    fn recorded(path: &Path) -> Vec<Vec<u8>> {
+        let recorded = RECORDED.lock().unwrap();
+        let to = recorded.iter().filter(|(at, _)| at == path);
+        to.map(|(_, bytes)| bytes.clone()).collect()
     }
 
     /// A disk that does not answer until [`release`] is called.

@@ -327,14 +327,16 @@ async fn a_cache_read_late_is_applied_when_no_snapshot_came_first() {
         "{text}"
     );
 
+    // The control plane knew the agent on the fallback: a new stream, opened at once, says
+    // the agent runs the cached version.
+    let (to_agent, hello) = reopened(&mut plane, to_agent).await;
+    assert_eq!(
+        (hello.last_applied_version, hello.last_applied_hash.as_str()),
+        (3, cached.content_hash.as_str())
+    );
+
     // Reports go out at the cached interval from then on, not at the agent's own 10 s.
-    agent
-        .endpoint("a")
-        .call(CallMeta::http("GET", "/"), |_| async {
-            Ok::<_, std::io::Error>(http::Response::new(()))
-        })
-        .await
-        .unwrap();
+    call(&agent).await;
     let report = tokio::time::timeout(Duration::from_secs(5), async {
         loop {
             if let Event::Message(Kind::Metrics(report)) = plane.next().await {
@@ -345,14 +347,98 @@ async fn a_cache_read_late_is_applied_when_no_snapshot_came_first() {
     .await
     .expect("a report at the cached interval");
     assert_eq!(report.policy_version, 3);
+    plane.shut_down(agent, to_agent).await;
+}
 
-    // The next stream's Hello says the agent runs the cached version.
+/// The stream `to_agent` ended by the agent (its half of the stream first), and the next one
+/// with its Hello.
+async fn reopened(plane: &mut Plane, to_agent: ToAgent) -> (ToAgent, pb::Hello) {
+    loop {
+        match plane.next().await {
+            Event::Ended => break,
+            Event::Message(Kind::Metrics(_)) => {}
+            other => panic!("expected the stream to end, got {other:?}"),
+        }
+    }
     drop(to_agent);
+    plane.opened().await
+}
+
+/// A call on endpoint `a`, answered at once.
+async fn call(agent: &Agent) {
+    agent
+        .endpoint("a")
+        .call(CallMeta::http("GET", "/"), |_| async {
+            Ok::<_, std::io::Error>(http::Response::new(()))
+        })
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn calls_on_the_fallback_before_a_late_cache_are_reported_under_version_0() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("agent.cache");
+    write_cache(&path, &snapshot(3, 4, 250));
+    let mut plane = Plane::start().await;
+    let (release, stall) = slow_disk();
+    let agent = agent(plane.addr, &path, stall);
     let (to_agent, hello) = plane.opened().await;
+    assert_eq!(hello.last_applied_version, 0);
+    call(&agent).await;
+    assert_eq!(agent.policies().source(), Source::Fallback);
+
+    // The read ends: the call made on the fallback goes out under version 0, before the cache
+    // is put in force.
+    release.send(()).unwrap();
+    let report = loop {
+        match plane.next().await {
+            Event::Message(Kind::Metrics(report)) => break report,
+            Event::Message(_) => {}
+            other => panic!("expected a metrics report, got {other:?}"),
+        }
+    };
+    assert_eq!(report.policy_version, 0, "{report:?}");
+    assert_eq!(report.endpoints.iter().map(|e| e.calls).sum::<u64>(), 1);
+    eventually("the cached policies are in force", || {
+        agent.policies().source() == Source::Cache
+    })
+    .await;
+    let (to_agent, hello) = reopened(&mut plane, to_agent).await;
+    assert_eq!(hello.last_applied_version, 3);
+    plane.shut_down(agent, to_agent).await;
+}
+
+#[tokio::test]
+async fn a_late_cache_put_in_force_after_a_nack_is_told_by_a_new_hello() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("agent.cache");
+    let cached = snapshot(3, 4, 250);
+    write_cache(&path, &cached);
+    let mut plane = Plane::start().await;
+    let (release, stall) = slow_disk();
+    let agent = agent(plane.addr, &path, stall);
+    let (to_agent, hello) = plane.opened().await;
+    assert_eq!(hello.last_applied_version, 0);
+
+    // A snapshot the agent refuses: it stays on the fallback.
+    let mut bad = snapshot(8, 2, 60_000);
+    bad.content_hash = "0".repeat(64);
+    send(&to_agent, &bad).await;
+    match plane.reply().await {
+        Kind::Nack(nack) => assert_eq!(nack.version, 8),
+        other => panic!("expected Nack v8, got {other:?}"),
+    }
+    assert_eq!(agent.policies().source(), Source::Fallback);
+
+    // The read ends: the cache is put in force, and the control plane is told by a new Hello.
+    release.send(()).unwrap();
+    let (to_agent, hello) = reopened(&mut plane, to_agent).await;
     assert_eq!(
         (hello.last_applied_version, hello.last_applied_hash.as_str()),
         (3, cached.content_hash.as_str())
     );
+    assert_eq!(agent.policies().source(), Source::Cache);
     plane.shut_down(agent, to_agent).await;
 }
 

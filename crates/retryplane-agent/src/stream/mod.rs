@@ -33,7 +33,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use retryplane_policy::codes::GrpcCode;
 use retryplane_policy::rng::SeededRng;
 use retryplane_proto::pb::{self, agent_message::Kind};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
@@ -41,7 +41,7 @@ use tonic::metadata::{Ascii, MetadataValue};
 use tracing::{debug, info, warn};
 
 use crate::agent::Shared;
-use crate::cache::{Foreign, LateRead};
+use crate::cache::{Cached, Foreign, LateRead};
 use crate::error::StreamError;
 use crate::snapshot::Source;
 use cache_writer::{CacheWriter, Gate};
@@ -106,6 +106,9 @@ pub(crate) struct StreamConfig {
 enum SessionEnd {
     /// The agent is shutting down.
     Cancelled,
+    /// A cache read late was put in force on an open stream: a new stream, opened at once,
+    /// tells the control plane the version in force in its Hello.
+    Reopen,
     /// The connection failed or the stream ended; `up` is how long it was open, if it was.
     Lost {
         up: Option<Duration>,
@@ -167,35 +170,59 @@ pub(crate) async fn run(
     seed: u64,
 ) {
     let late = config.late_read.take();
+    // A cache read late: the writer's gate says whether the file may be written, and hands a
+    // valid cache to this task, which decides whether to put it in force.
+    let mut late_cache = None;
     let cache = config.cache_file.clone().map(|path| {
         let gate = late.map(|late| {
-            let shared = shared.clone();
-            let gate: Gate = Box::pin(async move { settle_late_read(late, &shared).await });
+            let (found, cached) = oneshot::channel();
+            late_cache = Some(cached);
+            let gate: Gate = Box::pin(settle_late_read(late, found));
             gate
         });
         CacheWriter::start(path, gate)
     });
-    sessions(&shared, &config, &cancel, seed, cache.as_ref()).await;
+    sessions(&shared, &config, &cancel, seed, cache.as_ref(), late_cache).await;
     if let Some(cache) = cache {
         cache.finish(CACHE_GRACE).await;
     }
 }
 
-/// Waits for the start's read of the cache file that did not end in time, and does what the
-/// start would have done with it: a valid cache is put in force, with the metrics interval
-/// cached with it, if the agent still runs on the fallback policy (a snapshot from the control
-/// plane, or policies the program set, are newer). Whether the cache file may be written: not
-/// if what is there is not a policy cache. Never returns if the read never ends.
-async fn settle_late_read(late: LateRead, shared: &Shared) -> bool {
-    let cached = match late.settle().await {
-        Ok(Some(cached)) => cached,
-        Ok(None) => return true,
-        Err(Foreign) => return false,
+/// Waits for the start's read of the cache file that did not end in time and judges it as a
+/// start does; a valid cache goes to the stream task on `found` (see [`put_late_cache_in_force`]).
+/// Whether the cache file may be written: not if what is there is not a policy cache. Never
+/// returns if the read never ends.
+async fn settle_late_read(late: LateRead, found: oneshot::Sender<Cached>) -> bool {
+    match late.settle().await {
+        Ok(Some(cached)) => {
+            // The stream task is gone only at shutdown: nothing to put in force then.
+            let _ = found.send(cached);
+            true
+        }
+        Ok(None) => true,
+        Err(Foreign) => false,
+    }
+}
+
+/// The cache a read late found, once it is handed over: pending for good when there is none
+/// (or it was taken). Cancel-safe: the cache stays in `late` until taken.
+async fn late_cache(late: &mut Option<oneshot::Receiver<Cached>>) -> Option<Cached> {
+    let Some(found) = late.as_mut() else {
+        return std::future::pending().await;
     };
+    let cached = found.await.ok();
+    *late = None;
+    cached
+}
+
+/// Does what the start would have done with `cached`, read late: puts it in force, with the
+/// metrics interval cached with it, if the agent still runs on the fallback policy (a snapshot
+/// from the control plane, or policies the program set, are newer), and brings the next report
+/// forward to that interval. Whether it did.
+fn put_late_cache_in_force(shared: &Shared, cached: Cached, next_report: &mut Instant) -> bool {
     let version = cached.version();
     let interval = cached.metrics_interval;
-    // Decided and done in the writers' turn: a snapshot that the stream applies meanwhile
-    // comes after, interval included.
+    // Decided and done in the writers' turn.
     let applied = shared.update_policies_if(|current| {
         if current.source() != Source::Fallback {
             return None;
@@ -214,14 +241,14 @@ async fn settle_late_read(late: LateRead, shared: &Shared) -> bool {
             "the policy cache was read late; running on its policies until the control plane \
              sends policies"
         );
-        shared.interval_changed.notify_one();
+        *next_report = (*next_report).min(Instant::now() + self::interval(shared));
     } else {
         info!(
             version,
             "the policy cache was read late, after newer policies were put in force; they stay"
         );
     }
-    true
+    applied
 }
 
 /// Sessions until cancelled; each applied snapshot's cache bytes go to `cache`.
@@ -231,6 +258,7 @@ async fn sessions(
     cancel: &CancellationToken,
     seed: u64,
     cache: Option<&CacheWriter>,
+    mut late: Option<oneshot::Receiver<Cached>>,
 ) {
     let (min, max) = KEEPALIVE_RANGE;
     let endpoint = config
@@ -263,9 +291,14 @@ async fn sessions(
             &mut window_start,
             &mut outbox,
             &mut next_report,
+            &mut late,
         )
         .await;
         shared.connected.store(false, Relaxed);
+        if let SessionEnd::Reopen = end {
+            debug!("reconnecting at once to say the policies in force");
+            continue;
+        }
         let SessionEnd::Lost {
             up,
             reason,
@@ -309,9 +342,17 @@ async fn sessions(
             _ => info!(%reason, delay_ms, "control plane stream lost; reconnecting"),
         }
         last_reason = Some(reason);
-        tokio::select! {
-            () = cancel.cancelled() => return,
-            () = tokio::time::sleep(delay) => {}
+        let sleep = tokio::time::sleep(delay);
+        tokio::pin!(sleep);
+        loop {
+            tokio::select! {
+                () = cancel.cancelled() => return,
+                () = &mut sleep => break,
+                // No stream to tell: the next one's Hello says the version in force.
+                Some(cached) = late_cache(&mut late) => {
+                    put_late_cache_in_force(shared, cached, &mut next_report);
+                }
+            }
         }
     }
 }
@@ -345,6 +386,7 @@ async fn session(
     window_start: &mut u64,
     outbox: &mut Outbox,
     next_report: &mut Instant,
+    late: &mut Option<oneshot::Receiver<Cached>>,
 ) -> SessionEnd {
     let lost = |up: Option<Duration>, reason: String| SessionEnd::Lost {
         up,
@@ -352,9 +394,17 @@ async fn session(
         code: None,
         replaced: false,
     };
-    let channel = tokio::select! {
-        () = cancel.cancelled() => return SessionEnd::Cancelled,
-        c = endpoint.connect() => c,
+    let connecting = endpoint.connect();
+    tokio::pin!(connecting);
+    let channel = loop {
+        tokio::select! {
+            () = cancel.cancelled() => return SessionEnd::Cancelled,
+            c = &mut connecting => break c,
+            // The Hello is not made yet: it will say the version in force.
+            Some(cached) = late_cache(late) => {
+                put_late_cache_in_force(shared, cached, next_report);
+            }
+        }
     };
     let channel = match channel {
         Ok(c) => c,
@@ -510,9 +560,18 @@ async fn session(
                 send_metrics(shared, &tx, window_start, outbox, numbered);
                 *next_report = Instant::now() + interval(shared);
             }
-            // A cache file read late put its interval in force.
-            () = shared.interval_changed.notified() => {
-                *next_report = (*next_report).min(Instant::now() + interval(shared));
+            Some(cached) = late_cache(late) => {
+                // The counts so far were made on the fallback policy: reported under its
+                // version before the cache can replace it.
+                if shared.policies.load().source() == Source::Fallback {
+                    send_metrics(shared, &tx, window_start, outbox, numbered);
+                    *next_report = Instant::now() + interval(shared);
+                }
+                if put_late_cache_in_force(shared, cached, next_report) {
+                    // The control plane knows the agent by its Hello, which said the fallback.
+                    half_close(shared, tx, &mut inbound, outbox).await;
+                    return SessionEnd::Reopen;
+                }
             }
         }
     }
@@ -531,6 +590,17 @@ async fn close(
 ) {
     outbox.closing();
     send_metrics(shared, &tx, window_start, outbox, numbered);
+    half_close(shared, tx, inbound, outbox).await;
+}
+
+/// Half-closes the stream, then waits (bounded) for the server to read what was queued and
+/// close its side, taking the acks that come meanwhile.
+async fn half_close(
+    shared: &Shared,
+    tx: mpsc::Sender<pb::AgentMessage>,
+    inbound: &mut tonic::Streaming<pb::ServerMessage>,
+    outbox: &mut Outbox,
+) {
     drop(tx);
     let _ = tokio::time::timeout(CLOSE_GRACE, async {
         while let Ok(Some(m)) = inbound.message().await {
