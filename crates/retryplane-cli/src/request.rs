@@ -16,6 +16,9 @@
 //! `--data` `content-length`) cannot be left out, which is an error rather than a header sent
 //! anyway; and `Name;`, which sends `Name` with an empty value.
 //!
+//! The `user:password@` of a `--server` URL is not used (the agent sends its token): it is left
+//! out of what the agent sends, with a note on stderr.
+//!
 //! The method is `-X`, else `POST` with `--data`, else `GET` (as curl). Redirects are not
 //! followed: a 3xx is the upstream's answer. The response body is read (so a reset mid-body is a
 //! failed attempt) and discarded: stdout gets one line per attempt and the outcome, or with
@@ -130,8 +133,9 @@ impl FromStr for Secret {
 pub enum PolicyFrom {
     /// A policy file (or stdin).
     File(input::Source),
-    /// The control plane's agent listener, with an optional token.
-    Server(String, Option<Secret>),
+    /// The control plane's agent listener (its URL without any `user:password@`), with an
+    /// optional token, and the URL as messages show it (as given, the password as `***`).
+    Server(String, Option<Secret>, String),
 }
 
 /// The call to make, checked once.
@@ -194,10 +198,17 @@ impl TryFrom<Args> for Settings {
                     );
                 }
                 let url = crate::admin::with_default_port(url, AGENT_PORT)?;
+                let shown = shown_url(&url);
+                let (url, had_userinfo) = crate::admin::without_userinfo(&url);
+                if had_userinfo {
+                    crate::admin::userinfo_not_used(
+                        "give the agent token with --token or RETRYPLANE_AGENT_TOKEN",
+                    );
+                }
                 // An empty token (`RETRYPLANE_AGENT_TOKEN=`) is no token, as for the admin
                 // commands: nothing is sent rather than an empty credential.
                 let token = args.token.filter(|Secret(t)| !t.is_empty());
-                PolicyFrom::Server(url, token)
+                PolicyFrom::Server(url, token, shown)
             }
             // Unreachable: clap refuses a command line without either (`policy_from` is required).
             (None, None) => bail!("say where the policy comes from: --policy FILE or --server URL"),
@@ -270,8 +281,8 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
     crate::admin::block_on(async move {
         let agent = match (agent, &settings.policy) {
             (Some(agent), _) => agent,
-            (None, PolicyFrom::Server(url, token)) => {
-                from_server(url, token.as_ref(), &settings.endpoint).await?
+            (None, PolicyFrom::Server(url, token, shown)) => {
+                from_server(url, shown, token.as_ref(), &settings.endpoint).await?
             }
             (None, PolicyFrom::File(_)) => bail!("no policy"),
         };
@@ -333,14 +344,19 @@ fn refusal_hint(code: tonic::Code) -> Option<&'static str> {
     }
 }
 
-/// An agent on the control plane's policies, once its first snapshot is in.
-async fn from_server(url: &str, token: Option<&Secret>, endpoint: &str) -> anyhow::Result<Agent> {
+/// An agent on the control plane's policies at `url`, once its first snapshot is in; `shown`
+/// names the control plane in messages.
+async fn from_server(
+    url: &str,
+    shown: &str,
+    token: Option<&Secret>,
+    endpoint: &str,
+) -> anyhow::Result<Agent> {
     let mut builder = Agent::builder().url(url).service("retryplane-cli");
     if let Some(Secret(t)) = token {
         builder = builder.token(t.as_str());
     }
-    // Messages name the server without the password its URL may hold.
-    let url = &shown_url(url);
+    let url = shown;
     let agent = builder
         .connect()
         .with_context(|| format!("--server {url}"))?;
@@ -518,7 +534,7 @@ mod tests {
         )
         .unwrap();
         match Settings::try_from(cli.args).unwrap().policy {
-            PolicyFrom::Server(url, _) => url,
+            PolicyFrom::Server(url, _, _) => url,
             PolicyFrom::File(_) => panic!("not --server"),
         }
     }
@@ -532,7 +548,7 @@ mod tests {
         )
         .unwrap();
         match Settings::try_from(cli.args).unwrap().policy {
-            PolicyFrom::Server(_, token) => token.map(|Secret(t)| t),
+            PolicyFrom::Server(_, token, _) => token.map(|Secret(t)| t),
             PolicyFrom::File(_) => panic!("not --server"),
         }
     }
