@@ -1,6 +1,6 @@
 //! A password written in a URL on the command line (`http://user:password@host`) is never sent
 //! nor printed: the real binary against an HTTP/2 server on `127.0.0.1:0` that records what
-//! each call names as its authority.
+//! each call names as its authority, and clap's own messages.
 
 // clippy's allow-*-in-tests covers `#[test]` functions only; the helpers here are tests too.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -134,4 +134,31 @@ fn help_does_not_show_the_server_url_of_the_environment() {
     assert!(stdout.contains("RETRYPLANE_SERVER"), "{stdout}");
     assert!(!stdout.contains("admin:"), "{stdout}");
     assert_no_password(&out);
+}
+
+#[test]
+fn a_url_clap_does_not_expect_is_quoted_without_its_password() {
+    let url = format!("http://admin:{PASSWORD}@127.0.0.1:1");
+    let out = Command::cargo_bin("retryplane")
+        .unwrap()
+        .args(["status", &url])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(out.stdout.is_empty());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.starts_with("error: unexpected argument 'http://admin:***@127.0.0.1:1' found"),
+        "{stderr}"
+    );
+    assert_no_password(&out);
+    // `--help` still goes to stdout, exit 0.
+    let out = Command::cargo_bin("retryplane")
+        .unwrap()
+        .args(["--help"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("Usage: retryplane"));
+    assert!(out.stderr.is_empty());
 }
