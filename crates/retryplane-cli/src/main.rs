@@ -142,7 +142,18 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) => {
             // Usage errors go to stderr (exit 2); `--help` and `--version` to stdout (exit 0).
-            let _ = e.print();
+            // clap quotes a stray argument as given: a URL with a password is shown without.
+            let args: Vec<String> = std::env::args_os()
+                .map(|a| a.to_string_lossy().into_owned())
+                .collect();
+            let text = without_passwords(&e.render().ansi().to_string(), &args);
+            // Colour as clap would have it: kept on a terminal, stripped otherwise or with
+            // NO_COLOR. A closed stream is ignored: there is nowhere left to write.
+            let _ = if e.use_stderr() {
+                write!(anstream::stderr(), "{text}")
+            } else {
+                write!(anstream::stdout(), "{text}")
+            };
             return if e.use_stderr() {
                 Outcome::Error
             } else {
@@ -168,6 +179,24 @@ fn main() -> ExitCode {
         }
     };
     outcome.into()
+}
+
+/// `text` with every command-line argument in it that holds a URL with a password (or the
+/// value after the `=` of one, `--flag=URL`) replaced by its `user:***@host` form.
+fn without_passwords(text: &str, args: &[String]) -> String {
+    let mut secret: Vec<&str> = args
+        .iter()
+        .flat_map(|a| [Some(a.as_str()), a.split_once('=').map(|(_, v)| v)])
+        .flatten()
+        .filter(|a| admin::shown_url(a) != *a)
+        .collect();
+    // Longest first, so that a value is not replaced inside the `--flag=URL` that holds it.
+    secret.sort_by_key(|a| std::cmp::Reverse(a.len()));
+    let mut text = text.to_owned();
+    for a in secret {
+        text = text.replace(a, &admin::shown_url(a));
+    }
+    text
 }
 
 /// Runs the chosen command. An `Err` is a usage or I/O error (exit 2).
@@ -201,5 +230,26 @@ fn print_stdout(text: &str) -> io::Result<()> {
     match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
         Err(e) if e.kind() == io::ErrorKind::BrokenPipe => Ok(()),
         other => other,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_password_in_an_argument_quoted_by_clap_is_hidden() {
+        let args = [
+            "retryplane".to_owned(),
+            "--server=http://a:pw1@h".to_owned(),
+            "http://admin:s3cret@127.0.0.1:1".to_owned(),
+        ];
+        let text = "error: unexpected argument 'http://admin:s3cret@127.0.0.1:1' found; \
+                    'http://a:pw1@h'";
+        let shown = without_passwords(text, &args);
+        assert_eq!(
+            shown,
+            "error: unexpected argument 'http://admin:***@127.0.0.1:1' found; 'http://a:***@h'"
+        );
     }
 }

@@ -12,9 +12,16 @@
 //! shows the call and `status` shows the agent as gone.
 //!
 //! `-H` takes curl's forms: `Name: value`; `Name:` (nothing after the colon), which sends no
-//! `Name` header: a header the HTTP client would add by itself (`accept: */*`, `host`, and with
-//! `--data` `content-length`) cannot be left out, which is an error rather than a header sent
-//! anyway; and `Name;`, which sends `Name` with an empty value.
+//! `Name` header: a header the HTTP client would add by itself (`accept: */*`, `host`, with
+//! `--data` `content-length`, and for a URL with a `user:password@` `authorization: Basic …`)
+//! cannot be left out, which is an error rather than a header sent anyway; and `Name;`, which
+//! sends `Name` with an empty value. The flags apply in order, as curl applies them: a later
+//! `-H` of a name wins over an earlier one (`Name:` after `Name: v` sends no `Name`, and
+//! `Name: v` after `Name:` sends `v`). A `-H` that is wrong is named by its position (`the 2nd
+//! -H`), never quoted: what fails to parse as a name may be a value.
+//!
+//! The `user:password@` of a `--server` URL is not used (the agent sends its token): it is left
+//! out of what the agent sends, with a note on stderr.
 //!
 //! The method is `-X`, else `POST` with `--data`, else `GET` (as curl). Redirects are not
 //! followed: a 3xx is the upstream's answer. The response body is read (so a reset mid-body is a
@@ -91,9 +98,10 @@ pub struct Args {
     #[arg(short = 'X', long = "request", value_name = "METHOD")]
     method: Option<String>,
     /// A request header, `Name: value` (repeatable). As in curl, `Name:` with no value sends
-    /// no `Name` header (one the HTTP client sends by default, `Accept`, `Host` and, with
-    /// --data, `Content-Length`, cannot be left out: that is an error), and `Name;` sends `Name`
-    /// with an empty value.
+    /// no `Name` header (one the HTTP client sends by default, `Accept`, `Host`, with --data
+    /// `Content-Length` and for a URL with user:password@ `Authorization`, cannot be left out:
+    /// that is an error), and `Name;` sends `Name` with an empty value. A later -H of a name
+    /// wins over an earlier one.
     #[arg(short = 'H', long = "header", value_name = "'NAME: VALUE'")]
     headers: Vec<Secret>,
     /// The request body.
@@ -130,8 +138,9 @@ impl FromStr for Secret {
 pub enum PolicyFrom {
     /// A policy file (or stdin).
     File(input::Source),
-    /// The control plane's agent listener, with an optional token.
-    Server(String, Option<Secret>),
+    /// The control plane's agent listener (its URL without any `user:password@`), with an
+    /// optional token, and the URL as messages show it (as given, the password as `***`).
+    Server(String, Option<Secret>, String),
 }
 
 /// The call to make, checked once.
@@ -164,19 +173,7 @@ impl TryFrom<Args> for Settings {
                 shown_url(&args.url)
             );
         }
-        let mut headers = HeaderMap::new();
-        for Secret(h) in &args.headers {
-            match parse_header(h)? {
-                HeaderFlag::Send(name, value) => {
-                    headers.append(name, value);
-                }
-                HeaderFlag::Leave(name) => {
-                    if let Some(why) = sent_by_the_client(&name, args.data.is_some()) {
-                        bail!("-H '{name}:': {why}, and cannot be left out");
-                    }
-                }
-            }
-        }
+        let headers = headers_of(&args.headers, args.data.is_some(), has_userinfo(&url))?;
         let policy = match (args.policy, args.server) {
             (Some(path), _) => PolicyFrom::File(input::Source::from_arg(path)),
             (None, Some(url)) => {
@@ -194,10 +191,17 @@ impl TryFrom<Args> for Settings {
                     );
                 }
                 let url = crate::admin::with_default_port(url, AGENT_PORT)?;
+                let shown = shown_url(&url);
+                let (url, had_userinfo) = crate::admin::without_userinfo(&url);
+                if had_userinfo {
+                    crate::admin::userinfo_not_used(
+                        "give the agent token with --token or RETRYPLANE_AGENT_TOKEN",
+                    );
+                }
                 // An empty token (`RETRYPLANE_AGENT_TOKEN=`) is no token, as for the admin
                 // commands: nothing is sent rather than an empty credential.
                 let token = args.token.filter(|Secret(t)| !t.is_empty());
-                PolicyFrom::Server(url, token)
+                PolicyFrom::Server(url, token, shown)
             }
             // Unreachable: clap refuses a command line without either (`policy_from` is required).
             (None, None) => bail!("say where the policy comes from: --policy FILE or --server URL"),
@@ -223,40 +227,110 @@ enum HeaderFlag {
     Leave(HeaderName),
 }
 
-/// `Name: value`, `Name:` or `Name;` → what to do; errors name the header, never quote its
-/// value.
-fn parse_header(text: &str) -> anyhow::Result<HeaderFlag> {
+/// Whether `url` has a `user[:password]@`, which the HTTP client sends as
+/// `authorization: Basic …`.
+fn has_userinfo(url: &reqwest::Url) -> bool {
+    !url.username().is_empty() || url.password().is_some()
+}
+
+/// The headers the `-H` flags ask for, applied in order as curl does: a later `-H` of a name
+/// wins over an earlier one (`Name:` after `Name: v` sends none; `Name: v` after `Name:` sends
+/// `v`). Leaving out one the HTTP client sends by itself ([`sent_by_the_client`]) is an error
+/// when no later `-H` gives it a value. `body`: whether the request has one; `userinfo`: whether
+/// the URL has a `user:password@`.
+fn headers_of(flags: &[Secret], body: bool, userinfo: bool) -> anyhow::Result<HeaderMap> {
+    let mut headers = HeaderMap::new();
+    // The `-H` that asked to leave out a header the client sends anyway, by name.
+    let mut left_out: Vec<(HeaderName, usize)> = Vec::new();
+    for (i, Secret(h)) in flags.iter().enumerate() {
+        let position = i + 1;
+        match parse_header(h)
+            .map_err(|why| anyhow::anyhow!("the {} -H: {why}", ordinal(position)))?
+        {
+            HeaderFlag::Send(name, value) => {
+                left_out.retain(|(n, _)| *n != name);
+                headers.append(name, value);
+            }
+            HeaderFlag::Leave(name) => {
+                headers.remove(&name);
+                if sent_by_the_client(&name, body, userinfo).is_some() {
+                    left_out.retain(|(n, _)| *n != name);
+                    left_out.push((name, position));
+                }
+            }
+        }
+    }
+    if let Some((name, position)) = left_out.first()
+        && let Some(why) = sent_by_the_client(name, body, userinfo)
+    {
+        bail!(
+            "the {} -H ('{name}:'): {why}, and cannot be left out",
+            ordinal(*position)
+        );
+    }
+    Ok(headers)
+}
+
+/// `1st`, `2nd`, `3rd`, `4th`, … `11th`, `12th`, `13th`, … `21st`.
+fn ordinal(n: usize) -> String {
+    let suffix = match (n % 10, n % 100) {
+        (_, 11..=13) => "th",
+        (1, _) => "st",
+        (2, _) => "nd",
+        (3, _) => "rd",
+        _ => "th",
+    };
+    format!("{n}{suffix}")
+}
+
+/// `Name: value`, `Name:` or `Name;` → what to do. The error says what is wrong and quotes
+/// nothing of the text: what fails to parse as a name may be a value (`Cookie session=…`).
+fn parse_header(text: &str) -> Result<HeaderFlag, &'static str> {
     let (name, value) = match text.split_once(':') {
         Some((name, value)) => (name, Some(value.trim())),
         // `Name;` and nothing after it: the header, empty (curl's way of asking for one).
         None => match text.split_once(';') {
             Some((name, rest)) if rest.trim().is_empty() => (name, None),
-            _ => bail!(
-                "-H: expected 'Name: value', 'Name:' (no such header) or 'Name;' (an empty one)"
-            ),
+            _ => {
+                return Err(
+                    "expected 'Name: value', 'Name:' (no such header) or 'Name;' (an empty one)",
+                );
+            }
         },
     };
     let name = name.trim();
-    let name = HeaderName::from_str(name)
-        .map_err(|_| anyhow::anyhow!("-H: `{name}` is not a valid header name"))?;
+    if name.is_empty() {
+        return Err("no header name before the `:` or `;`");
+    }
+    let name = HeaderName::from_str(name).map_err(|_| {
+        "the text before the `:` or `;` is not a valid header name (letters, digits and \
+         !#$%&'*+-.^_`|~ only, no spaces)"
+    })?;
     let value = match value {
         Some("") => return Ok(HeaderFlag::Leave(name)),
         Some(value) => value,
         None => "",
     };
     let mut value = HeaderValue::from_str(value)
-        .map_err(|_| anyhow::anyhow!("-H {name}: the value holds characters not allowed"))?;
+        .map_err(|_| "the value holds characters not allowed in a header")?;
     value.set_sensitive(true);
     Ok(HeaderFlag::Send(name, value))
 }
 
 /// Why the HTTP client sends `name` whatever the flags say, if it does: `-H 'Name:'` cannot
-/// leave it out. `body`: whether the request has one.
-fn sent_by_the_client(name: &HeaderName, body: bool) -> Option<&'static str> {
+/// leave it out (a later `-H 'Name: value'` replaces it). `body`: whether the request has one;
+/// `userinfo`: whether the URL has a `user:password@`.
+fn sent_by_the_client(name: &HeaderName, body: bool, userinfo: bool) -> Option<&'static str> {
     match name.as_str() {
-        "accept" => Some("the HTTP client sends `accept: */*` unless -H gives another value"),
+        "accept" => {
+            Some("the HTTP client sends `accept: */*` when no -H after this one gives a value")
+        }
         "host" => Some("the HTTP client sends `host` from the URL, as HTTP/1.1 requires"),
         "content-length" if body => Some("the HTTP client sends the length of the --data body"),
+        "authorization" if userinfo => Some(
+            "the HTTP client sends `authorization: Basic …` from the URL's user:password@ when \
+             no -H after this one gives a value",
+        ),
         _ => None,
     }
 }
@@ -270,8 +344,8 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
     crate::admin::block_on(async move {
         let agent = match (agent, &settings.policy) {
             (Some(agent), _) => agent,
-            (None, PolicyFrom::Server(url, token)) => {
-                from_server(url, token.as_ref(), &settings.endpoint).await?
+            (None, PolicyFrom::Server(url, token, shown)) => {
+                from_server(url, shown, token.as_ref(), &settings.endpoint).await?
             }
             (None, PolicyFrom::File(_)) => bail!("no policy"),
         };
@@ -333,14 +407,19 @@ fn refusal_hint(code: tonic::Code) -> Option<&'static str> {
     }
 }
 
-/// An agent on the control plane's policies, once its first snapshot is in.
-async fn from_server(url: &str, token: Option<&Secret>, endpoint: &str) -> anyhow::Result<Agent> {
+/// An agent on the control plane's policies at `url`, once its first snapshot is in; `shown`
+/// names the control plane in messages.
+async fn from_server(
+    url: &str,
+    shown: &str,
+    token: Option<&Secret>,
+    endpoint: &str,
+) -> anyhow::Result<Agent> {
     let mut builder = Agent::builder().url(url).service("retryplane-cli");
     if let Some(Secret(t)) = token {
         builder = builder.token(t.as_str());
     }
-    // Messages name the server without the password its URL may hold.
-    let url = &shown_url(url);
+    let url = shown;
     let agent = builder
         .connect()
         .with_context(|| format!("--server {url}"))?;
@@ -518,7 +597,7 @@ mod tests {
         )
         .unwrap();
         match Settings::try_from(cli.args).unwrap().policy {
-            PolicyFrom::Server(url, _) => url,
+            PolicyFrom::Server(url, _, _) => url,
             PolicyFrom::File(_) => panic!("not --server"),
         }
     }
@@ -532,7 +611,7 @@ mod tests {
         )
         .unwrap();
         match Settings::try_from(cli.args).unwrap().policy {
-            PolicyFrom::Server(_, token) => token.map(|Secret(t)| t),
+            PolicyFrom::Server(_, token, _) => token.map(|Secret(t)| t),
             PolicyFrom::File(_) => panic!("not --server"),
         }
     }

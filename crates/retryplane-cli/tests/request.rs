@@ -347,17 +347,17 @@ fn leaving_out_a_header_the_http_client_always_sends_is_refused() {
         (
             "Accept:",
             None,
-            "-H 'accept:': the HTTP client sends `accept: */*` unless -H gives another value, and cannot be left out",
+            "the 1st -H ('accept:'): the HTTP client sends `accept: */*` when no -H after this one gives a value, and cannot be left out",
         ),
         (
             "Host:",
             None,
-            "-H 'host:': the HTTP client sends `host` from the URL, as HTTP/1.1 requires, and cannot be left out",
+            "the 1st -H ('host:'): the HTTP client sends `host` from the URL, as HTTP/1.1 requires, and cannot be left out",
         ),
         (
             "Content-Length:",
             Some("x"),
-            "-H 'content-length:': the HTTP client sends the length of the --data body, and cannot be left out",
+            "the 1st -H ('content-length:'): the HTTP client sends the length of the --data body, and cannot be left out",
         ),
     ] {
         let mut cmd = Command::cargo_bin("retryplane").unwrap();
@@ -379,6 +379,110 @@ fn leaving_out_a_header_the_http_client_always_sends_is_refused() {
     let (v, code) = request(&["-H", "Content-Length:", &up.url("/")]);
     assert_eq!(code, 0, "{v}");
     assert_eq!(up.seen().len(), 1);
+}
+
+/// `request --policy POLICY --endpoint api ARGS...`: the exit code and stderr.
+fn request_stderr(args: &[&str]) -> (Option<i32>, String) {
+    let dir = TempDir::new().unwrap();
+    let path = dir.path().join("policy.yaml");
+    fs::write(&path, POLICY).unwrap();
+    let out = Command::cargo_bin("retryplane")
+        .unwrap()
+        .args(["request", "--policy"])
+        .arg(&path)
+        .args(["--endpoint", "api"])
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(out.stdout.is_empty());
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn a_header_that_does_not_parse_is_named_by_its_position_never_quoted() {
+    let up = Upstream::start(&[]);
+    for (headers, why) in [
+        (
+            ["X-Ok: 1", "Cookie session=s3cr3t;"],
+            "the 2nd -H: the text before the `:` or `;` is not a valid header name (letters, digits and !#$%&'*+-.^_`|~ only, no spaces)",
+        ),
+        (
+            ["Cookie session=s3cr3t", "X-Ok: 1"],
+            "the 1st -H: expected 'Name: value', 'Name:' (no such header) or 'Name;' (an empty one)",
+        ),
+        (
+            ["X-Ok: 1", ": s3cr3t"],
+            "the 2nd -H: no header name before the `:` or `;`",
+        ),
+        (
+            ["X-Ok: 1", "X-Bad: s3cr3t\u{1}"],
+            "the 2nd -H: the value holds characters not allowed in a header",
+        ),
+    ] {
+        let (code, stderr) = request_stderr(&["-H", headers[0], "-H", headers[1], &up.url("/")]);
+        assert_eq!(code, Some(2), "{headers:?}");
+        assert_eq!(stderr, format!("retryplane: error: {why}\n"), "{headers:?}");
+        assert!(!stderr.contains("s3cr3t"));
+    }
+    assert!(up.seen().is_empty());
+}
+
+#[test]
+fn the_basic_authorization_of_a_url_with_userinfo_cannot_be_left_out() {
+    let up = Upstream::start(&[]);
+    let url = up.url("/").replace("http://", "http://user:s3cr3t@");
+    let (code, stderr) = request_stderr(&["-H", "X-Ok: 1", "-H", "Authorization:", &url]);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert_eq!(
+        stderr,
+        "retryplane: error: the 2nd -H ('authorization:'): the HTTP client sends \
+         `authorization: Basic …` from the URL's user:password@ when no -H after this one gives \
+         a value, and cannot be left out\n"
+    );
+    assert!(up.seen().is_empty());
+    // Without userinfo there is nothing to leave out: nothing is sent.
+    let (v, code) = request(&["-H", "Authorization:", &up.url("/")]);
+    assert_eq!(code, 0, "{v}");
+    let seen = up.seen();
+    assert_eq!(seen.len(), 1);
+    assert!(seen[0].headers.iter().all(|(n, _)| n != "authorization"));
+}
+
+#[test]
+fn a_later_header_flag_of_the_same_name_wins() {
+    // A value then `Name:`: the client's own accept cannot be left out, and the message does
+    // not pretend that a value was missing.
+    let up = Upstream::start(&[]);
+    let (code, stderr) =
+        request_stderr(&["-H", "accept: text/html", "-H", "accept:", &up.url("/")]);
+    assert_eq!(code, Some(2));
+    assert_eq!(
+        stderr,
+        "retryplane: error: the 2nd -H ('accept:'): the HTTP client sends `accept: */*` when no \
+         -H after this one gives a value, and cannot be left out\n"
+    );
+    // `Name:` then a value: the value is sent; a value then `Name:` of another header: none.
+    let (v, code) = request(&[
+        "-H",
+        "accept:",
+        "-H",
+        "accept: text/html",
+        "-H",
+        "x-gone: 1",
+        "-H",
+        "x-gone:",
+        &up.url("/"),
+    ]);
+    assert_eq!(code, 0, "{v}");
+    let seen = up.seen();
+    assert_eq!(seen.len(), 1);
+    let headers = &seen[0].headers;
+    let accept: Vec<_> = headers.iter().filter(|(n, _)| n == "accept").collect();
+    assert_eq!(accept, [&("accept".to_owned(), "text/html".to_owned())]);
+    assert!(headers.iter().all(|(n, _)| n != "x-gone"), "{headers:?}");
 }
 
 #[test]

@@ -13,9 +13,12 @@
 //!
 //! Every one takes `--server URL` (`RETRYPLANE_SERVER`, default [`DEFAULT_SERVER`]) and
 //! `--token TOKEN` (`RETRYPLANE_TOKEN`), sent as `authorization: Bearer TOKEN` and never
-//! printed; an empty value of either counts as not given. Messages name the server by its URL
-//! with the password of any `user:password@` in it shown as `***`. Connecting gives up after [`CONNECT_TIMEOUT`], a call after [`REQUEST_TIMEOUT`]. Each
-//! command runs its calls on a current-thread tokio runtime of its own ([`block_on`]).
+//! printed (`--help` does not show the values of either variable); an empty value of either
+//! counts as not given. The `user:password@` of a `--server` URL is not used: it is left out of
+//! what is sent (HTTP/2 forbids it there), with a note on stderr saying so. Messages name the
+//! server by its URL with the password shown as `***` ([`shown_url`]). Connecting gives up
+//! after [`CONNECT_TIMEOUT`], a call after [`REQUEST_TIMEOUT`]. Each command runs its calls on
+//! a current-thread tokio runtime of its own ([`block_on`]).
 //!
 //! # Errors and exit codes
 //!
@@ -72,7 +75,13 @@ pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 pub struct ServerArgs {
     /// The control plane's admin address (`http://HOST:PORT`; `http://` and port 7471 when not
     /// given). An empty value counts as not given.
-    #[arg(long, env = "RETRYPLANE_SERVER", default_value = DEFAULT_SERVER, value_name = "URL")]
+    #[arg(
+        long,
+        env = "RETRYPLANE_SERVER",
+        hide_env_values = true,
+        default_value = DEFAULT_SERVER,
+        value_name = "URL"
+    )]
     server: String,
     /// Admin token, sent as `authorization: Bearer TOKEN`. An empty value counts as not given.
     #[arg(
@@ -119,21 +128,64 @@ const DEFAULT_PORT: u16 = 7471;
 
 /// `url` as it may be shown in a message or a log: the password of its userinfo, if any,
 /// replaced by `***` (`http://user:***@host:7471`). Works on the text as given, so that a URL
-/// that does not parse is shown without its password too.
+/// that does not parse is shown without its password too. A password may hold `/`, `?`, `#`,
+/// `:` or `@`, so everything from the first `:` after the scheme up to the last `@` of the text
+/// is hidden: a `@` in a path or query may hide more than the password, never less. The scheme
+/// is only a `scheme://` at the very start (letters, digits, `+`, `-`, `.`).
 pub(crate) fn shown_url(url: &str) -> String {
-    let start = url.find("://").map_or(0, |i| i + 3);
-    let authority_len = url[start..]
-        .find(['/', '?', '#'])
-        .unwrap_or(url.len() - start);
-    let authority = &url[start..start + authority_len];
-    let Some((userinfo, host)) = authority.rsplit_once('@') else {
+    let start = scheme_len(url);
+    let rest = &url[start..];
+    let Some(at) = rest.rfind('@') else {
         return url.to_owned();
     };
-    let Some((user, _password)) = userinfo.split_once(':') else {
+    let Some(colon) = rest[..at].find(':') else {
         return url.to_owned();
     };
-    let rest = &url[start + authority_len..];
-    format!("{}{user}:***@{host}{rest}", &url[..start])
+    format!("{}{}:***{}", &url[..start], &rest[..colon], &rest[at..])
+}
+
+/// The length of the `scheme://` that `url` starts with (RFC 3986: a letter, then letters,
+/// digits, `+`, `-` or `.`); 0 without one.
+fn scheme_len(url: &str) -> usize {
+    let Some(i) = url.find("://") else {
+        return 0;
+    };
+    let scheme = &url[..i];
+    let valid = scheme.starts_with(|c: char| c.is_ascii_alphabetic())
+        && scheme
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'));
+    if valid { i + 3 } else { 0 }
+}
+
+/// `url` without the `user:password@` of its authority, and whether it had one: the control
+/// plane takes a token, never a password, and HTTP/2 forbids userinfo in a request's
+/// `:authority` (RFC 9113 §8.3.1), where it would otherwise go out on every call. A URL that
+/// does not parse is returned as given (the caller reports it, through [`shown_url`]).
+pub(crate) fn without_userinfo(url: &str) -> (String, bool) {
+    let Ok(uri) = url.parse::<http::Uri>() else {
+        return (url.to_owned(), false);
+    };
+    let (Some(scheme), Some(authority)) = (uri.scheme_str(), uri.authority()) else {
+        return (url.to_owned(), false);
+    };
+    let Some((_userinfo, host)) = authority.as_str().rsplit_once('@') else {
+        return (url.to_owned(), false);
+    };
+    // `Uri` adds a `/` path to `http://host`; keep the text as given after the authority.
+    let end = url
+        .find(authority.as_str())
+        .map_or(url.len(), |i| i + authority.as_str().len());
+    let after = &url[end..];
+    (format!("{scheme}://{host}{after}"), true)
+}
+
+/// Says once on stderr that the `user:password@` of a `--server` URL is not sent.
+pub(crate) fn userinfo_not_used(flag_hint: &str) {
+    output::note(format_args!(
+        "retryplane: note: the user:password@ part of a --server URL is not used (nor sent); \
+         {flag_hint}"
+    ));
 }
 
 /// `url` with `port` when it names a host and no port (`http://cp.internal`), since the
@@ -200,6 +252,10 @@ impl TryFrom<ServerArgs> for Server {
         }
         let url = with_default_port(url, DEFAULT_PORT)?;
         let shown = shown_url(&url);
+        let (url, had_userinfo) = without_userinfo(&url);
+        if had_userinfo {
+            userinfo_not_used("give the admin token with --token or RETRYPLANE_TOKEN");
+        }
         let endpoint = Endpoint::from_shared(url)
             .with_context(|| format!("--server {shown}: not a valid URL"))?
             .connect_timeout(CONNECT_TIMEOUT)
@@ -437,23 +493,64 @@ mod tests {
     #[test]
     fn a_password_in_a_url_is_shown_as_stars() {
         for (given, shown) in [
-            ("http://u:pw@h:1/p?q=a@b", "http://u:***@h:1/p?q=a@b"),
+            // Up to the last `@`: more than the password when a query holds one, never less.
+            ("http://u:pw@h:1/p?q=a@b", "http://u:***@b"),
             ("http://u:p:w@[::1]:7471", "http://u:***@[::1]:7471"),
             ("http://a@b:pw@h", "http://a@b:***@h"),
             ("u:pw@h:1", "u:***@h:1"),
             ("http://bad host:pw@x y/", "http://bad host:***@x y/"),
             // No password: as given.
             ("http://u@h:1", "http://u@h:1"),
-            ("http://h:1/p@q", "http://h:1/p@q"),
+            ("http://h:1/p", "http://h:1/p"),
             ("http://h:1", "http://h:1"),
             ("", ""),
         ] {
             assert_eq!(shown_url(given), shown, "{given}");
         }
         let s = server("http://admin:s3cret@127.0.0.1:1", None).unwrap();
+        assert!(
+            !s.endpoint.uri().to_string().contains('@'),
+            "{:?}",
+            s.endpoint.uri()
+        );
         assert_eq!(s.url, "http://admin:***@127.0.0.1:1");
         let e = server("http://admin:s3cret@127.0.0.1:0", None).unwrap_err();
         assert!(!format!("{e:#}").contains("s3cret"), "{e:#}");
+    }
+
+    #[test]
+    fn a_password_holding_url_delimiters_is_hidden_whole() {
+        for (given, shown) in [
+            ("http://admin:pa/ss@h:1", "http://admin:***@h:1"),
+            ("http://admin:pa#ss@h:1", "http://admin:***@h:1"),
+            ("http://admin:pa?ss@h:1", "http://admin:***@h:1"),
+            ("admin:pa/ss@h", "admin:***@h"),
+            // A `://` in a query is not the scheme's.
+            ("u:pw@h/?x=http://y", "u:***@h/?x=http://y"),
+            ("http://u:p@[::1]:1/", "http://u:***@[::1]:1/"),
+            // No password, or no userinfo: as given.
+            ("http://u@h/", "http://u@h/"),
+            ("http://h:1/p?x=http://y", "http://h:1/p?x=http://y"),
+            ("h:1", "h:1"),
+        ] {
+            assert_eq!(shown_url(given), shown, "{given}");
+        }
+    }
+
+    #[test]
+    fn the_userinfo_of_a_server_url_is_not_sent() {
+        assert_eq!(
+            without_userinfo("http://admin:s3cret@127.0.0.1:1"),
+            ("http://127.0.0.1:1".to_owned(), true)
+        );
+        assert_eq!(
+            without_userinfo("http://u@[::1]:7470/"),
+            ("http://[::1]:7470/".to_owned(), true)
+        );
+        assert_eq!(
+            without_userinfo("http://127.0.0.1:1"),
+            ("http://127.0.0.1:1".to_owned(), false)
+        );
     }
 
     #[test]

@@ -1,0 +1,164 @@
+//! A password written in a URL on the command line (`http://user:password@host`) is never sent
+//! nor printed: the real binary against an HTTP/2 server on `127.0.0.1:0` that records what
+//! each call names as its authority, and clap's own messages.
+
+// clippy's allow-*-in-tests covers `#[test]` functions only; the helpers here are tests too.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::process::Output;
+
+use assert_cmd::Command;
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+
+const PASSWORD: &str = "s3cret-pw";
+
+/// Starts an HTTP/2 server on `127.0.0.1:0` that answers every call with gRPC's
+/// `UNIMPLEMENTED` (a refusal both the admin commands and the agent stop at) and sends the
+/// `:authority` and URI of each call on the channel. Returns its port.
+async fn recording_h2_server() -> (u16, mpsc::UnboundedReceiver<String>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let (tx, rx) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Ok((socket, _)) = listener.accept().await {
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                let Ok(mut conn) = h2::server::handshake(socket).await else {
+                    return;
+                };
+                while let Some(Ok((request, mut respond))) = conn.accept().await {
+                    let authority = request.uri().authority().map(|a| a.to_string());
+                    let _ = tx.send(format!("{authority:?} {}", request.uri()));
+                    let response = http::Response::builder()
+                        .status(200)
+                        .header("content-type", "application/grpc")
+                        .header("grpc-status", "12")
+                        .body(())
+                        .unwrap();
+                    let _ = respond.send_response(response, true);
+                }
+            });
+        }
+    });
+    (port, rx)
+}
+
+/// Runs the binary with `args` off the runtime, so that the server above keeps answering.
+async fn run(args: Vec<String>) -> Output {
+    tokio::task::spawn_blocking(move || {
+        Command::cargo_bin("retryplane")
+            .unwrap()
+            .env_remove("RETRYPLANE_SERVER")
+            .env_remove("RETRYPLANE_TOKEN")
+            .env_remove("RETRYPLANE_AGENT_TOKEN")
+            .args(args)
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap()
+}
+
+fn assert_no_password(out: &Output) {
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stdout.contains(PASSWORD), "stdout: {stdout}");
+    assert!(!stderr.contains(PASSWORD), "stderr: {stderr}");
+}
+
+#[tokio::test]
+async fn the_password_of_a_server_url_is_not_sent_to_the_control_plane() {
+    let (port, mut seen) = recording_h2_server().await;
+    let url = format!("http://admin:{PASSWORD}@127.0.0.1:{port}");
+    let out = run(vec!["status".into(), "--server".into(), url.clone()]).await;
+    assert_no_password(&out);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("the user:password@ part of a --server URL is not used"),
+        "{stderr}"
+    );
+    assert_eq!(
+        stderr.matches("is not used").count(),
+        1,
+        "said once: {stderr}"
+    );
+    let call = seen
+        .recv()
+        .await
+        .expect("the admin call reached the server");
+    assert!(
+        call.starts_with(&format!(
+            "Some(\"127.0.0.1:{port}\") http://127.0.0.1:{port}/retryplane.v1.AdminService/"
+        )),
+        "{call}"
+    );
+
+    // The agent of `request --server`: its stream names no password either.
+    let out = run(vec![
+        "request".into(),
+        "--server".into(),
+        url,
+        "--endpoint".into(),
+        "api".into(),
+        "http://127.0.0.1:9/".into(),
+    ])
+    .await;
+    assert_no_password(&out);
+    assert_eq!(out.status.code(), Some(2));
+    let call = seen
+        .recv()
+        .await
+        .expect("the agent's stream reached the server");
+    assert!(
+        call.starts_with(&format!(
+            "Some(\"127.0.0.1:{port}\") http://127.0.0.1:{port}/"
+        )),
+        "{call}"
+    );
+    assert!(!call.contains(PASSWORD) && !call.contains('@'), "{call}");
+}
+
+#[test]
+fn help_does_not_show_the_server_url_of_the_environment() {
+    let out = std::process::Command::new(assert_cmd::cargo::cargo_bin("retryplane"))
+        .args(["status", "--help"])
+        .env(
+            "RETRYPLANE_SERVER",
+            format!("http://admin:{PASSWORD}@127.0.0.1:1"),
+        )
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("RETRYPLANE_SERVER"), "{stdout}");
+    assert!(!stdout.contains("admin:"), "{stdout}");
+    assert_no_password(&out);
+}
+
+#[test]
+fn a_url_clap_does_not_expect_is_quoted_without_its_password() {
+    let url = format!("http://admin:{PASSWORD}@127.0.0.1:1");
+    let out = Command::cargo_bin("retryplane")
+        .unwrap()
+        .args(["status", &url])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(out.stdout.is_empty());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.starts_with("error: unexpected argument 'http://admin:***@127.0.0.1:1' found"),
+        "{stderr}"
+    );
+    assert_no_password(&out);
+    // `--help` still goes to stdout, exit 0.
+    let out = Command::cargo_bin("retryplane")
+        .unwrap()
+        .args(["--help"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("Usage: retryplane"));
+    assert!(out.stderr.is_empty());
+}
