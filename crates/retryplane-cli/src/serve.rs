@@ -8,8 +8,7 @@
 //! can be used), `agent: ADDR`, `admin: ADDR`, `http: ADDR`; logs go to stderr (`RUST_LOG`,
 //! default `info`; the file watching crate's own messages only at error unless `RUST_LOG`
 //! names `notify`). Stdout that cannot be written (a full disk, closed) is logged as a warning
-//! and serving goes on. SIGTERM or Ctrl-C ends agent streams with "reconnect", closes at once
-//! the connections with no open stream, drains the others (at most 5 s) and exits 0.
+//! and serving goes on. SIGTERM or Ctrl-C ends agent streams with "reconnect", drains and exits 0.
 //! SIGHUP reads the tokens file again (`Running::reload_tokens`): added, rotated and removed
 //! tokens take effect at once, agent streams whose secret was removed end, and a file that
 //! cannot be used is logged and leaves the tokens in force.

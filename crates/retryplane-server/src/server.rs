@@ -20,11 +20,8 @@
 //! shutdown. Port 0 binds a free port; [`Running`] tells which.
 //!
 //! [`Running::shutdown`] tells every agent stream to end with `UNAVAILABLE` ("reconnect"),
-//! stops accepting, closes at once every gRPC connection with no open stream (one that never
-//! sent the HTTP/2 preface, or never answers, included; see `server/connections.rs`), waits
-//! up to [`ServeConfig::shutdown_grace`] (default [`SHUTDOWN_GRACE`]) for the connections with
-//! open streams to drain, and closes the store (redb makes every commit durable; there is
-//! nothing else to flush).
+//! stops accepting, waits up to [`SHUTDOWN_GRACE`] for the servers to drain and closes the store
+//! (redb makes every commit durable; there is nothing else to flush).
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Arc;
@@ -40,7 +37,6 @@ use tonic::transport::Server;
 use tonic::transport::server::TcpIncoming;
 use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
-use tower::layer::util::{Identity, Stack};
 use tracing::{error, info, warn};
 
 use crate::admin::AdminApi;
@@ -57,16 +53,13 @@ use crate::store::{RedbStore, VersionStore};
 
 mod boot;
 mod config;
-mod connections;
 mod error;
 
 pub use self::config::ServeConfig;
 use self::config::{check_exposure, check_settings};
-use self::connections::{Connections, CountStreamsLayer, TrackedIo};
 pub use self::error::ServeError;
 
-/// The default of how long shutdown waits for connections with open streams to drain before
-/// closing what is left ([`ServeConfig::shutdown_grace`]).
+/// How long shutdown waits for the servers to drain before closing what is left.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 /// The default HTTP/2 keepalive ping interval on the gRPC listeners
 /// ([`ServeConfig::keepalive_interval`]).
@@ -95,10 +88,6 @@ pub struct Running {
     servers: JoinSet<Result<(), ServeError>>,
     background: Vec<JoinHandle<()>>,
     tokens: Option<Arc<TokenSet>>,
-    /// The gRPC listeners' connections, closed at shutdown when they have no open stream.
-    connections: Connections,
-    /// [`ServeConfig::shutdown_grace`].
-    shutdown_grace: Duration,
 }
 
 async fn bind(listener: &'static str, addr: SocketAddr) -> Result<TcpListener, ServeError> {
@@ -124,27 +113,18 @@ async fn stopped(mut shutdown: watch::Receiver<bool>) {
     let _ = shutdown.wait_for(|stop| *stop).await;
 }
 
-fn grpc_server(cfg: &ServeConfig) -> Server<Stack<CountStreamsLayer, Identity>> {
+fn grpc_server(cfg: &ServeConfig) -> Server {
     Server::builder()
         .http2_keepalive_interval(Some(cfg.keepalive_interval))
         .http2_keepalive_timeout(Some(cfg.keepalive_timeout))
         // tonic's default is no bound at all (it overrides hyper's 200).
         .max_concurrent_streams(cfg.max_streams_per_connection)
         .tcp_nodelay(true)
-        // Outermost, so every request on a connection is counted while it is open.
-        .layer(CountStreamsLayer)
 }
 
-fn incoming(
-    socket: TcpListener,
-    connections: &Connections,
-) -> impl tokio_stream::Stream<Item = std::io::Result<TrackedIo>> + use<> {
-    use tokio_stream::StreamExt as _;
-    let connections = connections.clone();
+fn incoming(socket: TcpListener) -> TcpIncoming {
     // The builder's tcp_nodelay does not apply to a listener we bound ourselves.
-    TcpIncoming::from(socket)
-        .with_nodelay(Some(true))
-        .map(move |accepted| accepted.map(|io| connections.track(io)))
+    TcpIncoming::from(socket).with_nodelay(Some(true))
 }
 
 /// Starts the control plane; see the module docs.
@@ -269,17 +249,15 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
     );
 
     let mut servers = JoinSet::new();
-    let connections = Connections::default();
     let agent_router = grpc_server(&cfg)
         .add_service(health_service.clone())
         .add_service(reflection(AGENT_SERVICE).build_v1()?)
         .add_service(reflection(AGENT_SERVICE).build_v1alpha()?)
         .add_service(agent_service);
     let stop = stopped(shutdown_rx.clone());
-    let agent_incoming = incoming(agent_socket, &connections);
     servers.spawn(async move {
         agent_router
-            .serve_with_incoming_shutdown(agent_incoming, stop)
+            .serve_with_incoming_shutdown(incoming(agent_socket), stop)
             .await
             .map_err(|source| ServeError::Grpc {
                 listener: "agent",
@@ -292,10 +270,9 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
         .add_service(reflection(ADMIN_SERVICE).build_v1alpha()?)
         .add_service(admin_service);
     let stop = stopped(shutdown_rx.clone());
-    let admin_incoming = incoming(admin_socket, &connections);
     servers.spawn(async move {
         admin_router
-            .serve_with_incoming_shutdown(admin_incoming, stop)
+            .serve_with_incoming_shutdown(incoming(admin_socket), stop)
             .await
             .map_err(|source| ServeError::Grpc {
                 listener: "admin",
@@ -324,8 +301,6 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
         servers,
         background,
         tokens,
-        connections,
-        shutdown_grace: cfg.shutdown_grace,
     })
 }
 
@@ -423,17 +398,14 @@ impl Running {
     }
 
     /// Stops serving: agent streams end with `UNAVAILABLE` ("reconnect"), the listeners stop
-    /// accepting, gRPC connections with no open stream are closed at once, the others get
-    /// [`ServeConfig::shutdown_grace`] to drain, then the store is closed. Returns the first
-    /// server error seen while draining.
+    /// accepting, the servers get [`SHUTDOWN_GRACE`] to drain, then the store is closed.
+    /// Returns the first server error seen while draining.
     pub async fn shutdown(mut self) -> Result<(), ServeError> {
         info!("shutting down");
         set_health(&self.health, ServingStatus::NotServing).await;
         self.shutdown.send_replace(true);
-        self.connections.close_idle();
-        let grace = self.shutdown_grace;
         let mut first_error = None;
-        let drained = tokio::time::timeout(grace, async {
+        let drained = tokio::time::timeout(SHUTDOWN_GRACE, async {
             while let Some(joined) = self.servers.join_next().await {
                 if let Ok(Err(e)) = joined {
                     first_error.get_or_insert(e);
@@ -442,7 +414,9 @@ impl Running {
         })
         .await;
         if drained.is_err() {
-            warn!("the servers did not stop within {grace:?}; closing the remaining connections");
+            warn!(
+                "the servers did not stop within {SHUTDOWN_GRACE:?}; closing the remaining connections"
+            );
             self.servers.shutdown().await;
         }
         for task in self.background.drain(..) {

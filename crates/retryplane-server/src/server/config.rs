@@ -6,9 +6,7 @@ use std::time::Duration;
 
 use tracing::warn;
 
-use super::{
-    KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT, MAX_STREAMS_PER_CONNECTION, SHUTDOWN_GRACE, ServeError,
-};
+use super::{KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT, MAX_STREAMS_PER_CONNECTION, ServeError};
 use crate::agent_stream::StreamLimits;
 use crate::aggregate::DEFAULT_MAX_SERIES;
 
@@ -62,10 +60,6 @@ pub struct ServeConfig {
     /// [`crate::fleet::MAX_DISCONNECTED`] disconnected agents push out the longest gone.
     /// Default [`crate::fleet::FORGET_DISCONNECTED_AFTER`] (1 h).
     pub forget_disconnected_after: Option<Duration>,
-    /// How long a shutdown waits for gRPC connections with open streams (agent streams told
-    /// to reconnect, admin calls) to end before closing them; connections with no open stream
-    /// are closed at once. Default [`SHUTDOWN_GRACE`] (5 s).
-    pub shutdown_grace: Duration,
 }
 
 impl Default for ServeConfig {
@@ -89,7 +83,6 @@ impl Default for ServeConfig {
             keepalive_timeout: KEEPALIVE_TIMEOUT,
             max_streams_per_connection: MAX_STREAMS_PER_CONNECTION,
             forget_disconnected_after: Some(crate::fleet::FORGET_DISCONNECTED_AFTER),
-            shutdown_grace: SHUTDOWN_GRACE,
         }
     }
 }
