@@ -199,6 +199,17 @@ pub(crate) fn with_default_port(url: String, port: u16) -> anyhow::Result<String
     let Some(authority) = uri.authority() else {
         return Ok(url);
     };
+    // The text holds a `user:password@` that the parser does not see (a `/`, `?` or `#` in the
+    // password ends the authority early): the host would be the user's name and the port the
+    // password's first part. Refused, naming nothing of it.
+    let hides_password = shown_url(&url) != url;
+    if hides_password && !authority.as_str().contains('@') {
+        bail!(
+            "--server {}: the password in the URL holds `/`, `?` or `#`; percent-encode them \
+             (the user:password@ part is not used anyway: give the token with --token)",
+            shown_url(&url)
+        );
+    }
     match written_port(authority.as_str()) {
         None => {
             let path = uri.path_and_query().map_or("", |p| p.as_str());
@@ -208,6 +219,11 @@ pub(crate) fn with_default_port(url: String, port: u16) -> anyhow::Result<String
         Some(written) if written.parse::<u16>().is_ok_and(|p| p > 0) => Ok(url),
         Some("") => bail!(
             "--server {}: no port after the `:`: give one from 1 to 65535",
+            shown_url(&url)
+        ),
+        // Not quoted when the URL holds a password: what was taken for the port may be part of it.
+        Some(_) if hides_password => bail!(
+            "--server {}: the port must be a number from 1 to 65535",
             shown_url(&url)
         ),
         Some(written) => {
@@ -535,6 +551,28 @@ mod tests {
         ] {
             assert_eq!(shown_url(given), shown, "{given}");
         }
+    }
+
+    #[test]
+    fn a_server_url_whose_password_ends_its_authority_early_is_refused_unquoted() {
+        for given in [
+            "http://admin:secretpw#x@h",
+            "http://admin:secretpw?x@h",
+            "http://admin:secretpw/x@h",
+            "http://admin:1234/ss@127.0.0.1:18971",
+        ] {
+            let err = with_default_port(given.to_owned(), 7471)
+                .expect_err(given)
+                .to_string();
+            assert!(
+                !err.contains("secretpw") && !err.contains("1234"),
+                "{given}: {err}"
+            );
+        }
+        assert_eq!(
+            with_default_port("http://admin:pw@h".to_owned(), 7471).unwrap(),
+            "http://admin:pw@h:7471/"
+        );
     }
 
     #[test]
