@@ -11,14 +11,14 @@
 //! counts of the call and closes its stream ([`SHUTDOWN_WAIT`] at most), so `retryplane stats`
 //! shows the call and `status` shows the agent as gone.
 //!
-//! `-H` takes curl's forms: `Name: value`; `Name:` (nothing after the colon), which sends no
-//! `Name` header: a header the HTTP client would add by itself (`accept: */*`, `host`, with
-//! `--data` `content-length`, and for a URL with a `user:password@` `authorization: Basic …`)
-//! cannot be left out, which is an error rather than a header sent anyway; and `Name;`, which
-//! sends `Name` with an empty value. The flags apply in order, as curl applies them: a later
-//! `-H` of a name wins over an earlier one (`Name:` after `Name: v` sends no `Name`, and
-//! `Name: v` after `Name:` sends `v`). A `-H` that is wrong is named by its position (`the 2nd
-//! -H`), never quoted: what fails to parse as a name may be a value.
+//! `-H` takes curl's forms: `Name: value`, sent (two of a name are both sent); `Name;`, which
+//! sends `Name` with an empty value; and `Name:` (nothing after the colon), which, as in curl,
+//! only leaves out a header the HTTP client would add by itself, never one a `-H` gives a
+//! value. The client's own `accept: */*`, `host`, with `--data` `content-length`, and for a URL
+//! with a `user:password@` `authorization: Basic …` cannot be left out here: `Name:` for one of
+//! them, with no `-H` giving it a value, is an error rather than a header sent anyway. A `-H`
+//! that is wrong is named by its position (`the 2nd -H`), never quoted: what fails to parse as a
+//! name may be a value.
 //!
 //! The `user:password@` of a `--server` URL is not used (the agent sends its token): it is left
 //! out of what the agent sends, with a note on stderr.
@@ -97,11 +97,11 @@ pub struct Args {
     /// HTTP method [default: POST with --data, else GET].
     #[arg(short = 'X', long = "request", value_name = "METHOD")]
     method: Option<String>,
-    /// A request header, `Name: value` (repeatable). As in curl, `Name:` with no value sends
-    /// no `Name` header (one the HTTP client sends by default, `Accept`, `Host`, with --data
-    /// `Content-Length` and for a URL with user:password@ `Authorization`, cannot be left out:
-    /// that is an error), and `Name;` sends `Name` with an empty value. A later -H of a name
-    /// wins over an earlier one.
+    /// A request header, `Name: value` (repeatable; two of a name are both sent). As in curl,
+    /// `Name;` sends `Name` with an empty value, and `Name:` with no value only leaves out a
+    /// header the HTTP client would add itself, never one an -H gives (the client's `Accept`,
+    /// `Host`, with --data `Content-Length` and for a URL with user:password@ `Authorization`
+    /// cannot be left out: that is an error unless an -H gives it a value).
     #[arg(short = 'H', long = "header", value_name = "'NAME: VALUE'")]
     headers: Vec<Secret>,
     /// The request body.
@@ -233,11 +233,11 @@ fn has_userinfo(url: &reqwest::Url) -> bool {
     !url.username().is_empty() || url.password().is_some()
 }
 
-/// The headers the `-H` flags ask for, applied in order as curl does: a later `-H` of a name
-/// wins over an earlier one (`Name:` after `Name: v` sends none; `Name: v` after `Name:` sends
-/// `v`). Leaving out one the HTTP client sends by itself ([`sent_by_the_client`]) is an error
-/// when no later `-H` gives it a value. `body`: whether the request has one; `userinfo`: whether
-/// the URL has a `user:password@`.
+/// The headers the `-H` flags ask for, as curl reads them: every `Name: value` (and `Name;`) is
+/// sent, and `Name:` only leaves out a header the HTTP client would add itself. Leaving out one
+/// it adds whatever the flags say ([`sent_by_the_client`]) is an error, unless a `-H` gives that
+/// name a value (which replaces the client's). `body`: whether the request has one; `userinfo`:
+/// whether the URL has a `user:password@`.
 fn headers_of(flags: &[Secret], body: bool, userinfo: bool) -> anyhow::Result<HeaderMap> {
     let mut headers = HeaderMap::new();
     // The `-H` that asked to leave out a header the client sends anyway, by name.
@@ -248,19 +248,16 @@ fn headers_of(flags: &[Secret], body: bool, userinfo: bool) -> anyhow::Result<He
             .map_err(|why| anyhow::anyhow!("the {} -H: {why}", ordinal(position)))?
         {
             HeaderFlag::Send(name, value) => {
-                left_out.retain(|(n, _)| *n != name);
                 headers.append(name, value);
             }
             HeaderFlag::Leave(name) => {
-                headers.remove(&name);
                 if sent_by_the_client(&name, body, userinfo).is_some() {
-                    left_out.retain(|(n, _)| *n != name);
                     left_out.push((name, position));
                 }
             }
         }
     }
-    if let Some((name, position)) = left_out.first()
+    if let Some((name, position)) = left_out.iter().find(|(n, _)| !headers.contains_key(n))
         && let Some(why) = sent_by_the_client(name, body, userinfo)
     {
         bail!(
@@ -318,18 +315,16 @@ fn parse_header(text: &str) -> Result<HeaderFlag, &'static str> {
 }
 
 /// Why the HTTP client sends `name` whatever the flags say, if it does: `-H 'Name:'` cannot
-/// leave it out (a later `-H 'Name: value'` replaces it). `body`: whether the request has one;
+/// leave it out (a `-H 'Name: value'` replaces it). `body`: whether the request has one;
 /// `userinfo`: whether the URL has a `user:password@`.
 fn sent_by_the_client(name: &HeaderName, body: bool, userinfo: bool) -> Option<&'static str> {
     match name.as_str() {
-        "accept" => {
-            Some("the HTTP client sends `accept: */*` when no -H after this one gives a value")
-        }
+        "accept" => Some("the HTTP client sends `accept: */*` when no -H gives a value"),
         "host" => Some("the HTTP client sends `host` from the URL, as HTTP/1.1 requires"),
         "content-length" if body => Some("the HTTP client sends the length of the --data body"),
         "authorization" if userinfo => Some(
             "the HTTP client sends `authorization: Basic …` from the URL's user:password@ when \
-             no -H after this one gives a value",
+             no -H gives a value",
         ),
         _ => None,
     }

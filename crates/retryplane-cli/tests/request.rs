@@ -347,7 +347,7 @@ fn leaving_out_a_header_the_http_client_always_sends_is_refused() {
         (
             "Accept:",
             None,
-            "the 1st -H ('accept:'): the HTTP client sends `accept: */*` when no -H after this one gives a value, and cannot be left out",
+            "the 1st -H ('accept:'): the HTTP client sends `accept: */*` when no -H gives a value, and cannot be left out",
         ),
         (
             "Host:",
@@ -439,8 +439,8 @@ fn the_basic_authorization_of_a_url_with_userinfo_cannot_be_left_out() {
     assert_eq!(
         stderr,
         "retryplane: error: the 2nd -H ('authorization:'): the HTTP client sends \
-         `authorization: Basic …` from the URL's user:password@ when no -H after this one gives \
-         a value, and cannot be left out\n"
+         `authorization: Basic …` from the URL's user:password@ when no -H gives a value, and \
+         cannot be left out\n"
     );
     assert!(up.seen().is_empty());
     // Without userinfo there is nothing to leave out: nothing is sent.
@@ -452,37 +452,47 @@ fn the_basic_authorization_of_a_url_with_userinfo_cannot_be_left_out() {
 }
 
 #[test]
-fn a_later_header_flag_of_the_same_name_wins() {
-    // A value then `Name:`: the client's own accept cannot be left out, and the message does
-    // not pretend that a value was missing.
+fn name_colon_leaves_out_only_what_the_client_adds_never_a_header_flag() {
+    // As in curl: `Name:` does nothing to a `-H` that gives `Name` a value, before or after it,
+    // and two values of a name are both sent.
     let up = Upstream::start(&[]);
-    let (code, stderr) =
-        request_stderr(&["-H", "accept: text/html", "-H", "accept:", &up.url("/")]);
-    assert_eq!(code, Some(2));
-    assert_eq!(
-        stderr,
-        "retryplane: error: the 2nd -H ('accept:'): the HTTP client sends `accept: */*` when no \
-         -H after this one gives a value, and cannot be left out\n"
-    );
-    // `Name:` then a value: the value is sent; a value then `Name:` of another header: none.
     let (v, code) = request(&[
-        "-H",
-        "accept:",
         "-H",
         "accept: text/html",
         "-H",
-        "x-gone: 1",
+        "accept:",
         "-H",
-        "x-gone:",
+        "x-kept: 1",
+        "-H",
+        "x-kept:",
+        "-H",
+        "x-two: a",
+        "-H",
+        "x-two: b",
         &up.url("/"),
     ]);
     assert_eq!(code, 0, "{v}");
     let seen = up.seen();
     assert_eq!(seen.len(), 1);
     let headers = &seen[0].headers;
-    let accept: Vec<_> = headers.iter().filter(|(n, _)| n == "accept").collect();
-    assert_eq!(accept, [&("accept".to_owned(), "text/html".to_owned())]);
-    assert!(headers.iter().all(|(n, _)| n != "x-gone"), "{headers:?}");
+    let named = |name: &str| -> Vec<String> {
+        headers
+            .iter()
+            .filter(|(n, _)| n == name)
+            .map(|(_, v)| v.clone())
+            .collect()
+    };
+    assert_eq!(named("accept"), ["text/html"]);
+    assert_eq!(named("x-kept"), ["1"]);
+    assert_eq!(named("x-two"), ["a", "b"]);
+    // With no -H giving it a value, the client's own accept cannot be left out.
+    let (code, stderr) = request_stderr(&["-H", "accept:", &up.url("/")]);
+    assert_eq!(code, Some(2));
+    assert_eq!(
+        stderr,
+        "retryplane: error: the 1st -H ('accept:'): the HTTP client sends `accept: */*` when no \
+         -H gives a value, and cannot be left out\n"
+    );
 }
 
 #[test]
