@@ -357,9 +357,10 @@ impl AgentBuilder {
     /// agent) is replaced by the next applied snapshot. A file that cannot be read within 1 s
     /// at start (a cold network volume) is still read: the agent starts on the fallback policy
     /// and, when the read ends, puts the cached policies in force if it still runs on the
-    /// fallback policy (the control plane sent none meanwhile). The counts made on the fallback
-    /// are reported first, under its version, and an open stream is then reopened at once so
-    /// that the control plane learns the version in force. Nothing is written to the path
+    /// fallback policy (the control plane sent none meanwhile). With a stream open, the counts
+    /// made on the fallback are reported first, under its version, and the stream is then
+    /// reopened at once so that the control plane learns the version in force. (Without one,
+    /// they go out with the first report after the next connect, under the cached version.) Nothing is written to the path
     /// before the read has ended and found the file the agent's own: a read that never ends
     /// leaves it alone for the run.
     pub fn cache_file(mut self, path: impl Into<PathBuf>) -> Self {

@@ -13,9 +13,10 @@
 //! fallback policy, and the read is handed to the cache writer, which settles it as a start
 //! would before it writes anything. If the file is our valid cache and the agent still runs on
 //! the fallback policy (no snapshot came from the control plane meanwhile), the stream task puts
-//! its policies and metrics interval in force then, as they would have been at start: the counts
-//! made on the fallback are reported first, and an open stream is reopened so that its Hello
-//! says the version in force. Whatever the file holds, nothing is written to the path until the
+//! its policies and metrics interval in force then, as they would have been at start. With a
+//! stream open, the counts made on the fallback are reported first and the stream is reopened so
+//! that its Hello says the version in force; without one, those counts go out after the next
+//! connect, under the cached version. Whatever the file holds, nothing is written to the path until the
 //! read has ended and found the file ours, and a read that never ends leaves the path alone for
 //! the whole run. Anything at the path that is not a regular file (a FIFO would wait for a
 //! writer) is logged, left alone, and no cache is kept for the run. A file that
