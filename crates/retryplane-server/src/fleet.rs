@@ -20,10 +20,11 @@
 //! or says in its Hello that it runs the refused version.
 //!
 //! What an agent runs comes from its Hello, then from each ACK. A Hello that names the current
-//! version's number with another content hash (the agent last ran on a control plane whose
-//! store was reset and seeded again, so numbers repeat with other content) is not taken as
-//! running the current version: it is listed as running none known (0), pending the push, until
-//! it ACKs it.
+//! version's number with another content hash, or a number the store has not reached (the agent
+//! last ran on a control plane whose store was reset and seeded again, so numbers repeat with
+//! other content), is not taken at its word: it is listed as running none known (0), pending the
+//! push, until it ACKs it. (A lower number with another store's content is still taken as it
+//! says: the fleet keeps only the current version's hash.)
 
 use std::collections::VecDeque;
 use std::collections::{BTreeMap, HashMap};
@@ -200,10 +201,10 @@ impl Fleet {
 
     /// Registers a stream from `hello`, replacing any earlier stream of the same agent id.
     /// `current` is the version the control plane serves now and its content hash (`None`
-    /// before the first one): a Hello that names that version's number with another content
-    /// hash (the agent ran on a control plane whose store was since reset and seeded again, so
-    /// numbers repeat with other content) does not run it, and is listed as running no known
-    /// version (0) until it answers the push.
+    /// before the first one): a Hello with a content hash that names that version's number with
+    /// another hash, or a higher number (the agent ran on a control plane whose store was since
+    /// reset and seeded again, so numbers repeat with other content), is listed as running no
+    /// known version (0) until it answers the push.
     pub fn register(
         &self,
         hello: &pb::Hello,
@@ -256,12 +257,17 @@ impl Fleet {
             None => (String::new(), 0, String::new()),
         };
         let refused = refused.map(|(r, _)| r);
-        // An agent that sends no hash is judged by the number, as the push decision does.
-        let other_content = current.is_some_and(|(version, hash)| {
-            hello.last_applied_version == version
-                && !hello.last_applied_hash.is_empty()
-                && hello.last_applied_hash != hash
-        });
+        // An agent that sends no hash is judged by the number, as the push decision does. With
+        // one, the current version's number with other content, or a number this store has not
+        // reached (numbers only go up; a rollback gets a new one), is another store's content.
+        let other_content = !hello.last_applied_hash.is_empty()
+            && match current {
+                Some((version, hash)) => {
+                    (hello.last_applied_version == version && hello.last_applied_hash != hash)
+                        || hello.last_applied_version > version
+                }
+                None => hello.last_applied_version > 0,
+            };
         let applied_version = if other_content {
             0
         } else {
@@ -636,8 +642,18 @@ mod tests {
         assert_eq!(applied(3, "h3"), 3);
         // Without a hash, the number is taken at its word.
         assert_eq!(applied(3, ""), 3);
-        // Another number is not the current version whatever its content.
+        // A lower number is not the current version whatever its content.
         assert_eq!(applied(2, "h-before-the-reset"), 2);
+        // A number this store has not reached is another store's content; without a hash, the
+        // number is taken at its word.
+        assert_eq!(applied(7, "h-before-the-reset"), 0);
+        assert_eq!(applied(7, ""), 7);
+        let mut h = hello("b");
+        h.last_applied_version = 4;
+        h.last_applied_hash = "h4".to_owned();
+        let empty = Fleet::new(10);
+        empty.register(&h, None, None).unwrap();
+        assert_eq!(empty.status()[0].applied_version, 0);
         // Its ACK of the push records what it runs.
         let mut h = hello("a");
         h.last_applied_version = 3;
