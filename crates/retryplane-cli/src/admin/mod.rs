@@ -199,17 +199,10 @@ pub(crate) fn with_default_port(url: String, port: u16) -> anyhow::Result<String
     let Some(authority) = uri.authority() else {
         return Ok(url);
     };
-    // The text holds a `user:password@` that the parser does not see (a `/`, `?` or `#` in the
-    // password ends the authority early): the host would be the user's name and the port the
-    // password's first part. Refused, naming nothing of it.
+    // The text may hold a password that the parser does not see as one (a `/`, `?` or `#` in it
+    // ends the authority early, and what follows the user's name is taken for the port): a
+    // port that is no port is then not quoted, as it may be part of the password.
     let hides_password = shown_url(&url) != url;
-    if hides_password && !authority.as_str().contains('@') {
-        bail!(
-            "--server {}: the password in the URL holds `/`, `?` or `#`; percent-encode them \
-             (the user:password@ part is not used anyway: give the token with --token)",
-            shown_url(&url)
-        );
-    }
     match written_port(authority.as_str()) {
         None => {
             let path = uri.path_and_query().map_or("", |p| p.as_str());
@@ -559,16 +552,17 @@ mod tests {
             "http://admin:secretpw#x@h",
             "http://admin:secretpw?x@h",
             "http://admin:secretpw/x@h",
-            "http://admin:1234/ss@127.0.0.1:18971",
         ] {
             let err = with_default_port(given.to_owned(), 7471)
                 .expect_err(given)
                 .to_string();
-            assert!(
-                !err.contains("secretpw") && !err.contains("1234"),
-                "{given}: {err}"
-            );
+            assert!(!err.contains("secretpw"), "{given}: {err}");
         }
+        // An `@` in a path is no password: the URL is taken as it is.
+        assert_eq!(
+            with_default_port("http://h:1/p@x".to_owned(), 7471).unwrap(),
+            "http://h:1/p@x"
+        );
         assert_eq!(
             with_default_port("http://admin:pw@h".to_owned(), 7471).unwrap(),
             "http://admin:pw@h:7471/"
