@@ -351,6 +351,9 @@ impl Walker {
                     self.error(key.loc, &field_path, why);
                 } else if let Some((section, field)) = name.split_once('.')
                     && known.contains(&section)
+                    && SECTIONS
+                        .iter()
+                        .any(|(s, fields)| *s == section && fields.contains(&field))
                 {
                     // A flat `backoff.max: 1s`, as in a key=value file.
                     self.error(
@@ -730,6 +733,9 @@ impl Walker {
             if route
                 && let Some((section @ ("budget" | "circuit_breaker"), field)) = f.split_once('.')
                 && field != "enabled"
+                && SECTIONS
+                    .iter()
+                    .any(|(s, fields)| *s == section && fields.contains(&field))
             {
                 return Some(format!(
                     "`{section}` is per endpoint, shared by its routes, and a route can only turn it off (`{section}: {{enabled: false}}`): set `{field}` on the endpoint or in `defaults:`"

@@ -456,6 +456,17 @@ fn a_match_offers_no_short_section_field_and_a_flat_dotted_key_is_told_to_nest()
             "8:9: error: endpoints.a.routes[0].budget_ratio: unknown field `budget_ratio` (did you mean `budget.ratio`?): `budget` is per endpoint, shared by its routes, and a route can only turn it off (`budget: {enabled: false}`): set `ratio` on the endpoint or in `defaults:`",
         ]
     );
+    // Only a section's own field is told to nest, and a typo of `enabled` on a route is not
+    // told to move to the endpoint.
+    let src = "version: 1\ndefaults:\n  deadline.max: 1s\n  backoff.maxx: 1s\nendpoints:\n  a:\n    routes:\n      - match: {method: GET}\n        circuit_breaker.enabld: false\n";
+    assert_eq!(
+        errors(src),
+        [
+            "3:3: error: defaults.deadline.max: unknown field `deadline.max`",
+            "4:3: error: defaults.backoff.maxx: unknown field `backoff.maxx` (did you mean `backoff.max`?)",
+            "9:9: error: endpoints.a.routes[0].circuit_breaker.enabld: unknown field `circuit_breaker.enabld` (did you mean `circuit_breaker.enabled`?)",
+        ]
+    );
 }
 
 #[test]
