@@ -11,7 +11,8 @@
 //! counts of the call and closes its stream ([`SHUTDOWN_WAIT`] at most), so `retryplane stats`
 //! shows the call and `status` shows the agent as gone.
 //!
-//! `-H` takes curl's forms: `Name: value`, sent (two of a name are both sent); `Name;`, which
+//! `-H` takes curl's forms: `Name: value`, sent (two of a name are both sent, but `host` takes
+//! one, and with `--data` the client's `content-length` cannot be replaced); `Name;`, which
 //! sends `Name` with an empty value; and `Name:` (nothing after the colon), which, as in curl,
 //! only leaves out a header the HTTP client would add by itself, never one a `-H` gives a
 //! value. The client's own `accept: */*`, `host`, with `--data` `content-length`, and for a URL
@@ -97,7 +98,8 @@ pub struct Args {
     /// HTTP method [default: POST with --data, else GET].
     #[arg(short = 'X', long = "request", value_name = "METHOD")]
     method: Option<String>,
-    /// A request header, `Name: value` (repeatable; two of a name are both sent). As in curl,
+    /// A request header, `Name: value` (repeatable; two of a name are both sent, but `Host`
+    /// takes one and with --data `Content-Length` is the client's). As in curl,
     /// `Name;` sends `Name` with an empty value, and `Name:` with no value only leaves out a
     /// header the HTTP client would add itself, never one an -H gives (the client's `Accept`,
     /// `Host`, with --data `Content-Length` and for a URL with user:password@ `Authorization`
@@ -256,6 +258,16 @@ fn headers_of(flags: &[Secret], body: bool, userinfo: bool) -> anyhow::Result<He
                 }
             }
         }
+    }
+    // Headers HTTP/1.1 allows once, or that the client sets itself whatever the flags say.
+    if headers.get_all(http::header::HOST).iter().count() > 1 {
+        bail!("two -H give `host` a value; a request has one host");
+    }
+    if body && headers.contains_key(http::header::CONTENT_LENGTH) {
+        bail!(
+            "an -H gives `content-length` a value; the HTTP client sends the length of the \
+             --data body"
+        );
     }
     if let Some((name, position)) = left_out.iter().find(|(n, _)| !headers.contains_key(n))
         && let Some(why) = sent_by_the_client(name, body, userinfo)

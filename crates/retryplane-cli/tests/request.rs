@@ -485,6 +485,21 @@ fn name_colon_leaves_out_only_what_the_client_adds_never_a_header_flag() {
     assert_eq!(named("accept"), ["text/html"]);
     assert_eq!(named("x-kept"), ["1"]);
     assert_eq!(named("x-two"), ["a", "b"]);
+    // A request has one host, and with --data the client sends the body's length.
+    let (code, stderr) = request_stderr(&["-H", "Host: a", "-H", "Host: b", &up.url("/")]);
+    assert_eq!(code, Some(2));
+    assert_eq!(
+        stderr,
+        "retryplane: error: two -H give `host` a value; a request has one host\n"
+    );
+    let (code, stderr) = request_stderr(&["-H", "Content-Length: 5", "--data", "x", &up.url("/")]);
+    assert_eq!(code, Some(2));
+    assert_eq!(
+        stderr,
+        "retryplane: error: an -H gives `content-length` a value; the HTTP client sends the \
+         length of the --data body\n"
+    );
+    assert_eq!(up.seen().len(), 1);
     // With no -H giving it a value, the client's own accept cannot be left out.
     let (code, stderr) = request_stderr(&["-H", "accept:", &up.url("/")]);
     assert_eq!(code, Some(2));
