@@ -13,8 +13,8 @@ use std::time::Duration;
 use crate::codes::{self, GrpcCode};
 use crate::diag::{Diagnostic, did_you_mean, suggest_field};
 use crate::document::{
-    AlertOverlay, BackoffOverlay, BreakerOverlay, BudgetOverlay, EndpointDoc, Field, Overlay,
-    PolicyDocument, RetryAfterOverlay, RetryOnOverlay, RouteDoc, RouteMatch,
+    AlertOverlay, BackoffOverlay, BreakerOverlay, BudgetOverlay, EndpointDoc, FIELD_PATHS, Field,
+    Overlay, PolicyDocument, RetryAfterOverlay, RetryOnOverlay, RouteDoc, RouteMatch,
 };
 use crate::duration::parse_duration;
 use crate::model::{ErrorClass, Jitter};
@@ -62,32 +62,6 @@ const SECTIONS: [(&str, &[&str]); 7] = [
     ("circuit_breaker", &BREAKER_FIELDS),
     ("alert", &ALERT_FIELDS),
     ("match", &MATCH_FIELDS),
-];
-
-/// Every field of the sections a policy layer can hold, as `section.field`: what an unknown
-/// name in a layer may be guessed as when it holds a field's words in another order
-/// (`max_backoff` is `backoff.max`). A route has no `alert` (it is told so).
-const SECTION_FIELD_PATHS: [&str; 20] = [
-    "backoff.base",
-    "backoff.max",
-    "backoff.multiplier",
-    "backoff.jitter",
-    "retry_on.http_status",
-    "retry_on.grpc_status",
-    "retry_on.errors",
-    "retry_after.honor",
-    "retry_after.max",
-    "budget.enabled",
-    "budget.ratio",
-    "budget.min_per_second",
-    "budget.window",
-    "circuit_breaker.enabled",
-    "circuit_breaker.failure_ratio",
-    "circuit_breaker.min_requests",
-    "circuit_breaker.window",
-    "circuit_breaker.open_for",
-    "circuit_breaker.half_open_probes",
-    "alert.retry_ratio",
 ];
 
 /// What else an unknown field inside a route's `match:` may be guessed as: a setting of the
@@ -748,7 +722,11 @@ impl Walker {
                 .map(|(_, why)| (*why).to_owned())
         };
         let mut o = Overlay::default();
-        let elsewhere: [&[&str]; 1] = [&SECTION_FIELD_PATHS];
+        // Every field of the sections a layer can hold, as `section.field` (with the plain
+        // fields, which are keys here already): what an unknown name may be guessed as when it
+        // holds a field's words in another order (`max_backoff` is `backoff.max`). A route has
+        // no `alert` (it is told so).
+        let elsewhere: [&[&str]; 1] = [&FIELD_PATHS];
         for (key, value, _) in self.fields_guessing(node, path, &known, &elsewhere, &[], &misplaced)
         {
             let p = join(path, key);
@@ -1171,12 +1149,26 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_section_field_paths_are_every_field_of_every_section_a_layer_has() {
-        let derived: Vec<String> = SECTIONS
+    fn the_field_paths_guessed_are_every_field_of_every_section_a_layer_has() {
+        let mut derived: Vec<String> = SECTIONS
             .iter()
             .filter(|(section, _)| *section != "match")
             .flat_map(|(section, fields)| fields.iter().map(move |f| format!("{section}.{f}")))
             .collect();
-        assert_eq!(derived, SECTION_FIELD_PATHS);
+        let mut dotted: Vec<&str> = FIELD_PATHS
+            .iter()
+            .copied()
+            .filter(|p| p.contains('.'))
+            .collect();
+        derived.sort();
+        dotted.sort_unstable();
+        assert_eq!(derived, dotted);
+        // The plain ones are keys of every layer already.
+        assert!(
+            FIELD_PATHS
+                .iter()
+                .filter(|p| !p.contains('.'))
+                .all(|p| POLICY_FIELDS.contains(p))
+        );
     }
 }
