@@ -228,6 +228,31 @@ fn common_guess<'a>(a: &'a str, b: &'a str) -> Option<&'a str> {
         .then_some(section(a))
 }
 
+/// The one of `candidates` that `word` is a near typo of: at most 2 edits from a candidate of 6
+/// characters or more, and nearer than any other. Stricter than [`suggest`]: for names that are
+/// only worth offering when the typo is plain (a section's field named inside `match:`).
+pub(crate) fn near_typo<'a>(
+    word: &str,
+    candidates: impl IntoIterator<Item = &'a str>,
+) -> Option<&'a str> {
+    let word = word.to_ascii_lowercase();
+    let mut best: Option<(usize, &'a str)> = None;
+    let mut tied = false;
+    for c in candidates.into_iter().filter(|c| c.len() >= 6) {
+        let d = strsim::levenshtein(&word, c);
+        match best {
+            _ if d > 2 => {}
+            Some((b, other)) if d == b => tied |= other != c,
+            Some((b, _)) if d > b => {}
+            _ => {
+                best = Some((d, c));
+                tied = false;
+            }
+        }
+    }
+    best.filter(|_| !tied).map(|(_, c)| c)
+}
+
 /// The edit distance from `word` to `candidate`, if small enough to be a likely typo.
 fn close_enough(word: &str, candidate: &str) -> Option<usize> {
     close_enough_to(word, candidate, candidate.len())
@@ -346,6 +371,22 @@ mod tests {
         assert_eq!(field("timeout"), None);
         // A word more that no other candidate has still shortens to the field.
         assert_eq!(field("deadline_ms"), Some("deadline"));
+    }
+
+    #[test]
+    fn a_near_typo_is_of_one_long_candidate_at_most_two_edits_away() {
+        let fields = ["grpc_status", "http_status", "base", "max", "multiplier"];
+        assert_eq!(near_typo("grpc_statuses", fields), Some("grpc_status"));
+        assert_eq!(near_typo("HTTP_STATUS", fields), Some("http_status"));
+        assert_eq!(near_typo("multipler", fields), Some("multiplier"));
+        // Short candidates are never offered, nor one 3 edits away.
+        assert_eq!(near_typo("min", fields), None);
+        assert_eq!(near_typo("grpc_statusess", fields), None);
+        // As near to two: no guess.
+        assert_eq!(
+            near_typo("xttp_status", ["http_status", "xttp_statux"]),
+            None
+        );
     }
 
     #[test]

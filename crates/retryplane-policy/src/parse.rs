@@ -11,7 +11,7 @@ use std::ops::Range;
 use std::time::Duration;
 
 use crate::codes::{self, GrpcCode};
-use crate::diag::{Diagnostic, did_you_mean, suggest_field};
+use crate::diag::{Diagnostic, did_you_mean, near_typo, suggest_field};
 use crate::document::{
     AlertOverlay, BackoffOverlay, BreakerOverlay, BudgetOverlay, EndpointDoc, FIELD_PATHS, Field,
     Overlay, PolicyDocument, RetryAfterOverlay, RetryOnOverlay, RouteDoc, RouteMatch,
@@ -80,28 +80,6 @@ const MATCH_TYPOS: [&[&str]; 6] = [
     &BREAKER_FIELDS,
     &ALERT_FIELDS,
 ];
-
-/// The one of `candidates` that `name` is a near typo of (at most 2 edits, from a candidate of 6
-/// characters or more), if exactly one is nearest.
-fn near_typo<'a>(name: &str, candidates: impl IntoIterator<Item = &'a str>) -> Option<&'a str> {
-    let mut best: Option<(usize, Option<&'a str>)> = None;
-    for c in candidates {
-        if c.len() < 6 {
-            continue;
-        }
-        let d = strsim::levenshtein(&name.to_ascii_lowercase(), c);
-        if d > 2 {
-            continue;
-        }
-        best = match best {
-            Some((b, _)) if d > b => best,
-            Some((b, Some(other))) if d == b && other != c => Some((b, None)),
-            Some((b, None)) if d == b => best,
-            _ => Some((d, Some(c))),
-        };
-    }
-    best.and_then(|(_, c)| c)
-}
 
 /// No field belongs elsewhere: every unknown one is offered the nearest known one.
 fn no_hint(_: &str) -> Option<String> {
@@ -274,9 +252,10 @@ impl Walker {
     }
 
     /// [`Walker::fields`], where an unknown name may also be guessed as one of `elsewhere`
-    /// (names that are not keys of this mapping), or, failing that, as a [`near_typo`] of one of
-    /// `typos`; such a guess is followed by what `misplaced` says of it, if anything (where to
-    /// write it instead). A dotted name whose first part is a key here is told to nest.
+    /// (names that are not keys of this mapping), unless it is a [`near_typo`] of one of `typos`
+    /// first; such a guess is followed by what `misplaced` says of it, if anything (where to
+    /// write it instead). A dotted name made of a section here and one of its fields is told to
+    /// nest.
     fn fields_guessing<'n>(
         &mut self,
         node: &'n Node,
