@@ -257,11 +257,18 @@ fn bearer(token: &str) -> Result<tonic::metadata::AsciiMetadataValue, AgentError
 }
 
 /// Refuses a control-plane URL without a scheme (no connection can be made with it: the agent
-/// would retry for ever) or with `https://` (it would be served in clear text, token included,
-/// since the agent does not speak TLS).
-fn check_scheme(uri: &http::Uri) -> Result<(), AgentError> {
+/// would retry for ever), with `https://` (it would be served in clear text, token included,
+/// since the agent does not speak TLS), or with a `user:password@` part (it would go out in
+/// every call's `:authority`).
+fn check_url(uri: &http::Uri) -> Result<(), AgentError> {
     let reason = match uri.scheme_str() {
         None => "it has no scheme",
+        // HTTP/2 forbids userinfo in a request's `:authority` (RFC 9113 §8.3.1), where it would
+        // otherwise go out in clear text on every call; the control plane takes a token.
+        Some(_) if uri.authority().is_some_and(|a| a.as_str().contains('@')) => {
+            "it holds a user:password@ part, which the agent does not send: give the control \
+             plane's token with AgentBuilder::token"
+        }
         Some(s) if s.eq_ignore_ascii_case("https") => {
             "https:// is not supported yet (TLS comes later), and the agent will not send its \
              token in clear text to a URL that asks for TLS"
@@ -306,7 +313,7 @@ pub struct AgentBuilder {
 impl std::fmt::Debug for AgentBuilder {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("AgentBuilder")
-            .field("url", &self.url)
+            .field("url", &self.url.as_deref().map(crate::shown_url))
             .field("token", &self.token.as_ref().map(|_| "<redacted>"))
             .field("service", &self.service)
             .field("labels", &self.labels)
@@ -320,7 +327,9 @@ impl std::fmt::Debug for AgentBuilder {
 
 impl AgentBuilder {
     /// The control plane's agent listener, `http://host:port` ([`AgentBuilder::connect`]
-    /// refuses a URL without a scheme, and `https://`: the agent does not speak TLS yet).
+    /// refuses a URL without a scheme, `https://` (the agent does not speak TLS yet), and a
+    /// `user:password@` part (the control plane takes a [token](AgentBuilder::token)). Debug
+    /// output shows a password here as `***` ([`crate::shown_url`]).
     pub fn url(mut self, url: impl Into<String>) -> Self {
         self.url = Some(url.into());
         self
@@ -418,7 +427,7 @@ impl AgentBuilder {
         let url = self.url.ok_or(AgentError::MissingUrl)?;
         let endpoint =
             tonic::transport::Endpoint::from_shared(url).map_err(AgentError::InvalidUrl)?;
-        check_scheme(endpoint.uri())?;
+        check_url(endpoint.uri())?;
         let token = self.token.as_deref().map(bearer).transpose()?;
         let seed = self.seed.unwrap_or_else(fastrand_seed);
         // A file that is not a policy cache is left alone: no cache is kept this run. One not
@@ -531,8 +540,34 @@ mod tests {
             }
             other => panic!("expected UnsupportedUrl, got {other:?}"),
         }
+        // A password would go out in clear text in every call's `:authority`; neither it nor
+        // the URL is quoted in the error.
+        for url in [
+            "http://admin:s3cret@127.0.0.1:7470",
+            "http://admin@127.0.0.1:7470",
+        ] {
+            match connect(url) {
+                Err(e @ AgentError::UnsupportedUrl { .. }) => {
+                    let shown = e.to_string();
+                    assert!(shown.contains("user:password@"), "{shown}");
+                    assert!(
+                        !shown.contains("s3cret") && !shown.contains("admin"),
+                        "{shown}"
+                    );
+                }
+                other => panic!("{url}: expected UnsupportedUrl, got {other:?}"),
+            }
+        }
         let agent = connect("http://127.0.0.1:9").unwrap();
         agent.shutdown().await;
+    }
+
+    #[test]
+    fn the_builder_debug_hides_a_password_in_the_url() {
+        let builder = Agent::builder().url("http://admin:s3cret@127.0.0.1:7470");
+        let shown = format!("{builder:?}");
+        assert!(!shown.contains("s3cret"), "{shown}");
+        assert!(shown.contains("http://admin:***@127.0.0.1:7470"), "{shown}");
     }
 
     fn max_attempts(agent: &Agent) -> u32 {

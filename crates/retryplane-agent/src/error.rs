@@ -23,9 +23,11 @@ pub enum AgentError {
     /// The control-plane URL is not a valid URI.
     #[error("invalid control-plane URL")]
     InvalidUrl(#[source] tonic::transport::Error),
-    /// The control-plane URL has no scheme (so no connection could ever be made) or asks for
-    /// TLS (`https://`): the agent speaks plain HTTP/2 only (TLS comes later), so such a URL
-    /// is refused rather than served in clear text, token included.
+    /// The control-plane URL has no scheme (so no connection could ever be made), asks for
+    /// TLS (`https://`: the agent speaks plain HTTP/2 only (TLS comes later), so such a URL
+    /// is refused rather than served in clear text, token included), or holds a
+    /// `user:password@` part (it would go out in every call's `:authority`; the control plane
+    /// takes a token).
     #[error("the control-plane URL must be http://host:port: {reason}")]
     UnsupportedUrl {
         /// What is wrong with it (never the URL itself, which may hold credentials).

@@ -54,6 +54,7 @@ mod meta;
 mod metrics;
 mod snapshot;
 mod stream;
+mod url;
 
 pub use agent::{Agent, AgentBuilder, DEFAULT_METRICS_INTERVAL};
 pub use call::Endpoint;
@@ -63,6 +64,7 @@ pub use meta::{AttemptInfo, CallMeta};
 pub use metrics::CounterValues;
 pub use snapshot::{PolicySnapshot, Source, fallback_policy};
 pub use stream::reconnect::ReconnectBackoff;
+pub use url::shown_url;
 
 pub use retryplane_policy::engine::{GiveUpCause, Outcome};
 pub use retryplane_policy::{ErrorClass, PolicySet, RetryPolicy};

@@ -1,0 +1,61 @@
+//! Control-plane URLs as they may be shown: the password of a `user:password@` part hidden.
+//!
+//! Written here rather than taken from a URL crate: it must work on text that does not parse as
+//! a URL (a password may hold `/`, `?`, `#` or `@`, which end or split the authority for a
+//! parser), and a parser would show such a password as part of the path.
+
+/// `url` as it may be shown in a message or a log: the password of its userinfo, if any,
+/// replaced by `***` (`http://user:***@host:7471`). Works on the text as given, so that a URL
+/// that does not parse is shown without its password too. A password may hold `/`, `?`, `#`,
+/// `:` or `@`, so everything from the first `:` after the scheme up to the last `@` of the text
+/// is hidden: a `@` in a path or query may hide more than the password, never less. The scheme
+/// is only a `scheme://` at the very start (letters, digits, `+`, `-`, `.`).
+pub fn shown_url(url: &str) -> String {
+    let start = scheme_len(url);
+    let rest = &url[start..];
+    let Some(at) = rest.rfind('@') else {
+        return url.to_owned();
+    };
+    let Some(colon) = rest[..at].find(':') else {
+        return url.to_owned();
+    };
+    format!("{}{}:***{}", &url[..start], &rest[..colon], &rest[at..])
+}
+
+/// The length of the `scheme://` that `url` starts with (RFC 3986: a letter, then letters,
+/// digits, `+`, `-` or `.`); 0 without one.
+fn scheme_len(url: &str) -> usize {
+    let Some(i) = url.find("://") else {
+        return 0;
+    };
+    let scheme = &url[..i];
+    let valid = scheme.starts_with(|c: char| c.is_ascii_alphabetic())
+        && scheme
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'));
+    if valid { i + 3 } else { 0 }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_password_holding_url_delimiters_is_hidden_whole() {
+        for (given, shown) in [
+            ("http://admin:pa/ss@h:1", "http://admin:***@h:1"),
+            ("http://admin:pa#ss@h:1", "http://admin:***@h:1"),
+            ("http://admin:pa?ss@h:1", "http://admin:***@h:1"),
+            ("admin:pa/ss@h", "admin:***@h"),
+            // A `://` in a query is not the scheme's.
+            ("u:pw@h/?x=http://y", "u:***@h/?x=http://y"),
+            ("http://u:p@[::1]:1/", "http://u:***@[::1]:1/"),
+            // No password, or no userinfo: as given.
+            ("http://u@h/", "http://u@h/"),
+            ("http://h:1/p?x=http://y", "http://h:1/p?x=http://y"),
+            ("h:1", "h:1"),
+        ] {
+            assert_eq!(shown_url(given), shown, "{given}");
+        }
+    }
+}
