@@ -256,16 +256,20 @@ fn bearer(token: &str) -> Result<tonic::metadata::AsciiMetadataValue, AgentError
     Ok(value)
 }
 
-/// Refuses a control-plane URL without a scheme (no connection can be made with it: the agent
-/// would retry for ever), with `https://` (it would be served in clear text, token included,
-/// since the agent does not speak TLS), or with a `user:password@` part (it would go out in
-/// every call's `:authority`).
-fn check_url(uri: &http::Uri) -> Result<(), AgentError> {
+/// Refuses a control-plane URL (`text`, parsed as `uri`) without a scheme (no connection can be
+/// made with it: the agent would retry for ever), with `https://` (it would be served in clear
+/// text, token included, since the agent does not speak TLS), with a `user:password@` part (it
+/// would go out in every call's `:authority`), or with a port that is not a number from 1 to
+/// 65535 (the connection would quietly go to port 80).
+fn check_url(text: &str, uri: &http::Uri) -> Result<(), AgentError> {
     let reason = match uri.scheme_str() {
         None => "it has no scheme",
         // HTTP/2 forbids userinfo in a request's `:authority` (RFC 9113 §8.3.1), where it would
-        // otherwise go out in clear text on every call; the control plane takes a token.
-        Some(_) if uri.authority().is_some_and(|a| a.as_str().contains('@')) => {
+        // otherwise go out in clear text on every call; the control plane takes a token. Any
+        // `@` of the text counts: a password holding `/`, `?` or `#` ends the parsed authority
+        // early (`http://u:pa/ss@h` is host `u`, port `pa`), and only the scheme and authority
+        // of this URL are ever used, so no working URL needs one.
+        Some(_) if text.contains('@') => {
             "it holds a user:password@ part, which the agent does not send: give the control \
              plane's token with AgentBuilder::token"
         }
@@ -273,11 +277,31 @@ fn check_url(uri: &http::Uri) -> Result<(), AgentError> {
             "https:// is not supported yet (TLS comes later), and the agent will not send its \
              token in clear text to a URL that asks for TLS"
         }
+        // Not quoted: it may be part of a password.
+        Some(_) if has_bad_port(uri) => "its port is not a number from 1 to 65535",
         Some(_) => return Ok(()),
     };
     Err(AgentError::UnsupportedUrl {
         reason: reason.to_owned(),
     })
+}
+
+/// Whether `uri`'s authority writes a port (after the host's last `:`, outside an IPv6
+/// literal's brackets) that is not a number from 1 to 65535, `:` alone included.
+fn has_bad_port(uri: &http::Uri) -> bool {
+    let Some(authority) = uri.authority() else {
+        return false;
+    };
+    let host_and_port = authority.as_str();
+    let after_host = host_and_port
+        .rfind(']')
+        .map_or(host_and_port, |end| &host_and_port[end + 1..]);
+    match after_host.rfind(':') {
+        None => false,
+        Some(colon) => !after_host[colon + 1..]
+            .parse::<u16>()
+            .is_ok_and(|port| port > 0),
+    }
 }
 
 /// This process's `Hello.instance_id`: drawn from entropy even when [`AgentBuilder::rng_seed`]
@@ -327,9 +351,10 @@ impl std::fmt::Debug for AgentBuilder {
 
 impl AgentBuilder {
     /// The control plane's agent listener, `http://host:port` ([`AgentBuilder::connect`]
-    /// refuses a URL without a scheme, `https://` (the agent does not speak TLS yet), and a
-    /// `user:password@` part (the control plane takes a [token](AgentBuilder::token)). Debug
-    /// output shows a password here as `***` ([`crate::shown_url`]).
+    /// refuses a URL without a scheme, `https://` (the agent does not speak TLS yet), a
+    /// `user:password@` part (the control plane takes a [token](AgentBuilder::token)), and a
+    /// port that is not a number from 1 to 65535). Debug output shows a password here as `***`
+    /// ([`crate::shown_url`]).
     pub fn url(mut self, url: impl Into<String>) -> Self {
         self.url = Some(url.into());
         self
@@ -426,8 +451,8 @@ impl AgentBuilder {
         let runtime = tokio::runtime::Handle::try_current().map_err(|_| AgentError::NoRuntime)?;
         let url = self.url.ok_or(AgentError::MissingUrl)?;
         let endpoint =
-            tonic::transport::Endpoint::from_shared(url).map_err(AgentError::InvalidUrl)?;
-        check_url(endpoint.uri())?;
+            tonic::transport::Endpoint::from_shared(url.clone()).map_err(AgentError::InvalidUrl)?;
+        check_url(&url, endpoint.uri())?;
         let token = self.token.as_deref().map(bearer).transpose()?;
         let seed = self.seed.unwrap_or_else(fastrand_seed);
         // A file that is not a policy cache is left alone: no cache is kept this run. One not
@@ -542,9 +567,15 @@ mod tests {
         }
         // A password would go out in clear text in every call's `:authority`; neither it nor
         // the URL is quoted in the error.
+        // A password holding `/`, `?` or `#` ends the parsed authority early (the host would be
+        // `admin`): refused all the same.
         for url in [
             "http://admin:s3cret@127.0.0.1:7470",
             "http://admin@127.0.0.1:7470",
+            "http://admin:s3cret/x@127.0.0.1:7470",
+            "http://admin:s3cret?x@127.0.0.1:7470",
+            "http://admin:s3cret#x@127.0.0.1:7470",
+            "http://admin:12345/s3cret@127.0.0.1:7470",
         ] {
             match connect(url) {
                 Err(e @ AgentError::UnsupportedUrl { .. }) => {
@@ -558,8 +589,26 @@ mod tests {
                 other => panic!("{url}: expected UnsupportedUrl, got {other:?}"),
             }
         }
-        let agent = connect("http://127.0.0.1:9").unwrap();
-        agent.shutdown().await;
+        // A port that is no port would quietly be port 80; it is not quoted either.
+        for url in [
+            "http://cp:s3cret",
+            "http://cp:",
+            "http://cp:0",
+            "http://[::1]:99999",
+        ] {
+            match connect(url) {
+                Err(e @ AgentError::UnsupportedUrl { .. }) => {
+                    let shown = e.to_string();
+                    assert!(shown.contains("port"), "{shown}");
+                    assert!(!shown.contains("s3cret"), "{shown}");
+                }
+                other => panic!("{url}: expected UnsupportedUrl, got {other:?}"),
+            }
+        }
+        for url in ["http://127.0.0.1:9", "http://[::1]:9", "http://localhost"] {
+            let agent = connect(url).unwrap();
+            agent.shutdown().await;
+        }
     }
 
     #[test]

@@ -23,11 +23,12 @@ pub enum AgentError {
     /// The control-plane URL is not a valid URI.
     #[error("invalid control-plane URL")]
     InvalidUrl(#[source] tonic::transport::Error),
-    /// The control-plane URL has no scheme (so no connection could ever be made), asks for
-    /// TLS (`https://`: the agent speaks plain HTTP/2 only (TLS comes later), so such a URL
-    /// is refused rather than served in clear text, token included), or holds a
-    /// `user:password@` part (it would go out in every call's `:authority`; the control plane
-    /// takes a token).
+    /// The control-plane URL cannot be used as given: it has no scheme (no connection could
+    /// ever be made); it asks for TLS with `https://`, which the agent does not speak yet (the
+    /// token would go out in clear text); it holds a `user:password@` part (which would go out
+    /// in every call's `:authority`; the control plane takes a token); or its port is not a
+    /// number from 1 to 65535 (the connection would quietly go to port 80). The reason never
+    /// quotes the URL.
     #[error("the control-plane URL must be http://host:port: {reason}")]
     UnsupportedUrl {
         /// What is wrong with it (never the URL itself, which may hold credentials).
