@@ -270,8 +270,8 @@ fn check_url(text: &str, uri: &http::Uri) -> Result<(), AgentError> {
         // early (`http://u:pa/ss@h` is host `u`, port `pa`), and only the scheme and authority
         // of this URL are ever used, so no working URL needs one.
         Some(_) if text.contains('@') => {
-            "it holds a user:password@ part, which the agent does not send: give the control \
-             plane's token with AgentBuilder::token"
+            "it holds an `@`: a user:password@ part is not sent (give the control plane's \
+             token with AgentBuilder::token), and only the scheme, host and port are used"
         }
         Some(s) if s.eq_ignore_ascii_case("https") => {
             "https:// is not supported yet (TLS comes later), and the agent will not send its \
