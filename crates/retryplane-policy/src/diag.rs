@@ -239,9 +239,10 @@ pub(crate) fn near_typo<'a>(
     let mut best: Option<(usize, &'a str)> = None;
     let mut tied = false;
     for c in candidates.into_iter().filter(|c| c.len() >= 6) {
-        let d = strsim::levenshtein(&word, c);
+        let Some(d) = distance_within(&word, c, 2) else {
+            continue;
+        };
         match best {
-            _ if d > 2 => {}
             Some((b, other)) if d == b => tied |= other != c,
             Some((b, _)) if d > b => {}
             _ => {
@@ -261,8 +262,21 @@ fn close_enough(word: &str, candidate: &str) -> Option<usize> {
 /// [`close_enough`], allowing edits in proportion to `len` bytes of the candidate (a section's
 /// field: its own name, not its section's).
 fn close_enough_to(word: &str, candidate: &str, len: usize) -> Option<usize> {
+    distance_within(word, candidate, 2.max(len / 3))
+}
+
+/// The edit distance from `word` to `candidate` if it is at most `limit`. The distance is at
+/// least the difference in length, so a word too long to be within `limit` is not compared at
+/// all: the comparison costs the product of the two lengths, and a key or code name in a
+/// hostile file can be most of a megabyte long.
+fn distance_within(word: &str, candidate: &str, limit: usize) -> Option<usize> {
+    let candidate_chars = candidate.chars().count();
+    let bound = candidate_chars.saturating_add(limit);
+    if word.chars().take(bound.saturating_add(1)).count() > bound {
+        return None;
+    }
     let d = strsim::levenshtein(word, candidate);
-    (d <= 2.max(len / 3)).then_some(d)
+    (d <= limit).then_some(d)
 }
 
 /// How many of the distinct `words` are among the words of `candidate`, separated by `_` or,

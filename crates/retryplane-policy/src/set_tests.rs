@@ -878,6 +878,42 @@ fn hostile_inputs_are_refused_quickly() {
     }
 }
 
+#[test]
+fn a_huge_unknown_name_is_refused_quickly_with_no_guess() {
+    // An explicit key (`? key`) may be any length, and so may a code or jitter name: the
+    // "did you mean" comparison with each known name must not cost the name's length times
+    // theirs. Before it skipped names too long to be a typo, these took seconds each.
+    let huge = "k".repeat(300_000);
+    let codes = "UNAVAILABLE".repeat(25_000);
+    let jitter = "full".repeat(75_000);
+    let inputs = [
+        (
+            format!("version: 1\nendpoints:\n  a:\n    ? {huge}\n    : 1\n"),
+            "unknown field",
+        ),
+        (
+            format!("version: 1\nendpoints:\n  a:\n    retry_on: {{grpc_status: [{codes}]}}\n"),
+            "unknown gRPC status code",
+        ),
+        (
+            format!("version: 1\nendpoints:\n  a:\n    backoff: {{jitter: {jitter}}}\n"),
+            "unknown jitter",
+        ),
+    ];
+    let began = tokio::time::Instant::now();
+    for (src, what) in &inputs {
+        let loaded = load(src.as_bytes());
+        let [d] = loaded.diagnostics.as_slice() else {
+            panic!("one problem expected: {:?}", loaded.diagnostics.len());
+        };
+        assert!(d.message.contains(what), "{}", &d.message[..80]);
+        assert!(!d.message.contains("did you mean"), "{}", &d.message[..80]);
+    }
+    // Generous for a debug build on a busy machine; it took over 30 s before.
+    let took = began.elapsed();
+    assert!(took < Duration::from_secs(3), "{took:?}");
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(512))]
 
