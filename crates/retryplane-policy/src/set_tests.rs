@@ -704,7 +704,7 @@ fn an_unreachable_attempt_is_blamed_on_the_layer_whose_jitter_or_cap_causes_it()
     assert_eq!(
         all(src),
         [
-            "5:28: warning: endpoints.slow.backoff.jitter: attempts 5 to 5 can never start inside the deadline (1s): their shortest possible pauses add up to more"
+            "5:28: warning: endpoints.slow.backoff.jitter: attempt 5 can never start inside the deadline (1s): their shortest possible pauses add up to more"
         ]
     );
     // The same for a cap that lets the pauses grow.
@@ -712,7 +712,16 @@ fn an_unreachable_attempt_is_blamed_on_the_layer_whose_jitter_or_cap_causes_it()
     assert_eq!(
         all(src),
         [
-            "5:25: warning: endpoints.slow.backoff.max: attempts 5 to 5 can never start inside the deadline (1s): their shortest possible pauses add up to more"
+            "5:25: warning: endpoints.slow.backoff.max: attempt 5 can never start inside the deadline (1s): their shortest possible pauses add up to more"
+        ]
+    );
+    // Several attempts are named as a range.
+    let src = "version: 1\ndefaults: {max_attempts: 6, deadline: 1s, per_try_timeout: 200ms, backoff: {jitter: none}}\nendpoints:\n  slow: {}\n";
+    assert_eq!(
+        all(src),
+        [
+            "2:26: warning: defaults.max_attempts: 6 attempts multiply load by up to 6x during an outage; more than 5 rarely helps",
+            "2:26: warning: defaults.max_attempts: attempts 5 to 6 can never start inside the deadline (1s): their shortest possible pauses add up to more"
         ]
     );
 }

@@ -730,12 +730,16 @@ fn check_effective(layers: &Layers<'_>, refused: &Refused, diags: &mut Vec<Diagn
                 "backoff.jitter",
             ],
         );
+        let attempts = if first == p.max_attempts {
+            format!("attempt {first}")
+        } else {
+            format!("attempts {first} to {}", p.max_attempts)
+        };
         push(Diagnostic::warning(
             loc,
             path,
             format!(
-                "attempts {first} to {} can never start inside the deadline ({}): their shortest possible pauses add up to more",
-                p.max_attempts,
+                "{attempts} can never start inside the deadline ({}): their shortest possible pauses add up to more",
                 fmt(p.deadline)
             ),
         ));
