@@ -119,9 +119,40 @@ pub fn normalize(diags: &mut Vec<Diagnostic>) {
     diags.dedup();
 }
 
+/// The longest endpoint name a policy allows, in bytes.
+pub const MAX_ENDPOINT_NAME: usize = 128;
+
+/// An endpoint name as diagnostics name it: as written when it is no longer than any name a
+/// policy allows ([`MAX_ENDPOINT_NAME`]), else its first 128 bytes (at most) and `…`. Every
+/// problem found inside an endpoint carries its name in its path, so a name of most of a
+/// megabyte, copied into each of thousands of problems, would take gigabytes.
+pub fn endpoint_name_shown(name: &str) -> &str {
+    if name.len() <= MAX_ENDPOINT_NAME {
+        return name;
+    }
+    let mut end = MAX_ENDPOINT_NAME;
+    while !name.is_char_boundary(end) {
+        end -= 1;
+    }
+    &name[..end]
+}
+
+/// The path of the endpoint `name`: `endpoints.NAME`, with a name longer than any a policy
+/// allows cut short as [`endpoint_name_shown`] does, and `…` after it.
+pub fn endpoint_path(name: &str) -> String {
+    let shown = endpoint_name_shown(name);
+    if shown.len() < name.len() {
+        format!("endpoints.{shown}…")
+    } else {
+        format!("endpoints.{name}")
+    }
+}
+
 /// Marks `diags` (those found while checking one endpoint) as being about `endpoint`, except
-/// the ones on another layer (a cross-field problem blamed on `defaults`).
+/// the ones on another layer (a cross-field problem blamed on `defaults`). A name longer
+/// than any a policy allows is kept cut short ([`endpoint_name_shown`]).
 pub(crate) fn tag_endpoint(diags: &mut [Diagnostic], endpoint: &str, path: &str) {
+    let endpoint = endpoint_name_shown(endpoint);
     for d in diags {
         let within = d
             .path
@@ -319,6 +350,20 @@ pub fn did_you_mean_field<'a>(word: &str, candidates: impl IntoIterator<Item = &
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_long_endpoint_name_is_cut_at_a_character_boundary() {
+        assert_eq!(endpoint_path("payments"), "endpoints.payments");
+        let exact = "a".repeat(MAX_ENDPOINT_NAME);
+        assert_eq!(endpoint_path(&exact), format!("endpoints.{exact}"));
+        // 2-byte letters: the 128th byte is in the middle of the 64th.
+        let accented = format!("a{}", "é".repeat(100));
+        assert_eq!(endpoint_name_shown(&accented), &accented[..127]);
+        assert_eq!(
+            endpoint_path(&accented),
+            format!("endpoints.{}…", &accented[..127])
+        );
+    }
 
     #[test]
     fn suggests_close_names_only() {

@@ -623,11 +623,13 @@ fn an_endpoint_name_error_says_the_letters_are_ascii_and_the_length_when_too_lon
             "3:3: error: endpoints.caf\u{e9}: endpoint names are 1 to 128 ASCII letters, digits, `-`, `_` or `.`"
         ]
     );
+    // Named by its first 128 bytes (see the next test).
     let long = "a".repeat(130);
     assert_eq!(
         errors(&format!("version: 1\nendpoints:\n  {long}: {{}}\n")),
         [format!(
-            "3:3: error: endpoints.{long}: endpoint names are 1 to 128 ASCII letters, digits, `-`, `_` or `.`; this one is 130 bytes long"
+            "3:3: error: endpoints.{}…: endpoint names are 1 to 128 ASCII letters, digits, `-`, `_` or `.`; this one is 130 bytes long",
+            &long[..128]
         )]
     );
 }
@@ -921,6 +923,38 @@ fn a_huge_unknown_name_is_refused_quickly_with_no_guess() {
     // Generous for a debug build on a busy machine; it took over 30 s before.
     let took = began.elapsed();
     assert!(took < Duration::from_secs(3), "{took:?}");
+}
+
+#[test]
+fn a_huge_endpoint_name_is_not_copied_into_every_problem_under_it() {
+    // 100 KB of name over 2,000 problems would be 200 MB of paths; a 1 MiB file could ask for
+    // tens of gigabytes.
+    let name = "n".repeat(100_000);
+    let mut src = format!("version: 1\nendpoints:\n  ? {name}\n  :\n");
+    for i in 0..1_000 {
+        src.push_str(&format!("    k{i}: 1\n"));
+    }
+    src.push_str("    routes:\n");
+    for _ in 0..1_000 {
+        src.push_str("      - match: {method: GET}\n");
+    }
+    let loaded = load(src.as_bytes());
+    let diags = &loaded.diagnostics;
+    assert_eq!(diags.len(), 1 + 1_000 + 999, "{:?}", &diags[..3]);
+    let shown = format!("endpoints.{}…", &name[..128]);
+    assert_eq!(diags[0].path, shown);
+    assert_eq!(
+        diags[0].message,
+        "endpoint names are 1 to 128 ASCII letters, digits, `-`, `_` or `.`; this one is 100000 bytes long"
+    );
+    assert_eq!(diags[1].path, format!("{shown}.k0"));
+    assert_eq!(diags[1_001].path, format!("{shown}.routes[1].match"));
+    for d in diags {
+        assert!(d.path.starts_with(&shown), "{}", &d.path[..140]);
+        assert_eq!(d.endpoint.as_deref(), Some(&name[..128]));
+    }
+    let bytes: usize = diags.iter().map(|d| d.path.len() + d.message.len()).sum();
+    assert!(bytes < 1_000_000, "{bytes} bytes of diagnostics");
 }
 
 proptest! {
