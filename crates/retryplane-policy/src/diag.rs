@@ -1,5 +1,6 @@
 //! Diagnostics: one problem in a policy, with its place and field path (SPEC §1, §5).
 
+use std::borrow::Cow;
 use std::fmt;
 
 use crate::yaml::Loc;
@@ -123,29 +124,32 @@ pub fn normalize(diags: &mut Vec<Diagnostic>) {
 pub const MAX_ENDPOINT_NAME: usize = 128;
 
 /// An endpoint name as diagnostics name it: as written when it is no longer than any name a
-/// policy allows ([`MAX_ENDPOINT_NAME`]), else its first 128 bytes (at most) and `…`. Every
+/// policy allows ([`MAX_ENDPOINT_NAME`]); else its first 128 bytes at most (cut back to a
+/// character boundary), `…`, `#` and eight hex digits of a hash of the whole name. Every
 /// problem found inside an endpoint carries its name in its path, so a name of most of a
-/// megabyte, copied into each of thousands of problems, would take gigabytes.
-pub fn endpoint_name_shown(name: &str) -> &str {
+/// megabyte, copied into each of thousands of problems, would take gigabytes. The hash keeps
+/// two long names that start alike apart (a problem under one must not hide the other's), and
+/// the `…` keeps a cut name from ever being a valid one.
+pub fn endpoint_name_shown(name: &str) -> Cow<'_, str> {
     if name.len() <= MAX_ENDPOINT_NAME {
-        return name;
+        return Cow::Borrowed(name);
     }
     let mut end = MAX_ENDPOINT_NAME;
     while !name.is_char_boundary(end) {
         end -= 1;
     }
-    &name[..end]
+    // std's SipHash with its fixed keys: the same name gets the same tag in one build, which
+    // is all a diagnostic needs (it is never stored or compared across builds).
+    let mut hasher = std::hash::DefaultHasher::new();
+    std::hash::Hash::hash(name, &mut hasher);
+    let tag = std::hash::Hasher::finish(&hasher) as u32;
+    Cow::Owned(format!("{}…#{tag:08x}", &name[..end]))
 }
 
 /// The path of the endpoint `name`: `endpoints.NAME`, with a name longer than any a policy
-/// allows cut short as [`endpoint_name_shown`] does, and `…` after it.
+/// allows shown as [`endpoint_name_shown`] does.
 pub fn endpoint_path(name: &str) -> String {
-    let shown = endpoint_name_shown(name);
-    if shown.len() < name.len() {
-        format!("endpoints.{shown}…")
-    } else {
-        format!("endpoints.{name}")
-    }
+    format!("endpoints.{}", endpoint_name_shown(name))
 }
 
 /// Marks `diags` (those found while checking one endpoint) as being about `endpoint`, except
@@ -153,6 +157,7 @@ pub fn endpoint_path(name: &str) -> String {
 /// than any a policy allows is kept cut short ([`endpoint_name_shown`]).
 pub(crate) fn tag_endpoint(diags: &mut [Diagnostic], endpoint: &str, path: &str) {
     let endpoint = endpoint_name_shown(endpoint);
+    let endpoint = endpoint.as_ref();
     for d in diags {
         let within = d
             .path
@@ -313,11 +318,13 @@ fn distance_within(word: &str, candidate: &str, limit: usize) -> Option<usize> {
 /// How many of the distinct `words` are among the words of `candidate`, separated by `_` or,
 /// between a section and its field, `.`.
 fn shared_words(words: &[&str], candidate: &str) -> usize {
+    // The size of the same intersection, counted over the candidate's few words: counted over
+    // `words` (a hostile key can hold tens of thousands), the distinctness check is quadratic.
     let theirs: Vec<&str> = candidate.split(['_', '.']).collect();
-    words
+    theirs
         .iter()
         .enumerate()
-        .filter(|(i, w)| !words[..*i].contains(w) && theirs.contains(w))
+        .filter(|(i, w)| !theirs[..*i].contains(w) && words.contains(w))
         .count()
 }
 
@@ -358,11 +365,17 @@ mod tests {
         assert_eq!(endpoint_path(&exact), format!("endpoints.{exact}"));
         // 2-byte letters: the 128th byte is in the middle of the 64th.
         let accented = format!("a{}", "é".repeat(100));
-        assert_eq!(endpoint_name_shown(&accented), &accented[..127]);
-        assert_eq!(
-            endpoint_path(&accented),
-            format!("endpoints.{}…", &accented[..127])
+        let shown = endpoint_name_shown(&accented);
+        assert!(
+            shown.starts_with(&format!("{}…#", &accented[..127])),
+            "{shown}"
         );
+        assert_eq!(shown.len(), 127 + "…#".len() + 8, "{shown}");
+        assert_eq!(endpoint_path(&accented), format!("endpoints.{shown}"));
+        // Two long names that start alike are told apart.
+        let a = format!("{}x", "a".repeat(MAX_ENDPOINT_NAME));
+        let b = format!("{}y", "a".repeat(MAX_ENDPOINT_NAME));
+        assert_ne!(endpoint_name_shown(&a), endpoint_name_shown(&b));
     }
 
     #[test]

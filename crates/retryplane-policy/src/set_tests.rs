@@ -623,13 +623,14 @@ fn an_endpoint_name_error_says_the_letters_are_ascii_and_the_length_when_too_lon
             "3:3: error: endpoints.caf\u{e9}: endpoint names are 1 to 128 ASCII letters, digits, `-`, `_` or `.`"
         ]
     );
-    // Named by its first 128 bytes (see the next test).
+    // Named by its first 128 bytes and a hash (see `a_huge_endpoint_name_is_not_copied…`).
     let long = "a".repeat(130);
+    let shown = crate::diag::endpoint_name_shown(&long);
+    assert!(shown.starts_with(&format!("{}…#", &long[..128])), "{shown}");
     assert_eq!(
         errors(&format!("version: 1\nendpoints:\n  {long}: {{}}\n")),
         [format!(
-            "3:3: error: endpoints.{}…: endpoint names are 1 to 128 ASCII letters, digits, `-`, `_` or `.`; this one is 130 bytes long",
-            &long[..128]
+            "3:3: error: endpoints.{shown}: endpoint names are 1 to 128 ASCII letters, digits, `-`, `_` or `.`; this one is 130 bytes long"
         )]
     );
 }
@@ -706,7 +707,7 @@ fn an_unreachable_attempt_is_blamed_on_the_layer_whose_jitter_or_cap_causes_it()
     assert_eq!(
         all(src),
         [
-            "5:28: warning: endpoints.slow.backoff.jitter: attempt 5 can never start inside the deadline (1s): their shortest possible pauses add up to more"
+            "5:28: warning: endpoints.slow.backoff.jitter: attempt 5 can never start inside the deadline (1s): the shortest possible pauses before it add up to more"
         ]
     );
     // The same for a cap that lets the pauses grow.
@@ -714,7 +715,7 @@ fn an_unreachable_attempt_is_blamed_on_the_layer_whose_jitter_or_cap_causes_it()
     assert_eq!(
         all(src),
         [
-            "5:25: warning: endpoints.slow.backoff.max: attempt 5 can never start inside the deadline (1s): their shortest possible pauses add up to more"
+            "5:25: warning: endpoints.slow.backoff.max: attempt 5 can never start inside the deadline (1s): the shortest possible pauses before it add up to more"
         ]
     );
     // Several attempts are named as a range.
@@ -723,7 +724,7 @@ fn an_unreachable_attempt_is_blamed_on_the_layer_whose_jitter_or_cap_causes_it()
         all(src),
         [
             "2:26: warning: defaults.max_attempts: 6 attempts multiply load by up to 6x during an outage; more than 5 rarely helps",
-            "2:26: warning: defaults.max_attempts: attempts 5 to 6 can never start inside the deadline (1s): their shortest possible pauses add up to more"
+            "2:26: warning: defaults.max_attempts: attempts 5 to 6 can never start inside the deadline (1s): the shortest possible pauses before them add up to more"
         ]
     );
 }
@@ -895,11 +896,20 @@ fn a_huge_unknown_name_is_refused_quickly_with_no_guess() {
     // "did you mean" comparison with each known name must not cost the name's length times
     // theirs. Before it skipped names too long to be a typo, these took seconds each.
     let huge = "k".repeat(300_000);
+    // Many different words: the guess by shared words must not be quadratic in them either.
+    let words = (0..40_000)
+        .map(|i| format!("w{i}"))
+        .collect::<Vec<_>>()
+        .join("_");
     let codes = "UNAVAILABLE".repeat(25_000);
     let jitter = "full".repeat(75_000);
     let inputs = [
         (
             format!("version: 1\nendpoints:\n  a:\n    ? {huge}\n    : 1\n"),
+            "unknown field",
+        ),
+        (
+            format!("version: 1\nendpoints:\n  a:\n    ? {words}\n    : 1\n"),
             "unknown field",
         ),
         (
@@ -941,7 +951,9 @@ fn a_huge_endpoint_name_is_not_copied_into_every_problem_under_it() {
     let loaded = load(src.as_bytes());
     let diags = &loaded.diagnostics;
     assert_eq!(diags.len(), 1 + 1_000 + 999, "{:?}", &diags[..3]);
-    let shown = format!("endpoints.{}…", &name[..128]);
+    let cut = crate::diag::endpoint_name_shown(&name);
+    assert!(cut.starts_with(&format!("{}…#", &name[..128])), "{cut}");
+    let shown = format!("endpoints.{cut}");
     assert_eq!(diags[0].path, shown);
     assert_eq!(
         diags[0].message,
@@ -951,10 +963,32 @@ fn a_huge_endpoint_name_is_not_copied_into_every_problem_under_it() {
     assert_eq!(diags[1_001].path, format!("{shown}.routes[1].match"));
     for d in diags {
         assert!(d.path.starts_with(&shown), "{}", &d.path[..140]);
-        assert_eq!(d.endpoint.as_deref(), Some(&name[..128]));
+        assert_eq!(d.endpoint.as_deref(), Some(cut.as_ref()));
     }
     let bytes: usize = diags.iter().map(|d| d.path.len() + d.message.len()).sum();
     assert!(bytes < 1_000_000, "{bytes} bytes of diagnostics");
+}
+
+#[test]
+fn two_long_endpoint_names_that_start_alike_keep_their_own_problems() {
+    // Cut to their first 128 bytes alone, both would have one path: the first's refused
+    // `deadline` hid the second's cross-field check.
+    let first = format!("{}x", "a".repeat(128));
+    let second = format!("{}y", "a".repeat(128));
+    let src = format!(
+        "version: 1\ndefaults:\n  deadline: 1s\nendpoints:\n  {first}:\n    deadline: bogus\n  {second}:\n    per_try_timeout: 5s\n"
+    );
+    let loaded = load(src.as_bytes());
+    let second_path = crate::diag::endpoint_path(&second);
+    assert!(
+        loaded
+            .diagnostics
+            .iter()
+            .any(|d| d.path == format!("{second_path}.per_try_timeout")
+                && d.message.contains("longer than the deadline")),
+        "{:#?}",
+        loaded.diagnostics
+    );
 }
 
 proptest! {

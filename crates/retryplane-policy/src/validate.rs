@@ -730,16 +730,16 @@ fn check_effective(layers: &Layers<'_>, refused: &Refused, diags: &mut Vec<Diagn
                 "backoff.jitter",
             ],
         );
-        let attempts = if first == p.max_attempts {
-            format!("attempt {first}")
+        let (attempts, them) = if first == p.max_attempts {
+            (format!("attempt {first}"), "it")
         } else {
-            format!("attempts {first} to {}", p.max_attempts)
+            (format!("attempts {first} to {}", p.max_attempts), "them")
         };
         push(Diagnostic::warning(
             loc,
             path,
             format!(
-                "{attempts} can never start inside the deadline ({}): their shortest possible pauses add up to more",
+                "{attempts} can never start inside the deadline ({}): the shortest possible pauses before {them} add up to more",
                 fmt(p.deadline)
             ),
         ));
