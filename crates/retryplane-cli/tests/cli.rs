@@ -235,6 +235,18 @@ fn warnings_pass_unless_denied() {
         .assert()
         .code(1)
         .stdout(predicate::str::starts_with(line));
+    // The same in JSON: the warning is printed either way, and only denied it fails.
+    for (deny, code) in [(false, 0), (true, 1)] {
+        let mut args = vec!["validate", "--format", "json", "warn.yaml"];
+        if deny {
+            args.insert(1, "--deny-warnings");
+        }
+        let out = output(dir.path(), &args, code);
+        let problems: Vec<Value> = serde_json::from_str(&out).unwrap();
+        assert_eq!(problems.len(), 1, "{out}");
+        assert_eq!(problems[0]["severity"], "warning");
+        assert_eq!(problems[0]["path"], "endpoints.payments.max_attempts");
+    }
 }
 
 #[test]

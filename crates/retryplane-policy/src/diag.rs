@@ -1,5 +1,6 @@
 //! Diagnostics: one problem in a policy, with its place and field path (SPEC §1, §5).
 
+use std::borrow::Cow;
 use std::fmt;
 
 use crate::yaml::Loc;
@@ -119,9 +120,44 @@ pub fn normalize(diags: &mut Vec<Diagnostic>) {
     diags.dedup();
 }
 
+/// The longest endpoint name a policy allows, in bytes.
+pub const MAX_ENDPOINT_NAME: usize = 128;
+
+/// An endpoint name as diagnostics name it: as written when it is no longer than any name a
+/// policy allows ([`MAX_ENDPOINT_NAME`]); else its first 128 bytes at most (cut back to a
+/// character boundary), `…`, `#` and eight hex digits of a hash of the whole name. Every
+/// problem found inside an endpoint carries its name in its path, so a name of most of a
+/// megabyte, copied into each of thousands of problems, would take gigabytes. The hash keeps
+/// two long names that start alike apart (a problem under one must not hide the other's), and
+/// the `…` keeps a cut name from ever being a valid one.
+pub fn endpoint_name_shown(name: &str) -> Cow<'_, str> {
+    if name.len() <= MAX_ENDPOINT_NAME {
+        return Cow::Borrowed(name);
+    }
+    let mut end = MAX_ENDPOINT_NAME;
+    while !name.is_char_boundary(end) {
+        end -= 1;
+    }
+    // std's SipHash with its fixed keys: the same name gets the same tag in one build, which
+    // is all a diagnostic needs (it is never stored or compared across builds).
+    let mut hasher = std::hash::DefaultHasher::new();
+    std::hash::Hash::hash(name, &mut hasher);
+    let tag = std::hash::Hasher::finish(&hasher) as u32;
+    Cow::Owned(format!("{}…#{tag:08x}", &name[..end]))
+}
+
+/// The path of the endpoint `name`: `endpoints.NAME`, with a name longer than any a policy
+/// allows shown as [`endpoint_name_shown`] does.
+pub fn endpoint_path(name: &str) -> String {
+    format!("endpoints.{}", endpoint_name_shown(name))
+}
+
 /// Marks `diags` (those found while checking one endpoint) as being about `endpoint`, except
-/// the ones on another layer (a cross-field problem blamed on `defaults`).
+/// the ones on another layer (a cross-field problem blamed on `defaults`). A name longer
+/// than any a policy allows is kept cut short ([`endpoint_name_shown`]).
 pub(crate) fn tag_endpoint(diags: &mut [Diagnostic], endpoint: &str, path: &str) {
+    let endpoint = endpoint_name_shown(endpoint);
+    let endpoint = endpoint.as_ref();
     for d in diags {
         let within = d
             .path
@@ -239,9 +275,10 @@ pub(crate) fn near_typo<'a>(
     let mut best: Option<(usize, &'a str)> = None;
     let mut tied = false;
     for c in candidates.into_iter().filter(|c| c.len() >= 6) {
-        let d = strsim::levenshtein(&word, c);
+        let Some(d) = distance_within(&word, c, 2) else {
+            continue;
+        };
         match best {
-            _ if d > 2 => {}
             Some((b, other)) if d == b => tied |= other != c,
             Some((b, _)) if d > b => {}
             _ => {
@@ -261,18 +298,33 @@ fn close_enough(word: &str, candidate: &str) -> Option<usize> {
 /// [`close_enough`], allowing edits in proportion to `len` bytes of the candidate (a section's
 /// field: its own name, not its section's).
 fn close_enough_to(word: &str, candidate: &str, len: usize) -> Option<usize> {
+    distance_within(word, candidate, 2.max(len / 3))
+}
+
+/// The edit distance from `word` to `candidate` if it is at most `limit`. The distance is at
+/// least the difference in length, so a word too long to be within `limit` is not compared at
+/// all: the comparison costs the product of the two lengths, and a key or code name in a
+/// hostile file can be most of a megabyte long.
+fn distance_within(word: &str, candidate: &str, limit: usize) -> Option<usize> {
+    let candidate_chars = candidate.chars().count();
+    let bound = candidate_chars.saturating_add(limit);
+    if word.chars().take(bound.saturating_add(1)).count() > bound {
+        return None;
+    }
     let d = strsim::levenshtein(word, candidate);
-    (d <= 2.max(len / 3)).then_some(d)
+    (d <= limit).then_some(d)
 }
 
 /// How many of the distinct `words` are among the words of `candidate`, separated by `_` or,
 /// between a section and its field, `.`.
 fn shared_words(words: &[&str], candidate: &str) -> usize {
+    // The size of the same intersection, counted over the candidate's few words: counted over
+    // `words` (a hostile key can hold tens of thousands), the distinctness check is quadratic.
     let theirs: Vec<&str> = candidate.split(['_', '.']).collect();
-    words
+    theirs
         .iter()
         .enumerate()
-        .filter(|(i, w)| !words[..*i].contains(w) && theirs.contains(w))
+        .filter(|(i, w)| !theirs[..*i].contains(w) && words.contains(w))
         .count()
 }
 
@@ -305,6 +357,26 @@ pub fn did_you_mean_field<'a>(word: &str, candidates: impl IntoIterator<Item = &
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_long_endpoint_name_is_cut_at_a_character_boundary() {
+        assert_eq!(endpoint_path("payments"), "endpoints.payments");
+        let exact = "a".repeat(MAX_ENDPOINT_NAME);
+        assert_eq!(endpoint_path(&exact), format!("endpoints.{exact}"));
+        // 2-byte letters: the 128th byte is in the middle of the 64th.
+        let accented = format!("a{}", "é".repeat(100));
+        let shown = endpoint_name_shown(&accented);
+        assert!(
+            shown.starts_with(&format!("{}…#", &accented[..127])),
+            "{shown}"
+        );
+        assert_eq!(shown.len(), 127 + "…#".len() + 8, "{shown}");
+        assert_eq!(endpoint_path(&accented), format!("endpoints.{shown}"));
+        // Two long names that start alike are told apart.
+        let a = format!("{}x", "a".repeat(MAX_ENDPOINT_NAME));
+        let b = format!("{}y", "a".repeat(MAX_ENDPOINT_NAME));
+        assert_ne!(endpoint_name_shown(&a), endpoint_name_shown(&b));
+    }
 
     #[test]
     fn suggests_close_names_only() {

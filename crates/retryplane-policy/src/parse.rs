@@ -439,7 +439,7 @@ impl Walker {
                     let Some(name) = self.endpoint_name(key) else {
                         continue;
                     };
-                    let path = join("endpoints", &name);
+                    let path = crate::diag::endpoint_path(&name);
                     self.detached_endpoint(&name, value, &path, self.diags.len());
                 }
             }
@@ -498,7 +498,7 @@ impl Walker {
             let Some(name) = self.endpoint_name(key) else {
                 continue;
             };
-            let path = join("endpoints", &name);
+            let path = crate::diag::endpoint_path(&name);
             let first_diag = self.diags.len();
             match seen.entry(name.clone()) {
                 Entry::Occupied(first) => {

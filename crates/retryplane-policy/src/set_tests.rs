@@ -623,11 +623,14 @@ fn an_endpoint_name_error_says_the_letters_are_ascii_and_the_length_when_too_lon
             "3:3: error: endpoints.caf\u{e9}: endpoint names are 1 to 128 ASCII letters, digits, `-`, `_` or `.`"
         ]
     );
+    // Named by its first 128 bytes and a hash (see `a_huge_endpoint_name_is_not_copied…`).
     let long = "a".repeat(130);
+    let shown = crate::diag::endpoint_name_shown(&long);
+    assert!(shown.starts_with(&format!("{}…#", &long[..128])), "{shown}");
     assert_eq!(
         errors(&format!("version: 1\nendpoints:\n  {long}: {{}}\n")),
         [format!(
-            "3:3: error: endpoints.{long}: endpoint names are 1 to 128 ASCII letters, digits, `-`, `_` or `.`; this one is 130 bytes long"
+            "3:3: error: endpoints.{shown}: endpoint names are 1 to 128 ASCII letters, digits, `-`, `_` or `.`; this one is 130 bytes long"
         )]
     );
 }
@@ -704,7 +707,7 @@ fn an_unreachable_attempt_is_blamed_on_the_layer_whose_jitter_or_cap_causes_it()
     assert_eq!(
         all(src),
         [
-            "5:28: warning: endpoints.slow.backoff.jitter: attempts 5 to 5 can never start inside the deadline (1s): their shortest possible pauses add up to more"
+            "5:28: warning: endpoints.slow.backoff.jitter: attempt 5 can never start inside the deadline (1s): the shortest possible pauses before it add up to more"
         ]
     );
     // The same for a cap that lets the pauses grow.
@@ -712,7 +715,16 @@ fn an_unreachable_attempt_is_blamed_on_the_layer_whose_jitter_or_cap_causes_it()
     assert_eq!(
         all(src),
         [
-            "5:25: warning: endpoints.slow.backoff.max: attempts 5 to 5 can never start inside the deadline (1s): their shortest possible pauses add up to more"
+            "5:25: warning: endpoints.slow.backoff.max: attempt 5 can never start inside the deadline (1s): the shortest possible pauses before it add up to more"
+        ]
+    );
+    // Several attempts are named as a range.
+    let src = "version: 1\ndefaults: {max_attempts: 6, deadline: 1s, per_try_timeout: 200ms, backoff: {jitter: none}}\nendpoints:\n  slow: {}\n";
+    assert_eq!(
+        all(src),
+        [
+            "2:26: warning: defaults.max_attempts: 6 attempts multiply load by up to 6x during an outage; more than 5 rarely helps",
+            "2:26: warning: defaults.max_attempts: attempts 5 to 6 can never start inside the deadline (1s): the shortest possible pauses before them add up to more"
         ]
     );
 }
@@ -876,6 +888,107 @@ fn hostile_inputs_are_refused_quickly() {
         assert!(loaded.has_errors());
         assert!(loaded.policies.is_none());
     }
+}
+
+#[test]
+fn a_huge_unknown_name_is_refused_quickly_with_no_guess() {
+    // An explicit key (`? key`) may be any length, and so may a code or jitter name: the
+    // "did you mean" comparison with each known name must not cost the name's length times
+    // theirs. Before it skipped names too long to be a typo, these took seconds each.
+    let huge = "k".repeat(300_000);
+    // Many different words: the guess by shared words must not be quadratic in them either.
+    let words = (0..40_000)
+        .map(|i| format!("w{i}"))
+        .collect::<Vec<_>>()
+        .join("_");
+    let codes = "UNAVAILABLE".repeat(25_000);
+    let jitter = "full".repeat(75_000);
+    let inputs = [
+        (
+            format!("version: 1\nendpoints:\n  a:\n    ? {huge}\n    : 1\n"),
+            "unknown field",
+        ),
+        (
+            format!("version: 1\nendpoints:\n  a:\n    ? {words}\n    : 1\n"),
+            "unknown field",
+        ),
+        (
+            format!("version: 1\nendpoints:\n  a:\n    retry_on: {{grpc_status: [{codes}]}}\n"),
+            "unknown gRPC status code",
+        ),
+        (
+            format!("version: 1\nendpoints:\n  a:\n    backoff: {{jitter: {jitter}}}\n"),
+            "unknown jitter",
+        ),
+    ];
+    let began = tokio::time::Instant::now();
+    for (src, what) in &inputs {
+        let loaded = load(src.as_bytes());
+        let [d] = loaded.diagnostics.as_slice() else {
+            panic!("one problem expected: {:?}", loaded.diagnostics.len());
+        };
+        assert!(d.message.contains(what), "{}", &d.message[..80]);
+        assert!(!d.message.contains("did you mean"), "{}", &d.message[..80]);
+    }
+    // Generous for a debug build on a busy machine; it took over 30 s before.
+    let took = began.elapsed();
+    assert!(took < Duration::from_secs(3), "{took:?}");
+}
+
+#[test]
+fn a_huge_endpoint_name_is_not_copied_into_every_problem_under_it() {
+    // 100 KB of name over 2,000 problems would be 200 MB of paths; a 1 MiB file could ask for
+    // tens of gigabytes.
+    let name = "n".repeat(100_000);
+    let mut src = format!("version: 1\nendpoints:\n  ? {name}\n  :\n");
+    for i in 0..1_000 {
+        src.push_str(&format!("    k{i}: 1\n"));
+    }
+    src.push_str("    routes:\n");
+    for _ in 0..1_000 {
+        src.push_str("      - match: {method: GET}\n");
+    }
+    let loaded = load(src.as_bytes());
+    let diags = &loaded.diagnostics;
+    assert_eq!(diags.len(), 1 + 1_000 + 999, "{:?}", &diags[..3]);
+    let cut = crate::diag::endpoint_name_shown(&name);
+    assert!(cut.starts_with(&format!("{}…#", &name[..128])), "{cut}");
+    let shown = format!("endpoints.{cut}");
+    assert_eq!(diags[0].path, shown);
+    assert_eq!(
+        diags[0].message,
+        "endpoint names are 1 to 128 ASCII letters, digits, `-`, `_` or `.`; this one is 100000 bytes long"
+    );
+    assert_eq!(diags[1].path, format!("{shown}.k0"));
+    assert_eq!(diags[1_001].path, format!("{shown}.routes[1].match"));
+    for d in diags {
+        assert!(d.path.starts_with(&shown), "{}", &d.path[..140]);
+        assert_eq!(d.endpoint.as_deref(), Some(cut.as_ref()));
+    }
+    let bytes: usize = diags.iter().map(|d| d.path.len() + d.message.len()).sum();
+    assert!(bytes < 1_000_000, "{bytes} bytes of diagnostics");
+}
+
+#[test]
+fn two_long_endpoint_names_that_start_alike_keep_their_own_problems() {
+    // Cut to their first 128 bytes alone, both would have one path: the first's refused
+    // `deadline` hid the second's cross-field check.
+    let first = format!("{}x", "a".repeat(128));
+    let second = format!("{}y", "a".repeat(128));
+    let src = format!(
+        "version: 1\ndefaults:\n  deadline: 1s\nendpoints:\n  {first}:\n    deadline: bogus\n  {second}:\n    per_try_timeout: 5s\n"
+    );
+    let loaded = load(src.as_bytes());
+    let second_path = crate::diag::endpoint_path(&second);
+    assert!(
+        loaded
+            .diagnostics
+            .iter()
+            .any(|d| d.path == format!("{second_path}.per_try_timeout")
+                && d.message.contains("longer than the deadline")),
+        "{:#?}",
+        loaded.diagnostics
+    );
 }
 
 proptest! {

@@ -63,7 +63,7 @@ pub(crate) fn check_parsed(
     // the same error here, since a set has one policy per name.
     let mut first_named: HashMap<&str, Loc> = HashMap::with_capacity(doc.endpoints.len());
     for ep in &doc.endpoints {
-        let ep_path = format!("endpoints.{}", ep.name.value);
+        let ep_path = crate::diag::endpoint_path(&ep.name.value);
         let first_diag = diags.len();
         if let Some(first) = first_named.insert(&ep.name.value, ep.name.loc) {
             first_named.insert(&ep.name.value, first);
@@ -339,14 +339,14 @@ fn route_shared_message(section: &str) -> String {
 
 fn check_endpoint_name(name: &str, loc: Loc, path: &str, diags: &mut Vec<Diagnostic>) {
     let ok = !name.is_empty()
-        && name.len() <= 128
+        && name.len() <= crate::diag::MAX_ENDPOINT_NAME
         && name
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b));
     if !ok {
         // `é` is a letter to whoever wrote it: say which letters.
         let rule = "endpoint names are 1 to 128 ASCII letters, digits, `-`, `_` or `.`";
-        let message = if name.len() > 128 {
+        let message = if name.len() > crate::diag::MAX_ENDPOINT_NAME {
             format!("{rule}; this one is {} bytes long", name.len())
         } else {
             rule.to_owned()
@@ -730,12 +730,16 @@ fn check_effective(layers: &Layers<'_>, refused: &Refused, diags: &mut Vec<Diagn
                 "backoff.jitter",
             ],
         );
+        let (attempts, them) = if first == p.max_attempts {
+            (format!("attempt {first}"), "it")
+        } else {
+            (format!("attempts {first} to {}", p.max_attempts), "them")
+        };
         push(Diagnostic::warning(
             loc,
             path,
             format!(
-                "attempts {first} to {} can never start inside the deadline ({}): their shortest possible pauses add up to more",
-                p.max_attempts,
+                "{attempts} can never start inside the deadline ({}): the shortest possible pauses before {them} add up to more",
                 fmt(p.deadline)
             ),
         ));

@@ -77,7 +77,7 @@ impl TryFrom<pb::PolicyDocument> for PolicyDocument {
                 c.error(&path, "an endpoint needs a name");
                 path
             } else {
-                let path = format!("endpoints.{}", ep.name);
+                let path = retryplane_policy::diag::endpoint_path(&ep.name);
                 if let Some(j) = first_at.get(&ep.name) {
                     let message = format!(
                         "duplicate endpoint `{}` (first defined at endpoints[{j}])",
