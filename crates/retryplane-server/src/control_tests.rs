@@ -517,3 +517,28 @@ async fn a_checked_file_change_is_the_same_change_as_its_document_unchecked() {
         );
     }
 }
+
+#[tokio::test]
+async fn checked_policies_that_are_not_the_document_leave_it_to_be_validated() {
+    // A caller's mistake: the policies of one file with the wire form of another. The document
+    // is what would be stored and pushed, so it is validated, not taken on the policies' word.
+    let valid = retryplane_policy::load(V2.as_bytes()).policies.unwrap();
+    let mut invalid = wire(V2);
+    let payments = invalid
+        .endpoints
+        .iter_mut()
+        .find(|e| e.name == "payments")
+        .unwrap();
+    payments.overlay.as_mut().unwrap().max_attempts = Some(99);
+    let control = ControlPlane::for_tests(Arc::new(MemoryStore::default()), Mode::Api);
+    control.apply(change(wire(V1))).await.unwrap();
+    let refused = control
+        .apply(ChangeRequest {
+            checked: Some((valid, Vec::new())),
+            ..change(invalid)
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(refused, ChangeError::Invalid(_)), "{refused:?}");
+    assert_eq!(control.publisher.current().unwrap().version, 1);
+}
