@@ -15,9 +15,9 @@
 //!   the agent's messages, counts ACKs and ignores everything else. A gauge counts the streams
 //!   past their Hello;
 //! - `Apply` parses, validates and converts the YAML with the same library calls as the real
-//!   server did until 2026-12-02 (`retryplane_policy::load`, `PolicyDocument` →
-//!   `pb::PolicyDocument`, `retryplane_proto::convert::validate` and `content_hash`; the real
-//!   server now skips the second validation of a YAML source), refuses a stale
+//!   server (`retryplane_policy::load`, `PolicyDocument` → `pb::PolicyDocument` and
+//!   `content_hash`; until 2026-12-02 both also validated the wire form a second time with
+//!   `retryplane_proto::convert::validate`), refuses a stale
 //!   `expected_version` (ABORTED), answers a dry run without publishing, and otherwise bumps the
 //!   version, builds the snapshot message as the real publisher does (a `pb::Snapshot` in
 //!   `pb::ServerMessage::with_snapshot`) and `send_replace`s it into the watch. `Get` answers the
@@ -166,14 +166,9 @@ impl Shared {
             let lines: Vec<String> = loaded.diagnostics.iter().map(ToString::to_string).collect();
             return Err(Status::invalid_argument(lines.join("\n")));
         };
+        // Validated once, as the real server does since 2026-12-02 (until then both converted the
+        // wire document back and validated it a second time).
         let document = pb::PolicyDocument::from(set.document().as_ref());
-        // The real server converted the wire document back and validated it once more before
-        // storing it until 2026-12-02 (it now validates a YAML source once); this one still
-        // does, so that its Apply costs what it did in the earlier benchmark entries.
-        convert::validate(document.clone()).map_err(|errors| {
-            let lines: Vec<String> = errors.iter().map(ToString::to_string).collect();
-            Status::invalid_argument(lines.join("\n"))
-        })?;
         let current = self.current.borrow().clone();
         if expected_version != 0 && expected_version != current.version {
             return Err(Status::aborted(format!(
