@@ -15,8 +15,9 @@
 //!   the agent's messages, counts ACKs and ignores everything else. A gauge counts the streams
 //!   past their Hello;
 //! - `Apply` parses, validates and converts the YAML with the same library calls as the real
-//!   server (`retryplane_policy::load`, `PolicyDocument` → `pb::PolicyDocument`,
-//!   `retryplane_proto::convert::validate` and `content_hash`), refuses a stale
+//!   server (`retryplane_policy::load`, `PolicyDocument` → `pb::PolicyDocument` and
+//!   `content_hash`; until 2026-12-02 both also validated the wire form a second time with
+//!   `retryplane_proto::convert::validate`), refuses a stale
 //!   `expected_version` (ABORTED), answers a dry run without publishing, and otherwise bumps the
 //!   version, builds the snapshot message as the real publisher does (a `pb::Snapshot` in
 //!   `pb::ServerMessage::with_snapshot`) and `send_replace`s it into the watch. `Get` answers the
@@ -165,13 +166,9 @@ impl Shared {
             let lines: Vec<String> = loaded.diagnostics.iter().map(ToString::to_string).collect();
             return Err(Status::invalid_argument(lines.join("\n")));
         };
+        // Validated once, as the real server does since 2026-12-02 (until then both converted the
+        // wire document back and validated it a second time).
         let document = pb::PolicyDocument::from(set.document().as_ref());
-        // The real server converts the wire document back and validates it once more before
-        // storing it; so does this one, to do the same parse and validation work.
-        convert::validate(document.clone()).map_err(|errors| {
-            let lines: Vec<String> = errors.iter().map(ToString::to_string).collect();
-            Status::invalid_argument(lines.join("\n"))
-        })?;
         let current = self.current.borrow().clone();
         if expected_version != 0 && expected_version != current.version {
             return Err(Status::aborted(format!(

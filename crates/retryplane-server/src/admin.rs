@@ -38,7 +38,7 @@ use std::sync::Arc;
 use prost::Message as _;
 use retryplane_policy::render::to_yaml;
 use retryplane_policy::yaml::{Loc, MAX_FILE_BYTES};
-use retryplane_policy::{Diagnostic, PolicyDocument};
+use retryplane_policy::{Diagnostic, PolicyDocument, PolicySet};
 use retryplane_proto::convert;
 use retryplane_proto::pb::{self, admin_service_server::AdminService, policy_source::Kind};
 use tonic::{Request, Response, Status};
@@ -74,15 +74,11 @@ impl AdminApi {
         }
     }
 
-    /// Applies `request`, answering with the outcome; `warnings` replace the outcome's when
-    /// the source was YAML (they carry line and column).
-    async fn change(
-        &self,
-        request: ChangeRequest,
-        warnings: Option<Vec<Diagnostic>>,
-    ) -> Result<Response<pb::ApplyResponse>, Status> {
+    /// Applies `request`, answering with the outcome (whose warnings, for a YAML source, are
+    /// the file's, with line and column).
+    async fn change(&self, request: ChangeRequest) -> Result<Response<pb::ApplyResponse>, Status> {
         let outcome = self.control.apply(request).await.map_err(change_status)?;
-        Ok(Response::new(apply_response(outcome, warnings)))
+        Ok(Response::new(apply_response(outcome)))
     }
 }
 
@@ -248,7 +244,7 @@ fn change_status(e: ChangeError) -> Status {
     }
 }
 
-fn apply_response(outcome: ChangeOutcome, warnings: Option<Vec<Diagnostic>>) -> pb::ApplyResponse {
+fn apply_response(outcome: ChangeOutcome) -> pb::ApplyResponse {
     let (version, content_hash) = outcome.record.map_or((0, String::new()), |r| {
         (r.meta.version, r.meta.content_hash)
     });
@@ -257,7 +253,7 @@ fn apply_response(outcome: ChangeOutcome, warnings: Option<Vec<Diagnostic>>) -> 
         content_hash,
         changed: outcome.changed,
         diff: outcome.diff.iter().map(pb::DiffEntry::from).collect(),
-        warnings: pb_diagnostics(&warnings.unwrap_or(outcome.warnings)),
+        warnings: pb_diagnostics(&outcome.warnings),
         new_content_hash: outcome.content_hash,
         would_change: outcome.would_change,
     }
@@ -325,14 +321,12 @@ fn history_page(metas: &[VersionMeta], limit: usize) -> pb::HistoryResponse {
     }
 }
 
-/// `retryplane_policy::load` of `yaml`, off the async threads.
-async fn load_yaml(yaml: String) -> Result<retryplane_policy::Loaded, Status> {
-    off_runtime(move || retryplane_policy::load(yaml.as_bytes())).await
-}
-
-/// The document to apply and, for YAML, its warnings (with places); INVALID_ARGUMENT with
-/// every diagnostic when the YAML has errors.
-async fn document_of(kind: Kind) -> Result<(pb::PolicyDocument, Option<Vec<Diagnostic>>), Status> {
+/// The document to apply and, for YAML, the compiled set it is the wire form of with the
+/// file's warnings (with places), for the control plane not to validate it again;
+/// INVALID_ARGUMENT with every diagnostic when the YAML has errors.
+async fn document_of(
+    kind: Kind,
+) -> Result<(pb::PolicyDocument, Option<(PolicySet, Vec<Diagnostic>)>), Status> {
     match kind {
         Kind::Document(mut document) => {
             // A file reads `-0.0` as `0.0`; so does a document, or a change of a zero's sign
@@ -341,16 +335,19 @@ async fn document_of(kind: Kind) -> Result<(pb::PolicyDocument, Option<Vec<Diagn
             Ok((document, None))
         }
         Kind::Yaml(yaml) => {
-            let loaded = load_yaml(yaml).await?;
-            match loaded.policies {
-                Some(policies) => Ok((
-                    pb::PolicyDocument::from(policies.document().as_ref()),
-                    Some(loaded.diagnostics),
-                )),
-                None => Err(Status::invalid_argument(diagnostic_lines(
-                    &loaded.diagnostics,
-                ))),
-            }
+            off_runtime(move || {
+                let loaded = retryplane_policy::load(yaml.as_bytes());
+                match loaded.policies {
+                    Some(policies) => Ok((
+                        pb::PolicyDocument::from(policies.document().as_ref()),
+                        Some((policies, loaded.diagnostics)),
+                    )),
+                    None => Err(Status::invalid_argument(diagnostic_lines(
+                        &loaded.diagnostics,
+                    ))),
+                }
+            })
+            .await?
         }
     }
 }
@@ -409,7 +406,7 @@ impl AdminService for AdminApi {
         }
         let author = author(&request);
         let req = request.into_inner();
-        let (document, warnings) = match document_of(source_kind(req.source)?).await {
+        let (document, checked) = match document_of(source_kind(req.source)?).await {
             Ok(document) => document,
             Err(invalid) => {
                 // Invalid YAML never reaches the control plane, which counts the other refusals.
@@ -426,8 +423,9 @@ impl AdminService for AdminApi {
             expected_version: req.expected_version,
             dry_run: req.dry_run,
             force: req.force,
+            checked,
         };
-        self.change(change, warnings).await
+        self.change(change).await
     }
 
     async fn get(
@@ -513,8 +511,9 @@ impl AdminService for AdminApi {
             expected_version: expected(req.expected_version),
             dry_run: false,
             force: req.force,
+            checked: None,
         };
-        self.change(change, None).await
+        self.change(change).await
     }
 
     async fn fleet_status(

@@ -1038,3 +1038,26 @@ async fn a_stored_negative_zero_and_the_same_file_read_again_are_no_change() {
     assert_eq!((again.version, again.changed), (1, false), "{again:?}");
     assert_eq!(history(&admin).await.len(), 1);
 }
+
+#[tokio::test]
+async fn an_applied_files_warnings_come_back_with_their_places() {
+    // `max_attempts: 6` is allowed, with a warning at its line and column.
+    let text = "version: 1\nendpoints:\n  payments:\n    max_attempts: 6\n";
+    let api = api(Mode::Api);
+    for dry_run in [true, false] {
+        let response = apply(
+            &api,
+            pb::ApplyRequest {
+                dry_run,
+                ..apply_request(text)
+            },
+        )
+        .await
+        .unwrap();
+        let [warning] = response.warnings.as_slice() else {
+            panic!("one warning expected: {:?}", response.warnings);
+        };
+        assert_eq!(warning.path, "endpoints.payments.max_attempts");
+        assert_eq!((warning.line, warning.column), (4, 19), "{warning:?}");
+    }
+}

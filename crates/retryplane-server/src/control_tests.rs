@@ -295,6 +295,7 @@ fn change(document: pb::PolicyDocument) -> ChangeRequest {
         expected_version: None,
         dry_run: false,
         force: false,
+        checked: None,
     }
 }
 
@@ -421,4 +422,123 @@ async fn a_dry_run_does_not_wait_for_a_change_being_committed() {
     gate.open();
     let committed = committing.await.unwrap().unwrap().into_inner();
     assert_eq!(committed.version, 2);
+}
+
+/// The wire form of a policy file that loads without errors.
+fn wire(yaml: &str) -> pb::PolicyDocument {
+    let set = retryplane_policy::load(yaml.as_bytes()).policies.unwrap();
+    pb::PolicyDocument::from(set.document().as_ref())
+}
+
+/// The current version is kept converted between changes; a version stored since by another
+/// writer of the store is diffed as stored, not as the version kept.
+#[tokio::test]
+async fn a_version_stored_by_another_writer_is_what_a_change_is_diffed_against() {
+    let store = Arc::new(MemoryStore::default());
+    let control = ControlPlane::for_tests(store.clone(), Mode::Api);
+    control.apply(change(wire(V1))).await.unwrap();
+    let v2 = wire(V2);
+    store
+        .publish(
+            NewVersion {
+                content_hash: convert::content_hash(&v2),
+                document: v2,
+                source: Source::Admin,
+                author: None,
+                summary: String::new(),
+                created_unix_ms: 0,
+            },
+            Some(1),
+        )
+        .unwrap();
+    let dry_run = |yaml: &str| ChangeRequest {
+        dry_run: true,
+        ..change(wire(yaml))
+    };
+    let outcome = control.apply(dry_run(V3)).await.unwrap();
+    let fresh = ControlPlane::for_tests(store.clone(), Mode::Api);
+    let expected = fresh.apply(dry_run(V3)).await.unwrap();
+    assert_eq!(outcome.diff, expected.diff);
+    assert_eq!(
+        outcome.diff[0].details,
+        ["max_attempts: 4 -> 5"],
+        "{:?}",
+        outcome.diff
+    );
+    // V2's content is current: no change, whatever was kept of V1.
+    let again = control.apply(change(wire(V2))).await.unwrap();
+    assert!(!again.changed && !again.would_change);
+    assert_eq!(again.record.map(|r| r.meta.version), Some(2));
+}
+
+/// A policy file's change handed over checked (its compiled set) is decided, stored and diffed
+/// as the same document sent unchecked, which is validated here.
+#[tokio::test]
+async fn a_checked_file_change_is_the_same_change_as_its_document_unchecked() {
+    let example = include_str!("../../../config/policies.yaml");
+    let set = retryplane_policy::load(example.as_bytes())
+        .policies
+        .unwrap();
+    let document = pb::PolicyDocument::from(set.document().as_ref());
+    let checked = |dry_run: bool| ChangeRequest {
+        dry_run,
+        checked: Some((set.clone(), Vec::new())),
+        ..change(document.clone())
+    };
+    let unchecked = |dry_run: bool| ChangeRequest {
+        dry_run,
+        ..change(document.clone())
+    };
+    let with = ControlPlane::for_tests(Arc::new(MemoryStore::default()), Mode::Api);
+    let without = ControlPlane::for_tests(Arc::new(MemoryStore::default()), Mode::Api);
+    for control in [&with, &without] {
+        control.apply(change(wire(V1))).await.unwrap();
+    }
+    for dry_run in [true, false] {
+        let a = with.apply(checked(dry_run)).await.unwrap();
+        let b = without.apply(unchecked(dry_run)).await.unwrap();
+        assert!(!a.diff.is_empty());
+        assert_eq!(a.diff, b.diff);
+        assert_eq!(a.content_hash, b.content_hash);
+        assert_eq!((a.changed, a.would_change), (b.changed, b.would_change));
+        assert_eq!(
+            a.record.map(|r| (
+                r.meta.version,
+                r.meta.content_hash,
+                r.meta.summary,
+                r.document
+            )),
+            b.record.map(|r| (
+                r.meta.version,
+                r.meta.content_hash,
+                r.meta.summary,
+                r.document
+            ))
+        );
+    }
+}
+
+#[tokio::test]
+async fn checked_policies_that_are_not_the_document_leave_it_to_be_validated() {
+    // A caller's mistake: the policies of one file with the wire form of another. The document
+    // is what would be stored and pushed, so it is validated, not taken on the policies' word.
+    let valid = retryplane_policy::load(V2.as_bytes()).policies.unwrap();
+    let mut invalid = wire(V2);
+    let payments = invalid
+        .endpoints
+        .iter_mut()
+        .find(|e| e.name == "payments")
+        .unwrap();
+    payments.overlay.as_mut().unwrap().max_attempts = Some(99);
+    let control = ControlPlane::for_tests(Arc::new(MemoryStore::default()), Mode::Api);
+    control.apply(change(wire(V1))).await.unwrap();
+    let refused = control
+        .apply(ChangeRequest {
+            checked: Some((valid, Vec::new())),
+            ..change(invalid)
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(refused, ChangeError::Invalid(_)), "{refused:?}");
+    assert_eq!(control.publisher.current().unwrap().version, 1);
 }

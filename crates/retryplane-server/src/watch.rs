@@ -710,6 +710,7 @@ async fn apply(control: &ControlPlane, file: &Path, loaded: Loaded) -> (bool, bo
         expected_version: None,
         dry_run: false,
         force: false,
+        checked: Some((policies, loaded.diagnostics)),
     };
     match control.apply(request).await {
         Ok(outcome) if !outcome.changed => {

@@ -114,6 +114,7 @@ async fn apply_valid(
         expected_version: None,
         dry_run: false,
         force: false,
+        checked: Some((policies.clone(), loaded.diagnostics.clone())),
     };
     match control.apply(request).await {
         Ok(outcome) if !outcome.changed => {
