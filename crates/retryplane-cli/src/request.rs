@@ -22,7 +22,8 @@
 //! name may be a value.
 //!
 //! The `user:password@` of a `--server` URL is not used (the agent sends its token): it is left
-//! out of what the agent sends, with a note on stderr.
+//! out of what the agent sends, with a note on stderr. An `@` after the host (in a path or
+//! query, or in a password holding `/`, `?` or `#`, which ends the host early) is refused.
 //!
 //! The method is `-X`, else `POST` with `--data`, else `GET` (as curl). Redirects are not
 //! followed: a 3xx is the upstream's answer. The response body is read (so a reset mid-body is a
@@ -195,10 +196,10 @@ impl TryFrom<Args> for Settings {
                 let url = crate::admin::with_default_port(url, AGENT_PORT)?;
                 let shown = shown_url(&url);
                 let (url, had_userinfo) = crate::admin::without_userinfo(&url);
+                let token_hint = "give the agent token with --token or RETRYPLANE_AGENT_TOKEN";
+                crate::admin::no_at_after_host(&url, token_hint)?;
                 if had_userinfo {
-                    crate::admin::userinfo_not_used(
-                        "give the agent token with --token or RETRYPLANE_AGENT_TOKEN",
-                    );
+                    crate::admin::userinfo_not_used(token_hint);
                 }
                 // An empty token (`RETRYPLANE_AGENT_TOKEN=`) is no token, as for the admin
                 // commands: nothing is sent rather than an empty credential.

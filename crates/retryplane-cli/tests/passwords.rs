@@ -162,3 +162,45 @@ fn a_url_clap_does_not_expect_is_quoted_without_its_password() {
     assert!(String::from_utf8_lossy(&out.stdout).contains("Usage: retryplane"));
     assert!(out.stderr.is_empty());
 }
+
+#[tokio::test]
+async fn a_server_url_with_an_at_after_its_host_is_refused_before_any_call() {
+    // `http://localhost:PORT/PASSWORD@127.0.0.1:1` is, to a URL parser, host `localhost` and a
+    // path: a password holding `/` would send the call, token and all, to the user name's host.
+    // An `@` in a path is of no use either (only scheme, host and port are used).
+    let (port, mut seen) = recording_h2_server().await;
+    for url in [
+        format!("http://localhost:{port}/{PASSWORD}@127.0.0.1:1"),
+        format!("http://127.0.0.1:{port}/p@x"),
+        format!("http://admin:{PASSWORD}@127.0.0.1:{port}/p@x"),
+    ] {
+        let admin = run(vec![
+            "status".into(),
+            "--server".into(),
+            url.clone(),
+            "--token".into(),
+            "t0ken".into(),
+        ])
+        .await;
+        let request = run(vec![
+            "request".into(),
+            "--server".into(),
+            url.clone(),
+            "--endpoint".into(),
+            "api".into(),
+            "http://127.0.0.1:9/".into(),
+        ])
+        .await;
+        for (out, hint) in [
+            (&admin, "RETRYPLANE_TOKEN"),
+            (&request, "RETRYPLANE_AGENT_TOKEN"),
+        ] {
+            assert_no_password(out);
+            assert_eq!(out.status.code(), Some(2), "{url}");
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert!(stderr.contains("an `@` after the host"), "{url}: {stderr}");
+            assert!(stderr.contains(hint), "{url}: {stderr}");
+        }
+    }
+    assert!(seen.try_recv().is_err(), "no call may reach the server");
+}

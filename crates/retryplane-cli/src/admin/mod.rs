@@ -15,7 +15,8 @@
 //! `--token TOKEN` (`RETRYPLANE_TOKEN`), sent as `authorization: Bearer TOKEN` and never
 //! printed (`--help` does not show the values of either variable); an empty value of either
 //! counts as not given. The `user:password@` of a `--server` URL is not used: it is left out of
-//! what is sent (HTTP/2 forbids it there), with a note on stderr saying so. Messages name the
+//! what is sent (HTTP/2 forbids it there), with a note on stderr saying so; an `@` after the
+//! host is refused ([`no_at_after_host`]). Messages name the
 //! server by its URL with the password shown as `***` ([`shown_url`]). Connecting gives up
 //! after [`CONNECT_TIMEOUT`], a call after [`REQUEST_TIMEOUT`]. Each command runs its calls on
 //! a current-thread tokio runtime of its own ([`block_on`]).
@@ -150,6 +151,21 @@ pub(crate) fn without_userinfo(url: &str) -> (String, bool) {
     (format!("{scheme}://{host}{after}"), true)
 }
 
+/// Refuses a `--server` URL (its userinfo already left out by [`without_userinfo`]) that still
+/// holds an `@`: in a path or query it is of no use, since only the scheme, host and port of
+/// a control-plane URL are used; and a password holding `/`, `?` or `#` ends the authority
+/// early (`http://user:1234/pw@host` is host `user`, port 1234), so the call, token and all,
+/// would go to the user name's host. The URL is not quoted: it may hold a password.
+pub(crate) fn no_at_after_host(url: &str, token_hint: &str) -> anyhow::Result<()> {
+    if url.contains('@') {
+        bail!(
+            "--server: an `@` after the host (in a path or query, or in a password holding `/`, \
+             `?` or `#`) is not allowed: only the scheme, host and port are used; {token_hint}"
+        );
+    }
+    Ok(())
+}
+
 /// Says once on stderr that the `user:password@` of a `--server` URL is not sent.
 pub(crate) fn userinfo_not_used(flag_hint: &str) {
     output::note(format_args!(
@@ -232,8 +248,10 @@ impl TryFrom<ServerArgs> for Server {
         let url = with_default_port(url, DEFAULT_PORT)?;
         let shown = shown_url(&url);
         let (url, had_userinfo) = without_userinfo(&url);
+        let token_hint = "give the admin token with --token or RETRYPLANE_TOKEN";
+        no_at_after_host(&url, token_hint)?;
         if had_userinfo {
-            userinfo_not_used("give the admin token with --token or RETRYPLANE_TOKEN");
+            userinfo_not_used(token_hint);
         }
         let endpoint = Endpoint::from_shared(url)
             .with_context(|| format!("--server {shown}: not a valid URL"))?
@@ -509,7 +527,8 @@ mod tests {
                 .to_string();
             assert!(!err.contains("secretpw"), "{given}: {err}");
         }
-        // An `@` in a path is no password: the URL is taken as it is.
+        // An `@` in a path is no password: the port is taken as it is (and the URL refused
+        // later, by `no_at_after_host`: only its scheme, host and port are used).
         assert_eq!(
             with_default_port("http://h:1/p@x".to_owned(), 7471).unwrap(),
             "http://h:1/p@x"
