@@ -38,7 +38,8 @@ pub struct Diagnostic {
     /// The endpoint whose settings the problem is in, by name, when a policy file's check
     /// knows it: an endpoint name may contain `.`, so [`Self::path`] alone cannot tell
     /// `endpoints.pay.v2.max_attempts` of endpoint `pay.v2` from a field `v2` of endpoint `pay`.
-    /// `None` for `defaults`, the file's top level, and diagnostics from the wire.
+    /// `None` for `defaults`, the file's top level, and diagnostics from the wire. A name longer
+    /// than any a policy allows is cut short here as in the path ([`endpoint_name_shown`]).
     pub endpoint: Option<String>,
 }
 
@@ -138,11 +139,12 @@ pub fn endpoint_name_shown(name: &str) -> Cow<'_, str> {
     while !name.is_char_boundary(end) {
         end -= 1;
     }
-    // std's SipHash with its fixed keys: the same name gets the same tag in one build, which
-    // is all a diagnostic needs (it is never stored or compared across builds).
-    let mut hasher = std::hash::DefaultHasher::new();
-    std::hash::Hash::hash(name, &mut hasher);
-    let tag = std::hash::Hasher::finish(&hasher) as u32;
+    // 32-bit FNV-1a, written out: the tag must be the same in every build (a CLI and a control
+    // plane built with other toolchains name the file's problems alike), which std's hasher
+    // does not promise, and it only tells names apart, so no hashing crate is needed.
+    let tag = name.bytes().fold(0x811c_9dc5_u32, |hash, byte| {
+        (hash ^ u32::from(byte)).wrapping_mul(0x0100_0193)
+    });
     Cow::Owned(format!("{}…#{tag:08x}", &name[..end]))
 }
 
@@ -376,6 +378,11 @@ mod tests {
         let a = format!("{}x", "a".repeat(MAX_ENDPOINT_NAME));
         let b = format!("{}y", "a".repeat(MAX_ENDPOINT_NAME));
         assert_ne!(endpoint_name_shown(&a), endpoint_name_shown(&b));
+        // The same tag in every build: FNV-1a of the whole name.
+        assert_eq!(
+            endpoint_name_shown(&a),
+            format!("{}…#e4632007", "a".repeat(128))
+        );
     }
 
     #[test]
