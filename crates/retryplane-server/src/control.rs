@@ -17,7 +17,7 @@ use retryplane_policy::diff::{self, Change};
 use retryplane_policy::{Diagnostic, PolicyDocument, PolicySet};
 use retryplane_proto::{TooLargeForAgents, convert, pb};
 use tokio::sync::{Mutex, OwnedMutexGuard};
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::aggregate::Aggregator;
 use crate::fleet::{Fleet, unix_ms};
@@ -340,7 +340,14 @@ impl ControlPlane {
                 // what is stored is always what was checked and diffed. The comparison costs
                 // one conversion (about 1 ms at 1,000 endpoints), not a validation.
                 let checked = checked.filter(|(set, _)| {
-                    pb::PolicyDocument::from(set.document().as_ref()) == document
+                    let same = pb::PolicyDocument::from(set.document().as_ref()) == document;
+                    if !same {
+                        warn!(
+                            "the compiled policies handed with a change are not its document's; \
+                             validating the document"
+                        );
+                    }
+                    same
                 });
                 let (set, warnings) = match checked {
                     Some(checked) => checked,
