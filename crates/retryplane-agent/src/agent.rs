@@ -573,18 +573,22 @@ mod tests {
         // the URL is quoted in the error.
         // A password holding `/`, `?` or `#` ends the parsed authority early (the host would be
         // `admin`): refused all the same.
-        for url in [
-            "http://admin:s3cret@127.0.0.1:7470",
-            "http://admin@127.0.0.1:7470",
-            "http://admin:s3cret/x@127.0.0.1:7470",
-            "http://admin:s3cret?x@127.0.0.1:7470",
-            "http://admin:s3cret#x@127.0.0.1:7470",
-            "http://admin:12345/s3cret@127.0.0.1:7470",
+        for (url, says) in [
+            ("http://admin:s3cret@127.0.0.1:7470", "user:password@ part"),
+            ("http://admin@127.0.0.1:7470", "user:password@ part"),
+            ("http://admin:s3cret/x@127.0.0.1:7470", "`@` after the host"),
+            ("http://admin:s3cret?x@127.0.0.1:7470", "`@` after the host"),
+            ("http://admin:s3cret#x@127.0.0.1:7470", "`@` after the host"),
+            (
+                "http://admin:12345/s3cret@127.0.0.1:7470",
+                "`@` after the host",
+            ),
+            ("http://127.0.0.1:7470/p@x", "`@` after the host"),
         ] {
             match connect(url) {
                 Err(e @ AgentError::UnsupportedUrl { .. }) => {
                     let shown = e.to_string();
-                    assert!(shown.contains("@"), "{shown}");
+                    assert!(shown.contains(says), "{url}: {shown}");
                     assert!(
                         !shown.contains("s3cret") && !shown.contains("admin"),
                         "{shown}"

@@ -193,11 +193,11 @@ impl TryFrom<Args> for Settings {
                         shown_url(&url)
                     );
                 }
+                let token_hint = "give the agent token with --token or RETRYPLANE_AGENT_TOKEN";
+                crate::admin::no_at_after_host(&url, token_hint)?;
                 let url = crate::admin::with_default_port(url, AGENT_PORT)?;
                 let shown = shown_url(&url);
                 let (url, had_userinfo) = crate::admin::without_userinfo(&url);
-                let token_hint = "give the agent token with --token or RETRYPLANE_AGENT_TOKEN";
-                crate::admin::no_at_after_host(&url, token_hint)?;
                 if had_userinfo {
                     crate::admin::userinfo_not_used(token_hint);
                 }

@@ -169,10 +169,17 @@ async fn a_server_url_with_an_at_after_its_host_is_refused_before_any_call() {
     // path: a password holding `/` would send the call, token and all, to the user name's host.
     // An `@` in a path is of no use either (only scheme, host and port are used).
     let (port, mut seen) = recording_h2_server().await;
+    // A password holding `/`, `?` or `#` whose start is no port is told the same, not that
+    // the port is wrong; so is one without a scheme.
     for url in [
         format!("http://localhost:{port}/{PASSWORD}@127.0.0.1:1"),
         format!("http://127.0.0.1:{port}/p@x"),
         format!("http://admin:{PASSWORD}@127.0.0.1:{port}/p@x"),
+        format!("http://admin:pa/{PASSWORD}@127.0.0.1:{port}"),
+        format!("http://admin:/{PASSWORD}@127.0.0.1:{port}"),
+        format!("http://admin:pa?{PASSWORD}@127.0.0.1:{port}"),
+        format!("http://admin:pa#{PASSWORD}@127.0.0.1:{port}"),
+        format!("admin:pa/{PASSWORD}@127.0.0.1:{port}"),
     ] {
         let admin = run(vec![
             "status".into(),
@@ -203,4 +210,17 @@ async fn a_server_url_with_an_at_after_its_host_is_refused_before_any_call() {
         }
     }
     assert!(seen.try_recv().is_err(), "no call may reach the server");
+}
+
+#[tokio::test]
+async fn a_server_url_that_does_not_parse_is_said_to_be_invalid_without_its_password() {
+    for url in [
+        format!("http://admin:p^{PASSWORD}@127.0.0.1:9"),
+        format!("http://admin:p {PASSWORD}@127.0.0.1:9"),
+    ] {
+        let out = run(vec!["status".into(), "--server".into(), url.clone()]).await;
+        assert_no_password(&out);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains("not a valid URL"), "{url}: {stderr}");
+    }
 }

@@ -343,6 +343,8 @@ impl ControlPlane {
                     let same = pb::PolicyDocument::from(set.document().as_ref()) == document;
                     if !same {
                         warn!(
+                            source = source.as_str(),
+                            dry_run,
                             "the compiled policies handed with a change are not its document's; \
                              validating the document"
                         );

@@ -151,13 +151,16 @@ pub(crate) fn without_userinfo(url: &str) -> (String, bool) {
     (format!("{scheme}://{host}{after}"), true)
 }
 
-/// Refuses a `--server` URL (its userinfo already left out by [`without_userinfo`]) that still
-/// holds an `@`: in a path or query it is of no use, since only the scheme, host and port of
+/// Refuses a `--server` URL that still holds an `@` once its userinfo is left out
+/// ([`without_userinfo`]): in a path or query it is of no use, since only the scheme, host and port of
 /// a control-plane URL are used; and a password holding `/`, `?` or `#` ends the authority
 /// early (`http://user:1234/pw@host` is host `user`, port 1234), so the call, token and all,
 /// would go to the user name's host. The URL is not quoted: it may hold a password.
 pub(crate) fn no_at_after_host(url: &str, token_hint: &str) -> anyhow::Result<()> {
-    if url.contains('@') {
+    // Before the port is read (a password's start would be taken for one) and only for a URL
+    // that parses: one that does not is reported as such, without its password.
+    let (url, _) = without_userinfo(url);
+    if url.parse::<http::Uri>().is_ok() && url.contains('@') {
         bail!(
             "--server: an `@` after the host (in a path or query, or in a password holding `/`, \
              `?` or `#`) is not allowed: only the scheme, host and port are used; {token_hint}"
@@ -245,11 +248,11 @@ impl TryFrom<ServerArgs> for Server {
                 shown_url(&url)
             );
         }
+        let token_hint = "give the admin token with --token or RETRYPLANE_TOKEN";
+        no_at_after_host(&url, token_hint)?;
         let url = with_default_port(url, DEFAULT_PORT)?;
         let shown = shown_url(&url);
         let (url, had_userinfo) = without_userinfo(&url);
-        let token_hint = "give the admin token with --token or RETRYPLANE_TOKEN";
-        no_at_after_host(&url, token_hint)?;
         if had_userinfo {
             userinfo_not_used(token_hint);
         }
