@@ -1013,6 +1013,24 @@ impl Walker {
     }
 
     fn grpc_code(&mut self, node: &Node, path: &str) -> Option<GrpcCode> {
+        // A code written as its number (`14`, as the wire and most logs show it): say its name.
+        if let Value::Int(number) = node.value {
+            let message = match i32::try_from(number).ok().and_then(GrpcCode::from_i32) {
+                Some(GrpcCode::Ok) => "gRPC status codes are written by name: 0 is `OK`, which \
+                                       is success and cannot be retried"
+                    .to_owned(),
+                Some(code) => format!(
+                    "gRPC status codes are written by name: write `{}` for {number}",
+                    code.name()
+                ),
+                None => format!(
+                    "gRPC status codes are written by name (such as `UNAVAILABLE`), and \
+                     {number} is none of gRPC's codes (0 to 16)"
+                ),
+            };
+            self.error(node.loc, path, message);
+            return None;
+        }
         let name = self.string(node, path)?;
         let code = GrpcCode::from_name(&name);
         match code {

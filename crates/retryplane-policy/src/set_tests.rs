@@ -991,6 +991,20 @@ fn two_long_endpoint_names_that_start_alike_keep_their_own_problems() {
     );
 }
 
+#[test]
+fn a_grpc_code_written_as_its_number_is_told_its_name() {
+    assert_eq!(
+        errors(
+            "version: 1\nendpoints:\n  a:\n    retry_on:\n      grpc_status: [14, UNAVAILABLE, 0, 99]\n"
+        ),
+        [
+            "5:21: error: endpoints.a.retry_on.grpc_status[0]: gRPC status codes are written by name: write `UNAVAILABLE` for 14",
+            "5:38: error: endpoints.a.retry_on.grpc_status[2]: gRPC status codes are written by name: 0 is `OK`, which is success and cannot be retried",
+            "5:41: error: endpoints.a.retry_on.grpc_status[3]: gRPC status codes are written by name (such as `UNAVAILABLE`), and 99 is none of gRPC's codes (0 to 16)",
+        ]
+    );
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(512))]
 
