@@ -293,19 +293,9 @@ fn check_url(text: &str, uri: &http::Uri) -> Result<(), AgentError> {
 /// Whether `uri`'s authority writes a port (after the host's last `:`, outside an IPv6
 /// literal's brackets) that is not a number from 1 to 65535, `:` alone included.
 fn has_bad_port(uri: &http::Uri) -> bool {
-    let Some(authority) = uri.authority() else {
-        return false;
-    };
-    let host_and_port = authority.as_str();
-    let after_host = host_and_port
-        .rfind(']')
-        .map_or(host_and_port, |end| &host_and_port[end + 1..]);
-    match after_host.rfind(':') {
-        None => false,
-        Some(colon) => !after_host[colon + 1..]
-            .parse::<u16>()
-            .is_ok_and(|port| port > 0),
-    }
+    uri.authority()
+        .and_then(|a| crate::written_port(a.as_str()))
+        .is_some_and(|port| !port.parse::<u16>().is_ok_and(|port| port > 0))
 }
 
 /// This process's `Hello.instance_id`: drawn from entropy even when [`AgentBuilder::rng_seed`]

@@ -1,4 +1,5 @@
-//! Control-plane URLs as they may be shown: the password of a `user:password@` part hidden.
+//! Control-plane URLs as they may be shown (the password of a `user:password@` part hidden), and
+//! the port an authority writes.
 //!
 //! Written here rather than taken from a URL crate: it must work on text that does not parse as
 //! a URL (a password may hold `/`, `?`, `#` or `@`, which end or split the authority for a
@@ -34,6 +35,18 @@ fn scheme_len(url: &str) -> usize {
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'));
     if valid { i + 3 } else { 0 }
+}
+
+/// The port part of an authority (`user@host:port`, `[::1]:port`) as written, valid or not:
+/// what follows a `:` after the host (after the `]` of an IPv6 address); `None` without one.
+pub fn written_port(authority: &str) -> Option<&str> {
+    let host_port = authority
+        .rsplit_once('@')
+        .map_or(authority, |(_, rest)| rest);
+    let after_host = host_port
+        .rfind(']')
+        .map_or(host_port, |end| &host_port[end..]);
+    after_host.rsplit_once(':').map(|(_, port)| port)
 }
 
 #[cfg(test)]

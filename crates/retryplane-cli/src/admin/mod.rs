@@ -128,6 +128,7 @@ pub struct Server {
 const DEFAULT_PORT: u16 = 7471;
 
 pub(crate) use retryplane_agent::shown_url;
+use retryplane_agent::written_port;
 
 /// `url` without the `user:password@` of its authority, and whether it had one: the control
 /// plane takes a token, never a password, and HTTP/2 forbids userinfo in a request's
@@ -215,18 +216,6 @@ pub(crate) fn with_default_port(url: String, port: u16) -> anyhow::Result<String
             )
         }
     }
-}
-
-/// The port part of an authority (`user@host:port`, `[::1]:port`) as written, valid or not:
-/// what follows a `:` after the host (after the `]` of an IPv6 address); `None` without one.
-fn written_port(authority: &str) -> Option<&str> {
-    let host_port = authority
-        .rsplit_once('@')
-        .map_or(authority, |(_, rest)| rest);
-    let after_host = host_port
-        .rfind(']')
-        .map_or(host_port, |end| &host_port[end..]);
-    after_host.rsplit_once(':').map(|(_, port)| port)
 }
 
 impl TryFrom<ServerArgs> for Server {
