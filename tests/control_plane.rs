@@ -577,21 +577,17 @@ async fn streams_waiting_for_hello_are_bounded() {
         });
         silent.push((tx, pending));
     }
-    // A third stream is refused at once while they wait (probes that get in are closed).
-    let mut probe = 0;
-    let refused = loop {
-        probe += 1;
-        assert!(probe < 500, "no stream was refused");
-        match RawAgent::connect(
-            plane.agent_channel().await,
-            hello(&format!("probe-{probe}"), 0, ""),
-        )
-        .await
-        {
-            Err(status) => break status,
-            Ok(agent) => drop(agent),
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
+    // Both must be waiting on the server before the third comes: one that arrived after a
+    // third would be the one refused.
+    let http = plane.running.http_addr;
+    eventually("both silent streams to wait for their Hello", || async move {
+        metric(http, "retryplane_server_streams_awaiting_hello").await == Some(2.0)
+    })
+    .await;
+    // A third stream is refused at once while they wait.
+    let Err(refused) = RawAgent::connect(plane.agent_channel().await, hello("probe", 0, "")).await
+    else {
+        panic!("a third stream got in while two waited for their Hello");
     };
     assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
     assert!(
@@ -605,6 +601,10 @@ async fn streams_waiting_for_hello_are_bounded() {
         let first = inbound.message().await.unwrap().unwrap();
         assert_eq!(first.decode_snapshot().unwrap().unwrap().version, 1);
     }
+    assert_eq!(
+        metric(http, "retryplane_server_streams_awaiting_hello").await,
+        Some(0.0)
+    );
     let mut late = RawAgent::connect(plane.agent_channel().await, hello("late", 0, ""))
         .await
         .unwrap();

@@ -21,8 +21,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use prometheus_client::metrics::gauge::Gauge;
 use retryplane_proto::pb::{self, agent_message::Kind};
-use tokio::sync::{Semaphore, mpsc, watch};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
 use tokio::time::Instant;
 use tonic::{Request, Status, Streaming};
 use tracing::{debug, info, warn};
@@ -128,6 +129,29 @@ impl AgentStreamService {
             ctx,
             handshakes: Arc::new(Semaphore::new(pending)),
         }
+    }
+}
+
+/// A stream's handshake place, held from the moment the stream is accepted until it is
+/// registered or refused; shown as `retryplane_server_streams_awaiting_hello`.
+struct AwaitingHello {
+    _permit: OwnedSemaphorePermit,
+    gauge: Gauge,
+}
+
+impl AwaitingHello {
+    fn new(permit: OwnedSemaphorePermit, gauge: &Gauge) -> Self {
+        gauge.inc();
+        Self {
+            _permit: permit,
+            gauge: gauge.clone(),
+        }
+    }
+}
+
+impl Drop for AwaitingHello {
+    fn drop(&mut self) {
+        self.gauge.dec();
     }
 }
 
@@ -238,13 +262,14 @@ impl AgentStreamService {
         let limits = &self.ctx.limits;
         // Held until the stream is registered (or refused), so streams that never say Hello
         // cannot pile up; a registered stream counts against the agent limit instead.
-        let Ok(_handshake) = self.handshakes.clone().try_acquire_owned() else {
+        let Ok(permit) = self.handshakes.clone().try_acquire_owned() else {
             self.ctx.metrics.streams_refused.inc();
             return Err(Status::resource_exhausted(format!(
                 "{} streams are already waiting to send Hello; retry later",
                 limits.max_pending_handshakes
             )));
         };
+        let _handshake = AwaitingHello::new(permit, &self.ctx.metrics.streams_awaiting_hello);
         let mut inbound = request.into_inner();
         // A shutdown does not wait for the Hello: the stream is told to reconnect at once, as
         // registered ones are, so a stream that never says Hello cannot hold the shutdown up.

@@ -46,6 +46,9 @@ pub struct ServerMetrics {
     /// Streams refused because the agent limit, or the limit on streams waiting for Hello,
     /// was reached.
     pub streams_refused: Counter,
+    /// Agent streams open but not yet registered: waiting for their Hello (bounded by
+    /// `StreamLimits::max_pending_handshakes`).
+    pub streams_awaiting_hello: Gauge,
     /// Agent streams and admin calls refused for their token: missing, unknown, or of a role
     /// the listener does not admit.
     pub auth_refused: Counter,
@@ -87,6 +90,7 @@ impl ServerMetrics {
         let reports_dropped = Counter::default();
         let reports_duplicate = Counter::default();
         let streams_refused = Counter::default();
+        let streams_awaiting_hello = Gauge::default();
         let auth_refused = Counter::default();
         registry.register(
             "agents_connected",
@@ -132,6 +136,11 @@ impl ServerMetrics {
             streams_refused.clone(),
         );
         registry.register(
+            "streams_awaiting_hello",
+            "Agent streams open but not yet registered, waiting for their Hello",
+            streams_awaiting_hello.clone(),
+        );
+        registry.register(
             "auth_refused",
             "Agent streams and admin calls refused for a missing or unknown token, or one of a role the listener does not admit",
             auth_refused.clone(),
@@ -149,6 +158,7 @@ impl ServerMetrics {
             reports_dropped,
             reports_duplicate,
             streams_refused,
+            streams_awaiting_hello,
             auth_refused,
         }
     }

@@ -515,22 +515,16 @@ async fn shutdown_refuses_a_stream_still_waiting_for_its_hello_with_unavailable(
     let (_dir, mut cfg) = with_file(V1);
     // Longer than the whole shutdown may take: the shutdown must not wait for it.
     cfg.stream_limits.hello_timeout = SHUTDOWN_GRACE * 4;
-    // One stream may wait for its Hello: a second one refused tells the first is waiting.
-    cfg.stream_limits.max_pending_handshakes = 1;
     let running = start(cfg).await.unwrap();
     let mut client = AgentServiceClient::new(channel(running.agent_addr).await);
     let (tx, rx) = mpsc::channel::<pb::AgentMessage>(1);
     let waiting = tokio::spawn(async move { client.connect(ReceiverStream::new(rx)).await });
-    tokio::time::timeout(SHUTDOWN_GRACE, async {
-        for probe in 0.. {
-            match open_stream(running.agent_addr, hello(&format!("probe-{probe}")), None).await {
-                Err(status) if status.code() == Code::ResourceExhausted => break,
-                _ => tokio::time::sleep(Duration::from_millis(10)).await,
-            }
-        }
-    })
-    .await
-    .expect("the stream reaches the server and waits for its Hello");
+    let metrics = &running.control().metrics;
+    eventually(
+        "the stream reaches the server and waits for its Hello",
+        || async { metrics.streams_awaiting_hello.get() == 1 },
+    )
+    .await;
     let began = tokio::time::Instant::now();
     let stopping = tokio::spawn(running.shutdown());
     let refused = tokio::time::timeout(SHUTDOWN_GRACE, waiting)
@@ -1002,9 +996,6 @@ async fn a_stream_whose_token_is_removed_while_it_waits_for_hello_is_refused_unr
     let tokens_file = dir.path().join("tokens.yaml");
     fs::write(&tokens_file, TWO_AGENT_TOKENS).unwrap();
     cfg.tokens_file = Some(tokens_file.clone());
-    // One stream at a time may wait for its Hello: a second one refused for that shows the
-    // first is past the token check and waiting.
-    cfg.stream_limits.max_pending_handshakes = 1;
     cfg.stream_limits.hello_timeout = Duration::from_secs(30);
     let running = start(cfg).await.unwrap();
     let addr = running.agent_addr;
@@ -1012,18 +1003,12 @@ async fn a_stream_whose_token_is_removed_while_it_waits_for_hello_is_refused_unr
     let mut client = AgentServiceClient::new(channel(addr).await);
     let request = authorized(ReceiverStream::new(rx), "agent-secret-0123456789");
     let waiting = tokio::spawn(async move { client.connect(request).await });
-    let mut probes = 0;
-    loop {
-        probes += 1;
-        assert!(probes <= 500, "the first stream never waited for its Hello");
-        let probe = format!("probe-{probes}");
-        match open_stream(addr, hello(&probe), Some("batch-secret-0123456789")).await {
-            Err(status) if status.code() == Code::ResourceExhausted => break,
-            // The probe got in first, said Hello and was served: try again.
-            Ok(_) => {}
-            Err(status) => panic!("{status:?}"),
-        }
-    }
+    // Past the token check and waiting for its Hello.
+    let metrics = &running.control().metrics;
+    eventually("the stream waits for its Hello", || async {
+        metrics.streams_awaiting_hello.get() == 1
+    })
+    .await;
     fs::write(&tokens_file, FLEET_REVOKED).unwrap();
     assert_eq!(running.reload_tokens().unwrap(), Some(2));
     tx.send(hello("a-1")).await.unwrap();
