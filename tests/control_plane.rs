@@ -422,23 +422,17 @@ async fn a_thousand_concurrent_streams_all_receive_one_push() {
     .await;
 }
 
-/// Sends a NACK of `snapshot` (agent `a1`'s last push) whose error is `marker` and waits
-/// until status shows it: the server handles a stream's messages in order, so every message
-/// sent before the marker has been handled by then.
-async fn after_answers_then_marker(plane: &Plane, agent: &RawAgent, snapshot: &pb::Snapshot) {
-    agent.nack(snapshot, "marker").await;
-    eventually("the marker NACK shows in fleet status", || async {
-        agent_status(plane, "a1")
-            .await
-            .is_some_and(|s| s.last_error == "marker")
-    })
-    .await;
+/// Waits until the server has read every message `agent` sent so far: a stream is read in
+/// order, so once a numbered report sent now is acknowledged, all before it were read.
+async fn after_answers(agent: &mut RawAgent, seq: u64) {
+    agent.send(report(seq, "ep-0", 1)).await;
+    assert_eq!(agent.next_ack().await, (seq, false));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_answer_counts_only_for_the_version_its_nonce_was_sent_with() {
     let plane = Plane::file_mode(&policy_yaml(1, 3)).await;
-    let mut agent = RawAgent::connect(plane.agent_channel().await, hello("a1", 0, ""))
+    let mut agent = RawAgent::connect(plane.agent_channel().await, hello_instance("a1", 1))
         .await
         .unwrap();
     let v1 = agent.next_snapshot().await.unwrap();
@@ -456,12 +450,12 @@ async fn an_answer_counts_only_for_the_version_its_nonce_was_sent_with() {
             error: "not the version that was sent".into(),
         }))
         .await;
-    after_answers_then_marker(&plane, &agent, &v1).await;
+    after_answers(&mut agent, 1).await;
     let status = agent_status(&plane, "a1").await.unwrap();
     assert_eq!(status.applied_version, 0, "{status:?}");
-    assert_eq!(status.last_response_version, 1, "{status:?}");
+    assert_eq!(status.last_response, "", "{status:?}");
     let metrics = &plane.running.control().metrics;
-    assert_eq!((metrics.acks.get(), metrics.nacks.get()), (0, 1));
+    assert_eq!((metrics.acks.get(), metrics.nacks.get()), (0, 0));
     // The right version with its nonce is recorded.
     agent.ack(&v1).await;
     eventually("the ACK of version 1 shows in fleet status", || async {
@@ -475,7 +469,7 @@ async fn an_answer_counts_only_for_the_version_its_nonce_was_sent_with() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_answer_with_a_stale_nonce_is_ignored() {
     let plane = Plane::api_mode(&policy_yaml(1, 3)).await;
-    let mut agent = RawAgent::connect(plane.agent_channel().await, hello("a1", 0, ""))
+    let mut agent = RawAgent::connect(plane.agent_channel().await, hello_instance("a1", 1))
         .await
         .unwrap();
     let v1 = agent.next_snapshot().await.unwrap();
@@ -491,12 +485,46 @@ async fn an_answer_with_a_stale_nonce_is_ignored() {
             nonce: "never-sent".into(),
         }))
         .await;
-    after_answers_then_marker(&plane, &agent, &v2).await;
+    after_answers(&mut agent, 1).await;
     let status = agent_status(&plane, "a1").await.unwrap();
     assert_eq!(status.applied_version, 0, "{status:?}");
-    assert_eq!(status.last_response_version, 2, "{status:?}");
+    assert_eq!(status.last_response, "", "{status:?}");
     let metrics = &plane.running.control().metrics;
-    assert_eq!((metrics.acks.get(), metrics.nacks.get()), (0, 1));
+    assert_eq!((metrics.acks.get(), metrics.nacks.get()), (0, 0));
+    // The last push is still answered.
+    agent.ack(&v2).await;
+    after_answers(&mut agent, 2).await;
+    assert_eq!((metrics.acks.get(), metrics.nacks.get()), (1, 0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_push_counts_only_its_first_answer() {
+    let plane = Plane::api_mode(&policy_yaml(1, 3)).await;
+    let mut agent = RawAgent::connect(plane.agent_channel().await, hello_instance("a1", 1))
+        .await
+        .unwrap();
+    let v1 = agent.next_snapshot().await.unwrap();
+    // The same ACK twice, then a NACK of the same push: only the first answer counts.
+    agent.ack(&v1).await;
+    agent.ack(&v1).await;
+    agent.nack(&v1, "changed its mind").await;
+    after_answers(&mut agent, 1).await;
+    let metrics = &plane.running.control().metrics;
+    assert_eq!((metrics.acks.get(), metrics.nacks.get()), (1, 0));
+    let status = agent_status(&plane, "a1").await.unwrap();
+    assert_eq!(status.applied_version, 1, "{status:?}");
+    assert_eq!(status.last_response, "ack", "{status:?}");
+    assert_eq!(status.last_error, "", "{status:?}");
+    // The next push is answered anew.
+    assert_eq!(plane.apply(&policy_yaml(1, 4)).await, 2);
+    let v2 = agent.next_snapshot().await.unwrap();
+    agent.nack(&v2, "unknown field").await;
+    agent.ack(&v2).await;
+    after_answers(&mut agent, 2).await;
+    assert_eq!((metrics.acks.get(), metrics.nacks.get()), (1, 1));
+    let status = agent_status(&plane, "a1").await.unwrap();
+    assert_eq!(status.applied_version, 1, "{status:?}");
+    assert_eq!(status.last_error, "unknown field", "{status:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

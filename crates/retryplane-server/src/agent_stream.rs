@@ -335,6 +335,7 @@ impl AgentStreamService {
             known_hash: hello.last_applied_hash.clone(),
             instance_id: hello.instance_id,
             sent_nonce: None,
+            answered: false,
             refused: registration.refused,
             service: self.ctx.aggregates.service(&hello.service),
             bucket: Bucket {
@@ -393,6 +394,9 @@ struct AgentStream {
     instance_id: u64,
     /// The nonce of the last snapshot sent; answers to other nonces are stale.
     sent_nonce: Option<String>,
+    /// Whether the last snapshot sent was answered: a push counts one ACK or NACK, and a
+    /// second answer to it (repeated or contradicting) is ignored.
+    answered: bool,
     /// The snapshot the agent refused on an earlier stream ([`crate::fleet::Registration`]):
     /// never pushed again on this one.
     refused: Option<crate::fleet::Refused>,
@@ -497,6 +501,7 @@ impl AgentStream {
                 self.known_version = snap.version;
                 self.known_hash.clone_from(&snap.content_hash);
                 self.sent_nonce = Some(snap.nonce.clone());
+                self.answered = false;
                 self.ctx.metrics.pushes.inc();
                 debug!(agent = %self.agent_id, version = snap.version, "snapshot sent");
             }
@@ -551,9 +556,14 @@ impl AgentStream {
         info!(agent = %self.agent_id, "agent disconnected");
     }
 
-    /// Whether an ACK or NACK with `nonce` and `version` answers the last snapshot sent.
-    fn answers_last_push(&self, nonce: &str, version: u64) -> bool {
-        self.sent_nonce.as_deref() == Some(nonce) && version == self.known_version
+    /// Whether an answer naming `nonce` and `version` is the first answer to the last push;
+    /// if so, the push counts as answered.
+    fn answers_last_push(&mut self, nonce: &str, version: u64) -> bool {
+        let first = !self.answered
+            && self.sent_nonce.as_deref() == Some(nonce)
+            && version == self.known_version;
+        self.answered |= first;
+        first
     }
 
     /// Whether the agent should get `snap`: another version, or the same number with other
@@ -592,7 +602,7 @@ impl AgentStream {
                     ctx.metrics.acks.inc();
                 } else {
                     ctx.fleet.seen(&self.agent_id, self.generation);
-                    debug!(agent = %self.agent_id, version = ack.version, nonce = %ack.nonce, "stale ACK ignored: not the last snapshot sent");
+                    debug!(agent = %self.agent_id, version = ack.version, nonce = %ack.nonce, "ACK ignored: not the first answer to the last snapshot sent");
                 }
             }
             Some(Kind::Nack(nack)) => {
@@ -608,7 +618,7 @@ impl AgentStream {
                     warn!(agent = %self.agent_id, version = nack.version, "agent refused a snapshot");
                 } else {
                     ctx.fleet.seen(&self.agent_id, self.generation);
-                    debug!(agent = %self.agent_id, version = nack.version, nonce = %nack.nonce, "stale NACK ignored: not the last snapshot sent");
+                    debug!(agent = %self.agent_id, version = nack.version, nonce = %nack.nonce, "NACK ignored: not the first answer to the last snapshot sent");
                 }
             }
             Some(Kind::Metrics(report)) => return self.on_report(&report),
