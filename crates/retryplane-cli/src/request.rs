@@ -180,11 +180,7 @@ impl TryFrom<Args> for Settings {
         let policy = match (args.policy, args.server) {
             (Some(path), _) => PolicyFrom::File(input::Source::from_arg(path)),
             (None, Some(url)) => {
-                let url = if url.contains("://") {
-                    url
-                } else {
-                    format!("http://{url}")
-                };
+                let url = crate::admin::with_scheme(url);
                 // The agent's token would go out in clear text on a URL that asked for TLS.
                 if !url.starts_with("http://") {
                     bail!(
@@ -661,6 +657,11 @@ mod tests {
         );
         assert_eq!(
             server_of(&["--server", "http://cp.internal:9000"]),
+            "http://cp.internal:9000"
+        );
+        // A scheme is case-insensitive.
+        assert_eq!(
+            server_of(&["--server", "HTTP://cp.internal:9000"]),
             "http://cp.internal:9000"
         );
     }

@@ -130,6 +130,24 @@ const DEFAULT_PORT: u16 = 7471;
 pub(crate) use retryplane_agent::shown_url;
 use retryplane_agent::written_port;
 
+/// A `--server` value as a URL: `http://` put before one that names no scheme (`cp:7472`), and
+/// a scheme written in capitals lowered, since schemes are case-insensitive (RFC 3986 §3.1:
+/// `HTTP://cp` is `http://cp`).
+pub(crate) fn with_scheme(given: String) -> String {
+    let Some((scheme, rest)) = given.split_once("://") else {
+        return format!("http://{given}");
+    };
+    let is_scheme = scheme.starts_with(|c: char| c.is_ascii_alphabetic())
+        && scheme
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'));
+    if is_scheme && scheme.chars().any(|c| c.is_ascii_uppercase()) {
+        format!("{}://{rest}", scheme.to_ascii_lowercase())
+    } else {
+        given
+    }
+}
+
 /// `url` without the `user:password@` of its authority, and whether it had one: the control
 /// plane takes a token, never a password, and HTTP/2 forbids userinfo in a request's
 /// `:authority` (RFC 9113 §8.3.1), where it would otherwise go out on every call. A URL that
@@ -226,10 +244,8 @@ impl TryFrom<ServerArgs> for Server {
         // default, as when the variable is not set at all (an empty token is no token, below).
         let url = if args.server.is_empty() {
             DEFAULT_SERVER.to_owned()
-        } else if args.server.contains("://") {
-            args.server
         } else {
-            format!("http://{}", args.server)
+            with_scheme(args.server)
         };
         if !url.starts_with("http://") {
             bail!(
@@ -464,6 +480,25 @@ mod tests {
             with_default_port("http://[::1]:9000".to_owned(), 7470).unwrap(),
             "http://[::1]:9000"
         );
+    }
+
+    #[test]
+    fn a_server_without_a_scheme_is_http_and_a_scheme_in_capitals_is_lowered() {
+        for (given, url) in [
+            ("cp:7472", "http://cp:7472"),
+            ("HTTP://cp:7472", "http://cp:7472"),
+            ("Http://u@cp:7472", "http://u@cp:7472"),
+            ("http://cp:7472", "http://cp:7472"),
+            // Not a scheme: as given (and refused for it later).
+            ("cp/?x=HTTP://y", "cp/?x=HTTP://y"),
+            ("HTTPS://cp", "https://cp"),
+        ] {
+            assert_eq!(with_scheme(given.to_owned()), url, "{given}");
+        }
+        let s = server("HTTP://127.0.0.1:9", None).unwrap();
+        assert_eq!(s.endpoint.uri().to_string(), "http://127.0.0.1:9/");
+        let e = server("HTTPS://127.0.0.1:9", None).unwrap_err();
+        assert!(e.to_string().contains("only http://"), "{e}");
     }
 
     #[test]
