@@ -489,18 +489,19 @@ struct Fanout {
 }
 
 impl Fanout {
-    /// Makes `record` current: the snapshot streams send, the version gauge and the alert
-    /// thresholds.
+    /// Makes `record` current: the version gauge, set before the streams are woken (whoever
+    /// sees the new version pushed reads it in the gauge too), the snapshot streams send, then
+    /// the alert thresholds (read from the whole document, so not before the push). A record
+    /// older than what is served changes nothing (see `Publisher::publish`).
     fn publish(&self, record: &VersionRecord) {
-        let published = self.publisher.publish(record);
-        if published.version != record.meta.version {
-            // Older than what is served (see `Publisher::publish`): nothing changes.
-            return;
+        let published = self.publisher.publish_then(record, || {
+            self.metrics
+                .current_version
+                .set(i64::try_from(record.meta.version).unwrap_or(i64::MAX));
+        });
+        if published.version == record.meta.version {
+            self.aggregates.thresholds().set_from(&record.document);
         }
-        self.aggregates.thresholds().set_from(&record.document);
-        self.metrics
-            .current_version
-            .set(i64::try_from(record.meta.version).unwrap_or(i64::MAX));
     }
 }
 

@@ -68,6 +68,17 @@ impl Publisher {
     /// a record older than the current snapshot is not published (logged), and the current
     /// snapshot is returned instead.
     pub fn publish(&self, record: &VersionRecord) -> Arc<Snapshot> {
+        self.publish_then(record, || {})
+    }
+
+    /// [`Publisher::publish`], running `before_wake` once `record` is known to be published and
+    /// before any stream is woken (not at all when it is not published): what a stream's
+    /// observer reads about the new version (gauges, thresholds) is then set when it sees it.
+    pub fn publish_then(
+        &self,
+        record: &VersionRecord,
+        before_wake: impl FnOnce(),
+    ) -> Arc<Snapshot> {
         if let Some(current) = self.current()
             && current.version > record.meta.version
         {
@@ -97,6 +108,7 @@ impl Publisher {
             document: Arc::new(record.document.clone()),
             frame,
         });
+        before_wake();
         self.tx.send_replace(Some(published.clone()));
         published
     }
@@ -146,6 +158,20 @@ mod tests {
         assert_eq!(publisher.publish(&record(2)).version, 2);
         assert_eq!(publisher.publish(&record(3)).version, 3);
         assert_eq!(publisher.current().unwrap().version, 3);
+    }
+
+    #[test]
+    fn publish_then_runs_before_any_stream_is_woken_and_only_for_a_published_version() {
+        let publisher = Publisher::new(10_000);
+        let seen = publisher.subscribe();
+        let mut ran = Vec::new();
+        publisher.publish_then(&record(2), || {
+            assert!(!seen.has_changed().unwrap(), "woken first");
+            ran.push(2);
+        });
+        assert!(seen.has_changed().unwrap());
+        publisher.publish_then(&record(1), || ran.push(1));
+        assert_eq!(ran, [2]);
     }
 
     #[test]
