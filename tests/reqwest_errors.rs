@@ -15,9 +15,12 @@ use retryplane_policy::ErrorClass;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpListener;
 
-/// reqwest's whole-request timeout in these tests: far below the policy's per-try timeout, so
-/// the error is reqwest's, not the agent's.
-const CLIENT_TIMEOUT: Duration = Duration::from_millis(200);
+/// reqwest's whole-request timeout against a server that never answers: far below the
+/// policy's per-try timeout, so the error is reqwest's, not the agent's.
+const SILENT_TIMEOUT: Duration = Duration::from_millis(500);
+/// reqwest's timeout against a server that resets: long enough that a loaded machine never
+/// turns a reset into a timeout.
+const RESET_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What a scripted server does with each connection once it has read the request head.
 #[derive(Clone, Copy, Debug)]
@@ -28,6 +31,26 @@ enum Behaviour {
     ResetMidResponse,
     /// Never answers (keeps the connection open, reading).
     Silent,
+}
+
+impl Behaviour {
+    /// The client's timeout against this behaviour.
+    fn client_timeout(self) -> Duration {
+        match self {
+            Behaviour::Silent => SILENT_TIMEOUT,
+            Behaviour::Reset | Behaviour::ResetMidResponse => RESET_TIMEOUT,
+        }
+    }
+}
+
+/// Waits until `seen` reaches `n` (at most 10 s) and returns it, for the caller to check it is
+/// exactly `n`: a request that timed out on the client's side may not yet be counted.
+async fn seen_reaches(seen: &AtomicU32, n: u32) -> u32 {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while seen.load(Ordering::SeqCst) < n && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    seen.load(Ordering::SeqCst)
 }
 
 /// A server on 127.0.0.1:0 that behaves as told on every connection; counts requests.
@@ -74,9 +97,9 @@ async fn server(how: Behaviour) -> (String, Arc<AtomicU32>) {
     (url, seen)
 }
 
-fn client() -> reqwest::Client {
+fn client(timeout: Duration) -> reqwest::Client {
     reqwest::Client::builder()
-        .timeout(CLIENT_TIMEOUT)
+        .timeout(timeout)
         // One request per connection: each attempt meets the server's behaviour afresh.
         .pool_max_idle_per_host(0)
         .build()
@@ -87,9 +110,9 @@ fn transport(class: ErrorClass) -> Classification {
     Classification::Outcome(Outcome::Transport(class))
 }
 
-/// The error of one GET to `url`.
-async fn get_error(url: &str) -> reqwest::Error {
-    client().get(url).send().await.unwrap_err()
+/// The error of one GET to `url`, with the client's `timeout`.
+async fn get_error(url: &str, timeout: Duration) -> reqwest::Error {
+    client(timeout).get(url).send().await.unwrap_err()
 }
 
 #[tokio::test]
@@ -97,7 +120,7 @@ async fn a_refused_connection_is_a_connect_error() {
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}/", l.local_addr().unwrap());
     drop(l);
-    let e = get_error(&url).await;
+    let e = get_error(&url, RESET_TIMEOUT).await;
     assert!(e.is_connect(), "{e:?}");
     assert_eq!(e.classify(), transport(ErrorClass::Connect));
 }
@@ -105,7 +128,7 @@ async fn a_refused_connection_is_a_connect_error() {
 #[tokio::test]
 async fn a_connection_reset_before_the_response_is_a_reset() {
     let (url, seen) = server(Behaviour::Reset).await;
-    let e = get_error(&url).await;
+    let e = get_error(&url, RESET_TIMEOUT).await;
     assert!(!e.is_connect() && !e.is_timeout(), "{e:?}");
     assert_eq!(e.classify(), transport(ErrorClass::Reset), "{e:?}");
     assert_eq!(
@@ -118,17 +141,17 @@ async fn a_connection_reset_before_the_response_is_a_reset() {
 #[tokio::test]
 async fn a_connection_reset_mid_response_is_a_reset() {
     let (url, _) = server(Behaviour::ResetMidResponse).await;
-    let e = get_error(&url).await;
+    let e = get_error(&url, RESET_TIMEOUT).await;
     assert_eq!(e.classify(), transport(ErrorClass::Reset), "{e:?}");
 }
 
 #[tokio::test]
 async fn a_server_that_never_answers_is_a_timeout() {
     let (url, seen) = server(Behaviour::Silent).await;
-    let e = get_error(&url).await;
+    let e = get_error(&url, SILENT_TIMEOUT).await;
     assert!(e.is_timeout(), "{e:?}");
     assert_eq!(e.classify(), transport(ErrorClass::Timeout), "{e:?}");
-    assert_eq!(seen.load(Ordering::SeqCst), 1);
+    assert_eq!(seen_reaches(&seen, 1).await, 1);
 }
 
 /// An agent whose `ep` has 3 attempts, tiny pauses, a per-try timeout above reqwest's.
@@ -142,8 +165,13 @@ fn agent() -> Agent {
 
 /// One logical call of `method` to `url` through `agent`'s `ep`: the give-up cause and
 /// attempts.
-async fn call(agent: &Agent, method: reqwest::Method, url: &str) -> (Option<GiveUpCause>, u32) {
-    let client = client();
+async fn call(
+    agent: &Agent,
+    method: reqwest::Method,
+    url: &str,
+    timeout: Duration,
+) -> (Option<GiveUpCause>, u32) {
+    let client = client(timeout);
     let err = agent
         .endpoint("ep")
         .call(CallMeta::http(method.as_str(), "/v1/things"), |_| {
@@ -168,17 +196,18 @@ async fn a_reset_or_timed_out_get_is_retried_and_a_post_is_not() {
     for how in [Behaviour::Reset, Behaviour::Silent] {
         let (url, seen) = server(how).await;
         let agent = agent();
+        let timeout = how.client_timeout();
         assert_eq!(
-            call(&agent, reqwest::Method::GET, &url).await,
+            call(&agent, reqwest::Method::GET, &url, timeout).await,
             (Some(GiveUpCause::AttemptsExhausted), 3),
             "{how:?}"
         );
-        assert_eq!(seen.load(Ordering::SeqCst), 3, "{how:?}");
+        assert_eq!(seen_reaches(&seen, 3).await, 3, "{how:?}");
         assert_eq!(
-            call(&agent, reqwest::Method::POST, &url).await,
+            call(&agent, reqwest::Method::POST, &url, timeout).await,
             (Some(GiveUpCause::NotRetryable), 1),
             "{how:?}"
         );
-        assert_eq!(seen.load(Ordering::SeqCst), 4, "{how:?}");
+        assert_eq!(seen_reaches(&seen, 4).await, 4, "{how:?}");
     }
 }

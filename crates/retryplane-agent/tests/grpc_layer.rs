@@ -528,23 +528,18 @@ async fn a_grpc_timeout_only_tonic_reads_is_the_callers_deadline_and_not_retried
 
 #[tokio::test]
 async fn a_callers_grpc_timeout_bounds_the_whole_call_through_the_layer() {
-    // Each UNAVAILABLE asks for a 200 ms pushback; the caller's deadline is 150 ms. Below the
+    // Each UNAVAILABLE asks for a 2 s pushback; the caller's deadline is 1 s. Below the
     // layer, tonic enforces `grpc-timeout` on each attempt only: without the layer reading it,
-    // the call slept 200 ms twice and answered after 400 ms, long past the deadline.
+    // the call slept 2 s twice and answered after 4 s, long past the deadline.
     let (upstream, channel) = serve(&[
-        (Code::Unavailable, Some("200")),
-        (Code::Unavailable, Some("200")),
+        (Code::Unavailable, Some("2000")),
+        (Code::Unavailable, Some("2000")),
     ])
     .await;
     let agent = agent();
-    let status = get_within(
-        &agent,
-        channel,
-        Some(true),
-        Some(Duration::from_millis(150)),
-    )
-    .await
-    .expect_err("the call gives up");
+    let status = get_within(&agent, channel, Some(true), Some(Duration::from_secs(1)))
+        .await
+        .expect_err("the call gives up");
     // The last answer, returned when the pause would end past the caller's deadline.
     assert_eq!(status.code(), Code::Unavailable, "{status:?}");
     assert_eq!(upstream.gets(), 1);
@@ -596,14 +591,16 @@ async fn an_attempt_the_callers_deadline_ends_gives_deadline_exceeded_not_tonics
     // been the attempt's result, ended the call CANCELLED ("Timeout expired", not retried) and
     // counted it as not retryable, in most runs.
     for (lines, timeout, attempts) in [
-        // Attempts of 100 ms, then one that the caller's 250 ms ends.
+        // Attempts of 100 ms, then one that the caller's 250 ms ends. (On a loaded machine
+        // timers wake late, and the second attempt may end too late for the 10 ms pause to fit:
+        // the call then gives up after it, at the deadline too.)
         (
             "    max_attempts: 5\n    per_try_timeout: 100ms\n    retry_on: {errors: [timeout]}\n",
             250,
-            3,
+            2..=3,
         ),
         // The first attempt ends at the caller's deadline.
-        ("    max_attempts: 3\n", 150, 1),
+        ("    max_attempts: 3\n", 150, 1..=1),
     ] {
         for _ in 0..5 {
             let agent = agent_with(lines);
@@ -618,9 +615,10 @@ async fn an_attempt_the_callers_deadline_ends_gives_deadline_exceeded_not_tonics
             .expect_err("no answer");
             assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
             let c = counts(&agent);
+            assert!(attempts.contains(&c.attempts), "{c:?} {lines}");
             assert_eq!(
-                (c.attempts, c.gave_up_deadline, c.gave_up_not_retryable),
-                (attempts, 1, 0),
+                (c.gave_up_deadline, c.gave_up_not_retryable),
+                (1, 0),
                 "{lines}"
             );
         }

@@ -5,7 +5,7 @@
 mod support;
 
 use std::io::ErrorKind;
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use retryplane_agent::{CallMeta, Cause, GiveUpCause, Last};
 use retryplane_policy::retry_after::format_http_date;
@@ -72,12 +72,26 @@ async fn retry_after_shorter_than_the_backoff_does_not_shorten_it() {
 #[tokio::test(start_paused = true)]
 async fn retry_after_as_an_http_date_is_honored() {
     let agent = agent(&policy(""));
-    let date = format_http_date(SystemTime::now() + Duration::from_secs(5));
-    let up = Upstream::new([Step::RetryAfter(429, date)]);
+    // The date has whole seconds; the agent reads the wall clock somewhen between `before` and
+    // `after`, so the wait is the time from then to the date.
+    let before = SystemTime::now();
+    let at = before + Duration::from_secs(5);
+    let at = UNIX_EPOCH + Duration::from_secs(at.duration_since(UNIX_EPOCH).unwrap().as_secs());
+    let up = Upstream::new([Step::RetryAfter(429, format_http_date(at))]);
     up.call(&agent, get()).await.unwrap();
+    let after = SystemTime::now();
+    let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap();
+    let longest = ms(at.duration_since(before).unwrap()) + 1;
+    let shortest = ms(at.duration_since(after).unwrap_or_default()).saturating_sub(1);
     let starts = up.starts_ms();
-    // The date has whole seconds: the wait is in (4 s, 5 s].
-    assert!(starts[1] > 4000 && starts[1] <= 5000, "{starts:?}");
+    assert!(
+        shortest > 3000,
+        "{shortest} ms: the machine stalled for seconds"
+    );
+    assert!(
+        (shortest..=longest).contains(&starts[1]),
+        "{starts:?} not in [{shortest}, {longest}]"
+    );
 }
 
 #[tokio::test(start_paused = true)]

@@ -392,15 +392,22 @@ async fn reconnects_to_a_control_plane_that_refuses_every_stream_back_off_up_to_
     assert_eq!(agent.policies().source(), Source::Fallback);
     let ms = |d: Duration| d.as_secs_f64() * 1000.0;
     let gaps: Vec<f64> = streams.windows(2).map(|w| ms(w[1] - w[0])).collect();
+    // A gap is the delay plus the time a try takes, so only its lower bound is exact.
     for (n, gap) in gaps.iter().enumerate() {
         let ceiling = (100u64 << n.min(2)) as f64;
-        // A try takes a little time of its own (a busy machine more): the upper bound has a
-        // margin.
         assert!(
-            *gap >= ceiling / 2.0 - 5.0 && *gap <= ceiling + 250.0,
-            "delay {} was {gap:.0} ms, outside [{}, {ceiling}] ms: {gaps:?}",
+            *gap >= ceiling / 2.0 - 5.0,
+            "delay {} was {gap:.0} ms, under {} ms: {gaps:?}",
             n + 1,
             ceiling / 2.0
         );
     }
+    // The cap: from the third delay on, each is at most 400 ms. A try takes a little time of
+    // its own and a loaded machine wakes late now and then, so the middle one of the five is
+    // held to the cap with a margin, and none may take more than a second (without the cap
+    // the fifth delay would be at least 0.8 s, the sixth 1.6 s, the seventh 3.2 s).
+    let mut capped = gaps[2..].to_vec();
+    capped.sort_by(f64::total_cmp);
+    assert!(capped[capped.len() / 2] <= 450.0, "{gaps:?}");
+    assert!(capped.iter().all(|gap| *gap <= 1000.0), "{gaps:?}");
 }

@@ -19,8 +19,12 @@ fn spawn(
     spawn_before_start(control, file, timing, shutdown).map(|(task, _)| task)
 }
 
-/// SPEC/issue 3: a valid save is published within a second.
+/// SPEC/issue 3: a valid save is published within a second. Held only by the test named for
+/// it: the others wait [`PUBLISHED`], so that a loaded machine does not fail them on time alone.
 const PUBLISH_BOUND: Duration = Duration::from_secs(1);
+
+/// How long the tests other than the one for [`PUBLISH_BOUND`] wait for a publish.
+const PUBLISHED: Duration = Duration::from_secs(10);
 
 /// The production quiet period; a short rescan, so a test that needs one does not wait 10 s.
 const TIMING: Timing = Timing {
@@ -128,7 +132,7 @@ async fn a_burst_of_writes_is_read_once_after_the_quiet_period() {
     for contents in [V2, V1, V3] {
         fs::write(&f.file, contents).unwrap();
     }
-    wait_for_version(&f.control, 2, PUBLISH_BOUND).await;
+    wait_for_version(&f.control, 2, PUBLISHED).await;
     assert_eq!(max_attempts_served(&f.control).await, Some(5));
     let history = f.control.blocking(|s| s.history(0, None)).await.unwrap();
     assert_eq!(history.len(), 2, "one version for the whole burst");
@@ -146,7 +150,7 @@ async fn invalid_save_is_rejected_and_the_last_good_version_stays() {
     assert_eq!(max_attempts_served(&f.control).await, Some(3));
     // The next valid save goes through.
     save_by_rename(&f, V2);
-    wait_for_version(&f.control, 2, PUBLISH_BOUND).await;
+    wait_for_version(&f.control, 2, PUBLISHED).await;
 }
 
 #[tokio::test]
@@ -154,7 +158,7 @@ async fn saving_the_same_content_publishes_nothing() {
     let f = fixture().await;
     save_by_rename(&f, &format!("# a comment\n{V1}"));
     save_by_rename(&f, V2);
-    wait_for_version(&f.control, 2, PUBLISH_BOUND).await;
+    wait_for_version(&f.control, 2, PUBLISHED).await;
     let history = f.control.blocking(|s| s.history(0, None)).await.unwrap();
     assert_eq!(history.len(), 2);
 }
@@ -192,7 +196,7 @@ async fn other_files_in_the_directory_are_ignored() {
     let f = fixture().await;
     fs::write(f.dir.path().join("other.yaml"), INVALID).unwrap();
     save_by_rename(&f, V2);
-    wait_for_version(&f.control, 2, PUBLISH_BOUND).await;
+    wait_for_version(&f.control, 2, PUBLISHED).await;
     assert_eq!(f.control.metrics.rejected_changes.get(), 0);
 }
 
@@ -239,12 +243,12 @@ async fn a_configmap_swap_of_the_data_link_is_published() {
 
     configmap(&config, "..2026_01_01_00_01_00.2", V2);
     fs::remove_dir_all(config.join("..2026_01_01_00_00_00.1")).unwrap();
-    wait_for_version(&f.control, 2, PUBLISH_BOUND).await;
+    wait_for_version(&f.control, 2, PUBLISHED).await;
     assert_eq!(max_attempts_served(&f.control).await, Some(4));
 
     // The watch followed the swap: an edit inside the new data directory is seen too.
     fs::write(config.join("..2026_01_01_00_01_00.2/policies.yaml"), V3).unwrap();
-    wait_for_version(&f.control, 3, PUBLISH_BOUND).await;
+    wait_for_version(&f.control, 3, PUBLISHED).await;
     assert_eq!(max_attempts_served(&f.control).await, Some(5));
 }
 
@@ -262,13 +266,13 @@ async fn a_link_to_a_file_in_another_directory_follows_edits_there() {
 
     // Edited in place there,
     fs::write(&target, V2).unwrap();
-    wait_for_version(&f.control, 2, PUBLISH_BOUND).await;
+    wait_for_version(&f.control, 2, PUBLISHED).await;
     assert_eq!(max_attempts_served(&f.control).await, Some(4));
     // and saved by rename there.
     let tmp = shared.join(".retry.yaml.swp");
     fs::write(&tmp, V3).unwrap();
     fs::rename(&tmp, &target).unwrap();
-    wait_for_version(&f.control, 3, PUBLISH_BOUND).await;
+    wait_for_version(&f.control, 3, PUBLISHED).await;
     assert_eq!(max_attempts_served(&f.control).await, Some(5));
 }
 
@@ -339,7 +343,7 @@ async fn touching_an_unrelated_file_publishes_and_logs_nothing() {
     let (log, _guard) = capture_logs();
     let f = fixture().await;
     save_by_rename(&f, V2);
-    wait_for_version(&f.control, 2, PUBLISH_BOUND).await;
+    wait_for_version(&f.control, 2, PUBLISHED).await;
 
     let logged = touch_unrelated(&f, &log).await;
     let history = f.control.blocking(|s| s.history(0, None)).await.unwrap();
@@ -391,7 +395,7 @@ fn link_dirs_follow_the_chain_and_end_on_a_loop() {
 async fn a_directory_deleted_and_created_again_is_watched_again() {
     // The policy file sits in a directory of its own, which a deploy replaces whole. The
     // old directory's watch goes with it, so only the rescan can see the new one.
-    const RESCAN_EVERY: Duration = Duration::from_secs(2);
+    const RESCAN_EVERY: Duration = Duration::from_secs(4);
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("config");
     fs::create_dir(&config).unwrap();
@@ -511,7 +515,7 @@ async fn a_valid_save_after_an_invalid_one_says_once_that_the_file_is_valid_agai
     .await;
     assert!(!log.text().contains(again), "{}", log.text());
     save_by_rename(&f, V2);
-    wait_for_version(&f.control, 2, PUBLISH_BOUND).await;
+    wait_for_version(&f.control, 2, PUBLISHED).await;
     eventually("the recovery to be logged", || log.text().contains(again)).await;
     let text = log.text();
     let line = text.lines().find(|l| l.contains(again)).unwrap();
@@ -521,7 +525,7 @@ async fn a_valid_save_after_an_invalid_one_says_once_that_the_file_is_valid_agai
     );
     // The next good save is no recovery.
     save_by_rename(&f, V3);
-    wait_for_version(&f.control, 3, PUBLISH_BOUND).await;
+    wait_for_version(&f.control, 3, PUBLISHED).await;
     assert_eq!(log.text().matches(again).count(), 1, "{}", log.text());
 }
 
@@ -604,7 +608,7 @@ async fn a_file_still_open_for_writing_is_read_once_its_writer_closes_it() {
     );
     assert_eq!(f.control.metrics.rejected_changes.get(), 0);
     writer.finish(SECOND_HALF);
-    wait_for_version(&f.control, 2, PUBLISH_BOUND).await;
+    wait_for_version(&f.control, 2, PUBLISHED).await;
     let served = f.control.publisher.current().unwrap();
     let names: Vec<&str> = served
         .document
