@@ -38,7 +38,7 @@ use std::sync::Arc;
 use prost::Message as _;
 use retryplane_policy::render::to_yaml;
 use retryplane_policy::yaml::{Loc, MAX_FILE_BYTES};
-use retryplane_policy::{Diagnostic, PolicyDocument, PolicySet};
+use retryplane_policy::{Diagnostic, PolicyDocument};
 use retryplane_proto::convert;
 use retryplane_proto::pb::{self, admin_service_server::AdminService, policy_source::Kind};
 use tonic::{Request, Response, Status};
@@ -48,7 +48,9 @@ use crate::ErrorChain;
 use crate::aggregate::window::Window;
 use crate::aggregate::{Filter, Limit};
 use crate::auth::{Credential, TokenName};
-use crate::control::{ChangeError, ChangeOutcome, ChangeRequest, ControlPlane, Mode, check_size};
+use crate::control::{
+    ChangeContent, ChangeError, ChangeOutcome, ChangeRequest, ControlPlane, Mode, check_size,
+};
 use crate::store::{Source, StoreError, VersionMeta};
 
 /// The `retryplane.v1.AdminService` implementation.
@@ -324,24 +326,22 @@ fn history_page(metas: &[VersionMeta], limit: usize) -> pb::HistoryResponse {
 /// The document to apply and, for YAML, the compiled set it is the wire form of with the
 /// file's warnings (with places), for the control plane not to validate it again;
 /// INVALID_ARGUMENT with every diagnostic when the YAML has errors.
-async fn document_of(
-    kind: Kind,
-) -> Result<(pb::PolicyDocument, Option<(PolicySet, Vec<Diagnostic>)>), Status> {
+async fn document_of(kind: Kind) -> Result<ChangeContent, Status> {
     match kind {
         Kind::Document(mut document) => {
             // A file reads `-0.0` as `0.0`; so does a document, or a change of a zero's sign
             // alone would get a new hash and version.
             let _ = convert::unsigned_zeros(&mut document);
-            Ok((document, None))
+            Ok(ChangeContent::Document(Box::new(document)))
         }
         Kind::Yaml(yaml) => {
             off_runtime(move || {
                 let loaded = retryplane_policy::load(yaml.as_bytes());
                 match loaded.policies {
-                    Some(policies) => Ok((
-                        pb::PolicyDocument::from(policies.document().as_ref()),
-                        Some((policies, loaded.diagnostics)),
-                    )),
+                    Some(policies) => Ok(ChangeContent::Loaded {
+                        policies,
+                        warnings: loaded.diagnostics,
+                    }),
                     None => Err(Status::invalid_argument(diagnostic_lines(
                         &loaded.diagnostics,
                     ))),
@@ -406,8 +406,8 @@ impl AdminService for AdminApi {
         }
         let author = author(&request);
         let req = request.into_inner();
-        let (document, checked) = match document_of(source_kind(req.source)?).await {
-            Ok(document) => document,
+        let content = match document_of(source_kind(req.source)?).await {
+            Ok(content) => content,
             Err(invalid) => {
                 // Invalid YAML never reaches the control plane, which counts the other refusals.
                 if !req.dry_run && invalid.code() == tonic::Code::InvalidArgument {
@@ -417,13 +417,12 @@ impl AdminService for AdminApi {
             }
         };
         let change = ChangeRequest {
-            document,
+            content,
             source: Source::Admin,
             author,
             expected_version: req.expected_version,
             dry_run: req.dry_run,
             force: req.force,
-            checked,
         };
         self.change(change).await
     }
@@ -505,13 +504,12 @@ impl AdminService for AdminApi {
             .map_err(|e| internal(&e))?
             .ok_or_else(|| Status::not_found(format!("version {from} does not exist")))?;
         let change = ChangeRequest {
-            document: record.document,
+            content: ChangeContent::Document(Box::new(record.document)),
             source: Source::Rollback { from },
             author,
             expected_version: expected(req.expected_version),
             dry_run: false,
             force: req.force,
-            checked: None,
         };
         self.change(change).await
     }

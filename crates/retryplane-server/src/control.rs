@@ -17,7 +17,7 @@ use retryplane_policy::diff::{self, Change};
 use retryplane_policy::{Diagnostic, PolicyDocument, PolicySet};
 use retryplane_proto::{TooLargeForAgents, convert, pb};
 use tokio::sync::{Mutex, OwnedMutexGuard};
-use tracing::{info, warn};
+use tracing::info;
 
 use crate::aggregate::Aggregator;
 use crate::fleet::{Fleet, unix_ms};
@@ -35,11 +35,27 @@ pub enum Mode {
     Api,
 }
 
+/// The policies a change holds.
+#[derive(Debug)]
+pub enum ChangeContent {
+    /// A wire document (the admin API's typed form, a stored version), validated by the change.
+    Document(Box<pb::PolicyDocument>),
+    /// Policies the caller loaded and validated already (a policy file, through
+    /// `retryplane_policy::load`), with the warnings found: the change takes their wire form
+    /// and does not validate them again, and its outcome carries these warnings.
+    Loaded {
+        /// The compiled policies.
+        policies: PolicySet,
+        /// The warnings the load found (with their places in the file).
+        warnings: Vec<Diagnostic>,
+    },
+}
+
 /// A requested change.
 #[derive(Debug)]
 pub struct ChangeRequest {
     /// The new policies.
-    pub document: pb::PolicyDocument,
+    pub content: ChangeContent,
     /// Where the change comes from.
     pub source: Source,
     /// The admin token's name, if any.
@@ -50,13 +66,6 @@ pub struct ChangeRequest {
     pub dry_run: bool,
     /// Allow a change that removes every endpoint.
     pub force: bool,
-    /// The policies as the caller already validated and compiled them, with the warnings it
-    /// found: a loaded policy file (`retryplane_policy::load`) whose wire form is `document`
-    /// (`pb::PolicyDocument::from(set.document())`). The change then skips converting and
-    /// validating `document` once more, and its outcome carries these warnings. `None` for a
-    /// document from the wire or the store, which is validated here; so is a `document` that
-    /// is not the wire form of these policies (checked at the cost of one conversion).
-    pub checked: Option<(PolicySet, Vec<Diagnostic>)>,
 }
 
 /// The result of a change.
@@ -317,42 +326,34 @@ impl ControlPlane {
         // the two, so agent streams sharing a worker with this Apply are not held up. The order
         // is the same as ever: an invalid change is refused before the store is read.
         let ChangeRequest {
-            document,
+            content,
             source,
             author,
             expected_version,
             dry_run,
             force,
-            checked,
         } = req;
         let store = self.store.clone();
         let cache = self.converted.clone();
         let (document, current, changes, warnings, content_hash, current_unsigned, new_doc) =
             tokio::task::spawn_blocking(move || {
+                // What is stored is the wire form of what was checked and diffed: a loaded file
+                // is converted here, never handed in beside its policies.
+                let (document, loaded) = match content {
+                    ChangeContent::Document(document) => (*document, None),
+                    ChangeContent::Loaded { policies, warnings } => (
+                        pb::PolicyDocument::from(policies.document().as_ref()),
+                        Some((policies, warnings)),
+                    ),
+                };
                 // Before anything else: a snapshot no agent can decode is never stored, whatever
                 // else the change holds.
                 check_size(&document)?;
                 let content_hash = convert::content_hash(&document);
                 // One conversion and one validation: the compiled set keeps its document. A
                 // change the caller validated (a policy file) is not validated again.
-                // `checked` must be the policies `document` was made from; a pair that is not
-                // (a caller's mistake) is validated as any document from the wire is, so that
-                // what is stored is always what was checked and diffed. The comparison costs
-                // one conversion (about 1 ms at 1,000 endpoints), not a validation.
-                let checked = checked.filter(|(set, _)| {
-                    let same = pb::PolicyDocument::from(set.document().as_ref()) == document;
-                    if !same {
-                        warn!(
-                            source = source.as_str(),
-                            dry_run,
-                            "the compiled policies handed with a change are not its document's; \
-                             validating the document"
-                        );
-                    }
-                    same
-                });
-                let (set, warnings) = match checked {
-                    Some(checked) => checked,
+                let (set, warnings) = match loaded {
+                    Some(loaded) => loaded,
                     None => convert::validate(document.clone()).map_err(ChangeError::Invalid)?,
                 };
                 let current = store.current()?;

@@ -289,13 +289,12 @@ impl VersionStore for BrokenStore {
 
 fn change(document: pb::PolicyDocument) -> ChangeRequest {
     ChangeRequest {
-        document,
+        content: ChangeContent::Document(Box::new(document)),
         source: Source::Admin,
         author: None,
         expected_version: None,
         dry_run: false,
         force: false,
-        checked: None,
     }
 }
 
@@ -471,8 +470,8 @@ async fn a_version_stored_by_another_writer_is_what_a_change_is_diffed_against()
     assert_eq!(again.record.map(|r| r.meta.version), Some(2));
 }
 
-/// A policy file's change handed over checked (its compiled set) is decided, stored and diffed
-/// as the same document sent unchecked, which is validated here.
+/// A policy file's change handed over loaded (its compiled set) is decided, stored and diffed
+/// as its wire document sent as such, which is validated here.
 #[tokio::test]
 async fn a_checked_file_change_is_the_same_change_as_its_document_unchecked() {
     let example = include_str!("../../../config/policies.yaml");
@@ -482,7 +481,10 @@ async fn a_checked_file_change_is_the_same_change_as_its_document_unchecked() {
     let document = pb::PolicyDocument::from(set.document().as_ref());
     let checked = |dry_run: bool| ChangeRequest {
         dry_run,
-        checked: Some((set.clone(), Vec::new())),
+        content: ChangeContent::Loaded {
+            policies: set.clone(),
+            warnings: Vec::new(),
+        },
         ..change(document.clone())
     };
     let unchecked = |dry_run: bool| ChangeRequest {
@@ -516,29 +518,4 @@ async fn a_checked_file_change_is_the_same_change_as_its_document_unchecked() {
             ))
         );
     }
-}
-
-#[tokio::test]
-async fn checked_policies_that_are_not_the_document_leave_it_to_be_validated() {
-    // A caller's mistake: the policies of one file with the wire form of another. The document
-    // is what would be stored and pushed, so it is validated, not taken on the policies' word.
-    let valid = retryplane_policy::load(V2.as_bytes()).policies.unwrap();
-    let mut invalid = wire(V2);
-    let payments = invalid
-        .endpoints
-        .iter_mut()
-        .find(|e| e.name == "payments")
-        .unwrap();
-    payments.overlay.as_mut().unwrap().max_attempts = Some(99);
-    let control = ControlPlane::for_tests(Arc::new(MemoryStore::default()), Mode::Api);
-    control.apply(change(wire(V1))).await.unwrap();
-    let refused = control
-        .apply(ChangeRequest {
-            checked: Some((valid, Vec::new())),
-            ..change(invalid)
-        })
-        .await
-        .unwrap_err();
-    assert!(matches!(refused, ChangeError::Invalid(_)), "{refused:?}");
-    assert_eq!(control.publisher.current().unwrap().version, 1);
 }

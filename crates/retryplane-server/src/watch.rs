@@ -64,14 +64,13 @@ use notify::event::{AccessKind, AccessMode, ModifyKind, RenameMode};
 use notify::{Event, EventKind, RecommendedWatcher, RecursiveMode, Watcher as _};
 use retryplane_policy::Loaded;
 use retryplane_policy::yaml::MAX_FILE_BYTES;
-use retryplane_proto::pb;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
 use crate::ErrorChain;
-use crate::control::{ChangeError, ChangeRequest, ControlPlane};
+use crate::control::{ChangeContent, ChangeError, ChangeRequest, ControlPlane};
 use crate::store::Source;
 
 /// Quiet time after the last event before the file is read.
@@ -704,13 +703,15 @@ async fn apply(control: &ControlPlane, file: &Path, loaded: Loaded) -> (bool, bo
         return (true, false);
     };
     let request = ChangeRequest {
-        document: pb::PolicyDocument::from(policies.document().as_ref()),
+        content: ChangeContent::Loaded {
+            policies,
+            warnings: loaded.diagnostics,
+        },
         source: Source::File,
         author: None,
         expected_version: None,
         dry_run: false,
         force: false,
-        checked: Some((policies, loaded.diagnostics)),
     };
     match control.apply(request).await {
         Ok(outcome) if !outcome.changed => {

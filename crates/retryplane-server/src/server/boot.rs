@@ -13,11 +13,10 @@ use std::io;
 use std::path::Path;
 
 use retryplane_policy::Loaded;
-use retryplane_proto::pb;
 use tracing::{error, info, warn};
 
 use super::{ServeConfig, ServeError};
-use crate::control::{ChangeRequest, ControlPlane};
+use crate::control::{ChangeContent, ChangeRequest, ControlPlane};
 use crate::store::Source;
 use crate::watch::{log_diagnostics, read_policy_file};
 
@@ -108,13 +107,15 @@ async fn apply_valid(
     };
     log_diagnostics(file, &loaded);
     let request = ChangeRequest {
-        document: pb::PolicyDocument::from(policies.document().as_ref()),
+        content: ChangeContent::Loaded {
+            policies: policies.clone(),
+            warnings: loaded.diagnostics.clone(),
+        },
         source: Source::File,
         author: None,
         expected_version: None,
         dry_run: false,
         force: false,
-        checked: Some((policies.clone(), loaded.diagnostics.clone())),
     };
     match control.apply(request).await {
         Ok(outcome) if !outcome.changed => {
