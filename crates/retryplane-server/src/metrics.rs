@@ -21,9 +21,9 @@ pub struct ServerMetrics {
     pub agents_connected: Gauge,
     /// Snapshots sent to agents.
     pub pushes: Counter,
-    /// ACKs received.
+    /// ACKs counted: the first answer to a push, when it is an ACK (see `AgentStream`).
     pub acks: Counter,
-    /// NACKs received.
+    /// NACKs counted: the first answer to a push, when it is a NACK.
     pub nacks: Counter,
     /// The version being served.
     pub current_version: Gauge,
@@ -98,10 +98,14 @@ impl ServerMetrics {
             agents_connected.clone(),
         );
         registry.register("pushes", "Snapshots sent to agents", pushes.clone());
-        registry.register("acks", "Snapshot ACKs received from agents", acks.clone());
+        registry.register(
+            "acks",
+            "Snapshot ACKs from agents, the first answer to each push",
+            acks.clone(),
+        );
         registry.register(
             "nacks",
-            "Snapshot NACKs received from agents",
+            "Snapshot NACKs from agents, the first answer to each push",
             nacks.clone(),
         );
         registry.register(
