@@ -325,7 +325,8 @@ impl Endpoint {
             let c = &*self.counters;
             let mut first = FirstCounts { c, owed: OWE_CALL };
             // Released on drop: a fatal result, a cancellation or a dropped call future hands
-            // back the attempt's breaker permit.
+            // back the attempt's breaker permit, and, during a pause, the retry the budget
+            // counted for the attempt that will not be sent.
             let mut call = ReleaseOnDrop(RetryCall::new(policy, &runtime.state, info, started));
             if let Some(within) = meta.within() {
                 call.cap_deadline(within);
@@ -871,7 +872,8 @@ impl Drop for FirstCounts<'_> {
 /// The engine's call, [released](RetryCall::release) when the call ends or its future is
 /// dropped: an attempt that ended with no outcome for the breaker (a fatal error, a
 /// cancellation, a dropped call) hands its half-open probe back instead of keeping it until
-/// the breaker gives up on lost probes. After an outcome the permit is spent and the release
+/// the breaker gives up on lost probes, and a call that ends during a pause hands back the
+/// retry the budget counted for the attempt it will not send. After an outcome the permit is spent and the release
 /// (inline) touches no atomic: the success path pays one branch and two stores.
 struct ReleaseOnDrop<'a>(RetryCall<'a>);
 

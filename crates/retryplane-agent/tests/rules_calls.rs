@@ -98,6 +98,41 @@ async fn dropping_the_call_stops_it_during_a_pause() {
     assert_eq!(up.attempts(), 1, "no attempt after the drop");
 }
 
+/// A budget with room for one retry a second and nothing more (reserve 1, ratio 0).
+const ONE_RETRY_BUDGET: &str = "max_attempts: 3\nbackoff: {base: 100ms, max: 100ms, jitter: none}\nbudget: {enabled: true, ratio: 0.0, min_per_second: 1, window: 1s}";
+
+/// Whether the next call of `ep` that fails once may still retry: the budget has its retry.
+async fn the_budget_still_has_its_retry(ep: &retryplane_agent::Endpoint) -> bool {
+    let up = Upstream::new([Step::Status(503)]);
+    let res = ep.call(get(), up.attempt()).await;
+    res.is_ok() && up.attempts() == 2
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_call_cancelled_during_its_pause_hands_its_retry_back_to_the_budget() {
+    let agent = agent(&policy(ONE_RETRY_BUDGET));
+    let (err, _, attempts) = cancelled_after_the_first_attempt(&agent, Step::Status(503)).await;
+    assert_eq!((err.cause, attempts), (Cause::Cancelled, 1));
+    let ep = agent.endpoint("ep");
+    assert_eq!(ep.pending_counts().retries, 0, "no retry was sent");
+    assert!(
+        the_budget_still_has_its_retry(&ep).await,
+        "a retry never sent does not count against the budget"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_call_dropped_during_its_pause_hands_its_retry_back_to_the_budget() {
+    let agent = agent(&policy(ONE_RETRY_BUDGET));
+    let up = Upstream::new([Step::Status(503)]);
+    let ep = agent.endpoint("ep");
+    let dropped =
+        tokio::time::timeout(Duration::from_millis(50), ep.call(get(), up.attempt())).await;
+    assert!(dropped.is_err(), "dropped during its 100 ms pause");
+    assert_eq!(up.attempts(), 1);
+    assert!(the_budget_still_has_its_retry(&ep).await);
+}
+
 #[tokio::test(start_paused = true)]
 async fn the_policy_is_read_once_per_call_even_if_swapped_mid_call() {
     let agent = agent(&policy("max_attempts: 2"));

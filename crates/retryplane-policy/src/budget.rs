@@ -26,7 +26,9 @@
 //! where requests are **logical calls**: [`RetryBudget::deposit`] once when a call's first
 //! attempt starts (a call the open circuit breaker stops sends nothing and is not counted),
 //! [`RetryBudget::try_withdraw`] once per retry. First attempts never consume
-//! budget, and a denied retry is not counted.
+//! budget, and a denied retry is not counted; nor, in the end, is a retry the engine counted
+//! that was never sent (its call cancelled or dropped during the pause, or stopped after it):
+//! the engine hands it back.
 //!
 //! # Implementation
 //!
@@ -101,6 +103,12 @@ pub(crate) struct Withdrawal {
     limit: u64,
 }
 
+/// A retry [`RetryBudget::take`] counted: the slot it is counted in.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Taken {
+    slot: u64,
+}
+
 /// `max(reserve, floor(ratio × requests))`.
 fn allowance(reserve: u64, ratio: f64, requests: u64) -> u64 {
     // The product is never negative (`ratio >= 0`), so truncating is flooring. `as` saturates,
@@ -162,14 +170,25 @@ impl RetryBudget {
     }
 
     /// Counts the retry `w` allowed, unless the current slot filled up since the check (one CAS,
-    /// no second read of the window): `false` then, and nothing is counted.
-    pub(crate) fn take(&self, w: Withdrawal) -> bool {
+    /// no second read of the window): `None` then, and nothing is counted. `Some` holds the
+    /// retry counted, for [`Self::give_back`] should it never be sent.
+    pub(crate) fn take(&self, w: Withdrawal) -> Option<Taken> {
         let slot = self.window.advance(w.nanos);
         if slot != w.slot {
             // Another thread moved the window on since the check: read it again.
-            return self.take_in(slot);
+            return self.take_in(slot).then_some(Taken { slot });
         }
-        self.window.try_add(slot, RETRIES, w.older, w.limit)
+        self.window
+            .try_add(slot, RETRIES, w.older, w.limit)
+            .then_some(Taken { slot })
+    }
+
+    /// Uncounts a retry [`Self::take`] counted that was never sent (its call was cancelled or
+    /// dropped during the pause, or the breaker or the deadline stopped it after the pause): a
+    /// retry the upstream never saw leaves the window's retries as they were. A retry whose
+    /// slot has left the window since is no longer counted there, and nothing changes.
+    pub(crate) fn give_back(&self, taken: Taken) {
+        self.window.remove(taken.slot, RETRIES);
     }
 
     /// Reads the window and takes one retry in `slot` (from `advance`) if it allows one.

@@ -29,7 +29,7 @@ use tokio::time::Instant;
 
 use crate::backoff::Backoff;
 use crate::breaker::{CircuitBreaker, Permit};
-use crate::budget::{RetryBudget, Withdrawal};
+use crate::budget::{RetryBudget, Taken, Withdrawal};
 use crate::model::{
     BreakerConfig, BudgetConfig, ErrorClass, RetryAfterConfig, RetryOn, RetryPolicy,
 };
@@ -371,6 +371,10 @@ pub struct RetryCall<'a> {
     /// Built on the first failure.
     backoff: Option<Backoff>,
     permit: Option<Permit>,
+    /// The retry the budget counted for the attempt [`Decision::Retry`] let start, until that
+    /// attempt starts: a call that ends before (cancelled or dropped during the pause, or
+    /// refused by the breaker or the deadline after it) hands it back.
+    unsent_retry: Option<Taken>,
     last_failure: Option<Outcome>,
 }
 
@@ -410,6 +414,7 @@ impl<'a> RetryCall<'a> {
             allowed: policy.max_attempts.min(1),
             backoff: None,
             permit: None,
+            unsent_retry: None,
             last_failure: None,
         }
     }
@@ -450,6 +455,8 @@ impl<'a> RetryCall<'a> {
             budget.deposit_at(window_nanos(offset));
         }
         self.attempts += 1;
+        // The retry the budget counted is sent now.
+        self.unsent_retry = None;
         Ok(Attempt {
             number: self.attempts,
             timeout: if nanos(self.policy.per_try_timeout) <= left {
@@ -460,11 +467,29 @@ impl<'a> RetryCall<'a> {
         })
     }
 
-    /// Ends the call from [`Self::start_attempt`] with `cause`: nothing more may start.
+    /// Ends the call from [`Self::start_attempt`] with `cause`: nothing more may start, and a
+    /// retry the budget counted for the attempt refused is handed back.
     #[cold]
     fn refuse(&mut self, cause: GiveUpCause) -> GiveUpCause {
         self.allowed = self.attempts;
+        self.give_back_retry();
         cause
+    }
+
+    /// Hands back to the budget the retry it counted for an attempt that will never start.
+    #[inline]
+    fn give_back_retry(&mut self) {
+        if let Some(taken) = self.unsent_retry.take() {
+            self.give_back_retry_out_of_line(taken);
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn give_back_retry_out_of_line(&self, taken: Taken) {
+        if let Some(budget) = &self.state.budget {
+            budget.give_back(taken);
+        }
     }
 
     /// Reports the outcome of the attempt started last and decides what comes next.
@@ -505,13 +530,18 @@ impl<'a> RetryCall<'a> {
     /// outcome is taken. Does nothing to the breaker after [`Self::on_outcome`] (the permit is
     /// spent) or when no attempt was started.
     ///
-    /// Inline: after an outcome (every success) it is one branch and two stores; handing a
-    /// permit back is out of line.
+    /// Called during a pause (after a [`Decision::Retry`], before the next attempt starts),
+    /// it also hands back the retry the budget counted for that attempt: a retry never sent
+    /// does not count against the endpoint's other calls.
+    ///
+    /// Inline: after an outcome (every success) it is two branches and two stores; handing a
+    /// permit or a retry back is out of line.
     #[inline]
     pub fn release(&mut self) {
         if let Some(permit) = self.permit.take() {
             self.release_permit(permit);
         }
+        self.give_back_retry();
         self.allowed = self.attempts;
         self.answered = self.attempts;
     }
@@ -634,10 +664,11 @@ impl<'a> RetryCall<'a> {
         {
             return Decision::GiveUp(GiveUpCause::CircuitOpen);
         }
-        if let Some((budget, w)) = withdrawal
-            && !budget.take(w)
-        {
-            return Decision::GiveUp(GiveUpCause::BudgetExhausted);
+        if let Some((budget, w)) = withdrawal {
+            match budget.take(w) {
+                Some(taken) => self.unsent_retry = Some(taken),
+                None => return Decision::GiveUp(GiveUpCause::BudgetExhausted),
+            }
         }
         // Step 5 made sure `attempts < max_attempts`: one more attempt may start.
         self.allowed = self.attempts + 1;

@@ -496,6 +496,68 @@ fn a_failure_that_opens_the_breaker_gives_up_at_once_and_spends_no_budget() {
     assert_eq!(budget.map(|b| (b.requests, b.retries)), Some((1, 0)));
 }
 
+/// The retries `state`'s budget counts at `now`.
+fn budget_retries(state: &EndpointState, now: Instant) -> Option<u64> {
+    state.budget().map(|b| b.snapshot(now).retries)
+}
+
+#[test]
+fn a_retry_released_before_it_starts_is_handed_back_to_the_budget() {
+    let p = policy();
+    let t0 = Instant::now();
+    let state = EndpointState::new(&p, t0);
+    let mut call = RetryCall::new(&p, &state, get(), t0);
+    assert!(matches!(
+        step(&mut call, http(503), t0),
+        Decision::Retry { .. }
+    ));
+    assert_eq!(budget_retries(&state, t0), Some(1), "counted when decided");
+    // The call is cancelled (or its future dropped) during the pause: the retry never goes.
+    call.release();
+    assert_eq!(budget_retries(&state, t0), Some(0));
+    call.release();
+    assert_eq!(budget_retries(&state, t0), Some(0), "handed back once");
+}
+
+#[test]
+fn a_retry_that_started_stays_counted_when_its_call_ends() {
+    let p = policy();
+    let t0 = Instant::now();
+    let state = EndpointState::new(&p, t0);
+    let mut call = RetryCall::new(&p, &state, get(), t0);
+    let Decision::Retry { pause, .. } = step(&mut call, http(503), t0) else {
+        panic!("a retry");
+    };
+    let at = t0 + pause;
+    call.start_attempt(at).expect("the retry starts");
+    call.release();
+    assert_eq!(budget_retries(&state, at), Some(1));
+}
+
+#[test]
+fn a_retry_the_breaker_refuses_after_its_pause_is_handed_back_to_the_budget() {
+    let mut p = policy();
+    if let Some(b) = p.circuit_breaker.as_mut() {
+        b.min_requests = 2;
+        b.failure_ratio = 0.5;
+    }
+    let t0 = Instant::now();
+    let state = EndpointState::new(&p, t0);
+    let mut call = RetryCall::new(&p, &state, get(), t0);
+    let Decision::Retry { pause, .. } = step(&mut call, http(503), t0) else {
+        panic!("one failure of one does not reach min_requests");
+    };
+    // Another call's failure opens the breaker during the pause.
+    let mut other = RetryCall::new(&p, &state, get(), t0);
+    assert_eq!(
+        step(&mut other, http(503), t0),
+        Decision::GiveUp(GiveUpCause::CircuitOpen)
+    );
+    let at = t0 + pause;
+    assert_eq!(call.start_attempt(at), Err(GiveUpCause::CircuitOpen));
+    assert_eq!(budget_retries(&state, at), Some(0));
+}
+
 #[test]
 fn a_retry_planned_past_the_open_period_still_goes_ahead() {
     let mut p = policy();

@@ -232,6 +232,25 @@ impl<const C: usize> SlidingCounter<C> {
         }
     }
 
+    /// Takes one back from `counter` in `slot` (one [`Self::add`] or [`Self::try_add`] made
+    /// there): nothing when the word no longer holds that slot (it left the ring, or was
+    /// swept or cleared), when its count is 0, or when it saturated (the count is no longer
+    /// exact).
+    pub(crate) fn remove(&self, slot: u64, counter: usize) {
+        let word = self.word(slot, counter);
+        let mut w = word.load(Relaxed);
+        loop {
+            let count = w & COUNT_MASK;
+            if epoch(w) != slot as u32 || count == 0 || count == COUNT_MASK {
+                return;
+            }
+            match word.compare_exchange_weak(w, w - 1, Relaxed, Relaxed) {
+                Ok(_) => return,
+                Err(current) => w = current,
+            }
+        }
+    }
+
     fn len(&self, span: Span) -> u64 {
         match span {
             Span::Inside => self.inside,
@@ -320,6 +339,27 @@ mod tests {
         assert_eq!(c.sums(s, [(Span::Covering, 1), (Span::Inside, 0)]), [10, 0]);
         let s = c.advance(30 * SEC);
         assert_eq!(c.sums(s, [(Span::Covering, 0); 2]), [0, 0]);
+    }
+
+    #[test]
+    fn a_removed_count_leaves_its_slot_and_never_touches_a_later_one() {
+        const SEC: u64 = 1_000_000_000;
+        let c = SlidingCounter::<1>::new(Duration::from_secs(10));
+        let s = c.advance(0);
+        c.add(s, 0);
+        c.add(s, 0);
+        c.remove(s, 0);
+        assert_eq!(c.current(s, 0), 1);
+        c.remove(s, 0);
+        c.remove(s, 0);
+        assert_eq!(c.current(s, 0), 0, "never below zero");
+        // The ring came round: the word holds a later slot, which a late removal leaves alone.
+        c.add(s, 0);
+        let later = c.advance(16 * SEC);
+        assert_eq!(later & c.mask, s & c.mask, "the same word");
+        c.add(later, 0);
+        c.remove(s, 0);
+        assert_eq!(c.current(later, 0), 1);
     }
 
     #[test]
