@@ -209,3 +209,96 @@ async fn reports_still_go_out_when_every_stream_is_shorter_than_the_interval() {
     agent.shutdown().await;
     script.stop().await;
 }
+
+/// The sum of every report's counters for `ep`.
+fn totals(reports: &[pb::MetricsReport]) -> pb::EndpointCounters {
+    let mut t = pb::EndpointCounters::default();
+    for e in reports.iter().flat_map(|r| &r.endpoints) {
+        t.calls += e.calls;
+        t.attempts += e.attempts;
+        t.retries += e.retries;
+        t.success_first_try += e.success_first_try;
+        t.success_after_retry += e.success_after_retry;
+        t.gave_up_attempts += e.gave_up_attempts;
+    }
+    t
+}
+
+/// Reports on the open stream until `done` holds for the sum of them all.
+async fn reports_while(
+    script: &mut Script,
+    reports: &mut Vec<pb::MetricsReport>,
+    done: impl Fn(&pb::EndpointCounters) -> bool,
+) {
+    while !done(&totals(reports)) {
+        match script.next().await {
+            Event::Message(Kind::Metrics(r)) => reports.push(r),
+            other => panic!("expected a metrics report, got {other:?}"),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_still_running_when_reports_are_cut_adds_up_exactly_once_it_ends() {
+    let mut script = Script::start().await;
+    let agent = support::plane::builder(script.addr, "a")
+        .metrics_interval(Duration::from_millis(100))
+        .connect()
+        .unwrap();
+    let (to_agent, _hello) = script.reconnected().await;
+    let mut v1 = snapshot(1, 3);
+    v1.metrics_interval_ms = 100;
+    send(&to_agent, &v1).await;
+    match script.reply().await {
+        Kind::Ack(ack) => assert_eq!(ack.version, 1),
+        other => panic!("expected Ack v1, got {other:?}"),
+    }
+    // The first attempt fails at once; the second is answered only when the test says so.
+    let gate = std::sync::Arc::new(tokio::sync::Notify::new());
+    let call = tokio::spawn({
+        let (ep, gate) = (agent.endpoint("ep"), gate.clone());
+        async move {
+            ep.call(retryplane_agent::CallMeta::http("GET", "/"), move |info| {
+                let gate = gate.clone();
+                async move {
+                    if info.number > 1 {
+                        gate.notified().await;
+                    }
+                    let status = if info.number == 1 { 503 } else { 200 };
+                    Ok::<_, std::io::Error>(support::response(status, None))
+                }
+            })
+            .await
+        }
+    });
+    // Reports go out while the second attempt runs: the call, both attempts and the retry,
+    // and no outcome yet.
+    let mut reports = Vec::new();
+    reports_while(&mut script, &mut reports, |t| t.attempts == 2).await;
+    let so_far = totals(&reports);
+    assert_eq!(
+        (so_far.calls, so_far.retries, so_far.success_after_retry),
+        (1, 1, 0),
+        "{so_far:?}"
+    );
+    gate.notify_one();
+    call.await.unwrap().unwrap();
+    reports_while(&mut script, &mut reports, |t| t.success_after_retry == 1).await;
+    let t = totals(&reports);
+    assert_eq!(
+        (
+            t.calls,
+            t.attempts,
+            t.retries,
+            t.success_first_try,
+            t.success_after_retry
+        ),
+        (1, 2, 1, 0, 1),
+        "every count once: {t:?}"
+    );
+    assert_eq!(
+        shut_down(script, agent, to_agent).await,
+        0,
+        "nothing sent twice"
+    );
+}
