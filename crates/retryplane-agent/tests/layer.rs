@@ -85,6 +85,12 @@ async fn a_body_over_the_limit_is_sent_once_and_whole() {
     assert_eq!(response.status(), 503);
     assert_eq!(seen.lock().unwrap().len(), 1);
     assert_eq!(seen.lock().unwrap()[0].body, "abcdefghi");
+    // Each call is in the endpoint's counts as one attempt given up as not retryable.
+    let c = agent.endpoint("ep").pending_counts();
+    assert_eq!(
+        (c.calls, c.attempts, c.retries, c.gave_up_not_retryable),
+        (2, 2, 0, 2)
+    );
 }
 
 #[tokio::test(start_paused = true)]

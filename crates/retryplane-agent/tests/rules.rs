@@ -105,6 +105,30 @@ async fn a_malformed_or_negative_retry_after_is_ignored() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_retry_after_longer_than_backoff_max_is_waited_in_full() {
+    let agent = agent(&policy(
+        "backoff: {base: 100ms, max: 1s}\nretry_after: {honor: true, max: 30s}",
+    ));
+    let up = Upstream::new([Step::RetryAfter(503, "10".into())]);
+    up.call(&agent, get()).await.unwrap();
+    assert_eq!(up.starts_ms(), [0, 10_000]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_retry_after_that_ends_past_the_deadline_gives_up_at_once() {
+    let agent = agent(&policy(
+        "max_attempts: 3\ndeadline: 5s\nper_try_timeout: 1s\nretry_after: {honor: true, max: 30s}",
+    ));
+    let up = Upstream::new([Step::RetryAfter(503, "10".into())]);
+    let start = tokio::time::Instant::now();
+    let err = up.call(&agent, get()).await.unwrap_err();
+    assert_eq!(err.cause, gave_up(GiveUpCause::DeadlineExceeded));
+    assert_eq!(err.response().unwrap().status(), 503);
+    assert_eq!(up.attempts(), 1);
+    assert_eq!(start.elapsed(), Duration::ZERO, "no sleep");
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_retry_after_above_the_max_gives_up_instead_of_waiting() {
     let agent = agent(&policy(
         "max_attempts: 3\nretry_after: {honor: true, max: 30s}",
