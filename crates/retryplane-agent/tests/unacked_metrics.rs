@@ -18,12 +18,17 @@ use support::script::{Event, Script, ToAgent, send, snapshot};
 
 /// Reports every 100 ms (the shortest interval), from the first snapshot on.
 async fn connected(script: &mut Script) -> (Agent, ToAgent) {
+    connected_with(script, 1).await
+}
+
+/// [`connected`], with `max_attempts` for the endpoint `ep`.
+async fn connected_with(script: &mut Script, max_attempts: u32) -> (Agent, ToAgent) {
     let agent = support::plane::builder(script.addr, "a")
         .metrics_interval(Duration::from_millis(100))
         .connect()
         .unwrap();
     let (to_agent, _hello) = script.reconnected().await;
-    let mut v1 = snapshot(1, 1);
+    let mut v1 = snapshot(1, max_attempts);
     v1.metrics_interval_ms = 100;
     send(&to_agent, &v1).await;
     match script.reply().await {
@@ -241,18 +246,7 @@ async fn reports_while(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_call_still_running_when_reports_are_cut_adds_up_exactly_once_it_ends() {
     let mut script = Script::start().await;
-    let agent = support::plane::builder(script.addr, "a")
-        .metrics_interval(Duration::from_millis(100))
-        .connect()
-        .unwrap();
-    let (to_agent, _hello) = script.reconnected().await;
-    let mut v1 = snapshot(1, 3);
-    v1.metrics_interval_ms = 100;
-    send(&to_agent, &v1).await;
-    match script.reply().await {
-        Kind::Ack(ack) => assert_eq!(ack.version, 1),
-        other => panic!("expected Ack v1, got {other:?}"),
-    }
+    let (agent, to_agent) = connected_with(&mut script, 3).await;
     // The first attempt fails at once; the second is answered only when the test says so.
     let gate = std::sync::Arc::new(tokio::sync::Notify::new());
     let call = tokio::spawn({
