@@ -873,8 +873,9 @@ impl Drop for FirstCounts<'_> {
 /// dropped: an attempt that ended with no outcome for the breaker (a fatal error, a
 /// cancellation, a dropped call) hands its half-open probe back instead of keeping it until
 /// the breaker gives up on lost probes, and a call that ends during a pause hands back the
-/// retry the budget counted for the attempt it will not send. After an outcome the permit is spent and the release
-/// (inline) touches no atomic: the success path pays one branch and two stores.
+/// retry the budget counted for the attempt it will not send. After an outcome the permit is
+/// spent and no retry is pending, so the release (inline) touches no atomic: the success path
+/// pays two branches and two stores.
 struct ReleaseOnDrop<'a>(RetryCall<'a>);
 
 impl<'a> std::ops::Deref for ReleaseOnDrop<'a> {

@@ -526,8 +526,8 @@ impl<'a> RetryCall<'a> {
     /// returns as is) or that was abandoned (the call cancelled, or its future dropped). Its
     /// circuit-breaker permit, if it has not been reported, is handed back without counting a
     /// success or a failure, so a half-open probe goes to the next call instead of staying
-    /// taken. The budget and backoff are left alone; no further attempt may start and no
-    /// outcome is taken. Does nothing to the breaker after [`Self::on_outcome`] (the permit is
+    /// taken. The backoff is left alone, and so is the budget but for the retry below; no
+    /// further attempt may start and no outcome is taken. Does nothing to the breaker after [`Self::on_outcome`] (the permit is
     /// spent) or when no attempt was started.
     ///
     /// Called during a pause (after a [`Decision::Retry`], before the next attempt starts),

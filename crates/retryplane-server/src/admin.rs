@@ -323,9 +323,9 @@ fn history_page(metas: &[VersionMeta], limit: usize) -> pb::HistoryResponse {
     }
 }
 
-/// The document to apply and, for YAML, the compiled set it is the wire form of with the
-/// file's warnings (with places), for the control plane not to validate it again;
-/// INVALID_ARGUMENT with every diagnostic when the YAML has errors.
+/// What to apply: a typed document as it came (its `-0.0` read as `0.0`), or, for YAML, the
+/// compiled policies with the file's warnings (with places), which the control plane does not
+/// validate again; INVALID_ARGUMENT with every diagnostic when the YAML has errors.
 async fn document_of(kind: Kind) -> Result<ChangeContent, Status> {
     match kind {
         Kind::Document(mut document) => {

@@ -199,7 +199,12 @@ impl Script {
 
 /// A valid snapshot: endpoint `ep` with `max_attempts`.
 pub fn snapshot(version: u64, max_attempts: u32) -> pb::Snapshot {
-    let loaded = retryplane_policy::load(yaml(max_attempts).as_bytes());
+    snapshot_of(version, &yaml(max_attempts))
+}
+
+/// A snapshot of the valid policy file `policies`.
+pub fn snapshot_of(version: u64, policies: &str) -> pb::Snapshot {
+    let loaded = retryplane_policy::load(policies.as_bytes());
     let doc = pb::PolicyDocument::from(loaded.policies.unwrap().document().as_ref());
     pb::Snapshot {
         version,
