@@ -23,6 +23,12 @@ pub fn shown_url(url: &str) -> String {
     format!("{}{}:***{}", &url[..start], &rest[..colon], &rest[at..])
 }
 
+/// The scheme of the `scheme://` that `url` starts with, as written (`HTTP` in `HTTP://cp`);
+/// `None` when it starts with none (a `://` after anything but a valid scheme does not count).
+pub fn url_scheme(url: &str) -> Option<&str> {
+    scheme_len(url).checked_sub(3).map(|end| &url[..end])
+}
+
 /// The length of the `scheme://` that `url` starts with (RFC 3986: a letter, then letters,
 /// digits, `+`, `-` or `.`); 0 without one.
 fn scheme_len(url: &str) -> usize {
@@ -52,6 +58,15 @@ pub fn written_port(authority: &str) -> Option<&str> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_scheme_is_read_as_written_only_at_the_start() {
+        assert_eq!(url_scheme("HTTP://cp:7471"), Some("HTTP"));
+        assert_eq!(url_scheme("svc+h2://cp"), Some("svc+h2"));
+        assert_eq!(url_scheme("cp:7471"), None);
+        assert_eq!(url_scheme("cp/?x=http://y"), None);
+        assert_eq!(url_scheme("://cp"), None);
+    }
 
     #[test]
     fn a_password_holding_url_delimiters_is_hidden_whole() {

@@ -128,23 +128,20 @@ pub struct Server {
 const DEFAULT_PORT: u16 = 7471;
 
 pub(crate) use retryplane_agent::shown_url;
-use retryplane_agent::written_port;
+use retryplane_agent::{url_scheme, written_port};
 
 /// A `--server` value as a URL: `http://` put before one that names no scheme (`cp:7472`), and
 /// a scheme written in capitals lowered, since schemes are case-insensitive (RFC 3986 §3.1:
 /// `HTTP://cp` is `http://cp`).
 pub(crate) fn with_scheme(given: String) -> String {
-    let Some((scheme, rest)) = given.split_once("://") else {
-        return format!("http://{given}");
-    };
-    let is_scheme = scheme.starts_with(|c: char| c.is_ascii_alphabetic())
-        && scheme
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'));
-    if is_scheme && scheme.chars().any(|c| c.is_ascii_uppercase()) {
-        format!("{}://{rest}", scheme.to_ascii_lowercase())
-    } else {
-        given
+    match url_scheme(&given) {
+        Some(scheme) if scheme.chars().any(|c| c.is_ascii_uppercase()) => {
+            format!("{}{}", scheme.to_ascii_lowercase(), &given[scheme.len()..])
+        }
+        Some(_) => given,
+        // Not a scheme before the `://` (`cp/?x=http://y`): as given, and refused for it later.
+        None if given.contains("://") => given,
+        None => format!("http://{given}"),
     }
 }
 
