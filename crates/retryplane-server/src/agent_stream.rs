@@ -335,7 +335,6 @@ impl AgentStreamService {
             known_hash: hello.last_applied_hash.clone(),
             instance_id: hello.instance_id,
             sent_nonce: None,
-            answered: false,
             refused: registration.refused,
             service: self.ctx.aggregates.service(&hello.service),
             bucket: Bucket {
@@ -386,17 +385,16 @@ struct AgentStream {
     ctx: Arc<StreamContext>,
     agent_id: String,
     generation: u64,
-    /// What the agent runs, or was last sent: once `sent_nonce` is set, the snapshot sent with
-    /// it (an answer naming another version is stale).
+    /// What the agent runs, or was last sent: once a snapshot is sent, that snapshot (an answer
+    /// naming another version is stale).
     known_version: u64,
     known_hash: String,
     /// The agent process (`Hello.instance_id`) its numbered reports belong to.
     instance_id: u64,
-    /// The nonce of the last snapshot sent; answers to other nonces are stale.
+    /// The nonce of the last snapshot sent, until it is answered: a push counts one ACK or
+    /// NACK, and an answer to another nonce, or a second answer to the same push (repeated or
+    /// contradicting), is ignored.
     sent_nonce: Option<String>,
-    /// Whether the last snapshot sent was answered: a push counts one ACK or NACK, and a
-    /// second answer to it (repeated or contradicting) is ignored.
-    answered: bool,
     /// The snapshot the agent refused on an earlier stream ([`crate::fleet::Registration`]):
     /// never pushed again on this one.
     refused: Option<crate::fleet::Refused>,
@@ -501,7 +499,6 @@ impl AgentStream {
                 self.known_version = snap.version;
                 self.known_hash.clone_from(&snap.content_hash);
                 self.sent_nonce = Some(snap.nonce.clone());
-                self.answered = false;
                 self.ctx.metrics.pushes.inc();
                 debug!(agent = %self.agent_id, version = snap.version, "snapshot sent");
             }
@@ -559,10 +556,10 @@ impl AgentStream {
     /// Whether an answer naming `nonce` and `version` is the first answer to the last push;
     /// if so, the push counts as answered.
     fn answers_last_push(&mut self, nonce: &str, version: u64) -> bool {
-        let first = !self.answered
-            && self.sent_nonce.as_deref() == Some(nonce)
-            && version == self.known_version;
-        self.answered |= first;
+        let first = self.sent_nonce.as_deref() == Some(nonce) && version == self.known_version;
+        if first {
+            self.sent_nonce = None;
+        }
         first
     }
 
