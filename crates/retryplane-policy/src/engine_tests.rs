@@ -24,6 +24,16 @@ fn policy() -> RetryPolicy {
     }
 }
 
+/// [`policy`] with a breaker that opens once `min_requests` calls have failed half of them.
+fn breaking_after(min_requests: u32) -> RetryPolicy {
+    let mut p = policy();
+    if let Some(b) = p.circuit_breaker.as_mut() {
+        b.min_requests = min_requests;
+        b.failure_ratio = 0.5;
+    }
+    p
+}
+
 fn http(status: u16) -> Outcome {
     Outcome::Http {
         status,
@@ -454,11 +464,7 @@ fn the_attempt_timeout_is_capped_by_what_is_left_of_the_deadline() {
 
 #[test]
 fn an_open_breaker_fails_fast_without_an_attempt() {
-    let mut p = policy();
-    if let Some(b) = p.circuit_breaker.as_mut() {
-        b.min_requests = 2;
-        b.failure_ratio = 0.5;
-    }
+    let mut p = breaking_after(2);
     p.budget = None;
     let t0 = Instant::now();
     let state = EndpointState::new(&p, t0);
@@ -476,11 +482,7 @@ fn an_open_breaker_fails_fast_without_an_attempt() {
 
 #[test]
 fn a_failure_that_opens_the_breaker_gives_up_at_once_and_spends_no_budget() {
-    let mut p = policy();
-    if let Some(b) = p.circuit_breaker.as_mut() {
-        b.min_requests = 1;
-        b.failure_ratio = 0.5;
-    }
+    let p = breaking_after(1);
     let t0 = Instant::now();
     let state = EndpointState::new(&p, t0);
     let mut call = RetryCall::new(&p, &state, get(), t0);
@@ -536,11 +538,7 @@ fn a_retry_that_started_stays_counted_when_its_call_ends() {
 
 #[test]
 fn a_retry_the_breaker_refuses_after_its_pause_is_handed_back_to_the_budget() {
-    let mut p = policy();
-    if let Some(b) = p.circuit_breaker.as_mut() {
-        b.min_requests = 2;
-        b.failure_ratio = 0.5;
-    }
+    let p = breaking_after(2);
     let t0 = Instant::now();
     let state = EndpointState::new(&p, t0);
     let mut call = RetryCall::new(&p, &state, get(), t0);
@@ -560,10 +558,8 @@ fn a_retry_the_breaker_refuses_after_its_pause_is_handed_back_to_the_budget() {
 
 #[test]
 fn a_retry_planned_past_the_open_period_still_goes_ahead() {
-    let mut p = policy();
+    let mut p = breaking_after(1);
     if let Some(b) = p.circuit_breaker.as_mut() {
-        b.min_requests = 1;
-        b.failure_ratio = 0.5;
         b.open_for = Duration::from_millis(50);
     }
     let t0 = Instant::now();
@@ -586,11 +582,7 @@ fn a_retry_planned_past_the_open_period_still_goes_ahead() {
 
 #[test]
 fn a_call_the_open_breaker_stops_is_no_request_for_the_budget() {
-    let mut p = policy();
-    if let Some(b) = p.circuit_breaker.as_mut() {
-        b.min_requests = 2;
-        b.failure_ratio = 0.5;
-    }
+    let p = breaking_after(2);
     let t0 = Instant::now();
     let state = EndpointState::new(&p, t0);
     let requests = || state.budget().map(|b| b.snapshot(t0).requests);
@@ -709,10 +701,8 @@ fn a_call_that_is_over_starts_no_more_attempts() {
 
 #[test]
 fn a_released_attempt_hands_its_half_open_probe_to_the_next_call() {
-    let mut p = policy();
+    let mut p = breaking_after(1);
     if let Some(b) = p.circuit_breaker.as_mut() {
-        b.min_requests = 1;
-        b.failure_ratio = 0.5;
         b.half_open_probes = 1;
     }
     p.budget = None;
