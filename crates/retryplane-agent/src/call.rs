@@ -323,7 +323,10 @@ impl Endpoint {
                 rng: None,
             };
             let c = &*self.counters;
-            let mut first = FirstCounts { c, owed: OWE_CALL };
+            let mut first = FirstCounts {
+                c,
+                owed: OWE_CALL | OWE_END,
+            };
             // Released on drop: a fatal result, a cancellation or a dropped call future hands
             // back the attempt's breaker permit, and, during a pause, the retry the budget
             // counted for the attempt that will not be sent.
@@ -535,6 +538,7 @@ impl Endpoint {
                 }),
                 End::Fail(cause, last, outcome) => {
                     let Cause::GaveUp(g) = cause else {
+                        // Counted `cancelled` as `first` drops, like a dropped call.
                         debug!(endpoint = %self.name, attempts, "call cancelled");
                         return Err(CallError {
                             cause,
@@ -542,6 +546,7 @@ impl Endpoint {
                             attempts,
                         });
                     };
+                    first.ended();
                     c.gave_up(g);
                     let class = outcome.as_ref().map_or_else(
                         || match &last {
@@ -839,19 +844,24 @@ fn success() -> Outcome {
 const OWE_CALL: u8 = 1;
 /// `attempts` (for the first attempt) is owed.
 const OWE_ATTEMPT: u8 = 2;
+/// The call has no outcome yet: dropped so, it is counted `cancelled`.
+const OWE_END: u8 = 4;
 
 /// The counts of a call's start (`calls`, and `attempts` once its first attempt starts), held
 /// back until the first attempt's answer: a call that succeeds at once is counted by
 /// [`Counters::first_try_success`] alone (one atomic add instead of three; the registry adds it
 /// back into `calls` and `attempts`). Any other call pays what it owes with
 /// [`FirstCounts::settle`], or when it is dropped (a call future dropped mid-call is counted).
+/// A call is counted in one outcome; one whose future is dropped before it has one (its caller
+/// gave up on it) is counted `cancelled` then, as is one its cancellation token ended.
 struct FirstCounts<'a> {
     c: &'a Counters,
     owed: u8,
 }
 
 impl FirstCounts<'_> {
-    /// Counts what is owed, once.
+    /// Counts the start that is owed (`calls`, the first attempt), once; the outcome stays
+    /// owed.
     fn settle(&mut self) {
         if self.owed & OWE_CALL != 0 {
             Counters::inc(&self.c.calls);
@@ -859,13 +869,22 @@ impl FirstCounts<'_> {
         if self.owed & OWE_ATTEMPT != 0 {
             Counters::inc(&self.c.attempts);
         }
-        self.owed = 0;
+        self.owed &= OWE_END;
+    }
+
+    /// The call ended with an outcome counted elsewhere (a success, a give-up, a refusal).
+    fn ended(&mut self) {
+        self.owed &= !OWE_END;
     }
 }
 
 impl Drop for FirstCounts<'_> {
     fn drop(&mut self) {
+        let cancelled = self.owed & OWE_END != 0;
         self.settle();
+        if cancelled {
+            Counters::inc(&self.c.cancelled);
+        }
     }
 }
 
@@ -902,10 +921,11 @@ fn count_success(first: &mut FirstCounts<'_>, attempt: u32) {
     if attempt == 1 {
         // Nothing was settled yet (that happens when a second attempt starts or the call
         // fails): the call and its attempt are counted by `success_first_try`.
-        debug_assert_eq!(first.owed, OWE_CALL | OWE_ATTEMPT);
+        debug_assert_eq!(first.owed, OWE_CALL | OWE_ATTEMPT | OWE_END);
         first.owed = 0;
         first.c.first_try_success();
     } else {
+        first.ended();
         Counters::inc(&first.c.success_after_retry);
     }
 }

@@ -12,6 +12,9 @@
 //! `success_first_try`, which is added into `calls` and `attempts` whenever counts are read or
 //! taken (and taken back out by a restore). Only calls made are counted: a request the layer's
 //! de-duplication answered with a copy of another call's response made none and is not here.
+//! Every call that ends is counted in one outcome: a success, a give-up (`circuit_open` for a
+//! refusal), or `cancelled` when its cancellation token ended it or its future was dropped
+//! before it had another.
 //!
 //! A report handed to the stream is not forgotten: it is numbered and kept until the control
 //! plane acknowledges it (`crate::stream::outbox`), sent again on the next stream if the
@@ -100,6 +103,7 @@ counters!(
     circuit_open,
     backoff_ms,
     retry_after_honored,
+    cancelled,
 );
 
 impl Counters {

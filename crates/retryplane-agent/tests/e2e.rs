@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicU32;
 use std::time::Duration;
 
-use retryplane_agent::{Agent, CallMeta, Source};
+use retryplane_agent::{Agent, CallMeta, CancellationToken, Cause, Source};
 use support::Upstream;
 use support::plane::{
     agent, apply, attempts_of, builder, eventually, failing, listed_connected, metric, plane,
@@ -132,12 +132,20 @@ async fn metrics_sent_by_agents_add_up_exactly_at_the_server() {
                 .unwrap();
         }
         attempts_of(agent).await;
+        // Cancelled by its caller before it began: a call with no attempt.
+        let token = CancellationToken::new();
+        token.cancel();
+        let meta = CallMeta::http("GET", "/").with_cancel(token);
+        let up = Upstream::new([]);
+        let err = agent.endpoint("ep").call(meta, up.attempt()).await;
+        assert_eq!(err.unwrap_err().cause, Cause::Cancelled);
     }
-    // Per agent: 6 calls; attempts 1+2+3+1+2 + 3 = 12; retries 6; first-try 2; after-retry 3;
-    // one gave up on attempts; backoff 5+(5+10)+5+5+(5+10)+... computed below.
+    // Per agent: 7 calls; attempts 1+2+3+1+2 + 3 = 12; retries 6; first-try 2; after-retry 3;
+    // one gave up on attempts; one cancelled; backoff 5+(5+10)+5+5+(5+10)+... computed below.
     eventually("the server's totals equal what the agents did", || async {
         stats(&running).await.is_some_and(|s| {
-            s.calls == 12
+            s.calls == 14
+                && s.cancelled == 2
                 && s.attempts == 24
                 && s.retries == 12
                 && s.success_first_try == 4
@@ -155,7 +163,7 @@ async fn metrics_sent_by_agents_add_up_exactly_at_the_server() {
     a.shutdown().await;
     b.shutdown().await;
     let s = stats(&running).await.unwrap();
-    assert_eq!(s.calls, 12, "shutdown sends nothing twice");
+    assert_eq!(s.calls, 14, "shutdown sends nothing twice");
     running.shutdown().await.unwrap();
 }
 

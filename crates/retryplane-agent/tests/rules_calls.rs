@@ -70,7 +70,7 @@ async fn a_token_cancelled_before_the_call_starts_makes_no_attempt() {
     assert!(err.last.is_none());
     assert_eq!((err.attempts, up.attempts()), (0, 0), "nothing was started");
     let c = ep.pending_counts();
-    assert_eq!((c.calls, c.attempts), (1, 0), "{c:?}");
+    assert_eq!((c.calls, c.attempts, c.cancelled), (1, 0, 1), "{c:?}");
 }
 
 #[tokio::test(start_paused = true)]
@@ -417,6 +417,76 @@ async fn a_call_dropped_during_its_first_attempt_is_counted_in_full() {
     let c = ep.pending_counts();
     assert_eq!((c.calls, c.attempts, c.retries), (2, 2, 0));
     assert_eq!((c.success_first_try, c.success_after_retry), (1, 0));
+    assert_eq!(c.cancelled, 1, "the dropped call has no other outcome");
+}
+
+/// The outcome counters: every call that has ended is in exactly one.
+fn outcomes(c: &retryplane_agent::CounterValues) -> u64 {
+    c.success_first_try
+        + c.success_after_retry
+        + c.gave_up_attempts
+        + c.gave_up_budget
+        + c.gave_up_deadline
+        + c.gave_up_retry_after
+        + c.gave_up_not_retryable
+        + c.circuit_open
+        + c.cancelled
+}
+
+#[tokio::test(start_paused = true)]
+async fn every_call_that_ended_is_counted_in_one_outcome_cancelled_ones_too() {
+    let agent = agent(&policy(
+        "max_attempts: 2\nper_try_timeout: 10s\nbackoff: {base: 2s, max: 2s, jitter: none}",
+    ));
+    let ep = agent.endpoint("ep");
+    // A success at once, one after a retry, one that gave up.
+    ep.call(get(), Upstream::new([]).attempt()).await.unwrap();
+    let up = Upstream::new([Step::Status(503)]);
+    ep.call(get(), up.attempt()).await.unwrap();
+    let up = Upstream::new([Step::Status(503), Step::Status(503)]);
+    ep.call(get(), up.attempt()).await.unwrap_err();
+    // Cancelled by a token: before the call, during an attempt, during the pause.
+    let token = CancellationToken::new();
+    token.cancel();
+    let err = ep
+        .call(get().with_cancel(token), Upstream::new([]).attempt())
+        .await
+        .unwrap_err();
+    assert_eq!(err.cause, Cause::Cancelled);
+    let (err, _, _) = cancelled_after_the_first_attempt(&agent, Step::Hang).await;
+    assert_eq!(err.cause, Cause::Cancelled);
+    let (err, _, _) = cancelled_after_the_first_attempt(&agent, Step::Status(503)).await;
+    assert_eq!(err.cause, Cause::Cancelled);
+    // Dropped: during its first attempt, during its 2 s pause, during its second attempt.
+    for (steps, after) in [
+        (vec![Step::Hang], 1),
+        (vec![Step::Status(503)], 1),
+        (vec![Step::Status(503), Step::Hang], 3),
+    ] {
+        let up = Upstream::new(steps);
+        let call = ep.call(get(), up.attempt());
+        let dropped = tokio::time::timeout(Duration::from_secs(after), call).await;
+        assert!(dropped.is_err());
+    }
+    let c = ep.pending_counts();
+    assert_eq!(c.calls, 9, "{c:?}");
+    assert_eq!(c.cancelled, 6, "{c:?}");
+    assert_eq!(outcomes(&c), c.calls, "{c:?}");
+    // A call still under way is in no outcome yet.
+    let up = Upstream::new([Step::Status(503), Step::Hang]);
+    let running = tokio::spawn({
+        let (ep, up) = (ep.clone(), up.clone());
+        async move { ep.call(get(), up.attempt()).await }
+    });
+    // Paused time: the 2 s pause passes as soon as every task waits.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    up.until_attempts(2).await;
+    let c = ep.pending_counts();
+    assert_eq!((c.calls, outcomes(&c)), (10, 9), "{c:?}");
+    running.abort();
+    let _ = running.await;
+    let c = ep.pending_counts();
+    assert_eq!((c.calls, c.cancelled, outcomes(&c)), (10, 7, 10), "{c:?}");
 }
 
 #[tokio::test(start_paused = true)]

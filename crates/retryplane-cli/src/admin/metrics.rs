@@ -8,9 +8,10 @@
 //! logical calls; with no calls there is no ratio either.
 //!
 //! The give-up column lists the non-zero causes of logical calls that failed in the window,
-//! `att:3 bud:1 dl:2 ra:1 nr:4`, and circuit-open rejections as `open:2` (`-` when none):
-//! `att` attempts exhausted, `bud` retry budget exhausted, `dl` deadline, `ra` a Retry-After
-//! hint longer than allowed, `nr` not retryable.
+//! `att:3 bud:1 dl:2 ra:1 nr:4`, circuit-open rejections as `open:2`, and calls their caller
+//! cancelled or dropped before they ended as `cancel:5` (`-` when none): `att` attempts
+//! exhausted, `bud` retry budget exhausted, `dl` deadline, `ra` a Retry-After hint longer than
+//! allowed, `nr` not retryable.
 
 use std::fmt::Write as _;
 
@@ -180,6 +181,7 @@ pub fn give_ups(c: &pb::Counters) -> String {
         ("ra", c.gave_up_retry_after),
         ("nr", c.gave_up_not_retryable),
         ("open", c.circuit_open),
+        ("cancel", c.cancelled),
     ];
     let mut out = String::new();
     for (name, n) in causes.into_iter().filter(|(_, n)| *n > 0) {
@@ -301,7 +303,7 @@ pub fn alerts_json(response: &pb::StatsResponse) -> Value {
         .into()
 }
 
-/// Every counter of SPEC §4, named as on the wire.
+/// Every counter of SPEC §4 and `cancelled`, named as on the wire.
 pub fn counters_json(c: &pb::Counters) -> Value {
     json!({
         "calls": c.calls,
@@ -317,6 +319,7 @@ pub fn counters_json(c: &pb::Counters) -> Value {
         "circuit_open": c.circuit_open,
         "backoff_ms": c.backoff_ms,
         "retry_after_honored": c.retry_after_honored,
+        "cancelled": c.cancelled,
     })
 }
 
@@ -400,6 +403,7 @@ pub fn lifetime_counters(e: &pb::EndpointStats) -> pb::Counters {
         circuit_open: e.circuit_open,
         backoff_ms: e.backoff_ms,
         retry_after_honored: e.retry_after_honored,
+        cancelled: e.cancelled,
     }
 }
 
@@ -573,9 +577,10 @@ pub(crate) mod tests {
             gave_up_retry_after: 4,
             gave_up_not_retryable: 5,
             circuit_open: 6,
+            cancelled: 7,
             ..Default::default()
         };
-        assert_eq!(give_ups(&all), "att:1 bud:2 dl:3 ra:4 nr:5 open:6");
+        assert_eq!(give_ups(&all), "att:1 bud:2 dl:3 ra:4 nr:5 open:6 cancel:7");
     }
 
     #[test]

@@ -1,9 +1,10 @@
-//! The SPEC §4 counters as one fixed array, so adding a report is 13 saturating adds.
+//! The SPEC §4 counters (and `cancelled`) as one fixed array, so adding a report is 14
+//! saturating adds.
 
 use retryplane_proto::pb;
 
 /// How many counters there are.
-pub const N: usize = 13;
+pub const N: usize = 14;
 
 /// Index of logical calls.
 pub const CALLS: usize = 0;
@@ -31,6 +32,8 @@ pub const CIRCUIT_OPEN: usize = 10;
 pub const BACKOFF_MS: usize = 11;
 /// Index of Retry-After hints honored.
 pub const RETRY_AFTER_HONORED: usize = 12;
+/// Index of calls their caller cancelled or dropped before they ended.
+pub const CANCELLED: usize = 13;
 
 /// The give-up counters with their `cause` label (the SPEC §2 names, in snake case).
 pub const GIVE_UP_CAUSES: [(&str, usize); 5] = [
@@ -41,7 +44,7 @@ pub const GIVE_UP_CAUSES: [(&str, usize); 5] = [
     ("not_retryable", GAVE_UP_NOT_RETRYABLE),
 ];
 
-/// One set of counters (104 bytes).
+/// One set of counters (112 bytes).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Counts(pub [u64; N]);
 
@@ -62,6 +65,7 @@ impl Counts {
             c.circuit_open,
             c.backoff_ms,
             c.retry_after_honored,
+            c.cancelled,
         ])
     }
 
@@ -99,6 +103,7 @@ impl Counts {
             circuit_open: c[CIRCUIT_OPEN],
             backoff_ms: c[BACKOFF_MS],
             retry_after_honored: c[RETRY_AFTER_HONORED],
+            cancelled: c[CANCELLED],
         }
     }
 
@@ -120,6 +125,7 @@ impl Counts {
             circuit_open: c.circuit_open,
             backoff_ms: c.backoff_ms,
             retry_after_honored: c.retry_after_honored,
+            cancelled: c.cancelled,
         }
     }
 }

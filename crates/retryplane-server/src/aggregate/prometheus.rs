@@ -13,6 +13,7 @@
 //! | `retryplane_giveups_total{cause}` | counter | calls that failed, by SPEC §2 cause |
 //! | `retryplane_backoff_seconds_total` | counter | time spent backing off, seconds |
 //! | `retryplane_circuit_open_total` | counter | calls refused by an open breaker |
+//! | `retryplane_cancelled_total` | counter | calls their caller cancelled or dropped before they ended |
 //! | `retryplane_retry_after_honored_total` | counter | Retry-After hints honored |
 //! | `retryplane_retry_ratio{window}` | gauge | retries / calls over `1m`, `5m`, `15m` (0 without calls) |
 //! | `retryplane_retry_ratio_threshold` | gauge | the endpoint's alert threshold |
@@ -37,8 +38,8 @@ use prometheus_client::registry::Unit;
 use tokio::time::Instant;
 
 use super::counts::{
-    ATTEMPTS, BACKOFF_MS, CALLS, CIRCUIT_OPEN, GIVE_UP_CAUSES, RETRIES, RETRY_AFTER_HONORED,
-    SUCCESS_AFTER_RETRY, SUCCESS_FIRST_TRY,
+    ATTEMPTS, BACKOFF_MS, CALLS, CANCELLED, CIRCUIT_OPEN, GIVE_UP_CAUSES, RETRIES,
+    RETRY_AFTER_HONORED, SUCCESS_AFTER_RETRY, SUCCESS_FIRST_TRY,
 };
 use super::series::SeriesView;
 use super::window::WINDOWS;
@@ -46,7 +47,7 @@ use super::{Aggregator, Filter};
 use crate::fleet::Fleet;
 
 /// The per-series counter families: name (before `_total`), help, counter index.
-const COUNTERS: [(&str, &str, usize); 7] = [
+const COUNTERS: [(&str, &str, usize); 8] = [
     ("retryplane_calls", "Logical calls made by agents.", CALLS),
     (
         "retryplane_attempts",
@@ -73,6 +74,11 @@ const COUNTERS: [(&str, &str, usize); 7] = [
         "retryplane_retry_after_honored",
         "Retry-After or grpc-retry-pushback hints honored.",
         RETRY_AFTER_HONORED,
+    ),
+    (
+        "retryplane_cancelled",
+        "Logical calls their caller cancelled or dropped before they ended.",
+        CANCELLED,
     ),
 ];
 

@@ -14,7 +14,7 @@
 //! bucket it was added to falls out, between 50 and 60 s (1 min), 4 and 5 min, or 14 and 15 min
 //! after it was counted; `covered_seconds` says exactly how much time a window's figures span.
 //! Every count is in exactly one fine and one coarse bucket. One ring pair is 21 buckets of
-//! 112 bytes (13 counters and the bucket's number), 2,352 bytes, allocated inline: no window
+//! 120 bytes (14 counters and the bucket's number), 2,520 bytes, allocated inline: no window
 //! ever allocates.
 
 use std::time::Duration;
