@@ -67,7 +67,7 @@ struct Cached {
 /// dropped) it adds the time paused, at most the pause, to the endpoint's backoff time, so the
 /// figure counts pauses taken, not pauses planned.
 struct Paused<'a> {
-    backoff_ms: &'a std::sync::atomic::AtomicU64,
+    counters: &'a Counters,
     from: Instant,
     pause: Duration,
 }
@@ -77,10 +77,7 @@ impl Drop for Paused<'_> {
         let paused = Instant::now()
             .saturating_duration_since(self.from)
             .min(self.pause);
-        self.backoff_ms.fetch_add(
-            u64::try_from(paused.as_millis()).unwrap_or(u64::MAX),
-            std::sync::atomic::Ordering::Relaxed,
-        );
+        self.counters.add_backoff(paused);
     }
 }
 
@@ -511,7 +508,7 @@ impl Endpoint {
                 };
                 // Counts the time paused when the pause ends, is cancelled or is dropped.
                 let _paused = Paused {
-                    backoff_ms: &c.backoff_ms,
+                    counters: c,
                     from: now,
                     pause,
                 };

@@ -32,6 +32,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, RwLock};
+use std::time::Duration;
 
 use retryplane_policy::engine::GiveUpCause;
 use retryplane_proto::pb;
@@ -42,6 +43,9 @@ macro_rules! counters {
         #[derive(Debug, Default)]
         pub(crate) struct Counters {
             $(pub(crate) $field: AtomicU64,)*
+            /// The nanoseconds below a whole millisecond of every pause counted in
+            /// `backoff_ms`, added up (never taken): see [`Counters::add_backoff`].
+            backoff_sub_ms: AtomicU64,
         }
 
         /// A plain copy of one endpoint's counters (values or deltas).
@@ -137,6 +141,24 @@ impl Counters {
         derived(self.peek_stored())
     }
 
+    /// Adds a pause taken to `backoff_ms`. Its whole milliseconds go in at once; what is left
+    /// below a millisecond is added up apart, and each time that sum passes another whole
+    /// millisecond, one more goes into `backoff_ms`. So the figure is the total time paused, cut
+    /// to the millisecond once, rather than each pause cut to the millisecond (a pause of 1.9 ms
+    /// would count 1, and a thousand jittered pauses under 1 ms would count nothing).
+    pub(crate) fn add_backoff(&self, paused: Duration) {
+        const NANOS_PER_MS: u64 = 1_000_000;
+        let whole = u64::try_from(paused.as_millis()).unwrap_or(u64::MAX);
+        let below = u64::from(paused.subsec_nanos()) % NANOS_PER_MS;
+        // The sum only grows; it would wrap after 584 years of pauses.
+        let before = self.backoff_sub_ms.fetch_add(below, Relaxed);
+        let carried = before.wrapping_add(below) / NANOS_PER_MS - before / NANOS_PER_MS;
+        let ms = whole.saturating_add(carried);
+        if ms > 0 {
+            self.backoff_ms.fetch_add(ms, Relaxed);
+        }
+    }
+
     /// Counts a call that gave up with `cause`.
     pub(crate) fn gave_up(&self, cause: GiveUpCause) {
         let c = match cause {
@@ -222,6 +244,29 @@ impl Registry {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn backoff_counts_the_total_paused_not_each_pause_cut_to_the_millisecond() {
+        let c = Counters::default();
+        for _ in 0..3 {
+            c.add_backoff(Duration::from_micros(500));
+        }
+        assert_eq!(c.peek().backoff_ms, 1, "1.5 ms in all");
+        c.add_backoff(Duration::from_micros(1_900));
+        assert_eq!(c.peek().backoff_ms, 3, "3.4 ms in all");
+        c.add_backoff(Duration::from_micros(600));
+        assert_eq!(c.peek().backoff_ms, 4, "4.0 ms in all");
+        // Taking the counts leaves what is below a millisecond to the next report.
+        assert_eq!(c.take().backoff_ms, 4);
+        for _ in 0..1_000 {
+            c.add_backoff(Duration::from_nanos(999));
+        }
+        assert_eq!(c.take().backoff_ms, 0, "0.999 ms");
+        c.add_backoff(Duration::from_nanos(1_001));
+        assert_eq!(c.take().backoff_ms, 1, "1.000 ms");
+        c.add_backoff(Duration::from_secs(2));
+        assert_eq!(c.take().backoff_ms, 2_000);
+    }
 
     #[test]
     fn deltas_taken_and_restored_are_neither_lost_nor_doubled() {
