@@ -583,6 +583,9 @@ impl Endpoint {
                             cause = %cause,
                             duration_ms,
                             refused_since_last_line = quiet,
+                            // Only on a call whose request could not be sent again (the
+                            // layer's body over its limit): why a retryable failure was not.
+                            replayable = (!meta.replayable()).then_some(false),
                             "call failed"
                         );
                     }

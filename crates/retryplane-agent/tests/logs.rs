@@ -218,6 +218,36 @@ async fn no_log_line_carries_a_header_value_a_token_or_a_body() {
     );
 }
 
+#[tokio::test(flavor = "current_thread")]
+async fn a_failed_call_whose_body_could_not_be_sent_again_says_so() {
+    let (sink, _guard) = support::capture_logs("retryplane_agent=warn");
+    let agent = agent(&policy(
+        "max_attempts: 3\nidempotent_methods: [PUT]\nbackoff: {base: 1ms, max: 1ms}",
+    ));
+    let layer = RetryLayer::new(agent.endpoint("ep"));
+    // The body (22 bytes) fits the default limit: retried, and its failure says nothing more.
+    let kept = layer.clone().layer(status_upstream(&[503, 503, 503]).0);
+    assert_eq!(kept.oneshot(request()).await.unwrap().status(), 503);
+    // Over a 4-byte limit it is sent once, and the 503 is not retried.
+    let once = layer
+        .with_body_limit(4)
+        .layer(status_upstream(&[503, 503, 503]).0);
+    assert_eq!(once.oneshot(request()).await.unwrap().status(), 503);
+    let log = sink.text();
+    let failed: Vec<&str> = log.lines().filter(|l| l.contains("call failed")).collect();
+    assert_eq!(failed.len(), 2, "{log}");
+    assert!(
+        failed[0].contains("attempts=3") && !failed[0].contains("replayable"),
+        "{log}"
+    );
+    assert!(
+        failed[1].contains("attempts=1")
+            && failed[1].contains("cause=not_retryable")
+            && failed[1].contains("replayable=false"),
+        "{log}"
+    );
+}
+
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn calls_refused_by_an_open_breaker_get_one_warn_line_per_second() {
     let (sink, _guard) = support::capture_logs("retryplane_agent=warn");
