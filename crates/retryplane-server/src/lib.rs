@@ -22,6 +22,7 @@ pub mod fleet;
 pub mod frame_body;
 pub mod http;
 pub mod metrics;
+mod preface;
 pub mod publisher;
 pub mod report_seq;
 pub mod server;

@@ -21,16 +21,20 @@
 //!
 //! [`Running::shutdown`] tells every agent stream to end with `UNAVAILABLE` ("reconnect"),
 //! stops accepting, waits up to [`SHUTDOWN_GRACE`] for the servers to drain and closes the store
-//! (redb makes every commit durable; there is nothing else to flush).
+//! (redb makes every commit durable; there is nothing else to flush). A gRPC connection that
+//! has not sent the HTTP/2 preface half a second into the shutdown is closed then rather than
+//! waited for (`crate::preface`).
 
+use std::io;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
 use retryplane_proto::pb::admin_service_server::AdminServiceServer;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tokio::task::{JoinHandle, JoinSet};
+use tokio_stream::{Stream, StreamExt as _};
 use tonic::server::NamedService;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Server;
@@ -48,6 +52,7 @@ use crate::control::{ControlPlane, Mode};
 use crate::fleet::Fleet;
 use crate::http::{HttpState, router};
 use crate::metrics::ServerMetrics;
+use crate::preface::Preface;
 use crate::publisher::Publisher;
 use crate::store::{RedbStore, VersionStore};
 
@@ -122,9 +127,17 @@ fn grpc_server(cfg: &ServeConfig) -> Server {
         .tcp_nodelay(true)
 }
 
-fn incoming(socket: TcpListener) -> TcpIncoming {
+/// The connections of a gRPC listener, each one closed at shutdown if it has not yet sent the
+/// HTTP/2 preface (see [`crate::preface`]).
+fn incoming(
+    socket: TcpListener,
+    shutdown: &watch::Receiver<bool>,
+) -> impl Stream<Item = io::Result<Preface<TcpStream>>> + use<> {
+    let shutdown = shutdown.clone();
     // The builder's tcp_nodelay does not apply to a listener we bound ourselves.
-    TcpIncoming::from(socket).with_nodelay(Some(true))
+    TcpIncoming::from(socket)
+        .with_nodelay(Some(true))
+        .map(move |accepted| accepted.map(|stream| Preface::new(stream, shutdown.clone())))
 }
 
 /// Starts the control plane; see the module docs.
@@ -255,9 +268,10 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
         .add_service(reflection(AGENT_SERVICE).build_v1alpha()?)
         .add_service(agent_service);
     let stop = stopped(shutdown_rx.clone());
+    let connections = incoming(agent_socket, &shutdown_rx);
     servers.spawn(async move {
         agent_router
-            .serve_with_incoming_shutdown(incoming(agent_socket), stop)
+            .serve_with_incoming_shutdown(connections, stop)
             .await
             .map_err(|source| ServeError::Grpc {
                 listener: "agent",
@@ -270,9 +284,10 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
         .add_service(reflection(ADMIN_SERVICE).build_v1alpha()?)
         .add_service(admin_service);
     let stop = stopped(shutdown_rx.clone());
+    let connections = incoming(admin_socket, &shutdown_rx);
     servers.spawn(async move {
         admin_router
-            .serve_with_incoming_shutdown(incoming(admin_socket), stop)
+            .serve_with_incoming_shutdown(connections, stop)
             .await
             .map_err(|source| ServeError::Grpc {
                 listener: "admin",

@@ -1125,3 +1125,29 @@ async fn each_grpc_listener_bounds_the_streams_of_one_connection() {
     }
     running.shutdown().await.unwrap();
 }
+
+#[tokio::test]
+async fn shutdown_does_not_wait_for_connections_that_never_send_anything() {
+    let (_dir, cfg) = with_file(V1);
+    let running = start(cfg).await.unwrap();
+    // Connected, and silent: no HTTP/2 preface (a port scanner, a half-open load balancer check).
+    let silent = [
+        tokio::net::TcpStream::connect(running.agent_addr)
+            .await
+            .unwrap(),
+        tokio::net::TcpStream::connect(running.admin_addr)
+            .await
+            .unwrap(),
+        tokio::net::TcpStream::connect(running.http_addr)
+            .await
+            .unwrap(),
+    ];
+    let began = tokio::time::Instant::now();
+    running.shutdown().await.unwrap();
+    assert!(
+        began.elapsed() < SHUTDOWN_GRACE,
+        "the shutdown waited {:?} for connections that sent nothing",
+        began.elapsed()
+    );
+    drop(silent);
+}

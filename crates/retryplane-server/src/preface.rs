@@ -1,0 +1,210 @@
+//! Connections that never send the HTTP/2 preface do not hold a shutdown.
+//!
+//! At shutdown tonic stops accepting and waits for every accepted connection to end, and hyper
+//! ends an HTTP/2 connection gracefully (GOAWAY, open calls finish) only once the connection has
+//! started. A client that connects and sends nothing, or less than the 24-byte client preface
+//! (a TCP health check, a port scan, a peer that stalled), held the shutdown for the whole
+//! [`crate::server::SHUTDOWN_GRACE`] and was then cut off with every other connection.
+//!
+//! [`Preface`] wraps each accepted connection of the gRPC listeners. Once shutdown has begun and
+//! [`PREFACE_GRACE`] has passed, a connection that has still not delivered the preface reads as
+//! closed by its peer, so hyper drops it at once. The grace lets a client that connected just as
+//! shutdown began get its first bytes in, and be refused or served as hyper sees fit. A
+//! connection that has delivered the preface is left alone: hyper's graceful shutdown handles it,
+//! and the wrapper passes its reads and writes through.
+
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::sync::watch;
+use tonic::transport::server::Connected;
+
+/// The HTTP/2 client connection preface, `PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n` (RFC 9113 §3.4).
+pub(crate) const PREFACE_LEN: usize = 24;
+
+/// How long after shutdown begins a connection still short of its preface is kept.
+pub(crate) const PREFACE_GRACE: Duration = Duration::from_millis(500);
+
+/// Resolves [`PREFACE_GRACE`] after shutdown begins (or after the shutdown signal is gone).
+type Closing = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// An accepted connection that reads as closed once shutdown has begun, [`PREFACE_GRACE`] has
+/// passed, and it has not yet sent the HTTP/2 preface. See the module docs.
+pub(crate) struct Preface<S> {
+    inner: S,
+    /// Bytes read so far, up to [`PREFACE_LEN`].
+    read: usize,
+    /// Until the preface is in: the shutdown's signal. `None` once it is in.
+    closing: Option<Closing>,
+    /// The signal fired before the preface was in: every read from now on is end of stream.
+    closed: bool,
+}
+
+impl<S> Preface<S> {
+    /// Wraps `inner`, watching `shutdown` (true once shutdown has begun).
+    pub(crate) fn new(inner: S, mut shutdown: watch::Receiver<bool>) -> Self {
+        let closing = async move {
+            // An error means the sender is gone: the server is going away too.
+            let _ = shutdown.wait_for(|stop| *stop).await;
+            tokio::time::sleep(PREFACE_GRACE).await;
+        };
+        Self {
+            inner,
+            read: 0,
+            closing: Some(Box::pin(closing)),
+            closed: false,
+        }
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Preface<S> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if let Some(closing) = &mut this.closing {
+            // Polled with the read, so the signal wakes a read that waits for bytes.
+            if closing.as_mut().poll(cx).is_ready() {
+                this.closing = None;
+                this.closed = true;
+            }
+        }
+        if this.closed {
+            // End of stream: nothing is put in `buf`.
+            return Poll::Ready(Ok(()));
+        }
+        let before = buf.filled().len();
+        let polled = Pin::new(&mut this.inner).poll_read(cx, buf);
+        if polled.is_ready() && this.closing.is_some() {
+            this.read = this
+                .read
+                .saturating_add(buf.filled().len().saturating_sub(before));
+            if this.read >= PREFACE_LEN {
+                this.closing = None;
+            }
+        }
+        polled
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Preface<S> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+}
+
+impl<S: Connected> Connected for Preface<S> {
+    type ConnectInfo = S::ConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.inner.connect_info()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
+    use super::*;
+
+    /// A wrapped in-memory connection, its client end, and the shutdown signal.
+    fn pair() -> (
+        Preface<tokio::io::DuplexStream>,
+        tokio::io::DuplexStream,
+        watch::Sender<bool>,
+    ) {
+        let (server, client) = tokio::io::duplex(1024);
+        let (stop, shutdown) = watch::channel(false);
+        (Preface::new(server, shutdown), client, stop)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_silent_connection_reads_closed_once_the_grace_after_shutdown_has_passed() {
+        let (mut server, _client, stop) = pair();
+        let mut buf = [0u8; 64];
+        let began = tokio::time::Instant::now();
+        let read = tokio::spawn(async move { server.read(&mut buf).await });
+        tokio::task::yield_now().await;
+        stop.send_replace(true);
+        assert_eq!(read.await.unwrap().unwrap(), 0, "end of stream");
+        assert_eq!(began.elapsed(), PREFACE_GRACE);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_connection_short_of_its_preface_is_closed_and_stays_closed() {
+        let (mut server, mut client, stop) = pair();
+        client.write_all(&[b'P'; PREFACE_LEN - 1]).await.unwrap();
+        let mut buf = [0u8; 64];
+        assert_eq!(server.read(&mut buf).await.unwrap(), PREFACE_LEN - 1);
+        // Waiting for the rest, as hyper does, when shutdown begins.
+        let read = tokio::spawn(async move {
+            let n = server.read(&mut buf).await.unwrap();
+            (server, n)
+        });
+        tokio::task::yield_now().await;
+        stop.send_replace(true);
+        let (mut server, n) = read.await.unwrap();
+        assert_eq!(n, 0, "end of stream");
+        client.write_all(b"more").await.unwrap();
+        assert_eq!(server.read(&mut buf).await.unwrap(), 0, "still closed");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn bytes_sent_within_the_grace_are_read() {
+        let (mut server, mut client, stop) = pair();
+        stop.send_replace(true);
+        tokio::time::sleep(PREFACE_GRACE / 2).await;
+        client.write_all(&[b'P'; PREFACE_LEN]).await.unwrap();
+        let mut buf = [0u8; 64];
+        assert_eq!(server.read(&mut buf).await.unwrap(), PREFACE_LEN);
+        tokio::time::sleep(PREFACE_GRACE).await;
+        client.write_all(b"frames").await.unwrap();
+        assert_eq!(server.read(&mut buf).await.unwrap(), 6, "the preface is in");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_connection_that_sent_its_preface_is_never_closed_by_the_wrapper() {
+        let (mut server, mut client, stop) = pair();
+        client.write_all(&[b'P'; PREFACE_LEN + 3]).await.unwrap();
+        let mut buf = [0u8; 64];
+        assert_eq!(server.read(&mut buf).await.unwrap(), PREFACE_LEN + 3);
+        stop.send_replace(true);
+        tokio::time::sleep(PREFACE_GRACE * 4).await;
+        client.write_all(b"frames").await.unwrap();
+        assert_eq!(server.read(&mut buf).await.unwrap(), 6);
+        server.write_all(b"answer").await.unwrap();
+        let mut back = [0u8; 6];
+        client.read_exact(&mut back).await.unwrap();
+        assert_eq!(&back, b"answer");
+    }
+}
