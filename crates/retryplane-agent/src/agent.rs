@@ -322,6 +322,7 @@ pub struct AgentBuilder {
     seed: Option<u64>,
     backoff: Option<ReconnectBackoff>,
     keepalive: Option<(Duration, Duration)>,
+    ephemeral: bool,
     /// Run on the cache file's reading thread before it reads: a disk that answers late.
     #[cfg(test)]
     cache_read_stall: Option<Arc<dyn Fn() + Send + Sync>>,
@@ -339,6 +340,7 @@ impl std::fmt::Debug for AgentBuilder {
             .field("cache_file", &self.cache_file)
             .field("metrics_interval", &self.metrics_interval)
             .field("keepalive", &self.keepalive)
+            .field("ephemeral", &self.ephemeral)
             .finish()
     }
 }
@@ -369,6 +371,15 @@ impl AgentBuilder {
     /// Adds a label reported in Hello.
     pub fn label(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
         self.labels.insert(key.into(), value.into());
+        self
+    }
+
+    /// Marks this agent short-lived (`Hello.ephemeral`): a command-line tool that connects for
+    /// one call, say. Once its stream has ended, the control plane's fleet status leaves it
+    /// out instead of listing it as disconnected. Off by default: a service's agent that
+    /// disappears should show.
+    pub fn ephemeral(mut self, ephemeral: bool) -> Self {
+        self.ephemeral = ephemeral;
         self
     }
 
@@ -497,6 +508,7 @@ impl AgentBuilder {
                 last_applied_version: 0,
                 last_applied_hash: String::new(),
                 instance_id: instance_id(),
+                ephemeral: self.ephemeral,
             },
             cache_file,
             late_read,

@@ -419,7 +419,11 @@ async fn from_server(
     token: Option<&Secret>,
     endpoint: &str,
 ) -> anyhow::Result<Agent> {
-    let mut builder = Agent::builder().url(url).service("retryplane-cli");
+    // Ephemeral: the control plane does not list it once the command is done.
+    let mut builder = Agent::builder()
+        .url(url)
+        .service("retryplane-cli")
+        .ephemeral(true);
     if let Some(Secret(t)) = token {
         builder = builder.token(t.as_str());
     }

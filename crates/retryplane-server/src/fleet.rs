@@ -4,7 +4,10 @@
 //! stream is told to end, and its late updates are ignored (each registration has its own
 //! generation). Disconnected agents stay listed, so status shows who went away: for an hour by
 //! default ([`Fleet::forgetting_after`], `--forget-disconnected-after`), and at most
-//! [`MAX_DISCONNECTED`] of them (the longest gone go first).
+//! [`MAX_DISCONNECTED`] of them (the longest gone go first). An agent whose Hello says it is
+//! ephemeral (`retryplane request --server`, one call and gone) is not listed or counted once
+//! its stream has ended; its entry is kept as any other's, for its reports, and is the first to
+//! go past [`MAX_DISCONNECTED`].
 //! Each entry also keeps which numbered metrics reports of the agent were counted
 //! ([`crate::report_seq`]); it is carried over when a stream replaces another and kept while
 //! the agent is listed, so a report sent again after a reconnect is counted once. (A forgotten
@@ -66,6 +69,15 @@ struct Entry {
     refused: Option<Refused>,
     /// The Hello's `instance_id` of the stream registered last (0: not given).
     instance_id: u64,
+    /// The Hello's `ephemeral` of the stream registered last: not listed once disconnected.
+    ephemeral: bool,
+}
+
+impl Entry {
+    /// Whether status lists it: always while connected; once disconnected, unless ephemeral.
+    fn listed(&self) -> bool {
+        self.status.connected || !self.ephemeral
+    }
 }
 
 /// A snapshot an agent refused (NACKed).
@@ -296,6 +308,7 @@ impl Fleet {
                 reports,
                 refused: refused.clone(),
                 instance_id: hello.instance_id,
+                ephemeral: hello.ephemeral,
             },
         );
         inner.connected += 1;
@@ -451,36 +464,42 @@ impl Fleet {
     }
 
     /// Every listed agent sorted by id (none unless `list`), the agents connected now, and the
-    /// agents known (connected, and disconnected ones still kept), all read at one instant.
+    /// agents known (connected, and disconnected ones still listed), all read at one instant.
     pub fn status_and_counts(&self, list: bool) -> (Vec<pb::AgentStatus>, usize, usize) {
         let mut inner = self.lock();
         self.forget_gone(&mut inner);
-        let mut agents: Vec<_> = if list {
-            inner.agents.values().map(|e| e.status.clone()).collect()
+        let listed = inner.agents.values().filter(|e| e.listed());
+        let (mut agents, known): (Vec<_>, usize) = if list {
+            let agents: Vec<_> = listed.map(|e| e.status.clone()).collect();
+            let known = agents.len();
+            (agents, known)
         } else {
-            Vec::new()
+            (Vec::new(), listed.count())
         };
-        let (connected, known) = (inner.connected, inner.agents.len());
+        let connected = inner.connected;
         drop(inner);
         agents.sort_by(|a, b| a.agent_id.cmp(&b.agent_id));
         (agents, connected, known)
     }
 }
 
-/// Drops the longest-gone disconnected agents past [`MAX_DISCONNECTED`].
+/// Drops the longest-gone disconnected agents past [`MAX_DISCONNECTED`], ephemeral ones first.
 fn prune(inner: &mut Inner) {
     let gone = inner.agents.len() - inner.connected;
     if gone <= MAX_DISCONNECTED {
         return;
     }
-    let mut disconnected: Vec<(u64, String)> = inner
+    let mut disconnected: Vec<(bool, u64, String)> = inner
         .agents
         .values()
         .filter(|e| !e.status.connected)
-        .map(|e| (e.status.last_seen_unix_ms, e.status.agent_id.clone()))
+        .map(|e| {
+            let id = e.status.agent_id.clone();
+            (!e.ephemeral, e.status.last_seen_unix_ms, id)
+        })
         .collect();
     disconnected.sort_unstable();
-    for (_, id) in disconnected.into_iter().take(gone - MAX_DISCONNECTED) {
+    for (_, _, id) in disconnected.into_iter().take(gone - MAX_DISCONNECTED) {
         inner.agents.remove(&id);
     }
 }
@@ -801,6 +820,53 @@ mod tests {
         assert_eq!(ids(&fleet), ["b", "c"]);
         tokio::time::advance(minute).await;
         assert_eq!(ids(&fleet), ["c"]);
+    }
+
+    #[test]
+    fn an_ephemeral_agent_is_listed_while_connected_and_kept_but_not_listed_after() {
+        let fleet = Fleet::new(10);
+        let eph = pb::Hello {
+            ephemeral: true,
+            instance_id: 7,
+            ..hello("cli")
+        };
+        let reg = fleet.register(&eph, None, None).unwrap();
+        fleet.register(&hello("svc"), None, None).unwrap();
+        assert_eq!(fleet.status().len(), 2);
+        assert_eq!(fleet.status_and_counts(false), (vec![], 2, 2));
+        let claim = |generation| fleet.claim_report("cli", generation, 7, 1, || true);
+        assert_eq!(claim(reg.generation), ReportVerdict::Count);
+        fleet.disconnected("cli", reg.generation);
+        let ids: Vec<_> = fleet.status().into_iter().map(|a| a.agent_id).collect();
+        assert_eq!(ids, ["svc"]);
+        assert_eq!(fleet.status_and_counts(false), (vec![], 1, 1));
+        // Its record is kept: a report sent again on a new stream of the same process is not
+        // counted twice, and while connected again it is listed again.
+        let again = fleet.register(&eph, None, None).unwrap();
+        assert_eq!(claim(again.generation), ReportVerdict::Duplicate);
+        assert_eq!(fleet.status().len(), 2);
+    }
+
+    #[test]
+    fn ephemeral_agents_are_the_first_disconnected_ones_to_go() {
+        let fleet = Fleet::new(MAX_DISCONNECTED + 10).forgetting_after(None);
+        let reg = fleet.register(&hello("svc-gone"), None, None).unwrap();
+        fleet.disconnected("svc-gone", reg.generation);
+        for i in 0..MAX_DISCONNECTED {
+            let id = format!("cli-{i}");
+            let eph = pb::Hello {
+                ephemeral: true,
+                ..hello(&id)
+            };
+            let reg = fleet.register(&eph, None, None).unwrap();
+            fleet.disconnected(&id, reg.generation);
+        }
+        let inner = fleet.lock();
+        assert_eq!(inner.agents.len(), MAX_DISCONNECTED);
+        assert!(
+            inner.agents.contains_key("svc-gone"),
+            "the longest gone, but not ephemeral"
+        );
     }
 
     #[tokio::test(start_paused = true)]
