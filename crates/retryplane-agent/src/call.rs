@@ -584,7 +584,8 @@ impl Endpoint {
                             duration_ms,
                             refused_since_last_line = quiet,
                             // Only on a call whose request could not be sent again (the
-                            // layer's body over its limit): why a retryable failure was not.
+                            // layer's body over its limit, or not read by the deadline): why a
+                            // failure the policy retries was not.
                             replayable = (!meta.replayable()).then_some(false),
                             "call failed"
                         );
@@ -848,7 +849,7 @@ const OWE_ATTEMPT: u8 = 2;
 const OWE_END: u8 = 4;
 
 /// The counts of a call's start (`calls`, and `attempts` once its first attempt starts), held
-/// back until the first attempt's answer: a call that succeeds at once is counted by
+/// back until its second attempt starts or it ends: a call that succeeds at once is counted by
 /// [`Counters::first_try_success`] alone (one atomic add instead of three; the registry adds it
 /// back into `calls` and `attempts`). Any other call pays what it owes with
 /// [`FirstCounts::settle`], or when it is dropped (a call future dropped mid-call is counted).

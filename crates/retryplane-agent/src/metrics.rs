@@ -6,15 +6,17 @@
 //! disconnected accumulate (in the same fixed set of counters: the memory is bounded by the
 //! number of endpoints) until a report is accepted. Nothing is counted twice.
 //!
-//! A call is counted in `calls` (and its first attempt in `attempts`) once its first attempt
-//! has answered, or when it ends or is dropped before that: a call still waiting for its first
-//! answer when a report is taken is in a later report. A first-try success is one add to
+//! A call is counted in `calls` (and its first attempt in `attempts`) when its second attempt
+//! starts, or when it ends or is dropped before that: a call still in its first attempt, or in
+//! the pause after it, when a report is taken is in a later report. A first-try success is one add to
 //! `success_first_try`, which is added into `calls` and `attempts` whenever counts are read or
 //! taken (and taken back out by a restore). Only calls made are counted: a request the layer's
 //! de-duplication answered with a copy of another call's response made none and is not here.
 //! Every call that ends is counted in one outcome: a success, a give-up (`circuit_open` for a
 //! refusal), or `cancelled` when its cancellation token ended it or its future was dropped
-//! before it had another.
+//! before it had another (at any point: before its first attempt, during an attempt, a pause or
+//! a credential refresh). A call whose attempt or classifier panicked is dropped so, and counted
+//! `cancelled` too.
 //!
 //! A report handed to the stream is not forgotten: it is numbered and kept until the control
 //! plane acknowledges it (`crate::stream::outbox`), sent again on the next stream if the
@@ -150,9 +152,14 @@ impl Counters {
         const NANOS_PER_MS: u64 = 1_000_000;
         let whole = u64::try_from(paused.as_millis()).unwrap_or(u64::MAX);
         let below = u64::from(paused.subsec_nanos()) % NANOS_PER_MS;
-        // The sum only grows; it would wrap after 584 years of pauses.
-        let before = self.backoff_sub_ms.fetch_add(below, Relaxed);
-        let carried = before.wrapping_add(below) / NANOS_PER_MS - before / NANOS_PER_MS;
+        let carried = if below == 0 {
+            0
+        } else {
+            // The sum only grows (an atomic add wraps at 2^64 ns, 584 years of remainders);
+            // `below` is under a millisecond, so it passes at most one more.
+            let before = self.backoff_sub_ms.fetch_add(below, Relaxed);
+            u64::from(before % NANOS_PER_MS + below >= NANOS_PER_MS)
+        };
         let ms = whole.saturating_add(carried);
         if ms > 0 {
             self.backoff_ms.fetch_add(ms, Relaxed);
@@ -266,6 +273,14 @@ mod tests {
         assert_eq!(c.take().backoff_ms, 1, "1.000 ms");
         c.add_backoff(Duration::from_secs(2));
         assert_eq!(c.take().backoff_ms, 2_000);
+    }
+
+    #[test]
+    fn the_sum_below_a_millisecond_wrapping_carries_at_most_one() {
+        let c = Counters::default();
+        c.backoff_sub_ms.store(u64::MAX - 100_000, Relaxed);
+        c.add_backoff(Duration::from_micros(500));
+        assert!(c.take().backoff_ms <= 1);
     }
 
     #[test]

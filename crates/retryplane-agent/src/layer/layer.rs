@@ -86,7 +86,7 @@ impl RetryLayer {
 impl<D> RetryLayer<D> {
     /// The largest request body kept for replay; larger ones are sent once, never retried
     /// (nor sent again after a credential refresh, nor shared). The warn line of such a call
-    /// that fails says `replayable=false`.
+    /// that fails, whatever the failure, says `replayable=false`.
     pub fn with_body_limit(mut self, limit: usize) -> Self {
         self.settings.body_limit = limit;
         self

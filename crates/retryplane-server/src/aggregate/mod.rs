@@ -15,9 +15,9 @@
 //! in a summary at most every [`OVERFLOW_SUMMARY_EVERY`]. Series are never dropped: lifetime totals stay. Each
 //! series holds its windows in fixed rings ([`window`] documents the bucket layout and
 //! resolution) split by policy version ([`series`] documents version pruning), so a series
-//! costs about 2.8 KB with one live version ([`Aggregator::approx_bytes`]: 2,820 bytes, of
-//! which 2,496 are the version's totals and rings) and at most about 12.7 KB, with
-//! [`series::MAX_VERSIONS`] versions and the retired buckets: 10,000 series take 27–121 MiB.
+//! costs about 3 KB with one live version ([`Aggregator::approx_bytes`]: 3,021 bytes, of
+//! which 2,672 are the version's totals and rings) and at most about 13.6 KB, with
+//! [`series::MAX_VERSIONS`] versions and the retired buckets: 10,000 series take 29–130 MiB.
 //!
 //! # Ingestion
 //!
