@@ -10,7 +10,7 @@
 //! go past [`MAX_DISCONNECTED`].
 //! Each entry also keeps which numbered metrics reports of the agent were counted
 //! ([`crate::report_seq`]); it is carried over when a stream replaces another and kept while
-//! the agent is listed, so a report sent again after a reconnect is counted once. (A forgotten
+//! the agent is listed (or kept unlisted, for an ephemeral one), so a report sent again after a reconnect is counted once. (A forgotten
 //! agent's record goes with it: a report counted just before its stream broke, whose ack was
 //! lost, and sent again more than the forget time later, is counted twice.)
 //!
@@ -98,6 +98,20 @@ struct Inner {
     /// Streams in the order they ended (tokio's clock), with the generation that ended: an
     /// entry whose agent reconnected since has another generation and is not forgotten.
     gone: VecDeque<(tokio::time::Instant, String, u64)>,
+    /// Entries kept but not listed (ephemeral and disconnected), so that the count of listed
+    /// agents is `agents.len() - hidden` without a scan under the lock.
+    hidden: usize,
+}
+
+impl Inner {
+    /// Removes `id`'s entry, keeping `hidden` right.
+    fn remove(&mut self, id: &str) -> Option<Entry> {
+        let entry = self.agents.remove(id)?;
+        if !entry.listed() {
+            self.hidden -= 1;
+        }
+        Some(entry)
+    }
 }
 
 /// Connected agents counted by version, from [`Fleet::versions`].
@@ -188,7 +202,7 @@ impl Fleet {
                 .get(&id)
                 .is_some_and(|e| e.generation == generation && !e.status.connected)
             {
-                inner.agents.remove(&id);
+                inner.remove(&id);
             }
         }
     }
@@ -236,7 +250,7 @@ impl Fleet {
         inner.next_generation += 1;
         let generation = inner.next_generation;
         let (tx, rx) = oneshot::channel();
-        let previous = inner.agents.remove(&hello.agent_id);
+        let previous = inner.remove(&hello.agent_id);
         let mut reports = ReportSeqs::default();
         // The last NACK, if the same process comes back and does not run the version it refused.
         let mut refused = None;
@@ -407,12 +421,15 @@ impl Fleet {
             Some(entry) if entry.generation == generation && entry.status.connected => {
                 entry.status.connected = false;
                 entry.replaced = None;
-                true
+                Some(entry.ephemeral)
             }
-            _ => false,
+            _ => None,
         };
-        if ended {
+        if let Some(ephemeral) = ended {
             inner.connected -= 1;
+            if ephemeral {
+                inner.hidden += 1;
+            }
             self.set_gauge(&inner);
             if self.forget_after.is_some() {
                 let ended_at = tokio::time::Instant::now();
@@ -468,15 +485,13 @@ impl Fleet {
     pub fn status_and_counts(&self, list: bool) -> (Vec<pb::AgentStatus>, usize, usize) {
         let mut inner = self.lock();
         self.forget_gone(&mut inner);
-        let listed = inner.agents.values().filter(|e| e.listed());
-        let (mut agents, known): (Vec<_>, usize) = if list {
-            let agents: Vec<_> = listed.map(|e| e.status.clone()).collect();
-            let known = agents.len();
-            (agents, known)
+        let mut agents: Vec<_> = if list {
+            let listed = inner.agents.values().filter(|e| e.listed());
+            listed.map(|e| e.status.clone()).collect()
         } else {
-            (Vec::new(), listed.count())
+            Vec::new()
         };
-        let connected = inner.connected;
+        let (connected, known) = (inner.connected, inner.agents.len() - inner.hidden);
         drop(inner);
         agents.sort_by(|a, b| a.agent_id.cmp(&b.agent_id));
         (agents, connected, known)
@@ -500,7 +515,7 @@ fn prune(inner: &mut Inner) {
         .collect();
     disconnected.sort_unstable();
     for (_, _, id) in disconnected.into_iter().take(gone - MAX_DISCONNECTED) {
-        inner.agents.remove(&id);
+        inner.remove(&id);
     }
 }
 
@@ -845,6 +860,26 @@ mod tests {
         let again = fleet.register(&eph, None, None).unwrap();
         assert_eq!(claim(again.generation), ReportVerdict::Duplicate);
         assert_eq!(fleet.status().len(), 2);
+        assert_eq!(fleet.status_and_counts(false), (vec![], 2, 2));
+        fleet.disconnected("cli", again.generation);
+        assert_eq!(fleet.status_and_counts(false), (vec![], 1, 1));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_forgotten_ephemeral_agent_leaves_the_counts_right() {
+        let fleet = Fleet::new(10).forgetting_after(Some(Duration::from_secs(60)));
+        let eph = pb::Hello {
+            ephemeral: true,
+            ..hello("cli")
+        };
+        let reg = fleet.register(&eph, None, None).unwrap();
+        fleet.disconnected("cli", reg.generation);
+        tokio::time::advance(Duration::from_secs(61)).await;
+        assert_eq!(fleet.status_and_counts(false), (vec![], 0, 0));
+        let reg = fleet.register(&eph, None, None).unwrap();
+        assert_eq!(fleet.status_and_counts(false), (vec![], 1, 1));
+        fleet.disconnected("cli", reg.generation);
+        assert_eq!(fleet.status_and_counts(false), (vec![], 0, 0));
     }
 
     #[test]
@@ -861,12 +896,15 @@ mod tests {
             let reg = fleet.register(&eph, None, None).unwrap();
             fleet.disconnected(&id, reg.generation);
         }
-        let inner = fleet.lock();
-        assert_eq!(inner.agents.len(), MAX_DISCONNECTED);
-        assert!(
-            inner.agents.contains_key("svc-gone"),
-            "the longest gone, but not ephemeral"
-        );
+        {
+            let inner = fleet.lock();
+            assert_eq!(inner.agents.len(), MAX_DISCONNECTED);
+            assert!(
+                inner.agents.contains_key("svc-gone"),
+                "the longest gone, but not ephemeral"
+            );
+        }
+        assert_eq!(fleet.status_and_counts(false), (vec![], 0, 1));
     }
 
     #[tokio::test(start_paused = true)]
