@@ -3,15 +3,20 @@
 //! At shutdown tonic stops accepting and waits for every accepted connection to end, and hyper
 //! ends an HTTP/2 connection gracefully (GOAWAY, open calls finish) only once the connection has
 //! started. A client that connects and sends nothing, or less than the 24-byte client preface
-//! (a TCP health check, a port scan, a peer that stalled), held the shutdown for the whole
-//! [`crate::server::SHUTDOWN_GRACE`] and was then cut off with every other connection.
+//! (a TCP health check, a port scan, a peer that stalled before its preface), held the shutdown
+//! for the whole [`crate::server::SHUTDOWN_GRACE`] and was then cut off with every other
+//! connection.
 //!
 //! [`Preface`] wraps each accepted connection of the gRPC listeners. Once shutdown has begun and
-//! [`PREFACE_GRACE`] has passed, a connection that has still not delivered the preface reads as
-//! closed by its peer, so hyper drops it at once. The grace lets a client that connected just as
-//! shutdown began get its first bytes in, and be refused or served as hyper sees fit. A
-//! connection that has delivered the preface is left alone: hyper's graceful shutdown handles it,
-//! and the wrapper passes its reads and writes through.
+//! [`PREFACE_GRACE`] has passed (counted from the first read after shutdown began, so at least
+//! that long), a connection that has still not delivered the preface, and has nothing waiting in
+//! the socket, reads as closed by its peer, so hyper drops it at once. The grace lets a client
+//! that connected just as shutdown began get its first bytes in, and be refused or served as
+//! hyper sees fit. A connection that has delivered the preface is left alone: hyper's graceful
+//! shutdown handles it, and the wrapper passes its reads and writes through. (So a peer that
+//! sent the preface and then hung, answering nothing, still holds the shutdown until hyper's
+//! graceful close or the grace gives up on it: only hyper knows whether such a connection has a
+//! call in flight.)
 
 use std::future::Future;
 use std::io;
@@ -68,26 +73,30 @@ impl<S: AsyncRead + Unpin> AsyncRead for Preface<S> {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
-        if let Some(closing) = &mut this.closing {
-            // Polled with the read, so the signal wakes a read that waits for bytes.
-            if closing.as_mut().poll(cx).is_ready() {
-                this.closing = None;
-                this.closed = true;
-            }
-        }
         if this.closed {
             // End of stream: nothing is put in `buf`.
             return Poll::Ready(Ok(()));
         }
+        // The socket first: bytes already there are read, however late this task runs.
         let before = buf.filled().len();
         let polled = Pin::new(&mut this.inner).poll_read(cx, buf);
-        if polled.is_ready() && this.closing.is_some() {
+        let Some(closing) = &mut this.closing else {
+            return polled;
+        };
+        if polled.is_ready() {
             this.read = this
                 .read
                 .saturating_add(buf.filled().len().saturating_sub(before));
             if this.read >= PREFACE_LEN {
                 this.closing = None;
             }
+            return polled;
+        }
+        // Nothing to read: polled with the read, so the signal wakes a read that waits.
+        if closing.as_mut().poll(cx).is_ready() {
+            this.closing = None;
+            this.closed = true;
+            return Poll::Ready(Ok(()));
         }
         polled
     }
@@ -190,6 +199,25 @@ mod tests {
         tokio::time::sleep(PREFACE_GRACE).await;
         client.write_all(b"frames").await.unwrap();
         assert_eq!(server.read(&mut buf).await.unwrap(), 6, "the preface is in");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn bytes_that_came_within_the_grace_are_read_even_when_the_read_runs_after_it() {
+        let (mut server, mut client, stop) = pair();
+        let mut buf = [0u8; 64];
+        stop.send_replace(true);
+        let mut read = Box::pin(server.read(&mut buf));
+        // Polled once as shutdown begins (the grace starts), then not again until after it,
+        // as on a runtime too busy to run the connection's task in time.
+        std::future::poll_fn(|cx| {
+            assert!(read.as_mut().poll(cx).is_pending());
+            Poll::Ready(())
+        })
+        .await;
+        tokio::time::sleep(PREFACE_GRACE / 2).await;
+        client.write_all(&[b'P'; PREFACE_LEN]).await.unwrap();
+        tokio::time::sleep(PREFACE_GRACE).await;
+        assert_eq!(read.await.unwrap(), PREFACE_LEN);
     }
 
     #[tokio::test(start_paused = true)]

@@ -1144,8 +1144,9 @@ async fn shutdown_does_not_wait_for_connections_that_never_send_anything() {
     ];
     let began = tokio::time::Instant::now();
     running.shutdown().await.unwrap();
+    // About PREFACE_GRACE (0.5 s); the 5 s grace would mean they were waited for.
     assert!(
-        began.elapsed() < SHUTDOWN_GRACE,
+        began.elapsed() < Duration::from_secs(3),
         "the shutdown waited {:?} for connections that sent nothing",
         began.elapsed()
     );
