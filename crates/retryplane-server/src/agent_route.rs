@@ -190,6 +190,7 @@ mod tests {
             limits: StreamLimits::default(),
             shutdown: shutdown_rx,
             tokens: None,
+            after_register: None,
         };
         let route = AgentRoute::new(AgentStreamService::new(Arc::new(ctx)), 1 << 20);
         (route, publisher, shutdown)

@@ -108,6 +108,21 @@ pub struct StreamContext {
     /// The tokens in force, when there is a tokens file: a reload that takes a stream's secret
     /// away ends the stream.
     pub tokens: Option<Arc<TokenSet>>,
+    /// Run after a stream is registered, before its task starts: a publish that lands between.
+    #[cfg(test)]
+    pub after_register: Option<Hook>,
+}
+
+/// A test's code run at one point of the handshake.
+#[cfg(test)]
+#[derive(Clone)]
+pub struct Hook(pub Arc<dyn Fn() + Send + Sync>);
+
+#[cfg(test)]
+impl std::fmt::Debug for Hook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Hook")
+    }
 }
 
 /// The `retryplane.v1.AgentService` implementation.
@@ -325,14 +340,27 @@ impl AgentStreamService {
                 }
             })?;
         info!(agent = %hello.agent_id, service = %hello.service, version = hello.last_applied_version, "agent connected");
+        #[cfg(test)]
+        if let Some(Hook(hook)) = &self.ctx.after_register {
+            hook();
+        }
+        // What the fleet lists the agent as running, not what its Hello says: content this
+        // control plane does not have is version 0 here too, so the current version is pushed
+        // to it whatever was published since it was judged.
+        let (known_version, known_hash) =
+            if registration.applied_version == hello.last_applied_version {
+                (hello.last_applied_version, hello.last_applied_hash.clone())
+            } else {
+                (registration.applied_version, String::new())
+            };
         // Two slots: at most one snapshot waits, and a closing status always has room.
         let (tx, rx) = mpsc::channel(2);
         let stream = AgentStream {
             ctx: self.ctx.clone(),
             agent_id: hello.agent_id.clone(),
             generation: registration.generation,
-            known_version: hello.last_applied_version,
-            known_hash: hello.last_applied_hash.clone(),
+            known_version,
+            known_hash,
             instance_id: hello.instance_id,
             sent_nonce: None,
             refused: registration.refused,

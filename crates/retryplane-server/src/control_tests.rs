@@ -18,7 +18,7 @@ use tonic::transport::server::TcpIncoming;
 use super::*;
 use crate::admin::AdminApi;
 use crate::agent_route::AgentRoute;
-use crate::agent_stream::{AgentStreamService, StreamContext, StreamLimits};
+use crate::agent_stream::{AgentStreamService, Hook, StreamContext, StreamLimits};
 use crate::store::{MemoryStore, VersionMeta};
 
 const V1: &str = "version: 1\nendpoints:\n  payments:\n    max_attempts: 3\n";
@@ -111,6 +111,14 @@ fn apply_request(yaml: &str) -> pb::ApplyRequest {
 
 /// Serves the agent and admin services of `control` on 127.0.0.1:0.
 async fn serve(control: &Arc<ControlPlane>) -> (std::net::SocketAddr, watch::Sender<bool>) {
+    serve_with(control, None).await
+}
+
+/// [`serve`], with `after_register` run as each agent stream is registered.
+async fn serve_with(
+    control: &Arc<ControlPlane>,
+    after_register: Option<Hook>,
+) -> (std::net::SocketAddr, watch::Sender<bool>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (stop, stopped) = watch::channel(false);
@@ -122,6 +130,7 @@ async fn serve(control: &Arc<ControlPlane>) -> (std::net::SocketAddr, watch::Sen
         limits: StreamLimits::default(),
         shutdown: stopped.clone(),
         tokens: None,
+        after_register,
     };
     let router = Server::builder()
         .add_service(AgentRoute::new(
@@ -518,4 +527,72 @@ async fn a_checked_file_change_is_the_same_change_as_its_document_unchecked() {
             ))
         );
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_judged_to_run_unknown_content_gets_a_version_published_right_after() {
+    let gate = Gate::new();
+    let control = control(gate.store.clone(), Mode::Api);
+    let api = AdminApi::new(control.clone());
+    api.apply(Request::new(apply_request(V1))).await.unwrap();
+    // The agent names version 2 with its hash, which this store has not reached when its Hello
+    // is judged (so it is listed as running 0); version 2 with that very hash is published as
+    // soon as the stream is registered, before its task first looks at the current version.
+    let v1 = control.store.current().unwrap().unwrap();
+    let v2 = VersionRecord::of_version(2, v1.document.clone());
+    let named_hash = v2.meta.content_hash.clone();
+    let publisher = control.publisher.clone();
+    let hook = Hook(Arc::new(move || {
+        publisher.publish(&v2);
+    }));
+    let (addr, _stop) = serve_with(&control, Some(hook)).await;
+    let (agent_tx, agent_rx) = mpsc::channel(4);
+    let hello = pb::Hello {
+        agent_id: "a-1".to_owned(),
+        service: "checkout".to_owned(),
+        last_applied_version: 2,
+        last_applied_hash: named_hash,
+        instance_id: 1,
+        ..Default::default()
+    };
+    agent_tx
+        .send(pb::AgentMessage {
+            kind: Some(Kind::Hello(hello)),
+        })
+        .await
+        .unwrap();
+    let mut inbound = AgentServiceClient::new(channel(addr).await)
+        .connect(ReceiverStream::new(agent_rx))
+        .await
+        .unwrap()
+        .into_inner();
+    // Listed as running 0, it is sent the current version, and its ACK lists it as running it.
+    let message = tokio::time::timeout(WAIT, inbound.message())
+        .await
+        .expect("the current version is pushed")
+        .unwrap()
+        .unwrap();
+    let snapshot = message.decode_snapshot().unwrap().unwrap();
+    assert_eq!(snapshot.version, 2);
+    agent_tx
+        .send(pb::AgentMessage {
+            kind: Some(Kind::Ack(pb::Ack {
+                version: 2,
+                nonce: snapshot.nonce,
+            })),
+        })
+        .await
+        .unwrap();
+    let listed = async {
+        loop {
+            if control.fleet.status()[0].applied_version == 2 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    tokio::time::timeout(WAIT, listed)
+        .await
+        .expect("listed as running version 2");
+    drop(agent_tx);
 }

@@ -156,6 +156,11 @@ pub struct Registration {
     /// The snapshot an earlier stream of this agent id pushed and the agent refused: not to be
     /// pushed to it again.
     pub refused: Option<Refused>,
+    /// The version the agent is listed as running: its Hello's, or 0 when that names content
+    /// this control plane does not have (see [`Fleet::register`]). The stream goes by it, so
+    /// an agent listed so gets the current version pushed, and its ACK lists it right, even
+    /// when the current version changed after it was judged.
+    pub applied_version: u64,
 }
 
 /// Why a stream could not register.
@@ -328,6 +333,7 @@ impl Fleet {
         inner.connected += 1;
         self.set_gauge(&inner);
         Ok(Registration {
+            applied_version,
             generation,
             replaced: rx,
             refused,

@@ -245,6 +245,8 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
             .for_metrics_interval(cfg.metrics_interval),
         shutdown: shutdown_rx.clone(),
         tokens: tokens.clone(),
+        #[cfg(test)]
+        after_register: None,
     });
     // Not the generated `AgentServiceServer`: the route sends one shared frame per version
     // to every stream (see `crate::agent_route`).
