@@ -155,6 +155,30 @@ async fn channel(addr: std::net::SocketAddr) -> tonic::transport::Channel {
         .unwrap()
 }
 
+/// An agent stream to `addr` that has sent `hello`: what the agent sends next, and what it
+/// receives.
+async fn connect_agent(
+    addr: std::net::SocketAddr,
+    hello: pb::Hello,
+) -> (
+    mpsc::Sender<pb::AgentMessage>,
+    tonic::Streaming<pb::ServerMessage>,
+) {
+    let (agent_tx, agent_rx) = mpsc::channel(4);
+    agent_tx
+        .send(pb::AgentMessage {
+            kind: Some(Kind::Hello(hello)),
+        })
+        .await
+        .unwrap();
+    let inbound = AgentServiceClient::new(channel(addr).await)
+        .connect(ReceiverStream::new(agent_rx))
+        .await
+        .unwrap()
+        .into_inner();
+    (agent_tx, inbound)
+}
+
 /// The next snapshot's version on `inbound`, waiting at most [`WAIT`].
 async fn next_version(inbound: &mut tonic::Streaming<pb::ServerMessage>) -> u64 {
     let message = tokio::time::timeout(WAIT, inbound.message())
@@ -185,22 +209,12 @@ async fn an_admin_apply_dropped_mid_commit_is_still_sent_to_agents() {
     let api = AdminApi::new(control.clone());
     api.apply(Request::new(apply_request(V1))).await.unwrap();
     let (addr, _stop) = serve(&control).await;
-    let (agent_tx, agent_rx) = mpsc::channel(4);
-    agent_tx
-        .send(pb::AgentMessage {
-            kind: Some(Kind::Hello(pb::Hello {
-                agent_id: "a-1".to_owned(),
-                service: "checkout".to_owned(),
-                ..Default::default()
-            })),
-        })
-        .await
-        .unwrap();
-    let mut inbound = AgentServiceClient::new(channel(addr).await)
-        .connect(ReceiverStream::new(agent_rx))
-        .await
-        .unwrap()
-        .into_inner();
+    let hello = pb::Hello {
+        agent_id: "a-1".to_owned(),
+        service: "checkout".to_owned(),
+        ..Default::default()
+    };
+    let (agent_tx, mut inbound) = connect_agent(addr, hello).await;
     assert_eq!(next_version(&mut inbound).await, 1);
 
     drop_mid_commit(&mut gate, api.apply(Request::new(apply_request(V2)))).await;
@@ -546,7 +560,6 @@ async fn an_agent_judged_to_run_unknown_content_gets_a_version_published_right_a
         publisher.publish(&v2);
     }));
     let (addr, _stop) = serve_with(&control, Some(hook)).await;
-    let (agent_tx, agent_rx) = mpsc::channel(4);
     let hello = pb::Hello {
         agent_id: "a-1".to_owned(),
         service: "checkout".to_owned(),
@@ -555,17 +568,7 @@ async fn an_agent_judged_to_run_unknown_content_gets_a_version_published_right_a
         instance_id: 1,
         ..Default::default()
     };
-    agent_tx
-        .send(pb::AgentMessage {
-            kind: Some(Kind::Hello(hello)),
-        })
-        .await
-        .unwrap();
-    let mut inbound = AgentServiceClient::new(channel(addr).await)
-        .connect(ReceiverStream::new(agent_rx))
-        .await
-        .unwrap()
-        .into_inner();
+    let (agent_tx, mut inbound) = connect_agent(addr, hello).await;
     // Listed as running 0, it is sent the current version, and its ACK lists it as running it.
     let message = tokio::time::timeout(WAIT, inbound.message())
         .await
