@@ -347,11 +347,16 @@ impl AgentStreamService {
         // What the fleet lists the agent as running, not what its Hello says: content this
         // control plane does not have is version 0 here too, so the current version is pushed
         // to it whatever was published since it was judged.
-        let (known_version, known_hash) =
+        let (known_version, known_hash, named) =
             if registration.applied_version == hello.last_applied_version {
-                (hello.last_applied_version, hello.last_applied_hash.clone())
+                (
+                    hello.last_applied_version,
+                    hello.last_applied_hash.clone(),
+                    None,
+                )
             } else {
-                (registration.applied_version, String::new())
+                let named = (hello.last_applied_version, hello.last_applied_hash.clone());
+                (registration.applied_version, String::new(), Some(named))
             };
         // Two slots: at most one snapshot waits, and a closing status always has room.
         let (tx, rx) = mpsc::channel(2);
@@ -361,6 +366,7 @@ impl AgentStreamService {
             generation: registration.generation,
             known_version,
             known_hash,
+            named,
             instance_id: hello.instance_id,
             sent_nonce: None,
             refused: registration.refused,
@@ -413,10 +419,15 @@ struct AgentStream {
     ctx: Arc<StreamContext>,
     agent_id: String,
     generation: u64,
-    /// What the agent runs, or was last sent: once a snapshot is sent, that snapshot (an answer
-    /// naming another version is stale).
+    /// What the fleet lists the agent as running (its Hello's version, or 0 for content this
+    /// control plane did not have), or what it was last sent: once a snapshot is sent, that
+    /// snapshot (an answer naming another version is stale).
     known_version: u64,
     known_hash: String,
+    /// The version and hash the Hello named, when the fleet judged them unknown; looked at
+    /// once, against the first current version the task sees: if that is them (published since
+    /// the judgment), the agent runs it and is listed so, and nothing is sent.
+    named: Option<(u64, String)>,
     /// The agent process (`Hello.instance_id`) its numbered reports belong to.
     instance_id: u64,
     /// The nonce of the last snapshot sent, until it is answered: a push counts one ACK or
@@ -510,6 +521,17 @@ impl AgentStream {
         let mut shutdown = self.ctx.shutdown.clone();
         let end = loop {
             let current = snapshots.borrow_and_update().clone();
+            if let Some(snap) = &current
+                && let Some((version, hash)) = self.named.take()
+                && snap.version == version
+                && snap.content_hash == hash
+            {
+                self.known_version = version;
+                self.known_hash = hash;
+                self.ctx
+                    .fleet
+                    .runs(&self.agent_id, self.generation, version);
+            }
             if let Some(snap) = current
                 && self.behind(&snap)
             {

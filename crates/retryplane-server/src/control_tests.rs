@@ -544,7 +544,7 @@ async fn a_checked_file_change_is_the_same_change_as_its_document_unchecked() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_agent_judged_to_run_unknown_content_gets_a_version_published_right_after() {
+async fn an_agent_judged_to_run_unknown_content_published_right_after_is_listed_running_it() {
     let gate = Gate::new();
     let control = control(gate.store.clone(), Mode::Api);
     let api = AdminApi::new(control.clone());
@@ -569,33 +569,21 @@ async fn an_agent_judged_to_run_unknown_content_gets_a_version_published_right_a
         ..Default::default()
     };
     let (agent_tx, mut inbound) = connect_agent(addr, hello).await;
-    // Listed as running 0, it is sent the current version, and its ACK lists it as running it.
-    let message = tokio::time::timeout(WAIT, inbound.message())
-        .await
-        .expect("the current version is pushed")
-        .unwrap()
-        .unwrap();
-    let snapshot = message.decode_snapshot().unwrap().unwrap();
-    assert_eq!(snapshot.version, 2);
-    agent_tx
-        .send(pb::AgentMessage {
-            kind: Some(Kind::Ack(pb::Ack {
-                version: 2,
-                nonce: snapshot.nonce,
-            })),
-        })
-        .await
-        .unwrap();
+    // Listed as running 0 when judged; as its stream starts, the current version is the one it
+    // named: it is listed as running it, and not sent it again.
     let listed = async {
-        loop {
-            if control.fleet.status()[0].applied_version == 2 {
-                break;
-            }
+        while control.fleet.status()[0].applied_version != 2 {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     };
     tokio::time::timeout(WAIT, listed)
         .await
         .expect("listed as running version 2");
+    assert_eq!(control.metrics.pushes.get(), 0, "nothing was pushed");
+    assert_eq!(control.fleet.status()[0].last_response, "");
+    // A later version is pushed as to any agent.
+    let v3 = VersionRecord::of_version(3, v1.document.clone());
+    control.publisher.publish(&v3);
+    assert_eq!(next_version(&mut inbound).await, 3);
     drop(agent_tx);
 }

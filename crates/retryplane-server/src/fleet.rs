@@ -9,10 +9,11 @@
 //! its stream has ended; its entry is kept as any other's, for its reports, and is the first to
 //! go past [`MAX_DISCONNECTED`].
 //! Each entry also keeps which numbered metrics reports of the agent were counted
-//! ([`crate::report_seq`]); it is carried over when a stream replaces another and kept while
-//! the agent is listed (or kept unlisted, for an ephemeral one), so a report sent again after a reconnect is counted once. (A forgotten
-//! agent's record goes with it: a report counted just before its stream broke, whose ack was
-//! lost, and sent again more than the forget time later, is counted twice.)
+//! ([`crate::report_seq`]); it is carried over when a stream replaces another and kept while the
+//! agent is listed (or kept unlisted, for an ephemeral one), so a report sent again after a
+//! reconnect is counted once. (A forgotten agent's record goes with it: a report counted just
+//! before its stream broke, whose ack was lost, and sent again more than the forget time later, is
+//! counted twice.)
 //!
 //! The agent's last NACK (the version, its content hash and the error) is carried over the
 //! same way: status keeps showing it after a reconnect, and the new stream is told
@@ -24,10 +25,11 @@
 //!
 //! What an agent runs comes from its Hello, then from each ACK. A Hello that names the current
 //! version's number with another content hash, or a number the store has not reached (the agent
-//! last ran on a control plane whose store was reset and seeded again, so numbers repeat with
-//! other content), is not taken at its word: it is listed as running none known (0), pending the
-//! push, until it ACKs it. (A lower number with another store's content is still taken as it
-//! says: the fleet keeps only the current version's hash.)
+//! last ran on a control plane whose store was reset and seeded again, so numbers repeat with other
+//! content), is not taken at its word: it is listed as running none known (0), pending the push,
+//! until it ACKs it, or until its stream finds that very version and hash published since
+//! ([`Fleet::runs`]: listed as running it, and not sent it). (A lower number with another store's
+//! content is still taken as it says: the fleet keeps only the current version's hash.)
 
 use std::collections::VecDeque;
 use std::collections::{BTreeMap, HashMap};
@@ -350,6 +352,13 @@ impl Fleet {
         }
     }
 
+    /// The agent runs `version`: its Hello named it with the content hash this control plane
+    /// published it with, after the Hello was judged (so it was listed as running 0). Its last
+    /// answer stays as it was.
+    pub fn runs(&self, id: &str, generation: u64, version: u64) {
+        self.update(id, generation, |e| e.status.applied_version = version);
+    }
+
     /// The agent sent something ([`Fleet::ack`] and [`Fleet::nack`] count as seen too).
     pub fn seen(&self, id: &str, generation: u64) {
         self.update(id, generation, |_| {});
@@ -497,7 +506,9 @@ impl Fleet {
         } else {
             Vec::new()
         };
-        let (connected, known) = (inner.connected, inner.agents.len() - inner.hidden);
+        debug_assert!(inner.hidden <= inner.agents.len());
+        let known = inner.agents.len().saturating_sub(inner.hidden);
+        let connected = inner.connected;
         drop(inner);
         agents.sort_by(|a, b| a.agent_id.cmp(&b.agent_id));
         (agents, connected, known)

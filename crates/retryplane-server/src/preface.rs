@@ -8,15 +8,15 @@
 //! connection.
 //!
 //! [`Preface`] wraps each accepted connection of the gRPC listeners. Once shutdown has begun and
-//! [`PREFACE_GRACE`] has passed (counted from the first read after shutdown began, so at least
-//! that long), a connection that has still not delivered the preface, and has nothing waiting in
-//! the socket, reads as closed by its peer, so hyper drops it at once. The grace lets a client
-//! that connected just as shutdown began get its first bytes in, and be refused or served as
-//! hyper sees fit. A connection that has delivered the preface is left alone: hyper's graceful
-//! shutdown handles it, and the wrapper passes its reads and writes through. (So a peer that
-//! sent the preface and then hung, answering nothing, still holds the shutdown until hyper's
-//! graceful close or the grace gives up on it: only hyper knows whether such a connection has a
-//! call in flight.)
+//! [`PREFACE_GRACE`] has passed (counted from the first read after shutdown began that found
+//! nothing waiting, so at least that long), a connection that has still not delivered the preface,
+//! and has nothing waiting in the socket, reads as closed by its peer, so hyper drops it at once.
+//! The grace lets a client that connected just as shutdown began get its first bytes in, and be
+//! refused or served as hyper sees fit. A connection that has delivered the preface is left alone:
+//! hyper's graceful shutdown handles it, and the wrapper passes its reads and writes through. (So a
+//! peer that sent the preface and then hung, answering nothing, still holds the shutdown until
+//! hyper's graceful close or the grace gives up on it: only hyper knows whether such a connection
+//! has a call in flight.)
 
 use std::future::Future;
 use std::io;
