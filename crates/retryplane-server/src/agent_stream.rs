@@ -346,7 +346,8 @@ impl AgentStreamService {
         }
         // What the fleet lists the agent as running, not what its Hello says: content this
         // control plane does not have is version 0 here too, so the current version is pushed
-        // to it whatever was published since it was judged.
+        // to it whatever was published since it was judged, unless that is the very version
+        // and hash the Hello named (`named`: then it is listed as running it).
         let (known_version, known_hash, named) =
             if registration.applied_version == hello.last_applied_version {
                 (
@@ -424,9 +425,9 @@ struct AgentStream {
     /// snapshot (an answer naming another version is stale).
     known_version: u64,
     known_hash: String,
-    /// The version and hash the Hello named, when the fleet judged them unknown; looked at
-    /// once, against the first current version the task sees: if that is them (published since
-    /// the judgment), the agent runs it and is listed so, and nothing is sent.
+    /// The version and hash the Hello named, when the fleet judged them unknown, until the agent
+    /// ACKs a push: when they become the current version (published since the judgment) while
+    /// no push waits for an answer, the agent runs it and is listed so, and nothing is sent.
     named: Option<(u64, String)>,
     /// The agent process (`Hello.instance_id`) its numbered reports belong to.
     instance_id: u64,
@@ -522,9 +523,12 @@ impl AgentStream {
         let end = loop {
             let current = snapshots.borrow_and_update().clone();
             if let Some(snap) = &current
+                && self.sent_nonce.is_none()
+                && self
+                    .named
+                    .as_ref()
+                    .is_some_and(|(v, h)| snap.version == *v && snap.content_hash == *h)
                 && let Some((version, hash)) = self.named.take()
-                && snap.version == version
-                && snap.content_hash == hash
             {
                 self.known_version = version;
                 self.known_hash = hash;
@@ -644,6 +648,7 @@ impl AgentStream {
         match message.kind {
             Some(Kind::Ack(ack)) => {
                 if self.answers_last_push(&ack.nonce, ack.version) {
+                    self.named = None;
                     ctx.fleet
                         .ack(&self.agent_id, self.generation, self.known_version);
                     ctx.metrics.acks.inc();

@@ -587,3 +587,88 @@ async fn an_agent_judged_to_run_unknown_content_published_right_after_is_listed_
     assert_eq!(next_version(&mut inbound).await, 3);
     drop(agent_tx);
 }
+
+/// A Hello from agent process 1 naming `version` with `hash`.
+fn hello_naming(version: u64, hash: &str) -> pb::Hello {
+    pb::Hello {
+        agent_id: "a-1".to_owned(),
+        service: "checkout".to_owned(),
+        last_applied_version: version,
+        last_applied_hash: hash.to_owned(),
+        instance_id: 1,
+        ..Default::default()
+    }
+}
+
+/// Waits (at most [`WAIT`]) until the one agent's status satisfies `f`.
+async fn until_listed(control: &Arc<ControlPlane>, f: impl Fn(&pb::AgentStatus) -> bool) {
+    let listed = async {
+        while !control.fleet.status().first().is_some_and(&f) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    tokio::time::timeout(WAIT, listed)
+        .await
+        .expect("the fleet lists the agent so in time");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_that_refused_the_push_is_listed_running_its_named_version_once_published() {
+    let gate = Gate::new();
+    let control = control(gate.store.clone(), Mode::Api);
+    AdminApi::new(control.clone())
+        .apply(Request::new(apply_request(V1)))
+        .await
+        .unwrap();
+    let v1 = control.store.current().unwrap().unwrap();
+    let (addr, _stop) = serve(&control).await;
+    // It names version 2, which this control plane has not reached: it is pushed version 1,
+    // refuses it, and keeps running its version 2.
+    let v2 = VersionRecord::of_version(2, v1.document.clone());
+    let hello = hello_naming(2, &v2.meta.content_hash);
+    let (agent_tx, mut inbound) = connect_agent(addr, hello).await;
+    let message = tokio::time::timeout(WAIT, inbound.message())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    let pushed = message.decode_snapshot().unwrap().unwrap();
+    assert_eq!(pushed.version, 1);
+    let nack = pb::Nack {
+        version: 1,
+        nonce: pushed.nonce,
+        error: "refused".to_owned(),
+    };
+    agent_tx
+        .send(pb::AgentMessage {
+            kind: Some(Kind::Nack(nack)),
+        })
+        .await
+        .unwrap();
+    until_listed(&control, |s| s.last_response == "nack").await;
+    // Version 2 as it named it is published: it runs it, so it is listed so and not sent it.
+    control.publisher.publish(&v2);
+    until_listed(&control, |s| s.applied_version == 2).await;
+    assert_eq!(control.metrics.pushes.get(), 1, "only version 1 was pushed");
+    drop(agent_tx);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_an_empty_store_an_agent_is_listed_running_a_first_version_it_named() {
+    let seeded = control(Gate::new().store.clone(), Mode::Api);
+    AdminApi::new(seeded.clone())
+        .apply(Request::new(apply_request(V1)))
+        .await
+        .unwrap();
+    let document = seeded.store.current().unwrap().unwrap().document;
+    let gate = Gate::new();
+    let control = control(gate.store.clone(), Mode::Api);
+    let (addr, _stop) = serve(&control).await;
+    let v2 = VersionRecord::of_version(2, document);
+    let (agent_tx, _inbound) = connect_agent(addr, hello_naming(2, &v2.meta.content_hash)).await;
+    until_listed(&control, |s| s.connected && s.applied_version == 0).await;
+    control.publisher.publish(&v2);
+    until_listed(&control, |s| s.applied_version == 2).await;
+    assert_eq!(control.metrics.pushes.get(), 0, "nothing was pushed");
+    drop(agent_tx);
+}

@@ -161,7 +161,8 @@ pub struct Registration {
     /// The version the agent is listed as running: its Hello's, or 0 when that names content
     /// this control plane does not have (see [`Fleet::register`]). The stream goes by it, so
     /// an agent listed so gets the current version pushed, and its ACK lists it right, even
-    /// when the current version changed after it was judged.
+    /// when the current version changed after it was judged (unless the current version became
+    /// the one the Hello named: see [`Fleet::runs`]).
     pub applied_version: u64,
 }
 
