@@ -545,47 +545,41 @@ async fn a_checked_file_change_is_the_same_change_as_its_document_unchecked() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_judged_to_run_unknown_content_published_right_after_is_listed_running_it() {
-    let gate = Gate::new();
-    let control = control(gate.store.clone(), Mode::Api);
-    let api = AdminApi::new(control.clone());
-    api.apply(Request::new(apply_request(V1))).await.unwrap();
+    let (_gate, control, document) = on_v1().await;
     // The agent names version 2 with its hash, which this store has not reached when its Hello
     // is judged (so it is listed as running 0); version 2 with that very hash is published as
     // soon as the stream is registered, before its task first looks at the current version.
-    let v1 = control.store.current().unwrap().unwrap();
-    let v2 = VersionRecord::of_version(2, v1.document.clone());
-    let named_hash = v2.meta.content_hash.clone();
+    let v2 = VersionRecord::of_version(2, document.clone());
+    let hello = hello_naming(2, &v2.meta.content_hash);
     let publisher = control.publisher.clone();
     let hook = Hook(Arc::new(move || {
         publisher.publish(&v2);
     }));
     let (addr, _stop) = serve_with(&control, Some(hook)).await;
-    let hello = pb::Hello {
-        agent_id: "a-1".to_owned(),
-        service: "checkout".to_owned(),
-        last_applied_version: 2,
-        last_applied_hash: named_hash,
-        instance_id: 1,
-        ..Default::default()
-    };
     let (agent_tx, mut inbound) = connect_agent(addr, hello).await;
     // Listed as running 0 when judged; as its stream starts, the current version is the one it
     // named: it is listed as running it, and not sent it again.
-    let listed = async {
-        while control.fleet.status()[0].applied_version != 2 {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    };
-    tokio::time::timeout(WAIT, listed)
-        .await
-        .expect("listed as running version 2");
+    until_listed(&control, |s| s.applied_version == 2).await;
     assert_eq!(control.metrics.pushes.get(), 0, "nothing was pushed");
     assert_eq!(control.fleet.status()[0].last_response, "");
     // A later version is pushed as to any agent.
-    let v3 = VersionRecord::of_version(3, v1.document.clone());
+    let v3 = VersionRecord::of_version(3, document);
     control.publisher.publish(&v3);
     assert_eq!(next_version(&mut inbound).await, 3);
     drop(agent_tx);
+}
+
+/// A control plane in API mode on a gated store, version 1 (`V1`) applied: the gate (kept for
+/// the store), the control plane, and version 1's document.
+async fn on_v1() -> (Gate, Arc<ControlPlane>, pb::PolicyDocument) {
+    let gate = Gate::new();
+    let control = control(gate.store.clone(), Mode::Api);
+    AdminApi::new(control.clone())
+        .apply(Request::new(apply_request(V1)))
+        .await
+        .unwrap();
+    let document = control.store.current().unwrap().unwrap().document;
+    (gate, control, document)
 }
 
 /// A Hello from agent process 1 naming `version` with `hash`.
@@ -614,17 +608,11 @@ async fn until_listed(control: &Arc<ControlPlane>, f: impl Fn(&pb::AgentStatus) 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_that_refused_the_push_is_listed_running_its_named_version_once_published() {
-    let gate = Gate::new();
-    let control = control(gate.store.clone(), Mode::Api);
-    AdminApi::new(control.clone())
-        .apply(Request::new(apply_request(V1)))
-        .await
-        .unwrap();
-    let v1 = control.store.current().unwrap().unwrap();
+    let (_gate, control, document) = on_v1().await;
     let (addr, _stop) = serve(&control).await;
     // It names version 2, which this control plane has not reached: it is pushed version 1,
     // refuses it, and keeps running its version 2.
-    let v2 = VersionRecord::of_version(2, v1.document.clone());
+    let v2 = VersionRecord::of_version(2, document);
     let hello = hello_naming(2, &v2.meta.content_hash);
     let (agent_tx, mut inbound) = connect_agent(addr, hello).await;
     let message = tokio::time::timeout(WAIT, inbound.message())
@@ -655,12 +643,8 @@ async fn an_agent_that_refused_the_push_is_listed_running_its_named_version_once
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_an_empty_store_an_agent_is_listed_running_a_first_version_it_named() {
-    let seeded = control(Gate::new().store.clone(), Mode::Api);
-    AdminApi::new(seeded.clone())
-        .apply(Request::new(apply_request(V1)))
-        .await
-        .unwrap();
-    let document = seeded.store.current().unwrap().unwrap().document;
+    // Version 1's document of another control plane.
+    let (_other, _, document) = on_v1().await;
     let gate = Gate::new();
     let control = control(gate.store.clone(), Mode::Api);
     let (addr, _stop) = serve(&control).await;
