@@ -7,16 +7,16 @@
 //! number of endpoints) until a report is accepted. Nothing is counted twice.
 //!
 //! A call is counted in `calls` (and its first attempt in `attempts`) when its second attempt
-//! starts, or when it ends or is dropped before that: a call still in its first attempt, or in
-//! the pause after it, when a report is taken is in a later report. A first-try success is one add to
+//! starts, or when it ends or is dropped before that: a call still in its first attempt, or in the
+//! pause after it, when a report is taken is in a later report. A first-try success is one add to
 //! `success_first_try`, which is added into `calls` and `attempts` whenever counts are read or
 //! taken (and taken back out by a restore). Only calls made are counted: a request the layer's
-//! de-duplication answered with a copy of another call's response made none and is not here.
-//! Every call that ends is counted in one outcome: a success, a give-up (`circuit_open` for a
-//! refusal), or `cancelled` when its cancellation token ended it or its future was dropped
-//! before it had another (at any point: before its first attempt, during an attempt, a pause or
-//! a credential refresh). A call whose attempt or classifier panicked is dropped so, and counted
-//! `cancelled` too.
+//! de-duplication answered with a copy of another call's response made none and is not here. Every
+//! call that ends is counted in one outcome: a success, a give-up (`circuit_open` for a refusal),
+//! or `cancelled` when its cancellation token ended it or its future was dropped before it had
+//! another (at any point: before its first attempt, during an attempt, a pause or a credential
+//! refresh). A call whose attempt or classifier panicked is dropped so, and counted `cancelled`
+//! too.
 //!
 //! A report handed to the stream is not forgotten: it is numbered and kept until the control
 //! plane acknowledges it (`crate::stream::outbox`), sent again on the next stream if the

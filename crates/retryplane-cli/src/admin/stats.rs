@@ -39,8 +39,8 @@
 //! `<counters>` are the wire's `Counters` fields by name (`calls`, `attempts`, `retries`,
 //! `success_first_try`, `success_after_retry`, `gave_up_attempts`, `gave_up_budget`,
 //! `gave_up_deadline`, `gave_up_retry_after`, `gave_up_not_retryable`, `circuit_open`,
-//! `backoff_ms`, `retry_after_honored`, `cancelled`). Every window the server sent is included whatever
-//! `--window` says; `--window` only chooses the text view's columns.
+//! `backoff_ms`, `retry_after_honored`, `cancelled`). Every window the server sent is included
+//! whatever `--window` says; `--window` only chooses the text view's columns.
 
 use std::fmt::Write as _;
 
