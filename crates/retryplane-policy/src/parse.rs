@@ -530,6 +530,12 @@ impl Walker {
     }
 
     fn routes(&mut self, node: &Node, path: &str) -> Vec<RouteDoc> {
+        // `routes:` left empty (every route commented out) has no routes, as `routes: []`.
+        // Unlike a list of `retry_on`, where null could mean "inherit" as well as "none",
+        // routes are not inherited, so nothing else could be meant.
+        if node.value == Value::Null {
+            return Vec::new();
+        }
         let Value::Seq(items) = &node.value else {
             self.type_error(node, path, "a list of routes");
             return Vec::new();
@@ -974,7 +980,16 @@ impl Walker {
         mut item: impl FnMut(&mut Self, &Node, &str) -> Option<T>,
     ) -> Option<Field<Vec<Field<T>>>> {
         let Value::Seq(items) = &node.value else {
-            self.type_error(node, path, "a list");
+            if node.value == Value::Null {
+                // Left empty: it could mean "none" as well as "inherit", so neither is guessed.
+                self.type_error(
+                    node,
+                    path,
+                    "a list (`[]` for none; leave the field out to inherit it)",
+                );
+            } else {
+                self.type_error(node, path, "a list");
+            }
             return None;
         };
         // Items in error are reported and left out; the rest stay so that later checks

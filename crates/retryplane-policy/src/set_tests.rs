@@ -256,6 +256,31 @@ fn an_empty_match_or_an_empty_route_is_an_error_not_dropped() {
 }
 
 #[test]
+fn routes_left_empty_are_no_routes_and_anything_else_but_a_list_is_an_error() {
+    // Every route commented out leaves `routes:` null: the endpoint has no routes, as with
+    // `routes: []`, and nothing is reported.
+    let src = "version: 1\nendpoints:\n  a:\n    max_attempts: 2\n    routes:\n      # - match: {method: GET}\n      #   max_attempts: 4\n  b:\n    routes: ~\n";
+    let loaded = load(src.as_bytes());
+    assert_eq!(loaded.diagnostics, vec![], "{:#?}", loaded.diagnostics);
+    let set = loaded.policies.expect("valid");
+    for name in ["a", "b"] {
+        assert!(set.endpoint(name).expect(name).routes.is_empty(), "{name}");
+    }
+    assert_eq!(set.endpoint("a").expect("a").policy.max_attempts, 2);
+    assert_eq!(
+        errors("version: 1\nendpoints:\n  a:\n    routes: {match: {method: GET}}\n"),
+        ["4:13: error: endpoints.a.routes: expected a list of routes, found a mapping"]
+    );
+    // A `retry_on` list left empty stays an error: "none" and "inherit" are both plausible.
+    assert_eq!(
+        errors("version: 1\nendpoints:\n  a:\n    retry_on:\n      http_status:\n"),
+        [
+            "5:18: error: endpoints.a.retry_on.http_status: expected a list (`[]` for none; leave the field out to inherit it), found null"
+        ]
+    );
+}
+
+#[test]
 fn a_route_after_a_refused_one_is_named_by_its_place_in_the_file() {
     // routes[0] is refused (lower-case method); routes[1] has a `max` without a unit. Every
     // message about the second route names routes[1], and its refused `max` is not replaced
