@@ -774,7 +774,8 @@ fn a_password_in_the_server_url_is_never_printed() {
     let file = dir.path().join("policy.yaml");
     std::fs::write(&file, V1).unwrap();
     let file = file.to_str().unwrap();
-    let dead = dead_server().replace("http://", "http://alice:s3cret-pw@");
+    let refusing = dead_server();
+    let dead = refusing.replace("http://", "http://alice:s3cret-pw@");
     let commands: &[&[&str]] = &[
         &["status"],
         &["stats"],

@@ -4,7 +4,7 @@
 #![allow(dead_code, reason = "each test file uses part of the shared set-up")]
 
 use std::fs;
-use std::net::{Ipv4Addr, SocketAddr, TcpListener};
+use std::net::{Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
 use assert_cmd::Command;
@@ -113,14 +113,45 @@ pub fn json_of(assert: &Assert) -> Value {
     serde_json::from_slice(&assert.get_output().stdout).unwrap()
 }
 
-/// A loopback URL whose port was free a moment ago and has no listener now.
-pub fn dead_server() -> String {
-    let port = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    format!("http://127.0.0.1:{port}")
+/// A loopback URL where every connection is refused, for as long as this is kept: its port is
+/// bound but never listens. (A port freed after a bind could be taken by another test's
+/// listener, or be the one the kernel picks as the client's own port, which connects to itself.)
+pub struct DeadServer {
+    url: String,
+    _bound: tokio::net::TcpSocket,
+}
+
+impl std::ops::Deref for DeadServer {
+    type Target = str;
+
+    fn deref(&self) -> &str {
+        &self.url
+    }
+}
+
+impl AsRef<std::ffi::OsStr> for DeadServer {
+    fn as_ref(&self) -> &std::ffi::OsStr {
+        self.url.as_ref()
+    }
+}
+
+impl std::fmt::Display for DeadServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.url)
+    }
+}
+
+/// A [`DeadServer`] on a port of its own.
+pub fn dead_server() -> DeadServer {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket
+        .bind(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)))
+        .unwrap();
+    let port = socket.local_addr().unwrap().port();
+    DeadServer {
+        url: format!("http://127.0.0.1:{port}"),
+        _bound: socket,
+    }
 }
 
 /// A valid policy file under the 1 MiB limit whose snapshot is over the 4 MiB agents decode:
