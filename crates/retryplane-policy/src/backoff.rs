@@ -177,6 +177,14 @@ impl Backoff {
             }
         }
     }
+
+    /// Tells the state that the retry last planned waited `taken` instead of the pause
+    /// [`Backoff::next_pause`] gave (a server's `Retry-After` lengthened it): `decorrelated`
+    /// draws the next pause from the previous pause taken (SPEC §2 step 7). The other kinds
+    /// depend only on the retry's number.
+    pub fn paused(&mut self, taken: Duration) {
+        self.prev_pause = taken;
+    }
 }
 
 // === impl Schedule ===

@@ -644,10 +644,14 @@ impl<'a> RetryCall<'a> {
                 (d, true)
             }
             // HTTP `Retry-After` only lengthens the computed pause (SPEC §2 step 7); the
-            // schedule goes on.
+            // schedule goes on, and `decorrelated` goes on from the pause taken.
             Some((d, false)) => {
                 let computed = self.next_pause(rng);
-                (computed.max(d), d > computed)
+                let lengthened = d > computed;
+                if lengthened && let Some(backoff) = self.backoff.as_mut() {
+                    backoff.paused(d);
+                }
+                (computed.max(d), lengthened)
             }
             None => (self.next_pause(rng), false),
         };

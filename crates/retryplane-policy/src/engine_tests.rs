@@ -667,6 +667,40 @@ fn after_an_http_retry_after_the_backoff_goes_on() {
 }
 
 #[test]
+fn decorrelated_jitter_goes_on_from_the_pause_a_retry_after_lengthened() {
+    // SPEC §2 step 7: `uniform[base, previous_pause × 3]`, where the previous pause is the one
+    // taken. An RNG that always draws the top of the range: 300ms (3 × base), then the
+    // `Retry-After` of 2s is waited, so the next draw reaches 6s (3 × 2s), not 900ms.
+    struct Top;
+    impl crate::rng::Rng for Top {
+        fn next_u64(&mut self) -> u64 {
+            u64::MAX
+        }
+    }
+    let ms = Duration::from_millis;
+    let mut p = policy();
+    p.max_attempts = 4;
+    p.backoff.jitter = Jitter::Decorrelated;
+    p.backoff.max = Duration::from_secs(30);
+    let t0 = Instant::now();
+    let state = EndpointState::new(&p, t0);
+    let mut call = RetryCall::new(&p, &state, get(), t0);
+    let retry_after = Outcome::Http {
+        status: 429,
+        retry_after: Some(Ok(ms(2000))),
+    };
+    let mut pauses = Vec::new();
+    for outcome in [http(503), retry_after, http(503)] {
+        call.start_attempt(t0).expect("attempt allowed");
+        match call.on_outcome(outcome, t0, &mut Top) {
+            Decision::Retry { pause, .. } => pauses.push(pause),
+            other => panic!("expected a retry, got {other:?}"),
+        }
+    }
+    assert_eq!(pauses, [ms(300), ms(2000), ms(6000)]);
+}
+
+#[test]
 fn a_call_that_is_over_starts_no_more_attempts() {
     let mut p = policy();
     p.circuit_breaker = None;
