@@ -217,3 +217,17 @@ fn a_plot_that_cannot_be_written_exits_2() {
         .code(2)
         .stderr(predicate::str::contains("cannot write no/such/dir/a.svg"));
 }
+
+#[test]
+fn a_fleet_too_quiet_to_call_during_the_incident_still_gets_its_report() {
+    // One client calling once in 1,000 s: no call, or one that ends before the outage does.
+    let dir = dir();
+    for seed in ["1", "2", "4"] {
+        let out = stdout(&mut simulate(
+            dir.path(),
+            &["--clients", "1", "--rate", "0.001", "--seed", seed],
+        ));
+        assert!(out.contains("time to recover"), "{out}");
+        assert!(out.contains("not in run"), "{out}");
+    }
+}

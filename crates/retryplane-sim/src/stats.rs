@@ -15,9 +15,11 @@
 //!   rank (the value at rank `ceil(p × n)`).
 //! - **time to recover**: the pre-incident success rate is that of the calls started in the
 //!   seconds wholly before the incident (1 when there are none). The first second `k` starting
-//!   at or after the incident's end in which calls started and at least 95% of that rate of
-//!   them succeeded is the recovery second; the time to recover is `k - end`. `None` when no
-//!   such second exists before the end of the run (or the scenario has no end).
+//!   at or after the incident's end in which calls started, at least one succeeded, and at
+//!   least 95% of that rate of them succeeded is the recovery second; the time to recover is
+//!   `k - end`. `None` when no such second exists before the end of the run (or the scenario
+//!   has no end): an endpoint on which no call succeeds has not recovered, even when none
+//!   succeeded before the incident either.
 
 use std::collections::BTreeMap;
 
@@ -120,7 +122,13 @@ pub(crate) fn summarize(
     has_end: bool,
     run_seconds: usize,
 ) -> VariantReport {
-    let seconds = trace.attempts.len().max(trace.started.len());
+    // At least every second of the run: with few calls, the last one can end before the
+    // incident does (or no call starts at all), and the figures below read up to its end.
+    let seconds = trace
+        .attempts
+        .len()
+        .max(trace.started.len())
+        .max(run_seconds);
     for v in [
         &mut trace.attempts,
         &mut trace.started,
@@ -183,7 +191,9 @@ fn recovery(started: &[u64], succeeded: &[u64], window: (f64, f64), run: usize) 
     };
     let first = window.1.ceil() as usize;
     (first..run.min(started.len()))
-        .find(|&k| started[k] > 0 && ratio(succeeded[k], started[k]) >= RECOVERED_SHARE * baseline)
+        .find(|&k| {
+            succeeded[k] > 0 && ratio(succeeded[k], started[k]) >= RECOVERED_SHARE * baseline
+        })
         .map(|k| k as f64 - window.1)
 }
 
@@ -218,5 +228,32 @@ mod tests {
         assert_eq!(recovery(&started, &succeeded, (2.0, 3.0), 6), Some(1.0));
         assert_eq!(recovery(&started, &succeeded, (2.0, 2.5), 6), Some(1.5));
         assert_eq!(recovery(&started, &[9, 9, 0, 0, 0, 0], (2.0, 3.0), 6), None);
+        // Never healthy, before or after: not recovered (95% of a 0% baseline is no success).
+        assert_eq!(recovery(&started, &[0; 6], (2.0, 3.0), 6), None);
+        assert_eq!(
+            recovery(&started, &[0, 0, 0, 0, 1, 0], (2.0, 3.0), 6),
+            Some(1.0)
+        );
+    }
+
+    #[test]
+    fn a_run_with_few_or_no_calls_is_summarized_over_the_whole_run() {
+        // No call at all, and one call that ended before the incident did (30 s to 50 s of a
+        // 120 s run): every figure still reads the incident's seconds.
+        let one_early = Trace {
+            attempts: vec![0, 1],
+            started: vec![0, 1],
+            succeeded: vec![0, 1],
+            latencies: vec![20_000_000],
+            give_ups: [0; 6],
+        };
+        for trace in [Trace::default(), one_early] {
+            let calls: u64 = trace.started.iter().sum();
+            let r = summarize(Variant::Policy, trace, (30.0, 50.0), true, 120);
+            assert_eq!(r.logical_calls, calls);
+            assert_eq!(r.calls_per_s.len(), 120);
+            assert_eq!(r.amplification.incident_mean, 0.0);
+            assert_eq!(r.recovery_s, None);
+        }
     }
 }
