@@ -390,8 +390,9 @@ impl AgentBuilder {
     }
 
     /// Where the last applied snapshot is kept, for a start without the control plane. A file
-    /// there that is not a policy cache (another file, given by mistake) and anything that is
-    /// not a regular file are never replaced: that is logged, and no cache is kept for the run.
+    /// there that is not a policy cache (another file, given by mistake), one the agent cannot
+    /// read, and anything that is not a regular file are never replaced: that is logged, and no
+    /// cache is kept for the run.
     /// A cache file of the agent's own that cannot be used (damaged, or written by a newer
     /// agent) is replaced by the next applied snapshot. A file that cannot be read within 1 s
     /// at start (a cold network volume) is still read: the agent starts on the fallback policy

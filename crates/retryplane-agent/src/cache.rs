@@ -7,8 +7,9 @@
 //! crash leaves either the old file or the new one, never a torn one. The temporary file's name
 //! is unique per write (process id and a counter), so two agents of one process never share it.
 //!
-//! Read at start; a missing (its directory too), empty, unreadable or invalid file is logged
-//! and ignored. The read runs on a thread of its own and a start waits at most 1 s for it. A
+//! Read at start; a missing (its directory too), empty or invalid file is logged and ignored.
+//! One that cannot be read (permission denied, a loop of links, an I/O error) was not found to
+//! be ours: it is logged and left as it is, and no cache is kept for the run. The read runs on a thread of its own and a start waits at most 1 s for it. A
 //! read that takes longer (a cold network volume) is not given up on: the agent starts on the
 //! fallback policy, and the read is handed to the cache writer, which settles it as a start
 //! would before it writes anything. If the file is our valid cache and the agent still runs on
@@ -323,9 +324,15 @@ impl Found {
                 info!(%file, "no policy cache yet");
                 Ok(None)
             }
+            // Not known to be ours, so not to be replaced (a file of another user's, for one).
             Found::Unreadable(e) => {
-                warn!(%file, error = %e, "cannot read the policy cache; ignored");
-                Ok(None)
+                warn!(
+                    %file,
+                    error = %e,
+                    "cannot read the policy cache; it is left as it is and no cache is kept: \
+                     make it readable to the agent, or give the agent a cache file of its own"
+                );
+                Err(Foreign)
             }
             Found::NotRegular => {
                 warn!(
@@ -470,13 +477,22 @@ mod tests {
         assert!(matches!(read, Start::Read(Err(Foreign))), "{read:?}");
     }
 
-    /// A directory is not a file to replace; an error reading the path is only that.
+    /// A directory, or a path that cannot be read, is not known to be ours: left alone.
     #[test]
-    fn a_directory_is_left_alone_and_a_read_error_is_not_taken_for_one() {
+    fn a_directory_or_a_path_that_cannot_be_read_is_left_alone() {
         let dir = tempfile::tempdir().unwrap();
         assert!(matches!(in_time(dir.path()), Err(Foreign)));
-        // A path the system refuses (a NUL byte): logged and ignored, the cache kept.
-        assert!(matches!(in_time(Path::new("agent\0.cache")), Ok(None)));
+        // A path the system refuses (a NUL byte).
+        assert!(matches!(in_time(Path::new("agent\0.cache")), Err(Foreign)));
+        // A link to itself: reading it fails (as a file of another user's does, for an agent
+        // that is not root), and a rename over it would replace the link.
+        #[cfg(unix)]
+        {
+            let path = dir.path().join("agent.cache");
+            std::os::unix::fs::symlink(&path, &path).unwrap();
+            assert!(matches!(in_time(&path), Err(Foreign)));
+            assert!(std::fs::symlink_metadata(&path).unwrap().is_symlink());
+        }
     }
 
     /// A read that does not come back in time is not waited for: the start goes on, and the

@@ -94,8 +94,8 @@
 //!
 //! # Credential refresh on 401 ([`RetryLayer::with_auth_refresh`])
 //!
-//! With a [`RefreshCredentials`] hook, the first attempt of a logical call that is answered
-//! `401 Unauthorized` is not judged yet: the hook updates the request (its `Authorization`
+//! With a [`RefreshCredentials`] hook, the first attempt of a logical call (whichever attempt
+//! that is) to be answered `401 Unauthorized` is not judged yet: the hook updates the request (its `Authorization`
 //! header, say) and that attempt is sent again, once, with the updated request, which every
 //! later attempt of the call also uses. The hook runs at most once per logical call.
 //!
