@@ -216,6 +216,19 @@ fn apply_get_history_diff_rollback_and_status_work_against_a_real_server() {
         .assert()
         .code(0)
         .stdout("");
+    // A file that cannot be compared: exit 1 as with `apply`, but 2 with `--exit-code`, where
+    // 1 says "differs".
+    server.write(
+        "bad.yaml",
+        "version: 1\nendpoints:\n  payments:\n    max_attempts: 0\n",
+    );
+    server.retryplane(&["diff", "bad.yaml"]).assert().code(1);
+    server
+        .retryplane(&["diff", "bad.yaml", "--exit-code"])
+        .assert()
+        .code(2)
+        .stdout(predicate::str::contains("bad.yaml:4:19: error: "))
+        .stderr(predicate::str::contains("bad.yaml is invalid"));
 
     // get: the current version as a policy file, a past one, and JSON.
     let current = server.retryplane(&["get"]).assert().code(0);

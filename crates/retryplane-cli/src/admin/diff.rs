@@ -8,7 +8,10 @@
 //! whether the file differs, `new_content_hash` the hash it would get.
 //!
 //! Exit 0 whether or not the file differs; with `--exit-code`, 1 when it differs (like
-//! `git diff --exit-code`). An invalid file prints its diagnostics and exits 1.
+//! `git diff --exit-code`). An invalid file prints its diagnostics and exits 1, and a refusal
+//! from the server exits 1, as with the other admin commands; with `--exit-code` both exit 2
+//! instead (like `diff(1)`: trouble), so that a script can tell "differs" from "could not
+//! compare".
 
 use std::path::PathBuf;
 
@@ -25,7 +28,8 @@ pub struct Args {
     /// Policy file to compare with the current version; `-` reads standard input.
     #[arg(value_name = "FILE")]
     file: PathBuf,
-    /// Exit 1 when the file differs from the current version.
+    /// Exit 1 when the file differs from the current version, and 2 when it could not be
+    /// compared (an invalid file, a refusal, no server).
     #[arg(long)]
     exit_code: bool,
     /// Output format.
@@ -63,9 +67,31 @@ impl TryFrom<Args> for Settings {
 
 /// Asks for a dry-run `Apply` of the file and prints its diff.
 pub fn run(settings: &Settings) -> anyhow::Result<Report> {
+    let Compared { report, differs } = compare(settings)?;
+    // Exit 1 means "differs" with `--exit-code`: not comparing at all is trouble, exit 2.
+    if settings.exit_code && !differs && matches!(report.outcome, Outcome::Failure) {
+        return Ok(Report {
+            outcome: Outcome::Error,
+            ..report
+        });
+    }
+    Ok(report)
+}
+
+/// A finished run, and whether it found a difference (exit 1 with `--exit-code`).
+struct Compared {
+    report: Report,
+    differs: bool,
+}
+
+fn compare(settings: &Settings) -> anyhow::Result<Compared> {
+    let not_compared = |report| Compared {
+        report,
+        differs: false,
+    };
     let file = match change::read_policy(&settings.source, settings.format)? {
         Ok(file) => file,
-        Err(report) => return Ok(report),
+        Err(report) => return Ok(not_compared(report)),
     };
     let flags = ApplyFlags {
         expected_version: None,
@@ -76,7 +102,7 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
         let mut client = Client::connect(&settings.server).await?;
         let response = match change::apply(&mut client, &file, flags, settings.format).await? {
             Ok(response) => response,
-            Err(report) => return Ok(report),
+            Err(report) => return Ok(not_compared(report)),
         };
         let stdout = match settings.format {
             Format::Json => output::json(&change::change_json(&response, &file.name, true))?,
@@ -93,13 +119,16 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
             }
         };
         let differs = !response.diff.is_empty();
-        Ok(Report {
-            stdout,
-            outcome: if settings.exit_code && differs {
-                Outcome::Failure
-            } else {
-                Outcome::Success
+        Ok(Compared {
+            report: Report {
+                stdout,
+                outcome: if settings.exit_code && differs {
+                    Outcome::Failure
+                } else {
+                    Outcome::Success
+                },
             },
+            differs,
         })
     })
 }
