@@ -895,6 +895,21 @@ impl Walker {
                     None
                 }
             },
+            // A whole number too large for an integer is read as a float: it gets the range
+            // too. Any other number (`2.5`, `3.0`, `1e3`) is named.
+            Value::Float(f) => {
+                let found = crate::render::float(&f);
+                let message = if too_large_for_an_integer(f) {
+                    format!(
+                        "must be a whole number from {min} to {}, found {found}",
+                        u32::MAX
+                    )
+                } else {
+                    format!("expected a whole number (no fraction or exponent), found {found}")
+                };
+                self.error(node.loc, path, message);
+                None
+            }
             _ => {
                 self.type_error(node, path, "a whole number");
                 None
@@ -905,13 +920,13 @@ impl Walker {
     /// `max_attempts`: a number outside `u32` gets the same message as one the validator
     /// refuses (1 to 10), not the range of the type.
     fn max_attempts(&mut self, node: &Node, path: &str) -> Option<Field<u32>> {
-        if let Value::Int(i) = node.value
-            && u32::try_from(i).is_err()
-        {
-            self.error(node.loc, path, crate::validate::max_attempts_range(i));
-            return None;
-        }
-        self.count(node, path, 1)
+        let found = match node.value {
+            Value::Int(i) if u32::try_from(i).is_err() => i.to_string(),
+            Value::Float(f) if too_large_for_an_integer(f) => crate::render::float(&f),
+            _ => return self.count(node, path, 1),
+        };
+        self.error(node.loc, path, crate::validate::max_attempts_range(found));
+        None
     }
 
     /// A finite number; `-0.0` is read as `0.0`, the same value, so that it compiles, converts
@@ -1130,6 +1145,12 @@ pub fn check_method(m: &str) -> Result<(), String> {
         ));
     }
     Ok(())
+}
+
+/// Whether `f` is a whole number beyond `i64`: an integer the YAML reader could only hold as a
+/// float.
+fn too_large_for_an_integer(f: f64) -> bool {
+    f.is_finite() && f.fract() == 0.0 && f.abs() >= 9_223_372_036_854_775_808.0
 }
 
 /// `/pkg.Service/Method` or `/pkg.Service/*`.

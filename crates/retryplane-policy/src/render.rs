@@ -236,7 +236,7 @@ fn dur(d: &Duration) -> String {
 /// (`2.0`, `0.25`, `1e-7`); `.nan` and `±.inf` for the values no valid policy holds. `-0.0`
 /// (only a document built in code can hold it) is `0.0`, as a file reads it: a diff shows no
 /// change where the content and its hash have none.
-fn float(v: &f64) -> String {
+pub(crate) fn float(v: &f64) -> String {
     if v.is_nan() {
         ".nan".to_owned()
     } else if v.is_infinite() {
