@@ -896,16 +896,21 @@ impl Walker {
                 }
             },
             // A whole number too large for an integer is read as a float: it gets the range
-            // too. Any other number (`2.5`, `3.0`, `1e3`) is named.
+            // too (not the float, which would name another number). A whole number written as
+            // a float (`3.0`, `1e3`) is asked for in digits; any other number is named.
             Value::Float(f) => {
-                let found = crate::render::float(&f);
-                let message = if too_large_for_an_integer(f) {
+                let message = if let Some(beyond) = beyond_an_integer(f) {
                     format!(
-                        "must be a whole number from {min} to {}, found {found}",
+                        "must be a whole number from {min} to {}, found {beyond}",
                         u32::MAX
                     )
+                } else if f.is_finite() && f.fract() == 0.0 {
+                    "expected a whole number written in digits (`3`, not `3.0` or `3e0`)".to_owned()
                 } else {
-                    format!("expected a whole number (no fraction or exponent), found {found}")
+                    format!(
+                        "expected a whole number, found {}",
+                        crate::render::float(&f)
+                    )
                 };
                 self.error(node.loc, path, message);
                 None
@@ -922,7 +927,10 @@ impl Walker {
     fn max_attempts(&mut self, node: &Node, path: &str) -> Option<Field<u32>> {
         let found = match node.value {
             Value::Int(i) if u32::try_from(i).is_err() => i.to_string(),
-            Value::Float(f) if too_large_for_an_integer(f) => crate::render::float(&f),
+            Value::Float(f) => match beyond_an_integer(f) {
+                Some(beyond) => beyond.to_owned(),
+                None => return self.count(node, path, 1),
+            },
             _ => return self.count(node, path, 1),
         };
         self.error(node.loc, path, crate::validate::max_attempts_range(found));
@@ -1147,10 +1155,18 @@ pub fn check_method(m: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// Whether `f` is a whole number beyond `i64`: an integer the YAML reader could only hold as a
-/// float.
-fn too_large_for_an_integer(f: f64) -> bool {
-    f.is_finite() && f.fract() == 0.0 && f.abs() >= 9_223_372_036_854_775_808.0
+/// For a whole number beyond `i64` (an integer the YAML reader could only hold as a float, so
+/// its exact digits are gone), how to name it in a message; `None` for any other number.
+fn beyond_an_integer(f: f64) -> Option<&'static str> {
+    if !f.is_finite() || f.fract() != 0.0 {
+        None
+    } else if f >= 9_223_372_036_854_775_808.0 {
+        Some("a larger one")
+    } else if f <= -9_223_372_036_854_775_808.0 {
+        Some("a smaller one")
+    } else {
+        None
+    }
 }
 
 /// `/pkg.Service/Method` or `/pkg.Service/*`.

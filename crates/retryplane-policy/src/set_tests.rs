@@ -136,21 +136,22 @@ fn a_non_finite_number_is_an_error_at_its_place_among_the_others() {
             "5:27: error: endpoints.a.backoff.multiplier: must be a finite number",
             "6:15: error: endpoints.a.deadline: duration `100` needs a unit: ms, s, m or h (for example `100ms`)",
             "8:21: error: endpoints.b.budget.ratio: must be a finite number",
-            "8:43: error: endpoints.b.budget.min_per_second: expected a whole number (no fraction or exponent), found .inf",
+            "8:43: error: endpoints.b.budget.min_per_second: expected a whole number, found .inf",
         ]
     );
 }
 
 #[test]
 fn a_count_too_large_for_an_integer_gets_the_range_and_a_fraction_is_named() {
-    let src = "version: 1\nendpoints:\n  a:\n    max_attempts: 9223372036854775808\n    circuit_breaker: {min_requests: 99999999999999999999999}\n  b:\n    max_attempts: 2.5\n    budget: {min_per_second: 3.0}\n";
+    let src = "version: 1\nendpoints:\n  a:\n    max_attempts: 9223372036854775808\n    circuit_breaker: {min_requests: 99999999999999999999999, half_open_probes: -9223372036854775809}\n  b:\n    max_attempts: 2.5\n    budget: {min_per_second: 1e3}\n";
     assert_eq!(
         errors(src),
         [
-            "4:19: error: endpoints.a.max_attempts: must be from 1 (never retry) to 10, found 9.223372036854776e18",
-            "5:37: error: endpoints.a.circuit_breaker.min_requests: must be a whole number from 1 to 4294967295, found 1e23",
-            "7:19: error: endpoints.b.max_attempts: expected a whole number (no fraction or exponent), found 2.5",
-            "8:30: error: endpoints.b.budget.min_per_second: expected a whole number (no fraction or exponent), found 3.0",
+            "4:19: error: endpoints.a.max_attempts: must be from 1 (never retry) to 10, found a larger one",
+            "5:37: error: endpoints.a.circuit_breaker.min_requests: must be a whole number from 1 to 4294967295, found a larger one",
+            "5:80: error: endpoints.a.circuit_breaker.half_open_probes: must be a whole number from 1 to 4294967295, found a smaller one",
+            "7:19: error: endpoints.b.max_attempts: expected a whole number, found 2.5",
+            "8:30: error: endpoints.b.budget.min_per_second: expected a whole number written in digits (`3`, not `3.0` or `3e0`)",
         ]
     );
 }
