@@ -28,6 +28,9 @@
 //!   When both happen in one run (one file unreadable, another invalid), `2` wins: the run did
 //!   not check everything it was asked to.
 //!
+//! `diff --exit-code` is the one exception: `1` there means the file differs, so an invalid
+//! file or a refusal exits `2` (it could not compare).
+//!
 //! The policy logic lives in `retryplane-policy` and the server in `retryplane-server`; this
 //! crate reads files, calls them and renders their answers.
 
@@ -53,7 +56,7 @@ use clap::{Parser, Subcommand};
     name = "retryplane",
     version,
     about = "Validate, explain and operate retry policies",
-    after_help = "Exit codes: 0 success, 1 invalid policy or refused by the server, 2 usage, I/O or connection error (2 wins over 1).",
+    after_help = "Exit codes: 0 success, 1 invalid policy or refused by the server, 2 usage, I/O or connection error (2 wins over 1). With `diff --exit-code`: 1 the file differs, 2 it could not be compared.",
     propagate_version = true
 )]
 struct Cli {

@@ -38,7 +38,9 @@ pub fn ceiling(cfg: &BackoffConfig, retry: u32) -> Duration {
 /// The `[low, high]` range the pause of retry `retry` can take under `cfg`'s jitter.
 ///
 /// For `decorrelated` the pause depends on the previous one, so the range is the bound that holds
-/// whatever came before: `[min(base, max), min(max, base × 3^retry)]`.
+/// whatever computed pauses came before: `[min(base, max), min(max, base × 3^retry)]`. A pause
+/// a server's `Retry-After` lengthened to `H` ([`Backoff::paused`]) lets the next one reach
+/// `min(max, 3 × H)`.
 pub fn jitter_range(cfg: &BackoffConfig, retry: u32) -> (Duration, Duration) {
     let c = ceiling(cfg, retry);
     match cfg.jitter {

@@ -127,7 +127,8 @@ fn schedule(out: &mut String, e: &Explanation) {
     if s.jitter == "decorrelated" {
         let _ = writeln!(
             out,
-            "  decorrelated jitter: a pause depends on the previous one; the range holds whatever came before"
+            "  decorrelated jitter: a pause depends on the previous one; the range holds whatever came before,\n  \
+             server hints aside (after a Retry-After of H, the next pause can reach min(backoff.max, 3 x H))"
         );
     }
     let mut rows = vec![
