@@ -93,6 +93,9 @@ enum Command {
     Serve(serve::Args),
     /// Simulate a policy's clients against an upstream that falls over (a retry storm),
     /// compared with no budget, no jitter and a naive client.
+    ///
+    /// The simulated calls are GET requests under the endpoint's own policy: its routes are
+    /// not consulted.
     Simulate(simulate::Args),
     /// Make one HTTP call under an endpoint's policy and show every attempt.
     Request(request::Args),

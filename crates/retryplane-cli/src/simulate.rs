@@ -31,10 +31,12 @@ pub struct Args {
     /// The endpoint whose policy the clients run.
     #[arg(long, value_name = "NAME")]
     endpoint: String,
-    /// Clients, each with its own retry budget, circuit breaker and random source.
+    /// Clients, each with its own retry budget, circuit breaker and random source (at most
+    /// 100,000, and clients × seconds of run at most 10⁸).
     #[arg(long, value_name = "N", default_value_t = 1000)]
     clients: u32,
-    /// Logical calls per second per client (Poisson arrivals).
+    /// Logical calls per second per client (Poisson arrivals; at most 1,000,000, and at most
+    /// 20 million calls in the run).
     #[arg(long, value_name = "R", default_value_t = 1.0)]
     rate: f64,
     /// Simulated (virtual) time during which calls start.
@@ -44,8 +46,8 @@ pub struct Args {
     /// throttle:START+LEN:RETRY_AFTER (429 with Retry-After).
     #[arg(long, value_name = "SCENARIO", default_value = "outage:30s+20s")]
     scenario: Scenario,
-    /// Requests per second the upstream serves; above it, requests fail with 503
-    /// [default: 1.5 × clients × rate].
+    /// Requests per second the upstream serves (at most 10⁹); above it, requests fail with
+    /// 503 [default: 1.5 × clients × rate].
     #[arg(long, value_name = "C")]
     capacity: Option<f64>,
     /// The upstream's base latency when not loaded.

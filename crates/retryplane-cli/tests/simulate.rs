@@ -152,11 +152,25 @@ fn invalid_flags_exit_2_with_a_message_naming_the_problem() {
         ),
         (&["--scenario", "error-rate:2"], "between 0 and 1"),
         (&["--duration", "10"], "needs a unit"),
-        (&["--clients", "0"], "clients must be at least 1"),
-        (&["--rate", "0"], "rate must be a number above 0"),
+        (
+            &["--clients", "0"],
+            "clients must be from 1 to 100000, not 0",
+        ),
+        (
+            &["--clients", "4000000000", "--rate", "0.000000001"],
+            "clients must be from 1 to 100000, not 4000000000",
+        ),
+        (
+            &["--rate", "0"],
+            "rate must be a number of calls per second",
+        ),
         (
             &["--capacity", "0"],
             "capacity must be a number of requests per second above 0",
+        ),
+        (
+            &["--capacity", "1e306"],
+            "capacity must be a number of requests per second above 0 and at most 1000000000",
         ),
         (&["--output", "xml"], "invalid value 'xml'"),
         (

@@ -10,6 +10,16 @@ use retryplane_policy::duration::{format_duration, parse_duration};
 pub const MAX_CALLS: f64 = 20_000_000.0;
 /// The longest run.
 pub const MAX_DURATION: Duration = Duration::from_secs(24 * 3600);
+/// The most clients: each has its own state and RNG in every variant (about 3 KB in all).
+pub const MAX_CLIENTS: u32 = 100_000;
+/// The most clients × seconds of run: every client is looked at once per simulated second,
+/// whether it calls or not (10⁸ takes about 20 s here).
+pub const MAX_CLIENT_SECONDS: f64 = 100_000_000.0;
+/// The highest rate per client: arrivals are drawn to the nanosecond, so a mean gap under a
+/// microsecond would no longer be a Poisson process.
+pub const MAX_RATE: f64 = 1_000_000.0;
+/// The highest upstream capacity, requests per second.
+pub const MAX_CAPACITY: f64 = 1_000_000_000.0;
 
 /// How the upstream fails, besides being overloaded.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -129,6 +139,18 @@ pub enum ConfigError {
         /// The run length.
         duration: String,
     },
+    /// The run would look at its clients too often to finish in reasonable time.
+    #[error(
+        "{clients} clients for {duration} are {client_seconds:.0} client-seconds to simulate; at most {MAX_CLIENT_SECONDS:.0}: fewer clients or a shorter run"
+    )]
+    TooLong {
+        /// Clients.
+        clients: u32,
+        /// The run length.
+        duration: String,
+        /// Clients × seconds of run.
+        client_seconds: f64,
+    },
     /// The run would be too large to simulate in reasonable time and memory.
     #[error(
         "{clients} clients × {rate}/s × {duration} is about {calls:.0} calls per variant; at most {MAX_CALLS:.0}"
@@ -236,11 +258,19 @@ impl Config {
             expected,
             value,
         };
-        if self.clients == 0 {
-            return Err(range("clients", "at least 1", "0".into()));
+        if self.clients == 0 || self.clients > MAX_CLIENTS {
+            return Err(range(
+                "clients",
+                "from 1 to 100000",
+                self.clients.to_string(),
+            ));
         }
-        if !(self.rate.is_finite() && self.rate > 0.0) {
-            return Err(range("rate", "a number above 0", self.rate.to_string()));
+        if !(self.rate.is_finite() && self.rate > 0.0 && self.rate <= MAX_RATE) {
+            return Err(range(
+                "rate",
+                "a number of calls per second per client above 0 and at most 1000000",
+                self.rate.to_string(),
+            ));
         }
         if self.duration.is_zero() || self.duration > MAX_DURATION {
             return Err(range(
@@ -249,10 +279,10 @@ impl Config {
                 format_duration(self.duration),
             ));
         }
-        if !(self.capacity.is_finite() && self.capacity > 0.0) {
+        if !(self.capacity.is_finite() && self.capacity > 0.0 && self.capacity <= MAX_CAPACITY) {
             return Err(range(
                 "capacity",
-                "a number of requests per second above 0",
+                "a number of requests per second above 0 and at most 1000000000",
                 self.capacity.to_string(),
             ));
         }
@@ -262,6 +292,14 @@ impl Config {
                 "at most 60s",
                 format_duration(self.latency),
             ));
+        }
+        let client_seconds = f64::from(self.clients) * self.duration.as_secs_f64().ceil();
+        if client_seconds > MAX_CLIENT_SECONDS {
+            return Err(ConfigError::TooLong {
+                clients: self.clients,
+                duration: format_duration(self.duration),
+                client_seconds,
+            });
         }
         let calls = f64::from(self.clients) * self.rate * self.duration.as_secs_f64();
         if calls > MAX_CALLS {
@@ -335,10 +373,46 @@ mod tests {
     }
 
     #[test]
+    fn clients_rates_and_capacities_past_what_can_be_simulated_are_refused() {
+        let with = |clients, rate, capacity, secs| Config {
+            clients,
+            rate,
+            capacity,
+            duration: Duration::from_secs(secs),
+            ..Config::default()
+        };
+        // Each was accepted and then ran out of memory, ran for hours, miscounted its calls
+        // or never finished its plot.
+        for (config, field) in [
+            (with(100_001, 1e-9, 1.0, 120), "clients"),
+            (with(4_000_000_000, 1e-9, 1.0, 120), "clients"),
+            (with(1, 1e7, 1.0, 1), "rate"),
+            (with(1_000, 1.0, 1e306, 120), "capacity"),
+        ] {
+            let e = config.validate().unwrap_err();
+            assert!(
+                matches!(e, ConfigError::OutOfRange { field: f, .. } if f == field),
+                "{e}"
+            );
+        }
+        let e = with(100_000, 1e-6, 1.0, 24 * 3600).validate().unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "100000 clients for 24h are 8640000000 client-seconds to simulate; at most 100000000: fewer clients or a shorter run"
+        );
+        assert_eq!(with(100_000, 0.01, 1e9, 1000).validate(), Ok(()));
+        let busiest = Config {
+            scenario: "error-rate:0.5".parse().unwrap(),
+            ..with(1, 1e6, 1.0, 10)
+        };
+        assert_eq!(busiest.validate(), Ok(()));
+    }
+
+    #[test]
     fn runs_beyond_twenty_million_calls_are_refused() {
         let config = Config {
-            clients: 1_000_000,
-            rate: 100.0,
+            clients: 100_000,
+            rate: 1_000.0,
             ..Config::default()
         };
         assert!(matches!(

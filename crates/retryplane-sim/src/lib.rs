@@ -129,7 +129,7 @@ pub fn simulate_from(
         rate_per_client: config.rate,
         duration_s: duration,
         scenario: config.scenario.to_string(),
-        capacity_per_s: stats::round(config.capacity, 3),
+        capacity_per_s: stats::significant(config.capacity, 6),
         latency_ms: config.latency.as_secs_f64() * 1e3,
         seed: config.seed,
         max_attempts: policy.max_attempts,

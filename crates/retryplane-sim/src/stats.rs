@@ -38,6 +38,14 @@ pub(crate) fn round(x: f64, digits: i32) -> f64 {
     (x * scale).round() / scale
 }
 
+/// `x` rounded to `digits` significant digits (a rate of `0.0004` stays `0.0004`).
+pub(crate) fn significant(x: f64, digits: i32) -> f64 {
+    if x == 0.0 || !x.is_finite() {
+        return x;
+    }
+    round(x, digits - 1 - x.abs().log10().floor() as i32)
+}
+
 fn ratio(a: u64, b: u64) -> f64 {
     if b == 0 { 0.0 } else { a as f64 / b as f64 }
 }
@@ -209,6 +217,14 @@ mod tests {
         assert_eq!(incident_seconds(30.2, 30.7, 120), (30, 31));
         // Clipped to the run.
         assert_eq!(incident_seconds(100.0, 200.0, 120), (100, 120));
+    }
+
+    #[test]
+    fn significant_digits_keep_small_and_large_numbers() {
+        assert_eq!(significant(0.0004, 6), 0.0004);
+        assert_eq!(significant(450.000_000_000_000_06, 6), 450.0);
+        assert_eq!(significant(1_234_567_891.0, 6), 1_234_570_000.0);
+        assert_eq!(significant(0.0, 6), 0.0);
     }
 
     #[test]
