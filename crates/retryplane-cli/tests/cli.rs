@@ -660,6 +660,41 @@ fn explain_matches_grpc_routes_and_shows_a_never_retried_method() {
 }
 
 #[test]
+fn explain_suggests_grpc_only_for_a_path_a_grpc_route_would_match() {
+    let dir = dir_with(&[("layers.yaml", LAYERED)]);
+    let grpc_path = ["--path", "/search.v1.SearchService/Query"];
+    explain(dir.path(), "layers.yaml", "search", &grpc_path)
+        .assert()
+        .code(0)
+        .stderr(predicate::str::contains(
+            "for a gRPC call use --grpc /search.v1.SearchService/Query",
+        ));
+    // An ordinary REST path that no route matches is only that.
+    explain(
+        dir.path(),
+        "layers.yaml",
+        "search",
+        &["--path", "/stock/42"],
+    )
+    .assert()
+    .code(0)
+    .stderr("");
+}
+
+#[test]
+fn explain_shows_a_call_never_retried_when_retry_on_lists_nothing() {
+    let src = "version: 1\nendpoints:\n  n:\n    retry_on: {http_status: [], grpc_status: [], errors: []}\n";
+    let dir = dir_with(&[("n.yaml", src)]);
+    explain(dir.path(), "n.yaml", "n", &["--method", "GET"])
+        .assert()
+        .code(0)
+        .stdout(predicate::str::contains(
+            "never: retry_on lists no status, code or error",
+        ))
+        .stdout(predicate::str::contains("1x: never retried"));
+}
+
+#[test]
 fn explain_of_an_unknown_endpoint_lists_the_known_ones_and_exits_two() {
     let dir = dir_with(&[("layers.yaml", LAYERED)]);
     explain(dir.path(), "layers.yaml", "paymnts", &[])

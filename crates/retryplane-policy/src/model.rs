@@ -128,6 +128,13 @@ impl Default for RetryOn {
     }
 }
 
+impl RetryOn {
+    /// Whether it lists no status, code or error class at all: no failure is retried.
+    pub fn lists_nothing(&self) -> bool {
+        self.http_status.is_empty() && self.grpc_status.is_empty() && self.errors.is_empty()
+    }
+}
+
 /// How server hints (`Retry-After`, `grpc-retry-pushback-ms`) are used.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RetryAfterConfig {

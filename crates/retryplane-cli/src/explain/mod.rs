@@ -151,12 +151,18 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
             &policies.names(),
         ));
     };
-    if let Call::Http { method, path } = &settings.call
-        && parse_grpc_route(path).is_ok_and(|(_, m)| m.is_some())
-        && endpoint
+    // A path that no HTTP route matches but a gRPC route of the endpoint would: the user
+    // most likely meant the gRPC call.
+    let matched = |call: &Call| {
+        endpoint
             .routes
             .iter()
-            .all(|r| !r.matcher.value.matches(&settings.call.target()))
+            .any(|r| r.matcher.value.matches(&call.target()))
+    };
+    if let Call::Http { method, path } = &settings.call
+        && parse_grpc_route(path).is_ok_and(|(_, m)| m.is_some())
+        && !matched(&settings.call)
+        && matched(&Call::Grpc { path: path.clone() })
     {
         output::note(format_args!(
             "note: `{path}` is looked up as an HTTP {method} path; for a gRPC call use --grpc {path}"

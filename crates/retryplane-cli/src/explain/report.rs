@@ -197,12 +197,21 @@ pub fn explain(
             .collect(),
         schedule: schedule(&policy),
         load: Load {
-            multiplier: policy.max_attempts,
+            multiplier: sends(&policy),
             budget: policy
                 .budget
                 .as_ref()
-                .map(|b| budget_load(b, policy.max_attempts)),
+                .map(|b| budget_load(b, sends(&policy))),
         },
+    }
+}
+
+/// The most times one call is sent: `max_attempts`, or 1 when `retry_on` lists nothing.
+fn sends(p: &RetryPolicy) -> u32 {
+    if p.retry_on.lists_nothing() {
+        1
+    } else {
+        p.max_attempts
     }
 }
 
@@ -219,34 +228,27 @@ fn retried(p: &RetryPolicy, call: &Call) -> Retried {
     } else {
         ""
     };
-    let (idempotent, summary) = match call {
-        _ if p.max_attempts <= 1 => (
-            match call {
-                Call::Http { method, .. } => Some(p.is_idempotent(method)),
-                _ => None,
-            },
-            "never: max_attempts is 1".to_owned(),
+    let idempotent = match call {
+        Call::Http { method, .. } => Some(p.is_idempotent(method)),
+        _ => None,
+    };
+    let summary = match call {
+        _ if p.max_attempts <= 1 => "never: max_attempts is 1".to_owned(),
+        _ if p.retry_on.lists_nothing() => {
+            "never: retry_on lists no status, code or error".to_owned()
+        }
+        Call::Http { method, .. } if p.is_idempotent(method) => {
+            format!("yes, on the failures in retry_on: {method} is in idempotent_methods")
+        }
+        Call::Http { method, .. } => format!(
+            "only when the request carries the `{key}` header: {method} is not in idempotent_methods{connect}"
         ),
-        Call::Http { method, .. } if p.is_idempotent(method) => (
-            Some(true),
-            format!("yes, on the failures in retry_on: {method} is in idempotent_methods"),
+        Call::Grpc { .. } => format!(
+            "when the caller declares the method idempotent or sends `{key}` metadata{connect}"
         ),
-        Call::Http { method, .. } => (
-            Some(false),
-            format!(
-                "only when the request carries the `{key}` header: {method} is not in idempotent_methods{connect}"
-            ),
-        ),
-        Call::Grpc { .. } => (
-            None,
-            format!(
-                "when the caller declares the method idempotent or sends `{key}` metadata{connect}"
-            ),
-        ),
-        Call::Endpoint => (
-            None,
-            format!("for methods in idempotent_methods, or requests carrying the `{key}` header"),
-        ),
+        Call::Endpoint => {
+            format!("for methods in idempotent_methods, or requests carrying the `{key}` header")
+        }
     };
     Retried {
         idempotent,
