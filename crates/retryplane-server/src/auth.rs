@@ -204,7 +204,7 @@ impl Tokens {
         let raw: RawFile =
             serde_saphyr::from_str_with_options(text, options).map_err(|e| TokensError::Parse {
                 file: file.to_owned(),
-                message: e.without_snippet().to_string(),
+                message: parse_message(e.without_snippet()),
             })?;
         let mut problems = Vec::new();
         if raw.tokens.is_empty() {
@@ -214,11 +214,18 @@ impl Tokens {
         let mut digests: HashMap<[u8; 32], usize> = HashMap::new();
         let mut tokens = Vec::with_capacity(raw.tokens.len());
         for (i, t) in raw.tokens.iter().enumerate() {
-            let at = format!("tokens[{i}] (`{}`)", t.name);
+            let at = format!("tokens[{i}] (`{}`)", t.name.escape_debug());
             if t.name.trim().is_empty() {
                 problems.push(format!("tokens[{i}]: name is empty"));
             } else if let Some(first) = names.insert(&t.name, i) {
                 problems.push(format!("{at}: name is already used by tokens[{first}]"));
+            }
+            // The name is shown to people: in `history`'s author column, in logs, in a refusal.
+            if t.name.contains(char::is_control) {
+                problems.push(format!(
+                    "{at}: name holds a control character (a line break, an escape); names are \
+                     shown in listings and messages"
+                ));
             }
             let role = match t.role.as_str() {
                 "agent" => Some(Role::Agent),
@@ -307,6 +314,20 @@ impl Tokens {
         }
         let index = usize::try_from(found.checked_sub(1)?).ok()?;
         self.tokens.get(index)
+    }
+}
+
+/// The YAML reader's message for a tokens file it refused, in the words of this file: its
+/// message for a duplicate key names a setting of the library, which an operator cannot set.
+fn parse_message(e: &serde_saphyr::Error) -> String {
+    match e {
+        serde_saphyr::Error::DuplicateMappingKey { key, location } => format!(
+            "duplicate key{} at line {}, column {}",
+            key.as_ref().map(|k| format!(" `{k}`")).unwrap_or_default(),
+            location.line(),
+            location.column()
+        ),
+        other => other.to_string(),
     }
 }
 

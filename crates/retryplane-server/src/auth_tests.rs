@@ -174,6 +174,30 @@ fn duplicate_names_and_secrets_are_refused() {
 }
 
 #[test]
+fn names_with_control_characters_are_refused_and_shown_escaped() {
+    let err = invalid(
+        "tokens:\n  - {name: \"ci\\nbot\\u001b[31m\", role: admin, secret: aaaaaaaaaaaaaaaaaaaa}\n",
+    );
+    assert!(
+        err.contains(r"tokens[0] (`ci\nbot\u{1b}[31m`): name holds a control character"),
+        "{err}"
+    );
+    assert!(!err.contains('\n') && !err.contains('\u{1b}'), "{err:?}");
+}
+
+#[test]
+fn a_duplicate_key_is_named_in_the_file_s_own_words() {
+    let err = invalid(
+        "tokens:\n  - name: a\n    role: admin\n    secret: aaaaaaaaaaaaaaaaaaaa\n    secret: bbbbbbbbbbbbbbbbbbbb\n",
+    );
+    assert!(
+        err.contains("duplicate key `secret` at line 5, column 5"),
+        "{err}"
+    );
+    assert!(!err.contains("DuplicateKeyPolicy"), "{err}");
+}
+
+#[test]
 fn unknown_role_is_refused() {
     let err = invalid("tokens: [{name: a, role: root, secret: aaaaaaaaaaaaaaaaaaaa}]");
     assert!(

@@ -374,7 +374,11 @@ impl Running {
                 Ok(Some(count))
             }
             Err(e) => {
-                error!(error = %e, tokens = tokens.current().len(), "tokens file not reloaded; the tokens in force stay");
+                error!(
+                    error = %crate::ErrorChain(&e),
+                    tokens = tokens.current().len(),
+                    "tokens file not reloaded; the tokens in force stay"
+                );
                 Err(e)
             }
         }

@@ -942,6 +942,18 @@ async fn a_tokens_reload_ends_the_streams_whose_secret_it_removes_and_admits_new
     )
     .unwrap();
     assert!(running.reload_tokens().is_err());
+    // One that cannot be read: the log says why, as at start.
+    let moved = tokens_file.with_extension("moved");
+    fs::rename(&tokens_file, &moved).unwrap();
+    let (log, guard) = crate::test_logs::capture("retryplane_server=error");
+    assert!(running.reload_tokens().is_err());
+    drop(guard);
+    let logged = log.text();
+    assert!(
+        logged.contains("tokens file not reloaded") && logged.contains("(os error 2)"),
+        "{logged}"
+    );
+    fs::rename(&moved, &tokens_file).unwrap();
     // `batch` is revoked, `fleet` kept, and a new agent token added.
     fs::write(
         &tokens_file,

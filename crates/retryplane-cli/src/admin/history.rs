@@ -117,12 +117,18 @@ fn table(versions: &[pb::VersionInfo]) -> String {
             0 => v.source.clone(),
             from => format!("{}(v{from})", v.source),
         };
-        let author = if v.author.is_empty() { "-" } else { &v.author };
+        // A token's name, escaped for the terminal as agent names are (a version stored before
+        // names with control characters were refused may still hold one).
+        let author = if v.author.is_empty() {
+            "-".to_owned()
+        } else {
+            crate::output::name(&v.author)
+        };
         rows.push(vec![
             v.version.to_string(),
             rfc3339_utc(v.created_unix_ms),
             source,
-            author.to_owned(),
+            author,
             short_hash(&v.content_hash).to_owned(),
             v.summary.clone(),
         ]);
@@ -166,5 +172,21 @@ VERSION  CREATED               SOURCE        AUTHOR  HASH          SUMMARY
       3  1970-01-01T00:00:00Z  file          -       fedcba987654  +2 endpoints, -0, 0 modified
 "
         );
+    }
+
+    #[test]
+    fn an_author_with_control_characters_stays_on_its_row() {
+        let version = pb::VersionInfo {
+            version: 2,
+            content_hash: "0123456789abcdef0123".to_owned(),
+            source: "admin".to_owned(),
+            author: "ci\nbot\u{1b}[31m".to_owned(),
+            created_unix_ms: 0,
+            summary: "no changes".to_owned(),
+            rolled_back_from: 0,
+        };
+        let out = table(&[version]);
+        assert_eq!(out.lines().count(), 2, "{out}");
+        assert!(!out.contains('\u{1b}'), "{out:?}");
     }
 }

@@ -236,6 +236,12 @@ pub enum StoreError {
         #[source]
         source: Box<dyn std::error::Error + Send + Sync + 'static>,
     },
+    /// The data directory's path is taken by something that is not a directory (a file).
+    #[error("the data directory {} exists and is not a directory", dir.display())]
+    NotADirectory {
+        /// The data directory.
+        dir: PathBuf,
+    },
     /// The data directory cannot be created.
     #[error("cannot create the data directory {}", dir.display())]
     CreateDir {

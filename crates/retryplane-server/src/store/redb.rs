@@ -192,6 +192,13 @@ impl RedbStore {
 
     /// [`RedbStore::open`], with `open_db` opening the database file (now and on every reopen).
     pub(crate) fn open_with(dir: &Path, open_db: OpenDb) -> Result<Self, StoreError> {
+        // `create_dir_all` would say "File exists" of a file at the path, which reads as if
+        // the directory were there.
+        if std::fs::metadata(dir).is_ok_and(|m| !m.is_dir()) {
+            return Err(StoreError::NotADirectory {
+                dir: dir.to_owned(),
+            });
+        }
         std::fs::create_dir_all(dir).map_err(|source| StoreError::CreateDir {
             dir: dir.to_owned(),
             source,

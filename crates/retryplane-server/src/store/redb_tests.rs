@@ -45,6 +45,22 @@ fn open_creates_the_data_directory() {
 }
 
 #[test]
+fn a_file_where_the_data_directory_should_be_is_named_as_such_and_left_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    std::fs::write(&data, b"not a directory").unwrap();
+    let err = RedbStore::open(&data).err().map(|e| e.to_string());
+    assert_eq!(
+        err,
+        Some(format!(
+            "the data directory {} exists and is not a directory",
+            data.display()
+        ))
+    );
+    assert_eq!(std::fs::read(&data).unwrap(), b"not a directory");
+}
+
+#[test]
 fn reopening_after_drop_serves_the_same_version_and_hash() {
     let dir = tempfile::tempdir().unwrap();
     let (before, history) = {
