@@ -196,12 +196,21 @@ fn diagnostic_lines(diagnostics: &[Diagnostic]) -> String {
 /// The refusal of a change that removes every endpoint, naming as many of them as fit a status
 /// message ([`MAX_MESSAGE_WIRE_BYTES`]).
 fn removes_everything_message(names: &[String]) -> String {
-    const BEFORE: &str = "the change removes every endpoint (";
-    const AFTER: &str =
-        "), which takes every policy away from the fleet; pass --force to do it anyway";
-    let budget = MAX_MESSAGE_WIRE_BYTES.saturating_sub(wire_len(BEFORE) + wire_len(AFTER));
     format!(
-        "{BEFORE}{}{AFTER}",
+        "{}, which takes every policy away from the fleet; pass --force to do it anyway",
+        removes_everything(names)
+    )
+}
+
+/// "the change removes every endpoint (a, b, …)", the list cut to leave room in a gRPC
+/// message for what either caller adds after it.
+fn removes_everything(names: &[String]) -> String {
+    const BEFORE: &str = "the change removes every endpoint (";
+    /// Room for the longest text added after the list.
+    const AFTER: usize = 200;
+    let budget = MAX_MESSAGE_WIRE_BYTES.saturating_sub(wire_len(BEFORE) + AFTER);
+    format!(
+        "{BEFORE}{})",
         capped_list(names, ", ", budget, "endpoint", "")
     )
 }
@@ -416,6 +425,10 @@ impl AdminService for AdminApi {
                 return Err(invalid);
             }
         };
+        // In file mode only a save changes the policies, and nothing forces a save that
+        // removes every endpoint: the refusal of a dry run says so, rather than "--force".
+        // (A forced dry run still answers with the diff: `retryplane diff` asks for one.)
+        let file_mode = matches!(self.control.mode, Mode::File(_));
         let change = ChangeRequest {
             content,
             source: Source::Admin,
@@ -424,7 +437,18 @@ impl AdminService for AdminApi {
             dry_run: req.dry_run,
             force: req.force,
         };
-        self.change(change).await
+        match self.control.apply(change).await {
+            Ok(outcome) => Ok(Response::new(apply_response(outcome))),
+            Err(ChangeError::RemovesEverything(names)) if file_mode => {
+                Err(Status::failed_precondition(format!(
+                    "{}: a saved file that does this is refused in file mode, and nothing can \
+                     force it; to replace every endpoint, add the new ones first, save, then \
+                     remove the old ones",
+                    removes_everything(&names)
+                )))
+            }
+            Err(e) => Err(change_status(e)),
+        }
     }
 
     async fn get(

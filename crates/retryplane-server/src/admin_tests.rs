@@ -81,6 +81,37 @@ async fn file_mode_refuses_apply_and_rollback_naming_the_file() {
 }
 
 #[tokio::test]
+async fn file_mode_dry_runs_of_a_change_that_removes_every_endpoint_say_no_force_helps() {
+    // A version stored (as a save would), then a file-mode server over the same store.
+    let store: Arc<dyn VersionStore> = Arc::new(MemoryStore::new());
+    let seeding = AdminApi::new(Arc::new(ControlPlane::for_tests(store.clone(), Mode::Api)));
+    apply(&seeding, apply_request(V1)).await.unwrap();
+    let api = AdminApi::new(Arc::new(ControlPlane::for_tests(
+        store,
+        Mode::File(PathBuf::from("config/policies.yaml")),
+    )));
+    let dry_run = pb::ApplyRequest {
+        dry_run: true,
+        ..apply_request(OTHER)
+    };
+    let status = apply(&api, dry_run.clone()).await.unwrap_err();
+    assert_eq!(status.code(), Code::FailedPrecondition, "{status:?}");
+    assert_eq!(
+        status.message(),
+        "the change removes every endpoint (payments, search): a saved file that does this \
+         is refused in file mode, and nothing can force it; to replace every endpoint, add \
+         the new ones first, save, then remove the old ones"
+    );
+    // `retryplane diff` forces its dry run, to show the diff whatever it is.
+    let forced = pb::ApplyRequest {
+        force: true,
+        ..dry_run
+    };
+    let diff = apply(&api, forced).await.unwrap();
+    assert_eq!(diff.diff.len(), 3, "{:?}", diff.diff);
+}
+
+#[tokio::test]
 async fn file_mode_still_answers_reads() {
     let api = api(Mode::File(PathBuf::from("config/policies.yaml")));
     let valid = api
