@@ -145,7 +145,8 @@ fn forget_after(text: &str) -> Result<Duration, String> {
         }
         Err(e) => return Err(e.to_string()),
     };
-    if (Duration::from_millis(1)..=max).contains(&duration) {
+    // `0s` is the `0` the help names.
+    if duration.is_zero() || (Duration::from_millis(1)..=max).contains(&duration) {
         Ok(duration)
     } else {
         Err(format!("`{text}` is out of range: {SAID}"))
@@ -180,7 +181,13 @@ fn duration_in(
     range: std::ops::RangeInclusive<Duration>,
     said: &str,
 ) -> Result<Duration, String> {
-    let duration = parse_duration(text).map_err(|e| e.to_string())?;
+    let duration = parse_duration(text).map_err(|e| match e {
+        // Its example keeps the number (`0` → `0ms`), which may well be out of range here.
+        DurationError::MissingUnit(_) => {
+            format!("duration `{text}` needs a unit (ms, s, m or h): {said}")
+        }
+        e => e.to_string(),
+    })?;
     if range.contains(&duration) {
         Ok(duration)
     } else {
@@ -473,5 +480,20 @@ mod tests {
         );
         let kept = parse(&["--forget-disconnected-after", "0"]);
         assert_eq!(kept.forget_disconnected_after, None);
+        let kept = parse(&["--forget-disconnected-after", "0s"]);
+        assert_eq!(kept.forget_disconnected_after, None);
+    }
+
+    #[test]
+    fn a_duration_without_its_unit_is_told_the_range_not_an_example_outside_it() {
+        assert_eq!(
+            metrics_interval("0").unwrap_err(),
+            "duration `0` needs a unit (ms, s, m or h): from 100ms to 1h"
+        );
+        assert_eq!(
+            keepalive("20").unwrap_err(),
+            "duration `20` needs a unit (ms, s, m or h): from 1s to 1h"
+        );
+        assert_eq!(metrics_interval("10s"), Ok(Duration::from_secs(10)));
     }
 }
