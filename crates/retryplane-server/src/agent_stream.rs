@@ -230,6 +230,7 @@ fn check_hello(hello: &pb::Hello, limits: &StreamLimits) -> Result<(), Status> {
         ("agent_id", &hello.agent_id),
         ("service", &hello.service),
         ("agent_version", &hello.agent_version),
+        ("last_applied_hash", &hello.last_applied_hash),
     ] {
         if has_control(value) {
             return Err(Status::invalid_argument(format!(
@@ -246,7 +247,11 @@ fn check_hello(hello: &pb::Hello, limits: &StreamLimits) -> Result<(), Status> {
             "Hello.labels: a label key or value holds a control character",
         ));
     }
-    if too_long(&hello.agent_id) || too_long(&hello.service) || too_long(&hello.agent_version) {
+    if too_long(&hello.agent_id)
+        || too_long(&hello.service)
+        || too_long(&hello.agent_version)
+        || too_long(&hello.last_applied_hash)
+    {
         return Err(Status::invalid_argument(format!(
             "Hello fields are limited to {} bytes",
             limits.max_field_len
@@ -371,7 +376,8 @@ impl AgentStreamService {
             instance_id: hello.instance_id,
             sent_nonce: None,
             refused: registration.refused,
-            service: self.ctx.aggregates.service(&hello.service),
+            service_name: hello.service.clone(),
+            service: None,
             bucket: Bucket {
                 tokens: limits.report_burst,
                 refilled: Instant::now(),
@@ -438,8 +444,12 @@ struct AgentStream {
     /// The snapshot the agent refused on an earlier stream ([`crate::fleet::Registration`]):
     /// never pushed again on this one.
     refused: Option<crate::fleet::Refused>,
-    /// Where this agent's metrics reports are added (its Hello's service).
-    service: ServiceHandle,
+    /// The service its Hello named.
+    service_name: String,
+    /// Where its metrics reports are added: that service's series, looked up at the first
+    /// report with an endpoint, so that an agent that never reports takes no place among the
+    /// series the cap allows (services count against it too).
+    service: Option<ServiceHandle>,
     /// Report rate limiter.
     bucket: Bucket,
 }
@@ -686,6 +696,17 @@ impl AgentStream {
         Next::Continue
     }
 
+    /// Adds an accepted report to the service's series (found or made at its first endpoint).
+    fn ingest(&mut self, ctx: &StreamContext, report: &pb::MetricsReport, now: Instant) {
+        if report.endpoints.is_empty() {
+            return;
+        }
+        let service = self
+            .service
+            .get_or_insert_with(|| ctx.aggregates.service(&self.service_name));
+        ctx.aggregates.ingest(service, report, now);
+    }
+
     /// A metrics report: counted at most once per (instance, seq) when numbered, within the
     /// rate limit; a numbered report is answered. A seq from a client that sent no instance id
     /// in its Hello cannot be told apart from the same seq of its previous process, so such a
@@ -696,7 +717,7 @@ impl AgentStream {
         if report.seq == 0 || self.instance_id == 0 {
             ctx.fleet.seen(&self.agent_id, self.generation);
             if self.bucket.take(now, &ctx.limits) {
-                ctx.aggregates.ingest(&self.service, report, now);
+                self.ingest(&ctx, report, now);
             } else {
                 ctx.metrics.reports_dropped.inc();
             }
@@ -711,7 +732,7 @@ impl AgentStream {
         );
         let dropped = match verdict {
             ReportVerdict::Count => {
-                ctx.aggregates.ingest(&self.service, report, now);
+                self.ingest(&ctx, report, now);
                 false
             }
             ReportVerdict::Duplicate => {
@@ -790,6 +811,17 @@ mod tests {
         assert_eq!(
             refused(&|h| h.service = "ep\u{1b}[31mX".to_owned()),
             Some((code, "Hello.service holds a control character".to_owned()))
+        );
+        // Every string field is bounded, the hash it last applied too (a SHA-256 in hex is 64).
+        let limit = format!("Hello fields are limited to {} bytes", limits.max_field_len);
+        let long = "f".repeat(limits.max_field_len + 1);
+        assert_eq!(
+            refused(&|h| h.last_applied_hash.clone_from(&long)),
+            Some((code, limit.clone()))
+        );
+        assert_eq!(
+            refused(&|h| h.agent_version.clone_from(&long)),
+            Some((code, limit))
         );
         for (k, v) in [("zone\n", "eu"), ("zone", "eu\u{2028}"), ("zone", "\r")] {
             let status = refused(&|h| h.labels = [(k.to_owned(), v.to_owned())].into());

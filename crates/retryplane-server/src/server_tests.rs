@@ -800,6 +800,67 @@ async fn reports_over_a_stream_show_in_metrics_stats_and_fleet_status() {
     running.shutdown().await.unwrap();
 }
 
+#[tokio::test]
+async fn agents_that_never_report_take_no_place_among_the_series() {
+    let (_dir, mut cfg) = with_file(V1);
+    cfg.max_series = 2;
+    let running = start(cfg).await.unwrap();
+    // Two services whose agents connect and say nothing more.
+    let mut idle = Vec::new();
+    for i in 0..2 {
+        let first = pb::AgentMessage {
+            kind: Some(Kind::Hello(pb::Hello {
+                agent_id: format!("idle-{i}"),
+                service: format!("idle-service-{i}"),
+                ..Default::default()
+            })),
+        };
+        let (tx, mut inbound) = open_stream(running.agent_addr, first, None).await.unwrap();
+        assert_eq!(next_version(&mut inbound).await, 1);
+        idle.push((tx, inbound));
+    }
+    let (tx, mut inbound) = open_stream(running.agent_addr, hello("a-1"), None)
+        .await
+        .unwrap();
+    assert_eq!(next_version(&mut inbound).await, 1);
+    let report = pb::MetricsReport {
+        policy_version: 1,
+        endpoints: vec![pb::EndpointCounters {
+            endpoint: "payments".to_owned(),
+            calls: 7,
+            attempts: 7,
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    tx.send(pb::AgentMessage {
+        kind: Some(Kind::Metrics(report)),
+    })
+    .await
+    .unwrap();
+    let mut admin = admin(&running).await;
+    let mut series = Vec::new();
+    for _ in 0..200 {
+        let stats = admin
+            .stats(pb::StatsRequest::default())
+            .await
+            .unwrap()
+            .into_inner();
+        series = stats
+            .series
+            .iter()
+            .map(|s| (s.service.clone(), s.endpoint.clone()))
+            .collect();
+        if !series.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(series, [("checkout".to_owned(), "payments".to_owned())]);
+    drop((tx, idle));
+    running.shutdown().await.unwrap();
+}
+
 fn hello(agent_id: &str) -> pb::AgentMessage {
     pb::AgentMessage {
         kind: Some(Kind::Hello(pb::Hello {
