@@ -265,6 +265,39 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_message_of_a_kind_this_server_does_not_know_is_skipped() {
+        let (mut route, publisher, _shutdown) = route();
+        publish(&publisher, 1);
+        let (request, inbound) = connect(CONNECT_PATH, "a-1");
+        let mut body = route.call(request).await.unwrap().into_body();
+        next_data(&mut body).await;
+        // `AgentMessage` with a field 5 (a kind added after this server), length 0.
+        let unknown = Bytes::from_static(&[0, 0, 0, 0, 2, 0x2a, 0x00]);
+        inbound.send(Ok(Frame::data(unknown))).await.unwrap();
+        // The stream still reads what follows: a second Hello is refused as such.
+        let hello = pb::AgentMessage {
+            kind: Some(Kind::Hello(pb::Hello {
+                agent_id: "a-1".to_owned(),
+                ..Default::default()
+            })),
+        };
+        let hello = encode_frame(&hello).unwrap();
+        inbound.send(Ok(Frame::data(hello))).await.unwrap();
+        let trailers = body
+            .frame()
+            .await
+            .unwrap()
+            .unwrap()
+            .into_trailers()
+            .unwrap();
+        let status = Status::from_header_map(&trailers).unwrap();
+        assert_eq!(
+            (status.code(), status.message()),
+            (Code::InvalidArgument, "Hello may only be the first message")
+        );
+    }
+
+    #[tokio::test]
     async fn shutdown_ends_the_stream_with_unavailable_trailers() {
         let (mut route, publisher, shutdown) = route();
         publish(&publisher, 1);

@@ -689,8 +689,12 @@ impl AgentStream {
                     "Hello may only be the first message",
                 )));
             }
+            // A message kind this control plane does not know (an agent newer than it; prost
+            // drops the unknown field), or none: nothing to do, as protobuf's rules for unknown
+            // fields want, so that agents can be upgraded first.
             None => {
-                return Next::End(Some(Status::invalid_argument("empty AgentMessage")));
+                ctx.fleet.seen(&self.agent_id, self.generation);
+                debug!(agent = %self.agent_id, "a message of a kind this control plane does not know; ignored");
             }
         }
         Next::Continue
