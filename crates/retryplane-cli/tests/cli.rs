@@ -682,28 +682,6 @@ fn explain_suggests_grpc_only_for_a_path_a_grpc_route_would_match() {
 }
 
 #[test]
-fn explain_looks_a_path_up_percent_encoded_as_a_request_carries_it() {
-    let src = "version: 1\nendpoints:\n  u:\n    routes:\n      - match: {path_prefix: \"/v1/%C3%BCber\"}\n        max_attempts: 1\n      - match: {path_prefix: \"/a b\"}\n        max_attempts: 2\n";
-    let dir = dir_with(&[("u.yaml", src)]);
-    let out = explained(dir.path(), "u.yaml", "u", &["--path", "/v1/über/503"]);
-    assert!(
-        out.contains("call      HTTP GET /v1/%C3%BCber/503"),
-        "{out}"
-    );
-    assert!(out.contains("route     routes[0]"), "{out}");
-    // A prefix written with a space matches no request; validate says how to write it.
-    let out = explained(dir.path(), "u.yaml", "u", &["--path", "/a b/c"]);
-    assert!(out.contains("route     none matched"), "{out}");
-    Command::cargo_bin("retryplane")
-        .unwrap()
-        .current_dir(dir.path())
-        .args(["validate", "u.yaml"])
-        .assert()
-        .code(0)
-        .stdout(predicate::str::contains("write `/a%20b`"));
-}
-
-#[test]
 fn explain_shows_a_call_never_retried_when_retry_on_lists_nothing() {
     let src = "version: 1\nendpoints:\n  n:\n    retry_on: {http_status: [], grpc_status: [], errors: []}\n";
     let dir = dir_with(&[("n.yaml", src)]);

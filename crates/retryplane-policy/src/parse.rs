@@ -1169,26 +1169,6 @@ fn beyond_an_integer(f: f64) -> Option<&'static str> {
     }
 }
 
-/// `path` as a request carries it: every byte that RFC 3986 does not allow in a path segment
-/// (`pchar`: letters, digits, `-._~!$&'()*+,;=:@`, and `/` between segments) percent-encoded,
-/// `%` left as it is (taken as already encoded). Routes match the path as sent (`/v1/%C3%BCber`,
-/// not `/v1/über`), so `validate` suggests this form and `explain --path` looks up this form.
-/// A few lines by hand: the set is this one rule, and the policy crate has no URL dependency.
-pub fn encode_path(path: &str) -> String {
-    const HEX: &[u8; 16] = b"0123456789ABCDEF";
-    let mut out = String::with_capacity(path.len());
-    for b in path.bytes() {
-        if b.is_ascii_alphanumeric() || b"-._~!$&'()*+,;=:@/%".contains(&b) {
-            out.push(char::from(b));
-        } else {
-            out.push('%');
-            out.push(char::from(HEX[usize::from(b >> 4)]));
-            out.push(char::from(HEX[usize::from(b & 0xF)]));
-        }
-    }
-    out
-}
-
 /// `/pkg.Service/Method` or `/pkg.Service/*`.
 pub fn parse_grpc_route(s: &str) -> Result<(String, Option<String>), String> {
     let bad =

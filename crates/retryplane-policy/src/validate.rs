@@ -113,19 +113,6 @@ pub(crate) fn check_parsed(
                     ),
                 ));
             }
-            if let RouteMatch::Http { path_prefix, .. } = &route.matcher.value
-                && let encoded = crate::parse::encode_path(path_prefix)
-                && encoded != *path_prefix
-            {
-                diags.push(Diagnostic::warning(
-                    route.matcher.loc,
-                    format!("{route_path}.match.path_prefix"),
-                    format!(
-                        "`{path_prefix}` holds characters a request's path only carries \
-                         percent-encoded, so it matches no request as written: write `{encoded}`"
-                    ),
-                ));
-            }
             earlier.add(&route.matcher.value, i);
             let mut route_layers = layers.clone();
             route_layers.push((Level::Route, route_path, &route.overlay));

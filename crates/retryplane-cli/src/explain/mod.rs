@@ -46,8 +46,7 @@ pub struct Args {
     /// HTTP method of the call [default: GET when only --path is given].
     #[arg(long, short = 'X', value_name = "METHOD", conflicts_with = "grpc")]
     method: Option<String>,
-    /// HTTP path of the call, without the query string, looked up percent-encoded as a request
-    /// carries it (`/v1/über` as `/v1/%C3%BCber`) [default: / when only --method is given].
+    /// HTTP path of the call, without the query string [default: / when only --method is given].
     #[arg(long, value_name = "PATH", conflicts_with = "grpc")]
     path: Option<String>,
     /// A gRPC call instead of HTTP.
@@ -123,11 +122,8 @@ impl TryFrom<Args> for Settings {
                 if !path.starts_with('/') {
                     bail!("--path must start with `/`, found `{path}`");
                 }
-                // Routes match the path only, as the agent does: drop `?query` and `#fragment`,
-                // and percent-encode it as a request carries it (`/v1/über` is `/v1/%C3%BCber`).
-                let path = retryplane_policy::parse::encode_path(
-                    path.split(['?', '#']).next().unwrap_or("/"),
-                );
+                // Routes match the path only, as the agent does: drop `?query` and `#fragment`.
+                let path = path.split(['?', '#']).next().unwrap_or("/").to_owned();
                 Call::Http { method, path }
             }
         };
