@@ -157,6 +157,19 @@ fn a_count_too_large_for_an_integer_gets_the_range_and_a_fraction_is_named() {
 }
 
 #[test]
+fn a_path_prefix_no_request_can_carry_as_written_is_warned_with_its_encoded_form() {
+    let src = "version: 1\nendpoints:\n  u:\n    routes:\n      - match: {path_prefix: \"/a b\"}\n        max_attempts: 1\n      - match: {path_prefix: \"/q?x=1\"}\n        max_attempts: 1\n      - match: {path_prefix: \"/v1/über|x[0]\"}\n        max_attempts: 1\n";
+    assert_eq!(
+        all(src),
+        [
+            "5:16: warning: endpoints.u.routes[0].match.path_prefix: `/a b` holds a character no request path carries as written (a space, `?`, `#` or a control character), so it matches no request: write `/a%20b`, as a request carries it",
+            "7:16: warning: endpoints.u.routes[1].match.path_prefix: `/q?x=1` holds a character no request path carries as written (a space, `?`, `#` or a control character), so it matches no request: write `/q%3Fx=1`, as a request carries it",
+        ]
+    );
+    assert!(load(src.as_bytes()).policies.is_some(), "warnings only");
+}
+
+#[test]
 fn yes_and_on_are_strings_a_boolean_field_refuses_them_and_an_endpoint_may_have_the_name() {
     let src = "version: 1\nendpoints:\n  a:\n    retry_after: {honor: yes}\n    budget: {enabled: off}\n    circuit_breaker: {enabled: 1}\n";
     assert_eq!(

@@ -113,6 +113,20 @@ pub(crate) fn check_parsed(
                     ),
                 ));
             }
+            if let RouteMatch::Http { path_prefix, .. } = &route.matcher.value
+                && let Some(encoded) = unsendable_in_a_path(path_prefix)
+            {
+                diags.push(Diagnostic::warning(
+                    route.matcher.loc,
+                    format!("{route_path}.match.path_prefix"),
+                    format!(
+                        "`{}` holds a character no request path carries as written (a space, \
+                         `?`, `#` or a control character), so it matches no request: write \
+                         `{encoded}`, as a request carries it",
+                        crate::diag::OneLine(path_prefix)
+                    ),
+                ));
+            }
             earlier.add(&route.matcher.value, i);
             let mut route_layers = layers.clone();
             route_layers.push((Level::Route, route_path, &route.overlay));
@@ -758,6 +772,29 @@ fn check_effective(layers: &Layers<'_>, refused: &Refused, diags: &mut Vec<Diagn
             ),
         ));
     }
+}
+
+/// `prefix` with what no request path can carry as written percent-encoded, if it holds any:
+/// a space or a control character (no request line or URI holds one raw), `?` (the query
+/// starts there, and routes match the path alone) or `#` (a fragment is never sent). Other
+/// characters are left alone: whether a client sends a non-ASCII letter, `|` or `[` raw or
+/// encoded depends on the client.
+fn unsendable_in_a_path(prefix: &str) -> Option<String> {
+    let unsendable = |b: u8| b.is_ascii_control() || b == b' ' || b == b'?' || b == b'#';
+    if !prefix.bytes().any(unsendable) {
+        return None;
+    }
+    const HEX: &[u8; 16] = b"0123456789ABCDEF";
+    let mut out = Vec::with_capacity(prefix.len() + 8);
+    for b in prefix.bytes() {
+        if unsendable(b) {
+            out.extend_from_slice(&[b'%', HEX[usize::from(b >> 4)], HEX[usize::from(b & 0xF)]]);
+        } else {
+            out.push(b);
+        }
+    }
+    // Only ASCII bytes were replaced, by ASCII: still UTF-8.
+    Some(String::from_utf8_lossy(&out).into_owned())
 }
 
 /// The first attempt that cannot start before the deadline even if every earlier attempt

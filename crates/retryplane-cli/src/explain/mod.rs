@@ -46,7 +46,10 @@ pub struct Args {
     /// HTTP method of the call [default: GET when only --path is given].
     #[arg(long, short = 'X', value_name = "METHOD", conflicts_with = "grpc")]
     method: Option<String>,
-    /// HTTP path of the call, without the query string [default: / when only --method is given].
+    /// HTTP path of the call, without the query string, matched as given: a request built
+    /// from a URL (reqwest, `retryplane request`) carries a non-ASCII letter percent-encoded
+    /// (`/v1/%C3%BCber`), so give it as such a request has it [default: / when only --method
+    /// is given].
     #[arg(long, value_name = "PATH", conflicts_with = "grpc")]
     path: Option<String>,
     /// A gRPC call instead of HTTP.
