@@ -689,9 +689,20 @@ fn explain_shows_a_call_never_retried_when_retry_on_lists_nothing() {
         .assert()
         .code(0)
         .stdout(predicate::str::contains(
-            "never: retry_on lists no status, code or error",
+            "never: retry_on lists no failure this call can have",
         ))
         .stdout(predicate::str::contains("1x: never retried"));
+    // Only gRPC codes listed: never for an HTTP call, retried for a gRPC one.
+    let src = "version: 1\nendpoints:\n  g:\n    retry_on: {http_status: [], grpc_status: [UNAVAILABLE], errors: []}\n";
+    let dir = dir_with(&[("g.yaml", src)]);
+    explain(dir.path(), "g.yaml", "g", &["--method", "GET"])
+        .assert()
+        .code(0)
+        .stdout(predicate::str::contains("1x: never retried"));
+    explain(dir.path(), "g.yaml", "g", &["--grpc", "/a.B/C"])
+        .assert()
+        .code(0)
+        .stdout(predicate::str::contains("3x: each call"));
 }
 
 #[test]

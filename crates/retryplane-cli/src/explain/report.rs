@@ -197,21 +197,34 @@ pub fn explain(
             .collect(),
         schedule: schedule(&policy),
         load: Load {
-            multiplier: sends(&policy),
+            multiplier: sends(&policy, call),
             budget: policy
                 .budget
                 .as_ref()
-                .map(|b| budget_load(b, sends(&policy))),
+                .map(|b| budget_load(b, sends(&policy, call))),
         },
     }
 }
 
-/// The most times one call is sent: `max_attempts`, or 1 when `retry_on` lists nothing.
-fn sends(p: &RetryPolicy) -> u32 {
-    if p.retry_on.lists_nothing() {
+/// The most times one call is sent: `max_attempts`, or 1 when `retry_on` lists nothing the
+/// call can fail with.
+fn sends(p: &RetryPolicy, call: &Call) -> u32 {
+    if lists_nothing_for(p, call) {
         1
     } else {
         p.max_attempts
+    }
+}
+
+/// Whether `retry_on` lists no failure `call` can have: an HTTP call is judged on its status
+/// and transport errors, a gRPC call on its code and transport errors, and an endpoint (no
+/// call given) on any of them.
+fn lists_nothing_for(p: &RetryPolicy, call: &Call) -> bool {
+    let on = &p.retry_on;
+    match call {
+        Call::Http { .. } => on.http_status.is_empty() && on.errors.is_empty(),
+        Call::Grpc { .. } => on.grpc_status.is_empty() && on.errors.is_empty(),
+        Call::Endpoint => on.lists_nothing(),
     }
 }
 
@@ -234,8 +247,8 @@ fn retried(p: &RetryPolicy, call: &Call) -> Retried {
     };
     let summary = match call {
         _ if p.max_attempts <= 1 => "never: max_attempts is 1".to_owned(),
-        _ if p.retry_on.lists_nothing() => {
-            "never: retry_on lists no status, code or error".to_owned()
+        _ if lists_nothing_for(p, call) => {
+            "never: retry_on lists no failure this call can have".to_owned()
         }
         Call::Http { method, .. } if p.is_idempotent(method) => {
             format!("yes, on the failures in retry_on: {method} is in idempotent_methods")
