@@ -246,9 +246,10 @@ impl Default for Config {
 }
 
 impl Config {
-    /// The default capacity: 1.5 × the offered load (`clients × rate`), 50% headroom.
+    /// The default capacity: 1.5 × the offered load (`clients × rate`), 50% headroom, at most
+    /// [`MAX_CAPACITY`].
     pub fn default_capacity(clients: u32, rate: f64) -> f64 {
-        1.5 * f64::from(clients) * rate
+        (1.5 * f64::from(clients) * rate).min(MAX_CAPACITY)
     }
 
     /// Checks every field and how they fit together.
@@ -406,6 +407,9 @@ mod tests {
             ..with(1, 1e6, 1.0, 10)
         };
         assert_eq!(busiest.validate(), Ok(()));
+        // A default capacity (1.5 × clients × rate) stays within the bound it is checked by.
+        let default = Config::default_capacity(1_000, 1e6);
+        assert_eq!(default, MAX_CAPACITY);
     }
 
     #[test]

@@ -43,7 +43,9 @@ pub(crate) fn significant(x: f64, digits: i32) -> f64 {
     if x == 0.0 || !x.is_finite() {
         return x;
     }
-    round(x, digits - 1 - x.abs().log10().floor() as i32)
+    let rounded = round(x, digits - 1 - x.abs().log10().floor() as i32);
+    // Past about 1e-300 the scale itself overflows: such a number is shown as it is.
+    if rounded.is_finite() { rounded } else { x }
 }
 
 fn ratio(a: u64, b: u64) -> f64 {
@@ -225,6 +227,7 @@ mod tests {
         assert_eq!(significant(450.000_000_000_000_06, 6), 450.0);
         assert_eq!(significant(1_234_567_891.0, 6), 1_234_570_000.0);
         assert_eq!(significant(0.0, 6), 0.0);
+        assert_eq!(significant(1e-305, 6), 1e-305);
     }
 
     #[test]
