@@ -25,8 +25,9 @@
 //!   `… and K more problems; Validate (retryplane validate) lists them all`: `Validate`
 //!   answers every diagnostic in its response body, which has no such limit;
 //! - `FAILED_PRECONDITION`: a write in file mode (the message names the file), or a change that
-//!   removes every endpoint without `force` (the message names `--force`, and as many of the
-//!   removed endpoints as fit, then `… and K more endpoints`);
+//!   removes every endpoint without `force` (the message names as many of the removed
+//!   endpoints as fit, then `… and K more endpoints`, and `--force`; in file mode, where only a
+//!   dry run gets this far, it says instead that nothing can force such a save);
 //! - `ABORTED`: `expected_version` is not the current version — another change came first; read
 //!   the current version and retry (the gRPC code for a failed read-modify-write). Checked
 //!   before the removal check, so a stale version never asks for `--force`;
@@ -193,24 +194,22 @@ fn diagnostic_lines(diagnostics: &[Diagnostic]) -> String {
     )
 }
 
-/// The refusal of a change that removes every endpoint, naming as many of them as fit a status
-/// message ([`MAX_MESSAGE_WIRE_BYTES`]).
-fn removes_everything_message(names: &[String]) -> String {
-    format!(
-        "{}, which takes every policy away from the fleet; pass --force to do it anyway",
-        removes_everything(names)
-    )
-}
+/// What follows the list of removed endpoints when the change could be forced.
+const FORCE_IT: &str =
+    ", which takes every policy away from the fleet; pass --force to do it anyway";
+/// What follows it in file mode, where nothing can force a save.
+const NO_FORCE_IN_FILE_MODE: &str = ": a saved file that does this is refused in file mode, and \
+     nothing can force it; to replace every endpoint, add the new ones first, save, then \
+     remove the old ones";
 
-/// "the change removes every endpoint (a, b, …)", the list cut to leave room in a gRPC
-/// message for what either caller adds after it.
-fn removes_everything(names: &[String]) -> String {
+/// The refusal of a change that removes every endpoint, naming as many of them as fit a status
+/// message ([`MAX_MESSAGE_WIRE_BYTES`]), then `after`.
+fn removes_everything_message(names: &[String], after: &str) -> String {
     const BEFORE: &str = "the change removes every endpoint (";
-    /// Room for the longest text added after the list.
-    const AFTER: usize = 200;
-    let budget = MAX_MESSAGE_WIRE_BYTES.saturating_sub(wire_len(BEFORE) + AFTER);
+    let budget =
+        MAX_MESSAGE_WIRE_BYTES.saturating_sub(wire_len(BEFORE) + wire_len(")") + wire_len(after));
     format!(
-        "{BEFORE}{})",
+        "{BEFORE}{}){after}",
         capped_list(names, ", ", budget, "endpoint", "")
     )
 }
@@ -233,7 +232,7 @@ fn change_status(e: ChangeError) -> Status {
         }
         e @ ChangeError::TooLarge { .. } => Status::invalid_argument(e.to_string()),
         ChangeError::RemovesEverything(names) => {
-            Status::failed_precondition(removes_everything_message(&names))
+            Status::failed_precondition(removes_everything_message(&names, FORCE_IT))
         }
         ChangeError::Conflict { expected, current } => Status::aborted(format!(
             "version conflict: expected {}, but the current version is {current}; \
@@ -440,11 +439,9 @@ impl AdminService for AdminApi {
         match self.control.apply(change).await {
             Ok(outcome) => Ok(Response::new(apply_response(outcome))),
             Err(ChangeError::RemovesEverything(names)) if file_mode => {
-                Err(Status::failed_precondition(format!(
-                    "{}: a saved file that does this is refused in file mode, and nothing can \
-                     force it; to replace every endpoint, add the new ones first, save, then \
-                     remove the old ones",
-                    removes_everything(&names)
+                Err(Status::failed_precondition(removes_everything_message(
+                    &names,
+                    NO_FORCE_IN_FILE_MODE,
                 )))
             }
             Err(e) => Err(change_status(e)),

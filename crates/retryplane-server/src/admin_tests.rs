@@ -982,6 +982,22 @@ async fn removing_a_thousand_long_named_endpoints_is_refused_with_a_capped_list(
     );
 }
 
+#[test]
+fn either_refusal_of_removing_every_endpoint_fits_a_status_message() {
+    let names: Vec<String> = (0..1_000)
+        .map(|i| format!("{}-{i:04}", "a rather long endpoint name".repeat(4)))
+        .collect();
+    for after in [FORCE_IT, NO_FORCE_IN_FILE_MODE] {
+        let message = removes_everything_message(&names, after);
+        assert!(
+            wire_len(&message) <= MAX_MESSAGE_WIRE_BYTES,
+            "{} > {MAX_MESSAGE_WIRE_BYTES}",
+            wire_len(&message)
+        );
+        assert!(message.ends_with(&format!(" more endpoints){after}")), "{message}");
+    }
+}
+
 /// A document from a wire client that writes a zero as `-0.0` is the content of one that
 /// writes `0.0` (as a file's would be): not a new version, and stored without the sign.
 #[tokio::test]
