@@ -994,7 +994,10 @@ fn either_refusal_of_removing_every_endpoint_fits_a_status_message() {
             "{} > {MAX_MESSAGE_WIRE_BYTES}",
             wire_len(&message)
         );
-        assert!(message.ends_with(&format!(" more endpoints){after}")), "{message}");
+        assert!(
+            message.ends_with(&format!(" more endpoints){after}")),
+            "{message}"
+        );
     }
 }
 

@@ -239,6 +239,12 @@ mod tests {
         frame.into_data().unwrap()
     }
 
+    /// The status the stream ends with: its next frame, trailers.
+    async fn final_status(body: &mut Body) -> Status {
+        let frame = body.frame().await.unwrap().unwrap();
+        Status::from_header_map(&frame.into_trailers().unwrap()).unwrap()
+    }
+
     #[tokio::test]
     async fn every_stream_sends_the_one_frame_the_publisher_built() {
         let (mut route, publisher, _shutdown) = route();
@@ -283,14 +289,7 @@ mod tests {
         };
         let hello = encode_frame(&hello).unwrap();
         inbound.send(Ok(Frame::data(hello))).await.unwrap();
-        let trailers = body
-            .frame()
-            .await
-            .unwrap()
-            .unwrap()
-            .into_trailers()
-            .unwrap();
-        let status = Status::from_header_map(&trailers).unwrap();
+        let status = final_status(&mut body).await;
         assert_eq!(
             (status.code(), status.message()),
             (Code::InvalidArgument, "Hello may only be the first message")
@@ -305,14 +304,7 @@ mod tests {
         let mut body = route.call(request).await.unwrap().into_body();
         next_data(&mut body).await;
         shutdown.send_replace(true);
-        let trailers = body
-            .frame()
-            .await
-            .unwrap()
-            .unwrap()
-            .into_trailers()
-            .unwrap();
-        let status = Status::from_header_map(&trailers).unwrap();
+        let status = final_status(&mut body).await;
         assert_eq!(status.code(), Code::Unavailable, "{status:?}");
         assert_eq!(status.message(), "control plane shutting down; reconnect");
         assert!(body.frame().await.is_none());

@@ -729,24 +729,16 @@ async fn reports_over_a_stream_show_in_metrics_stats_and_fleet_status() {
     })
     .await
     .unwrap();
-    let report = pb::MetricsReport {
-        policy_version: snapshot.version,
-        endpoints: vec![pb::EndpointCounters {
-            endpoint: "payments".to_owned(),
-            calls: 40,
-            attempts: 50,
-            retries: 10,
-            gave_up_budget: 2,
-            backoff_ms: 250,
-            ..Default::default()
-        }],
+    let counters = pb::EndpointCounters {
+        endpoint: "payments".to_owned(),
+        calls: 40,
+        attempts: 50,
+        retries: 10,
+        gave_up_budget: 2,
+        backoff_ms: 250,
         ..Default::default()
     };
-    tx.send(pb::AgentMessage {
-        kind: Some(Kind::Metrics(report)),
-    })
-    .await
-    .unwrap();
+    send_report(&tx, snapshot.version, counters).await;
     let calls = r#"retryplane_calls_total{service="checkout",endpoint="payments"} 40"#;
     eventually("the report shows in /metrics", || async {
         http_get(running.http_addr, "/metrics")
@@ -823,21 +815,13 @@ async fn agents_that_never_report_take_no_place_among_the_series() {
         .await
         .unwrap();
     assert_eq!(next_version(&mut inbound).await, 1);
-    let report = pb::MetricsReport {
-        policy_version: 1,
-        endpoints: vec![pb::EndpointCounters {
-            endpoint: "payments".to_owned(),
-            calls: 7,
-            attempts: 7,
-            ..Default::default()
-        }],
+    let counters = pb::EndpointCounters {
+        endpoint: "payments".to_owned(),
+        calls: 7,
+        attempts: 7,
         ..Default::default()
     };
-    tx.send(pb::AgentMessage {
-        kind: Some(Kind::Metrics(report)),
-    })
-    .await
-    .unwrap();
+    send_report(&tx, 1, counters).await;
     let mut admin = admin(&running).await;
     let mut series = Vec::new();
     for _ in 0..200 {
@@ -859,6 +843,24 @@ async fn agents_that_never_report_take_no_place_among_the_series() {
     assert_eq!(series, [("checkout".to_owned(), "payments".to_owned())]);
     drop((tx, idle));
     running.shutdown().await.unwrap();
+}
+
+/// Sends one unnumbered report of `counters`, made under `version`.
+async fn send_report(
+    tx: &mpsc::Sender<pb::AgentMessage>,
+    version: u64,
+    counters: pb::EndpointCounters,
+) {
+    let report = pb::MetricsReport {
+        policy_version: version,
+        endpoints: vec![counters],
+        ..Default::default()
+    };
+    tx.send(pb::AgentMessage {
+        kind: Some(Kind::Metrics(report)),
+    })
+    .await
+    .unwrap();
 }
 
 fn hello(agent_id: &str) -> pb::AgentMessage {
