@@ -47,7 +47,7 @@ pub struct Args {
     #[arg(long, value_name = "SCENARIO", default_value = "outage:30s+20s")]
     scenario: Scenario,
     /// Requests per second the upstream serves (at most 10⁹); above it, requests fail with
-    /// 503 [default: 1.5 × clients × rate].
+    /// 503 [default: 1.5 × clients × rate, at most 10⁹].
     #[arg(long, value_name = "C")]
     capacity: Option<f64>,
     /// The upstream's base latency when not loaded.

@@ -703,6 +703,13 @@ fn explain_shows_a_call_never_retried_when_retry_on_lists_nothing() {
         .assert()
         .code(0)
         .stdout(predicate::str::contains("3x: each call"));
+    // Only HTTP statuses listed: a gRPC call answered by a proxy's plain 503 is judged by it.
+    let src = "version: 1\nendpoints:\n  h:\n    retry_on: {http_status: [503], grpc_status: [], errors: []}\n";
+    let dir = dir_with(&[("h.yaml", src)]);
+    explain(dir.path(), "h.yaml", "h", &["--grpc", "/a.B/C"])
+        .assert()
+        .code(0)
+        .stdout(predicate::str::contains("3x: each call"));
 }
 
 #[test]

@@ -162,8 +162,8 @@ fn a_path_prefix_no_request_can_carry_as_written_is_warned_with_its_encoded_form
     assert_eq!(
         all(src),
         [
-            "5:16: warning: endpoints.u.routes[0].match.path_prefix: `/a b` holds a character no request path carries as written (a space, `?`, `#` or a control character), so it matches no request: write `/a%20b`, as a request carries it",
-            "7:16: warning: endpoints.u.routes[1].match.path_prefix: `/q?x=1` holds a character no request path carries as written (a space, `?`, `#` or a control character), so it matches no request: write `/q%3Fx=1`, as a request carries it",
+            "5:16: warning: endpoints.u.routes[0].match.path_prefix: `/a b` matches no request: a request carries a space or a control character in its path percent-encoded: write `/a%20b`",
+            "7:16: warning: endpoints.u.routes[1].match.path_prefix: `/q?x=1` matches no request: routes match a request's path alone, without its query or fragment: write `/q`",
         ]
     );
     assert!(load(src.as_bytes()).policies.is_some(), "warnings only");

@@ -114,15 +114,13 @@ pub(crate) fn check_parsed(
                 ));
             }
             if let RouteMatch::Http { path_prefix, .. } = &route.matcher.value
-                && let Some(encoded) = unsendable_in_a_path(path_prefix)
+                && let Some(advice) = unsendable_in_a_path(path_prefix)
             {
                 diags.push(Diagnostic::warning(
                     route.matcher.loc,
                     format!("{route_path}.match.path_prefix"),
                     format!(
-                        "`{}` holds a character no request path carries as written (a space, \
-                         `?`, `#` or a control character), so it matches no request: write \
-                         `{encoded}`, as a request carries it",
+                        "`{}` matches no request: {advice}",
                         crate::diag::OneLine(path_prefix)
                     ),
                 ));
@@ -774,13 +772,19 @@ fn check_effective(layers: &Layers<'_>, refused: &Refused, diags: &mut Vec<Diagn
     }
 }
 
-/// `prefix` with what no request path can carry as written percent-encoded, if it holds any:
-/// a space or a control character (no request line or URI holds one raw), `?` (the query
-/// starts there, and routes match the path alone) or `#` (a fragment is never sent). Other
-/// characters are left alone: whether a client sends a non-ASCII letter, `|` or `[` raw or
-/// encoded depends on the client.
+/// What to write instead of `prefix`, if it holds what no request path carries as written:
+/// `?` or `#` (routes match the path alone: a query or a fragment is never part of it), or a
+/// space or a control character (a request line or URI holds none raw; a request carries it
+/// percent-encoded). Other characters are left alone: whether a client sends a non-ASCII
+/// letter, `|` or `[` raw or encoded depends on the client.
 fn unsendable_in_a_path(prefix: &str) -> Option<String> {
-    let unsendable = |b: u8| b.is_ascii_control() || b == b' ' || b == b'?' || b == b'#';
+    if let Some(at) = prefix.find(['?', '#']) {
+        return Some(format!(
+            "routes match a request's path alone, without its query or fragment: write `{}`",
+            crate::diag::OneLine(&prefix[..at])
+        ));
+    }
+    let unsendable = |b: u8| b.is_ascii_control() || b == b' ';
     if !prefix.bytes().any(unsendable) {
         return None;
     }
@@ -794,7 +798,10 @@ fn unsendable_in_a_path(prefix: &str) -> Option<String> {
         }
     }
     // Only ASCII bytes were replaced, by ASCII: still UTF-8.
-    Some(String::from_utf8_lossy(&out).into_owned())
+    Some(format!(
+        "a request carries a space or a control character in its path percent-encoded: write `{}`",
+        String::from_utf8_lossy(&out)
+    ))
 }
 
 /// The first attempt that cannot start before the deadline even if every earlier attempt

@@ -219,8 +219,8 @@ pub(crate) fn has_control(s: &str) -> bool {
 }
 
 /// Refuses (`INVALID_ARGUMENT`, naming the field) a Hello without an agent id, with a field or
-/// label past the limits, or with a control character in its agent id, service, agent version
-/// or a label key or value.
+/// label past the limits, or with a control character in its agent id, service, agent version,
+/// last applied hash or a label key or value.
 fn check_hello(hello: &pb::Hello, limits: &StreamLimits) -> Result<(), Status> {
     let too_long = |s: &str| s.len() > limits.max_field_len;
     if hello.agent_id.is_empty() {

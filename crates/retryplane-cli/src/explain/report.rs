@@ -217,14 +217,14 @@ fn sends(p: &RetryPolicy, call: &Call) -> u32 {
 }
 
 /// Whether `retry_on` lists no failure `call` can have: an HTTP call is judged on its status
-/// and transport errors, a gRPC call on its code and transport errors, and an endpoint (no
-/// call given) on any of them.
+/// and transport errors; a gRPC call on its code and transport errors, and on its HTTP status
+/// when the answer has no gRPC status (a proxy's plain `503`); an endpoint (no call given) on
+/// any of them.
 fn lists_nothing_for(p: &RetryPolicy, call: &Call) -> bool {
     let on = &p.retry_on;
     match call {
         Call::Http { .. } => on.http_status.is_empty() && on.errors.is_empty(),
-        Call::Grpc { .. } => on.grpc_status.is_empty() && on.errors.is_empty(),
-        Call::Endpoint => on.lists_nothing(),
+        Call::Grpc { .. } | Call::Endpoint => on.lists_nothing(),
     }
 }
 
