@@ -158,12 +158,12 @@ fn a_count_too_large_for_an_integer_gets_the_range_and_a_fraction_is_named() {
 
 #[test]
 fn a_path_prefix_no_request_can_carry_as_written_is_warned_with_its_encoded_form() {
-    let src = "version: 1\nendpoints:\n  u:\n    routes:\n      - match: {path_prefix: \"/a b\"}\n        max_attempts: 1\n      - match: {path_prefix: \"/q?x=1\"}\n        max_attempts: 1\n      - match: {path_prefix: \"/v1/über|x[0]\"}\n        max_attempts: 1\n";
+    let src = "version: 1\nendpoints:\n  u:\n    routes:\n      - match: {path_prefix: \"/a b\"}\n        max_attempts: 1\n      - match: {path_prefix: \"/q r?x=1\"}\n        max_attempts: 1\n      - match: {path_prefix: \"/v1/über|x[0]\"}\n        max_attempts: 1\n";
     assert_eq!(
         all(src),
         [
             "5:16: warning: endpoints.u.routes[0].match.path_prefix: `/a b` matches no request: a request carries a space or a control character in its path percent-encoded: write `/a%20b`",
-            "7:16: warning: endpoints.u.routes[1].match.path_prefix: `/q?x=1` matches no request: routes match a request's path alone, without its query or fragment: write `/q`",
+            "7:16: warning: endpoints.u.routes[1].match.path_prefix: `/q r?x=1` matches no request: routes match a request's path alone, without its query or fragment: write `/q%20r`",
         ]
     );
     assert!(load(src.as_bytes()).policies.is_some(), "warnings only");

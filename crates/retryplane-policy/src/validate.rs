@@ -778,30 +778,33 @@ fn check_effective(layers: &Layers<'_>, refused: &Refused, diags: &mut Vec<Diagn
 /// percent-encoded). Other characters are left alone: whether a client sends a non-ASCII
 /// letter, `|` or `[` raw or encoded depends on the client.
 fn unsendable_in_a_path(prefix: &str) -> Option<String> {
+    let unsendable = |b: u8| b.is_ascii_control() || b == b' ';
+    // A space or a control character, percent-encoded as a request carries it.
+    let encoded = |path: &str| {
+        const HEX: &[u8; 16] = b"0123456789ABCDEF";
+        let mut out = Vec::with_capacity(path.len() + 8);
+        for b in path.bytes() {
+            if unsendable(b) {
+                out.extend_from_slice(&[b'%', HEX[usize::from(b >> 4)], HEX[usize::from(b & 0xF)]]);
+            } else {
+                out.push(b);
+            }
+        }
+        // Only ASCII bytes were replaced, by ASCII: still UTF-8.
+        String::from_utf8_lossy(&out).into_owned()
+    };
     if let Some(at) = prefix.find(['?', '#']) {
         return Some(format!(
             "routes match a request's path alone, without its query or fragment: write `{}`",
-            crate::diag::OneLine(&prefix[..at])
+            encoded(&prefix[..at])
         ));
     }
-    let unsendable = |b: u8| b.is_ascii_control() || b == b' ';
-    if !prefix.bytes().any(unsendable) {
-        return None;
-    }
-    const HEX: &[u8; 16] = b"0123456789ABCDEF";
-    let mut out = Vec::with_capacity(prefix.len() + 8);
-    for b in prefix.bytes() {
-        if unsendable(b) {
-            out.extend_from_slice(&[b'%', HEX[usize::from(b >> 4)], HEX[usize::from(b & 0xF)]]);
-        } else {
-            out.push(b);
-        }
-    }
-    // Only ASCII bytes were replaced, by ASCII: still UTF-8.
-    Some(format!(
-        "a request carries a space or a control character in its path percent-encoded: write `{}`",
-        String::from_utf8_lossy(&out)
-    ))
+    prefix.bytes().any(unsendable).then(|| {
+        format!(
+            "a request carries a space or a control character in its path percent-encoded: write `{}`",
+            encoded(prefix)
+        )
+    })
 }
 
 /// The first attempt that cannot start before the deadline even if every earlier attempt
