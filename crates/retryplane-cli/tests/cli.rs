@@ -691,6 +691,9 @@ fn explain_shows_a_call_never_retried_when_retry_on_lists_nothing() {
         .stdout(predicate::str::contains(
             "never: retry_on lists no failure this call can have",
         ))
+        .stdout(predicate::str::contains(
+            "  no retries: retry_on lists no failure this call can have\n",
+        ))
         .stdout(predicate::str::contains("1x: never retried"));
     // Only gRPC codes listed: never for an HTTP call, retried for a gRPC one.
     let src = "version: 1\nendpoints:\n  g:\n    retry_on: {http_status: [], grpc_status: [UNAVAILABLE], errors: []}\n";

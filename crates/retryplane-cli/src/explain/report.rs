@@ -112,7 +112,7 @@ pub struct Schedule {
     pub per_try_timeout_ms: Millis,
     /// The jitter kind (`none`, `full`, `equal`, `decorrelated`).
     pub jitter: &'static str,
-    /// Retries 1 to `max_attempts - 1`.
+    /// Retries 1 to `max_attempts - 1`; none when the call is never retried.
     pub retries: Vec<ScheduleRow>,
 }
 
@@ -195,7 +195,7 @@ pub fn explain(
             .iter()
             .map(|&field| field_row(&policy, &alert, &layers, field))
             .collect(),
-        schedule: schedule(&policy),
+        schedule: schedule(&policy, call),
         load: Load {
             multiplier: sends(&policy, call),
             budget: policy
@@ -295,9 +295,10 @@ fn field_row(
 }
 
 /// See [`Schedule`] for the definitions.
-fn schedule(p: &RetryPolicy) -> Schedule {
+fn schedule(p: &RetryPolicy, call: &Call) -> Schedule {
     let mut worst = Duration::ZERO;
-    let retries = (1..p.max_attempts)
+    // No rows for a call that is never retried (see `sends`).
+    let retries = (1..sends(p, call))
         .map(|n| {
             let (low, high) = backoff::jitter_range(&p.backoff, n);
             worst = worst.saturating_add(p.per_try_timeout).saturating_add(high);
@@ -354,7 +355,7 @@ mod tests {
 
     #[test]
     fn worst_case_start_adds_timeouts_and_longest_pauses() {
-        let s = schedule(&policy(7, Jitter::None));
+        let s = schedule(&policy(7, Jitter::None), &Call::Endpoint);
         let ceilings: Vec<_> = s.retries.iter().map(|r| r.ceiling_ms.to_string()).collect();
         assert_eq!(
             ceilings,
@@ -372,7 +373,11 @@ mod tests {
 
     #[test]
     fn one_attempt_has_no_retries() {
-        assert!(schedule(&policy(1, Jitter::Full)).retries.is_empty());
+        assert!(
+            schedule(&policy(1, Jitter::Full), &Call::Endpoint)
+                .retries
+                .is_empty()
+        );
     }
 
     #[test]
