@@ -776,7 +776,8 @@ fn check_effective(layers: &Layers<'_>, refused: &Refused, diags: &mut Vec<Diagn
 /// `?` or `#` (routes match the path alone: a query or a fragment is never part of it), or a
 /// space or a control character (a request line or URI holds none raw; a request carries it
 /// percent-encoded). Other characters are left alone: whether a client sends a non-ASCII
-/// letter, `|` or `[` raw or encoded depends on the client.
+/// letter, `|` or `[` raw or encoded depends on the client. The encoding is written here: it
+/// covers a space and the control characters only, and the policy crate has no URL dependency.
 fn unsendable_in_a_path(prefix: &str) -> Option<String> {
     let unsendable = |b: u8| b.is_ascii_control() || b == b' ';
     // A space or a control character, percent-encoded as a request carries it.
