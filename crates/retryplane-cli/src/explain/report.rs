@@ -114,6 +114,9 @@ pub struct Schedule {
     pub jitter: &'static str,
     /// Retries 1 to `max_attempts - 1`; none when the call is never retried.
     pub retries: Vec<ScheduleRow>,
+    /// Why the call is never retried, when it is not (text output only).
+    #[serde(skip)]
+    pub never: Option<&'static str>,
 }
 
 /// One retry of the [`Schedule`].
@@ -206,25 +209,31 @@ pub fn explain(
     }
 }
 
-/// The most times one call is sent: `max_attempts`, or 1 when `retry_on` lists nothing the
-/// call can fail with.
+/// The most times one call is sent: `max_attempts`, or 1 when it is never retried.
 fn sends(p: &RetryPolicy, call: &Call) -> u32 {
-    if lists_nothing_for(p, call) {
+    if never_retried(p, call).is_some() {
         1
     } else {
         p.max_attempts
     }
 }
 
-/// Whether `retry_on` lists no failure `call` can have: an HTTP call is judged on its status
-/// and transport errors; a gRPC call on its code and transport errors, and on its HTTP status
-/// when the answer has no gRPC status (a proxy's plain `503`); an endpoint (no call given) on
-/// any of them.
-fn lists_nothing_for(p: &RetryPolicy, call: &Call) -> bool {
+/// Why `call` is never retried, if it is not: `max_attempts` is 1, or `retry_on` lists no
+/// failure it can have. An HTTP call is judged on its status and transport errors; a gRPC call
+/// on its code and transport errors, and on its HTTP status when the answer has no gRPC status
+/// (a proxy's plain `503`); an endpoint (no call given) on any of them.
+fn never_retried(p: &RetryPolicy, call: &Call) -> Option<&'static str> {
     let on = &p.retry_on;
-    match call {
+    let lists_nothing = match call {
         Call::Http { .. } => on.http_status.is_empty() && on.errors.is_empty(),
         Call::Grpc { .. } | Call::Endpoint => on.lists_nothing(),
+    };
+    if p.max_attempts <= 1 {
+        Some("max_attempts is 1")
+    } else if lists_nothing {
+        Some("retry_on lists no failure this call can have")
+    } else {
+        None
     }
 }
 
@@ -246,10 +255,7 @@ fn retried(p: &RetryPolicy, call: &Call) -> Retried {
         _ => None,
     };
     let summary = match call {
-        _ if p.max_attempts <= 1 => "never: max_attempts is 1".to_owned(),
-        _ if lists_nothing_for(p, call) => {
-            "never: retry_on lists no failure this call can have".to_owned()
-        }
+        _ if let Some(why) = never_retried(p, call) => format!("never: {why}"),
         Call::Http { method, .. } if p.is_idempotent(method) => {
             format!("yes, on the failures in retry_on: {method} is in idempotent_methods")
         }
@@ -298,6 +304,7 @@ fn field_row(
 fn schedule(p: &RetryPolicy, call: &Call) -> Schedule {
     let mut worst = Duration::ZERO;
     // No rows for a call that is never retried (see `sends`).
+    let never = never_retried(p, call);
     let retries = (1..sends(p, call))
         .map(|n| {
             let (low, high) = backoff::jitter_range(&p.backoff, n);
@@ -318,6 +325,7 @@ fn schedule(p: &RetryPolicy, call: &Call) -> Schedule {
         per_try_timeout_ms: Millis(p.per_try_timeout),
         jitter: p.backoff.jitter.as_str(),
         retries,
+        never,
     }
 }
 

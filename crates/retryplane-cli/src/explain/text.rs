@@ -114,13 +114,8 @@ fn schedule(out: &mut String, e: &Explanation) {
         s.deadline_ms, s.per_try_timeout_ms, s.jitter
     );
     if s.retries.is_empty() {
-        // The reason `retried` gives: `max_attempts` is 1, or retry_on lists nothing.
-        let reason = e.retried.summary.strip_prefix("never: ");
-        let _ = writeln!(
-            out,
-            "  no retries: {}",
-            reason.unwrap_or("max_attempts is 1")
-        );
+        let why = s.never.unwrap_or("max_attempts is 1");
+        let _ = writeln!(out, "  no retries: {why}");
         return;
     }
     let _ = writeln!(
