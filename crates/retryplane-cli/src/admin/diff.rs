@@ -67,27 +67,14 @@ impl TryFrom<Args> for Settings {
 
 /// Asks for a dry-run `Apply` of the file and prints its diff.
 pub fn run(settings: &Settings) -> anyhow::Result<Report> {
-    let Compared { report, differs } = compare(settings)?;
-    // Exit 1 means "differs" with `--exit-code`: not comparing at all is trouble, exit 2.
-    if settings.exit_code && !differs && matches!(report.outcome, Outcome::Failure) {
-        return Ok(Report {
+    // A run that could not compare (an invalid file, a refusal): with `--exit-code`, where 1
+    // means "differs", that is trouble, exit 2.
+    let not_compared = |report: Report| match report.outcome {
+        Outcome::Failure if settings.exit_code => Report {
             outcome: Outcome::Error,
             ..report
-        });
-    }
-    Ok(report)
-}
-
-/// A finished run, and whether it found a difference (exit 1 with `--exit-code`).
-struct Compared {
-    report: Report,
-    differs: bool,
-}
-
-fn compare(settings: &Settings) -> anyhow::Result<Compared> {
-    let not_compared = |report| Compared {
-        report,
-        differs: false,
+        },
+        _ => report,
     };
     let file = match change::read_policy(&settings.source, settings.format)? {
         Ok(file) => file,
@@ -119,16 +106,13 @@ fn compare(settings: &Settings) -> anyhow::Result<Compared> {
             }
         };
         let differs = !response.diff.is_empty();
-        Ok(Compared {
-            report: Report {
-                stdout,
-                outcome: if settings.exit_code && differs {
-                    Outcome::Failure
-                } else {
-                    Outcome::Success
-                },
+        Ok(Report {
+            stdout,
+            outcome: if settings.exit_code && differs {
+                Outcome::Failure
+            } else {
+                Outcome::Success
             },
-            differs,
         })
     })
 }
