@@ -80,7 +80,12 @@ impl AdminApi {
     /// Applies `request`, answering with the outcome (whose warnings, for a YAML source, are
     /// the file's, with line and column).
     async fn change(&self, request: ChangeRequest) -> Result<Response<pb::ApplyResponse>, Status> {
-        let outcome = self.control.apply(request).await.map_err(change_status)?;
+        let file_mode = matches!(self.control.mode, Mode::File(_));
+        let outcome = self
+            .control
+            .apply(request)
+            .await
+            .map_err(|e| change_status(e, file_mode))?;
         Ok(Response::new(apply_response(outcome)))
     }
 }
@@ -224,15 +229,22 @@ fn internal(e: &StoreError) -> Status {
     Status::internal("the version store failed; see the control plane's log")
 }
 
-/// The status for a refused change (see the module docs).
-fn change_status(e: ChangeError) -> Status {
+/// The status for a refused change (see the module docs). In file mode only a save changes the
+/// policies (a write here is refused before it gets this far, a dry run is not), and nothing
+/// forces a save that removes every endpoint: that refusal says so, rather than "--force".
+fn change_status(e: ChangeError, file_mode: bool) -> Status {
     match e {
         ChangeError::Invalid(diagnostics) => {
             Status::invalid_argument(diagnostic_lines(&diagnostics))
         }
         e @ ChangeError::TooLarge { .. } => Status::invalid_argument(e.to_string()),
         ChangeError::RemovesEverything(names) => {
-            Status::failed_precondition(removes_everything_message(&names, FORCE_IT))
+            let after = if file_mode {
+                NO_FORCE_IN_FILE_MODE
+            } else {
+                FORCE_IT
+            };
+            Status::failed_precondition(removes_everything_message(&names, after))
         }
         ChangeError::Conflict { expected, current } => Status::aborted(format!(
             "version conflict: expected {}, but the current version is {current}; \
@@ -424,10 +436,7 @@ impl AdminService for AdminApi {
                 return Err(invalid);
             }
         };
-        // In file mode only a save changes the policies, and nothing forces a save that
-        // removes every endpoint: the refusal of a dry run says so, rather than "--force".
-        // (A forced dry run still answers with the diff: `retryplane diff` asks for one.)
-        let file_mode = matches!(self.control.mode, Mode::File(_));
+        // A forced dry run answers with the diff in file mode too: `retryplane diff` asks for one.
         let change = ChangeRequest {
             content,
             source: Source::Admin,
@@ -436,16 +445,7 @@ impl AdminService for AdminApi {
             dry_run: req.dry_run,
             force: req.force,
         };
-        match self.control.apply(change).await {
-            Ok(outcome) => Ok(Response::new(apply_response(outcome))),
-            Err(ChangeError::RemovesEverything(names)) if file_mode => {
-                Err(Status::failed_precondition(removes_everything_message(
-                    &names,
-                    NO_FORCE_IN_FILE_MODE,
-                )))
-            }
-            Err(e) => Err(change_status(e)),
-        }
+        self.change(change).await
     }
 
     async fn get(
