@@ -7,29 +7,29 @@
 //! crash leaves either the old file or the new one, never a torn one. The temporary file's name
 //! is unique per write (process id and a counter), so two agents of one process never share it.
 //!
-//! Read at start; a missing (its directory too), empty or invalid file is logged and ignored.
-//! One that cannot be read (permission denied, a loop of links, an I/O error) was not found to
-//! be ours: it is logged and left as it is, and no cache is kept for the run. The read runs on a thread of its own and a start waits at most 1 s for it. A
-//! read that takes longer (a cold network volume) is not given up on: the agent starts on the
-//! fallback policy, and the read is handed to the cache writer, which settles it as a start
-//! would before it writes anything. If the file is our valid cache and the agent still runs on
-//! the fallback policy (no snapshot came from the control plane meanwhile), the stream task puts
-//! its policies and metrics interval in force then, as they would have been at start. With a
-//! stream open, the counts made on the fallback are reported first and the stream is reopened so
-//! that its Hello says the version in force; without one, those counts go out after the next
-//! connect, under the cached version. Whatever the file holds, nothing is written to the path until the
-//! read has ended and found the file ours, and a read that never ends leaves the path alone for
-//! the whole run. Anything at the path that is not a regular file (a FIFO would wait for a
-//! writer) is logged, left alone, and no cache is kept for the run. A file that
-//! begins with the header is ours whatever follows it (damaged on disk, or written by a newer
-//! agent whose snapshot this one cannot check): it is not used, and the next applied snapshot
-//! replaces it. A file without the header is ours only if it is a snapshot whose content hash
-//! matches its policies (what agents wrote before the header), and a file larger than any cache
-//! is ours only if it begins with the header; anything else is most likely
-//! another file the agent was pointed at by mistake: it is left as it is and no cache is
-//! written for the whole run, rather than being replaced. The metrics interval the control
-//! plane set in that snapshot applies again from the start, as it did before the restart: a
-//! control plane that finds the agent up to date sends it nothing.
+//! Read at start; a missing (its directory too), empty or invalid file is logged and ignored. One
+//! that cannot be read (permission denied, a loop of links, an I/O error) was not found to be ours:
+//! it is logged and left as it is, and no cache is kept for the run. The read runs on a thread of
+//! its own and a start waits at most 1 s for it. A read that takes longer (a cold network volume)
+//! is not given up on: the agent starts on the fallback policy, and the read is handed to the cache
+//! writer, which settles it as a start would before it writes anything. If the file is our valid
+//! cache and the agent still runs on the fallback policy (no snapshot came from the control plane
+//! meanwhile), the stream task puts its policies and metrics interval in force then, as they would
+//! have been at start. With a stream open, the counts made on the fallback are reported first and
+//! the stream is reopened so that its Hello says the version in force; without one, those counts go
+//! out after the next connect, under the cached version. Whatever the file holds, nothing is
+//! written to the path until the read has ended and found the file ours, and a read that never ends
+//! leaves the path alone for the whole run. Anything at the path that is not a regular file (a FIFO
+//! would wait for a writer) is logged, left alone, and no cache is kept for the run. A file that
+//! begins with the header is ours whatever follows it (damaged on disk, or written by a newer agent
+//! whose snapshot this one cannot check): it is not used, and the next applied snapshot replaces
+//! it. A file without the header is ours only if it is a snapshot whose content hash matches its
+//! policies (what agents wrote before the header), and a file larger than any cache is ours only if
+//! it begins with the header; anything else is most likely another file the agent was pointed at by
+//! mistake: it is left as it is and no cache is written for the whole run, rather than being
+//! replaced. The metrics interval the control plane set in that snapshot applies again from the
+//! start, as it did before the restart: a control plane that finds the agent up to date sends it
+//! nothing.
 
 use std::io::Write as _;
 use std::path::{Path, PathBuf};

@@ -95,9 +95,9 @@
 //! # Credential refresh on 401 ([`RetryLayer::with_auth_refresh`])
 //!
 //! With a [`RefreshCredentials`] hook, the first attempt of a logical call (whichever attempt
-//! that is) to be answered `401 Unauthorized` is not judged yet: the hook updates the request (its `Authorization`
-//! header, say) and that attempt is sent again, once, with the updated request, which every
-//! later attempt of the call also uses. The hook runs at most once per logical call.
+//! that is) to be answered `401 Unauthorized` is not judged yet: the hook updates the request
+//! (its `Authorization` header, say) and that attempt is sent again, once, with the updated
+//! request, which every later attempt of the call also uses. The hook runs at most once per logical call.
 //!
 //! - Counting: the second send belongs to the same attempt. It gets a fresh per-try timeout
 //!   (within the deadline), but takes no pause, no retry budget and none of `max_attempts`;
