@@ -22,6 +22,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use prometheus_client::metrics::gauge::Gauge;
+use retryplane_policy::diag::OneLine;
 use retryplane_proto::pb::{self, agent_message::Kind};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
 use tokio::time::Instant;
@@ -378,6 +379,7 @@ impl AgentStreamService {
             refused: registration.refused,
             service_name: hello.service.clone(),
             service: None,
+            implausible_warned: false,
             bucket: Bucket {
                 tokens: limits.report_burst,
                 refilled: Instant::now(),
@@ -450,6 +452,8 @@ struct AgentStream {
     /// report with an endpoint, so that an agent that never reports takes no place among the
     /// series the cap allows (services count against it too).
     service: Option<ServiceHandle>,
+    /// Whether the stream has logged a report with implausible counts.
+    implausible_warned: bool,
     /// Report rate limiter.
     bucket: Bucket,
 }
@@ -708,7 +712,24 @@ impl AgentStream {
         let service = self
             .service
             .get_or_insert_with(|| ctx.aggregates.service(&self.service_name));
-        ctx.aggregates.ingest(service, report, now);
+        let refused = ctx.aggregates.ingest(service, report, now);
+        if refused.count > 0 {
+            ctx.metrics
+                .report_endpoints_implausible
+                .inc_by(refused.count);
+            if !self.implausible_warned {
+                self.implausible_warned = true;
+                // The names come from the agent: escaped, so they cannot forge a log line.
+                warn!(
+                    agent = %self.agent_id,
+                    endpoint = %OneLine(refused.first.unwrap_or_default()),
+                    endpoints = refused.count,
+                    "a metrics report holds counts past what one agent could make over its \
+                     window; those endpoints' counts were left out (this stream logs it once; \
+                     retryplane_server_report_endpoints_implausible counts them)"
+                );
+            }
+        }
     }
 
     /// A metrics report: counted at most once per (instance, seq) when numbered, within the

@@ -43,6 +43,10 @@ pub struct ServerMetrics {
     /// Numbered metrics reports received again after they were counted (sent again after a
     /// lost stream), acknowledged and not counted twice.
     pub reports_duplicate: Counter,
+    /// Endpoints of accepted metrics reports left out because their counts are past what
+    /// one agent could make over the report's span (see
+    /// [`crate::aggregate::counts::Counts::implausible`]).
+    pub report_endpoints_implausible: Counter,
     /// Streams refused because the agent limit, or the limit on streams waiting for Hello,
     /// was reached.
     pub streams_refused: Counter,
@@ -89,6 +93,7 @@ impl ServerMetrics {
         let config_last_reload_successful = Gauge::default();
         let reports_dropped = Counter::default();
         let reports_duplicate = Counter::default();
+        let report_endpoints_implausible = Counter::default();
         let streams_refused = Counter::default();
         let streams_awaiting_hello = Gauge::default();
         let auth_refused = Counter::default();
@@ -135,6 +140,11 @@ impl ServerMetrics {
             reports_duplicate.clone(),
         );
         registry.register(
+            "report_endpoints_implausible",
+            "Endpoints of agent metrics reports left out for counts past what one agent could make",
+            report_endpoints_implausible.clone(),
+        );
+        registry.register(
             "streams_refused",
             "Agent streams refused because the agent limit or the limit on streams waiting for Hello was reached",
             streams_refused.clone(),
@@ -161,6 +171,7 @@ impl ServerMetrics {
             config_last_reload_successful,
             reports_dropped,
             reports_duplicate,
+            report_endpoints_implausible,
             streams_refused,
             streams_awaiting_hello,
             auth_refused,

@@ -845,6 +845,48 @@ async fn agents_that_never_report_take_no_place_among_the_series() {
     running.shutdown().await.unwrap();
 }
 
+#[tokio::test]
+async fn a_report_with_counts_no_agent_could_make_is_left_out_and_counted() {
+    let (_dir, cfg) = with_file(V1);
+    let running = start(cfg).await.unwrap();
+    let (tx, mut inbound) = open_stream(running.agent_addr, hello("a-1"), None)
+        .await
+        .unwrap();
+    assert_eq!(next_version(&mut inbound).await, 1);
+    let absurd = pb::EndpointCounters {
+        endpoint: "stock".to_owned(),
+        calls: u64::MAX,
+        attempts: u64::MAX,
+        ..Default::default()
+    };
+    send_report(&tx, 1, absurd).await;
+    let counters = pb::EndpointCounters {
+        endpoint: "payments".to_owned(),
+        calls: 7,
+        attempts: 7,
+        ..Default::default()
+    };
+    send_report(&tx, 1, counters).await;
+    let calls = r#"retryplane_calls_total{service="checkout",endpoint="payments"} 7"#;
+    eventually("the plausible report shows in /metrics", || async {
+        http_get(running.http_addr, "/metrics")
+            .await
+            .1
+            .lines()
+            .any(|l| l == calls)
+    })
+    .await;
+    let (_, text) = http_get(running.http_addr, "/metrics").await;
+    assert!(
+        text.lines()
+            .any(|l| l == "retryplane_server_report_endpoints_implausible_total 1"),
+        "{text}"
+    );
+    assert!(!text.contains(r#"endpoint="stock""#), "{text}");
+    drop(tx);
+    running.shutdown().await.unwrap();
+}
+
 /// Sends one unnumbered report of `counters`, made under `version`.
 async fn send_report(
     tx: &mpsc::Sender<pb::AgentMessage>,

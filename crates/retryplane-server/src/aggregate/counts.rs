@@ -1,6 +1,8 @@
 //! The SPEC §4 counters (and `cancelled`) as one fixed array, so adding a report is 14
 //! saturating adds.
 
+use std::time::Duration;
+
 use retryplane_proto::pb;
 
 /// How many counters there are.
@@ -44,6 +46,18 @@ pub const GIVE_UP_CAUSES: [(&str, usize); 5] = [
     ("not_retryable", GAVE_UP_NOT_RETRYABLE),
 ];
 
+/// Most of any counter one agent is taken to count per second for one endpoint: ten million
+/// calls a second from one process is far past any client's rate, and far below what would
+/// saturate a `u64` total (at this rate a report over a whole day holds 8.6 × 10^11).
+pub const MAX_PER_SECOND: u64 = 10_000_000;
+/// The shortest span a report's counts are bounded over: agents report every few seconds,
+/// and a report's own clock may be coarse.
+pub const MIN_PLAUSIBLE_SPAN: Duration = Duration::from_secs(60);
+/// The longest span a report's counts are bounded over, and the span of a report without a
+/// start: an agent cut off for longer sends what it kept over a longer span, but never more
+/// than a day's worth at this rate is believed.
+pub const MAX_PLAUSIBLE_SPAN: Duration = Duration::from_secs(24 * 60 * 60);
+
 /// One set of counters (112 bytes).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Counts(pub [u64; N]);
@@ -74,6 +88,28 @@ impl Counts {
         for (a, b) in self.0.iter_mut().zip(other.0.iter()) {
             *a = a.saturating_add(*b);
         }
+    }
+
+    /// Whether any counter is past what one agent could count over `span` (the report's
+    /// `window_end - window_start`, uncapped; `None` when the report gives no start): more
+    /// than [`MAX_PER_SECOND`] per second (backoff: [`MAX_PER_SECOND`] seconds of pause per
+    /// second), over at least [`MIN_PLAUSIBLE_SPAN`] and at most [`MAX_PLAUSIBLE_SPAN`] (the
+    /// bound when there is no start). Such counts come from a broken or hostile client; added,
+    /// one report would saturate a series' lifetime totals for the server's life.
+    pub fn implausible(&self, span: Option<Duration>) -> bool {
+        let secs = span
+            .unwrap_or(MAX_PLAUSIBLE_SPAN)
+            .clamp(MIN_PLAUSIBLE_SPAN, MAX_PLAUSIBLE_SPAN)
+            .as_secs();
+        let max = MAX_PER_SECOND.saturating_mul(secs);
+        self.0.iter().enumerate().any(|(i, &c)| {
+            let bound = if i == BACKOFF_MS {
+                max.saturating_mul(1_000)
+            } else {
+                max
+            };
+            c > bound
+        })
     }
 
     /// Whether every counter is zero.

@@ -237,37 +237,61 @@ impl Aggregator {
 
     /// Adds one report's deltas, received at `now` from a stream of `service`. This is what
     /// the agent stream calls for each accepted `MetricsReport`.
-    pub fn ingest(&self, service: &ServiceHandle, report: &pb::MetricsReport, now: Instant) {
+    ///
+    /// An endpoint's counts past what one agent could make over the report's span
+    /// ([`Counts::implausible`]) are left out, whole: they would saturate the series' lifetime
+    /// totals and bury its retry ratio. Returns the first endpoint so left out and how many
+    /// were, for the stream to count and log.
+    pub fn ingest<'r>(
+        &self,
+        service: &ServiceHandle,
+        report: &'r pb::MetricsReport,
+        now: Instant,
+    ) -> Refused<'r> {
         let tick = Tick::new(self.epoch, now);
         let span = report_span(report);
+        let raw_span = raw_span(report);
         let version = report.policy_version;
+        let mut refused = Refused::default();
+        let mut plausible = |c: &'r pb::EndpointCounters| {
+            let counts = Counts::of(c);
+            if counts.implausible(raw_span) {
+                refused.count += 1;
+                refused.first.get_or_insert(&c.endpoint);
+                None
+            } else {
+                Some(counts)
+            }
+        };
         let svc = match &service.0 {
             Ok(svc) => svc,
             Err(why) => {
                 for c in &report.endpoints {
-                    self.add_other(&tick, version, &Counts::of(c), span, &c.endpoint, *why);
+                    if let Some(counts) = plausible(c) {
+                        self.add_other(&tick, version, &counts, span, &c.endpoint, *why);
+                    }
                 }
-                return;
+                return refused;
             }
         };
         let mut missed = Vec::new();
         {
             let endpoints = read(&svc.endpoints);
-            for (i, c) in report.endpoints.iter().enumerate() {
+            for c in &report.endpoints {
+                let Some(counts) = plausible(c) else { continue };
                 match endpoints.get(c.endpoint.as_str()) {
-                    Some(series) => series.add(&tick, version, &Counts::of(c), span),
-                    None => missed.push(i),
+                    Some(series) => series.add(&tick, version, &counts, span),
+                    None => missed.push((c, counts)),
                 }
             }
         }
-        for c in missed.into_iter().filter_map(|i| report.endpoints.get(i)) {
+        for (c, counts) in missed {
             match self.resolve(svc, &c.endpoint, tick.now) {
-                Ok(series) => series.add(&tick, version, &Counts::of(c), span),
-                Err(why) => {
-                    self.add_other(&tick, version, &Counts::of(c), span, &c.endpoint, why);
-                }
+                Ok(series) => series.add(&tick, version, &counts, span),
+                Err(why) => self.add_other(&tick, version, &counts, span, &c.endpoint, why),
             }
         }
+        refused
     }
 
     /// The series of `endpoint` in `svc`, made if the cap allows.
@@ -564,6 +588,26 @@ pub fn spawn_ticker(
 /// The longest span a report is taken to cover: the longest window. A longer one would change
 /// no window's covered time.
 const MAX_REPORT_SPAN: Duration = Duration::from_secs(15 * 60);
+
+/// Endpoints of one report left out by [`Aggregator::ingest`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Refused<'r> {
+    /// How many.
+    pub count: u64,
+    /// The first one's name, as the agent sent it.
+    pub first: Option<&'r str>,
+}
+
+/// The report's own `window_end - window_start`, uncapped; `None` when it gives no start.
+fn raw_span(report: &pb::MetricsReport) -> Option<Duration> {
+    (report.window_start_unix_ms != 0).then(|| {
+        Duration::from_millis(
+            report
+                .window_end_unix_ms
+                .saturating_sub(report.window_start_unix_ms),
+        )
+    })
+}
 
 /// The time the counts of `report` were made over: its `window_end - window_start`, both from
 /// the agent's clock (so clock skew between the agent and this server does not matter), at most

@@ -69,6 +69,7 @@ struct State {
     created: Instant,
     first_span: Option<Duration>,
     lifetime: Counts,
+    /// The newest version kept (see [`State::note_newest`]).
     newest_version: u64,
     /// Most recently counted first.
     versions: Vec<VersionSeries>,
@@ -92,7 +93,7 @@ pub struct SeriesView {
     pub service: String,
     /// The endpoint.
     pub endpoint: String,
-    /// The newest policy version counted.
+    /// The newest policy version with counts in the 15-minute window (see `State::note_newest`).
     pub newest_version: u64,
     /// Lifetime totals.
     pub lifetime: Counts,
@@ -166,10 +167,13 @@ impl Series {
         let mut s = self.lock();
         s.first_span.get_or_insert(span);
         s.lifetime.add(counts);
-        s.newest_version = s.newest_version.max(version);
         let at = match s.versions.iter().position(|v| v.version == version) {
             Some(i) => i,
-            None => s.new_version(version, tick, span),
+            None => {
+                let at = s.new_version(version, tick, span);
+                s.note_newest();
+                at
+            }
         };
         let v = &mut s.versions[at];
         v.last = tick.now;
@@ -327,8 +331,18 @@ impl State {
 
     fn prune(&mut self, tick: &Tick) {
         self.versions.retain(|v| v.windows.is_live(tick));
+        self.note_newest();
         if self.retired.as_ref().is_some_and(|r| !r.is_live(tick)) {
             self.retired = None;
+        }
+    }
+
+    /// Sets `newest_version` to the newest version kept; with none kept, it stays the newest
+    /// of the last ones. So a version no store published (a client's bogus number) is shown
+    /// only while its counts are in the 15-minute window, not for the server's life.
+    fn note_newest(&mut self) {
+        if let Some(newest) = self.versions.iter().map(|v| v.version).max() {
+            self.newest_version = newest;
         }
     }
 

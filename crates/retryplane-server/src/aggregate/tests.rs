@@ -841,3 +841,97 @@ fn a_bad_endpoint_name_is_logged_escaped_and_does_not_hide_the_cap_warning() {
         "{text}"
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn counts_no_agent_could_make_are_left_out_and_the_rest_of_the_report_counts() {
+    let agg = Aggregator::new(10, Instant::now());
+    let svc = agg.service("checkout");
+    // A report over 10 s of the agent's clock: a day's worth at the bound is believed for a
+    // report without a start, a minute's worth for a shorter span.
+    let mut r = spanning(
+        report(1, &[("payments", 7, 1), ("stock", u64::MAX, 0)]),
+        1_000_000,
+        1_010_000,
+    );
+    let refused = agg.ingest(&svc, &r, Instant::now());
+    assert_eq!((refused.count, refused.first), (1, Some("stock")));
+    let minute = counts::MAX_PER_SECOND * 60;
+    r.endpoints[1].calls = minute;
+    r.endpoints[1].attempts = minute;
+    r.endpoints[1].backoff_ms = minute * 1_000;
+    assert_eq!(
+        agg.ingest(&svc, &r, Instant::now()).count,
+        0,
+        "at the bound"
+    );
+    r.endpoints[1].retries = minute + 1;
+    assert_eq!(agg.ingest(&svc, &r, Instant::now()).count, 1, "past it");
+    r.endpoints[1].retries = 0;
+    r.endpoints[1].backoff_ms = minute * 1_000 + 1;
+    assert_eq!(
+        agg.ingest(&svc, &r, Instant::now()).count,
+        1,
+        "backoff past it"
+    );
+    // Without a start, the bound is a day's worth.
+    r.window_start_unix_ms = 0;
+    r.endpoints[1].backoff_ms = 0;
+    r.endpoints[1].calls = counts::MAX_PER_SECOND * 86_400;
+    r.endpoints[1].attempts = r.endpoints[1].calls;
+    assert_eq!(agg.ingest(&svc, &r, Instant::now()).count, 0);
+    r.endpoints[1].calls += 1;
+    assert_eq!(agg.ingest(&svc, &r, Instant::now()).count, 1);
+
+    let stats = agg.stats(Instant::now(), all());
+    let lifetime = |endpoint: &str| {
+        stats
+            .series
+            .iter()
+            .find(|s| s.endpoint == endpoint)
+            .and_then(|s| s.lifetime)
+            .map(|c| c.calls)
+    };
+    assert_eq!(
+        lifetime("payments"),
+        Some(7 * 6),
+        "every report counted here"
+    );
+    assert_eq!(
+        lifetime("stock"),
+        Some(minute + counts::MAX_PER_SECOND * 86_400),
+        "only the two reports at the bound"
+    );
+    // Past the cap, counts in `other` are checked the same way.
+    let far = agg.service(&"x".repeat(MAX_NAME_LEN + 1));
+    let huge = report(1, &[("a", u64::MAX, 0)]);
+    assert_eq!(agg.ingest(&far, &huge, Instant::now()).count, 1);
+    assert_eq!(agg.overflowed_reports(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_version_number_no_longer_reported_leaves_the_series_with_its_counts() {
+    let agg = Aggregator::new(10, Instant::now());
+    let svc = agg.service("checkout");
+    agg.ingest(&svc, &report(3, &[("payments", 1, 0)]), Instant::now());
+    agg.ingest(
+        &svc,
+        &report(u64::MAX, &[("payments", 1, 0)]),
+        Instant::now(),
+    );
+    let version = |agg: &Aggregator| agg.stats(Instant::now(), all()).series[0].policy_version;
+    assert_eq!(version(&agg), u64::MAX);
+    for _ in 0..100 {
+        advance(Duration::from_secs(10)).await;
+        agg.ingest(&svc, &report(3, &[("payments", 1, 0)]), Instant::now());
+    }
+    assert_eq!(
+        version(&agg),
+        3,
+        "the bogus version left the 15-minute window"
+    );
+    // With nothing reported for longer than the window, the series keeps the last newest.
+    advance(Duration::from_secs(1_000)).await;
+    assert_eq!(version(&agg), 3);
+    agg.ingest(&svc, &report(2, &[("payments", 1, 0)]), Instant::now());
+    assert_eq!(version(&agg), 2, "the only version with counts now");
+}
