@@ -130,22 +130,28 @@ async fn a_rate_limited_report_is_acknowledged_as_dropped_and_not_counted() {
         server_figure(&plane, "retryplane_server_reports_dropped_total").await,
         Some(1)
     );
-    // A refused seq stays refused, even with a token to spend (a new stream has a new
-    // bucket): the agent sends its counts again under a new seq, so a late or repeated copy of
-    // seq 2 must not count as well.
+    // A refused seq stays refused (the agent sends its counts again under a new seq, so a
+    // late or repeated copy of seq 2 must not count as well), and a new stream of the same
+    // agent id has no new burst: the rate limit is the agent id's, across its streams.
     let mut next = stream(&plane, "fast", 9).await;
     next.send(report(2, EP, 3)).await;
     assert_eq!(next.next_ack().await, (2, true), "refused again");
     next.send(report(3, EP, 3)).await;
     assert_eq!(
         next.next_ack().await,
-        (3, false),
-        "the token was not spent on seq 2"
+        (3, true),
+        "no fresh burst on reconnect"
     );
-    assert_eq!(calls(&plane).await, 8);
-    next.send(report(4, EP, 1)).await;
-    assert_eq!(next.next_ack().await, (4, true));
-    assert_eq!(calls(&plane).await, 8);
+    assert_eq!(calls(&plane).await, 5);
+    assert_eq!(
+        server_figure(&plane, "retryplane_server_reports_dropped_total").await,
+        Some(3)
+    );
+    // Another agent id has its own.
+    let mut other = stream(&plane, "other", 10).await;
+    other.send(report(1, EP, 2)).await;
+    assert_eq!(other.next_ack().await, (1, false));
+    assert_eq!(calls(&plane).await, 7);
     assert_eq!(
         server_figure(&plane, "retryplane_server_reports_duplicate_total").await,
         Some(0)

@@ -31,7 +31,7 @@ use tracing::{debug, info, warn};
 
 use crate::aggregate::{Aggregator, ServiceHandle};
 use crate::auth::{Credential, TokenSet, Tokens};
-use crate::fleet::{Fleet, RegisterError};
+use crate::fleet::{Fleet, RegisterError, ReportBucket};
 use crate::frame_body::{Outbound, encode_frame};
 use crate::metrics::ServerMetrics;
 use crate::publisher::Publisher;
@@ -47,7 +47,8 @@ pub const DEFAULT_MAX_PENDING_HANDSHAKES: usize = 1024;
 pub struct StreamLimits {
     /// How long a new stream may take to send Hello.
     pub hello_timeout: Duration,
-    /// Metrics reports accepted per second per stream, on average (see
+    /// Metrics reports accepted per second per agent id, on average, across its streams, so a
+    /// reconnect does not start a new burst (see
     /// [`StreamLimits::for_metrics_interval`]); a report past the limit is dropped and counted
     /// in `retryplane_server_reports_dropped` (a numbered one is acknowledged as dropped, so
     /// its agent sends the counts again).
@@ -380,10 +381,7 @@ impl AgentStreamService {
             service_name: hello.service.clone(),
             service: None,
             implausible_warned: false,
-            bucket: Bucket {
-                tokens: limits.report_burst,
-                refilled: Instant::now(),
-            },
+            bucket: ReportBucket::default(),
         };
         tokio::spawn(stream.run(inbound, tx, registration.replaced, revocation));
         Ok(rx)
@@ -454,29 +452,9 @@ struct AgentStream {
     service: Option<ServiceHandle>,
     /// Whether the stream has logged a report with implausible counts.
     implausible_warned: bool,
-    /// Report rate limiter.
-    bucket: Bucket,
-}
-
-/// A token bucket.
-struct Bucket {
-    tokens: f64,
-    refilled: Instant,
-}
-
-impl Bucket {
-    /// Refills for the time since the last call, then takes a token if there is one.
-    fn take(&mut self, now: Instant, limits: &StreamLimits) -> bool {
-        let elapsed = now.duration_since(self.refilled).as_secs_f64();
-        self.refilled = now;
-        self.tokens = (self.tokens + elapsed * limits.reports_per_second).min(limits.report_burst);
-        if self.tokens >= 1.0 {
-            self.tokens -= 1.0;
-            true
-        } else {
-            false
-        }
-    }
+    /// The report rate limit used when the agent id's own (in its [`Fleet`] entry, shared by
+    /// its streams) is gone: the entry was pruned while the stream was open.
+    bucket: ReportBucket,
 }
 
 enum Next {
@@ -739,9 +717,18 @@ impl AgentStream {
     fn on_report(&mut self, report: &pb::MetricsReport) -> Next {
         let ctx = self.ctx.clone();
         let now = Instant::now();
+        let limits = &ctx.limits;
+        let own = &mut self.bucket;
+        let admit = |bucket: Option<&mut ReportBucket>| {
+            bucket
+                .unwrap_or(own)
+                .take(now, limits.reports_per_second, limits.report_burst)
+        };
         if report.seq == 0 || self.instance_id == 0 {
-            ctx.fleet.seen(&self.agent_id, self.generation);
-            if self.bucket.take(now, &ctx.limits) {
+            if ctx
+                .fleet
+                .admit_report(&self.agent_id, self.generation, admit)
+            {
                 self.ingest(&ctx, report, now);
             } else {
                 ctx.metrics.reports_dropped.inc();
@@ -753,7 +740,7 @@ impl AgentStream {
             self.generation,
             self.instance_id,
             report.seq,
-            || self.bucket.take(now, &ctx.limits),
+            admit,
         );
         let dropped = match verdict {
             ReportVerdict::Count => {

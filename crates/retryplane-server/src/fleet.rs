@@ -71,6 +71,9 @@ struct Entry {
     refused: Option<Refused>,
     /// The Hello's `instance_id` of the stream registered last (0: not given).
     instance_id: u64,
+    /// The metrics report rate limit, across this agent id's streams, so that a reconnect
+    /// does not start a fresh burst.
+    bucket: ReportBucket,
     /// The Hello's `ephemeral` of the stream registered last: not listed once disconnected.
     ephemeral: bool,
 }
@@ -79,6 +82,36 @@ impl Entry {
     /// Whether status lists it: always while connected; once disconnected, unless ephemeral.
     fn listed(&self) -> bool {
         self.status.connected || !self.ephemeral
+    }
+}
+
+/// A token bucket limiting how fast an agent id's metrics reports are counted: full until
+/// its first report, then refilled at the limit's rate up to its burst.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ReportBucket {
+    tokens: f64,
+    /// When it was last refilled; `None` while full and unused.
+    refilled: Option<tokio::time::Instant>,
+}
+
+impl ReportBucket {
+    /// Refills for the time since the last call at `per_second`, up to `burst`, then takes a
+    /// token if there is one.
+    pub fn take(&mut self, now: tokio::time::Instant, per_second: f64, burst: f64) -> bool {
+        self.tokens = match self.refilled {
+            Some(at) => {
+                let elapsed = now.saturating_duration_since(at).as_secs_f64();
+                (self.tokens + elapsed * per_second).min(burst)
+            }
+            None => burst,
+        };
+        self.refilled = Some(now);
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            true
+        } else {
+            false
+        }
     }
 }
 
@@ -260,6 +293,7 @@ impl Fleet {
         let (tx, rx) = oneshot::channel();
         let previous = inner.remove(&hello.agent_id);
         let mut reports = ReportSeqs::default();
+        let mut bucket = ReportBucket::default();
         // The last NACK, if the same process comes back and does not run the version it refused.
         let mut refused = None;
         if let Some(mut old) = previous {
@@ -270,6 +304,7 @@ impl Fleet {
                 inner.connected -= 1;
             }
             reports = old.reports;
+            bucket = old.bucket;
             // Kept only from a stream of the same process: the entry's `instance_id` is the
             // one that refused it (a NACK is recorded only with a non-zero id).
             let same_process = old.instance_id == hello.instance_id;
@@ -330,6 +365,7 @@ impl Fleet {
                 reports,
                 refused: refused.clone(),
                 instance_id: hello.instance_id,
+                bucket,
                 ephemeral: hello.ephemeral,
             },
         );
@@ -365,23 +401,44 @@ impl Fleet {
         self.update(id, generation, |_| {});
     }
 
+    /// An unnumbered metrics report of agent `id` arrived on the stream of registration
+    /// `generation` (which it marks seen, when that is still the agent's stream): whether it
+    /// is counted, as `admit` decides with the agent id's [`ReportBucket`] (`None` for an
+    /// unknown agent id, whose entry was pruned: the stream then uses its own).
+    pub fn admit_report(
+        &self,
+        id: &str,
+        generation: u64,
+        admit: impl FnOnce(Option<&mut ReportBucket>) -> bool,
+    ) -> bool {
+        let mut inner = self.lock();
+        let Some(entry) = inner.agents.get_mut(id) else {
+            return admit(None);
+        };
+        if entry.generation == generation {
+            entry.status.last_seen_unix_ms = unix_ms();
+        }
+        admit(Some(&mut entry.bucket))
+    }
+
     /// A metrics report numbered `seq` (> 0) by process `instance` of agent `id` arrived on the
     /// stream of registration `generation` (which it marks seen, when that is still the
     /// agent's stream). Decided against every report of the agent id counted so far, whichever
-    /// stream brought it, so that a report sent again is counted once; `admit` (the stream's
-    /// rate limit) is asked only about a report not counted before. An unknown agent id (its
-    /// entry pruned) has no record: the report is decided by `admit` alone.
+    /// stream brought it, so that a report sent again is counted once; `admit` (the rate
+    /// limit, given the agent id's [`ReportBucket`]) is asked only about a report not counted
+    /// before. An unknown agent id (its entry pruned) has no record: the report is decided by
+    /// `admit` alone, given `None`.
     pub fn claim_report(
         &self,
         id: &str,
         generation: u64,
         instance: u64,
         seq: u64,
-        admit: impl FnOnce() -> bool,
+        admit: impl FnOnce(Option<&mut ReportBucket>) -> bool,
     ) -> ReportVerdict {
         let mut inner = self.lock();
         let Some(entry) = inner.agents.get_mut(id) else {
-            return if admit() {
+            return if admit(None) {
                 ReportVerdict::Count
             } else {
                 ReportVerdict::Refused
@@ -390,7 +447,8 @@ impl Fleet {
         if entry.generation == generation {
             entry.status.last_seen_unix_ms = unix_ms();
         }
-        entry.reports.claim(instance, seq, admit)
+        let bucket = &mut entry.bucket;
+        entry.reports.claim(instance, seq, || admit(Some(bucket)))
     }
 
     /// The agent acknowledged `version`; its last NACK is forgotten.
@@ -748,7 +806,7 @@ mod tests {
         let mut h = hello("a");
         h.instance_id = 11;
         let first = fleet.register(&h, None, None).unwrap();
-        let yes = || true;
+        let yes = |_: Option<&mut ReportBucket>| true;
         let claim =
             |generation, instance, seq| fleet.claim_report("a", generation, instance, seq, yes);
         assert_eq!(claim(first.generation, 11, 1), ReportVerdict::Count);
@@ -765,7 +823,7 @@ mod tests {
         h.instance_id = 12;
         let restarted = fleet.register(&h, None, None).unwrap();
         assert_eq!(claim(restarted.generation, 12, 1), ReportVerdict::Count);
-        let refused = fleet.claim_report("a", restarted.generation, 12, 2, || false);
+        let refused = fleet.claim_report("a", restarted.generation, 12, 2, |_| false);
         assert_eq!(refused, ReportVerdict::Refused);
         assert_eq!(claim(restarted.generation, 12, 2), ReportVerdict::Refused);
         assert_eq!(claim(restarted.generation, 12, 3), ReportVerdict::Count);
@@ -867,7 +925,7 @@ mod tests {
         fleet.register(&hello("svc"), None, None).unwrap();
         assert_eq!(fleet.status().len(), 2);
         assert_eq!(fleet.status_and_counts(false), (vec![], 2, 2));
-        let claim = |generation| fleet.claim_report("cli", generation, 7, 1, || true);
+        let claim = |generation| fleet.claim_report("cli", generation, 7, 1, |_| true);
         assert_eq!(claim(reg.generation), ReportVerdict::Count);
         fleet.disconnected("cli", reg.generation);
         let ids: Vec<_> = fleet.status().into_iter().map(|a| a.agent_id).collect();
@@ -943,5 +1001,21 @@ mod tests {
         }
         assert!(fleet.lock().gone.len() <= 2 * MAX_DISCONNECTED + 1);
         assert_eq!(fleet.status().len(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_report_bucket_starts_full_and_refills_at_its_rate_up_to_its_burst() {
+        let mut b = ReportBucket::default();
+        let now = tokio::time::Instant::now();
+        let took = (0..5).filter(|_| b.take(now, 2.0, 3.0)).count();
+        assert_eq!(took, 3, "the burst");
+        tokio::time::advance(std::time::Duration::from_millis(500)).await;
+        let now = tokio::time::Instant::now();
+        assert!(b.take(now, 2.0, 3.0), "one token in half a second");
+        assert!(!b.take(now, 2.0, 3.0));
+        tokio::time::advance(std::time::Duration::from_secs(3600)).await;
+        let now = tokio::time::Instant::now();
+        let took = (0..5).filter(|_| b.take(now, 2.0, 3.0)).count();
+        assert_eq!(took, 3, "never more than the burst");
     }
 }

@@ -131,7 +131,7 @@ impl ServerMetrics {
         );
         registry.register(
             "reports_dropped",
-            "Agent metrics reports dropped for exceeding the per-stream rate",
+            "Agent metrics reports dropped for exceeding the per-agent rate",
             reports_dropped.clone(),
         );
         registry.register(
