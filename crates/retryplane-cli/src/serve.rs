@@ -95,6 +95,11 @@ pub struct Args {
     #[arg(long, value_name = "N", default_value_t = ServeConfig::default().max_series,
           value_parser = at_least_one())]
     max_series: usize,
+    /// Most of those series one calling service may take (a service that names endpoints
+    /// after URLs cannot take the whole cap); its further endpoints are counted in `other`.
+    #[arg(long, value_name = "N", default_value_t = ServeConfig::default().max_series_per_service,
+          value_parser = at_least_one())]
+    max_series_per_service: usize,
     /// How long a disconnected agent stays listed by `status`: a duration with its unit
     /// (`30m`, `48h`, `7d`), up to 30d; `0` keeps it until 10,000 disconnected agents push out
     /// the longest gone.
@@ -212,6 +217,7 @@ impl From<Args> for ServeConfig {
             keepalive_timeout: args.keepalive_timeout,
             max_agents: args.max_agents,
             max_series: args.max_series,
+            max_series_per_service: args.max_series_per_service,
             max_streams_per_connection: args.max_streams_per_connection,
             forget_disconnected_after: (!args.forget_disconnected_after.is_zero())
                 .then_some(args.forget_disconnected_after),
@@ -428,8 +434,16 @@ mod tests {
         );
         assert_eq!(parsed.metrics_interval, defaults.metrics_interval);
         assert_eq!(
-            (parsed.max_agents, parsed.max_series),
-            (defaults.max_agents, defaults.max_series)
+            (
+                parsed.max_agents,
+                parsed.max_series,
+                parsed.max_series_per_service
+            ),
+            (
+                defaults.max_agents,
+                defaults.max_series,
+                defaults.max_series_per_service
+            )
         );
         assert_eq!(
             parsed.stream_limits.max_pending_handshakes,

@@ -186,7 +186,10 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
     let metrics_interval_ms = u64::try_from(cfg.metrics_interval.as_millis()).unwrap_or(u64::MAX);
     let fleet =
         Arc::new(Fleet::new(cfg.max_agents).forgetting_after(cfg.forget_disconnected_after));
-    let aggregates = Arc::new(Aggregator::new(cfg.max_series, tokio::time::Instant::now()));
+    let aggregates = Arc::new(
+        Aggregator::new(cfg.max_series, tokio::time::Instant::now())
+            .with_max_per_service(cfg.max_series_per_service),
+    );
     let control = Arc::new(ControlPlane::new(
         store,
         Arc::new(Publisher::new(metrics_interval_ms)),

@@ -9,7 +9,9 @@
 //! [`crate::server::ServeConfig::max_series`] says otherwise); reports for any further series,
 //! and for names longer than [`MAX_NAME_LEN`] bytes or holding a control character (which
 //! `retryplane stats` would otherwise print to a terminal), are counted in the one series whose
-//! service and endpoint are both [`OTHER`]. Each such endpoint report is counted
+//! service and endpoint are both [`OTHER`]; so are a service's endpoints past its share
+//! ([`DEFAULT_MAX_SERIES_PER_SERVICE`] unless [`Aggregator::with_max_per_service`] says
+//! otherwise, logged once per service). Each such endpoint report is counted
 //! (`overflowed_reports`); the first for a name not kept apart and the first past the cap are
 //! each logged at warn once (the name escaped, so it cannot forge a log line), and later ones
 //! in a summary at most every [`OVERFLOW_SUMMARY_EVERY`]. Series are never dropped: lifetime totals stay. Each
@@ -68,6 +70,10 @@ use crate::fleet::unix_ms;
 
 /// The series cap unless configured.
 pub const DEFAULT_MAX_SERIES: usize = 10_000;
+/// The most series one calling service may take unless configured: a service whose agent
+/// names its endpoints after URLs (one name per path) takes this many, and the rest of the
+/// fleet keeps its series.
+pub const DEFAULT_MAX_SERIES_PER_SERVICE: usize = 1_000;
 /// Longest service or endpoint name kept apart, in bytes; longer ones count as [`OTHER`].
 pub const MAX_NAME_LEN: usize = 256;
 /// Service and endpoint of the series that takes what is past the cap. The pair is reserved:
@@ -84,6 +90,8 @@ pub const OVERFLOW_SUMMARY_EVERY: Duration = Duration::from_secs(60);
 struct ServiceSeries {
     name: Box<str>,
     endpoints: RwLock<HashMap<Box<str>, Arc<Series>>>,
+    /// Whether a report past this service's share was logged.
+    share_warned: AtomicBool,
 }
 
 /// A stream's handle on its service's series, from [`Aggregator::service`].
@@ -98,6 +106,8 @@ enum Overflow {
     BadName,
     /// The cap on series is reached.
     Cap,
+    /// The service holds its share of series ([`Aggregator::with_max_per_service`]).
+    ServiceShare,
 }
 
 #[derive(Debug)]
@@ -111,6 +121,7 @@ struct OverflowLog {
 pub struct Aggregator {
     epoch: Instant,
     max_series: usize,
+    max_per_service: usize,
     series: AtomicUsize,
     services: RwLock<HashMap<Box<str>, Arc<ServiceSeries>>>,
     other: Series,
@@ -176,6 +187,7 @@ impl Aggregator {
         Self {
             epoch: now,
             max_series,
+            max_per_service: DEFAULT_MAX_SERIES_PER_SERVICE,
             series: AtomicUsize::new(0),
             services: RwLock::new(HashMap::new()),
             other: Series::new(OTHER, OTHER, now),
@@ -190,9 +202,23 @@ impl Aggregator {
         }
     }
 
+    /// This aggregate, with at most `max` series per calling service (at least 1; default
+    /// [`DEFAULT_MAX_SERIES_PER_SERVICE`]); a report for another endpoint of a service that
+    /// holds that many is counted in `other`.
+    #[must_use]
+    pub fn with_max_per_service(mut self, max: usize) -> Self {
+        self.max_per_service = max.max(1);
+        self
+    }
+
     /// The cap on series.
     pub fn max_series(&self) -> usize {
         self.max_series
+    }
+
+    /// The most series one calling service may take.
+    pub fn max_per_service(&self) -> usize {
+        self.max_per_service
     }
 
     /// Series kept apart so far (not counting `other`).
@@ -230,6 +256,7 @@ impl Aggregator {
         let s = Arc::new(ServiceSeries {
             name: service.into(),
             endpoints: RwLock::new(HashMap::new()),
+            share_warned: AtomicBool::new(false),
         });
         services.insert(service.into(), s.clone());
         ServiceHandle(Ok(s))
@@ -311,6 +338,19 @@ impl Aggregator {
         if let Some(s) = endpoints.get(endpoint) {
             return Ok(s.clone());
         }
+        if endpoints.len() >= self.max_per_service {
+            if !svc.share_warned.swap(true, Ordering::Relaxed) {
+                warn!(
+                    service = %svc.name,
+                    max_series_per_service = self.max_per_service,
+                    endpoint = %OneLine(truncated(endpoint)),
+                    "a service reports more endpoints than its share of metrics series: its \
+                     further endpoints are counted in the \"other\" series (logged once per \
+                     service; are its endpoint names made from URLs?)"
+                );
+            }
+            return Err(Overflow::ServiceShare);
+        }
         let max = self.max_series;
         self.series
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
@@ -349,7 +389,7 @@ impl Aggregator {
                 "metrics series cap reached: further reports are counted in the \"other\" \
                  series; a summary follows at most every minute"
             ),
-            Overflow::BadName | Overflow::Cap => {}
+            Overflow::BadName | Overflow::Cap | Overflow::ServiceShare => {}
         }
     }
 

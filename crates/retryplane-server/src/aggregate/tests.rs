@@ -935,3 +935,30 @@ async fn a_version_number_no_longer_reported_leaves_the_series_with_its_counts()
     agg.ingest(&svc, &report(2, &[("payments", 1, 0)]), Instant::now());
     assert_eq!(version(&agg), 2, "the only version with counts now");
 }
+
+#[tokio::test(start_paused = true)]
+async fn one_service_takes_at_most_its_share_of_the_series() {
+    let agg = Aggregator::new(10, Instant::now()).with_max_per_service(3);
+    let urls = agg.service("crawler");
+    let now = Instant::now();
+    let paths: Vec<String> = (0..6).map(|i| format!("/items/{i}")).collect();
+    let entries: Vec<(&str, u64, u64)> = paths.iter().map(|p| (p.as_str(), 1, 0)).collect();
+    agg.ingest(&urls, &report(1, &entries), now);
+    assert_eq!(agg.series_count(), 3);
+    assert_eq!(agg.overflowed_reports(), 3);
+    // Its endpoints already kept go on counting; the other services keep their room.
+    agg.ingest(&urls, &report(1, &entries[..1]), now);
+    let checkout = agg.service("checkout");
+    agg.ingest(
+        &checkout,
+        &report(1, &[("payments", 5, 0), ("stock", 2, 0)]),
+        now,
+    );
+    assert_eq!(agg.series_count(), 5);
+    assert_eq!(agg.overflowed_reports(), 3);
+    let stats = agg.stats(now, all());
+    let other = stats.series.iter().find(|s| s.service == OTHER);
+    assert_eq!(other.and_then(|s| s.lifetime).map(|c| c.calls), Some(3));
+    let first = stats.series.iter().find(|s| s.endpoint == "/items/0");
+    assert_eq!(first.and_then(|s| s.lifetime).map(|c| c.calls), Some(2));
+}

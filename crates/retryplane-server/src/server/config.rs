@@ -44,6 +44,10 @@ pub struct ServeConfig {
     /// Most (service, endpoint) metrics series kept apart; reports past it are counted in one
     /// `other` series. Default [`DEFAULT_MAX_SERIES`] (10,000).
     pub max_series: usize,
+    /// Most of those series one calling service may take; its reports for further endpoints
+    /// are counted in `other`. Default
+    /// [`crate::aggregate::DEFAULT_MAX_SERIES_PER_SERVICE`] (1,000).
+    pub max_series_per_service: usize,
     /// How often both gRPC listeners send an HTTP/2 PING on each connection. Default
     /// [`KEEPALIVE_INTERVAL`] (20 s). Must be more than zero.
     pub keepalive_interval: Duration,
@@ -79,6 +83,7 @@ impl Default for ServeConfig {
             metrics_interval: Duration::from_secs(10),
             stream_limits: StreamLimits::default(),
             max_series: DEFAULT_MAX_SERIES,
+            max_series_per_service: crate::aggregate::DEFAULT_MAX_SERIES_PER_SERVICE,
             keepalive_interval: KEEPALIVE_INTERVAL,
             keepalive_timeout: KEEPALIVE_TIMEOUT,
             max_streams_per_connection: MAX_STREAMS_PER_CONNECTION,
