@@ -539,11 +539,20 @@ impl AdminService for AdminApi {
         &self,
         request: Request<pb::FleetStatusRequest>,
     ) -> Result<Response<pb::FleetStatusResponse>, Status> {
-        let counts_only = request.into_inner().counts_only;
-        let (agents, connected, known) = self.control.fleet.status_and_counts(!counts_only);
+        let req = request.into_inner();
+        let size = match req.page_size {
+            0 => usize::MAX,
+            n => usize::try_from(n).unwrap_or(usize::MAX),
+        };
+        let page = self
+            .control
+            .fleet
+            .status_page(!req.counts_only, &req.page_token, size);
+        let (connected, known) = (page.connected, page.known);
         Ok(Response::new(pb::FleetStatusResponse {
             current_version: self.control.publisher.current().map_or(0, |s| s.version),
-            agents,
+            agents: page.agents,
+            next_page_token: page.next,
             alerting_endpoints: self
                 .control
                 .aggregates

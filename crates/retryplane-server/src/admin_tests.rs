@@ -844,10 +844,13 @@ async fn stats_refuses_an_unknown_order_window_and_fleet_status_can_send_counts_
     let status = |counts_only| {
         let api = &api;
         async move {
-            api.fleet_status(Request::new(pb::FleetStatusRequest { counts_only }))
-                .await
-                .unwrap()
-                .into_inner()
+            api.fleet_status(Request::new(pb::FleetStatusRequest {
+                counts_only,
+                ..Default::default()
+            }))
+            .await
+            .unwrap()
+            .into_inner()
         }
     };
     let full = status(false).await;
@@ -1110,4 +1113,54 @@ async fn an_applied_files_warnings_come_back_with_their_places() {
         assert_eq!(warning.path, "endpoints.payments.max_attempts");
         assert_eq!((warning.line, warning.column), (4, 19), "{warning:?}");
     }
+}
+
+#[tokio::test]
+async fn fleet_status_pages_by_agent_id() {
+    let api = api(Mode::Api);
+    let mut registrations = Vec::new();
+    for id in ["d", "a", "c", "e", "b"] {
+        let hello = pb::Hello {
+            agent_id: id.to_owned(),
+            service: "checkout".to_owned(),
+            ..Default::default()
+        };
+        registrations.push(api.control.fleet.register(&hello, None, None).unwrap());
+    }
+    let page = |size: u32, token: &str| {
+        let request = pb::FleetStatusRequest {
+            page_size: size,
+            page_token: token.to_owned(),
+            ..Default::default()
+        };
+        let api = &api;
+        async move {
+            let answer = api
+                .fleet_status(Request::new(request))
+                .await
+                .unwrap()
+                .into_inner();
+            let ids: Vec<String> = answer.agents.iter().map(|a| a.agent_id.clone()).collect();
+            (ids, answer.next_page_token, answer.known_agents)
+        }
+    };
+    assert_eq!(
+        page(2, "").await,
+        (vec!["a".into(), "b".into()], "b".into(), 5)
+    );
+    assert_eq!(
+        page(2, "b").await,
+        (vec!["c".into(), "d".into()], "d".into(), 5)
+    );
+    assert_eq!(page(2, "d").await, (vec!["e".into()], String::new(), 5));
+    assert_eq!(
+        page(3, "c").await,
+        (vec!["d".into(), "e".into()], String::new(), 5)
+    );
+    // Exactly one page's worth left: no token, since nothing follows.
+    assert_eq!(page(1, "d").await, (vec!["e".into()], String::new(), 5));
+    // No size: every agent, as before paging.
+    let (all, next, _) = page(0, "").await;
+    assert_eq!((all.len(), next), (5, String::new()));
+    drop(registrations);
 }

@@ -557,10 +557,21 @@ impl Fleet {
     /// Every listed agent sorted by id (none unless `list`), the agents connected now, and the
     /// agents known (connected, and disconnected ones still listed), all read at one instant.
     pub fn status_and_counts(&self, list: bool) -> (Vec<pb::AgentStatus>, usize, usize) {
+        let page = self.status_page(list, "", usize::MAX);
+        (page.agents, page.connected, page.known)
+    }
+
+    /// At most `size` listed agents (none unless `list`) whose ids sort after `after` (every
+    /// one when it is empty), sorted by id, with the counts of [`Fleet::status_and_counts`],
+    /// all read at one instant.
+    pub fn status_page(&self, list: bool, after: &str, size: usize) -> FleetPage {
         let mut inner = self.lock();
         self.forget_gone(&mut inner);
         let mut agents: Vec<_> = if list {
-            let listed = inner.agents.values().filter(|e| e.listed());
+            let listed = inner
+                .agents
+                .values()
+                .filter(|e| e.listed() && e.status.agent_id.as_str() > after);
             listed.map(|e| e.status.clone()).collect()
         } else {
             Vec::new()
@@ -570,8 +581,32 @@ impl Fleet {
         let connected = inner.connected;
         drop(inner);
         agents.sort_by(|a, b| a.agent_id.cmp(&b.agent_id));
-        (agents, connected, known)
+        let more = agents.len() > size;
+        agents.truncate(size);
+        let next = match agents.last() {
+            Some(last) if more => last.agent_id.clone(),
+            _ => String::new(),
+        };
+        FleetPage {
+            agents,
+            next,
+            connected,
+            known,
+        }
     }
+}
+
+/// One page of [`Fleet::status_page`].
+#[derive(Debug, PartialEq)]
+pub struct FleetPage {
+    /// The agents of the page, sorted by id.
+    pub agents: Vec<pb::AgentStatus>,
+    /// The id of the page's last agent when more follow it; empty when none does.
+    pub next: String,
+    /// Agents connected now.
+    pub connected: usize,
+    /// Agents known: connected, and disconnected ones still listed.
+    pub known: usize,
 }
 
 /// Drops the longest-gone disconnected agents past [`MAX_DISCONNECTED`], ephemeral ones first.

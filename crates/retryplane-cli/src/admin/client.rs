@@ -14,6 +14,11 @@ use super::Server;
 /// it.
 pub const MAX_RESPONSE_BYTES: usize = 64 * 1024 * 1024;
 
+/// Agents asked for per `FleetStatus` page: an agent may carry 64 labels of 256-byte keys
+/// and values (about 33 KiB), so a page stays under [`MAX_RESPONSE_BYTES`] (about 33 MiB at
+/// worst, a few hundred KiB in practice).
+pub const FLEET_PAGE: u32 = 1_000;
+
 /// One connection to the admin service.
 #[derive(Debug)]
 pub struct Client {
@@ -121,10 +126,18 @@ impl Client {
         self.answer(answer)
     }
 
-    /// `FleetStatus`.
+    /// `FleetStatus`, every agent: asked for in pages of [`FLEET_PAGE`] agents, put together
+    /// by [`whole_fleet`].
     pub async fn fleet_status(&mut self) -> Result<pb::FleetStatusResponse, Status> {
-        self.fleet_status_with(pb::FleetStatusRequest::default())
+        whole_fleet(async |token| {
+            self.fleet_status_with(pb::FleetStatusRequest {
+                page_size: FLEET_PAGE,
+                page_token: token,
+                ..Default::default()
+            })
             .await
+        })
+        .await
     }
 
     /// `FleetStatus` with `message` (`counts_only` leaves the agent list out).
@@ -142,5 +155,81 @@ impl Client {
         let request = self.request(message);
         let answer = self.inner.stats(request).await;
         self.answer(answer)
+    }
+}
+
+/// Every agent, from the `FleetStatus` pages `page` answers for each page token (empty for the
+/// first), in one answer whose version, alerting endpoints and counts are the last page's.
+async fn whole_fleet(
+    mut page: impl AsyncFnMut(String) -> Result<pb::FleetStatusResponse, Status>,
+) -> Result<pb::FleetStatusResponse, Status> {
+    let mut token = String::new();
+    let mut agents = Vec::new();
+    loop {
+        let mut answer = page(token.clone()).await?;
+        agents.append(&mut answer.agents);
+        let next = std::mem::take(&mut answer.next_page_token);
+        // A server that predates paging answers every agent and no token. Ids only go up from
+        // page to page, so a token that does not would never end.
+        if next.is_empty() || next <= token {
+            answer.agents = agents;
+            return Ok(answer);
+        }
+        token = next;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn agents(ids: &[&str], next: &str, known: u32) -> pb::FleetStatusResponse {
+        pb::FleetStatusResponse {
+            agents: ids
+                .iter()
+                .map(|&id| pb::AgentStatus {
+                    agent_id: id.to_owned(),
+                    ..Default::default()
+                })
+                .collect(),
+            next_page_token: next.to_owned(),
+            known_agents: known,
+            ..Default::default()
+        }
+    }
+
+    async fn collect(pages: &[pb::FleetStatusResponse]) -> (Vec<String>, Vec<String>, u32) {
+        let mut asked = Vec::new();
+        let mut left = pages.iter();
+        let whole = whole_fleet(async |token| {
+            asked.push(token);
+            Ok(left.next().cloned().unwrap_or_default())
+        })
+        .await
+        .unwrap();
+        let ids = whole.agents.into_iter().map(|a| a.agent_id).collect();
+        (ids, asked, whole.known_agents)
+    }
+
+    #[tokio::test]
+    async fn fleet_pages_are_put_together_until_the_last() {
+        let pages = [agents(&["a", "b"], "b", 4), agents(&["c", "d"], "", 5)];
+        let (ids, asked, known) = collect(&pages).await;
+        assert_eq!(ids, ["a", "b", "c", "d"]);
+        assert_eq!(asked, ["", "b"]);
+        assert_eq!(known, 5, "the last page's counts");
+        // A server that predates paging answers everything at once.
+        let (ids, asked, _) = collect(&[agents(&["a", "b", "c"], "", 3)]).await;
+        assert_eq!((ids.len(), asked.len()), (3, 1));
+        // A token that does not move on ends the walk instead of looping.
+        let pages = [agents(&["a", "b"], "b", 2), agents(&["b"], "b", 2)];
+        let (ids, asked, _) = collect(&pages).await;
+        assert_eq!(
+            (ids, asked),
+            (
+                vec!["a".into(), "b".into(), "b".into()],
+                vec!["".into(), "b".into()]
+            )
+        );
     }
 }

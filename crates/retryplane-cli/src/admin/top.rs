@@ -161,7 +161,10 @@ async fn poll(
     totals: bool,
 ) -> Result<Snapshot, Status> {
     let fleet = client
-        .fleet_status_with(pb::FleetStatusRequest { counts_only: true })
+        .fleet_status_with(pb::FleetStatusRequest {
+            counts_only: true,
+            ..Default::default()
+        })
         .await?;
     let request = pb::StatsRequest {
         limit: limit.map_or(0, |n| u32::try_from(n.max(1)).unwrap_or(u32::MAX)),
