@@ -629,9 +629,19 @@ impl AgentStream {
             Ok(None) => return Next::End(None),
             Err(status) => {
                 // Garbage, an oversized message or a broken connection: this stream ends with
-                // the decoder's status; every other stream carries on.
-                debug!(agent = %self.agent_id, code = ?status.code(), "stream ended with an error");
-                return Next::End(Some(inbound_error(status)));
+                // the decoder's status; every other stream carries on. What the agent sent
+                // wrong (a message over the limit, a bad header) is its fault and is logged
+                // where an operator sees it; a broken connection is routine.
+                let status = inbound_error(status);
+                if matches!(
+                    status.code(),
+                    tonic::Code::ResourceExhausted | tonic::Code::InvalidArgument
+                ) {
+                    warn!(agent = %self.agent_id, code = ?status.code(), reason = %OneLine(status.message()), "ending an agent stream: the agent sent a message this control plane cannot take");
+                } else {
+                    debug!(agent = %self.agent_id, code = ?status.code(), "stream ended with an error");
+                }
+                return Next::End(Some(status));
             }
         };
         let ctx = self.ctx.clone();
@@ -667,6 +677,7 @@ impl AgentStream {
             }
             Some(Kind::Metrics(report)) => return self.on_report(&report),
             Some(Kind::Hello(_)) => {
+                warn!(agent = %self.agent_id, "ending an agent stream: the agent sent a second Hello");
                 return Next::End(Some(Status::invalid_argument(
                     "Hello may only be the first message",
                 )));
@@ -719,10 +730,16 @@ impl AgentStream {
         let now = Instant::now();
         let limits = &ctx.limits;
         let own = &mut self.bucket;
+        // Whether the rate limit was asked and said no: a seq refused before and sent again
+        // is answered `dropped` again without asking it, and is not dropped a second time.
+        let mut limited = false;
         let admit = |bucket: Option<&mut ReportBucket>| {
-            bucket
-                .unwrap_or(own)
-                .take(now, limits.reports_per_second, limits.report_burst)
+            let admitted =
+                bucket
+                    .unwrap_or(own)
+                    .take(now, limits.reports_per_second, limits.report_burst);
+            limited = !admitted;
+            admitted
         };
         if report.seq == 0 || self.instance_id == 0 {
             if ctx
@@ -753,7 +770,11 @@ impl AgentStream {
                 false
             }
             ReportVerdict::Refused => {
-                ctx.metrics.reports_dropped.inc();
+                if limited {
+                    ctx.metrics.reports_dropped.inc();
+                } else {
+                    debug!(agent = %self.agent_id, seq = report.seq, "metrics report refused before, sent again");
+                }
                 true
             }
         };

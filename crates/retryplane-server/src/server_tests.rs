@@ -887,6 +887,38 @@ async fn a_report_with_counts_no_agent_could_make_is_left_out_and_counted() {
     running.shutdown().await.unwrap();
 }
 
+#[tokio::test]
+async fn a_message_over_the_limit_ends_its_stream_with_a_log_line_saying_why() {
+    let (_dir, mut cfg) = with_file(V1);
+    cfg.max_message_bytes = 64 * 1024;
+    let running = start(cfg).await.unwrap();
+    let (tx, mut inbound) = open_stream(running.agent_addr, hello("a-1"), None)
+        .await
+        .unwrap();
+    assert_eq!(next_version(&mut inbound).await, 1);
+    let (log, guard) = crate::test_logs::capture("retryplane_server=warn");
+    let big = pb::EndpointCounters {
+        endpoint: "x".repeat(100 * 1024),
+        ..Default::default()
+    };
+    send_report(&tx, 1, big).await;
+    let ended = loop {
+        match inbound.message().await {
+            Ok(Some(_)) => {}
+            other => break other,
+        }
+    };
+    assert_eq!(ended.unwrap_err().code(), tonic::Code::ResourceExhausted);
+    drop(guard);
+    let logged = log.text();
+    assert!(
+        logged.contains("ending an agent stream") && logged.contains("ResourceExhausted"),
+        "{logged}"
+    );
+    drop(tx);
+    running.shutdown().await.unwrap();
+}
+
 /// Sends one unnumbered report of `counters`, made under `version`.
 async fn send_report(
     tx: &mpsc::Sender<pb::AgentMessage>,

@@ -242,14 +242,17 @@ pub fn versions(series: &pb::SeriesStats) -> String {
     out
 }
 
-/// `7.2% > 5.0%` for a firing alert, `None` otherwise.
+/// `7.2% > 5.0%` for a firing alert, `None` otherwise. When one decimal would print the two
+/// alike (5.02 % over 5 %), both get the decimals that tell them apart (`5.02% > 5.00%`), up
+/// to six.
 pub fn alert_text(series: &pb::SeriesStats) -> Option<String> {
     series.alert.filter(|a| a.firing).map(|a| {
-        format!(
-            "{} > {}",
-            percent(Some(a.ratio)),
-            percent(Some(a.threshold))
-        )
+        let (ratio, threshold) = (a.ratio * 100.0, a.threshold * 100.0);
+        let mut decimals = 1;
+        while decimals < 6 && format!("{ratio:.decimals$}") == format!("{threshold:.decimals$}") {
+            decimals += 1;
+        }
+        format!("{ratio:.decimals$}% > {threshold:.decimals$}%")
     })
 }
 
@@ -608,6 +611,14 @@ pub(crate) mod tests {
         s.policy_version = 0;
         s.versions.clear();
         assert_eq!(versions(&s), "-");
+    }
+
+    #[test]
+    fn an_alert_just_over_its_threshold_never_reads_as_equal_to_it() {
+        let text = |ratio| alert_text(&alerting(series("s", "e", counters(1, 0, 1)), ratio));
+        assert_eq!(text(0.0502).as_deref(), Some("5.02% > 5.00%"));
+        assert_eq!(text(0.05004).as_deref(), Some("5.004% > 5.000%"));
+        assert_eq!(text(0.072).as_deref(), Some("7.2% > 5.0%"));
     }
 
     #[test]
