@@ -34,8 +34,10 @@
 //!
 //! A series alerts when its retry ratio (retries / calls) over the 5-minute window is above its
 //! endpoint's threshold ([`thresholds`]; default 5 %) with at least [`series::MIN_ALERT_CALLS`]
-//! calls in that window; once firing it ends only when the ratio is back at or under the
-//! threshold, whatever the volume. It is re-evaluated every [`TICK`] by the task of
+//! calls in that window, its own or, when the endpoint summed over every calling service is
+//! above its threshold too, the endpoint's (so a storm spread over many small callers alerts on
+//! each of them; [`series::Judge`]); once firing it ends only when the ratio is back at or
+//! under the threshold, whatever the volume. It is re-evaluated every [`TICK`] by the task of
 //! [`spawn_ticker`], and on every Stats call and scrape. The start is logged once at warn
 //! (endpoint, service, ratio, threshold), the end once at info.
 //!
@@ -63,7 +65,7 @@ use tokio::time::Instant;
 use tracing::warn;
 
 use self::counts::Counts;
-use self::series::{Alert, Series, SeriesView};
+use self::series::{Alert, Judge, Series, SeriesView};
 use self::thresholds::Thresholds;
 use self::window::{Tick, WINDOWS};
 use crate::fleet::unix_ms;
@@ -420,15 +422,42 @@ impl Aggregator {
     /// then endpoint, with `other` last when anything overflowed.
     pub fn views(&self, now: Instant, filter: Filter<'_>) -> Vec<SeriesView> {
         let tick = Tick::new(self.epoch, now);
+        let judges = self.judges(&tick);
         let mut views: Vec<SeriesView> = self
             .matching(filter)
             .iter()
-            .map(|s| s.view(&tick, self.thresholds.get(s.endpoint())))
+            .map(|s| s.view(&tick, judges.of(s)))
             .collect();
         if self.other_listed(filter) {
-            views.push(self.other.view(&tick, self.thresholds.get(OTHER)));
+            views.push(self.other.view(&tick, judges.of(&self.other)));
         }
         views
+    }
+
+    /// What each series' alert is judged against as of `tick`: its endpoint's threshold, and
+    /// whether the endpoint over every calling service is past it ([`Judge`]).
+    fn judges(&self, tick: &Tick) -> Judges<'_> {
+        let mut sums: HashMap<Box<str>, (u64, u64)> = HashMap::new();
+        for svc in read(&self.services).values() {
+            for (endpoint, series) in read(&svc.endpoints).iter() {
+                let (calls, retries) = series.five_minutes(tick);
+                if calls == 0 {
+                    continue;
+                }
+                let sum = sums.entry(endpoint.clone()).or_default();
+                sum.0 = sum.0.saturating_add(calls);
+                sum.1 = sum.1.saturating_add(retries);
+            }
+        }
+        let wide = sums
+            .into_iter()
+            .filter(|(endpoint, (calls, retries))| {
+                *calls >= series::MIN_ALERT_CALLS
+                    && counts::ratio(*retries, *calls) > self.thresholds.get(endpoint)
+            })
+            .map(|(endpoint, _)| endpoint)
+            .collect();
+        Judges { agg: self, wide }
     }
 
     /// The admin `Stats` answer as of `now`: every matching series.
@@ -447,6 +476,7 @@ impl Aggregator {
         series_only: bool,
     ) -> pb::StatsResponse {
         let tick = Tick::new(self.epoch, now);
+        let judges = self.judges(&tick);
         let mut series: Vec<&Series> = Vec::new();
         let matching = self.matching(filter);
         series.extend(matching.iter().map(AsRef::as_ref));
@@ -455,7 +485,7 @@ impl Aggregator {
         }
         let mut views: Vec<(&Series, SeriesView)> = series
             .into_iter()
-            .map(|s| (s, s.view(&tick, self.thresholds.get(s.endpoint()))))
+            .map(|s| (s, s.view(&tick, judges.of(s))))
             .filter(|(_, view)| !filter.firing_only || view.alert.firing)
             .collect();
         let matched_series = views.len();
@@ -502,7 +532,7 @@ impl Aggregator {
         };
         let other = (!series_only && self.other_listed(every_service)).then_some(&self.other);
         for s in totals.iter().map(AsRef::as_ref).chain(other) {
-            let view = s.view(&tick, self.thresholds.get(s.endpoint()));
+            let view = s.view(&tick, judges.of(s));
             endpoints
                 .entry(view.endpoint.clone())
                 .or_default()
@@ -541,6 +571,7 @@ impl Aggregator {
     /// transitions) and logs the overflow summary when due. Returns the alerts that fire.
     pub fn tick(&self, now: Instant) -> usize {
         let tick = Tick::new(self.epoch, now);
+        let judges = self.judges(&tick);
         let mut firing = 0;
         let all = self.matching(Filter::default());
         for s in all
@@ -548,7 +579,7 @@ impl Aggregator {
             .map(AsRef::as_ref)
             .chain(std::iter::once(&self.other))
         {
-            let Alert { firing: f, .. } = s.evaluate(&tick, self.thresholds.get(s.endpoint()));
+            let Alert { firing: f, .. } = s.evaluate(&tick, judges.of(s));
             firing += usize::from(f);
         }
         self.log_overflow(now);
@@ -628,6 +659,25 @@ pub fn spawn_ticker(
 /// The longest span a report is taken to cover: the longest window. A longer one would change
 /// no window's covered time.
 const MAX_REPORT_SPAN: Duration = Duration::from_secs(15 * 60);
+
+/// The endpoints past their threshold over every calling service, for [`Aggregator::judges`].
+struct Judges<'a> {
+    agg: &'a Aggregator,
+    wide: std::collections::HashSet<Box<str>>,
+}
+
+impl Judges<'_> {
+    /// What `series`' alert is judged against. `other` is never judged endpoint-wide: its
+    /// counts are of many endpoints.
+    fn of(&self, series: &Series) -> Judge {
+        let endpoint = series.endpoint();
+        let is_other = std::ptr::eq(series, &self.agg.other);
+        Judge {
+            threshold: self.agg.thresholds.get(endpoint),
+            endpoint_wide: !is_other && self.wide.contains(endpoint),
+        }
+    }
+}
 
 /// Endpoints of one report left out by [`Aggregator::ingest`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -24,8 +24,31 @@ pub const MAX_VERSIONS: usize = 4;
 
 /// Fewest calls in the 5-minute window for an alert to start: below it, one retry out of two
 /// calls is noise, not a retry storm. A firing alert ends only when the ratio is back at or
-/// under the threshold, whatever the volume.
+/// under the threshold, whatever the volume. The calls of a series count, or those of its
+/// endpoint over every calling service when that sum is past the threshold too (see
+/// [`Judge`]): a storm spread over many small callers is still a storm.
 pub const MIN_ALERT_CALLS: u64 = 20;
+
+/// What a series' alert is judged against.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Judge {
+    /// The endpoint's threshold.
+    pub threshold: f64,
+    /// Whether the endpoint, summed over every calling service in the 5-minute window, has
+    /// [`MIN_ALERT_CALLS`] calls and a retry ratio above the threshold: then the volume guard
+    /// of each of its series is met.
+    pub endpoint_wide: bool,
+}
+
+impl Judge {
+    /// Judged against `threshold` alone.
+    pub fn threshold(threshold: f64) -> Self {
+        Self {
+            threshold,
+            endpoint_wide: false,
+        }
+    }
+}
 
 /// Counts made under one policy version.
 #[derive(Debug)]
@@ -185,6 +208,14 @@ impl Series {
         }
     }
 
+    /// Calls and retries in the 5-minute window as of `tick`.
+    pub fn five_minutes(&self, tick: &Tick) -> (u64, u64) {
+        let mut s = self.lock();
+        s.prune(tick);
+        let w = s.window(tick, Window::FiveMinutes);
+        (w.0[CALLS], w.0[RETRIES])
+    }
+
     /// Drops versions and retired buckets with nothing left in any window.
     pub fn prune(&self, tick: &Tick) {
         self.lock().prune(tick);
@@ -192,11 +223,11 @@ impl Series {
 
     /// Re-evaluates the alert against `threshold` as of `tick`; the transition, if any, is
     /// logged here once (after the lock is released).
-    pub fn evaluate(&self, tick: &Tick, threshold: f64) -> Alert {
+    pub fn evaluate(&self, tick: &Tick, judge: Judge) -> Alert {
         let (alert, transition) = {
             let mut s = self.lock();
             s.prune(tick);
-            s.evaluate(tick, threshold)
+            s.evaluate(tick, judge)
         };
         if let Some(t) = transition {
             self.log(t);
@@ -205,11 +236,11 @@ impl Series {
     }
 
     /// Prunes, evaluates the alert and returns the whole series as of `tick`.
-    pub fn view(&self, tick: &Tick, threshold: f64) -> SeriesView {
+    pub fn view(&self, tick: &Tick, judge: Judge) -> SeriesView {
         let (view, transition) = {
             let mut s = self.lock();
             s.prune(tick);
-            let (alert, transition) = s.evaluate(tick, threshold);
+            let (alert, transition) = s.evaluate(tick, judge);
             let windows = WINDOWS.map(|w| (s.window(tick, w), tick.covered_seconds(w, s.began())));
             let view = SeriesView {
                 service: self.service.to_string(),
@@ -357,7 +388,8 @@ impl State {
         c
     }
 
-    fn evaluate(&mut self, tick: &Tick, threshold: f64) -> (Alert, Option<Transition>) {
+    fn evaluate(&mut self, tick: &Tick, judge: Judge) -> (Alert, Option<Transition>) {
+        let threshold = judge.threshold;
         let w = self.window(tick, Window::FiveMinutes);
         let (calls, retries) = (w.0[CALLS], w.0[RETRIES]);
         let ratio = ratio(retries, calls);
@@ -365,7 +397,7 @@ impl State {
         // The volume guard only keeps an alert from starting: one that fires goes on while the
         // ratio stays above the threshold, so a storm that also cuts the traffic does not
         // flap the alert.
-        let fire = ratio > threshold && (was || calls >= MIN_ALERT_CALLS);
+        let fire = ratio > threshold && (was || calls >= MIN_ALERT_CALLS || judge.endpoint_wide);
         let since_unix_ms = match (was, fire) {
             (false, true) => unix_ms(),
             (true, true) => self.alert.since_unix_ms,
@@ -414,7 +446,7 @@ mod tests {
         let series = Series::new("checkout", "payments", epoch);
         series.add(&tick, 1, &counts(40, 10), Duration::ZERO);
         let mut s = series.lock();
-        let (alert, started) = s.evaluate(&tick, 0.05);
+        let (alert, started) = s.evaluate(&tick, Judge::threshold(0.05));
         assert_eq!(
             started,
             Some(Transition::Started {
@@ -425,11 +457,11 @@ mod tests {
         );
         assert!(alert.firing);
         assert_eq!(
-            s.evaluate(&tick, 0.05).1,
+            s.evaluate(&tick, Judge::threshold(0.05)).1,
             None,
             "still firing: nothing to log"
         );
-        let (alert, ended) = s.evaluate(&tick, 0.5);
+        let (alert, ended) = s.evaluate(&tick, Judge::threshold(0.5));
         assert_eq!(
             ended,
             Some(Transition::Ended {
@@ -439,7 +471,7 @@ mod tests {
             })
         );
         assert!(!alert.firing);
-        assert_eq!(s.evaluate(&tick, 0.5).1, None);
+        assert_eq!(s.evaluate(&tick, Judge::threshold(0.5)).1, None);
     }
 
     #[test]
@@ -450,7 +482,7 @@ mod tests {
         let series = Series::new("checkout", "payments", epoch);
         series.add(&later, 1, &counts(1, 0), Duration::ZERO);
         series.add(&earlier, 1, &counts(2, 0), Duration::ZERO);
-        let view = series.view(&later, 0.05);
+        let view = series.view(&later, Judge::threshold(0.05));
         assert_eq!(view.windows.map(|(c, _)| c.0[CALLS]), [3, 3, 3]);
     }
 }

@@ -962,3 +962,35 @@ async fn one_service_takes_at_most_its_share_of_the_series() {
     let first = stats.series.iter().find(|s| s.endpoint == "/items/0");
     assert_eq!(first.and_then(|s| s.lifetime).map(|c| c.calls), Some(2));
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_storm_spread_over_many_small_callers_alerts_on_each_of_them() {
+    let agg = Aggregator::new(100, Instant::now());
+    // 25 callers of one endpoint, 10 calls each at 50 % retries: no caller has the minimum
+    // volume alone; the endpoint has 250 calls past its threshold.
+    for i in 0..25 {
+        let svc = agg.service(&format!("caller{i:02}"));
+        agg.ingest(&svc, &report(1, &[("shipping", 10, 5)]), Instant::now());
+    }
+    // A caller of another endpoint with the same small volume, whose endpoint is calm.
+    let calm = agg.service("calm");
+    agg.ingest(
+        &calm,
+        &report(1, &[("stock", 10, 5), ("search", 1, 1)]),
+        Instant::now(),
+    );
+    let quiet = agg.service("quiet");
+    agg.ingest(&quiet, &report(1, &[("search", 400, 0)]), Instant::now());
+    assert_eq!(agg.tick(Instant::now()), 25);
+    assert_eq!(agg.alerting_endpoints(Instant::now()), ["shipping"]);
+    let stats = agg.stats(Instant::now(), all());
+    assert_eq!(stats.firing_series, 25);
+    // The endpoint as a whole comes back under its threshold: each caller's alert ends with
+    // it, as a firing alert does when its own ratio falls back.
+    advance(Duration::from_secs(301)).await;
+    for i in 0..25 {
+        let svc = agg.service(&format!("caller{i:02}"));
+        agg.ingest(&svc, &report(1, &[("shipping", 10, 0)]), Instant::now());
+    }
+    assert_eq!(agg.tick(Instant::now()), 0);
+}
