@@ -13,7 +13,10 @@
 //!
 //! Any event in a watched directory other than a pure read (ours included) starts the
 //! debounced read: a reload starts after [`DEBOUNCE`] without further events, so a save that
-//! arrives as several writes (or a rename plus a chmod) is read once, complete. Events are not
+//! arrives as several writes (or a rename plus a chmod) is read once, complete; but at most
+//! [`MAX_QUIET_WAIT`] after the wait began, so that another file written more often than the
+//! quiet period (a log in the same directory) cannot hold reloads back for as long as it goes
+//! on. Events are not
 //! filtered by file name, since a swap renames a link other than the file (`..data_tmp` over
 //! `..data`); instead, a read whose bytes equal those last read is skipped quietly (at debug),
 //! so unrelated files touched in a watched directory neither publish nor log.
@@ -46,8 +49,12 @@
 //! quiet period, and half a file may well be a valid one (the first endpoints only). Where the
 //! platform reports a writer closing the file (inotify on Linux), a file written to and not yet
 //! closed is not read: the read waits for the writer to close it, at most
-//! [`Timing::unclosed`] ([`UNCLOSED`]) after the quiet period, and then reads what is there (a
-//! writer that keeps the file open for good delays a reload by that much, no more).
+//! [`Timing::unclosed`] ([`UNCLOSED`]) after the quiet period, and then reads what is there,
+//! with a warning (a writer that keeps the file open for good delays a reload by that much, no
+//! more). notify delivers the writer's events on its own thread, so a save that begins just as
+//! the quiet period ends may not be known yet when the file is read: after the read the file
+//! is looked at again, and a read of a file now open for writing, or modified less than the
+//! quiet period before (its modification time), is not applied: the wait starts again.
 //!
 //! notify calls back on its own thread; the callback notes which files are written to and not
 //! yet closed, and forwards a wake-up into a one-slot tokio channel with `try_send` (a full
@@ -58,7 +65,7 @@ use std::ffi::OsString;
 use std::io::{self, Read as _};
 use std::path::{Component, Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use notify::event::{AccessKind, AccessMode, ModifyKind, RenameMode};
 use notify::{Event, EventKind, RecommendedWatcher, RecursiveMode, Watcher as _};
@@ -82,7 +89,12 @@ pub const RESCAN: Duration = Duration::from_secs(10);
 
 /// The longest a read waits, after the quiet period, for a writer that still has the policy
 /// file open to close it (see the module docs).
-pub const UNCLOSED: Duration = Duration::from_secs(5);
+pub const UNCLOSED: Duration = Duration::from_secs(30);
+
+/// The longest events keep a read waiting for a quiet period: other files written in a watched
+/// directory more often than [`DEBOUNCE`] (a log, another program's data) would otherwise hold
+/// every reload, the rescan's included, for as long as they go on.
+pub const MAX_QUIET_WAIT: Duration = Duration::from_secs(1);
 
 /// The watcher's timings.
 #[derive(Clone, Copy, Debug)]
@@ -93,6 +105,8 @@ pub struct Timing {
     pub rescan: Duration,
     /// The longest a read waits for a writer to close the file it wrote to ([`UNCLOSED`]).
     pub unclosed: Duration,
+    /// The longest events keep a read waiting for a quiet period ([`MAX_QUIET_WAIT`]).
+    pub max_quiet_wait: Duration,
 }
 
 impl Default for Timing {
@@ -101,6 +115,7 @@ impl Default for Timing {
             debounce: DEBOUNCE,
             rescan: RESCAN,
             unclosed: UNCLOSED,
+            max_quiet_wait: MAX_QUIET_WAIT,
         }
     }
 }
@@ -202,6 +217,21 @@ struct FileRead {
     bytes: Vec<u8>,
     /// The file's size from its metadata, when it is a regular file (a FIFO or a device says 0).
     size: Option<u64>,
+    /// When the file was last modified, as it stood once read (`None` where not known).
+    modified: Option<SystemTime>,
+}
+
+impl FileRead {
+    /// Whether the file was modified less than `quiet` before now (or has a modification time
+    /// just ahead of this clock): its writer may have started a save the events have not told
+    /// of yet, so what was read may be half of it.
+    fn fresh(&self, quiet: Duration) -> bool {
+        self.modified
+            .is_some_and(|at| match SystemTime::now().duration_since(at) {
+                Ok(age) => age < quiet,
+                Err(ahead) => ahead.duration() < quiet,
+            })
+    }
 }
 
 impl FileRead {
@@ -227,8 +257,13 @@ fn read_bytes(path: &Path) -> io::Result<FileRead> {
         .map(|m| m.len());
     let mut bytes = Vec::new();
     let limit = u64::try_from(MAX_FILE_BYTES).map_or(u64::MAX, |m| m + 1);
-    file.take(limit).read_to_end(&mut bytes)?;
-    Ok(FileRead { bytes, size })
+    (&file).take(limit).read_to_end(&mut bytes)?;
+    let modified = file.metadata().and_then(|m| m.modified()).ok();
+    Ok(FileRead {
+        bytes,
+        size,
+        modified,
+    })
 }
 
 /// Runs `f` off the async threads.
@@ -555,14 +590,23 @@ async fn run(
             // No event: read anyway, for a change no watch saw.
             _ = rescan.tick() => {}
         }
-        // When the quiet period first found the file still open for writing.
+        // When the file was first found still being written (open for writing, or modified
+        // within the quiet period).
         let mut open_since: Option<Instant> = None;
-        loop {
-            // Debounce: wait for a quiet period.
+        let read = loop {
+            // Debounce: wait for a quiet period, but not longer than `max_quiet_wait` while
+            // events keep coming (from other files of the directory, maybe).
+            let waiting_since = Instant::now();
             loop {
+                let left = timing
+                    .max_quiet_wait
+                    .saturating_sub(waiting_since.elapsed());
+                if left.is_zero() {
+                    break;
+                }
                 tokio::select! {
                     _ = shutdown.wait_for(|stop| *stop) => return,
-                    event = tokio::time::timeout(debounce, events.recv()) => match event {
+                    event = tokio::time::timeout(debounce.min(left), events.recv()) => match event {
                         Ok(Some(())) => {}
                         Ok(None) => return,
                         Err(_quiet) => break,
@@ -587,32 +631,55 @@ async fn run(
                     return;
                 }
             };
+            let open = || real.as_ref().is_some_and(|real| open_writes.is_open(real));
             // A writer still has the file open: what is there may be half of its save.
-            let Some(real) = real.filter(|real| open_writes.is_open(real)) else {
-                break;
+            let read = if open() {
+                None
+            } else {
+                Some(read_file(&file).await)
             };
+            // Looked at again after the read: a save that began just before or during it is
+            // told by the writer's events (notify delivers them on its own thread, maybe
+            // after the read) or by the file's modification time.
+            let settled = read
+                .as_ref()
+                .is_some_and(|read| !open() && !read.as_ref().is_ok_and(|r| r.fresh(debounce)));
+            if settled && let Some(read) = read {
+                break read;
+            }
             let since = *open_since.get_or_insert_with(Instant::now);
             let left = timing.unclosed.saturating_sub(since.elapsed());
             if left.is_zero() {
-                debug!(file = %file.display(), "the policy file is still open for writing; reading it anyway");
-                open_writes.forget(&real);
-                break;
+                warn!(file = %file.display(), "the policy file has been held open for writing (or kept changing) for {}; reading what is there, which may be half of a save", humantime_secs(timing.unclosed));
+                if let Some(real) = &real {
+                    open_writes.forget(real);
+                }
+                break match read {
+                    Some(read) => read,
+                    None => read_file(&file).await,
+                };
             }
-            debug!(file = %file.display(), "the policy file is open for writing; waiting for the writer to close it");
-            // The close (or any other event) starts another quiet period.
+            debug!(file = %file.display(), "the policy file is being written; waiting for the writer to finish");
+            // The close (or any other event) starts another quiet period; a save told only by
+            // its modification time gets one anyway.
+            let wait = if read.is_none() {
+                left
+            } else {
+                debounce.min(left)
+            };
             tokio::select! {
                 _ = shutdown.wait_for(|stop| *stop) => return,
-                event = tokio::time::timeout(left, events.recv()) => {
+                event = tokio::time::timeout(wait, events.recv()) => {
                     if matches!(event, Ok(None)) {
                         return;
                     }
                 }
             }
-        }
+        };
         // What start-up read counts as read: an event that changed nothing in the file (or a
         // rescan) does not apply or log it a second time.
-        if let Some(read) = &mut start {
-            match read.try_recv() {
+        if let Some(start_read) = &mut start {
+            match start_read.try_recv() {
                 Ok(bytes) => {
                     if matches!(last, LastRead::Nothing) {
                         last = LastRead::Bytes(bytes);
@@ -623,15 +690,30 @@ async fn run(
                 Err(oneshot::error::TryRecvError::Empty) => {}
             }
         }
-        reload_if_changed(&control, &file, &mut last).await;
+        reload_if_changed(&control, &file, read, &mut last).await;
     }
 }
 
-/// Reads `file` and applies it unless its bytes are those last read: an event on another
-/// file in a watched directory publishes and logs nothing.
-async fn reload_if_changed(control: &ControlPlane, file: &Path, last: &mut LastRead) {
+/// Reads `file` off the async threads.
+async fn read_file(file: &Path) -> io::Result<FileRead> {
     let path = file.to_owned();
-    let read = match blocking(move || read_bytes(&path)).await.and_then(|r| r) {
+    blocking(move || read_bytes(&path)).await.and_then(|r| r)
+}
+
+/// `5s` for a whole number of seconds, for log lines.
+fn humantime_secs(d: Duration) -> String {
+    format!("{}s", d.as_secs())
+}
+
+/// Applies what was `read` from `file` unless its bytes are those last read: an event on
+/// another file in a watched directory publishes and logs nothing.
+async fn reload_if_changed(
+    control: &ControlPlane,
+    file: &Path,
+    read: io::Result<FileRead>,
+    last: &mut LastRead,
+) {
+    let read = match read {
         Ok(read) => read,
         Err(e) => {
             reload_result(control, file, false);
@@ -688,7 +770,8 @@ fn serving(control: &ControlPlane) -> String {
 /// Reads `file` and applies it, whatever was read before; on any problem logs it and keeps the
 /// current version.
 pub async fn reload(control: &ControlPlane, file: &Path) {
-    reload_if_changed(control, file, &mut LastRead::Nothing).await;
+    let read = read_file(file).await;
+    reload_if_changed(control, file, read, &mut LastRead::Nothing).await;
 }
 
 /// Applies what was loaded from `file`, logging any problem. Returns whether the outcome is

@@ -31,6 +31,7 @@ const TIMING: Timing = Timing {
     debounce: DEBOUNCE,
     rescan: Duration::from_millis(500),
     unclosed: UNCLOSED,
+    max_quiet_wait: MAX_QUIET_WAIT,
 };
 
 const V1: &str = "version: 1\nendpoints:\n  payments:\n    max_attempts: 3\n";
@@ -405,6 +406,7 @@ async fn a_directory_deleted_and_created_again_is_watched_again() {
         debounce: DEBOUNCE,
         rescan: RESCAN_EVERY,
         unclosed: UNCLOSED,
+        max_quiet_wait: MAX_QUIET_WAIT,
     };
     let f = start_with(dir, file.clone(), timing).await;
 
@@ -441,6 +443,7 @@ async fn a_missing_directory_is_watched_for_and_the_file_read_once_it_appears() 
         debounce: DEBOUNCE,
         rescan: Duration::from_secs(600),
         unclosed: UNCLOSED,
+        max_quiet_wait: MAX_QUIET_WAIT,
     };
     let (_stop, shutdown) = watch::channel(false);
     spawn(control.clone(), file.clone(), timing, shutdown).unwrap();
@@ -470,6 +473,7 @@ async fn a_change_no_event_reports_is_found_by_the_rescan() {
         debounce: DEBOUNCE,
         rescan: Duration::from_secs(1),
         unclosed: UNCLOSED,
+        max_quiet_wait: MAX_QUIET_WAIT,
     };
     let f = start_with(dir, file.clone(), timing).await;
     fs::write(&link, V2).unwrap();
@@ -575,7 +579,7 @@ impl SlowWriter {
 }
 
 #[cfg(any(target_os = "linux", target_os = "android"))]
-const OPEN_FOR_WRITING: &str = "the policy file is open for writing; waiting for the writer";
+const OPEN_FOR_WRITING: &str = "the policy file is being written; waiting for the writer";
 
 /// A save whose first half is a valid file on its own.
 #[cfg(any(target_os = "linux", target_os = "android"))]
@@ -640,4 +644,61 @@ async fn a_file_kept_open_for_writing_is_read_after_the_bound() {
     assert_eq!(max_attempts_served(&f.control).await, Some(4));
     assert!(log.text().contains(OPEN_FOR_WRITING), "{}", log.text());
     drop(writer);
+}
+
+#[tokio::test]
+async fn another_file_written_without_pause_does_not_hold_a_save_back() {
+    // A log in the policy file's directory, appended to every 20 ms (well under the quiet
+    // period) for the whole test; the rescan is far away, so only the cap on waiting for
+    // quiet lets the save through.
+    let timing = Timing {
+        rescan: Duration::from_secs(600),
+        ..TIMING
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("policies.yaml");
+    fs::write(&file, V1).unwrap();
+    let log = dir.path().join("app.log");
+    let f = start_with(dir, file, timing).await;
+    let noise = tokio::spawn(async move {
+        use std::io::Write as _;
+        let mut out = fs::File::create(&log).unwrap();
+        // Bounded: 30 s at most, whatever the test does (it aborts this task sooner).
+        for _ in 0..1_500 {
+            out.write_all(b"line\n").unwrap();
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+    let tmp = f.dir.path().join(".policies.yaml.tmp");
+    fs::write(&tmp, V2).unwrap();
+    fs::rename(&tmp, &f.file).unwrap();
+    let published = tokio::time::timeout(
+        MAX_QUIET_WAIT * 5,
+        wait_for_version(&f.control, 2, PUBLISHED),
+    )
+    .await;
+    noise.abort();
+    assert!(
+        published.is_ok(),
+        "the save waited for the other file to go quiet"
+    );
+    assert_eq!(max_attempts_served(&f.control).await, Some(4));
+}
+
+#[test]
+fn a_file_modified_within_the_quiet_period_is_fresh() {
+    let read = |modified| FileRead {
+        bytes: Vec::new(),
+        size: None,
+        modified,
+    };
+    let now = SystemTime::now();
+    assert!(read(Some(now)).fresh(DEBOUNCE));
+    assert!(read(Some(now - DEBOUNCE / 2)).fresh(DEBOUNCE));
+    assert!(!read(Some(now - DEBOUNCE * 2)).fresh(DEBOUNCE));
+    // Just ahead of this clock (another clock's write): fresh; far ahead: not, or a file
+    // touched with a date in the future would never be read.
+    assert!(read(Some(now + DEBOUNCE / 2)).fresh(DEBOUNCE));
+    assert!(!read(Some(now + Duration::from_secs(3600))).fresh(DEBOUNCE));
+    assert!(!read(None).fresh(DEBOUNCE));
 }
