@@ -224,6 +224,7 @@ async fn counts_too_large_for_one_message_reach_the_server_in_several_reports() 
         // No periodic report during the calls: they all go out in one, when version 2 comes.
         cfg.metrics_interval = Duration::from_secs(600);
         cfg.max_series = 100_000;
+        cfg.max_series_per_service = 100_000;
     })
     .await;
     let a = agent(running.agent_addr, "a", None);
@@ -347,5 +348,46 @@ async fn an_endpoint_handle_keeps_the_agent_running_after_the_agent_is_dropped()
         listed_connected(&running, "a").await == Some(false)
     })
     .await;
+    running.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_sent_no_snapshot_reports_at_the_interval_of_the_control_plane_it_joins() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("agent.cache");
+    // The first control plane has agents report hourly; its snapshot puts that in the cache.
+    let running = plane_with(dir.path(), &yaml(3), None, |cfg| {
+        cfg.metrics_interval = Duration::from_secs(3600);
+    })
+    .await;
+    let a = agent(running.agent_addr, "a", Some(&cache));
+    on_version(&[&a], 1).await;
+    eventually("the cache holds version 1", || async {
+        std::fs::metadata(&cache).is_ok_and(|m| m.len() > 0)
+    })
+    .await;
+    a.shutdown().await;
+    running.shutdown().await.unwrap();
+
+    // The same store served again with a 200 ms interval: the agent, started from its cache,
+    // is up to date and is sent no snapshot. It must still report at 200 ms, not hourly.
+    let running = plane_with(dir.path(), &yaml(3), None, |cfg| {
+        cfg.metrics_interval = Duration::from_millis(200);
+    })
+    .await;
+    let a = agent(running.agent_addr, "a", Some(&cache));
+    eventually("the agent connects", || async { a.is_connected() }).await;
+    assert_eq!(a.policies().version(), 1);
+    succeed(&a, 1).await;
+    eventually("the call is reported well before an hour", || async {
+        stats(&running).await.is_some_and(|s| s.calls == 1)
+    })
+    .await;
+    assert_eq!(
+        metric(&running, "retryplane_server_pushes_total").await,
+        Some(0.0),
+        "no snapshot was sent"
+    );
+    a.shutdown().await;
     running.shutdown().await.unwrap();
 }

@@ -38,6 +38,14 @@ pub const FILE_DESCRIPTOR_SET: &[u8] =
 /// never comes and nothing is counted twice.
 pub const METRICS_ACK_METADATA: &str = "retryplane-metrics-ack";
 
+/// Response metadata of `AgentService.Connect` carrying the control plane's metrics interval,
+/// in milliseconds (the `Snapshot.metrics_interval_ms` its snapshots carry). An agent that is
+/// up to date when it connects is sent no snapshot, so without this it would go on reporting
+/// at the interval of its cache file or of an earlier control plane, possibly faster than this
+/// one's report rate limit. An agent takes it as a snapshot's; a control plane that predates
+/// it sends none, and the agent keeps the interval it has.
+pub const METRICS_INTERVAL_METADATA: &str = "retryplane-metrics-interval-ms";
+
 /// The largest `retryplane.v1` message either side decodes: 4 MiB, gRPC's usual default. An
 /// agent refuses a `ServerMessage` longer than this, so the control plane refuses a change whose
 /// snapshot message could be longer ([`check_agent_limit`]), `retryplane validate` reports such a

@@ -124,6 +124,7 @@ where
         }
         let service = self.service.clone();
         let limit = self.max_decoding_message_size;
+        let interval = http::HeaderValue::from(service.metrics_interval_ms());
         Box::pin(async move {
             if let Err(status) = check_encoding(&request) {
                 return Ok(status.into_http());
@@ -145,6 +146,8 @@ where
                         retryplane_proto::METRICS_ACK_METADATA,
                         http::HeaderValue::from_static("1"),
                     );
+                    // So an agent that is sent no snapshot reports at this interval too.
+                    headers.insert(retryplane_proto::METRICS_INTERVAL_METADATA, interval);
                     response
                 }
                 Err(status) => status.into_http(),

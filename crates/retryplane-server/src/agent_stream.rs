@@ -136,6 +136,12 @@ pub struct AgentStreamService {
 }
 
 impl AgentStreamService {
+    /// The metrics interval agents are to report at, in milliseconds (sent in every snapshot,
+    /// and in the `Connect` response's metadata).
+    pub fn metrics_interval_ms(&self) -> u64 {
+        self.ctx.publisher.metrics_interval_ms()
+    }
+
     /// A service over `ctx`.
     pub fn new(ctx: Arc<StreamContext>) -> Self {
         let pending = ctx

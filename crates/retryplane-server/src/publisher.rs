@@ -64,6 +64,11 @@ impl Publisher {
         }
     }
 
+    /// The metrics interval sent to agents, in milliseconds.
+    pub fn metrics_interval_ms(&self) -> u64 {
+        self.metrics_interval_ms
+    }
+
     /// Makes `record` the current snapshot and wakes every stream. Versions only go forward:
     /// a record older than the current snapshot is not published (logged), and the current
     /// snapshot is returned instead.

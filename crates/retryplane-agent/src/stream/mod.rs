@@ -462,6 +462,19 @@ async fn session(
         .metadata()
         .get(retryplane_proto::METRICS_ACK_METADATA)
         .is_some_and(|v| v == "1");
+    // The control plane's interval, for an agent it sends no snapshot (up to date already):
+    // it may be another than the cache file's or an earlier control plane's.
+    if let Some(ms) = opened
+        .metadata()
+        .get(retryplane_proto::METRICS_INTERVAL_METADATA)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+        .filter(|&ms| ms > 0)
+    {
+        shared.metrics_interval_ms.store(ms, Relaxed);
+        // A report due later than this interval allows comes forward, as after a snapshot.
+        *next_report = (*next_report).min(Instant::now() + interval(shared));
+    }
     if numbered {
         // Before any new report: what earlier streams left unacknowledged, same seqs.
         if !outbox.resend(&tx) {
