@@ -450,7 +450,14 @@ impl Watches {
                 wanted.push(dir);
             }
         }
+        // A directory still wanted is not unwatched first: dropped and added again, its watch
+        // would miss the events in between (a writer's first write, which tells that a save
+        // has begun). Watching it again attaches the watch to the directory now at its path:
+        // the same one keeps its watch (inotify adds to it), a new one gets its own.
         for dir in self.active.drain(..) {
+            if wanted.contains(&dir) {
+                continue;
+            }
             // A directory that is gone (deleted, or the old one after a ConfigMap swap) took
             // its watch with it, and notify drops the watch on the deletion event: unwatching
             // it again would only fail.
@@ -593,6 +600,8 @@ async fn run(
         // When the file was first found still being written (open for writing, or modified
         // within the quiet period).
         let mut open_since: Option<Instant> = None;
+        // Whether an empty read was already given another quiet period.
+        let mut empty_looked_again = false;
         let read = loop {
             // Debounce: wait for a quiet period, but not longer than `max_quiet_wait` while
             // events keep coming (from other files of the directory, maybe).
@@ -641,10 +650,20 @@ async fn run(
             // Looked at again after the read: a save that began just before or during it is
             // told by the writer's events (notify delivers them on its own thread, maybe
             // after the read) or by the file's modification time.
-            let settled = read
-                .as_ref()
-                .is_some_and(|read| !open() && !read.as_ref().is_ok_and(|r| r.fresh(debounce)));
+            // An empty file is most often a save caught between its truncation and its first
+            // write (whose modification time the kernel may not have set yet): looked at once
+            // more after a quiet period before it is refused.
+            let empty = !empty_looked_again
+                && read
+                    .as_ref()
+                    .is_some_and(|read| read.as_ref().is_ok_and(|r| r.bytes.is_empty()));
+            empty_looked_again |= empty;
+            let settled = !empty
+                && read
+                    .as_ref()
+                    .is_some_and(|read| !open() && !read.as_ref().is_ok_and(|r| r.fresh(debounce)));
             if settled && let Some(read) = read {
+                debug!(file = %file.display(), modified = ?read.as_ref().ok().and_then(|r| r.modified), "the policy file read is settled");
                 break read;
             }
             let since = *open_since.get_or_insert_with(Instant::now);
@@ -659,7 +678,7 @@ async fn run(
                     None => read_file(&file).await,
                 };
             }
-            debug!(file = %file.display(), "the policy file is being written; waiting for the writer to finish");
+            debug!(file = %file.display(), open = open(), read = read.is_some(), "the policy file is being written; waiting for the writer to finish");
             // The close (or any other event) starts another quiet period; a save told only by
             // its modification time gets one anyway.
             let wait = if read.is_none() {
