@@ -12,7 +12,7 @@
 //!
 //! [`BackoffConfig`] is the policy (plain data); [`Backoff`] is the per-call state that walks it
 //! (which retry comes next, the previous pause), kept apart as in tower's `backoff.rs`
-//! (STYLE.md #3). [`Schedule`] is the same walk as an endless `Iterator<Item = Duration>` owning its
+//! (config and runtime apart). [`Schedule`] is the same walk as an endless `Iterator<Item = Duration>` owning its
 //! RNG, in the style of `backon`. Randomness always comes from an injected [`Rng`], so a seeded
 //! generator gives the same pauses every run.
 //!

@@ -1,7 +1,7 @@
 //! The per-call retry state machine (SPEC §2).
 //!
 //! A [`RetryCall`] is created when a logical call starts, from the policy snapshot read once for
-//! that call (STYLE.md #4) and the endpoint's shared [`EndpointState`] (budget and breaker). The
+//! that call (one snapshot per call) and the endpoint's shared [`EndpointState`] (budget and breaker). The
 //! caller runs attempts; after each it reports the classified [`Outcome`] with the current time
 //! and gets a [`Decision`]: return, retry after a pause, or give up with a [`GiveUpCause`].
 //! The machine never allows more than `max_attempts` (it counts them itself: a call that is

@@ -1,6 +1,6 @@
 //! The retryplane control plane (`retryplane serve`, SPEC §3).
 //!
-//! A versioned snapshot store plus thin gRPC and HTTP layers (STYLE.md #9): the [`store`] decides
+//! A versioned snapshot store plus thin gRPC and HTTP layers: the [`store`] decides
 //! versions and keeps every one of them in an embedded database; [`control`] is the one path by
 //! which policies change (validate, safety checks, store, publish); the [`agent_stream`] service
 //! only fans the current snapshot out to connected agents, records their ACKs and NACKs and

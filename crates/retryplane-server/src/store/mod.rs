@@ -1,6 +1,6 @@
 //! The version store: every published policy document, numbered (SPEC §3).
 //!
-//! The store is the single place that decides version numbers (STYLE.md #9). A publish is one
+//! The store is the single place that decides version numbers. A publish is one
 //! atomic step: it reads the current version, checks the caller's expected version (optimistic
 //! concurrency), compares content hashes, and appends `current + 1` — or, when the content is
 //! the same as the current version's, writes nothing and answers [`Published::Unchanged`], so
