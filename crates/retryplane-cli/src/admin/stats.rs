@@ -33,7 +33,8 @@
 //!  "endpoints": [{"endpoint", <counters>, "retry_ratio", "first_try_success_ratio"}],
 //!  "alerts": [{"service", "endpoint", "ratio", "threshold", "window_seconds",
 //!              "since_unix_ms", "since"}],
-//!  "max_series", "overflowed_reports"}
+//!  "max_series", "max_series_per_service", "overflowed_reports",
+//!  "overflowed_by_reason": {"series_cap", "bad_name", "service_share"}}
 //! ```
 //!
 //! `<counters>` are the wire's `Counters` fields by name (`calls`, `attempts`, `retries`,
@@ -193,12 +194,44 @@ pub fn text(response: &pb::StatsResponse, window: Window) -> String {
         out.push_str("lifetime, per endpoint (every service):\n");
         endpoint_table(&mut out, &response.endpoints);
     }
-    if response.overflowed_reports > 0 {
-        let _ = writeln!(
-            out,
-            "note: {} endpoint reports past the cap of {} series were counted in the \"other\" series",
-            response.overflowed_reports, response.max_series
-        );
+    for line in overflow_notes(response) {
+        let _ = writeln!(out, "note: {line}");
+    }
+    out
+}
+
+/// What was counted in the `other` series, one line per reason, each saying what would help.
+/// A server that does not tell the reasons apart gives only the total.
+pub fn overflow_notes(r: &pb::StatsResponse) -> Vec<String> {
+    const OTHER: &str = "were counted in the \"other\" series";
+    let by_reason = r.overflowed_cap + r.overflowed_bad_name + r.overflowed_service_share;
+    if by_reason == 0 {
+        return if r.overflowed_reports > 0 {
+            vec![format!("{} endpoint reports {OTHER}", r.overflowed_reports)]
+        } else {
+            Vec::new()
+        };
+    }
+    let mut out = Vec::new();
+    if r.overflowed_cap > 0 {
+        out.push(format!(
+            "{} endpoint reports past the cap of {} series {OTHER} (serve --max-series)",
+            r.overflowed_cap, r.max_series
+        ));
+    }
+    if r.overflowed_service_share > 0 {
+        out.push(format!(
+            "{} endpoint reports past a service's share of {} series {OTHER} (serve \
+             --max-series-per-service; are endpoint names made from URLs?)",
+            r.overflowed_service_share, r.max_series_per_service
+        ));
+    }
+    if r.overflowed_bad_name > 0 {
+        out.push(format!(
+            "{} endpoint reports with a service or endpoint name over 256 bytes, holding a \
+             control character, or named \"other\" {OTHER}",
+            r.overflowed_bad_name
+        ));
     }
     out
 }
@@ -293,7 +326,13 @@ pub fn stats_json(response: &pb::StatsResponse) -> Value {
         "endpoints": response.endpoints.iter().map(metrics::endpoint_json).collect::<Vec<_>>(),
         "alerts": metrics::alerts_json(response),
         "max_series": response.max_series,
+        "max_series_per_service": response.max_series_per_service,
         "overflowed_reports": response.overflowed_reports,
+        "overflowed_by_reason": {
+            "series_cap": response.overflowed_cap,
+            "bad_name": response.overflowed_bad_name,
+            "service_share": response.overflowed_service_share,
+        },
     })
 }
 
@@ -398,15 +437,42 @@ payments   10000      700    7.0%      90.0%          950  att:50      2m05s
     fn the_footer_tells_about_reports_past_the_series_cap() {
         let mut r = response();
         r.overflowed_reports = 12;
+        r.overflowed_cap = 12;
         r.max_series = 2;
         let out = text(&r, Window::FiveMinutes);
         assert!(
             out.ends_with(
-                "note: 12 endpoint reports past the cap of 2 series were counted in the \"other\" series\n"
+                "note: 12 endpoint reports past the cap of 2 series were counted in the \"other\" series (serve --max-series)\n"
             ),
             "{out}"
         );
         assert!(!text(&response(), Window::FiveMinutes).contains("note:"));
+    }
+
+    #[test]
+    fn the_footer_names_each_reason_reports_went_to_other_and_only_those() {
+        let mut r = response();
+        r.overflowed_reports = 3;
+        r.overflowed_bad_name = 1;
+        r.overflowed_service_share = 2;
+        r.max_series_per_service = 1_000;
+        let notes = overflow_notes(&r);
+        assert_eq!(notes.len(), 2, "{notes:?}");
+        assert!(notes[0].starts_with("2 endpoint reports past a service's share of 1000 series"));
+        assert!(
+            notes[1].starts_with("1 endpoint reports with a service or endpoint name over 256")
+        );
+        assert!(
+            !notes.iter().any(|n| n.contains("--max-series ")),
+            "{notes:?}"
+        );
+        // A server that does not tell the reasons apart: the total alone, no cause guessed.
+        let mut old = response();
+        old.overflowed_reports = 5;
+        assert_eq!(
+            overflow_notes(&old),
+            ["5 endpoint reports were counted in the \"other\" series"]
+        );
     }
 
     #[test]
@@ -453,7 +519,9 @@ payments   10000      700    7.0%      90.0%          950  att:50      2m05s
                 "endpoints": [],
                 "alerts": [],
                 "max_series": 0,
-                "overflowed_reports": 0
+                "max_series_per_service": 0,
+                "overflowed_reports": 0,
+                "overflowed_by_reason": {"series_cap": 0, "bad_name": 0, "service_share": 0}
             })
         );
     }

@@ -556,7 +556,7 @@ fn header(view: &View<'_>) -> String {
     if s.stats.overflowed_reports > 0 {
         let _ = write!(
             line,
-            "  {} reports over the series cap",
+            "  {} reports counted in \"other\" (see retryplane stats)",
             s.stats.overflowed_reports
         );
     }

@@ -102,7 +102,7 @@ pub struct ServiceHandle(Result<Arc<ServiceSeries>, Overflow>);
 
 /// Why a report is counted in `other`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Overflow {
+pub enum Overflow {
     /// A service or endpoint name longer than [`MAX_NAME_LEN`], holding a control character,
     /// or the overflow series' own.
     BadName,
@@ -110,6 +110,28 @@ enum Overflow {
     Cap,
     /// The service holds its share of series ([`Aggregator::with_max_per_service`]).
     ServiceShare,
+}
+
+impl Overflow {
+    /// Every reason, in the order of [`Aggregator::overflowed_by`].
+    pub const ALL: [Overflow; 3] = [Overflow::Cap, Overflow::BadName, Overflow::ServiceShare];
+
+    /// The `reason` label of `retryplane_metrics_overflowed_reports_total`.
+    pub fn label(self) -> &'static str {
+        match self {
+            Overflow::Cap => "series_cap",
+            Overflow::BadName => "bad_name",
+            Overflow::ServiceShare => "service_share",
+        }
+    }
+
+    fn index(self) -> usize {
+        match self {
+            Overflow::Cap => 0,
+            Overflow::BadName => 1,
+            Overflow::ServiceShare => 2,
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -127,7 +149,7 @@ pub struct Aggregator {
     series: AtomicUsize,
     services: RwLock<HashMap<Box<str>, Arc<ServiceSeries>>>,
     other: Series,
-    overflowed: AtomicU64,
+    overflowed: [AtomicU64; 3],
     overflow_warned: AtomicBool,
     bad_name_warned: AtomicBool,
     overflow_log: Mutex<OverflowLog>,
@@ -193,7 +215,7 @@ impl Aggregator {
             series: AtomicUsize::new(0),
             services: RwLock::new(HashMap::new()),
             other: Series::new(OTHER, OTHER, now),
-            overflowed: AtomicU64::new(0),
+            overflowed: Default::default(),
             overflow_warned: AtomicBool::new(false),
             bad_name_warned: AtomicBool::new(false),
             overflow_log: Mutex::new(OverflowLog {
@@ -228,9 +250,19 @@ impl Aggregator {
         self.series.load(Ordering::Relaxed)
     }
 
-    /// Endpoint reports counted in `other`.
+    /// Endpoint reports counted in `other`, for any reason.
     pub fn overflowed_reports(&self) -> u64 {
-        self.overflowed.load(Ordering::Relaxed)
+        Overflow::ALL
+            .iter()
+            .map(|&why| self.overflowed_by(why))
+            .fold(0, u64::saturating_add)
+    }
+
+    /// Endpoint reports counted in `other` for `why`.
+    pub fn overflowed_by(&self, why: Overflow) -> u64 {
+        self.overflowed
+            .get(why.index())
+            .map_or(0, |n| n.load(Ordering::Relaxed))
     }
 
     /// The alert thresholds, set on every publish.
@@ -374,7 +406,9 @@ impl Aggregator {
         why: Overflow,
     ) {
         self.other.add(tick, version, counts, span);
-        self.overflowed.fetch_add(1, Ordering::Relaxed);
+        if let Some(n) = self.overflowed.get(why.index()) {
+            n.fetch_add(1, Ordering::Relaxed);
+        }
         // The name comes from an agent: escaped, so a line break or an escape sequence in it
         // cannot forge a log line or drive a terminal.
         let endpoint = OneLine(truncated(endpoint));
@@ -548,6 +582,10 @@ impl Aggregator {
             series: out,
             max_series: u32::try_from(self.max_series).unwrap_or(u32::MAX),
             overflowed_reports: self.overflowed_reports(),
+            overflowed_cap: self.overflowed_by(Overflow::Cap),
+            overflowed_bad_name: self.overflowed_by(Overflow::BadName),
+            overflowed_service_share: self.overflowed_by(Overflow::ServiceShare),
+            max_series_per_service: u32::try_from(self.max_per_service).unwrap_or(u32::MAX),
             now_unix_ms: unix_ms(),
             matched_series: u32::try_from(matched_series).unwrap_or(u32::MAX),
             firing_series: u32::try_from(firing_series).unwrap_or(u32::MAX),
@@ -596,9 +634,13 @@ impl Aggregator {
             warn!(
                 reports = total - log.reports,
                 total,
+                series_cap = self.overflowed_by(Overflow::Cap),
+                bad_name = self.overflowed_by(Overflow::BadName),
+                service_share = self.overflowed_by(Overflow::ServiceShare),
                 seconds = now.duration_since(log.at).as_secs(),
                 max_series = self.max_series,
-                "endpoint reports counted in the \"other\" series since the last summary (series cap reached)"
+                max_series_per_service = self.max_per_service,
+                "endpoint reports counted in the \"other\" series since the last summary (totals by reason: past the series cap, a bad name, past the service's share)"
             );
             *log = OverflowLog {
                 at: now,

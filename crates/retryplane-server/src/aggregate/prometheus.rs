@@ -20,7 +20,7 @@
 //! | `retryplane_retry_ratio_alert` | gauge | 1 while the 5-minute ratio alert fires |
 //!
 //! Besides: `retryplane_metrics_series` (series kept apart), `retryplane_metrics_max_series`,
-//! `retryplane_metrics_overflowed_reports_total` (endpoint reports counted in `other`), and the
+//! `retryplane_metrics_overflowed_reports_total{reason}` (endpoint reports counted in `other`), and the
 //! fleet gauges `retryplane_agents{applied_version}` (connected agents by the version they run,
 //! 0 = none yet, or content the control plane does not know, as `AgentStatus.applied_version`)
 //! and `retryplane_agents_nacked{version}` (connected agents whose last answer was a NACK of
@@ -43,7 +43,7 @@ use super::counts::{
 };
 use super::series::SeriesView;
 use super::window::WINDOWS;
-use super::{Aggregator, Filter};
+use super::{Aggregator, Filter, Overflow};
 use crate::fleet::Fleet;
 
 /// The per-series counter families: name (before `_total`), help, counter index.
@@ -212,14 +212,21 @@ impl Collector for AggregateCollector {
                 MetricType::Gauge,
             )?
             .encode_gauge(&max)?;
-        encoder
-            .encode_descriptor(
+        {
+            let mut m = encoder.encode_descriptor(
                 "retryplane_metrics_overflowed_reports",
-                "Endpoint reports counted in the `other` series because the cap was reached.",
+                "Endpoint reports counted in the `other` series, by reason: series_cap (the cap on series was reached), bad_name (a name too long, with a control character, or `other`'s own), service_share (the service holds its share of series).",
                 None,
                 MetricType::Counter,
-            )?
-            .encode_counter::<NoLabelSet, u64, u64>(&self.aggregator.overflowed_reports(), None)?;
+            )?;
+            for why in Overflow::ALL {
+                counter(
+                    &mut m,
+                    &[("reason", why.label())],
+                    self.aggregator.overflowed_by(why),
+                )?;
+            }
+        }
         let fleet = self.fleet.versions();
         {
             let mut m = encoder.encode_descriptor(

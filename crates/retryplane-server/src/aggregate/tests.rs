@@ -359,6 +359,18 @@ async fn series_past_the_cap_are_counted_in_other() {
         5,
         "the cap is on series, not services"
     );
+    // By reason: the too long name, and the rest past the cap.
+    assert_eq!(agg.overflowed_by(Overflow::BadName), 1);
+    assert_eq!(agg.overflowed_by(Overflow::Cap), 4);
+    let stats = agg.stats(now, all());
+    assert_eq!(
+        (
+            stats.overflowed_cap,
+            stats.overflowed_bad_name,
+            stats.overflowed_service_share
+        ),
+        (4, 1, 0)
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -655,7 +667,9 @@ async fn prometheus_lines_are_exact() {
         format!("retryplane_retry_ratio_alert{l} 1.0"),
         "retryplane_metrics_series 1".to_owned(),
         "retryplane_metrics_max_series 10".to_owned(),
-        "retryplane_metrics_overflowed_reports_total 0".to_owned(),
+        r#"retryplane_metrics_overflowed_reports_total{reason="series_cap"} 0"#.to_owned(),
+        r#"retryplane_metrics_overflowed_reports_total{reason="bad_name"} 0"#.to_owned(),
+        r#"retryplane_metrics_overflowed_reports_total{reason="service_share"} 0"#.to_owned(),
         r#"retryplane_agents{applied_version="2"} 1"#.to_owned(),
         r#"retryplane_agents{applied_version="3"} 1"#.to_owned(),
         r#"retryplane_agents_nacked{version="3"} 1"#.to_owned(),
@@ -904,6 +918,7 @@ async fn counts_no_agent_could_make_are_left_out_and_the_rest_of_the_report_coun
     // Past the cap, counts in `other` are checked the same way.
     let far = agg.service(&"x".repeat(MAX_NAME_LEN + 1));
     let huge = report(1, &[("a", u64::MAX, 0)]);
+    assert_eq!(agg.overflowed_by(Overflow::BadName), 0);
     assert_eq!(agg.ingest(&far, &huge, Instant::now()).count, 1);
     assert_eq!(agg.overflowed_reports(), 0);
 }
@@ -946,6 +961,8 @@ async fn one_service_takes_at_most_its_share_of_the_series() {
     agg.ingest(&urls, &report(1, &entries), now);
     assert_eq!(agg.series_count(), 3);
     assert_eq!(agg.overflowed_reports(), 3);
+    assert_eq!(agg.overflowed_by(Overflow::ServiceShare), 3);
+    assert_eq!(agg.overflowed_by(Overflow::Cap), 0);
     // Its endpoints already kept go on counting; the other services keep their room.
     agg.ingest(&urls, &report(1, &entries[..1]), now);
     let checkout = agg.service("checkout");
