@@ -70,6 +70,10 @@ use self::thresholds::Thresholds;
 use self::window::{Tick, WINDOWS};
 use crate::fleet::unix_ms;
 
+/// The span taken for a report that gives none unless configured: the default interval agents
+/// report at.
+pub const DEFAULT_UNKNOWN_SPAN: Duration = Duration::from_secs(10);
+
 /// The series cap unless configured.
 pub const DEFAULT_MAX_SERIES: usize = 10_000;
 /// The most series one calling service may take unless configured: a service whose agent
@@ -146,6 +150,8 @@ pub struct Aggregator {
     epoch: Instant,
     max_series: usize,
     max_per_service: usize,
+    /// The span taken for a report that gives none (see [`Aggregator::with_unknown_span`]).
+    unknown_span: Duration,
     series: AtomicUsize,
     services: RwLock<HashMap<Box<str>, Arc<ServiceSeries>>>,
     other: Series,
@@ -212,6 +218,7 @@ impl Aggregator {
             epoch: now,
             max_series,
             max_per_service: DEFAULT_MAX_SERIES_PER_SERVICE,
+            unknown_span: DEFAULT_UNKNOWN_SPAN,
             series: AtomicUsize::new(0),
             services: RwLock::new(HashMap::new()),
             other: Series::new(OTHER, OTHER, now),
@@ -232,6 +239,16 @@ impl Aggregator {
     #[must_use]
     pub fn with_max_per_service(mut self, max: usize) -> Self {
         self.max_per_service = max.max(1);
+        self
+    }
+
+    /// This aggregate, taking a report without a known span (no start, or an end before its
+    /// start) to cover `span`: the interval agents are told to report at. Taken as zero, a new
+    /// series' first counts would be divided by the instant since they arrived, and its rates
+    /// read as hundreds of calls a second. Default [`DEFAULT_UNKNOWN_SPAN`].
+    #[must_use]
+    pub fn with_unknown_span(mut self, span: Duration) -> Self {
+        self.unknown_span = span.min(MAX_REPORT_SPAN);
         self
     }
 
@@ -310,7 +327,7 @@ impl Aggregator {
         now: Instant,
     ) -> Refused<'r> {
         let tick = Tick::new(self.epoch, now);
-        let span = report_span(report);
+        let span = report_span(report).unwrap_or(self.unknown_span);
         let raw_span = raw_span(report);
         let version = report.policy_version;
         let mut refused = Refused::default();
@@ -744,13 +761,11 @@ fn raw_span(report: &pb::MetricsReport) -> Option<Duration> {
 /// The time the counts of `report` were made over: its `window_end - window_start`, both from
 /// the agent's clock (so clock skew between the agent and this server does not matter), at most
 /// [`MAX_REPORT_SPAN`]. A report without a start (`0`, as a client that leaves it unset sends)
-/// or with its end before its start covers no known time: zero.
-fn report_span(report: &pb::MetricsReport) -> Duration {
-    if report.window_start_unix_ms == 0 {
-        return Duration::ZERO;
+/// or with its end before its start covers no known time: `None`.
+fn report_span(report: &pb::MetricsReport) -> Option<Duration> {
+    if report.window_start_unix_ms == 0 || report.window_end_unix_ms < report.window_start_unix_ms {
+        return None;
     }
-    let span = report
-        .window_end_unix_ms
-        .saturating_sub(report.window_start_unix_ms);
-    Duration::from_millis(span).min(MAX_REPORT_SPAN)
+    let span = report.window_end_unix_ms - report.window_start_unix_ms;
+    Some(Duration::from_millis(span).min(MAX_REPORT_SPAN))
 }

@@ -140,14 +140,20 @@ async fn a_young_series_covers_the_span_of_its_first_report_not_only_its_own_age
     advance(Duration::from_secs(5)).await;
     assert_eq!(windows(&agg, all()), [(50, 10.0), (50, 10.0), (50, 10.0)]);
 
-    // Neither an unset start (a client that does not say) nor an end before the start moves
-    // a new series' start; a span longer than the longest window counts as that window.
+    // An unset start (a client that does not say) or an end before the start gives no span:
+    // taken as the interval agents report at (10 s unless the server says), not as the
+    // instant since the counts arrived, which would read as a huge rate. A span longer than
+    // the longest window counts as that window.
     let unset = spanning(report(1, &[("unset", 1, 0)]), 0, 1_010_000);
     agg.ingest(&svc, &unset, Instant::now());
-    assert_eq!(windows(&agg, one("checkout", "unset"))[0], (1, 0.0));
+    assert_eq!(windows(&agg, one("checkout", "unset"))[0], (1, 10.0));
     let backwards = spanning(report(1, &[("backwards", 1, 0)]), 1_010_000, 1_000_000);
     agg.ingest(&svc, &backwards, Instant::now());
-    assert_eq!(windows(&agg, one("checkout", "backwards"))[0], (1, 0.0));
+    assert_eq!(windows(&agg, one("checkout", "backwards"))[0], (1, 10.0));
+    let told = Aggregator::new(10, Instant::now()).with_unknown_span(Duration::from_secs(30));
+    let told_svc = told.service("checkout");
+    told.ingest(&told_svc, &unset, Instant::now());
+    assert_eq!(windows(&told, all())[0], (1, 30.0));
     let long = spanning(report(1, &[("long", 1, 0)]), 1, 1_010_000);
     agg.ingest(&svc, &long, Instant::now());
     advance(Duration::from_secs(12)).await;
@@ -227,8 +233,8 @@ async fn counts_are_split_by_policy_version_and_old_versions_are_pruned_after_15
     assert_eq!(v1_minute.window_seconds, 60);
     assert_eq!(v1_minute.counters.map(|c| c.calls), Some(3));
     assert_eq!(
-        s.versions[0].windows[0].covered_seconds, 0.0,
-        "v2 has just begun"
+        s.versions[0].windows[0].covered_seconds, 10.0,
+        "v2 has just begun: its report's span, unknown, is taken as the interval"
     );
 
     // Version 2 keeps reporting; version 1 has nothing after 0 s.
