@@ -88,11 +88,19 @@ impl fmt::Display for Diagnostic {
     }
 }
 
-/// Whether `c` is a control character or a Unicode line or paragraph separator: what
-/// [`OneLine`] escapes, and what a name shown in a terminal must not hold (it could break the
-/// line, move the cursor or change colours).
+/// Whether `c` is a control character, a Unicode line or paragraph separator, or a
+/// bidirectional formatting character: what [`OneLine`] escapes, and what a name shown in a
+/// terminal must not hold (it could break the line, move the cursor, change colours, or
+/// reorder the text shown after it, as in "Trojan Source").
 pub fn is_control(c: char) -> bool {
-    c.is_control() || matches!(c, '\u{2028}' | '\u{2029}')
+    c.is_control()
+        || matches!(
+            c,
+            '\u{2028}' | '\u{2029}' // line and paragraph separators
+                | '\u{061c}' | '\u{200e}' | '\u{200f}' // bidi marks
+                | '\u{202a}'..='\u{202e}' // bidi embeddings and overrides
+                | '\u{2066}'..='\u{2069}' // bidi isolates
+        )
 }
 
 /// Text with every control character (and the Unicode line and paragraph separators) written
@@ -535,6 +543,15 @@ mod tests {
             suggest("connect_timeout", ["connect", "reset", "timeout"]),
             Some("connect")
         );
+    }
+
+    #[test]
+    fn one_line_escapes_bidirectional_formatting_characters() {
+        assert_eq!(
+            OneLine("pay\u{202e}stnemyap\u{2066}x\u{200f}").to_string(),
+            "pay\\u{202e}stnemyap\\u{2066}x\\u{200f}"
+        );
+        assert!(!"ok-é".chars().any(is_control));
     }
 
     #[test]
