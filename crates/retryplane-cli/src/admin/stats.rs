@@ -229,7 +229,7 @@ pub fn overflow_notes(r: &pb::StatsResponse) -> Vec<String> {
     if r.overflowed_bad_name > 0 {
         out.push(format!(
             "{} endpoint reports with a service or endpoint name over 256 bytes, holding a \
-             control character, or named \"other\" {OTHER}",
+             control character, or named \"other\", or an empty endpoint name, {OTHER}",
             r.overflowed_bad_name
         ));
     }

@@ -108,7 +108,7 @@ pub struct ServiceHandle(Result<Arc<ServiceSeries>, Overflow>);
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Overflow {
     /// A service or endpoint name longer than [`MAX_NAME_LEN`], holding a control character,
-    /// or the overflow series' own.
+    /// or the overflow series' own; or an empty endpoint name.
     BadName,
     /// The cap on series is reached.
     Cap,
@@ -379,7 +379,8 @@ impl Aggregator {
         endpoint: &str,
         now: Instant,
     ) -> Result<Arc<Series>, Overflow> {
-        if endpoint.len() > MAX_NAME_LEN
+        if endpoint.is_empty()
+            || endpoint.len() > MAX_NAME_LEN
             || crate::agent_stream::has_control(endpoint)
             || (&*svc.name == OTHER && endpoint == OTHER)
         {

@@ -925,8 +925,12 @@ async fn counts_no_agent_could_make_are_left_out_and_the_rest_of_the_report_coun
     let far = agg.service(&"x".repeat(MAX_NAME_LEN + 1));
     let huge = report(1, &[("a", u64::MAX, 0)]);
     assert_eq!(agg.overflowed_by(Overflow::BadName), 0);
+    // An empty endpoint name names nothing: counted in `other`.
+    agg.ingest(&svc, &report(1, &[("", 3, 0)]), Instant::now());
+    assert_eq!(agg.overflowed_by(Overflow::BadName), 1);
+    assert_eq!(agg.overflowed_reports(), 1);
     assert_eq!(agg.ingest(&far, &huge, Instant::now()).count, 1);
-    assert_eq!(agg.overflowed_reports(), 0);
+    assert_eq!(agg.overflowed_reports(), 1, "the empty name's only");
 }
 
 #[tokio::test(start_paused = true)]
