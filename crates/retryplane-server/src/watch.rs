@@ -51,10 +51,14 @@
 //! closed is not read: the read waits for the writer to close it, at most
 //! [`Timing::unclosed`] ([`UNCLOSED`]) after the quiet period, and then reads what is there,
 //! with a warning (a writer that keeps the file open for good delays a reload by that much, no
-//! more). notify delivers the writer's events on its own thread, so a save that begins just as
-//! the quiet period ends may not be known yet when the file is read: after the read the file
-//! is looked at again, and a read of a file now open for writing, or modified less than the
-//! quiet period before (its modification time), is not applied: the wait starts again.
+//! more). A file created is taken as open for writing until its writer closes it, as one
+//! written to is (a writer may hold it open before its first write). notify delivers the
+//! writer's events on its own thread, so a save that begins just as the quiet period ends may
+//! not be known yet when the file is read: after the read the file is looked at again, and a
+//! read of a file now open for writing, whose size or times moved during the read (a
+//! truncation caught mid-read leaves a cut-off copy of the old file), or modified less than
+//! the quiet period before, is not applied: it is read again once the file has been quiet
+//! that long. An empty read is looked at once more after a quiet period before it is refused.
 //!
 //! notify calls back on its own thread; the callback notes which files are written to and not
 //! yet closed, and forwards a wake-up into a one-slot tokio channel with `try_send` (a full
@@ -67,7 +71,7 @@ use std::path::{Component, Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime};
 
-use notify::event::{AccessKind, AccessMode, ModifyKind, RenameMode};
+use notify::event::{AccessKind, AccessMode, CreateKind, ModifyKind, RenameMode};
 use notify::{Event, EventKind, RecommendedWatcher, RecursiveMode, Watcher as _};
 use retryplane_policy::Loaded;
 use retryplane_policy::yaml::MAX_FILE_BYTES;
@@ -149,7 +153,10 @@ impl OpenWrites {
         }
         let mut open = self.lock();
         match event.kind {
-            EventKind::Modify(ModifyKind::Data(_) | ModifyKind::Any) => {
+            // A file created (and maybe held open before its first write) is being written
+            // until its writer closes it, as one written to is.
+            EventKind::Modify(ModifyKind::Data(_) | ModifyKind::Any)
+            | EventKind::Create(CreateKind::File) => {
                 if open.len() + event.paths.len() > MAX_OPEN_WRITES {
                     open.clear();
                 }
@@ -219,19 +226,37 @@ struct FileRead {
     size: Option<u64>,
     /// When the file was last modified, as it stood once read (`None` where not known).
     modified: Option<SystemTime>,
+    /// Whether the file stood still while it was read: the same size, modification and change
+    /// times before and after, and as many bytes read as its size says. A save that truncates
+    /// the file during the read (the kernel sets the size before the times, and tells inotify
+    /// after both) can leave a cut-off copy of the old file that is otherwise unremarkable.
+    stable: bool,
 }
 
 impl FileRead {
-    /// Whether the file was modified less than `quiet` before now (or has a modification time
-    /// just ahead of this clock): its writer may have started a save the events have not told
-    /// of yet, so what was read may be half of it.
-    fn fresh(&self, quiet: Duration) -> bool {
-        self.modified
-            .is_some_and(|at| match SystemTime::now().duration_since(at) {
-                Ok(age) => age < quiet,
-                Err(ahead) => ahead.duration() < quiet,
-            })
+    /// How long until the file has gone `quiet` without a change, when it was modified less
+    /// than that before now (or has a modification time just ahead of this clock): its writer
+    /// may have started a save the events have not told of yet, so what was read may be half
+    /// of it. `None` when it has been quiet that long (or its time is not known, or far ahead).
+    fn settles_in(&self, quiet: Duration) -> Option<Duration> {
+        let at = self.modified?;
+        match SystemTime::now().duration_since(at) {
+            Ok(age) => quiet.checked_sub(age).filter(|left| !left.is_zero()),
+            Err(ahead) => (ahead.duration() < quiet).then_some(quiet),
+        }
     }
+}
+
+/// What tells a file apart from itself a moment later: its size, modification and change times.
+fn stamp(m: &std::fs::Metadata) -> (u64, Option<SystemTime>, i64, i64) {
+    #[cfg(unix)]
+    let changed = {
+        use std::os::unix::fs::MetadataExt as _;
+        (m.ctime(), m.ctime_nsec())
+    };
+    #[cfg(not(unix))]
+    let changed = (0, 0);
+    (m.len(), m.modified().ok(), changed.0, changed.1)
 }
 
 impl FileRead {
@@ -250,19 +275,27 @@ impl FileRead {
 /// oversized file is told apart) and its size. Blocking.
 fn read_bytes(path: &Path) -> io::Result<FileRead> {
     let file = std::fs::File::open(path)?;
-    let size = file
-        .metadata()
-        .ok()
-        .filter(std::fs::Metadata::is_file)
-        .map(|m| m.len());
+    let before = file.metadata().ok().filter(std::fs::Metadata::is_file);
+    let size = before.as_ref().map(std::fs::Metadata::len);
     let mut bytes = Vec::new();
     let limit = u64::try_from(MAX_FILE_BYTES).map_or(u64::MAX, |m| m + 1);
     (&file).take(limit).read_to_end(&mut bytes)?;
-    let modified = file.metadata().and_then(|m| m.modified()).ok();
+    let after = file.metadata().ok();
+    let modified = after.as_ref().and_then(|m| m.modified().ok());
+    // Only a regular file has a size to hold the bytes read against (a FIFO says 0).
+    let stable = match (&before, &after) {
+        (Some(before), Some(after)) => {
+            let read_all = u64::try_from(bytes.len()).is_ok_and(|n| n == after.len())
+                || bytes.len() > MAX_FILE_BYTES;
+            stamp(before) == stamp(after) && read_all
+        }
+        _ => true,
+    };
     Ok(FileRead {
         bytes,
         size,
         modified,
+        stable,
     })
 }
 
@@ -382,7 +415,7 @@ pub fn spawn_before_start(
     }
     info!(
         file = %file.display(),
-        directories = ?watches.active,
+        directories = ?watches.directories(),
         "watching the policy file for changes"
     );
     let (start_tx, start_rx) = oneshot::channel();
@@ -417,13 +450,19 @@ struct Watches {
     own_dir: PathBuf,
     /// The directories the last resolution of the path asked for.
     wanted: Vec<PathBuf>,
-    /// The directories watched now.
-    active: Vec<PathBuf>,
+    /// The directories watched now, each with the identity of the directory its watch was
+    /// attached to.
+    active: Vec<(PathBuf, Option<DirId>)>,
     /// The files of the watched directories open for writing, as the watcher's events tell.
     open_writes: OpenWrites,
 }
 
 impl Watches {
+    /// The directories watched now.
+    fn directories(&self) -> Vec<&Path> {
+        self.active.iter().map(|(d, _)| d.as_path()).collect()
+    }
+
     fn watch_own_dir(&mut self) -> Result<(), WatchError> {
         self.watcher
             .watch(&self.own_dir, RecursiveMode::NonRecursive)
@@ -431,14 +470,16 @@ impl Watches {
                 dir: self.own_dir.clone(),
                 source,
             })?;
-        self.active.push(self.own_dir.clone());
+        self.active
+            .push((self.own_dir.clone(), dir_id(&self.own_dir)));
         Ok(())
     }
 
     /// Resolves the path again and sets up the watches of the directories it now goes
-    /// through, those already watched included: dropped and added again, a watch is attached
-    /// to the directory now at its path, so a directory deleted and created again, or replaced
-    /// by a rename, is watched again. Blocking.
+    /// through, those already watched included: a watch is attached to the directory now at
+    /// its path, so a directory deleted and created again, or replaced by a rename, is watched
+    /// again (one replaced is unwatched first; one still the same keeps its watch, with no
+    /// gap). Blocking.
     fn update(&mut self) {
         // A directory missing at start has its real path once it exists.
         if let Ok(real) = std::fs::canonicalize(&self.own_dir) {
@@ -450,12 +491,16 @@ impl Watches {
                 wanted.push(dir);
             }
         }
-        // A directory still wanted is not unwatched first: dropped and added again, its watch
-        // would miss the events in between (a writer's first write, which tells that a save
-        // has begun). Watching it again attaches the watch to the directory now at its path:
-        // the same one keeps its watch (inotify adds to it), a new one gets its own.
-        for dir in self.active.drain(..) {
-            if wanted.contains(&dir) {
+        // A directory still wanted, and still the directory its watch was attached to, is not
+        // unwatched first: dropped and added again, its watch would miss the events in between
+        // (a writer's first write, which tells that a save has begun). Watched again, inotify
+        // adds to its watch (and a directory deleted and made again with the same inode number
+        // gets a new one). Any other is unwatched: a directory renamed away keeps its watch,
+        // whose events notify would go on giving under the old path.
+        let mut kept = Vec::new();
+        for (dir, id) in self.active.drain(..) {
+            if id.is_some() && wanted.contains(&dir) && dir_id(&dir) == id {
+                kept.push((dir, id));
                 continue;
             }
             // A directory that is gone (deleted, or the old one after a ConfigMap swap) took
@@ -469,9 +514,18 @@ impl Watches {
                 debug!(dir = %dir.display(), error = %e, "unwatching a directory");
             }
         }
+        self.active = kept;
         for dir in &wanted {
+            let kept = self.active.iter().any(|(d, _)| d == dir);
+            // Taken before the watch is added: a directory replaced in between differs at the
+            // next read, and is watched again then.
+            let id = dir_id(dir);
             match self.watcher.watch(dir, RecursiveMode::NonRecursive) {
-                Ok(()) => self.active.push(dir.clone()),
+                Ok(()) if kept => {}
+                Ok(()) => self.active.push((dir.clone(), id)),
+                Err(e) if kept => {
+                    debug!(dir = %dir.display(), error = %e, "watching a directory again");
+                }
                 // Already wanted at the last read: missing for now (deleted, not yet created
                 // again, say), and said once. Tried again at every read.
                 Err(e) if self.wanted.contains(dir) => debug!(
@@ -488,8 +542,26 @@ impl Watches {
                 ),
             }
         }
-        debug!(file = %self.file.display(), directories = ?self.active, "policy file watch");
+        debug!(file = %self.file.display(), directories = ?self.directories(), "policy file watch");
         self.wanted = wanted;
+    }
+}
+
+/// What tells one directory from another at the same path: its device and inode.
+type DirId = (u64, u64);
+
+/// The identity of the directory at `dir` now (following links); `None` when it cannot be
+/// read, or on a platform without inodes, where every read watches it again from scratch.
+fn dir_id(dir: &Path) -> Option<DirId> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt as _;
+        std::fs::metadata(dir).ok().map(|m| (m.dev(), m.ino()))
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = dir;
+        None
     }
 }
 
@@ -567,6 +639,16 @@ fn link_dirs(file: &Path) -> Vec<PathBuf> {
     dirs
 }
 
+/// Why a read of the policy file is not taken yet.
+#[derive(Clone, Copy, Debug)]
+enum Writing {
+    /// A writer holds the file open.
+    Open,
+    /// The file changed under the read, or less than the quiet period before it; it has been
+    /// quiet that long after this.
+    Changing(Duration),
+}
+
 /// What the watcher last read from the file.
 enum LastRead {
     Nothing,
@@ -597,15 +679,16 @@ async fn run(
             // No event: read anyway, for a change no watch saw.
             _ = rescan.tick() => {}
         }
-        // When the file was first found still being written (open for writing, or modified
-        // within the quiet period).
-        let mut open_since: Option<Instant> = None;
+        // When the wait for quiet began: it ends at most `max_quiet_wait` later, however many
+        // events keep coming (from other files of the directory, maybe).
+        let waiting_since = Instant::now();
+        // When the file was first found still being written (held open for writing, or
+        // changed within the quiet period).
+        let mut writing_since: Option<Instant> = None;
         // Whether an empty read was already given another quiet period.
         let mut empty_looked_again = false;
         let read = loop {
-            // Debounce: wait for a quiet period, but not longer than `max_quiet_wait` while
-            // events keep coming (from other files of the directory, maybe).
-            let waiting_since = Instant::now();
+            // Debounce: wait for a quiet period.
             loop {
                 let left = timing
                     .max_quiet_wait
@@ -648,28 +731,41 @@ async fn run(
                 Some(read_file(&file).await)
             };
             // Looked at again after the read: a save that began just before or during it is
-            // told by the writer's events (notify delivers them on its own thread, maybe
-            // after the read) or by the file's modification time.
-            // An empty file is most often a save caught between its truncation and its first
-            // write (whose modification time the kernel may not have set yet): looked at once
-            // more after a quiet period before it is refused.
-            let empty = !empty_looked_again
-                && read
-                    .as_ref()
-                    .is_some_and(|read| read.as_ref().is_ok_and(|r| r.bytes.is_empty()));
-            empty_looked_again |= empty;
-            let settled = !empty
-                && read
-                    .as_ref()
-                    .is_some_and(|read| !open() && !read.as_ref().is_ok_and(|r| r.fresh(debounce)));
-            if settled && let Some(read) = read {
-                debug!(file = %file.display(), modified = ?read.as_ref().ok().and_then(|r| r.modified), "the policy file read is settled");
-                break read;
+            // told by the writer's events (notify delivers them on its own thread, maybe after
+            // the read), by the file's times and size moving during the read, or by its
+            // modification time. An empty file is most often a save caught between its
+            // truncation and its first write: looked at once more after a quiet period before
+            // it is refused.
+            let why = match &read {
+                None => Some(Writing::Open),
+                Some(_) if open() => Some(Writing::Open),
+                Some(Ok(r)) => r
+                    .settles_in(debounce)
+                    .or_else(|| (!r.stable).then_some(debounce))
+                    .or_else(|| (r.bytes.is_empty() && !empty_looked_again).then_some(debounce))
+                    .map(Writing::Changing),
+                Some(Err(_)) => None,
+            };
+            if read
+                .as_ref()
+                .is_some_and(|r| r.as_ref().is_ok_and(|r| r.bytes.is_empty()))
+            {
+                empty_looked_again = true;
             }
-            let since = *open_since.get_or_insert_with(Instant::now);
+            let Some(why) = why else {
+                if let Some(read) = read {
+                    break read;
+                }
+                continue;
+            };
+            let since = *writing_since.get_or_insert_with(Instant::now);
             let left = timing.unclosed.saturating_sub(since.elapsed());
             if left.is_zero() {
-                warn!(file = %file.display(), "the policy file has been held open for writing (or kept changing) for {}; reading what is there, which may be half of a save", humantime_secs(timing.unclosed));
+                let what = match why {
+                    Writing::Open => "has been held open for writing",
+                    Writing::Changing(_) => "has kept changing",
+                };
+                warn!(file = %file.display(), "the policy file {what} for {}; reading it as it is now, which may be half of a save", humantime_secs(timing.unclosed));
                 if let Some(real) = &real {
                     open_writes.forget(real);
                 }
@@ -678,21 +774,22 @@ async fn run(
                     None => read_file(&file).await,
                 };
             }
-            debug!(file = %file.display(), open = open(), read = read.is_some(), "the policy file is being written; waiting for the writer to finish");
-            // The close (or any other event) starts another quiet period; a save told only by
-            // its modification time gets one anyway.
-            let wait = if read.is_none() {
-                left
-            } else {
-                debounce.min(left)
-            };
-            tokio::select! {
-                _ = shutdown.wait_for(|stop| *stop) => return,
-                event = tokio::time::timeout(wait, events.recv()) => {
-                    if matches!(event, Ok(None)) {
-                        return;
+            debug!(file = %file.display(), why = ?why, "the policy file is being written; waiting for the writer to finish");
+            match why {
+                // The close (or any other event) starts the next look.
+                Writing::Open => tokio::select! {
+                    _ = shutdown.wait_for(|stop| *stop) => return,
+                    event = tokio::time::timeout(left, events.recv()) => {
+                        if matches!(event, Ok(None)) {
+                            return;
+                        }
                     }
-                }
+                },
+                // Until the file has been quiet for the quiet period, whatever other files do.
+                Writing::Changing(quiet) => tokio::select! {
+                    _ = shutdown.wait_for(|stop| *stop) => return,
+                    () = tokio::time::sleep(quiet.min(left)) => {}
+                },
             }
         };
         // What start-up read counts as read: an event that changed nothing in the file (or a

@@ -500,9 +500,9 @@ fn a_directory_gone_since_the_last_read_is_not_unwatched() {
     // The old data directory of a ConfigMap swap: deleted, its watch already dropped by notify
     // when the deletion was reported.
     let old = watches.own_dir.join("..2026_01_01_00_00_00.1");
-    watches.active.push(old.clone());
+    watches.active.push((old.clone(), Some((0, 0))));
     watches.update();
-    assert_eq!(watches.active, [watches.own_dir.clone()]);
+    assert_eq!(watches.directories(), [watches.own_dir.as_path()]);
     let text = log.text();
     assert!(!text.contains("unwatching a directory"), "{text}");
 }
@@ -691,14 +691,86 @@ fn a_file_modified_within_the_quiet_period_is_fresh() {
         bytes: Vec::new(),
         size: None,
         modified,
+        stable: true,
     };
     let now = SystemTime::now();
-    assert!(read(Some(now)).fresh(DEBOUNCE));
-    assert!(read(Some(now - DEBOUNCE / 2)).fresh(DEBOUNCE));
-    assert!(!read(Some(now - DEBOUNCE * 2)).fresh(DEBOUNCE));
+    let fresh = |r: FileRead| r.settles_in(DEBOUNCE).is_some();
+    assert!(fresh(read(Some(now))));
+    let half = read(Some(now - DEBOUNCE / 2)).settles_in(DEBOUNCE).unwrap();
+    assert!(half <= DEBOUNCE / 2, "{half:?}");
+    assert!(!fresh(read(Some(now - DEBOUNCE * 2))));
     // Just ahead of this clock (another clock's write): fresh; far ahead: not, or a file
     // touched with a date in the future would never be read.
-    assert!(read(Some(now + DEBOUNCE / 2)).fresh(DEBOUNCE));
-    assert!(!read(Some(now + Duration::from_secs(3600))).fresh(DEBOUNCE));
-    assert!(!read(None).fresh(DEBOUNCE));
+    assert!(fresh(read(Some(now + DEBOUNCE / 2))));
+    assert!(!fresh(read(Some(now + Duration::from_secs(3600)))));
+    assert!(!fresh(read(None)));
+}
+
+#[cfg(any(target_os = "linux", target_os = "android"))]
+#[tokio::test]
+async fn a_file_created_and_held_open_before_its_first_write_is_waited_for() {
+    let (log, _guard) = capture_logs();
+    let f = fixture().await;
+    fs::remove_file(&f.file).unwrap();
+    // Created empty and held open, as `(sleep 1; cat new) > policies.yaml` does: only a create
+    // event tells of it, no write yet.
+    let out = fs::File::create(&f.file).unwrap();
+    // Waited for as a file held open by its writer, not looked at again as a changed one (and
+    // refused as empty a quiet period later).
+    let waited = tokio::time::timeout(Duration::from_secs(5), async {
+        while !log
+            .text()
+            .lines()
+            .any(|l| l.contains(OPEN_FOR_WRITING) && l.contains("why=Open"))
+        {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    assert!(waited.is_ok(), "not waited for: {}", log.text());
+    assert_eq!(
+        f.control.metrics.rejected_changes.get(),
+        0,
+        "{}",
+        log.text()
+    );
+    SlowWriter(out).finish(V2);
+    wait_for_version(&f.control, 2, PUBLISHED).await;
+    assert_eq!(f.control.metrics.rejected_changes.get(), 0);
+}
+
+#[cfg(any(target_os = "linux", target_os = "android"))]
+#[tokio::test]
+async fn a_directory_renamed_away_no_longer_speaks_for_the_policy_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config");
+    fs::create_dir(&config).unwrap();
+    let file = config.join("policies.yaml");
+    fs::write(&file, V1).unwrap();
+    let f = start_with(dir, file.clone(), TIMING).await;
+    // A deploy renames the directory away and a new one in its place.
+    let prev = f.dir.path().join("prev");
+    let next = f.dir.path().join("next");
+    fs::create_dir(&next).unwrap();
+    fs::write(next.join("policies.yaml"), V2).unwrap();
+    fs::rename(&config, &prev).unwrap();
+    fs::rename(&next, &config).unwrap();
+    wait_for_version(&f.control, 2, PUBLISHED).await;
+    // A writer in the old directory, holding its copy open, is not the policy file's writer:
+    // a save of the policy file is published at once, not when that writer closes.
+    let old_writer = SlowWriter::start(&prev.join("policies.yaml"), FIRST_HALF);
+    let tmp = config.join(".policies.yaml.tmp");
+    fs::write(&tmp, V3).unwrap();
+    fs::rename(&tmp, &file).unwrap();
+    let published = tokio::time::timeout(
+        Duration::from_secs(5),
+        wait_for_version(&f.control, 3, PUBLISHED),
+    )
+    .await;
+    drop(old_writer);
+    assert!(
+        published.is_ok(),
+        "the old directory's writer held the save back"
+    );
+    assert_eq!(max_attempts_served(&f.control).await, Some(5));
 }
