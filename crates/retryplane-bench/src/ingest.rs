@@ -17,9 +17,9 @@
 //! - the server's **CPU time** (user + system, `/proc/<pid>/stat`, 10 ms resolution) from the
 //!   first send until every agent has sent its last report and the server has ended its
 //!   stream (before Stats is polled), per endpoint-report and as a share of a core; this
-//!   includes HTTP/2, protobuf decoding, the per-stream rate limit, the fleet's last-seen
+//!   includes HTTP/2, protobuf decoding, the per-agent rate limit, the fleet's last-seen
 //!   update and [`retryplane_server::aggregate::Aggregator::ingest`];
-//! - `retryplane_server_reports_dropped_total` (reports over the per-stream rate limit: must
+//! - `retryplane_server_reports_dropped_total` (reports over the per-agent rate limit: must
 //!   be 0 at 1 report per second per agent, the limit being 2/s with a burst of 10);
 //! - the server's `VmRSS` before the reports and after.
 //!

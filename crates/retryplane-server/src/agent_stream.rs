@@ -721,7 +721,7 @@ impl AgentStream {
                     endpoints = refused.count,
                     "a metrics report holds counts past what one agent could make over its \
                      window; those endpoints' counts were left out (this stream logs it once; \
-                     retryplane_server_report_endpoints_implausible counts them)"
+                     retryplane_server_report_endpoints_implausible_total counts them)"
                 );
             }
         }

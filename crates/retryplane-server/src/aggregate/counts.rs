@@ -53,10 +53,12 @@ pub const MAX_PER_SECOND: u64 = 10_000_000;
 /// The shortest span a report's counts are bounded over: agents report every few seconds,
 /// and a report's own clock may be coarse.
 pub const MIN_PLAUSIBLE_SPAN: Duration = Duration::from_secs(60);
-/// The longest span a report's counts are bounded over, and the span of a report without a
-/// start: an agent cut off for longer sends what it kept over a longer span, but never more
-/// than a day's worth at this rate is believed.
+/// The longest span a report's counts are bounded over: an agent cut off for longer sends
+/// what it kept over a longer span, but never more than a day's worth at this rate is
+/// believed.
 pub const MAX_PLAUSIBLE_SPAN: Duration = Duration::from_secs(24 * 60 * 60);
+/// The span a report without a start is bounded over: such a client reports every interval.
+pub const UNKNOWN_PLAUSIBLE_SPAN: Duration = Duration::from_secs(60 * 60);
 
 /// One set of counters (112 bytes).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -93,12 +95,12 @@ impl Counts {
     /// Whether any counter is past what one agent could count over `span` (the report's
     /// `window_end - window_start`, uncapped; `None` when the report gives no start): more
     /// than [`MAX_PER_SECOND`] per second (backoff: [`MAX_PER_SECOND`] seconds of pause per
-    /// second), over at least [`MIN_PLAUSIBLE_SPAN`] and at most [`MAX_PLAUSIBLE_SPAN`] (the
-    /// bound when there is no start). Such counts come from a broken or hostile client; added,
+    /// second), over at least [`MIN_PLAUSIBLE_SPAN`] and at most [`MAX_PLAUSIBLE_SPAN`]
+    /// ([`UNKNOWN_PLAUSIBLE_SPAN`] when there is no start). Such counts come from a broken or hostile client; added,
     /// one report would saturate a series' lifetime totals for the server's life.
     pub fn implausible(&self, span: Option<Duration>) -> bool {
         let secs = span
-            .unwrap_or(MAX_PLAUSIBLE_SPAN)
+            .unwrap_or(UNKNOWN_PLAUSIBLE_SPAN)
             .clamp(MIN_PLAUSIBLE_SPAN, MAX_PLAUSIBLE_SPAN)
             .as_secs();
         let max = MAX_PER_SECOND.saturating_mul(secs);

@@ -52,7 +52,7 @@ pub mod window;
 #[cfg(test)]
 mod tests;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::Duration;
@@ -318,7 +318,8 @@ impl Aggregator {
     ///
     /// An endpoint's counts past what one agent could make over the report's span
     /// ([`Counts::implausible`]) are left out, whole: they would saturate the series' lifetime
-    /// totals and bury its retry ratio. Returns the first endpoint so left out and how many
+    /// totals and bury its retry ratio. So is a second entry for an endpoint already in the
+    /// report. Returns the first endpoint so left out and how many
     /// were, for the stream to count and log.
     pub fn ingest<'r>(
         &self,
@@ -331,9 +332,12 @@ impl Aggregator {
         let raw_span = raw_span(report);
         let version = report.policy_version;
         let mut refused = Refused::default();
+        // An agent sends one entry per endpoint; the bound holds per endpoint, so a name
+        // repeated in one report (to pass the bound once per copy) leaves its repeats out.
+        let mut seen: HashSet<&'r str> = HashSet::with_capacity(report.endpoints.len());
         let mut plausible = |c: &'r pb::EndpointCounters| {
             let counts = Counts::of(c);
-            if counts.implausible(raw_span) {
+            if !seen.insert(c.endpoint.as_str()) || counts.implausible(raw_span) {
                 refused.count += 1;
                 refused.first.get_or_insert(&c.endpoint);
                 None

@@ -866,7 +866,7 @@ fn a_bad_endpoint_name_is_logged_escaped_and_does_not_hide_the_cap_warning() {
 async fn counts_no_agent_could_make_are_left_out_and_the_rest_of_the_report_counts() {
     let agg = Aggregator::new(10, Instant::now());
     let svc = agg.service("checkout");
-    // A report over 10 s of the agent's clock: a day's worth at the bound is believed for a
+    // A report over 10 s of the agent's clock: an hour's worth at the bound is believed for a
     // report without a start, a minute's worth for a shorter span.
     let mut r = spanning(
         report(1, &[("payments", 7, 1), ("stock", u64::MAX, 0)]),
@@ -893,10 +893,10 @@ async fn counts_no_agent_could_make_are_left_out_and_the_rest_of_the_report_coun
         1,
         "backoff past it"
     );
-    // Without a start, the bound is a day's worth.
+    // Without a start, the bound is an hour's worth.
     r.window_start_unix_ms = 0;
     r.endpoints[1].backoff_ms = 0;
-    r.endpoints[1].calls = counts::MAX_PER_SECOND * 86_400;
+    r.endpoints[1].calls = counts::MAX_PER_SECOND * 3_600;
     r.endpoints[1].attempts = r.endpoints[1].calls;
     assert_eq!(agg.ingest(&svc, &r, Instant::now()).count, 0);
     r.endpoints[1].calls += 1;
@@ -918,9 +918,15 @@ async fn counts_no_agent_could_make_are_left_out_and_the_rest_of_the_report_coun
     );
     assert_eq!(
         lifetime("stock"),
-        Some(minute + counts::MAX_PER_SECOND * 86_400),
+        Some(minute + counts::MAX_PER_SECOND * 3_600),
         "only the two reports at the bound"
     );
+    // A name repeated in one report, to pass the bound once per copy: the repeats are out.
+    let twice = report(1, &[("search", 5, 0), ("search", 7, 0), ("search", 9, 0)]);
+    let refused = agg.ingest(&svc, &twice, Instant::now());
+    assert_eq!((refused.count, refused.first), (2, Some("search")));
+    let stats = agg.stats(Instant::now(), one("checkout", "search"));
+    assert_eq!(stats.series[0].lifetime.map(|c| c.calls), Some(5));
     // Past the cap, counts in `other` are checked the same way.
     let far = agg.service(&"x".repeat(MAX_NAME_LEN + 1));
     let huge = report(1, &[("a", u64::MAX, 0)]);
