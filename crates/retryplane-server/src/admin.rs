@@ -553,10 +553,14 @@ impl AdminService for AdminApi {
             current_version: self.control.publisher.current().map_or(0, |s| s.version),
             agents: page.agents,
             next_page_token: page.next,
-            alerting_endpoints: self
-                .control
-                .aggregates
-                .alerting_endpoints(tokio::time::Instant::now()),
+            // Judged over every series: for the first page only, not again for each page.
+            alerting_endpoints: if req.page_token.is_empty() {
+                self.control
+                    .aggregates
+                    .alerting_endpoints(tokio::time::Instant::now())
+            } else {
+                Vec::new()
+            },
             connected_agents: u32::try_from(connected).unwrap_or(u32::MAX),
             known_agents: u32::try_from(known).unwrap_or(u32::MAX),
         }))

@@ -274,6 +274,28 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_stream_ended_for_a_compressed_message_without_an_encoding_is_logged_at_warn() {
+        let (log, guard) = crate::test_logs::capture("retryplane_server=warn");
+        let (mut route, publisher, _shutdown) = route();
+        publish(&publisher, 1);
+        let (request, inbound) = connect(CONNECT_PATH, "a-1");
+        let mut body = route.call(request).await.unwrap().into_body();
+        next_data(&mut body).await;
+        // Compressed-flag 1 on a stream that names no grpc-encoding: the agent's fault, kept
+        // INTERNAL as gRPC's compression spec requires.
+        let flagged = Bytes::from_static(&[1, 0, 0, 0, 3, 1, 2, 3]);
+        inbound.send(Ok(Frame::data(flagged))).await.unwrap();
+        let status = final_status(&mut body).await;
+        assert_eq!(status.code(), Code::Internal, "{status:?}");
+        drop(guard);
+        let logged = log.text();
+        assert!(
+            logged.contains("ending an agent stream") && logged.contains("compressed-flag 1"),
+            "{logged}"
+        );
+    }
+
+    #[tokio::test]
     async fn a_message_of_a_kind_this_server_does_not_know_is_skipped() {
         let (mut route, publisher, _shutdown) = route();
         publish(&publisher, 1);

@@ -638,11 +638,15 @@ impl AgentStream {
                 // the decoder's status; every other stream carries on. What the agent sent
                 // wrong (a message over the limit, a bad header) is its fault and is logged
                 // where an operator sees it; a broken connection is routine.
+                let agents_fault = bad_message_header(&status).is_some()
+                    || matches!(
+                        status.code(),
+                        tonic::Code::OutOfRange
+                            | tonic::Code::ResourceExhausted
+                            | tonic::Code::InvalidArgument
+                    );
                 let status = inbound_error(status);
-                if matches!(
-                    status.code(),
-                    tonic::Code::ResourceExhausted | tonic::Code::InvalidArgument
-                ) {
+                if agents_fault {
                     warn!(agent = %self.agent_id, code = ?status.code(), reason = %OneLine(status.message()), "ending an agent stream: the agent sent a message this control plane cannot take");
                 } else {
                     debug!(agent = %self.agent_id, code = ?status.code(), "stream ended with an error");

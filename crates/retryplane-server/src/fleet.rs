@@ -567,12 +567,23 @@ impl Fleet {
     pub fn status_page(&self, list: bool, after: &str, size: usize) -> FleetPage {
         let mut inner = self.lock();
         self.forget_gone(&mut inner);
-        let mut agents: Vec<_> = if list {
-            let listed = inner
+        // Only the page is copied, so a page costs the lock (which every report takes) a sort
+        // of references, not a copy of every agent after it.
+        let mut more = false;
+        let agents: Vec<pb::AgentStatus> = if list {
+            let mut listed: Vec<&Entry> = inner
                 .agents
                 .values()
-                .filter(|e| e.listed() && e.status.agent_id.as_str() > after);
-            listed.map(|e| e.status.clone()).collect()
+                .filter(|e| e.listed() && e.status.agent_id.as_str() > after)
+                .collect();
+            if listed.len() > size {
+                more = true;
+                listed
+                    .select_nth_unstable_by(size, |a, b| a.status.agent_id.cmp(&b.status.agent_id));
+                listed.truncate(size);
+            }
+            listed.sort_unstable_by(|a, b| a.status.agent_id.cmp(&b.status.agent_id));
+            listed.into_iter().map(|e| e.status.clone()).collect()
         } else {
             Vec::new()
         };
@@ -580,9 +591,6 @@ impl Fleet {
         let known = inner.agents.len().saturating_sub(inner.hidden);
         let connected = inner.connected;
         drop(inner);
-        agents.sort_by(|a, b| a.agent_id.cmp(&b.agent_id));
-        let more = agents.len() > size;
-        agents.truncate(size);
         let next = match agents.last() {
             Some(last) if more => last.agent_id.clone(),
             _ => String::new(),

@@ -159,20 +159,24 @@ impl Client {
 }
 
 /// Every agent, from the `FleetStatus` pages `page` answers for each page token (empty for the
-/// first), in one answer whose version, alerting endpoints and counts are the last page's.
+/// first), in one answer whose version and counts are the last page's, and whose alerting
+/// endpoints are the first page's (the only one that carries them).
 async fn whole_fleet(
     mut page: impl AsyncFnMut(String) -> Result<pb::FleetStatusResponse, Status>,
 ) -> Result<pb::FleetStatusResponse, Status> {
     let mut token = String::new();
     let mut agents = Vec::new();
+    let mut alerting = None;
     loop {
         let mut answer = page(token.clone()).await?;
         agents.append(&mut answer.agents);
+        let first = alerting.get_or_insert_with(|| std::mem::take(&mut answer.alerting_endpoints));
         let next = std::mem::take(&mut answer.next_page_token);
         // A server that predates paging answers every agent and no token. Ids only go up from
         // page to page, so a token that does not would never end.
         if next.is_empty() || next <= token {
             answer.agents = agents;
+            answer.alerting_endpoints = std::mem::take(first);
             return Ok(answer);
         }
         token = next;
@@ -213,7 +217,14 @@ mod tests {
 
     #[tokio::test]
     async fn fleet_pages_are_put_together_until_the_last() {
-        let pages = [agents(&["a", "b"], "b", 4), agents(&["c", "d"], "", 5)];
+        let mut first = agents(&["a", "b"], "b", 4);
+        first.alerting_endpoints = vec!["payments".to_owned()];
+        let pages = [first, agents(&["c", "d"], "", 5)];
+        let mut left = pages.iter();
+        let whole = whole_fleet(async |_| Ok(left.next().cloned().unwrap_or_default()))
+            .await
+            .unwrap();
+        assert_eq!(whole.alerting_endpoints, ["payments"], "the first page's");
         let (ids, asked, known) = collect(&pages).await;
         assert_eq!(ids, ["a", "b", "c", "d"]);
         assert_eq!(asked, ["", "b"]);
