@@ -493,16 +493,37 @@ impl Aggregator {
     /// What each series' alert is judged against as of `tick`: its endpoint's threshold, and
     /// whether the endpoint over every calling service is past it ([`Judge`]).
     fn judges(&self, tick: &Tick) -> Judges<'_> {
+        self.judges_of(tick, None)
+    }
+
+    /// [`Aggregator::judges`], for the series of the endpoints in `only` alone (every one when
+    /// `None`): a Stats call for one service or endpoint sums only what it shows.
+    fn judges_of(&self, tick: &Tick, only: Option<&HashSet<&str>>) -> Judges<'_> {
         let mut sums: HashMap<Box<str>, (u64, u64)> = HashMap::new();
+        let mut add = |endpoint: &str, series: &Series| {
+            let (calls, retries) = series.five_minutes(tick);
+            if calls == 0 {
+                return;
+            }
+            let sum = sums.entry(endpoint.into()).or_default();
+            sum.0 = sum.0.saturating_add(calls);
+            sum.1 = sum.1.saturating_add(retries);
+        };
         for svc in read(&self.services).values() {
-            for (endpoint, series) in read(&svc.endpoints).iter() {
-                let (calls, retries) = series.five_minutes(tick);
-                if calls == 0 {
-                    continue;
+            let endpoints = read(&svc.endpoints);
+            match only {
+                Some(only) => {
+                    for &endpoint in only {
+                        if let Some(series) = endpoints.get(endpoint) {
+                            add(endpoint, series);
+                        }
+                    }
                 }
-                let sum = sums.entry(endpoint.clone()).or_default();
-                sum.0 = sum.0.saturating_add(calls);
-                sum.1 = sum.1.saturating_add(retries);
+                None => {
+                    for (endpoint, series) in endpoints.iter() {
+                        add(endpoint, series);
+                    }
+                }
             }
         }
         let wide = sums
@@ -532,9 +553,17 @@ impl Aggregator {
         series_only: bool,
     ) -> pb::StatsResponse {
         let tick = Tick::new(self.epoch, now);
-        let judges = self.judges(&tick);
-        let mut series: Vec<&Series> = Vec::new();
         let matching = self.matching(filter);
+        // Alerts are judged (and so evaluated) only for the series shown; a call for one
+        // service or endpoint sums the windows of those endpoints only.
+        let narrowed = filter.service.is_some() || filter.endpoint.is_some();
+        let shown: HashSet<&str> = if narrowed {
+            matching.iter().map(|s| s.endpoint()).collect()
+        } else {
+            HashSet::new()
+        };
+        let judges = self.judges_of(&tick, narrowed.then_some(&shown));
+        let mut series: Vec<&Series> = Vec::new();
         series.extend(matching.iter().map(AsRef::as_ref));
         if self.other_listed(filter) {
             series.push(&self.other);
@@ -587,12 +616,12 @@ impl Aggregator {
             self.matching(every_service)
         };
         let other = (!series_only && self.other_listed(every_service)).then_some(&self.other);
+        // Lifetime totals only: no alert of these series is judged here (some are not shown).
         for s in totals.iter().map(AsRef::as_ref).chain(other) {
-            let view = s.view(&tick, judges.of(s));
             endpoints
-                .entry(view.endpoint.clone())
+                .entry(s.endpoint().to_owned())
                 .or_default()
-                .add(&view.lifetime);
+                .add(&s.lifetime());
         }
         let mut endpoints: Vec<pb::EndpointStats> = endpoints
             .into_iter()

@@ -208,6 +208,11 @@ impl Series {
         }
     }
 
+    /// Lifetime totals.
+    pub fn lifetime(&self) -> Counts {
+        self.lock().lifetime
+    }
+
     /// Calls and retries in the 5-minute window as of `tick`.
     pub fn five_minutes(&self, tick: &Tick) -> (u64, u64) {
         let mut s = self.lock();

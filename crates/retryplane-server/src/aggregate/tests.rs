@@ -1014,6 +1014,14 @@ async fn a_storm_spread_over_many_small_callers_alerts_on_each_of_them() {
     );
     let quiet = agg.service("quiet");
     agg.ingest(&quiet, &report(1, &[("search", 400, 0)]), Instant::now());
+    // A Stats call for one caller judges its series against the endpoint over every caller.
+    let one_caller = agg.stats(Instant::now(), one("caller03", "shipping"));
+    assert!(one_caller.series[0].alert.is_some_and(|a| a.firing));
+    let calm_only = agg.stats(Instant::now(), one("calm", "search"));
+    assert!(
+        !calm_only.series[0].alert.is_some_and(|a| a.firing),
+        "search is calm"
+    );
     assert_eq!(agg.tick(Instant::now()), 25);
     assert_eq!(agg.alerting_endpoints(Instant::now()), ["shipping"]);
     let stats = agg.stats(Instant::now(), all());
