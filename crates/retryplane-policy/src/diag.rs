@@ -88,30 +88,37 @@ impl fmt::Display for Diagnostic {
     }
 }
 
-/// Whether `c` is a control character, a Unicode line or paragraph separator, or a
-/// bidirectional formatting character: what [`OneLine`] escapes, and what a name shown in a
-/// terminal must not hold (it could break the line, move the cursor, change colours, or
-/// reorder the text shown after it, as in "Trojan Source").
+/// Whether `c` is a control character or a Unicode line or paragraph separator: what a name
+/// shown in a terminal must not hold (it could break the line, move the cursor or change
+/// colours), and what a name the control plane keeps is refused for.
 pub fn is_control(c: char) -> bool {
-    c.is_control()
+    c.is_control() || matches!(c, '\u{2028}' | '\u{2029}')
+}
+
+/// Whether [`OneLine`] writes `c` as an escape: a control character ([`is_control`]) or a
+/// bidirectional formatting character, which could reorder the text shown after it (as in
+/// "Trojan Source"). The bidi marks are common in Hebrew and Arabic text, so names holding
+/// them are kept, and shown escaped.
+pub fn is_escaped(c: char) -> bool {
+    is_control(c)
         || matches!(
             c,
-            '\u{2028}' | '\u{2029}' // line and paragraph separators
-                | '\u{061c}' | '\u{200e}' | '\u{200f}' // bidi marks
+            '\u{061c}' | '\u{200e}' | '\u{200f}' // bidi marks
                 | '\u{202a}'..='\u{202e}' // bidi embeddings and overrides
                 | '\u{2066}'..='\u{2069}' // bidi isolates
         )
 }
 
-/// Text with every control character (and the Unicode line and paragraph separators) written
-/// as a Rust escape (`\n`, `\t`, `\u{1b}`), so it stays on one line and cannot drive a
-/// terminal; everything else, backslashes and non-ASCII letters included, as is.
+/// Text with every control character, Unicode line and paragraph separator and bidi
+/// formatting character ([`is_escaped`]) written as a Rust escape (`\n`, `\t`, `\u{1b}`,
+/// `\u{202e}`), so it stays on one line and cannot drive a terminal or reorder what follows;
+/// everything else, backslashes and non-ASCII letters included, as is.
 pub struct OneLine<'a>(pub &'a str);
 
 impl fmt::Display for OneLine<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mut rest = self.0;
-        while let Some(at) = rest.find(is_control) {
+        while let Some(at) = rest.find(is_escaped) {
             f.write_str(&rest[..at])?;
             let c = rest[at..].chars().next().unwrap_or_default();
             write!(f, "{}", c.escape_default())?;
@@ -551,7 +558,9 @@ mod tests {
             OneLine("pay\u{202e}stnemyap\u{2066}x\u{200f}").to_string(),
             "pay\\u{202e}stnemyap\\u{2066}x\\u{200f}"
         );
-        assert!(!"ok-é".chars().any(is_control));
+        assert!(!"ok-é".chars().any(is_escaped));
+        // Escaped where shown, not refused: the marks are common in Hebrew and Arabic text.
+        assert!(!"\u{200f}צוות".chars().any(is_control));
     }
 
     #[test]

@@ -719,12 +719,20 @@ impl AgentStream {
             if !self.implausible_warned {
                 self.implausible_warned = true;
                 // The names come from the agent: escaped, so they cannot forge a log line.
+                let why = if refused.repeated == refused.count {
+                    "names an endpoint more than once; the repeats were left out"
+                } else if refused.repeated == 0 {
+                    "holds counts past what one agent could make over its window; those \
+                     endpoints' counts were left out"
+                } else {
+                    "names an endpoint more than once, and holds counts past what one agent \
+                     could make over its window; those entries were left out"
+                };
                 warn!(
                     agent = %self.agent_id,
                     endpoint = %OneLine(refused.first.unwrap_or_default()),
-                    endpoints = refused.count,
-                    "a metrics report holds counts past what one agent could make over its \
-                     window; those endpoints' counts were left out (this stream logs it once; \
+                    entries = refused.count,
+                    "a metrics report {why} (this stream logs it once; \
                      retryplane_server_report_endpoints_implausible_total counts them)"
                 );
             }
@@ -847,6 +855,15 @@ mod tests {
             status.map(|s| (s.code(), s.message().to_owned()))
         };
         let code = tonic::Code::InvalidArgument;
+        // A bidi mark, common in Hebrew and Arabic text, is kept (and shown escaped).
+        assert_eq!(
+            refused(&|h| {
+                h.labels
+                    .insert("team".to_owned(), "\u{200f}צוות".to_owned());
+                h.service = "shop\u{200f}".to_owned();
+            }),
+            None
+        );
         assert_eq!(
             refused(&|h| h.agent_id = "a\u{1b}[2J".to_owned()),
             Some((code, "Hello.agent_id holds a control character".to_owned()))

@@ -141,7 +141,7 @@ impl ServerMetrics {
         );
         registry.register(
             "report_endpoints_implausible",
-            "Endpoints of agent metrics reports left out for counts past what one agent could make",
+            "Endpoints of agent metrics reports left out for counts past what one agent could make, or for naming an endpoint already in the report",
             report_endpoints_implausible.clone(),
         );
         registry.register(

@@ -91,6 +91,8 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
             client
                 .stats(pb::StatsRequest {
                     firing_only: true,
+                    // The alert lines need the series only, not every endpoint's totals.
+                    series_only: true,
                     ..Default::default()
                 })
                 .await

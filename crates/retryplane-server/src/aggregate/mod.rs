@@ -337,8 +337,10 @@ impl Aggregator {
         let mut seen: HashSet<&'r str> = HashSet::with_capacity(report.endpoints.len());
         let mut plausible = |c: &'r pb::EndpointCounters| {
             let counts = Counts::of(c);
-            if !seen.insert(c.endpoint.as_str()) || counts.implausible(raw_span) {
+            let repeated = !seen.insert(c.endpoint.as_str());
+            if repeated || counts.implausible(raw_span) {
                 refused.count += 1;
+                refused.repeated += u64::from(repeated);
                 refused.first.get_or_insert(&c.endpoint);
                 None
             } else {
@@ -438,8 +440,8 @@ impl Aggregator {
             Overflow::BadName if !self.bad_name_warned.swap(true, Ordering::Relaxed) => warn!(
                 %endpoint,
                 "a metrics report names a service or endpoint too long, with a control \
-                 character, or the \"other\" series' own: such reports are counted in the \
-                 \"other\" series; a summary follows at most every minute"
+                 character, or the \"other\" series' own, or an empty endpoint: such reports \
+                 are counted in the \"other\" series; a summary follows at most every minute"
             ),
             Overflow::Cap if !self.overflow_warned.swap(true, Ordering::Relaxed) => warn!(
                 max_series = self.max_series,
@@ -777,6 +779,8 @@ impl Judges<'_> {
 pub struct Refused<'r> {
     /// How many.
     pub count: u64,
+    /// Of those, how many named an endpoint already in the report.
+    pub repeated: u64,
     /// The first one's name, as the agent sent it.
     pub first: Option<&'r str>,
 }
@@ -795,9 +799,10 @@ fn raw_span(report: &pb::MetricsReport) -> Option<Duration> {
 /// The time the counts of `report` were made over: its `window_end - window_start`, both from
 /// the agent's clock (so clock skew between the agent and this server does not matter), at most
 /// [`MAX_REPORT_SPAN`]. A report without a start (`0`, as a client that leaves it unset sends)
-/// or with its end before its start covers no known time: `None`.
+/// or with its end at or before its start covers no known time: `None`.
 fn report_span(report: &pb::MetricsReport) -> Option<Duration> {
-    if report.window_start_unix_ms == 0 || report.window_end_unix_ms < report.window_start_unix_ms {
+    if report.window_start_unix_ms == 0 || report.window_end_unix_ms <= report.window_start_unix_ms
+    {
         return None;
     }
     let span = report.window_end_unix_ms - report.window_start_unix_ms;

@@ -215,7 +215,7 @@ impl Collector for AggregateCollector {
         {
             let mut m = encoder.encode_descriptor(
                 "retryplane_metrics_overflowed_reports",
-                "Endpoint reports counted in the `other` series, by reason: series_cap (the cap on series was reached), bad_name (a name too long, with a control character, or `other`'s own), service_share (the service holds its share of series).",
+                "Endpoint reports counted in the `other` series, by reason: series_cap (the cap on series was reached), bad_name (a name too long, with a control character, or `other`'s own, or an empty endpoint name), service_share (the service holds its share of series).",
                 None,
                 MetricType::Counter,
             )?;

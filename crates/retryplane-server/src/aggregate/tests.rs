@@ -150,6 +150,9 @@ async fn a_young_series_covers_the_span_of_its_first_report_not_only_its_own_age
     let backwards = spanning(report(1, &[("backwards", 1, 0)]), 1_010_000, 1_000_000);
     agg.ingest(&svc, &backwards, Instant::now());
     assert_eq!(windows(&agg, one("checkout", "backwards"))[0], (1, 10.0));
+    let instant = spanning(report(1, &[("instant", 1, 0)]), 1_010_000, 1_010_000);
+    agg.ingest(&svc, &instant, Instant::now());
+    assert_eq!(windows(&agg, one("checkout", "instant"))[0], (1, 10.0));
     let told = Aggregator::new(10, Instant::now()).with_unknown_span(Duration::from_secs(30));
     let told_svc = told.service("checkout");
     told.ingest(&told_svc, &unset, Instant::now());
@@ -924,7 +927,10 @@ async fn counts_no_agent_could_make_are_left_out_and_the_rest_of_the_report_coun
     // A name repeated in one report, to pass the bound once per copy: the repeats are out.
     let twice = report(1, &[("search", 5, 0), ("search", 7, 0), ("search", 9, 0)]);
     let refused = agg.ingest(&svc, &twice, Instant::now());
-    assert_eq!((refused.count, refused.first), (2, Some("search")));
+    assert_eq!(
+        (refused.count, refused.repeated, refused.first),
+        (2, 2, Some("search"))
+    );
     let stats = agg.stats(Instant::now(), one("checkout", "search"));
     assert_eq!(stats.series[0].lifetime.map(|c| c.calls), Some(5));
     // Past the cap, counts in `other` are checked the same way.
