@@ -740,15 +740,7 @@ async fn reports_over_a_stream_show_in_metrics_stats_and_fleet_status() {
     };
     send_report(&tx, snapshot.version, counters).await;
     let calls = r#"retryplane_calls_total{service="checkout",endpoint="payments"} 40"#;
-    eventually("the report shows in /metrics", || async {
-        http_get(running.http_addr, "/metrics")
-            .await
-            .1
-            .lines()
-            .any(|l| l == calls)
-    })
-    .await;
-    let (_, text) = http_get(running.http_addr, "/metrics").await;
+    let text = metrics_once_it_shows(&running, "the report shows in /metrics", calls).await;
     let series = r#"{service="checkout",endpoint="payments"}"#;
     for line in [
         format!("retryplane_retries_total{series} 10"),
@@ -815,13 +807,7 @@ async fn agents_that_never_report_take_no_place_among_the_series() {
         .await
         .unwrap();
     assert_eq!(next_version(&mut inbound).await, 1);
-    let counters = pb::EndpointCounters {
-        endpoint: "payments".to_owned(),
-        calls: 7,
-        attempts: 7,
-        ..Default::default()
-    };
-    send_report(&tx, 1, counters).await;
+    send_report(&tx, 1, first_try_successes("payments", 7)).await;
     let mut admin = admin(&running).await;
     let mut series = Vec::new();
     for _ in 0..200 {
@@ -848,11 +834,7 @@ async fn agents_that_never_report_take_no_place_among_the_series() {
 #[tokio::test]
 async fn a_report_with_counts_no_agent_could_make_is_left_out_and_counted() {
     let (_dir, cfg) = with_file(V1);
-    let running = start(cfg).await.unwrap();
-    let (tx, mut inbound) = open_stream(running.agent_addr, hello("a-1"), None)
-        .await
-        .unwrap();
-    assert_eq!(next_version(&mut inbound).await, 1);
+    let (running, tx, _inbound) = with_agent_on_v1(cfg).await;
     let absurd = pb::EndpointCounters {
         endpoint: "stock".to_owned(),
         calls: u64::MAX,
@@ -860,23 +842,10 @@ async fn a_report_with_counts_no_agent_could_make_is_left_out_and_counted() {
         ..Default::default()
     };
     send_report(&tx, 1, absurd).await;
-    let counters = pb::EndpointCounters {
-        endpoint: "payments".to_owned(),
-        calls: 7,
-        attempts: 7,
-        ..Default::default()
-    };
-    send_report(&tx, 1, counters).await;
+    send_report(&tx, 1, first_try_successes("payments", 7)).await;
     let calls = r#"retryplane_calls_total{service="checkout",endpoint="payments"} 7"#;
-    eventually("the plausible report shows in /metrics", || async {
-        http_get(running.http_addr, "/metrics")
-            .await
-            .1
-            .lines()
-            .any(|l| l == calls)
-    })
-    .await;
-    let (_, text) = http_get(running.http_addr, "/metrics").await;
+    let text =
+        metrics_once_it_shows(&running, "the plausible report shows in /metrics", calls).await;
     assert!(
         text.lines()
             .any(|l| l == "retryplane_server_report_endpoints_implausible_total 1"),
@@ -891,11 +860,7 @@ async fn a_report_with_counts_no_agent_could_make_is_left_out_and_counted() {
 async fn a_message_over_the_limit_ends_its_stream_with_a_log_line_saying_why() {
     let (_dir, mut cfg) = with_file(V1);
     cfg.max_message_bytes = 64 * 1024;
-    let running = start(cfg).await.unwrap();
-    let (tx, mut inbound) = open_stream(running.agent_addr, hello("a-1"), None)
-        .await
-        .unwrap();
-    assert_eq!(next_version(&mut inbound).await, 1);
+    let (running, tx, mut inbound) = with_agent_on_v1(cfg).await;
     let (log, guard) = crate::test_logs::capture("retryplane_server=warn");
     let big = pb::EndpointCounters {
         endpoint: "x".repeat(100 * 1024),
@@ -917,6 +882,47 @@ async fn a_message_over_the_limit_ends_its_stream_with_a_log_line_saying_why() {
     );
     drop(tx);
     running.shutdown().await.unwrap();
+}
+
+/// A control plane started on `cfg` (serving version 1) and agent `a-1`'s stream, which has
+/// taken version 1.
+async fn with_agent_on_v1(
+    cfg: ServeConfig,
+) -> (
+    Running,
+    mpsc::Sender<pb::AgentMessage>,
+    tonic::Streaming<pb::ServerMessage>,
+) {
+    let running = start(cfg).await.unwrap();
+    let (tx, mut inbound) = open_stream(running.agent_addr, hello("a-1"), None)
+        .await
+        .unwrap();
+    assert_eq!(next_version(&mut inbound).await, 1);
+    (running, tx, inbound)
+}
+
+/// The `/metrics` text once a line of it is `line` (polled with a bound; `what` names the wait).
+async fn metrics_once_it_shows(running: &Running, what: &str, line: &str) -> String {
+    eventually(what, || async {
+        http_get(running.http_addr, "/metrics")
+            .await
+            .1
+            .lines()
+            .any(|l| l == line)
+    })
+    .await;
+    http_get(running.http_addr, "/metrics").await.1
+}
+
+/// The counters of `calls` calls to `endpoint`, one attempt each.
+fn first_try_successes(endpoint: &str, calls: u64) -> pb::EndpointCounters {
+    pb::EndpointCounters {
+        endpoint: endpoint.to_owned(),
+        calls,
+        attempts: calls,
+        success_first_try: calls,
+        ..Default::default()
+    }
 }
 
 /// Sends one unnumbered report of `counters`, made under `version`.
