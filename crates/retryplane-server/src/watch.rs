@@ -151,28 +151,43 @@ impl OpenWrites {
         if !CLOSES_REPORTED {
             return;
         }
+        // A file created (and maybe held open before its first write) is being written until
+        // its writer closes it, as one written to is; but not a link made to a file (`ln`,
+        // `ln -s`), or a FIFO, which no writer closes. Looked at here, before the lock.
+        let created: Vec<&PathBuf> = match event.kind {
+            EventKind::Create(CreateKind::File) => {
+                event.paths.iter().filter(|p| opened_to_write(p)).collect()
+            }
+            _ => Vec::new(),
+        };
         let mut open = self.lock();
         match event.kind {
-            // A file created (and maybe held open before its first write) is being written
-            // until its writer closes it, as one written to is.
-            EventKind::Modify(ModifyKind::Data(_) | ModifyKind::Any)
-            | EventKind::Create(CreateKind::File) => {
+            EventKind::Modify(ModifyKind::Data(_) | ModifyKind::Any) => {
                 if open.len() + event.paths.len() > MAX_OPEN_WRITES {
                     open.clear();
                 }
                 open.extend(event.paths.iter().cloned());
+            }
+            EventKind::Create(CreateKind::File) => {
+                if open.len() + created.len() > MAX_OPEN_WRITES {
+                    open.clear();
+                }
+                open.extend(created.into_iter().cloned());
             }
             EventKind::Access(AccessKind::Close(AccessMode::Write)) | EventKind::Remove(_) => {
                 for path in &event.paths {
                     open.remove(path);
                 }
             }
-            // A file renamed while still open keeps its writer under its new name.
+            // A file renamed while still open keeps its writer under its new name; one renamed
+            // closed replaces whatever was at the new name, writer and all.
             EventKind::Modify(ModifyKind::Name(RenameMode::Both)) => {
-                if let [from, to] = event.paths.as_slice()
-                    && open.remove(from)
-                {
-                    open.insert(to.clone());
+                if let [from, to] = event.paths.as_slice() {
+                    if open.remove(from) {
+                        open.insert(to.clone());
+                    } else {
+                        open.remove(to);
+                    }
                 }
             }
             _ => {}
@@ -187,6 +202,26 @@ impl OpenWrites {
     /// Stops waiting for `path`'s writer to close it.
     fn forget(&self, path: &Path) {
         self.lock().remove(path);
+    }
+
+    /// Forgets every file of `dir`: its watch is dropped, so no close will be told.
+    fn forget_dir(&self, dir: &Path) {
+        self.lock().retain(|path| path.parent() != Some(dir));
+    }
+}
+
+/// Whether the file just created at `path` is one a writer has open: a regular file with no
+/// other link (not a hard link made to an existing file, not a FIFO or a symbolic link).
+fn opened_to_write(path: &Path) -> bool {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt as _;
+        std::fs::symlink_metadata(path).is_ok_and(|m| m.is_file() && m.nlink() == 1)
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = path;
+        false
     }
 }
 
@@ -274,6 +309,20 @@ impl FileRead {
 /// Reads at most [`MAX_FILE_BYTES`] + 1 bytes of `path` (one byte more than allowed, so an
 /// oversized file is told apart) and its size. Blocking.
 fn read_bytes(path: &Path) -> io::Result<FileRead> {
+    // Opening a FIFO waits for a writer, for good: the watcher (and start-up, and the
+    // shutdown that waits for it) would hang. Such a file, or a socket, is refused.
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileTypeExt as _;
+        let kind = std::fs::metadata(path)?.file_type();
+        if kind.is_fifo() || kind.is_socket() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "the policy file is a FIFO or a socket, not a file; save the policies in a \
+                 regular file",
+            ));
+        }
+    }
     let file = std::fs::File::open(path)?;
     let before = file.metadata().ok().filter(std::fs::Metadata::is_file);
     let size = before.as_ref().map(std::fs::Metadata::len);
@@ -503,14 +552,16 @@ impl Watches {
                 kept.push((dir, id));
                 continue;
             }
-            // A directory that is gone (deleted, or the old one after a ConfigMap swap) took
-            // its watch with it, and notify drops the watch on the deletion event: unwatching
-            // it again would only fail.
-            if matches!(dir.try_exists(), Ok(false)) {
-                continue;
-            }
-            // Fails when the directory went between the check and here.
-            if let Err(e) = self.watcher.unwatch(&dir) {
+            // Its files' writers can no longer be told closing.
+            self.open_writes.forget_dir(&dir);
+            // A directory deleted (the old one after a ConfigMap swap, say) took its watch with
+            // it, and notify drops the watch on the deletion event: unwatching it fails, which
+            // is no news. One renamed away keeps its watch, which notify goes on mapping to
+            // the old path until it is unwatched, even when nothing is at that path now.
+            let gone = matches!(dir.try_exists(), Ok(false));
+            if let Err(e) = self.watcher.unwatch(&dir)
+                && !gone
+            {
                 debug!(dir = %dir.display(), error = %e, "unwatching a directory");
             }
         }

@@ -774,3 +774,99 @@ async fn a_directory_renamed_away_no_longer_speaks_for_the_policy_file() {
     );
     assert_eq!(max_attempts_served(&f.control).await, Some(5));
 }
+
+#[cfg(any(target_os = "linux", target_os = "android"))]
+#[tokio::test]
+async fn a_fifo_at_the_policy_path_is_refused_not_waited_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("policies.yaml");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap();
+    assert!(made.success());
+    // Opening a FIFO would wait for a writer for good; bounded here so a hang fails.
+    let read = tokio::time::timeout(Duration::from_secs(5), read_policy_file(&fifo))
+        .await
+        .expect("the read waited on the FIFO");
+    let err = read.unwrap_err();
+    assert_eq!(err.kind(), io::ErrorKind::InvalidInput);
+    assert!(err.to_string().contains("FIFO"), "{err}");
+}
+
+#[cfg(any(target_os = "linux", target_os = "android"))]
+#[test]
+fn only_a_file_created_to_be_written_counts_as_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let new = dir.path().join("new.yaml");
+    fs::write(&new, V1).unwrap();
+    let linked = dir.path().join("linked.yaml");
+    fs::hard_link(&new, &linked).unwrap();
+    let symlinked = dir.path().join("symlinked.yaml");
+    std::os::unix::fs::symlink(&new, &symlinked).unwrap();
+    let open = OpenWrites::default();
+    let created =
+        |p: &Path| Event::new(EventKind::Create(CreateKind::File)).add_path(p.to_path_buf());
+    // `new.yaml` now has two links: none of the three is a file a writer just created.
+    for p in [&new, &linked, &symlinked] {
+        open.note(&created(p));
+        assert!(!open.is_open(p), "{}", p.display());
+    }
+    let fresh = dir.path().join("fresh.yaml");
+    fs::write(&fresh, V1).unwrap();
+    open.note(&created(&fresh));
+    assert!(open.is_open(&fresh));
+    // A closed file renamed over it replaces it, writer and all.
+    let rename = Event::new(EventKind::Modify(ModifyKind::Name(RenameMode::Both)))
+        .add_path(new.clone())
+        .add_path(fresh.clone());
+    open.note(&rename);
+    assert!(!open.is_open(&fresh));
+}
+
+#[cfg(any(target_os = "linux", target_os = "android"))]
+#[tokio::test]
+async fn a_directory_renamed_away_while_nothing_replaces_it_yet_is_unwatched() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config");
+    fs::create_dir(&config).unwrap();
+    let file = config.join("policies.yaml");
+    fs::write(&file, V1).unwrap();
+    let open_writes = OpenWrites::default();
+    let noted = open_writes.clone();
+    let watcher = notify::recommended_watcher(move |e: notify::Result<Event>| {
+        if let Ok(e) = e {
+            noted.note(&e);
+        }
+    })
+    .unwrap();
+    let mut watches = Watches {
+        watcher,
+        file: file.clone(),
+        own_dir: fs::canonicalize(&config).unwrap(),
+        wanted: Vec::new(),
+        active: Vec::new(),
+        open_writes: open_writes.clone(),
+    };
+    watches.update();
+    // Renamed away, and a read happens before anything takes its place.
+    let prev = dir.path().join("prev");
+    fs::rename(&config, &prev).unwrap();
+    watches.update();
+    fs::create_dir(&config).unwrap();
+    fs::write(&file, V2).unwrap();
+    watches.update();
+    // A writer in the old directory, then one in the new: the events come in that order.
+    let old = SlowWriter::start(&prev.join("policies.yaml"), FIRST_HALF);
+    let other = config.join("other.log");
+    let new = SlowWriter::start(&other, "x");
+    eventually("the new directory's writer is seen", || {
+        open_writes.is_open(&other)
+    })
+    .await;
+    assert!(
+        !open_writes.is_open(&file),
+        "the old directory's writer was taken for the policy file's"
+    );
+    drop((old, new));
+}
