@@ -52,7 +52,11 @@
 //! [`Timing::unclosed`] ([`UNCLOSED`]) after the quiet period, and then reads what is there,
 //! with a warning (a writer that keeps the file open for good delays a reload by that much, no
 //! more). A file created is taken as open for writing until its writer closes it, as one
-//! written to is (a writer may hold it open before its first write). notify delivers the
+//! written to is (a writer may hold it open before its first write), while it is still empty:
+//! one created with content (a hard link, an `O_TMPFILE` linked in) has no writer here. A
+//! file moved in from a directory not watched clears its name's mark. What a writer did in a
+//! directory before the watcher watched it (one made that same moment) is not known: such a
+//! file is judged by its times alone. notify delivers the
 //! writer's events on its own thread, so a save that begins just as the quiet period ends may
 //! not be known yet when the file is read: after the read the file is looked at again, and a
 //! read of a file now open for writing, whose size or times moved during the read (a
@@ -64,7 +68,7 @@
 //! yet closed, and forwards a wake-up into a one-slot tokio channel with `try_send` (a full
 //! slot already means "look again").
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::ffi::OsString;
 use std::io::{self, Read as _};
 use std::path::{Component, Path, PathBuf};
@@ -135,13 +139,25 @@ const CLOSES_REPORTED: bool = cfg!(any(target_os = "linux", target_os = "android
 const MAX_OPEN_WRITES: usize = 1024;
 
 /// The files of the watched directories written to and not closed since, by the path their
-/// events carry (a watched directory's real path and the file's name). Filled by notify's
-/// thread, read before every read of the policy file.
+/// events carry (a watched directory's real path and the file's name), each with how it is
+/// known to be open. Filled by notify's thread, read before every read of the policy file.
 #[derive(Clone, Debug, Default)]
-struct OpenWrites(Arc<Mutex<HashSet<PathBuf>>>);
+struct OpenWrites(Arc<Mutex<HashMap<PathBuf, Mark>>>);
+
+/// How a file is known to be open for writing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mark {
+    /// Written to (a modify event named it) and not closed since.
+    Written,
+    /// Created, and not yet written to under this name. A writer that holds a file open
+    /// before its first write leaves it empty; a file created with content (a hard link, a
+    /// file made elsewhere and linked in) has no writer here, so this counts only while the
+    /// file is empty.
+    Created,
+}
 
 impl OpenWrites {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashSet<PathBuf>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<PathBuf, Mark>> {
         // Plain data: a panic while holding the lock leaves nothing half-done worth refusing.
         self.0.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -151,12 +167,11 @@ impl OpenWrites {
         if !CLOSES_REPORTED {
             return;
         }
-        // A file created (and maybe held open before its first write) is being written until
-        // its writer closes it, as one written to is; but not a link made to a file (`ln`,
-        // `ln -s`), or a FIFO, which no writer closes. Looked at here, before the lock.
+        // Only a regular file can be being written: not a symbolic link or a FIFO, which no
+        // writer closes. Looked at here, before the lock.
         let created: Vec<&PathBuf> = match event.kind {
             EventKind::Create(CreateKind::File) => {
-                event.paths.iter().filter(|p| opened_to_write(p)).collect()
+                event.paths.iter().filter(|p| is_regular(p)).collect()
             }
             _ => Vec::new(),
         };
@@ -166,13 +181,17 @@ impl OpenWrites {
                 if open.len() + event.paths.len() > MAX_OPEN_WRITES {
                     open.clear();
                 }
-                open.extend(event.paths.iter().cloned());
+                for path in &event.paths {
+                    open.insert(path.clone(), Mark::Written);
+                }
             }
             EventKind::Create(CreateKind::File) => {
                 if open.len() + created.len() > MAX_OPEN_WRITES {
                     open.clear();
                 }
-                open.extend(created.into_iter().cloned());
+                for path in created {
+                    open.insert(path.clone(), Mark::Created);
+                }
             }
             EventKind::Access(AccessKind::Close(AccessMode::Write)) | EventKind::Remove(_) => {
                 for path in &event.paths {
@@ -183,20 +202,36 @@ impl OpenWrites {
             // closed replaces whatever was at the new name, writer and all.
             EventKind::Modify(ModifyKind::Name(RenameMode::Both)) => {
                 if let [from, to] = event.paths.as_slice() {
-                    if open.remove(from) {
-                        open.insert(to.clone());
-                    } else {
-                        open.remove(to);
+                    match open.remove(from) {
+                        Some(mark) => {
+                            open.insert(to.clone(), mark);
+                        }
+                        None => {
+                            open.remove(to);
+                        }
                     }
+                }
+            }
+            // Moved in from a directory not watched: another file is at that name now. (A
+            // move within the watched directories comes as `To`, then `Both`, which carries a
+            // writer across.)
+            EventKind::Modify(ModifyKind::Name(RenameMode::To)) => {
+                for path in &event.paths {
+                    open.remove(path);
                 }
             }
             _ => {}
         }
     }
 
-    /// Whether `path` (a real path) was written to and not closed since.
+    /// Whether `path` (a real path) is written to and not closed since: written to, or
+    /// created and still empty (see [`Mark::Created`]).
     fn is_open(&self, path: &Path) -> bool {
-        self.lock().contains(path)
+        match self.lock().get(path) {
+            Some(Mark::Written) => true,
+            Some(Mark::Created) => std::fs::metadata(path).is_ok_and(|m| m.len() == 0),
+            None => false,
+        }
     }
 
     /// Stops waiting for `path`'s writer to close it.
@@ -206,23 +241,13 @@ impl OpenWrites {
 
     /// Forgets every file of `dir`: its watch is dropped, so no close will be told.
     fn forget_dir(&self, dir: &Path) {
-        self.lock().retain(|path| path.parent() != Some(dir));
+        self.lock().retain(|path, _| path.parent() != Some(dir));
     }
 }
 
-/// Whether the file just created at `path` is one a writer has open: a regular file with no
-/// other link (not a hard link made to an existing file, not a FIFO or a symbolic link).
-fn opened_to_write(path: &Path) -> bool {
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::MetadataExt as _;
-        std::fs::symlink_metadata(path).is_ok_and(|m| m.is_file() && m.nlink() == 1)
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = path;
-        false
-    }
+/// Whether `path` is a regular file itself (not a symbolic link to one, not a FIFO).
+fn is_regular(path: &Path) -> bool {
+    std::fs::symlink_metadata(path).is_ok_and(|m| m.is_file())
 }
 
 /// At most this many symbolic links are followed when resolving the policy file's path; the

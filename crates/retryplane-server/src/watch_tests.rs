@@ -807,20 +807,38 @@ fn only_a_file_created_to_be_written_counts_as_open() {
     let open = OpenWrites::default();
     let created =
         |p: &Path| Event::new(EventKind::Create(CreateKind::File)).add_path(p.to_path_buf());
-    // `new.yaml` now has two links: none of the three is a file a writer just created.
+    // Created with content already (a hard link, a file made elsewhere and linked in), or a
+    // symbolic link: no writer here to wait for.
     for p in [&new, &linked, &symlinked] {
         open.note(&created(p));
         assert!(!open.is_open(p), "{}", p.display());
     }
+    // Created and held open before its first write: open while empty.
     let fresh = dir.path().join("fresh.yaml");
-    fs::write(&fresh, V1).unwrap();
+    let writer = fs::File::create(&fresh).unwrap();
     open.note(&created(&fresh));
     assert!(open.is_open(&fresh));
+    // Once written to, the modify event keeps it open until the close.
+    let modified = Event::new(EventKind::Modify(ModifyKind::Data(
+        notify::event::DataChange::Any,
+    )))
+    .add_path(fresh.clone());
+    fs::write(&fresh, V1).unwrap();
+    open.note(&modified);
+    assert!(open.is_open(&fresh));
+    drop(writer);
     // A closed file renamed over it replaces it, writer and all.
     let rename = Event::new(EventKind::Modify(ModifyKind::Name(RenameMode::Both)))
         .add_path(new.clone())
         .add_path(fresh.clone());
     open.note(&rename);
+    assert!(!open.is_open(&fresh));
+    // So does one moved in from a directory not watched (only its `To` is told).
+    open.note(&modified);
+    assert!(open.is_open(&fresh));
+    let moved_in =
+        Event::new(EventKind::Modify(ModifyKind::Name(RenameMode::To))).add_path(fresh.clone());
+    open.note(&moved_in);
     assert!(!open.is_open(&fresh));
 }
 
