@@ -397,11 +397,7 @@ async fn a_directory_deleted_and_created_again_is_watched_again() {
     // The policy file sits in a directory of its own, which a deploy replaces whole. The
     // old directory's watch goes with it, so only the rescan can see the new one.
     const RESCAN_EVERY: Duration = Duration::from_secs(4);
-    let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("config");
-    fs::create_dir(&config).unwrap();
-    let file = config.join("policies.yaml");
-    fs::write(&file, V1).unwrap();
+    let (dir, config, file) = config_dir();
     let timing = Timing {
         debounce: DEBOUNCE,
         rescan: RESCAN_EVERY,
@@ -554,6 +550,17 @@ async fn an_oversized_file_is_refused_with_its_real_size() {
         diag.message,
         format!("file is {size} bytes; policy files are limited to {MAX_FILE_BYTES} bytes (1 MiB)")
     );
+}
+
+/// A temporary directory holding `config/policies.yaml` with `V1`: the directory, `config`
+/// and the file.
+fn config_dir() -> (tempfile::TempDir, PathBuf, PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config");
+    fs::create_dir(&config).unwrap();
+    let file = config.join("policies.yaml");
+    fs::write(&file, V1).unwrap();
+    (dir, config, file)
 }
 
 /// Writes `first`, then `rest` `pause` later, into `file` opened (and truncated) once and
@@ -742,11 +749,7 @@ async fn a_file_created_and_held_open_before_its_first_write_is_waited_for() {
 #[cfg(any(target_os = "linux", target_os = "android"))]
 #[tokio::test]
 async fn a_directory_renamed_away_no_longer_speaks_for_the_policy_file() {
-    let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("config");
-    fs::create_dir(&config).unwrap();
-    let file = config.join("policies.yaml");
-    fs::write(&file, V1).unwrap();
+    let (dir, config, file) = config_dir();
     let f = start_with(dir, file.clone(), TIMING).await;
     // A deploy renames the directory away and a new one in its place.
     let prev = f.dir.path().join("prev");
@@ -845,11 +848,7 @@ fn only_a_file_created_to_be_written_counts_as_open() {
 #[cfg(any(target_os = "linux", target_os = "android"))]
 #[tokio::test]
 async fn a_directory_renamed_away_while_nothing_replaces_it_yet_is_unwatched() {
-    let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("config");
-    fs::create_dir(&config).unwrap();
-    let file = config.join("policies.yaml");
-    fs::write(&file, V1).unwrap();
+    let (dir, config, file) = config_dir();
     let open_writes = OpenWrites::default();
     let noted = open_writes.clone();
     let watcher = notify::recommended_watcher(move |e: notify::Result<Event>| {
