@@ -78,6 +78,7 @@ use std::time::{Duration, SystemTime};
 use notify::event::{AccessKind, AccessMode, CreateKind, ModifyKind, RenameMode};
 use notify::{Event, EventKind, RecommendedWatcher, RecursiveMode, Watcher as _};
 use retryplane_policy::Loaded;
+use retryplane_policy::duration::format_duration;
 use retryplane_policy::yaml::MAX_FILE_BYTES;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
@@ -96,7 +97,8 @@ pub const DEBOUNCE: Duration = Duration::from_millis(200);
 pub const RESCAN: Duration = Duration::from_secs(10);
 
 /// The longest a read waits, after the quiet period, for a writer that still has the policy
-/// file open to close it (see the module docs).
+/// file open to close it, or for a file that keeps changing to go quiet (see the module docs);
+/// then it reads what is there, with a warning.
 pub const UNCLOSED: Duration = Duration::from_secs(30);
 
 /// The longest events keep a read waiting for a quiet period: other files written in a watched
@@ -111,7 +113,8 @@ pub struct Timing {
     pub debounce: Duration,
     /// How often the watches are renewed and the file read without an event ([`RESCAN`]).
     pub rescan: Duration,
-    /// The longest a read waits for a writer to close the file it wrote to ([`UNCLOSED`]).
+    /// The longest a read waits for a writer to close the file it wrote to, or for the file to
+    /// stop changing ([`UNCLOSED`]).
     pub unclosed: Duration,
     /// The longest events keep a read waiting for a quiet period ([`MAX_QUIET_WAIT`]).
     pub max_quiet_wait: Duration,
@@ -227,7 +230,9 @@ impl OpenWrites {
     /// Whether `path` (a real path) is written to and not closed since: written to, or
     /// created and still empty (see [`Mark::Created`]).
     fn is_open(&self, path: &Path) -> bool {
-        match self.lock().get(path) {
+        // Copied out, so the file is looked at without holding the lock notify's thread takes.
+        let mark = self.lock().get(path).copied();
+        match mark {
             Some(Mark::Written) => true,
             Some(Mark::Created) => std::fs::metadata(path).is_ok_and(|m| m.len() == 0),
             None => false,
@@ -756,8 +761,9 @@ async fn run(
             _ = rescan.tick() => {}
         }
         // When the wait for quiet began: it ends at most `max_quiet_wait` later, however many
-        // events keep coming (from other files of the directory, maybe).
-        let waiting_since = Instant::now();
+        // events keep coming (from other files of the directory, maybe). Begun again after
+        // each wake while a writer holds the file, so those wakes stay a quiet period apart.
+        let mut waiting_since = Instant::now();
         // When the file was first found still being written (held open for writing, or
         // changed within the quiet period).
         let mut writing_since: Option<Instant> = None;
@@ -828,11 +834,12 @@ async fn run(
             {
                 empty_looked_again = true;
             }
+            // No `why` means the file was read (a file not read is open).
             let Some(why) = why else {
-                if let Some(read) = read {
-                    break read;
-                }
-                continue;
+                break match read {
+                    Some(read) => read,
+                    None => read_file(&file).await,
+                };
             };
             let since = *writing_since.get_or_insert_with(Instant::now);
             let left = timing.unclosed.saturating_sub(since.elapsed());
@@ -841,7 +848,7 @@ async fn run(
                     Writing::Open => "has been held open for writing",
                     Writing::Changing(_) => "has kept changing",
                 };
-                warn!(file = %file.display(), "the policy file {what} for {}; reading it as it is now, which may be half of a save", humantime_secs(timing.unclosed));
+                warn!(file = %file.display(), "the policy file {what} for {}; reading it as it is now, which may be half of a save", format_duration(timing.unclosed));
                 if let Some(real) = &real {
                     open_writes.forget(real);
                 }
@@ -853,14 +860,17 @@ async fn run(
             debug!(file = %file.display(), why = ?why, "the policy file is being written; waiting for the writer to finish");
             match why {
                 // The close (or any other event) starts the next look.
-                Writing::Open => tokio::select! {
-                    _ = shutdown.wait_for(|stop| *stop) => return,
-                    event = tokio::time::timeout(left, events.recv()) => {
-                        if matches!(event, Ok(None)) {
-                            return;
+                Writing::Open => {
+                    tokio::select! {
+                        _ = shutdown.wait_for(|stop| *stop) => return,
+                        event = tokio::time::timeout(left, events.recv()) => {
+                            if matches!(event, Ok(None)) {
+                                return;
+                            }
                         }
                     }
-                },
+                    waiting_since = Instant::now();
+                }
                 // Until the file has been quiet for the quiet period, whatever other files do.
                 Writing::Changing(quiet) => tokio::select! {
                     _ = shutdown.wait_for(|stop| *stop) => return,
@@ -890,11 +900,6 @@ async fn run(
 async fn read_file(file: &Path) -> io::Result<FileRead> {
     let path = file.to_owned();
     blocking(move || read_bytes(&path)).await.and_then(|r| r)
-}
-
-/// `5s` for a whole number of seconds, for log lines.
-fn humantime_secs(d: Duration) -> String {
-    format!("{}s", d.as_secs())
 }
 
 /// Applies what was `read` from `file` unless its bytes are those last read: an event on
