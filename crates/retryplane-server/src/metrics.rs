@@ -45,7 +45,8 @@ pub struct ServerMetrics {
     pub reports_duplicate: Counter,
     /// Endpoints of accepted metrics reports left out because their counts are past what
     /// one agent could make over the report's span (see
-    /// [`crate::aggregate::counts::Counts::implausible`]).
+    /// [`crate::aggregate::counts::Counts::implausible`]), or because the report named the
+    /// endpoint already.
     pub report_endpoints_implausible: Counter,
     /// Streams refused because the agent limit, or the limit on streams waiting for Hello,
     /// was reached.

@@ -204,7 +204,10 @@ pub fn text(response: &pb::StatsResponse, window: Window) -> String {
 /// A server that does not tell the reasons apart gives only the total.
 pub fn overflow_notes(r: &pb::StatsResponse) -> Vec<String> {
     const OTHER: &str = "were counted in the \"other\" series";
-    let by_reason = r.overflowed_cap + r.overflowed_bad_name + r.overflowed_service_share;
+    let by_reason = r
+        .overflowed_cap
+        .saturating_add(r.overflowed_bad_name)
+        .saturating_add(r.overflowed_service_share);
     if by_reason == 0 {
         return if r.overflowed_reports > 0 {
             vec![format!("{} endpoint reports {OTHER}", r.overflowed_reports)]

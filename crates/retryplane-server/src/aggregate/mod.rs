@@ -242,8 +242,8 @@ impl Aggregator {
         self
     }
 
-    /// This aggregate, taking a report without a known span (no start, or an end before its
-    /// start) to cover `span`: the interval agents are told to report at. Taken as zero, a new
+    /// This aggregate, taking a report without a known span (no start, or an end at or before
+    /// its start) to cover `span`: the interval agents are told to report at. Taken as zero, a new
     /// series' first counts would be divided by the instant since they arrived, and its rates
     /// read as hundreds of calls a second. Default [`DEFAULT_UNKNOWN_SPAN`].
     #[must_use]
@@ -334,10 +334,16 @@ impl Aggregator {
         let mut refused = Refused::default();
         // An agent sends one entry per endpoint; the bound holds per endpoint, so a name
         // repeated in one report (to pass the bound once per copy) leaves its repeats out.
-        let mut seen: HashSet<&'r str> = HashSet::with_capacity(report.endpoints.len());
+        // A report of one endpoint needs no set (and makes none).
+        let several = report.endpoints.len() > 1;
+        let mut seen: HashSet<&'r str> = if several {
+            HashSet::with_capacity(report.endpoints.len())
+        } else {
+            HashSet::new()
+        };
         let mut plausible = |c: &'r pb::EndpointCounters| {
             let counts = Counts::of(c);
-            let repeated = !seen.insert(c.endpoint.as_str());
+            let repeated = several && !seen.insert(c.endpoint.as_str());
             if repeated || counts.implausible(raw_span) {
                 refused.count += 1;
                 refused.repeated += u64::from(repeated);
