@@ -748,16 +748,10 @@ impl AgentStream {
         let now = Instant::now();
         let limits = &ctx.limits;
         let own = &mut self.bucket;
-        // Whether the rate limit was asked and said no: a seq refused before and sent again
-        // is answered `dropped` again without asking it, and is not dropped a second time.
-        let mut limited = false;
         let admit = |bucket: Option<&mut ReportBucket>| {
-            let admitted =
-                bucket
-                    .unwrap_or(own)
-                    .take(now, limits.reports_per_second, limits.report_burst);
-            limited = !admitted;
-            admitted
+            bucket
+                .unwrap_or(own)
+                .take(now, limits.reports_per_second, limits.report_burst)
         };
         if report.seq == 0 || self.instance_id == 0 {
             if ctx
@@ -788,11 +782,12 @@ impl AgentStream {
                 false
             }
             ReportVerdict::Refused => {
-                if limited {
-                    ctx.metrics.reports_dropped.inc();
-                } else {
-                    debug!(agent = %self.agent_id, seq = report.seq, "metrics report refused before, sent again");
-                }
+                ctx.metrics.reports_dropped.inc();
+                true
+            }
+            // Dropped once already: answered as such, not counted as dropped again.
+            ReportVerdict::RefusedBefore => {
+                debug!(agent = %self.agent_id, seq = report.seq, "metrics report refused before, sent again");
                 true
             }
         };

@@ -868,7 +868,10 @@ mod tests {
         assert_eq!(claim(restarted.generation, 12, 1), ReportVerdict::Count);
         let refused = fleet.claim_report("a", restarted.generation, 12, 2, |_| false);
         assert_eq!(refused, ReportVerdict::Refused);
-        assert_eq!(claim(restarted.generation, 12, 2), ReportVerdict::Refused);
+        assert_eq!(
+            claim(restarted.generation, 12, 2),
+            ReportVerdict::RefusedBefore
+        );
         assert_eq!(claim(restarted.generation, 12, 3), ReportVerdict::Count);
     }
 

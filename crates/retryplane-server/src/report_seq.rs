@@ -28,9 +28,12 @@ pub enum ReportVerdict {
     Count,
     /// Counted before: do not count it again; acknowledge it.
     Duplicate,
-    /// Refused (the rate limit), now or before: count nothing; the agent sends the counts again
-    /// under a new seq.
+    /// Refused now (the rate limit): count nothing; the agent sends the counts again under a
+    /// new seq.
     Refused,
+    /// Refused before, and sent again (a replaced stream's late copy, a resend whose refusal
+    /// was not heard): count nothing and answer it refused again; it was dropped once already.
+    RefusedBefore,
 }
 
 /// The decided seqs of one instance.
@@ -62,7 +65,7 @@ impl Window {
         if back >= 64 || self.counted & (1 << back) != 0 {
             Some(ReportVerdict::Duplicate)
         } else if self.refused & (1 << back) != 0 {
-            Some(ReportVerdict::Refused)
+            Some(ReportVerdict::RefusedBefore)
         } else {
             None
         }
@@ -116,7 +119,7 @@ impl ReportSeqs {
     }
 
     /// Decides report `seq` (> 0) of `instance`: a seq decided before gets the same answer
-    /// (`Duplicate` once counted, `Refused` once refused) without asking `admit`; otherwise
+    /// (`Duplicate` once counted, `RefusedBefore` once refused) without asking `admit`; otherwise
     /// `admit` is asked (the rate limit) and the answer is recorded.
     pub fn claim(
         &mut self,
@@ -142,7 +145,7 @@ impl ReportSeqs {
 mod tests {
     use super::*;
 
-    use ReportVerdict::{Count, Duplicate, Refused};
+    use ReportVerdict::{Count, Duplicate, Refused, RefusedBefore};
 
     fn yes() -> bool {
         true
@@ -172,12 +175,12 @@ mod tests {
         assert_eq!(r.claim(7, 2, yes), Count);
         // Seq 1 again (a replaced stream's late copy, or a resend whose refusal was not
         // heard): the agent sends its counts under a new seq, so this one must not count.
-        assert_eq!(r.claim(7, 1, || panic!("asked")), Refused);
+        assert_eq!(r.claim(7, 1, || panic!("asked")), RefusedBefore);
         assert_eq!(r.claim(7, 2, yes), Duplicate);
         // Refusals slide with the window like counts.
         assert_eq!(r.claim(7, 70, || false), Refused);
         assert_eq!(r.claim(7, 1, yes), Duplicate, "63 below: taken as decided");
-        assert_eq!(r.claim(7, 70, yes), Refused);
+        assert_eq!(r.claim(7, 70, yes), RefusedBefore);
         assert_eq!(r.claim(7, 69, yes), Count);
     }
 
