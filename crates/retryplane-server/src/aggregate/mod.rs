@@ -791,7 +791,9 @@ pub struct Refused<'r> {
     pub first: Option<&'r str>,
 }
 
-/// The report's own `window_end - window_start`, uncapped; `None` when it gives no start.
+/// The report's own `window_end - window_start`, uncapped (zero for an end at or before the
+/// start); `None` when it gives no start. The plausibility bound takes a zero span as its
+/// shortest one.
 fn raw_span(report: &pb::MetricsReport) -> Option<Duration> {
     (report.window_start_unix_ms != 0).then(|| {
         Duration::from_millis(
@@ -807,10 +809,7 @@ fn raw_span(report: &pb::MetricsReport) -> Option<Duration> {
 /// [`MAX_REPORT_SPAN`]. A report without a start (`0`, as a client that leaves it unset sends)
 /// or with its end at or before its start covers no known time: `None`.
 fn report_span(report: &pb::MetricsReport) -> Option<Duration> {
-    if report.window_start_unix_ms == 0 || report.window_end_unix_ms <= report.window_start_unix_ms
-    {
-        return None;
-    }
-    let span = report.window_end_unix_ms - report.window_start_unix_ms;
-    Some(Duration::from_millis(span).min(MAX_REPORT_SPAN))
+    raw_span(report)
+        .filter(|span| !span.is_zero())
+        .map(|span| span.min(MAX_REPORT_SPAN))
 }
