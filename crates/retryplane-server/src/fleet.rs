@@ -411,14 +411,28 @@ impl Fleet {
         generation: u64,
         admit: impl FnOnce(Option<&mut ReportBucket>) -> bool,
     ) -> bool {
+        self.on_report(id, generation, |entry| match entry {
+            Some(entry) => admit(Some(&mut entry.bucket)),
+            None => admit(None),
+        })
+    }
+
+    /// Runs `f` on agent `id`'s entry (`None` when it was pruned), under the lock, having
+    /// marked it seen when `generation` is still its stream: what every metrics report does.
+    fn on_report<T>(
+        &self,
+        id: &str,
+        generation: u64,
+        f: impl FnOnce(Option<&mut Entry>) -> T,
+    ) -> T {
         let mut inner = self.lock();
-        let Some(entry) = inner.agents.get_mut(id) else {
-            return admit(None);
-        };
-        if entry.generation == generation {
+        let mut entry = inner.agents.get_mut(id);
+        if let Some(entry) = entry.as_deref_mut()
+            && entry.generation == generation
+        {
             entry.status.last_seen_unix_ms = unix_ms();
         }
-        admit(Some(&mut entry.bucket))
+        f(entry)
     }
 
     /// A metrics report numbered `seq` (> 0) by process `instance` of agent `id` arrived on the
@@ -436,19 +450,14 @@ impl Fleet {
         seq: u64,
         admit: impl FnOnce(Option<&mut ReportBucket>) -> bool,
     ) -> ReportVerdict {
-        let mut inner = self.lock();
-        let Some(entry) = inner.agents.get_mut(id) else {
-            return if admit(None) {
-                ReportVerdict::Count
-            } else {
-                ReportVerdict::Refused
-            };
-        };
-        if entry.generation == generation {
-            entry.status.last_seen_unix_ms = unix_ms();
-        }
-        let bucket = &mut entry.bucket;
-        entry.reports.claim(instance, seq, || admit(Some(bucket)))
+        self.on_report(id, generation, |entry| match entry {
+            Some(entry) => {
+                let bucket = &mut entry.bucket;
+                entry.reports.claim(instance, seq, || admit(Some(bucket)))
+            }
+            None if admit(None) => ReportVerdict::Count,
+            None => ReportVerdict::Refused,
+        })
     }
 
     /// The agent acknowledged `version`; its last NACK is forgotten.
