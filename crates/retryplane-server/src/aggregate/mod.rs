@@ -117,7 +117,7 @@ pub enum Overflow {
 }
 
 impl Overflow {
-    /// Every reason, in the order of [`Aggregator::overflowed_by`].
+    /// Every reason.
     pub const ALL: [Overflow; 3] = [Overflow::Cap, Overflow::BadName, Overflow::ServiceShare];
 
     /// The `reason` label of `retryplane_metrics_overflowed_reports_total`.
@@ -128,12 +128,22 @@ impl Overflow {
             Overflow::ServiceShare => "service_share",
         }
     }
+}
 
-    fn index(self) -> usize {
-        match self {
-            Overflow::Cap => 0,
-            Overflow::BadName => 1,
-            Overflow::ServiceShare => 2,
+/// Endpoint reports counted in `other`, by reason.
+#[derive(Debug, Default)]
+struct Overflowed {
+    cap: AtomicU64,
+    bad_name: AtomicU64,
+    service_share: AtomicU64,
+}
+
+impl Overflowed {
+    fn of(&self, why: Overflow) -> &AtomicU64 {
+        match why {
+            Overflow::Cap => &self.cap,
+            Overflow::BadName => &self.bad_name,
+            Overflow::ServiceShare => &self.service_share,
         }
     }
 }
@@ -155,7 +165,7 @@ pub struct Aggregator {
     series: AtomicUsize,
     services: RwLock<HashMap<Box<str>, Arc<ServiceSeries>>>,
     other: Series,
-    overflowed: [AtomicU64; 3],
+    overflowed: Overflowed,
     overflow_warned: AtomicBool,
     bad_name_warned: AtomicBool,
     overflow_log: Mutex<OverflowLog>,
@@ -277,9 +287,7 @@ impl Aggregator {
 
     /// Endpoint reports counted in `other` for `why`.
     pub fn overflowed_by(&self, why: Overflow) -> u64 {
-        self.overflowed
-            .get(why.index())
-            .map_or(0, |n| n.load(Ordering::Relaxed))
+        self.overflowed.of(why).load(Ordering::Relaxed)
     }
 
     /// The alert thresholds, set on every publish.
@@ -436,9 +444,7 @@ impl Aggregator {
         why: Overflow,
     ) {
         self.other.add(tick, version, counts, span);
-        if let Some(n) = self.overflowed.get(why.index()) {
-            n.fetch_add(1, Ordering::Relaxed);
-        }
+        self.overflowed.of(why).fetch_add(1, Ordering::Relaxed);
         // The name comes from an agent: escaped, so a line break or an escape sequence in it
         // cannot forge a log line or drive a terminal.
         let endpoint = OneLine(truncated(endpoint));
