@@ -18,7 +18,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::{CancellationToken, DropGuard};
 use tracing::info;
 
-use crate::call::Endpoint;
+use crate::call::{Cores, Endpoint};
 use crate::error::{AgentError, StreamError};
 use crate::metrics::Registry;
 use crate::snapshot::{PolicySnapshot, Source};
@@ -42,6 +42,8 @@ pub(crate) struct Shared {
     /// See [`Shared::update_policies`].
     retired: std::sync::Mutex<Option<Arc<PolicySnapshot>>>,
     pub(crate) metrics: Registry,
+    /// What the handles on each endpoint share (see [`Endpoint`]).
+    pub(crate) cores: Cores,
     /// Milliseconds between metrics reports (the control plane may change it).
     pub(crate) metrics_interval_ms: AtomicU64,
     pub(crate) connected: AtomicBool,
@@ -58,6 +60,7 @@ impl Shared {
             generation: AtomicU64::new(0),
             retired: std::sync::Mutex::new(None),
             metrics: Registry::default(),
+            cores: Cores::default(),
             metrics_interval_ms: AtomicU64::new(
                 u64::try_from(metrics_interval.as_millis()).unwrap_or(u64::MAX),
             ),

@@ -17,9 +17,10 @@
 //! from its handle (no lookup, no write to the snapshot's reference count), and a first-try
 //! success is one counter increment ([`FirstCounts`]).
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use arc_swap::ArcSwapOption;
@@ -34,29 +35,74 @@ use crate::agent::{Shared, Task};
 use crate::classify::{Classification, Classify, class_name};
 use crate::error::{CallError, Cause, Last};
 use crate::meta::{AttemptInfo, CallMeta};
-use crate::metrics::{CounterValues, Counters};
+use crate::metrics::{CounterValues, Counters, Registry};
 use crate::snapshot::Entry;
 
 /// A cheap handle on one logical upstream: clone it freely and keep it. It keeps the agent's
 /// background task running, so policy pushes reach it and its counts are reported even when the
 /// [`crate::Agent`] it came from is dropped; [`crate::Agent::shutdown`] stops the task anyway.
 ///
-/// The handle and its clones keep the endpoint's entry (policy and shared state) of the
-/// snapshot in force, keyed on the agent's swap count: a call checks the count and takes the
-/// entry, without a lookup among the snapshot's endpoints; the first call after a swap looks
-/// it up again.
+/// Every handle on the endpoint (clones, and handles made again by name from the same agent)
+/// keeps one copy of the endpoint's entry (policy and shared state) of the snapshot in force,
+/// keyed on the agent's swap count: a call checks the count and takes the entry, without a
+/// lookup among the snapshot's endpoints; the first call after a swap looks it up again. So a
+/// handle made for each call costs one map lookup by name, and no allocation once the
+/// agent has made one for that name; keeping the handle saves that lookup.
 #[derive(Clone, Debug)]
 pub struct Endpoint {
     shared: Arc<Shared>,
-    name: Arc<str>,
-    counters: Arc<Counters>,
-    cache: Arc<ArcSwapOption<Cached>>,
+    core: Arc<EndpointCore>,
     /// The agent's background task, kept running while a handle lives (`None` for an agent
     /// with no control plane).
     _task: Option<Arc<Task>>,
 }
 
-/// An [`Endpoint`]'s entry and the generation ([`Shared::generation`]) it is valid for.
+/// What every handle on one endpoint of an agent shares: its name, its counters and the entry
+/// kept for the snapshot in force. Made once per name by [`Cores`], so a handle made per call
+/// costs a map lookup and reference counts, not allocations and a fresh entry lookup.
+#[derive(Debug)]
+pub(crate) struct EndpointCore {
+    name: Arc<str>,
+    counters: Arc<Counters>,
+    cache: ArcSwapOption<Cached>,
+}
+
+/// Every endpoint's [`EndpointCore`], made on the first handle on it. Like the counters
+/// ([`crate::metrics::Registry`]), an entry lives as long as the agent: a service names its
+/// endpoints in its code, so the map holds as many as the code names.
+#[derive(Debug, Default)]
+pub(crate) struct Cores {
+    map: RwLock<HashMap<Arc<str>, Arc<EndpointCore>, foldhash::fast::RandomState>>,
+}
+
+impl Cores {
+    /// The core of `name`, made (with its counters from `metrics`) on first use.
+    fn get(&self, metrics: &Registry, name: &str) -> Arc<EndpointCore> {
+        if let Some(core) = self.map.read().unwrap_or_else(|e| e.into_inner()).get(name) {
+            return core.clone();
+        }
+        self.insert(metrics, name)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn insert(&self, metrics: &Registry, name: &str) -> Arc<EndpointCore> {
+        let mut map = self.map.write().unwrap_or_else(|e| e.into_inner());
+        if let Some(core) = map.get(name) {
+            return core.clone();
+        }
+        let name: Arc<str> = Arc::from(name);
+        let core = Arc::new(EndpointCore {
+            counters: metrics.counters(&name),
+            name: name.clone(),
+            cache: ArcSwapOption::empty(),
+        });
+        map.insert(name, core.clone());
+        core
+    }
+}
+
+/// An endpoint's entry and the generation ([`Shared::generation`]) it is valid for.
 #[derive(Debug)]
 struct Cached {
     generation: u64,
@@ -92,13 +138,10 @@ enum End<T, E> {
 
 impl Endpoint {
     pub(crate) fn new(shared: Arc<Shared>, task: Option<Arc<Task>>, name: &str) -> Self {
-        let name: Arc<str> = Arc::from(name);
-        let counters = shared.metrics.counters(&name);
+        let core = shared.cores.get(&shared.metrics, name);
         Self {
             shared,
-            name,
-            counters,
-            cache: Arc::default(),
+            core,
             _task: task,
         }
     }
@@ -107,7 +150,7 @@ impl Endpoint {
     /// policies were swapped since. A call holds what this returns from start to end.
     fn entry(&self) -> Arc<Entry> {
         let generation = self.shared.generation();
-        if let Some(cached) = &*self.cache.load()
+        if let Some(cached) = &*self.core.cache.load()
             && cached.generation == generation
         {
             return cached.entry.clone();
@@ -122,8 +165,8 @@ impl Endpoint {
     #[cold]
     #[inline(never)]
     fn refresh_entry(&self, generation: u64) -> Arc<Entry> {
-        let entry = self.shared.policies.load().entry(&self.name);
-        self.cache.store(Some(Arc::new(Cached {
+        let entry = self.shared.policies.load().entry(&self.core.name);
+        self.core.cache.store(Some(Arc::new(Cached {
             generation,
             entry: entry.clone(),
         })));
@@ -132,12 +175,12 @@ impl Endpoint {
 
     /// The endpoint's name.
     pub fn name(&self) -> &str {
-        &self.name
+        &self.core.name
     }
 
     /// This endpoint's counts not yet sent to the control plane.
     pub fn pending_counts(&self) -> CounterValues {
-        self.shared.metrics.pending(&self.name)
+        self.shared.metrics.pending(&self.core.name)
     }
 
     /// Begins a logical call now, reading the endpoint's entry (its policy) for it: the tower
@@ -319,7 +362,7 @@ impl Endpoint {
                 shared: &self.shared,
                 rng: None,
             };
-            let c = &*self.counters;
+            let c = &*self.core.counters;
             let mut first = FirstCounts {
                 c,
                 owed: OWE_CALL | OWE_END,
@@ -441,7 +484,7 @@ impl Endpoint {
                                     ..
                                 } = &o
                                 {
-                                    log_bad_hint(&self.name, e);
+                                    log_bad_hint(&self.core.name, e);
                                 }
                                 if tracing::enabled!(tracing::Level::DEBUG) {
                                     let end = Instant::now();
@@ -471,7 +514,7 @@ impl Endpoint {
                         ..
                     } = &outcome
                     {
-                        log_bad_hint(&self.name, e);
+                        log_bad_hint(&self.core.name, e);
                     }
                     let class = class_name(&outcome);
                     match call.on_outcome(outcome.clone(), now, &mut rng) {
@@ -536,7 +579,7 @@ impl Endpoint {
                 End::Fail(cause, last, outcome) => {
                     let Cause::GaveUp(g) = cause else {
                         // Counted `cancelled` as `first` drops, like a dropped call.
-                        debug!(endpoint = %self.name, attempts, "call cancelled");
+                        debug!(endpoint = %self.core.name, attempts, "call cancelled");
                         return Err(CallError {
                             cause,
                             last,
@@ -563,7 +606,7 @@ impl Endpoint {
                     let quiet = match refused.then(|| runtime.refusal_line(end)) {
                         Some(None) => {
                             debug!(
-                                endpoint = %self.name,
+                                endpoint = %self.core.name,
                                 method = meta.method(),
                                 path = meta.path(),
                                 "call refused: circuit open"
@@ -575,7 +618,7 @@ impl Endpoint {
                     };
                     if let Some(quiet) = quiet {
                         warn!(
-                            endpoint = %self.name,
+                            endpoint = %self.core.name,
                             method = meta.method(),
                             path = meta.path(),
                             attempts,
@@ -634,7 +677,7 @@ impl Endpoint {
         // The first send of the attempt, logged like an attempt: its answer asked for a refresh.
         if !refreshed || left.is_zero() {
             debug!(
-                endpoint = %self.name,
+                endpoint = %self.core.name,
                 attempt = info.number,
                 class = "refresh_wanted",
                 deadline_left_ms = left.as_millis() as u64,
@@ -643,7 +686,7 @@ impl Endpoint {
             return Resend::Kept(first_answer);
         }
         debug!(
-            endpoint = %self.name,
+            endpoint = %self.core.name,
             attempt = info.number,
             class = "refresh_wanted",
             deadline_left_ms = left.as_millis() as u64,
@@ -671,7 +714,7 @@ impl Endpoint {
         now: Instant,
     ) {
         debug!(
-            endpoint = %self.name,
+            endpoint = %self.core.name,
             attempt,
             class = %class,
             pause_ms = pause.map(|p| p.as_millis() as u64),
@@ -980,6 +1023,39 @@ mod tests {
     }
 
     #[test]
+    fn handles_made_again_by_name_share_one_kept_entry() {
+        let agent = Agent::from_policies_seeded(set(2), 1);
+        // `b` is not in the set: each lookup of it builds a new entry on the defaults, so
+        // only a kept one is the same `Arc`.
+        for name in ["a", "b"] {
+            let first = agent.endpoint(name).entry();
+            let again = agent.endpoint(name);
+            assert!(
+                Arc::ptr_eq(&first, &again.entry()),
+                "{name}: a new handle takes the entry an earlier one kept"
+            );
+            assert!(
+                Arc::ptr_eq(&first, &agent.clone().endpoint(name).entry()),
+                "{name}: so does one made from a clone of the agent"
+            );
+            agent.set_policies(set(3));
+            let second = agent.endpoint(name).entry();
+            assert!(!Arc::ptr_eq(&first, &second), "{name}: looked up again");
+            assert!(Arc::ptr_eq(&second, &again.entry()), "{name}: and kept");
+        }
+        assert_eq!(
+            agent.shared().cores.map.read().unwrap().len(),
+            2,
+            "one core per name"
+        );
+        let other = Agent::from_policies_seeded(set(2), 1);
+        assert!(
+            !Arc::ptr_eq(&agent.endpoint("a").core, &other.endpoint("a").core),
+            "another agent has cores of its own"
+        );
+    }
+
+    #[test]
     fn an_entry_looked_up_during_a_swap_is_looked_up_again_after_it() {
         let agent = Agent::from_policies_seeded(set(2), 1);
         let ep = agent.endpoint("a");
@@ -994,7 +1070,7 @@ mod tests {
         let next = ep.entry();
         assert_eq!(max_attempts(&next), 3);
         assert!(Arc::ptr_eq(&next, &agent.policies().entry("a")));
-        let kept = ep.cache.load();
+        let kept = ep.core.cache.load();
         assert_eq!(
             kept.as_ref().map(|c| c.generation),
             Some(agent.shared().generation()),

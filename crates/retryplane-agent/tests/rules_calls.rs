@@ -341,19 +341,24 @@ fn both(n: u32) -> String {
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_kept_handle_and_its_clones_follow_every_swap() {
+async fn kept_handles_their_clones_and_handles_made_per_call_follow_every_swap() {
     let agent = agent(&both(2));
     let named = agent.endpoint("ep");
     let unnamed = agent.endpoint("other");
+    // Clones, and handles made again by name, which share what the first ones keep.
     let handles = [
         named.clone(),
         named.clone(),
+        agent.endpoint("ep"),
         unnamed.clone(),
         unnamed.clone(),
+        agent.clone().endpoint("other"),
     ];
     for n in [2, 4, 3, 5, 2] {
         agent.set_policies(set(&both(n)));
-        for (i, ep) in handles.iter().enumerate() {
+        // And handles made for this call only.
+        let per_call = [agent.endpoint("ep"), agent.endpoint("other")];
+        for (i, ep) in handles.iter().chain(&per_call).enumerate() {
             let up = Upstream::new(vec![Step::Status(503); 6]);
             let err = ep.call(get(), up.attempt()).await.unwrap_err();
             assert_eq!(err.attempts, n, "handle {i} under max_attempts {n}");
