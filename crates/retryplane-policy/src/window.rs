@@ -131,7 +131,7 @@ impl<const C: usize> SlidingCounter<C> {
 
     /// The newest slot seen, and the slot of `nanos` if it is newer (`None` when `nanos` falls in
     /// the newest slot or before it: the common case costs a multiplication, not a division).
-    #[inline]
+    #[inline(always)]
     fn slots(&self, nanos: u64) -> (u64, Option<u64>) {
         let latest = self.latest.load(Relaxed);
         if nanos < latest.saturating_add(1).saturating_mul(self.slot_nanos) {
@@ -150,7 +150,7 @@ impl<const C: usize> SlidingCounter<C> {
 
     /// Like [`Self::peek`], and records the slot as the newest seen, sweeping the ring when that
     /// crosses a multiple of 2²⁹ slots. Call before writing.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn advance(&self, nanos: u64) -> u64 {
         let (latest, newer) = self.slots(nanos);
         let Some(raw) = newer else {
@@ -185,7 +185,11 @@ impl<const C: usize> SlidingCounter<C> {
     }
 
     /// Adds one to `counter` in `slot` (from [`Self::advance`]).
-    #[inline]
+    ///
+    /// `advance`, `slots` and this are `#[inline(always)]`: with `#[inline]` the compiler
+    /// kept `add` out of line in some callers (the criterion bench of the success path), and
+    /// forcing them in took about 3 ns off that path (BENCHMARKS.md, section 1, 2026-12-02).
+    #[inline(always)]
     pub(crate) fn add(&self, slot: u64, counter: usize) {
         let word = self.word(slot, counter);
         let mut w = word.load(Relaxed);
