@@ -21,10 +21,10 @@
 //!     `CallMeta` is built per call, as a user does;
 //!   - `retryplane_call_endpoint_meta`: the same with `CallMeta::endpoint()` (no route);
 //!   - `retryplane_call_handle_per_call`: `agent.endpoint(name)` then `call`, a new handle for
-//!     every call: what a caller pays that does not keep its handle (the endpoint's lookup
-//!     among the 1,000, its counters' lookup, and the handle's first-call entry lookup);
+//!     every call: what a caller pays that does not keep its handle (the lookup of the
+//!     endpoint's core by name, and the reference counts of a new handle);
 //!   - `parts/*`, pieces of `retryplane_call` alone, to show where its time goes: a read of
-//!     tokio's clock (the call makes two), building and dropping the `CallMeta`, and the bare
+//!     tokio's clock (a call that succeeds at once makes one), building and dropping the `CallMeta`, and the bare
 //!     call inside `tokio::time::timeout_at` (the per-try timeout; never fires here).
 //! - `two_threads`: `bare`, `tower_retry`, `tower_retry_tps_budget` (one budget shared by both
 //!   threads), `backon`, `retryplane_call` (one agent, one endpoint) and

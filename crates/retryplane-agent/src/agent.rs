@@ -79,9 +79,10 @@ impl Shared {
     /// Whoever releases a snapshot last frees it, and freeing one of 1,000 endpoints takes
     /// about 0.7 ms (BENCHMARKS.md): so that this is not a call that was running during the
     /// swap, the replaced snapshot stays here until the next swap, which frees it (after the
-    /// writers' lock is released). Calls hold one endpoint's entry, not the snapshot; an idle
-    /// handle may keep its endpoint's old entry until its next call refreshes it, which frees
-    /// that one entry. The cost is one more snapshot in memory.
+    /// writers' lock is released). Calls hold one endpoint's entry, not the snapshot; the agent
+    /// keeps each endpoint's entry for its handles ([`crate::Endpoint`]), an old one until the
+    /// next call on that endpoint refreshes it, which frees that one entry. The cost is one
+    /// more snapshot in memory, and an entry per endpoint that got no call since the swap.
     pub(crate) fn update_policies(&self, build: impl FnOnce(&PolicySnapshot) -> PolicySnapshot) {
         self.update_policies_if(|current| Some(build(current)));
     }
@@ -99,9 +100,13 @@ impl Shared {
             return false;
         };
         drop(current);
+        // Odd while the swap is under way, before the new snapshot can be seen: whoever has
+        // seen it (`Agent::policies`) and then reads the generation reads this value or a
+        // later one, so no handle gives it the entry kept for the generation before.
+        self.generation.fetch_add(1, Release);
         let replaced = self.policies.swap(Arc::new(next));
-        // After the swap (Release): a reader that sees the new generation sees the new
-        // snapshot. Writers take turns, so a plain add is enough.
+        // Even again after the swap (Release): a reader that sees this generation sees the new
+        // snapshot. Writers take turns, so plain adds are enough.
         self.generation.fetch_add(1, Release);
         let older = retired.replace(replaced);
         drop(retired);
@@ -109,7 +114,8 @@ impl Shared {
         true
     }
 
-    /// The number of swaps so far (Acquire: read it before loading `policies`).
+    /// Twice the number of swaps so far, plus one while a swap is under way (Acquire: read it
+    /// before loading `policies`). An entry is kept only under an even generation.
     pub(crate) fn generation(&self) -> u64 {
         self.generation.load(Acquire)
     }

@@ -161,11 +161,17 @@ impl Endpoint {
     /// Looks the entry up in the snapshot in force and keeps it for `generation`. The
     /// generation was read before the snapshot was loaded, so the snapshot is that one or a
     /// newer one: at worst a newer entry is kept under an older generation, and the next call
-    /// looks it up again; an older entry is never kept under a newer generation.
+    /// looks it up again; an older entry is never kept under a newer generation. Nothing is
+    /// kept under an odd generation (a swap under way), which no kept entry matches: until the
+    /// swap ends every call looks its entry up, so a caller that has seen the new policies
+    /// gets them.
     #[cold]
     #[inline(never)]
     fn refresh_entry(&self, generation: u64) -> Arc<Entry> {
         let entry = self.shared.policies.load().entry(&self.core.name);
+        if !generation.is_multiple_of(2) {
+            return entry;
+        }
         self.core.cache.store(Some(Arc::new(Cached {
             generation,
             entry: entry.clone(),

@@ -792,3 +792,61 @@ async fn an_error_the_caller_calls_a_success_is_counted_as_a_success_not_a_give_
         assert_eq!(ep.pending_counts(), expected, "after {attempts} attempt(s)");
     }
 }
+
+/// A call made after its caller has seen new policies (`Agent::policies`) runs on them, even
+/// through a handle made for that call while the swap is still under way: all handles on an
+/// endpoint share what they keep, so a kept entry must never be taken for the new policies.
+#[test]
+fn a_call_made_after_the_new_policies_are_seen_runs_on_them() {
+    const SWAPS: u64 = 5_000;
+    let timeout_set = |ms: u64| {
+        set(&format!(
+            "version: 1\nendpoints:\n  ep:\n    deadline: 600s\n    per_try_timeout: {ms}ms\n"
+        ))
+    };
+    let agent = Agent::from_policies_seeded(timeout_set(100), 1);
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let swapper = std::thread::spawn({
+        let (agent, done) = (agent.clone(), done.clone());
+        move || {
+            for i in 1..=SWAPS {
+                agent.set_policies(timeout_set(100 + i));
+            }
+            done.store(true, std::sync::atomic::Ordering::Release);
+        }
+    });
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    let (mut calls, mut stale) = (0_u64, Vec::new());
+    // Bounded by the swapper, which makes a fixed number of swaps.
+    while !done.load(std::sync::atomic::Ordering::Acquire) {
+        let seen = agent
+            .policies()
+            .set()
+            .unwrap()
+            .endpoint("ep")
+            .unwrap()
+            .policy
+            .per_try_timeout;
+        let used = Arc::new(Mutex::new(None));
+        let record = used.clone();
+        rt.block_on(agent.endpoint("ep").call(CallMeta::endpoint(), |info| {
+            *record.lock().unwrap() = Some(info.timeout);
+            async { Ok::<_, std::io::Error>(response(200, None)) }
+        }))
+        .unwrap();
+        calls += 1;
+        let used = used.lock().unwrap().unwrap();
+        if used < seen && stale.len() < 5 {
+            stale.push((seen, used));
+        }
+    }
+    swapper.join().unwrap();
+    assert!(calls > 0);
+    assert!(
+        stale.is_empty(),
+        "{calls} calls; calls on policies older than those seen before them: {stale:?}"
+    );
+}
