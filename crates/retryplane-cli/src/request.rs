@@ -158,6 +158,16 @@ pub struct Settings {
     format: Format,
 }
 
+/// The request's URL as an error shows it: the password hidden ([`shown_url`]), and the query
+/// and fragment, which may carry tokens, left out (`?…` in their place).
+fn shown_target(url: &str) -> String {
+    let shown = shown_url(url);
+    match shown.find(['?', '#']) {
+        Some(i) => format!("{}?…", &shown[..i]),
+        None => shown,
+    }
+}
+
 impl TryFrom<Args> for Settings {
     type Error = anyhow::Error;
 
@@ -169,11 +179,11 @@ impl TryFrom<Args> for Settings {
             None => Method::GET,
         };
         let url = reqwest::Url::parse(&args.url)
-            .with_context(|| format!("{}: not a valid URL", shown_url(&args.url)))?;
+            .with_context(|| format!("{}: not a valid URL", shown_target(&args.url)))?;
         if !matches!(url.scheme(), "http" | "https") {
             bail!(
                 "{}: only http:// and https:// URLs are supported",
-                shown_url(&args.url)
+                shown_target(&args.url)
             );
         }
         let headers = headers_of(&args.headers, args.data.is_some(), has_userinfo(&url))?;
@@ -510,6 +520,12 @@ async fn call(agent: &Agent, s: &Settings) -> anyhow::Result<Summary> {
             .request(s.method.clone(), s.url.clone())
             .headers(s.headers.clone());
         if let Some(b) = &body {
+            // An empty body goes out with no length at all unless it is set: a POST or PUT
+            // should say `content-length: 0` (RFC 9110 §8.6), and some servers answer 411
+            // without it. The flags cannot set it with --data, so it is never sent twice.
+            if b.is_empty() {
+                request = request.header(http::header::CONTENT_LENGTH, 0);
+            }
             request = request.body(b.clone());
         }
         let records = records.clone();

@@ -279,6 +279,48 @@ fn post_without_idempotency_key_is_not_retried_and_with_it_is() {
 }
 
 #[test]
+fn an_empty_data_body_is_sent_with_a_length_of_zero() {
+    for method in ["POST", "PUT"] {
+        let up = Upstream::start(&[]);
+        let (v, code) = request(&["-X", method, "--data", "", &up.url("/e")]);
+        assert_eq!(code, 0, "{v}");
+        let seen = up.seen();
+        assert_eq!(seen.len(), 1);
+        assert_eq!(seen[0].method, method);
+        let lengths: Vec<_> = seen[0]
+            .headers
+            .iter()
+            .filter(|(n, _)| n == "content-length")
+            .map(|(_, v)| v.as_str())
+            .collect();
+        assert_eq!(lengths, ["0"], "{method}: {:?}", seen[0].headers);
+        assert!(seen[0].body.is_empty());
+    }
+}
+
+#[test]
+fn a_url_refused_is_shown_without_its_query_or_fragment() {
+    for (url, why) in [
+        (
+            "http://127.0.0.1:99999/x?token=s3cr3t",
+            "http://127.0.0.1:99999/x?…: not a valid URL",
+        ),
+        (
+            "ftp://127.0.0.1/x#s3cr3t",
+            "ftp://127.0.0.1/x?…: only http:// and https:// URLs are supported",
+        ),
+    ] {
+        let (code, stderr) = request_stderr(&[url]);
+        assert_eq!(code, Some(2), "{url}");
+        assert!(
+            stderr.starts_with(&format!("retryplane: error: {why}")),
+            "{url}: {stderr}"
+        );
+        assert!(!stderr.contains("s3cr3t"), "{url}: {stderr}");
+    }
+}
+
+#[test]
 fn post_with_an_empty_idempotency_key_is_not_retried() {
     // `Name:` sends no key at all, `Name;` an empty one: neither is a key.
     for (header, sent) in [
