@@ -158,6 +158,26 @@ pub struct Settings {
     format: Format,
 }
 
+/// With `RUST_LOG` set, the agent's log lines (one per attempt and an ignored malformed
+/// `Retry-After` at debug, a call that failed at warn; never header values or bodies) go to
+/// stderr, under that filter. Without it nothing is logged: the output is the report alone.
+fn init_logging() {
+    let Ok(spec) = std::env::var("RUST_LOG") else {
+        return;
+    };
+    match tracing_subscriber::EnvFilter::try_new(&spec) {
+        Ok(filter) => {
+            // Set already (never, in the binary) is not worth failing the request over.
+            let _ = tracing_subscriber::fmt()
+                .with_env_filter(filter)
+                .with_writer(std::io::stderr)
+                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+                .try_init();
+        }
+        Err(e) => eprintln!("retryplane: RUST_LOG is not a valid filter ({e}); nothing is logged"),
+    }
+}
+
 /// The request's URL as an error shows it: the password hidden ([`shown_url`]), and the query
 /// and fragment, which may carry tokens, left out (`?…` in their place).
 fn shown_target(url: &str) -> String {
@@ -351,6 +371,7 @@ fn sent_by_the_client(name: &HeaderName, body: bool, userinfo: bool) -> Option<&
 
 /// Makes the call; see the module docs.
 pub fn run(settings: &Settings) -> anyhow::Result<Report> {
+    init_logging();
     let agent = match &settings.policy {
         PolicyFrom::File(source) => from_file(source, &settings.endpoint)?,
         PolicyFrom::Server(..) => None,

@@ -176,6 +176,7 @@ fn request_under(policy: &str, args: &[&str]) -> (Value, i32) {
     fs::write(&path, policy).unwrap();
     let out = Command::cargo_bin("retryplane")
         .unwrap()
+        .env_remove("RUST_LOG")
         .env_remove("RETRYPLANE_AGENT_TOKEN")
         .args(["request", "--policy"])
         .arg(&path)
@@ -430,6 +431,7 @@ fn request_stderr(args: &[&str]) -> (Option<i32>, String) {
     fs::write(&path, POLICY).unwrap();
     let out = Command::cargo_bin("retryplane")
         .unwrap()
+        .env_remove("RUST_LOG")
         .args(["request", "--policy"])
         .arg(&path)
         .args(["--endpoint", "api"])
@@ -602,6 +604,7 @@ fn an_upstream_that_does_not_speak_http_says_so_on_stderr() {
     fs::write(&path, POLICY).unwrap();
     let out = Command::cargo_bin("retryplane")
         .unwrap()
+        .env_remove("RUST_LOG")
         .args(["request", "--policy"])
         .arg(&path)
         .args(["--endpoint", "api", "--output", "json"])
@@ -649,6 +652,7 @@ fn text_output_has_one_line_per_attempt_and_the_outcome() {
     fs::write(&path, POLICY).unwrap();
     let out = Command::cargo_bin("retryplane")
         .unwrap()
+        .env_remove("RUST_LOG")
         .args([
             "request",
             "--endpoint",
@@ -670,6 +674,48 @@ fn text_output_has_one_line_per_attempt_and_the_outcome() {
     assert_eq!(lines.len(), 3);
     assert!(!text.contains("s3cret"));
     assert!(!String::from_utf8_lossy(&out.stderr).contains("s3cret"));
+}
+
+#[test]
+fn rust_log_shows_the_agents_lines_on_stderr_and_without_it_there_are_none() {
+    let dir = TempDir::new().unwrap();
+    let path = dir.path().join("policy.yaml");
+    fs::write(&path, POLICY).unwrap();
+    for log in [None, Some("debug")] {
+        let up = Upstream::start(&[(503, "retry-after: soon\r\n")]);
+        let mut cmd = Command::cargo_bin("retryplane").unwrap();
+        cmd.env_remove("RUST_LOG");
+        if let Some(log) = log {
+            cmd.env("RUST_LOG", log);
+        }
+        let out = cmd
+            .args([
+                "request",
+                "--endpoint",
+                "api",
+                "-H",
+                "Authorization: Bearer s3cret",
+            ])
+            .arg("--policy")
+            .arg(&path)
+            .arg(up.url("/?q=s3cret"))
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(0));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        match log {
+            None => assert_eq!(stderr, "", "nothing is logged without RUST_LOG"),
+            Some(_) => {
+                let attempts = stderr
+                    .lines()
+                    .filter(|l| l.contains(" attempt ") && l.contains("endpoint=api"))
+                    .count();
+                assert_eq!(attempts, 2, "one line per attempt: {stderr}");
+                assert!(stderr.contains("malformed Retry-After ignored"), "{stderr}");
+                assert!(!stderr.contains("s3cret"), "{stderr}");
+            }
+        }
+    }
 }
 
 #[test]
@@ -783,6 +829,7 @@ fn server_mode_uses_the_control_planes_policy() {
     let up = Upstream::start(&[(503, ""), (503, "")]);
     let out = Command::cargo_bin("retryplane")
         .unwrap()
+        .env_remove("RUST_LOG")
         .env_remove("RETRYPLANE_AGENT_TOKEN")
         .args([
             "request",
@@ -860,6 +907,7 @@ fn server_mode_uses_the_control_planes_policy() {
 fn the_policy_must_come_from_a_file_or_a_server() {
     let out = Command::cargo_bin("retryplane")
         .unwrap()
+        .env_remove("RUST_LOG")
         .args(["request", "--endpoint", "api", "http://127.0.0.1:9/"])
         .output()
         .unwrap();
@@ -883,6 +931,7 @@ fn server_mode_on_a_control_plane_with_no_version_yet_says_so() {
     let agent_url = format!("http://{}", server.running().agent_addr());
     let out = Command::cargo_bin("retryplane")
         .unwrap()
+        .env_remove("RUST_LOG")
         .env_remove("RETRYPLANE_AGENT_TOKEN")
         .args(["request", "--endpoint", "api", "--server", &agent_url])
         .arg("http://127.0.0.1:9/")
