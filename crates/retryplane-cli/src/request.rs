@@ -554,7 +554,10 @@ async fn call(agent: &Agent, s: &Settings) -> anyhow::Result<Summary> {
             let result = send(request).await;
             if let Some(rec) = records.borrow_mut().last_mut() {
                 match &result {
-                    Ok(r) => (rec.status, rec.error) = (Some(r.status().as_u16()), None),
+                    Ok(r) => {
+                        (rec.status, rec.error) = (Some(r.status().as_u16()), None);
+                        rec.grpc = trailers_only_code(r);
+                    }
                     Err(e) => rec.error = error_class(e),
                 }
             }
@@ -598,6 +601,16 @@ async fn send(request: reqwest::RequestBuilder) -> Result<http::Response<()>, re
     *out.status_mut() = response.status();
     *out.headers_mut() = std::mem::take(response.headers_mut());
     Ok(out)
+}
+
+/// The gRPC code the agent judged `answer` by, when it is a "Trailers-Only" gRPC answer
+/// (`grpc-status` in its headers) whose code is not `OK`: a `200` the call counted as a
+/// failure, which the HTTP status alone would not explain.
+fn trailers_only_code(answer: &http::Response<()>) -> Option<&'static str> {
+    match answer.classify() {
+        Classification::Outcome(Outcome::Grpc { code, .. }) => Some(code.name()),
+        _ => None,
+    }
 }
 
 /// `connect`, `reset` or `timeout`, as the agent classifies the error.

@@ -677,6 +677,47 @@ fn text_output_has_one_line_per_attempt_and_the_outcome() {
 }
 
 #[test]
+fn a_trailers_only_grpc_failure_is_shown_by_its_code_not_as_a_bare_200() {
+    let grpc = "content-type: application/grpc\r\ngrpc-status: 14\r\n";
+    let up = Upstream::start(&[(200, grpc), (200, grpc), (200, grpc)]);
+    let dir = TempDir::new().unwrap();
+    let path = dir.path().join("policy.yaml");
+    fs::write(&path, POLICY).unwrap();
+    let out = Command::cargo_bin("retryplane")
+        .unwrap()
+        .env_remove("RUST_LOG")
+        .args(["request", "--endpoint", "api", "--policy"])
+        .arg(&path)
+        .arg(up.url("/pkg.Svc/M"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let text = String::from_utf8(out.stdout).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(
+        lines[..3],
+        [
+            "attempt 1: gRPC UNAVAILABLE (HTTP 200), retrying in 10 ms",
+            "attempt 2: gRPC UNAVAILABLE (HTTP 200), retrying in 20 ms",
+            "attempt 3: gRPC UNAVAILABLE (HTTP 200)",
+        ],
+        "{text}"
+    );
+    assert!(
+        lines[3].starts_with(
+            "failure: attempts_exhausted (last: gRPC UNAVAILABLE (HTTP 200)) after 3 attempts in "
+        ),
+        "{text}"
+    );
+    // The JSON object keeps SPEC §5's fields: the HTTP status.
+    let up = Upstream::start(&[(200, grpc); 3]);
+    let (v, code) = request(&[&up.url("/pkg.Svc/M")]);
+    assert_eq!(code, 1);
+    assert_eq!(v["status"], 200);
+    assert_eq!(v["cause"], "attempts_exhausted");
+}
+
+#[test]
 fn rust_log_shows_the_agents_lines_on_stderr_and_without_it_there_are_none() {
     let dir = TempDir::new().unwrap();
     let path = dir.path().join("policy.yaml");

@@ -13,6 +13,10 @@ pub struct Attempt {
     pub number: u32,
     /// The HTTP status, when a response came back.
     pub status: Option<u16>,
+    /// The gRPC code of a "Trailers-Only" gRPC answer (`grpc-status` in its headers), which is
+    /// what the call judged it by; `None` for any other answer. Shown in text only: the JSON
+    /// object keeps SPEC §5's fields.
+    pub grpc: Option<&'static str>,
     /// `connect`, `reset` or `timeout` when no response came back (an attempt dropped by its
     /// time limit stays `timeout`).
     pub error: Option<&'static str>,
@@ -26,6 +30,7 @@ impl Attempt {
         Self {
             number,
             status: None,
+            grpc: None,
             error: Some("timeout"),
             pause: None,
         }
@@ -103,7 +108,12 @@ impl Summary {
     pub fn to_text(&self) -> String {
         let mut out = String::new();
         for a in &self.attempts {
-            let _ = write!(out, "attempt {}: {}", a.number, what(a.status, a.error));
+            let _ = write!(
+                out,
+                "attempt {}: {}",
+                a.number,
+                what(a.status, a.grpc, a.error)
+            );
             if let Some(p) = a.pause {
                 let _ = write!(out, ", retrying in {} ms", millis(p));
             }
@@ -112,7 +122,11 @@ impl Summary {
         let n = self.attempts.len();
         let plural = if n == 1 { "" } else { "s" };
         let last = self.attempts.last();
-        let result = what(self.status, last.and_then(|a| a.error));
+        let result = what(
+            self.status,
+            last.and_then(|a| a.grpc),
+            last.and_then(|a| a.error),
+        );
         let elapsed = millis(self.elapsed);
         let _ = match (&self.cause, self.success) {
             (_, true) => writeln!(
@@ -133,9 +147,12 @@ impl Summary {
     }
 }
 
-fn what(status: Option<u16>, error: Option<&str>) -> String {
+fn what(status: Option<u16>, grpc: Option<&str>, error: Option<&str>) -> String {
     match (status, error) {
-        (Some(s), _) => format!("HTTP {s}"),
+        (Some(s), _) => match grpc {
+            Some(code) => format!("gRPC {code} (HTTP {s})"),
+            None => format!("HTTP {s}"),
+        },
         (None, Some(e)) => format!("{e} error"),
         (None, None) => "error".to_owned(),
     }
@@ -154,12 +171,14 @@ mod tests {
                 Attempt {
                     number: 1,
                     status: Some(503),
+                    grpc: None,
                     error: None,
                     pause: Some(Duration::from_millis(100)),
                 },
                 Attempt {
                     number: 2,
                     status: None,
+                    grpc: None,
                     error: Some("connect"),
                     pause: None,
                 },
