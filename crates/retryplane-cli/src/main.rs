@@ -188,21 +188,42 @@ fn main() -> ExitCode {
 }
 
 /// `text` with every command-line argument in it that holds a URL with a password (or the
-/// value after the `=` of one, `--flag=URL`) replaced by its `user:***@host` form.
+/// value after the `=` of one, `--flag=URL`) replaced by its `user:***@host` form, and every
+/// argument written as a header, `Name: value` (an `-H` whose flag was forgotten, say an
+/// `Authorization`), by `Name: ***`.
 fn without_passwords(text: &str, args: &[String]) -> String {
-    let mut secret: Vec<&str> = args
+    let mut secret: Vec<(&str, String)> = args
         .iter()
         .flat_map(|a| [Some(a.as_str()), a.split_once('=').map(|(_, v)| v)])
         .flatten()
-        .filter(|a| admin::shown_url(a) != *a)
+        .filter_map(|a| {
+            let shown = admin::shown_url(a);
+            if shown != a {
+                Some((a, shown))
+            } else {
+                header_shown(a).map(|shown| (a, shown))
+            }
+        })
         .collect();
     // Longest first, so that a value is not replaced inside the `--flag=URL` that holds it.
-    secret.sort_by_key(|a| std::cmp::Reverse(a.len()));
+    secret.sort_by_key(|(a, _)| std::cmp::Reverse(a.len()));
     let mut text = text.to_owned();
-    for a in secret {
-        text = text.replace(a, &admin::shown_url(a));
+    for (a, shown) in secret {
+        text = text.replace(a, &shown);
     }
     text
+}
+
+/// `Name: ***` for an argument written as a header with a value (`Name: value`: a header name,
+/// a colon and a space), which may be a credential; `None` for any other argument (a
+/// `host:port` has no space after its colon).
+fn header_shown(arg: &str) -> Option<String> {
+    let (name, value) = arg.split_once(':')?;
+    let is_name = !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b));
+    (is_name && value.starts_with(' ') && !value.trim().is_empty()).then(|| format!("{name}: ***"))
 }
 
 /// Runs the chosen command. An `Err` is a usage or I/O error (exit 2).

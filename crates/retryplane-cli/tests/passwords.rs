@@ -137,6 +137,35 @@ fn help_does_not_show_the_server_url_of_the_environment() {
 }
 
 #[test]
+fn a_header_whose_h_was_forgotten_is_quoted_without_its_value() {
+    let header = format!("Authorization: Bearer {PASSWORD}");
+    let out = Command::cargo_bin("retryplane")
+        .unwrap()
+        .args(["request", "--policy", "p.yaml", "--endpoint", "api"])
+        .args(["http://127.0.0.1:1/x", &header])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.starts_with("error: unexpected argument 'Authorization: ***' found"),
+        "{stderr}"
+    );
+    assert_no_password(&out);
+    // A host:port is not a header: quoted as given.
+    let out = Command::cargo_bin("retryplane")
+        .unwrap()
+        .args(["status", "127.0.0.1:1"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.starts_with("error: unexpected argument '127.0.0.1:1' found"),
+        "{stderr}"
+    );
+}
+
+#[test]
 fn a_url_clap_does_not_expect_is_quoted_without_its_password() {
     let url = format!("http://admin:{PASSWORD}@127.0.0.1:1");
     let out = Command::cargo_bin("retryplane")
