@@ -365,6 +365,36 @@ fn explain_shows_only_the_warnings_of_its_endpoint_when_names_contain_dots() {
 }
 
 #[test]
+fn explain_leaves_out_a_defaults_warning_the_endpoint_or_route_overrides() {
+    let dir = dir_with(&[(
+        "over.yaml",
+        "version: 1\ndefaults: {max_attempts: 6, idempotent_methods: [GET, POST]}\nendpoints:\n  a: {max_attempts: 2, idempotent_methods: [GET]}\n  b: {}\n  c:\n    routes:\n      - {match: {method: GET}, max_attempts: 2}\n",
+    )]);
+    let both = ["defaults.max_attempts", "defaults.idempotent_methods"];
+    assert_eq!(
+        warning_paths(dir.path(), "over.yaml", "a"),
+        Vec::<String>::new(),
+        "a sets both fields itself"
+    );
+    assert_eq!(warning_paths(dir.path(), "over.yaml", "b"), both);
+    assert_eq!(warning_paths(dir.path(), "over.yaml", "c"), both);
+    let get: Value = serde_json::from_str(&explained(
+        dir.path(),
+        "over.yaml",
+        "c",
+        &["--method", "GET", "--path", "/x", "--format", "json"],
+    ))
+    .unwrap();
+    assert_eq!(get["warnings"].as_array().unwrap().len(), 1, "{get}");
+    assert_eq!(
+        get["warnings"][0]["path"], "defaults.idempotent_methods",
+        "a GET takes max_attempts from its route"
+    );
+    let text = explained(dir.path(), "over.yaml", "a", &[]);
+    assert!(!text.contains("warnings about this endpoint"), "{text}");
+}
+
+#[test]
 fn explain_shows_an_unreachable_attempt_only_for_the_endpoint_whose_jitter_causes_it() {
     let dir = dir_with(&[(
         "jitter.yaml",

@@ -171,12 +171,12 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
             "note: `{path}` is looked up as an HTTP {method} path; for a gRPC call use --grpc {path}"
         ));
     }
+    let explanation = report::explain(&file, doc, endpoint, &settings.call);
     let warnings: Vec<_> = loaded
         .diagnostics
         .iter()
-        .filter(|d| concerns(d, &settings.endpoint))
+        .filter(|d| concerns(d, &settings.endpoint) && still_applies(d, &explanation.policy))
         .collect();
-    let explanation = report::explain(&file, doc, endpoint, &settings.call);
     let stdout = match settings.format {
         Format::Text => text::render(&explanation, &warnings),
         Format::Json => output::json(&JsonOutput {
@@ -213,6 +213,29 @@ fn concerns(d: &Diagnostic, endpoint: &str) -> bool {
             .strip_prefix("defaults")
             .is_some_and(|rest| rest.is_empty() || rest.starts_with('.')),
     }
+}
+
+/// Whether a warning about `defaults` still applies to the effective policy `rows`: a
+/// `defaults.FIELD` one only while some value under `FIELD` still comes from the defaults (an
+/// endpoint or a route that sets the field itself replaces what the warning is about). Any
+/// other warning, and one about a field no row shows, applies.
+fn still_applies(d: &Diagnostic, rows: &[report::FieldRow]) -> bool {
+    let Some(field) = d.path.strip_prefix("defaults.") else {
+        return true;
+    };
+    // `idempotent_methods[2]` is about the list `idempotent_methods`.
+    let field = field.split('[').next().unwrap_or(field);
+    let under = |row: &str| {
+        row == field
+            || row
+                .strip_prefix(field)
+                .is_some_and(|rest| rest.starts_with('.'))
+            || field
+                .strip_prefix(row)
+                .is_some_and(|rest| rest.starts_with('.'))
+    };
+    let mut shown = rows.iter().filter(|r| under(r.field)).peekable();
+    shown.peek().is_none() || shown.any(|r| r.level == "defaults")
 }
 
 #[cfg(test)]
