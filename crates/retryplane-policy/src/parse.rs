@@ -378,11 +378,17 @@ impl Walker {
                 "version" => {
                     version = true;
                     if value.value != Value::Int(1) {
+                        // `01` and `1.0` read as the float 1: say how to write it.
+                        let hint = if value.value == Value::Float(1.0) {
+                            " (write `1`, with no leading zero or decimal point)"
+                        } else {
+                            ""
+                        };
                         self.error(
                             value.loc,
                             "version",
                             format!(
-                                "unsupported schema version: expected 1, found {}",
+                                "unsupported schema version: expected 1, found {}{hint}",
                                 scalar_text(value)
                             ),
                         );
@@ -905,7 +911,7 @@ impl Walker {
                         u32::MAX
                     )
                 } else if f.is_finite() && f.fract() == 0.0 {
-                    "expected a whole number written in digits (`3`, not `3.0` or `3e0`)".to_owned()
+                    "expected a whole number written in digits, with no leading zero (`3`, not `03`, `3.0` or `3e0`)".to_owned()
                 } else {
                     format!(
                         "expected a whole number, found {}",

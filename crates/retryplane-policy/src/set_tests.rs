@@ -151,7 +151,7 @@ fn a_count_too_large_for_an_integer_gets_the_range_and_a_fraction_is_named() {
             "5:37: error: endpoints.a.circuit_breaker.min_requests: must be a whole number from 1 to 4294967295, found a larger one",
             "5:80: error: endpoints.a.circuit_breaker.half_open_probes: must be a whole number from 1 to 4294967295, found a smaller one",
             "7:19: error: endpoints.b.max_attempts: expected a whole number, found 2.5",
-            "8:30: error: endpoints.b.budget.min_per_second: expected a whole number written in digits (`3`, not `3.0` or `3e0`)",
+            "8:30: error: endpoints.b.budget.min_per_second: expected a whole number written in digits, with no leading zero (`3`, not `03`, `3.0` or `3e0`)",
         ]
     );
 }
@@ -190,10 +190,20 @@ fn yes_and_on_are_strings_a_boolean_field_refuses_them_and_an_endpoint_may_have_
 }
 
 #[test]
-fn a_version_written_as_a_float_is_shown_as_written() {
+fn a_version_written_as_a_float_or_with_a_leading_zero_says_how_to_write_it() {
+    for version in ["1.0", "01"] {
+        assert_eq!(
+            errors(&format!("version: {version}\nendpoints:\n  a: {{}}\n")),
+            [
+                "1:10: error: version: unsupported schema version: expected 1, found 1.0 \
+                 (write `1`, with no leading zero or decimal point)"
+            ],
+            "{version}"
+        );
+    }
     assert_eq!(
-        errors("version: 1.0\nendpoints:\n  a: {}\n"),
-        ["1:10: error: version: unsupported schema version: expected 1, found 1.0"]
+        errors("version: 2\nendpoints:\n  a: {}\n"),
+        ["1:10: error: version: unsupported schema version: expected 1, found 2"]
     );
 }
 
