@@ -34,9 +34,11 @@ pub(crate) struct Shared {
     /// Replaced only through [`Shared::update_policies`]. A call reads its endpoint's entry
     /// from its [`Endpoint`] handle, which looks it up here again after each swap.
     pub(crate) policies: ArcSwap<PolicySnapshot>,
-    /// How many times `policies` was replaced: raised just after each swap, so whoever reads
-    /// a generation and then loads `policies` gets that snapshot or a newer one. Endpoint
-    /// handles key their cached entry on it (see [`crate::Endpoint`]).
+    /// Twice the number of times `policies` was replaced, plus one while a swap is under way:
+    /// raised just before each swap and again just after it, so whoever reads an even
+    /// generation and then loads `policies` gets that snapshot or a newer one. Endpoint
+    /// handles key their kept entry on it, and keep none under an odd one (see
+    /// [`crate::Endpoint`]).
     generation: AtomicU64,
     /// The snapshot replaced last, kept until the next swap; its lock is the writers' turn.
     /// See [`Shared::update_policies`].

@@ -152,7 +152,10 @@ fn main() -> ExitCode {
             let args: Vec<String> = std::env::args_os()
                 .map(|a| a.to_string_lossy().into_owned())
                 .collect();
-            let text = without_passwords(&e.render().ansi().to_string(), &args);
+            // A header is looked for only in an argument clap did not expect (an -H left
+            // out): the value of another flag is never a header, and is shown as given.
+            let headers = e.kind() == clap::error::ErrorKind::UnknownArgument;
+            let text = without_passwords(&e.render().ansi().to_string(), &args, headers);
             // Colour as clap would have it: kept on a terminal, stripped otherwise or with
             // NO_COLOR. A closed stream is ignored: there is nowhere left to write.
             let _ = if e.use_stderr() {
@@ -188,10 +191,10 @@ fn main() -> ExitCode {
 }
 
 /// `text` with every command-line argument in it that holds a URL with a password (or the
-/// value after the `=` of one, `--flag=URL`) replaced by its `user:***@host` form, and every
-/// argument written as a header, `Name: value` (an `-H` whose flag was forgotten, say an
-/// `Authorization`), by `Name: ***`.
-fn without_passwords(text: &str, args: &[String]) -> String {
+/// value after the `=` of one, `--flag=URL`) replaced by its `user:***@host` form, and, with
+/// `headers`, every argument written as a header, `Name: value` (an `-H` whose flag was
+/// forgotten, say an `Authorization`), by `Name: ***`.
+fn without_passwords(text: &str, args: &[String], headers: bool) -> String {
     let mut secret: Vec<(&str, String)> = args
         .iter()
         .flat_map(|a| [Some(a.as_str()), a.split_once('=').map(|(_, v)| v)])
@@ -200,8 +203,10 @@ fn without_passwords(text: &str, args: &[String]) -> String {
             let shown = admin::shown_url(a);
             if shown != a {
                 Some((a, shown))
-            } else {
+            } else if headers {
                 header_shown(a).map(|shown| (a, shown))
+            } else {
+                None
             }
         })
         .collect();
@@ -214,16 +219,23 @@ fn without_passwords(text: &str, args: &[String]) -> String {
     text
 }
 
-/// `Name: ***` for an argument written as a header with a value (`Name: value`: a header name,
-/// a colon and a space), which may be a credential; `None` for any other argument (a
-/// `host:port` has no space after its colon).
+/// `Name: ***` for an argument written as a header with a value, as `-H` takes one (`Name:
+/// value`, `Name:value`, spaces around either), which may be a credential; `None` for any
+/// other argument. A `host:port` is not a header: a value of digits alone is a port, and a
+/// name of digits and dots an IPv4 address.
 fn header_shown(arg: &str) -> Option<String> {
+    if arg.contains("://") {
+        return None;
+    }
     let (name, value) = arg.split_once(':')?;
+    let (name, value) = (name.trim(), value.trim());
     let is_name = !name.is_empty()
         && name
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b));
-    (is_name && value.starts_with(' ') && !value.trim().is_empty()).then(|| format!("{name}: ***"))
+    let is_address = name.bytes().all(|b| b.is_ascii_digit() || b == b'.')
+        || value.bytes().all(|b| b.is_ascii_digit());
+    (is_name && !value.is_empty() && !is_address).then(|| format!("{name}: ***"))
 }
 
 /// Runs the chosen command. An `Err` is a usage or I/O error (exit 2).
@@ -273,10 +285,31 @@ mod tests {
         ];
         let text = "error: unexpected argument 'http://admin:s3cret@127.0.0.1:1' found; \
                     'http://a:pw1@h'";
-        let shown = without_passwords(text, &args);
+        let shown = without_passwords(text, &args, true);
         assert_eq!(
             shown,
             "error: unexpected argument 'http://admin:***@127.0.0.1:1' found; 'http://a:***@h'"
         );
+    }
+
+    #[test]
+    fn an_argument_is_a_header_as_minus_h_takes_one_but_an_address_is_not() {
+        for (arg, shown) in [
+            ("Authorization: Bearer s3cret", Some("Authorization: ***")),
+            ("Authorization:Bearer s3cret", Some("Authorization: ***")),
+            ("Authorization:\tBearer s3cret", Some("Authorization: ***")),
+            ("Authorization : Bearer s3cret", Some("Authorization: ***")),
+            (" X-Api-Key:s3cret", Some("X-Api-Key: ***")),
+            ("Cookie:session=s3cret", Some("Cookie: ***")),
+            ("127.0.0.1: 7470", None),
+            ("localhost:7470", None),
+            ("10.0.0.1:abc", None),
+            ("[::1]:7470", None),
+            ("http://h:1/x", None),
+            ("Name:", None),
+            ("no colon", None),
+        ] {
+            assert_eq!(header_shown(arg).as_deref(), shown, "{arg:?}");
+        }
     }
 }

@@ -51,7 +51,9 @@ use std::time::Duration;
 use anyhow::{Context as _, bail};
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Method};
-use retryplane_agent::{Agent, AttemptInfo, CallMeta, Classification, Classify, Outcome, Source};
+use retryplane_agent::{
+    Agent, AttemptInfo, CallMeta, Classification, Classify, Outcome, Source, url_scheme,
+};
 use tokio::time::Instant;
 
 use crate::admin::shown_url;
@@ -179,13 +181,22 @@ fn init_logging() {
 }
 
 /// The request's URL as an error shows it: the password hidden ([`shown_url`]), and the query
-/// and fragment, which may carry tokens, left out (`?…` in their place).
+/// and fragment, which may carry tokens, left out (`?…` in their place). They are cut before
+/// the password is looked for: an `@` in the query would otherwise pass for the end of a
+/// `user:password@` and hide the `?` inside it. When an `@` follows the first `?` or `#`, that
+/// `?` or `#` may be inside a password (the URL does not parse, so nothing says which), and
+/// only the scheme is shown.
 fn shown_target(url: &str) -> String {
-    let shown = shown_url(url);
-    match shown.find(['?', '#']) {
-        Some(i) => format!("{}?…", &shown[..i]),
-        None => shown,
+    let Some(cut) = url.find(['?', '#']) else {
+        return shown_url(url);
+    };
+    if url[cut..].contains('@') {
+        return match url_scheme(url) {
+            Some(scheme) => format!("{scheme}://…"),
+            None => "…".to_owned(),
+        };
     }
+    format!("{}?…", shown_url(&url[..cut]))
 }
 
 impl TryFrom<Args> for Settings {
@@ -543,7 +554,8 @@ async fn call(agent: &Agent, s: &Settings) -> anyhow::Result<Summary> {
         if let Some(b) = &body {
             // An empty body goes out with no length at all unless it is set: a POST or PUT
             // should say `content-length: 0` (RFC 9110 §8.6), and some servers answer 411
-            // without it. The flags cannot set it with --data, so it is never sent twice.
+            // without it; as with curl's `-d ''`, any method given --data says it. The flags
+            // cannot set it with --data, so it is never sent twice.
             if b.is_empty() {
                 request = request.header(http::header::CONTENT_LENGTH, 0);
             }

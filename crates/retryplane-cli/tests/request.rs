@@ -310,6 +310,15 @@ fn a_url_refused_is_shown_without_its_query_or_fragment() {
             "ftp://127.0.0.1/x#s3cr3t",
             "ftp://127.0.0.1/x?…: only http:// and https:// URLs are supported",
         ),
+        // An `@` in the query could end a password holding the `?`: the scheme alone.
+        (
+            "http://127.0.0.1:99999/x?email=a@b.c&token=s3cr3t",
+            "http://…: not a valid URL",
+        ),
+        (
+            "http://u:p?s3cr3t@127.0.0.1:99999/x",
+            "http://…: not a valid URL",
+        ),
     ] {
         let (code, stderr) = request_stderr(&[url]);
         assert_eq!(code, Some(2), "{url}");
