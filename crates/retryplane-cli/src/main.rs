@@ -154,7 +154,10 @@ fn main() -> ExitCode {
                 .collect();
             // A header is looked for only in an argument clap did not expect (an -H left
             // out): the value of another flag is never a header, and is shown as given.
-            let headers = e.kind() == clap::error::ErrorKind::UnknownArgument;
+            let headers = matches!(
+                e.kind(),
+                clap::error::ErrorKind::UnknownArgument | clap::error::ErrorKind::InvalidSubcommand
+            );
             let text = without_passwords(&e.render().ansi().to_string(), &args, headers);
             // Colour as clap would have it: kept on a terminal, stripped otherwise or with
             // NO_COLOR. A closed stream is ignored: there is nowhere left to write.
@@ -200,7 +203,12 @@ fn without_passwords(text: &str, args: &[String], headers: bool) -> String {
         .flat_map(|a| [Some(a.as_str()), a.split_once('=').map(|(_, v)| v)])
         .flatten()
         .filter_map(|a| {
-            let shown = admin::shown_url(a);
+            // A URL's query is cut too (it may hold a token); other text with a `?` is not.
+            let shown = if a.contains("://") {
+                admin::shown_without_query(a)
+            } else {
+                admin::shown_url(a)
+            };
             if shown != a {
                 Some((a, shown))
             } else if headers {
@@ -221,20 +229,20 @@ fn without_passwords(text: &str, args: &[String], headers: bool) -> String {
 
 /// `Name: ***` for an argument written as a header with a value, as `-H` takes one (`Name:
 /// value`, `Name:value`, spaces around either), which may be a credential; `None` for any
-/// other argument. A `host:port` is not a header: a value of digits alone is a port, and a
-/// name of digits and dots an IPv4 address.
+/// other argument. Not a header: a URL (`scheme://`), a `host:port` or `host:port/path`
+/// (digits right after the colon, up to the end or a `/`), and a name of digits and dots (an
+/// IPv4 address).
 fn header_shown(arg: &str) -> Option<String> {
-    if arg.contains("://") {
-        return None;
-    }
-    let (name, value) = arg.split_once(':')?;
-    let (name, value) = (name.trim(), value.trim());
+    let (name, after) = arg.split_once(':')?;
+    let port = after.split('/').next().unwrap_or(after);
+    let is_address = after.starts_with("//")
+        || (!port.is_empty() && port.bytes().all(|b| b.is_ascii_digit()))
+        || name.trim().bytes().all(|b| b.is_ascii_digit() || b == b'.');
+    let (name, value) = (name.trim(), after.trim());
     let is_name = !name.is_empty()
         && name
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b));
-    let is_address = name.bytes().all(|b| b.is_ascii_digit() || b == b'.')
-        || value.bytes().all(|b| b.is_ascii_digit());
     (is_name && !value.is_empty() && !is_address).then(|| format!("{name}: ***"))
 }
 
@@ -301,8 +309,14 @@ mod tests {
             ("Authorization : Bearer s3cret", Some("Authorization: ***")),
             (" X-Api-Key:s3cret", Some("X-Api-Key: ***")),
             ("Cookie:session=s3cret", Some("Cookie: ***")),
+            ("X-Api-Key: 8675309", Some("X-Api-Key: ***")),
+            (
+                "Cookie: next=https://app.example/home; session=s3cret",
+                Some("Cookie: ***"),
+            ),
             ("127.0.0.1: 7470", None),
             ("localhost:7470", None),
+            ("api.internal:8080/v1/pay", None),
             ("10.0.0.1:abc", None),
             ("[::1]:7470", None),
             ("http://h:1/x", None),

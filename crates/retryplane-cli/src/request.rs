@@ -51,12 +51,9 @@ use std::time::Duration;
 use anyhow::{Context as _, bail};
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Method};
-use retryplane_agent::{
-    Agent, AttemptInfo, CallMeta, Classification, Classify, Outcome, Source, url_scheme,
-};
+use retryplane_agent::{Agent, AttemptInfo, CallMeta, Classification, Classify, Outcome, Source};
 use tokio::time::Instant;
 
-use crate::admin::shown_url;
 use crate::input::{self, no_such_endpoint};
 use crate::output::{self, Format};
 use crate::{Outcome as Exit, Report};
@@ -180,23 +177,11 @@ fn init_logging() {
     }
 }
 
-/// The request's URL as an error shows it: the password hidden ([`shown_url`]), and the query
-/// and fragment, which may carry tokens, left out (`?…` in their place). They are cut before
-/// the password is looked for: an `@` in the query would otherwise pass for the end of a
-/// `user:password@` and hide the `?` inside it. When an `@` follows the first `?` or `#`, that
-/// `?` or `#` may be inside a password (the URL does not parse, so nothing says which), and
-/// only the scheme is shown.
+/// The request's URL as an error shows it: without its password and query
+/// ([`crate::admin::shown_without_query`]), or as `Name: ***` when it is a header typed where
+/// the URL goes (`Authorization: Bearer …` parses as a URL of scheme `authorization`).
 fn shown_target(url: &str) -> String {
-    let Some(cut) = url.find(['?', '#']) else {
-        return shown_url(url);
-    };
-    if url[cut..].contains('@') {
-        return match url_scheme(url) {
-            Some(scheme) => format!("{scheme}://…"),
-            None => "…".to_owned(),
-        };
-    }
-    format!("{}?…", shown_url(&url[..cut]))
+    crate::header_shown(url).unwrap_or_else(|| crate::admin::shown_without_query(url))
 }
 
 impl TryFrom<Args> for Settings {
@@ -227,13 +212,13 @@ impl TryFrom<Args> for Settings {
                     bail!(
                         "--server {}: only http:// is supported (TLS on the agent listener \
                          comes later)",
-                        shown_url(&url)
+                        shown_target(&url)
                     );
                 }
                 let token_hint = "give the agent token with --token or RETRYPLANE_AGENT_TOKEN";
                 crate::admin::no_at_after_host(&url, token_hint)?;
                 let url = crate::admin::with_default_port(url, AGENT_PORT)?;
-                let shown = shown_url(&url);
+                let shown = crate::admin::shown_without_query(&url);
                 let (url, had_userinfo) = crate::admin::without_userinfo(&url);
                 if had_userinfo {
                     crate::admin::userinfo_not_used(token_hint);

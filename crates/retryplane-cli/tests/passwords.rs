@@ -141,6 +141,7 @@ fn a_header_whose_h_was_forgotten_is_quoted_without_its_value() {
     for header in [
         format!("Authorization: Bearer {PASSWORD}"),
         format!("Authorization:Bearer {PASSWORD}"),
+        format!("Authorization: next=https://a.example/; t={PASSWORD}"),
     ] {
         let out = Command::cargo_bin("retryplane")
             .unwrap()
@@ -177,6 +178,70 @@ fn a_header_whose_h_was_forgotten_is_quoted_without_its_value() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         stderr.starts_with("error: unexpected argument '127.0.0.1:1' found"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn a_server_url_is_shown_without_its_query_in_every_message() {
+    for (args, said) in [
+        (
+            vec![
+                "status",
+                "--server",
+                "https://cp.internal/?token=QUERYSECRET",
+            ],
+            "--server https://cp.internal/?…: only http:// is supported",
+        ),
+        (
+            vec![
+                "status",
+                "--server",
+                "http://cp.internal:abc/?token=QUERYSECRET",
+            ],
+            "--server http://cp.internal:abc/?…: the port must be a number",
+        ),
+        (
+            vec![
+                "status",
+                "--server",
+                "http://127.0.0.1:1/?token=QUERYSECRET",
+            ],
+            "http://127.0.0.1:1/?…",
+        ),
+        (
+            vec![
+                "request",
+                "--server",
+                "https://cp.internal/?token=QUERYSECRET",
+                "--endpoint",
+                "a",
+                "http://127.0.0.1:1/",
+            ],
+            "--server https://cp.internal/?…: only http:// is supported",
+        ),
+    ] {
+        let out = Command::cargo_bin("retryplane")
+            .unwrap()
+            .env_remove("RETRYPLANE_TOKEN")
+            .args(&args)
+            .timeout(std::time::Duration::from_secs(30))
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(said), "{args:?}: {stderr}");
+        assert!(!stderr.contains("QUERYSECRET"), "{args:?}: {stderr}");
+    }
+    // A URL clap does not expect: its query is cut too.
+    let out = Command::cargo_bin("retryplane")
+        .unwrap()
+        .args(["status", "http://127.0.0.1:1/?token=QUERYSECRET"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.starts_with("error: unexpected argument 'http://127.0.0.1:1/?…' found"),
         "{stderr}"
     );
 }

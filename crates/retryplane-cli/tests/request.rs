@@ -319,6 +319,16 @@ fn a_url_refused_is_shown_without_its_query_or_fragment() {
             "http://u:p?s3cr3t@127.0.0.1:99999/x",
             "http://…: not a valid URL",
         ),
+        // No `:` before the `?`: no password, so the host is shown.
+        (
+            "http://exa mple.com/?to=a@b.c&token=s3cr3t",
+            "http://exa mple.com/?…: not a valid URL",
+        ),
+        // A header typed where the URL goes.
+        (
+            "Authorization: Bearer s3cr3t",
+            "Authorization: ***: only http:// and https:// URLs are supported",
+        ),
     ] {
         let (code, stderr) = request_stderr(&[url]);
         assert_eq!(code, Some(2), "{url}");

@@ -378,11 +378,12 @@ impl Walker {
                 "version" => {
                     version = true;
                     if value.value != Value::Int(1) {
-                        // `01` and `1.0` read as the float 1: say how to write it.
-                        let hint = if value.value == Value::Float(1.0) {
-                            " (write `1`, with no leading zero or decimal point)"
-                        } else {
-                            ""
+                        // `01`, `02` and `1.0` read as floats: say how to write a whole number.
+                        let hint = match value.value {
+                            Value::Float(f) if f.is_finite() && f.fract() == 0.0 => {
+                                " (write it with no leading zero or decimal point)"
+                            }
+                            _ => "",
                         };
                         self.error(
                             value.loc,

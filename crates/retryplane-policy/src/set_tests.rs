@@ -191,16 +191,25 @@ fn yes_and_on_are_strings_a_boolean_field_refuses_them_and_an_endpoint_may_have_
 
 #[test]
 fn a_version_written_as_a_float_or_with_a_leading_zero_says_how_to_write_it() {
-    for version in ["1.0", "01"] {
+    for (version, read) in [
+        ("1.0", "1.0"),
+        ("01", "1.0"),
+        ("02", "2.0"),
+        ("010", "10.0"),
+    ] {
         assert_eq!(
             errors(&format!("version: {version}\nendpoints:\n  a: {{}}\n")),
-            [
-                "1:10: error: version: unsupported schema version: expected 1, found 1.0 \
-                 (write `1`, with no leading zero or decimal point)"
-            ],
+            [format!(
+                "1:10: error: version: unsupported schema version: expected 1, found {read} \
+                 (write it with no leading zero or decimal point)"
+            )],
             "{version}"
         );
     }
+    assert_eq!(
+        errors("version: 1.5\nendpoints:\n  a: {}\n"),
+        ["1:10: error: version: unsupported schema version: expected 1, found 1.5"]
+    );
     assert_eq!(
         errors("version: 2\nendpoints:\n  a: {}\n"),
         ["1:10: error: version: unsupported schema version: expected 1, found 2"]
