@@ -170,16 +170,22 @@ fn a_header_whose_h_was_forgotten_is_quoted_without_its_value() {
         "{stderr}"
     );
     // A host:port is not a header: quoted as given.
-    let out = Command::cargo_bin("retryplane")
-        .unwrap()
-        .args(["status", "127.0.0.1:1"])
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stderr = stderr_of(&["status", "127.0.0.1:1"]);
     assert!(
         stderr.starts_with("error: unexpected argument '127.0.0.1:1' found"),
         "{stderr}"
     );
+}
+
+/// The stderr of `retryplane ARGS...`, which must exit 2.
+fn stderr_of(args: &[&str]) -> String {
+    let out = Command::cargo_bin("retryplane")
+        .unwrap()
+        .args(args)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{args:?}");
+    String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
 #[test]
@@ -234,12 +240,7 @@ fn a_server_url_is_shown_without_its_query_in_every_message() {
         assert!(!stderr.contains("QUERYSECRET"), "{args:?}: {stderr}");
     }
     // A URL clap does not expect: its query is cut too.
-    let out = Command::cargo_bin("retryplane")
-        .unwrap()
-        .args(["status", "http://127.0.0.1:1/?token=QUERYSECRET"])
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stderr = stderr_of(&["status", "http://127.0.0.1:1/?token=QUERYSECRET"]);
     assert!(
         stderr.starts_with("error: unexpected argument 'http://127.0.0.1:1/?…' found"),
         "{stderr}"

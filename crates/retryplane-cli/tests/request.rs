@@ -663,27 +663,29 @@ fn a_reset_while_the_body_is_read_is_a_reset_error_and_retried() {
     assert_eq!(up.seen().len(), 3);
 }
 
-#[test]
-fn text_output_has_one_line_per_attempt_and_the_outcome() {
-    let up = Upstream::start(&[(503, "")]);
+/// `retryplane request --endpoint api --policy POLICY ARGS...` with text output, run in a
+/// temporary directory, with `RUST_LOG` set to `log` (unset for `None`).
+fn request_text(log: Option<&str>, args: &[&str]) -> std::process::Output {
     let dir = TempDir::new().unwrap();
     let path = dir.path().join("policy.yaml");
     fs::write(&path, POLICY).unwrap();
-    let out = Command::cargo_bin("retryplane")
-        .unwrap()
-        .env_remove("RUST_LOG")
-        .args([
-            "request",
-            "--endpoint",
-            "api",
-            "-H",
-            "Authorization: Bearer s3cret",
-        ])
-        .arg("--policy")
+    let mut cmd = Command::cargo_bin("retryplane").unwrap();
+    cmd.env_remove("RUST_LOG");
+    if let Some(log) = log {
+        cmd.env("RUST_LOG", log);
+    }
+    cmd.args(["request", "--endpoint", "api", "--policy"])
         .arg(&path)
-        .arg(up.url("/"))
+        .args(args)
+        .timeout(std::time::Duration::from_secs(30))
         .output()
-        .unwrap();
+        .unwrap()
+}
+
+#[test]
+fn text_output_has_one_line_per_attempt_and_the_outcome() {
+    let up = Upstream::start(&[(503, "")]);
+    let out = request_text(None, &["-H", "Authorization: Bearer s3cret", &up.url("/")]);
     assert_eq!(out.status.code(), Some(0));
     let text = String::from_utf8(out.stdout).unwrap();
     let lines: Vec<&str> = text.lines().collect();
@@ -699,17 +701,7 @@ fn text_output_has_one_line_per_attempt_and_the_outcome() {
 fn a_trailers_only_grpc_failure_is_shown_by_its_code_not_as_a_bare_200() {
     let grpc = "content-type: application/grpc\r\ngrpc-status: 14\r\n";
     let up = Upstream::start(&[(200, grpc), (200, grpc), (200, grpc)]);
-    let dir = TempDir::new().unwrap();
-    let path = dir.path().join("policy.yaml");
-    fs::write(&path, POLICY).unwrap();
-    let out = Command::cargo_bin("retryplane")
-        .unwrap()
-        .env_remove("RUST_LOG")
-        .args(["request", "--endpoint", "api", "--policy"])
-        .arg(&path)
-        .arg(up.url("/pkg.Svc/M"))
-        .output()
-        .unwrap();
+    let out = request_text(None, &[&up.url("/pkg.Svc/M")]);
     assert_eq!(out.status.code(), Some(1));
     let text = String::from_utf8(out.stdout).unwrap();
     let lines: Vec<&str> = text.lines().collect();
@@ -738,29 +730,10 @@ fn a_trailers_only_grpc_failure_is_shown_by_its_code_not_as_a_bare_200() {
 
 #[test]
 fn rust_log_shows_the_agents_lines_on_stderr_and_without_it_there_are_none() {
-    let dir = TempDir::new().unwrap();
-    let path = dir.path().join("policy.yaml");
-    fs::write(&path, POLICY).unwrap();
     for log in [None, Some("debug")] {
         let up = Upstream::start(&[(503, "retry-after: soon\r\n")]);
-        let mut cmd = Command::cargo_bin("retryplane").unwrap();
-        cmd.env_remove("RUST_LOG");
-        if let Some(log) = log {
-            cmd.env("RUST_LOG", log);
-        }
-        let out = cmd
-            .args([
-                "request",
-                "--endpoint",
-                "api",
-                "-H",
-                "Authorization: Bearer s3cret",
-            ])
-            .arg("--policy")
-            .arg(&path)
-            .arg(up.url("/?q=s3cret"))
-            .output()
-            .unwrap();
+        let url = up.url("/?q=s3cret");
+        let out = request_text(log, &["-H", "Authorization: Bearer s3cret", &url]);
         assert_eq!(out.status.code(), Some(0));
         let stderr = String::from_utf8_lossy(&out.stderr);
         match log {
