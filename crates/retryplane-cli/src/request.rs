@@ -169,11 +169,14 @@ fn init_logging() {
             // Set already (never, in the binary) is not worth failing the request over.
             let _ = tracing_subscriber::fmt()
                 .with_env_filter(filter)
+                .log_internal_errors(false)
                 .with_writer(std::io::stderr)
                 .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
                 .try_init();
         }
-        Err(e) => eprintln!("retryplane: RUST_LOG is not a valid filter ({e}); nothing is logged"),
+        Err(e) => crate::output::note(format_args!(
+            "retryplane: RUST_LOG is not a valid filter ({e}); nothing is logged"
+        )),
     }
 }
 

@@ -269,6 +269,9 @@ fn init_logging() {
     // Already set (never, in the binary) is not worth failing over.
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        // A closed stderr (a log pipe that died) must not stop the control plane: by default
+        // tracing-subscriber reports a failed write on stderr itself, which then panics.
+        .log_internal_errors(false)
         .with_writer(io::stderr)
         // Colours only for a person at a terminal, not in log files or CI output.
         .with_ansi(io::IsTerminal::is_terminal(&io::stderr()))

@@ -131,6 +131,42 @@ async fn serve_keeps_serving_when_its_stdout_cannot_be_written() {
     terminate(child).await;
 }
 
+#[cfg(target_os = "linux")]
+#[tokio::test]
+async fn serve_keeps_serving_when_its_log_cannot_be_written() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("policies.yaml"), POLICY).unwrap();
+    // Every write to /dev/full fails, as to a log pipe whose reader died or a full log disk.
+    let full = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/full")
+        .unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_retryplane"))
+        .current_dir(dir.path())
+        .args(["serve", "--config", "policies.yaml", "--data-dir", "data"])
+        .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+        .args(["--http-listen", "127.0.0.1:0"])
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::piped())
+        .stderr(full)
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut http_addr = None;
+    while http_addr.is_none() {
+        let line = tokio::time::timeout(BOUND, lines.next_line())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap_or_else(|| panic!("serve ended before printing its addresses"));
+        http_addr = line.strip_prefix("http: ").map(str::to_owned);
+    }
+    let response = http_get(&http_addr.unwrap(), "/readyz").await;
+    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+    terminate(child).await;
+}
+
 /// `retryplane get --server http://ADMIN --token SECRET`, run to its end: the exit code.
 async fn get_with_token(admin: &str, secret: &str) -> i32 {
     let status = Command::new(env!("CARGO_BIN_EXE_retryplane"))
