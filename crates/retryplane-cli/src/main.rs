@@ -203,20 +203,18 @@ fn without_passwords(text: &str, args: &[String], headers: bool) -> String {
         .flat_map(|a| [Some(a.as_str()), a.split_once('=').map(|(_, v)| v)])
         .flatten()
         .filter_map(|a| {
-            // A URL's query is cut too (it may hold a token); other text with a `?` is not.
-            let shown = if a.contains("://") {
-                admin::shown_without_query(a)
-            } else {
-                admin::shown_url(a)
-            };
-            if shown != a {
-                Some((a, shown))
-            } else if headers {
-                header_shown(a).map(|shown| (a, shown))
-            } else {
-                None
+            if headers && let Some(shown) = header_shown(a) {
+                return Some((a, shown));
             }
+            // A query is cut (it may hold a token), with or without a scheme (`cp:7471/?t=…`).
+            let shown = admin::shown_without_query(a);
+            (shown != a).then_some((a, shown))
         })
+        .chain(
+            split_header_values(args)
+                .filter(|_| headers)
+                .map(|a| (a, "***".to_owned())),
+        )
         .collect();
     // Longest first, so that a value is not replaced inside the `--flag=URL` that holds it.
     secret.sort_by_key(|(a, _)| std::cmp::Reverse(a.len()));
@@ -227,16 +225,33 @@ fn without_passwords(text: &str, args: &[String], headers: bool) -> String {
     text
 }
 
+/// The words after an `-H 'Name:'` that the shell split from it (`-H Authorization: Bearer
+/// s3cret`, quotes forgotten): the header's value, up to the next flag or URL.
+fn split_header_values(args: &[String]) -> impl Iterator<Item = &str> {
+    let split = args.windows(2).position(|w| {
+        matches!(w[0].as_str(), "-H" | "--header")
+            && w[1].trim_end().ends_with(':')
+            && header_shown(&format!("{}x", w[1].trim_end())).is_some()
+    });
+    split
+        .map_or(&args[..0], |i| &args[i + 2..])
+        .iter()
+        .take_while(|a| !a.starts_with('-') && !a.contains("://"))
+        .map(String::as_str)
+}
+
 /// `Name: ***` for an argument written as a header with a value, as `-H` takes one (`Name:
 /// value`, `Name:value`, spaces around either), which may be a credential; `None` for any
-/// other argument. Not a header: a URL (`scheme://`), a `host:port` or `host:port/path`
-/// (digits right after the colon, up to the end or a `/`), and a name of digits and dots (an
-/// IPv4 address).
+/// other argument. Not a header: a URL (`scheme://`), a `host:port`, `host:port/path` or
+/// `host:port?query` (a port from 1 to 65535 right after the colon), and a name of digits and
+/// dots (an IPv4 address). A name with a capital letter (`X-Api-Key:1234`) is a header's,
+/// port or not: host names are written in lower case.
 fn header_shown(arg: &str) -> Option<String> {
     let (name, after) = arg.split_once(':')?;
-    let port = after.split('/').next().unwrap_or(after);
+    let port = after.split(['/', '?', '#']).next().unwrap_or(after);
+    let capitals = name.bytes().any(|b| b.is_ascii_uppercase());
     let is_address = after.starts_with("//")
-        || (!port.is_empty() && port.bytes().all(|b| b.is_ascii_digit()))
+        || !capitals && port.parse::<u16>().is_ok_and(|p| p > 0) && !port.starts_with('+')
         || name.trim().bytes().all(|b| b.is_ascii_digit() || b == b'.');
     let (name, value) = (name.trim(), after.trim());
     let is_name = !name.is_empty()
@@ -314,8 +329,12 @@ mod tests {
                 "Cookie: next=https://app.example/home; session=s3cret",
                 Some("Cookie: ***"),
             ),
+            ("X-Api-Key:8675309", Some("X-Api-Key: ***")),
+            ("X-Api-Key:123456/abc", Some("X-Api-Key: ***")),
+            ("X-Api-Key:1234/abcd+ef==", Some("X-Api-Key: ***")),
             ("127.0.0.1: 7470", None),
             ("localhost:7470", None),
+            ("localhost:8080?debug=1", None),
             ("api.internal:8080/v1/pay", None),
             ("10.0.0.1:abc", None),
             ("[::1]:7470", None),

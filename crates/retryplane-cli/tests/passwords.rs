@@ -239,12 +239,46 @@ fn a_server_url_is_shown_without_its_query_in_every_message() {
         assert!(stderr.contains(said), "{args:?}: {stderr}");
         assert!(!stderr.contains("QUERYSECRET"), "{args:?}: {stderr}");
     }
-    // A URL clap does not expect: its query is cut too.
-    let stderr = stderr_of(&["status", "http://127.0.0.1:1/?token=QUERYSECRET"]);
+    // A URL clap does not expect: its query is cut too, with or without a scheme; a `/`
+    // after the port keeps the host though an `@` follows.
+    for (arg, shown) in [
+        (
+            "http://127.0.0.1:1/?token=QUERYSECRET",
+            "http://127.0.0.1:1/?…",
+        ),
+        ("cp.internal:7471/?token=QUERYSECRET", "cp.internal:7471/?…"),
+        ("cp#access_token=QUERYSECRET", "cp#…"),
+        (
+            "http://cp:7471/?email=a@b&t=QUERYSECRET",
+            "http://cp:7471/?…",
+        ),
+        ("X-Api-Key:QUERYSECRET", "X-Api-Key: ***"),
+    ] {
+        let stderr = stderr_of(&["status", arg]);
+        assert!(
+            stderr.starts_with(&format!("error: unexpected argument '{shown}' found")),
+            "{arg}: {stderr}"
+        );
+        assert!(!stderr.contains("QUERYSECRET"), "{arg}: {stderr}");
+    }
+    // A header value the shell split from its `-H` (quotes forgotten).
+    let stderr = stderr_of(&[
+        "request",
+        "--policy",
+        "p.yaml",
+        "--endpoint",
+        "api",
+        "-H",
+        "Authorization:",
+        "Bearer",
+        "QUERYSECRET",
+        "http://127.0.0.1:1/",
+    ]);
     assert!(
-        stderr.starts_with("error: unexpected argument 'http://127.0.0.1:1/?…' found"),
+        stderr.starts_with("error: unexpected argument '***' found"),
         "{stderr}"
     );
+    assert!(!stderr.contains("QUERYSECRET"), "{stderr}");
 }
 
 #[test]

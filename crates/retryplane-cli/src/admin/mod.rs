@@ -135,19 +135,28 @@ use retryplane_agent::{url_scheme, written_port};
 /// password is looked for, or an `@` in the query would pass for the end of a `user:password@`
 /// and hide the `?` inside it. When a `:` comes between the `scheme://` and the first `?` or
 /// `#` and an `@` after it, that `?` or `#` may be inside a password (a URL that does not parse
-/// does not say which), and only the scheme is shown.
+/// does not say which), and only the scheme is shown, unless a `/` ends a `host:port` first
+/// (`http://api:8080/users?email=a@b`: a password holds no `/`). The delimiter found is kept
+/// (`?…` or `#…`).
 pub(crate) fn shown_without_query(url: &str) -> String {
     let Some(cut) = url.find(['?', '#']) else {
         return shown_url(url);
     };
-    let authority = url_scheme(url).map_or(0, |s| s.len() + 3);
-    if url[authority.min(cut)..cut].contains(':') && url[cut..].contains('@') {
+    let start = url_scheme(url).map_or(0, |s| s.len() + 3).min(cut);
+    let before = &url[start..cut];
+    let host_port = before.split_once('/').is_some_and(|(authority, _)| {
+        !authority.contains('@')
+            && authority
+                .rsplit_once(':')
+                .is_none_or(|(_, port)| port.bytes().all(|b| b.is_ascii_digit()))
+    });
+    if before.contains(':') && url[cut..].contains('@') && !host_port {
         return match url_scheme(url) {
             Some(scheme) => format!("{scheme}://…"),
             None => "…".to_owned(),
         };
     }
-    format!("{}?…", shown_url(&url[..cut]))
+    format!("{}{}…", shown_url(&url[..cut]), &url[cut..=cut])
 }
 
 /// A `--server` value as a URL: `http://` put before one that names no scheme (`cp:7472`), and
