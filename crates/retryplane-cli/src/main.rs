@@ -210,11 +210,6 @@ fn without_passwords(text: &str, args: &[String], headers: bool) -> String {
             let shown = admin::shown_without_query(a);
             (shown != a).then_some((a, shown))
         })
-        .chain(
-            split_header_values(args)
-                .filter(|_| headers)
-                .map(|a| (a, "***".to_owned())),
-        )
         .collect();
     // Longest first, so that a value is not replaced inside the `--flag=URL` that holds it.
     secret.sort_by_key(|(a, _)| std::cmp::Reverse(a.len()));
@@ -222,36 +217,99 @@ fn without_passwords(text: &str, args: &[String], headers: bool) -> String {
     for (a, shown) in secret {
         text = text.replace(a, &shown);
     }
+    // A split header's words may be short (`t`, `1`): only where clap quotes them whole.
+    if headers {
+        for word in split_header_values(args) {
+            text = replace_quoted(&text, word, "***");
+        }
+    }
     text
 }
 
-/// The words after an `-H 'Name:'` that the shell split from it (`-H Authorization: Bearer
-/// s3cret`, quotes forgotten): the header's value, up to the next flag or URL.
-fn split_header_values(args: &[String]) -> impl Iterator<Item = &str> {
-    let split = args.windows(2).position(|w| {
-        matches!(w[0].as_str(), "-H" | "--header")
-            && w[1].trim_end().ends_with(':')
-            && header_shown(&format!("{}x", w[1].trim_end())).is_some()
-    });
-    split
-        .map_or(&args[..0], |i| &args[i + 2..])
-        .iter()
-        .take_while(|a| !a.starts_with('-') && !a.contains("://"))
-        .map(String::as_str)
+/// `text` with `word` replaced by `by` wherever it stands whole between single quotes, as
+/// clap quotes an argument, colour codes around it or inside the quotes allowed.
+fn replace_quoted(text: &str, word: &str, by: &str) -> String {
+    /// `s` without the colour codes (`ESC [ … m`) it ends with.
+    fn trim_end_codes(mut s: &str) -> &str {
+        while let Some(i) = s.rfind('\x1b') {
+            let code = &s[i..];
+            if code.len() > 2 && code.starts_with("\x1b[") && code.ends_with('m') {
+                s = &s[..i];
+            } else {
+                break;
+            }
+        }
+        s
+    }
+    /// `s` without the colour codes it starts with.
+    fn trim_start_codes(mut s: &str) -> &str {
+        while s.starts_with("\x1b[") {
+            match s.find('m') {
+                Some(end) => s = &s[end + 1..],
+                None => break,
+            }
+        }
+        s
+    }
+    if word.is_empty() {
+        return text.to_owned();
+    }
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(i) = rest.find(word) {
+        let (before, after) = (&rest[..i], &rest[i + word.len()..]);
+        let quoted = trim_end_codes(&format!("{out}{before}")).ends_with('\'')
+            && trim_start_codes(after).starts_with('\'');
+        out.push_str(before);
+        out.push_str(if quoted { by } else { word });
+        rest = after;
+    }
+    out.push_str(rest);
+    out
+}
+
+/// The words after an `-H 'Name:'` (or `-HName:`, `--header Name:`, `--header=Name:`) that
+/// the shell split from it (`-H Authorization: Bearer s3cret`, quotes forgotten): each such
+/// header's value, up to the next flag or URL.
+pub(crate) fn split_header_values(args: &[String]) -> Vec<&str> {
+    let mut words = Vec::new();
+    let mut rest = args.iter().map(String::as_str).peekable();
+    while let Some(arg) = rest.next() {
+        let value = match arg {
+            "-H" | "--header" => rest.peek().copied(),
+            _ => arg
+                .strip_prefix("--header=")
+                .or_else(|| arg.strip_prefix("-H").filter(|v| !v.is_empty())),
+        };
+        let Some(value) = value.map(str::trim_end) else {
+            continue;
+        };
+        if !value.ends_with(':') || header_shown(&format!("{value}x")).is_none() {
+            continue;
+        }
+        if matches!(arg, "-H" | "--header") {
+            rest.next();
+        }
+        while let Some(word) = rest.next_if(|a| !a.starts_with('-') && !a.contains("://")) {
+            words.push(word);
+        }
+    }
+    words
 }
 
 /// `Name: ***` for an argument written as a header with a value, as `-H` takes one (`Name:
 /// value`, `Name:value`, spaces around either), which may be a credential; `None` for any
 /// other argument. Not a header: a URL (`scheme://`), a `host:port`, `host:port/path` or
-/// `host:port?query` (a port from 1 to 65535 right after the colon), and a name of digits and
-/// dots (an IPv4 address). A name with a capital letter (`X-Api-Key:1234`) is a header's,
-/// port or not: host names are written in lower case.
+/// `host:port?query` (digits right after the colon, a bad port included, so that the URL
+/// check can name it), and a name of digits and dots (an IPv4 address). A name with a capital
+/// letter (`X-Api-Key:1234`) is a header's, digits or not: host names are written in lower
+/// case. So `x-api-key:4711` reads as a host and a port.
 fn header_shown(arg: &str) -> Option<String> {
     let (name, after) = arg.split_once(':')?;
     let port = after.split(['/', '?', '#']).next().unwrap_or(after);
     let capitals = name.bytes().any(|b| b.is_ascii_uppercase());
     let is_address = after.starts_with("//")
-        || !capitals && port.parse::<u16>().is_ok_and(|p| p > 0) && !port.starts_with('+')
+        || !capitals && !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit())
         || name.trim().bytes().all(|b| b.is_ascii_digit() || b == b'.');
     let (name, value) = (name.trim(), after.trim());
     let is_name = !name.is_empty()
@@ -312,6 +370,15 @@ mod tests {
         assert_eq!(
             shown,
             "error: unexpected argument 'http://admin:***@127.0.0.1:1' found; 'http://a:***@h'"
+        );
+    }
+
+    #[test]
+    fn a_word_is_replaced_only_where_it_is_quoted_whole() {
+        let text = "error: unexpected argument 't' found; \x1b[33m'\x1b[1mt\x1b[0m'\x1b[0m; it";
+        assert_eq!(
+            replace_quoted(text, "t", "***"),
+            "error: unexpected argument '***' found; \x1b[33m'\x1b[1m***\x1b[0m'\x1b[0m; it"
         );
     }
 

@@ -197,13 +197,24 @@ impl TryFrom<Args> for Settings {
             None if args.data.is_some() => Method::POST,
             None => Method::GET,
         };
-        let url = reqwest::Url::parse(&args.url)
-            .with_context(|| format!("{}: not a valid URL", shown_target(&args.url)))?;
-        if !matches!(url.scheme(), "http" | "https") {
-            bail!(
-                "{}: only http:// and https:// URLs are supported",
+        // After an `-H 'Name:'` with no value, a URL without a scheme may be that header's
+        // value, split from it by the shell (`-H X-Api-Key: s3cret`, quotes forgotten).
+        let split = args
+            .headers
+            .iter()
+            .any(|Secret(h)| h.trim_end().ends_with(':'))
+            && !args.url.contains("://");
+        let shown = || {
+            if split {
+                "***".to_owned()
+            } else {
                 shown_target(&args.url)
-            );
+            }
+        };
+        let url = reqwest::Url::parse(&args.url)
+            .with_context(|| format!("{}: not a valid URL", shown()))?;
+        if !matches!(url.scheme(), "http" | "https") {
+            bail!("{}: only http:// and https:// URLs are supported", shown());
         }
         let headers = headers_of(&args.headers, args.data.is_some(), has_userinfo(&url))?;
         let policy = match (args.policy, args.server) {

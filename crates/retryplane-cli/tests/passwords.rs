@@ -261,24 +261,25 @@ fn a_server_url_is_shown_without_its_query_in_every_message() {
         );
         assert!(!stderr.contains("QUERYSECRET"), "{arg}: {stderr}");
     }
-    // A header value the shell split from its `-H` (quotes forgotten).
-    let stderr = stderr_of(&[
-        "request",
-        "--policy",
-        "p.yaml",
-        "--endpoint",
-        "api",
-        "-H",
-        "Authorization:",
-        "Bearer",
-        "QUERYSECRET",
-        "http://127.0.0.1:1/",
-    ]);
-    assert!(
-        stderr.starts_with("error: unexpected argument '***' found"),
-        "{stderr}"
-    );
-    assert!(!stderr.contains("QUERYSECRET"), "{stderr}");
+    // A header value the shell split from its `-H` (quotes forgotten), however the flag is
+    // written; a short word is replaced only where it is quoted, not inside other words.
+    for (flag, secret) in [
+        (vec!["-H", "Authorization:"], "QUERYSECRET"),
+        (vec!["--header=Authorization:"], "QUERYSECRET"),
+        (vec!["-HAuthorization:"], "QUERYSECRET"),
+        (vec!["-H", "Authorization:"], "t"),
+    ] {
+        let mut args = vec!["request", "--policy", "p.yaml", "--endpoint", "api"];
+        args.extend(&flag);
+        args.extend(["Bearer", secret, "http://127.0.0.1:1/"]);
+        let stderr = stderr_of(&args);
+        assert!(
+            stderr.starts_with("error: unexpected argument '***' found"),
+            "{flag:?}: {stderr}"
+        );
+        assert!(stderr.contains("Usage: retryplane request"), "{stderr}");
+        assert!(!stderr.contains("QUERYSECRET"), "{stderr}");
+    }
 }
 
 #[test]

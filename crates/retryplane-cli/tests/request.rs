@@ -308,12 +308,17 @@ fn a_url_refused_is_shown_without_its_query_or_fragment() {
         ),
         (
             "ftp://127.0.0.1/x#s3cr3t",
-            "ftp://127.0.0.1/x?…: only http:// and https:// URLs are supported",
+            "ftp://127.0.0.1/x#…: only http:// and https:// URLs are supported",
         ),
         // An `@` in the query could end a password holding the `?`: the scheme alone.
         (
-            "http://127.0.0.1:99999/x?email=a@b.c&token=s3cr3t",
+            "http://127.0.0.1:99999?email=a@b.c&token=s3cr3t",
             "http://…: not a valid URL",
+        ),
+        // Unless a `/` ends a host:port first (a password holds no `/`).
+        (
+            "http://127.0.0.1:99999/x?email=a@b.c&token=s3cr3t",
+            "http://127.0.0.1:99999/x?…: not a valid URL",
         ),
         (
             "http://u:p?s3cr3t@127.0.0.1:99999/x",
@@ -329,6 +334,11 @@ fn a_url_refused_is_shown_without_its_query_or_fragment() {
             "Authorization: Bearer s3cr3t",
             "Authorization: ***: only http:// and https:// URLs are supported",
         ),
+        // A host with a bad port, and no scheme: shown, so that the port can be seen.
+        (
+            "localhost:99999/stock",
+            "localhost:99999/stock: only http:// and https:// URLs are supported",
+        ),
     ] {
         let (code, stderr) = request_stderr(&[url]);
         assert_eq!(code, Some(2), "{url}");
@@ -338,6 +348,17 @@ fn a_url_refused_is_shown_without_its_query_or_fragment() {
         );
         assert!(!stderr.contains("s3cr3t"), "{url}: {stderr}");
     }
+}
+
+#[test]
+fn a_url_after_an_h_with_no_value_may_be_its_split_value_and_is_not_shown() {
+    let (code, stderr) = request_stderr(&["-H", "X-Api-Key:", "s3cr3t"]);
+    assert_eq!(code, Some(2));
+    assert!(
+        stderr.starts_with("retryplane: error: ***: not a valid URL"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("s3cr3t"), "{stderr}");
 }
 
 #[test]
