@@ -88,27 +88,44 @@ async fn serve_prints_its_addresses_and_stops_on_sigterm() {
     assert!(dir.path().join("data").is_dir());
 }
 
+/// `/dev/full`, which every write fails ("no space left on device"), as a full log disk or
+/// a log pipe whose reader died does.
+#[cfg(target_os = "linux")]
+fn dev_full() -> std::fs::File {
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/full")
+        .unwrap()
+}
+
+/// `retryplane serve` in file mode on `dir`, every listener on port 0, with `RUST_LOG` set to
+/// `log` and the given stdout and stderr.
+#[cfg(target_os = "linux")]
+fn serve_with(dir: &std::path::Path, log: &str, stdout: Stdio, stderr: Stdio) -> Child {
+    std::fs::write(dir.join("policies.yaml"), POLICY).unwrap();
+    Command::new(env!("CARGO_BIN_EXE_retryplane"))
+        .current_dir(dir)
+        .args(["serve", "--config", "policies.yaml", "--data-dir", "data"])
+        .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+        .args(["--http-listen", "127.0.0.1:0"])
+        .env("RUST_LOG", log)
+        .stdout(stdout)
+        .stderr(stderr)
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap()
+}
+
 #[cfg(target_os = "linux")]
 #[tokio::test]
 async fn serve_keeps_serving_when_its_stdout_cannot_be_written() {
     let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("policies.yaml"), POLICY).unwrap();
-    // Every write to /dev/full fails with "no space left on device", as on a full log disk.
-    let full = std::fs::OpenOptions::new()
-        .write(true)
-        .open("/dev/full")
-        .unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_retryplane"))
-        .current_dir(dir.path())
-        .args(["serve", "--config", "policies.yaml", "--data-dir", "data"])
-        .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
-        .args(["--http-listen", "127.0.0.1:0"])
-        .env("RUST_LOG", "warn,retryplane_server::server=info")
-        .stdout(full)
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
+    let mut child = serve_with(
+        dir.path(),
+        "warn,retryplane_server::server=info",
+        dev_full().into(),
+        Stdio::piped(),
+    );
     let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
     let (mut http_addr, mut warned) = (None, false);
     while http_addr.is_none() || !warned {
@@ -135,23 +152,7 @@ async fn serve_keeps_serving_when_its_stdout_cannot_be_written() {
 #[tokio::test]
 async fn serve_keeps_serving_when_its_log_cannot_be_written() {
     let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("policies.yaml"), POLICY).unwrap();
-    // Every write to /dev/full fails, as to a log pipe whose reader died or a full log disk.
-    let full = std::fs::OpenOptions::new()
-        .write(true)
-        .open("/dev/full")
-        .unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_retryplane"))
-        .current_dir(dir.path())
-        .args(["serve", "--config", "policies.yaml", "--data-dir", "data"])
-        .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
-        .args(["--http-listen", "127.0.0.1:0"])
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::piped())
-        .stderr(full)
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
+    let mut child = serve_with(dir.path(), "info", Stdio::piped(), dev_full().into());
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     let mut http_addr = None;
     while http_addr.is_none() {
