@@ -271,7 +271,7 @@ fn replace_quoted(text: &str, word: &str, by: &str) -> String {
 /// The words after an `-H 'Name:'` (or `-HName:`, `--header Name:`, `--header=Name:`) that
 /// the shell split from it (`-H Authorization: Bearer s3cret`, quotes forgotten): each such
 /// header's value, up to the next flag or URL.
-pub(crate) fn split_header_values(args: &[String]) -> Vec<&str> {
+fn split_header_values(args: &[String]) -> Vec<&str> {
     let mut words = Vec::new();
     let mut rest = args.iter().map(String::as_str).peekable();
     while let Some(arg) = rest.next() {
@@ -284,6 +284,7 @@ pub(crate) fn split_header_values(args: &[String]) -> Vec<&str> {
         let Some(value) = value.map(str::trim_end) else {
             continue;
         };
+        // `Name:` with a stand-in value, since a header without one is not a header's shape.
         if !value.ends_with(':') || header_shown(&format!("{value}x")).is_none() {
             continue;
         }

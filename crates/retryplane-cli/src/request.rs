@@ -226,7 +226,7 @@ impl TryFrom<Args> for Settings {
                     bail!(
                         "--server {}: only http:// is supported (TLS on the agent listener \
                          comes later)",
-                        shown_target(&url)
+                        crate::admin::shown_without_query(&url)
                     );
                 }
                 let token_hint = "give the agent token with --token or RETRYPLANE_AGENT_TOKEN";

@@ -116,7 +116,8 @@ impl FromStr for Token {
 #[derive(Clone, Debug)]
 pub struct Server {
     /// The URL as given (normalised with `http://` when it had no scheme), for messages: the
-    /// password of its userinfo, if any, is `***` ([`shown_url`]).
+    /// password of its userinfo, if any, is `***`, and its query is cut
+    /// ([`shown_without_query`]).
     pub url: String,
     /// The endpoint with its timeouts.
     endpoint: Endpoint,
@@ -131,13 +132,12 @@ pub(crate) use retryplane_agent::shown_url;
 use retryplane_agent::{url_scheme, written_port};
 
 /// A URL as a message shows it: the password hidden ([`shown_url`]), and the query and
-/// fragment, which may carry tokens, left out (`?…` in their place). They are cut before the
+/// fragment, which may carry tokens, left out (`?…` or `#…` in their place). They are cut before the
 /// password is looked for, or an `@` in the query would pass for the end of a `user:password@`
 /// and hide the `?` inside it. When a `:` comes between the `scheme://` and the first `?` or
 /// `#` and an `@` after it, that `?` or `#` may be inside a password (a URL that does not parse
 /// does not say which), and only the scheme is shown, unless a `/` ends a `host:port` first
-/// (`http://api:8080/users?email=a@b`: a password holds no `/`). The delimiter found is kept
-/// (`?…` or `#…`).
+/// (`http://api:8080/users?email=a@b`: a password holds no `/`).
 pub(crate) fn shown_without_query(url: &str) -> String {
     let Some(cut) = url.find(['?', '#']) else {
         return shown_url(url);
