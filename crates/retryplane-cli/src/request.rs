@@ -181,10 +181,10 @@ fn init_logging() {
 }
 
 /// The request's URL as an error shows it: without its password and query
-/// ([`crate::admin::shown_without_query`]), or as `Name: ***` when it is a header typed where
+/// ([`crate::shown::without_query`]), or as `Name: ***` when it is a header typed where
 /// the URL goes (`Authorization: Bearer …` parses as a URL of scheme `authorization`).
 fn shown_target(url: &str) -> String {
-    crate::header_shown(url).unwrap_or_else(|| crate::admin::shown_without_query(url))
+    crate::shown::header_shown(url).unwrap_or_else(|| crate::shown::without_query(url))
 }
 
 impl TryFrom<Args> for Settings {
@@ -226,13 +226,13 @@ impl TryFrom<Args> for Settings {
                     bail!(
                         "--server {}: only http:// is supported (TLS on the agent listener \
                          comes later)",
-                        crate::admin::shown_without_query(&url)
+                        crate::shown::without_query(&url)
                     );
                 }
                 let token_hint = "give the agent token with --token or RETRYPLANE_AGENT_TOKEN";
                 crate::admin::no_at_after_host(&url, token_hint)?;
                 let url = crate::admin::with_default_port(url, AGENT_PORT)?;
-                let shown = crate::admin::shown_without_query(&url);
+                let shown = crate::shown::without_query(&url);
                 let (url, had_userinfo) = crate::admin::without_userinfo(&url);
                 if had_userinfo {
                     crate::admin::userinfo_not_used(token_hint);

@@ -117,7 +117,7 @@ impl FromStr for Token {
 pub struct Server {
     /// The URL as given (normalised with `http://` when it had no scheme), for messages: the
     /// password of its userinfo, if any, is `***`, and its query is cut
-    /// ([`shown_without_query`]).
+    /// ([`crate::shown::without_query`]).
     pub url: String,
     /// The endpoint with its timeouts.
     endpoint: Endpoint,
@@ -130,34 +130,6 @@ const DEFAULT_PORT: u16 = 7471;
 
 pub(crate) use retryplane_agent::shown_url;
 use retryplane_agent::{url_scheme, written_port};
-
-/// A URL as a message shows it: the password hidden ([`shown_url`]), and the query and
-/// fragment, which may carry tokens, left out (`?…` or `#…` in their place). They are cut before the
-/// password is looked for, or an `@` in the query would pass for the end of a `user:password@`
-/// and hide the `?` inside it. When a `:` comes between the `scheme://` and the first `?` or
-/// `#` and an `@` after it, that `?` or `#` may be inside a password (a URL that does not parse
-/// does not say which), and only the scheme is shown, unless a `/` ends a `host:port` first
-/// (`http://api:8080/users?email=a@b`: a password holds no `/`).
-pub(crate) fn shown_without_query(url: &str) -> String {
-    let Some(cut) = url.find(['?', '#']) else {
-        return shown_url(url);
-    };
-    let start = url_scheme(url).map_or(0, |s| s.len() + 3).min(cut);
-    let before = &url[start..cut];
-    let host_port = before.split_once('/').is_some_and(|(authority, _)| {
-        !authority.contains('@')
-            && authority
-                .rsplit_once(':')
-                .is_none_or(|(_, port)| port.bytes().all(|b| b.is_ascii_digit()))
-    });
-    if before.contains(':') && url[cut..].contains('@') && !host_port {
-        return match url_scheme(url) {
-            Some(scheme) => format!("{scheme}://…"),
-            None => "…".to_owned(),
-        };
-    }
-    format!("{}{}…", shown_url(&url[..cut]), &url[cut..=cut])
-}
 
 /// A `--server` value as a URL: `http://` put before one that names no scheme (`cp:7472`), and
 /// a scheme written in capitals lowered, since schemes are case-insensitive (RFC 3986 §3.1:
@@ -246,17 +218,17 @@ pub(crate) fn with_default_port(url: String, port: u16) -> anyhow::Result<String
         Some(written) if written.parse::<u16>().is_ok_and(|p| p > 0) => Ok(url),
         Some("") => bail!(
             "--server {}: no port after the `:`: give one from 1 to 65535",
-            shown_without_query(&url)
+            crate::shown::without_query(&url)
         ),
         // Not quoted when the URL holds a password: what was taken for the port may be part of it.
         Some(_) if hides_password => bail!(
             "--server {}: the port must be a number from 1 to 65535",
-            shown_without_query(&url)
+            crate::shown::without_query(&url)
         ),
         Some(written) => {
             bail!(
                 "--server {}: the port must be a number from 1 to 65535, not `{written}`",
-                shown_without_query(&url)
+                crate::shown::without_query(&url)
             )
         }
     }
@@ -276,13 +248,13 @@ impl TryFrom<ServerArgs> for Server {
         if !url.starts_with("http://") {
             bail!(
                 "--server {}: only http:// is supported (TLS on the admin listener comes later)",
-                shown_without_query(&url)
+                crate::shown::without_query(&url)
             );
         }
         let token_hint = "give the admin token with --token or RETRYPLANE_TOKEN";
         no_at_after_host(&url, token_hint)?;
         let url = with_default_port(url, DEFAULT_PORT)?;
-        let shown = shown_without_query(&url);
+        let shown = crate::shown::without_query(&url);
         let (url, had_userinfo) = without_userinfo(&url);
         if had_userinfo {
             userinfo_not_used(token_hint);

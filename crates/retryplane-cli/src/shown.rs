@@ -1,0 +1,222 @@
+//! How the CLI shows text that may hold a secret: a URL's password and query, a header's value.
+//!
+//! Hand-written: what is a URL, a header or a `host:port` here is decided on text that did not
+//! parse (a usage error quotes the argument as typed), which no URL or HTTP crate reads.
+
+use retryplane_agent::{shown_url, url_scheme};
+
+/// A URL as a message shows it: the password hidden ([`shown_url`]), and the query and
+/// fragment, which may carry tokens, left out (`?…` or `#…` in their place). They are cut before the
+/// password is looked for, or an `@` in the query would pass for the end of a `user:password@`
+/// and hide the `?` inside it. When a `:` comes between the `scheme://` and the first `?` or
+/// `#` and an `@` after it, that `?` or `#` may be inside a password (a URL that does not parse
+/// does not say which), and only the scheme is shown, unless a `/` ends a `host:port` first
+/// (`http://api:8080/users?email=a@b`: a password holds no `/`).
+pub(crate) fn without_query(url: &str) -> String {
+    let Some(cut) = url.find(['?', '#']) else {
+        return shown_url(url);
+    };
+    let start = url_scheme(url).map_or(0, |s| s.len() + 3).min(cut);
+    let before = &url[start..cut];
+    let host_port = before.split_once('/').is_some_and(|(authority, _)| {
+        !authority.contains('@')
+            && authority
+                .rsplit_once(':')
+                .is_none_or(|(_, port)| port.bytes().all(|b| b.is_ascii_digit()))
+    });
+    if before.contains(':') && url[cut..].contains('@') && !host_port {
+        return match url_scheme(url) {
+            Some(scheme) => format!("{scheme}://…"),
+            None => "…".to_owned(),
+        };
+    }
+    format!("{}{}…", shown_url(&url[..cut]), &url[cut..=cut])
+}
+
+/// `text` with every command-line argument in it that holds a URL with a password (or the
+/// value after the `=` of one, `--flag=URL`) replaced by its `user:***@host` form, and, with
+/// `headers`, every argument written as a header, `Name: value` (an `-H` whose flag was
+/// forgotten, say an `Authorization`), by `Name: ***`.
+pub(crate) fn without_passwords(text: &str, args: &[String], headers: bool) -> String {
+    let mut secret: Vec<(&str, String)> = args
+        .iter()
+        .flat_map(|a| [Some(a.as_str()), a.split_once('=').map(|(_, v)| v)])
+        .flatten()
+        .filter_map(|a| {
+            if headers && let Some(shown) = header_shown(a) {
+                return Some((a, shown));
+            }
+            // A query is cut (it may hold a token), with or without a scheme (`cp:7471/?t=…`).
+            let shown = without_query(a);
+            (shown != a).then_some((a, shown))
+        })
+        .collect();
+    // Longest first, so that a value is not replaced inside the `--flag=URL` that holds it.
+    secret.sort_by_key(|(a, _)| std::cmp::Reverse(a.len()));
+    let mut text = text.to_owned();
+    for (a, shown) in secret {
+        text = text.replace(a, &shown);
+    }
+    // A split header's words may be short (`t`, `1`): only where clap quotes them whole.
+    if headers {
+        for word in split_header_values(args) {
+            text = replace_quoted(&text, word, "***");
+        }
+    }
+    text
+}
+
+/// `text` with `word` replaced by `by` wherever it stands whole between single quotes, as
+/// clap quotes an argument, colour codes around it or inside the quotes allowed.
+fn replace_quoted(text: &str, word: &str, by: &str) -> String {
+    /// `s` without the colour codes (`ESC [ … m`) it ends with.
+    fn trim_end_codes(mut s: &str) -> &str {
+        while let Some(i) = s.rfind('\x1b') {
+            let code = &s[i..];
+            if code.len() > 2 && code.starts_with("\x1b[") && code.ends_with('m') {
+                s = &s[..i];
+            } else {
+                break;
+            }
+        }
+        s
+    }
+    /// `s` without the colour codes it starts with.
+    fn trim_start_codes(mut s: &str) -> &str {
+        while s.starts_with("\x1b[") {
+            match s.find('m') {
+                Some(end) => s = &s[end + 1..],
+                None => break,
+            }
+        }
+        s
+    }
+    if word.is_empty() {
+        return text.to_owned();
+    }
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(i) = rest.find(word) {
+        let (before, after) = (&rest[..i], &rest[i + word.len()..]);
+        let quoted = trim_end_codes(&format!("{out}{before}")).ends_with('\'')
+            && trim_start_codes(after).starts_with('\'');
+        out.push_str(before);
+        out.push_str(if quoted { by } else { word });
+        rest = after;
+    }
+    out.push_str(rest);
+    out
+}
+
+/// The words after an `-H 'Name:'` (or `-HName:`, `--header Name:`, `--header=Name:`) that
+/// the shell split from it (`-H Authorization: Bearer s3cret`, quotes forgotten): each such
+/// header's value, up to the next flag or URL.
+fn split_header_values(args: &[String]) -> Vec<&str> {
+    let mut words = Vec::new();
+    let mut rest = args.iter().map(String::as_str).peekable();
+    while let Some(arg) = rest.next() {
+        let value = match arg {
+            "-H" | "--header" => rest.peek().copied(),
+            _ => arg
+                .strip_prefix("--header=")
+                .or_else(|| arg.strip_prefix("-H").filter(|v| !v.is_empty())),
+        };
+        let Some(value) = value.map(str::trim_end) else {
+            continue;
+        };
+        // `Name:` with a stand-in value, since a header without one is not a header's shape.
+        if !value.ends_with(':') || header_shown(&format!("{value}x")).is_none() {
+            continue;
+        }
+        if matches!(arg, "-H" | "--header") {
+            rest.next();
+        }
+        while let Some(word) = rest.next_if(|a| !a.starts_with('-') && !a.contains("://")) {
+            words.push(word);
+        }
+    }
+    words
+}
+
+/// `Name: ***` for an argument written as a header with a value, as `-H` takes one (`Name:
+/// value`, `Name:value`, spaces around either), which may be a credential; `None` for any
+/// other argument. Not a header: a URL (`scheme://`), a `host:port`, `host:port/path` or
+/// `host:port?query` (digits right after the colon, a bad port included, so that the URL
+/// check can name it), and a name of digits and dots (an IPv4 address). A name with a capital
+/// letter (`X-Api-Key:1234`) is a header's, digits or not: host names are written in lower
+/// case. So `x-api-key:4711` reads as a host and a port.
+pub(crate) fn header_shown(arg: &str) -> Option<String> {
+    let (name, after) = arg.split_once(':')?;
+    let port = after.split(['/', '?', '#']).next().unwrap_or(after);
+    let capitals = name.bytes().any(|b| b.is_ascii_uppercase());
+    let is_address = after.starts_with("//")
+        || !capitals && !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit())
+        || name.trim().bytes().all(|b| b.is_ascii_digit() || b == b'.');
+    let (name, value) = (name.trim(), after.trim());
+    let is_name = !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b));
+    (is_name && !value.is_empty() && !is_address).then(|| format!("{name}: ***"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_password_in_an_argument_quoted_by_clap_is_hidden() {
+        let args = [
+            "retryplane".to_owned(),
+            "--server=http://a:pw1@h".to_owned(),
+            "http://admin:s3cret@127.0.0.1:1".to_owned(),
+        ];
+        let text = "error: unexpected argument 'http://admin:s3cret@127.0.0.1:1' found; \
+                    'http://a:pw1@h'";
+        let shown = without_passwords(text, &args, true);
+        assert_eq!(
+            shown,
+            "error: unexpected argument 'http://admin:***@127.0.0.1:1' found; 'http://a:***@h'"
+        );
+    }
+
+    #[test]
+    fn a_word_is_replaced_only_where_it_is_quoted_whole() {
+        let text = "error: unexpected argument 't' found; \x1b[33m'\x1b[1mt\x1b[0m'\x1b[0m; it";
+        assert_eq!(
+            replace_quoted(text, "t", "***"),
+            "error: unexpected argument '***' found; \x1b[33m'\x1b[1m***\x1b[0m'\x1b[0m; it"
+        );
+    }
+
+    #[test]
+    fn an_argument_is_a_header_as_minus_h_takes_one_but_an_address_is_not() {
+        for (arg, shown) in [
+            ("Authorization: Bearer s3cret", Some("Authorization: ***")),
+            ("Authorization:Bearer s3cret", Some("Authorization: ***")),
+            ("Authorization:\tBearer s3cret", Some("Authorization: ***")),
+            ("Authorization : Bearer s3cret", Some("Authorization: ***")),
+            (" X-Api-Key:s3cret", Some("X-Api-Key: ***")),
+            ("Cookie:session=s3cret", Some("Cookie: ***")),
+            ("X-Api-Key: 8675309", Some("X-Api-Key: ***")),
+            (
+                "Cookie: next=https://app.example/home; session=s3cret",
+                Some("Cookie: ***"),
+            ),
+            ("X-Api-Key:8675309", Some("X-Api-Key: ***")),
+            ("X-Api-Key:123456/abc", Some("X-Api-Key: ***")),
+            ("X-Api-Key:1234/abcd+ef==", Some("X-Api-Key: ***")),
+            ("127.0.0.1: 7470", None),
+            ("localhost:7470", None),
+            ("localhost:8080?debug=1", None),
+            ("api.internal:8080/v1/pay", None),
+            ("10.0.0.1:abc", None),
+            ("[::1]:7470", None),
+            ("http://h:1/x", None),
+            ("Name:", None),
+            ("no colon", None),
+        ] {
+            assert_eq!(header_shown(arg).as_deref(), shown, "{arg:?}");
+        }
+    }
+}
