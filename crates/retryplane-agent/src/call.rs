@@ -186,7 +186,7 @@ impl Endpoint {
 
     /// This endpoint's counts not yet sent to the control plane.
     pub fn pending_counts(&self) -> CounterValues {
-        self.shared.metrics.pending(&self.core.name)
+        self.core.counters.peek()
     }
 
     /// Begins a logical call now, reading the endpoint's entry (its policy) for it: the tower

@@ -139,7 +139,7 @@ impl Counters {
     }
 
     /// Reads without taking.
-    fn peek(&self) -> CounterValues {
+    pub(crate) fn peek(&self) -> CounterValues {
         derived(self.peek_stored())
     }
 
@@ -237,7 +237,8 @@ impl Registry {
         }
     }
 
-    /// The counts not yet sent for `endpoint`.
+    /// The counts not yet sent for `endpoint` (a handle reads its own counters instead).
+    #[cfg(test)]
     pub(crate) fn pending(&self, endpoint: &str) -> CounterValues {
         self.endpoints
             .read()
