@@ -144,13 +144,18 @@ fn split_header_values(args: &[String]) -> Vec<&str> {
 /// `host:port?query` (digits right after the colon, a bad port included, so that the URL
 /// check can name it), and a name of digits and dots (an IPv4 address). A name with a capital
 /// letter (`X-Api-Key:1234`) is a header's, digits or not: host names are written in lower
-/// case. So `x-api-key:4711` reads as a host and a port.
+/// case. So is the name of a header that carries credentials ([`CREDENTIAL_HEADERS`], any
+/// case: `x-api-key:4711`); another lower-case name with digits after the colon reads as a
+/// host and a port.
 pub(crate) fn header_shown(arg: &str) -> Option<String> {
     let (name, after) = arg.split_once(':')?;
     let port = after.split(['/', '?', '#']).next().unwrap_or(after);
-    let capitals = name.bytes().any(|b| b.is_ascii_uppercase());
+    let header_like = name.bytes().any(|b| b.is_ascii_uppercase())
+        || CREDENTIAL_HEADERS
+            .iter()
+            .any(|h| h.eq_ignore_ascii_case(name.trim()));
     let is_address = after.starts_with("//")
-        || !capitals && !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit())
+        || !header_like && !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit())
         || name.trim().bytes().all(|b| b.is_ascii_digit() || b == b'.');
     let (name, value) = (name.trim(), after.trim());
     let is_name = !name.is_empty()
@@ -159,6 +164,21 @@ pub(crate) fn header_shown(arg: &str) -> Option<String> {
             .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b));
     (is_name && !value.is_empty() && !is_address).then(|| format!("{name}: ***"))
 }
+
+/// Headers that carry a credential, so a lower-case `name:digits` with one of these names is
+/// taken for a header, not a `host:port`. No host is named like these.
+const CREDENTIAL_HEADERS: &[&str] = &[
+    "authorization",
+    "proxy-authorization",
+    "cookie",
+    "x-api-key",
+    "api-key",
+    "apikey",
+    "x-auth-token",
+    "x-access-token",
+    "private-token",
+    "x-goog-api-key",
+];
 
 #[cfg(test)]
 mod tests {
@@ -204,6 +224,10 @@ mod tests {
                 Some("Cookie: ***"),
             ),
             ("X-Api-Key:8675309", Some("X-Api-Key: ***")),
+            ("x-api-key:8675309", Some("x-api-key: ***")),
+            ("authorization:1234", Some("authorization: ***")),
+            ("cookie: 42", Some("cookie: ***")),
+            ("api-gateway:8080", None),
             ("X-Api-Key:123456/abc", Some("X-Api-Key: ***")),
             ("X-Api-Key:1234/abcd+ef==", Some("X-Api-Key: ***")),
             ("127.0.0.1: 7470", None),
