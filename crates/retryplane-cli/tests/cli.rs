@@ -395,6 +395,60 @@ fn explain_leaves_out_a_defaults_warning_the_endpoint_or_route_overrides() {
 }
 
 #[test]
+fn explain_leaves_out_a_defaults_warning_on_several_fields_the_endpoint_or_route_makes_untrue() {
+    // `defaults` alone: no budget with 5 attempts, and attempts that cannot start in 1s.
+    let dir = dir_with(&[(
+        "cross.yaml",
+        "version: 1\ndefaults: {max_attempts: 5, deadline: 1s, per_try_timeout: 200ms, budget: {enabled: false}, backoff: {jitter: none}}\nendpoints:\n  few: {max_attempts: 2}\n  budgeted: {budget: {enabled: true}}\n  long: {deadline: 30s}\n  same: {}\n  routed:\n    routes:\n      - {match: {path_prefix: /short}, max_attempts: 2}\n",
+    )]);
+    let both = ["defaults.budget.enabled", "defaults.max_attempts"];
+    let mut same = warning_paths(dir.path(), "cross.yaml", "same");
+    same.sort();
+    assert_eq!(
+        same, both,
+        "an endpoint that sets nothing has both problems"
+    );
+    assert_eq!(
+        warning_paths(dir.path(), "cross.yaml", "few"),
+        Vec::<String>::new(),
+        "2 attempts: neither problem"
+    );
+    assert_eq!(
+        warning_paths(dir.path(), "cross.yaml", "budgeted"),
+        ["defaults.max_attempts"],
+        "a budget, but the attempts still cannot all start"
+    );
+    assert_eq!(
+        warning_paths(dir.path(), "cross.yaml", "long"),
+        ["defaults.budget.enabled"],
+        "a longer deadline, but still no budget"
+    );
+    let routed = |path: &str| -> Vec<String> {
+        let out: Value = serde_json::from_str(&explained(
+            dir.path(),
+            "cross.yaml",
+            "routed",
+            &["--path", path, "--format", "json"],
+        ))
+        .unwrap();
+        let mut paths: Vec<String> = out["warnings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|w| w["path"].as_str().unwrap().to_owned())
+            .collect();
+        paths.sort();
+        paths
+    };
+    assert_eq!(
+        routed("/short/x"),
+        Vec::<String>::new(),
+        "the route's 2 attempts"
+    );
+    assert_eq!(routed("/other"), both, "no route: the defaults' problems");
+}
+
+#[test]
 fn explain_shows_an_unreachable_attempt_only_for_the_endpoint_whose_jitter_causes_it() {
     let dir = dir_with(&[(
         "jitter.yaml",

@@ -13,7 +13,7 @@ use std::time::Duration;
 use crate::backoff;
 use crate::codes::{GrpcCode, RETRYABLE_4XX};
 use crate::diag::Diagnostic;
-use crate::document::{Level, Overlay, PolicyDocument, RouteMatch};
+use crate::document::{EndpointDoc, Level, Overlay, PolicyDocument, RouteMatch, Target};
 use crate::model::RetryPolicy;
 use crate::parse::{ROUTE_ALERT, check_method};
 use crate::yaml::Loc;
@@ -132,6 +132,36 @@ pub(crate) fn check_parsed(
         }
         crate::diag::tag_endpoint(&mut diags[first_diag..], &ep.name.value, &ep_path);
     }
+}
+
+/// The problems that come from how the layers of one effective policy combine (the checks
+/// that read several fields: `backoff.max` against `backoff.base`, attempts that cannot start
+/// inside the deadline, no budget with many attempts), in a document that passed [`check`]:
+/// of the `defaults:` alone with `None`, or of the call `target` of `endpoint`. Each is blamed
+/// on the most specific layer that sets one of its fields, as [`check`] does, so a problem that
+/// `check` reported at `defaults` comes back for an endpoint only if it still holds once the
+/// endpoint's and the route's own values are applied.
+pub fn cross_field_problems(
+    doc: &PolicyDocument,
+    call: Option<(&EndpointDoc, &Target<'_>)>,
+) -> Vec<Diagnostic> {
+    let mut named: Vec<(Level, String, &Overlay)> =
+        vec![(Level::Defaults, "defaults".to_owned(), &doc.defaults)];
+    if let Some((endpoint, target)) = call {
+        let ep_path = crate::diag::endpoint_path(&endpoint.name.value);
+        named.push((Level::Endpoint, ep_path.clone(), &endpoint.overlay));
+        if let Some(route) = endpoint
+            .routes
+            .iter()
+            .find(|r| r.matcher.value.matches(target))
+        {
+            let path = format!("{ep_path}.routes[{}]", route.index);
+            named.push((Level::Route, path, &route.overlay));
+        }
+    }
+    let mut diags = Vec::new();
+    check_effective(&named, &Refused::new(&[], &[]), &mut diags);
+    diags
 }
 
 /// The matches of an endpoint's routes so far, to find a later route that none of its calls

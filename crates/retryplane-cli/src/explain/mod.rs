@@ -28,6 +28,7 @@ use anyhow::{Context, bail};
 use retryplane_policy::Target;
 use retryplane_policy::diag::Diagnostic;
 use retryplane_policy::parse::{check_method, parse_grpc_route};
+use retryplane_policy::validate;
 use serde::Serialize;
 
 use crate::input::{Source, no_such_endpoint};
@@ -172,10 +173,16 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
         ));
     }
     let explanation = report::explain(&file, doc, endpoint, &settings.call);
+    let cross = CrossField {
+        of_defaults: validate::cross_field_problems(doc, None),
+        of_call: validate::cross_field_problems(doc, Some((endpoint, &settings.call.target()))),
+    };
     let warnings: Vec<_> = loaded
         .diagnostics
         .iter()
-        .filter(|d| concerns(d, &settings.endpoint) && still_applies(d, &explanation.policy))
+        .filter(|d| {
+            concerns(d, &settings.endpoint) && still_applies(d, &explanation.policy, &cross)
+        })
         .collect();
     let stdout = match settings.format {
         Format::Text => text::render(&explanation, &warnings),
@@ -215,11 +222,31 @@ fn concerns(d: &Diagnostic, endpoint: &str) -> bool {
     }
 }
 
-/// Whether a warning about `defaults` still applies to the effective policy `rows`: a
-/// `defaults.FIELD` one only while some value under `FIELD` still comes from the defaults (an
-/// endpoint or a route that sets the field itself replaces what the warning is about). Any
-/// other warning, and one about a field no row shows, applies.
-fn still_applies(d: &Diagnostic, rows: &[report::FieldRow]) -> bool {
+/// The problems of how several fields combine: of the `defaults:` alone, and of the call
+/// explained (its endpoint's and route's values applied).
+struct CrossField {
+    of_defaults: Vec<Diagnostic>,
+    of_call: Vec<Diagnostic>,
+}
+
+/// Whether two diagnostics say the same thing at the same place.
+fn same(a: &Diagnostic, b: &Diagnostic) -> bool {
+    a.loc == b.loc && a.path == b.path && a.message == b.message
+}
+
+/// Whether a warning about `defaults` still applies to the call explained, whose effective
+/// policy is `rows`. One about how several fields combine (`budget disabled with max_attempts
+/// 5`) only if the call's own policy has the same problem (an endpoint that sets
+/// `max_attempts: 2` does not). A `defaults.FIELD` one only while some value under `FIELD`
+/// still comes from the defaults (an endpoint or a route that sets the field itself replaces
+/// what the warning is about). Any other warning, and one about a field no row shows, applies.
+fn still_applies(d: &Diagnostic, rows: &[report::FieldRow], cross: &CrossField) -> bool {
+    if !d.path.starts_with("defaults") {
+        return true;
+    }
+    if cross.of_defaults.iter().any(|c| same(c, d)) {
+        return cross.of_call.iter().any(|c| same(c, d));
+    }
     let Some(field) = d.path.strip_prefix("defaults.") else {
         return true;
     };
