@@ -449,6 +449,52 @@ fn explain_leaves_out_a_defaults_warning_on_several_fields_the_endpoint_or_route
 }
 
 #[test]
+fn explain_shows_an_endpoint_or_route_warning_on_several_fields_only_for_a_call_it_holds_for() {
+    let dir = dir_with(&[(
+        "layers.yaml",
+        "version: 1\nendpoints:\n  pay:\n    max_attempts: 5\n    budget: {enabled: false}\n    routes:\n      - {match: {path_prefix: /short}, max_attempts: 2}\n      - {match: {grpc: /pkg.Svc/Get}, max_attempts: 2}\n      - {match: {path_prefix: /bulk}, max_attempts: 6}\n",
+    )]);
+    let paths = |args: &[&str]| -> Vec<String> {
+        let mut all = vec!["--format", "json"];
+        all.extend_from_slice(args);
+        let out: Value =
+            serde_json::from_str(&explained(dir.path(), "layers.yaml", "pay", &all)).unwrap();
+        out["warnings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            // Not the field warning on routes[2]'s 6 attempts: it is about a value written there.
+            .filter(|w| {
+                w["message"]
+                    .as_str()
+                    .unwrap()
+                    .starts_with("budget disabled")
+            })
+            .map(|w| w["path"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    let endpoint_level = "endpoints.pay.budget.enabled";
+    let bulk = "endpoints.pay.routes[2].max_attempts";
+    assert_eq!(
+        paths(&[]),
+        [endpoint_level],
+        "no route: the endpoint's 5 attempts"
+    );
+    assert_eq!(paths(&["--path", "/other"]), [endpoint_level]);
+    assert_eq!(
+        paths(&["--path", "/short/x"]),
+        Vec::<String>::new(),
+        "the route's 2 attempts: neither the endpoint's problem nor /bulk's"
+    );
+    assert_eq!(paths(&["--grpc", "/pkg.Svc/Get"]), Vec::<String>::new());
+    assert_eq!(
+        paths(&["--path", "/bulk/1"]),
+        [bulk],
+        "the route's 6 attempts"
+    );
+}
+
+#[test]
 fn explain_shows_an_unreachable_attempt_only_for_the_endpoint_whose_jitter_causes_it() {
     let dir = dir_with(&[(
         "jitter.yaml",

@@ -164,6 +164,29 @@ pub fn cross_field_problems(
     diags
 }
 
+/// [`cross_field_problems`] of every call `endpoint` can take: its own policy (no route) and
+/// each route's, as [`check`] finds them.
+pub fn endpoint_cross_field_problems(
+    doc: &PolicyDocument,
+    endpoint: &EndpointDoc,
+) -> Vec<Diagnostic> {
+    let ep_path = crate::diag::endpoint_path(&endpoint.name.value);
+    let mut layers: Vec<(Level, String, &Overlay)> = vec![
+        (Level::Defaults, "defaults".to_owned(), &doc.defaults),
+        (Level::Endpoint, ep_path.clone(), &endpoint.overlay),
+    ];
+    let none = Refused::new(&[], &[]);
+    let mut diags = Vec::new();
+    check_effective(&layers, &none, &mut diags);
+    for route in &endpoint.routes {
+        let path = format!("{ep_path}.routes[{}]", route.index);
+        layers.push((Level::Route, path, &route.overlay));
+        check_effective(&layers, &none, &mut diags);
+        layers.pop();
+    }
+    diags
+}
+
 /// The matches of an endpoint's routes so far, to find a later route that none of its calls
 /// can reach: routes are tried in file order and the first match wins, so a route is dead when
 /// an earlier one matches every call it does (an HTTP route with the same method or none and a

@@ -13,7 +13,8 @@
 //!   that fits the deadline (see [`report::Schedule`] for the exact definition);
 //! - the worst-case load multiplier, with and without the retry budget.
 //!
-//! Exit codes: `0` explained (warnings allowed; the ones about this endpoint are shown), `1`
+//! Exit codes: `0` explained (warnings allowed; those about this endpoint that hold for the call
+//! are shown: see `still_applies`), `1`
 //! the file has errors (printed exactly as `validate` prints them, text or JSON), `2` usage or
 //! I/O error, including an endpoint the file does not define (the message lists the known
 //! ones): like a file that does not exist, it is a wrong argument, not a wrong policy.
@@ -174,7 +175,11 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
     }
     let explanation = report::explain(&file, doc, endpoint, &settings.call);
     let cross = CrossField {
-        of_defaults: validate::cross_field_problems(doc, None),
+        of_layers: [
+            validate::cross_field_problems(doc, None),
+            validate::endpoint_cross_field_problems(doc, endpoint),
+        ]
+        .concat(),
         of_call: validate::cross_field_problems(doc, Some((endpoint, &settings.call.target()))),
     };
     let warnings: Vec<_> = loaded
@@ -222,10 +227,10 @@ fn concerns(d: &Diagnostic, endpoint: &str) -> bool {
     }
 }
 
-/// The problems of how several fields combine: of the `defaults:` alone, and of the call
-/// explained (its endpoint's and route's values applied).
+/// The problems of how several fields combine: of the `defaults:` alone and of every call the
+/// endpoint can take (its own policy, each route's), and of the call explained.
 struct CrossField {
-    of_defaults: Vec<Diagnostic>,
+    of_layers: Vec<Diagnostic>,
     of_call: Vec<Diagnostic>,
 }
 
@@ -234,17 +239,16 @@ fn same(a: &Diagnostic, b: &Diagnostic) -> bool {
     a.loc == b.loc && a.path == b.path && a.message == b.message
 }
 
-/// Whether a warning about `defaults` still applies to the call explained, whose effective
-/// policy is `rows`. One about how several fields combine (`budget disabled with max_attempts
-/// 5`) only if the call's own policy has the same problem (an endpoint that sets
-/// `max_attempts: 2` does not). A `defaults.FIELD` one only while some value under `FIELD`
-/// still comes from the defaults (an endpoint or a route that sets the field itself replaces
-/// what the warning is about). Any other warning, and one about a field no row shows, applies.
+/// Whether a warning still applies to the call explained, whose effective policy is `rows`.
+/// One about how several fields combine (`budget disabled with max_attempts 5`), wherever it
+/// is blamed, only if the call's own policy has the same problem: not for an endpoint or a
+/// route that sets `max_attempts: 2`, nor for a route the call does not take. A
+/// `defaults.FIELD` one only while some value under `FIELD` still comes from the defaults (an
+/// endpoint or a route that sets the field itself replaces what the warning is about). Any
+/// other warning (about a value the endpoint or one of its routes writes), and one about a
+/// field no row shows, applies.
 fn still_applies(d: &Diagnostic, rows: &[report::FieldRow], cross: &CrossField) -> bool {
-    if !d.path.starts_with("defaults") {
-        return true;
-    }
-    if cross.of_defaults.iter().any(|c| same(c, d)) {
+    if cross.of_layers.iter().any(|c| same(c, d)) {
         return cross.of_call.iter().any(|c| same(c, d));
     }
     let Some(field) = d.path.strip_prefix("defaults.") else {
