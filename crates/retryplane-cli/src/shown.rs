@@ -144,16 +144,14 @@ fn split_header_values(args: &[String]) -> Vec<&str> {
 /// `host:port?query` (digits right after the colon, a bad port included, so that the URL
 /// check can name it), and a name of digits and dots (an IPv4 address). A name with a capital
 /// letter (`X-Api-Key:1234`) is a header's, digits or not: host names are written in lower
-/// case. So is the name of a header that carries credentials ([`CREDENTIAL_HEADERS`], any
-/// case: `x-api-key:4711`); another lower-case name with digits after the colon reads as a
-/// host and a port.
+/// case. So is a lower-case name that says it holds a credential ([`names_a_credential`]:
+/// `x-api-key:4711`, `x-vault-token:4711`) when nothing follows the digits; with a path or a
+/// query after them (`authorization:8080/v1/check`) it is an address.
 pub(crate) fn header_shown(arg: &str) -> Option<String> {
     let (name, after) = arg.split_once(':')?;
     let port = after.split(['/', '?', '#']).next().unwrap_or(after);
     let header_like = name.bytes().any(|b| b.is_ascii_uppercase())
-        || CREDENTIAL_HEADERS
-            .iter()
-            .any(|h| h.eq_ignore_ascii_case(name.trim()));
+        || port.len() == after.len() && names_a_credential(name.trim());
     let is_address = after.starts_with("//")
         || !header_like && !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit())
         || name.trim().bytes().all(|b| b.is_ascii_digit() || b == b'.');
@@ -165,20 +163,28 @@ pub(crate) fn header_shown(arg: &str) -> Option<String> {
     (is_name && !value.is_empty() && !is_address).then(|| format!("{name}: ***"))
 }
 
-/// Headers that carry a credential, so a lower-case `name:digits` with one of these names is
-/// taken for a header, not a `host:port`. No host is named like these.
-const CREDENTIAL_HEADERS: &[&str] = &[
-    "authorization",
-    "proxy-authorization",
-    "cookie",
-    "x-api-key",
-    "api-key",
-    "apikey",
-    "x-auth-token",
-    "x-access-token",
-    "private-token",
-    "x-goog-api-key",
-];
+/// Whether a header name says it carries a credential (any case): `Authorization`, `Cookie`,
+/// or a name that is or ends in a word such as `key`, `token` or `secret` (`x-api-key`,
+/// `x-vault-token`, `ocp-apim-subscription-key`). A bare `host:port` with such a host name
+/// (`authorization:7471`) is then hidden too: hiding an address is the lesser harm.
+fn names_a_credential(name: &str) -> bool {
+    const WHOLE: &[&str] = &["authorization", "proxy-authorization", "cookie", "apikey"];
+    const LAST_WORD: &[&str] = &[
+        "key",
+        "token",
+        "secret",
+        "password",
+        "passwd",
+        "auth",
+        "session",
+        "signature",
+        "credential",
+        "credentials",
+    ];
+    let name = name.to_ascii_lowercase();
+    let last = name.rsplit(['-', '_']).next().unwrap_or(&name);
+    WHOLE.contains(&name.as_str()) || LAST_WORD.contains(&last)
+}
 
 #[cfg(test)]
 mod tests {
@@ -227,7 +233,21 @@ mod tests {
             ("x-api-key:8675309", Some("x-api-key: ***")),
             ("authorization:1234", Some("authorization: ***")),
             ("cookie: 42", Some("cookie: ***")),
+            ("x-vault-token:4711", Some("x-vault-token: ***")),
+            (
+                "x-amz-security-token:4711",
+                Some("x-amz-security-token: ***"),
+            ),
+            (
+                "ocp-apim-subscription-key:1234",
+                Some("ocp-apim-subscription-key: ***"),
+            ),
+            ("x-auth:1234", Some("x-auth: ***")),
+            ("token:4711", Some("token: ***")),
             ("api-gateway:8080", None),
+            ("authorization:8080/v1/check", None),
+            ("cookie:7471?x=1", None),
+            ("keycloak:8080", None),
             ("X-Api-Key:123456/abc", Some("X-Api-Key: ***")),
             ("X-Api-Key:1234/abcd+ef==", Some("X-Api-Key: ***")),
             ("127.0.0.1: 7470", None),
