@@ -296,6 +296,8 @@ impl Fleet {
         let mut bucket = ReportBucket::default();
         // The last NACK, if the same process comes back and does not run the version it refused.
         let mut refused = None;
+        // The last ACK's version, if the same process comes back: still its last answer.
+        let mut acked = None;
         if let Some(mut old) = previous {
             if let Some(kick) = old.replaced.take() {
                 let _ = kick.send(());
@@ -315,17 +317,14 @@ impl Fleet {
                     && (hello.last_applied_hash.is_empty()
                         || hello.last_applied_hash == r.content_hash)
             };
+            acked = (same_process && old.instance_id != 0 && old.status.last_response == "ack")
+                .then_some(old.status.last_response_version);
             refused = old
                 .refused
                 .filter(|r| same_process && !runs(r))
                 .map(|r| (r, old.status.last_error));
         }
         reports.hello(hello.instance_id);
-        let (last_response, last_response_version, last_error) = match &refused {
-            Some((r, error)) => ("nack".to_owned(), r.version, error.clone()),
-            None => (String::new(), 0, String::new()),
-        };
-        let refused = refused.map(|(r, _)| r);
         // An agent that sends no hash is judged by the number, as the push decision does. With
         // one, the current version's number with other content, or a number this store has not
         // reached (numbers only go up; a rollback gets a new one), is another store's content.
@@ -342,6 +341,17 @@ impl Fleet {
         } else {
             hello.last_applied_version
         };
+        // A NACK carried over, else an ACK of the version the agent says it still runs (a
+        // stream that dropped and came back has answered nothing new, but its last answer
+        // stands); else nothing answered on this agent's behalf yet.
+        let (last_response, last_response_version, last_error) = match (&refused, acked) {
+            (Some((r, error)), _) => ("nack".to_owned(), r.version, error.clone()),
+            (None, Some(v)) if v == applied_version && v != 0 => {
+                ("ack".to_owned(), v, String::new())
+            }
+            _ => (String::new(), 0, String::new()),
+        };
+        let refused = refused.map(|(r, _)| r);
         let status = pb::AgentStatus {
             agent_id: hello.agent_id.clone(),
             service: hello.service.clone(),
@@ -765,6 +775,70 @@ mod tests {
         fleet.nack("a", fourth.generation, 3, "h3", "bad");
         fleet.ack("a", fourth.generation, 4);
         assert_eq!(fleet.register(&h, None, None).unwrap().refused, None);
+    }
+
+    #[test]
+    fn the_last_ack_is_kept_when_the_same_process_comes_back_running_that_version() {
+        let fleet = Fleet::new(10);
+        let current = Some((4, "h4"));
+        let mut h = hello("a");
+        h.instance_id = 5;
+        let first = fleet.register(&h, None, current).unwrap();
+        fleet.ack("a", first.generation, 4);
+        fleet.disconnected("a", first.generation);
+        let last = |fleet: &Fleet| {
+            let s = &fleet.status()[0];
+            (s.last_response.clone(), s.last_response_version)
+        };
+        h.last_applied_version = 4;
+        h.last_applied_hash = "h4".to_owned();
+        let second = fleet.register(&h, None, current).unwrap();
+        assert_eq!(
+            last(&fleet),
+            ("ack".to_owned(), 4),
+            "a dropped stream came back"
+        );
+        // A replacement while connected keeps it too.
+        fleet.register(&h, None, current).unwrap();
+        assert_eq!(last(&fleet), ("ack".to_owned(), 4));
+        fleet.disconnected("a", second.generation);
+        // Another process under the same id has answered nothing yet.
+        h.instance_id = 6;
+        fleet.register(&h, None, current).unwrap();
+        assert_eq!(last(&fleet), (String::new(), 0));
+        // Nor has one that says it runs another version, or other content under that number.
+        let mut h = hello("b");
+        h.instance_id = 7;
+        let b = fleet.register(&h, None, current).unwrap();
+        fleet.ack("b", b.generation, 4);
+        h.last_applied_version = 3;
+        fleet.register(&h, None, current).unwrap();
+        let of_b = |fleet: &Fleet| {
+            let all = fleet.status();
+            let s = all.iter().find(|s| s.agent_id == "b").unwrap();
+            (s.last_response.clone(), s.last_response_version)
+        };
+        assert_eq!(of_b(&fleet), (String::new(), 0));
+        let b = fleet.register(&h, None, current).unwrap();
+        fleet.ack("b", b.generation, 4);
+        h.last_applied_version = 4;
+        h.last_applied_hash = "other".to_owned();
+        fleet.register(&h, None, current).unwrap();
+        assert_eq!(of_b(&fleet), (String::new(), 0));
+        // An agent that gives no instance id cannot be told from a restarted one.
+        let mut h = hello("c");
+        let c = fleet.register(&h, None, current).unwrap();
+        fleet.ack("c", c.generation, 4);
+        h.last_applied_version = 4;
+        fleet.register(&h, None, current).unwrap();
+        let all = fleet.status();
+        assert_eq!(
+            all.iter()
+                .find(|s| s.agent_id == "c")
+                .unwrap()
+                .last_response,
+            ""
+        );
     }
 
     #[test]
