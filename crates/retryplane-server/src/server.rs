@@ -15,9 +15,9 @@
 //! Both gRPC listeners send HTTP/2 keepalive pings every [`ServeConfig::keepalive_interval`]
 //! (default 20 s) and drop a peer that does not answer within
 //! [`ServeConfig::keepalive_timeout`] (default 10 s) — an agent whose connection is dropped so
-//! shows as disconnected — and set `TCP_NODELAY`. Health reports both services, and the server as a
-//! whole (service `""`), `NOT_SERVING` until a snapshot is published and from the start of
-//! shutdown. Port 0 binds a free port; [`Running`] tells which.
+//! shows as disconnected — and set `TCP_NODELAY`. Health on each listener reports its own service
+//! (the other listener's is `NOT_FOUND` there) and the server as a whole (service `""`),
+//! `NOT_SERVING` until a snapshot is published and from the start of shutdown. Port 0 binds a free port; [`Running`] tells which.
 //!
 //! [`Running::shutdown`] tells every agent stream to end with `UNAVAILABLE` ("reconnect"),
 //! stops accepting, waits up to [`SHUTDOWN_GRACE`] for the servers to drain and closes the store
@@ -89,7 +89,7 @@ pub struct Running {
     pub http_addr: SocketAddr,
     control: Arc<ControlPlane>,
     shutdown: watch::Sender<bool>,
-    health: HealthReporter,
+    health: Health,
     servers: JoinSet<Result<(), ServeError>>,
     background: Vec<JoinHandle<()>>,
     tokens: Option<Arc<TokenSet>>,
@@ -226,11 +226,15 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
         .await
         .map_err(ServeError::ReadStore)?;
 
-    let (health, health_service) = tonic_health::server::health_reporter();
+    // One health service per listener: each says the state of its own service only, and
+    // NOT_FOUND for the other listener's (which that port would answer UNIMPLEMENTED).
+    let (agent_health, agent_health_service) = tonic_health::server::health_reporter();
+    let (admin_health, admin_health_service) = tonic_health::server::health_reporter();
+    let health = Health([(agent_health, AGENT_SERVICE), (admin_health, ADMIN_SERVICE)]);
     if control.publisher.current().is_some() {
-        set_health(&health, ServingStatus::Serving).await;
+        health.set(ServingStatus::Serving).await;
     } else {
-        set_health(&health, ServingStatus::NotServing).await;
+        health.set(ServingStatus::NotServing).await;
         background.push(tokio::spawn(serving_once_published(
             health.clone(),
             control.publisher.clone(),
@@ -269,7 +273,7 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
 
     let mut servers = JoinSet::new();
     let agent_router = grpc_server(&cfg)
-        .add_service(health_service.clone())
+        .add_service(agent_health_service)
         .add_service(reflection(AGENT_SERVICE).build_v1()?)
         .add_service(reflection(AGENT_SERVICE).build_v1alpha()?)
         .add_service(agent_service);
@@ -285,7 +289,7 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
             })
     });
     let admin_router = grpc_server(&cfg)
-        .add_service(health_service)
+        .add_service(admin_health_service)
         .add_service(reflection(ADMIN_SERVICE).build_v1()?)
         .add_service(reflection(ADMIN_SERVICE).build_v1alpha()?)
         .add_service(admin_service);
@@ -338,17 +342,25 @@ fn reflection(service: &str) -> tonic_reflection::server::Builder<'static> {
         .with_service_name(HEALTH_SERVICE)
 }
 
-/// Sets the health of both services and of the whole server (the empty service name, which a
-/// probe without a service asks about; tonic starts it `SERVING`).
-async fn set_health(health: &HealthReporter, status: ServingStatus) {
-    for service in ["", AGENT_SERVICE, ADMIN_SERVICE] {
-        health.set_service_status(service, status).await;
+/// The gRPC health of the two listeners: each listener's reporter and the service it serves.
+#[derive(Clone, Debug)]
+struct Health([(HealthReporter, &'static str); 2]);
+
+impl Health {
+    /// Sets, on each listener, the health of its service and of the whole server (the empty
+    /// service name, which a probe without a service asks about; tonic starts it `SERVING`).
+    async fn set(&self, status: ServingStatus) {
+        for (reporter, service) in &self.0 {
+            for name in ["", *service] {
+                reporter.set_service_status(name, status).await;
+            }
+        }
     }
 }
 
-/// Reports both services `SERVING` once a snapshot is published (API mode, empty store).
+/// Reports both listeners `SERVING` once a snapshot is published (API mode, empty store).
 async fn serving_once_published(
-    health: HealthReporter,
+    health: Health,
     publisher: Arc<Publisher>,
     mut shutdown: watch::Receiver<bool>,
 ) {
@@ -358,7 +370,7 @@ async fn serving_once_published(
         _ = shutdown.wait_for(|stop| *stop) => false,
     };
     if published {
-        set_health(&health, ServingStatus::Serving).await;
+        health.set(ServingStatus::Serving).await;
     }
 }
 
@@ -427,7 +439,7 @@ impl Running {
     /// Returns the first server error seen while draining.
     pub async fn shutdown(mut self) -> Result<(), ServeError> {
         info!("shutting down");
-        set_health(&self.health, ServingStatus::NotServing).await;
+        self.health.set(ServingStatus::NotServing).await;
         self.shutdown.send_replace(true);
         let mut first_error = None;
         let drained = tokio::time::timeout(SHUTDOWN_GRACE, async {

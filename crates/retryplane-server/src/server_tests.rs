@@ -542,7 +542,9 @@ async fn shutdown_refuses_a_stream_still_waiting_for_its_hello_with_unavailable(
     drop(tx);
 }
 
-async fn health(addr: SocketAddr) -> Vec<i32> {
+/// The health a listener gives the server as a whole (`""`), the agent service and the admin
+/// service, in that order: a status, or the call's error code.
+async fn health(addr: SocketAddr) -> Vec<Result<i32, Code>> {
     use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
     let mut client = HealthClient::new(channel(addr).await);
     let mut statuses = Vec::new();
@@ -550,7 +552,8 @@ async fn health(addr: SocketAddr) -> Vec<i32> {
         let request = HealthCheckRequest {
             service: service.to_owned(),
         };
-        statuses.push(client.check(request).await.unwrap().into_inner().status);
+        let answer = client.check(request).await;
+        statuses.push(answer.map(|r| r.into_inner().status).map_err(|e| e.code()));
     }
     statuses
 }
@@ -558,7 +561,9 @@ async fn health(addr: SocketAddr) -> Vec<i32> {
 #[tokio::test]
 async fn health_is_serving_on_both_listeners_once_a_snapshot_is_loaded() {
     use tonic_health::pb::health_check_response::ServingStatus as Wire;
-    let (serving, not_serving) = (Wire::Serving as i32, Wire::NotServing as i32);
+    let (serving, not_serving) = (Ok(Wire::Serving as i32), Ok(Wire::NotServing as i32));
+    // Each listener knows its own service only: the other one's is not served there.
+    let other = Err(Code::NotFound);
     let dir = tempfile::tempdir().unwrap();
     let cfg = ServeConfig {
         api_mode: true,
@@ -566,16 +571,16 @@ async fn health_is_serving_on_both_listeners_once_a_snapshot_is_loaded() {
     };
     let running = start(cfg).await.unwrap();
     // The server as a whole (service "") too.
-    let none = [not_serving, not_serving, not_serving];
-    assert_eq!(health(running.agent_addr).await, none);
-    assert_eq!(health(running.admin_addr).await, none);
+    let agent = [not_serving, not_serving, other];
+    let admin = [not_serving, other, not_serving];
+    assert_eq!(health(running.agent_addr).await, agent);
+    assert_eq!(health(running.admin_addr).await, admin);
     running.shutdown().await.unwrap();
 
     let (_dir, cfg) = with_file(V1);
     let running = start(cfg).await.unwrap();
-    let all = [serving, serving, serving];
-    assert_eq!(health(running.agent_addr).await, all);
-    assert_eq!(health(running.admin_addr).await, all);
+    assert_eq!(health(running.agent_addr).await, [serving, serving, other]);
+    assert_eq!(health(running.admin_addr).await, [serving, other, serving]);
     running.shutdown().await.unwrap();
 }
 
