@@ -661,8 +661,12 @@ impl AgentStream {
             Some(Kind::Ack(ack)) => {
                 if self.answers_last_push(&ack.nonce, ack.version) {
                     self.named = None;
-                    ctx.fleet
-                        .ack(&self.agent_id, self.generation, self.known_version);
+                    ctx.fleet.ack(
+                        &self.agent_id,
+                        self.generation,
+                        self.known_version,
+                        &self.known_hash,
+                    );
                     ctx.metrics.acks.inc();
                 } else {
                     ctx.fleet.seen(&self.agent_id, self.generation);

@@ -69,6 +69,8 @@ struct Entry {
     /// The snapshot the agent refused last, across this agent id's streams; `None` once it
     /// ACKs a version.
     refused: Option<Refused>,
+    /// The content hash of the version the agent ACKed last (empty: none, or a NACK since).
+    acked_hash: String,
     /// The Hello's `instance_id` of the stream registered last (0: not given).
     instance_id: u64,
     /// The metrics report rate limit, across this agent id's streams, so that a reconnect
@@ -296,7 +298,8 @@ impl Fleet {
         let mut bucket = ReportBucket::default();
         // The last NACK, if the same process comes back and does not run the version it refused.
         let mut refused = None;
-        // The last ACK's version, if the same process comes back: still its last answer.
+        // The last ACK's version and content hash, if the same process comes back: still its
+        // last answer while it runs that content.
         let mut acked = None;
         if let Some(mut old) = previous {
             if let Some(kick) = old.replaced.take() {
@@ -318,7 +321,7 @@ impl Fleet {
                         || hello.last_applied_hash == r.content_hash)
             };
             acked = (same_process && old.instance_id != 0 && old.status.last_response == "ack")
-                .then_some(old.status.last_response_version);
+                .then(|| (old.status.last_response_version, old.acked_hash.clone()));
             refused = old
                 .refused
                 .filter(|r| same_process && !runs(r))
@@ -344,12 +347,20 @@ impl Fleet {
         // A NACK carried over, else an ACK of the version the agent says it still runs (a
         // stream that dropped and came back has answered nothing new, but its last answer
         // stands); else nothing answered on this agent's behalf yet.
-        let (last_response, last_response_version, last_error) = match (&refused, acked) {
+        let (last_response, last_response_version, last_error) = match (&refused, &acked) {
             (Some((r, error)), _) => ("nack".to_owned(), r.version, error.clone()),
-            (None, Some(v)) if v == applied_version && v != 0 => {
-                ("ack".to_owned(), v, String::new())
+            (None, Some((v, hash)))
+                if *v == applied_version
+                    && *v != 0
+                    && (hello.last_applied_hash.is_empty() || hello.last_applied_hash == *hash) =>
+            {
+                ("ack".to_owned(), *v, String::new())
             }
             _ => (String::new(), 0, String::new()),
+        };
+        let acked_hash = match (last_response.as_str(), acked) {
+            ("ack", Some((_, hash))) => hash,
+            _ => String::new(),
         };
         let refused = refused.map(|(r, _)| r);
         let status = pb::AgentStatus {
@@ -374,6 +385,7 @@ impl Fleet {
                 replaced: Some(tx),
                 reports,
                 refused: refused.clone(),
+                acked_hash,
                 instance_id: hello.instance_id,
                 bucket,
                 ephemeral: hello.ephemeral,
@@ -470,10 +482,11 @@ impl Fleet {
         })
     }
 
-    /// The agent acknowledged `version`; its last NACK is forgotten.
-    pub fn ack(&self, id: &str, generation: u64, version: u64) {
+    /// The agent acknowledged `version` (with `content_hash`); its last NACK is forgotten.
+    pub fn ack(&self, id: &str, generation: u64, version: u64, content_hash: &str) {
         self.update(id, generation, |e| {
             e.refused = None;
+            content_hash.clone_into(&mut e.acked_hash);
             let s = &mut e.status;
             s.applied_version = version;
             set_response(&mut s.last_response, "ack");
@@ -679,13 +692,13 @@ mod tests {
         assert!(first.replaced.try_recv().is_ok());
         assert_eq!(fleet.connected(), 1);
         // The first stream's late updates are ignored.
-        fleet.ack("a", first.generation, 7);
+        fleet.ack("a", first.generation, 7, "h7");
         fleet.disconnected("a", first.generation);
         assert_eq!(fleet.connected(), 1);
         let status = fleet.status();
         assert_eq!(status[0].applied_version, 0);
         assert!(status[0].connected);
-        fleet.ack("a", second.generation, 7);
+        fleet.ack("a", second.generation, 7, "h7");
         assert_eq!(fleet.status()[0].applied_version, 7);
     }
 
@@ -700,7 +713,7 @@ mod tests {
         };
         let seen = || fleet.status()[0].last_seen_unix_ms > 0;
         forget();
-        fleet.ack("a", reg.generation, 1);
+        fleet.ack("a", reg.generation, 1, "h1");
         assert!(seen(), "ack");
         forget();
         fleet.nack("a", reg.generation, 2, "h2", "bad");
@@ -710,7 +723,7 @@ mod tests {
         assert!(seen(), "a report or a stale answer");
         // A stream that was replaced does not touch the new one's status.
         forget();
-        fleet.ack("a", reg.generation + 1, 3);
+        fleet.ack("a", reg.generation + 1, 3, "h3");
         assert!(!seen());
     }
 
@@ -773,7 +786,7 @@ mod tests {
         h.last_applied_hash.clear();
         let fourth = fleet.register(&h, None, None).unwrap();
         fleet.nack("a", fourth.generation, 3, "h3", "bad");
-        fleet.ack("a", fourth.generation, 4);
+        fleet.ack("a", fourth.generation, 4, "h4");
         assert_eq!(fleet.register(&h, None, None).unwrap().refused, None);
     }
 
@@ -784,7 +797,7 @@ mod tests {
         let mut h = hello("a");
         h.instance_id = 5;
         let first = fleet.register(&h, None, current).unwrap();
-        fleet.ack("a", first.generation, 4);
+        fleet.ack("a", first.generation, 4, "h4");
         fleet.disconnected("a", first.generation);
         let last = |fleet: &Fleet| {
             let s = &fleet.status()[0];
@@ -810,7 +823,7 @@ mod tests {
         let mut h = hello("b");
         h.instance_id = 7;
         let b = fleet.register(&h, None, current).unwrap();
-        fleet.ack("b", b.generation, 4);
+        fleet.ack("b", b.generation, 4, "h4");
         h.last_applied_version = 3;
         fleet.register(&h, None, current).unwrap();
         let of_b = |fleet: &Fleet| {
@@ -820,15 +833,40 @@ mod tests {
         };
         assert_eq!(of_b(&fleet), (String::new(), 0));
         let b = fleet.register(&h, None, current).unwrap();
-        fleet.ack("b", b.generation, 4);
+        fleet.ack("b", b.generation, 4, "h4");
         h.last_applied_version = 4;
         h.last_applied_hash = "other".to_owned();
         fleet.register(&h, None, current).unwrap();
         assert_eq!(of_b(&fleet), (String::new(), 0));
+        // Once the control plane has moved past the acked number, a Hello naming that number
+        // with other content (another store's) is told apart by the ACK's own hash.
+        let moved_on = Some((5, "h5"));
+        let mut h = hello("d");
+        h.instance_id = 8;
+        let d = fleet.register(&h, None, current).unwrap();
+        fleet.ack("d", d.generation, 4, "h4");
+        h.last_applied_version = 4;
+        h.last_applied_hash = "another-store".to_owned();
+        fleet.register(&h, None, moved_on).unwrap();
+        let of_d = |fleet: &Fleet| {
+            let all = fleet.status();
+            let s = all.iter().find(|s| s.agent_id == "d").unwrap();
+            (s.last_response.clone(), s.last_response_version)
+        };
+        assert_eq!(of_d(&fleet), (String::new(), 0));
+        let d = fleet.register(&h, None, current).unwrap();
+        h.last_applied_hash = "h4".to_owned();
+        fleet.ack("d", d.generation, 4, "h4");
+        fleet.register(&h, None, moved_on).unwrap();
+        assert_eq!(
+            of_d(&fleet),
+            ("ack".to_owned(), 4),
+            "the same content, still acked"
+        );
         // An agent that gives no instance id cannot be told from a restarted one.
         let mut h = hello("c");
         let c = fleet.register(&h, None, current).unwrap();
-        fleet.ack("c", c.generation, 4);
+        fleet.ack("c", c.generation, 4, "h4");
         h.last_applied_version = 4;
         fleet.register(&h, None, current).unwrap();
         let all = fleet.status();
@@ -895,7 +933,7 @@ mod tests {
         h.last_applied_version = 3;
         h.last_applied_hash = "h-before-the-reset".to_owned();
         let reg = fleet.register(&h, None, current).unwrap();
-        fleet.ack("a", reg.generation, 3);
+        fleet.ack("a", reg.generation, 3, "h3");
         assert_eq!(fleet.status()[0].applied_version, 3);
     }
 
@@ -916,10 +954,10 @@ mod tests {
         let a = fleet.register(&hello("a"), None, None).unwrap();
         let b = fleet.register(&hello("b"), None, None).unwrap();
         let c = fleet.register(&hello("c"), None, None).unwrap();
-        fleet.ack("a", a.generation, 2);
-        fleet.ack("b", b.generation, 2);
+        fleet.ack("a", a.generation, 2, "h2");
+        fleet.ack("b", b.generation, 2, "h2");
         fleet.nack("b", b.generation, 3, "h3", "bad");
-        fleet.ack("c", c.generation, 2);
+        fleet.ack("c", c.generation, 2, "h2");
         fleet.disconnected("c", c.generation);
         let v = fleet.versions();
         assert_eq!(v.applied, BTreeMap::from([(2, 2)]));
