@@ -145,13 +145,14 @@ fn split_header_values(args: &[String]) -> Vec<&str> {
 /// check can name it), and a name of digits and dots (an IPv4 address). A name with a capital
 /// letter (`X-Api-Key:1234`) is a header's, digits or not: host names are written in lower
 /// case. So is a lower-case name that says it holds a credential ([`names_a_credential`]:
-/// `x-api-key:4711`, `x-vault-token:4711`) when nothing follows the digits; with a path or a
-/// query after them (`authorization:8080/v1/check`) it is an address.
+/// `x-api-key:4711`, `x-vault-token:1234/abcd+ef==`), whatever follows the colon: a token may
+/// hold `/`, so `authorization:8080/v1/check` is hidden too (hiding an address is the lesser
+/// harm).
 pub(crate) fn header_shown(arg: &str) -> Option<String> {
     let (name, after) = arg.split_once(':')?;
     let port = after.split(['/', '?', '#']).next().unwrap_or(after);
-    let header_like = name.bytes().any(|b| b.is_ascii_uppercase())
-        || port.len() == after.len() && names_a_credential(name.trim());
+    let header_like =
+        name.bytes().any(|b| b.is_ascii_uppercase()) || names_a_credential(name.trim());
     let is_address = after.starts_with("//")
         || !header_like && !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit())
         || name.trim().bytes().all(|b| b.is_ascii_digit() || b == b'.');
@@ -164,9 +165,11 @@ pub(crate) fn header_shown(arg: &str) -> Option<String> {
 }
 
 /// Whether a header name says it carries a credential (any case): `Authorization`, `Cookie`,
-/// or a name that is or ends in a word such as `key`, `token` or `secret` (`x-api-key`,
-/// `x-vault-token`, `ocp-apim-subscription-key`). A bare `host:port` with such a host name
-/// (`authorization:7471`) is then hidden too: hiding an address is the lesser harm.
+/// or a name of two words or more whose last word is one such as `key`, `token` or `secret`
+/// (`x-api-key`, `x-vault-token`, `ocp-apim-subscription-key`). A one-word name (`auth`,
+/// `token`, `session`) is more likely a host's, as in `auth:8080`. A `host:port` with such a
+/// host name (`authorization:7471`, `redis-session:6379`) is then hidden too: hiding an
+/// address is the lesser harm.
 fn names_a_credential(name: &str) -> bool {
     const WHOLE: &[&str] = &["authorization", "proxy-authorization", "cookie", "apikey"];
     const LAST_WORD: &[&str] = &[
@@ -182,8 +185,8 @@ fn names_a_credential(name: &str) -> bool {
         "credentials",
     ];
     let name = name.to_ascii_lowercase();
-    let last = name.rsplit(['-', '_']).next().unwrap_or(&name);
-    WHOLE.contains(&name.as_str()) || LAST_WORD.contains(&last)
+    let words = name.rsplit_once(['-', '_']);
+    WHOLE.contains(&name.as_str()) || words.is_some_and(|(_, last)| LAST_WORD.contains(&last))
 }
 
 #[cfg(test)]
@@ -243,11 +246,14 @@ mod tests {
                 Some("ocp-apim-subscription-key: ***"),
             ),
             ("x-auth:1234", Some("x-auth: ***")),
-            ("token:4711", Some("token: ***")),
+            ("x-api-key:1234/abcd+ef==", Some("x-api-key: ***")),
+            ("x-api-key:12345#frag", Some("x-api-key: ***")),
+            ("authorization:8080/v1/check", Some("authorization: ***")),
             ("api-gateway:8080", None),
-            ("authorization:8080/v1/check", None),
-            ("cookie:7471?x=1", None),
             ("keycloak:8080", None),
+            ("auth:8080", None),
+            ("token:8200", None),
+            ("session:6379", None),
             ("X-Api-Key:123456/abc", Some("X-Api-Key: ***")),
             ("X-Api-Key:1234/abcd+ef==", Some("X-Api-Key: ***")),
             ("127.0.0.1: 7470", None),
