@@ -142,19 +142,30 @@ fn split_header_values(args: &[String]) -> Vec<&str> {
 /// value`, `Name:value`, spaces around either), which may be a credential; `None` for any
 /// other argument. Not a header: a URL (`scheme://`), a `host:port`, `host:port/path` or
 /// `host:port?query` (digits right after the colon, a bad port included, so that the URL
-/// check can name it), and a name of digits and dots (an IPv4 address). A name with a capital
-/// letter (`X-Api-Key:1234`) is a header's, digits or not: host names are written in lower
-/// case. So is a lower-case name that says it holds a credential ([`names_a_credential`]:
-/// `x-api-key:4711`, `x-vault-token:1234/abcd+ef==`), whatever follows the colon: a token may
-/// hold `/`, so `authorization:8080/v1/check` is hidden too (hiding an address is the lesser
-/// harm).
+/// check can name it), and a name of digits and dots (an IPv4 address). Except:
+/// - a name with a capital letter (`X-Api-Key:1234`) is a header's, digits or not: host names
+///   are written in lower case;
+/// - so is a name that can only mean a secret ([`Credential::Sure`]: `x-api-key:4711`,
+///   `password:1234`, `x-vault-key:1234/abcd+ef==`), whatever follows the colon; so
+///   `authorization:8080/v1/check` is hidden too (hiding an address is the lesser harm);
+/// - a name whose last word is also a common host name's ([`Credential::Maybe`]: `auth`,
+///   `session`, `token`) is an address only as a port (1 to 5 digits, at most 65535) with
+///   nothing after it or a path or query that holds no `+`, no `==` and no `//`
+///   (`vault-token:8200/v1/sys/health`); `token:1234/abcd+ef==` is a header's.
 pub(crate) fn header_shown(arg: &str) -> Option<String> {
     let (name, after) = arg.split_once(':')?;
     let port = after.split(['/', '?', '#']).next().unwrap_or(after);
-    let header_like =
-        name.bytes().any(|b| b.is_ascii_uppercase()) || names_a_credential(name.trim());
+    let digits = !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit());
+    let header_like = name.bytes().any(|b| b.is_ascii_uppercase())
+        || match credential(name.trim()) {
+            Credential::Sure => true,
+            Credential::Maybe => {
+                !(digits && is_port(port) && looks_like_a_path(&after[port.len()..]))
+            }
+            Credential::No => false,
+        };
     let is_address = after.starts_with("//")
-        || !header_like && !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit())
+        || !header_like && digits
         || name.trim().bytes().all(|b| b.is_ascii_digit() || b == b'.');
     let (name, value) = (name.trim(), after.trim());
     let is_name = !name.is_empty()
@@ -164,29 +175,63 @@ pub(crate) fn header_shown(arg: &str) -> Option<String> {
     (is_name && !value.is_empty() && !is_address).then(|| format!("{name}: ***"))
 }
 
-/// Whether a header name says it carries a credential (any case): `Authorization`, `Cookie`,
-/// or a name of two words or more whose last word is one such as `key`, `token` or `secret`
-/// (`x-api-key`, `x-vault-token`, `ocp-apim-subscription-key`). A one-word name (`auth`,
-/// `token`, `session`) is more likely a host's, as in `auth:8080`. A `host:port` with such a
-/// host name (`authorization:7471`, `redis-session:6379`) is then hidden too: hiding an
-/// address is the lesser harm.
-fn names_a_credential(name: &str) -> bool {
+/// Whether `digits` (ASCII digits) can be a TCP port: 1 to 5 of them, at most 65535.
+fn is_port(digits: &str) -> bool {
+    digits.len() <= 5 && digits.parse::<u32>().is_ok_and(|p| p <= 65535)
+}
+
+/// Whether what follows a port reads as a URL's path, query or fragment rather than a token's
+/// tail: empty, or starting with `/`, `?` or `#` and holding no `+`, `==` or `//` (which
+/// base64 tokens do, and paths seldom).
+fn looks_like_a_path(rest: &str) -> bool {
+    rest.is_empty()
+        || rest.starts_with(['/', '?', '#'])
+            && !rest.contains('+')
+            && !rest.contains("==")
+            && !rest.contains("//")
+}
+
+/// What a lower-case name says of its value.
+#[derive(Debug, PartialEq, Eq)]
+enum Credential {
+    /// A credential header's name, and no likely host name: `authorization`, `cookie`, names
+    /// that are or end in a word such as `key`, `secret` or `password` (`x-api-key`,
+    /// `ocp-apim-subscription-key`), and `x-` names that end in a [`Credential::Maybe`] word
+    /// (`x-auth-token`).
+    Sure,
+    /// Ends in a word that credential headers and host names both use: `auth`, `session`,
+    /// `token` (`x-auth-token`, but also `redis-session`, `vault-token`).
+    Maybe,
+    /// Anything else.
+    No,
+}
+
+/// What `name` (any case) says of its value; see [`Credential`].
+fn credential(name: &str) -> Credential {
     const WHOLE: &[&str] = &["authorization", "proxy-authorization", "cookie", "apikey"];
-    const LAST_WORD: &[&str] = &[
+    const SURE: &[&str] = &[
         "key",
-        "token",
         "secret",
         "password",
         "passwd",
-        "auth",
-        "session",
         "signature",
         "credential",
         "credentials",
     ];
+    const MAYBE: &[&str] = &["auth", "session", "token"];
     let name = name.to_ascii_lowercase();
-    let words = name.rsplit_once(['-', '_']);
-    WHOLE.contains(&name.as_str()) || words.is_some_and(|(_, last)| LAST_WORD.contains(&last))
+    let last = name.rsplit(['-', '_']).next().unwrap_or(&name);
+    // `x-` starts header names (`x-auth-token`), not host names.
+    if WHOLE.contains(&name.as_str())
+        || SURE.contains(&last)
+        || name.starts_with("x-") && MAYBE.contains(&last)
+    {
+        Credential::Sure
+    } else if MAYBE.contains(&last) {
+        Credential::Maybe
+    } else {
+        Credential::No
+    }
 }
 
 #[cfg(test)]
@@ -249,13 +294,23 @@ mod tests {
             ("x-api-key:1234/abcd+ef==", Some("x-api-key: ***")),
             ("x-api-key:12345#frag", Some("x-api-key: ***")),
             ("authorization:8080/v1/check", Some("authorization: ***")),
+            ("password:12345678", Some("password: ***")),
+            ("secret:1234", Some("secret: ***")),
+            ("passwd:20261202", Some("passwd: ***")),
+            ("credentials:1234567", Some("credentials: ***")),
+            ("token:1234/abcd+ef==", Some("token: ***")),
+            ("session:5678/AbCdEf+/==", Some("session: ***")),
+            ("x-auth-token:123456", Some("x-auth-token: ***")),
+            ("token:70000", Some("token: ***")),
             ("api-gateway:8080", None),
             ("keycloak:8080", None),
             ("auth:8080", None),
             ("token:8200", None),
             ("session:6379", None),
-            ("X-Api-Key:123456/abc", Some("X-Api-Key: ***")),
-            ("X-Api-Key:1234/abcd+ef==", Some("X-Api-Key: ***")),
+            ("user-auth:8080/login", None),
+            ("redis-session:6379/0", None),
+            ("vault-token:8200/v1/sys/health", None),
+            ("auth:8080?debug=1", None),
             ("127.0.0.1: 7470", None),
             ("localhost:7470", None),
             ("localhost:8080?debug=1", None),
