@@ -879,3 +879,66 @@ async fn followers_answered_with_a_copy_are_not_counted_only_the_leaders_call_is
     );
     assert_eq!(c.success_first_try, 0);
 }
+
+#[tokio::test(start_paused = true)]
+async fn two_layered_services_sharing_one_dedup_never_share_an_answer() {
+    // What a service below the layer adds (a tenant's credential, the upstream of a bare
+    // path) is not in the key: requests through two `layer` calls are never shared, even with
+    // one `Dedup` and one endpoint.
+    let (svc, up) = upstream(&[]);
+    let dedup = Dedup::default();
+    let agent = agent(&policy(POLICY));
+    let (a, b) = (
+        client_of(&agent, svc.clone(), &dedup),
+        client_of(&agent, svc, &dedup),
+    );
+    let request = || req(get("/v1/me"), "");
+    let first = spawn(&a, request());
+    until("a's request reaches the upstream", || up.seen() == 1).await;
+    let second = spawn(&b, request());
+    until("b's request reaches the upstream", || up.seen() == 2).await;
+    assert_eq!(dedup.stats().waiting, 0);
+    // A clone of a layered service is the same client: it shares.
+    let third = spawn(&a.clone(), request());
+    until("a's clone waits for a's call", || {
+        dedup.stats().waiting == 1
+    })
+    .await;
+    up.open(2);
+    let answers = [join(first).await, join(second).await, join(third).await];
+    let calls: Vec<_> = answers
+        .iter()
+        .map(|a| {
+            let (_, call, _, copy) = a.as_ref().unwrap();
+            (call.clone().unwrap(), *copy)
+        })
+        .collect();
+    assert_eq!(
+        calls,
+        [
+            ("0".to_owned(), false),
+            ("1".to_owned(), false),
+            ("0".to_owned(), true)
+        ]
+    );
+    assert_eq!(up.seen(), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_concurrency_limit_below_the_layer_does_not_stop_sharing() {
+    // With one request at a time below, the followers must still join the leader's call
+    // instead of waiting for capacity and each calling the upstream in turn.
+    let (svc, up) = upstream(&[]);
+    let dedup = Dedup::default();
+    let limited = tower::limit::ConcurrencyLimitLayer::new(1).layer(svc);
+    let client = client(limited, &dedup);
+    let request = || req(get("http://up/x"), "");
+    let (leader, followers) = leader_and_followers(&client, &dedup, &up, request, 4).await;
+    up.open(1);
+    assert_answered(join(leader).await, 0, false);
+    for f in followers {
+        assert_answered(join(f).await, 0, true);
+    }
+    assert_eq!(up.seen(), 1);
+    assert_eq!(dedup.stats().shared, 4);
+}

@@ -21,7 +21,9 @@ pub const DEFAULT_SHARED_RESPONSE_LIMIT: usize = 1024 * 1024;
 /// Opt-in de-duplication of identical in-flight reads, for
 /// [`RetryLayer::with_dedup`](super::RetryLayer::with_dedup); see the [module docs](super).
 ///
-/// Clones share one table of calls in flight and one set of [`DedupStats`]. Defaults: `GET`
+/// Clones share one table of calls in flight and one set of [`DedupStats`]; answers are
+/// shared only among requests sent through one layered service (one `layer` call) and its
+/// clones, since what the services below add to a request is not in the key. Defaults: `GET`
 /// and `HEAD` are shared (when idempotent under the policy in force); the key covers the method, the full URI, the body and **every request
 /// header except the ones that only identify or trace the request** ([`DEFAULT_IGNORED_HEADERS`]:
 /// `traceparent`, `x-request-id`, B3, …); responses up to [`DEFAULT_SHARED_RESPONSE_LIMIT`] are
@@ -133,7 +135,7 @@ pub struct DedupStats {
     /// [module docs](super), "What the endpoint's counters see").
     pub shared: u64,
     /// Requests that waited for a leader and then went on to a call of their own: the leader
-    /// failed with an error, or its response body was over the limit or not read by its
+    /// failed with an error, or its response body failed, was over the limit or was not read by its
     /// deadline; or the request's own deadline passed while it waited, and then its call
     /// gave up at once with `deadline_exceeded`, making no attempt.
     pub own_calls: u64,
@@ -407,7 +409,8 @@ impl Dedup {
         self.config.methods.contains(method)
     }
 
-    /// The key of a request to `endpoint` with head `head` and body `body`.
+    /// The key of a request to `endpoint` with head `head` and body `body`, sent through the
+    /// layered service `stack` (see `Retry::stack`).
     ///
     /// SHA-256, not a fast 64-bit hash: two requests with the same key get the same answer,
     /// so a collision between two `Authorization` values would hand one caller's response to
@@ -417,8 +420,9 @@ impl Dedup {
     /// The upstream host is always in it, whatever the headers chosen: the URI's authority
     /// and the `Host` header (where a request whose URI is a bare path, as HTTP/1 carries it,
     /// names its host; a server behind one address may also serve several hosts by it).
-    pub(crate) fn key(&self, endpoint: &str, head: &Parts, body: &[u8]) -> Key {
+    pub(crate) fn key(&self, stack: u64, endpoint: &str, head: &Parts, body: &[u8]) -> Key {
         let mut h = Sha256::new();
+        field(&mut h, &stack.to_le_bytes());
         field(&mut h, endpoint.as_bytes());
         field(&mut h, head.method.as_str().as_bytes());
         let uri = &head.uri;
@@ -518,13 +522,15 @@ mod tests {
     fn the_key_covers_endpoint_method_uri_listed_headers_and_body() {
         let d = Dedup::default();
         let base = head("GET", "http://h/p?q=1", &[("authorization", "a")]);
-        let k = d.key("ep", &base, b"body");
-        assert_eq!(k, d.key("ep", &base.clone(), b"body"));
-        assert_ne!(k, d.key("other", &base, b"body"));
-        assert_ne!(k, d.key("ep", &base, b"bodY"));
+        let k = d.key(0, "ep", &base, b"body");
+        assert_eq!(k, d.key(0, "ep", &base.clone(), b"body"));
+        assert_ne!(k, d.key(0, "other", &base, b"body"));
+        assert_ne!(k, d.key(1, "ep", &base, b"body"), "another layered service");
+        assert_ne!(k, d.key(0, "ep", &base, b"bodY"));
         assert_ne!(
             k,
             d.key(
+                0,
                 "ep",
                 &head("HEAD", "http://h/p?q=1", &[("authorization", "a")]),
                 b"body"
@@ -533,6 +539,7 @@ mod tests {
         assert_ne!(
             k,
             d.key(
+                0,
                 "ep",
                 &head("GET", "http://h/p?q=2", &[("authorization", "a")]),
                 b"body"
@@ -541,6 +548,7 @@ mod tests {
         assert_ne!(
             k,
             d.key(
+                0,
                 "ep",
                 &head("GET", "https://h/p?q=1", &[("authorization", "a")]),
                 b"body"
@@ -549,19 +557,23 @@ mod tests {
         assert_ne!(
             k,
             d.key(
+                0,
                 "ep",
                 &head("GET", "http://h/p?q=1", &[("authorization", "b")]),
                 b"body"
             )
         );
-        assert_ne!(k, d.key("ep", &head("GET", "http://h/p?q=1", &[]), b"body"));
+        assert_ne!(
+            k,
+            d.key(0, "ep", &head("GET", "http://h/p?q=1", &[]), b"body")
+        );
         // A second value of a listed header counts.
         let two = head(
             "GET",
             "http://h/p?q=1",
             &[("authorization", "a"), ("authorization", "a")],
         );
-        assert_ne!(k, d.key("ep", &two, b"body"));
+        assert_ne!(k, d.key(0, "ep", &two, b"body"));
         // A tracing header or a request id does not count.
         for ignored in ["x-request-id", "traceparent", "x-b3-traceid"] {
             let extra = head(
@@ -569,7 +581,7 @@ mod tests {
                 "http://h/p?q=1",
                 &[("authorization", "a"), (ignored, "1")],
             );
-            assert_eq!(k, d.key("ep", &extra, b"body"), "{ignored}");
+            assert_eq!(k, d.key(0, "ep", &extra, b"body"), "{ignored}");
         }
         // Any other header does, one the layer has never heard of included.
         for counted in ["x-api-key", "x-tenant", "accept-language", "cookie"] {
@@ -578,7 +590,7 @@ mod tests {
                 "http://h/p?q=1",
                 &[("authorization", "a"), (counted, "1")],
             );
-            assert_ne!(k, d.key("ep", &extra, b"body"), "{counted}");
+            assert_ne!(k, d.key(0, "ep", &extra, b"body"), "{counted}");
         }
     }
 
@@ -586,8 +598,9 @@ mod tests {
     fn the_ignored_list_can_be_changed_and_a_fixed_list_used_instead() {
         let name = |n: &'static str| HeaderName::from_static(n);
         let with = |n: &str, v: &str| head("GET", "http://h/p", &[(n, v)]);
-        let differ =
-            |d: &Dedup, n: &str| d.key("ep", &with(n, "1"), b"") != d.key("ep", &with(n, "2"), b"");
+        let differ = |d: &Dedup, n: &str| {
+            d.key(0, "ep", &with(n, "1"), b"") != d.key(0, "ep", &with(n, "2"), b"")
+        };
         let d = Dedup::default().ignore_header(name("x-debug-id"));
         assert!(!differ(&d, "x-debug-id"));
         assert!(differ(&d, "x-api-key"));
@@ -637,10 +650,10 @@ mod tests {
     fn proxy_authorization_is_in_the_default_key() {
         let d = Dedup::default();
         let with = |v: &str| head("GET", "http://h/p", &[("proxy-authorization", v)]);
-        let k = d.key("ep", &with("Basic a"), b"");
-        assert_eq!(k, d.key("ep", &with("Basic a"), b""));
-        assert_ne!(k, d.key("ep", &with("Basic b"), b""));
-        assert_ne!(k, d.key("ep", &head("GET", "http://h/p", &[]), b""));
+        let k = d.key(0, "ep", &with("Basic a"), b"");
+        assert_eq!(k, d.key(0, "ep", &with("Basic a"), b""));
+        assert_ne!(k, d.key(0, "ep", &with("Basic b"), b""));
+        assert_ne!(k, d.key(0, "ep", &head("GET", "http://h/p", &[]), b""));
     }
 
     #[test]
@@ -657,7 +670,7 @@ mod tests {
             "http://h/",
             &[("accept", "a"), ("accept-language", "b")],
         );
-        assert_ne!(d.key("ep", &h1, b""), d.key("ep", &h2, b""));
+        assert_ne!(d.key(0, "ep", &h1, b""), d.key(0, "ep", &h2, b""));
     }
 
     #[test]
@@ -666,8 +679,8 @@ mod tests {
         let h1 = head("GET", "http://h/", &[("x-a", "1"), ("x-b", "2")]);
         let h2 = head("GET", "http://h/", &[("x-b", "2"), ("x-a", "1")]);
         let h3 = head("GET", "http://h/", &[("x-b", "2"), ("x-a", "3")]);
-        assert_eq!(d.key("ep", &h1, b""), d.key("ep", &h2, b""));
-        assert_ne!(d.key("ep", &h1, b""), d.key("ep", &h3, b""));
+        assert_eq!(d.key(0, "ep", &h1, b""), d.key(0, "ep", &h2, b""));
+        assert_ne!(d.key(0, "ep", &h1, b""), d.key(0, "ep", &h3, b""));
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! [`RetryLayer`] and the [`Retry`] service it wraps around a client.
 
 use std::fmt;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -118,9 +119,13 @@ impl<S, D: Clone> Layer<S> for RetryLayer<D> {
             inner,
             settings: self.settings.clone(),
             dedup: self.dedup.clone(),
+            stack: NEXT_STACK.fetch_add(1, Relaxed),
         }
     }
 }
+
+/// The next [`Retry::stack`].
+static NEXT_STACK: AtomicU64 = AtomicU64::new(0);
 
 /// A client whose requests run under the endpoint's retry policy (see [`super`]).
 #[derive(Clone)]
@@ -128,6 +133,10 @@ pub struct Retry<S, D = NoDedup> {
     inner: S,
     settings: Settings,
     dedup: D,
+    /// Which `layer` call made this service (its clones keep it): de-duplication shares
+    /// answers only within one, since what the services below add to a request (a
+    /// credential, the upstream of a bare path) is not in the key.
+    stack: u64,
 }
 
 impl<S: fmt::Debug, D: fmt::Debug> fmt::Debug for Retry<S, D> {
@@ -172,6 +181,11 @@ where
     }
 }
 
+/// With de-duplication, `poll_ready` reserves nothing below: a request that will share
+/// another's answer needs no capacity, and one that waited for capacity could not join the
+/// flight it would have shared (under a concurrency limit of 1, identical reads would run one
+/// after another, each calling the upstream). Each call readies its own clone of the inner
+/// service when it sends, as later attempts do; back-pressure from below is felt there.
 impl<S, B, RB> Service<Request<B>> for Retry<S, Dedup>
 where
     S: Service<Request<ReplayBody<B>>, Response = Response<RB>> + Clone + Send + 'static,
@@ -187,15 +201,16 @@ where
     type Error = BoxError;
     type Future = ResponseFuture<Response<ResponseBody<RB>>>;
 
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
-        self.inner.poll_ready(cx).map_err(Into::into)
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        Poll::Ready(Ok(()))
     }
 
     fn call(&mut self, request: Request<B>) -> Self::Future {
-        let inner = Inner::take_ready(&mut self.inner);
+        let inner = Inner::not_ready(&self.inner);
         let settings = self.settings.clone();
         let dedup = self.dedup.clone();
-        ResponseFuture::new(Box::pin(run_dedup(inner, settings, dedup, request)))
+        let stack = self.stack;
+        ResponseFuture::new(Box::pin(run_dedup(inner, settings, dedup, stack, request)))
     }
 }
 
@@ -219,6 +234,14 @@ impl<S: Clone> Inner<S> {
         Self {
             svc: std::mem::replace(slot, clone),
             ready: true,
+        }
+    }
+
+    /// A clone of `svc` that holds no reserved capacity: its first send readies it.
+    fn not_ready(svc: &S) -> Self {
+        Self {
+            svc: svc.clone(),
+            ready: false,
         }
     }
 
@@ -437,6 +460,7 @@ async fn run_dedup<S, B, RB>(
     mut inner: Inner<S>,
     settings: Settings,
     dedup: Dedup,
+    stack: u64,
     request: Request<B>,
 ) -> Result<Response<ResponseBody<RB>>, BoxError>
 where
@@ -464,7 +488,7 @@ where
         } if dedup.shares(&head.method) => {
             let meta = call_meta(head, head.uri.path());
             begun.is_idempotent(&meta).then(|| {
-                let key = dedup.key(settings.endpoint.name(), head, data);
+                let key = dedup.key(stack, settings.endpoint.name(), head, data);
                 (key, begun.deadline(&meta))
             })
         }

@@ -36,7 +36,11 @@
 //!   later calls.
 //! - The inner service is called on the instance `poll_ready` readied (capacity reserved
 //!   there, such as a `ConcurrencyLimit` permit or a `Buffer` slot, is what the first attempt
-//!   uses); each later attempt readies a clone of its own first.
+//!   uses); each later attempt readies a clone of its own first. With de-duplication,
+//!   `poll_ready` reserves nothing (it is always ready): a request that will share another's
+//!   answer needs no capacity, and one held back for capacity could not join the call it
+//!   would share. Each call then readies a clone when it sends, so back-pressure from below
+//!   is felt inside the call's future.
 //! - Responses are classified with the [`Classify`](crate::Classify) impl of `http::Response`
 //!   (status, `Retry-After`; for a gRPC response with `grpc-status` in its headers, a
 //!   "Trailers-Only" error such as `UNAVAILABLE`, that code and `grpc-retry-pushback-ms`, as
@@ -154,13 +158,18 @@
 //!   a bare path names it there only), and two upstreams never share an answer.
 //!   The table keeps only the digest, never a header value. Request extensions are not
 //!   compared.
+//! - Same client: requests are shared only among those sent through one layered service
+//!   (one `layer` call) and its clones, whatever `Dedup` clone they use. What the services
+//!   below the layer add to a request (a tenant's credential, the upstream of a bare path) is
+//!   not in the key, so two stacks that differ there never share.
 //! - The response is shared once its body is read into memory, up to
 //!   [`Dedup::with_response_limit`] ([`DEFAULT_SHARED_RESPONSE_LIMIT`]) and no later than the
 //!   leader's deadline (the policy's, from the start of its call). With a larger body, or one not all there by the deadline,
 //!   nothing is shared: the leader's caller gets the response with the bytes read so far
 //!   followed by the rest as it comes (with no further bound from the layer, as without
 //!   de-duplication), and each follower makes its own call.
-//! - A leader that ends with an error (no response) shares nothing: each follower makes its
+//! - A leader that ends with an error (no response), or whose response body fails while it
+//!   is read, shares nothing: each follower makes its
 //!   own call (under the same budget and breaker), so it gets an error of its own with its
 //!   real type. A response the call gave up on (a 503 after the last attempt) is shared.
 //! - A leader whose caller goes away (its future dropped) leaves: its followers start over,
