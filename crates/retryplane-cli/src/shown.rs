@@ -108,15 +108,23 @@ fn replace_quoted(text: &str, word: &str, by: &str) -> String {
     out
 }
 
-/// The words after an `-H 'Name:'` (or `-HName:`, `--header Name:`, `--header=Name:`) that
-/// the shell split from it (`-H Authorization: Bearer s3cret`, quotes forgotten): each such
-/// header's value, up to the next flag or URL.
+/// The words after an `-H 'Name:'` (or `-HName:`, `--header Name:`, `--header=Name:`, or a
+/// bare `Name:` whose `-H` was forgotten too) that the shell split from it (`-H
+/// Authorization: Bearer s3cret`, quotes forgotten): each such header's value, up to the next
+/// flag or URL.
 fn split_header_values(args: &[String]) -> Vec<&str> {
     let mut words = Vec::new();
     let mut rest = args.iter().map(String::as_str).peekable();
     while let Some(arg) = rest.next() {
         let value = match arg {
             "-H" | "--header" => rest.peek().copied(),
+            // A header typed with neither its `-H` nor quotes (`X-Api-Key: s3cret`): only a
+            // name a host would not have (`localhost: 7471` is an address's typo).
+            _ if !arg.starts_with('-') => arg.strip_suffix(':').and_then(|name| {
+                let header =
+                    name.bytes().any(|b| b.is_ascii_uppercase()) || names_a_credential(name.trim());
+                header.then_some(arg)
+            }),
             _ => arg
                 .strip_prefix("--header=")
                 .or_else(|| arg.strip_prefix("-H").filter(|v| !v.is_empty())),
@@ -142,30 +150,20 @@ fn split_header_values(args: &[String]) -> Vec<&str> {
 /// value`, `Name:value`, spaces around either), which may be a credential; `None` for any
 /// other argument. Not a header: a URL (`scheme://`), a `host:port`, `host:port/path` or
 /// `host:port?query` (digits right after the colon, a bad port included, so that the URL
-/// check can name it), and a name of digits and dots (an IPv4 address). Except:
-/// - a name with a capital letter (`X-Api-Key:1234`) is a header's, digits or not: host names
-///   are written in lower case;
-/// - so is a name that can only mean a secret ([`Credential::Sure`]: `x-api-key:4711`,
-///   `password:1234`, `x-vault-key:1234/abcd+ef==`), whatever follows the colon; so
-///   `authorization:8080/v1/check` is hidden too (hiding an address is the lesser harm);
-/// - a name whose last word is also a common host name's ([`Credential::Maybe`]: `auth`,
-///   `session`, `token`) is an address only as a port (1 to 5 digits, at most 65535) with
-///   nothing after it or a path or query that holds no `+`, no `==` and no `//`
-///   (`vault-token:8200/v1/sys/health`); `token:1234/abcd+ef==` is a header's.
+/// check can name it), and a name of digits and dots (an IPv4 address). Except that these
+/// are headers whatever follows the colon:
+/// - a name with a capital letter (`X-Api-Key:1234`): host names are written in lower case;
+/// - a name with a word that credentials go by ([`names_a_credential`]: `x-api-key:4711`,
+///   `private-token:1234/abcd`, `password:1234`). A host named so (`auth:8080/login`,
+///   `vault-token:8200`) is hidden too, on purpose: these rules read text that did not
+///   parse, and hiding an address costs less than printing a secret.
 pub(crate) fn header_shown(arg: &str) -> Option<String> {
     let (name, after) = arg.split_once(':')?;
     let port = after.split(['/', '?', '#']).next().unwrap_or(after);
-    let digits = !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit());
-    let header_like = name.bytes().any(|b| b.is_ascii_uppercase())
-        || match credential(name.trim()) {
-            Credential::Sure => true,
-            Credential::Maybe => {
-                !(digits && is_port(port) && looks_like_a_path(&after[port.len()..]))
-            }
-            Credential::No => false,
-        };
+    let header_like =
+        name.bytes().any(|b| b.is_ascii_uppercase()) || names_a_credential(name.trim());
     let is_address = after.starts_with("//")
-        || !header_like && digits
+        || !header_like && !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit())
         || name.trim().bytes().all(|b| b.is_ascii_digit() || b == b'.');
     let (name, value) = (name.trim(), after.trim());
     let is_name = !name.is_empty()
@@ -175,63 +173,31 @@ pub(crate) fn header_shown(arg: &str) -> Option<String> {
     (is_name && !value.is_empty() && !is_address).then(|| format!("{name}: ***"))
 }
 
-/// Whether `digits` (ASCII digits) can be a TCP port: 1 to 5 of them, at most 65535.
-fn is_port(digits: &str) -> bool {
-    digits.len() <= 5 && digits.parse::<u32>().is_ok_and(|p| p <= 65535)
-}
-
-/// Whether what follows a port reads as a URL's path, query or fragment rather than a token's
-/// tail: empty, or starting with `/`, `?` or `#` and holding no `+`, `==` or `//` (which
-/// base64 tokens do, and paths seldom).
-fn looks_like_a_path(rest: &str) -> bool {
-    rest.is_empty()
-        || rest.starts_with(['/', '?', '#'])
-            && !rest.contains('+')
-            && !rest.contains("==")
-            && !rest.contains("//")
-}
-
-/// What a lower-case name says of its value.
-#[derive(Debug, PartialEq, Eq)]
-enum Credential {
-    /// A credential header's name, and no likely host name: `authorization`, `cookie`, names
-    /// that are or end in a word such as `key`, `secret` or `password` (`x-api-key`,
-    /// `ocp-apim-subscription-key`), and `x-` names that end in a [`Credential::Maybe`] word
-    /// (`x-auth-token`).
-    Sure,
-    /// Ends in a word that credential headers and host names both use: `auth`, `session`,
-    /// `token` (`x-auth-token`, but also `redis-session`, `vault-token`).
-    Maybe,
-    /// Anything else.
-    No,
-}
-
-/// What `name` (any case) says of its value; see [`Credential`].
-fn credential(name: &str) -> Credential {
-    const WHOLE: &[&str] = &["authorization", "proxy-authorization", "cookie", "apikey"];
-    const SURE: &[&str] = &[
+/// Whether a name (any case) has a word, between `-` and `_`, that credentials go by:
+/// `x-api-key`, `x-apikey`, `private-token`, `x-auth-token`, `proxy-authorization`,
+/// `session-id`, `x-github-otp`.
+fn names_a_credential(name: &str) -> bool {
+    const WORDS: &[&str] = &[
         "key",
+        "apikey",
         "secret",
         "password",
         "passwd",
-        "signature",
+        "pass",
+        "token",
+        "auth",
+        "authorization",
+        "session",
+        "cookie",
         "credential",
         "credentials",
+        "signature",
+        "otp",
+        "bearer",
     ];
-    const MAYBE: &[&str] = &["auth", "session", "token"];
-    let name = name.to_ascii_lowercase();
-    let last = name.rsplit(['-', '_']).next().unwrap_or(&name);
-    // `x-` starts header names (`x-auth-token`), not host names.
-    if WHOLE.contains(&name.as_str())
-        || SURE.contains(&last)
-        || name.starts_with("x-") && MAYBE.contains(&last)
-    {
-        Credential::Sure
-    } else if MAYBE.contains(&last) {
-        Credential::Maybe
-    } else {
-        Credential::No
-    }
+    name.to_ascii_lowercase()
+        .split(['-', '_'])
+        .any(|word| WORDS.contains(&word))
 }
 
 #[cfg(test)]
@@ -252,6 +218,34 @@ mod tests {
             shown,
             "error: unexpected argument 'http://admin:***@127.0.0.1:1' found; 'http://a:***@h'"
         );
+    }
+
+    #[test]
+    fn the_value_after_a_bare_header_name_is_hidden() {
+        // `-H` and the quotes both forgotten: clap takes `X-Api-Key:` for the URL and quotes
+        // the value as the unexpected argument.
+        let args: Vec<String> = [
+            "retryplane",
+            "request",
+            "--endpoint",
+            "pay",
+            "X-Api-Key:",
+            "s3cretvalue",
+            "http://127.0.0.1:9/",
+        ]
+        .map(String::from)
+        .to_vec();
+        let text = "error: unexpected argument 's3cretvalue' found";
+        assert_eq!(
+            without_passwords(text, &args, true),
+            "error: unexpected argument '***' found"
+        );
+        // A `host:` typed alone is not a header: what follows it is shown.
+        let args: Vec<String> = ["retryplane", "status", "localhost:", "7471"]
+            .map(String::from)
+            .to_vec();
+        let text = "error: unexpected argument '7471' found";
+        assert_eq!(without_passwords(text, &args, true), text);
     }
 
     #[test]
@@ -299,18 +293,20 @@ mod tests {
             ("passwd:20261202", Some("passwd: ***")),
             ("credentials:1234567", Some("credentials: ***")),
             ("token:1234/abcd+ef==", Some("token: ***")),
+            ("token:4711/aGVsbG8gd29ybGQ=", Some("token: ***")),
             ("session:5678/AbCdEf+/==", Some("session: ***")),
             ("x-auth-token:123456", Some("x-auth-token: ***")),
-            ("token:70000", Some("token: ***")),
+            ("private-token:31337", Some("private-token: ***")),
+            ("api-token:4711/aGVsbG8gd29ybGQ=", Some("api-token: ***")),
+            ("access-token:4242?sig=abc", Some("access-token: ***")),
+            ("x-apikey:12345678", Some("x-apikey: ***")),
+            ("x-authorization:54321", Some("x-authorization: ***")),
+            ("x-github-otp:123456", Some("x-github-otp: ***")),
+            ("auth:8080/login", Some("auth: ***")),
             ("api-gateway:8080", None),
             ("keycloak:8080", None),
-            ("auth:8080", None),
-            ("token:8200", None),
-            ("session:6379", None),
-            ("user-auth:8080/login", None),
-            ("redis-session:6379/0", None),
-            ("vault-token:8200/v1/sys/health", None),
-            ("auth:8080?debug=1", None),
+            ("tokenizer:8080/v1", None),
+            ("passport:3000", None),
             ("127.0.0.1: 7470", None),
             ("localhost:7470", None),
             ("localhost:8080?debug=1", None),
