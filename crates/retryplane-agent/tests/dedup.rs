@@ -923,22 +923,3 @@ async fn two_layered_services_sharing_one_dedup_never_share_an_answer() {
     );
     assert_eq!(up.seen(), 2);
 }
-
-#[tokio::test(start_paused = true)]
-async fn a_concurrency_limit_below_the_layer_does_not_stop_sharing() {
-    // With one request at a time below, the followers must still join the leader's call
-    // instead of waiting for capacity and each calling the upstream in turn.
-    let (svc, up) = upstream(&[]);
-    let dedup = Dedup::default();
-    let limited = tower::limit::ConcurrencyLimitLayer::new(1).layer(svc);
-    let client = client(limited, &dedup);
-    let request = || req(get("http://up/x"), "");
-    let (leader, followers) = leader_and_followers(&client, &dedup, &up, request, 4).await;
-    up.open(1);
-    assert_answered(join(leader).await, 0, false);
-    for f in followers {
-        assert_answered(join(f).await, 0, true);
-    }
-    assert_eq!(up.seen(), 1);
-    assert_eq!(dedup.stats().shared, 4);
-}

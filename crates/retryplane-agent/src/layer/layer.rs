@@ -181,11 +181,6 @@ where
     }
 }
 
-/// With de-duplication, `poll_ready` reserves nothing below: a request that will share
-/// another's answer needs no capacity, and one that waited for capacity could not join the
-/// flight it would have shared (under a concurrency limit of 1, identical reads would run one
-/// after another, each calling the upstream). Each call readies its own clone of the inner
-/// service when it sends, as later attempts do; back-pressure from below is felt there.
 impl<S, B, RB> Service<Request<B>> for Retry<S, Dedup>
 where
     S: Service<Request<ReplayBody<B>>, Response = Response<RB>> + Clone + Send + 'static,
@@ -201,12 +196,12 @@ where
     type Error = BoxError;
     type Future = ResponseFuture<Response<ResponseBody<RB>>>;
 
-    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
-        Poll::Ready(Ok(()))
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
     }
 
     fn call(&mut self, request: Request<B>) -> Self::Future {
-        let inner = Inner::not_ready(&self.inner);
+        let inner = Inner::take_ready(&mut self.inner);
         let settings = self.settings.clone();
         let dedup = self.dedup.clone();
         let stack = self.stack;
@@ -234,14 +229,6 @@ impl<S: Clone> Inner<S> {
         Self {
             svc: std::mem::replace(slot, clone),
             ready: true,
-        }
-    }
-
-    /// A clone of `svc` that holds no reserved capacity: its first send readies it.
-    fn not_ready(svc: &S) -> Self {
-        Self {
-            svc: svc.clone(),
-            ready: false,
         }
     }
 
