@@ -193,7 +193,8 @@ impl TryFrom<Args> for Settings {
     fn try_from(args: Args) -> anyhow::Result<Self> {
         let method = match &args.method {
             Some(m) => Method::from_bytes(m.to_ascii_uppercase().as_bytes())
-                .map_err(|_| anyhow::anyhow!("-X {m}: not an HTTP method"))?,
+                // A header typed after `-X` instead of `-H` is shown without its value.
+                .map_err(|_| anyhow::anyhow!("-X {}: not an HTTP method", shown_target(m)))?,
             None if args.data.is_some() => Method::POST,
             None => Method::GET,
         };

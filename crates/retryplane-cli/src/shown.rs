@@ -173,31 +173,31 @@ pub(crate) fn header_shown(arg: &str) -> Option<String> {
     (is_name && !value.is_empty() && !is_address).then(|| format!("{name}: ***"))
 }
 
-/// Whether a name (any case) has a word, between `-` and `_`, that credentials go by:
-/// `x-api-key`, `x-apikey`, `private-token`, `x-auth-token`, `proxy-authorization`,
-/// `session-id`, `x-github-otp`.
+/// Whether a name (any case) says it carries a credential: it holds one of the parts
+/// credentials are named with (`key`, `token`, `auth`, `session`, `pass`…: `x-api-key`,
+/// `x-apitoken`, `sessionid`, `x-passcode`), or one of its words (between `-` and `_`) is a
+/// short one that is only a credential's as a whole word (`otp`, `sid`, `pin`: `x-github-otp`).
+/// A host named so (`keycloak`, `author-service`) is then hidden too; see [`header_shown`].
 fn names_a_credential(name: &str) -> bool {
-    const WORDS: &[&str] = &[
+    const PARTS: &[&str] = &[
         "key",
-        "apikey",
-        "secret",
-        "password",
-        "passwd",
-        "pass",
         "token",
+        "secret",
+        "pass",
         "auth",
-        "authorization",
         "session",
+        "sessid",
         "cookie",
         "credential",
-        "credentials",
         "signature",
-        "otp",
         "bearer",
+        "otp",
+        "mfa",
     ];
-    name.to_ascii_lowercase()
-        .split(['-', '_'])
-        .any(|word| WORDS.contains(&word))
+    const WORDS: &[&str] = &["sid", "pin"];
+    let name = name.to_ascii_lowercase();
+    PARTS.iter().any(|part| name.contains(part))
+        || name.split(['-', '_']).any(|word| WORDS.contains(&word))
 }
 
 #[cfg(test)]
@@ -303,10 +303,18 @@ mod tests {
             ("x-authorization:54321", Some("x-authorization: ***")),
             ("x-github-otp:123456", Some("x-github-otp: ***")),
             ("auth:8080/login", Some("auth: ***")),
+            ("x-apitoken:4711/aGVsbG8gd29ybGQ=", Some("x-apitoken: ***")),
+            ("x-totp:482913", Some("x-totp: ***")),
+            ("sessionid:98765432", Some("sessionid: ***")),
+            ("x-accesstoken:12345678", Some("x-accesstoken: ***")),
+            ("phpsessid:12345678", Some("phpsessid: ***")),
+            ("x-passcode:123456", Some("x-passcode: ***")),
+            ("x-mfa:482913", Some("x-mfa: ***")),
+            ("pin:4829", Some("pin: ***")),
             ("api-gateway:8080", None),
-            ("keycloak:8080", None),
-            ("tokenizer:8080/v1", None),
-            ("passport:3000", None),
+            ("sidecar:15000", None),
+            ("localhost:99999/stock", None),
+            ("shopping:8080/cart", None),
             ("127.0.0.1: 7470", None),
             ("localhost:7470", None),
             ("localhost:8080?debug=1", None),

@@ -351,6 +351,23 @@ fn a_url_refused_is_shown_without_its_query_or_fragment() {
 }
 
 #[test]
+fn a_header_typed_after_x_instead_of_h_is_not_shown() {
+    let (code, stderr) =
+        request_stderr(&["-X", "Authorization: Bearer s3cr3t", "http://127.0.0.1:9/"]);
+    assert_eq!(code, Some(2));
+    assert!(
+        stderr.starts_with("retryplane: error: -X Authorization: ***: not an HTTP method"),
+        "{stderr}"
+    );
+    let (code, stderr) = request_stderr(&["-X", "FETCH ME", "http://127.0.0.1:9/"]);
+    assert_eq!(code, Some(2));
+    assert!(
+        stderr.starts_with("retryplane: error: -X FETCH ME: not an HTTP method"),
+        "{stderr}"
+    );
+}
+
+#[test]
 fn a_url_after_an_h_with_no_value_may_be_its_split_value_and_is_not_shown() {
     let (code, stderr) = request_stderr(&["-H", "X-Api-Key:", "s3cr3t"]);
     assert_eq!(code, Some(2));
