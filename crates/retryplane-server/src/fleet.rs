@@ -790,6 +790,13 @@ mod tests {
         assert_eq!(fleet.register(&h, None, None).unwrap().refused, None);
     }
 
+    /// The last answer `id` is listed with, and its version.
+    fn last(fleet: &Fleet, id: &str) -> (String, u64) {
+        let all = fleet.status();
+        let s = all.iter().find(|s| s.agent_id == id).unwrap();
+        (s.last_response.clone(), s.last_response_version)
+    }
+
     #[test]
     fn the_last_ack_is_kept_when_the_same_process_comes_back_running_that_version() {
         let fleet = Fleet::new(10);
@@ -799,26 +806,22 @@ mod tests {
         let first = fleet.register(&h, None, current).unwrap();
         fleet.ack("a", first.generation, 4, "h4");
         fleet.disconnected("a", first.generation);
-        let last = |fleet: &Fleet| {
-            let s = &fleet.status()[0];
-            (s.last_response.clone(), s.last_response_version)
-        };
         h.last_applied_version = 4;
         h.last_applied_hash = "h4".to_owned();
         let second = fleet.register(&h, None, current).unwrap();
         assert_eq!(
-            last(&fleet),
+            last(&fleet, "a"),
             ("ack".to_owned(), 4),
             "a dropped stream came back"
         );
         // A replacement while connected keeps it too.
         fleet.register(&h, None, current).unwrap();
-        assert_eq!(last(&fleet), ("ack".to_owned(), 4));
+        assert_eq!(last(&fleet, "a"), ("ack".to_owned(), 4));
         fleet.disconnected("a", second.generation);
         // Another process under the same id has answered nothing yet.
         h.instance_id = 6;
         fleet.register(&h, None, current).unwrap();
-        assert_eq!(last(&fleet), (String::new(), 0));
+        assert_eq!(last(&fleet, "a"), (String::new(), 0));
         // Nor has one that says it runs another version, or other content under that number.
         let mut h = hello("b");
         h.instance_id = 7;
@@ -826,18 +829,13 @@ mod tests {
         fleet.ack("b", b.generation, 4, "h4");
         h.last_applied_version = 3;
         fleet.register(&h, None, current).unwrap();
-        let of_b = |fleet: &Fleet| {
-            let all = fleet.status();
-            let s = all.iter().find(|s| s.agent_id == "b").unwrap();
-            (s.last_response.clone(), s.last_response_version)
-        };
-        assert_eq!(of_b(&fleet), (String::new(), 0));
+        assert_eq!(last(&fleet, "b"), (String::new(), 0));
         let b = fleet.register(&h, None, current).unwrap();
         fleet.ack("b", b.generation, 4, "h4");
         h.last_applied_version = 4;
         h.last_applied_hash = "other".to_owned();
         fleet.register(&h, None, current).unwrap();
-        assert_eq!(of_b(&fleet), (String::new(), 0));
+        assert_eq!(last(&fleet, "b"), (String::new(), 0));
         // Once the control plane has moved past the acked number, a Hello naming that number
         // with other content (another store's) is told apart by the ACK's own hash.
         let moved_on = Some((5, "h5"));
@@ -848,18 +846,13 @@ mod tests {
         h.last_applied_version = 4;
         h.last_applied_hash = "another-store".to_owned();
         fleet.register(&h, None, moved_on).unwrap();
-        let of_d = |fleet: &Fleet| {
-            let all = fleet.status();
-            let s = all.iter().find(|s| s.agent_id == "d").unwrap();
-            (s.last_response.clone(), s.last_response_version)
-        };
-        assert_eq!(of_d(&fleet), (String::new(), 0));
+        assert_eq!(last(&fleet, "d"), (String::new(), 0));
         let d = fleet.register(&h, None, current).unwrap();
         h.last_applied_hash = "h4".to_owned();
         fleet.ack("d", d.generation, 4, "h4");
         fleet.register(&h, None, moved_on).unwrap();
         assert_eq!(
-            of_d(&fleet),
+            last(&fleet, "d"),
             ("ack".to_owned(), 4),
             "the same content, still acked"
         );
