@@ -923,3 +923,84 @@ async fn two_layered_services_sharing_one_dedup_never_share_an_answer() {
     );
     assert_eq!(up.seen(), 2);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_concurrency_limit_below_the_layer_does_not_stop_sharing() {
+    // With one request at a time below, the followers must still join the leader's call
+    // instead of waiting for capacity and each calling the upstream in turn.
+    let (svc, up) = upstream(&[]);
+    let dedup = Dedup::default();
+    let limited = tower::limit::ConcurrencyLimitLayer::new(1).layer(svc);
+    let client = client(limited, &dedup);
+    let request = || req(get("http://up/x"), "");
+    let (leader, followers) = leader_and_followers(&client, &dedup, &up, request, 4).await;
+    up.open(1);
+    assert_answered(join(leader).await, 0, false);
+    for f in followers {
+        assert_answered(join(f).await, 0, true);
+    }
+    assert_eq!(up.seen(), 1);
+    assert_eq!(dedup.stats().shared, 4);
+}
+
+#[tokio::test(start_paused = true)]
+async fn waiting_for_capacity_below_the_layer_is_not_part_of_the_first_attempt() {
+    // Four different reads through a limit of one, each answered in 800 ms: the fourth waits
+    // 2.4 s for capacity. Its 1 s per-try timeout starts when it is sent, so every call
+    // succeeds at once; the wait is bounded by the 10 s deadline only.
+    let upstream = service_fn(|_req: Request<Body>| async {
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        Ok::<_, io::Error>(Response::new(Full::new(Bytes::from_static(b"ok"))))
+    });
+    let dedup = Dedup::default();
+    let agent = agent(&policy(
+        "max_attempts: 3\ndeadline: 10s\nper_try_timeout: 1s",
+    ));
+    let limited = tower::limit::ConcurrencyLimitLayer::new(1).layer(upstream);
+    let client = client_of(&agent, limited, &dedup);
+    let calls: Vec<_> = (0..4)
+        .map(|i| {
+            let client = client.clone();
+            let request = req(get(&format!("http://up/item/{i}")), "");
+            tokio::spawn(async move { client.oneshot(request).await.map(|r| r.status()) })
+        })
+        .collect();
+    for call in calls {
+        assert_eq!(call.await.unwrap().unwrap(), 200);
+    }
+    let counts = agent.endpoint("ep").pending_counts();
+    assert_eq!(
+        (counts.calls, counts.success_first_try),
+        (4, 4),
+        "{counts:?}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_inner_service_that_cannot_get_ready_ends_the_call_at_once_uncounted() {
+    #[derive(Clone)]
+    struct Closed;
+    impl tower::Service<Request<Body>> for Closed {
+        type Response = Response<Full<Bytes>>;
+        type Error = io::Error;
+        type Future = std::future::Ready<Result<Self::Response, io::Error>>;
+        fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), io::Error>> {
+            Poll::Ready(Err(io::Error::other("the worker is gone")))
+        }
+        fn call(&mut self, _req: Request<Body>) -> Self::Future {
+            panic!("called without being ready");
+        }
+    }
+    let dedup = Dedup::default();
+    let agent = agent(&policy(POLICY));
+    let client = client_of(&agent, Closed, &dedup);
+    let began = Instant::now();
+    let error = client
+        .oneshot(req(get("http://up/x"), ""))
+        .await
+        .unwrap_err();
+    assert!(error.to_string().contains("the worker is gone"), "{error}");
+    assert_eq!(began.elapsed(), Duration::ZERO, "no attempt, no pause");
+    let counts = agent.endpoint("ep").pending_counts();
+    assert_eq!((counts.calls, counts.attempts), (0, 0), "{counts:?}");
+}

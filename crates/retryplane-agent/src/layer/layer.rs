@@ -181,6 +181,12 @@ where
     }
 }
 
+/// With de-duplication, `poll_ready` reserves nothing below (it is always ready): a request
+/// that will share another's answer needs no capacity, and one held back for capacity could
+/// not join the call it would share (under a concurrency limit of 1, identical reads would run
+/// one after another, each calling the upstream). A call that sends readies its clone of the
+/// inner service first (`ready_for_first_send`), within the call's deadline and before its
+/// first attempt's timer starts.
 impl<S, B, RB> Service<Request<B>> for Retry<S, Dedup>
 where
     S: Service<Request<ReplayBody<B>>, Response = Response<RB>> + Clone + Send + 'static,
@@ -196,12 +202,12 @@ where
     type Error = BoxError;
     type Future = ResponseFuture<Response<ResponseBody<RB>>>;
 
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
-        self.inner.poll_ready(cx).map_err(Into::into)
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        Poll::Ready(Ok(()))
     }
 
     fn call(&mut self, request: Request<B>) -> Self::Future {
-        let inner = Inner::take_ready(&mut self.inner);
+        let inner = Inner::not_ready(&self.inner);
         let settings = self.settings.clone();
         let dedup = self.dedup.clone();
         let stack = self.stack;
@@ -229,6 +235,14 @@ impl<S: Clone> Inner<S> {
         Self {
             svc: std::mem::replace(slot, clone),
             ready: true,
+        }
+    }
+
+    /// A clone of `svc` that holds no reserved capacity.
+    fn not_ready(svc: &S) -> Self {
+        Self {
+            svc: svc.clone(),
+            ready: false,
         }
     }
 
@@ -482,12 +496,20 @@ where
         _ => None,
     };
     let Some((key, deadline)) = shared else {
+        let head = match &prepared {
+            Prepared::Buffered { head, .. } | Prepared::Once { head, .. } => head,
+        };
+        let deadline = begun.deadline(&call_meta(head, head.uri.path()));
+        ready_for_first_send(&mut inner, deadline).await?;
         return send(inner, &settings, prepared, begun).await;
     };
     loop {
         match dedup.join(key) {
             Role::Lead(leader) => {
-                let result = send(inner, &settings, prepared, begun).await;
+                let result = match ready_for_first_send(&mut inner, deadline).await {
+                    Ok(()) => send(inner, &settings, prepared, begun).await,
+                    Err(e) => Err(e),
+                };
                 return land(result, leader, dedup.response_limit(), deadline).await;
             }
             Role::Follow(follower) => {
@@ -498,6 +520,7 @@ where
                     // endpoint's counters see"); `DedupStats::shared` counts it.
                     Some(Landing::Shared(response)) => return Ok(response.copy()),
                     Some(Landing::OwnCall) => {
+                        ready_for_first_send(&mut inner, deadline).await?;
                         return send(inner, &settings, prepared, begun).await;
                     }
                     // The leader was dropped (its caller went away): lead or follow anew.
@@ -505,6 +528,31 @@ where
                 }
             }
         }
+    }
+}
+
+/// Readies `inner` for a call's first send (with de-duplication, `poll_ready` did not), waiting
+/// for capacity below the layer at most until the call's `deadline`: the wait is the caller's,
+/// as it is in `poll_ready` without de-duplication, not the first attempt's (its per-try
+/// timeout starts when it is sent). An error readying it ends the call at once, with no
+/// attempt counted. Past the deadline the call is sent on unready: it gives up with
+/// `deadline_exceeded` before any attempt.
+async fn ready_for_first_send<S, R>(inner: &mut Inner<S>, deadline: Instant) -> Result<(), BoxError>
+where
+    S: Service<R>,
+    S::Error: Into<BoxError>,
+{
+    if inner.ready {
+        return Ok(());
+    }
+    let ready = std::future::poll_fn(|cx| inner.svc.poll_ready(cx));
+    match tokio::time::timeout_at(deadline, ready).await {
+        Ok(Ok(())) => {
+            inner.ready = true;
+            Ok(())
+        }
+        Ok(Err(e)) => Err(e.into()),
+        Err(_) => Ok(()),
     }
 }
 
