@@ -765,6 +765,17 @@ impl Begun {
         ((idempotent || keyed) && meta.replayable()).then(|| RetryRules::new(policy, info))
     }
 
+    /// Whether the endpoint's breaker, if the policy for a call described by `meta` uses it,
+    /// is open now: its first attempt would be refused (`circuit_open`) whatever it waited
+    /// for first. Read-only; half-open (a probe may be free) is not refused.
+    pub(crate) fn breaker_open(&self, meta: &CallMeta<'_>) -> bool {
+        let (policy, runtime) = self.entry.resolve(&meta.target());
+        policy.circuit_breaker.is_some()
+            && runtime.state.breaker().is_some_and(|b| {
+                b.state(Instant::now()) == retryplane_policy::breaker::BreakerState::Open
+            })
+    }
+
     /// Whether a call described by `meta` is idempotent: its method listed for its route, or
     /// declared so (the idempotency key does not count).
     pub(crate) fn is_idempotent(&self, meta: &CallMeta<'_>) -> bool {

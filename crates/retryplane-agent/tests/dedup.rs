@@ -1004,3 +1004,63 @@ async fn an_inner_service_that_cannot_get_ready_ends_the_call_at_once_uncounted(
     let counts = agent.endpoint("ep").pending_counts();
     assert_eq!((counts.calls, counts.attempts), (0, 0), "{counts:?}");
 }
+
+#[tokio::test(start_paused = true)]
+async fn an_open_breaker_refuses_at_once_a_call_that_would_wait_for_capacity() {
+    // The only permit below is held by a slow call; the breaker opens meanwhile. A read that
+    // would wait for that permit is refused at once (`circuit_open`), as SPEC §2 step 2 says,
+    // not held until its deadline.
+    let seen = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = seen.clone();
+    let upstream = service_fn(move |req: Request<Body>| {
+        counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        async move {
+            let status = match req.uri().path() {
+                "/slow" => {
+                    tokio::time::sleep(Duration::from_secs(20)).await;
+                    200
+                }
+                "/fail" => 503,
+                _ => 200,
+            };
+            let response = Response::builder()
+                .status(status)
+                .body(Full::new(Bytes::new()))
+                .unwrap();
+            Ok::<_, io::Error>(response)
+        }
+    });
+    let agent = agent(&policy(
+        "max_attempts: 1\ndeadline: 10s\nper_try_timeout: 10s\ncircuit_breaker: {enabled: true, failure_ratio: 0.5, min_requests: 2, open_for: 30s}",
+    ));
+    let dedup = Dedup::default();
+    let limited = client_of(
+        &agent,
+        tower::limit::ConcurrencyLimitLayer::new(1).layer(upstream.clone()),
+        &dedup,
+    );
+    let plain = RetryLayer::new(agent.endpoint("ep")).layer(upstream);
+    let slow = tokio::spawn(limited.clone().oneshot(req(
+        Request::builder().method("POST").uri("http://up/slow"),
+        "",
+    )));
+    until("the slow call holds the permit", || {
+        seen.load(std::sync::atomic::Ordering::SeqCst) == 1
+    })
+    .await;
+    for _ in 0..2 {
+        let failed = plain.clone().oneshot(req(get("http://up/fail"), "")).await;
+        assert_eq!(failed.unwrap().status(), 503);
+    }
+    let began = Instant::now();
+    let refused = limited
+        .clone()
+        .oneshot(req(get("http://up/b"), ""))
+        .await
+        .unwrap_err();
+    assert_eq!(began.elapsed(), Duration::ZERO, "{refused}");
+    assert!(refused.to_string().contains("circuit_open"), "{refused}");
+    let counts = agent.endpoint("ep").pending_counts();
+    assert_eq!(counts.circuit_open, 1, "{counts:?}");
+    slow.abort();
+}

@@ -128,7 +128,9 @@ impl std::fmt::Debug for State {
 /// What [`Dedup`] has done so far (counts since it was made, across its clones).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DedupStats {
-    /// Shareable requests that ran the call themselves (as leaders).
+    /// Shareable requests that led a call (ran it themselves for any followers); a leader
+    /// whose inner service failed to get ready, or whose caller dropped it while it waited
+    /// for capacity, is counted though it sent nothing.
     pub led: u64,
     /// Requests answered with a copy of a leader's response, without a call of their own.
     /// They are not in the endpoint's counters, which count calls made (see the

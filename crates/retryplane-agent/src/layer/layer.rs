@@ -500,13 +500,15 @@ where
             Prepared::Buffered { head, .. } | Prepared::Once { head, .. } => head,
         };
         let deadline = begun.deadline(&call_meta(head, head.uri.path()));
-        ready_for_first_send(&mut inner, deadline).await?;
+        let open = breaker_open(&begun, &prepared);
+        ready_for_first_send(&mut inner, deadline, open).await?;
         return send(inner, &settings, prepared, begun).await;
     };
     loop {
         match dedup.join(key) {
             Role::Lead(leader) => {
-                let result = match ready_for_first_send(&mut inner, deadline).await {
+                let open = breaker_open(&begun, &prepared);
+                let result = match ready_for_first_send(&mut inner, deadline, open).await {
                     Ok(()) => send(inner, &settings, prepared, begun).await,
                     Err(e) => Err(e),
                 };
@@ -520,7 +522,8 @@ where
                     // endpoint's counters see"); `DedupStats::shared` counts it.
                     Some(Landing::Shared(response)) => return Ok(response.copy()),
                     Some(Landing::OwnCall) => {
-                        ready_for_first_send(&mut inner, deadline).await?;
+                        let open = breaker_open(&begun, &prepared);
+                        ready_for_first_send(&mut inner, deadline, open).await?;
                         return send(inner, &settings, prepared, begun).await;
                     }
                     // The leader was dropped (its caller went away): lead or follow anew.
@@ -531,18 +534,32 @@ where
     }
 }
 
+/// Whether the open breaker will refuse the call `begun` of `prepared` ([`Begun::breaker_open`]).
+fn breaker_open<B>(begun: &Begun, prepared: &Prepared<B>) -> bool {
+    match prepared {
+        Prepared::Buffered { head, .. } | Prepared::Once { head, .. } => {
+            begun.breaker_open(&call_meta(head, head.uri.path()))
+        }
+    }
+}
+
 /// Readies `inner` for a call's first send (with de-duplication, `poll_ready` did not), waiting
 /// for capacity below the layer at most until the call's `deadline`: the wait is the caller's,
 /// as it is in `poll_ready` without de-duplication, not the first attempt's (its per-try
 /// timeout starts when it is sent). An error readying it ends the call at once, with no
 /// attempt counted. Past the deadline the call is sent on unready: it gives up with
-/// `deadline_exceeded` before any attempt.
-async fn ready_for_first_send<S, R>(inner: &mut Inner<S>, deadline: Instant) -> Result<(), BoxError>
+/// `deadline_exceeded` before any attempt. A call the open breaker will refuse
+/// (`breaker_open`) does not wait: it is sent on at once and fails fast with `circuit_open`.
+async fn ready_for_first_send<S, R>(
+    inner: &mut Inner<S>,
+    deadline: Instant,
+    breaker_open: bool,
+) -> Result<(), BoxError>
 where
     S: Service<R>,
     S::Error: Into<BoxError>,
 {
-    if inner.ready {
+    if inner.ready || breaker_open {
         return Ok(());
     }
     let ready = std::future::poll_fn(|cx| inner.svc.poll_ready(cx));

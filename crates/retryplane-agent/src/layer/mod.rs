@@ -36,13 +36,16 @@
 //!   later calls.
 //! - The inner service is called on the instance `poll_ready` readied (capacity reserved
 //!   there, such as a `ConcurrencyLimit` permit or a `Buffer` slot, is what the first attempt
-//!   uses); each later attempt readies a clone of its own first. With de-duplication,
+//!   uses); each later attempt readies a clone of its own first, inside that attempt (its
+//!   wait for capacity below counts against its per-try timeout). With de-duplication,
 //!   `poll_ready` reserves nothing and is always ready (a request that will share another's
 //!   answer needs no capacity, and one held back for capacity could not join the call it
 //!   would share): a call that sends waits for capacity below inside its future, before its
 //!   first attempt, within the call's deadline and not its per-try timeout. So back-pressure
 //!   from below shows as that wait, not in `poll_ready` (a `LoadShed` above the layer does
-//!   not see it); an error readying the inner service ends the call at once, uncounted.
+//!   not see it); an error readying the inner service ends the call at once, uncounted, and
+//!   a call the endpoint's open breaker will refuse does not wait: it fails at once with
+//!   `circuit_open`.
 //! - Responses are classified with the [`Classify`](crate::Classify) impl of `http::Response`
 //!   (status, `Retry-After`; for a gRPC response with `grpc-status` in its headers, a
 //!   "Trailers-Only" error such as `UNAVAILABLE`, that code and `grpc-retry-pushback-ms`, as
