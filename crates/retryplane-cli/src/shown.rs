@@ -120,11 +120,9 @@ fn split_header_values(args: &[String]) -> Vec<&str> {
             "-H" | "--header" => rest.peek().copied(),
             // A header typed with neither its `-H` nor quotes (`X-Api-Key: s3cret`): only a
             // name a host would not have (`localhost: 7471` is an address's typo).
-            _ if !arg.starts_with('-') => arg.strip_suffix(':').and_then(|name| {
-                let header =
-                    name.bytes().any(|b| b.is_ascii_uppercase()) || names_a_credential(name.trim());
-                header.then_some(arg)
-            }),
+            _ if !arg.starts_with('-') => arg
+                .strip_suffix(':')
+                .and_then(|name| header_like(name).then_some(arg)),
             _ => arg
                 .strip_prefix("--header=")
                 .or_else(|| arg.strip_prefix("-H").filter(|v| !v.is_empty())),
@@ -160,10 +158,8 @@ fn split_header_values(args: &[String]) -> Vec<&str> {
 pub(crate) fn header_shown(arg: &str) -> Option<String> {
     let (name, after) = arg.split_once(':')?;
     let port = after.split(['/', '?', '#']).next().unwrap_or(after);
-    let header_like =
-        name.bytes().any(|b| b.is_ascii_uppercase()) || names_a_credential(name.trim());
     let is_address = after.starts_with("//")
-        || !header_like && !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit())
+        || !header_like(name) && !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit())
         || name.trim().bytes().all(|b| b.is_ascii_digit() || b == b'.');
     let (name, value) = (name.trim(), after.trim());
     let is_name = !name.is_empty()
@@ -173,10 +169,17 @@ pub(crate) fn header_shown(arg: &str) -> Option<String> {
     (is_name && !value.is_empty() && !is_address).then(|| format!("{name}: ***"))
 }
 
+/// Whether `name` is a header's whatever follows its colon: it has a capital letter (host
+/// names are written in lower case) or says it carries a credential ([`names_a_credential`]).
+fn header_like(name: &str) -> bool {
+    name.bytes().any(|b| b.is_ascii_uppercase()) || names_a_credential(name.trim())
+}
+
 /// Whether a name (any case) says it carries a credential: it holds one of the parts
-/// credentials are named with (`key`, `token`, `auth`, `session`, `pass`…: `x-api-key`,
-/// `x-apitoken`, `sessionid`, `x-passcode`), or one of its words (between `-` and `_`) is a
-/// short one that is only a credential's as a whole word (`otp`, `sid`, `pin`: `x-github-otp`).
+/// credentials are named with (`key`, `token`, `auth`, `session`, `pass`, `otp`…:
+/// `x-api-key`, `x-apitoken`, `sessionid`, `x-passcode`, `x-github-otp`), or one of its words
+/// (between `-` and `_`) is a short one that is only a credential's as a whole word (`sid`,
+/// `pin`).
 /// A host named so (`keycloak`, `author-service`) is then hidden too; see [`header_shown`].
 fn names_a_credential(name: &str) -> bool {
     const PARTS: &[&str] = &[
