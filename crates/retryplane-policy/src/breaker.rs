@@ -233,6 +233,26 @@ impl CircuitBreaker {
         state & OPEN != 0 && nanos < until_nanos(state)
     }
 
+    /// Whether an attempt asked for at `now` would be refused: what [`Self::try_acquire`] would
+    /// answer, read-only (no probe is taken, no lost probes are replaced). Open, or half-open
+    /// with every probe out (until the probes count as lost, another `open_for` on), is
+    /// refused. A caller about to wait for something before its attempt asks this first, and
+    /// again while it waits, so that it fails fast rather than wait for an attempt the breaker
+    /// will refuse.
+    pub fn would_refuse(&self, now: Instant) -> bool {
+        let state = self.state.load(Acquire);
+        if state & OPEN == 0 {
+            return false;
+        }
+        let now_nanos = self.nanos(now);
+        let until = until_nanos(state);
+        if now_nanos < until {
+            return true;
+        }
+        let (issued, _) = probe_counts(self.probes.load(Acquire), generation(state));
+        issued >= self.half_open_probes && now_nanos < until.saturating_add(self.open_for_nanos)
+    }
+
     /// Asks to make one attempt at `now`: always granted while closed; while half-open, granted
     /// as a probe until `half_open_probes` have been taken; rejected otherwise.
     pub fn try_acquire(&self, now: Instant) -> Result<Permit, BreakerOpen> {

@@ -107,6 +107,45 @@ fn half_open_after_open_for_lets_exactly_n_probes() {
 }
 
 #[test]
+fn would_refuse_answers_as_try_acquire_would_without_taking_a_probe() {
+    let t0 = Instant::now();
+    let b = breaker(10, t0);
+    assert!(!b.would_refuse(t0), "closed");
+    let opened = trip(&b, t0);
+    assert!(b.would_refuse(opened), "open");
+    assert!(b.would_refuse(ms(opened, 29_999)), "open");
+    let half = opened + Duration::from_secs(30);
+    // Half-open with probes free: asking takes none of them.
+    for _ in 0..5 {
+        assert!(!b.would_refuse(half));
+    }
+    let probes: Vec<_> = (0..3).map(|_| b.try_acquire(half)).collect();
+    assert!(probes.iter().all(Result::is_ok), "asking took a probe");
+    // Every probe out: refused, as `try_acquire` is, until they count as lost.
+    assert!(b.would_refuse(half));
+    assert_eq!(b.try_acquire(half), Err(BreakerOpen));
+    let nearly_lost = half + Duration::from_millis(29_999);
+    assert!(b.would_refuse(nearly_lost));
+    assert_eq!(b.try_acquire(nearly_lost), Err(BreakerOpen));
+    let lost = half + Duration::from_secs(30);
+    assert!(!b.would_refuse(lost));
+    assert!(b.try_acquire(lost).is_ok_and(Permit::is_probe));
+    // A probe handed back is free again.
+    let b = breaker(10, t0);
+    let half = trip(&b, t0) + Duration::from_secs(30);
+    let probes: Vec<_> = (0..3).filter_map(|_| b.try_acquire(half).ok()).collect();
+    assert!(b.would_refuse(half));
+    b.release(probes[0]);
+    assert!(!b.would_refuse(half));
+    // Closed again by its probes.
+    probes[1..].iter().for_each(|p| b.record(*p, true, half));
+    let last = b.try_acquire(half).unwrap();
+    b.record(last, true, half);
+    assert_eq!(b.state(half), Closed);
+    assert!(!b.would_refuse(half));
+}
+
+#[test]
 fn concurrent_acquires_while_half_open_get_exactly_n_probes() {
     let t0 = Instant::now();
     let b = breaker(10, t0);
