@@ -24,6 +24,7 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use arc_swap::ArcSwapOption;
+use retryplane_policy::breaker::CircuitBreaker;
 use retryplane_policy::engine::{CallInfo, Decision, GiveUpCause, Outcome, RetryCall, RetryRules};
 use retryplane_policy::retry_after::RetryAfterError;
 use retryplane_policy::rng::{Rng, SeededRng};
@@ -36,6 +37,7 @@ use crate::classify::{Classification, Classify, class_name};
 use crate::error::{CallError, Cause, Last};
 use crate::meta::{AttemptInfo, CallMeta};
 use crate::metrics::{CounterValues, Counters, Registry};
+use crate::ready::{AlwaysReady, Readied, Ready, wait_ready};
 use crate::snapshot::Entry;
 
 /// A cheap handle on one logical upstream: clone it freely and keep it. It keeps the agent's
@@ -218,7 +220,14 @@ impl Endpoint {
         F: FnMut(AttemptInfo) -> Fut,
         Fut: Future<Output = Result<T, E>>,
     {
-        self.call_reauth(Now, meta, classify_result::<T, E>, attempt, NoReauth)
+        self.call_reauth(
+            Now,
+            meta,
+            classify_result::<T, E>,
+            attempt,
+            NoReauth,
+            AlwaysReady,
+        )
     }
 
     /// [`Endpoint::call`] with a classifier of your own.
@@ -238,7 +247,7 @@ impl Endpoint {
         F: FnMut(AttemptInfo) -> Fut,
         Fut: Future<Output = Result<T, E>>,
     {
-        self.call_reauth(Now, meta, classify, attempt, NoReauth)
+        self.call_reauth(Now, meta, classify, attempt, NoReauth, AlwaysReady)
     }
 
     /// [`Endpoint::call`] with a once-only credential refresh (SPEC §2, "Agent extras"): the
@@ -323,6 +332,7 @@ impl Endpoint {
                 used: false,
                 _future: std::marker::PhantomData,
             },
+            AlwaysReady,
         )
     }
 
@@ -341,13 +351,18 @@ impl Endpoint {
         clippy::manual_async_fn,
         reason = "an async fn keeps its arguments twice in the call's state"
     )]
-    pub(crate) fn call_reauth<T, E, C, F, Fut, A, S>(
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "crate-private; each hook is a type parameter so that a call without it pays nothing"
+    )]
+    pub(crate) fn call_reauth<T, E, C, F, Fut, A, S, R>(
         &self,
         start: S,
         meta: CallMeta<'_>,
         mut classify: C,
         mut attempt: F,
         mut reauth: A,
+        mut ready: R,
     ) -> impl Future<Output = Result<T, CallError<T, E>>>
     where
         C: FnMut(&Result<T, E>) -> Classification,
@@ -355,6 +370,7 @@ impl Endpoint {
         Fut: Future<Output = Result<T, E>>,
         A: Reauth<T, E>,
         S: Start,
+        R: Ready<E>,
     {
         async move {
             // The call's start, from which its deadline runs, its first attempt's, and the one
@@ -401,6 +417,36 @@ impl Endpoint {
                     {
                         break End::Fail(Cause::Cancelled, last, last_outcome);
                     }
+                    // A retry waits for room below (the tower layer's inner service) before
+                    // its attempt and its timer start, within the deadline, and not while the
+                    // breaker would refuse it (see `crate::ready`).
+                    if pause_before.is_some() && ready.needed() {
+                        let breaker = policy.circuit_breaker.as_ref().and(runtime.state.breaker());
+                        let wait = wait_ready(&mut ready, call.deadline(), |at| {
+                            breaker.is_some_and(|b| b.would_refuse(at))
+                        });
+                        let readied = match cancel {
+                            None => wait.await,
+                            Some(cancel) => tokio::select! {
+                                biased;
+                                () = cancel.cancelled() => break End::Fail(Cause::Cancelled, last, last_outcome),
+                                r = wait => r,
+                            },
+                        };
+                        if let Readied::Failed(e) = readied {
+                            debug!(
+                                endpoint = %self.core.name,
+                                class = "not_ready",
+                                "the service below cannot take the retry"
+                            );
+                            break End::Fail(
+                                Cause::GaveUp(GiveUpCause::NotRetryable),
+                                Some(Last::Error(e)),
+                                None,
+                            );
+                        }
+                        now = Instant::now();
+                    }
                     let plan = match call.start_attempt(now) {
                         Ok(plan) => plan,
                         Err(cause) => break End::Fail(Cause::GaveUp(cause), last, last_outcome),
@@ -437,6 +483,7 @@ impl Endpoint {
                             // call's future.
                             let resend = Box::pin(self.refresh_and_resend(
                                 &mut reauth,
+                                &mut ready,
                                 &mut attempt,
                                 info,
                                 call.policy().per_try_timeout,
@@ -450,6 +497,13 @@ impl Endpoint {
                                 }
                                 Resend::Kept(r) => Ok(r),
                                 Resend::Sent(r) => r,
+                                Resend::NotReady(e) => {
+                                    break End::Fail(
+                                        Cause::GaveUp(GiveUpCause::NotRetryable),
+                                        Some(Last::Error(e)),
+                                        None,
+                                    );
+                                }
                             }
                         }
                         other => other,
@@ -652,9 +706,14 @@ impl Endpoint {
     /// The once-only credential refresh of [`Endpoint::call_reauth`]: refreshes within what is
     /// left of the deadline, then sends the attempt `info` again with a fresh per-try timeout.
     /// A failed or late refresh keeps the first answer.
-    async fn refresh_and_resend<T, E, F, Fut, A>(
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "a step of `call_reauth`, which hands it its state"
+    )]
+    async fn refresh_and_resend<T, E, F, Fut, A, R>(
         &self,
         reauth: &mut A,
+        ready: &mut R,
         attempt: &mut F,
         info: AttemptInfo,
         per_try_timeout: std::time::Duration,
@@ -665,6 +724,7 @@ impl Endpoint {
         F: FnMut(AttemptInfo) -> Fut,
         Fut: Future<Output = Result<T, E>>,
         A: Reauth<T, E>,
+        R: Ready<E>,
     {
         let cancelled = async {
             match cancel {
@@ -679,6 +739,18 @@ impl Endpoint {
             () = &mut cancelled => return Resend::Cancelled,
             r = tokio::time::timeout(left, reauth.refresh()) => r.unwrap_or(false),
         };
+        // The second send waits for room below before its timer starts, as a retry does. The
+        // attempt holds its breaker permit, so the breaker is not asked.
+        if refreshed && ready.needed() {
+            let readied = tokio::select! {
+                biased;
+                () = &mut cancelled => return Resend::Cancelled,
+                r = wait_ready(ready, info.deadline, |_| false) => r,
+            };
+            if let Readied::Failed(e) = readied {
+                return Resend::NotReady(e);
+            }
+        }
         let left = info.deadline.saturating_duration_since(Instant::now());
         // The first send of the attempt, logged like an attempt: its answer asked for a refresh.
         if !refreshed || left.is_zero() {
@@ -765,15 +837,12 @@ impl Begun {
         ((idempotent || keyed) && meta.replayable()).then(|| RetryRules::new(policy, info))
     }
 
-    /// Whether the endpoint's breaker, if the policy for a call described by `meta` uses it,
-    /// is open now: its first attempt would be refused (`circuit_open`) whatever it waited
-    /// for first. Read-only; half-open (a probe may be free) is not refused.
-    pub(crate) fn breaker_open(&self, meta: &CallMeta<'_>) -> bool {
+    /// The endpoint's breaker, if the policy for a call described by `meta` uses it: what may
+    /// refuse the call's attempts ([`CircuitBreaker::would_refuse`] asks without taking a
+    /// probe).
+    pub(crate) fn breaker(&self, meta: &CallMeta<'_>) -> Option<&CircuitBreaker> {
         let (policy, runtime) = self.entry.resolve(&meta.target());
-        policy.circuit_breaker.is_some()
-            && runtime.state.breaker().is_some_and(|b| {
-                b.state(Instant::now()) == retryplane_policy::breaker::BreakerState::Open
-            })
+        policy.circuit_breaker.as_ref().and(runtime.state.breaker())
     }
 
     /// Whether a call described by `meta` is idempotent: its method listed for its route, or
@@ -818,6 +887,8 @@ enum Resend<T, E> {
     Kept(Result<T, E>),
     /// The second answer, or its per-try timeout.
     Sent(Result<Result<T, E>, tokio::time::error::Elapsed>),
+    /// The service below cannot take the second send (see `crate::ready`).
+    NotReady(E),
 }
 
 /// A once-only step between an attempt's answer and the policy's judgement of it: an answer

@@ -52,6 +52,7 @@ mod error;
 pub mod layer;
 mod meta;
 mod metrics;
+mod ready;
 mod snapshot;
 mod stream;
 mod url;

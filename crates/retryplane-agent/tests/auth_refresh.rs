@@ -219,3 +219,96 @@ async fn without_a_hook_a_401_is_returned_as_it_is() {
     assert_eq!(response.status(), 401);
     assert_eq!(seen.lock().unwrap().len(), 1);
 }
+
+#[tokio::test(start_paused = true)]
+async fn the_resend_waits_for_capacity_below_outside_its_per_try_timeout() {
+    // One permit below. The first send gets a 401; while the hook refreshes, a slow call
+    // (800 ms, another endpoint) takes the permit. The resend waits 800 ms for it: the call's
+    // wait, not the resend's 500 ms per-try timeout, so it is sent and answered.
+    type Limited = tower::limit::ConcurrencyLimit<
+        tower::util::BoxCloneSyncService<
+            Request<retryplane_agent::layer::ReplayBody<Full<Bytes>>>,
+            Response<Empty<Bytes>>,
+            std::convert::Infallible,
+        >,
+    >;
+    #[derive(Clone)]
+    struct TakesThePermit {
+        other: retryplane_agent::layer::Retry<Limited>,
+        sent: Arc<std::sync::Mutex<Vec<(String, Duration)>>>,
+    }
+    impl RefreshCredentials for TakesThePermit {
+        async fn refresh(&self, parts: &mut Parts) -> Result<(), BoxError> {
+            let slow = Request::post("http://up/slow")
+                .body(Full::new(Bytes::new()))
+                .unwrap();
+            tokio::spawn(self.other.clone().oneshot(slow));
+            for _ in 0..10_000 {
+                if self.sent.lock().unwrap().len() == 2 {
+                    break;
+                }
+                tokio::task::yield_now().await;
+            }
+            parts
+                .headers
+                .insert(AUTHORIZATION, HeaderValue::from_static("Bearer new"));
+            Ok(())
+        }
+    }
+    let sent = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let log = sent.clone();
+    let origin = Instant::now();
+    let svc = tower::service_fn(
+        move |req: Request<retryplane_agent::layer::ReplayBody<Full<Bytes>>>| {
+            let path = req.uri().path().to_owned();
+            let old = req
+                .headers()
+                .get(AUTHORIZATION)
+                .is_some_and(|v| v == "Bearer old");
+            log.lock().unwrap().push((path.clone(), origin.elapsed()));
+            async move {
+                let status = if path == "/slow" {
+                    tokio::time::sleep(Duration::from_millis(800)).await;
+                    200
+                } else if old {
+                    401
+                } else {
+                    200
+                };
+                let response = Response::builder()
+                    .status(status)
+                    .body(Empty::<Bytes>::new())
+                    .unwrap();
+                Ok::<_, std::convert::Infallible>(response)
+            }
+        },
+    );
+    let limited: Limited =
+        tower::limit::ConcurrencyLimit::new(tower::util::BoxCloneSyncService::new(svc), 1);
+    let agent = agent(&policy(
+        "max_attempts: 1\ndeadline: 10s\nper_try_timeout: 500ms",
+    ));
+    // The slow call's endpoint has the defaults: a 2 s per-try timeout.
+    let other = RetryLayer::new(agent.endpoint("other")).layer(limited.clone());
+    let hook = TakesThePermit {
+        other,
+        sent: sent.clone(),
+    };
+    let client = RetryLayer::new(agent.endpoint("ep"))
+        .with_auth_refresh(hook)
+        .layer(limited);
+    let req = request("GET", "");
+    let response = tokio::time::timeout(Duration::from_secs(30), client.oneshot(req))
+        .await
+        .expect("ends")
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    assert_eq!(
+        *sent.lock().unwrap(),
+        [
+            ("/v1/me".to_owned(), Duration::ZERO),
+            ("/slow".to_owned(), Duration::ZERO),
+            ("/v1/me".to_owned(), Duration::from_millis(800)),
+        ]
+    );
+}

@@ -1064,3 +1064,130 @@ async fn an_open_breaker_refuses_at_once_a_call_that_would_wait_for_capacity() {
     assert_eq!(counts.circuit_open, 1, "{counts:?}");
     slow.abort();
 }
+
+/// An upstream for the breaker tests: `/slow` answers 200 after 20 s, `/fail` 503 at once,
+/// anything else 200 at once; `seen` counts the requests.
+fn breaker_upstream(
+    seen: &Arc<std::sync::atomic::AtomicUsize>,
+) -> impl tower::Service<
+    Request<Body>,
+    Response = Response<Full<Bytes>>,
+    Error = io::Error,
+    Future = impl Send,
+> + Clone
++ Send
++ 'static {
+    let counter = seen.clone();
+    service_fn(move |req: Request<Body>| {
+        counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        async move {
+            let status = match req.uri().path() {
+                "/slow" => {
+                    tokio::time::sleep(Duration::from_secs(20)).await;
+                    200
+                }
+                "/fail" => 503,
+                _ => 200,
+            };
+            let response = Response::builder()
+                .status(status)
+                .body(Full::new(Bytes::new()))
+                .unwrap();
+            Ok::<_, io::Error>(response)
+        }
+    })
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_half_open_breaker_with_its_probe_out_refuses_at_once_a_call_that_would_wait_for_capacity()
+ {
+    // The breaker opened, then went half-open; its one probe is a slow call that also holds the
+    // only permit below. A read that would wait for that permit would be refused whenever it
+    // got it (the probe is out), so it is refused at once, not held until its deadline.
+    let seen = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let upstream = breaker_upstream(&seen);
+    let agent = agent(&policy(
+        "max_attempts: 1\ndeadline: 10s\nper_try_timeout: 10s\ncircuit_breaker: {enabled: true, failure_ratio: 0.5, min_requests: 2, open_for: 1s, half_open_probes: 1}",
+    ));
+    let dedup = Dedup::default();
+    let limited = client_of(
+        &agent,
+        tower::limit::ConcurrencyLimitLayer::new(1).layer(upstream.clone()),
+        &dedup,
+    );
+    let plain = RetryLayer::new(agent.endpoint("ep")).layer(upstream);
+    for _ in 0..2 {
+        let failed = plain.clone().oneshot(req(get("http://up/fail"), "")).await;
+        assert_eq!(failed.unwrap().status(), 503);
+    }
+    tokio::time::advance(Duration::from_secs(1)).await;
+    let probe = tokio::spawn(limited.clone().oneshot(req(
+        Request::builder().method("POST").uri("http://up/slow"),
+        "",
+    )));
+    until("the probe holds the permit", || {
+        seen.load(std::sync::atomic::Ordering::SeqCst) == 3
+    })
+    .await;
+    let began = Instant::now();
+    let refused = limited
+        .clone()
+        .oneshot(req(get("http://up/b"), ""))
+        .await
+        .unwrap_err();
+    assert_eq!(began.elapsed(), Duration::ZERO, "{refused}");
+    assert!(refused.to_string().contains("circuit_open"), "{refused}");
+    assert_eq!(agent.endpoint("ep").pending_counts().circuit_open, 1);
+    probe.abort();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_call_waiting_for_capacity_fails_fast_when_the_breaker_opens_meanwhile() {
+    // A read waits for the only permit below, held by a slow call. Meanwhile other calls fail
+    // and open the breaker: the waiting read would be refused whenever it got the permit, so
+    // it ends within a tenth of a second with `circuit_open`, not at its deadline.
+    let seen = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let upstream = breaker_upstream(&seen);
+    let agent = agent(&policy(
+        "max_attempts: 1\ndeadline: 10s\nper_try_timeout: 10s\ncircuit_breaker: {enabled: true, failure_ratio: 0.5, min_requests: 2, open_for: 30s}",
+    ));
+    let dedup = Dedup::default();
+    let limited = client_of(
+        &agent,
+        tower::limit::ConcurrencyLimitLayer::new(1).layer(upstream.clone()),
+        &dedup,
+    );
+    let plain = RetryLayer::new(agent.endpoint("ep")).layer(upstream);
+    let slow = tokio::spawn(limited.clone().oneshot(req(
+        Request::builder().method("POST").uri("http://up/slow"),
+        "",
+    )));
+    until("the slow call holds the permit", || {
+        seen.load(std::sync::atomic::Ordering::SeqCst) == 1
+    })
+    .await;
+    let began = Instant::now();
+    let waiting = tokio::spawn(limited.clone().oneshot(req(get("http://up/b"), "")));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(!waiting.is_finished(), "it waits for the permit");
+    for _ in 0..2 {
+        let failed = plain.clone().oneshot(req(get("http://up/fail"), "")).await;
+        assert_eq!(failed.unwrap().status(), 503);
+    }
+    let opened = Instant::now();
+    let refused = waiting.await.unwrap().unwrap_err();
+    assert!(refused.to_string().contains("circuit_open"), "{refused}");
+    let after = opened.elapsed();
+    assert!(
+        after <= Duration::from_millis(100),
+        "{after:?} after the breaker opened"
+    );
+    assert!(began.elapsed() < DEADLINE);
+    assert_eq!(
+        seen.load(std::sync::atomic::Ordering::SeqCst),
+        3,
+        "never sent"
+    );
+    assert_eq!(agent.endpoint("ep").pending_counts().circuit_open, 1);
+    slow.abort();
+}

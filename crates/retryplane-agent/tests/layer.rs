@@ -500,3 +500,205 @@ async fn by_default_a_body_of_64_kib_is_replayed_and_one_byte_more_is_sent_once(
         }
     }
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_retrys_wait_for_capacity_below_is_not_part_of_its_per_try_timeout() {
+    // One permit below. A read's first attempt gets a 503; during its 100 ms pause a slow call
+    // (800 ms) takes the permit. The retry waits 700 ms for it: that wait is the call's, within
+    // its deadline, not the retry's 500 ms per-try timeout, so the retry is sent and answered.
+    let seen = Arc::new(Mutex::new(Vec::<(String, Duration)>::new()));
+    let log = seen.clone();
+    let origin = Instant::now();
+    let flaky = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let svc = service_fn(move |req: Request<ReplayBody<Full<Bytes>>>| {
+        let path = req.uri().path().to_owned();
+        log.lock().unwrap().push((path.clone(), origin.elapsed()));
+        let flaky = flaky.clone();
+        async move {
+            let status = match path.as_str() {
+                "/slow" => {
+                    tokio::time::sleep(Duration::from_millis(800)).await;
+                    200
+                }
+                _ if flaky.swap(false, std::sync::atomic::Ordering::SeqCst) => 503,
+                _ => 200,
+            };
+            Ok::<_, Infallible>(
+                Response::builder()
+                    .status(status)
+                    .body(Empty::<Bytes>::new())
+                    .unwrap(),
+            )
+        }
+    });
+    let agent = agent(&policy(
+        "max_attempts: 2\ndeadline: 10s\nper_try_timeout: 500ms",
+    ));
+    let limited = tower::limit::ConcurrencyLimit::new(svc, 1);
+    let client = RetryLayer::new(agent.endpoint("ep")).layer(limited.clone());
+    let read = tokio::spawn(tokio::time::timeout(
+        BOUND,
+        client.clone().oneshot(
+            Request::get("http://up/flaky")
+                .body(Full::new(Bytes::new()))
+                .unwrap(),
+        ),
+    ));
+    for _ in 0..10_000 {
+        if !seen.lock().unwrap().is_empty() {
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    // Another endpoint (the defaults: a 2 s per-try timeout) through the same limit.
+    let other = RetryLayer::new(agent.endpoint("other")).layer(limited);
+    let slow = tokio::spawn(
+        other.oneshot(
+            Request::post("http://up/slow")
+                .body(Full::new(Bytes::new()))
+                .unwrap(),
+        ),
+    );
+    let answer = read.await.unwrap().expect("ends").unwrap();
+    assert_eq!(answer.status(), 200);
+    assert!(answer.extensions().get::<GaveUp>().is_none());
+    assert_eq!(slow.await.unwrap().unwrap().status(), 200);
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(
+        seen,
+        vec![
+            ("/flaky".to_owned(), Duration::ZERO),
+            ("/slow".to_owned(), Duration::ZERO),
+            ("/flaky".to_owned(), Duration::from_millis(800)),
+        ]
+    );
+    let counts = agent.endpoint("ep").pending_counts();
+    assert_eq!(
+        (counts.calls, counts.attempts, counts.success_after_retry),
+        (1, 2, 1),
+        "{counts:?}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_service_below_that_cannot_take_a_retry_ends_the_call_with_its_error() {
+    // Ready for the first attempt (a 503), then closed: the retry is not sent, and the
+    // readiness error is not an attempt's failure (no second attempt counted, nothing retried
+    // again). The call ends with that error.
+    #[derive(Clone)]
+    struct ClosesAfterOne(Arc<std::sync::atomic::AtomicUsize>);
+    impl tower::Service<Request<ReplayBody<Full<Bytes>>>> for ClosesAfterOne {
+        type Response = Response<Empty<Bytes>>;
+        type Error = std::io::Error;
+        type Future = std::future::Ready<Result<Self::Response, std::io::Error>>;
+        fn poll_ready(
+            &mut self,
+            _cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Result<(), std::io::Error>> {
+            std::task::Poll::Ready(if self.0.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+                Ok(())
+            } else {
+                Err(std::io::Error::other("the worker is gone"))
+            })
+        }
+        fn call(&mut self, _req: Request<ReplayBody<Full<Bytes>>>) -> Self::Future {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            std::future::ready(Ok(Response::builder()
+                .status(503)
+                .body(Empty::new())
+                .unwrap()))
+        }
+    }
+    let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let agent = agent(&policy("max_attempts: 3"));
+    let client = RetryLayer::new(agent.endpoint("ep")).layer(ClosesAfterOne(calls.clone()));
+    let error = tokio::time::timeout(BOUND, client.oneshot(request("GET", false, "")))
+        .await
+        .expect("ends")
+        .unwrap_err();
+    assert!(error.to_string().contains("the worker is gone"), "{error}");
+    assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
+    let counts = agent.endpoint("ep").pending_counts();
+    assert_eq!(
+        (
+            counts.calls,
+            counts.attempts,
+            counts.retries,
+            counts.gave_up_not_retryable
+        ),
+        (1, 1, 0, 1),
+        "{counts:?}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_retry_waiting_for_capacity_stops_when_the_breaker_opens() {
+    // One permit below, held by a slow call of another endpoint (until its 2 s per-try
+    // timeout). A read's first
+    // attempt gets a 503 and its retry waits for the permit; meanwhile another call fails and
+    // the breaker opens. The retry would be refused whenever it got the permit, so the call
+    // ends within a tenth of a second with `circuit_open` and the 503, not at its deadline.
+    let origin = Instant::now();
+    let seen = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = seen.clone();
+    let svc = service_fn(move |req: Request<ReplayBody<Full<Bytes>>>| {
+        counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let path = req.uri().path().to_owned();
+        async move {
+            let status = if path == "/slow" {
+                tokio::time::sleep(Duration::from_secs(20)).await;
+                200
+            } else {
+                503
+            };
+            Ok::<_, Infallible>(
+                Response::builder()
+                    .status(status)
+                    .body(Empty::<Bytes>::new())
+                    .unwrap(),
+            )
+        }
+    });
+    let agent = agent(&policy(
+        "max_attempts: 2\ndeadline: 10s\nper_try_timeout: 5s\ncircuit_breaker: {enabled: true, failure_ratio: 0.5, min_requests: 2, open_for: 30s}",
+    ));
+    let limited = tower::limit::ConcurrencyLimit::new(svc.clone(), 1);
+    let client = RetryLayer::new(agent.endpoint("ep")).layer(limited.clone());
+    let plain = RetryLayer::new(agent.endpoint("ep")).layer(svc);
+    let other = RetryLayer::new(agent.endpoint("other")).layer(limited);
+    let read = tokio::spawn(client.oneshot(request("GET", false, "")));
+    // The read's first attempt is answered at once; its pause is 100 ms.
+    for _ in 0..10_000 {
+        if seen.load(std::sync::atomic::Ordering::SeqCst) == 1 {
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    let slow = Request::post("http://up/slow")
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let slow = tokio::spawn(other.oneshot(slow));
+    // (Less than the slow call's 2 s per-try timeout, which would free the permit.)
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(!read.is_finished(), "the retry waits for the permit");
+    let failed = plain.oneshot(request("PUT", true, "")).await.unwrap();
+    assert_eq!(failed.status(), 503);
+    let opened = Instant::now();
+    let answer = read.await.unwrap().unwrap();
+    assert!(
+        opened.elapsed() <= Duration::from_millis(100),
+        "{:?}",
+        opened.elapsed()
+    );
+    assert_eq!(answer.status(), 503);
+    let gave_up = answer.extensions().get::<GaveUp>().unwrap();
+    assert_eq!(gave_up.cause, Cause::GaveUp(GiveUpCause::CircuitOpen));
+    assert_eq!(gave_up.attempts, 1);
+    assert!(origin.elapsed() < Duration::from_secs(10));
+    assert_eq!(
+        seen.load(std::sync::atomic::Ordering::SeqCst),
+        3,
+        "no retry sent"
+    );
+    slow.abort();
+}

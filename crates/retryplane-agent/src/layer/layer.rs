@@ -1,6 +1,7 @@
 //! [`RetryLayer`] and the [`Retry`] service it wraps around a client.
 
 use std::fmt;
+use std::marker::PhantomData;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -24,6 +25,8 @@ use crate::call::{Begun, Endpoint, NoReauth};
 use crate::classify::{Classification, Classify as _, classify_boxed, tonic_timeout_in_chain};
 use crate::error::{CallError, Cause, Last};
 use crate::meta::{AttemptInfo, CallMeta};
+use crate::ready::{AlwaysReady, Readied, Ready, wait_ready};
+use retryplane_policy::breaker::CircuitBreaker;
 use retryplane_policy::codes::GrpcCode;
 use retryplane_policy::engine::{GiveUpCause, Outcome, RetryRules};
 use retryplane_policy::model::ErrorClass;
@@ -279,6 +282,71 @@ impl<S: Clone> Inner<S> {
     }
 }
 
+impl<S> Inner<S> {
+    /// Readies `svc` for the next send (see [`crate::ready`]); once ready, it stays so until
+    /// that send.
+    fn poll_ready<R>(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>>
+    where
+        S: Service<R>,
+        S::Error: Into<BoxError>,
+    {
+        if self.ready {
+            return Poll::Ready(Ok(()));
+        }
+        let polled = self.svc.poll_ready(cx).map_err(Into::into);
+        self.ready = matches!(polled, Poll::Ready(Ok(())));
+        polled
+    }
+}
+
+/// The inner service of a call, readied before its first send ([`ready_for_first_send`]).
+struct ReadyOwned<'a, S, R>(&'a mut Inner<S>, PhantomData<fn(R)>);
+
+impl<S, R> Ready<BoxError> for ReadyOwned<'_, S, R>
+where
+    S: Service<R>,
+    S::Error: Into<BoxError>,
+{
+    fn needed(&self) -> bool {
+        true
+    }
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.0.poll_ready::<R>(cx)
+    }
+}
+
+/// The inner service of a call, shared with its attempts, readied before each later send
+/// (a retry, the resend after a credential refresh) outside the attempt's timer.
+struct ReadyShared<'a, S, R>(&'a Mutex<Inner<S>>, PhantomData<fn(R)>);
+
+impl<'a, S, R> ReadyShared<'a, S, R> {
+    fn new(inner: &'a Mutex<Inner<S>>) -> Self {
+        Self(inner, PhantomData)
+    }
+}
+
+impl<S, R> Ready<BoxError> for ReadyShared<'_, S, R>
+where
+    S: Service<R>,
+    S::Error: Into<BoxError>,
+{
+    fn needed(&self) -> bool {
+        true
+    }
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        lock_inner(self.0).poll_ready::<R>(cx)
+    }
+}
+
+/// The call's inner service; never held across an await (a send takes it only to start).
+fn lock_inner<S>(inner: &Mutex<Inner<S>>) -> std::sync::MutexGuard<'_, Inner<S>> {
+    inner
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// A request ready to be sent: its head, and its body in memory or still to come.
 enum Prepared<B> {
     /// Sent again as often as needed.
@@ -289,6 +357,15 @@ enum Prepared<B> {
     },
     /// Over the limit: sent once.
     Once { head: Parts, body: ReplayBody<B> },
+}
+
+impl<B> Prepared<B> {
+    /// The request's head.
+    fn head(&self) -> &Parts {
+        match self {
+            Prepared::Buffered { head, .. } | Prepared::Once { head, .. } => head,
+        }
+    }
 }
 
 /// Reads the body of `request` into memory if it fits in the layer's limit and comes before the
@@ -371,7 +448,9 @@ where
             // Shared with the refresh hook, which may update it for the attempts that follow.
             let head = Mutex::new(head);
             let (head, data, trailers) = (&head, &data, &trailers);
-            // `inner` moves in: the closure must not share `S` across threads.
+            // Shared by the attempts, which send through it, and the step that readies it
+            // before each later send (`ReadyShared`), outside the attempt's timer.
+            let inner = &Mutex::new(inner);
             let attempt = move |info: AttemptInfo| {
                 let sent_at = Instant::now();
                 let mut parts = lock(head).clone();
@@ -382,7 +461,7 @@ where
                     parts,
                     ReplayBody::buffered(data.clone(), trailers.clone()),
                 );
-                let sent = inner.send(request);
+                let sent = lock_inner(inner).send(request);
                 // The answer's body must be read before the attempt's timeout, which would
                 // lose the answer (the agent's timer runs from just before `sent_at`).
                 let read = ReadFailed {
@@ -400,15 +479,16 @@ where
                     }
                 }
             };
+            let ready = ReadyShared::new(inner);
             let Some(hook) = &settings.refresh else {
                 return endpoint
-                    .call_reauth(begun, meta, classify, attempt, NoReauth)
+                    .call_reauth(begun, meta, classify, attempt, NoReauth, ready)
                     .await
                     .or_else(gave_up);
             };
             let mut reauth = HttpReauth::new(&**hook, head, refresh_used);
             let result = endpoint
-                .call_reauth(begun, meta, classify, attempt, &mut reauth)
+                .call_reauth(begun, meta, classify, attempt, &mut reauth, ready)
                 .await
                 .or_else(gave_up);
             match (result, reauth.error) {
@@ -448,7 +528,7 @@ where
                 }
             };
             endpoint
-                .call_reauth(begun, meta, classify, attempt, NoReauth)
+                .call_reauth(begun, meta, classify, attempt, NoReauth, AlwaysReady)
                 .await
                 .or_else(gave_up)
         }
@@ -476,39 +556,34 @@ where
     // sharing and its wait for a leader included.
     let begun = settings.endpoint.begin();
     let prepared = prepare(request, &settings, &begun).await?;
-    // The key it is shared under, and the deadline of the call `begun`: it bounds all its
-    // waiting, whichever leaders it follows, its own call if it makes one, and, as the leader,
-    // the read of the response it shares.
-    let shared = match &prepared {
+    let head = prepared.head();
+    let meta = call_meta(head, head.uri.path());
+    // The deadline of the call `begun`: it bounds all its waiting, whichever leaders it
+    // follows, its own call if it makes one, and, as the leader, the read of the response it
+    // shares.
+    let deadline = begun.deadline(&meta);
+    // What may refuse its first attempt: it does not wait for capacity below then.
+    let breaker = begun.breaker(&meta);
+    let key = match &prepared {
         // Trailers are rare on a read; such a request is simply not shared. Nor is one the
         // policy in force (or an `Idempotent(false)` on it) does not call idempotent.
         Prepared::Buffered {
             head,
             data,
             trailers: None,
-        } if dedup.shares(&head.method) => {
-            let meta = call_meta(head, head.uri.path());
-            begun.is_idempotent(&meta).then(|| {
-                let key = dedup.key(stack, settings.endpoint.name(), head, data);
-                (key, begun.deadline(&meta))
-            })
+        } if dedup.shares(&head.method) && begun.is_idempotent(&meta) => {
+            Some(dedup.key(stack, settings.endpoint.name(), head, data))
         }
         _ => None,
     };
-    let Some((key, deadline)) = shared else {
-        let head = match &prepared {
-            Prepared::Buffered { head, .. } | Prepared::Once { head, .. } => head,
-        };
-        let deadline = begun.deadline(&call_meta(head, head.uri.path()));
-        let open = breaker_open(&begun, &prepared);
-        ready_for_first_send(&mut inner, deadline, open).await?;
+    let Some(key) = key else {
+        ready_for_first_send(&mut inner, deadline, breaker).await?;
         return send(inner, &settings, prepared, begun).await;
     };
     loop {
         match dedup.join(key) {
             Role::Lead(leader) => {
-                let open = breaker_open(&begun, &prepared);
-                let result = match ready_for_first_send(&mut inner, deadline, open).await {
+                let result = match ready_for_first_send(&mut inner, deadline, breaker).await {
                     Ok(()) => send(inner, &settings, prepared, begun).await,
                     Err(e) => Err(e),
                 };
@@ -522,8 +597,7 @@ where
                     // endpoint's counters see"); `DedupStats::shared` counts it.
                     Some(Landing::Shared(response)) => return Ok(response.copy()),
                     Some(Landing::OwnCall) => {
-                        let open = breaker_open(&begun, &prepared);
-                        ready_for_first_send(&mut inner, deadline, open).await?;
+                        ready_for_first_send(&mut inner, deadline, breaker).await?;
                         return send(inner, &settings, prepared, begun).await;
                     }
                     // The leader was dropped (its caller went away): lead or follow anew.
@@ -534,42 +608,31 @@ where
     }
 }
 
-/// Whether the open breaker will refuse the call `begun` of `prepared` ([`Begun::breaker_open`]).
-fn breaker_open<B>(begun: &Begun, prepared: &Prepared<B>) -> bool {
-    match prepared {
-        Prepared::Buffered { head, .. } | Prepared::Once { head, .. } => {
-            begun.breaker_open(&call_meta(head, head.uri.path()))
-        }
-    }
-}
-
 /// Readies `inner` for a call's first send (with de-duplication, `poll_ready` did not), waiting
 /// for capacity below the layer at most until the call's `deadline`: the wait is the caller's,
 /// as it is in `poll_ready` without de-duplication, not the first attempt's (its per-try
 /// timeout starts when it is sent). An error readying it ends the call at once, with no
 /// attempt counted. Past the deadline the call is sent on unready: it gives up with
-/// `deadline_exceeded` before any attempt. A call the open breaker will refuse
-/// (`breaker_open`) does not wait: it is sent on at once and fails fast with `circuit_open`.
+/// `deadline_exceeded` before any attempt. A call the `breaker` would refuse, before or while
+/// it waits (open, or half-open with every probe out; see [`crate::ready`]), waits no longer:
+/// it is sent on and fails fast with `circuit_open`.
 async fn ready_for_first_send<S, R>(
     inner: &mut Inner<S>,
     deadline: Instant,
-    breaker_open: bool,
+    breaker: Option<&CircuitBreaker>,
 ) -> Result<(), BoxError>
 where
     S: Service<R>,
     S::Error: Into<BoxError>,
 {
-    if inner.ready || breaker_open {
+    if inner.ready {
         return Ok(());
     }
-    let ready = std::future::poll_fn(|cx| inner.svc.poll_ready(cx));
-    match tokio::time::timeout_at(deadline, ready).await {
-        Ok(Ok(())) => {
-            inner.ready = true;
-            Ok(())
-        }
-        Ok(Err(e)) => Err(e.into()),
-        Err(_) => Ok(()),
+    let mut ready = ReadyOwned::<S, R>(inner, PhantomData);
+    let refused = |at| breaker.is_some_and(|b| b.would_refuse(at));
+    match wait_ready(&mut ready, deadline, refused).await {
+        Readied::Failed(e) => Err(e),
+        Readied::Ready | Readied::Late | Readied::Refused => Ok(()),
     }
 }
 
