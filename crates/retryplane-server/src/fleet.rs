@@ -347,20 +347,17 @@ impl Fleet {
         // A NACK carried over, else an ACK of the version the agent says it still runs (a
         // stream that dropped and came back has answered nothing new, but its last answer
         // stands); else nothing answered on this agent's behalf yet.
-        let (last_response, last_response_version, last_error) = match (&refused, &acked) {
-            (Some((r, error)), _) => ("nack".to_owned(), r.version, error.clone()),
+        let (last_response, last_response_version, last_error, acked_hash) = match (&refused, acked)
+        {
+            (Some((r, error)), _) => ("nack".to_owned(), r.version, error.clone(), String::new()),
             (None, Some((v, hash)))
-                if *v == applied_version
-                    && *v != 0
-                    && (hello.last_applied_hash.is_empty() || hello.last_applied_hash == *hash) =>
+                if v == applied_version
+                    && v != 0
+                    && (hello.last_applied_hash.is_empty() || hello.last_applied_hash == hash) =>
             {
-                ("ack".to_owned(), *v, String::new())
+                ("ack".to_owned(), v, String::new(), hash)
             }
-            _ => (String::new(), 0, String::new()),
-        };
-        let acked_hash = match (last_response.as_str(), acked) {
-            ("ack", Some((_, hash))) => hash,
-            _ => String::new(),
+            _ => (String::new(), 0, String::new(), String::new()),
         };
         let refused = refused.map(|(r, _)| r);
         let status = pb::AgentStatus {
