@@ -77,7 +77,7 @@ fn http_classification(status: http::StatusCode, headers: &http::HeaderMap) -> C
     if let Some(code) = trailers_only_grpc_code(headers) {
         return grpc_classification(code, headers);
     }
-    let retry_after = retry_after(headers, SystemTime::now());
+    let retry_after = retry_after(headers);
     Classification::Outcome(Outcome::Http {
         status: status.as_u16(),
         retry_after,
@@ -152,15 +152,18 @@ fn grpc_classification(code: tonic::Code, headers: &http::HeaderMap) -> Classifi
 /// is one line of several values joined by commas (`120, 120`): not split up here.
 fn retry_after(
     headers: &http::HeaderMap,
-    now: SystemTime,
 ) -> Option<Result<std::time::Duration, retryplane_policy::retry_after::RetryAfterError>> {
     let mut lines = headers.get_all(http::header::RETRY_AFTER).into_iter();
+    let line = lines.next()?;
+    // The wall clock (an HTTP date is one), read only for an answer that has the header: a
+    // clock read costs about as much as the rest of the classification.
+    let now = SystemTime::now();
     let read = |v: &http::HeaderValue| {
         v.to_str()
             .map_err(|_| retryplane_policy::retry_after::RetryAfterError::Malformed)
             .and_then(|s| parse_retry_after(s, now))
     };
-    let first = read(lines.next()?);
+    let first = read(line);
     Some(
         lines.fold(first, |longest, line| match (longest, read(line)) {
             (Ok(a), Ok(b)) => Ok(a.max(b)),
