@@ -37,7 +37,7 @@ use crate::classify::{Classification, Classify, class_name};
 use crate::error::{CallError, Cause, Last};
 use crate::meta::{AttemptInfo, CallMeta};
 use crate::metrics::{CounterValues, Counters, Registry};
-use crate::ready::{AlwaysReady, Readied, Ready, wait_ready};
+use crate::ready::{AlwaysReady, Readied, Ready, refuses_now, wait_ready};
 use crate::snapshot::Entry;
 
 /// A cheap handle on one logical upstream: clone it freely and keep it. It keeps the agent's
@@ -419,12 +419,13 @@ impl Endpoint {
                     }
                     // A retry waits for room below (the tower layer's inner service) before
                     // its attempt and its timer start, within the deadline, and not while the
-                    // breaker would refuse it (see `crate::ready`).
+                    // breaker would refuse it (see `crate::ready`). An error getting ready is
+                    // the retry's failure, judged as an error of the send would be (tower's
+                    // `Reconnect` reports a refused connect there).
+                    let mut not_ready = None;
                     if pause_before.is_some() && ready.needed() {
-                        let breaker = policy.circuit_breaker.as_ref().and(runtime.state.breaker());
-                        let wait = wait_ready(&mut ready, call.deadline(), |at| {
-                            breaker.is_some_and(|b| b.would_refuse(at))
-                        });
+                        let breaker = runtime.breaker_for(policy);
+                        let wait = wait_ready(&mut ready, call.deadline(), || refuses_now(breaker));
                         let readied = match cancel {
                             None => wait.await,
                             Some(cancel) => tokio::select! {
@@ -434,16 +435,7 @@ impl Endpoint {
                             },
                         };
                         if let Readied::Failed(e) = readied {
-                            debug!(
-                                endpoint = %self.core.name,
-                                class = "not_ready",
-                                "the service below cannot take the retry"
-                            );
-                            break End::Fail(
-                                Cause::GaveUp(GiveUpCause::NotRetryable),
-                                Some(Last::Error(e)),
-                                None,
-                            );
+                            not_ready = Some(e);
                         }
                         now = Instant::now();
                     }
@@ -468,14 +460,18 @@ impl Endpoint {
                     let until = now
                         .checked_add(plan.timeout)
                         .unwrap_or_else(|| call.deadline());
-                    let run = tokio::time::timeout_at(until, attempt(info));
-                    let result = match cancel {
-                        None => run.await,
-                        Some(cancel) => tokio::select! {
-                            biased;
-                            () = cancel.cancelled() => break End::Fail(Cause::Cancelled, last, last_outcome),
-                            r = run => r,
-                        },
+                    let result = if let Some(e) = not_ready.take() {
+                        Ok(Err(e))
+                    } else {
+                        let run = tokio::time::timeout_at(until, attempt(info));
+                        match cancel {
+                            None => run.await,
+                            Some(cancel) => tokio::select! {
+                                biased;
+                                () = cancel.cancelled() => break End::Fail(Cause::Cancelled, last, last_outcome),
+                                r = run => r,
+                            },
+                        }
                     };
                     let result = match result {
                         Ok(first_answer) if reauth.wants(&first_answer) => {
@@ -484,6 +480,7 @@ impl Endpoint {
                             let resend = Box::pin(self.refresh_and_resend(
                                 &mut reauth,
                                 &mut ready,
+                                runtime.breaker_for(policy),
                                 &mut attempt,
                                 info,
                                 call.policy().per_try_timeout,
@@ -497,13 +494,6 @@ impl Endpoint {
                                 }
                                 Resend::Kept(r) => Ok(r),
                                 Resend::Sent(r) => r,
-                                Resend::NotReady(e) => {
-                                    break End::Fail(
-                                        Cause::GaveUp(GiveUpCause::NotRetryable),
-                                        Some(Last::Error(e)),
-                                        None,
-                                    );
-                                }
                             }
                         }
                         other => other,
@@ -714,6 +704,7 @@ impl Endpoint {
         &self,
         reauth: &mut A,
         ready: &mut R,
+        breaker: Option<&CircuitBreaker>,
         attempt: &mut F,
         info: AttemptInfo,
         per_try_timeout: std::time::Duration,
@@ -739,16 +730,27 @@ impl Endpoint {
             () = &mut cancelled => return Resend::Cancelled,
             r = tokio::time::timeout(left, reauth.refresh()) => r.unwrap_or(false),
         };
-        // The second send waits for room below before its timer starts, as a retry does. The
-        // attempt holds its breaker permit, so the breaker is not asked.
+        // The second send waits for room below before its timer starts, as a retry does, and
+        // is not sent while the breaker would refuse a new attempt (it opened meanwhile): the
+        // first answer then stands. An error getting ready is the second send's failure.
         if refreshed && ready.needed() {
             let readied = tokio::select! {
                 biased;
                 () = &mut cancelled => return Resend::Cancelled,
-                r = wait_ready(ready, info.deadline, |_| false) => r,
+                r = wait_ready(ready, info.deadline, || refuses_now(breaker)) => r,
             };
-            if let Readied::Failed(e) = readied {
-                return Resend::NotReady(e);
+            match readied {
+                Readied::Ready | Readied::Late => {}
+                Readied::Refused => {
+                    debug!(
+                        endpoint = %self.core.name,
+                        attempt = info.number,
+                        class = "refresh_wanted",
+                        "credentials refreshed, not sent again: the circuit is open; the answer stands"
+                    );
+                    return Resend::Kept(first_answer);
+                }
+                Readied::Failed(e) => return Resend::Sent(Ok(Err(e))),
             }
         }
         let left = info.deadline.saturating_duration_since(Instant::now());
@@ -842,7 +844,7 @@ impl Begun {
     /// probe).
     pub(crate) fn breaker(&self, meta: &CallMeta<'_>) -> Option<&CircuitBreaker> {
         let (policy, runtime) = self.entry.resolve(&meta.target());
-        policy.circuit_breaker.as_ref().and(runtime.state.breaker())
+        runtime.breaker_for(policy)
     }
 
     /// Whether a call described by `meta` is idempotent: its method listed for its route, or
@@ -885,10 +887,8 @@ enum Resend<T, E> {
     Cancelled,
     /// No refresh (it failed, or the deadline passed): the first answer stands.
     Kept(Result<T, E>),
-    /// The second answer, or its per-try timeout.
+    /// The second answer (or the error getting ready to send it), or its per-try timeout.
     Sent(Result<Result<T, E>, tokio::time::error::Elapsed>),
-    /// The service below cannot take the second send (see `crate::ready`).
-    NotReady(E),
 }
 
 /// A once-only step between an attempt's answer and the policy's judgement of it: an answer

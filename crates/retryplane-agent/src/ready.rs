@@ -13,6 +13,7 @@ use std::pin::pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use retryplane_policy::breaker::CircuitBreaker;
 use tokio::time::Instant;
 
 /// Something an attempt needs to be ready before it is sent.
@@ -48,7 +49,7 @@ pub(crate) enum Readied<E> {
     /// The breaker refuses the attempt now; waiting on would be for nothing (the engine gives
     /// up with `circuit_open`).
     Refused,
-    /// Readying failed: nothing can be sent through it.
+    /// Readying failed (the caller decides what that error means for its attempt).
     Failed(E),
 }
 
@@ -58,26 +59,31 @@ pub(crate) enum Readied<E> {
 /// and costs a waiting call ten timer wake-ups a second.
 pub(crate) const BREAKER_RECHECK: Duration = Duration::from_millis(100);
 
-/// Waits until `ready` is ready, at most until `deadline`, and not while `refused` (asked
-/// before the wait and every [`BREAKER_RECHECK`] during it) says the attempt would be refused.
-/// A service ready at once takes no clock read.
+/// Waits until `ready` is ready, at most until `deadline`, and not while `refused` says the
+/// attempt would be refused: asked first, before the service is polled at all (a service
+/// below may dial the upstream to get ready, which the breaker has cut off), and every
+/// [`BREAKER_RECHECK`] during the wait. A service ready at once takes no clock read.
 pub(crate) async fn wait_ready<E, R, F>(ready: &mut R, deadline: Instant, refused: F) -> Readied<E>
 where
     R: Ready<E> + ?Sized,
-    F: Fn(Instant) -> bool,
+    F: Fn() -> bool,
 {
+    if refused() {
+        return Readied::Refused;
+    }
     let mut readiness = pin!(std::future::poll_fn(|cx| ready.poll_ready(cx)));
-    // Ready at once (or failed): no wait, no clock read, nothing to ask the breaker.
+    // Ready at once (or failed): no wait, no clock read.
     let once = std::future::poll_fn(|cx| Poll::Ready(readiness.as_mut().poll(cx))).await;
     if let Poll::Ready(r) = once {
         return r.map_or_else(Readied::Failed, |()| Readied::Ready);
     }
+    let mut asked = true;
     loop {
         let now = Instant::now();
         if now >= deadline {
             return Readied::Late;
         }
-        if refused(now) {
+        if !std::mem::take(&mut asked) && refused() {
             return Readied::Refused;
         }
         let until = deadline.min(now + BREAKER_RECHECK);
@@ -87,6 +93,12 @@ where
             () = tokio::time::sleep_until(until) => {}
         }
     }
+}
+
+/// Whether `breaker` (the one a call's policy uses, if any) would refuse an attempt now. The
+/// clock is read only when the breaker is not closed.
+pub(crate) fn refuses_now(breaker: Option<&CircuitBreaker>) -> bool {
+    breaker.is_some_and(|b| !b.is_closed() && b.would_refuse(Instant::now()))
 }
 
 #[cfg(test)]
@@ -144,16 +156,16 @@ mod tests {
         }
     }
 
-    fn never(_: Instant) -> bool {
+    fn never() -> bool {
         false
     }
 
     #[tokio::test(start_paused = true)]
-    async fn ready_at_once_does_not_wait_or_ask_the_breaker() {
+    async fn ready_at_once_does_not_wait() {
         let room = Arc::new(Semaphore::new(1));
         let mut limit = Limit::new(&room);
         let start = Instant::now();
-        let r = wait_ready(&mut limit, start, |_| panic!("asked the breaker")).await;
+        let r = wait_ready(&mut limit, start, never).await;
         assert!(matches!(r, Readied::Ready), "{r:?}");
         assert_eq!(Instant::now(), start);
         assert_eq!(room.available_permits(), 0, "the permit is held");
@@ -199,7 +211,7 @@ mod tests {
             opener.store(true, Ordering::Relaxed);
         });
         let mut limit = Limit::new(&room);
-        let r = wait_ready(&mut limit, start + Duration::from_secs(5), |_| {
+        let r = wait_ready(&mut limit, start + Duration::from_secs(5), || {
             open.load(Ordering::Relaxed)
         })
         .await;
@@ -210,14 +222,13 @@ mod tests {
                 && waited <= Duration::from_millis(250) + BREAKER_RECHECK,
             "{waited:?}"
         );
-        // Already refusing: no wait at all.
+        // Already refusing: no wait at all, and the service is not even polled (it may dial
+        // an upstream to get ready); polled, this one would fail.
         let before = Instant::now();
-        let r = wait_ready(
-            &mut Limit::new(&room),
-            before + Duration::from_secs(5),
-            |_| true,
-        )
-        .await;
+        let room = Arc::new(Semaphore::new(1));
+        let mut limit = Limit::new(&room);
+        limit.fail = true;
+        let r = wait_ready(&mut limit, before + Duration::from_secs(5), || true).await;
         assert!(matches!(r, Readied::Refused), "{r:?}");
         assert_eq!(Instant::now(), before);
     }

@@ -63,6 +63,15 @@ pub(crate) struct Runtime {
 pub(crate) const REFUSAL_LOG_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl Runtime {
+    /// The endpoint's breaker, if `policy` (resolved for a call, a route's included) uses it:
+    /// what may refuse the call's attempts.
+    pub(crate) fn breaker_for(
+        &self,
+        policy: &RetryPolicy,
+    ) -> Option<&retryplane_policy::breaker::CircuitBreaker> {
+        policy.circuit_breaker.as_ref().and(self.state.breaker())
+    }
+
     fn new(policy: &RetryPolicy) -> Self {
         Self::with_state(EndpointState::new(policy, Instant::now()))
     }

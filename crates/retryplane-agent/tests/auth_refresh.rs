@@ -312,3 +312,99 @@ async fn the_resend_waits_for_capacity_below_outside_its_per_try_timeout() {
         ]
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_resend_waiting_for_capacity_is_not_sent_once_the_breaker_opens() {
+    // One permit below. The first send gets a 401; while the hook refreshes, a slow call of
+    // another endpoint takes the permit and other calls open `ep`'s breaker. The resend would
+    // go to an upstream the breaker cut off: it is not sent, and the 401 stands.
+    type Boxed = tower::util::BoxCloneSyncService<
+        Request<retryplane_agent::layer::ReplayBody<Full<Bytes>>>,
+        Response<Empty<Bytes>>,
+        std::convert::Infallible,
+    >;
+    type Limited = tower::limit::ConcurrencyLimit<Boxed>;
+    #[derive(Clone)]
+    struct OpensTheBreaker {
+        other: retryplane_agent::layer::Retry<Limited>,
+        plain: retryplane_agent::layer::Retry<Boxed>,
+        sent: Arc<std::sync::Mutex<Vec<String>>>,
+    }
+    impl RefreshCredentials for OpensTheBreaker {
+        async fn refresh(&self, parts: &mut Parts) -> Result<(), BoxError> {
+            let slow = Request::post("http://up/slow")
+                .body(Full::new(Bytes::new()))
+                .unwrap();
+            tokio::spawn(self.other.clone().oneshot(slow));
+            for _ in 0..10_000 {
+                if self.sent.lock().unwrap().len() == 2 {
+                    break;
+                }
+                tokio::task::yield_now().await;
+            }
+            let fail = Request::put("http://up/fail")
+                .body(Full::new(Bytes::new()))
+                .unwrap();
+            let failed = self.plain.clone().oneshot(fail).await?;
+            assert_eq!(failed.status(), 503);
+            parts
+                .headers
+                .insert(AUTHORIZATION, HeaderValue::from_static("Bearer new"));
+            Ok(())
+        }
+    }
+    let sent = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let log = sent.clone();
+    let svc = tower::service_fn(
+        move |req: Request<retryplane_agent::layer::ReplayBody<Full<Bytes>>>| {
+            let path = req.uri().path().to_owned();
+            let old = req
+                .headers()
+                .get(AUTHORIZATION)
+                .is_some_and(|v| v == "Bearer old");
+            log.lock().unwrap().push(path.clone());
+            async move {
+                let status = match path.as_str() {
+                    "/slow" => {
+                        tokio::time::sleep(Duration::from_millis(1500)).await;
+                        200
+                    }
+                    "/fail" => 503,
+                    _ if old => 401,
+                    _ => 200,
+                };
+                let response = Response::builder()
+                    .status(status)
+                    .body(Empty::<Bytes>::new())
+                    .unwrap();
+                Ok::<_, std::convert::Infallible>(response)
+            }
+        },
+    );
+    let boxed: Boxed = tower::util::BoxCloneSyncService::new(svc);
+    let limited: Limited = tower::limit::ConcurrencyLimit::new(boxed.clone(), 1);
+    let agent = agent(&policy(
+        "max_attempts: 2\ndeadline: 10s\nper_try_timeout: 5s\ncircuit_breaker: {enabled: true, failure_ratio: 0.5, min_requests: 2, open_for: 30s}",
+    ));
+    let hook = OpensTheBreaker {
+        other: RetryLayer::new(agent.endpoint("other")).layer(limited.clone()),
+        plain: RetryLayer::new(agent.endpoint("ep")).layer(boxed),
+        sent: sent.clone(),
+    };
+    let client = RetryLayer::new(agent.endpoint("ep"))
+        .with_auth_refresh(hook)
+        .layer(limited);
+    let began = Instant::now();
+    let response =
+        tokio::time::timeout(Duration::from_secs(30), client.oneshot(request("GET", "")))
+            .await
+            .expect("ends")
+            .unwrap();
+    assert_eq!(response.status(), 401);
+    assert!(
+        began.elapsed() < Duration::from_millis(1500),
+        "{:?}",
+        began.elapsed()
+    );
+    assert_eq!(*sent.lock().unwrap(), ["/v1/me", "/slow", "/fail", "/fail"]);
+}

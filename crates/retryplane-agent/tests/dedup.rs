@@ -1191,3 +1191,40 @@ async fn a_call_waiting_for_capacity_fails_fast_when_the_breaker_opens_meanwhile
     assert_eq!(agent.endpoint("ep").pending_counts().circuit_open, 1);
     slow.abort();
 }
+
+#[tokio::test(start_paused = true)]
+async fn an_open_breaker_refuses_a_call_before_the_service_below_is_asked_to_get_ready() {
+    // The breaker is open. The service below would fail to get ready (and could dial the
+    // upstream the breaker cut off to try): it is not asked, and the call is the breaker's
+    // refusal, counted as one.
+    #[derive(Clone)]
+    struct Closed;
+    impl tower::Service<Request<Body>> for Closed {
+        type Response = Response<Full<Bytes>>;
+        type Error = io::Error;
+        type Future = std::future::Ready<Result<Self::Response, io::Error>>;
+        fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), io::Error>> {
+            panic!("asked to get ready while the breaker is open");
+        }
+        fn call(&mut self, _req: Request<Body>) -> Self::Future {
+            panic!("called while the breaker is open");
+        }
+    }
+    let seen = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let agent = agent(&policy(
+        "max_attempts: 1\ndeadline: 10s\nper_try_timeout: 10s\ncircuit_breaker: {enabled: true, failure_ratio: 0.5, min_requests: 2, open_for: 30s}",
+    ));
+    let plain = RetryLayer::new(agent.endpoint("ep")).layer(breaker_upstream(&seen));
+    for _ in 0..2 {
+        let failed = plain.clone().oneshot(req(get("http://up/fail"), "")).await;
+        assert_eq!(failed.unwrap().status(), 503);
+    }
+    let dedup = Dedup::default();
+    let refused = client_of(&agent, Closed, &dedup)
+        .oneshot(req(get("http://up/x"), ""))
+        .await
+        .unwrap_err();
+    assert!(refused.to_string().contains("circuit_open"), "{refused}");
+    let counts = agent.endpoint("ep").pending_counts();
+    assert_eq!((counts.calls, counts.circuit_open), (3, 1), "{counts:?}");
+}

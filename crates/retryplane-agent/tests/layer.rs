@@ -581,13 +581,17 @@ async fn a_retrys_wait_for_capacity_below_is_not_part_of_its_per_try_timeout() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_service_below_that_cannot_take_a_retry_ends_the_call_with_its_error() {
-    // Ready for the first attempt (a 503), then closed: the retry is not sent, and the
-    // readiness error is not an attempt's failure (no second attempt counted, nothing retried
-    // again). The call ends with that error.
+async fn a_refused_connect_getting_ready_for_a_retry_is_that_retrys_failure_and_is_retried() {
+    // Answers its first request 503; then its next `poll_ready` fails with a refused connect
+    // (as tower's `Reconnect` reports a failed dial), once; then it answers 200. The failed
+    // readiness is the second attempt's failure, a connect error, retried as one: the third
+    // attempt succeeds.
     #[derive(Clone)]
-    struct ClosesAfterOne(Arc<std::sync::atomic::AtomicUsize>);
-    impl tower::Service<Request<ReplayBody<Full<Bytes>>>> for ClosesAfterOne {
+    struct Redials {
+        sent: Arc<std::sync::atomic::AtomicUsize>,
+        refused: Arc<std::sync::atomic::AtomicBool>,
+    }
+    impl tower::Service<Request<ReplayBody<Full<Bytes>>>> for Redials {
         type Response = Response<Empty<Bytes>>;
         type Error = std::io::Error;
         type Future = std::future::Ready<Result<Self::Response, std::io::Error>>;
@@ -595,38 +599,44 @@ async fn a_service_below_that_cannot_take_a_retry_ends_the_call_with_its_error()
             &mut self,
             _cx: &mut std::task::Context<'_>,
         ) -> std::task::Poll<Result<(), std::io::Error>> {
-            std::task::Poll::Ready(if self.0.load(std::sync::atomic::Ordering::SeqCst) == 0 {
-                Ok(())
+            let sent = self.sent.load(std::sync::atomic::Ordering::SeqCst);
+            let refuse = sent == 1 && !self.refused.swap(true, std::sync::atomic::Ordering::SeqCst);
+            std::task::Poll::Ready(if refuse {
+                Err(std::io::ErrorKind::ConnectionRefused.into())
             } else {
-                Err(std::io::Error::other("the worker is gone"))
+                Ok(())
             })
         }
         fn call(&mut self, _req: Request<ReplayBody<Full<Bytes>>>) -> Self::Future {
-            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let n = self.sent.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let status = if n == 0 { 503 } else { 200 };
             std::future::ready(Ok(Response::builder()
-                .status(503)
+                .status(status)
                 .body(Empty::new())
                 .unwrap()))
         }
     }
-    let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let svc = Redials {
+        sent: Arc::default(),
+        refused: Arc::default(),
+    };
     let agent = agent(&policy("max_attempts: 3"));
-    let client = RetryLayer::new(agent.endpoint("ep")).layer(ClosesAfterOne(calls.clone()));
-    let error = tokio::time::timeout(BOUND, client.oneshot(request("GET", false, "")))
+    let client = RetryLayer::new(agent.endpoint("ep")).layer(svc.clone());
+    let answer = tokio::time::timeout(BOUND, client.oneshot(request("GET", false, "")))
         .await
         .expect("ends")
-        .unwrap_err();
-    assert!(error.to_string().contains("the worker is gone"), "{error}");
-    assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
+        .unwrap();
+    assert_eq!(answer.status(), 200);
+    assert_eq!(svc.sent.load(std::sync::atomic::Ordering::SeqCst), 2);
     let counts = agent.endpoint("ep").pending_counts();
     assert_eq!(
         (
             counts.calls,
             counts.attempts,
             counts.retries,
-            counts.gave_up_not_retryable
+            counts.success_after_retry
         ),
-        (1, 1, 0, 1),
+        (1, 3, 2, 1),
         "{counts:?}"
     );
 }
@@ -701,4 +711,52 @@ async fn a_retry_waiting_for_capacity_stops_when_the_breaker_opens() {
         "no retry sent"
     );
     slow.abort();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_retry_the_breaker_opened_for_during_its_pause_is_refused_before_the_service_below_is_asked()
+ {
+    // The first attempt gets a 503; during its pause other calls open the breaker. The service
+    // below would fail to get ready for the retry: it is not asked, and the call ends as the
+    // breaker's refusal, with the 503.
+    #[derive(Clone)]
+    struct OnceThenClosed(Arc<std::sync::atomic::AtomicUsize>);
+    impl tower::Service<Request<ReplayBody<Full<Bytes>>>> for OnceThenClosed {
+        type Response = Response<Empty<Bytes>>;
+        type Error = std::io::Error;
+        type Future = std::future::Ready<Result<Self::Response, std::io::Error>>;
+        fn poll_ready(
+            &mut self,
+            _cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Result<(), std::io::Error>> {
+            assert_eq!(
+                self.0.load(std::sync::atomic::Ordering::SeqCst),
+                0,
+                "asked to get ready while the breaker is open"
+            );
+            std::task::Poll::Ready(Ok(()))
+        }
+        fn call(&mut self, _req: Request<ReplayBody<Full<Bytes>>>) -> Self::Future {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            std::future::ready(Ok(Response::builder()
+                .status(503)
+                .body(Empty::new())
+                .unwrap()))
+        }
+    }
+    let agent = agent(&policy(
+        "max_attempts: 2\ndeadline: 10s\nper_try_timeout: 5s\ncircuit_breaker: {enabled: true, failure_ratio: 0.5, min_requests: 2, open_for: 30s}",
+    ));
+    let (svc, _) = upstream(&[503, 503]);
+    let plain = RetryLayer::new(agent.endpoint("ep")).layer(svc);
+    let client = RetryLayer::new(agent.endpoint("ep")).layer(OnceThenClosed(Arc::default()));
+    let read = tokio::spawn(client.oneshot(request("GET", false, "")));
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let failed = plain.oneshot(request("PUT", true, "")).await.unwrap();
+    assert_eq!(failed.status(), 503);
+    let answer = read.await.unwrap().unwrap();
+    assert_eq!(answer.status(), 503);
+    let gave_up = answer.extensions().get::<GaveUp>().unwrap();
+    assert_eq!(gave_up.cause, Cause::GaveUp(GiveUpCause::CircuitOpen));
+    assert_eq!(gave_up.attempts, 1);
 }

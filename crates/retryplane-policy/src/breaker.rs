@@ -233,6 +233,13 @@ impl CircuitBreaker {
         state & OPEN != 0 && nanos < until_nanos(state)
     }
 
+    /// Whether the breaker is closed: every attempt is allowed, whatever the time. One atomic
+    /// load; a caller that needs the time only when it is not closed asks this first.
+    #[inline]
+    pub fn is_closed(&self) -> bool {
+        self.state.load(Acquire) & OPEN == 0
+    }
+
     /// Whether an attempt asked for at `now` would be refused: what [`Self::try_acquire`] would
     /// answer, read-only (no probe is taken, no lost probes are replaced). Open, or half-open
     /// with every probe out (until the probes count as lost, another `open_for` on), is

@@ -25,7 +25,7 @@ use crate::call::{Begun, Endpoint, NoReauth};
 use crate::classify::{Classification, Classify as _, classify_boxed, tonic_timeout_in_chain};
 use crate::error::{CallError, Cause, Last};
 use crate::meta::{AttemptInfo, CallMeta};
-use crate::ready::{AlwaysReady, Readied, Ready, wait_ready};
+use crate::ready::{AlwaysReady, Readied, Ready, refuses_now, wait_ready};
 use retryplane_policy::breaker::CircuitBreaker;
 use retryplane_policy::codes::GrpcCode;
 use retryplane_policy::engine::{GiveUpCause, Outcome, RetryRules};
@@ -614,8 +614,9 @@ where
 /// timeout starts when it is sent). An error readying it ends the call at once, with no
 /// attempt counted. Past the deadline the call is sent on unready: it gives up with
 /// `deadline_exceeded` before any attempt. A call the `breaker` would refuse, before or while
-/// it waits (open, or half-open with every probe out; see [`crate::ready`]), waits no longer:
-/// it is sent on and fails fast with `circuit_open`.
+/// it waits (open, or half-open with every probe out; see [`crate::ready`]), waits no longer
+/// (the inner service is not even asked, when it would refuse at once): it is sent on and
+/// fails fast with `circuit_open`.
 async fn ready_for_first_send<S, R>(
     inner: &mut Inner<S>,
     deadline: Instant,
@@ -629,8 +630,7 @@ where
         return Ok(());
     }
     let mut ready = ReadyOwned::<S, R>(inner, PhantomData);
-    let refused = |at| breaker.is_some_and(|b| b.would_refuse(at));
-    match wait_ready(&mut ready, deadline, refused).await {
+    match wait_ready(&mut ready, deadline, || refuses_now(breaker)).await {
         Readied::Failed(e) => Err(e),
         Readied::Ready | Readied::Late | Readied::Refused => Ok(()),
     }

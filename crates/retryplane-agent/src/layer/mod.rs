@@ -36,23 +36,31 @@
 //!   later calls.
 //! - The inner service is called on the instance `poll_ready` readied (capacity reserved
 //!   there, such as a `ConcurrencyLimit` permit or a `Buffer` slot, is what the first attempt
-//!   uses). Each later send (a retry, the resend after a credential refresh) readies the
+//!   uses). Without de-duplication the wait for that first attempt's capacity is the caller's
+//!   own `poll_ready`, which neither the call's deadline nor its breaker bounds (the call has
+//!   not begun). Each later send (a retry, the resend after a credential refresh) readies the
 //!   service again after its pause and before its attempt's timer starts: its wait for
 //!   capacity below is the call's, bounded by the deadline, not its per-try timeout, as in
-//!   tower, where `poll_ready` comes before a `Timeout` layer's `call`. With de-duplication,
+//!   tower, where `poll_ready` comes before a `Timeout` layer's `call`. An error getting ready
+//!   then is that send's failure, classified as an error of the send would be (tower's
+//!   `Reconnect` reports a refused connect there, which is retried). With de-duplication,
 //!   `poll_ready` reserves nothing and is always ready (a request that will share another's
 //!   answer needs no capacity, and one held back for capacity could not join the call it
 //!   would share): a call that sends waits for capacity below inside its future, before its
-//!   first attempt, the same way. So back-pressure from below shows as that wait, not in
-//!   `poll_ready` (a `LoadShed` above the layer does not see it). An error readying the
-//!   inner service ends the call at once with that error (before the first attempt,
-//!   uncounted; before a retry, as a failure that is not retried). A call that waits for
-//!   capacity and that the endpoint's breaker would refuse (open, or half-open with every
-//!   probe out) stops waiting: before the first attempt or a retry it fails with
-//!   `circuit_open`, at once, or within a tenth of a second of the breaker opening. Only
-//!   capacity the inner service reserves in its own `poll_ready` is waited for this way: a
-//!   `Buffer` over a `ConcurrencyLimit` is ready once the buffer takes the request, and the
-//!   wait for the limit then happens in the buffer's worker, inside the attempt.
+//!   first attempt, the same way, and an error getting ready ends it at once, uncounted (as
+//!   the same error from `poll_ready` would reach a caller without de-duplication). So with
+//!   de-duplication back-pressure from below shows as that wait, not in `poll_ready` (a
+//!   `LoadShed` above the layer does not see it).
+//! - A send that would wait for capacity (the first with de-duplication, a retry, a resend)
+//!   first asks the endpoint's breaker, and asks again every tenth of a second while it
+//!   waits: when the breaker would refuse the attempt (open, or half-open with every probe
+//!   out), the service below is not asked to get ready (it may dial the upstream the breaker
+//!   cut off) and the call ends as the breaker's refusal (`circuit_open`; a retry's call with
+//!   the answer before it). A resend after a credential refresh is not sent then: the 401
+//!   stands. Only capacity the inner service reserves in its own `poll_ready` is waited for
+//!   this way: a `Buffer` over a `ConcurrencyLimit` is ready once the buffer takes the
+//!   request, and the wait for the limit then happens in the buffer's worker, inside the
+//!   attempt.
 //! - Responses are classified with the [`Classify`](crate::Classify) impl of `http::Response`
 //!   (status, `Retry-After`; for a gRPC response with `grpc-status` in its headers, a
 //!   "Trailers-Only" error such as `UNAVAILABLE`, that code and `grpc-retry-pushback-ms`, as
