@@ -107,12 +107,15 @@ fn half_open_after_open_for_lets_exactly_n_probes() {
 }
 
 #[test]
-fn would_refuse_answers_as_try_acquire_would_without_taking_a_probe() {
+fn would_refuse_answers_as_try_acquire_would_without_taking_a_probe_and_is_closed_only_when_closed()
+{
     let t0 = Instant::now();
     let b = breaker(10, t0);
     assert!(!b.would_refuse(t0), "closed");
+    assert!(b.is_closed());
     let opened = trip(&b, t0);
     assert!(b.would_refuse(opened), "open");
+    assert!(!b.is_closed());
     assert!(b.would_refuse(ms(opened, 29_999)), "open");
     let half = opened + Duration::from_secs(30);
     // Half-open with probes free: asking takes none of them.
@@ -143,6 +146,7 @@ fn would_refuse_answers_as_try_acquire_would_without_taking_a_probe() {
     b.record(last, true, half);
     assert_eq!(b.state(half), Closed);
     assert!(!b.would_refuse(half));
+    assert!(b.is_closed());
 }
 
 #[test]
