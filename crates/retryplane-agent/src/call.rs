@@ -37,7 +37,7 @@ use crate::classify::{Classification, Classify, class_name};
 use crate::error::{CallError, Cause, Last};
 use crate::meta::{AttemptInfo, CallMeta};
 use crate::metrics::{CounterValues, Counters, Registry};
-use crate::ready::{AlwaysReady, Readied, Ready, refuses_now, wait_ready};
+use crate::ready::{AlwaysReady, Readied, Ready, open_now, refuses_now, wait_ready};
 use crate::snapshot::Entry;
 
 /// A cheap handle on one logical upstream: clone it freely and keep it. It keeps the agent's
@@ -420,8 +420,8 @@ impl Endpoint {
                     // A retry waits for room below (the tower layer's inner service) before
                     // its attempt and its timer start, within the deadline, and not while the
                     // breaker would refuse it (see `crate::ready`). An error getting ready is
-                    // the retry's failure, judged as an error of the send would be (tower's
-                    // `Reconnect` reports a refused connect there).
+                    // the retry's failure, judged as an error of the send would be (a service
+                    // that reports a failed connect from `poll_ready` has it retried).
                     let mut not_ready = None;
                     if pause_before.is_some() && ready.needed() {
                         let breaker = runtime.breaker_for(policy);
@@ -730,14 +730,16 @@ impl Endpoint {
             () = &mut cancelled => return Resend::Cancelled,
             r = tokio::time::timeout(left, reauth.refresh()) => r.unwrap_or(false),
         };
-        // The second send waits for room below before its timer starts, as a retry does, and
-        // is not sent while the breaker would refuse a new attempt (it opened meanwhile): the
-        // first answer then stands. An error getting ready is the second send's failure.
+        // The second send waits for room below before its timer starts, as a retry does. It
+        // keeps its attempt's breaker permit (a half-open probe: its own probe must not stop
+        // it), so it is held back only while the breaker is open (it opened, or reopened,
+        // since the first send): the first answer then stands. An error getting ready is the
+        // second send's failure.
         if refreshed && ready.needed() {
             let readied = tokio::select! {
                 biased;
                 () = &mut cancelled => return Resend::Cancelled,
-                r = wait_ready(ready, info.deadline, || refuses_now(breaker)) => r,
+                r = wait_ready(ready, info.deadline, || open_now(breaker)) => r,
             };
             match readied {
                 Readied::Ready | Readied::Late => {}

@@ -101,6 +101,14 @@ pub(crate) fn refuses_now(breaker: Option<&CircuitBreaker>) -> bool {
     breaker.is_some_and(|b| !b.is_closed() && b.would_refuse(Instant::now()))
 }
 
+/// Whether `breaker` is open now (not half-open): what holds back the second send of an
+/// attempt that already has its permit. The clock is read only when it is not closed.
+pub(crate) fn open_now(breaker: Option<&CircuitBreaker>) -> bool {
+    breaker.is_some_and(|b| {
+        !b.is_closed() && b.state(Instant::now()) == retryplane_policy::breaker::BreakerState::Open
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;

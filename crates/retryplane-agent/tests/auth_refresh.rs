@@ -408,3 +408,30 @@ async fn a_resend_waiting_for_capacity_is_not_sent_once_the_breaker_opens() {
     );
     assert_eq!(*sent.lock().unwrap(), ["/v1/me", "/slow", "/fail", "/fail"]);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_half_open_probe_answered_401_is_sent_again_with_fresh_credentials() {
+    // The breaker opened, then went half-open with one probe. The probe's first send gets a
+    // 401: the resend belongs to the same attempt and its permit, so the probe itself does not
+    // hold it back; it is sent with the fresh credentials and answered 200.
+    let agent = agent(&policy(
+        "max_attempts: 1\ncircuit_breaker: {enabled: true, failure_ratio: 0.5, min_requests: 2, open_for: 1s, half_open_probes: 1}",
+    ));
+    let hook = Hook::default();
+    let (svc, seen) = upstream(&[503, 503, 401]);
+    let client = RetryLayer::new(agent.endpoint("ep"))
+        .with_auth_refresh(hook.clone())
+        .layer(svc);
+    for _ in 0..2 {
+        let failed = client.clone().oneshot(request("GET", "")).await.unwrap();
+        assert_eq!(failed.status(), 503);
+    }
+    tokio::time::advance(Duration::from_millis(1001)).await;
+    let response = client.oneshot(request("GET", "")).await.unwrap();
+    assert_eq!(response.status(), 200);
+    assert_eq!(hook.calls.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        auths(&seen),
+        ["Bearer old", "Bearer old", "Bearer old", "Bearer new-1"]
+    );
+}

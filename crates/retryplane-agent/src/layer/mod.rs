@@ -42,8 +42,11 @@
 //!   service again after its pause and before its attempt's timer starts: its wait for
 //!   capacity below is the call's, bounded by the deadline, not its per-try timeout, as in
 //!   tower, where `poll_ready` comes before a `Timeout` layer's `call`. An error getting ready
-//!   then is that send's failure, classified as an error of the send would be (tower's
-//!   `Reconnect` reports a refused connect there, which is retried). With de-duplication,
+//!   then is that send's failure, classified as an error of the send would be (a service
+//!   that reports a failed connect from `poll_ready` has it retried as a connect error). The
+//!   wait is bounded by the deadline only, also when it is not for capacity: a service below
+//!   whose `poll_ready` itself dials and hangs holds the retry until the deadline, where a
+//!   send that hangs is cut by the per-try timeout. With de-duplication,
 //!   `poll_ready` reserves nothing and is always ready (a request that will share another's
 //!   answer needs no capacity, and one held back for capacity could not join the call it
 //!   would share): a call that sends waits for capacity below inside its future, before its
@@ -56,7 +59,9 @@
 //!   waits: when the breaker would refuse the attempt (open, or half-open with every probe
 //!   out), the service below is not asked to get ready (it may dial the upstream the breaker
 //!   cut off) and the call ends as the breaker's refusal (`circuit_open`; a retry's call with
-//!   the answer before it). A resend after a credential refresh is not sent then: the 401
+//!   the answer before it). A resend after a credential refresh belongs to its attempt and
+//!   keeps that attempt's permit (a half-open probe included): it is not sent only if the
+//!   breaker is open now (it opened, or reopened, since the first send); the 401 then
 //!   stands. Only capacity the inner service reserves in its own `poll_ready` is waited for
 //!   this way: a `Buffer` over a `ConcurrencyLimit` is ready once the buffer takes the
 //!   request, and the wait for the limit then happens in the buffer's worker, inside the
