@@ -695,7 +695,8 @@ impl Endpoint {
 
     /// The once-only credential refresh of [`Endpoint::call_reauth`]: refreshes within what is
     /// left of the deadline, then sends the attempt `info` again with a fresh per-try timeout.
-    /// A failed or late refresh keeps the first answer.
+    /// A failed or late refresh keeps the first answer, and so does a breaker that is open
+    /// by the time the second send is ready to go.
     #[allow(
         clippy::too_many_arguments,
         reason = "a step of `call_reauth`, which hands it its state"
@@ -887,7 +888,8 @@ impl Start for Begun {
 enum Resend<T, E> {
     /// The call was cancelled meanwhile.
     Cancelled,
-    /// No refresh (it failed, or the deadline passed): the first answer stands.
+    /// Not sent again (the refresh failed, the deadline passed, or the breaker is open now):
+    /// the first answer stands.
     Kept(Result<T, E>),
     /// The second answer (or the error getting ready to send it), or its per-try timeout.
     Sent(Result<Result<T, E>, tokio::time::error::Elapsed>),
