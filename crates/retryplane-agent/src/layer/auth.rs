@@ -3,12 +3,12 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex};
 
 use http::request::Parts;
 use http::{Response, StatusCode};
 
-use super::BoxError;
+use super::{BoxError, lock};
 use crate::call::Reauth;
 
 /// Fresh credentials for a request an upstream answered `401 Unauthorized`.
@@ -59,12 +59,6 @@ impl<T: RefreshCredentials> DynRefresh for T {
     fn refresh_dyn<'a>(&'a self, parts: &'a mut Parts) -> RefreshFuture<'a> {
         Box::pin(self.refresh(parts))
     }
-}
-
-/// The request head shared by the attempts of a call and its refresh hook. Never held across
-/// an await.
-pub(crate) fn lock(head: &Mutex<Parts>) -> MutexGuard<'_, Parts> {
-    head.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// The refresh of one HTTP call: on its first 401, the hook updates the shared head.

@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use http::header::HOST;
@@ -14,6 +14,7 @@ use tokio::time::Instant;
 use tracing::debug;
 
 use super::body::ResponseBody;
+use super::lock;
 
 /// The largest response body read into memory to be shared unless set otherwise: 1 MiB.
 pub const DEFAULT_SHARED_RESPONSE_LIMIT: usize = 1024 * 1024;
@@ -279,10 +280,6 @@ impl Drop for Waiting<'_> {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Relaxed);
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl Default for Dedup {

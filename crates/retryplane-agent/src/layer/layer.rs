@@ -16,11 +16,11 @@ use tokio::time::Instant;
 use tower::{Layer, Service, ServiceExt as _};
 use tracing::debug;
 
-use super::auth::{DynRefresh, HttpReauth, RefreshCredentials, RefreshFailed, lock};
+use super::auth::{DynRefresh, HttpReauth, RefreshCredentials, RefreshFailed};
 use super::body::{Buffered, ReplayBody, ResponseBody, buffer, read_failed};
 use super::dedup::{Dedup, Landing, Leader, Role, SharedResponse};
 use super::grpc::{call_meta, grpc_timeout, is_grpc, set_grpc_timeout};
-use super::{BoxError, DEFAULT_BODY_LIMIT, GaveUp, ResponseFuture, RetryError};
+use super::{BoxError, DEFAULT_BODY_LIMIT, GaveUp, ResponseFuture, RetryError, lock};
 use crate::call::{Begun, Endpoint, NoReauth};
 use crate::classify::{Classification, Classify as _, classify_boxed, tonic_timeout_in_chain};
 use crate::error::{CallError, Cause, Last};
@@ -336,15 +336,8 @@ where
     }
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
-        lock_inner(self.0).poll_ready::<R>(cx)
+        lock(self.0).poll_ready::<R>(cx)
     }
-}
-
-/// The call's inner service; never held across an await (a send takes it only to start).
-fn lock_inner<S>(inner: &Mutex<Inner<S>>) -> std::sync::MutexGuard<'_, Inner<S>> {
-    inner
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// A request ready to be sent: its head, and its body in memory or still to come.
@@ -461,7 +454,7 @@ where
                     parts,
                     ReplayBody::buffered(data.clone(), trailers.clone()),
                 );
-                let sent = lock_inner(inner).send(request);
+                let sent = lock(inner).send(request);
                 // The answer's body must be read before the attempt's timeout, which would
                 // lose the answer (the agent's timer runs from just before `sent_at`).
                 let read = ReadFailed {

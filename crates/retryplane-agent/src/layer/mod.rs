@@ -234,6 +234,13 @@ mod layer;
 
 use crate::error::Cause;
 
+/// Locks `m`, taking the value as it is if a holder panicked: the layer's mutexes (a call's
+/// request head and inner service, the in-flight reads of a `Dedup`) hold plain state that is
+/// never left half-written, and none is held across an await.
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 pub use auth::{RefreshCredentials, RefreshFailed};
 pub use body::{ReplayBody, ResponseBody};
 
