@@ -220,43 +220,20 @@ async fn without_a_hook_a_401_is_returned_as_it_is() {
     assert_eq!(seen.lock().unwrap().len(), 1);
 }
 
-#[tokio::test(start_paused = true)]
-async fn the_resend_waits_for_capacity_below_outside_its_per_try_timeout() {
-    // One permit below. The first send gets a 401; while the hook refreshes, a slow call
-    // (800 ms, another endpoint) takes the permit. The resend waits 800 ms for it: the call's
-    // wait, not the resend's 500 ms per-try timeout, so it is sent and answered.
-    type Limited = tower::limit::ConcurrencyLimit<
-        tower::util::BoxCloneSyncService<
-            Request<retryplane_agent::layer::ReplayBody<Full<Bytes>>>,
-            Response<Empty<Bytes>>,
-            std::convert::Infallible,
-        >,
-    >;
-    #[derive(Clone)]
-    struct TakesThePermit {
-        other: retryplane_agent::layer::Retry<Limited>,
-        sent: Arc<std::sync::Mutex<Vec<(String, Duration)>>>,
-    }
-    impl RefreshCredentials for TakesThePermit {
-        async fn refresh(&self, parts: &mut Parts) -> Result<(), BoxError> {
-            let slow = Request::post("http://up/slow")
-                .body(Full::new(Bytes::new()))
-                .unwrap();
-            tokio::spawn(self.other.clone().oneshot(slow));
-            for _ in 0..10_000 {
-                if self.sent.lock().unwrap().len() == 2 {
-                    break;
-                }
-                tokio::task::yield_now().await;
-            }
-            parts
-                .headers
-                .insert(AUTHORIZATION, HeaderValue::from_static("Bearer new"));
-            Ok(())
-        }
-    }
-    let sent = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let log = sent.clone();
+type Boxed = tower::util::BoxCloneSyncService<
+    Request<retryplane_agent::layer::ReplayBody<Full<Bytes>>>,
+    Response<Empty<Bytes>>,
+    std::convert::Infallible,
+>;
+type Limited = tower::limit::ConcurrencyLimit<Boxed>;
+/// Each request's path and when it arrived (from the upstream's creation).
+type Arrivals = Arc<std::sync::Mutex<Vec<(String, Duration)>>>;
+
+/// An upstream, bare and behind one permit: `/slow` answers 200 after `slow`, `/fail` 503,
+/// any other path 401 to `Bearer old` and 200 otherwise.
+fn permit_upstream(slow: Duration) -> (Boxed, Limited, Arrivals) {
+    let arrivals = Arrivals::default();
+    let log = arrivals.clone();
     let origin = Instant::now();
     let svc = tower::service_fn(
         move |req: Request<retryplane_agent::layer::ReplayBody<Full<Bytes>>>| {
@@ -267,106 +244,9 @@ async fn the_resend_waits_for_capacity_below_outside_its_per_try_timeout() {
                 .is_some_and(|v| v == "Bearer old");
             log.lock().unwrap().push((path.clone(), origin.elapsed()));
             async move {
-                let status = if path == "/slow" {
-                    tokio::time::sleep(Duration::from_millis(800)).await;
-                    200
-                } else if old {
-                    401
-                } else {
-                    200
-                };
-                let response = Response::builder()
-                    .status(status)
-                    .body(Empty::<Bytes>::new())
-                    .unwrap();
-                Ok::<_, std::convert::Infallible>(response)
-            }
-        },
-    );
-    let limited: Limited =
-        tower::limit::ConcurrencyLimit::new(tower::util::BoxCloneSyncService::new(svc), 1);
-    let agent = agent(&policy(
-        "max_attempts: 1\ndeadline: 10s\nper_try_timeout: 500ms",
-    ));
-    // The slow call's endpoint has the defaults: a 2 s per-try timeout.
-    let other = RetryLayer::new(agent.endpoint("other")).layer(limited.clone());
-    let hook = TakesThePermit {
-        other,
-        sent: sent.clone(),
-    };
-    let client = RetryLayer::new(agent.endpoint("ep"))
-        .with_auth_refresh(hook)
-        .layer(limited);
-    let req = request("GET", "");
-    let response = tokio::time::timeout(Duration::from_secs(30), client.oneshot(req))
-        .await
-        .expect("ends")
-        .unwrap();
-    assert_eq!(response.status(), 200);
-    assert_eq!(
-        *sent.lock().unwrap(),
-        [
-            ("/v1/me".to_owned(), Duration::ZERO),
-            ("/slow".to_owned(), Duration::ZERO),
-            ("/v1/me".to_owned(), Duration::from_millis(800)),
-        ]
-    );
-}
-
-#[tokio::test(start_paused = true)]
-async fn a_resend_waiting_for_capacity_is_not_sent_once_the_breaker_opens() {
-    // One permit below. The first send gets a 401; while the hook refreshes, a slow call of
-    // another endpoint takes the permit and other calls open `ep`'s breaker. The resend would
-    // go to an upstream the breaker cut off: it is not sent, and the 401 stands.
-    type Boxed = tower::util::BoxCloneSyncService<
-        Request<retryplane_agent::layer::ReplayBody<Full<Bytes>>>,
-        Response<Empty<Bytes>>,
-        std::convert::Infallible,
-    >;
-    type Limited = tower::limit::ConcurrencyLimit<Boxed>;
-    #[derive(Clone)]
-    struct OpensTheBreaker {
-        other: retryplane_agent::layer::Retry<Limited>,
-        plain: retryplane_agent::layer::Retry<Boxed>,
-        sent: Arc<std::sync::Mutex<Vec<String>>>,
-    }
-    impl RefreshCredentials for OpensTheBreaker {
-        async fn refresh(&self, parts: &mut Parts) -> Result<(), BoxError> {
-            let slow = Request::post("http://up/slow")
-                .body(Full::new(Bytes::new()))
-                .unwrap();
-            tokio::spawn(self.other.clone().oneshot(slow));
-            for _ in 0..10_000 {
-                if self.sent.lock().unwrap().len() == 2 {
-                    break;
-                }
-                tokio::task::yield_now().await;
-            }
-            let fail = Request::put("http://up/fail")
-                .body(Full::new(Bytes::new()))
-                .unwrap();
-            let failed = self.plain.clone().oneshot(fail).await?;
-            assert_eq!(failed.status(), 503);
-            parts
-                .headers
-                .insert(AUTHORIZATION, HeaderValue::from_static("Bearer new"));
-            Ok(())
-        }
-    }
-    let sent = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let log = sent.clone();
-    let svc = tower::service_fn(
-        move |req: Request<retryplane_agent::layer::ReplayBody<Full<Bytes>>>| {
-            let path = req.uri().path().to_owned();
-            let old = req
-                .headers()
-                .get(AUTHORIZATION)
-                .is_some_and(|v| v == "Bearer old");
-            log.lock().unwrap().push(path.clone());
-            async move {
                 let status = match path.as_str() {
                     "/slow" => {
-                        tokio::time::sleep(Duration::from_millis(1500)).await;
+                        tokio::time::sleep(slow).await;
                         200
                     }
                     "/fail" => 503,
@@ -381,15 +261,94 @@ async fn a_resend_waiting_for_capacity_is_not_sent_once_the_breaker_opens() {
             }
         },
     );
-    let boxed: Boxed = tower::util::BoxCloneSyncService::new(svc);
-    let limited: Limited = tower::limit::ConcurrencyLimit::new(boxed.clone(), 1);
+    let boxed = Boxed::new(svc);
+    let limited = tower::limit::ConcurrencyLimit::new(boxed.clone(), 1);
+    (boxed, limited, arrivals)
+}
+
+/// A hook that, while it refreshes, has a slow call of another endpoint (`other`) take the
+/// only permit below and waits until it arrives; then, if given `fail`, fails a call of the
+/// same endpoint through it (two 503s: the breaker opens); then sets `Bearer new`.
+#[derive(Clone)]
+struct TakesThePermit {
+    other: retryplane_agent::layer::Retry<Limited>,
+    fail: Option<retryplane_agent::layer::Retry<Boxed>>,
+    arrivals: Arrivals,
+}
+
+impl RefreshCredentials for TakesThePermit {
+    async fn refresh(&self, parts: &mut Parts) -> Result<(), BoxError> {
+        let slow = Request::post("http://up/slow")
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        tokio::spawn(self.other.clone().oneshot(slow));
+        for _ in 0..10_000 {
+            if self.arrivals.lock().unwrap().len() == 2 {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        if let Some(fail) = &self.fail {
+            let fail_req = Request::put("http://up/fail")
+                .body(Full::new(Bytes::new()))
+                .unwrap();
+            let failed = fail.clone().oneshot(fail_req).await?;
+            assert_eq!(failed.status(), 503);
+        }
+        parts
+            .headers
+            .insert(AUTHORIZATION, HeaderValue::from_static("Bearer new"));
+        Ok(())
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_resend_waits_for_capacity_below_outside_its_per_try_timeout() {
+    // One permit below. The first send gets a 401; while the hook refreshes, a slow call
+    // (800 ms, another endpoint) takes the permit. The resend waits 800 ms for it: the call's
+    // wait, not the resend's 500 ms per-try timeout, so it is sent and answered.
+    let (_, limited, arrivals) = permit_upstream(Duration::from_millis(800));
+    let agent = agent(&policy(
+        "max_attempts: 1\ndeadline: 10s\nper_try_timeout: 500ms",
+    ));
+    // The slow call's endpoint has the defaults: a 2 s per-try timeout.
+    let hook = TakesThePermit {
+        other: RetryLayer::new(agent.endpoint("other")).layer(limited.clone()),
+        fail: None,
+        arrivals: arrivals.clone(),
+    };
+    let client = RetryLayer::new(agent.endpoint("ep"))
+        .with_auth_refresh(hook)
+        .layer(limited);
+    let response =
+        tokio::time::timeout(Duration::from_secs(30), client.oneshot(request("GET", "")))
+            .await
+            .expect("ends")
+            .unwrap();
+    assert_eq!(response.status(), 200);
+    assert_eq!(
+        *arrivals.lock().unwrap(),
+        [
+            ("/v1/me".to_owned(), Duration::ZERO),
+            ("/slow".to_owned(), Duration::ZERO),
+            ("/v1/me".to_owned(), Duration::from_millis(800)),
+        ]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_resend_waiting_for_capacity_is_not_sent_once_the_breaker_opens() {
+    // One permit below. The first send gets a 401; while the hook refreshes, a slow call of
+    // another endpoint takes the permit and other calls open `ep`'s breaker. The resend would
+    // go to an upstream the breaker cut off: it is not sent, and the 401 stands.
+    let (boxed, limited, arrivals) = permit_upstream(Duration::from_millis(1500));
     let agent = agent(&policy(
         "max_attempts: 2\ndeadline: 10s\nper_try_timeout: 5s\ncircuit_breaker: {enabled: true, failure_ratio: 0.5, min_requests: 2, open_for: 30s}",
     ));
-    let hook = OpensTheBreaker {
+    let hook = TakesThePermit {
         other: RetryLayer::new(agent.endpoint("other")).layer(limited.clone()),
-        plain: RetryLayer::new(agent.endpoint("ep")).layer(boxed),
-        sent: sent.clone(),
+        fail: Some(RetryLayer::new(agent.endpoint("ep")).layer(boxed)),
+        arrivals: arrivals.clone(),
     };
     let client = RetryLayer::new(agent.endpoint("ep"))
         .with_auth_refresh(hook)
@@ -406,7 +365,13 @@ async fn a_resend_waiting_for_capacity_is_not_sent_once_the_breaker_opens() {
         "{:?}",
         began.elapsed()
     );
-    assert_eq!(*sent.lock().unwrap(), ["/v1/me", "/slow", "/fail", "/fail"]);
+    let paths: Vec<_> = arrivals
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(p, _)| p.clone())
+        .collect();
+    assert_eq!(paths, ["/v1/me", "/slow", "/fail", "/fail"]);
 }
 
 #[tokio::test(start_paused = true)]

@@ -33,6 +33,9 @@ const POLICY: &str = "max_attempts: 3\ndeadline: 600s\nper_try_timeout: 600s";
 const SHORT: &str = "max_attempts: 3\ndeadline: 10s\nper_try_timeout: 10s";
 const DEADLINE: Duration = Duration::from_secs(10);
 
+/// One attempt, a 10 s deadline, and a breaker that two failures open for 30 s.
+const BREAKER: &str = "max_attempts: 1\ndeadline: 10s\nper_try_timeout: 10s\ncircuit_breaker: {enabled: true, failure_ratio: 0.5, min_requests: 2, open_for: 30s}";
+
 /// What one request to the upstream does once the gate lets it through.
 #[derive(Clone, Copy, Debug)]
 enum Step {
@@ -1011,28 +1014,8 @@ async fn an_open_breaker_refuses_at_once_a_call_that_would_wait_for_capacity() {
     // would wait for that permit is refused at once (`circuit_open`), as SPEC §2 step 2 says,
     // not held until its deadline.
     let seen = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let counter = seen.clone();
-    let upstream = service_fn(move |req: Request<Body>| {
-        counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        async move {
-            let status = match req.uri().path() {
-                "/slow" => {
-                    tokio::time::sleep(Duration::from_secs(20)).await;
-                    200
-                }
-                "/fail" => 503,
-                _ => 200,
-            };
-            let response = Response::builder()
-                .status(status)
-                .body(Full::new(Bytes::new()))
-                .unwrap();
-            Ok::<_, io::Error>(response)
-        }
-    });
-    let agent = agent(&policy(
-        "max_attempts: 1\ndeadline: 10s\nper_try_timeout: 10s\ncircuit_breaker: {enabled: true, failure_ratio: 0.5, min_requests: 2, open_for: 30s}",
-    ));
+    let upstream = breaker_upstream(&seen);
+    let agent = agent(&policy(BREAKER));
     let dedup = Dedup::default();
     let limited = client_of(
         &agent,
@@ -1048,10 +1031,7 @@ async fn an_open_breaker_refuses_at_once_a_call_that_would_wait_for_capacity() {
         seen.load(std::sync::atomic::Ordering::SeqCst) == 1
     })
     .await;
-    for _ in 0..2 {
-        let failed = plain.clone().oneshot(req(get("http://up/fail"), "")).await;
-        assert_eq!(failed.unwrap().status(), 503);
-    }
+    fail_twice(&plain).await;
     let began = Instant::now();
     let refused = limited
         .clone()
@@ -1098,6 +1078,18 @@ fn breaker_upstream(
     })
 }
 
+/// Two reads answered 503 through `plain`: with `min_requests: 2`, they open the breaker.
+async fn fail_twice<S, B>(plain: &S)
+where
+    S: tower::Service<Request<Full<Bytes>>, Response = Response<B>> + Clone,
+    S::Error: std::fmt::Debug,
+{
+    for _ in 0..2 {
+        let failed = plain.clone().oneshot(req(get("http://up/fail"), "")).await;
+        assert_eq!(failed.unwrap().status(), 503);
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_half_open_breaker_with_its_probe_out_refuses_at_once_a_call_that_would_wait_for_capacity()
  {
@@ -1116,10 +1108,7 @@ async fn a_half_open_breaker_with_its_probe_out_refuses_at_once_a_call_that_woul
         &dedup,
     );
     let plain = RetryLayer::new(agent.endpoint("ep")).layer(upstream);
-    for _ in 0..2 {
-        let failed = plain.clone().oneshot(req(get("http://up/fail"), "")).await;
-        assert_eq!(failed.unwrap().status(), 503);
-    }
+    fail_twice(&plain).await;
     tokio::time::advance(Duration::from_secs(1)).await;
     let probe = tokio::spawn(limited.clone().oneshot(req(
         Request::builder().method("POST").uri("http://up/slow"),
@@ -1148,9 +1137,7 @@ async fn a_call_waiting_for_capacity_fails_fast_when_the_breaker_opens_meanwhile
     // it ends within a tenth of a second with `circuit_open`, not at its deadline.
     let seen = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let upstream = breaker_upstream(&seen);
-    let agent = agent(&policy(
-        "max_attempts: 1\ndeadline: 10s\nper_try_timeout: 10s\ncircuit_breaker: {enabled: true, failure_ratio: 0.5, min_requests: 2, open_for: 30s}",
-    ));
+    let agent = agent(&policy(BREAKER));
     let dedup = Dedup::default();
     let limited = client_of(
         &agent,
@@ -1170,10 +1157,7 @@ async fn a_call_waiting_for_capacity_fails_fast_when_the_breaker_opens_meanwhile
     let waiting = tokio::spawn(limited.clone().oneshot(req(get("http://up/b"), "")));
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert!(!waiting.is_finished(), "it waits for the permit");
-    for _ in 0..2 {
-        let failed = plain.clone().oneshot(req(get("http://up/fail"), "")).await;
-        assert_eq!(failed.unwrap().status(), 503);
-    }
+    fail_twice(&plain).await;
     let opened = Instant::now();
     let refused = waiting.await.unwrap().unwrap_err();
     assert!(refused.to_string().contains("circuit_open"), "{refused}");
@@ -1211,14 +1195,9 @@ async fn an_open_breaker_refuses_a_call_before_the_service_below_is_asked_to_get
         }
     }
     let seen = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let agent = agent(&policy(
-        "max_attempts: 1\ndeadline: 10s\nper_try_timeout: 10s\ncircuit_breaker: {enabled: true, failure_ratio: 0.5, min_requests: 2, open_for: 30s}",
-    ));
+    let agent = agent(&policy(BREAKER));
     let plain = RetryLayer::new(agent.endpoint("ep")).layer(breaker_upstream(&seen));
-    for _ in 0..2 {
-        let failed = plain.clone().oneshot(req(get("http://up/fail"), "")).await;
-        assert_eq!(failed.unwrap().status(), 503);
-    }
+    fail_twice(&plain).await;
     let dedup = Dedup::default();
     let refused = client_of(&agent, Closed, &dedup)
         .oneshot(req(get("http://up/x"), ""))
