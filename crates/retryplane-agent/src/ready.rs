@@ -13,7 +13,7 @@ use std::pin::pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use retryplane_policy::breaker::CircuitBreaker;
+use retryplane_policy::breaker::{BreakerState, CircuitBreaker};
 use tokio::time::Instant;
 
 /// Something an attempt needs to be ready before it is sent.
@@ -77,20 +77,19 @@ where
     if let Poll::Ready(r) = once {
         return r.map_or_else(Readied::Failed, |()| Readied::Ready);
     }
-    let mut asked = true;
     loop {
         let now = Instant::now();
         if now >= deadline {
             return Readied::Late;
-        }
-        if !std::mem::take(&mut asked) && refused() {
-            return Readied::Refused;
         }
         let until = deadline.min(now + BREAKER_RECHECK);
         tokio::select! {
             biased;
             r = readiness.as_mut() => return r.map_or_else(Readied::Failed, |()| Readied::Ready),
             () = tokio::time::sleep_until(until) => {}
+        }
+        if refused() {
+            return Readied::Refused;
         }
     }
 }
@@ -104,9 +103,7 @@ pub(crate) fn refuses_now(breaker: Option<&CircuitBreaker>) -> bool {
 /// Whether `breaker` is open now (not half-open): what holds back the second send of an
 /// attempt that already has its permit. The clock is read only when it is not closed.
 pub(crate) fn open_now(breaker: Option<&CircuitBreaker>) -> bool {
-    breaker.is_some_and(|b| {
-        !b.is_closed() && b.state(Instant::now()) == retryplane_policy::breaker::BreakerState::Open
-    })
+    breaker.is_some_and(|b| !b.is_closed() && b.state(Instant::now()) == BreakerState::Open)
 }
 
 #[cfg(test)]
