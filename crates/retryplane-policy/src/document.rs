@@ -141,7 +141,8 @@ pub struct Overlay {
 /// Which calls a route applies to.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum RouteMatch {
-    /// HTTP: an optional method (any when absent) and a path prefix (`/` when absent).
+    /// HTTP: an optional method (any when absent) and a path prefix (`/` when absent), which
+    /// a path matches in any of its spellings ([`crate::uri_path`]: `%61` is `a`).
     Http {
         /// Upper-case method, or any.
         method: Option<String>,
@@ -171,10 +172,7 @@ impl RouteMatch {
                 Target::Http { method: m, path },
             ) => {
                 method.as_deref().is_none_or(|want| str_eq(want, m))
-                    && path
-                        .as_bytes()
-                        .get(..path_prefix.len())
-                        .is_some_and(|head| bytes_eq(head, path_prefix.as_bytes()))
+                    && crate::uri_path::starts_with(path, path_prefix)
             }
             (RouteMatch::Grpc { service, method }, Target::Grpc { path }) => {
                 let Some((svc, meth)) = path.strip_prefix('/').and_then(|p| p.split_once('/'))
@@ -184,6 +182,17 @@ impl RouteMatch {
                 str_eq(svc, service) && method.as_deref().is_none_or(|want| str_eq(want, meth))
             }
             _ => false,
+        }
+    }
+}
+
+impl RouteMatch {
+    /// An HTTP match's path prefix in its canonical spelling ([`crate::uri_path::canonical`]);
+    /// empty for a gRPC match.
+    pub fn canonical_prefix(&self) -> std::borrow::Cow<'_, str> {
+        match self {
+            RouteMatch::Http { path_prefix, .. } => crate::uri_path::canonical(path_prefix),
+            RouteMatch::Grpc { .. } => std::borrow::Cow::Borrowed(""),
         }
     }
 }
@@ -198,7 +207,7 @@ pub(crate) fn str_eq(a: &str, b: &str) -> bool {
 /// `a == b` for the short strings of route matching and endpoint names, without a call: whole
 /// 8-byte words, then the tail as one more word (or two halves) overlapping what was compared.
 #[inline]
-fn bytes_eq(a: &[u8], b: &[u8]) -> bool {
+pub(crate) fn bytes_eq(a: &[u8], b: &[u8]) -> bool {
     let n = a.len();
     if n != b.len() {
         return false;

@@ -24,6 +24,7 @@ pub mod render;
 pub mod retry_after;
 pub mod rng;
 pub mod set;
+pub mod uri_path;
 pub mod validate;
 mod window;
 pub mod yaml;

@@ -170,6 +170,34 @@ fn a_path_prefix_no_request_can_carry_as_written_is_warned_with_its_encoded_form
 }
 
 #[test]
+fn prefixes_are_compared_in_any_spelling_and_a_stray_percent_is_warned() {
+    let src = "version: 1\nendpoints:\n  u:\n    routes:\n      - match: {path_prefix: /v1/charges}\n        max_attempts: 1\n      - match: {path_prefix: \"/v1/ch%61rges/x\"}\n        max_attempts: 2\n      - match: {path_prefix: \"/%C3%BCber\"}\n        max_attempts: 3\n      - match: {path_prefix: /über/x}\n        max_attempts: 4\n      - match: {path_prefix: \"/100%\"}\n        max_attempts: 5\n";
+    assert_eq!(
+        all(src),
+        [
+            "7:16: warning: endpoints.u.routes[1].match: this route can never match: routes[0] comes first and matches every call it matches",
+            "11:16: warning: endpoints.u.routes[3].match: this route can never match: routes[2] comes first and matches every call it matches",
+            "13:16: warning: endpoints.u.routes[4].match.path_prefix: `/100%` has a `%` that starts no escape (`%` and two hex digits): a request carries a `%` as `%25`: write `/100%25`",
+        ]
+    );
+    let set = load(src.as_bytes()).policies.expect("warnings only");
+    let attempts = |path: &str| {
+        set.resolve(
+            "u",
+            &Target::Http {
+                method: "GET",
+                path,
+            },
+        )
+        .map(|p| p.max_attempts)
+    };
+    assert_eq!(attempts("/v1/ch%61rges/9"), Some(1));
+    assert_eq!(attempts("/%C3%BCber/9"), Some(3));
+    assert_eq!(attempts("/%c3%bcber"), Some(3));
+    assert_eq!(attempts("/100%25"), Some(5));
+}
+
+#[test]
 fn yes_and_on_are_strings_a_boolean_field_refuses_them_and_an_endpoint_may_have_the_name() {
     let src = "version: 1\nendpoints:\n  a:\n    retry_after: {honor: yes}\n    budget: {enabled: off}\n    circuit_breaker: {enabled: 1}\n";
     assert_eq!(

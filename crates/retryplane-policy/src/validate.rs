@@ -16,6 +16,7 @@ use crate::diag::Diagnostic;
 use crate::document::{EndpointDoc, Level, Overlay, PolicyDocument, RouteMatch, Target};
 use crate::model::RetryPolicy;
 use crate::parse::{ROUTE_ALERT, check_method};
+use crate::uri_path::stray_percent;
 use crate::yaml::Loc;
 
 /// Highest `max_attempts` accepted.
@@ -88,9 +89,16 @@ pub(crate) fn check_parsed(
         // (first match wins) is found in time linear in the size of the matches.
         // Paths name a route by its place as written (`RouteDoc::index`), which counts routes
         // the parser refused, so that every message about one route names the same index.
+        // Prefixes are compared in their canonical spelling, as calls are matched
+        // (`/v1/ch%61rges` is `/v1/charges`).
+        let canonical: Vec<_> = ep
+            .routes
+            .iter()
+            .map(|r| r.matcher.value.canonical_prefix())
+            .collect();
         let mut first_route = HashMap::with_capacity(ep.routes.len());
         let mut earlier = Coverage::default();
-        for route in &ep.routes {
+        for (route, canonical) in ep.routes.iter().zip(&canonical) {
             let i = route.index;
             let route_path = format!("{ep_path}.routes[{i}]");
             check_layer_noting(&route.overlay, &route_path, &mut refused, diags);
@@ -104,7 +112,7 @@ pub(crate) fn check_parsed(
                         "this route can never match: routes[{j}] has the same match and comes first"
                     ),
                 ));
-            } else if let Some(j) = earlier.first_covering(&route.matcher.value) {
+            } else if let Some(j) = earlier.first_covering(&route.matcher.value, canonical) {
                 diags.push(Diagnostic::warning(
                     route.matcher.loc,
                     format!("{route_path}.match"),
@@ -125,7 +133,20 @@ pub(crate) fn check_parsed(
                     ),
                 ));
             }
-            earlier.add(&route.matcher.value, i);
+            if let RouteMatch::Http { path_prefix, .. } = &route.matcher.value
+                && stray_percent(path_prefix).is_some()
+            {
+                diags.push(Diagnostic::warning(
+                    route.matcher.loc,
+                    format!("{route_path}.match.path_prefix"),
+                    format!(
+                        "`{}` has a `%` that starts no escape (`%` and two hex digits): a request carries a `%` as `%25`: write `{}`",
+                        crate::diag::OneLine(path_prefix),
+                        crate::diag::OneLine(&escape_stray_percents(path_prefix))
+                    ),
+                ));
+            }
+            earlier.add(&route.matcher.value, canonical, i);
             let mut route_layers = layers.clone();
             route_layers.push((Level::Route, route_path, &route.overlay));
             check_effective(&route_layers, &refused, diags);
@@ -200,14 +221,12 @@ struct Coverage<'a> {
 }
 
 impl<'a> Coverage<'a> {
-    /// The first route added whose match fits every call `m` fits.
-    fn first_covering(&self, m: &RouteMatch) -> Option<usize> {
+    /// The first route added whose match fits every call `m` fits; `canonical` is `m`'s
+    /// [`RouteMatch::canonical_prefix`].
+    fn first_covering(&self, m: &RouteMatch, canonical: &str) -> Option<usize> {
         match m {
-            RouteMatch::Http {
-                method,
-                path_prefix,
-            } => {
-                let path = path_prefix.as_bytes();
+            RouteMatch::Http { method, .. } => {
+                let path = canonical.as_bytes();
                 let any = self.http.get(&None).and_then(|t| t.first_prefix_of(path));
                 let same = method
                     .as_deref()
@@ -219,17 +238,14 @@ impl<'a> Coverage<'a> {
         }
     }
 
-    /// Adds route `index`'s match `m`.
-    fn add(&mut self, m: &'a RouteMatch, index: usize) {
+    /// Adds route `index`'s match `m`, whose [`RouteMatch::canonical_prefix`] is `canonical`.
+    fn add(&mut self, m: &'a RouteMatch, canonical: &'a str, index: usize) {
         match m {
-            RouteMatch::Http {
-                method,
-                path_prefix,
-            } => self
+            RouteMatch::Http { method, .. } => self
                 .http
                 .entry(method.as_deref())
                 .or_default()
-                .insert(path_prefix.as_bytes(), index),
+                .insert(canonical.as_bytes(), index),
             RouteMatch::Grpc {
                 service,
                 method: None,
@@ -859,6 +875,19 @@ fn unsendable_in_a_path(prefix: &str) -> Option<String> {
             encoded(prefix)
         )
     })
+}
+
+/// `prefix` with each `%` that starts no escape written `%25`.
+fn escape_stray_percents(prefix: &str) -> String {
+    let mut out = String::with_capacity(prefix.len() + 4);
+    let mut rest = prefix;
+    while let Some(at) = stray_percent(rest) {
+        out.push_str(&rest[..at]);
+        out.push_str("%25");
+        rest = &rest[at + 1..];
+    }
+    out.push_str(rest);
+    out
 }
 
 /// The first attempt that cannot start before the deadline even if every earlier attempt

@@ -48,10 +48,9 @@ pub struct Args {
     /// HTTP method of the call [default: GET when only --path is given].
     #[arg(long, short = 'X', value_name = "METHOD", conflicts_with = "grpc")]
     method: Option<String>,
-    /// HTTP path of the call, without the query string, matched as given: a request built
-    /// from a URL (reqwest, `retryplane request`) carries a non-ASCII letter percent-encoded
-    /// (`/v1/%C3%BCber`), so give it as such a request has it [default: / when only --method
-    /// is given].
+    /// HTTP path of the call, without the query string, matched as the agent matches it:
+    /// any spelling of a path is that path (`/v1/ch%61rges` is `/v1/charges`, `/über` is
+    /// `/%C3%BCber`) [default: / when only --method is given].
     #[arg(long, value_name = "PATH", conflicts_with = "grpc")]
     path: Option<String>,
     /// A gRPC call instead of HTTP.

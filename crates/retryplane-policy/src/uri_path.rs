@@ -1,0 +1,252 @@
+//! How a route's `path_prefix` is compared with a request's path.
+//!
+//! Two spellings of one path are one path (RFC 3986 §6.2.2): a percent-encoded unreserved
+//! character (`%61`) is that character (`a`), the hex digits of an escape are compared without
+//! case (`%2f` is `%2F`), and a non-ASCII byte written raw (`ü` in a policy file, or in a path
+//! given to `CallMeta::http`) is its escape (`%C3%BC`, as a request built from a URL carries
+//! it). So `{path_prefix: /v1/charges}` matches `/v1/ch%61rges` as well, and `/über` matches
+//! `/%C3%BCber`. An escaped reserved character stays distinct from the character itself
+//! (`%2F` is not a `/`), as the RFC has it. A `%` not followed by two hex digits is a plain `%`
+//! (`validate` warns about one in a prefix). Dot segments (`/a/../b`) are not resolved.
+//!
+//! Written here rather than taken from a URL crate: the comparison runs on every call for
+//! every route tried, and it needs no allocation and no decoding at all for the paths nearly
+//! every request has (no `%`, ASCII only), which a general decoder does not promise.
+
+use std::borrow::Cow;
+
+use crate::document::bytes_eq;
+
+/// Whether `path` starts with `prefix`, as the paths they name (see the module docs).
+///
+/// Inlined into route matching: the common cases (the bytes agree; or neither side has a `%`
+/// or a non-ASCII byte where they are compared) cost a comparison and a short scan.
+#[inline(always)]
+pub fn starts_with(path: &str, prefix: &str) -> bool {
+    let (p, x) = (path.as_bytes(), prefix.as_bytes());
+    if p.get(..x.len()).is_some_and(|head| bytes_eq(head, x)) {
+        return true;
+    }
+    // Without a `%` or a non-ASCII byte, a path's units are its bytes: the comparison above
+    // is the answer. The path's units that could meet the prefix's lie in its first
+    // `prefix.len()` bytes when it has none of those there.
+    let head = &p[..p.len().min(x.len())];
+    if !has_escapes(head) && !has_escapes(x) {
+        return false;
+    }
+    starts_with_units(p, x)
+}
+
+/// Whether `s` has a `%` or a non-ASCII byte. A fold rather than `any`: no early exit, so the
+/// compiler can compare whole words at once (prefixes and paths are short).
+#[inline(always)]
+fn has_escapes(s: &[u8]) -> bool {
+    s.iter()
+        .fold(false, |seen, &b| seen | (b == b'%') | (b >= 0x80))
+}
+
+#[cold]
+#[inline(never)]
+fn starts_with_units(path: &[u8], prefix: &[u8]) -> bool {
+    let mut path = Units(path);
+    Units(prefix).all(|unit| path.next() == Some(unit))
+}
+
+/// `prefix` in the one spelling [`starts_with`] treats all of its spellings as: unreserved
+/// characters unescaped, other escapes in upper-case hex, non-ASCII bytes escaped. Borrowed
+/// when `prefix` is already so written. Two prefixes name the same paths if and only if their
+/// canonical forms are equal, and one covers the other's paths if and only if its canonical
+/// form starts the other's (what `validate` needs to find a route that can never match).
+pub fn canonical(prefix: &str) -> Cow<'_, str> {
+    if !has_escapes(prefix.as_bytes()) {
+        return Cow::Borrowed(prefix);
+    }
+    let mut out = String::with_capacity(prefix.len() + 8);
+    for Unit { byte, escaped } in Units(prefix.as_bytes()) {
+        if escaped {
+            out.push('%');
+            out.push(char::from(HEX[usize::from(byte >> 4)]));
+            out.push(char::from(HEX[usize::from(byte & 0xF)]));
+        } else {
+            // Only ASCII bytes are unescaped (a non-ASCII byte is always an escaped unit).
+            out.push(char::from(byte));
+        }
+    }
+    if out == prefix {
+        Cow::Borrowed(prefix)
+    } else {
+        Cow::Owned(out)
+    }
+}
+
+/// The byte offset of the first `%` in `s` not followed by two hex digits, if any: such a
+/// `%` is not an escape, and a request carries a `%` as `%25`.
+pub fn stray_percent(s: &str) -> Option<usize> {
+    let b = s.as_bytes();
+    (0..b.len()).find(|&i| b[i] == b'%' && escape_at(b, i).is_none())
+}
+
+const HEX: &[u8; 16] = b"0123456789ABCDEF";
+
+/// One character of a path, as compared: a byte, and whether it is percent-encoded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Unit {
+    byte: u8,
+    escaped: bool,
+}
+
+/// The units of a path, in order.
+struct Units<'a>(&'a [u8]);
+
+impl Iterator for Units<'_> {
+    type Item = Unit;
+
+    fn next(&mut self) -> Option<Unit> {
+        let (&b, rest) = self.0.split_first()?;
+        if b == b'%'
+            && let Some(v) = escape_at(self.0, 0)
+        {
+            self.0 = &self.0[3..];
+            return Some(Unit {
+                byte: v,
+                escaped: !is_unreserved(v),
+            });
+        }
+        self.0 = rest;
+        Some(Unit {
+            byte: b,
+            escaped: b >= 0x80,
+        })
+    }
+}
+
+/// The byte `%XX` at `s[i..]` stands for, if `s[i]` starts such an escape.
+fn escape_at(s: &[u8], i: usize) -> Option<u8> {
+    match s.get(i..i + 3)? {
+        [b'%', hi, lo] => Some(hex(*hi)? << 4 | hex(*lo)?),
+        _ => None,
+    }
+}
+
+fn hex(b: u8) -> Option<u8> {
+    match b {
+        b'0'..=b'9' => Some(b - b'0'),
+        b'a'..=b'f' => Some(b - b'a' + 10),
+        b'A'..=b'F' => Some(b - b'A' + 10),
+        _ => None,
+    }
+}
+
+/// RFC 3986 §2.3: `ALPHA / DIGIT / "-" / "." / "_" / "~"`.
+fn is_unreserved(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_bytes_as_written_match_as_before() {
+        assert!(starts_with("/v1/charges/12", "/v1/charges"));
+        assert!(starts_with("/v1/charges", "/v1/charges"));
+        assert!(starts_with("/anything", "/"));
+        assert!(!starts_with("/v1/charge", "/v1/charges"));
+        assert!(!starts_with("/v1/items", "/v1/charges"));
+        assert!(!starts_with("", "/"));
+    }
+
+    #[test]
+    fn an_escaped_unreserved_character_is_the_character() {
+        assert!(starts_with("/v1/ch%61rges", "/v1/charges"));
+        assert!(starts_with("/v1/ch%61rges/9", "/v1/charges"));
+        assert!(starts_with("/%76%31/charges", "/v1/charges"));
+        assert!(starts_with("/v1/ch%7E", "/v1/ch~"));
+        // Written escaped in the policy, sent plain.
+        assert!(starts_with("/v1/charges", "/v1/ch%61rges"));
+        assert!(!starts_with("/v1/ch%62rges", "/v1/charges"));
+    }
+
+    #[test]
+    fn escapes_compare_without_case_and_reserved_ones_stay_escaped() {
+        assert!(starts_with("/files/a%2fb", "/files/a%2Fb"));
+        assert!(starts_with("/files/a%2Fb", "/files/a%2fb"));
+        // `%2F` is not a path separator.
+        assert!(!starts_with("/files/a%2Fb", "/files/a/b"));
+        assert!(!starts_with("/files/a/b", "/files/a%2Fb"));
+        // A stray `%` in a prefix (which `validate` warns about) still meets the `%25` a
+        // request carries for it, byte for byte.
+        assert!(starts_with("/100%25", "/100%"));
+    }
+
+    #[test]
+    fn non_ascii_written_raw_is_its_escape() {
+        assert!(starts_with("/%C3%BCber/x", "/über"));
+        assert!(starts_with("/%c3%bcber", "/über"));
+        assert!(starts_with("/über/x", "/%C3%BCber"));
+        assert!(starts_with("/über", "/über"));
+        assert!(!starts_with("/%C3%BCbel", "/über"));
+    }
+
+    #[test]
+    fn a_prefix_longer_than_a_path_with_escapes_is_matched_by_units() {
+        // Three bytes of the path are one unit: the path is shorter in units than in bytes.
+        assert!(starts_with("/%61", "/a"));
+        assert!(!starts_with("/%61", "/ab"));
+        assert!(starts_with("/a", "/%61"));
+        assert!(!starts_with("/", "/%61"));
+    }
+
+    #[test]
+    fn a_stray_percent_is_a_plain_one() {
+        assert!(starts_with("/100%/x", "/100%"));
+        assert!(starts_with("/a%zz", "/a%z"));
+        assert!(starts_with("/a%4", "/a%4"));
+        assert_eq!(stray_percent("/100%"), Some(4));
+        assert_eq!(stray_percent("/a%4"), Some(2));
+        assert_eq!(stray_percent("/a%zz%41"), Some(2));
+        assert_eq!(stray_percent("/a%41%2f"), None);
+        assert_eq!(stray_percent("/plain"), None);
+    }
+
+    #[test]
+    fn canonical_is_one_spelling_of_all() {
+        assert!(matches!(
+            canonical("/v1/charges"),
+            Cow::Borrowed("/v1/charges")
+        ));
+        assert!(matches!(canonical("/a%2Fb"), Cow::Borrowed("/a%2Fb")));
+        assert_eq!(canonical("/v1/ch%61rges"), "/v1/charges");
+        assert_eq!(canonical("/a%2fb"), "/a%2Fb");
+        assert_eq!(canonical("/über"), "/%C3%BCber");
+        assert_eq!(canonical("/%c3%bcber"), "/%C3%BCber");
+        assert_eq!(canonical("/100%"), "/100%");
+    }
+
+    /// `starts_with` agrees with comparing canonical forms, over spellings of a few paths.
+    #[test]
+    fn matching_agrees_with_canonical_forms() {
+        let spellings = [
+            "/v1/charges",
+            "/v1/ch%61rges",
+            "/v1/ch%41rges",
+            "/v1/chArges",
+            "/v1",
+            "/v%31",
+            "/über",
+            "/%C3%BCber",
+            "/%c3%bc",
+            "/a%2Fb",
+            "/a%2fb",
+            "/a/b",
+            "/",
+            "",
+        ];
+        for path in spellings {
+            for prefix in spellings.iter().filter(|p| !p.is_empty()) {
+                let want = canonical(path).starts_with(canonical(prefix).as_ref());
+                assert_eq!(starts_with(path, prefix), want, "{path} vs {prefix}");
+            }
+        }
+    }
+}
