@@ -17,13 +17,15 @@ use retryplane_policy::diff::{self, Change};
 use retryplane_policy::{Diagnostic, PolicyDocument, PolicySet};
 use retryplane_proto::{TooLargeForAgents, convert, pb};
 use tokio::sync::{Mutex, OwnedMutexGuard};
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::aggregate::Aggregator;
 use crate::fleet::{Fleet, unix_ms};
 use crate::metrics::ServerMetrics;
 use crate::publisher::Publisher;
-use crate::store::{NewVersion, Published, Source, StoreError, VersionRecord, VersionStore};
+use crate::store::{
+    NewVersion, Published, REOPEN_INTERVAL, Source, StoreError, VersionRecord, VersionStore,
+};
 
 /// Who owns the policies (SPEC §3).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -403,6 +405,14 @@ impl ControlPlane {
             (Some(c), true) => c.meta.content_hash.clone(),
             _ => content_hash,
         };
+        if unchanged
+            && !dry_run
+            && let Some(current) = &current
+        {
+            // What the store holds is what is served, even after a write that failed once its
+            // commit was durable (see `Fanout::catch_up`).
+            self.fanout().catch_up(current);
+        }
         let (one_at_a_time, (new_doc, new_unsigned)) = match (one_at_a_time, new_doc) {
             (Some(held), Some(new_doc)) if !dry_run && !unchanged => (held, new_doc),
             _ => {
@@ -483,6 +493,7 @@ fn check(
 }
 
 /// The parts of the control plane a publish touches.
+#[derive(Clone)]
 struct Fanout {
     publisher: Arc<Publisher>,
     aggregates: Arc<Aggregator>,
@@ -503,6 +514,25 @@ impl Fanout {
         if published.version == record.meta.version {
             self.aggregates.thresholds().set_from(&record.document);
         }
+    }
+
+    /// Publishes `record`, the store's current version, if what is served is older: after a
+    /// store call that failed once its commit was durable (redb can report a failed sync of a
+    /// commit that is on disk), the store holds a version no stream was sent. Returns whether
+    /// it published.
+    fn catch_up(&self, record: &VersionRecord) -> bool {
+        let served = self.publisher.current().map(|s| s.version);
+        if served.is_some_and(|v| v >= record.meta.version) {
+            return false;
+        }
+        warn!(
+            version = record.meta.version,
+            served = served.unwrap_or(0),
+            "the store holds a version that was not published; publishing it now"
+        );
+        self.publish(record);
+        self.metrics.publishes.inc();
+        true
     }
 }
 
@@ -538,12 +568,31 @@ impl Commit {
             converted: (cache, document, unsigned_hash),
             one_at_a_time,
         } = self;
-        let published = tokio::task::spawn_blocking(move || store.publish(new, expected))
+        let hash = new.content_hash.clone();
+        let writer = store.clone();
+        let published = tokio::task::spawn_blocking(move || writer.publish(new, expected))
             .await
-            .map_err(|e| StoreError::Backend(Box::new(e)))??;
+            .map_err(|e| StoreError::Backend(Box::new(e)))?;
+        let published = match published {
+            Ok(published) => published,
+            Err(error) => match committed_anyway(&store, &fanout, &hash).await {
+                Some(record) => {
+                    warn!(
+                        version = record.meta.version,
+                        error = %error,
+                        "the store reported an error, but the new version was stored"
+                    );
+                    Published::New(record)
+                }
+                None => return Err(error),
+            },
+        };
         let (record, changed) = match published {
             Published::New(r) => (r, true),
-            Published::Unchanged(r) => (r, false),
+            Published::Unchanged(r) => {
+                fanout.catch_up(&r);
+                (r, false)
+            }
         };
         if changed {
             fanout.publish(&record);
@@ -574,6 +623,57 @@ impl Commit {
         Ok((record, changed))
     }
 }
+
+/// After a store write that failed: whether it stored the version with content `hash` after
+/// all (the store's current version has that content and is newer than what is served), and
+/// that record if so. A newer current version with other content is published at once (see
+/// [`Fanout::catch_up`]). The store is read once here; if that read fails too (a store that
+/// failed is reopened at most once every [`REOPEN_INTERVAL`]), a task reads it again every
+/// interval for [`CATCH_UP_TRIES`] intervals and publishes what it finds, so that what agents
+/// are sent never stays behind what `get` and `history` show.
+async fn committed_anyway(
+    store: &Arc<dyn VersionStore>,
+    fanout: &Fanout,
+    hash: &str,
+) -> Option<VersionRecord> {
+    let reader = store.clone();
+    let current = tokio::task::spawn_blocking(move || reader.current()).await;
+    match current {
+        Ok(Ok(Some(record))) => {
+            let served = fanout.publisher.current().map_or(0, |s| s.version);
+            if record.meta.version <= served {
+                None
+            } else if record.meta.content_hash == hash {
+                Some(record)
+            } else {
+                fanout.catch_up(&record);
+                None
+            }
+        }
+        Ok(Ok(None)) => None,
+        _ => {
+            let (store, fanout) = (store.clone(), fanout.clone());
+            tokio::spawn(async move {
+                for _ in 0..CATCH_UP_TRIES {
+                    tokio::time::sleep(REOPEN_INTERVAL).await;
+                    let reader = store.clone();
+                    match tokio::task::spawn_blocking(move || reader.current()).await {
+                        Ok(Ok(Some(record))) => {
+                            fanout.catch_up(&record);
+                            return;
+                        }
+                        Ok(Ok(None)) => return,
+                        _ => {}
+                    }
+                }
+            });
+            None
+        }
+    }
+}
+
+/// How many times [`committed_anyway`]'s task reads a failing store again.
+const CATCH_UP_TRIES: u32 = 60;
 
 #[cfg(test)]
 #[path = "control_tests.rs"]

@@ -656,3 +656,131 @@ async fn with_an_empty_store_an_agent_is_listed_running_a_first_version_it_named
     assert_eq!(control.metrics.pushes.get(), 0, "nothing was pushed");
     drop(agent_tx);
 }
+
+/// A memory store whose next publishes commit and then report an error (as redb can when the
+/// sync after its commit point fails), each followed by `reads_after` failed reads.
+struct LateErrorStore {
+    inner: MemoryStore,
+    failed_commits: std::sync::atomic::AtomicUsize,
+    reads_after: std::sync::atomic::AtomicUsize,
+    failed_reads: std::sync::atomic::AtomicUsize,
+}
+
+impl LateErrorStore {
+    fn new() -> Arc<Self> {
+        Arc::new(Self {
+            inner: MemoryStore::new(),
+            failed_commits: 0.into(),
+            reads_after: 0.into(),
+            failed_reads: 0.into(),
+        })
+    }
+}
+
+/// Takes one from `left`, if any is left.
+fn take_one(left: &std::sync::atomic::AtomicUsize) -> bool {
+    left.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+        .is_ok()
+}
+
+impl VersionStore for LateErrorStore {
+    fn current(&self) -> Result<Option<VersionRecord>, StoreError> {
+        if take_one(&self.failed_reads) {
+            return Err(StoreError::Corrupt("unreadable for now".to_owned()));
+        }
+        self.inner.current()
+    }
+
+    fn get(&self, version: u64) -> Result<Option<VersionRecord>, StoreError> {
+        self.inner.get(version)
+    }
+
+    fn history(&self, limit: usize, before: Option<u64>) -> Result<Vec<VersionMeta>, StoreError> {
+        self.inner.history(limit, before)
+    }
+
+    fn publish(&self, new: NewVersion, expected: Option<u64>) -> Result<Published, StoreError> {
+        let published = self.inner.publish(new, expected)?;
+        if take_one(&self.failed_commits) {
+            let reads = self.reads_after.load(Ordering::SeqCst);
+            self.failed_reads.store(reads, Ordering::SeqCst);
+            let disk = std::io::Error::new(std::io::ErrorKind::StorageFull, "No space left");
+            return Err(StoreError::Backend(Box::new(disk)));
+        }
+        Ok(published)
+    }
+}
+
+fn document(yaml: &str) -> pb::PolicyDocument {
+    let set = retryplane_policy::load(yaml.as_bytes()).policies.unwrap();
+    pb::PolicyDocument::from(set.document().as_ref())
+}
+
+fn served(control: &ControlPlane) -> u64 {
+    control.publisher.current().map_or(0, |s| s.version)
+}
+
+#[tokio::test]
+async fn a_write_that_fails_after_its_commit_is_published_as_the_new_version() {
+    let store = LateErrorStore::new();
+    let control = Arc::new(ControlPlane::for_tests(store.clone(), Mode::Api));
+    control.apply(change(document(V1))).await.unwrap();
+    store.failed_commits.store(1, Ordering::SeqCst);
+
+    let outcome = control.apply(change(document(V2))).await.unwrap();
+    assert!(outcome.changed);
+    assert_eq!(outcome.record.unwrap().meta.version, 2);
+    assert_eq!(served(&control), 2, "what the store holds is served");
+    assert_eq!(control.metrics.current_version.get(), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stored_version_a_failed_write_hid_is_published_once_the_store_reads_again() {
+    // The commit lands, its error comes back, and the read that follows fails too.
+    let store = LateErrorStore::new();
+    let control = Arc::new(ControlPlane::for_tests(store.clone(), Mode::Api));
+    control.apply(change(document(V1))).await.unwrap();
+    store.failed_commits.store(1, Ordering::SeqCst);
+    store.reads_after.store(3, Ordering::SeqCst);
+
+    let failed = control.apply(change(document(V2))).await.unwrap_err();
+    assert!(matches!(failed, ChangeError::Store(_)), "{failed:?}");
+    assert_eq!(served(&control), 1);
+
+    let mut published = control.publisher.subscribe();
+    tokio::time::timeout(
+        WAIT,
+        published.wait_for(|s| s.as_ref().is_some_and(|s| s.version == 2)),
+    )
+    .await
+    .expect("the stored version is published once the store can be read")
+    .unwrap();
+}
+
+#[tokio::test]
+async fn the_same_content_again_publishes_a_stored_version_that_was_not_served() {
+    let store = LateErrorStore::new();
+    let control = Arc::new(ControlPlane::for_tests(store.clone(), Mode::Api));
+    control.apply(change(document(V1))).await.unwrap();
+    // Stored behind the control plane's back: what a failed write that committed leaves
+    // when the store could not be read at the time.
+    store
+        .inner
+        .publish(
+            NewVersion {
+                document: document(V3),
+                content_hash: convert::content_hash(&document(V3)),
+                source: Source::Admin,
+                author: None,
+                summary: String::new(),
+                created_unix_ms: 0,
+            },
+            None,
+        )
+        .unwrap();
+    assert_eq!(served(&control), 1);
+
+    let outcome = control.apply(change(document(V3))).await.unwrap();
+    assert!(!outcome.changed, "no new version for the same content");
+    assert_eq!(served(&control), 2, "the stored version is served");
+}

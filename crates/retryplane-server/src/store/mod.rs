@@ -35,6 +35,7 @@ mod redb_tests;
 mod tests;
 
 pub use self::memory::MemoryStore;
+pub(crate) use self::redb::REOPEN_INTERVAL;
 pub use self::redb::RedbStore;
 
 /// Where a version came from.
