@@ -232,8 +232,17 @@ impl Tokens {
                 "admin" => Some(Role::Admin),
                 "viewer" => Some(Role::Viewer),
                 other => {
+                    // Quoted only when it reads as a misspelt role: a value swapped with the
+                    // secret must not reach a terminal or the log.
+                    let looks_like_a_role =
+                        other.len() <= 12 && other.bytes().all(|b| b.is_ascii_alphabetic());
+                    let shown = if looks_like_a_role {
+                        format!(" `{other}`")
+                    } else {
+                        String::from(" (not shown: it could be a secret)")
+                    };
                     problems.push(format!(
-                        "{at}: unknown role `{other}` (expected `agent`, `admin` or `viewer`)"
+                        "{at}: unknown role{shown} (expected `agent`, `admin` or `viewer`)"
                     ));
                     None
                 }

@@ -207,6 +207,13 @@ fn unknown_role_is_refused() {
 }
 
 #[test]
+fn a_role_swapped_with_its_secret_is_not_shown() {
+    let err = invalid("tokens: [{name: ci, role: Zq8-very-long-real-secret-value, secret: admin}]");
+    assert!(err.contains("unknown role (not shown"), "{err}");
+    assert!(!err.contains("Zq8"), "{err}");
+}
+
+#[test]
 fn unknown_fields_and_empty_lists_are_refused() {
     let err = invalid("tokens: [{name: a, role: admin, secret: aaaaaaaaaaaaaaaaaaaa, x: 1}]");
     assert!(err.contains("malformed"), "{err}");
