@@ -526,6 +526,12 @@ fn the_token_is_sent_as_a_bearer_token_and_never_printed() {
             .code(0),
     );
     assert_eq!(history[0]["author"], "alice");
+    // A token read from a file or a variable often ends in a line break.
+    server
+        .retryplane(&["history"])
+        .env("RETRYPLANE_TOKEN", "admin-secret-0123456789\n")
+        .assert()
+        .code(0);
 }
 
 #[test]

@@ -107,8 +107,10 @@ impl fmt::Debug for Token {
 impl FromStr for Token {
     type Err = std::convert::Infallible;
 
+    /// Leading and trailing whitespace is dropped, as the server drops it from a presented
+    /// token: a token read from a file or a variable often ends in a line break.
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Ok(Token(s.to_owned()))
+        Ok(Token(s.trim_ascii().to_owned()))
     }
 }
 
@@ -270,7 +272,9 @@ impl TryFrom<ServerArgs> for Server {
                 // The error would quote the value: say what is wrong without the token.
                 let mut value =
                     MetadataValue::try_from(format!("Bearer {token}")).map_err(|_| {
-                        anyhow::anyhow!("--token: a token may hold only visible ASCII characters")
+                        anyhow::anyhow!(
+                            "--token (or RETRYPLANE_TOKEN): a token may hold only visible ASCII characters"
+                        )
                     })?;
                 value.set_sensitive(true);
                 Some(value)
