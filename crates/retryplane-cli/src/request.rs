@@ -530,10 +530,32 @@ async fn shutdown(agent: &Agent) {
     let _ = tokio::time::timeout(SHUTDOWN_WAIT, agent.shutdown()).await;
 }
 
+/// How long the client tries to connect: a little less than an attempt's time limit
+/// (`min(per_try_timeout, deadline)` of the call's policy). A connect that never completes (a
+/// host that drops the SYN) then fails as a connect error, which it is: the request never
+/// reached the upstream, so it is retried whatever the method, as a refused connect is.
+/// Without it the attempt's limit would cut the connect, and a timeout is an unknown outcome.
+fn connect_timeout(agent: &Agent, s: &Settings) -> Duration {
+    let snapshot = agent.policies();
+    let target = retryplane_policy::Target::Http {
+        method: s.method.as_str(),
+        path: s.url.path(),
+    };
+    let policy = snapshot
+        .set()
+        .and_then(|set| set.resolve(&s.endpoint, &target))
+        .unwrap_or_else(|| snapshot.defaults());
+    let limit = policy.per_try_timeout.min(policy.deadline);
+    // Ahead of the attempt's own timer by enough to win the race, and no more than needed.
+    let margin = (limit / 10).min(Duration::from_millis(100));
+    limit.saturating_sub(margin).max(Duration::from_millis(1))
+}
+
 /// Runs the call through the agent, recording each attempt from inside the attempt closure.
 async fn call(agent: &Agent, s: &Settings) -> anyhow::Result<Summary> {
     let client = reqwest::Client::builder()
         .redirect(reqwest::redirect::Policy::none())
+        .connect_timeout(connect_timeout(agent, s))
         .build()
         .context("cannot build the HTTP client")?;
     let body = s.body.as_ref().map(|Secret(b)| Bytes::from(b.clone()));

@@ -643,6 +643,43 @@ fn a_closed_port_gives_connect_errors_until_attempts_run_out() {
 }
 
 #[test]
+fn a_connect_that_never_completes_is_a_connect_error_and_retried_whatever_the_method() {
+    let rt = Runtime::new().unwrap();
+    // A listener whose accept queue is full: the kernel drops further SYNs, so a connect
+    // neither completes nor is refused (a host that drops packets).
+    let (port, _held) = rt.block_on(async {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind((Ipv4Addr::LOCALHOST, 0).into()).unwrap();
+        let listener = socket.listen(0).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut held = Vec::new();
+        for _ in 0..16 {
+            let connect = TcpStream::connect(addr);
+            match tokio::time::timeout(std::time::Duration::from_millis(300), connect).await {
+                Ok(stream) => held.push(stream.unwrap()),
+                Err(_) => return (addr.port(), (listener, held)),
+            }
+        }
+        panic!("every connect completed: the accept queue never filled");
+    });
+    let policy =
+        format!("{POLICY}    per_try_timeout: 400ms\n    retry_on: {{errors: [connect]}}\n");
+    let (v, code) = request_under(
+        &policy,
+        &["-X", "POST", &format!("http://127.0.0.1:{port}/")],
+    );
+    assert_eq!(code, 1, "{v}");
+    assert_eq!(v["cause"], "attempts_exhausted", "{v}");
+    let (shapes, _) = attempts(&v);
+    assert_eq!(
+        shapes,
+        (1..=3)
+            .map(|n| json!({"attempt": n, "status": null, "error": "connect"}))
+            .collect::<Vec<_>>()
+    );
+}
+
+#[test]
 fn an_upstream_that_does_not_speak_http_says_so_on_stderr() {
     use std::io::{Read as _, Write as _};
     // An SSH server's greeting, whatever the client sent, then the connection is closed.
