@@ -174,7 +174,9 @@ pub fn summary(changes: &[Change]) -> String {
 
 /// Whether `a` and `b` hold the same values: equal once places are forgotten and endpoints
 /// put in name order (the order of routes counts). For documents whose endpoint names are
-/// unique this agrees with [`diff`] finding nothing (floating-point `-0.0`/NaN aside).
+/// unique this agrees with [`diff`] finding nothing (floating-point `-0.0`/NaN aside), but for
+/// the order of lists that read as sets, which [`diff`] ignores and this does not (it is what
+/// a content hash covers).
 pub fn same_content(a: &PolicyDocument, b: &PolicyDocument) -> bool {
     canonical(a) == canonical(b)
 }
@@ -183,6 +185,11 @@ pub fn same_content(a: &PolicyDocument, b: &PolicyDocument) -> bool {
 
 /// The changed leaves of one layer, each prefixed with `prefix` (`routes[0].`).
 fn overlay_changes(old: &Overlay, new: &Overlay, prefix: &str) -> Vec<String> {
+    // Compared with the lists as sets; shown as written.
+    let (old_sets, new_sets) = (
+        leaf_values(&lists_as_sets(old)),
+        leaf_values(&lists_as_sets(new)),
+    );
     let (old, new) = (leaf_values(old), leaf_values(new));
     let value = |leaves: &[(&str, String)], path: &str| {
         leaves
@@ -192,17 +199,33 @@ fn overlay_changes(old: &Overlay, new: &Overlay, prefix: &str) -> Vec<String> {
     };
     crate::document::FIELD_PATHS
         .iter()
-        .filter_map(|path| {
+        .filter(|path| value(&old_sets, path) != value(&new_sets, path))
+        .map(|path| {
             let (before, after) = (value(&old, path), value(&new, path));
-            (before != after).then(|| {
-                format!(
-                    "{prefix}{path}: {} -> {}",
-                    before.as_deref().unwrap_or(INHERITED),
-                    after.as_deref().unwrap_or(INHERITED)
-                )
-            })
+            format!(
+                "{prefix}{path}: {} -> {}",
+                before.as_deref().unwrap_or(INHERITED),
+                after.as_deref().unwrap_or(INHERITED)
+            )
         })
         .collect()
+}
+
+/// `o` with the lists that read as sets (`retry_on`'s statuses, codes and error classes,
+/// `idempotent_methods`) sorted, each value once: another order is no change.
+fn lists_as_sets(o: &Overlay) -> Overlay {
+    fn sorted<T: Ord + Clone>(list: &mut Option<Field<Vec<Field<T>>>>) {
+        if let Some(l) = list {
+            l.value.sort_by(|a, b| a.value.cmp(&b.value));
+            l.value.dedup_by(|a, b| a.value == b.value);
+        }
+    }
+    let mut o = o.clone();
+    sorted(&mut o.retry_on.http_status);
+    sorted(&mut o.retry_on.grpc_status);
+    sorted(&mut o.retry_on.errors);
+    sorted(&mut o.idempotent_methods);
+    o
 }
 
 /// The fields a layer sets, as `prefix + path: value` lines.

@@ -51,6 +51,24 @@ fn flow_and_block_style_of_the_same_values_are_the_same_content() {
 }
 
 #[test]
+fn lists_that_read_as_sets_in_another_order_or_repeated_are_no_change() {
+    let a = doc(
+        "version: 1\nendpoints:\n  a:\n    retry_on: {http_status: [500, 503], grpc_status: [UNAVAILABLE, RESOURCE_EXHAUSTED], errors: [connect, reset]}\n    idempotent_methods: [GET, PUT]\n",
+    );
+    let b = doc(
+        "version: 1\nendpoints:\n  a:\n    retry_on: {http_status: [503, 500, 503], grpc_status: [RESOURCE_EXHAUSTED, UNAVAILABLE], errors: [reset, connect]}\n    idempotent_methods: [PUT, GET]\n",
+    );
+    assert_eq!(diff(&a, &b), []);
+    let c = doc(
+        "version: 1\nendpoints:\n  a:\n    retry_on: {http_status: [503, 502], grpc_status: [RESOURCE_EXHAUSTED, UNAVAILABLE], errors: [reset, connect]}\n    idempotent_methods: [PUT, GET]\n",
+    );
+    assert_eq!(
+        details(&diff(&a, &c), "a"),
+        ["retry_on.http_status: [500, 503] -> [503, 502]"]
+    );
+}
+
+#[test]
 fn reordered_endpoints_are_the_same_content() {
     let a = doc("version: 1\nendpoints:\n  a: {max_attempts: 2}\n  b: {}\n");
     let b = doc("version: 1\nendpoints:\n  b: {}\n  a: {max_attempts: 2}\n");

@@ -30,7 +30,7 @@ use crate::pb;
 
 mod to_pb;
 
-pub use to_pb::{content_hash, unsigned_zeros};
+pub use to_pb::{content_hash, lists_as_sets, unsigned_zeros};
 
 /// Why a wire document could not become a [`PolicyDocument`].
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]

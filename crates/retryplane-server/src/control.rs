@@ -166,15 +166,18 @@ struct Converted {
     content_hash: String,
     /// The version's document, converted from its wire form.
     document: Arc<PolicyDocument>,
-    /// The hash its content goes by with every `-0.0` read as `0.0`, when that differs from
-    /// the stored hash's content (see [`ControlPlane::apply`]).
-    unsigned_hash: Option<String>,
+    /// Its [`content_key`].
+    content_key: String,
 }
 
-/// The content hash of `document` with every `-0.0` read as `0.0`, when it has one.
-fn unsigned_hash(document: &pb::PolicyDocument) -> Option<String> {
+/// What two documents of the same content have alike, though their content hashes (of what
+/// was sent, which agents check) may differ: the hash of `document` with every `-0.0` read as
+/// `0.0` and the lists that read as sets in order ([`convert::lists_as_sets`]).
+fn content_key(document: &pb::PolicyDocument) -> String {
     let mut document = document.clone();
-    convert::unsigned_zeros(&mut document).then(|| convert::content_hash(&document))
+    convert::unsigned_zeros(&mut document);
+    convert::lists_as_sets(&mut document);
+    convert::content_hash(&document)
 }
 
 /// `record` converted, from `cache` when it holds that record, else converted now (and kept
@@ -197,7 +200,7 @@ fn converted(
         version: record.meta.version,
         content_hash: record.meta.content_hash.clone(),
         document: Arc::new(document),
-        unsigned_hash: unsigned_hash(&record.document),
+        content_key: content_key(&record.document),
     });
     *cache.lock().unwrap_or_else(PoisonError::into_inner) = Some(entry.clone());
     Ok(entry)
@@ -337,7 +340,7 @@ impl ControlPlane {
         } = req;
         let store = self.store.clone();
         let cache = self.converted.clone();
-        let (document, current, changes, warnings, content_hash, current_unsigned, new_doc) =
+        let (document, current, changes, warnings, content_hash, same_content, new_doc) =
             tokio::task::spawn_blocking(move || {
                 // What is stored is the wire form of what was checked and diffed: a loaded file
                 // is converted here, never handed in beside its policies.
@@ -376,19 +379,20 @@ impl ControlPlane {
                     .map(|record| converted(&cache, record))
                     .transpose()?;
                 let changes = check(set.document(), stored.as_ref().map(|s| &*s.document), force)?;
-                // A version stored before `-0.0` was read as `0.0` keeps the hash of its `-0.0`:
-                // the same content sent again, now read without the sign, is no change either.
-                let current_unsigned = stored.and_then(|s| s.unsigned_hash.clone());
+                // A version stored with a `-0.0`, or with a list in another order, keeps the hash
+                // of what was sent: the same content sent again, the sign dropped or the list
+                // reordered, is no change either.
+                let new_key = content_key(&document);
+                let same_content = stored.is_some_and(|s| s.content_key == new_key);
                 // What the check of the next change needs of this one, once it is stored.
-                let new_doc =
-                    (!dry_run).then(|| (set.document().clone(), unsigned_hash(&document)));
+                let new_doc = (!dry_run).then(|| (set.document().clone(), new_key));
                 Ok::<_, ChangeError>((
                     document,
                     current,
                     changes,
                     warnings,
                     content_hash,
-                    current_unsigned,
+                    same_content,
                     new_doc,
                 ))
             })
@@ -399,7 +403,7 @@ impl ControlPlane {
         let unchanged = current
             .as_ref()
             .is_some_and(|c| c.meta.content_hash == content_hash)
-            || current_unsigned.as_ref() == Some(&content_hash);
+            || same_content;
         // Unchanged: the hash the content goes by is the current version's, as stored.
         let content_hash = match (&current, unchanged) {
             (Some(c), true) => c.meta.content_hash.clone(),
@@ -553,7 +557,7 @@ struct Commit {
 type ConvertedNew = (
     Arc<std::sync::Mutex<Option<Arc<Converted>>>>,
     Arc<PolicyDocument>,
-    Option<String>,
+    String,
 );
 
 impl Commit {
@@ -565,7 +569,7 @@ impl Commit {
             fanout,
             new,
             expected,
-            converted: (cache, document, unsigned_hash),
+            converted: (cache, document, content_key),
             one_at_a_time,
         } = self;
         let hash = new.content_hash.clone();
@@ -613,7 +617,7 @@ impl Commit {
                     version: record.meta.version,
                     content_hash: record.meta.content_hash.clone(),
                     document,
-                    unsigned_hash,
+                    content_key,
                 }));
             if let Some(replaced) = replaced {
                 drop(tokio::task::spawn_blocking(move || drop(replaced)));

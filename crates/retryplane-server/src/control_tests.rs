@@ -784,3 +784,20 @@ async fn the_same_content_again_publishes_a_stored_version_that_was_not_served()
     assert!(!outcome.changed, "no new version for the same content");
     assert_eq!(served(&control), 2, "the stored version is served");
 }
+
+#[tokio::test]
+async fn lists_in_another_order_are_the_same_content_and_no_new_version() {
+    let store = Arc::new(MemoryStore::new());
+    let control = Arc::new(ControlPlane::for_tests(store, Mode::Api));
+    let first = "version: 1\nendpoints:\n  a:\n    retry_on: {http_status: [500, 503], grpc_status: [UNAVAILABLE, RESOURCE_EXHAUSTED]}\n    idempotent_methods: [GET, PUT]\n";
+    let again = "version: 1\nendpoints:\n  a:\n    retry_on: {http_status: [503, 500], grpc_status: [RESOURCE_EXHAUSTED, UNAVAILABLE]}\n    idempotent_methods: [PUT, GET]\n";
+    let stored = control.apply(change(document(first))).await.unwrap();
+    let outcome = control.apply(change(document(again))).await.unwrap();
+    assert!(!outcome.changed && !outcome.would_change, "{outcome:?}");
+    assert!(outcome.diff.is_empty());
+    assert_eq!(
+        outcome.content_hash, stored.content_hash,
+        "the stored version's hash"
+    );
+    assert_eq!(served(&control), 1);
+}

@@ -181,6 +181,41 @@ pub fn unsigned_zeros(doc: &mut pb::PolicyDocument) -> bool {
     changed
 }
 
+/// Writes every list of `doc` that reads as a set (`retry_on`'s statuses, codes and error
+/// classes, `idempotent_methods`: a value is in them or not) sorted, each value once. Two
+/// documents that differ only in such lists' order or repeats then hash alike. Not part of
+/// [`content_hash`], which hashes the lists as written: agents check a snapshot's hash, and
+/// versions already stored keep theirs.
+pub fn lists_as_sets(doc: &mut pb::PolicyDocument) {
+    fn set_order<T: Ord>(list: &mut Vec<T>) {
+        list.sort_unstable();
+        list.dedup();
+    }
+    let mut overlay = |o: &mut pb::Overlay| {
+        if let Some(r) = &mut o.retry_on {
+            for l in [&mut r.http_status, &mut r.grpc_status]
+                .into_iter()
+                .flatten()
+            {
+                set_order(&mut l.codes);
+            }
+            if let Some(l) = &mut r.errors {
+                set_order(&mut l.classes);
+            }
+        }
+        if let Some(l) = &mut o.idempotent_methods {
+            set_order(&mut l.methods);
+        }
+    };
+    doc.defaults.iter_mut().for_each(&mut overlay);
+    for ep in &mut doc.endpoints {
+        ep.overlay.iter_mut().for_each(&mut overlay);
+        for route in &mut ep.routes {
+            route.overlay.iter_mut().for_each(&mut overlay);
+        }
+    }
+}
+
 fn canonical(doc: &pb::PolicyDocument) -> pb::PolicyDocument {
     let mut doc = doc.clone();
     doc.defaults = doc.defaults.and_then(canonical_overlay);
