@@ -9,7 +9,7 @@
 //! 2. **Throttle** (`t` in the throttle window): `429` with `Retry-After: RETRY_AFTER`, after the
 //!    same latency, using no capacity.
 //! 3. **Capacity**: a token bucket filled at `capacity` tokens per second, holding at most
-//!    `capacity × 100ms` tokens (at least 1), full at the start. A request that finds less than
+//!    `capacity × 100ms` tokens (at least [`MIN_BURST`]), full at the start. A request that finds less than
 //!    one token is shed: `503` after the base latency × `[0.5, 1.5]`. So an overloaded upstream
 //!    fails more, and retries of those failures overload it further.
 //! 4. **Served**: it takes one token and is answered after
@@ -23,6 +23,13 @@
 use retryplane_policy::rng::{Rng, SeededRng};
 
 use crate::config::{Config, Scenario};
+
+/// The fewest requests the upstream takes at once, whatever its capacity: a server holds a
+/// few requests in flight or in its accept queue. With a bucket of one token, a small fleet
+/// (one client at 1 request/s against a capacity of 1.5/s) had every second request that came
+/// within a refill of another shed, so a healthy upstream at two thirds of its capacity
+/// answered a third of its calls with `503`.
+pub const MIN_BURST: f64 = 10.0;
 
 /// What the upstream answers to one request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -58,7 +65,7 @@ pub(crate) fn nanos(d: std::time::Duration) -> u64 {
 impl Upstream {
     /// A fresh upstream for `config`, its randomness drawn from `rng`.
     pub fn new(config: &Config, rng: SeededRng) -> Self {
-        let burst = (config.capacity * 0.1).max(1.0);
+        let burst = (config.capacity * 0.1).max(MIN_BURST);
         let (window, throttle, error_rate) = match config.scenario {
             Scenario::Outage { .. } => (config.scenario.window(), None, 0.0),
             Scenario::Throttle { retry_after, .. } => {

@@ -228,3 +228,26 @@ fn without_jitter_calls_failed_together_come_back_together_in_spikes() {
         "{none_ratio} vs {full_ratio}"
     );
 }
+
+#[test]
+fn a_small_fleet_under_its_default_capacity_with_no_errors_succeeds() {
+    // The default capacity is 1.5 × the offered load: two thirds busy, no failure asked for.
+    for clients in [1, 10] {
+        let config = Config {
+            clients,
+            rate: 1.0,
+            duration: Duration::from_secs(600),
+            scenario: Scenario::ErrorRate { p: 0.0 },
+            capacity: Config::default_capacity(clients, 1.0),
+            ..Config::default()
+        };
+        let report = run(&policy("max_attempts: 3"), &config);
+        for v in [Variant::Policy, Variant::Naive] {
+            let success = variant(&report, v).success_pct;
+            assert!(
+                success >= 99.0,
+                "{clients} clients, {v:?}: {success}% succeeded"
+            );
+        }
+    }
+}
