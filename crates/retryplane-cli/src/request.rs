@@ -106,14 +106,45 @@ pub struct Args {
     /// cannot be left out: that is an error unless an -H gives it a value).
     #[arg(short = 'H', long = "header", value_name = "'NAME: VALUE'")]
     headers: Vec<Secret>,
-    /// The request body.
-    #[arg(long, value_name = "BODY")]
+    /// The request body; `@FILE` sends FILE's bytes as they are (`@-`: standard input), as
+    /// curl's --data-binary does.
+    #[arg(long, value_name = "BODY|@FILE")]
     data: Option<Secret>,
     /// Output format.
     #[arg(long, value_enum, default_value_t, alias = "format")]
     output: Format,
     /// The URL to call (`http://` or `https://`).
     url: String,
+}
+
+/// The largest body `--data @FILE` reads: the call keeps it to send again on a retry.
+const MAX_BODY_FILE: u64 = 64 << 20;
+
+/// The body `--data` gives: the text itself, or the bytes of the file after an `@` (`@-`:
+/// standard input).
+fn body_of(Secret(data): Secret) -> anyhow::Result<Bytes> {
+    use std::io::Read as _;
+    let Some(path) = data.strip_prefix('@').filter(|p| !p.is_empty()) else {
+        return Ok(Bytes::from(data));
+    };
+    let mut bytes = Vec::new();
+    let read = if path == "-" {
+        std::io::stdin()
+            .lock()
+            .take(MAX_BODY_FILE + 1)
+            .read_to_end(&mut bytes)
+    } else {
+        std::fs::File::open(path).and_then(|f| f.take(MAX_BODY_FILE + 1).read_to_end(&mut bytes))
+    };
+    let shown = if path == "-" { "standard input" } else { path };
+    read.with_context(|| format!("--data @{path}: cannot read {shown}"))?;
+    if bytes.len() as u64 > MAX_BODY_FILE {
+        bail!(
+            "--data @{path}: {shown} is larger than {} MiB, the most a request body may be",
+            MAX_BODY_FILE >> 20
+        );
+    }
+    Ok(Bytes::from(bytes))
 }
 
 /// A flag value that may hold a secret (a header value, a token, a body): never shown by
@@ -153,7 +184,7 @@ pub struct Settings {
     method: Method,
     url: reqwest::Url,
     headers: HeaderMap,
-    body: Option<Secret>,
+    body: Option<Bytes>,
     format: Format,
 }
 
@@ -252,7 +283,7 @@ impl TryFrom<Args> for Settings {
             method,
             url,
             headers,
-            body: args.data,
+            body: args.data.map(body_of).transpose()?,
             format: args.output,
         })
     }
@@ -558,7 +589,7 @@ async fn call(agent: &Agent, s: &Settings) -> anyhow::Result<Summary> {
         .connect_timeout(connect_timeout(agent, s))
         .build()
         .context("cannot build the HTTP client")?;
-    let body = s.body.as_ref().map(|Secret(b)| Bytes::from(b.clone()));
+    let body = s.body.clone();
     let records: Rc<RefCell<Vec<Attempt>>> = Rc::default();
     let meta = CallMeta::http(s.method.as_str(), s.url.path()).with_headers(&s.headers);
     let started = Instant::now();

@@ -280,6 +280,47 @@ fn post_without_idempotency_key_is_not_retried_and_with_it_is() {
 }
 
 #[test]
+fn data_at_a_file_sends_the_file_s_bytes_and_a_file_that_cannot_be_read_is_a_usage_error() {
+    let dir = TempDir::new().unwrap();
+    let file = dir.path().join("body.bin");
+    let bytes = b"{\"a\": 1}\r\n\xff\x00tail\n";
+    fs::write(&file, bytes).unwrap();
+    let up = Upstream::start(&[]);
+    let at_file = format!("@{}", file.display());
+    let (v, code) = request(&["--data", &at_file, &up.url("/e")]);
+    assert_eq!(code, 0, "{v}");
+    let seen = up.seen();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(seen[0].method, "POST");
+    assert_eq!(seen[0].body, bytes, "the file's bytes as they are");
+
+    let missing = format!("@{}", dir.path().join("missing").display());
+    let policy = dir.path().join("policy.yaml");
+    fs::write(&policy, POLICY).unwrap();
+    let out = Command::cargo_bin("retryplane")
+        .unwrap()
+        .args([
+            "request",
+            "--endpoint",
+            "api",
+            "--data",
+            &missing,
+            "--policy",
+        ])
+        .arg(&policy)
+        .arg(up.url("/e"))
+        .timeout(std::time::Duration::from_secs(30))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("--data @") && stderr.contains("cannot read"),
+        "{stderr}"
+    );
+}
+
+#[test]
 fn an_empty_data_body_is_sent_with_a_length_of_zero() {
     for method in ["POST", "PUT"] {
         let up = Upstream::start(&[]);
