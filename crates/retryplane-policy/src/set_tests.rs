@@ -170,6 +170,18 @@ fn a_path_prefix_no_request_can_carry_as_written_is_warned_with_its_encoded_form
 }
 
 #[test]
+fn an_endpoint_s_numbers_for_a_budget_or_breaker_that_is_off_are_warned() {
+    let src = "version: 1\ndefaults:\n  budget: {enabled: false, ratio: 0.3}\n  max_attempts: 3\nendpoints:\n  b:\n    budget: {ratio: 0.5}\n    circuit_breaker: {enabled: false, min_requests: 5}\n  c:\n    budget: {enabled: true, ratio: 0.5}\n    circuit_breaker: {open_for: 5s}\n";
+    assert_eq!(
+        all(src),
+        [
+            "7:21: warning: endpoints.b.budget.ratio: has no effect: the budget is off (defaults.budget.enabled is false); set `budget.enabled: true` on this endpoint to use it",
+            "8:53: warning: endpoints.b.circuit_breaker.min_requests: has no effect: this endpoint turns the circuit breaker off (`circuit_breaker.enabled: false`)",
+        ]
+    );
+}
+
+#[test]
 fn prefixes_are_compared_in_any_spelling_and_a_stray_percent_is_warned() {
     let src = "version: 1\nendpoints:\n  u:\n    routes:\n      - match: {path_prefix: /v1/charges}\n        max_attempts: 1\n      - match: {path_prefix: \"/v1/ch%61rges/x\"}\n        max_attempts: 2\n      - match: {path_prefix: \"/%C3%BCber\"}\n        max_attempts: 3\n      - match: {path_prefix: /über/x}\n        max_attempts: 4\n      - match: {path_prefix: \"/100%\"}\n        max_attempts: 5\n";
     assert_eq!(

@@ -84,6 +84,7 @@ pub(crate) fn check_parsed(
         let mut layers = defaults_layers.to_vec();
         layers.push((Level::Endpoint, ep_path.clone(), &ep.overlay));
         check_effective(&layers, &refused, diags);
+        check_numbers_of_what_is_off(&layers, diags);
         // Each match's first route, so that repeats are found in linear time, and the
         // earlier routes' matches, so that one made unreachable by a broader earlier match
         // (first match wins) is found in time linear in the size of the matches.
@@ -637,6 +638,58 @@ fn check_layer(o: &Overlay, prefix: &str, diags: &mut Vec<Diagnostic>) {
 }
 
 type Layers<'a> = [(Level, String, &'a Overlay)];
+
+/// An endpoint that sets the budget's or the breaker's numbers while its effective policy has
+/// that part turned off (by `defaults:`, or by the endpoint itself): the numbers do nothing.
+/// Not said of `defaults:`, whose numbers an endpoint that turns the part on gets.
+fn check_numbers_of_what_is_off(layers: &Layers<'_>, diags: &mut Vec<Diagnostic>) {
+    let Some((_, prefix, endpoint)) = layers.last() else {
+        return;
+    };
+    let p: RetryPolicy = Overlay::resolve(layers.iter().map(|(_, _, o)| *o));
+    let parts: [(&str, bool, &[&str]); 2] = [
+        (
+            "budget",
+            p.budget.is_none(),
+            &["budget.ratio", "budget.min_per_second", "budget.window"],
+        ),
+        (
+            "circuit_breaker",
+            p.circuit_breaker.is_none(),
+            &[
+                "circuit_breaker.failure_ratio",
+                "circuit_breaker.min_requests",
+                "circuit_breaker.window",
+                "circuit_breaker.open_for",
+                "circuit_breaker.half_open_probes",
+            ],
+        ),
+    ];
+    for (part, off, fields) in parts {
+        if !off {
+            continue;
+        }
+        let enabled = format!("{part}.enabled");
+        let (_, turned_off) = blame(layers, &[enabled.as_str()]);
+        let name = part.replace('_', " ");
+        let why = if turned_off.starts_with(&format!("{prefix}.")) {
+            format!("has no effect: this endpoint turns the {name} off (`{enabled}: false`)")
+        } else {
+            format!(
+                "has no effect: the {name} is off ({turned_off} is false); set `{enabled}: true` on this endpoint to use it"
+            )
+        };
+        for field in fields {
+            if let Some(loc) = endpoint.loc_of(field) {
+                diags.push(Diagnostic::warning(
+                    loc,
+                    format!("{prefix}.{field}"),
+                    why.clone(),
+                ));
+            }
+        }
+    }
+}
 
 /// The place and path of the most specific layer that writes one of `fields`; the top layer's
 /// own path when none does.
