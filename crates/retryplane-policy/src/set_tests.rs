@@ -182,6 +182,17 @@ fn an_endpoint_s_numbers_for_a_budget_or_breaker_that_is_off_are_warned() {
 }
 
 #[test]
+fn an_invalid_idempotency_key_header_is_quoted() {
+    let src = "version: 1\nendpoints:\n  f:\n    idempotency_key_header: \"Idem Key\"\n";
+    assert_eq!(
+        errors(src),
+        [
+            "4:29: error: endpoints.f.idempotency_key_header: `Idem Key` is not a valid HTTP header name (letters, digits and `-`, no space)"
+        ]
+    );
+}
+
+#[test]
 fn prefixes_are_compared_in_any_spelling_and_a_stray_percent_is_warned() {
     let src = "version: 1\nendpoints:\n  u:\n    routes:\n      - match: {path_prefix: /v1/charges}\n        max_attempts: 1\n      - match: {path_prefix: \"/v1/ch%61rges/x\"}\n        max_attempts: 2\n      - match: {path_prefix: \"/%C3%BCber\"}\n        max_attempts: 3\n      - match: {path_prefix: /über/x}\n        max_attempts: 4\n      - match: {path_prefix: \"/100%\"}\n        max_attempts: 5\n";
     assert_eq!(

@@ -530,7 +530,10 @@ fn check_layer(o: &Overlay, prefix: &str, diags: &mut Vec<Diagnostic>) {
             error(
                 f.loc,
                 "idempotency_key_header",
-                "is not a valid HTTP header name".to_owned(),
+                format!(
+                    "`{}` is not a valid HTTP header name (letters, digits and `-`, no space)",
+                    crate::diag::OneLine(&f.value)
+                ),
             );
         }
     }
