@@ -579,7 +579,14 @@ impl Commit {
             .map_err(|e| StoreError::Backend(Box::new(e)))?;
         let published = match published {
             Ok(published) => published,
-            Err(error) => match committed_anyway(&store, &fanout, &hash).await {
+            Err(error) => match committed_anyway(
+                &store,
+                &fanout,
+                &hash,
+                OwnedMutexGuard::mutex(&one_at_a_time),
+            )
+            .await
+            {
                 Some(record) => {
                     warn!(
                         version = record.meta.version,
@@ -634,11 +641,14 @@ impl Commit {
 /// [`Fanout::catch_up`]). The store is read once here; if that read fails too (a store that
 /// failed is reopened at most once every [`REOPEN_INTERVAL`]), a task reads it again every
 /// interval for [`CATCH_UP_TRIES`] intervals and publishes what it finds, so that what agents
-/// are sent never stays behind what `get` and `history` show.
+/// are sent never stays behind what `get` and `history` show. The caller holds `changes`
+/// (the lock every change takes); the task takes it for each read and publish, so that a
+/// change committed meanwhile is published after it, never before.
 async fn committed_anyway(
     store: &Arc<dyn VersionStore>,
     fanout: &Fanout,
     hash: &str,
+    changes: &Arc<Mutex<()>>,
 ) -> Option<VersionRecord> {
     let reader = store.clone();
     let current = tokio::task::spawn_blocking(move || reader.current()).await;
@@ -656,10 +666,11 @@ async fn committed_anyway(
         }
         Ok(Ok(None)) => None,
         _ => {
-            let (store, fanout) = (store.clone(), fanout.clone());
+            let (store, fanout, changes) = (store.clone(), fanout.clone(), changes.clone());
             tokio::spawn(async move {
                 for _ in 0..CATCH_UP_TRIES {
                     tokio::time::sleep(REOPEN_INTERVAL).await;
+                    let _one_at_a_time = changes.lock().await;
                     let reader = store.clone();
                     match tokio::task::spawn_blocking(move || reader.current()).await {
                         Ok(Ok(Some(record))) => {

@@ -747,6 +747,17 @@ async fn a_stored_version_a_failed_write_hid_is_published_once_the_store_reads_a
     assert!(matches!(failed, ChangeError::Store(_)), "{failed:?}");
     assert_eq!(served(&control), 1);
 
+    // While a change holds the lock, the task waits: what that change publishes is not
+    // overtaken by an older version.
+    let held = control.changes.clone().lock_owned().await;
+    tokio::time::sleep(REOPEN_INTERVAL * 5).await;
+    assert_eq!(
+        served(&control),
+        1,
+        "published while a change held the lock"
+    );
+    drop(held);
+
     let mut published = control.publisher.subscribe();
     tokio::time::timeout(
         WAIT,
