@@ -7,7 +7,8 @@
 //! it). So `{path_prefix: /v1/charges}` matches `/v1/ch%61rges` as well, and `/über` matches
 //! `/%C3%BCber`. An escaped reserved character stays distinct from the character itself
 //! (`%2F` is not a `/`), as the RFC has it. A `%` not followed by two hex digits is a plain `%`
-//! (`validate` warns about one in a prefix). Dot segments (`/a/../b`) are not resolved.
+//! (`validate` warns about one in a prefix: a request carries a `%` as `%25`, which is not a
+//! plain `%`). Dot segments (`/a/../b`) are not resolved.
 //!
 //! Written here rather than taken from a URL crate: the comparison runs on every call for
 //! every route tried, and it needs no allocation and no decoding at all for the paths nearly
@@ -25,7 +26,10 @@ use crate::document::bytes_eq;
 pub fn starts_with(path: &str, prefix: &str) -> bool {
     let (p, x) = (path.as_bytes(), prefix.as_bytes());
     if p.get(..x.len()).is_some_and(|head| bytes_eq(head, x)) {
-        return true;
+        // The same bytes are the same units, but for a `%` in the prefix's last two bytes:
+        // a stray one there (`/a%4`) may start an escape in the path (`/a%41`).
+        return !x.ends_with(b"%") && x.get(x.len().wrapping_sub(2)) != Some(&b'%')
+            || starts_with_units(p, x);
     }
     // Without a `%` or a non-ASCII byte, a path's units are its bytes: the comparison above
     // is the answer. The path's units that could meet the prefix's lie in its first
@@ -53,7 +57,8 @@ fn starts_with_units(path: &[u8], prefix: &[u8]) -> bool {
 }
 
 /// `prefix` in the one spelling [`starts_with`] treats all of its spellings as: unreserved
-/// characters unescaped, other escapes in upper-case hex, non-ASCII bytes escaped. Borrowed
+/// characters unescaped, other escapes in upper-case hex, non-ASCII bytes escaped, a `%` that
+/// starts no escape written `%%` (so a canonical form is for comparing, not for a request). Borrowed
 /// when `prefix` is already so written. Two prefixes name the same paths if and only if their
 /// canonical forms are equal, and one covers the other's paths if and only if its canonical
 /// form starts the other's (what `validate` needs to find a route that can never match).
@@ -67,6 +72,11 @@ pub fn canonical(prefix: &str) -> Cow<'_, str> {
             out.push('%');
             out.push(char::from(HEX[usize::from(byte >> 4)]));
             out.push(char::from(HEX[usize::from(byte & 0xF)]));
+        } else if byte == b'%' {
+            // A plain `%` (one that starts no escape) as `%%`: then no unit's spelling starts
+            // another's (`%`, `%%`, `%XX`), so one canonical form starts another exactly when
+            // its units start the other's (`/100%` does not start `/100%25`).
+            out.push_str("%%");
         } else {
             // Only ASCII bytes are unescaped (a non-ASCII byte is always an escaped unit).
             out.push(char::from(byte));
@@ -174,9 +184,13 @@ mod tests {
         // `%2F` is not a path separator.
         assert!(!starts_with("/files/a%2Fb", "/files/a/b"));
         assert!(!starts_with("/files/a/b", "/files/a%2Fb"));
-        // A stray `%` in a prefix (which `validate` warns about) still meets the `%25` a
-        // request carries for it, byte for byte.
-        assert!(starts_with("/100%25", "/100%"));
+        // A stray `%` is a plain one, whatever follows it in the path: not the `%25` a
+        // request carries for a `%` (`validate` says to write that), nor another escape.
+        assert!(!starts_with("/100%25", "/100%"));
+        assert!(!starts_with("/100%41", "/100%"));
+        assert!(!starts_with("/a%41", "/a%4"));
+        assert!(starts_with("/100%/x", "/100%"));
+        assert!(starts_with("/%3100%", "/100%"));
     }
 
     #[test]
@@ -220,13 +234,19 @@ mod tests {
         assert_eq!(canonical("/a%2fb"), "/a%2Fb");
         assert_eq!(canonical("/über"), "/%C3%BCber");
         assert_eq!(canonical("/%c3%bcber"), "/%C3%BCber");
-        assert_eq!(canonical("/100%"), "/100%");
+        assert_eq!(canonical("/100%"), "/100%%");
+        assert_eq!(canonical("/%3100%"), "/100%%");
     }
 
     /// `starts_with` agrees with comparing canonical forms, over spellings of a few paths.
     #[test]
     fn matching_agrees_with_canonical_forms() {
         let spellings = [
+            "/100%",
+            "/%3100%",
+            "/100%25",
+            "/a%4",
+            "/a%41",
             "/v1/charges",
             "/v1/ch%61rges",
             "/v1/ch%41rges",
