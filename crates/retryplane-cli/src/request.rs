@@ -270,8 +270,13 @@ impl TryFrom<Args> for Settings {
                     crate::admin::userinfo_not_used(token_hint);
                 }
                 // An empty token (`RETRYPLANE_AGENT_TOKEN=`) is no token, as for the admin
-                // commands: nothing is sent rather than an empty credential.
-                let token = args.token.filter(|Secret(t)| !t.is_empty());
+                // commands: nothing is sent rather than an empty credential. Surrounding
+                // whitespace (a line break at the end of a file read into the variable) is
+                // dropped, as the server drops it from the token it is shown.
+                let token = args
+                    .token
+                    .map(|Secret(t)| Secret(t.trim_ascii().to_owned()))
+                    .filter(|Secret(t)| !t.is_empty());
                 PolicyFrom::Server(url, token, shown)
             }
             // Unreachable: clap refuses a command line without either (`policy_from` is required).

@@ -1132,6 +1132,10 @@ fn server_mode_says_why_the_control_plane_gave_no_policy() {
     let (code, stderr) = request(&server.url, Some("agent-secret-0123456789"));
     assert_eq!(code, Some(2), "{stderr}");
     assert!(stderr.contains("not an agent listener"), "{stderr}");
+    // A token that ends in a line break (read from a file) is that token: it gets as far.
+    let (code, stderr) = request(&server.url, Some("agent-secret-0123456789\n"));
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("not an agent listener"), "{stderr}");
     // The HTTP listener (which answers 404) is named as the other likely mistake.
     let http_url = format!("http://{}", server.running().http_addr());
     let (code, stderr) = request(&http_url, Some("agent-secret-0123456789"));
