@@ -148,7 +148,7 @@ pub fn content_hash(doc: &pb::PolicyDocument) -> String {
 /// changed anything.
 pub fn unsigned_zeros(doc: &mut pb::PolicyDocument) -> bool {
     let mut changed = false;
-    let mut overlay = |o: &mut pb::Overlay| {
+    let overlay = |o: &mut pb::Overlay| {
         let mut zero = |v: &mut Option<f64>| {
             if let Some(x) = v
                 && *x == 0.0
@@ -171,13 +171,7 @@ pub fn unsigned_zeros(doc: &mut pb::PolicyDocument) -> bool {
             zero(&mut a.retry_ratio);
         }
     };
-    doc.defaults.iter_mut().for_each(&mut overlay);
-    for ep in &mut doc.endpoints {
-        ep.overlay.iter_mut().for_each(&mut overlay);
-        for route in &mut ep.routes {
-            route.overlay.iter_mut().for_each(&mut overlay);
-        }
-    }
+    each_overlay(doc, overlay);
     changed
 }
 
@@ -191,7 +185,7 @@ pub fn lists_as_sets(doc: &mut pb::PolicyDocument) {
         list.sort_unstable();
         list.dedup();
     }
-    let mut overlay = |o: &mut pb::Overlay| {
+    let overlay = |o: &mut pb::Overlay| {
         if let Some(r) = &mut o.retry_on {
             for l in [&mut r.http_status, &mut r.grpc_status]
                 .into_iter()
@@ -207,11 +201,16 @@ pub fn lists_as_sets(doc: &mut pb::PolicyDocument) {
             set_order(&mut l.methods);
         }
     };
-    doc.defaults.iter_mut().for_each(&mut overlay);
+    each_overlay(doc, overlay);
+}
+
+/// Runs `f` on every overlay of `doc`: the defaults', each endpoint's and each route's.
+fn each_overlay(doc: &mut pb::PolicyDocument, mut f: impl FnMut(&mut pb::Overlay)) {
+    doc.defaults.iter_mut().for_each(&mut f);
     for ep in &mut doc.endpoints {
-        ep.overlay.iter_mut().for_each(&mut overlay);
+        ep.overlay.iter_mut().for_each(&mut f);
         for route in &mut ep.routes {
-            route.overlay.iter_mut().for_each(&mut overlay);
+            route.overlay.iter_mut().for_each(&mut f);
         }
     }
 }
