@@ -184,9 +184,7 @@ impl RouteMatch {
             _ => false,
         }
     }
-}
 
-impl RouteMatch {
     /// An HTTP match's path prefix in its canonical spelling ([`crate::uri_path::canonical`]);
     /// empty for a gRPC match.
     pub fn canonical_prefix(&self) -> std::borrow::Cow<'_, str> {
