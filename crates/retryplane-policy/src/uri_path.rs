@@ -69,9 +69,7 @@ pub fn canonical(prefix: &str) -> Cow<'_, str> {
     let mut out = String::with_capacity(prefix.len() + 8);
     for Unit { byte, escaped } in Units(prefix.as_bytes()) {
         if escaped {
-            out.push('%');
-            out.push(char::from(HEX[usize::from(byte >> 4)]));
-            out.push(char::from(HEX[usize::from(byte & 0xF)]));
+            push_escape(&mut out, byte);
         } else if byte == b'%' {
             // A plain `%` (one that starts no escape) as `%%`: then no unit's spelling starts
             // another's (`%`, `%%`, `%XX`), so one canonical form starts another exactly when
@@ -96,7 +94,13 @@ pub fn stray_percent(s: &str) -> Option<usize> {
     (0..b.len()).find(|&i| b[i] == b'%' && escape_at(b, i).is_none())
 }
 
-const HEX: &[u8; 16] = b"0123456789ABCDEF";
+/// Writes `byte` percent-encoded (`%XX`, upper-case hex) to `out`.
+pub(crate) fn push_escape(out: &mut String, byte: u8) {
+    const HEX: &[u8; 16] = b"0123456789ABCDEF";
+    out.push('%');
+    out.push(char::from(HEX[usize::from(byte >> 4)]));
+    out.push(char::from(HEX[usize::from(byte & 0xF)]));
+}
 
 /// One character of a path, as compared: a byte, and whether it is percent-encoded.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -16,7 +16,7 @@ use crate::diag::Diagnostic;
 use crate::document::{EndpointDoc, Level, Overlay, PolicyDocument, RouteMatch, Target};
 use crate::model::RetryPolicy;
 use crate::parse::{ROUTE_ALERT, check_method};
-use crate::uri_path::stray_percent;
+use crate::uri_path::{push_escape, stray_percent};
 use crate::yaml::Loc;
 
 /// Highest `max_attempts` accepted.
@@ -907,17 +907,14 @@ fn unsendable_in_a_path(prefix: &str) -> Option<String> {
     let unsendable = |b: u8| b.is_ascii_control() || b == b' ';
     // A space or a control character, percent-encoded as a request carries it.
     let encoded = |path: &str| {
-        const HEX: &[u8; 16] = b"0123456789ABCDEF";
-        let mut out = Vec::with_capacity(path.len() + 8);
-        for b in path.bytes() {
-            if unsendable(b) {
-                out.extend_from_slice(&[b'%', HEX[usize::from(b >> 4)], HEX[usize::from(b & 0xF)]]);
-            } else {
-                out.push(b);
+        let mut out = String::with_capacity(path.len() + 8);
+        for c in path.chars() {
+            match u8::try_from(c) {
+                Ok(b) if unsendable(b) => push_escape(&mut out, b),
+                _ => out.push(c),
             }
         }
-        // Only ASCII bytes were replaced, by ASCII: still UTF-8.
-        String::from_utf8_lossy(&out).into_owned()
+        out
     };
     if let Some(at) = prefix.find(['?', '#']) {
         return Some(format!(
@@ -939,7 +936,7 @@ fn escape_stray_percents(prefix: &str) -> String {
     let mut rest = prefix;
     while let Some(at) = stray_percent(rest) {
         out.push_str(&rest[..at]);
-        out.push_str("%25");
+        push_escape(&mut out, b'%');
         rest = &rest[at + 1..];
     }
     out.push_str(rest);
