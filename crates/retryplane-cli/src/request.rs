@@ -54,6 +54,7 @@ use http::{HeaderMap, HeaderName, HeaderValue, Method};
 use retryplane_agent::{Agent, AttemptInfo, CallMeta, Classification, Classify, Outcome, Source};
 use tokio::time::Instant;
 
+use crate::admin::Token;
 use crate::input::{self, no_such_endpoint};
 use crate::output::{self, Format};
 use crate::{Outcome as Exit, Report};
@@ -91,7 +92,7 @@ pub struct Args {
         hide_env_values = true,
         value_name = "TOKEN"
     )]
-    token: Option<Secret>,
+    token: Option<Token>,
     /// The endpoint whose policy the call runs under.
     #[arg(long, value_name = "NAME")]
     endpoint: String,
@@ -147,7 +148,7 @@ fn body_of(Secret(data): Secret) -> anyhow::Result<Bytes> {
     Ok(Bytes::from(bytes))
 }
 
-/// A flag value that may hold a secret (a header value, a token, a body): never shown by
+/// A flag value that may hold a secret (a header value, a body): never shown by
 /// `Debug`.
 #[derive(Clone)]
 pub struct Secret(String);
@@ -173,7 +174,7 @@ pub enum PolicyFrom {
     File(input::Source),
     /// The control plane's agent listener (its URL without any `user:password@`), with an
     /// optional token, and the URL as messages show it (as given, the password as `***`).
-    Server(String, Option<Secret>, String),
+    Server(String, Option<Token>, String),
 }
 
 /// The call to make, checked once.
@@ -270,13 +271,8 @@ impl TryFrom<Args> for Settings {
                     crate::admin::userinfo_not_used(token_hint);
                 }
                 // An empty token (`RETRYPLANE_AGENT_TOKEN=`) is no token, as for the admin
-                // commands: nothing is sent rather than an empty credential. Surrounding
-                // whitespace (a line break at the end of a file read into the variable) is
-                // dropped, as the server drops it from the token it is shown.
-                let token = args
-                    .token
-                    .map(|Secret(t)| Secret(t.trim_ascii().to_owned()))
-                    .filter(|Secret(t)| !t.is_empty());
+                // commands: nothing is sent rather than an empty credential.
+                let token = args.token.filter(|t| !t.secret().is_empty());
                 PolicyFrom::Server(url, token, shown)
             }
             // Unreachable: clap refuses a command line without either (`policy_from` is required).
@@ -494,7 +490,7 @@ fn refusal_hint(code: tonic::Code) -> Option<&'static str> {
 async fn from_server(
     url: &str,
     shown: &str,
-    token: Option<&Secret>,
+    token: Option<&Token>,
     endpoint: &str,
 ) -> anyhow::Result<Agent> {
     // Ephemeral: the control plane does not list it once the command is done.
@@ -502,8 +498,8 @@ async fn from_server(
         .url(url)
         .service("retryplane-cli")
         .ephemeral(true);
-    if let Some(Secret(t)) = token {
-        builder = builder.token(t.as_str());
+    if let Some(t) = token {
+        builder = builder.token(t.secret());
     }
     let url = shown;
     let agent = builder
@@ -739,7 +735,7 @@ mod tests {
         )
         .unwrap();
         match Settings::try_from(cli.args).unwrap().policy {
-            PolicyFrom::Server(_, token, _) => token.map(|Secret(t)| t),
+            PolicyFrom::Server(_, token, _) => token.map(|t| t.secret().to_owned()),
             PolicyFrom::File(_) => panic!("not --server"),
         }
     }
@@ -752,6 +748,12 @@ mod tests {
             token_of(&["--token", "a-long-agent-secret"]).as_deref(),
             Some("a-long-agent-secret")
         );
+        // Read from a file, with its line break: the admin commands' token type trims it.
+        assert_eq!(
+            token_of(&["--token", "a-long-agent-secret\n"]).as_deref(),
+            Some("a-long-agent-secret")
+        );
+        assert_eq!(token_of(&["--token", " \n"]), None);
     }
 
     #[test]

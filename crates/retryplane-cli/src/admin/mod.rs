@@ -104,6 +104,13 @@ impl fmt::Debug for Token {
     }
 }
 
+impl Token {
+    /// The token itself, for the one place that sends it.
+    pub fn secret(&self) -> &str {
+        &self.0
+    }
+}
+
 impl FromStr for Token {
     type Err = std::convert::Infallible;
 
