@@ -191,6 +191,13 @@ fn request_under(policy: &str, args: &[&str]) -> (Value, i32) {
     (value, out.status.code().unwrap())
 }
 
+/// `n` attempts that each failed to connect, as [`attempts`] gives them.
+fn connect_errors(n: u32) -> Vec<Value> {
+    (1..=n)
+        .map(|n| json!({"attempt": n, "status": null, "error": "connect"}))
+        .collect()
+}
+
 /// The attempts without their pauses, and the pauses apart.
 fn attempts(v: &Value) -> (Vec<Value>, Vec<Value>) {
     let list = v["attempts"].as_array().unwrap();
@@ -674,12 +681,7 @@ fn a_closed_port_gives_connect_errors_until_attempts_run_out() {
     assert_eq!(v["cause"], "attempts_exhausted");
     assert_eq!(v["status"], Value::Null);
     let (shapes, pauses) = attempts(&v);
-    assert_eq!(
-        shapes,
-        (1..=3)
-            .map(|n| json!({"attempt": n, "status": null, "error": "connect"}))
-            .collect::<Vec<_>>()
-    );
+    assert_eq!(shapes, connect_errors(3));
     assert_eq!(pauses, [json!(10), json!(20), Value::Null]);
 }
 
@@ -712,12 +714,7 @@ fn a_connect_that_never_completes_is_a_connect_error_and_retried_whatever_the_me
     assert_eq!(code, 1, "{v}");
     assert_eq!(v["cause"], "attempts_exhausted", "{v}");
     let (shapes, _) = attempts(&v);
-    assert_eq!(
-        shapes,
-        (1..=3)
-            .map(|n| json!({"attempt": n, "status": null, "error": "connect"}))
-            .collect::<Vec<_>>()
-    );
+    assert_eq!(shapes, connect_errors(3));
 }
 
 #[test]
