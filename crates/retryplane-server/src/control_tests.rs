@@ -711,11 +711,6 @@ impl VersionStore for LateErrorStore {
     }
 }
 
-fn document(yaml: &str) -> pb::PolicyDocument {
-    let set = retryplane_policy::load(yaml.as_bytes()).policies.unwrap();
-    pb::PolicyDocument::from(set.document().as_ref())
-}
-
 fn served(control: &ControlPlane) -> u64 {
     control.publisher.current().map_or(0, |s| s.version)
 }
@@ -724,10 +719,10 @@ fn served(control: &ControlPlane) -> u64 {
 async fn a_write_that_fails_after_its_commit_is_published_as_the_new_version() {
     let store = LateErrorStore::new();
     let control = Arc::new(ControlPlane::for_tests(store.clone(), Mode::Api));
-    control.apply(change(document(V1))).await.unwrap();
+    control.apply(change(wire(V1))).await.unwrap();
     store.failed_commits.store(1, Ordering::SeqCst);
 
-    let outcome = control.apply(change(document(V2))).await.unwrap();
+    let outcome = control.apply(change(wire(V2))).await.unwrap();
     assert!(outcome.changed);
     assert_eq!(outcome.record.unwrap().meta.version, 2);
     assert_eq!(served(&control), 2, "what the store holds is served");
@@ -739,11 +734,11 @@ async fn a_stored_version_a_failed_write_hid_is_published_once_the_store_reads_a
     // The commit lands, its error comes back, and the read that follows fails too.
     let store = LateErrorStore::new();
     let control = Arc::new(ControlPlane::for_tests(store.clone(), Mode::Api));
-    control.apply(change(document(V1))).await.unwrap();
+    control.apply(change(wire(V1))).await.unwrap();
     store.failed_commits.store(1, Ordering::SeqCst);
     store.reads_after.store(3, Ordering::SeqCst);
 
-    let failed = control.apply(change(document(V2))).await.unwrap_err();
+    let failed = control.apply(change(wire(V2))).await.unwrap_err();
     assert!(matches!(failed, ChangeError::Store(_)), "{failed:?}");
     assert_eq!(served(&control), 1);
 
@@ -772,15 +767,15 @@ async fn a_stored_version_a_failed_write_hid_is_published_once_the_store_reads_a
 async fn the_same_content_again_publishes_a_stored_version_that_was_not_served() {
     let store = LateErrorStore::new();
     let control = Arc::new(ControlPlane::for_tests(store.clone(), Mode::Api));
-    control.apply(change(document(V1))).await.unwrap();
+    control.apply(change(wire(V1))).await.unwrap();
     // Stored behind the control plane's back: what a failed write that committed leaves
     // when the store could not be read at the time.
     store
         .inner
         .publish(
             NewVersion {
-                document: document(V3),
-                content_hash: convert::content_hash(&document(V3)),
+                document: wire(V3),
+                content_hash: convert::content_hash(&wire(V3)),
                 source: Source::Admin,
                 author: None,
                 summary: String::new(),
@@ -791,7 +786,7 @@ async fn the_same_content_again_publishes_a_stored_version_that_was_not_served()
         .unwrap();
     assert_eq!(served(&control), 1);
 
-    let outcome = control.apply(change(document(V3))).await.unwrap();
+    let outcome = control.apply(change(wire(V3))).await.unwrap();
     assert!(!outcome.changed, "no new version for the same content");
     assert_eq!(served(&control), 2, "the stored version is served");
 }
@@ -802,8 +797,8 @@ async fn lists_in_another_order_are_the_same_content_and_no_new_version() {
     let control = Arc::new(ControlPlane::for_tests(store, Mode::Api));
     let first = "version: 1\nendpoints:\n  a:\n    retry_on: {http_status: [500, 503], grpc_status: [UNAVAILABLE, RESOURCE_EXHAUSTED]}\n    idempotent_methods: [GET, PUT]\n";
     let again = "version: 1\nendpoints:\n  a:\n    retry_on: {http_status: [503, 500], grpc_status: [RESOURCE_EXHAUSTED, UNAVAILABLE]}\n    idempotent_methods: [PUT, GET]\n";
-    let stored = control.apply(change(document(first))).await.unwrap();
-    let outcome = control.apply(change(document(again))).await.unwrap();
+    let stored = control.apply(change(wire(first))).await.unwrap();
+    let outcome = control.apply(change(wire(again))).await.unwrap();
     assert!(!outcome.changed && !outcome.would_change, "{outcome:?}");
     assert!(outcome.diff.is_empty());
     assert_eq!(
