@@ -417,7 +417,7 @@ impl ControlPlane {
             // commit was durable (see `Fanout::catch_up`).
             self.fanout().catch_up(current);
         }
-        let (one_at_a_time, (new_doc, new_unsigned)) = match (one_at_a_time, new_doc) {
+        let (one_at_a_time, (new_doc, new_key)) = match (one_at_a_time, new_doc) {
             (Some(held), Some(new_doc)) if !dry_run && !unchanged => (held, new_doc),
             _ => {
                 return Ok(ChangeOutcome {
@@ -443,7 +443,7 @@ impl ControlPlane {
             fanout: self.fanout(),
             new,
             expected: expected_version,
-            converted: (self.converted.clone(), new_doc, new_unsigned),
+            converted: (self.converted.clone(), new_doc, new_key),
             one_at_a_time,
         };
         // The task is not cancelled when this future is dropped: it stores and publishes, or
@@ -522,12 +522,11 @@ impl Fanout {
 
     /// Publishes `record`, the store's current version, if what is served is older: after a
     /// store call that failed once its commit was durable (redb can report a failed sync of a
-    /// commit that is on disk), the store holds a version no stream was sent. Returns whether
-    /// it published.
-    fn catch_up(&self, record: &VersionRecord) -> bool {
+    /// commit that is on disk), the store holds a version no stream was sent.
+    fn catch_up(&self, record: &VersionRecord) {
         let served = self.publisher.current().map(|s| s.version);
         if served.is_some_and(|v| v >= record.meta.version) {
-            return false;
+            return;
         }
         warn!(
             version = record.meta.version,
@@ -536,7 +535,6 @@ impl Fanout {
         );
         self.publish(record);
         self.metrics.publishes.inc();
-        true
     }
 }
 
