@@ -54,6 +54,27 @@ pub fn jitter_range(cfg: &BackoffConfig, retry: u32) -> (Duration, Duration) {
     }
 }
 
+/// The first attempt that can never start inside `deadline` when every attempt before it
+/// fails at once and every pause is the shortest `cfg`'s jitter allows; `None` when all
+/// `max_attempts` can. The engine gives up instead of pausing past the deadline (SPEC §2 step 7),
+/// so no call under this schedule is sent more than `first - 1` times, unless a server's hint
+/// replaces a pause by a shorter one (gRPC pushback; an HTTP `Retry-After` only lengthens).
+pub fn first_unreachable_attempt(
+    cfg: &BackoffConfig,
+    max_attempts: u32,
+    deadline: Duration,
+) -> Option<u32> {
+    let mut elapsed = Duration::ZERO;
+    for retry in 1..max_attempts {
+        let (low, _) = jitter_range(cfg, retry);
+        elapsed = elapsed.saturating_add(low);
+        if elapsed >= deadline {
+            return Some(retry + 1);
+        }
+    }
+    None
+}
+
 /// `min(cap, base × factor^exp)` for `factor >= 1`, rounded to the nanosecond, saturating.
 fn grow(base: Duration, factor: f64, exp: u32, cap: Duration) -> Duration {
     if base.is_zero() {

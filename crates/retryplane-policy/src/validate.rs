@@ -852,7 +852,8 @@ fn check_effective(layers: &Layers<'_>, refused: &Refused, diags: &mut Vec<Diagn
                 "backoff.jitter",
             ],
         )
-        && let Some(first) = first_unreachable_attempt(&p)
+        && let Some(first) =
+            backoff::first_unreachable_attempt(&p.backoff, p.max_attempts, p.deadline)
     {
         // Every field the schedule depends on: a layer that only changes the jitter (or the
         // cap) can be what makes attempts unreachable.
@@ -941,20 +942,6 @@ fn escape_stray_percents(prefix: &str) -> String {
     }
     out.push_str(rest);
     out
-}
-
-/// The first attempt that cannot start before the deadline even if every earlier attempt
-/// failed at once and every pause was the shortest its jitter allows.
-fn first_unreachable_attempt(p: &RetryPolicy) -> Option<u32> {
-    let mut elapsed = Duration::ZERO;
-    for retry in 1..p.max_attempts {
-        let (low, _) = backoff::jitter_range(&p.backoff, retry);
-        elapsed += low;
-        if elapsed >= p.deadline {
-            return Some(retry + 1);
-        }
-    }
-    None
 }
 
 fn fmt(d: Duration) -> String {

@@ -6,7 +6,7 @@ use std::time::Duration;
 use retryplane_policy::backoff;
 use retryplane_policy::document::{EndpointDoc, FIELD_PATHS, Level, Overlay, PolicyDocument};
 use retryplane_policy::yaml::Loc;
-use retryplane_policy::{AlertConfig, BudgetConfig, ErrorClass, RetryPolicy};
+use retryplane_policy::{AlertConfig, BudgetConfig, ErrorClass, Jitter, RetryPolicy};
 use serde::Serialize;
 use serde_json::Value;
 
@@ -126,8 +126,10 @@ pub struct ScheduleRow {
     pub retry: u32,
     /// The attempt it starts, `n + 1`.
     pub attempt: u32,
-    /// `min(backoff.max, base × multiplier^(n-1))`.
-    pub ceiling_ms: Millis,
+    /// `min(backoff.max, base × multiplier^(n-1))`; `None` for `decorrelated` jitter, whose
+    /// pauses do not follow it (each is drawn from `[base, 3 × the previous pause]`; the jitter
+    /// range is their bound).
+    pub ceiling_ms: Option<Millis>,
     /// The shortest pause the jitter allows.
     pub jitter_low_ms: Millis,
     /// The longest pause the jitter allows.
@@ -141,8 +143,16 @@ pub struct ScheduleRow {
 /// Upstream requests per logical call in the worst case (every attempt fails).
 #[derive(Debug, Serialize)]
 pub struct Load {
-    /// `max_attempts`: without a budget, each call may be sent that many times.
+    /// The most times one call may be sent without a budget: `max_attempts`, less the attempts
+    /// that can never start inside the deadline ([`Load::first_unreachable_attempt`]); 1 when
+    /// the call is never retried.
     pub multiplier: u32,
+    /// The first attempt that can never start inside the deadline on the policy's own pauses,
+    /// even when every attempt before it fails at once and every pause is the shortest its
+    /// jitter allows; `None` when every attempt can. [`Load::multiplier`] leaves it and the
+    /// later ones out unless a gRPC server's pushback can replace those pauses by shorter
+    /// ones (a gRPC call, or no call given, with `retry_after.honor`).
+    pub first_unreachable_attempt: Option<u32>,
     /// The bound the retry budget adds, when it is enabled.
     pub budget: Option<BudgetLoad>,
 }
@@ -201,6 +211,11 @@ pub fn explain(
         schedule: schedule(&policy, call),
         load: Load {
             multiplier: sends(&policy, call),
+            first_unreachable_attempt: backoff::first_unreachable_attempt(
+                &policy.backoff,
+                attempts(&policy, call),
+                policy.deadline,
+            ),
             budget: policy
                 .budget
                 .as_ref()
@@ -209,13 +224,24 @@ pub fn explain(
     }
 }
 
-/// The most times one call is sent: `max_attempts`, or 1 when it is never retried.
-fn sends(p: &RetryPolicy, call: &Call) -> u32 {
+/// The attempts the schedule shows: `max_attempts`, or 1 when the call is never retried.
+fn attempts(p: &RetryPolicy, call: &Call) -> u32 {
     if never_retried(p, call).is_some() {
         1
     } else {
         p.max_attempts
     }
+}
+
+/// The most times one call is sent: [`attempts`], less those that can never start (see
+/// [`Load::first_unreachable_attempt`]).
+fn sends(p: &RetryPolicy, call: &Call) -> u32 {
+    let all = attempts(p, call);
+    // gRFC A6: a pushback replaces the computed pause, and may be shorter than any of them.
+    if p.retry_after.honor && !matches!(call, Call::Http { .. }) {
+        return all;
+    }
+    backoff::first_unreachable_attempt(&p.backoff, all, p.deadline).map_or(all, |first| first - 1)
 }
 
 /// Why `call` is never retried, if it is not: `max_attempts` is 1, or `retry_on` lists no
@@ -265,9 +291,11 @@ fn retried(p: &RetryPolicy, call: &Call) -> Retried {
         Call::Grpc { .. } => format!(
             "when the caller declares the method idempotent or sends `{key}` metadata{connect}"
         ),
-        Call::Endpoint => {
-            format!("for methods in idempotent_methods, or requests carrying the `{key}` header")
-        }
+        Call::Endpoint => format!(
+            "HTTP: for methods in idempotent_methods, or requests carrying the `{key}` header; \
+             gRPC: when the caller declares the method idempotent or sends `{key}` metadata; \
+             a call the agent makes with `CallMeta::endpoint()` (no method): on every failure in retry_on{connect}"
+        ),
     };
     Retried {
         idempotent,
@@ -303,16 +331,17 @@ fn field_row(
 /// See [`Schedule`] for the definitions.
 fn schedule(p: &RetryPolicy, call: &Call) -> Schedule {
     let mut worst = Duration::ZERO;
-    // No rows for a call that is never retried (see `sends`).
+    // No rows for a call that is never retried (see `attempts`).
     let never = never_retried(p, call);
-    let retries = (1..sends(p, call))
+    let retries = (1..attempts(p, call))
         .map(|n| {
             let (low, high) = backoff::jitter_range(&p.backoff, n);
             worst = worst.saturating_add(p.per_try_timeout).saturating_add(high);
             ScheduleRow {
                 retry: n,
                 attempt: n + 1,
-                ceiling_ms: Millis(backoff::ceiling(&p.backoff, n)),
+                ceiling_ms: (p.backoff.jitter != Jitter::Decorrelated)
+                    .then(|| Millis(backoff::ceiling(&p.backoff, n))),
                 jitter_low_ms: Millis(low),
                 jitter_high_ms: Millis(high),
                 worst_case_start_ms: Millis(worst),
@@ -364,7 +393,11 @@ mod tests {
     #[test]
     fn worst_case_start_adds_timeouts_and_longest_pauses() {
         let s = schedule(&policy(7, Jitter::None), &Call::Endpoint);
-        let ceilings: Vec<_> = s.retries.iter().map(|r| r.ceiling_ms.to_string()).collect();
+        let ceilings: Vec<_> = s
+            .retries
+            .iter()
+            .filter_map(|r| r.ceiling_ms.map(|c| c.to_string()))
+            .collect();
         assert_eq!(
             ceilings,
             ["100ms", "200ms", "400ms", "800ms", "1600ms", "2000ms"]
@@ -377,6 +410,58 @@ mod tests {
         assert_eq!(starts, [1100, 2300, 3700, 5500, 8100, 11100]);
         let fits: Vec<_> = s.retries.iter().map(|r| r.fits_deadline).collect();
         assert_eq!(fits, [true, true, true, true, true, false]);
+    }
+
+    #[test]
+    fn decorrelated_pauses_have_no_ceiling() {
+        let s = schedule(&policy(3, Jitter::Decorrelated), &Call::Endpoint);
+        assert!(s.retries.iter().all(|r| r.ceiling_ms.is_none()));
+        let s = schedule(&policy(3, Jitter::Equal), &Call::Endpoint);
+        assert!(s.retries.iter().all(|r| r.ceiling_ms.is_some()));
+    }
+
+    #[test]
+    fn attempts_that_can_never_start_are_not_sent() {
+        // Pauses of 400ms and 800ms: attempt 3 would start at 1200ms at the earliest.
+        let mut p = policy(4, Jitter::None);
+        p.backoff.base = Duration::from_millis(400);
+        p.deadline = Duration::from_secs(1);
+        p.per_try_timeout = Duration::from_millis(600);
+        let http = Call::Http {
+            method: "GET".into(),
+            path: "/".into(),
+        };
+        let grpc = Call::Grpc {
+            path: "/a.B/C".into(),
+        };
+        assert_eq!(sends(&p, &http), 2);
+        // A gRPC server's pushback can replace the pauses by shorter ones.
+        assert_eq!(sends(&p, &grpc), 4);
+        assert_eq!(sends(&p, &Call::Endpoint), 4);
+        p.retry_after.honor = false;
+        assert_eq!(sends(&p, &grpc), 2);
+        assert_eq!(sends(&p, &Call::Endpoint), 2);
+        // The schedule still shows every retry the policy asks for.
+        assert_eq!(schedule(&p, &http).retries.len(), 3);
+        p.deadline = Duration::from_secs(10);
+        assert_eq!(sends(&p, &http), 4);
+    }
+
+    #[test]
+    fn an_endpoint_alone_says_when_each_kind_of_call_is_retried() {
+        let summary = retried(&policy(3, Jitter::Full), &Call::Endpoint).summary;
+        assert!(
+            summary.contains("HTTP: for methods in idempotent_methods"),
+            "{summary}"
+        );
+        assert!(
+            summary.contains("gRPC: when the caller declares"),
+            "{summary}"
+        );
+        assert!(
+            summary.contains("`CallMeta::endpoint()` (no method): on every failure in retry_on"),
+            "{summary}"
+        );
     }
 
     #[test]

@@ -12,11 +12,11 @@
 //!   backoff.base     200ms   endpoint  config/policies.yaml:45:13
 //!   ...
 //!
-//! schedule (deadline 10s, per_try_timeout 1500ms, jitter decorrelated; times in ms)
+//! schedule (deadline 10000ms, per_try_timeout 1500ms, jitter decorrelated; times in ms)
 //!   retry n follows failed attempt n and starts attempt n+1
 //!   worst-case start = n x per_try_timeout + the longest pauses of retries 1..=n ...
 //!   retry  attempt  ceiling  jitter range    worst-case start  fits deadline
-//!       1        2    200ms  [200ms, 600ms]            2100ms  yes
+//!       1        2        -  [200ms, 600ms]            2100ms  yes
 //!
 //! load (upstream requests per logical call when every attempt fails)
 //!   max_attempts  2x: ...
@@ -148,7 +148,9 @@ fn schedule(out: &mut String, e: &Explanation) {
         vec![
             r.retry.to_string(),
             r.attempt.to_string(),
-            r.ceiling_ms.to_string(),
+            // Decorrelated pauses have no ceiling of their own: the range is their bound.
+            r.ceiling_ms
+                .map_or_else(|| "-".to_owned(), |c| c.to_string()),
             format!("[{}, {}]", r.jitter_low_ms, r.jitter_high_ms),
             r.worst_case_start_ms.to_string(),
             if r.fits_deadline { "yes" } else { "no" }.to_owned(),
@@ -163,13 +165,23 @@ fn load(out: &mut String, l: &Load) {
         out,
         "load (upstream requests per logical call when every attempt fails)"
     );
-    let attempts = if l.multiplier <= 1 {
-        "1x: never retried".to_owned()
-    } else {
-        format!(
+    let attempts = match l.first_unreachable_attempt {
+        _ if l.multiplier <= 1 && l.first_unreachable_attempt.is_none() => {
+            "1x: never retried".to_owned()
+        }
+        None => format!(
             "{}x: each call may be sent max_attempts times",
             l.multiplier
-        )
+        ),
+        Some(first) if l.multiplier < first => format!(
+            "{}x: attempt {first} and later can never start inside the deadline",
+            l.multiplier
+        ),
+        Some(first) => format!(
+            "{}x: each call may be sent max_attempts times, though attempt {first} and later start \
+             inside the deadline only if a gRPC server's pushback shortens the pauses before them",
+            l.multiplier
+        ),
     };
     let budget = match &l.budget {
         None if l.multiplier <= 1 => "disabled (no retries to bound)".to_owned(),
