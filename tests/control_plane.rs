@@ -1023,3 +1023,53 @@ async fn an_agent_that_goes_silent_is_dropped_by_keepalive_and_shows_disconnecte
     assert_eq!(direct.next_snapshot().await.unwrap().version, version);
     drop(silent);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_that_sends_but_does_not_read_ends_alone_and_its_connection_carries_on() {
+    let plane = Plane::api_mode(&policy_yaml(2, 3)).await;
+    // One connection for both agents, as behind an HTTP/2 proxy, with a tiny stream window:
+    // once an agent stops reading, the server can send it nothing more.
+    let shared =
+        tonic::transport::Endpoint::from_shared(format!("http://{}", plane.running.agent_addr))
+            .unwrap()
+            .initial_stream_window_size(64)
+            .connect()
+            .await
+            .unwrap();
+    let mut good = RawAgent::connect(shared.clone(), hello_instance("good", 1))
+        .await
+        .unwrap();
+    let snapshot = good.next_snapshot().await.unwrap();
+    good.ack(&snapshot).await;
+    let mut deaf = RawAgent::connect(shared, hello_instance("deaf", 2))
+        .await
+        .unwrap();
+    // Numbered reports from an agent that never reads their acks: far more small messages
+    // than h2 keeps unread for one connection (about 2,000) before it drops the connection.
+    for seq in 1..=5_000 {
+        let message = pb::AgentMessage {
+            kind: Some(report(seq, "svc-0", 1)),
+        };
+        match tokio::time::timeout(Duration::from_secs(2), deaf.tx.send(message)).await {
+            Ok(Ok(())) => {}
+            // The stream was ended and its messages are no longer taken.
+            _ => break,
+        }
+    }
+    // The other agent on the connection is unaffected: it gets the next version, and its own
+    // report is answered.
+    assert_eq!(plane.apply(&policy_yaml(2, 4)).await, 2);
+    assert_eq!(good.next_snapshot().await.unwrap().version, 2);
+    good.send(report(1, "svc-0", 1)).await;
+    assert_eq!(good.next_ack().await, (1, false));
+    // The agent that did not read finds, once it reads, what was queued and then why its
+    // stream ended.
+    let ended = loop {
+        match deaf.next_message().await {
+            Ok(_) => {}
+            Err(status) => break status,
+        }
+    };
+    assert_eq!(ended.code(), Code::ResourceExhausted, "{ended:?}");
+    assert!(ended.message().contains("does not read"), "{ended:?}");
+}

@@ -18,6 +18,7 @@
 //! [`crate::frame_body::SharedFrameBody`], and
 //! [`crate::agent_route`] serves the `Connect` route (see there for why).
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -220,6 +221,21 @@ fn bad_message_header(status: &Status) -> Option<Status> {
         })
 }
 
+/// Whether `status` reports the end of the stream's HTTP/2 connection (a GOAWAY) rather than
+/// anything of the stream's own.
+fn connection_ended(status: &Status) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(status);
+    while let Some(e) = source {
+        if e.downcast_ref::<h2::Error>()
+            .is_some_and(h2::Error::is_go_away)
+        {
+            return true;
+        }
+        source = e.source();
+    }
+    false
+}
+
 /// Whether `s` holds a control character (or a Unicode line or paragraph separator): such a
 /// name could move the cursor or change colours where `retryplane status` or `stats` print it.
 pub(crate) fn has_control(s: &str) -> bool {
@@ -388,6 +404,7 @@ impl AgentStreamService {
             service: None,
             implausible_warned: false,
             bucket: ReportBucket::default(),
+            held_acks: VecDeque::new(),
         };
         tokio::spawn(stream.run(inbound, tx, registration.replaced, revocation));
         Ok(rx)
@@ -461,6 +478,9 @@ struct AgentStream {
     /// The report rate limit used when the agent id's own (in its [`Fleet`] entry, shared by
     /// its streams) is gone: the entry was pruned while the stream was open.
     bucket: ReportBucket,
+    /// Answers to numbered metrics reports not yet queued on the body, oldest first (see
+    /// [`AgentStream::send`]).
+    held_acks: VecDeque<pb::MetricsAck>,
 }
 
 enum Next {
@@ -470,17 +490,51 @@ enum Next {
     End(Option<Status>),
 }
 
+/// Metrics acks a stream may hold while its agent does not read what it was sent (see
+/// [`AgentStream::send`]): an agent reporting on its interval never comes near it; past it, the
+/// stream ends with `RESOURCE_EXHAUSTED`.
+const MAX_HELD_ACKS: usize = 16;
+
+/// What ended [`queue`]'s wait.
+enum Queued {
+    /// The frame is on the body.
+    Sent,
+    /// The agent sent a message first: the frame, not queued, and the message.
+    Read(Outbound, Result<Option<pb::AgentMessage>, Status>),
+}
+
+/// A stream's two directions and what can end it, borrowed by its task's waits.
+struct Io<'a> {
+    tx: &'a mpsc::Sender<Outbound>,
+    inbound: &'a mut Streaming<pb::AgentMessage>,
+    replaced: &'a mut tokio::sync::oneshot::Receiver<()>,
+    shutdown: &'a mut watch::Receiver<bool>,
+    revocation: &'a mut Option<Revocation>,
+}
+
 /// Queues `frame` on a stream's body once there is room for it and for a closing status after
 /// it, so that the status can always be queued (`try_send` at the end of [`AgentStream::run`]).
 /// An agent that stops reading therefore still ends here when its stream is replaced or the
 /// server shuts down: `Err` carries the status to end with (`None`: the body is gone).
-async fn send(
+///
+/// A message from the agent that comes first (with `inbound`) is handed back with the frame,
+/// so that the stream goes on reading while its agent does not: h2 keeps a stream's unread
+/// DATA frames in a buffer shared by its connection, and drops the whole connection (every
+/// agent behind one proxy) once too many small ones pile up there.
+async fn queue(
     tx: &mpsc::Sender<Outbound>,
     frame: Outbound,
+    inbound: Option<&mut Streaming<pb::AgentMessage>>,
     replaced: &mut tokio::sync::oneshot::Receiver<()>,
     shutdown: &mut watch::Receiver<bool>,
     revocation: &mut Option<Revocation>,
-) -> Result<(), Option<Status>> {
+) -> Result<Queued, Option<Status>> {
+    let read = async {
+        match inbound {
+            Some(inbound) => inbound.message().await,
+            None => std::future::pending().await,
+        }
+    };
     // A stream whose secret was taken away gets nothing more, even when there is room; one
     // whose agent stopped reading ends here too.
     // Then room: a frame that can be queued is, even when the stream is ending (the ack of a
@@ -492,12 +546,13 @@ async fn send(
         room = tx.reserve_many(2) => room,
         _ = replaced => return Err(Some(replaced_status())),
         _ = shutdown.wait_for(|s| *s) => return Err(Some(shutdown_status())),
+        message = read => return Ok(Queued::Read(frame, message)),
     };
     let mut room = room.map_err(|_| None)?;
     if let Some(permit) = room.next() {
         permit.send(frame);
     }
-    Ok(())
+    Ok(Queued::Sent)
 }
 
 fn replaced_status() -> Status {
@@ -518,7 +573,17 @@ impl AgentStream {
     ) {
         let mut snapshots = self.ctx.publisher.subscribe();
         let mut shutdown = self.ctx.shutdown.clone();
+        let mut io = Io {
+            tx: &tx,
+            inbound: &mut inbound,
+            replaced: &mut replaced,
+            shutdown: &mut shutdown,
+            revocation: &mut revocation,
+        };
         let end = loop {
+            if let Err(end) = self.send_held_acks(&mut io).await {
+                break end;
+            }
             let current = snapshots.borrow_and_update().clone();
             if let Some(snap) = &current
                 && self.sent_nonce.is_none()
@@ -537,15 +602,7 @@ impl AgentStream {
             if let Some(snap) = current
                 && self.behind(&snap)
             {
-                if let Err(end) = send(
-                    &tx,
-                    snap.frame(),
-                    &mut replaced,
-                    &mut shutdown,
-                    &mut revocation,
-                )
-                .await
-                {
+                if let Err(end) = self.send(&mut io, snap.frame()).await {
                     break end;
                 }
                 self.known_version = snap.version;
@@ -559,34 +616,14 @@ impl AgentStream {
                     Ok(()) => Next::Continue,
                     Err(_) => Next::End(Some(shutdown_status())),
                 },
-                message = inbound.message() => self.on_message(message),
-                _ = &mut replaced => Next::End(Some(replaced_status())),
-                _ = shutdown.wait_for(|s| *s) => Next::End(Some(shutdown_status())),
-                () = Revocation::revoked(&mut revocation) => Next::End(Some(revoked_status())),
+                message = io.inbound.message() => self.on_message(message),
+                _ = &mut *io.replaced => Next::End(Some(replaced_status())),
+                _ = io.shutdown.wait_for(|s| *s) => Next::End(Some(shutdown_status())),
+                () = Revocation::revoked(io.revocation) => Next::End(Some(revoked_status())),
             };
             match next {
                 Next::Continue => {}
-                Next::Ack(ack) => {
-                    let frame = match encode_frame(&pb::ServerMessage::with_metrics_ack(ack)) {
-                        Ok(frame) => frame,
-                        // A message of two integers always encodes.
-                        Err(e) => {
-                            warn!(agent = %self.agent_id, error = %e, "cannot frame a metrics ack");
-                            continue;
-                        }
-                    };
-                    if let Err(end) = send(
-                        &tx,
-                        Ok(frame),
-                        &mut replaced,
-                        &mut shutdown,
-                        &mut revocation,
-                    )
-                    .await
-                    {
-                        break end;
-                    }
-                }
+                Next::Ack(ack) => self.held_acks.push_back(ack),
                 Next::End(status) => break status,
             }
         };
@@ -597,12 +634,61 @@ impl AgentStream {
             info!(agent = %self.agent_id, "a tokens reload took the stream's token away; ending the stream");
         }
         if let Some(status) = end {
-            // A slot is free (see `send`), so this never waits on an agent that does not read.
+            // A slot is free (see `queue`), so this never waits on an agent that does not read.
             // The agent may be gone already; nothing to do then.
             let _ = tx.try_send(Err(status));
         }
         self.ctx.fleet.disconnected(&self.agent_id, self.generation);
         info!(agent = %self.agent_id, "agent disconnected");
+    }
+
+    /// Queues `frame` ([`queue`]), taking what the agent sends meanwhile as it comes: a metrics
+    /// report is counted and its ack held, to be sent after `frame`; an agent that sends
+    /// faster than it reads ([`MAX_HELD_ACKS`]) has its stream ended.
+    async fn send(&mut self, io: &mut Io<'_>, mut frame: Outbound) -> Result<(), Option<Status>> {
+        loop {
+            let queued = queue(
+                io.tx,
+                frame,
+                Some(&mut *io.inbound),
+                io.replaced,
+                io.shutdown,
+                io.revocation,
+            )
+            .await?;
+            let (back, message) = match queued {
+                Queued::Sent => return Ok(()),
+                Queued::Read(back, message) => (back, message),
+            };
+            frame = back;
+            match self.on_message(message) {
+                Next::Continue => {}
+                Next::Ack(_) if self.held_acks.len() >= MAX_HELD_ACKS => {
+                    warn!(agent = %self.agent_id, held = self.held_acks.len(), "ending an agent stream: the agent sends metrics reports but does not read what it is sent");
+                    return Err(Some(Status::resource_exhausted(format!(
+                        "the agent does not read its stream: {MAX_HELD_ACKS} metrics acks wait for it"
+                    ))));
+                }
+                Next::Ack(ack) => self.held_acks.push_back(ack),
+                Next::End(status) => return Err(status),
+            }
+        }
+    }
+
+    /// Sends the metrics acks held, oldest first.
+    async fn send_held_acks(&mut self, io: &mut Io<'_>) -> Result<(), Option<Status>> {
+        while let Some(ack) = self.held_acks.pop_front() {
+            let frame = match encode_frame(&pb::ServerMessage::with_metrics_ack(ack)) {
+                Ok(frame) => frame,
+                // A message of two integers always encodes.
+                Err(e) => {
+                    warn!(agent = %self.agent_id, error = %e, "cannot frame a metrics ack");
+                    continue;
+                }
+            };
+            self.send(io, Ok(frame)).await?;
+        }
+        Ok(())
     }
 
     /// Whether an answer naming `nonce` and `version` is the first answer to the last push;
@@ -638,13 +724,17 @@ impl AgentStream {
                 // the decoder's status; every other stream carries on. What the agent sent
                 // wrong (a message over the limit, a bad header) is its fault and is logged
                 // where an operator sees it; a broken connection is routine.
-                let agents_fault = bad_message_header(&status).is_some()
-                    || matches!(
-                        status.code(),
-                        tonic::Code::OutOfRange
-                            | tonic::Code::ResourceExhausted
-                            | tonic::Code::InvalidArgument
-                    );
+                // A connection's end (a GOAWAY, whoever sent it) is not this stream's doing,
+                // even with the code tonic gives h2's ENHANCE_YOUR_CALM (`RESOURCE_EXHAUSTED`),
+                // which ends every stream of a connection that held too many unread frames.
+                let agents_fault = !connection_ended(&status)
+                    && (bad_message_header(&status).is_some()
+                        || matches!(
+                            status.code(),
+                            tonic::Code::OutOfRange
+                                | tonic::Code::ResourceExhausted
+                                | tonic::Code::InvalidArgument
+                        ));
                 let status = inbound_error(status);
                 if agents_fault {
                     warn!(agent = %self.agent_id, code = ?status.code(), reason = %OneLine(status.message()), "ending an agent stream: the agent sent a message this control plane cannot take");
@@ -914,18 +1004,46 @@ mod tests {
                 } else {
                     Some(kick)
                 };
-                let sent = send(
+                let sent = queue(
                     &tx,
                     Ok(ack.clone()),
+                    None,
                     &mut replaced,
                     &mut shutdown,
                     &mut None,
                 )
                 .await;
-                assert!(sent.is_ok(), "{ending}: not queued");
+                assert!(matches!(sent, Ok(Queued::Sent)), "{ending}: not queued");
                 assert!(rx.try_recv().is_ok());
             }
         }
+    }
+
+    #[tokio::test]
+    async fn a_goaway_is_the_connections_end_and_a_status_of_the_stream_is_not() {
+        // A server that drops its connection (as h2 does when it holds too many unread
+        // frames) while it reads a stream's request body: what that stream's read gets.
+        let (client_io, server_io) = tokio::io::duplex(1 << 16);
+        let (client, connection) = h2::client::handshake(client_io).await.unwrap();
+        tokio::spawn(connection);
+        let (_response, _request_body) = client
+            .ready()
+            .await
+            .unwrap()
+            .send_request(http::Request::new(()), false)
+            .unwrap();
+        let mut connection = h2::server::handshake(server_io).await.unwrap();
+        let (request, _respond) = connection.accept().await.unwrap().unwrap();
+        connection.abrupt_shutdown(h2::Reason::ENHANCE_YOUR_CALM);
+        tokio::spawn(async move { while connection.accept().await.is_some() {} });
+        let error = request.into_body().data().await.unwrap().unwrap_err();
+        let status = Status::from_error(Box::new(error));
+        assert_eq!(status.code(), tonic::Code::ResourceExhausted);
+        assert!(connection_ended(&status), "{status:?}");
+
+        assert!(!connection_ended(&Status::resource_exhausted("too large")));
+        let reset = Status::from_error(Box::new(h2::Error::from(h2::Reason::CANCEL)));
+        assert!(!connection_ended(&reset), "{reset:?}");
     }
 
     #[test]
