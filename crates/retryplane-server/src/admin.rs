@@ -152,7 +152,13 @@ fn wire_len(text: &str) -> usize {
 /// `items` joined by `separator`, whole items only, within `budget` wire bytes ([`wire_len`]):
 /// when they do not all fit, the first ones that do and then `… and K more NOUN` (and `tail`,
 /// if not empty, after it). `noun` is singular; an `s` makes it plural.
-fn capped_list(items: &[String], separator: &str, budget: usize, noun: &str, tail: &str) -> String {
+pub(crate) fn capped_list(
+    items: &[String],
+    separator: &str,
+    budget: usize,
+    noun: &str,
+    tail: &str,
+) -> String {
     let lengths: Vec<usize> = items.iter().map(|item| wire_len(item)).collect();
     let separator_len = wire_len(separator);
     let joined_len = |shown: usize| {

@@ -1005,7 +1005,9 @@ async fn apply(control: &ControlPlane, file: &Path, loaded: Loaded) -> (bool, bo
         }
         Ok(_) => (true, true),
         Err(ChangeError::RemovesEverything(names)) => {
-            let names = names.join(", ");
+            // As many names as fit one readable line (a file of thousands of endpoints made
+            // one log line of 150 KB).
+            let names = crate::admin::capped_list(&names, ", ", 1_000, "endpoint", "");
             warn!(
                 file = %file.display(),
                 "the saved file removes every endpoint ({names}); refused, {} stays served. To \

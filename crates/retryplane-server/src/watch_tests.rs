@@ -340,6 +340,35 @@ async fn what_start_up_read_is_not_applied_or_logged_again() {
 }
 
 #[tokio::test]
+async fn a_save_that_removes_thousands_of_endpoints_names_only_the_first_in_its_warning() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("policies.yaml");
+    let many: String = (0..3_000)
+        .map(|i| format!("  endpoint-with-a-long-name-{i:05}: {{}}\n"))
+        .collect();
+    fs::write(&file, format!("version: 1\nendpoints:\n{many}")).unwrap();
+    let store: Arc<dyn VersionStore> = Arc::new(MemoryStore::new());
+    let control = Arc::new(ControlPlane::for_tests(store, Mode::File(file.clone())));
+    reload(&control, &file).await;
+    assert_eq!(current_version(&control), Some(1));
+    let (log, _guard) = capture_logs();
+    fs::write(&file, "version: 1\nendpoints:\n  fresh: {}\n").unwrap();
+    reload(&control, &file).await;
+    assert_eq!(current_version(&control), Some(1), "refused");
+    let text = log.text();
+    let warning = text
+        .lines()
+        .find(|l| l.contains("removes every endpoint"))
+        .unwrap_or_else(|| panic!("no warning: {text}"));
+    assert!(warning.len() < 2_000, "{} bytes", warning.len());
+    assert!(
+        warning.contains("endpoint-with-a-long-name-00000, "),
+        "{warning}"
+    );
+    assert!(warning.contains(" more endpoints)"), "{warning}");
+}
+
+#[tokio::test]
 async fn touching_an_unrelated_file_publishes_and_logs_nothing() {
     let (log, _guard) = capture_logs();
     let f = fixture().await;
