@@ -1073,3 +1073,22 @@ async fn an_agent_that_sends_but_does_not_read_ends_alone_and_its_connection_car
     assert_eq!(ended.code(), Code::ResourceExhausted, "{ended:?}");
     assert!(ended.message().contains("does not read"), "{ended:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hello_without_a_hash_naming_a_version_never_reached_runs_no_known_version() {
+    let plane = Plane::file_mode(&policy_yaml(1, 3)).await;
+    let mut agent = RawAgent::connect(plane.agent_channel().await, hello("a1", 999, ""))
+        .await
+        .unwrap();
+    let v1 = agent.next_snapshot().await.unwrap();
+    assert_eq!(v1.version, 1);
+    agent.nack(&v1, "no").await;
+    eventually("the NACK shows", || async {
+        agent_status(&plane, "a1")
+            .await
+            .is_some_and(|s| s.last_response == "nack")
+    })
+    .await;
+    let status = agent_status(&plane, "a1").await.unwrap();
+    assert_eq!(status.applied_version, 0, "{status:?}");
+}

@@ -328,17 +328,19 @@ impl Fleet {
                 .map(|r| (r, old.status.last_error));
         }
         reports.hello(hello.instance_id);
-        // An agent that sends no hash is judged by the number, as the push decision does. With
-        // one, the current version's number with other content, or a number this store has not
-        // reached (numbers only go up; a rollback gets a new one), is another store's content.
-        let other_content = !hello.last_applied_hash.is_empty()
-            && match current {
-                Some((version, hash)) => {
-                    (hello.last_applied_version == version && hello.last_applied_hash != hash)
-                        || hello.last_applied_version > version
-                }
-                None => hello.last_applied_version > 0,
-            };
+        // A number this store has not reached (numbers only go up; a rollback gets a new one)
+        // is another store's content, with or without a hash; so is the current version's
+        // number with another hash. An agent that sends no hash is otherwise judged by the
+        // number, as the push decision does.
+        let other_content = match current {
+            Some((version, hash)) => {
+                hello.last_applied_version > version
+                    || (hello.last_applied_version == version
+                        && !hello.last_applied_hash.is_empty()
+                        && hello.last_applied_hash != hash)
+            }
+            None => hello.last_applied_version > 0,
+        };
         let applied_version = if other_content {
             0
         } else {
@@ -729,7 +731,7 @@ mod tests {
         let fleet = Fleet::new(10);
         let mut h = hello("a");
         h.last_applied_version = 3;
-        let reg = fleet.register(&h, None, None).unwrap();
+        let reg = fleet.register(&h, None, Some((4, "h4"))).unwrap();
         fleet.nack("a", reg.generation, 4, "h4", &"x".repeat(5000));
         let s = &fleet.status()[0];
         assert_eq!(s.applied_version, 3);
@@ -904,14 +906,14 @@ mod tests {
         assert_eq!(applied(3, "h-before-the-reset"), 0);
         assert_eq!(fleet.versions().applied, BTreeMap::from([(0, 1)]));
         assert_eq!(applied(3, "h3"), 3);
-        // Without a hash, the number is taken at its word.
+        // Without a hash, the current version's number is taken at its word.
         assert_eq!(applied(3, ""), 3);
         // A lower number is not the current version whatever its content.
         assert_eq!(applied(2, "h-before-the-reset"), 2);
-        // A number this store has not reached is another store's content; without a hash, the
-        // number is taken at its word.
+        // A number this store has not reached is another store's content, with or without a
+        // hash.
         assert_eq!(applied(7, "h-before-the-reset"), 0);
-        assert_eq!(applied(7, ""), 7);
+        assert_eq!(applied(7, ""), 0);
         let mut h = hello("b");
         h.last_applied_version = 4;
         h.last_applied_hash = "h4".to_owned();

@@ -645,8 +645,9 @@ async fn prometheus_lines_are_exact() {
         last_applied_version: version,
         ..Default::default()
     };
-    fleet.register(&hello("a", 3), None, None).unwrap();
-    let b = fleet.register(&hello("b", 2), None, None).unwrap();
+    let serving = Some((3, "h3"));
+    fleet.register(&hello("a", 3), None, serving).unwrap();
+    let b = fleet.register(&hello("b", 2), None, serving).unwrap();
     fleet.nack("b", b.generation, 3, "h3", "bad");
     let text = metrics_text(&agg, &fleet);
     let l = r#"{service="checkout",endpoint="payments"}"#;
