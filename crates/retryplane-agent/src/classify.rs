@@ -195,12 +195,15 @@ impl<M> Classify for tonic::Response<M> {
 }
 
 /// Refused or unreachable → connect (never reached the server); reset, aborted, broken pipe or
-/// early EOF → reset (unknown outcome); timed out → timeout; anything else is fatal.
+/// early EOF → reset (unknown outcome); timed out → timeout. An error of another kind that
+/// wraps a client error (`io::Error::other(e)`, a common way to fit a client's error into an
+/// `io::Error`) counts as that error does under the tower layer (see
+/// `Classify for Box<dyn Error + Send + Sync>`); anything else is fatal.
 impl Classify for std::io::Error {
     fn classify(&self) -> Classification {
         match io_class(self.kind()) {
             Some(class) => Classification::Outcome(Outcome::Transport(class)),
-            None => Classification::Fatal,
+            None => transport_in_chain(self).unwrap_or(Classification::Fatal),
         }
     }
 }
@@ -354,7 +357,15 @@ pub(crate) fn tonic_timeout_in_chain(e: &(dyn StdError + 'static)) -> bool {
 fn chain<'a>(
     e: &'a (dyn StdError + 'static),
 ) -> impl Iterator<Item = &'a (dyn StdError + 'static)> {
-    std::iter::successors(Some(e), |&err| err.source())
+    std::iter::successors(Some(e), |&err| match err.downcast_ref::<std::io::Error>() {
+        // An `io::Error` that wraps an error (`io::Error::other(e)`, `io::Error::new(kind, e)`)
+        // gives that error's source as its own, skipping the error itself: step into it.
+        Some(io) => match io.get_ref() {
+            Some(inner) => Some(inner as &(dyn StdError + 'static)),
+            None => err.source(),
+        },
+        None => err.source(),
+    })
 }
 
 /// Whether `e` itself is the peer's reset of the stream with `REFUSED_STREAM` (see
@@ -805,6 +816,25 @@ mod tests {
         assert_eq!(c(ErrorKind::UnexpectedEof), t(ErrorClass::Reset));
         assert_eq!(c(ErrorKind::TimedOut), t(ErrorClass::Timeout));
         assert_eq!(c(ErrorKind::InvalidData), Classification::Fatal);
+    }
+
+    #[test]
+    fn an_io_error_wrapping_a_client_error_counts_as_that_error_boxed_or_not() {
+        let t = |class| Classification::Outcome(Outcome::Transport(class));
+        // A middleware's timeout fitted into an `io::Error`, as an `io::Error::other` in a
+        // `map_err` does.
+        let wrapped = || std::io::Error::other(tower::timeout::error::Elapsed::new());
+        assert_eq!(wrapped().classify(), t(ErrorClass::Timeout));
+        let boxed: Box<dyn StdError + Send + Sync> = Box::new(wrapped());
+        assert_eq!(boxed.classify(), t(ErrorClass::Timeout));
+        // Under a wrapper of its own, the same.
+        let deeper = std::io::Error::other(Wrapped(Box::new(wrapped())));
+        assert_eq!(deeper.classify(), t(ErrorClass::Timeout));
+        // Nothing known inside: still fatal.
+        assert_eq!(
+            std::io::Error::other("no such file").classify(),
+            Classification::Fatal
+        );
     }
 
     /// An error that wraps another, as middleware does.
