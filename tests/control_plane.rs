@@ -843,22 +843,29 @@ async fn hello_fields_and_labels_are_bounded() {
     };
     let long = "x".repeat(257);
     let at_limit = "x".repeat(256);
-    let fields = "Hello fields are limited to 256 bytes";
+    let fields =
+        |field: &str| format!("Hello.{field} is 257 bytes; Hello fields are limited to 256 bytes");
     let labels_message = "Hello carries at most 64 labels of at most 256 bytes";
     let label = |k: &str, v: &str| (k.to_owned(), v.to_owned());
     let many: Vec<_> = (0..65).map(|i| label(&format!("k{i}"), "v")).collect();
     for (message, expected) in [
-        (hello_with("", "checkout", &[]), "Hello.agent_id is empty"),
-        (hello_with(&long, "checkout", &[]), fields),
-        (hello_with("a1", &long, &[]), fields),
-        (hello_with("a1", "checkout", &many), labels_message),
+        (
+            hello_with("", "checkout", &[]),
+            "Hello.agent_id is empty".to_owned(),
+        ),
+        (hello_with(&long, "checkout", &[]), fields("agent_id")),
+        (hello_with("a1", &long, &[]), fields("service")),
+        (
+            hello_with("a1", "checkout", &many),
+            labels_message.to_owned(),
+        ),
         (
             hello_with("a1", "checkout", &[label(&long, "v")]),
-            labels_message,
+            labels_message.to_owned(),
         ),
         (
             hello_with("a1", "checkout", &[label("zone", &long)]),
-            labels_message,
+            labels_message.to_owned(),
         ),
     ] {
         let status = refused(message).await;
@@ -872,7 +879,7 @@ async fn hello_fields_and_labels_are_bounded() {
     let status = refused(long_version).await;
     assert_eq!(
         (status.code(), status.message()),
-        (Code::InvalidArgument, fields)
+        (Code::InvalidArgument, fields("agent_version").as_str())
     );
     // At the limits, the agent is accepted.
     let most: Vec<_> = (0..64)

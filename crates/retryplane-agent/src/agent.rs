@@ -267,6 +267,18 @@ fn bearer(token: &str) -> Result<tonic::metadata::AsciiMetadataValue, AgentError
     Ok(value)
 }
 
+/// The agent id made from the service name when none is given: the name, cut to leave room
+/// (at a character boundary), then `-` and 16 hex digits of `seed`, within the control plane's
+/// bound on a Hello field.
+fn derived_agent_id(service: &str, seed: u64) -> String {
+    let room = retryplane_proto::MAX_HELLO_FIELD_BYTES - 17;
+    let mut end = service.len().min(room);
+    while !service.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}-{seed:016x}", &service[..end])
+}
+
 /// Refuses a control-plane URL (`text`, parsed as `uri`) without a scheme (no connection can be
 /// made with it: the agent would retry for ever), with `https://` (it would be served in clear
 /// text, token included, since the agent does not speak TLS), with a `user:password@` part (it
@@ -463,7 +475,10 @@ impl AgentBuilder {
     /// cache file was not used. The cache file is read on a thread of its own, waited for at
     /// most 1 s before this returns: a disk that does not answer by then is logged at warn, and
     /// the read goes on in the background (see [`AgentBuilder::cache_file`]). One background
-    /// task owns the stream. Must be called inside a tokio runtime.
+    /// task owns the stream. Must be called inside a tokio runtime. An agent id, service name
+    /// or labels the control plane would refuse in the Hello (past its default bounds, or with
+    /// a control character) are refused here ([`AgentError::InvalidHello`], naming the field);
+    /// the agent id made when none is given fits whatever the service name's length.
     pub fn connect(self) -> Result<Agent, AgentError> {
         let runtime = tokio::runtime::Handle::try_current().map_err(|_| AgentError::NoRuntime)?;
         let url = self.url.ok_or(AgentError::MissingUrl)?;
@@ -471,6 +486,26 @@ impl AgentBuilder {
             tonic::transport::Endpoint::from_shared(url.clone()).map_err(AgentError::InvalidUrl)?;
         check_url(&url, endpoint.uri())?;
         let token = self.token.as_deref().map(bearer).transpose()?;
+        let agent_id = self
+            .agent_id
+            .unwrap_or_else(|| derived_agent_id(&self.service, fastrand_seed()));
+        let hello = pb::Hello {
+            agent_id,
+            service: self.service,
+            labels: self.labels.into_iter().collect(),
+            agent_version: env!("CARGO_PKG_VERSION").to_owned(),
+            last_applied_version: 0,
+            last_applied_hash: String::new(),
+            instance_id: instance_id(),
+            ephemeral: self.ephemeral,
+        };
+        // Refused here once, naming the field, rather than by the control plane on every try.
+        retryplane_proto::check_hello(
+            &hello,
+            retryplane_proto::MAX_HELLO_FIELD_BYTES,
+            retryplane_proto::MAX_HELLO_LABELS,
+        )
+        .map_err(AgentError::InvalidHello)?;
         let seed = self.seed.unwrap_or_else(fastrand_seed);
         // A file that is not a policy cache is left alone: no cache is kept this run. One not
         // read in time goes to the stream task, which settles it before writing there.
@@ -506,22 +541,10 @@ impl AgentBuilder {
             }
         };
         let shared = Arc::new(Shared::new(snapshot, seed, current_interval));
-        let agent_id = self
-            .agent_id
-            .unwrap_or_else(|| format!("{}-{:016x}", self.service, fastrand_seed()));
         let config = StreamConfig {
             endpoint,
             token,
-            hello: pb::Hello {
-                agent_id,
-                service: self.service,
-                labels: self.labels.into_iter().collect(),
-                agent_version: env!("CARGO_PKG_VERSION").to_owned(),
-                last_applied_version: 0,
-                last_applied_hash: String::new(),
-                instance_id: instance_id(),
-                ephemeral: self.ephemeral,
-            },
+            hello,
             cache_file,
             late_read,
             default_metrics_interval: interval,
@@ -561,6 +584,49 @@ mod tests {
             bearer("bad\ntoken"),
             Err(AgentError::InvalidToken)
         ));
+    }
+
+    #[test]
+    fn an_agent_id_made_from_a_long_service_name_stays_within_the_bound() {
+        let max = retryplane_proto::MAX_HELLO_FIELD_BYTES;
+        assert_eq!(
+            derived_agent_id("checkout", 0xab),
+            "checkout-00000000000000ab"
+        );
+        for service in ["s".repeat(240), "s".repeat(256), "é".repeat(200)] {
+            let id = derived_agent_id(&service, u64::MAX);
+            assert!(id.len() <= max, "{} bytes", id.len());
+            assert!(id.ends_with("-ffffffffffffffff"), "{id}");
+            assert!(service.starts_with(&id[..id.len() - 17]));
+        }
+    }
+
+    #[tokio::test]
+    async fn an_identity_the_control_plane_would_refuse_is_refused_at_connect() {
+        let url = "http://127.0.0.1:7470";
+        // The longest service the control plane takes, with the agent id made from it.
+        let ok = Agent::builder().url(url).service("s".repeat(256)).connect();
+        assert!(ok.is_ok(), "{:?}", ok.err());
+        let refused = |builder: AgentBuilder| match builder.url(url).connect() {
+            Err(AgentError::InvalidHello(e)) => e.to_string(),
+            other => panic!("expected InvalidHello, got {:?}", other.err()),
+        };
+        assert_eq!(
+            refused(Agent::builder().service("a\nb")),
+            "Hello.service holds a control character"
+        );
+        assert_eq!(
+            refused(Agent::builder().service("s".repeat(257))),
+            "Hello.service is 257 bytes; Hello fields are limited to 256 bytes"
+        );
+        assert_eq!(
+            refused(Agent::builder().service("checkout").agent_id("")),
+            "Hello.agent_id is empty"
+        );
+        assert!(
+            refused(Agent::builder().service("checkout").label("zone", "eu\r"))
+                .starts_with("Hello.labels: ")
+        );
     }
 
     #[tokio::test]

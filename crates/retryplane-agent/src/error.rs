@@ -37,6 +37,11 @@ pub enum AgentError {
     /// The token cannot be sent in a header (it holds non-visible-ASCII characters).
     #[error("the token is not valid in an authorization header")]
     InvalidToken,
+    /// The agent's identity (its agent id, service name or labels) is one the control plane
+    /// refuses: a field past its bound, a control character, too many labels. The reason names
+    /// the field.
+    #[error("the agent's Hello would be refused by the control plane: {0}")]
+    InvalidHello(#[source] retryplane_proto::BadHello),
     /// No control-plane URL was given to [`crate::AgentBuilder::connect`].
     #[error("no control-plane URL given")]
     MissingUrl,

@@ -106,6 +106,9 @@ async fn a_refusal_that_trying_again_will_not_fix_is_said_once_at_warn() {
     std::fs::write(&tokens, file).unwrap();
     let running = support::plane::plane_with(dir.path(), &support::plane::yaml(2), None, |cfg| {
         cfg.tokens_file = Some(tokens.clone());
+        // Tighter than the agent's own check of its Hello (the default bound), so that a
+        // Hello the agent sends is refused here.
+        cfg.stream_limits.max_field_len = 32;
     })
     .await;
     let (sink, _guard) = support::capture_logs("retryplane_agent=info");
@@ -127,12 +130,12 @@ async fn a_refusal_that_trying_again_will_not_fix_is_said_once_at_warn() {
     assert!(warned[0].contains("the token the agent is given"), "{log}");
     assert!(!log.contains(WRONG), "{log}");
 
-    // A Hello the control plane refuses (an agent id too long), and a URL that is not the
+    // A Hello the control plane refuses (an agent id longer than its bound), and a URL that is not the
     // agent listener (the admin one): the same, with what to check.
     for (url, id, check, code) in [
         (
             format!("http://{}", running.agent_addr),
-            "x".repeat(300),
+            "x".repeat(40),
             "its Hello's id, service and labels",
             tonic::Code::InvalidArgument,
         ),

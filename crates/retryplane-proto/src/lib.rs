@@ -9,8 +9,10 @@
 #![forbid(unsafe_code)]
 
 mod frame;
+mod hello;
 
 pub use frame::{MAX_NONCE_LEN, TooLargeForAgents, check_agent_limit};
+pub use hello::{BadHello, MAX_HELLO_FIELD_BYTES, MAX_HELLO_LABELS, check_hello};
 
 pub mod convert;
 pub mod rank;

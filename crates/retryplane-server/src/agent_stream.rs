@@ -86,8 +86,8 @@ impl Default for StreamLimits {
             hello_timeout: Duration::from_secs(10),
             reports_per_second: 2.0,
             report_burst: 10.0,
-            max_field_len: 256,
-            max_labels: 64,
+            max_field_len: retryplane_proto::MAX_HELLO_FIELD_BYTES,
+            max_labels: retryplane_proto::MAX_HELLO_LABELS,
             max_pending_handshakes: DEFAULT_MAX_PENDING_HANDSHAKES,
         }
     }
@@ -242,54 +242,11 @@ pub(crate) fn has_control(s: &str) -> bool {
     s.chars().any(retryplane_policy::diag::is_control)
 }
 
-/// Refuses (`INVALID_ARGUMENT`, naming the field) a Hello without an agent id, with a field or
-/// label past the limits, or with a control character in its agent id, service, agent version,
-/// last applied hash or a label key or value.
+/// Refuses (`INVALID_ARGUMENT`, naming the field) a Hello the limits do not admit
+/// ([`retryplane_proto::check_hello`]).
 fn check_hello(hello: &pb::Hello, limits: &StreamLimits) -> Result<(), Status> {
-    let too_long = |s: &str| s.len() > limits.max_field_len;
-    if hello.agent_id.is_empty() {
-        return Err(Status::invalid_argument("Hello.agent_id is empty"));
-    }
-    for (field, value) in [
-        ("agent_id", &hello.agent_id),
-        ("service", &hello.service),
-        ("agent_version", &hello.agent_version),
-        ("last_applied_hash", &hello.last_applied_hash),
-    ] {
-        if has_control(value) {
-            return Err(Status::invalid_argument(format!(
-                "Hello.{field} holds a control character"
-            )));
-        }
-    }
-    if hello
-        .labels
-        .iter()
-        .any(|(k, v)| has_control(k) || has_control(v))
-    {
-        return Err(Status::invalid_argument(
-            "Hello.labels: a label key or value holds a control character",
-        ));
-    }
-    if too_long(&hello.agent_id)
-        || too_long(&hello.service)
-        || too_long(&hello.agent_version)
-        || too_long(&hello.last_applied_hash)
-    {
-        return Err(Status::invalid_argument(format!(
-            "Hello fields are limited to {} bytes",
-            limits.max_field_len
-        )));
-    }
-    if hello.labels.len() > limits.max_labels
-        || hello.labels.iter().any(|(k, v)| too_long(k) || too_long(v))
-    {
-        return Err(Status::invalid_argument(format!(
-            "Hello carries at most {} labels of at most {} bytes",
-            limits.max_labels, limits.max_field_len
-        )));
-    }
-    Ok(())
+    retryplane_proto::check_hello(hello, limits.max_field_len, limits.max_labels)
+        .map_err(|e| Status::invalid_argument(e.to_string()))
 }
 
 impl AgentStreamService {
@@ -962,15 +919,25 @@ mod tests {
             Some((code, "Hello.service holds a control character".to_owned()))
         );
         // Every string field is bounded, the hash it last applied too (a SHA-256 in hex is 64).
-        let limit = format!("Hello fields are limited to {} bytes", limits.max_field_len);
+        let limit = |field: &str| {
+            format!("Hello.{field} is 257 bytes; Hello fields are limited to 256 bytes")
+        };
         let long = "f".repeat(limits.max_field_len + 1);
         assert_eq!(
             refused(&|h| h.last_applied_hash.clone_from(&long)),
-            Some((code, limit.clone()))
+            Some((code, limit("last_applied_hash")))
         );
         assert_eq!(
             refused(&|h| h.agent_version.clone_from(&long)),
-            Some((code, limit))
+            Some((code, limit("agent_version")))
+        );
+        // A bad service is named before an agent id made from it (the agent's default).
+        assert_eq!(
+            refused(&|h| {
+                h.service = "a\nb".to_owned();
+                h.agent_id = "a\nb-0123456789abcdef".to_owned();
+            }),
+            Some((code, "Hello.service holds a control character".to_owned()))
         );
         for (k, v) in [("zone\n", "eu"), ("zone", "eu\u{2028}"), ("zone", "\r")] {
             let status = refused(&|h| h.labels = [(k.to_owned(), v.to_owned())].into());
