@@ -18,7 +18,7 @@
 //! to print on stdout and the [`Outcome`]. Only `main` touches the process: it prints, and maps
 //! the outcome to the exit code. `top` prints as it goes and returns an empty report.
 //!
-//! # Exit codes (every command)
+//! # Exit codes
 //!
 //! - `0` success (for `validate`: every file valid, warnings allowed unless `--deny-warnings`);
 //! - `1` the input was read but fails (a policy with errors), or the server refused the request
@@ -28,8 +28,10 @@
 //!   When both happen in one run (one file unreadable, another invalid), `2` wins: the run did
 //!   not check everything it was asked to.
 //!
-//! `diff --exit-code` is the one exception: `1` there means the file differs, so an invalid
-//! file or a refusal exits `2` (it could not compare).
+//! Two commands read them otherwise. `diff --exit-code`: `1` there means the file differs, so
+//! an invalid file or a refusal exits `2` (it could not compare). `request` (SPEC §5): `1` the
+//! call failed under the policy (a refused connect included), `2` usage or configuration (an
+//! invalid policy file included).
 //!
 //! The policy logic lives in `retryplane-policy` and the server in `retryplane-server`; this
 //! crate reads files, calls them and renders their answers.
@@ -57,7 +59,7 @@ use clap::{Parser, Subcommand};
     name = "retryplane",
     version,
     about = "Validate, explain and operate retry policies",
-    after_help = "Exit codes: 0 success, 1 invalid policy or refused by the server, 2 usage, I/O or connection error (2 wins over 1). With `diff --exit-code`: 1 the file differs, 2 it could not be compared.",
+    after_help = "Exit codes: 0 success, 1 invalid policy or refused by the server, 2 usage, I/O or connection error (2 wins over 1). With `diff --exit-code`: 1 the file differs, 2 it could not be compared. With `request`: 1 the call failed under the policy, 2 usage or configuration (an invalid policy included).",
     propagate_version = true
 )]
 struct Cli {
