@@ -278,6 +278,11 @@ impl TryFrom<Args> for Settings {
             // Unreachable: clap refuses a command line without either (`policy_from` is required).
             (None, None) => bail!("say where the policy comes from: --policy FILE or --server URL"),
         };
+        if matches!(policy, PolicyFrom::File(input::Source::Stdin))
+            && args.data.as_ref().is_some_and(|Secret(d)| d == "@-")
+        {
+            bail!("--policy - and --data @- both read standard input; give one of them a file");
+        }
         Ok(Self {
             policy,
             endpoint: args.endpoint,
@@ -754,6 +759,33 @@ mod tests {
             Some("a-long-agent-secret")
         );
         assert_eq!(token_of(&["--token", " \n"]), None);
+    }
+
+    #[test]
+    fn a_policy_and_a_body_both_from_standard_input_are_refused() {
+        let settings = |policy: &str, data: &str| {
+            let cli = Cli::try_parse_from([
+                "retryplane",
+                "--endpoint",
+                "api",
+                "--policy",
+                policy,
+                "--data",
+                data,
+                "http://127.0.0.1:9/",
+            ])
+            .unwrap();
+            Settings::try_from(cli.args)
+        };
+        let err = settings("-", "@-").unwrap_err();
+        assert!(
+            err.to_string().contains("both read standard input"),
+            "{err}"
+        );
+        // One of them from standard input is fine (the body read is not reached here: a
+        // body given as text).
+        assert!(settings("-", "@").is_ok());
+        assert!(settings("policies.yaml", "text").is_ok());
     }
 
     #[test]
