@@ -629,9 +629,10 @@ impl Aggregator {
         } else {
             self.matching(every_service)
         };
-        let other = (!series_only && self.other_listed(every_service)).then_some(&self.other);
         // Lifetime totals only: no alert of these series is judged here (some are not shown).
-        for s in totals.iter().map(AsRef::as_ref).chain(other) {
+        // The `other` series is no endpoint's (a policy may well name one `other`): its counts
+        // are in `series` and `overflowed_reports`.
+        for s in totals.iter().map(AsRef::as_ref) {
             endpoints
                 .entry(s.endpoint().to_owned())
                 .or_default()
@@ -778,10 +779,17 @@ impl Judges<'_> {
     /// counts are of many endpoints.
     fn of(&self, series: &Series) -> Judge {
         let endpoint = series.endpoint();
-        let is_other = std::ptr::eq(series, &self.agg.other);
+        // The `other` series is no endpoint's: the default threshold, whatever a policy's
+        // endpoint named `other` sets.
+        if std::ptr::eq(series, &self.agg.other) {
+            return Judge {
+                threshold: self.agg.thresholds.default_threshold(),
+                endpoint_wide: false,
+            };
+        }
         Judge {
             threshold: self.agg.thresholds.get(endpoint),
-            endpoint_wide: !is_other && self.wide.contains(endpoint),
+            endpoint_wide: self.wide.contains(endpoint),
         }
     }
 }

@@ -325,6 +325,39 @@ async fn an_agent_named_like_the_overflow_series_is_counted_in_it() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn an_endpoint_named_other_keeps_its_own_totals_and_threshold() {
+    let agg = Aggregator::new(10, Instant::now());
+    agg.thresholds()
+        .set(HashMap::from([(OTHER.to_owned(), 0.9)]), 0.05);
+    let svc = agg.service("checkout");
+    agg.ingest(&svc, &report(1, &[(OTHER, 10, 0)]), Instant::now());
+    // A name over the bound: counted in the overflow series.
+    let long = "x".repeat(300);
+    agg.ingest(
+        &svc,
+        &report(1, &[(long.as_str(), 100, 50)]),
+        Instant::now(),
+    );
+    let stats = agg.stats(Instant::now(), all());
+    let totals: Vec<(&str, u64)> = stats
+        .endpoints
+        .iter()
+        .map(|e| (e.endpoint.as_str(), e.calls))
+        .collect();
+    assert_eq!(
+        totals,
+        [(OTHER, 10)],
+        "the overflow series is no endpoint's"
+    );
+    let overflow = agg
+        .views(Instant::now(), all())
+        .into_iter()
+        .find(|v| v.service == OTHER)
+        .unwrap();
+    assert_eq!(overflow.alert.threshold, 0.05, "the default threshold");
+}
+
+#[tokio::test(start_paused = true)]
 async fn series_past_the_cap_are_counted_in_other() {
     let agg = Aggregator::new(2, Instant::now());
     let a = agg.service("checkout");

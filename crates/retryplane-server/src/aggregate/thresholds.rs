@@ -48,6 +48,11 @@ impl Thresholds {
             .unwrap_or(current.default)
     }
 
+    /// The threshold of an endpoint the policies do not name.
+    pub fn default_threshold(&self) -> f64 {
+        self.current.load().default
+    }
+
     /// Replaces every threshold; endpoints not in `per_endpoint` get `default`.
     pub fn set(&self, per_endpoint: HashMap<String, f64>, default: f64) {
         self.current.store(Arc::new(Current {
