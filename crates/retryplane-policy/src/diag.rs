@@ -95,10 +95,13 @@ pub fn is_control(c: char) -> bool {
     c.is_control() || matches!(c, '\u{2028}' | '\u{2029}')
 }
 
-/// Whether [`OneLine`] writes `c` as an escape: a control character ([`is_control`]) or a
+/// Whether [`OneLine`] writes `c` as an escape: a control character ([`is_control`]), a
 /// bidirectional formatting character, which could reorder the text shown after it (as in
-/// "Trojan Source"). The bidi marks are common in Hebrew and Arabic text, so names holding
-/// them are kept, and shown escaped.
+/// "Trojan Source"), or a character that shows as nothing or as a blank (a zero-width space or
+/// joiner, a word joiner, a byte-order mark, a soft hyphen, a Hangul filler, a tag character):
+/// `checkout-1` followed by one must not pass for `checkout-1`. The bidi marks and the
+/// joiners are common in Hebrew, Arabic and Indic text, so names holding them are kept, and
+/// shown escaped.
 pub fn is_escaped(c: char) -> bool {
     is_control(c)
         || matches!(
@@ -106,13 +109,22 @@ pub fn is_escaped(c: char) -> bool {
             '\u{061c}' | '\u{200e}' | '\u{200f}' // bidi marks
                 | '\u{202a}'..='\u{202e}' // bidi embeddings and overrides
                 | '\u{2066}'..='\u{2069}' // bidi isolates
+                | '\u{00ad}' // soft hyphen
+                | '\u{115f}' | '\u{1160}' | '\u{3164}' | '\u{ffa0}' // Hangul fillers
+                | '\u{180e}' // Mongolian vowel separator
+                | '\u{200b}'..='\u{200d}' // zero-width space, non-joiner, joiner
+                | '\u{2060}'..='\u{2064}' // word joiner, invisible operators
+                | '\u{206a}'..='\u{206f}' // deprecated format characters
+                | '\u{feff}' // zero-width no-break space (byte-order mark)
+                | '\u{e0000}'..='\u{e007f}' // tag characters
         )
 }
 
-/// Text with every control character, Unicode line and paragraph separator and bidi
-/// formatting character ([`is_escaped`]) written as a Rust escape (`\n`, `\t`, `\u{1b}`,
-/// `\u{202e}`), so it stays on one line and cannot drive a terminal or reorder what follows;
-/// everything else, backslashes and non-ASCII letters included, as is.
+/// Text with every control character, Unicode line and paragraph separator, bidi formatting
+/// character and invisible character ([`is_escaped`]) written as a Rust escape (`\n`, `\t`,
+/// `\u{1b}`, `\u{202e}`, `\u{200b}`), so it stays on one line, cannot drive a terminal or
+/// reorder what follows, and shows what it holds; everything else, backslashes and non-ASCII
+/// letters included, as is.
 pub struct OneLine<'a>(pub &'a str);
 
 impl fmt::Display for OneLine<'_> {
@@ -561,6 +573,18 @@ mod tests {
         assert!(!"ok-é".chars().any(is_escaped));
         // Escaped where shown, not refused: the marks are common in Hebrew and Arabic text.
         assert!(!"\u{200f}צוות".chars().any(is_control));
+    }
+
+    #[test]
+    fn one_line_shows_invisible_characters() {
+        assert_eq!(
+            OneLine("checkout-1\u{200b}").to_string(),
+            "checkout-1\\u{200b}"
+        );
+        assert_eq!(OneLine("\u{feff}shop").to_string(), "\\u{feff}shop");
+        assert_eq!(OneLine("a\u{e0041}").to_string(), "a\\u{e0041}");
+        // A variation selector (emoji presentation) is left as is.
+        assert_eq!(OneLine("ok\u{fe0f}").to_string(), "ok\u{fe0f}");
     }
 
     #[test]

@@ -325,7 +325,7 @@ impl AgentStreamService {
                     RegisterError::Full(_) => Status::resource_exhausted(e.to_string()),
                 }
             })?;
-        info!(agent = %hello.agent_id, service = %hello.service, version = hello.last_applied_version, "agent connected");
+        info!(agent = %OneLine(&hello.agent_id), service = %OneLine(&hello.service), version = hello.last_applied_version, "agent connected");
         #[cfg(test)]
         if let Some(Hook(hook)) = &self.ctx.after_register {
             hook();
@@ -566,7 +566,7 @@ impl AgentStream {
                 self.known_hash.clone_from(&snap.content_hash);
                 self.sent_nonce = Some(snap.nonce.clone());
                 self.ctx.metrics.pushes.inc();
-                debug!(agent = %self.agent_id, version = snap.version, "snapshot sent");
+                debug!(agent = %OneLine(&self.agent_id), version = snap.version, "snapshot sent");
             }
             let next = tokio::select! {
                 changed = snapshots.changed() => match changed {
@@ -588,7 +588,7 @@ impl AgentStream {
             .as_ref()
             .is_some_and(|s| s.code() == tonic::Code::Unauthenticated)
         {
-            info!(agent = %self.agent_id, "a tokens reload took the stream's token away; ending the stream");
+            info!(agent = %OneLine(&self.agent_id), "a tokens reload took the stream's token away; ending the stream");
         }
         if let Some(status) = end {
             // A slot is free (see `queue`), so this never waits on an agent that does not read.
@@ -596,7 +596,7 @@ impl AgentStream {
             let _ = tx.try_send(Err(status));
         }
         self.ctx.fleet.disconnected(&self.agent_id, self.generation);
-        info!(agent = %self.agent_id, "agent disconnected");
+        info!(agent = %OneLine(&self.agent_id), "agent disconnected");
     }
 
     /// Queues `frame` ([`queue`]), taking what the agent sends meanwhile as it comes: a metrics
@@ -621,7 +621,7 @@ impl AgentStream {
             match self.on_message(message) {
                 Next::Continue => {}
                 Next::Ack(_) if self.held_acks.len() >= MAX_HELD_ACKS => {
-                    warn!(agent = %self.agent_id, held = self.held_acks.len(), "ending an agent stream: the agent sends metrics reports but does not read what it is sent");
+                    warn!(agent = %OneLine(&self.agent_id), held = self.held_acks.len(), "ending an agent stream: the agent sends metrics reports but does not read what it is sent");
                     return Err(Some(Status::resource_exhausted(format!(
                         "the agent does not read its stream: {MAX_HELD_ACKS} metrics acks wait for it"
                     ))));
@@ -639,7 +639,7 @@ impl AgentStream {
                 Ok(frame) => frame,
                 // A message of two integers always encodes.
                 Err(e) => {
-                    warn!(agent = %self.agent_id, error = %e, "cannot frame a metrics ack");
+                    warn!(agent = %OneLine(&self.agent_id), error = %e, "cannot frame a metrics ack");
                     continue;
                 }
             };
@@ -694,9 +694,9 @@ impl AgentStream {
                         ));
                 let status = inbound_error(status);
                 if agents_fault {
-                    warn!(agent = %self.agent_id, code = ?status.code(), reason = %OneLine(status.message()), "ending an agent stream: the agent sent a message this control plane cannot take");
+                    warn!(agent = %OneLine(&self.agent_id), code = ?status.code(), reason = %OneLine(status.message()), "ending an agent stream: the agent sent a message this control plane cannot take");
                 } else {
-                    debug!(agent = %self.agent_id, code = ?status.code(), "stream ended with an error");
+                    debug!(agent = %OneLine(&self.agent_id), code = ?status.code(), "stream ended with an error");
                 }
                 return Next::End(Some(status));
             }
@@ -717,7 +717,7 @@ impl AgentStream {
                     ctx.metrics.acks.inc();
                 } else {
                     ctx.fleet.seen(&self.agent_id, self.generation);
-                    debug!(agent = %self.agent_id, version = ack.version, nonce = %ack.nonce, "ACK ignored: not the first answer to the last snapshot sent");
+                    debug!(agent = %OneLine(&self.agent_id), version = ack.version, nonce = %ack.nonce, "ACK ignored: not the first answer to the last snapshot sent");
                 }
             }
             Some(Kind::Nack(nack)) => {
@@ -730,15 +730,15 @@ impl AgentStream {
                         &nack.error,
                     );
                     ctx.metrics.nacks.inc();
-                    warn!(agent = %self.agent_id, version = nack.version, "agent refused a snapshot");
+                    warn!(agent = %OneLine(&self.agent_id), version = nack.version, "agent refused a snapshot");
                 } else {
                     ctx.fleet.seen(&self.agent_id, self.generation);
-                    debug!(agent = %self.agent_id, version = nack.version, nonce = %nack.nonce, "NACK ignored: not the first answer to the last snapshot sent");
+                    debug!(agent = %OneLine(&self.agent_id), version = nack.version, nonce = %nack.nonce, "NACK ignored: not the first answer to the last snapshot sent");
                 }
             }
             Some(Kind::Metrics(report)) => return self.on_report(&report),
             Some(Kind::Hello(_)) => {
-                warn!(agent = %self.agent_id, "ending an agent stream: the agent sent a second Hello");
+                warn!(agent = %OneLine(&self.agent_id), "ending an agent stream: the agent sent a second Hello");
                 return Next::End(Some(Status::invalid_argument(
                     "Hello may only be the first message",
                 )));
@@ -748,7 +748,7 @@ impl AgentStream {
             // fields want, so that agents can be upgraded first.
             None => {
                 ctx.fleet.seen(&self.agent_id, self.generation);
-                debug!(agent = %self.agent_id, "a message of a kind this control plane does not know; ignored");
+                debug!(agent = %OneLine(&self.agent_id), "a message of a kind this control plane does not know; ignored");
             }
         }
         Next::Continue
@@ -780,7 +780,7 @@ impl AgentStream {
                      could make over its window; those entries were left out"
                 };
                 warn!(
-                    agent = %self.agent_id,
+                    agent = %OneLine(&self.agent_id),
                     endpoint = %OneLine(refused.first.unwrap_or_default()),
                     entries = refused.count,
                     "a metrics report {why} (this stream logs it once; \
@@ -829,7 +829,7 @@ impl AgentStream {
             }
             ReportVerdict::Duplicate => {
                 ctx.metrics.reports_duplicate.inc();
-                debug!(agent = %self.agent_id, seq = report.seq, "metrics report already counted");
+                debug!(agent = %OneLine(&self.agent_id), seq = report.seq, "metrics report already counted");
                 false
             }
             ReportVerdict::Refused => {
@@ -838,7 +838,7 @@ impl AgentStream {
             }
             // Dropped once already: answered as such, not counted as dropped again.
             ReportVerdict::RefusedBefore => {
-                debug!(agent = %self.agent_id, seq = report.seq, "metrics report refused before, sent again");
+                debug!(agent = %OneLine(&self.agent_id), seq = report.seq, "metrics report refused before, sent again");
                 true
             }
         };

@@ -834,3 +834,32 @@ async fn lists_in_another_order_are_the_same_content_and_no_new_version() {
     );
     assert_eq!(served(&control), 1);
 }
+
+#[tokio::test]
+async fn an_agent_id_with_invisible_or_bidi_characters_is_logged_escaped() {
+    let (log, _guard) = crate::test_logs::capture("retryplane_server=info");
+    let (_gate, control, _) = on_v1().await;
+    let (addr, _stop) = serve(&control).await;
+    let hello = pb::Hello {
+        agent_id: "pay\u{202e}tuo".to_owned(),
+        service: "checkout\u{200b}".to_owned(),
+        ..Default::default()
+    };
+    let (_tx, _inbound) = connect_agent(addr, hello).await;
+    tokio::time::timeout(WAIT, async {
+        while !log.text().contains("agent connected") {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("the connection is logged");
+    let text = log.text();
+    assert!(
+        text.contains(r"agent=pay\u{202e}tuo service=checkout\u{200b}"),
+        "{text}"
+    );
+    assert!(
+        !text.contains('\u{202e}') && !text.contains('\u{200b}'),
+        "{text}"
+    );
+}

@@ -413,7 +413,7 @@ impl Aggregator {
         if endpoints.len() >= self.max_per_service {
             if !svc.share_warned.swap(true, Ordering::Relaxed) {
                 warn!(
-                    service = %svc.name,
+                    service = %OneLine(&svc.name),
                     max_series_per_service = self.max_per_service,
                     endpoint = %OneLine(truncated(endpoint)),
                     "a service reports more endpoints than its share of metrics series: its \

@@ -11,6 +11,7 @@
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
+use retryplane_policy::diag::OneLine;
 use retryplane_proto::pb;
 use tokio::time::Instant;
 use tracing::{info, warn};
@@ -289,8 +290,8 @@ impl Series {
                 threshold,
                 calls,
             } => warn!(
-                endpoint = %self.endpoint,
-                service = %self.service,
+                endpoint = %OneLine(&self.endpoint),
+                service = %OneLine(&self.service),
                 ratio,
                 threshold,
                 calls,
@@ -301,8 +302,8 @@ impl Series {
                 threshold,
                 calls,
             } => info!(
-                endpoint = %self.endpoint,
-                service = %self.service,
+                endpoint = %OneLine(&self.endpoint),
+                service = %OneLine(&self.service),
                 ratio,
                 threshold,
                 calls,
