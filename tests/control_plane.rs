@@ -487,7 +487,8 @@ async fn an_answer_with_a_stale_nonce_is_ignored() {
         .await;
     after_answers(&mut agent, 1).await;
     let status = agent_status(&plane, "a1").await.unwrap();
-    assert_eq!(status.applied_version, 0, "{status:?}");
+    // No answer to the last push, but the late ACK says what the agent runs.
+    assert_eq!(status.applied_version, 1, "{status:?}");
     assert_eq!(status.last_response, "", "{status:?}");
     let metrics = &plane.running.control().metrics;
     assert_eq!((metrics.acks.get(), metrics.nacks.get()), (0, 0));
@@ -1098,4 +1099,38 @@ async fn a_hello_without_a_hash_naming_a_version_never_reached_runs_no_known_ver
     .await;
     let status = agent_status(&plane, "a1").await.unwrap();
     assert_eq!(status.applied_version, 0, "{status:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_ack_of_an_earlier_push_says_what_the_agent_runs_when_it_refuses_the_last() {
+    let plane = Plane::api_mode(&policy_yaml(1, 3)).await;
+    let mut agent = RawAgent::connect(plane.agent_channel().await, hello_instance("a1", 1))
+        .await
+        .unwrap();
+    let v1 = agent.next_snapshot().await.unwrap();
+    agent.ack(&v1).await;
+    after_answers(&mut agent, 1).await;
+    assert_eq!(plane.apply(&policy_yaml(1, 4)).await, 2);
+    assert_eq!(plane.apply(&policy_yaml(1, 5)).await, 3);
+    let v2 = agent.next_snapshot().await.unwrap();
+    let v3 = agent.next_snapshot().await.unwrap();
+    assert_eq!((v2.version, v3.version), (2, 3));
+    // The agent applies v2 (and says so), then refuses v3 and keeps running v2.
+    agent.ack(&v2).await;
+    agent.nack(&v3, "refused").await;
+    after_answers(&mut agent, 2).await;
+    let status = agent_status(&plane, "a1").await.unwrap();
+    assert_eq!(status.last_response, "nack", "{status:?}");
+    assert_eq!(status.last_response_version, 3, "{status:?}");
+    assert_eq!(status.applied_version, 2, "the agent runs v2: {status:?}");
+    // An answer to v1 now, or a second ACK of v2, changes nothing.
+    agent.ack(&v1).await;
+    agent.ack(&v2).await;
+    after_answers(&mut agent, 3).await;
+    let status = agent_status(&plane, "a1").await.unwrap();
+    assert_eq!(
+        (status.applied_version, status.last_response.as_str()),
+        (2, "nack"),
+        "{status:?}"
+    );
 }

@@ -362,6 +362,7 @@ impl AgentStreamService {
             implausible_warned: false,
             bucket: ReportBucket::default(),
             held_acks: VecDeque::new(),
+            earlier_pushes: VecDeque::new(),
         };
         tokio::spawn(stream.run(inbound, tx, registration.replaced, revocation));
         Ok(rx)
@@ -438,7 +439,14 @@ struct AgentStream {
     /// Answers to numbered metrics reports not yet queued on the body, oldest first (see
     /// [`AgentStream::send`]).
     held_acks: VecDeque<pb::MetricsAck>,
+    /// The pushes sent before the last one while they waited for an answer, oldest first, as
+    /// (nonce, version), at most [`MAX_EARLIER_PUSHES`]: a late ACK of one is no answer to the
+    /// last push, but says what the agent runs (it may then refuse the last one).
+    earlier_pushes: VecDeque<(String, u64)>,
 }
+
+/// See [`AgentStream::earlier_pushes`].
+const MAX_EARLIER_PUSHES: usize = 8;
 
 enum Next {
     Continue,
@@ -562,6 +570,12 @@ impl AgentStream {
                 if let Err(end) = self.send(&mut io, snap.frame()).await {
                     break end;
                 }
+                if let Some(nonce) = self.sent_nonce.take() {
+                    if self.earlier_pushes.len() == MAX_EARLIER_PUSHES {
+                        self.earlier_pushes.pop_front();
+                    }
+                    self.earlier_pushes.push_back((nonce, self.known_version));
+                }
                 self.known_version = snap.version;
                 self.known_hash.clone_from(&snap.content_hash);
                 self.sent_nonce = Some(snap.nonce.clone());
@@ -654,6 +668,7 @@ impl AgentStream {
         let first = self.sent_nonce.as_deref() == Some(nonce) && version == self.known_version;
         if first {
             self.sent_nonce = None;
+            self.earlier_pushes.clear();
         }
         first
     }
@@ -715,9 +730,19 @@ impl AgentStream {
                         &self.known_hash,
                     );
                     ctx.metrics.acks.inc();
+                } else if let Some(at) = self
+                    .earlier_pushes
+                    .iter()
+                    .position(|(n, v)| *n == ack.nonce && *v == ack.version)
+                {
+                    // A push sent before the last one: the agent runs it, and the last push
+                    // still waits for its answer. Pushes older than it are moot.
+                    self.earlier_pushes.drain(..=at);
+                    ctx.fleet.runs(&self.agent_id, self.generation, ack.version);
+                    debug!(agent = %OneLine(&self.agent_id), version = ack.version, "ACK of a snapshot sent before the last one: the agent runs it");
                 } else {
                     ctx.fleet.seen(&self.agent_id, self.generation);
-                    debug!(agent = %OneLine(&self.agent_id), version = ack.version, nonce = %ack.nonce, "ACK ignored: not the first answer to the last snapshot sent");
+                    debug!(agent = %OneLine(&self.agent_id), version = ack.version, nonce = %OneLine(&ack.nonce), "ACK ignored: not the first answer to the last snapshot sent");
                 }
             }
             Some(Kind::Nack(nack)) => {
@@ -733,7 +758,7 @@ impl AgentStream {
                     warn!(agent = %OneLine(&self.agent_id), version = nack.version, "agent refused a snapshot");
                 } else {
                     ctx.fleet.seen(&self.agent_id, self.generation);
-                    debug!(agent = %OneLine(&self.agent_id), version = nack.version, nonce = %nack.nonce, "NACK ignored: not the first answer to the last snapshot sent");
+                    debug!(agent = %OneLine(&self.agent_id), version = nack.version, nonce = %OneLine(&nack.nonce), "NACK ignored: not the first answer to the last snapshot sent");
                 }
             }
             Some(Kind::Metrics(report)) => return self.on_report(&report),

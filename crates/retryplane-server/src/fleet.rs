@@ -411,8 +411,8 @@ impl Fleet {
     }
 
     /// The agent runs `version`: its Hello named it with the content hash this control plane
-    /// published it with, after the Hello was judged (so it was listed as running 0). Its last
-    /// answer stays as it was.
+    /// published it with, after the Hello was judged (so it was listed as running 0), or it
+    /// ACKed a push sent before the last one. Its last answer stays as it was.
     pub fn runs(&self, id: &str, generation: u64, version: u64) {
         self.update(id, generation, |e| e.status.applied_version = version);
     }
