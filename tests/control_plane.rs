@@ -1134,3 +1134,89 @@ async fn a_late_ack_of_an_earlier_push_says_what_the_agent_runs_when_it_refuses_
         "{status:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_that_reads_is_not_ended_for_a_burst_of_reports() {
+    // A backlog resent at once after an outage, as agent.proto has an agent do.
+    const REPORTS: u64 = 300;
+    let plane = Plane::api_mode(&policy_yaml(2, 3)).await;
+    let mut agent = RawAgent::connect(plane.agent_channel().await, hello_instance("a1", 1))
+        .await
+        .unwrap();
+    let tx = agent.tx.clone();
+    let reader = tokio::spawn(async move {
+        let mut acks = 0;
+        while acks < REPORTS {
+            let message = agent.next_message().await?;
+            acks += u64::from(message.metrics_ack.is_some());
+        }
+        Ok::<_, tonic::Status>(acks)
+    });
+    for seq in 1..=REPORTS {
+        let message = pb::AgentMessage {
+            kind: Some(report(seq, "ep-0", 1)),
+        };
+        tx.send(message).await.unwrap();
+    }
+    let read = reader.await.unwrap();
+    assert_eq!(read.as_ref().ok(), Some(&REPORTS), "{read:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_that_reports_but_has_not_read_for_a_while_is_ended() {
+    let plane = Plane::api_mode_with(&policy_yaml(2, 3), |cfg| {
+        cfg.stream_limits.unread_for = Duration::from_millis(500);
+    })
+    .await;
+    // A tiny stream window: the snapshot fills it, and the agent never reads.
+    let channel =
+        tonic::transport::Endpoint::from_shared(format!("http://{}", plane.running.agent_addr))
+            .unwrap()
+            .initial_stream_window_size(64)
+            .connect()
+            .await
+            .unwrap();
+    let mut deaf = RawAgent::connect(channel, hello_instance("deaf", 1))
+        .await
+        .unwrap();
+    // A few reports, spread over more than the limit: far fewer acks than the bound on them.
+    for seq in 1..=12 {
+        let message = pb::AgentMessage {
+            kind: Some(report(seq, "ep-0", 1)),
+        };
+        if tokio::time::timeout(Duration::from_secs(2), deaf.tx.send(message))
+            .await
+            .is_err()
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let ended = loop {
+        match deaf.next_message().await {
+            Ok(_) => {}
+            Err(status) => break status,
+        }
+    };
+    assert_eq!(ended.code(), Code::ResourceExhausted, "{ended:?}");
+    assert!(ended.message().contains("nothing taken for"), "{ended:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ack_after_a_nack_of_an_earlier_push_is_ignored() {
+    let plane = Plane::api_mode(&policy_yaml(1, 3)).await;
+    let mut agent = RawAgent::connect(plane.agent_channel().await, hello_instance("a1", 1))
+        .await
+        .unwrap();
+    let v1 = agent.next_snapshot().await.unwrap();
+    assert_eq!(plane.apply(&policy_yaml(1, 4)).await, 2);
+    let v2 = agent.next_snapshot().await.unwrap();
+    assert_eq!(v2.version, 2);
+    // The first answer to the v1 push refuses it; a contradicting one after it counts for
+    // nothing.
+    agent.nack(&v1, "refused").await;
+    agent.ack(&v1).await;
+    after_answers(&mut agent, 1).await;
+    let status = agent_status(&plane, "a1").await.unwrap();
+    assert_eq!(status.applied_version, 0, "{status:?}");
+}

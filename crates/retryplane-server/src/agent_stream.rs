@@ -63,6 +63,10 @@ pub struct StreamLimits {
     /// Most streams waiting for their Hello at once; a stream past it is refused with
     /// `RESOURCE_EXHAUSTED` at once. Registered agents do not count.
     pub max_pending_handshakes: usize,
+    /// How long a stream may go without its agent taking anything it was sent while the
+    /// answers to the agent's metrics reports wait (see [`MAX_HELD_ACKS`]); past it, the
+    /// stream ends with `RESOURCE_EXHAUSTED` at the agent's next report.
+    pub unread_for: Duration,
 }
 
 impl StreamLimits {
@@ -89,6 +93,7 @@ impl Default for StreamLimits {
             max_field_len: retryplane_proto::MAX_HELLO_FIELD_BYTES,
             max_labels: retryplane_proto::MAX_HELLO_LABELS,
             max_pending_handshakes: DEFAULT_MAX_PENDING_HANDSHAKES,
+            unread_for: Duration::from_secs(30),
         }
     }
 }
@@ -455,10 +460,11 @@ enum Next {
     End(Option<Status>),
 }
 
-/// Metrics acks a stream may hold while its agent does not read what it was sent (see
-/// [`AgentStream::send`]): an agent reporting on its interval never comes near it; past it, the
-/// stream ends with `RESOURCE_EXHAUSTED`.
-const MAX_HELD_ACKS: usize = 16;
+/// Metrics acks a stream may hold while a frame waits to be queued (see [`AgentStream::send`]),
+/// whatever the time: a bound on memory, far above what an agent that reads holds (the acks
+/// of the reports it sent at once, a backlog resent after an outage included). An agent that
+/// does not read is ended earlier, after [`StreamLimits::unread_for`], at its next report.
+const MAX_HELD_ACKS: usize = 1024;
 
 /// What ended [`queue`]'s wait.
 enum Queued {
@@ -614,9 +620,11 @@ impl AgentStream {
     }
 
     /// Queues `frame` ([`queue`]), taking what the agent sends meanwhile as it comes: a metrics
-    /// report is counted and its ack held, to be sent after `frame`; an agent that sends
-    /// faster than it reads ([`MAX_HELD_ACKS`]) has its stream ended.
+    /// report is counted and its ack held, to be sent after `frame`. The stream ends when a
+    /// report comes while the wait has lasted [`StreamLimits::unread_for`] (the agent takes
+    /// nothing it is sent, and reports go on), or past [`MAX_HELD_ACKS`].
     async fn send(&mut self, io: &mut Io<'_>, mut frame: Outbound) -> Result<(), Option<Status>> {
+        let waiting_since = Instant::now();
         loop {
             let queued = queue(
                 io.tx,
@@ -634,10 +642,16 @@ impl AgentStream {
             frame = back;
             match self.on_message(message) {
                 Next::Continue => {}
-                Next::Ack(_) if self.held_acks.len() >= MAX_HELD_ACKS => {
-                    warn!(agent = %OneLine(&self.agent_id), held = self.held_acks.len(), "ending an agent stream: the agent sends metrics reports but does not read what it is sent");
+                Next::Ack(_)
+                    if self.held_acks.len() >= MAX_HELD_ACKS
+                        || waiting_since.elapsed() >= self.ctx.limits.unread_for =>
+                {
+                    let waited = waiting_since.elapsed();
+                    warn!(agent = %OneLine(&self.agent_id), held = self.held_acks.len(), waited_ms = waited.as_millis(), "ending an agent stream: the agent sends metrics reports but does not read what it is sent");
                     return Err(Some(Status::resource_exhausted(format!(
-                        "the agent does not read its stream: {MAX_HELD_ACKS} metrics acks wait for it"
+                        "the agent does not read its stream: nothing taken for {} ms while {} metrics acks wait for it",
+                        waited.as_millis(),
+                        self.held_acks.len() + 1
                     ))));
                 }
                 Next::Ack(ack) => self.held_acks.push_back(ack),
@@ -671,6 +685,14 @@ impl AgentStream {
             self.earlier_pushes.clear();
         }
         first
+    }
+
+    /// Where the push sent before the last one with `nonce` and `version` is in
+    /// [`AgentStream::earlier_pushes`], if it is there (not answered yet).
+    fn earlier_push(&self, nonce: &str, version: u64) -> Option<usize> {
+        self.earlier_pushes
+            .iter()
+            .position(|(n, v)| n == nonce && *v == version)
     }
 
     /// Whether the agent should get `snap`: another version, or the same number with other
@@ -730,11 +752,7 @@ impl AgentStream {
                         &self.known_hash,
                     );
                     ctx.metrics.acks.inc();
-                } else if let Some(at) = self
-                    .earlier_pushes
-                    .iter()
-                    .position(|(n, v)| *n == ack.nonce && *v == ack.version)
-                {
+                } else if let Some(at) = self.earlier_push(&ack.nonce, ack.version) {
                     // A push sent before the last one: the agent runs it, and the last push
                     // still waits for its answer. Pushes older than it are moot.
                     self.earlier_pushes.drain(..=at);
@@ -757,6 +775,11 @@ impl AgentStream {
                     ctx.metrics.nacks.inc();
                     warn!(agent = %OneLine(&self.agent_id), version = nack.version, "agent refused a snapshot");
                 } else {
+                    // A push sent before the last one counts only its first answer: a later
+                    // ACK of the one refused here says nothing of what the agent runs.
+                    if let Some(at) = self.earlier_push(&nack.nonce, nack.version) {
+                        self.earlier_pushes.drain(..=at);
+                    }
                     ctx.fleet.seen(&self.agent_id, self.generation);
                     debug!(agent = %OneLine(&self.agent_id), version = nack.version, nonce = %OneLine(&nack.nonce), "NACK ignored: not the first answer to the last snapshot sent");
                 }
