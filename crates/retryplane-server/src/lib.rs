@@ -21,6 +21,7 @@ pub mod control;
 pub mod fleet;
 pub mod frame_body;
 pub mod http;
+mod idle;
 pub mod metrics;
 mod preface;
 pub mod publisher;

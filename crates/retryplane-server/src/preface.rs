@@ -1,4 +1,5 @@
-//! Connections that never send the HTTP/2 preface do not hold a shutdown.
+//! Connections that never send the HTTP/2 preface do not hold a shutdown, nor a file
+//! descriptor for long.
 //!
 //! At shutdown tonic stops accepting and waits for every accepted connection to end, and hyper
 //! ends an HTTP/2 connection gracefully (GOAWAY, open calls finish) only once the connection has
@@ -17,6 +18,11 @@
 //! peer that sent the preface and then hung, answering nothing, still holds the shutdown until
 //! hyper's graceful close or the grace gives up on it: only hyper knows whether such a connection
 //! has a call in flight.)
+//!
+//! The same happens to a connection that has not delivered the preface [`PREFACE_TIMEOUT`]
+//! after it was accepted, shutdown or not: hyper's keepalive only starts once the preface is
+//! in, so a peer that connects and sends nothing (or half a preface) held its socket for good,
+//! and a few thousand of them used up the process's file descriptors.
 
 use std::future::Future;
 use std::io;
@@ -34,11 +40,17 @@ pub(crate) const PREFACE_LEN: usize = 24;
 /// How long after shutdown begins a connection still short of its preface is kept.
 pub(crate) const PREFACE_GRACE: Duration = Duration::from_millis(500);
 
-/// Resolves [`PREFACE_GRACE`] after shutdown begins (or after the shutdown signal is gone).
+/// How long after it is accepted a connection may take to deliver the preface (a client sends
+/// it at once, with its first bytes).
+pub(crate) const PREFACE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Resolves [`PREFACE_GRACE`] after shutdown begins (or after the shutdown signal is gone), or
+/// [`PREFACE_TIMEOUT`] after the connection was accepted, whichever comes first.
 type Closing = Pin<Box<dyn Future<Output = ()> + Send>>;
 
-/// An accepted connection that reads as closed once shutdown has begun, [`PREFACE_GRACE`] has
-/// passed, and it has not yet sent the HTTP/2 preface. See the module docs.
+/// An accepted connection that reads as closed once shutdown has begun and [`PREFACE_GRACE`]
+/// has passed, or [`PREFACE_TIMEOUT`] after it was accepted, when it has not yet sent the
+/// HTTP/2 preface. See the module docs.
 pub(crate) struct Preface<S> {
     inner: S,
     /// Bytes read so far, up to [`PREFACE_LEN`].
@@ -52,10 +64,17 @@ pub(crate) struct Preface<S> {
 impl<S> Preface<S> {
     /// Wraps `inner`, watching `shutdown` (true once shutdown has begun).
     pub(crate) fn new(inner: S, mut shutdown: watch::Receiver<bool>) -> Self {
+        let too_late = tokio::time::Instant::now() + PREFACE_TIMEOUT;
         let closing = async move {
-            // An error means the sender is gone: the server is going away too.
-            let _ = shutdown.wait_for(|stop| *stop).await;
-            tokio::time::sleep(PREFACE_GRACE).await;
+            let shutting_down = async {
+                // An error means the sender is gone: the server is going away too.
+                let _ = shutdown.wait_for(|stop| *stop).await;
+                tokio::time::sleep(PREFACE_GRACE).await;
+            };
+            tokio::select! {
+                () = shutting_down => {}
+                () = tokio::time::sleep_until(too_late) => {}
+            }
         };
         Self {
             inner,
@@ -167,6 +186,34 @@ mod tests {
         stop.send_replace(true);
         assert_eq!(read.await.unwrap().unwrap(), 0, "end of stream");
         assert_eq!(began.elapsed(), PREFACE_GRACE);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_connection_without_its_preface_is_closed_after_the_timeout_without_a_shutdown() {
+        for sent in [0, PREFACE_LEN - 1] {
+            let (mut server, mut client, _stop) = pair();
+            let accepted = tokio::time::Instant::now();
+            client.write_all(&vec![b'P'; sent]).await.unwrap();
+            let mut buf = [0u8; 64];
+            let mut read = 0;
+            loop {
+                let n = server.read(&mut buf).await.unwrap();
+                if n == 0 {
+                    break;
+                }
+                read += n;
+            }
+            assert_eq!(read, sent);
+            assert_eq!(accepted.elapsed(), PREFACE_TIMEOUT, "sent {sent}");
+        }
+        // One that sent its preface in time is kept past it.
+        let (mut server, mut client, _stop) = pair();
+        client.write_all(&[b'P'; PREFACE_LEN]).await.unwrap();
+        let mut buf = [0u8; 64];
+        assert_eq!(server.read(&mut buf).await.unwrap(), PREFACE_LEN);
+        tokio::time::sleep(PREFACE_TIMEOUT * 2).await;
+        client.write_all(b"frames").await.unwrap();
+        assert_eq!(server.read(&mut buf).await.unwrap(), 6);
     }
 
     #[tokio::test(start_paused = true)]

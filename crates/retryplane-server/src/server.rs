@@ -137,7 +137,30 @@ fn incoming(
     // The builder's tcp_nodelay does not apply to a listener we bound ourselves.
     TcpIncoming::from(socket)
         .with_nodelay(Some(true))
+        .then(|accepted| async move {
+            if let Err(e) = &accepted {
+                accept_failed(e).await;
+            }
+            accepted
+        })
         .map(move |accepted| accepted.map(|stream| Preface::new(stream, shutdown.clone())))
+}
+
+/// After an accept error other than a connection's own (too many open files, above all):
+/// logged, and the next accept a second later. tonic's server logs such an error at trace
+/// level and accepts again at once, and the listener stays readable, so out of file
+/// descriptors it spun on two cores; axum's own accept (the HTTP listener) does the same as
+/// this.
+async fn accept_failed(e: &io::Error) {
+    use io::ErrorKind::{ConnectionAborted, ConnectionRefused, ConnectionReset};
+    if matches!(
+        e.kind(),
+        ConnectionAborted | ConnectionRefused | ConnectionReset
+    ) {
+        return;
+    }
+    error!(error = %e, "cannot accept a connection; trying again in 1 s");
+    tokio::time::sleep(Duration::from_secs(1)).await;
 }
 
 /// Starts the control plane; see the module docs.
@@ -310,7 +333,7 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
     });
     let stop = stopped(shutdown_rx);
     servers.spawn(async move {
-        axum::serve(http_socket, app)
+        axum::serve(crate::idle::IdleClosing(http_socket), app)
             .with_graceful_shutdown(stop)
             .await
             .map_err(ServeError::Http)
