@@ -171,10 +171,17 @@ struct Slot {
 )]
 struct Failing(#[source] Arc<StoreError>);
 
+/// The memory redb may keep of the file's pages. Its default (1 GiB) let a crawl of the
+/// history (`get --version N` for each N) make the process resident for about the size of the
+/// store; the server keeps the current version itself, and a read of another costs a few disk
+/// reads without the cache.
+const CACHE_BYTES: usize = 16 << 20;
+
 /// redb with the integrity check on open, on an existing file (never one it would initialize).
 fn open_file(path: &Path) -> Result<Database, DatabaseError> {
     Database::builder()
         .set_check_integrity_on_open(true)
+        .set_cache_size(CACHE_BYTES)
         .open(path)
 }
 
