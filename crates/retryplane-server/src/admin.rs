@@ -42,6 +42,7 @@ use retryplane_policy::yaml::{Loc, MAX_FILE_BYTES};
 use retryplane_policy::{Diagnostic, PolicyDocument};
 use retryplane_proto::convert;
 use retryplane_proto::pb::{self, admin_service_server::AdminService, policy_source::Kind};
+use tokio::sync::{Semaphore, SemaphorePermit};
 use tonic::{Request, Response, Status};
 use tracing::error;
 
@@ -54,16 +55,34 @@ use crate::control::{
 };
 use crate::store::{Source, StoreError, VersionMeta};
 
+/// Validate, Apply (dry runs too) and Rollback calls checked at once; the others wait their
+/// turn. Checking a document near the size limit (11,000 endpoints) takes about 25 MB while
+/// it runs, so a viewer's dry runs sent by the dozen took the process past a gigabyte.
+pub const MAX_CONCURRENT_CHECKS: usize = 4;
+
 /// The `retryplane.v1.AdminService` implementation.
 #[derive(Clone, Debug)]
 pub struct AdminApi {
     control: Arc<ControlPlane>,
+    /// [`MAX_CONCURRENT_CHECKS`] permits.
+    checks: Arc<Semaphore>,
 }
 
 impl AdminApi {
     /// A service over `control`.
     pub fn new(control: Arc<ControlPlane>) -> Self {
-        Self { control }
+        Self {
+            control,
+            checks: Arc::new(Semaphore::new(MAX_CONCURRENT_CHECKS)),
+        }
+    }
+
+    /// A turn to check a document ([`MAX_CONCURRENT_CHECKS`]), held while the call runs.
+    async fn check_turn(&self) -> Result<SemaphorePermit<'_>, Status> {
+        self.checks
+            .acquire()
+            .await
+            .map_err(|_| Status::unavailable("control plane shutting down; try again"))
     }
 
     /// Refuses writes in file mode.
@@ -384,6 +403,7 @@ impl AdminService for AdminApi {
         &self,
         request: Request<pb::ValidateRequest>,
     ) -> Result<Response<pb::ValidateResponse>, Status> {
+        let _turn = self.check_turn().await?;
         let (valid, diagnostics) = match source_kind(request.into_inner().source)? {
             Kind::Yaml(yaml) => {
                 off_runtime(move || {
@@ -430,6 +450,7 @@ impl AdminService for AdminApi {
             check_may_change(&request)?;
             self.check_writable()?;
         }
+        let _turn = self.check_turn().await?;
         let author = author(&request);
         let req = request.into_inner();
         let content = match document_of(source_kind(req.source)?).await {
@@ -516,6 +537,7 @@ impl AdminService for AdminApi {
     ) -> Result<Response<pb::ApplyResponse>, Status> {
         check_may_change(&request)?;
         self.check_writable()?;
+        let _turn = self.check_turn().await?;
         let author = author(&request);
         let req = request.into_inner();
         let from = req.version;

@@ -1164,3 +1164,33 @@ async fn fleet_status_pages_by_agent_id() {
     assert_eq!((all.len(), next), (5, String::new()));
     drop(registrations);
 }
+
+#[tokio::test]
+async fn documents_are_checked_a_few_at_a_time() {
+    let api = api(Mode::Api);
+    // Every turn taken, as by calls checking large documents.
+    let turns: Vec<_> = every_turn(&api).await;
+    let validate = || api.validate(Request::new(pb::ValidateRequest { source: yaml(V1) }));
+    let dry_run = || {
+        api.apply(Request::new(pb::ApplyRequest {
+            dry_run: true,
+            ..apply_request(V1)
+        }))
+    };
+    // A check of a small document takes a few milliseconds; these wait for a turn.
+    let waited = std::time::Duration::from_millis(300);
+    assert!(tokio::time::timeout(waited, validate()).await.is_err());
+    assert!(tokio::time::timeout(waited, dry_run()).await.is_err());
+    drop(turns);
+    assert!(validate().await.unwrap().into_inner().valid);
+    dry_run().await.unwrap();
+}
+
+/// Takes every one of `api`'s turns to check a document.
+async fn every_turn(api: &AdminApi) -> Vec<SemaphorePermit<'_>> {
+    let mut turns = Vec::new();
+    for _ in 0..MAX_CONCURRENT_CHECKS {
+        turns.push(api.check_turn().await.unwrap());
+    }
+    turns
+}
