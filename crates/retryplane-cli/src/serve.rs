@@ -101,8 +101,8 @@ pub struct Args {
           value_parser = at_least_one())]
     max_series_per_service: usize,
     /// How long a disconnected agent stays listed by `status`: a duration with its unit
-    /// (`30m`, `48h`, `7d`), up to 30d; `0` keeps it until 10,000 disconnected agents push out
-    /// the longest gone.
+    /// (`30m`, `48h`, `7d`), up to 30d; `0` keeps it until more than 10,000 disconnected agents
+    /// are listed (then the longest gone tenth go).
     #[arg(long, value_name = "DURATION", default_value = "1h", value_parser = forget_after)]
     forget_disconnected_after: Duration,
 }

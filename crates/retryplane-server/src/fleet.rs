@@ -4,7 +4,7 @@
 //! stream is told to end, and its late updates are ignored (each registration has its own
 //! generation). Disconnected agents stay listed, so status shows who went away: for an hour by
 //! default ([`Fleet::forgetting_after`], `--forget-disconnected-after`), and at most
-//! [`MAX_DISCONNECTED`] of them (the longest gone go first). An agent whose Hello says it is
+//! [`MAX_DISCONNECTED`] of them (past it, the longest gone tenth go at once). An agent whose Hello says it is
 //! ephemeral (`retryplane request --server`, one call and gone) is not listed or counted once
 //! its stream has ended; its entry is kept as any other's, for its reports, and is the first to
 //! go past [`MAX_DISCONNECTED`].
@@ -175,8 +175,8 @@ fn set_response(last: &mut String, answer: &str) {
 pub struct Fleet {
     inner: Mutex<Inner>,
     max_agents: usize,
-    /// How long a disconnected agent stays listed; `None`: until [`MAX_DISCONNECTED`] push it
-    /// out.
+    /// How long a disconnected agent stays listed; `None`: until it is among the longest gone
+    /// once more than [`MAX_DISCONNECTED`] are listed (see [`prune`]).
     forget_after: Option<Duration>,
     /// Agents with an open stream, set under the lock with every change of the count, so two
     /// streams changing it at once cannot leave it stale.
@@ -221,7 +221,8 @@ impl Fleet {
     }
 
     /// The registry, forgetting an agent `forget_after` after its stream ended (`None`: only
-    /// when [`MAX_DISCONNECTED`] disconnected agents are listed and it is the longest gone).
+    /// when more than [`MAX_DISCONNECTED`] disconnected agents are listed and it is among the
+    /// longest gone).
     pub fn forgetting_after(mut self, forget_after: Option<Duration>) -> Self {
         self.forget_after = forget_after;
         self
@@ -648,7 +649,13 @@ pub struct FleetPage {
     pub known: usize,
 }
 
-/// Drops the longest-gone disconnected agents past [`MAX_DISCONNECTED`], ephemeral ones first.
+/// How many disconnected agents are kept when more than [`MAX_DISCONNECTED`] are: a tenth
+/// fewer, so that the sort of them all is paid once per thousand disconnects, not on each (at
+/// the cap, each disconnect of a rolling restart took 3.5 ms under the fleet's lock).
+const PRUNED_TO: usize = MAX_DISCONNECTED - MAX_DISCONNECTED / 10;
+
+/// Drops the longest-gone disconnected agents, ephemeral ones first, once more than
+/// [`MAX_DISCONNECTED`] are listed: down to [`PRUNED_TO`].
 fn prune(inner: &mut Inner) {
     let gone = inner.agents.len() - inner.connected;
     if gone <= MAX_DISCONNECTED {
@@ -664,7 +671,7 @@ fn prune(inner: &mut Inner) {
         })
         .collect();
     disconnected.sort_unstable();
-    for (_, _, id) in disconnected.into_iter().take(gone - MAX_DISCONNECTED) {
+    for (_, _, id) in disconnected.into_iter().take(gone - PRUNED_TO) {
         inner.remove(&id);
     }
 }
@@ -1131,14 +1138,14 @@ mod tests {
             let reg = fleet.register(&eph, None, None).unwrap();
             fleet.disconnected(&id, reg.generation);
         }
-        {
-            let inner = fleet.lock();
-            assert_eq!(inner.agents.len(), MAX_DISCONNECTED);
-            assert!(
-                inner.agents.contains_key("svc-gone"),
-                "the longest gone, but not ephemeral"
-            );
-        }
+        // One past the cap: the longest gone tenth go at once, ephemeral ones first.
+        let inner = fleet.lock();
+        assert_eq!(inner.agents.len(), PRUNED_TO);
+        assert!(
+            inner.agents.contains_key("svc-gone"),
+            "the longest gone, but not ephemeral"
+        );
+        drop(inner);
         assert_eq!(fleet.status_and_counts(false), (vec![], 0, 1));
     }
 

@@ -60,8 +60,9 @@ pub struct ServeConfig {
     /// layer). Default [`MAX_STREAMS_PER_CONNECTION`] (1,024): an agent needs one stream, and
     /// without a bound one connection could open streams without end. Must be more than zero.
     pub max_streams_per_connection: u32,
-    /// How long a disconnected agent stays in FleetStatus; `None` keeps it until
-    /// [`crate::fleet::MAX_DISCONNECTED`] disconnected agents push out the longest gone.
+    /// How long a disconnected agent stays in FleetStatus; `None` keeps it until more than
+    /// [`crate::fleet::MAX_DISCONNECTED`] disconnected agents are listed (then the longest gone
+    /// tenth go).
     /// Default [`crate::fleet::FORGET_DISCONNECTED_AFTER`] (1 h).
     pub forget_disconnected_after: Option<Duration>,
 }
