@@ -18,7 +18,7 @@
 //!   first send until every agent has sent its last report and the server has ended its
 //!   stream (before Stats is polled), per endpoint-report and as a share of a core; this
 //!   includes HTTP/2, protobuf decoding, the per-agent rate limit, the fleet's last-seen
-//!   update and [`retryplane_server::aggregate::Aggregator::ingest`];
+//!   update and `retryplane_server::aggregate::Aggregator::ingest`;
 //! - `retryplane_server_reports_dropped_total` (reports over the per-agent rate limit: must
 //!   be 0 at 1 report per second per agent, the limit being 2/s with a burst of 10);
 //! - the server's `VmRSS` before the reports and after.

@@ -64,8 +64,9 @@ pub struct StreamLimits {
     /// `RESOURCE_EXHAUSTED` at once. Registered agents do not count.
     pub max_pending_handshakes: usize,
     /// How long a stream may go without its agent taking anything it was sent while the
-    /// answers to the agent's metrics reports wait (see [`MAX_HELD_ACKS`]); past it, the
-    /// stream ends with `RESOURCE_EXHAUSTED` at the agent's next report.
+    /// answers to the agent's metrics reports wait; past it, the stream ends with
+    /// `RESOURCE_EXHAUSTED` at the agent's next report (and, whatever the time, once 1,024
+    /// answers wait).
     pub unread_for: Duration,
 }
 
