@@ -422,6 +422,26 @@ async fn a_thousand_concurrent_streams_all_receive_one_push() {
     .await;
 }
 
+/// A channel to the agent listener whose streams' receive window is 64 bytes: once its agent
+/// stops reading, the server can send a stream nothing more.
+async fn tiny_window_channel(plane: &Plane) -> tonic::transport::Channel {
+    tonic::transport::Endpoint::from_shared(format!("http://{}", plane.running.agent_addr))
+        .unwrap()
+        .initial_stream_window_size(64)
+        .connect()
+        .await
+        .unwrap()
+}
+
+/// Reads what `agent` was sent until its stream ends; the status it ended with.
+async fn until_ended(agent: &mut RawAgent) -> tonic::Status {
+    loop {
+        if let Err(status) = agent.next_message().await {
+            return status;
+        }
+    }
+}
+
 /// Waits until the server has read every message `agent` sent so far: a stream is read in
 /// order, so once a numbered report sent now is acknowledged, all before it were read.
 async fn after_answers(agent: &mut RawAgent, seq: u64) {
@@ -534,13 +554,7 @@ async fn an_agent_that_stops_reading_is_still_replaced_and_its_stream_ends() {
     let control = plane.running.control().clone();
     let idle = control.publisher.subscribers();
     // A tiny stream window: once the client stops reading, the server can send nothing more.
-    let stalled_channel =
-        tonic::transport::Endpoint::from_shared(format!("http://{}", plane.running.agent_addr))
-            .unwrap()
-            .initial_stream_window_size(64)
-            .connect()
-            .await
-            .unwrap();
+    let stalled_channel = tiny_window_channel(&plane).await;
     let mut stalled = RawAgent::connect(stalled_channel, hello("a1", 0, ""))
         .await
         .unwrap();
@@ -1037,13 +1051,7 @@ async fn an_agent_that_sends_but_does_not_read_ends_alone_and_its_connection_car
     let plane = Plane::api_mode(&policy_yaml(2, 3)).await;
     // One connection for both agents, as behind an HTTP/2 proxy, with a tiny stream window:
     // once an agent stops reading, the server can send it nothing more.
-    let shared =
-        tonic::transport::Endpoint::from_shared(format!("http://{}", plane.running.agent_addr))
-            .unwrap()
-            .initial_stream_window_size(64)
-            .connect()
-            .await
-            .unwrap();
+    let shared = tiny_window_channel(&plane).await;
     let mut good = RawAgent::connect(shared.clone(), hello_instance("good", 1))
         .await
         .unwrap();
@@ -1072,12 +1080,7 @@ async fn an_agent_that_sends_but_does_not_read_ends_alone_and_its_connection_car
     assert_eq!(good.next_ack().await, (1, false));
     // The agent that did not read finds, once it reads, what was queued and then why its
     // stream ended.
-    let ended = loop {
-        match deaf.next_message().await {
-            Ok(_) => {}
-            Err(status) => break status,
-        }
-    };
+    let ended = until_ended(&mut deaf).await;
     assert_eq!(ended.code(), Code::ResourceExhausted, "{ended:?}");
     assert!(ended.message().contains("does not read"), "{ended:?}");
 }
@@ -1169,13 +1172,7 @@ async fn an_agent_that_reports_but_has_not_read_for_a_while_is_ended() {
     })
     .await;
     // A tiny stream window: the snapshot fills it, and the agent never reads.
-    let channel =
-        tonic::transport::Endpoint::from_shared(format!("http://{}", plane.running.agent_addr))
-            .unwrap()
-            .initial_stream_window_size(64)
-            .connect()
-            .await
-            .unwrap();
+    let channel = tiny_window_channel(&plane).await;
     let mut deaf = RawAgent::connect(channel, hello_instance("deaf", 1))
         .await
         .unwrap();
@@ -1192,12 +1189,7 @@ async fn an_agent_that_reports_but_has_not_read_for_a_while_is_ended() {
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let ended = loop {
-        match deaf.next_message().await {
-            Ok(_) => {}
-            Err(status) => break status,
-        }
-    };
+    let ended = until_ended(&mut deaf).await;
     assert_eq!(ended.code(), Code::ResourceExhausted, "{ended:?}");
     assert!(ended.message().contains("nothing taken for"), "{ended:?}");
 }
