@@ -42,7 +42,7 @@ use retryplane_policy::yaml::{Loc, MAX_FILE_BYTES};
 use retryplane_policy::{Diagnostic, PolicyDocument};
 use retryplane_proto::convert;
 use retryplane_proto::pb::{self, admin_service_server::AdminService, policy_source::Kind};
-use tokio::sync::{Semaphore, SemaphorePermit};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tonic::{Request, Response, Status};
 use tracing::error;
 
@@ -77,12 +77,67 @@ impl AdminApi {
         }
     }
 
-    /// A turn to check a document ([`MAX_CONCURRENT_CHECKS`]), held while the call runs.
-    async fn check_turn(&self) -> Result<SemaphorePermit<'_>, Status> {
+    /// A turn to check a document ([`MAX_CONCURRENT_CHECKS`]).
+    async fn check_turn(&self) -> Result<OwnedSemaphorePermit, Status> {
         self.checks
-            .acquire()
+            .clone()
+            .acquire_owned()
             .await
             .map_err(|_| Status::unavailable("control plane shutting down; try again"))
+    }
+
+    /// Runs `check` (a Validate, a dry run) as a task of its own that holds a turn until the
+    /// check is over. The check's work runs on blocking threads, which go on when the call is
+    /// dropped (a client's deadline passed, a reset): the turn must not be given back before.
+    async fn in_turn<T: Send + 'static>(
+        &self,
+        check: impl Future<Output = Result<T, Status>> + Send + 'static,
+    ) -> Result<T, Status> {
+        let turn = self.check_turn().await?;
+        tokio::spawn(async move {
+            let answer = check.await;
+            drop(turn);
+            answer
+        })
+        .await
+        .map_err(|e| {
+            error!(error = %e, "an admin request's policy check did not finish");
+            Status::internal("the policy check did not finish; see the control plane's log")
+        })?
+    }
+
+    /// Apply, once it has its turn.
+    async fn apply_in_turn(
+        &self,
+        request: Request<pb::ApplyRequest>,
+    ) -> Result<Response<pb::ApplyResponse>, Status> {
+        // A dry run writes nothing, so it also answers in file mode (`retryplane diff`).
+        if !request.get_ref().dry_run {
+            check_may_change(&request)?;
+            self.check_writable()?;
+        }
+        let author = author(&request);
+        let req = request.into_inner();
+        let content = match document_of(source_kind(req.source)?).await {
+            Ok(content) => content,
+            Err(invalid) => {
+                // Invalid YAML never reaches the control plane, which counts the other refusals.
+                if !req.dry_run && invalid.code() == tonic::Code::InvalidArgument {
+                    self.control.metrics.rejected_changes.inc();
+                }
+                return Err(invalid);
+            }
+        };
+        // A forced dry run answers with the diff in file mode too: `retryplane diff` asks for one.
+        let change = ChangeRequest {
+            content,
+            source: Source::Admin,
+            author,
+            expected_version: req.expected_version,
+            dry_run: req.dry_run,
+            force: req.force,
+        };
+        self.change(change).await
     }
 
     /// Refuses writes in file mode.
@@ -322,6 +377,47 @@ fn source_kind(source: Option<pb::PolicySource>) -> Result<Kind, Status> {
     Ok(kind)
 }
 
+/// Validate's answer to `request` (see [`AdminApi::in_turn`]).
+async fn validated(
+    request: Request<pb::ValidateRequest>,
+) -> Result<Response<pb::ValidateResponse>, Status> {
+    let (valid, diagnostics) = match source_kind(request.into_inner().source)? {
+        Kind::Yaml(yaml) => {
+            off_runtime(move || {
+                let loaded = retryplane_policy::load(yaml.as_bytes());
+                // First and at 1:1, as `retryplane validate` reports it.
+                let too_large = loaded.policies.and_then(|policies| {
+                    let document = pb::PolicyDocument::from(policies.document().as_ref());
+                    too_large(&document, Loc { line: 1, column: 1 })
+                });
+                let diagnostics: Vec<Diagnostic> =
+                    too_large.into_iter().chain(loaded.diagnostics).collect();
+                let valid = !diagnostics.iter().any(Diagnostic::is_error);
+                (valid, diagnostics)
+            })
+            .await?
+        }
+        Kind::Document(document) => {
+            off_runtime(move || {
+                // Apply refuses a document too large for the agents before validating it;
+                // Validate reports that first and the validation's findings after it.
+                let too_large = too_large(&document, Loc::UNKNOWN);
+                let (valid, found) = match convert::validate(document) {
+                    Ok((_, warnings)) => (true, warnings),
+                    Err(errors) => (false, errors),
+                };
+                let valid = valid && too_large.is_none();
+                (valid, too_large.into_iter().chain(found).collect())
+            })
+            .await?
+        }
+    };
+    Ok(Response::new(pb::ValidateResponse {
+        valid,
+        diagnostics: pb_diagnostics(&diagnostics),
+    }))
+}
+
 /// Runs CPU-bound work (loading or validating a policy) off the async threads: a large
 /// document takes tens of milliseconds (about 75 ms to load 1,000 endpoints of YAML), which
 /// would otherwise stall the agent streams that share a worker with this call.
@@ -403,76 +499,23 @@ impl AdminService for AdminApi {
         &self,
         request: Request<pb::ValidateRequest>,
     ) -> Result<Response<pb::ValidateResponse>, Status> {
-        let _turn = self.check_turn().await?;
-        let (valid, diagnostics) = match source_kind(request.into_inner().source)? {
-            Kind::Yaml(yaml) => {
-                off_runtime(move || {
-                    let loaded = retryplane_policy::load(yaml.as_bytes());
-                    // First and at 1:1, as `retryplane validate` reports it.
-                    let too_large = loaded.policies.and_then(|policies| {
-                        let document = pb::PolicyDocument::from(policies.document().as_ref());
-                        too_large(&document, Loc { line: 1, column: 1 })
-                    });
-                    let diagnostics: Vec<Diagnostic> =
-                        too_large.into_iter().chain(loaded.diagnostics).collect();
-                    let valid = !diagnostics.iter().any(Diagnostic::is_error);
-                    (valid, diagnostics)
-                })
-                .await?
-            }
-            Kind::Document(document) => {
-                off_runtime(move || {
-                    // Apply refuses a document too large for the agents before validating it;
-                    // Validate reports that first and the validation's findings after it.
-                    let too_large = too_large(&document, Loc::UNKNOWN);
-                    let (valid, found) = match convert::validate(document) {
-                        Ok((_, warnings)) => (true, warnings),
-                        Err(errors) => (false, errors),
-                    };
-                    let valid = valid && too_large.is_none();
-                    (valid, too_large.into_iter().chain(found).collect())
-                })
-                .await?
-            }
-        };
-        Ok(Response::new(pb::ValidateResponse {
-            valid,
-            diagnostics: pb_diagnostics(&diagnostics),
-        }))
+        self.in_turn(validated(request)).await
     }
 
     async fn apply(
         &self,
         request: Request<pb::ApplyRequest>,
     ) -> Result<Response<pb::ApplyResponse>, Status> {
-        // A dry run writes nothing, so it also answers in file mode (`retryplane diff`).
-        if !request.get_ref().dry_run {
-            check_may_change(&request)?;
-            self.check_writable()?;
+        if request.get_ref().dry_run {
+            let api = self.clone();
+            return self
+                .in_turn(async move { api.apply_in_turn(request).await })
+                .await;
         }
+        // A change keeps its own rules for a dropped call (see `ControlPlane::apply`): the turn
+        // is held by the call.
         let _turn = self.check_turn().await?;
-        let author = author(&request);
-        let req = request.into_inner();
-        let content = match document_of(source_kind(req.source)?).await {
-            Ok(content) => content,
-            Err(invalid) => {
-                // Invalid YAML never reaches the control plane, which counts the other refusals.
-                if !req.dry_run && invalid.code() == tonic::Code::InvalidArgument {
-                    self.control.metrics.rejected_changes.inc();
-                }
-                return Err(invalid);
-            }
-        };
-        // A forced dry run answers with the diff in file mode too: `retryplane diff` asks for one.
-        let change = ChangeRequest {
-            content,
-            source: Source::Admin,
-            author,
-            expected_version: req.expected_version,
-            dry_run: req.dry_run,
-            force: req.force,
-        };
-        self.change(change).await
+        self.apply_in_turn(request).await
     }
 
     async fn get(

@@ -1187,10 +1187,41 @@ async fn documents_are_checked_a_few_at_a_time() {
 }
 
 /// Takes every one of `api`'s turns to check a document.
-async fn every_turn(api: &AdminApi) -> Vec<SemaphorePermit<'_>> {
+async fn every_turn(api: &AdminApi) -> Vec<tokio::sync::OwnedSemaphorePermit> {
     let mut turns = Vec::new();
     for _ in 0..MAX_CONCURRENT_CHECKS {
         turns.push(api.check_turn().await.unwrap());
     }
     turns
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_check_dropped_by_its_caller_keeps_its_turn_until_it_is_over() {
+    let api = api(Mode::Api);
+    // Large enough that its check takes a while after the call is dropped.
+    let endpoints: String = (0..6_000)
+        .map(|i| format!("  endpoint-{i:05}: {{max_attempts: 3, deadline: 5s}}\n"))
+        .collect();
+    let large = format!("version: 1\nendpoints:\n{endpoints}");
+    for _ in 0..MAX_CONCURRENT_CHECKS {
+        let call = api.validate(Request::new(pb::ValidateRequest {
+            source: yaml(&large),
+        }));
+        // The caller's deadline passes while the check runs.
+        let dropped = tokio::time::timeout(std::time::Duration::from_millis(5), call).await;
+        assert!(dropped.is_err(), "the check of a large document took under 5 ms");
+    }
+    assert_eq!(
+        api.checks.available_permits(),
+        0,
+        "the dropped calls' checks still run"
+    );
+    // Each turn comes back once its check is over.
+    let back = tokio::time::timeout(std::time::Duration::from_secs(60), async {
+        while api.checks.available_permits() < MAX_CONCURRENT_CHECKS {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    assert!(back.is_ok(), "the turns came back");
 }
