@@ -63,10 +63,9 @@ pub struct StreamLimits {
     /// Most streams waiting for their Hello at once; a stream past it is refused with
     /// `RESOURCE_EXHAUSTED` at once. Registered agents do not count.
     pub max_pending_handshakes: usize,
-    /// How long a stream may go without its agent taking anything it was sent while the
-    /// answers to the agent's metrics reports wait; past it, the stream ends with
-    /// `RESOURCE_EXHAUSTED` at the agent's next report (and, whatever the time, once 1,024
-    /// answers wait).
+    /// How long a stream may wait to send while the answers to its agent's metrics reports
+    /// pile up: past it, with 64 answers waiting, the stream ends with `RESOURCE_EXHAUSTED`
+    /// (and, whatever the time, once 1,024 wait).
     pub unread_for: Duration,
 }
 
@@ -464,8 +463,14 @@ enum Next {
 /// Metrics acks a stream may hold while a frame waits to be queued (see [`AgentStream::send`]),
 /// whatever the time: a bound on memory, far above what an agent that reads holds (the acks
 /// of the reports it sent at once, a backlog resent after an outage included). An agent that
-/// does not read is ended earlier, after [`StreamLimits::unread_for`], at its next report.
+/// does not read is ended earlier: see [`STALLED_HELD_ACKS`].
 const MAX_HELD_ACKS: usize = 1024;
+
+/// Metrics acks held past which a stream whose frame has waited [`StreamLimits::unread_for`]
+/// is ended. Above what our agent ever leaves unanswered (8 reports), so that an agent which
+/// reads all along, but on a link slow enough that a large snapshot ahead of the acks takes
+/// longer than that to go out, is not ended.
+const STALLED_HELD_ACKS: usize = 64;
 
 /// What ended [`queue`]'s wait.
 enum Queued {
@@ -621,9 +626,9 @@ impl AgentStream {
     }
 
     /// Queues `frame` ([`queue`]), taking what the agent sends meanwhile as it comes: a metrics
-    /// report is counted and its ack held, to be sent after `frame`. The stream ends when a
-    /// report comes while the wait has lasted [`StreamLimits::unread_for`] (the agent takes
-    /// nothing it is sent, and reports go on), or past [`MAX_HELD_ACKS`].
+    /// report is counted and its ack held, to be sent after `frame`. The stream ends when the
+    /// wait has lasted [`StreamLimits::unread_for`] with [`STALLED_HELD_ACKS`] acks held (the
+    /// agent takes nothing it is sent, and reports go on), or past [`MAX_HELD_ACKS`].
     async fn send(&mut self, io: &mut Io<'_>, mut frame: Outbound) -> Result<(), Option<Status>> {
         let waiting_since = Instant::now();
         loop {
@@ -645,12 +650,13 @@ impl AgentStream {
                 Next::Continue => {}
                 Next::Ack(_)
                     if self.held_acks.len() >= MAX_HELD_ACKS
-                        || waiting_since.elapsed() >= self.ctx.limits.unread_for =>
+                        || (self.held_acks.len() >= STALLED_HELD_ACKS
+                            && waiting_since.elapsed() >= self.ctx.limits.unread_for) =>
                 {
                     let waited = waiting_since.elapsed();
                     warn!(agent = %OneLine(&self.agent_id), held = self.held_acks.len(), waited_ms = waited.as_millis(), "ending an agent stream: the agent sends metrics reports but does not read what it is sent");
                     return Err(Some(Status::resource_exhausted(format!(
-                        "the agent does not read its stream: nothing taken for {} ms while {} metrics acks wait for it",
+                        "the agent does not read its stream: a message has waited {} ms to be sent while {} metrics acks wait for it",
                         waited.as_millis(),
                         self.held_acks.len() + 1
                     ))));
