@@ -111,11 +111,6 @@ impl AdminApi {
         &self,
         request: Request<pb::ApplyRequest>,
     ) -> Result<Response<pb::ApplyResponse>, Status> {
-        // A dry run writes nothing, so it also answers in file mode (`retryplane diff`).
-        if !request.get_ref().dry_run {
-            check_may_change(&request)?;
-            self.check_writable()?;
-        }
         let author = author(&request);
         let req = request.into_inner();
         let content = match document_of(source_kind(req.source)?).await {
@@ -506,12 +501,16 @@ impl AdminService for AdminApi {
         &self,
         request: Request<pb::ApplyRequest>,
     ) -> Result<Response<pb::ApplyResponse>, Status> {
+        // A dry run writes nothing, so it also answers in file mode (`retryplane diff`).
         if request.get_ref().dry_run {
             let api = self.clone();
             return self
                 .in_turn(async move { api.apply_in_turn(request).await })
                 .await;
         }
+        // Refused before it waits for a turn, as a rollback is.
+        check_may_change(&request)?;
+        self.check_writable()?;
         // A change keeps its own rules for a dropped call (see `ControlPlane::apply`): the turn
         // is held by the call.
         let _turn = self.check_turn().await?;

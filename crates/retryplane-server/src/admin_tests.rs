@@ -1209,7 +1209,10 @@ async fn a_check_dropped_by_its_caller_keeps_its_turn_until_it_is_over() {
         }));
         // The caller's deadline passes while the check runs.
         let dropped = tokio::time::timeout(std::time::Duration::from_millis(5), call).await;
-        assert!(dropped.is_err(), "the check of a large document took under 5 ms");
+        assert!(
+            dropped.is_err(),
+            "the check of a large document took under 5 ms"
+        );
     }
     assert_eq!(
         api.checks.available_permits(),
@@ -1224,4 +1227,29 @@ async fn a_check_dropped_by_its_caller_keeps_its_turn_until_it_is_over() {
     })
     .await;
     assert!(back.is_ok(), "the turns came back");
+}
+
+#[tokio::test]
+async fn a_write_refused_for_its_role_or_the_mode_is_refused_without_waiting_for_a_turn() {
+    let waited = std::time::Duration::from_millis(300);
+    let api_mode = api(Mode::Api);
+    let turns = every_turn(&api_mode).await;
+    let viewer = tokio::time::timeout(
+        waited,
+        api_mode.apply(with_role(crate::auth::Role::Viewer, apply_request(V2))),
+    )
+    .await;
+    assert_eq!(
+        viewer.expect("refused at once").unwrap_err().code(),
+        Code::PermissionDenied
+    );
+    drop(turns);
+    let file = api(Mode::File(PathBuf::from("config/policies.yaml")));
+    let turns = every_turn(&file).await;
+    let file_apply = tokio::time::timeout(waited, apply(&file, apply_request(V2))).await;
+    assert_eq!(
+        file_apply.expect("refused at once").unwrap_err().code(),
+        Code::FailedPrecondition
+    );
+    drop(turns);
 }
