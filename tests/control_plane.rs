@@ -1213,3 +1213,30 @@ async fn an_ack_after_a_nack_of_an_earlier_push_is_ignored() {
     let status = agent_status(&plane, "a1").await.unwrap();
     assert_eq!(status.applied_version, 0, "{status:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_that_has_not_read_for_a_while_with_few_acks_waiting_is_not_ended() {
+    let plane = Plane::api_mode_with(&policy_yaml(2, 3), |cfg| {
+        cfg.stream_limits.unread_for = Duration::from_millis(500);
+    })
+    .await;
+    // Not reading for a second, past the limit, with fewer acks waiting than end a stream
+    // (as an agent that reads all along, on a link slow enough that a large snapshot ahead
+    // of the acks takes that long to go out).
+    let mut agent = RawAgent::connect(tiny_window_channel(&plane).await, hello_instance("a1", 1))
+        .await
+        .unwrap();
+    const REPORTS: u64 = 40;
+    for seq in 1..=REPORTS {
+        agent.send(report(seq, "ep-0", 1)).await;
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let mut acks = 0;
+    while acks < REPORTS {
+        let message = agent.next_message().await.unwrap();
+        acks += u64::from(message.metrics_ack.is_some());
+    }
+    // The stream goes on (past the report rate limit, the answer says the report was dropped).
+    agent.send(report(REPORTS + 1, "ep-0", 1)).await;
+    assert_eq!(agent.next_ack().await.0, REPORTS + 1);
+}

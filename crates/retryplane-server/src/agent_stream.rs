@@ -64,8 +64,8 @@ pub struct StreamLimits {
     /// `RESOURCE_EXHAUSTED` at once. Registered agents do not count.
     pub max_pending_handshakes: usize,
     /// How long a stream may wait to send while the answers to its agent's metrics reports
-    /// pile up: past it, with 64 answers waiting, the stream ends with `RESOURCE_EXHAUSTED`
-    /// (and, whatever the time, once 1,024 wait).
+    /// pile up: past it, at the agent's next report with 64 answers waiting, the stream ends
+    /// with `RESOURCE_EXHAUSTED` (and, whatever the time, once 1,024 wait).
     pub unread_for: Duration,
 }
 
