@@ -271,11 +271,7 @@ fn bearer(token: &str) -> Result<tonic::metadata::AsciiMetadataValue, AgentError
 /// (at a character boundary), then `-` and 16 hex digits of `seed`, within the control plane's
 /// bound on a Hello field.
 fn derived_agent_id(service: &str, seed: u64) -> String {
-    let room = retryplane_proto::MAX_HELLO_FIELD_BYTES - 17;
-    let mut end = service.len().min(room);
-    while !service.is_char_boundary(end) {
-        end -= 1;
-    }
+    let end = service.floor_char_boundary(retryplane_proto::MAX_HELLO_FIELD_BYTES - 17);
     format!("{}-{seed:016x}", &service[..end])
 }
 

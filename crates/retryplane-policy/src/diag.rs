@@ -162,10 +162,7 @@ pub fn endpoint_name_shown(name: &str) -> Cow<'_, str> {
     if name.len() <= MAX_ENDPOINT_NAME {
         return Cow::Borrowed(name);
     }
-    let mut end = MAX_ENDPOINT_NAME;
-    while !name.is_char_boundary(end) {
-        end -= 1;
-    }
+    let end = name.floor_char_boundary(MAX_ENDPOINT_NAME);
     // 32-bit FNV-1a, written out: the tag must be the same in every build (a CLI and a control
     // plane built with other toolchains name the file's problems alike), which std's hasher
     // does not promise, and it only tells names apart, so no hashing crate is needed.

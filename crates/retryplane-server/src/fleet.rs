@@ -498,14 +498,7 @@ impl Fleet {
     /// The agent refused `version` (with `content_hash`); it keeps running what it had. Kept
     /// across the agent's streams (see the module docs).
     pub fn nack(&self, id: &str, generation: u64, version: u64, content_hash: &str, error: &str) {
-        let mut error = error.to_owned();
-        if error.len() > MAX_ERROR_LEN {
-            let mut cut = MAX_ERROR_LEN;
-            while !error.is_char_boundary(cut) {
-                cut -= 1;
-            }
-            error.truncate(cut);
-        }
+        let error = error[..error.floor_char_boundary(MAX_ERROR_LEN)].to_owned();
         self.update(id, generation, |e| {
             // A stream without an instance id cannot be told from a restarted process: its
             // NACK is shown, but not carried over to its next stream.

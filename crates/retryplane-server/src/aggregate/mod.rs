@@ -737,11 +737,7 @@ impl Aggregator {
 
 /// At most 64 bytes of a name, for a log line.
 fn truncated(name: &str) -> &str {
-    let mut end = name.len().min(64);
-    while !name.is_char_boundary(end) {
-        end -= 1;
-    }
-    &name[..end]
+    &name[..name.floor_char_boundary(64)]
 }
 
 /// Runs [`Aggregator::tick`] every `every` until `shutdown` turns true.
