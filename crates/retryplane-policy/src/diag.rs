@@ -95,6 +95,12 @@ pub fn is_control(c: char) -> bool {
     c.is_control() || matches!(c, '\u{2028}' | '\u{2029}')
 }
 
+/// Whether `s` holds a character [`is_control`] refuses: a name that does could move the
+/// cursor or change colours where `retryplane status` or `stats` print it.
+pub fn has_control(s: &str) -> bool {
+    s.chars().any(is_control)
+}
+
 /// Whether [`OneLine`] writes `c` as an escape: a control character ([`is_control`]), a
 /// bidirectional formatting character, which could reorder the text shown after it (as in
 /// "Trojan Source"), or a character that shows as nothing or as a blank (a zero-width space or

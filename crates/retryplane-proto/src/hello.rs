@@ -2,6 +2,8 @@
 //! opens, and by the agent before it connects, so that an identity the control plane would
 //! refuse on every try is refused once, at start, naming the field.
 
+use retryplane_policy::diag::has_control;
+
 use crate::pb;
 
 /// The control plane's default bound on each Hello string (agent id, service, agent version,
@@ -25,7 +27,6 @@ pub fn check_hello(
     max_field_len: usize,
     max_labels: usize,
 ) -> Result<(), BadHello> {
-    let has_control = |s: &str| s.chars().any(retryplane_policy::diag::is_control);
     let too_long = |s: &str| s.len() > max_field_len;
     if hello.agent_id.is_empty() {
         return Err(BadHello("Hello.agent_id is empty".to_owned()));

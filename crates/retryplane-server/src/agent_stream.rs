@@ -241,12 +241,6 @@ fn connection_ended(status: &Status) -> bool {
     false
 }
 
-/// Whether `s` holds a control character (or a Unicode line or paragraph separator): such a
-/// name could move the cursor or change colours where `retryplane status` or `stats` print it.
-pub(crate) fn has_control(s: &str) -> bool {
-    s.chars().any(retryplane_policy::diag::is_control)
-}
-
 /// Refuses (`INVALID_ARGUMENT`, naming the field) a Hello the limits do not admit
 /// ([`retryplane_proto::check_hello`]).
 fn check_hello(hello: &pb::Hello, limits: &StreamLimits) -> Result<(), Status> {

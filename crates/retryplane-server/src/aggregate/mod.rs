@@ -299,7 +299,7 @@ impl Aggregator {
     /// services than series allowed), or for a too long name or one with a control character,
     /// every report of the stream counts in `other`.
     pub fn service(&self, service: &str) -> ServiceHandle {
-        if service.len() > MAX_NAME_LEN || crate::agent_stream::has_control(service) {
+        if service.len() > MAX_NAME_LEN || retryplane_policy::diag::has_control(service) {
             return ServiceHandle(Err(Overflow::BadName));
         }
         if let Some(s) = read(&self.services).get(service) {
@@ -401,7 +401,7 @@ impl Aggregator {
     ) -> Result<Arc<Series>, Overflow> {
         if endpoint.is_empty()
             || endpoint.len() > MAX_NAME_LEN
-            || crate::agent_stream::has_control(endpoint)
+            || retryplane_policy::diag::has_control(endpoint)
             || (&*svc.name == OTHER && endpoint == OTHER)
         {
             return Err(Overflow::BadName);
