@@ -100,10 +100,7 @@ impl AdminApi {
             answer
         })
         .await
-        .map_err(|e| {
-            error!(error = %e, "an admin request's policy check did not finish");
-            Status::internal("the policy check did not finish; see the control plane's log")
-        })?
+        .map_err(unfinished)?
     }
 
     /// Apply, once it has its turn.
@@ -419,10 +416,13 @@ async fn validated(
 async fn off_runtime<T: Send + 'static>(
     f: impl FnOnce() -> T + Send + 'static,
 ) -> Result<T, Status> {
-    tokio::task::spawn_blocking(f).await.map_err(|e| {
-        error!(error = %e, "an admin request's policy check did not finish");
-        Status::internal("the policy check did not finish; see the control plane's log")
-    })
+    tokio::task::spawn_blocking(f).await.map_err(unfinished)
+}
+
+/// The answer to a call whose policy check panicked or was cancelled; logged.
+fn unfinished(e: tokio::task::JoinError) -> Status {
+    error!(error = %e, "an admin request's policy check did not finish");
+    Status::internal("the policy check did not finish; see the control plane's log")
 }
 
 /// The error diagnostic for a document whose snapshot agents could not decode, with the message
