@@ -422,6 +422,18 @@ async fn a_thousand_concurrent_streams_all_receive_one_push() {
     .await;
 }
 
+/// Agent `a1` (process 1), sent version 1 and then version 2 without answering either.
+async fn sent_v1_then_v2(plane: &Plane) -> (RawAgent, pb::Snapshot, pb::Snapshot) {
+    let mut agent = RawAgent::connect(plane.agent_channel().await, hello_instance("a1", 1))
+        .await
+        .unwrap();
+    let v1 = agent.next_snapshot().await.unwrap();
+    assert_eq!(plane.apply(&policy_yaml(1, 4)).await, 2);
+    let v2 = agent.next_snapshot().await.unwrap();
+    assert_eq!(v2.version, 2);
+    (agent, v1, v2)
+}
+
 /// A channel to the agent listener whose streams' receive window is 64 bytes: once its agent
 /// stops reading, the server can send a stream nothing more.
 async fn tiny_window_channel(plane: &Plane) -> tonic::transport::Channel {
@@ -489,13 +501,7 @@ async fn an_answer_counts_only_for_the_version_its_nonce_was_sent_with() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_answer_with_a_stale_nonce_is_ignored() {
     let plane = Plane::api_mode(&policy_yaml(1, 3)).await;
-    let mut agent = RawAgent::connect(plane.agent_channel().await, hello_instance("a1", 1))
-        .await
-        .unwrap();
-    let v1 = agent.next_snapshot().await.unwrap();
-    assert_eq!(plane.apply(&policy_yaml(1, 4)).await, 2);
-    let v2 = agent.next_snapshot().await.unwrap();
-    assert_eq!(v2.version, 2);
+    let (mut agent, v1, v2) = sent_v1_then_v2(&plane).await;
     // Answers to the push before the last one, and to a nonce never sent.
     agent.ack(&v1).await;
     agent.nack(&v1, "late").await;
@@ -1198,13 +1204,7 @@ async fn an_agent_that_reports_but_has_not_read_for_a_while_is_ended() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_ack_after_a_nack_of_an_earlier_push_is_ignored() {
     let plane = Plane::api_mode(&policy_yaml(1, 3)).await;
-    let mut agent = RawAgent::connect(plane.agent_channel().await, hello_instance("a1", 1))
-        .await
-        .unwrap();
-    let v1 = agent.next_snapshot().await.unwrap();
-    assert_eq!(plane.apply(&policy_yaml(1, 4)).await, 2);
-    let v2 = agent.next_snapshot().await.unwrap();
-    assert_eq!(v2.version, 2);
+    let (mut agent, v1, _v2) = sent_v1_then_v2(&plane).await;
     // The first answer to the v1 push refuses it; a contradicting one after it counts for
     // nothing.
     agent.nack(&v1, "refused").await;
