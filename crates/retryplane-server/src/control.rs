@@ -11,7 +11,6 @@
 
 use std::collections::HashSet;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, PoisonError};
 
 use retryplane_policy::diff::{self, Change};
@@ -157,10 +156,6 @@ pub struct ControlPlane {
     /// is diffed against the current version, and converting that from its wire form on
     /// every change took about as long as the diff (10 ms at 1,000 endpoints).
     converted: Arc<std::sync::Mutex<Option<Arc<Converted>>>>,
-    /// Set once [`ControlPlane::publish_current`] has run. Before that (start-up: file mode
-    /// applies the file first) the store's current version is not served by design, and a
-    /// change with its content is no sign of a version a failed write hid.
-    started: AtomicBool,
 }
 
 /// A stored version as a change's check needs it ([`ControlPlane::converted`]).
@@ -247,7 +242,6 @@ impl ControlPlane {
             mode,
             changes: Arc::new(Mutex::new(())),
             converted: Arc::new(std::sync::Mutex::new(None)),
-            started: AtomicBool::new(false),
         }
     }
 
@@ -294,7 +288,6 @@ impl ControlPlane {
         if let Some(record) = &current {
             self.fanout().publish(record);
         }
-        self.started.store(true, Ordering::Release);
         Ok(current)
     }
 
@@ -418,7 +411,6 @@ impl ControlPlane {
         };
         if unchanged
             && !dry_run
-            && self.started.load(Ordering::Acquire)
             && let Some(current) = &current
         {
             // What the store holds is what is served, even after a write that failed once its

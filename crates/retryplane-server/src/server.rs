@@ -240,14 +240,17 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
         background.push(task);
         start_read = Some(read);
     }
-    let settled = boot::load_policies(&control, &cfg).await?;
-    if let (Some(read), Some(bytes)) = (start_read, settled) {
-        read.settled(bytes);
-    }
+    // What the store holds is served first: the start's own change (a file edited while the
+    // server was down) is then published after it, as any change is, and a file equal to it
+    // finds it served. (No agent is connected yet: the listeners start below.)
     control
         .publish_current()
         .await
         .map_err(ServeError::ReadStore)?;
+    let settled = boot::load_policies(&control, &cfg).await?;
+    if let (Some(read), Some(bytes)) = (start_read, settled) {
+        read.settled(bytes);
+    }
 
     // One health service per listener: each says the state of its own service only, and
     // NOT_FOUND for the other listener's (which that port would answer UNIMPLEMENTED).

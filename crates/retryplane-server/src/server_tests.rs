@@ -109,6 +109,8 @@ async fn restart_with_an_unchanged_file_keeps_version_and_hash() {
         (after.version, &after.content_hash),
         (before.version, &before.content_hash)
     );
+    // Served as stored: no publish counted, and no word of a version a failed write hid.
+    assert_eq!(running.control().metrics.publishes.get(), 0);
     running.shutdown().await.unwrap();
 }
 
