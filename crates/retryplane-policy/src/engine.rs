@@ -644,14 +644,17 @@ impl<'a> RetryCall<'a> {
                 (d, true)
             }
             // HTTP `Retry-After` only lengthens the computed pause (SPEC §2 step 7); the
-            // schedule goes on, and `decorrelated` goes on from the pause taken.
+            // schedule goes on, and `decorrelated` goes on from the pause taken. The hint is
+            // honored whether or not it lengthened the pause: the pause is never shorter than
+            // it, and whether a hint lengthens a jittered pause is the draw's doing.
             Some((d, false)) => {
                 let computed = self.next_pause(rng);
-                let lengthened = d > computed;
-                if lengthened && let Some(backoff) = self.backoff.as_mut() {
+                if d > computed
+                    && let Some(backoff) = self.backoff.as_mut()
+                {
                     backoff.paused(d);
                 }
-                (computed.max(d), lengthened)
+                (computed.max(d), true)
             }
             None => (self.next_pause(rng), false),
         };

@@ -120,7 +120,8 @@ pub enum Decision {
     Retry {
         /// How long to wait.
         pause: Duration,
-        /// Whether a server hint set or lengthened the pause.
+        /// Whether the pause followed a valid server hint that is honored: a gRPC pushback set
+        /// it, or it is at least the `Retry-After` (which may be shorter than the backoff).
         hinted: bool,
     },
     /// Return the last failure with this cause.
