@@ -832,7 +832,7 @@ fn an_unreachable_attempt_is_blamed_on_the_layer_whose_jitter_or_cap_causes_it()
     assert_eq!(
         all(src),
         [
-            "5:28: warning: endpoints.slow.backoff.jitter: attempt 5 can never start inside the deadline (1s): the shortest possible pauses before it add up to more"
+            "5:28: warning: endpoints.slow.backoff.jitter: attempt 5 can never start inside the deadline (1s): the shortest possible pauses before it add up to the deadline or more"
         ]
     );
     // The same for a cap that lets the pauses grow.
@@ -840,7 +840,7 @@ fn an_unreachable_attempt_is_blamed_on_the_layer_whose_jitter_or_cap_causes_it()
     assert_eq!(
         all(src),
         [
-            "5:25: warning: endpoints.slow.backoff.max: attempt 5 can never start inside the deadline (1s): the shortest possible pauses before it add up to more"
+            "5:25: warning: endpoints.slow.backoff.max: attempt 5 can never start inside the deadline (1s): the shortest possible pauses before it add up to the deadline or more"
         ]
     );
     // Several attempts are named as a range.
@@ -849,7 +849,7 @@ fn an_unreachable_attempt_is_blamed_on_the_layer_whose_jitter_or_cap_causes_it()
         all(src),
         [
             "2:26: warning: defaults.max_attempts: 6 attempts multiply load by up to 6x during an outage; more than 5 rarely helps",
-            "2:26: warning: defaults.max_attempts: attempts 5 to 6 can never start inside the deadline (1s): the shortest possible pauses before them add up to more"
+            "2:26: warning: defaults.max_attempts: attempts 5 to 6 can never start inside the deadline (1s): the shortest possible pauses before them add up to the deadline or more"
         ]
     );
 }

@@ -877,7 +877,7 @@ fn check_effective(layers: &Layers<'_>, refused: &Refused, diags: &mut Vec<Diagn
             loc,
             path,
             format!(
-                "{attempts} can never start inside the deadline ({}): the shortest possible pauses before {them} add up to more",
+                "{attempts} can never start inside the deadline ({}): the shortest possible pauses before {them} add up to the deadline or more",
                 fmt(p.deadline)
             ),
         ));
