@@ -8,15 +8,27 @@
 //!   format to a scraper that asks for it (Prometheus does), else in Prometheus' text format
 //!   0.0.4 ([`crate::text_format`]).
 //!
+//! A `/metrics` answer is rendered on a blocking thread, one render at a time, and shared by
+//! every request that was waiting when it finished: at the agent metrics' series cap the text is
+//! about 20 MB and takes a few hundred milliseconds, and the listener asks no token, so scrapes
+//! that come together must neither stall the agent and admin listeners (which share the runtime)
+//! nor hold a copy each. An answer is never older than its request: a request uses a render that
+//! started after it arrived, or starts one.
+//!
 //! [`router`] builds the whole app, so tests drive it without a socket.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use axum::Router;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
-use axum::response::IntoResponse;
+use axum::response::{IntoResponse, Response};
 use axum::routing::get;
+use bytes::Bytes;
+use tokio::sync::Mutex;
+use tokio::time::Instant;
+use tracing::error;
 
 use crate::metrics::ServerMetrics;
 use crate::publisher::Publisher;
@@ -40,15 +52,119 @@ pub fn router(state: HttpState) -> Router {
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
-        .with_state(state)
+        .with_state(App {
+            state,
+            renders: Arc::new(Renders::default()),
+        })
+}
+
+/// The router's state: the handlers' inputs and the `/metrics` renders.
+#[derive(Clone)]
+struct App {
+    state: HttpState,
+    renders: Arc<Renders>,
+}
+
+/// The last `/metrics` render, kept while requests wait for it (see the module's docs).
+#[derive(Default)]
+struct Renders {
+    last: Mutex<Option<Rendered>>,
+    /// Requests between their arrival and their answer.
+    waiting: AtomicUsize,
+}
+
+/// One render of the exposition, in the two formats as they are asked for.
+struct Rendered {
+    started: Instant,
+    openmetrics: Bytes,
+    text: Option<Bytes>,
+}
+
+/// Counts a request in [`Renders::waiting`] until dropped.
+struct Waiting<'a>(&'a AtomicUsize);
+
+impl<'a> Waiting<'a> {
+    fn enter(count: &'a AtomicUsize) -> Self {
+        count.fetch_add(1, Ordering::SeqCst);
+        Self(count)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl Renders {
+    /// The exposition in OpenMetrics (`openmetrics`) or in the text format 0.0.4, from a render
+    /// that started after this call.
+    async fn exposition(
+        &self,
+        metrics: &Arc<ServerMetrics>,
+        openmetrics: bool,
+    ) -> Result<Bytes, tokio::task::JoinError> {
+        let arrived = Instant::now();
+        let waiting = Waiting::enter(&self.waiting);
+        let mut last = self.last.lock().await;
+        let reuse = last.take().filter(|rendered| rendered.started >= arrived);
+        let rendered = match reuse {
+            Some(rendered) if openmetrics || rendered.text.is_some() => rendered,
+            Some(Rendered {
+                started,
+                openmetrics,
+                text: None,
+            }) => {
+                let source = openmetrics.clone();
+                let text = tokio::task::spawn_blocking(move || {
+                    // A render is a `String`, so this never fails.
+                    let text = std::str::from_utf8(&source)
+                        .map_or_else(|_| String::new(), text_format::from_openmetrics);
+                    Bytes::from(text)
+                })
+                .await?;
+                Rendered {
+                    started,
+                    openmetrics,
+                    text: Some(text),
+                }
+            }
+            _ => {
+                let metrics = metrics.clone();
+                let started = Instant::now();
+                tokio::task::spawn_blocking(move || {
+                    let source = metrics.render();
+                    let text =
+                        (!openmetrics).then(|| Bytes::from(text_format::from_openmetrics(&source)));
+                    Rendered {
+                        started,
+                        openmetrics: Bytes::from(source),
+                        text,
+                    }
+                })
+                .await?
+            }
+        };
+        let answer = if openmetrics {
+            rendered.openmetrics.clone()
+        } else {
+            rendered.text.clone().unwrap_or_default()
+        };
+        drop(waiting);
+        // Kept only for requests already waiting: a later one needs a render of its own.
+        if self.waiting.load(Ordering::SeqCst) > 0 {
+            *last = Some(rendered);
+        }
+        Ok(answer)
+    }
 }
 
 async fn healthz() -> &'static str {
     "ok"
 }
 
-async fn readyz(State(state): State<HttpState>) -> (StatusCode, &'static str) {
-    if state.publisher.current().is_some() {
+async fn readyz(State(app): State<App>) -> (StatusCode, &'static str) {
+    if app.state.publisher.current().is_some() {
         (StatusCode::OK, "ready")
     } else {
         (
@@ -58,15 +174,27 @@ async fn readyz(State(state): State<HttpState>) -> (StatusCode, &'static str) {
     }
 }
 
-async fn metrics(State(state): State<HttpState>, headers: HeaderMap) -> impl IntoResponse {
-    let openmetrics = state.metrics.render();
-    if text_format::wants_openmetrics(headers.get(header::ACCEPT)) {
-        ([(header::CONTENT_TYPE, METRICS_CONTENT_TYPE)], openmetrics)
+async fn metrics(State(app): State<App>, headers: HeaderMap) -> Response {
+    let openmetrics = text_format::wants_openmetrics(headers.get(header::ACCEPT));
+    let content_type = if openmetrics {
+        METRICS_CONTENT_TYPE
     } else {
-        (
-            [(header::CONTENT_TYPE, text_format::TEXT_CONTENT_TYPE)],
-            text_format::from_openmetrics(&openmetrics),
-        )
+        text_format::TEXT_CONTENT_TYPE
+    };
+    match app
+        .renders
+        .exposition(&app.state.metrics, openmetrics)
+        .await
+    {
+        Ok(body) => ([(header::CONTENT_TYPE, content_type)], body).into_response(),
+        Err(e) => {
+            error!(error = %e, "rendering /metrics did not finish");
+            (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "the metrics could not be rendered; see the control plane's log",
+            )
+                .into_response()
+        }
     }
 }
 
@@ -190,5 +318,70 @@ mod tests {
     #[tokio::test]
     async fn unknown_paths_are_404() {
         assert_eq!(get(&state(), "/nope").await.0, StatusCode::NOT_FOUND);
+    }
+
+    /// Waits (bounded) until `n` requests wait for a render.
+    async fn until_waiting(renders: &Renders, n: usize) {
+        for _ in 0..5_000 {
+            if renders.waiting.load(Ordering::SeqCst) == n {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+        panic!("{n} requests did not come to wait for a render");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn scrapes_that_wait_together_share_one_render_of_each_format() {
+        let state = state();
+        let renders = Arc::new(Renders::default());
+        let held = renders.last.lock().await;
+        let scrapes: Vec<_> = (0..8)
+            .map(|i| {
+                let renders = renders.clone();
+                let metrics = state.metrics.clone();
+                tokio::spawn(async move { renders.exposition(&metrics, i % 2 == 0).await })
+            })
+            .collect();
+        until_waiting(&renders, 8).await;
+        drop(held);
+        let mut bodies = Vec::new();
+        for scrape in scrapes {
+            bodies.push(scrape.await.unwrap().unwrap());
+        }
+        let (openmetrics, text): (Vec<_>, Vec<_>) =
+            bodies.iter().enumerate().partition(|(i, _)| i % 2 == 0);
+        for (_, body) in &openmetrics {
+            assert_eq!(body.as_ptr(), openmetrics[0].1.as_ptr(), "one copy shared");
+            assert!(body.ends_with(b"# EOF\n"));
+        }
+        for (_, body) in &text {
+            assert_eq!(body.as_ptr(), text[0].1.as_ptr(), "one copy shared");
+            assert!(!body.ends_with(b"# EOF\n") && !body.is_empty());
+        }
+        // Nothing is kept once no request waits, and a later request renders anew.
+        assert!(renders.last.lock().await.is_none());
+        let later = renders.exposition(&state.metrics, true).await.unwrap();
+        assert_ne!(later.as_ptr(), openmetrics[0].1.as_ptr());
+    }
+
+    #[tokio::test]
+    async fn a_scrape_never_gets_a_render_that_started_before_it_arrived() {
+        let state = state();
+        let renders = Renders::default();
+        *renders.last.lock().await = Some(Rendered {
+            started: Instant::now(),
+            openmetrics: Bytes::from_static(b"stale"),
+            text: Some(Bytes::from_static(b"stale")),
+        });
+        state.metrics.publishes.inc();
+        for openmetrics in [true, false] {
+            let body = renders
+                .exposition(&state.metrics, openmetrics)
+                .await
+                .unwrap();
+            let body = String::from_utf8(body.to_vec()).unwrap();
+            assert!(body.contains("publishes_total 1"), "{body}");
+        }
     }
 }
