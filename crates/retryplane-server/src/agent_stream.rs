@@ -31,7 +31,7 @@ use tonic::{Request, Status, Streaming};
 use tracing::{debug, info, warn};
 
 use crate::aggregate::{Aggregator, ServiceHandle};
-use crate::auth::{Credential, TokenSet, Tokens};
+use crate::auth::{Credential, TokenName, TokenSet, Tokens};
 use crate::fleet::{Fleet, RegisterError, ReportBucket};
 use crate::frame_body::{Outbound, encode_frame};
 use crate::metrics::ServerMetrics;
@@ -259,6 +259,7 @@ impl AgentStreamService {
     ) -> Result<mpsc::Receiver<Outbound>, Status> {
         let peer = request.remote_addr();
         let credential = request.extensions().get::<Credential>().cloned();
+        let token = request.extensions().get::<TokenName>().map(|t| t.0.clone());
         let limits = &self.ctx.limits;
         // Held until the stream is registered (or refused), so streams that never say Hello
         // cannot pile up; a registered stream counts against the agent limit instead.
@@ -317,11 +318,15 @@ impl AgentStreamService {
         let registration = self
             .ctx
             .fleet
-            .register(&hello, peer, serving)
+            .register_with_token(&hello, peer, serving, token.as_deref().unwrap_or_default())
             .map_err(|e| {
                 self.ctx.metrics.streams_refused.inc();
                 match e {
                     RegisterError::Full(_) => Status::resource_exhausted(e.to_string()),
+                    RegisterError::HeldByAnotherToken => {
+                        warn!(agent = %OneLine(&hello.agent_id), "a stream of another token asked for a connected agent's id; refused");
+                        Status::already_exists(e.to_string())
+                    }
                 }
             })?;
         info!(agent = %OneLine(&hello.agent_id), service = %OneLine(&hello.service), version = hello.last_applied_version, "agent connected");

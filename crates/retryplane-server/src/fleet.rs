@@ -207,6 +207,13 @@ pub enum RegisterError {
     /// The server holds its maximum number of connected agents.
     #[error("the control plane already serves its maximum of {0} agents")]
     Full(usize),
+    /// A stream of another token holds the agent id: a stream replaces only one of its own
+    /// token, so that one token's holder cannot push another's agents off the control plane.
+    #[error(
+        "this agent id is connected with another token; a stream replaces one with the same id \
+         only when it has the same token (is the id shared by agents of two services?)"
+    )]
+    HeldByAnotherToken,
 }
 
 impl Fleet {
@@ -269,25 +276,42 @@ impl Fleet {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Registers a stream from `hello`, replacing any earlier stream of the same agent id.
-    /// `current` is the version the control plane serves now and its content hash (`None`
-    /// before the first one): a Hello with a content hash that names that version's number with
-    /// another hash, or a higher number (the agent ran on a control plane whose store was since
-    /// reset and seeded again, so numbers repeat with other content), is listed as running no
-    /// known version (0) until it answers the push.
+    /// [`Fleet::register_with_token`] with no token (a control plane without a tokens file).
+    #[cfg(test)]
     pub fn register(
         &self,
         hello: &pb::Hello,
         peer: Option<SocketAddr>,
         current: Option<(u64, &str)>,
     ) -> Result<Registration, RegisterError> {
+        self.register_with_token(hello, peer, current, "")
+    }
+
+    /// Registers a stream from `hello` that authenticated with the token named `token` (empty
+    /// without a tokens file), replacing any earlier stream of the same agent id and token; an
+    /// id connected with another token is refused. `current` is the version the control plane serves now and its content hash (`None`
+    /// before the first one): a Hello with a content hash that names that version's number with
+    /// another hash, or a higher number (the agent ran on a control plane whose store was since
+    /// reset and seeded again, so numbers repeat with other content), is listed as running no
+    /// known version (0) until it answers the push.
+    pub fn register_with_token(
+        &self,
+        hello: &pb::Hello,
+        peer: Option<SocketAddr>,
+        current: Option<(u64, &str)>,
+        token: &str,
+    ) -> Result<Registration, RegisterError> {
         let now = unix_ms();
         let mut inner = self.lock();
         self.forget_gone(&mut inner);
-        let replacing = inner
+        let held = inner
             .agents
             .get(&hello.agent_id)
-            .is_some_and(|e| e.status.connected);
+            .filter(|e| e.status.connected);
+        if held.is_some_and(|e| e.status.token != token) {
+            return Err(RegisterError::HeldByAnotherToken);
+        }
+        let replacing = held.is_some();
         if !replacing && inner.connected >= self.max_agents {
             return Err(RegisterError::Full(self.max_agents));
         }
@@ -376,6 +400,7 @@ impl Fleet {
             last_response,
             last_response_version,
             last_error,
+            token: token.to_owned(),
         };
         inner.agents.insert(
             hello.agent_id.clone(),
@@ -699,6 +724,29 @@ mod tests {
         assert!(status[0].connected);
         fleet.ack("a", second.generation, 7, "h7");
         assert_eq!(fleet.status()[0].applied_version, 7);
+    }
+
+    #[test]
+    fn a_connected_id_is_replaced_only_by_a_stream_of_the_same_token() {
+        let fleet = Fleet::new(10);
+        let mut first = fleet
+            .register_with_token(&hello("a"), None, None, "payments")
+            .unwrap();
+        let refused = fleet.register_with_token(&hello("a"), None, None, "checkout");
+        assert_eq!(refused.err(), Some(RegisterError::HeldByAnotherToken));
+        assert!(first.replaced.try_recv().is_err(), "the first stream stays");
+        assert_eq!(fleet.status()[0].token, "payments");
+        // The same token replaces it; once gone, the id is anyone's.
+        let second = fleet
+            .register_with_token(&hello("a"), None, None, "payments")
+            .unwrap();
+        assert!(first.replaced.try_recv().is_ok());
+        fleet.disconnected("a", second.generation);
+        fleet
+            .register_with_token(&hello("a"), None, None, "checkout")
+            .unwrap();
+        assert_eq!(fleet.status()[0].token, "checkout");
+        assert_eq!(fleet.connected(), 1);
     }
 
     #[test]

@@ -1153,6 +1153,42 @@ tokens:
 ";
 
 #[tokio::test]
+async fn a_stream_of_another_token_cannot_take_a_connected_agents_id() {
+    let (dir, mut cfg) = with_file(V1);
+    let tokens_file = dir.path().join("tokens.yaml");
+    fs::write(&tokens_file, TWO_AGENT_TOKENS).unwrap();
+    cfg.tokens_file = Some(tokens_file);
+    let running = start(cfg).await.unwrap();
+    let addr = running.agent_addr;
+    let (_tx, mut inbound) = open_stream(addr, hello("a-1"), Some("agent-secret-0123456789"))
+        .await
+        .unwrap();
+    assert_eq!(next_version(&mut inbound).await, 1);
+    let refused = open_stream(addr, hello("a-1"), Some("batch-secret-0123456789"))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Code::AlreadyExists, "{refused:?}");
+    assert!(
+        refused.message().contains("connected with another token"),
+        "{refused:?}"
+    );
+    // The first stream is not ended, and is listed with its token.
+    let (fleet, connected, _) = running.control().fleet.status_and_counts(true);
+    assert_eq!(connected, 1);
+    assert_eq!(
+        (fleet[0].agent_id.as_str(), fleet[0].token.as_str()),
+        ("a-1", "fleet")
+    );
+    let (_tx2, mut second) = open_stream(addr, hello("a-1"), Some("agent-secret-0123456789"))
+        .await
+        .unwrap();
+    assert_eq!(next_version(&mut second).await, 1);
+    let replaced = inbound.message().await.unwrap_err();
+    assert_eq!(replaced.code(), Code::Aborted, "{replaced:?}");
+    running.shutdown().await.unwrap();
+}
+
+#[tokio::test]
 async fn a_stream_whose_token_is_removed_while_it_waits_for_hello_is_refused_unregistered() {
     let (dir, mut cfg) = with_file(V1);
     let tokens_file = dir.path().join("tokens.yaml");

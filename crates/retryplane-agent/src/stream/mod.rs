@@ -369,6 +369,9 @@ fn lasting(code: Option<tonic::Code>) -> Option<&'static str> {
              version of the agent the control plane does not understand",
         ),
         tonic::Code::Unimplemented => Some("that the URL is the control plane's agent listener"),
+        tonic::Code::AlreadyExists => {
+            Some("that the agent id is this agent's own: a stream with another token holds it")
+        }
         _ => None,
     }
 }

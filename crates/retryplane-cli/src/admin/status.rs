@@ -291,6 +291,7 @@ fn status_json(
                 "last_response": non_empty(&a.last_response),
                 "last_response_version": a.last_response_version,
                 "last_error": non_empty(&a.last_error),
+                "token": non_empty(&a.token),
             })
         })
         .collect();
