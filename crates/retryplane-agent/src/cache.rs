@@ -33,7 +33,6 @@
 
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use prost::Message as _;
@@ -63,7 +62,10 @@ pub(crate) fn encode(snap: &pb::Snapshot) -> Vec<u8> {
     bytes
 }
 
-/// Writes `bytes` to `path` atomically.
+/// Writes `bytes` to `path` atomically: into a new temporary file beside it, which is renamed
+/// over `path`. The temporary file is created with a random name and never through an existing
+/// file or link (`O_EXCL`, by `tempfile`), so a link planted in a shared directory cannot turn the
+/// write onto another file; it is readable by its owner only, as is the cache file it becomes.
 pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,
@@ -73,25 +75,18 @@ pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| "cache".to_owned());
-    static WRITES: AtomicU64 = AtomicU64::new(0);
-    let n = WRITES.fetch_add(1, Ordering::Relaxed);
-    let tmp = dir.join(format!(".{name}.tmp-{}-{n}", std::process::id()));
-    let result = (|| {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        drop(f);
-        std::fs::rename(&tmp, path)?;
-        // Make the rename itself durable; not every platform can open a directory.
-        if let Ok(d) = std::fs::File::open(dir) {
-            let _ = d.sync_all();
-        }
-        Ok(())
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
+    // Removed when dropped, so a failed write leaves nothing behind.
+    let mut tmp = tempfile::Builder::new()
+        .prefix(&format!(".{name}.tmp-"))
+        .tempfile_in(dir)?;
+    tmp.write_all(bytes)?;
+    tmp.as_file().sync_all()?;
+    tmp.persist(path).map_err(|e| e.error)?;
+    // Make the rename itself durable; not every platform can open a directory.
+    if let Ok(d) = std::fs::File::open(dir) {
+        let _ = d.sync_all();
     }
-    result
+    Ok(())
 }
 
 /// What a valid cache file gives back.
@@ -633,5 +628,25 @@ mod tests {
         assert!(bytes.iter().all(|b| *b == bytes[0]), "a torn cache file");
         let leftovers = std::fs::read_dir(dir.path()).unwrap().count();
         assert_eq!(leftovers, 1, "no temporary file left behind");
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn a_write_never_follows_a_link_planted_in_the_cache_directory() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = tempfile::tempdir().unwrap();
+        let victim = dir.path().join("victim");
+        std::fs::write(&victim, b"keep me").unwrap();
+        let path = dir.path().join("agent.cache");
+        // Links at every name a predictable scheme could pick.
+        for n in 0..64 {
+            let name = format!(".agent.cache.tmp-{}-{n}", std::process::id());
+            std::os::unix::fs::symlink(&victim, dir.path().join(name)).unwrap();
+        }
+        write_atomic(&path, b"snapshot").unwrap();
+        assert_eq!(std::fs::read(&victim).unwrap(), b"keep me");
+        assert_eq!(std::fs::read(&path).unwrap(), b"snapshot");
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+        assert_eq!(mode & 0o077, 0, "readable by its owner only: {mode:o}");
     }
 }
