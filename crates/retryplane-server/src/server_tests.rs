@@ -115,6 +115,38 @@ async fn restart_with_an_unchanged_file_keeps_version_and_hash() {
 }
 
 #[tokio::test]
+async fn a_start_refusing_a_file_that_removes_thousands_of_endpoints_names_only_the_first() {
+    let many: String = (0..3_000)
+        .map(|i| format!("  endpoint-with-a-long-name-{i:05}: {{}}\n"))
+        .collect();
+    let (dir, cfg) = with_file(&format!("version: 1\nendpoints:\n{many}"));
+    let running = start(cfg.clone()).await.unwrap();
+    running.shutdown().await.unwrap();
+    fs::write(
+        dir.path().join("policies.yaml"),
+        "version: 1\nendpoints:\n  fresh: {}\n",
+    )
+    .unwrap();
+    let (log, guard) = crate::test_logs::capture("retryplane_server=error");
+    let running = start(cfg).await.unwrap();
+    drop(guard);
+    assert_eq!(
+        current(&running).await.version,
+        1,
+        "the stored version stays"
+    );
+    running.shutdown().await.unwrap();
+    let text = log.text();
+    let line = text
+        .lines()
+        .find(|l| l.contains("removes every stored endpoint"))
+        .unwrap_or_else(|| panic!("not logged: {text}"));
+    assert!(line.len() < 2_000, "{} bytes", line.len());
+    assert!(line.contains("endpoint-with-a-long-name-00000, "), "{line}");
+    assert!(line.contains(" more endpoints)"), "{line}");
+}
+
+#[tokio::test]
 async fn an_invalid_file_and_an_empty_store_refuse_to_start() {
     let (_dir, cfg) = with_file(INVALID);
     let err = start(cfg).await.unwrap_err().to_string();

@@ -125,7 +125,8 @@ async fn apply_valid(
         Ok(_) => Ok(true),
         // The stored version keeps being served, as for a bad save while running.
         Err(crate::control::ChangeError::RemovesEverything(names)) => {
-            let names = names.join(", ");
+            // As many names as fit one readable line, as the watcher's warning has them.
+            let names = crate::admin::capped_list(&names, ", ", 1_000, "endpoint", "");
             error!(file = %file.display(), "the policy file removes every stored endpoint ({names}); refused, serving the stored version. To replace every endpoint, add the new ones first, then remove the old ones");
             Ok(false)
         }
