@@ -612,6 +612,15 @@ fn open_error(dir: &Path, path: &Path, error: DatabaseError) -> StoreError {
         {
             StoreError::Corrupt(format!("{} is not a redb file: {error}", path.display()))
         }
+        // A file cut short inside redb's header (it reads the header whole).
+        DatabaseError::Storage(StorageError::Io(error))
+            if error.kind() == std::io::ErrorKind::UnexpectedEof =>
+        {
+            StoreError::Corrupt(format!(
+                "{} is truncated: shorter than a redb file's header ({error})",
+                path.display()
+            ))
+        }
         DatabaseError::Storage(StorageError::Io(source)) => StoreError::OpenFile {
             path: path.to_owned(),
             source,

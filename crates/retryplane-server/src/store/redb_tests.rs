@@ -233,6 +233,27 @@ fn a_file_that_is_not_a_database_is_refused() {
 }
 
 #[test]
+fn a_store_file_cut_short_inside_its_header_is_corrupt_not_unreadable() {
+    for keep in [9, 100, 200] {
+        let dir = tempfile::tempdir().unwrap();
+        store_with_one_version(dir.path());
+        let file = dir.path().join("retryplane.redb");
+        let bytes = std::fs::read(&file).unwrap();
+        std::fs::write(&file, &bytes[..keep]).unwrap();
+        let err = open_err(dir.path());
+        assert!(
+            matches!(&err, StoreError::Corrupt(m) if m.contains("is truncated")),
+            "{keep}: {err:?}"
+        );
+        assert_eq!(
+            std::fs::read(&file).unwrap(),
+            &bytes[..keep],
+            "left as it was"
+        );
+    }
+}
+
+#[test]
 fn a_damaged_page_is_corrupt_on_open() {
     let dir = tempfile::tempdir().unwrap();
     store_with_one_version(dir.path());
