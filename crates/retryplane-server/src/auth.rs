@@ -226,6 +226,18 @@ impl Tokens {
                     "{at}: name holds a control character (a line break, an escape); names are \
                      shown in listings and messages"
                 ));
+            } else if t.name.contains(retryplane_policy::diag::is_escaped) {
+                problems.push(format!(
+                    "{at}: name holds an invisible or bidirectional formatting character (a \
+                     zero-width space, a byte-order mark); names must be told apart where they \
+                     are shown"
+                ));
+            }
+            if t.name != t.name.trim() && !t.name.trim().is_empty() {
+                problems.push(format!(
+                    "{at}: name starts or ends with white space; names must be told apart where \
+                     they are shown"
+                ));
             }
             let role = match t.role.as_str() {
                 "agent" => Some(Role::Agent),
@@ -256,10 +268,13 @@ impl Tokens {
                      cannot carry; remove it"
                 ));
             }
-            if t.secret.contains(|c: char| c.is_control() && c != '\t') {
+            // gRPC metadata values are printable ASCII and the space (its spec's `ASCII-Value`):
+            // a client library refuses to send anything else (grpcio does).
+            if t.secret.contains(|c: char| !matches!(c, ' '..='~')) {
                 problems.push(format!(
-                    "{at}: secret holds a control character, which an authorization header \
-                     cannot carry"
+                    "{at}: secret holds a character other than printable ASCII and the space (a \
+                     control character, a tab, a letter outside ASCII), which gRPC clients \
+                     cannot send in a header"
                 ));
             }
             if t.secret.len() < MIN_SECRET_LEN {
