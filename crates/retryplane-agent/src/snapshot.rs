@@ -6,7 +6,8 @@
 //! breaker kept its settings, so a push that changes `max_attempts`, or only the budget, does
 //! not close a breaker that is open; a breaker whose settings changed stays open until the open
 //! period it started ends (and opens when calls still on the old settings open the old one),
-//! and a budget whose settings changed starts empty. Endpoints the policies do not name run under the file's `defaults:`; their state is
+//! and a budget whose settings changed takes over the calls and retries the old one counts (so
+//! tightening a budget during a retry storm refuses at once). Endpoints the policies do not name run under the file's `defaults:`; their state is
 //! created on first use, kept in one registry that every snapshot of the agent shares, and
 //! carried over the same way.
 
@@ -117,7 +118,7 @@ impl Runtime {
     fn carry(old: Option<&Arc<Runtime>>, policy: &RetryPolicy) -> Arc<Runtime> {
         match old {
             Some(rt) if rt.fits(policy) => rt.clone(),
-            Some(rt) => Arc::new(Runtime::with_state(rt.state.carry(policy))),
+            Some(rt) => Arc::new(Runtime::with_state(rt.state.carry(policy, Instant::now()))),
             None => Arc::new(Runtime::new(policy)),
         }
     }

@@ -128,6 +128,29 @@ impl RetryBudget {
         }
     }
 
+    /// A budget for `cfg` that takes over at `now` from `old`, the same endpoint's budget under
+    /// other settings: the calls and retries `old` counts in its window at `now` are counted in
+    /// the new budget's slot of `now`. So a change of settings hands out no fresh allowance: a
+    /// budget tightened during a retry storm refuses at once what the retries already made use
+    /// up (an empty one allowed its whole reserve again, on every agent). What is taken over
+    /// stays one new window from `now`: up to a window longer than it would have stayed in
+    /// `old`, calls and retries alike. Retries that calls still running under `old` take are
+    /// counted in `old` only.
+    pub fn taking_over(cfg: &BudgetConfig, old: &RetryBudget, now: Instant) -> Self {
+        let budget = Self::new(cfg, old.origin);
+        let nanos = nanos_since(old.origin, now);
+        // Read as a withdrawal reads them (calls inside the window, retries over the slots that
+        // cover it), the slot of `now` included.
+        let [requests, retries] = old.window.sums(
+            old.window.peek(nanos),
+            [(Span::Inside, 0), (Span::Covering, 0)],
+        );
+        let slot = budget.window.advance(nanos);
+        budget.window.add_n(slot, REQUESTS, requests);
+        budget.window.add_n(slot, RETRIES, retries);
+        budget
+    }
+
     /// Records that one logical call started at `now` (its first attempt).
     pub fn deposit(&self, now: Instant) {
         self.deposit_at(nanos_since(self.origin, now));

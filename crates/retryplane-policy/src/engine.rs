@@ -264,11 +264,14 @@ impl EndpointState {
     /// changed, and a budget change does not close an open breaker); a breaker whose settings
     /// changed takes over from this one ([`CircuitBreaker::taking_over`]: an open breaker
     /// stays open until its open period ends, and one that the calls still on this state open
-    /// later opens the new one too); a budget whose settings changed starts empty.
-    pub fn carry(&self, policy: &RetryPolicy) -> Self {
+    /// later opens the new one too); a budget whose settings changed takes over, at `now`, the
+    /// calls and retries this one counts ([`RetryBudget::taking_over`]: tightening a budget
+    /// during a retry storm must not hand out a fresh allowance).
+    pub fn carry(&self, policy: &RetryPolicy, now: Instant) -> Self {
         let budget = match (&policy.budget, &self.budget) {
             (Some(cfg), Some(old)) if self.budget_cfg.as_ref() == Some(cfg) => Some(old.clone()),
-            (Some(cfg), _) => Some(Arc::new(RetryBudget::new(cfg, self.origin))),
+            (Some(cfg), Some(old)) => Some(Arc::new(RetryBudget::taking_over(cfg, old, now))),
+            (Some(cfg), None) => Some(Arc::new(RetryBudget::new(cfg, self.origin))),
             (None, _) => None,
         };
         let breaker = match (&policy.circuit_breaker, &self.breaker) {

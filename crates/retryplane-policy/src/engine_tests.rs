@@ -985,7 +985,7 @@ fn a_carried_state_keeps_the_part_whose_settings_did_not_change() {
         ..BudgetConfig::default()
     });
     assert!(!old.fits(&budget_changed));
-    let carried = old.carry(&budget_changed);
+    let carried = old.carry(&budget_changed, t0);
     assert!(carried.fits(&budget_changed));
     assert!(
         carried
@@ -1004,7 +1004,7 @@ fn a_carried_state_keeps_the_part_whose_settings_did_not_change() {
         min_requests: 5,
         ..BreakerConfig::default()
     });
-    let carried = old.carry(&breaker_changed);
+    let carried = old.carry(&breaker_changed, t0);
     assert!(
         carried
             .budget()
@@ -1020,9 +1020,9 @@ fn a_carried_state_keeps_the_part_whose_settings_did_not_change() {
     let mut off = p.clone();
     off.budget = None;
     off.circuit_breaker = None;
-    let carried = old.carry(&off);
+    let carried = old.carry(&off, t0);
     assert!(carried.budget().is_none() && carried.breaker().is_none());
-    let again = carried.carry(&p);
+    let again = carried.carry(&p, t0);
     assert!(again.fits(&p));
     assert!(again.budget().is_some_and(|b| !std::ptr::eq(b, old_budget)));
     assert!(
@@ -1053,7 +1053,58 @@ fn a_carried_state_keeps_an_open_breaker_open_when_its_settings_change() {
         open_for: Duration::from_secs(1),
         ..BreakerConfig::default()
     });
-    let carried = old.carry(&changed);
+    let carried = old.carry(&changed, t0);
     let at = t0 + Duration::from_secs(2);
     assert_eq!(carried.breaker().unwrap().state(at), BreakerState::Open);
+}
+
+#[test]
+fn a_budget_tightened_during_a_storm_refuses_at_once() {
+    // A storm used the budget up; the change shortens its window (a smaller reserve).
+    let t0 = Instant::now();
+    let mut p = policy();
+    p.budget = Some(BudgetConfig {
+        ratio: 0.1,
+        min_per_second: 1,
+        window: Duration::from_secs(10),
+    });
+    let old = EndpointState::new(&p, t0);
+    let budget = old.budget().unwrap();
+    let now = t0 + Duration::from_millis(500);
+    for _ in 0..7 {
+        budget.deposit(now);
+    }
+    while budget.try_withdraw(now) {}
+    assert_eq!(budget.snapshot(now).retries, 10);
+    let mut tightened = p.clone();
+    tightened.budget = Some(BudgetConfig {
+        window: Duration::from_secs(5),
+        ..p.budget.clone().unwrap()
+    });
+    let now = now + Duration::from_millis(800);
+    let carried = old.carry(&tightened, now);
+    let new = carried.budget().unwrap();
+    assert!(!std::ptr::eq(new, budget));
+    assert!(!new.can_withdraw(now), "{:?}", new.snapshot(now));
+    assert_eq!(
+        (new.snapshot(now).requests, new.snapshot(now).retries),
+        (7, 10)
+    );
+    // Loosened instead, it allows what is left of the larger allowance only.
+    let mut loosened = p.clone();
+    loosened.budget = Some(BudgetConfig {
+        min_per_second: 2,
+        ..p.budget.clone().unwrap()
+    });
+    let carried = old.carry(&loosened, now);
+    let new = carried.budget().unwrap();
+    let mut allowed = 0;
+    while new.try_withdraw(now) {
+        allowed += 1;
+        assert!(allowed <= 100);
+    }
+    assert_eq!(allowed, 10, "20 allowed, 10 used");
+    // Taken-over counts leave one new window after the change.
+    let later = now + Duration::from_secs(11);
+    assert_eq!(new.snapshot(later).retries, 0);
 }

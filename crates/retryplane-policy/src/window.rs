@@ -206,6 +206,24 @@ impl<const C: usize> SlidingCounter<C> {
         }
     }
 
+    /// Adds `n` to `counter` in `slot` (from [`Self::advance`]), saturating as [`Self::add`]
+    /// does.
+    pub(crate) fn add_n(&self, slot: u64, counter: usize, n: u64) {
+        if n == 0 {
+            return;
+        }
+        let word = self.word(slot, counter);
+        let mut w = word.load(Relaxed);
+        loop {
+            let count = live_count(w, slot).unwrap_or(0);
+            let new = pack(slot, count.saturating_add(n).min(COUNT_MASK));
+            match word.compare_exchange_weak(w, new, Relaxed, Relaxed) {
+                Ok(_) => return,
+                Err(current) => w = current,
+            }
+        }
+    }
+
     /// The count of `counter` in `slot` itself (0 when its word holds another slot).
     pub(crate) fn current(&self, slot: u64, counter: usize) -> u64 {
         let w = self.word(slot, counter).load(Relaxed);
