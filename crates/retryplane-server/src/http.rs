@@ -68,9 +68,13 @@ struct App {
 /// The last `/metrics` render, kept while requests wait for it (see the module's docs).
 #[derive(Default)]
 struct Renders {
-    last: Mutex<Option<Rendered>>,
-    /// Requests between their arrival and their answer.
+    /// Owned by the task that renders (see [`Renders::exposition`]).
+    last: Arc<Mutex<Option<Rendered>>>,
+    /// Requests between their arrival and the end of their render task.
     waiting: AtomicUsize,
+    /// Tests: the next full render waits for a message (or a hang-up) on this first.
+    #[cfg(test)]
+    gate: std::sync::Mutex<Option<std::sync::mpsc::Receiver<()>>>,
 }
 
 /// One render of the exposition, in the two formats as they are asked for.
@@ -81,81 +85,101 @@ struct Rendered {
 }
 
 /// Counts a request in [`Renders::waiting`] until dropped.
-struct Waiting<'a>(&'a AtomicUsize);
+struct Waiting(Arc<Renders>);
 
-impl<'a> Waiting<'a> {
-    fn enter(count: &'a AtomicUsize) -> Self {
-        count.fetch_add(1, Ordering::SeqCst);
-        Self(count)
+impl Waiting {
+    fn enter(renders: &Arc<Renders>) -> Self {
+        renders.waiting.fetch_add(1, Ordering::SeqCst);
+        Self(renders.clone())
     }
 }
 
-impl Drop for Waiting<'_> {
+impl Drop for Waiting {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
+        self.0.waiting.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
 impl Renders {
     /// The exposition in OpenMetrics (`openmetrics`) or in the text format 0.0.4, from a render
     /// that started after this call.
+    ///
+    /// The lock is taken, and the render done, by a task of its own that the request waits
+    /// for: a request dropped meanwhile (its client gone) neither gives the lock back while its
+    /// render still runs, which let a client that hangs up at once start renders without end,
+    /// nor throws the render away.
     async fn exposition(
-        &self,
+        self: &Arc<Self>,
         metrics: &Arc<ServerMetrics>,
         openmetrics: bool,
     ) -> Result<Bytes, tokio::task::JoinError> {
         let arrived = Instant::now();
-        let waiting = Waiting::enter(&self.waiting);
-        let mut last = self.last.lock().await;
-        let reuse = last.take().filter(|rendered| rendered.started >= arrived);
-        let rendered = match reuse {
-            Some(rendered) if openmetrics || rendered.text.is_some() => rendered,
-            Some(Rendered {
-                started,
-                openmetrics,
-                text: None,
-            }) => {
-                let source = openmetrics.clone();
-                let text = tokio::task::spawn_blocking(move || {
-                    // A render is a `String`, so this never fails.
-                    let text = std::str::from_utf8(&source)
-                        .map_or_else(|_| String::new(), text_format::from_openmetrics);
-                    Bytes::from(text)
-                })
-                .await?;
-                Rendered {
+        let waiting = Waiting::enter(self);
+        let last = self.last.clone();
+        let metrics = metrics.clone();
+        tokio::spawn(async move {
+            let mut last = last.lock_owned().await;
+            let rendered = match last.take().filter(|r| r.started >= arrived) {
+                Some(rendered) if openmetrics || rendered.text.is_some() => rendered,
+                Some(Rendered {
                     started,
                     openmetrics,
-                    text: Some(text),
-                }
-            }
-            _ => {
-                let metrics = metrics.clone();
-                let started = Instant::now();
-                tokio::task::spawn_blocking(move || {
-                    let source = metrics.render();
-                    let text =
-                        (!openmetrics).then(|| Bytes::from(text_format::from_openmetrics(&source)));
+                    text: None,
+                }) => {
+                    let source = openmetrics.clone();
+                    let text = tokio::task::spawn_blocking(move || {
+                        // A render is a `String`, so this never fails.
+                        let text = std::str::from_utf8(&source)
+                            .map_or_else(|_| String::new(), text_format::from_openmetrics);
+                        Bytes::from(text)
+                    })
+                    .await?;
                     Rendered {
                         started,
-                        openmetrics: Bytes::from(source),
-                        text,
+                        openmetrics,
+                        text: Some(text),
                     }
-                })
-                .await?
+                }
+                _ => {
+                    let started = Instant::now();
+                    #[cfg(test)]
+                    let gate = waiting
+                        .0
+                        .gate
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .take();
+                    tokio::task::spawn_blocking(move || {
+                        #[cfg(test)]
+                        if let Some(gate) = gate {
+                            let _ = gate.recv();
+                        }
+                        let source = metrics.render();
+                        let text = (!openmetrics)
+                            .then(|| Bytes::from(text_format::from_openmetrics(&source)));
+                        Rendered {
+                            started,
+                            openmetrics: Bytes::from(source),
+                            text,
+                        }
+                    })
+                    .await?
+                }
+            };
+            let answer = if openmetrics {
+                rendered.openmetrics.clone()
+            } else {
+                rendered.text.clone().unwrap_or_default()
+            };
+            let renders = waiting.0.clone();
+            drop(waiting);
+            // Kept only for requests already waiting: a later one needs a render of its own.
+            if renders.waiting.load(Ordering::SeqCst) > 0 {
+                *last = Some(rendered);
             }
-        };
-        let answer = if openmetrics {
-            rendered.openmetrics.clone()
-        } else {
-            rendered.text.clone().unwrap_or_default()
-        };
-        drop(waiting);
-        // Kept only for requests already waiting: a later one needs a render of its own.
-        if self.waiting.load(Ordering::SeqCst) > 0 {
-            *last = Some(rendered);
-        }
-        Ok(answer)
+            Ok(answer)
+        })
+        .await?
     }
 }
 
@@ -365,10 +389,45 @@ mod tests {
         assert_ne!(later.as_ptr(), openmetrics[0].1.as_ptr());
     }
 
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_scrape_dropped_during_its_render_keeps_the_lock_until_the_render_ends() {
+        let state = state();
+        let renders = Arc::new(Renders::default());
+        let (release, gate) = std::sync::mpsc::channel();
+        *renders.gate.lock().unwrap() = Some(gate);
+        let scrape = {
+            let renders = renders.clone();
+            let metrics = state.metrics.clone();
+            tokio::spawn(async move { renders.exposition(&metrics, true).await })
+        };
+        // Bounded: until its render has begun (it took the gate).
+        for _ in 0..5_000 {
+            if renders.gate.lock().unwrap().is_none() {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+        assert!(
+            renders.gate.lock().unwrap().is_none(),
+            "the render never began"
+        );
+        scrape.abort();
+        assert!(scrape.await.unwrap_err().is_cancelled());
+        // The client is gone; its render still runs, so no other may start.
+        assert!(renders.last.try_lock().is_err(), "the lock was given back");
+        assert_eq!(renders.waiting.load(Ordering::SeqCst), 1);
+        release.send(()).unwrap();
+        until_waiting(&renders, 0).await;
+        // Once it ended, nothing is kept (no one waited) and scrapes go on.
+        assert!(renders.last.lock().await.is_none());
+        let body = renders.exposition(&state.metrics, true).await.unwrap();
+        assert!(body.ends_with(b"# EOF\n"));
+    }
+
     #[tokio::test]
     async fn a_scrape_never_gets_a_render_that_started_before_it_arrived() {
         let state = state();
-        let renders = Renders::default();
+        let renders = Arc::new(Renders::default());
         *renders.last.lock().await = Some(Rendered {
             started: Instant::now(),
             openmetrics: Bytes::from_static(b"stale"),
