@@ -32,7 +32,7 @@ use tracing::{debug, info, warn};
 
 use crate::aggregate::{Aggregator, ServiceHandle};
 use crate::auth::{Credential, TokenName, TokenSet, Tokens};
-use crate::fleet::{Fleet, RegisterError, ReportBucket};
+use crate::fleet::{Fleet, RegisterError, ReportBucket, StreamToken};
 use crate::frame_body::{Outbound, encode_frame};
 use crate::metrics::ServerMetrics;
 use crate::publisher::Publisher;
@@ -259,7 +259,8 @@ impl AgentStreamService {
     ) -> Result<mpsc::Receiver<Outbound>, Status> {
         let peer = request.remote_addr();
         let credential = request.extensions().get::<Credential>().cloned();
-        let token = request.extensions().get::<TokenName>().map(|t| t.0.clone());
+        let token_name = request.extensions().get::<TokenName>().map(|t| t.0.clone());
+        let secret_digest = credential.as_ref().map(Credential::digest);
         let limits = &self.ctx.limits;
         // Held until the stream is registered (or refused), so streams that never say Hello
         // cannot pile up; a registered stream counts against the agent limit instead.
@@ -311,6 +312,13 @@ impl AgentStreamService {
         if revocation.as_ref().is_some_and(Revocation::is_revoked) {
             return Err(revoked_status());
         }
+        let token = match (&token_name, secret_digest) {
+            (Some(name), Some(secret_digest)) => Some(StreamToken {
+                name,
+                secret_digest,
+            }),
+            _ => None,
+        };
         let current = self.ctx.publisher.current();
         let serving = current
             .as_deref()
@@ -318,7 +326,7 @@ impl AgentStreamService {
         let registration = self
             .ctx
             .fleet
-            .register_with_token(&hello, peer, serving, token.as_deref().unwrap_or_default())
+            .register_with_token(&hello, peer, serving, token)
             .map_err(|e| {
                 self.ctx.metrics.streams_refused.inc();
                 match e {

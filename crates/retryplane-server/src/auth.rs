@@ -431,6 +431,11 @@ impl Credential {
     pub(crate) fn role(&self) -> Role {
         self.role
     }
+
+    /// The SHA-256 digest of the secret the request presented.
+    pub(crate) fn digest(&self) -> [u8; 32] {
+        self.digest
+    }
 }
 
 /// A tonic interceptor that admits only tokens of one role; admits everything when there are

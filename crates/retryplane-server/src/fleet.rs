@@ -78,6 +78,18 @@ struct Entry {
     bucket: ReportBucket,
     /// The Hello's `ephemeral` of the stream registered last: not listed once disconnected.
     ephemeral: bool,
+    /// The digest of the secret the stream registered last authenticated with (`None` without
+    /// a tokens file): with its name, what tells another token's stream apart.
+    secret_digest: Option<[u8; 32]>,
+}
+
+/// The token a stream authenticated with: its name and the digest of its secret.
+#[derive(Clone, Copy, Debug)]
+pub struct StreamToken<'a> {
+    /// The token's name in the tokens file.
+    pub name: &'a str,
+    /// The SHA-256 digest of its secret.
+    pub secret_digest: [u8; 32],
 }
 
 impl Entry {
@@ -284,12 +296,14 @@ impl Fleet {
         peer: Option<SocketAddr>,
         current: Option<(u64, &str)>,
     ) -> Result<Registration, RegisterError> {
-        self.register_with_token(hello, peer, current, "")
+        self.register_with_token(hello, peer, current, None)
     }
 
-    /// Registers a stream from `hello` that authenticated with the token named `token` (empty
-    /// without a tokens file), replacing any earlier stream of the same agent id and token; an
-    /// id connected with another token is refused. `current` is the version the control plane serves now and its content hash (`None`
+    /// Registers a stream from `hello` that authenticated with `token` (`None` without a tokens
+    /// file), replacing any earlier stream of the same agent id and token; an id connected with
+    /// another token is refused. A token is the same when its name or its secret is: a reload
+    /// that renames a token, or one that gives it a new secret, does not lock its own agents
+    /// out while their old streams are still open. `current` is the version the control plane serves now and its content hash (`None`
     /// before the first one): a Hello with a content hash that names that version's number with
     /// another hash, or a higher number (the agent ran on a control plane whose store was since
     /// reset and seeded again, so numbers repeat with other content), is listed as running no
@@ -299,7 +313,7 @@ impl Fleet {
         hello: &pb::Hello,
         peer: Option<SocketAddr>,
         current: Option<(u64, &str)>,
-        token: &str,
+        token: Option<StreamToken<'_>>,
     ) -> Result<Registration, RegisterError> {
         let now = unix_ms();
         let mut inner = self.lock();
@@ -308,7 +322,11 @@ impl Fleet {
             .agents
             .get(&hello.agent_id)
             .filter(|e| e.status.connected);
-        if held.is_some_and(|e| e.status.token != token) {
+        let same_token = |e: &Entry| match token {
+            Some(t) => e.status.token == t.name || e.secret_digest == Some(t.secret_digest),
+            None => e.secret_digest.is_none(),
+        };
+        if held.is_some_and(|e| !same_token(e)) {
             return Err(RegisterError::HeldByAnotherToken);
         }
         let replacing = held.is_some();
@@ -400,7 +418,7 @@ impl Fleet {
             last_response,
             last_response_version,
             last_error,
-            token: token.to_owned(),
+            token: token.map(|t| t.name.to_owned()).unwrap_or_default(),
         };
         inner.agents.insert(
             hello.agent_id.clone(),
@@ -414,6 +432,7 @@ impl Fleet {
                 instance_id: hello.instance_id,
                 bucket,
                 ephemeral: hello.ephemeral,
+                secret_digest: token.map(|t| t.secret_digest),
             },
         );
         inner.connected += 1;
@@ -729,21 +748,33 @@ mod tests {
     #[test]
     fn a_connected_id_is_replaced_only_by_a_stream_of_the_same_token() {
         let fleet = Fleet::new(10);
+        let token = |name, secret: u8| {
+            Some(StreamToken {
+                name,
+                secret_digest: [secret; 32],
+            })
+        };
         let mut first = fleet
-            .register_with_token(&hello("a"), None, None, "payments")
+            .register_with_token(&hello("a"), None, None, token("payments", 1))
             .unwrap();
-        let refused = fleet.register_with_token(&hello("a"), None, None, "checkout");
+        let refused = fleet.register_with_token(&hello("a"), None, None, token("checkout", 2));
         assert_eq!(refused.err(), Some(RegisterError::HeldByAnotherToken));
         assert!(first.replaced.try_recv().is_err(), "the first stream stays");
         assert_eq!(fleet.status()[0].token, "payments");
-        // The same token replaces it; once gone, the id is anyone's.
-        let second = fleet
-            .register_with_token(&hello("a"), None, None, "payments")
+        // The same token replaces it, be it by its name (a new secret) or by its secret (a
+        // reload renamed it); once gone, the id is anyone's.
+        let mut second = fleet
+            .register_with_token(&hello("a"), None, None, token("payments", 3))
             .unwrap();
         assert!(first.replaced.try_recv().is_ok());
-        fleet.disconnected("a", second.generation);
+        let third = fleet
+            .register_with_token(&hello("a"), None, None, token("payments-2026", 3))
+            .unwrap();
+        assert!(second.replaced.try_recv().is_ok());
+        assert_eq!(fleet.status()[0].token, "payments-2026");
+        fleet.disconnected("a", third.generation);
         fleet
-            .register_with_token(&hello("a"), None, None, "checkout")
+            .register_with_token(&hello("a"), None, None, token("checkout", 2))
             .unwrap();
         assert_eq!(fleet.status()[0].token, "checkout");
         assert_eq!(fleet.connected(), 1);
