@@ -72,6 +72,10 @@ pub struct Alert {
     pub firing: bool,
     /// When it started firing, Unix milliseconds; 0 when not firing.
     pub since_unix_ms: u64,
+    /// It fires on the endpoint's account only: it started below the volume an alert needs,
+    /// because the endpoint over every calling service was above its threshold, and this
+    /// series has not had that volume since. It ends when the endpoint's alert condition does.
+    pub lent: bool,
 }
 
 impl Alert {
@@ -400,10 +404,16 @@ impl State {
         let (calls, retries) = (w.0[CALLS], w.0[RETRIES]);
         let ratio = ratio(retries, calls);
         let was = self.alert.firing;
+        let own_volume = calls >= MIN_ALERT_CALLS;
         // The volume guard only keeps an alert from starting: one that fires goes on while the
         // ratio stays above the threshold, so a storm that also cuts the traffic does not
-        // flap the alert.
-        let fire = ratio > threshold && (was || calls >= MIN_ALERT_CALLS || judge.endpoint_wide);
+        // flap the alert. An alert a small series got from its endpoint's ratio (`lent`) goes
+        // on only while the endpoint's does, or once the series has the volume itself: a
+        // caller of a few calls (`retryplane request --server`) made during a storm would
+        // otherwise fire until its calls left the window, long after the storm.
+        let fire =
+            ratio > threshold && (own_volume || judge.endpoint_wide || (was && !self.alert.lent));
+        let lent = fire && !own_volume && (!was || self.alert.lent);
         let since_unix_ms = match (was, fire) {
             (false, true) => unix_ms(),
             (true, true) => self.alert.since_unix_ms,
@@ -414,6 +424,7 @@ impl State {
             ratio,
             firing: fire,
             since_unix_ms,
+            lent,
         };
         let transition = match (was, fire) {
             (false, true) => Some(Transition::Started {

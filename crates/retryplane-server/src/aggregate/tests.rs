@@ -1037,6 +1037,39 @@ async fn one_service_takes_at_most_its_share_of_the_series() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_small_callers_alert_lent_by_its_endpoint_ends_with_the_endpoints() {
+    let agg = Aggregator::new(100, Instant::now());
+    let busy = agg.service("checkout");
+    let cli = agg.service("retryplane-cli");
+    // A storm: the busy caller at 50 %; a one-off call of 1 call and 2 retries meanwhile.
+    agg.ingest(&busy, &report(1, &[("inventory", 100, 50)]), Instant::now());
+    agg.ingest(&cli, &report(1, &[("inventory", 1, 2)]), Instant::now());
+    assert_eq!(agg.tick(Instant::now()), 2);
+    // Recovery: the busy caller's ratio over 5 minutes falls under the threshold; the one-off
+    // series has no traffic of its own that could lower its 200 %.
+    advance(Duration::from_secs(10)).await;
+    agg.ingest(
+        &busy,
+        &report(1, &[("inventory", 2_000, 0)]),
+        Instant::now(),
+    );
+    assert_eq!(
+        agg.tick(Instant::now()),
+        0,
+        "{:?}",
+        agg.alerting_endpoints(Instant::now())
+    );
+    // A series that had the volume itself goes on firing while its ratio stays high.
+    let small = agg.service("small");
+    agg.ingest(&small, &report(1, &[("inventory", 30, 30)]), Instant::now());
+    assert_eq!(agg.tick(Instant::now()), 1);
+    advance(Duration::from_secs(200)).await;
+    agg.ingest(&small, &report(1, &[("inventory", 3, 3)]), Instant::now());
+    advance(Duration::from_secs(110)).await;
+    assert_eq!(agg.tick(Instant::now()), 1, "its own volume started it");
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_storm_spread_over_many_small_callers_alerts_on_each_of_them() {
     let agg = Aggregator::new(100, Instant::now());
     // 25 callers of one endpoint, 10 calls each at 50 % retries: no caller has the minimum
