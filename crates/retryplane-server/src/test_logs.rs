@@ -27,9 +27,52 @@ impl std::io::Write for Sink {
     }
 }
 
+/// The global subscriber of the test binary: it records nothing, but says every callsite may be
+/// wanted. A callsite first hit on a thread with no subscriber of its own gets its interest from
+/// the subscribers alive at that instant; without this one, a hit that raced a test setting its
+/// capture up could leave the callsite at "never" for good, and that test would wait in vain
+/// for a line it logged.
+struct Undecided;
+
+impl tracing::Subscriber for Undecided {
+    fn register_callsite(
+        &self,
+        _: &'static tracing::Metadata<'static>,
+    ) -> tracing::subscriber::Interest {
+        tracing::subscriber::Interest::sometimes()
+    }
+
+    fn max_level_hint(&self) -> Option<tracing::level_filters::LevelFilter> {
+        Some(tracing::level_filters::LevelFilter::TRACE)
+    }
+
+    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+        false
+    }
+
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+
+    fn event(&self, _: &tracing::Event<'_>) {}
+
+    fn enter(&self, _: &tracing::span::Id) {}
+
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
 /// This thread's logs that pass `filter` (an `EnvFilter` directive), for as long as the guard
 /// lives.
 pub(crate) fn capture(filter: &str) -> (Sink, tracing::subscriber::DefaultGuard) {
+    static GLOBAL: std::sync::Once = std::sync::Once::new();
+    GLOBAL.call_once(|| {
+        // Another global subscriber set first does as well.
+        let _ = tracing::subscriber::set_global_default(Undecided);
+    });
     let log = Sink::default();
     let writer = log.clone();
     let subscriber = tracing_subscriber::fmt()
