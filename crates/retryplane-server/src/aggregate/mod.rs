@@ -540,15 +540,21 @@ impl Aggregator {
                 }
             }
         }
-        let wide = sums
-            .into_iter()
-            .filter(|(endpoint, (calls, retries))| {
-                *calls >= series::MIN_ALERT_CALLS
-                    && counts::ratio(*retries, *calls) > self.thresholds.get(endpoint)
-            })
-            .map(|(endpoint, _)| endpoint)
-            .collect();
-        Judges { agg: self, wide }
+        let mut wide = std::collections::HashSet::new();
+        let mut above = std::collections::HashSet::new();
+        for (endpoint, (calls, retries)) in sums {
+            if counts::ratio(retries, calls) > self.thresholds.get(&endpoint) {
+                if calls >= series::MIN_ALERT_CALLS {
+                    wide.insert(endpoint.clone());
+                }
+                above.insert(endpoint);
+            }
+        }
+        Judges {
+            agg: self,
+            wide,
+            above,
+        }
     }
 
     /// The admin `Stats` answer as of `now`: every matching series.
@@ -767,7 +773,10 @@ const MAX_REPORT_SPAN: Duration = Duration::from_secs(15 * 60);
 /// The endpoints past their threshold over every calling service, for [`Aggregator::judges`].
 struct Judges<'a> {
     agg: &'a Aggregator,
+    /// Endpoints above their threshold with the volume an alert needs.
     wide: std::collections::HashSet<Box<str>>,
+    /// Endpoints above their threshold, whatever their volume.
+    above: std::collections::HashSet<Box<str>>,
 }
 
 impl Judges<'_> {
@@ -781,11 +790,13 @@ impl Judges<'_> {
             return Judge {
                 threshold: self.agg.thresholds.default_threshold(),
                 endpoint_wide: false,
+                endpoint_above: false,
             };
         }
         Judge {
             threshold: self.agg.thresholds.get(endpoint),
             endpoint_wide: self.wide.contains(endpoint),
+            endpoint_above: self.above.contains(endpoint),
         }
     }
 }

@@ -39,6 +39,10 @@ pub struct Judge {
     /// [`MIN_ALERT_CALLS`] calls and a retry ratio above the threshold: then the volume guard
     /// of each of its series is met.
     pub endpoint_wide: bool,
+    /// Whether the endpoint, summed over every calling service in the 5-minute window, has a
+    /// retry ratio above the threshold, whatever its volume: what keeps a lent alert
+    /// ([`Alert::lent`]) firing.
+    pub endpoint_above: bool,
 }
 
 impl Judge {
@@ -47,6 +51,7 @@ impl Judge {
         Self {
             threshold,
             endpoint_wide: false,
+            endpoint_above: false,
         }
     }
 }
@@ -74,7 +79,8 @@ pub struct Alert {
     pub since_unix_ms: u64,
     /// It fires on the endpoint's account only: it started below the volume an alert needs,
     /// because the endpoint over every calling service was above its threshold, and this
-    /// series has not had that volume since. It ends when the endpoint's alert condition does.
+    /// series has not had that volume since. It ends when its own ratio or the endpoint's
+    /// falls back.
     pub lent: bool,
 }
 
@@ -408,11 +414,14 @@ impl State {
         // The volume guard only keeps an alert from starting: one that fires goes on while the
         // ratio stays above the threshold, so a storm that also cuts the traffic does not
         // flap the alert. An alert a small series got from its endpoint's ratio (`lent`) goes
-        // on only while the endpoint's does, or once the series has the volume itself: a
-        // caller of a few calls (`retryplane request --server`) made during a storm would
-        // otherwise fire until its calls left the window, long after the storm.
-        let fire =
-            ratio > threshold && (own_volume || judge.endpoint_wide || (was && !self.alert.lent));
+        // on only while the endpoint's ratio stays above the threshold (whatever its volume,
+        // for the same reason), or once the series has the volume itself: a caller of a few
+        // calls (`retryplane request --server`) made during a storm would otherwise fire until
+        // its calls left the window, long after the storm.
+        let fire = ratio > threshold
+            && (own_volume
+                || judge.endpoint_wide
+                || (was && (!self.alert.lent || judge.endpoint_above)));
         let lent = fire && !own_volume && (!was || self.alert.lent);
         let since_unix_ms = match (was, fire) {
             (false, true) => unix_ms(),

@@ -1070,6 +1070,25 @@ async fn a_small_callers_alert_lent_by_its_endpoint_ends_with_the_endpoints() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn lent_alerts_go_on_while_the_endpoints_ratio_stays_high_though_its_traffic_drops() {
+    let agg = Aggregator::new(100, Instant::now());
+    let callers: Vec<_> = (0..10)
+        .map(|i| agg.service(&format!("caller{i}")))
+        .collect();
+    for svc in &callers {
+        agg.ingest(svc, &report(1, &[("shipping", 5, 5)]), Instant::now());
+    }
+    assert_eq!(agg.tick(Instant::now()), 10);
+    // The storm goes on and cuts the traffic: 10 calls in the window, all retried.
+    advance(Duration::from_secs(200)).await;
+    for svc in &callers {
+        agg.ingest(svc, &report(1, &[("shipping", 1, 1)]), Instant::now());
+    }
+    advance(Duration::from_secs(110)).await;
+    assert_eq!(agg.tick(Instant::now()), 10, "no flap");
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_storm_spread_over_many_small_callers_alerts_on_each_of_them() {
     let agg = Aggregator::new(100, Instant::now());
     // 25 callers of one endpoint, 10 calls each at 50 % retries: no caller has the minimum
