@@ -129,25 +129,32 @@ impl RetryBudget {
     }
 
     /// A budget for `cfg` that takes over at `now` from `old`, the same endpoint's budget under
-    /// other settings: the calls and retries `old` counts in its window at `now` are counted in
-    /// the new budget's slot of `now`. So a change of settings hands out no fresh allowance: a
-    /// budget tightened during a retry storm refuses at once what the retries already made use
-    /// up (an empty one allowed its whole reserve again, on every agent). What is taken over
-    /// stays one new window from `now`: up to a window longer than it would have stayed in
-    /// `old`, calls and retries alike. Retries that calls still running under `old` take are
-    /// counted in `old` only.
+    /// other settings: the calls and retries `old` counts in its recent slots are counted in
+    /// the new budget at their own time, as near as the slots tell: a slot's calls at the
+    /// slot's start, its retries at its end (at `now` for the slot of `now`), so that calls
+    /// leave the new window no later and retries no sooner than at their true time, and the
+    /// bound stays sound. So a change of settings hands out no fresh allowance: a budget
+    /// tightened during a retry storm refuses at once what the retries already used up (an
+    /// empty one allowed its whole reserve again, on every agent), and a change never credits
+    /// calls for longer than they were made for. Retries that calls still running under `old`
+    /// take are counted in `old` only.
     pub fn taking_over(cfg: &BudgetConfig, old: &RetryBudget, now: Instant) -> Self {
         let budget = Self::new(cfg, old.origin);
         let nanos = nanos_since(old.origin, now);
-        // Read as a withdrawal reads them (calls inside the window, retries over the slots that
-        // cover it), the slot of `now` included.
-        let [requests, retries] = old.window.sums(
-            old.window.peek(nanos),
-            [(Span::Inside, 0), (Span::Covering, 0)],
-        );
-        let slot = budget.window.advance(nanos);
-        budget.window.add_n(slot, REQUESTS, requests);
-        budget.window.add_n(slot, RETRIES, retries);
+        let newest = budget.window.advance(nanos);
+        let (width, new_width) = (old.window.slot_nanos(), budget.window.slot_nanos());
+        for (slot, [requests, retries]) in old.window.recent(old.window.peek(nanos)) {
+            let start = slot.saturating_mul(width);
+            let end = start.saturating_add(width - 1).min(nanos);
+            let calls_at = start / new_width;
+            if budget.window.covers(newest, calls_at) {
+                budget.window.add_n(calls_at, REQUESTS, requests);
+            }
+            let retries_at = end / new_width;
+            if budget.window.covers(newest, retries_at) {
+                budget.window.add_n(retries_at, RETRIES, retries);
+            }
+        }
         budget
     }
 

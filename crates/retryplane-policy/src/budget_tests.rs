@@ -225,3 +225,79 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn a_takeover_never_credits_calls_longer_than_they_were_made_for() {
+    // 1,000 calls at the start, none after; the ratio is tightened just before they leave.
+    let t0 = Instant::now();
+    let old = RetryBudget::new(&cfg(0.1, 1, Duration::from_secs(10)), t0);
+    for _ in 0..1_000 {
+        old.deposit(t0);
+    }
+    let tightened = RetryBudget::taking_over(
+        &cfg(0.05, 1, Duration::from_secs(10)),
+        &old,
+        t0 + Duration::from_millis(9_900),
+    );
+    let at = t0 + Duration::from_secs(11);
+    assert_eq!(withdraw_all(&tightened, at), 10, "the reserve only");
+    // Takeovers one after the other do not pile the calls up either: 100 calls a second for a
+    // minute, a takeover every 5 s.
+    let mut budget = RetryBudget::new(&cfg(0.1, 1, Duration::from_secs(10)), t0);
+    let unchanged = RetryBudget::new(&cfg(0.1, 1, Duration::from_secs(10)), t0);
+    for second in 0..60u64 {
+        let now = t0 + Duration::from_secs(second);
+        for _ in 0..100 {
+            budget.deposit(now);
+            unchanged.deposit(now);
+        }
+        if second % 5 == 4 {
+            let min_per_second = if second % 10 == 4 { 2 } else { 1 };
+            budget = RetryBudget::taking_over(
+                &cfg(0.1, min_per_second, Duration::from_secs(10)),
+                &budget,
+                now,
+            );
+        }
+    }
+    let end = t0 + Duration::from_millis(59_500);
+    let (taken_over, kept) = (budget.snapshot(end), unchanged.snapshot(end));
+    assert!(
+        taken_over.requests <= kept.requests,
+        "{taken_over:?} {kept:?}"
+    );
+    assert!(
+        taken_over.allowed <= kept.allowed.max(20),
+        "{taken_over:?} {kept:?}"
+    );
+}
+
+#[test]
+fn a_takeover_keeps_the_retries_for_at_least_as_long_as_they_count() {
+    let t0 = Instant::now();
+    let old = RetryBudget::new(&cfg(0.0, 1, Duration::from_secs(10)), t0);
+    let spent = t0 + Duration::from_millis(9_500);
+    assert_eq!(withdraw_all(&old, spent), 10);
+    // A longer window: the retries made at 9.5 s still count until 29.5 s.
+    let longer = RetryBudget::taking_over(
+        &cfg(0.0, 1, Duration::from_secs(20)),
+        &old,
+        t0 + Duration::from_secs(10),
+    );
+    assert_eq!(longer.snapshot(t0 + Duration::from_secs(29)).retries, 10);
+    assert_eq!(
+        withdraw_all(&longer, t0 + Duration::from_secs(29)),
+        10,
+        "20 allowed"
+    );
+    // A shorter one: until 12.5 s, no sooner.
+    let shorter = RetryBudget::taking_over(
+        &cfg(0.0, 1, Duration::from_secs(3)),
+        &old,
+        t0 + Duration::from_secs(10),
+    );
+    assert_eq!(
+        withdraw_all(&shorter, t0 + Duration::from_millis(12_400)),
+        0
+    );
+}

@@ -206,8 +206,39 @@ impl<const C: usize> SlidingCounter<C> {
         }
     }
 
-    /// Adds `n` to `counter` in `slot` (from [`Self::advance`]), saturating as [`Self::add`]
-    /// does.
+    /// The width of a slot, in nanoseconds.
+    pub(crate) fn slot_nanos(&self) -> u64 {
+        self.slot_nanos
+    }
+
+    /// Whether `slot` is one of the covering span's slots ending at `newest`: one a write may
+    /// go to without landing on the ring position of a newer slot.
+    pub(crate) fn covers(&self, newest: u64, slot: u64) -> bool {
+        slot <= newest && newest - slot < self.covering
+    }
+
+    /// The covering span's slots ending at `slot` (from [`Self::peek`]) that hold a count, with
+    /// their counts.
+    pub(crate) fn recent(&self, slot: u64) -> Vec<(u64, [u64; C])> {
+        let first = slot.saturating_sub(self.latest.load(Relaxed));
+        (first..self.covering.min(slot.saturating_add(1)))
+            .filter_map(|back| {
+                let s = slot - back;
+                let counts = self.ring[(s & self.mask) as usize].each_ref().map(|word| {
+                    let w = word.load(Relaxed);
+                    if epoch(w) == s as u32 {
+                        w & COUNT_MASK
+                    } else {
+                        0
+                    }
+                });
+                counts.iter().any(|c| *c > 0).then_some((s, counts))
+            })
+            .collect()
+    }
+
+    /// Adds `n` to `counter` in `slot` (from [`Self::advance`], or one it [`Self::covers`]),
+    /// saturating as [`Self::add`] does.
     pub(crate) fn add_n(&self, slot: u64, counter: usize, n: u64) {
         if n == 0 {
             return;
