@@ -5,7 +5,8 @@
 //! snapshot replaces an old one, an endpoint keeps the state of whichever of its budget and
 //! breaker kept its settings, so a push that changes `max_attempts`, or only the budget, does
 //! not close a breaker that is open; a breaker whose settings changed stays open until the open
-//! period it started ends (and opens when calls still on the old settings open the old one),
+//! period it started ends (and opens when calls still on the old settings open the old one, as
+//! the old one does, for the calls started before the change, when the new one opens),
 //! and a budget whose settings changed takes over the calls and retries the old one counts (so
 //! tightening a budget during a retry storm refuses at once). Endpoints the policies do not name run under the file's `defaults:`; their state is
 //! created on first use, kept in one registry that every snapshot of the agent shares, and

@@ -20,11 +20,12 @@
 //!
 //! When an endpoint's breaker settings change, the new breaker takes over from the old one
 //! ([`CircuitBreaker::taking_over`]); calls still in flight on the old settings keep reporting
-//! to the old breaker, and when their failures open it (or open it again), every breaker that
-//! took over later in the same line of hand-overs opens too, until the same instant (unless it
-//! is already open for longer). So new calls are refused as soon as the old calls learn the
-//! upstream is failing, not only once the new breaker has counted `min_requests` failures of
-//! its own.
+//! to the old breaker, and when their failures open it (or open it again), every other breaker
+//! of the same line of hand-overs opens too, until the same instant (unless it is already open
+//! for longer); so does an opening of the new one. So new calls are refused as soon as the old
+//! calls learn the upstream is failing, not only once the new breaker has counted
+//! `min_requests` failures of its own, and calls started before the change stop retrying as
+//! soon as the new breaker opens (SPEC §2 step 2: an open breaker makes no call).
 //!
 //! # Implementation
 //!
@@ -183,7 +184,9 @@ impl CircuitBreaker {
     /// keep. What they teach `old` is passed on: whenever `old` opens later (or opens again),
     /// the new breaker opens until the same instant, unless it is already open for longer;
     /// so does every breaker that takes over after it in the same line (from the new one, or
-    /// from `old` again), even when a breaker between them is gone.
+    /// from `old` again), even when a breaker between them is gone. And the other way: when the
+    /// new breaker opens, `old` (and every breaker of the line) opens too, so the calls still
+    /// on `old` stop retrying.
     pub fn taking_over(cfg: &BreakerConfig, old: &Arc<CircuitBreaker>) -> Arc<Self> {
         let breaker = Arc::new(Self {
             line: old.line.clone(),
@@ -427,7 +430,7 @@ impl CircuitBreaker {
     }
 
     /// Moves from `state` to open for `open_for` from `nanos`, and passes the opening on to
-    /// the breakers that took over later; `false` if another thread changed the state first.
+    /// the other breakers of its line; `false` if another thread changed the state first.
     fn open(&self, state: u64, nanos: u64) -> bool {
         let until = nanos
             .saturating_add(self.open_for_nanos)
@@ -444,27 +447,27 @@ impl CircuitBreaker {
         won
     }
 
-    /// Opens every breaker that took over after this one in its line until `until` (ms since
-    /// the origin they share).
+    /// Opens every other breaker of its line until `until` (ms since the origin they share):
+    /// those that took over after it, which serve the calls that start now, and those it took
+    /// over from, which serve calls started before a change of settings.
     #[cold]
     #[inline(never)]
     fn pass_on(&self, until: u64) {
-        let later: Vec<Arc<CircuitBreaker>> = {
+        let others: Vec<Arc<CircuitBreaker>> = {
             let mut line = lock(&self.line);
             line.retain(|b| b.strong_count() > 0);
-            let me = line.iter().position(|b| std::ptr::eq(b.as_ptr(), self));
-            match me {
-                Some(i) => line[i + 1..].iter().filter_map(Weak::upgrade).collect(),
-                None => return, // never taken over
-            }
+            line.iter()
+                .filter(|b| !std::ptr::eq(b.as_ptr(), self))
+                .filter_map(Weak::upgrade)
+                .collect()
         };
         // Outside the lock: an upgraded breaker whose last owner is gone is dropped here.
-        later.iter().for_each(|b| b.open_until(until));
+        others.iter().for_each(|b| b.open_until(until));
     }
 
     /// Opens until `until` (ms since the origin) unless already open at least that long, with
     /// a new generation (permits out are stale) and empty counts. Passes nothing on: the
-    /// opener reaches every later breaker of the line itself.
+    /// opener reaches every other breaker of the line itself.
     fn open_until(&self, until: u64) {
         let mut state = self.state.load(Acquire);
         loop {

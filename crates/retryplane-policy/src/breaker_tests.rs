@@ -432,6 +432,19 @@ fn a_breaker_taking_over_a_closed_one_opens_when_calls_still_on_the_old_one_open
 }
 
 #[test]
+fn an_opening_of_the_breaker_that_took_over_stops_the_calls_still_on_the_old_one() {
+    let t0 = Instant::now();
+    let old = Arc::new(breaker(100, t0));
+    let new = CircuitBreaker::taking_over(&short_open(), &old);
+    let opened = trip(&new, t0);
+    // The old breaker, which calls started before the change ask, refuses for the new one's
+    // period (5 s), as the new one does.
+    assert_eq!(old.try_acquire(opened), Err(BreakerOpen));
+    assert_eq!(old.state(opened + Duration::from_millis(4_900)), Open);
+    assert_eq!(old.state(opened + Duration::from_secs(5)), HalfOpen);
+}
+
+#[test]
 fn a_breaker_taking_over_opens_again_when_a_probe_of_the_old_one_fails() {
     let t0 = Instant::now();
     let old = Arc::new(breaker(10, t0));
@@ -482,7 +495,7 @@ fn an_opening_goes_down_a_chain_of_hand_overs_even_past_a_dropped_breaker() {
 }
 
 #[test]
-fn an_opening_reaches_every_breaker_that_took_over_but_not_an_older_one() {
+fn an_opening_reaches_every_other_breaker_of_its_line() {
     let t0 = Instant::now();
     let old = Arc::new(breaker(10, t0));
     let first = CircuitBreaker::taking_over(&short_open(), &old);
@@ -495,11 +508,10 @@ fn an_opening_reaches_every_breaker_that_took_over_but_not_an_older_one() {
         .take(cfg.min_requests as usize)
         .for_each(|p| first.record(p, false, at));
     assert_eq!(first.state(at), Open);
-    // `second` came later in the line, `old` earlier.
+    // `second` came later in the line, `old` earlier: both refuse, for `first`'s period.
     assert_eq!(second.try_acquire(at), Err(BreakerOpen));
-    assert_eq!(old.state(at), Closed);
-    let opened = fail(&old, in_flight(&old, at), t0);
-    assert_eq!(first.state(opened + Duration::from_secs(29)), Open);
+    assert_eq!(old.try_acquire(at), Err(BreakerOpen));
+    assert_eq!(old.state(at + Duration::from_secs(5)), HalfOpen);
 }
 
 #[test]

@@ -264,7 +264,7 @@ impl EndpointState {
     /// changed, and a budget change does not close an open breaker); a breaker whose settings
     /// changed takes over from this one ([`CircuitBreaker::taking_over`]: an open breaker
     /// stays open until its open period ends, and one that the calls still on this state open
-    /// later opens the new one too); a budget whose settings changed takes over, at `now`, the
+    /// later opens the new one too, and the new one opening opens it); a budget whose settings changed takes over, at `now`, the
     /// calls and retries this one counts ([`RetryBudget::taking_over`]: tightening a budget
     /// during a retry storm must not hand out a fresh allowance).
     pub fn carry(&self, policy: &RetryPolicy, now: Instant) -> Self {
