@@ -201,14 +201,22 @@ impl States {
 
     /// Makes a new snapshot the newest: its `defaults:` and the states of the endpoints it
     /// names. Unnamed states whose endpoints it names are dropped (the named entries carried
-    /// them); the others, and the states of endpoints it no longer names, are kept under the
-    /// new `defaults:`, as [`Runtime::carry`] keeps them.
+    /// them), and so are unnamed states nothing else holds (no handle, no call) that count
+    /// nothing: one made afresh on the next use is the same, and without this every endpoint
+    /// name a push ever stopped naming was kept, and carried on every later push. The others,
+    /// and the states of endpoints it no longer names, are kept under the new `defaults:`, as
+    /// [`Runtime::carry`] keeps them.
     fn advance(&self, defaults: &Arc<RetryPolicy>, named: &Arc<Map<Arc<Entry>>>) {
+        let now = Instant::now();
         let mut inner = self.write();
         let before = std::mem::replace(&mut inner.named, named.clone());
         inner.newest = defaults.clone();
         let unnamed = &mut inner.unnamed;
-        unnamed.retain(|name, _| !named.contains_key(name));
+        unnamed.retain(|name, rt| {
+            let named_now = named.contains_key(name);
+            let idle_and_unheld = Arc::strong_count(rt) == 1 && rt.state.is_idle(now);
+            !named_now && !idle_and_unheld
+        });
         for rt in unnamed.values_mut() {
             *rt = Runtime::carry(Some(rt), defaults);
         }
@@ -504,5 +512,35 @@ mod tests {
         assert_eq!(p.max_attempts, 2);
         assert!(p.budget.is_some() && p.circuit_breaker.is_some());
         assert_eq!(PolicySnapshot::fallback().source(), Source::Fallback);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn states_of_endpoints_no_longer_named_are_dropped_once_idle_and_unheld() {
+        let names = |from: usize| -> String {
+            (from..from + 50)
+                .map(|i| format!("  e{i}: {{}}\n"))
+                .collect()
+        };
+        let mut snap = build(&format!("version: 1\nendpoints:\n{}", names(0)), 1, None);
+        // A handle kept on one endpoint the policies stop naming; another with a call counted.
+        let held = snap.entry("e0");
+        snap.entry("e1")
+            .runtime
+            .state
+            .budget()
+            .unwrap()
+            .deposit(Instant::now());
+        for push in 1..40 {
+            let yaml = format!("version: 1\nendpoints:\n{}", names(push * 50));
+            snap = build(&yaml, 1 + push as u64, Some(&snap));
+        }
+        let unnamed = snap.states.read().unnamed.len();
+        assert!(unnamed <= 52, "{unnamed} unnamed states kept");
+        assert!(same(&held, &snap.entry("e0")), "a held state is kept");
+        let counted = snap.entry("e1");
+        assert!(
+            !counted.runtime.state.is_idle(Instant::now()),
+            "a state that counts is kept"
+        );
     }
 }

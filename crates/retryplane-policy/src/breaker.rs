@@ -213,6 +213,16 @@ impl CircuitBreaker {
         nanos_since(self.origin, now)
     }
 
+    /// Whether it is closed and counts nothing at `now`: a breaker made afresh then would be
+    /// the same.
+    pub fn is_idle(&self, now: Instant) -> bool {
+        self.state(now) == BreakerState::Closed
+            && self
+                .window
+                .recent(self.window.peek(self.nanos(now)))
+                .is_empty()
+    }
+
     /// The state at `now`.
     pub fn state(&self, now: Instant) -> BreakerState {
         let state = self.state.load(Acquire);

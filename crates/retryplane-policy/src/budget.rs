@@ -158,6 +158,12 @@ impl RetryBudget {
         budget
     }
 
+    /// Whether it counts nothing at `now`: a budget made afresh then would be the same.
+    pub fn is_empty(&self, now: Instant) -> bool {
+        let nanos = nanos_since(self.origin, now);
+        self.window.recent(self.window.peek(nanos)).is_empty()
+    }
+
     /// Records that one logical call started at `now` (its first attempt).
     pub fn deposit(&self, now: Instant) {
         self.deposit_at(nanos_since(self.origin, now));

@@ -252,6 +252,13 @@ impl EndpointState {
         }
     }
 
+    /// Whether its budget and breaker count nothing at `now` and the breaker is closed: a state
+    /// made afresh then would be the same (so one nobody else holds may be dropped).
+    pub fn is_idle(&self, now: Instant) -> bool {
+        self.budget.as_ref().is_none_or(|b| b.is_empty(now))
+            && self.breaker.as_ref().is_none_or(|b| b.is_idle(now))
+    }
+
     /// Whether this state was built for `policy`'s budget and breaker settings, so that calls
     /// under `policy` can use it as it is.
     pub fn fits(&self, policy: &RetryPolicy) -> bool {
