@@ -177,8 +177,10 @@ impl CircuitBreaker {
     /// open in the new breaker until the end of the open period it started (`old`'s
     /// `open_for`), and then probes under `cfg`; an `old` that is half-open is half-open here
     /// with no probe out. So a settings change never lets full traffic through to an upstream
-    /// the breaker had cut off. The counts of a closed `old` are not taken over: they were
-    /// made against other thresholds, and the new window starts empty.
+    /// the breaker had cut off. The counts of a closed `old` are taken over, each slot's at
+    /// the slot's start (so they leave the new window no later than at their true time):
+    /// successes and failures do not depend on the thresholds, and a breaker tightened during
+    /// a storm must not forget the failures already seen.
     ///
     /// Permits `old` issued stay `old`'s: report them to `old`, which the calls holding them
     /// keep. What they teach `old` is passed on: whenever `old` opens later (or opens again),
@@ -205,8 +207,26 @@ impl CircuitBreaker {
         let state = old.state.load(Acquire);
         if state & OPEN != 0 {
             breaker.open_until(state & UNTIL_MASK);
+        } else {
+            breaker.take_counts(old);
         }
         breaker
+    }
+
+    /// Counts the recent outcomes of `old` (closed) in this breaker's window, each slot's at
+    /// the slot's start, up to `old`'s newest slot.
+    fn take_counts(&self, old: &CircuitBreaker) {
+        let latest = old.window.peek(0);
+        let (width, new_width) = (old.window.slot_nanos(), self.window.slot_nanos());
+        let newest = self.window.advance(latest.saturating_mul(width));
+        for (slot, counts) in old.window.recent(latest) {
+            let at = slot.saturating_mul(width) / new_width;
+            if self.window.covers(newest, at) {
+                for (counter, n) in counts.into_iter().enumerate() {
+                    self.window.add_n(at, counter, n);
+                }
+            }
+        }
     }
 
     fn nanos(&self, now: Instant) -> u64 {

@@ -371,10 +371,11 @@ fn a_breaker_taking_over_a_half_open_one_is_half_open_with_no_probe_out() {
 }
 
 #[test]
-fn a_breaker_taking_over_a_closed_one_is_closed_with_empty_counts() {
+fn a_breaker_taking_over_a_closed_one_is_closed_and_keeps_its_counts() {
+    // A storm seen by a breaker that needs 20 calls; the change asks for 10.
     let t0 = Instant::now();
-    let old = Arc::new(breaker(10, t0));
-    (0..9).for_each(|_| call(&old, false, t0).unwrap());
+    let old = Arc::new(breaker(20, t0));
+    (0..15).for_each(|_| call(&old, false, t0).unwrap());
     let new = CircuitBreaker::taking_over(
         &BreakerConfig {
             min_requests: 10,
@@ -383,9 +384,23 @@ fn a_breaker_taking_over_a_closed_one_is_closed_with_empty_counts() {
         &old,
     );
     assert_eq!(new.state(t0), Closed);
-    // One more failure would open `old`; `new` counts from zero.
-    call(&new, false, t0).unwrap();
-    assert_eq!(new.state(t0), Closed);
+    // The next failure opens it: the 15 already seen count.
+    let at = t0 + Duration::from_secs(1);
+    call(&new, false, at).unwrap();
+    assert_eq!(new.state(at), Open);
+    // Counts leave with the window, no later than they would have.
+    let old = Arc::new(breaker(20, t0));
+    (0..15).for_each(|_| call(&old, false, t0).unwrap());
+    let new = CircuitBreaker::taking_over(
+        &BreakerConfig {
+            min_requests: 10,
+            ..BreakerConfig::default()
+        },
+        &old,
+    );
+    let later = t0 + Duration::from_secs(11);
+    call(&new, false, later).unwrap();
+    assert_eq!(new.state(later), Closed);
 }
 
 /// Settings for a breaker taking over: 5 s open, one probe.
