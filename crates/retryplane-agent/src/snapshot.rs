@@ -543,4 +543,56 @@ mod tests {
             "a state that counts is kept"
         );
     }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_carried_state_that_shares_a_breaker_or_its_line_is_never_dropped() {
+        use retryplane_policy::breaker::BreakerState;
+        let now = Instant::now();
+        // `x` named, then not, under defaults with other breaker settings: the carried state's
+        // breaker takes over from the one calls in flight hold.
+        let v1 = build("version: 1\nendpoints:\n  x: {}\n  a: {}\n", 1, None);
+        let x1 = v1.entry("x");
+        let old = x1.runtime.state.breaker().unwrap();
+        let permits: Vec<_> = (0..20).map(|_| old.try_acquire(now).unwrap()).collect();
+        let d = "defaults:\n  circuit_breaker: {min_requests: 5}\n";
+        let v2 = build(
+            &format!("version: 1\n{d}endpoints:\n  a: {{}}\n"),
+            2,
+            Some(&v1),
+        );
+        let v3 = build(
+            &format!("version: 1\n{d}endpoints:\n  a: {{}}\n  b: {{}}\n"),
+            3,
+            Some(&v2),
+        );
+        let x3 = v3.entry("x");
+        permits.into_iter().for_each(|p| old.record(p, false, now));
+        assert_eq!(old.state(now), BreakerState::Open);
+        let new = x3.runtime.state.breaker().unwrap();
+        assert_eq!(
+            new.state(now),
+            BreakerState::Open,
+            "one line of breakers for x"
+        );
+        // A budget-only change: the carried state shares the breaker itself.
+        let w1 = build("version: 1\nendpoints:\n  a: {}\n", 1, None);
+        let z1 = w1.entry("zzz");
+        let zold = z1.runtime.state.breaker().unwrap();
+        let d = "defaults:\n  budget: {ratio: 0.5}\n";
+        let w2 = build(
+            &format!("version: 1\n{d}endpoints:\n  a: {{}}\n"),
+            2,
+            Some(&w1),
+        );
+        let w3 = build(
+            &format!("version: 1\n{d}endpoints:\n  a: {{}}\n  b: {{}}\n"),
+            3,
+            Some(&w2),
+        );
+        let z5 = w3.entry("zzz");
+        assert!(
+            std::ptr::eq(zold, z5.runtime.state.breaker().unwrap()),
+            "one breaker for zzz"
+        );
+    }
 }

@@ -233,6 +233,14 @@ impl CircuitBreaker {
         nanos_since(self.origin, now)
     }
 
+    /// Whether another live breaker shares its line of hand-overs (it took over from one, or
+    /// one took over from it): then its openings reach that one, and the other way round.
+    pub fn has_line(&self) -> bool {
+        lock(&self.line)
+            .iter()
+            .any(|b| !std::ptr::eq(b.as_ptr(), self) && b.strong_count() > 0)
+    }
+
     /// Whether it is closed and counts nothing at `now`: a breaker made afresh then would be
     /// the same.
     pub fn is_idle(&self, now: Instant) -> bool {

@@ -252,11 +252,19 @@ impl EndpointState {
         }
     }
 
-    /// Whether its budget and breaker count nothing at `now` and the breaker is closed: a state
-    /// made afresh then would be the same (so one nobody else holds may be dropped).
+    /// Whether a state made afresh at `now` would be the same: its budget and breaker count
+    /// nothing, the breaker is closed, and neither is shared with another state (a state
+    /// carried from this one, or this one's predecessor, which calls in flight may still use)
+    /// nor in a line of hand-overs with another live breaker. So one nobody else holds may be
+    /// dropped without an endpoint ever running two budgets or breakers.
     pub fn is_idle(&self, now: Instant) -> bool {
-        self.budget.as_ref().is_none_or(|b| b.is_empty(now))
-            && self.breaker.as_ref().is_none_or(|b| b.is_idle(now))
+        self.budget
+            .as_ref()
+            .is_none_or(|b| Arc::strong_count(b) == 1 && b.is_empty(now))
+            && self
+                .breaker
+                .as_ref()
+                .is_none_or(|b| Arc::strong_count(b) == 1 && !b.has_line() && b.is_idle(now))
     }
 
     /// Whether this state was built for `policy`'s budget and breaker settings, so that calls
