@@ -194,6 +194,11 @@ impl CircuitBreaker {
             line: old.line.clone(),
             ..Self::new(cfg, old.origin)
         });
+        // Before it joins the line, so that no opening can come between and leave the counts
+        // in an open breaker (an opening clears the window; so does the one read below).
+        if old.state.load(Acquire) & OPEN == 0 {
+            breaker.take_counts(old);
+        }
         {
             let mut line = lock(&old.line);
             if line.is_empty() {
@@ -207,8 +212,6 @@ impl CircuitBreaker {
         let state = old.state.load(Acquire);
         if state & OPEN != 0 {
             breaker.open_until(state & UNTIL_MASK);
-        } else {
-            breaker.take_counts(old);
         }
         breaker
     }
