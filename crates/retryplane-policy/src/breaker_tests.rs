@@ -372,35 +372,23 @@ fn a_breaker_taking_over_a_half_open_one_is_half_open_with_no_probe_out() {
 
 #[test]
 fn a_breaker_taking_over_a_closed_one_is_closed_and_keeps_its_counts() {
-    // A storm seen by a breaker that needs 20 calls; the change asks for 10.
+    // A storm seen by a breaker that needs 20 calls; the change asks for 10. The next failure
+    // opens it (the 15 already seen count), but not once they have left the window: counts
+    // leave no later than they would have.
     let t0 = Instant::now();
-    let old = Arc::new(breaker(20, t0));
-    (0..15).for_each(|_| call(&old, false, t0).unwrap());
-    let new = CircuitBreaker::taking_over(
-        &BreakerConfig {
+    for (after, then) in [(1, Open), (11, Closed)] {
+        let old = Arc::new(breaker(20, t0));
+        (0..15).for_each(|_| call(&old, false, t0).unwrap());
+        let tightened = BreakerConfig {
             min_requests: 10,
             ..BreakerConfig::default()
-        },
-        &old,
-    );
-    assert_eq!(new.state(t0), Closed);
-    // The next failure opens it: the 15 already seen count.
-    let at = t0 + Duration::from_secs(1);
-    call(&new, false, at).unwrap();
-    assert_eq!(new.state(at), Open);
-    // Counts leave with the window, no later than they would have.
-    let old = Arc::new(breaker(20, t0));
-    (0..15).for_each(|_| call(&old, false, t0).unwrap());
-    let new = CircuitBreaker::taking_over(
-        &BreakerConfig {
-            min_requests: 10,
-            ..BreakerConfig::default()
-        },
-        &old,
-    );
-    let later = t0 + Duration::from_secs(11);
-    call(&new, false, later).unwrap();
-    assert_eq!(new.state(later), Closed);
+        };
+        let new = CircuitBreaker::taking_over(&tightened, &old);
+        assert_eq!(new.state(t0), Closed);
+        let at = t0 + Duration::from_secs(after);
+        call(&new, false, at).unwrap();
+        assert_eq!(new.state(at), then, "{after} s after");
+    }
 }
 
 /// Settings for a breaker taking over: 5 s open, one probe.
