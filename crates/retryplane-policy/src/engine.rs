@@ -278,10 +278,11 @@ impl EndpointState {
     /// new budget window does not let a retry storm start again because a breaker number
     /// changed, and a budget change does not close an open breaker); a breaker whose settings
     /// changed takes over from this one ([`CircuitBreaker::taking_over`]: an open breaker
-    /// stays open until its open period ends, and one that the calls still on this state open
-    /// later opens the new one too, and the new one opening opens it); a budget whose settings changed takes over, at `now`, the
-    /// calls and retries this one counts ([`RetryBudget::taking_over`]: tightening a budget
-    /// during a retry storm must not hand out a fresh allowance).
+    /// stays open until its open period ends, one that the calls still on this state open
+    /// later opens the new one too, and the new one opening opens it; a closed one's counts
+    /// are taken over); a budget whose settings changed takes over the calls and retries this
+    /// one counts, each at its own time as of `now` ([`RetryBudget::taking_over`]: tightening
+    /// a budget during a retry storm must not hand out a fresh allowance).
     pub fn carry(&self, policy: &RetryPolicy, now: Instant) -> Self {
         let budget = match (&policy.budget, &self.budget) {
             (Some(cfg), Some(old)) if self.budget_cfg.as_ref() == Some(cfg) => Some(old.clone()),
