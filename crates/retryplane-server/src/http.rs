@@ -119,53 +119,22 @@ impl Renders {
         let metrics = metrics.clone();
         tokio::spawn(async move {
             let mut last = last.lock_owned().await;
-            let rendered = match last.take().filter(|r| r.started >= arrived) {
-                Some(rendered) if openmetrics || rendered.text.is_some() => rendered,
-                Some(Rendered {
-                    started,
-                    openmetrics,
-                    text: None,
-                }) => {
-                    let source = openmetrics.clone();
-                    let text = tokio::task::spawn_blocking(move || {
+            let mut rendered = match last.take().filter(|r| r.started >= arrived) {
+                Some(rendered) => rendered,
+                None => render(&waiting.0, metrics).await?,
+            };
+            if !openmetrics && rendered.text.is_none() {
+                let source = rendered.openmetrics.clone();
+                rendered.text = Some(
+                    tokio::task::spawn_blocking(move || {
                         // A render is a `String`, so this never fails.
                         let text = std::str::from_utf8(&source)
                             .map_or_else(|_| String::new(), text_format::from_openmetrics);
                         Bytes::from(text)
                     })
-                    .await?;
-                    Rendered {
-                        started,
-                        openmetrics,
-                        text: Some(text),
-                    }
-                }
-                _ => {
-                    let started = Instant::now();
-                    #[cfg(test)]
-                    let gate = waiting
-                        .0
-                        .gate
-                        .lock()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner)
-                        .take();
-                    tokio::task::spawn_blocking(move || {
-                        #[cfg(test)]
-                        if let Some(gate) = gate {
-                            let _ = gate.recv();
-                        }
-                        let source = metrics.render();
-                        let text = (!openmetrics)
-                            .then(|| Bytes::from(text_format::from_openmetrics(&source)));
-                        Rendered {
-                            started,
-                            openmetrics: Bytes::from(source),
-                            text,
-                        }
-                    })
-                    .await?
-                }
-            };
+                    .await?,
+                );
+            }
             let answer = if openmetrics {
                 rendered.openmetrics.clone()
             } else {
@@ -181,6 +150,33 @@ impl Renders {
         })
         .await?
     }
+}
+
+/// A new render of the exposition in OpenMetrics, on a blocking thread (the text format is
+/// made from it when a request asks for it).
+async fn render(
+    #[cfg_attr(not(test), allow(unused_variables))] renders: &Renders,
+    metrics: Arc<ServerMetrics>,
+) -> Result<Rendered, tokio::task::JoinError> {
+    let started = Instant::now();
+    #[cfg(test)]
+    let gate = renders
+        .gate
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .take();
+    tokio::task::spawn_blocking(move || {
+        #[cfg(test)]
+        if let Some(gate) = gate {
+            let _ = gate.recv();
+        }
+        Rendered {
+            started,
+            openmetrics: Bytes::from(metrics.render()),
+            text: None,
+        }
+    })
+    .await
 }
 
 async fn healthz() -> &'static str {
