@@ -62,6 +62,14 @@ impl<S> Idle<S> {
     fn active(&mut self) {
         self.quiet.as_mut().reset(Instant::now() + IDLE);
     }
+
+    /// `polled`, a write's result, after counting bytes written as activity.
+    fn wrote(&mut self, polled: Poll<io::Result<usize>>) -> Poll<io::Result<usize>> {
+        if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
+            self.active();
+        }
+        polled
+    }
 }
 
 impl<S: AsyncRead + Unpin> AsyncRead for Idle<S> {
@@ -99,10 +107,7 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Idle<S> {
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
         let polled = Pin::new(&mut this.inner).poll_write(cx, buf);
-        if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
-            this.active();
-        }
-        polled
+        this.wrote(polled)
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -120,10 +125,7 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Idle<S> {
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
         let polled = Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
-        if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
-            this.active();
-        }
-        polled
+        this.wrote(polled)
     }
 
     fn is_write_vectored(&self) -> bool {
