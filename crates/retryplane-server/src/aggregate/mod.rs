@@ -540,20 +540,12 @@ impl Aggregator {
                 }
             }
         }
-        let mut wide = std::collections::HashSet::new();
-        let mut above = std::collections::HashSet::new();
-        for (endpoint, (calls, retries)) in sums {
-            if counts::ratio(retries, calls) > self.thresholds.get(&endpoint) {
-                if calls >= series::MIN_ALERT_CALLS {
-                    wide.insert(endpoint.clone());
-                }
-                above.insert(endpoint);
-            }
-        }
+        sums.retain(|endpoint, (calls, retries)| {
+            counts::ratio(*retries, *calls) > self.thresholds.get(endpoint)
+        });
         Judges {
             agg: self,
-            wide,
-            above,
+            above: sums,
         }
     }
 
@@ -773,10 +765,9 @@ const MAX_REPORT_SPAN: Duration = Duration::from_secs(15 * 60);
 /// The endpoints past their threshold over every calling service, for [`Aggregator::judges`].
 struct Judges<'a> {
     agg: &'a Aggregator,
-    /// Endpoints above their threshold with the volume an alert needs.
-    wide: std::collections::HashSet<Box<str>>,
-    /// Endpoints above their threshold, whatever their volume.
-    above: std::collections::HashSet<Box<str>>,
+    /// The endpoints above their threshold, summed over every calling service, with their
+    /// (calls, retries).
+    above: HashMap<Box<str>, (u64, u64)>,
 }
 
 impl Judges<'_> {
@@ -795,8 +786,11 @@ impl Judges<'_> {
         }
         Judge {
             threshold: self.agg.thresholds.get(endpoint),
-            endpoint_wide: self.wide.contains(endpoint),
-            endpoint_above: self.above.contains(endpoint),
+            endpoint_wide: self
+                .above
+                .get(endpoint)
+                .is_some_and(|(calls, _)| *calls >= series::MIN_ALERT_CALLS),
+            endpoint_above: self.above.contains_key(endpoint),
         }
     }
 }
