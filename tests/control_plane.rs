@@ -30,11 +30,7 @@ async fn a_connected_agent_gets_the_snapshot_and_its_ack_shows_in_status() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nack_keeps_the_last_good_version_and_shows_the_error_in_status() {
     let plane = Plane::api_mode(&policy_yaml(2, 3)).await;
-    let mut agent = RawAgent::connect(plane.agent_channel().await, hello_instance("a1", 7))
-        .await
-        .unwrap();
-    let v1 = agent.next_snapshot().await.unwrap();
-    agent.ack(&v1).await;
+    let (mut agent, _) = plane.acked_agent("a1", 7).await;
     let mut admin = plane.admin().await;
     admin
         .apply(pb::ApplyRequest {
@@ -79,11 +75,7 @@ async fn a_nacked_snapshot_is_not_pushed_again_after_a_reconnect() {
         }
         message
     };
-    let mut agent = RawAgent::connect(plane.agent_channel().await, hello_instance("a1", 7))
-        .await
-        .unwrap();
-    let v1 = agent.next_snapshot().await.unwrap();
-    agent.ack(&v1).await;
+    let (mut agent, v1) = plane.acked_agent("a1", 7).await;
     assert_eq!(plane.apply(&policy_yaml(2, 5)).await, 2);
     let v2 = agent.next_snapshot().await.unwrap();
     agent.nack(&v2, "unknown field in policy").await;
@@ -1113,11 +1105,7 @@ async fn a_hello_without_a_hash_naming_a_version_never_reached_runs_no_known_ver
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_ack_of_an_earlier_push_says_what_the_agent_runs_when_it_refuses_the_last() {
     let plane = Plane::api_mode(&policy_yaml(1, 3)).await;
-    let mut agent = RawAgent::connect(plane.agent_channel().await, hello_instance("a1", 1))
-        .await
-        .unwrap();
-    let v1 = agent.next_snapshot().await.unwrap();
-    agent.ack(&v1).await;
+    let (mut agent, v1) = plane.acked_agent("a1", 1).await;
     after_answers(&mut agent, 1).await;
     assert_eq!(plane.apply(&policy_yaml(1, 4)).await, 2);
     assert_eq!(plane.apply(&policy_yaml(1, 5)).await, 3);

@@ -120,6 +120,17 @@ impl Plane {
     pub async fn admin(&self) -> pb::admin_service_client::AdminServiceClient<Channel> {
         pb::admin_service_client::AdminServiceClient::new(self.admin_channel().await)
     }
+
+    /// An agent `id` (process `instance`) on its own connection that has ACKed the snapshot
+    /// it was sent first, and that snapshot.
+    pub async fn acked_agent(&self, id: &str, instance: u64) -> (RawAgent, pb::Snapshot) {
+        let mut agent = RawAgent::connect(self.agent_channel().await, hello_instance(id, instance))
+            .await
+            .unwrap();
+        let first = agent.next_snapshot().await.unwrap();
+        agent.ack(&first).await;
+        (agent, first)
+    }
 }
 
 /// The server configuration the tests use: every listener on an ephemeral loopback port.
