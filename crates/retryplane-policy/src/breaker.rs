@@ -219,17 +219,9 @@ impl CircuitBreaker {
     /// Counts the recent outcomes of `old` (closed) in this breaker's window, each slot's at
     /// the slot's start, up to `old`'s newest slot.
     fn take_counts(&self, old: &CircuitBreaker) {
-        let latest = old.window.peek(0);
-        let (width, new_width) = (old.window.slot_nanos(), self.window.slot_nanos());
-        let newest = self.window.advance(latest.saturating_mul(width));
-        for (slot, counts) in old.window.recent(latest) {
-            let at = slot.saturating_mul(width) / new_width;
-            if self.window.covers(newest, at) {
-                for (counter, n) in counts.into_iter().enumerate() {
-                    self.window.add_n(at, counter, n);
-                }
-            }
-        }
+        // As of the start of `old`'s newest slot (no `now` here; it is at or before it).
+        self.window
+            .take_over(&old.window, old.window.newest_start(), [false; 2]);
     }
 
     fn nanos(&self, now: Instant) -> u64 {

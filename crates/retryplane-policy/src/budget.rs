@@ -141,20 +141,10 @@ impl RetryBudget {
     pub fn taking_over(cfg: &BudgetConfig, old: &RetryBudget, now: Instant) -> Self {
         let budget = Self::new(cfg, old.origin);
         let nanos = nanos_since(old.origin, now);
-        let newest = budget.window.advance(nanos);
-        let (width, new_width) = (old.window.slot_nanos(), budget.window.slot_nanos());
-        for (slot, [requests, retries]) in old.window.recent(old.window.peek(nanos)) {
-            let start = slot.saturating_mul(width);
-            let end = start.saturating_add(width - 1).min(nanos);
-            let calls_at = start / new_width;
-            if budget.window.covers(newest, calls_at) {
-                budget.window.add_n(calls_at, REQUESTS, requests);
-            }
-            let retries_at = end / new_width;
-            if budget.window.covers(newest, retries_at) {
-                budget.window.add_n(retries_at, RETRIES, retries);
-            }
-        }
+        // Calls at their slot's start, retries at its end.
+        let mut at_end = [false; 2];
+        at_end[RETRIES] = true;
+        budget.window.take_over(&old.window, nanos, at_end);
         budget
     }
 

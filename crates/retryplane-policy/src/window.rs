@@ -206,15 +206,29 @@ impl<const C: usize> SlidingCounter<C> {
         }
     }
 
-    /// The width of a slot, in nanoseconds.
-    pub(crate) fn slot_nanos(&self) -> u64 {
-        self.slot_nanos
+    /// The start of the newest slot seen, in nanoseconds since the origin.
+    pub(crate) fn newest_start(&self) -> u64 {
+        self.latest.load(Relaxed).saturating_mul(self.slot_nanos)
     }
 
-    /// Whether `slot` is one of the covering span's slots ending at `newest`: one a write may
-    /// go to without landing on the ring position of a newer slot.
-    pub(crate) fn covers(&self, newest: u64, slot: u64) -> bool {
-        slot <= newest && newest - slot < self.covering
+    /// Counts, as of `nanos`, what `old` (a counter of the same owner, with another window)
+    /// counts in its recent slots, each at its own time as near as `old`'s slots tell: counter
+    /// `i` at its slot's start, or at its end (at `nanos` for the slot of `nanos`) where
+    /// `at_end[i]`. A count at its slot's start leaves this window no later than at its true
+    /// time, one at its end no sooner. Slots too old for this window are left out.
+    pub(crate) fn take_over(&self, old: &Self, nanos: u64, at_end: [bool; C]) {
+        let newest = self.advance(nanos);
+        for (slot, counts) in old.recent(old.peek(nanos)) {
+            let start = slot.saturating_mul(old.slot_nanos);
+            let end = start.saturating_add(old.slot_nanos - 1).min(nanos);
+            for (counter, (n, at_end)) in counts.into_iter().zip(at_end).enumerate() {
+                let at = if at_end { end } else { start } / self.slot_nanos;
+                // Within the covering span: a write there cannot land on a newer slot's word.
+                if at <= newest && newest - at < self.covering {
+                    self.add_n(at, counter, n);
+                }
+            }
+        }
     }
 
     /// The covering span's slots ending at `slot` (from [`Self::peek`]) that hold a count, with
@@ -237,9 +251,9 @@ impl<const C: usize> SlidingCounter<C> {
             .collect()
     }
 
-    /// Adds `n` to `counter` in `slot` (from [`Self::advance`], or one it [`Self::covers`]),
-    /// saturating as [`Self::add`] does.
-    pub(crate) fn add_n(&self, slot: u64, counter: usize, n: u64) {
+    /// Adds `n` to `counter` in `slot` (within the covering span of the newest slot), saturating
+    /// as [`Self::add`] does.
+    fn add_n(&self, slot: u64, counter: usize, n: u64) {
         if n == 0 {
             return;
         }
