@@ -23,6 +23,10 @@
 //!   - `retryplane_call_handle_per_call`: `agent.endpoint(name)` then `call`, a new handle for
 //!     every call: what a caller pays that does not keep its handle (the lookup of the
 //!     endpoint's core by name, and the reference counts of a new handle);
+//!   - `bare_waiting_once` and `retryplane_call_waiting_once`: the same two with an upstream
+//!     that returns `Pending` once before its answer (it yields to the runtime), as a call over
+//!     a network does: the per-try timer is armed only then, so these show its cost, which a
+//!     call that answers at its first poll does not pay;
 //!   - `parts/*`, pieces of `retryplane_call` alone, to show where its time goes: a read of
 //!     tokio's clock (a call that succeeds at once makes one), building and dropping the `CallMeta`, and the bare
 //!     call inside `tokio::time::timeout_at` (the per-try timeout; never fires here).
@@ -71,7 +75,7 @@ use backon::{ExponentialBuilder, Retryable};
 use criterion::{Criterion, criterion_group, criterion_main};
 use retryplane_agent::{Agent, CallMeta, Endpoint};
 use support::cpu_clock::cpu_time_mode;
-use support::{HOT, Stopwatch, Swapper, agent, meta, runtime, upstream};
+use support::{HOT, Stopwatch, Swapper, agent, meta, runtime, upstream, upstream_waiting_once};
 use tokio::time::Instant;
 use tower::Service;
 use tower::retry::Retry;
@@ -114,6 +118,8 @@ enum Kind {
     Retryplane(Endpoint),
     RetryplaneEndpointMeta(Endpoint),
     RetryplaneHandlePerCall(Agent),
+    RetryplaneWaitingOnce(Endpoint),
+    BareWaitingOnce,
     ClockRead,
     MetaOnly,
     TimeoutOnly,
@@ -161,6 +167,16 @@ async fn batch(kind: &Kind, iters: u64) {
                 black_box(ep.call(meta(), |_| upstream()).await).expect("200");
             }
         }
+        Kind::BareWaitingOnce => {
+            for _ in 0..iters {
+                black_box(upstream_waiting_once().await).expect("200");
+            }
+        }
+        Kind::RetryplaneWaitingOnce(ep) => {
+            for _ in 0..iters {
+                black_box(ep.call(meta(), |_| upstream_waiting_once()).await).expect("200");
+            }
+        }
         Kind::ClockRead => {
             for _ in 0..iters {
                 black_box(Instant::now());
@@ -197,7 +213,12 @@ fn kinds() -> Vec<(&'static str, Kind)> {
         ("retryplane_call", Kind::Retryplane(ep.clone())),
         (
             "retryplane_call_endpoint_meta",
-            Kind::RetryplaneEndpointMeta(ep),
+            Kind::RetryplaneEndpointMeta(ep.clone()),
+        ),
+        ("bare_waiting_once", Kind::BareWaitingOnce),
+        (
+            "retryplane_call_waiting_once",
+            Kind::RetryplaneWaitingOnce(ep),
         ),
         (
             "retryplane_call_handle_per_call",

@@ -2,8 +2,9 @@
 //!
 //! The endpoint's entry in the policy snapshot (its policy and shared state) is read once when
 //! the call starts and that `Arc` is kept for every attempt (STYLE #4): a push mid-call does
-//! not change the call. Each attempt runs under
-//! `tokio::time::timeout_at(start + min(per_try_timeout, deadline left))`; pauses are
+//! not change the call. Each attempt runs under its per-try timeout,
+//! `start + min(per_try_timeout, deadline left)` (`crate::per_try`, whose timer is armed only
+//! when the attempt has to wait); pauses are
 //! `tokio::time::sleep`, so both follow tokio's (pausable) clock. The engine ([`RetryCall`])
 //! makes every decision; this file only runs attempts, sleeps, counts and logs.
 //!
@@ -19,7 +20,7 @@
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::pin::Pin;
+use std::pin::{Pin, pin};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
@@ -37,6 +38,7 @@ use crate::classify::{Classification, Classify, class_name};
 use crate::error::{CallError, Cause, Last};
 use crate::meta::{AttemptInfo, CallMeta};
 use crate::metrics::{CounterValues, Counters, Registry};
+use crate::per_try;
 use crate::ready::{AlwaysReady, Readied, Ready, open_now, refuses_now, wait_ready};
 use crate::snapshot::Entry;
 
@@ -463,7 +465,8 @@ impl Endpoint {
                     let result = if let Some(e) = not_ready.take() {
                         Ok(Err(e))
                     } else {
-                        let run = tokio::time::timeout_at(until, attempt(info));
+                        let (fut, timer) = (pin!(attempt(info)), pin!(None));
+                        let run = per_try::Within::new(until, fut, timer);
                         match cancel {
                             None => run.await,
                             Some(cancel) => tokio::select! {
@@ -499,7 +502,7 @@ impl Endpoint {
                         other => other,
                     };
                     let (outcome, result) = match result {
-                        Err(_elapsed) => (
+                        Err(per_try::TimedOut) => (
                             Some(Outcome::Transport(retryplane_policy::ErrorClass::Timeout)),
                             None,
                         ),
@@ -780,7 +783,11 @@ impl Endpoint {
             ..info
         };
         drop(first_answer);
-        let run = tokio::time::timeout(info.timeout, attempt(info));
+        let until = Instant::now()
+            .checked_add(info.timeout)
+            .unwrap_or(info.deadline);
+        let (fut, timer) = (pin!(attempt(info)), pin!(None));
+        let run = per_try::Within::new(until, fut, timer);
         tokio::select! {
             biased;
             () = &mut cancelled => Resend::Cancelled,
@@ -892,7 +899,7 @@ enum Resend<T, E> {
     /// the first answer stands.
     Kept(Result<T, E>),
     /// The second answer (or the error getting ready to send it), or its per-try timeout.
-    Sent(Result<Result<T, E>, tokio::time::error::Elapsed>),
+    Sent(Result<Result<T, E>, per_try::TimedOut>),
 }
 
 /// A once-only step between an attempt's answer and the policy's judgement of it: an answer

@@ -52,6 +52,7 @@ mod error;
 pub mod layer;
 mod meta;
 mod metrics;
+mod per_try;
 mod ready;
 mod snapshot;
 mod stream;

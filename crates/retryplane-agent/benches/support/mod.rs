@@ -172,6 +172,13 @@ pub async fn upstream() -> Result<http::Response<()>, std::io::Error> {
     Ok(http::Response::new(()))
 }
 
+/// The same answer after one `Pending`: the upstream waits once (it yields to the runtime), as
+/// every call that goes over a network does, so the per-try timer is armed.
+pub async fn upstream_waiting_once() -> Result<http::Response<()>, std::io::Error> {
+    tokio::task::yield_now().await;
+    Ok(http::Response::new(()))
+}
+
 /// An upstream that answers `503`.
 pub async fn unavailable() -> Result<http::Response<()>, std::io::Error> {
     let mut r = http::Response::new(());
