@@ -270,9 +270,13 @@ impl TryFrom<Args> for Settings {
                 if had_userinfo {
                     crate::admin::userinfo_not_used(token_hint);
                 }
-                // An empty token (`RETRYPLANE_AGENT_TOKEN=`) is no token, as for the admin
-                // commands: nothing is sent rather than an empty credential.
-                let token = args.token.filter(|t| !t.secret().is_empty());
+                // An empty value counts as not given, as for the admin commands: an empty
+                // `--token` falls back to `RETRYPLANE_AGENT_TOKEN`, and an empty variable is no
+                // token (nothing is sent rather than an empty credential).
+                let token = match args.token {
+                    Some(t) if t.secret().is_empty() => Token::from_env("RETRYPLANE_AGENT_TOKEN"),
+                    other => other,
+                };
                 PolicyFrom::Server(url, token, shown)
             }
             // Unreachable: clap refuses a command line without either (`policy_from` is required).

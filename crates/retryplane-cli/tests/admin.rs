@@ -532,6 +532,39 @@ fn the_token_is_sent_as_a_bearer_token_and_never_printed() {
         .env("RETRYPLANE_TOKEN", "admin-secret-0123456789\n")
         .assert()
         .code(0);
+    // An empty `--token` (`--token "$TOKEN"` with the variable unset) counts as not given: the
+    // environment's token is sent.
+    server
+        .retryplane(&["history", "--token", ""])
+        .env("RETRYPLANE_TOKEN", "admin-secret-0123456789")
+        .assert()
+        .code(0);
+}
+
+#[test]
+fn an_empty_server_flag_counts_as_not_given_and_reads_retryplane_server() {
+    let server = test_server(true, None);
+    // `--server "$CP_URL"` with `CP_URL` unset, in a job that exports `RETRYPLANE_SERVER`:
+    // the command reaches the control plane the variable names, not the default address.
+    let out = Command::cargo_bin("retryplane")
+        .unwrap()
+        .current_dir(server.dir.path())
+        .env_remove("RETRYPLANE_TOKEN")
+        .env("RETRYPLANE_SERVER", &server.url)
+        .args(["history", "--output", "json", "--server", ""])
+        .timeout(support::WAIT)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    let via_env: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let direct = json_of(
+        &server
+            .retryplane(&["history", "--output", "json"])
+            .assert()
+            .code(0),
+    );
+    assert_eq!(via_env, direct);
 }
 
 #[test]

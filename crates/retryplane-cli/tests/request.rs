@@ -1133,6 +1133,27 @@ fn server_mode_says_why_the_control_plane_gave_no_policy() {
     let (code, stderr) = request(&server.url, Some("agent-secret-0123456789\n"));
     assert_eq!(code, Some(2), "{stderr}");
     assert!(stderr.contains("not an agent listener"), "{stderr}");
+    // An empty `--token` counts as not given: the token in `RETRYPLANE_AGENT_TOKEN` is sent
+    // (here an admin token, which the refusal names), not no token at all.
+    let out = Command::cargo_bin("retryplane")
+        .unwrap()
+        .env("RETRYPLANE_AGENT_TOKEN", "admin-secret-0123456789")
+        .args([
+            "request",
+            "--endpoint",
+            "api",
+            "--server",
+            &agent_url,
+            "--token",
+            "",
+        ])
+        .arg("http://127.0.0.1:9/")
+        .timeout(std::time::Duration::from_secs(30))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("not an agent token"), "{stderr}");
     // The HTTP listener (which answers 404) is named as the other likely mistake.
     let http_url = format!("http://{}", server.running().http_addr());
     let (code, stderr) = request(&http_url, Some("agent-secret-0123456789"));

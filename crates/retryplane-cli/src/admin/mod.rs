@@ -109,6 +109,15 @@ impl Token {
     pub fn secret(&self) -> &str {
         &self.0
     }
+
+    /// The token in the environment variable `name`, read as `--token` is (trimmed), unless
+    /// the variable is unset, empty or not Unicode: what an empty `--token` falls back to
+    /// (clap reads the variable only when the flag is not given at all).
+    pub(crate) fn from_env(name: &str) -> Option<Token> {
+        let value = std::env::var(name).ok()?;
+        let token = Token(value.trim_ascii().to_owned());
+        (!token.0.is_empty()).then_some(token)
+    }
 }
 
 impl FromStr for Token {
@@ -247,12 +256,17 @@ impl TryFrom<ServerArgs> for Server {
     type Error = anyhow::Error;
 
     fn try_from(args: ServerArgs) -> anyhow::Result<Self> {
-        // An empty value (`RETRYPLANE_SERVER=`, as scripts and CI often leave it) is the
-        // default, as when the variable is not set at all (an empty token is no token, below).
-        let url = if args.server.is_empty() {
-            DEFAULT_SERVER.to_owned()
+        // An empty value counts as not given: an empty flag (`--server "$CP_URL"` with the
+        // variable unset, as scripts and CI often leave it) falls back to the environment
+        // variable, and an empty variable to the default (an empty token is no token, below).
+        let server = if args.server.is_empty() {
+            non_empty_env("RETRYPLANE_SERVER")
         } else {
-            with_scheme(args.server)
+            Some(args.server)
+        };
+        let url = match server {
+            None => DEFAULT_SERVER.to_owned(),
+            Some(server) => with_scheme(server),
         };
         if !url.starts_with("http://") {
             bail!(
@@ -272,9 +286,12 @@ impl TryFrom<ServerArgs> for Server {
             .with_context(|| format!("--server {shown}: not a valid URL"))?
             .connect_timeout(CONNECT_TIMEOUT)
             .timeout(REQUEST_TIMEOUT);
-        let authorization = match args.token {
+        let token = match args.token {
+            Some(Token(token)) if token.is_empty() => Token::from_env("RETRYPLANE_TOKEN"),
+            other => other,
+        };
+        let authorization = match token {
             None => None,
-            Some(Token(token)) if token.is_empty() => None,
             Some(Token(token)) => {
                 // The error would quote the value: say what is wrong without the token.
                 let mut value =
@@ -293,6 +310,13 @@ impl TryFrom<ServerArgs> for Server {
             authorization,
         })
     }
+}
+
+/// The value of the environment variable `name`, unless it is unset, empty or not Unicode:
+/// what an empty `--server` falls back to (clap reads the variable only when the flag is not
+/// given at all).
+fn non_empty_env(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.is_empty())
 }
 
 /// Runs `work` on a current-thread tokio runtime made for this one command.
