@@ -230,10 +230,17 @@ impl Walker {
     }
 
     fn type_error(&mut self, node: &Node, path: &str, expected: &str) {
+        // A YAML 1.1 number (`1_000`) reads as a string in YAML 1.2: say how to write it.
+        let hint = match &node.value {
+            Value::Str(s) if is_underscored_number(s) => {
+                format!(" (`{s}`: a number is written without `_` in YAML 1.2)")
+            }
+            _ => String::new(),
+        };
         self.error(
             node.loc,
             path,
-            format!("expected {expected}, found {}", node.value.kind()),
+            format!("expected {expected}, found {}{hint}", node.value.kind()),
         );
     }
 
@@ -1174,6 +1181,27 @@ fn beyond_an_integer(f: f64) -> Option<&'static str> {
     } else {
         None
     }
+}
+
+/// A YAML 1.1 number with `_` between its digits (`1_000`, `0.000_1`, `0xFF_FF`), which YAML
+/// 1.2 reads as a string.
+fn is_underscored_number(s: &str) -> bool {
+    let digits = s.strip_prefix(['+', '-']).unwrap_or(s);
+    digits.contains('_')
+        && digits.bytes().next().is_some_and(|b| b.is_ascii_digit())
+        && !digits.starts_with('_')
+        && !digits.ends_with('_')
+        && !digits.contains("__")
+        && {
+            let plain: String = digits.chars().filter(|c| *c != '_').collect();
+            plain.parse::<f64>().is_ok()
+                || plain
+                    .strip_prefix("0x")
+                    .is_some_and(|h| u64::from_str_radix(h, 16).is_ok())
+                || plain
+                    .strip_prefix("0o")
+                    .is_some_and(|o| u64::from_str_radix(o, 8).is_ok())
+        }
 }
 
 /// `/pkg.Service/Method` or `/pkg.Service/*`.

@@ -157,6 +157,19 @@ fn a_count_too_large_for_an_integer_gets_the_range_and_a_fraction_is_named() {
 }
 
 #[test]
+fn a_yaml_1_1_number_with_underscores_is_a_string_and_refused_with_a_hint() {
+    let src = "version: 1\nendpoints:\n  a:\n    max_attempts: 1_0\n    retry_on: {http_status: [5_03]}\n    budget: {ratio: 0.1_5}\n";
+    assert_eq!(
+        errors(src),
+        [
+            "4:19: error: endpoints.a.max_attempts: expected a whole number, found a string (`1_0`: a number is written without `_` in YAML 1.2)",
+            "5:30: error: endpoints.a.retry_on.http_status[0]: expected an HTTP status code, found a string (`5_03`: a number is written without `_` in YAML 1.2)",
+            "6:21: error: endpoints.a.budget.ratio: expected a number, found a string (`0.1_5`: a number is written without `_` in YAML 1.2)",
+        ]
+    );
+}
+
+#[test]
 fn a_path_prefix_no_request_can_carry_as_written_is_warned_with_its_encoded_form() {
     let src = "version: 1\nendpoints:\n  u:\n    routes:\n      - match: {path_prefix: \"/a b\"}\n        max_attempts: 1\n      - match: {path_prefix: \"/q r?x=1\"}\n        max_attempts: 1\n      - match: {path_prefix: \"/v1/über|x[0]\"}\n        max_attempts: 1\n";
     assert_eq!(

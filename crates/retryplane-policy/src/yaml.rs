@@ -160,6 +160,9 @@ pub fn parse(bytes: &[u8]) -> Result<Node, YamlError> {
     // YAML 1.2 booleans only: `yes`, `no`, `on`, `off`, `y` and `n` are strings, so an
     // endpoint may be called `on`, and `honor: yes` is refused rather than guessed at.
     options.strict_booleans = true;
+    // YAML 1.2 numbers only: `1_000` (YAML 1.1) is a string, which a number field refuses
+    // (with a hint) rather than reading a thousand.
+    options.underscored_numbers_as_strings = true;
     // `.inf`, `.nan` and `1e999` become floats, which the policy checks refuse at their place
     // along with every other problem, rather than one error for the whole file.
     options.non_finite_float_policy = serde_saphyr::NonFiniteFloatPolicy::PassThrough;
