@@ -611,6 +611,26 @@ fn explain_prints_the_worked_schedule_ceilings_in_milliseconds() {
 }
 
 #[test]
+fn explain_shows_what_a_tight_fit_has_to_spare() {
+    // Attempt 2 starts at 900 + 98 = 998 ms at worst: it fits, but a timer a little late can
+    // use up the 2 ms (the call then gives up before it), so the row says how tight it is.
+    let tight = "version: 1\nendpoints:\n  tight:\n    max_attempts: 3\n    deadline: 1000ms\n    per_try_timeout: 400ms\n    backoff: {base: 90ms, multiplier: 1.0, jitter: none}\n";
+    let dir = dir_with(&[("tight.yaml", tight)]);
+    let out = explained(dir.path(), "tight.yaml", "tight", &[]);
+    let fits: Vec<String> = out
+        .lines()
+        .filter(|l| l.trim_start().starts_with(|c: char| c.is_ascii_digit()))
+        .filter_map(|l| l.split("ms  ").last().map(str::trim).map(str::to_owned))
+        .collect();
+    // 400 + 90 = 490 (510 to spare), 2 x 400 + 2 x 90 = 980 (20 to spare): plain `yes`.
+    assert_eq!(fits, ["yes", "yes"], "{out}");
+    let tighter = tight.replace("90ms", "98ms");
+    let dir = dir_with(&[("tight.yaml", &tighter)]);
+    let out = explained(dir.path(), "tight.yaml", "tight", &[]);
+    assert!(out.contains("996ms  yes, 4ms to spare"), "{out}");
+}
+
+#[test]
 fn explain_json_has_the_schedule_and_load_in_milliseconds() {
     let dir = dir_with(&[("worked.yaml", WORKED)]);
     let out = explained(dir.path(), "worked.yaml", "worked", &["--format", "json"]);

@@ -100,7 +100,9 @@ pub struct FieldRow {
 ///
 /// — every attempt so far ran its whole per-try timeout and every pause was the longest its
 /// jitter allows (server hints aside). It `fits_deadline` when it is before the deadline: the
-/// attempt then always gets to start. When it does not fit, a slow enough failure ends the
+/// attempt then gets to start, unless the attempts and pauses before it end later than their
+/// timeouts say (a timer can fire a millisecond or so late), which matters only for a start
+/// within a few ms of the deadline. When it does not fit, a slow enough failure ends the
 /// call with `deadline_exceeded` before that attempt; the call itself never runs past the
 /// deadline, since each attempt's timeout is `min(per_try_timeout, deadline left)`. The sum
 /// saturates instead of overflowing.

@@ -32,6 +32,10 @@ use super::Call;
 use super::report::{Explanation, Load};
 use crate::output::{self, Align};
 
+/// A fit with less than this to spare shows how much: timers that fire a little late can use
+/// it up, and the attempt then does not start.
+const TIGHT: std::time::Duration = std::time::Duration::from_millis(10);
+
 /// The whole text output; `warnings` are the file's warnings about this endpoint.
 pub fn render(e: &Explanation, warnings: &[&Diagnostic]) -> String {
     let mut out = String::new();
@@ -123,7 +127,9 @@ fn schedule(out: &mut String, e: &Explanation) {
         "  retry n follows failed attempt n and starts attempt n+1\n  \
          worst-case start = n x per_try_timeout + the longest pauses of retries 1..=n \
          (every attempt so far timed out, every pause was the longest its jitter allows)\n  \
-         fits deadline = that start is before the deadline, so the attempt always gets to run"
+         fits deadline = that start is before the deadline, so the attempt gets to run; a start within\n  \
+         a few ms of it may not (each timeout and pause can end a millisecond or so late): such a fit\n  \
+         shows what it has to spare"
     );
     if s.jitter == "decorrelated" {
         let _ = writeln!(
@@ -153,7 +159,11 @@ fn schedule(out: &mut String, e: &Explanation) {
                 .map_or_else(|| "-".to_owned(), |c| c.to_string()),
             format!("[{}, {}]", r.jitter_low_ms, r.jitter_high_ms),
             r.worst_case_start_ms.to_string(),
-            if r.fits_deadline { "yes" } else { "no" }.to_owned(),
+            match s.deadline_ms.0.checked_sub(r.worst_case_start_ms.0) {
+                _ if !r.fits_deadline => "no".to_owned(),
+                Some(spare) if spare < TIGHT => format!("yes, {} to spare", format_duration(spare)),
+                _ => "yes".to_owned(),
+            },
         ]
     }));
     use Align::{Left, Right};
