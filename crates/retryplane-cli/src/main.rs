@@ -31,7 +31,8 @@
 //! Two commands read them otherwise. `diff --exit-code`: `1` there means the file differs, so
 //! an invalid file or a refusal exits `2` (it could not compare). `request` (SPEC §5): `1` the
 //! call failed under the policy (a refused connect included), `2` usage or configuration (an
-//! invalid policy file included).
+//! invalid policy file included). `serve` exits `2` when it cannot start, an invalid policy
+//! file with an empty store included.
 //!
 //! The policy logic lives in `retryplane-policy` and the server in `retryplane-server`; this
 //! crate reads files, calls them and renders their answers.
@@ -59,7 +60,7 @@ use clap::{Parser, Subcommand};
     name = "retryplane",
     version,
     about = "Validate, explain and operate retry policies",
-    after_help = "Exit codes: 0 success, 1 invalid policy or refused by the server, 2 usage, I/O or connection error (2 wins over 1). With `diff --exit-code`: 1 the file differs, 2 it could not be compared. With `request`: 1 the call failed under the policy, 2 usage or configuration (an invalid policy included).",
+    after_help = "Exit codes: 0 success, 1 invalid policy or refused by the server, 2 usage, I/O or connection error (2 wins over 1). With `diff --exit-code`: 1 the file differs, 2 it could not be compared. With `request`: 1 the call failed under the policy, 2 usage or configuration (an invalid policy included). `serve`: 2 when it cannot start (an invalid policy file and an empty store included).",
     propagate_version = true
 )]
 struct Cli {
