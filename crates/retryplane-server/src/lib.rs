@@ -30,6 +30,7 @@ pub mod server;
 pub mod store;
 pub mod text_format;
 pub mod watch;
+mod writers;
 
 #[cfg(test)]
 mod test_logs;

@@ -1382,3 +1382,44 @@ async fn shutdown_does_not_wait_for_connections_that_never_send_anything() {
     );
     drop(silent);
 }
+
+/// A restart while a writer still has the policy file open (a deploy that restarts the control
+/// plane while `scp` or a generator writes the file in place) does not publish the half it has
+/// written (here a valid file without `search`, which would have dropped the endpoint for every
+/// agent): the stored version is served until the writer closes the file, and the whole save
+/// is published then.
+#[cfg(target_os = "linux")]
+#[tokio::test]
+async fn a_start_does_not_publish_a_file_its_writer_still_holds_open() {
+    use std::io::Write as _;
+    const BOTH: &str = "version: 1\nendpoints:\n  payments:\n    max_attempts: 3\n  search:\n    max_attempts: 2\n";
+    const SAVE: &str = "version: 1\nendpoints:\n  payments:\n    max_attempts: 4\n  search:\n    max_attempts: 2\n";
+    let (dir, cfg) = with_file(BOTH);
+    let running = start(cfg.clone()).await.unwrap();
+    assert_eq!(current(&running).await.version, 1);
+    running.shutdown().await.unwrap();
+    // The writer truncates the file, writes its first half and pauses, the file still open.
+    let path = dir.path().join("policies.yaml");
+    let mut writer = fs::File::create(&path).unwrap();
+    let cut = SAVE.find("  search:").unwrap();
+    writer.write_all(&SAVE.as_bytes()[..cut]).unwrap();
+    writer.flush().unwrap();
+    let running = start(cfg).await.unwrap();
+    let at_start = current(&running).await;
+    // The writer finishes: the whole save is the next version.
+    writer.write_all(&SAVE.as_bytes()[cut..]).unwrap();
+    drop(writer);
+    assert_eq!(
+        at_start.version, 1,
+        "start-up published the half-written file ({})",
+        at_start.summary
+    );
+    eventually("the whole save is published", || async {
+        current(&running).await.version == 2
+    })
+    .await;
+    // Only `payments` changed: `search` was never dropped.
+    let info = current(&running).await;
+    assert_eq!(info.summary, "+0 endpoints, -0, 1 modified");
+    running.shutdown().await.unwrap();
+}

@@ -55,8 +55,12 @@
 //! written to is (a writer may hold it open before its first write), while it is still empty:
 //! one created with content (a hard link, an `O_TMPFILE` linked in) has no writer here. A
 //! file moved in from a directory not watched clears its name's mark. What a writer did in a
-//! directory before the watcher watched it (one made that same moment) is not known: such a
-//! file is judged by its times alone. notify delivers the
+//! directory before the watcher watched it (one made that same moment), or through a path no
+//! watch hears (a hard link elsewhere), is not known from events: so before a read that would
+//! change what is served, the system is asked whether a process holds the file open for
+//! writing (`crate::writers`; on Linux, the processes this one can see), and the read waits
+//! for it the same way, asking again every quiet period (its close may raise no event here).
+//! A writer the system does not show is judged by the file's times alone. notify delivers the
 //! writer's events on its own thread, so a save that begins just as the quiet period ends may
 //! not be known yet when the file is read: after the read the file is looked at again, and a
 //! read of a file now open for writing, whose size or times moved during the read (a
@@ -88,6 +92,7 @@ use tracing::{debug, info, warn};
 use crate::ErrorChain;
 use crate::control::{ChangeContent, ChangeError, ChangeRequest, ControlPlane};
 use crate::store::Source;
+use crate::writers;
 
 /// Quiet time after the last event before the file is read.
 pub const DEBOUNCE: Duration = Duration::from_millis(200);
@@ -723,8 +728,11 @@ fn link_dirs(file: &Path) -> Vec<PathBuf> {
 /// Why a read of the policy file is not taken yet.
 #[derive(Clone, Copy, Debug)]
 enum Writing {
-    /// A writer holds the file open.
+    /// A writer holds the file open, as the watch's events tell.
     Open,
+    /// A process holds the file open for writing, as the system tells
+    /// ([`crate::writers`]); asked again after this long.
+    Held(Duration),
     /// The file changed under the read, or less than the quiet period before it; it has been
     /// quiet that long after this.
     Changing(Duration),
@@ -818,9 +826,23 @@ async fn run(
             // modification time. An empty file is most often a save caught between its
             // truncation and its first write: looked at once more after a quiet period before
             // it is refused.
+            // A writer the events did not tell of (one that opened the file before the watch
+            // began, or wrote through a path no watch hears): asked of the system, for a read
+            // that would change what is served (a rescan of the same bytes costs no scan).
+            let held = match (&read, &real) {
+                (Some(Ok(r)), Some(real)) if !matches!(&last, LastRead::Bytes(b) if *b == r.bytes) =>
+                {
+                    let real = real.clone();
+                    blocking(move || writers::held_open_for_writing(&real))
+                        .await
+                        .unwrap_or(false)
+                }
+                _ => false,
+            };
             let why = match &read {
                 None => Some(Writing::Open),
                 Some(_) if open() => Some(Writing::Open),
+                Some(Ok(_)) if held => Some(Writing::Held(debounce)),
                 Some(Ok(r)) => r
                     .settles_in(debounce)
                     .or_else(|| (!r.stable).then_some(debounce))
@@ -845,7 +867,7 @@ async fn run(
             let left = timing.unclosed.saturating_sub(since.elapsed());
             if left.is_zero() {
                 let what = match why {
-                    Writing::Open => "has been held open for writing",
+                    Writing::Open | Writing::Held(_) => "has been held open for writing",
                     Writing::Changing(_) => "has kept changing",
                 };
                 warn!(file = %file.display(), "the policy file {what} for {}; reading it as it is now, which may be half of a save", format_duration(timing.unclosed));
@@ -871,8 +893,10 @@ async fn run(
                     }
                     waiting_since = Instant::now();
                 }
-                // Until the file has been quiet for the quiet period, whatever other files do.
-                Writing::Changing(quiet) => tokio::select! {
+                // Until the file has been quiet for the quiet period, whatever other files do;
+                // a writer known only to the system is asked after again as often (its close
+                // may raise no event here).
+                Writing::Changing(quiet) | Writing::Held(quiet) => tokio::select! {
                     _ = shutdown.wait_for(|stop| *stop) => return,
                     () = tokio::time::sleep(quiet.min(left)) => {}
                 },

@@ -916,3 +916,47 @@ async fn a_directory_renamed_away_while_nothing_replaces_it_yet_is_unwatched() {
     );
     drop((old, new));
 }
+
+/// A save written in place through a path no watch hears (a hard link elsewhere; so is a file
+/// bind-mounted into a container and written from the same host's processes), whose writer
+/// pauses with the file open, is not published half-written by the rescan: the system is
+/// asked whether a process holds the file open for writing (`crate::writers`).
+#[cfg(target_os = "linux")]
+#[tokio::test]
+async fn a_rescan_does_not_publish_half_of_a_save_written_where_no_watch_hears() {
+    let (log, _guard) = capture_logs();
+    let dir = tempfile::tempdir().unwrap();
+    let elsewhere = tempfile::tempdir().unwrap();
+    let file = dir.path().join("policies.yaml");
+    fs::write(&file, V1).unwrap();
+    let link = elsewhere.path().join("policies.yaml");
+    fs::hard_link(&file, &link).unwrap();
+    let timing = Timing {
+        rescan: Duration::from_millis(300),
+        ..TIMING
+    };
+    let f = start_with(dir, file.clone(), timing).await;
+    // Truncated and half written through the link, still open: the rescan sees the change
+    // and waits for the writer.
+    let writer = SlowWriter::start(&link, FIRST_HALF);
+    let waited = tokio::time::timeout(Duration::from_secs(10), async {
+        while !log.text().contains(OPEN_FOR_WRITING) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    assert!(
+        waited.is_ok(),
+        "the rescan did not wait for the writer: {}",
+        log.text()
+    );
+    assert_eq!(
+        current_version(&f.control),
+        Some(1),
+        "half a save was published"
+    );
+    writer.finish(SECOND_HALF);
+    wait_for_version(&f.control, 2, Duration::from_secs(10)).await;
+    let history = f.control.blocking(|s| s.history(0, None)).await.unwrap();
+    assert_eq!(history.len(), 2, "only the whole save was published");
+}

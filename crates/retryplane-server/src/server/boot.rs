@@ -5,14 +5,21 @@
 //! unreadable or invalid file (or one whose snapshot would be larger than agents decode) stops
 //! the start when the store is empty — there would be nothing to serve — and otherwise is
 //! logged while the stored version keeps being served, exactly as a bad save is while running.
+//! A file another process holds open for writing ([`crate::writers`]) may be half of a save:
+//! with a stored version it is left to the watcher (started before this read), which reads it
+//! once its writer closes it; with an empty store the start waits for the writer, at most
+//! [`crate::watch::UNCLOSED`].
 //!
 //! API mode: the store is the source of truth. Only an empty store is seeded from the file; a
 //! missing seed file leaves the server unready until the first `retryplane apply`.
 
 use std::io;
 use std::path::Path;
+use std::time::Duration;
 
 use retryplane_policy::Loaded;
+use retryplane_policy::duration::format_duration;
+use tokio::time::Instant;
 use tracing::{error, info, warn};
 
 use super::{ServeConfig, ServeError};
@@ -56,6 +63,16 @@ pub(super) async fn load_policies(
                 Ok(None)
             }
         };
+    }
+    // A writer holds the file open (a deploy that restarts the control plane while `scp` or a
+    // generator still writes it): what is there may be half of its save. The watcher, started
+    // before this read, reads it once the writer closes it, as it does any save.
+    if held_open_for_writing(file).await {
+        if let Some(version) = stored {
+            warn!(file = %file.display(), version, "the policy file is open for writing by another process; serving the stored version until its writer closes it");
+            return Ok(None);
+        }
+        wait_for_writer(file).await;
     }
     let (bytes, loaded) = match (read_policy_file(file).await, stored) {
         (Ok(read), _) => read,
@@ -138,5 +155,32 @@ async fn apply_valid(
             file: file.to_owned(),
             source,
         }),
+    }
+}
+
+/// How often start-up asks again whether a writer still holds the policy file open.
+const WRITER_POLL: Duration = Duration::from_millis(100);
+
+/// Whether another process holds `file` open for writing ([`crate::writers`]), off the async
+/// threads.
+async fn held_open_for_writing(file: &Path) -> bool {
+    let file = file.to_owned();
+    tokio::task::spawn_blocking(move || crate::writers::held_open_for_writing(&file))
+        .await
+        .unwrap_or(false)
+}
+
+/// With an empty store there is nothing else to serve: waits for the writer to close the file,
+/// at most [`crate::watch::UNCLOSED`], as the watcher does; then the file is read as it is,
+/// with a warning.
+async fn wait_for_writer(file: &Path) {
+    info!(file = %file.display(), "the policy file is open for writing by another process; waiting for its writer to close it");
+    let until = Instant::now() + crate::watch::UNCLOSED;
+    while held_open_for_writing(file).await {
+        if Instant::now() >= until {
+            warn!(file = %file.display(), "the policy file has been held open for writing for {}; reading it as it is now, which may be half of a save", format_duration(crate::watch::UNCLOSED));
+            return;
+        }
+        tokio::time::sleep(WRITER_POLL).await;
     }
 }
