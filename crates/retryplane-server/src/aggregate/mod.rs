@@ -14,7 +14,13 @@
 //! otherwise, logged once per service). Each such endpoint report is counted
 //! (`overflowed_reports`); the first for a name not kept apart and the first past the cap are
 //! each logged at warn once (the name escaped, so it cannot forge a log line), and later ones
-//! in a summary at most every [`OVERFLOW_SUMMARY_EVERY`]. Series are never dropped: lifetime totals stay. Each
+//! in a summary at most every [`OVERFLOW_SUMMARY_EVERY`]. A series no report has counted into for
+//! [`DEFAULT_FORGET_SERIES_AFTER`] (unless [`Aggregator::with_forget_after`] says otherwise; never
+//! less than [`MIN_FORGET_SERIES_AFTER`], past the longest window) is forgotten, lifetime totals with it, and so is a service left
+//! with no series and no stream: names agents no longer report (an endpoint renamed, a service
+//! gone) give their place back to the ones they report now, which would otherwise count in
+//! `other` once the cap or a service's share filled up. A name reported again starts a new
+//! series (Prometheus reads its counters as reset). Each
 //! series holds its windows in fixed rings ([`window`] documents the bucket layout and
 //! resolution) split by policy version ([`series`] documents version pruning), so a series
 //! costs about 3 KB with one live version ([`Aggregator::approx_bytes`]: 3,021 bytes, of
@@ -62,7 +68,7 @@ use retryplane_proto::{pb, rank};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
-use tracing::warn;
+use tracing::{info, warn};
 
 use self::counts::Counts;
 use self::series::{Alert, Judge, Series, SeriesView};
@@ -86,6 +92,11 @@ pub const MAX_NAME_LEN: usize = 256;
 /// an agent whose service and endpoint are both `other` is counted in that series too, so two
 /// series never carry the same labels.
 pub const OTHER: &str = "other";
+/// How long a series may go without a report before it is forgotten, unless configured.
+pub const DEFAULT_FORGET_SERIES_AFTER: Duration = Duration::from_secs(3600);
+/// The shortest time a series is kept without a report: past its longest window (15 minutes,
+/// in whole-minute buckets), with room to spare.
+pub const MIN_FORGET_SERIES_AFTER: Duration = Duration::from_secs(20 * 60);
 /// How often alerts are re-evaluated and versions pruned in the background.
 pub const TICK: Duration = Duration::from_secs(5);
 /// Shortest time between two summaries of overflowed reports in the log.
@@ -170,6 +181,8 @@ pub struct Aggregator {
     bad_name_warned: AtomicBool,
     overflow_log: Mutex<OverflowLog>,
     thresholds: Thresholds,
+    /// A series silent this long is forgotten (see the module docs).
+    forget_after: Duration,
 }
 
 fn read<T>(lock: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
@@ -240,7 +253,17 @@ impl Aggregator {
                 reports: 0,
             }),
             thresholds: Thresholds::default(),
+            forget_after: DEFAULT_FORGET_SERIES_AFTER,
         }
+    }
+
+    /// This aggregate, forgetting a series no report has counted into for `after` (default
+    /// [`DEFAULT_FORGET_SERIES_AFTER`]; at least [`MIN_FORGET_SERIES_AFTER`], so a series with
+    /// counts in a window is never forgotten).
+    #[must_use]
+    pub fn with_forget_after(mut self, after: Duration) -> Self {
+        self.forget_after = after.max(MIN_FORGET_SERIES_AFTER);
+        self
     }
 
     /// This aggregate, with at most `max` series per calling service (at least 1; default
@@ -684,8 +707,49 @@ impl Aggregator {
             let Alert { firing: f, .. } = s.evaluate(&tick, judges.of(s));
             firing += usize::from(f);
         }
+        drop(all);
+        self.forget_silent(now);
         self.log_overflow(now);
         firing
+    }
+
+    /// Forgets the series silent for `forget_after` or more, and the services left with no
+    /// series that no stream holds. A series is judged again under its service's write lock,
+    /// which no report can be counting under, so one reported meanwhile stays.
+    fn forget_silent(&self, now: Instant) {
+        let services: Vec<Arc<ServiceSeries>> = read(&self.services).values().cloned().collect();
+        let mut forgotten = 0;
+        for svc in &services {
+            let silent = |s: &Arc<Series>| s.silent_for(self.forget_after, now);
+            if !read(&svc.endpoints).values().any(silent) {
+                continue;
+            }
+            let mut endpoints = write(&svc.endpoints);
+            let before = endpoints.len();
+            endpoints.retain(|_, s| !silent(s));
+            forgotten += before - endpoints.len();
+            if endpoints.len() < before / 2 {
+                endpoints.shrink_to_fit();
+            }
+        }
+        drop(services);
+        if forgotten > 0 {
+            self.series.fetch_sub(forgotten, Ordering::Relaxed);
+            info!(
+                series = forgotten,
+                silent_for = %retryplane_policy::duration::format_duration(self.forget_after),
+                "forgot the metrics series no agent has reported for a while"
+            );
+        }
+        // A service with no series left, whose handle no stream keeps (only the map holds it):
+        // a stream that asks for it again makes it anew. Under the write lock, so no stream
+        // takes a handle meanwhile.
+        let idle = |svc: &Arc<ServiceSeries>| {
+            Arc::strong_count(svc) == 1 && read(&svc.endpoints).is_empty()
+        };
+        if read(&self.services).values().any(idle) {
+            write(&self.services).retain(|_, svc| !idle(svc));
+        }
     }
 
     fn log_overflow(&self, now: Instant) {

@@ -101,6 +101,8 @@ struct State {
     /// When the series was made, and the span of the first report that counted into it
     /// (`None` until one has).
     created: Instant,
+    /// When a report last counted into it (its creation until one has).
+    last_report: Instant,
     first_span: Option<Duration>,
     lifetime: Counts,
     /// The newest version kept (see [`State::note_newest`]).
@@ -168,6 +170,7 @@ impl Series {
             endpoint: endpoint.into(),
             state: Mutex::new(State {
                 created: now,
+                last_report: now,
                 first_span: None,
                 lifetime: Counts::default(),
                 newest_version: 0,
@@ -200,6 +203,7 @@ impl Series {
     pub fn add(&self, tick: &Tick, version: u64, counts: &Counts, span: Duration) {
         let mut s = self.lock();
         s.first_span.get_or_insert(span);
+        s.last_report = s.last_report.max(tick.now);
         s.lifetime.add(counts);
         let at = match s.versions.iter().position(|v| v.version == version) {
             Some(i) => i,
@@ -230,6 +234,13 @@ impl Series {
         s.prune(tick);
         let w = s.window(tick, Window::FiveMinutes);
         (w.0[CALLS], w.0[RETRIES])
+    }
+
+    /// Whether no report has counted into this series for `after` or more as of `now` and its
+    /// alert does not fire: it may be forgotten ([`crate::aggregate::Aggregator::tick`]).
+    pub fn silent_for(&self, after: Duration, now: Instant) -> bool {
+        let s = self.lock();
+        !s.alert.firing && now.saturating_duration_since(s.last_report) >= after
     }
 
     /// Drops versions and retired buckets with nothing left in any window.

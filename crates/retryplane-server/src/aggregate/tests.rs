@@ -1036,6 +1036,76 @@ async fn one_service_takes_at_most_its_share_of_the_series() {
     assert_eq!(first.and_then(|s| s.lifetime).map(|c| c.calls), Some(2));
 }
 
+/// An endpoint renamed now and then (`pay-v1` → `pay-v2` → …): the names no longer reported
+/// give their place back, so the endpoint called today gets its own series, stats and alert
+/// rather than `other`, once the service's share has been used over time.
+#[tokio::test(start_paused = true)]
+async fn series_not_reported_for_the_forget_time_give_their_place_to_todays_names() {
+    let agg = Aggregator::new(10_000, Instant::now()).with_max_per_service(3);
+    let svc = agg.service("checkout");
+    for name in ["pay-v1", "pay-v2", "pay-v3"] {
+        agg.ingest(&svc, &report(1, &[(name, 100, 0)]), Instant::now());
+        advance(Duration::from_secs(20 * 60)).await;
+        agg.tick(Instant::now());
+    }
+    // `pay-v1` was last reported an hour ago: forgotten; the two others are kept.
+    advance(Duration::from_secs(1)).await;
+    agg.tick(Instant::now());
+    assert_eq!(agg.series_count(), 2);
+    // Today's endpoint, in a retry storm: 50 % retries over 1,000 calls.
+    for _ in 0..10 {
+        agg.ingest(&svc, &report(1, &[("pay-v4", 100, 50)]), Instant::now());
+        advance(Duration::from_secs(10)).await;
+    }
+    agg.tick(Instant::now());
+    let now = Instant::now();
+    let series: Vec<String> = agg
+        .stats(now, all())
+        .series
+        .iter()
+        .map(|s| format!("{}/{}", s.service, s.endpoint))
+        .collect();
+    assert_eq!(
+        series,
+        ["checkout/pay-v2", "checkout/pay-v3", "checkout/pay-v4"],
+        "{} reports went to `other`",
+        agg.overflowed_reports()
+    );
+    assert_eq!(agg.overflowed_reports(), 0);
+    assert_eq!(agg.alerting_endpoints(now), ["pay-v4"]);
+    // A name reported again starts a new series from zero.
+    agg.ingest(&svc, &report(1, &[("pay-v3", 7, 0)]), now);
+    let v3 = agg.stats(now, one("checkout", "pay-v3"));
+    assert_eq!(
+        v3.series[0].lifetime.map(|c| c.calls),
+        Some(107),
+        "pay-v3 was kept"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_series_reported_within_the_forget_time_is_kept_and_a_service_a_stream_holds_too() {
+    let agg = Aggregator::new(10, Instant::now()).with_forget_after(Duration::from_secs(1));
+    // Never less than the floor: one second is taken as 20 minutes.
+    let held = agg.service("checkout");
+    let gone = agg.service("batch");
+    agg.ingest(&held, &report(1, &[("payments", 100, 0)]), Instant::now());
+    agg.ingest(&gone, &report(1, &[("ledger", 100, 0)]), Instant::now());
+    drop(gone);
+    advance(MIN_FORGET_SERIES_AFTER - Duration::from_secs(1)).await;
+    agg.tick(Instant::now());
+    assert_eq!(agg.series_count(), 2, "kept until the floor");
+    advance(Duration::from_secs(1)).await;
+    agg.tick(Instant::now());
+    assert_eq!(agg.series_count(), 0);
+    // `batch` had no stream left: forgotten with its series; `checkout`'s stream still holds
+    // its handle, whose later reports count as before.
+    assert_eq!(read(&agg.services).len(), 1);
+    agg.ingest(&held, &report(1, &[("payments", 3, 0)]), Instant::now());
+    let stats = agg.stats(Instant::now(), one("checkout", "payments"));
+    assert_eq!(stats.series[0].lifetime.map(|c| c.calls), Some(3));
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_small_callers_alert_lent_by_its_endpoint_ends_with_the_endpoints() {
     let agg = Aggregator::new(100, Instant::now());
