@@ -301,3 +301,41 @@ fn a_takeover_keeps_the_retries_for_at_least_as_long_as_they_count() {
         0
     );
 }
+
+#[test]
+fn calls_still_running_on_a_budget_handed_over_draw_on_its_successor() {
+    let t0 = Instant::now();
+    let window = Duration::from_secs(10);
+    // A reserve of 10 retries per window, 4 of them used before the change of settings.
+    let old = Arc::new(RetryBudget::new(&cfg(0.0, 1, window), t0));
+    let before = t0 + Duration::from_secs(1);
+    for _ in 0..4 {
+        assert!(old.try_withdraw(before));
+    }
+    let change = before + Duration::from_millis(100);
+    let new = Arc::new(RetryBudget::taking_over(&cfg(0.1, 1, window), &old, change));
+    old.hand_over_to(&new);
+    // The calls still running on the old budget and those on the new one share what is left:
+    // 6 retries in all, not 6 each.
+    let after = change + Duration::from_millis(100);
+    assert_eq!(withdraw_all(&old, after), 6, "the old calls' retries");
+    assert_eq!(withdraw_all(&new, after), 0, "counted in the new budget");
+    assert_eq!(new.snapshot(after).retries, 10);
+    // A retry taken through the old budget and never sent is given back where it counts.
+    let later = after + Duration::from_secs(1);
+    let later_nanos = nanos_since(t0, later);
+    let third = Arc::new(RetryBudget::taking_over(&cfg(0.2, 2, window), &new, later));
+    new.hand_over_to(&third);
+    let w = old
+        .check_at(later_nanos)
+        .expect("the third budget allows 20");
+    let taken = old.take(w).expect("taken");
+    assert_eq!(third.snapshot(later).retries, 11);
+    old.give_back(taken);
+    assert_eq!(third.snapshot(later).retries, 10);
+    // A second successor is ignored: the line stays one.
+    let stray = Arc::new(RetryBudget::new(&cfg(0.0, 1, window), t0));
+    old.hand_over_to(&stray);
+    assert!(old.check_at(later_nanos).is_some());
+    assert_eq!(stray.snapshot(later).retries, 0);
+}
