@@ -65,6 +65,10 @@ const GEN_SHIFT: u32 = 48;
 const GEN_MASK: u64 = 0x7FFF;
 const UNTIL_MASK: u64 = (1 << GEN_SHIFT) - 1;
 const PROBE_MASK: u64 = (1 << 24) - 1;
+
+/// The most `half_open_probes` a breaker counts (probes are counted in 24 bits); the validator
+/// refuses more.
+pub const MAX_HALF_OPEN_PROBES: u32 = (1 << 24) - 1;
 const NANOS_PER_MS: u64 = 1_000_000;
 
 /// A ratio and a count this close together count as equal (`0.3 × 10` is a hair above 3).

@@ -125,15 +125,21 @@ fn allowance(reserve: u64, ratio: f64, requests: u64) -> u64 {
     reserve.max((ratio * requests as f64 + EPSILON) as u64)
 }
 
+/// The retries `cfg`'s reserve allows per window: `floor(min_per_second × window)`.
+pub fn reserve_per_window(cfg: &BudgetConfig) -> u64 {
+    let reserve = f64::from(cfg.min_per_second) * cfg.window.as_secs_f64();
+    // Never negative; `as` saturates.
+    (reserve + EPSILON) as u64
+}
+
 impl RetryBudget {
     /// An empty budget for `cfg`, measuring time from `origin`.
     pub fn new(cfg: &BudgetConfig, origin: Instant) -> Self {
-        let reserve = f64::from(cfg.min_per_second) * cfg.window.as_secs_f64();
         Self {
             origin,
             window: SlidingCounter::new(cfg.window),
             ratio: if cfg.ratio > 0.0 { cfg.ratio } else { 0.0 },
-            reserve: (reserve + EPSILON) as u64,
+            reserve: reserve_per_window(cfg),
             successor: OnceLock::new(),
         }
     }

@@ -170,6 +170,20 @@ fn a_yaml_1_1_number_with_underscores_is_a_string_and_refused_with_a_hint() {
 }
 
 #[test]
+fn settings_that_do_not_do_what_they_say_are_warned_and_probes_past_the_breakers_count_refused() {
+    let src = "version: 1\ndefaults:\n  budget: {ratio: 0, min_per_second: 3, window: 333ms}\nendpoints:\n  a:\n    idempotency_key_header: content-type\n    circuit_breaker: {half_open_probes: 16777216}\n    routes:\n      - match: {path_prefix: /v1/*}\n        max_attempts: 2\n  b:\n    budget: {min_per_second: 3, window: 334ms}\n";
+    assert_eq!(
+        all(src),
+        [
+            "3:38: warning: defaults.budget.min_per_second: the reserve allows no retry: 3 retries/s over a 333ms window is less than one, and the reserve is counted per window, rounded down; lengthen budget.window or raise budget.min_per_second",
+            "6:29: warning: endpoints.a.idempotency_key_header: `content-type` is sent with most requests, not only by clients that mean it as an idempotency key: any request carrying it, POST included, would be retried after a timeout or a reset; name a header of its own (`Idempotency-Key`)",
+            "7:41: error: endpoints.a.circuit_breaker.half_open_probes: must be from 1 to 16777215, found 16777216",
+            "9:16: warning: endpoints.a.routes[0].match.path_prefix: `/v1/*` is matched as written: `*` is no wildcard in a path prefix (a prefix already matches every path that starts with it: write `/v1/`)",
+        ]
+    );
+}
+
+#[test]
 fn a_path_prefix_no_request_can_carry_as_written_is_warned_with_its_encoded_form() {
     let src = "version: 1\nendpoints:\n  u:\n    routes:\n      - match: {path_prefix: \"/a b\"}\n        max_attempts: 1\n      - match: {path_prefix: \"/q r?x=1\"}\n        max_attempts: 1\n      - match: {path_prefix: \"/v1/über|x[0]\"}\n        max_attempts: 1\n";
     assert_eq!(

@@ -147,6 +147,20 @@ pub(crate) fn check_parsed(
                     ),
                 ));
             }
+            if let RouteMatch::Http { path_prefix, .. } = &route.matcher.value
+                && path_prefix.contains('*')
+            {
+                let literal = path_prefix.split('*').next().unwrap_or_default();
+                diags.push(Diagnostic::warning(
+                    route.matcher.loc,
+                    format!("{route_path}.match.path_prefix"),
+                    format!(
+                        "`{}` is matched as written: `*` is no wildcard in a path prefix (a prefix already matches every path that starts with it: write `{}`)",
+                        crate::diag::OneLine(path_prefix),
+                        crate::diag::OneLine(literal)
+                    ),
+                ));
+            }
             earlier.add(&route.matcher.value, canonical, i);
             let mut route_layers = layers.clone();
             route_layers.push((Level::Route, route_path, &route.overlay));
@@ -521,6 +535,19 @@ fn check_layer(o: &Overlay, prefix: &str, diags: &mut Vec<Diagnostic>) {
             error(f.loc, field, "must be at least 1".to_owned());
         }
     }
+    if let Some(f) = &o.circuit_breaker.half_open_probes
+        && f.value > crate::breaker::MAX_HALF_OPEN_PROBES
+    {
+        error(
+            f.loc,
+            "circuit_breaker.half_open_probes",
+            format!(
+                "must be from 1 to {}, found {}",
+                crate::breaker::MAX_HALF_OPEN_PROBES,
+                f.value
+            ),
+        );
+    }
     if let Some(f) = &o.idempotency_key_header {
         let token = !f.value.is_empty()
             && f.value
@@ -559,6 +586,20 @@ fn check_layer(o: &Overlay, prefix: &str, diags: &mut Vec<Diagnostic>) {
             format!(
                 "{} attempts multiply load by up to {}x during an outage; more than {MAX_ATTEMPTS_WARN} rarely helps",
                 f.value, f.value
+            ),
+        );
+    }
+    if let Some(f) = &o.idempotency_key_header
+        && COMMON_HEADERS
+            .iter()
+            .any(|h| h.eq_ignore_ascii_case(&f.value))
+    {
+        warn(
+            f.loc,
+            "idempotency_key_header".into(),
+            format!(
+                "`{}` is sent with most requests, not only by clients that mean it as an idempotency key: any request carrying it, POST included, would be retried after a timeout or a reset; name a header of its own (`Idempotency-Key`)",
+                f.value
             ),
         );
     }
@@ -882,6 +923,22 @@ fn check_effective(layers: &Layers<'_>, refused: &Refused, diags: &mut Vec<Diagn
             ),
         ));
     }
+    if let Some(b) = &p.budget
+        && b.min_per_second > 0
+        && crate::budget::reserve_per_window(b) == 0
+        && !refused.any(layers, &["budget.min_per_second", "budget.window"])
+    {
+        let (loc, path) = blame(layers, &["budget.min_per_second", "budget.window"]);
+        push(Diagnostic::warning(
+            loc,
+            path,
+            format!(
+                "the reserve allows no retry: {} retries/s over a {} window is less than one, and the reserve is counted per window, rounded down; lengthen budget.window or raise budget.min_per_second",
+                b.min_per_second,
+                fmt(b.window)
+            ),
+        ));
+    }
     if p.budget.is_none()
         && p.max_attempts > 3
         && !refused.any(layers, &["budget.enabled", "max_attempts"])
@@ -897,6 +954,21 @@ fn check_effective(layers: &Layers<'_>, refused: &Refused, diags: &mut Vec<Diagn
         ));
     }
 }
+
+/// Headers most requests carry whatever the client means: not an idempotency key.
+const COMMON_HEADERS: [&str; 11] = [
+    "accept",
+    "accept-encoding",
+    "accept-language",
+    "authorization",
+    "connection",
+    "content-length",
+    "content-type",
+    "cookie",
+    "host",
+    "te",
+    "user-agent",
+];
 
 /// What to write instead of `prefix`, if it holds what no request path carries as written:
 /// `?` or `#` (routes match the path alone: a query or a fragment is never part of it), or a
