@@ -57,8 +57,6 @@
 //! `origin`; an instant older than the newest one seen (time going backwards a little, or
 //! threads passing slightly different instants) counts in the newest slot seen.
 
-use std::sync::{Arc, OnceLock};
-
 use tokio::time::Instant;
 
 use crate::model::BudgetConfig;
@@ -82,9 +80,6 @@ pub struct RetryBudget {
     window: SlidingCounter<2>,
     ratio: f64,
     reserve: u64,
-    /// The budget that took over from this one ([`RetryBudget::hand_over_to`]): the retries
-    /// of calls still running on this one are asked of the newest budget of the line.
-    successor: OnceLock<Arc<RetryBudget>>,
 }
 
 /// What a budget holds at one instant, for `explain` and metrics.
@@ -106,16 +101,12 @@ pub(crate) struct Withdrawal {
     slot: u64,
     older: u64,
     limit: u64,
-    /// Which budget of the line was read ([`RetryBudget::id`]).
-    budget: usize,
 }
 
-/// A retry [`RetryBudget::take`] counted: the slot it is counted in, and in which budget of
-/// the line ([`RetryBudget::id`]).
+/// A retry [`RetryBudget::take`] counted: the slot it is counted in.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Taken {
     slot: u64,
-    budget: usize,
 }
 
 /// `max(reserve, floor(ratio × requests))`.
@@ -140,33 +131,7 @@ impl RetryBudget {
             window: SlidingCounter::new(cfg.window),
             ratio: if cfg.ratio > 0.0 { cfg.ratio } else { 0.0 },
             reserve: reserve_per_window(cfg),
-            successor: OnceLock::new(),
         }
-    }
-
-    /// Hands this budget over to `successor`, the budget that took over from it
-    /// ([`Self::taking_over`]): from now on the retries of calls still running on this one
-    /// are asked of, counted in and given back to the newest budget of the line, so calls in
-    /// flight at a change of settings share the new budget's allowance with the calls after
-    /// it rather than drawing on the old one's as well. Once only; a second successor is
-    /// ignored.
-    pub fn hand_over_to(&self, successor: &Arc<RetryBudget>) {
-        let _ = self.successor.set(successor.clone());
-    }
-
-    /// The newest budget of this one's line: itself until it is handed over.
-    fn newest(&self) -> &RetryBudget {
-        let mut budget = self;
-        while let Some(next) = budget.successor.get() {
-            budget = next;
-        }
-        budget
-    }
-
-    /// This budget's identity within its line, for a withdrawal to be taken from (and a retry
-    /// given back to) the budget it was read from.
-    fn id(&self) -> usize {
-        std::ptr::from_ref(self).addr()
     }
 
     /// A budget for `cfg` that takes over at `now` from `old`, the same endpoint's budget under
@@ -177,9 +142,8 @@ impl RetryBudget {
     /// bound stays sound. So a change of settings hands out no fresh allowance: a budget
     /// tightened during a retry storm refuses at once what the retries already used up (an
     /// empty one allowed its whole reserve again, on every agent), and a change never credits
-    /// calls for longer than they were made for. Calls still running under `old` ask the new
-    /// budget for their retries once `old` is handed over to it ([`Self::hand_over_to`]); a
-    /// retry `old` counts between the copy and the hand-over stays in `old` alone.
+    /// calls for longer than they were made for. Retries that calls still running under `old`
+    /// take are counted in `old` only.
     pub fn taking_over(cfg: &BudgetConfig, old: &RetryBudget, now: Instant) -> Self {
         let budget = Self::new(cfg, old.origin);
         let nanos = nanos_since(old.origin, now);
@@ -211,38 +175,29 @@ impl RetryBudget {
     /// Asks for one retry at `now`: `true` (and the retry is counted) when the budget allows it,
     /// `false` (nothing counted) when it is exhausted.
     pub fn try_withdraw(&self, now: Instant) -> bool {
-        let budget = self.newest();
-        let slot = budget.window.advance(nanos_since(budget.origin, now));
-        budget.take_in(slot)
+        let slot = self.window.advance(nanos_since(self.origin, now));
+        self.take_in(slot)
     }
 
     /// Whether a retry at `now` would be allowed, without counting it.
     pub fn can_withdraw(&self, now: Instant) -> bool {
-        let budget = self.newest();
-        let slot = budget.window.peek(nanos_since(budget.origin, now));
-        let [requests, older] = budget.window.sums(slot, READ);
-        budget.fits(
-            slot,
-            older,
-            allowance(budget.reserve, budget.ratio, requests),
-        )
+        let slot = self.window.peek(nanos_since(self.origin, now));
+        let [requests, older] = self.window.sums(slot, READ);
+        self.fits(slot, older, allowance(self.reserve, self.ratio, requests))
     }
 
     /// Reads the window once at `nanos` since the origin, read-only like
     /// [`Self::can_withdraw`]: the retry it would allow, or `None` when the budget is exhausted.
     /// Nothing is counted until [`Self::take`].
     pub(crate) fn check_at(&self, nanos: u64) -> Option<Withdrawal> {
-        // A line shares its origin (see `taking_over`), so `nanos` holds for every budget of it.
-        let budget = self.newest();
-        let slot = budget.window.peek(nanos);
-        let [requests, older] = budget.window.sums(slot, READ);
-        let limit = allowance(budget.reserve, budget.ratio, requests);
-        budget.fits(slot, older, limit).then_some(Withdrawal {
+        let slot = self.window.peek(nanos);
+        let [requests, older] = self.window.sums(slot, READ);
+        let limit = allowance(self.reserve, self.ratio, requests);
+        self.fits(slot, older, limit).then_some(Withdrawal {
             nanos,
             slot,
             older,
             limit,
-            budget: budget.id(),
         })
     }
 
@@ -250,21 +205,14 @@ impl RetryBudget {
     /// no second read of the window): `None` then, and nothing is counted. `Some` holds the
     /// retry counted, for [`Self::give_back`] should it never be sent.
     pub(crate) fn take(&self, w: Withdrawal) -> Option<Taken> {
-        let budget = self.newest();
-        let taken = |slot| Taken {
-            slot,
-            budget: budget.id(),
-        };
-        let slot = budget.window.advance(w.nanos);
-        if slot != w.slot || budget.id() != w.budget {
-            // Another thread moved the window on since the check, or a budget took over: read
-            // it again.
-            return budget.take_in(slot).then(|| taken(slot));
+        let slot = self.window.advance(w.nanos);
+        if slot != w.slot {
+            // Another thread moved the window on since the check: read it again.
+            return self.take_in(slot).then_some(Taken { slot });
         }
-        budget
-            .window
+        self.window
             .try_add(slot, RETRIES, w.older, w.limit)
-            .then(|| taken(slot))
+            .then_some(Taken { slot })
     }
 
     /// Uncounts a retry [`Self::take`] counted that was never sent (its call was cancelled or
@@ -272,17 +220,7 @@ impl RetryBudget {
     /// retry the upstream never saw leaves the window's retries as they were. A retry whose
     /// slot has left the window since is no longer counted there, and nothing changes.
     pub(crate) fn give_back(&self, taken: Taken) {
-        // To the budget that counted it (its slots are its own). Should that budget have been
-        // handed over since, its successor took the retry over with its counts and keeps it:
-        // one retry counted that was not sent, which only ever allows less.
-        let mut budget = self;
-        while budget.id() != taken.budget {
-            match budget.successor.get() {
-                Some(next) => budget = next,
-                None => return,
-            }
-        }
-        budget.window.remove(taken.slot, RETRIES);
+        self.window.remove(taken.slot, RETRIES);
     }
 
     /// Reads the window and takes one retry in `slot` (from `advance`) if it allows one.

@@ -282,17 +282,11 @@ impl EndpointState {
     /// later opens the new one too, and the new one opening opens it; a closed one's counts
     /// are taken over); a budget whose settings changed takes over the calls and retries this
     /// one counts, each at its own time as of `now` ([`RetryBudget::taking_over`]: tightening
-    /// a budget during a retry storm must not hand out a fresh allowance), and calls still
-    /// running on this state ask it for their retries ([`RetryBudget::hand_over_to`]).
+    /// a budget during a retry storm must not hand out a fresh allowance).
     pub fn carry(&self, policy: &RetryPolicy, now: Instant) -> Self {
         let budget = match (&policy.budget, &self.budget) {
             (Some(cfg), Some(old)) if self.budget_cfg.as_ref() == Some(cfg) => Some(old.clone()),
-            (Some(cfg), Some(old)) => {
-                let new = Arc::new(RetryBudget::taking_over(cfg, old, now));
-                // Calls still running on `old` ask the new budget for their retries.
-                old.hand_over_to(&new);
-                Some(new)
-            }
+            (Some(cfg), Some(old)) => Some(Arc::new(RetryBudget::taking_over(cfg, old, now))),
             (Some(cfg), None) => Some(Arc::new(RetryBudget::new(cfg, self.origin))),
             (None, _) => None,
         };
