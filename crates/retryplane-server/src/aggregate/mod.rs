@@ -16,7 +16,8 @@
 //! each logged at warn once (the name escaped, so it cannot forge a log line), and later ones
 //! in a summary at most every [`OVERFLOW_SUMMARY_EVERY`]. A series no report has counted into for
 //! [`DEFAULT_FORGET_SERIES_AFTER`] (unless [`Aggregator::with_forget_after`] says otherwise; never
-//! less than [`MIN_FORGET_SERIES_AFTER`], past the longest window) is forgotten, lifetime totals with it, and so is a service left
+//! less than [`MIN_FORGET_SERIES_AFTER`], past the longest window, nor than three of the intervals
+//! agents report at) is forgotten, lifetime totals with it, and so is a service left
 //! with no series and no stream: names agents no longer report (an endpoint renamed, a service
 //! gone) give their place back to the ones they report now, which would otherwise count in
 //! `other` once the cap or a service's share filled up. A name reported again starts a new
@@ -181,8 +182,11 @@ pub struct Aggregator {
     bad_name_warned: AtomicBool,
     overflow_log: Mutex<OverflowLog>,
     thresholds: Thresholds,
-    /// A series silent this long is forgotten (see the module docs).
+    /// A series silent this long is forgotten (see the module docs), or three report
+    /// intervals when that is longer.
     forget_after: Duration,
+    /// The interval agents are told to report at ([`Aggregator::with_unknown_span`]).
+    report_interval: Duration,
 }
 
 fn read<T>(lock: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
@@ -254,6 +258,7 @@ impl Aggregator {
             }),
             thresholds: Thresholds::default(),
             forget_after: DEFAULT_FORGET_SERIES_AFTER,
+            report_interval: DEFAULT_UNKNOWN_SPAN,
         }
     }
 
@@ -281,6 +286,9 @@ impl Aggregator {
     /// read as hundreds of calls a second. Default [`DEFAULT_UNKNOWN_SPAN`].
     #[must_use]
     pub fn with_unknown_span(mut self, span: Duration) -> Self {
+        // Agents report about this often: a series is kept for three such intervals at least,
+        // so one reported every interval (an hour at most) is never forgotten between two.
+        self.report_interval = span;
         self.unknown_span = span.min(MAX_REPORT_SPAN);
         self
     }
@@ -717,10 +725,13 @@ impl Aggregator {
     /// series that no stream holds. A series is judged again under its service's write lock,
     /// which no report can be counting under, so one reported meanwhile stays.
     fn forget_silent(&self, now: Instant) {
+        let after = self
+            .forget_after
+            .max(self.report_interval.saturating_mul(3));
         let services: Vec<Arc<ServiceSeries>> = read(&self.services).values().cloned().collect();
         let mut forgotten = 0;
         for svc in &services {
-            let silent = |s: &Arc<Series>| s.silent_for(self.forget_after, now);
+            let silent = |s: &Arc<Series>| s.silent_for(after, now);
             if !read(&svc.endpoints).values().any(silent) {
                 continue;
             }
@@ -737,7 +748,7 @@ impl Aggregator {
             self.series.fetch_sub(forgotten, Ordering::Relaxed);
             info!(
                 series = forgotten,
-                silent_for = %retryplane_policy::duration::format_duration(self.forget_after),
+                silent_for = %retryplane_policy::duration::format_duration(after),
                 "forgot the metrics series no agent has reported for a while"
             );
         }

@@ -1107,6 +1107,26 @@ async fn a_series_reported_within_the_forget_time_is_kept_and_a_service_a_stream
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_series_reported_every_hour_long_metrics_interval_keeps_its_lifetime_totals() {
+    // `--metrics-interval 1h`: each report arrives a little more than an hour after the last.
+    let interval = Duration::from_secs(3600);
+    let agg = Aggregator::new(100, Instant::now()).with_unknown_span(interval);
+    let svc = agg.service("batch");
+    for _ in 0..3 {
+        agg.ingest(&svc, &report(1, &[("ledger", 10, 0)]), Instant::now());
+        let mut waited = Duration::ZERO;
+        while waited < interval + Duration::from_secs(2) {
+            advance(TICK).await;
+            waited += TICK;
+            agg.tick(Instant::now());
+        }
+    }
+    agg.ingest(&svc, &report(1, &[("ledger", 10, 0)]), Instant::now());
+    let stats = agg.stats(Instant::now(), one("batch", "ledger"));
+    assert_eq!(stats.series[0].lifetime.map(|c| c.calls), Some(40));
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_small_callers_alert_lent_by_its_endpoint_ends_with_the_endpoints() {
     let agg = Aggregator::new(100, Instant::now());
     let busy = agg.service("checkout");
