@@ -1423,3 +1423,36 @@ async fn a_start_does_not_publish_a_file_its_writer_still_holds_open() {
     assert_eq!(info.summary, "+0 endpoints, -0, 1 modified");
     running.shutdown().await.unwrap();
 }
+
+/// The same on a first start (an empty store): the start does not wait for the writer (a stop
+/// signal ends the server as usual); the server is unready until the writer closes the file,
+/// and its first version is the whole save.
+#[cfg(target_os = "linux")]
+#[tokio::test]
+async fn a_first_start_on_a_file_its_writer_holds_open_is_unready_until_the_whole_save() {
+    use std::io::Write as _;
+    const SAVE: &str = "version: 1\nendpoints:\n  payments:\n    max_attempts: 4\n  search:\n    max_attempts: 2\n";
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path());
+    let mut writer = fs::File::create(dir.path().join("policies.yaml")).unwrap();
+    let cut = SAVE.find("  search:").unwrap();
+    writer.write_all(&SAVE.as_bytes()[..cut]).unwrap();
+    writer.flush().unwrap();
+    let running = tokio::time::timeout(Duration::from_secs(10), start(cfg))
+        .await
+        .expect("the start does not wait for the writer")
+        .unwrap();
+    assert_eq!(http_get(running.http_addr, "/readyz").await.0, 503);
+    writer.write_all(&SAVE.as_bytes()[cut..]).unwrap();
+    drop(writer);
+    eventually("the whole save is published", || async {
+        http_get(running.http_addr, "/readyz").await.0 == 200
+    })
+    .await;
+    let info = current(&running).await;
+    assert_eq!(
+        (info.version, info.summary.as_str()),
+        (1, "+2 endpoints, -0, 0 modified")
+    );
+    running.shutdown().await.unwrap();
+}

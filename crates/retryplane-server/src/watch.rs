@@ -59,7 +59,7 @@
 //! watch hears (a hard link elsewhere), is not known from events: so before a read that would
 //! change what is served, the system is asked whether a process holds the file open for
 //! writing (`crate::writers`; on Linux, the processes this one can see), and the read waits
-//! for it the same way, asking again every quiet period (its close may raise no event here).
+//! for it the same way, asking again every second (its close may raise no event here).
 //! A writer the system does not show is judged by the file's times alone. notify delivers the
 //! writer's events on its own thread, so a save that begins just as the quiet period ends may
 //! not be known yet when the file is read: after the read the file is looked at again, and a
@@ -105,6 +105,10 @@ pub const RESCAN: Duration = Duration::from_secs(10);
 /// file open to close it, or for a file that keeps changing to go quiet (see the module docs);
 /// then it reads what is there, with a warning.
 pub const UNCLOSED: Duration = Duration::from_secs(30);
+
+/// How often a read waiting for a writer that only the system knows of ([`crate::writers`])
+/// asks again: each look goes through every open file of the host.
+const HELD_POLL: Duration = Duration::from_secs(1);
 
 /// The longest events keep a read waiting for a quiet period: other files written in a watched
 /// directory more often than [`DEBOUNCE`] (a log, another program's data) would otherwise hold
@@ -842,7 +846,7 @@ async fn run(
             let why = match &read {
                 None => Some(Writing::Open),
                 Some(_) if open() => Some(Writing::Open),
-                Some(Ok(_)) if held => Some(Writing::Held(debounce)),
+                Some(Ok(_)) if held => Some(Writing::Held(HELD_POLL)),
                 Some(Ok(r)) => r
                     .settles_in(debounce)
                     .or_else(|| (!r.stable).then_some(debounce))
@@ -894,8 +898,9 @@ async fn run(
                     waiting_since = Instant::now();
                 }
                 // Until the file has been quiet for the quiet period, whatever other files do;
-                // a writer known only to the system is asked after again as often (its close
-                // may raise no event here).
+                // a writer known only to the system is asked after again every `HELD_POLL`, not
+                // at every event (its close may raise none here, and each look goes through
+                // every open file of the host).
                 Writing::Changing(quiet) | Writing::Held(quiet) => tokio::select! {
                     _ = shutdown.wait_for(|stop| *stop) => return,
                     () = tokio::time::sleep(quiet.min(left)) => {}

@@ -4,17 +4,26 @@
 //! The watch knows a writer only by its events: a writer that opened the policy file before
 //! the control plane started, or through a path no watch hears (a hard link elsewhere), is
 //! unknown to it, and a read while that writer pauses would publish half of its save. On
-//! Linux, `/proc/PID/fd` names every file each process has open and `/proc/PID/fdinfo/FD` its
-//! access mode, so [`held_open_for_writing`] looks there (what `fuser` and `lsof` do: written
-//! here because no maintained crate answers "is this file open for writing" without running
-//! one of them). It sees the processes this one may look at: all of them as root or as their
-//! user, in the same PID namespace (a writer in another container, or on the host of this
-//! one, is not seen). Elsewhere it says no.
+//! Linux, `/proc/PID/fdinfo/FD` gives, for every file each process has open, its access mode,
+//! its mount and its inode number (`ino:`, Linux 5.14 and later), so
+//! [`held_open_for_writing`] looks there for the policy file's own mount and inode (what
+//! `fuser` and `lsof` do; written here because no maintained crate answers "is this file open
+//! for writing" without running one of them). Only `/proc` is read, never another process's
+//! file itself: a file on a file system that has stopped answering (a stale NFS mount, a hung
+//! FUSE daemon), which a `stat` through `/proc/PID/fd` would wait on for good, costs nothing
+//! here. It sees the processes this one may look at: all of them as root or as their user, in
+//! the same PID namespace (a writer in another container, or on the host of this one, is not
+//! seen). It looks at [`MAX_FDS`] open files at most, and says no past them (a host with more
+//! than that many open files is not searched, rather than searched for seconds). Elsewhere,
+//! and on kernels whose `fdinfo` has no `ino:`, it says no.
 
 use std::path::Path;
 
+/// The most open files one look goes through (a few microseconds each).
+pub(crate) const MAX_FDS: usize = 200_000;
+
 /// Whether a process this one can see has `path`'s file open for writing (read-write
-/// included). `false` when it cannot tell (no `/proc`, the file gone).
+/// included). `false` when it cannot tell (no `/proc`, the file gone, past [`MAX_FDS`]).
 pub(crate) fn held_open_for_writing(path: &Path) -> bool {
     #[cfg(target_os = "linux")]
     {
@@ -30,18 +39,29 @@ pub(crate) fn held_open_for_writing(path: &Path) -> bool {
 #[cfg(target_os = "linux")]
 mod linux {
     use std::fs;
-    use std::os::unix::fs::MetadataExt as _;
+    use std::os::fd::AsRawFd as _;
     use std::path::Path;
 
-    /// The most open files looked at in one call: a bound on its cost on a host with a very
-    /// large number of them (past it, the answer is no, as without `/proc`).
-    const MAX_FDS: usize = 500_000;
+    use super::MAX_FDS;
 
     /// `O_ACCMODE`: the access mode bits of a file's flags; 0 is read-only.
     const ACCESS_MODE: u32 = 0o3;
 
+    /// What `/proc/PID/fdinfo/FD` says of one open file.
+    #[derive(Debug, PartialEq, Eq)]
+    pub(super) struct FdInfo {
+        pub(super) writes: bool,
+        pub(super) mount: u64,
+        pub(super) inode: u64,
+    }
+
     pub(super) fn held_open_for_writing(path: &Path) -> bool {
-        let Ok(file) = fs::metadata(path) else {
+        // The policy file's own mount and inode, read through a descriptor of this process.
+        let Ok(file) = fs::File::open(path) else {
+            return false;
+        };
+        let own = format!("/proc/self/fdinfo/{}", file.as_raw_fd());
+        let Some(target) = fs::read_to_string(own).ok().and_then(|t| parse(&t)) else {
             return false;
         };
         let Ok(processes) = fs::read_dir("/proc") else {
@@ -54,7 +74,7 @@ mod linux {
                 continue;
             }
             // A process that ended meanwhile, or one this one may not look at, is passed over.
-            let Ok(fds) = fs::read_dir(process.path().join("fd")) else {
+            let Ok(fds) = fs::read_dir(process.path().join("fdinfo")) else {
                 continue;
             };
             for fd in fds.flatten() {
@@ -62,15 +82,10 @@ mod linux {
                 if looked > MAX_FDS {
                     return false;
                 }
-                // `metadata` follows the link to the open file itself, whatever its name now.
-                let Ok(open) = fs::metadata(fd.path()) else {
+                let Some(info) = fs::read_to_string(fd.path()).ok().and_then(|t| parse(&t)) else {
                     continue;
                 };
-                if open.dev() != file.dev() || open.ino() != file.ino() {
-                    continue;
-                }
-                let info = process.path().join("fdinfo").join(fd.file_name());
-                if fs::read_to_string(info).is_ok_and(|info| writes(&info)) {
+                if info.writes && info.mount == target.mount && info.inode == target.inode {
                     return true;
                 }
             }
@@ -78,13 +93,27 @@ mod linux {
         false
     }
 
-    /// Whether an fdinfo text's `flags:` (octal) open the file for writing.
-    fn writes(fdinfo: &str) -> bool {
-        fdinfo
-            .lines()
-            .find_map(|line| line.strip_prefix("flags:"))
-            .and_then(|flags| u32::from_str_radix(flags.trim(), 8).ok())
-            .is_some_and(|flags| flags & ACCESS_MODE != 0)
+    /// The access mode, mount and inode of an fdinfo text (`flags:` in octal, `mnt_id:`,
+    /// `ino:`); `None` without all three.
+    pub(super) fn parse(fdinfo: &str) -> Option<FdInfo> {
+        let (mut flags, mut mount, mut inode) = (None, None, None);
+        for line in fdinfo.lines() {
+            let Some((key, value)) = line.split_once(':') else {
+                continue;
+            };
+            let value = value.trim();
+            match key {
+                "flags" => flags = u32::from_str_radix(value, 8).ok(),
+                "mnt_id" => mount = value.parse().ok(),
+                "ino" => inode = value.parse().ok(),
+                _ => {}
+            }
+        }
+        Some(FdInfo {
+            writes: flags? & ACCESS_MODE != 0,
+            mount: mount?,
+            inode: inode?,
+        })
     }
 
     #[cfg(test)]
@@ -92,12 +121,29 @@ mod linux {
         use super::*;
 
         #[test]
-        fn the_access_mode_is_read_from_the_flags() {
-            assert!(!writes("pos:\t0\nflags:\t0100000\nmnt_id:\t1\n"));
-            assert!(writes("pos:\t0\nflags:\t02100001\nmnt_id:\t1\n"));
-            assert!(writes("pos:\t0\nflags:\t0100002\n"));
-            assert!(!writes("pos:\t0\n"));
-            assert!(!writes("flags:\tnot octal\n"));
+        fn the_access_mode_mount_and_inode_are_read_from_fdinfo() {
+            let info = |writes, mount, inode| {
+                Some(FdInfo {
+                    writes,
+                    mount,
+                    inode,
+                })
+            };
+            assert_eq!(
+                parse("pos:\t0\nflags:\t0100000\nmnt_id:\t24\nino:\t3\n"),
+                info(false, 24, 3)
+            );
+            assert_eq!(
+                parse("pos:\t0\nflags:\t02100001\nmnt_id:\t1\nino:\t77\n"),
+                info(true, 1, 77)
+            );
+            assert_eq!(
+                parse("flags:\t0100002\nmnt_id:\t1\nino:\t9\n"),
+                info(true, 1, 9)
+            );
+            // An older kernel (no `ino:`), or a text that says something else: no answer.
+            assert_eq!(parse("pos:\t0\nflags:\t0100002\nmnt_id:\t1\n"), None);
+            assert_eq!(parse("flags:\tnot octal\nmnt_id:\t1\nino:\t9\n"), None);
         }
     }
 }

@@ -6,20 +6,17 @@
 //! the start when the store is empty — there would be nothing to serve — and otherwise is
 //! logged while the stored version keeps being served, exactly as a bad save is while running.
 //! A file another process holds open for writing ([`crate::writers`]) may be half of a save:
-//! with a stored version it is left to the watcher (started before this read), which reads it
-//! once its writer closes it; with an empty store the start waits for the writer, at most
-//! [`crate::watch::UNCLOSED`].
+//! it is left to the watcher (started before this read), which reads it once its writer closes
+//! it; meanwhile the stored version is served, or, with an empty store, the server runs
+//! unready (nothing blocks the start, so a stop signal ends it as usual).
 //!
 //! API mode: the store is the source of truth. Only an empty store is seeded from the file; a
 //! missing seed file leaves the server unready until the first `retryplane apply`.
 
 use std::io;
 use std::path::Path;
-use std::time::Duration;
 
 use retryplane_policy::Loaded;
-use retryplane_policy::duration::format_duration;
-use tokio::time::Instant;
 use tracing::{error, info, warn};
 
 use super::{ServeConfig, ServeError};
@@ -68,11 +65,15 @@ pub(super) async fn load_policies(
     // generator still writes it): what is there may be half of its save. The watcher, started
     // before this read, reads it once the writer closes it, as it does any save.
     if held_open_for_writing(file).await {
-        if let Some(version) = stored {
-            warn!(file = %file.display(), version, "the policy file is open for writing by another process; serving the stored version until its writer closes it");
-            return Ok(None);
+        match stored {
+            Some(version) => {
+                warn!(file = %file.display(), version, "the policy file is open for writing by another process; serving the stored version until its writer closes it");
+            }
+            None => {
+                warn!(file = %file.display(), "the policy file is open for writing by another process and the store is empty: not ready until its writer closes it");
+            }
         }
-        wait_for_writer(file).await;
+        return Ok(None);
     }
     let (bytes, loaded) = match (read_policy_file(file).await, stored) {
         (Ok(read), _) => read,
@@ -158,9 +159,6 @@ async fn apply_valid(
     }
 }
 
-/// How often start-up asks again whether a writer still holds the policy file open.
-const WRITER_POLL: Duration = Duration::from_millis(100);
-
 /// Whether another process holds `file` open for writing ([`crate::writers`]), off the async
 /// threads.
 async fn held_open_for_writing(file: &Path) -> bool {
@@ -168,19 +166,4 @@ async fn held_open_for_writing(file: &Path) -> bool {
     tokio::task::spawn_blocking(move || crate::writers::held_open_for_writing(&file))
         .await
         .unwrap_or(false)
-}
-
-/// With an empty store there is nothing else to serve: waits for the writer to close the file,
-/// at most [`crate::watch::UNCLOSED`], as the watcher does; then the file is read as it is,
-/// with a warning.
-async fn wait_for_writer(file: &Path) {
-    info!(file = %file.display(), "the policy file is open for writing by another process; waiting for its writer to close it");
-    let until = Instant::now() + crate::watch::UNCLOSED;
-    while held_open_for_writing(file).await {
-        if Instant::now() >= until {
-            warn!(file = %file.display(), "the policy file has been held open for writing for {}; reading it as it is now, which may be half of a save", format_duration(crate::watch::UNCLOSED));
-            return;
-        }
-        tokio::time::sleep(WRITER_POLL).await;
-    }
 }
