@@ -1103,10 +1103,14 @@ fn server_mode_says_why_the_control_plane_gave_no_policy() {
         |_| {},
     );
     let agent_url = format!("http://{}", server.running().agent_addr());
-    let request = |server_url: &str, token: Option<&str>| {
+    // `env_token` is `RETRYPLANE_AGENT_TOKEN`'s value (unset when `None`).
+    let request_with = |server_url: &str, token: Option<&str>, env_token: Option<&str>| {
         let mut cmd = Command::cargo_bin("retryplane").unwrap();
-        cmd.env_remove("RETRYPLANE_AGENT_TOKEN")
-            .args(["request", "--endpoint", "api", "--server", server_url])
+        match env_token {
+            Some(t) => cmd.env("RETRYPLANE_AGENT_TOKEN", t),
+            None => cmd.env_remove("RETRYPLANE_AGENT_TOKEN"),
+        };
+        cmd.args(["request", "--endpoint", "api", "--server", server_url])
             .timeout(std::time::Duration::from_secs(30));
         if let Some(token) = token {
             cmd.args(["--token", token]);
@@ -1114,6 +1118,7 @@ fn server_mode_says_why_the_control_plane_gave_no_policy() {
         let out = cmd.arg("http://127.0.0.1:9/").output().unwrap();
         (out.status.code(), String::from_utf8(out.stderr).unwrap())
     };
+    let request = |server_url: &str, token: Option<&str>| request_with(server_url, token, None);
     // No token: the refusal and what to do, without waiting out the 5 s.
     let (code, stderr) = request(&agent_url, None);
     assert_eq!(code, Some(2), "{stderr}");
@@ -1135,24 +1140,8 @@ fn server_mode_says_why_the_control_plane_gave_no_policy() {
     assert!(stderr.contains("not an agent listener"), "{stderr}");
     // An empty `--token` counts as not given: the token in `RETRYPLANE_AGENT_TOKEN` is sent
     // (here an admin token, which the refusal names), not no token at all.
-    let out = Command::cargo_bin("retryplane")
-        .unwrap()
-        .env("RETRYPLANE_AGENT_TOKEN", "admin-secret-0123456789")
-        .args([
-            "request",
-            "--endpoint",
-            "api",
-            "--server",
-            &agent_url,
-            "--token",
-            "",
-        ])
-        .arg("http://127.0.0.1:9/")
-        .timeout(std::time::Duration::from_secs(30))
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8(out.stderr).unwrap();
-    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    let (code, stderr) = request_with(&agent_url, Some(""), Some("admin-secret-0123456789"));
+    assert_eq!(code, Some(2), "{stderr}");
     assert!(stderr.contains("not an agent token"), "{stderr}");
     // The HTTP listener (which answers 404) is named as the other likely mistake.
     let http_url = format!("http://{}", server.running().http_addr());

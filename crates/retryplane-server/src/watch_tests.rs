@@ -617,6 +617,22 @@ impl SlowWriter {
 #[cfg(any(target_os = "linux", target_os = "android"))]
 const OPEN_FOR_WRITING: &str = "the policy file is being written; waiting for the writer";
 
+/// Waits, at most `bound`, until the watcher logs that it waits for a writer.
+#[cfg(any(target_os = "linux", target_os = "android"))]
+async fn until_it_waits_for_the_writer(log: &Sink, bound: Duration) {
+    let waited = tokio::time::timeout(bound, async {
+        while !log.text().contains(OPEN_FOR_WRITING) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    assert!(
+        waited.is_ok(),
+        "the watcher did not wait for the writer: {}",
+        log.text()
+    );
+}
+
 /// A save whose first half is a valid file on its own.
 #[cfg(any(target_os = "linux", target_os = "android"))]
 const FIRST_HALF: &str = "version: 1\nendpoints:\n  payments:\n    max_attempts: 4\n";
@@ -630,17 +646,7 @@ async fn a_file_still_open_for_writing_is_read_once_its_writer_closes_it() {
     let f = fixture().await;
     // The writer pauses far longer than the quiet period between its two writes.
     let writer = SlowWriter::start(&f.file, FIRST_HALF);
-    let waited = tokio::time::timeout(Duration::from_secs(5), async {
-        while !log.text().contains(OPEN_FOR_WRITING) {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await;
-    assert!(
-        waited.is_ok(),
-        "the watcher did not wait for the writer: {}",
-        log.text()
-    );
+    until_it_waits_for_the_writer(&log, Duration::from_secs(5)).await;
     assert_eq!(
         current_version(&f.control),
         Some(1),
@@ -939,17 +945,7 @@ async fn a_rescan_does_not_publish_half_of_a_save_written_where_no_watch_hears()
     // Truncated and half written through the link, still open: the rescan sees the change
     // and waits for the writer.
     let writer = SlowWriter::start(&link, FIRST_HALF);
-    let waited = tokio::time::timeout(Duration::from_secs(10), async {
-        while !log.text().contains(OPEN_FOR_WRITING) {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await;
-    assert!(
-        waited.is_ok(),
-        "the rescan did not wait for the writer: {}",
-        log.text()
-    );
+    until_it_waits_for_the_writer(&log, Duration::from_secs(10)).await;
     assert_eq!(
         current_version(&f.control),
         Some(1),
