@@ -184,17 +184,6 @@ fn settings_that_do_not_do_what_they_say_are_warned_and_probes_past_the_breakers
 }
 
 #[test]
-fn a_multiplier_written_beside_decorrelated_jitter_is_warned_to_do_nothing() {
-    let src = "version: 1\ndefaults:\n  backoff: {multiplier: 3}\nendpoints:\n  a:\n    backoff: {base: 100ms, multiplier: 10, jitter: decorrelated}\n  b:\n    backoff: {jitter: decorrelated}\n";
-    assert_eq!(
-        all(src),
-        [
-            "6:40: warning: endpoints.a.backoff.multiplier: has no effect with `jitter: decorrelated`: each pause is drawn between backoff.base and three times the previous pause, up to backoff.max",
-        ]
-    );
-}
-
-#[test]
 fn a_path_prefix_no_request_can_carry_as_written_is_warned_with_its_encoded_form() {
     let src = "version: 1\nendpoints:\n  u:\n    routes:\n      - match: {path_prefix: \"/a b\"}\n        max_attempts: 1\n      - match: {path_prefix: \"/q r?x=1\"}\n        max_attempts: 1\n      - match: {path_prefix: \"/v1/über|x[0]\"}\n        max_attempts: 1\n";
     assert_eq!(

@@ -589,18 +589,6 @@ fn check_layer(o: &Overlay, prefix: &str, diags: &mut Vec<Diagnostic>) {
             ),
         );
     }
-    // Written beside `jitter: decorrelated` in one layer: the multiplier has no say there (each
-    // pause is drawn between base and three times the previous one). Across layers it may be
-    // meant for other endpoints, so it is said only here.
-    if let (Some(m), Some(j)) = (&o.backoff.multiplier, &o.backoff.jitter)
-        && j.value == crate::model::Jitter::Decorrelated
-    {
-        warn(
-            m.loc,
-            "backoff.multiplier".into(),
-            "has no effect with `jitter: decorrelated`: each pause is drawn between backoff.base and three times the previous pause, up to backoff.max".to_owned(),
-        );
-    }
     if let Some(f) = &o.idempotency_key_header
         && COMMON_HEADERS
             .iter()
