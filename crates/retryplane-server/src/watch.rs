@@ -867,6 +867,11 @@ async fn run(
                     None => read_file(&file).await,
                 };
             };
+            if writing_since.is_none() && matches!(why, Writing::Held(_)) {
+                // Known from the system, not from events: said once, since a process that
+                // holds the file read-write without writing delays the read to the bound.
+                info!(file = %file.display(), "the policy file is open for writing by another process; reading it once that process closes it, or in {} at most", format_duration(timing.unclosed));
+            }
             let since = *writing_since.get_or_insert_with(Instant::now);
             let left = timing.unclosed.saturating_sub(since.elapsed());
             if left.is_zero() {
