@@ -7,13 +7,15 @@
 //! Linux, `/proc/PID/fdinfo/FD` gives, for every file each process has open, its access mode,
 //! its mount and its inode number (`ino:`, Linux 5.14 and later), and `/proc/PID/mountinfo`
 //! the device of that mount, so [`held_open_for_writing`] looks there for the policy file's
-//! own device and inode, through whichever mount a writer reached it (what
+//! own mount device and inode, through whichever mount a writer reached it, and confirms a
+//! match by a `stat` of the holder's descriptor, which is on the policy file's own file system
+//! (what
 //! `fuser` and `lsof` do; written here because no maintained crate answers "is this file open
-//! for writing" without running one of them). Only `/proc` is read, never another process's
-//! file itself: a file on a file system that has stopped answering (a stale NFS mount, a hung
-//! FUSE daemon), which a `stat` through `/proc/PID/fd` would wait on for good, costs nothing
-//! here, and the policy file is looked at only if it is a regular file (opening a FIFO would
-//! wait). It sees the processes this one may look at: all of them as root or as their user, in
+//! for writing" without running one of them). Only `/proc` is read for the other files: a file
+//! on a file system that has stopped answering (a stale NFS mount, a hung FUSE daemon), which a
+//! `stat` through `/proc/PID/fd` would wait on for good, costs nothing here; and the policy
+//! file is looked at only if it is a regular file, through an `O_PATH` descriptor (opening a
+//! FIFO would wait). It sees the processes this one may look at: all of them as root or as their user, in
 //! the same PID namespace, whatever their mount namespace (a writer in another container, or
 //! on the host of this one, is not seen). It looks at [`MAX_FDS`] open files at most, and says no past them (a host with more
 //! than that many open files is not searched, rather than searched for seconds). Elsewhere,
@@ -41,6 +43,7 @@ pub(crate) fn held_open_for_writing(path: &Path) -> bool {
 #[cfg(target_os = "linux")]
 mod linux {
     use std::fs;
+    use std::os::fd::AsRawFd as _;
     use std::os::unix::fs::MetadataExt as _;
     use std::path::Path;
 
@@ -58,15 +61,32 @@ mod linux {
     }
 
     pub(super) fn held_open_for_writing(path: &Path) -> bool {
-        // The policy file's own device and inode. Only a regular file is looked for: opening
-        // nothing, a FIFO among them, which would wait for a writer of its own.
+        // The policy file itself: its metadata, and its own mount id and device, through an
+        // `O_PATH` descriptor (which never waits, not even on a FIFO) and this process's
+        // `fdinfo` and mount table: the device a mount table gives is the one every holder's
+        // mount of the file gives too (a `stat` may say another: btrfs gives each subvolume a
+        // device of its own, an overlay a device of its own).
         let Ok(file) = fs::metadata(path) else {
             return false;
         };
         if !file.is_file() {
             return false;
         }
-        let device = (major(file.dev()), minor(file.dev()));
+        let Ok(own_fd) = rustix::fs::open(
+            path,
+            rustix::fs::OFlags::PATH | rustix::fs::OFlags::CLOEXEC,
+            rustix::fs::Mode::empty(),
+        ) else {
+            return false;
+        };
+        let own_info = format!("/proc/self/fdinfo/{}", own_fd.as_raw_fd());
+        let Some(own) = fs::read_to_string(own_info).ok().and_then(|t| parse(&t)) else {
+            return false;
+        };
+        let this = Path::new("/proc/self");
+        let Some(device) = mount_device(this, own.mount) else {
+            return false;
+        };
         let Ok(processes) = fs::read_dir("/proc") else {
             return false;
         };
@@ -88,12 +108,26 @@ mod linux {
                 let Some(info) = fs::read_to_string(fd.path()).ok().and_then(|t| parse(&t)) else {
                     continue;
                 };
-                // The inode first (cheap); then the device of the holder's mount, from its own
-                // mount table: the same file reached through another mount (a bind mount,
-                // another mount namespace) has another mount id but the same device.
-                if info.writes
-                    && info.inode == file.ino()
-                    && mount_device(&process.path(), info.mount) == Some(device)
+                if !info.writes || info.inode != own.inode {
+                    continue;
+                }
+                // The same mount, or one of the same device: in the holder's own table (a
+                // bind mount, another mount namespace), else in this one's (a holder that left
+                // the namespace it opened the file in).
+                let same_device = info.mount == own.mount
+                    || mount_device(&process.path(), info.mount)
+                        .or_else(|| mount_device(this, info.mount))
+                        == Some(device);
+                if !same_device {
+                    continue;
+                }
+                // Then the file itself, through the holder's descriptor: it is on the policy
+                // file's own file system, which this process reads anyway, so this `stat`
+                // waits on nothing a read would not; it tells apart files that share an inode
+                // number on one device (btrfs subvolumes under one mount).
+                let through = process.path().join("fd").join(fd.file_name());
+                if fs::metadata(through)
+                    .is_ok_and(|m| m.dev() == file.dev() && m.ino() == file.ino())
                 {
                     return true;
                 }
@@ -103,7 +137,7 @@ mod linux {
     }
 
     /// The `major:minor` device of mount `id` in `/proc/PID/mountinfo` of the process at
-    /// `process` (`/proc/PID`).
+    /// `process` (`/proc/PID`, or `/proc/self`).
     fn mount_device(process: &Path, id: u64) -> Option<(u64, u64)> {
         let table = fs::read_to_string(process.join("mountinfo")).ok()?;
         table.lines().find_map(|line| {
@@ -112,15 +146,6 @@ mod linux {
             let (major, minor) = fields.nth(1)?.split_once(':')?;
             Some((major.parse().ok()?, minor.parse().ok()?))
         })
-    }
-
-    /// Linux's `dev_t` layout (glibc's `gnu_dev_major` and `gnu_dev_minor`).
-    fn major(dev: u64) -> u64 {
-        ((dev >> 8) & 0xfff) | ((dev >> 32) & !0xfff)
-    }
-
-    fn minor(dev: u64) -> u64 {
-        (dev & 0xff) | ((dev >> 12) & !0xff)
     }
 
     /// The access mode, mount and inode of an fdinfo text (`flags:` in octal, `mnt_id:`,
@@ -267,5 +292,106 @@ mod tests {
         let _ = Command::new("umount").arg(&dst).status();
         assert!(seen, "held open for writing through the other mount");
         assert!(!unseen, "closed");
+    }
+
+    /// Runs `cmd` through `sh`; whether it succeeded.
+    #[cfg(target_os = "linux")]
+    fn sh(cmd: &str) -> bool {
+        std::process::Command::new("sh")
+            .arg("-c")
+            .arg(cmd)
+            .status()
+            .is_ok_and(|s| s.success())
+    }
+
+    /// An overlay whose upper layer is on another file system than its lower one: `stat`
+    /// gives the file a device of the overlay's own, not the one its mount table shows.
+    /// Needs root (skipped otherwise).
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_writer_on_an_overlay_over_two_file_systems_is_seen() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let d = dir.path().display();
+        if !sh(&format!(
+            "mkdir {d}/lower {d}/up {d}/t && echo 'version: 1' > {d}/lower/policies.yaml \
+             && mount -t tmpfs tmpfs {d}/up && mkdir {d}/up/upper {d}/up/work \
+             && mount -t overlay overlay -o lowerdir={d}/lower,upperdir={d}/up/upper,workdir={d}/up/work {d}/t"
+        )) {
+            sh(&format!("umount {d}/up"));
+            eprintln!("skipped: cannot mount an overlay here (needs root)");
+            return;
+        }
+        let path = dir.path().join("t/policies.yaml");
+        let writer = fs::OpenOptions::new().append(true).open(&path);
+        let seen = held_open_for_writing(&path);
+        drop(writer);
+        let unseen = held_open_for_writing(&path);
+        sh(&format!("umount {d}/t; umount {d}/up"));
+        assert!(seen, "a writer of the overlay's file was not seen");
+        assert!(!unseen, "closed");
+    }
+
+    /// On btrfs `stat` gives every file its subvolume's device, never the one the mount
+    /// table shows. Needs root and `mkfs.btrfs` (skipped otherwise).
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_writer_of_a_file_on_btrfs_is_seen() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let d = dir.path().display();
+        if !sh(&format!(
+            "truncate -s 200M {d}/img && mkfs.btrfs -q {d}/img >/dev/null 2>&1 && mkdir {d}/m \
+             && mount -o loop {d}/img {d}/m"
+        )) {
+            eprintln!("skipped: cannot make a btrfs here (needs root and mkfs.btrfs)");
+            return;
+        }
+        let path = dir.path().join("m/policies.yaml");
+        let written = fs::write(&path, "version: 1\n");
+        let writer = fs::OpenOptions::new().append(true).open(&path);
+        let seen = held_open_for_writing(&path);
+        drop(writer);
+        sh(&format!("umount {d}/m"));
+        assert!(written.is_ok());
+        assert!(seen, "a writer of a file on btrfs was not seen");
+    }
+
+    /// A writer that opened the file and then moved to a mount namespace of its own (as a
+    /// sandboxing launcher does): its descriptor's mount is in this process's table only.
+    /// Needs root (skipped otherwise).
+    #[cfg(target_os = "linux")]
+    #[tokio::test]
+    async fn a_writer_that_left_its_mount_namespace_after_the_open_is_seen() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("policies.yaml");
+        fs::write(&path, "version: 1\n").expect("write");
+        let Ok(mut child) = std::process::Command::new("sh")
+            .arg("-c")
+            .arg(format!(
+                "exec 3>>'{}'; exec unshare -m sleep 30",
+                path.display()
+            ))
+            .spawn()
+        else {
+            eprintln!("skipped: no sh");
+            return;
+        };
+        let ns = |pid: &str| fs::read_link(format!("/proc/{pid}/ns/mnt")).ok();
+        let pid = child.id().to_string();
+        // Until the child has moved (at most 5 s).
+        for _ in 0..250 {
+            if ns(&pid) != ns("self") {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        let moved = ns(&pid) != ns("self");
+        let seen = held_open_for_writing(&path);
+        let _ = child.kill();
+        let _ = child.wait();
+        if !moved {
+            eprintln!("skipped: cannot unshare a mount namespace here (needs root)");
+            return;
+        }
+        assert!(seen, "the writer in its own mount namespace was not seen");
     }
 }
