@@ -7,15 +7,15 @@
 //! Linux, `/proc/PID/fdinfo/FD` gives, for every file each process has open, its access mode,
 //! its mount and its inode number (`ino:`, Linux 5.14 and later), and `/proc/PID/mountinfo`
 //! the device of that mount, so [`held_open_for_writing`] looks there for the policy file's
-//! own mount device and inode, through whichever mount a writer reached it, and confirms a
-//! match by a `stat` of the holder's descriptor, which is on the policy file's own file system
-//! (what
+//! own mount device and inode, through whichever mount a writer reached it (what
 //! `fuser` and `lsof` do; written here because no maintained crate answers "is this file open
-//! for writing" without running one of them). Only `/proc` is read for the other files: a file
-//! on a file system that has stopped answering (a stale NFS mount, a hung FUSE daemon), which a
-//! `stat` through `/proc/PID/fd` would wait on for good, costs nothing here; and the policy
-//! file is looked at only if it is a regular file, through an `O_PATH` descriptor (opening a
-//! FIFO would wait). It sees the processes this one may look at: all of them as root or as their user, in
+//! for writing" without running one of them). Only `/proc` is read for the other files, never
+//! the files themselves: a file on a file system that has stopped answering (a stale NFS
+//! mount, a hung FUSE daemon), which a `stat` through `/proc/PID/fd` would wait on for good,
+//! costs nothing here; and the policy file is looked at only if it is a regular file, through
+//! an `O_PATH` descriptor (opening a FIFO would wait). What cannot be told is counted as a
+//! writer (a mount in no table; on btrfs, another subvolume's file with the same inode number
+//! under the same mount): a read is then late, up to the watcher's bound, rather than half. It sees the processes this one may look at: all of them as root or as their user, in
 //! the same PID namespace, whatever their mount namespace (a writer in another container, or
 //! on the host of this one, is not seen). It looks at [`MAX_FDS`] open files at most, and says no past them (a host with more
 //! than that many open files is not searched, rather than searched for seconds). Elsewhere,
@@ -44,7 +44,6 @@ pub(crate) fn held_open_for_writing(path: &Path) -> bool {
 mod linux {
     use std::fs;
     use std::os::fd::AsRawFd as _;
-    use std::os::unix::fs::MetadataExt as _;
     use std::path::Path;
 
     use super::MAX_FDS;
@@ -61,17 +60,11 @@ mod linux {
     }
 
     pub(super) fn held_open_for_writing(path: &Path) -> bool {
-        // The policy file itself: its metadata, and its own mount id and device, through an
-        // `O_PATH` descriptor (which never waits, not even on a FIFO) and this process's
-        // `fdinfo` and mount table: the device a mount table gives is the one every holder's
-        // mount of the file gives too (a `stat` may say another: btrfs gives each subvolume a
-        // device of its own, an overlay a device of its own).
-        let Ok(file) = fs::metadata(path) else {
-            return false;
-        };
-        if !file.is_file() {
-            return false;
-        }
+        // The policy file itself, through an `O_PATH` descriptor (which never waits, not even
+        // on a FIFO): a regular file only; its own mount id and inode from this process's
+        // `fdinfo`, and that mount's device from this process's mount table. A mount table
+        // gives the device every holder's mount of the file gives too (a `stat` may say
+        // another: btrfs gives each subvolume a device of its own, an overlay one of its own).
         let Ok(own_fd) = rustix::fs::open(
             path,
             rustix::fs::OFlags::PATH | rustix::fs::OFlags::CLOEXEC,
@@ -79,6 +72,12 @@ mod linux {
         ) else {
             return false;
         };
+        let regular = rustix::fs::fstat(&own_fd).is_ok_and(|st| {
+            rustix::fs::FileType::from_raw_mode(st.st_mode) == rustix::fs::FileType::RegularFile
+        });
+        if !regular {
+            return false;
+        }
         let own_info = format!("/proc/self/fdinfo/{}", own_fd.as_raw_fd());
         let Some(own) = fs::read_to_string(own_info).ok().and_then(|t| parse(&t)) else {
             return false;
@@ -113,22 +112,15 @@ mod linux {
                 }
                 // The same mount, or one of the same device: in the holder's own table (a
                 // bind mount, another mount namespace), else in this one's (a holder that left
-                // the namespace it opened the file in).
-                let same_device = info.mount == own.mount
-                    || mount_device(&process.path(), info.mount)
-                        .or_else(|| mount_device(this, info.mount))
-                        == Some(device);
-                if !same_device {
-                    continue;
-                }
-                // Then the file itself, through the holder's descriptor: it is on the policy
-                // file's own file system, which this process reads anyway, so this `stat`
-                // waits on nothing a read would not; it tells apart files that share an inode
-                // number on one device (btrfs subvolumes under one mount).
-                let through = process.path().join("fd").join(fd.file_name());
-                if fs::metadata(through)
-                    .is_ok_and(|m| m.dev() == file.dev() && m.ino() == file.ino())
-                {
+                // the namespace it opened the file in). A mount in no table (unmounted lazily,
+                // or in a namespace gone since) cannot be told: it counts as the file's, since
+                // reading a save late beats publishing half of it. Files of one device that
+                // share an inode number (btrfs subvolumes under one mount) are not told apart
+                // either: that would take a `stat` of the holder's descriptor, which can follow
+                // a descriptor reused meanwhile to any file system, a hung one included.
+                let holder = mount_device(&process.path(), info.mount)
+                    .or_else(|| mount_device(this, info.mount));
+                if info.mount == own.mount || holder.is_none_or(|d| d == device) {
                     return true;
                 }
             }
@@ -393,5 +385,33 @@ mod tests {
             return;
         }
         assert!(seen, "the writer in its own mount namespace was not seen");
+    }
+
+    /// A writer through a bind mount that was then unmounted lazily: its mount is in no table,
+    /// so it cannot be told, and counts as the file's. Needs root (skipped otherwise).
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_writer_through_a_lazily_unmounted_bind_mount_is_seen() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let d = dir.path().display();
+        fs::create_dir(dir.path().join("real")).expect("mkdir");
+        let path = dir.path().join("real/policies.yaml");
+        fs::write(&path, "version: 1\n").expect("write");
+        if !sh(&format!("mkdir {d}/b && mount --bind {d}/real {d}/b")) {
+            eprintln!("skipped: cannot bind-mount here (needs root)");
+            return;
+        }
+        let writer = fs::OpenOptions::new()
+            .append(true)
+            .open(dir.path().join("b/policies.yaml"));
+        let before = held_open_for_writing(&path);
+        let unmounted = sh(&format!("umount -l {d}/b"));
+        let after = held_open_for_writing(&path);
+        drop(writer);
+        let closed = held_open_for_writing(&path);
+        assert!(unmounted, "umount -l");
+        assert!(before, "seen while the bind mount is there");
+        assert!(after, "seen once it is unmounted lazily");
+        assert!(!closed, "closed");
     }
 }
