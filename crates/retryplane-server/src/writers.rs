@@ -14,8 +14,10 @@
 //! mount, a hung FUSE daemon), which a `stat` through `/proc/PID/fd` would wait on for good,
 //! costs nothing here; and the policy file is looked at only if it is a regular file, through
 //! an `O_PATH` descriptor (opening a FIFO would wait). What cannot be told is counted as a
-//! writer (a mount in no table; on btrfs, another subvolume's file with the same inode number
-//! under the same mount): a read is then late, up to the watcher's bound, rather than half. It sees the processes this one may look at: all of them as root or as their user, in
+//! writer (a file by path on a mount in no table; on btrfs, another subvolume's file with the
+//! same inode number under the same mount): a read is then late, up to the watcher's bound,
+//! rather than half. A thread with a descriptor table of its own (`unshare(CLONE_FILES)`) is
+//! not looked at. It sees the processes this one may look at: all of them as root or as their user, in
 //! the same PID namespace, whatever their mount namespace (a writer in another container, or
 //! on the host of this one, is not seen). It looks at [`MAX_FDS`] open files at most, and says no past them (a host with more
 //! than that many open files is not searched, rather than searched for seconds). Elsewhere,
@@ -112,16 +114,33 @@ mod linux {
                 }
                 // The same mount, or one of the same device: in the holder's own table (a
                 // bind mount, another mount namespace), else in this one's (a holder that left
-                // the namespace it opened the file in). A mount in no table (unmounted lazily,
-                // or in a namespace gone since) cannot be told: it counts as the file's, since
-                // reading a save late beats publishing half of it. Files of one device that
-                // share an inode number (btrfs subvolumes under one mount) are not told apart
-                // either: that would take a `stat` of the holder's descriptor, which can follow
-                // a descriptor reused meanwhile to any file system, a hung one included.
-                let holder = mount_device(&process.path(), info.mount)
-                    .or_else(|| mount_device(this, info.mount));
-                if info.mount == own.mount || holder.is_none_or(|d| d == device) {
+                // the namespace it opened the file in). Files of one device that share an
+                // inode number (btrfs subvolumes under one mount) are not told apart: that would
+                // take a `stat` of the holder's descriptor, which can follow a descriptor reused
+                // meanwhile to any file system, a hung one included.
+                if info.mount == own.mount {
                     return true;
+                }
+                match mount_device(&process.path(), info.mount)
+                    .or_else(|| mount_device(this, info.mount))
+                {
+                    Some(holder) if holder == device => return true,
+                    Some(_) => {}
+                    // A mount in no table: the kernel's own (pipes, sockets, eventfd, epoll,
+                    // inotify: every process holds such descriptors read-write, and their inode
+                    // numbers can equal the file's), or a real one unmounted lazily or left in
+                    // a namespace gone since. The link names a kernel-made file by its kind
+                    // (`pipe:[…]`, `socket:[…]`, `anon_inode:…`) and any other by its path;
+                    // reading it calls into no file system. A real one counts as the file's
+                    // (reading a save late beats publishing half of it).
+                    None => {
+                        let link = process.path().join("fd").join(fd.file_name());
+                        if fs::read_link(link).is_ok_and(|target| {
+                            target.as_os_str().as_encoded_bytes().starts_with(b"/")
+                        }) {
+                            return true;
+                        }
+                    }
                 }
             }
         }
@@ -413,5 +432,71 @@ mod tests {
         assert!(before, "seen while the bind mount is there");
         assert!(after, "seen once it is unmounted lazily");
         assert!(!closed, "closed");
+    }
+
+    /// The inode number of the kernel's anonymous inode (every eventfd, epoll, timerfd and
+    /// inotify descriptor, opened read-write), from this process's own descriptors (a tokio
+    /// runtime holds an epoll and an eventfd).
+    #[cfg(target_os = "linux")]
+    fn anon_inode_number() -> Option<u64> {
+        for fd in fs::read_dir("/proc/self/fd").ok()?.flatten() {
+            let target = fs::read_link(fd.path()).ok()?;
+            if target.to_string_lossy().starts_with("anon_inode:") {
+                let info = fs::read_to_string(format!(
+                    "/proc/self/fdinfo/{}",
+                    fd.file_name().to_string_lossy()
+                ))
+                .ok()?;
+                return info
+                    .lines()
+                    .find_map(|l| l.strip_prefix("ino:"))
+                    .and_then(|v| v.trim().parse().ok());
+            }
+        }
+        None
+    }
+
+    /// A file nobody writes whose inode number is that of the kernel's anonymous inode (on a
+    /// fresh tmpfs here; on any file system the number can come up): the anon-inode mount is
+    /// in no mount table, and its descriptors are not the file's. Needs root (skipped
+    /// otherwise).
+    #[cfg(target_os = "linux")]
+    #[tokio::test]
+    async fn a_file_sharing_an_inode_number_with_kernel_made_files_is_not_held() {
+        use std::os::unix::fs::MetadataExt as _;
+        let Some(anon) = anon_inode_number() else {
+            eprintln!("skipped: no anonymous inode descriptor");
+            return;
+        };
+        let dir = tempfile::tempdir().expect("temp dir");
+        if !sh(&format!("mount -t tmpfs tmpfs {}", dir.path().display())) {
+            eprintln!("skipped: cannot mount a tmpfs (needs root)");
+            return;
+        }
+        let mut found = None;
+        for i in 0..200_000u32 {
+            let p = dir.path().join(format!("f{i}"));
+            if fs::write(&p, "version: 1\n").is_err() {
+                break;
+            }
+            let ino = fs::metadata(&p).map_or(u64::MAX, |m| m.ino());
+            if ino == anon {
+                found = Some(p);
+                break;
+            }
+            if ino > anon {
+                break;
+            }
+        }
+        let held = found.as_ref().map(|p| held_open_for_writing(p));
+        sh(&format!("umount {}", dir.path().display()));
+        let Some(held) = held else {
+            eprintln!("skipped: no file got inode {anon}");
+            return;
+        };
+        assert!(
+            !held,
+            "a file nobody has open (inode {anon}) is said to be held"
+        );
     }
 }
