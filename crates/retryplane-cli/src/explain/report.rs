@@ -361,14 +361,13 @@ fn schedule(p: &RetryPolicy, call: &Call) -> Schedule {
 }
 
 fn budget_load(b: &BudgetConfig, max_attempts: u32) -> BudgetLoad {
-    let reserve = f64::from(b.min_per_second) * b.window.as_secs_f64();
     BudgetLoad {
         ratio: b.ratio,
         multiplier: (1.0 + b.ratio).min(f64::from(max_attempts)),
         min_per_second: b.min_per_second,
         window_ms: Millis(b.window),
-        // Float to integer casts saturate; the product is finite and non-negative.
-        reserve_per_window: (reserve + 1e-9).floor() as u64,
+        // What the engine's budget allows, rounded as it rounds.
+        reserve_per_window: retryplane_policy::budget::reserve_per_window(b),
         ratio_applies_from_calls_per_second: (b.ratio > 0.0)
             .then(|| f64::from(b.min_per_second) / b.ratio),
     }
