@@ -824,25 +824,24 @@ async fn run(
             } else {
                 Some(read_file(&file).await)
             };
+            // A writer the events did not tell of (one that opened the file before the watch
+            // began, or wrote through a path no watch hears): asked of the system, for a read
+            // that would change what is served and that no known writer holds back already (a
+            // rescan of the same bytes costs no scan).
+            let held = match (&read, &real) {
+                (Some(Ok(r)), Some(real))
+                    if !open() && !matches!(&last, LastRead::Bytes(b) if *b == r.bytes) =>
+                {
+                    writers::held_open_for_writing_off_thread(real).await
+                }
+                _ => false,
+            };
             // Looked at again after the read: a save that began just before or during it is
             // told by the writer's events (notify delivers them on its own thread, maybe after
             // the read), by the file's times and size moving during the read, or by its
             // modification time. An empty file is most often a save caught between its
             // truncation and its first write: looked at once more after a quiet period before
             // it is refused.
-            // A writer the events did not tell of (one that opened the file before the watch
-            // began, or wrote through a path no watch hears): asked of the system, for a read
-            // that would change what is served (a rescan of the same bytes costs no scan).
-            let held = match (&read, &real) {
-                (Some(Ok(r)), Some(real)) if !matches!(&last, LastRead::Bytes(b) if *b == r.bytes) =>
-                {
-                    let real = real.clone();
-                    blocking(move || writers::held_open_for_writing(&real))
-                        .await
-                        .unwrap_or(false)
-                }
-                _ => false,
-            };
             let why = match &read {
                 None => Some(Writing::Open),
                 Some(_) if open() => Some(Writing::Open),

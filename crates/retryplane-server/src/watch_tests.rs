@@ -488,12 +488,7 @@ async fn a_change_no_event_reports_is_found_by_the_rescan() {
     // A write through a hard link in another directory changes the file, but the watched
     // directory hears nothing of it (the same holds for a file bind-mounted into a container
     // and edited from outside): only the rescan can see it.
-    let dir = tempfile::tempdir().unwrap();
-    let elsewhere = tempfile::tempdir().unwrap();
-    let file = dir.path().join("policies.yaml");
-    fs::write(&file, V1).unwrap();
-    let link = elsewhere.path().join("policies.yaml");
-    fs::hard_link(&file, &link).unwrap();
+    let (dir, _elsewhere, file, link) = linked_elsewhere();
     let timing = Timing {
         debounce: DEBOUNCE,
         rescan: Duration::from_secs(1),
@@ -612,6 +607,18 @@ impl SlowWriter {
         self.0.write_all(rest.as_bytes()).unwrap();
         drop(self);
     }
+}
+
+/// A policy file holding `V1` in a directory of its own, and a hard link to it in another
+/// directory (which no watch hears): the directory, the other one, the file and the link.
+fn linked_elsewhere() -> (tempfile::TempDir, tempfile::TempDir, PathBuf, PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let elsewhere = tempfile::tempdir().unwrap();
+    let file = dir.path().join("policies.yaml");
+    fs::write(&file, V1).unwrap();
+    let link = elsewhere.path().join("policies.yaml");
+    fs::hard_link(&file, &link).unwrap();
+    (dir, elsewhere, file, link)
 }
 
 #[cfg(any(target_os = "linux", target_os = "android"))]
@@ -931,12 +938,7 @@ async fn a_directory_renamed_away_while_nothing_replaces_it_yet_is_unwatched() {
 #[tokio::test]
 async fn a_rescan_does_not_publish_half_of_a_save_written_where_no_watch_hears() {
     let (log, _guard) = capture_logs();
-    let dir = tempfile::tempdir().unwrap();
-    let elsewhere = tempfile::tempdir().unwrap();
-    let file = dir.path().join("policies.yaml");
-    fs::write(&file, V1).unwrap();
-    let link = elsewhere.path().join("policies.yaml");
-    fs::hard_link(&file, &link).unwrap();
+    let (dir, _elsewhere, file, link) = linked_elsewhere();
     let timing = Timing {
         rescan: Duration::from_millis(300),
         ..TIMING

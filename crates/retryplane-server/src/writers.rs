@@ -42,6 +42,15 @@ pub(crate) fn held_open_for_writing(path: &Path) -> bool {
     }
 }
 
+/// [`held_open_for_writing`] on a blocking thread (it reads `/proc` at length); `false` if that
+/// thread fails.
+pub(crate) async fn held_open_for_writing_off_thread(path: &Path) -> bool {
+    let path = path.to_owned();
+    tokio::task::spawn_blocking(move || held_open_for_writing(&path))
+        .await
+        .unwrap_or(false)
+}
+
 #[cfg(target_os = "linux")]
 mod linux {
     use std::fs;

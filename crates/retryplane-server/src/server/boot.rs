@@ -64,7 +64,7 @@ pub(super) async fn load_policies(
     // A writer holds the file open (a deploy that restarts the control plane while `scp` or a
     // generator still writes it): what is there may be half of its save. The watcher, started
     // before this read, reads it once the writer closes it, as it does any save.
-    if held_open_for_writing(file).await {
+    if crate::writers::held_open_for_writing_off_thread(file).await {
         match stored {
             Some(version) => {
                 warn!(file = %file.display(), version, "the policy file is open for writing by another process; serving the stored version until its writer closes it");
@@ -157,13 +157,4 @@ async fn apply_valid(
             source,
         }),
     }
-}
-
-/// Whether another process holds `file` open for writing ([`crate::writers`]), off the async
-/// threads.
-async fn held_open_for_writing(file: &Path) -> bool {
-    let file = file.to_owned();
-    tokio::task::spawn_blocking(move || crate::writers::held_open_for_writing(&file))
-        .await
-        .unwrap_or(false)
 }
