@@ -17,11 +17,12 @@
 //! writer (a file by path on a mount in no table; on btrfs, another subvolume's file with the
 //! same inode number under the same mount): a read is then late, up to the watcher's bound,
 //! rather than half. A thread with a descriptor table of its own (`unshare(CLONE_FILES)`) is
-//! not looked at. It sees the processes this one may look at: all of them as root or as their user, in
-//! the same PID namespace, whatever their mount namespace (a writer in another container, or
-//! on the host of this one, is not seen). It looks at [`MAX_FDS`] open files at most, and says no past them (a host with more
-//! than that many open files is not searched, rather than searched for seconds). Elsewhere,
-//! and on kernels whose `fdinfo` has no `ino:`, it says no.
+//! not looked at. It sees the processes this one may look at: all of them as root or as their
+//! user, in the same PID namespace, whatever their mount namespace (a writer in another
+//! container, or on the host of this one, is not seen). It looks at [`MAX_FDS`] open files at
+//! most, and says no past them (a host with more than that many open files is not searched,
+//! rather than searched for seconds). Elsewhere, and on kernels whose `fdinfo` has no `ino:`,
+//! it says no.
 
 use std::path::Path;
 
