@@ -235,6 +235,14 @@ impl Walker {
             Value::Str(s) if is_underscored_number(s) => {
                 format!(" (`{s}`: a number is written without `_` in YAML 1.2)")
             }
+            // A decimal comma (`0,2`), or a thousands separator (`1,000`).
+            Value::Str(s) if is_comma_number(s) => match expected {
+                "a number" => format!(
+                    " (`{s}`: a decimal is written with a dot, `{}`)",
+                    s.replacen(',', ".", 1)
+                ),
+                _ => format!(" (`{s}`: a number is written without `,`)"),
+            },
             _ => String::new(),
         };
         self.error(
@@ -282,12 +290,25 @@ impl Walker {
         // Every key seen (unknown ones too, so a second copy is still called a duplicate), with
         // its first place. SipHash with a random key: the file may come from anyone.
         let mut seen: HashMap<&'n str, Loc> = HashMap::new();
+        let mut previous: Option<&Node> = None;
         for (key, value) in entries {
+            let after = previous.replace(value);
             let Value::Str(name) = &key.value else {
+                // `{ratio: 0,2}`: the comma ended the entry `ratio: 0`, and `2` became a key
+                // with no value.
+                let decimal_comma = matches!(key.value, Value::Int(_) | Value::Float(_))
+                    && value.value == Value::Null
+                    && after.is_some_and(|v| matches!(v.value, Value::Int(_) | Value::Float(_)));
+                let hint = if decimal_comma {
+                    " (in `{ }` a comma separates entries: a decimal is written with a dot, such \
+                     as `0.2`)"
+                } else {
+                    ""
+                };
                 self.error(
                     key.loc,
                     path,
-                    format!("keys must be strings, found {}", key.value.kind()),
+                    format!("keys must be strings, found {}{hint}", key.value.kind()),
                 );
                 continue;
             };
@@ -1185,6 +1206,18 @@ fn beyond_an_integer(f: f64) -> Option<&'static str> {
 
 /// A YAML 1.1 number with `_` between its digits (`1_000`, `0.000_1`, `0xFF_FF`), which YAML
 /// 1.2 reads as a string.
+/// `0,2`, `-1,5`, `1,000`: digits, one comma, digits; what a number written with a decimal
+/// comma or a thousands separator reads as in YAML (a string).
+fn is_comma_number(s: &str) -> bool {
+    let digits = s.strip_prefix(['+', '-']).unwrap_or(s);
+    digits.split_once(',').is_some_and(|(whole, part)| {
+        !whole.is_empty()
+            && !part.is_empty()
+            && whole.bytes().all(|b| b.is_ascii_digit())
+            && part.bytes().all(|b| b.is_ascii_digit())
+    })
+}
+
 fn is_underscored_number(s: &str) -> bool {
     let digits = s.strip_prefix(['+', '-']).unwrap_or(s);
     digits.contains('_')

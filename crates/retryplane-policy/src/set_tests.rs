@@ -170,6 +170,21 @@ fn a_yaml_1_1_number_with_underscores_is_a_string_and_refused_with_a_hint() {
 }
 
 #[test]
+fn a_number_written_with_a_comma_is_refused_with_a_hint() {
+    let src = "version: 1\nendpoints:\n  a:\n    budget: {ratio: 0,2}\n  b:\n    max_attempts: 1,000\n    budget:\n      ratio: 0,25\n    retry_on: {http_status: [\"5,03\"]}\n  c:\n    budget: {min_per_second: 3, 5: 1}\n";
+    assert_eq!(
+        errors(src),
+        [
+            "4:23: error: endpoints.a.budget: keys must be strings, found an integer (in `{ }` a comma separates entries: a decimal is written with a dot, such as `0.2`)",
+            "6:19: error: endpoints.b.max_attempts: expected a whole number, found a string (`1,000`: a number is written without `,`)",
+            "8:14: error: endpoints.b.budget.ratio: expected a number, found a string (`0,25`: a decimal is written with a dot, `0.25`)",
+            "9:30: error: endpoints.b.retry_on.http_status[0]: expected an HTTP status code, found a string (`5,03`: a number is written without `,`)",
+            "11:33: error: endpoints.c.budget: keys must be strings, found an integer",
+        ]
+    );
+}
+
+#[test]
 fn settings_that_do_not_do_what_they_say_are_warned_and_probes_past_the_breakers_count_refused() {
     let src = "version: 1\ndefaults:\n  budget: {ratio: 0, min_per_second: 3, window: 333ms}\nendpoints:\n  a:\n    idempotency_key_header: content-type\n    circuit_breaker: {half_open_probes: 16777216}\n    routes:\n      - match: {path_prefix: /v1/*}\n        max_attempts: 2\n  b:\n    budget: {min_per_second: 3, window: 334ms}\n";
     assert_eq!(
