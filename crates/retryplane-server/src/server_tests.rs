@@ -1456,3 +1456,24 @@ async fn a_first_start_on_a_file_its_writer_holds_open_is_unready_until_the_whol
     );
     running.shutdown().await.unwrap();
 }
+
+/// Start-up in file mode asks `/proc` whether the policy file is held open for writing; an
+/// epoll elsewhere on the host whose `epoll_ctl` waits on a stopped FUSE daemon does not hold
+/// it up (reading that epoll's `fdinfo` would wait as long, and `serve` looks at SIGTERM only
+/// once the start returned). Needs root, bindfs and python3 (skipped otherwise).
+#[cfg(target_os = "linux")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn start_up_is_not_held_up_by_an_epoll_stuck_on_a_stopped_fuse_daemon() {
+    let (_dir, cfg) = with_file(V1);
+    let Some(stuck) = crate::writers::tests::StuckEpoll::new() else {
+        return;
+    };
+    let started = tokio::time::timeout(std::time::Duration::from_secs(10), start(cfg)).await;
+    stuck.release();
+    let hung = started.is_err();
+    if let Ok(Ok(running)) = started {
+        running.shutdown().await.unwrap();
+    }
+    drop(stuck);
+    assert!(!hung, "start-up did not return within 10 s");
+}

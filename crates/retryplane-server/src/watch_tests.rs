@@ -958,3 +958,29 @@ async fn a_rescan_does_not_publish_half_of_a_save_written_where_no_watch_hears()
     let history = f.control.blocking(|s| s.history(0, None)).await.unwrap();
     assert_eq!(history.len(), 2, "only the whole save was published");
 }
+
+/// A policy file saved in place (`cp`, `scp`, a generator) keeps its inode; on a tmpfs its
+/// inode number is small, as are memfds' (kept read-write by long-lived processes, on an
+/// internal mount in no table). A save of a file whose inode number a live memfd has is
+/// published as soon as it is whole, not held back as if the memfd were its writer. Needs
+/// root (skipped otherwise).
+#[cfg(target_os = "linux")]
+#[tokio::test]
+async fn a_save_of_a_file_sharing_a_memfds_inode_number_is_not_held_back() {
+    let memfd = rustix::fs::memfd_create("retryplane-test", rustix::fs::MemfdFlags::CLOEXEC)
+        .expect("memfd_create");
+    let inode = rustix::fs::fstat(&memfd).expect("fstat").st_ino;
+    let dir = tempfile::tempdir().unwrap();
+    let Some(found) = crate::writers::tests::TmpfsFile::with_inode(dir.path(), inode) else {
+        return;
+    };
+    let file = dir.path().join("policies.yaml");
+    fs::write(&found.path, V1).unwrap();
+    fs::rename(&found.path, &file).unwrap();
+    let f = start_with(dir, file.clone(), TIMING).await;
+    // Saved in place and closed at once: nobody holds the file.
+    fs::write(&file, V2).unwrap();
+    wait_for_version(&f.control, 2, Duration::from_secs(10)).await;
+    drop(found);
+    drop(memfd);
+}

@@ -12,11 +12,16 @@
 //! for writing" without running one of them). Only `/proc` is read for the other files, never
 //! the files themselves: a file on a file system that has stopped answering (a stale NFS
 //! mount, a hung FUSE daemon), which a `stat` through `/proc/PID/fd` would wait on for good,
-//! costs nothing here; and the policy file is looked at only if it is a regular file, through
-//! an `O_PATH` descriptor (opening a FIFO would wait). What cannot be told is counted as a
-//! writer (a file by path on a mount in no table; on btrfs, another subvolume's file with the
-//! same inode number under the same mount): a read is then late, up to the watcher's bound,
-//! rather than half. A thread with a descriptor table of its own (`unshare(CLONE_FILES)`) is
+//! costs nothing here. A descriptor's link is read first, and its `fdinfo` only when the link
+//! names a file by path (`linux::may_be_a_file`): the `fdinfo` of an epoll waits for as long as
+//! that epoll's `epoll_ctl` waits on a hung FUSE daemon, and a device's runs its driver. The
+//! policy file is looked at only if it is a regular file, through an `O_PATH` descriptor
+//! (opening a FIFO would wait). What cannot be told is counted as a writer (a file by path on a
+//! mount in no table; on btrfs, a file of another subvolume with the same inode number, held
+//! open for writing): a read is then late, up to the watcher's bound, rather than half. A
+//! reused descriptor number can still send the `fdinfo` read to an epoll in the microseconds
+//! between the two reads. A device node other than under `/dev/shm/` is not taken for the
+//! policy file. A thread with a descriptor table of its own (`unshare(CLONE_FILES)`) is
 //! not looked at. It sees the processes this one may look at: all of them as root or as their
 //! user, in the same PID namespace, whatever their mount namespace (a writer in another
 //! container, or on the host of this one, is not seen). It looks at [`MAX_FDS`] open files at
@@ -108,7 +113,7 @@ mod linux {
                 continue;
             }
             // A process that ended meanwhile, or one this one may not look at, is passed over.
-            let Ok(fds) = fs::read_dir(process.path().join("fdinfo")) else {
+            let Ok(fds) = fs::read_dir(process.path().join("fd")) else {
                 continue;
             };
             for fd in fds.flatten() {
@@ -116,7 +121,20 @@ mod linux {
                 if looked > MAX_FDS {
                     return false;
                 }
-                let Some(info) = fs::read_to_string(fd.path()).ok().and_then(|t| parse(&t)) else {
+                // The link first: reading it calls into no file system and takes no lock a
+                // process can hold for long, while reading an `fdinfo` runs the code of the
+                // descriptor's kind, and some of it waits for good (an epoll's takes the
+                // epoll's mutex, held by its `epoll_ctl` for as long as a hung FUSE daemon
+                // keeps that waiting; a device's runs its driver). So `fdinfo` is read only
+                // for what may be the policy file: a file by path.
+                let Ok(link) = fs::read_link(fd.path()) else {
+                    continue;
+                };
+                if !may_be_a_file(link.as_os_str().as_encoded_bytes()) {
+                    continue;
+                }
+                let info = process.path().join("fdinfo").join(fd.file_name());
+                let Some(info) = fs::read_to_string(info).ok().and_then(|t| parse(&t)) else {
                     continue;
                 };
                 if !info.writes || info.inode != own.inode {
@@ -124,10 +142,11 @@ mod linux {
                 }
                 // The same mount, or one of the same device: in the holder's own table (a
                 // bind mount, another mount namespace), else in this one's (a holder that left
-                // the namespace it opened the file in). Files of one device that share an
-                // inode number (btrfs subvolumes under one mount) are not told apart: that would
-                // take a `stat` of the holder's descriptor, which can follow a descriptor reused
-                // meanwhile to any file system, a hung one included.
+                // the namespace it opened the file in). Files of one btrfs that share an inode
+                // number (each subvolume numbers its own, and every mount of every subvolume
+                // shows the file system's device) are not told apart: that would take a `stat`
+                // of the holder's descriptor, which can follow a descriptor reused meanwhile to
+                // any file system, a hung one included.
                 if info.mount == own.mount {
                     return true;
                 }
@@ -136,25 +155,27 @@ mod linux {
                 {
                     Some(holder) if holder == device => return true,
                     Some(_) => {}
-                    // A mount in no table: the kernel's own (pipes, sockets, eventfd, epoll,
-                    // inotify: every process holds such descriptors read-write, and their inode
-                    // numbers can equal the file's), or a real one unmounted lazily or left in
-                    // a namespace gone since. The link names a kernel-made file by its kind
-                    // (`pipe:[…]`, `socket:[…]`, `anon_inode:…`) and any other by its path;
-                    // reading it calls into no file system. A real one counts as the file's
-                    // (reading a save late beats publishing half of it).
-                    None => {
-                        let link = process.path().join("fd").join(fd.file_name());
-                        if fs::read_link(link).is_ok_and(|target| {
-                            target.as_os_str().as_encoded_bytes().starts_with(b"/")
-                        }) {
-                            return true;
-                        }
-                    }
+                    // A file by path on a mount in no table (unmounted lazily, or left in a
+                    // namespace gone since): counted as the file's (reading a save late beats
+                    // publishing half of it).
+                    None => return true,
                 }
             }
         }
         false
+    }
+
+    /// Whether a descriptor's link may name the policy file: a path, not one of the names the
+    /// kernel gives its own files (`pipe:[…]`, `socket:[…]`, `anon_inode:[eventpoll]`, and,
+    /// starting with `/`, memfds, dma-bufs and System V shared memory, which live on internal
+    /// mounts in no table and share inode numbers with files), and not a device node (`/dev/`
+    /// but `/dev/shm/`), whose `fdinfo` runs its driver's code.
+    pub(super) fn may_be_a_file(link: &[u8]) -> bool {
+        link.starts_with(b"/")
+            && !link.starts_with(b"/memfd:")
+            && !link.starts_with(b"/dmabuf:")
+            && !link.starts_with(b"/SYSV")
+            && (!link.starts_with(b"/dev/") || link.starts_with(b"/dev/shm/"))
     }
 
     /// The `major:minor` device of mount `id` in `/proc/PID/mountinfo` of the process at
@@ -225,8 +246,9 @@ mod linux {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::fs;
+    use std::path::PathBuf;
 
     use super::*;
 
@@ -473,40 +495,266 @@ mod tests {
     #[cfg(target_os = "linux")]
     #[tokio::test]
     async fn a_file_sharing_an_inode_number_with_kernel_made_files_is_not_held() {
-        use std::os::unix::fs::MetadataExt as _;
         let Some(anon) = anon_inode_number() else {
             eprintln!("skipped: no anonymous inode descriptor");
             return;
         };
         let dir = tempfile::tempdir().expect("temp dir");
-        if !sh(&format!("mount -t tmpfs tmpfs {}", dir.path().display())) {
-            eprintln!("skipped: cannot mount a tmpfs (needs root)");
-            return;
-        }
-        let mut found = None;
-        for i in 0..200_000u32 {
-            let p = dir.path().join(format!("f{i}"));
-            if fs::write(&p, "version: 1\n").is_err() {
-                break;
-            }
-            let ino = fs::metadata(&p).map_or(u64::MAX, |m| m.ino());
-            if ino == anon {
-                found = Some(p);
-                break;
-            }
-            if ino > anon {
-                break;
-            }
-        }
-        let held = found.as_ref().map(|p| held_open_for_writing(p));
-        sh(&format!("umount {}", dir.path().display()));
-        let Some(held) = held else {
-            eprintln!("skipped: no file got inode {anon}");
+        let Some(found) = TmpfsFile::with_inode(dir.path(), anon) else {
             return;
         };
+        let held = held_open_for_writing(&found.path);
+        drop(found);
         assert!(
             !held,
             "a file nobody has open (inode {anon}) is said to be held"
+        );
+    }
+
+    /// A file on a tmpfs of its own (unmounted on drop) with a chosen inode number (a fresh
+    /// tmpfs numbers its files from a small number up).
+    #[cfg(target_os = "linux")]
+    pub(crate) struct TmpfsFile {
+        pub(crate) path: PathBuf,
+        mount: PathBuf,
+    }
+
+    #[cfg(target_os = "linux")]
+    impl TmpfsFile {
+        /// `None` (and why, on stderr) without root, or when no file gets `inode`.
+        pub(crate) fn with_inode(dir: &Path, inode: u64) -> Option<Self> {
+            use std::os::unix::fs::MetadataExt as _;
+            if !sh(&format!("mount -t tmpfs tmpfs {}", dir.display())) {
+                eprintln!("skipped: cannot mount a tmpfs (needs root)");
+                return None;
+            }
+            let mount = dir.to_owned();
+            for i in 0..200_000u32 {
+                let path = dir.join(format!("f{i}"));
+                if fs::write(&path, "version: 1\n").is_err() {
+                    break;
+                }
+                let ino = fs::metadata(&path).map_or(u64::MAX, |m| m.ino());
+                if ino == inode {
+                    return Some(Self { path, mount });
+                }
+                if ino > inode {
+                    break;
+                }
+            }
+            sh(&format!("umount {}", mount.display()));
+            eprintln!("skipped: no file got inode {inode}");
+            None
+        }
+    }
+
+    #[cfg(target_os = "linux")]
+    impl Drop for TmpfsFile {
+        fn drop(&mut self) {
+            sh(&format!("umount -l {}", self.mount.display()));
+        }
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn only_links_that_may_name_the_file_have_their_fdinfo_read() {
+        use super::linux::may_be_a_file;
+        for file in [
+            &b"/srv/retryplane/policies.yaml"[..],
+            b"/srv/policies.yaml (deleted)",
+            b"/dev/shm/policies.yaml",
+        ] {
+            assert!(may_be_a_file(file), "{}", String::from_utf8_lossy(file));
+        }
+        for kernel_made in [
+            &b"anon_inode:[eventpoll]"[..],
+            b"anon_inode:[eventfd]",
+            b"pipe:[1234]",
+            b"socket:[5678]",
+            b"/memfd:wayland-shm (deleted)",
+            b"/dmabuf:",
+            b"/SYSV00000000 (deleted)",
+            b"/dev/dri/card0",
+            b"/dev/null",
+        ] {
+            assert!(
+                !may_be_a_file(kernel_made),
+                "{}",
+                String::from_utf8_lossy(kernel_made)
+            );
+        }
+    }
+
+    /// A memfd (`memfd_create`; systemd, journald, Wayland clients and browsers keep them, read-
+    /// write) lives on an internal mount in no table, and its link starts with `/`
+    /// (`/memfd:NAME (deleted)`); its inode numbers are small, as are a tmpfs's (`/run`, a
+    /// Kubernetes secret volume). A file nobody has open with a live memfd's inode number is
+    /// not held. Needs root (skipped otherwise).
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_file_sharing_a_memfds_inode_number_is_not_held() {
+        let memfd = rustix::fs::memfd_create("retryplane-test", rustix::fs::MemfdFlags::CLOEXEC)
+            .expect("memfd_create");
+        let inode = rustix::fs::fstat(&memfd).expect("fstat").st_ino;
+        let dir = tempfile::tempdir().expect("temp dir");
+        let Some(found) = TmpfsFile::with_inode(dir.path(), inode) else {
+            return;
+        };
+        assert!(
+            !held_open_for_writing(&found.path),
+            "a file nobody has open (inode {inode}) is said to be held: a memfd with that \
+             inode number counted as its writer"
+        );
+    }
+
+    /// A process whose `epoll_ctl(ADD)` of a file on a bindfs (FUSE) mount waits on the
+    /// stopped daemon: the kernel asks the daemon (`FUSE_POLL`) holding the epoll's mutex,
+    /// which reading that epoll's `fdinfo` takes too. Released (the daemon continued,
+    /// everything stopped and unmounted) on drop.
+    #[cfg(target_os = "linux")]
+    pub(crate) struct StuckEpoll {
+        daemon: std::process::Child,
+        poller: std::process::Child,
+        mount: String,
+        _dir: tempfile::TempDir,
+    }
+
+    #[cfg(target_os = "linux")]
+    impl StuckEpoll {
+        /// `None` (and why, on stderr) without root, bindfs, /dev/fuse or python3.
+        pub(crate) fn new() -> Option<Self> {
+            use std::io::{BufRead as _, Write as _};
+            use std::process::{Command, Stdio};
+            let dir = tempfile::tempdir().expect("temp dir");
+            let d = dir.path();
+            for sub in ["src", "mnt"] {
+                fs::create_dir(d.join(sub)).expect("mkdir");
+            }
+            fs::write(d.join("src/f"), "x\n").expect("write");
+            let Ok(mut daemon) = Command::new("bindfs")
+                .arg("-f")
+                .arg(d.join("src"))
+                .arg(d.join("mnt"))
+                .stderr(Stdio::null())
+                .spawn()
+            else {
+                eprintln!("skipped: no bindfs");
+                return None;
+            };
+            let mount = d.join("mnt").display().to_string();
+            let mounted = poll_for(|| {
+                fs::read_to_string("/proc/self/mountinfo").is_ok_and(|t| t.contains(&mount))
+            });
+            if !mounted {
+                let _ = daemon.kill();
+                let _ = daemon.wait();
+                eprintln!("skipped: bindfs did not mount (needs root and /dev/fuse)");
+                return None;
+            }
+            let script = format!(
+                "import os, select, sys, time\n\
+                 fd = os.open('{mount}/f', os.O_RDONLY)\n\
+                 ep = select.epoll()\n\
+                 print('ready', flush=True)\n\
+                 sys.stdin.readline()\n\
+                 ep.register(fd, select.EPOLLIN)\n\
+                 time.sleep(600)\n"
+            );
+            let spawned = Command::new("python3")
+                .arg("-c")
+                .arg(&script)
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .spawn();
+            let mut stuck = match spawned {
+                Ok(poller) => Self {
+                    daemon,
+                    poller,
+                    mount,
+                    _dir: dir,
+                },
+                Err(_) => {
+                    sh(&format!("umount {mount}"));
+                    let _ = daemon.kill();
+                    let _ = daemon.wait();
+                    eprintln!("skipped: no python3");
+                    return None;
+                }
+            };
+            let mut ready = String::new();
+            if let Some(out) = stuck.poller.stdout.take() {
+                let _ = std::io::BufReader::new(out).read_line(&mut ready);
+            }
+            sh(&format!("kill -STOP {}", stuck.daemon.id()));
+            if let Some(input) = stuck.poller.stdin.as_mut() {
+                let _ = input.write_all(b"go\n");
+            }
+            // Until the poller waits on the daemon, inside `epoll_ctl`.
+            let wchan = format!("/proc/{}/wchan", stuck.poller.id());
+            let waiting = poll_for(|| {
+                fs::read_to_string(&wchan)
+                    .is_ok_and(|w| w.contains("fuse") || w.contains("request"))
+            });
+            assert!(waiting, "the poller never waited on the FUSE daemon");
+            Some(stuck)
+        }
+
+        /// Lets the daemon go on: the `epoll_ctl` returns.
+        pub(crate) fn release(&self) {
+            sh(&format!("kill -CONT {}", self.daemon.id()));
+        }
+    }
+
+    #[cfg(target_os = "linux")]
+    impl Drop for StuckEpoll {
+        fn drop(&mut self) {
+            self.release();
+            let _ = self.poller.kill();
+            let _ = self.poller.wait();
+            sh(&format!("umount {}", self.mount));
+            let _ = self.daemon.kill();
+            let _ = self.daemon.wait();
+        }
+    }
+
+    /// Polls `check` every 20 ms for at most 5 s.
+    #[cfg(target_os = "linux")]
+    fn poll_for(mut check: impl FnMut() -> bool) -> bool {
+        let step = std::time::Duration::from_millis(20);
+        (0..250).any(|_| {
+            if check() {
+                return true;
+            }
+            std::thread::park_timeout(step);
+            false
+        })
+    }
+
+    /// An epoll whose `epoll_ctl` waits on a stopped FUSE daemon elsewhere on the host: its
+    /// `fdinfo` would wait as long (in `D` state, which no signal ends), so the look does not
+    /// read it. Needs root, bindfs and python3 (skipped otherwise).
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn an_epoll_waiting_on_a_stopped_fuse_daemon_does_not_hold_up_the_look() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let policy = dir.path().join("policies.yaml");
+        fs::write(&policy, "version: 1\n").expect("write");
+        let Some(stuck) = StuckEpoll::new() else {
+            return;
+        };
+        let (tx, rx) = std::sync::mpsc::channel();
+        let asked = policy.clone();
+        std::thread::spawn(move || {
+            let _ = tx.send(held_open_for_writing(&asked));
+        });
+        let answered = rx.recv_timeout(std::time::Duration::from_secs(10));
+        stuck.release();
+        let late = rx.recv_timeout(std::time::Duration::from_secs(10));
+        drop(stuck);
+        assert_eq!(
+            answered,
+            Ok(false),
+            "no answer in 10 s (once the daemon went on: {late:?})"
         );
     }
 }
