@@ -199,6 +199,18 @@ fn settings_that_do_not_do_what_they_say_are_warned_and_probes_past_the_breakers
 }
 
 #[test]
+fn a_star_inside_a_path_prefix_is_warned_without_a_narrower_suggestion() {
+    let src = "version: 1\nendpoints:\n  a:\n    routes:\n      - match: {path_prefix: /v1/*/items}\n        max_attempts: 2\n      - match: {path_prefix: /v2/**}\n        max_attempts: 2\n";
+    assert_eq!(
+        all(src),
+        [
+            "5:16: warning: endpoints.a.routes[0].match.path_prefix: `/v1/*/items` is matched as written: `*` is no wildcard in a path prefix (a prefix matches by its start only: write a route for each value of the `*`, or `/v1/`, which matches every path under it)",
+            "7:16: warning: endpoints.a.routes[1].match.path_prefix: `/v2/**` is matched as written: `*` is no wildcard in a path prefix (a prefix already matches every path that starts with it: write `/v2/`)",
+        ]
+    );
+}
+
+#[test]
 fn a_path_prefix_no_request_can_carry_as_written_is_warned_with_its_encoded_form() {
     let src = "version: 1\nendpoints:\n  u:\n    routes:\n      - match: {path_prefix: \"/a b\"}\n        max_attempts: 1\n      - match: {path_prefix: \"/q r?x=1\"}\n        max_attempts: 1\n      - match: {path_prefix: \"/v1/über|x[0]\"}\n        max_attempts: 1\n";
     assert_eq!(

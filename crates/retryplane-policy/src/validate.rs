@@ -151,13 +151,26 @@ pub(crate) fn check_parsed(
                 && path_prefix.contains('*')
             {
                 let literal = path_prefix.split('*').next().unwrap_or_default();
+                // `/v1/*`: the prefix before the `*` is what was meant. `/v1/*/items`: that
+                // prefix matches more than was meant, so it is offered as the wider choice.
+                let advice = if path_prefix.trim_end_matches('*').contains('*') {
+                    format!(
+                        "a prefix matches by its start only: write a route for each value of the \
+                         `*`, or `{}`, which matches every path under it",
+                        crate::diag::OneLine(literal)
+                    )
+                } else {
+                    format!(
+                        "a prefix already matches every path that starts with it: write `{}`",
+                        crate::diag::OneLine(literal)
+                    )
+                };
                 diags.push(Diagnostic::warning(
                     route.matcher.loc,
                     format!("{route_path}.match.path_prefix"),
                     format!(
-                        "`{}` is matched as written: `*` is no wildcard in a path prefix (a prefix already matches every path that starts with it: write `{}`)",
+                        "`{}` is matched as written: `*` is no wildcard in a path prefix ({advice})",
                         crate::diag::OneLine(path_prefix),
-                        crate::diag::OneLine(literal)
                     ),
                 ));
             }
