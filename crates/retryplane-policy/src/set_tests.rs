@@ -1544,3 +1544,34 @@ fn an_oversized_file_is_one_error_at_the_top_whoever_reads_it() {
     let size = u64::try_from(big.len()).unwrap();
     assert_eq!(load(&big).diagnostics, too_large(Some(size)).diagnostics);
 }
+
+#[test]
+fn a_multiplier_only_decorrelated_jitter_takes_is_warned_where_it_is_written() {
+    // Warned: c's (no route of c changes its jitter), d's (decorrelated from `defaults:`).
+    // Not warned: `defaults:`'s own (endpoints the file does not name take it with `full`),
+    // b's (its route takes it with `none`).
+    let src = "version: 1\ndefaults:\n  backoff: {multiplier: 3}\nendpoints:\n  a:\n    backoff: {jitter: decorrelated}\n  b:\n    backoff: {multiplier: 2, jitter: decorrelated}\n    routes:\n      - match: {method: GET}\n        backoff: {jitter: none}\n  c:\n    backoff: {multiplier: 2, jitter: decorrelated}\n";
+    let warned = |src: &str| -> Vec<String> {
+        all(src)
+            .into_iter()
+            .filter(|d| d.contains("multiplier"))
+            .collect()
+    };
+    assert_eq!(
+        warned(src),
+        [
+            "13:27: warning: endpoints.c.backoff.multiplier: does nothing: every policy that takes it has `jitter: decorrelated`, which draws each pause from the one before (up to three times it) and never reads the multiplier; remove it, or choose another jitter",
+        ]
+    );
+    let src = "version: 1\ndefaults:\n  backoff: {multiplier: 3, jitter: decorrelated}\nendpoints:\n  a: {}\n  d:\n    backoff: {multiplier: 2}\n";
+    assert_eq!(
+        warned(src),
+        [
+            "3:25: warning: defaults.backoff.multiplier: does nothing: every policy that takes it has `jitter: decorrelated`, which draws each pause from the one before (up to three times it) and never reads the multiplier; remove it, or choose another jitter",
+            "7:27: warning: endpoints.d.backoff.multiplier: does nothing: every policy that takes it has `jitter: decorrelated`, which draws each pause from the one before (up to three times it) and never reads the multiplier; remove it, or choose another jitter",
+        ]
+    );
+    // An endpoint that turns the jitter to `full` makes `defaults:`'s act.
+    let src = "version: 1\ndefaults:\n  backoff: {multiplier: 3, jitter: decorrelated}\nendpoints:\n  a:\n    backoff: {jitter: full}\n";
+    assert_eq!(warned(src), Vec::<String>::new());
+}

@@ -14,7 +14,7 @@ use crate::backoff;
 use crate::codes::{GrpcCode, RETRYABLE_4XX};
 use crate::diag::Diagnostic;
 use crate::document::{EndpointDoc, Level, Overlay, PolicyDocument, RouteMatch, Target};
-use crate::model::RetryPolicy;
+use crate::model::{Jitter, RetryPolicy};
 use crate::parse::{ROUTE_ALERT, check_method};
 use crate::uri_path::{push_escape, stray_percent};
 use crate::yaml::Loc;
@@ -59,6 +59,8 @@ pub(crate) fn check_parsed(
     let defaults_layers = [(Level::Defaults, "defaults".to_owned(), &doc.defaults)];
     check_layer_noting(&doc.defaults, "defaults", &mut refused, diags);
     check_effective(&defaults_layers, &refused, diags);
+    let mut multipliers = Multipliers::default();
+    multipliers.note(&defaults_layers, &refused);
     // Each name's first place. A file's parser already refuses a second endpoint of the same
     // name (and leaves it out), and so does the wire conversion; a document built in code gets
     // the same error here, since a set has one policy per name.
@@ -84,6 +86,7 @@ pub(crate) fn check_parsed(
         let mut layers = defaults_layers.to_vec();
         layers.push((Level::Endpoint, ep_path.clone(), &ep.overlay));
         check_effective(&layers, &refused, diags);
+        multipliers.note(&layers, &refused);
         check_numbers_of_what_is_off(&layers, diags);
         // Each match's first route, so that repeats are found in linear time, and the
         // earlier routes' matches, so that one made unreachable by a broader earlier match
@@ -178,8 +181,77 @@ pub(crate) fn check_parsed(
             let mut route_layers = layers.clone();
             route_layers.push((Level::Route, route_path, &route.overlay));
             check_effective(&route_layers, &refused, diags);
+            multipliers.note(&route_layers, &refused);
         }
+        // Only this endpoint and its routes take a multiplier written in them.
+        multipliers.warn_unused(Level::Endpoint, diags);
         crate::diag::tag_endpoint(&mut diags[first_diag..], &ep.name.value, &ep_path);
+    }
+    // `defaults:`'s is taken by every endpoint that does not set its own, and by the endpoints
+    // the file does not name (noted above with the defaults alone).
+    multipliers.warn_unused(Level::Defaults, diags);
+}
+
+/// Each `backoff.multiplier` written, and whether some effective policy that takes it lets it
+/// act: `jitter: decorrelated` draws each pause from the one before (up to three times it),
+/// and never reads the multiplier. A multiplier only such policies take does nothing, while
+/// its place in the file says otherwise (and `explain` shows it).
+#[derive(Default)]
+struct Multipliers {
+    /// Where each one is written, and whether it acts somewhere; in the order first met.
+    written: Vec<(Level, Loc, String, bool)>,
+    /// The index in `written` of each path.
+    at: HashMap<String, usize>,
+}
+
+impl Multipliers {
+    /// Notes the effective policy of `layers`: which layer's multiplier it takes, if one is
+    /// written, and whether that multiplier acts in it. Values refused are left to their
+    /// errors.
+    fn note(&mut self, layers: &Layers<'_>, refused: &Refused) {
+        let Some((level, loc, path)) = layers.iter().rev().find_map(|(level, prefix, o)| {
+            o.loc_of("backoff.multiplier")
+                .map(|loc| (*level, loc, format!("{prefix}.backoff.multiplier")))
+        }) else {
+            return;
+        };
+        if refused.any(layers, &["backoff.multiplier", "backoff.jitter"]) {
+            return;
+        }
+        let p: RetryPolicy = Overlay::resolve(layers.iter().map(|(_, _, o)| *o));
+        let acts = p.backoff.jitter != Jitter::Decorrelated;
+        match self.at.get(&path) {
+            Some(&i) => self.written[i].3 |= acts,
+            None => {
+                self.at.insert(path.clone(), self.written.len());
+                self.written.push((level, loc, path, acts));
+            }
+        }
+    }
+
+    /// Warns of each multiplier written at `level` (a route's counts as its endpoint's) that
+    /// acts in no policy noted, and forgets those of that level.
+    fn warn_unused(&mut self, level: Level, diags: &mut Vec<Diagnostic>) {
+        let of_level = |l: Level| match level {
+            Level::Defaults => l == Level::Defaults,
+            _ => l != Level::Defaults,
+        };
+        for (_, loc, path, acts) in self.written.iter().filter(|w| of_level(w.0)) {
+            if !acts {
+                diags.push(Diagnostic::warning(
+                    *loc,
+                    path.clone(),
+                    "does nothing: every policy that takes it has `jitter: decorrelated`, \
+                     which draws each pause from the one before (up to three times it) and \
+                     never reads the multiplier; remove it, or choose another jitter",
+                ));
+            }
+        }
+        self.written.retain(|w| !of_level(w.0));
+        self.at.clear();
+        for (i, w) in self.written.iter().enumerate() {
+            self.at.insert(w.2.clone(), i);
+        }
     }
 }
 
