@@ -280,6 +280,11 @@ impl Aggregator {
         self
     }
 
+    /// [`Judge::hold`]: the report interval and [`REPORT_SLACK`].
+    fn report_due(&self) -> Duration {
+        self.report_interval.saturating_add(REPORT_SLACK)
+    }
+
     /// This aggregate, taking a report without a known span (no start, or an end at or before
     /// its start) to cover `span`: the interval agents are told to report at. Taken as zero, a new
     /// series' first counts would be divided by the instant since they arrived, and its rates
@@ -409,14 +414,14 @@ impl Aggregator {
             for c in &report.endpoints {
                 let Some(counts) = plausible(c) else { continue };
                 match endpoints.get(c.endpoint.as_str()) {
-                    Some(series) => series.add(&tick, version, &counts, span),
+                    Some(series) => series.add(&tick, version, &counts, span, self.report_interval),
                     None => missed.push((c, counts)),
                 }
             }
         }
         for (c, counts) in missed {
             match self.resolve(svc, &c.endpoint, tick.now) {
-                Ok(series) => series.add(&tick, version, &counts, span),
+                Ok(series) => series.add(&tick, version, &counts, span, self.report_interval),
                 Err(why) => self.add_other(&tick, version, &counts, span, &c.endpoint, why),
             }
         }
@@ -474,7 +479,8 @@ impl Aggregator {
         endpoint: &str,
         why: Overflow,
     ) {
-        self.other.add(tick, version, counts, span);
+        self.other
+            .add(tick, version, counts, span, self.report_interval);
         self.overflowed.of(why).fetch_add(1, Ordering::Relaxed);
         // The name comes from an agent: escaped, so a line break or an escape sequence in it
         // cannot forge a log line or drive a terminal.
@@ -833,9 +839,13 @@ pub fn spawn_ticker(
     })
 }
 
-/// The longest span a report is taken to cover: the longest window. A longer one would change
-/// no window's covered time.
-const MAX_REPORT_SPAN: Duration = Duration::from_secs(15 * 60);
+/// The longest span a report is taken to cover (its counts are spread over it): a day, the
+/// longest over which its counts are checked for plausibility.
+const MAX_REPORT_SPAN: Duration = counts::MAX_PLAUSIBLE_SPAN;
+
+/// How late past the report interval a series' next report may come before its alert is judged
+/// on an empty window ([`Judge::hold`]): agents' reports wait for their stream's turn.
+const REPORT_SLACK: Duration = Duration::from_secs(10);
 
 /// The endpoints past their threshold over every calling service, for [`Aggregator::judges`].
 struct Judges<'a> {
@@ -857,6 +867,7 @@ impl Judges<'_> {
                 threshold: self.agg.thresholds.default_threshold(),
                 endpoint_wide: false,
                 endpoint_above: false,
+                hold: self.agg.report_due(),
             };
         }
         Judge {
@@ -866,6 +877,7 @@ impl Judges<'_> {
                 .get(endpoint)
                 .is_some_and(|(calls, _)| *calls >= series::MIN_ALERT_CALLS),
             endpoint_above: self.above.contains_key(endpoint),
+            hold: self.agg.report_due(),
         }
     }
 }

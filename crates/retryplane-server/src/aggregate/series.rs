@@ -43,6 +43,11 @@ pub struct Judge {
     /// retry ratio above the threshold, whatever its volume: what keeps a lent alert
     /// ([`Alert::lent`]) firing.
     pub endpoint_above: bool,
+    /// How long after a series' last report its next one may still come (the report interval
+    /// agents are told, and some slack): while the 5-minute window holds no call and no report
+    /// is overdue, a firing alert goes on. With a report interval of minutes, the window can
+    /// be empty between two reports however steady the series.
+    pub hold: Duration,
 }
 
 impl Judge {
@@ -52,6 +57,7 @@ impl Judge {
             threshold,
             endpoint_wide: false,
             endpoint_above: false,
+            hold: Duration::ZERO,
         }
     }
 }
@@ -197,10 +203,17 @@ impl Series {
     }
 
     /// Adds one endpoint's deltas, made under `version` over `span` (the report's own span)
-    /// and received at `tick`. The first report's span is the least time the series' and the
-    /// version's windows cover (see [`Began`]), so a young series' first counts are not
-    /// divided by the instant since they arrived.
-    pub fn add(&self, tick: &Tick, version: u64, counts: &Counts, span: Duration) {
+    /// and received at `tick`, from agents told to report every `interval`. The first report's
+    /// span is the least time the series' and the version's windows cover (see [`Began`]), so a
+    /// young series' first counts are not divided by the instant since they arrived.
+    pub fn add(
+        &self,
+        tick: &Tick,
+        version: u64,
+        counts: &Counts,
+        span: Duration,
+        interval: Duration,
+    ) {
         let mut s = self.lock();
         s.first_span.get_or_insert(span);
         s.last_report = s.last_report.max(tick.now);
@@ -216,7 +229,7 @@ impl Series {
         let v = &mut s.versions[at];
         v.last = tick.now;
         v.lifetime.add(counts);
-        v.windows.add(tick, counts);
+        v.windows.add(tick, counts, span, interval);
         // Keep the most recent version first, so the usual lookup is one comparison.
         if at != 0 {
             s.versions.swap(0, at);
@@ -419,8 +432,12 @@ impl State {
         let threshold = judge.threshold;
         let w = self.window(tick, Window::FiveMinutes);
         let (calls, retries) = (w.0[CALLS], w.0[RETRIES]);
-        let ratio = ratio(retries, calls);
         let was = self.alert.firing;
+        // No call in the window, and the next report not due yet: nothing to judge by.
+        if calls == 0 && was && tick.now.saturating_duration_since(self.last_report) < judge.hold {
+            return (self.alert, None);
+        }
+        let ratio = ratio(retries, calls);
         let own_volume = calls >= MIN_ALERT_CALLS;
         // The volume guard only keeps an alert from starting: one that fires goes on while the
         // ratio stays above the threshold, so a storm that also cuts the traffic does not
@@ -481,7 +498,7 @@ mod tests {
         let epoch = Instant::now();
         let tick = Tick::new(epoch, epoch);
         let series = Series::new("checkout", "payments", epoch);
-        series.add(&tick, 1, &counts(40, 10), Duration::ZERO);
+        series.add(&tick, 1, &counts(40, 10), Duration::ZERO, Duration::ZERO);
         let mut s = series.lock();
         let (alert, started) = s.evaluate(&tick, Judge::threshold(0.05));
         assert_eq!(
@@ -517,8 +534,8 @@ mod tests {
         let later = Tick::new(epoch, epoch + Duration::from_secs(61));
         let earlier = Tick::new(epoch, epoch + Duration::from_secs(59));
         let series = Series::new("checkout", "payments", epoch);
-        series.add(&later, 1, &counts(1, 0), Duration::ZERO);
-        series.add(&earlier, 1, &counts(2, 0), Duration::ZERO);
+        series.add(&later, 1, &counts(1, 0), Duration::ZERO, Duration::ZERO);
+        series.add(&earlier, 1, &counts(2, 0), Duration::ZERO, Duration::ZERO);
         let view = series.view(&later, Judge::threshold(0.05));
         assert_eq!(view.windows.map(|(c, _)| c.0[CALLS]), [3, 3, 3]);
     }

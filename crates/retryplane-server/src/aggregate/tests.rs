@@ -1217,3 +1217,98 @@ async fn a_storm_spread_over_many_small_callers_alerts_on_each_of_them() {
     }
     assert_eq!(agg.tick(Instant::now()), 0);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_backlog_report_is_spread_over_the_time_it_covers() {
+    // An agent cut off for 30 minutes sends what it counted meanwhile (1 call/s) in one report
+    // that says it covers that time. It arrives at 2,000 s, on a bucket edge.
+    let agg = Aggregator::new(10, Instant::now());
+    let svc = agg.service("checkout");
+    advance(Duration::from_secs(2_000)).await;
+    let backlog = spanning(
+        report(1, &[("payments", 1_800, 0)]),
+        1_000_000,
+        1_000_000 + 1_800_000,
+    );
+    assert_eq!(agg.ingest(&svc, &backlog, Instant::now()).count, 0);
+    // The last report interval (10 s) at the arrival: 10 calls; the 1,790 s before it spread
+    // over their time. The 1-minute window (1,950 s on) holds 1,950..1,990 s of it, the
+    // 5-minute window (1,740 s on) 1,740..1,990 s, the 15-minute one (1,140 s on)
+    // 1,140..1,990 s: each 1 call/s over what it covers, not 1,800 calls in a minute.
+    assert_eq!(calls(&agg, all()), [10 + 40, 10 + 250, 10 + 850]);
+    let rates = windows(&agg, all()).map(|(c, covered)| c as f64 / covered);
+    for rate in rates {
+        assert!((rate - 1.0).abs() < 0.2, "{rates:?}");
+    }
+    let view = &agg.views(Instant::now(), all())[0];
+    assert_eq!(
+        view.lifetime.0[counts::CALLS],
+        1_800,
+        "the lifetime has all of it"
+    );
+}
+
+/// Ticks of 5 s (the server's) over four hours of a steady 10 % retry ratio (threshold 5 %),
+/// one agent reporting every `interval` s, 30 s past the minute: (ticks firing, ticks not,
+/// starts and ends).
+fn steady_storm(interval: u64) -> (u32, u32, u32) {
+    let epoch = Instant::now();
+    let agg = Aggregator::new(100, epoch).with_unknown_span(Duration::from_secs(interval));
+    let svc = agg.service("checkout");
+    let (mut firing_ticks, mut quiet_ticks, mut transitions, mut was) = (0, 0, 0, false);
+    for step in 1..=(4 * 3600 / 5) {
+        let t = step * 5;
+        let now = epoch + Duration::from_secs(t);
+        if t % interval == 30 % interval {
+            let end_ms = 1_700_000_000_000 + t * 1000;
+            let r = spanning(
+                report(1, &[("payments", 10 * interval, interval)]),
+                end_ms - interval * 1000,
+                end_ms,
+            );
+            assert_eq!(agg.ingest(&svc, &r, now).count, 0);
+        }
+        if t < interval + 30 {
+            continue;
+        }
+        let firing = agg.tick(now) > 0;
+        if firing {
+            firing_ticks += 1;
+        } else {
+            quiet_ticks += 1;
+        }
+        if firing != was {
+            transitions += 1;
+            was = firing;
+        }
+    }
+    (firing_ticks, quiet_ticks, transitions)
+}
+
+#[test]
+fn a_steady_retry_storm_keeps_its_alert_firing_whatever_the_report_interval() {
+    // With reports minutes apart, the 5-minute window is empty between two of them.
+    for interval in [10, 60, 300, 600, 3600] {
+        let (firing, quiet, transitions) = steady_storm(interval);
+        assert_eq!(
+            (quiet, transitions),
+            (0, 1),
+            "interval {interval} s: fired in {firing} ticks of 5 s, not in {quiet}"
+        );
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_firing_alert_ends_once_reports_stop_and_the_window_is_empty() {
+    let agg = Aggregator::new(10, Instant::now()).with_unknown_span(Duration::from_secs(600));
+    let svc = agg.service("checkout");
+    agg.ingest(&svc, &report(1, &[("payments", 100, 50)]), Instant::now());
+    assert_eq!(agg.tick(Instant::now()), 1);
+    // 5 minutes on the window is empty, but the next report is not due: still firing.
+    advance(Duration::from_secs(400)).await;
+    assert_eq!(calls(&agg, all())[1], 0);
+    assert_eq!(agg.tick(Instant::now()), 1);
+    // No report 10 s past the interval: the empty window ends the alert.
+    advance(Duration::from_secs(210)).await;
+    assert_eq!(agg.tick(Instant::now()), 0);
+}

@@ -13,9 +13,15 @@
 //! 5-minute window 4–5 min, the 15-minute window 14–15 min. A count leaves the window when the
 //! bucket it was added to falls out, between 50 and 60 s (1 min), 4 and 5 min, or 14 and 15 min
 //! after it was counted; `covered_seconds` says exactly how much time a window's figures span.
-//! Every count is in exactly one fine and one coarse bucket. One ring pair is 21 buckets of
-//! 120 bytes (14 counters and the bucket's number), 2,520 bytes, allocated inline: no window
-//! ever allocates.
+//! Every count is in one fine and one coarse bucket, except those of a report that covers more
+//! than the report interval (an agent's backlog after it was cut off from the control plane):
+//! the counts of its span past the last interval are spread over the buckets of that time, each
+//! taking its share in proportion to the time it holds, so that 30 minutes of calls do not read
+//! as a 30-fold burst in the 1-minute window. (Counting every report by its arrival, the rest,
+//! keeps a series fed by many agents at its true rate on average; a series fed by one agent
+//! reads up to one report's counts high or low, as a window's edge passes a report.)
+//! One ring pair is 21 buckets of 120 bytes (14 counters and the bucket's number), 2,520 bytes,
+//! allocated inline: no window ever allocates.
 
 use std::time::Duration;
 
@@ -192,6 +198,61 @@ impl<const S: usize> Ring<S> {
         slot.counts.add(counts);
     }
 
+    /// Adds `counts`, made from `from` to `to` (at or before `tick.now`), to the buckets (of
+    /// `size`; the current one is `current`) of that time that this ring keeps, each its share:
+    /// `floor(c × end / span) - floor(c × start / span)` for the bucket's part of the span from
+    /// `start` to `end`, so that the shares of the buckets kept add up to their time's counts.
+    /// Bucket 0 also holds what was made before the epoch; what is older than the ring's oldest
+    /// bucket is left out (it is in no window).
+    fn add_spread(
+        &mut self,
+        tick: &Tick,
+        size: Duration,
+        current: u64,
+        (from, to): (Instant, Instant),
+        counts: &Counts,
+    ) {
+        let oldest = (current + 1).saturating_sub(S as u64);
+        let bucket_of = |at: Instant| {
+            (at.saturating_duration_since(tick.epoch).as_secs() / size.as_secs()).min(current)
+        };
+        let start_of = |bucket: u64| {
+            let offset = Duration::from_secs(size.as_secs().saturating_mul(bucket));
+            tick.epoch.checked_add(offset).unwrap_or(to)
+        };
+        let total = to.saturating_duration_since(from).as_nanos();
+        let (first, last) = (bucket_of(from).max(oldest), bucket_of(to));
+        if total == 0 || first >= last {
+            if bucket_of(to) >= oldest {
+                self.add(last, counts);
+            }
+            return;
+        }
+        for bucket in first..=last {
+            let start = if bucket == 0 {
+                from
+            } else {
+                start_of(bucket).max(from)
+            };
+            let end = if bucket == last {
+                to
+            } else {
+                start_of(bucket + 1).min(to)
+            };
+            let lo = start.saturating_duration_since(from).as_nanos();
+            let hi = end.saturating_duration_since(from).as_nanos();
+            if hi <= lo {
+                continue;
+            }
+            // At most 2^64 × 2^47 (a day in nanoseconds): no overflow in u128.
+            let share = |c: u64| {
+                let c = u128::from(c);
+                u64::try_from(c * hi / total - c * lo / total).unwrap_or(u64::MAX)
+            };
+            self.add(bucket, &Counts(counts.0.map(share)));
+        }
+    }
+
     /// Adds buckets `current - k + 1 ..= current` into `into`.
     fn sum_into(&self, current: u64, k: u64, into: &mut Counts) {
         let oldest = (current + 1).saturating_sub(k) + 1;
@@ -231,10 +292,34 @@ pub struct Windows {
 }
 
 impl Windows {
-    /// Counts `counts` at `tick`.
-    pub fn add(&mut self, tick: &Tick, counts: &Counts) {
-        self.fine.add(tick.fine, counts);
-        self.coarse.add(tick.coarse, counts);
+    /// Counts `counts`, made over the `span` before `tick` by an agent told to report every
+    /// `interval`: the counts of the last `interval` at `tick`, those of the span before it
+    /// spread over their time (see the module docs).
+    pub fn add(&mut self, tick: &Tick, counts: &Counts, span: Duration, interval: Duration) {
+        let Some(older) = span.checked_sub(interval).filter(|d| !d.is_zero()) else {
+            self.fine.add(tick.fine, counts);
+            self.coarse.add(tick.coarse, counts);
+            return;
+        };
+        // The last interval's share (`floor(c × interval / span)`), and the rest.
+        let (interval_ns, span_ns) = (interval.as_nanos(), span.as_nanos());
+        let recent = Counts(
+            counts
+                .0
+                .map(|c| u64::try_from(u128::from(c) * interval_ns / span_ns).unwrap_or(u64::MAX)),
+        );
+        let mut earlier = *counts;
+        for (e, r) in earlier.0.iter_mut().zip(recent.0) {
+            *e -= r;
+        }
+        self.fine.add(tick.fine, &recent);
+        self.coarse.add(tick.coarse, &recent);
+        let to = tick.now.checked_sub(interval).unwrap_or(tick.now);
+        let from = to.checked_sub(older).unwrap_or(to);
+        self.fine
+            .add_spread(tick, FINE, tick.fine, (from, to), &earlier);
+        self.coarse
+            .add_spread(tick, COARSE, tick.coarse, (from, to), &earlier);
     }
 
     /// Adds `window`'s counts as of `tick` into `into`.
