@@ -155,9 +155,12 @@ fn retry_after(
 ) -> Option<Result<std::time::Duration, retryplane_policy::retry_after::RetryAfterError>> {
     let mut lines = headers.get_all(http::header::RETRY_AFTER).into_iter();
     let line = lines.next()?;
-    // The wall clock (an HTTP date is one), read only for an answer that has the header: a
-    // clock read costs about as much as the rest of the classification.
-    let now = SystemTime::now();
+    // An HTTP date is read against the answer's own `Date` (the upstream's clock when it
+    // answered), so that the skew between its clock and this host's is not added to (or taken
+    // from) the delay it asks for; without one `Date` that reads, against this host's wall
+    // clock, read only for an answer that has the header (a clock read costs about as much as
+    // the rest of the classification).
+    let now = answered_at(headers).unwrap_or_else(SystemTime::now);
     let read = |v: &http::HeaderValue| {
         v.to_str()
             .map_err(|_| retryplane_policy::retry_after::RetryAfterError::Malformed)
@@ -171,6 +174,16 @@ fn retry_after(
             (Err(e), Err(_)) => Err(e),
         }),
     )
+}
+
+/// The answer's `Date`, when it has exactly one that reads as an HTTP date.
+fn answered_at(headers: &http::HeaderMap) -> Option<SystemTime> {
+    let mut dates = headers.get_all(http::header::DATE).into_iter();
+    let date = dates.next()?;
+    if dates.next().is_some() {
+        return None;
+    }
+    retryplane_policy::retry_after::parse_date(date.to_str().ok()?)
 }
 
 /// The value of a header that holds one value (`grpc-retry-pushback-ms`): `None` when it is
@@ -611,7 +624,58 @@ mod tests {
     }
 
     #[test]
-    fn http_date_retry_after_counts_from_the_wall_clock() {
+    fn http_date_retry_after_counts_from_the_answers_own_date() {
+        // The upstream's clock is a minute off this host's, either way: it asks for 5 s.
+        for skew in [60, -60] {
+            let upstream_now = if skew > 0 {
+                SystemTime::now() + Duration::from_secs(60)
+            } else {
+                SystemTime::now() - Duration::from_secs(60)
+            };
+            let response = http::Response::builder()
+                .status(503)
+                .header(http::header::DATE, format_http_date(upstream_now))
+                .header(
+                    http::header::RETRY_AFTER,
+                    format_http_date(upstream_now + Duration::from_secs(5)),
+                )
+                .body(())
+                .unwrap();
+            let Classification::Outcome(Outcome::Http {
+                retry_after: Some(Ok(d)),
+                ..
+            }) = response.classify()
+            else {
+                panic!("a date parses");
+            };
+            assert_eq!(d, Duration::from_secs(5), "upstream clock {skew} s off");
+        }
+        // Two `Date` lines, or one that does not read: this host's clock.
+        let ahead = SystemTime::now() + Duration::from_secs(3600);
+        for dates in [
+            &[format_http_date(ahead), format_http_date(ahead)][..],
+            &["soon".to_owned()],
+        ] {
+            let mut builder = http::Response::builder().status(503).header(
+                http::header::RETRY_AFTER,
+                format_http_date(ahead + Duration::from_secs(5)),
+            );
+            for date in dates {
+                builder = builder.header(http::header::DATE, date);
+            }
+            let Classification::Outcome(Outcome::Http {
+                retry_after: Some(Ok(d)),
+                ..
+            }) = builder.body(()).unwrap().classify()
+            else {
+                panic!("a date parses");
+            };
+            assert!(d > Duration::from_secs(3600), "{d:?}");
+        }
+    }
+
+    #[test]
+    fn http_date_retry_after_without_a_date_counts_from_the_wall_clock() {
         let date = format_http_date(SystemTime::now() + Duration::from_secs(120));
         let Classification::Outcome(Outcome::Http {
             retry_after: Some(Ok(d)),

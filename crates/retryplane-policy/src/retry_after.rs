@@ -59,6 +59,13 @@ pub fn parse_retry_after(value: &str, now: SystemTime) -> Result<Duration, Retry
     Ok(wait.min(MAX_HINT))
 }
 
+/// An HTTP `Date` value (any of the three formats RFC 9110 §5.6.7 makes recipients accept):
+/// the instant it names, or `None` if it is not one. A `Retry-After` date is read against an
+/// answer's `Date` when it has one, so that the clocks of the two hosts need not agree.
+pub fn parse_date(value: &str) -> Option<SystemTime> {
+    httpdate::parse_http_date(value.trim_ascii()).ok()
+}
+
 /// What a `grpc-retry-pushback-ms` value tells the client (gRFC A6).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Pushback {
