@@ -13,15 +13,15 @@
 //! the files themselves: a file on a file system that has stopped answering (a stale NFS
 //! mount, a hung FUSE daemon), which a `stat` through `/proc/PID/fd` would wait on for good,
 //! costs nothing here. A descriptor's link is read first, and its `fdinfo` only when the link
-//! names a file by path (`linux::may_be_a_file`): the `fdinfo` of an epoll waits for as long as
-//! that epoll's `epoll_ctl` waits on a hung FUSE daemon, and a device's runs its driver. The
+//! names a file by path (`linux::may_be_a_file`; or is too long to read): the `fdinfo` of an
+//! epoll waits for as long as that epoll's `epoll_ctl` waits on a hung FUSE daemon, and some
+//! devices' take their driver's locks (a GPU's, a tun device's: those are passed over). The
 //! policy file is looked at only if it is a regular file, through an `O_PATH` descriptor
 //! (opening a FIFO would wait). What cannot be told is counted as a writer (a file by path on a
 //! mount in no table; on btrfs, a file of another subvolume with the same inode number, held
 //! open for writing): a read is then late, up to the watcher's bound, rather than half. A
 //! reused descriptor number can still send the `fdinfo` read to an epoll in the microseconds
-//! between the two reads. A device node other than under `/dev/shm/` is not taken for the
-//! policy file. A thread with a descriptor table of its own (`unshare(CLONE_FILES)`) is
+//! between the two reads. A thread with a descriptor table of its own (`unshare(CLONE_FILES)`) is
 //! not looked at. It sees the processes this one may look at: all of them as root or as their
 //! user, in the same PID namespace, whatever their mount namespace (a writer in another
 //! container, or on the host of this one, is not seen). It looks at [`MAX_FDS`] open files at
@@ -62,6 +62,8 @@ mod linux {
     use std::fs;
     use std::os::fd::AsRawFd as _;
     use std::path::Path;
+
+    use rustix::fs::{Mode, OFlags};
 
     use super::MAX_FDS;
 
@@ -107,16 +109,34 @@ mod linux {
             return false;
         };
         let mut looked = 0usize;
+        // Buffers reused for every descriptor's link and `fdinfo`.
+        let (mut link, mut text) = (Vec::new(), String::new());
         for process in processes.flatten() {
             let name = process.file_name();
             if !name.as_encoded_bytes().iter().all(u8::is_ascii_digit) {
                 continue;
             }
             // A process that ended meanwhile, or one this one may not look at, is passed over.
-            let Ok(fds) = fs::read_dir(process.path().join("fd")) else {
+            // Its two directories are opened once, and each descriptor looked up in them
+            // (rather than by a path from `/proc` for every read).
+            let dir = |sub: &str| {
+                rustix::fs::open(
+                    process.path().join(sub),
+                    OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+                    Mode::empty(),
+                )
+            };
+            let (Ok(fd_dir), Ok(info_dir)) = (dir("fd"), dir("fdinfo")) else {
                 continue;
             };
-            for fd in fds.flatten() {
+            let Ok(mut fds) = rustix::fs::Dir::read_from(&fd_dir) else {
+                continue;
+            };
+            while let Some(Ok(fd)) = fds.read() {
+                let name = fd.file_name();
+                if !name.to_bytes().first().is_some_and(u8::is_ascii_digit) {
+                    continue;
+                }
                 looked += 1;
                 if looked > MAX_FDS {
                     return false;
@@ -125,16 +145,21 @@ mod linux {
                 // process can hold for long, while reading an `fdinfo` runs the code of the
                 // descriptor's kind, and some of it waits for good (an epoll's takes the
                 // epoll's mutex, held by its `epoll_ctl` for as long as a hung FUSE daemon
-                // keeps that waiting; a device's runs its driver). So `fdinfo` is read only
-                // for what may be the policy file: a file by path.
-                let Ok(link) = fs::read_link(fd.path()) else {
-                    continue;
-                };
-                if !may_be_a_file(link.as_os_str().as_encoded_bytes()) {
-                    continue;
+                // keeps that waiting; some devices' take their driver's locks). So `fdinfo`
+                // is read only for what may be the policy file: a file by path, or one whose
+                // path is too long for a link (no kernel-made file's name is).
+                match rustix::fs::readlinkat(&fd_dir, name, std::mem::take(&mut link)) {
+                    Ok(target) => {
+                        let file = may_be_a_file(target.as_bytes());
+                        link = target.into_bytes();
+                        if !file {
+                            continue;
+                        }
+                    }
+                    Err(rustix::io::Errno::NAMETOOLONG) => {}
+                    Err(_) => continue,
                 }
-                let info = process.path().join("fdinfo").join(fd.file_name());
-                let Some(info) = fs::read_to_string(info).ok().and_then(|t| parse(&t)) else {
+                let Some(info) = read_at(&info_dir, name, &mut text).and_then(parse) else {
                     continue;
                 };
                 if !info.writes || info.inode != own.inode {
@@ -165,17 +190,52 @@ mod linux {
         false
     }
 
-    /// Whether a descriptor's link may name the policy file: a path, not one of the names the
-    /// kernel gives its own files (`pipe:[…]`, `socket:[…]`, `anon_inode:[eventpoll]`, and,
-    /// starting with `/`, memfds, dma-bufs and System V shared memory, which live on internal
-    /// mounts in no table and share inode numbers with files), and not a device node (`/dev/`
-    /// but `/dev/shm/`), whose `fdinfo` runs its driver's code.
+    /// Whether a descriptor's link may name the policy file: a path, and not one of the names
+    /// the kernel gives its own files, which live on internal mounts in no table and share
+    /// inode numbers with files: `pipe:[…]`, `socket:[…]`, `anon_inode:[eventpoll]` and the
+    /// like, and, starting with `/`, a memfd (`/memfd:NAME (deleted)`), a `memfd_secret`
+    /// (`/secretmem (deleted)`), System V shared memory (`/SYSV` and eight hex digits,
+    /// `(deleted)`) and a dma-buf (`/dmabuf:NAME`, no `/` after it). A real file's path may
+    /// start the same way (a directory `/dev/cfg`, or `/memfd:cfg`, in a container of its own);
+    /// only the kernel's exact forms are left out. Nor is a GPU's, an accelerator's or a tun
+    /// device's node (`/dev/dri/`, `/dev/accel/`, `/dev/nvidia…`, `/dev/net/tun`), whose
+    /// `fdinfo` takes its driver's locks.
     pub(super) fn may_be_a_file(link: &[u8]) -> bool {
-        link.starts_with(b"/")
-            && !link.starts_with(b"/memfd:")
-            && !link.starts_with(b"/dmabuf:")
-            && !link.starts_with(b"/SYSV")
-            && (!link.starts_with(b"/dev/") || link.starts_with(b"/dev/shm/"))
+        let deleted = |rest: &[u8]| rest.ends_with(b" (deleted)");
+        let kernel_made = !link.starts_with(b"/")
+            || link.strip_prefix(b"/memfd:").is_some_and(deleted)
+            || link == b"/secretmem (deleted)"
+            || link.strip_prefix(b"/SYSV").is_some_and(|rest| {
+                rest.len() == 8 + b" (deleted)".len()
+                    && rest[..8].iter().all(u8::is_ascii_hexdigit)
+                    && deleted(rest)
+            })
+            || link
+                .strip_prefix(b"/dmabuf:")
+                .is_some_and(|name| !name.contains(&b'/'));
+        let driver = [
+            &b"/dev/dri/"[..],
+            b"/dev/accel/",
+            b"/dev/nvidia",
+            b"/dev/net/tun",
+        ]
+        .iter()
+        .any(|p| link.starts_with(p));
+        !kernel_made && !driver
+    }
+
+    /// The text of `name` in the directory `dir` (an `fdinfo`), read into `text`.
+    fn read_at<'t>(
+        dir: &rustix::fd::OwnedFd,
+        name: &std::ffi::CStr,
+        text: &'t mut String,
+    ) -> Option<&'t str> {
+        use std::io::Read as _;
+        let fd =
+            rustix::fs::openat(dir, name, OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty()).ok()?;
+        text.clear();
+        fs::File::from(fd).read_to_string(text).ok()?;
+        Some(text)
     }
 
     /// The `major:minor` device of mount `id` in `/proc/PID/mountinfo` of the process at
@@ -563,6 +623,14 @@ pub(crate) mod tests {
             &b"/srv/retryplane/policies.yaml"[..],
             b"/srv/policies.yaml (deleted)",
             b"/dev/shm/policies.yaml",
+            // Real paths that start as the kernel's names do, in a container of their own
+            // (a `/dev` of its own with a directory bound under it, a root made by
+            // `pivot_root`).
+            b"/dev/cfg/policies.yaml",
+            b"/dev/termination-log",
+            b"/SYSVcfg/policies.yaml",
+            b"/memfd:cfg/policies.yaml",
+            b"/dmabuf:cfg/policies.yaml",
         ] {
             assert!(may_be_a_file(file), "{}", String::from_utf8_lossy(file));
         }
@@ -572,10 +640,16 @@ pub(crate) mod tests {
             b"pipe:[1234]",
             b"socket:[5678]",
             b"/memfd:wayland-shm (deleted)",
+            b"/memfd: (deleted)",
+            b"/secretmem (deleted)",
             b"/dmabuf:",
+            b"/dmabuf:gem",
             b"/SYSV00000000 (deleted)",
+            b"/SYSV5eed0a1f (deleted)",
             b"/dev/dri/card0",
-            b"/dev/null",
+            b"/dev/accel/accel0",
+            b"/dev/nvidia0",
+            b"/dev/net/tun",
         ] {
             assert!(
                 !may_be_a_file(kernel_made),
@@ -756,5 +830,88 @@ pub(crate) mod tests {
             Ok(false),
             "no answer in 10 s (once the daemon went on: {late:?})"
         );
+    }
+
+    /// A writer in a mount namespace of its own whose `/dev` is a tmpfs (as in a container),
+    /// with the policy file's directory bound under it at `/dev/cfg`: its descriptor's link
+    /// reads `/dev/cfg/policies.yaml`, and it is the file's writer all the same. Needs root
+    /// (skipped otherwise).
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_writer_under_a_containers_own_dev_is_seen() {
+        use std::io::BufRead as _;
+        use std::process::{Command, Stdio};
+        let dir = tempfile::tempdir().expect("temp dir");
+        let policy = dir.path().join("policies.yaml");
+        fs::write(&policy, "version: 1\n").expect("write");
+        let script = format!(
+            "mount -t tmpfs tmpfs /dev && mkdir /dev/cfg && mount --bind '{}' /dev/cfg \
+             && exec 3>>/dev/cfg/policies.yaml && echo ready && read x",
+            dir.path().display()
+        );
+        let Ok(mut writer) = Command::new("unshare")
+            .args(["-m", "--propagation", "private", "sh", "-c", &script])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+        else {
+            eprintln!("skipped: no unshare");
+            return;
+        };
+        let mut ready = String::new();
+        if let Some(out) = writer.stdout.take() {
+            let _ = std::io::BufReader::new(out).read_line(&mut ready);
+        }
+        if ready.trim() != "ready" {
+            let _ = writer.kill();
+            let _ = writer.wait();
+            eprintln!("skipped: cannot make a mount namespace (needs root)");
+            return;
+        }
+        let link = fs::read_link(format!("/proc/{}/fd/3", writer.id())).ok();
+        let seen = held_open_for_writing(&policy);
+        let _ = writer.kill();
+        let _ = writer.wait();
+        assert!(seen, "a writer through {link:?} was not seen");
+    }
+
+    /// A policy file deeper than `PATH_MAX` (reached by a path relative to a deep directory,
+    /// here `/proc/self/fd/N/`): reading its writer's link fails (`ENAMETOOLONG`), and the
+    /// writer is seen all the same.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_writer_of_a_file_deeper_than_path_max_is_seen() {
+        use std::os::fd::AsRawFd as _;
+
+        use rustix::fs::{Mode, OFlags};
+        let dir = tempfile::tempdir().expect("temp dir");
+        let mut deep =
+            rustix::fs::open(dir.path(), OFlags::DIRECTORY, Mode::empty()).expect("open");
+        let name = "d".repeat(250);
+        for _ in 0..20 {
+            rustix::fs::mkdirat(&deep, name.as_str(), Mode::from_raw_mode(0o755)).expect("mkdirat");
+            deep = rustix::fs::openat(&deep, name.as_str(), OFlags::DIRECTORY, Mode::empty())
+                .expect("openat");
+        }
+        let writer = rustix::fs::openat(
+            &deep,
+            "policies.yaml",
+            OFlags::CREATE | OFlags::WRONLY | OFlags::APPEND | OFlags::CLOEXEC,
+            Mode::from_raw_mode(0o644),
+        )
+        .expect("create");
+        rustix::io::write(&writer, b"version: 1\n").expect("write");
+        let policy = format!("/proc/self/fd/{}/policies.yaml", deep.as_raw_fd());
+        assert!(
+            fs::read_link(format!("/proc/self/fd/{}", writer.as_raw_fd())).is_err(),
+            "the link of a path past PATH_MAX does not read"
+        );
+        assert!(
+            held_open_for_writing(Path::new(&policy)),
+            "a writer of a file deeper than PATH_MAX was not seen"
+        );
+        drop(writer);
+        assert!(!held_open_for_writing(Path::new(&policy)), "closed");
     }
 }
