@@ -1477,3 +1477,71 @@ async fn start_up_is_not_held_up_by_an_epoll_stuck_on_a_stopped_fuse_daemon() {
     drop(stuck);
     assert!(!hung, "start-up did not return within 10 s");
 }
+
+/// An agent that sends heartbeats (`Hello.heartbeats`, with an instance id) and then nothing:
+/// behind an HTTP/2 proxy that answers keepalive for it, only the heartbeat's silence tells
+/// that it is gone. Its stream ends with UNAVAILABLE after the liveness timeout, and the fleet
+/// lists it disconnected; an agent that does not send heartbeats keeps its stream.
+#[tokio::test]
+async fn a_stream_whose_heartbeats_stop_is_ended_and_its_agent_listed_disconnected() {
+    let (_dir, mut cfg) = with_file(V1);
+    cfg.metrics_interval = Duration::from_millis(100);
+    let running = start(cfg).await.unwrap();
+    let beating = pb::AgentMessage {
+        kind: Some(Kind::Hello(pb::Hello {
+            agent_id: "beating".to_owned(),
+            service: "checkout".to_owned(),
+            instance_id: 7,
+            heartbeats: true,
+            ..Default::default()
+        })),
+    };
+    let (_beating_tx, mut beating) = open_stream(running.agent_addr, beating, None)
+        .await
+        .unwrap();
+    let (_quiet_tx, mut quiet) = open_stream(running.agent_addr, hello("quiet"), None)
+        .await
+        .unwrap();
+    assert_eq!(next_version(&mut beating).await, 1);
+    assert_eq!(next_version(&mut quiet).await, 1);
+    let opened = tokio::time::Instant::now();
+    let ended = tokio::time::timeout(SHUTDOWN_GRACE * 2, beating.message())
+        .await
+        .expect("the silent stream ends");
+    let status = ended.expect_err("with a status");
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    let limit = retryplane_proto::liveness_timeout(Duration::from_millis(100));
+    assert!(
+        opened.elapsed() >= limit - Duration::from_millis(100),
+        "{:?}",
+        opened.elapsed()
+    );
+    let admin = admin(&running).await;
+    eventually("the silent agent is listed disconnected", || {
+        let mut admin = admin.clone();
+        async move {
+            let fleet = admin
+                .fleet_status(pb::FleetStatusRequest::default())
+                .await
+                .unwrap()
+                .into_inner();
+            let connected = |id: &str| {
+                fleet
+                    .agents
+                    .iter()
+                    .find(|a| a.agent_id == id)
+                    .map(|a| a.connected)
+            };
+            connected("beating") == Some(false) && connected("quiet") == Some(true)
+        }
+    })
+    .await;
+    // The other stream, no heartbeats promised, is still open.
+    assert!(
+        tokio::time::timeout(Duration::from_millis(200), quiet.message())
+            .await
+            .is_err(),
+        "the stream of an agent without heartbeats stays open"
+    );
+    running.shutdown().await.unwrap();
+}

@@ -460,11 +460,17 @@ async fn session(
             };
         }
     };
-    // Reports are numbered, kept and resent only for a control plane that answers them.
+    // Reports are numbered, kept and resent only for a control plane that answers them; and
+    // heartbeats go (and the answers' silence ends the stream) only to one that takes them.
     let numbered = opened
         .metadata()
         .get(retryplane_proto::METRICS_ACK_METADATA)
         .is_some_and(|v| v == "1");
+    let heartbeats = numbered
+        && opened
+            .metadata()
+            .get(retryplane_proto::HEARTBEAT_METADATA)
+            .is_some_and(|v| v == "1");
     // The control plane's interval, for an agent it sends no snapshot (up to date already):
     // it may be another than the cache file's or an earlier control plane's.
     if let Some(ms) = opened
@@ -498,6 +504,11 @@ async fn session(
         .unwrap_or_else(|e| e.into_inner()) = None;
     let opened_at = Instant::now();
     let up = || Some(Instant::now().duration_since(opened_at));
+    // Since when a report has waited for an answer with none coming (the control plane
+    // answers every report, and the agent sends one every interval): past the liveness
+    // timeout, the stream is taken for dead, though the connection may answer its pings (an
+    // HTTP/2 proxy between the two answers them).
+    let mut unanswered_since = outbox.is_waiting().then_some(opened_at);
     info!("connected to the control plane");
     loop {
         tokio::select! {
@@ -513,6 +524,7 @@ async fn session(
                 };
                 if let Some(ack) = m.metrics_ack {
                     outbox.ack(&shared.metrics, ack.seq, ack.dropped);
+                    unanswered_since = outbox.is_waiting().then(Instant::now);
                     continue;
                 }
                 let handled = match m.decode_snapshot() {
@@ -573,8 +585,28 @@ async fn session(
                 *next_report = (*next_report).min(Instant::now() + interval(shared));
             }
             () = tokio::time::sleep_until(*next_report) => {
-                send_metrics(shared, &tx, window_start, outbox, numbered);
-                *next_report = Instant::now() + interval(shared);
+                let now = Instant::now();
+                let limit = retryplane_proto::liveness_timeout(interval(shared));
+                if heartbeats
+                    && unanswered_since.is_some_and(|since| now.duration_since(since) >= limit)
+                {
+                    warn!(
+                        waited_ms = u64::try_from(limit.as_millis()).unwrap_or(u64::MAX),
+                        "the control plane answered no metrics report for three intervals: taking the stream for dead and reconnecting"
+                    );
+                    return lost(
+                        up(),
+                        format!(
+                            "no answer from the control plane for {} ms",
+                            limit.as_millis()
+                        ),
+                    );
+                }
+                send_report(shared, &tx, window_start, outbox, numbered, heartbeats);
+                if numbered && unanswered_since.is_none() && outbox.is_waiting() {
+                    unanswered_since = Some(now);
+                }
+                *next_report = now + interval(shared);
             }
             Some(cached) = late_cache(late) => {
                 // The counts so far were made on the fallback policy: reported under its
@@ -650,9 +682,22 @@ fn send_metrics(
     outbox: &mut Outbox,
     numbered: bool,
 ) {
+    send_report(shared, tx, window_start, outbox, numbered, false);
+}
+
+/// [`send_metrics`]; with `heartbeat`, an empty report when nothing was counted (on a
+/// numbered stream), whose answer shows the stream alive end to end.
+fn send_report(
+    shared: &Shared,
+    tx: &mpsc::Sender<pb::AgentMessage>,
+    window_start: &mut u64,
+    outbox: &mut Outbox,
+    numbered: bool,
+    heartbeat: bool,
+) {
     let end = unix_ms();
     let start = *window_start;
-    let sent = outbox.send(&shared.metrics, tx, numbered, |report| {
+    let sent = outbox.send(&shared.metrics, tx, numbered, heartbeat, |report| {
         report.window_start_unix_ms = start;
         report.window_end_unix_ms = end;
         report.policy_version = shared.policies.load().version();
