@@ -297,3 +297,25 @@ async fn a_call_still_running_when_reports_are_cut_adds_up_exactly_once_it_ends(
         "nothing sent twice"
     );
 }
+
+/// An agent with nothing to report sends nothing (towards this control plane, which takes no
+/// heartbeats), but its next report still spans only the time since: the control plane
+/// spreads the counts of a report spanning more than two intervals over that time, as a
+/// backlog, and calls made after an idle spell are no backlog.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_report_after_an_idle_spell_spans_only_the_time_since_the_last_report_was_due() {
+    let mut script = Script::start().await;
+    let (agent, to_agent) = connected(&mut script).await;
+    succeed(&agent, 2).await;
+    reports_until(&mut script, 2).await;
+    // Ten intervals without a call, then 2 calls.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    succeed(&agent, 2).await;
+    let after = reports_until(&mut script, 2).await;
+    let span = after[0].window_end_unix_ms - after[0].window_start_unix_ms;
+    assert!(
+        span < 500,
+        "the report after the idle spell spans {span} ms"
+    );
+    assert_eq!(shut_down(script, agent, to_agent).await, 0);
+}

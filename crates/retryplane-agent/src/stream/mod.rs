@@ -703,8 +703,10 @@ fn send_report(
         report.policy_version = shared.policies.load().version();
     });
     match sent {
-        Ok(_) => *window_start = end,
-        Err(NotSent::Empty) => {}
+        // Nothing counted since `start` either: the next report's counts are all made after
+        // `end`, and its span says so (the control plane spreads the counts of a report that
+        // spans more than an interval over that time).
+        Ok(_) | Err(NotSent::Empty) => *window_start = end,
         Err(NotSent::WindowFull) => {
             debug!("metrics reports await acknowledgement; counts kept for a later one");
         }

@@ -242,7 +242,11 @@ impl Aggregator {
     /// An empty aggregate keeping at most `max_series` series apart; windows count from `now`.
     pub fn new(max_series: usize, now: Instant) -> Self {
         Self {
-            epoch: now,
+            // Buckets are numbered from the longest window before `now`, so that the counts of
+            // a report that covers the time before this aggregate was made (an agent's backlog
+            // from while the control plane was down) have buckets of their own to be spread
+            // over. A multiple of both bucket lengths: the buckets' edges are the same.
+            epoch: now.checked_sub(window::COARSE * 15).unwrap_or(now),
             max_series,
             max_per_service: DEFAULT_MAX_SERIES_PER_SERVICE,
             unknown_span: DEFAULT_UNKNOWN_SPAN,
@@ -387,6 +391,12 @@ impl Aggregator {
         };
         let mut plausible = |c: &'r pb::EndpointCounters| {
             let counts = Counts::of(c);
+            // An entry that counted nothing says nothing (the proto asks for none): it makes
+            // no series, and is no report of one (it would hold a firing alert through an
+            // empty window).
+            if counts.is_zero() {
+                return None;
+            }
             let repeated = several && !seen.insert(c.endpoint.as_str());
             if repeated || counts.implausible(raw_span) {
                 refused.count += 1;

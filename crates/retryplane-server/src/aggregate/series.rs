@@ -433,8 +433,14 @@ impl State {
         let w = self.window(tick, Window::FiveMinutes);
         let (calls, retries) = (w.0[CALLS], w.0[RETRIES]);
         let was = self.alert.firing;
-        // No call in the window, and the next report not due yet: nothing to judge by.
-        if calls == 0 && was && tick.now.saturating_duration_since(self.last_report) < judge.hold {
+        // No call in the window, and the next report not due yet: nothing new to judge by, so
+        // the alert holds at the ratio it last had, against the threshold in force now.
+        if calls == 0
+            && was
+            && tick.now.saturating_duration_since(self.last_report) < judge.hold
+            && self.alert.ratio > threshold
+        {
+            self.alert.threshold = threshold;
             return (self.alert, None);
         }
         let ratio = ratio(retries, calls);

@@ -1312,3 +1312,179 @@ async fn a_firing_alert_ends_once_reports_stop_and_the_window_is_empty() {
     advance(Duration::from_secs(210)).await;
     assert_eq!(agg.tick(Instant::now()), 0);
 }
+
+/// A backlog whose span reaches back before the ring's oldest bucket, while `now - interval`
+/// falls in that oldest bucket: only the share of the time that bucket holds is in it.
+/// (`--metrics-interval 45s`, 30 minutes cut off.)
+#[tokio::test(start_paused = true)]
+async fn a_backlog_older_than_the_ring_is_not_put_in_its_oldest_bucket() {
+    let agg = Aggregator::new(10, Instant::now()).with_unknown_span(Duration::from_secs(45));
+    let svc = agg.service("checkout");
+    advance(Duration::from_secs(2_000)).await;
+    // 1 call/s for 30 minutes.
+    let r = spanning(
+        report(1, &[("payments", 1_800, 0)]),
+        1_000_000,
+        1_000_000 + 1_800_000,
+    );
+    assert_eq!(agg.ingest(&svc, &r, Instant::now()).count, 0);
+    let [one_minute, five, fifteen] = calls(&agg, all());
+    assert!(
+        one_minute <= 60 + 45,
+        "1-minute window: {one_minute} calls for 1 call/s (5 min: {five}, 15 min: {fifteen})"
+    );
+}
+
+/// The same with the coarse ring: `--metrics-interval 14m`, an agent cut off for a day.
+#[tokio::test(start_paused = true)]
+async fn a_day_of_backlog_is_not_put_in_the_15_minute_windows_oldest_bucket() {
+    let interval = Duration::from_secs(14 * 60);
+    let agg = Aggregator::new(10, Instant::now()).with_unknown_span(interval);
+    let svc = agg.service("checkout");
+    advance(Duration::from_secs(100_000)).await;
+    // 1 call/s for a day.
+    let r = spanning(
+        report(1, &[("payments", 86_400, 0)]),
+        1_000_000,
+        1_000_000 + 86_400_000,
+    );
+    assert_eq!(agg.ingest(&svc, &r, Instant::now()).count, 0);
+    let [one_minute, five, fifteen] = calls(&agg, all());
+    assert!(
+        fifteen <= 900 + 60,
+        "15-minute window: {fifteen} calls for 1 call/s (1 min: {one_minute}, 5 min: {five})"
+    );
+}
+
+/// The control plane restarted after 30 minutes down; an agent's first report on the new
+/// stream covers those 30 minutes, 1 call/s: spread over the time it covers, as far back as
+/// the windows reach, not read as a burst.
+#[tokio::test(start_paused = true)]
+async fn a_backlog_after_a_control_plane_restart_is_not_read_as_a_burst() {
+    let agg = Aggregator::new(10, Instant::now());
+    let svc = agg.service("checkout");
+    advance(Duration::from_secs(2)).await;
+    let r = spanning(
+        report(1, &[("payments", 1_800, 0)]),
+        5_000_000,
+        5_000_000 + 1_800_000,
+    );
+    assert_eq!(agg.ingest(&svc, &r, Instant::now()).count, 0);
+    let [one_minute, five, fifteen] = calls(&agg, all());
+    assert!(
+        one_minute <= 60 + 10 && five <= 300 + 10 && fifteen <= 900 + 10,
+        "1/5/15-minute windows: {one_minute}/{five}/{fifteen} calls for 1 call/s"
+    );
+}
+
+/// Hostile spans from the network: no panic, and no window holds more than the lifetime.
+#[tokio::test(start_paused = true)]
+async fn hostile_spans_neither_panic_nor_make_counts() {
+    for interval in [100, 10_000, 45_000, 840_000, 3_600_000] {
+        let agg =
+            Aggregator::new(10, Instant::now()).with_unknown_span(Duration::from_millis(interval));
+        let svc = agg.service("checkout");
+        for at in [0, 3, 59, 61, 899, 901, 86_399, 86_401, 200_000] {
+            let now = Instant::now() + Duration::from_secs(at);
+            for (start, end) in [
+                (1, u64::MAX),
+                (u64::MAX, 1),
+                (u64::MAX - 1, u64::MAX),
+                (0, u64::MAX),
+                (1, 86_400_000),
+                (1, 86_400_001),
+                (1_000, 1_000),
+                (1, 2),
+                (1, interval + 1),
+                (1, interval + 2),
+            ] {
+                let r = spanning(
+                    report(1, &[("payments", 1_000_003, 7), ("b", 1, 1)]),
+                    start,
+                    end,
+                );
+                agg.ingest(&svc, &r, now);
+            }
+            for v in agg.views(now, all()) {
+                for (w, _) in v.windows {
+                    assert!(
+                        w.0[counts::CALLS] <= v.lifetime.0[counts::CALLS],
+                        "interval {interval} ms at {at} s: {:?} > {:?}",
+                        w.0,
+                        v.lifetime.0
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// A firing alert held through an empty window is judged against a new threshold: one raised
+/// past the ratio it was held at ends it at once, as it would with calls in the window.
+#[tokio::test(start_paused = true)]
+async fn a_held_alert_follows_a_new_threshold() {
+    let agg = Aggregator::new(10, Instant::now()).with_unknown_span(Duration::from_secs(600));
+    let svc = agg.service("checkout");
+    agg.ingest(&svc, &report(1, &[("payments", 100, 50)]), Instant::now());
+    assert_eq!(agg.tick(Instant::now()), 1);
+    advance(Duration::from_secs(400)).await;
+    assert_eq!(calls(&agg, all())[1], 0);
+    agg.thresholds()
+        .set(HashMap::from([("payments".to_owned(), 0.9)]), 0.05);
+    let alert = agg.views(Instant::now(), all())[0].alert;
+    assert!(
+        !alert.firing && alert.threshold == 0.9,
+        "a threshold of 90 % over a held ratio of 50 %: {alert:?}"
+    );
+}
+
+/// A client that lists its endpoints in every report, all counts zero (the proto asks for one
+/// entry per endpoint that counted anything): such entries are no report of the series, so
+/// they do not hold its alert through an empty window.
+#[tokio::test(start_paused = true)]
+async fn all_zero_entries_do_not_hold_an_alert_forever() {
+    let agg = Aggregator::new(10, Instant::now());
+    let svc = agg.service("checkout");
+    agg.ingest(&svc, &report(1, &[("payments", 100, 50)]), Instant::now());
+    assert_eq!(agg.tick(Instant::now()), 1);
+    for _ in 0..90 {
+        advance(Duration::from_secs(10)).await;
+        agg.ingest(&svc, &report(1, &[("payments", 0, 0)]), Instant::now());
+        agg.tick(Instant::now());
+    }
+    assert_eq!(calls(&agg, all()), [0, 0, 0]);
+    let alert = agg.views(Instant::now(), all())[0].alert;
+    assert!(!alert.firing, "15 minutes without a call: {alert:?}");
+}
+
+/// Conservation at bucket edges: a backlog that lies wholly inside the 15-minute ring's kept
+/// buckets is wholly in the 15-minute window, whatever the arrival's phase and the span.
+#[test]
+fn a_backlog_inside_the_ring_is_conserved_at_every_phase() {
+    let mut bad = Vec::new();
+    for arrival_ms in (1_000_000..1_000_000 + 120_000).step_by(997) {
+        for span_ms in [
+            10_001, 10_999, 20_000, 59_999, 60_000, 60_001, 299_999, 600_000, 779_999,
+        ] {
+            for calls in [1_u64, 7, 1_000, 999_983] {
+                let epoch = Instant::now();
+                let agg = Aggregator::new(10, epoch);
+                let svc = agg.service("checkout");
+                let now = epoch + Duration::from_millis(arrival_ms);
+                let r = spanning(report(1, &[("payments", calls, 0)]), 5_000, 5_000 + span_ms);
+                agg.ingest(&svc, &r, now);
+                let v = &agg.views(now, all())[0];
+                let fifteen = v.windows[2].0.0[counts::CALLS];
+                if fifteen != calls {
+                    bad.push((arrival_ms, span_ms, calls, fifteen));
+                }
+            }
+        }
+    }
+    assert!(
+        bad.is_empty(),
+        "{} cases, first {:?}",
+        bad.len(),
+        &bad[..bad.len().min(5)]
+    );
+}

@@ -14,7 +14,7 @@
 //! bucket it was added to falls out, between 50 and 60 s (1 min), 4 and 5 min, or 14 and 15 min
 //! after it was counted; `covered_seconds` says exactly how much time a window's figures span.
 //! Every count is in one fine and one coarse bucket, except those of a report that covers more
-//! than the report interval (an agent's backlog after it was cut off from the control plane):
+//! than two report intervals (an agent's backlog after it was cut off from the control plane):
 //! the counts of its span past the last interval are spread over the buckets of that time, each
 //! taking its share in proportion to the time it holds, so that 30 minutes of calls do not read
 //! as a 30-fold burst in the 1-minute window. (Counting every report by its arrival, the rest,
@@ -144,10 +144,9 @@ impl Tick {
     /// to now; but never less than the first report's span (as far as the window reaches
     /// back), since that report's counts were made over that span before it arrived.
     ///
-    /// While the aggregator is younger than the window, the oldest bucket lies before the
-    /// epoch: the first buckets hold reports that count calls made before the epoch (a report
-    /// covers the time since the agent's previous one, so the first reports after a restart
-    /// cover the restart).
+    /// The aggregator numbers its buckets from the longest window before it was made, so a
+    /// window never reaches back past the epoch (the first reports after a restart count
+    /// calls made before it: a report covers the time since the agent's previous one).
     pub fn covered_seconds(&self, window: Window, began: Began) -> f64 {
         let (size, k) = window.buckets();
         let current = self.current(window);
@@ -220,25 +219,25 @@ impl<const S: usize> Ring<S> {
             let offset = Duration::from_secs(size.as_secs().saturating_mul(bucket));
             tick.epoch.checked_add(offset).unwrap_or(to)
         };
+        // Bucket 0 also holds what was made before the epoch, as far back as a window reaches
+        // from it (`Tick::covered_seconds` counts that time for a young aggregator).
+        let before_epoch = size.saturating_mul(u32::try_from(S - 1).unwrap_or(u32::MAX));
+        let first_start = tick.epoch.checked_sub(before_epoch).unwrap_or(tick.epoch);
         let total = to.saturating_duration_since(from).as_nanos();
-        let (first, last) = (bucket_of(from).max(oldest), bucket_of(to));
-        if total == 0 || first >= last {
+        if total == 0 {
             if bucket_of(to) >= oldest {
-                self.add(last, counts);
+                self.add(bucket_of(to), counts);
             }
             return;
         }
-        for bucket in first..=last {
+        for bucket in bucket_of(from).max(oldest)..=bucket_of(to) {
             let start = if bucket == 0 {
-                from
+                first_start
             } else {
-                start_of(bucket).max(from)
+                start_of(bucket)
             };
-            let end = if bucket == last {
-                to
-            } else {
-                start_of(bucket + 1).min(to)
-            };
+            let start = start.max(from);
+            let end = start_of(bucket + 1).min(to);
             let lo = start.saturating_duration_since(from).as_nanos();
             let hi = end.saturating_duration_since(from).as_nanos();
             if hi <= lo {
@@ -296,7 +295,13 @@ impl Windows {
     /// `interval`: the counts of the last `interval` at `tick`, those of the span before it
     /// spread over their time (see the module docs).
     pub fn add(&mut self, tick: &Tick, counts: &Counts, span: Duration, interval: Duration) {
-        let Some(older) = span.checked_sub(interval).filter(|d| !d.is_zero()) else {
+        // A report a little late, or one interval missed, is a report like any other: only a
+        // span past two intervals (an agent cut off, or held back by unanswered reports) is a
+        // backlog.
+        let Some(older) = span
+            .checked_sub(interval)
+            .filter(|_| span > interval.saturating_mul(2))
+        else {
             self.fine.add(tick.fine, counts);
             self.coarse.add(tick.coarse, counts);
             return;
