@@ -176,14 +176,23 @@ fn retry_after(
     )
 }
 
-/// The answer's `Date`, when it has exactly one that reads as an HTTP date.
+/// When the answer was current on its server's clock: its `Date` (when it has exactly one that
+/// reads as an HTTP date), plus its `Age` when a cache kept it that long (RFC 9111 §4.2.3: the
+/// `Retry-After` of a kept answer counts from when it was made, and it has aged since).
 fn answered_at(headers: &http::HeaderMap) -> Option<SystemTime> {
-    let mut dates = headers.get_all(http::header::DATE).into_iter();
-    let date = dates.next()?;
-    if dates.next().is_some() {
-        return None;
-    }
-    retryplane_policy::retry_after::parse_date(date.to_str().ok()?)
+    let date = sole_value(headers, http::header::DATE)??;
+    let date = retryplane_policy::retry_after::parse_date(date.to_str().ok()?)?;
+    let age = match sole_value(headers, http::header::AGE) {
+        None => 0,
+        Some(age) => {
+            let age = age?.to_str().ok()?.trim_ascii();
+            if age.is_empty() || !age.bytes().all(|b| b.is_ascii_digit()) {
+                return None;
+            }
+            age.parse::<u64>().unwrap_or(u64::MAX)
+        }
+    };
+    date.checked_add(std::time::Duration::from_secs(age))
 }
 
 /// The value of a header that holds one value (`grpc-retry-pushback-ms`): `None` when it is
@@ -650,6 +659,27 @@ mod tests {
             };
             assert_eq!(d, Duration::from_secs(5), "upstream clock {skew} s off");
         }
+        // A cached answer, made an hour ago (`Date`) and kept since (`Age`), asked for a retry
+        // 61 minutes after it was made: a minute from now.
+        let made = SystemTime::now() - Duration::from_secs(3600);
+        let cached = http::Response::builder()
+            .status(503)
+            .header(http::header::DATE, format_http_date(made))
+            .header(http::header::AGE, "3600")
+            .header(
+                http::header::RETRY_AFTER,
+                format_http_date(made + Duration::from_secs(3660)),
+            )
+            .body(())
+            .unwrap();
+        let Classification::Outcome(Outcome::Http {
+            retry_after: Some(Ok(d)),
+            ..
+        }) = cached.classify()
+        else {
+            panic!("a date parses");
+        };
+        assert_eq!(d, Duration::from_secs(60));
         // Two `Date` lines, or one that does not read: this host's clock.
         let ahead = SystemTime::now() + Duration::from_secs(3600);
         for dates in [
