@@ -235,6 +235,14 @@ impl Walker {
             Value::Str(s) if is_underscored_number(s) => {
                 format!(" (`{s}`: a number is written without `_` in YAML 1.2)")
             }
+            // A list without its brackets (`503,504`).
+            Value::Str(s) if expected.starts_with("a list") && s.contains(',') => {
+                let items: Vec<&str> = s.split(',').map(str::trim).collect();
+                format!(
+                    " (`{s}`: a list is written in brackets, `[{}]`)",
+                    items.join(", ")
+                )
+            }
             // A decimal comma (`0,2`), or a thousands separator (`1,000`).
             Value::Str(s) if is_comma_number(s) => match expected {
                 "a number" => format!(
@@ -295,15 +303,15 @@ impl Walker {
             let after = previous.replace(value);
             let Value::Str(name) = &key.value else {
                 // `{ratio: 0,2}`: the comma ended the entry `ratio: 0`, and `2` became a key
-                // with no value.
-                let decimal_comma = matches!(key.value, Value::Int(_) | Value::Float(_))
-                    && value.value == Value::Null
-                    && after.is_some_and(|v| matches!(v.value, Value::Int(_) | Value::Float(_)));
-                let hint = if decimal_comma {
-                    " (in `{ }` a comma separates entries: a decimal is written with a dot, such \
-                     as `0.2`)"
-                } else {
-                    ""
+                // with no value; `{http_status: 503, 504}`: a list without its brackets.
+                let hint = match (&key.value, &value.value, after) {
+                    (Value::Int(k), Value::Null, Some(v))
+                        if v.loc.line == key.loc.line
+                            && matches!(v.value, Value::Int(_) | Value::Float(_)) =>
+                    {
+                        flow_comma_hint(v, key, *k)
+                    }
+                    _ => String::new(),
                 };
                 self.error(
                     key.loc,
@@ -1204,8 +1212,32 @@ fn beyond_an_integer(f: f64) -> Option<&'static str> {
     }
 }
 
-/// A YAML 1.1 number with `_` between its digits (`1_000`, `0.000_1`, `0xFF_FF`), which YAML
-/// 1.2 reads as a string.
+/// What to say of an integer key `key` with no value that follows the number `value` on its
+/// line in a flow mapping: written right after the comma (`0,2`), a decimal with a comma;
+/// else (`503, 504`), a list without its brackets.
+fn flow_comma_hint(value: &Node, key: &Node, key_int: i64) -> String {
+    let written = match value.value {
+        Value::Int(v) => v.to_string(),
+        Value::Float(v) => v.to_string(),
+        _ => return String::new(),
+    };
+    let right_after = u32::try_from(written.len())
+        .ok()
+        .and_then(|len| value.loc.column.checked_add(len + 1))
+        == Some(key.loc.column);
+    if right_after && key_int >= 0 && matches!(value.value, Value::Int(_)) {
+        format!(
+            " (`{written},{key_int}`: in `{{ }}` a comma separates entries; a decimal is written \
+             with a dot, `{written}.{key_int}`)"
+        )
+    } else {
+        format!(
+            " (in `{{ }}` a comma separates entries: a list is written in brackets, \
+             `[{written}, {key_int}]`)"
+        )
+    }
+}
+
 /// `0,2`, `-1,5`, `1,000`: digits, one comma, digits; what a number written with a decimal
 /// comma or a thousands separator reads as in YAML (a string).
 fn is_comma_number(s: &str) -> bool {
@@ -1218,6 +1250,8 @@ fn is_comma_number(s: &str) -> bool {
     })
 }
 
+/// A YAML 1.1 number with `_` between its digits (`1_000`, `0.000_1`, `0xFF_FF`), which YAML
+/// 1.2 reads as a string.
 fn is_underscored_number(s: &str) -> bool {
     let digits = s.strip_prefix(['+', '-']).unwrap_or(s);
     digits.contains('_')

@@ -175,11 +175,25 @@ fn a_number_written_with_a_comma_is_refused_with_a_hint() {
     assert_eq!(
         errors(src),
         [
-            "4:23: error: endpoints.a.budget: keys must be strings, found an integer (in `{ }` a comma separates entries: a decimal is written with a dot, such as `0.2`)",
+            "4:23: error: endpoints.a.budget: keys must be strings, found an integer (`0,2`: in `{ }` a comma separates entries; a decimal is written with a dot, `0.2`)",
             "6:19: error: endpoints.b.max_attempts: expected a whole number, found a string (`1,000`: a number is written without `,`)",
             "8:14: error: endpoints.b.budget.ratio: expected a number, found a string (`0,25`: a decimal is written with a dot, `0.25`)",
             "9:30: error: endpoints.b.retry_on.http_status[0]: expected an HTTP status code, found a string (`5,03`: a number is written without `,`)",
             "11:33: error: endpoints.c.budget: keys must be strings, found an integer",
+        ]
+    );
+}
+
+#[test]
+fn a_list_written_without_brackets_gets_a_hint_for_the_list_not_a_number() {
+    let src = "version: 1\nendpoints:\n  a:\n    retry_on:\n      http_status: 503,504\n  b:\n    retry_on: {http_status: 503, 504}\n  c:\n    budget:\n      ratio: 0.2\n      5:\n";
+    assert_eq!(
+        errors(src),
+        [
+            "5:20: error: endpoints.a.retry_on.http_status: expected a list, found a string (`503,504`: a list is written in brackets, `[503, 504]`)",
+            "7:29: error: endpoints.b.retry_on.http_status: expected a list, found an integer",
+            "7:34: error: endpoints.b.retry_on: keys must be strings, found an integer (in `{ }` a comma separates entries: a list is written in brackets, `[503, 504]`)",
+            "11:7: error: endpoints.c.budget: keys must be strings, found an integer",
         ]
     );
 }
@@ -204,7 +218,7 @@ fn a_star_inside_a_path_prefix_is_warned_without_a_narrower_suggestion() {
     assert_eq!(
         all(src),
         [
-            "5:16: warning: endpoints.a.routes[0].match.path_prefix: `/v1/*/items` is matched as written: `*` is no wildcard in a path prefix (a prefix matches by its start only: write a route for each value of the `*`, or `/v1/`, which matches every path under it)",
+            "5:16: warning: endpoints.a.routes[0].match.path_prefix: `/v1/*/items` is matched as written: `*` is no wildcard in a path prefix (a prefix matches by its start only: write a route for each value of the `*`, or `/v1/`, which matches every path that starts with it)",
             "7:16: warning: endpoints.a.routes[1].match.path_prefix: `/v2/**` is matched as written: `*` is no wildcard in a path prefix (a prefix already matches every path that starts with it: write `/v2/`)",
         ]
     );

@@ -159,7 +159,7 @@ pub(crate) fn check_parsed(
                 let advice = if path_prefix.trim_end_matches('*').contains('*') {
                     format!(
                         "a prefix matches by its start only: write a route for each value of the \
-                         `*`, or `{}`, which matches every path under it",
+                         `*`, or `{}`, which matches every path that starts with it",
                         crate::diag::OneLine(literal)
                     )
                 } else {
