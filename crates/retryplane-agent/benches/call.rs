@@ -20,6 +20,8 @@
 //!     matches. Budget and circuit breaker are on (the defaults), counters count. The
 //!     `CallMeta` is built per call, as a user does;
 //!   - `retryplane_call_endpoint_meta`: the same with `CallMeta::endpoint()` (no route);
+//!   - `retryplane_call_no_budget_no_breaker`: `CallMeta::endpoint()` on an endpoint whose
+//!     budget and breaker are off (`svc-0501`): what those two cost on the success path;
 //!   - `retryplane_call_handle_per_call`: `agent.endpoint(name)` then `call`, a new handle for
 //!     every call: what a caller pays that does not keep its handle (the lookup of the
 //!     endpoint's core by name, and the reference counts of a new handle);
@@ -75,7 +77,9 @@ use backon::{ExponentialBuilder, Retryable};
 use criterion::{Criterion, criterion_group, criterion_main};
 use retryplane_agent::{Agent, CallMeta, Endpoint};
 use support::cpu_clock::cpu_time_mode;
-use support::{HOT, Stopwatch, Swapper, agent, meta, runtime, upstream, upstream_waiting_once};
+use support::{
+    CHECK, HOT, Stopwatch, Swapper, agent, meta, runtime, upstream, upstream_waiting_once,
+};
 use tokio::time::Instant;
 use tower::Service;
 use tower::retry::Retry;
@@ -214,6 +218,10 @@ fn kinds() -> Vec<(&'static str, Kind)> {
         (
             "retryplane_call_endpoint_meta",
             Kind::RetryplaneEndpointMeta(ep.clone()),
+        ),
+        (
+            "retryplane_call_no_budget_no_breaker",
+            Kind::RetryplaneEndpointMeta(agent.endpoint(CHECK)),
         ),
         ("bare_waiting_once", Kind::BareWaitingOnce),
         (
