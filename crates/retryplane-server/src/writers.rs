@@ -18,8 +18,10 @@
 //! devices' take their driver's locks (a GPU's, a tun device's: those are passed over). The
 //! policy file is looked at only if it is a regular file, through an `O_PATH` descriptor
 //! (opening a FIFO would wait). What cannot be told is counted as a writer (a file by path on a
-//! mount in no table; on btrfs, a file of another subvolume with the same inode number, held
-//! open for writing): a read is then late, up to the watcher's bound, rather than half. A
+//! mount in no table, a POSIX message queue among them; on btrfs, a file of another subvolume
+//! with the same inode number, held open for writing): a read is then late, up to the
+//! watcher's bound, rather than half. A process whose main thread has ended is looked at
+//! through its first thread that lists descriptors. A
 //! reused descriptor number can still send the `fdinfo` read to an epoll in the microseconds
 //! between the two reads. A thread with a descriptor table of its own (`unshare(CLONE_FILES)`) is
 //! not looked at. It sees the processes this one may look at: all of them as root or as their
@@ -101,46 +103,106 @@ mod linux {
         let Some(own) = fs::read_to_string(own_info).ok().and_then(|t| parse(&t)) else {
             return false;
         };
-        let this = Path::new("/proc/self");
-        let Some(device) = mount_device(this, own.mount) else {
+        let Some(device) = mount_device(Path::new("/proc/self"), own.mount) else {
             return false;
         };
         let Ok(processes) = fs::read_dir("/proc") else {
             return false;
         };
-        let mut looked = 0usize;
-        // Buffers reused for every descriptor's link and `fdinfo`.
-        let (mut link, mut text) = (Vec::new(), String::new());
+        let mut look = Look {
+            own: &own,
+            device,
+            looked: 0,
+            link: Vec::new(),
+            text: String::new(),
+        };
         for process in processes.flatten() {
             let name = process.file_name();
             if !name.as_encoded_bytes().iter().all(u8::is_ascii_digit) {
                 continue;
             }
-            // A process that ended meanwhile, or one this one may not look at, is passed over.
-            // Its two directories are opened once, and each descriptor looked up in them
-            // (rather than by a path from `/proc` for every read).
+            let process = process.path();
+            match look.table(&process, &process) {
+                Table::Held => return true,
+                Table::TooMany => return false,
+                Table::Looked(0) => {
+                    // A process whose main thread has ended (`pthread_exit`) lists no
+                    // descriptor of its own while its other threads hold theirs: look through
+                    // the first of them that lists any (what `lsof` does).
+                    let Ok(tasks) = fs::read_dir(process.join("task")) else {
+                        continue;
+                    };
+                    for task in tasks.flatten() {
+                        if task.file_name() == name {
+                            continue;
+                        }
+                        match look.table(&task.path(), &process) {
+                            Table::Held => return true,
+                            Table::TooMany => return false,
+                            Table::Looked(0) => {}
+                            Table::Looked(_) => break,
+                        }
+                    }
+                }
+                Table::Looked(_) => {}
+            }
+        }
+        false
+    }
+
+    /// What one look has found so far, and its buffers.
+    struct Look<'a> {
+        own: &'a FdInfo,
+        device: (u64, u64),
+        looked: usize,
+        link: Vec<u8>,
+        text: String,
+    }
+
+    /// What one descriptor table told.
+    enum Table {
+        /// A descriptor of the policy file, open for writing.
+        Held,
+        /// Past [`MAX_FDS`] descriptors in all.
+        TooMany,
+        /// None of these many is.
+        Looked(usize),
+    }
+
+    impl Look<'_> {
+        /// Looks through the descriptor table of `table` (`/proc/PID`, or a thread's
+        /// `/proc/PID/task/TID`) of the process at `process`. A process that ended meanwhile,
+        /// or one this one may not look at, has none.
+        fn table(&mut self, table: &Path, process: &Path) -> Table {
             let dir = |sub: &str| {
                 rustix::fs::open(
-                    process.path().join(sub),
+                    table.join(sub),
                     OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
                     Mode::empty(),
                 )
             };
+            // Two directories opened once, each descriptor looked up in them (rather than by
+            // a path from `/proc` for every read); the first read through as well.
             let (Ok(fd_dir), Ok(info_dir)) = (dir("fd"), dir("fdinfo")) else {
-                continue;
+                return Table::Looked(0);
             };
-            let Ok(mut fds) = rustix::fs::Dir::read_from(&fd_dir) else {
-                continue;
+            let Ok(mut fds) = rustix::fs::Dir::new(fd_dir) else {
+                return Table::Looked(0);
             };
+            let mut here = 0;
             while let Some(Ok(fd)) = fds.read() {
                 let name = fd.file_name();
                 if !name.to_bytes().first().is_some_and(u8::is_ascii_digit) {
                     continue;
                 }
-                looked += 1;
-                if looked > MAX_FDS {
-                    return false;
+                here += 1;
+                self.looked += 1;
+                if self.looked > MAX_FDS {
+                    return Table::TooMany;
                 }
+                let Ok(fd_dir) = fds.fd() else {
+                    break;
+                };
                 // The link first: reading it calls into no file system and takes no lock a
                 // process can hold for long, while reading an `fdinfo` runs the code of the
                 // descriptor's kind, and some of it waits for good (an epoll's takes the
@@ -148,21 +210,27 @@ mod linux {
                 // keeps that waiting; some devices' take their driver's locks). So `fdinfo`
                 // is read only for what may be the policy file: a file by path, or one whose
                 // path is too long for a link (no kernel-made file's name is).
-                match rustix::fs::readlinkat(&fd_dir, name, std::mem::take(&mut link)) {
-                    Ok(target) => {
-                        let file = may_be_a_file(target.as_bytes());
-                        link = target.into_bytes();
-                        if !file {
-                            continue;
+                let link =
+                    match rustix::fs::readlinkat(fd_dir, name, std::mem::take(&mut self.link)) {
+                        Ok(target) => {
+                            if !may_be_a_file(target.as_bytes()) {
+                                self.link = target.into_bytes();
+                                continue;
+                            }
+                            Some(target)
                         }
-                    }
-                    Err(rustix::io::Errno::NAMETOOLONG) => {}
-                    Err(_) => continue,
+                        Err(rustix::io::Errno::NAMETOOLONG) => None,
+                        Err(_) => continue,
+                    };
+                let info = read_at(&info_dir, name, &mut self.text).and_then(parse);
+                let by_path = link.as_ref().is_none_or(|l| on_a_real_mount(l.as_bytes()));
+                if let Some(l) = link {
+                    self.link = l.into_bytes();
                 }
-                let Some(info) = read_at(&info_dir, name, &mut text).and_then(parse) else {
+                let Some(info) = info else {
                     continue;
                 };
-                if !info.writes || info.inode != own.inode {
+                if !info.writes || info.inode != self.own.inode {
                     continue;
                 }
                 // The same mount, or one of the same device: in the holder's own table (a
@@ -172,22 +240,33 @@ mod linux {
                 // shows the file system's device) are not told apart: that would take a `stat`
                 // of the holder's descriptor, which can follow a descriptor reused meanwhile to
                 // any file system, a hung one included.
-                if info.mount == own.mount {
-                    return true;
+                if info.mount == self.own.mount {
+                    return Table::Held;
                 }
-                match mount_device(&process.path(), info.mount)
-                    .or_else(|| mount_device(this, info.mount))
+                match mount_device(process, info.mount)
+                    .or_else(|| mount_device(Path::new("/proc/self"), info.mount))
                 {
-                    Some(holder) if holder == device => return true,
+                    Some(holder) if holder == self.device => return Table::Held,
                     Some(_) => {}
                     // A file by path on a mount in no table (unmounted lazily, or left in a
                     // namespace gone since): counted as the file's (reading a save late beats
                     // publishing half of it).
-                    None => return true,
+                    None if by_path => return Table::Held,
+                    None => {}
                 }
             }
+            Table::Looked(here)
         }
-        false
+    }
+
+    /// Whether a link to a file on a mount in no table may be to one on a real file system
+    /// (unmounted lazily, or in a namespace gone since; its path is then relative to that
+    /// mount's root, one component for a file at the root) rather than to one of the kernel's
+    /// internal mounts: not a dma-buf's (`/dmabuf:NAME`, a name that may hold a `/`). A POSIX
+    /// message queue's (`/NAME`) cannot be told from a file at the root of a mount unmounted
+    /// lazily, and counts: a late read (at most the watcher's bound) rather than half a save.
+    pub(super) fn on_a_real_mount(link: &[u8]) -> bool {
+        !link.starts_with(b"/dmabuf:")
     }
 
     /// Whether a descriptor's link may name the policy file: a path, and not one of the names
@@ -913,5 +992,61 @@ pub(crate) mod tests {
         );
         drop(writer);
         assert!(!held_open_for_writing(Path::new(&policy)), "closed");
+    }
+
+    /// A process whose main thread has ended (`pthread_exit`) while another thread holds the
+    /// policy file open for writing: the leader is a zombie and `/proc/PID/fd` lists nothing;
+    /// the descriptor shows under `/proc/PID/task/TID/fd`, and the writer is seen. Needs
+    /// python3 (skipped otherwise).
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_writer_whose_main_thread_has_ended_is_seen() {
+        use std::io::BufRead as _;
+        use std::process::{Command, Stdio};
+        let dir = tempfile::tempdir().expect("temp dir");
+        let policy = dir.path().join("policies.yaml");
+        fs::write(&policy, "version: 1\n").expect("write");
+        let script = format!(
+            "import ctypes, os, sys, threading\n\
+             fd = os.open('{}', os.O_WRONLY | os.O_APPEND)\n\
+             threading.Thread(target=sys.stdin.readline).start()\n\
+             print('ready', flush=True)\n\
+             ctypes.CDLL(None).pthread_exit(None)\n",
+            policy.display()
+        );
+        let Ok(mut writer) = Command::new("python3")
+            .args(["-c", &script])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+        else {
+            eprintln!("skipped: no python3");
+            return;
+        };
+        let mut ready = String::new();
+        if let Some(out) = writer.stdout.take() {
+            let _ = std::io::BufReader::new(out).read_line(&mut ready);
+        }
+        // Until the main thread has ended (the leader shows as a zombie).
+        let status = format!("/proc/{}/status", writer.id());
+        let ended = poll_for(|| fs::read_to_string(&status).is_ok_and(|s| s.contains("State:\tZ")));
+        let seen = held_open_for_writing(&policy);
+        let _ = writer.kill();
+        let _ = writer.wait();
+        assert!(ended, "the main thread did not end");
+        assert!(seen, "a writer whose main thread has ended was not seen");
+    }
+
+    /// A link on a mount in no table counts as a writer's unless it is a dma-buf's (whose
+    /// name may hold a `/`, which `may_be_a_file` then takes for a path); a file at the root of
+    /// a mount unmounted lazily has a one-component link and counts.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn only_paths_that_may_be_real_files_count_on_a_mount_in_no_table() {
+        use super::linux::on_a_real_mount;
+        assert!(on_a_real_mount(b"/srv/retryplane/policies.yaml"));
+        assert!(on_a_real_mount(b"/policies.yaml (deleted)"));
+        assert!(on_a_real_mount(b"/policies.yaml"));
+        assert!(!on_a_real_mount(b"/dmabuf:frames/0"));
     }
 }
