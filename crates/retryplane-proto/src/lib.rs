@@ -42,8 +42,9 @@ pub const METRICS_ACK_METADATA: &str = "retryplane-metrics-ack";
 
 /// Response metadata of `AgentService.Connect` from a control plane that takes heartbeats
 /// (`Hello.heartbeats`): `1`. On such a stream the agent sends a metrics report every interval
-/// (an empty one when nothing was counted and no report waits for an answer) and takes the
-/// stream for dead after [`liveness_timeout`] with a report unanswered; without it, neither.
+/// (an empty one when nothing was counted; unnumbered while a report waits for its answer) and
+/// takes the stream for dead after [`liveness_timeout`] with a report unanswered and no byte
+/// received; without it, neither.
 pub const HEARTBEAT_METADATA: &str = "retryplane-heartbeat";
 
 /// How long either end of an agent stream waits to hear from the other before it takes the

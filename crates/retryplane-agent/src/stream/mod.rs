@@ -23,6 +23,7 @@ mod cache_writer;
 #[cfg(test)]
 mod late_read_tests;
 pub(crate) mod outbox;
+mod progress;
 pub mod reconnect;
 
 use std::path::PathBuf;
@@ -425,8 +426,18 @@ async fn session(
         return lost(None, "cannot queue Hello".into());
     }
     let token = config.token.clone();
+    // Bytes from the control plane, counted as they arrive (see `progress`).
+    let progress = progress::Progress::new(Instant::now());
+    let watched = tower::ServiceBuilder::new()
+        .map_response({
+            let progress = progress.clone();
+            move |response: http::Response<tonic::body::Body>| {
+                response.map(|body| progress.watch(body))
+            }
+        })
+        .service(channel);
     let mut client = pb::agent_service_client::AgentServiceClient::with_interceptor(
-        channel,
+        watched,
         move |mut req: tonic::Request<()>| {
             if let Some(t) = &token {
                 req.metadata_mut().insert("authorization", t.clone());
@@ -506,8 +517,9 @@ async fn session(
     let up = || Some(Instant::now().duration_since(opened_at));
     // Since when a report has waited for an answer with none coming (the control plane
     // answers every report, and the agent sends one every interval): past the liveness
-    // timeout, the stream is taken for dead, though the connection may answer its pings (an
-    // HTTP/2 proxy between the two answers them).
+    // timeout with no byte from the control plane either (a large snapshot on a slow link
+    // holds the answers back, but its bytes come), the stream is taken for dead, though the
+    // connection may answer its pings (an HTTP/2 proxy between the two answers them).
     let mut unanswered_since = outbox.is_waiting().then_some(opened_at);
     info!("connected to the control plane");
     loop {
@@ -587,9 +599,8 @@ async fn session(
             () = tokio::time::sleep_until(*next_report) => {
                 let now = Instant::now();
                 let limit = retryplane_proto::liveness_timeout(interval(shared));
-                if heartbeats
-                    && unanswered_since.is_some_and(|since| now.duration_since(since) >= limit)
-                {
+                let heard = unanswered_since.map(|since| since.max(progress.last()));
+                if heartbeats && heard.is_some_and(|heard| now.duration_since(heard) >= limit) {
                     warn!(
                         waited_ms = u64::try_from(limit.as_millis()).unwrap_or(u64::MAX),
                         "the control plane answered no metrics report for three intervals: taking the stream for dead and reconnecting"
@@ -602,7 +613,17 @@ async fn session(
                         ),
                     );
                 }
+                let waiting = outbox.is_waiting();
                 send_report(shared, &tx, window_start, outbox, numbered, heartbeats);
+                if heartbeats && waiting {
+                    // A report waits for its answer (behind a large snapshot, say): an
+                    // unnumbered empty one tells the control plane the agent is there, which it
+                    // counts as nothing and does not answer.
+                    let _ = tx.try_send(message(Kind::Metrics(pb::MetricsReport {
+                        policy_version: shared.policies.load().version(),
+                        ..Default::default()
+                    })));
+                }
                 if numbered && unanswered_since.is_none() && outbox.is_waiting() {
                     unanswered_since = Some(now);
                 }
