@@ -1218,19 +1218,26 @@ async fn a_storm_spread_over_many_small_callers_alerts_on_each_of_them() {
     assert_eq!(agg.tick(Instant::now()), 0);
 }
 
+/// An aggregate told `interval` at `at` seconds of its life, after one agent's backlog report
+/// of 1 call/s over the `span` seconds before it.
+async fn after_a_backlog(interval: Duration, at: u64, span: u64) -> Aggregator {
+    let agg = Aggregator::new(10, Instant::now()).with_unknown_span(interval);
+    let svc = agg.service("checkout");
+    advance(Duration::from_secs(at)).await;
+    let backlog = spanning(
+        report(1, &[("payments", span, 0)]),
+        1_000_000,
+        1_000_000 + span * 1_000,
+    );
+    assert_eq!(agg.ingest(&svc, &backlog, Instant::now()).count, 0);
+    agg
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_backlog_report_is_spread_over_the_time_it_covers() {
     // An agent cut off for 30 minutes sends what it counted meanwhile (1 call/s) in one report
     // that says it covers that time. It arrives at 2,000 s, on a bucket edge.
-    let agg = Aggregator::new(10, Instant::now());
-    let svc = agg.service("checkout");
-    advance(Duration::from_secs(2_000)).await;
-    let backlog = spanning(
-        report(1, &[("payments", 1_800, 0)]),
-        1_000_000,
-        1_000_000 + 1_800_000,
-    );
-    assert_eq!(agg.ingest(&svc, &backlog, Instant::now()).count, 0);
+    let agg = after_a_backlog(DEFAULT_UNKNOWN_SPAN, 2_000, 1_800).await;
     // The last report interval (10 s) at the arrival: 10 calls; the 1,790 s before it spread
     // over their time. The 1-minute window (1,950 s on) holds 1,950..1,990 s of it, the
     // 5-minute window (1,740 s on) 1,740..1,990 s, the 15-minute one (1,140 s on)
@@ -1318,16 +1325,7 @@ async fn a_firing_alert_ends_once_reports_stop_and_the_window_is_empty() {
 /// (`--metrics-interval 45s`, 30 minutes cut off.)
 #[tokio::test(start_paused = true)]
 async fn a_backlog_older_than_the_ring_is_not_put_in_its_oldest_bucket() {
-    let agg = Aggregator::new(10, Instant::now()).with_unknown_span(Duration::from_secs(45));
-    let svc = agg.service("checkout");
-    advance(Duration::from_secs(2_000)).await;
-    // 1 call/s for 30 minutes.
-    let r = spanning(
-        report(1, &[("payments", 1_800, 0)]),
-        1_000_000,
-        1_000_000 + 1_800_000,
-    );
-    assert_eq!(agg.ingest(&svc, &r, Instant::now()).count, 0);
+    let agg = after_a_backlog(Duration::from_secs(45), 2_000, 1_800).await;
     let [one_minute, five, fifteen] = calls(&agg, all());
     assert!(
         one_minute <= 60 + 45,
@@ -1338,17 +1336,7 @@ async fn a_backlog_older_than_the_ring_is_not_put_in_its_oldest_bucket() {
 /// The same with the coarse ring: `--metrics-interval 14m`, an agent cut off for a day.
 #[tokio::test(start_paused = true)]
 async fn a_day_of_backlog_is_not_put_in_the_15_minute_windows_oldest_bucket() {
-    let interval = Duration::from_secs(14 * 60);
-    let agg = Aggregator::new(10, Instant::now()).with_unknown_span(interval);
-    let svc = agg.service("checkout");
-    advance(Duration::from_secs(100_000)).await;
-    // 1 call/s for a day.
-    let r = spanning(
-        report(1, &[("payments", 86_400, 0)]),
-        1_000_000,
-        1_000_000 + 86_400_000,
-    );
-    assert_eq!(agg.ingest(&svc, &r, Instant::now()).count, 0);
+    let agg = after_a_backlog(Duration::from_secs(14 * 60), 100_000, 86_400).await;
     let [one_minute, five, fifteen] = calls(&agg, all());
     assert!(
         fifteen <= 900 + 60,
@@ -1361,15 +1349,7 @@ async fn a_day_of_backlog_is_not_put_in_the_15_minute_windows_oldest_bucket() {
 /// the windows reach, not read as a burst.
 #[tokio::test(start_paused = true)]
 async fn a_backlog_after_a_control_plane_restart_is_not_read_as_a_burst() {
-    let agg = Aggregator::new(10, Instant::now());
-    let svc = agg.service("checkout");
-    advance(Duration::from_secs(2)).await;
-    let r = spanning(
-        report(1, &[("payments", 1_800, 0)]),
-        5_000_000,
-        5_000_000 + 1_800_000,
-    );
-    assert_eq!(agg.ingest(&svc, &r, Instant::now()).count, 0);
+    let agg = after_a_backlog(DEFAULT_UNKNOWN_SPAN, 2, 1_800).await;
     let [one_minute, five, fifteen] = calls(&agg, all());
     assert!(
         one_minute <= 60 + 10 && five <= 300 + 10 && fifteen <= 900 + 10,
