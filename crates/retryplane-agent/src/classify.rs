@@ -632,75 +632,52 @@ mod tests {
         assert_eq!(local.classify(), transport(ErrorClass::Timeout));
     }
 
-    #[test]
-    fn http_date_retry_after_counts_from_the_answers_own_date() {
-        // The upstream's clock is a minute off this host's, either way: it asks for 5 s.
-        for skew in [60, -60] {
-            let upstream_now = if skew > 0 {
-                SystemTime::now() + Duration::from_secs(60)
-            } else {
-                SystemTime::now() - Duration::from_secs(60)
-            };
-            let response = http::Response::builder()
-                .status(503)
-                .header(http::header::DATE, format_http_date(upstream_now))
-                .header(
-                    http::header::RETRY_AFTER,
-                    format_http_date(upstream_now + Duration::from_secs(5)),
-                )
-                .body(())
-                .unwrap();
-            let Classification::Outcome(Outcome::Http {
-                retry_after: Some(Ok(d)),
-                ..
-            }) = response.classify()
-            else {
-                panic!("a date parses");
-            };
-            assert_eq!(d, Duration::from_secs(5), "upstream clock {skew} s off");
+    /// The `Retry-After` delay of a 503 with these headers.
+    fn date_hint(headers: &[(http::header::HeaderName, String)]) -> Duration {
+        let mut builder = http::Response::builder().status(503);
+        for (name, value) in headers {
+            builder = builder.header(name, value);
         }
-        // A cached answer, made an hour ago (`Date`) and kept since (`Age`), asked for a retry
-        // 61 minutes after it was made: a minute from now.
-        let made = SystemTime::now() - Duration::from_secs(3600);
-        let cached = http::Response::builder()
-            .status(503)
-            .header(http::header::DATE, format_http_date(made))
-            .header(http::header::AGE, "3600")
-            .header(
-                http::header::RETRY_AFTER,
-                format_http_date(made + Duration::from_secs(3660)),
-            )
-            .body(())
-            .unwrap();
         let Classification::Outcome(Outcome::Http {
             retry_after: Some(Ok(d)),
             ..
-        }) = cached.classify()
+        }) = builder.body(()).unwrap().classify()
         else {
             panic!("a date parses");
         };
-        assert_eq!(d, Duration::from_secs(60));
+        d
+    }
+
+    #[test]
+    fn http_date_retry_after_counts_from_the_answers_own_date() {
+        use http::header::{AGE, DATE, RETRY_AFTER};
+        let at = |t: SystemTime| format_http_date(t);
+        let secs = Duration::from_secs;
+        // The upstream's clock is a minute off this host's, either way: it asks for 5 s.
+        for upstream_now in [SystemTime::now() + secs(60), SystemTime::now() - secs(60)] {
+            let d = date_hint(&[
+                (DATE, at(upstream_now)),
+                (RETRY_AFTER, at(upstream_now + secs(5))),
+            ]);
+            assert_eq!(d, secs(5));
+        }
+        // A cached answer, made an hour ago (`Date`) and kept since (`Age`), asked for a retry
+        // 61 minutes after it was made: a minute from now.
+        let made = SystemTime::now() - secs(3600);
+        let d = date_hint(&[
+            (DATE, at(made)),
+            (AGE, "3600".to_owned()),
+            (RETRY_AFTER, at(made + secs(3660))),
+        ]);
+        assert_eq!(d, secs(60));
         // Two `Date` lines, or one that does not read: this host's clock.
-        let ahead = SystemTime::now() + Duration::from_secs(3600);
-        for dates in [
-            &[format_http_date(ahead), format_http_date(ahead)][..],
-            &["soon".to_owned()],
-        ] {
-            let mut builder = http::Response::builder().status(503).header(
-                http::header::RETRY_AFTER,
-                format_http_date(ahead + Duration::from_secs(5)),
-            );
-            for date in dates {
-                builder = builder.header(http::header::DATE, date);
-            }
-            let Classification::Outcome(Outcome::Http {
-                retry_after: Some(Ok(d)),
-                ..
-            }) = builder.body(()).unwrap().classify()
-            else {
-                panic!("a date parses");
-            };
-            assert!(d > Duration::from_secs(3600), "{d:?}");
+        let ahead = SystemTime::now() + secs(3600);
+        let asked = (RETRY_AFTER, at(ahead + secs(5)));
+        for dates in [vec![at(ahead), at(ahead)], vec!["soon".to_owned()]] {
+            let mut headers: Vec<_> = dates.into_iter().map(|d| (DATE, d)).collect();
+            headers.push(asked.clone());
+            let d = date_hint(&headers);
+            assert!(d > secs(3600), "{d:?}");
         }
     }
 
