@@ -614,11 +614,12 @@ async fn session(
                     );
                 }
                 let waiting = outbox.is_waiting();
-                send_report(shared, &tx, window_start, outbox, numbered, heartbeats);
-                if heartbeats && waiting {
-                    // A report waits for its answer (behind a large snapshot, say): an
-                    // unnumbered empty one tells the control plane the agent is there, which it
-                    // counts as nothing and does not answer.
+                let sent = send_report(shared, &tx, window_start, outbox, numbered, heartbeats);
+                if heartbeats && waiting && !sent {
+                    // A report waits for its answer (behind a large snapshot, say) and none
+                    // went now: an unnumbered empty one tells the control plane the agent is
+                    // there, which it counts as nothing and does not answer (one report an
+                    // interval, as the report rate limit expects).
                     let _ = tx.try_send(message(Kind::Metrics(pb::MetricsReport {
                         policy_version: shared.policies.load().version(),
                         ..Default::default()
@@ -707,7 +708,8 @@ fn send_metrics(
 }
 
 /// [`send_metrics`]; with `heartbeat`, an empty report when nothing was counted (on a
-/// numbered stream), whose answer shows the stream alive end to end.
+/// numbered stream), whose answer shows the stream alive end to end. Whether a report was
+/// queued.
 fn send_report(
     shared: &Shared,
     tx: &mpsc::Sender<pb::AgentMessage>,
@@ -715,7 +717,7 @@ fn send_report(
     outbox: &mut Outbox,
     numbered: bool,
     heartbeat: bool,
-) {
+) -> bool {
     let end = unix_ms();
     let start = *window_start;
     let sent = outbox.send(&shared.metrics, tx, numbered, heartbeat, |report| {
@@ -724,15 +726,24 @@ fn send_report(
         report.policy_version = shared.policies.load().version();
     });
     match sent {
+        Ok(_) => {
+            *window_start = end;
+            true
+        }
         // Nothing counted since `start` either: the next report's counts are all made after
         // `end`, and its span says so (the control plane spreads the counts of a report that
-        // spans more than an interval over that time).
-        Ok(_) | Err(NotSent::Empty) => *window_start = end,
+        // spans more than two intervals over that time).
+        Err(NotSent::Empty) => {
+            *window_start = end;
+            false
+        }
         Err(NotSent::WindowFull) => {
             debug!("metrics reports await acknowledgement; counts kept for a later one");
+            false
         }
         Err(NotSent::StreamFull) => {
             debug!("metrics report not queued; counts kept for the next one");
+            false
         }
     }
 }
