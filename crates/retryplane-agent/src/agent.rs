@@ -494,7 +494,6 @@ impl AgentBuilder {
             last_applied_hash: String::new(),
             instance_id: instance_id(),
             ephemeral: self.ephemeral,
-            heartbeats: true,
         };
         // Refused here once, naming the field, rather than by the control plane on every try.
         retryplane_proto::check_hello(

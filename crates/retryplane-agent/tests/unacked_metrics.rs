@@ -298,10 +298,9 @@ async fn a_call_still_running_when_reports_are_cut_adds_up_exactly_once_it_ends(
     );
 }
 
-/// An agent with nothing to report sends nothing (towards this control plane, which takes no
-/// heartbeats), but its next report still spans only the time since: the control plane
-/// spreads the counts of a report spanning more than two intervals over that time, as a
-/// backlog, and calls made after an idle spell are no backlog.
+/// An agent with nothing to report sends nothing, but its next report still spans only the
+/// time since: the control plane spreads the counts of a report spanning more than two
+/// intervals over that time, as a backlog, and calls made after an idle spell are no backlog.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_report_after_an_idle_spell_spans_only_the_time_since_the_last_report_was_due() {
     let mut script = Script::start().await;

@@ -40,25 +40,6 @@ pub const FILE_DESCRIPTOR_SET: &[u8] =
 /// never comes and nothing is counted twice.
 pub const METRICS_ACK_METADATA: &str = "retryplane-metrics-ack";
 
-/// Response metadata of `AgentService.Connect` from a control plane that takes heartbeats
-/// (`Hello.heartbeats`): `1`. On such a stream the agent sends a metrics report every interval
-/// (an empty one when nothing was counted; unnumbered while a report waits for its answer) and
-/// takes the stream for dead after [`liveness_timeout`] with a report unanswered and no byte
-/// received; without it, neither.
-pub const HEARTBEAT_METADATA: &str = "retryplane-heartbeat";
-
-/// How long either end of an agent stream waits to hear from the other before it takes the
-/// stream for dead, for an agent that sends heartbeats (`Hello.heartbeats`): three metrics
-/// intervals and two seconds. The agent reports every interval (an empty report when it
-/// counted nothing), and the control plane answers every report, so a live stream carries
-/// something each way every interval; HTTP/2 keepalive cannot tell, since a proxy between
-/// the two answers it for the other side.
-pub fn liveness_timeout(metrics_interval: std::time::Duration) -> std::time::Duration {
-    metrics_interval
-        .saturating_mul(3)
-        .saturating_add(std::time::Duration::from_secs(2))
-}
-
 /// Response metadata of `AgentService.Connect` carrying the control plane's metrics interval,
 /// in milliseconds (the `Snapshot.metrics_interval_ms` its snapshots carry). An agent that is
 /// up to date when it connects is sent no snapshot, so without this it would go on reporting

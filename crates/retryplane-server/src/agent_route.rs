@@ -146,11 +146,6 @@ where
                         retryplane_proto::METRICS_ACK_METADATA,
                         http::HeaderValue::from_static("1"),
                     );
-                    // And a stream whose agent sends heartbeats is ended when they stop.
-                    headers.insert(
-                        retryplane_proto::HEARTBEAT_METADATA,
-                        http::HeaderValue::from_static("1"),
-                    );
                     // So an agent that is sent no snapshot reports at this interval too.
                     headers.insert(retryplane_proto::METRICS_INTERVAL_METADATA, interval);
                     response
@@ -263,7 +258,6 @@ mod tests {
         let second = route.call(second).await.unwrap();
         assert_eq!(first.headers()[CONTENT_TYPE], "application/grpc");
         assert_eq!(first.headers()[retryplane_proto::METRICS_ACK_METADATA], "1");
-        assert_eq!(first.headers()[retryplane_proto::HEARTBEAT_METADATA], "1");
         let (mut first, mut second) = (first.into_body(), second.into_body());
         let shared = publisher.current().unwrap().frame().unwrap();
         let (a, b) = (next_data(&mut first).await, next_data(&mut second).await);

@@ -375,12 +375,6 @@ impl AgentStreamService {
             bucket: ReportBucket::default(),
             held_acks: VecDeque::new(),
             earlier_pushes: VecDeque::new(),
-            silence_limit: (hello.heartbeats && hello.instance_id != 0).then(|| {
-                retryplane_proto::liveness_timeout(Duration::from_millis(
-                    self.ctx.publisher.metrics_interval_ms(),
-                ))
-            }),
-            last_heard: Instant::now(),
         };
         tokio::spawn(stream.run(inbound, tx, registration.replaced, revocation));
         Ok(rx)
@@ -461,11 +455,6 @@ struct AgentStream {
     /// (nonce, version), at most [`MAX_EARLIER_PUSHES`]: a late ACK of one is no answer to the
     /// last push, but says what the agent runs (it may then refuse the last one).
     earlier_pushes: VecDeque<(String, u64)>,
-    /// For an agent that sends heartbeats (`Hello.heartbeats`): how long the stream may go
-    /// without a message from it before it is ended as dead.
-    silence_limit: Option<Duration>,
-    /// When the agent's last message came (or the stream opened).
-    last_heard: Instant,
 }
 
 /// See [`AgentStream::earlier_pushes`].
@@ -550,14 +539,6 @@ async fn queue(
     Ok(Queued::Sent)
 }
 
-/// Resolves once `limit` has passed since `last_heard`; never without a limit.
-async fn silent(limit: Option<Duration>, last_heard: Instant) {
-    match limit {
-        Some(limit) => tokio::time::sleep_until(last_heard + limit).await,
-        None => std::future::pending().await,
-    }
-}
-
 fn replaced_status() -> Status {
     Status::aborted("replaced by a newer stream with the same agent id")
 }
@@ -626,14 +607,6 @@ impl AgentStream {
                     Err(_) => Next::End(Some(shutdown_status())),
                 },
                 message = io.inbound.message() => self.on_message(message),
-                () = silent(self.silence_limit, self.last_heard) => {
-                    let limit = self.silence_limit.unwrap_or_default();
-                    info!(agent = %OneLine(&self.agent_id), silent_ms = limit.as_millis(), "ending an agent stream: nothing came from the agent, whose heartbeat is due every metrics interval");
-                    Next::End(Some(Status::unavailable(format!(
-                        "nothing came from the agent for {} ms: the stream is taken for dead",
-                        limit.as_millis()
-                    ))))
-                }
                 _ = &mut *io.replaced => Next::End(Some(replaced_status())),
                 _ = io.shutdown.wait_for(|s| *s) => Next::End(Some(shutdown_status())),
                 () = Revocation::revoked(io.revocation) => Next::End(Some(revoked_status())),
@@ -752,10 +725,7 @@ impl AgentStream {
 
     fn on_message(&mut self, message: Result<Option<pb::AgentMessage>, Status>) -> Next {
         let message = match message {
-            Ok(Some(m)) => {
-                self.last_heard = Instant::now();
-                m
-            }
+            Ok(Some(m)) => m,
             Ok(None) => return Next::End(None),
             Err(status) => {
                 // Garbage, an oversized message or a broken connection: this stream ends with

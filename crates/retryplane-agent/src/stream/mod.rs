@@ -23,7 +23,6 @@ mod cache_writer;
 #[cfg(test)]
 mod late_read_tests;
 pub(crate) mod outbox;
-mod progress;
 pub mod reconnect;
 
 use std::path::PathBuf;
@@ -426,18 +425,8 @@ async fn session(
         return lost(None, "cannot queue Hello".into());
     }
     let token = config.token.clone();
-    // Bytes from the control plane, counted as they arrive (see `progress`).
-    let progress = progress::Progress::new(Instant::now());
-    let watched = tower::ServiceBuilder::new()
-        .map_response({
-            let progress = progress.clone();
-            move |response: http::Response<tonic::body::Body>| {
-                response.map(|body| progress.watch(body))
-            }
-        })
-        .service(channel);
     let mut client = pb::agent_service_client::AgentServiceClient::with_interceptor(
-        watched,
+        channel,
         move |mut req: tonic::Request<()>| {
             if let Some(t) = &token {
                 req.metadata_mut().insert("authorization", t.clone());
@@ -471,17 +460,11 @@ async fn session(
             };
         }
     };
-    // Reports are numbered, kept and resent only for a control plane that answers them; and
-    // heartbeats go (and the answers' silence ends the stream) only to one that takes them.
+    // Reports are numbered, kept and resent only for a control plane that answers them.
     let numbered = opened
         .metadata()
         .get(retryplane_proto::METRICS_ACK_METADATA)
         .is_some_and(|v| v == "1");
-    let heartbeats = numbered
-        && opened
-            .metadata()
-            .get(retryplane_proto::HEARTBEAT_METADATA)
-            .is_some_and(|v| v == "1");
     // The control plane's interval, for an agent it sends no snapshot (up to date already):
     // it may be another than the cache file's or an earlier control plane's.
     if let Some(ms) = opened
@@ -515,12 +498,6 @@ async fn session(
         .unwrap_or_else(|e| e.into_inner()) = None;
     let opened_at = Instant::now();
     let up = || Some(Instant::now().duration_since(opened_at));
-    // Since when a report has waited for an answer with none coming (the control plane
-    // answers every report, and the agent sends one every interval): past the liveness
-    // timeout with no byte from the control plane either (a large snapshot on a slow link
-    // holds the answers back, but its bytes come), the stream is taken for dead, though the
-    // connection may answer its pings (an HTTP/2 proxy between the two answers them).
-    let mut unanswered_since = outbox.is_waiting().then_some(opened_at);
     info!("connected to the control plane");
     loop {
         tokio::select! {
@@ -536,7 +513,6 @@ async fn session(
                 };
                 if let Some(ack) = m.metrics_ack {
                     outbox.ack(&shared.metrics, ack.seq, ack.dropped);
-                    unanswered_since = outbox.is_waiting().then(Instant::now);
                     continue;
                 }
                 let handled = match m.decode_snapshot() {
@@ -597,38 +573,8 @@ async fn session(
                 *next_report = (*next_report).min(Instant::now() + interval(shared));
             }
             () = tokio::time::sleep_until(*next_report) => {
-                let now = Instant::now();
-                let limit = retryplane_proto::liveness_timeout(interval(shared));
-                let heard = unanswered_since.map(|since| since.max(progress.last()));
-                if heartbeats && heard.is_some_and(|heard| now.duration_since(heard) >= limit) {
-                    warn!(
-                        waited_ms = u64::try_from(limit.as_millis()).unwrap_or(u64::MAX),
-                        "the control plane answered no metrics report for three intervals: taking the stream for dead and reconnecting"
-                    );
-                    return lost(
-                        up(),
-                        format!(
-                            "no answer from the control plane for {} ms",
-                            limit.as_millis()
-                        ),
-                    );
-                }
-                let waiting = outbox.is_waiting();
-                let sent = send_report(shared, &tx, window_start, outbox, numbered, heartbeats);
-                if heartbeats && waiting && !sent {
-                    // A report waits for its answer (behind a large snapshot, say) and none
-                    // went now: an unnumbered empty one tells the control plane the agent is
-                    // there, which it counts as nothing and does not answer (one report an
-                    // interval, as the report rate limit expects).
-                    let _ = tx.try_send(message(Kind::Metrics(pb::MetricsReport {
-                        policy_version: shared.policies.load().version(),
-                        ..Default::default()
-                    })));
-                }
-                if numbered && unanswered_since.is_none() && outbox.is_waiting() {
-                    unanswered_since = Some(now);
-                }
-                *next_report = now + interval(shared);
+                send_metrics(shared, &tx, window_start, outbox, numbered);
+                *next_report = Instant::now() + interval(shared);
             }
             Some(cached) = late_cache(late) => {
                 // The counts so far were made on the fallback policy: reported under its
@@ -704,46 +650,23 @@ fn send_metrics(
     outbox: &mut Outbox,
     numbered: bool,
 ) {
-    send_report(shared, tx, window_start, outbox, numbered, false);
-}
-
-/// [`send_metrics`]; with `heartbeat`, an empty report when nothing was counted (on a
-/// numbered stream), whose answer shows the stream alive end to end. Whether a report was
-/// queued.
-fn send_report(
-    shared: &Shared,
-    tx: &mpsc::Sender<pb::AgentMessage>,
-    window_start: &mut u64,
-    outbox: &mut Outbox,
-    numbered: bool,
-    heartbeat: bool,
-) -> bool {
     let end = unix_ms();
     let start = *window_start;
-    let sent = outbox.send(&shared.metrics, tx, numbered, heartbeat, |report| {
+    let sent = outbox.send(&shared.metrics, tx, numbered, |report| {
         report.window_start_unix_ms = start;
         report.window_end_unix_ms = end;
         report.policy_version = shared.policies.load().version();
     });
     match sent {
-        Ok(_) => {
-            *window_start = end;
-            true
-        }
         // Nothing counted since `start` either: the next report's counts are all made after
         // `end`, and its span says so (the control plane spreads the counts of a report that
         // spans more than two intervals over that time).
-        Err(NotSent::Empty) => {
-            *window_start = end;
-            false
-        }
+        Ok(_) | Err(NotSent::Empty) => *window_start = end,
         Err(NotSent::WindowFull) => {
             debug!("metrics reports await acknowledgement; counts kept for a later one");
-            false
         }
         Err(NotSent::StreamFull) => {
             debug!("metrics report not queued; counts kept for the next one");
-            false
         }
     }
 }

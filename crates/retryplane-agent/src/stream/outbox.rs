@@ -76,11 +76,6 @@ impl Outbox {
         self.closing = true;
     }
 
-    /// Whether any report waits for an answer.
-    pub(crate) fn is_waiting(&self) -> bool {
-        !self.pending.is_empty()
-    }
-
     /// Whether [`WINDOW`] reports wait for an answer.
     pub(crate) fn is_full(&self) -> bool {
         self.pending.len() >= WINDOW
@@ -101,16 +96,11 @@ impl Outbox {
     /// Counts larger than [`MAX_REPORT_BYTES`] go out as several reports (in endpoint order),
     /// as many as the window and the stream take; the counts of the others are added back for
     /// a later report. Returns the seq of the last report queued.
-    ///
-    /// With `heartbeat`, a numbered report goes out even with nothing counted (no endpoint)
-    /// when none waits for an answer: the control plane's answer to it shows the stream alive
-    /// end to end.
     pub(crate) fn send(
         &mut self,
         registry: &Registry,
         tx: &mpsc::Sender<pb::AgentMessage>,
         numbered: bool,
-        heartbeat: bool,
         mut fill: impl FnMut(&mut pb::MetricsReport),
     ) -> Result<u64, NotSent> {
         if numbered && self.is_full() && !self.closing {
@@ -118,13 +108,7 @@ impl Outbox {
         }
         let endpoints = registry.take();
         if endpoints.is_empty() {
-            // One heartbeat at a time: a report that waits for its answer already tells.
-            if !(heartbeat && numbered) || self.is_waiting() {
-                return Err(NotSent::Empty);
-            }
-            return self
-                .send_one(tx, numbered, endpoints, &mut fill)
-                .map_err(|_| NotSent::StreamFull);
+            return Err(NotSent::Empty);
         }
         let mut parts = split(endpoints, MAX_REPORT_BYTES).into_iter();
         let mut sent = Err(NotSent::StreamFull);
@@ -275,11 +259,11 @@ mod tests {
         let r = Registry::default();
         let mut o = Outbox::default();
         let (tx, mut rx) = mpsc::channel(16);
-        assert_eq!(o.send(&r, &tx, true, false, no_fill), Err(NotSent::Empty));
+        assert_eq!(o.send(&r, &tx, true, no_fill), Err(NotSent::Empty));
         count_calls(&r, 2);
-        assert_eq!(o.send(&r, &tx, true, false, no_fill), Ok(1));
+        assert_eq!(o.send(&r, &tx, true, no_fill), Ok(1));
         count_calls(&r, 3);
-        assert_eq!(o.send(&r, &tx, true, false, no_fill), Ok(2));
+        assert_eq!(o.send(&r, &tx, true, no_fill), Ok(2));
         assert_eq!(sent(&mut rx), [(1, 2), (2, 3)]);
         assert_eq!(o.pending_seqs(), [1, 2]);
         o.ack(&r, 2, false);
@@ -299,12 +283,12 @@ mod tests {
         let mut o = Outbox::default();
         let (tx, mut rx) = mpsc::channel(16);
         count_calls(&r, 4);
-        o.send(&r, &tx, true, false, no_fill).unwrap();
+        o.send(&r, &tx, true, no_fill).unwrap();
         count_calls(&r, 1);
         o.ack(&r, 1, true);
         assert!(o.pending_seqs().is_empty());
         assert_eq!(r.pending("a").calls, 5);
-        assert_eq!(o.send(&r, &tx, true, false, no_fill), Ok(2));
+        assert_eq!(o.send(&r, &tx, true, no_fill), Ok(2));
         assert_eq!(sent(&mut rx), [(1, 4), (2, 5)]);
         // A second answer to the dropped seq adds nothing.
         o.ack(&r, 1, true);
@@ -318,26 +302,23 @@ mod tests {
         let (tx, mut rx) = mpsc::channel(64);
         for seq in 1..=u64::try_from(WINDOW).unwrap() {
             count_calls(&r, 1);
-            assert_eq!(o.send(&r, &tx, true, false, no_fill), Ok(seq));
+            assert_eq!(o.send(&r, &tx, true, no_fill), Ok(seq));
         }
         assert!(o.is_full());
         count_calls(&r, 7);
-        assert_eq!(
-            o.send(&r, &tx, true, false, no_fill),
-            Err(NotSent::WindowFull)
-        );
+        assert_eq!(o.send(&r, &tx, true, no_fill), Err(NotSent::WindowFull));
         assert_eq!(r.pending("a").calls, 7, "the counts stay in the counters");
         assert_eq!(sent(&mut rx).len(), WINDOW);
         o.ack(&r, 3, false);
         let next = u64::try_from(WINDOW).unwrap() + 1;
-        assert_eq!(o.send(&r, &tx, true, false, no_fill), Ok(next));
+        assert_eq!(o.send(&r, &tx, true, no_fill), Ok(next));
         assert_eq!(sent(&mut rx), [(next, 7)]);
         assert_eq!(r.pending("a").calls, 0);
         // The last report of a shutdown goes out past a full window, and is kept.
         assert!(o.is_full());
         count_calls(&r, 2);
         o.closing();
-        assert_eq!(o.send(&r, &tx, true, false, no_fill), Ok(next + 1));
+        assert_eq!(o.send(&r, &tx, true, no_fill), Ok(next + 1));
         assert_eq!(sent(&mut rx), [(next + 1, 2)]);
         assert_eq!(o.pending_seqs().last(), Some(&(next + 1)));
     }
@@ -349,14 +330,11 @@ mod tests {
         count_calls(&r, 3);
         let (closed, rx) = mpsc::channel(1);
         drop(rx);
-        assert_eq!(
-            o.send(&r, &closed, true, false, no_fill),
-            Err(NotSent::StreamFull)
-        );
+        assert_eq!(o.send(&r, &closed, true, no_fill), Err(NotSent::StreamFull));
         assert_eq!(r.pending("a").calls, 3);
         assert!(o.pending_seqs().is_empty());
         let (tx, mut rx) = mpsc::channel(4);
-        assert_eq!(o.send(&r, &tx, true, false, no_fill), Ok(1));
+        assert_eq!(o.send(&r, &tx, true, no_fill), Ok(1));
         assert_eq!(sent(&mut rx), [(1, 3)]);
     }
 
@@ -379,7 +357,7 @@ mod tests {
         // About 6 MiB of counts: more than the control plane decodes in one message.
         let endpoints = 24_000;
         count_many(&r, endpoints, 1);
-        let last = o.send(&r, &tx, true, false, no_fill).unwrap();
+        let last = o.send(&r, &tx, true, no_fill).unwrap();
         let mut reports = Vec::new();
         while let Ok(m) = rx.try_recv() {
             let Some(Kind::Metrics(report)) = m.kind else {
@@ -417,12 +395,12 @@ mod tests {
         let (tx, mut rx) = mpsc::channel(64);
         for seq in 1..u64::try_from(WINDOW).unwrap() {
             count_calls(&r, 1);
-            assert_eq!(o.send(&r, &tx, true, false, no_fill), Ok(seq));
+            assert_eq!(o.send(&r, &tx, true, no_fill), Ok(seq));
         }
         // One place left in the window, and counts for several reports.
         count_many(&r, 24_000, 2);
         let last = u64::try_from(WINDOW).unwrap();
-        assert_eq!(o.send(&r, &tx, true, false, no_fill), Ok(last));
+        assert_eq!(o.send(&r, &tx, true, no_fill), Ok(last));
         assert!(o.is_full());
         let mut sent_calls = 0;
         while let Ok(m) = rx.try_recv() {
@@ -445,7 +423,7 @@ mod tests {
         let (tx, rx) = mpsc::channel(16);
         for n in 1..=4 {
             count_calls(&r, n);
-            o.send(&r, &tx, true, false, no_fill).unwrap();
+            o.send(&r, &tx, true, no_fill).unwrap();
         }
         o.ack(&r, 2, false);
         drop((tx, rx));
@@ -458,7 +436,7 @@ mod tests {
         assert_eq!(sent(&mut rx), [(1, 1), (3, 3), (4, 4)]);
         count_calls(&r, 5);
         assert_eq!(
-            o.send(&r, &tx, true, false, no_fill),
+            o.send(&r, &tx, true, no_fill),
             Ok(5),
             "new reports after them"
         );
@@ -475,9 +453,9 @@ mod tests {
         let mut o = Outbox::default();
         let (tx, mut rx) = mpsc::channel(64);
         count_calls(&r, 2);
-        assert_eq!(o.send(&r, &tx, true, false, no_fill), Ok(1));
+        assert_eq!(o.send(&r, &tx, true, no_fill), Ok(1));
         count_calls(&r, 3);
-        assert_eq!(o.send(&r, &tx, true, false, no_fill), Ok(2));
+        assert_eq!(o.send(&r, &tx, true, no_fill), Ok(2));
         assert_eq!(sent(&mut rx), [(1, 2), (2, 3)]);
         // The next stream's control plane does not acknowledge reports.
         o.give_back(&r);
@@ -486,7 +464,7 @@ mod tests {
         // More reports than the window holds, none kept, none waiting for an answer.
         for n in 1..=u64::try_from(WINDOW).unwrap() + 2 {
             count_calls(&r, n);
-            assert_eq!(o.send(&r, &tx, false, false, no_fill), Ok(0));
+            assert_eq!(o.send(&r, &tx, false, no_fill), Ok(0));
         }
         assert!(o.pending_seqs().is_empty());
         let reports = sent(&mut rx);
@@ -498,11 +476,11 @@ mod tests {
         let (closed, gone) = mpsc::channel(1);
         drop(gone);
         assert_eq!(
-            o.send(&r, &closed, false, false, no_fill),
+            o.send(&r, &closed, false, no_fill),
             Err(NotSent::StreamFull)
         );
         assert_eq!(r.pending("a").calls, 4);
         // Numbering resumes where it stopped when a stream acknowledges again.
-        assert_eq!(o.send(&r, &tx, true, false, no_fill), Ok(3));
+        assert_eq!(o.send(&r, &tx, true, no_fill), Ok(3));
     }
 }

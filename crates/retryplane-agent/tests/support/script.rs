@@ -39,8 +39,6 @@ struct Scripted {
     /// Whether a new stream's response says metrics reports are acknowledged. The script
     /// itself never acknowledges one; the test does, or does not.
     announce_acks: Arc<AtomicBool>,
-    /// Whether a new stream's response says heartbeats are taken.
-    announce_heartbeats: Arc<AtomicBool>,
 }
 
 #[tonic::async_trait]
@@ -73,12 +71,6 @@ impl AgentService for Scripted {
                 tonic::metadata::MetadataValue::from_static("1"),
             );
         }
-        if self.announce_heartbeats.load(Ordering::SeqCst) {
-            response.metadata_mut().insert(
-                retryplane_proto::HEARTBEAT_METADATA,
-                tonic::metadata::MetadataValue::from_static("1"),
-            );
-        }
         Ok(response)
     }
 }
@@ -89,7 +81,6 @@ pub struct Script {
     pub addr: SocketAddr,
     events: mpsc::UnboundedReceiver<Event>,
     announce_acks: Arc<AtomicBool>,
-    announce_heartbeats: Arc<AtomicBool>,
     stop: Option<oneshot::Sender<()>>,
     server: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
 }
@@ -101,11 +92,9 @@ impl Script {
         let (events_tx, events) = mpsc::unbounded_channel();
         let (stop, stopped) = oneshot::channel::<()>();
         let announce_acks = Arc::new(AtomicBool::new(false));
-        let announce_heartbeats = Arc::new(AtomicBool::new(false));
         let service = AgentServiceServer::new(Scripted {
             events: events_tx,
             announce_acks: announce_acks.clone(),
-            announce_heartbeats: announce_heartbeats.clone(),
         });
         let server = tokio::spawn(
             tonic::transport::Server::builder()
@@ -118,7 +107,6 @@ impl Script {
             addr,
             events,
             announce_acks,
-            announce_heartbeats,
             stop: Some(stop),
             server,
         }
@@ -129,13 +117,6 @@ impl Script {
     /// control plane that predates acknowledgements.
     pub fn announce_acks(&self, on: bool) {
         self.announce_acks.store(on, Ordering::SeqCst);
-    }
-
-    /// Whether streams opened from now on say that heartbeats are taken (as the real control
-    /// plane does): the agent then sends a report every interval and ends a stream whose
-    /// reports go unanswered. Off at the start.
-    pub fn announce_heartbeats(&self, on: bool) {
-        self.announce_heartbeats.store(on, Ordering::SeqCst);
     }
 
     /// The next event, within [`WAIT`].
