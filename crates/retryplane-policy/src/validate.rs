@@ -58,9 +58,9 @@ pub(crate) fn check_parsed(
     let mut refused = Refused::new(diags, detached);
     let defaults_layers = [(Level::Defaults, "defaults".to_owned(), &doc.defaults)];
     check_layer_noting(&doc.defaults, "defaults", &mut refused, diags);
-    check_effective(&defaults_layers, &refused, diags);
+    let defaults_policy = check_effective(&defaults_layers, &refused, diags);
     let mut multipliers = Multipliers::default();
-    multipliers.note(&defaults_layers, &refused);
+    multipliers.note(&defaults_layers, &refused, &defaults_policy);
     // Each name's first place. A file's parser already refuses a second endpoint of the same
     // name (and leaves it out), and so does the wire conversion; a document built in code gets
     // the same error here, since a set has one policy per name.
@@ -85,8 +85,8 @@ pub(crate) fn check_parsed(
         check_layer_noting(&ep.overlay, &ep_path, &mut refused, diags);
         let mut layers = defaults_layers.to_vec();
         layers.push((Level::Endpoint, ep_path.clone(), &ep.overlay));
-        check_effective(&layers, &refused, diags);
-        multipliers.note(&layers, &refused);
+        let policy = check_effective(&layers, &refused, diags);
+        multipliers.note(&layers, &refused, &policy);
         check_numbers_of_what_is_off(&layers, diags);
         // Each match's first route, so that repeats are found in linear time, and the
         // earlier routes' matches, so that one made unreachable by a broader earlier match
@@ -180,8 +180,8 @@ pub(crate) fn check_parsed(
             earlier.add(&route.matcher.value, canonical, i);
             let mut route_layers = layers.clone();
             route_layers.push((Level::Route, route_path, &route.overlay));
-            check_effective(&route_layers, &refused, diags);
-            multipliers.note(&route_layers, &refused);
+            let policy = check_effective(&route_layers, &refused, diags);
+            multipliers.note(&route_layers, &refused, &policy);
         }
         // Only this endpoint and its routes take a multiplier written in them.
         multipliers.warn_unused(Level::Endpoint, diags);
@@ -198,17 +198,16 @@ pub(crate) fn check_parsed(
 /// its place in the file says otherwise (and `explain` shows it).
 #[derive(Default)]
 struct Multipliers {
-    /// Where each one is written, and whether it acts somewhere; in the order first met.
+    /// Where each one is written, and whether it acts somewhere; in the order first met. At
+    /// most `defaults:`'s and one endpoint's with its routes at a time (see `warn_unused`).
     written: Vec<(Level, Loc, String, bool)>,
-    /// The index in `written` of each path.
-    at: HashMap<String, usize>,
 }
 
 impl Multipliers {
-    /// Notes the effective policy of `layers`: which layer's multiplier it takes, if one is
+    /// Notes the effective policy `p` of `layers`: which layer's multiplier it takes, if one is
     /// written, and whether that multiplier acts in it. Values refused are left to their
     /// errors.
-    fn note(&mut self, layers: &Layers<'_>, refused: &Refused) {
+    fn note(&mut self, layers: &Layers<'_>, refused: &Refused, p: &RetryPolicy) {
         let Some((level, loc, path)) = layers.iter().rev().find_map(|(level, prefix, o)| {
             o.loc_of("backoff.multiplier")
                 .map(|loc| (*level, loc, format!("{prefix}.backoff.multiplier")))
@@ -218,14 +217,10 @@ impl Multipliers {
         if refused.any(layers, &["backoff.multiplier", "backoff.jitter"]) {
             return;
         }
-        let p: RetryPolicy = Overlay::resolve(layers.iter().map(|(_, _, o)| *o));
         let acts = p.backoff.jitter != Jitter::Decorrelated;
-        match self.at.get(&path) {
-            Some(&i) => self.written[i].3 |= acts,
-            None => {
-                self.at.insert(path.clone(), self.written.len());
-                self.written.push((level, loc, path, acts));
-            }
+        match self.written.iter_mut().find(|w| w.2 == path) {
+            Some(w) => w.3 |= acts,
+            None => self.written.push((level, loc, path, acts)),
         }
     }
 
@@ -248,10 +243,6 @@ impl Multipliers {
             }
         }
         self.written.retain(|w| !of_level(w.0));
-        self.at.clear();
-        for (i, w) in self.written.iter().enumerate() {
-            self.at.insert(w.2.clone(), i);
-        }
     }
 }
 
@@ -820,6 +811,16 @@ fn check_numbers_of_what_is_off(layers: &Layers<'_>, diags: &mut Vec<Diagnostic>
     }
 }
 
+/// [`blame`] for a cross-field problem of `fields`, or `None` when one of them is refused
+/// already (that error is reported, and the value is not what the author wrote).
+fn blame_unrefused(
+    layers: &Layers<'_>,
+    refused: &Refused,
+    fields: &[&str],
+) -> Option<(Loc, String)> {
+    (!refused.any(layers, fields)).then(|| blame(layers, fields))
+}
+
 /// The place and path of the most specific layer that writes one of `fields`; the top layer's
 /// own path when none does.
 fn blame(layers: &Layers<'_>, fields: &[&str]) -> (Loc, String) {
@@ -928,11 +929,18 @@ impl Refused {
 /// Cross-field checks on the effective policy the layers make. A check that involves a refused
 /// field is skipped: that error is reported already, and the value in the policy is either out
 /// of range or, for a value the parser refused, not what the author wrote.
-fn check_effective(layers: &Layers<'_>, refused: &Refused, diags: &mut Vec<Diagnostic>) {
+/// Returns that effective policy.
+fn check_effective(
+    layers: &Layers<'_>,
+    refused: &Refused,
+    diags: &mut Vec<Diagnostic>,
+) -> RetryPolicy {
     let p: RetryPolicy = Overlay::resolve(layers.iter().map(|(_, _, o)| *o));
     let mut push = |d: Diagnostic| diags.push(d);
-    if p.backoff.max < p.backoff.base && !refused.any(layers, &["backoff.max", "backoff.base"]) {
-        let (loc, path) = blame(layers, &["backoff.max", "backoff.base"]);
+    if p.backoff.max < p.backoff.base
+        && let Some((loc, path)) =
+            blame_unrefused(layers, refused, &["backoff.max", "backoff.base"])
+    {
         push(Diagnostic::error(
             loc,
             path,
@@ -946,9 +954,9 @@ fn check_effective(layers: &Layers<'_>, refused: &Refused, diags: &mut Vec<Diagn
     // A zero deadline is refused where it is written; every per_try_timeout is longer.
     if p.per_try_timeout > p.deadline
         && !p.deadline.is_zero()
-        && !refused.any(layers, &["per_try_timeout", "deadline"])
+        && let Some((loc, path)) =
+            blame_unrefused(layers, refused, &["per_try_timeout", "deadline"])
     {
-        let (loc, path) = blame(layers, &["per_try_timeout", "deadline"]);
         push(Diagnostic::error(
             loc,
             path,
@@ -965,35 +973,22 @@ fn check_effective(layers: &Layers<'_>, refused: &Refused, diags: &mut Vec<Diagn
         && !p.backoff.base.is_zero()
         && !p.deadline.is_zero()
         && p.backoff.max >= p.backoff.base;
+    // Every field the schedule depends on: a layer that only changes the jitter (or the cap)
+    // can be what makes attempts unreachable.
+    const SCHEDULE: [&str; 6] = [
+        "max_attempts",
+        "deadline",
+        "backoff.base",
+        "backoff.max",
+        "backoff.multiplier",
+        "backoff.jitter",
+    ];
     if p.max_attempts > 1
         && schedule_valid
-        && !refused.any(
-            layers,
-            &[
-                "max_attempts",
-                "deadline",
-                "backoff.base",
-                "backoff.max",
-                "backoff.multiplier",
-                "backoff.jitter",
-            ],
-        )
         && let Some(first) =
             backoff::first_unreachable_attempt(&p.backoff, p.max_attempts, p.deadline)
+        && let Some((loc, path)) = blame_unrefused(layers, refused, &SCHEDULE)
     {
-        // Every field the schedule depends on: a layer that only changes the jitter (or the
-        // cap) can be what makes attempts unreachable.
-        let (loc, path) = blame(
-            layers,
-            &[
-                "max_attempts",
-                "deadline",
-                "backoff.base",
-                "backoff.max",
-                "backoff.multiplier",
-                "backoff.jitter",
-            ],
-        );
         let (attempts, them) = if first == p.max_attempts {
             (format!("attempt {first}"), "it")
         } else {
@@ -1011,9 +1006,9 @@ fn check_effective(layers: &Layers<'_>, refused: &Refused, diags: &mut Vec<Diagn
     if let Some(b) = &p.budget
         && b.min_per_second > 0
         && crate::budget::reserve_per_window(b) == 0
-        && !refused.any(layers, &["budget.min_per_second", "budget.window"])
+        && let Some((loc, path)) =
+            blame_unrefused(layers, refused, &["budget.min_per_second", "budget.window"])
     {
-        let (loc, path) = blame(layers, &["budget.min_per_second", "budget.window"]);
         push(Diagnostic::warning(
             loc,
             path,
@@ -1026,9 +1021,9 @@ fn check_effective(layers: &Layers<'_>, refused: &Refused, diags: &mut Vec<Diagn
     }
     if p.budget.is_none()
         && p.max_attempts > 3
-        && !refused.any(layers, &["budget.enabled", "max_attempts"])
+        && let Some((loc, path)) =
+            blame_unrefused(layers, refused, &["budget.enabled", "max_attempts"])
     {
-        let (loc, path) = blame(layers, &["budget.enabled", "max_attempts"]);
         push(Diagnostic::warning(
             loc,
             path,
@@ -1038,6 +1033,7 @@ fn check_effective(layers: &Layers<'_>, refused: &Refused, diags: &mut Vec<Diagn
             ),
         ));
     }
+    p
 }
 
 /// Headers most requests carry whatever the client means: not an idempotency key.
