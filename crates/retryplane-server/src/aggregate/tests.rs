@@ -1305,12 +1305,19 @@ fn a_steady_retry_storm_keeps_its_alert_firing_whatever_the_report_interval() {
     }
 }
 
-#[tokio::test(start_paused = true)]
-async fn a_firing_alert_ends_once_reports_stop_and_the_window_is_empty() {
-    let agg = Aggregator::new(10, Instant::now()).with_unknown_span(Duration::from_secs(600));
+/// An aggregate told `interval` whose `payments` alert fires (100 calls, 50 retries just
+/// reported), and its `checkout` service.
+fn firing(interval: Duration) -> (Aggregator, ServiceHandle) {
+    let agg = Aggregator::new(10, Instant::now()).with_unknown_span(interval);
     let svc = agg.service("checkout");
     agg.ingest(&svc, &report(1, &[("payments", 100, 50)]), Instant::now());
     assert_eq!(agg.tick(Instant::now()), 1);
+    (agg, svc)
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_firing_alert_ends_once_reports_stop_and_the_window_is_empty() {
+    let (agg, _svc) = firing(Duration::from_secs(600));
     // 5 minutes on the window is empty, but the next report is not due: still firing.
     advance(Duration::from_secs(400)).await;
     assert_eq!(calls(&agg, all())[1], 0);
@@ -1403,10 +1410,7 @@ async fn hostile_spans_neither_panic_nor_make_counts() {
 /// past the ratio it was held at ends it at once, as it would with calls in the window.
 #[tokio::test(start_paused = true)]
 async fn a_held_alert_follows_a_new_threshold() {
-    let agg = Aggregator::new(10, Instant::now()).with_unknown_span(Duration::from_secs(600));
-    let svc = agg.service("checkout");
-    agg.ingest(&svc, &report(1, &[("payments", 100, 50)]), Instant::now());
-    assert_eq!(agg.tick(Instant::now()), 1);
+    let (agg, _svc) = firing(Duration::from_secs(600));
     advance(Duration::from_secs(400)).await;
     assert_eq!(calls(&agg, all())[1], 0);
     agg.thresholds()
@@ -1423,10 +1427,7 @@ async fn a_held_alert_follows_a_new_threshold() {
 /// they do not hold its alert through an empty window.
 #[tokio::test(start_paused = true)]
 async fn all_zero_entries_do_not_hold_an_alert_forever() {
-    let agg = Aggregator::new(10, Instant::now());
-    let svc = agg.service("checkout");
-    agg.ingest(&svc, &report(1, &[("payments", 100, 50)]), Instant::now());
-    assert_eq!(agg.tick(Instant::now()), 1);
+    let (agg, svc) = firing(DEFAULT_UNKNOWN_SPAN);
     for _ in 0..90 {
         advance(Duration::from_secs(10)).await;
         agg.ingest(&svc, &report(1, &[("payments", 0, 0)]), Instant::now());
