@@ -776,7 +776,7 @@ pub(crate) mod tests {
     impl StuckEpoll {
         /// `None` (and why, on stderr) without root, bindfs, /dev/fuse or python3.
         pub(crate) fn new() -> Option<Self> {
-            use std::io::{BufRead as _, Write as _};
+            use std::io::Write as _;
             use std::process::{Command, Stdio};
             let dir = tempfile::tempdir().expect("temp dir");
             let d = dir.path();
@@ -813,31 +813,19 @@ pub(crate) mod tests {
                  ep.register(fd, select.EPOLLIN)\n\
                  time.sleep(600)\n"
             );
-            let spawned = Command::new("python3")
-                .arg("-c")
-                .arg(&script)
-                .stdin(Stdio::piped())
-                .stdout(Stdio::piped())
-                .spawn();
-            let mut stuck = match spawned {
-                Ok(poller) => Self {
-                    daemon,
-                    poller,
-                    mount,
-                    _dir: dir,
-                },
-                Err(_) => {
-                    sh(&format!("umount {mount}"));
-                    let _ = daemon.kill();
-                    let _ = daemon.wait();
-                    eprintln!("skipped: no python3");
-                    return None;
-                }
+            let Some(poller) = spawn_ready("python3", &["-c", &script]) else {
+                sh(&format!("umount {mount}"));
+                let _ = daemon.kill();
+                let _ = daemon.wait();
+                eprintln!("skipped: no python3");
+                return None;
             };
-            let mut ready = String::new();
-            if let Some(out) = stuck.poller.stdout.take() {
-                let _ = std::io::BufReader::new(out).read_line(&mut ready);
-            }
+            let mut stuck = Self {
+                daemon,
+                poller,
+                mount,
+                _dir: dir,
+            };
             sh(&format!("kill -STOP {}", stuck.daemon.id()));
             if let Some(input) = stuck.poller.stdin.as_mut() {
                 let _ = input.write_all(b"go\n");
@@ -868,6 +856,31 @@ pub(crate) mod tests {
             let _ = self.daemon.kill();
             let _ = self.daemon.wait();
         }
+    }
+
+    /// `program` with `args`, stdin and stdout piped, once it has printed its first line:
+    /// `None` (killed) when it cannot start or that line is not `ready`.
+    #[cfg(target_os = "linux")]
+    fn spawn_ready(program: &str, args: &[&str]) -> Option<std::process::Child> {
+        use std::io::BufRead as _;
+        use std::process::{Command, Stdio};
+        let mut child = Command::new(program)
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .ok()?;
+        let mut line = String::new();
+        if let Some(out) = child.stdout.take() {
+            let _ = std::io::BufReader::new(out).read_line(&mut line);
+        }
+        if line.trim() != "ready" {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        Some(child)
     }
 
     /// Polls `check` every 20 ms for at most 5 s.
@@ -918,8 +931,6 @@ pub(crate) mod tests {
     #[cfg(target_os = "linux")]
     #[test]
     fn a_writer_under_a_containers_own_dev_is_seen() {
-        use std::io::BufRead as _;
-        use std::process::{Command, Stdio};
         let dir = tempfile::tempdir().expect("temp dir");
         let policy = dir.path().join("policies.yaml");
         fs::write(&policy, "version: 1\n").expect("write");
@@ -928,26 +939,13 @@ pub(crate) mod tests {
              && exec 3>>/dev/cfg/policies.yaml && echo ready && read x",
             dir.path().display()
         );
-        let Ok(mut writer) = Command::new("unshare")
-            .args(["-m", "--propagation", "private", "sh", "-c", &script])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-        else {
-            eprintln!("skipped: no unshare");
+        let Some(mut writer) = spawn_ready(
+            "unshare",
+            &["-m", "--propagation", "private", "sh", "-c", &script],
+        ) else {
+            eprintln!("skipped: cannot make a mount namespace (needs root and unshare)");
             return;
         };
-        let mut ready = String::new();
-        if let Some(out) = writer.stdout.take() {
-            let _ = std::io::BufReader::new(out).read_line(&mut ready);
-        }
-        if ready.trim() != "ready" {
-            let _ = writer.kill();
-            let _ = writer.wait();
-            eprintln!("skipped: cannot make a mount namespace (needs root)");
-            return;
-        }
         let link = fs::read_link(format!("/proc/{}/fd/3", writer.id())).ok();
         let seen = held_open_for_writing(&policy);
         let _ = writer.kill();
@@ -1001,8 +999,6 @@ pub(crate) mod tests {
     #[cfg(target_os = "linux")]
     #[test]
     fn a_writer_whose_main_thread_has_ended_is_seen() {
-        use std::io::BufRead as _;
-        use std::process::{Command, Stdio};
         let dir = tempfile::tempdir().expect("temp dir");
         let policy = dir.path().join("policies.yaml");
         fs::write(&policy, "version: 1\n").expect("write");
@@ -1014,19 +1010,10 @@ pub(crate) mod tests {
              ctypes.CDLL(None).pthread_exit(None)\n",
             policy.display()
         );
-        let Ok(mut writer) = Command::new("python3")
-            .args(["-c", &script])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-        else {
+        let Some(mut writer) = spawn_ready("python3", &["-c", &script]) else {
             eprintln!("skipped: no python3");
             return;
         };
-        let mut ready = String::new();
-        if let Some(out) = writer.stdout.take() {
-            let _ = std::io::BufReader::new(out).read_line(&mut ready);
-        }
         // Until the main thread has ended (the leader shows as a zombie).
         let status = format!("/proc/{}/status", writer.id());
         let ended = poll_for(|| fs::read_to_string(&status).is_ok_and(|s| s.contains("State:\tZ")));
