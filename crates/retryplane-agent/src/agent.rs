@@ -494,6 +494,9 @@ impl AgentBuilder {
             last_applied_hash: String::new(),
             instance_id: instance_id(),
             ephemeral: self.ephemeral,
+            // Keepalives both ways, and a stream silent too long taken for dead
+            // (`retryplane_proto::liveness`), with a control plane that takes them.
+            heartbeats: true,
         };
         // Refused here once, naming the field, rather than by the control plane on every try.
         retryplane_proto::check_hello(

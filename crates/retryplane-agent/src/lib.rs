@@ -6,8 +6,13 @@
 //!   policy stream — it validates and swaps in every snapshot, ACKs or NACKs it, writes the cache
 //!   file, reconnects with jittered exponential backoff and streams metrics back. HTTP/2
 //!   keepalive pings ([`AgentBuilder::keepalive`]) find a control plane that vanished without
-//!   closing the connection.
-//!   [`Agent::from_file`] and [`Agent::from_policies`] run on static policies.
+//!   closing the connection; the stream's own heartbeat (a `Keepalive` message each way every
+//!   metrics interval, at most 10 s apart; see `retryplane_proto::liveness`) finds one that
+//!   vanished behind an HTTP/2 proxy, which answers those pings itself.
+//!   [`Agent::from_file`] and [`Agent::from_policies`] run on static policies. The task's
+//!   timers run on tokio's clock: under a paused clock (`tokio::time::pause`) they fire as soon
+//!   as the runtime is idle, a connected agent's included (it would report, time out and
+//!   reconnect at once), so tests that pause time use static policies.
 //! - [`Agent::endpoint`] gives a cheap [`Endpoint`] handle; [`Endpoint::call`] runs one logical
 //!   call under SPEC §2: the policy is read once per call, each attempt gets
 //!   `min(per_try_timeout, deadline left)`, failures are classified through [`Classify`], pauses

@@ -97,7 +97,7 @@ async fn an_invalid_snapshot_is_nacked_and_the_last_good_policy_keeps_applying()
     bytes.extend_from_slice(&[0x1a, 0x02, 0x08, 0xff]);
     let broken = pb::ServerMessage {
         snapshot: Some(bytes.into()),
-        metrics_ack: None,
+        ..Default::default()
     };
     to_agent.send(Ok(broken)).await.unwrap();
     match script.reply().await {

@@ -4,8 +4,9 @@
 //! bytes is what keeps a push to thousands of streams cheap, so the Rust type of
 //! `ServerMessage` (mapped with `extern_path` in `build.rs`) holds the encoded `Snapshot` as
 //! [`Bytes`]: on the wire a length-delimited bytes field with tag 1 is exactly a `Snapshot`
-//! message field with tag 1, so other languages see the `.proto` as written. The other arm of
-//! the oneof, `metrics_ack` (tag 2), is an ordinary message field; the constructors set one arm
+//! message field with tag 1, so other languages see the `.proto` as written. The other arms of
+//! the oneof, `metrics_ack` (tag 2) and `keepalive` (tag 3), are ordinary message fields; the
+//! constructors set one arm
 //! only, as a oneof would.
 
 use bytes::Bytes;
@@ -22,6 +23,10 @@ pub struct ServerMessage {
     /// The answer to a numbered metrics report (the `kind.metrics_ack` oneof arm).
     #[prost(message, optional, tag = "2")]
     pub metrics_ack: Option<pb::MetricsAck>,
+    /// A heartbeat of the control plane's (the `kind.keepalive` oneof arm; see
+    /// [`crate::liveness`]).
+    #[prost(message, optional, tag = "3")]
+    pub keepalive: Option<pb::Keepalive>,
 }
 
 impl ServerMessage {
@@ -30,6 +35,7 @@ impl ServerMessage {
         Self {
             snapshot: Some(Bytes::from(snapshot.encode_to_vec())),
             metrics_ack: None,
+            keepalive: None,
         }
     }
 
@@ -67,6 +73,16 @@ impl ServerMessage {
         Self {
             snapshot: None,
             metrics_ack: Some(ack),
+            keepalive: None,
+        }
+    }
+
+    /// A heartbeat alone.
+    pub fn keepalive() -> Self {
+        Self {
+            snapshot: None,
+            metrics_ack: None,
+            keepalive: Some(pb::Keepalive {}),
         }
     }
 
@@ -140,7 +156,7 @@ mod tests {
     /// The shape the `.proto` describes, as prost would generate it.
     #[derive(Clone, PartialEq, ::prost::Message)]
     struct AsGenerated {
-        #[prost(oneof = "Kind", tags = "1, 2")]
+        #[prost(oneof = "Kind", tags = "1, 2, 3")]
         kind: Option<Kind>,
     }
 
@@ -154,6 +170,8 @@ mod tests {
         Snapshot(pb::Snapshot),
         #[prost(message, tag = "2")]
         MetricsAck(pb::MetricsAck),
+        #[prost(message, tag = "3")]
+        Keepalive(pb::Keepalive),
     }
 
     #[test]
@@ -169,6 +187,7 @@ mod tests {
         let message = ServerMessage {
             snapshot: Some(Bytes::from(bytes)),
             metrics_ack: None,
+            keepalive: None,
         };
         assert!(message.decode_snapshot().is_err());
         assert_eq!(
@@ -179,6 +198,7 @@ mod tests {
         let garbage = ServerMessage {
             snapshot: Some(Bytes::from_static(&[0xff, 0xff])),
             metrics_ack: None,
+            keepalive: None,
         };
         assert_eq!(garbage.snapshot_version_and_nonce(), None);
         assert_eq!(ServerMessage::default().snapshot_version_and_nonce(), None);
@@ -220,6 +240,19 @@ mod tests {
         assert_eq!(back.decode_snapshot().unwrap(), None);
         let as_generated = AsGenerated::decode(ours.as_slice()).unwrap();
         assert_eq!(as_generated.kind, Some(Kind::MetricsAck(ack)));
+    }
+
+    #[test]
+    fn a_keepalive_has_the_wire_format_of_the_proto() {
+        let ours = ServerMessage::keepalive().encode_to_vec();
+        let theirs = AsGenerated {
+            kind: Some(Kind::Keepalive(pb::Keepalive {})),
+        }
+        .encode_to_vec();
+        assert_eq!(ours, theirs);
+        let back = ServerMessage::decode(ours.as_slice()).unwrap();
+        assert_eq!(back.keepalive, Some(pb::Keepalive {}));
+        assert_eq!((back.metrics_ack, back.snapshot), (None, None));
     }
 
     #[test]

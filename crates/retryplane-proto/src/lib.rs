@@ -4,7 +4,8 @@
 //! [`convert`] turns policy messages into [`retryplane_policy::PolicyDocument`]s and back, and
 //! runs the same validator as `retryplane validate`, so a document is checked the same way
 //! whether it came from a file, the admin API or the agent stream. [`rank`] is the order of
-//! ranked `Stats` series, shared by the control plane and the CLI.
+//! ranked `Stats` series, shared by the control plane and the CLI. [`liveness`] is the stream's
+//! end-to-end heartbeat rule, kept by both sides.
 
 #![forbid(unsafe_code)]
 
@@ -15,6 +16,7 @@ pub use frame::{MAX_NONCE_LEN, TooLargeForAgents, check_agent_limit};
 pub use hello::{BadHello, MAX_HELLO_FIELD_BYTES, MAX_HELLO_LABELS, check_hello};
 
 pub mod convert;
+pub mod liveness;
 pub mod rank;
 
 mod generated {

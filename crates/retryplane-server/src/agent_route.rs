@@ -19,9 +19,11 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::CONTENT_TYPE;
+use retryplane_proto::liveness::{HEARTBEAT_METADATA, Life};
 use retryplane_proto::pb;
 use tonic::body::Body;
 use tonic::codec::{BufferSettings, DecodeBuf, Decoder, Streaming};
@@ -107,7 +109,7 @@ impl Decoder for AgentMessageDecoder {
 
 impl<B> tonic::codegen::Service<http::Request<B>> for AgentRoute
 where
-    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B: http_body::Body<Data = Bytes> + Send + Unpin + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>> + Send + 'static,
 {
     type Response = http::Response<Body>;
@@ -124,7 +126,10 @@ where
         }
         let service = self.service.clone();
         let limit = self.max_decoding_message_size;
-        let interval = http::HeaderValue::from(service.metrics_interval_ms());
+        let interval_ms = service.metrics_interval_ms();
+        let interval = http::HeaderValue::from(interval_ms);
+        let period =
+            retryplane_proto::liveness::keepalive_period(Duration::from_millis(interval_ms));
         Box::pin(async move {
             if let Err(status) = check_encoding(&request) {
                 return Ok(status.into_http());
@@ -133,9 +138,12 @@ where
                 INBOUND_BUFFER,
                 INBOUND_BUFFER,
             )));
-            let request = Request::from_http(
-                request.map(|body| Streaming::new_request(decoder, body, None, Some(limit))),
-            );
+            // The agent's bytes and messages, as heard (for an agent that sends heartbeats).
+            let life = Life::new(tokio::time::Instant::now(), period);
+            let mut request = request
+                .map(|body| Streaming::new_request(decoder, life.watch(body), None, Some(limit)));
+            request.extensions_mut().insert(life);
+            let request = Request::from_http(request);
             Ok(match service.connect(request).await {
                 Ok(frames) => {
                     let mut response = http::Response::new(Body::new(SharedFrameBody::new(frames)));
@@ -148,6 +156,9 @@ where
                     );
                     // So an agent that is sent no snapshot reports at this interval too.
                     headers.insert(retryplane_proto::METRICS_INTERVAL_METADATA, interval);
+                    // Keepalives are sent, and silence ends the stream, for an agent whose
+                    // Hello asks (`retryplane_proto::liveness`).
+                    headers.insert(HEARTBEAT_METADATA, http::HeaderValue::from_static("1"));
                     response
                 }
                 Err(status) => status.into_http(),

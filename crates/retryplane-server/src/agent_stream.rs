@@ -11,7 +11,11 @@
 //!
 //! One task per stream owns its state; it wakes on a new publish, on the agent's next message,
 //! when a newer stream replaces it, when a tokens reload takes its secret away, or at
-//! shutdown.
+//! shutdown; and, for an agent that sends heartbeats (`Hello.heartbeats`), every keepalive
+//! period to send a `Keepalive` when nothing waits to go, and when the agent has been silent
+//! for the liveness timeout, which ends the stream ([`retryplane_proto::liveness`]: behind an
+//! HTTP/2 proxy, which answers keepalive pings for the agent, nothing else tells that it has
+//! gone).
 //!
 //! The outbound side is not tonic's encoder: the task sends the publisher's shared, pre-framed
 //! snapshot bytes (and each ack, framed by [`encode_frame`]) to the stream's
@@ -24,6 +28,7 @@ use std::time::Duration;
 
 use prometheus_client::metrics::gauge::Gauge;
 use retryplane_policy::diag::OneLine;
+use retryplane_proto::liveness::{Life, keepalive_period, liveness_timeout};
 use retryplane_proto::pb::{self, agent_message::Kind};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
 use tokio::time::Instant;
@@ -258,6 +263,7 @@ impl AgentStreamService {
         request: Request<Streaming<pb::AgentMessage>>,
     ) -> Result<mpsc::Receiver<Outbound>, Status> {
         let peer = request.remote_addr();
+        let life = request.extensions().get::<Life>().cloned();
         let credential = request.extensions().get::<Credential>().cloned();
         let token_name = request.extensions().get::<TokenName>().map(|t| t.0.clone());
         let secret_digest = credential.as_ref().map(Credential::digest);
@@ -299,6 +305,11 @@ impl AgentStreamService {
             }
         };
         check_hello(&hello, limits)?;
+        // Kept only for an agent that sends heartbeats, and whose stream counts what it hears.
+        let life = life.filter(|_| hello.heartbeats);
+        if let Some(life) = &life {
+            life.heard();
+        }
         // What ends the stream when a reload takes its secret away. A reload while the stream
         // waited for its Hello (after the Guard admitted it) refuses it here, before it is
         // registered or sent anything.
@@ -375,6 +386,15 @@ impl AgentStreamService {
             bucket: ReportBucket::default(),
             held_acks: VecDeque::new(),
             earlier_pushes: VecDeque::new(),
+            heartbeat: life.map(|life| {
+                let interval = Duration::from_millis(self.ctx.publisher.metrics_interval_ms());
+                Heartbeat {
+                    life,
+                    limit: liveness_timeout(interval),
+                    period: keepalive_period(interval),
+                    ended_silent: self.ctx.metrics.streams_silent.clone(),
+                }
+            }),
         };
         tokio::spawn(stream.run(inbound, tx, registration.replaced, revocation));
         Ok(rx)
@@ -455,6 +475,50 @@ struct AgentStream {
     /// (nonce, version), at most [`MAX_EARLIER_PUSHES`]: a late ACK of one is no answer to the
     /// last push, but says what the agent runs (it may then refuse the last one).
     earlier_pushes: VecDeque<(String, u64)>,
+    /// For an agent that sends heartbeats: what the stream has heard of it, and when to send
+    /// and to give up.
+    heartbeat: Option<Heartbeat>,
+}
+
+/// The liveness of a stream whose agent sends heartbeats ([`retryplane_proto::liveness`]).
+#[derive(Clone, Debug)]
+struct Heartbeat {
+    /// When the agent was last heard (its body's bytes, its messages).
+    life: Life,
+    /// Silence past this ends the stream.
+    limit: Duration,
+    /// A `Keepalive` goes every `period` when nothing waits to be sent.
+    period: Duration,
+    /// Counts the streams ended for silence (`retryplane_server_streams_silent`).
+    ended_silent: prometheus_client::metrics::counter::Counter,
+}
+
+impl Heartbeat {
+    /// Resolves once the agent has been silent for the limit; never without a heartbeat.
+    async fn silent(heartbeat: Option<&Self>) {
+        match heartbeat {
+            Some(h) => h.life.silent(h.limit).await,
+            None => std::future::pending().await,
+        }
+    }
+
+    /// The status that ends a silent stream, counted.
+    fn silent_status(&self) -> Status {
+        self.ended_silent.inc();
+        Status::unavailable(format!(
+            "nothing came from the agent for {} ms (it sends a keepalive every {} ms): the stream is taken for dead",
+            self.limit.as_millis(),
+            self.period.as_millis()
+        ))
+    }
+}
+
+/// Resolves at `at`; never when `None`.
+async fn sleep_until_some(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
 }
 
 /// See [`AgentStream::earlier_pushes`].
@@ -512,6 +576,7 @@ async fn queue(
     replaced: &mut tokio::sync::oneshot::Receiver<()>,
     shutdown: &mut watch::Receiver<bool>,
     revocation: &mut Option<Revocation>,
+    heartbeat: Option<&Heartbeat>,
 ) -> Result<Queued, Option<Status>> {
     let read = async {
         match inbound {
@@ -531,6 +596,11 @@ async fn queue(
         _ = replaced => return Err(Some(replaced_status())),
         _ = shutdown.wait_for(|s| *s) => return Err(Some(shutdown_status())),
         message = read => return Ok(Queued::Read(frame, message)),
+        // An agent that neither reads nor sends: gone, behind a proxy that keeps its
+        // connection (the agent's bytes, read meanwhile, keep a live one).
+        () = Heartbeat::silent(heartbeat) => {
+            return Err(heartbeat.map(Heartbeat::silent_status));
+        }
     };
     let mut room = room.map_err(|_| None)?;
     if let Some(permit) = room.next() {
@@ -564,6 +634,9 @@ impl AgentStream {
             shutdown: &mut shutdown,
             revocation: &mut revocation,
         };
+        let keepalive = pb::ServerMessage::keepalive();
+        let keepalive = encode_frame(&keepalive).ok();
+        let mut next_keepalive = self.heartbeat.as_ref().map(|h| Instant::now() + h.period);
         let end = loop {
             if let Err(end) = self.send_held_acks(&mut io).await {
                 break end;
@@ -610,6 +683,22 @@ impl AgentStream {
                 _ = &mut *io.replaced => Next::End(Some(replaced_status())),
                 _ = io.shutdown.wait_for(|s| *s) => Next::End(Some(shutdown_status())),
                 () = Revocation::revoked(io.revocation) => Next::End(Some(revoked_status())),
+                () = Heartbeat::silent(self.heartbeat.as_ref()) => {
+                    info!(agent = %OneLine(&self.agent_id), "ending an agent stream: nothing came from the agent, which sends a keepalive every period, for the liveness timeout");
+                    Next::End(self.heartbeat.as_ref().map(Heartbeat::silent_status))
+                }
+                () = sleep_until_some(next_keepalive) => {
+                    // Only when nothing waits to go (the channel's two slots free: room for it
+                    // and a closing status after it, as `queue` keeps): what waits carries the
+                    // stream's life already.
+                    if let (Some(frame), Ok(mut room)) = (&keepalive, tx.try_reserve_many(2))
+                        && let Some(permit) = room.next()
+                    {
+                        permit.send(Ok(frame.clone()));
+                    }
+                    next_keepalive = self.heartbeat.as_ref().map(|h| Instant::now() + h.period);
+                    Next::Continue
+                }
             };
             match next {
                 Next::Continue => {}
@@ -646,6 +735,7 @@ impl AgentStream {
                 io.replaced,
                 io.shutdown,
                 io.revocation,
+                self.heartbeat.as_ref(),
             )
             .await?;
             let (back, message) = match queued {
@@ -725,7 +815,12 @@ impl AgentStream {
 
     fn on_message(&mut self, message: Result<Option<pb::AgentMessage>, Status>) -> Next {
         let message = match message {
-            Ok(Some(m)) => m,
+            Ok(Some(m)) => {
+                if let Some(h) = &self.heartbeat {
+                    h.life.heard();
+                }
+                m
+            }
             Ok(None) => return Next::End(None),
             Err(status) => {
                 // Garbage, an oversized message or a broken connection: this stream ends with
@@ -799,6 +894,8 @@ impl AgentStream {
                 }
             }
             Some(Kind::Metrics(report)) => return self.on_report(&report),
+            // The agent is there (it was heard above); nothing to answer.
+            Some(Kind::Keepalive(_)) => ctx.fleet.seen(&self.agent_id, self.generation),
             Some(Kind::Hello(_)) => {
                 warn!(agent = %OneLine(&self.agent_id), "ending an agent stream: the agent sent a second Hello");
                 return Next::End(Some(Status::invalid_argument(
@@ -1040,6 +1137,7 @@ mod tests {
                     &mut replaced,
                     &mut shutdown,
                     &mut None,
+                    None,
                 )
                 .await;
                 assert!(matches!(sent, Ok(Queued::Sent)), "{ending}: not queued");

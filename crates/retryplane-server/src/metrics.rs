@@ -54,6 +54,9 @@ pub struct ServerMetrics {
     /// Agent streams open but not yet registered: waiting for their Hello (bounded by
     /// `StreamLimits::max_pending_handshakes`).
     pub streams_awaiting_hello: Gauge,
+    /// Agent streams ended because nothing came from an agent that sends heartbeats for the
+    /// liveness timeout (`retryplane_proto::liveness`).
+    pub streams_silent: Counter,
     /// Agent streams and admin calls refused for their token: missing, unknown, or of a role
     /// the listener does not admit.
     pub auth_refused: Counter,
@@ -97,6 +100,7 @@ impl ServerMetrics {
         let report_endpoints_implausible = Counter::default();
         let streams_refused = Counter::default();
         let streams_awaiting_hello = Gauge::default();
+        let streams_silent = Counter::default();
         let auth_refused = Counter::default();
         registry.register(
             "agents_connected",
@@ -156,6 +160,11 @@ impl ServerMetrics {
             streams_awaiting_hello.clone(),
         );
         registry.register(
+            "streams_silent",
+            "Agent streams ended because nothing came from the agent (which sends heartbeats) for the liveness timeout",
+            streams_silent.clone(),
+        );
+        registry.register(
             "auth_refused",
             "Agent streams and admin calls refused for a missing or unknown token, or one of a role the listener does not admit",
             auth_refused.clone(),
@@ -175,6 +184,7 @@ impl ServerMetrics {
             report_endpoints_implausible,
             streams_refused,
             streams_awaiting_hello,
+            streams_silent,
             auth_refused,
         }
     }

@@ -1477,3 +1477,263 @@ async fn start_up_is_not_held_up_by_an_epoll_stuck_on_a_stopped_fuse_daemon() {
     drop(stuck);
     assert!(!hung, "start-up did not return within 10 s");
 }
+
+/// A Hello that asks for heartbeats (`retryplane_proto::liveness`).
+fn beating_hello(agent_id: &str) -> pb::AgentMessage {
+    pb::AgentMessage {
+        kind: Some(Kind::Hello(pb::Hello {
+            agent_id: agent_id.to_owned(),
+            service: "checkout".to_owned(),
+            instance_id: 7,
+            heartbeats: true,
+            ..Default::default()
+        })),
+    }
+}
+
+/// `message` as one gRPC frame (uncompressed).
+fn grpc_frame(message: &impl prost::Message) -> bytes::Bytes {
+    let body = message.encode_to_vec();
+    let mut frame = Vec::with_capacity(5 + body.len());
+    frame.push(0);
+    frame.extend_from_slice(&u32::try_from(body.len()).unwrap().to_be_bytes());
+    frame.extend_from_slice(&body);
+    frame.into()
+}
+
+/// An agent stream over a bare HTTP/2 connection, so that a test sends the bytes of its
+/// messages as it likes (a slow link, a trickle): the sending half, and the response.
+async fn raw_stream(
+    addr: SocketAddr,
+    hello: &pb::AgentMessage,
+) -> (h2::SendStream<bytes::Bytes>, RawReader) {
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (send, conn) = h2::client::handshake(tcp).await.unwrap();
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    let request = http::Request::post(crate::agent_route::CONNECT_PATH)
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(())
+        .unwrap();
+    let mut send = send.ready().await.unwrap();
+    let (response, mut body) = send.send_request(request, false).unwrap();
+    body.send_data(grpc_frame(hello), false).unwrap();
+    let response = tokio::time::timeout(SHUTDOWN_GRACE, response)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        response.headers()[retryplane_proto::liveness::HEARTBEAT_METADATA],
+        "1"
+    );
+    let reader = RawReader {
+        body: response.into_body(),
+        buf: Vec::new(),
+    };
+    (body, reader)
+}
+
+/// The response side of [`raw_stream`]: its gRPC messages, then its status.
+struct RawReader {
+    body: h2::RecvStream,
+    buf: Vec<u8>,
+}
+
+impl RawReader {
+    /// The next message; `None` at the end of the messages.
+    async fn next(&mut self) -> Option<pb::ServerMessage> {
+        loop {
+            if self.buf.len() >= 5 {
+                let len = u32::from_be_bytes(self.buf[1..5].try_into().unwrap());
+                let end = 5 + usize::try_from(len).unwrap();
+                if self.buf.len() >= end {
+                    let message = prost::Message::decode(&self.buf[5..end]).unwrap();
+                    self.buf.drain(..end);
+                    return Some(message);
+                }
+            }
+            let data = self.body.data().await?.unwrap();
+            let _ = self.body.flow_control().release_capacity(data.len());
+            self.buf.extend_from_slice(&data);
+        }
+    }
+
+    /// The `grpc-status` of the trailers (after the messages).
+    async fn status(&mut self) -> Option<String> {
+        let trailers = self.body.trailers().await.ok().flatten()?;
+        Some(trailers.get("grpc-status")?.to_str().unwrap().to_owned())
+    }
+}
+
+/// Reads a raw stream's response until its end, bounded by `within`: its messages and its
+/// `grpc-status`.
+async fn read_to_end(
+    reader: &mut RawReader,
+    within: Duration,
+) -> (Vec<pb::ServerMessage>, Option<String>) {
+    let read = async {
+        let mut messages = Vec::new();
+        while let Some(m) = reader.next().await {
+            messages.push(m);
+        }
+        (messages, reader.status().await)
+    };
+    tokio::time::timeout(within, read)
+        .await
+        .expect("the stream ends in time")
+}
+
+async fn connected(running: &Running, agent_id: &str) -> Option<bool> {
+    let fleet = admin(running)
+        .await
+        .fleet_status(pb::FleetStatusRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    fleet
+        .agents
+        .iter()
+        .find(|a| a.agent_id == agent_id)
+        .map(|a| a.connected)
+}
+
+/// An agent that asks for heartbeats and then sends nothing, on a connection that stays up
+/// (as behind an HTTP/2 proxy, which answers keepalive pings for it): the control plane sends
+/// it keepalives, then ends its stream with UNAVAILABLE after the liveness timeout and lists it
+/// disconnected. An agent that does not ask keeps its silent stream and is sent no keepalive.
+#[tokio::test]
+async fn a_stream_whose_agent_falls_silent_is_ended_and_its_agent_listed_disconnected() {
+    let (_dir, mut cfg) = with_file(V1);
+    cfg.metrics_interval = Duration::from_millis(100);
+    let running = start(cfg).await.unwrap();
+    let opened = tokio::time::Instant::now();
+    let (_beating_tx, mut beating) =
+        raw_stream(running.agent_addr, &beating_hello("beating")).await;
+    let (_quiet_tx, mut quiet) = open_stream(running.agent_addr, hello("quiet"), None)
+        .await
+        .unwrap();
+    assert_eq!(next_version(&mut quiet).await, 1);
+    let (messages, status) = read_to_end(&mut beating, SHUTDOWN_GRACE * 2).await;
+    let limit = retryplane_proto::liveness::liveness_timeout(Duration::from_millis(100));
+    assert!(opened.elapsed() >= limit, "{:?}", opened.elapsed());
+    assert_eq!(status.as_deref(), Some("14"), "UNAVAILABLE");
+    assert!(messages[0].snapshot.is_some());
+    let keepalives = messages.iter().filter(|m| m.keepalive.is_some()).count();
+    assert!(keepalives >= 10, "{keepalives} keepalives in {limit:?}");
+    eventually("the silent agent is listed disconnected", || async {
+        connected(&running, "beating").await == Some(false)
+    })
+    .await;
+    assert_eq!(connected(&running, "quiet").await, Some(true));
+    let (_, metrics) = http_get(running.http_addr, "/metrics").await;
+    assert!(
+        metrics.contains("\nretryplane_server_streams_silent_total 1\n"),
+        "{metrics}"
+    );
+    // The quiet agent got no keepalive (nor anything else) meanwhile.
+    let nothing = tokio::time::timeout(Duration::from_millis(300), quiet.message()).await;
+    assert!(nothing.is_err(), "{nothing:?}");
+    running.shutdown().await.unwrap();
+}
+
+/// An agent that sends a keepalive every period keeps its stream past the liveness timeout.
+#[tokio::test]
+async fn an_agent_that_sends_keepalives_keeps_its_stream() {
+    let (_dir, mut cfg) = with_file(V1);
+    cfg.metrics_interval = Duration::from_millis(100);
+    let running = start(cfg).await.unwrap();
+    let (tx, mut inbound) = open_stream(running.agent_addr, beating_hello("beating"), None)
+        .await
+        .unwrap();
+    assert_eq!(next_version(&mut inbound).await, 1);
+    let limit = retryplane_proto::liveness::liveness_timeout(Duration::from_millis(100));
+    let until = tokio::time::Instant::now() + limit * 2;
+    let keepalive = pb::AgentMessage {
+        kind: Some(Kind::Keepalive(pb::Keepalive {})),
+    };
+    while tokio::time::Instant::now() < until {
+        tx.send(keepalive.clone()).await.unwrap();
+        // Read what comes meanwhile (keepalives); the stream must not end.
+        if let Ok(m) = tokio::time::timeout(Duration::from_millis(100), inbound.message()).await {
+            let m = m.unwrap().expect("the stream goes on");
+            assert!(m.keepalive.is_some(), "{m:?}");
+        }
+    }
+    assert_eq!(connected(&running, "beating").await, Some(true));
+    running.shutdown().await.unwrap();
+}
+
+/// A message longer than the link carries within the liveness timeout (a large report backlog
+/// on a slow uplink) keeps the stream while its bytes come at 100 bytes a second or more; a
+/// peer that trickles fewer bytes of a message that never ends is taken for gone.
+#[tokio::test]
+async fn a_long_message_on_a_slow_link_keeps_the_stream_and_a_trickle_does_not() {
+    let (_dir, mut cfg) = with_file(V1);
+    cfg.metrics_interval = Duration::from_millis(100);
+    let running = start(cfg).await.unwrap();
+    let limit = retryplane_proto::liveness::liveness_timeout(Duration::from_millis(100));
+    // About 80 KB of counts, sent 2 KiB every 100 ms: about 4 s, well past the limit.
+    let report = pb::AgentMessage {
+        kind: Some(Kind::Metrics(pb::MetricsReport {
+            seq: 1,
+            endpoints: (0..4_000)
+                .map(|i| pb::EndpointCounters {
+                    endpoint: format!("endpoint-{i:05}"),
+                    calls: 1,
+                    attempts: 1,
+                    ..Default::default()
+                })
+                .collect(),
+            ..Default::default()
+        })),
+    };
+    let frame = grpc_frame(&report);
+    assert!(frame.len() > 64 * 1024, "{}", frame.len());
+    let (mut slow, mut slow_in) = raw_stream(running.agent_addr, &beating_hello("slow")).await;
+    let (mut trickle, mut trickle_in) =
+        raw_stream(running.agent_addr, &beating_hello("trickle")).await;
+    let started = tokio::time::Instant::now();
+    let mut chunks = frame.chunks(2048);
+    let mut trickled = 0;
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    // No burst of ticks after a late one: the trickle stays a trickle.
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let Some(chunk) = chunks.next() else { break };
+        slow.send_data(bytes::Bytes::copy_from_slice(chunk), false)
+            .unwrap();
+        // The trickle: a byte a period (10 a second) of a message that says it is 1 MiB long.
+        let bytes = if trickled == 0 {
+            let mut head = vec![0u8];
+            head.extend_from_slice(&(1u32 << 20).to_be_bytes());
+            head
+        } else {
+            vec![0]
+        };
+        trickled += 1;
+        let _ = trickle.send_data(bytes.into(), false);
+    }
+    assert!(started.elapsed() > limit + Duration::from_secs(1));
+    // The slow report arrived whole and was answered; the stream is up.
+    let mut acked = false;
+    for _ in 0..100 {
+        let m = tokio::time::timeout(SHUTDOWN_GRACE, slow_in.next())
+            .await
+            .unwrap()
+            .expect("the slow stream goes on");
+        if m.metrics_ack.is_some_and(|ack| ack.seq == 1) {
+            acked = true;
+            break;
+        }
+    }
+    assert!(acked, "the slow report was answered");
+    assert_eq!(connected(&running, "slow").await, Some(true));
+    // The trickle's stream ended (well before its message could).
+    let (_, status) = read_to_end(&mut trickle_in, SHUTDOWN_GRACE).await;
+    assert_eq!(status.as_deref(), Some("14"), "UNAVAILABLE");
+    assert_eq!(connected(&running, "trickle").await, Some(false));
+    running.shutdown().await.unwrap();
+}

@@ -32,6 +32,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use retryplane_policy::codes::GrpcCode;
 use retryplane_policy::rng::SeededRng;
+use retryplane_proto::liveness::{HEARTBEAT_METADATA, Life, keepalive_period, liveness_timeout};
 use retryplane_proto::pb::{self, agent_message::Kind};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
@@ -425,6 +426,14 @@ async fn session(
         return lost(None, "cannot queue Hello".into());
     }
     let token = config.token.clone();
+    // The control plane's bytes and messages, as heard (see `retryplane_proto::liveness`).
+    let life = Life::new(Instant::now(), keepalive_period(interval(shared)));
+    let channel = tower::ServiceBuilder::new()
+        .map_response({
+            let life = life.clone();
+            move |response: http::Response<tonic::body::Body>| response.map(|body| life.watch(body))
+        })
+        .service(channel);
     let mut client = pb::agent_service_client::AgentServiceClient::with_interceptor(
         channel,
         move |mut req: tonic::Request<()>| {
@@ -465,6 +474,13 @@ async fn session(
         .metadata()
         .get(retryplane_proto::METRICS_ACK_METADATA)
         .is_some_and(|v| v == "1");
+    // Keepalives go, and the control plane's silence ends the stream, only with a control
+    // plane that sends them too.
+    let heartbeats = opened
+        .metadata()
+        .get(HEARTBEAT_METADATA)
+        .is_some_and(|v| v == "1");
+    life.heard();
     // The control plane's interval, for an agent it sends no snapshot (up to date already):
     // it may be another than the cache file's or an earlier control plane's.
     if let Some(ms) = opened
@@ -498,8 +514,26 @@ async fn session(
         .unwrap_or_else(|e| e.into_inner()) = None;
     let opened_at = Instant::now();
     let up = || Some(Instant::now().duration_since(opened_at));
+    // The control plane's silence: the stream is dead, though its connection may answer
+    // keepalive pings (an HTTP/2 proxy between the two answers them).
+    let silent = |limit: Duration| {
+        warn!(
+            silent_ms = u64::try_from(limit.as_millis()).unwrap_or(u64::MAX),
+            "nothing came from the control plane, which sends a keepalive every period, for the liveness timeout: taking the stream for dead and reconnecting"
+        );
+        lost(
+            up(),
+            format!(
+                "nothing came from the control plane for {} ms",
+                limit.as_millis()
+            ),
+        )
+    };
+    let mut next_keepalive = opened_at + keepalive_period(interval(shared));
     info!("connected to the control plane");
     loop {
+        // The control plane's silence past this ends the stream (with heartbeats).
+        let limit = liveness_timeout(interval(shared));
         tokio::select! {
             () = cancel.cancelled() => {
                 close(shared, tx, &mut inbound, window_start, outbox, numbered).await;
@@ -511,6 +545,10 @@ async fn session(
                     Ok(None) => return lost(up(), "the control plane closed the stream".into()),
                     Err(status) => return ended(up(), &status),
                 };
+                life.heard();
+                if m.keepalive.is_some() {
+                    continue;
+                }
                 if let Some(ack) = m.metrics_ack {
                     outbox.ack(&shared.metrics, ack.seq, ack.dropped);
                     continue;
@@ -559,13 +597,16 @@ async fn session(
                         },
                     }
                 }
-                // Waits only while the stream cannot take more; cancellation still ends it.
+                // Waits only while the stream cannot take more; cancellation still ends it, and
+                // so does the control plane's silence (a full queue, on a stream whose other
+                // end is gone, must not hold the liveness check off for good).
                 let sent = tokio::select! {
                     () = cancel.cancelled() => {
                         close(shared, tx, &mut inbound, window_start, outbox, numbered).await;
                         return SessionEnd::Cancelled;
                     }
                     sent = tx.send(reply) => sent,
+                    () = life.silent(limit), if heartbeats => return silent(limit),
                 };
                 if sent.is_err() {
                     return lost(up(), "the stream closed before the answer".into());
@@ -575,6 +616,15 @@ async fn session(
             () = tokio::time::sleep_until(*next_report) => {
                 send_metrics(shared, &tx, window_start, outbox, numbered);
                 *next_report = Instant::now() + interval(shared);
+            }
+            () = life.silent(limit), if heartbeats => return silent(limit),
+            () = tokio::time::sleep_until(next_keepalive), if heartbeats => {
+                // Only when nothing waits to go: what waits carries the stream's life already
+                // (and a keepalive must not take the room an answer needs).
+                if tx.capacity() == tx.max_capacity() {
+                    let _ = tx.try_send(message(Kind::Keepalive(pb::Keepalive {})));
+                }
+                next_keepalive = Instant::now() + keepalive_period(interval(shared));
             }
             Some(cached) = late_cache(late) => {
                 // The counts so far were made on the fallback policy: reported under its
