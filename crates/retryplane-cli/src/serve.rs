@@ -116,7 +116,7 @@ fn at_least_one() -> clap::builder::RangedU64ValueParser<usize> {
 fn metrics_interval(text: &str) -> Result<Duration, String> {
     duration_in(
         text,
-        Duration::from_millis(100)..=Duration::from_secs(3600),
+        server::MIN_METRICS_INTERVAL..=server::MAX_METRICS_INTERVAL,
         "from 100ms to 1h",
     )
 }

@@ -6,11 +6,19 @@
 //! connected, and an agent whose control-plane end died would keep its dead stream, for good.
 //! So each side sends a `Keepalive` message every [`keepalive_period`] when nothing waits to be
 //! sent, and takes the stream for dead when for [`liveness_timeout`] it has heard nothing of
-//! the other: no whole message, and in no keepalive period bytes of one at
-//! [`MIN_BYTES_PER_SECOND`] or more. Bytes count, so that a message larger than a slow link
-//! carries in that time (a large snapshot, a report backlog), and whatever queues behind it,
-//! does not end a live stream; a floor on their rate, so that a wedged peer that trickles a few
-//! bytes of a message that never ends does not keep a dead one.
+//! the other: no whole message, and fewer than [`PROGRESS_BYTES`] bytes of one. Bytes count, so
+//! that a message larger than a slow link carries in that time (a large snapshot, a report
+//! backlog), and whatever queues behind it, does not end a live stream; a floor on them, so
+//! that a wedged peer that trickles a few bytes of a message that never ends does not keep a
+//! dead one.
+//!
+//! The floor is [`PROGRESS_BYTES`], 4 KiB, within the liveness timeout: a link must carry that
+//! for a message in progress to keep the stream (128 bytes a second at the default 10 s interval,
+//! a 32 s timeout; 820 at 1 s, 5 s; about 1.8 KB a second at the shortest, 100 ms, 2.3 s). Bytes
+//! reach the reader a whole HTTP/2 DATA frame at a time, and peers send frames of up to 16 KiB
+//! (the protocol's smallest allowed largest frame size), which a slow link takes four times as
+//! long to carry; so each side sends its messages in [`Chunked`] pieces of at most 4 KiB, one
+//! DATA frame each (a peer that does not is held to 16 KiB within the timeout).
 //!
 //! [`Life`] keeps when the other side was last heard: [`Life::watch`] wraps the body a side
 //! reads the other's messages from and counts its bytes, the reader calls [`Life::heard`] for
@@ -23,21 +31,25 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::Buf as _;
+use bytes::{Buf as _, Bytes};
 use http_body::{Body, Frame, SizeHint};
 use tokio::time::Instant;
 
 /// Response metadata of `AgentService.Connect` from a control plane that takes heartbeats:
-/// value `1`. An agent sends keepalives and judges the stream's liveness only on a stream whose
-/// response carries it; the control plane does both only for an agent whose Hello sets
-/// `heartbeats`. Either side that predates heartbeats is left alone.
+/// value `1`. The control plane sends keepalives and judges the stream's liveness only for an
+/// agent whose Hello sets `heartbeats`; such an agent sends keepalives whatever the response
+/// says (a control plane that predates them skips a message of a kind it does not know, and
+/// one that judges the agent's silence must get them even if something on the way drops this
+/// header), and judges the stream's liveness only on a stream whose response carries it.
 pub const HEARTBEAT_METADATA: &str = "retryplane-heartbeat";
 
-/// The rate at which bytes of a message in progress count as hearing from the other side, when
-/// that many come within one keepalive period (see the module documentation): 100 bytes a
-/// second (1,000 bytes in the default 10 s period), far below what a working link carries and
-/// above what a wedged peer's stray bytes amount to.
-pub const MIN_BYTES_PER_SECOND: u64 = 100;
+/// Bytes of a message in progress that count as hearing from the other side, once that many
+/// have come since it was last heard, and the largest piece [`Chunked`] sends: 4 KiB (see the
+/// module documentation).
+pub const PROGRESS_BYTES: u64 = 4 * 1024;
+
+/// [`PROGRESS_BYTES`] as a length.
+const CHUNK: usize = 4 * 1024;
 
 /// The shortest keepalive period.
 const MIN_PERIOD: Duration = Duration::from_millis(100);
@@ -70,64 +82,38 @@ pub struct Life {
 #[derive(Debug)]
 struct Inner {
     base: Instant,
-    /// The keepalive period, in milliseconds: the window within which bytes add up.
-    period_ms: u64,
-    /// Bytes within one window that count as hearing: [`MIN_BYTES_PER_SECOND`] for the period.
-    floor: u64,
     /// Milliseconds from `base` to when the other side was last heard.
     last_ms: AtomicU64,
-    /// Milliseconds from `base` to the start of the window `bytes` counts in.
-    window_ms: AtomicU64,
-    /// Bytes received in the window, not yet counted as hearing.
+    /// Bytes received since then, not yet counted as hearing.
     bytes: AtomicU64,
 }
 
 impl Life {
-    /// A stream that opened `now`, heard from then, whose keepalive period is `period`.
-    pub fn new(now: Instant, period: Duration) -> Self {
-        let period_ms = u64::try_from(period.as_millis()).unwrap_or(u64::MAX);
+    /// A stream that opened `now`: heard from then.
+    pub fn new(now: Instant) -> Self {
         Self {
             inner: Arc::new(Inner {
                 base: now,
-                period_ms,
-                floor: (MIN_BYTES_PER_SECOND.saturating_mul(period_ms) / 1000).max(1),
                 last_ms: AtomicU64::new(0),
-                window_ms: AtomicU64::new(0),
                 bytes: AtomicU64::new(0),
             }),
         }
     }
 
-    fn now_ms(&self) -> u64 {
-        u64::try_from(self.inner.base.elapsed().as_millis()).unwrap_or(u64::MAX)
-    }
-
     /// A whole message came now.
     pub fn heard(&self) {
-        let now = self.now_ms();
-        self.heard_at(now);
-    }
-
-    fn heard_at(&self, now_ms: u64) {
+        let now_ms = u64::try_from(self.inner.base.elapsed().as_millis()).unwrap_or(u64::MAX);
         self.inner.last_ms.fetch_max(now_ms, Relaxed);
-        self.inner.window_ms.store(now_ms, Relaxed);
         self.inner.bytes.store(0, Relaxed);
     }
 
-    /// `n` bytes came now: hearing, once the floor's worth of them ([`MIN_BYTES_PER_SECOND`])
-    /// have come within one keepalive period. (One body feeds a `Life`, so the window's updates do not race.)
+    /// `n` bytes came now: hearing, once [`PROGRESS_BYTES`] have come since the last. (One
+    /// body feeds a `Life`, and the same task reads its messages: the count's updates do not
+    /// race.)
     fn received(&self, n: u64) {
-        let now = self.now_ms();
-        let window = self.inner.window_ms.load(Relaxed);
-        let total = if now.saturating_sub(window) > self.inner.period_ms {
-            self.inner.window_ms.store(now, Relaxed);
-            self.inner.bytes.store(n, Relaxed);
-            n
-        } else {
-            self.inner.bytes.fetch_add(n, Relaxed).saturating_add(n)
-        };
-        if total >= self.inner.floor {
-            self.heard_at(now);
+        let total = self.inner.bytes.fetch_add(n, Relaxed).saturating_add(n);
+        if total >= PROGRESS_BYTES {
+            self.heard();
         }
     }
 
@@ -168,7 +154,7 @@ pub struct Watched<B> {
 /// default).
 impl<B: Default> Default for Watched<B> {
     fn default() -> Self {
-        Life::new(Instant::now(), MAX_PERIOD).watch(B::default())
+        Life::new(Instant::now()).watch(B::default())
     }
 }
 
@@ -197,6 +183,70 @@ impl<B: Body + Unpin> Body for Watched<B> {
 
     fn size_hint(&self) -> SizeHint {
         self.inner.size_hint()
+    }
+}
+
+/// A body whose data frames are at most [`PROGRESS_BYTES`] long: a longer one is sent in
+/// pieces (slices of the same buffer, nothing copied), each of which HTTP/2 sends as a DATA
+/// frame of its own, so that the other side sees a large message's bytes come on a slow link
+/// (see the module documentation).
+#[derive(Debug)]
+pub struct Chunked<B> {
+    inner: B,
+    /// What is left of the last data frame.
+    rest: Bytes,
+}
+
+impl<B> Chunked<B> {
+    /// `body`, sent in pieces.
+    pub fn new(body: B) -> Self {
+        Self {
+            inner: body,
+            rest: Bytes::new(),
+        }
+    }
+}
+
+impl<B: Body<Data = Bytes> + Unpin> Body for Chunked<B> {
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        let me = self.get_mut();
+        if !me.rest.is_empty() {
+            let piece = me.rest.split_to(me.rest.len().min(CHUNK));
+            return Poll::Ready(Some(Ok(Frame::data(piece))));
+        }
+        let frame = match Pin::new(&mut me.inner).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => frame,
+            other => return other,
+        };
+        match frame.into_data() {
+            Ok(mut data) => {
+                if data.len() > CHUNK {
+                    me.rest = data.split_off(CHUNK);
+                }
+                Poll::Ready(Some(Ok(Frame::data(data))))
+            }
+            Err(frame) => Poll::Ready(Some(Ok(frame))),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.rest.is_empty() && self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        let mut hint = self.inner.size_hint();
+        let rest = u64::try_from(self.rest.len()).unwrap_or(u64::MAX);
+        hint.set_lower(hint.lower().saturating_add(rest));
+        if let Some(upper) = hint.upper() {
+            hint.set_upper(upper.saturating_add(rest));
+        }
+        hint
     }
 }
 
@@ -236,50 +286,81 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn bytes_at_the_floor_rate_within_a_period_count_as_hearing_and_a_trickle_does_not() {
+    async fn a_piece_s_worth_of_bytes_counts_as_hearing_and_fewer_do_not() {
         let base = Instant::now();
-        let life = Life::new(base, Duration::from_secs(10));
+        let life = Life::new(base);
         let (tx, mut body) = watched(&life);
         assert_eq!(life.last_heard(), base);
-        // 900 bytes over 5 s: not yet (the floor is 1,000 bytes in a 10 s period).
-        for _ in 0..10 {
-            tokio::time::advance(Duration::from_millis(500)).await;
-            data(&tx, 90).await;
+        // 3 KiB over 3 s: not yet.
+        for _ in 0..3 {
+            tokio::time::advance(Duration::from_secs(1)).await;
+            data(&tx, 1024).await;
             assert!(body.frame().await.is_some());
         }
         assert_eq!(life.last_heard(), base);
-        // The 1,000th byte within the period.
-        tokio::time::advance(Duration::from_millis(500)).await;
-        data(&tx, 100).await;
+        // The 4th KiB.
+        tokio::time::advance(Duration::from_secs(1)).await;
+        data(&tx, 1024).await;
         assert!(body.frame().await.is_some());
-        assert_eq!(life.last_heard(), base + Duration::from_millis(5_500));
+        let heard = base + Duration::from_secs(4);
+        assert_eq!(life.last_heard(), heard);
         // The count starts again from there; trailers are no bytes of a message.
         tokio::time::advance(Duration::from_secs(1)).await;
-        data(&tx, 999).await;
+        data(&tx, 4 * 1024 - 1).await;
         tx.send(Ok(Frame::trailers(http::HeaderMap::new())))
             .await
             .unwrap();
         assert!(body.frame().await.is_some());
         assert!(body.frame().await.is_some());
-        assert_eq!(life.last_heard(), base + Duration::from_millis(5_500));
+        assert_eq!(life.last_heard(), heard);
         // A whole message is heard at once, and the bytes before it are forgotten.
         tokio::time::advance(Duration::from_secs(1)).await;
         life.heard();
-        let heard = base + Duration::from_millis(7_500);
+        let heard = heard + Duration::from_secs(2);
         assert_eq!(life.last_heard(), heard);
-        // A trickle: 90 bytes a second, never 1,000 within a period, for a minute.
-        for _ in 0..60 {
-            tokio::time::advance(Duration::from_millis(1_001)).await;
-            data(&tx, 90).await;
-            assert!(body.frame().await.is_some());
+        tokio::time::advance(Duration::from_secs(1)).await;
+        data(&tx, 1).await;
+        assert!(body.frame().await.is_some());
+        assert_eq!(life.last_heard(), heard);
+    }
+
+    #[tokio::test]
+    async fn a_chunked_body_sends_pieces_of_at_most_4_kib_and_its_trailers() {
+        let (tx, rx) = mpsc::channel(4);
+        let mut body = Chunked::new(StreamBody::new(ReceiverStream::new(rx)));
+        let message: Vec<u8> = (0..10_000u32).map(|i| (i % 251) as u8).collect();
+        data(&tx, 10).await;
+        tx.send(Ok(Frame::data(Bytes::from(message.clone()))))
+            .await
+            .unwrap();
+        tx.send(Ok(Frame::trailers(http::HeaderMap::new())))
+            .await
+            .unwrap();
+        drop(tx);
+        let mut lens = Vec::new();
+        let mut got = Vec::new();
+        let mut trailers = 0;
+        while let Some(frame) = body.frame().await {
+            match frame.unwrap().into_data() {
+                Ok(data) => {
+                    lens.push(data.len());
+                    got.extend_from_slice(&data);
+                }
+                Err(frame) => {
+                    assert!(frame.is_trailers());
+                    trailers += 1;
+                }
+            }
         }
-        assert_eq!(life.last_heard(), heard);
+        assert_eq!(lens, [10, 4096, 4096, 1808]);
+        assert_eq!(&got[10..], &message[..]);
+        assert_eq!(trailers, 1);
     }
 
     #[tokio::test(start_paused = true)]
     async fn silent_waits_again_while_the_other_side_is_heard() {
         let base = Instant::now();
-        let life = Life::new(base, Duration::from_secs(1));
+        let life = Life::new(base);
         let limit = Duration::from_secs(3);
         let waiter = tokio::spawn({
             let life = life.clone();

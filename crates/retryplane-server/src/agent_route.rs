@@ -19,11 +19,10 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
-use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::CONTENT_TYPE;
-use retryplane_proto::liveness::{HEARTBEAT_METADATA, Life};
+use retryplane_proto::liveness::{Chunked, HEARTBEAT_METADATA, Life};
 use retryplane_proto::pb;
 use tonic::body::Body;
 use tonic::codec::{BufferSettings, DecodeBuf, Decoder, Streaming};
@@ -126,10 +125,7 @@ where
         }
         let service = self.service.clone();
         let limit = self.max_decoding_message_size;
-        let interval_ms = service.metrics_interval_ms();
-        let interval = http::HeaderValue::from(interval_ms);
-        let period =
-            retryplane_proto::liveness::keepalive_period(Duration::from_millis(interval_ms));
+        let interval = http::HeaderValue::from(service.metrics_interval_ms());
         Box::pin(async move {
             if let Err(status) = check_encoding(&request) {
                 return Ok(status.into_http());
@@ -139,14 +135,18 @@ where
                 INBOUND_BUFFER,
             )));
             // The agent's bytes and messages, as heard (for an agent that sends heartbeats).
-            let life = Life::new(tokio::time::Instant::now(), period);
+            let life = Life::new(tokio::time::Instant::now());
             let mut request = request
                 .map(|body| Streaming::new_request(decoder, life.watch(body), None, Some(limit)));
             request.extensions_mut().insert(life);
             let request = Request::from_http(request);
             Ok(match service.connect(request).await {
                 Ok(frames) => {
-                    let mut response = http::Response::new(Body::new(SharedFrameBody::new(frames)));
+                    // In pieces of at most 4 KiB: an agent that judges the stream's liveness
+                    // sees a large snapshot's bytes come on a slow link (see
+                    // `retryplane_proto::liveness`).
+                    let frames = Chunked::new(SharedFrameBody::new(frames));
+                    let mut response = http::Response::new(Body::new(frames));
                     let headers = response.headers_mut();
                     headers.insert(CONTENT_TYPE, GRPC_CONTENT_TYPE);
                     // Every numbered metrics report on this stream is answered.

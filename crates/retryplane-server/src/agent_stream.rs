@@ -675,6 +675,9 @@ impl AgentStream {
                 debug!(agent = %OneLine(&self.agent_id), version = snap.version, "snapshot sent");
             }
             let next = tokio::select! {
+                // In this order: what the agent sent is read before its silence is judged
+                // (after a stall of the task, both may be ready).
+                biased;
                 changed = snapshots.changed() => match changed {
                     Ok(()) => Next::Continue,
                     Err(_) => Next::End(Some(shutdown_status())),

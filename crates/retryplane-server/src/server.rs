@@ -60,7 +60,7 @@ mod boot;
 mod config;
 mod error;
 
-pub use self::config::ServeConfig;
+pub use self::config::{MAX_METRICS_INTERVAL, MIN_METRICS_INTERVAL, ServeConfig};
 use self::config::{check_exposure, check_settings};
 pub use self::error::ServeError;
 

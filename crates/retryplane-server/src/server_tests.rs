@@ -307,6 +307,33 @@ async fn a_keepalive_or_a_stream_limit_of_zero_is_refused() {
     }
 }
 
+/// Agents take a metrics interval from 100 ms to 1 h, and both ends of a stream derive its
+/// heartbeat from it: a control plane started through the library with another is refused (a
+/// sub-millisecond one went out as 0, which agents ignore, while the stream's heartbeat ran at
+/// 100 ms: idle agents were cut every 2.3 s).
+#[tokio::test]
+async fn a_metrics_interval_agents_do_not_take_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    for value in [
+        Duration::ZERO,
+        Duration::from_micros(500),
+        Duration::from_millis(99),
+        Duration::from_secs(3601),
+    ] {
+        let cfg = ServeConfig {
+            metrics_interval: value,
+            ..config(dir.path())
+        };
+        let err = start(cfg).await.unwrap_err();
+        assert!(matches!(err, ServeError::MetricsInterval { .. }), "{err}");
+        assert_eq!(
+            err.to_string(),
+            format!("metrics_interval must be from 100ms to 1h, not {value:?}")
+        );
+    }
+    assert!(!dir.path().join("data").exists(), "nothing was stored");
+}
+
 #[tokio::test]
 async fn two_listeners_on_the_same_address_are_refused_naming_both() {
     let dir = tempfile::tempdir().unwrap();
@@ -1666,8 +1693,8 @@ async fn an_agent_that_sends_keepalives_keeps_its_stream() {
 }
 
 /// A message longer than the link carries within the liveness timeout (a large report backlog
-/// on a slow uplink) keeps the stream while its bytes come at 100 bytes a second or more; a
-/// peer that trickles fewer bytes of a message that never ends is taken for gone.
+/// on a slow uplink) keeps the stream while 4 KiB of it come within the timeout; a peer that
+/// trickles fewer bytes of a message that never ends is taken for gone.
 #[tokio::test]
 async fn a_long_message_on_a_slow_link_keeps_the_stream_and_a_trickle_does_not() {
     let (_dir, mut cfg) = with_file(V1);

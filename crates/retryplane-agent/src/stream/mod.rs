@@ -32,7 +32,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use retryplane_policy::codes::GrpcCode;
 use retryplane_policy::rng::SeededRng;
-use retryplane_proto::liveness::{HEARTBEAT_METADATA, Life, keepalive_period, liveness_timeout};
+use retryplane_proto::liveness::{
+    Chunked, HEARTBEAT_METADATA, Life, keepalive_period, liveness_timeout,
+};
 use retryplane_proto::pb::{self, agent_message::Kind};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
@@ -427,8 +429,13 @@ async fn session(
     }
     let token = config.token.clone();
     // The control plane's bytes and messages, as heard (see `retryplane_proto::liveness`).
-    let life = Life::new(Instant::now(), keepalive_period(interval(shared)));
+    let life = Life::new(Instant::now());
     let channel = tower::ServiceBuilder::new()
+        // Sent in pieces of at most 4 KiB: a control plane that judges the stream's liveness
+        // sees a large report's bytes come on a slow link.
+        .map_request(|request: http::Request<tonic::body::Body>| {
+            request.map(|body| tonic::body::Body::new(Chunked::new(body)))
+        })
         .map_response({
             let life = life.clone();
             move |response: http::Response<tonic::body::Body>| response.map(|body| life.watch(body))
@@ -474,8 +481,10 @@ async fn session(
         .metadata()
         .get(retryplane_proto::METRICS_ACK_METADATA)
         .is_some_and(|v| v == "1");
-    // Keepalives go, and the control plane's silence ends the stream, only with a control
-    // plane that sends them too.
+    // The control plane's silence ends the stream only when it sends keepalives too. The
+    // agent's own go whenever its Hello asked for heartbeats: a control plane that judges the
+    // agent's silence must get them even if something on the way dropped this header.
+    let sends_keepalives = config.hello.heartbeats;
     let heartbeats = opened
         .metadata()
         .get(HEARTBEAT_METADATA)
@@ -529,16 +538,38 @@ async fn session(
             ),
         )
     };
-    let mut next_keepalive = opened_at + keepalive_period(interval(shared));
+    // The last keepalive's time: the next is due a period after it, the period of the interval
+    // in force (a snapshot may change it).
+    let mut last_keepalive = opened_at;
+    // The answer to the last snapshot, while the stream has no room for it: sent as soon as it
+    // has, the loop reading on meanwhile (so that the control plane's keepalives, bytes and
+    // acks are heard while a slow uplink drains). A later snapshot's answer replaces it: the
+    // control plane counts the answer to its last push.
+    let mut unsent: Option<pb::AgentMessage> = None;
     info!("connected to the control plane");
     loop {
         // The control plane's silence past this ends the stream (with heartbeats).
         let limit = liveness_timeout(interval(shared));
         tokio::select! {
+            // In this order: a message that came is read before the silence is judged (after a
+            // stall of the task, both may be ready).
+            biased;
             () = cancel.cancelled() => {
+                if let Some(reply) = unsent.take() {
+                    let _ = tx.try_send(reply);
+                }
                 close(shared, tx, &mut inbound, window_start, outbox, numbered).await;
                 return SessionEnd::Cancelled;
             }
+            // (Owned: a borrowed permit would hold `tx` through every branch.)
+            room = tx.clone().reserve_owned(), if unsent.is_some() => match room {
+                Ok(room) => {
+                    if let Some(reply) = unsent.take() {
+                        room.send(reply);
+                    }
+                }
+                Err(_) => return lost(up(), "the stream closed before the answer".into()),
+            },
             m = inbound.message() => {
                 let m = match m {
                     Ok(Some(m)) => m,
@@ -597,19 +628,17 @@ async fn session(
                         },
                     }
                 }
-                // Waits only while the stream cannot take more; cancellation still ends it, and
-                // so does the control plane's silence (a full queue, on a stream whose other
-                // end is gone, must not hold the liveness check off for good).
-                let sent = tokio::select! {
-                    () = cancel.cancelled() => {
-                        close(shared, tx, &mut inbound, window_start, outbox, numbered).await;
-                        return SessionEnd::Cancelled;
+                // Queued now if the stream has room, else kept (see `unsent`).
+                if unsent.is_some() {
+                    unsent = Some(reply);
+                } else {
+                    match tx.try_send(reply) {
+                        Ok(()) => {}
+                        Err(mpsc::error::TrySendError::Full(reply)) => unsent = Some(reply),
+                        Err(mpsc::error::TrySendError::Closed(_)) => {
+                            return lost(up(), "the stream closed before the answer".into());
+                        }
                     }
-                    sent = tx.send(reply) => sent,
-                    () = life.silent(limit), if heartbeats => return silent(limit),
-                };
-                if sent.is_err() {
-                    return lost(up(), "the stream closed before the answer".into());
                 }
                 *next_report = (*next_report).min(Instant::now() + interval(shared));
             }
@@ -618,13 +647,13 @@ async fn session(
                 *next_report = Instant::now() + interval(shared);
             }
             () = life.silent(limit), if heartbeats => return silent(limit),
-            () = tokio::time::sleep_until(next_keepalive), if heartbeats => {
+            () = tokio::time::sleep_until(last_keepalive + keepalive_period(interval(shared))), if sends_keepalives => {
                 // Only when nothing waits to go: what waits carries the stream's life already
                 // (and a keepalive must not take the room an answer needs).
                 if tx.capacity() == tx.max_capacity() {
                     let _ = tx.try_send(message(Kind::Keepalive(pb::Keepalive {})));
                 }
-                next_keepalive = Instant::now() + keepalive_period(interval(shared));
+                last_keepalive = Instant::now();
             }
             Some(cached) = late_cache(late) => {
                 // The counts so far were made on the fallback policy: reported under its

@@ -5,7 +5,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use retryplane_proto::convert;
 use retryplane_proto::pb::agent_message::Kind;
@@ -39,6 +39,8 @@ struct Scripted {
     /// Whether a new stream's response says metrics reports are acknowledged. The script
     /// itself never acknowledges one; the test does, or does not.
     announce_acks: Arc<AtomicBool>,
+    /// Keepalives received on every stream.
+    keepalives: Arc<AtomicU64>,
 }
 
 #[tonic::async_trait]
@@ -55,9 +57,16 @@ impl AgentService for Scripted {
             .map_err(|_| Status::unavailable("the test is over"))?;
         let mut inbound = request.into_inner();
         let events = self.events.clone();
+        let keepalives = self.keepalives.clone();
         tokio::spawn(async move {
             while let Ok(Some(m)) = inbound.message().await {
                 let kind = m.kind.expect("every agent message has a kind");
+                // The agent's heartbeat (it sends one whatever the response says): counted,
+                // not handed to the test, which scripts the rest.
+                if matches!(kind, Kind::Keepalive(_)) {
+                    keepalives.fetch_add(1, Ordering::SeqCst);
+                    continue;
+                }
                 if events.send(Event::Message(kind)).is_err() {
                     return;
                 }
@@ -81,6 +90,7 @@ pub struct Script {
     pub addr: SocketAddr,
     events: mpsc::UnboundedReceiver<Event>,
     announce_acks: Arc<AtomicBool>,
+    keepalives: Arc<AtomicU64>,
     stop: Option<oneshot::Sender<()>>,
     server: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
 }
@@ -92,9 +102,11 @@ impl Script {
         let (events_tx, events) = mpsc::unbounded_channel();
         let (stop, stopped) = oneshot::channel::<()>();
         let announce_acks = Arc::new(AtomicBool::new(false));
+        let keepalives = Arc::new(AtomicU64::new(0));
         let service = AgentServiceServer::new(Scripted {
             events: events_tx,
             announce_acks: announce_acks.clone(),
+            keepalives: keepalives.clone(),
         });
         let server = tokio::spawn(
             tonic::transport::Server::builder()
@@ -107,6 +119,7 @@ impl Script {
             addr,
             events,
             announce_acks,
+            keepalives,
             stop: Some(stop),
             server,
         }
@@ -117,6 +130,11 @@ impl Script {
     /// control plane that predates acknowledgements.
     pub fn announce_acks(&self, on: bool) {
         self.announce_acks.store(on, Ordering::SeqCst);
+    }
+
+    /// The keepalives agents sent so far (on every stream).
+    pub fn keepalives(&self) -> u64 {
+        self.keepalives.load(Ordering::SeqCst)
     }
 
     /// The next event, within [`WAIT`].

@@ -107,9 +107,15 @@ fn overlap(a: SocketAddr, b: SocketAddr) -> bool {
         || dual_stack(b)
 }
 
+/// The shortest metrics interval (`--metrics-interval`), as agents take it.
+pub const MIN_METRICS_INTERVAL: Duration = Duration::from_millis(100);
+/// The longest metrics interval.
+pub const MAX_METRICS_INTERVAL: Duration = Duration::from_secs(3600);
+
 /// Refuses a keepalive interval or timeout of zero (a PING after every frame, or a connection
-/// dropped as soon as a PING goes out), a connection that may open no stream, and two
-/// listeners given the same address (the second could not bind it).
+/// dropped as soon as a PING goes out), a metrics interval outside 100 ms to 1 h, a connection
+/// that may open no stream, and two listeners given the same address (the second could not
+/// bind it).
 pub(super) fn check_settings(cfg: &ServeConfig) -> Result<(), ServeError> {
     let listeners = [
         ("agent", cfg.listen),
@@ -136,6 +142,13 @@ pub(super) fn check_settings(cfg: &ServeConfig) -> Result<(), ServeError> {
     if cfg.max_streams_per_connection == 0 {
         return Err(ServeError::ZeroSetting {
             setting: "max_streams_per_connection",
+        });
+    }
+    // Agents take no other (a snapshot's interval is in milliseconds, and they keep their
+    // own for 0), and both ends of a stream derive its heartbeat from the same interval.
+    if !(MIN_METRICS_INTERVAL..=MAX_METRICS_INTERVAL).contains(&cfg.metrics_interval) {
+        return Err(ServeError::MetricsInterval {
+            value: cfg.metrics_interval,
         });
     }
     for (setting, value) in [

@@ -46,6 +46,13 @@ pub enum ServeError {
         /// The [`super::ServeConfig`] field.
         setting: &'static str,
     },
+    /// The metrics interval is outside what agents take (100 ms to 1 h; see
+    /// [`super::MIN_METRICS_INTERVAL`]).
+    #[error("metrics_interval must be from 100ms to 1h, not {value:?}")]
+    MetricsInterval {
+        /// The interval given.
+        value: std::time::Duration,
+    },
     /// The tokens file cannot be used.
     #[error(transparent)]
     Tokens(#[from] TokensError),
