@@ -240,10 +240,12 @@ impl<B: Body<Data = Bytes> + Unpin> Body for Chunked<B> {
     }
 
     fn size_hint(&self) -> SizeHint {
-        let mut hint = self.inner.size_hint();
+        let inner = self.inner.size_hint();
         let rest = u64::try_from(self.rest.len()).unwrap_or(u64::MAX);
-        hint.set_lower(hint.lower().saturating_add(rest));
-        if let Some(upper) = hint.upper() {
+        // Built anew: raising an exact hint's lower bound first would pass its upper one.
+        let mut hint = SizeHint::new();
+        hint.set_lower(inner.lower().saturating_add(rest));
+        if let Some(upper) = inner.upper() {
             hint.set_upper(upper.saturating_add(rest));
         }
         hint
@@ -255,7 +257,7 @@ mod tests {
     use std::convert::Infallible;
 
     use bytes::Bytes;
-    use http_body_util::{BodyExt as _, StreamBody};
+    use http_body_util::{BodyExt as _, Full, StreamBody};
     use tokio::sync::mpsc;
     use tokio_stream::wrappers::ReceiverStream;
 
@@ -355,6 +357,24 @@ mod tests {
         assert_eq!(lens, [10, 4096, 4096, 1808]);
         assert_eq!(&got[10..], &message[..]);
         assert_eq!(trailers, 1);
+    }
+
+    /// A body of exactly known size (a `Full`, as a unary request's) longer than a piece: the
+    /// hint is what is still to come, and the body ends after its last piece. (Raising the
+    /// hint's lower bound before its upper one once panicked here.)
+    #[tokio::test]
+    async fn a_chunked_exact_body_hints_what_is_left_and_ends_after_its_last_piece() {
+        let mut body = Chunked::new(Full::new(Bytes::from(vec![7u8; 10 * 1024])));
+        assert_eq!(body.size_hint().exact(), Some(10 * 1024));
+        let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+        assert_eq!(first.len(), 4096);
+        assert_eq!(body.size_hint().exact(), Some(6 * 1024));
+        assert!(!body.is_end_stream());
+        let _ = body.frame().await.unwrap().unwrap();
+        let last = body.frame().await.unwrap().unwrap().into_data().unwrap();
+        assert_eq!(last.len(), 2 * 1024);
+        assert!(body.is_end_stream());
+        assert!(body.frame().await.is_none());
     }
 
     #[tokio::test(start_paused = true)]

@@ -24,6 +24,7 @@ mod cache_writer;
 mod late_read_tests;
 pub(crate) mod outbox;
 pub mod reconnect;
+mod unsent;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -50,6 +51,7 @@ use crate::snapshot::Source;
 use cache_writer::{CacheWriter, Gate};
 use outbox::{NotSent, Outbox};
 use reconnect::ReconnectBackoff;
+use unsent::Unsent;
 
 /// HTTP/2 keepalive ping interval by default (the same as the control plane's default).
 pub(crate) const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(20);
@@ -541,11 +543,9 @@ async fn session(
     // The last keepalive's time: the next is due a period after it, the period of the interval
     // in force (a snapshot may change it).
     let mut last_keepalive = opened_at;
-    // The answer to the last snapshot, while the stream has no room for it: sent as soon as it
-    // has, the loop reading on meanwhile (so that the control plane's keepalives, bytes and
-    // acks are heard while a slow uplink drains). A later snapshot's answer replaces it: the
-    // control plane counts the answer to its last push.
-    let mut unsent: Option<pb::AgentMessage> = None;
+    // The answers to snapshots while the stream has no room for them: sent as soon as it has,
+    // the loop reading on meanwhile (see `unsent`).
+    let mut unsent = Unsent::default();
     info!("connected to the control plane");
     loop {
         // The control plane's silence past this ends the stream (with heartbeats).
@@ -555,16 +555,22 @@ async fn session(
             // stall of the task, both may be ready).
             biased;
             () = cancel.cancelled() => {
-                if let Some(reply) = unsent.take() {
-                    let _ = tx.try_send(reply);
-                }
+                // The answers that wait go first, as far as the stream takes them in time.
+                let _ = tokio::time::timeout(CLOSE_GRACE, async {
+                    while let Some(reply) = unsent.pop() {
+                        if tx.send(reply).await.is_err() {
+                            return;
+                        }
+                    }
+                })
+                .await;
                 close(shared, tx, &mut inbound, window_start, outbox, numbered).await;
                 return SessionEnd::Cancelled;
             }
             // (Owned: a borrowed permit would hold `tx` through every branch.)
-            room = tx.clone().reserve_owned(), if unsent.is_some() => match room {
+            room = tx.clone().reserve_owned(), if !unsent.is_empty() => match room {
                 Ok(room) => {
-                    if let Some(reply) = unsent.take() {
+                    if let Some(reply) = unsent.pop() {
                         room.send(reply);
                     }
                 }
@@ -629,16 +635,16 @@ async fn session(
                     }
                 }
                 // Queued now if the stream has room, else kept (see `unsent`).
-                if unsent.is_some() {
-                    unsent = Some(reply);
-                } else {
+                if unsent.is_empty() {
                     match tx.try_send(reply) {
                         Ok(()) => {}
-                        Err(mpsc::error::TrySendError::Full(reply)) => unsent = Some(reply),
+                        Err(mpsc::error::TrySendError::Full(reply)) => unsent.push(reply),
                         Err(mpsc::error::TrySendError::Closed(_)) => {
                             return lost(up(), "the stream closed before the answer".into());
                         }
                     }
+                } else {
+                    unsent.push(reply);
                 }
                 *next_report = (*next_report).min(Instant::now() + interval(shared));
             }

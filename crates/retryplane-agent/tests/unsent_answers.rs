@@ -1,0 +1,158 @@
+//! The answers to snapshots that wait for room on the agent's stream (`stream::unsent`), against
+//! a raw HTTP/2 control plane whose stream window for the agent's messages is 0 until the test
+//! opens it (an uplink that drains nothing meanwhile).
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use prost::Message as _;
+use retryplane_proto::pb::{self, ServerMessage, agent_message::Kind};
+use support::script::snapshot;
+use tokio::sync::mpsc;
+
+/// The ACKs of the first pushes fill the agent's queue of 16 (its Hello went before the window
+/// closed); the later ones wait for room, each superseding the one before; v21 is refused.
+const N: u64 = 20;
+
+fn grpc_frame(message: &impl prost::Message) -> Bytes {
+    let body = message.encode_to_vec();
+    let mut frame = Vec::with_capacity(5 + body.len());
+    frame.push(0);
+    frame.extend_from_slice(&u32::try_from(body.len()).unwrap().to_be_bytes());
+    frame.extend_from_slice(&body);
+    frame.into()
+}
+
+/// A one-stream HTTP/2 control plane: the test gets the response's sending half, the agent's
+/// messages (once the window opens), and a switch that opens the window.
+async fn raw_plane() -> (
+    std::net::SocketAddr,
+    mpsc::UnboundedReceiver<h2::SendStream<Bytes>>,
+    mpsc::UnboundedReceiver<pb::AgentMessage>,
+    mpsc::UnboundedSender<()>,
+) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (send_tx, send_rx) = mpsc::unbounded_channel();
+    let (msg_tx, msg_rx) = mpsc::unbounded_channel();
+    let (open_tx, mut open_rx) = mpsc::unbounded_channel::<()>();
+    tokio::spawn(async move {
+        let (tcp, _) = listener.accept().await.unwrap();
+        let mut conn = h2::server::Builder::new()
+            .initial_window_size(0)
+            .handshake::<_, Bytes>(tcp)
+            .await
+            .unwrap();
+        loop {
+            tokio::select! {
+                accepted = conn.accept() => {
+                    let Some(Ok((request, mut respond))) = accepted else { return };
+                    let response = http::Response::builder()
+                        .status(200)
+                        .header("content-type", "application/grpc")
+                        .header(retryplane_proto::liveness::HEARTBEAT_METADATA, "1")
+                        .header(retryplane_proto::METRICS_INTERVAL_METADATA, "10000")
+                        .body(())
+                        .unwrap();
+                    let send = respond.send_response(response, false).unwrap();
+                    let _ = send_tx.send(send);
+                    let mut body = request.into_body();
+                    let msg_tx = msg_tx.clone();
+                    tokio::spawn(async move {
+                        let mut buf = Vec::new();
+                        while let Some(Ok(data)) = body.data().await {
+                            let _ = body.flow_control().release_capacity(data.len());
+                            buf.extend_from_slice(&data);
+                            while buf.len() >= 5 {
+                                let len = u32::from_be_bytes(buf[1..5].try_into().unwrap()) as usize;
+                                if buf.len() < 5 + len {
+                                    break;
+                                }
+                                let m = pb::AgentMessage::decode(&buf[5..5 + len]).unwrap();
+                                buf.drain(..5 + len);
+                                let _ = msg_tx.send(m);
+                            }
+                        }
+                    });
+                }
+                Some(()) = open_rx.recv() => {
+                    conn.set_initial_window_size(1 << 20).unwrap();
+                    conn.set_target_window_size(1 << 20);
+                }
+            }
+        }
+    });
+    (addr, send_rx, msg_rx, open_tx)
+}
+
+async fn until_version(agent: &retryplane_agent::Agent, v: u64) {
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while agent.policies().version() != v {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("the agent runs v{v} in time"));
+}
+
+/// The agent runs v20, whose ACK waits for room (the ACKs of the first pushes fill its queue),
+/// and refuses v21. Both answers reach the control plane once the uplink drains, the ACK first: a
+/// late ACK of an earlier push is how the control plane learns what an agent that refuses the
+/// last one runs. (The NACK once replaced the waiting ACK.)
+#[tokio::test(flavor = "current_thread")]
+async fn an_ack_waiting_for_room_is_not_lost_to_a_later_nack() {
+    let (logs, _guard) = support::capture_logs("retryplane_agent=warn");
+    let (addr, mut sends, mut msgs, open) = raw_plane().await;
+    let agent = support::plane::agent(addr, "a", None);
+    let mut send = tokio::time::timeout(Duration::from_secs(10), sends.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    for v in 1..=N {
+        send.send_data(
+            grpc_frame(&ServerMessage::with_snapshot(&snapshot(v, 4))),
+            false,
+        )
+        .unwrap();
+        until_version(&agent, v).await;
+    }
+    let mut bad = snapshot(N + 1, 4);
+    bad.content_hash = "not-the-hash".into();
+    send.send_data(grpc_frame(&ServerMessage::with_snapshot(&bad)), false)
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while !logs.text().contains("snapshot refused") {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("the agent refuses the bad snapshot");
+    assert_eq!(agent.policies().version(), N, "the agent runs vN");
+    open.send(()).unwrap();
+    let mut answers = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while answers.last() != Some(&("nack", N + 1)) {
+            match msgs.recv().await.expect("the stream goes on").kind {
+                Some(Kind::Ack(a)) => answers.push(("ack", a.version)),
+                Some(Kind::Nack(n)) => answers.push(("nack", n.version)),
+                _ => {}
+            }
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("answers so far: {answers:?}"));
+    assert!(
+        answers.len() < 20,
+        "some answers waited for room: {answers:?}"
+    );
+    assert_eq!(
+        answers[answers.len() - 2..],
+        [("ack", N), ("nack", N + 1)],
+        "the ACK of the version the agent runs, then the NACK: {answers:?}"
+    );
+    agent.shutdown().await;
+}
