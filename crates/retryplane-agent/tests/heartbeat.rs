@@ -4,8 +4,8 @@
 //! silent for three periods and 2 s for dead. Here the proxy holds one direction: the agent's
 //! connection stays open, and nothing of the other side comes through; or it slows one
 //! direction down, and a message longer than the link carries within that time keeps the
-//! stream while its bytes come at the documented floor or more (4 KiB within the timeout: each
-//! side sends its messages in pieces of at most that, one HTTP/2 DATA frame each).
+//! stream while its bytes come at the documented floor or more (4 KiB within the timeout: the
+//! agent counts the bytes of its connection, and sends its messages in pieces of at most that).
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 

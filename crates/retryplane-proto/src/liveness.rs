@@ -14,15 +14,19 @@
 //!
 //! The floor is [`PROGRESS_BYTES`], 4 KiB, within the liveness timeout: a link must carry that
 //! for a message in progress to keep the stream (128 bytes a second at the default 10 s interval,
-//! a 32 s timeout; 820 at 1 s, 5 s; about 1.8 KB a second at the shortest, 100 ms, 2.3 s). Bytes
-//! reach the reader a whole HTTP/2 DATA frame at a time, and peers send frames of up to 16 KiB
-//! (the protocol's smallest allowed largest frame size), which a slow link takes four times as
-//! long to carry; so each side sends its messages in [`Chunked`] pieces of at most 4 KiB, one
-//! DATA frame each (a peer that does not is held to 16 KiB within the timeout).
+//! a 32 s timeout; 820 at 1 s, 5 s; about 1.8 KB a second at the shortest, 100 ms, 2.3 s). HTTP/2
+//! hands a body whole DATA frames, of up to 16 KiB (the protocol's smallest allowed largest
+//! frame size), which a slow link takes four times as long to carry; so the agent, whose
+//! connection is its own, counts every byte read on it, and sends its own messages in
+//! [`Chunked`] pieces of at most 4 KiB, one DATA frame each, for the control plane, which
+//! counts the data of the stream's body ([`Life::watch`]: behind a proxy, one connection may
+//! carry many agents' streams). (The control plane sends its snapshots whole: pieces would
+//! cost every push to every agent a write per piece.)
 //!
 //! [`Life`] keeps when the other side was last heard: [`Life::watch`] wraps the body a side
-//! reads the other's messages from and counts its bytes, the reader calls [`Life::heard`] for
-//! each whole message, and [`Life::silent`] resolves once the stream has been silent too long.
+//! reads the other's messages from and counts its bytes (or [`Life::received`] is told of the
+//! bytes of a connection), the reader calls [`Life::heard`] for each whole message, and
+//! [`Life::silent`] resolves once the stream has been silent too long.
 //! Both run on tokio's clock.
 
 use std::pin::Pin;
@@ -108,9 +112,9 @@ impl Life {
     }
 
     /// `n` bytes came now: hearing, once [`PROGRESS_BYTES`] have come since the last. (One
-    /// body feeds a `Life`, and the same task reads its messages: the count's updates do not
-    /// race.)
-    fn received(&self, n: u64) {
+    /// body or connection feeds a `Life`, read by the task that reads its messages: the
+    /// count's updates do not race.)
+    pub fn received(&self, n: u64) {
         let total = self.inner.bytes.fetch_add(n, Relaxed).saturating_add(n);
         if total >= PROGRESS_BYTES {
             self.heard();

@@ -22,7 +22,7 @@ use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use http::header::CONTENT_TYPE;
-use retryplane_proto::liveness::{Chunked, HEARTBEAT_METADATA, Life};
+use retryplane_proto::liveness::{HEARTBEAT_METADATA, Life};
 use retryplane_proto::pb;
 use tonic::body::Body;
 use tonic::codec::{BufferSettings, DecodeBuf, Decoder, Streaming};
@@ -142,11 +142,11 @@ where
             let request = Request::from_http(request);
             Ok(match service.connect(request).await {
                 Ok(frames) => {
-                    // In pieces of at most 4 KiB: an agent that judges the stream's liveness
-                    // sees a large snapshot's bytes come on a slow link (see
+                    // Whole: the agent counts the bytes of its connection as they come, so a
+                    // large snapshot on a slow link shows it alive without smaller pieces
+                    // (which cost every push a write per piece; see
                     // `retryplane_proto::liveness`).
-                    let frames = Chunked::new(SharedFrameBody::new(frames));
-                    let mut response = http::Response::new(Body::new(frames));
+                    let mut response = http::Response::new(Body::new(SharedFrameBody::new(frames)));
                     let headers = response.headers_mut();
                     headers.insert(CONTENT_TYPE, GRPC_CONTENT_TYPE);
                     // Every numbered metrics report on this stream is answered.

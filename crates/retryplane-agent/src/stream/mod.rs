@@ -20,6 +20,7 @@
 
 pub(crate) mod apply;
 mod cache_writer;
+mod counted;
 #[cfg(test)]
 mod late_read_tests;
 pub(crate) mod outbox;
@@ -402,7 +403,10 @@ async fn session(
         code: None,
         replaced: false,
     };
-    let connecting = endpoint.connect();
+    // The control plane's bytes and messages, as heard (see `retryplane_proto::liveness`):
+    // every byte read on the connection (see `counted`), and each whole message.
+    let life = Life::new(Instant::now());
+    let connecting = endpoint.connect_with_connector(counted::connector(life.clone()));
     tokio::pin!(connecting);
     let channel = loop {
         tokio::select! {
@@ -430,17 +434,12 @@ async fn session(
         return lost(None, "cannot queue Hello".into());
     }
     let token = config.token.clone();
-    // The control plane's bytes and messages, as heard (see `retryplane_proto::liveness`).
-    let life = Life::new(Instant::now());
+    // Sent in pieces of at most 4 KiB: the control plane, which counts the data frames of the
+    // stream (its connection may carry other agents' streams, behind a proxy), sees a large
+    // report's bytes come on a slow link.
     let channel = tower::ServiceBuilder::new()
-        // Sent in pieces of at most 4 KiB: a control plane that judges the stream's liveness
-        // sees a large report's bytes come on a slow link.
         .map_request(|request: http::Request<tonic::body::Body>| {
             request.map(|body| tonic::body::Body::new(Chunked::new(body)))
-        })
-        .map_response({
-            let life = life.clone();
-            move |response: http::Response<tonic::body::Body>| response.map(|body| life.watch(body))
         })
         .service(channel);
     let mut client = pb::agent_service_client::AgentServiceClient::with_interceptor(
