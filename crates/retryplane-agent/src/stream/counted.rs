@@ -29,8 +29,12 @@ pub(crate) fn connector(
     Future = impl Send,
 > + Send
 + 'static {
+    // As tonic's own connector: any scheme the agent's URL check lets through, and the connect
+    // timeout split across a host's addresses (the whole attempt is bounded by the endpoint).
     let mut http = HttpConnector::new();
+    http.enforce_http(false);
     http.set_nodelay(true);
+    http.set_connect_timeout(Some(super::CONNECT_TIMEOUT));
     tower::service_fn(move |uri: http::Uri| {
         let (http, life) = (http.clone(), life.clone());
         async move {
