@@ -18,13 +18,9 @@ use tokio::sync::mpsc;
 /// closed); the later ones wait for room, each superseding the one before; v21 is refused.
 const N: u64 = 20;
 
+/// `message` as one gRPC frame, as the control plane frames its own.
 fn grpc_frame(message: &impl prost::Message) -> Bytes {
-    let body = message.encode_to_vec();
-    let mut frame = Vec::with_capacity(5 + body.len());
-    frame.push(0);
-    frame.extend_from_slice(&u32::try_from(body.len()).unwrap().to_be_bytes());
-    frame.extend_from_slice(&body);
-    frame.into()
+    retryplane_server::frame_body::encode_frame(message).unwrap()
 }
 
 /// A one-stream HTTP/2 control plane: the test gets the response's sending half, the agent's

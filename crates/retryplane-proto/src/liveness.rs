@@ -112,8 +112,8 @@ impl Life {
     }
 
     /// `n` bytes came now: hearing, once [`PROGRESS_BYTES`] have come since the last. (One
-    /// body or connection feeds a `Life`, read by the task that reads its messages: the
-    /// count's updates do not race.)
+    /// body or connection feeds a `Life`; a whole message heard meanwhile by another task may
+    /// reset the count a few bytes late, which only delays hearing by those bytes.)
     pub fn received(&self, n: u64) {
         let total = self.inner.bytes.fetch_add(n, Relaxed).saturating_add(n);
         if total >= PROGRESS_BYTES {
@@ -152,14 +152,6 @@ impl Life {
 pub struct Watched<B> {
     inner: B,
     life: Life,
-}
-
-/// An empty body counted by nobody (tonic's generated client asks its response bodies for a
-/// default).
-impl<B: Default> Default for Watched<B> {
-    fn default() -> Self {
-        Life::new(Instant::now()).watch(B::default())
-    }
 }
 
 impl<B: Body + Unpin> Body for Watched<B> {

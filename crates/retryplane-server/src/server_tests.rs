@@ -1518,16 +1518,6 @@ fn beating_hello(agent_id: &str) -> pb::AgentMessage {
     }
 }
 
-/// `message` as one gRPC frame (uncompressed).
-fn grpc_frame(message: &impl prost::Message) -> bytes::Bytes {
-    let body = message.encode_to_vec();
-    let mut frame = Vec::with_capacity(5 + body.len());
-    frame.push(0);
-    frame.extend_from_slice(&u32::try_from(body.len()).unwrap().to_be_bytes());
-    frame.extend_from_slice(&body);
-    frame.into()
-}
-
 /// An agent stream over a bare HTTP/2 connection, so that a test sends the bytes of its
 /// messages as it likes (a slow link, a trickle): the sending half, and the response.
 async fn raw_stream(
@@ -1546,7 +1536,8 @@ async fn raw_stream(
         .unwrap();
     let mut send = send.ready().await.unwrap();
     let (response, mut body) = send.send_request(request, false).unwrap();
-    body.send_data(grpc_frame(hello), false).unwrap();
+    body.send_data(crate::frame_body::encode_frame(hello).unwrap(), false)
+        .unwrap();
     let response = tokio::time::timeout(SHUTDOWN_GRACE, response)
         .await
         .unwrap()
@@ -1716,7 +1707,7 @@ async fn a_long_message_on_a_slow_link_keeps_the_stream_and_a_trickle_does_not()
             ..Default::default()
         })),
     };
-    let frame = grpc_frame(&report);
+    let frame = crate::frame_body::encode_frame(&report).unwrap();
     assert!(frame.len() > 64 * 1024, "{}", frame.len());
     let (mut slow, mut slow_in) = raw_stream(running.agent_addr, &beating_hello("slow")).await;
     let (mut trickle, mut trickle_in) =
