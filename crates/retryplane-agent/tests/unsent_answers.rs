@@ -108,25 +108,7 @@ async fn an_ack_waiting_for_room_is_not_lost_to_a_later_nack() {
         .await
         .unwrap()
         .unwrap();
-    for v in 1..=N {
-        send.send_data(
-            grpc_frame(&ServerMessage::with_snapshot(&snapshot(v, 4))),
-            false,
-        )
-        .unwrap();
-        until_version(&agent, v).await;
-    }
-    let mut bad = snapshot(N + 1, 4);
-    bad.content_hash = "not-the-hash".into();
-    send.send_data(grpc_frame(&ServerMessage::with_snapshot(&bad)), false)
-        .unwrap();
-    tokio::time::timeout(Duration::from_secs(10), async {
-        while !logs.text().contains("snapshot refused") {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await
-    .expect("the agent refuses the bad snapshot");
+    push_until_answers_wait(&agent, &mut send, Some(&logs)).await;
     assert_eq!(agent.policies().version(), N, "the agent runs vN");
     open.send(()).unwrap();
     let mut answers = Vec::new();
@@ -151,4 +133,96 @@ async fn an_ack_waiting_for_room_is_not_lost_to_a_later_nack() {
         "the ACK of the version the agent runs, then the NACK: {answers:?}"
     );
     agent.shutdown().await;
+}
+
+/// Pushes v1..=vN (the agent applies each: the ACKs of the later ones wait for room) and, when
+/// `refused`, a v(N+1) with a wrong hash that the agent refuses; returns once it has.
+async fn push_until_answers_wait(
+    agent: &retryplane_agent::Agent,
+    send: &mut h2::SendStream<Bytes>,
+    refused: Option<&support::LogSink>,
+) {
+    for v in 1..=N {
+        send.send_data(
+            grpc_frame(&ServerMessage::with_snapshot(&snapshot(v, 4))),
+            false,
+        )
+        .unwrap();
+        until_version(agent, v).await;
+    }
+    if let Some(logs) = refused {
+        let mut bad = snapshot(N + 1, 4);
+        bad.content_hash = "not-the-hash".into();
+        send.send_data(grpc_frame(&ServerMessage::with_snapshot(&bad)), false)
+            .unwrap();
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while !logs.text().contains("snapshot refused") {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await
+        .expect("the agent refuses the bad snapshot");
+    }
+}
+
+/// Shutdown while answers wait for room on a control plane that stopped reading: the answers,
+/// the last report and the half-close share one close grace (2 s), so shutdown is held up no
+/// longer than without them. (The answers' wait once came before a grace of the half-close's
+/// own: 4 s.)
+#[tokio::test(flavor = "current_thread")]
+async fn shutdown_with_answers_waiting_on_a_stuck_control_plane_takes_one_grace() {
+    let (logs, _guard) = support::capture_logs("retryplane_agent=warn");
+    let (addr, mut sends, _msgs, _open) = raw_plane().await;
+    let agent = support::plane::agent(addr, "a", None);
+    let mut send = tokio::time::timeout(Duration::from_secs(10), sends.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    push_until_answers_wait(&agent, &mut send, Some(&logs)).await;
+    let began = tokio::time::Instant::now();
+    tokio::time::timeout(Duration::from_secs(10), agent.shutdown())
+        .await
+        .expect("shutdown ends");
+    let took = began.elapsed();
+    assert!(
+        took >= Duration::from_millis(1_900) && took < Duration::from_millis(3_000),
+        "one grace of 2 s, spent waiting for room: {took:?}"
+    );
+}
+
+/// Shutdown while vN's ACK and v(N+1)'s NACK wait for room; the uplink drains 300 ms into the
+/// shutdown: both reach the control plane, the ACK first, before the stream half-closes.
+#[tokio::test(flavor = "current_thread")]
+async fn answers_waiting_at_shutdown_go_when_the_uplink_drains() {
+    let (logs, _guard) = support::capture_logs("retryplane_agent=warn");
+    let (addr, mut sends, mut msgs, open) = raw_plane().await;
+    let agent = support::plane::agent(addr, "a", None);
+    let mut send = tokio::time::timeout(Duration::from_secs(10), sends.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    push_until_answers_wait(&agent, &mut send, Some(&logs)).await;
+    let opener = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        open.send(()).unwrap();
+    };
+    tokio::time::timeout(Duration::from_secs(10), async {
+        tokio::join!(agent.shutdown(), opener)
+    })
+    .await
+    .expect("shutdown ends");
+    let mut answers = Vec::new();
+    while let Ok(m) = msgs.try_recv() {
+        match m.kind {
+            Some(Kind::Ack(a)) => answers.push(("ack", a.version)),
+            Some(Kind::Nack(n)) => answers.push(("nack", n.version)),
+            _ => {}
+        }
+    }
+    assert!(answers.len() >= 2, "{answers:?}");
+    assert_eq!(
+        answers[answers.len() - 2..],
+        [("ack", N), ("nack", N + 1)],
+        "{answers:?}"
+    );
 }

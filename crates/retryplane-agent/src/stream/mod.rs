@@ -554,16 +554,8 @@ async fn session(
             // stall of the task, both may be ready).
             biased;
             () = cancel.cancelled() => {
-                // The answers that wait go first, as far as the stream takes them in time.
-                let _ = tokio::time::timeout(CLOSE_GRACE, async {
-                    while let Some(reply) = unsent.pop() {
-                        if tx.send(reply).await.is_err() {
-                            return;
-                        }
-                    }
-                })
-                .await;
-                close(shared, tx, &mut inbound, window_start, outbox, numbered).await;
+                let closing = Closing { window_start, outbox, numbered };
+                closing.run(shared, tx, &mut inbound, unsent).await;
                 return SessionEnd::Cancelled;
             }
             // (Owned: a borrowed permit would hold `tx` through every branch.)
@@ -619,9 +611,11 @@ async fn session(
                     let write = cache.write(bytes);
                     tokio::select! {
                         () = cancel.cancelled() => {
-                            // The snapshot is applied: answered before the stream closes.
-                            let _ = tx.try_send(reply);
-                            close(shared, tx, &mut inbound, window_start, outbox, numbered).await;
+                            // The snapshot is applied: answered before the stream closes,
+                            // after the answers that wait.
+                            unsent.push(reply);
+                            let closing = Closing { window_start, outbox, numbered };
+                            closing.run(shared, tx, &mut inbound, unsent).await;
                             return SessionEnd::Cancelled;
                         }
                         cached = cache.written(write, CACHE_WAIT) => if !cached {
@@ -669,7 +663,8 @@ async fn session(
                 }
                 if put_late_cache_in_force(shared, cached, next_report) {
                     // The control plane knows the agent by its Hello, which said the fallback.
-                    half_close(shared, tx, &mut inbound, outbox).await;
+                    half_close(shared, tx, &mut inbound, outbox, Instant::now() + CLOSE_GRACE)
+                        .await;
                     return SessionEnd::Reopen;
                 }
             }
@@ -677,32 +672,51 @@ async fn session(
     }
 }
 
-/// Shutdown on an open stream: the last report (past a full window), then the half-close, then
-/// a bounded wait for the server to read what was queued and close its side, taking the acks
-/// that come meanwhile.
-async fn close(
-    shared: &Shared,
-    tx: mpsc::Sender<pb::AgentMessage>,
-    inbound: &mut tonic::Streaming<pb::ServerMessage>,
-    window_start: &mut u64,
-    outbox: &mut Outbox,
+/// Shutdown on an open stream, within one [`CLOSE_GRACE`] from its start: the answers that
+/// wait for room (see `unsent`), then the last report (past a full window), then the
+/// half-close, then a wait for the server to read what was queued and close its side, taking
+/// the acks that come meanwhile. One deadline for all of it: a control plane that stopped
+/// reading holds shutdown up for one grace, not one per wait.
+struct Closing<'a> {
+    window_start: &'a mut u64,
+    outbox: &'a mut Outbox,
     numbered: bool,
-) {
-    outbox.closing();
-    send_metrics(shared, &tx, window_start, outbox, numbered);
-    half_close(shared, tx, inbound, outbox).await;
 }
 
-/// Half-closes the stream, then waits (bounded) for the server to read what was queued and
-/// close its side, taking the acks that come meanwhile.
+impl Closing<'_> {
+    async fn run(
+        self,
+        shared: &Shared,
+        tx: mpsc::Sender<pb::AgentMessage>,
+        inbound: &mut tonic::Streaming<pb::ServerMessage>,
+        mut unsent: Unsent,
+    ) {
+        let deadline = Instant::now() + CLOSE_GRACE;
+        let _ = tokio::time::timeout_at(deadline, async {
+            while let Some(reply) = unsent.pop() {
+                if tx.send(reply).await.is_err() {
+                    return;
+                }
+            }
+        })
+        .await;
+        self.outbox.closing();
+        send_metrics(shared, &tx, self.window_start, self.outbox, self.numbered);
+        half_close(shared, tx, inbound, self.outbox, deadline).await;
+    }
+}
+
+/// Half-closes the stream, then waits until `deadline` at most for the server to read what was
+/// queued and close its side, taking the acks that come meanwhile.
 async fn half_close(
     shared: &Shared,
     tx: mpsc::Sender<pb::AgentMessage>,
     inbound: &mut tonic::Streaming<pb::ServerMessage>,
     outbox: &mut Outbox,
+    deadline: Instant,
 ) {
     drop(tx);
-    let _ = tokio::time::timeout(CLOSE_GRACE, async {
+    let _ = tokio::time::timeout_at(deadline, async {
         while let Ok(Some(m)) = inbound.message().await {
             if let Some(ack) = m.metrics_ack {
                 outbox.ack(&shared.metrics, ack.seq, ack.dropped);
