@@ -17,7 +17,8 @@
 //! a 32 s timeout; 820 at 1 s, 5 s; about 1.8 KB a second at the shortest, 100 ms, 2.3 s). HTTP/2
 //! hands a body whole DATA frames, of up to 16 KiB (the protocol's smallest allowed largest
 //! frame size), which a slow link takes four times as long to carry; so the agent, whose
-//! connection is its own, counts every byte read on it, and sends its own messages in
+//! connection is its own, counts the DATA frames' bytes as they are read on it (not the other
+//! frames, which the next hop sends whether or not the control plane is there), and sends its own messages in
 //! [`Chunked`] pieces of at most 4 KiB, one DATA frame each, for the control plane, which
 //! counts the data of the stream's body ([`Life::watch`]: behind a proxy, one connection may
 //! carry many agents' streams). (The control plane sends its snapshots whole: pieces would

@@ -142,7 +142,7 @@ where
             let request = Request::from_http(request);
             Ok(match service.connect(request).await {
                 Ok(frames) => {
-                    // Whole: the agent counts the bytes of its connection as they come, so a
+                    // Whole: the agent counts the data bytes of its connection as they come, so a
                     // large snapshot on a slow link shows it alive without smaller pieces
                     // (which cost every push a write per piece; see
                     // `retryplane_proto::liveness`).

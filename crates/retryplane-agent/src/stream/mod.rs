@@ -404,7 +404,7 @@ async fn session(
         replaced: false,
     };
     // The control plane's bytes and messages, as heard (see `retryplane_proto::liveness`):
-    // every byte read on the connection (see `counted`), and each whole message.
+    // the data bytes read on the connection (see `counted`), and each whole message.
     let life = Life::new(Instant::now());
     let connecting = endpoint.connect_with_connector(counted::connector(life.clone()));
     tokio::pin!(connecting);
