@@ -497,6 +497,8 @@ impl AgentBuilder {
             // Keepalives both ways, and a stream silent too long taken for dead
             // (`retryplane_proto::liveness`), with a control plane that takes them.
             heartbeats: true,
+            // Each session numbers its own (see `stream::session`).
+            stream: 0,
         };
         // Refused here once, naming the field, rather than by the control plane on every try.
         retryplane_proto::check_hello(

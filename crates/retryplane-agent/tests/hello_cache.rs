@@ -32,6 +32,8 @@ async fn a_hello_after_a_start_from_the_cache_carries_the_cached_version_and_has
 
     let (to_agent, hello) = script.reconnected().await;
     assert_eq!(hello.agent_id, "a");
+    assert_eq!(hello.stream, 1, "the process's first stream");
+    let instance_id = hello.instance_id;
     assert_eq!(hello.last_applied_version, 7);
     assert_eq!(hello.last_applied_hash, cached.content_hash);
 
@@ -48,6 +50,8 @@ async fn a_hello_after_a_start_from_the_cache_carries_the_cached_version_and_has
         (hello.last_applied_version, hello.last_applied_hash.as_str()),
         (8, v8.content_hash.as_str())
     );
+    // The same process's next stream, numbered after the first.
+    assert_eq!((hello.instance_id, hello.stream), (instance_id, 2));
 
     script.shut_down(agent, to_agent).await;
 }

@@ -346,6 +346,10 @@ impl AgentStreamService {
                         warn!(agent = %OneLine(&hello.agent_id), "a stream of another token asked for a connected agent's id; refused");
                         Status::already_exists(e.to_string())
                     }
+                    RegisterError::Superseded { .. } => {
+                        info!(agent = %OneLine(&hello.agent_id), "a late Hello of a stream the agent gave up; refused, its later stream kept");
+                        Status::aborted(e.to_string())
+                    }
                 }
             })?;
         info!(agent = %OneLine(&hello.agent_id), service = %OneLine(&hello.service), version = hello.last_applied_version, "agent connected");
@@ -544,6 +548,9 @@ const MAX_HELD_ACKS: usize = 1024;
 const STALLED_HELD_ACKS: usize = 64;
 
 /// What ended [`queue`]'s wait.
+// Large (a whole agent message), but made only when the agent's message came first, and moved
+// straight out: a box would cost that message an allocation to save stack space for a moment.
+#[allow(clippy::large_enum_variant)]
 enum Queued {
     /// The frame is on the body.
     Sent,

@@ -73,6 +73,8 @@ struct Entry {
     acked_hash: String,
     /// The Hello's `instance_id` of the stream registered last (0: not given).
     instance_id: u64,
+    /// The Hello's `stream` number of the stream registered last (0: not given).
+    stream: u64,
     /// The metrics report rate limit, across this agent id's streams, so that a reconnect
     /// does not start a fresh burst.
     bucket: ReportBucket,
@@ -226,6 +228,18 @@ pub enum RegisterError {
          only when it has the same token (is the id shared by agents of two services?)"
     )]
     HeldByAnotherToken,
+    /// The agent's process has a later stream open: this one, numbered lower, is one it gave
+    /// up, whose Hello came late.
+    #[error(
+        "this agent process has a later stream open (number {open}; this one is number \
+         {this}): a stream it gave up does not replace it"
+    )]
+    Superseded {
+        /// The open stream's number.
+        open: u64,
+        /// This stream's number.
+        this: u64,
+    },
 }
 
 impl Fleet {
@@ -329,6 +343,17 @@ impl Fleet {
         if held.is_some_and(|e| !same_token(e)) {
             return Err(RegisterError::HeldByAnotherToken);
         }
+        if let Some(open) = held
+            && hello.instance_id != 0
+            && open.instance_id == hello.instance_id
+            && hello.stream != 0
+            && hello.stream < open.stream
+        {
+            return Err(RegisterError::Superseded {
+                open: open.stream,
+                this: hello.stream,
+            });
+        }
         let replacing = held.is_some();
         if !replacing && inner.connected >= self.max_agents {
             return Err(RegisterError::Full(self.max_agents));
@@ -430,6 +455,7 @@ impl Fleet {
                 refused: refused.clone(),
                 acked_hash,
                 instance_id: hello.instance_id,
+                stream: hello.stream,
                 bucket,
                 ephemeral: hello.ephemeral,
                 secret_digest: token.map(|t| t.secret_digest),
@@ -743,6 +769,44 @@ mod tests {
         assert!(status[0].connected);
         fleet.ack("a", second.generation, 7, "h7");
         assert_eq!(fleet.status()[0].applied_version, 7);
+    }
+
+    #[test]
+    fn a_stream_the_agent_gave_up_does_not_replace_its_later_one() {
+        let fleet = Fleet::new(10);
+        let numbered = |instance_id, stream| pb::Hello {
+            instance_id,
+            stream,
+            ..hello("a")
+        };
+        let mut second = fleet.register(&numbered(7, 2), None, None).unwrap();
+        // The Hello of the stream the process gave up comes late.
+        let late = fleet.register(&numbered(7, 1), None, None);
+        assert_eq!(
+            late.err(),
+            Some(RegisterError::Superseded { open: 2, this: 1 })
+        );
+        assert!(
+            second.replaced.try_recv().is_err(),
+            "the later stream stays"
+        );
+        assert_eq!(fleet.connected(), 1);
+        fleet.ack("a", second.generation, 3, "h3");
+        assert_eq!(fleet.status()[0].applied_version, 3);
+        // A later stream replaces it; so does another process (a restart counts from 1), and
+        // a stream that does not number itself.
+        let mut third = fleet.register(&numbered(7, 3), None, None).unwrap();
+        assert!(second.replaced.try_recv().is_ok());
+        let mut restarted = fleet.register(&numbered(8, 1), None, None).unwrap();
+        assert!(third.replaced.try_recv().is_ok());
+        assert_eq!(fleet.connected(), 1);
+        fleet.register(&numbered(8, 0), None, None).unwrap();
+        assert!(restarted.replaced.try_recv().is_ok());
+        // Once the open stream is gone, a late Hello is all there is: taken.
+        let fleet = Fleet::new(10);
+        let open = fleet.register(&numbered(7, 2), None, None).unwrap();
+        fleet.disconnected("a", open.generation);
+        assert!(fleet.register(&numbered(7, 1), None, None).is_ok());
     }
 
     #[test]

@@ -1052,6 +1052,36 @@ async fn next_version(inbound: &mut tonic::Streaming<pb::ServerMessage>) -> u64 
     message.decode_snapshot().unwrap().unwrap().version
 }
 
+/// The Hello of a stream the agent gave up comes after the Hello of its next stream: refused
+/// with ABORTED, and the open stream stays (it still gets the next push).
+#[tokio::test]
+async fn a_late_hello_of_a_stream_the_agent_gave_up_does_not_replace_its_next_one() {
+    let (dir, cfg) = with_file(V1);
+    let running = start(cfg).await.unwrap();
+    let numbered = |stream| pb::AgentMessage {
+        kind: Some(Kind::Hello(pb::Hello {
+            agent_id: "a-1".to_owned(),
+            service: "checkout".to_owned(),
+            instance_id: 7,
+            stream,
+            ..Default::default()
+        })),
+    };
+    let (_tx2, mut second) = open_stream(running.agent_addr, numbered(2), None)
+        .await
+        .unwrap();
+    assert_eq!(next_version(&mut second).await, 1);
+    let late = open_stream(running.agent_addr, numbered(1), None)
+        .await
+        .map(|_| ())
+        .unwrap_err();
+    assert_eq!(late.code(), Code::Aborted, "{late:?}");
+    assert!(late.message().contains("later stream open"), "{late:?}");
+    fs::write(dir.path().join("policies.yaml"), V2).unwrap();
+    assert_eq!(next_version(&mut second).await, 2, "the open stream stays");
+    running.shutdown().await.unwrap();
+}
+
 #[tokio::test]
 async fn a_replaced_stream_ends_with_aborted_and_its_message() {
     let (_dir, cfg) = with_file(V1);

@@ -287,10 +287,14 @@ async fn sessions(
     let mut next_report = Instant::now() + interval(shared);
     // Why the previous session ended, to say a refused token at warn once, not at every try.
     let mut last_reason: Option<String> = None;
+    // The number of the stream last opened (`Hello.stream`).
+    let mut streams: u64 = 0;
     loop {
+        streams = streams.saturating_add(1);
         let end = session(
             shared,
             config,
+            streams,
             &endpoint,
             cancel,
             cache,
@@ -389,6 +393,7 @@ fn lasting(code: Option<tonic::Code>) -> Option<&'static str> {
 async fn session(
     shared: &Arc<Shared>,
     config: &StreamConfig,
+    stream: u64,
     endpoint: &tonic::transport::Endpoint,
     cancel: &CancellationToken,
     cache: Option<&CacheWriter>,
@@ -424,6 +429,9 @@ async fn session(
     };
     let (tx, rx) = mpsc::channel::<pb::AgentMessage>(OUTBOUND);
     let mut hello = config.hello.clone();
+    // Numbered, so that a Hello that comes late on a connection given up does not push this
+    // stream's successor off the control plane.
+    hello.stream = stream;
     let current = shared.policies.load();
     if matches!(current.source(), Source::ControlPlane | Source::Cache) {
         hello.last_applied_version = current.version();
