@@ -23,9 +23,31 @@ fn grpc_frame(message: &impl prost::Message) -> Bytes {
     retryplane_server::frame_body::encode_frame(message).unwrap()
 }
 
+/// How the control plane reads once the test opens its window.
+#[derive(Clone, Copy)]
+enum Reading {
+    /// At once, with a window of 1 MiB.
+    Fast,
+    /// Slowly: a window of 16 bytes, each piece released 25 ms after it came (about 640 bytes
+    /// a second).
+    Slow,
+}
+
 /// A one-stream HTTP/2 control plane: the test gets the response's sending half, the agent's
 /// messages (once the window opens), and a switch that opens the window.
 async fn raw_plane() -> (
+    std::net::SocketAddr,
+    mpsc::UnboundedReceiver<h2::SendStream<Bytes>>,
+    mpsc::UnboundedReceiver<pb::AgentMessage>,
+    mpsc::UnboundedSender<()>,
+) {
+    plane_reading(Reading::Fast).await
+}
+
+/// [`raw_plane`], reading as `reading` says once opened.
+async fn plane_reading(
+    reading: Reading,
+) -> (
     std::net::SocketAddr,
     mpsc::UnboundedReceiver<h2::SendStream<Bytes>>,
     mpsc::UnboundedReceiver<pb::AgentMessage>,
@@ -61,6 +83,9 @@ async fn raw_plane() -> (
                     tokio::spawn(async move {
                         let mut buf = Vec::new();
                         while let Some(Ok(data)) = body.data().await {
+                            if let Reading::Slow = reading {
+                                tokio::time::sleep(Duration::from_millis(25)).await;
+                            }
                             let _ = body.flow_control().release_capacity(data.len());
                             buf.extend_from_slice(&data);
                             while buf.len() >= 5 {
@@ -75,10 +100,13 @@ async fn raw_plane() -> (
                         }
                     });
                 }
-                Some(()) = open_rx.recv() => {
-                    conn.set_initial_window_size(1 << 20).unwrap();
-                    conn.set_target_window_size(1 << 20);
-                }
+                Some(()) = open_rx.recv() => match reading {
+                    Reading::Fast => {
+                        conn.set_initial_window_size(1 << 20).unwrap();
+                        conn.set_target_window_size(1 << 20);
+                    }
+                    Reading::Slow => conn.set_initial_window_size(16).unwrap(),
+                },
             }
         }
     });
@@ -165,10 +193,9 @@ async fn push_until_answers_wait(
     }
 }
 
-/// Shutdown while answers wait for room on a control plane that stopped reading: the answers,
-/// the last report and the half-close share one close grace (2 s), so shutdown is held up no
-/// longer than without them. (The answers' wait once came before a grace of the half-close's
-/// own: 4 s.)
+/// Shutdown while answers wait for room on a control plane that stopped reading: it is held up
+/// one close grace (2 s), as without them; the half-close's own grace is only for what found
+/// room. (The answers' wait once came before a grace of the half-close's own: 4 s.)
 #[tokio::test(flavor = "current_thread")]
 async fn shutdown_with_answers_waiting_on_a_stuck_control_plane_takes_one_grace() {
     let (logs, _guard) = support::capture_logs("retryplane_agent=warn");
@@ -225,4 +252,116 @@ async fn answers_waiting_at_shutdown_go_when_the_uplink_drains() {
         [("ack", N), ("nack", N + 1)],
         "{answers:?}"
     );
+}
+
+/// The messages the control plane gets until `done` holds of them (10 s at most).
+async fn received_until(
+    msgs: &mut mpsc::UnboundedReceiver<pb::AgentMessage>,
+    done: impl Fn(&[Kind]) -> bool,
+) -> Vec<Kind> {
+    let mut got = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), async {
+        while !done(&got) {
+            match msgs.recv().await {
+                Some(m) => got.extend(m.kind),
+                None => return,
+            }
+        }
+    })
+    .await;
+    got
+}
+
+/// The answers among `kinds`, as (kind, version).
+fn answers(kinds: &[Kind]) -> Vec<(&'static str, u64)> {
+    kinds
+        .iter()
+        .filter_map(|k| match k {
+            Kind::Ack(a) => Some(("ack", a.version)),
+            Kind::Nack(n) => Some(("nack", n.version)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// vN's ACK and v(N+1)'s NACK wait for room at shutdown; the control plane starts reading
+/// 1.5 s into it, slowly (about 640 bytes a second; the 16 ACKs queued ahead take under a
+/// second). Once they have found room, the half-close waits a grace of its own: both reach the
+/// control plane. (With one grace for everything, they were cut off with 0.5 s left.)
+#[tokio::test(flavor = "current_thread")]
+async fn answers_that_find_room_late_in_the_grace_still_go_out_on_a_slow_uplink() {
+    let (logs, _guard) = support::capture_logs("retryplane_agent=warn");
+    let (addr, mut sends, mut msgs, open) = plane_reading(Reading::Slow).await;
+    let agent = support::plane::agent(addr, "a", None);
+    let mut send = tokio::time::timeout(Duration::from_secs(10), sends.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    push_until_answers_wait(&agent, &mut send, Some(&logs)).await;
+    let opener = async {
+        tokio::time::sleep(Duration::from_millis(1_500)).await;
+        open.send(()).unwrap();
+    };
+    tokio::time::timeout(Duration::from_secs(10), async {
+        tokio::join!(agent.shutdown(), opener)
+    })
+    .await
+    .expect("shutdown ends");
+    let got = received_until(&mut msgs, |got| {
+        answers(got).last() == Some(&("nack", N + 1))
+    })
+    .await;
+    let got = answers(&got);
+    assert!(
+        got.ends_with(&[("ack", N), ("nack", N + 1)]),
+        "the last answers: {:?}",
+        &got[got.len().saturating_sub(3)..]
+    );
+}
+
+/// 17 pushes: the 16 ACKs queued after the one HTTP/2 holds fill the queue, none waits; 7
+/// calls are counted; the control plane reads from 300 ms into the shutdown. The last report
+/// waits for room (within the grace) and carries the 7 calls. (It was dropped when the queue
+/// was full at that moment, and nothing else waited.)
+#[tokio::test(flavor = "current_thread")]
+async fn the_last_report_waits_for_room_within_the_grace() {
+    let (addr, mut sends, mut msgs, open) = raw_plane().await;
+    let agent = support::plane::agent(addr, "a", None);
+    let mut send = tokio::time::timeout(Duration::from_secs(10), sends.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    for v in 1..=17 {
+        send.send_data(
+            grpc_frame(&ServerMessage::with_snapshot(&snapshot(v, 4))),
+            false,
+        )
+        .unwrap();
+        until_version(&agent, v).await;
+    }
+    support::plane::succeed(&agent, 7).await;
+    let opener = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        open.send(()).unwrap();
+    };
+    tokio::time::timeout(Duration::from_secs(10), async {
+        tokio::join!(agent.shutdown(), opener)
+    })
+    .await
+    .expect("shutdown ends");
+    let calls = |got: &[Kind]| -> u64 {
+        got.iter()
+            .map(|k| match k {
+                Kind::Metrics(r) => r.endpoints.iter().map(|e| e.calls).sum(),
+                _ => 0,
+            })
+            .sum()
+    };
+    let got = received_until(&mut msgs, |got| calls(got) >= 7).await;
+    assert_eq!(
+        answers(&got).last(),
+        Some(&("ack", 17)),
+        "every ACK arrived"
+    );
+    assert_eq!(calls(&got), 7, "the counts of the last report");
 }

@@ -675,11 +675,11 @@ async fn session(
     }
 }
 
-/// Shutdown on an open stream, within one [`CLOSE_GRACE`] from its start: the answers that
-/// wait for room (see `unsent`), then the last report (past a full window), then the
-/// half-close, then a wait for the server to read what was queued and close its side, taking
-/// the acks that come meanwhile. One deadline for all of it: a control plane that stopped
-/// reading holds shutdown up for one grace, not one per wait.
+/// Shutdown on an open stream: the answers that wait for room (see `unsent`) and room for the
+/// last report (past a full window) within one [`CLOSE_GRACE`]; the last report; the
+/// half-close; then, once all of it is queued, another grace at most for the control plane to
+/// read it and close its side, taking the acks that come meanwhile. A control plane that takes
+/// nothing holds shutdown up one grace; one that is slow but reading, two at most.
 struct Closing<'a> {
     window_start: &'a mut u64,
     outbox: &'a mut Outbox,
@@ -694,17 +694,21 @@ impl Closing<'_> {
         inbound: &mut tonic::Streaming<pb::ServerMessage>,
         mut unsent: Unsent,
     ) {
-        let deadline = Instant::now() + CLOSE_GRACE;
-        let _ = tokio::time::timeout_at(deadline, async {
+        let queued = tokio::time::timeout(CLOSE_GRACE, async {
             while let Some(reply) = unsent.pop() {
-                if tx.send(reply).await.is_err() {
-                    return;
-                }
+                tx.send(reply).await.ok()?;
             }
+            // Room for the report (nothing else sends now): one that found none would go
+            // back into the counters, with no later stream to take it.
+            tx.reserve().await.ok().map(drop)
         })
-        .await;
+        .await
+        .ok()
+        .flatten()
+        .is_some();
         self.outbox.closing();
         send_metrics(shared, &tx, self.window_start, self.outbox, self.numbered);
+        let deadline = Instant::now() + if queued { CLOSE_GRACE } else { Duration::ZERO };
         half_close(shared, tx, inbound, self.outbox, deadline).await;
     }
 }
