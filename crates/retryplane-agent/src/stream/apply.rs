@@ -1,22 +1,16 @@
 //! What the agent does with a pushed snapshot: check it, swap it in, answer.
 //!
-//! All of it on a blocking thread ([`off_thread`]): decoding, checking and building a large
-//! policy set is tens of milliseconds of CPU (4,001 endpoints: about 90 ms in a release build),
-//! which on the runtime's thread would hold up the service's own tasks (all of them, on a
-//! current-thread runtime).
-//!
 //! Checked with the same validator as every other source ([`convert::validate`]) plus the
 //! content hash; a good one is swapped into the `ArcSwap` (keeping endpoint state whose
 //! settings did not change) and ACKed; a bad one is NACKed with the reason and the policies in
 //! force stay.
 
-use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
 use retryplane_proto::convert;
 use retryplane_proto::pb::{self, agent_message::Kind};
-use tracing::{error, info, warn};
+use tracing::{info, warn};
 
 use crate::agent::Shared;
 use crate::snapshot::{PolicySnapshot, Source};
@@ -31,64 +25,9 @@ pub(crate) struct Handled {
     pub(crate) cache: Option<Vec<u8>>,
 }
 
-/// Handles the snapshot that `message` carries, on a blocking thread (see the module's docs):
-/// its answer, or `None` for a message without one, or a snapshot that does not even say
-/// which it is.
-pub(crate) async fn off_thread(
-    shared: Arc<Shared>,
-    message: pb::ServerMessage,
-    default_interval: Duration,
-) -> Option<Handled> {
-    let head = message.snapshot_version_and_nonce();
-    // Its log lines go where the stream task's go: the same subscriber (which may be one set
-    // for this thread only) and span.
-    let dispatch = tracing::dispatcher::get_default(Clone::clone);
-    let span = tracing::Span::current();
-    let work = move || {
-        tracing::dispatcher::with_default(&dispatch, || {
-            span.in_scope(|| handle(&shared, &message, default_interval))
-        })
-    };
-    match tokio::task::spawn_blocking(work).await {
-        Ok(handled) => handled,
-        Err(e) => {
-            // A defect (the work panicked), or the runtime is shutting down: the policies in
-            // force stay, and the control plane is told.
-            error!(error = %e, "a pushed snapshot could not be handled; keeping the policies in force");
-            head.map(|(version, nonce)| {
-                refuse(
-                    version,
-                    nonce,
-                    "the agent failed to handle the snapshot".into(),
-                )
-            })
-        }
-    }
-}
-
-/// [`off_thread`]'s work.
-fn handle(
-    shared: &Shared,
-    message: &pb::ServerMessage,
-    default_interval: Duration,
-) -> Option<Handled> {
-    match message.decode_snapshot() {
-        Ok(Some(snap)) => Some(apply(shared, snap, default_interval)),
-        Ok(None) => None,
-        // NACKed like an invalid one, when it says what it is.
-        Err(e) => match message.snapshot_version_and_nonce() {
-            Some((version, nonce)) => Some(undecodable(version, nonce, &e)),
-            None => {
-                warn!(error = %e, "undecodable snapshot ignored; keeping the policies in force");
-                None
-            }
-        },
-    }
-}
-
 /// The NACK of a snapshot that does not decode whole but whose version and nonce do: the
 /// policies in force stay, and the control plane records why.
-fn undecodable(version: u64, nonce: String, error: &prost::DecodeError) -> Handled {
+pub(crate) fn undecodable(version: u64, nonce: String, error: &prost::DecodeError) -> Handled {
     refuse(
         version,
         nonce,
@@ -110,7 +49,7 @@ fn refuse(version: u64, nonce: String, error: String) -> Handled {
 }
 
 /// Checks `snap` and, if it is good, makes it the agent's policies.
-fn apply(shared: &Shared, snap: pb::Snapshot, default_interval: Duration) -> Handled {
+pub(crate) fn apply(shared: &Shared, snap: pb::Snapshot, default_interval: Duration) -> Handled {
     let nack = |error: String| refuse(snap.version, snap.nonce.clone(), error);
     let Some(doc) = snap.policies.clone() else {
         return nack("the snapshot holds no policies".into());
@@ -247,71 +186,6 @@ mod tests {
         snap.content_hash = "0".repeat(64);
         let h = apply(agent.shared(), snap, Duration::from_secs(10));
         assert!(matches!(&h.reply, Kind::Nack(n) if n.error.contains("hash")));
-        assert_eq!(agent.policies().version(), 0);
-    }
-
-    /// A large snapshot (4,001 endpoints) is handled while the runtime's only thread goes on
-    /// running the service's tasks. (That its log lines reach a subscriber set for the stream
-    /// task's thread only is shown by `tests/unsent_answers.rs`, whose checks read them.)
-    #[tokio::test(flavor = "current_thread")]
-    async fn a_large_snapshot_is_handled_while_the_runtime_runs_other_tasks() {
-        use std::fmt::Write as _;
-        let agent = agent();
-        let mut yaml = String::from("version: 1\nendpoints:\n  a: {}\n");
-        for i in 0..4_000 {
-            let _ = writeln!(
-                yaml,
-                "  endpoint-{i:05}: {{max_attempts: 3, per_try_timeout: 250ms}}"
-            );
-        }
-        let message = pb::ServerMessage::with_snapshot(&snapshot(7, &yaml));
-        let spins = Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let spinner = tokio::spawn({
-            let spins = Arc::clone(&spins);
-            async move {
-                loop {
-                    spins.fetch_add(1, Relaxed);
-                    tokio::task::yield_now().await;
-                }
-            }
-        });
-        tokio::task::yield_now().await;
-        let before = spins.load(Relaxed);
-        let handled = off_thread(Arc::clone(agent.shared()), message, Duration::from_secs(10))
-            .await
-            .expect("an answer");
-        let during = spins.load(Relaxed) - before;
-        spinner.abort();
-        assert!(matches!(&handled.reply, Kind::Ack(a) if a.version == 7));
-        assert_eq!(agent.policies().version(), 7);
-        assert!(during > 1, "the other task ran {during} times meanwhile");
-    }
-
-    #[tokio::test(flavor = "current_thread")]
-    async fn a_message_without_a_snapshot_has_no_answer_and_an_undecodable_one_a_nack() {
-        let agent = agent();
-        let empty = pb::ServerMessage::keepalive();
-        assert!(
-            off_thread(Arc::clone(agent.shared()), empty, Duration::from_secs(10))
-                .await
-                .is_none()
-        );
-        let mut head = prost::Message::encode_to_vec(&pb::Snapshot {
-            version: 9,
-            nonce: "n-9".into(),
-            ..pb::Snapshot::default()
-        });
-        // A `policies` field whose content is no message (a key of wire type 7).
-        head.extend_from_slice(&[0x1a, 0x01, 0x0f]);
-        let garbled = pb::ServerMessage {
-            snapshot: Some(head.into()),
-            metrics_ack: None,
-            keepalive: None,
-        };
-        let handled = off_thread(Arc::clone(agent.shared()), garbled, Duration::from_secs(10))
-            .await
-            .expect("a NACK");
-        assert!(matches!(&handled.reply, Kind::Nack(n) if n.version == 9 && n.nonce == "n-9"));
         assert_eq!(agent.policies().version(), 0);
     }
 }

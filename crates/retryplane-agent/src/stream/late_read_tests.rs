@@ -4,7 +4,7 @@
 //! is scripted: every stream and agent message goes to the test.
 
 use std::path::Path;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use prost::Message as _;
@@ -201,6 +201,38 @@ async fn eventually(what: &str, mut check: impl FnMut() -> bool) {
     }
 }
 
+/// The agent's log lines, captured on this thread (the runtime of a `#[tokio::test]` runs every
+/// task on it).
+#[derive(Clone, Default)]
+struct Logs(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Logs {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Logs {
+    fn capture() -> (Logs, tracing::subscriber::DefaultGuard) {
+        let logs = Logs::default();
+        let writer = logs.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_env_filter("retryplane_agent=info")
+            .with_ansi(false)
+            .with_writer(move || writer.clone())
+            .finish();
+        (logs, tracing::subscriber::set_default(subscriber))
+    }
+
+    fn text(&self) -> String {
+        String::from_utf8(self.0.lock().unwrap().clone()).unwrap()
+    }
+}
+
 /// The snapshot in a cache file the agent wrote.
 fn cached_version(path: &Path) -> Option<u64> {
     let bytes = std::fs::read(path).ok()?;
@@ -258,7 +290,7 @@ async fn a_cache_read_late_is_written_by_the_next_snapshot_but_not_applied_over_
 
 #[tokio::test]
 async fn a_cache_read_late_is_applied_when_no_snapshot_came_first() {
-    let (logs, _guard) = crate::test_logs::capture("retryplane_agent=info");
+    let (logs, _guard) = Logs::capture();
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("agent.cache");
     let cached = snapshot(3, 4, 250);
@@ -412,7 +444,7 @@ async fn a_late_cache_put_in_force_after_a_nack_is_told_by_a_new_hello() {
 
 #[tokio::test]
 async fn a_foreign_file_read_late_is_left_alone() {
-    let (logs, _guard) = crate::test_logs::capture("retryplane_agent=info");
+    let (logs, _guard) = Logs::capture();
     let dir = tempfile::tempdir().unwrap();
     // The policies file given as the cache file by mistake.
     let path = dir.path().join("policies.yaml");
@@ -445,7 +477,7 @@ async fn a_foreign_file_read_late_is_left_alone() {
 
 #[tokio::test]
 async fn a_cache_read_that_never_ends_leaves_the_file_alone_and_is_warned_of_once() {
-    let (logs, _guard) = crate::test_logs::capture("retryplane_agent=info");
+    let (logs, _guard) = Logs::capture();
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("agent.cache");
     let cached = write_cache(&path, &snapshot(3, 4, 250));

@@ -259,7 +259,7 @@ fn put_late_cache_in_force(shared: &Shared, cached: Cached, next_report: &mut In
 
 /// Sessions until cancelled; each applied snapshot's cache bytes go to `cache`.
 async fn sessions(
-    shared: &Arc<Shared>,
+    shared: &Shared,
     config: &StreamConfig,
     cancel: &CancellationToken,
     seed: u64,
@@ -391,7 +391,7 @@ fn lasting(code: Option<tonic::Code>) -> Option<&'static str> {
     reason = "the session's borrows of the task's state, each named"
 )]
 async fn session(
-    shared: &Arc<Shared>,
+    shared: &Shared,
     config: &StreamConfig,
     stream: u64,
     endpoint: &tonic::transport::Endpoint,
@@ -589,22 +589,27 @@ async fn session(
                     outbox.ack(&shared.metrics, ack.seq, ack.dropped);
                     continue;
                 }
-                if m.snapshot.is_none() {
-                    debug!("server message without a snapshot ignored");
-                    continue;
-                }
-                // The counts so far were made under the policies in force: reported under
-                // their version before a new one can replace them.
-                if m
-                    .snapshot_version_and_nonce()
-                    .is_some_and(|(version, _)| version != shared.policies.load().version())
-                {
-                    send_metrics(shared, &tx, window_start, outbox, numbered);
-                }
-                let Some(handled) =
-                    apply::off_thread(Arc::clone(shared), m, config.default_metrics_interval).await
-                else {
-                    continue;
+                let handled = match m.decode_snapshot() {
+                    Ok(Some(snap)) => {
+                        // The counts so far were made under the policies in force: reported
+                        // under their version before a new one can replace them.
+                        if snap.version != shared.policies.load().version() {
+                            send_metrics(shared, &tx, window_start, outbox, numbered);
+                        }
+                        apply::apply(shared, snap, config.default_metrics_interval)
+                    }
+                    Ok(None) => {
+                        debug!("server message without a snapshot ignored");
+                        continue;
+                    }
+                    Err(e) => match m.snapshot_version_and_nonce() {
+                        // NACKed like an invalid one, when it says what it is.
+                        Some((version, nonce)) => apply::undecodable(version, nonce, &e),
+                        None => {
+                            warn!(error = %e, "undecodable snapshot ignored; keeping the policies in force");
+                            continue;
+                        }
+                    },
                 };
                 // Cached before it is answered, unless the disk takes longer than
                 // `CACHE_WAIT`: a hung disk holds up neither the answer nor the reports for
