@@ -48,8 +48,16 @@ fn refuse(version: u64, nonce: String, error: String) -> Handled {
     }
 }
 
-/// Checks `snap` and, if it is good, makes it the agent's policies.
-pub(crate) fn apply(shared: &Shared, snap: pb::Snapshot, default_interval: Duration) -> Handled {
+/// Checks `snap` and, if it is good, makes it the agent's policies. `before_swap` is given the
+/// policies in force once the new ones are built, in the writers' turn, just before the swap:
+/// the counts made under them are reported then, so that calls made on other threads while a
+/// large set is checked and built count under the version they were made under.
+pub(crate) fn apply(
+    shared: &Shared,
+    snap: pb::Snapshot,
+    default_interval: Duration,
+    before_swap: impl FnOnce(&PolicySnapshot),
+) -> Handled {
     let nack = |error: String| refuse(snap.version, snap.nonce.clone(), error);
     let Some(doc) = snap.policies.clone() else {
         return nack("the snapshot holds no policies".into());
@@ -73,13 +81,15 @@ pub(crate) fn apply(shared: &Shared, snap: pb::Snapshot, default_interval: Durat
     };
     let cache = crate::cache::encode(&snap);
     shared.update_policies(|current| {
-        PolicySnapshot::build(
+        let next = PolicySnapshot::build(
             set,
             snap.version,
             snap.content_hash.clone(),
             Source::ControlPlane,
             Some(current),
-        )
+        );
+        before_swap(current);
+        next
     });
     let interval = match snap.metrics_interval_ms {
         0 => default_interval,
@@ -134,6 +144,7 @@ mod tests {
             agent.shared(),
             snapshot(4, "version: 1\nendpoints:\n  a: {max_attempts: 5}\n"),
             Duration::from_secs(10),
+            |_| {},
         );
         assert!(matches!(&h.reply, Kind::Ack(a) if a.version == 4 && a.nonce == "n-4"));
         assert!(h.cache.is_some());
@@ -153,6 +164,7 @@ mod tests {
             agent.shared(),
             snapshot(4, "version: 1\nendpoints:\n  a: {max_attempts: 5}\n"),
             Duration::from_secs(10),
+            |_| {},
         );
         let mut bad = snapshot(5, "version: 1\nendpoints:\n  a: {}\n");
         if let Some(doc) = bad.policies.as_mut() {
@@ -162,7 +174,7 @@ mod tests {
             overlay.max_attempts = Some(0);
             bad.content_hash = convert::content_hash(doc);
         }
-        let h = apply(agent.shared(), bad, Duration::from_secs(10));
+        let h = apply(agent.shared(), bad, Duration::from_secs(10), |_| {});
         match &h.reply {
             Kind::Nack(n) => {
                 assert_eq!((n.version, n.nonce.as_str()), (5, "n-5"));
@@ -184,7 +196,7 @@ mod tests {
         let agent = agent();
         let mut snap = snapshot(2, "version: 1\nendpoints:\n  a: {max_attempts: 5}\n");
         snap.content_hash = "0".repeat(64);
-        let h = apply(agent.shared(), snap, Duration::from_secs(10));
+        let h = apply(agent.shared(), snap, Duration::from_secs(10), |_| {});
         assert!(matches!(&h.reply, Kind::Nack(n) if n.error.contains("hash")));
         assert_eq!(agent.policies().version(), 0);
     }

@@ -592,11 +592,14 @@ async fn session(
                 let handled = match m.decode_snapshot() {
                     Ok(Some(snap)) => {
                         // The counts so far were made under the policies in force: reported
-                        // under their version before a new one can replace them.
-                        if snap.version != shared.policies.load().version() {
-                            send_metrics(shared, &tx, window_start, outbox, numbered);
-                        }
-                        apply::apply(shared, snap, config.default_metrics_interval)
+                        // under their version as the new ones replace them (not before they
+                        // are checked and built: calls on other threads go on meanwhile).
+                        let version = snap.version;
+                        apply::apply(shared, snap, config.default_metrics_interval, |current| {
+                            if current.version() != version {
+                                send_metrics(shared, &tx, window_start, outbox, numbered);
+                            }
+                        })
                     }
                     Ok(None) => {
                         debug!("server message without a snapshot ignored");
