@@ -683,11 +683,12 @@ async fn session(
     }
 }
 
-/// Shutdown on an open stream: the answers that wait for room (see `unsent`) and room for the
-/// last report (past a full window) within one [`CLOSE_GRACE`]; the last report; the
-/// half-close; then, once all of it is queued, another grace at most for the control plane to
-/// read it and close its side, taking the acks that come meanwhile. A control plane that takes
-/// nothing holds shutdown up one grace; one that is slow but reading, two at most.
+/// Shutdown on an open stream: the answers that wait for room (see `unsent`), then the last
+/// report (in as many parts as its counts need, past a full window), each waiting for room,
+/// all within one [`CLOSE_GRACE`]; the half-close; then, once all of it is queued, another
+/// grace at most for the control plane to read it and close its side, taking the acks that
+/// come meanwhile. A control plane that takes nothing holds shutdown up one grace; one that is
+/// slow but reading, two at most.
 struct Closing<'a> {
     window_start: &'a mut u64,
     outbox: &'a mut Outbox,
@@ -702,22 +703,40 @@ impl Closing<'_> {
         inbound: &mut tonic::Streaming<pb::ServerMessage>,
         mut unsent: Unsent,
     ) {
-        let queued = tokio::time::timeout(CLOSE_GRACE, async {
+        let deadline = Instant::now() + CLOSE_GRACE;
+        let answered = tokio::time::timeout_at(deadline, async {
             while let Some(reply) = unsent.pop() {
-                tx.send(reply).await.ok()?;
+                if tx.send(reply).await.is_err() {
+                    return false;
+                }
             }
-            // Room for the report (nothing else sends now): one that found none would go
-            // back into the counters, with no later stream to take it.
-            tx.reserve().await.ok().map(drop)
+            true
         })
         .await
-        .ok()
-        .flatten()
-        .is_some();
+        .unwrap_or(false);
         self.outbox.closing();
-        send_metrics(shared, &tx, self.window_start, self.outbox, self.numbered);
-        let deadline = Instant::now() + if queued { CLOSE_GRACE } else { Duration::ZERO };
-        half_close(shared, tx, inbound, self.outbox, deadline).await;
+        let end = unix_ms();
+        let start = *self.window_start;
+        // Past the grace (answers that found no room): only what finds room at once.
+        let reported = self
+            .outbox
+            .send_by(
+                &shared.metrics,
+                &tx,
+                self.numbered,
+                if answered { deadline } else { Instant::now() },
+                report_fill(shared, start, end),
+            )
+            .await;
+        if reported {
+            *self.window_start = end;
+        }
+        let more = if answered && reported {
+            CLOSE_GRACE
+        } else {
+            Duration::ZERO
+        };
+        half_close(shared, tx, inbound, self.outbox, Instant::now() + more).await;
     }
 }
 
@@ -756,6 +775,16 @@ fn interval(shared: &Shared) -> Duration {
 /// until acknowledged when `numbered`. While the outbox is full (until shutdown), or when the
 /// stream cannot take the report, the counts stay in (or go back into) the counters for a later
 /// report.
+/// Fills in a report of the counts made from `start` to `end` (Unix ms) under the policies in
+/// force.
+fn report_fill(shared: &Shared, start: u64, end: u64) -> impl FnMut(&mut pb::MetricsReport) {
+    move |report| {
+        report.window_start_unix_ms = start;
+        report.window_end_unix_ms = end;
+        report.policy_version = shared.policies.load().version();
+    }
+}
+
 fn send_metrics(
     shared: &Shared,
     tx: &mpsc::Sender<pb::AgentMessage>,
@@ -765,11 +794,12 @@ fn send_metrics(
 ) {
     let end = unix_ms();
     let start = *window_start;
-    let sent = outbox.send(&shared.metrics, tx, numbered, |report| {
-        report.window_start_unix_ms = start;
-        report.window_end_unix_ms = end;
-        report.policy_version = shared.policies.load().version();
-    });
+    let sent = outbox.send(
+        &shared.metrics,
+        tx,
+        numbered,
+        report_fill(shared, start, end),
+    );
     match sent {
         // Nothing counted since `start` either: the next report's counts are all made after
         // `end`, and its span says so (the control plane spreads the counts of a report that

@@ -133,6 +133,47 @@ impl Outbox {
         sent
     }
 
+    /// [`Outbox::send`] at shutdown (after [`Outbox::closing`]): each report (each part of
+    /// counts too large for one) waits for room on `tx` until `deadline`; the counts of those
+    /// that find none by then are added back. Whether every one was queued (or there was
+    /// nothing to send).
+    pub(crate) async fn send_by(
+        &mut self,
+        registry: &Registry,
+        tx: &mpsc::Sender<pb::AgentMessage>,
+        numbered: bool,
+        deadline: tokio::time::Instant,
+        mut fill: impl FnMut(&mut pb::MetricsReport),
+    ) -> bool {
+        let endpoints = registry.take();
+        if endpoints.is_empty() {
+            return true;
+        }
+        let mut parts = split(endpoints, MAX_REPORT_BYTES).into_iter();
+        while let Some(part) = parts.next() {
+            // A permit, not a send: a wait given up loses nothing.
+            let Ok(Ok(room)) = tokio::time::timeout_at(deadline, tx.reserve()).await else {
+                registry.restore(&part);
+                for rest in parts {
+                    registry.restore(&rest);
+                }
+                return false;
+            };
+            let mut report = pb::MetricsReport {
+                endpoints: part,
+                seq: if numbered { self.next_seq } else { 0 },
+                ..Default::default()
+            };
+            fill(&mut report);
+            if numbered {
+                self.next_seq += 1;
+                self.pending.push_back(report.clone());
+            }
+            room.send(message(Kind::Metrics(report)));
+        }
+        true
+    }
+
     /// Queues one report of `endpoints` on `tx` (see [`Outbox::send`]); gives them back when
     /// the stream cannot take it.
     fn send_one(
@@ -386,6 +427,47 @@ mod tests {
             .sum();
         assert_eq!(calls, endpoints as u64, "every count once");
         assert!(r.take().is_empty());
+    }
+
+    /// At shutdown every part waits for room: through a queue of one, drained as it goes, all
+    /// of them go; with the deadline passed and no room, none is lost from the counters.
+    #[tokio::test(start_paused = true)]
+    async fn at_shutdown_each_part_waits_for_room_until_the_deadline() {
+        let r = Registry::default();
+        let mut o = Outbox::default();
+        o.closing();
+        let (tx, mut rx) = mpsc::channel::<pb::AgentMessage>(1);
+        let endpoints = 24_000;
+        count_many(&r, endpoints, 1);
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(2);
+        let drain = async {
+            let mut calls = 0;
+            while let Some(m) = rx.recv().await {
+                if let Some(Kind::Metrics(report)) = m.kind {
+                    calls += report.endpoints.iter().map(|e| e.calls).sum::<u64>();
+                }
+            }
+            calls
+        };
+        let send = async {
+            let all = o.send_by(&r, &tx, true, deadline, no_fill).await;
+            drop(tx);
+            all
+        };
+        let (all, calls) = tokio::join!(send, drain);
+        assert!(all);
+        assert_eq!(calls, endpoints as u64, "every count once");
+        assert!(o.pending_seqs().len() > 1, "in several parts, each kept");
+        assert!(r.take().is_empty());
+
+        let (tx, _rx) = mpsc::channel(1);
+        tx.try_send(message(Kind::Keepalive(pb::Keepalive {})))
+            .unwrap();
+        count_many(&r, endpoints, 1);
+        let past = tokio::time::Instant::now();
+        assert!(!o.send_by(&r, &tx, true, past, no_fill).await);
+        let back: u64 = r.take().iter().map(|e| e.calls).sum();
+        assert_eq!(back, endpoints as u64, "the counts wait in the counters");
     }
 
     #[test]
