@@ -232,7 +232,7 @@ impl Agent {
     /// Stops the background task after it sends the counts not yet reported and the answers
     /// to snapshots not yet sent (when connected), and the last applied snapshot is in the
     /// cache file. Each of those waits is bounded: 2 s for what is left to find room on the
-    /// stream and, once it has, 2 s more at most for the control plane to take it (a control
+    /// stream and, once any of it has, 2 s more at most for the control plane to take it (a control
     /// plane that takes nothing holds shutdown up 2 s; one that is slow but reading, 4 s at
     /// most); 2 s for the cache file.
     /// Handles keep working on the last policies. Every call, from any clone, returns once the

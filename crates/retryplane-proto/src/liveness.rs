@@ -17,16 +17,16 @@
 //! a 32 s timeout; 820 at 1 s, 5 s; about 1.8 KB a second at the shortest, 100 ms, 2.3 s). HTTP/2
 //! hands a body whole DATA frames, of up to 16 KiB (the protocol's smallest allowed largest
 //! frame size), which a slow link takes four times as long to carry; so the agent, whose
-//! connection is its own, counts the DATA frames' bytes as they are read on it (not the other
-//! frames, which the next hop sends whether or not the control plane is there), and sends its own messages in
-//! [`Chunked`] pieces of at most 4 KiB, one DATA frame each, for the control plane, which
+//! connection is its own, counts the DATA frames' payload as it is read on it (not the other
+//! frames, which the next hop sends whether or not the control plane is there), and sends its
+//! own messages in [`Chunked`] pieces of at most 4 KiB, one DATA frame each, for the control plane, which
 //! counts the data of the stream's body ([`Life::watch`]: behind a proxy, one connection may
 //! carry many agents' streams). (The control plane sends its snapshots whole: pieces would
 //! cost every push to every agent a write per piece.)
 //!
 //! [`Life`] keeps when the other side was last heard: [`Life::watch`] wraps the body a side
 //! reads the other's messages from and counts its bytes (or [`Life::received`] is told of the
-//! bytes of a connection), the reader calls [`Life::heard`] for each whole message, and
+//! DATA payload bytes read on a connection), the reader calls [`Life::heard`] for each whole message, and
 //! [`Life::silent`] resolves once the stream has been silent too long.
 //! Both run on tokio's clock.
 

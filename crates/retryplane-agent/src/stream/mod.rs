@@ -15,8 +15,9 @@
 //! loss is logged at info, but a refusal that trying again will not fix (a token refused, a Hello
 //! refused as invalid, a URL that is not the agent listener) at warn, with what to check, once
 //! until the reason changes. On
-//! shutdown it sends the counts not yet reported, half-closes the stream and waits (bounded) for
-//! the server to close it, then (bounded too) for the last cache file write.
+//! shutdown it sends the answers that wait and the counts not yet reported (waiting a bounded
+//! time for room), half-closes the stream and waits (bounded) for the server to close it, then
+//! (bounded too) for the last cache file write (see [`Closing`]).
 
 pub(crate) mod apply;
 mod cache_writer;
@@ -73,7 +74,9 @@ pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// from every other control plane for good. Generous: a control plane that thousands of agents
 /// reconnect to at once answers late, and giving up on it early would only add to that load.
 pub(crate) const OPEN_TIMEOUT: Duration = Duration::from_secs(30);
-/// Longest wait on shutdown for the server to close the stream after the last report.
+/// Each of the close's two bounds (see [`Closing`]): the longest wait on shutdown for the
+/// waiting answers and the last report to find room on the stream; then, once any of it has,
+/// for the server to read it and close its side.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
 /// Longest wait on shutdown for the last cache file write (see [`cache_writer`]).
 const CACHE_GRACE: Duration = Duration::from_secs(2);
@@ -622,8 +625,9 @@ async fn session(
                     let write = cache.write(bytes);
                     tokio::select! {
                         () = cancel.cancelled() => {
-                            // The snapshot is applied: answered before the stream closes,
-                            // after the answers that wait.
+                            // The snapshot is applied: answered before the stream closes, in
+                            // place of the answers that wait, which it supersedes (see
+                            // `unsent`).
                             unsent.push(reply);
                             let closing = Closing { window_start, outbox, numbered };
                             closing.run(shared, tx, &mut inbound, unsent).await;
@@ -685,9 +689,9 @@ async fn session(
 
 /// Shutdown on an open stream: the answers that wait for room (see `unsent`), then the last
 /// report (in as many parts as its counts need, past a full window), each waiting for room,
-/// all within one [`CLOSE_GRACE`]; the half-close; then, once all of it is queued, another
-/// grace at most for the control plane to read it and close its side, taking the acks that
-/// come meanwhile. A control plane that takes nothing holds shutdown up one grace; one that is
+/// all within one [`CLOSE_GRACE`]; the half-close; then, once any of it has found room,
+/// another grace at most for the control plane to read it and close its side, taking the acks
+/// that come meanwhile. A control plane that takes nothing holds shutdown up one grace; one that is
 /// slow but reading, two at most.
 struct Closing<'a> {
     window_start: &'a mut u64,
@@ -704,11 +708,14 @@ impl Closing<'_> {
         mut unsent: Unsent,
     ) {
         let deadline = Instant::now() + CLOSE_GRACE;
+        // How many messages found room: the half-close waits for the server to read them.
+        let mut queued = 0;
         let answered = tokio::time::timeout_at(deadline, async {
             while let Some(reply) = unsent.pop() {
                 if tx.send(reply).await.is_err() {
                     return false;
                 }
+                queued += 1;
             }
             true
         })
@@ -718,7 +725,7 @@ impl Closing<'_> {
         let end = unix_ms();
         let start = *self.window_start;
         // Past the grace (answers that found no room): only what finds room at once.
-        let reported = self
+        let (reported, parts) = self
             .outbox
             .send_by(
                 &shared.metrics,
@@ -731,7 +738,7 @@ impl Closing<'_> {
         if reported {
             *self.window_start = end;
         }
-        let more = if answered && reported {
+        let more = if queued + parts > 0 {
             CLOSE_GRACE
         } else {
             Duration::ZERO
@@ -771,20 +778,22 @@ fn interval(shared: &Shared) -> Duration {
         .clamp(MIN_METRICS_INTERVAL, MAX_METRICS_INTERVAL)
 }
 
+/// Fills in a report of the counts made from `start` to `end` (Unix ms) under the policies in
+/// force now (read once: every part of the report says the same version, however late it is
+/// filled in).
+fn report_fill(shared: &Shared, start: u64, end: u64) -> impl FnMut(&mut pb::MetricsReport) {
+    let version = shared.policies.load().version();
+    move |report| {
+        report.window_start_unix_ms = start;
+        report.window_end_unix_ms = end;
+        report.policy_version = version;
+    }
+}
+
 /// Hands the counter deltas to the stream as the next report: numbered and kept in `outbox`
 /// until acknowledged when `numbered`. While the outbox is full (until shutdown), or when the
 /// stream cannot take the report, the counts stay in (or go back into) the counters for a later
 /// report.
-/// Fills in a report of the counts made from `start` to `end` (Unix ms) under the policies in
-/// force.
-fn report_fill(shared: &Shared, start: u64, end: u64) -> impl FnMut(&mut pb::MetricsReport) {
-    move |report| {
-        report.window_start_unix_ms = start;
-        report.window_end_unix_ms = end;
-        report.policy_version = shared.policies.load().version();
-    }
-}
-
 fn send_metrics(
     shared: &Shared,
     tx: &mpsc::Sender<pb::AgentMessage>,

@@ -136,7 +136,7 @@ impl Outbox {
     /// [`Outbox::send`] at shutdown (after [`Outbox::closing`]): each report (each part of
     /// counts too large for one) waits for room on `tx` until `deadline`; the counts of those
     /// that find none by then are added back. Whether every one was queued (or there was
-    /// nothing to send).
+    /// nothing to send), and how many were.
     pub(crate) async fn send_by(
         &mut self,
         registry: &Registry,
@@ -144,12 +144,13 @@ impl Outbox {
         numbered: bool,
         deadline: tokio::time::Instant,
         mut fill: impl FnMut(&mut pb::MetricsReport),
-    ) -> bool {
+    ) -> (bool, usize) {
         let endpoints = registry.take();
         if endpoints.is_empty() {
-            return true;
+            return (true, 0);
         }
         let mut parts = split(endpoints, MAX_REPORT_BYTES).into_iter();
+        let mut queued = 0;
         while let Some(part) = parts.next() {
             // A permit, not a send: a wait given up loses nothing.
             let Ok(Ok(room)) = tokio::time::timeout_at(deadline, tx.reserve()).await else {
@@ -157,7 +158,7 @@ impl Outbox {
                 for rest in parts {
                     registry.restore(&rest);
                 }
-                return false;
+                return (false, queued);
             };
             let mut report = pb::MetricsReport {
                 endpoints: part,
@@ -170,8 +171,9 @@ impl Outbox {
                 self.pending.push_back(report.clone());
             }
             room.send(message(Kind::Metrics(report)));
+            queued += 1;
         }
-        true
+        (true, queued)
     }
 
     /// Queues one report of `endpoints` on `tx` (see [`Outbox::send`]); gives them back when
@@ -454,8 +456,9 @@ mod tests {
             drop(tx);
             all
         };
-        let (all, calls) = tokio::join!(send, drain);
+        let ((all, parts), calls) = tokio::join!(send, drain);
         assert!(all);
+        assert!(parts > 1, "{parts} part(s)");
         assert_eq!(calls, endpoints as u64, "every count once");
         assert!(o.pending_seqs().len() > 1, "in several parts, each kept");
         assert!(r.take().is_empty());
@@ -465,7 +468,7 @@ mod tests {
             .unwrap();
         count_many(&r, endpoints, 1);
         let past = tokio::time::Instant::now();
-        assert!(!o.send_by(&r, &tx, true, past, no_fill).await);
+        assert_eq!(o.send_by(&r, &tx, true, past, no_fill).await, (false, 0));
         let back: u64 = r.take().iter().map(|e| e.calls).sum();
         assert_eq!(back, endpoints as u64, "the counts wait in the counters");
     }
