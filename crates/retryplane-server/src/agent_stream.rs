@@ -347,7 +347,7 @@ impl AgentStreamService {
                         Status::already_exists(e.to_string())
                     }
                     RegisterError::Superseded { .. } => {
-                        info!(agent = %OneLine(&hello.agent_id), "a late Hello of a stream the agent gave up; refused, its later stream kept");
+                        info!(agent = %OneLine(&hello.agent_id), "a late Hello of a stream the agent gave up (it has opened a later one); refused");
                         Status::aborted(e.to_string())
                     }
                 }

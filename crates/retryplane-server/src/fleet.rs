@@ -228,15 +228,15 @@ pub enum RegisterError {
          only when it has the same token (is the id shared by agents of two services?)"
     )]
     HeldByAnotherToken,
-    /// The agent's process has a later stream open: this one, numbered lower, is one it gave
+    /// The agent's process has opened a later stream: this one, numbered lower, is one it gave
     /// up, whose Hello came late.
     #[error(
-        "this agent process has a later stream open (number {open}; this one is number \
-         {this}): a stream it gave up does not replace it"
+        "this agent process has opened a later stream (number {later}; this one is number \
+         {this}): a stream it gave up is not taken"
     )]
     Superseded {
-        /// The open stream's number.
-        open: u64,
+        /// The later stream's number.
+        later: u64,
         /// This stream's number.
         this: u64,
     },
@@ -343,14 +343,15 @@ impl Fleet {
         if held.is_some_and(|e| !same_token(e)) {
             return Err(RegisterError::HeldByAnotherToken);
         }
-        if let Some(open) = held
+        // Whether or not that later stream is still open: the process gave this one up.
+        if let Some(last) = inner.agents.get(&hello.agent_id)
             && hello.instance_id != 0
-            && open.instance_id == hello.instance_id
+            && last.instance_id == hello.instance_id
             && hello.stream != 0
-            && hello.stream < open.stream
+            && hello.stream < last.stream
         {
             return Err(RegisterError::Superseded {
-                open: open.stream,
+                later: last.stream,
                 this: hello.stream,
             });
         }
@@ -784,7 +785,7 @@ mod tests {
         let late = fleet.register(&numbered(7, 1), None, None);
         assert_eq!(
             late.err(),
-            Some(RegisterError::Superseded { open: 2, this: 1 })
+            Some(RegisterError::Superseded { later: 2, this: 1 })
         );
         assert!(
             second.replaced.try_recv().is_err(),
@@ -802,11 +803,19 @@ mod tests {
         assert_eq!(fleet.connected(), 1);
         fleet.register(&numbered(8, 0), None, None).unwrap();
         assert!(restarted.replaced.try_recv().is_ok());
-        // Once the open stream is gone, a late Hello is all there is: taken.
+        // Once the later stream has ended too (the agent waits to connect again), the late
+        // Hello is still refused: the agent is not listed as connected on a stream it gave up.
         let fleet = Fleet::new(10);
-        let open = fleet.register(&numbered(7, 2), None, None).unwrap();
-        fleet.disconnected("a", open.generation);
-        assert!(fleet.register(&numbered(7, 1), None, None).is_ok());
+        let later = fleet.register(&numbered(7, 2), None, None).unwrap();
+        fleet.disconnected("a", later.generation);
+        assert_eq!(
+            fleet.register(&numbered(7, 1), None, None).err(),
+            Some(RegisterError::Superseded { later: 2, this: 1 })
+        );
+        assert!(!fleet.status()[0].connected);
+        assert_eq!(fleet.connected(), 0);
+        // Its next stream is taken.
+        assert!(fleet.register(&numbered(7, 3), None, None).is_ok());
     }
 
     #[test]

@@ -1076,7 +1076,7 @@ async fn a_late_hello_of_a_stream_the_agent_gave_up_does_not_replace_its_next_on
         .map(|_| ())
         .unwrap_err();
     assert_eq!(late.code(), Code::Aborted, "{late:?}");
-    assert!(late.message().contains("later stream open"), "{late:?}");
+    assert!(late.message().contains("opened a later stream"), "{late:?}");
     fs::write(dir.path().join("policies.yaml"), V2).unwrap();
     assert_eq!(next_version(&mut second).await, 2, "the open stream stays");
     running.shutdown().await.unwrap();
