@@ -1330,3 +1330,83 @@ mod tests {
         assert_eq!(took, 3, "never more than the burst");
     }
 }
+
+/// `Hello.stream`: what a refusal leaves as it was, and which streams are never refused.
+#[cfg(test)]
+mod stream_number_tests {
+    use super::*;
+
+    fn numbered(id: &str, instance_id: u64, stream: u64) -> pb::Hello {
+        pb::Hello {
+            agent_id: id.to_owned(),
+            service: "checkout".to_owned(),
+            instance_id,
+            stream,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_refusal_leaves_the_listing_and_counts_as_they_were() {
+        let fleet = Fleet::new(10);
+        let live = fleet.register(&numbered("a", 7, 2), None, None).unwrap();
+        fleet.ack("a", live.generation, 3, "h3");
+        let before = fleet.status();
+        let gauge = fleet.connected_gauge();
+        assert!(matches!(
+            fleet.register(&numbered("a", 7, 1), None, None),
+            Err(RegisterError::Superseded { later: 2, this: 1 })
+        ));
+        assert_eq!(fleet.status(), before);
+        assert_eq!(fleet.connected(), 1);
+        assert_eq!(gauge.get(), 1);
+        // The live stream's generation still counts: its disconnect lists it as gone.
+        fleet.disconnected("a", live.generation);
+        assert_eq!(fleet.connected(), 0);
+        assert!(!fleet.status()[0].connected);
+    }
+
+    #[test]
+    fn the_same_number_twice_and_numbers_of_other_processes_are_taken() {
+        let fleet = Fleet::new(10);
+        fleet.register(&numbered("a", 7, 3), None, None).unwrap();
+        // A foreign client that does not count: the same number again replaces.
+        fleet.register(&numbered("a", 7, 3), None, None).unwrap();
+        // Another process (restart) from 1, and an unnumbered stream, are taken.
+        fleet.register(&numbered("a", 8, 1), None, None).unwrap();
+        fleet.register(&numbered("a", 0, 0), None, None).unwrap();
+        fleet.register(&numbered("a", 7, 0), None, None).unwrap();
+        assert_eq!(fleet.connected(), 1);
+    }
+
+    #[test]
+    fn an_ephemeral_agents_late_hello_is_refused_after_its_later_stream_ended() {
+        let fleet = Fleet::new(10);
+        let mut h = numbered("e", 7, 2);
+        h.ephemeral = true;
+        let later = fleet.register(&h, None, None).unwrap();
+        fleet.disconnected("e", later.generation);
+        assert!(fleet.status().is_empty());
+        h.stream = 1;
+        assert!(matches!(
+            fleet.register(&h, None, None),
+            Err(RegisterError::Superseded { .. })
+        ));
+        assert!(fleet.status().is_empty());
+        assert_eq!(fleet.connected(), 0);
+        h.stream = 3;
+        fleet.register(&h, None, None).unwrap();
+        assert_eq!(fleet.connected(), 1);
+    }
+
+    #[test]
+    fn a_full_fleet_refuses_the_next_stream_without_raising_the_bar() {
+        let fleet = Fleet::new(1);
+        let other = fleet.register(&numbered("b", 9, 1), None, None).unwrap();
+        let a = fleet.register(&numbered("a", 7, 2), None, None);
+        assert!(matches!(a, Err(RegisterError::Full(1))));
+        fleet.disconnected("b", other.generation);
+        // Stream 1 was never registered; stream 3 (after 2 was refused) is taken.
+        fleet.register(&numbered("a", 7, 3), None, None).unwrap();
+    }
+}
