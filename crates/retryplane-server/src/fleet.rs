@@ -73,8 +73,9 @@ struct Entry {
     acked_hash: String,
     /// The Hello's `instance_id` of the stream registered last (0: not given).
     instance_id: u64,
-    /// The Hello's `stream` number of the stream registered last (0: not given).
-    stream: u64,
+    /// The highest `Hello.stream` registered for each of the last few processes
+    /// (`instance_id`s) with this agent id, most recent first (see [`StreamNumbers`]).
+    streams: StreamNumbers,
     /// The metrics report rate limit, across this agent id's streams, so that a reconnect
     /// does not start a fresh burst.
     bucket: ReportBucket,
@@ -195,6 +196,54 @@ pub struct Fleet {
     /// Agents with an open stream, set under the lock with every change of the count, so two
     /// streams changing it at once cannot leave it stale.
     connected_gauge: Gauge,
+}
+
+/// The highest stream number (`Hello.stream`) registered for each of the last
+/// [`StreamNumbers::PROCESSES`] processes (`Hello.instance_id`) with one agent id, most recent
+/// first; unnumbered streams and processes (0) are not kept. A few, not one: a process that
+/// restarts keeping its agent id, or a second process with the same id (which the agent warns
+/// of), registers in between a process's streams.
+#[derive(Clone, Copy, Debug, Default)]
+struct StreamNumbers([(u64, u64); StreamNumbers::PROCESSES]);
+
+impl StreamNumbers {
+    /// How many processes are remembered.
+    const PROCESSES: usize = 4;
+
+    /// The higher number `instance_id` has registered, if `stream` is lower than it (both
+    /// non-zero): a stream that process gave up.
+    fn later_than(&self, instance_id: u64, stream: u64) -> Option<u64> {
+        if instance_id == 0 || stream == 0 {
+            return None;
+        }
+        self.0
+            .iter()
+            .find(|(instance, _)| *instance == instance_id)
+            .map(|&(_, highest)| highest)
+            .filter(|&highest| stream < highest)
+    }
+
+    /// These numbers with `stream` of `instance_id` registered.
+    fn registered(mut self, instance_id: u64, stream: u64) -> Self {
+        if instance_id == 0 || stream == 0 {
+            return self;
+        }
+        let at = self
+            .0
+            .iter()
+            .position(|(instance, _)| *instance == instance_id)
+            .unwrap_or(Self::PROCESSES - 1);
+        let highest = if self.0[at].0 == instance_id {
+            self.0[at].1.max(stream)
+        } else {
+            stream
+        };
+        // Most recent first: the ones before `at` move down one place, the last is dropped
+        // when `instance_id` was not there.
+        self.0.copy_within(..at, 1);
+        self.0[0] = (instance_id, highest);
+        self
+    }
 }
 
 /// A stream's registration: its generation and the signal that it was replaced.
@@ -343,15 +392,15 @@ impl Fleet {
         if held.is_some_and(|e| !same_token(e)) {
             return Err(RegisterError::HeldByAnotherToken);
         }
-        // Whether or not that later stream is still open: the process gave this one up.
-        if let Some(last) = inner.agents.get(&hello.agent_id)
-            && hello.instance_id != 0
-            && last.instance_id == hello.instance_id
-            && hello.stream != 0
-            && hello.stream < last.stream
+        // Whether or not that later stream is still open, and whichever process registered
+        // since: the process gave this one up.
+        if let Some(later) = inner
+            .agents
+            .get(&hello.agent_id)
+            .and_then(|e| e.streams.later_than(hello.instance_id, hello.stream))
         {
             return Err(RegisterError::Superseded {
-                later: last.stream,
+                later,
                 this: hello.stream,
             });
         }
@@ -363,6 +412,7 @@ impl Fleet {
         let generation = inner.next_generation;
         let (tx, rx) = oneshot::channel();
         let previous = inner.remove(&hello.agent_id);
+        let mut streams = StreamNumbers::default();
         let mut reports = ReportSeqs::default();
         let mut bucket = ReportBucket::default();
         // The last NACK, if the same process comes back and does not run the version it refused.
@@ -379,6 +429,7 @@ impl Fleet {
             }
             reports = old.reports;
             bucket = old.bucket;
+            streams = old.streams;
             // Kept only from a stream of the same process: the entry's `instance_id` is the
             // one that refused it (a NACK is recorded only with a non-zero id).
             let same_process = old.instance_id == hello.instance_id;
@@ -456,7 +507,7 @@ impl Fleet {
                 refused: refused.clone(),
                 acked_hash,
                 instance_id: hello.instance_id,
-                stream: hello.stream,
+                streams: streams.registered(hello.instance_id, hello.stream),
                 bucket,
                 ephemeral: hello.ephemeral,
                 secret_digest: token.map(|t| t.secret_digest),
@@ -1408,5 +1459,52 @@ mod stream_number_tests {
         fleet.disconnected("b", other.generation);
         // Stream 1 was never registered; stream 3 (after 2 was refused) is taken.
         fleet.register(&numbered("a", 7, 3), None, None).unwrap();
+    }
+
+    /// A restarted process (or a second one) with the same agent id registers between one
+    /// process's streams: that process's given-up stream is still refused, and the other's
+    /// live stream stays.
+    #[test]
+    fn a_given_up_stream_of_a_process_is_refused_after_another_process_registered() {
+        let fleet = Fleet::new(10);
+        let _x2 = fleet.register(&numbered("a", 7, 2), None, None).unwrap();
+        let mut y1 = fleet.register(&numbered("a", 8, 1), None, None).unwrap();
+        let late = fleet.register(&numbered("a", 7, 1), None, None);
+        assert!(
+            matches!(late, Err(RegisterError::Superseded { later: 2, this: 1 })),
+            "process 7 opened stream 2 after stream 1; got {:?}",
+            late.map(|r| r.generation)
+        );
+        assert!(
+            y1.replaced.try_recv().is_err(),
+            "process 8's live stream stays"
+        );
+    }
+
+    /// The last four processes are remembered, most recent first; a fifth pushes the oldest
+    /// out, and a process that registers again moves to the front.
+    #[test]
+    fn the_stream_numbers_of_the_last_four_processes_are_kept() {
+        let mut numbers = StreamNumbers::default();
+        for instance in 1..=4 {
+            numbers = numbers.registered(instance, 10 + instance);
+        }
+        for instance in 1..=4 {
+            assert_eq!(numbers.later_than(instance, 1), Some(10 + instance));
+            assert_eq!(
+                numbers.later_than(instance, 10 + instance),
+                None,
+                "the same number"
+            );
+        }
+        // Process 1 again, then a fifth: process 2 (now the oldest) is forgotten.
+        numbers = numbers.registered(1, 20).registered(5, 3);
+        assert_eq!(numbers.later_than(1, 12), Some(20));
+        assert_eq!(numbers.later_than(2, 1), None);
+        assert_eq!(numbers.later_than(3, 1), Some(13));
+        assert_eq!(numbers.later_than(5, 2), Some(3));
+        // Unnumbered streams and processes are neither kept nor refused.
+        assert_eq!(numbers.registered(0, 9).later_than(0, 1), None);
+        assert_eq!(numbers.registered(6, 0).later_than(6, 0), None);
     }
 }
