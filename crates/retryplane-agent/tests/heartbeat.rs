@@ -418,53 +418,19 @@ async fn without_the_header_the_agent_sends_keepalives_and_judges_nothing() {
 /// dead in time. (It once counted every byte of its connection, and kept the dead stream.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn http2_frames_of_the_next_hop_do_not_hide_a_dead_stream() {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (opened_tx, mut opened_rx) = tokio::sync::mpsc::unbounded_channel::<Instant>();
-    let peer = tokio::spawn(async move {
-        let (tcp, _) = listener.accept().await.unwrap();
-        let mut conn = h2::server::Builder::new()
-            .initial_window_size(32)
-            .handshake::<_, bytes::Bytes>(tcp)
-            .await
-            .unwrap();
-        let mut pings = conn.ping_pong().unwrap();
-        tokio::spawn(async move {
-            // Bounded: 20 s at most.
-            for _ in 0..10_000 {
-                if pings.ping(h2::Ping::opaque()).await.is_err() {
-                    return;
-                }
-                tokio::time::sleep(Duration::from_millis(2)).await;
-            }
-        });
-        let mut held = Vec::new();
-        while let Some(Ok((request, mut respond))) = conn.accept().await {
-            let response = http::Response::builder()
-                .status(200)
-                .header("content-type", "application/grpc")
-                .header(retryplane_proto::liveness::HEARTBEAT_METADATA, "1")
-                .header(retryplane_proto::METRICS_INTERVAL_METADATA, "100")
-                .body(())
-                .unwrap();
-            held.push(respond.send_response(response, false).unwrap());
-            let _ = opened_tx.send(Instant::now());
-            let mut body = request.into_body();
-            tokio::spawn(async move {
-                while let Some(Ok(data)) = body.data().await {
-                    let _ = body.flow_control().release_capacity(data.len());
-                }
-            });
-        }
-    });
-    let agent = support::plane::builder(addr, "a")
+    let mut plane = support::raw::RawPlane::start(support::raw::Opening {
+        interval_ms: 100,
+        window: 32,
+        pings: Some(Duration::from_millis(2)),
+        ..support::raw::Opening::default()
+    })
+    .await;
+    let agent = support::plane::builder(plane.addr, "a")
         .keepalive(Duration::from_secs(1), Duration::from_secs(1))
         .connect()
         .unwrap();
-    let opened = tokio::time::timeout(Duration::from_secs(10), opened_rx.recv())
-        .await
-        .expect("the agent opens its stream")
-        .unwrap();
+    let _stream = plane.stream().await;
+    let opened = Instant::now();
     let limit = retryplane_proto::liveness::liveness_timeout(Duration::from_millis(100));
     let error = tokio::time::timeout_at(opened + limit + Duration::from_millis(1_500), async {
         loop {
@@ -479,5 +445,4 @@ async fn http2_frames_of_the_next_hop_do_not_hide_a_dead_stream() {
     assert!(opened.elapsed() >= limit - Duration::from_millis(300));
     assert!(error.message.contains("nothing came"), "{error:?}");
     agent.shutdown().await;
-    peer.abort();
 }

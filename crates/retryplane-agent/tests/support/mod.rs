@@ -239,6 +239,7 @@ pub async fn full_backlog() -> (tokio::net::TcpListener, Vec<tokio::net::TcpStre
 
 pub mod plane;
 pub mod proxy;
+pub mod raw;
 pub mod script;
 
 /// The agent's log lines, captured for a test (see [`capture_logs`]).
