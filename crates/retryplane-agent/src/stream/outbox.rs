@@ -114,18 +114,10 @@ impl Outbox {
         let mut sent = Err(NotSent::StreamFull);
         while let Some(part) = parts.next() {
             let room = !(numbered && self.is_full() && !self.closing);
-            let queued = if room {
-                self.send_one(tx, numbered, part, &mut fill)
-            } else {
-                Err(part)
-            };
-            match queued {
-                Ok(seq) => sent = Ok(seq),
-                Err(part) => {
-                    registry.restore(&part);
-                    for rest in parts {
-                        registry.restore(&rest);
-                    }
+            match tx.try_reserve() {
+                Ok(permit) if room => sent = Ok(self.queue(permit, numbered, part, &mut fill)),
+                _ => {
+                    give_back(registry, &part, parts);
                     break;
                 }
             }
@@ -153,57 +145,38 @@ impl Outbox {
         let mut queued = 0;
         while let Some(part) = parts.next() {
             // A permit, not a send: a wait given up loses nothing.
-            let Ok(Ok(room)) = tokio::time::timeout_at(deadline, tx.reserve()).await else {
-                registry.restore(&part);
-                for rest in parts {
-                    registry.restore(&rest);
-                }
+            let Ok(Ok(permit)) = tokio::time::timeout_at(deadline, tx.reserve()).await else {
+                give_back(registry, &part, parts);
                 return (false, queued);
             };
-            let mut report = pb::MetricsReport {
-                endpoints: part,
-                seq: if numbered { self.next_seq } else { 0 },
-                ..Default::default()
-            };
-            fill(&mut report);
-            if numbered {
-                self.next_seq += 1;
-                self.pending.push_back(report.clone());
-            }
-            room.send(message(Kind::Metrics(report)));
+            self.queue(permit, numbered, part, &mut fill);
             queued += 1;
         }
         (true, queued)
     }
 
-    /// Queues one report of `endpoints` on `tx` (see [`Outbox::send`]); gives them back when
-    /// the stream cannot take it.
-    fn send_one(
+    /// Queues a report of `endpoints` in the room `permit` holds on the stream: numbered and
+    /// kept until acknowledged when `numbered`. Its seq (0 when not numbered).
+    fn queue(
         &mut self,
-        tx: &mpsc::Sender<pb::AgentMessage>,
+        permit: mpsc::Permit<'_, pb::AgentMessage>,
         numbered: bool,
         endpoints: Vec<pb::EndpointCounters>,
         fill: &mut impl FnMut(&mut pb::MetricsReport),
-    ) -> Result<u64, Vec<pb::EndpointCounters>> {
+    ) -> u64 {
         let mut report = pb::MetricsReport {
             endpoints,
             seq: if numbered { self.next_seq } else { 0 },
             ..Default::default()
         };
         fill(&mut report);
-        // Kept until acknowledged only when numbered; an unnumbered report is moved, not cloned.
-        let kept = numbered.then(|| report.clone());
-        match tx.try_send(message(Kind::Metrics(report))) {
-            Ok(()) => Ok(kept.map_or(0, |report| {
-                self.next_seq += 1;
-                self.pending.push_back(report);
-                self.next_seq - 1
-            })),
-            Err(e) => match e.into_inner().kind {
-                Some(Kind::Metrics(report)) => Err(report.endpoints),
-                _ => Err(Vec::new()),
-            },
+        let seq = report.seq;
+        if numbered {
+            self.next_seq += 1;
+            self.pending.push_back(report.clone());
         }
+        permit.send(message(Kind::Metrics(report)));
+        seq
     }
 
     /// The control plane answered report `seq`: forget it, and when it was `dropped` add its
@@ -268,6 +241,18 @@ fn split(endpoints: Vec<pb::EndpointCounters>, max: usize) -> Vec<Vec<pb::Endpoi
         parts.push(part);
     }
     parts
+}
+
+/// Adds the counts of `part` and of the `rest` not sent back into `registry`.
+fn give_back(
+    registry: &Registry,
+    part: &[pb::EndpointCounters],
+    rest: impl Iterator<Item = Vec<pb::EndpointCounters>>,
+) {
+    registry.restore(part);
+    for rest in rest {
+        registry.restore(&rest);
+    }
 }
 
 #[cfg(test)]
