@@ -565,7 +565,7 @@ async fn session(
             // stall of the task, both may be ready).
             biased;
             () = cancel.cancelled() => {
-                let closing = Closing { window_start, outbox, numbered };
+                let closing = Closing { window_start: *window_start, outbox, numbered };
                 closing.run(shared, tx, &mut inbound, unsent).await;
                 return SessionEnd::Cancelled;
             }
@@ -629,7 +629,7 @@ async fn session(
                             // place of the answers that wait, which it supersedes (see
                             // `unsent`).
                             unsent.push(reply);
-                            let closing = Closing { window_start, outbox, numbered };
+                            let closing = Closing { window_start: *window_start, outbox, numbered };
                             closing.run(shared, tx, &mut inbound, unsent).await;
                             return SessionEnd::Cancelled;
                         }
@@ -691,10 +691,11 @@ async fn session(
 /// report (in as many parts as its counts need, past a full window), each waiting for room,
 /// all within one [`CLOSE_GRACE`]; the half-close; then, once any of it has found room,
 /// another grace at most for the control plane to read it and close its side, taking the acks
-/// that come meanwhile. A control plane that takes nothing holds shutdown up one grace; one that is
-/// slow but reading, two at most.
+/// that come meanwhile. A control plane that takes nothing holds shutdown up one grace; one
+/// that is slow but reading, two at most.
 struct Closing<'a> {
-    window_start: &'a mut u64,
+    /// The start of the counts not reported yet (Unix ms).
+    window_start: u64,
     outbox: &'a mut Outbox,
     numbered: bool,
 }
@@ -722,22 +723,18 @@ impl Closing<'_> {
         .await
         .unwrap_or(false);
         self.outbox.closing();
-        let end = unix_ms();
-        let start = *self.window_start;
-        // Past the grace (answers that found no room): only what finds room at once.
-        let (reported, parts) = self
+        // Past the grace (answers that found no room): only what finds room at once. (No later
+        // report: the window's start is not moved on.)
+        let parts = self
             .outbox
             .send_by(
                 &shared.metrics,
                 &tx,
                 self.numbered,
                 if answered { deadline } else { Instant::now() },
-                report_fill(shared, start, end),
+                report_fill(shared, self.window_start, unix_ms()),
             )
             .await;
-        if reported {
-            *self.window_start = end;
-        }
         let more = if queued + parts > 0 {
             CLOSE_GRACE
         } else {
