@@ -1,107 +1,95 @@
-//! The agent's own connector (`stream::counted`) behaves as tonic's `endpoint.connect()` did.
+//! The agent's own connector (`stream::counted`) behaves as tonic's `endpoint.connect()` did:
+//! any scheme the agent's URL check lets through, host names and IPv6 literals, and the same
+//! errors when nothing listens or the connection hangs.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod support;
 
+use std::net::SocketAddr;
 use std::time::Duration;
 
+use retryplane_agent::StreamError;
 use support::script::Script;
 use tokio::time::Instant;
 
-/// `check_url` lets through every scheme but `https` (and documents that it refuses only URLs
-/// with which no connection can ever be made). tonic's own connector does not enforce
-/// `http` (`enforce_http(false)`), so `grpc://host:port` reached the control plane; the new
-/// connector is a default `HttpConnector` (`enforce_http` true): every try fails with
-/// "invalid URL, scheme is not http", for ever.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn review_r5_a_url_whose_scheme_is_not_http_still_reaches_the_control_plane() {
-    let mut script = Script::start().await;
-    let agent = support::plane::builder(script.addr, "a")
-        .url(format!("grpc://{}", script.addr))
+/// Whether an agent given `url` (its control plane: `script`) opens a stream within 5 s; the
+/// agent's stream error if not.
+async fn opens_a_stream(script: &mut Script, id: &str, url: String) -> Result<(), String> {
+    let agent = support::plane::builder(script.addr, id)
+        .url(url)
         .connect()
-        .expect("check_url takes a grpc:// URL");
+        .expect("the agent's URL check takes the URL");
     let opened = tokio::time::timeout(Duration::from_secs(5), script.reconnected()).await;
     let error = agent.stream_error();
     let _ = tokio::time::timeout(Duration::from_secs(5), agent.shutdown()).await;
-    assert!(
-        opened.is_ok(),
-        "no stream within 5 s; the agent's stream error: {error:?}"
-    );
+    opened
+        .map(drop)
+        .map_err(|_| format!("no stream within 5 s; the agent's stream error: {error:?}"))
 }
 
-/// What the agent says when nothing listens, and when the connection hangs (connect timeout),
-/// printed to compare with the previous commit.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn review_r5_errors_when_refused_and_when_the_connect_times_out() {
-    // Refused.
-    let dead = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap()
-    };
-    let agent = support::plane::builder(dead, "a").connect().unwrap();
-    let until = Instant::now() + Duration::from_secs(5);
-    let refused = loop {
-        if let Some(e) = agent.stream_error() {
-            break e;
-        }
-        assert!(Instant::now() < until, "no stream error");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    };
-    agent.shutdown().await;
-    println!("REFUSED: {refused:?}");
-    // Hanging connect (SYN never answered): the 5 s connect timeout.
-    let (l, _held) = support::full_backlog().await;
-    let addr = l.local_addr().unwrap();
+/// The first stream error of an agent of the control plane at `addr` (`within` at most), and
+/// how long it took.
+async fn first_error(addr: SocketAddr, within: Duration) -> (StreamError, Duration) {
     let started = Instant::now();
-    let agent = support::plane::builder(addr, "b").connect().unwrap();
-    let until = Instant::now() + Duration::from_secs(12);
-    let hung = loop {
+    let agent = support::plane::builder(addr, "a").connect().unwrap();
+    let error = loop {
         if let Some(e) = agent.stream_error() {
             break e;
         }
         assert!(
-            Instant::now() < until,
-            "no stream error within 12 s: connect timeout lost"
+            started.elapsed() < within,
+            "no stream error within {within:?}"
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     };
     let took = started.elapsed();
     agent.shutdown().await;
-    println!("HUNG after {took:?}: {hung:?}");
+    (error, took)
+}
+
+/// `check_url` lets through every scheme but `https` (it refuses only URLs with which no
+/// connection can ever be made), and so does the connector: `grpc://host:port` reaches the
+/// control plane. (A connector that enforced `http` failed every try, for ever.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_url_whose_scheme_is_not_http_still_reaches_the_control_plane() {
+    let mut script = Script::start().await;
+    let url = format!("grpc://{}", script.addr);
+    opens_a_stream(&mut script, "a", url).await.unwrap();
+}
+
+/// Nothing listens: "Connection refused". The connection hangs (SYN never answered): the 5 s
+/// connect timeout ends the try.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn errors_when_refused_and_when_the_connect_times_out() {
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let (refused, _) = first_error(dead, Duration::from_secs(5)).await;
     assert!(
         refused.message.contains("Connection refused"),
         "{refused:?}"
     );
+    let (hanging, _held) = support::full_backlog().await;
+    let (_, took) = first_error(hanging.local_addr().unwrap(), Duration::from_secs(12)).await;
     assert!(took < Duration::from_secs(7), "{took:?}");
 }
 
 /// A host name (`localhost`) connects.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn review_r5_a_host_name_connects() {
+async fn a_host_name_connects() {
     let mut script = Script::start().await;
-    let agent = support::plane::builder(script.addr, "a")
-        .url(format!("http://localhost:{}", script.addr.port()))
-        .connect()
-        .unwrap();
-    let opened = tokio::time::timeout(Duration::from_secs(5), script.reconnected()).await;
-    let error = agent.stream_error();
-    let _ = tokio::time::timeout(Duration::from_secs(5), agent.shutdown()).await;
-    assert!(opened.is_ok(), "{error:?}");
+    let url = format!("http://localhost:{}", script.addr.port());
+    opens_a_stream(&mut script, "a", url).await.unwrap();
 }
 
 /// `HTTP://` (upper case) and an IPv6 literal `http://[::1]:PORT` connect.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn review_r5_upper_case_scheme_and_ipv6_literal_connect() {
+async fn upper_case_scheme_and_ipv6_literal_connect() {
     let mut script = Script::start().await;
-    let agent = support::plane::builder(script.addr, "a")
-        .url(format!("HTTP://{}", script.addr))
-        .connect()
-        .unwrap();
-    let opened = tokio::time::timeout(Duration::from_secs(5), script.reconnected()).await;
-    let error = agent.stream_error();
-    let _ = tokio::time::timeout(Duration::from_secs(5), agent.shutdown()).await;
-    assert!(opened.is_ok(), "HTTP://: {error:?}");
+    let url = format!("HTTP://{}", script.addr);
+    opens_a_stream(&mut script, "a", url).await.unwrap();
     // IPv6: a plain TCP forwarder from [::1] to the script's 127.0.0.1 listener.
     let Ok(v6) = tokio::net::TcpListener::bind("[::1]:0").await else {
         println!("no IPv6 loopback here: skipped");
@@ -117,12 +105,6 @@ async fn review_r5_upper_case_scheme_and_ipv6_literal_connect() {
             });
         }
     });
-    let agent = support::plane::builder(script.addr, "b")
-        .url(format!("http://[::1]:{port}"))
-        .connect()
-        .unwrap();
-    let opened = tokio::time::timeout(Duration::from_secs(5), script.reconnected()).await;
-    let error = agent.stream_error();
-    let _ = tokio::time::timeout(Duration::from_secs(5), agent.shutdown()).await;
-    assert!(opened.is_ok(), "[::1]: {error:?}");
+    let url = format!("http://[::1]:{port}");
+    opens_a_stream(&mut script, "b", url).await.unwrap();
 }
