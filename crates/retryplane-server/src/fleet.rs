@@ -233,15 +233,10 @@ impl StreamNumbers {
             .iter()
             .position(|(instance, _)| *instance == instance_id)
             .unwrap_or(Self::PROCESSES - 1);
-        let highest = if self.0[at].0 == instance_id {
-            self.0[at].1.max(stream)
-        } else {
-            stream
-        };
         // Most recent first: the ones before `at` move down one place, the last is dropped
-        // when `instance_id` was not there.
+        // when `instance_id` was not there. (`stream` is its highest: a lower one is refused.)
         self.0.copy_within(..at, 1);
-        self.0[0] = (instance_id, highest);
+        self.0[0] = (instance_id, stream);
         self
     }
 }
@@ -824,52 +819,6 @@ mod tests {
     }
 
     #[test]
-    fn a_stream_the_agent_gave_up_does_not_replace_its_later_one() {
-        let fleet = Fleet::new(10);
-        let numbered = |instance_id, stream| pb::Hello {
-            instance_id,
-            stream,
-            ..hello("a")
-        };
-        let mut second = fleet.register(&numbered(7, 2), None, None).unwrap();
-        // The Hello of the stream the process gave up comes late.
-        let late = fleet.register(&numbered(7, 1), None, None);
-        assert_eq!(
-            late.err(),
-            Some(RegisterError::Superseded { later: 2, this: 1 })
-        );
-        assert!(
-            second.replaced.try_recv().is_err(),
-            "the later stream stays"
-        );
-        assert_eq!(fleet.connected(), 1);
-        fleet.ack("a", second.generation, 3, "h3");
-        assert_eq!(fleet.status()[0].applied_version, 3);
-        // A later stream replaces it; so does another process (a restart counts from 1), and
-        // a stream that does not number itself.
-        let mut third = fleet.register(&numbered(7, 3), None, None).unwrap();
-        assert!(second.replaced.try_recv().is_ok());
-        let mut restarted = fleet.register(&numbered(8, 1), None, None).unwrap();
-        assert!(third.replaced.try_recv().is_ok());
-        assert_eq!(fleet.connected(), 1);
-        fleet.register(&numbered(8, 0), None, None).unwrap();
-        assert!(restarted.replaced.try_recv().is_ok());
-        // Once the later stream has ended too (the agent waits to connect again), the late
-        // Hello is still refused: the agent is not listed as connected on a stream it gave up.
-        let fleet = Fleet::new(10);
-        let later = fleet.register(&numbered(7, 2), None, None).unwrap();
-        fleet.disconnected("a", later.generation);
-        assert_eq!(
-            fleet.register(&numbered(7, 1), None, None).err(),
-            Some(RegisterError::Superseded { later: 2, this: 1 })
-        );
-        assert!(!fleet.status()[0].connected);
-        assert_eq!(fleet.connected(), 0);
-        // Its next stream is taken.
-        assert!(fleet.register(&numbered(7, 3), None, None).is_ok());
-    }
-
-    #[test]
     fn a_connected_id_is_replaced_only_by_a_stream_of_the_same_token() {
         let fleet = Fleet::new(10);
         let token = |name, secret: u8| {
@@ -1395,6 +1344,47 @@ mod stream_number_tests {
             stream,
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn a_stream_the_agent_gave_up_does_not_replace_its_later_one() {
+        let fleet = Fleet::new(10);
+        let mut second = fleet.register(&numbered("a", 7, 2), None, None).unwrap();
+        // The Hello of the stream the process gave up comes late.
+        let late = fleet.register(&numbered("a", 7, 1), None, None);
+        assert_eq!(
+            late.err(),
+            Some(RegisterError::Superseded { later: 2, this: 1 })
+        );
+        assert!(
+            second.replaced.try_recv().is_err(),
+            "the later stream stays"
+        );
+        assert_eq!(fleet.connected(), 1);
+        fleet.ack("a", second.generation, 3, "h3");
+        assert_eq!(fleet.status()[0].applied_version, 3);
+        // A later stream replaces it; so does another process (a restart counts from 1), and
+        // a stream that does not number itself.
+        let mut third = fleet.register(&numbered("a", 7, 3), None, None).unwrap();
+        assert!(second.replaced.try_recv().is_ok());
+        let mut restarted = fleet.register(&numbered("a", 8, 1), None, None).unwrap();
+        assert!(third.replaced.try_recv().is_ok());
+        assert_eq!(fleet.connected(), 1);
+        fleet.register(&numbered("a", 8, 0), None, None).unwrap();
+        assert!(restarted.replaced.try_recv().is_ok());
+        // Once the later stream has ended too (the agent waits to connect again), the late
+        // Hello is still refused: the agent is not listed as connected on a stream it gave up.
+        let fleet = Fleet::new(10);
+        let later = fleet.register(&numbered("a", 7, 2), None, None).unwrap();
+        fleet.disconnected("a", later.generation);
+        assert_eq!(
+            fleet.register(&numbered("a", 7, 1), None, None).err(),
+            Some(RegisterError::Superseded { later: 2, this: 1 })
+        );
+        assert!(!fleet.status()[0].connected);
+        assert_eq!(fleet.connected(), 0);
+        // Its next stream is taken.
+        assert!(fleet.register(&numbered("a", 7, 3), None, None).is_ok());
     }
 
     #[test]
