@@ -1133,6 +1133,49 @@ async fn a_late_ack_of_an_earlier_push_says_what_the_agent_runs_when_it_refuses_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_ack_is_known_however_many_pushes_followed_it() {
+    // An agent slow to apply: twelve versions are pushed before it answers the first. It
+    // runs that one and refuses the rest.
+    const LATER: u64 = 12;
+    let plane = Plane::api_mode(&policy_yaml(1, 3)).await;
+    let mut agent = RawAgent::connect(plane.agent_channel().await, hello_instance("a1", 1))
+        .await
+        .unwrap();
+    let mut pushed = vec![agent.next_snapshot().await.unwrap()];
+    for n in 1..=LATER {
+        let version = plane.apply(&policy_yaml(1 + n as usize, 3)).await;
+        let snapshot = agent.next_snapshot().await.unwrap();
+        assert_eq!(snapshot.version, version);
+        pushed.push(snapshot);
+    }
+    agent.ack(&pushed[0]).await;
+    after_answers(&mut agent, 1).await;
+    let status = agent_status(&plane, "a1").await.unwrap();
+    assert_eq!(status.applied_version, 1, "the agent runs v1: {status:?}");
+    for snapshot in &pushed[1..] {
+        agent.nack(snapshot, "refused").await;
+    }
+    after_answers(&mut agent, 2).await;
+    let status = agent_status(&plane, "a1").await.unwrap();
+    assert_eq!(
+        (status.applied_version, status.last_response.as_str()),
+        (1, "nack"),
+        "{status:?}"
+    );
+    assert_eq!(status.last_response_version, 1 + LATER, "{status:?}");
+    // An ACK with a nonce this control plane never gave that version changes nothing.
+    agent
+        .send(Kind::Ack(pb::Ack {
+            version: 5,
+            nonce: pushed[0].nonce.clone(),
+        }))
+        .await;
+    after_answers(&mut agent, 3).await;
+    let status = agent_status(&plane, "a1").await.unwrap();
+    assert_eq!(status.applied_version, 1, "{status:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_that_reads_is_not_ended_for_a_burst_of_reports() {
     // A backlog resent at once after an outage, as agent.proto has an agent do.
     const REPORTS: u64 = 300;

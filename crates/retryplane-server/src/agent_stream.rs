@@ -389,7 +389,7 @@ impl AgentStreamService {
             implausible_warned: false,
             bucket: ReportBucket::default(),
             held_acks: VecDeque::new(),
-            earlier_pushes: VecDeque::new(),
+            earlier_from: None,
             heartbeat: life.map(|life| {
                 let interval = Duration::from_millis(self.ctx.publisher.metrics_interval_ms());
                 Heartbeat {
@@ -475,10 +475,14 @@ struct AgentStream {
     /// Answers to numbered metrics reports not yet queued on the body, oldest first (see
     /// [`AgentStream::send`]).
     held_acks: VecDeque<pb::MetricsAck>,
-    /// The pushes sent before the last one while they waited for an answer, oldest first, as
-    /// (nonce, version), at most [`MAX_EARLIER_PUSHES`]: a late ACK of one is no answer to the
-    /// last push, but says what the agent runs (it may then refuse the last one).
-    earlier_pushes: VecDeque<(String, u64)>,
+    /// The version of the oldest push sent before the last one that still waits for an
+    /// answer, while the last one waits too: a late ACK of a push from it up to the last one
+    /// (exclusive) is no answer to the last push, but says what the agent runs (it may then
+    /// refuse the last one). A range, not a list: this control plane's pushes on one stream go
+    /// up in version, and their nonces follow from their versions
+    /// ([`Publisher::is_nonce_of`]), so however many pushes an agent is behind on, a late
+    /// answer to any of them is known.
+    earlier_from: Option<u64>,
     /// For an agent that sends heartbeats: what the stream has heard of it, and when to send
     /// and to give up.
     heartbeat: Option<Heartbeat>,
@@ -524,9 +528,6 @@ async fn sleep_until_some(at: Option<Instant>) {
         None => std::future::pending().await,
     }
 }
-
-/// See [`AgentStream::earlier_pushes`].
-const MAX_EARLIER_PUSHES: usize = 8;
 
 enum Next {
     Continue,
@@ -669,11 +670,8 @@ impl AgentStream {
                 if let Err(end) = self.send(&mut io, snap.frame()).await {
                     break end;
                 }
-                if let Some(nonce) = self.sent_nonce.take() {
-                    if self.earlier_pushes.len() == MAX_EARLIER_PUSHES {
-                        self.earlier_pushes.pop_front();
-                    }
-                    self.earlier_pushes.push_back((nonce, self.known_version));
+                if self.sent_nonce.take().is_some() && self.earlier_from.is_none() {
+                    self.earlier_from = Some(self.known_version);
                 }
                 self.known_version = snap.version;
                 self.known_hash.clone_from(&snap.content_hash);
@@ -796,17 +794,24 @@ impl AgentStream {
         let first = self.sent_nonce.as_deref() == Some(nonce) && version == self.known_version;
         if first {
             self.sent_nonce = None;
-            self.earlier_pushes.clear();
+            self.earlier_from = None;
         }
         first
     }
 
-    /// Where the push sent before the last one with `nonce` and `version` is in
-    /// [`AgentStream::earlier_pushes`], if it is there (not answered yet).
-    fn earlier_push(&self, nonce: &str, version: u64) -> Option<usize> {
-        self.earlier_pushes
-            .iter()
-            .position(|(n, v)| n == nonce && *v == version)
+    /// Whether `nonce` and `version` name a push sent before the last one and not answered
+    /// yet ([`AgentStream::earlier_from`]). If so, it and the pushes older than it are moot
+    /// from now on: an agent answers its pushes in order.
+    fn answers_earlier_push(&mut self, nonce: &str, version: u64) -> bool {
+        let earlier = self.sent_nonce.is_some()
+            && self
+                .earlier_from
+                .is_some_and(|from| (from..self.known_version).contains(&version))
+            && self.ctx.publisher.is_nonce_of(nonce, version);
+        if earlier {
+            self.earlier_from = version.checked_add(1);
+        }
+        earlier
     }
 
     /// Whether the agent should get `snap`: another version, or the same number with other
@@ -871,10 +876,9 @@ impl AgentStream {
                         &self.known_hash,
                     );
                     ctx.metrics.acks.inc();
-                } else if let Some(at) = self.earlier_push(&ack.nonce, ack.version) {
+                } else if self.answers_earlier_push(&ack.nonce, ack.version) {
                     // A push sent before the last one: the agent runs it, and the last push
-                    // still waits for its answer. Pushes older than it are moot.
-                    self.earlier_pushes.drain(..=at);
+                    // still waits for its answer.
                     ctx.fleet.runs(&self.agent_id, self.generation, ack.version);
                     debug!(agent = %OneLine(&self.agent_id), version = ack.version, "ACK of a snapshot sent before the last one: the agent runs it");
                 } else {
@@ -896,9 +900,7 @@ impl AgentStream {
                 } else {
                     // A push sent before the last one counts only its first answer: a later
                     // ACK of the one refused here says nothing of what the agent runs.
-                    if let Some(at) = self.earlier_push(&nack.nonce, nack.version) {
-                        self.earlier_pushes.drain(..=at);
-                    }
+                    self.answers_earlier_push(&nack.nonce, nack.version);
                     ctx.fleet.seen(&self.agent_id, self.generation);
                     debug!(agent = %OneLine(&self.agent_id), version = nack.version, nonce = %OneLine(&nack.nonce), "NACK ignored: not the first answer to the last snapshot sent");
                 }

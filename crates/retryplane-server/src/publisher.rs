@@ -123,6 +123,11 @@ impl Publisher {
         format!("{}-{version}", self.instance)
     }
 
+    /// Whether `nonce` is the nonce this publisher gives `version`'s push.
+    pub fn is_nonce_of(&self, nonce: &str, version: u64) -> bool {
+        nonce == self.nonce(version)
+    }
+
     /// The current snapshot, if any has been published.
     pub fn current(&self) -> Option<Arc<Snapshot>> {
         self.tx.borrow().clone()
