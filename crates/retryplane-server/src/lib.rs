@@ -33,6 +33,8 @@ pub mod watch;
 mod writers;
 
 #[cfg(test)]
+mod test_disk;
+#[cfg(test)]
 mod test_logs;
 
 /// An error and every cause under it, `error: cause: cause`, as `anyhow` prints `{:#}`: what

@@ -167,6 +167,38 @@ async fn an_invalid_file_over_a_stored_version_serves_the_stored_one() {
     running.shutdown().await.unwrap();
 }
 
+/// A restart during a disk-full incident, with the policy file changed while the control plane
+/// was down: the stored version is served (ready), and the file is published once there is
+/// room (at the watcher's next rescan, with no new save). Needs root (skipped otherwise).
+#[cfg(target_os = "linux")]
+#[tokio::test]
+async fn a_restart_on_a_full_disk_serves_the_stored_version_and_the_file_once_there_is_room() {
+    let (dir, cfg) = with_file(V1);
+    let Some(disk) = crate::test_disk::SmallDisk::mount(&cfg.data_dir, "1m") else {
+        return;
+    };
+    start(cfg.clone()).await.unwrap().shutdown().await.unwrap();
+    disk.fill();
+    fs::write(dir.path().join("policies.yaml"), V2).unwrap();
+    let running = start(cfg).await.unwrap();
+    assert_eq!(current(&running).await.version, 1);
+    assert_eq!(http_get(running.http_addr, "/readyz").await.0, 200);
+    assert_eq!(last_reload_successful(&running).await, "0");
+    disk.unfill();
+    // Bounded: the watcher rescans every 10 s.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while current(&running).await.version != 2 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the changed file was not published once there was room"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(last_reload_successful(&running).await, "1");
+    running.shutdown().await.unwrap();
+    drop(disk);
+}
+
 /// A valid file under the 1 MiB limit whose snapshot is over the 4 MiB agents decode: one
 /// 900 KB path prefix, repeated by aliases in six routes.
 pub(crate) fn too_large_for_agents() -> String {

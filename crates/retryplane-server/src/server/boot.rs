@@ -5,6 +5,8 @@
 //! unreadable or invalid file (or one whose snapshot would be larger than agents decode) stops
 //! the start when the store is empty — there would be nothing to serve — and otherwise is
 //! logged while the stored version keeps being served, exactly as a bad save is while running.
+//! So is a valid file the store cannot take (a full disk): it is not counted as read, so the
+//! watcher applies it once the store can (at its next rescan at the latest).
 //! A file another process holds open for writing ([`crate::writers`]) may be half of a save:
 //! it is left to the watcher (started before this read), which reads it once its writer closes
 //! it; meanwhile the stored version is served, or, with an empty store, the server runs
@@ -89,10 +91,19 @@ pub(super) async fn load_policies(
             control.metrics.rejected_changes.inc();
             error!(file = %file.display(), version, "the policy file is invalid; serving the stored version until it is fixed");
         }
-        _ => {
-            let applied = apply_valid(control, file, loaded, stored).await?;
-            reload_ok.set(i64::from(applied));
-        }
+        _ => match apply_valid(control, file, loaded, stored).await? {
+            AtStart::Applied => {
+                reload_ok.set(1);
+            }
+            AtStart::Refused => {
+                reload_ok.set(0);
+            }
+            // Not settled: the watcher reads the file again (at its next rescan at the latest).
+            AtStart::NotStored => {
+                reload_ok.set(0);
+                return Ok(None);
+            }
+        },
     }
     Ok(Some(bytes))
 }
@@ -104,15 +115,25 @@ fn read_error(file: &Path, source: io::Error) -> ServeError {
     }
 }
 
-/// Applies `loaded` as [`Source::File`]; `Err` when it has errors or cannot be applied,
-/// `Ok(false)` when it is refused for removing every stored endpoint, or, over the `stored`
-/// version, for being larger than agents decode (the stored version stays).
+/// What became of the policy file at start, when the store holds a version.
+enum AtStart {
+    /// Applied, or equal to the stored version.
+    Applied,
+    /// Refused for removing every stored endpoint, or for being larger than agents decode.
+    Refused,
+    /// Valid, but the store could not take it (a full disk, say): the stored version is
+    /// served, and the file is to be read again.
+    NotStored,
+}
+
+/// Applies `loaded` as [`Source::File`]; `Err` when it has errors, or cannot be applied and
+/// there is no `stored` version to serve instead (see [`AtStart`] for the other outcomes).
 async fn apply_valid(
     control: &ControlPlane,
     file: &Path,
     loaded: Loaded,
     stored: Option<u64>,
-) -> Result<bool, ServeError> {
+) -> Result<AtStart, ServeError> {
     let Some(policies) = loaded.policies.as_ref() else {
         return Err(ServeError::InvalidConfig {
             file: file.to_owned(),
@@ -138,19 +159,24 @@ async fn apply_valid(
     match control.apply(request).await {
         Ok(outcome) if !outcome.changed => {
             info!(file = %file.display(), "the policy file matches the stored version");
-            Ok(true)
+            Ok(AtStart::Applied)
         }
-        Ok(_) => Ok(true),
+        Ok(_) => Ok(AtStart::Applied),
         // The stored version keeps being served, as for a bad save while running.
         Err(crate::control::ChangeError::RemovesEverything(names)) => {
             // As many names as fit one readable line, as the watcher's warning has them.
             let names = crate::admin::capped_list(&names, ", ", 1_000, "endpoint", "");
             error!(file = %file.display(), "the policy file removes every stored endpoint ({names}); refused, serving the stored version. To replace every endpoint, add the new ones first, then remove the old ones");
-            Ok(false)
+            Ok(AtStart::Refused)
         }
         Err(e @ crate::control::ChangeError::TooLarge(_)) if stored.is_some() => {
             error!(file = %file.display(), error = %e, version = stored, "the policy file was not applied; serving the stored version");
-            Ok(false)
+            Ok(AtStart::Refused)
+        }
+        // As while running: the store keeps what it holds and is tried again at the next read.
+        Err(crate::control::ChangeError::Store(e)) if stored.is_some() => {
+            error!(file = %file.display(), error = %crate::ErrorChain(&e), version = stored, "cannot store the policy file's version; serving the stored version and reading the file again later");
+            Ok(AtStart::NotStored)
         }
         Err(source) => Err(ServeError::Apply {
             file: file.to_owned(),

@@ -233,7 +233,7 @@ impl RedbStore {
             dir: dir.to_owned(),
             open_db,
         };
-        store.run(create_tables)?;
+        store.run(create_missing_tables)?;
         store.run(check)?;
         // Only now: the open holds the file's lock, so no other server is building a store here
         // that it could use. Where a link put the store, its new stores were built there.
@@ -421,6 +421,25 @@ fn create_tables(db: &Database) -> Result<(), StoreError> {
     txn.open_table(VERSIONS).map_err(backend)?;
     txn.open_table(META).map_err(backend)?;
     txn.commit().map_err(backend)
+}
+
+/// Creates the tables a store's file lacks. A store is made with its tables ([`create_file`]),
+/// so this writes only to a file made otherwise: a restart that has nothing to write must not
+/// need room on the disk (a full disk would stop it from serving the versions it holds).
+fn create_missing_tables(db: &Database) -> Result<(), StoreError> {
+    let missing = {
+        let txn = db.begin_read().map_err(backend)?;
+        let lacks =
+            |error: &redb::TableError| matches!(error, redb::TableError::TableDoesNotExist(_));
+        let versions = txn.open_table(VERSIONS).err();
+        let meta = txn.open_table(META).err();
+        match (versions, meta) {
+            (None, None) => false,
+            (Some(e), _) | (_, Some(e)) if !lacks(&e) => return Err(backend(e)),
+            _ => true,
+        }
+    };
+    if missing { create_tables(db) } else { Ok(()) }
 }
 
 /// Checks the invariants listed in the module docs.

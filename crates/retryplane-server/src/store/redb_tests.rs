@@ -383,6 +383,25 @@ fn says_no_space(error: &StoreError) -> bool {
         .contains("No space left on device")
 }
 
+/// A restart during a disk-full incident: opening a store writes nothing, so it serves what it
+/// holds (writes fail until there is room). Needs root (skipped otherwise).
+#[cfg(target_os = "linux")]
+#[test]
+fn a_store_opens_on_a_full_disk_and_serves_what_it_holds() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(disk) = crate::test_disk::SmallDisk::mount(dir.path(), "1m") else {
+        return;
+    };
+    let store = RedbStore::open(dir.path()).unwrap();
+    assert_eq!(publish_new(&store, "a"), 1);
+    drop(store);
+    disk.fill();
+    let store = RedbStore::open(dir.path()).unwrap();
+    assert_eq!(store.current().unwrap().unwrap().meta.version, 1);
+    drop(store);
+    drop(disk);
+}
+
 #[tokio::test(start_paused = true)]
 async fn writes_work_again_once_a_full_disk_has_room() {
     let dir = tempfile::tempdir().unwrap();
