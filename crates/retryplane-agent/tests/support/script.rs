@@ -156,8 +156,8 @@ impl Script {
         }
     }
 
-    /// Waits for a new stream and its Hello; the old stream may end on the way, and metrics
-    /// reports may come, but nothing else.
+    /// Waits for a new stream and its Hello; the old stream may end on the way (even after the
+    /// new one opened), and metrics reports may come, but nothing else.
     pub async fn reconnected(&mut self) -> (ToAgent, pb::Hello) {
         let to_agent = loop {
             match self.next().await {
@@ -166,9 +166,15 @@ impl Script {
                 other => panic!("expected only a new stream, got {other:?}"),
             }
         };
-        match self.reply().await {
-            Kind::Hello(hello) => (to_agent, hello),
-            other => panic!("expected Hello first, got {other:?}"),
+        // An earlier stream's end may still come before the Hello: the events of two streams
+        // interleave, and a new stream that ends before its Hello gets no Hello (the wait for
+        // it fails).
+        loop {
+            match self.next().await {
+                Event::Ended | Event::Message(Kind::Metrics(_)) => {}
+                Event::Message(Kind::Hello(hello)) => return (to_agent, hello),
+                other => panic!("expected Hello first, got {other:?}"),
+            }
         }
     }
 
