@@ -43,16 +43,28 @@ impl<'a> CallMeta<'a> {
     /// An HTTP call: `method` (any case) and path; a query string is cut off and never used or
     /// logged. Idempotency comes from the policy's `idempotent_methods` and the key header.
     pub fn http(method: &str, path: &'a str) -> Self {
+        Self::http_route(upper_method(method), path)
+    }
+
+    /// The call of a request as it goes out (the tower layer's): its method as sent. Methods
+    /// are case-sensitive on the wire (RFC 9110 §9.1), so an extension method `get` is not
+    /// `GET`: neither idempotent by the policy's `GET` nor matched by its routes.
+    pub(crate) fn http_as_sent(method: &http::Method, path: &'a str) -> Self {
+        let method = match STANDARD_METHODS.iter().find(|m| **m == method.as_str()) {
+            Some(m) => Cow::Borrowed(*m),
+            None => Cow::Owned(method.as_str().to_owned()),
+        };
+        Self::http_route(method, path)
+    }
+
+    fn http_route(method: Cow<'static, str>, path: &'a str) -> Self {
         // A byte scan: `?` and `#` are ASCII, so the cut is on a character boundary.
         let path = path
             .bytes()
             .position(|b| b == b'?' || b == b'#')
             .and_then(|end| path.get(..end))
             .unwrap_or(path);
-        Self::new(Route::Http {
-            method: upper_method(method),
-            path,
-        })
+        Self::new(Route::Http { method, path })
     }
 
     /// A gRPC call to `/pkg.Service/Method`. Not idempotent unless declared with
@@ -193,17 +205,22 @@ impl<'a> CallMeta<'a> {
     }
 }
 
+/// The methods of RFC 9110 and PATCH, kept without an allocation.
+const STANDARD_METHODS: [&str; 9] = [
+    "GET", "POST", "PUT", "DELETE", "HEAD", "OPTIONS", "PATCH", "CONNECT", "TRACE",
+];
+
 /// `method` in upper case: one of the standard methods without an allocation, any other
 /// upper-cased into a new string.
 fn upper_method(method: &str) -> Cow<'static, str> {
-    const STANDARD: [&str; 9] = [
-        "GET", "POST", "PUT", "DELETE", "HEAD", "OPTIONS", "PATCH", "CONNECT", "TRACE",
-    ];
     // Most callers pass the method as `http::Method::as_str` gives it: upper case already.
-    if let Some(m) = STANDARD.iter().find(|m| **m == method) {
+    if let Some(m) = STANDARD_METHODS.iter().find(|m| **m == method) {
         return Cow::Borrowed(m);
     }
-    match STANDARD.iter().find(|m| m.eq_ignore_ascii_case(method)) {
+    match STANDARD_METHODS
+        .iter()
+        .find(|m| m.eq_ignore_ascii_case(method))
+    {
         Some(m) => Cow::Borrowed(m),
         None => Cow::Owned(method.to_ascii_uppercase()),
     }

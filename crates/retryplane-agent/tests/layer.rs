@@ -114,6 +114,25 @@ async fn post_without_the_key_is_not_retried_and_with_it_is() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn an_extension_method_in_lower_case_is_not_taken_for_its_standard_namesake() {
+    // Methods are case-sensitive (RFC 9110 §9.1): `get` is not `GET`, so not idempotent.
+    let agent = agent(&policy("max_attempts: 3"));
+    let (svc, seen) = upstream(&[503]);
+    let client = RetryLayer::new(agent.endpoint("ep")).layer(svc);
+    let response = client.oneshot(request("get", false, "")).await.unwrap();
+    assert_eq!(response.status(), 503);
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(seen[0].method, "get");
+
+    let (svc, seen) = upstream(&[503]);
+    let client = RetryLayer::new(agent.endpoint("ep")).layer(svc);
+    let response = client.oneshot(request("GET", false, "")).await.unwrap();
+    assert_eq!(response.status(), 200);
+    assert_eq!(seen.lock().unwrap().len(), 2);
+}
+
+#[tokio::test(start_paused = true)]
 async fn attempts_running_out_return_the_last_response_marked() {
     let agent = agent(&policy("max_attempts: 2"));
     let (svc, seen) = upstream(&[503, 502]);

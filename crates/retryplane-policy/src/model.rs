@@ -270,15 +270,15 @@ impl Default for RetryPolicy {
 }
 
 impl RetryPolicy {
-    /// Whether `method` (any case) is listed as idempotent.
-    ///
-    /// Each entry is first compared exactly (a few word compares, inline), then byte by byte
-    /// ignoring case: a method written as listed, as callers pass `GET`, skips the folding.
+    /// Whether `method` is listed as idempotent. Methods are case-sensitive (RFC 9110 §9.1,
+    /// and a policy lists them in upper case, as its routes match them): an extension method
+    /// `get` is not `GET`. (The agent's `CallMeta::http` upper-cases a method its caller
+    /// names; a request's own method, as the tower layer sees it, is compared as sent.)
     #[inline]
     pub fn is_idempotent(&self, method: &str) -> bool {
         self.idempotent_methods
             .iter()
-            .any(|m| crate::document::str_eq(m, method) || m.eq_ignore_ascii_case(method))
+            .any(|m| crate::document::str_eq(m, method))
     }
 }
 

@@ -94,7 +94,7 @@ fn encode_grpc_timeout(left: Duration) -> HeaderValue {
 
 /// How the layer describes a request whose path is `path` (borrowed from a copy of its URI,
 /// since the head moves on): a gRPC request as [`CallMeta::grpc`] (its routes are
-/// `/pkg.Service/Method`), anything else as [`CallMeta::http`]; an [`Idempotent`] extension
+/// `/pkg.Service/Method`), anything else by its method as sent (`CallMeta::http_as_sent`); an [`Idempotent`] extension
 /// overrides the idempotency either gives. Header names are not recorded here.
 pub(crate) fn call_meta<'a>(parts: &Parts, path: &'a str) -> CallMeta<'a> {
     let meta = if is_grpc(parts) {
@@ -105,7 +105,7 @@ pub(crate) fn call_meta<'a>(parts: &Parts, path: &'a str) -> CallMeta<'a> {
             None => CallMeta::grpc(path),
         }
     } else {
-        CallMeta::http(parts.method.as_str(), path)
+        CallMeta::http_as_sent(&parts.method, path)
     };
     match parts.extensions.get::<Idempotent>() {
         Some(Idempotent(declared)) => meta.idempotent(*declared),
