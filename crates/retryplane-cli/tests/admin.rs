@@ -568,6 +568,36 @@ fn an_empty_server_flag_counts_as_not_given_and_reads_retryplane_server() {
 }
 
 #[test]
+fn white_space_around_the_server_url_is_dropped_as_around_the_token() {
+    let server = test_server(true, None);
+    // As read from a file or a secret: a line break at the end, or a stray space.
+    for given in [
+        format!("{}\n", server.url),
+        format!(" {}", server.url),
+        format!("{} ", server.url),
+    ] {
+        for (flag, variable) in [(None, Some(&given)), (Some(&given), None)] {
+            let mut command = Command::cargo_bin("retryplane").unwrap();
+            command
+                .current_dir(server.dir.path())
+                .env_remove("RETRYPLANE_TOKEN")
+                .env_remove("RETRYPLANE_SERVER")
+                .arg("history")
+                .timeout(support::WAIT);
+            if let Some(variable) = variable {
+                command.env("RETRYPLANE_SERVER", variable);
+            }
+            if let Some(flag) = flag {
+                command.args(["--server", flag]);
+            }
+            let out = command.output().unwrap();
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(0), "{given:?}: {stderr}");
+        }
+    }
+}
+
+#[test]
 fn an_empty_retryplane_server_is_the_default_server() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("v1.yaml"), V1).unwrap();

@@ -75,7 +75,7 @@ pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 #[derive(Debug, clap::Args)]
 pub struct ServerArgs {
     /// The control plane's admin address (`http://HOST:PORT`; `http://` and port 7471 when not
-    /// given). An empty value counts as not given.
+    /// given). White space around it is dropped; an empty value counts as not given.
     #[arg(
         long,
         env = "RETRYPLANE_SERVER",
@@ -149,17 +149,19 @@ const DEFAULT_PORT: u16 = 7471;
 pub(crate) use retryplane_agent::shown_url;
 use retryplane_agent::{url_scheme, written_port};
 
-/// A `--server` value as a URL: `http://` put before one that names no scheme (`cp:7472`), and
-/// a scheme written in capitals lowered, since schemes are case-insensitive (RFC 3986 §3.1:
-/// `HTTP://cp` is `http://cp`).
+/// A `--server` value as a URL: white space around it dropped (a value read from a file or a
+/// secret often ends in a line break, as a token does), `http://` put before one that names no
+/// scheme (`cp:7472`), and a scheme written in capitals lowered, since schemes are
+/// case-insensitive (RFC 3986 §3.1: `HTTP://cp` is `http://cp`).
 pub(crate) fn with_scheme(given: String) -> String {
-    match url_scheme(&given) {
+    let given = given.trim_ascii();
+    match url_scheme(given) {
         Some(scheme) if scheme.chars().any(|c| c.is_ascii_uppercase()) => {
             format!("{}{}", scheme.to_ascii_lowercase(), &given[scheme.len()..])
         }
-        Some(_) => given,
+        Some(_) => given.to_owned(),
         // Not a scheme before the `://` (`cp/?x=http://y`): as given, and refused for it later.
-        None if given.contains("://") => given,
+        None if given.contains("://") => given.to_owned(),
         None => format!("http://{given}"),
     }
 }
@@ -259,7 +261,7 @@ impl TryFrom<ServerArgs> for Server {
         // An empty value counts as not given: an empty flag (`--server "$CP_URL"` with the
         // variable unset, as scripts and CI often leave it) falls back to the environment
         // variable, and an empty variable to the default (an empty token is no token, below).
-        let server = if args.server.is_empty() {
+        let server = if args.server.trim_ascii().is_empty() {
             non_empty_env("RETRYPLANE_SERVER")
         } else {
             Some(args.server)
@@ -316,7 +318,9 @@ impl TryFrom<ServerArgs> for Server {
 /// what an empty `--server` falls back to (clap reads the variable only when the flag is not
 /// given at all).
 fn non_empty_env(name: &str) -> Option<String> {
-    std::env::var(name).ok().filter(|v| !v.is_empty())
+    std::env::var(name)
+        .ok()
+        .filter(|v| !v.trim_ascii().is_empty())
 }
 
 /// Runs `work` on a current-thread tokio runtime made for this one command.
