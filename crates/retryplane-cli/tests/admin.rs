@@ -567,6 +567,70 @@ fn an_empty_server_flag_counts_as_not_given_and_reads_retryplane_server() {
     assert_eq!(via_env, direct);
 }
 
+/// `retryplane` run offline in `server`'s directory: exit code and stderr.
+fn offline(server: &TestServer, args: &[&str]) -> (Option<i32>, String) {
+    let out = Command::cargo_bin("retryplane")
+        .unwrap()
+        .current_dir(server.dir.path())
+        .args(args)
+        .timeout(support::WAIT)
+        .output()
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn what_get_prints_of_a_file_near_the_size_limit_is_a_file_again() {
+    // One line an endpoint, as a generator writes: 0.96 MB, 1.18 MB in block style.
+    let mut yaml = String::from("version: 1\nendpoints:\n");
+    for i in 0..12_500 {
+        yaml.push_str(&format!(
+            "  svc-{i:05}: {{max_attempts: 2, deadline: 3s, backoff: {{base: 10ms, max: 1s}}}}\n"
+        ));
+    }
+    let server = test_server(true, None);
+    server.write("generated.yaml", &yaml);
+    server
+        .retryplane(&["apply", "generated.yaml"])
+        .assert()
+        .code(0);
+    let printed = server.retryplane(&["get"]).assert().code(0);
+    let printed = stdout_of(&printed);
+    assert!(printed.len() <= 1024 * 1024, "{} bytes", printed.len());
+    server.write("printed.yaml", &printed);
+    let (code, stderr) = offline(&server, &["validate", "printed.yaml"]);
+    assert_eq!(code, Some(0), "{stderr}");
+    server
+        .retryplane(&["diff", "printed.yaml", "--exit-code"])
+        .assert()
+        .code(0);
+}
+
+#[test]
+fn get_warns_when_a_version_is_over_the_size_of_a_policy_file_even_one_line_an_endpoint() {
+    // 0.3 MB written once and repeated by aliases: 1.2 MB written out.
+    let prefix = format!("/{}", "p".repeat(300_000));
+    let yaml = format!(
+        "version: 1\nendpoints:\n  a:\n    routes:\n      - match: {{method: GET, path_prefix: &p {prefix}}}\n      - match: {{method: PUT, path_prefix: *p}}\n      - match: {{method: POST, path_prefix: *p}}\n      - match: {{method: DELETE, path_prefix: *p}}\n"
+    );
+    let server = test_server(true, None);
+    server.write("aliases.yaml", &yaml);
+    server
+        .retryplane(&["apply", "aliases.yaml"])
+        .assert()
+        .code(0);
+    let printed = server.retryplane(&["get"]).assert().code(0);
+    let stderr = String::from_utf8_lossy(&printed.get_output().stderr).into_owned();
+    assert!(
+        stderr.contains("over the 1048576 bytes a policy file may be"),
+        "{stderr}"
+    );
+    assert!(stdout_of(&printed).len() > 1024 * 1024);
+}
+
 #[test]
 fn white_space_around_the_server_url_is_dropped_as_around_the_token() {
     let server = test_server(true, None);

@@ -18,7 +18,28 @@ use crate::duration::format_duration;
 
 /// Renders `doc` as policy-file YAML: `version: 1`, then `defaults:` (when it sets anything),
 /// then `endpoints:` in document order, each layer with only the fields it sets.
+///
+/// In block style, one field a line; or, when that is over the size a policy file may be
+/// ([`crate::yaml::MAX_FILE_BYTES`]), each endpoint on one line in flow style
+/// (`payments: {max_attempts: 4, backoff: {base: 50ms}}`), as a generator writes a large
+/// file: a file of any size the limit takes renders within it again (block style adds about a
+/// fifth). A document can still render over the limit (one a file wrote with aliases, or one
+/// sent through the API): check the length.
 pub fn to_yaml(doc: &PolicyDocument) -> String {
+    let block = to_yaml_block(doc);
+    if block.len() <= crate::yaml::MAX_FILE_BYTES {
+        return block;
+    }
+    let compact = to_yaml_compact(doc);
+    if compact.len() < block.len() {
+        compact
+    } else {
+        block
+    }
+}
+
+/// [`to_yaml`] in block style throughout.
+fn to_yaml_block(doc: &PolicyDocument) -> String {
     let mut out = String::from("version: 1\n");
     if !leaf_values(&doc.defaults).is_empty() {
         out.push_str("defaults:\n");
@@ -46,6 +67,76 @@ pub fn to_yaml(doc: &PolicyDocument) -> String {
         }
     }
     out
+}
+
+/// [`to_yaml`] with each endpoint (its fields and routes) on one line in flow style; the
+/// defaults stay in block style (they are one layer).
+fn to_yaml_compact(doc: &PolicyDocument) -> String {
+    let mut out = String::from("version: 1\n");
+    if !leaf_values(&doc.defaults).is_empty() {
+        out.push_str("defaults:\n");
+        overlay(&mut out, &doc.defaults, 2);
+    }
+    if doc.endpoints.is_empty() {
+        out.push_str("endpoints: {}\n");
+        return out;
+    }
+    out.push_str("endpoints:\n");
+    for ep in &doc.endpoints {
+        let mut items = flow_fields(&ep.overlay);
+        if !ep.routes.is_empty() {
+            let routes: Vec<String> = ep
+                .routes
+                .iter()
+                .map(|route| {
+                    let mut route_items =
+                        vec![format!("match: {}", route_match(&route.matcher.value))];
+                    route_items.extend(flow_fields(&route.overlay));
+                    format!("{{{}}}", route_items.join(", "))
+                })
+                .collect();
+            items.push(format!("routes: [{}]", routes.join(", ")));
+        }
+        let _ = writeln!(
+            out,
+            "  {}: {{{}}}",
+            scalar(&ep.name.value),
+            items.join(", ")
+        );
+    }
+    out
+}
+
+/// The fields `o` sets as the items of a flow mapping (`max_attempts: 4`,
+/// `backoff: {base: 50ms, max: 1s}`), sections grouped as in block style. Every value
+/// [`leaf_values`] gives is a flow-safe scalar or list: [`scalar`] leaves plain only
+/// `[A-Za-z0-9_./-]`.
+fn flow_fields(o: &Overlay) -> Vec<String> {
+    let mut items: Vec<String> = Vec::new();
+    let mut section: Option<(&str, Vec<String>)> = None;
+    for (path, value) in leaf_values(o) {
+        match path.split_once('.') {
+            Some((sect, key)) => match &mut section {
+                Some((open, keys)) if *open == sect => keys.push(format!("{key}: {value}")),
+                _ => {
+                    if let Some((open, keys)) = section.take() {
+                        items.push(format!("{open}: {{{}}}", keys.join(", ")));
+                    }
+                    section = Some((sect, vec![format!("{key}: {value}")]));
+                }
+            },
+            None => {
+                if let Some((open, keys)) = section.take() {
+                    items.push(format!("{open}: {{{}}}", keys.join(", ")));
+                }
+                items.push(format!("{path}: {value}"));
+            }
+        }
+    }
+    if let Some((open, keys)) = section {
+        items.push(format!("{open}: {{{}}}", keys.join(", ")));
+    }
+    items
 }
 
 /// Every leaf field `overlay` sets, as `(path, value)` with the value in policy-file syntax

@@ -1,6 +1,7 @@
 //! Rendering reads back as the same values.
 
 use std::collections::HashSet;
+use std::fmt::Write as _;
 use std::time::Duration;
 
 use proptest::prelude::*;
@@ -354,6 +355,14 @@ proptest! {
         prop_assert!(same_content(&doc, &back), "{text}\n{back:#?}");
         prop_assert_eq!(crate::diff::diff(&doc, &back), vec![]);
     }
+
+    #[test]
+    fn any_document_reads_back_the_same_from_its_compact_rendering(doc in document()) {
+        let text = to_yaml_compact(&doc);
+        let back = reparse(&text);
+        prop_assert!(same_content(&doc, &back), "{text}\n{back:#?}");
+        prop_assert_eq!(crate::diff::diff(&doc, &back), vec![]);
+    }
 }
 
 #[test]
@@ -375,4 +384,63 @@ endpoints:
 "
     );
     assert_round_trips_valid(src);
+}
+
+#[test]
+fn the_compact_rendering_puts_each_endpoint_on_one_line() {
+    let src = "version: 1
+defaults:
+  max_attempts: 2
+endpoints:
+  payments:
+    max_attempts: 4
+    backoff: {base: 50ms, max: 1s}
+    deadline: 3s
+    retry_on: {http_status: [503], errors: [connect]}
+    routes:
+      - match: {method: POST, path_prefix: /v1/charges}
+        max_attempts: 2
+        budget: {ratio: 0.1}
+      - match: {grpc: /pkg.Svc/Get}
+  inventory: {}
+";
+    let doc = reparse(src);
+    assert_eq!(
+        to_yaml_compact(&doc),
+        "version: 1
+defaults:
+  max_attempts: 2
+endpoints:
+  payments: {max_attempts: 4, backoff: {base: 50ms, max: 1s}, deadline: 3s, retry_on: {http_status: [503], errors: [connect]}, routes: [{match: {method: POST, path_prefix: /v1/charges}, max_attempts: 2, budget: {ratio: 0.1}}, {match: {grpc: /pkg.Svc/Get}}]}
+  inventory: {}
+"
+    );
+}
+
+/// A valid file near the size limit, one endpoint a line as a generator writes it: what `get`
+/// prints of it must be a file the limit takes again (block style would add about a fifth).
+#[test]
+fn a_file_near_the_size_limit_renders_within_it() {
+    let mut src = String::from("version: 1\nendpoints:\n");
+    let mut n = 0;
+    while src.len() < crate::yaml::MAX_FILE_BYTES - 200 {
+        let _ = writeln!(
+            src,
+            "  endpoint-{n:06}: {{max_attempts: 4, backoff: {{base: 50ms, max: 2s}}, retry_on: {{http_status: [503]}}}}"
+        );
+        n += 1;
+    }
+    assert!(to_yaml_block(&reparse(&src)).len() > crate::yaml::MAX_FILE_BYTES);
+    let loaded = load(src.as_bytes());
+    let doc = (**loaded.policies.expect("valid").document()).clone();
+    let text = to_yaml(&doc);
+    assert!(
+        text.len() <= crate::yaml::MAX_FILE_BYTES,
+        "{} bytes",
+        text.len()
+    );
+    let back = load(text.as_bytes())
+        .policies
+        .expect("the rendering is a valid file");
+    assert!(same_content(&doc, back.document()));
 }

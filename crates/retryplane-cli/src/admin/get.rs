@@ -1,10 +1,12 @@
 //! `retryplane get [--version N]`: the current (or a past) version.
 //!
 //! `--output yaml` (the default) prints it as a policy file, ready for `validate`, an edit and
-//! `apply`. `--output json` prints one object: the version's metadata (`version`,
-//! `content_hash`, `source`, `author`, `created_unix_ms`, `created`, `summary`,
+//! `apply` (one line an endpoint when block style would be over a file's size limit; a warning
+//! on stderr when even that is). `--output json` prints one object: the version's metadata
+//! (`version`, `content_hash`, `source`, `author`, `created_unix_ms`, `created`, `summary`,
 //! `rolled_back_from`) and `policies`, the document (see `json::document` for its shape).
 
+use retryplane_policy::yaml::MAX_FILE_BYTES;
 use serde_json::Value;
 
 use super::client::Client;
@@ -76,6 +78,17 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
                 let mut yaml = response.yaml;
                 if !yaml.is_empty() && !yaml.ends_with('\n') {
                     yaml.push('\n');
+                }
+                // The control plane renders a version within the limit when it can (one line
+                // an endpoint); a document sent through the API, or a file's aliases written
+                // out, may still be over it.
+                if yaml.len() > MAX_FILE_BYTES {
+                    output::note(format_args!(
+                        "retryplane: warning: this version is {} bytes as a policy file, over the \
+                         {MAX_FILE_BYTES} bytes a policy file may be: `validate`, `apply` and \
+                         the control plane's file mode refuse it as it is",
+                        yaml.len()
+                    ));
                 }
                 yaml
             }
