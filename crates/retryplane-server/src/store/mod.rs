@@ -252,6 +252,22 @@ pub enum StoreError {
         #[source]
         source: std::io::Error,
     },
+    /// The store's file was deleted, or another file put at its path, while the store was
+    /// open: what it took would go into a file nothing can open again, and be lost at the next
+    /// start. Reads go on from the open file; nothing is stored until a restart.
+    #[error(
+        "the store file {} was deleted or replaced while the control plane ran: no change is \
+         stored until it restarts on the file now at that path (this process still holds the \
+         old file open; if the removal was a mistake, copy it from /proc/{pid}/fd before the \
+         restart)",
+        path.display()
+    )]
+    FileReplaced {
+        /// The store's file.
+        path: PathBuf,
+        /// This process's id, where the old file can still be read.
+        pid: u32,
+    },
     /// The storage backend failed (I/O error, failed commit, ...).
     #[error("the version store backend failed")]
     Backend(#[source] Box<dyn std::error::Error + Send + Sync + 'static>),

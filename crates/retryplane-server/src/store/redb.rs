@@ -45,6 +45,14 @@
 //! from somewhere else (a truncated copy), and starting a new store in it would hide that the
 //! history is gone and hand agents version 1 again.
 //!
+//! # A file deleted or replaced under a running store
+//!
+//! redb goes on writing to the file it opened, even once it is deleted: a version published
+//! then would be acknowledged and lost at the next start. So a publish first checks that the
+//! store's path still names that file (device and inode) and otherwise fails with
+//! [`StoreError::FileReplaced`], which says how to keep the old file's versions. Reads go on
+//! from the open file.
+//!
 //! # After an I/O error
 //!
 //! When a commit fails on the disk (a full disk, say), redb refuses every later call with
@@ -159,6 +167,25 @@ struct Slot {
     /// Why the store is failing, once a call has needed a reopen: what the calls refused until
     /// the next reopen carry.
     failing: Option<Arc<StoreError>>,
+    /// The file the database was opened on, when known: a publish checks that the store's path
+    /// still names it ([`RedbStore::check_file`]).
+    file: Option<FileId>,
+}
+
+/// A file's identity: its device and inode numbers.
+type FileId = (u64, u64);
+
+/// The identity of the file at `path` (links followed); `None` where the platform has none.
+#[cfg(unix)]
+fn file_id(path: &Path) -> std::io::Result<Option<FileId>> {
+    use std::os::unix::fs::MetadataExt as _;
+    std::fs::metadata(path).map(|m| Some((m.dev(), m.ino())))
+}
+
+/// The identity of the file at `path` (links followed); `None` where the platform has none.
+#[cfg(not(unix))]
+fn file_id(path: &Path) -> std::io::Result<Option<FileId>> {
+    std::fs::metadata(path).map(|_| None)
 }
 
 /// The error of a call while the store is failing after an I/O error: the reopen that failed,
@@ -222,12 +249,14 @@ impl RedbStore {
         }
         refuse_blank(&path)?;
         let db = open_db(&path).map_err(|error| open_error(dir, &path, error))?;
+        let file = file_id(&path).ok().flatten();
         let store = Self {
             db: RwLock::new(Slot {
                 db: Some(db),
                 generation: 0,
                 reopened_at: None,
                 failing: None,
+                file,
             }),
             path,
             dir: dir.to_owned(),
@@ -275,6 +304,28 @@ impl RedbStore {
         }
     }
 
+    /// Fails with [`StoreError::FileReplaced`] when the store's path no longer names the file
+    /// the database is open on (deleted, or another file put there): a commit would go into a
+    /// file no later start opens. A check that cannot tell (the path cannot be read for another
+    /// reason) lets the write go on, and the write says what is wrong.
+    fn check_file(&self) -> Result<(), StoreError> {
+        let opened = self.db.read().unwrap_or_else(PoisonError::into_inner).file;
+        let Some(opened) = opened else {
+            return Ok(());
+        };
+        let replaced = match file_id(&self.path) {
+            Ok(now) => now != Some(opened),
+            Err(error) => error.kind() == std::io::ErrorKind::NotFound,
+        };
+        if replaced {
+            return Err(StoreError::FileReplaced {
+                path: self.path.clone(),
+                pid: std::process::id(),
+            });
+        }
+        Ok(())
+    }
+
     /// Closes and opens the database again, unless another call did since `seen`, or a reopen
     /// was tried less than [`REOPEN_INTERVAL`] ago (then fails with why the store is failing).
     /// `previous_io` is the error that made the caller ask, if the database was open.
@@ -310,6 +361,7 @@ impl RedbStore {
             Ok(db) => {
                 slot.db = Some(db);
                 slot.failing = None;
+                slot.file = file_id(&self.path).ok().flatten();
                 Ok(())
             }
             Err(error) => {
@@ -370,6 +422,7 @@ impl VersionStore for RedbStore {
     }
 
     fn publish(&self, new: NewVersion, expected: Option<u64>) -> Result<Published, StoreError> {
+        self.check_file()?;
         let encoded = new.document.encode_to_vec();
         // A call redb refused before committing anything may run twice (see `run`).
         self.run(|db| publish_in(db, &new, &encoded, expected))

@@ -402,6 +402,60 @@ fn a_store_opens_on_a_full_disk_and_serves_what_it_holds() {
     drop(disk);
 }
 
+/// The store's file deleted (a cleanup script, a restore done under a running control plane):
+/// a publish would go into a file no later start opens, and be lost. Refused, saying so; reads
+/// go on. The same for another file put at the path.
+#[cfg(unix)]
+#[test]
+fn a_store_whose_file_was_deleted_or_replaced_stores_nothing_more() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = RedbStore::open(dir.path()).unwrap();
+    assert_eq!(publish_new(&store, "a"), 1);
+    let path = dir.path().join("retryplane.redb");
+    std::fs::remove_file(&path).unwrap();
+    let refused = store
+        .publish(version_of("b", Source::File), None)
+        .unwrap_err();
+    assert!(
+        matches!(&refused, StoreError::FileReplaced { path: p, .. } if *p == path),
+        "{refused:?}"
+    );
+    assert!(
+        refused.to_string().contains("deleted or replaced"),
+        "{refused}"
+    );
+    assert_eq!(store.current().unwrap().unwrap().meta.version, 1);
+    std::fs::write(&path, b"another file").unwrap();
+    let refused = store
+        .publish(version_of("b", Source::File), None)
+        .unwrap_err();
+    assert!(
+        matches!(refused, StoreError::FileReplaced { .. }),
+        "{refused:?}"
+    );
+    assert_eq!(store.history(0, None).unwrap().len(), 1);
+}
+
+/// A store reached through a symbolic link (the data directory's file linked to a volume) is
+/// the file the link leads to: publishes go on.
+#[cfg(unix)]
+#[test]
+fn a_store_behind_a_link_is_checked_by_the_file_it_leads_to() {
+    let dir = tempfile::tempdir().unwrap();
+    let elsewhere = tempfile::tempdir().unwrap();
+    {
+        let store = RedbStore::open(elsewhere.path()).unwrap();
+        assert_eq!(publish_new(&store, "a"), 1);
+    }
+    std::os::unix::fs::symlink(
+        elsewhere.path().join("retryplane.redb"),
+        dir.path().join("retryplane.redb"),
+    )
+    .unwrap();
+    let store = RedbStore::open(dir.path()).unwrap();
+    assert_eq!(publish_new(&store, "b"), 2);
+}
+
 #[tokio::test(start_paused = true)]
 async fn writes_work_again_once_a_full_disk_has_room() {
     let dir = tempfile::tempdir().unwrap();
