@@ -112,8 +112,9 @@ const HELD_POLL: Duration = Duration::from_secs(1);
 
 /// The longest events keep a read waiting for a quiet period: other files written in a watched
 /// directory more often than [`DEBOUNCE`] (a log, another program's data) would otherwise hold
-/// every reload, the rescan's included, for as long as they go on.
-pub const MAX_QUIET_WAIT: Duration = Duration::from_secs(1);
+/// every reload, the rescan's included, for as long as they go on. Short of a second, so that
+/// a save is published within one even then (the wait, the read and the apply).
+pub const MAX_QUIET_WAIT: Duration = Duration::from_millis(700);
 
 /// The watcher's timings.
 #[derive(Clone, Copy, Debug)]
