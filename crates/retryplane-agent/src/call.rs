@@ -229,6 +229,7 @@ impl Endpoint {
             attempt,
             NoReauth,
             AlwaysReady,
+            KeepAsIs,
         )
     }
 
@@ -249,7 +250,15 @@ impl Endpoint {
         F: FnMut(AttemptInfo) -> Fut,
         Fut: Future<Output = Result<T, E>>,
     {
-        self.call_reauth(Now, meta, classify, attempt, NoReauth, AlwaysReady)
+        self.call_reauth(
+            Now,
+            meta,
+            classify,
+            attempt,
+            NoReauth,
+            AlwaysReady,
+            KeepAsIs,
+        )
     }
 
     /// [`Endpoint::call`] with a once-only credential refresh (SPEC §2, "Agent extras"): the
@@ -335,6 +344,7 @@ impl Endpoint {
                 _future: std::marker::PhantomData,
             },
             AlwaysReady,
+            KeepAsIs,
         )
     }
 
@@ -357,7 +367,7 @@ impl Endpoint {
         clippy::too_many_arguments,
         reason = "crate-private; each hook is a type parameter so that a call without it pays nothing"
     )]
-    pub(crate) fn call_reauth<T, E, C, F, Fut, A, S, R>(
+    pub(crate) fn call_reauth<T, E, C, F, Fut, A, S, R, K>(
         &self,
         start: S,
         meta: CallMeta<'_>,
@@ -365,6 +375,7 @@ impl Endpoint {
         mut attempt: F,
         mut reauth: A,
         mut ready: R,
+        mut keep: K,
     ) -> impl Future<Output = Result<T, CallError<T, E>>>
     where
         C: FnMut(&Result<T, E>) -> Classification,
@@ -373,6 +384,7 @@ impl Endpoint {
         A: Reauth<T, E>,
         S: Start,
         R: Ready<E>,
+        K: Keep<T>,
     {
         async move {
             // The call's start, from which its deadline runs, its first attempt's, and the one
@@ -451,6 +463,12 @@ impl Endpoint {
                         first.settle();
                         Counters::inc(&c.attempts);
                         Counters::inc(&c.retries);
+                        // The retry goes out: the kept answer lets go of what it holds. (Not
+                        // before: a call the deadline or the breaker ends here returns it
+                        // whole.)
+                        if let Some(Last::Response(kept)) = &mut last {
+                            keep.before_next(kept);
+                        }
                     }
                     let info = AttemptInfo {
                         number: plan.number,
@@ -608,13 +626,31 @@ impl Endpoint {
                     from: now,
                     pause,
                 };
-                match cancel {
-                    None => tokio::time::sleep(pause).await,
-                    Some(cancel) => tokio::select! {
-                        biased;
-                        () = cancel.cancelled() => break End::Fail(Cause::Cancelled, last, last_outcome),
-                        () = tokio::time::sleep(pause) => {}
-                    },
+                // The kept answer is looked after meanwhile (see `Keep`); that never ends the
+                // pause.
+                let cancelled = {
+                    let kept = std::future::poll_fn(|cx| {
+                        if let Some(Last::Response(kept)) = &mut last {
+                            keep.poll_paused(kept, cx);
+                        }
+                        std::task::Poll::<()>::Pending
+                    });
+                    match cancel {
+                        None => tokio::select! {
+                            biased;
+                            () = tokio::time::sleep(pause) => false,
+                            () = kept => false,
+                        },
+                        Some(cancel) => tokio::select! {
+                            biased;
+                            () = cancel.cancelled() => true,
+                            () = tokio::time::sleep(pause) => false,
+                            () = kept => false,
+                        },
+                    }
+                };
+                if cancelled {
+                    break End::Fail(Cause::Cancelled, last, last_outcome);
                 }
                 now = Instant::now();
             };
@@ -900,6 +936,31 @@ enum Resend<T, E> {
     Kept(Result<T, E>),
     /// The second answer (or the error getting ready to send it), or its per-try timeout.
     Sent(Result<Result<T, E>, per_try::TimedOut>),
+}
+
+/// What a call does with the failed answer it keeps (its last result, returned if the call
+/// ends before a later attempt answers) between attempts: the tower layer reads on the body
+/// of an answer it could not read whole within its attempt, and lets go of what is still
+/// unread when the next attempt starts, so that the kept answer does not hold a connection or
+/// an HTTP/2 stream the retry needs.
+pub(crate) trait Keep<T> {
+    /// Polled through each pause after `kept` came; whatever it does, the pause runs its
+    /// length.
+    fn poll_paused(&mut self, kept: &mut T, cx: &mut std::task::Context<'_>);
+    /// Called as the next attempt starts, once the engine has started it (a call the deadline
+    /// or the breaker ends first returns the answer as it is).
+    fn before_next(&mut self, kept: &mut T);
+}
+
+/// Keeps an answer as it is: [`Endpoint::call`]'s answers are the caller's own values.
+pub(crate) struct KeepAsIs;
+
+impl<T> Keep<T> for KeepAsIs {
+    #[inline]
+    fn poll_paused(&mut self, _: &mut T, _: &mut std::task::Context<'_>) {}
+
+    #[inline]
+    fn before_next(&mut self, _: &mut T) {}
 }
 
 /// A once-only step between an attempt's answer and the policy's judgement of it: an answer

@@ -247,3 +247,105 @@ async fn a_second_401_after_the_refresh_is_handed_over_unread() {
     assert_eq!(http_body::Body::size_hint(response.body()).lower(), 0);
     assert_eq!(counts.requests.load(Ordering::SeqCst), 2);
 }
+
+/// The body `busy`, in two parts: `bu` at once, `sy` `gap` later.
+fn two_parts(gap: Duration) -> TestBody {
+    let (tx, rx) = tokio::sync::mpsc::channel(2);
+    tokio::spawn(async move {
+        let _ = tx.send(Ok(Frame::data(Bytes::from_static(b"bu")))).await;
+        tokio::time::sleep(gap).await;
+        let _ = tx.send(Ok(Frame::data(Bytes::from_static(b"sy")))).await;
+    });
+    StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx)).boxed()
+}
+
+/// A server whose first `failures` answers are `503` with a body of two parts, the second
+/// `gap` after the head (an error body behind a slow upstream, or a delayed ACK), then
+/// `200 ok`.
+async fn late_body_server(failures: u32, gap: Duration) -> (String, Counts) {
+    serve(move |n| {
+        if n >= failures {
+            let body = Full::new(Bytes::from_static(b"ok")).boxed();
+            return http::Response::builder().status(200).body(body).unwrap();
+        }
+        http::Response::builder()
+            .status(503)
+            .body(two_parts(gap))
+            .unwrap()
+    })
+    .await
+}
+
+#[tokio::test]
+async fn a_failed_answer_whose_body_ends_after_the_attempt_is_read_in_the_pause() {
+    // The body's end comes 40 ms after its head, after the attempt's 20 ms read of it, and
+    // within the 100 ms pause: read then, it frees the connection for the retry. (Before, it
+    // was kept unread through the pause and each retry opened a new connection.)
+    let (url, counts) = late_body_server(2, Duration::from_millis(40)).await;
+    let agent = support::agent(&support::policy(
+        "max_attempts: 3\nbackoff: {base: 100ms, max: 100ms, jitter: none}",
+    ));
+    let (response, body) = get(&agent, &url).await;
+    assert_eq!(response.status(), 200);
+    assert_eq!(body, "ok");
+    assert_eq!(counts.requests.load(Ordering::SeqCst), 3);
+    assert_eq!(counts.connections.load(Ordering::SeqCst), 1);
+}
+
+/// An HTTP/2 server on 127.0.0.1:0 that takes one stream at a time, whose first answer is a
+/// `503` whose body stops after 2 bytes for 5 s, then `200 ok`.
+async fn one_stream_h2_server() -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/v1/items", listener.local_addr().unwrap());
+    let requests = Arc::new(AtomicU32::new(0));
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                return;
+            };
+            let requests = requests.clone();
+            let service = service_fn(move |_req: http::Request<hyper::body::Incoming>| {
+                let response = if requests.fetch_add(1, Ordering::SeqCst) == 0 {
+                    let body = two_parts(Duration::from_secs(5));
+                    http::Response::builder().status(503).body(body)
+                } else {
+                    let body = Full::new(Bytes::from_static(b"ok")).boxed();
+                    http::Response::builder().status(200).body(body)
+                };
+                async move { Ok::<_, Infallible>(response.unwrap()) }
+            });
+            tokio::spawn(
+                hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                    .max_concurrent_streams(1)
+                    .serve_connection(TokioIo::new(stream), service),
+            );
+        }
+    });
+    url
+}
+
+#[tokio::test]
+async fn over_http2_the_kept_answer_does_not_hold_the_stream_its_retry_needs() {
+    // The retry goes out once the answer's body is let go: it gets the server's only stream
+    // and is answered. (Before, the kept 503 held that stream through the retry, which timed
+    // out waiting for it: two attempts, and the call failed.)
+    let url = one_stream_h2_server().await;
+    let agent = support::agent(&support::policy(
+        "max_attempts: 2\nper_try_timeout: 1s\nbackoff: {base: 10ms, max: 10ms, jitter: none}",
+    ));
+    let client = Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .build(HttpConnector::new());
+    let request = http::Request::builder()
+        .uri(&url)
+        .body(Full::<Bytes>::default())
+        .unwrap();
+    let layer = RetryLayer::new(agent.endpoint("ep")).layer(client);
+    let response = tokio::time::timeout(WAIT, layer.oneshot(request))
+        .await
+        .expect("the call ends")
+        .expect("an answer");
+    assert_eq!(response.status(), 200);
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(body, "ok");
+}

@@ -347,6 +347,91 @@ where
     http::Response::from_parts(parts, body)
 }
 
+/// What a body cut by [`ResponseBody::cut_unread`] ends with, after the bytes read.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "the rest of this answer's body was not read: the call sent its next attempt, and let the \
+     connection go"
+)]
+pub struct LeftUnread;
+
+impl<B> ResponseBody<B>
+where
+    B: Body,
+    B::Data: Buf,
+    B::Error: Into<BoxError>,
+{
+    /// Reads on into memory what has come of a body read in part, up to `limit` bytes in all
+    /// (the part read counts): each frame as it comes, so that the read may stop between any
+    /// two polls and lose nothing. The whole body read becomes one in memory (the upstream's
+    /// body, and with it its connection, let go). Registers for a wake-up only while there is
+    /// more to read within the limit.
+    pub(crate) fn poll_read_on(&mut self, limit: usize, cx: &mut Context<'_>) {
+        loop {
+            let ResponseInner::Streaming { prefix, rest } = &mut self.inner else {
+                return;
+            };
+            if prefix.iter().map(Bytes::len).sum::<usize>() >= limit {
+                return;
+            }
+            let frame = match rest.as_mut().poll_frame(cx) {
+                Poll::Pending => return,
+                Poll::Ready(frame) => frame,
+            };
+            match frame {
+                Some(Ok(frame)) => match frame.into_data() {
+                    Ok(mut data) => {
+                        let chunk = data.copy_to_bytes(data.remaining());
+                        if !chunk.is_empty() {
+                            prefix.push_back(chunk);
+                        }
+                    }
+                    // Trailers end a body.
+                    Err(frame) => {
+                        let data = concat(std::mem::take(prefix));
+                        *self = Self::full(data, frame.into_trailers().ok());
+                    }
+                },
+                Some(Err(e)) => {
+                    let prefix = std::mem::take(prefix);
+                    *self = Self::failed(prefix, e.into());
+                }
+                None => {
+                    let data = concat(std::mem::take(prefix));
+                    *self = Self::full(data, None);
+                }
+            }
+        }
+    }
+
+    /// Lets go of what is left unread of a body read in part (and with it the upstream's
+    /// connection or stream): the bytes read stay, followed by [`LeftUnread`]. A body read
+    /// whole is left as it is.
+    pub(crate) fn cut_unread(&mut self) {
+        if let ResponseInner::Streaming { prefix, rest } = &mut self.inner
+            && !rest.is_end_stream()
+        {
+            let prefix = std::mem::take(prefix);
+            *self = Self::failed(prefix, Box::new(LeftUnread));
+        }
+    }
+}
+
+/// `chunks` as one buffer.
+fn concat(chunks: VecDeque<Bytes>) -> Bytes {
+    match chunks.len() {
+        0 => Bytes::new(),
+        1 => chunks.into_iter().next().unwrap_or_default(),
+        _ => {
+            let mut all = bytes::BytesMut::with_capacity(chunks.iter().map(Bytes::len).sum());
+            for chunk in chunks {
+                all.extend_from_slice(&chunk);
+            }
+            all.freeze()
+        }
+    }
+}
+
 /// What [`ResponseBody::read_whole`] found: the whole body, or the body to hand back as it is.
 pub(crate) type Whole<B> = Result<(Bytes, Option<HeaderMap>), ResponseBody<B>>;
 
@@ -496,5 +581,84 @@ mod tests {
         let response = http::Response::new(Full::new(Bytes::from_static(b"busy")));
         let read = read_failed(response, 64, later()).await.into_body();
         assert_eq!(read.read_whole(4, later()).await.ok().unwrap().0, "busy");
+    }
+
+    /// `body` read on in one poll, as a pause does.
+    fn read_on<B>(body: &mut ResponseBody<B>, limit: usize)
+    where
+        B: Body,
+        B::Data: Buf,
+        B::Error: Into<BoxError>,
+    {
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        body.poll_read_on(limit, &mut cx);
+    }
+
+    #[tokio::test]
+    async fn a_body_read_in_part_is_read_on_to_its_end_and_let_go() {
+        let response = http::Response::new(chunks(&["abc", "de", "fgh"]));
+        let mut read = read_failed(response, 4, later()).await.into_body();
+        read_on(&mut read, 64);
+        assert!(matches!(read.inner, ResponseInner::Full { .. }), "{read:?}");
+        // Nothing left to let go of: the whole body stays.
+        read.cut_unread();
+        assert_eq!(all(read).await, "abcdefgh");
+    }
+
+    #[tokio::test]
+    async fn reading_on_stops_at_the_limit_and_the_unread_rest_is_cut_after_the_bytes_read() {
+        let response = http::Response::new(chunks(&["abc", "de", "fgh", "ij"]));
+        let mut read = read_failed(response, 2, later()).await.into_body();
+        read_on(&mut read, 5);
+        let ResponseInner::Streaming { prefix, .. } = &read.inner else {
+            panic!("the limit stops the read: {read:?}");
+        };
+        assert_eq!(prefix.len(), 2);
+        read.cut_unread();
+        let mut read = std::pin::pin!(read);
+        let mut got = Vec::new();
+        let error = loop {
+            match read.frame().await {
+                Some(Ok(frame)) => got.extend_from_slice(&frame.into_data().unwrap()),
+                Some(Err(e)) => break e,
+                None => panic!("a cut body ends with an error"),
+            }
+        };
+        assert_eq!(got, b"abcde");
+        assert!(error.is::<LeftUnread>(), "{error}");
+    }
+
+    #[tokio::test]
+    async fn trailers_and_errors_read_on_end_the_body_as_they_would() {
+        let frames: Vec<Result<Frame<Bytes>, BoxError>> = vec![
+            Ok(Frame::data(Bytes::from_static(b"ab"))),
+            Ok(Frame::data(Bytes::from_static(b"cd"))),
+            Ok(Frame::trailers(HeaderMap::new())),
+        ];
+        let response = http::Response::new(StreamBody::new(tokio_stream::iter(frames)));
+        let mut read = read_failed(response, 1, later()).await.into_body();
+        read_on(&mut read, 64);
+        let collected = read.collect().await.unwrap();
+        assert!(collected.trailers().is_some());
+        assert_eq!(collected.to_bytes(), "abcd");
+
+        let frames: Vec<Result<Frame<Bytes>, BoxError>> = vec![
+            Ok(Frame::data(Bytes::from_static(b"ab"))),
+            Ok(Frame::data(Bytes::from_static(b"cd"))),
+            Err("reset".into()),
+        ];
+        let response = http::Response::new(StreamBody::new(tokio_stream::iter(frames)));
+        let mut read = read_failed(response, 1, later()).await.into_body();
+        read_on(&mut read, 64);
+        assert!(
+            matches!(read.inner, ResponseInner::Failed { .. }),
+            "{read:?}"
+        );
+        let mut read = std::pin::pin!(read);
+        let mut got = Vec::new();
+        while let Some(Ok(frame)) = read.frame().await {
+            got.extend_from_slice(&frame.into_data().unwrap());
+        }
+        assert_eq!(got, b"abcd");
     }
 }

@@ -21,7 +21,7 @@ use super::body::{Buffered, ReplayBody, ResponseBody, buffer, read_failed};
 use super::dedup::{Dedup, Landing, Leader, Role, SharedResponse};
 use super::grpc::{call_meta, grpc_timeout, is_grpc, set_grpc_timeout};
 use super::{BoxError, DEFAULT_BODY_LIMIT, GaveUp, ResponseFuture, RetryError, lock};
-use crate::call::{Begun, Endpoint, NoReauth};
+use crate::call::{Begun, Endpoint, Keep, KeepAsIs, NoReauth};
 use crate::classify::{Classification, Classify as _, classify_boxed, tonic_timeout_in_chain};
 use crate::error::{CallError, Cause, Last};
 use crate::meta::{AttemptInfo, CallMeta};
@@ -475,13 +475,13 @@ where
             let ready = ReadyShared::new(inner);
             let Some(hook) = &settings.refresh else {
                 return endpoint
-                    .call_reauth(begun, meta, classify, attempt, NoReauth, ready)
+                    .call_reauth(begun, meta, classify, attempt, NoReauth, ready, ReadOn)
                     .await
                     .or_else(gave_up);
             };
             let mut reauth = HttpReauth::new(&**hook, head, refresh_used);
             let result = endpoint
-                .call_reauth(begun, meta, classify, attempt, &mut reauth, ready)
+                .call_reauth(begun, meta, classify, attempt, &mut reauth, ready, ReadOn)
                 .await
                 .or_else(gave_up);
             match (result, reauth.error) {
@@ -521,7 +521,15 @@ where
                 }
             };
             endpoint
-                .call_reauth(begun, meta, classify, attempt, NoReauth, AlwaysReady)
+                .call_reauth(
+                    begun,
+                    meta,
+                    classify,
+                    attempt,
+                    NoReauth,
+                    AlwaysReady,
+                    KeepAsIs,
+                )
                 .await
                 .or_else(gave_up)
         }
@@ -794,6 +802,29 @@ where
             read_failed(response, FAILED_BODY_LIMIT, until).await
         }
         _ => response.map(ResponseBody::passthrough),
+    }
+}
+
+/// What the layer does with the failed answer a call keeps between attempts ([`Keep`]): it
+/// reads on, during the pause, the body [`read_if_failed`] could not read whole within its
+/// attempt (up to [`FAILED_BODY_LIMIT`] in all), and when the next attempt starts lets go of
+/// whatever is still unread (the bytes read stay, then an error says the rest was left). A
+/// body whose end comes late (an error body behind a delayed ACK, a slow upstream) so still
+/// frees its HTTP/1 connection for the retry, and a kept answer never holds the HTTP/2 stream
+/// the retry waits for.
+struct ReadOn;
+
+impl<RB> Keep<Response<ResponseBody<RB>>> for ReadOn
+where
+    RB: Body,
+    RB::Error: Into<BoxError>,
+{
+    fn poll_paused(&mut self, kept: &mut Response<ResponseBody<RB>>, cx: &mut Context<'_>) {
+        kept.body_mut().poll_read_on(FAILED_BODY_LIMIT, cx);
+    }
+
+    fn before_next(&mut self, kept: &mut Response<ResponseBody<RB>>) {
+        kept.body_mut().cut_unread();
     }
 }
 

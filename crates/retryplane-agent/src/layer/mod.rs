@@ -92,9 +92,13 @@
 //!   credential-refresh hook that has not run yet in the call, a 401 (whatever the method or
 //!   attempt). A call keeps its last failure through the pause and the next attempt, and a
 //!   body left unread there would hold its connection, so that an HTTP/1 client opened a new
-//!   connection for every retry to an upstream that was already failing. The caller gets the
-//!   same bytes; a larger or slower body gives the part read, then the rest as it comes. Any
-//!   other answer is passed on as it comes. (The budget, the breaker and the deadline are
+//!   connection for every retry to an upstream that was already failing. A body not read
+//!   whole then is read on during the pause (up to the same 64 KiB), and what is still unread
+//!   when the next attempt starts is let go, so that the kept answer holds neither the HTTP/1
+//!   connection nor the HTTP/2 stream the retry may need. The caller gets the same bytes; a
+//!   larger or slower body gives the part read, then the rest as it comes, or, if it was let
+//!   go, then a [`LeftUnread`] error (only a call that ends before its next attempt answers,
+//!   cancelled, returns such an answer). Any other answer is passed on as it comes. (The budget, the breaker and the deadline are
 //!   asked only once the answer is judged: an answer they then keep from being sent again was
 //!   read all the same.)
 //! - A call that gives up with a response returns that response, with a [`GaveUp`] in its
@@ -242,7 +246,7 @@ fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 pub use auth::{RefreshCredentials, RefreshFailed};
-pub use body::{ReplayBody, ResponseBody};
+pub use body::{LeftUnread, ReplayBody, ResponseBody};
 
 /// The response body of a client with de-duplication on, under its earlier name: it is the
 /// [`ResponseBody`] every client the layer wraps now returns.
