@@ -209,6 +209,12 @@ impl Endpoint {
     /// when the attempt's timeout passes. Returns the first success, or a [`CallError`] with
     /// the cause and the last attempt's response or error.
     ///
+    /// A failed answer is kept, as the attempt returned it, through the pause and the next
+    /// attempt (it is returned if the call ends before a later answer). An HTTP response whose
+    /// body is still unread holds its connection meanwhile, so the retry opens another: read a
+    /// failed answer's body inside the attempt, or call through the tower layer
+    /// ([`crate::layer::RetryLayer`]), which does.
+    ///
     /// (Not an `async fn`: it hands back the one future that runs the call, so the call's state
     /// is not wrapped, moved and polled through two more layers on every call.)
     pub fn call<T, E, F, Fut>(
