@@ -389,7 +389,7 @@ impl AgentStreamService {
             implausible_warned: false,
             bucket: ReportBucket::default(),
             held_acks: VecDeque::new(),
-            earlier_from: None,
+            earlier_pushes: VecDeque::new(),
             heartbeat: life.map(|life| {
                 let interval = Duration::from_millis(self.ctx.publisher.metrics_interval_ms());
                 Heartbeat {
@@ -475,14 +475,13 @@ struct AgentStream {
     /// Answers to numbered metrics reports not yet queued on the body, oldest first (see
     /// [`AgentStream::send`]).
     held_acks: VecDeque<pb::MetricsAck>,
-    /// The version of the oldest push sent before the last one that still waits for an
-    /// answer, while the last one waits too: a late ACK of a push from it up to the last one
-    /// (exclusive) is no answer to the last push, but says what the agent runs (it may then
-    /// refuse the last one). A range, not a list: this control plane's pushes on one stream go
-    /// up in version, and their nonces follow from their versions
-    /// ([`Publisher::is_nonce_of`]), so however many pushes an agent is behind on, a late
-    /// answer to any of them is known.
-    earlier_from: Option<u64>,
+    /// The versions of the pushes sent before the last one that still wait for an answer,
+    /// oldest first, while the last one waits too, at most [`MAX_EARLIER_PUSHES`]: a late ACK
+    /// of one is no answer to the last push, but says what the agent runs (it may then refuse
+    /// the last one). Versions only: a push's nonce follows from its version
+    /// ([`Publisher::is_nonce_of`]). Only pushes sent count: a version published while the
+    /// stream had no room, and skipped, was never the agent's to run.
+    earlier_pushes: VecDeque<u64>,
     /// For an agent that sends heartbeats: what the stream has heard of it, and when to send
     /// and to give up.
     heartbeat: Option<Heartbeat>,
@@ -520,6 +519,11 @@ impl Heartbeat {
         ))
     }
 }
+
+/// See [`AgentStream::earlier_pushes`]: an agent this many pushes behind on one stream, all
+/// unanswered, is not one that answers the oldest of them later. (Versions only: 2 KiB at most
+/// a stream.)
+const MAX_EARLIER_PUSHES: usize = 256;
 
 /// Resolves at `at`; never when `None`.
 async fn sleep_until_some(at: Option<Instant>) {
@@ -670,8 +674,11 @@ impl AgentStream {
                 if let Err(end) = self.send(&mut io, snap.frame()).await {
                     break end;
                 }
-                if self.sent_nonce.take().is_some() && self.earlier_from.is_none() {
-                    self.earlier_from = Some(self.known_version);
+                if self.sent_nonce.take().is_some() {
+                    if self.earlier_pushes.len() == MAX_EARLIER_PUSHES {
+                        self.earlier_pushes.pop_front();
+                    }
+                    self.earlier_pushes.push_back(self.known_version);
                 }
                 self.known_version = snap.version;
                 self.known_hash.clone_from(&snap.content_hash);
@@ -794,24 +801,23 @@ impl AgentStream {
         let first = self.sent_nonce.as_deref() == Some(nonce) && version == self.known_version;
         if first {
             self.sent_nonce = None;
-            self.earlier_from = None;
+            self.earlier_pushes.clear();
         }
         first
     }
 
     /// Whether `nonce` and `version` name a push sent before the last one and not answered
-    /// yet ([`AgentStream::earlier_from`]). If so, it and the pushes older than it are moot
+    /// yet ([`AgentStream::earlier_pushes`]). If so, it and the pushes older than it are moot
     /// from now on: an agent answers its pushes in order.
     fn answers_earlier_push(&mut self, nonce: &str, version: u64) -> bool {
-        let earlier = self.sent_nonce.is_some()
-            && self
-                .earlier_from
-                .is_some_and(|from| (from..self.known_version).contains(&version))
-            && self.ctx.publisher.is_nonce_of(nonce, version);
-        if earlier {
-            self.earlier_from = version.checked_add(1);
+        let at = self.earlier_pushes.iter().position(|v| *v == version);
+        match at {
+            Some(at) if self.ctx.publisher.is_nonce_of(nonce, version) => {
+                self.earlier_pushes.drain(..=at);
+                true
+            }
+            _ => false,
         }
-        earlier
     }
 
     /// Whether the agent should get `snap`: another version, or the same number with other

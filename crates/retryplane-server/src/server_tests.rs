@@ -1114,6 +1114,88 @@ async fn a_late_hello_of_a_stream_the_agent_gave_up_does_not_replace_its_next_on
     running.shutdown().await.unwrap();
 }
 
+/// The fleet's record of what `agent_id` runs.
+fn applied_version(running: &Running, agent_id: &str) -> Option<u64> {
+    running
+        .control()
+        .fleet
+        .status()
+        .into_iter()
+        .find(|s| s.agent_id == agent_id)
+        .map(|s| s.applied_version)
+}
+
+/// Two versions published at once (a stream wakes once for both, on this one-thread runtime):
+/// the stream sends the later only. A late ACK of the one it skipped, with the nonce this
+/// control plane would have given it, is no answer: the agent never had it to run. A late ACK
+/// of the push it did send says what the agent runs.
+#[tokio::test]
+async fn a_late_ack_counts_only_for_a_push_the_stream_sent() {
+    let (_dir, cfg) = with_file(V1);
+    let running = start(cfg).await.unwrap();
+    let hello = pb::AgentMessage {
+        kind: Some(Kind::Hello(pb::Hello {
+            agent_id: "a-1".to_owned(),
+            service: "checkout".to_owned(),
+            instance_id: 7,
+            ..Default::default()
+        })),
+    };
+    let (tx, mut inbound) = open_stream(running.agent_addr, hello, None).await.unwrap();
+    let first = tokio::time::timeout(SHUTDOWN_GRACE, inbound.message())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap()
+        .decode_snapshot()
+        .unwrap()
+        .unwrap();
+    assert_eq!(first.version, 1);
+    let publisher = &running.control().publisher;
+    let current = running
+        .control()
+        .blocking(|s| s.current())
+        .await
+        .unwrap()
+        .unwrap();
+    let version = |v: u64| crate::store::VersionRecord {
+        meta: crate::store::VersionMeta {
+            version: v,
+            content_hash: format!("{v:064x}"),
+            ..current.meta.clone()
+        },
+        document: current.document.clone(),
+    };
+    publisher.publish_then(&version(2), || {});
+    publisher.publish_then(&version(3), || {});
+    assert_eq!(
+        next_version(&mut inbound).await,
+        3,
+        "the stream sends the latest"
+    );
+    let skipped_nonce = first.nonce.replace("-1", "-2");
+    assert!(publisher.is_nonce_of(&skipped_nonce, 2));
+    let ack = |version: u64, nonce: String| pb::AgentMessage {
+        kind: Some(Kind::Ack(pb::Ack { version, nonce })),
+    };
+    tx.send(ack(2, skipped_nonce)).await.unwrap();
+    tx.send(ack(1, first.nonce.clone())).await.unwrap();
+    // Read in order: once the ACK of v1 shows, the one before it was read.
+    let deadline = tokio::time::Instant::now() + SHUTDOWN_GRACE;
+    while applied_version(&running, "a-1") != Some(1) {
+        assert!(
+            applied_version(&running, "a-1") != Some(2),
+            "listed as running v2, which it was never sent"
+        );
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the ACK of v1 never showed"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    running.shutdown().await.unwrap();
+}
+
 #[tokio::test]
 async fn a_replaced_stream_ends_with_aborted_and_its_message() {
     let (_dir, cfg) = with_file(V1);
