@@ -445,14 +445,29 @@ impl Endpoint {
                     let mut not_ready = None;
                     if pause_before.is_some() && ready.needed() {
                         let breaker = runtime.breaker_for(policy);
-                        let wait = wait_ready(&mut ready, call.deadline(), || refuses_now(breaker));
-                        let readied = match cancel {
-                            None => wait.await,
-                            Some(cancel) => tokio::select! {
-                                biased;
-                                () = cancel.cancelled() => break End::Fail(Cause::Cancelled, last, last_outcome),
-                                r = wait => r,
-                            },
+                        // The kept answer is looked after meanwhile, as in the pause: a body
+                        // read to its end frees the connection the wait may be for.
+                        let readied = {
+                            let wait =
+                                wait_ready(&mut ready, call.deadline(), || refuses_now(breaker));
+                            let tended = tend(kept_response(&mut last), &mut keep);
+                            match cancel {
+                                None => tokio::select! {
+                                    biased;
+                                    r = wait => Some(r),
+                                    () = tended => None,
+                                },
+                                Some(cancel) => tokio::select! {
+                                    biased;
+                                    () = cancel.cancelled() => None,
+                                    r = wait => Some(r),
+                                    () = tended => None,
+                                },
+                            }
+                        };
+                        // (`tended` never ends: only a cancellation gives `None`.)
+                        let Some(readied) = readied else {
+                            break End::Fail(Cause::Cancelled, last, last_outcome);
                         };
                         if let Readied::Failed(e) = readied {
                             not_ready = Some(e);
@@ -507,6 +522,7 @@ impl Endpoint {
                             let resend = Box::pin(self.refresh_and_resend(
                                 &mut reauth,
                                 &mut ready,
+                                &mut keep,
                                 runtime.breaker_for(policy),
                                 &mut attempt,
                                 info,
@@ -635,23 +651,18 @@ impl Endpoint {
                 // The kept answer is looked after meanwhile (see `Keep`); that never ends the
                 // pause.
                 let cancelled = {
-                    let kept = std::future::poll_fn(|cx| {
-                        if let Some(Last::Response(kept)) = &mut last {
-                            keep.poll_paused(kept, cx);
-                        }
-                        std::task::Poll::<()>::Pending
-                    });
+                    let tended = tend(kept_response(&mut last), &mut keep);
                     match cancel {
                         None => tokio::select! {
                             biased;
                             () = tokio::time::sleep(pause) => false,
-                            () = kept => false,
+                            () = tended => false,
                         },
                         Some(cancel) => tokio::select! {
                             biased;
                             () = cancel.cancelled() => true,
                             () = tokio::time::sleep(pause) => false,
-                            () = kept => false,
+                            () = tended => false,
                         },
                     }
                 };
@@ -746,23 +757,27 @@ impl Endpoint {
         clippy::too_many_arguments,
         reason = "a step of `call_reauth`, which hands it its state"
     )]
-    async fn refresh_and_resend<T, E, F, Fut, A, R>(
+    async fn refresh_and_resend<T, E, F, Fut, A, R, K>(
         &self,
         reauth: &mut A,
         ready: &mut R,
+        keep: &mut K,
         breaker: Option<&CircuitBreaker>,
         attempt: &mut F,
         info: AttemptInfo,
         per_try_timeout: std::time::Duration,
         cancel: Option<&CancellationToken>,
-        first_answer: Result<T, E>,
+        mut first_answer: Result<T, E>,
     ) -> Resend<T, E>
     where
         F: FnMut(AttemptInfo) -> Fut,
         Fut: Future<Output = Result<T, E>>,
         A: Reauth<T, E>,
         R: Ready<E>,
+        K: Keep<T>,
     {
+        // `first_answer`, kept until the second send goes out (it stands if none does), is
+        // looked after meanwhile, as a kept failure is in a pause (see `Keep`).
         let cancelled = async {
             match cancel {
                 Some(cancel) => cancel.cancelled().await,
@@ -771,10 +786,17 @@ impl Endpoint {
         };
         tokio::pin!(cancelled);
         let left = info.deadline.saturating_duration_since(Instant::now());
-        let refreshed = tokio::select! {
-            biased;
-            () = &mut cancelled => return Resend::Cancelled,
-            r = tokio::time::timeout(left, reauth.refresh()) => r.unwrap_or(false),
+        let refreshed = {
+            let tended = tend(first_answer.as_mut().ok(), keep);
+            tokio::select! {
+                biased;
+                () = &mut cancelled => None,
+                r = tokio::time::timeout(left, reauth.refresh()) => Some(r.unwrap_or(false)),
+                () = tended => None,
+            }
+        };
+        let Some(refreshed) = refreshed else {
+            return Resend::Cancelled;
         };
         // The second send waits for room below before its timer starts, as a retry does. It
         // keeps its attempt's breaker permit (a half-open probe: its own probe must not stop
@@ -782,10 +804,17 @@ impl Endpoint {
         // since the first send): the first answer then stands. An error getting ready is the
         // second send's failure.
         if refreshed && ready.needed() {
-            let readied = tokio::select! {
-                biased;
-                () = &mut cancelled => return Resend::Cancelled,
-                r = wait_ready(ready, info.deadline, || open_now(breaker)) => r,
+            let readied = {
+                let tended = tend(first_answer.as_mut().ok(), keep);
+                tokio::select! {
+                    biased;
+                    () = &mut cancelled => None,
+                    r = wait_ready(ready, info.deadline, || open_now(breaker)) => Some(r),
+                    () = tended => None,
+                }
+            };
+            let Some(readied) = readied else {
+                return Resend::Cancelled;
             };
             match readied {
                 Readied::Ready | Readied::Late => {}
@@ -950,12 +979,35 @@ enum Resend<T, E> {
 /// unread when the next attempt starts, so that the kept answer does not hold a connection or
 /// an HTTP/2 stream the retry needs.
 pub(crate) trait Keep<T> {
-    /// Polled through each pause after `kept` came; whatever it does, the pause runs its
-    /// length.
+    /// Polled while the call waits with `kept`: its pause, the next attempt's wait for room
+    /// below, a credential refresh before the same attempt is sent again. Whatever it does,
+    /// the wait runs as it would without it.
     fn poll_paused(&mut self, kept: &mut T, cx: &mut std::task::Context<'_>);
     /// Called as the next attempt starts, once the engine has started it (a call the deadline
     /// or the breaker ends first returns the answer as it is).
     fn before_next(&mut self, kept: &mut T);
+}
+
+/// Looks after `kept` (see [`Keep`]) for as long as it is polled; never ends. Nothing to do
+/// without an answer.
+fn tend<'a, T, K: Keep<T>>(
+    mut kept: Option<&'a mut T>,
+    keep: &'a mut K,
+) -> impl Future<Output = ()> + 'a {
+    std::future::poll_fn(move |cx| {
+        if let Some(kept) = kept.as_deref_mut() {
+            keep.poll_paused(kept, cx);
+        }
+        std::task::Poll::Pending
+    })
+}
+
+/// The answer a call keeps, when its last result is one.
+fn kept_response<T, E>(last: &mut Option<Last<T, E>>) -> Option<&mut T> {
+    match last {
+        Some(Last::Response(t)) => Some(t),
+        _ => None,
+    }
 }
 
 /// Keeps an answer as it is: [`Endpoint::call`]'s answers are the caller's own values.

@@ -111,7 +111,18 @@ where
     // Registered with the timer only if a frame is not there at once.
     let sleep = deadline.map(tokio::time::sleep_until);
     tokio::pin!(sleep);
+    let mut frames = 0_u32;
     loop {
+        frames = frames.wrapping_add(1);
+        // A body whose frames are always there (empty ones) must neither hold the thread nor
+        // outlast the deadline: every so many frames, the task gives way if its budget is
+        // spent, and the deadline is looked at.
+        if frames.is_multiple_of(64) {
+            tokio::task::consume_budget().await;
+            if deadline.is_some_and(|deadline| Instant::now() >= deadline) {
+                return Ok(Read::Late(chunks, body));
+            }
+        }
         // The body first: a frame that is ready wins over a deadline that has passed.
         let next = tokio::select! {
             biased;
@@ -131,7 +142,9 @@ where
             Ok(mut data) => {
                 let data = data.copy_to_bytes(data.remaining());
                 len = len.saturating_add(data.len());
-                chunks.push_back(data);
+                if !data.is_empty() {
+                    chunks.push_back(data);
+                }
                 if len > limit {
                     return Ok(Read::Over(chunks, body));
                 }
@@ -347,6 +360,9 @@ where
     http::Response::from_parts(parts, body)
 }
 
+/// The most frames [`ResponseBody::poll_read_on`] takes in one poll.
+const READ_ON_FRAMES_PER_POLL: usize = 64;
+
 /// What a body cut by [`ResponseBody::cut_unread`] ends with, after the bytes read.
 #[derive(Debug, thiserror::Error)]
 #[error(
@@ -367,11 +383,17 @@ where
     /// body, and with it its connection, let go). Registers for a wake-up only while there is
     /// more to read within the limit.
     pub(crate) fn poll_read_on(&mut self, limit: usize, cx: &mut Context<'_>) {
-        loop {
+        let mut read: usize = match &self.inner {
+            ResponseInner::Streaming { prefix, .. } => prefix.iter().map(Bytes::len).sum(),
+            _ => return,
+        };
+        // A body whose frames are always there (empty ones, one byte each) must not hold the
+        // thread: after this many in one poll, the rest waits for the next (woken at once).
+        for _ in 0..READ_ON_FRAMES_PER_POLL {
             let ResponseInner::Streaming { prefix, rest } = &mut self.inner else {
                 return;
             };
-            if prefix.iter().map(Bytes::len).sum::<usize>() >= limit {
+            if read >= limit {
                 return;
             }
             let frame = match rest.as_mut().poll_frame(cx) {
@@ -382,6 +404,7 @@ where
                 Some(Ok(frame)) => match frame.into_data() {
                     Ok(mut data) => {
                         let chunk = data.copy_to_bytes(data.remaining());
+                        read = read.saturating_add(chunk.len());
                         if !chunk.is_empty() {
                             prefix.push_back(chunk);
                         }
@@ -402,6 +425,7 @@ where
                 }
             }
         }
+        cx.waker().wake_by_ref();
     }
 
     /// Lets go of what is left unread of a body read in part (and with it the upstream's
@@ -660,5 +684,80 @@ mod tests {
             got.extend_from_slice(&frame.into_data().unwrap());
         }
         assert_eq!(got, b"abcd");
+    }
+
+    /// A body always ready with an empty data frame, `left` times, then its end; counts its
+    /// polls.
+    struct EmptyFrames {
+        left: u32,
+        polls: std::sync::Arc<std::sync::atomic::AtomicU32>,
+    }
+
+    impl Body for EmptyFrames {
+        type Data = Bytes;
+        type Error = BoxError;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+            self.polls
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            if self.left == 0 {
+                return Poll::Ready(None);
+            }
+            self.left -= 1;
+            Poll::Ready(Some(Ok(Frame::data(Bytes::new()))))
+        }
+    }
+
+    fn empty_frames(left: u32) -> (EmptyFrames, std::sync::Arc<std::sync::atomic::AtomicU32>) {
+        let polls = std::sync::Arc::default();
+        (
+            EmptyFrames {
+                left,
+                polls: std::sync::Arc::clone(&polls),
+            },
+            polls,
+        )
+    }
+
+    #[tokio::test]
+    async fn a_read_of_endless_ready_frames_ends_at_its_deadline_and_keeps_no_empty_chunk() {
+        // Before, a frame that was there always won over the deadline: the read took every
+        // frame (for ever, for a body that never ends), each empty chunk kept.
+        let (body, polls) = empty_frames(1_000_000);
+        let read = read_up_to(Box::pin(body), 64, Some(Instant::now())).await;
+        let Ok(Read::Late(chunks, _)) = read else {
+            panic!("the deadline ends the read");
+        };
+        assert!(chunks.is_empty());
+        assert!(polls.load(std::sync::atomic::Ordering::Relaxed) <= 64);
+    }
+
+    #[test]
+    fn reading_on_takes_a_bounded_number_of_frames_a_poll_and_asks_to_be_polled_again() {
+        // Before, one poll took every frame there was: a body always ready held the thread.
+        let (body, polls) = empty_frames(1_000_000);
+        let mut read = ResponseBody::passthrough(body);
+        let woken = std::sync::Arc::new(Woken::default());
+        let waker = std::task::Waker::from(std::sync::Arc::clone(&woken));
+        read.poll_read_on(64, &mut Context::from_waker(&waker));
+        assert_eq!(
+            polls.load(std::sync::atomic::Ordering::Relaxed),
+            READ_ON_FRAMES_PER_POLL as u32
+        );
+        assert!(woken.0.load(std::sync::atomic::Ordering::Relaxed));
+        assert!(matches!(read.inner, ResponseInner::Streaming { .. }));
+    }
+
+    /// A waker that records being woken.
+    #[derive(Default)]
+    struct Woken(std::sync::atomic::AtomicBool);
+
+    impl std::task::Wake for Woken {
+        fn wake(self: std::sync::Arc<Self>) {
+            self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
     }
 }

@@ -806,12 +806,14 @@ where
 }
 
 /// What the layer does with the failed answer a call keeps between attempts ([`Keep`]): it
-/// reads on, during the pause, the body [`read_if_failed`] could not read whole within its
-/// attempt (up to [`FAILED_BODY_LIMIT`] in all), and when the next attempt starts lets go of
-/// whatever is still unread (the bytes read stay, then an error says the rest was left). A
-/// body whose end comes late (an error body behind a delayed ACK, a slow upstream) so still
-/// frees its HTTP/1 connection for the retry, and a kept answer never holds the HTTP/2 stream
-/// the retry waits for.
+/// reads on, while the call waits (the pause, the wait for room below, a credential refresh),
+/// the body [`read_if_failed`] could not read whole within its attempt (up to
+/// [`FAILED_BODY_LIMIT`] in all), and when the next attempt starts lets go of whatever is
+/// still unread (the bytes read stay, then an error says the rest was left). A body whose end
+/// comes late (an error body behind a delayed ACK, a slow upstream) so still frees its HTTP/1
+/// connection for the retry, and a kept answer never holds the HTTP/2 stream the retry is sent
+/// on. (A body that has not ended when the call's deadline comes still holds its connection
+/// until then: a service below that has one connection only waits for it that long.)
 struct ReadOn;
 
 impl<RB> Keep<Response<ResponseBody<RB>>> for ReadOn

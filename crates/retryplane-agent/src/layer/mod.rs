@@ -93,8 +93,9 @@
 //!   attempt). A call keeps its last failure through the pause and the next attempt, and a
 //!   body left unread there would hold its connection, so that an HTTP/1 client opened a new
 //!   connection for every retry to an upstream that was already failing. A body not read
-//!   whole then is read on during the pause (up to the same 64 KiB), and what is still unread
-//!   when the next attempt starts is let go, so that the kept answer holds neither the HTTP/1
+//!   whole then is read on while the call waits (the pause, the wait for room below, a
+//!   credential refresh; up to the same 64 KiB), and what is still unread when the next
+//!   attempt starts is let go, so that the kept answer holds neither the HTTP/1
 //!   connection nor the HTTP/2 stream the retry may need. The caller gets the same bytes; a
 //!   larger or slower body gives the part read, then the rest as it comes, or, if it was let
 //!   go, then a [`LeftUnread`] error (only a call that ends before its next attempt answers,
