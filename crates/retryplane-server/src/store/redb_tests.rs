@@ -447,13 +447,16 @@ fn a_store_behind_a_link_is_checked_by_the_file_it_leads_to() {
         let store = RedbStore::open(elsewhere.path()).unwrap();
         assert_eq!(publish_new(&store, "a"), 1);
     }
-    std::os::unix::fs::symlink(
-        elsewhere.path().join("retryplane.redb"),
-        dir.path().join("retryplane.redb"),
-    )
-    .unwrap();
+    let link = dir.path().join("retryplane.redb");
+    std::os::unix::fs::symlink(elsewhere.path().join("retryplane.redb"), &link).unwrap();
     let store = RedbStore::open(dir.path()).unwrap();
     assert_eq!(publish_new(&store, "b"), 2);
+    // Another link to the same file put in its place (made aside and renamed over it, as a
+    // deploy swaps links): still the same store.
+    let aside = dir.path().join("retryplane.redb.new");
+    std::os::unix::fs::symlink(elsewhere.path().join("retryplane.redb"), &aside).unwrap();
+    std::fs::rename(&aside, &link).unwrap();
+    assert_eq!(publish_new(&store, "c"), 3);
 }
 
 #[tokio::test(start_paused = true)]
