@@ -69,8 +69,9 @@ fn to_yaml_block(doc: &PolicyDocument) -> String {
     out
 }
 
-/// [`to_yaml`] with each endpoint (its fields and routes) on one line in flow style; the
-/// defaults stay in block style (they are one layer).
+/// [`to_yaml`] with each endpoint (its fields and routes) on one line in flow style, as tight
+/// as YAML reads it (one space of indent, no space after a comma), so that it is no longer than
+/// a file written so, or as JSON on one line; the defaults stay in block style (one layer).
 fn to_yaml_compact(doc: &PolicyDocument) -> String {
     let mut out = String::from("version: 1\n");
     if !leaf_values(&doc.defaults).is_empty() {
@@ -92,23 +93,18 @@ fn to_yaml_compact(doc: &PolicyDocument) -> String {
                     let mut route_items =
                         vec![format!("match: {}", route_match(&route.matcher.value))];
                     route_items.extend(flow_fields(&route.overlay));
-                    format!("{{{}}}", route_items.join(", "))
+                    format!("{{{}}}", route_items.join(","))
                 })
                 .collect();
-            items.push(format!("routes: [{}]", routes.join(", ")));
+            items.push(format!("routes: [{}]", routes.join(",")));
         }
-        let _ = writeln!(
-            out,
-            "  {}: {{{}}}",
-            scalar(&ep.name.value),
-            items.join(", ")
-        );
+        let _ = writeln!(out, " {}: {{{}}}", scalar(&ep.name.value), items.join(","));
     }
     out
 }
 
 /// The fields `o` sets as the items of a flow mapping (`max_attempts: 4`,
-/// `backoff: {base: 50ms, max: 1s}`), sections grouped as in block style. Every value
+/// `backoff: {base: 50ms,max: 1s}`), sections grouped as in block style. Every value
 /// [`leaf_values`] gives is a flow-safe scalar or list: [`scalar`] leaves plain only
 /// `[A-Za-z0-9_./-]`.
 fn flow_fields(o: &Overlay) -> Vec<String> {
@@ -120,21 +116,21 @@ fn flow_fields(o: &Overlay) -> Vec<String> {
                 Some((open, keys)) if *open == sect => keys.push(format!("{key}: {value}")),
                 _ => {
                     if let Some((open, keys)) = section.take() {
-                        items.push(format!("{open}: {{{}}}", keys.join(", ")));
+                        items.push(format!("{open}: {{{}}}", keys.join(",")));
                     }
                     section = Some((sect, vec![format!("{key}: {value}")]));
                 }
             },
             None => {
                 if let Some((open, keys)) = section.take() {
-                    items.push(format!("{open}: {{{}}}", keys.join(", ")));
+                    items.push(format!("{open}: {{{}}}", keys.join(",")));
                 }
                 items.push(format!("{path}: {value}"));
             }
         }
     }
     if let Some((open, keys)) = section {
-        items.push(format!("{open}: {{{}}}", keys.join(", ")));
+        items.push(format!("{open}: {{{}}}", keys.join(",")));
     }
     items
 }

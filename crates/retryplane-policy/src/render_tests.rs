@@ -411,8 +411,8 @@ endpoints:
 defaults:
   max_attempts: 2
 endpoints:
-  payments: {max_attempts: 4, backoff: {base: 50ms, max: 1s}, deadline: 3s, retry_on: {http_status: [503], errors: [connect]}, routes: [{match: {method: POST, path_prefix: /v1/charges}, max_attempts: 2, budget: {ratio: 0.1}}, {match: {grpc: /pkg.Svc/Get}}]}
-  inventory: {}
+ payments: {max_attempts: 4,backoff: {base: 50ms,max: 1s},deadline: 3s,retry_on: {http_status: [503],errors: [connect]},routes: [{match: {method: POST, path_prefix: /v1/charges},max_attempts: 2,budget: {ratio: 0.1}},{match: {grpc: /pkg.Svc/Get}}]}
+ inventory: {}
 "
     );
 }
@@ -443,4 +443,46 @@ fn a_file_near_the_size_limit_renders_within_it() {
         .policies
         .expect("the rendering is a valid file");
     assert!(same_content(&doc, back.document()));
+}
+
+/// `src`, a valid file, rendered: within the size limit, and the same policies again.
+fn renders_within_the_limit(src: &str) {
+    assert!(src.len() <= crate::yaml::MAX_FILE_BYTES);
+    let loaded = load(src.as_bytes());
+    let doc = (**loaded.policies.expect("valid").document()).clone();
+    let text = to_yaml(&doc);
+    assert!(
+        text.len() <= crate::yaml::MAX_FILE_BYTES,
+        "a valid {}-byte file renders as {} bytes",
+        src.len(),
+        text.len()
+    );
+    let back = load(text.as_bytes())
+        .policies
+        .expect("the rendering is a valid file");
+    assert!(same_content(&doc, back.document()));
+}
+
+#[test]
+fn a_file_near_the_limit_written_tighter_still_renders_within_it() {
+    // One space of indent, as a generator may write it.
+    let mut src = String::from("version: 1\nendpoints:\n");
+    let mut n = 0;
+    while src.len() < crate::yaml::MAX_FILE_BYTES - 64 {
+        let _ = writeln!(src, " e{n:06}: {{max_attempts: 4}}");
+        n += 1;
+    }
+    renders_within_the_limit(&src);
+    // JSON on one line, as `jq -c` writes it (JSON is YAML).
+    let mut src = String::from("{\"version\":1,\"endpoints\":{");
+    let mut n = 0;
+    while src.len() < crate::yaml::MAX_FILE_BYTES - 128 {
+        if n > 0 {
+            src.push(',');
+        }
+        let _ = write!(src, "\"endpoint-number-{n:08}\":{{\"max_attempts\":4}}");
+        n += 1;
+    }
+    src.push_str("}}\n");
+    renders_within_the_limit(&src);
 }
