@@ -22,9 +22,10 @@ use crate::duration::format_duration;
 /// In block style, one field a line; or, when that is over the size a policy file may be
 /// ([`crate::yaml::MAX_FILE_BYTES`]), each endpoint on one line in flow style
 /// (`payments: {max_attempts: 4, backoff: {base: 50ms}}`), as a generator writes a large
-/// file, so that such a file renders within the limit again (block style adds about a fifth).
-/// A document can still render over the limit: one a file wrote more tightly still (one-space
-/// indents, JSON on one line) or with aliases, or one sent through the API. Check the length.
+/// file, so that such a file renders within the limit again (block style adds about a fifth),
+/// as does one written with one space of indent or as JSON on one line. A document can still
+/// render over the limit: one a file wrote with aliases, or one sent through the API. Check
+/// the length.
 pub fn to_yaml(doc: &PolicyDocument) -> String {
     let block = to_yaml_block(doc);
     if block.len() <= crate::yaml::MAX_FILE_BYTES {
