@@ -89,7 +89,8 @@ pub(crate) enum Read<B> {
 }
 
 /// Reads `body` while it stays within `limit` bytes and, if there is one, until `deadline`
-/// (tokio's clock; a frame already there is still taken after it); on an error, the chunks
+/// (tokio's clock; a frame already there is still taken after it, but for a read that brings
+/// no bytes, ended every 64 frames); on an error, the chunks
 /// read before it. Nothing read is lost: [`Read::Over`] and [`Read::Late`] hand back the
 /// chunks and the body where it stopped.
 pub(crate) async fn read_up_to<B>(
@@ -112,16 +113,21 @@ where
     let sleep = deadline.map(tokio::time::sleep_until);
     tokio::pin!(sleep);
     let mut frames = 0_u32;
+    // Frames of the last 64 that brought no byte (empty data, trailers).
+    let mut idle = 0_u32;
     loop {
         frames = frames.wrapping_add(1);
-        // A body whose frames are always there (empty ones) must neither hold the thread nor
-        // outlast the deadline: every so many frames, the task gives way if its budget is
-        // spent, and the deadline is looked at.
+        // A body whose frames are always there but bring nothing (empty ones) must neither
+        // hold the thread nor outlast the deadline: every so many frames, the task gives way
+        // if its budget is spent, and a read that brought nothing in some of them ends at the
+        // deadline. (One whose frames all bring bytes is bounded by `limit`: a body all there
+        // at the deadline is still read whole.)
         if frames.is_multiple_of(64) {
             tokio::task::consume_budget().await;
-            if deadline.is_some_and(|deadline| Instant::now() >= deadline) {
+            if idle > 0 && deadline.is_some_and(|deadline| Instant::now() >= deadline) {
                 return Ok(Read::Late(chunks, body));
             }
+            idle = 0;
         }
         // The body first: a frame that is ready wins over a deadline that has passed.
         let next = tokio::select! {
@@ -142,7 +148,9 @@ where
             Ok(mut data) => {
                 let data = data.copy_to_bytes(data.remaining());
                 len = len.saturating_add(data.len());
-                if !data.is_empty() {
+                if data.is_empty() {
+                    idle += 1;
+                } else {
                     chunks.push_back(data);
                 }
                 if len > limit {
@@ -150,6 +158,7 @@ where
                 }
             }
             Err(frame) => {
+                idle += 1;
                 if let Ok(t) = frame.into_trailers() {
                     trailers = Some(t);
                 }
@@ -387,8 +396,11 @@ where
             ResponseInner::Streaming { prefix, .. } => prefix.iter().map(Bytes::len).sum(),
             _ => return,
         };
-        // A body whose frames are always there (empty ones, one byte each) must not hold the
-        // thread: after this many in one poll, the rest waits for the next (woken at once).
+        // A body whose frames are always there (one byte each, or empty) must not hold the
+        // thread: after this many in one poll, the rest waits for the next poll, at once if
+        // they brought bytes, else until the call's wait ends or wakes it otherwise (a body
+        // always ready with nothing would keep a core busy).
+        let start = read;
         for _ in 0..READ_ON_FRAMES_PER_POLL {
             let ResponseInner::Streaming { prefix, rest } = &mut self.inner else {
                 return;
@@ -425,7 +437,9 @@ where
                 }
             }
         }
-        cx.waker().wake_by_ref();
+        if read > start {
+            cx.waker().wake_by_ref();
+        }
     }
 
     /// Lets go of what is left unread of a body read in part (and with it the upstream's
@@ -686,14 +700,15 @@ mod tests {
         assert_eq!(got, b"abcd");
     }
 
-    /// A body always ready with an empty data frame, `left` times, then its end; counts its
-    /// polls.
-    struct EmptyFrames {
+    /// A body always ready with a data frame of `data` (empty: `b""`), `left` times, then its
+    /// end; counts its polls.
+    struct ReadyFrames {
         left: u32,
+        data: &'static [u8],
         polls: std::sync::Arc<std::sync::atomic::AtomicU32>,
     }
 
-    impl Body for EmptyFrames {
+    impl Body for ReadyFrames {
         type Data = Bytes;
         type Error = BoxError;
 
@@ -707,15 +722,19 @@ mod tests {
                 return Poll::Ready(None);
             }
             self.left -= 1;
-            Poll::Ready(Some(Ok(Frame::data(Bytes::new()))))
+            Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(self.data)))))
         }
     }
 
-    fn empty_frames(left: u32) -> (EmptyFrames, std::sync::Arc<std::sync::atomic::AtomicU32>) {
+    fn ready_frames(
+        left: u32,
+        data: &'static [u8],
+    ) -> (ReadyFrames, std::sync::Arc<std::sync::atomic::AtomicU32>) {
         let polls = std::sync::Arc::default();
         (
-            EmptyFrames {
+            ReadyFrames {
                 left,
+                data,
                 polls: std::sync::Arc::clone(&polls),
             },
             polls,
@@ -726,7 +745,7 @@ mod tests {
     async fn a_read_of_endless_ready_frames_ends_at_its_deadline_and_keeps_no_empty_chunk() {
         // Before, a frame that was there always won over the deadline: the read took every
         // frame (for ever, for a body that never ends), each empty chunk kept.
-        let (body, polls) = empty_frames(1_000_000);
+        let (body, polls) = ready_frames(1_000_000, b"");
         let read = read_up_to(Box::pin(body), 64, Some(Instant::now())).await;
         let Ok(Read::Late(chunks, _)) = read else {
             panic!("the deadline ends the read");
@@ -736,9 +755,26 @@ mod tests {
     }
 
     #[test]
-    fn reading_on_takes_a_bounded_number_of_frames_a_poll_and_asks_to_be_polled_again() {
+    fn reading_on_takes_a_bounded_number_of_frames_a_poll() {
         // Before, one poll took every frame there was: a body always ready held the thread.
-        let (body, polls) = empty_frames(1_000_000);
+        // Frames that bring bytes: polled again at once for the rest.
+        let (body, polls) = ready_frames(1_000, b"x");
+        let mut read = ResponseBody::passthrough(body);
+        let woken = std::sync::Arc::new(Woken::default());
+        let waker = std::task::Waker::from(std::sync::Arc::clone(&woken));
+        read.poll_read_on(64 * 1024, &mut Context::from_waker(&waker));
+        let ResponseInner::Streaming { prefix, .. } = &read.inner else {
+            panic!("one poll reads a bounded number of frames: {read:?}");
+        };
+        assert_eq!(prefix.len(), READ_ON_FRAMES_PER_POLL);
+        assert_eq!(
+            polls.load(std::sync::atomic::Ordering::Relaxed),
+            READ_ON_FRAMES_PER_POLL as u32
+        );
+        assert!(woken.0.load(std::sync::atomic::Ordering::Relaxed));
+        // Frames that bring nothing: not polled again until the call's wait wakes it (a body
+        // always ready with nothing kept a core busy for the whole pause).
+        let (body, polls) = ready_frames(1_000_000, b"");
         let mut read = ResponseBody::passthrough(body);
         let woken = std::sync::Arc::new(Woken::default());
         let waker = std::task::Waker::from(std::sync::Arc::clone(&woken));
@@ -747,8 +783,22 @@ mod tests {
             polls.load(std::sync::atomic::Ordering::Relaxed),
             READ_ON_FRAMES_PER_POLL as u32
         );
-        assert!(woken.0.load(std::sync::atomic::Ordering::Relaxed));
-        assert!(matches!(read.inner, ResponseInner::Streaming { .. }));
+        assert!(!woken.0.load(std::sync::atomic::Ordering::Relaxed));
+    }
+
+    #[tokio::test]
+    async fn a_body_of_many_frames_all_there_at_the_deadline_is_still_read_whole() {
+        // Many frames, each with bytes: bounded by the limit, so read to the end even past the
+        // deadline (a de-duplicated answer that came at its deadline is shared).
+        let frames: Vec<Result<Frame<Bytes>, BoxError>> = (0..200)
+            .map(|_| Ok(Frame::data(Bytes::from_static(b"x"))))
+            .collect();
+        let body = StreamBody::new(tokio_stream::iter(frames));
+        let read = read_up_to(Box::pin(body), 1024, Some(Instant::now())).await;
+        let Ok(Read::Whole(data, None)) = read else {
+            panic!("read whole");
+        };
+        assert_eq!(data.len(), 200);
     }
 
     /// A waker that records being woken.
