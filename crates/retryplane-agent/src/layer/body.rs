@@ -115,17 +115,22 @@ where
     let mut frames = 0_u32;
     // Frames of the last 64 that brought no byte (empty data, trailers).
     let mut idle = 0_u32;
+    // Frames taken once the deadline was seen passed.
+    let mut past = 0_u32;
     loop {
         frames = frames.wrapping_add(1);
-        // A body whose frames are always there but bring nothing (empty ones) must neither
-        // hold the thread nor outlast the deadline: every so many frames, the task gives way
-        // if its budget is spent, and a read that brought nothing in some of them ends at the
-        // deadline. (One whose frames all bring bytes is bounded by `limit`: a body all there
-        // at the deadline is still read whole.)
+        // A body whose frames are always there must neither hold the thread nor outlast the
+        // deadline for long: every so many frames the task gives way if its budget is spent,
+        // and the deadline is looked at. Past it, a read that brought nothing in some of them
+        // ends; one that brings bytes gets [`PAST_DEADLINE_FRAMES`] more (a body all there at
+        // the deadline is still read whole, one always ready is not read for ever).
         if frames.is_multiple_of(64) {
             tokio::task::consume_budget().await;
-            if idle > 0 && deadline.is_some_and(|deadline| Instant::now() >= deadline) {
-                return Ok(Read::Late(chunks, body));
+            if deadline.is_some_and(|deadline| Instant::now() >= deadline) {
+                if idle > 0 || past >= PAST_DEADLINE_FRAMES {
+                    return Ok(Read::Late(chunks, body));
+                }
+                past += 64;
             }
             idle = 0;
         }
@@ -167,6 +172,11 @@ where
     }
     Ok(Read::Whole(join(&chunks, len), trailers))
 }
+
+/// How many frames that bring bytes [`read_up_to`] still takes once its deadline has passed:
+/// a body all there at the deadline (of frames up to 16 KiB, as HTTP/2 and HTTP/1 bring them)
+/// is read whole, one always ready is not read for ever.
+const PAST_DEADLINE_FRAMES: u32 = 1024;
 
 /// Ends when `sleep` does; never without one.
 async fn expired(sleep: Pin<&mut Option<Sleep>>) {
@@ -372,6 +382,11 @@ where
 /// The most frames [`ResponseBody::poll_read_on`] takes in one poll.
 const READ_ON_FRAMES_PER_POLL: usize = 64;
 
+/// How many frames that bring no byte (empty data) the layer's reading on of one call's kept
+/// answers takes in all, before it stops reading them: a few are ordinary, a body always ready
+/// with nothing would keep a core busy through the call's waits.
+pub(crate) const READ_ON_IDLE_FRAMES: u32 = 4096;
+
 /// What a body cut by [`ResponseBody::cut_unread`] ends with, after the bytes read.
 #[derive(Debug, thiserror::Error)]
 #[error(
@@ -390,22 +405,22 @@ where
     /// (the part read counts): each frame as it comes, so that the read may stop between any
     /// two polls and lose nothing. The whole body read becomes one in memory (the upstream's
     /// body, and with it its connection, let go). Registers for a wake-up only while there is
-    /// more to read within the limit.
-    pub(crate) fn poll_read_on(&mut self, limit: usize, cx: &mut Context<'_>) {
+    /// more to read within the limit. Frames that bring no byte spend `idle_left` (kept by the
+    /// caller for the whole call); once it is spent, the read stops at the next such frame.
+    pub(crate) fn poll_read_on(&mut self, limit: usize, idle_left: &mut u32, cx: &mut Context<'_>) {
         let mut read: usize = match &self.inner {
             ResponseInner::Streaming { prefix, .. } => prefix.iter().map(Bytes::len).sum(),
             _ => return,
         };
         // A body whose frames are always there (one byte each, or empty) must not hold the
-        // thread: after this many in one poll, the rest waits for the next poll, at once if
-        // they brought bytes, else until the call's wait ends or wakes it otherwise (a body
-        // always ready with nothing would keep a core busy).
-        let start = read;
+        // thread: after this many in one poll, the rest waits for the next poll (woken at
+        // once). One always ready with nothing would keep a core busy: its empty frames are
+        // bounded by `idle_left`, after which it is read no more.
         for _ in 0..READ_ON_FRAMES_PER_POLL {
             let ResponseInner::Streaming { prefix, rest } = &mut self.inner else {
                 return;
             };
-            if read >= limit {
+            if read >= limit || *idle_left == 0 {
                 return;
             }
             let frame = match rest.as_mut().poll_frame(cx) {
@@ -417,7 +432,9 @@ where
                     Ok(mut data) => {
                         let chunk = data.copy_to_bytes(data.remaining());
                         read = read.saturating_add(chunk.len());
-                        if !chunk.is_empty() {
+                        if chunk.is_empty() {
+                            *idle_left = idle_left.saturating_sub(1);
+                        } else {
                             prefix.push_back(chunk);
                         }
                     }
@@ -437,9 +454,7 @@ where
                 }
             }
         }
-        if read > start {
-            cx.waker().wake_by_ref();
-        }
+        cx.waker().wake_by_ref();
     }
 
     /// Lets go of what is left unread of a body read in part (and with it the upstream's
@@ -629,7 +644,8 @@ mod tests {
         B::Error: Into<BoxError>,
     {
         let mut cx = Context::from_waker(std::task::Waker::noop());
-        body.poll_read_on(limit, &mut cx);
+        let mut idle_left = u32::MAX;
+        body.poll_read_on(limit, &mut idle_left, &mut cx);
     }
 
     #[tokio::test]
@@ -762,7 +778,8 @@ mod tests {
         let mut read = ResponseBody::passthrough(body);
         let woken = std::sync::Arc::new(Woken::default());
         let waker = std::task::Waker::from(std::sync::Arc::clone(&woken));
-        read.poll_read_on(64 * 1024, &mut Context::from_waker(&waker));
+        let mut idle_left = READ_ON_IDLE_FRAMES;
+        read.poll_read_on(64 * 1024, &mut idle_left, &mut Context::from_waker(&waker));
         let ResponseInner::Streaming { prefix, .. } = &read.inner else {
             panic!("one poll reads a bounded number of frames: {read:?}");
         };
@@ -772,18 +789,41 @@ mod tests {
             READ_ON_FRAMES_PER_POLL as u32
         );
         assert!(woken.0.load(std::sync::atomic::Ordering::Relaxed));
-        // Frames that bring nothing: not polled again until the call's wait wakes it (a body
-        // always ready with nothing kept a core busy for the whole pause).
+        // Frames that bring nothing: taken as fast (a run of them is ordinary) until the
+        // call's allowance is spent, then read no more (a body always ready with nothing kept
+        // a core busy for the whole pause).
         let (body, polls) = ready_frames(1_000_000, b"");
         let mut read = ResponseBody::passthrough(body);
-        let woken = std::sync::Arc::new(Woken::default());
-        let waker = std::task::Waker::from(std::sync::Arc::clone(&woken));
-        read.poll_read_on(64, &mut Context::from_waker(&waker));
+        let mut idle_left = READ_ON_IDLE_FRAMES;
+        let mut woken_polls = 0;
+        for _ in 0..1_000 {
+            let woken = std::sync::Arc::new(Woken::default());
+            let waker = std::task::Waker::from(std::sync::Arc::clone(&woken));
+            read.poll_read_on(64, &mut idle_left, &mut Context::from_waker(&waker));
+            if !woken.0.load(std::sync::atomic::Ordering::Relaxed) {
+                break;
+            }
+            woken_polls += 1;
+        }
         assert_eq!(
             polls.load(std::sync::atomic::Ordering::Relaxed),
-            READ_ON_FRAMES_PER_POLL as u32
+            READ_ON_IDLE_FRAMES
         );
-        assert!(!woken.0.load(std::sync::atomic::Ordering::Relaxed));
+        assert_eq!(
+            woken_polls,
+            READ_ON_IDLE_FRAMES as usize / READ_ON_FRAMES_PER_POLL
+        );
+    }
+
+    #[tokio::test]
+    async fn a_body_always_ready_with_bytes_is_not_read_for_ever_past_the_deadline() {
+        // Bounded by the limit alone, a body always ready was read far past its deadline
+        // (for ever, under a limit of `usize::MAX`).
+        let (body, polls) = ready_frames(u32::MAX, b"x");
+        let read = read_up_to(Box::pin(body), usize::MAX, Some(Instant::now())).await;
+        assert!(matches!(read, Ok(Read::Late(..))));
+        let polls = polls.load(std::sync::atomic::Ordering::Relaxed);
+        assert!(polls <= 64 + PAST_DEADLINE_FRAMES + 64, "{polls}");
     }
 
     #[tokio::test]

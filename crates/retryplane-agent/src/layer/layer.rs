@@ -17,7 +17,7 @@ use tower::{Layer, Service, ServiceExt as _};
 use tracing::debug;
 
 use super::auth::{DynRefresh, HttpReauth, RefreshCredentials, RefreshFailed};
-use super::body::{Buffered, ReplayBody, ResponseBody, buffer, read_failed};
+use super::body::{Buffered, READ_ON_IDLE_FRAMES, ReplayBody, ResponseBody, buffer, read_failed};
 use super::dedup::{Dedup, Landing, Leader, Role, SharedResponse};
 use super::grpc::{call_meta, grpc_timeout, is_grpc, set_grpc_timeout};
 use super::{BoxError, DEFAULT_BODY_LIMIT, GaveUp, ResponseFuture, RetryError, lock};
@@ -475,13 +475,29 @@ where
             let ready = ReadyShared::new(inner);
             let Some(hook) = &settings.refresh else {
                 return endpoint
-                    .call_reauth(begun, meta, classify, attempt, NoReauth, ready, ReadOn)
+                    .call_reauth(
+                        begun,
+                        meta,
+                        classify,
+                        attempt,
+                        NoReauth,
+                        ready,
+                        ReadOn::new(),
+                    )
                     .await
                     .or_else(gave_up);
             };
             let mut reauth = HttpReauth::new(&**hook, head, refresh_used);
             let result = endpoint
-                .call_reauth(begun, meta, classify, attempt, &mut reauth, ready, ReadOn)
+                .call_reauth(
+                    begun,
+                    meta,
+                    classify,
+                    attempt,
+                    &mut reauth,
+                    ready,
+                    ReadOn::new(),
+                )
                 .await
                 .or_else(gave_up);
             match (result, reauth.error) {
@@ -814,7 +830,18 @@ where
 /// connection for the retry, and a kept answer never holds the HTTP/2 stream the retry is sent
 /// on. (A body that has not ended when the call's deadline comes still holds its connection
 /// until then: a service below that has one connection only waits for it that long.)
-struct ReadOn;
+struct ReadOn {
+    /// Frames that bring no byte still to be read in this call (see [`READ_ON_IDLE_FRAMES`]).
+    idle_left: u32,
+}
+
+impl ReadOn {
+    fn new() -> Self {
+        Self {
+            idle_left: READ_ON_IDLE_FRAMES,
+        }
+    }
+}
 
 impl<RB> Keep<Response<ResponseBody<RB>>> for ReadOn
 where
@@ -822,7 +849,8 @@ where
     RB::Error: Into<BoxError>,
 {
     fn poll_paused(&mut self, kept: &mut Response<ResponseBody<RB>>, cx: &mut Context<'_>) {
-        kept.body_mut().poll_read_on(FAILED_BODY_LIMIT, cx);
+        kept.body_mut()
+            .poll_read_on(FAILED_BODY_LIMIT, &mut self.idle_left, cx);
     }
 
     fn before_next(&mut self, kept: &mut Response<ResponseBody<RB>>) {
