@@ -321,16 +321,26 @@ fn dur(d: &Duration) -> String {
 }
 
 /// The shortest text that reads back as the same number, with a `.0` on whole numbers
-/// (`2.0`, `0.25`, `1e-7`); `.nan` and `±.inf` for the values no valid policy holds. `-0.0`
-/// (only a document built in code can hold it) is `0.0`, as a file reads it: a diff shows no
-/// change where the content and its hash have none.
+/// (`2.0`, `0.25`) and, in exponent form, a dot in the mantissa and a sign on the exponent
+/// (`1.0e-7`, `1.5e+20`: YAML 1.1 readers, such as Python's, take `1e-7` for a string);
+/// `.nan` and `±.inf` for the values no valid policy holds. `-0.0` (only a document built in
+/// code can hold it) is `0.0`, as a file reads it: a diff shows no change where the content
+/// and its hash have none.
 pub(crate) fn float(v: &f64) -> String {
     if v.is_nan() {
         ".nan".to_owned()
     } else if v.is_infinite() {
         if *v > 0.0 { ".inf" } else { "-.inf" }.to_owned()
     } else {
-        format!("{:?}", crate::model::unsigned_zero(*v))
+        let text = format!("{:?}", crate::model::unsigned_zero(*v));
+        match text.split_once('e') {
+            None => text,
+            Some((mantissa, exponent)) => {
+                let dot = if mantissa.contains('.') { "" } else { ".0" };
+                let sign = if exponent.starts_with('-') { "" } else { "+" };
+                format!("{mantissa}{dot}e{sign}{exponent}")
+            }
+        }
     }
 }
 

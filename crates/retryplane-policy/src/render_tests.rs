@@ -181,6 +181,10 @@ fn floats_read_back_exactly() {
             .map(|f| f.value);
         assert_eq!(got, Some(v), "{text}");
     }
+    // Exponent forms as YAML 1.1 readers take them for numbers too (a dot, a signed exponent).
+    assert_eq!(float(&1e-7), "1.0e-7");
+    assert_eq!(float(&1.5e20), "1.5e+20");
+    assert_eq!(float(&0.1), "0.1");
 }
 
 // === property: any document a file can hold round-trips ===
