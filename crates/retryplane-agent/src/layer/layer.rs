@@ -831,7 +831,8 @@ where
 /// on. (A body that has not ended when the call's deadline comes still holds its connection
 /// until then: a service below that has one connection only waits for it that long.)
 struct ReadOn {
-    /// Frames that bring no byte still to be read in this call (see [`READ_ON_IDLE_FRAMES`]).
+    /// Frames that bring no byte still to be read of the answer kept now (see
+    /// [`READ_ON_IDLE_FRAMES`]).
     idle_left: u32,
 }
 
@@ -855,6 +856,8 @@ where
 
     fn before_next(&mut self, kept: &mut Response<ResponseBody<RB>>) {
         kept.body_mut().cut_unread();
+        // The next kept answer has an allowance of its own.
+        self.idle_left = READ_ON_IDLE_FRAMES;
     }
 }
 
