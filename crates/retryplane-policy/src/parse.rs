@@ -1003,16 +1003,21 @@ impl Walker {
     /// refused with the number to write instead.
     fn ratio(&mut self, node: &Node, path: &str) -> Option<Field<f64>> {
         if let Value::Str(s) = &node.value
-            && let Some(pct) = s.strip_suffix('%')
-            && let Ok(pct) = pct.trim().parse::<f64>()
+            && let Some(pct_text) = s.strip_suffix('%')
+            && let Ok(pct) = pct_text.trim().parse::<f64>()
             && pct.is_finite()
         {
+            // The hundredth of the number as written (`0.00001%` is exactly `1.0e-7`), which a
+            // division by 100 rounds; the division for a number written with an exponent.
+            let ratio = format!("{}e-2", pct_text.trim())
+                .parse::<f64>()
+                .unwrap_or(pct / 100.0);
             self.error(
                 node.loc,
                 path,
                 format!(
-                    "a ratio is a plain number from 0 to 1: write {:?} for `{s}`",
-                    pct / 100.0
+                    "a ratio is a plain number from 0 to 1: write {} for `{s}`",
+                    crate::render::float(&ratio)
                 ),
             );
             return None;

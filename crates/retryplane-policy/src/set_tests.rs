@@ -1349,7 +1349,7 @@ fn a_negative_zero_is_read_as_zero_in_every_number_field() {
     // A multiplier of zero is refused either way, and is shown as the zero it is.
     assert_eq!(
         errors("version: 1\nendpoints:\n  a: {backoff: {multiplier: -0.0}}\n"),
-        ["3:29: error: endpoints.a.backoff.multiplier: must be from 1.0 to 100.0, found 0"]
+        ["3:29: error: endpoints.a.backoff.multiplier: must be from 1.0 to 100.0, found 0.0"]
     );
 }
 

@@ -559,7 +559,10 @@ fn check_layer(o: &Overlay, prefix: &str, diags: &mut Vec<Diagnostic>) {
         error(
             f.loc,
             "backoff.multiplier",
-            format!("must be from 1.0 to 100.0, found {}", f.value),
+            format!(
+                "must be from 1.0 to 100.0, found {}",
+                crate::render::float(&f.value)
+            ),
         );
     }
     if let Some(f) = &o.budget.ratio
@@ -568,7 +571,10 @@ fn check_layer(o: &Overlay, prefix: &str, diags: &mut Vec<Diagnostic>) {
         error(
             f.loc,
             "budget.ratio",
-            format!("must be from 0.0 to 1.0, found {}", f.value),
+            format!(
+                "must be from 0.0 to 1.0, found {}",
+                crate::render::float(&f.value)
+            ),
         );
     }
     if let Some(f) = &o.alert.retry_ratio
@@ -579,7 +585,7 @@ fn check_layer(o: &Overlay, prefix: &str, diags: &mut Vec<Diagnostic>) {
             "alert.retry_ratio",
             format!(
                 "must be from 0.0 (flag any retry) to 1.0 (one retry per call), found {}",
-                f.value
+                crate::render::float(&f.value)
             ),
         );
     }
@@ -591,7 +597,7 @@ fn check_layer(o: &Overlay, prefix: &str, diags: &mut Vec<Diagnostic>) {
             "circuit_breaker.failure_ratio",
             format!(
                 "must be from 0.0 (open on any failure once min_requests is met) to 1.0 (only when every attempt fails), found {}",
-                f.value
+                crate::render::float(&f.value)
             ),
         );
     }
