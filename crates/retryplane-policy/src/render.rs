@@ -13,7 +13,7 @@
 use std::fmt::Write as _;
 use std::time::Duration;
 
-use crate::document::{Field, Overlay, PolicyDocument, RouteMatch};
+use crate::document::{EndpointDoc, Field, Overlay, PolicyDocument, RouteMatch};
 use crate::duration::format_duration;
 
 /// Renders `doc` as policy-file YAML: `version: 1`, then `defaults:` (when it sets anything),
@@ -39,8 +39,9 @@ pub fn to_yaml(doc: &PolicyDocument) -> String {
     }
 }
 
-/// [`to_yaml`] in block style throughout.
-fn to_yaml_block(doc: &PolicyDocument) -> String {
+/// `version: 1`, the defaults in block style, then `endpoints:` with each endpoint written by
+/// `endpoint` (or `endpoints: {}`): what both renderings share.
+fn rendered(doc: &PolicyDocument, mut endpoint: impl FnMut(&mut String, &EndpointDoc)) -> String {
     let mut out = String::from("version: 1\n");
     if !leaf_values(&doc.defaults).is_empty() {
         out.push_str("defaults:\n");
@@ -52,39 +53,36 @@ fn to_yaml_block(doc: &PolicyDocument) -> String {
     }
     out.push_str("endpoints:\n");
     for ep in &doc.endpoints {
+        endpoint(&mut out, ep);
+    }
+    out
+}
+
+/// [`to_yaml`] in block style throughout.
+fn to_yaml_block(doc: &PolicyDocument) -> String {
+    rendered(doc, |out, ep| {
         let name = scalar(&ep.name.value);
         if leaf_values(&ep.overlay).is_empty() && ep.routes.is_empty() {
             let _ = writeln!(out, "  {name}: {{}}");
-            continue;
+            return;
         }
         let _ = writeln!(out, "  {name}:");
-        overlay(&mut out, &ep.overlay, 4);
+        overlay(out, &ep.overlay, 4);
         if !ep.routes.is_empty() {
             out.push_str("    routes:\n");
             for route in &ep.routes {
                 let _ = writeln!(out, "      - match: {}", route_match(&route.matcher.value));
-                overlay(&mut out, &route.overlay, 8);
+                overlay(out, &route.overlay, 8);
             }
         }
-    }
-    out
+    })
 }
 
 /// [`to_yaml`] with each endpoint (its fields and routes) on one line in flow style, as tight
 /// as YAML reads it (one space of indent, no space after a comma), so that it is no longer than
 /// a file written so, or as JSON on one line; the defaults stay in block style (one layer).
 fn to_yaml_compact(doc: &PolicyDocument) -> String {
-    let mut out = String::from("version: 1\n");
-    if !leaf_values(&doc.defaults).is_empty() {
-        out.push_str("defaults:\n");
-        overlay(&mut out, &doc.defaults, 2);
-    }
-    if doc.endpoints.is_empty() {
-        out.push_str("endpoints: {}\n");
-        return out;
-    }
-    out.push_str("endpoints:\n");
-    for ep in &doc.endpoints {
+    rendered(doc, |out, ep| {
         let mut items = flow_fields(&ep.overlay);
         if !ep.routes.is_empty() {
             let routes: Vec<String> = ep
@@ -100,8 +98,7 @@ fn to_yaml_compact(doc: &PolicyDocument) -> String {
             items.push(format!("routes: [{}]", routes.join(",")));
         }
         let _ = writeln!(out, " {}: {{{}}}", scalar(&ep.name.value), items.join(","));
-    }
-    out
+    })
 }
 
 /// The fields `o` sets as the items of a flow mapping (`max_attempts: 4`,
