@@ -1,5 +1,6 @@
-//! A small tmpfs of a test's own, to fill up: the tests of a full disk. Mounting needs root;
-//! without it [`SmallDisk::mount`] says so on stderr and the test skips itself.
+//! A tmpfs of a test's own: a small one to fill up (the tests of a full disk), or one whose
+//! inode numbers start afresh (`writers::tests::TmpfsFile`). Mounting needs root; without it
+//! [`SmallDisk::mount`] says so on stderr and the test skips itself.
 
 use std::fs;
 use std::io::Write as _;

@@ -655,7 +655,7 @@ pub(crate) mod tests {
     #[cfg(target_os = "linux")]
     pub(crate) struct TmpfsFile {
         pub(crate) path: PathBuf,
-        mount: PathBuf,
+        _disk: crate::test_disk::SmallDisk,
     }
 
     #[cfg(target_os = "linux")]
@@ -663,11 +663,8 @@ pub(crate) mod tests {
         /// `None` (and why, on stderr) without root, or when no file gets `inode`.
         pub(crate) fn with_inode(dir: &Path, inode: u64) -> Option<Self> {
             use std::os::unix::fs::MetadataExt as _;
-            if !sh(&format!("mount -t tmpfs tmpfs {}", dir.display())) {
-                eprintln!("skipped: cannot mount a tmpfs (needs root)");
-                return None;
-            }
-            let mount = dir.to_owned();
+            // As large as a tmpfs is by default.
+            let disk = crate::test_disk::SmallDisk::mount(dir, "50%")?;
             for i in 0..200_000u32 {
                 let path = dir.join(format!("f{i}"));
                 if fs::write(&path, "version: 1\n").is_err() {
@@ -675,22 +672,14 @@ pub(crate) mod tests {
                 }
                 let ino = fs::metadata(&path).map_or(u64::MAX, |m| m.ino());
                 if ino == inode {
-                    return Some(Self { path, mount });
+                    return Some(Self { path, _disk: disk });
                 }
                 if ino > inode {
                     break;
                 }
             }
-            sh(&format!("umount {}", mount.display()));
             eprintln!("skipped: no file got inode {inode}");
             None
-        }
-    }
-
-    #[cfg(target_os = "linux")]
-    impl Drop for TmpfsFile {
-        fn drop(&mut self) {
-            sh(&format!("umount -l {}", self.mount.display()));
         }
     }
 
