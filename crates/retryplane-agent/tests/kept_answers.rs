@@ -36,6 +36,26 @@ type ReqBody = ReplayBody<Full<Bytes>>;
 #[derive(Clone)]
 struct OneConnection(Arc<Mutex<hyper::client::conn::http1::SendRequest<ReqBody>>>);
 
+impl OneConnection {
+    /// A new connection to `addr`.
+    async fn to(addr: std::net::SocketAddr) -> Self {
+        let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        Self(Arc::new(Mutex::new(send)))
+    }
+}
+
+/// `GET http://{addr}/v1/items`, no body.
+fn get_items(addr: std::net::SocketAddr) -> http::Request<Full<Bytes>> {
+    http::Request::builder()
+        .uri(format!("http://{addr}/v1/items"))
+        .body(Full::<Bytes>::default())
+        .unwrap()
+}
+
 impl tower::Service<http::Request<ReqBody>> for OneConnection {
     type Response = http::Response<Incoming>;
     type Error = hyper::Error;
@@ -130,20 +150,12 @@ async fn a_kept_body_that_ends_after_the_pause_does_not_hold_the_one_connection_
     // waits, so the connection never frees and the call waits out its whole deadline, then
     // returns the 503 with the retry never sent.
     let (addr, requests) = slow_503_server().await;
-    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let (send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-        .await
-        .unwrap();
-    tokio::spawn(conn);
-    let svc = OneConnection(Arc::new(Mutex::new(send)));
+    let svc = OneConnection::to(addr).await;
     let agent = support::agent(&support::policy(
         "max_attempts: 2\ndeadline: 3s\nper_try_timeout: 1s\nbackoff: {base: 10ms, max: 10ms, jitter: none}",
     ));
     let client = RetryLayer::new(agent.endpoint("ep")).layer(svc);
-    let request = http::Request::builder()
-        .uri(format!("http://{addr}/v1/items"))
-        .body(Full::<Bytes>::default())
-        .unwrap();
+    let request = get_items(addr);
     let started = tokio::time::Instant::now();
     let response = tokio::time::timeout(WAIT, client.oneshot(request))
         .await
@@ -200,20 +212,12 @@ async fn the_kept_answer_a_deadline_returns_keeps_every_byte_in_order() {
             .serve_connection(TokioIo::new(stream), service)
             .await;
     });
-    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let (send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-        .await
-        .unwrap();
-    tokio::spawn(conn);
-    let svc = OneConnection(Arc::new(Mutex::new(send)));
+    let svc = OneConnection::to(addr).await;
     let agent = support::agent(&support::policy(
         "max_attempts: 2\ndeadline: 150ms\nper_try_timeout: 100ms\nbackoff: {base: 100ms, max: 100ms, jitter: none}",
     ));
     let client = RetryLayer::new(agent.endpoint("ep")).layer(svc);
-    let request = http::Request::builder()
-        .uri(format!("http://{addr}/v1/items"))
-        .body(Full::<Bytes>::default())
-        .unwrap();
+    let request = get_items(addr);
     let response = tokio::time::timeout(WAIT, client.oneshot(request))
         .await
         .expect("the call ends")
@@ -251,22 +255,14 @@ async fn a_401_whose_body_ends_late_does_not_hold_the_one_connection_its_resend_
     // the refresh): the resend waits for the connection the 401's unread body holds, and
     // nothing reads it meanwhile (the answer is dropped only once the resend is ready).
     let (addr, requests) = slow_first_server(401).await;
-    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let (send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-        .await
-        .unwrap();
-    tokio::spawn(conn);
-    let svc = OneConnection(Arc::new(Mutex::new(send)));
+    let svc = OneConnection::to(addr).await;
     let agent = support::agent(&support::policy(
         "max_attempts: 2\ndeadline: 3s\nper_try_timeout: 1s\nbackoff: {base: 10ms, max: 10ms, jitter: none}",
     ));
     let client = RetryLayer::new(agent.endpoint("ep"))
         .with_auth_refresh(Fresh)
         .layer(svc);
-    let request = http::Request::builder()
-        .uri(format!("http://{addr}/v1/items"))
-        .body(Full::<Bytes>::default())
-        .unwrap();
+    let request = get_items(addr);
     let started = tokio::time::Instant::now();
     let response = tokio::time::timeout(WAIT, client.oneshot(request))
         .await
