@@ -1075,13 +1075,17 @@ async fn open_stream(
     Ok((tx, inbound))
 }
 
-async fn next_version(inbound: &mut tonic::Streaming<pb::ServerMessage>) -> u64 {
+async fn next_snapshot(inbound: &mut tonic::Streaming<pb::ServerMessage>) -> pb::Snapshot {
     let message = tokio::time::timeout(SHUTDOWN_GRACE, inbound.message())
         .await
         .unwrap()
         .unwrap()
         .unwrap();
-    message.decode_snapshot().unwrap().unwrap().version
+    message.decode_snapshot().unwrap().unwrap()
+}
+
+async fn next_version(inbound: &mut tonic::Streaming<pb::ServerMessage>) -> u64 {
+    next_snapshot(inbound).await.version
 }
 
 /// The Hello of a stream the agent gave up comes after the Hello of its next stream: refused
@@ -1142,14 +1146,7 @@ async fn a_late_ack_counts_only_for_a_push_the_stream_sent() {
         })),
     };
     let (tx, mut inbound) = open_stream(running.agent_addr, hello, None).await.unwrap();
-    let first = tokio::time::timeout(SHUTDOWN_GRACE, inbound.message())
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap()
-        .decode_snapshot()
-        .unwrap()
-        .unwrap();
+    let first = next_snapshot(&mut inbound).await;
     assert_eq!(first.version, 1);
     let publisher = &running.control().publisher;
     let current = running

@@ -258,15 +258,14 @@ pub enum StoreError {
     #[error(
         "the store file {} was deleted or replaced while the control plane ran: no change is \
          stored until it restarts on the file now at that path (this process still holds the \
-         old file open; if the removal was a mistake, copy it from /proc/{pid}/fd before the \
+         old file open; if the removal was a mistake, copy it from /proc/{}/fd before the \
          restart)",
-        path.display()
+        path.display(),
+        std::process::id()
     )]
     FileReplaced {
         /// The store's file.
         path: PathBuf,
-        /// This process's id, where the old file can still be read.
-        pid: u32,
     },
     /// The storage backend failed (I/O error, failed commit, ...).
     #[error("the version store backend failed")]

@@ -320,7 +320,6 @@ impl RedbStore {
         if replaced {
             return Err(StoreError::FileReplaced {
                 path: self.path.clone(),
-                pid: std::process::id(),
             });
         }
         Ok(())
