@@ -345,7 +345,11 @@ impl Overlay {
     /// [`Overlay::over`] (or use [`Overlay::resolve`]). `alert` is not a call's setting and is
     /// left out: see [`Overlay::alert`].
     pub fn apply(&self, base: &RetryPolicy) -> RetryPolicy {
-        let mut p = base.clone();
+        self.apply_to(base.clone())
+    }
+
+    /// [`Overlay::apply`] over a policy taken by value.
+    fn apply_to(&self, mut p: RetryPolicy) -> RetryPolicy {
         set(&mut p.max_attempts, &self.max_attempts);
         set(&mut p.backoff.base, &self.backoff.base);
         set(&mut p.backoff.max, &self.backoff.max);
@@ -386,56 +390,65 @@ impl Overlay {
     /// turn a section back on: the budget and the breaker are the endpoint's
     /// ([`crate::validate`]).
     pub fn over(&self, lower: &Overlay) -> Overlay {
-        fn pick<T: Clone>(upper: &Option<T>, lower: &Option<T>) -> Option<T> {
-            upper.as_ref().or(lower.as_ref()).cloned()
+        self.over_owned(lower.clone())
+    }
+
+    /// [`Overlay::over`], taking `lower` by value: what this layer does not set is moved
+    /// from it, not copied (layers stacked one over the other copy each value once).
+    fn over_owned(&self, lower: Overlay) -> Overlay {
+        fn pick<T: Clone>(upper: &Option<T>, lower: Option<T>) -> Option<T> {
+            match upper {
+                Some(u) => Some(u.clone()),
+                None => lower,
+            }
         }
         let (u, l) = (self, lower);
         Overlay {
-            max_attempts: pick(&u.max_attempts, &l.max_attempts),
+            max_attempts: pick(&u.max_attempts, l.max_attempts),
             backoff: BackoffOverlay {
-                base: pick(&u.backoff.base, &l.backoff.base),
-                max: pick(&u.backoff.max, &l.backoff.max),
-                multiplier: pick(&u.backoff.multiplier, &l.backoff.multiplier),
-                jitter: pick(&u.backoff.jitter, &l.backoff.jitter),
+                base: pick(&u.backoff.base, l.backoff.base),
+                max: pick(&u.backoff.max, l.backoff.max),
+                multiplier: pick(&u.backoff.multiplier, l.backoff.multiplier),
+                jitter: pick(&u.backoff.jitter, l.backoff.jitter),
             },
-            deadline: pick(&u.deadline, &l.deadline),
-            per_try_timeout: pick(&u.per_try_timeout, &l.per_try_timeout),
+            deadline: pick(&u.deadline, l.deadline),
+            per_try_timeout: pick(&u.per_try_timeout, l.per_try_timeout),
             retry_on: RetryOnOverlay {
-                http_status: pick(&u.retry_on.http_status, &l.retry_on.http_status),
-                grpc_status: pick(&u.retry_on.grpc_status, &l.retry_on.grpc_status),
-                errors: pick(&u.retry_on.errors, &l.retry_on.errors),
+                http_status: pick(&u.retry_on.http_status, l.retry_on.http_status),
+                grpc_status: pick(&u.retry_on.grpc_status, l.retry_on.grpc_status),
+                errors: pick(&u.retry_on.errors, l.retry_on.errors),
             },
-            idempotent_methods: pick(&u.idempotent_methods, &l.idempotent_methods),
-            idempotency_key_header: pick(&u.idempotency_key_header, &l.idempotency_key_header),
+            idempotent_methods: pick(&u.idempotent_methods, l.idempotent_methods),
+            idempotency_key_header: pick(&u.idempotency_key_header, l.idempotency_key_header),
             retry_after: RetryAfterOverlay {
-                honor: pick(&u.retry_after.honor, &l.retry_after.honor),
-                max: pick(&u.retry_after.max, &l.retry_after.max),
+                honor: pick(&u.retry_after.honor, l.retry_after.honor),
+                max: pick(&u.retry_after.max, l.retry_after.max),
             },
             budget: BudgetOverlay {
-                enabled: pick(&u.budget.enabled, &l.budget.enabled),
-                ratio: pick(&u.budget.ratio, &l.budget.ratio),
-                min_per_second: pick(&u.budget.min_per_second, &l.budget.min_per_second),
-                window: pick(&u.budget.window, &l.budget.window),
+                enabled: pick(&u.budget.enabled, l.budget.enabled),
+                ratio: pick(&u.budget.ratio, l.budget.ratio),
+                min_per_second: pick(&u.budget.min_per_second, l.budget.min_per_second),
+                window: pick(&u.budget.window, l.budget.window),
             },
             circuit_breaker: BreakerOverlay {
-                enabled: pick(&u.circuit_breaker.enabled, &l.circuit_breaker.enabled),
+                enabled: pick(&u.circuit_breaker.enabled, l.circuit_breaker.enabled),
                 failure_ratio: pick(
                     &u.circuit_breaker.failure_ratio,
-                    &l.circuit_breaker.failure_ratio,
+                    l.circuit_breaker.failure_ratio,
                 ),
                 min_requests: pick(
                     &u.circuit_breaker.min_requests,
-                    &l.circuit_breaker.min_requests,
+                    l.circuit_breaker.min_requests,
                 ),
-                window: pick(&u.circuit_breaker.window, &l.circuit_breaker.window),
-                open_for: pick(&u.circuit_breaker.open_for, &l.circuit_breaker.open_for),
+                window: pick(&u.circuit_breaker.window, l.circuit_breaker.window),
+                open_for: pick(&u.circuit_breaker.open_for, l.circuit_breaker.open_for),
                 half_open_probes: pick(
                     &u.circuit_breaker.half_open_probes,
-                    &l.circuit_breaker.half_open_probes,
+                    l.circuit_breaker.half_open_probes,
                 ),
             },
             alert: AlertOverlay {
-                retry_ratio: pick(&u.alert.retry_ratio, &l.alert.retry_ratio),
+                retry_ratio: pick(&u.alert.retry_ratio, l.alert.retry_ratio),
             },
         }
     }
@@ -453,7 +466,7 @@ impl Overlay {
     pub fn resolve_alert<'a>(layers: impl IntoIterator<Item = &'a Overlay>) -> AlertConfig {
         layers
             .into_iter()
-            .fold(Overlay::default(), |acc, layer| layer.over(&acc))
+            .fold(Overlay::default(), |acc, layer| layer.over_owned(acc))
             .alert()
     }
 
@@ -461,8 +474,8 @@ impl Overlay {
     pub fn resolve<'a>(layers: impl IntoIterator<Item = &'a Overlay>) -> RetryPolicy {
         let merged = layers
             .into_iter()
-            .fold(Overlay::default(), |acc, layer| layer.over(&acc));
-        merged.apply(&RetryPolicy::default())
+            .fold(Overlay::default(), |acc, layer| layer.over_owned(acc));
+        merged.apply_to(RetryPolicy::default())
     }
 
     /// The leaf fields this layer sets, as `(path, place)`; `path` is relative

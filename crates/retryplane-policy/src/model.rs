@@ -5,7 +5,7 @@
 //! [`RetryPolicy::default`] (the built-in values of SPEC §1); see [`crate::document`] for the
 //! layers and [`crate::PolicySet`] for lookup.
 
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 /// How a pause is randomised around its ceiling (SPEC §2 step 7).
@@ -249,8 +249,20 @@ pub struct RetryPolicy {
     pub circuit_breaker: Option<BreakerConfig>,
 }
 
+/// The built-in policy, made once: its lists and names are `Arc`s, so every
+/// [`RetryPolicy::default`] after the first is reference counts, not nine allocations (a
+/// validator resolves one for every endpoint and route of a document).
+static BUILT_IN: LazyLock<RetryPolicy> = LazyLock::new(RetryPolicy::built_in);
+
 impl Default for RetryPolicy {
     fn default() -> Self {
+        BUILT_IN.clone()
+    }
+}
+
+impl RetryPolicy {
+    /// The built-in values (SPEC §1), made anew.
+    fn built_in() -> Self {
         Self {
             max_attempts: 3,
             backoff: BackoffConfig::default(),

@@ -87,7 +87,7 @@ pub(crate) fn check_parsed(
         layers.push((Level::Endpoint, ep_path.clone(), &ep.overlay));
         let policy = check_effective(&layers, &refused, diags);
         multipliers.note(&layers, &refused, &policy);
-        check_numbers_of_what_is_off(&layers, diags);
+        check_numbers_of_what_is_off(&layers, &policy, diags);
         // Each match's first route, so that repeats are found in linear time, and the
         // earlier routes' matches, so that one made unreachable by a broader earlier match
         // (first match wins) is found in time linear in the size of the matches.
@@ -767,12 +767,12 @@ type Layers<'a> = [(Level, String, &'a Overlay)];
 
 /// An endpoint that sets the budget's or the breaker's numbers while its effective policy has
 /// that part turned off (by `defaults:`, or by the endpoint itself): the numbers do nothing.
-/// Not said of `defaults:`, whose numbers an endpoint that turns the part on gets.
-fn check_numbers_of_what_is_off(layers: &Layers<'_>, diags: &mut Vec<Diagnostic>) {
+/// Not said of `defaults:`, whose numbers an endpoint that turns the part on gets. `p` is the
+/// effective policy of `layers`.
+fn check_numbers_of_what_is_off(layers: &Layers<'_>, p: &RetryPolicy, diags: &mut Vec<Diagnostic>) {
     let Some((_, prefix, endpoint)) = layers.last() else {
         return;
     };
-    let p: RetryPolicy = Overlay::resolve(layers.iter().map(|(_, _, o)| *o));
     let parts: [(&str, bool, &[&str]); 2] = [
         (
             "budget",
