@@ -173,8 +173,11 @@ where
             }
             Err(frame) => {
                 idle += 1;
+                // Trailers are a body's last frame: the read ends with them, so that no check
+                // after them (the deadline's, the limit's) can return the body without them.
                 if let Ok(t) = frame.into_trailers() {
                     trailers = Some(t);
+                    break;
                 }
             }
         }
@@ -431,7 +434,9 @@ where
             let ResponseInner::Streaming { prefix, rest } = &mut self.inner else {
                 return;
             };
-            if read >= limit {
+            // At the limit, one frame more is read: the body's end, already there, frees its
+            // connection (as `read_failed` reads a body of exactly the limit whole).
+            if read > limit {
                 return;
             }
             let frame = match rest.as_mut().poll_frame(cx) {
@@ -676,14 +681,16 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn reading_on_stops_at_the_limit_and_the_unread_rest_is_cut_after_the_bytes_read() {
+    async fn reading_on_stops_past_the_limit_and_the_unread_rest_is_cut_after_the_bytes_read() {
+        // As `read_failed`, the read stops with the frame that takes it past the limit (at
+        // the limit, it reads on: the next frame may be the end).
         let response = http::Response::new(chunks(&["abc", "de", "fgh", "ij"]));
         let mut read = read_failed(response, 2, later()).await.into_body();
         read_on(&mut read, 5);
         let ResponseInner::Streaming { prefix, .. } = &read.inner else {
             panic!("the limit stops the read: {read:?}");
         };
-        assert_eq!(prefix.len(), 2);
+        assert_eq!(prefix.len(), 3);
         read.cut_unread();
         let mut read = std::pin::pin!(read);
         let mut got = Vec::new();
@@ -694,7 +701,7 @@ mod tests {
                 None => panic!("a cut body ends with an error"),
             }
         };
-        assert_eq!(got, b"abcde");
+        assert_eq!(got, b"abcdefgh");
         assert!(error.is::<LeftUnread>(), "{error}");
     }
 

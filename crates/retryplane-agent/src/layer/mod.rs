@@ -83,8 +83,9 @@
 //!   retried.
 //! - The client's response body becomes a [`ResponseBody`]. An answer that failed (an HTTP
 //!   status of 400 or more, or a gRPC error in the headers) and may be sent again has its body
-//!   read into memory within its attempt, up to 64 KiB and for up to 20 ms (and never into the
-//!   attempt's last 20 ms, so that its timeout does not lose the answer): one the engine may
+//!   read into memory within its attempt, up to 64 KiB (and the frame that crosses it) and
+//!   for up to 20 ms (and never into the attempt's last 20 ms, so that its timeout does not
+//!   lose the answer): one the engine may
 //!   retry, as far as the answer, the call and the policy decide
 //!   ([`retryplane_policy::engine::RetryRules`]: `retry_on` lists its status or code, the call
 //!   is idempotent or keyed, the attempt is not the last, and no `Retry-After` past
