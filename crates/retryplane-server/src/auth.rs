@@ -343,8 +343,9 @@ impl Tokens {
 
 /// The YAML reader's message for a tokens file it refused, in the words of this file: its
 /// message for a duplicate key names a setting of the library, which an operator cannot set.
+/// Anything it quotes from the file that could be a secret is left out (see [`unquoted`]).
 fn parse_message(e: &serde_saphyr::Error) -> String {
-    match e {
+    let message = match e {
         serde_saphyr::Error::DuplicateMappingKey { key, location } => format!(
             "duplicate key{} at line {}, column {}",
             key.as_ref().map(|k| format!(" `{k}`")).unwrap_or_default(),
@@ -352,7 +353,34 @@ fn parse_message(e: &serde_saphyr::Error) -> String {
             location.column()
         ),
         other => other.to_string(),
+    };
+    unquoted(&message)
+}
+
+/// `message` with every part it quotes (between backticks or double quotes) that is not a
+/// plain word left out: the reader quotes what it found in the file (`unknown field
+/// `secret=…``, when `=` was typed for `:`), and that can be a secret. A word of at most 12
+/// ASCII letters and `_` (a field name: `secrte`, `role`) stays, so a misspelt field is still
+/// named.
+fn unquoted(message: &str) -> String {
+    fn is_word(s: &str) -> bool {
+        (1..=12).contains(&s.len()) && s.bytes().all(|b| b.is_ascii_alphabetic() || b == b'_')
     }
+    let mut out = String::with_capacity(message.len());
+    let mut rest = message;
+    while let Some(open) = rest.find(['`', '"']) {
+        let quote = &rest[open..=open];
+        let Some(len) = rest[open + 1..].find(quote) else {
+            break;
+        };
+        let inner = &rest[open + 1..open + 1 + len];
+        out.push_str(&rest[..=open]);
+        out.push_str(if is_word(inner) { inner } else { "(not shown)" });
+        out.push_str(quote);
+        rest = &rest[open + 2 + len..];
+    }
+    out.push_str(rest);
+    out
 }
 
 #[cfg(unix)]

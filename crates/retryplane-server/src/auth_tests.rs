@@ -226,6 +226,25 @@ fn a_role_swapped_with_its_secret_is_not_shown() {
 }
 
 #[test]
+fn a_secret_the_reader_quotes_in_its_message_is_not_shown() {
+    // `=` typed for `:`: the whole `secret=…` is read as a key, which the reader quotes.
+    let secret = "9081726354453627180918273645";
+    for text in [
+        format!("tokens:\n  - {{name: ops, role: admin, secret={secret}}}\n"),
+        format!("tokens:\n  - name: ops\n    role: admin\n    secret={secret}: x\n"),
+        format!("tokens:\n  - {{name: ops, role: admin, secret: a, \"{secret}\": b}}\n"),
+    ] {
+        let err = invalid(&text);
+        assert!(err.contains("malformed"), "{err}");
+        assert!(!err.contains("908172"), "the secret is shown: {err}");
+        assert!(err.contains("line "), "the place is still given: {err}");
+    }
+    // A misspelt field is still named.
+    let err = invalid("tokens: [{name: a, role: admin, secrte: aaaaaaaaaaaaaaaaaaaa}]");
+    assert!(err.contains("`secrte`"), "{err}");
+}
+
+#[test]
 fn unknown_fields_and_empty_lists_are_refused() {
     let err = invalid("tokens: [{name: a, role: admin, secret: aaaaaaaaaaaaaaaaaaaa, x: 1}]");
     assert!(err.contains("malformed"), "{err}");
