@@ -536,6 +536,124 @@ async fn a_grpc_stream_the_server_refused_is_a_connect_error() {
     );
 }
 
+/// An HTTP/2 server (prior knowledge), written as raw frames, that answers the first request's
+/// HEADERS with `GOAWAY(last_stream_id, code)`, as a server shutting down does, then closes
+/// the connection 50 ms later without answering.
+async fn goes_away(last_stream_id: u8, code: u8) -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        let Ok((mut tcp, _)) = listener.accept().await else {
+            return;
+        };
+        let mut preface = [0u8; 24];
+        if tcp.read_exact(&mut preface).await.is_err() {
+            return;
+        }
+        // Our SETTINGS (none).
+        let _ = tcp.write_all(&[0, 0, 0, 4, 0, 0, 0, 0, 0]).await;
+        loop {
+            let mut head = [0u8; 9];
+            if tcp.read_exact(&mut head).await.is_err() {
+                return;
+            }
+            let len = usize::from(head[0]) << 16 | usize::from(head[1]) << 8 | usize::from(head[2]);
+            let mut payload = vec![0u8; len];
+            if tcp.read_exact(&mut payload).await.is_err() {
+                return;
+            }
+            match (head[3], head[4] & 1) {
+                // SETTINGS (not an ACK): ACK it.
+                (4, 0) => {
+                    let _ = tcp.write_all(&[0, 0, 0, 4, 1, 0, 0, 0, 0]).await;
+                }
+                // HEADERS: GOAWAY, then the connection closes.
+                (1, _) => {
+                    let goaway = [
+                        0,
+                        0,
+                        8,
+                        7,
+                        0,
+                        0,
+                        0,
+                        0,
+                        0,
+                        0,
+                        0,
+                        0,
+                        last_stream_id,
+                        0,
+                        0,
+                        0,
+                        code,
+                    ];
+                    let _ = tcp.write_all(&goaway).await;
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    return;
+                }
+                _ => {}
+            }
+        }
+    });
+    port
+}
+
+#[tokio::test]
+async fn a_stream_above_the_last_stream_id_of_a_goaway_is_a_connect_error() {
+    // Stream 1 above last stream id 0: the server did not process it (RFC 9113 §6.8), so a
+    // POST may be sent again on a new connection, whatever the GOAWAY's code.
+    for code in [0, 2] {
+        let port = goes_away(0, code).await;
+        let client: LegacyClient = Client::builder(TokioExecutor::new())
+            .http2_only(true)
+            .build(HttpConnector::new());
+        let post = http::Request::post(format!("http://127.0.0.1:{port}/charges"))
+            .body(Full::new(Bytes::from_static(b"{}")))
+            .unwrap();
+        let err = fails(&client, post).await;
+        assert_eq!(
+            err.classify(),
+            transport(ErrorClass::Connect),
+            "code {code}: {err:?}"
+        );
+    }
+    // The same through a tonic channel, as a generated client sees it.
+    let port = goes_away(0, 0).await;
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{port}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let status = tokio::time::timeout(
+        WAIT,
+        AdminServiceClient::new(channel).get(GetRequest::default()),
+    )
+    .await
+    .expect("the call ends")
+    .expect_err("the server went away");
+    assert_eq!(
+        status.classify(),
+        transport(ErrorClass::Connect),
+        "{status:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_stream_a_goaway_covers_and_the_closing_connection_cuts_is_a_reset() {
+    // Stream 1 at the last stream id: the server may have processed it; the connection's
+    // close then cuts it. That is an unknown outcome, not a refusal.
+    let port = goes_away(1, 0).await;
+    let client: LegacyClient = Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .build(HttpConnector::new());
+    let post = http::Request::post(format!("http://127.0.0.1:{port}/charges"))
+        .body(Full::new(Bytes::from_static(b"{}")))
+        .unwrap();
+    let err = fails(&client, post).await;
+    assert_eq!(err.classify(), transport(ErrorClass::Reset), "{err:?}");
+}
+
 #[tokio::test(start_paused = true)]
 async fn the_layer_counts_a_timeout_of_the_middleware_below_it_as_a_timeout() {
     // A `TimeoutLayer` between the retry layer and the client, to a server that never answers:
