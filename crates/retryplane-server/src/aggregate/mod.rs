@@ -703,11 +703,16 @@ impl Aggregator {
         }
     }
 
-    /// Endpoints whose alert fires for at least one calling service, as of `now`, sorted.
+    /// Endpoints whose alert fires for at least one calling service, as of `now`, sorted. The
+    /// overflow series (`other` / `other`) is no endpoint's and is left out (an endpoint named
+    /// `other` is listed by its own series); its alert shows in Stats.
     pub fn alerting_endpoints(&self, now: Instant) -> Vec<String> {
+        let tick = Tick::new(self.epoch, now);
+        let judges = self.judges(&tick);
         let mut out: Vec<String> = self
-            .views(now, Filter::default())
-            .into_iter()
+            .matching(Filter::default())
+            .iter()
+            .map(|s| s.view(&tick, judges.of(s)))
             .filter(|v| v.alert.firing)
             .map(|v| v.endpoint)
             .collect();

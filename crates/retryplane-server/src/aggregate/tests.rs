@@ -871,6 +871,31 @@ async fn names_with_control_characters_are_counted_in_other() {
     assert_eq!(listed, [("checkout", "ok", 2), (OTHER, OTHER, 13)]);
 }
 
+#[tokio::test(start_paused = true)]
+async fn the_overflow_series_firing_names_no_alerting_endpoint() {
+    // Retries under a name that goes to `other`, and a quiet endpoint really named `other`:
+    // the overflow series fires, but no endpoint is alerting.
+    let agg = Aggregator::new(10, Instant::now());
+    let svc = agg.service("checkout");
+    agg.ingest(
+        &svc,
+        &report(1, &[("bad\u{7}name", 100, 100), (OTHER, 100, 0)]),
+        Instant::now(),
+    );
+    assert_eq!(agg.tick(Instant::now()), 1);
+    let views = agg.views(Instant::now(), all());
+    let firing: Vec<(&str, &str)> = views
+        .iter()
+        .filter(|v| v.alert.firing)
+        .map(|v| (v.service.as_str(), v.endpoint.as_str()))
+        .collect();
+    assert_eq!(firing, [(OTHER, OTHER)]);
+    assert!(agg.alerting_endpoints(Instant::now()).is_empty());
+    // The endpoint named `other` is listed once its own series fires.
+    agg.ingest(&svc, &report(1, &[(OTHER, 0, 100)]), Instant::now());
+    assert_eq!(agg.alerting_endpoints(Instant::now()), [OTHER]);
+}
+
 #[test]
 fn a_bad_endpoint_name_is_logged_escaped_and_does_not_hide_the_cap_warning() {
     let (log, _guard) = crate::test_logs::capture("retryplane_server=warn");
