@@ -124,6 +124,53 @@ fn spanning(mut report: pb::MetricsReport, start_ms: u64, end_ms: u64) -> pb::Me
     report
 }
 
+#[test]
+fn a_backlog_at_or_under_the_threshold_never_takes_a_window_past_it() {
+    // An agent cut off for 10 or 30 minutes sends one report covering that time, at or under
+    // the 5 % threshold. Spread over the buckets of its time, the windows ending now hold the
+    // end of it: with calls and retries rounded each on its own, a window could hold one
+    // retry more than its share, and a caller of little traffic crossed the threshold by
+    // rounding (the alert fired at up to 302 of these 480 arrival times).
+    let sizes = [
+        (600, 30, 1_800),
+        (625, 30, 1_800),
+        (1_250, 60, 1_800),
+        (10_000, 480, 1_800),
+        (300, 14, 600),
+        (1_000, 48, 900),
+        (1_000, 50, 600),
+    ];
+    for (calls, retries, span_s) in sizes {
+        for step in 0..480_u64 {
+            let epoch = Instant::now();
+            let agg = Aggregator::new(100, epoch).with_unknown_span(Duration::from_secs(10));
+            let svc = agg.service("checkout");
+            let now = epoch + Duration::from_millis(3_600_000 + step * 250);
+            let end = 1_700_000_000_000;
+            let r = spanning(
+                report(1, &[("payments", calls, retries)]),
+                end - span_s * 1_000,
+                end,
+            );
+            assert_eq!(agg.ingest(&svc, &r, now).count, 0);
+            let view = &agg.views(now, all())[0];
+            assert_eq!(view.lifetime.0[counts::CALLS], calls);
+            assert_eq!(view.lifetime.0[counts::RETRIES], retries);
+            for (window, _) in &view.windows {
+                let (c, r) = (window.0[counts::CALLS], window.0[counts::RETRIES]);
+                assert!(
+                    r * calls <= retries * c,
+                    "{retries}/{calls} over {span_s} s, {step}: a window holds {r}/{c}"
+                );
+            }
+            assert!(
+                !view.alert.firing,
+                "{retries}/{calls} over {span_s} s, {step}"
+            );
+        }
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_young_series_covers_the_span_of_its_first_report_not_only_its_own_age() {
     let agg = Aggregator::new(10, Instant::now());

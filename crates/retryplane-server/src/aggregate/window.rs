@@ -27,7 +27,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::counts::Counts;
+use super::counts::{CALLS, Counts, RETRIES};
 
 /// Length of a fine bucket.
 pub const FINE: Duration = Duration::from_secs(10);
@@ -200,7 +200,9 @@ impl<const S: usize> Ring<S> {
     /// Adds `counts`, made from `from` to `to` (at or before `tick.now`), to the buckets (of
     /// `size`; the current one is `current`) of that time that this ring keeps, each its share:
     /// `floor(c × end / span) - floor(c × start / span)` for the bucket's part of the span from
-    /// `start` to `end`, so that the shares of the buckets kept add up to their time's counts.
+    /// `start` to `end`, so that the shares of the buckets kept add up to their time's counts
+    /// (retries follow the calls instead: see [`retries_between`]; `report` is the whole
+    /// report's counts, of which `counts` is the part before its last interval).
     /// Bucket 0 also holds what was made before the epoch; what is older than the ring's oldest
     /// bucket is left out (it is in no window).
     fn add_spread(
@@ -210,6 +212,7 @@ impl<const S: usize> Ring<S> {
         current: u64,
         (from, to): (Instant, Instant),
         counts: &Counts,
+        report: &Counts,
     ) {
         let oldest = (current + 1).saturating_sub(S as u64);
         let bucket_of = |at: Instant| {
@@ -248,7 +251,9 @@ impl<const S: usize> Ring<S> {
                 let c = u128::from(c);
                 u64::try_from(c * hi / total - c * lo / total).unwrap_or(u64::MAX)
             };
-            self.add(bucket, &Counts(counts.0.map(share)));
+            let mut shares = Counts(counts.0.map(share));
+            shares.0[RETRIES] = retries_between(counts, report, (lo, hi), total);
+            self.add(bucket, &shares);
         }
     }
 
@@ -308,11 +313,14 @@ impl Windows {
         };
         // The last interval's share (`floor(c × interval / span)`), and the rest.
         let (interval_ns, span_ns) = (interval.as_nanos(), span.as_nanos());
-        let recent = Counts(
+        let mut recent = Counts(
             counts
                 .0
                 .map(|c| u64::try_from(u128::from(c) * interval_ns / span_ns).unwrap_or(u64::MAX)),
         );
+        if let Some(retries) = recent_retries(counts, recent.0[CALLS]) {
+            recent.0[RETRIES] = retries;
+        }
         let mut earlier = *counts;
         for (e, r) in earlier.0.iter_mut().zip(recent.0) {
             *e -= r;
@@ -322,9 +330,9 @@ impl Windows {
         let to = tick.now.checked_sub(interval).unwrap_or(tick.now);
         let from = to.checked_sub(older).unwrap_or(to);
         self.fine
-            .add_spread(tick, FINE, tick.fine, (from, to), &earlier);
+            .add_spread(tick, FINE, tick.fine, (from, to), &earlier, counts);
         self.coarse
-            .add_spread(tick, COARSE, tick.coarse, (from, to), &earlier);
+            .add_spread(tick, COARSE, tick.coarse, (from, to), &earlier, counts);
     }
 
     /// Adds `window`'s counts as of `tick` into `into`.
@@ -355,4 +363,39 @@ impl Windows {
         self.fine.merge(&other.fine);
         self.coarse.merge(&other.coarse);
     }
+}
+
+/// The retries of `earlier` (the part of a report before its last interval, spanning `total`
+/// nanoseconds; the whole report's counts are `report`) that [`Ring::add_spread`] gives the
+/// part of its span from `lo` to `hi`. Retries follow the calls, not the time: the retries made
+/// before a point are the report's ratio of the calls made before it, rounded up (what
+/// [`Windows::add`] keeps for the last interval is the rest). So what a window ending now
+/// holds of a report (the end of its span) has at most the report's own ratio of retries to
+/// calls: a report at or under the alert's threshold cannot take the window's ratio past it by
+/// rounding, as counters rounded each on its own could. Retries with no calls follow the time.
+fn retries_between(earlier: &Counts, report: &Counts, (lo, hi): (u128, u128), total: u128) -> u64 {
+    let (calls, retries) = (u128::from(report.0[CALLS]), u128::from(report.0[RETRIES]));
+    let earlier_calls = u128::from(earlier.0[CALLS]);
+    let before = |at: u128| {
+        if calls == 0 {
+            u128::from(earlier.0[RETRIES]) * at / total
+        } else {
+            // At most 2^64 × 2^64: no overflow in u128.
+            (retries * (earlier_calls * at / total)).div_ceil(calls)
+        }
+    };
+    u64::try_from(before(hi) - before(lo)).unwrap_or(u64::MAX)
+}
+
+/// The retries of a report of `report` counts that [`Windows::add`] keeps for its last
+/// interval, when that interval has `recent_calls` of its calls: the rest of what
+/// [`retries_between`] gives the time before it.
+fn recent_retries(report: &Counts, recent_calls: u64) -> Option<u64> {
+    let (calls, retries) = (u128::from(report.0[CALLS]), u128::from(report.0[RETRIES]));
+    if calls == 0 {
+        return None;
+    }
+    let earlier_calls = calls - u128::from(recent_calls).min(calls);
+    let earlier = (retries * earlier_calls).div_ceil(calls);
+    u64::try_from(retries - earlier).ok()
 }
