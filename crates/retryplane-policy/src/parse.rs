@@ -1008,10 +1008,8 @@ impl Walker {
             && pct.is_finite()
         {
             // The hundredth of the number as written (`0.00001%` is exactly `1.0e-7`), which a
-            // division by 100 rounds; the division for a number written with an exponent.
-            let ratio = format!("{}e-2", pct_text.trim())
-                .parse::<f64>()
-                .unwrap_or(pct / 100.0);
+            // division by 100 rounds.
+            let ratio = hundredth(pct_text.trim()).unwrap_or(pct / 100.0);
             self.error(
                 node.loc,
                 path,
@@ -1029,7 +1027,8 @@ impl Walker {
         let text = match &node.value {
             Value::Str(s) => s.clone(),
             Value::Int(i) => i.to_string(),
-            Value::Float(f) => f.to_string(),
+            // As a policy shows it: `1.0e+300`, not 301 digits.
+            Value::Float(f) => crate::render::float(f),
             _ => {
                 self.type_error(node, path, "a duration such as `250ms` or `2s`");
                 return None;
@@ -1217,13 +1216,26 @@ fn beyond_an_integer(f: f64) -> Option<&'static str> {
     }
 }
 
+/// The hundredth of the decimal number `text` (a percentage as written), read from its digits
+/// rather than divided by 100, which rounds: `1e-5` gives the `1e-7` a division misses. The
+/// exponent, if any, is lowered by 2.
+fn hundredth(text: &str) -> Option<f64> {
+    let (mantissa, exponent) = match text.find(['e', 'E']) {
+        Some(at) => (&text[..at], text[at + 1..].parse::<i64>().ok()?),
+        None => (text, 0),
+    };
+    format!("{mantissa}e{}", exponent.checked_sub(2)?)
+        .parse()
+        .ok()
+}
+
 /// What to say of an integer key `key` with no value that follows the number `value` on its
 /// line in a flow mapping: written right after the comma (`0,2`), a decimal with a comma;
 /// else (`503, 504`), a list without its brackets.
 fn flow_comma_hint(value: &Node, key: &Node, key_int: i64) -> String {
     let written = match value.value {
         Value::Int(v) => v.to_string(),
-        Value::Float(v) => v.to_string(),
+        Value::Float(v) => crate::render::float(&v),
         _ => return String::new(),
     };
     let right_after = u32::try_from(written.len())

@@ -143,6 +143,56 @@ fn percent_hint_quotes_number_as_render_does() {
     assert_eq!(quoted, "1.0e-7", "{msg}");
 }
 
+/// A percentage written with an exponent gets the hundredth of the number as written too
+/// (a division by 100 rounds `1e-5` to `1.0000000000000001e-7`).
+#[test]
+fn percent_hint_with_an_exponent_names_the_hundredth() {
+    for (written, meant) in [
+        ("1e-5%", 1e-7_f64),
+        ("7e-1%", 0.007),
+        ("1E-3%", 1e-5),
+        ("2.5e1%", 0.25),
+        ("5.%", 0.05),
+        ("+5%", 0.05),
+    ] {
+        let (_, diags) = doc_of(&format!(
+            "version: 1\nendpoints:\n  a: {{budget: {{ratio: {written}}}}}\n"
+        ));
+        let msg = diags
+            .iter()
+            .find(|d| d.path.contains("ratio"))
+            .map(|d| d.message.clone())
+            .expect("an error on the ratio");
+        let quoted = msg
+            .split("write ")
+            .nth(1)
+            .and_then(|r| r.split(' ').next())
+            .unwrap();
+        assert_eq!(
+            quoted.parse::<f64>().ok().map(f64::to_bits),
+            Some(meant.to_bits()),
+            "{written}: {msg}"
+        );
+    }
+}
+
+/// Every other message that quotes a number read as a float writes it as the rendering does,
+/// not as hundreds of digits: a duration written as a bare float, and the hint for a comma in
+/// a flow mapping.
+#[test]
+fn other_messages_quote_floats_as_render_does() {
+    let (doc, mut diags) = doc_of(
+        "version: 1\nendpoints:\n  a:\n    budget: {ratio: 1.5e300, 2}\n    deadline: 1e300\n",
+    );
+    if let Some(doc) = doc {
+        validate::check(&doc, &mut diags);
+    }
+    let quoted: Vec<&str> = diags.iter().map(|d| d.message.as_str()).collect();
+    assert!(quoted.iter().any(|m| m.contains("1.0e+300")), "{quoted:#?}");
+    assert!(quoted.iter().any(|m| m.contains("1.5e+300")), "{quoted:#?}");
+    assert!(quoted.iter().all(|m| m.len() < 200), "{quoted:#?}");
+}
+
 /// The rendered forms of the edge values, as a file holds them.
 #[test]
 fn edge_forms() {
