@@ -91,9 +91,9 @@ fn http_classification(status: http::StatusCode, headers: &http::HeaderMap) -> C
 /// `retry_on.errors: [connect]` applies), and so is a stream the server refused (HTTP/2
 /// `REFUSED_STREAM`, or one above the last stream id of its `GOAWAY`: not processed); a
 /// connection that broke → reset, a keep-alive or I/O timeout → timeout, and so is a timeout
-/// middleware's error (tower's `Timeout` under the channel): no answer came in time. tonic's own request timeout
-/// (`CANCELLED`) is judged by its code: it may be the caller's deadline, which a retry must not
-/// run past (tonic raises the same error for both). Any other status (one the server sent, or
+/// middleware's error (tower's `Timeout` under the channel): no answer came in time. tonic's
+/// own request timeout (`CANCELLED`) is judged by its code: it may be the caller's deadline,
+/// which a retry must not run past (tonic raises the same error for both). Any other status (one the server sent, or
 /// one with no transport error below it): `Code::Ok` is a success; any other code is an
 /// outcome the policy judges, with the `grpc-retry-pushback-ms` trailer (non-ASCII counts as
 /// unparseable: do not retry).
@@ -107,6 +107,37 @@ impl Classify for tonic::Status {
         }
         grpc_classification(self.code(), self.metadata().as_ref())
     }
+}
+
+/// How the tower layer judges the answer to a gRPC request: as tonic's client reads it, so that
+/// a call counts the same through the layer as through [`Endpoint::call`](crate::Endpoint::call)
+/// with a generated client. A `grpc-status` in the head is the call's code whatever the
+/// content type (tonic reads it so); without one, an HTTP status other than 200 (a proxy's
+/// answer) is the code tonic maps it to (gRPC's HTTP-to-status mapping: 400 `INTERNAL`, 401
+/// `UNAUTHENTICATED`, 403 `PERMISSION_DENIED`, 404 `UNIMPLEMENTED`, 429, 502, 503 and 504
+/// `UNAVAILABLE`, any other `UNKNOWN`), judged by `retry_on.grpc_status`, not `http_status`.
+/// A 200 without one has its status in trailers: judged a success, as
+/// [`Classify for http::Response`](Classify) does.
+pub(crate) fn grpc_answer_classification(
+    status: http::StatusCode,
+    headers: &http::HeaderMap,
+) -> Classification {
+    use http::StatusCode as S;
+    if let Some(code) = headers.get(GRPC_STATUS) {
+        return grpc_classification(tonic::Code::from_bytes(code.as_bytes()), headers);
+    }
+    let code = match status {
+        S::OK => return http_classification(status, headers),
+        S::BAD_REQUEST => tonic::Code::Internal,
+        S::UNAUTHORIZED => tonic::Code::Unauthenticated,
+        S::FORBIDDEN => tonic::Code::PermissionDenied,
+        S::NOT_FOUND => tonic::Code::Unimplemented,
+        S::TOO_MANY_REQUESTS | S::BAD_GATEWAY | S::SERVICE_UNAVAILABLE | S::GATEWAY_TIMEOUT => {
+            tonic::Code::Unavailable
+        }
+        _ => tonic::Code::Unknown,
+    };
+    grpc_classification(code, headers)
 }
 
 /// `grpc-status`, as tonic names it.

@@ -170,7 +170,7 @@ impl Inner {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct FleetVersions {
     /// Version applied → connected agents running it (0 = none yet, or content this control
-    /// plane does not know; see [`Fleet::register`]).
+    /// plane does not know; see [`Fleet::register_with_token`]).
     pub applied: BTreeMap<u64, u64>,
     /// Version refused → connected agents whose last answer was a NACK of it.
     pub nacked: BTreeMap<u64, u64>,
@@ -252,7 +252,7 @@ pub struct Registration {
     /// pushed to it again.
     pub refused: Option<Refused>,
     /// The version the agent is listed as running: its Hello's, or 0 when that names content
-    /// this control plane does not have (see [`Fleet::register`]). The stream goes by it, so
+    /// this control plane does not have (see [`Fleet::register_with_token`]). The stream goes by it, so
     /// an agent listed so gets the current version pushed, and its ACK lists it right, even
     /// when the current version changed after it was judged (unless the current version became
     /// the one the Hello named: see [`Fleet::runs`]).
@@ -361,8 +361,9 @@ impl Fleet {
     /// file), replacing any earlier stream of the same agent id and token; an id connected with
     /// another token is refused. A token is the same when its name or its secret is: a reload
     /// that renames a token, or one that gives it a new secret, does not lock its own agents
-    /// out while their old streams are still open. `current` is the version the control plane serves now and its content hash (`None`
-    /// before the first one): a Hello with a content hash that names that version's number with
+    /// out while their old streams are still open. `current` is the version the control plane
+    /// serves now and its content hash (`None` before the first one): a Hello with a content
+    /// hash that names that version's number with
     /// another hash, or a higher number (the agent ran on a control plane whose store was since
     /// reset and seeded again, so numbers repeat with other content), is listed as running no
     /// known version (0) until it answers the push.

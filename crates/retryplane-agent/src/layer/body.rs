@@ -400,7 +400,8 @@ const READ_ON_FRAMES_PER_POLL: usize = 64;
 /// next.
 pub(crate) const READ_ON_IDLE_FRAMES: u32 = 4096;
 
-/// What a body cut by [`ResponseBody::cut_unread`] ends with, after the bytes read.
+/// What the body of a kept failed answer ends with, after the bytes read, when the call let go
+/// of its unread rest to send its next attempt.
 #[derive(Debug, thiserror::Error)]
 #[error(
     "the rest of this answer's body was not read: the call sent its next attempt, and let the \

@@ -22,7 +22,10 @@ use super::dedup::{Dedup, Landing, Leader, Role, SharedResponse};
 use super::grpc::{call_meta, grpc_timeout, is_grpc, set_grpc_timeout};
 use super::{BoxError, DEFAULT_BODY_LIMIT, GaveUp, ResponseFuture, RetryError, lock};
 use crate::call::{Begun, Endpoint, Keep, KeepAsIs, NoReauth};
-use crate::classify::{Classification, Classify as _, classify_boxed, tonic_timeout_in_chain};
+use crate::classify::{
+    Classification, Classify as _, classify_boxed, grpc_answer_classification,
+    tonic_timeout_in_chain,
+};
 use crate::error::{CallError, Cause, Last};
 use crate::meta::{AttemptInfo, CallMeta};
 use crate::ready::{AlwaysReady, Readied, Ready, refuses_now, wait_ready};
@@ -417,6 +420,7 @@ where
     };
     let gave_up = move |e| gave_up(e, grpc, timeouts_are_the_channels);
     let classify = |r: &Result<Response<ResponseBody<RB>>, BoxError>| match r {
+        Ok(response) if grpc => grpc_answer_classification(response.status(), response.headers()),
         Ok(response) => response.classify(),
         Err(e) if timeouts_are_the_channels => {
             channel_timeout_is_a_timeout(classify_boxed(&**e), &**e)
@@ -464,6 +468,7 @@ where
                     attempt: info.number,
                     refresh: refresh && !refresh_used.load(Ordering::Relaxed),
                     read_by: sent_at + info.timeout.saturating_sub(FAILED_BODY_WAIT),
+                    grpc,
                 };
                 async move {
                     match sent.await {
@@ -769,20 +774,23 @@ struct ReadFailed<'a> {
     refresh: bool,
     /// The latest the read may go on.
     read_by: Instant,
+    /// The request is a gRPC one: its answers are judged as tonic reads them
+    /// ([`grpc_answer_classification`]).
+    grpc: bool,
 }
 
 impl ReadFailed<'_> {
-    /// Whether the body of an answer with outcome `o` is read: the engine's own test of
-    /// whether it may be retried ([`RetryRules::may_retry`]), or a 401 the refresh hook will
-    /// send again.
+    /// Whether the body of an answer with outcome `o` and HTTP status `status` is read: the
+    /// engine's own test of whether it may be retried ([`RetryRules::may_retry`]), or a 401
+    /// the refresh hook will send again.
     /// The budget, the breaker and the deadline may still refuse the retry; they are not asked
     /// here, since they may change by the time the engine asks.
-    fn wants(&self, o: &Outcome) -> bool {
+    fn wants(&self, o: &Outcome, status: StatusCode) -> bool {
         if o.is_success() {
             return false;
         }
         // A transport outcome never comes from an answer.
-        let refreshed = self.refresh && matches!(o, Outcome::Http { status: 401, .. });
+        let refreshed = self.refresh && status == StatusCode::UNAUTHORIZED;
         refreshed
             || self
                 .retried
@@ -812,8 +820,13 @@ where
     if read.retried.is_none() && !read.refresh {
         return response.map(ResponseBody::passthrough);
     }
-    match response.classify() {
-        Classification::Outcome(o) if read.wants(&o) => {
+    let classification = if read.grpc {
+        grpc_answer_classification(response.status(), response.headers())
+    } else {
+        response.classify()
+    };
+    match classification {
+        Classification::Outcome(o) if read.wants(&o, response.status()) => {
             let until = read.read_by.min(Instant::now() + FAILED_BODY_WAIT);
             read_failed(response, FAILED_BODY_LIMIT, until).await
         }
