@@ -15,7 +15,7 @@ use http::request::Parts;
 use http::{Request, Response};
 use http_body_util::{Empty, Full};
 use retryplane_agent::layer::{
-    BoxError, GaveUp, RefreshCredentials, RefreshFailed, ResponseBody, RetryLayer,
+    BoxError, GaveUp, RefreshCredentials, RefreshFailed, ReplayBody, ResponseBody, RetryLayer,
 };
 use retryplane_agent::{Agent, Cause, GiveUpCause};
 use support::{Seen, agent, policy, status_upstream as upstream};
@@ -235,32 +235,30 @@ fn permit_upstream(slow: Duration) -> (Boxed, Limited, Arrivals) {
     let arrivals = Arrivals::default();
     let log = arrivals.clone();
     let origin = Instant::now();
-    let svc = tower::service_fn(
-        move |req: Request<retryplane_agent::layer::ReplayBody<Full<Bytes>>>| {
-            let path = req.uri().path().to_owned();
-            let old = req
-                .headers()
-                .get(AUTHORIZATION)
-                .is_some_and(|v| v == "Bearer old");
-            log.lock().unwrap().push((path.clone(), origin.elapsed()));
-            async move {
-                let status = match path.as_str() {
-                    "/slow" => {
-                        tokio::time::sleep(slow).await;
-                        200
-                    }
-                    "/fail" => 503,
-                    _ if old => 401,
-                    _ => 200,
-                };
-                let response = Response::builder()
-                    .status(status)
-                    .body(Empty::<Bytes>::new())
-                    .unwrap();
-                Ok::<_, std::convert::Infallible>(response)
-            }
-        },
-    );
+    let svc = tower::service_fn(move |req: Request<ReplayBody<Full<Bytes>>>| {
+        let path = req.uri().path().to_owned();
+        let old = req
+            .headers()
+            .get(AUTHORIZATION)
+            .is_some_and(|v| v == "Bearer old");
+        log.lock().unwrap().push((path.clone(), origin.elapsed()));
+        async move {
+            let status = match path.as_str() {
+                "/slow" => {
+                    tokio::time::sleep(slow).await;
+                    200
+                }
+                "/fail" => 503,
+                _ if old => 401,
+                _ => 200,
+            };
+            let response = Response::builder()
+                .status(status)
+                .body(Empty::<Bytes>::new())
+                .unwrap();
+            Ok::<_, std::convert::Infallible>(response)
+        }
+    });
     let boxed = Boxed::new(svc);
     let limited = tower::limit::ConcurrencyLimit::new(boxed.clone(), 1);
     (boxed, limited, arrivals)
@@ -399,4 +397,70 @@ async fn a_half_open_probe_answered_401_is_sent_again_with_fresh_credentials() {
         auths(&seen),
         ["Bearer old", "Bearer old", "Bearer old", "Bearer new-1"]
     );
+}
+
+/// An upstream of gRPC answers: `UNAUTHENTICATED` in the head ("Trailers-Only", HTTP 200) to
+/// a request without `Bearer new-1`, `OK` to one with it; counts the sends.
+fn grpc_upstream() -> (Boxed, Arc<AtomicUsize>) {
+    let sends = Arc::new(AtomicUsize::new(0));
+    let counted = sends.clone();
+    let svc = tower::service_fn(move |req: Request<ReplayBody<Full<Bytes>>>| {
+        counted.fetch_add(1, Ordering::SeqCst);
+        let fresh = req
+            .headers()
+            .get(AUTHORIZATION)
+            .is_some_and(|v| v == "Bearer new-1");
+        async move {
+            let response = Response::builder()
+                .header("content-type", "application/grpc")
+                .header("grpc-status", if fresh { "0" } else { "16" })
+                .body(Empty::<Bytes>::new())
+                .unwrap();
+            Ok::<_, std::convert::Infallible>(response)
+        }
+    });
+    (Boxed::new(svc), sends)
+}
+
+fn grpc_request() -> Request<Full<Bytes>> {
+    Request::post("http://up/pkg.Users/Me")
+        .header("content-type", "application/grpc")
+        .header(AUTHORIZATION, "Bearer old")
+        .body(Full::new(Bytes::from_static(b"\0\0\0\0\0")))
+        .unwrap()
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_grpc_unauthenticated_answer_refreshes_once_and_the_call_is_sent_again() {
+    // A gRPC server answers an expired token with `UNAUTHENTICATED` in an HTTP 200, never a
+    // 401: the hook runs for it as for a 401.
+    let agent = agent(&policy("max_attempts: 3"));
+    let hook = Hook::default();
+    let (svc, sends) = grpc_upstream();
+    let client = RetryLayer::new(agent.endpoint("ep"))
+        .with_auth_refresh(hook.clone())
+        .layer(svc);
+    let response = client.oneshot(grpc_request()).await.unwrap();
+    assert_eq!(response.headers()["grpc-status"], "0");
+    assert_eq!(hook.calls.load(Ordering::SeqCst), 1);
+    assert_eq!(sends.load(Ordering::SeqCst), 2);
+    let counts = agent.endpoint("ep").pending_counts();
+    assert_eq!((counts.attempts, counts.success_first_try), (1, 1));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failing_hook_leaves_the_grpc_unauthenticated_answer_with_its_error() {
+    let agent = agent(&policy("max_attempts: 3"));
+    let hook = Hook {
+        fail: true,
+        ..Hook::default()
+    };
+    let (svc, sends) = grpc_upstream();
+    let client = RetryLayer::new(agent.endpoint("ep"))
+        .with_auth_refresh(hook.clone())
+        .layer(svc);
+    let response = client.oneshot(grpc_request()).await.unwrap();
+    assert_eq!(response.headers()["grpc-status"], "16");
+    assert!(response.extensions().get::<RefreshFailed>().is_some());
+    assert_eq!(sends.load(Ordering::SeqCst), 1);
 }

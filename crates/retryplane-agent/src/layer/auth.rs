@@ -6,12 +6,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use http::request::Parts;
-use http::{Response, StatusCode};
+use http::{HeaderMap, Response, StatusCode};
 
 use super::{BoxError, lock};
 use crate::call::Reauth;
 
-/// Fresh credentials for a request an upstream answered `401 Unauthorized`.
+/// Fresh credentials for a request an upstream answered `401 Unauthorized` (or, for a gRPC
+/// request, `UNAUTHENTICATED`).
 ///
 /// Set with [`RetryLayer::with_auth_refresh`](super::RetryLayer::with_auth_refresh). The
 /// layer calls [`refresh`](Self::refresh) at most once per logical call, on the first 401,
@@ -61,7 +62,8 @@ impl<T: RefreshCredentials> DynRefresh for T {
     }
 }
 
-/// The refresh of one HTTP call: on its first 401, the hook updates the shared head.
+/// The refresh of one HTTP call: on its first 401 (or gRPC `UNAUTHENTICATED`, see
+/// [`wants_credentials`]), the hook updates the shared head.
 pub(crate) struct HttpReauth<'a> {
     hook: &'a dyn DynRefresh,
     head: &'a Mutex<Parts>,
@@ -70,6 +72,8 @@ pub(crate) struct HttpReauth<'a> {
     used: &'a AtomicBool,
     /// The hook's error, if it failed.
     pub(crate) error: Option<BoxError>,
+    /// The call is a gRPC one ([`wants_credentials`]).
+    grpc: bool,
 }
 
 impl<'a> HttpReauth<'a> {
@@ -77,20 +81,33 @@ impl<'a> HttpReauth<'a> {
         hook: &'a dyn DynRefresh,
         head: &'a Mutex<Parts>,
         used: &'a AtomicBool,
+        grpc: bool,
     ) -> Self {
         Self {
             hook,
             head,
             used,
             error: None,
+            grpc,
         }
     }
+}
+
+/// Whether an answer asks for fresh credentials: `401 Unauthorized`, or, to a gRPC request
+/// (`grpc`), `UNAUTHENTICATED` (16) in its head, which is how a gRPC server answers an expired
+/// token (HTTP 200, "Trailers-Only").
+pub(crate) fn wants_credentials(status: StatusCode, headers: &HeaderMap, grpc: bool) -> bool {
+    status == StatusCode::UNAUTHORIZED
+        || (grpc
+            && headers
+                .get("grpc-status")
+                .is_some_and(|c| c.as_bytes() == b"16"))
 }
 
 impl<RB> Reauth<Response<RB>, BoxError> for HttpReauth<'_> {
     fn wants(&self, result: &Result<Response<RB>, BoxError>) -> bool {
         !self.used.load(Ordering::Relaxed)
-            && matches!(result, Ok(r) if r.status() == StatusCode::UNAUTHORIZED)
+            && matches!(result, Ok(r) if wants_credentials(r.status(), r.headers(), self.grpc))
     }
 
     fn refresh(&mut self) -> Pin<Box<dyn Future<Output = bool> + Send + '_>> {

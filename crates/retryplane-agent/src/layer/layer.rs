@@ -16,7 +16,7 @@ use tokio::time::Instant;
 use tower::{Layer, Service, ServiceExt as _};
 use tracing::debug;
 
-use super::auth::{DynRefresh, HttpReauth, RefreshCredentials, RefreshFailed};
+use super::auth::{DynRefresh, HttpReauth, RefreshCredentials, RefreshFailed, wants_credentials};
 use super::body::{Buffered, READ_ON_IDLE_FRAMES, ReplayBody, ResponseBody, buffer, read_failed};
 use super::dedup::{Dedup, Landing, Leader, Role, SharedResponse};
 use super::grpc::{call_meta, grpc_timeout, is_grpc, set_grpc_timeout};
@@ -100,7 +100,7 @@ impl<D> RetryLayer<D> {
     }
 
     /// Calls `hook` at most once per logical call, when an attempt is answered
-    /// `401 Unauthorized`, and sends that attempt again with the request it updated (see the
+    /// `401 Unauthorized` (a gRPC request: also `UNAUTHENTICATED`), and sends that attempt again with the request it updated (see the
     /// [module docs](super)). Requests whose body was not buffered are not sent again.
     pub fn with_auth_refresh(mut self, hook: impl RefreshCredentials) -> Self {
         self.settings.refresh = Some(Arc::new(hook));
@@ -492,7 +492,7 @@ where
                     .await
                     .or_else(gave_up);
             };
-            let mut reauth = HttpReauth::new(&**hook, head, refresh_used);
+            let mut reauth = HttpReauth::new(&**hook, head, refresh_used, grpc);
             let result = endpoint
                 .call_reauth(
                     begun,
@@ -506,7 +506,9 @@ where
                 .await
                 .or_else(gave_up);
             match (result, reauth.error) {
-                (Ok(mut response), Some(e)) if response.status() == StatusCode::UNAUTHORIZED => {
+                (Ok(mut response), Some(e))
+                    if wants_credentials(response.status(), response.headers(), grpc) =>
+                {
                     response
                         .extensions_mut()
                         .insert(RefreshFailed(Arc::from(e)));
@@ -785,12 +787,12 @@ impl ReadFailed<'_> {
     /// the refresh hook will send again.
     /// The budget, the breaker and the deadline may still refuse the retry; they are not asked
     /// here, since they may change by the time the engine asks.
-    fn wants(&self, o: &Outcome, status: StatusCode) -> bool {
+    fn wants(&self, o: &Outcome, status: StatusCode, headers: &HeaderMap) -> bool {
         if o.is_success() {
             return false;
         }
         // A transport outcome never comes from an answer.
-        let refreshed = self.refresh && status == StatusCode::UNAUTHORIZED;
+        let refreshed = self.refresh && wants_credentials(status, headers, self.grpc);
         refreshed
             || self
                 .retried
@@ -826,7 +828,7 @@ where
         response.classify()
     };
     match classification {
-        Classification::Outcome(o) if read.wants(&o, response.status()) => {
+        Classification::Outcome(o) if read.wants(&o, response.status(), response.headers()) => {
             let until = read.read_by.min(Instant::now() + FAILED_BODY_WAIT);
             read_failed(response, FAILED_BODY_LIMIT, until).await
         }

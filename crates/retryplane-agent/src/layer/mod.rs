@@ -134,9 +134,12 @@
 //! # Credential refresh on 401 ([`RetryLayer::with_auth_refresh`])
 //!
 //! With a [`RefreshCredentials`] hook, the first attempt of a logical call (whichever attempt
-//! that is) to be answered `401 Unauthorized` is not judged yet: the hook updates the request
-//! (its `Authorization` header, say) and that attempt is sent again, once, with the updated
-//! request, which every later attempt of the call also uses. The hook runs at most once per logical call.
+//! that is) to be answered `401 Unauthorized` (or, for a gRPC request, `UNAUTHENTICATED` in the
+//! answer's head: a gRPC server answers an expired token so, in an HTTP 200; what is said of a
+//! 401 below is said of it too) is not judged yet: the hook updates the request (its
+//! `Authorization` header, say) and that attempt is sent again, once, with the updated
+//! request, which every later attempt of the call also uses. The hook runs at most once per
+//! logical call.
 //!
 //! - Counting: the second send belongs to the same attempt. It gets a fresh per-try timeout
 //!   (within the deadline), but takes no pause, no retry budget and none of `max_attempts`;
