@@ -222,6 +222,30 @@ async fn unavailable_twice_then_ok_succeeds_at_the_third_attempt_honouring_the_p
 }
 
 #[tokio::test]
+async fn the_grpc_client_reads_why_the_call_gave_up_in_the_status_metadata() {
+    let why = |status: &Status| {
+        let text = |name| {
+            status
+                .metadata()
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned)
+        };
+        (text("retryplane-gave-up"), text("retryplane-attempts"))
+    };
+    let unavailable = [(Code::Unavailable, None); 3];
+    let (_, channel) = serve(&unavailable).await;
+    let status = get(&agent(), channel, Some(true)).await.unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable);
+    let expected = (Some("attempts_exhausted".to_owned()), Some("3".to_owned()));
+    assert_eq!(why(&status), expected);
+    let (_, channel) = serve(&[(Code::InvalidArgument, None)]).await;
+    let status = get(&agent(), channel, Some(true)).await.unwrap_err();
+    let expected = (Some("not_retryable".to_owned()), Some("1".to_owned()));
+    assert_eq!(why(&status), expected);
+}
+
+#[tokio::test]
 async fn a_non_retryable_code_returns_at_once_and_counts_as_a_failure() {
     let (upstream, channel) = serve(&[(Code::InvalidArgument, None)]).await;
     let agent = agent();

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::request::Parts;
-use http::{HeaderMap, Request, Response, StatusCode};
+use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
 use http_body::Body;
 use tokio::time::Instant;
 use tower::{Layer, Service, ServiceExt as _};
@@ -876,6 +876,11 @@ where
     }
 }
 
+/// The header of a gRPC answer the call gave up on that says why (see [`GaveUp`]).
+const GAVE_UP_HEADER: http::HeaderName = http::HeaderName::from_static("retryplane-gave-up");
+/// The header of a gRPC answer the call gave up on that says after how many attempts.
+const ATTEMPTS_HEADER: http::HeaderName = http::HeaderName::from_static("retryplane-attempts");
+
 /// The response or error a call that gave up returns; `grpc`: the request was a gRPC one
 /// (see [`no_answer`]); `timeouts_are_the_channels`: a tonic request timeout is the channel's
 /// (see [`channel_timeout_is_a_timeout`]).
@@ -891,6 +896,13 @@ fn gave_up<RB>(
     } = e;
     match last {
         Some(Last::Response(mut response)) => {
+            // A gRPC client sees no extension of the answer (tonic drops them), but the head
+            // of a Trailers-Only answer becomes its status's metadata: why is said there too.
+            if grpc && let Ok(why) = HeaderValue::try_from(cause.to_string()) {
+                let headers = response.headers_mut();
+                headers.insert(GAVE_UP_HEADER, why);
+                headers.insert(ATTEMPTS_HEADER, HeaderValue::from(attempts));
+            }
             response.extensions_mut().insert(GaveUp { cause, attempts });
             Ok(response)
         }

@@ -277,6 +277,16 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
 /// In the extensions of a response returned because the call gave up on it (a 503 after the
 /// last attempt, a 404 at once): why, and after how many attempts.
+///
+/// A gRPC client never sees a response's extensions (tonic drops them), so the answer to a
+/// gRPC request also carries both in its head, which tonic makes the status's metadata for an
+/// error answered before any message: `retryplane-gave-up` (the cause, as SPEC §5 names it:
+/// `attempts_exhausted`, `not_retryable`, …) and `retryplane-attempts`:
+///
+/// ```
+/// # let status = tonic::Status::unavailable("down");
+/// let why = status.metadata().get("retryplane-gave-up").and_then(|v| v.to_str().ok());
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GaveUp {
     /// Why the call stopped.
