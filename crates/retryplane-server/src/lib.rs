@@ -23,6 +23,7 @@ pub mod frame_body;
 pub mod http;
 mod idle;
 pub mod metrics;
+pub mod oversized;
 mod preface;
 pub mod publisher;
 pub mod report_seq;

@@ -52,6 +52,7 @@ use crate::control::{ControlPlane, Mode};
 use crate::fleet::Fleet;
 use crate::http::{HttpState, router};
 use crate::metrics::ServerMetrics;
+use crate::oversized::OversizedIsExhausted;
 use crate::preface::Preface;
 use crate::publisher::Publisher;
 use crate::store::{RedbStore, VersionStore};
@@ -292,8 +293,10 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
         Guard::new(tokens.clone(), Role::Agent).counting(control.metrics.auth_refused.clone()),
     );
     let admin_service = InterceptedService::new(
-        AdminServiceServer::new(AdminApi::new(control.clone()))
-            .max_decoding_message_size(cfg.max_message_bytes),
+        OversizedIsExhausted::new(
+            AdminServiceServer::new(AdminApi::new(control.clone()))
+                .max_decoding_message_size(cfg.max_message_bytes),
+        ),
         Guard::new(tokens.clone(), Role::Admin).counting(control.metrics.auth_refused.clone()),
     );
 

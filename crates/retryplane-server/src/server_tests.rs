@@ -982,6 +982,30 @@ async fn a_message_over_the_limit_ends_its_stream_with_a_log_line_saying_why() {
     running.shutdown().await.unwrap();
 }
 
+#[tokio::test]
+async fn an_oversized_admin_message_is_resource_exhausted() {
+    // As on the agent listener (and gRPC's own servers), not tonic's `OUT_OF_RANGE`.
+    let (_dir, mut cfg) = with_file(V1);
+    cfg.max_message_bytes = 64 * 1024;
+    let running = start(cfg).await.unwrap();
+    let source = |yaml: String| pb::ValidateRequest {
+        source: Some(pb::PolicySource {
+            origin: String::new(),
+            kind: Some(pb::policy_source::Kind::Yaml(yaml)),
+        }),
+    };
+    let mut client = admin(&running).await;
+    let status = client
+        .validate(source(format!("# {}\n{V1}", "x".repeat(100 * 1024))))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+    assert!(status.message().contains("too large"), "{status:?}");
+    // A message within the limit is answered as before, and the server goes on.
+    client.validate(source(V1.to_owned())).await.unwrap();
+    running.shutdown().await.unwrap();
+}
+
 /// A control plane started on `cfg` (serving version 1) and agent `a-1`'s stream, which has
 /// taken version 1.
 async fn with_agent_on_v1(
