@@ -1,6 +1,7 @@
 //! The ends of an answer the tower layer reads: trailers taken just before a check of the
-//! deadline are kept (the de-duplication leader's read, a failed answer returned), and a kept
-//! body of exactly the limit is read to its end, which frees its connection.
+//! deadline are kept (the de-duplication leader's read, a failed answer returned), an answer of
+//! small frames all there at the deadline is read whole, and a kept body of exactly the limit
+//! is read to its end, which frees its connection.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -177,6 +178,18 @@ async fn trailers_at_another_frame_are_kept_and_shared() {
     assert_eq!(len, 6100);
     assert!(trailers.is_some_and(|t| t.contains_key("x-checksum")));
     assert_eq!(follower, Ok((true, 6100)));
+}
+
+#[tokio::test(start_paused = true)]
+async fn small_frames_all_there_at_the_deadline_are_read_whole_and_shared() {
+    // 3,000 frames of 256 bytes (750 KiB, within the 1 MiB limit) all there at the deadline.
+    let (len, _, follower) = at_deadline(3000, 256, None).await;
+    assert_eq!(len, 3000 * 256);
+    assert_eq!(
+        follower,
+        Ok((true, 3000 * 256)),
+        "the follower did not get the leader's answer"
+    );
 }
 
 // ---- the kept answer's empty frames, with one connection below ----

@@ -118,7 +118,7 @@ where
     // Frames taken once the deadline was seen passed, and when it was.
     let mut past = 0_usize;
     let mut seen_past: Option<Instant> = None;
-    let past_frames = (limit / 512).clamp(1024, 1 << 20);
+    let past_frames = (limit / 64).clamp(1024, 1 << 20);
     loop {
         frames = frames.wrapping_add(1);
         // A body whose frames are always there must neither hold the thread nor outlast the
@@ -126,7 +126,7 @@ where
         // and the deadline is looked at. Past it, a read that brought nothing in some of them
         // ends; one that brings bytes goes on for [`PAST_DEADLINE`] at most, and for a number
         // of frames that grows with `limit` (a body all there at the deadline, up to the limit
-        // in frames of 512 bytes or more, is still read whole; one always ready is not read
+        // in frames of 64 bytes or more, is still read whole; one always ready is not read
         // for ever, even under a paused clock).
         if frames.is_multiple_of(64) {
             tokio::task::consume_budget().await;
