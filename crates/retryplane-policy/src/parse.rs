@@ -1010,14 +1010,14 @@ impl Walker {
             // The hundredth of the number as written (`0.00001%` is exactly `1.0e-7`), which a
             // division by 100 rounds.
             let ratio = hundredth(pct_text.trim()).unwrap_or(pct / 100.0);
-            self.error(
-                node.loc,
-                path,
-                format!(
-                    "a ratio is a plain number from 0 to 1: write {} for `{s}`",
-                    crate::render::float(&ratio)
-                ),
-            );
+            let written = crate::render::float(&ratio);
+            let message = if (0.0..=1.0).contains(&ratio) {
+                format!("a ratio is a plain number from 0 to 1: write {written} for `{s}`")
+            } else {
+                // Not "write 1.5", which the next run would refuse as out of range.
+                format!("a ratio is a plain number from 0 to 1: `{s}` would be {written}")
+            };
+            self.error(node.loc, path, message);
             return None;
         }
         self.number(node, path)

@@ -176,6 +176,19 @@ fn percent_hint_with_an_exponent_names_the_hundredth() {
     }
 }
 
+/// A percentage over 100 is not answered with a number to write that is itself out of range.
+#[test]
+fn a_percentage_over_100_gets_no_hint_to_write_a_ratio_over_1() {
+    let (_, diags) = doc_of("version: 1\nendpoints:\n  a: {budget: {ratio: 150%}}\n");
+    let msg = diags
+        .iter()
+        .find(|d| d.path.contains("ratio"))
+        .map(|d| d.message.clone())
+        .expect("an error on the ratio");
+    assert!(!msg.contains("write"), "{msg}");
+    assert!(msg.contains("`150%` would be 1.5"), "{msg}");
+}
+
 /// Every other message that quotes a number read as a float writes it as the rendering does,
 /// not as hundreds of digits: a duration written as a bare float, and the hint for a comma in
 /// a flow mapping.
