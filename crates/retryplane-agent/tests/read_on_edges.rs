@@ -1,7 +1,7 @@
 //! The ends of an answer the tower layer reads: trailers taken just before a check of the
 //! deadline are kept (the de-duplication leader's read, a failed answer returned), an answer of
-//! small frames all there at the deadline is read whole, and a kept body of exactly the limit
-//! is read to its end, which frees its connection.
+//! small frames all there at the deadline is read whole, and a kept body of exactly the limit,
+//! or of more empty frames than the allowance, is read to its end, which frees its connection.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -340,6 +340,38 @@ async fn kept_body_of(len: usize) -> (u16, usize, Duration) {
         n.load(Ordering::SeqCst),
         t0.elapsed(),
     )
+}
+
+/// A kept answer with a few more empty frames than the allowance (4,096), all there, then its
+/// end, with one connection below: past the allowance the layer reads on more slowly, so the
+/// body still ends and frees the connection for the retry long before the deadline (1 s).
+#[tokio::test(start_paused = true)]
+async fn empty_frames_past_the_allowance_do_not_hold_the_retry_to_the_deadline() {
+    let n = Arc::new(AtomicUsize::new(0));
+    let svc = OneConn {
+        n: n.clone(),
+        conn: Arc::new(Conn::default()),
+        first: None,
+    };
+    let agent = agent(&policy(
+        "max_attempts: 3\ndeadline: 1s\nper_try_timeout: 1s\nbackoff: {base: 100ms, max: 100ms, jitter: none}",
+    ));
+    let client = RetryLayer::new(agent.endpoint("ep")).layer(svc);
+    let t0 = Instant::now();
+    let response = tokio::time::timeout(Duration::from_secs(60), client.oneshot(get()))
+        .await
+        .expect("the call ends")
+        .expect("an answer");
+    let took = t0.elapsed();
+    assert_eq!(
+        (response.status().as_u16(), n.load(Ordering::SeqCst)),
+        (200, 2),
+        "after {took:?}: the retry did not go out"
+    );
+    assert!(
+        took < Duration::from_millis(500),
+        "the retry waited {took:?}"
+    );
 }
 
 #[tokio::test(start_paused = true)]

@@ -397,7 +397,8 @@ const READ_ON_FRAMES_PER_POLL: usize = 64;
 /// How many frames that bring no byte (empty data) the layer's reading on of a kept answer
 /// takes at full speed: a few are ordinary, a body always ready with nothing would keep a core
 /// busy through the call's waits. Past them, an empty frame ends a poll without asking for the
-/// next.
+/// next (the layer then reads a few more every 10 ms: a body whose end comes after many empty
+/// frames is still read to it).
 pub(crate) const READ_ON_IDLE_FRAMES: u32 = 4096;
 
 /// What the body of a kept failed answer ends with, after the bytes read, when the call let go

@@ -2,6 +2,7 @@
 
 use std::fmt;
 use std::marker::PhantomData;
+use std::pin::Pin;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -849,13 +850,41 @@ struct ReadOn {
     /// Frames that bring no byte still to be read of the answer kept now (see
     /// [`READ_ON_IDLE_FRAMES`]).
     idle_left: u32,
+    /// Once those are spent: the wait before [`READ_ON_IDLE_MORE`] more are read, so that a
+    /// body of endless empty frames costs next to nothing, and one whose end comes after them
+    /// is still read to it (a connection below freed), only more slowly.
+    throttle: Option<Pin<Box<tokio::time::Sleep>>>,
 }
+
+/// How long [`ReadOn`] waits, its allowance of empty frames spent, before it reads
+/// [`READ_ON_IDLE_MORE`] more.
+const READ_ON_IDLE_WAIT: Duration = Duration::from_millis(10);
+/// How many empty frames [`ReadOn`] reads after each [`READ_ON_IDLE_WAIT`].
+const READ_ON_IDLE_MORE: u32 = 64;
 
 impl ReadOn {
     fn new() -> Self {
         Self {
             idle_left: READ_ON_IDLE_FRAMES,
+            throttle: None,
         }
+    }
+
+    /// Whether the wait of a spent allowance is over (then `READ_ON_IDLE_MORE` more are
+    /// allowed); registers `cx` for its end otherwise.
+    fn allowance(&mut self, cx: &mut Context<'_>) -> bool {
+        if self.idle_left > 0 {
+            return true;
+        }
+        let wait = self
+            .throttle
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(READ_ON_IDLE_WAIT)));
+        if wait.as_mut().poll(cx).is_pending() {
+            return false;
+        }
+        self.throttle = None;
+        self.idle_left = READ_ON_IDLE_MORE;
+        true
     }
 }
 
@@ -865,14 +894,21 @@ where
     RB::Error: Into<BoxError>,
 {
     fn poll_paused(&mut self, kept: &mut Response<ResponseBody<RB>>, cx: &mut Context<'_>) {
+        if !self.allowance(cx) {
+            return;
+        }
         kept.body_mut()
             .poll_read_on(FAILED_BODY_LIMIT, &mut self.idle_left, cx);
+        // Spent now: the read stopped at an empty frame without asking for the next, so the
+        // wait is started (and `cx` registered for its end) at once.
+        let _ = self.allowance(cx);
     }
 
     fn before_next(&mut self, kept: &mut Response<ResponseBody<RB>>) {
         kept.body_mut().cut_unread();
         // The next kept answer has an allowance of its own.
         self.idle_left = READ_ON_IDLE_FRAMES;
+        self.throttle = None;
     }
 }
 
