@@ -39,6 +39,7 @@
 //! error (bad flags, an unreadable or invalid policy file, an unknown endpoint, no snapshot from
 //! the control plane in time).
 
+mod connect_by;
 mod report;
 
 use std::cell::RefCell;
@@ -58,6 +59,7 @@ use crate::admin::Token;
 use crate::input::{self, no_such_endpoint};
 use crate::output::{self, Format};
 use crate::{Outcome as Exit, Report};
+use connect_by::ConnectBy;
 use report::{Attempt, Summary};
 
 /// The agent listener's port of `retryplane serve`, used when `--server` names none.
@@ -571,22 +573,13 @@ async fn shutdown(agent: &Agent) {
     let _ = tokio::time::timeout(SHUTDOWN_WAIT, agent.shutdown()).await;
 }
 
-/// How long the client tries to connect: a little less than an attempt's time limit
-/// (`min(per_try_timeout, deadline)` of the call's policy). A connect that never completes (a
-/// host that drops the SYN) then fails as a connect error, which it is: the request never
-/// reached the upstream, so it is retried whatever the method, as a refused connect is.
-/// Without it the attempt's limit would cut the connect, and a timeout is an unknown outcome.
-fn connect_timeout(agent: &Agent, s: &Settings) -> Duration {
-    let snapshot = agent.policies();
-    let target = retryplane_policy::Target::Http {
-        method: s.method.as_str(),
-        path: s.url.path(),
-    };
-    let policy = snapshot
-        .set()
-        .and_then(|set| set.resolve(&s.endpoint, &target))
-        .unwrap_or_else(|| snapshot.defaults());
-    let limit = policy.per_try_timeout.min(policy.deadline);
+/// How long the client tries to connect in an attempt whose time limit is `limit` (the
+/// smaller of `per_try_timeout` and what is left of the deadline, which the agent hands the
+/// attempt): a little less. A connect that never completes (a host that drops the SYN) then
+/// fails as a connect error, which it is: the request never reached the upstream, so it is
+/// retried whatever the method, as a refused connect is. Without it the attempt's limit would
+/// cut the connect, and a timeout is an unknown outcome.
+fn connect_timeout(limit: Duration) -> Duration {
     // Ahead of the attempt's own timer by enough to win the race, and no more than needed.
     let margin = (limit / 10).min(Duration::from_millis(100));
     limit.saturating_sub(margin).max(Duration::from_millis(1))
@@ -594,9 +587,11 @@ fn connect_timeout(agent: &Agent, s: &Settings) -> Duration {
 
 /// Runs the call through the agent, recording each attempt from inside the attempt closure.
 async fn call(agent: &Agent, s: &Settings) -> anyhow::Result<Summary> {
+    // Each attempt sets when its connects give up (see `connect_by`).
+    let connect_by = ConnectBy::default();
     let client = reqwest::Client::builder()
         .redirect(reqwest::redirect::Policy::none())
-        .connect_timeout(connect_timeout(agent, s))
+        .connector_layer(connect_by.clone())
         .build()
         .context("cannot build the HTTP client")?;
     let body = s.body.clone();
@@ -611,6 +606,7 @@ async fn call(agent: &Agent, s: &Settings) -> anyhow::Result<Summary> {
             }
             recs.push(Attempt::started(info.number));
         }
+        connect_by.set(Instant::now() + connect_timeout(info.timeout));
         let mut request = client
             .request(s.method.clone(), s.url.clone())
             .headers(s.headers.clone());

@@ -685,12 +685,11 @@ fn a_closed_port_gives_connect_errors_until_attempts_run_out() {
     assert_eq!(pauses, [json!(10), json!(20), Value::Null]);
 }
 
-#[test]
-fn a_connect_that_never_completes_is_a_connect_error_and_retried_whatever_the_method() {
-    let rt = Runtime::new().unwrap();
-    // A listener whose accept queue is full: the kernel drops further SYNs, so a connect
-    // neither completes nor is refused (a host that drops packets).
-    let (port, _held) = rt.block_on(async {
+/// A port on 127.0.0.1 whose listener's accept queue is full: the kernel drops further SYNs,
+/// so a connect neither completes nor is refused (a host that drops packets). Kept while the
+/// returned value lives.
+fn black_hole(rt: &Runtime) -> (u16, impl Sized) {
+    rt.block_on(async {
         let socket = tokio::net::TcpSocket::new_v4().unwrap();
         socket.bind((Ipv4Addr::LOCALHOST, 0).into()).unwrap();
         let listener = socket.listen(0).unwrap();
@@ -704,7 +703,13 @@ fn a_connect_that_never_completes_is_a_connect_error_and_retried_whatever_the_me
             }
         }
         panic!("every connect completed: the accept queue never filled");
-    });
+    })
+}
+
+#[test]
+fn a_connect_that_never_completes_is_a_connect_error_and_retried_whatever_the_method() {
+    let rt = Runtime::new().unwrap();
+    let (port, _held) = black_hole(&rt);
     let policy =
         format!("{POLICY}    per_try_timeout: 400ms\n    retry_on: {{errors: [connect]}}\n");
     let (v, code) = request_under(
@@ -715,6 +720,31 @@ fn a_connect_that_never_completes_is_a_connect_error_and_retried_whatever_the_me
     assert_eq!(v["cause"], "attempts_exhausted", "{v}");
     let (shapes, _) = attempts(&v);
     assert_eq!(shapes, connect_errors(3));
+}
+
+#[test]
+fn a_connect_cut_short_by_what_is_left_of_the_deadline_is_still_a_connect_error() {
+    // Attempt 1 gives up connecting at 900 ms (its limit, 1 s, less a margin); attempt 2 has
+    // what is left of the 1.5 s deadline, under 600 ms: its connect must give up before that
+    // limit does, or it shows as a timeout and a POST is not retried.
+    let rt = Runtime::new().unwrap();
+    let (port, _held) = black_hole(&rt);
+    let policy = format!(
+        "{POLICY}    per_try_timeout: 1s\n    deadline: 1500ms\n    retry_on: {{errors: [connect, timeout]}}\n"
+    );
+    let (v, code) = request_under(
+        &policy,
+        &["-X", "POST", &format!("http://127.0.0.1:{port}/")],
+    );
+    assert_eq!(code, 1, "{v}");
+    let (shapes, _) = attempts(&v);
+    assert!(shapes.len() >= 2, "{v}");
+    assert_eq!(
+        shapes,
+        connect_errors(u32::try_from(shapes.len()).unwrap()),
+        "{v}"
+    );
+    assert_ne!(v["cause"], "not_retryable", "{v}");
 }
 
 #[test]
