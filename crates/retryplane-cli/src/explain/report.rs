@@ -210,12 +210,12 @@ pub fn explain(
             .iter()
             .map(|&field| field_row(&policy, &alert, &layers, field))
             .collect(),
-        schedule: schedule(&policy, call),
+        schedule: schedule(&policy),
         load: Load {
             multiplier: sends(&policy, call),
             first_unreachable_attempt: backoff::first_unreachable_attempt(
                 &policy.backoff,
-                attempts(&policy, call),
+                attempts(&policy),
                 policy.deadline,
             ),
             budget: policy
@@ -227,8 +227,8 @@ pub fn explain(
 }
 
 /// The attempts the schedule shows: `max_attempts`, or 1 when the call is never retried.
-fn attempts(p: &RetryPolicy, call: &Call) -> u32 {
-    if never_retried(p, call).is_some() {
+fn attempts(p: &RetryPolicy) -> u32 {
+    if never_retried(p).is_some() {
         1
     } else {
         p.max_attempts
@@ -238,7 +238,7 @@ fn attempts(p: &RetryPolicy, call: &Call) -> u32 {
 /// The most times one call is sent: [`attempts`], less those that can never start (see
 /// [`Load::first_unreachable_attempt`]).
 fn sends(p: &RetryPolicy, call: &Call) -> u32 {
-    let all = attempts(p, call);
+    let all = attempts(p);
     // gRFC A6: a pushback replaces the computed pause, and may be shorter than any of them.
     if p.retry_after.honor && !matches!(call, Call::Http { .. }) {
         return all;
@@ -246,19 +246,14 @@ fn sends(p: &RetryPolicy, call: &Call) -> u32 {
     backoff::first_unreachable_attempt(&p.backoff, all, p.deadline).map_or(all, |first| first - 1)
 }
 
-/// Why `call` is never retried, if it is not: `max_attempts` is 1, or `retry_on` lists no
-/// failure it can have. An HTTP call is judged on its status and transport errors; a gRPC call
-/// on its code and transport errors, and on its HTTP status when the answer has no gRPC status
-/// (a proxy's plain `503`); an endpoint (no call given) on any of them.
-fn never_retried(p: &RetryPolicy, call: &Call) -> Option<&'static str> {
-    let on = &p.retry_on;
-    let lists_nothing = match call {
-        Call::Http { .. } => on.http_status.is_empty() && on.errors.is_empty(),
-        Call::Grpc { .. } | Call::Endpoint => on.lists_nothing(),
-    };
+/// Why a call is never retried, if it is not: `max_attempts` is 1, or `retry_on` lists no
+/// failure at all. Every list counts for every call: an HTTP call's answer may be a
+/// "Trailers-Only" gRPC one (`grpc-status` in its head), judged by its code, and a gRPC call's
+/// may be a proxy's plain HTTP status; the worst case counts them.
+fn never_retried(p: &RetryPolicy) -> Option<&'static str> {
     if p.max_attempts <= 1 {
         Some("max_attempts is 1")
-    } else if lists_nothing {
+    } else if p.retry_on.lists_nothing() {
         Some("retry_on lists no failure this call can have")
     } else {
         None
@@ -283,7 +278,7 @@ fn retried(p: &RetryPolicy, call: &Call) -> Retried {
         _ => None,
     };
     let summary = match call {
-        _ if let Some(why) = never_retried(p, call) => format!("never: {why}"),
+        _ if let Some(why) = never_retried(p) => format!("never: {why}"),
         Call::Http { method, .. } if p.is_idempotent(method) => {
             format!("yes, on the failures in retry_on: {method} is in idempotent_methods")
         }
@@ -331,11 +326,11 @@ fn field_row(
 }
 
 /// See [`Schedule`] for the definitions.
-fn schedule(p: &RetryPolicy, call: &Call) -> Schedule {
+fn schedule(p: &RetryPolicy) -> Schedule {
     let mut worst = Duration::ZERO;
     // No rows for a call that is never retried (see `attempts`).
-    let never = never_retried(p, call);
-    let retries = (1..attempts(p, call))
+    let never = never_retried(p);
+    let retries = (1..attempts(p))
         .map(|n| {
             let (low, high) = backoff::jitter_range(&p.backoff, n);
             worst = worst.saturating_add(p.per_try_timeout).saturating_add(high);
@@ -393,7 +388,7 @@ mod tests {
 
     #[test]
     fn worst_case_start_adds_timeouts_and_longest_pauses() {
-        let s = schedule(&policy(7, Jitter::None), &Call::Endpoint);
+        let s = schedule(&policy(7, Jitter::None));
         let ceilings: Vec<_> = s
             .retries
             .iter()
@@ -415,9 +410,9 @@ mod tests {
 
     #[test]
     fn decorrelated_pauses_have_no_ceiling() {
-        let s = schedule(&policy(3, Jitter::Decorrelated), &Call::Endpoint);
+        let s = schedule(&policy(3, Jitter::Decorrelated));
         assert!(s.retries.iter().all(|r| r.ceiling_ms.is_none()));
-        let s = schedule(&policy(3, Jitter::Equal), &Call::Endpoint);
+        let s = schedule(&policy(3, Jitter::Equal));
         assert!(s.retries.iter().all(|r| r.ceiling_ms.is_some()));
     }
 
@@ -443,7 +438,7 @@ mod tests {
         assert_eq!(sends(&p, &grpc), 2);
         assert_eq!(sends(&p, &Call::Endpoint), 2);
         // The schedule still shows every retry the policy asks for.
-        assert_eq!(schedule(&p, &http).retries.len(), 3);
+        assert_eq!(schedule(&p).retries.len(), 3);
         p.deadline = Duration::from_secs(10);
         assert_eq!(sends(&p, &http), 4);
     }
@@ -467,11 +462,7 @@ mod tests {
 
     #[test]
     fn one_attempt_has_no_retries() {
-        assert!(
-            schedule(&policy(1, Jitter::Full), &Call::Endpoint)
-                .retries
-                .is_empty()
-        );
+        assert!(schedule(&policy(1, Jitter::Full)).retries.is_empty());
     }
 
     #[test]
