@@ -357,30 +357,35 @@ fn parse_message(e: &serde_saphyr::Error) -> String {
     unquoted(&message)
 }
 
-/// `message` with every part it quotes (between backticks or double quotes) that is not a
-/// plain word left out: the reader quotes what it found in the file (`unknown field
-/// `secret=…``, when `=` was typed for `:`), and that can be a secret. A word of at most 12
-/// ASCII letters and `_` (a field name: `secrte`, `role`) stays, so a misspelt field is still
-/// named.
+/// `message` with what it quotes from the file left out when that could be a secret: the
+/// reader quotes what it found (`unknown field `secret=…``, when `=` was typed for `:`), and
+/// does not escape a quote inside it, so quotes cannot be paired reliably. A message that
+/// quotes one plain word (at most 12 ASCII letters and `_`: a field name such as `secrte`,
+/// far shorter than any secret) stays whole, so a misspelt field is still named. Any other
+/// message keeps what comes before its first quote and its place in the file.
 fn unquoted(message: &str) -> String {
     fn is_word(s: &str) -> bool {
         (1..=12).contains(&s.len()) && s.bytes().all(|b| b.is_ascii_alphabetic() || b == b'_')
     }
-    let mut out = String::with_capacity(message.len());
-    let mut rest = message;
-    while let Some(open) = rest.find(['`', '"']) {
-        let quote = &rest[open..=open];
-        let Some(len) = rest[open + 1..].find(quote) else {
-            break;
-        };
-        let inner = &rest[open + 1..open + 1 + len];
-        out.push_str(&rest[..=open]);
-        out.push_str(if is_word(inner) { inner } else { "(not shown)" });
-        out.push_str(quote);
-        rest = &rest[open + 2 + len..];
+    let is_quote = |c: char| c == '`' || c == '"';
+    let quotes: Vec<usize> = message.match_indices(is_quote).map(|(i, _)| i).collect();
+    match quotes[..] {
+        [] => return message.to_owned(),
+        [open, close]
+            if message[open..=open] == message[close..=close]
+                && is_word(&message[open + 1..close]) =>
+        {
+            return message.to_owned();
+        }
+        _ => {}
     }
-    out.push_str(rest);
-    out
+    let first = quotes[0];
+    let last = quotes[quotes.len() - 1];
+    // `… at line 2, column 30`, when it comes after the last quote.
+    let place = message[last..]
+        .rfind(" at line ")
+        .map_or("", |at| &message[last + at..]);
+    format!("{}(not shown){place}", &message[..first])
 }
 
 #[cfg(unix)]

@@ -227,19 +227,46 @@ fn a_role_swapped_with_its_secret_is_not_shown() {
 
 #[test]
 fn a_secret_the_reader_quotes_in_its_message_is_not_shown() {
-    // `=` typed for `:`: the whole `secret=…` is read as a key, which the reader quotes.
-    let secret = "9081726354453627180918273645";
-    for text in [
-        format!("tokens:\n  - {{name: ops, role: admin, secret={secret}}}\n"),
-        format!("tokens:\n  - name: ops\n    role: admin\n    secret={secret}: x\n"),
-        format!("tokens:\n  - {{name: ops, role: admin, secret: a, \"{secret}\": b}}\n"),
+    // Malformed files the reader refuses, with a secret where a typo puts it; the reader
+    // quotes what it found without escaping a quote inside it, so secrets with backticks and
+    // double quotes are tried too.
+    for secret in [
+        "9081726354453627180918273645",
+        "90817263544`53627180918273645",
+        "9081`72635`44536`2718091827",
+        "90817263544\"53627180918273645",
     ] {
-        let err = invalid(&text);
-        assert!(err.contains("malformed"), "{err}");
-        assert!(!err.contains("908172"), "the secret is shown: {err}");
-        assert!(err.contains("line "), "the place is still given: {err}");
+        let s = secret;
+        let shapes = [
+            format!("tokens:\n  - {{name: ops, role: admin, secret={s}}}\n"),
+            format!("tokens:\n  - name: ops\n    role: admin\n    secret={s}: x\n"),
+            format!("tokens:\n  - {{name: ops, role: admin, secret: a, {s}: b, {s}: c}}\n"),
+            format!("tokens:\n  - ops admin {s}\n"),
+            format!("tokens: {s}\n"),
+            format!("tokens:\n  - name: ops\n    role: admin\n    secret: !{s} x\n"),
+            format!("tokens:\n  - name: ops\n    role: admin\n    secret: {{{s}: 1}}\n"),
+            format!("tokens:\n  - name: ops\n    role: admin\n    secret: x\n    secret: {s}\n"),
+            format!("tokens:\n  - {{name: ops, role: admin, secret: {s}, {s}}}\n"),
+            format!("%TAG !{s}! tag:x\n---\ntokens: []\n"),
+        ];
+        for text in &shapes {
+            let Err(err) = Tokens::parse(text, Path::new("/etc/retryplane/tokens.yaml")) else {
+                continue;
+            };
+            let err = err.to_string();
+            for part in secret.split(['`', '"']) {
+                assert!(!err.contains(part), "the secret is shown: {err}");
+            }
+        }
     }
-    // A misspelt field is still named.
+    // `=` typed for `:`: the place is still given.
+    let err =
+        invalid("tokens:\n  - {name: ops, role: admin, secret=9081726354453627180918273645}\n");
+    assert!(
+        err.contains("malformed") && err.contains("at line 2"),
+        "{err}"
+    );
+    // A misspelt field is still named, and so is a duplicate key.
     let err = invalid("tokens: [{name: a, role: admin, secrte: aaaaaaaaaaaaaaaaaaaa}]");
     assert!(err.contains("`secrte`"), "{err}");
 }
