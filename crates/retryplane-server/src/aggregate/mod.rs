@@ -177,6 +177,9 @@ pub struct Aggregator {
     series: AtomicUsize,
     services: RwLock<HashMap<Box<str>, Arc<ServiceSeries>>>,
     other: Series,
+    /// Whether a service named `other` reported the endpoint `other`: that pair is counted in
+    /// the overflow series (its labels are the same), which then also stands for an endpoint.
+    other_pair_reported: AtomicBool,
     overflowed: Overflowed,
     overflow_warned: AtomicBool,
     bad_name_warned: AtomicBool,
@@ -253,6 +256,7 @@ impl Aggregator {
             series: AtomicUsize::new(0),
             services: RwLock::new(HashMap::new()),
             other: Series::new(OTHER, OTHER, now),
+            other_pair_reported: AtomicBool::new(false),
             overflowed: Default::default(),
             overflow_warned: AtomicBool::new(false),
             bad_name_warned: AtomicBool::new(false),
@@ -445,10 +449,13 @@ impl Aggregator {
         endpoint: &str,
         now: Instant,
     ) -> Result<Arc<Series>, Overflow> {
+        if &*svc.name == OTHER && endpoint == OTHER {
+            self.other_pair_reported.store(true, Ordering::Relaxed);
+            return Err(Overflow::BadName);
+        }
         if endpoint.is_empty()
             || endpoint.len() > MAX_NAME_LEN
             || retryplane_policy::diag::has_control(endpoint)
-            || (&*svc.name == OTHER && endpoint == OTHER)
         {
             return Err(Overflow::BadName);
         }
@@ -705,13 +712,18 @@ impl Aggregator {
 
     /// Endpoints whose alert fires for at least one calling service, as of `now`, sorted. The
     /// overflow series (`other` / `other`) is no endpoint's and is left out (an endpoint named
-    /// `other` is listed by its own series); its alert shows in Stats.
+    /// `other` is listed by its own series), unless a service named `other` reported an
+    /// endpoint named `other`, which is counted there; its alert shows in Stats.
     pub fn alerting_endpoints(&self, now: Instant) -> Vec<String> {
         let tick = Tick::new(self.epoch, now);
         let judges = self.judges(&tick);
-        let mut out: Vec<String> = self
-            .matching(Filter::default())
+        let matching = self.matching(Filter::default());
+        let overflow = std::iter::once(&self.other)
+            .filter(|_| self.other_pair_reported.load(Ordering::Relaxed));
+        let mut out: Vec<String> = matching
             .iter()
+            .map(AsRef::as_ref)
+            .chain(overflow)
             .map(|s| s.view(&tick, judges.of(s)))
             .filter(|v| v.alert.firing)
             .map(|v| v.endpoint)

@@ -943,6 +943,17 @@ async fn the_overflow_series_firing_names_no_alerting_endpoint() {
     assert_eq!(agg.alerting_endpoints(Instant::now()), [OTHER]);
 }
 
+#[tokio::test(start_paused = true)]
+async fn a_service_named_other_retrying_an_endpoint_named_other_is_alerting() {
+    // That pair is counted in the overflow series (the same labels), which then stands for
+    // the endpoint too.
+    let agg = Aggregator::new(10, Instant::now());
+    let svc = agg.service(OTHER);
+    agg.ingest(&svc, &report(1, &[(OTHER, 100, 100)]), Instant::now());
+    assert_eq!(agg.tick(Instant::now()), 1);
+    assert_eq!(agg.alerting_endpoints(Instant::now()), [OTHER]);
+}
+
 #[test]
 fn a_bad_endpoint_name_is_logged_escaped_and_does_not_hide_the_cap_warning() {
     let (log, _guard) = crate::test_logs::capture("retryplane_server=warn");
