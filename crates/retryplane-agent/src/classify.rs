@@ -89,11 +89,11 @@ fn http_classification(status: http::StatusCode, headers: &http::HeaderMap) -> C
 /// connect → connect, whatever failed (refused, DNS, the channel's `connect_timeout`; tonic
 /// says `UNAVAILABLE`, but the request never left, so any method may be retried, and
 /// `retry_on.errors: [connect]` applies), and so is a stream the server refused (HTTP/2
-/// `REFUSED_STREAM`, or one above the last stream id of its `GOAWAY`: not processed); a
-/// connection that broke → reset, a keep-alive or I/O timeout → timeout, and so is a timeout
-/// middleware's error (tower's `Timeout` under the channel): no answer came in time. tonic's
-/// own request timeout (`CANCELLED`) is judged by its code: it may be the caller's deadline,
-/// which a retry must not run past (tonic raises the same error for both). Any other status (one the server sent, or
+/// `REFUSED_STREAM`: not processed); a connection that broke → reset, a keep-alive or I/O
+/// timeout → timeout, and so is a timeout middleware's error (tower's `Timeout` under the
+/// channel): no answer came in time. tonic's own request timeout (`CANCELLED`) is judged by its
+/// code: it may be the caller's deadline, which a retry must not run past (tonic raises the
+/// same error for both). Any other status (one the server sent, or
 /// one with no transport error below it): `Code::Ok` is a success; any other code is an
 /// outcome the policy judges, with the `grpc-retry-pushback-ms` trailer (non-ASCII counts as
 /// unparseable: do not retry).
@@ -421,18 +421,17 @@ fn chain<'a>(
     })
 }
 
-/// Whether `e` itself says the server did not process the stream (see
-/// [`refused_stream_in_chain`]): the peer's reset of it with `REFUSED_STREAM`, or the peer's
-/// `GOAWAY` (a server shutting down, whatever its code), which h2 gives only to the streams
-/// above the frame's last stream id and to requests sent after it, none of which the server
-/// processed (RFC 9113 §6.8): a stream at or below that id goes on, and one the closing
-/// connection then cuts gets an I/O error, a reset. The `REFUSED_STREAM` code in an h2 error
-/// made locally (by h2 or a layer) says nothing of the kind.
+/// Whether `e` itself is the peer's reset of the stream with `REFUSED_STREAM` (see
+/// [`refused_stream_in_chain`]). Only that says "not processed": the same code in an h2 error
+/// made by a layer does not, and neither does the peer's `GOAWAY`. h2 gives a `GOAWAY` to the
+/// streams above its last stream id, which were not processed, but hyper also hands it to a
+/// request whose stream h2 had just opened when the connection's first, graceful `GOAWAY`
+/// came (its `poll_ready` after `send_request` returns the connection's error), and that
+/// request's HEADERS still go out, inside the server's last stream id: it may be processed.
+/// The error does not tell the two apart, so it is a reset (an unknown outcome).
 fn refused_stream(e: &(dyn StdError + 'static)) -> bool {
     e.downcast_ref::<h2::Error>().is_some_and(|h2| {
-        h2.is_remote()
-            && ((h2.is_reset() && h2.reason() == Some(h2::Reason::REFUSED_STREAM))
-                || h2.is_go_away())
+        h2.is_reset() && h2.is_remote() && h2.reason() == Some(h2::Reason::REFUSED_STREAM)
     })
 }
 

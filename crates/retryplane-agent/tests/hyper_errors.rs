@@ -600,43 +600,20 @@ async fn goes_away(last_stream_id: u8, code: u8) -> u16 {
 }
 
 #[tokio::test]
-async fn a_stream_above_the_last_stream_id_of_a_goaway_is_a_connect_error() {
-    // Stream 1 above last stream id 0: the server did not process it (RFC 9113 §6.8), so a
-    // POST may be sent again on a new connection, whatever the GOAWAY's code.
-    for code in [0, 2] {
-        let port = goes_away(0, code).await;
-        let client: LegacyClient = Client::builder(TokioExecutor::new())
-            .http2_only(true)
-            .build(HttpConnector::new());
-        let post = http::Request::post(format!("http://127.0.0.1:{port}/charges"))
-            .body(Full::new(Bytes::from_static(b"{}")))
-            .unwrap();
-        let err = fails(&client, post).await;
-        assert_eq!(
-            err.classify(),
-            transport(ErrorClass::Connect),
-            "code {code}: {err:?}"
-        );
-    }
-    // The same through a tonic channel, as a generated client sees it.
+async fn a_stream_a_goaway_refused_is_a_reset_not_a_refusal() {
+    // Stream 1 above last stream id 0 was not processed (RFC 9113 §6.8), but hyper hands the
+    // same error to a request whose HEADERS still go out inside a graceful GOAWAY's last
+    // stream id (see `classify::refused_stream`), so the agent cannot tell: an unknown
+    // outcome, which a POST without its key does not retry.
     let port = goes_away(0, 0).await;
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{port}"))
-        .unwrap()
-        .connect()
-        .await
+    let client: LegacyClient = Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .build(HttpConnector::new());
+    let post = http::Request::post(format!("http://127.0.0.1:{port}/charges"))
+        .body(Full::new(Bytes::from_static(b"{}")))
         .unwrap();
-    let status = tokio::time::timeout(
-        WAIT,
-        AdminServiceClient::new(channel).get(GetRequest::default()),
-    )
-    .await
-    .expect("the call ends")
-    .expect_err("the server went away");
-    assert_eq!(
-        status.classify(),
-        transport(ErrorClass::Connect),
-        "{status:?}"
-    );
+    let err = fails(&client, post).await;
+    assert_eq!(err.classify(), transport(ErrorClass::Reset), "{err:?}");
 }
 
 #[tokio::test]
