@@ -245,3 +245,12 @@ fn a_fleet_too_quiet_to_call_during_the_incident_still_gets_its_report() {
         assert!(out.contains("not in run"), "{out}");
     }
 }
+
+#[test]
+fn a_tiny_rate_is_written_with_an_exponent_not_hundreds_of_zeros() {
+    let dir = dir();
+    let text = stdout(&mut simulate(dir.path(), &["--rate", "1e-300"]));
+    let header = text.lines().next().unwrap();
+    assert!(header.contains("× 1.0e-300/s"), "{header}");
+    assert!(header.len() < 200, "{} chars: {header}", header.len());
+}

@@ -323,7 +323,7 @@ fn dur(d: &Duration) -> String {
 /// `.nan` and `±.inf` for the values no valid policy holds. `-0.0` (only a document built in
 /// code can hold it) is `0.0`, as a file reads it: a diff shows no change where the content
 /// and its hash have none.
-pub(crate) fn float(v: &f64) -> String {
+pub fn float(v: &f64) -> String {
     if v.is_nan() {
         ".nan".to_owned()
     } else if v.is_infinite() {

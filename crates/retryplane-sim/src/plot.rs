@@ -56,7 +56,10 @@ fn draw(report: &Report, out: &mut String) -> Result<(), Box<dyn std::error::Err
     root.fill(&WHITE)?;
     let title = format!(
         "{}: {} clients × {}/s, {}",
-        report.endpoint, report.clients, report.rate_per_client, report.scenario
+        report.endpoint,
+        report.clients,
+        crate::report::number(report.rate_per_client),
+        report.scenario
     );
     let mut chart = ChartBuilder::on(&root)
         .caption(title, ("sans-serif", 22))

@@ -18,8 +18,14 @@ fn thousands(n: u64) -> String {
 }
 
 /// `1.5` as `1.5`, `2.0` as `2`: the shortest form of an already rounded number.
-fn number(x: f64) -> String {
-    format!("{x}")
+pub(crate) fn number(x: f64) -> String {
+    // Rust writes every digit of a very small or very large number (`1e-300` as 300 zeros):
+    // those are written with an exponent, as a policy's numbers are.
+    if x != 0.0 && !(1e-4..1e16).contains(&x.abs()) {
+        retryplane_policy::render::float(&x)
+    } else {
+        format!("{x}")
+    }
 }
 
 impl Report {
