@@ -177,9 +177,11 @@ pub struct Aggregator {
     series: AtomicUsize,
     services: RwLock<HashMap<Box<str>, Arc<ServiceSeries>>>,
     other: Series,
-    /// Whether a service named `other` reported the endpoint `other`: that pair is counted in
-    /// the overflow series (its labels are the same), which then also stands for an endpoint.
-    other_pair_reported: AtomicBool,
+    /// When (milliseconds since `epoch`, plus one; 0 for never) a service named `other` last
+    /// reported the endpoint `other`: that pair is counted in the overflow series (its labels
+    /// are the same), which then also stands for an endpoint while the pair's counts can be in
+    /// its alert's window.
+    other_pair_reported: AtomicU64,
     overflowed: Overflowed,
     overflow_warned: AtomicBool,
     bad_name_warned: AtomicBool,
@@ -256,7 +258,7 @@ impl Aggregator {
             series: AtomicUsize::new(0),
             services: RwLock::new(HashMap::new()),
             other: Series::new(OTHER, OTHER, now),
-            other_pair_reported: AtomicBool::new(false),
+            other_pair_reported: AtomicU64::new(0),
             overflowed: Default::default(),
             overflow_warned: AtomicBool::new(false),
             bad_name_warned: AtomicBool::new(false),
@@ -450,7 +452,9 @@ impl Aggregator {
         now: Instant,
     ) -> Result<Arc<Series>, Overflow> {
         if &*svc.name == OTHER && endpoint == OTHER {
-            self.other_pair_reported.store(true, Ordering::Relaxed);
+            let at = now.saturating_duration_since(self.epoch).as_millis();
+            let at = u64::try_from(at).unwrap_or(u64::MAX - 1) + 1;
+            self.other_pair_reported.fetch_max(at, Ordering::Relaxed);
             return Err(Overflow::BadName);
         }
         if endpoint.is_empty()
@@ -710,6 +714,20 @@ impl Aggregator {
         }
     }
 
+    /// Whether a service named `other` reported the endpoint `other` within the alert's window
+    /// (five minutes) before `now`.
+    fn other_pair_in_window(&self, now: Instant) -> bool {
+        match self.other_pair_reported.load(Ordering::Relaxed) {
+            0 => false,
+            at => {
+                let since = Duration::from_millis(at - 1);
+                now.saturating_duration_since(self.epoch)
+                    .saturating_sub(since)
+                    <= Duration::from_secs(5 * 60)
+            }
+        }
+    }
+
     /// Endpoints whose alert fires for at least one calling service, as of `now`, sorted. The
     /// overflow series (`other` / `other`) is no endpoint's and is left out (an endpoint named
     /// `other` is listed by its own series), unless a service named `other` reported an
@@ -718,8 +736,7 @@ impl Aggregator {
         let tick = Tick::new(self.epoch, now);
         let judges = self.judges(&tick);
         let matching = self.matching(Filter::default());
-        let overflow = std::iter::once(&self.other)
-            .filter(|_| self.other_pair_reported.load(Ordering::Relaxed));
+        let overflow = std::iter::once(&self.other).filter(|_| self.other_pair_in_window(now));
         let mut out: Vec<String> = matching
             .iter()
             .map(AsRef::as_ref)

@@ -952,6 +952,17 @@ async fn a_service_named_other_retrying_an_endpoint_named_other_is_alerting() {
     agg.ingest(&svc, &report(1, &[(OTHER, 100, 100)]), Instant::now());
     assert_eq!(agg.tick(Instant::now()), 1);
     assert_eq!(agg.alerting_endpoints(Instant::now()), [OTHER]);
+    // Once that pair is out of the alert's window, the overflow series firing for other
+    // services' bad names lists no endpoint again.
+    advance(Duration::from_secs(6 * 60)).await;
+    let checkout = agg.service("checkout");
+    agg.ingest(
+        &checkout,
+        &report(1, &[("bad\u{7}name", 100, 100)]),
+        Instant::now(),
+    );
+    assert_eq!(agg.tick(Instant::now()), 1);
+    assert!(agg.alerting_endpoints(Instant::now()).is_empty());
 }
 
 #[test]
