@@ -112,18 +112,15 @@ impl Classify for tonic::Status {
 /// How the tower layer judges the answer to a gRPC request: as tonic's client reads it, so that
 /// a call counts the same through the layer as through [`Endpoint::call`](crate::Endpoint::call)
 /// with a generated client. A `grpc-status` in the head is the call's code whatever the
-/// content type (tonic reads it so). Without one, an HTTP status other than 200 (a proxy's
-/// answer) with an empty body (`body_empty`: known empty from its head, or read to its end
-/// empty) is the code tonic maps it to (gRPC's HTTP-to-status mapping: 400 `INTERNAL`, 401
+/// content type (tonic reads it so); without one, an HTTP status other than 200 (a proxy's
+/// answer) is the code tonic maps it to (gRPC's HTTP-to-status mapping: 400 `INTERNAL`, 401
 /// `UNAUTHENTICATED`, 403 `PERMISSION_DENIED`, 404 `UNIMPLEMENTED`, 429, 502, 503 and 504
-/// `UNAVAILABLE`, any other `UNKNOWN`); with a body (an error page), tonic reads that body as
-/// gRPC messages and fails with `INTERNAL`, and so is it judged. Either way by
-/// `retry_on.grpc_status`, not `http_status`. A 200 without one has its status in trailers:
-/// judged a success, as [`Classify for http::Response`](Classify) does.
+/// `UNAVAILABLE`, any other `UNKNOWN`), judged by `retry_on.grpc_status`, not `http_status`.
+/// A 200 without one has its status in trailers: judged a success, as
+/// [`Classify for http::Response`](Classify) does.
 pub(crate) fn grpc_answer_classification(
     status: http::StatusCode,
     headers: &http::HeaderMap,
-    body_empty: bool,
 ) -> Classification {
     use http::StatusCode as S;
     if let Some(code) = headers.get(GRPC_STATUS) {
@@ -131,7 +128,6 @@ pub(crate) fn grpc_answer_classification(
     }
     let code = match status {
         S::OK => return http_classification(status, headers),
-        _ if !body_empty => tonic::Code::Internal,
         S::BAD_REQUEST => tonic::Code::Internal,
         S::UNAUTHORIZED => tonic::Code::Unauthenticated,
         S::FORBIDDEN => tonic::Code::PermissionDenied,

@@ -421,11 +421,7 @@ where
     };
     let gave_up = move |e| gave_up(e, grpc, timeouts_are_the_channels);
     let classify = |r: &Result<Response<ResponseBody<RB>>, BoxError>| match r {
-        Ok(response) if grpc => grpc_answer_classification(
-            response.status(),
-            response.headers(),
-            known_empty(response.body()),
-        ),
+        Ok(response) if grpc => grpc_answer_classification(response.status(), response.headers()),
         Ok(response) => response.classify(),
         Err(e) if timeouts_are_the_channels => {
             channel_timeout_is_a_timeout(classify_boxed(&**e), &**e)
@@ -828,11 +824,7 @@ where
         return response.map(ResponseBody::passthrough);
     }
     let classification = if read.grpc {
-        grpc_answer_classification(
-            response.status(),
-            response.headers(),
-            known_empty(response.body()),
-        )
+        grpc_answer_classification(response.status(), response.headers())
     } else {
         response.classify()
     };
@@ -918,12 +910,6 @@ where
         self.idle_left = READ_ON_IDLE_FRAMES;
         self.throttle = None;
     }
-}
-
-/// Whether `body` is known to be empty: from its head (`content-length: 0`, or an HTTP/2
-/// HEADERS frame that ended the stream), or read to its end with no byte.
-fn known_empty<B: Body>(body: &B) -> bool {
-    body.is_end_stream() || body.size_hint().exact() == Some(0)
 }
 
 /// The header of a gRPC answer the call gave up on that says why (see [`GaveUp`]).

@@ -72,12 +72,10 @@
 //!   for a `tonic::Status`; a gRPC status in trailers, after data, is not seen: that call
 //!   counts as a success). The answer to a gRPC request is read as tonic's client reads it,
 //!   so that it counts as through [`Endpoint::call`](crate::Endpoint::call) with a generated
-//!   client: a `grpc-status` in its head whatever its content type; a proxy's HTTP status (no
-//!   `grpc-status`) with an empty body as the code tonic maps it to (503 `UNAVAILABLE`, 500
-//!   `UNKNOWN`, …), and with a body (an error page) as `INTERNAL`, which tonic makes of a body
-//!   that is no gRPC message; judged by `retry_on.grpc_status`. Errors of the inner service by
-//!   their source chain: the first `hyper_util::client::legacy::Error`, `hyper::Error`,
-//!   (feature `reqwest`)
+//!   client: a `grpc-status` in its head whatever its content type, and a proxy's HTTP status
+//!   (no `grpc-status`) as the code tonic maps it to (503 `UNAVAILABLE`, 500 `UNKNOWN`, …),
+//!   judged by `retry_on.grpc_status`. Errors of the inner service by their source chain:
+//!   the first `hyper_util::client::legacy::Error`, `hyper::Error`, (feature `reqwest`)
 //!   `reqwest::Error` or `io::Error` in it is classified by its [`Classify`](crate::Classify)
 //!   impl (connect / reset / timeout, or fatal for the caller's own errors; a reqwest error
 //!   made by `error_for_status` counts as its HTTP status, without `Retry-After`); the error of a
