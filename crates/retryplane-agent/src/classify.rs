@@ -116,6 +116,9 @@ impl Classify for tonic::Status {
 /// answer) is the code tonic maps it to (gRPC's HTTP-to-status mapping: 400 `INTERNAL`, 401
 /// `UNAUTHENTICATED`, 403 `PERMISSION_DENIED`, 404 `UNIMPLEMENTED`, 429, 502, 503 and 504
 /// `UNAVAILABLE`, any other `UNKNOWN`), judged by `retry_on.grpc_status`, not `http_status`.
+/// That is what tonic reads of an answer with an empty body; of one with an error page it
+/// reads `INTERNAL` (the page is no gRPC message), but whether a body is empty is known only
+/// once it is read, and many proxies send their head first: the status's code is counted.
 /// A 200 without one has its status in trailers: judged a success, as
 /// [`Classify for http::Response`](Classify) does.
 pub(crate) fn grpc_answer_classification(

@@ -74,7 +74,8 @@
 //!   so that it counts as through [`Endpoint::call`](crate::Endpoint::call) with a generated
 //!   client: a `grpc-status` in its head whatever its content type, and a proxy's HTTP status
 //!   (no `grpc-status`) as the code tonic maps it to (503 `UNAVAILABLE`, 500 `UNKNOWN`, …),
-//!   judged by `retry_on.grpc_status`. Errors of the inner service by their source chain:
+//!   judged by `retry_on.grpc_status`: whatever its body, though tonic reads an error page as
+//!   `INTERNAL` (that a body is empty is known only once it is read). Errors of the inner service by their source chain:
 //!   the first `hyper_util::client::legacy::Error`, `hyper::Error`, (feature `reqwest`)
 //!   `reqwest::Error` or `io::Error` in it is classified by its [`Classify`](crate::Classify)
 //!   impl (connect / reset / timeout, or fatal for the caller's own errors; a reqwest error

@@ -177,10 +177,10 @@ pub struct Aggregator {
     series: AtomicUsize,
     services: RwLock<HashMap<Box<str>, Arc<ServiceSeries>>>,
     other: Series,
-    /// When (milliseconds since `epoch`, plus one; 0 for never) a service named `other` last
-    /// reported the endpoint `other`: that pair is counted in the overflow series (its labels
-    /// are the same), which then also stands for an endpoint while the pair's counts can be in
-    /// its alert's window.
+    /// The coarse bucket (plus one; 0 for never) in which a service named `other` last reported
+    /// the endpoint `other`: that pair is counted in the overflow series (its labels are the
+    /// same), which then also stands for an endpoint while that bucket is in its alert's
+    /// window.
     other_pair_reported: AtomicU64,
     overflowed: Overflowed,
     overflow_warned: AtomicBool,
@@ -452,9 +452,9 @@ impl Aggregator {
         now: Instant,
     ) -> Result<Arc<Series>, Overflow> {
         if &*svc.name == OTHER && endpoint == OTHER {
-            let at = now.saturating_duration_since(self.epoch).as_millis();
-            let at = u64::try_from(at).unwrap_or(u64::MAX - 1) + 1;
-            self.other_pair_reported.fetch_max(at, Ordering::Relaxed);
+            let bucket = Tick::new(self.epoch, now).coarse;
+            self.other_pair_reported
+                .fetch_max(bucket.saturating_add(1), Ordering::Relaxed);
             return Err(Overflow::BadName);
         }
         if endpoint.is_empty()
@@ -714,17 +714,13 @@ impl Aggregator {
         }
     }
 
-    /// Whether a service named `other` reported the endpoint `other` within the alert's window
-    /// (five minutes) before `now`.
+    /// Whether a service named `other` reported the endpoint `other` in a bucket the alert's
+    /// window (five minutes) still holds at `now`.
     fn other_pair_in_window(&self, now: Instant) -> bool {
+        let (_, buckets) = window::Window::FiveMinutes.buckets();
         match self.other_pair_reported.load(Ordering::Relaxed) {
             0 => false,
-            at => {
-                let since = Duration::from_millis(at - 1);
-                now.saturating_duration_since(self.epoch)
-                    .saturating_sub(since)
-                    <= Duration::from_secs(5 * 60)
-            }
+            at => Tick::new(self.epoch, now).coarse.saturating_sub(at - 1) < buckets,
         }
     }
 

@@ -965,6 +965,28 @@ async fn a_service_named_other_retrying_an_endpoint_named_other_is_alerting() {
     assert!(agg.alerting_endpoints(Instant::now()).is_empty());
 }
 
+#[tokio::test(start_paused = true)]
+async fn the_endpoint_other_is_no_longer_listed_once_its_bucket_left_the_window() {
+    // The window is whole-minute buckets: a count leaves it 4 to 5 minutes after it came.
+    let agg = Aggregator::new(10, Instant::now());
+    advance(Duration::from_secs(59)).await;
+    let svc = agg.service(OTHER);
+    agg.ingest(&svc, &report(1, &[(OTHER, 100, 100)]), Instant::now());
+    agg.tick(Instant::now());
+    assert_eq!(agg.alerting_endpoints(Instant::now()), [OTHER]);
+    advance(Duration::from_secs(4 * 60)).await;
+    assert_eq!(agg.alerting_endpoints(Instant::now()), [OTHER]);
+    advance(Duration::from_secs(1)).await;
+    let checkout = agg.service("checkout");
+    agg.ingest(
+        &checkout,
+        &report(1, &[("bad\u{7}name", 100, 100)]),
+        Instant::now(),
+    );
+    agg.tick(Instant::now());
+    assert!(agg.alerting_endpoints(Instant::now()).is_empty());
+}
+
 #[test]
 fn a_bad_endpoint_name_is_logged_escaped_and_does_not_hide_the_cap_warning() {
     let (log, _guard) = crate::test_logs::capture("retryplane_server=warn");

@@ -80,7 +80,7 @@ impl Window {
         }
     }
 
-    fn buckets(self) -> (Duration, u64) {
+    pub(crate) fn buckets(self) -> (Duration, u64) {
         match self {
             Window::OneMinute => (FINE, FINE_SLOTS as u64),
             Window::FiveMinutes => (COARSE, 5),
