@@ -250,6 +250,36 @@ async fn counts_too_large_for_one_message_reach_the_server_in_several_reports() 
     running.shutdown().await.unwrap();
 }
 
+/// The control plane sends GOAWAY on a connection once it is `max_connection_age` old (so a
+/// connection that opens no stream is not kept for good): an agent's stream goes on through it,
+/// receiving pushes and sending its counts, without a reconnect.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_keeps_its_stream_past_its_connections_age() {
+    let dir = tempfile::tempdir().unwrap();
+    let age = Duration::from_millis(200);
+    let running = plane_with(dir.path(), &yaml(3), None, |cfg| {
+        cfg.max_connection_age = age;
+    })
+    .await;
+    let a = agent(running.agent_addr, "a", None);
+    on_version(&[&a], 1).await;
+    // Time for the GOAWAY to go out, several times over.
+    tokio::time::sleep(age * 5).await;
+    assert!(a.is_connected(), "{:?}", a.stream_error());
+    assert_eq!(apply(&running, yaml(4)).await, 2);
+    on_version(&[&a], 2).await;
+    succeed(&a, 1).await;
+    eventually("the counts reach the server", || async {
+        stats(&running).await.is_some_and(|s| s.calls == 1)
+    })
+    .await;
+    assert!(a.is_connected(), "{:?}", a.stream_error());
+    assert!(a.stream_error().is_none(), "{:?}", a.stream_error());
+    assert_eq!(listed_connected(&running, "a").await, Some(true));
+    a.shutdown().await;
+    running.shutdown().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_control_plane_that_goes_silent_is_found_by_keepalive_and_the_agent_reconnects() {
     let dir = tempfile::tempdir().unwrap();

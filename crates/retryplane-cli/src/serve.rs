@@ -74,6 +74,11 @@ pub struct Args {
     /// then shows as disconnected): a duration with its unit, from 1s to 1h.
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = keepalive)]
     keepalive_timeout: Duration,
+    /// How long a connection to a gRPC listener takes new streams: then it is sent GOAWAY,
+    /// its open streams (an agent's) go on to their end, and it closes when they have ended:
+    /// a duration with its unit, from 1s to 24h.
+    #[arg(long, value_name = "DURATION", default_value = "5m", value_parser = connection_age)]
+    max_connection_age: Duration,
     /// Most agents connected at once; one more is refused with RESOURCE_EXHAUSTED.
     #[arg(long, value_name = "N", default_value_t = ServeConfig::default().max_agents,
           value_parser = at_least_one())]
@@ -128,6 +133,15 @@ fn keepalive(text: &str) -> Result<Duration, String> {
         text,
         Duration::from_secs(1)..=Duration::from_secs(3600),
         "from 1s to 1h",
+    )
+}
+
+/// Parses `--max-connection-age`: a policy-style duration between 1 s and 24 h.
+fn connection_age(text: &str) -> Result<Duration, String> {
+    duration_in(
+        text,
+        Duration::from_secs(1)..=Duration::from_secs(24 * 3600),
+        "from 1s to 24h",
     )
 }
 
@@ -215,6 +229,7 @@ impl From<Args> for ServeConfig {
             metrics_interval: args.metrics_interval,
             keepalive_interval: args.keepalive_interval,
             keepalive_timeout: args.keepalive_timeout,
+            max_connection_age: args.max_connection_age,
             max_agents: args.max_agents,
             max_series: args.max_series,
             max_series_per_service: args.max_series_per_service,
@@ -436,6 +451,7 @@ mod tests {
             (defaults.keepalive_interval, defaults.keepalive_timeout)
         );
         assert_eq!(parsed.metrics_interval, defaults.metrics_interval);
+        assert_eq!(parsed.max_connection_age, defaults.max_connection_age);
         assert_eq!(
             (
                 parsed.max_agents,
@@ -481,6 +497,8 @@ mod tests {
             "5s",
             "--max-streams-per-connection",
             "64",
+            "--max-connection-age",
+            "30m",
             "--forget-disconnected-after",
             "15m",
         ]);
@@ -491,6 +509,7 @@ mod tests {
         assert_eq!(parsed.keepalive_interval, Duration::from_secs(60));
         assert_eq!(parsed.keepalive_timeout, Duration::from_secs(5));
         assert_eq!(parsed.max_streams_per_connection, 64);
+        assert_eq!(parsed.max_connection_age, Duration::from_secs(1800));
         assert_eq!(
             parsed.forget_disconnected_after,
             Some(Duration::from_secs(900))
@@ -512,5 +531,10 @@ mod tests {
             "duration `20` needs a unit (ms, s, m or h): from 1s to 1h"
         );
         assert_eq!(metrics_interval("10s"), Ok(Duration::from_secs(10)));
+        assert_eq!(
+            connection_age("500ms").unwrap_err(),
+            "`500ms` is out of range: from 1s to 24h"
+        );
+        assert_eq!(connection_age("24h"), Ok(Duration::from_secs(86_400)));
     }
 }

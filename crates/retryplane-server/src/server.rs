@@ -15,7 +15,10 @@
 //! Both gRPC listeners send HTTP/2 keepalive pings every [`ServeConfig::keepalive_interval`]
 //! (default 20 s) and drop a peer that does not answer within
 //! [`ServeConfig::keepalive_timeout`] (default 10 s) — an agent whose connection is dropped so
-//! shows as disconnected — and set `TCP_NODELAY`. Health on each listener reports its own service
+//! shows as disconnected — and set `TCP_NODELAY`. Each connection takes new streams for
+//! [`ServeConfig::max_connection_age`] (default 5 min), then gets GOAWAY: its open streams go on,
+//! and it closes when they end (so a connection that never opens a stream is not kept for good).
+//! Health on each listener reports its own service
 //! (the other listener's is `NOT_FOUND` there) and the server as a whole (service `""`),
 //! `NOT_SERVING` until a snapshot is published and from the start of shutdown. Port 0 binds a free port; [`Running`] tells which.
 //!
@@ -73,6 +76,9 @@ pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(20);
 /// The default of how long a keepalive ping may go unanswered before the connection is
 /// dropped ([`ServeConfig::keepalive_timeout`]).
 pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
+/// The default of [`ServeConfig::max_connection_age`]: how long a gRPC connection takes new
+/// streams before the listener sends GOAWAY.
+pub const MAX_CONNECTION_AGE: Duration = Duration::from_secs(300);
 /// The default of [`ServeConfig::max_streams_per_connection`].
 pub const MAX_STREAMS_PER_CONNECTION: u32 = 1024;
 
@@ -125,6 +131,12 @@ fn grpc_server(cfg: &ServeConfig) -> Server {
         .http2_keepalive_timeout(Some(cfg.keepalive_timeout))
         // tonic's default is no bound at all (it overrides hyper's 200).
         .max_concurrent_streams(cfg.max_streams_per_connection)
+        // Without it a connection that opens no stream, and answers the keepalive PINGs, was
+        // kept for good (hyper has no idle close for HTTP/2 servers): enough of them used up
+        // the process's file descriptors. The close is graceful (GOAWAY, then the open streams
+        // go on to their end), and no grace cuts them: an agent's stream lives as long as the
+        // agent.
+        .max_connection_age(cfg.max_connection_age)
         .tcp_nodelay(true)
 }
 

@@ -1548,6 +1548,92 @@ async fn each_grpc_listener_bounds_the_streams_of_one_connection() {
     running.shutdown().await.unwrap();
 }
 
+/// A connection that opens no stream and answers every PING (what an h2 client that is polled
+/// does) is closed gracefully once it is `max_connection_age` old, on both gRPC listeners; a
+/// connection that carries an agent's stream gets the same GOAWAY, and its stream goes on:
+/// the next version still reaches it.
+#[tokio::test]
+async fn connections_take_new_streams_for_their_age_and_keep_the_open_ones() {
+    let (dir, cfg) = with_file(V1);
+    let cfg = ServeConfig {
+        max_connection_age: Duration::from_millis(300),
+        ..cfg
+    };
+    let running = start(cfg).await.unwrap();
+    for addr in [running.agent_addr(), running.admin_addr] {
+        let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (_send, conn) = h2::client::handshake(tcp).await.unwrap();
+        // Driven (PINGs answered) and streamless: it ends when the server closes it.
+        let ended = tokio::time::timeout(SHUTDOWN_GRACE * 2, conn).await;
+        assert!(
+            matches!(ended, Ok(Ok(()))),
+            "{addr}: a streamless connection was not closed: {ended:?}"
+        );
+    }
+    // An agent's stream, on a connection of its own.
+    let tcp = tokio::net::TcpStream::connect(running.agent_addr)
+        .await
+        .unwrap();
+    let (send, conn) = h2::client::handshake(tcp).await.unwrap();
+    let conn = tokio::spawn(conn);
+    let request = http::Request::post(crate::agent_route::CONNECT_PATH)
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(())
+        .unwrap();
+    let (response, mut body) = send
+        .clone()
+        .ready()
+        .await
+        .unwrap()
+        .send_request(request, false)
+        .unwrap();
+    body.send_data(
+        crate::frame_body::encode_frame(&hello("aged")).unwrap(),
+        false,
+    )
+    .unwrap();
+    let response = tokio::time::timeout(SHUTDOWN_GRACE, response)
+        .await
+        .unwrap()
+        .unwrap();
+    let mut reader = RawReader {
+        body: response.into_body(),
+        buf: Vec::new(),
+    };
+    let first = reader.next().await.unwrap();
+    assert_eq!(first.decode_snapshot().unwrap().unwrap().version, 1);
+    // The GOAWAY: the connection takes no new stream.
+    let refused = tokio::time::timeout(SHUTDOWN_GRACE * 2, async {
+        loop {
+            if send.clone().ready().await.is_err() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert!(refused.is_ok(), "the agent's connection got no GOAWAY");
+    fs::write(dir.path().join("policies.yaml"), V2).unwrap();
+    let next = tokio::time::timeout(SHUTDOWN_GRACE, async {
+        loop {
+            let message = reader.next().await.expect("the stream goes on");
+            if let Some(snapshot) = message.decode_snapshot().unwrap() {
+                return snapshot.version;
+            }
+        }
+    })
+    .await
+    .expect("the next version reaches the stream");
+    assert_eq!(next, 2);
+    assert!(
+        !conn.is_finished(),
+        "the connection closed under its stream"
+    );
+    drop(body);
+    running.shutdown().await.unwrap();
+}
+
 #[tokio::test]
 async fn shutdown_does_not_wait_for_connections_that_never_send_anything() {
     let (_dir, cfg) = with_file(V1);
