@@ -153,14 +153,16 @@ pub enum Align {
 }
 
 /// Lays out `rows` (the first is the header) in columns two spaces apart, each line indented
-/// by `indent`, trailing spaces trimmed.
+/// by `indent`, trailing spaces trimmed. Columns are as wide as a terminal shows their cells
+/// (an ideograph takes two columns, a combining mark none), not as their count of characters.
 pub fn table(out: &mut String, indent: &str, align: &[Align], rows: &[Vec<String>]) {
+    use unicode_width::UnicodeWidthStr as _;
     let columns = rows.iter().map(Vec::len).max().unwrap_or(0);
     let widths: Vec<usize> = (0..columns)
         .map(|c| {
             rows.iter()
                 .filter_map(|r| r.get(c))
-                .map(|cell| cell.chars().count())
+                .map(|cell| cell.width())
                 .max()
                 .unwrap_or(0)
         })
@@ -171,13 +173,15 @@ pub fn table(out: &mut String, indent: &str, align: &[Align], rows: &[Vec<String
             if c > 0 {
                 line.push_str("  ");
             }
-            let width = widths[c];
+            let pad = " ".repeat(widths[c].saturating_sub(cell.width()));
             match align.get(c).copied().unwrap_or(Align::Left) {
                 Align::Left => {
-                    let _ = write!(line, "{cell:<width$}");
+                    line.push_str(cell);
+                    line.push_str(&pad);
                 }
                 Align::Right => {
-                    let _ = write!(line, "{cell:>width$}");
+                    line.push_str(&pad);
+                    line.push_str(cell);
                 }
             }
         }
@@ -281,5 +285,17 @@ mod tests {
             out,
             "  retry  ceiling  note\n      1    100ms\n     10   2000ms  x\n"
         );
+    }
+
+    #[test]
+    fn tables_align_cells_by_the_columns_a_terminal_gives_them() {
+        let mut out = String::new();
+        let rows = vec![
+            vec!["AUTHOR".to_owned(), "HASH".to_owned()],
+            vec!["张三".to_owned(), "ab".to_owned()],
+            vec!["e\u{301}".to_owned(), "cd".to_owned()],
+        ];
+        table(&mut out, "", &[Align::Left, Align::Left], &rows);
+        assert_eq!(out, "AUTHOR  HASH\n张三    ab\ne\u{301}       cd\n");
     }
 }

@@ -964,3 +964,47 @@ fn a_password_in_the_server_url_is_never_printed() {
         assert!(shown.contains("alice:***@127.0.0.1"), "{args:?}: {shown}");
     }
 }
+
+/// A route's path prefix is printed in the text diff of `diff`, `apply` and `rollback` with its
+/// control characters escaped: a line break in it would print a line of its own (`+ evil`, read
+/// as an added endpoint by a person or a script), and a carriage return or an escape would reach
+/// the terminal.
+#[test]
+fn the_text_diff_escapes_control_characters_of_a_route_match() {
+    const CONTROL: &str = "version: 1\nendpoints:\n  a:\n    routes:\n      - match: {path_prefix: \"/x\\n+ evil\\r\\u001b[31mred\"}\n        max_attempts: 2\n";
+    let server = TestServer::start(None, None, |cfg| cfg.api_mode = true);
+    server.write("control.yaml", CONTROL);
+    server.write("plain.yaml", "version: 1\nendpoints:\n  a: {}\n");
+    let mut outputs = vec![(
+        "diff",
+        server
+            .retryplane(&["diff", "control.yaml"])
+            .output()
+            .unwrap(),
+    )];
+    outputs.push((
+        "apply",
+        server
+            .retryplane(&["apply", "control.yaml"])
+            .output()
+            .unwrap(),
+    ));
+    server.retryplane(&["apply", "plain.yaml"]).assert().code(0);
+    outputs.push((
+        "rollback",
+        server.retryplane(&["rollback", "1"]).output().unwrap(),
+    ));
+    for (command, o) in &outputs {
+        assert_eq!(o.status.code(), Some(0), "{command}: {o:?}");
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert!(
+            !out.lines().any(|l| l.starts_with("+ evil"))
+                && !out.chars().any(|c| c.is_control() && c != '\n'),
+            "{command}: {out:?}"
+        );
+        assert!(
+            out.contains("routes[0] added: * /x\\n+ evil\\r\\u{1b}[31mred"),
+            "{command}: {out:?}"
+        );
+    }
+}

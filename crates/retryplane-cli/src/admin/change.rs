@@ -29,12 +29,14 @@ pub fn push_diff(out: &mut String, diff: &[pb::DiffEntry]) {
         out.push(mark);
         out.push(' ');
         // `defaults`, an endpoint's name, or `endpoints.defaults` for an endpoint so named.
-        let _ = write!(out, "{}", Change::from(entry).scope);
+        // Names and route matches are written as the file has them, so control characters
+        // are escaped: a line break in a path prefix would otherwise print a line of its own
+        // (`+ evil`, read as an added endpoint), and an escape would reach the terminal.
+        let scope = Change::from(entry).scope.to_string();
+        let _ = write!(out, "{}", output::OneLine(&scope));
         out.push('\n');
         for line in &entry.details {
-            out.push_str("    ");
-            out.push_str(line);
-            out.push('\n');
+            let _ = writeln!(out, "    {}", output::OneLine(line));
         }
     }
 }
@@ -166,7 +168,8 @@ pub fn read_policy(source: &Source, format: Format) -> anyhow::Result<Result<Pol
         ));
     }
     output::error(format_args!(
-        "{name} is invalid: {}; nothing was sent to the server",
+        "{} is invalid: {}; nothing was sent to the server",
+        output::OneLine(&name),
         counts(&diags)
     ));
     Ok(Err(diagnostics_report(&name, &diags, format)?))
@@ -236,7 +239,11 @@ pub async fn apply(
         {
             let diags: Vec<Diagnostic> = v.diagnostics.iter().map(diagnostic).collect();
             let report = diagnostics_report(&file.name, &diags, format)?;
-            let message = format!("{} is invalid: {}", file.name, counts(&diags));
+            let message = format!(
+                "{} is invalid: {}",
+                output::OneLine(&file.name),
+                counts(&diags)
+            );
             return Ok(Err(super::failed_with(
                 status.code(),
                 &message,
