@@ -158,11 +158,16 @@ impl Agent {
     /// An agent on the policies of a policy file (SPEC §1), with no control plane.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Agent, AgentError> {
         let path = path.as_ref();
-        let bytes = std::fs::read(path).map_err(|source| AgentError::ReadPolicyFile {
-            path: path.to_owned(),
-            source,
-        })?;
-        let loaded = retryplane_policy::load(&bytes);
+        let (bytes, size) =
+            read_policy_file(path).map_err(|source| AgentError::ReadPolicyFile {
+                path: path.to_owned(),
+                source,
+            })?;
+        let loaded = if bytes.len() > retryplane_policy::yaml::MAX_FILE_BYTES {
+            retryplane_policy::too_large(size)
+        } else {
+            retryplane_policy::load(&bytes)
+        };
         match loaded.policies {
             Some(set) if !loaded.has_errors() => Ok(Agent::from_policies(set)),
             _ => {
@@ -262,7 +267,18 @@ fn fastrand_seed() -> u64 {
 
 /// `authorization: Bearer <token>` as metadata marked sensitive: HPACK never indexes it, so the
 /// secret stays out of the connection's header tables (and any proxy's that honours the flag).
+///
+/// A token no control plane can hold is refused here, once, rather than refused by the control
+/// plane on every try for good: an empty one, one with white space at either end (the control
+/// plane trims what it is sent), or one with a character other than printable ASCII and the
+/// space (what a tokens file's secrets are made of).
 fn bearer(token: &str) -> Result<tonic::metadata::AsciiMetadataValue, AgentError> {
+    if token.is_empty()
+        || token.trim() != token
+        || token.contains(|c: char| !matches!(c, ' '..='~'))
+    {
+        return Err(AgentError::InvalidToken);
+    }
     let mut value: tonic::metadata::AsciiMetadataValue = format!("Bearer {token}")
         .parse()
         .map_err(|_| AgentError::InvalidToken)?;
@@ -281,8 +297,9 @@ fn derived_agent_id(service: &str, seed: u64) -> String {
 /// Refuses a control-plane URL (`text`, parsed as `uri`) without a scheme (no connection can be
 /// made with it: the agent would retry for ever), with `https://` (it would be served in clear
 /// text, token included, since the agent does not speak TLS), with a `user:password@` part (it
-/// would go out in every call's `:authority`), or with a port that is not a number from 1 to
-/// 65535 (the connection would quietly go to port 80).
+/// would go out in every call's `:authority`), with a port that is not a number from 1 to
+/// 65535 (the connection would quietly go to port 80), or with a scheme other than `http://`
+/// and `grpc://` (`grpcs://` asks for TLS, as `https://` does).
 fn check_url(text: &str, uri: &http::Uri) -> Result<(), AgentError> {
     let reason = match uri.scheme_str() {
         None => "it has no scheme",
@@ -299,9 +316,16 @@ fn check_url(text: &str, uri: &http::Uri) -> Result<(), AgentError> {
             "it holds an `@` after the host (in a path or query, or in a password holding `/`, \
              `?` or `#`): only the scheme, host and port are used"
         }
-        Some(s) if s.eq_ignore_ascii_case("https") => {
+        Some(s) if s.eq_ignore_ascii_case("https") || s.eq_ignore_ascii_case("grpcs") => {
             "https:// is not supported yet (TLS comes later), and the agent will not send its \
              token in clear text to a URL that asks for TLS"
+        }
+        Some(s) if s.eq_ignore_ascii_case("unix") => "Unix sockets are not supported",
+        // Any other scheme would be served as `http://` (the connector dials the host and
+        // port whatever the scheme says). `grpc://`, the usual name of clear-text gRPC, is
+        // taken as `http://` (agents configured so have always connected).
+        Some(s) if !s.eq_ignore_ascii_case("http") && !s.eq_ignore_ascii_case("grpc") => {
+            "its scheme is neither http:// nor grpc://"
         }
         // Not quoted: it may be part of a password.
         Some(_) if has_bad_port(uri) => "its port is not a number from 1 to 65535",
@@ -369,7 +393,8 @@ impl std::fmt::Debug for AgentBuilder {
 
 impl AgentBuilder {
     /// The control plane's agent listener, `http://host:port` ([`AgentBuilder::connect`]
-    /// refuses a URL without a scheme, `https://` (the agent does not speak TLS yet), a
+    /// refuses a URL without a scheme, `https://` or `grpcs://` (the agent does not speak TLS
+    /// yet), another scheme than `http://` and `grpc://` (taken as `http://`), a Unix socket, a
     /// `user:password@` part (the control plane takes a [token](AgentBuilder::token)), and a
     /// port that is not a number from 1 to 65535). Debug output shows a password here as `***`
     /// ([`crate::shown_url`]).
@@ -379,6 +404,8 @@ impl AgentBuilder {
     }
 
     /// The agent token, sent as `authorization: Bearer <token>`; never logged.
+    /// [`AgentBuilder::connect`] refuses one no control plane holds (empty, white space at
+    /// either end, a character other than printable ASCII and the space).
     pub fn token(mut self, token: impl Into<String>) -> Self {
         self.token = Some(token.into());
         self
@@ -481,6 +508,13 @@ impl AgentBuilder {
     pub fn connect(self) -> Result<Agent, AgentError> {
         let runtime = tokio::runtime::Handle::try_current().map_err(|_| AgentError::NoRuntime)?;
         let url = self.url.ok_or(AgentError::MissingUrl)?;
+        // tonic reads `unix:` as a socket path (and its URI as `http://tonic`), which the
+        // agent's connector would then dial as a host.
+        if url.starts_with("unix:") {
+            return Err(AgentError::UnsupportedUrl {
+                reason: "Unix sockets are not supported".to_owned(),
+            });
+        }
         let endpoint =
             tonic::transport::Endpoint::from_shared(url.clone()).map_err(AgentError::InvalidUrl)?;
         check_url(&url, endpoint.uri())?;
@@ -570,6 +604,35 @@ impl AgentBuilder {
     }
 }
 
+/// The bytes of the policy file at `path`, at most one more than a policy file may hold (as the
+/// CLI and the control plane read one): a path to `/dev/zero` or an endless pipe costs 1 MiB,
+/// not all memory. A FIFO or a socket is refused before it is opened (opening a FIFO waits for
+/// a writer, for good). With them, the file's size when it is a regular file.
+fn read_policy_file(path: &Path) -> std::io::Result<(Vec<u8>, Option<u64>)> {
+    use std::io::Read as _;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileTypeExt as _;
+        let kind = std::fs::metadata(path)?.file_type();
+        if kind.is_fifo() || kind.is_socket() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "a FIFO or a socket, not a file; save the policies in a regular file",
+            ));
+        }
+    }
+    let file = std::fs::File::open(path)?;
+    let size = file
+        .metadata()
+        .ok()
+        .filter(std::fs::Metadata::is_file)
+        .map(|m| m.len());
+    let limit = u64::try_from(retryplane_policy::yaml::MAX_FILE_BYTES).map_or(u64::MAX, |m| m + 1);
+    let mut bytes = Vec::new();
+    file.take(limit).read_to_end(&mut bytes)?;
+    Ok((bytes, size))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -584,10 +647,20 @@ mod tests {
         let value = bearer("s3cret").unwrap();
         assert!(value.is_sensitive());
         assert_eq!(value.to_str().unwrap(), "Bearer s3cret");
-        assert!(matches!(
-            bearer("bad\ntoken"),
-            Err(AgentError::InvalidToken)
-        ));
+        for bad in [
+            "bad\ntoken",
+            "",
+            "   ",
+            " padded-token-0123",
+            "padded-token-0123\t",
+            "tökentökentökentöken",
+        ] {
+            assert!(
+                matches!(bearer(bad), Err(AgentError::InvalidToken)),
+                "{bad:?}"
+            );
+        }
+        assert!(bearer("a token with spaces inside").is_ok());
     }
 
     #[test]
@@ -646,6 +719,19 @@ mod tests {
                 other => panic!("{url}: expected UnsupportedUrl, got {other:?}"),
             }
         }
+        // A scheme other than http:// would be served as http://, whatever it says.
+        for (url, says) in [
+            ("grpcs://127.0.0.1:7470", "TLS"),
+            ("ftp://127.0.0.1:7470", "neither http:// nor grpc://"),
+            ("unix:///tmp/retryplane.sock", "Unix sockets"),
+        ] {
+            match connect(url) {
+                Err(AgentError::UnsupportedUrl { reason }) => {
+                    assert!(reason.contains(says), "{url}: {reason}");
+                }
+                other => panic!("{url}: expected UnsupportedUrl, got {other:?}"),
+            }
+        }
         // No scheme: no connection could ever be made.
         match connect("127.0.0.1:7470") {
             Err(e @ AgentError::UnsupportedUrl { .. }) => {
@@ -697,7 +783,13 @@ mod tests {
                 other => panic!("{url}: expected UnsupportedUrl, got {other:?}"),
             }
         }
-        for url in ["http://127.0.0.1:9", "http://[::1]:9", "http://localhost"] {
+        for url in [
+            "http://127.0.0.1:9",
+            "http://[::1]:9",
+            "http://localhost",
+            "HTTP://127.0.0.1:9",
+            "grpc://127.0.0.1:9",
+        ] {
             let agent = connect(url).unwrap();
             agent.shutdown().await;
         }
@@ -731,6 +823,38 @@ mod tests {
         assert_eq!(max_attempts(&agent), 4);
         assert_eq!(agent.policies().source(), Source::Static);
         assert!(!agent.is_connected());
+    }
+
+    /// A FIFO is refused without being opened (opening it waits for a writer, for good), and
+    /// an endless source is read no further than the size limit allows.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn from_file_refuses_a_fifo_and_reads_an_endless_source_only_to_the_limit() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("policies.yaml");
+        let made = std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap();
+        assert!(made.success());
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(Agent::from_file(&fifo).map(|_| ()));
+        });
+        match rx.recv_timeout(Duration::from_secs(5)) {
+            Ok(Err(AgentError::ReadPolicyFile { source, .. })) => {
+                assert_eq!(source.kind(), std::io::ErrorKind::InvalidInput);
+                assert!(source.to_string().contains("FIFO"), "{source}");
+            }
+            other => panic!("expected the FIFO refused at once, got {other:?}"),
+        }
+        match Agent::from_file("/dev/zero") {
+            Err(AgentError::InvalidPolicyFile { errors, first, .. }) => {
+                assert_eq!(errors, 1);
+                assert!(first.contains("more than 1048576"), "{first}");
+            }
+            other => panic!("expected a too-large file, got {other:?}"),
+        }
     }
 
     #[test]

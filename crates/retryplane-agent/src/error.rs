@@ -27,15 +27,21 @@ pub enum AgentError {
     /// ever be made); it asks for TLS with `https://`, which the agent does not speak yet (the
     /// token would go out in clear text); it holds a `user:password@` part (which would go out
     /// in every call's `:authority`; the control plane takes a token); or its port is not a
-    /// number from 1 to 65535 (the connection would quietly go to port 80). The reason never
-    /// quotes the URL.
+    /// number from 1 to 65535 (the connection would quietly go to port 80); or its scheme is
+    /// neither `http` nor `grpc` (it would be served as `http://` whatever it says; `grpcs://`
+    /// asks for TLS, as `https://` does). The reason never quotes the URL.
     #[error("the control-plane URL must be http://host:port: {reason}")]
     UnsupportedUrl {
         /// What is wrong with it (never the URL itself, which may hold credentials).
         reason: String,
     },
-    /// The token cannot be sent in a header (it holds non-visible-ASCII characters).
-    #[error("the token is not valid in an authorization header")]
+    /// The token is one no control plane holds: it is empty, starts or ends with white space,
+    /// or holds a character other than printable ASCII and the space (a control character, a
+    /// letter outside ASCII), as a tokens file's secrets cannot.
+    #[error(
+        "the token cannot be a control plane's: it is empty, starts or ends with white space, \
+         or holds a character other than printable ASCII and the space"
+    )]
     InvalidToken,
     /// The agent's identity (its agent id, service name or labels) is one the control plane
     /// refuses: a field past its bound, a control character, too many labels. The reason names

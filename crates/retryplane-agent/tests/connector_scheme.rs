@@ -48,9 +48,9 @@ async fn first_error(addr: SocketAddr, within: Duration) -> (StreamError, Durati
     (error, took)
 }
 
-/// `check_url` lets through every scheme but `https` (it refuses only URLs with which no
-/// connection can ever be made), and so does the connector: `grpc://host:port` reaches the
-/// control plane. (A connector that enforced `http` failed every try, for ever.)
+/// `check_url` lets `grpc://`, the usual name of clear-text gRPC, through as `http://`, and so
+/// does the connector: `grpc://host:port` reaches the control plane. (A connector that
+/// enforced `http` failed every try, for ever.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_url_whose_scheme_is_not_http_still_reaches_the_control_plane() {
     let mut script = Script::start().await;

@@ -175,3 +175,82 @@ async fn a_refusal_that_trying_again_will_not_fix_is_said_once_at_warn() {
     assert!(!text().contains("WARN"), "{}", text());
     running.shutdown().await.unwrap();
 }
+
+/// A web server at the agent's URL (here the control plane's HTTP listener) answers the stream
+/// with a 404, which tonic hands back as an opened stream whose first read fails: the agent
+/// takes it for the refusal it is, never for a stream that was up (no "connected" line, and
+/// the reason says the answer is not gRPC).
+#[tokio::test(flavor = "current_thread")]
+async fn a_web_servers_answer_is_a_refusal_not_an_opened_stream() {
+    let dir = tempfile::tempdir().unwrap();
+    let running = support::plane::plane(dir.path(), &support::plane::yaml(2), None).await;
+    let (sink, _guard) = support::capture_logs("retryplane_agent=info");
+    let agent = Agent::builder()
+        .url(format!("http://{}", running.http_addr))
+        .service("s")
+        .reconnect_backoff(retryplane_agent::ReconnectBackoff::new(
+            std::time::Duration::from_millis(5),
+            std::time::Duration::from_millis(10),
+            std::time::Duration::from_secs(10),
+        ))
+        .connect()
+        .unwrap();
+    support::plane::eventually("three refusals", || async {
+        sink.text().matches("the answer is not gRPC").count() >= 3
+    })
+    .await;
+    let error = agent.stream_error().unwrap();
+    agent.shutdown().await;
+    running.shutdown().await.unwrap();
+    assert!(
+        error
+            .message
+            .starts_with("stream refused: the answer is not gRPC: UNIMPLEMENTED"),
+        "{error:?}"
+    );
+    let text = sink.text();
+    assert_eq!(
+        text.matches("connected to the control plane").count(),
+        0,
+        "{text}"
+    );
+}
+
+/// A plain HTTP/1.1 server at the agent's URL: the reason carries what went wrong below the
+/// status (tonic's message alone is `operation was canceled`, `h2 protocol error: http2 error`
+/// or `transport error`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http1_server_at_the_url_is_named_by_the_cause_below_the_status() {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let h1 = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = h1.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = h1.accept().await {
+            tokio::spawn(async move {
+                let mut buf = [0u8; 4096];
+                let _ = s.read(&mut buf).await;
+                let _ = s
+                    .write_all(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
+                    .await;
+                // Kept open until the client lets go: what it read is its only error.
+                while s.read(&mut buf).await.is_ok_and(|n| n > 0) {}
+            });
+        }
+    });
+    let agent = Agent::builder()
+        .url(format!("http://{addr}"))
+        .service("s")
+        .connect()
+        .unwrap();
+    support::plane::eventually("an error", || async { agent.stream_error().is_some() }).await;
+    let error = agent.stream_error().unwrap();
+    agent.shutdown().await;
+    eprintln!("{error:?}");
+    assert!(
+        // Which of the two depends on whether the request was still waiting when h2 read the
+        // HTTP/1 answer as a frame: either way, more than the status's own message.
+        error.message.contains("frame with invalid size")
+            || error.message.contains("connection closed"),
+        "{error:?}"
+    );
+}

@@ -143,12 +143,24 @@ fn ended(up: Option<Duration>, status: &tonic::Status) -> SessionEnd {
 /// `CODE: message`, the code by its canonical gRPC name (`UNAUTHENTICATED`, as the admin
 /// commands and gRPC tools print it), or the code alone when the status has no message (what a
 /// server without the service answers), never `CODE: ` with nothing after it.
+///
+/// A status tonic made of a transport error carries the cause in its sources (`h2 protocol
+/// error: http2 error` is all its message says of an HTTP/1 server at the URL; the source says
+/// `frame with invalid size`): they follow, `: `-separated, as [`chain`] writes them.
 fn status_text(status: &tonic::Status) -> String {
     let code = GrpcCode::from_i32(status.code() as i32).map_or("UNKNOWN", GrpcCode::name);
-    match status.message() {
+    let mut text = match status.message() {
         "" => code.to_owned(),
         message => format!("{code}: {message}"),
+    };
+    if let Some(source) = std::error::Error::source(status) {
+        let causes = chain(source);
+        if !text.ends_with(&causes) {
+            text.push_str(": ");
+            text.push_str(&causes);
+        }
     }
+    text
 }
 
 /// `e` and its sources, `: `-separated (a transport error's own text is only "transport
@@ -370,6 +382,14 @@ async fn sessions(
     }
 }
 
+/// Whether an answer's head says gRPC (`content-type: application/grpc`, `+proto` or other
+/// suffixes included), as the control plane's always does.
+fn is_grpc(head: &tonic::metadata::MetadataMap) -> bool {
+    head.get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/grpc"))
+}
+
 /// What to check when the control plane ended or refused the stream with `code`, for the codes
 /// that trying again does not change: the agent's settings (or the control plane's) must.
 fn lasting(code: Option<tonic::Code>) -> Option<&'static str> {
@@ -469,6 +489,24 @@ async fn session(
         r = tokio::time::timeout(OPEN_TIMEOUT, client.connect(ReceiverStream::new(rx))) => r,
     };
     let opened = match opened {
+        // tonic hands back an answer that is not gRPC (a web server's 404 at the URL) as an
+        // opened stream whose first read fails: it is a refusal, not a stream that was up.
+        Ok(Ok(r)) if !is_grpc(r.metadata()) => {
+            let mut inbound = r.into_inner();
+            let status = match tokio::time::timeout(OPEN_TIMEOUT, inbound.message()).await {
+                Ok(Err(status)) => status,
+                _ => tonic::Status::unknown("the answer is not gRPC"),
+            };
+            return SessionEnd::Lost {
+                up: None,
+                reason: format!(
+                    "stream refused: the answer is not gRPC: {}",
+                    status_text(&status)
+                ),
+                code: Some(status.code()),
+                replaced: false,
+            };
+        }
         Ok(Ok(r)) => r,
         Err(_elapsed) => {
             return lost(
