@@ -108,3 +108,52 @@ async fn upper_case_scheme_and_ipv6_literal_connect() {
     let url = format!("http://[::1]:{port}");
     opens_a_stream(&mut script, "b", url).await.unwrap();
 }
+
+/// A listener that takes each connection and closes it (a balancer with no control plane
+/// behind it): every session makes one connection, and sessions come the backoff apart, never
+/// two connections for one try (tonic's channel dials again at once when its connection fails
+/// under a request).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_try_makes_one_connection_against_a_listener_that_closes_them() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let times = std::sync::Arc::new(std::sync::Mutex::new(Vec::<Instant>::new()));
+    let accept = {
+        let times = times.clone();
+        tokio::spawn(async move {
+            while let Ok((s, _)) = listener.accept().await {
+                times.lock().unwrap().push(Instant::now());
+                drop(s);
+            }
+        })
+    };
+    let agent = retryplane_agent::Agent::builder()
+        .url(format!("http://{addr}"))
+        .service("s")
+        .rng_seed(7)
+        .reconnect_backoff(retryplane_agent::ReconnectBackoff::new(
+            Duration::from_millis(40),
+            Duration::from_millis(80),
+            Duration::from_secs(10),
+        ))
+        .connect()
+        .unwrap();
+    let started = Instant::now();
+    while times.lock().unwrap().len() < 13 {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{:?}",
+            times.lock().unwrap()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    agent.shutdown().await;
+    accept.abort();
+    let times = times.lock().unwrap().clone();
+    let gaps: Vec<u128> = times
+        .windows(2)
+        .map(|w| (w[1] - w[0]).as_millis())
+        .collect();
+    // The backoff's first ceiling is 40 ms, and a full jitter draws from half of it up.
+    assert!(gaps.iter().all(|&g| g >= 15), "gaps (ms): {gaps:?}");
+}

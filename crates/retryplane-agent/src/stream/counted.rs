@@ -38,9 +38,21 @@ pub(crate) fn connector(
     http.enforce_http(false);
     http.set_nodelay(true);
     http.set_connect_timeout(Some(super::CONNECT_TIMEOUT));
+    // One connection per session: tonic's channel dials again, at once, when its connection
+    // fails under the stream's opening (its `Reconnect` goes back to idle and connects within
+    // the same request), so one try of a session made two connections with no pause between
+    // them, against a control plane (or a balancer in front of it) that takes connections and
+    // closes them. The session ends instead, and the next one comes after the backoff.
+    let dialled = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     tower::service_fn(move |uri: http::Uri| {
         let (http, life) = (http.clone(), life.clone());
+        let again = dialled.swap(true, std::sync::atomic::Ordering::Relaxed);
         async move {
+            if again {
+                return Err(
+                    "the session's connection is gone; the next session connects again".into(),
+                );
+            }
             let io = http.oneshot(uri).await?;
             Ok::<_, Box<dyn std::error::Error + Send + Sync>>(TokioIo::new(Counted {
                 inner: io.into_inner(),
