@@ -74,11 +74,10 @@ pub struct Args {
     /// then shows as disconnected): a duration with its unit, from 1s to 1h.
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = keepalive)]
     keepalive_timeout: Duration,
-    /// How long a connection to a gRPC listener takes new streams: then it is sent GOAWAY,
-    /// its open streams (an agent's) go on to their end, and it closes when they have ended:
-    /// a duration with its unit, from 1s to 24h.
-    #[arg(long, value_name = "DURATION", default_value = "5m", value_parser = connection_age)]
-    max_connection_age: Duration,
+    /// How long a connection to a gRPC listener may carry no stream before it is closed (an
+    /// agent's always carries its own): a duration with its unit, from 1s to 24h.
+    #[arg(long, value_name = "DURATION", default_value = "5m", value_parser = idle_timeout)]
+    connection_idle_timeout: Duration,
     /// Most agents connected at once; one more is refused with RESOURCE_EXHAUSTED.
     #[arg(long, value_name = "N", default_value_t = ServeConfig::default().max_agents,
           value_parser = at_least_one())]
@@ -136,8 +135,8 @@ fn keepalive(text: &str) -> Result<Duration, String> {
     )
 }
 
-/// Parses `--max-connection-age`: a policy-style duration between 1 s and 24 h.
-fn connection_age(text: &str) -> Result<Duration, String> {
+/// Parses `--connection-idle-timeout`: a policy-style duration between 1 s and 24 h.
+fn idle_timeout(text: &str) -> Result<Duration, String> {
     duration_in(
         text,
         Duration::from_secs(1)..=Duration::from_secs(24 * 3600),
@@ -229,7 +228,7 @@ impl From<Args> for ServeConfig {
             metrics_interval: args.metrics_interval,
             keepalive_interval: args.keepalive_interval,
             keepalive_timeout: args.keepalive_timeout,
-            max_connection_age: args.max_connection_age,
+            connection_idle_timeout: args.connection_idle_timeout,
             max_agents: args.max_agents,
             max_series: args.max_series,
             max_series_per_service: args.max_series_per_service,
@@ -451,7 +450,10 @@ mod tests {
             (defaults.keepalive_interval, defaults.keepalive_timeout)
         );
         assert_eq!(parsed.metrics_interval, defaults.metrics_interval);
-        assert_eq!(parsed.max_connection_age, defaults.max_connection_age);
+        assert_eq!(
+            parsed.connection_idle_timeout,
+            defaults.connection_idle_timeout
+        );
         assert_eq!(
             (
                 parsed.max_agents,
@@ -497,7 +499,7 @@ mod tests {
             "5s",
             "--max-streams-per-connection",
             "64",
-            "--max-connection-age",
+            "--connection-idle-timeout",
             "30m",
             "--forget-disconnected-after",
             "15m",
@@ -509,7 +511,7 @@ mod tests {
         assert_eq!(parsed.keepalive_interval, Duration::from_secs(60));
         assert_eq!(parsed.keepalive_timeout, Duration::from_secs(5));
         assert_eq!(parsed.max_streams_per_connection, 64);
-        assert_eq!(parsed.max_connection_age, Duration::from_secs(1800));
+        assert_eq!(parsed.connection_idle_timeout, Duration::from_secs(1800));
         assert_eq!(
             parsed.forget_disconnected_after,
             Some(Duration::from_secs(900))
@@ -532,9 +534,9 @@ mod tests {
         );
         assert_eq!(metrics_interval("10s"), Ok(Duration::from_secs(10)));
         assert_eq!(
-            connection_age("500ms").unwrap_err(),
+            idle_timeout("500ms").unwrap_err(),
             "`500ms` is out of range: from 1s to 24h"
         );
-        assert_eq!(connection_age("24h"), Ok(Duration::from_secs(86_400)));
+        assert_eq!(idle_timeout("24h"), Ok(Duration::from_secs(86_400)));
     }
 }

@@ -17,6 +17,7 @@ pub mod agent_route;
 pub mod agent_stream;
 pub mod aggregate;
 pub mod auth;
+mod conn_idle;
 pub mod control;
 pub mod fleet;
 pub mod frame_body;

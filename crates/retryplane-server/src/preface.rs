@@ -23,6 +23,10 @@
 //! after it was accepted, shutdown or not: hyper's keepalive only starts once the preface is
 //! in, so a peer that connects and sends nothing (or half a preface) held its socket for good,
 //! and a few thousand of them used up the process's file descriptors.
+//!
+//! Once the preface is in, the wrapper reads as closed when the connection has carried no
+//! stream for the listener's idle timeout and nothing waits in the socket (see
+//! [`crate::conn_idle`], which counts the streams).
 
 use std::future::Future;
 use std::io;
@@ -30,9 +34,14 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use std::sync::Arc;
+
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::watch;
+use tokio::time::{Instant, Sleep};
 use tonic::transport::server::Connected;
+
+use crate::conn_idle::{Conn, Streams};
 
 /// The HTTP/2 client connection preface, `PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n` (RFC 9113 §3.4).
 pub(crate) const PREFACE_LEN: usize = 24;
@@ -57,14 +66,24 @@ pub(crate) struct Preface<S> {
     read: usize,
     /// Until the preface is in: the shutdown's signal. `None` once it is in.
     closing: Option<Closing>,
-    /// The signal fired before the preface was in: every read from now on is end of stream.
+    /// The signal fired before the preface was in, or no stream was open for `idle_after`:
+    /// every read from now on is end of stream.
     closed: bool,
+    /// The connection's open streams, counted by [`crate::conn_idle::CountStreams`].
+    streams: Arc<Streams>,
+    /// How long the connection may go without an open stream (see [`crate::conn_idle`]).
+    idle_after: Duration,
+    /// Fires when the connection may have been without a stream for `idle_after`; made at the
+    /// first read that waits after the preface.
+    idle: Option<Pin<Box<Sleep>>>,
 }
 
 impl<S> Preface<S> {
-    /// Wraps `inner`, watching `shutdown` (true once shutdown has begun).
-    pub(crate) fn new(inner: S, mut shutdown: watch::Receiver<bool>) -> Self {
-        let too_late = tokio::time::Instant::now() + PREFACE_TIMEOUT;
+    /// Wraps `inner`, watching `shutdown` (true once shutdown has begun); closed once it has
+    /// had no open stream for `idle_after`.
+    pub(crate) fn new(inner: S, mut shutdown: watch::Receiver<bool>, idle_after: Duration) -> Self {
+        let accepted = Instant::now();
+        let too_late = accepted + PREFACE_TIMEOUT;
         let closing = async move {
             let shutting_down = async {
                 // An error means the sender is gone: the server is going away too.
@@ -81,7 +100,29 @@ impl<S> Preface<S> {
             read: 0,
             closing: Some(Box::pin(closing)),
             closed: false,
+            streams: Arc::new(Streams::new(accepted)),
+            idle_after,
+            idle: None,
         }
+    }
+
+    /// Whether the connection has had no open stream for `idle_after`; otherwise the timer is
+    /// set for when it may have, and registered with `cx`.
+    fn quiet_too_long(&mut self, cx: &mut Context<'_>) -> bool {
+        let idle_after = self.idle_after;
+        let timer = self
+            .idle
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(idle_after)));
+        // Bounded: each turn either ends or sets the timer later than now.
+        while timer.as_mut().poll(cx).is_ready() {
+            let now = Instant::now();
+            match self.streams.quiet_for(now) {
+                Some(quiet) if quiet >= idle_after => return true,
+                Some(quiet) => timer.as_mut().reset(now + (idle_after - quiet)),
+                None => timer.as_mut().reset(now + idle_after),
+            }
+        }
+        false
     }
 }
 
@@ -100,6 +141,12 @@ impl<S: AsyncRead + Unpin> AsyncRead for Preface<S> {
         let before = buf.filled().len();
         let polled = Pin::new(&mut this.inner).poll_read(cx, buf);
         let Some(closing) = &mut this.closing else {
+            // The preface is in: the connection is closed once it has had no stream for
+            // `idle_after` and nothing waits to be read.
+            if polled.is_pending() && this.quiet_too_long(cx) {
+                this.closed = true;
+                return Poll::Ready(Ok(()));
+            }
             return polled;
         };
         if polled.is_ready() {
@@ -152,10 +199,13 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Preface<S> {
 }
 
 impl<S: Connected> Connected for Preface<S> {
-    type ConnectInfo = S::ConnectInfo;
+    type ConnectInfo = Conn<S::ConnectInfo>;
 
     fn connect_info(&self) -> Self::ConnectInfo {
-        self.inner.connect_info()
+        Conn {
+            inner: self.inner.connect_info(),
+            streams: self.streams.clone(),
+        }
     }
 }
 
@@ -173,7 +223,11 @@ mod tests {
     ) {
         let (server, client) = tokio::io::duplex(1024);
         let (stop, shutdown) = watch::channel(false);
-        (Preface::new(server, shutdown), client, stop)
+        (
+            Preface::new(server, shutdown, Duration::from_secs(3600 * 24)),
+            client,
+            stop,
+        )
     }
 
     #[tokio::test(start_paused = true)]

@@ -15,9 +15,8 @@
 //! Both gRPC listeners send HTTP/2 keepalive pings every [`ServeConfig::keepalive_interval`]
 //! (default 20 s) and drop a peer that does not answer within
 //! [`ServeConfig::keepalive_timeout`] (default 10 s) — an agent whose connection is dropped so
-//! shows as disconnected — and set `TCP_NODELAY`. Each connection takes new streams for
-//! [`ServeConfig::max_connection_age`] (default 5 min), then gets GOAWAY: its open streams go on,
-//! and it closes when they end (so a connection that never opens a stream is not kept for good).
+//! shows as disconnected — and set `TCP_NODELAY`. A connection that has carried no stream for
+//! [`ServeConfig::connection_idle_timeout`] (default 5 min) is closed (`crate::conn_idle`).
 //! Health on each listener reports its own service
 //! (the other listener's is `NOT_FOUND` there) and the server as a whole (service `""`),
 //! `NOT_SERVING` until a snapshot is published and from the start of shutdown. Port 0 binds a free port; [`Running`] tells which.
@@ -51,6 +50,7 @@ use crate::agent_route::AgentRoute;
 use crate::agent_stream::{AgentStreamService, StreamContext};
 use crate::aggregate::{self, Aggregator};
 use crate::auth::{Guard, Role, TokenSet, TokensError};
+use crate::conn_idle::CountStreamsLayer;
 use crate::control::{ControlPlane, Mode};
 use crate::fleet::Fleet;
 use crate::http::{HttpState, router};
@@ -76,9 +76,9 @@ pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(20);
 /// The default of how long a keepalive ping may go unanswered before the connection is
 /// dropped ([`ServeConfig::keepalive_timeout`]).
 pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
-/// The default of [`ServeConfig::max_connection_age`]: how long a gRPC connection takes new
-/// streams before the listener sends GOAWAY.
-pub const MAX_CONNECTION_AGE: Duration = Duration::from_secs(300);
+/// The default of [`ServeConfig::connection_idle_timeout`]: how long a gRPC connection may
+/// carry no stream before it is closed.
+pub const CONNECTION_IDLE_TIMEOUT: Duration = Duration::from_secs(300);
 /// The default of [`ServeConfig::max_streams_per_connection`].
 pub const MAX_STREAMS_PER_CONNECTION: u32 = 1024;
 
@@ -125,19 +125,18 @@ async fn stopped(mut shutdown: watch::Receiver<bool>) {
     let _ = shutdown.wait_for(|stop| *stop).await;
 }
 
-fn grpc_server(cfg: &ServeConfig) -> Server {
+fn grpc_server(
+    cfg: &ServeConfig,
+) -> Server<tower::layer::util::Stack<CountStreamsLayer, tower::layer::util::Identity>> {
     Server::builder()
         .http2_keepalive_interval(Some(cfg.keepalive_interval))
         .http2_keepalive_timeout(Some(cfg.keepalive_timeout))
         // tonic's default is no bound at all (it overrides hyper's 200).
         .max_concurrent_streams(cfg.max_streams_per_connection)
-        // Without it a connection that opens no stream, and answers the keepalive PINGs, was
-        // kept for good (hyper has no idle close for HTTP/2 servers): enough of them used up
-        // the process's file descriptors. The close is graceful (GOAWAY, then the open streams
-        // go on to their end), and no grace cuts them: an agent's stream lives as long as the
-        // agent.
-        .max_connection_age(cfg.max_connection_age)
         .tcp_nodelay(true)
+        // Each connection's open streams, so one that carries none for the idle timeout is
+        // closed (see `crate::conn_idle`).
+        .layer(CountStreamsLayer)
 }
 
 /// The connections of a gRPC listener, each one closed at shutdown if it has not yet sent the
@@ -145,6 +144,7 @@ fn grpc_server(cfg: &ServeConfig) -> Server {
 fn incoming(
     socket: TcpListener,
     shutdown: &watch::Receiver<bool>,
+    idle_after: Duration,
 ) -> impl Stream<Item = io::Result<Preface<TcpStream>>> + use<> {
     let shutdown = shutdown.clone();
     // The builder's tcp_nodelay does not apply to a listener we bound ourselves.
@@ -156,7 +156,9 @@ fn incoming(
             }
             accepted
         })
-        .map(move |accepted| accepted.map(|stream| Preface::new(stream, shutdown.clone())))
+        .map(move |accepted| {
+            accepted.map(|stream| Preface::new(stream, shutdown.clone(), idle_after))
+        })
 }
 
 /// After an accept error other than a connection's own (too many open files, above all):
@@ -319,7 +321,7 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
         .add_service(reflection(AGENT_SERVICE).build_v1alpha()?)
         .add_service(agent_service);
     let stop = stopped(shutdown_rx.clone());
-    let connections = incoming(agent_socket, &shutdown_rx);
+    let connections = incoming(agent_socket, &shutdown_rx, cfg.connection_idle_timeout);
     servers.spawn(async move {
         agent_router
             .serve_with_incoming_shutdown(connections, stop)
@@ -335,7 +337,7 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
         .add_service(reflection(ADMIN_SERVICE).build_v1alpha()?)
         .add_service(admin_service);
     let stop = stopped(shutdown_rx.clone());
-    let connections = incoming(admin_socket, &shutdown_rx);
+    let connections = incoming(admin_socket, &shutdown_rx, cfg.connection_idle_timeout);
     servers.spawn(async move {
         admin_router
             .serve_with_incoming_shutdown(connections, stop)

@@ -1549,14 +1549,15 @@ async fn each_grpc_listener_bounds_the_streams_of_one_connection() {
 }
 
 /// A connection that opens no stream and answers every PING (what an h2 client that is polled
-/// does) is closed gracefully once it is `max_connection_age` old, on both gRPC listeners; a
-/// connection that carries an agent's stream gets the same GOAWAY, and its stream goes on:
-/// the next version still reaches it.
+/// does) is closed once it has carried no stream for `connection_idle_timeout`, on both gRPC
+/// listeners, and so is one whose last stream ended that long ago; a connection that carries
+/// an agent's stream is kept, and takes new streams, however long it lives.
 #[tokio::test]
-async fn connections_take_new_streams_for_their_age_and_keep_the_open_ones() {
+async fn connections_without_a_stream_for_the_idle_timeout_are_closed_and_others_kept() {
     let (dir, cfg) = with_file(V1);
+    let idle = Duration::from_millis(300);
     let cfg = ServeConfig {
-        max_connection_age: Duration::from_millis(300),
+        connection_idle_timeout: idle,
         ..cfg
     };
     let running = start(cfg).await.unwrap();
@@ -1564,12 +1565,41 @@ async fn connections_take_new_streams_for_their_age_and_keep_the_open_ones() {
         let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
         let (_send, conn) = h2::client::handshake(tcp).await.unwrap();
         // Driven (PINGs answered) and streamless: it ends when the server closes it.
+        let began = tokio::time::Instant::now();
         let ended = tokio::time::timeout(SHUTDOWN_GRACE * 2, conn).await;
         assert!(
-            matches!(ended, Ok(Ok(()))),
+            ended.is_ok(),
             "{addr}: a streamless connection was not closed: {ended:?}"
         );
+        assert!(began.elapsed() >= idle, "{addr}: {:?}", began.elapsed());
     }
+    // A connection whose one call ended: closed the idle timeout after it.
+    let tcp = tokio::net::TcpStream::connect(running.admin_addr)
+        .await
+        .unwrap();
+    let (send, conn) = h2::client::handshake(tcp).await.unwrap();
+    let conn = tokio::spawn(conn);
+    let check = http::Request::post("/grpc.health.v1.Health/Check")
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(())
+        .unwrap();
+    let (answer, _) = send
+        .clone()
+        .ready()
+        .await
+        .unwrap()
+        .send_request(check, true)
+        .unwrap();
+    let answer = answer.await.unwrap();
+    assert_eq!(answer.status(), 200);
+    let mut body = answer.into_body();
+    while body.data().await.is_some() {}
+    let _ = body.trailers().await;
+    let answered = tokio::time::Instant::now();
+    let ended = tokio::time::timeout(SHUTDOWN_GRACE * 2, conn).await;
+    assert!(ended.is_ok(), "a connection whose call ended was kept");
+    assert!(answered.elapsed() >= idle, "{:?}", answered.elapsed());
     // An agent's stream, on a connection of its own.
     let tcp = tokio::net::TcpStream::connect(running.agent_addr)
         .await
@@ -1589,7 +1619,7 @@ async fn connections_take_new_streams_for_their_age_and_keep_the_open_ones() {
         .send_request(request, false)
         .unwrap();
     body.send_data(
-        crate::frame_body::encode_frame(&hello("aged")).unwrap(),
+        crate::frame_body::encode_frame(&hello("kept")).unwrap(),
         false,
     )
     .unwrap();
@@ -1603,17 +1633,12 @@ async fn connections_take_new_streams_for_their_age_and_keep_the_open_ones() {
     };
     let first = reader.next().await.unwrap();
     assert_eq!(first.decode_snapshot().unwrap().unwrap().version, 1);
-    // The GOAWAY: the connection takes no new stream.
-    let refused = tokio::time::timeout(SHUTDOWN_GRACE * 2, async {
-        loop {
-            if send.clone().ready().await.is_err() {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
-    .await;
-    assert!(refused.is_ok(), "the agent's connection got no GOAWAY");
+    // Several idle timeouts pass (time passing is what is tested here).
+    tokio::time::sleep(idle * 4).await;
+    assert!(
+        !conn.is_finished(),
+        "the connection closed under its stream"
+    );
     fs::write(dir.path().join("policies.yaml"), V2).unwrap();
     let next = tokio::time::timeout(SHUTDOWN_GRACE, async {
         loop {
@@ -1626,11 +1651,67 @@ async fn connections_take_new_streams_for_their_age_and_keep_the_open_ones() {
     .await
     .expect("the next version reaches the stream");
     assert_eq!(next, 2);
-    assert!(
-        !conn.is_finished(),
-        "the connection closed under its stream"
-    );
+    // The connection still takes a new stream.
+    let check = http::Request::post("/grpc.health.v1.Health/Check")
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(())
+        .unwrap();
+    let (answer, _) = send
+        .clone()
+        .ready()
+        .await
+        .expect("no GOAWAY")
+        .send_request(check, true)
+        .unwrap();
+    assert_eq!(answer.await.unwrap().status(), 200);
     drop(body);
+    running.shutdown().await.unwrap();
+}
+
+/// A client that keeps its channel gets every call answered across the idle timeout: one whose
+/// channel carries a long call (a health Watch) keeps its connection, and one whose channel
+/// was left idle past it gets a new connection for its next call, without an error.
+#[tokio::test]
+async fn a_client_that_keeps_its_channel_gets_no_error_across_the_idle_timeout() {
+    use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
+    let (_dir, cfg) = with_file(V1);
+    let idle = Duration::from_millis(300);
+    let cfg = ServeConfig {
+        connection_idle_timeout: idle,
+        ..cfg
+    };
+    let running = start(cfg).await.unwrap();
+    let calls = |channel: Channel| async move {
+        let mut client = AdminServiceClient::new(channel);
+        let mut results = Vec::new();
+        for _ in 0..3 {
+            results.push(
+                client
+                    .fleet_status(pb::FleetStatusRequest::default())
+                    .await
+                    .map(drop)
+                    .map_err(|s| format!("{:?}: {}", s.code(), s.message())),
+            );
+        }
+        results
+    };
+    let watched = channel(running.admin_addr).await;
+    let mut watch = HealthClient::new(watched.clone())
+        .watch(HealthCheckRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(watch.message().await.unwrap().is_some());
+    let idle_channel = channel(running.admin_addr).await;
+    assert!(calls(idle_channel.clone()).await.iter().all(Result::is_ok));
+    // Several idle timeouts pass (time passing is what is tested here).
+    tokio::time::sleep(idle * 3).await;
+    let results = calls(watched).await;
+    assert!(results.iter().all(Result::is_ok), "{results:?}");
+    let results = calls(idle_channel).await;
+    assert!(results.iter().all(Result::is_ok), "{results:?}");
+    drop(watch);
     running.shutdown().await.unwrap();
 }
 

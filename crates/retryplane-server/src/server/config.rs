@@ -7,7 +7,7 @@ use std::time::Duration;
 use tracing::warn;
 
 use super::{
-    KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT, MAX_CONNECTION_AGE, MAX_STREAMS_PER_CONNECTION,
+    CONNECTION_IDLE_TIMEOUT, KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT, MAX_STREAMS_PER_CONNECTION,
     ServeError,
 };
 use crate::agent_stream::StreamLimits;
@@ -63,13 +63,12 @@ pub struct ServeConfig {
     /// layer). Default [`MAX_STREAMS_PER_CONNECTION`] (1,024): an agent needs one stream, and
     /// without a bound one connection could open streams without end. Must be more than zero.
     pub max_streams_per_connection: u32,
-    /// How long a connection of either gRPC listener takes new streams: past it the listener
-    /// sends GOAWAY, the streams open on the connection go on to their end (an agent keeps its
-    /// stream, and opens its next one on a new connection), and the connection closes once
-    /// they have ended. So a connection that opens no stream (a peer that only answers PINGs)
-    /// holds its socket this long at most. Default [`MAX_CONNECTION_AGE`] (5 min). Must be
-    /// more than zero.
-    pub max_connection_age: Duration,
+    /// How long a connection of either gRPC listener may carry no stream (none open since it
+    /// was accepted, or since its last one ended) before it is closed: a connection that opens
+    /// no stream and answers every PING holds its socket this long at most. An agent's
+    /// connection always carries its stream. Default [`CONNECTION_IDLE_TIMEOUT`] (5 min).
+    /// Must be more than zero.
+    pub connection_idle_timeout: Duration,
     /// How long a disconnected agent stays in FleetStatus; `None` keeps it until more than
     /// [`crate::fleet::MAX_DISCONNECTED`] disconnected agents are listed (then the longest gone
     /// tenth go).
@@ -98,7 +97,7 @@ impl Default for ServeConfig {
             keepalive_interval: KEEPALIVE_INTERVAL,
             keepalive_timeout: KEEPALIVE_TIMEOUT,
             max_streams_per_connection: MAX_STREAMS_PER_CONNECTION,
-            max_connection_age: MAX_CONNECTION_AGE,
+            connection_idle_timeout: CONNECTION_IDLE_TIMEOUT,
             forget_disconnected_after: Some(crate::fleet::FORGET_DISCONNECTED_AFTER),
         }
     }
@@ -124,7 +123,7 @@ pub const MIN_METRICS_INTERVAL: Duration = Duration::from_millis(100);
 pub const MAX_METRICS_INTERVAL: Duration = Duration::from_secs(3600);
 
 /// Refuses a keepalive interval or timeout of zero (a PING after every frame, or a connection
-/// dropped as soon as a PING goes out), a connection age of zero, a metrics interval outside 100 ms to 1 h, a connection
+/// dropped as soon as a PING goes out), an idle timeout of zero, a metrics interval outside 100 ms to 1 h, a connection
 /// that may open no stream, and two listeners given the same address (the second could not
 /// bind it).
 pub(super) fn check_settings(cfg: &ServeConfig) -> Result<(), ServeError> {
@@ -165,7 +164,7 @@ pub(super) fn check_settings(cfg: &ServeConfig) -> Result<(), ServeError> {
     for (setting, value) in [
         ("keepalive_interval", cfg.keepalive_interval),
         ("keepalive_timeout", cfg.keepalive_timeout),
-        ("max_connection_age", cfg.max_connection_age),
+        ("connection_idle_timeout", cfg.connection_idle_timeout),
     ] {
         if value.is_zero() {
             return Err(ServeError::ZeroSetting { setting });
