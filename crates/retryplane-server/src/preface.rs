@@ -76,12 +76,99 @@ pub(crate) struct Preface<S> {
     /// Fires when the connection may have been without a stream for `idle_after`; made at the
     /// first read that waits after the preface.
     idle: Option<Pin<Box<Sleep>>>,
+    /// Resolves when the server closes every connection left after its shutdown's grace (see
+    /// [`Connections`]); `None` once it has: every read is then end of stream, every write
+    /// an error.
+    forced: Option<Closing>,
+    /// Counted among the listener's live connections while it lives.
+    _live: LiveGuard,
+}
+
+/// The connections of the gRPC listeners that are still open, and the signal that closes them
+/// all: tonic runs each connection in a task of its own that the server's shutdown cannot
+/// abort, so a connection with a stream that never ends (a health Watch, a peer that never
+/// acks the shutdown's GOAWAY) outlived [`crate::server::Running::shutdown`], and kept the
+/// control plane, store included, with it.
+#[derive(Clone, Debug)]
+pub(crate) struct Connections {
+    live: Arc<Live>,
+    close: watch::Sender<bool>,
+}
+
+#[derive(Debug, Default)]
+struct Live {
+    count: std::sync::atomic::AtomicUsize,
+    ended: tokio::sync::Notify,
+}
+
+/// One live connection of [`Connections`].
+struct LiveGuard(Arc<Live>);
+
+impl Drop for LiveGuard {
+    fn drop(&mut self) {
+        self.0
+            .count
+            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        self.0.ended.notify_waiters();
+    }
+}
+
+impl Default for Connections {
+    fn default() -> Self {
+        Self {
+            live: Arc::default(),
+            close: watch::Sender::new(false),
+        }
+    }
+}
+
+impl Connections {
+    fn join(&self) -> (LiveGuard, Closing) {
+        self.live
+            .count
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let mut close = self.close.subscribe();
+        let forced = async move {
+            // An error means the sender is gone: so is the server.
+            let _ = close.wait_for(|close| *close).await;
+        };
+        (LiveGuard(self.live.clone()), Box::pin(forced))
+    }
+
+    /// How many connections are open.
+    pub(crate) fn count(&self) -> usize {
+        self.live.count.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Closes every connection (reads end, writes fail), and waits up to `within` for their
+    /// tasks to let go of them. Whether none is left.
+    pub(crate) async fn close_all(&self, within: Duration) -> bool {
+        self.close.send_replace(true);
+        let ended = async {
+            loop {
+                let notified = self.live.ended.notified();
+                tokio::pin!(notified);
+                notified.as_mut().enable();
+                if self.count() == 0 {
+                    return;
+                }
+                notified.await;
+            }
+        };
+        tokio::time::timeout(within, ended).await.is_ok()
+    }
 }
 
 impl<S> Preface<S> {
     /// Wraps `inner`, watching `shutdown` (true once shutdown has begun); closed once it has
     /// had no open stream for `idle_after`.
-    pub(crate) fn new(inner: S, mut shutdown: watch::Receiver<bool>, idle_after: Duration) -> Self {
+    pub(crate) fn new(
+        inner: S,
+        mut shutdown: watch::Receiver<bool>,
+        idle_after: Duration,
+        connections: &Connections,
+    ) -> Self {
+        let (live, forced) = connections.join();
         let accepted = Instant::now();
         let too_late = accepted + PREFACE_TIMEOUT;
         let closing = async move {
@@ -103,7 +190,22 @@ impl<S> Preface<S> {
             streams: Arc::new(Streams::new(accepted)),
             idle_after,
             idle: None,
+            forced: Some(forced),
+            _live: live,
         }
+    }
+
+    /// Whether the server has closed every connection (see [`Connections`]); polled with
+    /// every read and write, so the signal wakes a connection waiting on either.
+    fn forced(&mut self, cx: &mut Context<'_>) -> bool {
+        let Some(forced) = &mut self.forced else {
+            return true;
+        };
+        if forced.as_mut().poll(cx).is_pending() {
+            return false;
+        }
+        self.forced = None;
+        true
     }
 
     /// Whether the connection has had no open stream for `idle_after`; otherwise the timer is
@@ -133,7 +235,7 @@ impl<S: AsyncRead + Unpin> AsyncRead for Preface<S> {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
-        if this.closed {
+        if this.closed || this.forced(cx) {
             // End of stream: nothing is put in `buf`.
             return Poll::Ready(Ok(()));
         }
@@ -168,17 +270,33 @@ impl<S: AsyncRead + Unpin> AsyncRead for Preface<S> {
     }
 }
 
+/// What a write to a connection the server has closed gets.
+fn closed_by_server() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::BrokenPipe,
+        "the control plane closed the connection at the end of its shutdown",
+    )
+}
+
 impl<S: AsyncWrite + Unpin> AsyncWrite for Preface<S> {
     fn poll_write(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+        let this = self.get_mut();
+        if this.forced(cx) {
+            return Poll::Ready(Err(closed_by_server()));
+        }
+        Pin::new(&mut this.inner).poll_write(cx, buf)
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+        let this = self.get_mut();
+        if this.forced(cx) {
+            return Poll::Ready(Err(closed_by_server()));
+        }
+        Pin::new(&mut this.inner).poll_flush(cx)
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -190,7 +308,11 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Preface<S> {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
+        let this = self.get_mut();
+        if this.forced(cx) {
+            return Poll::Ready(Err(closed_by_server()));
+        }
+        Pin::new(&mut this.inner).poll_write_vectored(cx, bufs)
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -215,18 +337,40 @@ mod tests {
 
     use super::*;
 
+    /// The shutdown signal of [`pair`], with the listener's connections (their signal is
+    /// gone, so they would read as closed, once these are dropped).
+    struct Stop {
+        shutdown: watch::Sender<bool>,
+        connections: Connections,
+    }
+
+    impl Stop {
+        fn send_replace(&self, stop: bool) {
+            self.shutdown.send_replace(stop);
+        }
+    }
+
     /// A wrapped in-memory connection, its client end, and the shutdown signal.
     fn pair() -> (
         Preface<tokio::io::DuplexStream>,
         tokio::io::DuplexStream,
-        watch::Sender<bool>,
+        Stop,
     ) {
         let (server, client) = tokio::io::duplex(1024);
         let (stop, shutdown) = watch::channel(false);
+        let connections = Connections::default();
         (
-            Preface::new(server, shutdown, Duration::from_secs(3600 * 24)),
+            Preface::new(
+                server,
+                shutdown,
+                Duration::from_secs(3600 * 24),
+                &connections,
+            ),
             client,
-            stop,
+            Stop {
+                shutdown: stop,
+                connections,
+            },
         )
     }
 
@@ -319,6 +463,29 @@ mod tests {
         client.write_all(&[b'P'; PREFACE_LEN]).await.unwrap();
         tokio::time::sleep(PREFACE_GRACE).await;
         assert_eq!(read.await.unwrap(), PREFACE_LEN);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn closing_every_connection_ends_reads_and_fails_writes_and_waits_for_them() {
+        let (mut server, mut client, stop) = pair();
+        client.write_all(&[b'P'; PREFACE_LEN]).await.unwrap();
+        let mut buf = [0u8; 64];
+        assert_eq!(server.read(&mut buf).await.unwrap(), PREFACE_LEN);
+        let connections = stop.connections.clone();
+        assert_eq!(connections.count(), 1);
+        // Its task still holds it: not let go within the wait.
+        let waited = tokio::time::Instant::now();
+        assert!(!connections.close_all(Duration::from_secs(1)).await);
+        assert_eq!(waited.elapsed(), Duration::from_secs(1));
+        client.write_all(b"frames").await.unwrap();
+        assert_eq!(server.read(&mut buf).await.unwrap(), 0, "end of stream");
+        let refused = server.write_all(b"answer").await.unwrap_err();
+        assert_eq!(refused.kind(), io::ErrorKind::BrokenPipe);
+        let let_go =
+            tokio::spawn(async move { connections.close_all(Duration::from_secs(1)).await });
+        tokio::task::yield_now().await;
+        drop(server);
+        assert!(let_go.await.unwrap(), "the last connection let go");
     }
 
     #[tokio::test(start_paused = true)]

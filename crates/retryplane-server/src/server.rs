@@ -22,7 +22,8 @@
 //! `NOT_SERVING` until a snapshot is published and from the start of shutdown. Port 0 binds a free port; [`Running`] tells which.
 //!
 //! [`Running::shutdown`] tells every agent stream to end with `UNAVAILABLE` ("reconnect"),
-//! stops accepting, waits up to [`SHUTDOWN_GRACE`] for the servers to drain and closes the store
+//! stops accepting, waits up to [`SHUTDOWN_GRACE`] for the servers to drain, closes the
+//! connections still open then (`crate::preface::Connections`), and closes the store
 //! (redb makes every commit durable; there is nothing else to flush). A gRPC connection that
 //! has not sent the HTTP/2 preface half a second into the shutdown is closed then rather than
 //! waited for (`crate::preface`).
@@ -56,7 +57,7 @@ use crate::fleet::Fleet;
 use crate::http::{HttpState, router};
 use crate::metrics::ServerMetrics;
 use crate::oversized::OversizedIsExhausted;
-use crate::preface::Preface;
+use crate::preface::{Connections, Preface};
 use crate::publisher::Publisher;
 use crate::store::{RedbStore, VersionStore};
 
@@ -70,6 +71,8 @@ pub use self::error::ServeError;
 
 /// How long shutdown waits for the servers to drain before closing what is left.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+/// How long the end of a shutdown waits for the connections it closes to let go.
+const CLOSE_WAIT: Duration = Duration::from_secs(1);
 /// The default HTTP/2 keepalive ping interval on the gRPC listeners
 /// ([`ServeConfig::keepalive_interval`]).
 pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(20);
@@ -100,6 +103,8 @@ pub struct Running {
     servers: JoinSet<Result<(), ServeError>>,
     background: Vec<JoinHandle<()>>,
     tokens: Option<Arc<TokenSet>>,
+    /// The gRPC listeners' connections, closed at the end of the shutdown's grace.
+    connections: Connections,
 }
 
 async fn bind(listener: &'static str, addr: SocketAddr) -> Result<TcpListener, ServeError> {
@@ -145,8 +150,10 @@ fn incoming(
     socket: TcpListener,
     shutdown: &watch::Receiver<bool>,
     idle_after: Duration,
+    connections: &Connections,
 ) -> impl Stream<Item = io::Result<Preface<TcpStream>>> + use<> {
     let shutdown = shutdown.clone();
+    let connections = connections.clone();
     // The builder's tcp_nodelay does not apply to a listener we bound ourselves.
     TcpIncoming::from(socket)
         .with_nodelay(Some(true))
@@ -157,7 +164,7 @@ fn incoming(
             accepted
         })
         .map(move |accepted| {
-            accepted.map(|stream| Preface::new(stream, shutdown.clone(), idle_after))
+            accepted.map(|stream| Preface::new(stream, shutdown.clone(), idle_after, &connections))
         })
 }
 
@@ -238,6 +245,7 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
         mode,
     ));
     let (shutdown, shutdown_rx) = watch::channel(false);
+    let connections = Connections::default();
     let mut background = vec![aggregate::spawn_ticker(
         aggregates,
         aggregate::TICK,
@@ -321,10 +329,15 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
         .add_service(reflection(AGENT_SERVICE).build_v1alpha()?)
         .add_service(agent_service);
     let stop = stopped(shutdown_rx.clone());
-    let connections = incoming(agent_socket, &shutdown_rx, cfg.connection_idle_timeout);
+    let accepted = incoming(
+        agent_socket,
+        &shutdown_rx,
+        cfg.connection_idle_timeout,
+        &connections,
+    );
     servers.spawn(async move {
         agent_router
-            .serve_with_incoming_shutdown(connections, stop)
+            .serve_with_incoming_shutdown(accepted, stop)
             .await
             .map_err(|source| ServeError::Grpc {
                 listener: "agent",
@@ -337,10 +350,15 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
         .add_service(reflection(ADMIN_SERVICE).build_v1alpha()?)
         .add_service(admin_service);
     let stop = stopped(shutdown_rx.clone());
-    let connections = incoming(admin_socket, &shutdown_rx, cfg.connection_idle_timeout);
+    let accepted = incoming(
+        admin_socket,
+        &shutdown_rx,
+        cfg.connection_idle_timeout,
+        &connections,
+    );
     servers.spawn(async move {
         admin_router
-            .serve_with_incoming_shutdown(connections, stop)
+            .serve_with_incoming_shutdown(accepted, stop)
             .await
             .map_err(|source| ServeError::Grpc {
                 listener: "admin",
@@ -369,6 +387,7 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
         servers,
         background,
         tokens,
+        connections,
     })
 }
 
@@ -495,9 +514,19 @@ impl Running {
         .await;
         if drained.is_err() {
             warn!(
+                connections = self.connections.count(),
                 "the servers did not stop within {SHUTDOWN_GRACE:?}; closing the remaining connections"
             );
             self.servers.shutdown().await;
+        }
+        // Connections whose streams outlive the grace (a health Watch, a peer that never acks
+        // the GOAWAY) run in tasks of tonic's that aborting the servers does not reach: closed
+        // here, so that nothing of this control plane (its store above all) is left behind.
+        if self.connections.count() > 0 && !self.connections.close_all(CLOSE_WAIT).await {
+            warn!(
+                connections = self.connections.count(),
+                "connections still open {CLOSE_WAIT:?} after they were closed"
+            );
         }
         for task in self.background.drain(..) {
             task.abort();

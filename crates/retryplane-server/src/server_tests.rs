@@ -1715,6 +1715,54 @@ async fn a_client_that_keeps_its_channel_gets_no_error_across_the_idle_timeout()
     running.shutdown().await.unwrap();
 }
 
+/// A connection that the shutdown's GOAWAY does not end (a peer that sent its preface and
+/// settings, then reads nothing and never acks the GOAWAY's PING) is closed at the end of the
+/// shutdown's grace: nothing of the control plane is left behind, and it starts again at once
+/// on the same data directory (its store was still open in the connection's task, which
+/// aborting the servers does not reach, until keepalive gave up on the peer).
+#[tokio::test]
+async fn a_connection_left_after_the_shutdowns_grace_is_closed_and_the_store_let_go() {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let (_dir, cfg) = with_file(V1);
+    let running = start(cfg.clone()).await.unwrap();
+    let mut held = Vec::new();
+    for addr in [running.agent_addr(), running.admin_addr] {
+        let mut tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+        // The preface, and an empty SETTINGS frame.
+        tcp.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0")
+            .await
+            .unwrap();
+        held.push(tcp);
+    }
+    // Both connections served (the server's SETTINGS came) before the shutdown.
+    for tcp in &mut held {
+        let mut head = [0u8; 9];
+        tokio::time::timeout(SHUTDOWN_GRACE, tcp.read_exact(&mut head))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(head[3], 4, "SETTINGS");
+    }
+    let began = tokio::time::Instant::now();
+    running.shutdown().await.unwrap();
+    assert!(
+        began.elapsed() < SHUTDOWN_GRACE + Duration::from_secs(2),
+        "{:?}",
+        began.elapsed()
+    );
+    let again = tokio::time::timeout(Duration::from_secs(10), start(cfg))
+        .await
+        .unwrap()
+        .expect("the store was let go");
+    // And the peers' connections were closed: what they read ends.
+    for tcp in &mut held {
+        let mut rest = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(2), tcp.read_to_end(&mut rest)).await;
+        assert!(read.is_ok(), "a connection outlived the shutdown");
+    }
+    again.shutdown().await.unwrap();
+}
+
 #[tokio::test]
 async fn shutdown_does_not_wait_for_connections_that_never_send_anything() {
     let (_dir, cfg) = with_file(V1);
