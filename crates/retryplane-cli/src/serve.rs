@@ -75,7 +75,8 @@ pub struct Args {
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = keepalive)]
     keepalive_timeout: Duration,
     /// How long a connection to a gRPC listener may carry no stream before it is closed (an
-    /// agent's always carries its own): a duration with its unit, from 1s to 24h.
+    /// agent's always carries its own), and how long any call other than an agent's stream
+    /// may last (then it ends with UNAVAILABLE): a duration with its unit, from 1s to 24h.
     #[arg(long, value_name = "DURATION", default_value = "5m", value_parser = idle_timeout)]
     connection_idle_timeout: Duration,
     /// Most agents connected at once; one more is refused with RESOURCE_EXHAUSTED.

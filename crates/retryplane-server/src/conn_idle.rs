@@ -14,6 +14,10 @@
 //! and hyper's clients race with their next call on the same channel: spurious `CANCELLED`
 //! errors for a client that keeps its channel.)
 //!
+//! A call on such a connection that never ends (a health Watch, a unary call whose request is
+//! never finished) would keep it from ever being idle, so any call other than an agent's stream
+//! lasts at most the same time ([`CountStreams`]).
+//!
 //! The count comes to the layer through the connection's `ConnectInfo` ([`Conn`]), the one
 //! thing tonic hands from a connection to its requests. The layer also puts the TCP
 //! connection's own info in each request, so `Request::remote_addr` works as before.
@@ -82,21 +86,41 @@ pub(crate) struct Conn<T> {
 }
 
 /// The layer of [`CountStreams`].
-#[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct CountStreamsLayer;
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct CountStreamsLayer {
+    /// How long a call other than an agent's stream may last.
+    pub(crate) max_call: Duration,
+}
 
 impl<S> tower::Layer<S> for CountStreamsLayer {
     type Service = CountStreams<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        CountStreams { inner }
+        CountStreams {
+            inner,
+            max_call: self.max_call,
+        }
     }
 }
 
-/// Counts each request in its connection's [`Streams`] until its response body is dropped.
+/// Counts each request in its connection's [`Streams`] until its response body is dropped,
+/// and ends a call other than an agent's stream (`AgentService/Connect`) that lasts longer
+/// than `max_call`, with `UNAVAILABLE` ("call again"): without a bound, a peer with no token
+/// held a connection for good with one call that never ends (a health Watch, a reflection
+/// stream, a unary call whose request it never finishes), and the idle close could not reach
+/// it. The admin API's calls are unary and short, and a Watch or reflection client calls again.
 #[derive(Clone, Debug)]
 pub(crate) struct CountStreams<S> {
     inner: S,
+    max_call: Duration,
+}
+
+/// What a call cut at the bound gets.
+fn cut(max_call: Duration) -> tonic::Status {
+    tonic::Status::unavailable(format!(
+        "calls other than an agent's stream last at most {} s here; call again",
+        max_call.as_secs_f64()
+    ))
 }
 
 impl<S, B, R> tower::Service<http::Request<B>> for CountStreams<S>
@@ -121,21 +145,48 @@ where
             request.extensions_mut().insert(tcp);
             guard
         });
+        let max_call = self.max_call;
+        let bounded = request.uri().path() != crate::agent_route::CONNECT_PATH;
+        let until = Instant::now() + max_call;
         let future = self.inner.call(request);
         Box::pin(async move {
-            let response = future.await?;
-            Ok(response.map(|body| Counted {
-                inner: body,
+            let answered = if bounded {
+                tokio::time::timeout_at(until, future).await.ok()
+            } else {
+                Some(future.await)
+            };
+            let Some(response) = answered else {
+                // No answer by the bound: a Trailers-Only answer, and the call's request (its
+                // body, perhaps never finished) is let go.
+                let (parts, _) = cut(max_call).into_http::<()>().into_parts();
+                return Ok(http::Response::from_parts(
+                    parts,
+                    Counted {
+                        inner: None,
+                        until: None,
+                        cut: None,
+                        _guard: guard,
+                    },
+                ));
+            };
+            Ok(response?.map(|body| Counted {
+                inner: Some(body),
+                until: bounded.then(|| Box::pin(tokio::time::sleep_until(until))),
+                cut: bounded.then_some(max_call),
                 _guard: guard,
             }))
         })
     }
 }
 
-/// A response body that holds its stream's count.
+/// A response body that holds its stream's count, and ends with `UNAVAILABLE` at `until`
+/// (see [`CountStreams`]).
 #[derive(Debug)]
 pub(crate) struct Counted<B> {
-    inner: B,
+    /// `None` for a call cut before its answer (its head says why), or once cut.
+    inner: Option<B>,
+    until: Option<Pin<Box<tokio::time::Sleep>>>,
+    cut: Option<Duration>,
     _guard: Option<StreamGuard>,
 }
 
@@ -147,15 +198,37 @@ impl<B: http_body::Body + Unpin> http_body::Body for Counted<B> {
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
-        Pin::new(&mut self.get_mut().inner).poll_frame(cx)
+        let this = self.get_mut();
+        let Some(inner) = &mut this.inner else {
+            return Poll::Ready(None);
+        };
+        let polled = Pin::new(inner).poll_frame(cx);
+        if polled.is_ready() {
+            return polled;
+        }
+        let (Some(until), Some(max_call)) = (&mut this.until, this.cut) else {
+            return polled;
+        };
+        if until.as_mut().poll(cx).is_pending() {
+            return polled;
+        }
+        // The bound: the body ends here, its status in trailers.
+        this.inner = None;
+        let mut trailers = http::HeaderMap::new();
+        if cut(max_call).add_header(&mut trailers).is_err() {
+            trailers.insert("grpc-status", http::HeaderValue::from_static("14"));
+        }
+        Poll::Ready(Some(Ok(http_body::Frame::trailers(trailers))))
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        self.inner.as_ref().is_none_or(B::is_end_stream)
     }
 
     fn size_hint(&self) -> http_body::SizeHint {
-        self.inner.size_hint()
+        self.inner
+            .as_ref()
+            .map_or_else(|| http_body::SizeHint::with_exact(0), B::size_hint)
     }
 }
 

@@ -141,7 +141,9 @@ fn grpc_server(
         .tcp_nodelay(true)
         // Each connection's open streams, so one that carries none for the idle timeout is
         // closed (see `crate::conn_idle`).
-        .layer(CountStreamsLayer)
+        .layer(CountStreamsLayer {
+            max_call: cfg.connection_idle_timeout,
+        })
 }
 
 /// The connections of a gRPC listener, each one closed at shutdown if it has not yet sent the

@@ -1763,6 +1763,70 @@ async fn a_connection_left_after_the_shutdowns_grace_is_closed_and_the_store_let
     again.shutdown().await.unwrap();
 }
 
+/// A call other than an agent's stream lasts at most the idle timeout, token or not: a health
+/// Watch is ended with UNAVAILABLE ("call again"), and a health Check whose request the peer
+/// never finishes is answered so; then their connections, left without a stream, are closed.
+/// Without the bound a peer with no token held a connection for good with one such call.
+#[tokio::test]
+async fn calls_other_than_an_agents_stream_are_bounded_by_the_idle_timeout() {
+    let (_dir, cfg) = with_file(V1);
+    let idle = Duration::from_millis(300);
+    let cfg = ServeConfig {
+        connection_idle_timeout: idle,
+        ..cfg
+    };
+    let running = start(cfg).await.unwrap();
+    for addr in [running.agent_addr(), running.admin_addr] {
+        for (path, finished) in [
+            ("/grpc.health.v1.Health/Watch", true),
+            ("/grpc.health.v1.Health/Check", false),
+        ] {
+            let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+            let (send, conn) = h2::client::handshake(tcp).await.unwrap();
+            let conn = tokio::spawn(conn);
+            let request = http::Request::post(path)
+                .header("content-type", "application/grpc")
+                .header("te", "trailers")
+                .body(())
+                .unwrap();
+            let began = tokio::time::Instant::now();
+            let (response, mut body) = send
+                .ready()
+                .await
+                .unwrap()
+                .send_request(request, false)
+                .unwrap();
+            if finished {
+                // An empty HealthCheckRequest, and the request's end.
+                body.send_data(bytes::Bytes::from_static(&[0, 0, 0, 0, 0]), true)
+                    .unwrap();
+            }
+            let status = tokio::time::timeout(SHUTDOWN_GRACE * 2, async {
+                let response = response.await.unwrap();
+                if let Some(status) = response.headers().get("grpc-status") {
+                    return status.to_str().unwrap().to_owned();
+                }
+                let mut answer = response.into_body();
+                while answer.data().await.is_some() {}
+                let trailers = answer.trailers().await.unwrap().unwrap();
+                trailers["grpc-status"].to_str().unwrap().to_owned()
+            })
+            .await
+            .unwrap_or_else(|_| panic!("{addr} {path}: the call was not ended"));
+            assert_eq!(status, "14", "{addr} {path}: UNAVAILABLE");
+            assert!(
+                began.elapsed() >= idle,
+                "{addr} {path}: {:?}",
+                began.elapsed()
+            );
+            let ended = tokio::time::timeout(SHUTDOWN_GRACE * 2, conn).await;
+            assert!(ended.is_ok(), "{addr} {path}: the connection was kept");
+            drop(body);
+        }
+    }
+    running.shutdown().await.unwrap();
+}
+
 #[tokio::test]
 async fn shutdown_does_not_wait_for_connections_that_never_send_anything() {
     let (_dir, cfg) = with_file(V1);

@@ -66,8 +66,10 @@ pub struct ServeConfig {
     /// How long a connection of either gRPC listener may carry no stream (none open since it
     /// was accepted, or since its last one ended) before it is closed: a connection that opens
     /// no stream and answers every PING holds its socket this long at most. An agent's
-    /// connection always carries its stream. Default [`CONNECTION_IDLE_TIMEOUT`] (5 min).
-    /// Must be more than zero.
+    /// connection always carries its stream. Also how long any other call (admin calls, health,
+    /// reflection) may last: past it, it ends with `UNAVAILABLE` ("call again"), so one call
+    /// that never ends does not hold a connection for good. Default
+    /// [`CONNECTION_IDLE_TIMEOUT`] (5 min). Must be more than zero.
     pub connection_idle_timeout: Duration,
     /// How long a disconnected agent stays in FleetStatus; `None` keeps it until more than
     /// [`crate::fleet::MAX_DISCONNECTED`] disconnected agents are listed (then the longest gone
