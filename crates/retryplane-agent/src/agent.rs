@@ -242,6 +242,11 @@ impl Agent {
     /// most); 2 s for the cache file.
     /// Handles keep working on the last policies. Every call, from any clone, returns once the
     /// task has stopped.
+    ///
+    /// The last report holds the calls ended by then: a call still in flight when shutdown
+    /// begins, and any call made after it, is counted in the agent
+    /// ([`crate::Endpoint::pending_counts`]) but never reported. Call `shutdown` once the
+    /// service has stopped making calls (after its own graceful drain) to have them all.
     pub async fn shutdown(&self) {
         let Some(task) = &self.task else { return };
         task.cancel.cancel();

@@ -3,7 +3,8 @@
 //! control plane is unreachable.
 //!
 //! Written atomically after every applied snapshot: a temporary file in the same directory is
-//! written and fsynced, then renamed over the cache file, and the directory is fsynced, so a
+//! written and fsynced, then renamed over the cache file (over the file a link at the cache path
+//! leads to, the link kept), and the directory is fsynced, so a
 //! crash leaves either the old file or the new one, never a torn one. The temporary file's name
 //! is unique per write (process id and a counter), so two agents of one process never share it.
 //!
@@ -22,8 +23,9 @@
 //! leaves the path alone for the whole run. Anything at the path that is not a regular file (a FIFO
 //! would wait for a writer) is logged, left alone, and no cache is kept for the run. A file that
 //! begins with the header is ours whatever follows it (damaged on disk, or written by a newer agent
-//! whose snapshot this one cannot check): it is not used, and the next applied snapshot replaces
-//! it. A file without the header is ours only if it is a snapshot whose content hash matches its
+//! whose snapshot this one cannot check), and so is one whose header has another format number
+//! (an agent of another cache format wrote it): it is not used, and the next applied snapshot
+//! replaces it. A file without the header is ours only if it is a snapshot whose content hash matches its
 //! policies (what agents wrote before the header), and a file larger than any cache is ours only if
 //! it begins with the header; anything else is most likely another file the agent was pointed at by
 //! mistake: it is left as it is and no cache is written for the whole run, rather than being
@@ -53,6 +55,10 @@ const READ_WAIT: Duration = Duration::from_secs(1);
 /// The first bytes of every cache file the agent writes: they mark the file as the agent's own.
 pub(crate) const HEADER: &[u8] = b"retryplane agent policy cache 1\n";
 
+/// The header without its format number: a file that begins so is an agent's cache, of this
+/// format or another (an agent older or newer than this one wrote it), and is ours to replace.
+const HEADER_NAME: &[u8] = b"retryplane agent policy cache ";
+
 /// The bytes of the cache file for `snap`: [`HEADER`], then the encoded snapshot.
 pub(crate) fn encode(snap: &pb::Snapshot) -> Vec<u8> {
     let mut bytes = Vec::with_capacity(HEADER.len() + snap.encoded_len());
@@ -66,7 +72,14 @@ pub(crate) fn encode(snap: &pb::Snapshot) -> Vec<u8> {
 /// over `path`. The temporary file is created with a random name and never through an existing
 /// file or link (`O_EXCL`, by `tempfile`), so a link planted in a shared directory cannot turn the
 /// write onto another file; it is readable by its owner only, as is the cache file it becomes.
+///
+/// A cache path that is a link (to a file on a volume that outlives the agent's directory, say)
+/// is written through: the file it leads to is replaced, and the link stays, rather than the
+/// link being replaced by a file and the volume keeping a stale cache. (A link to a file that is
+/// not a cache is never written through: the read at start found it foreign.)
 pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let target = followed(path)?;
+    let path = target.as_path();
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => Path::new("."),
@@ -87,6 +100,28 @@ pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
         let _ = d.sync_all();
     }
     Ok(())
+}
+
+/// The file `path` leads to, through its links (a link to a file not there yet leads to where
+/// it will be); `path` itself when it is not a link. At most 40 links, as the system follows.
+fn followed(path: &Path) -> std::io::Result<PathBuf> {
+    let mut at = path.to_path_buf();
+    for _ in 0..40 {
+        match std::fs::symlink_metadata(&at) {
+            Ok(meta) if meta.file_type().is_symlink() => {
+                let to = std::fs::read_link(&at)?;
+                at = match at.parent() {
+                    Some(dir) if to.is_relative() => dir.join(to),
+                    _ => to,
+                };
+            }
+            _ => return Ok(at),
+        }
+    }
+    Err(std::io::Error::new(
+        std::io::ErrorKind::InvalidInput,
+        "the cache path goes through more than 40 links",
+    ))
 }
 
 /// What a valid cache file gives back.
@@ -284,7 +319,7 @@ fn gather(path: &Path) -> Gathered {
 fn check(bytes: &[u8]) -> Found {
     // Larger than any cache the agent writes: ours (damaged) only if it starts like one.
     let checked = if bytes.len() as u64 > MAX_BYTES {
-        Err(if bytes.starts_with(HEADER) {
+        Err(if bytes.starts_with(HEADER_NAME) {
             Unusable::Ours("the cache file is too large".to_owned())
         } else {
             Unusable::Foreign("too large for a policy cache".to_owned())
@@ -404,6 +439,14 @@ fn decode(bytes: &[u8]) -> Result<Cached, Unusable> {
     // snapshot that checks out is ours.
     let (bytes, problem): (&[u8], fn(String) -> Unusable) = match bytes.strip_prefix(HEADER) {
         Some(rest) => (rest, Unusable::Ours),
+        // An agent of another cache format wrote it: not readable here, replaced all the same
+        // (an agent rolled back past a format change keeps a cache).
+        None if bytes.starts_with(HEADER_NAME) => {
+            return Err(Unusable::Ours(
+                "a policy cache of another format (another version of the agent wrote it)"
+                    .to_owned(),
+            ));
+        }
         None => (bytes, Unusable::Foreign),
     };
     let snap = pb::Snapshot::decode(bytes).map_err(|e| problem(format!("not a snapshot: {e}")))?;
@@ -586,6 +629,14 @@ mod tests {
         };
         std::fs::write(&path, stale.encode_to_vec()).unwrap();
         assert_eq!(in_time(&path).map(|c| c.is_none()), Ok(true));
+        // A cache of another format (another version of the agent wrote it): ours, not used,
+        // replaceable; also when larger than any cache of this format.
+        std::fs::write(&path, b"retryplane agent policy cache 2\nwhatever follows").unwrap();
+        assert_eq!(in_time(&path).map(|c| c.is_none()), Ok(true));
+        let mut large = b"retryplane agent policy cache 7\n".to_vec();
+        large.resize(usize::try_from(MAX_BYTES).unwrap() + 1, b'x');
+        std::fs::write(&path, large).unwrap();
+        assert_eq!(in_time(&path).map(|c| c.is_none()), Ok(true));
     }
 
     #[test]
@@ -628,6 +679,33 @@ mod tests {
         assert!(bytes.iter().all(|b| *b == bytes[0]), "a torn cache file");
         let leftovers = std::fs::read_dir(dir.path()).unwrap().count();
         assert_eq!(leftovers, 1, "no temporary file left behind");
+    }
+
+    /// A cache path that is a link is written through: the link stays, and the file it leads
+    /// to (there already or not yet) holds the cache.
+    #[cfg(unix)]
+    #[test]
+    fn a_cache_path_that_is_a_link_is_written_through() {
+        let dir = tempfile::tempdir().unwrap();
+        let volume = dir.path().join("volume");
+        std::fs::create_dir(&volume).unwrap();
+        for existing in [true, false] {
+            let target = volume.join(format!("cache-{existing}"));
+            if existing {
+                std::fs::write(&target, b"old").unwrap();
+            }
+            let path = dir.path().join(format!("agent-{existing}.cache"));
+            // Relative, as a link into a mounted volume often is.
+            std::os::unix::fs::symlink(format!("volume/cache-{existing}"), &path).unwrap();
+            write_atomic(&path, b"snapshot").unwrap();
+            assert!(std::fs::symlink_metadata(&path).unwrap().is_symlink());
+            assert_eq!(std::fs::read(&target).unwrap(), b"snapshot");
+        }
+        // A loop of links is an error, not a file in place of a link.
+        let looped = dir.path().join("looped.cache");
+        std::os::unix::fs::symlink(&looped, &looped).unwrap();
+        assert!(write_atomic(&looped, b"snapshot").is_err());
+        assert!(std::fs::symlink_metadata(&looped).unwrap().is_symlink());
     }
 
     #[cfg(unix)]
