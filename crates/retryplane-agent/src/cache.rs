@@ -4,7 +4,8 @@
 //!
 //! Written atomically after every applied snapshot: a temporary file in the same directory is
 //! written and fsynced, then renamed over the cache file (over the file a link at the cache path
-//! leads to, the link kept), and the directory is fsynced, so a
+//! leads to, the link kept, when the link's directory is its owner's alone), and the directory is
+//! fsynced, so a
 //! crash leaves either the old file or the new one, never a torn one. The temporary file's name
 //! is unique per write (process id and a counter), so two agents of one process never share it.
 //!
@@ -74,9 +75,10 @@ pub(crate) fn encode(snap: &pb::Snapshot) -> Vec<u8> {
 /// write onto another file; it is readable by its owner only, as is the cache file it becomes.
 ///
 /// A cache path that is a link (to a file on a volume that outlives the agent's directory, say)
-/// is written through: the file it leads to is replaced, and the link stays, rather than the
-/// link being replaced by a file and the volume keeping a stale cache. (A link to a file that is
-/// not a cache is never written through: the read at start found it foreign.)
+/// is written through when no one but its owner can have made it (see `followed`): the file it
+/// leads to is replaced, and the link stays, rather than the link being replaced by a file and
+/// the volume keeping a stale cache. (A link to a file that is not a cache is never written
+/// through: the read at start found it foreign.)
 pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let target = followed(path)?;
     let path = target.as_path();
@@ -102,26 +104,42 @@ pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     Ok(())
 }
 
-/// The file `path` leads to, through its links (a link to a file not there yet leads to where
-/// it will be); `path` itself when it is not a link. At most 40 links, as the system follows.
+/// The file `path` leads to through its links, when it may be written through them: each link
+/// sits in a directory that only its owner can write (no one else can have planted it, or swap
+/// it between the start's read and a write), and the file at the end is there (the start's read
+/// judged it). Otherwise `path` itself, which a write replaces, link or not, as a write to a
+/// path that is no link does. At most 40 links, as the system follows.
 fn followed(path: &Path) -> std::io::Result<PathBuf> {
-    let mut at = path.to_path_buf();
-    for _ in 0..40 {
-        match std::fs::symlink_metadata(&at) {
-            Ok(meta) if meta.file_type().is_symlink() => {
-                let to = std::fs::read_link(&at)?;
-                at = match at.parent() {
-                    Some(dir) if to.is_relative() => dir.join(to),
-                    _ => to,
-                };
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt as _;
+        let mut at = path.to_path_buf();
+        for _ in 0..40 {
+            match std::fs::symlink_metadata(&at) {
+                Ok(meta) if meta.file_type().is_symlink() => {
+                    let dir = match at.parent() {
+                        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+                        _ => PathBuf::from("."),
+                    };
+                    let shared = std::fs::metadata(&dir).map_or(true, |d| d.mode() & 0o022 != 0);
+                    if shared {
+                        return Ok(path.to_path_buf());
+                    }
+                    let to = std::fs::read_link(&at)?;
+                    at = if to.is_relative() { dir.join(to) } else { to };
+                }
+                Ok(_) => return Ok(at),
+                // A link to nothing: not written through.
+                Err(_) => return Ok(path.to_path_buf()),
             }
-            _ => return Ok(at),
         }
+        Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "the cache path goes through more than 40 links",
+        ))
     }
-    Err(std::io::Error::new(
-        std::io::ErrorKind::InvalidInput,
-        "the cache path goes through more than 40 links",
-    ))
+    #[cfg(not(unix))]
+    Ok(path.to_path_buf())
 }
 
 /// What a valid cache file gives back.
@@ -681,31 +699,41 @@ mod tests {
         assert_eq!(leftovers, 1, "no temporary file left behind");
     }
 
-    /// A cache path that is a link is written through: the link stays, and the file it leads
-    /// to (there already or not yet) holds the cache.
+    /// A cache path that is a link, in a directory only its owner writes, is written through:
+    /// the link stays, and the file it leads to holds the cache. A link to nothing, or one in a
+    /// directory others may write (someone else may have planted it), is replaced by the file.
     #[cfg(unix)]
     #[test]
-    fn a_cache_path_that_is_a_link_is_written_through() {
+    fn a_cache_path_that_is_a_link_is_written_through_when_no_one_else_can_have_made_it() {
+        use std::os::unix::fs::PermissionsExt as _;
         let dir = tempfile::tempdir().unwrap();
+        let own = dir.path().join("own");
+        let shared = dir.path().join("shared");
         let volume = dir.path().join("volume");
-        std::fs::create_dir(&volume).unwrap();
-        for existing in [true, false] {
-            let target = volume.join(format!("cache-{existing}"));
-            if existing {
-                std::fs::write(&target, b"old").unwrap();
-            }
-            let path = dir.path().join(format!("agent-{existing}.cache"));
-            // Relative, as a link into a mounted volume often is.
-            std::os::unix::fs::symlink(format!("volume/cache-{existing}"), &path).unwrap();
-            write_atomic(&path, b"snapshot").unwrap();
-            assert!(std::fs::symlink_metadata(&path).unwrap().is_symlink());
-            assert_eq!(std::fs::read(&target).unwrap(), b"snapshot");
+        for (d, mode) in [(&own, 0o755), (&shared, 0o1777), (&volume, 0o755)] {
+            std::fs::create_dir(d).unwrap();
+            std::fs::set_permissions(d, std::fs::Permissions::from_mode(mode)).unwrap();
         }
-        // A loop of links is an error, not a file in place of a link.
-        let looped = dir.path().join("looped.cache");
-        std::os::unix::fs::symlink(&looped, &looped).unwrap();
-        assert!(write_atomic(&looped, b"snapshot").is_err());
-        assert!(std::fs::symlink_metadata(&looped).unwrap().is_symlink());
+        let target = volume.join("cache");
+        std::fs::write(&target, b"old").unwrap();
+        // Relative, as a link into a mounted volume often is.
+        let path = own.join("agent.cache");
+        std::os::unix::fs::symlink("../volume/cache", &path).unwrap();
+        write_atomic(&path, b"snapshot").unwrap();
+        assert!(std::fs::symlink_metadata(&path).unwrap().is_symlink());
+        assert_eq!(std::fs::read(&target).unwrap(), b"snapshot");
+        // In a directory anyone may write: the link is replaced, the file it led to kept.
+        let planted = shared.join("agent.cache");
+        std::os::unix::fs::symlink(&target, &planted).unwrap();
+        write_atomic(&planted, b"other").unwrap();
+        assert!(!std::fs::symlink_metadata(&planted).unwrap().is_symlink());
+        assert_eq!(std::fs::read(&target).unwrap(), b"snapshot");
+        // A link to nothing: replaced, nothing made where it led.
+        let dangling = own.join("dangling.cache");
+        std::os::unix::fs::symlink(volume.join("none"), &dangling).unwrap();
+        write_atomic(&dangling, b"snapshot").unwrap();
+        assert!(!volume.join("none").exists());
+        assert_eq!(std::fs::read(&dangling).unwrap(), b"snapshot");
     }
 
     #[cfg(unix)]
