@@ -1008,3 +1008,47 @@ fn the_text_diff_escapes_control_characters_of_a_route_match() {
         );
     }
 }
+
+/// A read (`get`, `history`, `status`, `stats`, `diff`) whose connection breaks before the
+/// answer is sent once more on a new connection: the control plane closes a connection left
+/// idle, and a restarted one's is gone, which the channel learns only from the call it sends.
+/// Here the first connection takes the call and closes; the second reaches the control plane.
+#[test]
+fn a_read_whose_connection_broke_before_the_answer_is_sent_again() {
+    let server = TestServer::start(Some(V1), None, |_| {});
+    let upstream = server.running().admin_addr();
+    let listener = server
+        .runtime
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap();
+    let proxy = listener.local_addr().unwrap();
+    let requests = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let seen = requests.clone();
+    server.runtime.spawn(async move {
+        // The first connection: HTTP/2 up, the call taken, then closed without an answer.
+        let (tcp, _) = listener.accept().await.unwrap();
+        let mut h2 = h2::server::handshake(tcp).await.unwrap();
+        if let Some(Ok(_call)) = h2.accept().await {
+            seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+        drop(h2);
+        // The next ones: to the control plane.
+        while let Ok((mut tcp, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut up = tokio::net::TcpStream::connect(upstream).await.unwrap();
+                let _ = tokio::io::copy_bidirectional(&mut tcp, &mut up).await;
+            });
+        }
+    });
+    let assert = Command::cargo_bin("retryplane")
+        .unwrap()
+        .current_dir(server.dir.path())
+        .env_remove("RETRYPLANE_TOKEN")
+        .env_remove("RETRYPLANE_SERVER")
+        .args(["get", "--server", &format!("http://{proxy}")])
+        .timeout(support::WAIT)
+        .assert()
+        .code(0);
+    assert!(stdout_of(&assert).contains("max_attempts: 3"));
+    assert_eq!(requests.load(std::sync::atomic::Ordering::SeqCst), 1);
+}

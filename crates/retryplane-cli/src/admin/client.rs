@@ -51,16 +51,11 @@ impl Client {
     /// `CANCELLED` included: the request timeout, which `super::failed` shows as a deadline.
     fn connection_failure(&self, status: Status) -> Status {
         match std::error::Error::source(&status) {
-            Some(source)
-                if status.code() != tonic::Code::Cancelled
-                    && source.is::<tonic::transport::Error>() =>
-            {
-                Status::unavailable(format!(
-                    "the connection to {} failed before an answer: {}",
-                    self.url,
-                    retryplane_server::ErrorChain(source)
-                ))
-            }
+            Some(source) if broke_on_connection(&status) => Status::unavailable(format!(
+                "the connection to {} failed before an answer: {}",
+                self.url,
+                retryplane_server::ErrorChain(source)
+            )),
             _ => status,
         }
     }
@@ -70,6 +65,29 @@ impl Client {
         answer
             .map(tonic::Response::into_inner)
             .map_err(|status| self.connection_failure(status))
+    }
+
+    /// The answer of a call that only reads (it changes nothing, so sending it twice is
+    /// harmless): sent once more, at once, when its connection broke before an answer. The
+    /// control plane closes a connection left idle, and one it restarted is gone: the channel
+    /// finds out only with the call it sends on it, which tonic does not send again.
+    async fn read<M: Clone, T>(
+        &mut self,
+        message: M,
+        call: impl AsyncFn(
+            &mut AdminServiceClient<Channel>,
+            Request<M>,
+        ) -> Result<tonic::Response<T>, Status>,
+    ) -> Result<T, Status> {
+        let request = self.request(message.clone());
+        match call(&mut self.inner, request).await {
+            Err(status) if broke_on_connection(&status) => {
+                let request = self.request(message);
+                let answer = call(&mut self.inner, request).await;
+                self.answer(answer)
+            }
+            answer => self.answer(answer),
+        }
     }
 
     fn request<T>(&self, message: T) -> Request<T> {
@@ -87,9 +105,7 @@ impl Client {
         &mut self,
         message: pb::ValidateRequest,
     ) -> Result<pb::ValidateResponse, Status> {
-        let request = self.request(message);
-        let answer = self.inner.validate(request).await;
-        self.answer(answer)
+        self.read(message, async |c, r| c.validate(r).await).await
     }
 
     /// `Apply`.
@@ -101,9 +117,7 @@ impl Client {
 
     /// `Get`.
     pub async fn get(&mut self, message: pb::GetRequest) -> Result<pb::GetResponse, Status> {
-        let request = self.request(message);
-        let answer = self.inner.get(request).await;
-        self.answer(answer)
+        self.read(message, async |c, r| c.get(r).await).await
     }
 
     /// `History`.
@@ -111,9 +125,7 @@ impl Client {
         &mut self,
         message: pb::HistoryRequest,
     ) -> Result<pb::HistoryResponse, Status> {
-        let request = self.request(message);
-        let answer = self.inner.history(request).await;
-        self.answer(answer)
+        self.read(message, async |c, r| c.history(r).await).await
     }
 
     /// `Rollback`.
@@ -145,17 +157,22 @@ impl Client {
         &mut self,
         message: pb::FleetStatusRequest,
     ) -> Result<pb::FleetStatusResponse, Status> {
-        let request = self.request(message);
-        let answer = self.inner.fleet_status(request).await;
-        self.answer(answer)
+        self.read(message, async |c, r| c.fleet_status(r).await)
+            .await
     }
 
     /// `Stats`.
     pub async fn stats(&mut self, message: pb::StatsRequest) -> Result<pb::StatsResponse, Status> {
-        let request = self.request(message);
-        let answer = self.inner.stats(request).await;
-        self.answer(answer)
+        self.read(message, async |c, r| c.stats(r).await).await
     }
+}
+
+/// Whether a call failed on its connection (it broke before an answer, or what listens there
+/// does not speak gRPC), as tonic reports it: a transport error under any code but `CANCELLED`,
+/// which is also the request timeout's.
+fn broke_on_connection(status: &Status) -> bool {
+    status.code() != tonic::Code::Cancelled
+        && std::error::Error::source(status).is_some_and(|s| s.is::<tonic::transport::Error>())
 }
 
 /// Every agent, from the `FleetStatus` pages `page` answers for each page token (empty for the
