@@ -108,8 +108,11 @@ impl Client {
         self.read(message, async |c, r| c.validate(r).await).await
     }
 
-    /// `Apply`.
+    /// `Apply`. A dry run (`diff`) only reads, and is sent once more as the other reads are.
     pub async fn apply(&mut self, message: pb::ApplyRequest) -> Result<pb::ApplyResponse, Status> {
+        if message.dry_run {
+            return self.read(message, async |c, r| c.apply(r).await).await;
+        }
         let request = self.request(message);
         let answer = self.inner.apply(request).await;
         self.answer(answer)
