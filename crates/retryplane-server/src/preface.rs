@@ -81,7 +81,7 @@ pub(crate) struct Preface<S> {
     /// an error.
     forced: Option<Closing>,
     /// Counted among the listener's live connections while it lives.
-    _live: LiveGuard,
+    live: LiveGuard,
 }
 
 /// The connections of the gRPC listeners that are still open, and the signal that closes them
@@ -98,6 +98,9 @@ pub(crate) struct Connections {
 #[derive(Debug, Default)]
 struct Live {
     count: std::sync::atomic::AtomicUsize,
+    /// Set with the signal: read on every read and write (no lock), the signal itself only
+    /// by one that waits.
+    closed: std::sync::atomic::AtomicBool,
     ended: tokio::sync::Notify,
 }
 
@@ -143,6 +146,9 @@ impl Connections {
     /// Closes every connection (reads end, writes fail), and waits up to `within` for their
     /// tasks to let go of them. Whether none is left.
     pub(crate) async fn close_all(&self, within: Duration) -> bool {
+        self.live
+            .closed
+            .store(true, std::sync::atomic::Ordering::SeqCst);
         self.close.send_replace(true);
         let ended = async {
             loop {
@@ -191,13 +197,18 @@ impl<S> Preface<S> {
             idle_after,
             idle: None,
             forced: Some(forced),
-            _live: live,
+            live,
         }
     }
 
-    /// Whether the server has closed every connection (see [`Connections`]); polled with
-    /// every read and write, so the signal wakes a connection waiting on either.
-    fn forced(&mut self, cx: &mut Context<'_>) -> bool {
+    /// Whether the server has closed every connection (see [`Connections`]).
+    fn forced(&self) -> bool {
+        self.forced.is_none() || self.live.0.closed.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// [`Preface::forced`] for a read or write that waits: the signal is polled with it, so
+    /// that it wakes the connection's task.
+    fn forced_while_waiting(&mut self, cx: &mut Context<'_>) -> bool {
         let Some(forced) = &mut self.forced else {
             return true;
         };
@@ -235,13 +246,16 @@ impl<S: AsyncRead + Unpin> AsyncRead for Preface<S> {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
-        if this.closed || this.forced(cx) {
+        if this.closed || this.forced() {
             // End of stream: nothing is put in `buf`.
             return Poll::Ready(Ok(()));
         }
         // The socket first: bytes already there are read, however late this task runs.
         let before = buf.filled().len();
         let polled = Pin::new(&mut this.inner).poll_read(cx, buf);
+        if polled.is_pending() && this.forced_while_waiting(cx) {
+            return Poll::Ready(Ok(()));
+        }
         let Some(closing) = &mut this.closing else {
             // The preface is in: the connection is closed once it has had no stream for
             // `idle_after` and nothing waits to be read.
@@ -285,18 +299,26 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Preface<S> {
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
-        if this.forced(cx) {
+        if this.forced() {
             return Poll::Ready(Err(closed_by_server()));
         }
-        Pin::new(&mut this.inner).poll_write(cx, buf)
+        let polled = Pin::new(&mut this.inner).poll_write(cx, buf);
+        if polled.is_pending() && this.forced_while_waiting(cx) {
+            return Poll::Ready(Err(closed_by_server()));
+        }
+        polled
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
-        if this.forced(cx) {
+        if this.forced() {
             return Poll::Ready(Err(closed_by_server()));
         }
-        Pin::new(&mut this.inner).poll_flush(cx)
+        let polled = Pin::new(&mut this.inner).poll_flush(cx);
+        if polled.is_pending() && this.forced_while_waiting(cx) {
+            return Poll::Ready(Err(closed_by_server()));
+        }
+        polled
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -309,10 +331,14 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Preface<S> {
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
-        if this.forced(cx) {
+        if this.forced() {
             return Poll::Ready(Err(closed_by_server()));
         }
-        Pin::new(&mut this.inner).poll_write_vectored(cx, bufs)
+        let polled = Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
+        if polled.is_pending() && this.forced_while_waiting(cx) {
+            return Poll::Ready(Err(closed_by_server()));
+        }
+        polled
     }
 
     fn is_write_vectored(&self) -> bool {
