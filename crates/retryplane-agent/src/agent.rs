@@ -456,7 +456,9 @@ impl AgentBuilder {
     /// reopened at once so that the control plane learns the version in force. (Without one,
     /// they go out with the first report after the next connect, under the cached version.) Nothing is written to the path
     /// before the read has ended and found the file the agent's own: a read that never ends
-    /// leaves it alone for the run.
+    /// leaves it alone for the run. A path that is a link to a cache is read through, and
+    /// replaced by the file at the first write (never written through): give the file's own
+    /// path.
     pub fn cache_file(mut self, path: impl Into<PathBuf>) -> Self {
         self.cache_file = Some(path.into());
         self

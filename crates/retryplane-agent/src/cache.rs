@@ -3,9 +3,8 @@
 //! control plane is unreachable.
 //!
 //! Written atomically after every applied snapshot: a temporary file in the same directory is
-//! written and fsynced, then renamed over the cache file (over the file a link at the cache path
-//! leads to, the link kept, when the link's directory is its owner's alone), and the directory is
-//! fsynced, so a
+//! written and fsynced, then renamed over the cache file (a link at the cache path is replaced,
+//! not written through), and the directory is fsynced, so a
 //! crash leaves either the old file or the new one, never a torn one. The temporary file's name
 //! is unique per write (process id and a counter), so two agents of one process never share it.
 //!
@@ -74,14 +73,11 @@ pub(crate) fn encode(snap: &pb::Snapshot) -> Vec<u8> {
 /// file or link (`O_EXCL`, by `tempfile`), so a link planted in a shared directory cannot turn the
 /// write onto another file; it is readable by its owner only, as is the cache file it becomes.
 ///
-/// A cache path that is a link (to a file on a volume that outlives the agent's directory, say)
-/// is written through when no one but its owner can have made it (see `followed`): the file it
-/// leads to is replaced, and the link stays, rather than the link being replaced by a file and
-/// the volume keeping a stale cache. (A link to a file that is not a cache is never written
-/// through: the read at start found it foreign.)
+/// A cache path that is a link is replaced by the file, never written through: whoever can
+/// write the link's directory could otherwise swap the link after the start's read and lead
+/// the write onto any file the agent may replace (any file at all, for an agent run as root).
+/// Give the agent the file's own path (on the volume that should keep it).
 pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let target = followed(path)?;
-    let path = target.as_path();
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => Path::new("."),
@@ -102,44 +98,6 @@ pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
         let _ = d.sync_all();
     }
     Ok(())
-}
-
-/// The file `path` leads to through its links, when it may be written through them: each link
-/// sits in a directory that only its owner can write (no one else can have planted it, or swap
-/// it between the start's read and a write), and the file at the end is there (the start's read
-/// judged it). Otherwise `path` itself, which a write replaces, link or not, as a write to a
-/// path that is no link does. At most 40 links, as the system follows.
-fn followed(path: &Path) -> std::io::Result<PathBuf> {
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::MetadataExt as _;
-        let mut at = path.to_path_buf();
-        for _ in 0..40 {
-            match std::fs::symlink_metadata(&at) {
-                Ok(meta) if meta.file_type().is_symlink() => {
-                    let dir = match at.parent() {
-                        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
-                        _ => PathBuf::from("."),
-                    };
-                    let shared = std::fs::metadata(&dir).map_or(true, |d| d.mode() & 0o022 != 0);
-                    if shared {
-                        return Ok(path.to_path_buf());
-                    }
-                    let to = std::fs::read_link(&at)?;
-                    at = if to.is_relative() { dir.join(to) } else { to };
-                }
-                Ok(_) => return Ok(at),
-                // A link to nothing: not written through.
-                Err(_) => return Ok(path.to_path_buf()),
-            }
-        }
-        Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidInput,
-            "the cache path goes through more than 40 links",
-        ))
-    }
-    #[cfg(not(unix))]
-    Ok(path.to_path_buf())
 }
 
 /// What a valid cache file gives back.
@@ -699,41 +657,20 @@ mod tests {
         assert_eq!(leftovers, 1, "no temporary file left behind");
     }
 
-    /// A cache path that is a link, in a directory only its owner writes, is written through:
-    /// the link stays, and the file it leads to holds the cache. A link to nothing, or one in a
-    /// directory others may write (someone else may have planted it), is replaced by the file.
+    /// A cache path that is a link is replaced by the file: the file the link led to is left
+    /// as it was (whoever could swap the link must not choose what is written over).
     #[cfg(unix)]
     #[test]
-    fn a_cache_path_that_is_a_link_is_written_through_when_no_one_else_can_have_made_it() {
-        use std::os::unix::fs::PermissionsExt as _;
+    fn a_cache_path_that_is_a_link_is_replaced_not_written_through() {
         let dir = tempfile::tempdir().unwrap();
-        let own = dir.path().join("own");
-        let shared = dir.path().join("shared");
-        let volume = dir.path().join("volume");
-        for (d, mode) in [(&own, 0o755), (&shared, 0o1777), (&volume, 0o755)] {
-            std::fs::create_dir(d).unwrap();
-            std::fs::set_permissions(d, std::fs::Permissions::from_mode(mode)).unwrap();
-        }
-        let target = volume.join("cache");
-        std::fs::write(&target, b"old").unwrap();
-        // Relative, as a link into a mounted volume often is.
-        let path = own.join("agent.cache");
-        std::os::unix::fs::symlink("../volume/cache", &path).unwrap();
+        let victim = dir.path().join("victim");
+        std::fs::write(&victim, b"keep me").unwrap();
+        let path = dir.path().join("agent.cache");
+        std::os::unix::fs::symlink(&victim, &path).unwrap();
         write_atomic(&path, b"snapshot").unwrap();
-        assert!(std::fs::symlink_metadata(&path).unwrap().is_symlink());
-        assert_eq!(std::fs::read(&target).unwrap(), b"snapshot");
-        // In a directory anyone may write: the link is replaced, the file it led to kept.
-        let planted = shared.join("agent.cache");
-        std::os::unix::fs::symlink(&target, &planted).unwrap();
-        write_atomic(&planted, b"other").unwrap();
-        assert!(!std::fs::symlink_metadata(&planted).unwrap().is_symlink());
-        assert_eq!(std::fs::read(&target).unwrap(), b"snapshot");
-        // A link to nothing: replaced, nothing made where it led.
-        let dangling = own.join("dangling.cache");
-        std::os::unix::fs::symlink(volume.join("none"), &dangling).unwrap();
-        write_atomic(&dangling, b"snapshot").unwrap();
-        assert!(!volume.join("none").exists());
-        assert_eq!(std::fs::read(&dangling).unwrap(), b"snapshot");
+        assert!(!std::fs::symlink_metadata(&path).unwrap().is_symlink());
+        assert_eq!(std::fs::read(&path).unwrap(), b"snapshot");
+        assert_eq!(std::fs::read(&victim).unwrap(), b"keep me");
     }
 
     #[cfg(unix)]

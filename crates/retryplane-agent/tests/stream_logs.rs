@@ -254,3 +254,76 @@ async fn an_http1_server_at_the_url_is_named_by_the_cause_below_the_status() {
         "{error:?}"
     );
 }
+
+/// An HTTP/2 server that answers every request `200`, `content-type: text/html`, and then
+/// sends nothing more (a slow web page). Each answer sent is signalled.
+async fn html_server() -> (
+    std::net::SocketAddr,
+    tokio::sync::mpsc::UnboundedReceiver<()>,
+) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        // Bounded: 20 connections.
+        for _ in 0..20 {
+            let Ok((tcp, _)) = listener.accept().await else {
+                return;
+            };
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                let Ok(mut conn) = h2::server::handshake(tcp).await else {
+                    return;
+                };
+                let mut held = Vec::new();
+                while let Some(Ok((_request, mut respond))) = conn.accept().await {
+                    let response = http::Response::builder()
+                        .status(200)
+                        .header("content-type", "text/html")
+                        .body(())
+                        .unwrap();
+                    if let Ok(send) = respond.send_response(response, false) {
+                        held.push(send);
+                    }
+                    let _ = tx.send(());
+                }
+            });
+        }
+    });
+    (addr, rx)
+}
+
+/// A web page that never ends at the agent's URL: the session takes it for a refusal, with the
+/// hint for a URL that is not the agent listener (UNIMPLEMENTED whatever tonic makes of the
+/// page), and a shutdown meanwhile is not held by the read of the page.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_web_page_that_never_ends_is_a_refusal_that_holds_no_shutdown() {
+    let (addr, mut answered) = html_server().await;
+    let agent = support::plane::agent(addr, "html", None);
+    tokio::time::timeout(std::time::Duration::from_secs(10), answered.recv())
+        .await
+        .expect("the agent opens its stream")
+        .unwrap();
+    // The session reads the page (for what tonic makes of it) for 2 s at most.
+    support::plane::eventually("the refusal", || async { agent.stream_error().is_some() }).await;
+    let error = agent.stream_error().unwrap();
+    assert_eq!(error.code, Some(tonic::Code::Unimplemented), "{error:?}");
+    assert!(
+        error
+            .message
+            .starts_with("stream refused: the answer is not gRPC"),
+        "{error:?}"
+    );
+    // The next try reads the page again: a shutdown then does not wait for it.
+    tokio::time::timeout(std::time::Duration::from_secs(10), answered.recv())
+        .await
+        .expect("the agent tries again")
+        .unwrap();
+    let began = tokio::time::Instant::now();
+    agent.shutdown().await;
+    assert!(
+        began.elapsed() < std::time::Duration::from_secs(1),
+        "{:?}",
+        began.elapsed()
+    );
+}

@@ -74,6 +74,9 @@ pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// from every other control plane for good. Generous: a control plane that thousands of agents
 /// reconnect to at once answers late, and giving up on it early would only add to that load.
 pub(crate) const OPEN_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How long the session reads an answer that is not gRPC for what tonic makes of it.
+const NOT_GRPC_READ: Duration = Duration::from_secs(2);
 /// Each of the close's two bounds (see [`Closing`]): the longest wait on shutdown for the
 /// waiting answers and the last report to find room on the stream; then, once any of it has,
 /// for the server to read it and close its side.
@@ -155,7 +158,10 @@ fn status_text(status: &tonic::Status) -> String {
     };
     if let Some(source) = std::error::Error::source(status) {
         let causes = chain(source);
-        if !text.ends_with(&causes) {
+        if causes.starts_with(status.message()) && !status.message().is_empty() {
+            // The causes begin with what the message says (`transport error: …`): said once.
+            text = format!("{code}: {causes}");
+        } else if !text.ends_with(&causes) {
             text.push_str(": ");
             text.push_str(&causes);
         }
@@ -492,18 +498,24 @@ async fn session(
         // tonic hands back an answer that is not gRPC (a web server's 404 at the URL) as an
         // opened stream whose first read fails: it is a refusal, not a stream that was up.
         Ok(Ok(r)) if !is_grpc(r.metadata()) => {
+            // What tonic makes of it (`grpc-status header missing, mapped from HTTP status code
+            // 404`, or a protocol error on an error page's bytes), within a moment, and not
+            // past a shutdown.
             let mut inbound = r.into_inner();
-            let status = match tokio::time::timeout(OPEN_TIMEOUT, inbound.message()).await {
-                Ok(Err(status)) => status,
-                _ => tonic::Status::unknown("the answer is not gRPC"),
+            let said = tokio::select! {
+                () = cancel.cancelled() => return SessionEnd::Cancelled,
+                r = tokio::time::timeout(NOT_GRPC_READ, inbound.message()) => r,
             };
+            let detail = match said {
+                Ok(Err(status)) => format!(": {}", status_text(&status)),
+                _ => String::new(),
+            };
+            // Whatever tonic calls it, the URL is not the control plane's agent listener: the
+            // code `lasting` names that for.
             return SessionEnd::Lost {
                 up: None,
-                reason: format!(
-                    "stream refused: the answer is not gRPC: {}",
-                    status_text(&status)
-                ),
-                code: Some(status.code()),
+                reason: format!("stream refused: the answer is not gRPC{detail}"),
+                code: Some(tonic::Code::Unimplemented),
                 replaced: false,
             };
         }
