@@ -49,6 +49,7 @@ use retryplane_policy::duration::parse_duration;
 use tokio::time::{self, MissedTickBehavior};
 use tokio_stream::StreamExt as _;
 use tonic::Status;
+use unicode_width::UnicodeWidthStr;
 
 use super::client::Client;
 use super::metrics::{self, Window, WindowArg};
@@ -585,7 +586,7 @@ fn shorten_names(cells: &mut [Vec<String>], width: usize) {
             cells
                 .iter()
                 .filter_map(|r| r.get(c))
-                .map(|cell| cell.chars().count())
+                .map(|cell| UnicodeWidthStr::width(cell.as_str()))
                 .max()
                 .unwrap_or(0)
         })
@@ -628,15 +629,25 @@ fn share(budget: usize, a: usize, b: usize) -> (usize, usize) {
     }
 }
 
-/// `text` cut to `width` characters, the last one `…` when cut.
+/// `text` cut to `width` terminal columns (an ideograph takes two, a combining mark none), the
+/// last one `…` when cut.
 fn fit(text: &str, width: usize) -> String {
-    if text.chars().count() <= width {
+    if UnicodeWidthStr::width(text) <= width {
         return text.to_owned();
     }
     if width == 0 {
         return String::new();
     }
-    let mut out: String = text.chars().take(width - 1).collect();
+    let mut out = String::new();
+    let mut used = 0;
+    for c in text.chars() {
+        let w = unicode_width::UnicodeWidthChar::width(c).unwrap_or(0);
+        if used + w > width - 1 {
+            break;
+        }
+        used += w;
+        out.push(c);
+    }
     out.push('…');
     out
 }
@@ -943,6 +954,10 @@ mod tests {
         assert_eq!(fit("payments", 8), "payments");
         assert_eq!(fit("payments", 5), "paym…");
         assert_eq!(fit("payments", 0), "");
+        // By terminal columns: an ideograph takes two.
+        assert_eq!(fit("支付服务", 8), "支付服务");
+        assert_eq!(fit("支付服务", 7), "支付服…");
+        assert_eq!(fit("支付服务", 6), "支付…");
     }
 
     #[test]
