@@ -31,12 +31,31 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tonic::transport::server::TcpConnectInfo;
 
+/// The longest idle timeout or call bound the clock is asked to add (past it, 24 h in practice:
+/// the CLI takes at most that), so that no `Instant` arithmetic can overflow.
+pub(crate) const LONGEST: Duration = Duration::from_secs(365 * 24 * 3600);
+
 /// The open streams of one connection, and since when none has been open.
 #[derive(Debug)]
 pub(crate) struct Streams {
+    /// Agents' streams, which have no end set.
     open: AtomicUsize,
+    /// Other calls, each cut at its bound ([`CountStreams`]).
+    bounded: AtomicUsize,
+    /// The times (see [`Times`]).
+    times: Mutex<Times>,
+    /// The listener's count of calls not yet let go, which the end of a shutdown waits for.
+    live: Option<Arc<crate::preface::Live>>,
+}
+
+#[derive(Debug)]
+struct Times {
     /// When the last stream ended (the connection's accept before any).
-    quiet_since: Mutex<Instant>,
+    quiet_since: Instant,
+    /// The latest bound of the calls opened: past it, a call not yet ended (its answer held by
+    /// a client that gives it no flow-control window, so the cut never goes out) no longer
+    /// keeps the connection from being idle.
+    latest_bound: Instant,
 }
 
 impl Streams {
@@ -44,37 +63,84 @@ impl Streams {
     pub(crate) fn new(now: Instant) -> Self {
         Self {
             open: AtomicUsize::new(0),
-            quiet_since: Mutex::new(now),
+            bounded: AtomicUsize::new(0),
+            times: Mutex::new(Times {
+                quiet_since: now,
+                latest_bound: now,
+            }),
+            live: None,
         }
     }
 
-    /// Counts a stream open until the guard is dropped.
-    pub(crate) fn opened(self: &Arc<Self>) -> StreamGuard {
-        self.open.fetch_add(1, Ordering::SeqCst);
-        StreamGuard(self.clone())
+    /// Counts this connection's calls in `live` too.
+    pub(crate) fn counted_in(mut self, live: Arc<crate::preface::Live>) -> Self {
+        self.live = Some(live);
+        self
     }
 
-    /// How long no stream has been open at `now`; `None` while one is.
+    /// Counts a stream open until the guard is dropped: an agent's (`bound` `None`), or
+    /// another call, cut at `bound`.
+    pub(crate) fn opened(self: &Arc<Self>, bound: Option<Instant>) -> StreamGuard {
+        match bound {
+            None => {
+                self.open.fetch_add(1, Ordering::SeqCst);
+            }
+            Some(bound) => {
+                let mut times = self.times.lock().unwrap_or_else(|e| e.into_inner());
+                times.latest_bound = times.latest_bound.max(bound);
+                self.bounded.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        if let Some(live) = &self.live {
+            live.call_began();
+        }
+        StreamGuard {
+            streams: self.clone(),
+            bounded: bound.is_some(),
+        }
+    }
+
+    /// How long no stream has been open at `now` (calls past their bound not counted); `None`
+    /// while one is.
     pub(crate) fn quiet_for(&self, now: Instant) -> Option<Duration> {
         if self.open.load(Ordering::SeqCst) > 0 {
             return None;
         }
-        let since = *self.quiet_since.lock().unwrap_or_else(|e| e.into_inner());
-        // A stream that opened and ended between the two reads moved `since` on: still quiet,
-        // for less time.
+        let times = self.times.lock().unwrap_or_else(|e| e.into_inner());
+        let since = if self.bounded.load(Ordering::SeqCst) > 0 {
+            if now < times.latest_bound {
+                return None;
+            }
+            times.quiet_since.max(times.latest_bound)
+        } else {
+            times.quiet_since
+        };
         Some(now.saturating_duration_since(since))
     }
 }
 
 /// One open stream of a connection ([`Streams::opened`]).
 #[derive(Debug)]
-pub(crate) struct StreamGuard(Arc<Streams>);
+pub(crate) struct StreamGuard {
+    streams: Arc<Streams>,
+    bounded: bool,
+}
 
 impl Drop for StreamGuard {
     fn drop(&mut self) {
-        // The time first: a reader that sees no stream open sees the latest end.
-        *self.0.quiet_since.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
-        self.0.open.fetch_sub(1, Ordering::SeqCst);
+        // The time first, under the lock that `quiet_for` reads the counts under.
+        let mut times = self.streams.times.lock().unwrap_or_else(|e| e.into_inner());
+        times.quiet_since = Instant::now();
+        let count = if self.bounded {
+            &self.streams.bounded
+        } else {
+            &self.streams.open
+        };
+        count.fetch_sub(1, Ordering::SeqCst);
+        drop(times);
+        if let Some(live) = &self.streams.live {
+            live.call_ended();
+        }
     }
 }
 
@@ -137,17 +203,17 @@ where
     }
 
     fn call(&mut self, mut request: http::Request<B>) -> Self::Future {
+        let max_call = self.max_call.min(LONGEST);
+        let bounded = request.uri().path() != crate::agent_route::CONNECT_PATH;
+        let until = Instant::now() + max_call;
         let conn = request
             .extensions()
             .get::<Conn<TcpConnectInfo>>()
-            .map(|c| (c.inner.clone(), c.streams.opened()));
+            .map(|c| (c.inner.clone(), c.streams.opened(bounded.then_some(until))));
         let guard = conn.map(|(tcp, guard)| {
             request.extensions_mut().insert(tcp);
             guard
         });
-        let max_call = self.max_call;
-        let bounded = request.uri().path() != crate::agent_route::CONNECT_PATH;
-        let until = Instant::now() + max_call;
         let future = self.inner.call(request);
         Box::pin(async move {
             let answered = if bounded {
@@ -244,8 +310,8 @@ mod tests {
             streams.quiet_for(Instant::now()),
             Some(Duration::from_secs(3))
         );
-        let a = streams.opened();
-        let b = streams.opened();
+        let a = streams.opened(None);
+        let b = streams.opened(None);
         tokio::time::sleep(Duration::from_secs(5)).await;
         assert_eq!(streams.quiet_for(Instant::now()), None);
         drop(a);
@@ -257,5 +323,26 @@ mod tests {
             streams.quiet_for(Instant::now()),
             Some(Duration::from_secs(2))
         );
+    }
+
+    /// A call past its bound that has not ended (its cut held back by a client that gives its
+    /// answer no window) no longer keeps the connection busy: quiet from the bound on.
+    #[tokio::test(start_paused = true)]
+    async fn a_call_past_its_bound_no_longer_keeps_the_connection_busy() {
+        let streams = Arc::new(Streams::new(Instant::now()));
+        let stuck = streams.opened(Some(Instant::now() + Duration::from_secs(10)));
+        tokio::time::sleep(Duration::from_secs(9)).await;
+        assert_eq!(streams.quiet_for(Instant::now()), None);
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        assert_eq!(
+            streams.quiet_for(Instant::now()),
+            Some(Duration::from_secs(3))
+        );
+        // An agent's stream keeps it busy whatever the calls' bounds.
+        let agent = streams.opened(None);
+        assert_eq!(streams.quiet_for(Instant::now()), None);
+        drop(agent);
+        drop(stuck);
+        assert_eq!(streams.quiet_for(Instant::now()), Some(Duration::ZERO));
     }
 }

@@ -43,6 +43,12 @@ use tonic::transport::server::Connected;
 
 use crate::conn_idle::{Conn, Streams};
 
+/// How long a connection without a stream must also have moved no byte either way before it is
+/// closed for idleness: a request just read (its stream not yet counted: tonic counts it in the
+/// stream's own task), or an answer still being written to a slow reader after its stream
+/// ended, keeps it.
+pub(crate) const QUIET_IO: Duration = Duration::from_secs(1);
+
 /// The HTTP/2 client connection preface, `PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n` (RFC 9113 §3.4).
 pub(crate) const PREFACE_LEN: usize = 24;
 
@@ -76,6 +82,11 @@ pub(crate) struct Preface<S> {
     /// Fires when the connection may have been without a stream for `idle_after`; made at the
     /// first read that waits after the preface.
     idle: Option<Pin<Box<Sleep>>>,
+    /// Reads and writes that moved bytes, and their count when the idle timer last fired: a
+    /// connection is closed only after [`QUIET_IO`] in which none did (see
+    /// [`Preface::quiet_too_long`]).
+    io: u64,
+    io_seen: u64,
     /// Resolves when the server closes every connection left after its shutdown's grace (see
     /// [`Connections`]); `None` once it has: every read is then end of stream, every write
     /// an error.
@@ -96,8 +107,11 @@ pub(crate) struct Connections {
 }
 
 #[derive(Debug, Default)]
-struct Live {
+pub(crate) struct Live {
     count: std::sync::atomic::AtomicUsize,
+    /// The calls of every connection not yet let go (their futures or answers, which run in
+    /// tasks of their own and hold what the services hold: the store, for the admin API's).
+    calls: std::sync::atomic::AtomicUsize,
     /// Set with the signal: read on every read and write (no lock), the signal itself only
     /// by one that waits.
     closed: std::sync::atomic::AtomicBool,
@@ -113,6 +127,19 @@ impl Drop for LiveGuard {
             .count
             .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
         self.0.ended.notify_waiters();
+    }
+}
+
+impl Live {
+    /// A call of one of the connections begins ([`crate::conn_idle::StreamGuard`]).
+    pub(crate) fn call_began(&self) {
+        self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// A call is let go.
+    pub(crate) fn call_ended(&self) {
+        self.calls.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        self.ended.notify_waiters();
     }
 }
 
@@ -144,7 +171,7 @@ impl Connections {
     }
 
     /// Closes every connection (reads end, writes fail), and waits up to `within` for their
-    /// tasks to let go of them. Whether none is left.
+    /// tasks to let go of them and of their calls. Whether none is left.
     pub(crate) async fn close_all(&self, within: Duration) -> bool {
         self.live
             .closed
@@ -155,7 +182,9 @@ impl Connections {
                 let notified = self.live.ended.notified();
                 tokio::pin!(notified);
                 notified.as_mut().enable();
-                if self.count() == 0 {
+                if self.count() == 0
+                    && self.live.calls.load(std::sync::atomic::Ordering::SeqCst) == 0
+                {
                     return;
                 }
                 notified.await;
@@ -193,9 +222,11 @@ impl<S> Preface<S> {
             read: 0,
             closing: Some(Box::pin(closing)),
             closed: false,
-            streams: Arc::new(Streams::new(accepted)),
-            idle_after,
+            streams: Arc::new(Streams::new(accepted).counted_in(connections.live.clone())),
+            idle_after: idle_after.min(crate::conn_idle::LONGEST),
             idle: None,
+            io: 0,
+            io_seen: 0,
             forced: Some(forced),
             live,
         }
@@ -219,8 +250,9 @@ impl<S> Preface<S> {
         true
     }
 
-    /// Whether the connection has had no open stream for `idle_after`; otherwise the timer is
-    /// set for when it may have, and registered with `cx`.
+    /// Whether the connection has had no open stream for `idle_after`, and moved no byte for
+    /// [`QUIET_IO`] (the timer's last turn); otherwise the timer is set for when it may have,
+    /// and registered with `cx`.
     fn quiet_too_long(&mut self, cx: &mut Context<'_>) -> bool {
         let idle_after = self.idle_after;
         let timer = self
@@ -230,7 +262,14 @@ impl<S> Preface<S> {
         while timer.as_mut().poll(cx).is_ready() {
             let now = Instant::now();
             match self.streams.quiet_for(now) {
-                Some(quiet) if quiet >= idle_after => return true,
+                Some(quiet) if quiet >= idle_after => {
+                    if self.io == self.io_seen {
+                        return true;
+                    }
+                    // Bytes moved since the last turn: one more, a moment of silence later.
+                    self.io_seen = self.io;
+                    timer.as_mut().reset(now + QUIET_IO);
+                }
                 Some(quiet) => timer.as_mut().reset(now + (idle_after - quiet)),
                 None => timer.as_mut().reset(now + idle_after),
             }
@@ -255,6 +294,9 @@ impl<S: AsyncRead + Unpin> AsyncRead for Preface<S> {
         let polled = Pin::new(&mut this.inner).poll_read(cx, buf);
         if polled.is_pending() && this.forced_while_waiting(cx) {
             return Poll::Ready(Ok(()));
+        }
+        if buf.filled().len() > before {
+            this.io = this.io.wrapping_add(1);
         }
         let Some(closing) = &mut this.closing else {
             // The preface is in: the connection is closed once it has had no stream for
@@ -306,6 +348,9 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Preface<S> {
         if polled.is_pending() && this.forced_while_waiting(cx) {
             return Poll::Ready(Err(closed_by_server()));
         }
+        if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
+            this.io = this.io.wrapping_add(1);
+        }
         polled
     }
 
@@ -337,6 +382,9 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Preface<S> {
         let polled = Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
         if polled.is_pending() && this.forced_while_waiting(cx) {
             return Poll::Ready(Err(closed_by_server()));
+        }
+        if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
+            this.io = this.io.wrapping_add(1);
         }
         polled
     }

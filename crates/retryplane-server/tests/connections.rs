@@ -1,0 +1,605 @@
+//! The connections of the gRPC listeners, over real sockets on 127.0.0.1:0: the idle close
+//! (`conn_idle.rs`), the bound on calls other than an agent's stream, and the close of what is
+//! left at the end of a shutdown (`preface.rs`).
+#![allow(missing_docs, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::fs;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::Path;
+use std::time::Duration;
+
+use bytes::Bytes;
+use retryplane_proto::pb::admin_service_client::AdminServiceClient;
+use retryplane_proto::pb::agent_service_client::AgentServiceClient;
+use retryplane_proto::pb::{self, agent_message::Kind};
+use retryplane_server::server::{Running, SHUTDOWN_GRACE, ServeConfig, start};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::Channel;
+
+const V1: &str = "version: 1\nendpoints:\n  payments:\n    max_attempts: 3\n";
+
+fn config(dir: &Path) -> ServeConfig {
+    let any = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
+    ServeConfig {
+        config_file: dir.join("policies.yaml"),
+        data_dir: dir.join("data"),
+        listen: any,
+        admin_listen: any,
+        http_listen: any,
+        ..ServeConfig::default()
+    }
+}
+
+fn with_file(contents: &str) -> (tempfile::TempDir, ServeConfig) {
+    let dir = tempfile::tempdir().unwrap();
+    fs::write(dir.path().join("policies.yaml"), contents).unwrap();
+    let cfg = config(dir.path());
+    (dir, cfg)
+}
+
+async fn channel(addr: SocketAddr) -> Channel {
+    Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap()
+}
+
+fn check_request() -> http::Request<()> {
+    http::Request::post("/grpc.health.v1.Health/Check")
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(())
+        .unwrap()
+}
+
+/// An empty gRPC message frame (an empty `HealthCheckRequest`).
+fn empty_frame() -> Bytes {
+    Bytes::from_static(&[0, 0, 0, 0, 0])
+}
+
+fn hello(agent_id: &str) -> pb::AgentMessage {
+    pb::AgentMessage {
+        kind: Some(Kind::Hello(pb::Hello {
+            agent_id: agent_id.to_owned(),
+            service: "checkout".to_owned(),
+            ..Default::default()
+        })),
+    }
+}
+
+/// A call whose answer is never sent on (the peer gives the stream no flow-control window, so
+/// hyper never polls the answer's body, where the bound's cut is made) no longer keeps its
+/// connection busy past its bound: the connection is closed as idle. (Before, a peer without
+/// any token held a connection for good with one health Check, answering PINGs.)
+#[tokio::test]
+async fn a_check_whose_answer_gets_no_window_is_cut_and_its_connection_closed() {
+    let (_dir, cfg) = with_file(V1);
+    let idle = Duration::from_millis(300);
+    let cfg = ServeConfig {
+        connection_idle_timeout: idle,
+        ..cfg
+    };
+    let running = start(cfg).await.unwrap();
+    for addr in [running.agent_addr, running.admin_addr] {
+        let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (send, conn) = h2::client::Builder::new()
+            .initial_window_size(0)
+            .handshake::<_, Bytes>(tcp)
+            .await
+            .unwrap();
+        let mut conn = tokio::spawn(conn);
+        let (answer, mut body) = send
+            .clone()
+            .ready()
+            .await
+            .unwrap()
+            .send_request(check_request(), false)
+            .unwrap();
+        body.send_data(empty_frame(), true).unwrap();
+        let answer = tokio::time::timeout(SHUTDOWN_GRACE, answer)
+            .await
+            .expect("the head comes (HEADERS need no window)")
+            .unwrap();
+        assert_eq!(answer.status(), 200);
+        let mut answer_body = answer.into_body();
+        // The call bound is 300 ms: by 10 bounds the call should have ended (its trailers
+        // need no window) and the connection been closed as idle.
+        let ended = tokio::time::timeout(idle * 10, &mut conn).await;
+        let trailers =
+            tokio::time::timeout(Duration::from_millis(10), answer_body.trailers()).await;
+        assert!(
+            ended.is_ok(),
+            "{addr}: the connection was kept {:?} after a call whose answer got no window \
+             (call bound {idle:?}); trailers: {trailers:?}",
+            idle * 10
+        );
+        conn.abort();
+    }
+    running.shutdown().await.unwrap();
+}
+
+/// A very long `ServeConfig::connection_idle_timeout` (a library user's "never") is served:
+/// no `Instant` arithmetic overflows in a call.
+#[tokio::test]
+async fn a_very_long_idle_timeout_is_refused_or_served() {
+    let (_dir, cfg) = with_file(V1);
+    let cfg = ServeConfig {
+        connection_idle_timeout: Duration::from_secs(u64::MAX / 2),
+        ..cfg
+    };
+    let running = match start(cfg).await {
+        Ok(running) => running,
+        Err(e) => {
+            eprintln!("refused at start: {e}");
+            return;
+        }
+    };
+    let got = tokio::time::timeout(
+        SHUTDOWN_GRACE,
+        AdminServiceClient::new(channel(running.admin_addr).await)
+            .fleet_status(pb::FleetStatusRequest::default()),
+    )
+    .await
+    .unwrap();
+    assert!(got.is_ok(), "started, then a call failed: {got:?}");
+    running.shutdown().await.unwrap();
+}
+
+/// Streams that end in every odd way (reset by the client before or after the head, refused
+/// as UNIMPLEMENTED, oversize, or with an unfinished request body) leave no count behind:
+/// the connection is still closed as idle.
+#[tokio::test]
+async fn streams_ended_oddly_leave_no_count_behind() {
+    let (_dir, cfg) = with_file(V1);
+    let idle = Duration::from_millis(300);
+    let cfg = ServeConfig {
+        connection_idle_timeout: idle,
+        max_message_bytes: 1024,
+        ..cfg
+    };
+    let running = start(cfg).await.unwrap();
+    for addr in [running.agent_addr, running.admin_addr] {
+        let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (send, conn) = h2::client::handshake(tcp).await.unwrap();
+        let mut conn = tokio::spawn(conn);
+        let req = |path: &str| {
+            http::Request::post(path)
+                .header("content-type", "application/grpc")
+                .header("te", "trailers")
+                .body(())
+                .unwrap()
+        };
+        let mut sendr = send.clone().ready().await.unwrap();
+        // 1: reset by the client with the request body unfinished (the call waits on it).
+        let (a1, mut b1) = sendr
+            .send_request(req("/retryplane.v1.AdminService/Get"), false)
+            .unwrap();
+        // 2: unimplemented.
+        let (a2, _) = sendr.send_request(req("/nope.Svc/Nope"), true).unwrap();
+        // 3: oversize message (declared 1 MiB, some bytes sent), left open.
+        let (a3, mut b3) = sendr
+            .send_request(req("/retryplane.v1.AdminService/Apply"), false)
+            .unwrap();
+        let mut big = vec![0u8, 0, 0x10, 0, 0];
+        big.extend(std::iter::repeat_n(0u8, 2000));
+        b3.send_data(Bytes::from(big), false).unwrap();
+        // 4: an agent stream's path with no hello, reset after its head (agent listener).
+        let (a4, mut b4) = sendr
+            .send_request(req("/retryplane.v1.AgentService/Connect"), false)
+            .unwrap();
+        // 5: a Watch reset by the client after its first message.
+        let (a5, mut b5) = sendr
+            .send_request(req("/grpc.health.v1.Health/Watch"), false)
+            .unwrap();
+        b5.send_data(empty_frame(), true).unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        b1.send_reset(h2::Reason::CANCEL);
+        let _ = tokio::time::timeout(Duration::from_secs(2), a2).await;
+        let _ = tokio::time::timeout(Duration::from_secs(2), a3).await;
+        b3.send_reset(h2::Reason::CANCEL);
+        let _ = tokio::time::timeout(Duration::from_millis(200), a4).await;
+        b4.send_reset(h2::Reason::CANCEL);
+        if let Ok(Ok(a5)) = tokio::time::timeout(Duration::from_secs(2), a5).await {
+            let mut body = a5.into_body();
+            let _ = tokio::time::timeout(Duration::from_secs(1), body.data()).await;
+            drop(body);
+        }
+        b5.send_reset(h2::Reason::CANCEL);
+        drop(a1);
+        let began = tokio::time::Instant::now();
+        // The hello timeout (10 s) is longer than this wait; an unbounded Connect without
+        // hello would hold the connection until it.
+        let ended = tokio::time::timeout(idle * 10, &mut conn).await;
+        assert!(
+            ended.is_ok(),
+            "{addr}: the connection was kept {:?} after its streams ended",
+            began.elapsed()
+        );
+    }
+    running.shutdown().await.unwrap();
+}
+
+/// The agent's address is its stream's remote address, as FleetStatus shows it.
+#[tokio::test]
+async fn fleet_status_shows_the_agents_address() {
+    let (_dir, cfg) = with_file(V1);
+    let running = start(cfg).await.unwrap();
+    let tcp_probe = tokio::net::TcpStream::connect(running.agent_addr)
+        .await
+        .unwrap();
+    drop(tcp_probe);
+    let ch = channel(running.agent_addr).await;
+    let (tx, rx) = mpsc::channel(4);
+    tx.send(hello("addr-1")).await.unwrap();
+    let mut inbound = AgentServiceClient::new(ch)
+        .connect(ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(inbound.message().await.unwrap().is_some());
+    let status = AdminServiceClient::new(channel(running.admin_addr).await)
+        .fleet_status(pb::FleetStatusRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    let agent = status
+        .agents
+        .iter()
+        .find(|a| a.agent_id == "addr-1")
+        .unwrap();
+    eprintln!("peer: {}", agent.peer);
+    let peer: SocketAddr = agent.peer.parse().expect("a peer address");
+    assert_eq!(peer.ip(), Ipv4Addr::LOCALHOST);
+    assert_ne!(peer.port(), running.agent_addr.port());
+    drop(tx);
+    running.shutdown().await.unwrap();
+}
+
+/// 1,000 health Watch streams on one connection, agents connected and an admin call's request
+/// left unfinished: shutdown ends within its grace plus the close wait, and the store opens again
+/// at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_with_a_thousand_streams_lets_the_store_go() {
+    let (_dir, cfg) = with_file(V1);
+    let running: Running = start(cfg.clone()).await.unwrap();
+    let tcp = tokio::net::TcpStream::connect(running.agent_addr)
+        .await
+        .unwrap();
+    let (send, conn) = h2::client::handshake(tcp).await.unwrap();
+    let conn = tokio::spawn(conn);
+    let mut watches = Vec::new();
+    let mut sendr = send.clone().ready().await.unwrap();
+    for _ in 0..1000 {
+        sendr = sendr.ready().await.unwrap();
+        let (answer, mut body) = sendr
+            .send_request(
+                http::Request::post("/grpc.health.v1.Health/Watch")
+                    .header("content-type", "application/grpc")
+                    .header("te", "trailers")
+                    .body(())
+                    .unwrap(),
+                false,
+            )
+            .unwrap();
+        body.send_data(empty_frame(), true).unwrap();
+        watches.push(answer);
+    }
+    let mut heads = 0;
+    for answer in watches.iter_mut() {
+        if tokio::time::timeout(Duration::from_secs(5), answer)
+            .await
+            .is_ok()
+        {
+            heads += 1;
+        }
+    }
+    eprintln!("heads: {heads}");
+    // Agents on connections of their own.
+    let mut agents = Vec::new();
+    for i in 0..20 {
+        let (tx, rx) = mpsc::channel(4);
+        tx.send(hello(&format!("a-{i}"))).await.unwrap();
+        let mut inbound = AgentServiceClient::new(channel(running.agent_addr).await)
+            .connect(ReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(inbound.message().await.unwrap().is_some());
+        agents.push((tx, inbound));
+    }
+    // An admin call whose request never finishes.
+    let tcp = tokio::net::TcpStream::connect(running.admin_addr)
+        .await
+        .unwrap();
+    let (asend, aconn) = h2::client::handshake(tcp).await.unwrap();
+    let aconn = tokio::spawn(aconn);
+    let (_aanswer, mut abody) = asend
+        .ready()
+        .await
+        .unwrap()
+        .send_request(
+            http::Request::post("/retryplane.v1.AdminService/FleetStatus")
+                .header("content-type", "application/grpc")
+                .header("te", "trailers")
+                .body(())
+                .unwrap(),
+            false,
+        )
+        .unwrap();
+    abody
+        .send_data(Bytes::from_static(&[0, 0, 0, 0, 9]), false)
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let began = tokio::time::Instant::now();
+    running.shutdown().await.unwrap();
+    let took = began.elapsed();
+    eprintln!("shutdown took {took:?}");
+    let again = tokio::time::timeout(Duration::from_secs(10), start(cfg))
+        .await
+        .unwrap();
+    eprintln!("start again after {:?}", began.elapsed());
+    let again = again.expect("the store was let go");
+    assert!(took < SHUTDOWN_GRACE + Duration::from_secs(2), "{took:?}");
+    again.shutdown().await.unwrap();
+    conn.abort();
+    aconn.abort();
+    drop(agents);
+}
+
+/// A request the server has already read is answered, however late its stream is counted: the
+/// count is taken when the tower service is called, which tonic does in the stream's own task,
+/// and a connection is closed only after a moment in which no byte moved. A server busy for a
+/// moment around the idle timeout (here 160 ms, blocking its one thread) answers a call that
+/// reached it 50 ms before the timeout.
+#[test]
+fn a_request_that_reached_the_server_before_the_idle_timeout_is_answered() {
+    let idle = Duration::from_millis(300);
+    let (dir, cfg) = with_file(V1);
+    let cfg = ServeConfig {
+        connection_idle_timeout: idle,
+        ..cfg
+    };
+    let (addr_tx, addr_rx) = std::sync::mpsc::channel();
+    let (hog_tx, mut hog_rx) = tokio::sync::mpsc::unbounded_channel::<Option<Duration>>();
+    let server = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let running = start(cfg).await.unwrap();
+            addr_tx.send(running.admin_addr).unwrap();
+            while let Some(Some(hog)) = hog_rx.recv().await {
+                // A busy runtime (a long poll elsewhere, a 2-core machine under load).
+                #[allow(
+                    clippy::disallowed_methods,
+                    reason = "blocks the server's one thread on purpose: a runtime that is busy"
+                )]
+                std::thread::sleep(hog);
+            }
+            running.shutdown().await.unwrap();
+        });
+    });
+    let addr = addr_rx.recv_timeout(Duration::from_secs(10)).unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let result = rt.block_on(async {
+        let mut failures = Vec::new();
+        for round in 0..5 {
+            let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+            let (send, conn) = h2::client::handshake(tcp).await.unwrap();
+            let conn = tokio::spawn(conn);
+            let call = |send: h2::client::SendRequest<Bytes>| async move {
+                let (answer, mut body) =
+                    send.ready().await?.send_request(check_request(), false)?;
+                body.send_data(empty_frame(), true)?;
+                let answer = answer.await?;
+                let status = answer.status();
+                let mut body = answer.into_body();
+                while let Some(data) = body.data().await {
+                    data?;
+                }
+                let trailers = body.trailers().await?;
+                Ok::<_, h2::Error>((status, trailers))
+            };
+            call(send.clone()).await.unwrap();
+            let answered = tokio::time::Instant::now();
+            tokio::time::sleep_until(answered + idle - Duration::from_millis(80)).await;
+            hog_tx.send(Some(Duration::from_millis(160))).unwrap();
+            tokio::time::sleep_until(answered + idle - Duration::from_millis(50)).await;
+            // Sent 50 ms before the idle timeout (loopback: there at once).
+            let got = tokio::time::timeout(Duration::from_secs(5), call(send.clone())).await;
+            match got {
+                Ok(Ok((status, Some(trailers))))
+                    if status == 200 && trailers.get("grpc-status").is_some_and(|s| s == "0") => {}
+                other => failures.push(format!("round {round}: {other:?}")),
+            }
+            conn.abort();
+        }
+        failures
+    });
+    hog_tx.send(None).unwrap();
+    server.join().unwrap();
+    drop(dir);
+    assert!(
+        result.is_empty(),
+        "calls sent before the idle timeout failed: {result:#?}"
+    );
+}
+
+/// With a tokens file too: health asks no token, and a zero-window call is let go at its bound.
+#[tokio::test]
+async fn with_auth_on_a_tokenless_check_whose_answer_gets_no_window_is_still_cut() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let (dir, cfg) = with_file(V1);
+    let tokens = dir.path().join("tokens.yaml");
+    fs::write(
+        &tokens,
+        "tokens:\n  - {name: fleet, role: agent, secret: agent-secret-0123456789}\n  - {name: alice, role: admin, secret: admin-secret-0123456789}\n",
+    )
+    .unwrap();
+    fs::set_permissions(&tokens, fs::Permissions::from_mode(0o600)).unwrap();
+    let idle = Duration::from_millis(300);
+    let cfg = ServeConfig {
+        connection_idle_timeout: idle,
+        tokens_file: Some(tokens),
+        ..cfg
+    };
+    let running = start(cfg).await.unwrap();
+    let mut held = Vec::new();
+    for _ in 0..20 {
+        let tcp = tokio::net::TcpStream::connect(running.agent_addr)
+            .await
+            .unwrap();
+        let (send, conn) = h2::client::Builder::new()
+            .initial_window_size(0)
+            .handshake::<_, Bytes>(tcp)
+            .await
+            .unwrap();
+        let conn = tokio::spawn(conn);
+        let (answer, mut body) = send
+            .ready()
+            .await
+            .unwrap()
+            .send_request(check_request(), false)
+            .unwrap();
+        body.send_data(empty_frame(), true).unwrap();
+        let answer = tokio::time::timeout(SHUTDOWN_GRACE, answer)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(answer.status(), 200);
+        held.push((conn, answer));
+    }
+    tokio::time::sleep(idle * 10).await;
+    let open = held.iter().filter(|(conn, _)| !conn.is_finished()).count();
+    assert_eq!(
+        open, 0,
+        "{open} of 20 tokenless connections held past 10 call bounds"
+    );
+    running.shutdown().await.unwrap();
+}
+
+/// At the bottom, `ServeConfig` takes any non-zero idle timeout (the CLI 1 s); at 1 ms a quick
+/// admin call is still answered (the call's future is polled before its bound).
+#[tokio::test]
+async fn a_tiny_idle_timeout_is_refused_or_served() {
+    let (_dir, cfg) = with_file(V1);
+    let cfg = ServeConfig {
+        connection_idle_timeout: Duration::from_millis(1),
+        ..cfg
+    };
+    let running = match start(cfg).await {
+        Ok(running) => running,
+        Err(e) => {
+            eprintln!("refused at start: {e}");
+            return;
+        }
+    };
+    let mut admin = AdminServiceClient::new(channel(running.admin_addr).await);
+    let mut failed = Vec::new();
+    for _ in 0..10 {
+        if let Err(e) = admin.get(pb::GetRequest { version: 0 }).await {
+            failed.push(format!("{:?}: {}", e.code(), e.message()));
+        }
+    }
+    assert!(
+        failed.is_empty(),
+        "started, then {} of 10 calls failed: {:?}",
+        failed.len(),
+        failed.first()
+    );
+    running.shutdown().await.unwrap();
+}
+
+/// An answer still being written after its stream's count is gone (hyper hands a unary answer
+/// whole to h2, which buffers what the peer's window does not yet take, and drops the body, the
+/// count with it) arrives whole to a client that reads it for longer than the idle timeout (a
+/// slow link; here a 1 KiB window released every 20 ms): bytes moving keep the connection.
+#[tokio::test]
+async fn a_large_answer_read_slowly_past_the_idle_timeout_arrives_whole() {
+    let mut yaml = String::from("version: 1\nendpoints:\n");
+    for i in 0..400 {
+        yaml.push_str(&format!("  endpoint-number-{i:04}:\n    max_attempts: 3\n"));
+    }
+    let (_dir, cfg) = with_file(&yaml);
+    let idle = Duration::from_millis(300);
+    let cfg = ServeConfig {
+        connection_idle_timeout: idle,
+        ..cfg
+    };
+    let running = start(cfg).await.unwrap();
+    let tcp = tokio::net::TcpStream::connect(running.admin_addr)
+        .await
+        .unwrap();
+    let (send, conn) = h2::client::Builder::new()
+        .initial_window_size(1024)
+        .handshake::<_, Bytes>(tcp)
+        .await
+        .unwrap();
+    let conn = tokio::spawn(conn);
+    let (answer, mut body) = send
+        .ready()
+        .await
+        .unwrap()
+        .send_request(
+            http::Request::post("/retryplane.v1.AdminService/Get")
+                .header("content-type", "application/grpc")
+                .header("te", "trailers")
+                .body(())
+                .unwrap(),
+            false,
+        )
+        .unwrap();
+    body.send_data(empty_frame(), true).unwrap();
+    let answer = answer.await.unwrap();
+    let began = tokio::time::Instant::now();
+    let mut body = answer.into_body();
+    let mut got = 0usize;
+    let mut first = Vec::new();
+    let mut failed = None;
+    while let Some(data) = tokio::time::timeout(Duration::from_secs(10), body.data())
+        .await
+        .unwrap()
+    {
+        let data = match data {
+            Ok(data) => data,
+            Err(e) => {
+                failed = Some(e);
+                break;
+            }
+        };
+        if first.len() < 5 {
+            first.extend_from_slice(&data[..data.len().min(5 - first.len())]);
+        }
+        got += data.len();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        body.flow_control().release_capacity(data.len()).unwrap();
+    }
+    let declared = u32::from_be_bytes([first[1], first[2], first[3], first[4]]) as usize + 5;
+    let trailers = if failed.is_none() {
+        body.trailers().await.ok().flatten()
+    } else {
+        None
+    };
+    let status = trailers
+        .as_ref()
+        .and_then(|t| t.get("grpc-status"))
+        .cloned();
+    eprintln!(
+        "read {got} of {declared} bytes in {:?}; error {failed:?}; status {status:?}",
+        began.elapsed()
+    );
+    assert!(
+        failed.is_none() && got == declared && status.as_ref().is_some_and(|s| s == "0"),
+        "{got} of {declared} bytes in {:?}, then {failed:?} (status {status:?})",
+        began.elapsed()
+    );
+    conn.abort();
+    running.shutdown().await.unwrap();
+}
