@@ -46,8 +46,9 @@ use crate::conn_idle::{Conn, Streams};
 /// How long a connection without a stream must also have moved no byte either way before it is
 /// closed for idleness: a request just read (its stream not yet counted: tonic counts it in the
 /// stream's own task), or an answer still being written to a slow reader after its stream
-/// ended, keeps it.
-pub(crate) const QUIET_IO: Duration = Duration::from_secs(1);
+/// ended, keeps it. Well under the shortest keepalive interval (1 s), so PINGs and their acks
+/// alone leave such moments and the connection is still closed.
+pub(crate) const QUIET_IO: Duration = Duration::from_millis(300);
 
 /// The HTTP/2 client connection preface, `PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n` (RFC 9113 §3.4).
 pub(crate) const PREFACE_LEN: usize = 24;

@@ -1669,6 +1669,26 @@ async fn connections_without_a_stream_for_the_idle_timeout_are_closed_and_others
     running.shutdown().await.unwrap();
 }
 
+/// A streamless connection is closed for idleness even with PINGs every second (the shortest
+/// keepalive interval): the moment without a byte it needs is shorter than that.
+#[tokio::test]
+async fn a_streamless_connection_is_closed_with_pings_every_second() {
+    let (_dir, cfg) = with_file(V1);
+    let cfg = ServeConfig {
+        connection_idle_timeout: Duration::from_millis(300),
+        keepalive_interval: Duration::from_secs(1),
+        ..cfg
+    };
+    let running = start(cfg).await.unwrap();
+    for addr in [running.agent_addr(), running.admin_addr] {
+        let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (_send, conn) = h2::client::handshake(tcp).await.unwrap();
+        let ended = tokio::time::timeout(SHUTDOWN_GRACE * 2, conn).await;
+        assert!(ended.is_ok(), "{addr}: kept");
+    }
+    running.shutdown().await.unwrap();
+}
+
 /// A client that keeps its channel gets every call answered across the idle timeout: one whose
 /// channel carries a long call (a health Watch) keeps its connection, and one whose channel
 /// was left idle past it gets a new connection for its next call, without an error.

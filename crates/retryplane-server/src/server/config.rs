@@ -64,7 +64,8 @@ pub struct ServeConfig {
     /// without a bound one connection could open streams without end. Must be more than zero.
     pub max_streams_per_connection: u32,
     /// How long a connection of either gRPC listener may carry no stream (none open since it
-    /// was accepted, or since its last one ended) before it is closed: a connection that opens
+    /// was accepted, or since its last one ended; and then no byte moved for a moment, 0.3 s)
+    /// before it is closed: a connection that opens
     /// no stream and answers every PING holds its socket this long at most. An agent's
     /// connection always carries its stream. Also how long any other call (admin calls, health,
     /// reflection) may last: past it, it ends with `UNAVAILABLE` ("call again"), so one call
