@@ -1689,9 +1689,9 @@ async fn a_streamless_connection_is_closed_with_pings_every_second() {
     running.shutdown().await.unwrap();
 }
 
-/// A client that keeps its channel gets every call answered across the idle timeout: one whose
-/// channel carries a long call (a health Watch) keeps its connection, and one whose channel
-/// was left idle past it gets a new connection for its next call, without an error.
+/// A client that keeps its channel gets every call answered after the idle timeout: a channel
+/// whose connection was closed for idleness gets a new one for its next call, without an error,
+/// also one whose long call (a health Watch) was cut at its bound (UNAVAILABLE, "call again").
 #[tokio::test]
 async fn a_client_that_keeps_its_channel_gets_no_error_across_the_idle_timeout() {
     use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
@@ -1725,8 +1725,15 @@ async fn a_client_that_keeps_its_channel_gets_no_error_across_the_idle_timeout()
     assert!(watch.message().await.unwrap().is_some());
     let idle_channel = channel(running.admin_addr).await;
     assert!(calls(idle_channel.clone()).await.iter().all(Result::is_ok));
-    // Several idle timeouts pass (time passing is what is tested here).
-    tokio::time::sleep(idle * 3).await;
+    // The Watch is cut at its bound.
+    let cut = tokio::time::timeout(SHUTDOWN_GRACE, watch.message())
+        .await
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(cut.code(), tonic::Code::Unavailable, "{cut:?}");
+    // Long enough for both connections to have been closed (the bound, the idle timeout and
+    // the moment without a byte; time passing is what is tested here).
+    tokio::time::sleep(idle * 6).await;
     let results = calls(watched).await;
     assert!(results.iter().all(Result::is_ok), "{results:?}");
     let results = calls(idle_channel).await;
