@@ -50,6 +50,9 @@ use crate::conn_idle::{Conn, Streams};
 /// alone leave such moments and the connection is still closed.
 pub(crate) const QUIET_IO: Duration = Duration::from_millis(300);
 
+/// How many [`QUIET_IO`] turns bytes moving may put an idle connection's close off by (3 s).
+pub(crate) const MAX_QUIET_TURNS: u32 = 10;
+
 /// The HTTP/2 client connection preface, `PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n` (RFC 9113 §3.4).
 pub(crate) const PREFACE_LEN: usize = 24;
 
@@ -88,6 +91,10 @@ pub(crate) struct Preface<S> {
     /// [`Preface::quiet_too_long`]).
     io: u64,
     io_seen: u64,
+    /// The idle timer's turns since the connection was found without a stream long enough,
+    /// each put off by bytes moved: past [`MAX_QUIET_TURNS`], it is closed all the same (a
+    /// peer that PINGs more often than [`QUIET_IO`] must not keep it for good).
+    quiet_turns: u32,
     /// Resolves when the server closes every connection left after its shutdown's grace (see
     /// [`Connections`]); `None` once it has: every read is then end of stream, every write
     /// an error.
@@ -228,6 +235,7 @@ impl<S> Preface<S> {
             idle: None,
             io: 0,
             io_seen: 0,
+            quiet_turns: 0,
             forced: Some(forced),
             live,
         }
@@ -264,15 +272,22 @@ impl<S> Preface<S> {
             let now = Instant::now();
             match self.streams.quiet_for(now) {
                 Some(quiet) if quiet >= idle_after => {
-                    if self.io == self.io_seen {
+                    if self.io == self.io_seen || self.quiet_turns >= MAX_QUIET_TURNS {
                         return true;
                     }
                     // Bytes moved since the last turn: one more, a moment of silence later.
                     self.io_seen = self.io;
+                    self.quiet_turns += 1;
                     timer.as_mut().reset(now + QUIET_IO);
                 }
-                Some(quiet) => timer.as_mut().reset(now + (idle_after - quiet)),
-                None => timer.as_mut().reset(now + idle_after),
+                Some(quiet) => {
+                    self.quiet_turns = 0;
+                    timer.as_mut().reset(now + (idle_after - quiet));
+                }
+                None => {
+                    self.quiet_turns = 0;
+                    timer.as_mut().reset(now + idle_after);
+                }
             }
         }
         false

@@ -524,7 +524,8 @@ impl Running {
         // Connections whose streams outlive the grace (a health Watch, a peer that never acks
         // the GOAWAY) run in tasks of tonic's that aborting the servers does not reach: closed
         // here, so that nothing of this control plane (its store above all) is left behind.
-        if self.connections.count() > 0 && !self.connections.close_all(CLOSE_WAIT).await {
+        // (Also with no connection left: their calls' tasks may still be ending.)
+        if !self.connections.close_all(CLOSE_WAIT).await {
             warn!(
                 connections = self.connections.count(),
                 "connections still open {CLOSE_WAIT:?} after they were closed"
