@@ -252,7 +252,12 @@ impl<S> Preface<S> {
         let Some(forced) = &mut self.forced else {
             return true;
         };
-        if forced.as_mut().poll(cx).is_pending() {
+        // Outside the task's coop budget: polled with every read or write that waits, it would
+        // otherwise spend the connection task's budget and make it yield mid-flush.
+        if Pin::new(&mut tokio::task::coop::unconstrained(forced.as_mut()))
+            .poll(cx)
+            .is_pending()
+        {
             return false;
         }
         self.forced = None;
@@ -267,8 +272,12 @@ impl<S> Preface<S> {
         let timer = self
             .idle
             .get_or_insert_with(|| Box::pin(tokio::time::sleep(idle_after)));
-        // Bounded: each turn either ends or sets the timer later than now.
-        while timer.as_mut().poll(cx).is_ready() {
+        // Bounded: each turn either ends or sets the timer later than now. (Outside the coop
+        // budget, as above: polled with every read that waits.)
+        while Pin::new(&mut tokio::task::coop::unconstrained(timer.as_mut()))
+            .poll(cx)
+            .is_ready()
+        {
             let now = Instant::now();
             match self.streams.quiet_for(now) {
                 Some(quiet) if quiet >= idle_after => {
