@@ -51,6 +51,15 @@ async fn channel(addr: SocketAddr) -> Channel {
         .unwrap()
 }
 
+/// A gRPC call's head for a raw HTTP/2 client: `POST path`, gRPC content type, trailers.
+fn grpc_post(path: &str) -> http::Request<()> {
+    http::Request::post(path)
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(())
+        .unwrap()
+}
+
 async fn admin(running: &Running) -> AdminServiceClient<Channel> {
     AdminServiceClient::new(channel(running.admin_addr).await)
 }
@@ -1527,11 +1536,7 @@ async fn each_grpc_listener_bounds_the_streams_of_one_connection() {
         let (send, mut conn) = h2::client::handshake(tcp).await.unwrap();
         // Before the server's SETTINGS arrive the client assumes no bound.
         assert_eq!(conn.max_concurrent_send_streams(), usize::MAX);
-        let request = http::Request::post("/grpc.health.v1.Health/Check")
-            .header("content-type", "application/grpc")
-            .header("te", "trailers")
-            .body(())
-            .unwrap();
+        let request = grpc_post("/grpc.health.v1.Health/Check");
         let answered = async {
             let mut send = send.ready().await?;
             let (response, _) = send.send_request(request, true)?;
@@ -1579,11 +1584,7 @@ async fn connections_without_a_stream_for_the_idle_timeout_are_closed_and_others
         .unwrap();
     let (send, conn) = h2::client::handshake(tcp).await.unwrap();
     let conn = tokio::spawn(conn);
-    let check = http::Request::post("/grpc.health.v1.Health/Check")
-        .header("content-type", "application/grpc")
-        .header("te", "trailers")
-        .body(())
-        .unwrap();
+    let check = grpc_post("/grpc.health.v1.Health/Check");
     let (answer, _) = send
         .clone()
         .ready()
@@ -1606,11 +1607,7 @@ async fn connections_without_a_stream_for_the_idle_timeout_are_closed_and_others
         .unwrap();
     let (send, conn) = h2::client::handshake(tcp).await.unwrap();
     let conn = tokio::spawn(conn);
-    let request = http::Request::post(crate::agent_route::CONNECT_PATH)
-        .header("content-type", "application/grpc")
-        .header("te", "trailers")
-        .body(())
-        .unwrap();
+    let request = grpc_post(crate::agent_route::CONNECT_PATH);
     let (response, mut body) = send
         .clone()
         .ready()
@@ -1652,11 +1649,7 @@ async fn connections_without_a_stream_for_the_idle_timeout_are_closed_and_others
     .expect("the next version reaches the stream");
     assert_eq!(next, 2);
     // The connection still takes a new stream.
-    let check = http::Request::post("/grpc.health.v1.Health/Check")
-        .header("content-type", "application/grpc")
-        .header("te", "trailers")
-        .body(())
-        .unwrap();
+    let check = grpc_post("/grpc.health.v1.Health/Check");
     let (answer, _) = send
         .clone()
         .ready()
@@ -1811,11 +1804,7 @@ async fn calls_other_than_an_agents_stream_are_bounded_by_the_idle_timeout() {
             let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
             let (send, conn) = h2::client::handshake(tcp).await.unwrap();
             let conn = tokio::spawn(conn);
-            let request = http::Request::post(path)
-                .header("content-type", "application/grpc")
-                .header("te", "trailers")
-                .body(())
-                .unwrap();
+            let request = grpc_post(path);
             let began = tokio::time::Instant::now();
             let (response, mut body) = send
                 .ready()
@@ -2000,11 +1989,7 @@ async fn raw_stream(
     tokio::spawn(async move {
         let _ = conn.await;
     });
-    let request = http::Request::post(crate::agent_route::CONNECT_PATH)
-        .header("content-type", "application/grpc")
-        .header("te", "trailers")
-        .body(())
-        .unwrap();
+    let request = grpc_post(crate::agent_route::CONNECT_PATH);
     let mut send = send.ready().await.unwrap();
     let (response, mut body) = send.send_request(request, false).unwrap();
     body.send_data(crate::frame_body::encode_frame(hello).unwrap(), false)

@@ -1,5 +1,6 @@
 //! The connections of the gRPC listeners, over real sockets on 127.0.0.1:0: the idle close
-//! (`conn_idle.rs`), the bound on calls other than an agent's stream, and the close of what is
+//! (`conn_idle.rs`; bytes moving for no call, such as PINGs, do not keep a connection without a
+//! stream for good), the bound on calls other than an agent's stream, and the close of what is
 //! left at the end of a shutdown (`preface.rs`).
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -47,7 +48,12 @@ async fn channel(addr: SocketAddr) -> Channel {
 }
 
 fn check_request() -> http::Request<()> {
-    http::Request::post("/grpc.health.v1.Health/Check")
+    grpc_post("/grpc.health.v1.Health/Check")
+}
+
+/// A gRPC call's head for a raw HTTP/2 client: `POST path`, gRPC content type, trailers.
+fn grpc_post(path: &str) -> http::Request<()> {
+    http::Request::post(path)
         .header("content-type", "application/grpc")
         .header("te", "trailers")
         .body(())
@@ -164,13 +170,7 @@ async fn streams_ended_oddly_leave_no_count_behind() {
         let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
         let (send, conn) = h2::client::handshake(tcp).await.unwrap();
         let mut conn = tokio::spawn(conn);
-        let req = |path: &str| {
-            http::Request::post(path)
-                .header("content-type", "application/grpc")
-                .header("te", "trailers")
-                .body(())
-                .unwrap()
-        };
+        let req = |path: &str| grpc_post(path);
         let mut sendr = send.clone().ready().await.unwrap();
         // 1: reset by the client with the request body unfinished (the call waits on it).
         let (a1, mut b1) = sendr
@@ -274,14 +274,7 @@ async fn shutdown_with_a_thousand_streams_lets_the_store_go() {
     for _ in 0..1000 {
         sendr = sendr.ready().await.unwrap();
         let (answer, mut body) = sendr
-            .send_request(
-                http::Request::post("/grpc.health.v1.Health/Watch")
-                    .header("content-type", "application/grpc")
-                    .header("te", "trailers")
-                    .body(())
-                    .unwrap(),
-                false,
-            )
+            .send_request(grpc_post("/grpc.health.v1.Health/Watch"), false)
             .unwrap();
         body.send_data(empty_frame(), true).unwrap();
         watches.push(answer);
@@ -319,14 +312,7 @@ async fn shutdown_with_a_thousand_streams_lets_the_store_go() {
         .ready()
         .await
         .unwrap()
-        .send_request(
-            http::Request::post("/retryplane.v1.AdminService/FleetStatus")
-                .header("content-type", "application/grpc")
-                .header("te", "trailers")
-                .body(())
-                .unwrap(),
-            false,
-        )
+        .send_request(grpc_post("/retryplane.v1.AdminService/FleetStatus"), false)
         .unwrap();
     abody
         .send_data(Bytes::from_static(&[0, 0, 0, 0, 9]), false)
@@ -351,8 +337,8 @@ async fn shutdown_with_a_thousand_streams_lets_the_store_go() {
 /// A request the server has already read is answered, however late its stream is counted: the
 /// count is taken when the tower service is called, which tonic does in the stream's own task,
 /// and a connection is closed only after a moment in which no byte moved. A server busy for a
-/// moment around the idle timeout (here 160 ms, blocking its one thread) answers a call that
-/// reached it 50 ms before the timeout.
+/// moment around the idle timeout (its one thread blocked from 80 ms before it to 80 ms after)
+/// answers a call that reached it 50 ms before the timeout.
 #[test]
 fn a_request_that_reached_the_server_before_the_idle_timeout_is_answered() {
     let idle = Duration::from_millis(300);
@@ -362,7 +348,10 @@ fn a_request_that_reached_the_server_before_the_idle_timeout_is_answered() {
         ..cfg
     };
     let (addr_tx, addr_rx) = std::sync::mpsc::channel();
-    let (hog_tx, mut hog_rx) = tokio::sync::mpsc::unbounded_channel::<Option<Duration>>();
+    // Each message blocks the server's one thread until its sender lets go (a busy runtime: a
+    // long poll elsewhere, a 2-core machine under load); `None` ends the server.
+    let (hog_tx, mut hog_rx) =
+        tokio::sync::mpsc::unbounded_channel::<Option<std::sync::mpsc::Receiver<()>>>();
     let server = std::thread::spawn(move || {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -371,13 +360,9 @@ fn a_request_that_reached_the_server_before_the_idle_timeout_is_answered() {
         rt.block_on(async move {
             let running = start(cfg).await.unwrap();
             addr_tx.send(running.admin_addr).unwrap();
-            while let Some(Some(hog)) = hog_rx.recv().await {
-                // A busy runtime (a long poll elsewhere, a 2-core machine under load).
-                #[allow(
-                    clippy::disallowed_methods,
-                    reason = "blocks the server's one thread on purpose: a runtime that is busy"
-                )]
-                std::thread::sleep(hog);
+            while let Some(Some(busy)) = hog_rx.recv().await {
+                // Until the test lets go (bounded, should it never).
+                let _ = busy.recv_timeout(Duration::from_secs(10));
             }
             running.shutdown().await.unwrap();
         });
@@ -410,10 +395,18 @@ fn a_request_that_reached_the_server_before_the_idle_timeout_is_answered() {
             call(send.clone()).await.unwrap();
             let answered = tokio::time::Instant::now();
             tokio::time::sleep_until(answered + idle - Duration::from_millis(80)).await;
-            hog_tx.send(Some(Duration::from_millis(160))).unwrap();
+            let (release, busy) = std::sync::mpsc::channel::<()>();
+            hog_tx.send(Some(busy)).unwrap();
             tokio::time::sleep_until(answered + idle - Duration::from_millis(50)).await;
-            // Sent 50 ms before the idle timeout (loopback: there at once).
-            let got = tokio::time::timeout(Duration::from_secs(5), call(send.clone())).await;
+            // Sent 50 ms before the idle timeout (loopback: there at once), read by the server
+            // once it is free again, 80 ms after the timeout.
+            let pending = tokio::spawn(tokio::time::timeout(
+                Duration::from_secs(5),
+                call(send.clone()),
+            ));
+            tokio::time::sleep_until(answered + idle + Duration::from_millis(80)).await;
+            drop(release);
+            let got = pending.await.unwrap();
             match got {
                 Ok(Ok((status, Some(trailers))))
                     if status == 200 && trailers.get("grpc-status").is_some_and(|s| s == "0") => {}
@@ -547,14 +540,7 @@ async fn a_large_answer_read_slowly_past_the_idle_timeout_arrives_whole() {
         .ready()
         .await
         .unwrap()
-        .send_request(
-            http::Request::post("/retryplane.v1.AdminService/Get")
-                .header("content-type", "application/grpc")
-                .header("te", "trailers")
-                .body(())
-                .unwrap(),
-            false,
-        )
+        .send_request(grpc_post("/retryplane.v1.AdminService/Get"), false)
         .unwrap();
     body.send_data(empty_frame(), true).unwrap();
     let answer = answer.await.unwrap();
@@ -602,4 +588,156 @@ async fn a_large_answer_read_slowly_past_the_idle_timeout_arrives_whole() {
     );
     conn.abort();
     running.shutdown().await.unwrap();
+}
+
+/// `--keepalive-interval 1s` (the smallest the CLI takes) and `--connection-idle-timeout 2s`:
+/// a connection that never opens a stream is still closed for idleness. The server's own PING
+/// every second, answered by the client's h2 stack, moves bytes every second.
+#[tokio::test]
+async fn server_keepalive_of_one_second_does_not_keep_an_idle_connection_open_for_good() {
+    let (_dir, base) = with_file(V1);
+    let idle = Duration::from_secs(2);
+    let running = start(ServeConfig {
+        connection_idle_timeout: idle,
+        keepalive_interval: Duration::from_secs(1),
+        ..base
+    })
+    .await
+    .unwrap();
+    let mut kept = Vec::new();
+    for addr in [running.agent_addr, running.admin_addr] {
+        let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (_send, conn) = h2::client::Builder::new()
+            .handshake::<_, Bytes>(tcp)
+            .await
+            .unwrap();
+        let started = tokio::time::Instant::now();
+        let ended = tokio::time::timeout(Duration::from_secs(12), conn).await;
+        if ended.is_err() {
+            kept.push(format!(
+                "{addr}: still open {:?} after the handshake (idle timeout {idle:?}, no stream ever)",
+                started.elapsed()
+            ));
+        }
+    }
+    let _ = tokio::time::timeout(Duration::from_secs(10), running.shutdown()).await;
+    assert!(kept.is_empty(), "{kept:#?}");
+}
+
+/// A peer with no stream that sends an HTTP/2 PING every 100 ms (needs no token, no call) is
+/// closed for idleness all the same: bytes moving put the close off a few seconds at most.
+#[tokio::test]
+async fn a_peer_pinging_ten_times_a_second_is_still_closed_for_idleness() {
+    let (_dir, base) = with_file(V1);
+    let idle = Duration::from_secs(1);
+    let running = start(ServeConfig {
+        connection_idle_timeout: idle,
+        ..base
+    })
+    .await
+    .unwrap();
+    let addr = running.admin_addr;
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (_send, mut conn) = h2::client::Builder::new()
+        .handshake::<_, Bytes>(tcp)
+        .await
+        .unwrap();
+    let mut pings = conn.ping_pong().unwrap();
+    let mut conn = tokio::spawn(conn);
+    let started = tokio::time::Instant::now();
+    let mut closed = false;
+    while started.elapsed() < Duration::from_secs(10) {
+        tokio::select! {
+            _ = &mut conn => { closed = true; break; }
+            () = tokio::time::sleep(Duration::from_millis(100)) => {
+                if tokio::time::timeout(Duration::from_secs(2), pings.ping(h2::Ping::opaque()))
+                    .await
+                    .map(|r| r.is_err())
+                    .unwrap_or(true)
+                {
+                    closed = true;
+                    break;
+                }
+            }
+        }
+    }
+    conn.abort();
+    let _ = tokio::time::timeout(Duration::from_secs(10), running.shutdown()).await;
+    assert!(
+        closed,
+        "{addr}: a connection that never opened a stream, only PINGing, was still open after \
+         {:?} (idle timeout {idle:?})",
+        started.elapsed()
+    );
+}
+
+/// `Running::shutdown` waits for the calls' tasks also when their connections are already gone
+/// (the peers dropped them just before the shutdown): a call's task holds the admin API, and
+/// with it the store, until it ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_right_after_peers_dropped_unfinished_calls_lets_the_store_go() {
+    let (_dir, cfg) = with_file(V1);
+    let mut failures = Vec::new();
+    for round in 0..5 {
+        let running = match start(cfg.clone()).await {
+            Ok(r) => r,
+            Err(e) => {
+                failures.push(format!("round {round}, its own start: {e}"));
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                continue;
+            }
+        };
+        let mut conns = Vec::new();
+        for _ in 0..20 {
+            let tcp = tokio::net::TcpStream::connect(running.admin_addr)
+                .await
+                .unwrap();
+            let (send, conn) = h2::client::handshake(tcp).await.unwrap();
+            let conn = tokio::spawn(conn);
+            let mut send = send.ready().await.unwrap();
+            let mut bodies = Vec::new();
+            for _ in 0..20 {
+                send = send.ready().await.unwrap();
+                let (_answer, mut body) = send
+                    .send_request(grpc_post("/retryplane.v1.AdminService/FleetStatus"), false)
+                    .unwrap();
+                body.send_data(Bytes::from_static(&[0, 0, 0, 0, 9]), false)
+                    .unwrap();
+                bodies.push(body);
+            }
+            conns.push((conn, bodies, send));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        // The peers go away (their sockets closed), then at once the shutdown.
+        for (conn, _bodies, _send) in &conns {
+            conn.abort();
+        }
+        drop(conns);
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        tokio::time::timeout(Duration::from_secs(10), running.shutdown())
+            .await
+            .unwrap()
+            .unwrap();
+        let began = tokio::time::Instant::now();
+        match start(cfg.clone()).await {
+            Ok(again) => again.shutdown().await.unwrap(),
+            Err(e) => {
+                failures.push(format!("round {round}: start right after shutdown: {e}"));
+                // How long until it is let go.
+                let mut let_go = None;
+                while began.elapsed() < Duration::from_secs(5) {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    if let Ok(again) = start(cfg.clone()).await {
+                        let_go = Some(began.elapsed());
+                        again.shutdown().await.unwrap();
+                        break;
+                    }
+                }
+                failures.push(format!(
+                    "round {round}: the store was let go after {let_go:?}"
+                ));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
 }
