@@ -29,6 +29,7 @@
 #![forbid(unsafe_code)]
 
 pub mod config;
+pub mod latency;
 pub mod plot;
 mod report;
 pub mod run;

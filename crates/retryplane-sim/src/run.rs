@@ -32,6 +32,7 @@ use retryplane_policy::rng::{Rng, SeededRng};
 use tokio::time::Instant;
 
 use crate::config::Config;
+use crate::latency::Latencies;
 use crate::upstream::{Answer, Upstream, nanos};
 
 const RESPONSE: u8 = 1;
@@ -47,8 +48,8 @@ pub struct Trace {
     pub started: Vec<u64>,
     /// Logical calls that ended in success, per second of their start.
     pub succeeded: Vec<u64>,
-    /// How long each logical call took, start to result, in nanoseconds.
-    pub latencies: Vec<u64>,
+    /// How long each logical call took, start to result.
+    pub latencies: Latencies,
     /// Failed logical calls by cause, in [`GiveUpCause::ALL`] order.
     pub give_ups: [u64; 6],
 }
@@ -141,9 +142,6 @@ pub fn run(policy: &RetryPolicy, config: &Config, origin: Instant) -> Trace {
         free: Vec::new(),
         trace: Trace::default(),
     };
-    sim.trace
-        .latencies
-        .reserve((config.rate * config.duration.as_secs_f64()) as usize * clients);
     sim.run();
     sim.trace
 }
@@ -321,7 +319,7 @@ impl<'a> Sim<'a> {
             return;
         };
         self.free.push(id);
-        self.trace.latencies.push(t - live.started);
+        self.trace.latencies.record(t - live.started);
         match cause {
             None => bump(&mut self.trace.succeeded, second(live.started)),
             Some(cause) => self.trace.give_ups[cause_index(cause)] += 1,

@@ -12,7 +12,8 @@
 //!   overlap it when none lies wholly inside.
 //! - **success**: calls that returned a success / logical calls.
 //! - **latency**: start to result of every logical call, success or not; percentiles by nearest
-//!   rank (the value at rank `ceil(p × n)`).
+//!   rank (the value at rank `ceil(p × n)`), read from a histogram that keeps four significant
+//!   figures (within 0.01 %; see [`crate::latency`]).
 //! - **time to recover**: the pre-incident success rate is that of the calls started in the
 //!   seconds wholly before the incident (1 when there are none). The first second `k` starting
 //!   at or after the incident's end in which calls started, at least one succeeded, and at
@@ -113,15 +114,6 @@ pub(crate) fn incident_seconds(start: f64, end: f64, seconds: usize) -> (usize, 
     (outer.0.min(outer.1), outer.1)
 }
 
-/// The value at rank `ceil(p × n)` (nearest rank); 0 for no values.
-fn percentile(values: &mut [u64], p: f64) -> u64 {
-    if values.is_empty() {
-        return 0;
-    }
-    let rank = ((p * values.len() as f64).ceil() as usize).clamp(1, values.len());
-    *values.select_nth_unstable(rank - 1).1
-}
-
 /// The figures of `variant` from its trace. `window` is the incident `[start, end)` in
 /// seconds (the whole run for `error-rate`), `has_end` whether the scenario has an end to
 /// recover from, `run_seconds` the number of seconds in which calls start.
@@ -179,8 +171,8 @@ pub(crate) fn summarize(
         peak_attempts_per_s: attempts.iter().copied().max().unwrap_or(0),
         success_pct: round(100.0 * ratio(successes, calls), 2),
         latency: Latency {
-            p50_ms: ms(percentile(&mut trace.latencies, 0.50)),
-            p99_ms: ms(percentile(&mut trace.latencies, 0.99)),
+            p50_ms: ms(trace.latencies.percentile(0.50)),
+            p99_ms: ms(trace.latencies.percentile(0.99)),
         },
         give_ups,
         recovery_s: recovery_s.flatten().map(|s| round(s, 3)),
@@ -231,15 +223,6 @@ mod tests {
     }
 
     #[test]
-    fn percentiles_use_the_nearest_rank() {
-        let mut v: Vec<u64> = (1..=100).rev().collect();
-        assert_eq!(percentile(&mut v, 0.5), 50);
-        assert_eq!(percentile(&mut v, 0.99), 99);
-        assert_eq!(percentile(&mut [7], 0.99), 7);
-        assert_eq!(percentile(&mut [], 0.5), 0);
-    }
-
-    #[test]
     fn recovery_is_the_first_second_back_at_95_percent_of_the_baseline() {
         // Baseline over seconds 0..2: 18 of 20 = 90%; 95% of it is 85.5%.
         let started = [10, 10, 10, 10, 10, 10];
@@ -263,7 +246,7 @@ mod tests {
             attempts: vec![0, 1],
             started: vec![0, 1],
             succeeded: vec![0, 1],
-            latencies: vec![20_000_000],
+            latencies: std::iter::once(20_000_000).collect(),
             give_ups: [0; 6],
         };
         for trace in [Trace::default(), one_early] {
