@@ -779,3 +779,138 @@ async fn a_retry_the_breaker_opened_for_during_its_pause_is_refused_before_the_s
     assert_eq!(gave_up.cause, Cause::GaveUp(GiveUpCause::CircuitOpen));
     assert_eq!(gave_up.attempts, 1);
 }
+
+/// A request body of boxed frames: complete, or stalled after its first.
+type Uploaded = StreamBody<
+    std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<Frame<Bytes>, Infallible>> + Send>>,
+>;
+
+/// 100 bytes, then the end (`stalls: false`) or nothing more, ever (a stalled upload).
+fn upload(stalls: bool) -> Request<Uploaded> {
+    let first = tokio_stream::once(Ok(Frame::data(Bytes::from(vec![b'a'; 100]))));
+    let frames: std::pin::Pin<Box<dyn tokio_stream::Stream<Item = _> + Send>> = if stalls {
+        Box::pin(tokio_stream::StreamExt::chain(
+            first,
+            tokio_stream::pending(),
+        ))
+    } else {
+        Box::pin(first)
+    };
+    Request::put("http://up/v1/things")
+        .body(StreamBody::new(frames))
+        .unwrap()
+}
+
+const OPENS_AFTER_TWO: &str = "max_attempts: 1\ndeadline: 3s\ncircuit_breaker: {enabled: true, failure_ratio: 0.5, min_requests: 2, open_for: 30s}";
+
+#[tokio::test(start_paused = true)]
+async fn an_open_circuit_refuses_a_call_without_waiting_for_its_request_body() {
+    let agent = agent(&policy(OPENS_AFTER_TWO));
+    let (svc, seen) = upstream::<Uploaded>(&[503, 503]);
+    let client = RetryLayer::new(agent.endpoint("ep")).layer(svc);
+    for _ in 0..2 {
+        let r = client.clone().oneshot(upload(false)).await.unwrap();
+        assert_eq!(r.status(), 503);
+    }
+    let start = Instant::now();
+    let err = tokio::time::timeout(Duration::from_secs(60), client.oneshot(upload(true)))
+        .await
+        .expect("the call waited for the body")
+        .unwrap_err();
+    // At once (not at the 3 s deadline), as the open circuit's refusal, nothing sent.
+    assert_eq!(start.elapsed(), Duration::ZERO);
+    assert!(
+        matches!(
+            err.downcast_ref::<RetryError>(),
+            Some(RetryError::NoAnswer {
+                cause: Cause::GaveUp(GiveUpCause::CircuitOpen)
+            })
+        ),
+        "{err:?}"
+    );
+    assert_eq!(seen.lock().unwrap().len(), 2);
+    let counts = agent.endpoint("ep").pending_counts();
+    assert_eq!((counts.circuit_open, counts.gave_up_deadline), (1, 0));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_circuit_that_opens_while_a_request_body_is_read_ends_the_read() {
+    let agent = agent(&policy(OPENS_AFTER_TWO));
+    let (svc, seen) = upstream::<Uploaded>(&[503, 503]);
+    let client = RetryLayer::new(agent.endpoint("ep")).layer(svc);
+    // A call whose upload stalls, begun while the circuit is closed.
+    let start = Instant::now();
+    let stalled = tokio::spawn(client.clone().oneshot(upload(true)));
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    assert!(!stalled.is_finished());
+    // Two failures open the circuit meanwhile.
+    for _ in 0..2 {
+        let r = client.clone().oneshot(upload(false)).await.unwrap();
+        assert_eq!(r.status(), 503);
+    }
+    let err = tokio::time::timeout(Duration::from_secs(60), stalled)
+        .await
+        .expect("the call waited for the body")
+        .unwrap()
+        .unwrap_err();
+    // The breaker is asked again 100 ms after the call began, not at its 3 s deadline.
+    assert_eq!(start.elapsed(), Duration::from_millis(100));
+    assert!(
+        matches!(
+            err.downcast_ref::<RetryError>(),
+            Some(RetryError::NoAnswer {
+                cause: Cause::GaveUp(GiveUpCause::CircuitOpen)
+            })
+        ),
+        "{err:?}"
+    );
+    assert_eq!(seen.lock().unwrap().len(), 2);
+}
+
+/// A body of `data` whose size hint claims at least `lower` bytes (breaking `size_hint`'s
+/// contract: it has fewer).
+struct Overstated {
+    data: Option<Bytes>,
+    lower: u64,
+}
+
+impl http_body::Body for Overstated {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        std::task::Poll::Ready(self.data.take().map(|d| Ok(Frame::data(d))))
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        let mut hint = http_body::SizeHint::new();
+        hint.set_lower(self.lower);
+        hint
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_small_body_whose_size_hint_overstates_it_is_still_buffered_and_retried() {
+    let agent = agent(&policy("max_attempts: 3"));
+    let (svc, seen) = upstream::<Overstated>(&[503]);
+    let client = RetryLayer::new(agent.endpoint("ep")).layer(svc);
+    let body = Overstated {
+        data: Some(Bytes::from_static(b"0123456789")),
+        lower: 1 << 20,
+    };
+    let r = client
+        .oneshot(Request::put("http://up/v1/things").body(body).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let bodies: Vec<Bytes> = seen
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|s| s.body.clone())
+        .collect();
+    assert_eq!(bodies, [&b"0123456789"[..], &b"0123456789"[..]]);
+}

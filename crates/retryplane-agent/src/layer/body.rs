@@ -9,9 +9,11 @@ use bytes::{Buf, Bytes};
 use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt as _;
+use retryplane_policy::breaker::CircuitBreaker;
 use tokio::time::{Instant, Sleep};
 
 use super::BoxError;
+use crate::ready::{BREAKER_RECHECK, refuses_now};
 
 /// The request body the inner service receives: a buffered copy (sent again on every attempt)
 /// or, for a body over the limit, the bytes read so far followed by the rest of the original.
@@ -65,17 +67,32 @@ pub(crate) async fn buffer<B>(
     body: B,
     limit: usize,
     deadline: Instant,
+    breaker: Option<Refusal<'_>>,
 ) -> Result<Buffered<B>, B::Error>
 where
     B: Body<Data = Bytes>,
 {
-    match read_up_to(Box::pin(body), limit, Some(deadline)).await {
+    match read_up_to(Box::pin(body), limit, Some(deadline), breaker).await {
         Ok(Read::Whole(data, trailers)) => Ok(Buffered::Replayable(data, trailers)),
-        Ok(Read::Over(prefix, rest) | Read::Late(prefix, rest)) => Ok(Buffered::Once(ReplayBody {
-            inner: Inner::Streaming { prefix, rest },
-        })),
+        Ok(Read::Over(prefix, rest) | Read::Late(prefix, rest) | Read::Refused(prefix, rest)) => {
+            Ok(Buffered::Once(ReplayBody {
+                inner: Inner::Streaming { prefix, rest },
+            }))
+        }
         Err((_, e)) => Err(e),
     }
+}
+
+/// The breaker of the call whose request body [`buffer`] reads, and when that call began: an
+/// open circuit fails the call fast (SPEC §2), so the read does not wait for a slow or stalled
+/// upload the breaker will refuse. It is asked before the first frame and every
+/// [`BREAKER_RECHECK`] from the call's start while the read waits, as a wait for capacity does.
+#[derive(Clone, Copy)]
+pub(crate) struct Refusal<'a> {
+    /// The breaker the call's policy uses.
+    pub(crate) breaker: &'a CircuitBreaker,
+    /// When the call began.
+    pub(crate) began: Instant,
 }
 
 /// What [`read_up_to`] found.
@@ -86,31 +103,49 @@ pub(crate) enum Read<B> {
     Over(VecDeque<Bytes>, Pin<Box<B>>),
     /// The deadline passed before the end: the chunks read so far and the rest.
     Late(VecDeque<Bytes>, Pin<Box<B>>),
+    /// The call's breaker refuses it (see [`Refusal`]): the chunks read so far and the rest.
+    Refused(VecDeque<Bytes>, Pin<Box<B>>),
 }
 
 /// Reads `body` while it stays within `limit` bytes and, if there is one, until `deadline`
 /// (tokio's clock; a frame already there is still taken after it, but for a read that brings
-/// no bytes, ended every 64 frames); on an error, the chunks
-/// read before it. Nothing read is lost: [`Read::Over`] and [`Read::Late`] hand back the
+/// no bytes, ended every 64 frames), and, with a `breaker`, while it would not refuse the
+/// call (see [`Refusal`]; asked only with a deadline); on an error, the chunks read before it.
+/// Nothing read is lost: [`Read::Over`], [`Read::Late`] and [`Read::Refused`] hand back the
 /// chunks and the body where it stopped.
 pub(crate) async fn read_up_to<B>(
     mut body: Pin<Box<B>>,
     limit: usize,
     deadline: Option<Instant>,
+    breaker: Option<Refusal<'_>>,
 ) -> Result<Read<B>, (VecDeque<Bytes>, B::Error)>
 where
     B: Body,
     B::Data: Buf,
 {
     let limit_u64 = u64::try_from(limit).unwrap_or(u64::MAX);
-    if body.size_hint().lower() > limit_u64 {
+    // Only an exact size says the body is over the limit before a byte is read: a lower bound
+    // past the limit on a small body (a body breaking `size_hint`'s contract) would otherwise
+    // take a short request's retries away.
+    let hint = body.size_hint();
+    if hint.upper() == Some(hint.lower()) && hint.lower() > limit_u64 {
         return Ok(Read::Over(VecDeque::new(), body));
+    }
+    let refused = || breaker.is_some_and(|r| refuses_now(Some(r.breaker)));
+    if deadline.is_some() && refused() {
+        return Ok(Read::Refused(VecDeque::new(), body));
     }
     let mut chunks = VecDeque::new();
     let mut len = 0usize;
     let mut trailers = None;
-    // Registered with the timer only if a frame is not there at once.
-    let sleep = deadline.map(tokio::time::sleep_until);
+    // Registered with the timer only if a frame is not there at once. It ends at the deadline,
+    // or before it when the breaker is to be asked again.
+    let next_look = |deadline: Instant, from: Instant| match breaker {
+        Some(_) => deadline.min(from + BREAKER_RECHECK),
+        None => deadline,
+    };
+    let sleep =
+        deadline.map(|d| tokio::time::sleep_until(next_look(d, breaker.map_or(d, |r| r.began))));
     tokio::pin!(sleep);
     let mut frames = 0_u32;
     // Frames of the last 64 that brought no byte (empty data, trailers).
@@ -152,7 +187,22 @@ where
         let frame = match next {
             Some(Some(frame)) => frame,
             Some(None) => break,
-            None => return Ok(Read::Late(chunks, body)),
+            None => {
+                // The timer: the deadline, or a look at the breaker before it.
+                let now = Instant::now();
+                match deadline {
+                    Some(deadline) if now < deadline => {
+                        if refused() {
+                            return Ok(Read::Refused(chunks, body));
+                        }
+                        if let Some(sleep) = sleep.as_mut().as_pin_mut() {
+                            sleep.reset(next_look(deadline, now));
+                        }
+                        continue;
+                    }
+                    _ => return Ok(Read::Late(chunks, body)),
+                }
+            }
         };
         let frame = match frame {
             Ok(frame) => frame,
@@ -381,9 +431,9 @@ where
     B::Error: Into<BoxError>,
 {
     let (parts, body) = response.into_parts();
-    let body = match read_up_to(Box::pin(body), limit, Some(until)).await {
+    let body = match read_up_to(Box::pin(body), limit, Some(until), None).await {
         Ok(Read::Whole(data, trailers)) => ResponseBody::full(data, trailers),
-        Ok(Read::Over(prefix, rest) | Read::Late(prefix, rest)) => {
+        Ok(Read::Over(prefix, rest) | Read::Late(prefix, rest) | Read::Refused(prefix, rest)) => {
             ResponseBody::streaming(prefix, rest)
         }
         Err((prefix, e)) => ResponseBody::failed(prefix, e.into()),
@@ -537,7 +587,7 @@ where
                 let Some(left) = limit.checked_sub(read) else {
                     return Err(Self::streaming(prefix, rest));
                 };
-                match read_up_to(rest, left, Some(deadline)).await {
+                match read_up_to(rest, left, Some(deadline), None).await {
                     Ok(Read::Whole(data, trailers)) => {
                         let data = if prefix.is_empty() {
                             data
@@ -548,7 +598,9 @@ where
                         };
                         Ok((data, trailers))
                     }
-                    Ok(Read::Over(more, rest) | Read::Late(more, rest)) => {
+                    Ok(
+                        Read::Over(more, rest) | Read::Late(more, rest) | Read::Refused(more, rest),
+                    ) => {
                         prefix.extend(more);
                         Err(Self::streaming(prefix, rest))
                     }
@@ -787,7 +839,7 @@ mod tests {
         // Before, a frame that was there always won over the deadline: the read took every
         // frame (for ever, for a body that never ends), each empty chunk kept.
         let (body, polls) = ready_frames(1_000_000, b"");
-        let read = read_up_to(Box::pin(body), 64, Some(Instant::now())).await;
+        let read = read_up_to(Box::pin(body), 64, Some(Instant::now()), None).await;
         let Ok(Read::Late(chunks, _)) = read else {
             panic!("the deadline ends the read");
         };
@@ -846,7 +898,7 @@ mod tests {
         // Bounded by the limit alone, a body always ready was read far past its deadline
         // (for ever, under a limit of `usize::MAX`).
         let (body, polls) = ready_frames(u32::MAX, b"x");
-        let read = read_up_to(Box::pin(body), usize::MAX, Some(Instant::now())).await;
+        let read = read_up_to(Box::pin(body), usize::MAX, Some(Instant::now()), None).await;
         assert!(matches!(read, Ok(Read::Late(..))));
         let polls = polls.load(std::sync::atomic::Ordering::Relaxed);
         // Ended by the grace past the deadline (100 ms) or its frames (2^20 at most).
@@ -861,7 +913,7 @@ mod tests {
             .map(|_| Ok(Frame::data(Bytes::from_static(b"x"))))
             .collect();
         let body = StreamBody::new(tokio_stream::iter(frames));
-        let read = read_up_to(Box::pin(body), 1024, Some(Instant::now())).await;
+        let read = read_up_to(Box::pin(body), 1024, Some(Instant::now()), None).await;
         let Ok(Read::Whole(data, None)) = read else {
             panic!("read whole");
         };

@@ -18,7 +18,9 @@ use tower::{Layer, Service, ServiceExt as _};
 use tracing::debug;
 
 use super::auth::{DynRefresh, HttpReauth, RefreshCredentials, RefreshFailed, wants_credentials};
-use super::body::{Buffered, READ_ON_IDLE_FRAMES, ReplayBody, ResponseBody, buffer, read_failed};
+use super::body::{
+    Buffered, READ_ON_IDLE_FRAMES, Refusal, ReplayBody, ResponseBody, buffer, read_failed,
+};
 use super::dedup::{Dedup, Landing, Leader, Role, SharedResponse};
 use super::grpc::{call_meta, grpc_timeout, is_grpc, set_grpc_timeout};
 use super::{BoxError, DEFAULT_BODY_LIMIT, GaveUp, ResponseFuture, RetryError, lock};
@@ -379,8 +381,15 @@ where
     let (head, body) = request.into_parts();
     // Reading the body waits on the caller's stream, inside the call's deadline: a stalled one
     // is bounded by it, and the call then gives up at that same deadline, sending nothing.
-    let deadline = begun.deadline(&call_meta(&head, head.uri.path()));
-    let buffered = buffer(body, settings.body_limit, deadline)
+    let meta = call_meta(&head, head.uri.path());
+    let deadline = begun.deadline(&meta);
+    // An open circuit fails the call fast: the read stops (or never starts) when the breaker
+    // would refuse the call, which then gives up at its first attempt, sending nothing.
+    let breaker = begun.breaker(&meta).map(|breaker| Refusal {
+        breaker,
+        began: begun.at(),
+    });
+    let buffered = buffer(body, settings.body_limit, deadline, breaker)
         .await
         .map_err(Into::into)?;
     Ok(match buffered {

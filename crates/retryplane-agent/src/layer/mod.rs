@@ -18,7 +18,10 @@
 //!   body counts in it: a call made through the layer ends by its deadline, body read
 //!   included, as one made with [`crate::Endpoint::call`] does. A body still coming at the
 //!   deadline (a stalled upload) leaves no time for an attempt: nothing is sent, and the call
-//!   gives up with `deadline_exceeded` ([`RetryError::NoAnswer`]). A gRPC request's own
+//!   gives up with `deadline_exceeded` ([`RetryError::NoAnswer`]). An open circuit fails the
+//!   call fast (SPEC §2), body or not: the breaker is asked before the body is read and every
+//!   100 ms while the read waits, and a call it would refuse gives up with `circuit_open` at
+//!   once, nothing sent. A gRPC request's own
 //!   deadline (`grpc-timeout`, from tonic's `Request::set_timeout`) caps it: the call, its
 //!   attempts and its pauses end by the earlier of the two, since tonic enforces that header
 //!   below the layer on each attempt only. Each attempt of such a request carries, in
