@@ -412,7 +412,8 @@ impl Endpoint {
             // Released on drop: a fatal result, a cancellation or a dropped call future hands
             // back the attempt's breaker permit, and, during a pause, the retry the budget
             // counted for the attempt that will not be sent.
-            let mut call = ReleaseOnDrop(RetryCall::new(policy, &runtime.state, info, started));
+            // Released when the call ends or its future is dropped (`RetryCall`'s `Drop`).
+            let mut call = RetryCall::new(policy, &runtime.state, info, started);
             if let Some(within) = meta.within() {
                 call.cap_deadline(within);
             }
@@ -1147,35 +1148,6 @@ impl Drop for FirstCounts<'_> {
         if cancelled {
             Counters::inc(&self.c.cancelled);
         }
-    }
-}
-
-/// The engine's call, [released](RetryCall::release) when the call ends or its future is
-/// dropped: an attempt that ended with no outcome for the breaker (a fatal error, a
-/// cancellation, a dropped call) hands its half-open probe back instead of keeping it until
-/// the breaker gives up on lost probes, and a call that ends during a pause hands back the
-/// retry the budget counted for the attempt it will not send. After an outcome the permit is
-/// spent and no retry is pending, so the release (inline) touches no atomic: the success path
-/// pays two branches and two stores.
-struct ReleaseOnDrop<'a>(RetryCall<'a>);
-
-impl<'a> std::ops::Deref for ReleaseOnDrop<'a> {
-    type Target = RetryCall<'a>;
-
-    fn deref(&self) -> &RetryCall<'a> {
-        &self.0
-    }
-}
-
-impl std::ops::DerefMut for ReleaseOnDrop<'_> {
-    fn deref_mut(&mut self) -> &mut Self::Target {
-        &mut self.0
-    }
-}
-
-impl Drop for ReleaseOnDrop<'_> {
-    fn drop(&mut self) {
-        self.0.release();
     }
 }
 

@@ -406,6 +406,17 @@ pub struct Attempt {
     pub timeout: Duration,
 }
 
+/// A call dropped before it ended (its future dropped during an attempt or a pause) is
+/// [released](RetryCall::release): its unreported breaker permit and the retry the budget
+/// counted for an attempt it will not send are handed back. After an outcome the permit is
+/// spent and no retry is pending, so the drop (inline) touches no atomic.
+impl Drop for RetryCall<'_> {
+    #[inline]
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
 impl<'a> RetryCall<'a> {
     /// Starts a logical call at `now`. Policy and state are held for the whole call. The call
     /// counts as a request in the budget when its first attempt starts

@@ -271,9 +271,12 @@ fn budget_refuses_retries_past_the_reserve_and_first_attempts_never_consume_it()
     let state = EndpointState::new(&p, t0);
     // Reserve: 1/s × 2 s = 2 retries in the window, whatever the number of calls.
     let mut decisions = Vec::new();
+    // Kept: a call dropped in its pause would hand its retry back.
+    let mut pausing = Vec::new();
     for _ in 0..4 {
         let mut call = RetryCall::new(&p, &state, get(), t0);
         decisions.push(step(&mut call, http(503), t0));
+        pausing.push(call);
     }
     let retried = decisions
         .iter()
@@ -524,6 +527,41 @@ fn a_retry_released_before_it_starts_is_handed_back_to_the_budget() {
     assert_eq!(budget_retries(&state, t0), Some(0));
     call.release();
     assert_eq!(budget_retries(&state, t0), Some(0), "handed back once");
+}
+
+#[test]
+fn a_call_dropped_during_its_pause_hands_its_retry_and_its_probe_back() {
+    let p = policy();
+    let t0 = Instant::now();
+    let state = EndpointState::new(&p, t0);
+    let mut call = RetryCall::new(&p, &state, get(), t0);
+    assert!(matches!(
+        step(&mut call, http(503), t0),
+        Decision::Retry { .. }
+    ));
+    assert_eq!(budget_retries(&state, t0), Some(1), "counted when decided");
+    // Dropped, not released: what a caller that owns the call and forgets it does.
+    drop(call);
+    assert_eq!(budget_retries(&state, t0), Some(0));
+
+    // And an attempt dropped before its outcome gives its half-open probe back.
+    let mut p = breaking_after(1);
+    if let Some(b) = p.circuit_breaker.as_mut() {
+        b.half_open_probes = 1;
+    }
+    let open_for = p.circuit_breaker.as_ref().map(|b| b.open_for).unwrap();
+    let state = EndpointState::new(&p, t0);
+    let mut call = RetryCall::new(&p, &state, get(), t0);
+    let _ = step(&mut call, http(503), t0);
+    let half = t0 + open_for;
+    let mut probing = RetryCall::new(&p, &state, get(), half);
+    assert!(probing.start_attempt(half).is_ok());
+    drop(probing);
+    let mut next = RetryCall::new(&p, &state, get(), half);
+    assert!(
+        next.start_attempt(half).is_ok(),
+        "the probe was handed back"
+    );
 }
 
 #[test]
