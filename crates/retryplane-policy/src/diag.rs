@@ -49,8 +49,8 @@ impl Diagnostic {
         Self {
             severity: Severity::Error,
             loc,
-            path: path.into(),
-            message: message.into(),
+            path: path_shown(path.into()),
+            message: message_shown(message.into()),
             endpoint: None,
         }
     }
@@ -60,8 +60,8 @@ impl Diagnostic {
         Self {
             severity: Severity::Warning,
             loc,
-            path: path.into(),
-            message: message.into(),
+            path: path_shown(path.into()),
+            message: message_shown(message.into()),
             endpoint: None,
         }
     }
@@ -168,14 +168,55 @@ pub fn endpoint_name_shown(name: &str) -> Cow<'_, str> {
     if name.len() <= MAX_ENDPOINT_NAME {
         return Cow::Borrowed(name);
     }
-    let end = name.floor_char_boundary(MAX_ENDPOINT_NAME);
+    Cow::Owned(cut_tagged(name, MAX_ENDPOINT_NAME))
+}
+
+/// The first `max` bytes of `text` at most (cut back to a character boundary), `…`, `#` and
+/// eight hex digits of a hash of the whole.
+fn cut_tagged(text: &str, max: usize) -> String {
+    let end = text.floor_char_boundary(max);
     // 32-bit FNV-1a, written out: the tag must be the same in every build (a CLI and a control
     // plane built with other toolchains name the file's problems alike), which std's hasher
     // does not promise, and it only tells names apart, so no hashing crate is needed.
-    let tag = name.bytes().fold(0x811c_9dc5_u32, |hash, byte| {
+    let tag = text.bytes().fold(0x811c_9dc5_u32, |hash, byte| {
         (hash ^ u32::from(byte)).wrapping_mul(0x0100_0193)
     });
-    Cow::Owned(format!("{}…#{tag:08x}", &name[..end]))
+    format!("{}…#{tag:08x}", &text[..end])
+}
+
+/// The longest field path a diagnostic keeps whole. Every path a valid policy has is far
+/// shorter (endpoint names are cut at [`MAX_ENDPOINT_NAME`] already); a longer one holds a key
+/// written as a long value (an alias of a long scalar used as a key, say).
+pub const MAX_PATH_SHOWN: usize = 1024;
+
+/// The longest message a diagnostic keeps whole: the messages quote what was written, and one
+/// value can be quoted many times (aliases of one long scalar), so a message quoting most of a
+/// megabyte, once per alias, would make a file's report a hundred times its size.
+pub const MAX_MESSAGE_SHOWN: usize = 2048;
+
+/// `path` as a diagnostic keeps it: whole up to [`MAX_PATH_SHOWN`] bytes, else cut as
+/// [`endpoint_name_shown`] cuts a name (a hash keeps two long paths that start alike apart).
+fn path_shown(path: String) -> String {
+    if path.len() <= MAX_PATH_SHOWN {
+        return path;
+    }
+    cut_tagged(&path, MAX_PATH_SHOWN)
+}
+
+/// `message` as a diagnostic keeps it: whole up to [`MAX_MESSAGE_SHOWN`] bytes, else its
+/// start and its end (where the hint on what to write usually stands) around `…`.
+fn message_shown(message: String) -> String {
+    if message.len() <= MAX_MESSAGE_SHOWN {
+        return message;
+    }
+    let head = message.floor_char_boundary(MAX_MESSAGE_SHOWN / 2);
+    let tail = message.ceil_char_boundary(message.len() - MAX_MESSAGE_SHOWN / 4);
+    format!(
+        "{} … ({} bytes not shown) … {}",
+        &message[..head],
+        tail - head,
+        &message[tail..]
+    )
 }
 
 /// The path of the endpoint `name`: `endpoints.NAME`, with a name longer than any a policy
@@ -413,6 +454,68 @@ mod tests {
             endpoint_name_shown(&a),
             format!("{}…#e4632007", "a".repeat(128))
         );
+    }
+
+    #[test]
+    fn a_long_value_quoted_once_per_alias_is_cut_in_every_problem() {
+        // One scalar of most of a megabyte, quoted by 32 aliases as methods (each "not a
+        // method" and "listed twice") and by 32 as keys (each "unknown field", in the message
+        // and the path): as many copies as the parser lets aliases make.
+        let long = "x y".repeat(300_000);
+        let aliases = ["*k"; 32].join(", ");
+        let keys: String = (0..32).map(|_| "    *k : 1\n").collect();
+        let src = format!(
+            "version: 1\nendpoints:\n  a:\n    idempotency_key_header: &k \"{long}\"\n    idempotent_methods: [{aliases}]\n  b:\n{keys}"
+        );
+        let loaded = crate::load(src.as_bytes());
+        let shown: usize = loaded
+            .diagnostics
+            .iter()
+            .map(|d| d.message.len() + d.path.len())
+            .sum();
+        let some: Vec<_> = loaded
+            .diagnostics
+            .iter()
+            .map(|d| d.message.get(..200))
+            .collect();
+        assert!(loaded.diagnostics.len() >= 64, "{some:#?}");
+        assert!(
+            shown < src.len() / 2,
+            "{shown} bytes of problems from a {}-byte file",
+            src.len()
+        );
+        for d in &loaded.diagnostics {
+            assert!(
+                d.message.len() <= MAX_MESSAGE_SHOWN + 64,
+                "{}",
+                d.message.len()
+            );
+            assert!(d.path.len() <= MAX_PATH_SHOWN + 16, "{}", d.path.len());
+        }
+    }
+
+    #[test]
+    fn a_long_message_keeps_its_start_and_its_end_and_a_long_path_its_tag() {
+        let short = "`GET ` is not an HTTP method".to_owned();
+        assert_eq!(message_shown(short.clone()), short);
+        let long = format!(
+            "`{}` is not an HTTP method; write a token",
+            "é".repeat(5_000)
+        );
+        let shown = message_shown(long.clone());
+        assert!(shown.starts_with("`éé"), "{shown}");
+        assert!(
+            shown.ends_with("is not an HTTP method; write a token"),
+            "{shown}"
+        );
+        assert!(shown.contains(" bytes not shown) … "), "{shown}");
+        assert!(shown.len() <= MAX_MESSAGE_SHOWN + 64);
+        let a = path_shown(format!("endpoints.a.{}x", "k".repeat(2_000)));
+        let b = path_shown(format!("endpoints.a.{}y", "k".repeat(2_000)));
+        assert_ne!(a, b, "two long paths that start alike stay apart");
+        assert!(a.len() <= MAX_PATH_SHOWN + 16, "{}", a.len());
+        let kept = "endpoints.payments.routes[0].max_attempts".to_owned();
+        assert_eq!(path_shown(kept.clone()), kept);
     }
 
     #[test]

@@ -843,6 +843,36 @@ fn a_value_listed_twice_is_a_warning_in_every_list() {
 }
 
 #[test]
+fn a_list_of_more_methods_than_a_policy_needs_is_refused() {
+    let methods = |n: usize| {
+        let list: Vec<String> = (0..n).map(|i| format!("M{i}")).collect();
+        format!(
+            "version: 1\nendpoints:\n  a:\n    idempotent_methods: [{}]\n",
+            list.join(", ")
+        )
+    };
+    assert_eq!(all(&methods(64)), Vec::<String>::new());
+    assert_eq!(
+        errors(&methods(65)),
+        [
+            "4:25: error: endpoints.a.idempotent_methods: lists 65 methods; at most 64 (every call on the endpoint looks its method up in this list)"
+        ]
+    );
+    // Repeats are still each said once, however long the list.
+    let repeated = format!(
+        "version: 1\nendpoints:\n  a:\n    retry_on: {{http_status: [{}]}}\n",
+        ["503"; 3].join(", ")
+    );
+    assert_eq!(
+        all(&repeated),
+        [
+            "4:35: warning: endpoints.a.retry_on.http_status: 503 is listed twice",
+            "4:40: warning: endpoints.a.retry_on.http_status: 503 is listed twice",
+        ]
+    );
+}
+
+#[test]
 fn a_key_or_endpoint_written_twice_still_has_what_it_keeps_checked() {
     // A key written twice keeps its first value: the policy would hold it, so what is wrong
     // with it is said too.

@@ -24,6 +24,10 @@ pub const MAX_ATTEMPTS_LIMIT: u32 = 10;
 /// Above this many attempts, a warning.
 pub const MAX_ATTEMPTS_WARN: u32 = 5;
 
+/// The most methods `idempotent_methods` may list: HTTP defines nine and WebDAV a few more;
+/// every call looks its method up in the list.
+pub const MAX_IDEMPOTENT_METHODS: usize = 64;
+
 /// Why `found` is not a valid `max_attempts`.
 pub(crate) fn max_attempts_range(found: impl std::fmt::Display) -> String {
     format!("must be from 1 (never retry) to {MAX_ATTEMPTS_LIMIT}, found {found}")
@@ -537,6 +541,18 @@ fn check_layer(o: &Overlay, prefix: &str, diags: &mut Vec<Diagnostic>) {
     {
         error(f.loc, "max_attempts", max_attempts_range(f.value));
     }
+    if let Some(f) = &o.idempotent_methods
+        && f.value.len() > MAX_IDEMPOTENT_METHODS
+    {
+        error(
+            f.loc,
+            "idempotent_methods",
+            format!(
+                "lists {} methods; at most {MAX_IDEMPOTENT_METHODS} (every call on the endpoint looks its method up in this list)",
+                f.value.len()
+            ),
+        );
+    }
     for (field, value) in [
         ("backoff.base", &o.backoff.base),
         ("backoff.max", &o.backoff.max),
@@ -699,8 +715,10 @@ fn check_layer(o: &Overlay, prefix: &str, diags: &mut Vec<Diagnostic>) {
             }
         }
     }
+    // Repeats found through a set: a list is as long as its file makes it.
     if let Some(list) = &o.retry_on.http_status {
-        for (i, s) in list.value.iter().enumerate() {
+        let mut seen_statuses = HashSet::new();
+        for s in &list.value {
             if (400..500).contains(&s.value) && !RETRYABLE_4XX.contains(&s.value) {
                 warn(
                     s.loc,
@@ -711,7 +729,7 @@ fn check_layer(o: &Overlay, prefix: &str, diags: &mut Vec<Diagnostic>) {
                     ),
                 );
             }
-            if list.value[..i].iter().any(|p| p.value == s.value) {
+            if !seen_statuses.insert(s.value) {
                 warn(
                     s.loc,
                     "retry_on.http_status".into(),
@@ -721,7 +739,8 @@ fn check_layer(o: &Overlay, prefix: &str, diags: &mut Vec<Diagnostic>) {
         }
     }
     if let Some(list) = &o.retry_on.grpc_status {
-        for (i, c) in list.value.iter().enumerate() {
+        let mut seen_codes = HashSet::new();
+        for c in &list.value {
             if NON_RETRYABLE_GRPC.contains(&c.value) {
                 warn(
                     c.loc,
@@ -729,7 +748,7 @@ fn check_layer(o: &Overlay, prefix: &str, diags: &mut Vec<Diagnostic>) {
                     format!("{} does not get better by repetition", c.value.name()),
                 );
             }
-            if list.value[..i].iter().any(|p| p.value == c.value) {
+            if !seen_codes.insert(c.value) {
                 warn(
                     c.loc,
                     "retry_on.grpc_status".into(),
@@ -740,8 +759,9 @@ fn check_layer(o: &Overlay, prefix: &str, diags: &mut Vec<Diagnostic>) {
     }
     // The other lists say a repeat the way `http_status` does.
     if let Some(list) = &o.retry_on.errors {
-        for (i, e) in list.value.iter().enumerate() {
-            if list.value[..i].iter().any(|p| p.value == e.value) {
+        let mut seen_errors = HashSet::new();
+        for e in &list.value {
+            if !seen_errors.insert(e.value.as_str()) {
                 warn(
                     e.loc,
                     "retry_on.errors".into(),
@@ -751,8 +771,9 @@ fn check_layer(o: &Overlay, prefix: &str, diags: &mut Vec<Diagnostic>) {
         }
     }
     if let Some(list) = &o.idempotent_methods {
-        for (i, m) in list.value.iter().enumerate() {
-            if list.value[..i].iter().any(|p| p.value == m.value) {
+        let mut seen_methods = HashSet::new();
+        for m in &list.value {
+            if !seen_methods.insert(m.value.as_str()) {
                 warn(
                     m.loc,
                     "idempotent_methods".into(),
