@@ -60,7 +60,10 @@ pub fn parse_duration(input: &str) -> Result<Duration, DurationError> {
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(s.len());
     let (number, unit) = s.split_at(split);
-    if number.is_empty() || number.chars().filter(|c| *c == '.').count() > 1 {
+    // A number has a digit: `.s` is no zero, nor is YAML's `.inf` a number of `inf`.
+    if !number.bytes().any(|b| b.is_ascii_digit())
+        || number.chars().filter(|c| *c == '.').count() > 1
+    {
         return Err(DurationError::Malformed(input.to_owned()));
     }
     if unit.is_empty() {
@@ -195,6 +198,15 @@ mod tests {
             parse_duration("1..2s"),
             Err(DurationError::Malformed(_))
         ));
+        for no_digit in [".s", ".ms", ".inf", ".nan", ".Inf", "."] {
+            assert!(
+                matches!(parse_duration(no_digit), Err(DurationError::Malformed(_))),
+                "{no_digit}: {:?}",
+                parse_duration(no_digit)
+            );
+        }
+        assert_eq!(parse_duration(".5s"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("5.s"), Ok(Duration::from_secs(5)));
         assert!(matches!(
             parse_duration("1.0001s"),
             Err(DurationError::OutOfRange(_))
