@@ -330,7 +330,14 @@ fn change_status(e: ChangeError, file_mode: bool) -> Status {
         ChangeError::Store(StoreError::NoSuchVersion { version }) => {
             Status::not_found(format!("version {version} does not exist"))
         }
-        ChangeError::Store(e) => internal(&e),
+        // A commit can fail after it reached the disk, and the control plane then serves it
+        // (at once, or once it can read the store again): the caller is not told "not applied".
+        ChangeError::Store(e) => {
+            error!(error = %ErrorChain(&e), "admin change failed in the version store");
+            Status::internal(
+                "the version store failed (see the control plane's log); the change may still have been stored: `retryplane history` shows what is",
+            )
+        }
         ChangeError::Unfinished(why) => {
             error!(error = %why, "an admin change's check did not finish");
             Status::internal("the change's check did not finish; see the control plane's log")

@@ -325,6 +325,27 @@ impl RedbStore {
         Ok(())
     }
 
+    /// After a commit that failed: closes the database, so that the next call opens the file
+    /// again (at once, whenever the last reopen was) and reads what it holds. A commit can fail
+    /// after its data reached the disk (a full disk, say), and this handle would go on reading
+    /// the state from before it, while the next start serves the version it stored: a caller
+    /// told the change failed must find out from the file itself whether it did
+    /// (`committed_anyway` in the control plane reads it back).
+    fn close_after_failed_commit(&self, error: &StoreError) {
+        let mut slot = self.db.write().unwrap_or_else(PoisonError::into_inner);
+        warn!(file = %self.path.display(), error = %error, "a commit to the version store failed; reopening it to read what it holds");
+        if let Some(db) = slot.db.take()
+            && let Err(error) = db.close()
+        {
+            debug!(error = %error, "closing the version store after a failed commit");
+        }
+        slot.generation += 1;
+        slot.reopened_at = None;
+        slot.failing = Some(Arc::new(StoreError::Backend(
+            format!("a commit failed: {error}").into(),
+        )));
+    }
+
     /// Closes and opens the database again, unless another call did since `seen`, or a reopen
     /// was tried less than [`REOPEN_INTERVAL`] ago (then fails with why the store is failing).
     /// `previous_io` is the error that made the caller ask, if the database was open.
@@ -423,8 +444,15 @@ impl VersionStore for RedbStore {
     fn publish(&self, new: NewVersion, expected: Option<u64>) -> Result<Published, StoreError> {
         self.check_file()?;
         let encoded = new.document.encode_to_vec();
+        let committing = std::cell::Cell::new(false);
         // A call redb refused before committing anything may run twice (see `run`).
-        self.run(|db| publish_in(db, &new, &encoded, expected))
+        let published = self.run(|db| publish_in(db, &new, &encoded, expected, &committing));
+        if let Err(error) = &published
+            && committing.get()
+        {
+            self.close_after_failed_commit(error);
+        }
+        published
     }
 }
 
@@ -434,6 +462,7 @@ fn publish_in(
     new: &NewVersion,
     encoded: &[u8],
     expected: Option<u64>,
+    committing: &std::cell::Cell<bool>,
 ) -> Result<Published, StoreError> {
     let mut txn = db.begin_write().map_err(backend)?;
     txn.set_durability(Durability::Immediate).map_err(backend)?;
@@ -459,7 +488,10 @@ fn publish_in(
     };
     // On an error above, dropping the transaction aborts it.
     match published {
-        Published::New(_) => txn.commit().map_err(backend)?,
+        Published::New(_) => {
+            committing.set(true);
+            txn.commit().map_err(backend)?;
+        }
         Published::Unchanged(_) => txn.abort().map_err(backend)?,
     }
     Ok(published)
