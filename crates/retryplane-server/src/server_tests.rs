@@ -288,6 +288,44 @@ async fn api_mode_seeds_only_an_empty_store() {
 }
 
 #[tokio::test]
+async fn file_mode_over_versions_the_admin_api_applied_says_it_replaces_them() {
+    let (_dir, mut cfg) = with_file(V1);
+    cfg.api_mode = true;
+    let running = start(cfg.clone()).await.unwrap();
+    let applied = admin(&running)
+        .await
+        .apply(pb::ApplyRequest {
+            source: Some(pb::PolicySource {
+                kind: Some(pb::policy_source::Kind::Yaml(V2.to_owned())),
+                origin: String::new(),
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(applied.into_inner().version, 2);
+    running.shutdown().await.unwrap();
+    // The same data directory, started without `--api`: the file (still V1) wins, and the
+    // log says so, naming the version the admin API made.
+    cfg.api_mode = false;
+    let (log, guard) = crate::test_logs::capture("retryplane_server=warn");
+    let running = start(cfg).await.unwrap();
+    drop(guard);
+    let logged = log.text();
+    assert!(
+        logged.contains("file mode: the current version came from the admin API")
+            && logged.contains("version=2")
+            && logged.contains("source=\"admin\""),
+        "{logged}"
+    );
+    assert_eq!(
+        running.control().publisher.current().map(|s| s.version),
+        Some(3)
+    );
+    running.shutdown().await.unwrap();
+}
+
+#[tokio::test]
 async fn api_mode_without_a_seed_is_not_ready_until_an_apply() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = ServeConfig {

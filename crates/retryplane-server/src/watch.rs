@@ -91,7 +91,7 @@ use tracing::{debug, info, warn};
 
 use crate::ErrorChain;
 use crate::control::{ChangeContent, ChangeError, ChangeRequest, ControlPlane};
-use crate::store::Source;
+use crate::store::{Source, StoreError};
 use crate::writers;
 
 /// Quiet time after the last event before the file is read.
@@ -748,6 +748,11 @@ enum LastRead {
     Nothing,
     /// These bytes, settled: applied, equal to the current version's, or refused for good.
     Bytes(Vec<u8>),
+    /// These bytes, valid, but the store did not take them (a full disk, say), at this
+    /// instant: read again, they are tried again at most once every [`UNSTORED_RETRY`] and not
+    /// logged again at warn. Every event in the file's directories reads it (a log written
+    /// there makes one event per line), and each try would log a warning: a loop.
+    Unstored(Vec<u8>, Instant),
     /// Reading failed like this (already logged).
     Failed(io::ErrorKind),
 }
@@ -961,6 +966,16 @@ async fn reload_if_changed(
         debug!(file = %file.display(), "the policy file is unchanged since it was last read");
         return;
     }
+    let again = match last {
+        LastRead::Unstored(seen, at) if *seen == read.bytes => {
+            if at.elapsed() < UNSTORED_RETRY {
+                debug!(file = %file.display(), "the policy file is unchanged since the store failed to take it; trying again later");
+                return;
+            }
+            true
+        }
+        _ => false,
+    };
     let (loaded, bytes) = match blocking(move || (read.load(), read.bytes)).await {
         Ok(loaded) => loaded,
         Err(e) => {
@@ -970,13 +985,27 @@ async fn reload_if_changed(
             return;
         }
     };
-    let (settled, valid) = apply(control, file, loaded).await;
+    let (settled, valid) = apply(control, file, loaded, again).await;
     reload_result(control, file, valid);
-    *last = if settled {
-        LastRead::Bytes(bytes)
-    } else {
-        LastRead::Nothing
+    *last = match settled {
+        Settled::Yes => LastRead::Bytes(bytes),
+        Settled::Unstored => LastRead::Unstored(bytes, Instant::now()),
+        Settled::No => LastRead::Nothing,
     };
+}
+
+/// How long the watcher waits before it gives the store bytes it failed to take once more
+/// (see [`LastRead::Unstored`]); the rescan reads the file at least every 10 s anyway.
+const UNSTORED_RETRY: Duration = Duration::from_secs(5);
+
+/// Whether the same bytes would get the same answer from [`apply`] again.
+enum Settled {
+    /// Yes: applied, equal to what is served, or refused for what they hold.
+    Yes,
+    /// Not stored: the store failed (a full disk); tried again later.
+    Unstored,
+    /// No (a conflict with a change made meanwhile).
+    No,
 }
 
 /// Sets `retryplane_server_config_last_reload_successful` from one read of the file, and says
@@ -1005,16 +1034,22 @@ pub async fn reload(control: &ControlPlane, file: &Path) {
     reload_if_changed(control, file, read, &mut LastRead::Nothing).await;
 }
 
-/// Applies what was loaded from `file`, logging any problem. Returns whether the outcome is
-/// settled, so that the same bytes would get the same answer again (only a store failure is
-/// worth another try), and whether the file was valid and applied (or equal to the version
-/// served).
-async fn apply(control: &ControlPlane, file: &Path, loaded: Loaded) -> (bool, bool) {
+/// Applies what was loaded from `file`, logging any problem (a store failure at debug when
+/// these bytes failed so `again`). Returns whether the outcome is settled, so that the same
+/// bytes would get the same answer again (only a store failure is worth another try, and not
+/// a store whose file was replaced, which stores nothing until a restart), and whether the
+/// file was valid and applied (or equal to the version served).
+async fn apply(
+    control: &ControlPlane,
+    file: &Path,
+    loaded: Loaded,
+    again: bool,
+) -> (Settled, bool) {
     log_diagnostics(file, &loaded);
     let Some(policies) = loaded.policies else {
         control.metrics.rejected_changes.inc();
         warn!(file = %file.display(), "the policy file has errors; the change is rejected and {} stays served", serving(control));
-        return (true, false);
+        return (Settled::Yes, false);
     };
     let request = ChangeRequest {
         content: ChangeContent::Loaded {
@@ -1035,9 +1070,9 @@ async fn apply(control: &ControlPlane, file: &Path, loaded: Loaded) -> (bool, bo
             if control.metrics.config_last_reload_successful.get() == 1 {
                 info!(file = %file.display(), "the policy file was saved, but its policies did not change; {} stays served", serving(control));
             }
-            (true, true)
+            (Settled::Yes, true)
         }
-        Ok(_) => (true, true),
+        Ok(_) => (Settled::Yes, true),
         Err(ChangeError::RemovesEverything(names)) => {
             // As many names as fit one readable line (a file of thousands of endpoints made
             // one log line of 150 KB).
@@ -1048,12 +1083,20 @@ async fn apply(control: &ControlPlane, file: &Path, loaded: Loaded) -> (bool, bo
                  replace every endpoint, add the new ones first, save, then remove the old ones",
                 serving(control)
             );
-            (true, false)
+            (Settled::Yes, false)
         }
         Err(e) => {
-            warn!(file = %file.display(), error = %ErrorChain(&e), "the saved policy file was not applied; {} stays served", serving(control));
-            // A store failure or a conflict may go another way next time.
-            let settled = !matches!(e, ChangeError::Store(_) | ChangeError::Conflict { .. });
+            let settled = match &e {
+                ChangeError::Store(StoreError::FileReplaced { .. }) => Settled::Yes,
+                ChangeError::Store(_) => Settled::Unstored,
+                ChangeError::Conflict { .. } => Settled::No,
+                _ => Settled::Yes,
+            };
+            if again && matches!(settled, Settled::Unstored) {
+                debug!(file = %file.display(), error = %ErrorChain(&e), "the saved policy file still cannot be stored; {} stays served", serving(control));
+            } else {
+                warn!(file = %file.display(), error = %ErrorChain(&e), "the saved policy file was not applied; {} stays served", serving(control));
+            }
             (settled, false)
         }
     }

@@ -6,7 +6,7 @@ use tokio::sync::watch;
 
 use super::*;
 use crate::control::Mode;
-use crate::store::{MemoryStore, VersionStore};
+use crate::store::{MemoryStore, StoreError, VersionStore};
 use crate::test_logs::Sink;
 
 /// A watcher with no start-up read handed over: it reads the file afresh on its first event.
@@ -983,4 +983,87 @@ async fn a_save_of_a_file_sharing_a_memfds_inode_number_is_not_held_back() {
     wait_for_version(&f.control, 2, Duration::from_secs(10)).await;
     drop(found);
     drop(memfd);
+}
+
+/// A memory store whose writes fail (as on a full disk) while `full` is set.
+struct FillingStore {
+    inner: MemoryStore,
+    full: std::sync::atomic::AtomicBool,
+}
+
+impl VersionStore for FillingStore {
+    fn current(&self) -> Result<Option<crate::store::VersionRecord>, StoreError> {
+        self.inner.current()
+    }
+
+    fn get(&self, version: u64) -> Result<Option<crate::store::VersionRecord>, StoreError> {
+        self.inner.get(version)
+    }
+
+    fn history(
+        &self,
+        limit: usize,
+        before: Option<u64>,
+    ) -> Result<Vec<crate::store::VersionMeta>, StoreError> {
+        self.inner.history(limit, before)
+    }
+
+    fn publish(
+        &self,
+        new: crate::store::NewVersion,
+        expected: Option<u64>,
+    ) -> Result<crate::store::Published, StoreError> {
+        if self.full.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(StoreError::Backend("No space left on device".into()));
+        }
+        self.inner.publish(new, expected)
+    }
+}
+
+const NOT_STORED_YET: &str = "unchanged since the store failed to take it";
+
+#[tokio::test]
+async fn a_save_the_store_fails_to_take_is_logged_once_and_tried_again_later_not_per_event() {
+    let (log, _guard) = capture_logs();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("policies.yaml");
+    fs::write(&file, V1).unwrap();
+    let store = Arc::new(FillingStore {
+        inner: MemoryStore::new(),
+        full: false.into(),
+    });
+    let control = Arc::new(ControlPlane::for_tests(
+        store.clone(),
+        Mode::File(file.clone()),
+    ));
+    reload(&control, &file).await;
+    let (_stop, shutdown) = watch::channel(false);
+    spawn(control.clone(), file.clone(), TIMING, shutdown).unwrap();
+
+    store.full.store(true, std::sync::atomic::Ordering::SeqCst);
+    let f = Fixture {
+        dir,
+        file,
+        control: control.clone(),
+        _stop,
+    };
+    save_by_rename(&f, V2);
+    let refused = "the saved policy file was not applied";
+    eventually("the save to be refused", || log.text().contains(refused)).await;
+    // Events in the directory (a log written there makes one per line): the same bytes are
+    // not tried, nor logged, again at each.
+    for n in 0..5 {
+        let before = log.text().matches(NOT_STORED_YET).count();
+        fs::write(f.dir.path().join("serve.log"), n.to_string()).unwrap();
+        eventually("the event to be looked at", || {
+            log.text().matches(NOT_STORED_YET).count() > before
+        })
+        .await;
+    }
+    assert_eq!(log.text().matches(refused).count(), 1, "{}", log.text());
+    assert_eq!(current_version(&control), Some(1));
+    // Room again: the save is tried again (at a rescan, 5 s after the failure) and published.
+    store.full.store(false, std::sync::atomic::Ordering::SeqCst);
+    wait_for_version(&control, 2, PUBLISHED).await;
+    assert_eq!(log.text().matches(refused).count(), 1, "{}", log.text());
 }

@@ -34,11 +34,17 @@ pub(super) async fn load_policies(
     cfg: &ServeConfig,
 ) -> Result<Option<Vec<u8>>, ServeError> {
     let file = cfg.config_file.as_path();
-    let stored = control
+    let current = control
         .blocking(|s| s.current())
         .await
-        .map_err(ServeError::ReadStore)?
-        .map(|record| record.meta.version);
+        .map_err(ServeError::ReadStore)?;
+    let stored = current.as_ref().map(|record| record.meta.version);
+    // Whose change the current version is: in file mode, one the admin API made (a control
+    // plane that ran with `--api` on this data directory) is replaced by the file's content.
+    let applied_through_api = current
+        .as_ref()
+        .filter(|record| record.meta.source != crate::store::Source::File)
+        .map(|record| (record.meta.version, record.meta.source.as_str()));
     let reload_ok = &control.metrics.config_last_reload_successful;
     if cfg.api_mode {
         // The file is not watched: nothing about it to alert on.
@@ -91,19 +97,25 @@ pub(super) async fn load_policies(
             control.metrics.rejected_changes.inc();
             error!(file = %file.display(), version, "the policy file is invalid; serving the stored version until it is fixed");
         }
-        _ => match apply_valid(control, file, loaded, stored).await? {
-            AtStart::Applied => {
-                reload_ok.set(1);
+        _ => {
+            if let Some((version, source)) = applied_through_api {
+                warn!(file = %file.display(), version, source, "file mode: the current version came from the admin API, and the policy file replaces it (a new version if it differs); start with `--api` to keep serving what the admin API applied");
             }
-            AtStart::Refused => {
-                reload_ok.set(0);
+            match apply_valid(control, file, loaded, stored).await? {
+                AtStart::Applied => {
+                    reload_ok.set(1);
+                }
+                AtStart::Refused => {
+                    reload_ok.set(0);
+                }
+                // Not settled: the watcher reads the file again (at its next rescan at the
+                // latest).
+                AtStart::NotStored => {
+                    reload_ok.set(0);
+                    return Ok(None);
+                }
             }
-            // Not settled: the watcher reads the file again (at its next rescan at the latest).
-            AtStart::NotStored => {
-                reload_ok.set(0);
-                return Ok(None);
-            }
-        },
+        }
     }
     Ok(Some(bytes))
 }
