@@ -251,6 +251,18 @@ impl Walker {
                 ),
                 _ => format!(" (`{s}`: a number is written without `,`)"),
             },
+            // A whole number the YAML reader took for a float (`0503`, `503.0`, `5.03e2`).
+            Value::Float(f)
+                if expected == "an HTTP status code"
+                    && f.is_finite()
+                    && f.fract() == 0.0
+                    && (0.0..1e6).contains(f) =>
+            {
+                format!(
+                    " (write it as `{}`: digits only, no leading zero, dot or exponent)",
+                    *f as u32
+                )
+            }
             _ => String::new(),
         };
         self.error(

@@ -843,6 +843,21 @@ fn a_value_listed_twice_is_a_warning_in_every_list() {
 }
 
 #[test]
+fn a_status_written_as_a_float_says_how_to_write_it() {
+    for written in ["0503", "503.0", "5.03e2"] {
+        assert_eq!(
+            errors(&format!(
+                "version: 1\nendpoints:\n  a:\n    retry_on: {{http_status: [{written}]}}\n"
+            )),
+            [
+                "4:30: error: endpoints.a.retry_on.http_status[0]: expected an HTTP status code, found a number (write it as `503`: digits only, no leading zero, dot or exponent)"
+            ],
+            "{written}"
+        );
+    }
+}
+
+#[test]
 fn a_list_of_more_methods_than_a_policy_needs_is_refused() {
     let methods = |n: usize| {
         let list: Vec<String> = (0..n).map(|i| format!("M{i}")).collect();
