@@ -801,6 +801,19 @@ fn upload(stalls: bool) -> Request<Uploaded> {
         .unwrap()
 }
 
+/// `err` is the call's `circuit_open` give-up, with no answer.
+fn assert_refused_by_the_circuit(err: &(dyn std::error::Error + 'static)) {
+    assert!(
+        matches!(
+            err.downcast_ref::<RetryError>(),
+            Some(RetryError::NoAnswer {
+                cause: Cause::GaveUp(GiveUpCause::CircuitOpen)
+            })
+        ),
+        "{err:?}"
+    );
+}
+
 const OPENS_AFTER_TWO: &str = "max_attempts: 1\ndeadline: 3s\ncircuit_breaker: {enabled: true, failure_ratio: 0.5, min_requests: 2, open_for: 30s}";
 
 #[tokio::test(start_paused = true)]
@@ -819,15 +832,7 @@ async fn an_open_circuit_refuses_a_call_without_waiting_for_its_request_body() {
         .unwrap_err();
     // At once (not at the 3 s deadline), as the open circuit's refusal, nothing sent.
     assert_eq!(start.elapsed(), Duration::ZERO);
-    assert!(
-        matches!(
-            err.downcast_ref::<RetryError>(),
-            Some(RetryError::NoAnswer {
-                cause: Cause::GaveUp(GiveUpCause::CircuitOpen)
-            })
-        ),
-        "{err:?}"
-    );
+    assert_refused_by_the_circuit(&*err);
     assert_eq!(seen.lock().unwrap().len(), 2);
     let counts = agent.endpoint("ep").pending_counts();
     assert_eq!((counts.circuit_open, counts.gave_up_deadline), (1, 0));
@@ -855,15 +860,7 @@ async fn a_circuit_that_opens_while_a_request_body_is_read_ends_the_read() {
         .unwrap_err();
     // The breaker is asked again 100 ms after the call began, not at its 3 s deadline.
     assert_eq!(start.elapsed(), Duration::from_millis(100));
-    assert!(
-        matches!(
-            err.downcast_ref::<RetryError>(),
-            Some(RetryError::NoAnswer {
-                cause: Cause::GaveUp(GiveUpCause::CircuitOpen)
-            })
-        ),
-        "{err:?}"
-    );
+    assert_refused_by_the_circuit(&*err);
     assert_eq!(seen.lock().unwrap().len(), 2);
 }
 

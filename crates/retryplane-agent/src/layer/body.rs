@@ -85,8 +85,9 @@ where
 
 /// The breaker of the call whose request body [`buffer`] reads, and when that call began: an
 /// open circuit fails the call fast (SPEC §2), so the read does not wait for a slow or stalled
-/// upload the breaker will refuse. It is asked before the first frame and every
-/// [`BREAKER_RECHECK`] from the call's start while the read waits, as a wait for capacity does.
+/// upload the breaker will refuse. It is asked before the first frame, then
+/// [`BREAKER_RECHECK`] after the call began and every [`BREAKER_RECHECK`] after each look while
+/// the read waits, as a wait for capacity does.
 #[derive(Clone, Copy)]
 pub(crate) struct Refusal<'a> {
     /// The breaker the call's policy uses.

@@ -172,6 +172,19 @@ struct Slot {
     file: Option<FileId>,
 }
 
+impl Slot {
+    /// Closes the database (its file lock goes with it), if open, and starts a new generation:
+    /// the next call opens the file again.
+    fn close(&mut self) {
+        if let Some(db) = self.db.take()
+            && let Err(error) = db.close()
+        {
+            debug!(error = %error, "closing the version store");
+        }
+        self.generation += 1;
+    }
+}
+
 /// A file's identity: its device and inode numbers.
 type FileId = (u64, u64);
 
@@ -334,12 +347,7 @@ impl RedbStore {
     fn close_after_failed_commit(&self, error: &StoreError) {
         let mut slot = self.db.write().unwrap_or_else(PoisonError::into_inner);
         warn!(file = %self.path.display(), error = %error, "a commit to the version store failed; reopening it to read what it holds");
-        if let Some(db) = slot.db.take()
-            && let Err(error) = db.close()
-        {
-            debug!(error = %error, "closing the version store after a failed commit");
-        }
-        slot.generation += 1;
+        slot.close();
         slot.reopened_at = None;
         slot.failing = Some(Arc::new(StoreError::Backend(
             format!("a commit failed: {error}").into(),
@@ -371,12 +379,7 @@ impl RedbStore {
         slot.reopened_at = Some(now);
         // The file lock must go before the file is opened again. No call is running: each holds
         // the read lock while it runs.
-        if let Some(db) = slot.db.take()
-            && let Err(error) = db.close()
-        {
-            debug!(error = %error, "closing the version store before reopening it");
-        }
-        slot.generation += 1;
+        slot.close();
         match (self.open_db)(&self.path) {
             Ok(db) => {
                 slot.db = Some(db);
