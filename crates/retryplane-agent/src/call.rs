@@ -475,6 +475,11 @@ impl Endpoint {
                         }
                         now = Instant::now();
                     }
+                    // Refused already (see `CallMeta::refused`): no attempt, as when the
+                    // engine refuses it.
+                    if pause_before.is_none() && meta.was_refused() {
+                        break End::Fail(Cause::GaveUp(GiveUpCause::CircuitOpen), last, None);
+                    }
                     let plan = match call.start_attempt(now) {
                         Ok(plan) => plan,
                         Err(cause) => break End::Fail(Cause::GaveUp(cause), last, last_outcome),
@@ -1243,6 +1248,40 @@ mod tests {
             !Arc::ptr_eq(&agent.endpoint("a").core, &other.endpoint("a").core),
             "another agent has cores of its own"
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_call_the_breaker_refused_already_makes_no_attempt_whatever_it_says_later() {
+        let yaml = "version: 1\nendpoints:\n  a:\n    max_attempts: 3\n    circuit_breaker: {}\n";
+        let set = retryplane_policy::load(yaml.as_bytes()).policies.unwrap();
+        let agent = Agent::from_policies_seeded(set, 1);
+        let ep = agent.endpoint("a");
+        let begun = ep.begin();
+        let meta = CallMeta::http("POST", "/upload").not_replayable();
+        // The breaker is closed now: only the refusal already made stops the call.
+        assert!(begun.breaker(&meta).is_some_and(CircuitBreaker::is_closed));
+        let sent = std::sync::atomic::AtomicU32::new(0);
+        let result: Result<(), CallError<(), &str>> = ep
+            .call_reauth(
+                begun,
+                meta.refused(),
+                |_: &Result<(), &str>| Classification::Outcome(success()),
+                |_| {
+                    sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    std::future::ready(Ok(()))
+                },
+                NoReauth,
+                crate::ready::AlwaysReady,
+                KeepAsIs,
+            )
+            .await;
+        let err = result.unwrap_err();
+        assert_eq!(err.cause, Cause::GaveUp(GiveUpCause::CircuitOpen));
+        assert!(err.last.is_none());
+        assert_eq!(err.attempts, 0);
+        assert_eq!(sent.into_inner(), 0);
+        let counts = ep.pending_counts();
+        assert_eq!((counts.circuit_open, counts.attempts), (1, 0));
     }
 
     #[test]

@@ -34,6 +34,7 @@ pub struct CallMeta<'a> {
     idempotent: Option<bool>,
     has_idempotency_key: bool,
     replayable: bool,
+    refused: bool,
     header_names: Vec<HeaderName>,
     cancel: Option<CancellationToken>,
     within: Option<Duration>,
@@ -89,6 +90,7 @@ impl<'a> CallMeta<'a> {
             idempotent: None,
             has_idempotency_key: false,
             replayable: true,
+            refused: false,
             header_names: Vec::new(),
             cancel: None,
             within: None,
@@ -117,6 +119,20 @@ impl<'a> CallMeta<'a> {
     /// Whether the request can be sent again.
     pub(crate) fn replayable(&self) -> bool {
         self.replayable
+    }
+
+    /// Says the endpoint's breaker already refused the call (the tower layer asks it while it
+    /// reads the request body, and stops reading): the call gives up with `circuit_open`
+    /// before its first attempt, whatever the breaker says by then. A body left half read
+    /// is not sent once in its stead, unretried.
+    pub(crate) fn refused(mut self) -> Self {
+        self.refused = true;
+        self
+    }
+
+    /// Whether the breaker already refused the call ([`CallMeta::refused`]).
+    pub(crate) fn was_refused(&self) -> bool {
+        self.refused
     }
 
     /// Records the request's header names (not values), so the key header named by the

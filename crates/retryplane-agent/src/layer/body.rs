@@ -47,8 +47,11 @@ impl<B> std::fmt::Debug for ReplayBody<B> {
 pub(crate) enum Buffered<B> {
     /// The whole body: every attempt gets a copy.
     Replayable(Bytes, Option<HeaderMap>),
-    /// Over the limit: sent once.
+    /// Over the limit, or not read by the deadline: sent once.
     Once(ReplayBody<B>),
+    /// Not read whole because the call's breaker refuses the call (see [`Refusal`]): the call
+    /// gives up with `circuit_open`, nothing sent.
+    Refused(ReplayBody<B>),
 }
 
 impl<B> ReplayBody<B> {
@@ -74,11 +77,12 @@ where
 {
     match read_up_to(Box::pin(body), limit, Some(deadline), breaker).await {
         Ok(Read::Whole(data, trailers)) => Ok(Buffered::Replayable(data, trailers)),
-        Ok(Read::Over(prefix, rest) | Read::Late(prefix, rest) | Read::Refused(prefix, rest)) => {
-            Ok(Buffered::Once(ReplayBody {
-                inner: Inner::Streaming { prefix, rest },
-            }))
-        }
+        Ok(Read::Over(prefix, rest) | Read::Late(prefix, rest)) => Ok(Buffered::Once(ReplayBody {
+            inner: Inner::Streaming { prefix, rest },
+        })),
+        Ok(Read::Refused(prefix, rest)) => Ok(Buffered::Refused(ReplayBody {
+            inner: Inner::Streaming { prefix, rest },
+        })),
         Err((_, e)) => Err(e),
     }
 }

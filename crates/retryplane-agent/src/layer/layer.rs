@@ -354,8 +354,13 @@ enum Prepared<B> {
         data: Bytes,
         trailers: Option<HeaderMap>,
     },
-    /// Over the limit: sent once.
-    Once { head: Parts, body: ReplayBody<B> },
+    /// Over the limit, or not read by the deadline: sent once. `refused`: the read stopped
+    /// because the breaker refuses the call, which then gives up with `circuit_open`.
+    Once {
+        head: Parts,
+        body: ReplayBody<B>,
+        refused: bool,
+    },
 }
 
 impl<B> Prepared<B> {
@@ -384,7 +389,9 @@ where
     let meta = call_meta(&head, head.uri.path());
     let deadline = begun.deadline(&meta);
     // An open circuit fails the call fast: the read stops (or never starts) when the breaker
-    // would refuse the call, which then gives up at its first attempt, sending nothing.
+    // would refuse the call, which then gives up with it, sending nothing (see
+    // `CallMeta::refused`: a breaker that lets calls through again meanwhile does not change
+    // that, so a body left half read is never sent in its stead).
     let breaker = begun.breaker(&meta).map(|breaker| Refusal {
         breaker,
         began: begun.at(),
@@ -398,7 +405,16 @@ where
             data,
             trailers,
         },
-        Buffered::Once(body) => Prepared::Once { head, body },
+        Buffered::Once(body) => Prepared::Once {
+            head,
+            body,
+            refused: false,
+        },
+        Buffered::Refused(body) => Prepared::Once {
+            head,
+            body,
+            refused: true,
+        },
     })
 }
 
@@ -527,11 +543,17 @@ where
                 (result, _) => result,
             }
         }
-        Prepared::Once { head, body } => {
+        Prepared::Once {
+            head,
+            body,
+            refused,
+        } => {
             // Sent once: the call makes one attempt, whatever it fails with (a failed connect
-            // included), and that attempt's answer or error is returned.
+            // included), and that attempt's answer or error is returned. A call the breaker
+            // refused while its body was read makes none.
             let uri = head.uri.clone();
             let meta = call_meta(&head, uri.path()).not_replayable();
+            let meta = if refused { meta.refused() } else { meta };
             let callers = callers_deadline(&meta, &begun);
             let mut request = Some(Request::from_parts(head, body));
             // `attempt` runs once: for a request marked not replayable the engine retries no
