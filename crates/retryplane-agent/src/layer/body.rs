@@ -304,6 +304,14 @@ where
 /// then the rest as it comes. Errors are boxed.
 pub struct ResponseBody<B> {
     inner: ResponseInner<B>,
+    /// When the body must have ended (see [`ResponseBody::ending_at`]).
+    until: Option<Until>,
+}
+
+/// The deadline of a [`ResponseBody`], and its timer, made at the body's first poll.
+struct Until {
+    at: Instant,
+    sleep: Option<Pin<Box<Sleep>>>,
 }
 
 enum ResponseInner<B> {
@@ -339,12 +347,14 @@ impl<B> ResponseBody<B> {
         let data = (!data.is_empty()).then_some(data);
         Self {
             inner: ResponseInner::Full { data, trailers },
+            until: None,
         }
     }
 
     pub(crate) fn streaming(prefix: VecDeque<Bytes>, rest: Pin<Box<B>>) -> Self {
         Self {
             inner: ResponseInner::Streaming { prefix, rest },
+            until: None,
         }
     }
 
@@ -358,7 +368,16 @@ impl<B> ResponseBody<B> {
                 prefix,
                 error: Some(error),
             },
+            until: None,
         }
+    }
+
+    /// Ends the body at `at` (tokio's clock) if it has not ended by then: what is unread is let
+    /// go (an HTTP/2 stream is reset) and the reader gets a `DEADLINE_EXCEEDED`
+    /// [`tonic::Status`] as the body's error, which a tonic client returns as it is.
+    pub(crate) fn ending_at(mut self, at: Instant) -> Self {
+        self.until = Some(Until { at, sleep: None });
+        self
     }
 }
 
@@ -375,8 +394,60 @@ where
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        // Every field is Unpin (the upstream body is boxed).
-        match &mut self.get_mut().inner {
+        // Every field is Unpin (the upstream body and the timer are boxed).
+        let this = self.get_mut();
+        if let Some(until) = &mut this.until {
+            let at = until.at;
+            let sleep = until
+                .sleep
+                .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(at)));
+            if sleep.as_mut().poll(cx).is_ready() {
+                this.until = None;
+                let late = tonic::Status::deadline_exceeded(
+                    "the call's deadline passed before its answer ended",
+                );
+                this.inner = ResponseInner::Failed {
+                    prefix: VecDeque::new(),
+                    error: Some(Box::new(late)),
+                };
+            }
+        }
+        let frame = this.inner.poll_frame(cx);
+        // Ended: no deadline after the end.
+        if matches!(&frame, Poll::Ready(None)) {
+            this.until = None;
+        }
+        frame
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.inner {
+            ResponseInner::Full { data, trailers } => data.is_none() && trailers.is_none(),
+            ResponseInner::Streaming { prefix, rest } => prefix.is_empty() && rest.is_end_stream(),
+            ResponseInner::Failed { prefix, error } => prefix.is_empty() && error.is_none(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.inner {
+            ResponseInner::Full { data, .. } => {
+                SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
+            }
+            ResponseInner::Streaming { prefix, rest } => prefixed_hint(prefix, rest.size_hint()),
+            ResponseInner::Failed { .. } => SizeHint::new(),
+        }
+    }
+}
+
+/// A [`ResponseInner`]'s next frame (see [`ResponseBody`]'s `poll_frame`).
+impl<B> ResponseInner<B>
+where
+    B: Body,
+    B::Data: Buf,
+    B::Error: Into<BoxError>,
+{
+    fn poll_frame(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        match self {
             ResponseInner::Full { data, trailers } => Poll::Ready(
                 data.take()
                     .map(Frame::data)
@@ -398,24 +469,6 @@ where
                     .map(|c| Ok(Frame::data(c)))
                     .or_else(|| error.take().map(Err)),
             ),
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        match &self.inner {
-            ResponseInner::Full { data, trailers } => data.is_none() && trailers.is_none(),
-            ResponseInner::Streaming { prefix, rest } => prefix.is_empty() && rest.is_end_stream(),
-            ResponseInner::Failed { prefix, error } => prefix.is_empty() && error.is_none(),
-        }
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        match &self.inner {
-            ResponseInner::Full { data, .. } => {
-                SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
-            }
-            ResponseInner::Streaming { prefix, rest } => prefixed_hint(prefix, rest.size_hint()),
-            ResponseInner::Failed { .. } => SizeHint::new(),
         }
     }
 }
@@ -577,7 +630,15 @@ where
     /// first, then the rest as it comes, or the error reading stopped at), so that nothing
     /// read is lost.
     pub(crate) async fn read_whole(self, limit: usize, deadline: Instant) -> Whole<B> {
-        match self.inner {
+        let Self { inner, until } = self;
+        // A body handed back keeps its own deadline.
+        Self::read_whole_of(inner, limit, deadline)
+            .await
+            .map_err(|body| Self { until, ..body })
+    }
+
+    async fn read_whole_of(inner: ResponseInner<B>, limit: usize, deadline: Instant) -> Whole<B> {
+        match inner {
             ResponseInner::Full { data, trailers } => {
                 let data = data.unwrap_or_default();
                 if data.len() <= limit {
@@ -586,7 +647,7 @@ where
                     Err(Self::full(data, trailers))
                 }
             }
-            inner @ ResponseInner::Failed { .. } => Err(Self { inner }),
+            inner @ ResponseInner::Failed { .. } => Err(Self { inner, until: None }),
             ResponseInner::Streaming { mut prefix, rest } => {
                 let read: usize = prefix.iter().map(Bytes::len).sum();
                 let Some(left) = limit.checked_sub(read) else {
@@ -683,6 +744,7 @@ mod tests {
         let read = read_failed(response, 4, later()).await.into_body();
         let ResponseBody {
             inner: ResponseInner::Streaming { prefix, .. },
+            ..
         } = &read
         else {
             panic!("over the limit, streamed");

@@ -418,9 +418,41 @@ where
     })
 }
 
+/// Runs the logical call `begun` of `prepared` (see [`send_call`]). The answer to a gRPC
+/// request with its caller's deadline (`grpc-timeout`) ends by that deadline, its body
+/// included: a gRPC deadline bounds the whole RPC (gRFC A6), and tonic's client enforces it
+/// only until the answer's head, so an upstream that sends its head and then stalls held the
+/// caller past it.
+async fn send<S, B, RB>(
+    inner: Inner<S>,
+    settings: &Settings,
+    prepared: Prepared<B>,
+    begun: Begun,
+) -> Result<Response<ResponseBody<RB>>, BoxError>
+where
+    S: Service<Request<ReplayBody<B>>, Response = Response<RB>> + Clone,
+    S::Error: Into<BoxError>,
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+    RB: Body,
+    RB::Error: Into<BoxError>,
+{
+    let head = prepared.head();
+    let answer_by = if is_grpc(head) {
+        grpc_timeout(head).map(|within| retryplane_policy::engine::deadline_at(begun.at(), within))
+    } else {
+        None
+    };
+    let result = send_call(inner, settings, prepared, begun).await;
+    match answer_by {
+        Some(at) => result.map(|response| response.map(|body| body.ending_at(at))),
+        None => result,
+    }
+}
+
 /// Runs the logical call `begun` of `prepared` (its deadline runs from when it began, the body
 /// read included, and it goes by the policy read then).
-async fn send<S, B, RB>(
+async fn send_call<S, B, RB>(
     mut inner: Inner<S>,
     settings: &Settings,
     prepared: Prepared<B>,

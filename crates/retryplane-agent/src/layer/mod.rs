@@ -21,10 +21,19 @@
 //!   gives up with `deadline_exceeded` ([`RetryError::NoAnswer`]). An open circuit fails the
 //!   call fast (SPEC §2), body or not: the breaker is asked before the body is read and every
 //!   100 ms while the read waits, and a call it would refuse gives up with `circuit_open` at
-//!   once, nothing sent. A gRPC request's own
-//!   deadline (`grpc-timeout`, from tonic's `Request::set_timeout`) caps it: the call, its
-//!   attempts and its pauses end by the earlier of the two, since tonic enforces that header
-//!   below the layer on each attempt only. Each attempt of such a request carries, in
+//!   once, nothing sent. The call's deadline ends its attempts and pauses: an attempt is
+//!   over when its answer's head comes, and the answer's body (an HTTP body, a gRPC
+//!   message or stream) is then the caller's, read as it comes (the layer cannot tell a
+//!   unary gRPC answer from a stream, which may well outlast the policy's deadline). A gRPC
+//!   request's own deadline (`grpc-timeout`, from tonic's `Request::set_timeout`) caps it:
+//!   the call, its attempts and its pauses end by the earlier of the two, since tonic
+//!   enforces that header below the layer on each attempt only, and until the answer's head
+//!   only; the answer's body ends by it too (a gRPC deadline bounds the whole RPC): what is
+//!   unread then is let go and the client reads `DEADLINE_EXCEEDED`. So a unary gRPC call
+//!   whose upstream sends its head and then stalls is bounded by the caller's deadline, or,
+//!   without one, by wrapping the generated client's call in
+//!   [`Endpoint::call`](crate::Endpoint::call) (the crate's tonic example), whose attempts
+//!   end with the decoded message. Each attempt of such a request carries, in
 //!   `grpc-timeout`, what is left of the caller's deadline when it is sent, so that a retry
 //!   does not tell the upstream it has the caller's whole budget again; when tonic's timer for
 //!   it ends an attempt at that deadline, the call ends as the agent's deadline
