@@ -298,7 +298,7 @@ async fn sessions(
         .tcp_nodelay(true);
     let mut backoff = config.backoff.clone();
     let mut rng = SeededRng::with_seed(seed.rotate_left(29) ^ 0xA076_1D64_78BD_642F);
-    let mut window_start = unix_ms();
+    let mut window_start = Instant::now();
     // Outlives the sessions: what one stream left unacknowledged goes out on the next.
     let mut outbox = Outbox::default();
     // So does the report schedule: a report falls due an interval after the last one, whether
@@ -426,7 +426,7 @@ async fn session(
     endpoint: &tonic::transport::Endpoint,
     cancel: &CancellationToken,
     cache: Option<&CacheWriter>,
-    window_start: &mut u64,
+    window_start: &mut Instant,
     outbox: &mut Outbox,
     next_report: &mut Instant,
     late: &mut Option<oneshot::Receiver<Cached>>,
@@ -744,8 +744,8 @@ async fn session(
 /// that come meanwhile. A control plane that takes nothing holds shutdown up one grace; one
 /// that is slow but reading, two at most.
 struct Closing<'a> {
-    /// The start of the counts not reported yet (Unix ms).
-    window_start: u64,
+    /// The start of the counts not reported yet.
+    window_start: Instant,
     outbox: &'a mut Outbox,
     numbered: bool,
 }
@@ -782,7 +782,7 @@ impl Closing<'_> {
                 &tx,
                 self.numbered,
                 if answered { deadline } else { Instant::now() },
-                report_fill(shared, self.window_start, unix_ms()),
+                report_fill(shared, window(self.window_start).0),
             )
             .await;
         let more = if queued + parts > 0 {
@@ -825,10 +825,10 @@ fn interval(shared: &Shared) -> Duration {
         .clamp(MIN_METRICS_INTERVAL, MAX_METRICS_INTERVAL)
 }
 
-/// Fills in a report of the counts made from `start` to `end` (Unix ms) under the policies in
-/// force now (read once: every part of the report says the same version, however late it is
-/// filled in).
-fn report_fill(shared: &Shared, start: u64, end: u64) -> impl FnMut(&mut pb::MetricsReport) {
+/// Fills in a report of the counts made from `start` to `end` (Unix ms, see [`window`]) under
+/// the policies in force now (read once: every part of the report says the same version,
+/// however late it is filled in).
+fn report_fill(shared: &Shared, (start, end): (u64, u64)) -> impl FnMut(&mut pb::MetricsReport) {
     let version = shared.policies.load().version();
     move |report| {
         report.window_start_unix_ms = start;
@@ -844,18 +844,12 @@ fn report_fill(shared: &Shared, start: u64, end: u64) -> impl FnMut(&mut pb::Met
 fn send_metrics(
     shared: &Shared,
     tx: &mpsc::Sender<pb::AgentMessage>,
-    window_start: &mut u64,
+    window_start: &mut Instant,
     outbox: &mut Outbox,
     numbered: bool,
 ) {
-    let end = unix_ms();
-    let start = *window_start;
-    let sent = outbox.send(
-        &shared.metrics,
-        tx,
-        numbered,
-        report_fill(shared, start, end),
-    );
+    let (bounds, end) = window(*window_start);
+    let sent = outbox.send(&shared.metrics, tx, numbered, report_fill(shared, bounds));
     match sent {
         // Nothing counted since `start` either: the next report's counts are all made after
         // `end`, and its span says so (the control plane spreads the counts of a report that
@@ -870,6 +864,19 @@ fn send_metrics(
     }
 }
 
+/// The bounds (Unix ms) of a report of the counts made since `since`, and the instant it ends:
+/// its end is the wall clock now, its start that less the time gone by since `since` on the
+/// monotonic clock. The control plane spreads a report's counts over its span: a step of the
+/// wall clock (an NTP correction, a resumed VM) must not stretch the span (a step forward by
+/// an hour spread a burst of calls over that hour, out of the 1 and 5 minute windows) or
+/// shrink it.
+fn window(since: Instant) -> ((u64, u64), Instant) {
+    let now = Instant::now();
+    let end = unix_ms();
+    let span = u64::try_from(now.saturating_duration_since(since).as_millis()).unwrap_or(u64::MAX);
+    ((end.saturating_sub(span), end), now)
+}
+
 /// Wall-clock Unix milliseconds, for the report window labels only.
 fn unix_ms() -> u64 {
     SystemTime::now()
@@ -882,6 +889,21 @@ mod tests {
     use super::*;
     use crate::Agent;
     use crate::metrics::Counters;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_reports_span_is_the_time_gone_by_on_the_monotonic_clock_not_the_wall_clocks() {
+        // The paused clock moves 90 s in no wall-clock time: a span read from the wall clock
+        // would be about zero (and one across a wall-clock step, that step).
+        let since = Instant::now();
+        tokio::time::advance(Duration::from_secs(90)).await;
+        let ((start, end), at) = window(since);
+        assert_eq!(end - start, 90_000);
+        assert_eq!(at, since + Duration::from_secs(90));
+        assert!(
+            end.abs_diff(unix_ms()) < 60_000,
+            "the end is the wall clock now"
+        );
+    }
 
     #[test]
     fn a_status_without_a_message_is_named_by_its_code_alone() {
@@ -953,7 +975,8 @@ mod tests {
         count_calls(shared, 3);
         let (tx, rx) = mpsc::channel(1);
         drop(rx);
-        let mut start = 0;
+        let began = Instant::now();
+        let mut start = began;
         let mut outbox = Outbox::default();
         send_metrics(shared, &tx, &mut start, &mut outbox, true);
         assert_eq!(
@@ -973,6 +996,7 @@ mod tests {
 
         rx.recv().await.unwrap();
         count_calls(shared, 2);
+        tokio::time::advance(Duration::from_secs(5)).await;
         send_metrics(shared, &tx, &mut start, &mut outbox, true);
         assert_eq!(shared.metrics.pending("a").calls, 0);
         let Some(Kind::Metrics(report)) = rx.recv().await.unwrap().kind else {
@@ -980,6 +1004,15 @@ mod tests {
         };
         assert_eq!(report.endpoints[0].calls, 5, "sent once, all of them");
         assert_eq!(report.seq, 1, "the reports not queued used no seq");
-        assert!(start > 0, "the next window starts where this one ended");
+        let span = report.window_end_unix_ms - report.window_start_unix_ms;
+        assert_eq!(
+            span, 5_000,
+            "the counts not sent before are in this report's span"
+        );
+        assert_eq!(
+            start,
+            began + Duration::from_secs(5),
+            "the next window starts where this one ended"
+        );
     }
 }
