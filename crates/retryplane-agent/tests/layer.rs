@@ -14,7 +14,7 @@ use http_body::Frame;
 use http_body_util::{BodyExt as _, Empty, Full, StreamBody};
 use retryplane_agent::layer::{GaveUp, ReplayBody, RetryError, RetryLayer};
 use retryplane_agent::{Cause, GiveUpCause};
-use support::{agent, policy, status_upstream as upstream};
+use support::{agent, capture_logs, policy, status_upstream as upstream};
 use tokio::time::Instant;
 use tower::{Layer as _, ServiceExt as _, service_fn};
 
@@ -836,6 +836,28 @@ async fn an_open_circuit_refuses_a_call_without_waiting_for_its_request_body() {
     assert_eq!(seen.lock().unwrap().len(), 2);
     let counts = agent.endpoint("ep").pending_counts();
     assert_eq!((counts.circuit_open, counts.gave_up_deadline), (1, 0));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_refused_call_is_not_logged_as_one_that_could_not_be_sent_again() {
+    // `replayable=false` says why a failure the policy retries was not retried: a call the
+    // breaker refused sent nothing, whatever its body.
+    let agent = agent(&policy(OPENS_AFTER_TWO));
+    let (svc, _seen) = upstream::<Uploaded>(&[503, 503]);
+    let client = RetryLayer::new(agent.endpoint("ep")).layer(svc);
+    for _ in 0..2 {
+        let r = client.clone().oneshot(upload(false)).await.unwrap();
+        assert_eq!(r.status(), 503);
+    }
+    let (logs, _guard) = capture_logs("retryplane_agent=info");
+    // A call whose body read the refusal stopped (so its body is not kept to be sent again).
+    let err = client.clone().oneshot(upload(true)).await.unwrap_err();
+    assert_refused_by_the_circuit(&*err);
+    let text = logs.text();
+    let line = text.lines().find(|l| l.contains("call failed"));
+    let line = line.unwrap_or_else(|| panic!("a warn line: {text}"));
+    assert!(line.contains("cause=circuit_open"), "{line}");
+    assert!(!line.contains("replayable"), "{line}");
 }
 
 #[tokio::test(start_paused = true)]
