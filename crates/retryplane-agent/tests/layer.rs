@@ -933,3 +933,33 @@ async fn a_small_body_whose_size_hint_overstates_it_is_still_buffered_and_retrie
         .collect();
     assert_eq!(bodies, [&b"0123456789"[..], &b"0123456789"[..]]);
 }
+
+/// A request body that fails after its first 100 bytes.
+type Failing = StreamBody<
+    std::pin::Pin<
+        Box<dyn tokio_stream::Stream<Item = Result<Frame<Bytes>, std::io::Error>> + Send>,
+    >,
+>;
+
+#[tokio::test(start_paused = true)]
+async fn a_request_body_that_fails_while_it_is_read_ends_the_call_with_its_error_uncounted() {
+    let agent = agent(&policy("max_attempts: 3"));
+    let (svc, seen) = upstream::<Failing>(&[]);
+    let client = RetryLayer::new(agent.endpoint("ep")).layer(svc);
+    let frames: std::pin::Pin<Box<dyn tokio_stream::Stream<Item = _> + Send>> =
+        Box::pin(tokio_stream::iter([
+            Ok(Frame::data(Bytes::from(vec![b'a'; 100]))),
+            Err(std::io::Error::other("the caller's upload broke")),
+        ]));
+    let request = Request::put("http://up/v1/things")
+        .body(StreamBody::new(frames))
+        .unwrap();
+    let err = client.oneshot(request).await.unwrap_err();
+    assert!(
+        err.to_string().contains("the caller's upload broke"),
+        "{err}"
+    );
+    assert!(seen.lock().unwrap().is_empty(), "nothing sent");
+    let counts = agent.endpoint("ep").pending_counts();
+    assert_eq!((counts.calls, counts.attempts), (0, 0), "{counts:?}");
+}

@@ -18,7 +18,10 @@
 //!   body counts in it: a call made through the layer ends by its deadline, body read
 //!   included, as one made with [`crate::Endpoint::call`] does. A body still coming at the
 //!   deadline (a stalled upload) leaves no time for an attempt: nothing is sent, and the call
-//!   gives up with `deadline_exceeded` ([`RetryError::NoAnswer`]). An open circuit fails the
+//!   gives up with `deadline_exceeded` ([`RetryError::NoAnswer`]). A body that fails while
+//!   it is read (its stream's own error) ends the call with that error before any attempt:
+//!   nothing sent and, the caller's request being at fault and not the upstream, no call
+//!   counted. An open circuit fails the
 //!   call fast (SPEC §2), body or not: the breaker is asked before the body is read and every
 //!   100 ms while the read waits, and a call it would refuse gives up with `circuit_open` at
 //!   once, nothing sent. The call's deadline ends its attempts and pauses: an attempt is
