@@ -11,9 +11,10 @@
 //! Each entry also keeps which numbered metrics reports of the agent were counted
 //! ([`crate::report_seq`]); it is carried over when a stream replaces another and kept while the
 //! agent is listed (or kept unlisted, for an ephemeral one), so a report sent again after a
-//! reconnect is counted once. (A forgotten agent's record goes with it: a report counted just
-//! before its stream broke, whose ack was lost, and sent again more than the forget time later, is
-//! counted twice.)
+//! reconnect is counted once. A forgotten agent's record is kept apart for a while
+//! ([`MAX_FORGOTTEN`] of them): a report counted just before its stream broke, whose ack was
+//! lost, and sent again after the agent was forgotten (cut off for longer than the forget
+//! time), is still counted once.
 //!
 //! The agent's last NACK (the version, its content hash and the error) is carried over the
 //! same way: status keeps showing it after a reconnect, and the new stream is told
@@ -45,6 +46,9 @@ use crate::report_seq::{ReportSeqs, ReportVerdict};
 
 /// How many disconnected agents status keeps listing.
 pub const MAX_DISCONNECTED: usize = 10_000;
+/// How many forgotten agents' report records are kept ([`Forgotten`]): a few hundred bytes
+/// each, a few MB in all.
+pub const MAX_FORGOTTEN: usize = 10_000;
 /// How long a disconnected agent stays listed by default: pods that are replaced every day
 /// would otherwise fill the list with agents that are never coming back.
 pub const FORGET_DISCONNECTED_AFTER: Duration = Duration::from_secs(3600);
@@ -153,6 +157,8 @@ struct Inner {
     /// Entries kept but not listed (ephemeral and disconnected), so that the count of listed
     /// agents is `agents.len() - hidden` without a scan under the lock.
     hidden: usize,
+    /// The report records of agents forgotten last.
+    forgotten: Forgotten,
 }
 
 impl Inner {
@@ -163,6 +169,56 @@ impl Inner {
             self.hidden -= 1;
         }
         Some(entry)
+    }
+
+    /// Forgets `id`'s entry (the forget time, or the prune): its report record is kept apart.
+    fn forget(&mut self, id: String) {
+        if let Some(entry) = self.remove(&id)
+            && entry.reports.any_decided()
+        {
+            self.forgotten.keep(id, entry.reports);
+        }
+    }
+}
+
+/// The report records ([`crate::report_seq`]) of forgotten agents, the newest
+/// [`MAX_FORGOTTEN`]: an agent that comes back after it was forgotten gets its record back, so
+/// that a report it sends again (one counted just before its stream broke, whose ack it never
+/// got) is counted once.
+#[derive(Debug, Default)]
+struct Forgotten {
+    /// Agent id → when it was kept (a number) and its record.
+    records: HashMap<String, (u64, ReportSeqs)>,
+    /// The ids in the order they were kept, with that number: one whose number differs from
+    /// its record's (taken back, or kept again since) is stale.
+    order: VecDeque<(String, u64)>,
+    kept: u64,
+}
+
+impl Forgotten {
+    fn keep(&mut self, id: String, reports: ReportSeqs) {
+        self.kept += 1;
+        self.records.insert(id.clone(), (self.kept, reports));
+        self.order.push_back((id, self.kept));
+        while self.records.len() > MAX_FORGOTTEN {
+            let Some((id, kept)) = self.order.pop_front() else {
+                break;
+            };
+            if self.records.get(&id).is_some_and(|(k, _)| *k == kept) {
+                self.records.remove(&id);
+            }
+        }
+        // Stale ids pile up as agents come back: dropped once they are as many as the rest.
+        if self.order.len() > 2 * MAX_FORGOTTEN {
+            let records = &self.records;
+            self.order
+                .retain(|(id, kept)| records.get(id).is_some_and(|(k, _)| k == kept));
+        }
+    }
+
+    /// `id`'s record, if it was forgotten and is still kept.
+    fn take(&mut self, id: &str) -> Option<ReportSeqs> {
+        self.records.remove(id).map(|(_, reports)| reports)
     }
 }
 
@@ -323,7 +379,7 @@ impl Fleet {
                 .get(&id)
                 .is_some_and(|e| e.generation == generation && !e.status.connected)
             {
-                inner.remove(&id);
+                inner.forget(id);
             }
         }
     }
@@ -442,6 +498,9 @@ impl Fleet {
                 .refused
                 .filter(|r| same_process && !runs(r))
                 .map(|r| (r, old.status.last_error));
+        } else if let Some(kept) = inner.forgotten.take(&hello.agent_id) {
+            // Forgotten, and back: the reports it counted are still counted.
+            reports = kept;
         }
         reports.hello(hello.instance_id);
         // A number this store has not reached (numbers only go up; a rollback gets a new one)
@@ -783,7 +842,7 @@ fn prune(inner: &mut Inner) {
         .collect();
     disconnected.sort_unstable();
     for (_, _, id) in disconnected.into_iter().take(gone - PRUNED_TO) {
-        inner.remove(&id);
+        inner.forget(id);
     }
 }
 
@@ -1223,6 +1282,59 @@ mod tests {
         assert_eq!(ids(&fleet), ["b", "c"]);
         tokio::time::advance(minute).await;
         assert_eq!(ids(&fleet), ["c"]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_report_sent_again_after_the_agent_was_forgotten_is_counted_once() {
+        let fleet = Fleet::new(10).forgetting_after(Some(Duration::from_secs(60)));
+        let yes = |_: Option<&mut ReportBucket>| true;
+        let mut h = hello("a");
+        h.instance_id = 11;
+        let first = fleet.register(&h, None, None).unwrap();
+        assert_eq!(
+            fleet.claim_report("a", first.generation, 11, 1, yes),
+            ReportVerdict::Count
+        );
+        // Cut off for longer than the forget time: forgotten (and not listed).
+        fleet.disconnected("a", first.generation);
+        tokio::time::advance(Duration::from_secs(61)).await;
+        assert!(fleet.status().is_empty());
+        // Back, it sends again the report whose ack it never got, then a new one.
+        let back = fleet.register(&h, None, None).unwrap();
+        assert_eq!(
+            fleet.claim_report("a", back.generation, 11, 1, yes),
+            ReportVerdict::Duplicate
+        );
+        assert_eq!(
+            fleet.claim_report("a", back.generation, 11, 2, yes),
+            ReportVerdict::Count
+        );
+    }
+
+    #[test]
+    fn forgotten_agents_records_are_bounded_and_the_newest_kept() {
+        let mut forgotten = Forgotten::default();
+        let record = || {
+            let mut reports = ReportSeqs::default();
+            assert_eq!(reports.claim(1, 1, || true), ReportVerdict::Count);
+            reports
+        };
+        for i in 0..MAX_FORGOTTEN + 5 {
+            forgotten.keep(format!("a{i}"), record());
+        }
+        assert_eq!(forgotten.records.len(), MAX_FORGOTTEN);
+        assert!(forgotten.take("a4").is_none(), "the oldest went");
+        assert!(forgotten.take("a5").is_some());
+        // Ids taken back leave stale places in the order, which do not pile up.
+        for round in 0..3 {
+            for i in 0..MAX_FORGOTTEN {
+                let id = format!("b{round}-{i}");
+                forgotten.keep(id.clone(), record());
+                assert!(forgotten.take(&id).is_some());
+            }
+        }
+        assert!(forgotten.order.len() <= 2 * MAX_FORGOTTEN + 1);
+        assert!(forgotten.records.len() < MAX_FORGOTTEN);
     }
 
     #[test]

@@ -15,8 +15,9 @@
 //! stream of a replaced process is still told apart while it drains.
 //!
 //! Memory: `MAX_INSTANCES` × 32 bytes per fleet entry, and fleet entries are bounded
-//! ([`crate::fleet::MAX_DISCONNECTED`] disconnected ones). When an agent's entry is pruned its
-//! record goes with it; a report it sends again after that is counted again.
+//! ([`crate::fleet::MAX_DISCONNECTED`] disconnected ones). When an agent's entry is forgotten
+//! its record is kept a while longer, apart (the newest [`crate::fleet::MAX_FORGOTTEN`]), and
+//! taken back if the agent comes back; a report it sends again after that is counted again.
 
 /// Instances remembered per agent id (the newest Hello first).
 pub const MAX_INSTANCES: usize = 4;
@@ -100,6 +101,11 @@ pub struct ReportSeqs {
 }
 
 impl ReportSeqs {
+    /// Whether any report was decided (counted or refused).
+    pub fn any_decided(&self) -> bool {
+        self.windows.iter().any(|w| w.highest > 0)
+    }
+
     /// `instance` said Hello: it becomes the most recent (a new one starts with nothing
     /// counted; the oldest is forgotten past [`MAX_INSTANCES`]).
     pub fn hello(&mut self, instance: u64) {
