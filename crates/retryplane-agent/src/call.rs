@@ -739,8 +739,8 @@ impl Endpoint {
                             duration_ms,
                             refused_since_last_line = quiet,
                             // Only on a call whose request could not be sent again (the
-                            // layer's body over its limit, or not read by the deadline) and
-                            // was sent: why a failure the policy retries was not.
+                            // layer's body over its limit) and was sent: why a failure the
+                            // policy retries was not.
                             replayable = (!meta.replayable() && attempts > 0).then_some(false),
                             "call failed"
                         );

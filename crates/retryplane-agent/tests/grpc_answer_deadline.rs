@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use bytes::{BufMut as _, Bytes, BytesMut};
+use http_body_util::BodyExt as _;
 use retryplane_agent::Agent;
 use retryplane_agent::layer::{Idempotent, RetryLayer, into_tonic_request};
 use retryplane_proto::pb;
@@ -22,6 +23,7 @@ use tokio::net::TcpListener;
 use tokio::time::Instant;
 use tonic::transport::Channel;
 use tonic::{Code, Request};
+use tower::Service as _;
 
 use support::{agent, policy};
 
@@ -280,4 +282,81 @@ async fn the_policys_deadline_bounds_a_stream_until_its_head_only() {
     let (read, end) = stream(&agent, &server, None).await;
     end.unwrap();
     assert_eq!(read, 6);
+}
+
+#[tokio::test]
+async fn a_slow_reader_gets_the_whole_stream_the_upstream_ended_before_the_deadline() {
+    // Five messages and the status at once; the caller reads one every 200 ms, past its
+    // 500 ms deadline: what the upstream sent in time is not lost to the slow reader.
+    let server = serve(Plan {
+        every: Duration::ZERO,
+        messages: 5,
+    })
+    .await;
+    let agent = agent(&policy("max_attempts: 3"));
+    let mut client = AgentServiceClient::new(stack!(agent, &server));
+    let mut request = Request::new(tokio_stream::iter([pb::AgentMessage::default()]));
+    request.set_timeout(Duration::from_millis(500));
+    let mut messages = client.connect(request).await.unwrap().into_inner();
+    let mut read = 0;
+    let end = loop {
+        match tokio::time::timeout(WAIT, messages.message())
+            .await
+            .unwrap()
+        {
+            Ok(Some(_)) => read += 1,
+            Ok(None) => break Ok(()),
+            Err(status) => break Err(status),
+        }
+        // The reader's own pace (not a wait for something to happen).
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!((read, end.map_err(|s| s.code())), (5, Ok(())));
+}
+
+#[tokio::test]
+async fn an_answer_all_there_before_the_deadline_and_read_after_it_is_read_whole_and_ends() {
+    let server = serve(Plan {
+        every: Duration::ZERO,
+        messages: 1,
+    })
+    .await;
+    let agent = agent(&policy("max_attempts: 3"));
+    let mut service = stack!(agent, &server);
+    let request = http::Request::post(format!(
+        "http://{}/retryplane.v1.AdminService/Get",
+        server.addr
+    ))
+    .header("content-type", "application/grpc")
+    .header("te", "trailers")
+    .header("grpc-timeout", "300m")
+    .body(http_body_util::Full::new(framed(&pb::GetRequest {
+        version: 0,
+    })))
+    .unwrap();
+    let start = Instant::now();
+    let response = tower::ServiceExt::ready(&mut service)
+        .await
+        .unwrap()
+        .call(request)
+        .await
+        .unwrap();
+    // The answer came at once; its body is first read well after the deadline.
+    tokio::time::sleep_until(start + Duration::from_millis(400)).await;
+    let mut body = response.into_body();
+    let mut data = 0;
+    let mut status = None;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.unwrap();
+        if let Some(d) = frame.data_ref() {
+            data += d.len();
+        }
+        if let Some(t) = frame.trailers_ref() {
+            status = t.get("grpc-status").cloned();
+        }
+    }
+    assert_eq!(data, message_for("/Get").len());
+    assert_eq!(status.as_ref().map(|s| s.as_bytes()), Some(&b"0"[..]));
+    // Read again after its end: still the end, not an error.
+    assert!(body.frame().await.is_none());
 }

@@ -312,7 +312,15 @@ pub struct ResponseBody<B> {
 struct Until {
     at: Instant,
     sleep: Option<Pin<Box<Sleep>>>,
+    /// Bytes of data read past the deadline.
+    past: usize,
 }
+
+/// How much data a [`ResponseBody`] with a deadline still gives once the deadline has passed,
+/// while its frames are already there: what the upstream sent in time and a slow reader had
+/// not read yet (an HTTP/2 stream's window holds at most a few MiB), not an answer that goes
+/// on for ever.
+const PAST_DEADLINE_BYTES: usize = 16 << 20;
 
 enum ResponseInner<B> {
     Full {
@@ -373,10 +381,17 @@ impl<B> ResponseBody<B> {
     }
 
     /// Ends the body at `at` (tokio's clock) if it has not ended by then: what is unread is let
-    /// go (an HTTP/2 stream is reset) and the reader gets a `DEADLINE_EXCEEDED`
-    /// [`tonic::Status`] as the body's error, which a tonic client returns as it is.
+    /// go and the reader gets a `DEADLINE_EXCEEDED` [`tonic::Status`] as the body's error,
+    /// which a tonic client returns as it is. What the upstream sent by then is still read
+    /// (see `poll_frame`). An HTTP/2 stream whose request has been sent whole is reset; one
+    /// whose request is still streamed is not (the client below goes on sending it, as it does
+    /// without the layer), and the upstream ends it at the `grpc-timeout` it was sent.
     pub(crate) fn ending_at(mut self, at: Instant) -> Self {
-        self.until = Some(Until { at, sleep: None });
+        self.until = Some(Until {
+            at,
+            sleep: None,
+            past: 0,
+        });
         self
     }
 }
@@ -396,36 +411,57 @@ where
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         // Every field is Unpin (the upstream body and the timer are boxed).
         let this = self.get_mut();
-        if let Some(until) = &mut this.until {
-            let at = until.at;
-            let sleep = until
-                .sleep
-                .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(at)));
-            if sleep.as_mut().poll(cx).is_ready() {
-                this.until = None;
-                let late = tonic::Status::deadline_exceeded(
-                    "the call's deadline passed before its answer ended",
-                );
-                this.inner = ResponseInner::Failed {
-                    prefix: VecDeque::new(),
-                    error: Some(Box::new(late)),
-                };
+        let Some(until) = &mut this.until else {
+            return this.inner.poll_frame(cx);
+        };
+        // Made at the first read, and asked at every one: a deadline already passed then is
+        // known at once.
+        let at = until.at;
+        let sleep = until
+            .sleep
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(at)));
+        let passed = sleep.as_mut().poll(cx).is_ready();
+        // The answer first: what the upstream sent by the deadline is not lost to a reader
+        // slower than it (a frame already there is read, and trailers end it as they would),
+        // up to [`PAST_DEADLINE_BYTES`] of data once the deadline has passed, so that an
+        // upstream that keeps sending past it is still cut off.
+        let late = match this.inner.poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                let data = frame.data_ref().map_or(0, Bytes::len);
+                if passed {
+                    until.past = until.past.saturating_add(data);
+                }
+                if !(passed && until.past > PAST_DEADLINE_BYTES) {
+                    // Ended (its trailers, or its last data): no deadline after the end.
+                    if frame.is_trailers() || this.inner.is_end_stream() {
+                        this.until = None;
+                    }
+                    return Poll::Ready(Some(Ok(frame)));
+                }
+                true
             }
+            Poll::Ready(end_or_error) => {
+                this.until = None;
+                return Poll::Ready(end_or_error);
+            }
+            Poll::Pending => passed,
+        };
+        if !late {
+            return Poll::Pending;
         }
-        let frame = this.inner.poll_frame(cx);
-        // Ended: no deadline after the end.
-        if matches!(&frame, Poll::Ready(None)) {
-            this.until = None;
-        }
-        frame
+        // What is unread is let go (an HTTP/2 stream whose request has been sent is reset).
+        this.until = None;
+        this.inner = ResponseInner::Failed {
+            prefix: VecDeque::new(),
+            error: None,
+        };
+        let late =
+            tonic::Status::deadline_exceeded("the call's deadline passed before its answer ended");
+        Poll::Ready(Some(Err(Box::new(late))))
     }
 
     fn is_end_stream(&self) -> bool {
-        match &self.inner {
-            ResponseInner::Full { data, trailers } => data.is_none() && trailers.is_none(),
-            ResponseInner::Streaming { prefix, rest } => prefix.is_empty() && rest.is_end_stream(),
-            ResponseInner::Failed { prefix, error } => prefix.is_empty() && error.is_none(),
-        }
+        self.inner.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
@@ -446,6 +482,14 @@ where
     B::Data: Buf,
     B::Error: Into<BoxError>,
 {
+    fn is_end_stream(&self) -> bool {
+        match self {
+            ResponseInner::Full { data, trailers } => data.is_none() && trailers.is_none(),
+            ResponseInner::Streaming { prefix, rest } => prefix.is_empty() && rest.is_end_stream(),
+            ResponseInner::Failed { prefix, error } => prefix.is_empty() && error.is_none(),
+        }
+    }
+
     fn poll_frame(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         match self {
             ResponseInner::Full { data, trailers } => Poll::Ready(

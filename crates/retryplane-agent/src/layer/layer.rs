@@ -96,7 +96,7 @@ impl RetryLayer {
 impl<D> RetryLayer<D> {
     /// The largest request body kept for replay; larger ones are sent once, never retried
     /// (nor sent again after a credential refresh, nor shared). The warn line of such a call
-    /// that fails, whatever the failure, says `replayable=false`.
+    /// whose attempt fails, whatever the failure, says `replayable=false`.
     pub fn with_body_limit(mut self, limit: usize) -> Self {
         self.settings.body_limit = limit;
         self
