@@ -150,7 +150,32 @@ pub struct Agent {
 }
 
 impl Agent {
-    /// A builder for an agent fed by a control plane.
+    /// A builder for an agent fed by a control plane:
+    ///
+    /// ```no_run
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// use retryplane_agent::{Agent, CallMeta};
+    ///
+    /// // Returns at once; one background task connects, applies each version the control
+    /// // plane pushes, keeps the last one in the cache file, and reconnects when it must.
+    /// let agent = Agent::builder()
+    ///     .url("http://127.0.0.1:7470")
+    ///     .service("checkout")
+    ///     .token(std::env::var("RETRYPLANE_AGENT_TOKEN")?)
+    ///     .cache_file("/var/cache/checkout/retryplane-policies.bin")
+    ///     .connect()?;
+    /// // Handles are kept: a call reads the policy in force when it begins.
+    /// let payments = agent.endpoint("payments");
+    /// let answer = payments
+    ///     .call(CallMeta::http("GET", "/v1/charges/42"), |_attempt| async {
+    ///         Ok::<_, std::io::Error>(http::Response::new(()))
+    ///     })
+    ///     .await;
+    /// # let _ = answer;
+    /// agent.shutdown().await;
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn builder() -> AgentBuilder {
         AgentBuilder::default()
     }

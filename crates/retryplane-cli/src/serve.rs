@@ -205,6 +205,10 @@ fn duration_in(
         DurationError::MissingUnit(_) => {
             format!("duration `{text}` needs a unit (ms, s, m or h): {said}")
         }
+        // Past a day or finer than a millisecond: the flag's own range, not a policy file's.
+        DurationError::OutOfRange(_) => {
+            format!("`{text}` is out of range: {said}, in whole milliseconds")
+        }
         e => e.to_string(),
     })?;
     if range.contains(&duration) {
@@ -539,5 +543,18 @@ mod tests {
             "`500ms` is out of range: from 1s to 24h"
         );
         assert_eq!(idle_timeout("24h"), Ok(Duration::from_secs(86_400)));
+        // Past what a policy file's duration may be: still the flag's own range.
+        assert_eq!(
+            keepalive("25h").unwrap_err(),
+            "`25h` is out of range: from 1s to 1h, in whole milliseconds"
+        );
+        assert_eq!(
+            metrics_interval("1.5ms").unwrap_err(),
+            "`1.5ms` is out of range: from 100ms to 1h, in whole milliseconds"
+        );
+        assert_eq!(
+            idle_timeout("86401s").unwrap_err(),
+            "`86401s` is out of range: from 1s to 24h, in whole milliseconds"
+        );
     }
 }
