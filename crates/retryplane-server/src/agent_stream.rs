@@ -671,9 +671,12 @@ impl AgentStream {
             if let Some(snap) = current
                 && self.behind(&snap)
             {
-                if let Err(end) = self.send(&mut io, snap.frame()).await {
-                    break end;
-                }
+                let snap = match self.send_newest(&mut io, &mut snapshots, snap).await {
+                    Ok(Some(snap)) => snap,
+                    // Published meanwhile: what the agent runs already.
+                    Ok(None) => continue,
+                    Err(end) => break end,
+                };
                 if self.sent_nonce.take().is_some() {
                     if self.earlier_pushes.len() == MAX_EARLIER_PUSHES {
                         self.earlier_pushes.pop_front();
@@ -740,8 +743,49 @@ impl AgentStream {
     /// report is counted and its ack held, to be sent after `frame`. The stream ends when the
     /// wait has lasted [`StreamLimits::unread_for`] with [`STALLED_HELD_ACKS`] acks held (the
     /// agent takes nothing it is sent, and reports go on), or past [`MAX_HELD_ACKS`].
-    async fn send(&mut self, io: &mut Io<'_>, mut frame: Outbound) -> Result<(), Option<Status>> {
+    async fn send(&mut self, io: &mut Io<'_>, frame: Outbound) -> Result<(), Option<Status>> {
+        self.send_waiting_since(io, frame, Instant::now()).await
+    }
+
+    /// Queues the snapshot `snap` as [`AgentStream::send`] does; while it waits for room, a
+    /// newer version published meanwhile takes its place (an agent that reads slowly gets the
+    /// newest next, not every version published while it read). What was queued, or `None` when
+    /// the newest is what the agent runs already. The wait for room counts from the first
+    /// snapshot's (the stall rule of `send` is not put off by new versions).
+    async fn send_newest(
+        &mut self,
+        io: &mut Io<'_>,
+        snapshots: &mut watch::Receiver<Option<Arc<crate::publisher::Snapshot>>>,
+        mut snap: Arc<crate::publisher::Snapshot>,
+    ) -> Result<Option<Arc<crate::publisher::Snapshot>>, Option<Status>> {
         let waiting_since = Instant::now();
+        loop {
+            // (`send` is cancel-safe here: a frame it has not queued is dropped with it, and
+            // what it read from the agent meanwhile has been taken in.)
+            let changed = tokio::select! {
+                biased;
+                sent = self.send_waiting_since(io, snap.frame(), waiting_since) => {
+                    return sent.map(|()| Some(snap));
+                }
+                changed = snapshots.changed() => changed,
+            };
+            if changed.is_err() {
+                return Err(Some(shutdown_status()));
+            }
+            match snapshots.borrow_and_update().clone() {
+                Some(newest) if self.behind(&newest) => snap = newest,
+                _ => return Ok(None),
+            }
+        }
+    }
+
+    /// [`AgentStream::send`], its wait for room counted from `waiting_since`.
+    async fn send_waiting_since(
+        &mut self,
+        io: &mut Io<'_>,
+        mut frame: Outbound,
+        waiting_since: Instant,
+    ) -> Result<(), Option<Status>> {
         loop {
             let queued = queue(
                 io.tx,
