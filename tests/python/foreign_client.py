@@ -10,9 +10,11 @@ Prints one JSON object with what it saw on stdout; exits 1 with the reason on st
 anything is not as the contract says. Every wait is bounded.
 """
 
+import atexit
 import json
 import os
 import queue
+import shutil
 import sys
 import tempfile
 import time
@@ -36,6 +38,8 @@ def expect(condition, message):
 def generate(proto_dir):
     """Python stubs of every .proto under proto_dir, importable as retryplane.v1.*_pb2."""
     out = tempfile.mkdtemp(prefix="retryplane-py-")
+    # Removed when the client exits, however it exits (fail() exits too).
+    atexit.register(shutil.rmtree, out, ignore_errors=True)
     sources = []
     for root, _, files in os.walk(proto_dir):
         sources += [os.path.join(root, f) for f in sorted(files) if f.endswith(".proto")]
