@@ -688,6 +688,11 @@ impl AgentStream {
                 self.sent_nonce = Some(snap.nonce.clone());
                 self.ctx.metrics.pushes.inc();
                 debug!(agent = %OneLine(&self.agent_id), version = snap.version, "snapshot sent");
+                // Acks held while it waited go next (the versions published meanwhile, which
+                // would have woken the wait below, were taken in by the send).
+                if !self.held_acks.is_empty() {
+                    continue;
+                }
             }
             let next = tokio::select! {
                 // In this order: what the agent sent is read before its silence is judged

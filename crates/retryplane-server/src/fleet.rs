@@ -46,8 +46,8 @@ use crate::report_seq::{ReportSeqs, ReportVerdict};
 
 /// How many disconnected agents status keeps listing.
 pub const MAX_DISCONNECTED: usize = 10_000;
-/// How many forgotten agents' report records are kept ([`Forgotten`]): a few hundred bytes
-/// each, a few MB in all.
+/// How many forgotten agents' report records are kept ([`Forgotten`]): under 1 KiB each (an
+/// id of up to 256 bytes, twice), 10 MB at most.
 pub const MAX_FORGOTTEN: usize = 10_000;
 /// How long a disconnected agent stays listed by default: pods that are replaced every day
 /// would otherwise fill the list with agents that are never coming back.
@@ -171,9 +171,12 @@ impl Inner {
         Some(entry)
     }
 
-    /// Forgets `id`'s entry (the forget time, or the prune): its report record is kept apart.
+    /// Forgets `id`'s entry (the forget time, or the prune): its report record is kept apart,
+    /// but an ephemeral agent's (one call, a random id, gone for good: `retryplane request
+    /// --server` runs, which would push out the records of agents that come back).
     fn forget(&mut self, id: String) {
         if let Some(entry) = self.remove(&id)
+            && !entry.ephemeral
             && entry.reports.any_decided()
         {
             self.forgotten.keep(id, entry.reports);
@@ -1309,6 +1312,28 @@ mod tests {
             fleet.claim_report("a", back.generation, 11, 2, yes),
             ReportVerdict::Count
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_ephemeral_agents_record_is_not_kept_once_it_is_forgotten() {
+        let fleet = Fleet::new(10).forgetting_after(Some(Duration::from_secs(60)));
+        let yes = |_: Option<&mut ReportBucket>| true;
+        let eph = pb::Hello {
+            ephemeral: true,
+            instance_id: 7,
+            ..hello("cli-1")
+        };
+        let reg = fleet.register(&eph, None, None).unwrap();
+        assert_eq!(
+            fleet.claim_report("cli-1", reg.generation, 7, 1, yes),
+            ReportVerdict::Count
+        );
+        fleet.disconnected("cli-1", reg.generation);
+        tokio::time::advance(Duration::from_secs(61)).await;
+        // Forgotten (at the next look at the fleet), and its record not kept apart: a
+        // one-call agent, gone for good, would take the place of one that comes back.
+        assert!(fleet.status().is_empty());
+        assert!(fleet.lock().forgotten.records.is_empty());
     }
 
     #[test]
