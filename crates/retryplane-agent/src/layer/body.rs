@@ -312,15 +312,80 @@ pub struct ResponseBody<B> {
 struct Until {
     at: Instant,
     sleep: Option<Pin<Box<Sleep>>>,
-    /// Bytes of data read past the deadline.
-    past: usize,
 }
 
-/// How much data a [`ResponseBody`] with a deadline still gives once the deadline has passed,
-/// while its frames are already there: what the upstream sent in time and a slow reader had
-/// not read yet (an HTTP/2 stream's window holds at most a few MiB), not an answer that goes
-/// on for ever.
+/// How much of a [`ResponseBody`] with a deadline is kept once the deadline has passed: what
+/// the upstream had sent by then and the reader had not read yet (an HTTP/2 stream's window
+/// holds at most a few MiB of it; see [`drained`]).
 const PAST_DEADLINE_BYTES: usize = 16 << 20;
+/// The most frames [`drained`] takes (frames without data included).
+const PAST_DEADLINE_FRAMES: usize = 1 << 16;
+
+/// The end of a streamed answer whose deadline has passed: the frames already there are taken
+/// (after the bytes read before, `prefix`), up to [`PAST_DEADLINE_BYTES`] and the frame that
+/// crosses it, without waiting for any; the rest of the body is let go (an HTTP/2 stream whose
+/// request was sent whole is reset). An answer whose end was there too is whole; any other
+/// ends, after what was taken, with `DEADLINE_EXCEEDED` (a [`tonic::Status`], which a tonic
+/// client returns as it is). So a reader slower than the upstream loses nothing the upstream
+/// sent in time, and an upstream that goes on past the deadline is cut off there.
+fn drained<B>(
+    mut prefix: VecDeque<Bytes>,
+    mut rest: Pin<&mut B>,
+    cx: &mut Context<'_>,
+) -> ResponseInner<B>
+where
+    B: Body,
+    B::Data: Buf,
+    B::Error: Into<BoxError>,
+{
+    let mut bytes: usize = prefix.iter().map(Bytes::len).sum();
+    let mut frames = 0;
+    let (trailers, error) = loop {
+        if bytes > PAST_DEADLINE_BYTES || frames >= PAST_DEADLINE_FRAMES {
+            break (None, Some(late()));
+        }
+        frames += 1;
+        match rest.as_mut().poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
+                Ok(mut data) => {
+                    let data = data.copy_to_bytes(data.remaining());
+                    bytes = bytes.saturating_add(data.len());
+                    if !data.is_empty() {
+                        prefix.push_back(data);
+                    }
+                }
+                Err(frame) => {
+                    if let Ok(trailers) = frame.into_trailers() {
+                        break (Some(trailers), None);
+                    }
+                }
+            },
+            Poll::Ready(Some(Err(e))) => break (None, Some(e.into())),
+            Poll::Ready(None) => break (None, None),
+            Poll::Pending => break (None, Some(late())),
+        }
+    };
+    match error {
+        Some(error) => ResponseInner::Failed {
+            prefix,
+            error: Some(error),
+        },
+        None => {
+            let len = bytes;
+            ResponseInner::Full {
+                data: Some(join(&prefix, len)).filter(|d| !d.is_empty()),
+                trailers,
+            }
+        }
+    }
+}
+
+/// The error of an answer its caller's deadline ended.
+fn late() -> BoxError {
+    Box::new(tonic::Status::deadline_exceeded(
+        "the call's deadline passed before its answer ended",
+    ))
+}
 
 enum ResponseInner<B> {
     Full {
@@ -383,15 +448,11 @@ impl<B> ResponseBody<B> {
     /// Ends the body at `at` (tokio's clock) if it has not ended by then: what is unread is let
     /// go and the reader gets a `DEADLINE_EXCEEDED` [`tonic::Status`] as the body's error,
     /// which a tonic client returns as it is. What the upstream sent by then is still read
-    /// (see `poll_frame`). An HTTP/2 stream whose request has been sent whole is reset; one
+    /// (see [`drained`]). An HTTP/2 stream whose request has been sent whole is reset; one
     /// whose request is still streamed is not (the client below goes on sending it, as it does
     /// without the layer), and the upstream ends it at the `grpc-timeout` it was sent.
     pub(crate) fn ending_at(mut self, at: Instant) -> Self {
-        self.until = Some(Until {
-            at,
-            sleep: None,
-            past: 0,
-        });
+        self.until = Some(Until { at, sleep: None });
         self
     }
 }
@@ -414,50 +475,37 @@ where
         let Some(until) = &mut this.until else {
             return this.inner.poll_frame(cx);
         };
-        // Made at the first read, and asked at every one: a deadline already passed then is
-        // known at once.
+        // An answer in memory (read whole, or up to an error) has nothing left to wait for.
+        if !matches!(this.inner, ResponseInner::Streaming { .. }) {
+            this.until = None;
+            return this.inner.poll_frame(cx);
+        }
+        // The timer, made at the first read, and the clock: the timer alone says `Pending`
+        // once the task's coop budget is spent, and a reader of a body whose frames are always
+        // there never yields to renew it.
         let at = until.at;
         let sleep = until
             .sleep
             .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(at)));
-        let passed = sleep.as_mut().poll(cx).is_ready();
-        // The answer first: what the upstream sent by the deadline is not lost to a reader
-        // slower than it (a frame already there is read, and trailers end it as they would),
-        // up to [`PAST_DEADLINE_BYTES`] of data once the deadline has passed, so that an
-        // upstream that keeps sending past it is still cut off.
-        let late = match this.inner.poll_frame(cx) {
-            Poll::Ready(Some(Ok(frame))) => {
-                let data = frame.data_ref().map_or(0, Bytes::len);
-                if passed {
-                    until.past = until.past.saturating_add(data);
-                }
-                if !(passed && until.past > PAST_DEADLINE_BYTES) {
-                    // Ended (its trailers, or its last data): no deadline after the end.
-                    if frame.is_trailers() || this.inner.is_end_stream() {
-                        this.until = None;
-                    }
-                    return Poll::Ready(Some(Ok(frame)));
-                }
-                true
-            }
-            Poll::Ready(end_or_error) => {
+        let passed = sleep.as_mut().poll(cx).is_ready() || Instant::now() >= at;
+        if !passed {
+            let frame = this.inner.poll_frame(cx);
+            let ended = match &frame {
+                Poll::Ready(Some(Ok(frame))) => frame.is_trailers() || this.inner.is_end_stream(),
+                Poll::Ready(_) => true,
+                Poll::Pending => false,
+            };
+            // Ended (its trailers, its last data, an error): no deadline after the end.
+            if ended {
                 this.until = None;
-                return Poll::Ready(end_or_error);
             }
-            Poll::Pending => passed,
-        };
-        if !late {
-            return Poll::Pending;
+            return frame;
         }
-        // What is unread is let go (an HTTP/2 stream whose request has been sent is reset).
         this.until = None;
-        this.inner = ResponseInner::Failed {
-            prefix: VecDeque::new(),
-            error: None,
-        };
-        let late =
-            tonic::Status::deadline_exceeded("the call's deadline passed before its answer ended");
-        Poll::Ready(Some(Err(Box::new(late))))
+        if let ResponseInner::Streaming { prefix, rest } = &mut this.inner {
+            this.inner = drained(std::mem::take(prefix), rest.as_mut(), cx);
+        }
+        this.inner.poll_frame(cx)
     }
 
     fn is_end_stream(&self) -> bool {

@@ -31,10 +31,10 @@
 //!   request's own deadline (`grpc-timeout`, from tonic's `Request::set_timeout`) caps it:
 //!   the call, its attempts and its pauses end by the earlier of the two, since tonic
 //!   enforces that header below the layer on each attempt only, and until the answer's head
-//!   only; the answer's body ends by it too (a gRPC deadline bounds the whole RPC): what the
-//!   upstream sent by then is still read (a reader slower than the upstream loses nothing it
-//!   sent in time; past the deadline, 16 MiB of data at most), the rest is let go, and the
-//!   client reads `DEADLINE_EXCEEDED`. The call was counted at its answer's head (a success,
+//!   only; the answer's body ends by it too (a gRPC deadline bounds the whole RPC): what had
+//!   come when the deadline is seen passed is still given (16 MiB at most), so a reader
+//!   slower than the upstream loses nothing it sent in time and a finished answer stays
+//!   whole; the rest is let go, and the client reads `DEADLINE_EXCEEDED`. The call was counted at its answer's head (a success,
 //!   if that head was one), and a request still being streamed goes on being sent by the
 //!   client below, as without the layer, until the upstream ends the call at the
 //!   `grpc-timeout` it was sent. So a unary gRPC call
