@@ -478,8 +478,9 @@ async fn with_auth_on_a_tokenless_check_whose_answer_gets_no_window_is_still_cut
     running.shutdown().await.unwrap();
 }
 
-/// At the bottom, `ServeConfig` takes any non-zero idle timeout (the CLI 1 s); at 1 ms a quick
-/// admin call is still answered (the call's future is polled before its bound).
+/// At the bottom, `ServeConfig` takes any non-zero idle timeout (the CLI 1 s); at 1 ms an
+/// admin call is answered when its future ends within its bound (it is polled before it), and
+/// otherwise ends with the bound's documented `UNAVAILABLE` ("call again"): nothing else.
 #[tokio::test]
 async fn a_tiny_idle_timeout_is_refused_or_served() {
     let (_dir, cfg) = with_file(V1);
@@ -495,18 +496,23 @@ async fn a_tiny_idle_timeout_is_refused_or_served() {
         }
     };
     let mut admin = AdminServiceClient::new(channel(running.admin_addr).await);
-    let mut failed = Vec::new();
-    for _ in 0..10 {
-        if let Err(e) = admin.get(pb::GetRequest { version: 0 }).await {
-            failed.push(format!("{:?}: {}", e.code(), e.message()));
+    let mut answered = 0;
+    // Bounded: a busy machine may take more than 1 ms over some calls.
+    for _ in 0..50 {
+        match admin.get(pb::GetRequest { version: 0 }).await {
+            Ok(_) => answered += 1,
+            Err(e) => assert!(
+                e.code() == tonic::Code::Unavailable && e.message().contains("call again"),
+                "{:?}: {}",
+                e.code(),
+                e.message()
+            ),
+        }
+        if answered == 10 {
+            break;
         }
     }
-    assert!(
-        failed.is_empty(),
-        "started, then {} of 10 calls failed: {:?}",
-        failed.len(),
-        failed.first()
-    );
+    assert!(answered > 0, "no call of 50 was answered");
     running.shutdown().await.unwrap();
 }
 
