@@ -503,7 +503,25 @@ where
         }
         this.until = None;
         if let ResponseInner::Streaming { prefix, rest } = &mut this.inner {
-            this.inner = drained(std::mem::take(prefix), rest.as_mut(), cx);
+            // Outside the task's coop budget: a body on tokio's channels says `Pending` once
+            // the budget is spent, frames there or not, and what had come would be lost. The
+            // drain is bounded on its own. (An unconstrained future that is ready at once.)
+            let mut prefix = Some(std::mem::take(prefix));
+            let drain = tokio::task::unconstrained(std::future::poll_fn(|cx| {
+                Poll::Ready(drained(
+                    prefix.take().unwrap_or_default(),
+                    rest.as_mut(),
+                    cx,
+                ))
+            }));
+            let taken = match std::pin::pin!(drain).poll(cx) {
+                Poll::Ready(taken) => taken,
+                Poll::Pending => ResponseInner::Failed {
+                    prefix: VecDeque::new(),
+                    error: Some(late()),
+                },
+            };
+            this.inner = taken;
         }
         this.inner.poll_frame(cx)
     }
