@@ -282,9 +282,19 @@ impl AgentStreamService {
         // A shutdown does not wait for the Hello: the stream is told to reconnect at once, as
         // registered ones are, so a stream that never says Hello cannot hold the shutdown up.
         let mut shutdown = self.ctx.shutdown.clone();
+        // What ends the stream when a reload takes its secret away: also while it waits for
+        // its Hello (after the Guard admitted it), so that it does not keep its slot here.
+        let mut revocation = match (&self.ctx.tokens, credential) {
+            (Some(tokens), Some(credential)) => Some(Revocation {
+                tokens: tokens.subscribe(),
+                credential,
+            }),
+            _ => None,
+        };
         let first = tokio::select! {
             first = tokio::time::timeout(limits.hello_timeout, inbound.message()) => first,
             _ = shutdown.wait_for(|stop| *stop) => return Err(shutdown_status()),
+            () = Revocation::revoked(&mut revocation) => return Err(revoked_status()),
         };
         let hello = match first {
             Ok(Ok(Some(pb::AgentMessage {
@@ -310,16 +320,8 @@ impl AgentStreamService {
         if let Some(life) = &life {
             life.heard();
         }
-        // What ends the stream when a reload takes its secret away. A reload while the stream
-        // waited for its Hello (after the Guard admitted it) refuses it here, before it is
-        // registered or sent anything.
-        let revocation = match (&self.ctx.tokens, credential) {
-            (Some(tokens), Some(credential)) => Some(Revocation {
-                tokens: tokens.subscribe(),
-                credential,
-            }),
-            _ => None,
-        };
+        // A reload that came with the Hello refuses it here, before it is registered or sent
+        // anything.
         if revocation.as_ref().is_some_and(Revocation::is_revoked) {
             return Err(revoked_status());
         }

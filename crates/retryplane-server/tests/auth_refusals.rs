@@ -1,0 +1,192 @@
+//! Refusals of the tokens file's rules, against the real server on 127.0.0.1:0 with raw tonic
+//! clients: a reload that takes a secret away ends a stream still waiting for its Hello, and a
+//! read-only token's attempted change is counted with the other refusals.
+
+#![allow(missing_docs, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::fs;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::time::Duration;
+
+use retryplane_proto::pb;
+use retryplane_proto::pb::admin_service_client::AdminServiceClient;
+use retryplane_proto::pb::agent_service_client::AgentServiceClient;
+use retryplane_server::server::{ServeConfig, start};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::Code;
+use tonic::metadata::MetadataValue;
+use tonic::transport::Channel;
+
+const V1: &str = "version: 1\nendpoints:\n  payments:\n    max_attempts: 3\n";
+const AGENT: &str = "agent-secret-0123456789abcdef";
+const AGENT2: &str = "agent2-secret-0123456789abcdef";
+const ADMIN: &str = "admin-secret-0123456789abcdef";
+const VIEWER: &str = "viewer-secret-0123456789abcdef";
+
+fn tokens_yaml(with_agent: bool) -> String {
+    let mut s = String::from("tokens:\n");
+    if with_agent {
+        s += &format!("  - {{name: team-a, role: agent, secret: \"{AGENT}\"}}\n");
+    }
+    s += &format!("  - {{name: team-b, role: agent, secret: \"{AGENT2}\"}}\n");
+    s += &format!("  - {{name: alice, role: admin, secret: \"{ADMIN}\"}}\n");
+    s += &format!("  - {{name: dash, role: viewer, secret: \"{VIEWER}\"}}\n");
+    s
+}
+
+fn setup() -> (tempfile::TempDir, ServeConfig) {
+    let dir = tempfile::tempdir().unwrap();
+    fs::write(dir.path().join("policies.yaml"), V1).unwrap();
+    fs::write(dir.path().join("tokens.yaml"), tokens_yaml(true)).unwrap();
+    let any = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
+    let cfg = ServeConfig {
+        config_file: dir.path().join("policies.yaml"),
+        data_dir: dir.path().join("data"),
+        listen: any,
+        admin_listen: any,
+        http_listen: any,
+        tokens_file: Some(dir.path().join("tokens.yaml")),
+        ..ServeConfig::default()
+    };
+    (dir, cfg)
+}
+
+async fn channel(addr: SocketAddr) -> Channel {
+    Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap()
+}
+
+fn with_auth<T>(msg: T, value: Option<&[u8]>) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(msg);
+    if let Some(v) = value {
+        r.metadata_mut()
+            .insert("authorization", MetadataValue::try_from(v).unwrap());
+    }
+    r
+}
+
+async fn get(ch: &Channel, auth: Option<&[u8]>) -> Result<(), tonic::Status> {
+    let mut c = AdminServiceClient::new(ch.clone());
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        c.get(with_auth(pb::GetRequest { version: 0 }, auth)),
+    )
+    .await
+    .expect("get timed out")
+    .map(|_| ())
+}
+
+async fn metrics(addr: SocketAddr) -> String {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut out = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut out))
+        .await
+        .unwrap()
+        .unwrap();
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn refused_total(m: &str) -> u64 {
+    m.lines()
+        .find_map(|l| l.strip_prefix("retryplane_server_auth_refused_total "))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// The value of the gauge `name` in the server's exposition.
+fn gauge(m: &str, name: &str) -> u64 {
+    m.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|rest| rest.strip_prefix(' ')))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_that_takes_its_secret_away_ends_a_stream_still_waiting_for_its_hello() {
+    let (dir, cfg) = setup();
+    let running = start(cfg).await.unwrap();
+    let agent = channel(running.agent_addr).await;
+    // A stream that sends no Hello (the server waits 10 s for one).
+    let (tx, rx) = mpsc::channel::<pb::AgentMessage>(8);
+    let mut client = AgentServiceClient::new(agent.clone());
+    let request = with_auth(
+        ReceiverStream::new(rx),
+        Some(format!("Bearer {AGENT}").as_bytes()),
+    );
+    let pending = tokio::spawn(async move {
+        let mut stream = client.connect(request).await?.into_inner();
+        loop {
+            if stream.message().await?.is_none() {
+                return Err::<(), _>(tonic::Status::unknown("ended"));
+            }
+        }
+    });
+    let end = Instant::now() + Duration::from_secs(10);
+    while gauge(
+        &metrics(running.http_addr).await,
+        "retryplane_server_streams_awaiting_hello",
+    ) < 1
+    {
+        assert!(Instant::now() < end, "the stream never reached the server");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    fs::write(dir.path().join("tokens.yaml"), tokens_yaml(false)).unwrap();
+    running.reload_tokens().unwrap();
+    let reloaded = Instant::now();
+    let e = tokio::time::timeout(Duration::from_secs(12), pending)
+        .await
+        .expect("the stream was not ended")
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(e.code(), Code::Unauthenticated, "{e:?}");
+    assert!(
+        reloaded.elapsed() < Duration::from_secs(5),
+        "ended after {:?}",
+        reloaded.elapsed()
+    );
+    drop(tx);
+    running.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_only_tokens_attempted_change_is_counted_as_refused() {
+    let (_dir, cfg) = setup();
+    let running = start(cfg).await.unwrap();
+    let admin = channel(running.admin_addr).await;
+    let before = refused_total(&metrics(running.http_addr).await);
+    let mut c = AdminServiceClient::new(admin.clone());
+    let vauth = format!("Bearer {VIEWER}");
+    for _ in 0..3 {
+        let e = c
+            .rollback(with_auth(
+                pb::RollbackRequest {
+                    version: 1,
+                    ..Default::default()
+                },
+                Some(vauth.as_bytes()),
+            ))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), Code::PermissionDenied);
+    }
+    // Control: an agent token on the admin listener is counted.
+    let _ = get(&admin, Some(format!("Bearer {AGENT}").as_bytes()))
+        .await
+        .unwrap_err();
+    let after = refused_total(&metrics(running.http_addr).await);
+    running.shutdown().await.unwrap();
+    assert_eq!(after - before, 4, "refused_total went {before} -> {after}");
+}
