@@ -44,7 +44,7 @@ use retryplane_proto::convert;
 use retryplane_proto::pb::{self, admin_service_server::AdminService, policy_source::Kind};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tonic::{Request, Response, Status};
-use tracing::error;
+use tracing::{error, info};
 
 use crate::ErrorChain;
 use crate::aggregate::window::Window;
@@ -163,6 +163,8 @@ fn check_may_change<T>(request: &Request<T>) -> Result<(), Status> {
     match request.extensions().get::<Credential>() {
         Some(credential) if !credential.role().may_change() => {
             let name = author(request).unwrap_or_default();
+            // By name only: a token that tries to write where it may only read is worth a look.
+            info!(token = %name, role = credential.role().as_str(), "a change refused: the token reads only");
             Err(Status::permission_denied(format!(
                 "token `{name}` has role `{}`, which reads only; changing the policies needs role `admin`",
                 credential.role().as_str()
@@ -516,7 +518,9 @@ impl AdminService for AdminApi {
                 .await;
         }
         // Refused before it waits for a turn, as a rollback is.
-        check_may_change(&request)?;
+        check_may_change(&request).inspect_err(|_| {
+            self.control.metrics.auth_refused.inc();
+        })?;
         self.check_writable()?;
         // A change keeps its own rules for a dropped call (see `ControlPlane::apply`): the turn
         // is held by the call.
@@ -584,7 +588,9 @@ impl AdminService for AdminApi {
         &self,
         request: Request<pb::RollbackRequest>,
     ) -> Result<Response<pb::ApplyResponse>, Status> {
-        check_may_change(&request)?;
+        check_may_change(&request).inspect_err(|_| {
+            self.control.metrics.auth_refused.inc();
+        })?;
         self.check_writable()?;
         let _turn = self.check_turn().await?;
         let author = author(&request);

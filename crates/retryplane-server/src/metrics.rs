@@ -166,7 +166,7 @@ impl ServerMetrics {
         );
         registry.register(
             "auth_refused",
-            "Agent streams and admin calls refused for a missing or unknown token, or one of a role the listener does not admit",
+            "Agent streams and admin calls refused for a missing or unknown token, one of a role the listener does not admit, or a read-only token's change",
             auth_refused.clone(),
         );
         Self {
