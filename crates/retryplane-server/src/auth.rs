@@ -214,7 +214,13 @@ impl Tokens {
         let mut digests: HashMap<[u8; 32], usize> = HashMap::new();
         let mut tokens = Vec::with_capacity(raw.tokens.len());
         for (i, t) in raw.tokens.iter().enumerate() {
-            let at = format!("tokens[{i}] (`{}`)", t.name.escape_debug());
+            // A name that could be a secret (a name and a secret swapped) is not quoted: the
+            // message reaches a terminal and the log.
+            let at = if could_be_a_secret(&t.name) {
+                format!("tokens[{i}] (name not shown: it could be a secret)")
+            } else {
+                format!("tokens[{i}] (`{}`)", t.name.escape_debug())
+            };
             if t.name.trim().is_empty() {
                 problems.push(format!("tokens[{i}]: name is empty"));
             } else if let Some(first) = names.insert(&t.name, i) {
@@ -554,6 +560,13 @@ impl Interceptor for Guard {
         }
         Ok(request)
     }
+}
+
+/// Whether a token's name could be a secret put in its place: as long as a secret may be
+/// ([`MIN_SECRET_LEN`]), and with none of the separators names are written with (`-`, `_`,
+/// `.`, `/`, `:`, `@`, a space).
+fn could_be_a_secret(name: &str) -> bool {
+    name.len() >= MIN_SECRET_LEN && !name.contains(['-', '_', '.', '/', ':', '@', ' '])
 }
 
 #[cfg(test)]

@@ -226,6 +226,16 @@ fn a_role_swapped_with_its_secret_is_not_shown() {
 }
 
 #[test]
+fn a_name_swapped_with_its_secret_is_not_shown() {
+    let err = invalid("tokens: [{name: Zq8vR2mK9xT4wP7nL3bY6cH1, role: agent, secret: team-a}]");
+    assert!(err.contains("tokens[0] (name not shown"), "{err}");
+    assert!(!err.contains("Zq8"), "{err}");
+    // A name as names are written is still quoted.
+    let err = invalid("tokens: [{name: checkout-agents, role: agent, secret: short}]");
+    assert!(err.contains("tokens[0] (`checkout-agents`)"), "{err}");
+}
+
+#[test]
 fn a_secret_the_reader_quotes_in_its_message_is_not_shown() {
     // Malformed files the reader refuses, with a secret where a typo puts it; the reader
     // quotes what it found without escaping a quote inside it, so secrets with backticks and
