@@ -418,41 +418,12 @@ where
     })
 }
 
-/// Runs the logical call `begun` of `prepared` (see [`send_call`]). The answer to a gRPC
-/// request with its caller's deadline (`grpc-timeout`) ends by that deadline, its body
-/// included: a gRPC deadline bounds the whole RPC (gRFC A6), and tonic's client enforces it
-/// only until the answer's head, so an upstream that sends its head and then stalls held the
-/// caller past it.
-async fn send<S, B, RB>(
-    inner: Inner<S>,
-    settings: &Settings,
-    prepared: Prepared<B>,
-    begun: Begun,
-) -> Result<Response<ResponseBody<RB>>, BoxError>
-where
-    S: Service<Request<ReplayBody<B>>, Response = Response<RB>> + Clone,
-    S::Error: Into<BoxError>,
-    B: Body<Data = Bytes>,
-    B::Error: Into<BoxError>,
-    RB: Body,
-    RB::Error: Into<BoxError>,
-{
-    let head = prepared.head();
-    let answer_by = if is_grpc(head) {
-        grpc_timeout(head).map(|within| retryplane_policy::engine::deadline_at(begun.at(), within))
-    } else {
-        None
-    };
-    let result = send_call(inner, settings, prepared, begun).await;
-    match answer_by {
-        Some(at) => result.map(|response| response.map(|body| body.ending_at(at))),
-        None => result,
-    }
-}
-
 /// Runs the logical call `begun` of `prepared` (its deadline runs from when it began, the body
-/// read included, and it goes by the policy read then).
-async fn send_call<S, B, RB>(
+/// read included, and it goes by the policy read then). The answer to a gRPC request with its
+/// caller's deadline (`grpc-timeout`) ends by that deadline, its body included: a gRPC
+/// deadline bounds the whole RPC (gRFC A6), and tonic's client enforces it only until the
+/// answer's head, so an upstream that sends its head and then stalls held the caller past it.
+async fn send<S, B, RB>(
     mut inner: Inner<S>,
     settings: &Settings,
     prepared: Prepared<B>,
@@ -485,7 +456,7 @@ where
         }
         Err(e) => classify_boxed(&**e),
     };
-    match prepared {
+    let (result, callers) = match prepared {
         Prepared::Buffered {
             head,
             data,
@@ -536,8 +507,8 @@ where
                 }
             };
             let ready = ReadyShared::new(inner);
-            let Some(hook) = &settings.refresh else {
-                return endpoint
+            let result = match &settings.refresh {
+                None => endpoint
                     .call_reauth(
                         begun,
                         meta,
@@ -548,32 +519,35 @@ where
                         ReadOn::new(),
                     )
                     .await
-                    .or_else(gave_up);
-            };
-            let mut reauth = HttpReauth::new(&**hook, head, refresh_used, grpc);
-            let result = endpoint
-                .call_reauth(
-                    begun,
-                    meta,
-                    classify,
-                    attempt,
-                    &mut reauth,
-                    ready,
-                    ReadOn::new(),
-                )
-                .await
-                .or_else(gave_up);
-            match (result, reauth.error) {
-                (Ok(mut response), Some(e))
-                    if wants_credentials(response.status(), response.headers(), grpc) =>
-                {
-                    response
-                        .extensions_mut()
-                        .insert(RefreshFailed(Arc::from(e)));
-                    Ok(response)
+                    .or_else(gave_up),
+                Some(hook) => {
+                    let mut reauth = HttpReauth::new(&**hook, head, refresh_used, grpc);
+                    let result = endpoint
+                        .call_reauth(
+                            begun,
+                            meta,
+                            classify,
+                            attempt,
+                            &mut reauth,
+                            ready,
+                            ReadOn::new(),
+                        )
+                        .await
+                        .or_else(gave_up);
+                    match (result, reauth.error) {
+                        (Ok(mut response), Some(e))
+                            if wants_credentials(response.status(), response.headers(), grpc) =>
+                        {
+                            response
+                                .extensions_mut()
+                                .insert(RefreshFailed(Arc::from(e)));
+                            Ok(response)
+                        }
+                        (result, _) => result,
+                    }
                 }
-                (result, _) => result,
-            }
+            };
+            (result, callers)
         }
         Prepared::Once {
             head,
@@ -607,7 +581,7 @@ where
                     }
                 }
             };
-            endpoint
+            let result = endpoint
                 .call_reauth(
                     begun,
                     meta,
@@ -618,8 +592,13 @@ where
                     KeepAsIs,
                 )
                 .await
-                .or_else(gave_up)
+                .or_else(gave_up);
+            (result, callers)
         }
+    };
+    match callers {
+        Some(at) => result.map(|response| response.map(|body| body.ending_at(at))),
+        None => result,
     }
 }
 
