@@ -1,7 +1,8 @@
 //! How far past the caller's deadline (`grpc-timeout`) a gRPC answer's body is still given to
 //! its reader, through the layer over in-process services: what was there when the deadline
-//! was seen passed (16 MiB at most), whatever the reader's pace or its task's coop budget, and
-//! nothing the upstream sends after it.
+//! was seen passed (16 MiB at most), whatever the reader's pace or its task's coop budget (a
+//! body on tokio's channels says `Pending` once the budget is spent), and nothing the upstream
+//! sends after it.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -18,6 +19,7 @@ use http_body::{Body, Frame};
 use http_body_util::{BodyExt as _, Full};
 use retryplane_agent::layer::{Idempotent, ReplayBody, RetryLayer};
 use support::{agent, policy};
+use tokio::sync::mpsc;
 use tokio::time::{Instant, Sleep};
 use tower::{Layer as _, ServiceExt as _, service_fn};
 
@@ -43,24 +45,28 @@ fn ok_trailers() -> http::HeaderMap {
 }
 
 /// A body whose frames are always there (an answer all buffered already): `left` data frames
-/// of `size` bytes, then `grpc-status: 0`.
+/// of `size` bytes, then (if `trailers`) `grpc-status: 0`, or an error if `fail`.
 struct AlwaysReady {
     left: usize,
     size: usize,
     trailers: bool,
+    fail: bool,
 }
 
 impl Body for AlwaysReady {
     type Data = Bytes;
-    type Error = Infallible;
+    type Error = std::io::Error;
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
         _: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
         if self.left == 0 {
             if self.trailers {
                 self.trailers = false;
+                if self.fail {
+                    return Poll::Ready(Some(Err(std::io::Error::other("upstream reset"))));
+                }
                 return Poll::Ready(Some(Ok(Frame::trailers(ok_trailers()))));
             }
             return Poll::Ready(None);
@@ -156,6 +162,7 @@ async fn read_after_deadline_with(yield_each: bool, unconstrained: bool) -> Outc
                     left: 64 * MIB / KIB,
                     size: KIB,
                     trailers: true,
+                    fail: false,
                 })
                 .unwrap(),
         )
@@ -265,144 +272,6 @@ async fn a_reader_slower_than_a_stream_that_goes_on_is_not_ended_by_the_deadline
     );
 }
 
-mod h2_server {
-    //! An HTTP/2 gRPC server written with `h2` (as tests/grpc_answer_deadline.rs): the first
-    //! request's answer sends its head and stalls; every later one answers at once.
-
-    use std::sync::Arc;
-    use std::sync::atomic::{AtomicU32, Ordering};
-    use std::time::Duration;
-
-    use bytes::{BufMut as _, Bytes, BytesMut};
-    use retryplane_proto::pb;
-    use tokio::net::TcpListener;
-
-    pub struct Server {
-        pub addr: std::net::SocketAddr,
-        pub resets: Arc<AtomicU32>,
-        pub connections: Arc<AtomicU32>,
-    }
-
-    fn get_answer() -> Bytes {
-        let encoded = prost::Message::encode_to_vec(&pb::GetResponse {
-            info: Some(pb::VersionInfo {
-                version: 7,
-                ..Default::default()
-            }),
-            ..Default::default()
-        });
-        let mut framed = BytesMut::new();
-        framed.put_u8(0);
-        framed.put_u32(u32::try_from(encoded.len()).unwrap());
-        framed.put_slice(&encoded);
-        framed.freeze()
-    }
-
-    async fn answer(
-        stall: bool,
-        mut respond: h2::server::SendResponse<Bytes>,
-        resets: Arc<AtomicU32>,
-    ) {
-        let head = http::Response::builder()
-            .status(200)
-            .header("content-type", "application/grpc")
-            .body(())
-            .unwrap();
-        let Ok(mut stream) = respond.send_response(head, false) else {
-            return;
-        };
-        if stall {
-            let reset = std::future::poll_fn(|cx| stream.poll_reset(cx));
-            tokio::select! {
-                _ = reset => {
-                    resets.fetch_add(1, Ordering::Relaxed);
-                    return;
-                }
-                () = tokio::time::sleep(Duration::from_secs(10)) => {}
-            }
-        }
-        let _ = stream.send_data(get_answer(), false);
-        let mut trailers = http::HeaderMap::new();
-        trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
-        let _ = stream.send_trailers(trailers);
-    }
-
-    pub async fn serve() -> Server {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let resets = Arc::new(AtomicU32::new(0));
-        let connections = Arc::new(AtomicU32::new(0));
-        let (r, c) = (Arc::clone(&resets), Arc::clone(&connections));
-        let requests = Arc::new(AtomicU32::new(0));
-        tokio::spawn(async move {
-            loop {
-                let Ok((socket, _)) = listener.accept().await else {
-                    return;
-                };
-                c.fetch_add(1, Ordering::Relaxed);
-                let (resets, requests) = (Arc::clone(&r), Arc::clone(&requests));
-                tokio::spawn(async move {
-                    let Ok(mut connection) = h2::server::handshake(socket).await else {
-                        return;
-                    };
-                    while let Some(Ok((_request, respond))) = connection.accept().await {
-                        let stall = requests.fetch_add(1, Ordering::Relaxed) == 0;
-                        tokio::spawn(answer(stall, respond, Arc::clone(&resets)));
-                    }
-                });
-            }
-        });
-        Server {
-            addr,
-            resets,
-            connections,
-        }
-    }
-}
-
-#[tokio::test]
-async fn after_a_deadline_ended_answer_the_stream_is_reset_and_the_connection_reused() {
-    use retryplane_proto::pb;
-    use std::sync::atomic::Ordering;
-    let server = h2_server::serve().await;
-    let channel = tonic::transport::Channel::from_shared(format!("http://{}", server.addr))
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let agent = agent(&policy("max_attempts: 3"));
-    let stack = tower::ServiceBuilder::new()
-        .layer(RetryLayer::new(agent.endpoint("ep")))
-        .map_request(retryplane_agent::layer::into_tonic_request)
-        .service(channel.clone());
-    let mut client = pb::admin_service_client::AdminServiceClient::new(stack);
-    let mut request = tonic::Request::new(pb::GetRequest { version: 0 });
-    request.set_timeout(Duration::from_millis(300));
-    let start = Instant::now();
-    let status = tokio::time::timeout(Duration::from_secs(10), client.get(request))
-        .await
-        .unwrap()
-        .unwrap_err();
-    assert_eq!(status.code(), tonic::Code::DeadlineExceeded, "{status:?}");
-    let took = start.elapsed();
-    // Reset, then the same connection answers the next call.
-    let end = Instant::now() + Duration::from_secs(10);
-    while server.resets.load(Ordering::Relaxed) == 0 {
-        assert!(Instant::now() < end, "no reset");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    let again = tokio::time::timeout(
-        Duration::from_secs(10),
-        client.get(tonic::Request::new(pb::GetRequest { version: 0 })),
-    )
-    .await
-    .unwrap()
-    .unwrap();
-    assert_eq!(again.into_inner().info.unwrap().version, 7);
-    assert_eq!(server.connections.load(Ordering::Relaxed), 1);
-    eprintln!("deadline-ended after {took:?}; stream reset; next call on the same connection ok");
-}
-
 /// A body that gives nothing until `at`, then its trailers (`grpc-status: 0`).
 struct TrailersAt {
     at: Instant,
@@ -498,4 +367,147 @@ async fn edges_that_hold_waker_after_error_first_poll_late_trailers_at_deadline(
         .expect("the trailers, not the deadline's error");
     assert!(frame.is_trailers());
     assert!(body.frame().await.is_none());
+}
+
+/// A body whose frames come through a tokio channel.
+struct Channel(mpsc::Receiver<Frame<Bytes>>);
+
+impl Body for Channel {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        self.0.poll_recv(cx).map(|f| f.map(Ok))
+    }
+}
+
+/// An answer of `frames` data frames of 1 KiB and `grpc-status: 0`, all sent (and the
+/// channel closed) within the caller's 100 ms deadline; read from 300 ms on.
+async fn whole_answer_read_after_deadline(frames: usize, yield_each: bool) -> Outcome {
+    let agent = agent(&policy("max_attempts: 3"));
+    let svc = service_fn(move |_req: Request<ReplayBody<Full<Bytes>>>| async move {
+        let (tx, rx) = mpsc::channel(frames + 1);
+        for _ in 0..frames {
+            tx.try_send(Frame::data(Bytes::from(vec![b'x'; 1024])))
+                .unwrap();
+        }
+        tx.try_send(Frame::trailers(ok_trailers())).unwrap();
+        drop(tx);
+        Ok::<_, Infallible>(
+            Response::builder()
+                .status(200)
+                .header("content-type", "application/grpc")
+                .body(Channel(rx))
+                .unwrap(),
+        )
+    });
+    let client = RetryLayer::new(agent.endpoint("ep")).layer(svc);
+    let start = Instant::now();
+    let response = client.oneshot(grpc_request("100m")).await.unwrap();
+    tokio::time::sleep_until(start + Duration::from_millis(300)).await;
+    let body = response.into_body();
+    let read = tokio::spawn(read_all(body, yield_each));
+    tokio::time::timeout(Duration::from_secs(30), read)
+        .await
+        .expect("the read ends")
+        .unwrap()
+}
+
+#[tokio::test]
+async fn a_whole_answer_in_a_channel_read_frame_by_frame_after_the_deadline_stays_whole() {
+    // 1,000 frames (1000 KiB, far under the 16 MiB / 65,536 frames caps) and the trailers,
+    // all there before the deadline; the reader yields between frames.
+    let (data, end) = whole_answer_read_after_deadline(1000, true).await;
+    assert_eq!(
+        (data, end.clone()),
+        (1000 * 1024, Ok(true)),
+        "an answer whose end was there when the deadline was seen passed must be whole; got \
+         {data} bytes, ended {end:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_whole_answer_in_a_channel_read_in_one_go_after_the_deadline_stays_whole() {
+    let (data, end) = whole_answer_read_after_deadline(1000, false).await;
+    assert_eq!(
+        (data, end.clone()),
+        (1000 * 1024, Ok(true)),
+        "got {data} bytes, ended {end:?}"
+    );
+}
+
+#[tokio::test]
+async fn small_whole_answer_in_a_channel_after_the_deadline_holds() {
+    // Under the coop budget (128): whole (what holds).
+    let (data, end) = whole_answer_read_after_deadline(100, true).await;
+    assert_eq!((data, end), (100 * 1024, Ok(true)));
+}
+
+/// The answer through the layer (caller's deadline 100 ms) of an upstream whose `data` 1 KiB
+/// frames and end (trailers, or an error if `fail`) are all there, after the deadline.
+async fn ready_answer(
+    data: usize,
+    fail: bool,
+) -> retryplane_agent::layer::ResponseBody<AlwaysReady> {
+    let agent = agent(&policy("max_attempts: 3"));
+    let svc = service_fn(move |_req: Request<ReplayBody<Full<Bytes>>>| async move {
+        Ok::<_, Infallible>(
+            Response::builder()
+                .status(200)
+                .header("content-type", "application/grpc")
+                .body(AlwaysReady {
+                    left: data,
+                    size: KIB,
+                    trailers: true,
+                    fail,
+                })
+                .unwrap(),
+        )
+    });
+    let client = RetryLayer::new(agent.endpoint("ep")).layer(svc);
+    let body = client
+        .oneshot(grpc_request("100m"))
+        .await
+        .unwrap()
+        .into_body();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    body
+}
+
+#[tokio::test(start_paused = true)]
+async fn drained_edges_hold() {
+    // Whole (trailers there): the data, the trailers, then the end; the body says so.
+    let mut body = ready_answer(5, false).await;
+    let mut data = 0;
+    let mut trailers = false;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.unwrap();
+        data += frame.data_ref().map_or(0, Bytes::len);
+        trailers |= frame.is_trailers();
+    }
+    assert_eq!((data, trailers), (5 * 1024, true));
+    assert!(body.is_end_stream());
+    assert!(body.frame().await.is_none());
+    // An error among the frames there: the data, then that error, then the end.
+    let mut body = ready_answer(3, true).await;
+    let (data, end) = read_all(&mut body, false).await;
+    assert_eq!(data, 3 * 1024);
+    assert!(end.unwrap_err().contains("upstream reset"));
+    assert!(body.frame().await.is_none());
+    assert!(body.is_end_stream());
+    // An empty answer: the trailers only.
+    let mut body = ready_answer(0, false).await;
+    assert!(body.frame().await.unwrap().unwrap().is_trailers());
+    assert!(body.frame().await.is_none());
+    // Past the frame cap: 65,536 frames at most, then DEADLINE_EXCEEDED, then the end.
+    let mut body = ready_answer(100_000, false).await;
+    let (data, end) = read_all(&mut body, false).await;
+    assert!(data <= 65_536 * 1024, "{data}");
+    assert!(end.unwrap_err().contains("deadline"));
+    assert!(body.frame().await.is_none());
+    assert!(body.is_end_stream());
+    assert_eq!(body.size_hint().lower(), 0);
 }

@@ -38,10 +38,12 @@ struct Plan {
     messages: usize,
 }
 
-/// The server's address, and how many of its answers the client reset before they ended.
+/// The server's address, how many of its answers the client reset before they ended, and how
+/// many connections it accepted.
 struct Server {
     addr: std::net::SocketAddr,
     resets: Arc<AtomicU32>,
+    connections: Arc<AtomicU32>,
 }
 
 /// One gRPC message (5-byte prefix and its encoding).
@@ -107,12 +109,15 @@ async fn serve(plan: Plan) -> Server {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let resets = Arc::new(AtomicU32::new(0));
+    let connections = Arc::new(AtomicU32::new(0));
     let counted = Arc::clone(&resets);
+    let accepted = Arc::clone(&connections);
     tokio::spawn(async move {
         loop {
             let Ok((socket, _)) = listener.accept().await else {
                 return;
             };
+            accepted.fetch_add(1, Ordering::Relaxed);
             let resets = Arc::clone(&counted);
             tokio::spawn(async move {
                 let Ok(mut connection) = h2::server::handshake(socket).await else {
@@ -125,7 +130,11 @@ async fn serve(plan: Plan) -> Server {
             });
         }
     });
-    Server { addr, resets }
+    Server {
+        addr,
+        resets,
+        connections,
+    }
 }
 
 async fn channel(server: &Server) -> Channel {
@@ -227,6 +236,30 @@ async fn a_unary_answer_stalled_after_its_head_ends_at_the_callers_deadline() {
     );
     // What was unread is let go: the server's stream is reset.
     resets_reach(&server, 1).await;
+}
+
+#[tokio::test]
+async fn after_an_answer_the_callers_deadline_ended_the_connection_serves_the_next_call() {
+    let server = serve(Plan {
+        every: Duration::from_secs(10),
+        messages: 1,
+    })
+    .await;
+    let agent = agent(&policy("max_attempts: 3"));
+    let mut client = AdminServiceClient::new(stack!(agent, &server));
+    for reset in 1..=2 {
+        let mut request = Request::new(pb::GetRequest { version: 0 });
+        request.extensions_mut().insert(Idempotent(true));
+        request.set_timeout(Duration::from_millis(200));
+        let status = tokio::time::timeout(WAIT, client.get(request))
+            .await
+            .expect("the call ends in time")
+            .unwrap_err();
+        assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
+        resets_reach(&server, reset).await;
+    }
+    // Both calls on the one connection: a reset stream, not a closed connection.
+    assert_eq!(server.connections.load(Ordering::Relaxed), 1);
 }
 
 #[tokio::test]
