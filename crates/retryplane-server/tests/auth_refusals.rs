@@ -4,8 +4,10 @@
 
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod support;
+
 use std::fs;
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use retryplane_proto::pb;
@@ -19,7 +21,8 @@ use tonic::Code;
 use tonic::metadata::MetadataValue;
 use tonic::transport::Channel;
 
-const V1: &str = "version: 1\nendpoints:\n  payments:\n    max_attempts: 3\n";
+use support::{V1, channel, with_file};
+
 const AGENT: &str = "agent-secret-0123456789abcdef";
 const AGENT2: &str = "agent2-secret-0123456789abcdef";
 const ADMIN: &str = "admin-secret-0123456789abcdef";
@@ -37,28 +40,13 @@ fn tokens_yaml(with_agent: bool) -> String {
 }
 
 fn setup() -> (tempfile::TempDir, ServeConfig) {
-    let dir = tempfile::tempdir().unwrap();
-    fs::write(dir.path().join("policies.yaml"), V1).unwrap();
+    let (dir, cfg) = with_file(V1);
     fs::write(dir.path().join("tokens.yaml"), tokens_yaml(true)).unwrap();
-    let any = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
     let cfg = ServeConfig {
-        config_file: dir.path().join("policies.yaml"),
-        data_dir: dir.path().join("data"),
-        listen: any,
-        admin_listen: any,
-        http_listen: any,
         tokens_file: Some(dir.path().join("tokens.yaml")),
-        ..ServeConfig::default()
+        ..cfg
     };
     (dir, cfg)
-}
-
-async fn channel(addr: SocketAddr) -> Channel {
-    Channel::from_shared(format!("http://{addr}"))
-        .unwrap()
-        .connect()
-        .await
-        .unwrap()
 }
 
 fn with_auth<T>(msg: T, value: Option<&[u8]>) -> tonic::Request<T> {

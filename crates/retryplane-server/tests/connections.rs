@@ -4,9 +4,10 @@
 //! left at the end of a shutdown (`preface.rs`).
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod support;
+
 use std::fs;
 use std::net::{Ipv4Addr, SocketAddr};
-use std::path::Path;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -16,36 +17,8 @@ use retryplane_proto::pb::{self, agent_message::Kind};
 use retryplane_server::server::{Running, SHUTDOWN_GRACE, ServeConfig, start};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::transport::Channel;
 
-const V1: &str = "version: 1\nendpoints:\n  payments:\n    max_attempts: 3\n";
-
-fn config(dir: &Path) -> ServeConfig {
-    let any = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
-    ServeConfig {
-        config_file: dir.join("policies.yaml"),
-        data_dir: dir.join("data"),
-        listen: any,
-        admin_listen: any,
-        http_listen: any,
-        ..ServeConfig::default()
-    }
-}
-
-fn with_file(contents: &str) -> (tempfile::TempDir, ServeConfig) {
-    let dir = tempfile::tempdir().unwrap();
-    fs::write(dir.path().join("policies.yaml"), contents).unwrap();
-    let cfg = config(dir.path());
-    (dir, cfg)
-}
-
-async fn channel(addr: SocketAddr) -> Channel {
-    Channel::from_shared(format!("http://{addr}"))
-        .unwrap()
-        .connect()
-        .await
-        .unwrap()
-}
+use support::{V1, channel, with_file};
 
 fn check_request() -> http::Request<()> {
     grpc_post("/grpc.health.v1.Health/Check")

@@ -3,7 +3,9 @@
 //! while it read.
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::net::{Ipv4Addr, SocketAddr};
+mod support;
+
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use retryplane_proto::pb::{self, agent_message::Kind};
@@ -12,6 +14,8 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Status, Streaming};
+
+use support::{channel, with_file};
 
 const WAIT: Duration = Duration::from_secs(15);
 
@@ -26,18 +30,8 @@ struct Plane {
 }
 
 async fn plane_with(tune: impl FnOnce(&mut ServeConfig)) -> Plane {
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("policies.yaml"), policy(2)).unwrap();
-    let any = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
-    let mut cfg = ServeConfig {
-        config_file: dir.path().join("policies.yaml"),
-        data_dir: dir.path().join("data"),
-        listen: any,
-        admin_listen: any,
-        http_listen: any,
-        api_mode: true,
-        ..ServeConfig::default()
-    };
+    let (dir, mut cfg) = with_file(&policy(2));
+    cfg.api_mode = true;
     tune(&mut cfg);
     let running = start(cfg).await.expect("server starts");
     Plane { running, _dir: dir }
@@ -45,15 +39,6 @@ async fn plane_with(tune: impl FnOnce(&mut ServeConfig)) -> Plane {
 
 async fn plane() -> Plane {
     plane_with(|_| {}).await
-}
-
-async fn channel(addr: SocketAddr) -> Channel {
-    Endpoint::from_shared(format!("http://{addr}"))
-        .unwrap()
-        .connect_timeout(WAIT)
-        .connect()
-        .await
-        .unwrap()
 }
 
 impl Plane {
