@@ -288,13 +288,14 @@ impl AgentStreamService {
             (Some(tokens), Some(credential)) => Some(Revocation {
                 tokens: tokens.subscribe(),
                 credential,
+                agent_id: None,
             }),
             _ => None,
         };
         let first = tokio::select! {
             first = tokio::time::timeout(limits.hello_timeout, inbound.message()) => first,
             _ = shutdown.wait_for(|stop| *stop) => return Err(shutdown_status()),
-            () = Revocation::revoked(&mut revocation) => return Err(revoked_status()),
+            status = Revocation::revoked(&mut revocation) => return Err(status),
         };
         let hello = match first {
             Ok(Ok(Some(pb::AgentMessage {
@@ -322,8 +323,17 @@ impl AgentStreamService {
         }
         // A reload that came with the Hello refuses it here, before it is registered or sent
         // anything.
-        if revocation.as_ref().is_some_and(Revocation::is_revoked) {
-            return Err(revoked_status());
+        if let Some(revocation) = &mut revocation {
+            if let Some(status) = revocation.refusal() {
+                return Err(status);
+            }
+            // From here on, a token that may not connect as this agent id ends the stream too.
+            revocation.agent_id = Some(hello.agent_id.clone());
+            if let Some(status) = revocation.refusal() {
+                self.ctx.metrics.auth_refused.inc();
+                info!(agent = %OneLine(&hello.agent_id), token = %OneLine(token_name.as_deref().unwrap_or_default()), "refused a Hello: the agent id is not among its token's `agent_ids`");
+                return Err(status);
+            }
         }
         let token = match (&token_name, secret_digest) {
             (Some(name), Some(secret_digest)) => Some(StreamToken {
@@ -407,28 +417,56 @@ impl AgentStreamService {
     }
 }
 
-/// The tokens in force as a stream sees them, and the credential it was admitted with.
+/// The tokens in force as a stream sees them, the credential it was admitted with, and the
+/// agent id its Hello named (once it has).
 struct Revocation {
     tokens: watch::Receiver<Arc<Tokens>>,
     credential: Credential,
+    agent_id: Option<String>,
+}
+
+/// Why `tokens` no longer admit a stream with `credential` and `agent_id`: its secret is no
+/// agent token's (`UNAUTHENTICATED`), or its token may not connect as that agent id
+/// (`PERMISSION_DENIED`).
+fn refusal(tokens: &Tokens, credential: &Credential, agent_id: Option<&str>) -> Option<Status> {
+    if !tokens.admits(credential) {
+        return Some(revoked_status());
+    }
+    tokens.refuses_agent_id(credential, agent_id?)
 }
 
 impl Revocation {
-    /// Whether the tokens in force no longer admit the stream's credential.
-    fn is_revoked(&self) -> bool {
-        !self.tokens.borrow().admits(&self.credential)
+    /// Why the tokens in force no longer admit the stream, if they do not.
+    fn refusal(&self) -> Option<Status> {
+        refusal(
+            &self.tokens.borrow(),
+            &self.credential,
+            self.agent_id.as_deref(),
+        )
     }
 
-    /// Resolves when the tokens in force no longer admit the stream's credential (at once if
-    /// a reload took it away before this was first polled); never without a revocation.
-    async fn revoked(revocation: &mut Option<Self>) {
-        let Some(Revocation { tokens, credential }) = revocation else {
+    /// Resolves, with the status to end the stream with, when the tokens in force no longer
+    /// admit it (at once if a reload took its secret away before this was first polled); never
+    /// without a revocation.
+    async fn revoked(revocation: &mut Option<Self>) -> Status {
+        let Some(Revocation {
+            tokens,
+            credential,
+            agent_id,
+        }) = revocation
+        else {
             return std::future::pending().await;
         };
+        let agent_id = agent_id.as_deref();
         // `wait_for` looks at the value in force first, then at every change.
-        if tokens.wait_for(|t| !t.admits(credential)).await.is_err() {
+        let refused = tokens
+            .wait_for(|t| refusal(t, credential, agent_id).is_some())
+            .await
+            .map(|t| refusal(&t, credential, agent_id));
+        match refused {
+            Ok(status) => status.unwrap_or_else(revoked_status),
             // The token set is gone: the server is stopping, which ends the stream anyway.
-            std::future::pending::<()>().await;
+            Err(_) => std::future::pending().await,
         }
     }
 }
@@ -605,7 +643,7 @@ async fn queue(
     // server process, which counts it again).
     let room = tokio::select! {
         biased;
-        () = Revocation::revoked(revocation) => return Err(Some(revoked_status())),
+        status = Revocation::revoked(revocation) => return Err(Some(status)),
         room = tx.reserve_many(2) => room,
         _ = replaced => return Err(Some(replaced_status())),
         _ = shutdown.wait_for(|s| *s) => return Err(Some(shutdown_status())),
@@ -707,7 +745,7 @@ impl AgentStream {
                 message = io.inbound.message() => self.on_message(message),
                 _ = &mut *io.replaced => Next::End(Some(replaced_status())),
                 _ = io.shutdown.wait_for(|s| *s) => Next::End(Some(shutdown_status())),
-                () = Revocation::revoked(io.revocation) => Next::End(Some(revoked_status())),
+                status = Revocation::revoked(io.revocation) => Next::End(Some(status)),
                 () = Heartbeat::silent(self.heartbeat.as_ref()) => {
                     info!(agent = %OneLine(&self.agent_id), "ending an agent stream: nothing came from the agent, which sends a keepalive every period, for the liveness timeout");
                     Next::End(self.heartbeat.as_ref().map(Heartbeat::silent_status))

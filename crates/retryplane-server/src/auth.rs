@@ -5,10 +5,16 @@
 //!
 //! ```yaml
 //! tokens:
-//!   - {name: checkout-agents, role: agent, secret: "at least sixteen characters"}
+//!   - {name: checkout-agents, role: agent, secret: "at least sixteen characters",
+//!      agent_ids: ["checkout-*"]}
 //!   - {name: alice, role: admin, secret: "another long random string"}
 //!   - {name: dashboards, role: viewer, secret: "a third long random string"}
 //! ```
+//!
+//! An agent token may name the agent ids it connects as (`agent_ids`: ids, or prefixes ending
+//! in `*`); a Hello with another id is refused with `PERMISSION_DENIED`, so one team's agent
+//! token cannot take (and keep) another team's agent ids. Without `agent_ids` a token may
+//! connect as any agent id, first come, first served among agent tokens.
 //!
 //! Every gRPC call to the agent or admin service carries `authorization: Bearer <secret>`. The
 //! presented secret is hashed (SHA-256) and compared with the hash of *every* token's secret
@@ -147,13 +153,83 @@ struct RawToken {
     name: String,
     role: String,
     secret: String,
+    #[serde(default)]
+    agent_ids: Option<Vec<String>>,
 }
 
-/// One credential: its name, role and the SHA-256 of its secret.
+/// One credential: its name, role, the SHA-256 of its secret and, for an agent token, the
+/// agent ids it may connect as (`None`: any).
 struct Token {
     name: String,
     role: Role,
     digest: [u8; 32],
+    agent_ids: Option<AgentIds>,
+}
+
+/// The agent ids an agent token may connect as (its `agent_ids` in the tokens file): each an
+/// id, or a prefix followed by `*` for every id that starts with it (`checkout-*`).
+#[derive(Debug)]
+struct AgentIds(Vec<String>);
+
+impl AgentIds {
+    /// Whether `id` is one of these ids or starts with one of these prefixes.
+    fn allow(&self, id: &str) -> bool {
+        self.0
+            .iter()
+            .any(|pattern| match pattern.strip_suffix('*') {
+                Some(prefix) => id.starts_with(prefix),
+                None => id == pattern,
+            })
+    }
+
+    /// The problems of a token's `agent_ids` (`at` names the token), each a line.
+    fn check(patterns: &[String], at: &str, problems: &mut Vec<String>) {
+        if patterns.is_empty() {
+            problems.push(format!(
+                "{at}: `agent_ids` is empty, so no agent could connect with this token; leave \
+                 the field out to let it connect as any agent id"
+            ));
+        }
+        for (j, pattern) in patterns.iter().enumerate() {
+            let shown = pattern.escape_debug();
+            let problem = if pattern.is_empty() {
+                Some("is empty".to_owned())
+            } else if pattern.strip_suffix('*').unwrap_or(pattern).contains('*') {
+                Some(format!(
+                    "`{shown}` holds a `*` before its end; a `*` may only end a prefix \
+                     (`checkout-*`)"
+                ))
+            } else if pattern.contains(char::is_control)
+                || pattern.contains(retryplane_policy::diag::is_escaped)
+            {
+                Some(format!(
+                    "`{shown}` holds a control or invisible character, which no agent id may hold"
+                ))
+            } else if pattern.trim_end_matches('*').len() > retryplane_proto::MAX_HELLO_FIELD_BYTES
+            {
+                Some(format!(
+                    "`{shown}` is longer than an agent id may be ({} bytes)",
+                    retryplane_proto::MAX_HELLO_FIELD_BYTES
+                ))
+            } else {
+                None
+            };
+            if let Some(problem) = problem {
+                problems.push(format!("{at}: agent_ids[{j}] {problem}"));
+            }
+        }
+    }
+}
+
+/// Lists the patterns as written: `` `checkout-*`, `batch-7` ``.
+impl fmt::Display for AgentIds {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, pattern) in self.0.iter().enumerate() {
+            let sep = if i == 0 { "" } else { ", " };
+            write!(f, "{sep}`{}`", pattern.escape_debug())?;
+        }
+        Ok(())
+    }
 }
 
 /// Every credential of a tokens file.
@@ -294,11 +370,22 @@ impl Tokens {
                     "{at}: same secret as tokens[{first}]; every token needs its own secret"
                 ));
             }
+            if let Some(patterns) = &t.agent_ids {
+                match role {
+                    Some(Role::Agent) | None => AgentIds::check(patterns, &at, &mut problems),
+                    Some(other) => problems.push(format!(
+                        "{at}: `agent_ids` is for agent tokens; a token of role `{}` does not \
+                         connect as an agent",
+                        other.as_str()
+                    )),
+                }
+            }
             if let Some(role) = role {
                 tokens.push(Token {
                     name: t.name.clone(),
                     role,
                     digest,
+                    agent_ids: t.agent_ids.clone().map(AgentIds),
                 });
             }
         }
@@ -316,6 +403,27 @@ impl Tokens {
     pub(crate) fn admits(&self, credential: &Credential) -> bool {
         self.find_digest(&credential.digest)
             .is_some_and(|token| token.role == credential.role)
+    }
+
+    /// Why the token holding `credential`'s secret may not connect as the agent `agent_id`
+    /// (`PERMISSION_DENIED`, naming the token and the ids it may use): `None` when it may, or
+    /// when no token holds that secret any more ([`Tokens::admits`] tells that).
+    pub(crate) fn refuses_agent_id(
+        &self,
+        credential: &Credential,
+        agent_id: &str,
+    ) -> Option<Status> {
+        let token = self.find_digest(&credential.digest)?;
+        let ids = token
+            .agent_ids
+            .as_ref()
+            .filter(|ids| !ids.allow(agent_id))?;
+        Some(Status::permission_denied(format!(
+            "token `{}` may not connect as agent id `{}`: its `agent_ids` in the tokens file \
+             are {ids}",
+            token.name,
+            agent_id.escape_debug()
+        )))
     }
 
     /// Number of tokens.

@@ -380,3 +380,90 @@ fn a_viewer_token_enters_the_admin_service_only() {
         "token `fleet` has role `agent`; this service needs role `admin` (or `viewer`, for reads)"
     );
 }
+
+#[test]
+fn an_agent_token_may_be_given_the_agent_ids_it_connects_as() {
+    let path = Path::new("tokens.yaml");
+    let text = "\
+tokens:
+  - {name: checkout, role: agent, secret: checkout-secret-0123456789, agent_ids: [checkout-*, cart-7]}
+  - {name: fleet, role: agent, secret: agent-secret-0123456789}
+";
+    let set = Arc::new(TokenSet::of(path, Tokens::parse(text, path).unwrap()));
+    let credential = |secret: &str| {
+        Guard::new(Some(set.clone()), Role::Agent)
+            .call(request(Some(&format!("Bearer {secret}"))))
+            .unwrap()
+            .extensions()
+            .get::<Credential>()
+            .unwrap()
+            .clone()
+    };
+    let tokens = set.current();
+    let checkout = credential("checkout-secret-0123456789");
+    for allowed in ["checkout-", "checkout-eu-1", "cart-7"] {
+        assert!(
+            tokens.refuses_agent_id(&checkout, allowed).is_none(),
+            "{allowed}"
+        );
+    }
+    for refused in ["cart-70", "cart-", "Checkout-1", "payments-1", ""] {
+        let status = tokens.refuses_agent_id(&checkout, refused).unwrap();
+        assert_eq!(status.code(), Code::PermissionDenied, "{refused}");
+    }
+    assert_eq!(
+        tokens
+            .refuses_agent_id(&checkout, "pay\nments")
+            .unwrap()
+            .message(),
+        "token `checkout` may not connect as agent id `pay\\nments`: its `agent_ids` in the \
+         tokens file are `checkout-*`, `cart-7`"
+    );
+    // Without `agent_ids`, any id.
+    let fleet = credential("agent-secret-0123456789");
+    assert!(tokens.refuses_agent_id(&fleet, "payments-1").is_none());
+    // A secret no token holds any more is not this refusal (`admits` tells that one).
+    let rotated = "tokens: [{name: checkout, role: agent, secret: checkout-secret-rotated-01}]";
+    let rotated = Tokens::parse(rotated, path).unwrap();
+    assert!(rotated.refuses_agent_id(&checkout, "payments-1").is_none());
+    assert!(!rotated.admits(&checkout));
+}
+
+#[test]
+fn agent_ids_that_could_never_be_used_as_meant_are_refused() {
+    let message = invalid(
+        "\
+tokens:
+  - {name: a, role: agent, secret: agent-secret-0123456789, agent_ids: []}
+  - {name: b, role: agent, secret: agent-secret-0123456780, agent_ids: [\"\", ok, \"x*y\", \"**\", \"a\\tb\"]}
+  - {name: c, role: admin, secret: admin-secret-0123456789, agent_ids: [c-*]}
+",
+    );
+    for part in [
+        "tokens[0] (`a`): `agent_ids` is empty, so no agent could connect with this token",
+        "tokens[1] (`b`): agent_ids[0] is empty",
+        "tokens[1] (`b`): agent_ids[2] `x*y` holds a `*` before its end",
+        "tokens[1] (`b`): agent_ids[3] `**` holds a `*` before its end",
+        "tokens[1] (`b`): agent_ids[4] `a\\tb` holds a control or invisible character",
+        "tokens[2] (`c`): `agent_ids` is for agent tokens; a token of role `admin` does not \
+         connect as an agent",
+    ] {
+        assert!(message.contains(part), "{part}\nnot in: {message}");
+    }
+    assert!(!message.contains("agent_ids[1]"), "{message}");
+    let long = format!(
+        "tokens: [{{name: d, role: agent, secret: agent-secret-0123456789, agent_ids: [\"{}*\"]}}]",
+        "x".repeat(retryplane_proto::MAX_HELLO_FIELD_BYTES + 1)
+    );
+    assert!(
+        invalid(&long).contains("is longer than an agent id may be (256 bytes)"),
+        "{}",
+        invalid(&long)
+    );
+    // Exactly as long as an id may be, with its `*`: fine.
+    let longest = format!(
+        "tokens: [{{name: d, role: agent, secret: agent-secret-0123456789, agent_ids: [\"{}*\"]}}]",
+        "x".repeat(retryplane_proto::MAX_HELLO_FIELD_BYTES)
+    );
+    assert!(Tokens::parse(&longest, Path::new("t.yaml")).is_ok());
+}

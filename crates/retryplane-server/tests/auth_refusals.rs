@@ -1,6 +1,7 @@
 //! Refusals of the tokens file's rules, against the real server on 127.0.0.1:0 with raw tonic
-//! clients: a reload that takes a secret away ends a stream still waiting for its Hello, and a
-//! read-only token's attempted change is counted with the other refusals.
+//! clients: a reload that takes a secret away ends a stream still waiting for its Hello, a
+//! read-only token's attempted change is counted with the other refusals, and an agent token
+//! connects only as the agent ids the file gives it.
 
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -29,9 +30,15 @@ const ADMIN: &str = "admin-secret-0123456789abcdef";
 const VIEWER: &str = "viewer-secret-0123456789abcdef";
 
 fn tokens_yaml(with_agent: bool) -> String {
+    tokens_yaml_with(with_agent.then_some(""))
+}
+
+/// The tokens file, `team-a`'s token left out for `None`, and given `agent_a_extra` (such as
+/// `, agent_ids: [a-*]`) in its entry otherwise.
+fn tokens_yaml_with(agent_a_extra: Option<&str>) -> String {
     let mut s = String::from("tokens:\n");
-    if with_agent {
-        s += &format!("  - {{name: team-a, role: agent, secret: \"{AGENT}\"}}\n");
+    if let Some(extra) = agent_a_extra {
+        s += &format!("  - {{name: team-a, role: agent, secret: \"{AGENT}\"{extra}}}\n");
     }
     s += &format!("  - {{name: team-b, role: agent, secret: \"{AGENT2}\"}}\n");
     s += &format!("  - {{name: alice, role: admin, secret: \"{ADMIN}\"}}\n");
@@ -177,4 +184,119 @@ async fn a_read_only_tokens_attempted_change_is_counted_as_refused() {
     let after = refused_total(&metrics(running.http_addr).await);
     running.shutdown().await.unwrap();
     assert_eq!(after - before, 4, "refused_total went {before} -> {after}");
+}
+
+/// An agent stream with `secret` whose Hello names `agent_id`: its first message from the
+/// control plane, or the status that refused it; and the stream, to read on.
+async fn hello(
+    agent: &Channel,
+    secret: &str,
+    agent_id: &str,
+) -> Result<
+    (
+        mpsc::Sender<pb::AgentMessage>,
+        tonic::Streaming<pb::ServerMessage>,
+    ),
+    tonic::Status,
+> {
+    let (tx, rx) = mpsc::channel::<pb::AgentMessage>(8);
+    tx.send(pb::AgentMessage {
+        kind: Some(pb::agent_message::Kind::Hello(pb::Hello {
+            agent_id: agent_id.to_owned(),
+            service: "checkout".to_owned(),
+            ..Default::default()
+        })),
+    })
+    .await
+    .unwrap();
+    let mut client = AgentServiceClient::new(agent.clone());
+    let request = with_auth(
+        ReceiverStream::new(rx),
+        Some(format!("Bearer {secret}").as_bytes()),
+    );
+    let mut stream = tokio::time::timeout(Duration::from_secs(10), client.connect(request))
+        .await
+        .expect("connect timed out")?
+        .into_inner();
+    // The first push (the server has a version) tells the stream is registered.
+    let first = tokio::time::timeout(Duration::from_secs(10), stream.message())
+        .await
+        .expect("no snapshot in time")?;
+    assert!(first.is_some(), "the stream ended without a message");
+    Ok((tx, stream))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_token_connects_only_as_its_agent_ids_and_a_reload_that_narrows_them_ends_the_stream()
+ {
+    let (dir, cfg) = setup();
+    let file = dir.path().join("tokens.yaml");
+    fs::write(
+        &file,
+        tokens_yaml_with(Some(", agent_ids: [checkout-*, cart-7]")),
+    )
+    .unwrap();
+    let running = start(cfg).await.unwrap();
+    let agent = channel(running.agent_addr).await;
+    let before = refused_total(&metrics(running.http_addr).await);
+
+    // Another team's id with this token: refused, named, counted.
+    let e = hello(&agent, AGENT, "payments-1").await.unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    assert_eq!(
+        e.message(),
+        "token `team-a` may not connect as agent id `payments-1`: its `agent_ids` in the tokens \
+         file are `checkout-*`, `cart-7`"
+    );
+    assert_eq!(refused_total(&metrics(running.http_addr).await) - before, 1);
+    // An exact id is not a prefix.
+    let e = hello(&agent, AGENT, "cart-70").await.unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    // Its own ids connect; a token without `agent_ids` connects as any id.
+    let (_a1, mut checkout) = hello(&agent, AGENT, "checkout-1").await.unwrap();
+    let (_a2, _cart) = hello(&agent, AGENT, "cart-7").await.unwrap();
+    let (_b, _payments) = hello(&agent, AGENT2, "payments-1").await.unwrap();
+
+    // A reload that takes `checkout-*` from the token ends that stream, and only that one.
+    fs::write(&file, tokens_yaml_with(Some(", agent_ids: [cart-7]"))).unwrap();
+    running.reload_tokens().unwrap();
+    let ended = loop {
+        match tokio::time::timeout(Duration::from_secs(10), checkout.message())
+            .await
+            .expect("the stream was not ended")
+        {
+            Ok(Some(_)) => continue,
+            Ok(None) => panic!("the stream ended without a status"),
+            Err(status) => break status,
+        }
+    };
+    assert_eq!(ended.code(), Code::PermissionDenied, "{ended:?}");
+    assert!(ended.message().contains("`checkout-1`"), "{ended:?}");
+    let e = hello(&agent, AGENT, "checkout-1").await.unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    // The fleet lists the ended stream's agent as gone (once its task has ended).
+    let mut admin = AdminServiceClient::new(channel(running.admin_addr).await);
+    let end = Instant::now() + Duration::from_secs(10);
+    loop {
+        let status = admin
+            .fleet_status(with_auth(
+                pb::FleetStatusRequest::default(),
+                Some(format!("Bearer {ADMIN}").as_bytes()),
+            ))
+            .await
+            .unwrap()
+            .into_inner();
+        let connected: Vec<_> = status
+            .agents
+            .iter()
+            .filter(|a| a.connected)
+            .map(|a| a.agent_id.as_str())
+            .collect();
+        if connected == ["cart-7", "payments-1"] {
+            break;
+        }
+        assert!(Instant::now() < end, "still connected: {connected:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    running.shutdown().await.unwrap();
 }

@@ -400,9 +400,10 @@ fn is_grpc(head: &tonic::metadata::MetadataMap) -> bool {
 /// that trying again does not change: the agent's settings (or the control plane's) must.
 fn lasting(code: Option<tonic::Code>) -> Option<&'static str> {
     match code? {
-        tonic::Code::Unauthenticated | tonic::Code::PermissionDenied => {
-            Some("the token the agent is given")
-        }
+        tonic::Code::Unauthenticated | tonic::Code::PermissionDenied => Some(
+            "the token the agent is given, and its agent id where the control plane's tokens \
+             file names the ids that token may use",
+        ),
         tonic::Code::InvalidArgument => Some(
             "the reason: what the agent sends (its Hello's id, service and labels) or a \
              version of the agent the control plane does not understand",
