@@ -295,13 +295,22 @@ impl TryFrom<ServerArgs> for Server {
         let authorization = match token {
             None => None,
             Some(Token(token)) => {
-                // The error would quote the value: say what is wrong without the token.
+                // A header value may also carry bytes past ASCII, which no secret of a tokens
+                // file holds: the server would answer "unknown token". Said here, and without
+                // the token (the parser's error would quote it).
+                let not_ascii = || {
+                    anyhow::anyhow!(
+                        "--token (or RETRYPLANE_TOKEN): a token holds only printable ASCII \
+                         characters and spaces, as the secrets of a tokens file do; this one \
+                         holds another character (a letter outside ASCII, a tab, a control \
+                         character)"
+                    )
+                };
+                if token.contains(|c: char| !matches!(c, ' '..='~')) {
+                    return Err(not_ascii());
+                }
                 let mut value =
-                    MetadataValue::try_from(format!("Bearer {token}")).map_err(|_| {
-                        anyhow::anyhow!(
-                            "--token (or RETRYPLANE_TOKEN): a token may hold only visible ASCII characters"
-                        )
-                    })?;
+                    MetadataValue::try_from(format!("Bearer {token}")).map_err(|_| not_ascii())?;
                 value.set_sensitive(true);
                 Some(value)
             }
@@ -451,6 +460,23 @@ mod tests {
             server: url.to_owned(),
             token: token.map(|t| Token(t.to_owned())),
         })
+    }
+
+    #[test]
+    fn a_token_no_tokens_file_could_hold_is_refused_without_showing_it() {
+        for token in [
+            "bad token \u{fc}",
+            "tab\there-0123456789",
+            "bell\u{7}-0123456789",
+        ] {
+            let e = server("127.0.0.1:7471", Some(token))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("printable ASCII"), "{e}");
+            assert!(!e.contains("bad token") && !e.contains("here-"), "{e}");
+        }
+        // Spaces inside are a secret's.
+        assert!(server("127.0.0.1:7471", Some("with a space-0123456789")).is_ok());
     }
 
     #[test]
