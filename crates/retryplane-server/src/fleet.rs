@@ -14,7 +14,8 @@
 //! reconnect is counted once. A forgotten agent's record is kept apart for a while
 //! ([`MAX_FORGOTTEN`] of them): a report counted just before its stream broke, whose ack was
 //! lost, and sent again after the agent was forgotten (cut off for longer than the forget
-//! time), is still counted once.
+//! time), is still counted once; but not an ephemeral agent's (unless a long-lived stream had
+//! its id too), so one-call agents do not push the others' records out.
 //!
 //! The agent's last NACK (the version, its content hash and the error) is carried over the
 //! same way: status keeps showing it after a reconnect, and the new stream is told
@@ -85,6 +86,11 @@ struct Entry {
     bucket: ReportBucket,
     /// The Hello's `ephemeral` of the stream registered last: not listed once disconnected.
     ephemeral: bool,
+    /// Whether a stream not marked ephemeral registered with this agent id since the entry
+    /// was made (or since its record came back from [`Forgotten`]): its report record is then
+    /// kept when it is forgotten, even when an ephemeral stream that took the id registered
+    /// last.
+    long_lived: bool,
     /// The digest of the secret the stream registered last authenticated with (`None` without
     /// a tokens file): with its name, what tells another token's stream apart.
     secret_digest: Option<[u8; 32]>,
@@ -176,7 +182,7 @@ impl Inner {
     /// --server` runs, which would push out the records of agents that come back).
     fn forget(&mut self, id: String) {
         if let Some(entry) = self.remove(&id)
-            && !entry.ephemeral
+            && entry.long_lived
             && entry.reports.any_decided()
         {
             self.forgotten.keep(id, entry.reports);
@@ -475,7 +481,9 @@ impl Fleet {
         // The last ACK's version and content hash, if the same process comes back: still its
         // last answer while it runs that content.
         let mut acked = None;
+        let mut long_lived = !hello.ephemeral;
         if let Some(mut old) = previous {
+            long_lived |= old.long_lived;
             if let Some(kick) = old.replaced.take() {
                 let _ = kick.send(());
             }
@@ -502,8 +510,10 @@ impl Fleet {
                 .filter(|r| same_process && !runs(r))
                 .map(|r| (r, old.status.last_error));
         } else if let Some(kept) = inner.forgotten.take(&hello.agent_id) {
-            // Forgotten, and back: the reports it counted are still counted.
+            // Forgotten, and back: the reports it counted are still counted (and were kept
+            // for a long-lived agent).
             reports = kept;
+            long_lived = true;
         }
         reports.hello(hello.instance_id);
         // A number this store has not reached (numbers only go up; a rollback gets a new one)
@@ -568,6 +578,7 @@ impl Fleet {
                 streams: streams.registered(hello.instance_id, hello.stream),
                 bucket,
                 ephemeral: hello.ephemeral,
+                long_lived,
                 secret_digest: token.map(|t| t.secret_digest),
             },
         );
@@ -1334,6 +1345,38 @@ mod tests {
         // one-call agent, gone for good, would take the place of one that comes back.
         assert!(fleet.status().is_empty());
         assert!(fleet.lock().forgotten.records.is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_ephemeral_stream_that_took_a_long_lived_agents_id_does_not_drop_its_record() {
+        let fleet = Fleet::new(10).forgetting_after(Some(Duration::from_secs(60)));
+        let yes = |_: Option<&mut ReportBucket>| true;
+        let long_lived = pb::Hello {
+            instance_id: 1,
+            ..hello("a")
+        };
+        let reg = fleet.register(&long_lived, None, None).unwrap();
+        assert_eq!(
+            fleet.claim_report("a", reg.generation, 1, 1, yes),
+            ReportVerdict::Count
+        );
+        fleet.disconnected("a", reg.generation);
+        // A one-call agent with the same id registers last.
+        let eph = pb::Hello {
+            ephemeral: true,
+            instance_id: 9,
+            ..hello("a")
+        };
+        let reg = fleet.register(&eph, None, None).unwrap();
+        fleet.disconnected("a", reg.generation);
+        tokio::time::advance(Duration::from_secs(61)).await;
+        assert!(fleet.status().is_empty());
+        // The long-lived agent comes back and sends its counted report again: counted once.
+        let back = fleet.register(&long_lived, None, None).unwrap();
+        assert_eq!(
+            fleet.claim_report("a", back.generation, 1, 1, yes),
+            ReportVerdict::Duplicate
+        );
     }
 
     #[test]
