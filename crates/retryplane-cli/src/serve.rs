@@ -51,8 +51,8 @@ pub struct Args {
     /// through it.
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:7472")]
     http_listen: SocketAddr,
-    /// Tokens file (names, roles agent/admin/viewer, secrets, and the agent ids an agent token
-    /// may connect as), read again on SIGHUP. Without one
+    /// Tokens file (names, roles agent/admin/viewer, secrets, and the agent ids and number of
+    /// agents an agent token may connect), read again on SIGHUP. Without one
     /// there is no authentication and the agent and admin listeners must be on loopback
     /// addresses.
     #[arg(long, value_name = "FILE")]

@@ -339,6 +339,7 @@ impl AgentStreamService {
             (Some(name), Some(secret_digest)) => Some(StreamToken {
                 name,
                 secret_digest,
+                max_agents: revocation.as_ref().and_then(Revocation::max_agents),
             }),
             _ => None,
         };
@@ -353,7 +354,9 @@ impl AgentStreamService {
             .map_err(|e| {
                 self.ctx.metrics.streams_refused.inc();
                 match e {
-                    RegisterError::Full(_) => Status::resource_exhausted(e.to_string()),
+                    RegisterError::Full(_) | RegisterError::TokenFull { .. } => {
+                        Status::resource_exhausted(e.to_string())
+                    }
                     RegisterError::HeldByAnotherToken => {
                         warn!(agent = %OneLine(&hello.agent_id), "a stream of another token asked for a connected agent's id; refused");
                         Status::already_exists(e.to_string())
@@ -436,6 +439,11 @@ fn refusal(tokens: &Tokens, credential: &Credential, agent_id: Option<&str>) -> 
 }
 
 impl Revocation {
+    /// The `max_agents` of the stream's token in the tokens in force.
+    fn max_agents(&self) -> Option<usize> {
+        self.tokens.borrow().max_agents(&self.credential)
+    }
+
     /// Why the tokens in force no longer admit the stream, if they do not.
     fn refusal(&self) -> Option<Status> {
         refusal(

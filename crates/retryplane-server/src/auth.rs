@@ -6,7 +6,7 @@
 //! ```yaml
 //! tokens:
 //!   - {name: checkout-agents, role: agent, secret: "at least sixteen characters",
-//!      agent_ids: ["checkout-*"]}
+//!      agent_ids: ["checkout-*"], max_agents: 500}
 //!   - {name: alice, role: admin, secret: "another long random string"}
 //!   - {name: dashboards, role: viewer, secret: "a third long random string"}
 //! ```
@@ -14,7 +14,10 @@
 //! An agent token may name the agent ids it connects as (`agent_ids`: ids, or prefixes ending
 //! in `*`); a Hello with another id is refused with `PERMISSION_DENIED`, so one team's agent
 //! token cannot take (and keep) another team's agent ids. Without `agent_ids` a token may
-//! connect as any agent id, first come, first served among agent tokens.
+//! connect as any agent id, first come, first served among agent tokens. It may also cap how
+//! many agents are connected with it at once (`max_agents`; a Hello past it is refused with
+//! `RESOURCE_EXHAUSTED`, as past the control plane's `--max-agents`), so that one team's
+//! runaway deployment cannot take every agent slot of the control plane.
 //!
 //! Every gRPC call to the agent or admin service carries `authorization: Bearer <secret>`. The
 //! presented secret is hashed (SHA-256) and compared with the hash of *every* token's secret
@@ -155,6 +158,8 @@ struct RawToken {
     secret: String,
     #[serde(default)]
     agent_ids: Option<Vec<String>>,
+    #[serde(default)]
+    max_agents: Option<u64>,
 }
 
 /// One credential: its name, role, the SHA-256 of its secret and, for an agent token, the
@@ -164,6 +169,9 @@ struct Token {
     role: Role,
     digest: [u8; 32],
     agent_ids: Option<AgentIds>,
+    /// For an agent token, how many agents may be connected with it at once (`None`: only the
+    /// control plane's `--max-agents`).
+    max_agents: Option<usize>,
 }
 
 /// The agent ids an agent token may connect as (its `agent_ids` in the tokens file): each an
@@ -380,12 +388,30 @@ impl Tokens {
                     )),
                 }
             }
+            if let Some(max) = t.max_agents {
+                match role {
+                    Some(Role::Agent) | None if max == 0 => problems.push(format!(
+                        "{at}: `max_agents` is 0, so no agent could connect with this token; \
+                         leave the field out for no limit of its own"
+                    )),
+                    Some(Role::Agent) | None => {}
+                    Some(other) => problems.push(format!(
+                        "{at}: `max_agents` is for agent tokens; a token of role `{}` does not \
+                         connect as an agent",
+                        other.as_str()
+                    )),
+                }
+            }
             if let Some(role) = role {
                 tokens.push(Token {
                     name: t.name.clone(),
                     role,
                     digest,
                     agent_ids: t.agent_ids.clone().map(AgentIds),
+                    // Past `usize` on a 32-bit machine: no limit of its own, in practice.
+                    max_agents: t
+                        .max_agents
+                        .map(|m| usize::try_from(m).unwrap_or(usize::MAX)),
                 });
             }
         }
@@ -424,6 +450,12 @@ impl Tokens {
             token.name,
             agent_id.escape_debug()
         )))
+    }
+
+    /// The `max_agents` of the token holding `credential`'s secret (`None`: it sets none, or
+    /// no token holds that secret any more).
+    pub(crate) fn max_agents(&self, credential: &Credential) -> Option<usize> {
+        self.find_digest(&credential.digest)?.max_agents
     }
 
     /// Number of tokens.

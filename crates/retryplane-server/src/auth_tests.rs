@@ -467,3 +467,41 @@ tokens:
     );
     assert!(Tokens::parse(&longest, Path::new("t.yaml")).is_ok());
 }
+
+#[test]
+fn an_agent_token_may_cap_its_connected_agents_and_only_an_agent_token() {
+    let path = Path::new("tokens.yaml");
+    let text = "\
+tokens:
+  - {name: checkout, role: agent, secret: checkout-secret-0123456789, max_agents: 500}
+  - {name: fleet, role: agent, secret: agent-secret-0123456789}
+";
+    let set = Arc::new(TokenSet::of(path, Tokens::parse(text, path).unwrap()));
+    let max_agents = |secret: &str| {
+        let admitted = Guard::new(Some(set.clone()), Role::Agent)
+            .call(request(Some(&format!("Bearer {secret}"))))
+            .unwrap();
+        set.current()
+            .max_agents(admitted.extensions().get::<Credential>().unwrap())
+    };
+    assert_eq!(max_agents("checkout-secret-0123456789"), Some(500));
+    assert_eq!(max_agents("agent-secret-0123456789"), None);
+    let message = invalid(
+        "\
+tokens:
+  - {name: a, role: agent, secret: agent-secret-0123456789, max_agents: 0}
+  - {name: b, role: viewer, secret: viewer-secret-0123456789, max_agents: 3}
+",
+    );
+    for part in [
+        "tokens[0] (`a`): `max_agents` is 0, so no agent could connect with this token",
+        "tokens[1] (`b`): `max_agents` is for agent tokens; a token of role `viewer`",
+    ] {
+        assert!(message.contains(part), "{part}\nnot in: {message}");
+    }
+    let negative = invalid(
+        "tokens: [{name: a, role: agent, secret: agent-secret-0123456789, max_agents: -1}]",
+    );
+    assert!(negative.contains("malformed"), "{negative}");
+    assert!(!negative.contains("agent-secret"), "{negative}");
+}

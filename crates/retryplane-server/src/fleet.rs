@@ -96,13 +96,16 @@ struct Entry {
     secret_digest: Option<[u8; 32]>,
 }
 
-/// The token a stream authenticated with: its name and the digest of its secret.
+/// The token a stream authenticated with: its name, the digest of its secret, and how many
+/// agents it may have connected at once.
 #[derive(Clone, Copy, Debug)]
 pub struct StreamToken<'a> {
     /// The token's name in the tokens file.
     pub name: &'a str,
     /// The SHA-256 digest of its secret.
     pub secret_digest: [u8; 32],
+    /// Its `max_agents` in the tokens file (`None`: only the control plane's own limit).
+    pub max_agents: Option<usize>,
 }
 
 impl Entry {
@@ -165,6 +168,28 @@ struct Inner {
     hidden: usize,
     /// The report records of agents forgotten last.
     forgotten: Forgotten,
+    /// Connected agents per token name (as each registered; none without a tokens file), for
+    /// the tokens' own `max_agents`.
+    by_token: HashMap<String, usize>,
+}
+
+impl Inner {
+    /// One more connected agent of `token` (a name; empty: none).
+    fn token_in(&mut self, token: &str) {
+        if !token.is_empty() {
+            *self.by_token.entry(token.to_owned()).or_default() += 1;
+        }
+    }
+
+    /// One connected agent of `token` fewer.
+    fn token_out(&mut self, token: &str) {
+        if let Some(count) = self.by_token.get_mut(token) {
+            *count = count.saturating_sub(1);
+            if *count == 0 {
+                self.by_token.remove(token);
+            }
+        }
+    }
 }
 
 impl Inner {
@@ -330,6 +355,17 @@ pub enum RegisterError {
     /// The server holds its maximum number of connected agents.
     #[error("the control plane already serves its maximum of {0} agents")]
     Full(usize),
+    /// The stream's token has as many agents connected as its `max_agents` in the tokens file.
+    #[error(
+        "token `{token}` already has {limit} agents connected, its `max_agents` in the control \
+         plane's tokens file"
+    )]
+    TokenFull {
+        /// The token's name.
+        token: String,
+        /// Its `max_agents`.
+        limit: usize,
+    },
     /// A stream of another token holds the agent id: a stream replaces only one of its own
     /// token, so that one token's holder cannot push another's agents off the control plane.
     #[error(
@@ -469,6 +505,17 @@ impl Fleet {
         if !replacing && inner.connected >= self.max_agents {
             return Err(RegisterError::Full(self.max_agents));
         }
+        // A replacement takes its agent's place; a new agent must fit its token's own limit.
+        if !replacing
+            && let Some(t) = token
+            && let Some(limit) = t.max_agents
+            && inner.by_token.get(t.name).copied().unwrap_or(0) >= limit
+        {
+            return Err(RegisterError::TokenFull {
+                token: t.name.to_owned(),
+                limit,
+            });
+        }
         inner.next_generation += 1;
         let generation = inner.next_generation;
         let (tx, rx) = oneshot::channel();
@@ -489,6 +536,7 @@ impl Fleet {
             }
             if old.status.connected {
                 inner.connected -= 1;
+                inner.token_out(&old.status.token);
             }
             reports = old.reports;
             bucket = old.bucket;
@@ -583,6 +631,7 @@ impl Fleet {
             },
         );
         inner.connected += 1;
+        inner.token_in(token.map_or("", |t| t.name));
         self.set_gauge(&inner);
         Ok(Registration {
             applied_version,
@@ -711,12 +760,13 @@ impl Fleet {
             Some(entry) if entry.generation == generation && entry.status.connected => {
                 entry.status.connected = false;
                 entry.replaced = None;
-                Some(entry.ephemeral)
+                Some((entry.ephemeral, entry.status.token.clone()))
             }
             _ => None,
         };
-        if let Some(ephemeral) = ended {
+        if let Some((ephemeral, token)) = ended {
             inner.connected -= 1;
+            inner.token_out(&token);
             if ephemeral {
                 inner.hidden += 1;
             }
@@ -899,6 +949,7 @@ mod tests {
             Some(StreamToken {
                 name,
                 secret_digest: [secret; 32],
+                max_agents: None,
             })
         };
         let mut first = fleet
@@ -1164,6 +1215,63 @@ mod tests {
             RegisterError::Full(1)
         );
         assert!(fleet.register(&hello("a"), None, None).is_ok());
+    }
+
+    #[test]
+    fn a_tokens_own_limit_refuses_its_new_agents_but_not_replacements_nor_other_tokens() {
+        let fleet = Fleet::new(10);
+        let token = |name, secret: u8, max_agents| {
+            Some(StreamToken {
+                name,
+                secret_digest: [secret; 32],
+                max_agents,
+            })
+        };
+        let payments = |max| token("payments", 1, max);
+        let _first_a = fleet
+            .register_with_token(&hello("a"), None, None, payments(Some(2)))
+            .unwrap();
+        let _b = fleet
+            .register_with_token(&hello("b"), None, None, payments(Some(2)))
+            .unwrap();
+        assert_eq!(
+            fleet
+                .register_with_token(&hello("c"), None, None, payments(Some(2)))
+                .unwrap_err(),
+            RegisterError::TokenFull {
+                token: "payments".to_owned(),
+                limit: 2
+            }
+        );
+        // Its agent's next stream replaces the last; another token has its own count.
+        let a = fleet
+            .register_with_token(&hello("a"), None, None, payments(Some(2)))
+            .unwrap();
+        let _x = fleet
+            .register_with_token(&hello("x"), None, None, token("checkout", 2, Some(1)))
+            .unwrap();
+        // One of its agents gone, a new one fits; a limit raised by a reload counts the same
+        // agents.
+        fleet.disconnected("a", a.generation);
+        let _c = fleet
+            .register_with_token(&hello("c"), None, None, payments(Some(2)))
+            .unwrap();
+        assert!(
+            fleet
+                .register_with_token(&hello("d"), None, None, payments(Some(2)))
+                .is_err()
+        );
+        let _d = fleet
+            .register_with_token(&hello("d"), None, None, payments(Some(3)))
+            .unwrap();
+        assert!(
+            fleet
+                .register_with_token(&hello("e"), None, None, payments(None))
+                .is_ok(),
+            "without a limit of its own"
+        );
+        assert_eq!(fleet.lock().by_token.get("payments"), Some(&4));
+        assert_eq!(fleet.lock().by_token.get("checkout"), Some(&1));
     }
 
     #[test]

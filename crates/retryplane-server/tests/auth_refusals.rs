@@ -300,3 +300,42 @@ async fn an_agent_token_connects_only_as_its_agent_ids_and_a_reload_that_narrows
     }
     running.shutdown().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_token_with_max_agents_connects_no_more_at_once_and_others_are_not_held_up() {
+    let (dir, cfg) = setup();
+    let file = dir.path().join("tokens.yaml");
+    fs::write(&file, tokens_yaml_with(Some(", max_agents: 2"))).unwrap();
+    let running = start(cfg).await.unwrap();
+    let agent = channel(running.agent_addr).await;
+    let first = hello(&agent, AGENT, "checkout-1").await.unwrap();
+    let (a2, s2) = hello(&agent, AGENT, "checkout-2").await.unwrap();
+    let e = hello(&agent, AGENT, "checkout-3").await.unwrap_err();
+    assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
+    assert_eq!(
+        e.message(),
+        "token `team-a` already has 2 agents connected, its `max_agents` in the control plane's \
+         tokens file"
+    );
+    // Its agent's next stream replaces its last; another token's agents connect.
+    let (_a2, _s2) = hello(&agent, AGENT, "checkout-2").await.unwrap();
+    drop((a2, s2));
+    let (_b1, _t1) = hello(&agent, AGENT2, "payments-1").await.unwrap();
+    let (_b2, _t2) = hello(&agent, AGENT2, "payments-2").await.unwrap();
+    // A limit raised by a reload lets the next one in.
+    fs::write(&file, tokens_yaml_with(Some(", max_agents: 3"))).unwrap();
+    running.reload_tokens().unwrap();
+    let (_a3, _s3) = hello(&agent, AGENT, "checkout-3").await.unwrap();
+    // One of its agents gone, a new one takes its place (once the server has seen it go).
+    drop(first);
+    let end = Instant::now() + Duration::from_secs(10);
+    let _a4 = loop {
+        match hello(&agent, AGENT, "checkout-4").await {
+            Ok(connected) => break connected,
+            Err(e) => assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}"),
+        }
+        assert!(Instant::now() < end, "the gone agent's place was not freed");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    running.shutdown().await.unwrap();
+}
