@@ -22,8 +22,8 @@
 //! [`crate::frame_body::SharedFrameBody`], and
 //! [`crate::agent_route`] serves the `Connect` route (see there for why).
 
-use std::collections::VecDeque;
-use std::sync::Arc;
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use prometheus_client::metrics::gauge::Gauge;
@@ -144,6 +144,9 @@ pub struct AgentStreamService {
     ctx: Arc<StreamContext>,
     /// One permit per stream waiting for its Hello ([`StreamLimits::max_pending_handshakes`]).
     handshakes: Arc<Semaphore>,
+    /// Streams waiting for their Hello per token with a `max_agents` (by the digest of its
+    /// secret): at most that many each, so that one token cannot hold every handshake place.
+    pending_by_token: Arc<Mutex<HashMap<[u8; 32], usize>>>,
 }
 
 impl AgentStreamService {
@@ -162,6 +165,47 @@ impl AgentStreamService {
         Self {
             ctx,
             handshakes: Arc::new(Semaphore::new(pending)),
+            pending_by_token: Arc::default(),
+        }
+    }
+}
+
+/// A stream's place among its token's streams waiting for their Hello (see
+/// [`AgentStreamService::pending_by_token`]), given back when dropped.
+struct TokenPending {
+    counts: Arc<Mutex<HashMap<[u8; 32], usize>>>,
+    digest: [u8; 32],
+}
+
+impl TokenPending {
+    /// A place among the streams of the token whose secret has `digest`, unless `limit` of
+    /// them already wait.
+    fn take(
+        counts: &Arc<Mutex<HashMap<[u8; 32], usize>>>,
+        digest: [u8; 32],
+        limit: usize,
+    ) -> Option<Self> {
+        let mut map = counts.lock().unwrap_or_else(PoisonError::into_inner);
+        let count = map.entry(digest).or_default();
+        if *count >= limit {
+            return None;
+        }
+        *count += 1;
+        Some(Self {
+            counts: counts.clone(),
+            digest,
+        })
+    }
+}
+
+impl Drop for TokenPending {
+    fn drop(&mut self) {
+        let mut map = self.counts.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(count) = map.get_mut(&self.digest) {
+            *count = count.saturating_sub(1);
+            if *count == 0 {
+                map.remove(&self.digest);
+            }
         }
     }
 }
@@ -278,6 +322,26 @@ impl AgentStreamService {
             )));
         };
         let _handshake = AwaitingHello::new(permit, &self.ctx.metrics.streams_awaiting_hello);
+        // A token that may connect only so many agents holds no more handshake places either.
+        let token_limit = match (&self.ctx.tokens, &credential) {
+            (Some(tokens), Some(credential)) => tokens
+                .current()
+                .max_agents(credential)
+                .map(|limit| (credential.digest(), limit)),
+            _ => None,
+        };
+        let _token_pending = match token_limit {
+            Some((digest, limit)) => Some(
+                TokenPending::take(&self.pending_by_token, digest, limit).ok_or_else(|| {
+                    self.ctx.metrics.streams_refused.inc();
+                    Status::resource_exhausted(format!(
+                        "{limit} streams of this token are already waiting to send Hello, its \
+                         `max_agents` in the control plane's tokens file; retry later"
+                    ))
+                })?,
+            ),
+            None => None,
+        };
         let mut inbound = request.into_inner();
         // A shutdown does not wait for the Hello: the stream is told to reconnect at once, as
         // registered ones are, so a stream that never says Hello cannot hold the shutdown up.

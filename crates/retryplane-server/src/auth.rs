@@ -16,8 +16,9 @@
 //! token cannot take (and keep) another team's agent ids. Without `agent_ids` a token may
 //! connect as any agent id, first come, first served among agent tokens. It may also cap how
 //! many agents are connected with it at once (`max_agents`; a Hello past it is refused with
-//! `RESOURCE_EXHAUSTED`, as past the control plane's `--max-agents`), so that one team's
-//! runaway deployment cannot take every agent slot of the control plane.
+//! `RESOURCE_EXHAUSTED`, as past the control plane's `--max-agents`, and so are its streams
+//! waiting for their Hello past that number), so that one team's runaway deployment cannot
+//! take every agent slot or handshake place of the control plane.
 //!
 //! Every gRPC call to the agent or admin service carries `authorization: Bearer <secret>`. The
 //! presented secret is hashed (SHA-256) and compared with the hash of *every* token's secret

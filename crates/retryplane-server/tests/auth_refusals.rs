@@ -339,3 +339,87 @@ async fn an_agent_token_with_max_agents_connects_no_more_at_once_and_others_are_
     };
     running.shutdown().await.unwrap();
 }
+
+/// An agent stream with `secret` that has sent no Hello yet: the sender for its messages, and
+/// the task that opens it (its result comes once the control plane answers the Hello, or
+/// refuses the stream).
+fn without_hello(
+    agent: &Channel,
+    secret: &str,
+) -> (
+    mpsc::Sender<pb::AgentMessage>,
+    tokio::task::JoinHandle<Result<tonic::Streaming<pb::ServerMessage>, tonic::Status>>,
+) {
+    let (tx, rx) = mpsc::channel::<pb::AgentMessage>(8);
+    let mut client = AgentServiceClient::new(agent.clone());
+    let request = with_auth(
+        ReceiverStream::new(rx),
+        Some(format!("Bearer {secret}").as_bytes()),
+    );
+    let opened = tokio::spawn(async move { client.connect(request).await.map(|r| r.into_inner()) });
+    (tx, opened)
+}
+
+async fn wait_awaiting_hello(addr: SocketAddr, n: u64) {
+    let end = Instant::now() + Duration::from_secs(10);
+    loop {
+        let now = gauge(
+            &metrics(addr).await,
+            "retryplane_server_streams_awaiting_hello",
+        );
+        if now == n {
+            return;
+        }
+        assert!(
+            Instant::now() < end,
+            "{now} streams wait for their Hello, not {n}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_with_max_agents_holds_no_more_streams_waiting_for_their_hello() {
+    let (dir, cfg) = setup();
+    fs::write(
+        dir.path().join("tokens.yaml"),
+        tokens_yaml_with(Some(", max_agents: 2")),
+    )
+    .unwrap();
+    let running = start(cfg).await.unwrap();
+    let agent = channel(running.agent_addr).await;
+    let first = without_hello(&agent, AGENT);
+    let _second = without_hello(&agent, AGENT);
+    wait_awaiting_hello(running.http_addr, 2).await;
+    // A third of the same token is refused at once; another token's stream waits.
+    let (_tx, third) = without_hello(&agent, AGENT);
+    let e = tokio::time::timeout(Duration::from_secs(5), third)
+        .await
+        .expect("the third stream was not refused at once")
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
+    assert!(e.message().contains("`max_agents`"), "{e:?}");
+    let _other = without_hello(&agent, AGENT2);
+    wait_awaiting_hello(running.http_addr, 3).await;
+    // Once one of them has said Hello, the token has a place again.
+    first
+        .0
+        .send(pb::AgentMessage {
+            kind: Some(pb::agent_message::Kind::Hello(pb::Hello {
+                agent_id: "checkout-1".to_owned(),
+                service: "checkout".to_owned(),
+                ..Default::default()
+            })),
+        })
+        .await
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(10), first.1)
+        .await
+        .expect("the first stream was not answered")
+        .unwrap()
+        .unwrap();
+    let _fourth = without_hello(&agent, AGENT);
+    wait_awaiting_hello(running.http_addr, 3).await;
+    running.shutdown().await.unwrap();
+}
