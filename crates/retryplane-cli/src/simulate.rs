@@ -116,7 +116,7 @@ impl TryFrom<Args> for Settings {
 
 /// Loads the policy, simulates it and renders the report; see the module docs.
 pub fn run(settings: &Settings) -> anyhow::Result<Report> {
-    let loaded = settings.source.load()?;
+    let loaded = settings.source.load_for_agents()?;
     let file = settings.source.to_string();
     let Some(policies) = &loaded.policies else {
         return output::invalid_file_report(&file, &loaded.diagnostics, settings.format);

@@ -896,3 +896,34 @@ fn explain_refuses_grpc_together_with_an_http_method() {
         .assert()
         .code(2);
 }
+
+#[test]
+fn explain_and_simulate_refuse_a_file_validate_refuses_as_too_large_for_agents() {
+    // `validate` says this file has an error (its snapshot is past what agents decode) and
+    // exits 1; `explain` and `simulate` promise to print "exactly what validate prints" and
+    // exit 1 for a file with errors, but they check the file without that error.
+    let yaml = too_large_for_agents();
+    let dir = dir_with(&[("big.yaml", &yaml)]);
+    let validate = output(dir.path(), &["validate", "big.yaml"], 1);
+    explain(dir.path(), "big.yaml", "payments", &[])
+        .assert()
+        .code(1)
+        .stdout(validate.clone());
+    retryplane(
+        dir.path(),
+        &[
+            "simulate",
+            "--policy",
+            "big.yaml",
+            "--endpoint",
+            "payments",
+            "--clients",
+            "1",
+            "--duration",
+            "60s",
+        ],
+    )
+    .assert()
+    .code(1)
+    .stdout(validate);
+}

@@ -1265,3 +1265,50 @@ fn a_password_in_a_url_is_never_printed() {
         }
     }
 }
+
+#[test]
+fn explain_and_request_take_the_same_route_for_a_path_with_dot_segments() {
+    // `request` parses its URL, which resolves dot segments, and matches (and sends)
+    // `/v1/items`; `explain --path` resolves them the same way, and says so.
+    let policy = format!(
+        "{POLICY}    routes:\n      - match: {{path_prefix: /v1/charges}}\n        max_attempts: 1\n"
+    );
+    let dir = TempDir::new().unwrap();
+    let path = dir.path().join("policy.yaml");
+    fs::write(&path, &policy).unwrap();
+    let out = Command::cargo_bin("retryplane")
+        .unwrap()
+        .args(["explain", "--endpoint", "api", "--format", "json"])
+        .arg(&path)
+        .args(["--path", "/v1/charges/../items"])
+        .timeout(std::time::Duration::from_secs(30))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(
+            "note: --path `/v1/charges/../items` is sent as `/v1/items` by clients that parse URLs"
+        ),
+        "{stderr}"
+    );
+    let explained: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let explained_attempts = explained["policy"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|row| row["field"] == "max_attempts")
+        .unwrap()["value"]
+        .as_u64()
+        .unwrap();
+
+    let up = Upstream::start(&[(503, ""), (503, ""), (503, "")]);
+    let (v, code) = request_under(&policy, &[&up.url("/v1/charges/../items")]);
+    let made = u64::try_from(v["attempts"].as_array().unwrap().len()).unwrap();
+    assert_eq!(
+        (made, code),
+        (explained_attempts, 1),
+        "explain: {explained_attempts} attempts at most (route {}); request: {v}",
+        explained["route"]
+    );
+}

@@ -50,7 +50,9 @@ pub struct Args {
     method: Option<String>,
     /// HTTP path of the call, without the query string, matched as the agent matches it:
     /// any spelling of a path is that path (`/v1/ch%61rges` is `/v1/charges`, `/über` is
-    /// `/%C3%BCber`) [default: / when only --method is given].
+    /// `/%C3%BCber`). Dot segments and `\` are resolved first, as clients that parse URLs
+    /// (`retryplane request`, reqwest, curl) send the path (`/a/../b` is `/b`)
+    /// [default: / when only --method is given].
     #[arg(long, value_name = "PATH", conflicts_with = "grpc")]
     path: Option<String>,
     /// A gRPC call instead of HTTP.
@@ -72,6 +74,8 @@ pub struct Settings {
     pub call: Call,
     /// Output format.
     pub format: Format,
+    /// `--path` as given, when it is sent as another path (dot segments, `\`): said in a note.
+    pub path_as_given: Option<String>,
 }
 
 /// The call a policy is looked up for; owns what [`Target`] borrows.
@@ -109,6 +113,7 @@ impl TryFrom<Args> for Settings {
     type Error = anyhow::Error;
 
     fn try_from(args: Args) -> anyhow::Result<Self> {
+        let mut path_as_given = None;
         let call = match (args.grpc, args.method, args.path) {
             (Some(grpc), _, _) => match parse_grpc_route(&grpc) {
                 Ok((_, Some(_))) => Call::Grpc { path: grpc },
@@ -127,7 +132,11 @@ impl TryFrom<Args> for Settings {
                     bail!("--path must start with `/`, found `{path}`");
                 }
                 // Routes match the path only, as the agent does: drop `?query` and `#fragment`.
-                let path = path.split(['?', '#']).next().unwrap_or("/").to_owned();
+                let given = path.split(['?', '#']).next().unwrap_or("/");
+                let path = as_sent(given);
+                if !same_path(&path, given) {
+                    path_as_given = Some(given.to_owned());
+                }
                 Call::Http { method, path }
             }
         };
@@ -136,13 +145,28 @@ impl TryFrom<Args> for Settings {
             endpoint: args.endpoint,
             call,
             format: args.format,
+            path_as_given,
         })
     }
 }
 
+/// `path` (starting with `/`, no query) as a client that parses URLs sends it: dot segments
+/// resolved (`%2e` spellings too) and `\` read as `/`, as `retryplane request` sends it (its
+/// URL parser is reqwest's). A path the parser refuses is kept as given.
+fn as_sent(path: &str) -> String {
+    reqwest::Url::parse("http://h/")
+        .and_then(|base| base.join(path))
+        .map_or_else(|_| path.to_owned(), |url| url.path().to_owned())
+}
+
+/// Whether two spellings name one path, as routes compare them (`/über` is `/%C3%BCber`).
+fn same_path(a: &str, b: &str) -> bool {
+    retryplane_policy::uri_path::starts_with(a, b) && retryplane_policy::uri_path::starts_with(b, a)
+}
+
 /// Loads the file and explains the call; see the module docs for the exit codes.
 pub fn run(settings: &Settings) -> anyhow::Result<Report> {
-    let loaded = settings.source.load()?;
+    let loaded = settings.source.load_for_agents()?;
     let file = settings.source.to_string();
     let Some(policies) = &loaded.policies else {
         return output::invalid_file_report(&file, &loaded.diagnostics, settings.format);
@@ -163,6 +187,15 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
             .iter()
             .any(|r| r.matcher.value.matches(&call.target()))
     };
+    if let (Some(given), Call::Http { path, .. }) = (&settings.path_as_given, &settings.call) {
+        output::note(format_args!(
+            "note: --path `{}` is sent as `{}` by clients that parse URLs (`retryplane \
+             request`, reqwest, curl); explained for `{}`",
+            given.escape_debug(),
+            path.escape_debug(),
+            path.escape_debug()
+        ));
+    }
     if let Call::Http { method, path } = &settings.call
         && parse_grpc_route(path).is_ok_and(|(_, m)| m.is_some())
         && !matched(&settings.call)
@@ -285,6 +318,28 @@ mod tests {
 
     fn call(method: Option<&str>, path: Option<&str>, grpc: Option<&str>) -> anyhow::Result<Call> {
         Settings::try_from(args(method, path, grpc)).map(|s| s.call)
+    }
+
+    #[test]
+    fn a_path_is_explained_as_clients_that_parse_urls_send_it() {
+        let given = |path: &str| {
+            let settings = Settings::try_from(args(None, Some(path), None)).unwrap();
+            let Call::Http { path, .. } = settings.call else {
+                panic!("not an HTTP call")
+            };
+            (path, settings.path_as_given)
+        };
+        for (typed, sent) in [
+            ("/v1/charges/../items", "/v1/items"),
+            ("/v1/charges/%2e%2e/x", "/v1/x"),
+            ("/v1\\charges", "/v1/charges"),
+            ("/v1/./a/", "/v1/a/"),
+        ] {
+            assert_eq!(given(typed), (sent.to_owned(), Some(typed.to_owned())));
+        }
+        // Another spelling of the same path is that path: no note.
+        assert_eq!(given("/über?x=1"), ("/%C3%BCber".to_owned(), None));
+        assert_eq!(given("/v1/items"), ("/v1/items".to_owned(), None));
     }
 
     #[test]
