@@ -485,7 +485,11 @@ fn refusal_hint(code: tonic::Code) -> Option<&'static str> {
             "give the agent token with --token or RETRYPLANE_AGENT_TOKEN (admin commands read \
              RETRYPLANE_TOKEN; this one does not)",
         ),
-        tonic::Code::PermissionDenied => Some("the token given is not an agent token"),
+        tonic::Code::PermissionDenied => Some(
+            "the token given is of another role, or the control plane's tokens file holds it to \
+             `agent_ids` that leave out this command's agent id, `retryplane-cli-` and 16 hex \
+             digits (list `retryplane-cli-*` among them)",
+        ),
         // What the admin listener answers, and (as a 404) the HTTP one.
         tonic::Code::Unimplemented => Some(
             "this is not an agent listener: --server takes the address of `retryplane serve \

@@ -1159,7 +1159,11 @@ fn server_mode_says_why_the_control_plane_gave_no_policy() {
     // An admin token: not an agent's.
     let (code, stderr) = request(&agent_url, Some("admin-secret-0123456789"));
     assert_eq!(code, Some(2), "{stderr}");
-    assert!(stderr.contains("not an agent token"), "{stderr}");
+    assert!(
+        stderr.contains("needs role `agent`")
+            && stderr.contains("the token given is of another role"),
+        "{stderr}"
+    );
     // The admin listener instead of the agent listener.
     let (code, stderr) = request(&server.url, Some("agent-secret-0123456789"));
     assert_eq!(code, Some(2), "{stderr}");
@@ -1172,7 +1176,7 @@ fn server_mode_says_why_the_control_plane_gave_no_policy() {
     // (here an admin token, which the refusal names), not no token at all.
     let (code, stderr) = request_with(&agent_url, Some(""), Some("admin-secret-0123456789"));
     assert_eq!(code, Some(2), "{stderr}");
-    assert!(stderr.contains("not an agent token"), "{stderr}");
+    assert!(stderr.contains("token `alice` has role `admin`"), "{stderr}");
     // The HTTP listener (which answers 404) is named as the other likely mistake.
     let http_url = format!("http://{}", server.running().http_addr());
     let (code, stderr) = request(&http_url, Some("agent-secret-0123456789"));
@@ -1311,4 +1315,32 @@ fn explain_and_request_take_the_same_route_for_a_path_with_dot_segments() {
         "explain: {explained_attempts} attempts at most (route {}); request: {v}",
         explained["route"]
     );
+}
+
+#[test]
+fn server_mode_with_an_agent_token_held_to_agent_ids_says_so_not_that_it_is_no_agent_token() {
+    let server = support::TestServer::start(
+        Some(POLICY),
+        Some(
+            "tokens:\n  - {name: checkout, role: agent, secret: agent-secret-0123456789, agent_ids: [checkout-*]}\n  - {name: alice, role: admin, secret: admin-secret-0123456789}\n",
+        ),
+        |_| {},
+    );
+    let agent_url = format!("http://{}", server.running().agent_addr());
+    let out = Command::cargo_bin("retryplane")
+        .unwrap()
+        .env_remove("RUST_LOG")
+        .env_remove("RETRYPLANE_AGENT_TOKEN")
+        .args(["request", "--endpoint", "api", "--server", &agent_url])
+        .args(["--token", "agent-secret-0123456789"])
+        .arg("http://127.0.0.1:9/")
+        .timeout(std::time::Duration::from_secs(30))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    // It is an agent token: the refusal is of the agent id the command connects as
+    // (`retryplane-cli-…`), which the hint must not contradict.
+    assert!(stderr.contains("PERMISSION_DENIED"), "{stderr}");
+    assert!(!stderr.contains("not an agent token"), "{stderr}");
 }

@@ -322,21 +322,23 @@ impl AgentStreamService {
             )));
         };
         let _handshake = AwaitingHello::new(permit, &self.ctx.metrics.streams_awaiting_hello);
-        // A token that may connect only so many agents holds no more handshake places either.
+        // A token that may connect only so many agents holds no more than twice as many
+        // handshake places (room for each agent's next stream while a stream it gave up still
+        // waits), so that a small team's token cannot take every place.
         let token_limit = match (&self.ctx.tokens, &credential) {
             (Some(tokens), Some(credential)) => tokens
                 .current()
                 .max_agents(credential)
-                .map(|limit| (credential.digest(), limit)),
+                .map(|limit| (credential.digest(), limit.saturating_mul(2), limit)),
             _ => None,
         };
         let _token_pending = match token_limit {
-            Some((digest, limit)) => Some(
-                TokenPending::take(&self.pending_by_token, digest, limit).ok_or_else(|| {
+            Some((digest, places, limit)) => Some(
+                TokenPending::take(&self.pending_by_token, digest, places).ok_or_else(|| {
                     self.ctx.metrics.streams_refused.inc();
                     Status::resource_exhausted(format!(
-                        "{limit} streams of this token are already waiting to send Hello, its \
-                         `max_agents` in the control plane's tokens file; retry later"
+                        "{places} streams of this token already wait to send Hello, twice its \
+                         `max_agents` ({limit}) in the control plane's tokens file; retry later"
                     ))
                 })?,
             ),
@@ -399,11 +401,16 @@ impl AgentStreamService {
                 return Err(status);
             }
         }
+        // The token's name and limit in force now (a reload since the stream was admitted may
+        // have renamed it).
+        let in_force = revocation.as_ref().and_then(Revocation::in_force);
         let token = match (&token_name, secret_digest) {
             (Some(name), Some(secret_digest)) => Some(StreamToken {
-                name,
+                name: in_force
+                    .as_ref()
+                    .map_or(name.as_str(), |(name, _)| name.as_str()),
                 secret_digest,
-                max_agents: revocation.as_ref().and_then(Revocation::max_agents),
+                max_agents: in_force.as_ref().and_then(|(_, max)| *max),
             }),
             _ => None,
         };
@@ -503,9 +510,9 @@ fn refusal(tokens: &Tokens, credential: &Credential, agent_id: Option<&str>) -> 
 }
 
 impl Revocation {
-    /// The `max_agents` of the stream's token in the tokens in force.
-    fn max_agents(&self) -> Option<usize> {
-        self.tokens.borrow().max_agents(&self.credential)
+    /// The name and `max_agents` of the stream's token in the tokens in force.
+    fn in_force(&self) -> Option<(String, Option<usize>)> {
+        self.tokens.borrow().name_and_max_agents(&self.credential)
     }
 
     /// Why the tokens in force no longer admit the stream, if they do not.
@@ -841,11 +848,16 @@ impl AgentStream {
                 Next::End(status) => break status,
             }
         };
-        if end
-            .as_ref()
-            .is_some_and(|s| s.code() == tonic::Code::Unauthenticated)
-        {
-            info!(agent = %OneLine(&self.agent_id), "a tokens reload took the stream's token away; ending the stream");
+        match end.as_ref().map(Status::code) {
+            Some(tonic::Code::Unauthenticated) => {
+                info!(agent = %OneLine(&self.agent_id), "a tokens reload took the stream's token away; ending the stream");
+            }
+            // Only a reload that left the agent id out of its token's `agent_ids` ends a
+            // registered stream so.
+            Some(tonic::Code::PermissionDenied) => {
+                info!(agent = %OneLine(&self.agent_id), "a tokens reload left the agent id out of its token's `agent_ids`; ending the stream");
+            }
+            _ => {}
         }
         if let Some(status) = end {
             // A slot is free (see `queue`), so this never waits on an agent that does not read.

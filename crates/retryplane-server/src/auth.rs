@@ -17,8 +17,9 @@
 //! connect as any agent id, first come, first served among agent tokens. It may also cap how
 //! many agents are connected with it at once (`max_agents`; a Hello past it is refused with
 //! `RESOURCE_EXHAUSTED`, as past the control plane's `--max-agents`, and so are its streams
-//! waiting for their Hello past that number), so that one team's runaway deployment cannot
-//! take every agent slot or handshake place of the control plane.
+//! waiting for their Hello past twice that number), so that one team's runaway deployment
+//! cannot take every agent slot of the control plane, nor (with a small `max_agents`) every
+//! handshake place. Either field written without a value is refused, never read as "any".
 //!
 //! Every gRPC call to the agent or admin service carries `authorization: Bearer <secret>`. The
 //! presented secret is hashed (SHA-256) and compared with the hash of *every* token's secret
@@ -157,10 +158,79 @@ struct RawToken {
     name: String,
     role: String,
     secret: String,
-    #[serde(default)]
-    agent_ids: Option<Vec<String>>,
-    #[serde(default)]
-    max_agents: Option<u64>,
+    /// `None`: not written; `Some(RawAgentIds::Null)`: written without a value.
+    #[serde(default, deserialize_with = "present")]
+    agent_ids: Option<RawAgentIds>,
+    /// `None`: not written; `Some(None)`: written without a value.
+    #[serde(default, deserialize_with = "written")]
+    max_agents: Option<Option<u64>>,
+}
+
+/// A field that is written, with or without a value: `Some(None)` for `field:` or `field: ~`,
+/// which leaving the field out (`None`, by `#[serde(default)]`) must be told from.
+fn written<'de, D, T>(d: D) -> Result<Option<Option<T>>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: serde::Deserialize<'de>,
+{
+    <Option<T> as serde::Deserialize>::deserialize(d).map(Some)
+}
+
+/// A field that is written: `Some`, whatever its value (`T` reads a missing value itself).
+fn present<'de, D, T>(d: D) -> Result<Option<T>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: serde::Deserialize<'de>,
+{
+    T::deserialize(d).map(Some)
+}
+
+/// `agent_ids` as written: a list (an entry left without a value is `None`), one id where a
+/// list was meant, or nothing at all (`agent_ids:` with its last id commented out). Each is
+/// checked in the file's words ([`AgentIds::check`]) rather than refused by the YAML reader,
+/// and none of them may lift the token's restriction to any id.
+enum RawAgentIds {
+    List(Vec<Option<String>>),
+    One,
+    Null,
+}
+
+impl<'de> serde::Deserialize<'de> for RawAgentIds {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl<'de> serde::de::Visitor<'de> for Visitor {
+            type Value = RawAgentIds;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("`agent_ids` as a list of agent ids (`agent_ids: [checkout-*]`)")
+            }
+            fn visit_unit<E>(self) -> Result<RawAgentIds, E> {
+                Ok(RawAgentIds::Null)
+            }
+            fn visit_none<E>(self) -> Result<RawAgentIds, E> {
+                Ok(RawAgentIds::Null)
+            }
+            fn visit_some<D: serde::Deserializer<'de>>(
+                self,
+                d: D,
+            ) -> Result<RawAgentIds, D::Error> {
+                d.deserialize_any(self)
+            }
+            fn visit_str<E>(self, _: &str) -> Result<RawAgentIds, E> {
+                Ok(RawAgentIds::One)
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<RawAgentIds, A::Error> {
+                let mut ids = Vec::new();
+                while let Some(id) = seq.next_element::<Option<String>>()? {
+                    ids.push(id);
+                }
+                Ok(RawAgentIds::List(ids))
+            }
+        }
+        d.deserialize_any(Visitor)
+    }
 }
 
 /// One credential: its name, role, the SHA-256 of its secret and, for an agent token, the
@@ -191,33 +261,64 @@ impl AgentIds {
             })
     }
 
-    /// The problems of a token's `agent_ids` (`at` names the token), each a line.
-    fn check(patterns: &[String], at: &str, problems: &mut Vec<String>) {
-        if patterns.is_empty() {
+    /// The patterns of a token's `agent_ids` as written, or `None` after adding to `problems`
+    /// (`at` names the token) a line for each of their problems.
+    fn check(raw: &RawAgentIds, at: &str, problems: &mut Vec<String>) -> Option<Self> {
+        let before = problems.len();
+        let list = match raw {
+            RawAgentIds::Null => {
+                problems.push(format!(
+                    "{at}: `agent_ids` has no value (its ids commented out?), so no agent could \
+                     connect with this token; list its ids, or leave the field out to let it \
+                     connect as any agent id"
+                ));
+                return None;
+            }
+            RawAgentIds::One => {
+                problems.push(format!(
+                    "{at}: `agent_ids` is one value, not a list; write it as a list \
+                     (`agent_ids: [checkout-*]`)"
+                ));
+                return None;
+            }
+            RawAgentIds::List(list) => list,
+        };
+        if list.is_empty() {
             problems.push(format!(
                 "{at}: `agent_ids` is empty, so no agent could connect with this token; leave \
                  the field out to let it connect as any agent id"
             ));
         }
-        for (j, pattern) in patterns.iter().enumerate() {
-            let shown = pattern.escape_debug();
+        let mut patterns = Vec::with_capacity(list.len());
+        for (j, pattern) in list.iter().enumerate() {
+            let pattern = pattern.as_deref().unwrap_or_default();
+            // A secret put in this place (an entry's values swapped) is not quoted: the
+            // message reaches a terminal and the log.
+            let shown = if could_be_a_secret(pattern) {
+                "(not shown: it could be a secret)".to_owned()
+            } else {
+                format!("`{}`", pattern.escape_debug())
+            };
             let problem = if pattern.is_empty() {
-                Some("is empty".to_owned())
+                Some(
+                    "is empty (an id in quotes, such as `\"*\"`, where YAML reads `*` as an \
+                      alias)"
+                        .to_owned(),
+                )
             } else if pattern.strip_suffix('*').unwrap_or(pattern).contains('*') {
                 Some(format!(
-                    "`{shown}` holds a `*` before its end; a `*` may only end a prefix \
+                    "{shown} holds a `*` before its end; a `*` may only end a prefix \
                      (`checkout-*`)"
                 ))
-            } else if pattern.contains(char::is_control)
-                || pattern.contains(retryplane_policy::diag::is_escaped)
-            {
+            } else if retryplane_policy::diag::has_control(pattern) {
+                // What a Hello's agent id may not hold ([`retryplane_proto::check_hello`]).
                 Some(format!(
-                    "`{shown}` holds a control or invisible character, which no agent id may hold"
+                    "{shown} holds a control character, which no agent id may hold"
                 ))
             } else if pattern.trim_end_matches('*').len() > retryplane_proto::MAX_HELLO_FIELD_BYTES
             {
                 Some(format!(
-                    "`{shown}` is longer than an agent id may be ({} bytes)",
+                    "{shown} is longer than an agent id may be ({} bytes)",
                     retryplane_proto::MAX_HELLO_FIELD_BYTES
                 ))
             } else {
@@ -226,16 +327,27 @@ impl AgentIds {
             if let Some(problem) = problem {
                 problems.push(format!("{at}: agent_ids[{j}] {problem}"));
             }
+            patterns.push(pattern.to_owned());
         }
+        (problems.len() == before).then_some(Self(patterns))
     }
 }
 
-/// Lists the patterns as written: `` `checkout-*`, `batch-7` ``.
+/// How many of a token's patterns a refusal lists: a status message goes out in a header,
+/// which a client refuses past its limit (16 KiB for hyper's), so a token with hundreds of ids
+/// must still be refused with its status.
+const SHOWN_PATTERNS: usize = 8;
+
+/// Lists the patterns as written, the first [`SHOWN_PATTERNS`] of them and how many more:
+/// `` `checkout-*`, `batch-7` ``.
 impl fmt::Display for AgentIds {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        for (i, pattern) in self.0.iter().enumerate() {
+        for (i, pattern) in self.0.iter().take(SHOWN_PATTERNS).enumerate() {
             let sep = if i == 0 { "" } else { ", " };
             write!(f, "{sep}`{}`", pattern.escape_debug())?;
+        }
+        if let Some(more) = self.0.len().checked_sub(SHOWN_PATTERNS).filter(|m| *m > 0) {
+            write!(f, " and {more} more")?;
         }
         Ok(())
     }
@@ -379,40 +491,48 @@ impl Tokens {
                     "{at}: same secret as tokens[{first}]; every token needs its own secret"
                 ));
             }
-            if let Some(patterns) = &t.agent_ids {
-                match role {
-                    Some(Role::Agent) | None => AgentIds::check(patterns, &at, &mut problems),
-                    Some(other) => problems.push(format!(
-                        "{at}: `agent_ids` is for agent tokens; a token of role `{}` does not \
+            let not_an_agents = |field: &str, problems: &mut Vec<String>| {
+                if let Some(other) = role.filter(|r| *r != Role::Agent) {
+                    problems.push(format!(
+                        "{at}: `{field}` is for agent tokens; a token of role `{}` does not \
                          connect as an agent",
                         other.as_str()
-                    )),
+                    ));
                 }
-            }
-            if let Some(max) = t.max_agents {
-                match role {
-                    Some(Role::Agent) | None if max == 0 => problems.push(format!(
-                        "{at}: `max_agents` is 0, so no agent could connect with this token; \
-                         leave the field out for no limit of its own"
-                    )),
-                    Some(Role::Agent) | None => {}
-                    Some(other) => problems.push(format!(
-                        "{at}: `max_agents` is for agent tokens; a token of role `{}` does not \
-                         connect as an agent",
-                        other.as_str()
-                    )),
+            };
+            let agent_ids = t.agent_ids.as_ref().and_then(|raw| {
+                not_an_agents("agent_ids", &mut problems);
+                AgentIds::check(raw, &at, &mut problems)
+            });
+            let max_agents = match t.max_agents {
+                None => None,
+                Some(written) => {
+                    not_an_agents("max_agents", &mut problems);
+                    match written {
+                        None | Some(0) => {
+                            problems.push(format!(
+                                "{at}: `max_agents` is {}, so no agent could connect with this \
+                                 token; leave the field out for no limit of its own",
+                                if written.is_none() {
+                                    "without a value"
+                                } else {
+                                    "0"
+                                }
+                            ));
+                            None
+                        }
+                        // Past `usize` on a 32-bit machine: no limit of its own, in practice.
+                        Some(max) => Some(usize::try_from(max).unwrap_or(usize::MAX)),
+                    }
                 }
-            }
+            };
             if let Some(role) = role {
                 tokens.push(Token {
                     name: t.name.clone(),
                     role,
                     digest,
-                    agent_ids: t.agent_ids.clone().map(AgentIds),
-                    // Past `usize` on a 32-bit machine: no limit of its own, in practice.
-                    max_agents: t
-                        .max_agents
-                        .map(|m| usize::try_from(m).unwrap_or(usize::MAX)),
+                    agent_ids,
+                    max_agents,
                 });
             }
         }
@@ -457,6 +577,16 @@ impl Tokens {
     /// no token holds that secret any more).
     pub(crate) fn max_agents(&self, credential: &Credential) -> Option<usize> {
         self.find_digest(&credential.digest)?.max_agents
+    }
+
+    /// The name and `max_agents` of the token holding `credential`'s secret, if one still
+    /// does.
+    pub(crate) fn name_and_max_agents(
+        &self,
+        credential: &Credential,
+    ) -> Option<(String, Option<usize>)> {
+        self.find_digest(&credential.digest)
+            .map(|token| (token.name.clone(), token.max_agents))
     }
 
     /// Number of tokens.

@@ -444,7 +444,7 @@ tokens:
         "tokens[1] (`b`): agent_ids[0] is empty",
         "tokens[1] (`b`): agent_ids[2] `x*y` holds a `*` before its end",
         "tokens[1] (`b`): agent_ids[3] `**` holds a `*` before its end",
-        "tokens[1] (`b`): agent_ids[4] `a\\tb` holds a control or invisible character",
+        "tokens[1] (`b`): agent_ids[4] `a\\tb` holds a control character",
         "tokens[2] (`c`): `agent_ids` is for agent tokens; a token of role `admin` does not \
          connect as an agent",
     ] {
@@ -504,4 +504,53 @@ tokens:
     );
     assert!(negative.contains("malformed"), "{negative}");
     assert!(!negative.contains("agent-secret"), "{negative}");
+}
+
+#[test]
+fn agent_ids_and_max_agents_without_a_value_or_of_another_shape_are_named() {
+    let entry = |rest: &str| {
+        invalid(&format!(
+            "tokens:\n  - name: a\n    role: agent\n    secret: agent-secret-0123456789\n{rest}"
+        ))
+    };
+    for (rest, says) in [
+        (
+            "    agent_ids:\n    # - checkout-*\n",
+            "tokens[0] (`a`): `agent_ids` has no value (its ids commented out?)",
+        ),
+        ("    agent_ids: ~\n", "`agent_ids` has no value"),
+        (
+            "    agent_ids: checkout-*\n",
+            "tokens[0] (`a`): `agent_ids` is one value, not a list",
+        ),
+        (
+            "    agent_ids: [checkout-*, ~]\n",
+            "tokens[0] (`a`): agent_ids[1] is empty",
+        ),
+        (
+            "    max_agents:\n",
+            "tokens[0] (`a`): `max_agents` is without a value, so no agent could connect",
+        ),
+    ] {
+        let message = entry(rest);
+        assert!(message.contains(says), "{rest}: {message}");
+    }
+    let alias = entry("    agent_ids: [*]\n");
+    assert!(alias.contains("malformed"), "{alias}");
+}
+
+#[test]
+fn a_max_agents_left_without_a_value_is_refused_not_taken_for_no_limit() {
+    // `max_agents: 0` is refused ("leave the field out for no limit of its own"); a key left
+    // without its value (YAML null) is no more a limit of none than 0 is.
+    for value in ["", "~", "null"] {
+        let text = format!(
+            "tokens:\n  - name: a\n    role: agent\n    secret: agent-secret-0123456789\n    \
+             max_agents: {value}\n"
+        );
+        assert!(
+            Tokens::parse(&text, Path::new("t.yaml")).is_err(),
+            "`max_agents: {value}` was taken for no limit"
+        );
+    }
 }

@@ -168,25 +168,29 @@ struct Inner {
     hidden: usize,
     /// The report records of agents forgotten last.
     forgotten: Forgotten,
-    /// Connected agents per token name (as each registered; none without a tokens file), for
-    /// the tokens' own `max_agents`.
-    by_token: HashMap<String, usize>,
+    /// Connected agents per token, by the digest of its secret (none without a tokens file),
+    /// for the tokens' own `max_agents`. By secret, not by name: a reload may rename a token
+    /// (its agents stay its own), or give a name to another secret (a rotation that keeps the
+    /// old secret under another name), and a token is the secret its agents present.
+    by_token: HashMap<[u8; 32], usize>,
 }
 
 impl Inner {
-    /// One more connected agent of `token` (a name; empty: none).
-    fn token_in(&mut self, token: &str) {
-        if !token.is_empty() {
-            *self.by_token.entry(token.to_owned()).or_default() += 1;
+    /// One more connected agent of the token whose secret has `digest` (`None`: no tokens).
+    fn token_in(&mut self, digest: Option<[u8; 32]>) {
+        if let Some(digest) = digest {
+            *self.by_token.entry(digest).or_default() += 1;
         }
     }
 
-    /// One connected agent of `token` fewer.
-    fn token_out(&mut self, token: &str) {
-        if let Some(count) = self.by_token.get_mut(token) {
+    /// One connected agent of that token fewer.
+    fn token_out(&mut self, digest: Option<[u8; 32]>) {
+        if let Some(digest) = digest
+            && let Some(count) = self.by_token.get_mut(&digest)
+        {
             *count = count.saturating_sub(1);
             if *count == 0 {
-                self.by_token.remove(token);
+                self.by_token.remove(&digest);
             }
         }
     }
@@ -357,12 +361,14 @@ pub enum RegisterError {
     Full(usize),
     /// The stream's token has as many agents connected as its `max_agents` in the tokens file.
     #[error(
-        "token `{token}` already has {limit} agents connected, its `max_agents` in the control \
-         plane's tokens file"
+        "token `{token}` already has {connected} agents connected, and its `max_agents` in the \
+         control plane's tokens file is {limit}"
     )]
     TokenFull {
         /// The token's name.
         token: String,
+        /// Its agents connected now.
+        connected: usize,
         /// Its `max_agents`.
         limit: usize,
     },
@@ -509,10 +515,12 @@ impl Fleet {
         if !replacing
             && let Some(t) = token
             && let Some(limit) = t.max_agents
-            && inner.by_token.get(t.name).copied().unwrap_or(0) >= limit
+            && let connected = inner.by_token.get(&t.secret_digest).copied().unwrap_or(0)
+            && connected >= limit
         {
             return Err(RegisterError::TokenFull {
                 token: t.name.to_owned(),
+                connected,
                 limit,
             });
         }
@@ -536,7 +544,7 @@ impl Fleet {
             }
             if old.status.connected {
                 inner.connected -= 1;
-                inner.token_out(&old.status.token);
+                inner.token_out(old.secret_digest);
             }
             reports = old.reports;
             bucket = old.bucket;
@@ -631,7 +639,7 @@ impl Fleet {
             },
         );
         inner.connected += 1;
-        inner.token_in(token.map_or("", |t| t.name));
+        inner.token_in(token.map(|t| t.secret_digest));
         self.set_gauge(&inner);
         Ok(Registration {
             applied_version,
@@ -760,13 +768,13 @@ impl Fleet {
             Some(entry) if entry.generation == generation && entry.status.connected => {
                 entry.status.connected = false;
                 entry.replaced = None;
-                Some((entry.ephemeral, entry.status.token.clone()))
+                Some((entry.ephemeral, entry.secret_digest))
             }
             _ => None,
         };
         if let Some((ephemeral, token)) = ended {
             inner.connected -= 1;
-            inner.token_out(&token);
+            inner.token_out(token);
             if ephemeral {
                 inner.hidden += 1;
             }
@@ -1240,6 +1248,7 @@ mod tests {
                 .unwrap_err(),
             RegisterError::TokenFull {
                 token: "payments".to_owned(),
+                connected: 2,
                 limit: 2
             }
         );
@@ -1270,8 +1279,8 @@ mod tests {
                 .is_ok(),
             "without a limit of its own"
         );
-        assert_eq!(fleet.lock().by_token.get("payments"), Some(&4));
-        assert_eq!(fleet.lock().by_token.get("checkout"), Some(&1));
+        assert_eq!(fleet.lock().by_token.get(&[1; 32]), Some(&4));
+        assert_eq!(fleet.lock().by_token.get(&[2; 32]), Some(&1));
     }
 
     #[test]

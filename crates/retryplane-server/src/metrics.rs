@@ -57,8 +57,9 @@ pub struct ServerMetrics {
     /// Agent streams ended because nothing came from an agent that sends heartbeats for the
     /// liveness timeout (`retryplane_proto::liveness`).
     pub streams_silent: Counter,
-    /// Agent streams and admin calls refused for their token: missing, unknown, or of a role
-    /// the listener does not admit.
+    /// Agent streams and admin calls refused for their token: missing, unknown, of a role the
+    /// listener does not admit, a read-only token's attempted change, or an agent id outside
+    /// the token's `agent_ids` (at the Hello).
     pub auth_refused: Counter,
 }
 
@@ -166,7 +167,7 @@ impl ServerMetrics {
         );
         registry.register(
             "auth_refused",
-            "Agent streams and admin calls refused for a missing or unknown token, one of a role the listener does not admit, or a read-only token's change",
+            "Agent streams and admin calls refused for a missing or unknown token, one of a role the listener does not admit, a read-only token's change, or an agent id outside the token's agent_ids",
             auth_refused.clone(),
         );
         Self {

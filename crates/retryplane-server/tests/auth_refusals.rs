@@ -314,8 +314,8 @@ async fn an_agent_token_with_max_agents_connects_no_more_at_once_and_others_are_
     assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
     assert_eq!(
         e.message(),
-        "token `team-a` already has 2 agents connected, its `max_agents` in the control plane's \
-         tokens file"
+        "token `team-a` already has 2 agents connected, and its `max_agents` in the control \
+         plane's tokens file is 2"
     );
     // Its agent's next stream replaces its last; another token's agents connect.
     let (_a2, _s2) = hello(&agent, AGENT, "checkout-2").await.unwrap();
@@ -379,11 +379,12 @@ async fn wait_awaiting_hello(addr: SocketAddr, n: u64) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_token_with_max_agents_holds_no_more_streams_waiting_for_their_hello() {
+async fn a_token_with_max_agents_holds_no_more_than_twice_as_many_streams_waiting_for_their_hello()
+{
     let (dir, cfg) = setup();
     fs::write(
         dir.path().join("tokens.yaml"),
-        tokens_yaml_with(Some(", max_agents: 2")),
+        tokens_yaml_with(Some(", max_agents: 1")),
     )
     .unwrap();
     let running = start(cfg).await.unwrap();
@@ -422,4 +423,283 @@ async fn a_token_with_max_agents_holds_no_more_streams_waiting_for_their_hello()
     let _fourth = without_hello(&agent, AGENT);
     wait_awaiting_hello(running.http_addr, 3).await;
     running.shutdown().await.unwrap();
+}
+
+#[test]
+fn agent_ids_written_with_no_value_are_refused_not_taken_as_any_id() {
+    use retryplane_server::auth::Tokens;
+    let path = std::path::Path::new("tokens.yaml");
+    // `agent_ids: []` is refused ("no agent could connect with this token"); the same field
+    // left without a value (its last id commented out, `~`) must not quietly lift the
+    // restriction to any agent id.
+    for text in [
+        "tokens:\n  - name: team-a\n    role: agent\n    secret: agent-secret-0123456789\n    agent_ids:\n    # - checkout-*\n",
+        "tokens: [{name: team-a, role: agent, secret: agent-secret-0123456789, agent_ids: }]",
+        "tokens: [{name: team-a, role: agent, secret: agent-secret-0123456789, agent_ids: ~}]",
+    ] {
+        let parsed = Tokens::parse(text, path);
+        assert!(
+            parsed.is_err(),
+            "accepted, the token connecting as any agent id:\n{text}"
+        );
+    }
+}
+
+#[test]
+fn a_malformed_agent_ids_entry_is_named_in_the_tokens_files_words() {
+    use retryplane_server::auth::Tokens;
+    let path = std::path::Path::new("tokens.yaml");
+    for text in [
+        // An id left empty in the list.
+        "tokens: [{name: team-a, role: agent, secret: agent-secret-0123456789, agent_ids: [checkout-*, ~]}]",
+        // One id, not in a list.
+        "tokens: [{name: team-a, role: agent, secret: agent-secret-0123456789, agent_ids: checkout-*}]",
+    ] {
+        let message = Tokens::parse(text, path).err().unwrap().to_string();
+        assert!(
+            message.contains("agent_ids") && !message.contains("Option<"),
+            "names neither the field nor what it needs, in the file's words: {message}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_with_many_agent_ids_still_refuses_another_id_with_permission_denied() {
+    let (dir, cfg) = setup();
+    // One exact id per host, as a fleet of a few hundred hosts would list them.
+    let ids: Vec<String> = (0..600)
+        .map(|i| format!("checkout-host-{i:04}.eu-west-1"))
+        .collect();
+    fs::write(
+        dir.path().join("tokens.yaml"),
+        tokens_yaml_with(Some(&format!(", agent_ids: [{}]", ids.join(", ")))),
+    )
+    .unwrap();
+    let running = start(cfg).await.unwrap();
+    let agent = channel(running.agent_addr).await;
+    let before = refused_total(&metrics(running.http_addr).await);
+    let e = hello(&agent, AGENT, "payments-1").await.unwrap_err();
+    let after = refused_total(&metrics(running.http_addr).await);
+    running.shutdown().await.unwrap();
+    // Counted as refused on the server's side, but the agent must be told so too (its
+    // `lasting` codes), not given an HTTP/2 error it takes for a passing fault.
+    assert_eq!(after - before, 1);
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+}
+
+#[test]
+fn an_agent_id_a_hello_may_carry_can_be_named_in_agent_ids() {
+    use retryplane_server::auth::Tokens;
+    // A zero-width non-joiner, as Persian and Indic words hold: the control plane takes it in
+    // a Hello's agent id, so a token must be able to name that id exactly (the refusal says
+    // "which no agent id may hold").
+    let id = "cart-\u{645}\u{6cc}\u{200c}\u{647}\u{627}-7";
+    let hello = pb::Hello {
+        agent_id: id.to_owned(),
+        service: "checkout".to_owned(),
+        ..Default::default()
+    };
+    retryplane_proto::check_hello(
+        &hello,
+        retryplane_proto::MAX_HELLO_FIELD_BYTES,
+        retryplane_proto::MAX_HELLO_LABELS,
+    )
+    .unwrap();
+    let text = format!(
+        "tokens: [{{name: team-a, role: agent, secret: agent-secret-0123456789, agent_ids: [\"{id}\"]}}]"
+    );
+    let parsed = Tokens::parse(&text, std::path::Path::new("tokens.yaml"));
+    assert!(parsed.is_ok(), "{}", parsed.err().unwrap());
+}
+
+#[test]
+fn a_secret_swapped_into_agent_ids_is_not_shown() {
+    use retryplane_server::auth::Tokens;
+    // The two values of an entry swapped, as the file's other checks expect of a name or a
+    // role: a generated secret with a `*` inside is refused as a pattern, and must not be
+    // quoted to the terminal and the log.
+    let text = "tokens: [{name: team-a, role: agent, secret: \"checkout-*\", agent_ids: [\"Zq8*vR2mK9xT4wP7nL3bY6cH1\"]}]";
+    let message = Tokens::parse(text, std::path::Path::new("tokens.yaml"))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(message.contains("agent_ids[0]"), "{message}");
+    assert!(!message.contains("Zq8"), "{message}");
+}
+
+/// A tokens file of agent tokens only: each `(name, secret, extra)` as an entry, `extra` such
+/// as `, max_agents: 2`.
+fn agent_tokens_yaml(tokens: &[(&str, &str, &str)]) -> String {
+    let mut s = String::from("tokens:\n");
+    for (name, secret, extra) in tokens {
+        s += &format!("  - {{name: {name}, role: agent, secret: \"{secret}\"{extra}}}\n");
+    }
+    s += &format!("  - {{name: alice, role: admin, secret: \"{ADMIN}\"}}\n");
+    s
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_renamed_by_a_reload_still_counts_its_connected_agents_against_its_max_agents() {
+    let (dir, cfg) = setup();
+    let file = dir.path().join("tokens.yaml");
+    fs::write(
+        &file,
+        agent_tokens_yaml(&[("team-a", AGENT, ", max_agents: 2")]),
+    )
+    .unwrap();
+    let running = start(cfg).await.unwrap();
+    let agent = channel(running.agent_addr).await;
+    let _a1 = hello(&agent, AGENT, "checkout-1").await.unwrap();
+    let _a2 = hello(&agent, AGENT, "checkout-2").await.unwrap();
+    // The same token (its secret and its limit), only renamed: the fleet takes it for the
+    // same token (its streams replace the two agents' streams), and it still has 2 agents
+    // connected.
+    fs::write(
+        &file,
+        agent_tokens_yaml(&[("team-a-2026", AGENT, ", max_agents: 2")]),
+    )
+    .unwrap();
+    running.reload_tokens().unwrap();
+    let third = hello(&agent, AGENT, "checkout-3").await;
+    let connected = third.is_ok();
+    let fourth = hello(&agent, AGENT, "checkout-4").await;
+    running.shutdown().await.unwrap();
+    assert!(
+        !connected,
+        "a third agent connected with a token whose max_agents is 2 (a fourth too: {})",
+        fourth.is_ok()
+    );
+    assert_eq!(third.unwrap_err().code(), Code::ResourceExhausted);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_given_a_name_another_token_had_is_not_refused_for_that_tokens_agents() {
+    let (dir, cfg) = setup();
+    let file = dir.path().join("tokens.yaml");
+    fs::write(&file, agent_tokens_yaml(&[("team-a", AGENT, "")])).unwrap();
+    let running = start(cfg).await.unwrap();
+    let agent = channel(running.agent_addr).await;
+    let _a1 = hello(&agent, AGENT, "checkout-1").await.unwrap();
+    let _a2 = hello(&agent, AGENT, "checkout-2").await.unwrap();
+    // The old token is kept under another name; a new token, with its own secret, takes the
+    // name and may connect 2 agents. None of its agents is connected yet.
+    fs::write(
+        &file,
+        agent_tokens_yaml(&[("legacy", AGENT, ""), ("team-a", AGENT2, ", max_agents: 2")]),
+    )
+    .unwrap();
+    running.reload_tokens().unwrap();
+    let first = hello(&agent, AGENT2, "payments-1").await;
+    running.shutdown().await.unwrap();
+    let e = first.err();
+    assert!(
+        e.is_none(),
+        "the new token's first agent was refused: {:?}",
+        e.map(|e| e.message().to_owned())
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_refusal_past_a_lowered_max_agents_says_how_many_agents_are_connected() {
+    let (dir, cfg) = setup();
+    let file = dir.path().join("tokens.yaml");
+    fs::write(&file, tokens_yaml_with(Some(", max_agents: 3"))).unwrap();
+    let running = start(cfg).await.unwrap();
+    let agent = channel(running.agent_addr).await;
+    let _a1 = hello(&agent, AGENT, "checkout-1").await.unwrap();
+    let _a2 = hello(&agent, AGENT, "checkout-2").await.unwrap();
+    let _a3 = hello(&agent, AGENT, "checkout-3").await.unwrap();
+    // Lowered to 2: the three stay (a reload ends no stream), a fourth is refused.
+    fs::write(&file, tokens_yaml_with(Some(", max_agents: 2"))).unwrap();
+    running.reload_tokens().unwrap();
+    let e = hello(&agent, AGENT, "checkout-4").await.unwrap_err();
+    running.shutdown().await.unwrap();
+    assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
+    assert!(
+        !e.message().contains("already has 2 agents connected"),
+        "3 agents of the token are connected, but the refusal says: {}",
+        e.message()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hello_that_comes_after_a_reload_renamed_its_token_counts_under_the_new_name() {
+    let (dir, cfg) = setup();
+    let file = dir.path().join("tokens.yaml");
+    fs::write(
+        &file,
+        agent_tokens_yaml(&[("team-a", AGENT, ", max_agents: 1")]),
+    )
+    .unwrap();
+    let running = start(cfg).await.unwrap();
+    let agent = channel(running.agent_addr).await;
+    // Admitted as `team-a`; its Hello comes once the token is called `team-a-2026`.
+    let (tx, opened) = without_hello(&agent, AGENT);
+    wait_awaiting_hello(running.http_addr, 1).await;
+    fs::write(
+        &file,
+        agent_tokens_yaml(&[("team-a-2026", AGENT, ", max_agents: 1")]),
+    )
+    .unwrap();
+    running.reload_tokens().unwrap();
+    tx.send(pb::AgentMessage {
+        kind: Some(pb::agent_message::Kind::Hello(pb::Hello {
+            agent_id: "checkout-1".to_owned(),
+            service: "checkout".to_owned(),
+            ..Default::default()
+        })),
+    })
+    .await
+    .unwrap();
+    let _first = tokio::time::timeout(Duration::from_secs(10), opened)
+        .await
+        .expect("the first stream was not answered")
+        .unwrap()
+        .unwrap();
+    let mut admin = AdminServiceClient::new(channel(running.admin_addr).await);
+    let listed = admin
+        .fleet_status(with_auth(
+            pb::FleetStatusRequest::default(),
+            Some(format!("Bearer {ADMIN}").as_bytes()),
+        ))
+        .await
+        .unwrap()
+        .into_inner()
+        .agents;
+    // The token has its one agent connected: a second is refused.
+    let second = hello(&agent, AGENT, "checkout-2").await;
+    running.shutdown().await.unwrap();
+    let tokens: Vec<_> = listed.iter().map(|a| a.token.as_str()).collect();
+    assert!(
+        second.is_err(),
+        "a second agent connected with a token whose max_agents is 1 (the first is listed \
+         with token {tokens:?}, a name no longer in the tokens file)"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_that_replaces_its_agents_stream_is_not_refused_while_a_stream_of_its_token_waits_for_its_hello()
+ {
+    let (dir, cfg) = setup();
+    fs::write(
+        dir.path().join("tokens.yaml"),
+        tokens_yaml_with(Some(", max_agents: 1")),
+    )
+    .unwrap();
+    let running = start(cfg).await.unwrap();
+    let agent = channel(running.agent_addr).await;
+    let _first = hello(&agent, AGENT, "checkout-1").await.unwrap();
+    // A stream the agent gave up before its Hello went out (a stalled connection), still
+    // waiting on the control plane's side.
+    let (_stalled, _opened) = without_hello(&agent, AGENT);
+    wait_awaiting_hello(running.http_addr, 1).await;
+    // The README: "a stream that replaces one of its agents' is not" refused.
+    let replacement = hello(&agent, AGENT, "checkout-1").await;
+    running.shutdown().await.unwrap();
+    let e = replacement.err();
+    assert!(
+        e.is_none(),
+        "the agent's next stream was refused: {:?}",
+        e.map(|e| e.message().to_owned())
+    );
 }
