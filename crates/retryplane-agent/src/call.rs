@@ -507,22 +507,30 @@ impl Endpoint {
                     let until = now
                         .checked_add(plan.timeout)
                         .unwrap_or_else(|| call.deadline());
+                    // Whether the attempt waited (its per-try timer was armed): then its outcome
+                    // came after `now`, and a success is counted when it came.
+                    let mut waited = false;
                     let result = if let Some(e) = not_ready.take() {
                         Ok(Err(e))
                     } else {
-                        let (fut, timer) = (pin!(attempt(info)), pin!(None));
-                        let run = per_try::Within::new(until, fut, timer);
-                        match cancel {
-                            None => run.await,
-                            Some(cancel) => tokio::select! {
-                                biased;
-                                () = cancel.cancelled() => break End::Fail(Cause::Cancelled, last, last_outcome),
-                                r = run => r,
-                            },
-                        }
+                        let (fut, mut timer) = (pin!(attempt(info)), pin!(None));
+                        let result = {
+                            let run = per_try::Within::new(until, fut, timer.as_mut());
+                            match cancel {
+                                None => run.await,
+                                Some(cancel) => tokio::select! {
+                                    biased;
+                                    () = cancel.cancelled() => break End::Fail(Cause::Cancelled, last, last_outcome),
+                                    r = run => r,
+                                },
+                            }
+                        };
+                        waited = timer.is_some();
+                        result
                     };
                     let result = match result {
                         Ok(first_answer) if reauth.wants(&first_answer) => {
+                            waited = true;
                             // Boxed, the first answer with it: the refresh's state stays out of every
                             // call's future.
                             let resend = Box::pin(self.refresh_and_resend(
@@ -559,11 +567,13 @@ impl Endpoint {
                             // half-open probe answered so closes it, rather than being handed
                             // back as if the attempt said nothing), the counters and the log.
                             (Classification::Success, r) => {
-                                // Tell the breaker about the success through the engine, at the
-                                // attempt's start: one clock read less on every call that
-                                // succeeds, and the breaker's window (slots of a tenth of it)
-                                // counts the success all the same.
-                                call.on_outcome(success(), now, &mut rng);
+                                // Tell the breaker about the success through the engine, when
+                                // it came: at the attempt's start when the attempt answered at
+                                // its first poll (one clock read less on every such call), else
+                                // now (a slow success must not leave the breaker's window
+                                // early, while the failures after it are still in it).
+                                let at = if waited { Instant::now() } else { now };
+                                call.on_outcome(success(), at, &mut rng);
                                 count_success(&mut first, plan.number);
                                 if tracing::enabled!(tracing::Level::DEBUG) {
                                     let end = Instant::now();
@@ -590,7 +600,8 @@ impl Endpoint {
                                     let class = class_name(&o);
                                     self.debug_attempt(plan.number, &class, None, &call, end);
                                 }
-                                call.on_outcome(o, now, &mut rng);
+                                let at = if waited { Instant::now() } else { now };
+                                call.on_outcome(o, at, &mut rng);
                                 count_success(&mut first, plan.number);
                                 break End::Ok(t);
                             }

@@ -371,15 +371,19 @@ impl Classify for hyper::Error {
     }
 }
 
+/// The caller's own errors are fatal, sent to no upstream and held against none (its breaker):
+/// a request the client refuses (a relative URI, an unsupported method or version), and a URL
+/// the connector refuses (`https://` through the plain HTTP connector, no host). Otherwise
 /// `is_connect()` → connect, whatever the cause below it (refused, unreachable, DNS, or the
 /// connector's `connect_timeout`): the request never left, so any method may be retried.
 /// Otherwise the `hyper::Error` in the source chain decides (see its impl); without one, an
 /// `io::Error` in the chain (the connection was up: "never connected" kinds count as reset);
-/// failing both → reset. hyper-util does not expose the kind of its remaining errors (an
-/// unsupported method or version, a relative URI), so those count as reset too: retried, for
-/// an idempotent request only, to the same end.
+/// failing both → reset.
 impl Classify for hyper_util::client::legacy::Error {
     fn classify(&self) -> Classification {
+        if refused_by_the_client(self) {
+            return Classification::Fatal;
+        }
         if self.is_connect() {
             return Classification::Outcome(Outcome::Transport(ErrorClass::Connect));
         }
@@ -393,6 +397,23 @@ impl Classify for hyper_util::client::legacy::Error {
         let class = connected_io_class(self).unwrap_or(ErrorClass::Reset);
         Classification::Outcome(Outcome::Transport(class))
     }
+}
+
+/// Whether hyper-util's client refused the request itself, before any byte left: its own
+/// `User…` kinds (a relative URI, an unsupported method or version), or its HTTP connector's
+/// refusal of the URL (`invalid URL, scheme is not http`, `… scheme is missing`, `… host is
+/// missing`). hyper-util exposes neither as a kind (`is_connect` is all it has, and its
+/// connector's error type is private), so its messages are read: `client error (KIND)` is
+/// its `Display`, and the connector's are fixed strings. A version that words them otherwise
+/// makes such a request a connect failure or a reset again, as before this check (the tests
+/// `real_upstream.rs` pin both).
+fn refused_by_the_client(e: &hyper_util::client::legacy::Error) -> bool {
+    if e.to_string().starts_with("client error (User") {
+        return true;
+    }
+    e.is_connect()
+        && e.source()
+            .is_some_and(|source| source.to_string().starts_with("invalid URL"))
 }
 
 /// Whether an HTTP/2 `REFUSED_STREAM` is in `e`'s source chain (`e` included): the server

@@ -1176,7 +1176,10 @@ fn server_mode_says_why_the_control_plane_gave_no_policy() {
     // (here an admin token, which the refusal names), not no token at all.
     let (code, stderr) = request_with(&agent_url, Some(""), Some("admin-secret-0123456789"));
     assert_eq!(code, Some(2), "{stderr}");
-    assert!(stderr.contains("token `alice` has role `admin`"), "{stderr}");
+    assert!(
+        stderr.contains("token `alice` has role `admin`"),
+        "{stderr}"
+    );
     // The HTTP listener (which answers 404) is named as the other likely mistake.
     let http_url = format!("http://{}", server.running().http_addr());
     let (code, stderr) = request(&http_url, Some("agent-secret-0123456789"));

@@ -597,12 +597,13 @@ impl<'a> RetryCall<'a> {
     ) -> Decision {
         let offset = self.offset(now);
         let p = self.policy;
-        // Whether `retry_on` lists the failure: step 4's first question, and (except for
-        // transport failures, which always count) whether the breaker counts it.
+        // Whether `retry_on` lists the failure: step 4's first question, and (with transport
+        // failures and server errors, which always count) whether the breaker counts it.
         let listed = outcome.listed_in(&p.retry_on);
         if let (Some(permit), Some(breaker)) = (permit, &self.state.breaker) {
             // `!outcome.is_upstream_failure(p)`, without a second scan of `retry_on`.
-            let healthy = !listed && !matches!(outcome, Outcome::Transport(_));
+            let healthy =
+                !listed && !matches!(outcome, Outcome::Transport(_)) && !outcome.is_server_error();
             breaker.record_at(permit, healthy, window_nanos(offset));
         }
         let decision = self.decide(&outcome, listed, offset, rng);

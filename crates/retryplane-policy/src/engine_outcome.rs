@@ -42,13 +42,37 @@ impl Outcome {
     }
 
     /// Whether the failure says the upstream is unhealthy, which is what the circuit breaker
-    /// counts: a failure class listed in `retry_on` (a 404 or a 400 says nothing about health).
-    /// A success never is, whatever `retry_on` lists.
+    /// counts: a transport failure, a server error ([`Outcome::is_server_error`]) whatever
+    /// `retry_on` lists (a route that retries nothing, or a `retry_on` that lists 503 alone,
+    /// must not hide a failing upstream from the endpoint's breaker), or another failure class
+    /// `retry_on` lists (a 429 by default). A 404 or a 400 says nothing about health. A success
+    /// never is, whatever `retry_on` lists.
     pub fn is_upstream_failure(&self, policy: &RetryPolicy) -> bool {
         if self.is_success() {
             return false;
         }
-        matches!(self, Outcome::Transport(_)) || self.listed_in(&policy.retry_on)
+        matches!(self, Outcome::Transport(_))
+            || self.is_server_error()
+            || self.listed_in(&policy.retry_on)
+    }
+
+    /// Whether this is the upstream's own failure, whatever the policy retries: an HTTP status
+    /// from 500 to 599, or the gRPC codes a failing server answers (`UNAVAILABLE`, `INTERNAL`,
+    /// `UNKNOWN`, `DATA_LOSS`, `DEADLINE_EXCEEDED`).
+    #[inline]
+    pub fn is_server_error(&self) -> bool {
+        match self {
+            Outcome::Http { status, .. } => (500..=599).contains(status),
+            Outcome::Grpc { code, .. } => matches!(
+                code,
+                GrpcCode::Unavailable
+                    | GrpcCode::Internal
+                    | GrpcCode::Unknown
+                    | GrpcCode::DataLoss
+                    | GrpcCode::DeadlineExceeded
+            ),
+            Outcome::Transport(_) => false,
+        }
     }
 
     /// Whether `retry_on` lists this outcome: its HTTP status, gRPC code or transport class

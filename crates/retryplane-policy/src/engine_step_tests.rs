@@ -6,6 +6,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::*;
+use crate::codes::GrpcCode;
 use crate::model::{BackoffConfig, BudgetConfig, Jitter};
 use crate::rng::SeededRng;
 
@@ -177,7 +178,45 @@ fn a_success_is_never_an_upstream_failure() {
 }
 
 #[test]
-fn the_breaker_counts_transport_failures_and_listed_statuses_only() {
+fn a_server_error_is_an_upstream_failure_whatever_retry_on_lists() {
+    let mut p = policy(10);
+    p.retry_on.http_status = std::sync::Arc::from([]);
+    p.retry_on.grpc_status = std::sync::Arc::from([]);
+    for status in [500, 501, 502, 503, 504, 599] {
+        assert!(http(status, None).is_upstream_failure(&p), "{status}");
+    }
+    // Listed or not, a client error says nothing about health unless `retry_on` lists it.
+    for status in [400, 404, 429, 499] {
+        assert!(!http(status, None).is_upstream_failure(&p), "{status}");
+    }
+    let grpc = |code| Outcome::Grpc {
+        code,
+        pushback: None,
+    };
+    for code in [
+        GrpcCode::Unavailable,
+        GrpcCode::Internal,
+        GrpcCode::Unknown,
+        GrpcCode::DataLoss,
+        GrpcCode::DeadlineExceeded,
+    ] {
+        assert!(grpc(code).is_upstream_failure(&p), "{code:?}");
+    }
+    for code in [
+        GrpcCode::NotFound,
+        GrpcCode::InvalidArgument,
+        GrpcCode::ResourceExhausted,
+        GrpcCode::Unimplemented,
+        GrpcCode::PermissionDenied,
+    ] {
+        assert!(!grpc(code).is_upstream_failure(&p), "{code:?}");
+    }
+    p.retry_on.http_status = std::sync::Arc::from([429]);
+    assert!(http(429, None).is_upstream_failure(&p));
+}
+
+#[test]
+fn the_breaker_counts_transport_failures_server_errors_and_listed_statuses_only() {
     let mut p = policy(10);
     p.circuit_breaker = Some(crate::model::BreakerConfig {
         min_requests: 3,
@@ -213,6 +252,16 @@ fn the_breaker_counts_transport_failures_and_listed_statuses_only() {
     ] {
         let mut call = RetryCall::new(&p, &fresh, GET, t0);
         let _ = step(&mut call, outcome, t0, &mut rng);
+    }
+    let open = fresh.breaker().expect("breaker on").state(t0);
+    assert_eq!(open, crate::breaker::BreakerState::Open);
+    // A 500 that `retry_on` does not list (it is not retried) counts all the same.
+    let mut unlisted = p.clone();
+    unlisted.retry_on.http_status = std::sync::Arc::from([503]);
+    let fresh = EndpointState::new(&unlisted, t0);
+    for _ in 0..3 {
+        let mut call = RetryCall::new(&unlisted, &fresh, GET, t0);
+        let _ = step(&mut call, http(500, None), t0, &mut rng);
     }
     let open = fresh.breaker().expect("breaker on").state(t0);
     assert_eq!(open, crate::breaker::BreakerState::Open);

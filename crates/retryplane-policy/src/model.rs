@@ -177,7 +177,9 @@ impl Default for BudgetConfig {
 /// Circuit breaker settings (see [`crate::breaker`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct BreakerConfig {
-    /// Failed attempts / attempts in the window at which the breaker opens, `0..=1`.
+    /// Failed attempts / attempts in the window at which the breaker opens, `0..=1`. A failed
+    /// attempt is one that says the upstream is failing
+    /// ([`crate::engine::Outcome::is_upstream_failure`]).
     pub failure_ratio: f64,
     /// Fewer attempts than this in the window never open the breaker.
     pub min_requests: u32,
