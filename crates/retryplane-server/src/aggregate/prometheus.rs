@@ -67,7 +67,7 @@ const COUNTERS: [(&str, &str, usize); 8] = [
     ),
     (
         "retryplane_circuit_open",
-        "Logical calls refused at once because the endpoint's circuit breaker was open.",
+        "Logical calls the endpoint's circuit breaker ended: refused before their first attempt, or stopped before a retry by a breaker that opened meanwhile.",
         CIRCUIT_OPEN,
     ),
     (
