@@ -327,3 +327,41 @@ async fn a_web_page_that_never_ends_is_a_refusal_that_holds_no_shutdown() {
         began.elapsed()
     );
 }
+
+/// A stream the control plane ends for a reason trying again will not fix (a tokens reload that
+/// takes the agent id from its token's `agent_ids`), then refuses again at every reconnect for
+/// the same reason: warned once, not once for the end and again for the first refusal.
+#[tokio::test(flavor = "current_thread")]
+async fn a_stream_ended_then_refused_for_the_same_reason_is_warned_once() {
+    const SECRET: &str = "agent-secret-0123456789";
+    let dir = tempfile::tempdir().unwrap();
+    let tokens = dir.path().join("tokens.yaml");
+    let file = |ids: &str| {
+        format!("tokens:\n  - {{name: a, role: agent, secret: {SECRET}, agent_ids: [{ids}]}}\n")
+    };
+    std::fs::write(&tokens, file("ok-*")).unwrap();
+    let running = support::plane::plane_with(dir.path(), &support::plane::yaml(2), None, |cfg| {
+        cfg.tokens_file = Some(tokens.clone());
+    })
+    .await;
+    let (sink, _guard) = support::capture_logs("retryplane_agent=info");
+    let text = || sink.text();
+    let agent = support::plane::builder(running.agent_addr, "ok-1")
+        .token(SECRET)
+        .connect()
+        .unwrap();
+    support::plane::eventually("connected", || async { agent.is_connected() }).await;
+    std::fs::write(&tokens, file("other-*")).unwrap();
+    running.reload_tokens().unwrap();
+    support::plane::eventually("the end and several refusals", || async {
+        text().matches("PERMISSION_DENIED").count() >= 4
+    })
+    .await;
+    agent.shutdown().await;
+    let log = text();
+    assert!(log.contains("stream ended: PERMISSION_DENIED"), "{log}");
+    assert!(log.contains("stream refused: PERMISSION_DENIED"), "{log}");
+    let warned: Vec<&str> = log.lines().filter(|l| l.contains("WARN")).collect();
+    assert_eq!(warned.len(), 1, "{log}");
+    running.shutdown().await.unwrap();
+}

@@ -363,13 +363,15 @@ async fn sessions(
         let delay_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
         match lasting(code) {
             // Retrying will not change it: said at warn, once until the reason changes.
-            Some(check) if last_reason.as_deref() != Some(reason.as_str()) => warn!(
-                %reason,
-                delay_ms,
-                check,
-                "the control plane refuses this agent; running on the policies in force and \
-                 reconnecting"
-            ),
+            Some(check) if last_reason.as_deref().map(refusal_of) != Some(refusal_of(&reason)) => {
+                warn!(
+                    %reason,
+                    delay_ms,
+                    check,
+                    "the control plane refuses this agent; running on the policies in force and \
+                     reconnecting"
+                )
+            }
             _ => info!(%reason, delay_ms, "control plane stream lost; reconnecting"),
         }
         last_reason = Some(reason);
@@ -394,6 +396,15 @@ fn is_grpc(head: &tonic::metadata::MetadataMap) -> bool {
     head.get("content-type")
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.starts_with("application/grpc"))
+}
+
+/// A reason without how it came (`stream ended: `, `stream refused: `): the same refusal is
+/// warned once, whether the control plane ended the open stream with it or refused the next.
+fn refusal_of(reason: &str) -> &str {
+    reason
+        .strip_prefix("stream ended: ")
+        .or_else(|| reason.strip_prefix("stream refused: "))
+        .unwrap_or(reason)
 }
 
 /// What to check when the control plane ended or refused the stream with `code`, for the codes
