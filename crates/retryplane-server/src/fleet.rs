@@ -511,8 +511,11 @@ impl Fleet {
         if !replacing && inner.connected >= self.max_agents {
             return Err(RegisterError::Full(self.max_agents));
         }
-        // A replacement takes its agent's place; a new agent must fit its token's own limit.
-        if !replacing
+        // A replacement takes its agent's place; a new agent must fit its token's own limit, and
+        // so must one that replaces an agent of another secret (a token given a name another
+        // secret had: that agent is new to this token's count).
+        let same_secret = held.is_some_and(|e| e.secret_digest == token.map(|t| t.secret_digest));
+        if !same_secret
             && let Some(t) = token
             && let Some(limit) = t.max_agents
             && let connected = inner.by_token.get(&t.secret_digest).copied().unwrap_or(0)

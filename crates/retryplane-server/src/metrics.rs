@@ -48,8 +48,9 @@ pub struct ServerMetrics {
     /// [`crate::aggregate::counts::Counts::implausible`]), or because the report named the
     /// endpoint already.
     pub report_endpoints_implausible: Counter,
-    /// Streams refused because the agent limit, or the limit on streams waiting for Hello,
-    /// was reached.
+    /// Streams refused at registration: a limit reached (connected agents, the token's
+    /// `max_agents`, streams waiting for Hello), the agent id held by another token's stream,
+    /// or a late Hello of a stream its agent gave up.
     pub streams_refused: Counter,
     /// Agent streams open but not yet registered: waiting for their Hello (bounded by
     /// `StreamLimits::max_pending_handshakes`).
@@ -152,7 +153,7 @@ impl ServerMetrics {
         );
         registry.register(
             "streams_refused",
-            "Agent streams refused because the agent limit or the limit on streams waiting for Hello was reached",
+            "Agent streams refused at registration: a limit reached (connected agents, a token's max_agents, streams waiting for Hello), the agent id held by another token's stream, or a late Hello of a stream its agent gave up",
             streams_refused.clone(),
         );
         registry.register(

@@ -703,3 +703,45 @@ async fn a_stream_that_replaces_its_agents_stream_is_not_refused_while_a_stream_
         e.map(|e| e.message().to_owned())
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_given_an_old_name_connects_no_more_agents_than_its_max_agents_by_replacing_the_old_secrets_agents()
+ {
+    let (dir, cfg) = setup();
+    let file = dir.path().join("tokens.yaml");
+    fs::write(&file, agent_tokens_yaml(&[("team-a", AGENT, "")])).unwrap();
+    let running = start(cfg).await.unwrap();
+    let agent = channel(running.agent_addr).await;
+    let _old = hello(&agent, AGENT, "checkout-1").await.unwrap();
+    // The old secret kept under another name; the name goes to a new secret allowed 1 agent.
+    fs::write(
+        &file,
+        agent_tokens_yaml(&[("legacy", AGENT, ""), ("team-a", AGENT2, ", max_agents: 1")]),
+    )
+    .unwrap();
+    running.reload_tokens().unwrap();
+    let _new = hello(&agent, AGENT2, "payments-1").await.unwrap();
+    // The new secret has its one agent: a second, which takes the id an agent of the old
+    // secret holds (listed under the name `team-a` it had then), must be refused too.
+    let second = hello(&agent, AGENT2, "checkout-1").await;
+    let mut admin = AdminServiceClient::new(channel(running.admin_addr).await);
+    let listed = admin
+        .fleet_status(with_auth(
+            pb::FleetStatusRequest::default(),
+            Some(format!("Bearer {ADMIN}").as_bytes()),
+        ))
+        .await
+        .unwrap()
+        .into_inner()
+        .agents;
+    running.shutdown().await.unwrap();
+    let connected: Vec<_> = listed
+        .iter()
+        .filter(|a| a.connected)
+        .map(|a| (a.agent_id.as_str(), a.token.as_str()))
+        .collect();
+    assert!(
+        second.is_err(),
+        "a token whose max_agents is 1 has 2 agents connected: {connected:?}"
+    );
+}
