@@ -100,8 +100,10 @@ fn http_classification(status: http::StatusCode, headers: &http::HeaderMap) -> C
 impl Classify for tonic::Status {
     fn classify(&self) -> Classification {
         if let Some(source) = self.source()
-            && let Some(transport @ Classification::Outcome(Outcome::Transport(_))) =
-                transport_in_chain(source)
+            && let Some(
+                transport
+                @ (Classification::Outcome(Outcome::Transport(_)) | Classification::Fatal),
+            ) = transport_in_chain(source)
         {
             return transport;
         }
@@ -402,18 +404,25 @@ impl Classify for hyper_util::client::legacy::Error {
 /// Whether hyper-util's client refused the request itself, before any byte left: its own
 /// `User…` kinds (a relative URI, an unsupported method or version), or its HTTP connector's
 /// refusal of the URL (`invalid URL, scheme is not http`, `… scheme is missing`, `… host is
-/// missing`). hyper-util exposes neither as a kind (`is_connect` is all it has, and its
+/// missing`), or hyper-rustls's (`unsupported scheme http` from an `https_only` connector,
+/// `missing scheme`). hyper-util exposes neither as a kind (`is_connect` is all it has, and its
 /// connector's error type is private), so its messages are read: `client error (KIND)` is
-/// its `Display`, and the connector's are fixed strings. A version that words them otherwise
+/// its `Display`, and the connectors' are fixed strings. A version that words them otherwise
 /// makes such a request a connect failure or a reset again, as before this check (the tests
 /// `real_upstream.rs` pin both).
 fn refused_by_the_client(e: &hyper_util::client::legacy::Error) -> bool {
     if e.to_string().starts_with("client error (User") {
         return true;
     }
+    // hyper-util's plain connector, then hyper-rustls's (`https_only`, or no scheme).
+    const REFUSALS: [&str; 3] = ["invalid URL", "unsupported scheme", "missing scheme"];
     e.is_connect()
-        && e.source()
-            .is_some_and(|source| source.to_string().starts_with("invalid URL"))
+        && e.source().is_some_and(|source| {
+            chain(source).any(|err| {
+                let message = err.to_string();
+                REFUSALS.iter().any(|r| message.starts_with(r))
+            })
+        })
 }
 
 /// Whether an HTTP/2 `REFUSED_STREAM` is in `e`'s source chain (`e` included): the server
@@ -531,6 +540,15 @@ fn transport_in_chain(e: &(dyn StdError + 'static)) -> Option<Classification> {
 /// What `err` itself says, if it is one of the errors [`transport_in_chain`] looks for.
 fn transport_of(err: &(dyn StdError + 'static)) -> Option<Classification> {
     let transport = |class| Some(Classification::Outcome(Outcome::Transport(class)));
+    // tonic's refusal of its channel's URI (`invalid URI`: `host:port` without a scheme, a
+    // URI it cannot send to): the caller's own, sent nowhere. tonic exposes no error kind;
+    // its message for this one is fixed.
+    if err
+        .downcast_ref::<tonic::transport::Error>()
+        .is_some_and(|e| e.to_string() == "invalid URI")
+    {
+        return Some(Classification::Fatal);
+    }
     // A stream the server refused: tonic puts the h2 error itself under its status (under
     // a hyper error, the hyper arm below says the same).
     if err.is::<tonic::ConnectError>() || refused_stream(err) {

@@ -58,7 +58,9 @@ impl Outcome {
 
     /// Whether this is the upstream's own failure, whatever the policy retries: an HTTP status
     /// from 500 to 599, or the gRPC codes a failing server answers (`UNAVAILABLE`, `INTERNAL`,
-    /// `UNKNOWN`, `DATA_LOSS`, `DEADLINE_EXCEEDED`).
+    /// `DATA_LOSS`, `DEADLINE_EXCEEDED`). Not `UNKNOWN`: gRPC clients also give it for errors
+    /// of their own (tonic's for a URI it refuses) and for a proxy's 4xx (a 413 to a message
+    /// too large).
     #[inline]
     pub fn is_server_error(&self) -> bool {
         match self {
@@ -67,7 +69,6 @@ impl Outcome {
                 code,
                 GrpcCode::Unavailable
                     | GrpcCode::Internal
-                    | GrpcCode::Unknown
                     | GrpcCode::DataLoss
                     | GrpcCode::DeadlineExceeded
             ),

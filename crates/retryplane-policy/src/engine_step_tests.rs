@@ -196,13 +196,13 @@ fn a_server_error_is_an_upstream_failure_whatever_retry_on_lists() {
     for code in [
         GrpcCode::Unavailable,
         GrpcCode::Internal,
-        GrpcCode::Unknown,
         GrpcCode::DataLoss,
         GrpcCode::DeadlineExceeded,
     ] {
         assert!(grpc(code).is_upstream_failure(&p), "{code:?}");
     }
     for code in [
+        GrpcCode::Unknown,
         GrpcCode::NotFound,
         GrpcCode::InvalidArgument,
         GrpcCode::ResourceExhausted,
