@@ -161,19 +161,78 @@ struct RawToken {
     /// `None`: not written; `Some(RawAgentIds::Null)`: written without a value.
     #[serde(default, deserialize_with = "present")]
     agent_ids: Option<RawAgentIds>,
-    /// `None`: not written; `Some(None)`: written without a value.
-    #[serde(default, deserialize_with = "written")]
-    max_agents: Option<Option<u64>>,
+    /// `None`: not written; `Some(RawMax::Null)`: written without a value.
+    #[serde(default, deserialize_with = "present")]
+    max_agents: Option<RawMax>,
 }
 
-/// A field that is written, with or without a value: `Some(None)` for `field:` or `field: ~`,
-/// which leaving the field out (`None`, by `#[serde(default)]`) must be told from.
-fn written<'de, D, T>(d: D) -> Result<Option<Option<T>>, D::Error>
-where
-    D: serde::Deserializer<'de>,
-    T: serde::Deserialize<'de>,
-{
-    <Option<T> as serde::Deserialize>::deserialize(d).map(Some)
+/// `max_agents` as written: a whole number (in digits, or a string of them), nothing, or
+/// anything else (a negative or fractional number, a list, a map), each checked in the file's
+/// words rather than refused by the YAML reader without naming the entry.
+enum RawMax {
+    Count(u64),
+    Null,
+    Other,
+}
+
+impl<'de> serde::Deserialize<'de> for RawMax {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl<'de> serde::de::Visitor<'de> for Visitor {
+            type Value = RawMax;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("`max_agents` as a whole number")
+            }
+            fn visit_u64<E>(self, v: u64) -> Result<RawMax, E> {
+                Ok(RawMax::Count(v))
+            }
+            fn visit_i64<E>(self, v: i64) -> Result<RawMax, E> {
+                Ok(u64::try_from(v).map_or(RawMax::Other, RawMax::Count))
+            }
+            fn visit_u128<E>(self, v: u128) -> Result<RawMax, E> {
+                Ok(u64::try_from(v).map_or(RawMax::Other, RawMax::Count))
+            }
+            fn visit_i128<E>(self, v: i128) -> Result<RawMax, E> {
+                Ok(u64::try_from(v).map_or(RawMax::Other, RawMax::Count))
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<RawMax, E> {
+                Ok(RawMax::Other)
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<RawMax, E> {
+                Ok(RawMax::Other)
+            }
+            fn visit_str<E>(self, v: &str) -> Result<RawMax, E> {
+                Ok(v.parse().map_or(RawMax::Other, RawMax::Count))
+            }
+            fn visit_unit<E>(self) -> Result<RawMax, E> {
+                Ok(RawMax::Null)
+            }
+            fn visit_none<E>(self) -> Result<RawMax, E> {
+                Ok(RawMax::Null)
+            }
+            fn visit_some<D: serde::Deserializer<'de>>(self, d: D) -> Result<RawMax, D::Error> {
+                d.deserialize_any(self)
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<RawMax, A::Error> {
+                while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {}
+                Ok(RawMax::Other)
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<RawMax, A::Error> {
+                while map
+                    .next_entry::<serde::de::IgnoredAny, serde::de::IgnoredAny>()?
+                    .is_some()
+                {}
+                Ok(RawMax::Other)
+            }
+        }
+        d.deserialize_any(Visitor)
+    }
 }
 
 /// A field that is written: `Some`, whatever its value (`T` reads a missing value itself).
@@ -192,6 +251,7 @@ where
 enum RawAgentIds {
     List(Vec<Option<String>>),
     One,
+    Map,
     Null,
 }
 
@@ -217,6 +277,34 @@ impl<'de> serde::Deserialize<'de> for RawAgentIds {
             }
             fn visit_str<E>(self, _: &str) -> Result<RawAgentIds, E> {
                 Ok(RawAgentIds::One)
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<RawAgentIds, E> {
+                Ok(RawAgentIds::One)
+            }
+            fn visit_u64<E>(self, _: u64) -> Result<RawAgentIds, E> {
+                Ok(RawAgentIds::One)
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<RawAgentIds, E> {
+                Ok(RawAgentIds::One)
+            }
+            fn visit_u128<E>(self, _: u128) -> Result<RawAgentIds, E> {
+                Ok(RawAgentIds::One)
+            }
+            fn visit_i128<E>(self, _: i128) -> Result<RawAgentIds, E> {
+                Ok(RawAgentIds::One)
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<RawAgentIds, E> {
+                Ok(RawAgentIds::One)
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<RawAgentIds, A::Error> {
+                while map
+                    .next_entry::<serde::de::IgnoredAny, serde::de::IgnoredAny>()?
+                    .is_some()
+                {}
+                Ok(RawAgentIds::Map)
             }
             fn visit_seq<A: serde::de::SeqAccess<'de>>(
                 self,
@@ -277,6 +365,13 @@ impl AgentIds {
             RawAgentIds::One => {
                 problems.push(format!(
                     "{at}: `agent_ids` is one value, not a list; write it as a list \
+                     (`agent_ids: [checkout-*]`)"
+                ));
+                return None;
+            }
+            RawAgentIds::Map => {
+                problems.push(format!(
+                    "{at}: `agent_ids` is a map, not a list; write its ids as a list \
                      (`agent_ids: [checkout-*]`)"
                 ));
                 return None;
@@ -504,25 +599,29 @@ impl Tokens {
                 not_an_agents("agent_ids", &mut problems);
                 AgentIds::check(raw, &at, &mut problems)
             });
-            let max_agents = match t.max_agents {
+            let max_agents = match &t.max_agents {
                 None => None,
                 Some(written) => {
                     not_an_agents("max_agents", &mut problems);
+                    let none = |what: &str, problems: &mut Vec<String>| {
+                        problems.push(format!(
+                            "{at}: `max_agents` is {what}, so no agent could connect with this \
+                             token; leave the field out for no limit of its own"
+                        ));
+                        None
+                    };
                     match written {
-                        None | Some(0) => {
+                        RawMax::Null => none("without a value", &mut problems),
+                        RawMax::Count(0) => none("0", &mut problems),
+                        RawMax::Other => {
                             problems.push(format!(
-                                "{at}: `max_agents` is {}, so no agent could connect with this \
-                                 token; leave the field out for no limit of its own",
-                                if written.is_none() {
-                                    "without a value"
-                                } else {
-                                    "0"
-                                }
+                                "{at}: `max_agents` must be a whole number of at least 1 (how \
+                                 many agents may be connected with this token at once)"
                             ));
                             None
                         }
                         // Past `usize` on a 32-bit machine: no limit of its own, in practice.
-                        Some(max) => Some(usize::try_from(max).unwrap_or(usize::MAX)),
+                        RawMax::Count(max) => Some(usize::try_from(*max).unwrap_or(usize::MAX)),
                     }
                 }
             };

@@ -502,8 +502,21 @@ tokens:
     let negative = invalid(
         "tokens: [{name: a, role: agent, secret: agent-secret-0123456789, max_agents: -1}]",
     );
-    assert!(negative.contains("malformed"), "{negative}");
+    assert!(
+        negative.contains("tokens[0] (`a`): `max_agents` must be a whole number of at least 1"),
+        "{negative}"
+    );
     assert!(!negative.contains("agent-secret"), "{negative}");
+    // A whole number in any YAML spelling of one, or in a string, is one.
+    for written in ["\"3\"", "4294967296", "0x10", "+3", "1_000", "0o10"] {
+        let text = format!(
+            "tokens: [{{name: a, role: agent, secret: agent-secret-0123456789, max_agents: {written}}}]"
+        );
+        assert!(
+            Tokens::parse(&text, Path::new("t.yaml")).is_ok(),
+            "{written}"
+        );
+    }
 }
 
 #[test]

@@ -745,3 +745,38 @@ async fn a_token_given_an_old_name_connects_no_more_agents_than_its_max_agents_b
         "a token whose max_agents is 1 has 2 agents connected: {connected:?}"
     );
 }
+
+#[test]
+fn a_max_agents_or_agent_ids_of_the_wrong_type_is_refused_naming_the_field_and_its_entry() {
+    use retryplane_server::auth::Tokens;
+    // Each refused, as it must be; but the message should say which field of which entry and
+    // what it must be, as it does for `max_agents: 0` or `agent_ids: checkout-*`, not only
+    // "invalid u64" or "invalid type: integer (not shown)" at a line and column.
+    let mut vague = Vec::new();
+    for (value, field) in [
+        ("max_agents: -1", "max_agents"),
+        ("max_agents: 1.5", "max_agents"),
+        ("max_agents: 99999999999999999999999", "max_agents"),
+        ("max_agents: [3]", "max_agents"),
+        ("agent_ids: 5", "agent_ids"),
+        ("agent_ids: true", "agent_ids"),
+        ("agent_ids: {checkout: 1}", "agent_ids"),
+    ] {
+        let text = format!(
+            "tokens:\n  - {{name: team-a, role: agent, secret: agent-secret-0123456789}}\n  - \
+             {{name: team-b, role: agent, secret: agent-secret-0123456780, {value}}}\n"
+        );
+        let message = Tokens::parse(&text, std::path::Path::new("tokens.yaml"))
+            .err()
+            .unwrap()
+            .to_string();
+        if !(message.contains(field) && message.contains("tokens[1]")) {
+            vague.push(format!("`{value}`: {message}"));
+        }
+    }
+    assert!(
+        vague.is_empty(),
+        "refused without naming the entry and field:\n{}",
+        vague.join("\n")
+    );
+}
