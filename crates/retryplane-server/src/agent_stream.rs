@@ -145,7 +145,8 @@ pub struct AgentStreamService {
     /// One permit per stream waiting for its Hello ([`StreamLimits::max_pending_handshakes`]).
     handshakes: Arc<Semaphore>,
     /// Streams waiting for their Hello per token with a `max_agents` (by the digest of its
-    /// secret): at most that many each, so that one token cannot hold every handshake place.
+    /// secret): at most twice that many each, so that a token with a small `max_agents` cannot
+    /// hold every handshake place.
     pending_by_token: Arc<Mutex<HashMap<[u8; 32], usize>>>,
 }
 
