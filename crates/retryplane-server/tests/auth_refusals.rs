@@ -14,7 +14,7 @@ use std::time::Duration;
 use retryplane_proto::pb;
 use retryplane_proto::pb::admin_service_client::AdminServiceClient;
 use retryplane_proto::pb::agent_service_client::AgentServiceClient;
-use retryplane_server::server::{ServeConfig, start};
+use retryplane_server::server::{Running, ServeConfig, start};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
@@ -54,6 +54,18 @@ fn setup() -> (tempfile::TempDir, ServeConfig) {
         ..cfg
     };
     (dir, cfg)
+}
+
+/// A control plane on 127.0.0.1:0 whose tokens file holds `tokens`: its directory (kept for the
+/// test's life), the tokens file (rewritten before a reload), the server and a channel to its
+/// agent listener.
+async fn serving(tokens: &str) -> (tempfile::TempDir, std::path::PathBuf, Running, Channel) {
+    let (dir, cfg) = setup();
+    let file = dir.path().join("tokens.yaml");
+    fs::write(&file, tokens).unwrap();
+    let running = start(cfg).await.unwrap();
+    let agent = channel(running.agent_addr).await;
+    (dir, file, running, agent)
 }
 
 fn with_auth<T>(msg: T, value: Option<&[u8]>) -> tonic::Request<T> {
@@ -229,15 +241,8 @@ async fn hello(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_token_connects_only_as_its_agent_ids_and_a_reload_that_narrows_them_ends_the_stream()
  {
-    let (dir, cfg) = setup();
-    let file = dir.path().join("tokens.yaml");
-    fs::write(
-        &file,
-        tokens_yaml_with(Some(", agent_ids: [checkout-*, cart-7]")),
-    )
-    .unwrap();
-    let running = start(cfg).await.unwrap();
-    let agent = channel(running.agent_addr).await;
+    let (_dir, file, running, agent) =
+        serving(&tokens_yaml_with(Some(", agent_ids: [checkout-*, cart-7]"))).await;
     let before = refused_total(&metrics(running.http_addr).await);
 
     // Another team's id with this token: refused, named, counted.
@@ -303,11 +308,7 @@ async fn an_agent_token_connects_only_as_its_agent_ids_and_a_reload_that_narrows
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_token_with_max_agents_connects_no_more_at_once_and_others_are_not_held_up() {
-    let (dir, cfg) = setup();
-    let file = dir.path().join("tokens.yaml");
-    fs::write(&file, tokens_yaml_with(Some(", max_agents: 2"))).unwrap();
-    let running = start(cfg).await.unwrap();
-    let agent = channel(running.agent_addr).await;
+    let (_dir, file, running, agent) = serving(&tokens_yaml_with(Some(", max_agents: 2"))).await;
     let first = hello(&agent, AGENT, "checkout-1").await.unwrap();
     let (a2, s2) = hello(&agent, AGENT, "checkout-2").await.unwrap();
     let e = hello(&agent, AGENT, "checkout-3").await.unwrap_err();
@@ -381,14 +382,7 @@ async fn wait_awaiting_hello(addr: SocketAddr, n: u64) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_token_with_max_agents_holds_no_more_than_twice_as_many_streams_waiting_for_their_hello()
 {
-    let (dir, cfg) = setup();
-    fs::write(
-        dir.path().join("tokens.yaml"),
-        tokens_yaml_with(Some(", max_agents: 1")),
-    )
-    .unwrap();
-    let running = start(cfg).await.unwrap();
-    let agent = channel(running.agent_addr).await;
+    let (_dir, _file, running, agent) = serving(&tokens_yaml_with(Some(", max_agents: 1"))).await;
     let first = without_hello(&agent, AGENT);
     let _second = without_hello(&agent, AGENT);
     wait_awaiting_hello(running.http_addr, 2).await;
@@ -540,15 +534,8 @@ fn agent_tokens_yaml(tokens: &[(&str, &str, &str)]) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_token_renamed_by_a_reload_still_counts_its_connected_agents_against_its_max_agents() {
-    let (dir, cfg) = setup();
-    let file = dir.path().join("tokens.yaml");
-    fs::write(
-        &file,
-        agent_tokens_yaml(&[("team-a", AGENT, ", max_agents: 2")]),
-    )
-    .unwrap();
-    let running = start(cfg).await.unwrap();
-    let agent = channel(running.agent_addr).await;
+    let (_dir, file, running, agent) =
+        serving(&agent_tokens_yaml(&[("team-a", AGENT, ", max_agents: 2")])).await;
     let _a1 = hello(&agent, AGENT, "checkout-1").await.unwrap();
     let _a2 = hello(&agent, AGENT, "checkout-2").await.unwrap();
     // The same token (its secret and its limit), only renamed: the fleet takes it for the
@@ -574,11 +561,7 @@ async fn a_token_renamed_by_a_reload_still_counts_its_connected_agents_against_i
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_token_given_a_name_another_token_had_is_not_refused_for_that_tokens_agents() {
-    let (dir, cfg) = setup();
-    let file = dir.path().join("tokens.yaml");
-    fs::write(&file, agent_tokens_yaml(&[("team-a", AGENT, "")])).unwrap();
-    let running = start(cfg).await.unwrap();
-    let agent = channel(running.agent_addr).await;
+    let (_dir, file, running, agent) = serving(&agent_tokens_yaml(&[("team-a", AGENT, "")])).await;
     let _a1 = hello(&agent, AGENT, "checkout-1").await.unwrap();
     let _a2 = hello(&agent, AGENT, "checkout-2").await.unwrap();
     // The old token is kept under another name; a new token, with its own secret, takes the
@@ -601,11 +584,7 @@ async fn a_token_given_a_name_another_token_had_is_not_refused_for_that_tokens_a
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_refusal_past_a_lowered_max_agents_says_how_many_agents_are_connected() {
-    let (dir, cfg) = setup();
-    let file = dir.path().join("tokens.yaml");
-    fs::write(&file, tokens_yaml_with(Some(", max_agents: 3"))).unwrap();
-    let running = start(cfg).await.unwrap();
-    let agent = channel(running.agent_addr).await;
+    let (_dir, file, running, agent) = serving(&tokens_yaml_with(Some(", max_agents: 3"))).await;
     let _a1 = hello(&agent, AGENT, "checkout-1").await.unwrap();
     let _a2 = hello(&agent, AGENT, "checkout-2").await.unwrap();
     let _a3 = hello(&agent, AGENT, "checkout-3").await.unwrap();
@@ -624,15 +603,8 @@ async fn the_refusal_past_a_lowered_max_agents_says_how_many_agents_are_connecte
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hello_that_comes_after_a_reload_renamed_its_token_counts_under_the_new_name() {
-    let (dir, cfg) = setup();
-    let file = dir.path().join("tokens.yaml");
-    fs::write(
-        &file,
-        agent_tokens_yaml(&[("team-a", AGENT, ", max_agents: 1")]),
-    )
-    .unwrap();
-    let running = start(cfg).await.unwrap();
-    let agent = channel(running.agent_addr).await;
+    let (_dir, file, running, agent) =
+        serving(&agent_tokens_yaml(&[("team-a", AGENT, ", max_agents: 1")])).await;
     // Admitted as `team-a`; its Hello comes once the token is called `team-a-2026`.
     let (tx, opened) = without_hello(&agent, AGENT);
     wait_awaiting_hello(running.http_addr, 1).await;
@@ -680,14 +652,7 @@ async fn a_hello_that_comes_after_a_reload_renamed_its_token_counts_under_the_ne
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_that_replaces_its_agents_stream_is_not_refused_while_a_stream_of_its_token_waits_for_its_hello()
  {
-    let (dir, cfg) = setup();
-    fs::write(
-        dir.path().join("tokens.yaml"),
-        tokens_yaml_with(Some(", max_agents: 1")),
-    )
-    .unwrap();
-    let running = start(cfg).await.unwrap();
-    let agent = channel(running.agent_addr).await;
+    let (_dir, _file, running, agent) = serving(&tokens_yaml_with(Some(", max_agents: 1"))).await;
     let _first = hello(&agent, AGENT, "checkout-1").await.unwrap();
     // A stream the agent gave up before its Hello went out (a stalled connection), still
     // waiting on the control plane's side.
@@ -707,11 +672,7 @@ async fn a_stream_that_replaces_its_agents_stream_is_not_refused_while_a_stream_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_token_given_an_old_name_connects_no_more_agents_than_its_max_agents_by_replacing_the_old_secrets_agents()
  {
-    let (dir, cfg) = setup();
-    let file = dir.path().join("tokens.yaml");
-    fs::write(&file, agent_tokens_yaml(&[("team-a", AGENT, "")])).unwrap();
-    let running = start(cfg).await.unwrap();
-    let agent = channel(running.agent_addr).await;
+    let (_dir, file, running, agent) = serving(&agent_tokens_yaml(&[("team-a", AGENT, "")])).await;
     let _old = hello(&agent, AGENT, "checkout-1").await.unwrap();
     // The old secret kept under another name; the name goes to a new secret allowed 1 agent.
     fs::write(
