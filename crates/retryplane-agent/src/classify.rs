@@ -99,13 +99,18 @@ fn http_classification(status: http::StatusCode, headers: &http::HeaderMap) -> C
 /// unparseable: do not retry).
 impl Classify for tonic::Status {
     fn classify(&self) -> Classification {
-        if let Some(source) = self.source()
-            && let Some(
-                transport
-                @ (Classification::Outcome(Outcome::Transport(_)) | Classification::Fatal),
-            ) = transport_in_chain(source)
-        {
-            return transport;
+        if let Some(source) = self.source() {
+            // The caller's own errors that tonic hands back as a status: the channel's URI
+            // (or a URL its connector refuses). Any other fatal error below a status is judged
+            // by the status's code, as tonic's clients read it.
+            if chain(source).any(|err| tonic_invalid_uri(err) || url_refused(err)) {
+                return Classification::Fatal;
+            }
+            if let Some(transport @ Classification::Outcome(Outcome::Transport(_))) =
+                transport_in_chain(source)
+            {
+                return transport;
+            }
         }
         grpc_classification(self.code(), self.metadata().as_ref())
     }
@@ -414,15 +419,25 @@ fn refused_by_the_client(e: &hyper_util::client::legacy::Error) -> bool {
     if e.to_string().starts_with("client error (User") {
         return true;
     }
-    // hyper-util's plain connector, then hyper-rustls's (`https_only`, or no scheme).
-    const REFUSALS: [&str; 3] = ["invalid URL", "unsupported scheme", "missing scheme"];
     e.is_connect()
-        && e.source().is_some_and(|source| {
-            chain(source).any(|err| {
-                let message = err.to_string();
-                REFUSALS.iter().any(|r| message.starts_with(r))
-            })
-        })
+        && e.source()
+            .is_some_and(|source| chain(source).any(url_refused))
+}
+
+/// Whether `err` is a connector's refusal of a URL, by its fixed message: hyper-util's plain
+/// connector (`invalid URL, …`), hyper-rustls's (`unsupported scheme …` from an `https_only`
+/// connector, `missing scheme`). Neither crate exposes its connector errors' kinds.
+fn url_refused(err: &(dyn StdError + 'static)) -> bool {
+    const REFUSALS: [&str; 3] = ["invalid URL", "unsupported scheme", "missing scheme"];
+    let message = err.to_string();
+    REFUSALS.iter().any(|r| message.starts_with(r))
+}
+
+/// Whether `err` is tonic's refusal of its channel's URI (`invalid URI`: `host:port` without a
+/// scheme, a URI it cannot send to). tonic exposes no kind; its message for this one is fixed.
+fn tonic_invalid_uri(err: &(dyn StdError + 'static)) -> bool {
+    err.downcast_ref::<tonic::transport::Error>()
+        .is_some_and(|e| e.to_string() == "invalid URI")
 }
 
 /// Whether an HTTP/2 `REFUSED_STREAM` is in `e`'s source chain (`e` included): the server
@@ -483,7 +498,11 @@ fn hyper_class(e: &hyper::Error) -> Option<ErrorClass> {
     if e.is_closed() || e.is_canceled() || e.is_incomplete_message() {
         return Some(ErrorClass::Reset);
     }
-    if e.is_user() {
+    // hyper files "dispatch task is gone" under the caller's errors, but it comes when the
+    // connection's task ended under a request still waiting to be sent (the server's
+    // connection lost while the request waited for a stream slot): a lost connection.
+    // hyper exposes no kind for it; its message is fixed.
+    if e.is_user() && !e.to_string().starts_with("dispatch task is gone") {
         return None;
     }
     Some(ErrorClass::Reset)
@@ -543,14 +562,16 @@ fn transport_of(err: &(dyn StdError + 'static)) -> Option<Classification> {
     // tonic's refusal of its channel's URI (`invalid URI`: `host:port` without a scheme, a
     // URI it cannot send to): the caller's own, sent nowhere. tonic exposes no error kind;
     // its message for this one is fixed.
-    if err
-        .downcast_ref::<tonic::transport::Error>()
-        .is_some_and(|e| e.to_string() == "invalid URI")
-    {
+    if tonic_invalid_uri(err) {
         return Some(Classification::Fatal);
     }
     // A stream the server refused: tonic puts the h2 error itself under its status (under
     // a hyper error, the hyper arm below says the same).
+    // A connector's refusal of the URL under tonic's connect error (hyper-rustls's
+    // `https_only`, with an `http://` channel) is the caller's own, as under hyper-util.
+    if err.is::<tonic::ConnectError>() && chain(err).any(url_refused) {
+        return Some(Classification::Fatal);
+    }
     if err.is::<tonic::ConnectError>() || refused_stream(err) {
         return transport(ErrorClass::Connect);
     }

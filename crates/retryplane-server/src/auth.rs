@@ -202,7 +202,7 @@ impl<'de> serde::Deserialize<'de> for RawMax {
                 Ok(RawMax::Other)
             }
             fn visit_str<E>(self, v: &str) -> Result<RawMax, E> {
-                Ok(v.parse().map_or(RawMax::Other, RawMax::Count))
+                Ok(whole_number(v).map_or(RawMax::Other, RawMax::Count))
             }
             fn visit_unit<E>(self) -> Result<RawMax, E> {
                 Ok(RawMax::Null)
@@ -242,6 +242,23 @@ where
     T: serde::Deserialize<'de>,
 {
     T::deserialize(d).map(Some)
+}
+
+/// A whole number written as text (quoted, or a spelling the YAML reader leaves as text, such
+/// as `0X10`), in the spellings of a YAML integer: white space around it, a `+`, `_` between
+/// digits, a `0x`, `0o` or `0b` prefix in either case.
+fn whole_number(text: &str) -> Option<u64> {
+    let text = text.trim();
+    let digits = text.strip_prefix('+').unwrap_or(text).replace('_', "");
+    let lower = digits.to_ascii_lowercase();
+    let (radix, digits) = [("0x", 16), ("0o", 8), ("0b", 2)]
+        .into_iter()
+        .find_map(|(prefix, radix)| lower.strip_prefix(prefix).map(|rest| (radix, rest)))
+        .unwrap_or((10, lower.as_str()));
+    if digits.is_empty() || digits.starts_with(['+', '-']) {
+        return None;
+    }
+    u64::from_str_radix(digits, radix).ok()
 }
 
 /// `agent_ids` as written: a list (an entry left without a value is `None`), one id where a
