@@ -209,3 +209,53 @@ async fn an_http_url_through_an_https_only_connector_is_not_retried_nor_held_aga
         agent.endpoint("ep").pending_counts()
     );
 }
+
+#[tokio::test]
+async fn an_http_channel_through_an_https_only_connector_under_tonic_is_not_retried_nor_held_against_the_upstream()
+ {
+    // A tonic channel built with hyper-rustls' `HttpsConnector` (`https_only()`, through
+    // `Endpoint::connect_with_connector`) refuses an `http://` channel before dialing. This
+    // stands in for hyper-rustls' `HttpsConnector::https_only()`: it refuses a URI that is not
+    // `https` with `io::Error::other("unsupported scheme http")` (its connector.rs), before
+    // dialing.
+    let https_only = tower::service_fn(|dst: http::Uri| {
+        let message = match dst.scheme() {
+            Some(scheme) => format!("unsupported scheme {scheme}"),
+            None => "missing scheme".to_owned(),
+        };
+        std::future::ready(Err::<hyper_util::rt::TokioIo<tokio::net::TcpStream>, _>(
+            std::io::Error::other(message),
+        ))
+    });
+    let channel = tonic::transport::Endpoint::from_static("http://127.0.0.1:9")
+        .connect_with_connector_lazy(https_only);
+    let client = AdminServiceClient::new(channel);
+    let agent = guarded();
+    let ep = agent.endpoint("ep");
+    let get = || {
+        let client = client.clone();
+        ep.call(CallMeta::grpc(GET).idempotent(true), move |_| {
+            let mut client = client.clone();
+            async move { client.get(pb::GetRequest { version: 0 }).await }
+        })
+    };
+    let err = tokio::time::timeout(WAIT, get())
+        .await
+        .expect("the call ends")
+        .expect_err("the connector refuses the URI");
+    assert_eq!(
+        err.attempts, 1,
+        "a channel URI the connector refused to dial was tried again: {err:?}"
+    );
+    for _ in 0..3 {
+        let _ = tokio::time::timeout(WAIT, get())
+            .await
+            .expect("the call ends");
+    }
+    assert_eq!(
+        a_healthy_call(&agent).await,
+        Ok(()),
+        "the caller's own channel URI opened the endpoint's breaker: {:?}",
+        agent.endpoint("ep").pending_counts()
+    );
+}
