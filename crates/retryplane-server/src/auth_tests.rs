@@ -507,8 +507,23 @@ tokens:
         "{negative}"
     );
     assert!(!negative.contains("agent-secret"), "{negative}");
-    // A whole number in any YAML spelling of one, or in a string, is one.
-    for written in ["\"3\"", "4294967296", "0x10", "+3", "1_000", "0o10"] {
+    // A whole number in any YAML spelling of one, or in a string, is one (as it was when the
+    // field was read as a number by the YAML reader).
+    for written in [
+        "\"3\"",
+        "4294967296",
+        "0x10",
+        "+3",
+        "1_000",
+        "0o10",
+        "\"0x10\"",
+        "\"1_000\"",
+        "\"0o10\"",
+        "\" 3\"",
+        "0X10",
+        "0O10",
+        "0B11",
+    ] {
         let text = format!(
             "tokens: [{{name: a, role: agent, secret: agent-secret-0123456789, max_agents: {written}}}]"
         );
