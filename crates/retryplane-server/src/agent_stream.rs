@@ -391,14 +391,14 @@ impl AgentStreamService {
         // A reload that came with the Hello refuses it here, before it is registered or sent
         // anything.
         if let Some(revocation) = &mut revocation {
-            if let Some(status) = revocation.refusal() {
-                return Err(status);
-            }
             // From here on, a token that may not connect as this agent id ends the stream too.
             revocation.agent_id = Some(hello.agent_id.clone());
             if let Some(status) = revocation.refusal() {
-                self.ctx.metrics.auth_refused.inc();
-                info!(agent = %OneLine(&hello.agent_id), token = %OneLine(token_name.as_deref().unwrap_or_default()), "refused a Hello: the agent id is not among its token's `agent_ids`");
+                // `PERMISSION_DENIED`: the agent id (a secret taken away is the reload's).
+                if status.code() == tonic::Code::PermissionDenied {
+                    self.ctx.metrics.auth_refused.inc();
+                    info!(agent = %OneLine(&hello.agent_id), token = %OneLine(token_name.as_deref().unwrap_or_default()), "refused a Hello: the agent id is not among its token's `agent_ids`");
+                }
                 return Err(status);
             }
         }
