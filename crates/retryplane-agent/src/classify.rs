@@ -569,10 +569,13 @@ fn transport_of(err: &(dyn StdError + 'static)) -> Option<Classification> {
     // a hyper error, the hyper arm below says the same).
     // A connector's refusal of the URL under tonic's connect error (hyper-rustls's
     // `https_only`, with an `http://` channel) is the caller's own, as under hyper-util.
-    if err.is::<tonic::ConnectError>() && chain(err).any(url_refused) {
-        return Some(Classification::Fatal);
+    if err.is::<tonic::ConnectError>() {
+        if chain(err).any(url_refused) {
+            return Some(Classification::Fatal);
+        }
+        return transport(ErrorClass::Connect);
     }
-    if err.is::<tonic::ConnectError>() || refused_stream(err) {
+    if refused_stream(err) {
         return transport(ErrorClass::Connect);
     }
     if let Some(e) = err.downcast_ref::<hyper_util::client::legacy::Error>() {
