@@ -303,10 +303,7 @@ fn fastrand_seed() -> u64 {
 /// plane trims what it is sent), or one with a character other than printable ASCII and the
 /// space (what a tokens file's secrets are made of).
 fn bearer(token: &str) -> Result<tonic::metadata::AsciiMetadataValue, AgentError> {
-    if token.is_empty()
-        || token.trim() != token
-        || token.contains(|c: char| !matches!(c, ' '..='~'))
-    {
+    if token.is_empty() || token.trim() != token || !retryplane_proto::is_metadata_text(token) {
         return Err(AgentError::InvalidToken);
     }
     let mut value: tonic::metadata::AsciiMetadataValue = format!("Bearer {token}")

@@ -30,6 +30,13 @@ pub mod pb {
     pub use super::generated::*;
 }
 
+/// Whether `secret` holds only what gRPC metadata carries in a value (its spec's `ASCII-Value`:
+/// printable ASCII and the space): a token's secret, in the tokens file and in what an agent or
+/// the CLI sends as `authorization: Bearer <secret>`. gRPC clients refuse to send anything else.
+pub fn is_metadata_text(secret: &str) -> bool {
+    secret.chars().all(|c| matches!(c, ' '..='~'))
+}
+
 /// The encoded `FileDescriptorSet` of `retryplane.v1`, for gRPC reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] =
     include_bytes!(concat!(env!("OUT_DIR"), "/retryplane_v1_descriptor.bin"));

@@ -585,7 +585,7 @@ impl Tokens {
             }
             // gRPC metadata values are printable ASCII and the space (its spec's `ASCII-Value`):
             // a client library refuses to send anything else (grpcio does).
-            if t.secret.contains(|c: char| !matches!(c, ' '..='~')) {
+            if !retryplane_proto::is_metadata_text(&t.secret) {
                 problems.push(format!(
                     "{at}: secret holds a character other than printable ASCII and the space (a \
                      control character, a tab, a letter outside ASCII), which gRPC clients \

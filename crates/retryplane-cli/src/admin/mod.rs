@@ -306,7 +306,7 @@ impl TryFrom<ServerArgs> for Server {
                          character)"
                     )
                 };
-                if token.contains(|c: char| !matches!(c, ' '..='~')) {
+                if !retryplane_proto::is_metadata_text(&token) {
                     return Err(not_ascii());
                 }
                 let mut value =
