@@ -50,33 +50,61 @@ async fn a_healthy_call(agent: &Agent) -> Result<(), Cause> {
     .map_err(|e| e.cause)
 }
 
+/// Stands in for hyper-rustls' `HttpsConnector` built `https_only()`: it refuses a URI that is
+/// not `https` with `io::Error::other("unsupported scheme http")` (its connector.rs), and a
+/// scheme-less one with "missing scheme", before dialing.
+fn refuse_unless_https(
+    dst: http::Uri,
+) -> std::future::Ready<Result<hyper_util::rt::TokioIo<tokio::net::TcpStream>, std::io::Error>> {
+    let message = match dst.scheme() {
+        Some(scheme) => format!("unsupported scheme {scheme}"),
+        None => "missing scheme".to_owned(),
+    };
+    std::future::ready(Err(std::io::Error::other(message)))
+}
+
+/// `get` (a call of `agent`'s `ep` that its client refuses to send: `what`) fails at its first
+/// attempt, and four such calls leave the endpoint's breaker closed to a healthy call.
+async fn refused_at_once_and_not_counted<T, E, Fut>(
+    agent: &Agent,
+    get: impl Fn() -> Fut,
+    what: &str,
+) where
+    Fut: Future<Output = Result<T, retryplane_agent::CallError<T, E>>>,
+    retryplane_agent::CallError<T, E>: std::fmt::Debug,
+{
+    for _ in 0..4 {
+        let err = tokio::time::timeout(WAIT, get())
+            .await
+            .expect("the call ends")
+            .err()
+            .expect("the client refuses it");
+        assert_eq!(err.attempts, 1, "{what} was tried again: {err:?}");
+    }
+    assert_eq!(
+        a_healthy_call(agent).await,
+        Ok(()),
+        "{what} opened the endpoint's breaker: {:?}",
+        agent.endpoint("ep").pending_counts()
+    );
+}
+
 #[tokio::test]
 async fn a_tonic_channel_with_a_uri_it_refuses_does_not_open_the_breaker_for_the_endpoints_other_calls()
  {
     // tonic refuses the request itself (`UNKNOWN`, "transport error" over its `InvalidUri`):
-    // nothing was sent. Counted as a server error, four such calls open the breaker, and the
-    // endpoint's healthy calls are refused for `open_for`.
+    // nothing was sent, so four such calls must not open the breaker for the endpoint's
+    // healthy calls.
     let agent = guarded();
     let client = AdminServiceClient::new(schemeless_channel());
-    for _ in 0..4 {
-        let err = tokio::time::timeout(
-            WAIT,
-            agent.endpoint("ep").call(CallMeta::grpc(GET), |_| {
-                let mut client = client.clone();
-                async move { client.get(pb::GetRequest { version: 0 }).await }
-            }),
-        )
-        .await
-        .expect("the call ends")
-        .expect_err("nothing can be sent on the channel");
-        assert_eq!(err.attempts, 1, "{err:?}");
-    }
-    assert_eq!(
-        a_healthy_call(&agent).await,
-        Ok(()),
-        "the caller's own bad URI opened the endpoint's breaker: {:?}",
-        agent.endpoint("ep").pending_counts()
-    );
+    let ep = agent.endpoint("ep");
+    let get = || {
+        ep.call(CallMeta::grpc(GET), |_| {
+            let mut client = client.clone();
+            async move { client.get(pb::GetRequest { version: 0 }).await }
+        })
+    };
+    refused_at_once_and_not_counted(&agent, get, "the caller's own bad URI").await;
 }
 
 #[tokio::test]
@@ -165,16 +193,8 @@ async fn an_http_url_through_an_https_only_connector_is_not_retried_nor_held_aga
     // http"). README: "a URL its connector cannot dial … is not retried, and is not counted".
     use http_body_util::Full;
     use hyper_util::client::legacy::Client;
-    use hyper_util::rt::{TokioExecutor, TokioIo};
-    let https_only = tower::service_fn(|dst: http::Uri| {
-        let message = match dst.scheme() {
-            Some(scheme) => format!("unsupported scheme {scheme}"),
-            None => "missing scheme".to_owned(),
-        };
-        std::future::ready(Err::<TokioIo<tokio::net::TcpStream>, _>(
-            std::io::Error::other(message),
-        ))
-    });
+    use hyper_util::rt::TokioExecutor;
+    let https_only = tower::service_fn(refuse_unless_https);
     let client: Client<_, Full<bytes::Bytes>> =
         Client::builder(TokioExecutor::new()).build(https_only);
     let agent = guarded();
@@ -189,25 +209,7 @@ async fn an_http_url_through_an_https_only_connector_is_not_retried_nor_held_aga
             )
         })
     };
-    let err = tokio::time::timeout(WAIT, get())
-        .await
-        .expect("the call ends")
-        .expect_err("the connector refuses the URL");
-    assert_eq!(
-        err.attempts, 1,
-        "a URL the connector refused to dial was tried again: {err:?}"
-    );
-    for _ in 0..3 {
-        let _ = tokio::time::timeout(WAIT, get())
-            .await
-            .expect("the call ends");
-    }
-    assert_eq!(
-        a_healthy_call(&agent).await,
-        Ok(()),
-        "the caller's own URL opened the endpoint's breaker: {:?}",
-        agent.endpoint("ep").pending_counts()
-    );
+    refused_at_once_and_not_counted(&agent, get, "a URL the connector refused to dial").await;
 }
 
 #[tokio::test]
@@ -218,15 +220,7 @@ async fn an_http_channel_through_an_https_only_connector_under_tonic_is_not_retr
     // stands in for hyper-rustls' `HttpsConnector::https_only()`: it refuses a URI that is not
     // `https` with `io::Error::other("unsupported scheme http")` (its connector.rs), before
     // dialing.
-    let https_only = tower::service_fn(|dst: http::Uri| {
-        let message = match dst.scheme() {
-            Some(scheme) => format!("unsupported scheme {scheme}"),
-            None => "missing scheme".to_owned(),
-        };
-        std::future::ready(Err::<hyper_util::rt::TokioIo<tokio::net::TcpStream>, _>(
-            std::io::Error::other(message),
-        ))
-    });
+    let https_only = tower::service_fn(refuse_unless_https);
     let channel = tonic::transport::Endpoint::from_static("http://127.0.0.1:9")
         .connect_with_connector_lazy(https_only);
     let client = AdminServiceClient::new(channel);
@@ -239,23 +233,6 @@ async fn an_http_channel_through_an_https_only_connector_under_tonic_is_not_retr
             async move { client.get(pb::GetRequest { version: 0 }).await }
         })
     };
-    let err = tokio::time::timeout(WAIT, get())
-        .await
-        .expect("the call ends")
-        .expect_err("the connector refuses the URI");
-    assert_eq!(
-        err.attempts, 1,
-        "a channel URI the connector refused to dial was tried again: {err:?}"
-    );
-    for _ in 0..3 {
-        let _ = tokio::time::timeout(WAIT, get())
-            .await
-            .expect("the call ends");
-    }
-    assert_eq!(
-        a_healthy_call(&agent).await,
-        Ok(()),
-        "the caller's own channel URI opened the endpoint's breaker: {:?}",
-        agent.endpoint("ep").pending_counts()
-    );
+    refused_at_once_and_not_counted(&agent, get, "a channel URI the connector refused to dial")
+        .await;
 }
