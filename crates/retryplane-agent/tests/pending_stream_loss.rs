@@ -10,6 +10,8 @@
 mod support;
 
 use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -102,7 +104,10 @@ where
         .expect("the upstream gets the first request")
         .unwrap();
     let mut second = tokio::spawn(run(client));
-    // The second request cannot start a stream while the first holds the only one.
+    // The second request cannot start a stream while the first holds the only one. Nothing
+    // says when it is queued behind it (no frame is sent for it), so this waits a bounded
+    // while; a request not yet queued when the connection is cut would take a new one and
+    // make one attempt, which the tests below check.
     assert!(
         tokio::time::timeout(Duration::from_millis(300), &mut second)
             .await
@@ -145,8 +150,11 @@ async fn a_grpc_request_left_waiting_for_a_stream_when_the_server_connection_is_
         "version: 1\ndefaults:\n  backoff: {base: 5ms, max: 5ms, jitter: none}\n  budget: {enabled: false}\n  retry_on:\n    http_status: [503]\n    grpc_status: [UNAVAILABLE, UNKNOWN]\n    errors: [connect, reset, timeout]\nendpoints:\n  ep:\n    max_attempts: 3\n",
     );
     let ep = agent.endpoint("ep");
+    let attempts = Arc::new(AtomicU32::new(0));
+    let counted = Arc::clone(&attempts);
     let result = second_request_when_the_connection_is_lost(move |client| async move {
         ep.call(CallMeta::grpc(GET).idempotent(true), move |_| {
+            counted.fetch_add(1, Ordering::Relaxed);
             let mut client = client.clone();
             async move { client.get(pb::GetRequest { version: 0 }).await }
         })
@@ -156,9 +164,10 @@ async fn a_grpc_request_left_waiting_for_a_stream_when_the_server_connection_is_
     })
     .await;
     assert_eq!(
-        result,
-        Ok(()),
-        "an idempotent request the server's lost connection left unsent was not retried"
+        (result, attempts.load(Ordering::Relaxed)),
+        (Ok(()), 2),
+        "an idempotent request the server's lost connection left unsent was not retried \
+         (or its first attempt was not the one the lost connection held)"
     );
 }
 
@@ -195,8 +204,11 @@ async fn an_http2_get_left_waiting_for_a_stream_when_the_server_connection_is_lo
         "version: 1\ndefaults:\n  backoff: {base: 5ms, max: 5ms, jitter: none}\n  budget: {enabled: false}\nendpoints:\n  ep:\n    max_attempts: 3\n",
     );
     let ep = agent.endpoint("ep");
+    let attempts = Arc::new(AtomicU32::new(0));
+    let counted = Arc::clone(&attempts);
     let mut second = tokio::spawn(async move {
         ep.call(CallMeta::http("GET", "/v1/x"), move |_| {
+            counted.fetch_add(1, Ordering::Relaxed);
             client.request(request())
         })
         .await
@@ -216,8 +228,9 @@ async fn an_http2_get_left_waiting_for_a_stream_when_the_server_connection_is_lo
         .unwrap();
     first.abort();
     assert_eq!(
-        result,
-        Ok(200),
-        "an idempotent GET the server's lost connection left unsent was not retried"
+        (result, attempts.load(Ordering::Relaxed)),
+        (Ok(200), 2),
+        "an idempotent GET the server's lost connection left unsent was not retried (or its \
+         first attempt was not the one the lost connection held)"
     );
 }
