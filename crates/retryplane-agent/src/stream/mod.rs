@@ -587,7 +587,7 @@ async fn session(
         }
     } else {
         debug!("the control plane does not acknowledge metrics reports; sending them unnumbered");
-        outbox.give_back(&shared.metrics);
+        outbox.give_back(&shared.metrics, version_in_force(shared));
     }
     let mut inbound = opened.into_inner();
     shared.connected.store(true, Relaxed);
@@ -651,7 +651,7 @@ async fn session(
                     continue;
                 }
                 if let Some(ack) = m.metrics_ack {
-                    outbox.ack(&shared.metrics, ack.seq, ack.dropped);
+                    outbox.ack(&shared.metrics, ack.seq, ack.dropped, version_in_force(shared));
                     continue;
                 }
                 let handled = match m.decode_snapshot() {
@@ -662,7 +662,7 @@ async fn session(
                         let version = snap.version;
                         apply::apply(shared, snap, config.default_metrics_interval, |current| {
                             if current.version() != version {
-                                send_metrics(shared, &tx, window_start, outbox, numbered);
+                                send_or_hold(shared, &tx, window_start, outbox, numbered);
                             }
                         })
                     }
@@ -735,7 +735,7 @@ async fn session(
                 // The counts so far were made on the fallback policy: reported under its
                 // version before the cache can replace it.
                 if shared.policies.load().source() == Source::Fallback {
-                    send_metrics(shared, &tx, window_start, outbox, numbered);
+                    send_or_hold(shared, &tx, window_start, outbox, numbered);
                     *next_report = Instant::now() + interval(shared);
                 }
                 if put_late_cache_in_force(shared, cached, next_report) {
@@ -819,7 +819,12 @@ async fn half_close(
     let _ = tokio::time::timeout_at(deadline, async {
         while let Ok(Some(m)) = inbound.message().await {
             if let Some(ack) = m.metrics_ack {
-                outbox.ack(&shared.metrics, ack.seq, ack.dropped);
+                outbox.ack(
+                    &shared.metrics,
+                    ack.seq,
+                    ack.dropped,
+                    version_in_force(shared),
+                );
             }
         }
     })
@@ -841,12 +846,35 @@ fn interval(shared: &Shared) -> Duration {
 /// the policies in force now (read once: every part of the report says the same version,
 /// however late it is filled in).
 fn report_fill(shared: &Shared, (start, end): (u64, u64)) -> impl FnMut(&mut pb::MetricsReport) {
-    let version = shared.policies.load().version();
+    let version = version_in_force(shared);
     move |report| {
         report.window_start_unix_ms = start;
         report.window_end_unix_ms = end;
         report.policy_version = version;
     }
+}
+
+/// The version of the policies in force.
+fn version_in_force(shared: &Shared) -> u64 {
+    shared.policies.load().version()
+}
+
+/// [`send_metrics`] as the policies in force are about to be replaced: every count in the
+/// counters was made under them, and what cannot go out now (a full window, a stream without
+/// room, the parts of large counts past either) is held as a report of their version (see
+/// [`Outbox::hold`]), not left in the counters, where the next report would credit it to the
+/// new version.
+fn send_or_hold(
+    shared: &Shared,
+    tx: &mpsc::Sender<pb::AgentMessage>,
+    window_start: &mut Instant,
+    outbox: &mut Outbox,
+    numbered: bool,
+) {
+    let (bounds, end) = window(*window_start);
+    let _ = outbox.send(&shared.metrics, tx, numbered, report_fill(shared, bounds));
+    outbox.hold(&shared.metrics, report_fill(shared, bounds));
+    *window_start = end;
 }
 
 /// Hands the counter deltas to the stream as the next report: numbered and kept in `outbox`

@@ -15,6 +15,14 @@
 //! like any other, so that none is larger than the control plane decodes (a report it cannot
 //! decode would end the stream, and the same report sent again would end the next one).
 //!
+//! Counts are reported under the policy version they were made under. When the policies are
+//! replaced and their counts cannot go out at once (the window is full, the stream has no
+//! room), they are held here as a report of their own, with its version and span, and go out
+//! before any newer counts; so does a refused report of a version no longer in force. At most
+//! [`HELD`] reports are held: past that the oldest one's counts go into the counters, to be
+//! reported under the version in force then (kept, not lost, but credited to a later version;
+//! that takes [`HELD`] swaps while the control plane acknowledges nothing).
+//!
 //! All of that only on a stream whose response says the control plane acknowledges reports
 //! ([`retryplane_proto::METRICS_ACK_METADATA`]). A control plane that predates `MetricsAck`
 //! never answers: there reports go out unnumbered (seq 0) and are not kept, and reports kept
@@ -38,11 +46,17 @@ pub(crate) const WINDOW: usize = 8;
 /// inside it.
 pub(crate) const MAX_REPORT_BYTES: usize = retryplane_proto::MAX_MESSAGE_BYTES / 4;
 
+/// Most reports held with the version they were made under (see the module's docs).
+pub(crate) const HELD: usize = 16;
+
 /// The unacknowledged reports, in seq order, and the next seq.
 #[derive(Debug)]
 pub(crate) struct Outbox {
     next_seq: u64,
     pending: VecDeque<pb::MetricsReport>,
+    /// Reports of counts made under policies no longer in force, filled in (version and span)
+    /// and not yet queued, oldest first: they go out before the counters' counts.
+    held: VecDeque<pb::MetricsReport>,
     /// Set at shutdown ([`Outbox::closing`]): the window no longer holds reports back.
     closing: bool,
 }
@@ -52,6 +66,7 @@ impl Default for Outbox {
         Self {
             next_seq: 1,
             pending: VecDeque::with_capacity(WINDOW),
+            held: VecDeque::new(),
             closing: false,
         }
     }
@@ -87,8 +102,15 @@ impl Outbox {
         self.pending.iter().map(|r| r.seq).collect()
     }
 
+    /// The reports held with their versions, oldest first.
+    #[cfg(test)]
+    pub(crate) fn held_versions(&self) -> Vec<u64> {
+        self.held.iter().map(|r| r.policy_version).collect()
+    }
+
     /// Takes the counts from `registry` into a report (filled in by `fill`: window and policy
-    /// version) and queues it on `tx`. When `numbered` (the stream's control plane acknowledges
+    /// version) and queues it on `tx`, after any held reports (which keep their own version and
+    /// window; counts are taken only once every held report is queued). When `numbered` (the stream's control plane acknowledges
     /// reports), the report gets the next seq and is kept until acknowledged, and nothing is
     /// taken while the window is full; otherwise it goes out with seq 0, is not kept, and
     /// `Ok(0)` is returned. A report the stream cannot take is added back and uses no seq.
@@ -106,23 +128,41 @@ impl Outbox {
         if numbered && self.is_full() && !self.closing {
             return Err(NotSent::WindowFull);
         }
+        let mut last_held = None;
+        while let Some(report) = self.held.pop_front() {
+            let room = !(numbered && self.is_full() && !self.closing);
+            let not_sent = match tx.try_reserve() {
+                Ok(permit) if room => {
+                    last_held = Some(self.queue_report(permit, numbered, report));
+                    continue;
+                }
+                Ok(_) => NotSent::WindowFull,
+                Err(_) => NotSent::StreamFull,
+            };
+            self.held.push_front(report);
+            return Err(not_sent);
+        }
         let endpoints = registry.take();
         if endpoints.is_empty() {
-            return Err(NotSent::Empty);
+            return last_held.ok_or(NotSent::Empty);
         }
+        // Ok once any part of the counters' counts is queued: the rest wait for a later report.
+        let mut sent = None;
         let mut parts = split(endpoints, MAX_REPORT_BYTES).into_iter();
-        let mut sent = Err(NotSent::StreamFull);
         while let Some(part) = parts.next() {
             let room = !(numbered && self.is_full() && !self.closing);
-            match tx.try_reserve() {
-                Ok(permit) if room => sent = Ok(self.queue(permit, numbered, part, &mut fill)),
-                _ => {
-                    give_back(registry, &part, parts);
-                    break;
+            let not_sent = match tx.try_reserve() {
+                Ok(permit) if room => {
+                    sent = Some(self.queue(permit, numbered, part, &mut fill));
+                    continue;
                 }
-            }
+                Ok(_) => NotSent::WindowFull,
+                Err(_) => NotSent::StreamFull,
+            };
+            give_back(registry, &part, parts);
+            return sent.ok_or(not_sent);
         }
-        sent
+        sent.ok_or(NotSent::Empty)
     }
 
     /// [`Outbox::send`] at shutdown (after [`Outbox::closing`]): each report (each part of
@@ -136,12 +176,20 @@ impl Outbox {
         deadline: tokio::time::Instant,
         mut fill: impl FnMut(&mut pb::MetricsReport),
     ) -> usize {
+        let mut queued = 0;
+        while let Some(report) = self.held.pop_front() {
+            let Ok(Ok(permit)) = tokio::time::timeout_at(deadline, tx.reserve()).await else {
+                self.held.push_front(report);
+                return queued;
+            };
+            self.queue_report(permit, numbered, report);
+            queued += 1;
+        }
         let endpoints = registry.take();
         if endpoints.is_empty() {
-            return 0;
+            return queued;
         }
         let mut parts = split(endpoints, MAX_REPORT_BYTES).into_iter();
-        let mut queued = 0;
         while let Some(part) = parts.next() {
             // A permit, not a send: a wait given up loses nothing.
             let Ok(Ok(permit)) = tokio::time::timeout_at(deadline, tx.reserve()).await else {
@@ -152,6 +200,50 @@ impl Outbox {
             queued += 1;
         }
         queued
+    }
+
+    /// Takes the counts from `registry` and holds them as reports filled in by `fill` (the
+    /// version they were made under and their window), to go out before any later counts: for
+    /// counts that could not go out as their policies were replaced.
+    pub(crate) fn hold(
+        &mut self,
+        registry: &Registry,
+        mut fill: impl FnMut(&mut pb::MetricsReport),
+    ) {
+        for endpoints in split(registry.take(), MAX_REPORT_BYTES) {
+            let mut report = pb::MetricsReport {
+                endpoints,
+                ..Default::default()
+            };
+            fill(&mut report);
+            self.hold_report(registry, report);
+        }
+    }
+
+    /// Holds `report` (filled in, its seq cleared) after the others; past [`HELD`], the oldest
+    /// held report's counts go into `registry`.
+    fn hold_report(&mut self, registry: &Registry, mut report: pb::MetricsReport) {
+        report.seq = 0;
+        self.held.push_back(report);
+        while self.held.len() > HELD {
+            if let Some(oldest) = self.held.pop_front() {
+                debug!(
+                    version = oldest.policy_version,
+                    "too many metrics reports held; the oldest one's counts go into the next report"
+                );
+                registry.restore(&oldest.endpoints);
+            }
+        }
+    }
+
+    /// Counts taken back from a report that was not counted: into `registry` when they were
+    /// made under the version in force (`current`), else held under their own.
+    fn take_back(&mut self, registry: &Registry, report: pb::MetricsReport, current: u64) {
+        if report.policy_version == current {
+            registry.restore(&report.endpoints);
+        } else {
+            self.hold_report(registry, report);
+        }
     }
 
     /// Queues a report of `endpoints` in the room `permit` holds on the stream: numbered and
@@ -165,10 +257,21 @@ impl Outbox {
     ) -> u64 {
         let mut report = pb::MetricsReport {
             endpoints,
-            seq: if numbered { self.next_seq } else { 0 },
             ..Default::default()
         };
         fill(&mut report);
+        self.queue_report(permit, numbered, report)
+    }
+
+    /// Queues `report` (filled in) in the room `permit` holds on the stream, numbered and kept
+    /// until acknowledged when `numbered`. Its seq (0 when not numbered).
+    fn queue_report(
+        &mut self,
+        permit: mpsc::Permit<'_, pb::AgentMessage>,
+        numbered: bool,
+        mut report: pb::MetricsReport,
+    ) -> u64 {
+        report.seq = if numbered { self.next_seq } else { 0 };
         let seq = report.seq;
         if numbered {
             self.next_seq += 1;
@@ -178,10 +281,11 @@ impl Outbox {
         seq
     }
 
-    /// The control plane answered report `seq`: forget it, and when it was `dropped` add its
-    /// counts back into `registry`. An answer to a seq not waiting (answered already, or never
-    /// sent) changes nothing.
-    pub(crate) fn ack(&mut self, registry: &Registry, seq: u64, dropped: bool) {
+    /// The control plane answered report `seq`: forget it, and when it was `dropped` take its
+    /// counts back: into `registry` when they were made under the version in force
+    /// (`current`), else held under theirs. An answer to a seq not waiting (answered already,
+    /// or never sent) changes nothing.
+    pub(crate) fn ack(&mut self, registry: &Registry, seq: u64, dropped: bool, current: u64) {
         let Some(i) = self.pending.iter().position(|r| r.seq == seq) else {
             debug!(seq, "metrics ack for no pending report ignored");
             return;
@@ -193,17 +297,19 @@ impl Outbox {
                 seq,
                 "metrics report refused by the control plane; counts kept"
             );
-            registry.restore(&report.endpoints);
+            self.take_back(registry, report, current);
         }
     }
 
     /// On a stream to a control plane that does not acknowledge reports: forgets every waiting
-    /// report and adds its counts back into `registry`, to go out in the next (unnumbered)
-    /// report. Whether the earlier control plane counted them is unknown; this one would count
-    /// a resent report every time, so they are counted again at most once.
-    pub(crate) fn give_back(&mut self, registry: &Registry) {
-        for report in self.pending.drain(..) {
-            registry.restore(&report.endpoints);
+    /// report and takes its counts back (into `registry`, or held under their version when
+    /// that is not `current`), to go out in the next (unnumbered) reports. Whether the earlier
+    /// control plane counted them is unknown; this one would count a resent report every time,
+    /// so they are counted again at most once.
+    pub(crate) fn give_back(&mut self, registry: &Registry, current: u64) {
+        let pending = std::mem::take(&mut self.pending);
+        for report in pending {
+            self.take_back(registry, report, current);
         }
     }
 
@@ -281,6 +387,140 @@ mod tests {
 
     fn no_fill(_: &mut pb::MetricsReport) {}
 
+    /// A `fill` that says `version`.
+    fn under(version: u64) -> impl FnMut(&mut pb::MetricsReport) {
+        move |r| r.policy_version = version
+    }
+
+    /// The reports queued on `rx`: (seq, version, calls).
+    fn sent_with_versions(rx: &mut mpsc::Receiver<pb::AgentMessage>) -> Vec<(u64, u64, u64)> {
+        let mut out = Vec::new();
+        while let Ok(m) = rx.try_recv() {
+            let Some(Kind::Metrics(r)) = m.kind else {
+                panic!("a metrics report");
+            };
+            out.push((r.seq, r.policy_version, r.endpoints[0].calls));
+        }
+        out
+    }
+
+    #[test]
+    fn counts_held_at_a_full_window_go_out_under_their_version_before_later_counts() {
+        let r = Registry::default();
+        let mut o = Outbox::default();
+        let (tx, mut rx) = mpsc::channel(64);
+        for seq in 1..=WINDOW as u64 {
+            count_calls(&r, 1);
+            assert_eq!(o.send(&r, &tx, true, under(1)), Ok(seq));
+        }
+        count_calls(&r, 5);
+        // Version 2 replaces version 1 while the window is full.
+        assert_eq!(o.send(&r, &tx, true, under(1)), Err(NotSent::WindowFull));
+        o.hold(&r, under(1));
+        assert_eq!(o.held_versions(), [1]);
+        assert_eq!(r.pending("a").calls, 0, "held, not left in the counters");
+        count_calls(&r, 7);
+        sent_with_versions(&mut rx);
+        assert_eq!(o.send(&r, &tx, true, under(2)), Err(NotSent::WindowFull));
+        o.ack(&r, 1, false, 2);
+        // One place: the held report takes it; the counts made under version 2 wait.
+        assert_eq!(o.send(&r, &tx, true, under(2)), Err(NotSent::WindowFull));
+        assert_eq!(sent_with_versions(&mut rx), [(9, 1, 5)]);
+        o.ack(&r, 2, false, 2);
+        assert_eq!(o.send(&r, &tx, true, under(2)), Ok(10));
+        assert_eq!(sent_with_versions(&mut rx), [(10, 2, 7)]);
+        assert!(o.held_versions().is_empty());
+    }
+
+    #[test]
+    fn a_refused_report_of_an_earlier_version_goes_out_again_under_it() {
+        let r = Registry::default();
+        let mut o = Outbox::default();
+        let (tx, mut rx) = mpsc::channel(16);
+        count_calls(&r, 3);
+        assert_eq!(o.send(&r, &tx, true, under(1)), Ok(1));
+        count_calls(&r, 4);
+        assert_eq!(o.send(&r, &tx, true, under(2)), Ok(2));
+        sent_with_versions(&mut rx);
+        // Both refused once version 2 is in force: version 1's counts are held under it,
+        // version 2's go back into the counters.
+        o.ack(&r, 1, true, 2);
+        o.ack(&r, 2, true, 2);
+        assert_eq!(o.held_versions(), [1]);
+        assert_eq!(r.pending("a").calls, 4);
+        assert_eq!(o.send(&r, &tx, true, under(2)), Ok(4));
+        assert_eq!(sent_with_versions(&mut rx), [(3, 1, 3), (4, 2, 4)]);
+    }
+
+    #[test]
+    fn reports_given_back_keep_their_version_when_it_is_no_longer_in_force() {
+        let r = Registry::default();
+        let mut o = Outbox::default();
+        let (tx, mut rx) = mpsc::channel(16);
+        count_calls(&r, 3);
+        o.send(&r, &tx, true, under(1)).unwrap();
+        count_calls(&r, 4);
+        o.send(&r, &tx, true, under(2)).unwrap();
+        sent_with_versions(&mut rx);
+        // The next control plane does not acknowledge reports; version 2 is in force.
+        o.give_back(&r, 2);
+        assert_eq!(o.send(&r, &tx, false, under(2)), Ok(0));
+        assert_eq!(sent_with_versions(&mut rx), [(0, 1, 3), (0, 2, 4)]);
+    }
+
+    #[test]
+    fn past_the_most_held_the_oldest_counts_go_into_the_counters_not_lost() {
+        let r = Registry::default();
+        let mut o = Outbox::default();
+        for version in 1..=HELD as u64 + 2 {
+            count_calls(&r, version);
+            o.hold(&r, under(version));
+        }
+        let held = o.held_versions();
+        assert_eq!(held.len(), HELD);
+        assert_eq!(held[0], 3, "{held:?}");
+        // Version 1's counts went into the counters, then out with version 18's held report;
+        // version 2's are in the counters.
+        assert_eq!(r.pending("a").calls, 2);
+        let (tx, mut rx) = mpsc::channel(64);
+        let mut total = 0;
+        while o.send(&r, &tx, false, under(100)).is_ok() {
+            for (_, _, calls) in sent_with_versions(&mut rx) {
+                total += calls;
+            }
+        }
+        let made: u64 = (1..=HELD as u64 + 2).sum();
+        assert_eq!(total, made, "every count went out once");
+    }
+
+    #[test]
+    fn a_held_report_the_stream_cannot_take_stays_held() {
+        let r = Registry::default();
+        let mut o = Outbox::default();
+        count_calls(&r, 3);
+        o.hold(&r, under(1));
+        let (tx, mut rx) = mpsc::channel(1);
+        tx.try_send(message(Kind::Keepalive(pb::Keepalive {})))
+            .unwrap();
+        count_calls(&r, 2);
+        assert_eq!(o.send(&r, &tx, true, under(2)), Err(NotSent::StreamFull));
+        assert_eq!(o.held_versions(), [1]);
+        assert_eq!(
+            r.pending("a").calls,
+            2,
+            "the later counts wait in the counters"
+        );
+        assert!(o.pending_seqs().is_empty(), "no seq used");
+        rx.try_recv().unwrap();
+        // Room for one: the held report takes it, the later counts still wait.
+        assert_eq!(o.send(&r, &tx, true, under(2)), Err(NotSent::StreamFull));
+        assert_eq!(sent_with_versions(&mut rx), [(1, 1, 3)]);
+        assert!(o.held_versions().is_empty());
+        assert_eq!(r.pending("a").calls, 2);
+        assert_eq!(o.send(&r, &tx, true, under(2)), Ok(2));
+        assert_eq!(sent_with_versions(&mut rx), [(2, 2, 2)]);
+    }
+
     #[test]
     fn seqs_count_up_from_one_and_an_ack_forgets_the_report() {
         let r = Registry::default();
@@ -293,13 +533,13 @@ mod tests {
         assert_eq!(o.send(&r, &tx, true, no_fill), Ok(2));
         assert_eq!(sent(&mut rx), [(1, 2), (2, 3)]);
         assert_eq!(o.pending_seqs(), [1, 2]);
-        o.ack(&r, 2, false);
+        o.ack(&r, 2, false, 0);
         assert_eq!(o.pending_seqs(), [1]);
-        o.ack(&r, 2, false);
-        o.ack(&r, 9, true);
+        o.ack(&r, 2, false, 0);
+        o.ack(&r, 9, true, 0);
         assert_eq!(o.pending_seqs(), [1], "unknown seqs are ignored");
         assert_eq!(r.pending("a").calls, 0, "an ack adds nothing back");
-        o.ack(&r, 1, false);
+        o.ack(&r, 1, false, 0);
         assert!(o.pending_seqs().is_empty());
         assert_eq!(r.pending("a").calls, 0);
     }
@@ -312,13 +552,13 @@ mod tests {
         count_calls(&r, 4);
         o.send(&r, &tx, true, no_fill).unwrap();
         count_calls(&r, 1);
-        o.ack(&r, 1, true);
+        o.ack(&r, 1, true, 0);
         assert!(o.pending_seqs().is_empty());
         assert_eq!(r.pending("a").calls, 5);
         assert_eq!(o.send(&r, &tx, true, no_fill), Ok(2));
         assert_eq!(sent(&mut rx), [(1, 4), (2, 5)]);
         // A second answer to the dropped seq adds nothing.
-        o.ack(&r, 1, true);
+        o.ack(&r, 1, true, 0);
         assert_eq!(r.pending("a").calls, 0);
     }
 
@@ -336,7 +576,7 @@ mod tests {
         assert_eq!(o.send(&r, &tx, true, no_fill), Err(NotSent::WindowFull));
         assert_eq!(r.pending("a").calls, 7, "the counts stay in the counters");
         assert_eq!(sent(&mut rx).len(), WINDOW);
-        o.ack(&r, 3, false);
+        o.ack(&r, 3, false, 0);
         let next = u64::try_from(WINDOW).unwrap() + 1;
         assert_eq!(o.send(&r, &tx, true, no_fill), Ok(next));
         assert_eq!(sent(&mut rx), [(next, 7)]);
@@ -493,7 +733,7 @@ mod tests {
             count_calls(&r, n);
             o.send(&r, &tx, true, no_fill).unwrap();
         }
-        o.ack(&r, 2, false);
+        o.ack(&r, 2, false, 0);
         drop((tx, rx));
         // The next stream: Hello first, then the three unanswered reports, same seqs.
         let (tx, mut rx) = mpsc::channel(WINDOW + 1);
@@ -526,7 +766,7 @@ mod tests {
         assert_eq!(o.send(&r, &tx, true, no_fill), Ok(2));
         assert_eq!(sent(&mut rx), [(1, 2), (2, 3)]);
         // The next stream's control plane does not acknowledge reports.
-        o.give_back(&r);
+        o.give_back(&r, 0);
         assert!(o.pending_seqs().is_empty());
         assert_eq!(r.pending("a").calls, 5);
         // More reports than the window holds, none kept, none waiting for an answer.
