@@ -405,6 +405,7 @@ impl AgentStreamService {
         // The token's name and limit in force now (a reload since the stream was admitted may
         // have renamed it).
         let in_force = revocation.as_ref().and_then(Revocation::in_force);
+        let tokens_now = revocation.as_ref().map(|r| Arc::clone(&r.tokens.borrow()));
         let token = match (&token_name, secret_digest) {
             (Some(name), Some(secret_digest)) => Some(StreamToken {
                 name: in_force
@@ -412,6 +413,7 @@ impl AgentStreamService {
                     .map_or(name.as_str(), |(name, _)| name.as_str()),
                 secret_digest,
                 max_agents: in_force.as_ref().and_then(|(_, max)| *max),
+                in_force: tokens_now.as_deref(),
             }),
             _ => None,
         };

@@ -705,6 +705,12 @@ impl Tokens {
             .map(|token| (token.name.clone(), token.max_agents))
     }
 
+    /// The name of the token whose secret hashes to `digest`, if any (compared in constant
+    /// time, as every lookup here).
+    pub(crate) fn name_of_digest(&self, digest: &[u8; 32]) -> Option<&str> {
+        self.find_digest(digest).map(|token| token.name.as_str())
+    }
+
     /// Number of tokens.
     pub fn len(&self) -> usize {
         self.tokens.len()

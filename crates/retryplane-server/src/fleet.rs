@@ -106,6 +106,9 @@ pub struct StreamToken<'a> {
     pub secret_digest: [u8; 32],
     /// Its `max_agents` in the tokens file (`None`: only the control plane's own limit).
     pub max_agents: Option<usize>,
+    /// The tokens in force, to name the token a connected agent's stream holds now (a reload
+    /// may have renamed it since it registered); `None` in tests without a tokens file.
+    pub in_force: Option<&'a crate::auth::Tokens>,
 }
 
 impl Entry {
@@ -488,8 +491,18 @@ impl Fleet {
             .agents
             .get(&hello.agent_id)
             .filter(|e| e.status.connected);
+        // The same token: the same secret, or the same name, as the held stream's secret is
+        // named now (a reload that renamed it and gave its old name to another team's token
+        // does not let that token push its agents off); the name it registered with when its
+        // secret is no longer in force (a rotation, whose old streams are being ended).
         let same_token = |e: &Entry| match token {
-            Some(t) => e.status.token == t.name || e.secret_digest == Some(t.secret_digest),
+            Some(t) => {
+                let held_name = e
+                    .secret_digest
+                    .and_then(|d| t.in_force?.name_of_digest(&d))
+                    .unwrap_or(&e.status.token);
+                held_name == t.name || e.secret_digest == Some(t.secret_digest)
+            }
             None => e.secret_digest.is_none(),
         };
         if held.is_some_and(|e| !same_token(e)) {
@@ -961,6 +974,7 @@ mod tests {
                 name,
                 secret_digest: [secret; 32],
                 max_agents: None,
+                in_force: None,
             })
         };
         let mut first = fleet
@@ -1236,6 +1250,7 @@ mod tests {
                 name,
                 secret_digest: [secret; 32],
                 max_agents,
+                in_force: None,
             })
         };
         let payments = |max| token("payments", 1, max);

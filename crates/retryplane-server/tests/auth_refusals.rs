@@ -741,3 +741,40 @@ fn a_max_agents_or_agent_ids_of_the_wrong_type_is_refused_naming_the_field_and_i
         vague.join("\n")
     );
 }
+
+/// A reload that renames a token, and gives its old name to another team's new token, does not
+/// make that team's token the same as the renamed one: its stream with a connected agent's id
+/// is refused with `ALREADY_EXISTS` (README, **Agents**: "one of another token is refused
+/// ... while the first is connected, so the holder of one team's agent token cannot push
+/// another team's agents off"). The connected stream's token is named as its secret is named
+/// now (`payments`), not by the name it registered with (`team-a`, now the other team's).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_name_freed_by_a_rename_and_given_to_another_token_does_not_push_the_renamed_tokens_agents_off()
+ {
+    let (_dir, file, running, agent) = serving(&tokens_yaml_with(Some(""))).await;
+    let (_tx, mut first) = hello(&agent, AGENT, "payments-1").await.unwrap();
+    // team-a's secret is now `payments`; the name `team-a` goes to a new token of another team.
+    let renamed = format!(
+        "tokens:\n  - {{name: payments, role: agent, secret: \"{AGENT}\"}}\n  - {{name: team-a, role: agent, secret: \"{VIEWER}-new\"}}\n  - {{name: alice, role: admin, secret: \"{ADMIN}\"}}\n"
+    );
+    fs::write(&file, renamed).unwrap();
+    running.reload_tokens().unwrap();
+    let other = hello(&agent, &format!("{VIEWER}-new"), "payments-1").await;
+    let first_end = tokio::time::timeout(Duration::from_millis(500), async {
+        loop {
+            match first.message().await {
+                Ok(Some(_)) => {}
+                Ok(None) => return None,
+                Err(status) => return Some(status.code()),
+            }
+        }
+    })
+    .await;
+    assert_eq!(
+        other.as_ref().err().map(tonic::Status::code),
+        Some(Code::AlreadyExists),
+        "another team's token took the connected agent's id; its first stream ended with \
+         {first_end:?}"
+    );
+    running.shutdown().await.unwrap();
+}
