@@ -130,6 +130,17 @@ async fn stopped(mut shutdown: watch::Receiver<bool>) {
     let _ = shutdown.wait_for(|stop| *stop).await;
 }
 
+/// How many streams a connection may open and give up before they are accepted, before it is
+/// taken for an attack (h2's rapid-reset guard) and ended with `GOAWAY`, every other stream on
+/// it with it. hyper's default (20) is below what an HTTP/2 proxy carrying many agents gives up
+/// at once (a mass reconnect while the control plane is slow): as many as a connection may
+/// open, and never fewer than hyper's 20.
+fn pending_resets(max_streams_per_connection: u32) -> usize {
+    usize::try_from(max_streams_per_connection)
+        .unwrap_or(usize::MAX)
+        .max(20)
+}
+
 fn grpc_server(
     cfg: &ServeConfig,
 ) -> Server<tower::layer::util::Stack<CountStreamsLayer, tower::layer::util::Identity>> {
@@ -138,6 +149,9 @@ fn grpc_server(
         .http2_keepalive_timeout(Some(cfg.keepalive_timeout))
         // tonic's default is no bound at all (it overrides hyper's 200).
         .max_concurrent_streams(cfg.max_streams_per_connection)
+        .http2_max_pending_accept_reset_streams(Some(pending_resets(
+            cfg.max_streams_per_connection,
+        )))
         .tcp_nodelay(true)
         // Each connection's open streams, so one that carries none for the idle timeout is
         // closed (see `crate::conn_idle`).
