@@ -23,11 +23,11 @@ bench:
     cargo bench -p retryplane-sim --bench simulate
 
 # The control plane's fan-out and ingestion benches: the server runs as its own process
-# (target/release/retryplane, built first).
+# (target/release/retryplane, or under $CARGO_TARGET_DIR when set, built first).
 bench-fanout:
     cargo build --release -p retryplane-cli -p retryplane-bench
-    target/release/retryplane-bench-fanout --matrix
+    "${CARGO_TARGET_DIR:-target}"/release/retryplane-bench-fanout --matrix
 
 bench-ingest:
     cargo build --release -p retryplane-cli -p retryplane-bench
-    target/release/retryplane-bench-ingest --agents 10000 --endpoints 20 --services 100 --seconds 20
+    "${CARGO_TARGET_DIR:-target}"/release/retryplane-bench-ingest --agents 10000 --endpoints 20 --services 100 --seconds 20

@@ -185,7 +185,9 @@ pub fn text(response: &pb::StatsResponse, window: Window) -> String {
     let rows = metrics::rows(response, window);
     if !rows.is_empty() {
         let _ = writeln!(out, "last {}, per service and endpoint:", window.label());
-        series_table(&mut out, &rows);
+        if series_table(&mut out, &rows) {
+            let _ = writeln!(out, "{YOUNG_NOTE}");
+        }
     }
     if !response.endpoints.is_empty() {
         if !out.is_empty() {
@@ -239,7 +241,22 @@ pub fn overflow_notes(r: &pb::StatsResponse) -> Vec<String> {
     out
 }
 
-fn series_table(out: &mut String, rows: &[Row<'_>]) {
+/// The note under a table with rates marked `*` (see [`young`]).
+const YOUNG_NOTE: &str = "* over the seconds the series' reports cover so far, less than half \
+the window: a young series, where a few calls make a high rate";
+
+/// Whether `row`'s rates are over less than half its window: a series (or a control plane)
+/// younger than that, whose first reports' counts are divided by the little time they cover
+/// (one call in a 70 ms report reads as 14 calls/s). Marked `*` in the table.
+fn young(row: &Row<'_>) -> bool {
+    row.window.is_some_and(|w| {
+        w.covered_seconds > 0.0 && w.covered_seconds < f64::from(w.window_seconds) / 2.0
+    })
+}
+
+/// Writes the table of `rows`; whether any row's rates are marked young (see [`young`]).
+fn series_table(out: &mut String, rows: &[Row<'_>]) -> bool {
+    let any_young = rows.iter().any(young);
     let mut cells = vec![
         [
             "SERVICE",
@@ -258,11 +275,17 @@ fn series_table(out: &mut String, rows: &[Row<'_>]) {
     ];
     for row in rows {
         let c = row.counters();
+        // A space after the others' rates keeps the digits of every row aligned.
+        let mark = match (young(row), any_young) {
+            (true, _) => "*",
+            (false, true) => " ",
+            (false, false) => "",
+        };
         cells.push(vec![
             metrics::service_name(&row.series.service),
             output::name(&row.series.endpoint),
-            metrics::rate(row.rates.calls_per_second),
-            metrics::rate(row.rates.retries_per_second),
+            format!("{}{mark}", metrics::rate(row.rates.calls_per_second)),
+            format!("{}{mark}", metrics::rate(row.rates.retries_per_second)),
             metrics::percent(row.rates.retry_ratio),
             metrics::percent(row.rates.first_try_success),
             metrics::give_ups(&c),
@@ -280,6 +303,7 @@ fn series_table(out: &mut String, rows: &[Row<'_>]) {
         Left, Left, Right, Right, Right, Right, Left, Right, Left, Left,
     ];
     output::table(out, "", &align, &cells);
+    any_young
 }
 
 fn endpoint_table(out: &mut String, endpoints: &[pb::EndpointStats]) {
@@ -399,6 +423,27 @@ inventory      0        0       -          -            0  -             0ms
 payments   10000      700    7.0%      90.0%          950  att:50      2m05s
 "
         );
+    }
+
+    #[test]
+    fn rates_over_less_than_half_the_window_are_marked_young_with_a_note() {
+        let mut r = response();
+        // One call in its first report, 70 ms long: 14.3 calls/s over what it covers.
+        r.series[1].windows[1] = window(300, 0.07, counters(1, 0, 1));
+        let out = text(&r, Window::FiveMinutes);
+        assert!(
+            out.contains("checkout  payments     10.0        0.7     7.2%"),
+            "a full window is not marked, its digits aligned with the marked ones: {out}"
+        );
+        assert!(
+            out.contains("search    inventory    14.3*       0.0*    0.0%"),
+            "{out}"
+        );
+        assert!(out.contains(&format!("\n{YOUNG_NOTE}\n")), "{out}");
+        // Half the window or more: no mark, no note.
+        r.series[1].windows[1] = window(300, 150.0, counters(1, 0, 1));
+        let out = text(&r, Window::FiveMinutes);
+        assert!(!out.contains('*') && !out.contains(YOUNG_NOTE), "{out}");
     }
 
     #[test]

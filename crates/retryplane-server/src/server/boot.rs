@@ -99,7 +99,7 @@ pub(super) async fn load_policies(
         }
         _ => {
             if let Some((version, source)) = applied_through_api {
-                warn!(file = %file.display(), version, source, "file mode: the current version came from the admin API, and the policy file replaces it (a new version if it differs); start with `--api` to keep serving what the admin API applied");
+                warn!(file = %file.display(), version, source, "file mode: the current version came from the admin API, and the policy file is applied over it (a new version if it differs; refused if it removes every stored endpoint); start with `--api` to keep serving what the admin API applied");
             }
             match apply_valid(control, file, loaded, stored).await? {
                 AtStart::Applied => {
