@@ -4,7 +4,8 @@
 //! stream is told to end, and its late updates are ignored (each registration has its own
 //! generation). Disconnected agents stay listed, so status shows who went away: for an hour by
 //! default ([`Fleet::forgetting_after`], `--forget-disconnected-after`), and at most
-//! [`MAX_DISCONNECTED`] of them (past it, the longest gone tenth go at once). An agent whose Hello says it is
+//! [`MAX_DISCONNECTED`] of them, holding about [`MAX_DISCONNECTED_BYTES`] at most (past either,
+//! the longest gone tenth go at once). An agent whose Hello says it is
 //! ephemeral (`retryplane request --server`, one call and gone) is not listed or counted once
 //! its stream has ended; its entry is kept as any other's, for its reports, and is the first to
 //! go past [`MAX_DISCONNECTED`].
@@ -47,6 +48,10 @@ use crate::report_seq::{ReportSeqs, ReportVerdict};
 
 /// How many disconnected agents status keeps listing.
 pub const MAX_DISCONNECTED: usize = 10_000;
+/// How much memory the disconnected agents' entries may hold, as [`gone_size`] reckons it:
+/// a Hello may carry 64 labels of 256 bytes, about 45 KB an entry as kept, so the count alone
+/// let agents that came and went with the largest Hellos hold 450 MB for the forget time.
+pub const MAX_DISCONNECTED_BYTES: usize = 64 << 20;
 /// How many forgotten agents' report records are kept ([`Forgotten`]): under 1 KiB each (an
 /// id of up to 256 bytes, twice), 10 MB at most.
 pub const MAX_FORGOTTEN: usize = 10_000;
@@ -94,6 +99,17 @@ struct Entry {
     /// The digest of the secret the stream registered last authenticated with (`None` without
     /// a tokens file): with its name, what tells another token's stream apart.
     secret_digest: Option<[u8; 32]>,
+    /// While disconnected, its [`gone_size`] as counted in `Inner::gone_bytes`; 0 while
+    /// connected.
+    gone_size: usize,
+}
+
+/// About how much memory a disconnected agent's entry holds: its status as encoded, each
+/// label's two strings and map slot, and the entry around them (its report record, stream
+/// numbers, the map's own slot). An estimate for [`MAX_DISCONNECTED_BYTES`], not a measure.
+fn gone_size(status: &pb::AgentStatus) -> usize {
+    use prost::Message as _;
+    status.encoded_len() + status.labels.len() * 96 + 1024
 }
 
 /// The token a stream authenticated with: its name, the digest of its secret, and how many
@@ -169,6 +185,8 @@ struct Inner {
     /// Entries kept but not listed (ephemeral and disconnected), so that the count of listed
     /// agents is `agents.len() - hidden` without a scan under the lock.
     hidden: usize,
+    /// The sum of the disconnected entries' [`Entry::gone_size`].
+    gone_bytes: usize,
     /// The report records of agents forgotten last.
     forgotten: Forgotten,
     /// Connected agents per token, by the digest of its secret (none without a tokens file),
@@ -206,6 +224,7 @@ impl Inner {
         if !entry.listed() {
             self.hidden -= 1;
         }
+        self.gone_bytes = self.gone_bytes.saturating_sub(entry.gone_size);
         Some(entry)
     }
 
@@ -652,6 +671,7 @@ impl Fleet {
                 ephemeral: hello.ephemeral,
                 long_lived,
                 secret_digest: token.map(|t| t.secret_digest),
+                gone_size: 0,
             },
         );
         inner.connected += 1;
@@ -784,11 +804,13 @@ impl Fleet {
             Some(entry) if entry.generation == generation && entry.status.connected => {
                 entry.status.connected = false;
                 entry.replaced = None;
-                Some((entry.ephemeral, entry.secret_digest))
+                entry.gone_size = gone_size(&entry.status);
+                Some((entry.ephemeral, entry.secret_digest, entry.gone_size))
             }
             _ => None,
         };
-        if let Some((ephemeral, token)) = ended {
+        if let Some((ephemeral, token, size)) = ended {
+            inner.gone_bytes += size;
             inner.connected -= 1;
             inner.token_out(token);
             if ephemeral {
@@ -912,11 +934,16 @@ pub struct FleetPage {
 /// the cap, each disconnect of a rolling restart took 3.5 ms under the fleet's lock).
 const PRUNED_TO: usize = MAX_DISCONNECTED - MAX_DISCONNECTED / 10;
 
+/// What the disconnected agents' entries are pruned to once they hold more than
+/// [`MAX_DISCONNECTED_BYTES`]: a tenth less, as for [`PRUNED_TO`].
+const PRUNED_TO_BYTES: usize = MAX_DISCONNECTED_BYTES - MAX_DISCONNECTED_BYTES / 10;
+
 /// Drops the longest-gone disconnected agents, ephemeral ones first, once more than
-/// [`MAX_DISCONNECTED`] are listed: down to [`PRUNED_TO`].
+/// [`MAX_DISCONNECTED`] are kept or they hold more than [`MAX_DISCONNECTED_BYTES`]: down to
+/// [`PRUNED_TO`] and [`PRUNED_TO_BYTES`].
 fn prune(inner: &mut Inner) {
     let gone = inner.agents.len() - inner.connected;
-    if gone <= MAX_DISCONNECTED {
+    if gone <= MAX_DISCONNECTED && inner.gone_bytes <= MAX_DISCONNECTED_BYTES {
         return;
     }
     let mut disconnected: Vec<(bool, u64, String)> = inner
@@ -929,8 +956,13 @@ fn prune(inner: &mut Inner) {
         })
         .collect();
     disconnected.sort_unstable();
-    for (_, _, id) in disconnected.into_iter().take(gone - PRUNED_TO) {
+    let mut left = gone;
+    for (_, _, id) in disconnected {
+        if left <= PRUNED_TO && inner.gone_bytes <= PRUNED_TO_BYTES {
+            break;
+        }
         inner.forget(id);
+        left -= 1;
     }
 }
 
@@ -1608,6 +1640,82 @@ mod tests {
         );
         drop(inner);
         assert_eq!(fleet.status_and_counts(false), (vec![], 0, 1));
+    }
+
+    /// A Hello as large as the control plane takes: 64 labels of 256 bytes, fields of 256.
+    fn largest_hello(id: &str) -> pb::Hello {
+        pb::Hello {
+            service: "s".repeat(256),
+            agent_version: "v".repeat(256),
+            labels: (0..64)
+                .map(|i| (format!("{i:0>255}"), "l".repeat(256)))
+                .collect(),
+            ..hello(id)
+        }
+    }
+
+    #[test]
+    fn disconnected_agents_with_the_largest_hellos_are_kept_within_the_memory_bound() {
+        let per_entry = gone_size(&pb::AgentStatus {
+            labels: largest_hello("x").labels,
+            ..Default::default()
+        });
+        assert!(per_entry > 32 << 10, "{per_entry}");
+        let n = MAX_DISCONNECTED_BYTES / per_entry + 100;
+        let fleet = Fleet::new(n + 10).forgetting_after(None);
+        let reg = fleet.register(&largest_hello("first"), None, None).unwrap();
+        fleet.disconnected("first", reg.generation);
+        for i in 1..n {
+            let id = format!("agent-{i}");
+            let reg = fleet.register(&largest_hello(&id), None, None).unwrap();
+            fleet.disconnected(&id, reg.generation);
+        }
+        let inner = fleet.lock();
+        assert!(
+            inner.gone_bytes <= MAX_DISCONNECTED_BYTES,
+            "{}",
+            inner.gone_bytes
+        );
+        assert!(
+            inner.agents.len() < n,
+            "pruned by memory, below the count cap"
+        );
+        let kept: usize = inner.agents.values().map(|e| e.gone_size).sum();
+        assert_eq!(inner.gone_bytes, kept, "the sum is kept exactly");
+        assert!(
+            !inner.agents.contains_key("first"),
+            "the longest gone go first"
+        );
+        assert!(inner.agents.contains_key(&format!("agent-{}", n - 1)));
+    }
+
+    #[test]
+    fn the_disconnected_agents_memory_is_given_back_when_they_return_or_are_forgotten() {
+        let fleet = Fleet::new(10).forgetting_after(None);
+        let a = fleet.register(&largest_hello("a"), None, None).unwrap();
+        let b = fleet.register(&hello("b"), None, None).unwrap();
+        assert_eq!(fleet.lock().gone_bytes, 0);
+        fleet.disconnected("a", a.generation);
+        fleet.disconnected("b", b.generation);
+        let both = fleet.lock().gone_bytes;
+        assert!(both > 32 << 10, "{both}");
+        // `a` comes back: its share goes; `b` is forgotten: so does its.
+        let a = fleet.register(&largest_hello("a"), None, None).unwrap();
+        assert!(fleet.lock().gone_bytes < 4 << 10);
+        fleet.lock().forget("b".to_owned());
+        assert_eq!(fleet.lock().gone_bytes, 0);
+        fleet.disconnected("a", a.generation);
+        fleet.disconnected("a", a.generation);
+        let inner = fleet.lock();
+        assert!(
+            (32 << 10..both).contains(&inner.gone_bytes),
+            "{}",
+            inner.gone_bytes
+        );
+        assert_eq!(
+            inner.gone_bytes, inner.agents["a"].gone_size,
+            "counted once"
+        );
     }
 
     #[tokio::test(start_paused = true)]
