@@ -797,6 +797,20 @@ impl Fleet {
         });
     }
 
+    /// After a tokens reload: each connected agent is listed with the name its token's secret
+    /// has now (`name_of` its digest; `None`, a secret taken away, leaves the name: that
+    /// stream is being ended).
+    pub fn rename_tokens<'t>(&self, name_of: impl Fn(&[u8; 32]) -> Option<&'t str>) {
+        let mut inner = self.lock();
+        for entry in inner.agents.values_mut().filter(|e| e.status.connected) {
+            if let Some(name) = entry.secret_digest.as_ref().and_then(&name_of)
+                && entry.status.token != name
+            {
+                name.clone_into(&mut entry.status.token);
+            }
+        }
+    }
+
     /// The stream of this registration ended.
     pub fn disconnected(&self, id: &str, generation: u64) {
         let mut inner = self.lock();

@@ -464,6 +464,10 @@ impl Running {
         };
         match tokens.reload() {
             Ok(count) => {
+                let current = tokens.current();
+                self.control
+                    .fleet
+                    .rename_tokens(|digest| current.name_of_digest(digest));
                 info!(file = %tokens.file().display(), tokens = count, "tokens file reloaded");
                 Ok(Some(count))
             }

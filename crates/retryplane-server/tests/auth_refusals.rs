@@ -682,8 +682,8 @@ async fn a_token_given_an_old_name_connects_no_more_agents_than_its_max_agents_b
     .unwrap();
     running.reload_tokens().unwrap();
     let _new = hello(&agent, AGENT2, "payments-1").await.unwrap();
-    // The new secret has its one agent: a second, which takes the id an agent of the old
-    // secret holds (listed under the name `team-a` it had then), must be refused too.
+    // The new secret has its one agent: a second, which asks for the id an agent of the old
+    // secret holds (that secret is `legacy` now, another token), must be refused too.
     let second = hello(&agent, AGENT2, "checkout-1").await;
     let mut admin = AdminServiceClient::new(channel(running.admin_addr).await);
     let listed = admin
@@ -776,5 +776,21 @@ async fn a_name_freed_by_a_rename_and_given_to_another_token_does_not_push_the_r
         "another team's token took the connected agent's id; its first stream ended with \
          {first_end:?}"
     );
+    // And status lists the connected agent under its token's name now.
+    let mut admin = AdminServiceClient::new(channel(running.admin_addr).await);
+    let listed = admin
+        .fleet_status(with_auth(
+            pb::FleetStatusRequest::default(),
+            Some(format!("Bearer {ADMIN}").as_bytes()),
+        ))
+        .await
+        .unwrap()
+        .into_inner()
+        .agents;
+    let tokens: Vec<_> = listed
+        .iter()
+        .map(|a| (a.agent_id.as_str(), a.connected, a.token.as_str()))
+        .collect();
+    assert_eq!(tokens, [("payments-1", true, "payments")]);
     running.shutdown().await.unwrap();
 }
