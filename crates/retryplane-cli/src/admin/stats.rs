@@ -241,22 +241,13 @@ pub fn overflow_notes(r: &pb::StatsResponse) -> Vec<String> {
     out
 }
 
-/// The note under a table with rates marked `*` (see [`young`]).
+/// The note under a table with rates marked `*` (see [`Row::young`]).
 const YOUNG_NOTE: &str = "* over the seconds the series' reports cover so far, less than half \
 the window: a young series, where a few calls make a high rate";
 
-/// Whether `row`'s rates are over less than half its window: a series (or a control plane)
-/// younger than that, whose first reports' counts are divided by the little time they cover
-/// (one call in a 70 ms report reads as 14 calls/s). Marked `*` in the table.
-fn young(row: &Row<'_>) -> bool {
-    row.window.is_some_and(|w| {
-        w.covered_seconds > 0.0 && w.covered_seconds < f64::from(w.window_seconds) / 2.0
-    })
-}
-
-/// Writes the table of `rows`; whether any row's rates are marked young (see [`young`]).
+/// Writes the table of `rows`; whether any row's rates are marked young (see [`Row::young`]).
 fn series_table(out: &mut String, rows: &[Row<'_>]) -> bool {
-    let any_young = rows.iter().any(young);
+    let any_young = rows.iter().any(Row::young);
     let mut cells = vec![
         [
             "SERVICE",
@@ -275,17 +266,12 @@ fn series_table(out: &mut String, rows: &[Row<'_>]) -> bool {
     ];
     for row in rows {
         let c = row.counters();
-        // A space after the others' rates keeps the digits of every row aligned.
-        let mark = match (young(row), any_young) {
-            (true, _) => "*",
-            (false, true) => " ",
-            (false, false) => "",
-        };
+        let [calls, retries] = row.marked_rates(any_young);
         cells.push(vec![
             metrics::service_name(&row.series.service),
             output::name(&row.series.endpoint),
-            format!("{}{mark}", metrics::rate(row.rates.calls_per_second)),
-            format!("{}{mark}", metrics::rate(row.rates.retries_per_second)),
+            calls,
+            retries,
             metrics::percent(row.rates.retry_ratio),
             metrics::percent(row.rates.first_try_success),
             metrics::give_ups(&c),

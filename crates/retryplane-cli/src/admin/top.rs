@@ -475,13 +475,18 @@ pub fn render(view: &View<'_>, size: Option<(usize, usize)>) -> Vec<String> {
         .map(str::to_owned)
         .to_vec(),
     ];
+    let any_young = rows.iter().any(metrics::Row::young);
+    if any_young {
+        lines[0].push_str(YOUNG_NOTE);
+    }
     for row in &rows {
+        let [calls, retries] = row.marked_rates(any_young);
         cells.push(vec![
             if row.alerting() { "!" } else { " " }.to_owned(),
             crate::output::name(&row.series.endpoint),
             metrics::service_name(&row.series.service),
-            metrics::rate(row.rates.calls_per_second),
-            metrics::rate(row.rates.retries_per_second),
+            calls,
+            retries,
             metrics::percent(row.rates.retry_ratio),
             metrics::percent(row.rates.first_try_success),
             metrics::versions(row.series),
@@ -526,6 +531,9 @@ pub fn render(view: &View<'_>, size: Option<(usize, usize)>) -> Vec<String> {
     }
     lines
 }
+
+/// Ends the header when a row's rates are marked young (see [`metrics::Row::young`]).
+const YOUNG_NOTE: &str = "  (*: rate over under half the window, a young series)";
 
 /// `TIME  SERVER  vN  A agents  S series  K alerting  window W`.
 fn header(view: &View<'_>) -> String {
@@ -797,6 +805,27 @@ mod tests {
    inventory                 checkout     10.0        0.1    1.0%      99.0%  v7       -
    idle                      search        0.0        0.0       -          -  v7       -"
         );
+    }
+
+    #[test]
+    fn a_young_series_rates_are_marked_and_the_header_says_what_the_mark_means() {
+        let mut s = fleet();
+        // 1m window: one call in a first report 70 ms long.
+        s.stats.series[2].windows[0] =
+            crate::admin::metrics::tests::window(60, 0.07, counters(1, 0, 1));
+        let lines = render(&view(Some(&s), false), None);
+        assert!(lines[0].ends_with(YOUNG_NOTE), "{}", lines[0]);
+        let all = lines.join("\n");
+        assert!(
+            all.contains("   idle                      search      14.3*       0.0*"),
+            "{all}"
+        );
+        assert!(
+            all.contains("   inventory                 checkout    10.0        0.1 "),
+            "{all}"
+        );
+        let plain = render(&view(Some(&fleet()), false), None);
+        assert!(!plain.join("\n").contains('*'));
     }
 
     #[test]
