@@ -130,28 +130,25 @@ async fn stopped(mut shutdown: watch::Receiver<bool>) {
     let _ = shutdown.wait_for(|stop| *stop).await;
 }
 
-/// How many streams a connection may open and give up before they are accepted, before it is
-/// taken for an attack (h2's rapid-reset guard) and ended with `GOAWAY`, every other stream on
-/// it with it. hyper's default (20) is below what an HTTP/2 proxy carrying many agents gives up
-/// at once (a mass reconnect while the control plane is slow): as many as a connection may
-/// open, and never fewer than hyper's 20.
-fn pending_resets(max_streams_per_connection: u32) -> usize {
-    usize::try_from(max_streams_per_connection)
-        .unwrap_or(usize::MAX)
-        .max(20)
-}
+/// How many streams a connection to the agent listener may open and give up before they are
+/// accepted, before it is taken for an attack (h2's rapid-reset guard) and ended with
+/// `GOAWAY`, every other stream on it with it. hyper's default (20, kept on the admin
+/// listener) is below what an HTTP/2 proxy carrying many agents passes on at once (agents
+/// giving up in a mass reconnect while the control plane is slow); a fixed number, not one
+/// that grows with `--max-streams-per-connection`, since each step up lets a flood of
+/// reset streams in larger bursts go on uncut.
+pub const AGENT_PENDING_RESETS: usize = 64;
 
 fn grpc_server(
     cfg: &ServeConfig,
+    pending_resets: Option<usize>,
 ) -> Server<tower::layer::util::Stack<CountStreamsLayer, tower::layer::util::Identity>> {
     Server::builder()
         .http2_keepalive_interval(Some(cfg.keepalive_interval))
         .http2_keepalive_timeout(Some(cfg.keepalive_timeout))
         // tonic's default is no bound at all (it overrides hyper's 200).
         .max_concurrent_streams(cfg.max_streams_per_connection)
-        .http2_max_pending_accept_reset_streams(Some(pending_resets(
-            cfg.max_streams_per_connection,
-        )))
+        .http2_max_pending_accept_reset_streams(pending_resets)
         .tcp_nodelay(true)
         // Each connection's open streams, so one that carries none for the idle timeout is
         // closed (see `crate::conn_idle`).
@@ -339,7 +336,7 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
     );
 
     let mut servers = JoinSet::new();
-    let agent_router = grpc_server(&cfg)
+    let agent_router = grpc_server(&cfg, Some(AGENT_PENDING_RESETS))
         .add_service(agent_health_service)
         .add_service(reflection(AGENT_SERVICE).build_v1()?)
         .add_service(reflection(AGENT_SERVICE).build_v1alpha()?)
@@ -360,7 +357,7 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
                 source,
             })
     });
-    let admin_router = grpc_server(&cfg)
+    let admin_router = grpc_server(&cfg, None)
         .add_service(admin_health_service)
         .add_service(reflection(ADMIN_SERVICE).build_v1()?)
         .add_service(reflection(ADMIN_SERVICE).build_v1alpha()?)

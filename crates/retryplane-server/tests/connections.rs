@@ -720,3 +720,155 @@ async fn shutdown_right_after_peers_dropped_unfinished_calls_lets_the_store_go()
     }
     assert!(failures.is_empty(), "{failures:#?}");
 }
+
+/// A rapid-reset flood on one raw HTTP/2 connection to `addr`: `streams` HEADERS
+/// (`POST /`), each followed at once by its RST_STREAM (CANCEL), written in large pieces.
+/// The error code of the GOAWAY the server answers with, if one comes within `within`
+/// (`None` when the connection stays open or closes without one).
+async fn rapid_reset_flood(addr: SocketAddr, streams: u32, within: Duration) -> Option<u32> {
+    paced_rapid_reset_flood(addr, streams, streams, Duration::ZERO, within).await
+}
+
+/// [`rapid_reset_flood`] in bursts of `burst` streams (each written at once), `pause` apart.
+async fn paced_rapid_reset_flood(
+    addr: SocketAddr,
+    streams: u32,
+    burst: u32,
+    pause: Duration,
+    within: Duration,
+) -> Option<u32> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (mut read, mut write) = tcp.into_split();
+    let mut out = Vec::with_capacity(64 + streams as usize * 25);
+    out.extend_from_slice(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n");
+    // SETTINGS (empty), and the ACK of the server's.
+    out.extend_from_slice(&[0, 0, 0, 4, 0, 0, 0, 0, 0]);
+    out.extend_from_slice(&[0, 0, 0, 4, 1, 0, 0, 0, 0]);
+    for n in 0..streams {
+        let id = (2 * n + 1).to_be_bytes();
+        // HEADERS, END_HEADERS: :method POST, :scheme http, :path / (static table).
+        out.extend_from_slice(&[0, 0, 3, 1, 4]);
+        out.extend_from_slice(&id);
+        out.extend_from_slice(&[0x83, 0x86, 0x84]);
+        // RST_STREAM CANCEL.
+        out.extend_from_slice(&[0, 0, 4, 3, 0]);
+        out.extend_from_slice(&id);
+        out.extend_from_slice(&8u32.to_be_bytes());
+    }
+    let writer = tokio::spawn(async move {
+        let preface = 24 + 9 + 9;
+        if write.write_all(&out[..preface]).await.is_err() {
+            return;
+        }
+        for piece in out[preface..].chunks(burst as usize * 25) {
+            if write.write_all(piece).await.is_err() {
+                return;
+            }
+            if !pause.is_zero() {
+                tokio::time::sleep(pause).await;
+            }
+        }
+        // Kept open: the server decides when the connection ends.
+        std::future::pending::<()>().await;
+    });
+    let goaway = tokio::time::timeout(within, async {
+        let mut buf = Vec::new();
+        let mut chunk = [0u8; 16 * 1024];
+        loop {
+            // Whole frames from the front of `buf`.
+            while buf.len() >= 9 {
+                let len =
+                    usize::from(buf[0]) << 16 | usize::from(buf[1]) << 8 | usize::from(buf[2]);
+                if buf.len() < 9 + len {
+                    break;
+                }
+                if buf[3] == 7 && len >= 8 {
+                    return Some(u32::from_be_bytes(buf[13..17].try_into().unwrap()));
+                }
+                buf.drain(..9 + len);
+            }
+            match read.read(&mut chunk).await {
+                Ok(0) | Err(_) => return None,
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            }
+        }
+    })
+    .await
+    .unwrap_or(None);
+    writer.abort();
+    goaway
+}
+
+/// ENHANCE_YOUR_CALM, h2's GOAWAY code for a rapid-reset flood.
+const ENHANCE_YOUR_CALM: u32 = 0xb;
+
+/// CVE-2023-44487: a connection that opens streams and resets them before the server takes
+/// them is ended (GOAWAY `ENHANCE_YOUR_CALM`) on either gRPC listener (past 64 given up
+/// before they are taken on the agent listener, 20 on the admin one).
+#[tokio::test]
+async fn a_rapid_reset_flood_from_one_connection_is_ended_with_goaway_on_both_listeners() {
+    let (_dir, cfg) = with_file(V1);
+    let running = start(cfg).await.unwrap();
+    for addr in [running.agent_addr, running.admin_addr] {
+        let code = rapid_reset_flood(addr, 50_000, Duration::from_secs(20)).await;
+        assert_eq!(
+            code,
+            Some(ENHANCE_YOUR_CALM),
+            "{addr}: 50,000 streams opened and reset at once did not end the connection"
+        );
+    }
+    running.shutdown().await.unwrap();
+}
+
+/// The same flood where the operator raised `--max-streams-per-connection` for an HTTP/2
+/// proxy carrying many agents (README: "raise it when an HTTP/2 proxy carries many agents
+/// over one connection"): the rapid-reset guard should still end the connection, on the
+/// admin listener (no proxy of agents there) at the least.
+#[tokio::test]
+async fn a_rapid_reset_flood_is_ended_with_goaway_when_the_streams_per_connection_are_raised() {
+    let (_dir, cfg) = with_file(V1);
+    let cfg = ServeConfig {
+        max_streams_per_connection: 1_000_000,
+        ..cfg
+    };
+    let running = start(cfg).await.unwrap();
+    let mut kept = Vec::new();
+    for addr in [running.agent_addr, running.admin_addr] {
+        let code = rapid_reset_flood(addr, 50_000, Duration::from_secs(20)).await;
+        if code != Some(ENHANCE_YOUR_CALM) {
+            kept.push((addr, code));
+        }
+    }
+    running.shutdown().await.unwrap();
+    assert!(
+        kept.is_empty(),
+        "50,000 streams opened and reset at once on one connection were all taken, the \
+         connection kept (GOAWAY code seen: {kept:?}), agent listener first then admin"
+    );
+}
+
+/// A flood paced in bursts of 100 streams opened and reset, 20 ms apart (5,000 streams a
+/// second, for two seconds), on a control plane with the default settings, is ended at the
+/// first burst (a guard that grew with `--max-streams-per-connection`, 1,024, let every burst
+/// through, however long the flood went on).
+#[tokio::test]
+async fn a_rapid_reset_flood_in_bursts_under_the_streams_per_connection_is_still_ended() {
+    let (_dir, cfg) = with_file(V1);
+    let running = start(cfg).await.unwrap();
+    let addr = running.agent_addr;
+    let code = paced_rapid_reset_flood(
+        addr,
+        10_000,
+        100,
+        Duration::from_millis(20),
+        Duration::from_secs(8),
+    )
+    .await;
+    running.shutdown().await.unwrap();
+    assert_eq!(
+        code,
+        Some(ENHANCE_YOUR_CALM),
+        "10,000 streams opened and reset in bursts of 100 on one connection were all taken"
+    );
+}
