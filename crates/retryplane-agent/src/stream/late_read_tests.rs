@@ -80,6 +80,18 @@ impl Plane {
         Plane { addr, events }
     }
 
+    /// [`Plane::start`] on `addr` (a port the test held and let go, where nothing listened).
+    async fn start_at(addr: std::net::SocketAddr) -> Plane {
+        let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
+        let (tx, events) = mpsc::unbounded_channel();
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(AgentServiceServer::new(Scripted(tx)))
+                .serve_with_incoming(TcpListenerStream::new(listener)),
+        );
+        Plane { addr, events }
+    }
+
     async fn next(&mut self) -> Event {
         tokio::time::timeout(WAIT, self.events.recv())
             .await
@@ -502,4 +514,51 @@ async fn a_cache_read_that_never_ends_leaves_the_file_alone_and_is_warned_of_onc
     let warned: Vec<&str> = text.lines().filter(|l| l.contains(" WARN ")).collect();
     assert_eq!(warned.len(), 1, "{text}");
     assert!(warned[0].contains("could not be read in time"), "{text}");
+}
+
+#[tokio::test]
+async fn fallback_calls_before_a_cache_read_late_between_streams_are_under_version_0() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("agent.cache");
+    write_cache(&path, &snapshot(3, 4, 250));
+    // Nothing listens at the control plane's address yet: the agent reconnects on its backoff.
+    let addr = {
+        let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        held.local_addr().unwrap()
+    };
+    let (release, stall) = slow_disk();
+    let agent = agent(addr, &path, stall);
+    call(&agent).await;
+    assert_eq!(agent.policies().source(), Source::Fallback);
+
+    // The read ends while no stream is up: the cache is put in force between tries.
+    release.send(()).unwrap();
+    eventually("the cached policies are in force", || {
+        agent.policies().source() == Source::Cache
+    })
+    .await;
+    assert_eq!(agent.policies().version(), 3);
+
+    // The control plane comes up. The call was made on the fallback (version 0): it is
+    // reported under version 0, as it is when the read ends while a stream is up.
+    let mut plane = Plane::start_at(addr).await;
+    let (to_agent, hello) = plane.opened().await;
+    assert_eq!(hello.last_applied_version, 3);
+    let mut by_version = std::collections::BTreeMap::<u64, u64>::new();
+    tokio::time::timeout(WAIT, async {
+        while by_version.values().sum::<u64>() < 1 {
+            if let Event::Message(Kind::Metrics(report)) = plane.next().await {
+                let calls: u64 = report.endpoints.iter().map(|e| e.calls).sum();
+                *by_version.entry(report.policy_version).or_default() += calls;
+            }
+        }
+    })
+    .await
+    .expect("the call is reported (the cached interval is 250 ms)");
+    assert_eq!(
+        by_version,
+        [(0, 1)].into(),
+        "calls per reported version: the call made on the fallback is credited to it"
+    );
+    plane.shut_down(agent, to_agent).await;
 }

@@ -383,6 +383,7 @@ async fn sessions(
                 () = &mut sleep => break,
                 // No stream to tell: the next one's Hello says the version in force.
                 Some(cached) = late_cache(&mut late) => {
+                    hold_fallback_counts(shared, &mut window_start, &mut outbox);
                     put_late_cache_in_force(shared, cached, &mut next_report);
                 }
             }
@@ -460,6 +461,7 @@ async fn session(
             c = &mut connecting => break c,
             // The Hello is not made yet: it will say the version in force.
             Some(cached) = late_cache(late) => {
+                hold_fallback_counts(shared, window_start, outbox);
                 put_late_cache_in_force(shared, cached, next_report);
             }
         }
@@ -857,6 +859,17 @@ fn report_fill(shared: &Shared, (start, end): (u64, u64)) -> impl FnMut(&mut pb:
 /// The version of the policies in force.
 fn version_in_force(shared: &Shared) -> u64 {
     shared.policies.load().version()
+}
+
+/// With no stream up, as a cache read late is about to replace the fallback policies: the
+/// counts made on them are held as a report of their version (see [`Outbox::hold`]), to go out
+/// on the next stream before the counts made on the cache's.
+fn hold_fallback_counts(shared: &Shared, window_start: &mut Instant, outbox: &mut Outbox) {
+    if shared.policies.load().source() == Source::Fallback {
+        let (bounds, end) = window(*window_start);
+        outbox.hold(&shared.metrics, report_fill(shared, bounds));
+        *window_start = end;
+    }
 }
 
 /// [`send_metrics`] as the policies in force are about to be replaced: every count in the

@@ -55,7 +55,9 @@ pub(crate) struct Outbox {
     next_seq: u64,
     pending: VecDeque<pb::MetricsReport>,
     /// Reports of counts made under policies no longer in force, filled in (version and span)
-    /// and not yet queued, oldest first: they go out before the counters' counts.
+    /// and not yet queued, oldest first: they go out before the counters' counts. One taken
+    /// back from a refused report keeps its old seq until it is queued again (see
+    /// [`Outbox::hold_report`]).
     held: VecDeque<pb::MetricsReport>,
     /// Set at shutdown ([`Outbox::closing`]): the window no longer holds reports back.
     closing: bool,
@@ -216,15 +218,26 @@ impl Outbox {
                 ..Default::default()
             };
             fill(&mut report);
+            report.seq = 0;
             self.hold_report(registry, report);
         }
     }
 
-    /// Holds `report` (filled in, its seq cleared) after the others; past [`HELD`], the oldest
-    /// held report's counts go into `registry`.
-    fn hold_report(&mut self, registry: &Registry, mut report: pb::MetricsReport) {
-        report.seq = 0;
-        self.held.push_back(report);
+    /// Holds `report` (filled in) in the order its counts were taken: one taken back from a
+    /// report sent before (its seq kept until it is queued again) before any held since, in
+    /// seq order (whatever was held before it was sent went out before it: held reports go
+    /// first, oldest first); one taken from the counters now (seq 0) after all. Past
+    /// [`HELD`], the oldest held report's counts go into `registry`.
+    fn hold_report(&mut self, registry: &Registry, report: pb::MetricsReport) {
+        let at = if report.seq == 0 {
+            self.held.len()
+        } else {
+            self.held
+                .iter()
+                .position(|h| h.seq == 0 || h.seq > report.seq)
+                .unwrap_or(self.held.len())
+        };
+        self.held.insert(at, report);
         while self.held.len() > HELD {
             if let Some(oldest) = self.held.pop_front() {
                 debug!(
@@ -491,6 +504,183 @@ mod tests {
         }
         let made: u64 = (1..=HELD as u64 + 2).sum();
         assert_eq!(total, made, "every count went out once");
+    }
+
+    /// The module's docs: held reports go out "before any newer counts", oldest first. A held
+    /// report sent and then refused goes back behind the reports held after it, and so its
+    /// counts (version 1's) go out after version 2's, and are the first to go into the
+    /// counters past [`HELD`] no longer as the oldest.
+    #[test]
+    fn a_refused_held_report_goes_out_again_before_the_later_versions_held_after_it() {
+        let r = Registry::default();
+        let mut o = Outbox::default();
+        let (tx, mut rx) = mpsc::channel(64);
+        for seq in 1..=WINDOW as u64 {
+            count_calls(&r, 1);
+            assert_eq!(o.send(&r, &tx, true, under(1)), Ok(seq));
+        }
+        // Version 2 replaces version 1, then version 3 version 2, the window full each time.
+        count_calls(&r, 5);
+        o.hold(&r, under(1));
+        count_calls(&r, 7);
+        o.hold(&r, under(2));
+        assert_eq!(o.held_versions(), [1, 2]);
+        sent_with_versions(&mut rx);
+        // One place: version 1's held report takes it (seq 9); refused once version 3 is in
+        // force.
+        o.ack(&r, 1, false, 3);
+        assert_eq!(o.send(&r, &tx, true, under(3)), Err(NotSent::WindowFull));
+        assert_eq!(sent_with_versions(&mut rx), [(9, 1, 5)]);
+        o.ack(&r, 9, true, 3);
+        assert_eq!(
+            o.held_versions(),
+            [1, 2],
+            "version 1's counts were made before version 2's: still held first"
+        );
+        for seq in 2..=WINDOW as u64 {
+            o.ack(&r, seq, false, 3);
+        }
+        o.send(&r, &tx, true, under(3)).unwrap();
+        let versions: Vec<u64> = sent_with_versions(&mut rx).iter().map(|s| s.1).collect();
+        assert_eq!(versions, [1, 2], "oldest first");
+    }
+
+    #[test]
+    fn reports_refused_in_any_order_are_held_in_the_order_they_were_sent_before_later_ones() {
+        let r = Registry::default();
+        let mut o = Outbox::default();
+        let (tx, mut rx) = mpsc::channel(64);
+        count_calls(&r, 1);
+        o.hold(&r, under(1));
+        count_calls(&r, 2);
+        o.hold(&r, under(2));
+        assert_eq!(o.send(&r, &tx, true, under(3)), Ok(2));
+        assert_eq!(sent_with_versions(&mut rx), [(1, 1, 1), (2, 2, 2)]);
+        count_calls(&r, 4);
+        o.hold(&r, under(3));
+        // Refused last first, once version 4 is in force.
+        o.ack(&r, 2, true, 4);
+        o.ack(&r, 1, true, 4);
+        assert_eq!(o.held_versions(), [1, 2, 3]);
+        assert_eq!(o.send(&r, &tx, true, under(4)), Ok(5));
+        assert_eq!(
+            sent_with_versions(&mut rx),
+            [(3, 1, 1), (4, 2, 2), (5, 3, 4)]
+        );
+    }
+
+    /// Every count made goes out exactly once, under the version it was made under, through
+    /// random runs of calls, reports, swaps (as `send_or_hold` does them), acks, refusals
+    /// (`dropped`), a stream without room, and streams lost and opened again to a control
+    /// plane that acknowledges (resending what waits), with fewer swaps than [`HELD`].
+    #[test]
+    fn through_swaps_refusals_and_lost_streams_every_count_is_credited_once_to_its_version() {
+        use std::collections::{BTreeMap, HashSet};
+        for run in 0..300u64 {
+            let mut rng = run.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+            let mut next = move |n: u64| {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                rng % n
+            };
+            let r = Registry::default();
+            let mut o = Outbox::default();
+            let (mut tx, mut rx) = mpsc::channel(3);
+            let mut version = 1;
+            let mut made: BTreeMap<u64, u64> = BTreeMap::new();
+            let mut credited: BTreeMap<u64, u64> = BTreeMap::new();
+            // The control plane: seqs it counted, and its answers not yet read by the agent.
+            let mut counted: HashSet<u64> = HashSet::new();
+            let mut answers: Vec<(u64, bool)> = Vec::new();
+            let mut log = Vec::new();
+            let read = |rx: &mut mpsc::Receiver<pb::AgentMessage>,
+                        answers: &mut Vec<(u64, bool)>,
+                        counted: &mut HashSet<u64>,
+                        credited: &mut BTreeMap<u64, u64>,
+                        drop_one_in: u64| {
+                while let Ok(m) = rx.try_recv() {
+                    let Some(Kind::Metrics(report)) = m.kind else {
+                        continue;
+                    };
+                    let calls: u64 = report.endpoints.iter().map(|e| e.calls).sum();
+                    if counted.contains(&report.seq) {
+                        answers.push((report.seq, false));
+                    } else if drop_one_in > 0 && next_drop(report.seq, drop_one_in) {
+                        answers.push((report.seq, true));
+                    } else {
+                        counted.insert(report.seq);
+                        *credited.entry(report.policy_version).or_default() += calls;
+                        answers.push((report.seq, false));
+                    }
+                }
+            };
+            fn next_drop(seq: u64, one_in: u64) -> bool {
+                seq.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 60 < 16 / one_in
+            }
+            let mut swaps = 0;
+            for _ in 0..200 {
+                match next(9) {
+                    0 | 1 => {
+                        let n = 1 + next(5);
+                        count_calls(&r, n);
+                        *made.entry(version).or_default() += n;
+                        log.push(format!("count {n} v{version}"));
+                    }
+                    2 => {
+                        let s = o.send(&r, &tx, true, under(version));
+                        log.push(format!("send {s:?}"));
+                    }
+                    3 if swaps < HELD as u64 - 2 => {
+                        let s = o.send(&r, &tx, true, under(version));
+                        o.hold(&r, under(version));
+                        version += 1;
+                        swaps += 1;
+                        log.push(format!("swap to v{version} (send {s:?})"));
+                    }
+                    4 | 5 => {
+                        read(&mut rx, &mut answers, &mut counted, &mut credited, 3);
+                        log.push("plane reads".into());
+                    }
+                    6 => {
+                        let k = next(answers.len() as u64 + 1) as usize;
+                        for (seq, dropped) in answers.drain(..k.min(answers.len())) {
+                            o.ack(&r, seq, dropped, version);
+                            log.push(format!("ack {seq} dropped={dropped}"));
+                        }
+                    }
+                    7 => {
+                        // The stream is lost: what it carried was read, its answers are not.
+                        read(&mut rx, &mut answers, &mut counted, &mut credited, 3);
+                        answers.clear();
+                        let (t, x) = mpsc::channel(WINDOW + 1);
+                        (tx, rx) = (t, x);
+                        assert!(o.resend(&tx));
+                        log.push("stream lost; resent".into());
+                    }
+                    _ => {}
+                }
+            }
+            // The control plane takes everything from now on.
+            for _ in 0..200 {
+                let _ = o.send(&r, &tx, true, under(version));
+                read(&mut rx, &mut answers, &mut counted, &mut credited, 0);
+                for (seq, dropped) in answers.drain(..) {
+                    o.ack(&r, seq, dropped, version);
+                }
+                if o.pending_seqs().is_empty() && o.held_versions().is_empty() {
+                    break;
+                }
+            }
+            let _ = o.send(&r, &tx, true, under(version));
+            read(&mut rx, &mut answers, &mut counted, &mut credited, 0);
+            assert_eq!(
+                credited,
+                made,
+                "run {run}: counts credited per version vs made\n{}",
+                log.join("\n")
+            );
+        }
     }
 
     #[test]
