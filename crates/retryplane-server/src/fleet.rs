@@ -488,9 +488,13 @@ impl Fleet {
 
     /// Registers a stream from `hello` that authenticated with `token` (`None` without a tokens
     /// file), replacing any earlier stream of the same agent id and token; an id connected with
-    /// another token is refused. A token is the same when its name or its secret is: a reload
-    /// that renames a token, or one that gives it a new secret, does not lock its own agents
-    /// out while their old streams are still open. `current` is the version the control plane
+    /// another token is refused. A token is the same when its secret is, or its name is the
+    /// name the held stream's secret has in the tokens in force (`token.in_force`; the name it
+    /// registered with once its secret is gone): a reload that renames a token, or one that
+    /// gives its name a new secret and drops the old one, does not lock its own agents out
+    /// while their old streams are still open. One that keeps the old secret under another
+    /// name makes two tokens, which the fleet cannot tell from a name given to another team's
+    /// token: the new secret's agents wait for their old streams to end. `current` is the version the control plane
     /// serves now and its content hash (`None` before the first one): a Hello with a content
     /// hash that names that version's number with
     /// another hash, or a higher number (the agent ran on a control plane whose store was since
