@@ -476,11 +476,15 @@ impl AgentBuilder {
     /// fallback policy (the control plane sent none meanwhile). With a stream open, the counts
     /// made on the fallback are reported first, under its version, and the stream is then
     /// reopened at once so that the control plane learns the version in force. (Without one,
-    /// they go out with the first report after the next connect, under the cached version.) Nothing is written to the path
-    /// before the read has ended and found the file the agent's own: a read that never ends
-    /// leaves it alone for the run. A path that is a link to a cache is read through, and
-    /// replaced by the file at the first write (never written through): give the file's own
-    /// path.
+    /// they are held under the fallback's version and go out first on the next stream.)
+    /// Nothing is written to the path before the read has ended and found the file the
+    /// agent's own: a read that never ends leaves it alone for the run. A path that is a link
+    /// to a cache is read through, and replaced by the file at the first write (never written
+    /// through): give the file's own path. A write that fails (a full or missing volume) is
+    /// warned of and tried again, 1 s later and then twice as long each time up to a minute,
+    /// until it is done or a newer snapshot replaces it; a temporary file that an interrupted
+    /// write left beside the cache (the process killed mid-write) is removed by a later write
+    /// once it is 10 minutes old.
     pub fn cache_file(mut self, path: impl Into<PathBuf>) -> Self {
         self.cache_file = Some(path.into());
         self

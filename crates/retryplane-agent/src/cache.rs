@@ -86,10 +86,9 @@ pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| "cache".to_owned());
+    let prefix = format!(".{name}.tmp-");
     // Removed when dropped, so a failed write leaves nothing behind.
-    let mut tmp = tempfile::Builder::new()
-        .prefix(&format!(".{name}.tmp-"))
-        .tempfile_in(dir)?;
+    let mut tmp = tempfile::Builder::new().prefix(&prefix).tempfile_in(dir)?;
     tmp.write_all(bytes)?;
     tmp.as_file().sync_all()?;
     tmp.persist(path).map_err(|e| e.error)?;
@@ -97,7 +96,39 @@ pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     if let Ok(d) = std::fs::File::open(dir) {
         let _ = d.sync_all();
     }
+    remove_left_temporaries(dir, &prefix, LEFT_AFTER);
     Ok(())
+}
+
+/// How old a temporary file of a cache write must be to be taken for one an interrupted write
+/// left (a write takes milliseconds; one that hangs that long on its disk is not coming back).
+const LEFT_AFTER: Duration = Duration::from_secs(10 * 60);
+
+/// Removes the temporary files of cache writes in `dir` (named `prefix…`, regular files) last
+/// modified over `older_than` ago: what a write left when its process was killed, or the host
+/// lost power, between creating one and renaming it over the cache. Each is up to a cache's
+/// size, and nothing else removes them. Best effort: what cannot be read or removed is left.
+fn remove_left_temporaries(dir: &Path, prefix: &str, older_than: Duration) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let now = std::time::SystemTime::now();
+    for entry in entries.flatten() {
+        if !entry.file_name().to_string_lossy().starts_with(prefix) {
+            continue;
+        }
+        let Ok(meta) = entry.path().symlink_metadata() else {
+            continue;
+        };
+        let old = meta
+            .modified()
+            .ok()
+            .and_then(|at| now.duration_since(at).ok())
+            .is_some_and(|age| age > older_than);
+        if meta.is_file() && old && std::fs::remove_file(entry.path()).is_ok() {
+            info!(file = %entry.path().display(), "removed the temporary file of an interrupted policy cache write");
+        }
+    }
 }
 
 /// What a valid cache file gives back.
@@ -453,6 +484,41 @@ fn decode(bytes: &[u8]) -> Result<Cached, Unusable> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_write_removes_temporary_files_interrupted_writes_left_and_nothing_else() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agent.cache");
+        let aged = |name: &str, secs: u64| {
+            let p = dir.path().join(name);
+            std::fs::write(&p, b"part").unwrap();
+            let at = std::time::SystemTime::now() - Duration::from_secs(secs);
+            std::fs::File::options()
+                .write(true)
+                .open(&p)
+                .unwrap()
+                .set_modified(at)
+                .unwrap();
+            p
+        };
+        let left = aged(".agent.cache.tmp-Ab12Cd", 3600);
+        let in_progress = aged(".agent.cache.tmp-Ef34Gh", 5);
+        let other_cache = aged(".other.cache.tmp-Ij56Kl", 3600);
+        let unrelated = aged("notes.txt", 3600);
+        let a_dir = dir.path().join(".agent.cache.tmp-dir");
+        std::fs::create_dir(&a_dir).unwrap();
+        write_atomic(&path, b"snapshot").unwrap();
+        assert!(
+            !left.exists(),
+            "an hour-old temporary file of this cache is removed"
+        );
+        assert!(
+            in_progress.exists(),
+            "a young one may be another process's write"
+        );
+        assert!(other_cache.exists() && unrelated.exists() && a_dir.exists());
+        assert_eq!(std::fs::read(&path).unwrap(), b"snapshot");
+    }
 
     /// [`load`], waiting long enough for any disk that answers.
     fn in_time(path: &Path) -> Result<Option<Cached>, Foreign> {

@@ -150,3 +150,112 @@ async fn a_damaged_cache_file_of_the_agents_own_is_replaced_by_the_next_snapshot
     assert_eq!(attempts_of(&restarted).await, 2);
     restarted.shutdown().await;
 }
+
+/// A cache write that never finished (the agent killed, or the host losing power, between
+/// creating its temporary file beside the cache file and renaming it over the cache) leaves
+/// that temporary file, `.agent.cache.tmp-*`, up to the size of a cache (16 MiB). No agent ever
+/// removes one: each such interruption adds another, for good, on the volume the cache is kept
+/// on, until that volume is full and no cache can be written at all. (The control plane, in
+/// the same case, deletes what an interrupted first start left once it is a minute old and no
+/// process holds it.) An hour-old leftover of the agent's own naming is still there after a
+/// run that wrote the cache.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_temporary_cache_file_an_interrupted_write_left_is_removed() {
+    const HEADER: &[u8] = b"retryplane agent policy cache 1\n";
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("agent.cache");
+    // What a write killed half-way leaves: the header and part of a snapshot.
+    let leftover = dir.path().join(".agent.cache.tmp-Ab12Cd");
+    let part = snapshot(6, 3).encode_to_vec();
+    std::fs::write(&leftover, [HEADER, &part[..part.len() / 2]].concat()).unwrap();
+    let an_hour_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(3600);
+    std::fs::File::options()
+        .write(true)
+        .open(&leftover)
+        .unwrap()
+        .set_modified(an_hour_ago)
+        .unwrap();
+
+    let mut script = Script::start().await;
+    let agent = agent(&script, &cache);
+    let (to_agent, _) = script.reconnected().await;
+    send(&to_agent, &snapshot(8, 2)).await;
+    match script.reply().await {
+        Kind::Ack(ack) => assert_eq!(ack.version, 8),
+        other => panic!("expected Ack v8, got {other:?}"),
+    }
+    // Shutdown waits for the cache writes asked for.
+    script.shut_down(agent, to_agent).await;
+    assert!(std::fs::read(&cache).unwrap().starts_with(HEADER));
+    assert!(
+        !leftover.exists(),
+        "the temporary file of an interrupted cache write is still there: {:?}",
+        std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect::<Vec<_>>()
+    );
+}
+
+/// A cache write that fails for a while (the cache's volume full until its logs are rotated,
+/// the volume briefly gone) is never tried again: the cache file keeps the version before
+/// until the control plane publishes another one, which may be weeks later. Here the agent
+/// runs on version 8, the disk takes writes again, the stream even reconnects (the agent is up
+/// to date, so nothing is sent to it), and a restart while the control plane is unreachable
+/// still starts on version 7. The failure is stood in for by the cache's directory moved aside
+/// during the write and put back after it (the cache file, with version 7, in it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cache_write_that_failed_is_done_once_the_disk_takes_writes_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache_dir = dir.path().join("cache");
+    let aside = dir.path().join("cache.aside");
+    std::fs::create_dir(&cache_dir).unwrap();
+    let cache = cache_dir.join("agent.cache");
+    // Version 7, as an earlier run cached it.
+    std::fs::write(&cache, snapshot(7, 4).encode_to_vec()).unwrap();
+
+    let mut script = Script::start().await;
+    let agent = agent(&script, &cache);
+    assert_eq!(agent.policies().version(), 7);
+    let (to_agent, _) = script.reconnected().await;
+    // The write of version 8 fails.
+    std::fs::rename(&cache_dir, &aside).unwrap();
+    send(&to_agent, &snapshot(8, 2)).await;
+    match script.reply().await {
+        Kind::Ack(ack) => assert_eq!(ack.version, 8),
+        other => panic!("expected Ack v8, got {other:?}"),
+    }
+    // The ACK goes out once the write is done (failed, here), within the agent's 1 s bound.
+    assert_eq!(attempts_of(&agent).await, 2, "version 8 is in force");
+    // The disk takes writes again.
+    std::fs::rename(&aside, &cache_dir).unwrap();
+    // A reconnect: the agent is up to date, nothing is sent.
+    drop(to_agent);
+    let (to_agent, hello) = script.reconnected().await;
+    assert_eq!(hello.last_applied_version, 8);
+    // Up to 10 s for any retry of the write.
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    while tokio::time::Instant::now() < deadline {
+        let bytes = std::fs::read(&cache).unwrap_or_default();
+        if bytes != snapshot(7, 4).encode_to_vec() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    script.shut_down(agent, to_agent).await;
+
+    // A restart with no control plane.
+    let nothing = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = nothing.local_addr().unwrap();
+    drop(nothing);
+    let restarted = support::plane::agent(addr, "a", Some(&cache));
+    let p = restarted.policies();
+    let started_on = (p.source(), p.version());
+    restarted.shutdown().await;
+    assert_eq!(
+        started_on,
+        (Source::Cache, 8),
+        "the restart should start on version 8, which was in force, not on the version the \
+         cache held before its write failed"
+    );
+}

@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 /// How a cache file is written (the agent's own [`crate::cache::write_atomic`]; tests hand
 /// in one that stands for a hung disk).
@@ -142,25 +142,46 @@ async fn write_newest(
                 }
                 return;
             }
-            Some(true) => {
-                // The newest bytes asked for while the gate was shut.
-                let asked = newest.borrow_and_update().clone();
-                if let (number, Some(bytes)) = asked {
-                    write_one(&path, bytes, write).await;
-                    done.send_replace(number);
-                }
-            }
+            Some(true) => {}
         }
     }
-    // `changed` still reports bytes sent just before the sender was dropped.
-    while newest.changed().await.is_ok() {
-        let (number, Some(bytes)) = newest.borrow_and_update().clone() else {
-            continue;
+    // A write that failed (a full or missing volume) is tried again, `RETRY_FIRST` later and
+    // twice as long each time after, up to `RETRY_MAX`, until it is done or newer bytes
+    // replace it: else the file would keep an older version until the control plane
+    // publishes another, and a restart without it would run that.
+    let mut failed: Option<(Arc<[u8]>, Duration)> = None;
+    // The newest bytes asked for while the gate was shut, if it was.
+    let mut asked = newest.borrow_and_update().clone();
+    loop {
+        if let (number, Some(bytes)) = std::mem::take(&mut asked) {
+            let ok = write_one(&path, Arc::clone(&bytes), write, failed.is_some()).await;
+            done.send_replace(number);
+            failed = (!ok).then_some((bytes, RETRY_FIRST));
+        }
+        let retry = failed.as_ref().map(|(_, after)| *after);
+        // `changed` still reports bytes sent just before the sender was dropped.
+        asked = tokio::select! {
+            changed = newest.changed() => match changed {
+                Ok(()) => newest.borrow_and_update().clone(),
+                Err(_) => return,
+            },
+            () = tokio::time::sleep(retry.unwrap_or_default()), if retry.is_some() => {
+                let Some((bytes, after)) = failed.take() else { continue };
+                if write_one(&path, Arc::clone(&bytes), write, true).await {
+                    info!(file = %path.display(), "policy cache written after failing");
+                } else {
+                    failed = Some((bytes, (after * 2).min(RETRY_MAX)));
+                }
+                continue;
+            }
         };
-        write_one(&path, bytes, write).await;
-        done.send_replace(number);
     }
 }
+
+/// When a failed cache write is first tried again.
+const RETRY_FIRST: Duration = Duration::from_secs(1);
+/// The longest wait between tries of a failed cache write.
+const RETRY_MAX: Duration = Duration::from_secs(60);
 
 /// Waits for `gate`; meanwhile each write asked for counts as done at once, its bytes left in
 /// `newest` (the newest replacing the others). `None` when the channel closes with no bytes
@@ -187,8 +208,9 @@ async fn wait_for(
     }
 }
 
-/// Writes `bytes` to `path`, logged.
-async fn write_one(path: &Path, bytes: Arc<[u8]>, write: WriteFn) {
+/// Writes `bytes` to `path`; whether it was written. A failure is logged at warn, or at debug
+/// when `again` (a retry of a failed write, which was warned of).
+async fn write_one(path: &Path, bytes: Arc<[u8]>, write: WriteFn, again: bool) -> bool {
     let shown = path.display().to_string();
     let at = path.to_owned();
     // A thread of its own, not tokio's blocking pool: a runtime joins its blocking threads
@@ -200,15 +222,24 @@ async fn write_one(path: &Path, bytes: Arc<[u8]>, write: WriteFn) {
         .spawn(move || {
             let _ = result_tx.send(write(&at, &bytes));
         });
-    match spawned {
-        Err(e) => warn!(file = %shown, error = %e, "cannot start the policy cache writer"),
+    let error = match spawned {
+        Err(e) => format!("cannot start the policy cache writer: {e}"),
         Ok(_detached) => match result.await {
-            Ok(Ok(())) => debug!(file = %shown, "policy cache written"),
-            Ok(Err(e)) => warn!(file = %shown, error = %e, "cannot write the policy cache"),
+            Ok(Ok(())) => {
+                debug!(file = %shown, "policy cache written");
+                return true;
+            }
+            Ok(Err(e)) => e.to_string(),
             // The write panicked.
-            Err(_) => warn!(file = %shown, "the policy cache writer failed"),
+            Err(_) => "the writer failed".to_owned(),
         },
+    };
+    if again {
+        debug!(file = %shown, %error, "cannot write the policy cache yet; trying again later");
+    } else {
+        warn!(file = %shown, %error, "cannot write the policy cache; trying again later");
     }
+    false
 }
 
 #[cfg(test)]
@@ -259,6 +290,52 @@ mod tests {
             let writes: Vec<Vec<u8>> = if ours { vec![b"v2".to_vec()] } else { vec![] };
             assert_eq!(recorded(&path), writes, "ours: {ours}");
         }
+    }
+
+    /// Tries of `failing_twice`, which fails its first two.
+    static TRIES: Mutex<Vec<Vec<u8>>> = Mutex::new(Vec::new());
+
+    fn failing_twice(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+        let mut tries = TRIES.lock().unwrap();
+        tries.push(bytes.to_vec());
+        if tries.len() <= 2 {
+            return Err(std::io::Error::other("no space left on device"));
+        }
+        crate::cache::write_atomic(path, bytes)
+    }
+
+    /// A write that fails is tried again after a pause (1 s, then 2 s) until it is done; the
+    /// stream is not kept waiting for it meanwhile; newer bytes replace it.
+    // Real time: each write runs on a thread of its own, which paused time would not wait for.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_failed_write_is_tried_again_until_it_is_done() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agent.cache");
+        let writer = CacheWriter::start_with(path.clone(), failing_twice, None);
+        let v1 = writer.write(b"v1".to_vec());
+        assert!(
+            writer.written(v1, WAIT).await,
+            "a failed write is waited for once"
+        );
+        assert!(!path.exists());
+        let started = tokio::time::Instant::now();
+        tokio::time::timeout(WAIT, async {
+            while std::fs::read(&path).ok().as_deref() != Some(&b"v1"[..]) {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+        .await
+        .expect("written once the disk takes writes");
+        assert!(
+            started.elapsed() >= Duration::from_secs(3),
+            "{:?}",
+            started.elapsed()
+        );
+        assert_eq!(
+            *TRIES.lock().unwrap(),
+            [b"v1".to_vec(), b"v1".to_vec(), b"v1".to_vec()]
+        );
+        writer.finish(WAIT).await;
     }
 
     /// Every write `recording_write` did: where, and what.
