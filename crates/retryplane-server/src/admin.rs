@@ -332,13 +332,21 @@ fn change_status(e: ChangeError, file_mode: bool) -> Status {
         ChangeError::Store(StoreError::NoSuchVersion { version }) => {
             Status::not_found(format!("version {version} does not exist"))
         }
-        // A commit can fail after it reached the disk, and the control plane then serves it
-        // (at once, or once it can read the store again): the caller is not told "not applied".
+        // The store, read back after the failure, does not hold the change: the caller is told
+        // so, and why (a full disk, a store file replaced under the control plane).
         ChangeError::Store(e) => {
-            error!(error = %ErrorChain(&e), "admin change failed in the version store");
-            Status::internal(
-                "the version store failed (see the control plane's log); the change may still have been stored: `retryplane history` shows what is",
-            )
+            error!(error = %ErrorChain(&e), "admin change failed in the version store; not stored");
+            Status::internal(format!("the change was not stored: {}", ErrorChain(&e)))
+        }
+        // A commit can fail after it reached the disk, and the control plane then serves it
+        // (once it can read the store again): the caller is not told "not applied".
+        ChangeError::StoreUncertain(e) => {
+            error!(error = %ErrorChain(&e), "admin change failed in the version store, which could not be read back");
+            Status::internal(format!(
+                "the version store failed ({}) and could not be read back: the change may still \
+                 have been stored: `retryplane history` shows what is",
+                ErrorChain(&e)
+            ))
         }
         ChangeError::Unfinished(why) => {
             error!(error = %why, "an admin change's check did not finish");

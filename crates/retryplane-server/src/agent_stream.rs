@@ -442,6 +442,9 @@ impl AgentStreamService {
                 }
             })?;
         info!(agent = %OneLine(&hello.agent_id), service = %OneLine(&hello.service), version = hello.last_applied_version, "agent connected");
+        if let Some(served) = registration.never_held {
+            warn!(agent = %OneLine(&hello.agent_id), version = hello.last_applied_version, served, "an agent runs a version this control plane's store never reached: the store was reset or its file lost (a volume not mounted?); agents are sent the version served. Said once for the version served");
+        }
         #[cfg(test)]
         if let Some(Hook(hook)) = &self.ctx.after_register {
             hook();

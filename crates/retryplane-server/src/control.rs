@@ -114,10 +114,16 @@ pub enum ChangeError {
         /// What is current.
         current: u64,
     },
-    /// The store failed; its message and causes are the store error's own, so a log line or a
-    /// start-up error that prints the chain ([`crate::ErrorChain`]) says what the disk said.
+    /// The store failed and the change was not stored; its message and causes are the store
+    /// error's own, so a log line or a start-up error that prints the chain
+    /// ([`crate::ErrorChain`]) says what the disk said.
     #[error(transparent)]
     Store(StoreError),
+    /// The store failed while writing the change, and could not be read back to see whether
+    /// the change was stored: it may have been (what is stored is published once the store
+    /// can be read again).
+    #[error(transparent)]
+    StoreUncertain(StoreError),
     /// The change's validation and diff (run on a blocking thread) did not finish: the task
     /// panicked or the runtime is shutting down. Nothing was stored.
     #[error("the change's check did not finish: {0}")]
@@ -561,7 +567,7 @@ type ConvertedNew = (
 impl Commit {
     /// Stores the new version and, if it is new, publishes it; returns the version now current
     /// and whether it is new.
-    async fn run(self) -> Result<(VersionRecord, bool), StoreError> {
+    async fn run(self) -> Result<(VersionRecord, bool), ChangeError> {
         let Commit {
             store,
             fanout,
@@ -585,15 +591,19 @@ impl Commit {
             )
             .await
             {
-                Some(record) => {
+                AfterFailure::Stored(record) => {
                     warn!(
                         version = record.meta.version,
                         error = %error,
                         "the store reported an error, but the new version was stored"
                     );
-                    Published::New(record)
+                    Published::New(*record)
                 }
-                None => return Err(error),
+                // A conflict was refused before anything was written.
+                AfterFailure::Unknown if !matches!(error, StoreError::Conflict { .. }) => {
+                    return Err(ChangeError::StoreUncertain(error));
+                }
+                AfterFailure::NotStored | AfterFailure::Unknown => return Err(error.into()),
             },
         };
         let (record, changed) = match published {
@@ -647,22 +657,22 @@ async fn committed_anyway(
     fanout: &Fanout,
     hash: &str,
     changes: &Arc<Mutex<()>>,
-) -> Option<VersionRecord> {
+) -> AfterFailure {
     let reader = store.clone();
     let current = tokio::task::spawn_blocking(move || reader.current()).await;
     match current {
         Ok(Ok(Some(record))) => {
             let served = fanout.publisher.current().map_or(0, |s| s.version);
             if record.meta.version <= served {
-                None
+                AfterFailure::NotStored
             } else if record.meta.content_hash == hash {
-                Some(record)
+                AfterFailure::Stored(Box::new(record))
             } else {
                 fanout.catch_up(&record);
-                None
+                AfterFailure::NotStored
             }
         }
-        Ok(Ok(None)) => None,
+        Ok(Ok(None)) => AfterFailure::NotStored,
         _ => {
             let (store, fanout, changes) = (store.clone(), fanout.clone(), changes.clone());
             tokio::spawn(async move {
@@ -680,9 +690,19 @@ async fn committed_anyway(
                     }
                 }
             });
-            None
+            AfterFailure::Unknown
         }
     }
+}
+
+/// What [`committed_anyway`] found.
+enum AfterFailure {
+    /// The change was stored after all: this is its version.
+    Stored(Box<VersionRecord>),
+    /// The store, read back, does not hold it.
+    NotStored,
+    /// The store could not be read back.
+    Unknown,
 }
 
 /// How many times [`committed_anyway`]'s task reads a failing store again.

@@ -739,7 +739,11 @@ async fn a_stored_version_a_failed_write_hid_is_published_once_the_store_reads_a
     store.reads_after.store(3, Ordering::SeqCst);
 
     let failed = control.apply(change(wire(V2))).await.unwrap_err();
-    assert!(matches!(failed, ChangeError::Store(_)), "{failed:?}");
+    // The store could not be read back: the change may have been stored (it was).
+    assert!(
+        matches!(failed, ChangeError::StoreUncertain(_)),
+        "{failed:?}"
+    );
     assert_eq!(served(&control), 1);
 
     // While a change holds the lock, the task waits: what that change publishes is not

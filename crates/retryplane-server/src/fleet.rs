@@ -187,6 +187,9 @@ struct Inner {
     hidden: usize,
     /// The sum of the disconnected entries' [`Entry::gone_size`].
     gone_bytes: usize,
+    /// The version served when an agent last named a version past it (see
+    /// [`Registration::never_held`]).
+    never_held_at: Option<u64>,
     /// The report records of agents forgotten last.
     forgotten: Forgotten,
     /// Connected agents per token, by the digest of its secret (none without a tokens file),
@@ -373,6 +376,10 @@ pub struct Registration {
     /// when the current version changed after it was judged (unless the current version became
     /// the one the Hello named: see [`Fleet::runs`]).
     pub applied_version: u64,
+    /// Set (to the version served) for the first agent whose Hello names a version past it,
+    /// one this store never reached (it was reset, or its file lost), per version served: to
+    /// be warned of once, not for every agent of the fleet.
+    pub never_held: Option<u64>,
 }
 
 /// Why a stream could not register.
@@ -624,6 +631,15 @@ impl Fleet {
             }
             None => hello.last_applied_version > 0,
         };
+        let never_held = match current {
+            Some((version, _)) if hello.last_applied_version > version => {
+                (inner.never_held_at != Some(version)).then(|| {
+                    inner.never_held_at = Some(version);
+                    version
+                })
+            }
+            _ => None,
+        };
         let applied_version = if other_content {
             0
         } else {
@@ -686,6 +702,7 @@ impl Fleet {
             generation,
             replaced: rx,
             refused,
+            never_held,
         })
     }
 
@@ -1658,6 +1675,23 @@ mod tests {
         );
         drop(inner);
         assert_eq!(fleet.status_and_counts(false), (vec![], 0, 1));
+    }
+
+    #[test]
+    fn an_agent_past_the_version_served_is_flagged_once_per_version_served() {
+        let fleet = Fleet::new(10);
+        let past = |id: &str, version: u64| pb::Hello {
+            last_applied_version: version,
+            ..hello(id)
+        };
+        let at = |version: u64| Some((version, "h"));
+        let flagged =
+            |h: pb::Hello, served| fleet.register(&h, None, at(served)).unwrap().never_held;
+        assert_eq!(flagged(past("a", 1), 1), None, "the version served");
+        assert_eq!(flagged(past("b", 13), 1), Some(1));
+        assert_eq!(flagged(past("c", 13), 1), None, "once for version 1");
+        assert_eq!(flagged(past("d", 12), 2), Some(2), "again for version 2");
+        assert_eq!(flagged(past("e", 0), 2), None);
     }
 
     /// A Hello as large as the control plane takes: 64 labels of 256 bytes, fields of 256.

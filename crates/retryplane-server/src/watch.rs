@@ -1088,7 +1088,7 @@ async fn apply(
         Err(e) => {
             let settled = match &e {
                 ChangeError::Store(StoreError::FileReplaced { .. }) => Settled::Yes,
-                ChangeError::Store(_) => Settled::Unstored,
+                ChangeError::Store(_) | ChangeError::StoreUncertain(_) => Settled::Unstored,
                 ChangeError::Conflict { .. } => Settled::No,
                 _ => Settled::Yes,
             };

@@ -186,7 +186,9 @@ async fn apply_valid(
             Ok(AtStart::Refused)
         }
         // As while running: the store keeps what it holds and is tried again at the next read.
-        Err(crate::control::ChangeError::Store(e)) if stored.is_some() => {
+        Err(
+            crate::control::ChangeError::Store(e) | crate::control::ChangeError::StoreUncertain(e),
+        ) if stored.is_some() => {
             error!(file = %file.display(), error = %crate::ErrorChain(&e), version = stored, "cannot store the policy file's version; serving the stored version and reading the file again later");
             Ok(AtStart::NotStored)
         }

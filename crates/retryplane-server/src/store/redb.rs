@@ -731,7 +731,15 @@ fn open_error(dir: &Path, path: &Path, error: DatabaseError) -> StoreError {
             path: path.to_owned(),
             source,
         },
-        other => backend(other),
+        // redb's own words name neither the file nor what to do.
+        other => match backend(other) {
+            StoreError::Corrupt(message) => StoreError::Corrupt(format!(
+                "{} is damaged ({message}); retryplane does not repair it. Restore it from a \
+                 backup, or, to start a new, empty store, move it aside",
+                path.display()
+            )),
+            other => other,
+        },
     }
 }
 

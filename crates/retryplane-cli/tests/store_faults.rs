@@ -1,0 +1,217 @@
+//! `retryplane serve` as a process on a damaged or lost version store: a start on a store
+//! that is not what it was says what is wrong, where, and what to do.
+
+// clippy's allow-*-in-tests covers `#[test]` functions only; the helpers here are tests too.
+#![allow(clippy::unwrap_used, clippy::panic)]
+#![cfg(unix)]
+
+use std::path::Path;
+use std::process::Stdio;
+use std::time::Duration;
+
+use retryplane_proto::pb;
+use retryplane_proto::pb::agent_message::Kind;
+use retryplane_proto::pb::agent_service_client::AgentServiceClient;
+use tokio::io::AsyncBufReadExt as _;
+use tokio::process::{Child, Command};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tokio_stream::wrappers::ReceiverStream;
+
+const POLICY: &str = "version: 1\nendpoints:\n  payments:\n    max_attempts: 4\n";
+const BOUND: Duration = Duration::from_secs(30);
+
+/// `retryplane serve` on `dir` (`policies.yaml`, data directory `data`), every listener on
+/// port 0, with `extra` flags, its log (at `warn`) going to `dir/serve.log`; returns once it
+/// has printed its three addresses (`agent`, `admin`, `http`).
+async fn serve(dir: &Path, extra: &[&str]) -> (Child, Vec<String>) {
+    std::fs::write(dir.join("policies.yaml"), POLICY).unwrap();
+    let log = std::fs::File::create(dir.join("serve.log")).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_retryplane"))
+        .current_dir(dir)
+        .args(["serve", "--config", "policies.yaml", "--data-dir", "data"])
+        .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+        .args(["--http-listen", "127.0.0.1:0"])
+        .args(extra)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(log)
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut addrs = Vec::new();
+    while addrs.len() < 3 {
+        let line = tokio::time::timeout(BOUND, lines.next_line())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        let (_, addr) = line.split_once(": ").unwrap();
+        addrs.push(addr.to_owned());
+    }
+    (child, addrs)
+}
+
+/// Sends SIGTERM and waits for the exit.
+async fn terminate(mut child: Child) {
+    let pid = child.id().unwrap().to_string();
+    let killed = Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .await
+        .unwrap();
+    assert!(killed.success());
+    tokio::time::timeout(BOUND, child.wait())
+        .await
+        .unwrap()
+        .unwrap();
+}
+
+/// A page of the store's file damaged on disk (one bit of the stored policy document
+/// flipped, as a failing disk or a bad copy does): redb's checksums catch it and the start
+/// fails, as it should. But the error is redb's own words, "Primary is corrupted despite
+/// 2-phase commit", after the data directory: it names neither the file nor what to do,
+/// where every other refusal of the store's file names it (`data/retryplane.redb is
+/// truncated`, `the store file data/retryplane.redb holds only zero bytes ... move it aside`).
+#[tokio::test]
+async fn a_damaged_page_of_the_store_stops_the_start_naming_the_file_and_what_to_do() {
+    let dir = tempfile::tempdir().unwrap();
+    let (child, _) = serve(dir.path(), &[]).await;
+    terminate(child).await;
+    let file = dir.path().join("data/retryplane.redb");
+    let mut bytes = std::fs::read(&file).unwrap();
+    // Every copy of the endpoint's name, so that the live one is among them.
+    let at: Vec<usize> = bytes
+        .windows(b"payments".len())
+        .enumerate()
+        .filter(|(_, w)| *w == b"payments")
+        .map(|(at, _)| at)
+        .collect();
+    assert!(!at.is_empty(), "the stored document names its endpoint");
+    for at in at {
+        bytes[at] ^= 0x01;
+    }
+    std::fs::write(&file, &bytes).unwrap();
+
+    let output = assert_cmd::Command::new(env!("CARGO_BIN_EXE_retryplane"))
+        .current_dir(dir.path())
+        .args(["serve", "--config", "policies.yaml", "--data-dir", "data"])
+        .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+        .args(["--http-listen", "127.0.0.1:0"])
+        .env("RUST_LOG", "warn")
+        .timeout(BOUND)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("corrupt"), "{stderr}");
+    assert_eq!(std::fs::read(&file).unwrap(), bytes, "left as it was");
+    assert!(
+        stderr.contains("data/retryplane.redb") && stderr.contains("backup"),
+        "the error should name the damaged file and say to restore it from a backup: {stderr}"
+    );
+}
+
+/// The store's file gone (its volume not mounted, the directory deleted by mistake): the
+/// start makes a new, empty store without a word above `info`, and in API mode seeds it from
+/// the policy file as version 1. An agent that has run version 13 of the lost store says so
+/// in its Hello, and is pushed the seed's version 1 (content of another store, as the docs
+/// say), so the whole fleet goes back to the seed file. Nothing at `warn` tells the operator
+/// that agents run versions this store never held, the one sign that the store was lost.
+#[tokio::test]
+async fn an_agent_on_a_version_the_store_never_held_is_warned_of() {
+    let dir = tempfile::tempdir().unwrap();
+    let (child, addrs) = serve(dir.path(), &["--api"]).await;
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", addrs[0]))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut client = AgentServiceClient::new(channel);
+    let (tx, rx) = mpsc::channel(4);
+    let hello = pb::Hello {
+        agent_id: "checkout-7".to_owned(),
+        service: "checkout".to_owned(),
+        instance_id: 77,
+        last_applied_version: 13,
+        last_applied_hash: "ab".repeat(32),
+        ..Default::default()
+    };
+    tx.send(pb::AgentMessage {
+        kind: Some(Kind::Hello(hello)),
+    })
+    .await
+    .unwrap();
+    let mut stream = client
+        .connect(ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    let message = tokio::time::timeout(BOUND, stream.message())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    let snapshot = message.decode_snapshot().unwrap().unwrap();
+    assert_eq!(snapshot.version, 1, "the seed, pushed over version 13");
+
+    let log = dir.path().join("serve.log");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let warned = loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        let warned = text
+            .lines()
+            .any(|l| l.contains("WARN") && l.contains("checkout-7") && l.contains("13"));
+        if warned || Instant::now() > deadline {
+            break warned;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    drop(tx);
+    terminate(child).await;
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(
+        warned,
+        "no warning that agent checkout-7 runs version 13, which this store (at version 1) \
+         never held; the log at warn:\n{text}"
+    );
+}
+
+/// The store's file deleted (or another put at its path) under a running control plane in API
+/// mode: the next apply is refused before anything is written (`StoreError::FileReplaced`,
+/// whose message says why and that nothing is stored until a restart). But the caller gets the
+/// answer of a commit that failed half-way: INTERNAL, "the version store failed (see the
+/// control plane's log); the change may still have been stored". The change was certainly not
+/// stored, and the one thing that makes applies work again (a restart) is only in the log,
+/// which whoever runs `apply` may not see.
+#[tokio::test]
+async fn an_apply_refused_because_the_store_file_was_replaced_says_so_and_that_nothing_was_stored()
+{
+    let dir = tempfile::tempdir().unwrap();
+    let (child, addrs) = serve(dir.path(), &["--api"]).await;
+    std::fs::remove_file(dir.path().join("data/retryplane.redb")).unwrap();
+    std::fs::write(
+        dir.path().join("new.yaml"),
+        "version: 1\nendpoints:\n  payments:\n    max_attempts: 2\n",
+    )
+    .unwrap();
+    let output = Command::new(env!("CARGO_BIN_EXE_retryplane"))
+        .current_dir(dir.path())
+        .args(["apply", "new.yaml", "--server"])
+        .arg(format!("http://{}", addrs[1]))
+        .env_remove("RETRYPLANE_TOKEN")
+        .output()
+        .await
+        .unwrap();
+    terminate(child).await;
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_ne!(output.status.code(), Some(0), "{stderr}");
+    assert!(
+        !stderr.contains("may still have been stored")
+            && stderr.contains("deleted or replaced")
+            && stderr.contains("restart"),
+        "the refusal should say the store file was deleted or replaced, that nothing was \
+         stored, and that a restart is needed: {stderr}"
+    );
+}
