@@ -555,11 +555,6 @@ impl Endpoint {
                         }
                         other => other,
                     };
-                    // When the attempt's outcome came: at its start when it answered at its
-                    // first poll (one clock read less on every such call), else now (a slow
-                    // success must not leave the breaker's window early, while the failures
-                    // after it are still in it).
-                    let answered_at = if waited { Instant::now() } else { now };
                     let (outcome, result) = match result {
                         Err(per_try::TimedOut) => (
                             Some(Outcome::Transport(retryplane_policy::ErrorClass::Timeout)),
@@ -572,8 +567,13 @@ impl Endpoint {
                             // half-open probe answered so closes it, rather than being handed
                             // back as if the attempt said nothing), the counters and the log.
                             (Classification::Success, r) => {
-                                // Tell the breaker about the success through the engine.
-                                call.on_outcome(success(), answered_at, &mut rng);
+                                // Tell the breaker about the success through the engine, when
+                                // it came: at the attempt's start when the attempt answered at
+                                // its first poll (one clock read less on every such call), else
+                                // now (a slow success must not leave the breaker's window
+                                // early, while the failures after it are still in it).
+                                let at = if waited { Instant::now() } else { now };
+                                call.on_outcome(success(), at, &mut rng);
                                 count_success(&mut first, plan.number);
                                 if tracing::enabled!(tracing::Level::DEBUG) {
                                     let end = Instant::now();
@@ -600,7 +600,8 @@ impl Endpoint {
                                     let class = class_name(&o);
                                     self.debug_attempt(plan.number, &class, None, &call, end);
                                 }
-                                call.on_outcome(o, answered_at, &mut rng);
+                                let at = if waited { Instant::now() } else { now };
+                                call.on_outcome(o, at, &mut rng);
                                 count_success(&mut first, plan.number);
                                 break End::Ok(t);
                             }
@@ -608,7 +609,7 @@ impl Endpoint {
                             (Classification::Fatal, r) => (None, Some(r)),
                         },
                     };
-                    now = if waited { answered_at } else { Instant::now() };
+                    now = Instant::now();
                     last = Some(match result {
                         None => Last::TimedOut,
                         Some(Ok(t)) => Last::Response(t),
