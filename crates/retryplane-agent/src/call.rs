@@ -572,6 +572,9 @@ impl Endpoint {
                                 // its first poll (one clock read less on every such call), else
                                 // now (a slow success must not leave the breaker's window
                                 // early, while the failures after it are still in it).
+                                // Worked out in each success arm: once before the match, for
+                                // both arms and the failure path, measured 7-12 ns slower per
+                                // call (BENCHMARKS.md, 2026-12-04 20:03).
                                 let at = if waited { Instant::now() } else { now };
                                 call.on_outcome(success(), at, &mut rng);
                                 count_success(&mut first, plan.number);
