@@ -204,7 +204,25 @@ async fn an_apply_refused_because_the_store_file_was_replaced_says_so_and_that_n
         .output()
         .await
         .unwrap();
+    // The one sign on /metrics that changes are not being stored.
+    let metrics = {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let mut http = tokio::net::TcpStream::connect(&addrs[2]).await.unwrap();
+        http.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        let mut text = String::new();
+        tokio::time::timeout(BOUND, http.read_to_string(&mut text))
+            .await
+            .unwrap()
+            .unwrap();
+        text
+    };
     terminate(child).await;
+    assert!(
+        metrics.contains("retryplane_server_store_failures_total 1"),
+        "{metrics}"
+    );
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_ne!(output.status.code(), Some(0), "{stderr}");
     assert!(

@@ -299,7 +299,8 @@ impl ControlPlane {
 
     /// Validates, checks and stores a change, then publishes it. One change at a time. A change
     /// refused as invalid, as too large for the agents or as removing every endpoint counts in
-    /// `retryplane_server_rejected_changes`, unless it is a dry run.
+    /// `retryplane_server_rejected_changes`, one the store failed to store in
+    /// `retryplane_server_store_failures`, unless it is a dry run.
     ///
     /// Dropping the returned future before it completes either changes nothing or lets the
     /// store write and the publish both finish (see the module docs).
@@ -322,6 +323,14 @@ impl ControlPlane {
             )
         {
             self.metrics.rejected_changes.inc();
+        }
+        if !dry_run
+            && matches!(
+                result,
+                Err(ChangeError::Store(_) | ChangeError::StoreUncertain(_))
+            )
+        {
+            self.metrics.store_failures.inc();
         }
         result
     }

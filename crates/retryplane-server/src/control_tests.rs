@@ -351,6 +351,11 @@ async fn an_invalid_change_is_refused_before_the_store_is_read() {
         1,
         "a store failure is no rejection"
     );
+    assert_eq!(
+        control.metrics.store_failures.get(),
+        1,
+        "but a store failure"
+    );
 }
 
 #[test]
@@ -745,6 +750,7 @@ async fn a_stored_version_a_failed_write_hid_is_published_once_the_store_reads_a
         "{failed:?}"
     );
     assert_eq!(served(&control), 1);
+    assert_eq!(control.metrics.store_failures.get(), 1);
 
     // While a change holds the lock, the task waits: what that change publishes is not
     // overtaken by an older version.

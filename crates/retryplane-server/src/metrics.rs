@@ -33,6 +33,10 @@ pub struct ServerMetrics {
     /// and applies or rollbacks that remove every endpoint without force. Dry runs
     /// (`retryplane diff`) are not counted.
     pub rejected_changes: Counter,
+    /// Policy changes (applies, rollbacks, file saves) the version store failed to store: a
+    /// full disk, a store file replaced under the control plane, a failed commit. In API mode
+    /// the one sign on `/metrics` that changes are not being stored.
+    pub store_failures: Counter,
     /// 1 when the last read of the policy file in file mode gave a valid file that was
     /// applied (or equal to the version served), 0 when it could not be read, was invalid or
     /// was refused; like Prometheus's own `prometheus_config_last_reload_successful`. Set at
@@ -96,6 +100,7 @@ impl ServerMetrics {
         let current_version = Gauge::default();
         let publishes = Counter::default();
         let rejected_changes = Counter::default();
+        let store_failures = Counter::default();
         let config_last_reload_successful = Gauge::default();
         let reports_dropped = Counter::default();
         let reports_duplicate = Counter::default();
@@ -130,6 +135,11 @@ impl ServerMetrics {
             "rejected_changes",
             "Policy changes refused by validation or safety checks",
             rejected_changes.clone(),
+        );
+        registry.register(
+            "store_failures",
+            "Policy changes the version store failed to store (not stored, or not known to be)",
+            store_failures.clone(),
         );
         registry.register(
             "config_last_reload_successful",
@@ -180,6 +190,7 @@ impl ServerMetrics {
             current_version,
             publishes,
             rejected_changes,
+            store_failures,
             config_last_reload_successful,
             reports_dropped,
             reports_duplicate,
