@@ -6,7 +6,9 @@
 //! written and fsynced, then renamed over the cache file (a link at the cache path is replaced,
 //! not written through), and the directory is fsynced, so a
 //! crash leaves either the old file or the new one, never a torn one. The temporary file's name
-//! is unique per write (process id and a counter), so two agents of one process never share it.
+//! is random and created exclusively (`.NAME.tmp-…`), so no two writes share it; a write that
+//! fails is tried again by the cache writer, and a write removes such files older than 10
+//! minutes (an interrupted write's).
 //!
 //! Read at start; a missing (its directory too), empty or invalid file is logged and ignored. One
 //! that cannot be read (permission denied, a loop of links, an I/O error) was not found to be ours:
@@ -17,8 +19,8 @@
 //! cache and the agent still runs on the fallback policy (no snapshot came from the control plane
 //! meanwhile), the stream task puts its policies and metrics interval in force then, as they would
 //! have been at start. With a stream open, the counts made on the fallback are reported first and
-//! the stream is reopened so that its Hello says the version in force; without one, those counts go
-//! out after the next connect, under the cached version. Whatever the file holds, nothing is
+//! the stream is reopened so that its Hello says the version in force; without one, those counts are
+//! held under the fallback's version and go out first on the next stream. Whatever the file holds, nothing is
 //! written to the path until the read has ended and found the file ours, and a read that never ends
 //! leaves the path alone for the whole run. Anything at the path that is not a regular file (a FIFO
 //! would wait for a writer) is logged, left alone, and no cache is kept for the run. A file that

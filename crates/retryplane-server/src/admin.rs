@@ -32,7 +32,10 @@
 //!   the current version and retry (the gRPC code for a failed read-modify-write). Checked
 //!   before the removal check, so a stale version never asks for `--force`;
 //! - `NOT_FOUND`: a version that is not stored, or `Get` on an empty store;
-//! - `INTERNAL`: the store failed; details go to the server log, not to the caller.
+//! - `INTERNAL`: the store failed. A change's answer says why (the store error's message and
+//!   causes: paths and the disk's words) and whether the change was stored: "not stored" once
+//!   the store, read back, does not hold it; "may still have been stored" when it could not be
+//!   read back. Reads' answers leave the details to the server's log.
 
 use std::sync::Arc;
 

@@ -462,10 +462,11 @@ impl ControlPlane {
             one_at_a_time,
         };
         // The task is not cancelled when this future is dropped: it stores and publishes, or
-        // fails before storing anything.
+        // fails before storing anything. If the task itself failed, whether it stored the
+        // change is not known.
         let (record, changed) = tokio::spawn(commit.run())
             .await
-            .map_err(|e| StoreError::Backend(Box::new(e)))??;
+            .map_err(|e| ChangeError::StoreUncertain(StoreError::Backend(Box::new(e))))??;
         Ok(ChangeOutcome {
             record: Some(record),
             changed,
@@ -587,9 +588,11 @@ impl Commit {
         } = self;
         let hash = new.content_hash.clone();
         let writer = store.clone();
+        // A task that failed (the backend panicked, perhaps past its commit) is read back like
+        // any other failed write.
         let published = tokio::task::spawn_blocking(move || writer.publish(new, expected))
             .await
-            .map_err(|e| StoreError::Backend(Box::new(e)))?;
+            .unwrap_or_else(|e| Err(StoreError::Backend(Box::new(e))));
         let published = match published {
             Ok(published) => published,
             Err(error) => match committed_anyway(

@@ -846,3 +846,63 @@ async fn an_agent_id_with_invisible_or_bidi_characters_is_logged_escaped() {
         "{text}"
     );
 }
+
+/// A memory store whose next publish stores the version and then panics (a backend that
+/// trips over its own state after its commit point): the caller's thread sees a failed task,
+/// not an answer.
+struct PanicAfterCommitStore {
+    inner: MemoryStore,
+    panics: std::sync::atomic::AtomicUsize,
+}
+
+impl VersionStore for PanicAfterCommitStore {
+    fn current(&self) -> Result<Option<VersionRecord>, StoreError> {
+        self.inner.current()
+    }
+
+    fn get(&self, version: u64) -> Result<Option<VersionRecord>, StoreError> {
+        self.inner.get(version)
+    }
+
+    fn history(&self, limit: usize, before: Option<u64>) -> Result<Vec<VersionMeta>, StoreError> {
+        self.inner.history(limit, before)
+    }
+
+    fn publish(&self, new: NewVersion, expected: Option<u64>) -> Result<Published, StoreError> {
+        let published = self.inner.publish(new, expected)?;
+        if take_one(&self.panics) {
+            panic!("the store tripped after its commit");
+        }
+        Ok(published)
+    }
+}
+
+#[tokio::test]
+async fn a_store_write_whose_task_failed_after_storing_is_not_said_to_be_not_stored() {
+    let store = Arc::new(PanicAfterCommitStore {
+        inner: MemoryStore::new(),
+        panics: 0.into(),
+    });
+    let control = Arc::new(ControlPlane::for_tests(store.clone(), Mode::Api));
+    control.apply(change(wire(V1))).await.unwrap();
+    store.panics.store(1, Ordering::SeqCst);
+
+    let answer = control.apply(change(wire(V2))).await;
+    assert_eq!(
+        store.inner.current().unwrap().unwrap().meta.version,
+        2,
+        "the store holds the change"
+    );
+    // `ChangeError::Store` is the error the admin answer turns into "the change was not
+    // stored"; the store, read back, holds it: it is stored (and served), or at least "may
+    // have been".
+    assert!(!matches!(answer, Err(ChangeError::Store(_))), "{answer:?}");
+    let mut published = control.publisher.subscribe();
+    tokio::time::timeout(
+        WAIT,
+        published.wait_for(|s| s.as_ref().is_some_and(|s| s.version == 2)),
+    )
+    .await
+    .expect("the stored version is served, as `history` shows it")
+    .unwrap();
+}
