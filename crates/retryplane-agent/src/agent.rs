@@ -534,7 +534,10 @@ impl AgentBuilder {
     /// cache file was not used. The cache file is read on a thread of its own, waited for at
     /// most 1 s before this returns: a disk that does not answer by then is logged at warn, and
     /// the read goes on in the background (see [`AgentBuilder::cache_file`]). One background
-    /// task owns the stream. Must be called inside a tokio runtime. An agent id, service name
+    /// task owns the stream. Must be called inside a tokio runtime with timers and sockets
+    /// (`enable_all()`; `#[tokio::main]` has them): the task runs on that runtime and ends with
+    /// it (dropped without [`Agent::shutdown`], the agent then says it is not connected and why,
+    /// in [`Agent::stream_error`], and keeps the policies it had). An agent id, service name
     /// or labels the control plane would refuse in the Hello (past its default bounds, or with
     /// a control character) are refused here ([`AgentError::InvalidHello`], naming the field);
     /// the agent id made when none is given fits whatever the service name's length.

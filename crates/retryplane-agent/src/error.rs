@@ -47,7 +47,7 @@ pub enum AgentError {
     /// refuses: a field past its bound, a control character, too many labels. The reason names
     /// the field.
     #[error("the agent's Hello would be refused by the control plane: {0}")]
-    InvalidHello(#[source] retryplane_proto::BadHello),
+    InvalidHello(retryplane_proto::BadHello),
     /// No control-plane URL was given to [`crate::AgentBuilder::connect`].
     #[error("no control-plane URL given")]
     MissingUrl,

@@ -45,7 +45,15 @@
 //! Nothing here logs header values, tokens or bodies. Each attempt is logged at debug; a call
 //! that fails is logged once at warn, except calls an open circuit breaker refuses without an
 //! attempt: one warn line per endpoint per second for those (with how many were refused since
-//! the last line), the others at debug, so an open breaker does not flood the log.
+//! the last line), the others at debug, so an open breaker does not flood the log. The stream
+//! to the control plane: a stream that was up and is lost is logged at info each time; a
+//! control plane that cannot be reached, or that refuses the agent, once at warn until the
+//! reason changes (each try after at debug), with text from the peer escaped to one line.
+//!
+//! With the `reqwest` feature, `reqwest::Error` implements [`Classify`] too (connect, reset and
+//! timeout errors, and `error_for_status` errors by their status). Each name given to
+//! [`Agent::endpoint`] is kept, and its counters reported, for the agent's life: names are
+//! meant to be the service's fixed set of upstreams, not made per host or per request.
 
 #![forbid(unsafe_code)]
 

@@ -111,7 +111,7 @@ async fn a_refusal_that_trying_again_will_not_fix_is_said_once_at_warn() {
         cfg.stream_limits.max_field_len = 32;
     })
     .await;
-    let (sink, _guard) = support::capture_logs("retryplane_agent=info");
+    let (sink, _guard) = support::capture_logs("retryplane_agent=debug");
     let text = || sink.text();
     let bad = support::plane::builder(running.agent_addr, "bad")
         .token(WRONG)
@@ -184,7 +184,7 @@ async fn a_refusal_that_trying_again_will_not_fix_is_said_once_at_warn() {
 async fn a_web_servers_answer_is_a_refusal_not_an_opened_stream() {
     let dir = tempfile::tempdir().unwrap();
     let running = support::plane::plane(dir.path(), &support::plane::yaml(2), None).await;
-    let (sink, _guard) = support::capture_logs("retryplane_agent=info");
+    let (sink, _guard) = support::capture_logs("retryplane_agent=debug");
     let agent = Agent::builder()
         .url(format!("http://{}", running.http_addr))
         .service("s")
@@ -344,7 +344,7 @@ async fn a_stream_ended_then_refused_for_the_same_reason_is_warned_once() {
         cfg.tokens_file = Some(tokens.clone());
     })
     .await;
-    let (sink, _guard) = support::capture_logs("retryplane_agent=info");
+    let (sink, _guard) = support::capture_logs("retryplane_agent=debug");
     let text = || sink.text();
     let agent = support::plane::builder(running.agent_addr, "ok-1")
         .token(SECRET)

@@ -150,7 +150,30 @@ fn ended(up: Option<Duration>, status: &tonic::Status) -> SessionEnd {
 /// A status tonic made of a transport error carries the cause in its sources (`h2 protocol
 /// error: http2 error` is all its message says of an HTTP/1 server at the URL; the source says
 /// `frame with invalid size`): they follow, `: `-separated, as [`chain`] writes them.
+///
+/// Control characters (a line break in a `grpc-message` from whatever answers at the URL) are
+/// written escaped, so that the text cannot make lines of its own in the agent's log.
 fn status_text(status: &tonic::Status) -> String {
+    one_line(&status_text_raw(status))
+}
+
+/// `text` with every control character escaped (`\n`, `\u{1b}`).
+fn one_line(text: &str) -> String {
+    if !text.chars().any(char::is_control) {
+        return text.to_owned();
+    }
+    text.chars()
+        .map(|c| {
+            if c.is_control() {
+                c.escape_debug().to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
+}
+
+fn status_text_raw(status: &tonic::Status) -> String {
     let code = GrpcCode::from_i32(status.code() as i32).map_or("UNKNOWN", GrpcCode::name);
     let mut text = match status.message() {
         "" => code.to_owned(),
@@ -189,6 +212,33 @@ fn chain(e: &dyn std::error::Error) -> String {
     text
 }
 
+/// Set while the stream task runs: when the task ends any other way than by shutdown (its
+/// runtime dropped without `shutdown`, or a panic, as on a runtime built without timers or
+/// sockets), the agent no longer says it is connected, and says why in its stream error.
+struct TaskAlive<'a> {
+    shared: &'a Shared,
+    cancel: &'a CancellationToken,
+}
+
+impl Drop for TaskAlive<'_> {
+    fn drop(&mut self) {
+        self.shared.connected.store(false, Relaxed);
+        if !self.cancel.is_cancelled() {
+            *self
+                .shared
+                .stream_error
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()) = Some(StreamError {
+                code: None,
+                message: "the agent's stream task ended without a shutdown: its tokio runtime \
+                          was dropped, or the task failed (a runtime needs `enable_all()`, for \
+                          the agent's timers and sockets); policies are no longer updated"
+                    .to_owned(),
+            });
+        }
+    }
+}
+
 /// The task: sessions until cancelled, then the last cache file write (bounded).
 pub(crate) async fn run(
     shared: Arc<Shared>,
@@ -196,6 +246,10 @@ pub(crate) async fn run(
     cancel: CancellationToken,
     seed: u64,
 ) {
+    let _alive = TaskAlive {
+        shared: &shared,
+        cancel: &cancel,
+    };
     let late = config.late_read.take();
     // A cache read late: the writer's gate says whether the file may be written, and hands a
     // valid cache to this task, which decides whether to put it in force.
@@ -361,9 +415,10 @@ async fn sessions(
         }
         let delay = backoff.next_delay(&mut rng);
         let delay_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
-        match lasting(code) {
+        let same = last_reason.as_deref().map(refusal_of) == Some(refusal_of(&reason));
+        match (lasting(code), up) {
             // Retrying will not change it: said at warn, once until the reason changes.
-            Some(check) if last_reason.as_deref().map(refusal_of) != Some(refusal_of(&reason)) => {
+            (Some(check), _) if !same => {
                 warn!(
                     %reason,
                     delay_ms,
@@ -372,7 +427,17 @@ async fn sessions(
                      reconnecting"
                 )
             }
-            _ => info!(%reason, delay_ms, "control plane stream lost; reconnecting"),
+            // A stream that was up is lost: an event, said each time.
+            (_, Some(_)) => info!(%reason, delay_ms, "control plane stream lost; reconnecting"),
+            // No stream came up: said at warn (a service logging at warn learns that the agent
+            // cannot reach its control plane), once until the reason changes, not at every try.
+            (None, None) if !same => warn!(
+                %reason,
+                delay_ms,
+                "cannot reach the control plane; running on the policies in force and \
+                 reconnecting (said again when the reason changes)"
+            ),
+            _ => debug!(%reason, delay_ms, "control plane still not reached; reconnecting"),
         }
         last_reason = Some(reason);
         let sleep = tokio::time::sleep(delay);
