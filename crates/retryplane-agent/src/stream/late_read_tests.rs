@@ -69,20 +69,13 @@ struct Plane {
 
 impl Plane {
     async fn start() -> Plane {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (tx, events) = mpsc::unbounded_channel();
-        tokio::spawn(
-            tonic::transport::Server::builder()
-                .add_service(AgentServiceServer::new(Scripted(tx)))
-                .serve_with_incoming(TcpListenerStream::new(listener)),
-        );
-        Plane { addr, events }
+        Self::start_at("127.0.0.1:0".parse().unwrap()).await
     }
 
     /// [`Plane::start`] on `addr` (a port the test held and let go, where nothing listened).
     async fn start_at(addr: std::net::SocketAddr) -> Plane {
         let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
+        let addr = listener.local_addr().unwrap();
         let (tx, events) = mpsc::unbounded_channel();
         tokio::spawn(
             tonic::transport::Server::builder()

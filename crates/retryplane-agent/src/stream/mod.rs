@@ -931,10 +931,20 @@ fn version_in_force(shared: &Shared) -> u64 {
 /// on the next stream before the counts made on the cache's.
 fn hold_fallback_counts(shared: &Shared, window_start: &mut Instant, outbox: &mut Outbox) {
     if shared.policies.load().source() == Source::Fallback {
-        let (bounds, end) = window(*window_start);
-        outbox.hold(&shared.metrics, report_fill(shared, bounds));
-        *window_start = end;
+        hold_counts(shared, window(*window_start), window_start, outbox);
     }
+}
+
+/// Holds the counts in the counters as a report of the version in force over `bounds` (see
+/// [`Outbox::hold`]); the next report's counts start at `end`.
+fn hold_counts(
+    shared: &Shared,
+    (bounds, end): ((u64, u64), Instant),
+    window_start: &mut Instant,
+    outbox: &mut Outbox,
+) {
+    outbox.hold(&shared.metrics, report_fill(shared, bounds));
+    *window_start = end;
 }
 
 /// [`send_metrics`] as the policies in force are about to be replaced: every count in the
@@ -949,10 +959,9 @@ fn send_or_hold(
     outbox: &mut Outbox,
     numbered: bool,
 ) {
-    let (bounds, end) = window(*window_start);
-    let _ = outbox.send(&shared.metrics, tx, numbered, report_fill(shared, bounds));
-    outbox.hold(&shared.metrics, report_fill(shared, bounds));
-    *window_start = end;
+    let span = window(*window_start);
+    let _ = outbox.send(&shared.metrics, tx, numbered, report_fill(shared, span.0));
+    hold_counts(shared, span, window_start, outbox);
 }
 
 /// Hands the counter deltas to the stream as the next report: numbered and kept in `outbox`
