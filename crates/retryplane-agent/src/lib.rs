@@ -47,8 +47,9 @@
 //! attempt: one warn line per endpoint per second for those (with how many were refused since
 //! the last line), the others at debug, so an open breaker does not flood the log. The stream
 //! to the control plane: a stream that was up and is lost is logged at info each time; a
-//! control plane that cannot be reached, or that refuses the agent, once at warn until the
-//! reason changes (each try after at debug), with text from the peer escaped to one line.
+//! control plane that refuses the agent, once at warn until the reason changes; one that
+//! cannot be reached, once at info until the reason changes and once at warn when that has
+//! lasted a minute (each try after at debug); text from the peer escaped to one line.
 //!
 //! With the `reqwest` feature, `reqwest::Error` implements [`Classify`] too (connect, reset and
 //! timeout errors, and `error_for_status` errors by their status). Each name given to

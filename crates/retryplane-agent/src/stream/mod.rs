@@ -192,6 +192,10 @@ fn status_text_raw(status: &tonic::Status) -> String {
     text
 }
 
+/// How long the control plane must have been unreachable (no stream up) before the agent
+/// says so at warn.
+const UNREACHABLE_WARN: Duration = Duration::from_secs(60);
+
 /// `e` and its sources, `: `-separated (a transport error's own text is only "transport
 /// error"; the cause is in its sources). A source whose text the one above it already ends
 /// with is not repeated (hyper's connect error wraps another that says the same). The
@@ -362,6 +366,10 @@ async fn sessions(
     let mut next_report = Instant::now() + interval(shared);
     // Why the previous session ended, to say a refused token at warn once, not at every try.
     let mut last_reason: Option<String> = None;
+    // Since when no stream has come up (`None` while one is, or was last), and whether that
+    // was said at warn.
+    let mut unreachable_since: Option<Instant> = None;
+    let mut warned_unreachable = false;
     // The number of the stream last opened (`Hello.stream`).
     let mut streams: u64 = 0;
     loop {
@@ -429,15 +437,38 @@ async fn sessions(
             }
             // A stream that was up is lost: an event, said each time.
             (_, Some(_)) => info!(%reason, delay_ms, "control plane stream lost; reconnecting"),
-            // No stream came up: said at warn (a service logging at warn learns that the agent
-            // cannot reach its control plane), once until the reason changes, not at every try.
-            (None, None) if !same => warn!(
-                %reason,
-                delay_ms,
-                "cannot reach the control plane; running on the policies in force and \
-                 reconnecting (said again when the reason changes)"
-            ),
+            // No stream came up: said once until the reason changes, not at every try; and
+            // at warn once it has lasted `UNREACHABLE_WARN` (a service logging at warn learns
+            // that the agent cannot reach its control plane; a routine restart of the control
+            // plane is not warned of).
+            (None, None) => {
+                let since = *unreachable_since.get_or_insert_with(Instant::now);
+                let lasted = since.elapsed();
+                if !warned_unreachable && lasted >= UNREACHABLE_WARN {
+                    warned_unreachable = true;
+                    warn!(
+                        %reason,
+                        delay_ms,
+                        unreachable_s = lasted.as_secs(),
+                        "the control plane has not been reachable for a while; running on the \
+                         policies in force and reconnecting"
+                    );
+                } else if !same {
+                    info!(
+                        %reason,
+                        delay_ms,
+                        "cannot reach the control plane; running on the policies in force and \
+                         reconnecting (said again when the reason changes)"
+                    );
+                } else {
+                    debug!(%reason, delay_ms, "control plane still not reached; reconnecting");
+                }
+            }
             _ => debug!(%reason, delay_ms, "control plane still not reached; reconnecting"),
+        }
+        if up.is_some() {
+            unreachable_since = None;
+            warned_unreachable = false;
         }
         last_reason = Some(reason);
         let sleep = tokio::time::sleep(delay);
