@@ -151,28 +151,14 @@ fn ended(up: Option<Duration>, status: &tonic::Status) -> SessionEnd {
 /// error: http2 error` is all its message says of an HTTP/1 server at the URL; the source says
 /// `frame with invalid size`): they follow, `: `-separated, as [`chain`] writes them.
 ///
-/// Control characters (a line break in a `grpc-message` from whatever answers at the URL) are
-/// written escaped, so that the text cannot make lines of its own in the agent's log.
+/// Control, bidi and invisible characters (a line break in a `grpc-message` from whatever
+/// answers at the URL) are written escaped ([`retryplane_policy::diag::OneLine`]), so that the
+/// text cannot make lines of its own in the agent's log.
 fn status_text(status: &tonic::Status) -> String {
-    one_line(&status_text_raw(status))
+    retryplane_policy::diag::OneLine(&status_text_raw(status)).to_string()
 }
 
-/// `text` with every control character escaped (`\n`, `\u{1b}`).
-fn one_line(text: &str) -> String {
-    if !text.chars().any(char::is_control) {
-        return text.to_owned();
-    }
-    text.chars()
-        .map(|c| {
-            if c.is_control() {
-                c.escape_debug().to_string()
-            } else {
-                c.to_string()
-            }
-        })
-        .collect()
-}
-
+/// [`status_text`] as the status says it, unescaped.
 fn status_text_raw(status: &tonic::Status) -> String {
     let code = GrpcCode::from_i32(status.code() as i32).map_or("UNKNOWN", GrpcCode::name);
     let mut text = match status.message() {
