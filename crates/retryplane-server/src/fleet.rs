@@ -622,24 +622,24 @@ impl Fleet {
         // is another store's content, with or without a hash; so is the current version's
         // number with another hash. An agent that sends no hash is otherwise judged by the
         // number, as the push decision does.
+        // The version served, when the Hello names a number past it (flagged once per version
+        // served: see `Registration::never_held`).
+        let past = current.filter(|(version, _)| hello.last_applied_version > *version);
         let other_content = match current {
             Some((version, hash)) => {
-                hello.last_applied_version > version
+                past.is_some()
                     || (hello.last_applied_version == version
                         && !hello.last_applied_hash.is_empty()
                         && hello.last_applied_hash != hash)
             }
             None => hello.last_applied_version > 0,
         };
-        let never_held = match current {
-            Some((version, _)) if hello.last_applied_version > version => {
-                (inner.never_held_at != Some(version)).then(|| {
-                    inner.never_held_at = Some(version);
-                    version
-                })
-            }
-            _ => None,
-        };
+        let never_held = past
+            .map(|(version, _)| version)
+            .filter(|version| inner.never_held_at != Some(*version));
+        if never_held.is_some() {
+            inner.never_held_at = never_held;
+        }
         let applied_version = if other_content {
             0
         } else {
