@@ -11,70 +11,19 @@ use std::time::Duration;
 use retryplane_proto::pb;
 use retryplane_proto::pb::agent_message::Kind;
 use retryplane_proto::pb::agent_service_client::AgentServiceClient;
-use tokio::io::{AsyncBufReadExt as _, AsyncReadExt as _, AsyncWriteExt as _, BufReader};
+use tokio::io::{AsyncBufReadExt as _, BufReader};
 use tokio::process::{Child, Command};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
+mod process;
+use process::{BOUND, http_get, terminate};
+
 const POLICY: &str = "version: 1\nendpoints:\n  payments:\n    max_attempts: 4\n";
-const BOUND: Duration = Duration::from_secs(30);
 
-async fn http_get(addr: &str, path: &str) -> String {
-    let mut socket = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let request = format!("GET {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n");
-    socket.write_all(request.as_bytes()).await.unwrap();
-    let mut response = String::new();
-    socket.read_to_string(&mut response).await.unwrap();
-    response
-}
-
-/// `retryplane serve` in file mode on a temp dir, every listener on port 0, with `extra` flags;
-/// returns once it has printed its three addresses (`agent`, `admin`, `http`, in that order).
+/// [`process::serve`] of [`POLICY`], its log dropped.
 async fn serve(dir: &std::path::Path, extra: &[&str]) -> (Child, Vec<(String, String)>) {
-    std::fs::write(dir.join("policies.yaml"), POLICY).unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_retryplane"))
-        .current_dir(dir)
-        .args(["serve", "--config", "policies.yaml", "--data-dir", "data"])
-        .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
-        .args(["--http-listen", "127.0.0.1:0"])
-        .args(extra)
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let mut addrs = Vec::new();
-    while addrs.len() < 3 {
-        let line = tokio::time::timeout(BOUND, lines.next_line())
-            .await
-            .unwrap()
-            .unwrap()
-            .unwrap();
-        let (name, addr) = line.split_once(": ").unwrap();
-        addrs.push((name.to_owned(), addr.to_owned()));
-    }
-    let names: Vec<&str> = addrs.iter().map(|(n, _)| n.as_str()).collect();
-    assert_eq!(names, ["agent", "admin", "http"]);
-    (child, addrs)
-}
-
-/// Sends SIGTERM and expects a clean exit.
-#[cfg(unix)]
-async fn terminate(mut child: Child) {
-    let pid = child.id().unwrap().to_string();
-    let killed = Command::new("kill")
-        .args(["-TERM", &pid])
-        .status()
-        .await
-        .unwrap();
-    assert!(killed.success());
-    let status = tokio::time::timeout(BOUND, child.wait())
-        .await
-        .unwrap()
-        .unwrap();
-    assert!(status.success(), "{status:?}");
+    process::serve(dir, POLICY, extra, Stdio::null()).await
 }
 
 #[cfg(unix)]

@@ -6,66 +6,27 @@
 #![cfg(unix)]
 
 use std::path::Path;
-use std::process::Stdio;
 use std::time::Duration;
 
 use retryplane_proto::pb;
 use retryplane_proto::pb::agent_message::Kind;
 use retryplane_proto::pb::agent_service_client::AgentServiceClient;
-use tokio::io::AsyncBufReadExt as _;
 use tokio::process::{Child, Command};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
 
+mod process;
+use process::{BOUND, http_get, terminate};
+
 const POLICY: &str = "version: 1\nendpoints:\n  payments:\n    max_attempts: 4\n";
-const BOUND: Duration = Duration::from_secs(30);
 
-/// `retryplane serve` on `dir` (`policies.yaml`, data directory `data`), every listener on
-/// port 0, with `extra` flags, its log (at `warn`) going to `dir/serve.log`; returns once it
-/// has printed its three addresses (`agent`, `admin`, `http`).
+/// [`process::serve`] of [`POLICY`], its log (at `warn`) going to `dir/serve.log`; the three
+/// addresses (`agent`, `admin`, `http`).
 async fn serve(dir: &Path, extra: &[&str]) -> (Child, Vec<String>) {
-    std::fs::write(dir.join("policies.yaml"), POLICY).unwrap();
     let log = std::fs::File::create(dir.join("serve.log")).unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_retryplane"))
-        .current_dir(dir)
-        .args(["serve", "--config", "policies.yaml", "--data-dir", "data"])
-        .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
-        .args(["--http-listen", "127.0.0.1:0"])
-        .args(extra)
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(log)
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let mut lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
-    let mut addrs = Vec::new();
-    while addrs.len() < 3 {
-        let line = tokio::time::timeout(BOUND, lines.next_line())
-            .await
-            .unwrap()
-            .unwrap()
-            .unwrap();
-        let (_, addr) = line.split_once(": ").unwrap();
-        addrs.push(addr.to_owned());
-    }
-    (child, addrs)
-}
-
-/// Sends SIGTERM and waits for the exit.
-async fn terminate(mut child: Child) {
-    let pid = child.id().unwrap().to_string();
-    let killed = Command::new("kill")
-        .args(["-TERM", &pid])
-        .status()
-        .await
-        .unwrap();
-    assert!(killed.success());
-    tokio::time::timeout(BOUND, child.wait())
-        .await
-        .unwrap()
-        .unwrap();
+    let (child, addrs) = process::serve(dir, POLICY, extra, log.into()).await;
+    (child, addrs.into_iter().map(|(_, addr)| addr).collect())
 }
 
 /// A page of the store's file damaged on disk (one bit of the stored policy document
@@ -205,19 +166,7 @@ async fn an_apply_refused_because_the_store_file_was_replaced_says_so_and_that_n
         .await
         .unwrap();
     // The one sign on /metrics that changes are not being stored.
-    let metrics = {
-        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-        let mut http = tokio::net::TcpStream::connect(&addrs[2]).await.unwrap();
-        http.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-            .await
-            .unwrap();
-        let mut text = String::new();
-        tokio::time::timeout(BOUND, http.read_to_string(&mut text))
-            .await
-            .unwrap()
-            .unwrap();
-        text
-    };
+    let metrics = http_get(&addrs[2], "/metrics").await;
     terminate(child).await;
     assert!(
         metrics.contains("retryplane_server_store_failures_total 1"),
