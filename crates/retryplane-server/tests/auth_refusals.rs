@@ -68,6 +68,19 @@ async fn serving(tokens: &str) -> (tempfile::TempDir, std::path::PathBuf, Runnin
     (dir, file, running, agent)
 }
 
+/// The agents `FleetStatus` lists, asked with the admin token.
+async fn listed(running: &Running) -> Vec<pb::AgentStatus> {
+    AdminServiceClient::new(channel(running.admin_addr).await)
+        .fleet_status(with_auth(
+            pb::FleetStatusRequest::default(),
+            Some(format!("Bearer {ADMIN}").as_bytes()),
+        ))
+        .await
+        .unwrap()
+        .into_inner()
+        .agents
+}
+
 fn with_auth<T>(msg: T, value: Option<&[u8]>) -> tonic::Request<T> {
     let mut r = tonic::Request::new(msg);
     if let Some(v) = value {
@@ -628,16 +641,7 @@ async fn a_hello_that_comes_after_a_reload_renamed_its_token_counts_under_the_ne
         .expect("the first stream was not answered")
         .unwrap()
         .unwrap();
-    let mut admin = AdminServiceClient::new(channel(running.admin_addr).await);
-    let listed = admin
-        .fleet_status(with_auth(
-            pb::FleetStatusRequest::default(),
-            Some(format!("Bearer {ADMIN}").as_bytes()),
-        ))
-        .await
-        .unwrap()
-        .into_inner()
-        .agents;
+    let listed = listed(&running).await;
     // The token has its one agent connected: a second is refused.
     let second = hello(&agent, AGENT, "checkout-2").await;
     running.shutdown().await.unwrap();
@@ -685,16 +689,7 @@ async fn a_token_given_an_old_name_connects_no_more_agents_than_its_max_agents_b
     // The new secret has its one agent: a second, which asks for the id an agent of the old
     // secret holds (that secret is `legacy` now, another token), must be refused too.
     let second = hello(&agent, AGENT2, "checkout-1").await;
-    let mut admin = AdminServiceClient::new(channel(running.admin_addr).await);
-    let listed = admin
-        .fleet_status(with_auth(
-            pb::FleetStatusRequest::default(),
-            Some(format!("Bearer {ADMIN}").as_bytes()),
-        ))
-        .await
-        .unwrap()
-        .into_inner()
-        .agents;
+    let listed = listed(&running).await;
     running.shutdown().await.unwrap();
     let connected: Vec<_> = listed
         .iter()
@@ -777,16 +772,7 @@ async fn a_name_freed_by_a_rename_and_given_to_another_token_does_not_push_the_r
          {first_end:?}"
     );
     // And status lists the connected agent under its token's name now.
-    let mut admin = AdminServiceClient::new(channel(running.admin_addr).await);
-    let listed = admin
-        .fleet_status(with_auth(
-            pb::FleetStatusRequest::default(),
-            Some(format!("Bearer {ADMIN}").as_bytes()),
-        ))
-        .await
-        .unwrap()
-        .into_inner()
-        .agents;
+    let listed = listed(&running).await;
     let tokens: Vec<_> = listed
         .iter()
         .map(|a| (a.agent_id.as_str(), a.connected, a.token.as_str()))
