@@ -35,7 +35,7 @@ use tracing::{debug, warn};
 
 use crate::agent::{Shared, Task};
 use crate::classify::{Classification, Classify, class_name};
-use crate::error::{CallError, Cause, Last};
+use crate::error::{CallError, Cause, Last, LastClass};
 use crate::meta::{AttemptInfo, CallMeta};
 use crate::metrics::{CounterValues, Counters, Registry};
 use crate::per_try;
@@ -701,6 +701,7 @@ impl Endpoint {
                     cause: Cause::GaveUp(GiveUpCause::NotRetryable),
                     last: Some(Last::Error(e)),
                     attempts,
+                    class: None,
                 }),
                 End::Fail(cause, last, outcome) => {
                     let Cause::GaveUp(g) = cause else {
@@ -710,6 +711,7 @@ impl Endpoint {
                             cause,
                             last,
                             attempts,
+                            class: outcome.as_ref().map(LastClass::of),
                         });
                     };
                     first.ended();
@@ -763,6 +765,7 @@ impl Endpoint {
                         cause,
                         last,
                         attempts,
+                        class: outcome.as_ref().map(LastClass::of),
                     })
                 }
             }

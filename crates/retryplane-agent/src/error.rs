@@ -3,7 +3,9 @@
 use std::fmt;
 use std::path::PathBuf;
 
-use retryplane_policy::engine::GiveUpCause;
+use retryplane_policy::codes::GrpcCode;
+use retryplane_policy::engine::{GiveUpCause, Outcome};
+use retryplane_policy::model::ErrorClass;
 
 /// Why the agent's stream to the control plane last ended or could not start
 /// ([`crate::Agent::stream_error`]). The agent keeps reconnecting whatever it is.
@@ -105,6 +107,10 @@ pub enum Last<T, E> {
 }
 
 /// A logical call that ended without success: why, and what the last attempt produced.
+///
+/// Its `Display` says both, and how the last attempt was classified (`call failed after 2
+/// attempt(s): attempts_exhausted; the last attempt was answered 503`, `…; the last attempt
+/// timed out`); an error the last attempt returned is its [`std::error::Error::source`].
 pub struct CallError<T, E> {
     /// Why the call stopped.
     pub cause: Cause,
@@ -113,6 +119,33 @@ pub struct CallError<T, E> {
     pub last: Option<Last<T, E>>,
     /// Attempts made.
     pub attempts: u32,
+    /// How the last attempt was classified, for `Display` (the answer's status or code, or the
+    /// transport error's class); `None` for an error the classifier called fatal.
+    pub(crate) class: Option<LastClass>,
+}
+
+/// How a failed call's last attempt was classified: what its `Display` says of it. Kept apart
+/// from the engine's [`Outcome`] (which carries the parsed Retry-After) to keep the call's
+/// error small.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum LastClass {
+    /// An HTTP status.
+    Http(u16),
+    /// A gRPC code.
+    Grpc(GrpcCode),
+    /// A transport failure.
+    Transport(ErrorClass),
+}
+
+impl LastClass {
+    /// The class of an attempt's outcome.
+    pub(crate) fn of(outcome: &Outcome) -> Self {
+        match outcome {
+            Outcome::Http { status, .. } => LastClass::Http(*status),
+            Outcome::Grpc { code, .. } => LastClass::Grpc(*code),
+            Outcome::Transport(class) => LastClass::Transport(*class),
+        }
+    }
 }
 
 impl<T, E> CallError<T, E> {
@@ -164,12 +197,68 @@ impl<T, E> fmt::Display for CallError<T, E> {
             f,
             "call failed after {} attempt(s): {}",
             self.attempts, self.cause
-        )
+        )?;
+        // Which of a timeout, an answer or a transport error the last attempt came to: the
+        // cause alone (`attempts_exhausted`) reads the same for an upstream that answers 503
+        // and one that never answers. No body or header: only the class.
+        match (&self.last, self.class) {
+            (None, _) => Ok(()),
+            (Some(Last::TimedOut), _) => f.write_str("; the last attempt timed out"),
+            (Some(_), Some(LastClass::Http(status))) => {
+                write!(f, "; the last attempt was answered {status}")
+            }
+            (Some(_), Some(LastClass::Grpc(code))) => {
+                write!(f, "; the last attempt was answered {}", code.name())
+            }
+            (Some(_), Some(LastClass::Transport(class))) => {
+                write!(f, "; the last attempt failed ({})", class.as_str())
+            }
+            (Some(_), None) => f.write_str("; the last attempt failed"),
+        }
     }
 }
 
 impl<T, E: std::error::Error + 'static> std::error::Error for CallError<T, E> {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         self.error().map(|e| e as _)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn text(last: Option<Last<(), std::io::Error>>, class: Option<LastClass>) -> String {
+        CallError {
+            cause: Cause::GaveUp(GiveUpCause::NotRetryable),
+            last,
+            attempts: 1,
+            class,
+        }
+        .to_string()
+    }
+
+    #[test]
+    fn a_call_error_says_how_its_last_attempt_was_classified() {
+        let start = "call failed after 1 attempt(s): not_retryable";
+        let error = || Some(Last::Error(std::io::Error::other("refused")));
+        assert_eq!(
+            text(error(), Some(LastClass::Grpc(GrpcCode::Unavailable))),
+            format!("{start}; the last attempt was answered UNAVAILABLE")
+        );
+        assert_eq!(
+            text(error(), Some(LastClass::Transport(ErrorClass::Connect))),
+            format!("{start}; the last attempt failed (connect)")
+        );
+        assert_eq!(
+            text(error(), None),
+            format!("{start}; the last attempt failed")
+        );
+        assert_eq!(
+            text(Some(Last::Response(())), Some(LastClass::Http(429))),
+            format!("{start}; the last attempt was answered 429")
+        );
+        // No attempt ended (a breaker that was open, a call cancelled during its first).
+        assert_eq!(text(None, None), start);
     }
 }

@@ -971,6 +971,7 @@ fn gave_up<RB>(
         cause,
         last,
         attempts,
+        ..
     } = e;
     match last {
         Some(Last::Response(mut response)) => {
