@@ -438,7 +438,8 @@ impl AgentBuilder {
         self
     }
 
-    /// The service this agent runs in.
+    /// The service this agent runs in (required: [`AgentBuilder::connect`] refuses an agent
+    /// without one). The control plane lists and counts agents by it.
     pub fn service(mut self, service: impl Into<String>) -> Self {
         self.service = service.into();
         self
@@ -555,6 +556,11 @@ impl AgentBuilder {
             tonic::transport::Endpoint::from_shared(url.clone()).map_err(AgentError::InvalidUrl)?;
         check_url(&url, endpoint.uri())?;
         let token = self.token.as_deref().map(bearer).transpose()?;
+        // Fleet status, metrics and (SPEC §6) per-caller scoping all go by the service: an
+        // agent with none would be listed and counted under an empty name.
+        if self.service.trim().is_empty() {
+            return Err(AgentError::MissingService);
+        }
         let agent_id = self
             .agent_id
             .unwrap_or_else(|| derived_agent_id(&self.service, fastrand_seed()));
@@ -743,8 +749,30 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn an_agent_without_a_service_name_is_refused_at_connect() {
+        let url = "http://127.0.0.1:7470";
+        for builder in [Agent::builder(), Agent::builder().service(" \t")] {
+            match builder.url(url).connect() {
+                Err(e @ AgentError::MissingService) => {
+                    assert_eq!(
+                        e.to_string(),
+                        "no service name given (AgentBuilder::service)"
+                    );
+                }
+                other => panic!("expected MissingService, got {:?}", other.err()),
+            }
+        }
+    }
+
+    #[tokio::test]
     async fn a_url_without_a_scheme_or_asking_for_tls_is_refused_at_connect() {
-        let connect = |url: &str| Agent::builder().url(url).token("s3cret").connect();
+        let connect = |url: &str| {
+            Agent::builder()
+                .url(url)
+                .service("checkout")
+                .token("s3cret")
+                .connect()
+        };
         // `https://` asks for TLS, which the agent does not speak: the token would go out in
         // clear text.
         for url in ["https://127.0.0.1:7470", "HTTPS://127.0.0.1:7470"] {

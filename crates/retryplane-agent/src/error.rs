@@ -53,6 +53,10 @@ pub enum AgentError {
     /// No control-plane URL was given to [`crate::AgentBuilder::connect`].
     #[error("no control-plane URL given")]
     MissingUrl,
+    /// No service name (or only white space) was given to [`crate::AgentBuilder::connect`]
+    /// ([`crate::AgentBuilder::service`]): the control plane lists and counts agents by it.
+    #[error("no service name given (AgentBuilder::service)")]
+    MissingService,
     /// [`crate::AgentBuilder::connect`] was called outside a tokio runtime.
     #[error("the agent must be started inside a tokio runtime")]
     NoRuntime,
