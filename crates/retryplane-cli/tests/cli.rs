@@ -927,3 +927,18 @@ fn explain_and_simulate_refuse_a_file_validate_refuses_as_too_large_for_agents()
     .code(1)
     .stdout(validate);
 }
+
+#[test]
+fn every_subcommand_prints_the_program_version_with_dash_v() {
+    // `get --version N` names a policy version, so `get` takes `-V` alone; it printed a usage
+    // error before.
+    let dir = dir_with(&[]);
+    let version = env!("CARGO_PKG_VERSION");
+    for sub in [
+        "validate", "explain", "apply", "diff", "get", "history", "rollback", "status", "stats",
+        "top", "serve", "simulate", "request",
+    ] {
+        let out = output(dir.path(), &[sub, "-V"], 0);
+        assert_eq!(out, format!("retryplane-{sub} {version}\n"), "{sub}");
+    }
+}

@@ -25,7 +25,7 @@ pub enum GetFormat {
 }
 
 /// `retryplane get` flags, as parsed. `--version N` names a policy version here, so the
-/// program's own `--version` flag is off for this command.
+/// program's own version flag is `-V` alone for this command.
 #[derive(Debug, clap::Args)]
 #[command(disable_version_flag = true)]
 pub struct Args {
@@ -35,6 +35,9 @@ pub struct Args {
     /// Output format.
     #[arg(long, value_enum, default_value_t, alias = "format")]
     output: GetFormat,
+    /// Print the program's version (`-V` alone: `--version` names a policy version here).
+    #[arg(short = 'V', action = clap::ArgAction::Version)]
+    print_version: (),
     #[command(flatten)]
     server: ServerArgs,
 }
