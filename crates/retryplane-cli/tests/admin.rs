@@ -697,6 +697,27 @@ fn an_empty_retryplane_server_is_the_default_server() {
     }
 }
 
+/// A `RETRYPLANE_TOKEN` that is not UTF-8 (a secret file read with the wrong encoding) stops
+/// the command with clap's `invalid UTF-8 was detected in one or more arguments`, naming no
+/// variable: the command line it points at is fine (`RETRYPLANE_SERVER` does the same). The
+/// message should name the variable (and never print its value).
+#[test]
+fn a_token_variable_that_is_not_utf8_is_named_as_the_variable_not_an_argument() {
+    use std::os::unix::ffi::OsStrExt as _;
+    let server = test_server(true, Some(TOKENS));
+    let variable = "RETRYPLANE_TOKEN";
+    let value = std::ffi::OsStr::from_bytes(b"\xffadmin-secret-0123456789");
+    let out = server
+        .retryplane(&["history"])
+        .env(variable, value)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{variable}: {stderr}");
+    assert!(!stderr.contains("admin-secret"), "{variable}: {stderr}");
+    assert!(stderr.contains(variable), "{variable}: {stderr}");
+}
+
 #[test]
 fn an_empty_retryplane_token_is_reported_missing_like_an_unset_one() {
     let server = test_server(true, Some(TOKENS));
@@ -804,6 +825,121 @@ fn a_server_that_does_not_speak_grpc_is_named_with_what_broke_and_a_hint() {
         );
         assert_eq!(stderr.lines().count(), 2, "{command}: {stderr}");
     }
+}
+
+/// A loopback server that takes each connection and closes it at once, having read nothing
+/// (a port-forward or a load balancer with no backend behind it, a control plane going down).
+/// Runs until the test ends.
+fn closing_server() -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            drop(stream);
+        }
+    });
+    url
+}
+
+/// A connection closed before any answer is what the module docs call UNAVAILABLE ("the
+/// connection to URL failed before an answer", with the hint): it printed
+/// `retryplane: error: CANCELLED: operation was canceled`, which names neither the server nor
+/// what broke, and reads as if the user had cancelled something.
+#[test]
+fn a_server_that_closes_each_connection_at_once_is_named_as_unavailable_not_cancelled() {
+    let url = closing_server();
+    for command in ["history", "status", "get"] {
+        let stderr = failed_against(command, &url);
+        assert!(
+            !stderr.contains("CANCELLED"),
+            "{command}: nothing was cancelled: {stderr}"
+        );
+        assert!(
+            stderr.contains(&format!(
+                "retryplane: error: UNAVAILABLE: the connection to {url} failed before an answer: "
+            )),
+            "{command}: {stderr}"
+        );
+        assert!(
+            stderr.contains("retryplane: hint: is --server the admin listener"),
+            "{command}: {stderr}"
+        );
+    }
+}
+
+/// An `apply` whose answer never comes back (a network that drops it, a proxy that hangs)
+/// may still have been stored: here the request reaches the control plane, which stores v1,
+/// while its answer is dropped on the way back. After its 30 s the CLI said only
+/// `DEADLINE_EXCEEDED: no answer from the server within 30 s` and the hint for "a server that
+/// accepts the connection and never answers", as if nothing had happened; a write that timed
+/// out should say it may have been stored (as the server says of a store failure it cannot
+/// read back: "`retryplane history` shows what is"). Takes the CLI's 30 s request timeout.
+#[test]
+fn an_apply_whose_answer_is_lost_says_it_may_have_been_stored() {
+    let server = test_server(true, None);
+    server.write("v1.yaml", V1);
+    let upstream = server.running().admin_addr();
+    let listener = server
+        .runtime
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap();
+    let proxy = listener.local_addr().unwrap();
+    server.runtime.spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let up = tokio::net::TcpStream::connect(upstream).await.unwrap();
+                let (mut from_client, _to_client) = tcp.into_split();
+                let (mut from_server, mut to_server) = up.into_split();
+                // What the client sends goes through; what the server answers is dropped.
+                let sink = tokio::spawn(async move {
+                    let _ = tokio::io::copy(&mut from_server, &mut tokio::io::sink()).await;
+                });
+                let _ = tokio::io::copy(&mut from_client, &mut to_server).await;
+                sink.abort();
+            });
+        }
+    });
+    let assert = Command::cargo_bin("retryplane")
+        .unwrap()
+        .current_dir(server.dir.path())
+        .env_remove("RETRYPLANE_TOKEN")
+        .env_remove("RETRYPLANE_SERVER")
+        .args(["apply", "v1.yaml", "--server", &format!("http://{proxy}")])
+        .timeout(std::time::Duration::from_secs(60))
+        .assert()
+        .code(2);
+    let stderr = String::from_utf8_lossy(&assert.get_output().stderr).into_owned();
+    // The change was stored all the same.
+    let history = json_of(
+        &server
+            .retryplane(&["history", "--output", "json"])
+            .assert()
+            .code(0),
+    );
+    assert_eq!(history[0]["version"], 1, "{history}");
+    assert!(
+        stderr.contains("may have been stored") || stderr.contains("may still have been stored"),
+        "a timed-out write should say it may have been stored: {stderr}"
+    );
+}
+
+/// A change that replaces every endpoint with others (`payments` by `search`) is refused as
+/// "removes every endpoint" (by design: README, replace them in two steps), but the refusal
+/// said it "takes every policy away from the fleet", the empty snapshot SPEC §3 guards
+/// against, when the fleet would get `search`'s policy: a reader takes the file for empty.
+#[test]
+fn the_refusal_of_a_change_that_replaces_every_endpoint_does_not_call_it_an_empty_fleet() {
+    let server = test_server(true, None);
+    server.write("v1.yaml", V1);
+    server.write("other.yaml", "version: 1\nendpoints:\n  search: {}\n");
+    server.retryplane(&["apply", "v1.yaml"]).assert().code(0);
+    let assert = server.retryplane(&["apply", "other.yaml"]).assert().code(1);
+    let stderr = String::from_utf8_lossy(&assert.get_output().stderr).into_owned();
+    assert!(stderr.contains("payments"), "{stderr}");
+    assert!(
+        !stderr.contains("takes every policy away from the fleet"),
+        "the fleet keeps a policy (search): {stderr}"
+    );
 }
 
 #[test]

@@ -154,6 +154,39 @@ pub fn normalize(diags: &mut Vec<Diagnostic>) {
     diags.dedup();
 }
 
+/// The most diagnostics one check lists; past it, one more says how many were left out
+/// ([`more_not_listed`]). A problem can take a byte or two of input (a bad code in a list)
+/// and a few hundred bytes to say: unbounded, a document of a few megabytes made an answer,
+/// a log and a process's memory of gigabytes.
+pub const MAX_LISTED: usize = 1_000;
+
+/// The diagnostic that closes a list cut at [`MAX_LISTED`]: `errors` more errors and
+/// `warnings` more warnings (an error if any is).
+pub fn more_not_listed(errors: usize, warnings: usize) -> Diagnostic {
+    let what = match (errors, warnings) {
+        (0, w) => format!("{w} more warning(s)"),
+        (e, 0) => format!("{e} more error(s)"),
+        (e, w) => format!("{e} more error(s) and {w} more warning(s)"),
+    };
+    let message = format!("{what} not listed (the first {MAX_LISTED} problems are)");
+    if errors > 0 {
+        Diagnostic::error(Loc::UNKNOWN, "<document>", message)
+    } else {
+        Diagnostic::warning(Loc::UNKNOWN, "<document>", message)
+    }
+}
+
+/// Cuts `diags` to [`MAX_LISTED`], in their order, closing it with [`more_not_listed`].
+pub fn cap(diags: &mut Vec<Diagnostic>) {
+    if diags.len() > MAX_LISTED {
+        let errors = diags[MAX_LISTED..].iter().filter(|d| d.is_error()).count();
+        let warnings = diags.len() - MAX_LISTED - errors;
+        diags.truncate(MAX_LISTED);
+        diags.shrink_to_fit();
+        diags.push(more_not_listed(errors, warnings));
+    }
+}
+
 /// The longest endpoint name a policy allows, in bytes.
 pub const MAX_ENDPOINT_NAME: usize = 128;
 

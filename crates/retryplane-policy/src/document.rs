@@ -334,10 +334,18 @@ fn set<T: Clone>(slot: &mut T, field: &Option<Field<T>>) {
     }
 }
 
-fn list<T: Clone>(field: &Option<Field<Vec<Field<T>>>>) -> Option<Arc<[T]>> {
-    field
-        .as_ref()
-        .map(|f| f.value.iter().map(|i| i.value.clone()).collect())
+/// A list as a policy holds it: each value once, in the order first written (a repeat is
+/// warned of, and looked up on every failed attempt: a document of a million repeats must not
+/// make a policy of a million items).
+fn list<T: Clone + Eq + std::hash::Hash>(field: &Option<Field<Vec<Field<T>>>>) -> Option<Arc<[T]>> {
+    field.as_ref().map(|f| {
+        let mut seen = std::collections::HashSet::new();
+        f.value
+            .iter()
+            .filter(|item| seen.insert(&item.value))
+            .map(|item| item.value.clone())
+            .collect()
+    })
 }
 
 impl Overlay {

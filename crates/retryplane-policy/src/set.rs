@@ -192,8 +192,10 @@ impl PolicySet {
         diag::normalize(&mut diags);
         if diags.iter().any(Diagnostic::is_error) {
             diags.retain(Diagnostic::is_error);
+            diag::cap(&mut diags);
             return Err(InvalidPolicy { errors: diags });
         }
+        diag::cap(&mut diags);
         Ok((Self::compile(document), diags))
     }
 
@@ -328,6 +330,7 @@ pub fn load(bytes: &[u8]) -> Loaded {
     diag::normalize(&mut diagnostics);
     let policies =
         (!diagnostics.iter().any(Diagnostic::is_error)).then(|| PolicySet::compile(document));
+    diag::cap(&mut diagnostics);
     Loaded {
         policies,
         diagnostics,

@@ -715,53 +715,57 @@ fn check_layer(o: &Overlay, prefix: &str, diags: &mut Vec<Diagnostic>) {
             }
         }
     }
-    // Repeats found through a set: a list is as long as its file makes it.
+    // Repeats found through a set: a list is as long as its file makes it. Each value is
+    // warned of once (at its first place, and a repeat at its second): a list that repeats a
+    // value a million times gets two warnings, not two million.
     if let Some(list) = &o.retry_on.http_status {
-        let mut seen_statuses = HashSet::new();
+        let mut seen = Repeats::default();
         for s in &list.value {
-            if (400..500).contains(&s.value) && !RETRYABLE_4XX.contains(&s.value) {
-                warn(
-                    s.loc,
-                    "retry_on.http_status".into(),
-                    format!(
-                        "{} is a client error that does not get better by repetition",
-                        s.value
-                    ),
-                );
-            }
-            if !seen_statuses.insert(s.value) {
-                warn(
+            match seen.note(s.value) {
+                Seen::First
+                    if (400..500).contains(&s.value) && !RETRYABLE_4XX.contains(&s.value) =>
+                {
+                    warn(
+                        s.loc,
+                        "retry_on.http_status".into(),
+                        format!(
+                            "{} is a client error that does not get better by repetition",
+                            s.value
+                        ),
+                    );
+                }
+                Seen::Second => warn(
                     s.loc,
                     "retry_on.http_status".into(),
                     format!("{} is listed twice", s.value),
-                );
+                ),
+                _ => {}
             }
         }
     }
     if let Some(list) = &o.retry_on.grpc_status {
-        let mut seen_codes = HashSet::new();
+        let mut seen = Repeats::default();
         for c in &list.value {
-            if NON_RETRYABLE_GRPC.contains(&c.value) {
-                warn(
+            match seen.note(c.value) {
+                Seen::First if NON_RETRYABLE_GRPC.contains(&c.value) => warn(
                     c.loc,
                     "retry_on.grpc_status".into(),
                     format!("{} does not get better by repetition", c.value.name()),
-                );
-            }
-            if !seen_codes.insert(c.value) {
-                warn(
+                ),
+                Seen::Second => warn(
                     c.loc,
                     "retry_on.grpc_status".into(),
                     format!("{} is listed twice", c.value.name()),
-                );
+                ),
+                _ => {}
             }
         }
     }
     // The other lists say a repeat the way `http_status` does.
     if let Some(list) = &o.retry_on.errors {
-        let mut seen_errors = HashSet::new();
+        let mut seen = Repeats::default();
         for e in &list.value {
-            if !seen_errors.insert(e.value.as_str()) {
+            if seen.note(e.value.as_str()) == Seen::Second {
                 warn(
                     e.loc,
                     "retry_on.errors".into(),
@@ -771,15 +775,52 @@ fn check_layer(o: &Overlay, prefix: &str, diags: &mut Vec<Diagnostic>) {
         }
     }
     if let Some(list) = &o.idempotent_methods {
-        let mut seen_methods = HashSet::new();
+        let mut seen = Repeats::default();
         for m in &list.value {
-            if !seen_methods.insert(m.value.as_str()) {
+            if seen.note(m.value.as_str()) == Seen::Second {
                 warn(
                     m.loc,
                     "idempotent_methods".into(),
                     format!("{} is listed twice", m.value),
                 );
             }
+        }
+    }
+}
+
+/// How often a list has held a value so far: see [`Repeats::note`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Seen {
+    First,
+    Second,
+    Again,
+}
+
+/// The values of one list seen so far, and which of them were seen twice.
+struct Repeats<T> {
+    seen: HashSet<T>,
+    repeated: HashSet<T>,
+}
+
+impl<T> Default for Repeats<T> {
+    fn default() -> Self {
+        Self {
+            seen: HashSet::new(),
+            repeated: HashSet::new(),
+        }
+    }
+}
+
+impl<T: Eq + std::hash::Hash + Copy> Repeats<T> {
+    /// Notes one more item of the list: whether it is the value's first, second or a later
+    /// place.
+    fn note(&mut self, value: T) -> Seen {
+        if self.seen.insert(value) {
+            Seen::First
+        } else if self.repeated.insert(value) {
+            Seen::Second
+        } else {
+            Seen::Again
         }
     }
 }

@@ -116,7 +116,11 @@ impl TryFrom<pb::PolicyDocument> for PolicyDocument {
                 endpoints,
             })
         } else {
-            Err(InvalidDocument { errors: c.errors })
+            let mut errors = c.errors;
+            if c.more > 0 {
+                errors.push(retryplane_policy::diag::more_not_listed(c.more, 0));
+            }
+            Err(InvalidDocument { errors })
         }
     }
 }
@@ -125,6 +129,9 @@ impl TryFrom<pb::PolicyDocument> for PolicyDocument {
 #[derive(Default)]
 struct Checker {
     errors: Vec<Diagnostic>,
+    /// Errors past [`retryplane_policy::diag::MAX_LISTED`], counted, not kept: a bad code
+    /// takes a byte of a typed document and a few hundred to say.
+    more: usize,
 }
 
 /// Where a field sits (`prefix.field`, or `prefix.field[item]` for an item of a list), written
@@ -150,12 +157,20 @@ impl fmt::Display for At<'_> {
 
 impl Checker {
     fn error(&mut self, path: &str, message: impl Into<String>) {
-        self.errors
-            .push(Diagnostic::error(Loc::UNKNOWN, path, message));
+        if self.errors.len() < retryplane_policy::diag::MAX_LISTED {
+            self.errors
+                .push(Diagnostic::error(Loc::UNKNOWN, path, message));
+        } else {
+            self.more += 1;
+        }
     }
 
     fn error_at(&mut self, at: At<'_>, message: impl Into<String>) {
-        self.error(&at.to_string(), message);
+        if self.errors.len() < retryplane_policy::diag::MAX_LISTED {
+            self.error(&at.to_string(), message);
+        } else {
+            self.more += 1;
+        }
     }
 
     fn overlay(&mut self, o: pb::Overlay, prefix: &str) -> Overlay {

@@ -277,8 +277,10 @@ fn diagnostic_lines(diagnostics: &[Diagnostic]) -> String {
 }
 
 /// What follows the list of removed endpoints when the change could be forced.
+/// (Whether the change leaves the fleet empty or replaces every endpoint by others, none that
+/// agents call now keeps its policy.)
 const FORCE_IT: &str =
-    ", which takes every policy away from the fleet; pass --force to do it anyway";
+    ": none that agents call now would keep its policy; pass --force to do it anyway";
 /// What follows it in file mode, where nothing can force a save.
 const NO_FORCE_IN_FILE_MODE: &str = ": a saved file that does this is refused in file mode, and \
      nothing can force it; to replace every endpoint, add the new ones first, save, then \
