@@ -1188,3 +1188,48 @@ fn a_read_whose_connection_broke_before_the_answer_is_sent_again() {
     assert!(stdout_of(&assert).contains("max_attempts: 3"));
     assert_eq!(requests.load(std::sync::atomic::Ordering::SeqCst), 1);
 }
+
+/// A policy file under the size limit whose warnings, each naming a 128-byte endpoint, make an
+/// `ApplyResponse` of about 87 MB: past the 64 MiB the CLI decodes. The control plane stores
+/// and serves the change; `apply` must say so (exit 0, the new version), not fail with a
+/// transport error that reads as "nothing applied".
+#[test]
+fn an_apply_whose_warnings_pass_the_answer_limit_is_still_reported_as_applied() {
+    let server = test_server(true, None);
+    server.write("v1.yaml", V1);
+    server.retryplane(&["apply", "v1.yaml"]).assert().code(0);
+    let name = "n".repeat(128);
+    // Each `404` after the first is warned about twice (a client error; listed twice).
+    let statuses = vec!["404"; 199_000].join(",");
+    let file = format!(
+        "version: 1\nendpoints:\n  payments:\n    max_attempts: 3\n  {name}:\n    retry_on: {{http_status: [{statuses}]}}\n"
+    );
+    assert!(file.len() < 1 << 20, "{} bytes", file.len());
+    server.write("many-warnings.yaml", &file);
+    let assert = server.retryplane(&["apply", "many-warnings.yaml"]).assert();
+    let output = assert.get_output().clone();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    // The change is in force whatever the CLI said.
+    let current = server.runtime.block_on(async {
+        let channel = Channel::from_shared(server.url.clone())
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        pb::admin_service_client::AdminServiceClient::new(channel)
+            .max_decoding_message_size(256 << 20)
+            .get(pb::GetRequest { version: 0 })
+            .await
+            .unwrap()
+            .into_inner()
+            .info
+            .map(|i| i.version)
+    });
+    assert_eq!(current, Some(2), "the control plane serves the new version");
+    assert_eq!(
+        output.status.code(),
+        Some(0),
+        "apply failed although version 2 was applied: {}",
+        stderr.lines().take(3).collect::<Vec<_>>().join(" | ")
+    );
+}

@@ -60,6 +60,9 @@ use tonic::{Request, Status};
 /// space (the presented one is trimmed) nor hold a control character: such a secret could never
 /// match, so the tokens file is refused.
 pub const MIN_SECRET_LEN: usize = 16;
+/// Longest secret accepted, in bytes: a request's headers, the secret's among them, must fit
+/// what the listeners take (hyper's 16 KiB by default), so a longer secret could never be sent.
+pub const MAX_SECRET_LEN: usize = 4096;
 /// Largest tokens file read.
 pub const MAX_FILE_BYTES: u64 = 1024 * 1024;
 
@@ -595,6 +598,13 @@ impl Tokens {
             if t.secret.len() < MIN_SECRET_LEN {
                 problems.push(format!(
                     "{at}: secret is shorter than {MIN_SECRET_LEN} bytes"
+                ));
+            }
+            if t.secret.len() > MAX_SECRET_LEN {
+                problems.push(format!(
+                    "{at}: secret is {} bytes, longer than the {MAX_SECRET_LEN} bytes a request's \
+                     headers can carry to the control plane",
+                    t.secret.len()
                 ));
             }
             let digest = digest(t.secret.as_bytes());

@@ -107,6 +107,24 @@ fn short_secret_is_refused_naming_the_file() {
 }
 
 #[test]
+fn a_secret_longer_than_a_request_can_carry_is_refused() {
+    // The listeners refuse headers past 16 KiB (HTTP 431) before reading the token: a client
+    // with a 20,000-byte secret got `UNKNOWN: grpc-status header missing` on every call.
+    let secret = "s".repeat(MAX_SECRET_LEN + 1);
+    let err = invalid(&format!(
+        "tokens: [{{name: a, role: admin, secret: {secret}}}]"
+    ));
+    assert!(
+        err.contains("tokens[0] (`a`): secret is 4097 bytes, longer than the 4096 bytes"),
+        "{err}"
+    );
+    assert!(!err.contains(&secret[..64]), "{err}");
+    let longest = "s".repeat(MAX_SECRET_LEN);
+    let text = format!("tokens: [{{name: a, role: admin, secret: {longest}}}]");
+    assert!(Tokens::parse(&text, Path::new("/etc/retryplane/tokens.yaml")).is_ok());
+}
+
+#[test]
 fn secrets_no_header_can_carry_are_refused_without_showing_them() {
     for secret in [
         "\" spaced-secret-0123456789 \"",

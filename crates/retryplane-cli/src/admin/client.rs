@@ -108,6 +108,26 @@ impl Client {
         self.read(message, async |c, r| c.validate(r).await).await
     }
 
+    /// The answer of a call that changes something: sent once (the server may have done it),
+    /// and when its answer did not come (the request timeout, a connection that broke), the
+    /// status says the change may have been made: the request may have reached the server
+    /// before the answer was lost, and `history` shows whether it did.
+    fn write<T>(&self, answer: Result<tonic::Response<T>, Status>) -> Result<T, Status> {
+        answer.map(tonic::Response::into_inner).map_err(|status| {
+            if super::timed_out(&status) {
+                Status::deadline_exceeded(format!(
+                    "no answer from the server within {} s; {MAY_BE_STORED}",
+                    super::REQUEST_TIMEOUT.as_secs()
+                ))
+            } else if broke_on_connection(&status) {
+                let status = self.connection_failure(status);
+                Status::unavailable(format!("{}; {MAY_BE_STORED}", status.message()))
+            } else {
+                status
+            }
+        })
+    }
+
     /// `Apply`. A dry run (`diff`) only reads, and is sent once more as the other reads are.
     pub async fn apply(&mut self, message: pb::ApplyRequest) -> Result<pb::ApplyResponse, Status> {
         if message.dry_run {
@@ -115,7 +135,7 @@ impl Client {
         }
         let request = self.request(message);
         let answer = self.inner.apply(request).await;
-        self.answer(answer)
+        self.write(answer)
     }
 
     /// `Get`.
@@ -138,7 +158,7 @@ impl Client {
     ) -> Result<pb::ApplyResponse, Status> {
         let request = self.request(message);
         let answer = self.inner.rollback(request).await;
-        self.answer(answer)
+        self.write(answer)
     }
 
     /// `FleetStatus`, every agent: asked for in pages of [`FLEET_PAGE`] agents, put together
@@ -170,11 +190,16 @@ impl Client {
     }
 }
 
+/// What a write whose answer was lost says of its change.
+const MAY_BE_STORED: &str =
+    "the change may have been stored all the same: `retryplane history` shows whether it was";
+
 /// Whether a call failed on its connection (it broke before an answer, or what listens there
-/// does not speak gRPC), as tonic reports it: a transport error under any code but `CANCELLED`,
-/// which is also the request timeout's.
+/// does not speak gRPC), as tonic reports it: a transport error under any code (hyper's
+/// "operation was canceled" for a connection closed at once is `CANCELLED`), but not the
+/// request timeout (also `CANCELLED`).
 fn broke_on_connection(status: &Status) -> bool {
-    status.code() != tonic::Code::Cancelled
+    !super::timed_out(status)
         && std::error::Error::source(status).is_some_and(|s| s.is::<tonic::transport::Error>())
 }
 

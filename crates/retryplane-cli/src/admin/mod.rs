@@ -348,12 +348,17 @@ pub fn failed(status: &Status, stdout: String) -> Report {
     failed_with(code, &message, stdout)
 }
 
+/// Whether `status` is the client's own [`REQUEST_TIMEOUT`], as tonic reports it:
+/// `CANCELLED: Timeout expired`.
+pub(crate) fn timed_out(status: &Status) -> bool {
+    status.code() == Code::Cancelled && status.message() == tonic::TimeoutExpired(()).to_string()
+}
+
 /// The code and message to show for `status`. The client's own [`REQUEST_TIMEOUT`] reaches
 /// us as tonic's `CANCELLED: Timeout expired`; it is shown as what it is, `DEADLINE_EXCEEDED`
 /// with the time waited (a server that takes the connection and never answers).
 fn code_and_message(status: &Status) -> (Code, String) {
-    if status.code() == Code::Cancelled && status.message() == tonic::TimeoutExpired(()).to_string()
-    {
+    if timed_out(status) {
         return (
             Code::DeadlineExceeded,
             format!(
