@@ -20,9 +20,10 @@
 //!
 //! When an endpoint's breaker settings change, the new breaker takes over from the old one
 //! ([`CircuitBreaker::taking_over`]); calls still in flight on the old settings keep reporting
-//! to the old breaker, and when their failures open it (or open it again), every other breaker
-//! of the same line of hand-overs opens too, until the same instant (unless it is already open
-//! for longer); so does an opening of the new one. So new calls are refused as soon as the old
+//! to the old breaker, which counts their outcomes in the newest breaker of the line too, and
+//! when their failures open it (or open it again), every other breaker of the same line of
+//! hand-overs opens too, until the same instant (unless it is already open for longer); so
+//! does an opening of the new one. So new calls are refused as soon as the old
 //! calls learn the upstream is failing, not only once the new breaker has counted
 //! `min_requests` failures of its own, and calls started before the change stop retrying as
 //! soon as the new breaker opens (SPEC §2 step 2: an open breaker makes no call).
@@ -48,8 +49,8 @@
 //! taken over more than once (the agent builds a short-lived one for a call on an outgoing
 //! snapshot).
 
-use std::sync::atomic::AtomicU64;
-use std::sync::atomic::Ordering::{AcqRel, Acquire};
+use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release};
+use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 
 use tokio::time::Instant;
@@ -129,6 +130,9 @@ pub struct CircuitBreaker {
     /// The breakers of this one's line of hand-overs, oldest first; empty for a breaker that
     /// was never taken over nor took over.
     line: Arc<Line>,
+    /// Set once another breaker took over from this one: the outcomes its calls still record
+    /// are counted in the newest breaker of the line too ([`CircuitBreaker::taking_over`]).
+    superseded: AtomicBool,
 }
 
 /// The breakers of one endpoint that took over from one another, oldest first (dropped ones
@@ -173,6 +177,7 @@ impl CircuitBreaker {
             open_for_nanos: u64::try_from(cfg.open_for.as_nanos()).unwrap_or(u64::MAX),
             half_open_probes: u64::from(cfg.half_open_probes).clamp(1, PROBE_MASK),
             line: Arc::default(),
+            superseded: AtomicBool::new(false),
         }
     }
 
@@ -187,7 +192,9 @@ impl CircuitBreaker {
     /// a storm must not forget the failures already seen.
     ///
     /// Permits `old` issued stay `old`'s: report them to `old`, which the calls holding them
-    /// keep. What they teach `old` is passed on: whenever `old` opens later (or opens again),
+    /// keep. What they teach `old` is passed on: each outcome they record in `old` while it
+    /// is closed is counted in the newest breaker of the line too, if that one is closed;
+    /// and whenever `old` opens later (or opens again),
     /// the new breaker opens until the same instant, unless it is already open for longer;
     /// so does every breaker that takes over after it in the same line (from the new one, or
     /// from `old` again), even when a breaker between them is gone. And the other way: when the
@@ -211,6 +218,7 @@ impl CircuitBreaker {
             line.retain(|b| b.strong_count() > 0);
             line.push(Arc::downgrade(&breaker));
         }
+        old.superseded.store(true, Release);
         // Read after joining the line: an opening of `old` either is seen here or, coming
         // after the join (the lock orders them), is passed on to the new breaker.
         let state = old.state.load(Acquire);
@@ -370,6 +378,9 @@ impl CircuitBreaker {
             if state & OPEN == 0 && generation(state) == permit.generation {
                 let slot = self.window.advance(nanos);
                 self.window.add(slot, SUCCESSES);
+                if self.superseded.load(Relaxed) {
+                    self.pass_outcome_on(true, nanos);
+                }
             }
             return;
         }
@@ -392,6 +403,15 @@ impl CircuitBreaker {
             }
             return;
         }
+        self.count(state, success, nanos);
+        if self.superseded.load(Relaxed) {
+            self.pass_outcome_on(success, nanos);
+        }
+    }
+
+    /// Counts an outcome at `nanos` while closed in `state`, and opens if a failure makes the
+    /// opening rule hold.
+    fn count(&self, state: u64, success: bool, nanos: u64) {
         let slot = self.window.advance(nanos);
         if success {
             self.window.add(slot, SUCCESSES);
@@ -407,6 +427,27 @@ impl CircuitBreaker {
             && self.open(state, nanos)
         {
             self.window.clear();
+        }
+    }
+
+    /// Counts an outcome a call recorded in this breaker, taken over from since, in the newest
+    /// breaker of the line too, if it is closed: the calls started before a change of settings
+    /// tell the breaker new calls use what they learn (before, only this one counted them,
+    /// and pushes that changed the settings more often than calls ended kept every breaker
+    /// under its `min_requests`).
+    #[cold]
+    #[inline(never)]
+    fn pass_outcome_on(&self, success: bool, nanos: u64) {
+        let newest = lock(&self.line)
+            .iter()
+            .rev()
+            .find_map(Weak::upgrade)
+            .filter(|b| !std::ptr::eq(Arc::as_ptr(b), self));
+        if let Some(newest) = newest {
+            let state = newest.state.load(Acquire);
+            if state & OPEN == 0 {
+                newest.count(state, success, nanos);
+            }
         }
     }
 

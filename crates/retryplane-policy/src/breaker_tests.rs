@@ -419,7 +419,12 @@ fn a_breaker_taking_over_a_closed_one_opens_when_calls_still_on_the_old_one_open
     let t0 = Instant::now();
     let old = Arc::new(breaker(10, t0));
     let permits = in_flight(&old, t0);
-    let new = CircuitBreaker::taking_over(&short_open(), &old);
+    // Past the ten failures the old calls pass on to it: it does not open by its own rule.
+    let cfg = BreakerConfig {
+        min_requests: 50,
+        ..short_open()
+    };
+    let new = CircuitBreaker::taking_over(&cfg, &old);
     assert_eq!(new.state(t0), Closed);
     let opened = fail(&old, permits, t0);
     // Refused at once, for the old breaker's period (30 s), not only its own 5 s.
@@ -432,6 +437,29 @@ fn a_breaker_taking_over_a_closed_one_opens_when_calls_still_on_the_old_one_open
     assert_eq!(new.try_acquire(after), Err(BreakerOpen));
     new.record(probe, true, after);
     assert_eq!(new.state(after), Closed);
+}
+
+#[test]
+fn the_outcomes_of_calls_still_on_a_breaker_taken_over_from_count_in_the_newest() {
+    // Settings changed more often than calls end: each breaker's own calls reported only to
+    // it, so none reached `min_requests` and the newest never opened.
+    let t0 = Instant::now();
+    let first = Arc::new(breaker(100, t0));
+    let early = in_flight(&first, t0);
+    let second = CircuitBreaker::taking_over(&short_open(), &first);
+    let later: Vec<Permit> = (0..2).map(|_| second.try_acquire(t0).unwrap()).collect();
+    let third = CircuitBreaker::taking_over(&short_open(), &second);
+    let at = t0 + Duration::from_secs(1);
+    // Three failures of calls on the first, two on the second: five in the newest.
+    early
+        .into_iter()
+        .take(3)
+        .for_each(|p| first.record(p, false, at));
+    assert_eq!(third.state(at), Closed);
+    later.into_iter().for_each(|p| second.record(p, false, at));
+    assert_eq!(third.try_acquire(at), Err(BreakerOpen));
+    // Its opening reaches the others of the line, as any opening does.
+    assert_eq!(first.state(at), Open);
 }
 
 #[test]

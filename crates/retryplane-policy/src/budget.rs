@@ -57,6 +57,9 @@
 //! `origin`; an instant older than the newest one seen (time going backwards a little, or
 //! threads passing slightly different instants) counts in the newest slot seen.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+
 use tokio::time::Instant;
 
 use crate::model::BudgetConfig;
@@ -80,7 +83,22 @@ pub struct RetryBudget {
     window: SlidingCounter<2>,
     ratio: f64,
     reserve: u64,
+    /// Set once another budget took over from this one ([`RetryBudget::taking_over`]): what
+    /// this one's calls still deposit and withdraw goes to the newest of its line.
+    superseded: AtomicBool,
+    /// The budgets of this one's line of hand-overs, oldest first; empty until one takes over.
+    line: Arc<Line>,
+    /// Tells this budget from the others of its line (see [`Taken`]).
+    id: u64,
 }
+
+/// The next [`RetryBudget::id`].
+static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// The budgets of one line of hand-overs, oldest first (weak: a budget lives as long as the
+/// endpoint states and calls that hold it). A mutex: it is touched when a budget takes over,
+/// and by calls of a budget taken over from, never by the others.
+type Line = Mutex<Vec<Weak<RetryBudget>>>;
 
 /// What a budget holds at one instant, for `explain` and metrics.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -101,12 +119,17 @@ pub(crate) struct Withdrawal {
     slot: u64,
     older: u64,
     limit: u64,
+    /// Read from the newest budget of the line, not this one (see [`RetryBudget::newest`]).
+    newest: bool,
 }
 
-/// A retry [`RetryBudget::take`] counted: the slot it is counted in.
+/// A retry [`RetryBudget::take`] counted: the slot it is counted in, and the budget (this
+/// one, or the newest of its line then), which alone can uncount it: slots are numbered by
+/// each budget's own window.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Taken {
     slot: u64,
+    budget: u64,
 }
 
 /// `max(reserve, floor(ratio × requests))`.
@@ -131,6 +154,9 @@ impl RetryBudget {
             window: SlidingCounter::new(cfg.window),
             ratio: if cfg.ratio > 0.0 { cfg.ratio } else { 0.0 },
             reserve: reserve_per_window(cfg),
+            superseded: AtomicBool::new(false),
+            line: Arc::default(),
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
         }
     }
 
@@ -142,16 +168,46 @@ impl RetryBudget {
     /// bound stays sound. So a change of settings hands out no fresh allowance: a budget
     /// tightened during a retry storm refuses at once what the retries already used up (an
     /// empty one allowed its whole reserve again, on every agent), and a change never credits
-    /// calls for longer than they were made for. Retries that calls still running under `old`
-    /// take are counted in `old` only.
-    pub fn taking_over(cfg: &BudgetConfig, old: &RetryBudget, now: Instant) -> Self {
-        let budget = Self::new(cfg, old.origin);
+    /// calls for longer than they were made for.
+    ///
+    /// From then on, the calls still running on `old` deposit and withdraw in the newest
+    /// budget of the line (this one, or one that took over after it): their retries are
+    /// allowed by, and counted in, the budget new calls use. Counted in `old` alone, they were
+    /// seen by no later budget, and pushes that changed the settings more often than calls
+    /// ended let a storm's retries through many fresh budgets.
+    pub fn taking_over(cfg: &BudgetConfig, old: &Arc<RetryBudget>, now: Instant) -> Arc<Self> {
+        let budget = Arc::new(Self {
+            line: old.line.clone(),
+            ..Self::new(cfg, old.origin)
+        });
         let nanos = nanos_since(old.origin, now);
         // Calls at their slot's start, retries at its end.
         let mut at_end = [false; 2];
         at_end[RETRIES] = true;
         budget.window.take_over(&old.window, nanos, at_end);
+        {
+            let mut line = lock(&old.line);
+            if line.is_empty() {
+                line.push(Arc::downgrade(old));
+            }
+            line.retain(|b| b.strong_count() > 0);
+            line.push(Arc::downgrade(&budget));
+        }
+        old.superseded.store(true, Ordering::Release);
         budget
+    }
+
+    /// The newest budget of this one's line, when another budget took over from this one and
+    /// is still in use: where this one's calls deposit and withdraw.
+    fn newest(&self) -> Option<Arc<RetryBudget>> {
+        if !self.superseded.load(Ordering::Acquire) {
+            return None;
+        }
+        lock(&self.line)
+            .iter()
+            .rev()
+            .find_map(Weak::upgrade)
+            .filter(|b| !std::ptr::eq(Arc::as_ptr(b), self))
     }
 
     /// Whether it counts nothing at `now`: a budget made afresh then would be the same.
@@ -168,28 +224,61 @@ impl RetryBudget {
     /// [`Self::deposit`] at `nanos` since the origin.
     #[inline]
     pub(crate) fn deposit_at(&self, nanos: u64) {
+        if self.superseded.load(Ordering::Relaxed) {
+            return self.deposit_in_newest(nanos);
+        }
         let slot = self.window.advance(nanos);
         self.window.add(slot, REQUESTS);
+    }
+
+    /// [`Self::deposit_at`] for a budget taken over from: in the newest of the line.
+    #[cold]
+    #[inline(never)]
+    fn deposit_in_newest(&self, nanos: u64) {
+        let budget = self.newest();
+        let budget = budget.as_deref().unwrap_or(self);
+        let slot = budget.window.advance(nanos);
+        budget.window.add(slot, REQUESTS);
     }
 
     /// Asks for one retry at `now`: `true` (and the retry is counted) when the budget allows it,
     /// `false` (nothing counted) when it is exhausted.
     pub fn try_withdraw(&self, now: Instant) -> bool {
-        let slot = self.window.advance(nanos_since(self.origin, now));
-        self.take_in(slot)
+        let newest = self.newest();
+        let budget = newest.as_deref().unwrap_or(self);
+        let slot = budget.window.advance(nanos_since(budget.origin, now));
+        budget.take_in(slot)
     }
 
     /// Whether a retry at `now` would be allowed, without counting it.
     pub fn can_withdraw(&self, now: Instant) -> bool {
-        let slot = self.window.peek(nanos_since(self.origin, now));
-        let [requests, older] = self.window.sums(slot, READ);
-        self.fits(slot, older, allowance(self.reserve, self.ratio, requests))
+        let newest = self.newest();
+        let budget = newest.as_deref().unwrap_or(self);
+        let slot = budget.window.peek(nanos_since(budget.origin, now));
+        let [requests, older] = budget.window.sums(slot, READ);
+        budget.fits(
+            slot,
+            older,
+            allowance(budget.reserve, budget.ratio, requests),
+        )
     }
 
     /// Reads the window once at `nanos` since the origin, read-only like
     /// [`Self::can_withdraw`]: the retry it would allow, or `None` when the budget is exhausted.
     /// Nothing is counted until [`Self::take`].
     pub(crate) fn check_at(&self, nanos: u64) -> Option<Withdrawal> {
+        if self.superseded.load(Ordering::Relaxed)
+            && let Some(newest) = self.newest()
+        {
+            return newest
+                .check_own(nanos)
+                .map(|w| Withdrawal { newest: true, ..w });
+        }
+        self.check_own(nanos)
+    }
+
+    /// [`Self::check_at`] in this budget's own window.
+    fn check_own(&self, nanos: u64) -> Option<Withdrawal> {
         let slot = self.window.peek(nanos);
         let [requests, older] = self.window.sums(slot, READ);
         let limit = allowance(self.reserve, self.ratio, requests);
@@ -198,6 +287,7 @@ impl RetryBudget {
             slot,
             older,
             limit,
+            newest: false,
         })
     }
 
@@ -205,14 +295,30 @@ impl RetryBudget {
     /// no second read of the window): `None` then, and nothing is counted. `Some` holds the
     /// retry counted, for [`Self::give_back`] should it never be sent.
     pub(crate) fn take(&self, w: Withdrawal) -> Option<Taken> {
+        if w.newest {
+            // Read again in the newest budget now (it may not be the one checked).
+            let newest = self.newest();
+            let budget = newest.as_deref().unwrap_or(self);
+            let slot = budget.window.advance(w.nanos);
+            return budget.take_in(slot).then_some(Taken {
+                slot,
+                budget: budget.id,
+            });
+        }
         let slot = self.window.advance(w.nanos);
         if slot != w.slot {
             // Another thread moved the window on since the check: read it again.
-            return self.take_in(slot).then_some(Taken { slot });
+            return self.take_in(slot).then_some(Taken {
+                slot,
+                budget: self.id,
+            });
         }
         self.window
             .try_add(slot, RETRIES, w.older, w.limit)
-            .then_some(Taken { slot })
+            .then_some(Taken {
+                slot,
+                budget: self.id,
+            })
     }
 
     /// Uncounts a retry [`Self::take`] counted that was never sent (its call was cancelled or
@@ -220,7 +326,16 @@ impl RetryBudget {
     /// retry the upstream never saw leaves the window's retries as they were. A retry whose
     /// slot has left the window since is no longer counted there, and nothing changes.
     pub(crate) fn give_back(&self, taken: Taken) {
-        self.window.remove(taken.slot, RETRIES);
+        if taken.budget == self.id {
+            self.window.remove(taken.slot, RETRIES);
+        } else if let Some(newest) = self.newest()
+            && newest.id == taken.budget
+        {
+            newest.window.remove(taken.slot, RETRIES);
+        }
+        // Else the budget it was counted in is no longer the newest: one that took over
+        // since took the retry over with its slot's counts, in slots of its own; it stays
+        // counted (a retry too many, never one too few).
     }
 
     /// Reads the window and takes one retry in `slot` (from `advance`) if it allows one.
@@ -247,6 +362,11 @@ impl RetryBudget {
             allowed: allowance(self.reserve, self.ratio, requests),
         }
     }
+}
+
+/// The line's list, whether or not a thread panicked holding it (the list is valid either way).
+fn lock(line: &Line) -> std::sync::MutexGuard<'_, Vec<Weak<RetryBudget>>> {
+    line.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 #[cfg(test)]

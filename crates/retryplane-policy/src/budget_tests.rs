@@ -230,7 +230,7 @@ proptest! {
 fn a_takeover_never_credits_calls_longer_than_they_were_made_for() {
     // 1,000 calls at the start, none after; the ratio is tightened just before they leave.
     let t0 = Instant::now();
-    let old = RetryBudget::new(&cfg(0.1, 1, Duration::from_secs(10)), t0);
+    let old = Arc::new(RetryBudget::new(&cfg(0.1, 1, Duration::from_secs(10)), t0));
     for _ in 0..1_000 {
         old.deposit(t0);
     }
@@ -243,7 +243,7 @@ fn a_takeover_never_credits_calls_longer_than_they_were_made_for() {
     assert_eq!(withdraw_all(&tightened, at), 10, "the reserve only");
     // Takeovers one after the other do not pile the calls up either: 100 calls a second for a
     // minute, a takeover every 5 s.
-    let mut budget = RetryBudget::new(&cfg(0.1, 1, Duration::from_secs(10)), t0);
+    let mut budget = Arc::new(RetryBudget::new(&cfg(0.1, 1, Duration::from_secs(10)), t0));
     let unchanged = RetryBudget::new(&cfg(0.1, 1, Duration::from_secs(10)), t0);
     for second in 0..60u64 {
         let now = t0 + Duration::from_secs(second);
@@ -275,7 +275,7 @@ fn a_takeover_never_credits_calls_longer_than_they_were_made_for() {
 #[test]
 fn a_takeover_keeps_the_retries_for_at_least_as_long_as_they_count() {
     let t0 = Instant::now();
-    let old = RetryBudget::new(&cfg(0.0, 1, Duration::from_secs(10)), t0);
+    let old = Arc::new(RetryBudget::new(&cfg(0.0, 1, Duration::from_secs(10)), t0));
     let spent = t0 + Duration::from_millis(9_500);
     assert_eq!(withdraw_all(&old, spent), 10);
     // A longer window: the retries made at 9.5 s still count until 29.5 s.
@@ -300,4 +300,34 @@ fn a_takeover_keeps_the_retries_for_at_least_as_long_as_they_count() {
         withdraw_all(&shorter, t0 + Duration::from_millis(12_400)),
         0
     );
+}
+
+#[test]
+fn calls_still_on_a_budget_taken_over_from_deposit_and_withdraw_in_the_newest() {
+    // Counted in the old budget alone, their retries were seen by no later one: settings
+    // changed more often than calls ended handed out a fresh reserve each time.
+    let t0 = Instant::now();
+    let window = Duration::from_secs(60);
+    let first = Arc::new(RetryBudget::new(&cfg(0.0, 1, window), t0));
+    let second =
+        RetryBudget::taking_over(&cfg(0.0, 1, window + Duration::from_secs(1)), &first, t0);
+    let third = RetryBudget::taking_over(&cfg(0.0, 1, window), &second, t0);
+    let at = t0 + Duration::from_secs(1);
+    // A reserve of 60: the calls of all three share it.
+    assert_eq!(withdraw_all(&first, at), 60);
+    assert_eq!(withdraw_all(&second, at), 0);
+    assert_eq!(withdraw_all(&third, at), 0);
+    assert_eq!(third.snapshot(at).retries, 60);
+    first.deposit(at);
+    assert_eq!(third.snapshot(at + Duration::from_secs(12)).requests, 1);
+    // A retry the engine takes through the old budget, then hands back, leaves the newest as
+    // it was.
+    let nanos = nanos_since(t0, at + Duration::from_secs(2));
+    let fresh = Arc::new(RetryBudget::new(&cfg(0.0, 1, window), t0));
+    let newest = RetryBudget::taking_over(&cfg(0.0, 2, window), &fresh, t0);
+    let w = fresh.check_at(nanos).unwrap();
+    let taken = fresh.take(w).unwrap();
+    assert_eq!(newest.snapshot(at + Duration::from_secs(2)).retries, 1);
+    fresh.give_back(taken);
+    assert_eq!(newest.snapshot(at + Duration::from_secs(2)).retries, 0);
 }

@@ -282,11 +282,13 @@ impl EndpointState {
     /// later opens the new one too, and the new one opening opens it; a closed one's counts
     /// are taken over); a budget whose settings changed takes over the calls and retries this
     /// one counts, each at its own time as of `now` ([`RetryBudget::taking_over`]: tightening
-    /// a budget during a retry storm must not hand out a fresh allowance).
+    /// a budget during a retry storm must not hand out a fresh allowance). From then on the
+    /// calls still on this state deposit and withdraw in the newest budget of the line, and
+    /// the outcomes they record in this breaker are counted in the newest breaker too.
     pub fn carry(&self, policy: &RetryPolicy, now: Instant) -> Self {
         let budget = match (&policy.budget, &self.budget) {
             (Some(cfg), Some(old)) if self.budget_cfg.as_ref() == Some(cfg) => Some(old.clone()),
-            (Some(cfg), Some(old)) => Some(Arc::new(RetryBudget::taking_over(cfg, old, now))),
+            (Some(cfg), Some(old)) => Some(RetryBudget::taking_over(cfg, old, now)),
             (Some(cfg), None) => Some(Arc::new(RetryBudget::new(cfg, self.origin))),
             (None, _) => None,
         };
