@@ -603,10 +603,10 @@ struct AgentStream {
     /// The versions of the pushes sent before the last one that still wait for an answer,
     /// oldest first, while the last one waits too, at most [`MAX_EARLIER_PUSHES`]: a late ACK
     /// of one is no answer to the last push, but says what the agent runs (it may then refuse
-    /// the last one). Versions only: a push's nonce follows from its version
+    /// the last one). Versions and content hashes: a push's nonce follows from its version
     /// ([`Publisher::is_nonce_of`]). Only pushes sent count: a version published while the
     /// stream had no room, and skipped, was never the agent's to run.
-    earlier_pushes: VecDeque<u64>,
+    earlier_pushes: VecDeque<(u64, String)>,
     /// For an agent that sends heartbeats: what the stream has heard of it, and when to send
     /// and to give up.
     heartbeat: Option<Heartbeat>,
@@ -806,7 +806,8 @@ impl AgentStream {
                     if self.earlier_pushes.len() == MAX_EARLIER_PUSHES {
                         self.earlier_pushes.pop_front();
                     }
-                    self.earlier_pushes.push_back(self.known_version);
+                    self.earlier_pushes
+                        .push_back((self.known_version, self.known_hash.clone()));
                 }
                 self.known_version = snap.version;
                 self.known_hash.clone_from(&snap.content_hash);
@@ -986,16 +987,17 @@ impl AgentStream {
     }
 
     /// Whether `nonce` and `version` name a push sent before the last one and not answered
-    /// yet ([`AgentStream::earlier_pushes`]). If so, it and the pushes older than it are moot
-    /// from now on: an agent answers its pushes in order.
-    fn answers_earlier_push(&mut self, nonce: &str, version: u64) -> bool {
-        let at = self.earlier_pushes.iter().position(|v| *v == version);
+    /// yet ([`AgentStream::earlier_pushes`]): its content hash if so. It and the pushes older
+    /// than it are moot from now on: an agent answers its pushes in order.
+    fn answers_earlier_push(&mut self, nonce: &str, version: u64) -> Option<String> {
+        let at = self.earlier_pushes.iter().position(|(v, _)| *v == version);
         match at {
-            Some(at) if self.ctx.publisher.is_nonce_of(nonce, version) => {
-                self.earlier_pushes.drain(..=at);
-                true
-            }
-            _ => false,
+            Some(at) if self.ctx.publisher.is_nonce_of(nonce, version) => self
+                .earlier_pushes
+                .drain(..=at)
+                .next_back()
+                .map(|(_, hash)| hash),
+            _ => None,
         }
     }
 
@@ -1061,10 +1063,13 @@ impl AgentStream {
                         &self.known_hash,
                     );
                     ctx.metrics.acks.inc();
-                } else if self.answers_earlier_push(&ack.nonce, ack.version) {
+                } else if let Some(hash) = self.answers_earlier_push(&ack.nonce, ack.version) {
                     // A push sent before the last one: the agent runs it, and the last push
-                    // still waits for its answer.
-                    ctx.fleet.runs(&self.agent_id, self.generation, ack.version);
+                    // still waits for its answer. It is the agent's last answer, and the
+                    // first to that push.
+                    ctx.fleet
+                        .ack(&self.agent_id, self.generation, ack.version, &hash);
+                    ctx.metrics.acks.inc();
                     debug!(agent = %OneLine(&self.agent_id), version = ack.version, "ACK of a snapshot sent before the last one: the agent runs it");
                 } else {
                     ctx.fleet.seen(&self.agent_id, self.generation);
@@ -1082,12 +1087,22 @@ impl AgentStream {
                     );
                     ctx.metrics.nacks.inc();
                     warn!(agent = %OneLine(&self.agent_id), version = nack.version, "agent refused a snapshot");
+                } else if let Some(hash) = self.answers_earlier_push(&nack.nonce, nack.version) {
+                    // A push sent before the last one, refused: shown and counted as any
+                    // refusal (it is the agent's last answer), and only its first answer
+                    // counts: a later ACK of it says nothing of what the agent runs.
+                    ctx.fleet.nack(
+                        &self.agent_id,
+                        self.generation,
+                        nack.version,
+                        &hash,
+                        &nack.error,
+                    );
+                    ctx.metrics.nacks.inc();
+                    warn!(agent = %OneLine(&self.agent_id), version = nack.version, "agent refused a snapshot");
                 } else {
-                    // A push sent before the last one counts only its first answer: a later
-                    // ACK of the one refused here says nothing of what the agent runs.
-                    self.answers_earlier_push(&nack.nonce, nack.version);
                     ctx.fleet.seen(&self.agent_id, self.generation);
-                    debug!(agent = %OneLine(&self.agent_id), version = nack.version, nonce = %OneLine(&nack.nonce), "NACK ignored: not the first answer to the last snapshot sent");
+                    debug!(agent = %OneLine(&self.agent_id), version = nack.version, nonce = %OneLine(&nack.nonce), "NACK ignored: not the first answer to a snapshot sent");
                 }
             }
             Some(Kind::Metrics(report)) => return self.on_report(&report),
