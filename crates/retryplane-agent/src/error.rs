@@ -153,6 +153,18 @@ impl LastClass {
 }
 
 impl<T, E> CallError<T, E> {
+    /// A call error of `cause` after `attempts` attempts, the last of which produced `last`
+    /// (for a caller's own test doubles; the agent's carry how the last attempt was
+    /// classified too, which its `Display` says).
+    pub fn new(cause: Cause, last: Option<Last<T, E>>, attempts: u32) -> Self {
+        Self {
+            cause,
+            last,
+            attempts,
+            class: None,
+        }
+    }
+
     /// The SPEC §2 give-up cause; `None` when the call was cancelled.
     pub fn gave_up(&self) -> Option<GiveUpCause> {
         match self.cause {
@@ -205,19 +217,26 @@ impl<T, E> fmt::Display for CallError<T, E> {
         // Which of a timeout, an answer or a transport error the last attempt came to: the
         // cause alone (`attempts_exhausted`) reads the same for an upstream that answers 503
         // and one that never answers. No body or header: only the class.
+        // A call cancelled during an attempt holds the one before's ending.
+        let which = match self.cause {
+            Cause::Cancelled => "the last attempt to end",
+            Cause::GaveUp(_) => "the last attempt",
+        };
         match (&self.last, self.class) {
             (None, _) => Ok(()),
-            (Some(Last::TimedOut), _) => f.write_str("; the last attempt timed out"),
+            (Some(Last::TimedOut), _) => write!(f, "; {which} timed out"),
             (Some(_), Some(LastClass::Http(status))) => {
-                write!(f, "; the last attempt was answered {status}")
+                write!(f, "; {which} was answered {status}")
             }
+            // Not "answered": a gRPC client gives codes of its own (tonic's request timeout
+            // is `CANCELLED`, a broken connection `UNAVAILABLE`).
             (Some(_), Some(LastClass::Grpc(code))) => {
-                write!(f, "; the last attempt was answered {}", code.name())
+                write!(f, "; {which} ended with {}", code.name())
             }
             (Some(_), Some(LastClass::Transport(class))) => {
-                write!(f, "; the last attempt failed ({})", class.as_str())
+                write!(f, "; {which} failed ({})", class.as_str())
             }
-            (Some(_), None) => f.write_str("; the last attempt failed"),
+            (Some(_), None) => write!(f, "; {which} failed"),
         }
     }
 }
@@ -248,7 +267,7 @@ mod tests {
         let error = || Some(Last::Error(std::io::Error::other("refused")));
         assert_eq!(
             text(error(), Some(LastClass::Grpc(GrpcCode::Unavailable))),
-            format!("{start}; the last attempt was answered UNAVAILABLE")
+            format!("{start}; the last attempt ended with UNAVAILABLE")
         );
         assert_eq!(
             text(error(), Some(LastClass::Transport(ErrorClass::Connect))),
