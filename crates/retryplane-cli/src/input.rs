@@ -53,6 +53,17 @@ impl Source {
         Ok(loaded)
     }
 
+    /// [`Source::load_for_agents`] with every diagnostic, uncut
+    /// ([`retryplane_policy::load_all`]): for `explain`, which shows those of one endpoint.
+    pub fn load_all_for_agents(&self) -> anyhow::Result<Loaded> {
+        let mut loaded = match self.read()? {
+            Contents::Bytes(bytes) => retryplane_policy::load_all(&bytes),
+            Contents::TooLarge(size) => retryplane_policy::too_large(size),
+        };
+        fit_agents(&mut loaded);
+        Ok(loaded)
+    }
+
     /// Reads the raw bytes, at most [`MAX_FILE_BYTES`] (for sending them elsewhere, such as
     /// the admin API). `Err` only when the bytes cannot be read.
     pub fn read(&self) -> anyhow::Result<Contents> {

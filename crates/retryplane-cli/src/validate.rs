@@ -85,8 +85,8 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
             }
         };
         let file = source.to_string();
-        let errors = loaded.diagnostics.iter().filter(|d| d.is_error()).count();
-        let warnings = loaded.diagnostics.len() - errors;
+        // Those listed, and those the closing line of a long list says were left out.
+        let (errors, warnings) = retryplane_policy::diag::counts(&loaded.diagnostics);
         let fails = errors > 0 || (settings.deny_warnings && warnings > 0);
         if fails {
             outcome = outcome.worst(Outcome::Failure);

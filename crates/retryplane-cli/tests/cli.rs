@@ -942,3 +942,45 @@ fn every_subcommand_prints_the_program_version_with_dash_v() {
         assert_eq!(out, format!("retryplane-{sub} {version}\n"), "{sub}");
     }
 }
+
+/// A valid file of 1,200 endpoints warned of (8 attempts), then `zz`, warned of too.
+fn many_warned_endpoints() -> String {
+    let mut src = String::from("version: 1\nendpoints:\n");
+    for i in 0..1_200 {
+        src.push_str(&format!("  e{i}: {{max_attempts: 8}}\n"));
+    }
+    src.push_str("  zz: {max_attempts: 8}\n");
+    src
+}
+
+#[test]
+fn explain_shows_an_endpoints_warning_however_many_other_endpoints_are_warned_of() {
+    // `explain` picks its endpoint's warnings out of the file's diagnostics, which are cut at
+    // the first 1,000 of the whole file: `zz`'s warning, past them, is never shown, though it
+    // is one warning about the one endpoint asked for.
+    let dir = dir_with(&[("many.yaml", &many_warned_endpoints())]);
+    assert_eq!(
+        warning_paths(dir.path(), "many.yaml", "e0"),
+        ["endpoints.e0.max_attempts"]
+    );
+    assert_eq!(
+        warning_paths(dir.path(), "many.yaml", "zz"),
+        ["endpoints.zz.max_attempts"]
+    );
+}
+
+#[test]
+fn validate_counts_every_warning_of_a_file_cut_at_the_listing_limit() {
+    // 1,201 warnings: 1,000 are listed, then "201 more warning(s) not listed". The summary
+    // on stderr says `valid (1001 warnings)`: the closing line counted as one warning, not
+    // the 201 it stands for.
+    let dir = dir_with(&[("many.yaml", &many_warned_endpoints())]);
+    let assert = retryplane(dir.path(), &["validate", "many.yaml"])
+        .assert()
+        .code(0);
+    let stderr = String::from_utf8(assert.get_output().stderr.clone()).unwrap();
+    assert!(
+        stderr.contains("many.yaml: valid (1201 warnings)"),
+        "{stderr}"
+    );
+}

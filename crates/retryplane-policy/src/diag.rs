@@ -168,7 +168,7 @@ pub fn more_not_listed(errors: usize, warnings: usize) -> Diagnostic {
         (e, 0) => format!("{e} more error(s)"),
         (e, w) => format!("{e} more error(s) and {w} more warning(s)"),
     };
-    let message = format!("{what} not listed (the first {MAX_LISTED} problems are)");
+    let message = format!("{what}{}", not_listed_tail());
     if errors > 0 {
         Diagnostic::error(Loc::UNKNOWN, "<document>", message)
     } else {
@@ -176,17 +176,71 @@ pub fn more_not_listed(errors: usize, warnings: usize) -> Diagnostic {
     }
 }
 
-/// Cuts `diags` to [`MAX_LISTED`], in their order, closing it with [`more_not_listed`].
-pub fn cap(diags: &mut Vec<Diagnostic>) {
-    if diags.len() > MAX_LISTED {
-        let errors = diags[MAX_LISTED..].iter().filter(|d| d.is_error()).count();
-        let warnings = diags.len() - MAX_LISTED - errors;
-        diags.truncate(MAX_LISTED);
-        diags.shrink_to_fit();
-        diags.push(more_not_listed(errors, warnings));
-    }
+/// The tail of [`more_not_listed`]'s message.
+fn not_listed_tail() -> String {
+    format!(" not listed (the first {MAX_LISTED} problems are)")
 }
 
+/// The errors and warnings a [`more_not_listed`] line says were left out; `None` for any
+/// other diagnostic.
+pub fn unlisted(d: &Diagnostic) -> Option<(usize, usize)> {
+    if d.path != "<document>" || d.loc != Loc::UNKNOWN {
+        return None;
+    }
+    let counts = d.message.strip_suffix(&not_listed_tail())?;
+    let (mut errors, mut warnings) = (0, 0);
+    for part in counts.split(" and ") {
+        let (n, what) = part.split_once(" more ")?;
+        let n = n.parse().ok()?;
+        match what {
+            "error(s)" => errors = n,
+            "warning(s)" => warnings = n,
+            _ => return None,
+        }
+    }
+    Some((errors, warnings))
+}
+
+/// How many errors and warnings `diags` stand for: those listed, and those a closing
+/// [`more_not_listed`] line says were left out.
+pub fn counts(diags: &[Diagnostic]) -> (usize, usize) {
+    diags
+        .iter()
+        .fold((0, 0), |(errors, warnings), d| match unlisted(d) {
+            Some((e, w)) => (errors + e, warnings + w),
+            None if d.is_error() => (errors + 1, warnings),
+            None => (errors, warnings + 1),
+        })
+}
+
+/// Cuts `diags` to [`MAX_LISTED`], closing it with [`more_not_listed`]: errors first (a
+/// file's warnings must not hide the error that makes it invalid), then warnings, each in
+/// their order; the list kept stays in its order.
+pub fn cap(diags: &mut Vec<Diagnostic>) {
+    if diags.len() <= MAX_LISTED {
+        return;
+    }
+    let errors = diags.iter().filter(|d| d.is_error()).count();
+    let warnings = diags.len() - errors;
+    let kept_errors = errors.min(MAX_LISTED);
+    let kept_warnings = MAX_LISTED - kept_errors;
+    let (mut errors_left, mut warnings_left) = (kept_errors, kept_warnings);
+    diags.retain(|d| {
+        let left = if d.is_error() {
+            &mut errors_left
+        } else {
+            &mut warnings_left
+        };
+        let keep = *left > 0;
+        *left = left.saturating_sub(1);
+        keep
+    });
+    diags.shrink_to_fit();
+    diags.push(more_not_listed(
+        errors - kept_errors,
+        warnings - kept_warnings,
+    ));
+}
 /// The longest endpoint name a policy allows, in bytes.
 pub const MAX_ENDPOINT_NAME: usize = 128;
 

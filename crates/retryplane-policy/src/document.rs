@@ -375,9 +375,11 @@ impl Overlay {
             p.retry_on.errors = l;
         }
         if let Some(f) = &self.idempotent_methods {
+            let mut seen = std::collections::HashSet::new();
             p.idempotent_methods = f
                 .value
                 .iter()
+                .filter(|m| seen.insert(m.value.as_str()))
                 .map(|m| Arc::from(m.value.as_str()))
                 .collect();
         }

@@ -33,4 +33,4 @@ mod yaml_scan;
 pub use diag::{Diagnostic, Severity};
 pub use document::{PolicyDocument, Target};
 pub use model::*;
-pub use set::{EndpointPolicy, InvalidPolicy, Loaded, PolicySet, load, too_large};
+pub use set::{EndpointPolicy, InvalidPolicy, Loaded, PolicySet, load, load_all, too_large};

@@ -309,9 +309,18 @@ impl Loaded {
     }
 }
 
-/// Parses, checks and compiles policy-file bytes, reporting every problem at once. Never
-/// panics; bounded time and memory on any input (see [`crate::yaml`] for the limits).
+/// Parses, checks and compiles policy-file bytes, reporting every problem at once (the first
+/// [`diag::MAX_LISTED`], errors first, then a line saying how many more: [`diag::counts`]).
+/// Never panics; bounded time and memory on any input (see [`crate::yaml`] for the limits).
 pub fn load(bytes: &[u8]) -> Loaded {
+    let mut loaded = load_all(bytes);
+    diag::cap(&mut loaded.diagnostics);
+    loaded
+}
+
+/// [`load`] with every diagnostic, uncut: for a caller that picks some of them (those of one
+/// endpoint) and must not miss one past the first [`diag::MAX_LISTED`].
+pub fn load_all(bytes: &[u8]) -> Loaded {
     let mut diagnostics = Vec::new();
     let parsed = match crate::yaml::parse(bytes) {
         Ok(root) => crate::parse::document_and_detached(&root, &mut diagnostics),
@@ -330,7 +339,6 @@ pub fn load(bytes: &[u8]) -> Loaded {
     diag::normalize(&mut diagnostics);
     let policies =
         (!diagnostics.iter().any(Diagnostic::is_error)).then(|| PolicySet::compile(document));
-    diag::cap(&mut diagnostics);
     Loaded {
         policies,
         diagnostics,

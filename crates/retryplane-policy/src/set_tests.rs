@@ -1655,3 +1655,60 @@ fn a_compiled_list_holds_each_value_once_in_the_order_first_written() {
     let policy = &set.endpoint("a").unwrap().policy;
     assert_eq!(&*policy.retry_on.http_status, &[503, 502]);
 }
+
+#[test]
+fn a_file_cut_at_the_listing_limit_still_shows_its_errors() {
+    // 1,200 endpoints warned of (6 attempts), then one error at the end of the file: the list
+    // is cut at 1,000 in file order, so the only error (what makes the file invalid, what
+    // `validate` exits 1 for) is never shown, only counted ("1 more error(s) not listed").
+    // A check that refuses a document lists its errors first (`PolicySet::check` keeps only
+    // them); `load` (what `validate`, `explain` and the agent's cache read go by) must not
+    // hide every error behind warnings.
+    let mut src = String::from("version: 1\nendpoints:\n");
+    for i in 0..1_200 {
+        src.push_str(&format!("  e{i}: {{max_attempts: 6}}\n"));
+    }
+    src.push_str("  zz: {max_attempts: 0}\n");
+    let loaded = load(src.as_bytes());
+    assert!(loaded.has_errors());
+    let listed_errors: Vec<String> = loaded
+        .diagnostics
+        .iter()
+        .filter(|d| d.is_error() && d.path != "<document>")
+        .map(ToString::to_string)
+        .collect();
+    assert!(
+        listed_errors
+            .iter()
+            .any(|e| e.contains("endpoints.zz.max_attempts")),
+        "the file's one error is not listed: {:?}",
+        loaded.diagnostics.last()
+    );
+}
+
+#[test]
+fn a_compiled_idempotent_methods_list_holds_each_method_once() {
+    // The other lists are held each value once since 44fc776 (and `explain` shows them so);
+    // `idempotent_methods` is still held as written: `explain` shows `[PUT, GET, PUT]`.
+    let src = "version: 1\nendpoints:\n  a:\n    idempotent_methods: [PUT, GET, PUT]\n";
+    let loaded = load(src.as_bytes());
+    let set = loaded.policies.unwrap();
+    let policy = &set.endpoint("a").unwrap().policy;
+    let methods: Vec<&str> = policy.idempotent_methods.iter().map(|m| &**m).collect();
+    assert_eq!(methods, ["PUT", "GET"]);
+}
+
+#[test]
+fn a_repeated_post_in_idempotent_methods_is_warned_of_once() {
+    // Like a repeated 4xx status (warned of as a client error at its first place only), a
+    // repeated POST should be said not idempotent once: each repeat gets the warning again,
+    // so a list of a million POSTs (a typed document) builds a million warnings.
+    let src = "version: 1\nendpoints:\n  a:\n    idempotent_methods: [POST, POST, POST]\n";
+    assert_eq!(
+        all(src),
+        [
+            "4:26: warning: endpoints.a.idempotent_methods: POST is not idempotent by definition: retrying it may apply a change twice; prefer the idempotency key header",
+            "4:32: warning: endpoints.a.idempotent_methods: POST is listed twice",
+        ]
+    );
+}

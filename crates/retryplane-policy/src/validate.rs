@@ -702,8 +702,15 @@ fn check_layer(o: &Overlay, prefix: &str, diags: &mut Vec<Diagnostic>) {
         );
     }
     if let Some(list) = &o.idempotent_methods {
+        // Once per method, as the repeats below.
+        let (mut post, mut patch) = (false, false);
         for m in &list.value {
-            if m.value == "POST" || m.value == "PATCH" {
+            let said = match m.value.as_str() {
+                "POST" => &mut post,
+                "PATCH" => &mut patch,
+                _ => continue,
+            };
+            if !std::mem::replace(said, true) {
                 warn(
                     m.loc,
                     "idempotent_methods".into(),

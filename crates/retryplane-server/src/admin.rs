@@ -230,16 +230,29 @@ pub(crate) fn capped_list(
     noun: &str,
     tail: &str,
 ) -> String {
+    capped_list_of_more(items, 0, separator, budget, noun, tail)
+}
+
+/// [`capped_list`] of `items` and `hidden` more not given (counted in the closing line, which
+/// is there whenever `hidden` is not 0).
+fn capped_list_of_more(
+    items: &[String],
+    hidden: usize,
+    separator: &str,
+    budget: usize,
+    noun: &str,
+    tail: &str,
+) -> String {
     let lengths: Vec<usize> = items.iter().map(|item| wire_len(item)).collect();
     let separator_len = wire_len(separator);
     let joined_len = |shown: usize| {
         lengths[..shown].iter().sum::<usize>() + separator_len * shown.saturating_sub(1)
     };
-    if joined_len(items.len()) <= budget {
+    if hidden == 0 && joined_len(items.len()) <= budget {
         return items.join(separator);
     }
     let more = |shown: usize| {
-        let left = items.len() - shown;
+        let left = items.len() - shown + hidden;
         let plural = if left == 1 { "" } else { "s" };
         format!("… and {left} more {noun}{plural}{tail}")
     };
@@ -266,13 +279,35 @@ pub(crate) fn capped_list(
 /// One diagnostic per line, `LINE:COLUMN: SEVERITY: PATH: MESSAGE`, as many as fit a status
 /// message ([`MAX_MESSAGE_WIRE_BYTES`]).
 fn diagnostic_lines(diagnostics: &[Diagnostic]) -> String {
-    let lines: Vec<String> = diagnostics.iter().map(ToString::to_string).collect();
-    capped_list(
+    // A check lists at most `diag::MAX_LISTED` problems and a line saying how many more: that
+    // line is counted, not shown.
+    let mut hidden = 0;
+    let lines: Vec<String> = diagnostics
+        .iter()
+        .filter(|d| match retryplane_policy::diag::unlisted(d) {
+            Some((errors, warnings)) => {
+                hidden += errors + warnings;
+                false
+            }
+            None => true,
+        })
+        .map(ToString::to_string)
+        .collect();
+    let tail = if hidden == 0 {
+        "; Validate (retryplane validate) lists them all".to_owned()
+    } else {
+        format!(
+            "; Validate (retryplane validate) lists the first {}",
+            retryplane_policy::diag::MAX_LISTED
+        )
+    };
+    capped_list_of_more(
         &lines,
+        hidden,
         "\n",
         MAX_MESSAGE_WIRE_BYTES,
         "problem",
-        "; Validate (retryplane validate) lists them all",
+        &tail,
     )
 }
 

@@ -1302,3 +1302,25 @@ async fn a_write_refused_for_its_role_or_the_mode_is_refused_without_waiting_for
     );
     drop(turns);
 }
+
+#[tokio::test]
+async fn a_refusal_of_more_problems_than_validate_lists_counts_them_all_and_does_not_promise_them()
+{
+    // 1,500 endpoints with `max_attempts: 0`: 1,500 errors. The file's check keeps the first
+    // 1,000 and one line "500 more error(s) not listed". The refusal then shows as many lines
+    // as fit and ends "… and N more problems; Validate (retryplane validate) lists them all":
+    // N counts the closing line as one problem (1,001 - shown, not 1,500 - shown), and
+    // Validate lists only the first 1,000.
+    let bad = endpoints(1_500, |i| format!("checkout-service-{i:04}"), 0);
+    let status = apply(&api(Mode::Api), apply_request(&bad))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    let lines: Vec<&str> = status.message().lines().collect();
+    let (last, shown) = lines.split_last().unwrap();
+    assert!(
+        last.starts_with(&format!("… and {} more problems", 1_500 - shown.len())),
+        "{last}"
+    );
+    assert!(!last.contains("lists them all"), "{last}");
+}

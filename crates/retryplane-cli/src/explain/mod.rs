@@ -166,9 +166,12 @@ fn same_path(a: &str, b: &str) -> bool {
 
 /// Loads the file and explains the call; see the module docs for the exit codes.
 pub fn run(settings: &Settings) -> anyhow::Result<Report> {
-    let loaded = settings.source.load_for_agents()?;
+    // Every diagnostic: the endpoint's warnings are picked out of them below, and may come
+    // past the first `MAX_LISTED` of the file.
+    let mut loaded = settings.source.load_all_for_agents()?;
     let file = settings.source.to_string();
     let Some(policies) = &loaded.policies else {
+        retryplane_policy::diag::cap(&mut loaded.diagnostics);
         return output::invalid_file_report(&file, &loaded.diagnostics, settings.format);
     };
     let doc = policies.document();
