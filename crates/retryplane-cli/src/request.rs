@@ -276,7 +276,7 @@ impl TryFrom<Args> for Settings {
                 // `--token` falls back to `RETRYPLANE_AGENT_TOKEN`, and an empty variable is no
                 // token (nothing is sent rather than an empty credential).
                 let token = match args.token {
-                    Some(t) if t.secret().is_empty() => Token::from_env("RETRYPLANE_AGENT_TOKEN"),
+                    Some(t) if t.secret().is_empty() => Token::from_env("RETRYPLANE_AGENT_TOKEN")?,
                     other => other,
                 };
                 PolicyFrom::Server(url, token, shown)

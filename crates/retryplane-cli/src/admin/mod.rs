@@ -111,12 +111,20 @@ impl Token {
     }
 
     /// The token in the environment variable `name`, read as `--token` is (trimmed), unless
-    /// the variable is unset, empty or not Unicode: what an empty `--token` falls back to
-    /// (clap reads the variable only when the flag is not given at all).
-    pub(crate) fn from_env(name: &str) -> Option<Token> {
-        let value = std::env::var(name).ok()?;
+    /// the variable is unset or empty; an error naming the variable when it is not Unicode:
+    /// what an empty `--token` falls back to (clap reads the variable only when the flag is
+    /// not given at all).
+    pub(crate) fn from_env(name: &str) -> anyhow::Result<Option<Token>> {
+        let value = match std::env::var(name) {
+            Ok(value) => value,
+            Err(std::env::VarError::NotPresent) => return Ok(None),
+            // Never dropped in silence (the call would go out with no token), never shown.
+            Err(std::env::VarError::NotUnicode(_)) => {
+                anyhow::bail!("the environment variable {name} is not valid UTF-8")
+            }
+        };
         let token = Token(value.trim_ascii().to_owned());
-        (!token.0.is_empty()).then_some(token)
+        Ok((!token.0.is_empty()).then_some(token))
     }
 }
 
@@ -289,7 +297,7 @@ impl TryFrom<ServerArgs> for Server {
             .connect_timeout(CONNECT_TIMEOUT)
             .timeout(REQUEST_TIMEOUT);
         let token = match args.token {
-            Some(Token(token)) if token.is_empty() => Token::from_env("RETRYPLANE_TOKEN"),
+            Some(Token(token)) if token.is_empty() => Token::from_env("RETRYPLANE_TOKEN")?,
             other => other,
         };
         let authorization = match token {
