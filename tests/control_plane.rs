@@ -505,15 +505,18 @@ async fn an_answer_with_a_stale_nonce_is_ignored() {
         .await;
     after_answers(&mut agent, 1).await;
     let status = agent_status(&plane, "a1").await.unwrap();
-    // No answer to the last push, but the late ACK says what the agent runs.
+    // No answer to the last push, but the late ACK (the first answer to the push before it)
+    // says what the agent runs, and is its last answer; the NACK after it, a second answer to
+    // the same push, and the ACK of a nonce never sent are ignored.
     assert_eq!(status.applied_version, 1, "{status:?}");
-    assert_eq!(status.last_response, "", "{status:?}");
+    assert_eq!(status.last_response, "ack", "{status:?}");
+    assert_eq!(status.last_response_version, 1, "{status:?}");
     let metrics = &plane.running.control().metrics;
-    assert_eq!((metrics.acks.get(), metrics.nacks.get()), (0, 0));
+    assert_eq!((metrics.acks.get(), metrics.nacks.get()), (1, 0));
     // The last push is still answered.
     agent.ack(&v2).await;
     after_answers(&mut agent, 2).await;
-    assert_eq!((metrics.acks.get(), metrics.nacks.get()), (1, 0));
+    assert_eq!((metrics.acks.get(), metrics.nacks.get()), (2, 0));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
