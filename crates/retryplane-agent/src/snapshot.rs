@@ -192,8 +192,17 @@ impl States {
         {
             return rt.clone();
         }
-        let rt = Runtime::carry(inner.newest_state(name), defaults);
-        if rt.fits(&inner.newest) && !inner.named.contains_key(name) {
+        // A call on the newest snapshot gets the state kept for it; one on an outgoing
+        // snapshot (it read the policies just before a push) a short-lived state behind the
+        // newest, which counts what its calls do there.
+        let kept = inner.newest.budget == defaults.budget
+            && inner.newest.circuit_breaker == defaults.circuit_breaker
+            && !inner.named.contains_key(name);
+        let rt = match inner.newest_state(name) {
+            Some(newest) if !kept => Arc::new(Runtime::with_state(newest.state.behind(defaults))),
+            newest => Runtime::carry(newest, defaults),
+        };
+        if kept {
             inner.unnamed.insert(Arc::from(name), rt.clone());
         }
         rt
@@ -593,6 +602,133 @@ mod tests {
         assert!(
             std::ptr::eq(zold, z5.runtime.state.breaker().unwrap()),
             "one breaker for zzz"
+        );
+    }
+
+    fn withdraw_all(e: &Entry, now: Instant) -> u64 {
+        let b = e.runtime.state.budget().unwrap();
+        let mut n = 0;
+        while b.try_withdraw(now) {
+            n += 1;
+            assert!(n <= 100_000, "budget never ran out");
+        }
+        n
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_call_still_on_the_outgoing_snapshot_does_not_lend_its_budget_to_the_new_one() {
+        // v1's defaults allow 1000 retries per window, v2's 10. A call that loaded v1 before
+        // the swap first uses `zzz` after it: it gets a short-lived state of v1's settings,
+        // which takes over from v2's kept state and so becomes the newest budget of the line.
+        let v1 = build(
+            "version: 1\ndefaults:\n  budget: {ratio: 0.0, min_per_second: 100, window: 10s}\nendpoints:\n  a: {}\n",
+            1,
+            None,
+        );
+        let v2 = build(
+            "version: 1\ndefaults:\n  budget: {ratio: 0.0, min_per_second: 1, window: 10s}\nendpoints:\n  a: {}\n",
+            2,
+            Some(&v1),
+        );
+        let kept = v2.entry("zzz");
+        let _straggler = v1.entry("zzz");
+        let now = Instant::now();
+        let n = withdraw_all(&v2.entry("zzz"), now);
+        assert!(
+            n <= 10,
+            "calls on v2 (reserve 10) got {n} retries while one call on v1 was running"
+        );
+        assert_eq!(
+            kept.runtime.state.budget().unwrap().snapshot(now).retries,
+            n
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn retries_of_the_new_snapshot_are_still_counted_after_a_straggler_on_the_old_one_ends() {
+        // Same reserve (10) on both sides, only the ratio changed: while the straggler's
+        // short-lived state is the newest of the line, v2's calls count their retries there,
+        // and when it ends they are lost: v2's budget hands the reserve out again.
+        let v1 = build(
+            "version: 1\ndefaults:\n  budget: {ratio: 0.5, min_per_second: 1, window: 10s}\nendpoints:\n  a: {}\n",
+            1,
+            None,
+        );
+        let v2 = build(
+            "version: 1\ndefaults:\n  budget: {ratio: 0.0, min_per_second: 1, window: 10s}\nendpoints:\n  a: {}\n",
+            2,
+            Some(&v1),
+        );
+        let kept = v2.entry("zzz");
+        let now = Instant::now();
+        let straggler = v1.entry("zzz");
+        let during = withdraw_all(&kept, now);
+        drop(straggler);
+        let after = withdraw_all(&kept, now);
+        assert!(
+            during + after <= 10,
+            "v2's calls got {during} + {after} retries against a reserve of 10"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_new_snapshot_s_breaker_opens_by_its_own_settings_while_a_straggler_runs() {
+        // v2 loosens the defaults' breaker (min_requests 5 -> 100). While one call that loaded
+        // v1 runs, its short-lived breaker of v1's settings is the newest of the line: every
+        // outcome of v2's calls is forwarded to it, judged by v1's min_requests, and its
+        // opening opens v2's breaker.
+        use retryplane_policy::breaker::BreakerState;
+        let v1 = build(
+            "version: 1\ndefaults:\n  circuit_breaker: {min_requests: 5}\nendpoints:\n  a: {}\n",
+            1,
+            None,
+        );
+        let v2 = build(
+            "version: 1\ndefaults:\n  circuit_breaker: {min_requests: 100}\nendpoints:\n  a: {}\n",
+            2,
+            Some(&v1),
+        );
+        let kept = v2.entry("zzz");
+        let _straggler = v1.entry("zzz");
+        let now = Instant::now();
+        let breaker = kept.runtime.state.breaker().unwrap();
+        for _ in 0..10 {
+            if let Ok(p) = breaker.try_acquire(now) {
+                breaker.record(p, false, now);
+            }
+        }
+        assert_eq!(
+            breaker.state(now),
+            BreakerState::Closed,
+            "10 attempts on v2's breaker, min_requests 100"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn pruning_an_idle_unnamed_state_adds_no_budget_beside_the_one_a_running_call_uses() {
+        // No breaker: a carried unnamed state whose budget counts nothing is pruned by the
+        // next push although a call still runs on the budget it took over from; the next call
+        // gets a fresh budget outside the line, and the two hand out the reserve twice.
+        let d1 = "defaults:\n  circuit_breaker: {enabled: false}\n  budget: {ratio: 0.0, min_per_second: 1, window: 10s}\n";
+        let d2 = "defaults:\n  circuit_breaker: {enabled: false}\n  budget: {ratio: 0.5, min_per_second: 1, window: 10s}\n";
+        let v1 = build(&format!("version: 1\n{d1}endpoints:\n  a: {{}}\n"), 1, None);
+        let running = v1.entry("zzz");
+        let v2 = build(
+            &format!("version: 1\n{d2}endpoints:\n  a: {{}}\n"),
+            2,
+            Some(&v1),
+        );
+        let v3 = build(
+            &format!("version: 1\n{d2}endpoints:\n  a: {{}}\n  b: {{}}\n"),
+            3,
+            Some(&v2),
+        );
+        let now = Instant::now();
+        let old_call = withdraw_all(&running, now);
+        let new_calls = withdraw_all(&v3.entry("zzz"), now);
+        assert!(
+            old_call + new_calls <= 10,
+            "{old_call} + {new_calls} retries against a reserve of 10"
         );
     }
 }

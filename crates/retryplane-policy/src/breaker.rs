@@ -20,10 +20,11 @@
 //!
 //! When an endpoint's breaker settings change, the new breaker takes over from the old one
 //! ([`CircuitBreaker::taking_over`]); calls still in flight on the old settings keep reporting
-//! to the old breaker, which counts their outcomes in the newest breaker of the line too, and
-//! when their failures open it (or open it again), every other breaker of the same line of
-//! hand-overs opens too, until the same instant (unless it is already open for longer); so
-//! does an opening of the new one. So new calls are refused as soon as the old
+//! to the old breaker, which counts their outcomes in the newest breaker of the line instead
+//! of its own, so the newest opens by its own rule on every call's outcomes; an opening of any
+//! breaker of the line opens every other one too, until the same instant (unless it is
+//! already open for longer). A call that reads the policies just before a push gets a
+//! breaker *behind* the newest ([`CircuitBreaker::behind`]), which does the same. So new calls are refused as soon as the old
 //! calls learn the upstream is failing, not only once the new breaker has counted
 //! `min_requests` failures of its own, and calls started before the change stop retrying as
 //! soon as the new breaker opens (SPEC §2 step 2: an open breaker makes no call).
@@ -42,8 +43,9 @@
 //! cleared when the breaker opens. Time comes in as `now` values.
 //!
 //! The breakers of one line of hand-overs share a list of weak references, oldest first (a
-//! mutex: it is touched only when a breaker takes over or opens, never on an acquire or a
-//! success). They all measure time from the first one's origin, so an open period's end means
+//! mutex: it is touched when a breaker takes over or opens, and by the outcomes recorded in a
+//! breaker taken over from, which pass them on to the newest; never on an acquire, nor on an
+//! outcome of the newest, nor, after one look, of a breaker whose successors are gone). They all measure time from the first one's origin, so an open period's end means
 //! the same instant in each. The list rather than a single successor link: a breaker in the
 //! middle of a chain may be gone while the oldest still serves calls, and one breaker may be
 //! taken over more than once (the agent builds a short-lived one for a call on an outgoing
@@ -217,11 +219,40 @@ impl CircuitBreaker {
             }
             line.retain(|b| b.strong_count() > 0);
             line.push(Arc::downgrade(&breaker));
+            // Under the lock: `newest` clears it under the lock when the line has no other.
+            old.superseded.store(true, Release);
         }
-        old.superseded.store(true, Release);
         // Read after joining the line: an opening of `old` either is seen here or, coming
         // after the join (the lock orders them), is passed on to the new breaker.
         let state = old.state.load(Acquire);
+        if state & OPEN != 0 {
+            breaker.open_until(state & UNTIL_MASK);
+        }
+        breaker
+    }
+
+    /// A breaker for `cfg` behind `newest`, for calls that still run under an outgoing policy
+    /// (a call that read the policies just before a push): it joins `newest`'s line without
+    /// becoming its newest, so the outcomes its calls record count in the newest breaker of
+    /// the line, which decides when to open (and opens this one with it); an open `newest`
+    /// makes it open as long.
+    pub fn behind(cfg: &BreakerConfig, newest: &Arc<CircuitBreaker>) -> Arc<Self> {
+        let breaker = Arc::new(Self {
+            line: newest.line.clone(),
+            ..Self::new(cfg, newest.origin)
+        });
+        {
+            let mut line = lock(&newest.line);
+            if line.is_empty() {
+                line.push(Arc::downgrade(newest));
+            }
+            line.retain(|b| b.strong_count() > 0);
+            let at = line.len().saturating_sub(1);
+            line.insert(at, Arc::downgrade(&breaker));
+            breaker.superseded.store(true, Release);
+        }
+        // Read after joining the line: a later opening of `newest` is passed on to it.
+        let state = newest.state.load(Acquire);
         if state & OPEN != 0 {
             breaker.open_until(state & UNTIL_MASK);
         }
@@ -395,17 +426,23 @@ impl CircuitBreaker {
         if generation(state) != permit.generation || open != permit.probe {
             return; // issued by an earlier period
         }
+        // Taken over: the newest breaker of the line counts the outcome and decides; this one
+        // opens when it does (an opening is passed on along the line). Opening here by its
+        // own rule as well, on outcomes the newest has counted already, opened the newest
+        // against its own.
+        let forwarded = self.superseded.load(Relaxed) && self.pass_outcome_on(success, nanos);
         if permit.probe {
             if success {
                 self.probe_succeeded(state, permit.generation);
+            } else if forwarded {
+                self.open_here(state, nanos);
             } else {
                 self.open(state, nanos);
             }
             return;
         }
-        self.count(state, success, nanos);
-        if self.superseded.load(Relaxed) {
-            self.pass_outcome_on(success, nanos);
+        if !forwarded {
+            self.count(state, success, nanos);
         }
     }
 
@@ -437,18 +474,33 @@ impl CircuitBreaker {
     /// under its `min_requests`).
     #[cold]
     #[inline(never)]
-    fn pass_outcome_on(&self, success: bool, nanos: u64) {
-        let newest = lock(&self.line)
+    fn pass_outcome_on(&self, success: bool, nanos: u64) -> bool {
+        let Some(newest) = self.newest() else {
+            return false;
+        };
+        let state = newest.state.load(Acquire);
+        if state & OPEN == 0 {
+            newest.count(state, success, nanos);
+        }
+        true
+    }
+
+    /// The newest breaker of this one's line, when another took over from this one (or this
+    /// one runs behind it) and is still in use. When none is, this one is the line's newest
+    /// again and stops looking (no lock on its later outcomes).
+    fn newest(&self) -> Option<Arc<CircuitBreaker>> {
+        let mut line = lock(&self.line);
+        let newest = line
             .iter()
             .rev()
             .find_map(Weak::upgrade)
             .filter(|b| !std::ptr::eq(Arc::as_ptr(b), self));
-        if let Some(newest) = newest {
-            let state = newest.state.load(Acquire);
-            if state & OPEN == 0 {
-                newest.count(state, success, nanos);
-            }
+        if newest.is_none() {
+            line.retain(|b| b.strong_count() > 0);
+            self.superseded.store(false, Release);
         }
+        drop(line);
+        newest
     }
 
     /// Hands back `permit` without an outcome: its attempt says nothing about the upstream (it
@@ -510,19 +562,27 @@ impl CircuitBreaker {
     /// Moves from `state` to open for `open_for` from `nanos`, and passes the opening on to
     /// the other breakers of its line; `false` if another thread changed the state first.
     fn open(&self, state: u64, nanos: u64) -> bool {
+        match self.open_here(state, nanos) {
+            Some(until) => {
+                self.pass_on(until);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// [`Self::open`] without passing the opening on: the end of the open period, or `None`
+    /// if another thread changed the state first.
+    fn open_here(&self, state: u64, nanos: u64) -> Option<u64> {
         let until = nanos
             .saturating_add(self.open_for_nanos)
             .div_ceil(NANOS_PER_MS)
             .min(UNTIL_MASK);
         let opened = OPEN | next_generation(state) << GEN_SHIFT | until;
-        let won = self
-            .state
+        self.state
             .compare_exchange(state, opened, AcqRel, Acquire)
-            .is_ok();
-        if won {
-            self.pass_on(until);
-        }
-        won
+            .is_ok()
+            .then_some(until)
     }
 
     /// Opens every other breaker of its line until `until` (ms since the origin they share):

@@ -415,23 +415,20 @@ fn fail(old: &CircuitBreaker, permits: Vec<Permit>, t0: Instant) -> Instant {
 }
 
 #[test]
-fn a_breaker_taking_over_a_closed_one_opens_when_calls_still_on_the_old_one_open_it() {
+fn a_breaker_taking_over_a_closed_one_opens_by_its_own_rule_on_the_old_calls_failures() {
     let t0 = Instant::now();
     let old = Arc::new(breaker(10, t0));
     let permits = in_flight(&old, t0);
-    // Past the ten failures the old calls pass on to it: it does not open by its own rule.
-    let cfg = BreakerConfig {
-        min_requests: 50,
-        ..short_open()
-    };
-    let new = CircuitBreaker::taking_over(&cfg, &old);
+    let new = CircuitBreaker::taking_over(&short_open(), &old);
     assert_eq!(new.state(t0), Closed);
+    // The old calls' failures count in the new breaker, which opens at its own fifth, for
+    // its own period, and opens the old one with it.
     let opened = fail(&old, permits, t0);
-    // Refused at once, for the old breaker's period (30 s), not only its own 5 s.
     assert_eq!(new.try_acquire(opened), Err(BreakerOpen));
-    assert_eq!(new.state(opened + Duration::from_secs(29)), Open);
+    assert_eq!(new.state(opened + Duration::from_millis(4_900)), Open);
+    assert_eq!(old.try_acquire(opened), Err(BreakerOpen));
     // Then it probes under its own settings (one probe).
-    let after = opened + Duration::from_secs(30);
+    let after = opened + Duration::from_secs(5);
     let probe = new.try_acquire(after).unwrap();
     assert!(probe.is_probe());
     assert_eq!(new.try_acquire(after), Err(BreakerOpen));
@@ -476,7 +473,7 @@ fn an_opening_of_the_breaker_that_took_over_stops_the_calls_still_on_the_old_one
 }
 
 #[test]
-fn a_breaker_taking_over_opens_again_when_a_probe_of_the_old_one_fails() {
+fn a_failed_probe_of_the_old_breaker_opens_it_again_and_leaves_the_new_ones_probes_to_decide() {
     let t0 = Instant::now();
     let old = Arc::new(breaker(10, t0));
     let half = trip(&old, t0) + Duration::from_secs(30);
@@ -485,9 +482,12 @@ fn a_breaker_taking_over_opens_again_when_a_probe_of_the_old_one_fails() {
     assert_eq!(new.state(half), HalfOpen);
     let failed = half + Duration::from_secs(1);
     old.record(probe, false, failed);
-    assert_eq!(new.try_acquire(failed), Err(BreakerOpen));
-    assert_eq!(new.state(failed + Duration::from_secs(29)), Open);
-    assert_eq!(new.state(failed + Duration::from_secs(30)), HalfOpen);
+    // The old calls are refused again; the new breaker's own probe decides for the new ones.
+    assert_eq!(old.try_acquire(failed), Err(BreakerOpen));
+    let own = new.try_acquire(failed).unwrap();
+    assert!(own.is_probe());
+    new.record(own, true, failed);
+    assert_eq!(new.state(failed), Closed);
 }
 
 #[test]
@@ -513,12 +513,13 @@ fn an_opening_goes_down_a_chain_of_hand_overs_even_past_a_dropped_breaker() {
     for drop_mid in [false, true] {
         let old = Arc::new(breaker(10, t0));
         let permits = in_flight(&old, t0);
-        let mid = CircuitBreaker::taking_over(&short_open(), &old);
-        let new = CircuitBreaker::taking_over(&BreakerConfig::default(), &mid);
+        let mid = CircuitBreaker::taking_over(&BreakerConfig::default(), &old);
+        // The newest: the old calls' failures count there, past the dropped one.
+        let new = CircuitBreaker::taking_over(&short_open(), &mid);
         let mid = (!drop_mid).then_some(mid);
         let opened = fail(&old, permits, t0);
         assert_eq!(new.try_acquire(opened), Err(BreakerOpen), "{drop_mid}");
-        assert_eq!(new.state(opened + Duration::from_secs(29)), Open);
+        assert_eq!(new.state(opened + Duration::from_millis(4_900)), Open);
         if let Some(mid) = mid {
             assert_eq!(mid.try_acquire(opened), Err(BreakerOpen));
         }
@@ -574,4 +575,39 @@ fn a_hand_over_racing_the_opening_of_the_old_breaker_never_misses_it() {
         assert_eq!(old.state(at), Open);
         assert!(new.is_some_and(|new| new.state(at) == Open));
     }
+}
+
+#[test]
+fn a_success_on_a_breaker_whose_successor_is_gone_does_not_touch_the_line_mutex() {
+    // Module docs: the line's mutex "is touched only when a breaker takes over or opens, never
+    // on an acquire or a success". The agent's short-lived state for a call on an outgoing
+    // snapshot takes over from the newest snapshot's breaker; once it is gone, every success
+    // of the newest snapshot's calls still locks the line, for good.
+    let t0 = Instant::now();
+    let kept = Arc::new(breaker(20, t0));
+    let short_lived = CircuitBreaker::taking_over(
+        &BreakerConfig {
+            min_requests: 5,
+            ..BreakerConfig::default()
+        },
+        &kept,
+    );
+    drop(short_lived);
+    // The first outcome after finds the successor gone (one look at the line); none after.
+    let p = kept.try_acquire(t0).unwrap();
+    kept.record(p, true, t0);
+    let guard = lock(&kept.line);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let recorder = {
+        let kept = kept.clone();
+        std::thread::spawn(move || {
+            let p = kept.try_acquire(t0).unwrap();
+            kept.record(p, true, t0);
+            tx.send(()).unwrap();
+        })
+    };
+    let blocked = rx.recv_timeout(Duration::from_secs(2)).is_err();
+    drop(guard);
+    recorder.join().unwrap();
+    assert!(!blocked, "a success waited for the line's mutex");
 }

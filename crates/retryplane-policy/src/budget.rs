@@ -96,8 +96,9 @@ pub struct RetryBudget {
 static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// The budgets of one line of hand-overs, oldest first (weak: a budget lives as long as the
-/// endpoint states and calls that hold it). A mutex: it is touched when a budget takes over,
-/// and by calls of a budget taken over from, never by the others.
+/// endpoint states and calls that hold it). A mutex: it is touched when a budget takes over
+/// or joins behind, and by calls of a budget taken over from (or behind), never by the
+/// others' nor, after one look, by those of a budget whose successors are gone.
 type Line = Mutex<Vec<Weak<RetryBudget>>>;
 
 /// What a budget holds at one instant, for `explain` and metrics.
@@ -192,22 +193,61 @@ impl RetryBudget {
             }
             line.retain(|b| b.strong_count() > 0);
             line.push(Arc::downgrade(&budget));
+            // Under the lock: `newest` clears it under the lock when the line has no other.
+            old.superseded.store(true, Ordering::Release);
         }
-        old.superseded.store(true, Ordering::Release);
         budget
     }
 
+    /// A budget for `cfg` behind `newest`, for calls that still run under an outgoing
+    /// policy (a call that read the policies just before a push): it joins `newest`'s line
+    /// without becoming its newest, so everything its calls deposit and withdraw goes to the
+    /// newest budget of the line, which new calls use; it counts nothing of its own while
+    /// that one is in use.
+    pub fn behind(cfg: &BudgetConfig, newest: &Arc<RetryBudget>) -> Arc<Self> {
+        let budget = Arc::new(Self {
+            line: newest.line.clone(),
+            ..Self::new(cfg, newest.origin)
+        });
+        let mut line = lock(&newest.line);
+        if line.is_empty() {
+            line.push(Arc::downgrade(newest));
+        }
+        line.retain(|b| b.strong_count() > 0);
+        let at = line.len().saturating_sub(1);
+        line.insert(at, Arc::downgrade(&budget));
+        budget.superseded.store(true, Ordering::Release);
+        drop(line);
+        budget
+    }
+
+    /// Whether another live budget shares its line (it took over from one, one took over from
+    /// it, or one runs behind it): then what the calls of one count may be in the other.
+    pub fn has_line(&self) -> bool {
+        lock(&self.line)
+            .iter()
+            .any(|b| !std::ptr::eq(b.as_ptr(), self) && b.strong_count() > 0)
+    }
+
     /// The newest budget of this one's line, when another budget took over from this one and
-    /// is still in use: where this one's calls deposit and withdraw.
+    /// is still in use: where this one's calls deposit and withdraw. When none is (they are
+    /// gone), this one is the line's newest again and stops looking.
     fn newest(&self) -> Option<Arc<RetryBudget>> {
         if !self.superseded.load(Ordering::Acquire) {
             return None;
         }
-        lock(&self.line)
+        let mut line = lock(&self.line);
+        let newest = line
             .iter()
             .rev()
             .find_map(Weak::upgrade)
-            .filter(|b| !std::ptr::eq(Arc::as_ptr(b), self))
+            .filter(|b| !std::ptr::eq(Arc::as_ptr(b), self));
+        if newest.is_none() {
+            line.retain(|b| b.strong_count() > 0);
+            self.superseded.store(false, Ordering::Release);
+        }
+        drop(line);
+        newest
     }
 
     /// Whether it counts nothing at `now`: a budget made afresh then would be the same.
@@ -295,7 +335,8 @@ impl RetryBudget {
     /// no second read of the window): `None` then, and nothing is counted. `Some` holds the
     /// retry counted, for [`Self::give_back`] should it never be sent.
     pub(crate) fn take(&self, w: Withdrawal) -> Option<Taken> {
-        if w.newest {
+        // Also when a push took this budget over between the check and now.
+        if w.newest || self.superseded.load(Ordering::Relaxed) {
             // Read again in the newest budget now (it may not be the one checked).
             let newest = self.newest();
             let budget = newest.as_deref().unwrap_or(self);

@@ -331,3 +331,56 @@ fn calls_still_on_a_budget_taken_over_from_deposit_and_withdraw_in_the_newest() 
     fresh.give_back(taken);
     assert_eq!(newest.snapshot(at + Duration::from_secs(2)).retries, 0);
 }
+
+#[test]
+fn a_retry_checked_before_a_push_and_taken_after_it_is_counted_in_the_newest_budget() {
+    // The engine reads the budget (check_at), computes the pause, then takes the retry. A push
+    // that lands between the two makes another budget the newest: the retry must be counted
+    // where new calls and the calls still on the old budget are checked from then on.
+    let t0 = Instant::now();
+    let window = Duration::from_secs(1);
+    // A reserve of 1 retry per window, before and after the push.
+    let old = Arc::new(RetryBudget::new(&cfg(0.0, 1, window), t0));
+    let at = t0 + Duration::from_millis(500);
+    let w = old
+        .check_at(nanos_since(t0, at))
+        .expect("the reserve allows one retry");
+    let newest = RetryBudget::taking_over(&cfg(0.5, 1, window), &old, at);
+    assert!(old.take(w).is_some(), "allowed when checked");
+    assert_eq!(
+        newest.snapshot(at).retries,
+        1,
+        "the retry is counted in the budget the endpoint's calls now draw on"
+    );
+    assert!(
+        !old.try_withdraw(at) && !newest.try_withdraw(at),
+        "a second retry against a reserve of 1"
+    );
+}
+
+#[test]
+fn a_deposit_in_a_budget_whose_successor_is_gone_does_not_touch_the_line_mutex() {
+    // The line's mutex "is touched when a budget takes over, and by calls of a budget taken
+    // over from, never by the others". The agent's short-lived state for a call on an outgoing
+    // snapshot takes over from the newest snapshot's budget; once it is gone, every deposit
+    // and withdrawal of the newest snapshot's calls still locks the line, for good.
+    let t0 = Instant::now();
+    let window = Duration::from_secs(10);
+    let kept = Arc::new(RetryBudget::new(&cfg(0.2, 10, window), t0));
+    drop(RetryBudget::taking_over(&cfg(0.5, 10, window), &kept, t0));
+    // The first deposit after finds the successor gone (one look at the line); none after.
+    kept.deposit(t0);
+    let guard = lock(&kept.line);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let caller = {
+        let kept = kept.clone();
+        std::thread::spawn(move || {
+            kept.deposit(t0);
+            tx.send(()).unwrap();
+        })
+    };
+    let blocked = rx.recv_timeout(Duration::from_secs(2)).is_err();
+    drop(guard);
+    caller.join().unwrap();
+    assert!(!blocked, "a deposit waited for the line's mutex");
+}

@@ -260,7 +260,7 @@ impl EndpointState {
     pub fn is_idle(&self, now: Instant) -> bool {
         self.budget
             .as_ref()
-            .is_none_or(|b| Arc::strong_count(b) == 1 && b.is_empty(now))
+            .is_none_or(|b| Arc::strong_count(b) == 1 && !b.has_line() && b.is_empty(now))
             && self
                 .breaker
                 .as_ref()
@@ -295,6 +295,39 @@ impl EndpointState {
         let breaker = match (&policy.circuit_breaker, &self.breaker) {
             (Some(cfg), Some(old)) if self.breaker_cfg.as_ref() == Some(cfg) => Some(old.clone()),
             (Some(cfg), Some(old)) => Some(CircuitBreaker::taking_over(cfg, old)),
+            (Some(cfg), None) => Some(Arc::new(CircuitBreaker::new(cfg, self.origin))),
+            (None, _) => None,
+        };
+        Self {
+            origin: self.origin,
+            budget,
+            breaker,
+            budget_cfg: policy.budget.clone(),
+            breaker_cfg: policy.circuit_breaker.clone(),
+        }
+    }
+
+    /// A state for calls under `policy` that run behind this one, the newest state of the
+    /// endpoint: a call that read the policies just before a push and reaches the endpoint
+    /// after it. Its budget and breaker, where their settings differ from this one's, join
+    /// this one's lines without becoming their newest ([`RetryBudget::behind`],
+    /// [`CircuitBreaker::behind`]): what its calls count goes to this state's budget and
+    /// breaker, which new calls use; built with [`Self::carry`] instead, it became the newest
+    /// and took the new calls' counts while it lasted, under the old settings.
+    pub fn behind(&self, policy: &RetryPolicy) -> Self {
+        let budget = match (&policy.budget, &self.budget) {
+            (Some(cfg), Some(newest)) if self.budget_cfg.as_ref() == Some(cfg) => {
+                Some(newest.clone())
+            }
+            (Some(cfg), Some(newest)) => Some(RetryBudget::behind(cfg, newest)),
+            (Some(cfg), None) => Some(Arc::new(RetryBudget::new(cfg, self.origin))),
+            (None, _) => None,
+        };
+        let breaker = match (&policy.circuit_breaker, &self.breaker) {
+            (Some(cfg), Some(newest)) if self.breaker_cfg.as_ref() == Some(cfg) => {
+                Some(newest.clone())
+            }
+            (Some(cfg), Some(newest)) => Some(CircuitBreaker::behind(cfg, newest)),
             (Some(cfg), None) => Some(Arc::new(CircuitBreaker::new(cfg, self.origin))),
             (None, _) => None,
         };
