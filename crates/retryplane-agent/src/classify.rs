@@ -321,8 +321,10 @@ impl Classify for reqwest::Error {
         }
         // A stream the server refused (HTTP/2 `REFUSED_STREAM`) was not processed: reqwest sends
         // it again itself, twice at most, and reports it as a request error once a server
-        // keeps refusing.
-        let class = if self.is_connect() || refused_stream_in_chain(self) {
+        // keeps refusing. Not once the answer's head came (an error reading the body): the
+        // request was processed, whatever the reset says.
+        let refused = !self.is_body() && !self.is_decode() && refused_stream_in_chain(self);
+        let class = if self.is_connect() || refused {
             ErrorClass::Connect
         } else if self.is_timeout() {
             ErrorClass::Timeout
@@ -469,6 +471,13 @@ fn chain<'a>(
     })
 }
 
+/// Whether `e` failed reading an answer's body (hyper's `Kind::Body`): the head had come.
+/// hyper exposes no kind for it; its message is fixed.
+fn reading_a_body(e: &hyper::Error) -> bool {
+    e.to_string()
+        .starts_with("error reading a body from connection")
+}
+
 /// Whether `e` itself is the peer's reset of the stream with `REFUSED_STREAM` (see
 /// [`refused_stream_in_chain`]). Only that says "not processed": the same code in an h2 error
 /// made by a layer does not, and neither does the peer's `GOAWAY`. h2 gives a `GOAWAY` to the
@@ -484,9 +493,10 @@ fn refused_stream(e: &(dyn StdError + 'static)) -> bool {
 }
 
 /// The class of a `hyper::Error`, `None` when it is the caller's own error. A stream the server
-/// refused (HTTP/2 `REFUSED_STREAM`) is connect: the request was not processed.
+/// refused (HTTP/2 `REFUSED_STREAM`) is connect: the request was not processed; unless the
+/// refusal cut the answer's body, whose head proves it was (a reset then).
 fn hyper_class(e: &hyper::Error) -> Option<ErrorClass> {
-    if refused_stream_in_chain(e) {
+    if refused_stream_in_chain(e) && !reading_a_body(e) {
         return Some(ErrorClass::Connect);
     }
     if e.is_timeout() {
