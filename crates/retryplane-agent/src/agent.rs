@@ -196,11 +196,13 @@ impl Agent {
         match loaded.policies {
             Some(set) if !loaded.has_errors() => Ok(Agent::from_policies(set)),
             _ => {
-                let errors: Vec<_> = loaded.diagnostics.iter().filter(|d| d.is_error()).collect();
+                // Counted whole: a long list ends with a line saying how many more there are.
+                let (count, _) = retryplane_policy::diag::counts(&loaded.diagnostics);
+                let first = loaded.diagnostics.iter().find(|d| d.is_error());
                 Err(AgentError::InvalidPolicyFile {
                     path: path.to_owned(),
-                    errors: errors.len(),
-                    first: errors.first().map(ToString::to_string).unwrap_or_default(),
+                    errors: count,
+                    first: first.map(ToString::to_string).unwrap_or_default(),
                 })
             }
         }

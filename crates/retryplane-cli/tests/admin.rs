@@ -1237,3 +1237,77 @@ fn an_apply_whose_warnings_pass_the_answer_limit_is_still_reported_as_applied() 
         stderr.lines().take(3).collect::<Vec<_>>().join(" | ")
     );
 }
+
+#[test]
+fn apply_of_a_file_cut_at_the_listing_limit_counts_every_error_in_its_summary() {
+    // 1,200 errors: 1,000 are listed, then "200 more error(s) not listed". `validate` says
+    // 1,200 (diag::counts); `apply`'s own check counted the closing line as one error and
+    // said `1001 errors`.
+    let server = test_server(true, None);
+    let mut bad = String::from("version: 1\nendpoints:\n");
+    for i in 0..1_200 {
+        bad.push_str(&format!("  e{i}: {{max_attempts: 0}}\n"));
+    }
+    server.write("bad.yaml", &bad);
+    for command in ["apply", "diff"] {
+        let assert = Command::cargo_bin("retryplane")
+            .unwrap()
+            .current_dir(server.dir.path())
+            .args([command, "bad.yaml", "--server", &dead_server()])
+            .timeout(support::WAIT)
+            .assert()
+            .code(1);
+        let stderr = String::from_utf8(assert.get_output().stderr.clone()).unwrap();
+        assert!(
+            stderr.contains("bad.yaml is invalid: 1200 errors, 0 warnings"),
+            "{command}: {stderr}"
+        );
+    }
+}
+
+/// `--token ""` (a script's `--token "$ADMIN_TOKEN"` with the variable unset) falls back to
+/// `RETRYPLANE_TOKEN`; one that is not UTF-8 is then dropped without a word and the command
+/// goes out with no token at all (`UNAUTHENTICATED: missing credentials`, and a hint to give a
+/// token, which the user did). Named as it is when the flag is not given at all.
+#[test]
+fn an_empty_token_flag_falling_back_to_a_token_variable_that_is_not_utf8_names_the_variable() {
+    use std::os::unix::ffi::OsStrExt as _;
+    let server = test_server(true, Some(TOKENS));
+    let variable = "RETRYPLANE_TOKEN";
+    let value = std::ffi::OsStr::from_bytes(b"\xffadmin-secret-0123456789");
+    let out = server
+        .retryplane(&["history", "--token", ""])
+        .env(variable, value)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("admin-secret"), "{stderr}");
+    assert!(
+        stderr.contains(&format!("{variable} is not valid UTF-8")),
+        "{stderr}"
+    );
+}
+
+/// The same for `--server ""`: a `RETRYPLANE_SERVER` that is not UTF-8 is dropped without a
+/// word and the command goes to the default server (`http://127.0.0.1:7471`), another one
+/// than the user named.
+#[test]
+fn an_empty_server_flag_falling_back_to_a_server_variable_that_is_not_utf8_names_the_variable() {
+    use std::os::unix::ffi::OsStrExt as _;
+    let variable = "RETRYPLANE_SERVER";
+    let mut value = dead_server().to_string().into_bytes();
+    value.push(0xff);
+    let out = Command::cargo_bin("retryplane")
+        .unwrap()
+        .env_remove("RETRYPLANE_TOKEN")
+        .env(variable, std::ffi::OsStr::from_bytes(&value))
+        .args(["history", "--server", ""])
+        .timeout(support::WAIT)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(&format!("{variable} is not valid UTF-8")),
+        "{stderr}"
+    );
+}

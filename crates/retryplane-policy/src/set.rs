@@ -167,7 +167,7 @@ pub struct PolicySet {
 
 /// Why a document could not become a policy set.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("invalid policy: {} error(s), first: {}", errors.len(), errors.first().map(ToString::to_string).unwrap_or_default())]
+#[error("invalid policy: {} error(s), first: {}", diag::counts(errors).0, errors.first().map(ToString::to_string).unwrap_or_default())]
 pub struct InvalidPolicy {
     /// Every error (warnings are not errors and are not here).
     pub errors: Vec<Diagnostic>,

@@ -35,7 +35,7 @@ pub use to_pb::{content_hash, lists_as_sets, unsigned_zeros};
 
 /// Why a wire document could not become a [`PolicyDocument`].
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("invalid policy document: {} error(s), first: {}", errors.len(), errors.first().map(ToString::to_string).unwrap_or_default())]
+#[error("invalid policy document: {} error(s), first: {}", retryplane_policy::diag::counts(errors).0, errors.first().map(ToString::to_string).unwrap_or_default())]
 pub struct InvalidDocument {
     /// Every problem found, in document order; places are unknown, paths are set.
     pub errors: Vec<Diagnostic>,

@@ -68,13 +68,19 @@ pub(crate) fn apply(
     let (set, warnings) = match convert::validate(doc) {
         Ok(ok) => ok,
         Err(errors) => {
-            let mut text: Vec<String> = errors
+            // Counted whole: a long list ends with a line saying how many more there are.
+            let listed: Vec<_> = errors
+                .iter()
+                .filter(|d| retryplane_policy::diag::unlisted(d).is_none())
+                .collect();
+            let (count, _) = retryplane_policy::diag::counts(&errors);
+            let mut text: Vec<String> = listed
                 .iter()
                 .take(NACK_ERRORS)
                 .map(ToString::to_string)
                 .collect();
-            if errors.len() > NACK_ERRORS {
-                text.push(format!("and {} more", errors.len() - NACK_ERRORS));
+            if count > text.len() {
+                text.push(format!("and {} more", count - text.len()));
             }
             return nack(text.join("; "));
         }
@@ -155,6 +161,30 @@ mod tests {
             5
         );
         assert_eq!(agent.shared().metrics_interval_ms.load(Relaxed), 250);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_nack_of_more_errors_than_a_check_lists_counts_them_all() {
+        // 1,200 endpoints with `max_attempts: 0`: the check lists 1,000 and a closing line.
+        let agent = agent();
+        let mut bad = snapshot(5, "version: 1\nendpoints:\n  a: {}\n");
+        if let Some(doc) = bad.policies.as_mut() {
+            let template = doc.endpoints[0].clone();
+            doc.endpoints = (0..1_200)
+                .map(|i| {
+                    let mut e = template.clone();
+                    e.name = format!("e{i:04}");
+                    e.overlay.get_or_insert_with(Default::default).max_attempts = Some(0);
+                    e
+                })
+                .collect();
+            bad.content_hash = convert::content_hash(doc);
+        }
+        let h = apply(agent.shared(), bad, Duration::from_secs(10), |_| {});
+        let Kind::Nack(n) = &h.reply else {
+            panic!("expected a NACK, got {:?}", h.reply);
+        };
+        assert!(n.error.ends_with("; and 1197 more"), "{}", n.error);
     }
 
     #[tokio::test(start_paused = true)]

@@ -281,8 +281,8 @@ pub fn ignored_empty_check(flags: ApplyFlags, response: &pb::ApplyResponse) -> O
 
 /// `2 errors, 1 warning`.
 fn counts(diags: &[Diagnostic]) -> String {
-    let errors = diags.iter().filter(|d| d.is_error()).count();
-    let warnings = diags.len() - errors;
+    // Counted whole: a long list ends with a line saying how many more there are.
+    let (errors, warnings) = retryplane_policy::diag::counts(diags);
     let plural = |n: usize, word: &str| format!("{n} {word}{}", if n == 1 { "" } else { "s" });
     format!(
         "{}, {}",

@@ -270,7 +270,7 @@ impl TryFrom<ServerArgs> for Server {
         // variable unset, as scripts and CI often leave it) falls back to the environment
         // variable, and an empty variable to the default (an empty token is no token, below).
         let server = if args.server.trim_ascii().is_empty() {
-            non_empty_env("RETRYPLANE_SERVER")
+            non_empty_env("RETRYPLANE_SERVER")?
         } else {
             Some(args.server)
         };
@@ -331,13 +331,18 @@ impl TryFrom<ServerArgs> for Server {
     }
 }
 
-/// The value of the environment variable `name`, unless it is unset, empty or not Unicode:
-/// what an empty `--server` falls back to (clap reads the variable only when the flag is not
-/// given at all).
-fn non_empty_env(name: &str) -> Option<String> {
-    std::env::var(name)
-        .ok()
-        .filter(|v| !v.trim_ascii().is_empty())
+/// The value of the environment variable `name`, unless it is unset or empty; an error naming
+/// it when it is not Unicode: what an empty `--server` falls back to (clap reads the variable
+/// only when the flag is not given at all).
+fn non_empty_env(name: &str) -> anyhow::Result<Option<String>> {
+    match std::env::var(name) {
+        Ok(v) => Ok((!v.trim_ascii().is_empty()).then_some(v)),
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        // Never dropped in silence (the default would be used instead), never shown.
+        Err(std::env::VarError::NotUnicode(_)) => {
+            anyhow::bail!("the environment variable {name} is not valid UTF-8")
+        }
+    }
 }
 
 /// Runs `work` on a current-thread tokio runtime made for this one command.
