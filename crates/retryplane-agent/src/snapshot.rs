@@ -198,14 +198,23 @@ impl States {
         let kept = inner.newest.budget == defaults.budget
             && inner.newest.circuit_breaker == defaults.circuit_breaker
             && !inner.named.contains_key(name);
-        let rt = match inner.newest_state(name) {
-            Some(newest) if !kept => Arc::new(Runtime::with_state(newest.state.behind(defaults))),
-            newest => Runtime::carry(newest, defaults),
-        };
         if kept {
+            let rt = Runtime::carry(inner.newest_state(name), defaults);
             inner.unnamed.insert(Arc::from(name), rt.clone());
+            return rt;
         }
-        rt
+        // The newest snapshot's state first, kept, when its calls have not made one yet: the
+        // straggler's runs behind it, not beside it.
+        let newest = match inner.newest_state(name) {
+            Some(newest) => newest.clone(),
+            None => {
+                let newest_defaults = inner.newest.clone();
+                let newest = Runtime::carry(None, &newest_defaults);
+                inner.unnamed.insert(Arc::from(name), newest.clone());
+                newest
+            }
+        };
+        Arc::new(Runtime::with_state(newest.state.behind(defaults)))
     }
 
     /// Makes a new snapshot the newest: its `defaults:` and the states of the endpoints it
@@ -729,6 +738,61 @@ mod tests {
         assert!(
             old_call + new_calls <= 10,
             "{old_call} + {new_calls} retries against a reserve of 10"
+        );
+    }
+}
+
+#[cfg(test)]
+mod straggler_first_tests {
+    use super::*;
+
+    fn build(yaml: &str, version: u64, previous: Option<&PolicySnapshot>) -> PolicySnapshot {
+        let set = retryplane_policy::load(yaml.as_bytes()).policies.unwrap();
+        PolicySnapshot::build(
+            set,
+            version,
+            format!("h{version}"),
+            Source::ControlPlane,
+            previous,
+        )
+    }
+
+    fn withdraw_all(e: &Entry, now: Instant) -> u64 {
+        let b = e.runtime.state.budget().unwrap();
+        let mut n = 0;
+        while b.try_withdraw(now) {
+            n += 1;
+            assert!(n <= 100_000, "budget never ran out");
+        }
+        n
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_straggler_that_uses_an_endpoint_before_the_new_snapshot_s_calls_shares_their_budget()
+    {
+        // The same two snapshots as `a_call_still_on_the_outgoing_snapshot_…`, but the call
+        // that loaded v1 is the first to use `zzz` after the swap: no state of v2's is kept yet,
+        // so it gets one made afresh outside any line, and v2's first call then makes another.
+        // Two budgets for one endpoint: v2's calls get the reserve again beside the
+        // straggler's (README: a change of settings "never adds a budget beside it").
+        let v1 = build(
+            "version: 1\ndefaults:\n  budget: {ratio: 0.0, min_per_second: 1, window: 10s}\nendpoints:\n  a: {}\n",
+            1,
+            None,
+        );
+        let v2 = build(
+            "version: 1\ndefaults:\n  budget: {ratio: 0.5, min_per_second: 1, window: 10s}\nendpoints:\n  a: {}\n",
+            2,
+            Some(&v1),
+        );
+        let straggler = v1.entry("zzz");
+        let kept = v2.entry("zzz");
+        let now = Instant::now();
+        let old_call = withdraw_all(&straggler, now);
+        let new_calls = withdraw_all(&kept, now);
+        assert!(
+            old_call + new_calls <= 10,
+            "{old_call} + {new_calls} retries against a reserve of 10 for one endpoint"
         );
     }
 }

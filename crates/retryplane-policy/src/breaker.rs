@@ -21,7 +21,8 @@
 //! When an endpoint's breaker settings change, the new breaker takes over from the old one
 //! ([`CircuitBreaker::taking_over`]); calls still in flight on the old settings keep reporting
 //! to the old breaker, which counts their outcomes in the newest breaker of the line instead
-//! of its own, so the newest opens by its own rule on every call's outcomes; an opening of any
+//! of its own while the newest is closed, so the newest opens by its own rule on every call's
+//! outcomes (while it is open or half-open, the old one counts them itself); an opening of any
 //! breaker of the line opens every other one too, until the same instant (unless it is
 //! already open for longer). A call that reads the policies just before a push gets a
 //! breaker *behind* the newest ([`CircuitBreaker::behind`]), which does the same. So new calls are refused as soon as the old
@@ -468,7 +469,8 @@ impl CircuitBreaker {
     }
 
     /// Counts an outcome a call recorded in this breaker, taken over from since, in the newest
-    /// breaker of the line too, if it is closed: the calls started before a change of settings
+    /// breaker of the line, if it is closed (`true`; `false` when there is none, or it is open
+    /// or half-open, and this one counts it): the calls started before a change of settings
     /// tell the breaker new calls use what they learn (before, only this one counted them,
     /// and pushes that changed the settings more often than calls ended kept every breaker
     /// under its `min_requests`).
@@ -478,10 +480,14 @@ impl CircuitBreaker {
         let Some(newest) = self.newest() else {
             return false;
         };
+        // An open or half-open newest counts no outcome of a closed period: this one counts
+        // it then, by its own rule (a breaker behind a half-open newest that closed on its own
+        // probes must still open when its calls fail, and opens the newest with it).
         let state = newest.state.load(Acquire);
-        if state & OPEN == 0 {
-            newest.count(state, success, nanos);
+        if state & OPEN != 0 {
+            return false;
         }
+        newest.count(state, success, nanos);
         true
     }
 
