@@ -24,7 +24,8 @@
 //! of its own while the newest is closed, so the newest opens by its own rule on every call's
 //! outcomes (while it is open or half-open, the old one counts them itself); an opening of any
 //! breaker of the line opens every other one too, until the same instant (unless it is
-//! already open for longer). A call that reads the policies just before a push gets a
+//! already open for longer). While a newer breaker lives, an older one sends no half-open
+//! probe of its own: the newest's probes decide, and its closing closes the others. A call that reads the policies just before a push gets a
 //! breaker *behind* the newest ([`CircuitBreaker::behind`]), which does the same. So new calls are refused as soon as the old
 //! calls learn the upstream is failing, not only once the new breaker has counted
 //! `min_requests` failures of its own, and calls started before the change stop retrying as
@@ -368,6 +369,12 @@ impl CircuitBreaker {
             if now_nanos < until {
                 return Err(BreakerOpen);
             }
+            // Half-open: the probes are the newest breaker's of the line, which closes the
+            // others when they succeed (each breaker of a line sending its own sent many
+            // times the probes the newest allows).
+            if self.superseded.load(Relaxed) && self.newest().is_some() {
+                return Err(BreakerOpen);
+            }
             let probes = self.probes.load(Acquire);
             let (issued, succeeded) = probe_counts(probes, generation);
             if issued < self.half_open_probes {
@@ -433,10 +440,13 @@ impl CircuitBreaker {
         // against its own.
         let forwarded = self.superseded.load(Relaxed) && self.pass_outcome_on(success, nanos);
         if permit.probe {
-            if success {
+            if forwarded {
+                // A probe sent before a newer breaker took over, whose outcome that one, closed,
+                // has counted: this one follows it (closed), rather than opening alone or
+                // closing on its own probes.
+                self.close_here(state);
+            } else if success {
                 self.probe_succeeded(state, permit.generation);
-            } else if forwarded {
-                self.open_here(state, nanos);
             } else {
                 self.open(state, nanos);
             }
@@ -561,8 +571,44 @@ impl CircuitBreaker {
                 Err(current) => probes = current,
             }
         }
+        if self.close_here(state) {
+            self.pass_close_on();
+        }
+    }
+
+    /// Moves from `state` (open or half-open) to closed with a new generation and empty counts;
+    /// `false` if another thread changed the state first.
+    fn close_here(&self, state: u64) -> bool {
         let closed = next_generation(state) << GEN_SHIFT;
-        let _ = self.state.compare_exchange(state, closed, AcqRel, Acquire);
+        let won = self
+            .state
+            .compare_exchange(state, closed, AcqRel, Acquire)
+            .is_ok();
+        if won {
+            self.window.clear();
+        }
+        won
+    }
+
+    /// Closes every other breaker of its line that is open or half-open: their calls follow
+    /// the breaker whose probes found the upstream healthy again (the others send none while
+    /// it lives).
+    #[cold]
+    #[inline(never)]
+    fn pass_close_on(&self) {
+        let others: Vec<Arc<CircuitBreaker>> = {
+            let line = lock(&self.line);
+            line.iter()
+                .filter(|b| !std::ptr::eq(b.as_ptr(), self))
+                .filter_map(Weak::upgrade)
+                .collect()
+        };
+        for other in others {
+            let state = other.state.load(Acquire);
+            if state & OPEN != 0 {
+                other.close_here(state);
+            }
+        }
     }
 
     /// Moves from `state` to open for `open_for` from `nanos`, and passes the opening on to
