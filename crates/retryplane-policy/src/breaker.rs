@@ -44,21 +44,23 @@
 //! slots wholly inside the window, so counts older than `window` never contribute; the window is
 //! cleared when the breaker opens. Time comes in as `now` values.
 //!
-//! The breakers of one line of hand-overs share a list of weak references, oldest first (a
-//! mutex: it is touched when a breaker takes over or opens, and by the outcomes recorded in a
-//! breaker taken over from, which pass them on to the newest; never on an acquire, nor on an
-//! outcome of the newest, nor, after one look, of a breaker whose successors are gone). They all measure time from the first one's origin, so an open period's end means
+//! The breakers of one line of hand-overs share a list of weak references, oldest first
+//! (`line.rs`, as budgets do: a mutex touched when a breaker joins, opens or closes, and
+//! by the outcomes recorded in a breaker taken over from; never on an acquire, nor on an
+//! outcome of the newest). They all measure time from the first one's origin, so an open
+//! period's end means
 //! the same instant in each. The list rather than a single successor link: a breaker in the
 //! middle of a chain may be gone while the oldest still serves calls, and one breaker may be
 //! taken over more than once (the agent builds a short-lived one for a call on an outgoing
 //! snapshot).
 
-use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release};
+use std::sync::Arc;
+use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed};
 use std::sync::atomic::{AtomicBool, AtomicU64};
-use std::sync::{Arc, Mutex, PoisonError, Weak};
 
 use tokio::time::Instant;
 
+use crate::line::{self, Line, Member};
 use crate::model::BreakerConfig;
 use crate::window::{SlidingCounter, Span, nanos_since};
 
@@ -133,15 +135,11 @@ pub struct CircuitBreaker {
     half_open_probes: u64,
     /// The breakers of this one's line of hand-overs, oldest first; empty for a breaker that
     /// was never taken over nor took over.
-    line: Arc<Line>,
+    line: Arc<Line<CircuitBreaker>>,
     /// Set once another breaker took over from this one: the outcomes its calls still record
     /// are counted in the newest breaker of the line too ([`CircuitBreaker::taking_over`]).
     superseded: AtomicBool,
 }
-
-/// The breakers of one endpoint that took over from one another, oldest first (dropped ones
-/// linger until the next hand-over or opening prunes them).
-type Line = Mutex<Vec<Weak<CircuitBreaker>>>;
 
 fn generation(state: u64) -> u16 {
     ((state >> GEN_SHIFT) & GEN_MASK) as u16
@@ -214,16 +212,7 @@ impl CircuitBreaker {
         if old.state.load(Acquire) & OPEN == 0 {
             breaker.take_counts(old);
         }
-        {
-            let mut line = lock(&old.line);
-            if line.is_empty() {
-                line.push(Arc::downgrade(old));
-            }
-            line.retain(|b| b.strong_count() > 0);
-            line.push(Arc::downgrade(&breaker));
-            // Under the lock: `newest` clears it under the lock when the line has no other.
-            old.superseded.store(true, Release);
-        }
+        line::join_after(old, &breaker);
         // Read after joining the line: an opening of `old` either is seen here or, coming
         // after the join (the lock orders them), is passed on to the new breaker.
         let state = old.state.load(Acquire);
@@ -243,16 +232,7 @@ impl CircuitBreaker {
             line: newest.line.clone(),
             ..Self::new(cfg, newest.origin)
         });
-        {
-            let mut line = lock(&newest.line);
-            if line.is_empty() {
-                line.push(Arc::downgrade(newest));
-            }
-            line.retain(|b| b.strong_count() > 0);
-            let at = line.len().saturating_sub(1);
-            line.insert(at, Arc::downgrade(&breaker));
-            breaker.superseded.store(true, Release);
-        }
+        line::join_behind(newest, &breaker);
         // Read after joining the line: a later opening of `newest` is passed on to it.
         let state = newest.state.load(Acquire);
         if state & OPEN != 0 {
@@ -276,9 +256,7 @@ impl CircuitBreaker {
     /// Whether another live breaker shares its line of hand-overs (it took over from one, or
     /// one took over from it): then its openings reach that one, and the other way round.
     pub fn has_line(&self) -> bool {
-        lock(&self.line)
-            .iter()
-            .any(|b| !std::ptr::eq(b.as_ptr(), self) && b.strong_count() > 0)
+        line::has_other(self)
     }
 
     /// Whether it is closed and counts nothing at `now`: a breaker made afresh then would be
@@ -505,18 +483,7 @@ impl CircuitBreaker {
     /// one runs behind it) and is still in use. When none is, this one is the line's newest
     /// again and stops looking (no lock on its later outcomes).
     fn newest(&self) -> Option<Arc<CircuitBreaker>> {
-        let mut line = lock(&self.line);
-        let newest = line
-            .iter()
-            .rev()
-            .find_map(Weak::upgrade)
-            .filter(|b| !std::ptr::eq(Arc::as_ptr(b), self));
-        if newest.is_none() {
-            line.retain(|b| b.strong_count() > 0);
-            self.superseded.store(false, Release);
-        }
-        drop(line);
-        newest
+        line::newest(self)
     }
 
     /// Hands back `permit` without an outcome: its attempt says nothing about the upstream (it
@@ -596,14 +563,7 @@ impl CircuitBreaker {
     #[cold]
     #[inline(never)]
     fn pass_close_on(&self) {
-        let others: Vec<Arc<CircuitBreaker>> = {
-            let line = lock(&self.line);
-            line.iter()
-                .filter(|b| !std::ptr::eq(b.as_ptr(), self))
-                .filter_map(Weak::upgrade)
-                .collect()
-        };
-        for other in others {
+        for other in line::others(self) {
             let state = other.state.load(Acquire);
             if state & OPEN != 0 {
                 other.close_here(state);
@@ -643,16 +603,8 @@ impl CircuitBreaker {
     #[cold]
     #[inline(never)]
     fn pass_on(&self, until: u64) {
-        let others: Vec<Arc<CircuitBreaker>> = {
-            let mut line = lock(&self.line);
-            line.retain(|b| b.strong_count() > 0);
-            line.iter()
-                .filter(|b| !std::ptr::eq(b.as_ptr(), self))
-                .filter_map(Weak::upgrade)
-                .collect()
-        };
         // Outside the lock: an upgraded breaker whose last owner is gone is dropped here.
-        others.iter().for_each(|b| b.open_until(until));
+        line::others(self).iter().for_each(|b| b.open_until(until));
     }
 
     /// Opens until `until` (ms since the origin) unless already open at least that long, with
@@ -674,9 +626,14 @@ impl CircuitBreaker {
     }
 }
 
-/// The line's list, whether or not a thread panicked holding it (the list is valid either way).
-fn lock(line: &Line) -> std::sync::MutexGuard<'_, Vec<Weak<CircuitBreaker>>> {
-    line.lock().unwrap_or_else(PoisonError::into_inner)
+impl Member for CircuitBreaker {
+    fn line(&self) -> &Line<Self> {
+        &self.line
+    }
+
+    fn superseded(&self) -> &AtomicBool {
+        &self.superseded
+    }
 }
 
 #[cfg(test)]

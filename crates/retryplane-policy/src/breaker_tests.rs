@@ -596,7 +596,7 @@ fn a_success_on_a_breaker_whose_successor_is_gone_does_not_touch_the_line_mutex(
     // The first outcome after finds the successor gone (one look at the line); none after.
     let p = kept.try_acquire(t0).unwrap();
     kept.record(p, true, t0);
-    let guard = lock(&kept.line);
+    let guard = kept.line.lock();
     let (tx, rx) = std::sync::mpsc::channel();
     let recorder = {
         let kept = kept.clone();

@@ -57,11 +57,12 @@
 //! `origin`; an instant older than the newest one seen (time going backwards a little, or
 //! threads passing slightly different instants) counts in the newest slot seen.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, PoisonError, Weak};
 
 use tokio::time::Instant;
 
+use crate::line::{self, Line, Member};
 use crate::model::BudgetConfig;
 use crate::window::{SlidingCounter, Span, nanos_since};
 
@@ -86,20 +87,14 @@ pub struct RetryBudget {
     /// Set once another budget took over from this one ([`RetryBudget::taking_over`]): what
     /// this one's calls still deposit and withdraw goes to the newest of its line.
     superseded: AtomicBool,
-    /// The budgets of this one's line of hand-overs, oldest first; empty until one takes over.
-    line: Arc<Line>,
+    /// The budgets of this one's line of hand-overs (`line.rs`).
+    line: Arc<Line<RetryBudget>>,
     /// Tells this budget from the others of its line (see [`Taken`]).
     id: u64,
 }
 
 /// The next [`RetryBudget::id`].
 static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-
-/// The budgets of one line of hand-overs, oldest first (weak: a budget lives as long as the
-/// endpoint states and calls that hold it). A mutex: it is touched when a budget takes over
-/// or joins behind, and by calls of a budget taken over from (or behind), never by the
-/// others' nor, after one look, by those of a budget whose successors are gone.
-type Line = Mutex<Vec<Weak<RetryBudget>>>;
 
 /// What a budget holds at one instant, for `explain` and metrics.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -186,16 +181,7 @@ impl RetryBudget {
         let mut at_end = [false; 2];
         at_end[RETRIES] = true;
         budget.window.take_over(&old.window, nanos, at_end);
-        {
-            let mut line = lock(&old.line);
-            if line.is_empty() {
-                line.push(Arc::downgrade(old));
-            }
-            line.retain(|b| b.strong_count() > 0);
-            line.push(Arc::downgrade(&budget));
-            // Under the lock: `newest` clears it under the lock when the line has no other.
-            old.superseded.store(true, Ordering::Release);
-        }
+        line::join_after(old, &budget);
         budget
     }
 
@@ -209,24 +195,14 @@ impl RetryBudget {
             line: newest.line.clone(),
             ..Self::new(cfg, newest.origin)
         });
-        let mut line = lock(&newest.line);
-        if line.is_empty() {
-            line.push(Arc::downgrade(newest));
-        }
-        line.retain(|b| b.strong_count() > 0);
-        let at = line.len().saturating_sub(1);
-        line.insert(at, Arc::downgrade(&budget));
-        budget.superseded.store(true, Ordering::Release);
-        drop(line);
+        line::join_behind(newest, &budget);
         budget
     }
 
     /// Whether another live budget shares its line (it took over from one, one took over from
     /// it, or one runs behind it): then what the calls of one count may be in the other.
     pub fn has_line(&self) -> bool {
-        lock(&self.line)
-            .iter()
-            .any(|b| !std::ptr::eq(b.as_ptr(), self) && b.strong_count() > 0)
+        line::has_other(self)
     }
 
     /// The newest budget of this one's line, when another budget took over from this one and
@@ -236,18 +212,7 @@ impl RetryBudget {
         if !self.superseded.load(Ordering::Acquire) {
             return None;
         }
-        let mut line = lock(&self.line);
-        let newest = line
-            .iter()
-            .rev()
-            .find_map(Weak::upgrade)
-            .filter(|b| !std::ptr::eq(Arc::as_ptr(b), self));
-        if newest.is_none() {
-            line.retain(|b| b.strong_count() > 0);
-            self.superseded.store(false, Ordering::Release);
-        }
-        drop(line);
-        newest
+        line::newest(self)
     }
 
     /// Whether it counts nothing at `now`: a budget made afresh then would be the same.
@@ -405,9 +370,14 @@ impl RetryBudget {
     }
 }
 
-/// The line's list, whether or not a thread panicked holding it (the list is valid either way).
-fn lock(line: &Line) -> std::sync::MutexGuard<'_, Vec<Weak<RetryBudget>>> {
-    line.lock().unwrap_or_else(PoisonError::into_inner)
+impl Member for RetryBudget {
+    fn line(&self) -> &Line<Self> {
+        &self.line
+    }
+
+    fn superseded(&self) -> &AtomicBool {
+        &self.superseded
+    }
 }
 
 #[cfg(test)]

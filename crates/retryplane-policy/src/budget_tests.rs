@@ -370,7 +370,7 @@ fn a_deposit_in_a_budget_whose_successor_is_gone_does_not_touch_the_line_mutex()
     drop(RetryBudget::taking_over(&cfg(0.5, 10, window), &kept, t0));
     // The first deposit after finds the successor gone (one look at the line); none after.
     kept.deposit(t0);
-    let guard = lock(&kept.line);
+    let guard = kept.line.lock();
     let (tx, rx) = std::sync::mpsc::channel();
     let caller = {
         let kept = kept.clone();

@@ -18,6 +18,7 @@ pub mod diff;
 pub mod document;
 pub mod duration;
 pub mod engine;
+mod line;
 pub mod model;
 pub mod parse;
 pub mod render;
