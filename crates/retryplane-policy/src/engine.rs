@@ -286,25 +286,11 @@ impl EndpointState {
     /// calls still on this state deposit and withdraw in the newest budget of the line, and
     /// the outcomes they record in this breaker are counted in the newest breaker too.
     pub fn carry(&self, policy: &RetryPolicy, now: Instant) -> Self {
-        let budget = match (&policy.budget, &self.budget) {
-            (Some(cfg), Some(old)) if self.budget_cfg.as_ref() == Some(cfg) => Some(old.clone()),
-            (Some(cfg), Some(old)) => Some(RetryBudget::taking_over(cfg, old, now)),
-            (Some(cfg), None) => Some(Arc::new(RetryBudget::new(cfg, self.origin))),
-            (None, _) => None,
-        };
-        let breaker = match (&policy.circuit_breaker, &self.breaker) {
-            (Some(cfg), Some(old)) if self.breaker_cfg.as_ref() == Some(cfg) => Some(old.clone()),
-            (Some(cfg), Some(old)) => Some(CircuitBreaker::taking_over(cfg, old)),
-            (Some(cfg), None) => Some(Arc::new(CircuitBreaker::new(cfg, self.origin))),
-            (None, _) => None,
-        };
-        Self {
-            origin: self.origin,
-            budget,
-            breaker,
-            budget_cfg: policy.budget.clone(),
-            breaker_cfg: policy.circuit_breaker.clone(),
-        }
+        self.next(
+            policy,
+            |cfg, old| RetryBudget::taking_over(cfg, old, now),
+            CircuitBreaker::taking_over,
+        )
     }
 
     /// A state for calls under `policy` that run behind this one, the newest state of the
@@ -315,26 +301,34 @@ impl EndpointState {
     /// breaker, which new calls use; built with [`Self::carry`] instead, it became the newest
     /// and took the new calls' counts while it lasted, under the old settings.
     pub fn behind(&self, policy: &RetryPolicy) -> Self {
-        let budget = match (&policy.budget, &self.budget) {
-            (Some(cfg), Some(newest)) if self.budget_cfg.as_ref() == Some(cfg) => {
-                Some(newest.clone())
-            }
-            (Some(cfg), Some(newest)) => Some(RetryBudget::behind(cfg, newest)),
-            (Some(cfg), None) => Some(Arc::new(RetryBudget::new(cfg, self.origin))),
-            (None, _) => None,
-        };
-        let breaker = match (&policy.circuit_breaker, &self.breaker) {
-            (Some(cfg), Some(newest)) if self.breaker_cfg.as_ref() == Some(cfg) => {
-                Some(newest.clone())
-            }
-            (Some(cfg), Some(newest)) => Some(CircuitBreaker::behind(cfg, newest)),
-            (Some(cfg), None) => Some(Arc::new(CircuitBreaker::new(cfg, self.origin))),
-            (None, _) => None,
-        };
+        self.next(policy, RetryBudget::behind, CircuitBreaker::behind)
+    }
+
+    /// The state for `policy` after this one: a budget or breaker whose settings are unchanged
+    /// is shared, one whose settings changed is made from this one's by `budget` or `breaker`,
+    /// one turned on is made afresh, one turned off is dropped.
+    fn next(
+        &self,
+        policy: &RetryPolicy,
+        budget: impl FnOnce(&BudgetConfig, &Arc<RetryBudget>) -> Arc<RetryBudget>,
+        breaker: impl FnOnce(&BreakerConfig, &Arc<CircuitBreaker>) -> Arc<CircuitBreaker>,
+    ) -> Self {
         Self {
             origin: self.origin,
-            budget,
-            breaker,
+            budget: next_part(
+                &policy.budget,
+                &self.budget_cfg,
+                &self.budget,
+                budget,
+                |cfg| RetryBudget::new(cfg, self.origin),
+            ),
+            breaker: next_part(
+                &policy.circuit_breaker,
+                &self.breaker_cfg,
+                &self.breaker,
+                breaker,
+                |cfg| CircuitBreaker::new(cfg, self.origin),
+            ),
             budget_cfg: policy.budget.clone(),
             breaker_cfg: policy.circuit_breaker.clone(),
         }
@@ -360,6 +354,23 @@ impl EndpointState {
             None => before_origin(self.origin, now),
         }
     }
+}
+
+/// One part (budget or breaker) of [`EndpointState::next`]: `old` when its settings `old_cfg`
+/// are `cfg`, else made from `old` by `changed`, or afresh by `fresh` when there is none.
+fn next_part<C: PartialEq, T>(
+    cfg: &Option<C>,
+    old_cfg: &Option<C>,
+    old: &Option<Arc<T>>,
+    changed: impl FnOnce(&C, &Arc<T>) -> Arc<T>,
+    fresh: impl FnOnce(&C) -> T,
+) -> Option<Arc<T>> {
+    let cfg = cfg.as_ref()?;
+    Some(match old {
+        Some(old) if old_cfg.as_ref() == Some(cfg) => old.clone(),
+        Some(old) => changed(cfg, old),
+        None => Arc::new(fresh(cfg)),
+    })
 }
 
 /// [`EndpointState::offset`] of an instant before the origin (negative; out of line, as it
