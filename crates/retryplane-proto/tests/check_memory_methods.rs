@@ -6,17 +6,9 @@
 
 use retryplane_proto::{convert, pb};
 
-/// The process's peak resident set, in bytes (`VmHWM`).
-fn peak_rss() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let kb: u64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.split_whitespace().next())
-        .and_then(|v| v.parse().ok())
-        .unwrap();
-    kb * 1024
-}
+#[path = "support/peak_rss.rs"]
+mod peak_rss;
+use peak_rss::peak_rss;
 
 fn methods(methods: Vec<String>) -> pb::PolicyDocument {
     pb::PolicyDocument {
