@@ -40,6 +40,10 @@ pub(crate) struct Shared {
     /// handles key their kept entry on it, and keep none under an odd one (see
     /// [`crate::Endpoint`]).
     generation: AtomicU64,
+    /// The version of the snapshot in force, or of the one about to be (see
+    /// [`Shared::announce`]): a call whose entry is of another version counts in that
+    /// version's counters for calls that outlived it (see [`crate::metrics`]).
+    in_force: AtomicU64,
     /// The snapshot replaced last, kept until the next swap; its lock is the writers' turn.
     /// See [`Shared::update_policies`].
     retired: std::sync::Mutex<Option<Arc<PolicySnapshot>>>,
@@ -58,6 +62,7 @@ pub(crate) struct Shared {
 impl Shared {
     pub(crate) fn new(snapshot: PolicySnapshot, seed: u64, metrics_interval: Duration) -> Self {
         Self {
+            in_force: AtomicU64::new(snapshot.version()),
             policies: ArcSwap::from_pointee(snapshot),
             generation: AtomicU64::new(0),
             retired: std::sync::Mutex::new(None),
@@ -102,6 +107,7 @@ impl Shared {
             return false;
         };
         drop(current);
+        self.announce(next.version());
         // Odd while the swap is under way, before the new snapshot can be seen: whoever has
         // seen it (`Agent::policies`) and then reads the generation reads this value or a
         // later one, so no handle gives it the entry kept for the generation before.
@@ -114,6 +120,23 @@ impl Shared {
         drop(retired);
         drop(older);
         true
+    }
+
+    /// Says that the policies of `version` are about to be put in force: from now on, the
+    /// counts of calls on entries of any other version go to that version's counters for calls
+    /// that outlived it ([`crate::metrics::Registry::outlived`]), not to the endpoint's, which
+    /// the next report credits to `version`. Called before the counts made so far are taken as
+    /// the outgoing version's (`crate::stream`), and again by the swap itself.
+    pub(crate) fn announce(&self, version: u64) {
+        self.in_force.store(version, Release);
+    }
+
+    /// The version a call's counts go to the endpoint's counters under (see
+    /// [`Shared::announce`]). Relaxed: a count made as the swap happens may land on either
+    /// side of it.
+    #[inline]
+    pub(crate) fn version_in_force(&self) -> u64 {
+        self.in_force.load(Relaxed)
     }
 
     /// Twice the number of swaps so far, plus one while a swap is under way (Acquire: read it

@@ -116,18 +116,18 @@ struct Cached {
 /// A pause in progress: on drop (the pause slept, cut short by a cancellation, or its call
 /// dropped) it adds the time paused, at most the pause, to the endpoint's backoff time, so the
 /// figure counts pauses taken, not pauses planned.
-struct Paused<'a> {
-    counters: &'a Counters,
+struct Paused<'a, 'c> {
+    counts: &'a mut FirstCounts<'c>,
     from: Instant,
     pause: Duration,
 }
 
-impl Drop for Paused<'_> {
+impl Drop for Paused<'_, '_> {
     fn drop(&mut self) {
         let paused = Instant::now()
             .saturating_duration_since(self.from)
             .min(self.pause);
-        self.counters.add_backoff(paused);
+        self.counts.to().add_backoff(paused);
     }
 }
 
@@ -404,9 +404,12 @@ impl Endpoint {
                 shared: &self.shared,
                 rng: None,
             };
-            let c = &*self.core.counters;
             let mut first = FirstCounts {
-                c,
+                c: &self.core.counters,
+                shared: &self.shared,
+                name: &self.core.name,
+                version: entry.version,
+                outlived: None,
                 owed: OWE_CALL | OWE_END,
             };
             // Released on drop: a fatal result, a cancellation or a dropped call future hands
@@ -488,6 +491,7 @@ impl Endpoint {
                         first.owed |= OWE_ATTEMPT;
                     } else {
                         first.settle();
+                        let c = first.to();
                         Counters::inc(&c.attempts);
                         Counters::inc(&c.retries);
                         // The retry goes out: the kept answer lets go of what it holds. (Not
@@ -654,7 +658,7 @@ impl Endpoint {
                         Decision::Retry { pause, hinted } => {
                             self.debug_attempt(plan.number, &class, Some(pause), &call, now);
                             if hinted {
-                                Counters::inc(&c.retry_after_honored);
+                                Counters::inc(&first.to().retry_after_honored);
                             }
                             last_outcome = Some(outcome);
                             pause_before = Some(pause);
@@ -664,7 +668,7 @@ impl Endpoint {
                 };
                 // Counts the time paused when the pause ends, is cancelled or is dropped.
                 let _paused = Paused {
-                    counters: c,
+                    counts: &mut first,
                     from: now,
                     pause,
                 };
@@ -715,7 +719,7 @@ impl Endpoint {
                         });
                     };
                     first.ended();
-                    c.gave_up(g);
+                    first.to().gave_up(g);
                     let class = outcome.as_ref().map_or_else(
                         || match &last {
                             Some(Last::TimedOut) => "timeout".to_owned(),
@@ -1132,27 +1136,60 @@ const OWE_ATTEMPT: u8 = 2;
 /// The call has no outcome yet: dropped so, it is counted `cancelled`.
 const OWE_END: u8 = 4;
 
-/// The counts of a call's start (`calls`, and `attempts` once its first attempt starts), held
-/// back until its second attempt starts or it ends: a call that succeeds at once is counted by
-/// [`Counters::first_try_success`] alone (one atomic add instead of three; the registry adds it
-/// back into `calls` and `attempts`). Any other call pays what it owes with
-/// [`FirstCounts::settle`], or when it is dropped (a call future dropped mid-call is counted).
-/// A call is counted in one outcome; one whose future is dropped before it has one (its caller
-/// gave up on it) is counted `cancelled` then, as is one its cancellation token ended.
+/// Where a call counts ([`FirstCounts::to`]), and the counts of its start (`calls`, and
+/// `attempts` once its first attempt starts), held back until its second attempt starts or it
+/// ends: a call that succeeds at once is counted by [`Counters::first_try_success`] alone (one
+/// atomic add instead of three; the registry adds it back into `calls` and `attempts`). Any
+/// other call pays what it owes with [`FirstCounts::settle`], or when it is dropped (a call
+/// future dropped mid-call is counted). A call is counted in one outcome; one whose future is
+/// dropped before it has one (its caller gave up on it) is counted `cancelled` then, as is one
+/// its cancellation token ended.
 struct FirstCounts<'a> {
+    /// The endpoint's counters.
     c: &'a Counters,
+    shared: &'a Shared,
+    name: &'a Arc<str>,
+    /// The version of the policies the call runs on.
+    version: u64,
+    /// Once those are no longer in force: their counters for calls that outlived them.
+    outlived: Option<Arc<Counters>>,
     owed: u8,
 }
 
 impl FirstCounts<'_> {
+    /// The counters the call counts in now: the endpoint's while the policies it runs on are
+    /// in force (or about to be replaced: see [`Shared::announce`]), else, from then to its
+    /// end, their version's counters for calls that outlived them
+    /// ([`crate::metrics::Registry::outlived`]), so that every count of the call is reported
+    /// under the version it ran (SPEC §2: a call reads the policy once). One relaxed load on
+    /// the call path.
+    #[inline]
+    fn to(&mut self) -> &Counters {
+        if self.outlived.is_none() && self.shared.version_in_force() == self.version {
+            return self.c;
+        }
+        self.outlived_counters()
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn outlived_counters(&mut self) -> &Counters {
+        self.outlived
+            .get_or_insert_with(|| self.shared.metrics.outlived(self.version, self.name))
+    }
+
     /// Counts the start that is owed (`calls`, the first attempt), once; the outcome stays
     /// owed.
     fn settle(&mut self) {
-        if self.owed & OWE_CALL != 0 {
-            Counters::inc(&self.c.calls);
-        }
-        if self.owed & OWE_ATTEMPT != 0 {
-            Counters::inc(&self.c.attempts);
+        if self.owed & (OWE_CALL | OWE_ATTEMPT) != 0 {
+            let owed = self.owed;
+            let c = self.to();
+            if owed & OWE_CALL != 0 {
+                Counters::inc(&c.calls);
+            }
+            if owed & OWE_ATTEMPT != 0 {
+                Counters::inc(&c.attempts);
+            }
         }
         self.owed &= OWE_END;
     }
@@ -1168,7 +1205,7 @@ impl Drop for FirstCounts<'_> {
         let cancelled = self.owed & OWE_END != 0;
         self.settle();
         if cancelled {
-            Counters::inc(&self.c.cancelled);
+            Counters::inc(&self.to().cancelled);
         }
     }
 }
@@ -1179,10 +1216,10 @@ fn count_success(first: &mut FirstCounts<'_>, attempt: u32) {
         // fails): the call and its attempt are counted by `success_first_try`.
         debug_assert_eq!(first.owed, OWE_CALL | OWE_ATTEMPT | OWE_END);
         first.owed = 0;
-        first.c.first_try_success();
+        first.to().first_try_success();
     } else {
         first.ended();
-        Counters::inc(&first.c.success_after_retry);
+        Counters::inc(&first.to().success_after_retry);
     }
 }
 

@@ -18,6 +18,14 @@
 //! refresh). A call whose attempt or classifier panicked is dropped so, and counted `cancelled`
 //! too.
 //!
+//! Every count of a call goes under the version of the policies it runs on (it reads them once,
+//! SPEC §2). The endpoint's counters hold the counts made under the version in force: when new
+//! policies come, the counts made so far are reported under the old version, and a call still
+//! running on the old policies counts from then on in that version's counters for calls that
+//! outlived it ([`Registry::outlived`], keyed by version and endpoint, made by the first such
+//! count and dropped once no call holds them), reported as that version's in reports of their
+//! own. Only the count a call makes as the swap happens may land on either side of it.
+//!
 //! A report handed to the stream is not forgotten: it is numbered and kept until the control
 //! plane acknowledges it (`crate::stream::outbox`), sent again on the next stream if the
 //! connection drops first (the control plane counts each number once), and added back here if
@@ -31,9 +39,9 @@
 //! stream is up. A control plane that does not acknowledge reports gets
 //! them unnumbered, counted as they come (see `crate::stream::outbox`).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use retryplane_policy::engine::GiveUpCause;
@@ -194,7 +202,14 @@ fn derived(mut stored: CounterValues) -> CounterValues {
 #[derive(Debug, Default)]
 pub(crate) struct Registry {
     endpoints: RwLock<HashMap<Arc<str>, Arc<Counters>>>,
+    /// The counters of calls that outlived the policies they run on, by version and endpoint
+    /// (see [`Registry::outlived`]). Touched by such calls once each, and when a report is
+    /// taken; an entry goes once its counts are taken and no call holds it.
+    outlived: Mutex<HashMap<Outlived, Arc<Counters>>>,
 }
+
+/// A version and an endpoint: the key of the counters of calls that outlived the version.
+type Outlived = (u64, Arc<str>);
 
 impl Registry {
     /// The counters of `endpoint`, created on first use.
@@ -213,6 +228,44 @@ impl Registry {
             .entry(endpoint.clone())
             .or_default()
             .clone()
+    }
+
+    /// The counters of `endpoint`'s calls on the policies of `version` once those are no
+    /// longer in force (a call in its pause as a push comes): counted apart from the endpoint's
+    /// counters, which the next report credits to the version in force, and reported under
+    /// `version` ([`Registry::take_outlived`]).
+    #[cold]
+    pub(crate) fn outlived(&self, version: u64, endpoint: &Arc<str>) -> Arc<Counters> {
+        self.outlived
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry((version, endpoint.clone()))
+            .or_default()
+            .clone()
+    }
+
+    /// Takes the non-zero deltas of calls that outlived their policies, by version (oldest
+    /// first), each sorted by endpoint. Counters no call holds any more are dropped.
+    pub(crate) fn take_outlived(&self) -> Vec<(u64, Vec<pb::EndpointCounters>)> {
+        let mut map = self.outlived.lock().unwrap_or_else(|e| e.into_inner());
+        let mut by_version: BTreeMap<u64, Vec<pb::EndpointCounters>> = BTreeMap::new();
+        map.retain(|(version, name), c| {
+            // Held by no call (only calls clone it, under this lock): nothing more comes.
+            let done = Arc::strong_count(c) == 1;
+            let v = c.take();
+            if !v.is_zero() {
+                by_version.entry(*version).or_default().push(v.to_pb(name));
+            }
+            !done
+        });
+        drop(map);
+        by_version
+            .into_iter()
+            .map(|(version, mut endpoints)| {
+                endpoints.sort_by(|a, b| a.endpoint.cmp(&b.endpoint));
+                (version, endpoints)
+            })
+            .collect()
     }
 
     /// Takes every non-zero delta, sorted by endpoint.
@@ -299,6 +352,62 @@ mod tests {
         r.restore(&taken);
         let again = r.take();
         assert_eq!((again[0].calls, again[0].gave_up_budget), (3, 1));
+    }
+
+    #[test]
+    fn outlived_counts_go_by_version_apart_from_the_endpoints_and_go_once_no_call_holds_them() {
+        let r = Registry::default();
+        let a: Arc<str> = Arc::from("a");
+        let b: Arc<str> = Arc::from("b");
+        Counters::inc(&r.counters(&a).calls);
+        let a3 = r.outlived(3, &a);
+        let b3 = r.outlived(3, &b);
+        let a2 = r.outlived(2, &a);
+        assert!(
+            Arc::ptr_eq(&a3, &r.outlived(3, &a)),
+            "one set per version and endpoint"
+        );
+        Counters::inc(&a3.retries);
+        Counters::inc(&b3.attempts);
+        a2.gave_up(GiveUpCause::AttemptsExhausted);
+        // (version, [(endpoint, retries, attempts, gave_up_attempts)])
+        type Taken = Vec<(u64, Vec<(String, u64, u64, u64)>)>;
+        let taken: Taken = r
+            .take_outlived()
+            .into_iter()
+            .map(|(v, e)| {
+                let e = e
+                    .into_iter()
+                    .map(|c| (c.endpoint, c.retries, c.attempts, c.gave_up_attempts))
+                    .collect();
+                (v, e)
+            })
+            .collect();
+        assert_eq!(
+            taken,
+            vec![
+                (2, vec![("a".to_owned(), 0, 0, 1)]),
+                (
+                    3,
+                    vec![("a".to_owned(), 1, 0, 0), ("b".to_owned(), 0, 1, 0)]
+                ),
+            ]
+        );
+        // The endpoint's own counts are not among them, nor taken.
+        assert_eq!(r.pending("a").calls, 1);
+        // Still held by calls: kept, and what they count next goes out next time.
+        drop((a2, b3));
+        Counters::inc(&a3.cancelled);
+        let again = r.take_outlived();
+        assert_eq!(again.len(), 1);
+        assert_eq!((again[0].0, again[0].1[0].cancelled), (3, 1));
+        assert_eq!(r.outlived.lock().unwrap().len(), 1, "only (3, a) is held");
+        drop(a3);
+        assert!(r.take_outlived().is_empty());
+        assert!(
+            r.outlived.lock().unwrap().is_empty(),
+            "dropped once no call holds it"
+        );
     }
 
     #[test]

@@ -275,6 +275,8 @@ enum EntryPolicy {
 pub(crate) struct Entry {
     policy: EntryPolicy,
     runtime: Arc<Runtime>,
+    /// The version of the snapshot the entry is of: a call's counts are reported under it.
+    pub(crate) version: u64,
 }
 
 impl Entry {
@@ -343,6 +345,7 @@ impl PolicySnapshot {
                 Arc::new(Entry {
                     policy: EntryPolicy::Named(policy.clone()),
                     runtime,
+                    version,
                 }),
             );
         }
@@ -383,6 +386,7 @@ impl PolicySnapshot {
         Arc::new(Entry {
             policy: EntryPolicy::Defaults(self.defaults.clone()),
             runtime,
+            version: self.version,
         })
     }
 

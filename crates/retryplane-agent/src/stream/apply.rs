@@ -94,6 +94,9 @@ pub(crate) fn apply(
             Source::ControlPlane,
             Some(current),
         );
+        // Calls that outlive the outgoing policies count apart from here on, so that what
+        // `before_swap` takes as theirs is all they count under their version's name.
+        shared.announce(snap.version);
         before_swap(current);
         next
     });

@@ -21,7 +21,9 @@
 //! before any newer counts; so does a refused report of a version no longer in force. At most
 //! [`HELD`] reports are held: past that the oldest one's counts go into the counters, to be
 //! reported under the version in force then (kept, not lost, but credited to a later version;
-//! that takes [`HELD`] swaps while the control plane acknowledges nothing).
+//! that takes [`HELD`] swaps while the control plane acknowledges nothing). The counts that
+//! calls which outlived their policies made after the swap ([`Registry::outlived`]) are held
+//! so too, as reports of those policies' versions, when the next report is taken.
 //!
 //! All of that only on a stream whose response says the control plane acknowledges reports
 //! ([`retryplane_proto::METRICS_ACK_METADATA`]). A control plane that predates `MetricsAck`
@@ -130,6 +132,7 @@ impl Outbox {
         if numbered && self.is_full() && !self.closing {
             return Err(NotSent::WindowFull);
         }
+        self.hold_outlived(registry, &mut fill);
         let mut last_held = None;
         while let Some(report) = self.held.pop_front() {
             let room = !(numbered && self.is_full() && !self.closing);
@@ -178,6 +181,7 @@ impl Outbox {
         deadline: tokio::time::Instant,
         mut fill: impl FnMut(&mut pb::MetricsReport),
     ) -> usize {
+        self.hold_outlived(registry, &mut fill);
         let mut queued = 0;
         while let Some(report) = self.held.pop_front() {
             let Ok(Ok(permit)) = tokio::time::timeout_at(deadline, tx.reserve()).await else {
@@ -220,6 +224,28 @@ impl Outbox {
             fill(&mut report);
             report.seq = 0;
             self.hold_report(registry, report);
+        }
+    }
+
+    /// Takes the counts of calls that outlived the policies they ran on
+    /// ([`Registry::take_outlived`]) and holds them as reports of those policies' versions
+    /// (filled in by `fill`, their version put back), to go out before the counters' counts.
+    fn hold_outlived(
+        &mut self,
+        registry: &Registry,
+        fill: &mut impl FnMut(&mut pb::MetricsReport),
+    ) {
+        for (version, endpoints) in registry.take_outlived() {
+            for endpoints in split(endpoints, MAX_REPORT_BYTES) {
+                let mut report = pb::MetricsReport {
+                    endpoints,
+                    ..Default::default()
+                };
+                fill(&mut report);
+                report.policy_version = version;
+                report.seq = 0;
+                self.hold_report(registry, report);
+            }
         }
     }
 
@@ -443,6 +469,37 @@ mod tests {
         assert_eq!(o.send(&r, &tx, true, under(2)), Ok(10));
         assert_eq!(sent_with_versions(&mut rx), [(10, 2, 7)]);
         assert!(o.held_versions().is_empty());
+    }
+
+    #[tokio::test]
+    async fn counts_of_calls_that_outlived_their_version_go_out_under_it_before_the_counters() {
+        let r = Registry::default();
+        let mut o = Outbox::default();
+        let (tx, mut rx) = mpsc::channel(64);
+        count_calls(&r, 4);
+        let a: Arc<str> = Arc::from("a");
+        let call_on_1 = r.outlived(1, &a);
+        Counters::inc(&call_on_1.calls);
+        Counters::inc(&r.outlived(2, &a).calls);
+        Counters::inc(&r.outlived(2, &a).calls);
+        assert_eq!(o.send(&r, &tx, true, under(3)), Ok(3));
+        assert_eq!(
+            sent_with_versions(&mut rx),
+            [(1, 1, 1), (2, 2, 2), (3, 3, 4)],
+            "oldest version first, each its own report, then the counters under the version in force"
+        );
+        // The call still running on version 1 counts again: out in the next report, under 1.
+        Counters::inc(&call_on_1.calls);
+        drop(call_on_1);
+        assert_eq!(o.send(&r, &tx, true, under(3)), Ok(4));
+        assert_eq!(sent_with_versions(&mut rx), [(4, 1, 1)]);
+        // At shutdown too.
+        Counters::inc(&r.outlived(2, &a).calls);
+        o.closing();
+        let deadline = tokio::time::Instant::now();
+        let queued = o.send_by(&r, &tx, true, deadline, under(3)).await;
+        assert_eq!(queued, 1);
+        assert_eq!(sent_with_versions(&mut rx), [(5, 2, 1)]);
     }
 
     #[test]
