@@ -147,31 +147,10 @@ pub struct Report {
     pub outcome: Outcome,
 }
 
-/// The environment variables flags are read from.
-const ENV_FLAGS: [&str; 3] = [
-    "RETRYPLANE_TOKEN",
-    "RETRYPLANE_SERVER",
-    "RETRYPLANE_AGENT_TOKEN",
-];
-
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => {
-            // clap's "invalid UTF-8 was detected in one or more arguments" also stands for a
-            // variable it reads (`RETRYPLANE_TOKEN`, `RETRYPLANE_SERVER`), and then points at a
-            // command line that is fine: the variable is named instead (never its value).
-            if e.kind() == clap::error::ErrorKind::InvalidUtf8
-                && std::env::args_os().all(|a| a.to_str().is_some())
-                && let Some(variable) = ENV_FLAGS
-                    .into_iter()
-                    .find(|v| matches!(std::env::var(v), Err(std::env::VarError::NotUnicode(_))))
-            {
-                output::error(format_args!(
-                    "the environment variable {variable} is not valid UTF-8"
-                ));
-                return Outcome::Error.into();
-            }
             // Usage errors go to stderr (exit 2); `--help` and `--version` to stdout (exit 0).
             // clap quotes a stray argument as given: a URL with a password is shown without.
             let args: Vec<String> = std::env::args_os()

@@ -86,14 +86,9 @@ pub struct Args {
     /// The call's counts are reported to it before the command exits.
     #[arg(long, value_name = "URL")]
     server: Option<String>,
-    /// Agent token for --server, sent as `authorization: Bearer TOKEN`. An empty value counts
-    /// as not given.
-    #[arg(
-        long,
-        env = "RETRYPLANE_AGENT_TOKEN",
-        hide_env_values = true,
-        value_name = "TOKEN"
-    )]
+    /// Agent token for --server, sent as `authorization: Bearer TOKEN`. Not given or empty:
+    /// RETRYPLANE_AGENT_TOKEN, and no token when that is unset or empty too.
+    #[arg(long, value_name = "TOKEN")]
     token: Option<Token>,
     /// The endpoint whose policy the call runs under.
     #[arg(long, value_name = "NAME")]
@@ -275,10 +270,7 @@ impl TryFrom<Args> for Settings {
                 // An empty value counts as not given, as for the admin commands: an empty
                 // `--token` falls back to `RETRYPLANE_AGENT_TOKEN`, and an empty variable is no
                 // token (nothing is sent rather than an empty credential).
-                let token = match args.token {
-                    Some(t) if t.secret().is_empty() => Token::from_env("RETRYPLANE_AGENT_TOKEN")?,
-                    other => other,
-                };
+                let token = Token::from_flag_or_env(args.token, "RETRYPLANE_AGENT_TOKEN")?;
                 PolicyFrom::Server(url, token, shown)
             }
             // Unreachable: clap refuses a command line without either (`policy_from` is required).

@@ -1311,3 +1311,51 @@ fn an_empty_server_flag_falling_back_to_a_server_variable_that_is_not_utf8_names
         "{stderr}"
     );
 }
+
+/// Each variable a flag falls back to, when the flag is not given at all, is read in the same
+/// place as when it is given empty: one that is not UTF-8 is named, never dropped or shown, and
+/// nothing is sent.
+#[test]
+fn a_variable_that_is_not_utf8_is_named_when_its_flag_is_not_given_at_all() {
+    use std::os::unix::ffi::OsStrExt as _;
+    let server = dead_server().to_string();
+    for (variable, args) in [
+        (
+            "RETRYPLANE_TOKEN",
+            vec!["history", "--server", server.as_str()],
+        ),
+        ("RETRYPLANE_SERVER", vec!["history"]),
+        (
+            "RETRYPLANE_AGENT_TOKEN",
+            vec![
+                "request",
+                "--server",
+                server.as_str(),
+                "--endpoint",
+                "e",
+                "http://127.0.0.1:9/",
+            ],
+        ),
+    ] {
+        let out = Command::cargo_bin("retryplane")
+            .unwrap()
+            .env_remove("RETRYPLANE_TOKEN")
+            .env_remove("RETRYPLANE_SERVER")
+            .env_remove("RETRYPLANE_AGENT_TOKEN")
+            .env(
+                variable,
+                std::ffi::OsStr::from_bytes(b"\xffsecret-0123456789"),
+            )
+            .args(&args)
+            .timeout(support::WAIT)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!stderr.contains("secret-0123"), "{variable}: {stderr}");
+        assert!(
+            stderr.contains(&format!("{variable} is not valid UTF-8")),
+            "{variable}: {stderr}"
+        );
+        assert_eq!(out.status.code(), Some(2), "{variable}: {stderr}");
+    }
+}

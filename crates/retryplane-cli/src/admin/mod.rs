@@ -75,22 +75,13 @@ pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 #[derive(Debug, clap::Args)]
 pub struct ServerArgs {
     /// The control plane's admin address (`http://HOST:PORT`; `http://` and port 7471 when not
-    /// given). White space around it is dropped; an empty value counts as not given.
-    #[arg(
-        long,
-        env = "RETRYPLANE_SERVER",
-        hide_env_values = true,
-        default_value = DEFAULT_SERVER,
-        value_name = "URL"
-    )]
-    server: String,
-    /// Admin token, sent as `authorization: Bearer TOKEN`. An empty value counts as not given.
-    #[arg(
-        long,
-        env = "RETRYPLANE_TOKEN",
-        hide_env_values = true,
-        value_name = "TOKEN"
-    )]
+    /// given). White space around it is dropped. Not given or empty: RETRYPLANE_SERVER, and
+    /// http://127.0.0.1:7471 when that is unset or empty too.
+    #[arg(long, value_name = "URL")]
+    server: Option<String>,
+    /// Admin token, sent as `authorization: Bearer TOKEN`. Not given or empty:
+    /// RETRYPLANE_TOKEN, and no token when that is unset or empty too.
+    #[arg(long, value_name = "TOKEN")]
     token: Option<Token>,
 }
 
@@ -110,21 +101,38 @@ impl Token {
         &self.0
     }
 
-    /// The token in the environment variable `name`, read as `--token` is (trimmed), unless
-    /// the variable is unset or empty; an error naming the variable when it is not Unicode:
-    /// what an empty `--token` falls back to (clap reads the variable only when the flag is
-    /// not given at all).
-    pub(crate) fn from_env(name: &str) -> anyhow::Result<Option<Token>> {
-        let value = match std::env::var(name) {
-            Ok(value) => value,
-            Err(std::env::VarError::NotPresent) => return Ok(None),
-            // Never dropped in silence (the call would go out with no token), never shown.
-            Err(std::env::VarError::NotUnicode(_)) => {
-                anyhow::bail!("the environment variable {name} is not valid UTF-8")
-            }
-        };
-        let token = Token(value.trim_ascii().to_owned());
-        Ok((!token.0.is_empty()).then_some(token))
+    /// The token of a `--token` flag, or, when it is not given or empty, of the environment
+    /// variable `variable` (see [`flag_or_env`]); `None` when neither holds one.
+    pub(crate) fn from_flag_or_env(
+        flag: Option<Token>,
+        variable: &str,
+    ) -> anyhow::Result<Option<Token>> {
+        Ok(
+            flag_or_env(flag.map(|Token(t)| t), variable)?
+                .map(|t| Token(t.trim_ascii().to_owned())),
+        )
+    }
+}
+
+/// The value of a flag an environment variable stands in for: the flag's, unless it is not
+/// given or empty (white space only: a script's `--server "$CP_URL"` with the variable unset),
+/// then the variable's, unless it is unset or empty too. The one place that reads the variables
+/// of `--server` and the `--token`s: clap's own `env` reads a variable only when the flag is
+/// missing, and takes one that is not UTF-8 for a bad command line. Such a value is an error
+/// naming the variable here, never dropped in silence (a call would go to the default server,
+/// or out with no token) and never shown.
+pub(crate) fn flag_or_env(flag: Option<String>, variable: &str) -> anyhow::Result<Option<String>> {
+    if let Some(value) = flag
+        && !value.trim_ascii().is_empty()
+    {
+        return Ok(Some(value));
+    }
+    match std::env::var(variable) {
+        Ok(value) => Ok((!value.trim_ascii().is_empty()).then_some(value)),
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(_)) => {
+            anyhow::bail!("the environment variable {variable} is not valid UTF-8")
+        }
     }
 }
 
@@ -266,15 +274,8 @@ impl TryFrom<ServerArgs> for Server {
     type Error = anyhow::Error;
 
     fn try_from(args: ServerArgs) -> anyhow::Result<Self> {
-        // An empty value counts as not given: an empty flag (`--server "$CP_URL"` with the
-        // variable unset, as scripts and CI often leave it) falls back to the environment
-        // variable, and an empty variable to the default (an empty token is no token, below).
-        let server = if args.server.trim_ascii().is_empty() {
-            non_empty_env("RETRYPLANE_SERVER")?
-        } else {
-            Some(args.server)
-        };
-        let url = match server {
+        // An empty value counts as not given, in the flag and in the variable.
+        let url = match flag_or_env(args.server, "RETRYPLANE_SERVER")? {
             None => DEFAULT_SERVER.to_owned(),
             Some(server) => with_scheme(server),
         };
@@ -296,11 +297,7 @@ impl TryFrom<ServerArgs> for Server {
             .with_context(|| format!("--server {shown}: not a valid URL"))?
             .connect_timeout(CONNECT_TIMEOUT)
             .timeout(REQUEST_TIMEOUT);
-        let token = match args.token {
-            Some(Token(token)) if token.is_empty() => Token::from_env("RETRYPLANE_TOKEN")?,
-            other => other,
-        };
-        let authorization = match token {
+        let authorization = match Token::from_flag_or_env(args.token, "RETRYPLANE_TOKEN")? {
             None => None,
             Some(Token(token)) => {
                 // A header value may also carry bytes past ASCII, which no secret of a tokens
@@ -328,20 +325,6 @@ impl TryFrom<ServerArgs> for Server {
             endpoint,
             authorization,
         })
-    }
-}
-
-/// The value of the environment variable `name`, unless it is unset or empty; an error naming
-/// it when it is not Unicode: what an empty `--server` falls back to (clap reads the variable
-/// only when the flag is not given at all).
-fn non_empty_env(name: &str) -> anyhow::Result<Option<String>> {
-    match std::env::var(name) {
-        Ok(v) => Ok((!v.trim_ascii().is_empty()).then_some(v)),
-        Err(std::env::VarError::NotPresent) => Ok(None),
-        // Never dropped in silence (the default would be used instead), never shown.
-        Err(std::env::VarError::NotUnicode(_)) => {
-            anyhow::bail!("the environment variable {name} is not valid UTF-8")
-        }
     }
 }
 
@@ -475,7 +458,7 @@ mod tests {
 
     fn server(url: &str, token: Option<&str>) -> anyhow::Result<Server> {
         Server::try_from(ServerArgs {
-            server: url.to_owned(),
+            server: Some(url.to_owned()),
             token: token.map(|t| Token(t.to_owned())),
         })
     }
@@ -587,7 +570,7 @@ mod tests {
         let s = server(DEFAULT_SERVER, Some("s3cret-token")).unwrap();
         assert!(!format!("{s:?}").contains("s3cret"));
         let args = ServerArgs {
-            server: DEFAULT_SERVER.to_owned(),
+            server: Some(DEFAULT_SERVER.to_owned()),
             token: Some(Token("s3cret".to_owned())),
         };
         assert!(!format!("{args:?}").contains("s3cret"));
