@@ -52,11 +52,20 @@ pub fn fallback_policy() -> RetryPolicy {
 #[derive(Debug)]
 pub(crate) struct Runtime {
     pub(crate) state: EndpointState,
+    /// Shared with the states made from this one (a push that changes the budget or breaker
+    /// settings), so that the endpoint's limit on warn lines holds across pushes.
+    refusals: Arc<RefusalLog>,
+}
+
+/// An endpoint's limit of one warn line per [`REFUSAL_LOG_EVERY`] for calls its open breaker
+/// refuses.
+#[derive(Debug)]
+struct RefusalLog {
     /// When the last warn line for a call refused by the open breaker was written: 1 + ms
     /// since `created` (0: never).
-    refusal_logged: AtomicU64,
+    logged: AtomicU64,
     /// Refused calls logged at debug only since that line.
-    refusals_quiet: AtomicU64,
+    quiet: AtomicU64,
     created: Instant,
 }
 
@@ -81,9 +90,19 @@ impl Runtime {
     fn with_state(state: EndpointState) -> Self {
         Self {
             state,
-            refusal_logged: AtomicU64::new(0),
-            refusals_quiet: AtomicU64::new(0),
-            created: Instant::now(),
+            refusals: Arc::new(RefusalLog {
+                logged: AtomicU64::new(0),
+                quiet: AtomicU64::new(0),
+                created: Instant::now(),
+            }),
+        }
+    }
+
+    /// A state made from `old`'s: its warn lines for refused calls go by `old`'s limit.
+    fn following(old: &Runtime, state: EndpointState) -> Self {
+        Self {
+            state,
+            refusals: old.refusals.clone(),
         }
     }
 
@@ -91,21 +110,22 @@ impl Runtime {
     /// first in [`REFUSAL_LOG_EVERY`]; `n` refusals since the last line were logged at debug
     /// only), `None` when it is logged at debug.
     pub(crate) fn refusal_line(&self, now: Instant) -> Option<u64> {
-        let at = u64::try_from(now.saturating_duration_since(self.created).as_millis())
+        let log = &*self.refusals;
+        let at = u64::try_from(now.saturating_duration_since(log.created).as_millis())
             .unwrap_or(u64::MAX - 1)
             + 1;
-        let last = self.refusal_logged.load(Relaxed);
+        let last = log.logged.load(Relaxed);
         let every = REFUSAL_LOG_EVERY.as_millis() as u64;
         let due = last == 0 || at >= last.saturating_add(every);
         if due
-            && self
-                .refusal_logged
+            && log
+                .logged
                 .compare_exchange(last, at, Relaxed, Relaxed)
                 .is_ok()
         {
-            return Some(self.refusals_quiet.swap(0, Relaxed));
+            return Some(log.quiet.swap(0, Relaxed));
         }
-        self.refusals_quiet.fetch_add(1, Relaxed);
+        log.quiet.fetch_add(1, Relaxed);
         None
     }
 
@@ -119,7 +139,10 @@ impl Runtime {
     fn carry(old: Option<&Arc<Runtime>>, policy: &RetryPolicy) -> Arc<Runtime> {
         match old {
             Some(rt) if rt.fits(policy) => rt.clone(),
-            Some(rt) => Arc::new(Runtime::with_state(rt.state.carry(policy, Instant::now()))),
+            Some(rt) => Arc::new(Runtime::following(
+                rt,
+                rt.state.carry(policy, Instant::now()),
+            )),
             None => Arc::new(Runtime::new(policy)),
         }
     }
@@ -214,7 +237,7 @@ impl States {
                 newest
             }
         };
-        Arc::new(Runtime::with_state(newest.state.behind(defaults)))
+        Arc::new(Runtime::following(&newest, newest.state.behind(defaults)))
     }
 
     /// Makes a new snapshot the newest: its `defaults:` and the states of the endpoints it

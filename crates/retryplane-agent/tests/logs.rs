@@ -291,3 +291,70 @@ async fn calls_refused_by_an_open_breaker_get_one_warn_line_per_second() {
     // Every refusal is still counted.
     assert_eq!(ep.pending_counts().circuit_open, 102);
 }
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn pushes_that_retune_a_budget_while_the_breaker_is_open_add_no_warn_lines_nor_lose_refusals()
+{
+    // Incident tuning: the breaker of `ep` is open, and the control plane pushes a new budget
+    // for it every 100 ms (the breaker's settings unchanged, so it stays open). Each push gives
+    // the endpoint a new runtime state, whose one-line-per-second limit starts afresh: every
+    // push lets one more warn line through, and the refusals counted at debug since the last
+    // line are dropped with the old state (the next line says 0).
+    let (sink, _guard) = support::capture_logs("retryplane_agent=warn");
+    let breaker =
+        "circuit_breaker: {enabled: true, failure_ratio: 0.5, min_requests: 2, open_for: 30s}";
+    let with_budget = |ratio: u32| {
+        let loaded = retryplane_policy::load(
+            policy(&format!(
+                "max_attempts: 1\n{breaker}\nbudget: {{enabled: true, ratio: 0.{ratio}}}"
+            ))
+            .as_bytes(),
+        );
+        loaded.policies.unwrap()
+    };
+    let agent = Agent::from_policies_seeded(with_budget(1), 7);
+    let ep = agent.endpoint("ep");
+    for _ in 0..2 {
+        let up = support::Upstream::new([support::Step::Status(503)]);
+        ep.call(CallMeta::http("GET", "/"), up.attempt())
+            .await
+            .unwrap_err();
+    }
+    let refuse = || async {
+        let up = support::Upstream::new([]);
+        let err = ep
+            .call(CallMeta::http("GET", "/"), up.attempt())
+            .await
+            .unwrap_err();
+        assert_eq!(err.attempts, 0, "refused by the open breaker");
+    };
+    // One line for the first refusal, then 9 pushes 100 ms apart with 10 refusals after each.
+    refuse().await;
+    for push in 2..=10 {
+        tokio::time::advance(Duration::from_millis(100)).await;
+        agent.set_policies(with_budget(push % 9 + 1));
+        for _ in 0..10 {
+            refuse().await;
+        }
+    }
+    tokio::time::advance(Duration::from_millis(100)).await;
+    refuse().await;
+    let log = sink.text();
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("call failed") && l.contains("circuit"))
+        .collect();
+    assert_eq!(ep.pending_counts().circuit_open, 92);
+    assert_eq!(
+        lines.len(),
+        2,
+        "92 refusals over one second: one line, then one a second later with the 90 between \
+         them:\n{}",
+        lines.join("\n")
+    );
+    assert!(
+        lines[1].contains("refused_since_last_line=90"),
+        "{}",
+        lines[1]
+    );
+}
