@@ -119,6 +119,7 @@ impl Shared {
         let older = retired.replace(replaced);
         drop(retired);
         drop(older);
+        self.cores.sweep();
         true
     }
 
@@ -248,7 +249,8 @@ impl Agent {
     }
 
     /// A handle on the endpoint `name` (a policy may or may not name it; unnamed endpoints run
-    /// under the policies' defaults).
+    /// under the policies' defaults). Handles on one name share its state and counters; see
+    /// the crate docs for when an endpoint no handle holds is forgotten.
     pub fn endpoint(&self, name: &str) -> Endpoint {
         Endpoint::new(self.shared.clone(), self.task.clone(), name)
     }
@@ -703,10 +705,62 @@ fn read_policy_file(path: &Path) -> std::io::Result<(Vec<u8>, Option<u64>)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::CallMeta;
 
     fn set(max_attempts: u32) -> PolicySet {
         let yaml = format!("version: 1\nendpoints:\n  a: {{max_attempts: {max_attempts}}}\n");
         retryplane_policy::load(yaml.as_bytes()).policies.unwrap()
+    }
+
+    /// A service that names its endpoints after hosts calls many once: once no handle holds
+    /// them, they have reported their counts and their budgets and breakers are idle, the
+    /// agent keeps nothing of them, and a push carries none (r75: every name was kept, and
+    /// each push that changed `defaults:` rebuilt a budget and breaker for every one).
+    #[tokio::test(start_paused = true)]
+    async fn endpoints_no_handle_holds_are_forgotten_once_reported_and_idle() {
+        let with_ratio = |ratio: u32| {
+            let yaml = format!(
+                "version: 1\ndefaults:\n  budget: {{ratio: 0.{ratio}}}\nendpoints:\n  a: {{}}\n"
+            );
+            retryplane_policy::load(yaml.as_bytes()).policies.unwrap()
+        };
+        let ok = |_| async { Ok::<_, std::io::Error>(http::Response::new(())) };
+        let agent = Agent::from_policies_seeded(with_ratio(1), 1);
+        let held = agent.endpoint("held");
+        held.call(CallMeta::http("GET", "/"), ok).await.unwrap();
+        for n in 0..2_000 {
+            let ep = agent.endpoint(&format!("host-{n}.example"));
+            ep.call(CallMeta::http("GET", "/"), ok).await.unwrap();
+        }
+        assert_eq!(agent.shared.cores.len(), 2_001);
+        assert_eq!(agent.policies().unnamed_states(), 2_001);
+        tokio::time::advance(Duration::from_secs(600)).await;
+        // The first push still finds each state held by the entry its endpoint kept, and
+        // carries it; it lets go of the kept entries, so the second drops the idle states.
+        agent.set_policies(with_ratio(2));
+        assert_eq!(agent.shared.cores.len(), 1, "only the core a handle holds");
+        agent.set_policies(with_ratio(3));
+        assert_eq!(
+            agent.policies().unnamed_states(),
+            0,
+            "idle: made afresh when used"
+        );
+        // The counts not yet reported are kept until they are.
+        let taken = agent.shared.metrics.take();
+        assert_eq!(taken.len(), 2_001);
+        assert!(taken.iter().all(|c| c.calls == 1), "{:?}", taken.first());
+        assert_eq!(
+            agent.shared.metrics.len(),
+            1,
+            "the held endpoint's counters"
+        );
+        // A name used again starts afresh, and counts.
+        let again = agent.endpoint("host-7.example");
+        again.call(CallMeta::http("GET", "/"), ok).await.unwrap();
+        assert_eq!(again.pending_counts().calls, 1);
+        held.call(CallMeta::http("GET", "/"), ok).await.unwrap();
+        assert_eq!(held.pending_counts().calls, 1);
+        assert_eq!(agent.policies().unnamed_states(), 2);
     }
 
     #[test]

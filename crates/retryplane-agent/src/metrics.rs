@@ -268,16 +268,22 @@ impl Registry {
             .collect()
     }
 
-    /// Takes every non-zero delta, sorted by endpoint.
+    /// Takes every non-zero delta, sorted by endpoint. The counters of an endpoint no handle
+    /// holds any more (see `crate::call::Cores::sweep`) go once their counts are taken.
     pub(crate) fn take(&self) -> Vec<pb::EndpointCounters> {
-        let map = self.endpoints.read().unwrap_or_else(|e| e.into_inner());
-        let mut out: Vec<_> = map
-            .iter()
-            .filter_map(|(name, c)| {
-                let v = c.take();
-                (!v.is_zero()).then(|| v.to_pb(name))
-            })
-            .collect();
+        let mut map = self.endpoints.write().unwrap_or_else(|e| e.into_inner());
+        let mut out = Vec::new();
+        map.retain(|name, c| {
+            // Held by no handle (only `counters` clones it, under this lock): nothing more
+            // comes.
+            let done = Arc::strong_count(c) == 1;
+            let v = c.take();
+            if !v.is_zero() {
+                out.push(v.to_pb(name));
+            }
+            !done
+        });
+        drop(map);
         out.sort_by(|a, b| a.endpoint.cmp(&b.endpoint));
         out
     }
@@ -288,6 +294,15 @@ impl Registry {
             let name: Arc<str> = Arc::from(d.endpoint.as_str());
             self.counters(&name).add(&CounterValues::from_pb(d));
         }
+    }
+
+    /// How many endpoints' counters are kept.
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.endpoints
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .len()
     }
 
     /// The counts not yet sent for `endpoint` (a handle reads its own counters instead).

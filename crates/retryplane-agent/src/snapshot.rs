@@ -413,6 +413,12 @@ impl PolicySnapshot {
         })
     }
 
+    /// How many endpoints the policies do not name have a state kept.
+    #[cfg(test)]
+    pub(crate) fn unnamed_states(&self) -> usize {
+        self.states.read().unnamed.len()
+    }
+
     /// The compiled policies; `None` for the fallback.
     pub fn set(&self) -> Option<&PolicySet> {
         self.set.as_ref()
