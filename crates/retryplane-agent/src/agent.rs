@@ -351,8 +351,8 @@ fn derived_agent_id(service: &str, seed: u64) -> String {
 /// Refuses a control-plane URL (`text`, parsed as `uri`) without a scheme (no connection can be
 /// made with it: the agent would retry for ever), with `https://` (it would be served in clear
 /// text, token included, since the agent does not speak TLS), with a `user:password@` part (it
-/// would go out in every call's `:authority`), with a port that is not a number from 1 to
-/// 65535 (the connection would quietly go to port 80), or with a scheme other than `http://`
+/// would go out in every call's `:authority`), with no host, with no port or one that is not a
+/// number from 1 to 65535 (the connection would quietly go to port 80), or with a scheme other than `http://`
 /// and `grpc://` (`grpcs://` asks for TLS, as `https://` does).
 fn check_url(text: &str, uri: &http::Uri) -> Result<(), AgentError> {
     let reason = match uri.scheme_str() {
@@ -382,6 +382,16 @@ fn check_url(text: &str, uri: &http::Uri) -> Result<(), AgentError> {
             "its scheme is neither http:// nor grpc://"
         }
         // Not quoted: it may be part of a password.
+        Some(_) if uri.host().is_none_or(str::is_empty) => "it names no host",
+        // The connection would go to port 80, where no control plane listens by default.
+        Some(_)
+            if uri
+                .authority()
+                .is_some_and(|a| crate::written_port(a.as_str()).is_none()) =>
+        {
+            "it names no port (the control plane's agent listener is on 7470 unless \
+             `retryplane serve --listen` says otherwise)"
+        }
         Some(_) if has_bad_port(uri) => "its port is not a number from 1 to 65535",
         Some(_) => return Ok(()),
     };
@@ -875,6 +885,20 @@ mod tests {
                 other => panic!("{url}: expected UnsupportedUrl, got {other:?}"),
             }
         }
+        // No host, no port: no control plane there.
+        for (url, says) in [
+            ("http://:7470", "no host"),
+            ("http://127.0.0.1", "no port"),
+            ("http://[::1]/", "no port"),
+            ("grpc://localhost", "no port"),
+        ] {
+            match connect(url) {
+                Err(AgentError::UnsupportedUrl { reason }) => {
+                    assert!(reason.contains(says), "{url}: {reason}");
+                }
+                other => panic!("{url}: expected UnsupportedUrl, got {other:?}"),
+            }
+        }
         // No scheme: no connection could ever be made.
         match connect("127.0.0.1:7470") {
             Err(e @ AgentError::UnsupportedUrl { .. }) => {
@@ -929,7 +953,7 @@ mod tests {
         for url in [
             "http://127.0.0.1:9",
             "http://[::1]:9",
-            "http://localhost",
+            "http://localhost:9",
             "HTTP://127.0.0.1:9",
             "grpc://127.0.0.1:9",
         ] {
