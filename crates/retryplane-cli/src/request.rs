@@ -241,10 +241,22 @@ impl TryFrom<Args> for Settings {
                 shown_target(&args.url)
             }
         };
+        // `localhost:8080/x` parses with `localhost` for its scheme, `[::1]:8080/x` not at all:
+        // said as what it is. Not taken as `http://` as curl would: the text may be a header's
+        // value (see `split`), which must not become a host name to look up.
+        if retryplane_agent::url_scheme(&args.url).is_none() {
+            bail!(
+                "{}: the URL names no scheme: write http:// or https:// before the host",
+                shown()
+            );
+        }
         let url = reqwest::Url::parse(&args.url)
             .with_context(|| format!("{}: not a valid URL", shown()))?;
         if !matches!(url.scheme(), "http" | "https") {
             bail!("{}: only http:// and https:// URLs are supported", shown());
+        }
+        if url.port() == Some(0) {
+            bail!("{}: the port must be a number from 1 to 65535", shown());
         }
         let headers = headers_of(&args.headers, args.data.is_some(), has_userinfo(&url))?;
         let policy = match (args.policy, args.server) {
@@ -267,6 +279,7 @@ impl TryFrom<Args> for Settings {
                 if had_userinfo {
                     crate::admin::userinfo_not_used(token_hint);
                 }
+                crate::admin::path_not_used(&url);
                 // An empty value counts as not given, as for the admin commands: an empty
                 // `--token` falls back to `RETRYPLANE_AGENT_TOKEN`, and an empty variable is no
                 // token (nothing is sent rather than an empty credential).

@@ -41,15 +41,15 @@ pub struct Args {
     #[arg(long, value_name = "DIR", default_value = "./data")]
     data_dir: PathBuf,
     /// Agent gRPC listener.
-    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:7470")]
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:7470", value_parser = listen_address)]
     listen: SocketAddr,
     /// Admin gRPC listener.
-    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:7471")]
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:7471", value_parser = listen_address)]
     admin_listen: SocketAddr,
     /// HTTP listener: /healthz, /readyz and /metrics (the server's own figures), served to
     /// anyone who can reach it, with or without --tokens; no policy and no change goes
     /// through it.
-    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:7472")]
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:7472", value_parser = listen_address)]
     http_listen: SocketAddr,
     /// Tokens file (names, roles agent/admin/viewer, secrets, and the agent ids and number of
     /// agents an agent token may connect), read again on SIGHUP. Without one
@@ -119,6 +119,51 @@ fn at_least_one() -> clap::builder::RangedU64ValueParser<usize> {
 }
 
 /// Parses `--metrics-interval`: a policy-style duration between 100 ms and 1 h.
+/// A listen address: an IP address and a port (`127.0.0.1:7470`, `[::1]:7470`, `0.0.0.0:7470`;
+/// port 0 takes a free one). Said in the error is what is wrong with one that is not: a name
+/// (a listener binds an address, and `localhost` may stand for two), a missing port, a port
+/// past 65535, an IPv6 address without its brackets.
+fn listen_address(text: &str) -> Result<SocketAddr, String> {
+    let text = text.trim_ascii();
+    if let Ok(addr) = text.parse::<SocketAddr>() {
+        return Ok(addr);
+    }
+    if text.parse::<std::net::IpAddr>().is_ok() || text.parse::<std::net::Ipv6Addr>().is_ok() {
+        return Err(if text.contains(':') {
+            format!("no port: write [{text}]:PORT (an IPv6 address in brackets, then the port)")
+        } else {
+            format!("no port: write {text}:PORT")
+        });
+    }
+    let bracketed = text.strip_prefix('[').and_then(|t| t.strip_suffix(']'));
+    if bracketed.is_some_and(|h| h.parse::<std::net::Ipv6Addr>().is_ok()) {
+        return Err(format!("no port: write {text}:PORT"));
+    }
+    let Some((host, port)) = text.rsplit_once(':').filter(|(host, _)| !host.is_empty()) else {
+        return Err(
+            "not an IP address and port: write 127.0.0.1:PORT, [::1]:PORT or 0.0.0.0:PORT"
+                .to_owned(),
+        );
+    };
+    let ip = host.strip_prefix('[').and_then(|h| h.strip_suffix(']'));
+    let host_is_ip = match ip {
+        Some(ip) => ip.parse::<std::net::Ipv6Addr>().is_ok(),
+        None => host.parse::<std::net::Ipv4Addr>().is_ok(),
+    };
+    if host_is_ip {
+        return Err(format!(
+            "the port must be a number from 0 to 65535 (0 takes a free one), not {port:?}"
+        ));
+    }
+    if host.contains(':') && ip.is_none() {
+        return Err("an IPv6 address goes in brackets: [::1]:PORT".to_owned());
+    }
+    Err(format!(
+        "{host:?} is not an IP address: a listener takes one (127.0.0.1:PORT or [::1]:PORT for \
+         loopback, 0.0.0.0:PORT or [::]:PORT for every address), not a name"
+    ))
+}
+
 fn metrics_interval(text: &str) -> Result<Duration, String> {
     duration_in(
         text,
@@ -414,6 +459,36 @@ mod tests {
     use clap::Parser as _;
 
     use super::*;
+
+    #[test]
+    fn a_listen_address_is_an_ip_and_a_port_and_the_error_says_what_is_wrong() {
+        for ok in [
+            "127.0.0.1:0",
+            "[::1]:7470",
+            "0.0.0.0:7470",
+            "[::]:0",
+            " 127.0.0.1:1 ",
+        ] {
+            assert!(listen_address(ok).is_ok(), "{ok}");
+        }
+        for (bad, says) in [
+            ("localhost:0", "not an IP address"),
+            ("cp.example:7470", "not an IP address"),
+            ("127.0.0.1", "no port: write 127.0.0.1:PORT"),
+            ("::1", "no port: write [::1]:PORT"),
+            ("[::1]", "no port: write [::1]:PORT"),
+            ("127.0.0.1:70000", "from 0 to 65535"),
+            ("[::1]:70000", "from 0 to 65535"),
+            ("127.0.0.1:", "from 0 to 65535"),
+            ("::1:7470", "no port: write [::1:7470]:PORT"),
+            ("::1:99999", "in brackets"),
+            ("", "not an IP address and port"),
+            (":7470", "not an IP address and port"),
+        ] {
+            let e = listen_address(bad).unwrap_err();
+            assert!(e.contains(says), "{bad:?}: {e}");
+        }
+    }
     use crate::{Cli, Command};
 
     fn parse(args: &[&str]) -> ServeConfig {

@@ -380,12 +380,12 @@ fn a_url_refused_is_shown_without_its_query_or_fragment() {
         // A header typed where the URL goes.
         (
             "Authorization: Bearer s3cr3t",
-            "Authorization: ***: only http:// and https:// URLs are supported",
+            "Authorization: ***: the URL names no scheme",
         ),
         // A host with a bad port, and no scheme: shown, so that the port can be seen.
         (
             "localhost:99999/stock",
-            "localhost:99999/stock: only http:// and https:// URLs are supported",
+            "localhost:99999/stock: the URL names no scheme",
         ),
     ] {
         let (code, stderr) = request_stderr(&[url]);
@@ -420,7 +420,7 @@ fn a_url_after_an_h_with_no_value_may_be_its_split_value_and_is_not_shown() {
     let (code, stderr) = request_stderr(&["-H", "X-Api-Key:", "s3cr3t"]);
     assert_eq!(code, Some(2));
     assert!(
-        stderr.starts_with("retryplane: error: ***: not a valid URL"),
+        stderr.starts_with("retryplane: error: ***: the URL names no scheme"),
         "{stderr}"
     );
     assert!(!stderr.contains("s3cr3t"), "{stderr}");

@@ -307,7 +307,11 @@ impl AgentStreamService {
         &self,
         request: Request<Streaming<pb::AgentMessage>>,
     ) -> Result<mpsc::Receiver<Outbound>, Status> {
-        let peer = request.remote_addr();
+        // An IPv4 client of a dual-stack listener (`[::]`) is shown by its IPv4 address, as
+        // the operator knows it, not as `[::ffff:a.b.c.d]`.
+        let peer = request
+            .remote_addr()
+            .map(|p| std::net::SocketAddr::new(p.ip().to_canonical(), p.port()));
         let life = request.extensions().get::<Life>().cloned();
         let credential = request.extensions().get::<Credential>().cloned();
         let token_name = request.extensions().get::<TokenName>().map(|t| t.0.clone());

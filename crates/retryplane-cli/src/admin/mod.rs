@@ -222,6 +222,21 @@ pub(crate) fn no_at_after_host(url: &str, token_hint: &str) -> anyhow::Result<()
     Ok(())
 }
 
+/// Says on stderr that the path of a `--server` URL (`http://gw/retryplane`) is not used, when
+/// it has one: gRPC calls go to `/retryplane.v1.…` at the server's root, whatever the URL's
+/// path, so a gateway that routes by path does not see it.
+pub(crate) fn path_not_used(url: &str) {
+    let Ok(uri) = url.parse::<http::Uri>() else {
+        return;
+    };
+    if !matches!(uri.path(), "" | "/") {
+        output::note(format_args!(
+            "retryplane: note: the path of a --server URL is not used: calls go to the \
+             server's root (only the scheme, host and port count)"
+        ));
+    }
+}
+
 /// Says once on stderr that the `user:password@` of a `--server` URL is not sent.
 pub(crate) fn userinfo_not_used(flag_hint: &str) {
     output::note(format_args!(
@@ -241,6 +256,12 @@ pub(crate) fn with_default_port(url: String, port: u16) -> anyhow::Result<String
     let Some(authority) = uri.authority() else {
         return Ok(url);
     };
+    if uri.host().is_none_or(str::is_empty) {
+        bail!(
+            "--server {}: the URL names no host: write http://HOST:PORT",
+            crate::shown::without_query(&url)
+        );
+    }
     // The text may hold a password that the parser does not see as one (a `/`, `?` or `#` in it
     // ends the authority early, and what follows the user's name is taken for the port): a
     // port that is no port is then not quoted, as it may be part of the password.
@@ -293,6 +314,7 @@ impl TryFrom<ServerArgs> for Server {
         if had_userinfo {
             userinfo_not_used(token_hint);
         }
+        path_not_used(&url);
         let endpoint = Endpoint::from_shared(url)
             .with_context(|| format!("--server {shown}: not a valid URL"))?
             .connect_timeout(CONNECT_TIMEOUT)

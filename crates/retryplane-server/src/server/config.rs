@@ -186,7 +186,7 @@ pub(super) fn check_exposure(cfg: &ServeConfig) -> Result<(), ServeError> {
     let listeners = [("agent", cfg.listen), ("admin", cfg.admin_listen)];
     let exposed: Vec<_> = listeners
         .into_iter()
-        .filter(|(_, addr)| !addr.ip().is_loopback())
+        .filter(|(_, addr)| !addr.ip().to_canonical().is_loopback())
         .collect();
     match exposed.first() {
         None => {
