@@ -261,11 +261,20 @@ impl Agent {
     }
 
     /// Replaces the policies (static agents, tests); endpoint state is kept where the budget
-    /// and breaker settings did not change. An agent on a control plane is updated by it.
+    /// and breaker settings did not change. An agent on a control plane is updated by it:
+    /// policies set here are version 0 until its next push; what was counted on the pushed
+    /// version is still reported under it.
     pub fn set_policies(&self, policies: PolicySet) {
         let hash = convert::content_hash(&pb::PolicyDocument::from(policies.document().as_ref()));
         self.shared.update_policies(|current| {
-            PolicySnapshot::build(policies, 0, hash, Source::Static, Some(current))
+            let next = PolicySnapshot::build(policies, 0, hash, Source::Static, Some(current));
+            // The stream task takes the counts made on a pushed version as it replaces it
+            // (`crate::stream`); here they are put with those of the calls that outlive it.
+            if current.version() != next.version() {
+                self.shared.announce(next.version());
+                self.shared.metrics.retire(current.version());
+            }
+            next
         });
     }
 

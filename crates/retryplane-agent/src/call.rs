@@ -209,9 +209,14 @@ impl Endpoint {
         &self.core.name
     }
 
-    /// This endpoint's counts not yet sent to the control plane.
+    /// This endpoint's counts not yet sent to the control plane, whatever version they were
+    /// made under (those of calls that outlived the policies they ran on included).
     pub fn pending_counts(&self) -> CounterValues {
-        self.core.counters.peek()
+        let mut counts = self.core.counters.peek();
+        self.shared
+            .metrics
+            .add_outlived(&self.core.name, &mut counts);
+        counts
     }
 
     /// Begins a logical call now, reading the endpoint's entry (its policy) for it: the tower
@@ -1359,6 +1364,58 @@ mod tests {
         assert_eq!(sent.into_inner(), 0);
         let counts = ep.pending_counts();
         assert_eq!((counts.circuit_open, counts.attempts), (1, 0));
+    }
+
+    /// Puts `set` in force as version `version` of the control plane's policies, as a push
+    /// does (`crate::stream::apply`).
+    fn push(agent: &Agent, version: u64, set: retryplane_policy::PolicySet) {
+        agent.shared().update_policies(|current| {
+            crate::snapshot::PolicySnapshot::build(
+                set,
+                version,
+                String::new(),
+                crate::snapshot::Source::ControlPlane,
+                Some(current),
+            )
+        });
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_call_that_outlived_the_policies_it_ran_on_is_in_its_endpoints_pending_counts() {
+        let agent = Agent::from_policies_seeded(set(2), 1);
+        push(&agent, 1, set(2));
+        let ep = agent.endpoint("a");
+        let mut sent = 0;
+        // Version 2 comes while the call's first attempt is out: the call runs on version 1
+        // to its end (two attempts, both 503).
+        let result: Result<(), CallError<(), ()>> = ep
+            .call_with(
+                CallMeta::http("GET", "/"),
+                |_: &Result<(), ()>| {
+                    Classification::Outcome(Outcome::Http {
+                        status: 503,
+                        retry_after: None,
+                    })
+                },
+                |_| {
+                    sent += 1;
+                    if sent == 1 {
+                        push(&agent, 2, set(2));
+                    }
+                    std::future::ready(Ok(()))
+                },
+            )
+            .await;
+        assert_eq!(result.unwrap_err().attempts, 2);
+        assert_eq!(agent.policies().version(), 2);
+        // Not reported yet (this agent has no control plane): the endpoint's counts not yet
+        // sent to the control plane hold the call, as they hold every other call.
+        let c = ep.pending_counts();
+        assert_eq!(
+            (c.calls, c.attempts, c.retries, c.gave_up_attempts),
+            (1, 2, 1, 1),
+            "the call is missing from `pending_counts`: {c:?}"
+        );
     }
 
     #[test]

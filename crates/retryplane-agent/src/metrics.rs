@@ -89,6 +89,11 @@ macro_rules! counters {
                 true $(&& self.$field == 0)*
             }
 
+            /// Adds `other`'s counts to these.
+            fn add(&mut self, other: &CounterValues) {
+                $(self.$field = self.$field.wrapping_add(other.$field);)*
+            }
+
             fn to_pb(&self, endpoint: &str) -> pb::EndpointCounters {
                 pb::EndpointCounters {
                     endpoint: endpoint.to_owned(),
@@ -242,6 +247,30 @@ impl Registry {
             .entry((version, endpoint.clone()))
             .or_default()
             .clone()
+    }
+
+    /// Moves every endpoint's counts into the counters of calls that outlived `version`, to be
+    /// reported under it: for counts made under `version` as it is replaced by a writer that
+    /// does not report them first.
+    pub(crate) fn retire(&self, version: u64) {
+        let map = self.endpoints.read().unwrap_or_else(|e| e.into_inner());
+        for (name, c) in map.iter() {
+            let v = c.take();
+            if !v.is_zero() {
+                self.outlived(version, name).add(&v);
+            }
+        }
+    }
+
+    /// Adds to `counts` what calls on `endpoint` that outlived their policies counted and no
+    /// report took yet.
+    pub(crate) fn add_outlived(&self, endpoint: &str, counts: &mut CounterValues) {
+        let map = self.outlived.lock().unwrap_or_else(|e| e.into_inner());
+        for ((_, name), c) in map.iter() {
+            if &**name == endpoint {
+                counts.add(&c.peek());
+            }
+        }
     }
 
     /// Takes the non-zero deltas of calls that outlived their policies, by version (oldest

@@ -465,7 +465,7 @@ async fn sessions(
                 () = &mut sleep => break,
                 // No stream to tell: the next one's Hello says the version in force.
                 Some(cached) = late_cache(&mut late) => {
-                    hold_fallback_counts(shared, &mut window_start, &mut outbox);
+                    hold_fallback_counts(shared, cached.version(), &mut window_start, &mut outbox);
                     put_late_cache_in_force(shared, cached, &mut next_report);
                 }
             }
@@ -543,7 +543,7 @@ async fn session(
             c = &mut connecting => break c,
             // The Hello is not made yet: it will say the version in force.
             Some(cached) = late_cache(late) => {
-                hold_fallback_counts(shared, window_start, outbox);
+                hold_fallback_counts(shared, cached.version(), window_start, outbox);
                 put_late_cache_in_force(shared, cached, next_report);
             }
         }
@@ -817,8 +817,10 @@ async fn session(
             }
             Some(cached) = late_cache(late) => {
                 // The counts so far were made on the fallback policy: reported under its
-                // version before the cache can replace it.
+                // version before the cache can replace it (calls that outlive it count apart
+                // from the announcement on, as for a push).
                 if shared.policies.load().source() == Source::Fallback {
+                    shared.announce(cached.version());
                     send_or_hold(shared, &tx, window_start, outbox, numbered);
                     *next_report = Instant::now() + interval(shared);
                 }
@@ -943,11 +945,17 @@ fn version_in_force(shared: &Shared) -> u64 {
     shared.policies.load().version()
 }
 
-/// With no stream up, as a cache read late is about to replace the fallback policies: the
-/// counts made on them are held as a report of their version (see [`Outbox::hold`]), to go out
-/// on the next stream before the counts made on the cache's.
-fn hold_fallback_counts(shared: &Shared, window_start: &mut Instant, outbox: &mut Outbox) {
+/// With no stream up, as a cache read late (of `version`) is about to replace the fallback
+/// policies: the counts made on them are held as a report of their version (see
+/// [`Outbox::hold`]), to go out on the next stream before the counts made on the cache's.
+fn hold_fallback_counts(
+    shared: &Shared,
+    version: u64,
+    window_start: &mut Instant,
+    outbox: &mut Outbox,
+) {
     if shared.policies.load().source() == Source::Fallback {
+        shared.announce(version);
         hold_counts(shared, window(*window_start), window_start, outbox);
     }
 }

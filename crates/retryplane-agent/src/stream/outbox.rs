@@ -129,10 +129,12 @@ impl Outbox {
         numbered: bool,
         mut fill: impl FnMut(&mut pb::MetricsReport),
     ) -> Result<u64, NotSent> {
+        // Held even while the window is full, within [`HELD`]: the outlived counters, one set
+        // per version replaced, would otherwise pile up until it opens.
+        self.hold_outlived(registry, &mut fill);
         if numbered && self.is_full() && !self.closing {
             return Err(NotSent::WindowFull);
         }
-        self.hold_outlived(registry, &mut fill);
         let mut last_held = None;
         while let Some(report) = self.held.pop_front() {
             let room = !(numbered && self.is_full() && !self.closing);
@@ -500,6 +502,38 @@ mod tests {
         let queued = o.send_by(&r, &tx, true, deadline, under(3)).await;
         assert_eq!(queued, 1);
         assert_eq!(sent_with_versions(&mut rx), [(5, 2, 1)]);
+    }
+
+    #[test]
+    fn while_the_window_is_full_the_counts_of_calls_that_outlived_their_versions_take_bounded_memory()
+     {
+        let r = Registry::default();
+        let mut o = Outbox::default();
+        let (tx, _rx) = mpsc::channel(64);
+        for seq in 1..=WINDOW as u64 {
+            count_calls(&r, 1);
+            assert_eq!(o.send(&r, &tx, true, under(1)), Ok(seq));
+        }
+        // The control plane acknowledges nothing and pushes 1,000 versions; at each, a call
+        // still on the version replaced counts once more (its give-up, say) and ends.
+        let a: Arc<str> = Arc::from("a");
+        for version in 1..=1_000 {
+            Counters::inc(&r.outlived(version, &a).gave_up_attempts);
+            // The swap to `version + 1` (`send_or_hold`).
+            assert_eq!(
+                o.send(&r, &tx, true, under(version)),
+                Err(NotSent::WindowFull)
+            );
+            o.hold(&r, under(version));
+        }
+        assert!(o.held_versions().len() <= HELD, "held reports are bounded");
+        // No call holds any of them; yet every version's counters are kept until the window
+        // opens: memory grows with the number of swaps, not bounded by HELD or the endpoints.
+        let kept = r.take_outlived().len();
+        assert!(
+            kept <= HELD,
+            "{kept} versions' counters of calls that outlived them are kept while the window is full"
+        );
     }
 
     #[test]
