@@ -63,6 +63,11 @@ pub(crate) struct Outbox {
     held: VecDeque<pb::MetricsReport>,
     /// Set at shutdown ([`Outbox::closing`]): the window no longer holds reports back.
     closing: bool,
+    /// The earliest start (Unix ms) of the reports whose counts were taken back into the
+    /// counters ([`Outbox::take_back`]): the next report of the counters starts there, not at
+    /// the end of the refused one, so that a refused backlog is sent again over the time it
+    /// was made in (the control plane spreads a report's counts by its span).
+    taken_back_from: Option<u64>,
 }
 
 impl Default for Outbox {
@@ -72,6 +77,7 @@ impl Default for Outbox {
             pending: VecDeque::with_capacity(WINDOW),
             held: VecDeque::new(),
             closing: false,
+            taken_back_from: None,
         }
     }
 }
@@ -153,6 +159,7 @@ impl Outbox {
         if endpoints.is_empty() {
             return last_held.ok_or(NotSent::Empty);
         }
+        let mut fill = self.with_taken_back(fill);
         // Ok once any part of the counters' counts is queued: the rest wait for a later report.
         let mut sent = None;
         let mut parts = split(endpoints, MAX_REPORT_BYTES).into_iter();
@@ -167,6 +174,7 @@ impl Outbox {
                 Err(_) => NotSent::StreamFull,
             };
             give_back(registry, &part, parts);
+            self.taken_back(fill.from);
             return sent.ok_or(not_sent);
         }
         sent.ok_or(NotSent::Empty)
@@ -197,11 +205,13 @@ impl Outbox {
         if endpoints.is_empty() {
             return queued;
         }
+        let mut fill = self.with_taken_back(fill);
         let mut parts = split(endpoints, MAX_REPORT_BYTES).into_iter();
         while let Some(part) = parts.next() {
             // A permit, not a send: a wait given up loses nothing.
             let Ok(Ok(permit)) = tokio::time::timeout_at(deadline, tx.reserve()).await else {
                 give_back(registry, &part, parts);
+                self.taken_back(fill.from);
                 return queued;
             };
             self.queue(permit, numbered, part, &mut fill);
@@ -213,19 +223,32 @@ impl Outbox {
     /// Takes the counts from `registry` and holds them as reports filled in by `fill` (the
     /// version they were made under and their window), to go out before any later counts: for
     /// counts that could not go out as their policies were replaced.
-    pub(crate) fn hold(
-        &mut self,
-        registry: &Registry,
-        mut fill: impl FnMut(&mut pb::MetricsReport),
-    ) {
+    pub(crate) fn hold(&mut self, registry: &Registry, fill: impl FnMut(&mut pb::MetricsReport)) {
+        let mut fill = self.with_taken_back(fill);
         for endpoints in split(registry.take(), MAX_REPORT_BYTES) {
             let mut report = pb::MetricsReport {
                 endpoints,
                 ..Default::default()
             };
-            fill(&mut report);
+            fill.fill(&mut report);
             report.seq = 0;
             self.hold_report(registry, report);
+        }
+    }
+
+    /// `fill` for a report of the counters' counts, made to start no later than the counts
+    /// taken back into them (see [`Outbox::taken_back_from`]), which it takes.
+    fn with_taken_back<F: FnMut(&mut pb::MetricsReport)>(&mut self, fill: F) -> FromTakenBack<F> {
+        FromTakenBack {
+            fill,
+            from: self.taken_back_from.take(),
+        }
+    }
+
+    /// Counts made from `from` (Unix ms) on were put back into the counters.
+    fn taken_back(&mut self, from: Option<u64>) {
+        if let Some(from) = from.filter(|&f| f > 0) {
+            self.taken_back_from = Some(self.taken_back_from.map_or(from, |t| t.min(from)));
         }
     }
 
@@ -282,6 +305,7 @@ impl Outbox {
     fn take_back(&mut self, registry: &Registry, report: pb::MetricsReport, current: u64) {
         if report.policy_version == current {
             registry.restore(&report.endpoints);
+            self.taken_back(Some(report.window_start_unix_ms));
         } else {
             self.hold_report(registry, report);
         }
@@ -289,18 +313,18 @@ impl Outbox {
 
     /// Queues a report of `endpoints` in the room `permit` holds on the stream: numbered and
     /// kept until acknowledged when `numbered`. Its seq (0 when not numbered).
-    fn queue(
+    fn queue<F: FnMut(&mut pb::MetricsReport)>(
         &mut self,
         permit: mpsc::Permit<'_, pb::AgentMessage>,
         numbered: bool,
         endpoints: Vec<pb::EndpointCounters>,
-        fill: &mut impl FnMut(&mut pb::MetricsReport),
+        fill: &mut FromTakenBack<F>,
     ) -> u64 {
         let mut report = pb::MetricsReport {
             endpoints,
             ..Default::default()
         };
-        fill(&mut report);
+        fill.fill(&mut report);
         self.queue_report(permit, numbered, report)
     }
 
@@ -364,6 +388,24 @@ impl Outbox {
             }
         }
         true
+    }
+}
+
+/// A report's `fill`, and the earliest start of the counts taken back into the counters that
+/// the report carries.
+struct FromTakenBack<F> {
+    fill: F,
+    from: Option<u64>,
+}
+
+impl<F: FnMut(&mut pb::MetricsReport)> FromTakenBack<F> {
+    fn fill(&mut self, report: &mut pb::MetricsReport) {
+        (self.fill)(report);
+        if let Some(from) = self.from
+            && from < report.window_start_unix_ms
+        {
+            report.window_start_unix_ms = from;
+        }
     }
 }
 
