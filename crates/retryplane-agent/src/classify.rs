@@ -219,20 +219,22 @@ fn retry_after(
 
 /// When the answer was current on its server's clock: its `Date` (when it has exactly one that
 /// reads as an HTTP date), plus its `Age` when a cache kept it that long (RFC 9111 §4.2.3: the
-/// `Retry-After` of a kept answer counts from when it was made, and it has aged since).
+/// `Retry-After` of a kept answer counts from when it was made, and it has aged since). An
+/// `Age` that is no whole number of seconds (or comes on several lines) is left out, and the
+/// `Date` still counts: at worst the answer is older than it says, and the pause comes out
+/// longer, never shorter. One past 2^31 seconds counts as 2^31 (RFC 9111 §1.2.2).
 fn answered_at(headers: &http::HeaderMap) -> Option<SystemTime> {
+    const MOST_AGE: u64 = 1 << 31;
     let date = sole_value(headers, http::header::DATE)??;
     let date = retryplane_policy::retry_after::parse_date(date.to_str().ok()?)?;
-    let age = match sole_value(headers, http::header::AGE) {
-        None => 0,
-        Some(age) => {
-            let age = age?.to_str().ok()?.trim_ascii();
-            if age.is_empty() || !age.bytes().all(|b| b.is_ascii_digit()) {
-                return None;
-            }
-            age.parse::<u64>().unwrap_or(u64::MAX)
-        }
-    };
+    let age = sole_value(headers, http::header::AGE)
+        .flatten()
+        .and_then(|age| age.to_str().ok())
+        .map(str::trim_ascii)
+        .filter(|age| !age.is_empty() && age.bytes().all(|b| b.is_ascii_digit()))
+        .map_or(0, |age| {
+            age.parse::<u64>().map_or(MOST_AGE, |a| a.min(MOST_AGE))
+        });
     date.checked_add(std::time::Duration::from_secs(age))
 }
 
