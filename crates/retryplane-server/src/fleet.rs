@@ -102,6 +102,10 @@ struct Entry {
     /// While disconnected, its [`gone_size`] as counted in `Inner::gone_bytes`; 0 while
     /// connected.
     gone_size: usize,
+    /// While disconnected, when its stream ended, as `Inner::disconnects` counted then: what
+    /// [`prune`] orders the disconnected by (the wall clock of `last_seen_unix_ms` may have
+    /// been set back since).
+    gone_order: u64,
 }
 
 /// About how much memory a disconnected agent's entry holds: its status as encoded, each
@@ -187,6 +191,8 @@ struct Inner {
     hidden: usize,
     /// The sum of the disconnected entries' [`Entry::gone_size`].
     gone_bytes: usize,
+    /// Streams ended so far (see [`Entry::gone_order`]).
+    disconnects: u64,
     /// The version served when an agent last named a version past it (see
     /// [`Registration::never_held`]).
     never_held_at: Option<u64>,
@@ -692,6 +698,7 @@ impl Fleet {
                 long_lived,
                 secret_digest: token.map(|t| t.secret_digest),
                 gone_size: 0,
+                gone_order: 0,
             },
         );
         inner.connected += 1;
@@ -835,11 +842,14 @@ impl Fleet {
     /// The stream of this registration ended.
     pub fn disconnected(&self, id: &str, generation: u64) {
         let mut inner = self.lock();
+        inner.disconnects += 1;
+        let order = inner.disconnects;
         let ended = match inner.agents.get_mut(id) {
             Some(entry) if entry.generation == generation && entry.status.connected => {
                 entry.status.connected = false;
                 entry.replaced = None;
                 entry.gone_size = gone_size(&entry.status);
+                entry.gone_order = order;
                 Some((entry.ephemeral, entry.secret_digest, entry.gone_size))
             }
             _ => None,
@@ -987,7 +997,7 @@ fn prune(inner: &mut Inner) {
         .filter(|e| !e.status.connected)
         .map(|e| {
             let id = e.status.agent_id.clone();
-            (!e.ephemeral, e.status.last_seen_unix_ms, id)
+            (!e.ephemeral, e.gone_order, id)
         })
         .collect();
     disconnected.sort_unstable();
@@ -1675,6 +1685,32 @@ mod tests {
         );
         drop(inner);
         assert_eq!(fleet.status_and_counts(false), (vec![], 0, 1));
+    }
+
+    #[test]
+    fn the_longest_gone_are_pruned_first_though_the_wall_clock_stepped_back_since_they_left() {
+        // README: past 10,000 disconnected agents, "the longest gone tenth go". "old" left
+        // first, while the wall clock ran an hour ahead; an NTP correction then set it back,
+        // and 10,000 agents came and went after it. The wall clock orders none of that.
+        let fleet = Fleet::new(MAX_DISCONNECTED + 10).forgetting_after(None);
+        let reg = fleet.register(&hello("old"), None, None).unwrap();
+        if let Some(e) = fleet.lock().agents.get_mut("old") {
+            e.status.last_seen_unix_ms = unix_ms() + 3_600_000;
+        }
+        fleet.disconnected("old", reg.generation);
+        for i in 0..MAX_DISCONNECTED {
+            let id = format!("svc-{i}");
+            let reg = fleet.register(&hello(&id), None, None).unwrap();
+            fleet.disconnected(&id, reg.generation);
+        }
+        let inner = fleet.lock();
+        assert_eq!(inner.agents.len(), PRUNED_TO);
+        assert!(
+            !inner.agents.contains_key("old"),
+            "the agent gone longest is kept, and {} that left after it went, because its \
+             last_seen_unix_ms reads later on a wall clock that was set back since",
+            MAX_DISCONNECTED + 1 - PRUNED_TO
+        );
     }
 
     #[test]
