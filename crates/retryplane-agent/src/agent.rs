@@ -88,8 +88,9 @@ impl Shared {
     /// swap, the replaced snapshot stays here until the next swap, which frees it (after the
     /// writers' lock is released). Calls hold one endpoint's entry, not the snapshot; the agent
     /// keeps each endpoint's entry for its handles ([`crate::Endpoint`]), an old one until the
-    /// next call on that endpoint refreshes it, which frees that one entry. The cost is one
-    /// more snapshot in memory, and an entry per endpoint that got no call since the swap.
+    /// next call on that endpoint refreshes it, which frees that one entry (or until no handle
+    /// holds the endpoint: see [`Shared::forget_unheld`]). The cost is one more snapshot in
+    /// memory, and an entry per held endpoint that got no call since the swap.
     pub(crate) fn update_policies(&self, build: impl FnOnce(&PolicySnapshot) -> PolicySnapshot) {
         self.update_policies_if(|current| Some(build(current)));
     }
@@ -119,8 +120,17 @@ impl Shared {
         let older = retired.replace(replaced);
         drop(retired);
         drop(older);
-        self.cores.sweep();
+        self.cores.forget_unheld();
         true
+    }
+
+    /// Lets go of the endpoints no handle holds (their cores and kept entries), and of the
+    /// states of endpoints the policies do not name that nothing holds and that are idle: at
+    /// each report, so that an agent whose policies no push changes forgets them too. Their
+    /// counters go as their counts are taken ([`Registry::take`]).
+    pub(crate) fn forget_unheld(&self) {
+        self.cores.forget_unheld();
+        self.policies.load().prune_idle_states();
     }
 
     /// Says that the policies of `version` are about to be put in force: from now on, the
@@ -761,8 +771,8 @@ mod tests {
         agent.set_policies(with_ratio(3));
         assert_eq!(
             agent.policies().unnamed_states(),
-            0,
-            "idle: made afresh when used"
+            1,
+            "idle ones made afresh when used; the held one's kept"
         );
         // The counts not yet reported are kept until they are.
         let taken = agent.shared.metrics.take();
@@ -780,6 +790,36 @@ mod tests {
         held.call(CallMeta::http("GET", "/"), ok).await.unwrap();
         assert_eq!(held.pending_counts().calls, 1);
         assert_eq!(agent.policies().unnamed_states(), 2);
+    }
+
+    /// With no push (the common case: a control plane pushes only when an operator edits the
+    /// policies), an endpoint called once and let go is forgotten at the reports: its core
+    /// (with the entry it kept, which pins its state) at the next, its counters once their
+    /// counts are taken, its idle state with them (r78).
+    #[tokio::test(start_paused = true)]
+    async fn endpoints_no_handle_holds_are_forgotten_once_reported_with_no_push() {
+        let ok = |_| async { Ok::<_, std::io::Error>(http::Response::new(())) };
+        let agent = Agent::from_policies_seeded(set(2), 1);
+        let held = agent.endpoint("held");
+        held.call(CallMeta::http("GET", "/"), ok).await.unwrap();
+        for n in 0..100 {
+            let ep = agent.endpoint(&format!("host-{n}.example"));
+            ep.call(CallMeta::http("GET", "/"), ok).await.unwrap();
+        }
+        tokio::time::advance(Duration::from_secs(600)).await;
+        // Two reports, as the stream task takes them, a while apart.
+        agent.shared.forget_unheld();
+        let taken = agent.shared.metrics.take();
+        assert_eq!(taken.len(), 101);
+        tokio::time::advance(Duration::from_secs(10)).await;
+        agent.shared.forget_unheld();
+        assert!(agent.shared.metrics.take().is_empty());
+        assert_eq!(
+            (agent.shared.cores.len(), agent.shared.metrics.len()),
+            (1, 1),
+            "reported, idle and held by no handle: forgotten; the held one kept"
+        );
+        assert_eq!(agent.policies().unnamed_states(), 1, "the held one's");
     }
 
     #[test]

@@ -50,8 +50,9 @@ use crate::snapshot::Entry;
 /// keeps one copy of the endpoint's entry (policy and shared state) of the snapshot in force,
 /// keyed on the agent's swap count: a call checks the count and takes the entry, without a
 /// lookup among the snapshot's endpoints; the first call after a swap looks it up again. So a
-/// handle made for each call costs one map lookup by name, and no allocation once the
-/// agent has made one for that name; keeping the handle saves that lookup.
+/// handle made for each call costs one map lookup by name, and no allocation while a handle
+/// on that name is held or since the last report and swap (an endpoint no handle holds is
+/// let go then, see the crate docs); keeping the handle saves that lookup.
 #[derive(Clone, Debug)]
 pub struct Endpoint {
     shared: Arc<Shared>,
@@ -62,8 +63,9 @@ pub struct Endpoint {
 }
 
 /// What every handle on one endpoint of an agent shares: its name, its counters and the entry
-/// kept for the snapshot in force. Made once per name by [`Cores`], so a handle made per call
-/// costs a map lookup and reference counts, not allocations and a fresh entry lookup.
+/// kept for the snapshot in force. Made by [`Cores`] on the first handle on the name (and again
+/// after one no handle held was let go), so a handle made per call costs a map lookup and
+/// reference counts, not allocations and a fresh entry lookup.
 #[derive(Debug)]
 pub(crate) struct EndpointCore {
     name: Arc<str>,
@@ -87,20 +89,17 @@ impl Cores {
         self.insert(metrics, name)
     }
 
-    /// After a swap: lets go of every entry kept for an earlier snapshot, and of the cores no
-    /// handle holds any more. A kept entry holds its endpoint's budget and breaker, so that
-    /// the next push could neither drop an endpoint's state once it is idle nor stop carrying
-    /// it: an agent that called many endpoints once (named after hosts, say) would keep a state
-    /// for each and rebuild them all on every push that changes `defaults:` (r75: 100 ms a
-    /// push after 20,000 names, against 0.6 ms). The next call on each endpoint looks its
-    /// entry up again, as it would after any swap. A core made again later starts with the
-    /// counts its endpoint still has to report ([`Registry::counters`]).
-    pub(crate) fn sweep(&self) {
+    /// Lets go of the cores no handle holds any more, and of the entries they kept: a kept
+    /// entry holds its endpoint's budget and breaker, so without this no push could drop an
+    /// endpoint's state once it is idle, nor stop carrying it: an agent that called many
+    /// endpoints once (named after hosts, say) kept a state for each and rebuilt them all on
+    /// every push that changed `defaults:` (r75: 100 ms a push after 20,000 names, against
+    /// 0.6 ms). Held cores keep theirs (a handle held is an endpoint in use). A core made again
+    /// later starts with the counts its endpoint still has to report
+    /// ([`Registry::counters`]). Done at each swap and each report.
+    pub(crate) fn forget_unheld(&self) {
         let mut map = self.map.write().unwrap_or_else(|e| e.into_inner());
-        map.retain(|_, core| {
-            core.cache.store(None);
-            Arc::strong_count(core) > 1
-        });
+        map.retain(|_, core| Arc::strong_count(core) > 1);
     }
 
     /// How many cores are kept.

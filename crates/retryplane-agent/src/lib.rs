@@ -53,11 +53,12 @@
 //!
 //! With the `reqwest` feature, `reqwest::Error` implements [`Classify`] too (connect, reset and
 //! timeout errors, and `error_for_status` errors by their status). An endpoint given to
-//! [`Agent::endpoint`] is kept while a handle on it is held; one no handle holds is forgotten
-//! once its counts are reported and, from the second push after, once its budget and breaker
-//! are idle (used again, it starts afresh, as an idle one would). Names are meant to be the
-//! service's upstreams, not made per request: each one in use has its own budget, breaker and
-//! counters, and the control plane keeps at most 1,000 series per service.
+//! [`Agent::endpoint`] is kept while a handle on it is held. One no handle holds is let go at
+//! the next report or push: its counters once their counts are reported, and the budget and
+//! breaker of one the policies do not name once they are idle (used again, it starts afresh,
+//! as an idle one would). Names are meant to be the service's upstreams, not made per request:
+//! each one in use has its own budget, breaker and counters, and the control plane keeps at
+//! most 1,000 series per service.
 
 #![forbid(unsafe_code)]
 

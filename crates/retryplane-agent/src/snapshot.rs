@@ -69,6 +69,19 @@ struct RefusalLog {
     created: Instant,
 }
 
+impl RefusalLog {
+    /// Whether a fresh log would do the same from `now` on: no refusal waits to be counted in
+    /// the next line, and the last line is past its [`REFUSAL_LOG_EVERY`].
+    fn is_idle(&self, now: Instant) -> bool {
+        let since = u64::try_from(now.saturating_duration_since(self.created).as_millis())
+            .unwrap_or(u64::MAX - 1)
+            + 1;
+        let last = self.logged.load(Relaxed);
+        self.quiet.load(Relaxed) == 0
+            && (last == 0 || since >= last.saturating_add(REFUSAL_LOG_EVERY.as_millis() as u64))
+    }
+}
+
 /// At most one warn line per endpoint per this long for calls refused by its open breaker: an
 /// open breaker refuses every call at the caller's rate, and a line each would flood the log.
 pub(crate) const REFUSAL_LOG_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
@@ -131,6 +144,14 @@ impl Runtime {
 
     fn fits(&self, policy: &RetryPolicy) -> bool {
         self.state.fits(policy)
+    }
+
+    /// Whether nothing but the registry holds this state (no handle's kept entry, no call)
+    /// and it counts nothing at `now`: its budget and breaker are idle, and its warn line for
+    /// refused calls is over a [`REFUSAL_LOG_EVERY`] old with no refusal counted since. One
+    /// made afresh on the next use is then the same.
+    fn is_idle_and_unheld(self: &Arc<Self>, now: Instant) -> bool {
+        Arc::strong_count(self) == 1 && self.state.is_idle(now) && self.refusals.is_idle(now)
     }
 
     /// `old` when its settings match `policy`; else a state for `policy` that keeps the part
@@ -253,11 +274,7 @@ impl States {
         let before = std::mem::replace(&mut inner.named, named.clone());
         inner.newest = defaults.clone();
         let unnamed = &mut inner.unnamed;
-        unnamed.retain(|name, rt| {
-            let named_now = named.contains_key(name);
-            let idle_and_unheld = Arc::strong_count(rt) == 1 && rt.state.is_idle(now);
-            !named_now && !idle_and_unheld
-        });
+        unnamed.retain(|name, rt| !named.contains_key(name) && !rt.is_idle_and_unheld(now));
         for rt in unnamed.values_mut() {
             *rt = Runtime::carry(Some(rt), defaults);
         }
@@ -411,6 +428,14 @@ impl PolicySnapshot {
             runtime,
             version: self.version,
         })
+    }
+
+    /// Drops the states of endpoints the policies do not name that nothing holds and that are
+    /// idle (as a push does, see `States::advance`).
+    pub(crate) fn prune_idle_states(&self) {
+        let now = Instant::now();
+        let mut inner = self.states.write();
+        inner.unnamed.retain(|_, rt| !rt.is_idle_and_unheld(now));
     }
 
     /// How many endpoints the policies do not name have a state kept.

@@ -358,3 +358,69 @@ async fn pushes_that_retune_a_budget_while_the_breaker_is_open_add_no_warn_lines
         lines[1]
     );
 }
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_breaker_that_closes_and_opens_again_across_two_pushes_keeps_one_warn_line_a_second() {
+    // A held handle on `ep` (not named by the policies: it runs under `defaults:`), whose
+    // breaker (no budget) opens, refuses six calls (one warn line, five at debug), lets a
+    // probe through 200 ms later, closes, and opens again. Two pushes meanwhile that change
+    // nothing of `ep`'s (another endpoint's `max_attempts`): the first lets go of the entry
+    // the handle kept, the second drops `ep`'s state as idle (closed, counting nothing), and
+    // the state made afresh for the next call has a refusal-log limit of its own. The next
+    // refusal, 200 ms after the first line, gets a second warn line saying 0 refusals since
+    // the last one, when five were logged at debug only in between.
+    let (sink, _guard) = support::capture_logs("retryplane_agent=warn");
+    let with_other = |attempts: u32| {
+        let yaml = format!(
+            "version: 1\ndefaults:\n  max_attempts: 1\n  budget: {{enabled: false}}\n  \
+             circuit_breaker: {{enabled: true, failure_ratio: 0.5, min_requests: 2, \
+             open_for: 200ms, half_open_probes: 1}}\nendpoints:\n  other: {{max_attempts: \
+             {attempts}}}\n"
+        );
+        retryplane_policy::load(yaml.as_bytes()).policies.unwrap()
+    };
+    let agent = Agent::from_policies_seeded(with_other(1), 7);
+    let ep = agent.endpoint("ep");
+    let fail_twice = || async {
+        for _ in 0..2 {
+            let up = support::Upstream::new([support::Step::Status(503)]);
+            ep.call(CallMeta::http("GET", "/"), up.attempt())
+                .await
+                .unwrap_err();
+        }
+    };
+    let refuse = || async {
+        let up = support::Upstream::new([]);
+        let err = ep
+            .call(CallMeta::http("GET", "/"), up.attempt())
+            .await
+            .unwrap_err();
+        assert_eq!(err.attempts, 0, "refused by the open breaker");
+    };
+    fail_twice().await;
+    for _ in 0..6 {
+        refuse().await;
+    }
+    tokio::time::advance(Duration::from_millis(200)).await;
+    let probe = support::Upstream::new([support::Step::Status(200)]);
+    ep.call(CallMeta::http("GET", "/"), probe.attempt())
+        .await
+        .unwrap();
+    agent.set_policies(with_other(2));
+    agent.set_policies(with_other(3));
+    fail_twice().await;
+    refuse().await;
+    let log = sink.text();
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("call failed") && l.contains("cause=circuit_open"))
+        .collect();
+    assert_eq!(ep.pending_counts().circuit_open, 7);
+    assert_eq!(
+        lines.len(),
+        1,
+        "7 refusals within 200 ms: one warn line, the next one a second after it, counting \
+         the 6 between them:\n{}",
+        lines.join("\n")
+    );
+}

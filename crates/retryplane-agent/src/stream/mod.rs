@@ -1000,6 +1000,7 @@ fn send_metrics(
     outbox: &mut Outbox,
     numbered: bool,
 ) {
+    shared.forget_unheld();
     let (bounds, end) = window(*window_start);
     let sent = outbox.send(&shared.metrics, tx, numbered, report_fill(shared, bounds));
     match sent {
