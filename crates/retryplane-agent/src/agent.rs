@@ -400,8 +400,7 @@ fn check_url(text: &str, uri: &http::Uri) -> Result<(), AgentError> {
         Some(s) if !s.eq_ignore_ascii_case("http") && !s.eq_ignore_ascii_case("grpc") => {
             "its scheme is neither http:// nor grpc://"
         }
-        // Not quoted: it may be part of a password.
-        Some(_) if uri.host().is_none_or(str::is_empty) => "it names no host",
+        Some(_) if crate::names_no_host(uri) => "it names no host",
         // The connection would go to port 80, where no control plane listens by default.
         Some(_)
             if uri

@@ -55,9 +55,30 @@ pub fn written_port(authority: &str) -> Option<&str> {
     after_host.rsplit_once(':').map(|(_, port)| port)
 }
 
+/// Whether `uri` names no host: none at all (`http://:7470`), or empty brackets
+/// (`http://[]:7470`, which `http::Uri` reads as the host `[]`, a name to look up for ever).
+pub fn names_no_host(uri: &http::Uri) -> bool {
+    uri.host()
+        .is_none_or(|host| host.is_empty() || host == "[]")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_url_with_nothing_or_empty_brackets_for_its_host_names_none() {
+        for (url, none) in [
+            ("http://:7470", true),
+            ("http://[]:7470", true),
+            ("http://user@:7470", true),
+            ("http://[::1]:7470", false),
+            ("http://cp:7470", false),
+        ] {
+            let uri: http::Uri = url.parse().unwrap_or_else(|e| panic!("{url}: {e}"));
+            assert_eq!(names_no_host(&uri), none, "{url}");
+        }
+    }
 
     #[test]
     fn a_scheme_is_read_as_written_only_at_the_start() {

@@ -241,20 +241,33 @@ impl TryFrom<Args> for Settings {
                 shown_target(&args.url)
             }
         };
-        // `localhost:8080/x` parses with `localhost` for its scheme, `[::1]:8080/x` not at all:
-        // said as what it is. Not taken as `http://` as curl would: the text may be a header's
-        // value (see `split`), which must not become a host name to look up.
-        if retryplane_agent::url_scheme(&args.url).is_none() {
-            bail!(
-                "{}: the URL names no scheme: write http:// or https:// before the host",
-                shown()
-            );
-        }
-        let url = reqwest::Url::parse(&args.url)
-            .with_context(|| format!("{}: not a valid URL", shown()))?;
-        if !matches!(url.scheme(), "http" | "https") {
-            bail!("{}: only http:// and https:// URLs are supported", shown());
-        }
+        // White space around the URL is dropped (the parser drops it too), and `http:/host`
+        // is `http://host` (WHATWG URL, as browsers and curl read it).
+        let text = args.url.trim_ascii();
+        let url = match reqwest::Url::parse(text) {
+            Ok(url) if matches!(url.scheme(), "http" | "https") => url,
+            parsed => {
+                // `localhost:8080/x` parses with `localhost` for its scheme, `[::1]:8080/x` not
+                // at all, `Authorization: Bearer …` (a header typed where the URL goes) with
+                // `authorization`: said to name no scheme, as no scheme is followed by a port
+                // or a space. Not taken as `http://` as curl would: the text may be a header's
+                // value (see `split`), which must not become a host name to look up.
+                if split || names_no_scheme(text) {
+                    bail!(
+                        "{}: the URL names no scheme: write http:// or https:// before the host",
+                        shown()
+                    );
+                }
+                match parsed {
+                    // `mailto:`, `ftp://`: a scheme, not one of ours.
+                    Ok(_) => bail!("{}: only http:// and https:// URLs are supported", shown()),
+                    Err(e) => {
+                        return Err(anyhow::Error::new(e))
+                            .with_context(|| format!("{}: not a valid URL", shown()));
+                    }
+                }
+            }
+        };
         if url.port() == Some(0) {
             bail!("{}: the port must be a number from 1 to 65535", shown());
         }
@@ -262,6 +275,15 @@ impl TryFrom<Args> for Settings {
         let policy = match (args.policy, args.server) {
             (Some(path), _) => PolicyFrom::File(input::Source::from_arg(path)),
             (None, Some(url)) => {
+                // Unlike the admin commands' `--server`, this one has no variable or default to
+                // fall back to: an empty one (a script's `--server "$CP"` with the variable
+                // unset) is said to be empty, not quoted as the `http://` put before it.
+                if url.trim_ascii().is_empty() {
+                    bail!(
+                        "--server is empty: give the control plane's agent listener, \
+                         http://HOST:PORT (port {AGENT_PORT} when not given)"
+                    );
+                }
                 let url = crate::admin::with_scheme(url);
                 // The agent's token would go out in clear text on a URL that asked for TLS.
                 if !url.starts_with("http://") {
@@ -712,6 +734,20 @@ impl fmt::Display for ErrorChain<'_> {
             None => Ok(()),
         }
     }
+}
+
+/// Whether `text` starts with no scheme (RFC 3986: a letter, then letters, digits, `+`, `-` or
+/// `.`, then `:`), or with what only looks like one: a host before its port (`localhost:8080`),
+/// a header's name before its value (`Authorization: …`).
+fn names_no_scheme(text: &str) -> bool {
+    let Some((scheme, rest)) = text.split_once(':') else {
+        return true;
+    };
+    let is_scheme = scheme.starts_with(|c: char| c.is_ascii_alphabetic())
+        && scheme
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'));
+    !is_scheme || rest.starts_with(|c: char| c.is_ascii_digit() || c.is_ascii_whitespace())
 }
 
 #[cfg(test)]

@@ -118,15 +118,23 @@ fn at_least_one() -> clap::builder::RangedU64ValueParser<usize> {
     clap::builder::RangedU64ValueParser::new().range(1..)
 }
 
-/// Parses `--metrics-interval`: a policy-style duration between 100 ms and 1 h.
 /// A listen address: an IP address and a port (`127.0.0.1:7470`, `[::1]:7470`, `0.0.0.0:7470`;
 /// port 0 takes a free one). Said in the error is what is wrong with one that is not: a name
-/// (a listener binds an address, and `localhost` may stand for two), a missing port, a port
-/// past 65535, an IPv6 address without its brackets.
+/// (a listener binds an address, and `localhost` may stand for two), a URL, a missing port, a
+/// port past 65535, a `:` after the port, an IPv6 address without its brackets, an IPv4
+/// address in brackets, a zone given by name.
 fn listen_address(text: &str) -> Result<SocketAddr, String> {
     let text = text.trim_ascii();
     if let Ok(addr) = text.parse::<SocketAddr>() {
         return Ok(addr);
+    }
+    // A `--server` URL or one from a browser's bar pasted in.
+    if let Some((_, rest)) = text.split_once("://") {
+        let authority = rest.split(['/', '?', '#']).next().unwrap_or(rest);
+        return Err(format!(
+            "a listener takes an IP address and a port, not a URL: write {authority}, without \
+             the scheme"
+        ));
     }
     if text.parse::<std::net::IpAddr>().is_ok() || text.parse::<std::net::Ipv6Addr>().is_ok() {
         return Err(if text.contains(':') {
@@ -145,7 +153,27 @@ fn listen_address(text: &str) -> Result<SocketAddr, String> {
                 .to_owned(),
         );
     };
+    if host.parse::<SocketAddr>().is_ok() {
+        return Err(format!(
+            "a `:` too many after the port: write {host} (an IP address, `:`, the port)"
+        ));
+    }
     let ip = host.strip_prefix('[').and_then(|h| h.strip_suffix(']'));
+    if let Some(v4) = ip.filter(|ip| ip.parse::<std::net::Ipv4Addr>().is_ok()) {
+        return Err(format!(
+            "an IPv4 address goes without brackets: write {v4}:{port}"
+        ));
+    }
+    // Rust (like `getaddrinfo` with numeric hosts) takes the zone of a link-local address by
+    // its number (`%2`), not by the interface's name (`%eth0`, as `ip address` shows it).
+    if let Some((addr, zone)) = ip.and_then(|ip| ip.split_once('%'))
+        && addr.parse::<std::net::Ipv6Addr>().is_ok()
+    {
+        return Err(format!(
+            "the zone after `%` must be the interface's number (`ip link` shows it first), \
+             not {zone:?}"
+        ));
+    }
     let host_is_ip = match ip {
         Some(ip) => ip.parse::<std::net::Ipv6Addr>().is_ok(),
         None => host.parse::<std::net::Ipv4Addr>().is_ok(),
@@ -164,6 +192,7 @@ fn listen_address(text: &str) -> Result<SocketAddr, String> {
     ))
 }
 
+/// Parses `--metrics-interval`: a policy-style duration between 100 ms and 1 h.
 fn metrics_interval(text: &str) -> Result<Duration, String> {
     duration_in(
         text,
@@ -484,6 +513,13 @@ mod tests {
             ("::1:99999", "in brackets"),
             ("", "not an IP address and port"),
             (":7470", "not an IP address and port"),
+            ("http://127.0.0.1:7470/", "not a URL: write 127.0.0.1:7470,"),
+            (
+                "127.0.0.1:7470:",
+                "a `:` too many after the port: write 127.0.0.1:7470",
+            ),
+            ("[127.0.0.1]:7470", "without brackets: write 127.0.0.1:7470"),
+            ("[::1%lo]:0", "the interface's number"),
         ] {
             let e = listen_address(bad).unwrap_err();
             assert!(e.contains(says), "{bad:?}: {e}");

@@ -178,6 +178,33 @@ async fn a_server_url_without_a_host_is_refused_naming_the_host() {
     }
 }
 
+/// An empty `request --server` (a script's `--server "$CP"` with the variable unset) is said to
+/// be empty, not quoted as an `http://` the user never wrote.
+#[tokio::test]
+async fn an_empty_request_server_is_said_to_be_empty() {
+    for server in ["", "  "] {
+        let out = timeout(
+            BOUND,
+            Command::new(env!("CARGO_BIN_EXE_retryplane"))
+                .args(["request", "--server", server, "--endpoint", "payments"])
+                .arg("http://127.0.0.1:9/")
+                .env_remove("RETRYPLANE_AGENT_TOKEN")
+                .stdin(Stdio::null())
+                .output(),
+        )
+        .await
+        .unwrap()
+        .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{server:?}: {stderr}");
+        assert!(stderr.contains("--server is empty"), "{server:?}: {stderr}");
+        assert!(
+            !stderr.contains("http://:") && !stderr.contains("--server http://"),
+            "{stderr}"
+        );
+    }
+}
+
 /// `retryplane request`'s upstream written as curl takes it, without a scheme: `localhost:PORT/x`
 /// is refused with "only http:// and https:// URLs are supported" (the URL parser took
 /// `localhost` for the scheme) and `[::1]:PORT/x` with "relative URL without a base", while
@@ -316,4 +343,219 @@ async fn status_shows_an_ipv4_agent_on_a_dual_stack_listener_by_its_ipv4_address
         .unwrap_or_default()
         .to_owned();
     assert!(peer.starts_with("127.0.0.1:"), "peer {peer:?}");
+}
+
+// ---- r81 ----
+
+/// What `retryplane serve` with the listener flags `listeners` does (the data, config and log as
+/// in [`serve_with_listen`]): `Ok(first line of stdout)` when it starts (it is then stopped),
+/// `Err(stderr)` when it exits first.
+async fn serve_with_listeners(listeners: &[&str]) -> Result<String, String> {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("policies.yaml"), POLICY).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_retryplane"))
+        .current_dir(dir.path())
+        .args(["serve", "--config", "policies.yaml", "--data-dir", "data"])
+        .args(listeners)
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let first = timeout(BOUND, lines.next_line()).await.unwrap().unwrap();
+    match first {
+        Some(line) => {
+            child.start_kill().unwrap();
+            timeout(BOUND, child.wait()).await.unwrap().unwrap();
+            Ok(line)
+        }
+        None => {
+            let mut stderr = String::new();
+            let mut pipe = child.stderr.take().unwrap();
+            timeout(BOUND, pipe.read_to_string(&mut stderr))
+                .await
+                .unwrap()
+                .unwrap();
+            timeout(BOUND, child.wait()).await.unwrap().unwrap();
+            Err(stderr)
+        }
+    }
+}
+
+/// Passes (a pin, r81): without a tokens file and without --insecure, every spelling of an
+/// address that is not loopback is refused on the agent and on the admin listener before
+/// anything is bound: the unspecified addresses of both families, their IPv4-mapped form, a
+/// mapped private address, a link-local address with a zone, the IPv4-compatible form of
+/// 127.0.0.1 (`::7f00:1`, not loopback) and the NAT64 form of 127.0.0.1. The IPv4-mapped
+/// loopback addresses (any of 127/8, any zone, written out in full) are taken as loopback.
+#[tokio::test]
+async fn without_tokens_no_spelling_of_a_public_address_passes_for_loopback() {
+    for addr in [
+        "0.0.0.0:0",
+        "[::]:0",
+        "[::ffff:0.0.0.0]:0",
+        "[0:0:0:0:0:ffff:0:0]:0",
+        "[::ffff:10.0.0.1]:0",
+        "[fe80::1%1]:0",
+        "[::127.0.0.1]:0",
+        "[64:ff9b::7f00:1]:0",
+    ] {
+        for flag in ["--listen", "--admin-listen"] {
+            let mut args = vec!["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"];
+            args.extend(["--http-listen", "127.0.0.1:0"]);
+            let at = args.iter().position(|a| *a == flag).unwrap();
+            args[at + 1] = addr;
+            let stderr = serve_with_listeners(&args).await.expect_err(&format!(
+                "{flag} {addr} served without tokens or --insecure"
+            ));
+            assert!(
+                stderr.contains("refusing to serve without a tokens file"),
+                "{flag} {addr}: {stderr}"
+            );
+        }
+    }
+    for addr in [
+        "[::ffff:127.0.0.1]:0",
+        "[::ffff:127.0.0.2]:0",
+        "[0:0:0:0:0:ffff:7f00:1]:0",
+        "[::ffff:127.0.0.1%1]:0",
+        "[::1%1]:0",
+    ] {
+        let started = serve_with_listeners(&[
+            "--listen",
+            addr,
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--http-listen",
+            "127.0.0.1:0",
+        ])
+        .await;
+        assert!(started.is_ok(), "{addr}: {started:?}");
+    }
+}
+
+/// A listen address written as a URL (`http://127.0.0.1:7470`, copied from a `--server` or the
+/// README) or with a stray `:` after the port is told "an IPv6 address goes in brackets", and
+/// an IPv4 address in brackets, or an IPv6 one with its zone named (`%lo`, as `ip` shows it),
+/// is told it is "not an IP address ... not a name": none of which is what is wrong.
+#[tokio::test]
+async fn a_listen_address_that_is_not_ipv6_is_not_told_about_ipv6_brackets_nor_called_a_name() {
+    let mut misled = Vec::new();
+    for (listen, must_not_say) in [
+        ("http://127.0.0.1:0", "IPv6"),
+        ("127.0.0.1:0:", "IPv6"),
+        ("[127.0.0.1]:0", "not a name"),
+        ("[::1%lo]:0", "not a name"),
+    ] {
+        let stderr = serve_with_listen(listen)
+            .await
+            .expect_err("not a listen address");
+        if stderr.contains(must_not_say) {
+            misled.push(format!(
+                "--listen {listen}: {}",
+                stderr.lines().next().unwrap_or("")
+            ));
+        }
+    }
+    assert!(misled.is_empty(), "{misled:#?}");
+}
+
+/// `[::ffff:127.0.0.1]:P` and `127.0.0.1:P` are one address (a mapped listener takes the IPv4
+/// connections to 127.0.0.1), now that a mapped loopback address may be given without
+/// --insecure: the check for listeners that share an address lets the pair through, and the
+/// second bind fails with "Address already in use", which points at another process.
+#[tokio::test]
+async fn a_mapped_listener_and_its_ipv4_address_are_said_to_share_an_address() {
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port().to_string()
+    };
+    let mapped = format!("[::ffff:127.0.0.1]:{port}");
+    let plain = format!("127.0.0.1:{port}");
+    let stderr = serve_with_listeners(&[
+        "--listen",
+        &mapped,
+        "--admin-listen",
+        &plain,
+        "--http-listen",
+        "127.0.0.1:0",
+    ])
+    .await
+    .expect_err("two listeners on one address");
+    assert!(
+        stderr.contains("would share an address"),
+        "said as a port in use by another process: {stderr}"
+    );
+}
+
+/// `http://[]:PORT` names no host either (empty brackets): the agent library takes it and
+/// looks up the name `[]` for ever, and `history --server`/`request --server` try that lookup
+/// and say "dns error ... Name or service not known" instead of "names no host".
+#[tokio::test]
+async fn a_url_whose_host_is_empty_brackets_is_refused_as_naming_no_host() {
+    let agent = Agent::builder()
+        .url("http://[]:7470")
+        .service("checkout")
+        .connect();
+    if let Ok(agent) = agent {
+        agent.shutdown().await;
+        panic!("the agent took http://[]:7470, a URL with no host");
+    }
+    let out = timeout(
+        BOUND,
+        Command::new(env!("CARGO_BIN_EXE_retryplane"))
+            .args(["history", "--server", "http://[]:7471"])
+            .env_remove("RETRYPLANE_SERVER")
+            .env_remove("RETRYPLANE_TOKEN")
+            .stdin(Stdio::null())
+            .output(),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("no host"), "{stderr}");
+}
+
+/// The new check that `request`'s upstream names a scheme looks for `scheme://` in the text as
+/// given, before the URL parser: a URL that has a scheme is told it "names no scheme" when it
+/// starts with white space (` http://…`, taken before, as the parser drops it, and as `--server`
+/// drops it), has one slash (`http:/host`, taken before as `http://host`), or is not a
+/// `scheme://` URL (`mailto:`, told before that only http:// and https:// are supported).
+#[tokio::test]
+async fn an_upstream_url_with_a_scheme_is_not_said_to_name_none() {
+    let mut misled = Vec::new();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("p.yaml"), POLICY).unwrap();
+    let closed = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    for url in [
+        format!(" http://127.0.0.1:{closed}/x"),
+        format!("http:/127.0.0.1:{closed}/x"),
+        "mailto:ops@example.com".to_owned(),
+    ] {
+        let out = timeout(
+            BOUND,
+            Command::new(env!("CARGO_BIN_EXE_retryplane"))
+                .current_dir(dir.path())
+                .args(["request", "--policy", "p.yaml", "--endpoint", "payments"])
+                .args(["--output", "json", &url])
+                .stdin(Stdio::null())
+                .output(),
+        )
+        .await
+        .unwrap()
+        .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        if stderr.contains("names no scheme") {
+            misled.push(format!("{url:?}: exit {:?}, {stderr}", out.status.code()));
+        }
+    }
+    assert!(misled.is_empty(), "{misled:#?}");
 }

@@ -724,13 +724,14 @@ fn a_connect_that_never_completes_is_a_connect_error_and_retried_whatever_the_me
 
 #[test]
 fn a_connect_cut_short_by_what_is_left_of_the_deadline_is_still_a_connect_error() {
-    // Attempt 1 gives up connecting at 900 ms (its limit, 1 s, less a margin); attempt 2 has
-    // what is left of the 1.5 s deadline, under 600 ms: its connect must give up before that
-    // limit does, or it shows as a timeout and a POST is not retried.
+    // Attempt 1 gives up connecting at 1.9 s (its limit, 2 s, less a margin); attempt 2 has
+    // what is left of the 3 s deadline, under 1.1 s: its connect must give up before that
+    // limit does, or it shows as a timeout and a POST is not retried. (With 1 s and 1.5 s, a
+    // loaded machine once started attempt 2 too late to make one.)
     let rt = Runtime::new().unwrap();
     let (port, _held) = black_hole(&rt);
     let policy = format!(
-        "{POLICY}    per_try_timeout: 1s\n    deadline: 1500ms\n    retry_on: {{errors: [connect, timeout]}}\n"
+        "{POLICY}    per_try_timeout: 2s\n    deadline: 3s\n    retry_on: {{errors: [connect, timeout]}}\n"
     );
     let (v, code) = request_under(
         &policy,

@@ -298,6 +298,16 @@ fn check_hello(hello: &pb::Hello, limits: &StreamLimits) -> Result<(), Status> {
         .map_err(|e| Status::invalid_argument(e.to_string()))
 }
 
+/// `peer` with an IPv4-mapped IPv6 address as its IPv4 address; any other as it is.
+fn canonical_peer(peer: std::net::SocketAddr) -> std::net::SocketAddr {
+    match peer.ip().to_canonical() {
+        ip @ std::net::IpAddr::V4(_) if peer.is_ipv6() => {
+            std::net::SocketAddr::new(ip, peer.port())
+        }
+        _ => peer,
+    }
+}
+
 impl AgentStreamService {
     /// `retryplane.v1.AgentService/Connect`: waits for Hello, registers the agent and starts
     /// the stream's task. Returns what the task sends (shared frames, then at most one final
@@ -308,10 +318,9 @@ impl AgentStreamService {
         request: Request<Streaming<pb::AgentMessage>>,
     ) -> Result<mpsc::Receiver<Outbound>, Status> {
         // An IPv4 client of a dual-stack listener (`[::]`) is shown by its IPv4 address, as
-        // the operator knows it, not as `[::ffff:a.b.c.d]`.
-        let peer = request
-            .remote_addr()
-            .map(|p| std::net::SocketAddr::new(p.ip().to_canonical(), p.port()));
+        // the operator knows it, not as `[::ffff:a.b.c.d]`; any other address as it is (a
+        // link-local one keeps its zone, `[fe80::1%2]`).
+        let peer = request.remote_addr().map(canonical_peer);
         let life = request.extensions().get::<Life>().cloned();
         let credential = request.extensions().get::<Credential>().cloned();
         let token_name = request.extensions().get::<TokenName>().map(|t| t.0.clone());
@@ -1227,6 +1236,21 @@ impl AgentStream {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_mapped_peer_is_shown_by_its_ipv4_address_and_a_link_local_one_keeps_its_zone() {
+        let mapped: std::net::SocketAddr = "[::ffff:10.1.2.3]:5000".parse().unwrap();
+        assert_eq!(canonical_peer(mapped).to_string(), "10.1.2.3:5000");
+        let zoned = std::net::SocketAddr::V6(std::net::SocketAddrV6::new(
+            "fe80::1".parse().unwrap(),
+            5000,
+            0,
+            2,
+        ));
+        assert_eq!(canonical_peer(zoned).to_string(), "[fe80::1%2]:5000");
+        let v4: std::net::SocketAddr = "127.0.0.1:1".parse().unwrap();
+        assert_eq!(canonical_peer(v4), v4);
+    }
 
     #[test]
     fn a_bad_message_header_gets_a_plain_message_and_other_errors_keep_their_code() {

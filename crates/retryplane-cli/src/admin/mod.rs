@@ -256,7 +256,7 @@ pub(crate) fn with_default_port(url: String, port: u16) -> anyhow::Result<String
     let Some(authority) = uri.authority() else {
         return Ok(url);
     };
-    if uri.host().is_none_or(str::is_empty) {
+    if retryplane_agent::names_no_host(&uri) {
         bail!(
             "--server {}: the URL names no host: write http://HOST:PORT",
             crate::shown::without_query(&url)

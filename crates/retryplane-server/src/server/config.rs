@@ -108,14 +108,17 @@ impl Default for ServeConfig {
 
 /// Whether listeners on `a` and `b` (the same port, not 0) could not both bind: the same
 /// address, or one unspecified address of the same family (it takes the port on every address
-/// of that family), or `[::]`, which on a dual-stack system takes it on IPv4 too.
+/// of that family), or `[::]`, which on a dual-stack system takes it on IPv4 too. An
+/// IPv4-mapped address (`[::ffff:127.0.0.1]`) is its IPv4 address: its listener takes that
+/// address's IPv4 connections.
 fn overlap(a: SocketAddr, b: SocketAddr) -> bool {
     if a.port() != b.port() {
         return false;
     }
     let dual_stack = |x: SocketAddr| x.is_ipv6() && x.ip().is_unspecified();
-    a.ip() == b.ip()
-        || (a.is_ipv4() == b.is_ipv4() && (a.ip().is_unspecified() || b.ip().is_unspecified()))
+    let (ia, ib) = (a.ip().to_canonical(), b.ip().to_canonical());
+    ia == ib
+        || (ia.is_ipv4() == ib.is_ipv4() && (ia.is_unspecified() || ib.is_unspecified()))
         || dual_stack(a)
         || dual_stack(b)
 }
@@ -219,6 +222,9 @@ mod tests {
             ("127.0.0.1:7000", "0.0.0.0:7000"),
             ("[::]:7000", "[::1]:7000"),
             ("[::]:7000", "127.0.0.1:7000"),
+            ("[::ffff:127.0.0.1]:7000", "127.0.0.1:7000"),
+            ("127.0.0.1:7000", "[::ffff:127.0.0.1]:7000"),
+            ("[::ffff:0.0.0.0]:7000", "127.0.0.1:7000"),
         ] {
             assert!(overlap(at(a), at(b)), "{a} and {b}");
         }
@@ -228,6 +234,8 @@ mod tests {
             ("[::1]:7000", "127.0.0.1:7000"),
             ("0.0.0.0:7000", "[::1]:7000"),
             ("0.0.0.0:7000", "0.0.0.0:7001"),
+            ("[::ffff:127.0.0.1]:7000", "[::1]:7000"),
+            ("[::ffff:0.0.0.0]:7000", "[::1]:7000"),
         ] {
             assert!(!overlap(at(a), at(b)), "{a} and {b}");
         }
