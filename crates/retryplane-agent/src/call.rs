@@ -74,7 +74,7 @@ pub(crate) struct EndpointCore {
 }
 
 /// Every endpoint's [`EndpointCore`], made on the first handle on it and kept while a handle is
-/// (see [`Cores::sweep`]).
+/// (see [`Cores::forget_unheld`]).
 #[derive(Debug, Default)]
 pub(crate) struct Cores {
     map: RwLock<HashMap<Arc<str>, Arc<EndpointCore>, foldhash::fast::RandomState>>,

@@ -56,7 +56,11 @@
 //! [`Agent::endpoint`] is kept while a handle on it is held. One no handle holds is let go at
 //! the next report or push: its counters once their counts are reported, and the budget and
 //! breaker of one the policies do not name once they are idle (used again, it starts afresh,
-//! as an idle one would). Names are meant to be the service's upstreams, not made per request:
+//! as an idle one would; a breaker left half-open, waiting for a call that never comes, counts
+//! as idle once no call came for as long again as its window and open period). An agent with
+//! no control plane reports nothing and lets go only at [`Agent::set_policies`], and one cut
+//! off from its control plane not until it reports again: until then it keeps every name it
+//! called. Names are meant to be the service's upstreams, not made per request:
 //! each one in use has its own budget, breaker and counters, and the control plane keeps at
 //! most 1,000 series per service.
 

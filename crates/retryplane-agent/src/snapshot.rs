@@ -70,21 +70,34 @@ struct RefusalLog {
 }
 
 impl RefusalLog {
-    /// Whether a fresh log would do the same from `now` on: no refusal waits to be counted in
-    /// the next line, and the last line is past its [`REFUSAL_LOG_EVERY`].
+    /// Whether a fresh log may stand in for it from `now` on: the last line is past its
+    /// [`REFUSAL_LOG_EVERY`] and no refusal waits to be counted in the next line, or those
+    /// that wait are over [`REFUSALS_UNSAID_FOR`] old (a line that came after that long would
+    /// count them with another outage's; held for them, the state of an endpoint that is never
+    /// called again would be kept for the agent's life).
     fn is_idle(&self, now: Instant) -> bool {
         let since = u64::try_from(now.saturating_duration_since(self.created).as_millis())
             .unwrap_or(u64::MAX - 1)
             + 1;
         let last = self.logged.load(Relaxed);
-        self.quiet.load(Relaxed) == 0
-            && (last == 0 || since >= last.saturating_add(REFUSAL_LOG_EVERY.as_millis() as u64))
+        let past = |after: std::time::Duration| {
+            last == 0 || since >= last.saturating_add(after.as_millis() as u64)
+        };
+        if self.quiet.load(Relaxed) == 0 {
+            past(REFUSAL_LOG_EVERY)
+        } else {
+            past(REFUSALS_UNSAID_FOR)
+        }
     }
 }
 
 /// At most one warn line per endpoint per this long for calls refused by its open breaker: an
 /// open breaker refuses every call at the caller's rate, and a line each would flood the log.
 pub(crate) const REFUSAL_LOG_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// How long refusals logged at debug and not yet counted in a warn line keep an endpoint's
+/// state that nothing holds (see `RefusalLog::is_idle`).
+pub(crate) const REFUSALS_UNSAID_FOR: std::time::Duration = std::time::Duration::from_secs(60);
 
 impl Runtime {
     /// The endpoint's breaker, if `policy` (resolved for a call, a route's included) uses it:

@@ -259,14 +259,22 @@ impl CircuitBreaker {
         line::has_other(self)
     }
 
-    /// Whether it is closed and counts nothing at `now`: a breaker made afresh then would be
-    /// the same.
+    /// Whether a breaker made afresh at `now` may stand in for it: it counts nothing, and it
+    /// is closed (the fresh one is then the same), or half-open with no call for as long again
+    /// as its window and its open period since it became so. Half-open, it waits for a probe,
+    /// which for an endpoint never called again (a host gone) never comes; after that long the
+    /// failures that opened it are old, and a caller coming back starts afresh, as one new to
+    /// the endpoint does.
     pub fn is_idle(&self, now: Instant) -> bool {
-        self.state(now) == BreakerState::Closed
-            && self
-                .window
-                .recent(self.window.peek(self.nanos(now)))
-                .is_empty()
+        let nanos = self.nanos(now);
+        if !self.window.recent(self.window.peek(nanos)).is_empty() {
+            return false;
+        }
+        let state = self.state.load(Acquire);
+        state & OPEN == 0
+            || nanos
+                >= until_nanos(state)
+                    .saturating_add(self.open_for_nanos.max(self.window.span_nanos()))
     }
 
     /// The state at `now`.

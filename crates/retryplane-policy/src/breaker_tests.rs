@@ -611,3 +611,31 @@ fn a_success_on_a_breaker_whose_successor_is_gone_does_not_touch_the_line_mutex(
     recorder.join().unwrap();
     assert!(!blocked, "a success waited for the line's mutex");
 }
+
+#[test]
+fn a_breaker_left_half_open_with_no_call_is_idle_after_as_long_again_as_its_window_and_open_period()
+{
+    // Window 10 s, open for 30 s: opened at t0 + 1 s, half-open from t0 + 31 s; idle (a fresh
+    // breaker may stand in for it) from t0 + 61 s, when no call came meanwhile.
+    let t0 = Instant::now();
+    let b = breaker(5, t0);
+    let opened = trip(&b, t0);
+    assert!(!b.is_idle(opened), "open");
+    let half_open = opened + Duration::from_secs(30);
+    assert_eq!(b.state(half_open), HalfOpen);
+    assert!(!b.is_idle(half_open), "just half-open");
+    assert!(!b.is_idle(half_open + Duration::from_secs(29)));
+    assert!(b.is_idle(half_open + Duration::from_secs(30)));
+    assert_eq!(b.state(half_open + Duration::from_secs(30)), HalfOpen);
+    // A probe's outcome within the window keeps it: it is counting.
+    let b = breaker(5, t0);
+    let opened = trip(&b, t0);
+    let probe_at = opened + Duration::from_secs(55);
+    call(&b, false, probe_at).unwrap();
+    assert_eq!(b.state(probe_at), Open, "the failed probe opens it again");
+    assert!(
+        !b.is_idle(probe_at + Duration::from_secs(31)),
+        "half-open again, just"
+    );
+    assert!(b.is_idle(probe_at + Duration::from_secs(60)));
+}

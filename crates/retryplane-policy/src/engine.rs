@@ -252,8 +252,9 @@ impl EndpointState {
         }
     }
 
-    /// Whether a state made afresh at `now` would be the same: its budget and breaker count
-    /// nothing, the breaker is closed, and neither is shared with another state (a state
+    /// Whether a state made afresh at `now` may stand in for it: its budget and breaker count
+    /// nothing, the breaker is closed (or half-open long past, see
+    /// [`CircuitBreaker::is_idle`]), and neither is shared with another state (a state
     /// carried from this one, or this one's predecessor, which calls in flight may still use)
     /// nor in a line of hand-overs with another live breaker. So one nobody else holds may be
     /// dropped without an endpoint ever running two budgets or breakers.

@@ -129,6 +129,11 @@ impl<const C: usize> SlidingCounter<C> {
         }
     }
 
+    /// The window's length, in whole slots (as [`SlidingCounter::recent`] covers it).
+    pub(crate) fn span_nanos(&self) -> u64 {
+        self.slot_nanos.saturating_mul(self.inside)
+    }
+
     /// The newest slot seen, and the slot of `nanos` if it is newer (`None` when `nanos` falls in
     /// the newest slot or before it: the common case costs a multiplication, not a division).
     #[inline(always)]
