@@ -298,7 +298,7 @@ impl Registry {
     }
 
     /// Takes every non-zero delta, sorted by endpoint. The counters of an endpoint no handle
-    /// holds any more (see `crate::call::Cores::sweep`) go once their counts are taken.
+    /// holds any more (see `crate::call::Cores::forget_unheld`) go once their counts are taken.
     pub(crate) fn take(&self) -> Vec<pb::EndpointCounters> {
         let mut map = self.endpoints.write().unwrap_or_else(|e| e.into_inner());
         let mut out = Vec::new();
@@ -344,6 +344,22 @@ impl Registry {
             .map(|c| c.peek())
             .unwrap_or_default()
     }
+}
+
+/// The counts of `a` and `b` added up by endpoint, sorted by endpoint (for two reports of one
+/// version joined into one).
+pub(crate) fn summed(
+    a: &[pb::EndpointCounters],
+    b: &[pb::EndpointCounters],
+) -> Vec<pb::EndpointCounters> {
+    let mut by_name: BTreeMap<&str, CounterValues> = BTreeMap::new();
+    for c in a.iter().chain(b) {
+        by_name
+            .entry(c.endpoint.as_str())
+            .or_default()
+            .add(&CounterValues::from_pb(c));
+    }
+    by_name.into_iter().map(|(name, v)| v.to_pb(name)).collect()
 }
 
 #[cfg(test)]

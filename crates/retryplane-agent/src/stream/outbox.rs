@@ -21,7 +21,8 @@
 //! before any newer counts; so does a refused report of a version no longer in force. At most
 //! [`HELD`] reports are held: past that the oldest one's counts go into the counters, to be
 //! reported under the version in force then (kept, not lost, but credited to a later version;
-//! that takes [`HELD`] swaps while the control plane acknowledges nothing). The counts that
+//! that takes [`HELD`] swaps while the control plane acknowledges nothing, since counts of one
+//! version held at different times join one report). The counts that
 //! calls which outlived their policies made after the swap ([`Registry::outlived`]) are held
 //! so too, as reports of those policies' versions, when the next report is taken.
 //!
@@ -63,11 +64,13 @@ pub(crate) struct Outbox {
     held: VecDeque<pb::MetricsReport>,
     /// Set at shutdown ([`Outbox::closing`]): the window no longer holds reports back.
     closing: bool,
-    /// The earliest start (Unix ms) of the reports whose counts were taken back into the
-    /// counters ([`Outbox::take_back`]): the next report of the counters starts there, not at
-    /// the end of the refused one, so that a refused backlog is sent again over the time it
-    /// was made in (the control plane spreads a report's counts by its span).
-    taken_back_from: Option<u64>,
+    /// The version and earliest start (Unix ms) of the reports whose counts were taken back
+    /// into the counters ([`Outbox::take_back`]): the next report of the counters of that
+    /// version starts there, not at the end of the refused one, so that a refused backlog is
+    /// sent again over the time it was made in (the control plane spreads a report's counts by
+    /// its span). When `Agent::set_policies` moved them from the counters to those of calls
+    /// that outlived their version ([`Registry::retire`]), the report of those takes it.
+    taken_back_from: Option<TakenBack>,
 }
 
 impl Default for Outbox {
@@ -80,6 +83,13 @@ impl Default for Outbox {
             taken_back_from: None,
         }
     }
+}
+
+/// Counts of `version` made from `from` (Unix ms) on were put back into the counters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct TakenBack {
+    version: u64,
+    from: u64,
 }
 
 /// Why a report was not queued.
@@ -245,11 +255,20 @@ impl Outbox {
         }
     }
 
-    /// Counts made from `from` (Unix ms) on were put back into the counters.
-    fn taken_back(&mut self, from: Option<u64>) {
-        if let Some(from) = from.filter(|&f| f > 0) {
-            self.taken_back_from = Some(self.taken_back_from.map_or(from, |t| t.min(from)));
-        }
+    /// Counts of `back.version` made from `back.from` (Unix ms) on were put back into the
+    /// counters. Only one version's at a time: those of a version replaced since went out
+    /// with its last report (or are held), which took this.
+    fn taken_back(&mut self, back: Option<TakenBack>) {
+        let Some(back) = back.filter(|b| b.from > 0) else {
+            return;
+        };
+        self.taken_back_from = Some(match self.taken_back_from {
+            Some(t) if t.version == back.version => TakenBack {
+                version: back.version,
+                from: t.from.min(back.from),
+            },
+            _ => back,
+        });
     }
 
     /// Takes the counts of calls that outlived the policies they ran on
@@ -261,6 +280,15 @@ impl Outbox {
         fill: &mut impl FnMut(&mut pb::MetricsReport),
     ) {
         for (version, endpoints) in registry.take_outlived() {
+            // Counts taken back from a refused report of this version and then moved here by
+            // `Agent::set_policies` ([`Registry::retire`]): made over the refused one's span.
+            let from = match self.taken_back_from {
+                Some(back) if back.version == version => {
+                    self.taken_back_from = None;
+                    Some(back.from)
+                }
+                _ => None,
+            };
             for endpoints in split(endpoints, MAX_REPORT_BYTES) {
                 let mut report = pb::MetricsReport {
                     endpoints,
@@ -269,6 +297,9 @@ impl Outbox {
                 fill(&mut report);
                 report.policy_version = version;
                 report.seq = 0;
+                if let Some(from) = from {
+                    report.window_start_unix_ms = report.window_start_unix_ms.min(from);
+                }
                 self.hold_report(registry, report);
             }
         }
@@ -279,7 +310,16 @@ impl Outbox {
     /// seq order (whatever was held before it was sent went out before it: held reports go
     /// first, oldest first); one taken from the counters now (seq 0) after all. Past
     /// [`HELD`], the oldest held report's counts go into `registry`.
+    ///
+    /// A report taken from the counters now joins a held one of the same version taken so
+    /// too, when the two fit in one report: calls that outlived a version go on counting
+    /// under it at every report while the window is full, and one held report each would
+    /// push the counts held at the swap out of [`HELD`] within [`HELD`] intervals.
     fn hold_report(&mut self, registry: &Registry, report: pb::MetricsReport) {
+        let report = match self.join_held(report) {
+            Ok(()) => return,
+            Err(report) => report,
+        };
         let at = if report.seq == 0 {
             self.held.len()
         } else {
@@ -300,12 +340,44 @@ impl Outbox {
         }
     }
 
+    /// Adds `report` (taken from the counters now: seq 0) to the newest held report of its
+    /// version taken so too, spanning both, when the sum fits in [`MAX_REPORT_BYTES`];
+    /// `report` back otherwise.
+    fn join_held(&mut self, report: pb::MetricsReport) -> Result<(), pb::MetricsReport> {
+        if report.seq != 0 {
+            return Err(report);
+        }
+        let Some(held) = self
+            .held
+            .iter_mut()
+            .rev()
+            .find(|h| h.seq == 0 && h.policy_version == report.policy_version)
+        else {
+            return Err(report);
+        };
+        let endpoints = crate::metrics::summed(&held.endpoints, &report.endpoints);
+        let size: usize = endpoints
+            .iter()
+            .map(|e| prost::encoding::message::encoded_len(4, e))
+            .sum();
+        if size > MAX_REPORT_BYTES {
+            return Err(report);
+        }
+        held.endpoints = endpoints;
+        held.window_start_unix_ms = held.window_start_unix_ms.min(report.window_start_unix_ms);
+        held.window_end_unix_ms = held.window_end_unix_ms.max(report.window_end_unix_ms);
+        Ok(())
+    }
+
     /// Counts taken back from a report that was not counted: into `registry` when they were
     /// made under the version in force (`current`), else held under their own.
     fn take_back(&mut self, registry: &Registry, report: pb::MetricsReport, current: u64) {
         if report.policy_version == current {
             registry.restore(&report.endpoints);
-            self.taken_back(Some(report.window_start_unix_ms));
+            self.taken_back(Some(TakenBack {
+                version: report.policy_version,
+                from: report.window_start_unix_ms,
+            }));
         } else {
             self.hold_report(registry, report);
         }
@@ -395,16 +467,18 @@ impl Outbox {
 /// the report carries.
 struct FromTakenBack<F> {
     fill: F,
-    from: Option<u64>,
+    from: Option<TakenBack>,
 }
 
 impl<F: FnMut(&mut pb::MetricsReport)> FromTakenBack<F> {
+    /// `fill`, then the start of the counts taken back when the report is of their version.
     fn fill(&mut self, report: &mut pb::MetricsReport) {
         (self.fill)(report);
-        if let Some(from) = self.from
-            && from < report.window_start_unix_ms
+        if let Some(back) = self.from
+            && back.version == report.policy_version
+            && back.from < report.window_start_unix_ms
         {
-            report.window_start_unix_ms = from;
+            report.window_start_unix_ms = back.from;
         }
     }
 }
@@ -1113,5 +1187,88 @@ mod tests {
         assert_eq!(r.pending("a").calls, 4);
         // Numbering resumes where it stopped when a stream acknowledges again.
         assert_eq!(o.send(&r, &tx, true, no_fill), Ok(3));
+    }
+
+    /// The module's docs: counts held under their version are credited to a later one
+    /// only after [`HELD`] swaps while the control plane acknowledges nothing. One swap is
+    /// enough when a call that outlived the version keeps counting: each report while the
+    /// window is full holds its new counts as one more report of that version, and the
+    /// seventeenth pushes the counts held at the swap into the counters, which the next report
+    /// credits to the version in force.
+    #[test]
+    fn one_swap_and_a_call_that_outlived_it_do_not_push_the_swaps_counts_under_the_next_version() {
+        let r = Registry::default();
+        let mut o = Outbox::default();
+        let (tx, _rx) = mpsc::channel(64);
+        for seq in 1..=WINDOW as u64 {
+            count_calls(&r, 1);
+            assert_eq!(o.send(&r, &tx, true, under(1)), Ok(seq));
+        }
+        // Version 2 replaces version 1 while the window is full: 5 calls made on 1 are held.
+        count_calls(&r, 5);
+        assert_eq!(o.send(&r, &tx, true, under(1)), Err(NotSent::WindowFull));
+        o.hold(&r, under(1));
+        assert_eq!(o.held_versions(), [1]);
+        // A call still on version 1 retries once in each of the next 20 intervals (the
+        // control plane acknowledges nothing meanwhile).
+        let a: Arc<str> = Arc::from("a");
+        let call_on_1 = r.outlived(1, &a);
+        for _ in 0..20 {
+            Counters::inc(&call_on_1.retries);
+            assert_eq!(o.send(&r, &tx, true, under(2)), Err(NotSent::WindowFull));
+        }
+        let credited_to_2 = r.pending("a");
+        assert_eq!(
+            (credited_to_2.calls, credited_to_2.retries),
+            (0, 0),
+            "counts made on version 1 are in the counters, to be reported under version 2 \
+             after one swap (held: {:?})",
+            o.held_versions()
+        );
+    }
+
+    /// A refused report's counts go out again over the span they were made in
+    /// (`taken_back_from`), also when `Agent::set_policies` on an agent of a control plane
+    /// retires them (`Registry::retire`) before the next report: then they go out as counts of
+    /// calls that outlived their version, over the next report's span alone (read as a burst),
+    /// and that refused span is given to the new version's counts instead.
+    #[test]
+    fn a_refused_reports_counts_retired_by_set_policies_go_out_over_their_own_span() {
+        fn span(version: u64, start: u64, end: u64) -> impl FnMut(&mut pb::MetricsReport) {
+            move |r| {
+                r.policy_version = version;
+                r.window_start_unix_ms = start;
+                r.window_end_unix_ms = end;
+            }
+        }
+        let r = Registry::default();
+        let mut o = Outbox::default();
+        let (tx, mut rx) = mpsc::channel(64);
+        count_calls(&r, 10);
+        assert_eq!(o.send(&r, &tx, true, span(5, 1_000, 11_000)), Ok(1));
+        // Refused while version 5 is in force: back into the counters.
+        o.ack(&r, 1, true, 5);
+        // `Agent::set_policies`: version 0 replaces 5, whose counts are moved apart.
+        r.retire(5);
+        count_calls(&r, 1);
+        while rx.try_recv().is_ok() {}
+        assert!(o.send(&r, &tx, true, span(0, 11_000, 21_000)).is_ok());
+        // (version, start, calls)
+        let mut out = Vec::new();
+        while let Ok(m) = rx.try_recv() {
+            let Some(Kind::Metrics(rep)) = m.kind else {
+                panic!("a metrics report");
+            };
+            out.push((
+                rep.policy_version,
+                rep.window_start_unix_ms,
+                rep.endpoints[0].calls,
+            ));
+        }
+        assert_eq!(
+            out,
+            [(5, 1_000, 10), (0, 11_000, 1)],
+            "(version, window start, calls): the refused counts over the span they were made in"
+        );
     }
 }
