@@ -150,6 +150,17 @@ impl Cached {
         self.version
     }
 
+    /// A cache as read, for tests of what the stream task does with one.
+    #[cfg(test)]
+    pub(crate) fn for_test(policies: PolicySet, version: u64) -> Self {
+        Self {
+            policies,
+            version,
+            content_hash: String::new(),
+            metrics_interval: None,
+        }
+    }
+
     /// The snapshot to put in force, built on `previous` (the policies in force, whose endpoint
     /// state carries over as with any new snapshot; `None` at start).
     pub(crate) fn into_snapshot(self, previous: Option<&PolicySnapshot>) -> PolicySnapshot {

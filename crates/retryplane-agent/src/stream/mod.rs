@@ -296,6 +296,9 @@ fn put_late_cache_in_force(shared: &Shared, cached: Cached, next_report: &mut In
     // Decided and done in the writers' turn.
     let applied = shared.update_policies_if(|current| {
         if current.source() != Source::Fallback {
+            // Policies set meanwhile (`Agent::set_policies`) came first: the version announced
+            // for the cache (`hold_fallback_counts`) is theirs again.
+            shared.announce(current.version());
             return None;
         }
         if let Some(interval) = interval {
@@ -954,10 +957,14 @@ fn hold_fallback_counts(
     window_start: &mut Instant,
     outbox: &mut Outbox,
 ) {
-    if shared.policies.load().source() == Source::Fallback {
-        shared.announce(version);
-        hold_counts(shared, window(*window_start), window_start, outbox);
-    }
+    // With no swap in between (`Agent::set_policies` on another thread): the policies it
+    // sets would otherwise be counted under the cache's version until the next swap.
+    shared.between_swaps(|| {
+        if shared.policies.load().source() == Source::Fallback {
+            shared.announce(version);
+            hold_counts(shared, window(*window_start), window_start, outbox);
+        }
+    });
 }
 
 /// Holds the counts in the counters as a report of the version in force over `bounds` (see
@@ -1167,6 +1174,43 @@ mod tests {
             start,
             began + Duration::from_secs(5),
             "the next window starts where this one ended"
+        );
+    }
+
+    /// A cache read late is about to replace the fallback policies (their counts held, the
+    /// cache's version announced) when the program sets its own policies on another thread:
+    /// whichever way the two interleave, the late cache is not put in force and calls count
+    /// under the version of the policies in force (r80: set between the stream task's check
+    /// for the fallback and its announcement, they were counted under the cache's version
+    /// until the next swap, every call as one that outlived its version).
+    #[test]
+    fn policies_set_before_a_late_cache_goes_in_force_are_counted_under_their_own_version() {
+        let set = retryplane_policy::load(b"version: 1\nendpoints:\n  a: {}\n")
+            .policies
+            .unwrap();
+        let agent = agent();
+        let shared = agent.shared();
+        shared.update_policies(|_| crate::snapshot::PolicySnapshot::fallback());
+        // The stream task found the fallback in force; the program's thread sets its policies
+        // (and the swap announces their version 0); then the stream task announces the cache's.
+        agent.set_policies(set.clone());
+        shared.announce(9);
+        let mut next_report = Instant::now();
+        assert!(!put_late_cache_in_force(
+            shared,
+            crate::cache::Cached::for_test(set, 9),
+            &mut next_report
+        ));
+        assert_eq!(agent.policies().source(), Source::Static);
+        assert_eq!(shared.version_in_force(), 0);
+        // The check and the announcement are now one step no swap comes between.
+        let mut window_start = Instant::now();
+        let mut outbox = Outbox::default();
+        hold_fallback_counts(shared, 9, &mut window_start, &mut outbox);
+        assert_eq!(
+            shared.version_in_force(),
+            0,
+            "not the fallback: nothing announced"
         );
     }
 
