@@ -132,6 +132,12 @@ pub struct StreamToken<'a> {
 }
 
 impl Entry {
+    /// Marks the agent seen now on the wall clock, never before its stream connected: a
+    /// clock set back since (an NTP step) would show it seen before it connected.
+    fn seen_now(&mut self) {
+        self.status.last_seen_unix_ms = unix_ms().max(self.status.connected_since_unix_ms);
+    }
+
     /// Whether status lists it: always while connected; once disconnected, unless ephemeral.
     fn listed(&self) -> bool {
         self.status.connected || !self.ephemeral
@@ -718,7 +724,7 @@ impl Fleet {
         if let Some(entry) = inner.agents.get_mut(id)
             && entry.generation == generation
         {
-            entry.status.last_seen_unix_ms = unix_ms();
+            entry.seen_now();
             f(entry);
         }
     }
@@ -764,7 +770,7 @@ impl Fleet {
         if let Some(entry) = entry.as_deref_mut()
             && entry.generation == generation
         {
-            entry.status.last_seen_unix_ms = unix_ms();
+            entry.seen_now();
         }
         f(entry)
     }
@@ -1710,6 +1716,26 @@ mod tests {
             "the agent gone longest is kept, and {} that left after it went, because its \
              last_seen_unix_ms reads later on a wall clock that was set back since",
             MAX_DISCONNECTED + 1 - PRUNED_TO
+        );
+    }
+
+    #[test]
+    fn an_agent_is_never_shown_seen_before_it_connected_though_the_wall_clock_stepped_back() {
+        let fleet = Fleet::new(10);
+        let reg = fleet.register(&hello("a"), None, None).unwrap();
+        // It connected while the wall clock ran an hour ahead; the clock was set back since.
+        let ahead = unix_ms() + 3_600_000;
+        if let Some(e) = fleet.lock().agents.get_mut("a") {
+            e.status.connected_since_unix_ms = ahead;
+        }
+        fleet.seen("a", reg.generation);
+        let status = &fleet.status()[0];
+        assert_eq!(status.connected_since_unix_ms, ahead);
+        assert!(
+            status.last_seen_unix_ms >= status.connected_since_unix_ms,
+            "seen at {} before it connected at {}",
+            status.last_seen_unix_ms,
+            status.connected_since_unix_ms
         );
     }
 
