@@ -6,7 +6,8 @@
 //! 15-minute window (no counts for 14–15 minutes); its lifetime stays in the series lifetime.
 //! At most [`MAX_VERSIONS`] versions are kept apart: a report under yet another version evicts
 //! the version counted least recently, whose buckets are folded into `retired` (allocated only
-//! then, freed once empty) so the series' windows lose nothing.
+//! then, freed once empty) so the series' windows lose nothing; one under a version older than
+//! every one kept (a late report of an evicted version) is counted into `retired` directly.
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -221,6 +222,19 @@ impl Series {
         let at = match s.versions.iter().position(|v| v.version == version) {
             Some(i) => i,
             None => {
+                s.prune(tick);
+                if s.versions.len() >= MAX_VERSIONS
+                    && s.versions.iter().all(|v| v.version > version)
+                {
+                    // A late report (calls that outlived their version, a report held while
+                    // newer ones went out) of a version older than every one kept, evicted
+                    // before, most likely: its counts go with the evicted versions', not in
+                    // place of a newer one, which would be evicted for it.
+                    s.retired
+                        .get_or_insert_with(Box::default)
+                        .add(tick, counts, span, interval);
+                    return;
+                }
                 let at = s.new_version(version, tick, span);
                 s.note_newest();
                 at

@@ -350,6 +350,34 @@ async fn past_the_version_bound_the_least_recent_version_goes_but_its_counts_sta
     assert_eq!(calls(&agg, all()), [0, 0, 0]);
 }
 
+/// A late report of a version evicted before (calls that outlived it, counted as it ended)
+/// is counted in the series' windows without evicting a newer version for it.
+#[tokio::test(start_paused = true)]
+async fn a_late_report_of_an_evicted_version_evicts_no_newer_one() {
+    let agg = Aggregator::new(10, Instant::now());
+    let svc = agg.service("checkout");
+    for version in 1..=(series::MAX_VERSIONS as u64 + 1) {
+        agg.ingest(
+            &svc,
+            &report(version, &[("payments", 1, 0)]),
+            Instant::now(),
+        );
+        advance(Duration::from_secs(1)).await;
+    }
+    agg.ingest(&svc, &report(1, &[("payments", 3, 0)]), Instant::now());
+    let stats = agg.stats(Instant::now(), all());
+    let s = &stats.series[0];
+    let listed: Vec<u64> = s.versions.iter().map(|v| v.policy_version).collect();
+    assert_eq!(listed, [5, 4, 3, 2], "the kept versions stay");
+    let calls: Vec<u64> = s
+        .windows
+        .iter()
+        .map(|w| w.counters.as_ref().map_or(0, |c| c.calls))
+        .collect();
+    assert_eq!(calls, [8, 8, 8], "the late counts are in the windows");
+    assert_eq!(s.lifetime.as_ref().map_or(0, |c| c.calls), 8);
+}
+
 #[tokio::test(start_paused = true)]
 async fn an_agent_named_like_the_overflow_series_is_counted_in_it() {
     let agg = Aggregator::new(10, Instant::now());
