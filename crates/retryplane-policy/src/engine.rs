@@ -22,7 +22,7 @@
 //! failure path is out of line is small, and inlining them into the caller took about a tenth
 //! off the success path of the engine bench (see BENCHMARKS.md).
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -231,6 +231,18 @@ pub struct EndpointState {
     breaker: Option<Arc<CircuitBreaker>>,
     budget_cfg: Option<BudgetConfig>,
     breaker_cfg: Option<BreakerConfig>,
+    /// The budget and breaker of the calls behind this state ([`EndpointState::behind`]) whose
+    /// settings have one where this state has none (a push turned it off): made on the first
+    /// such call, shared by the others of the same settings, so that they are held to one
+    /// budget, not each to a fresh one.
+    strays: Mutex<Strays>,
+}
+
+/// See [`EndpointState::strays`]: the last made of each, with its settings.
+#[derive(Debug, Default)]
+struct Strays {
+    budget: Option<(BudgetConfig, Arc<RetryBudget>)>,
+    breaker: Option<(BreakerConfig, Arc<CircuitBreaker>)>,
 }
 
 impl EndpointState {
@@ -249,6 +261,7 @@ impl EndpointState {
                 .map(|c| Arc::new(CircuitBreaker::new(c, origin))),
             budget_cfg: policy.budget.clone(),
             breaker_cfg: policy.circuit_breaker.clone(),
+            strays: Mutex::default(),
         }
     }
 
@@ -289,8 +302,13 @@ impl EndpointState {
     pub fn carry(&self, policy: &RetryPolicy, now: Instant) -> Self {
         self.next(
             policy,
-            |cfg, old| RetryBudget::taking_over(cfg, old, now),
-            CircuitBreaker::taking_over,
+            (
+                |cfg, old| RetryBudget::taking_over(cfg, old, now),
+                |cfg| Arc::new(RetryBudget::new(cfg, self.origin)),
+            ),
+            (CircuitBreaker::taking_over, |cfg| {
+                Arc::new(CircuitBreaker::new(cfg, self.origin))
+            }),
         )
     }
 
@@ -301,18 +319,41 @@ impl EndpointState {
     /// [`CircuitBreaker::behind`]): what its calls count goes to this state's budget and
     /// breaker, which new calls use; built with [`Self::carry`] instead, it became the newest
     /// and took the new calls' counts while it lasted, under the old settings.
+    ///
+    /// Where this state has no budget or breaker (a push turned it off) and `policy` has one,
+    /// the calls behind it share one per settings.
     pub fn behind(&self, policy: &RetryPolicy) -> Self {
-        self.next(policy, RetryBudget::behind, CircuitBreaker::behind)
+        self.next(
+            policy,
+            (RetryBudget::behind, |cfg| {
+                let mut strays = self.strays.lock().unwrap_or_else(PoisonError::into_inner);
+                stray(&mut strays.budget, cfg, || {
+                    RetryBudget::new(cfg, self.origin)
+                })
+            }),
+            (CircuitBreaker::behind, |cfg| {
+                let mut strays = self.strays.lock().unwrap_or_else(PoisonError::into_inner);
+                stray(&mut strays.breaker, cfg, || {
+                    CircuitBreaker::new(cfg, self.origin)
+                })
+            }),
+        )
     }
 
     /// The state for `policy` after this one: a budget or breaker whose settings are unchanged
-    /// is shared, one whose settings changed is made from this one's by `budget` or `breaker`,
-    /// one turned on is made afresh, one turned off is dropped.
+    /// is shared, one whose settings changed is made from this one's by the first of
+    /// `budget` or `breaker`, one turned on is made by the second, one turned off is dropped.
     fn next(
         &self,
         policy: &RetryPolicy,
-        budget: impl FnOnce(&BudgetConfig, &Arc<RetryBudget>) -> Arc<RetryBudget>,
-        breaker: impl FnOnce(&BreakerConfig, &Arc<CircuitBreaker>) -> Arc<CircuitBreaker>,
+        budget: (
+            impl FnOnce(&BudgetConfig, &Arc<RetryBudget>) -> Arc<RetryBudget>,
+            impl FnOnce(&BudgetConfig) -> Arc<RetryBudget>,
+        ),
+        breaker: (
+            impl FnOnce(&BreakerConfig, &Arc<CircuitBreaker>) -> Arc<CircuitBreaker>,
+            impl FnOnce(&BreakerConfig) -> Arc<CircuitBreaker>,
+        ),
     ) -> Self {
         Self {
             origin: self.origin,
@@ -320,18 +361,19 @@ impl EndpointState {
                 &policy.budget,
                 &self.budget_cfg,
                 &self.budget,
-                budget,
-                |cfg| RetryBudget::new(cfg, self.origin),
+                budget.0,
+                budget.1,
             ),
             breaker: next_part(
                 &policy.circuit_breaker,
                 &self.breaker_cfg,
                 &self.breaker,
-                breaker,
-                |cfg| CircuitBreaker::new(cfg, self.origin),
+                breaker.0,
+                breaker.1,
             ),
             budget_cfg: policy.budget.clone(),
             breaker_cfg: policy.circuit_breaker.clone(),
+            strays: Mutex::default(),
         }
     }
 
@@ -364,14 +406,31 @@ fn next_part<C: PartialEq, T>(
     old_cfg: &Option<C>,
     old: &Option<Arc<T>>,
     changed: impl FnOnce(&C, &Arc<T>) -> Arc<T>,
-    fresh: impl FnOnce(&C) -> T,
+    fresh: impl FnOnce(&C) -> Arc<T>,
 ) -> Option<Arc<T>> {
     let cfg = cfg.as_ref()?;
     Some(match old {
         Some(old) if old_cfg.as_ref() == Some(cfg) => old.clone(),
         Some(old) => changed(cfg, old),
-        None => Arc::new(fresh(cfg)),
+        None => fresh(cfg),
     })
+}
+
+/// The budget or breaker kept in `slot` when it was made for `cfg`; else one made by `make`,
+/// kept there.
+fn stray<C: PartialEq + Clone, T>(
+    slot: &mut Option<(C, Arc<T>)>,
+    cfg: &C,
+    make: impl FnOnce() -> T,
+) -> Arc<T> {
+    match slot {
+        Some((kept, made)) if kept == cfg => made.clone(),
+        _ => {
+            let made = Arc::new(make());
+            *slot = Some((cfg.clone(), made.clone()));
+            made
+        }
+    }
 }
 
 /// [`EndpointState::offset`] of an instant before the origin (negative; out of line, as it
