@@ -24,13 +24,26 @@ const POLICY: &str = "version: 1\nendpoints:\n  payments:\n    max_attempts: 2\n
 /// What `retryplane serve` with `listen` as its agent listener does: `Ok(agent address)` when
 /// it starts (it is then stopped), `Err(stderr)` when it exits first.
 async fn serve_with_listen(listen: &str) -> Result<String, String> {
+    serve_with_listeners(&[
+        "--listen",
+        listen,
+        "--admin-listen",
+        "127.0.0.1:0",
+        "--http-listen",
+        "127.0.0.1:0",
+    ])
+    .await
+}
+
+/// What `retryplane serve` with the listener flags `listeners` does: `Ok(first line of
+/// stdout)` when it starts (it is then stopped), `Err(stderr)` when it exits first.
+async fn serve_with_listeners(listeners: &[&str]) -> Result<String, String> {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("policies.yaml"), POLICY).unwrap();
     let mut child = Command::new(env!("CARGO_BIN_EXE_retryplane"))
         .current_dir(dir.path())
         .args(["serve", "--config", "policies.yaml", "--data-dir", "data"])
-        .args(["--listen", listen, "--admin-listen", "127.0.0.1:0"])
-        .args(["--http-listen", "127.0.0.1:0"])
+        .args(listeners)
         .env("RUST_LOG", "warn")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -345,47 +358,7 @@ async fn status_shows_an_ipv4_agent_on_a_dual_stack_listener_by_its_ipv4_address
     assert!(peer.starts_with("127.0.0.1:"), "peer {peer:?}");
 }
 
-// ---- r81 ----
-
-/// What `retryplane serve` with the listener flags `listeners` does (the data, config and log as
-/// in [`serve_with_listen`]): `Ok(first line of stdout)` when it starts (it is then stopped),
-/// `Err(stderr)` when it exits first.
-async fn serve_with_listeners(listeners: &[&str]) -> Result<String, String> {
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("policies.yaml"), POLICY).unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_retryplane"))
-        .current_dir(dir.path())
-        .args(["serve", "--config", "policies.yaml", "--data-dir", "data"])
-        .args(listeners)
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let first = timeout(BOUND, lines.next_line()).await.unwrap().unwrap();
-    match first {
-        Some(line) => {
-            child.start_kill().unwrap();
-            timeout(BOUND, child.wait()).await.unwrap().unwrap();
-            Ok(line)
-        }
-        None => {
-            let mut stderr = String::new();
-            let mut pipe = child.stderr.take().unwrap();
-            timeout(BOUND, pipe.read_to_string(&mut stderr))
-                .await
-                .unwrap()
-                .unwrap();
-            timeout(BOUND, child.wait()).await.unwrap().unwrap();
-            Err(stderr)
-        }
-    }
-}
-
-/// Passes (a pin, r81): without a tokens file and without --insecure, every spelling of an
+/// Without a tokens file and without --insecure, every spelling of an
 /// address that is not loopback is refused on the agent and on the admin listener before
 /// anything is bound: the unspecified addresses of both families, their IPv4-mapped form, a
 /// mapped private address, a link-local address with a zone, the IPv4-compatible form of
