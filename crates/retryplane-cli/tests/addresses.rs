@@ -21,6 +21,21 @@ const BOUND: Duration = Duration::from_secs(30);
 
 const POLICY: &str = "version: 1\nendpoints:\n  payments:\n    max_attempts: 2\n";
 
+/// What the CLI does with the command line `cmd` sets up, with none of its variables set and
+/// nothing on standard input.
+async fn cli(cmd: impl FnOnce(&mut Command) -> &mut Command) -> std::process::Output {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_retryplane"));
+    command
+        .env_remove("RETRYPLANE_SERVER")
+        .env_remove("RETRYPLANE_TOKEN")
+        .env_remove("RETRYPLANE_AGENT_TOKEN")
+        .stdin(Stdio::null());
+    timeout(BOUND, cmd(&mut command).output())
+        .await
+        .unwrap()
+        .unwrap()
+}
+
 /// What `retryplane serve` with `listen` as its agent listener does: `Ok(agent address)` when
 /// it starts (it is then stopped), `Err(stderr)` when it exits first.
 async fn serve_with_listen(listen: &str) -> Result<String, String> {
@@ -169,19 +184,7 @@ async fn a_server_url_without_a_host_is_refused_naming_the_host() {
         ][..],
         &["history", "--server", "http://:7471"][..],
     ] {
-        let out = timeout(
-            BOUND,
-            Command::new(env!("CARGO_BIN_EXE_retryplane"))
-                .args(args)
-                .env_remove("RETRYPLANE_SERVER")
-                .env_remove("RETRYPLANE_TOKEN")
-                .env_remove("RETRYPLANE_AGENT_TOKEN")
-                .stdin(Stdio::null())
-                .output(),
-        )
-        .await
-        .unwrap()
-        .unwrap();
+        let out = cli(|c| c.args(args)).await;
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
         assert!(
@@ -196,18 +199,11 @@ async fn a_server_url_without_a_host_is_refused_naming_the_host() {
 #[tokio::test]
 async fn an_empty_request_server_is_said_to_be_empty() {
     for server in ["", "  "] {
-        let out = timeout(
-            BOUND,
-            Command::new(env!("CARGO_BIN_EXE_retryplane"))
-                .args(["request", "--server", server, "--endpoint", "payments"])
+        let out = cli(|c| {
+            c.args(["request", "--server", server, "--endpoint", "payments"])
                 .arg("http://127.0.0.1:9/")
-                .env_remove("RETRYPLANE_AGENT_TOKEN")
-                .stdin(Stdio::null())
-                .output(),
-        )
-        .await
-        .unwrap()
-        .unwrap();
+        })
+        .await;
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{server:?}: {stderr}");
         assert!(stderr.contains("--server is empty"), "{server:?}: {stderr}");
@@ -232,18 +228,12 @@ async fn an_upstream_url_without_a_scheme_is_taken_as_http_or_refused_as_missing
         l.local_addr().unwrap().port()
     };
     for url in [format!("localhost:{closed}/x"), format!("[::1]:{closed}/x")] {
-        let out = timeout(
-            BOUND,
-            Command::new(env!("CARGO_BIN_EXE_retryplane"))
-                .current_dir(dir.path())
+        let out = cli(|c| {
+            c.current_dir(dir.path())
                 .args(["request", "--policy", "p.yaml", "--endpoint", "payments"])
                 .args(["--output", "json", &url])
-                .stdin(Stdio::null())
-                .output(),
-        )
-        .await
-        .unwrap()
-        .unwrap();
+        })
+        .await;
         let stderr = String::from_utf8_lossy(&out.stderr);
         let stdout = String::from_utf8_lossy(&out.stdout);
         let taken_as_http = out.status.code() == Some(1) && stdout.contains("\"connect\"");
@@ -264,17 +254,7 @@ async fn a_server_url_with_a_path_says_the_path_is_not_used() {
     let dir = tempfile::tempdir().unwrap();
     let (child, addrs) = process::serve(dir.path(), POLICY, &[], Stdio::null()).await;
     let admin = &addrs[1].1;
-    let out = timeout(
-        BOUND,
-        Command::new(env!("CARGO_BIN_EXE_retryplane"))
-            .args(["history", "--server", &format!("http://{admin}/retryplane")])
-            .env_remove("RETRYPLANE_TOKEN")
-            .stdin(Stdio::null())
-            .output(),
-    )
-    .await
-    .unwrap()
-    .unwrap();
+    let out = cli(|c| c.args(["history", "--server", &format!("http://{admin}/retryplane")])).await;
     process::terminate(child).await;
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -336,17 +316,7 @@ async fn status_shows_an_ipv4_agent_on_a_dual_stack_listener_by_its_ipv4_address
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let out = timeout(
-        BOUND,
-        Command::new(env!("CARGO_BIN_EXE_retryplane"))
-            .args(["status", "--output", "json", "--server", &addrs[1]])
-            .env_remove("RETRYPLANE_TOKEN")
-            .stdin(Stdio::null())
-            .output(),
-    )
-    .await
-    .unwrap()
-    .unwrap();
+    let out = cli(|c| c.args(["status", "--output", "json", "--server", &addrs[1]])).await;
     agent.shutdown().await;
     child.start_kill().unwrap();
     timeout(BOUND, child.wait()).await.unwrap().unwrap();
@@ -477,18 +447,7 @@ async fn a_url_whose_host_is_empty_brackets_is_refused_as_naming_no_host() {
         agent.shutdown().await;
         panic!("the agent took http://[]:7470, a URL with no host");
     }
-    let out = timeout(
-        BOUND,
-        Command::new(env!("CARGO_BIN_EXE_retryplane"))
-            .args(["history", "--server", "http://[]:7471"])
-            .env_remove("RETRYPLANE_SERVER")
-            .env_remove("RETRYPLANE_TOKEN")
-            .stdin(Stdio::null())
-            .output(),
-    )
-    .await
-    .unwrap()
-    .unwrap();
+    let out = cli(|c| c.args(["history", "--server", "http://[]:7471"])).await;
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("no host"), "{stderr}");
@@ -513,18 +472,12 @@ async fn an_upstream_url_with_a_scheme_is_not_said_to_name_none() {
         format!("http:/127.0.0.1:{closed}/x"),
         "mailto:ops@example.com".to_owned(),
     ] {
-        let out = timeout(
-            BOUND,
-            Command::new(env!("CARGO_BIN_EXE_retryplane"))
-                .current_dir(dir.path())
+        let out = cli(|c| {
+            c.current_dir(dir.path())
                 .args(["request", "--policy", "p.yaml", "--endpoint", "payments"])
                 .args(["--output", "json", &url])
-                .stdin(Stdio::null())
-                .output(),
-        )
-        .await
-        .unwrap()
-        .unwrap();
+        })
+        .await;
         let stderr = String::from_utf8_lossy(&out.stderr);
         if stderr.contains("names no scheme") {
             misled.push(format!("{url:?}: exit {:?}, {stderr}", out.status.code()));
