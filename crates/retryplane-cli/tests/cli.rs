@@ -334,6 +334,26 @@ fn explain_shows_a_route_turning_the_shared_budget_off() {
     );
 }
 
+/// A ratio so small that no traffic reaches it is said to add nothing, not to apply "from
+/// inf calls/s up".
+#[test]
+fn explain_says_a_ratio_too_small_to_matter_adds_nothing() {
+    let dir = dir_with(&[(
+        "tiny.yaml",
+        "version: 1\nendpoints:\n  payments:\n    budget: {ratio: 1e-320}\n",
+    )]);
+    let out = explained(dir.path(), "tiny.yaml", "payments", &[]);
+    let line = out
+        .lines()
+        .find(|l| l.trim_start().starts_with("budget "))
+        .unwrap_or_else(|| panic!("no budget line in:\n{out}"));
+    assert!(!line.contains("inf"), "{line}");
+    assert!(
+        line.contains("adds nothing at any traffic: only the reserve of 10 retries/s"),
+        "{line}"
+    );
+}
+
 /// The paths of the warnings `explain --format json` lists for `endpoint`.
 fn warning_paths(dir: &Path, file: &str, endpoint: &str) -> Vec<String> {
     let out: Value =

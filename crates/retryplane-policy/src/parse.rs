@@ -1215,9 +1215,11 @@ pub fn check_method(m: &str) -> Result<(), String> {
 }
 
 /// For a whole number beyond `i64` (an integer the YAML reader could only hold as a float, so
-/// its exact digits are gone), how to name it in a message; `None` for any other number.
+/// its exact digits are gone), how to name it in a message; `None` for any other number. An
+/// infinity counts: digits past about 309 of them read as one (`.inf` for a number written
+/// in 400 digits would name what was never written), and `.inf` itself is larger too.
 fn beyond_an_integer(f: f64) -> Option<&'static str> {
-    if !f.is_finite() || f.fract() != 0.0 {
+    if f.is_nan() || (f.is_finite() && f.fract() != 0.0) {
         None
     } else if f >= 9_223_372_036_854_775_808.0 {
         Some("a larger one")

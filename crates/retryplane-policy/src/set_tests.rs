@@ -136,7 +136,24 @@ fn a_non_finite_number_is_an_error_at_its_place_among_the_others() {
             "5:27: error: endpoints.a.backoff.multiplier: must be a finite number",
             "6:15: error: endpoints.a.deadline: duration `100` needs a unit: ms, s, m or h (for example `100ms`)",
             "8:21: error: endpoints.b.budget.ratio: must be a finite number",
-            "8:43: error: endpoints.b.budget.min_per_second: expected a whole number, found .inf",
+            "8:43: error: endpoints.b.budget.min_per_second: must be a whole number from 0 to 4294967295, found a larger one",
+        ]
+    );
+}
+
+#[test]
+fn a_count_written_in_more_digits_than_a_float_holds_is_too_large_not_infinite() {
+    // 400 nines read as infinity: the message names the range, not a `.inf` never written.
+    let src = format!(
+        "version: 1\nendpoints:\n  a:\n    max_attempts: {}\n    budget: {{min_per_second: -{}}}\n",
+        "9".repeat(400),
+        "9".repeat(400)
+    );
+    assert_eq!(
+        errors(&src),
+        [
+            "4:19: error: endpoints.a.max_attempts: must be from 1 (never retry) to 10, found a larger one",
+            "5:30: error: endpoints.a.budget.min_per_second: must be a whole number from 0 to 4294967295, found a smaller one",
         ]
     );
 }

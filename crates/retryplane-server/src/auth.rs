@@ -192,14 +192,28 @@ impl<'de> serde::Deserialize<'de> for RawMax {
             fn visit_i64<E>(self, v: i64) -> Result<RawMax, E> {
                 Ok(u64::try_from(v).map_or(RawMax::Other, RawMax::Count))
             }
+            // A whole number past `u64` is a limit no fleet reaches: none of its own, as one
+            // past `usize` is (it was refused as "not a whole number of at least 1").
             fn visit_u128<E>(self, v: u128) -> Result<RawMax, E> {
-                Ok(u64::try_from(v).map_or(RawMax::Other, RawMax::Count))
+                Ok(RawMax::Count(u64::try_from(v).unwrap_or(u64::MAX)))
             }
             fn visit_i128<E>(self, v: i128) -> Result<RawMax, E> {
-                Ok(u64::try_from(v).map_or(RawMax::Other, RawMax::Count))
+                Ok(match u64::try_from(v) {
+                    Ok(v) => RawMax::Count(v),
+                    Err(_) if v > 0 => RawMax::Count(u64::MAX),
+                    Err(_) => RawMax::Other,
+                })
             }
-            fn visit_f64<E>(self, _: f64) -> Result<RawMax, E> {
-                Ok(RawMax::Other)
+            // Digits past what an integer holds reach here as a float: a whole number too,
+            // and as large.
+            fn visit_f64<E>(self, v: f64) -> Result<RawMax, E> {
+                Ok(
+                    if v >= u64::MAX as f64 && (v.is_infinite() || v.fract() == 0.0) {
+                        RawMax::Count(u64::MAX)
+                    } else {
+                        RawMax::Other
+                    },
+                )
             }
             fn visit_bool<E>(self, _: bool) -> Result<RawMax, E> {
                 Ok(RawMax::Other)

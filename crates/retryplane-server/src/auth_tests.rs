@@ -486,6 +486,35 @@ tokens:
     assert!(Tokens::parse(&longest, Path::new("t.yaml")).is_ok());
 }
 
+/// A `max_agents` written past what an integer holds (20 digits, or 100, which read as a float)
+/// is a limit no fleet reaches, taken as none of its own, not refused as "not a whole number of
+/// at least 1"; a negative one still is.
+#[test]
+fn a_max_agents_too_large_for_an_integer_is_no_limit_of_its_own() {
+    let path = Path::new("tokens.yaml");
+    for written in ["99999999999999999999".to_owned(), "9".repeat(100)] {
+        let text = format!(
+            "tokens: [{{name: a, role: agent, secret: agent-secret-0123456789, max_agents: {written}}}]"
+        );
+        let set = Arc::new(TokenSet::of(path, Tokens::parse(&text, path).unwrap()));
+        let admitted = Guard::new(Some(set.clone()), Role::Agent)
+            .call(request(Some("Bearer agent-secret-0123456789")))
+            .unwrap();
+        let max = set
+            .current()
+            .max_agents(admitted.extensions().get::<Credential>().unwrap());
+        assert_eq!(max, Some(usize::MAX), "{} digits", written.len());
+    }
+    let negative = invalid(&format!(
+        "tokens: [{{name: a, role: agent, secret: agent-secret-0123456789, max_agents: -{}}}]",
+        "9".repeat(100)
+    ));
+    assert!(
+        negative.contains("must be a whole number of at least 1"),
+        "{negative}"
+    );
+}
+
 #[test]
 fn an_agent_token_may_cap_its_connected_agents_and_only_an_agent_token() {
     let path = Path::new("tokens.yaml");

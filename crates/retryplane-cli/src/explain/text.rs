@@ -205,6 +205,12 @@ fn load(out: &mut String, l: &Load) {
                 format_duration(b.window_ms.0)
             );
             match b.ratio_applies_from_calls_per_second {
+                // A ratio so small (`1e-320`) that the reserve outweighs it at any rate a
+                // number can hold: "from inf calls/s up" says nothing.
+                Some(rate) if !rate.is_finite() => format!(
+                    "ratio {:?} adds nothing at any traffic: only the reserve of {reserve}",
+                    b.ratio
+                ),
                 Some(rate) => format!(
                     "up to {}x from {} calls/s up (1 + ratio {:?}: at most {:?} retries per call over the window); \
                      below that, the reserve allows {reserve}",
