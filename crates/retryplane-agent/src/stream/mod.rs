@@ -674,7 +674,7 @@ async fn session(
         }
     } else {
         debug!("the control plane does not acknowledge metrics reports; sending them unnumbered");
-        outbox.give_back(&shared.metrics, version_in_force(shared));
+        shared.between_swaps(|| outbox.give_back(&shared.metrics, version_in_force(shared)));
     }
     let mut inbound = opened.into_inner();
     shared.connected.store(true, Relaxed);
@@ -738,7 +738,11 @@ async fn session(
                     continue;
                 }
                 if let Some(ack) = m.metrics_ack {
-                    outbox.ack(&shared.metrics, ack.seq, ack.dropped, version_in_force(shared));
+                    // The version read and the refused counts put back with no swap in
+                    // between (`Agent::set_policies` would credit them to its own version).
+                    shared.between_swaps(|| {
+                        outbox.ack(&shared.metrics, ack.seq, ack.dropped, version_in_force(shared));
+                    });
                     continue;
                 }
                 let handled = match m.decode_snapshot() {
@@ -883,7 +887,8 @@ impl Closing<'_> {
                 &tx,
                 self.numbered,
                 if answered { deadline } else { Instant::now() },
-                report_fill(shared, window(self.window_start).0),
+                |f| shared.between_swaps(f),
+                || report_fill(shared, window(self.window_start).0),
             )
             .await;
         let more = if queued + parts > 0 {
@@ -908,12 +913,14 @@ async fn half_close(
     let _ = tokio::time::timeout_at(deadline, async {
         while let Ok(Some(m)) = inbound.message().await {
             if let Some(ack) = m.metrics_ack {
-                outbox.ack(
-                    &shared.metrics,
-                    ack.seq,
-                    ack.dropped,
-                    version_in_force(shared),
-                );
+                shared.between_swaps(|| {
+                    outbox.ack(
+                        &shared.metrics,
+                        ack.seq,
+                        ack.dropped,
+                        version_in_force(shared),
+                    );
+                });
             }
         }
     })
@@ -1293,6 +1300,152 @@ mod tests {
             calls_by_version,
             [(0, 1), (4, 1)].into_iter().collect(),
             "version -> calls: one call on the pushed version 4, one on the policies set after"
+        );
+    }
+
+    /// A set of policies for endpoint `a`, `n` attempts.
+    fn policies_for_a(n: u32) -> retryplane_policy::PolicySet {
+        let yaml = format!("version: 1\nendpoints:\n  a: {{max_attempts: {n}}}\n");
+        retryplane_policy::load(yaml.as_bytes()).policies.unwrap()
+    }
+
+    /// An agent whose policies in force were pushed as version 4.
+    fn agent_on_4() -> Agent {
+        let agent = agent();
+        agent.shared().update_policies(|current| {
+            crate::snapshot::PolicySnapshot::build(
+                policies_for_a(2),
+                4,
+                String::new(),
+                Source::ControlPlane,
+                Some(current),
+            )
+        });
+        agent
+    }
+
+    /// version -> calls of the metrics reports queued on `rx`.
+    fn calls_by_version(
+        rx: &mut mpsc::Receiver<pb::AgentMessage>,
+    ) -> std::collections::BTreeMap<u64, u64> {
+        let mut by_version = std::collections::BTreeMap::new();
+        while let Ok(m) = rx.try_recv() {
+            if let Some(Kind::Metrics(r)) = m.kind {
+                *by_version.entry(r.policy_version).or_insert(0) +=
+                    r.endpoints.iter().map(|e| e.calls).sum::<u64>();
+            }
+        }
+        by_version
+    }
+
+    /// An ack of a refused report reads the version in force and puts the refused counts back
+    /// as that version's. `Agent::set_policies` on another thread between the two (it moves
+    /// version 4's counts aside, then swaps) had the refused counts of version 4 put into the
+    /// counters, which the next report credited to version 0 (seen in review). The ack now
+    /// holds swaps off from the one to the other, as the stream loop takes it: `set_policies`
+    /// waits for it.
+    #[tokio::test]
+    async fn set_policies_waits_for_an_ack_putting_a_refused_reports_counts_back() {
+        let agent = agent_on_4();
+        let shared = agent.shared();
+        let ok = |_| async { Ok::<_, std::io::Error>(http::Response::new(())) };
+        let ep = agent.endpoint("a");
+        ep.call(crate::CallMeta::http("GET", "/"), ok)
+            .await
+            .unwrap();
+        let (tx, mut rx) = mpsc::channel(8);
+        let mut outbox = Outbox::default();
+        let (bounds, _) = window(Instant::now());
+        assert_eq!(
+            outbox.send(&shared.metrics, &tx, true, report_fill(shared, bounds)),
+            Ok(1)
+        );
+        assert_eq!(calls_by_version(&mut rx), [(4, 1)].into_iter().collect());
+        // The control plane refuses report 1; the program's thread sets its policies as the
+        // ack is taken.
+        let setter = shared.between_swaps(|| {
+            let current = version_in_force(shared);
+            let setter = std::thread::spawn({
+                let agent = agent.clone();
+                move || agent.set_policies(policies_for_a(3))
+            });
+            // A swap takes microseconds: without the hold it was through within these turns.
+            for _ in 0..20_000 {
+                assert!(!setter.is_finished(), "set_policies swapped inside an ack");
+                std::thread::yield_now();
+            }
+            outbox.ack(&shared.metrics, 1, true, current);
+            setter
+        });
+        setter.join().unwrap();
+        assert_eq!(agent.policies().version(), 0);
+        let (bounds, _) = window(Instant::now());
+        let _ = outbox.send(&shared.metrics, &tx, true, report_fill(shared, bounds));
+        assert_eq!(
+            calls_by_version(&mut rx),
+            [(4, 1)].into_iter().collect(),
+            "version -> calls: the refused call was made on version 4"
+        );
+    }
+
+    /// The shutdown report (`Closing::run` -> `Outbox::send_by`) waits for room on the
+    /// stream for each held report before it takes the counters. It read the version before
+    /// that wait, and took the counts of calls that outlived their version only then:
+    /// `Agent::set_policies` during the wait (up to `CLOSE_GRACE`) moved version 4's counts
+    /// aside, never reported, and the calls made on its policies (version 0) went out under
+    /// version 4 (seen in review). Both are read as the counters are taken now.
+    #[tokio::test]
+    async fn policies_set_while_the_shutdown_report_waits_for_room_are_reported_under_their_version()
+     {
+        let agent = agent_on_4();
+        let shared = agent.shared();
+        let ok = |_| async { Ok::<_, std::io::Error>(http::Response::new(())) };
+        let ep = agent.endpoint("a");
+        let mut outbox = Outbox::default();
+        // One report held from before (version 3), so that send_by waits before the counters.
+        count_calls(shared, 1);
+        outbox.hold(&shared.metrics, |r| r.policy_version = 3);
+        ep.call(crate::CallMeta::http("GET", "/"), ok)
+            .await
+            .unwrap();
+        let (tx, mut rx) = mpsc::channel(8);
+        for _ in 0..8 {
+            tx.try_send(message(Kind::Metrics(pb::MetricsReport::default())))
+                .unwrap();
+        }
+        outbox.closing();
+        let (bounds, _) = window(Instant::now());
+        let deadline = Instant::now() + Duration::from_secs(10);
+        {
+            let mut fut = std::pin::pin!(outbox.send_by(
+                &shared.metrics,
+                &tx,
+                true,
+                deadline,
+                |f| shared.between_swaps(f),
+                || report_fill(shared, bounds),
+            ));
+            let pending = std::future::poll_fn(|cx| {
+                std::task::Poll::Ready(fut.as_mut().poll(cx).is_pending())
+            })
+            .await;
+            assert!(pending, "send_by waits for room for the held report");
+            // The program sets its policies and calls on them while shutdown waits.
+            agent.set_policies(policies_for_a(3));
+            ep.call(crate::CallMeta::http("GET", "/"), ok)
+                .await
+                .unwrap();
+            for _ in 0..8 {
+                rx.try_recv().unwrap();
+            }
+            fut.await;
+        }
+        let sent = calls_by_version(&mut rx);
+        assert_eq!(
+            sent,
+            [(0, 1), (3, 1), (4, 1)].into_iter().collect(),
+            "version -> calls: one on 3 (held), one on 4 (before shutdown), one on 0 (set \
+             during it)"
         );
     }
 }

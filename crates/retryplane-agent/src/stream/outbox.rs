@@ -193,25 +193,39 @@ impl Outbox {
     /// [`Outbox::send`] at shutdown (after [`Outbox::closing`]): each report (each part of
     /// counts too large for one) waits for room on `tx` until `deadline`; the counts of those
     /// that find none by then are added back. How many were queued.
-    pub(crate) async fn send_by(
+    ///
+    /// `fill()` makes a report's `fill`, reading the version in force as it is made; `steady`
+    /// runs what it is given with no swap of the policies in between (`Shared::between_swaps`).
+    /// The version is read as the counters are taken, after the wait for room for the reports
+    /// held before, and the counts of calls that outlived their version are taken again then:
+    /// `Agent::set_policies` during that wait moves the version's counts there and puts its own
+    /// in force.
+    pub(crate) async fn send_by<F: FnMut(&mut pb::MetricsReport)>(
         &mut self,
         registry: &Registry,
         tx: &mpsc::Sender<pb::AgentMessage>,
         numbered: bool,
         deadline: tokio::time::Instant,
-        mut fill: impl FnMut(&mut pb::MetricsReport),
+        steady: impl Fn(&mut dyn FnMut()),
+        fill: impl Fn() -> F,
     ) -> usize {
-        self.hold_outlived(registry, &mut fill);
         let mut queued = 0;
-        while let Some(report) = self.held.pop_front() {
-            let Ok(Ok(permit)) = tokio::time::timeout_at(deadline, tx.reserve()).await else {
-                self.held.push_front(report);
-                return queued;
-            };
-            self.queue_report(permit, numbered, report);
-            queued += 1;
+        steady(&mut || self.hold_outlived(registry, &mut fill()));
+        if !self.send_held_by(tx, numbered, deadline, &mut queued).await {
+            return queued;
         }
-        let endpoints = registry.take();
+        let mut taken = None;
+        steady(&mut || {
+            self.hold_outlived(registry, &mut fill());
+            taken = Some((registry.take(), fill()));
+        });
+        let Some((endpoints, fill)) = taken else {
+            return queued;
+        };
+        if !self.send_held_by(tx, numbered, deadline, &mut queued).await {
+            registry.restore(&endpoints);
+            return queued;
+        }
         if endpoints.is_empty() {
             return queued;
         }
@@ -228,6 +242,26 @@ impl Outbox {
             queued += 1;
         }
         queued
+    }
+
+    /// Queues the held reports, each waiting for room on `tx` until `deadline`, counting them
+    /// in `queued`; `false` when one found none (it and those after it stay held).
+    async fn send_held_by(
+        &mut self,
+        tx: &mpsc::Sender<pb::AgentMessage>,
+        numbered: bool,
+        deadline: tokio::time::Instant,
+        queued: &mut usize,
+    ) -> bool {
+        while let Some(report) = self.held.pop_front() {
+            let Ok(Ok(permit)) = tokio::time::timeout_at(deadline, tx.reserve()).await else {
+                self.held.push_front(report);
+                return false;
+            };
+            self.queue_report(permit, numbered, report);
+            *queued += 1;
+        }
+        true
     }
 
     /// Takes the counts from `registry` and holds them as reports filled in by `fill` (the
@@ -330,7 +364,16 @@ impl Outbox {
         };
         self.held.insert(at, report);
         while self.held.len() > HELD {
-            if let Some(oldest) = self.held.pop_front() {
+            // The oldest version's (the first of them): a late count of a version evicted
+            // before (a call that outlived it) goes into the counters itself, not pushing a
+            // newer version's counts there.
+            let oldest = self
+                .held
+                .iter()
+                .enumerate()
+                .min_by_key(|(_, h)| h.policy_version)
+                .map_or(0, |(i, _)| i);
+            if let Some(oldest) = self.held.remove(oldest) {
                 debug!(
                     version = oldest.policy_version,
                     "too many metrics reports held; the oldest one's counts go into the next report"
@@ -364,7 +407,11 @@ impl Outbox {
             return Err(report);
         }
         held.endpoints = endpoints;
-        held.window_start_unix_ms = held.window_start_unix_ms.min(report.window_start_unix_ms);
+        // A start of 0 is no start (a wall clock near 1970): the other's stands.
+        held.window_start_unix_ms = match (held.window_start_unix_ms, report.window_start_unix_ms) {
+            (0, start) | (start, 0) => start,
+            (a, b) => a.min(b),
+        };
         held.window_end_unix_ms = held.window_end_unix_ms.max(report.window_end_unix_ms);
         Ok(())
     }
@@ -615,7 +662,9 @@ mod tests {
         Counters::inc(&r.outlived(2, &a).calls);
         o.closing();
         let deadline = tokio::time::Instant::now();
-        let queued = o.send_by(&r, &tx, true, deadline, under(3)).await;
+        let queued = o
+            .send_by(&r, &tx, true, deadline, |f| f(), || under(3))
+            .await;
         assert_eq!(queued, 1);
         assert_eq!(sent_with_versions(&mut rx), [(5, 2, 1)]);
     }
@@ -1073,7 +1122,9 @@ mod tests {
             calls
         };
         let send = async {
-            let all = o.send_by(&r, &tx, true, deadline, no_fill).await;
+            let all = o
+                .send_by(&r, &tx, true, deadline, |f| f(), || no_fill)
+                .await;
             drop(tx);
             all
         };
@@ -1088,7 +1139,7 @@ mod tests {
             .unwrap();
         count_many(&r, endpoints, 1);
         let past = tokio::time::Instant::now();
-        assert_eq!(o.send_by(&r, &tx, true, past, no_fill).await, 0);
+        assert_eq!(o.send_by(&r, &tx, true, past, |f| f(), || no_fill).await, 0);
         let back: u64 = r.take().iter().map(|e| e.calls).sum();
         assert_eq!(back, endpoints as u64, "the counts wait in the counters");
     }
@@ -1270,5 +1321,208 @@ mod tests {
             [(5, 1_000, 10), (0, 11_000, 1)],
             "(version, window start, calls): the refused counts over the span they were made in"
         );
+    }
+
+    /// A report's `fill`: `version`, from `start` to `end`.
+    fn span_of(version: u64, start: u64, end: u64) -> impl FnMut(&mut pb::MetricsReport) {
+        move |r| {
+            r.policy_version = version;
+            r.window_start_unix_ms = start;
+            r.window_end_unix_ms = end;
+        }
+    }
+
+    /// The metrics reports queued on `rx`.
+    fn reports_on(rx: &mut mpsc::Receiver<pb::AgentMessage>) -> Vec<pb::MetricsReport> {
+        let mut out = Vec::new();
+        while let Ok(m) = rx.try_recv() {
+            let Some(Kind::Metrics(r)) = m.kind else {
+                panic!("a metrics report");
+            };
+            out.push(r);
+        }
+        out
+    }
+
+    fn calls_in(reports: &[pb::MetricsReport]) -> u64 {
+        reports
+            .iter()
+            .flat_map(|r| &r.endpoints)
+            .map(|e| e.calls)
+            .sum()
+    }
+
+    /// a report with no start (`window_start_unix_ms` 0: the control plane reads it as
+    /// covering no known time, `aggregate::raw_span`) joined into a held one of its version
+    /// takes the held one's start with it (`min`): the held counts, made over a known span,
+    /// go out as made at no known time. The joined report should keep the known start (or
+    /// the two should stay apart). A start of 0 comes from `window` only with a wall clock
+    /// before 1970 plus the span, so this is an edge.
+    #[test]
+    fn a_report_with_no_start_joined_to_a_held_one_does_not_take_the_held_ones_span() {
+        let r = Registry::default();
+        let mut o = Outbox::default();
+        let (tx, mut rx) = mpsc::channel(64);
+        count_calls(&r, 3);
+        o.hold(&r, span_of(1, 1_000, 2_000));
+        // A call that outlived version 1 counts on; the next report has no start.
+        Counters::inc(&r.outlived(1, &Arc::from("a")).calls);
+        assert!(o.send(&r, &tx, true, span_of(2, 0, 3_000)).is_ok());
+        let v1: Vec<_> = reports_on(&mut rx)
+            .into_iter()
+            .filter(|r| r.policy_version == 1)
+            .collect();
+        assert_eq!(calls_in(&v1), 4);
+        assert!(
+            v1.iter()
+                .filter(|r| r.endpoints[0].calls >= 3)
+                .all(|r| r.window_start_unix_ms == 1_000),
+            "the 3 calls held over 1000..2000 keep their start: {v1:?}"
+        );
+    }
+
+    /// 30 swaps while the control plane
+    /// acknowledges nothing, calls outliving every version counting at every interval. No
+    /// count is lost or doubled, at most HELD reports are held, none is past
+    /// MAX_REPORT_BYTES, and the counts of the versions still held go out under their own.
+    #[test]
+    fn swaps_and_outliving_calls_with_a_full_window_lose_and_double_no_count() {
+        let r = Registry::default();
+        let mut o = Outbox::default();
+        let (tx, mut rx) = mpsc::channel(1024);
+        let mut total = 0;
+        for seq in 1..=WINDOW as u64 {
+            count_calls(&r, 1);
+            total += 1;
+            assert_eq!(
+                o.send(&r, &tx, true, span_of(1, seq * 10, seq * 10 + 10)),
+                Ok(seq)
+            );
+        }
+        let a: Arc<str> = Arc::from("a");
+        let mut t = 1_000;
+        for v in 1..=30u64 {
+            count_calls(&r, 5);
+            total += 5;
+            // The swap from v to v + 1 with the window full: v's counts held.
+            assert_eq!(
+                o.send(&r, &tx, true, span_of(v, t, t + 10)),
+                Err(NotSent::WindowFull)
+            );
+            o.hold(&r, span_of(v, t, t + 10));
+            t += 10;
+            // Calls on every version so far go on counting.
+            for u in 1..=v {
+                Counters::inc(&r.outlived(u, &a).calls);
+                total += 1;
+            }
+            assert_eq!(
+                o.send(&r, &tx, true, span_of(v + 1, t, t + 10)),
+                Err(NotSent::WindowFull)
+            );
+            t += 10;
+            assert!(o.held_versions().len() <= HELD);
+        }
+        let mut reports = reports_on(&mut rx);
+        assert_eq!(reports.len(), WINDOW);
+        // The control plane acknowledges everything from now on.
+        for _ in 0..64 {
+            for seq in o.pending_seqs() {
+                o.ack(&r, seq, false, 31);
+            }
+            match o.send(&r, &tx, true, span_of(31, t, t + 10)) {
+                Err(NotSent::Empty) => break,
+                _ => t += 10,
+            }
+            reports.extend(reports_on(&mut rx));
+        }
+        reports.extend(reports_on(&mut rx));
+        for rep in &reports {
+            let size: usize = rep
+                .endpoints
+                .iter()
+                .map(|e| prost::encoding::message::encoded_len(4, e))
+                .sum();
+            assert!(size <= MAX_REPORT_BYTES);
+            assert!(rep.window_start_unix_ms <= rep.window_end_unix_ms);
+        }
+        assert_eq!(calls_in(&reports), total, "every call counted once");
+    }
+
+    /// past HELD versions the oldest one's counts go into the counters (the module's
+    /// docs). Counts that a call outliving that evicted version makes afterwards come back as
+    /// a new held report of it at the end of `held`, and the bound then evicts the report at
+    /// the front: the counts held at the swap of a newer version (here version 2's 5 calls),
+    /// which go out under the version in force, while the evicted version's later count
+    /// keeps its own. The oldest version's counts should be the ones to go.
+    #[test]
+    fn a_call_outliving_an_evicted_version_does_not_push_a_newer_versions_counts_out() {
+        let r = Registry::default();
+        let mut o = Outbox::default();
+        let (tx, mut rx) = mpsc::channel(1024);
+        for seq in 1..=WINDOW as u64 {
+            count_calls(&r, 1);
+            assert_eq!(o.send(&r, &tx, true, under(1)), Ok(seq));
+        }
+        let _ = reports_on(&mut rx);
+        // Version 1 has a call that outlives it (in its pause).
+        let a: Arc<str> = Arc::from("a");
+        let call_on_1 = r.outlived(1, &a);
+        // HELD + 1 swaps with the window full: versions 1..=17 held, 1 evicted.
+        for v in 1..=HELD as u64 + 1 {
+            count_calls(&r, 5);
+            o.hold(&r, under(v));
+        }
+        assert_eq!(o.held_versions(), (2..=HELD as u64 + 1).collect::<Vec<_>>());
+        // The call on version 1 retries once more.
+        Counters::inc(&call_on_1.calls);
+        assert_eq!(
+            o.send(&r, &tx, true, under(HELD as u64 + 2)),
+            Err(NotSent::WindowFull)
+        );
+        assert_eq!(
+            r.pending("a").calls,
+            6,
+            "only version 1's calls (5 evicted before, and the late one, evicted itself) wait \
+             in the counters for the version in force; held: {:?}",
+            o.held_versions()
+        );
+        assert_eq!(o.held_versions(), (2..=HELD as u64 + 1).collect::<Vec<_>>());
+        assert!(
+            o.held_versions().contains(&2),
+            "version 2's counts are held: {:?}",
+            o.held_versions()
+        );
+    }
+
+    /// a held report and counts of its version
+    /// whose sum is past MAX_REPORT_BYTES stay two reports, each within it, no count lost.
+    #[test]
+    fn counts_that_would_make_a_held_report_too_large_are_held_apart() {
+        let r = Registry::default();
+        let mut o = Outbox::default();
+        let (tx, mut rx) = mpsc::channel(64);
+        const N: usize = 50_000;
+        for i in 0..N {
+            Counters::inc(&r.counters(&Arc::from(format!("e{i:06}"))).calls);
+        }
+        o.hold(&r, span_of(1, 1_000, 2_000));
+        assert_eq!(o.held_versions(), [1]);
+        for i in 0..N {
+            Counters::inc(&r.outlived(1, &Arc::from(format!("f{i:06}"))).calls);
+        }
+        assert!(o.send(&r, &tx, true, span_of(2, 2_000, 3_000)).is_ok());
+        let reports = reports_on(&mut rx);
+        assert_eq!(reports.len(), 2, "not joined: the sum is past the limit");
+        for rep in &reports {
+            let size: usize = rep
+                .endpoints
+                .iter()
+                .map(|e| prost::encoding::message::encoded_len(4, e))
+                .sum();
+            assert!(size <= MAX_REPORT_BYTES, "{size}");
+            assert_eq!(rep.policy_version, 1);
+        }
+        assert_eq!(calls_in(&reports), 2 * N as u64);
     }
 }
