@@ -128,13 +128,22 @@ fn listen_address(text: &str) -> Result<SocketAddr, String> {
     if let Ok(addr) = text.parse::<SocketAddr>() {
         return Ok(addr);
     }
-    // A `--server` URL or one from a browser's bar pasted in.
+    // A `--server` URL or one from a browser's bar pasted in: its address is suggested only
+    // when it is one a listener takes (not a name, not without a port), and never with the
+    // `user:password@` a URL may hold.
     if let Some((_, rest)) = text.split_once("://") {
         let authority = rest.split(['/', '?', '#']).next().unwrap_or(rest);
-        return Err(format!(
-            "a listener takes an IP address and a port, not a URL: write {authority}, without \
-             the scheme"
-        ));
+        let address = authority.rsplit_once('@').map_or(authority, |(_, a)| a);
+        return Err(if address.parse::<SocketAddr>().is_ok() {
+            format!(
+                "a listener takes an IP address and a port, not a URL: write {address}, \
+                 without the scheme"
+            )
+        } else {
+            "a listener takes an IP address and a port, not a URL: 127.0.0.1:PORT or \
+             [::1]:PORT for loopback, 0.0.0.0:PORT or [::]:PORT for every address"
+                .to_owned()
+        });
     }
     if text.parse::<std::net::IpAddr>().is_ok() || text.parse::<std::net::Ipv6Addr>().is_ok() {
         return Err(if text.contains(':') {
@@ -166,8 +175,10 @@ fn listen_address(text: &str) -> Result<SocketAddr, String> {
     }
     // Rust (like `getaddrinfo` with numeric hosts) takes the zone of a link-local address by
     // its number (`%2`), not by the interface's name (`%eth0`, as `ip address` shows it).
-    if let Some((addr, zone)) = ip.and_then(|ip| ip.split_once('%'))
+    let zoned = ip.and_then(|ip| ip.split_once('%'));
+    if let Some((addr, zone)) = zoned
         && addr.parse::<std::net::Ipv6Addr>().is_ok()
+        && zone.parse::<u32>().is_err()
     {
         return Err(format!(
             "the zone after `%` must be the interface's number (`ip link` shows it first), \
@@ -175,7 +186,11 @@ fn listen_address(text: &str) -> Result<SocketAddr, String> {
         ));
     }
     let host_is_ip = match ip {
-        Some(ip) => ip.parse::<std::net::Ipv6Addr>().is_ok(),
+        // With a zone by number, taken above: what is wrong is the port.
+        Some(ip) => zoned
+            .map_or(ip, |(addr, _)| addr)
+            .parse::<std::net::Ipv6Addr>()
+            .is_ok(),
         None => host.parse::<std::net::Ipv4Addr>().is_ok(),
     };
     if host_is_ip {
@@ -668,5 +683,42 @@ mod tests {
             idle_timeout("86401s").unwrap_err(),
             "`86401s` is out of range: from 1s to 24h, in whole milliseconds"
         );
+    }
+
+    /// A link-local address with its zone by number (which `listen_address` takes) and a
+    /// port past 65535 is told its zone must be the interface's number, which it is; the
+    /// port is what is wrong.
+    #[test]
+    fn a_numbered_zone_with_a_bad_port_is_told_about_the_port() {
+        assert!(listen_address("[fe80::1%2]:7470").is_ok());
+        let e = listen_address("[fe80::1%2]:99999").unwrap_err();
+        assert!(
+            e.contains("port") && !e.contains("interface's number"),
+            "{e}"
+        );
+    }
+
+    /// A URL given as a listen address is told to write its address only when the listener
+    /// takes that address (not a host name, not one without a port), and never with the
+    /// URL's `user:password@`.
+    #[test]
+    fn what_a_url_given_as_a_listen_address_is_told_to_write_is_taken() {
+        for url in [
+            "http://127.0.0.1:7470/",
+            "http://localhost:7470",
+            "http://127.0.0.1",
+            "http://ops:s3cret@127.0.0.1:7470",
+        ] {
+            let e = listen_address(url).unwrap_err();
+            assert!(!e.contains("s3cret"), "{url}: {e}");
+            let suggested = e
+                .split_once("write ")
+                .and_then(|(_, rest)| rest.split_once(','))
+                .map(|(s, _)| s);
+            assert!(
+                suggested.is_none_or(|s| listen_address(s).is_ok()),
+                "{url}: {e}"
+            );
+        }
     }
 }
