@@ -332,7 +332,10 @@ impl Outbox {
                 report.policy_version = version;
                 report.seq = 0;
                 if let Some(from) = from {
-                    report.window_start_unix_ms = report.window_start_unix_ms.min(from);
+                    report.window_start_unix_ms = match report.window_start_unix_ms {
+                        0 => from,
+                        start => start.min(from),
+                    };
                 }
                 self.hold_report(registry, report);
             }
@@ -366,12 +369,24 @@ impl Outbox {
         while self.held.len() > HELD {
             // The oldest version's (the first of them): a late count of a version evicted
             // before (a call that outlived it) goes into the counters itself, not pushing a
-            // newer version's counts there.
-            let oldest = self
+            // newer version's counts there. Pushed versions only go up; version 0 (the
+            // program's own policies, or the fallback) is as old as the pushed one held
+            // before it.
+            let mut before = 0;
+            let ages: Vec<u64> = self
                 .held
                 .iter()
+                .map(|h| {
+                    if h.policy_version != 0 {
+                        before = h.policy_version;
+                    }
+                    before
+                })
+                .collect();
+            let oldest = ages
+                .iter()
                 .enumerate()
-                .min_by_key(|(_, h)| h.policy_version)
+                .min_by_key(|&(_, age)| age)
                 .map_or(0, |(i, _)| i);
             if let Some(oldest) = self.held.remove(oldest) {
                 debug!(
@@ -521,9 +536,10 @@ impl<F: FnMut(&mut pb::MetricsReport)> FromTakenBack<F> {
     /// `fill`, then the start of the counts taken back when the report is of their version.
     fn fill(&mut self, report: &mut pb::MetricsReport) {
         (self.fill)(report);
+        // A start of 0 is no start (a wall clock near 1970): the counts taken back keep theirs.
         if let Some(back) = self.from
             && back.version == report.policy_version
-            && back.from < report.window_start_unix_ms
+            && (report.window_start_unix_ms == 0 || back.from < report.window_start_unix_ms)
         {
             report.window_start_unix_ms = back.from;
         }
@@ -1524,5 +1540,125 @@ mod tests {
             assert_eq!(rep.policy_version, 1);
         }
         assert_eq!(calls_in(&reports), 2 * N as u64);
+    }
+
+    /// Past HELD the report evicted is the oldest version's. Version 0 is not the oldest by
+    /// its number: it is the static policies (`Agent::set_policies`) or the fallback, and
+    /// policies the program set after pushed version 3 was replaced, and then replaced by push
+    /// 5, were in force after versions 1 to 3. Version 1's counts, held earliest, go (ranked by
+    /// number, version 0's went, seen in review).
+    #[test]
+    fn past_held_a_version_0_report_held_after_pushed_ones_is_not_the_first_to_go() {
+        let r = Registry::default();
+        let mut o = Outbox::default();
+        // Pushes 1, 2, 3 replaced (held); the program's policies (version 0) replaced by push
+        // 5 (held); pushes 5..=16 replaced (held): 16 held.
+        let order: Vec<u64> = [1, 2, 3, 0].into_iter().chain(5..=16).collect();
+        for &v in &order {
+            count_calls(&r, 1);
+            o.hold(&r, under(v));
+        }
+        assert_eq!(o.held_versions(), order);
+        // Push 18 replaces 17: one report too many.
+        count_calls(&r, 1);
+        o.hold(&r, under(17));
+        assert_eq!(o.held_versions().len(), HELD);
+        assert!(
+            o.held_versions().contains(&0),
+            "the counts made on the program's policies (after versions 1..=3) are held; \
+             held: {:?}",
+            o.held_versions()
+        );
+        assert!(
+            !o.held_versions().contains(&1),
+            "the oldest counts (version 1's) went: held {:?}",
+            o.held_versions()
+        );
+    }
+
+    /// `join_held` keeps the non-zero start when one side has none (0). The other
+    /// two places that give a report the start of counts taken back from a refused one do not:
+    /// `FromTakenBack::fill` moves the start back only when the taken-back start is below the
+    /// report's, never below 0. Counts refused over 1000..2000 put back into the counters go
+    /// out in a report with no start: as made at no known time.
+    #[test]
+    fn taken_back_counts_reported_with_a_report_of_no_start_keep_their_start() {
+        let r = Registry::default();
+        let mut o = Outbox::default();
+        let (tx, mut rx) = mpsc::channel(64);
+        count_calls(&r, 3);
+        assert_eq!(o.send(&r, &tx, true, span_of(2, 1_000, 2_000)), Ok(1));
+        let _ = reports_on(&mut rx);
+        // Refused; version 2 still in force: back into the counters, from 1000.
+        o.ack(&r, 1, true, 2);
+        count_calls(&r, 1);
+        assert_eq!(o.send(&r, &tx, true, span_of(2, 0, 3_000)), Ok(2));
+        let reps = reports_on(&mut rx);
+        assert_eq!(calls_in(&reps), 4);
+        assert_eq!(
+            reps[0].window_start_unix_ms, 1_000,
+            "the refused counts were made from 1000: {reps:?}"
+        );
+    }
+
+    /// The same in `hold_outlived`: counts taken back from a refused report of version
+    /// 2 (1000..2000), then moved to the counters of calls that outlived it
+    /// (`Agent::set_policies`, `Registry::retire`), are held with `min(start, 1000)`: a report
+    /// filled in with no start (0) takes 0, and the refused counts go out as made at no known
+    /// time.
+    #[test]
+    fn taken_back_counts_moved_to_outlived_keep_their_start_under_a_fill_of_no_start() {
+        let r = Registry::default();
+        let mut o = Outbox::default();
+        let (tx, mut rx) = mpsc::channel(64);
+        count_calls(&r, 3);
+        assert_eq!(o.send(&r, &tx, true, span_of(2, 1_000, 2_000)), Ok(1));
+        let _ = reports_on(&mut rx);
+        o.ack(&r, 1, true, 2);
+        // The program sets its policies: version 2's counts move aside.
+        r.retire(2);
+        assert!(o.send(&r, &tx, true, span_of(0, 0, 3_000)).is_ok());
+        let v2: Vec<_> = reports_on(&mut rx)
+            .into_iter()
+            .filter(|r| r.policy_version == 2)
+            .collect();
+        assert_eq!(calls_in(&v2), 3);
+        assert!(
+            v2.iter().all(|r| r.window_start_unix_ms == 1_000),
+            "the refused counts were made from 1000: {v2:?}"
+        );
+    }
+
+    /// Shutdown: the held reports go out, the counts of calls that
+    /// outlived their version made during that wait are held, the counters are taken, and the
+    /// wait for room for the newly held report runs out: the counters' counts are put back,
+    /// the new held report stays held, and only the first is counted as queued.
+    #[tokio::test]
+    async fn send_by_running_out_of_room_after_taking_the_counters_puts_them_back() {
+        let r = Registry::default();
+        let mut o = Outbox::default();
+        let (tx, mut rx) = mpsc::channel(1);
+        count_calls(&r, 2);
+        o.hold(&r, under(1));
+        let a: Arc<str> = Arc::from("a");
+        let on_2 = r.outlived(2, &a);
+        count_calls(&r, 5);
+        o.closing();
+        let turns = std::cell::Cell::new(0);
+        let steady = |f: &mut dyn FnMut()| {
+            turns.set(turns.get() + 1);
+            if turns.get() == 2 {
+                // A call on version 2 counts during the wait for room for the held report.
+                Counters::inc(&on_2.calls);
+            }
+            f();
+        };
+        let past = tokio::time::Instant::now();
+        let queued = o.send_by(&r, &tx, true, past, steady, || under(3)).await;
+        assert_eq!(turns.get(), 2);
+        assert_eq!(queued, 1);
+        assert_eq!(sent_with_versions(&mut rx), [(1, 1, 2)]);
+        assert_eq!(o.held_versions(), [2]);
+        assert_eq!(r.pending("a").calls, 5, "the counters' counts wait there");
     }
 }
