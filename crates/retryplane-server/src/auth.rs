@@ -174,6 +174,8 @@ struct RawToken {
 /// words rather than refused by the YAML reader without naming the entry.
 enum RawMax {
     Count(u64),
+    /// A whole number past `u64`.
+    TooLarge,
     Null,
     Other,
 }
@@ -192,24 +194,24 @@ impl<'de> serde::Deserialize<'de> for RawMax {
             fn visit_i64<E>(self, v: i64) -> Result<RawMax, E> {
                 Ok(u64::try_from(v).map_or(RawMax::Other, RawMax::Count))
             }
-            // A whole number past `u64` is a limit no fleet reaches: none of its own, as one
-            // past `usize` is (it was refused as "not a whole number of at least 1").
+            // A whole number past `u64` is refused as too large (it was "not a whole number of
+            // at least 1", which it is).
             fn visit_u128<E>(self, v: u128) -> Result<RawMax, E> {
-                Ok(RawMax::Count(u64::try_from(v).unwrap_or(u64::MAX)))
+                Ok(u64::try_from(v).map_or(RawMax::TooLarge, RawMax::Count))
             }
             fn visit_i128<E>(self, v: i128) -> Result<RawMax, E> {
                 Ok(match u64::try_from(v) {
                     Ok(v) => RawMax::Count(v),
-                    Err(_) if v > 0 => RawMax::Count(u64::MAX),
+                    Err(_) if v > 0 => RawMax::TooLarge,
                     Err(_) => RawMax::Other,
                 })
             }
             // Digits past what an integer holds reach here as a float: a whole number too,
-            // and as large.
+            // and too large.
             fn visit_f64<E>(self, v: f64) -> Result<RawMax, E> {
                 Ok(
                     if v >= u64::MAX as f64 && (v.is_infinite() || v.fract() == 0.0) {
-                        RawMax::Count(u64::MAX)
+                        RawMax::TooLarge
                     } else {
                         RawMax::Other
                     },
@@ -654,6 +656,14 @@ impl Tokens {
                     match written {
                         RawMax::Null => none("without a value", &mut problems),
                         RawMax::Count(0) => none("0", &mut problems),
+                        RawMax::TooLarge => {
+                            problems.push(format!(
+                                "{at}: `max_agents` is past any count this file takes (at most \
+                                 {}); leave the field out for no limit of its own",
+                                u64::MAX
+                            ));
+                            None
+                        }
                         RawMax::Other => {
                             problems.push(format!(
                                 "{at}: `max_agents` must be a whole number of at least 1 (how \
