@@ -1204,12 +1204,9 @@ mod tests {
     /// makes `attempts_of(v)` attempts), and once all is reported nothing of the endpoints is
     /// kept.
     // The reporter and setter are plain threads, as the stream task and a program's own
-    // thread are to the callers: their bounds and pacing go by the wall clock.
-    #[allow(
-        clippy::disallowed_types,
-        clippy::disallowed_methods,
-        clippy::type_complexity
-    )]
+    // thread are to the callers; they are paced by the calls ended, not by a clock, and run
+    // until the callers (a fixed number of calls each) are done.
+    #[allow(clippy::type_complexity)]
     async fn race_calls_with_reports_and_pushes(set_policies: bool) {
         use std::collections::BTreeMap;
         use std::sync::atomic::{AtomicBool, AtomicU64};
@@ -1237,12 +1234,15 @@ mod tests {
             )
         });
         let done = Arc::new(AtomicBool::new(false));
+        // Calls ended so far: what pushes and policies set are paced by.
+        let ended = Arc::new(AtomicU64::new(0));
         // attempts per call -> (calls, attempts) the callers saw (u64::MAX: first-try successes).
         let truth: Arc<std::sync::Mutex<BTreeMap<u64, (u64, u64)>>> = Arc::default();
         let mut callers = Vec::new();
         for id in 0..CALLERS {
             let agent = agent.clone();
             let truth = truth.clone();
+            let ended = ended.clone();
             callers.push(tokio::spawn(async move {
                 for n in 0..CALLS {
                     let ep = agent.endpoint(&format!("host-{}", (id + n) % 16));
@@ -1258,6 +1258,7 @@ mod tests {
                         })
                         .await;
                     let made = made.load(Relaxed);
+                    ended.fetch_add(1, Relaxed);
                     // Failing calls run out of attempts: their count says the version.
                     if r.is_err() {
                         let mut t = truth.lock().unwrap();
@@ -1276,6 +1277,7 @@ mod tests {
         let reporter = {
             let shared = shared.clone();
             let done = done.clone();
+            let ended = ended.clone();
             std::thread::spawn(move || {
                 // version -> (calls, attempts, first-try successes) reported.
                 let mut got: BTreeMap<u64, (u64, u64, u64)> = BTreeMap::new();
@@ -1305,16 +1307,14 @@ mod tests {
                     });
                 };
                 let mut version = 1;
-                let mut pushed = std::time::Instant::now();
-                // Bounded: 120 s at most.
-                let deadline = std::time::Instant::now() + Duration::from_secs(120);
-                while std::time::Instant::now() < deadline {
-                    if done.load(Relaxed) {
-                        break;
-                    }
+                // A push each time this many more calls have ended: spread over the run.
+                let every = CALLERS * CALLS / VERSIONS;
+                let mut next_push = every;
+                // Until the callers are done (a bounded number of calls).
+                while !done.load(Relaxed) {
                     report(&mut got, &mut add);
-                    if pushed.elapsed() >= Duration::from_millis(100) && version < VERSIONS {
-                        pushed = std::time::Instant::now();
+                    if ended.load(Relaxed) >= next_push && version < VERSIONS {
+                        next_push += every;
                         version += 1;
                         // As `stream::apply` does: announce, take the outgoing version's counts,
                         // swap.
@@ -1334,11 +1334,6 @@ mod tests {
                     }
                     std::thread::yield_now();
                 }
-                // The callers end before this (bounded: the same 120 s).
-                while !done.load(Relaxed) && std::time::Instant::now() < deadline {
-                    std::thread::sleep(Duration::from_millis(1));
-                }
-                assert!(done.load(Relaxed), "the callers ended");
                 for _ in 0..2 {
                     report(&mut got, &mut add);
                 }
@@ -1348,11 +1343,17 @@ mod tests {
         let setter = set_policies.then(|| {
             let agent = agent.clone();
             let done = done.clone();
+            let ended = ended.clone();
             std::thread::spawn(move || {
-                let deadline = std::time::Instant::now() + Duration::from_secs(120);
-                while !done.load(Relaxed) && std::time::Instant::now() < deadline {
-                    std::thread::sleep(Duration::from_millis(37));
-                    agent.set_policies(policies(0));
+                // Policies set each time another 150 calls have ended, until the callers are
+                // done.
+                let mut next = 150;
+                while !done.load(Relaxed) {
+                    if ended.load(Relaxed) >= next {
+                        next += 150;
+                        agent.set_policies(policies(0));
+                    }
+                    std::thread::yield_now();
                 }
             })
         });
