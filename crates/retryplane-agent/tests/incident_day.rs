@@ -382,49 +382,185 @@ fn builder_unseeded(running: &Running, id: &str, service: &str) -> Agent {
         .unwrap()
 }
 
-/// Runs `f` for every member at once and waits for all.
-async fn each<F, Fut>(members: &[Arc<Member>], f: F)
-where
-    F: Fn(Arc<Member>) -> Fut,
-    Fut: std::future::Future<Output = ()> + Send + 'static,
-{
-    let mut set = tokio::task::JoinSet::new();
-    for m in members {
-        set.spawn(f(m.clone()));
+/// One agent of each service: `checkout` through `Endpoint::call`, `search` through the layer.
+const PAIR: &[(&str, &str, bool)] = &[
+    ("checkout-1", "checkout", false),
+    ("search-1", "search", true),
+];
+
+/// One test's world: a control plane in API mode (metrics every 200 ms), the upstream, and
+/// the agents.
+struct Day {
+    _dir: tempfile::TempDir,
+    running: Running,
+    url: String,
+    up: Upstream,
+    members: Vec<Arc<Member>>,
+}
+
+impl Day {
+    /// The control plane on `seed` as version 1, the upstream healthy, and `members` (`(agent
+    /// id, service, through the tower layer)`) connected and on version 1.
+    async fn start(seed: &str, members: &[(&str, &'static str, bool)]) -> Day {
+        let dir = tempfile::tempdir().unwrap();
+        let running = plane_with(dir.path(), seed, None, |c| {
+            c.metrics_interval = Duration::from_millis(200);
+        })
+        .await;
+        let (url, up) = upstream().await;
+        let members = members
+            .iter()
+            .map(|&(id, service, layer)| Member::new(&running, id, service, layer))
+            .collect();
+        let day = Day {
+            _dir: dir,
+            running,
+            url,
+            up,
+            members,
+        };
+        day.all_on(1).await;
+        day
     }
-    while let Some(r) = set.join_next().await {
-        r.unwrap();
+
+    /// The operator applies `yaml`, which becomes `version`; returns once every agent runs it.
+    async fn apply(&self, yaml: &str, version: u64) {
+        assert_eq!(apply(&self.running, yaml.to_owned()).await, version);
+        self.all_on(version).await;
+    }
+
+    /// The operator rolls back to `to`, which comes back as `version`; returns once every
+    /// agent runs it.
+    async fn roll_back(&self, to: u64, version: u64) {
+        let rolled = admin(&self.running)
+            .await
+            .rollback(pb::RollbackRequest {
+                version: to,
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(rolled.version, version);
+        self.all_on(version).await;
+    }
+
+    /// Waits until every agent runs `version` and the control plane has seen each ack it.
+    async fn all_on(&self, version: u64) {
+        let members = &self.members;
+        eventually(&format!("every agent on v{version}"), || async {
+            members
+                .iter()
+                .all(|m| m.agent.policies().version() == version)
+        })
+        .await;
+        eventually(
+            &format!("the control plane sees every agent ack v{version}"),
+            || async {
+                let fleet = self.fleet().await;
+                members.iter().all(|m| {
+                    fleet.agents.iter().any(|a| {
+                        a.agent_id == m.id
+                            && a.service == m.service
+                            && a.connected
+                            && a.applied_version == version
+                            && a.last_response == "ack"
+                    })
+                })
+            },
+        )
+        .await;
+    }
+
+    async fn fleet(&self) -> pb::FleetStatusResponse {
+        admin(&self.running)
+            .await
+            .fleet_status(pb::FleetStatusRequest::default())
+            .await
+            .unwrap()
+            .into_inner()
+    }
+
+    /// Runs `f` for every member at once, with the upstream's URL, and waits for all.
+    async fn each<F, Fut>(&self, f: F)
+    where
+        F: Fn(Arc<Member>, String) -> Fut,
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
+        let mut set = tokio::task::JoinSet::new();
+        for m in &self.members {
+            set.spawn(f(m.clone(), self.url.clone()));
+        }
+        while let Some(r) = set.join_next().await {
+            r.unwrap();
+        }
+    }
+
+    /// Every member makes calls of `stage`, 20 ms apart, until the upstream has read `n` of
+    /// its requests since now; `what` names what did not come.
+    async fn until_hits(&self, stage: u8, n: usize, what: &'static str) {
+        let up = self.up.clone();
+        let since = up.hits().len();
+        self.each(move |m, u| {
+            let up = up.clone();
+            async move {
+                let end = Instant::now() + WAIT;
+                while up.hits()[since..]
+                    .iter()
+                    .filter(|h| h.agent == m.id)
+                    .count()
+                    < n
+                {
+                    assert!(Instant::now() < end, "{}: {what}", m.id);
+                    m.call(&u, stage).await;
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+        })
+        .await;
+    }
+
+    /// Waits until the control plane's lifetime counters of `service` pass `check`; `what`
+    /// names what is waited for.
+    async fn reported(&self, service: &str, what: &str, check: impl Fn(&pb::Counters) -> bool) {
+        eventually(what, || async {
+            series(&self.running, service)
+                .await
+                .and_then(|s| s.lifetime)
+                .is_some_and(|c| check(&c))
+        })
+        .await;
+    }
+
+    /// Shuts every agent and the control plane down, then fails with `problems` if any.
+    async fn end(self, problems: Vec<String>) {
+        for m in &self.members {
+            m.agent.shutdown().await;
+        }
+        self.running.shutdown().await.unwrap();
+        assert!(problems.is_empty(), "{}", problems.join("\n"));
     }
 }
 
-async fn all_on(running: &Running, members: &[Arc<Member>], version: u64) {
-    eventually(&format!("every agent on v{version}"), || async {
-        members
-            .iter()
-            .all(|m| m.agent.policies().version() == version)
-    })
-    .await;
-    eventually(
-        &format!("the control plane sees every agent ack v{version}"),
-        || async {
-            let fleet = admin(running)
-                .await
-                .fleet_status(pb::FleetStatusRequest::default())
-                .await
-                .unwrap()
-                .into_inner();
-            members.iter().all(|m| {
-                fleet.agents.iter().any(|a| {
-                    a.agent_id == m.id
-                        && a.service == m.service
-                        && a.connected
-                        && a.applied_version == version
-                        && a.last_response == "ack"
-                })
-            })
-        },
-    )
-    .await;
+/// `tasks` tasks at once, each making `calls` calls of `stage` from `m` one after another;
+/// returns once all have ended, with every call's outcome.
+async fn at_once(m: &Arc<Member>, url: &str, stage: u8, tasks: usize, calls: u64) -> Vec<Called> {
+    let mut set = tokio::task::JoinSet::new();
+    for _ in 0..tasks {
+        let (m, u) = (m.clone(), url.to_owned());
+        set.spawn(async move {
+            let mut out = Vec::new();
+            for _ in 0..calls {
+                out.push(m.call(&u, stage).await);
+            }
+            out
+        });
+    }
+    let mut out = Vec::new();
+    while let Some(r) = set.join_next().await {
+        out.extend(r.unwrap());
+    }
+    out
 }
 
 /// The hits per call id, in order.
@@ -479,198 +615,115 @@ async fn series(running: &Running, service: &str) -> Option<pb::SeriesStats> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_incident_day_follows_every_version_and_the_control_plane_adds_up_to_what_the_upstream_saw()
  {
-    let dir = tempfile::tempdir().unwrap();
-    let running = plane_with(dir.path(), V1, None, |c| {
-        c.metrics_interval = Duration::from_millis(200);
-    })
+    let day = Day::start(
+        V1,
+        &[
+            ("checkout-1", "checkout", false),
+            ("checkout-2", "checkout", false),
+            ("search-1", "search", true),
+            ("search-2", "search", true),
+        ],
+    )
     .await;
-    let (url, up) = upstream().await;
-    let members = vec![
-        Member::new(&running, "checkout-1", "checkout", false),
-        Member::new(&running, "checkout-2", "checkout", false),
-        Member::new(&running, "search-1", "search", true),
-        Member::new(&running, "search-2", "search", true),
-    ];
-    all_on(&running, &members, 1).await;
+    let up = &day.up;
 
     // 1. A quiet morning.
-    let u = url.clone();
-    each(&members, move |m| {
-        let u = u.clone();
-        async move {
-            for _ in 0..5 {
-                assert!(m.call(&u, 1).await.ok);
-            }
+    day.each(|m, u| async move {
+        for _ in 0..5 {
+            assert!(m.call(&u, 1).await.ok);
         }
     })
     .await;
 
     // 2. The upstream falls over: 503s. Under v1 every call makes its 4 attempts.
     up.set(UNAVAILABLE);
-    let u = url.clone();
-    each(&members, move |m| {
-        let u = u.clone();
-        async move {
-            for _ in 0..8 {
-                let c = m.call(&u, 2).await;
-                assert_eq!(
-                    (c.ok, c.cause.as_deref()),
-                    (false, Some("attempts_exhausted")),
-                    "{}: {c:?}",
-                    m.id
-                );
-            }
-        }
-    })
-    .await;
-
-    // 3. The operator tightens everything.
-    assert_eq!(apply(&running, V2.to_owned()).await, 2);
-    all_on(&running, &members, 2).await;
-    // The next call after the swap follows v2: its budget took over the storm's retries, so
-    // the first failure is not retried (v1 would have retried it).
-    let u = url.clone();
-    each(&members, move |m| {
-        let u = u.clone();
-        async move {
-            let c = m.call(&u, 3).await;
+    day.each(|m, u| async move {
+        for _ in 0..8 {
+            let c = m.call(&u, 2).await;
             assert_eq!(
-                (c.cause.as_deref(), c.attempts),
-                (Some("budget_exhausted"), Some(1)),
-                "{}: the first call after the swap: {c:?}",
+                (c.ok, c.cause.as_deref()),
+                (false, Some("attempts_exhausted")),
+                "{}: {c:?}",
                 m.id
             );
         }
     })
     .await;
+
+    // 3. The operator tightens everything.
+    day.apply(V2, 2).await;
+    // The next call after the swap follows v2: its budget took over the storm's retries, so
+    // the first failure is not retried (v1 would have retried it).
+    day.each(|m, u| async move {
+        let c = m.call(&u, 3).await;
+        assert_eq!(
+            (c.cause.as_deref(), c.attempts),
+            (Some("budget_exhausted"), Some(1)),
+            "{}: the first call after the swap: {c:?}",
+            m.id
+        );
+    })
+    .await;
     // 503s go on until each agent's breaker opens.
-    let u = url.clone();
-    each(&members, move |m| {
-        let u = u.clone();
-        async move {
-            for _ in 0..40 {
-                if m.call(&u, 3).await.cause.as_deref() == Some("circuit_open") {
-                    return;
-                }
+    day.each(|m, u| async move {
+        for _ in 0..40 {
+            if m.call(&u, 3).await.cause.as_deref() == Some("circuit_open") {
+                return;
             }
-            panic!("{}: the breaker never opened", m.id);
         }
+        panic!("{}: the breaker never opened", m.id);
     })
     .await;
     // Then connection resets, until each agent has had two (its breaker's probes).
     up.set(RESETS);
-    let since = up.hits().len();
-    let u = url.clone();
-    let up2 = up.clone();
-    each(&members, move |m| {
-        let (u, up) = (u.clone(), up2.clone());
-        async move {
-            let end = Instant::now() + WAIT;
-            while up.hits()[since..]
-                .iter()
-                .filter(|h| h.agent == m.id)
-                .count()
-                < 2
-            {
-                assert!(
-                    Instant::now() < end,
-                    "{}: no probe reached the upstream",
-                    m.id
-                );
-                m.call(&u, 3).await;
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        }
-    })
-    .await;
+    day.until_hits(3, 2, "no probe reached the upstream").await;
     // Then 429 with Retry-After: 1, until each agent has had two.
     up.set(THROTTLED);
-    let since = up.hits().len();
-    let u = url.clone();
-    let up2 = up.clone();
-    each(&members, move |m| {
-        let (u, up) = (u.clone(), up2.clone());
-        async move {
-            let end = Instant::now() + WAIT;
-            while up.hits()[since..]
-                .iter()
-                .filter(|h| h.agent == m.id)
-                .count()
-                < 2
-            {
-                assert!(Instant::now() < end, "{}: no 429 reached it", m.id);
-                m.call(&u, 3).await;
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        }
-    })
-    .await;
+    day.until_hits(3, 2, "no 429 reached it").await;
     // The upstream comes back: each breaker closes, and then every call goes through.
     up.set(HEALTHY);
-    let u = url.clone();
-    each(&members, move |m| {
-        let u = u.clone();
-        async move {
-            let end = Instant::now() + WAIT;
-            let mut in_a_row = 0;
-            while in_a_row < 10 {
-                assert!(Instant::now() < end, "{}: the breaker never closed", m.id);
-                let c = m.call(&u, 3).await;
-                if c.ok {
-                    in_a_row += 1;
-                } else {
-                    assert_eq!(
-                        in_a_row, 0,
-                        "{}: a refusal after the breaker closed: {c:?}",
-                        m.id
-                    );
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                }
+    day.each(|m, u| async move {
+        let end = Instant::now() + WAIT;
+        let mut in_a_row = 0;
+        while in_a_row < 10 {
+            assert!(Instant::now() < end, "{}: the breaker never closed", m.id);
+            let c = m.call(&u, 3).await;
+            if c.ok {
+                in_a_row += 1;
+            } else {
+                assert_eq!(
+                    in_a_row, 0,
+                    "{}: a refusal after the breaker closed: {c:?}",
+                    m.id
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
             }
         }
     })
     .await;
 
     // 4. The operator rolls back to v1 (as v3): 4 attempts again, no breaker.
-    let rolled = admin(&running)
-        .await
-        .rollback(pb::RollbackRequest {
-            version: 1,
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    assert_eq!(rolled.version, 3);
-    all_on(&running, &members, 3).await;
+    day.roll_back(1, 3).await;
     up.set(UNAVAILABLE);
-    let u = url.clone();
-    each(&members, move |m| {
-        let u = u.clone();
-        async move {
-            for _ in 0..12 {
-                let c = m.call(&u, 4).await;
-                assert_eq!(
-                    c.cause.as_deref(),
-                    Some("attempts_exhausted"),
-                    "{}: after the rollback: {c:?}",
-                    m.id
-                );
-                if let Some(a) = c.attempts {
-                    assert_eq!(a, 4, "{}: {c:?}", m.id);
-                }
+    day.each(|m, u| async move {
+        for _ in 0..12 {
+            let c = m.call(&u, 4).await;
+            assert_eq!(
+                c.cause.as_deref(),
+                Some("attempts_exhausted"),
+                "{}: after the rollback: {c:?}",
+                m.id
+            );
+            if let Some(a) = c.attempts {
+                assert_eq!(a, 4, "{}: {c:?}", m.id);
             }
         }
     })
     .await;
     up.set(HEALTHY);
-    let u = url.clone();
-    each(&members, move |m| {
-        let u = u.clone();
-        async move {
-            for _ in 0..3 {
-                assert!(m.call(&u, 4).await.ok);
-            }
+    day.each(|m, u| async move {
+        for _ in 0..3 {
+            assert!(m.call(&u, 4).await.ok);
         }
     })
     .await;
@@ -678,7 +731,7 @@ async fn an_incident_day_follows_every_version_and_the_control_plane_adds_up_to_
     // What the upstream saw, per agent.
     let hits = up.hits();
     let mut problems: Vec<String> = Vec::new();
-    for m in &members {
+    for m in &day.members {
         let mine: Vec<Hit> = hits.iter().filter(|h| h.agent == m.id).cloned().collect();
         let calls = m.calls();
         let stage_of: HashMap<u64, u8> = calls.iter().map(|c| (c.call, c.stage)).collect();
@@ -792,8 +845,8 @@ async fn an_incident_day_follows_every_version_and_the_control_plane_adds_up_to_
             })
             .collect()
     };
-    for (i, a) in members.iter().enumerate() {
-        for b in &members[i + 1..] {
+    for (i, a) in day.members.iter().enumerate() {
+        for b in &day.members[i + 1..] {
             let (ga, gb) = (gaps(a), gaps(b));
             assert_eq!(ga.len(), 24);
             let same = ga
@@ -813,7 +866,11 @@ async fn an_incident_day_follows_every_version_and_the_control_plane_adds_up_to_
     // What the control plane shows (SPEC §4): exactly what the upstream saw and the calls
     // returned, per service.
     for service in ["checkout", "search"] {
-        let ms: Vec<&Arc<Member>> = members.iter().filter(|m| m.service == service).collect();
+        let ms: Vec<&Arc<Member>> = day
+            .members
+            .iter()
+            .filter(|m| m.service == service)
+            .collect();
         let calls: Vec<Called> = ms.iter().flat_map(|m| m.calls()).collect();
         let mine: Vec<Hit> = hits
             .iter()
@@ -822,14 +879,11 @@ async fn an_incident_day_follows_every_version_and_the_control_plane_adds_up_to_
             .collect();
         let per_call = by_call(&mine);
         let n_calls = calls.len() as u64;
-        eventually(&format!("{service}'s calls reported"), || async {
-            series(&running, service)
-                .await
-                .and_then(|s| s.lifetime)
-                .is_some_and(|c| c.calls == n_calls)
+        day.reported(service, &format!("{service}'s calls reported"), |c| {
+            c.calls == n_calls
         })
         .await;
-        let s = series(&running, service).await.unwrap();
+        let s = series(&day.running, service).await.unwrap();
         let life = s.lifetime.unwrap();
         let attempts = mine.len() as u64;
         let sent_first = per_call.len() as u64;
@@ -982,7 +1036,7 @@ async fn an_incident_day_follows_every_version_and_the_control_plane_adds_up_to_
             ));
         }
         // `/metrics`: the same figures.
-        let text = scrape(&running).await;
+        let text = scrape(&day.running).await;
         for (name, extra, v) in [
             ("retryplane_calls_total", "", life.calls),
             ("retryplane_attempts_total", "", life.attempts),
@@ -1023,19 +1077,14 @@ async fn an_incident_day_follows_every_version_and_the_control_plane_adds_up_to_
             ));
         }
     }
-    let fleet = admin(&running)
-        .await
-        .fleet_status(pb::FleetStatusRequest::default())
-        .await
-        .unwrap()
-        .into_inner();
+    let fleet = day.fleet().await;
     if fleet.current_version != 3 {
         problems.push(format!(
             "FleetStatus current_version {}",
             fleet.current_version
         ));
     }
-    let text = scrape(&running).await;
+    let text = scrape(&day.running).await;
     let agents_on = |v: &str| {
         text.lines().find_map(|l| {
             l.strip_prefix(&format!("retryplane_agents{{applied_version=\"{v}\"}} "))
@@ -1057,11 +1106,7 @@ async fn an_incident_day_follows_every_version_and_the_control_plane_adds_up_to_
     if fleet.alerting_endpoints != vec!["up".to_owned()] {
         problems.push(format!("FleetStatus flags {:?}", fleet.alerting_endpoints));
     }
-    for m in &members {
-        m.agent.shutdown().await;
-    }
-    running.shutdown().await.unwrap();
-    assert!(problems.is_empty(), "{}", problems.join("\n"));
+    day.end(problems).await;
 }
 
 /// How long after a failed answer the agent may read its budget's window (a thread of a
@@ -1134,35 +1179,25 @@ endpoints:
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_breaker_turned_on_mid_outage_opens_at_min_requests_and_lets_exactly_its_probes_through()
 {
-    let dir = tempfile::tempdir().unwrap();
-    let running = plane_with(dir.path(), BREAKER_OFF, None, |c| {
-        c.metrics_interval = Duration::from_millis(200);
-    })
-    .await;
-    let (url, up) = upstream().await;
-    let members = vec![
-        Member::new(&running, "checkout-1", "checkout", false),
-        Member::new(&running, "search-1", "search", true),
-    ];
-    all_on(&running, &members, 1).await;
+    let day = Day::start(BREAKER_OFF, PAIR).await;
+    let (up, url) = (&day.up, &day.url);
     up.set(UNAVAILABLE);
-    for m in &members {
+    for m in &day.members {
         for _ in 0..6 {
             assert_eq!(
-                m.call(&url, 1).await.cause.as_deref(),
+                m.call(url, 1).await.cause.as_deref(),
                 Some("attempts_exhausted")
             );
         }
     }
-    assert_eq!(apply(&running, BREAKER_ON.to_owned()).await, 2);
-    all_on(&running, &members, 2).await;
+    day.apply(BREAKER_ON, 2).await;
     let mut problems = Vec::new();
     let mut tripped = Vec::new();
-    for m in &members {
+    for m in &day.members {
         let before = up.hits().iter().filter(|h| h.agent == m.id).count();
         let mut refused = false;
         for _ in 0..10 {
-            if m.call(&url, 2).await.cause.as_deref() == Some("circuit_open") {
+            if m.call(url, 2).await.cause.as_deref() == Some("circuit_open") {
                 refused = true;
                 break;
             }
@@ -1184,22 +1219,11 @@ async fn a_breaker_turned_on_mid_outage_opens_at_min_requests_and_lets_exactly_i
     tokio::time::sleep_until(last_trip + Duration::from_millis(550)).await;
     for (round, want_through) in [(3u8, 2usize), (4, 10)] {
         let before = up.hits().len();
-        let u = url.clone();
-        each(&members, move |m| {
-            let u = u.clone();
-            async move {
-                let mut set = tokio::task::JoinSet::new();
-                for _ in 0..10 {
-                    let (m, u) = (m.clone(), u.clone());
-                    set.spawn(async move { m.call(&u, round).await });
-                }
-                while let Some(r) = set.join_next().await {
-                    r.unwrap();
-                }
-            }
+        day.each(move |m, u| async move {
+            at_once(&m, &u, round, 10, 1).await;
         })
         .await;
-        for m in &members {
+        for m in &day.members {
             let through = up.hits()[before..]
                 .iter()
                 .filter(|h| h.agent == m.id)
@@ -1219,11 +1243,7 @@ async fn a_breaker_turned_on_mid_outage_opens_at_min_requests_and_lets_exactly_i
             }
         }
     }
-    for m in &members {
-        m.agent.shutdown().await;
-    }
-    running.shutdown().await.unwrap();
-    assert!(problems.is_empty(), "{}", problems.join("\n"));
+    day.end(problems).await;
 }
 
 const STORM_V1: &str = "version: 1
@@ -1249,25 +1269,16 @@ endpoints:
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn many_concurrent_callers_never_retry_past_the_budget_in_any_window_also_across_a_tightening()
  {
-    let dir = tempfile::tempdir().unwrap();
-    let running = plane_with(dir.path(), STORM_V1, None, |c| {
-        c.metrics_interval = Duration::from_millis(200);
-    })
-    .await;
-    let (url, up) = upstream().await;
-    let members = vec![
-        Member::new(&running, "checkout-1", "checkout", false),
-        Member::new(&running, "search-1", "search", true),
-    ];
-    all_on(&running, &members, 1).await;
+    let day = Day::start(STORM_V1, PAIR).await;
+    let up = &day.up;
     up.set(UNAVAILABLE);
     // 0: before the change; 1: while it goes out; 2: once every agent runs it.
     let stage = Arc::new(AtomicU8::new(0));
     let stop = Arc::new(AtomicU8::new(0));
     let mut storm = tokio::task::JoinSet::new();
-    for m in &members {
+    for m in &day.members {
         for _ in 0..16 {
-            let (m, u, stage, stop) = (m.clone(), url.clone(), stage.clone(), stop.clone());
+            let (m, u, stage, stop) = (m.clone(), day.url.clone(), stage.clone(), stop.clone());
             storm.spawn(async move {
                 while stop.load(Ordering::SeqCst) == 0 {
                     m.call(&u, stage.load(Ordering::SeqCst)).await;
@@ -1281,8 +1292,7 @@ async fn many_concurrent_callers_never_retry_past_the_budget_in_any_window_also_
     })
     .await;
     stage.store(1, Ordering::SeqCst);
-    assert_eq!(apply(&running, STORM_V2.to_owned()).await, 2);
-    all_on(&running, &members, 2).await;
+    day.apply(STORM_V2, 2).await;
     stage.store(2, Ordering::SeqCst);
     let swapped = Instant::now();
     eventually("a second of storm under v2", || async {
@@ -1295,7 +1305,7 @@ async fn many_concurrent_callers_never_retry_past_the_budget_in_any_window_also_
     }
     let hits = up.hits();
     let mut problems = Vec::new();
-    for m in &members {
+    for m in &day.members {
         let calls = m.calls().len();
         let breaches = budget_breaches(m, |s| match s {
             0 => (Duration::from_secs(1), 2, 0.2),
@@ -1306,14 +1316,15 @@ async fn many_concurrent_callers_never_retry_past_the_budget_in_any_window_also_
         problems.extend(breaches.into_iter().take(5));
         // The control plane's counts are the upstream's and the calls'.
         let n = calls as u64;
-        eventually(&format!("{}'s calls reported", m.id), || async {
-            series(&running, m.service)
-                .await
-                .and_then(|s| s.lifetime)
-                .is_some_and(|c| c.calls == n)
+        day.reported(m.service, &format!("{}'s calls reported", m.id), |c| {
+            c.calls == n
         })
         .await;
-        let life = series(&running, m.service).await.unwrap().lifetime.unwrap();
+        let life = series(&day.running, m.service)
+            .await
+            .unwrap()
+            .lifetime
+            .unwrap();
         let seen = hits.iter().filter(|h| h.agent == m.id).count() as u64;
         let first = by_call(
             &hits
@@ -1339,73 +1350,58 @@ async fn many_concurrent_callers_never_retry_past_the_budget_in_any_window_also_
     // Enough healthy calls to bring every service's retries well under 5 % of its calls: the
     // storm's own share depends on how fast the machine made its calls.
     let mut healthy_per_task = 2_500;
-    for m in &members {
-        let s = series(&running, m.service).await.unwrap();
+    for m in &day.members {
+        let s = series(&day.running, m.service).await.unwrap();
         let c = s.lifetime.unwrap();
         let needed = (c.retries * 25).saturating_sub(c.calls);
         healthy_per_task = healthy_per_task.max(needed.div_ceil(8));
     }
-    let u = url.clone();
-    each(&members, move |m| {
-        let u = u.clone();
-        async move {
-            let mut set = tokio::task::JoinSet::new();
-            for _ in 0..8 {
-                let (m, u) = (m.clone(), u.clone());
-                set.spawn(async move {
-                    for _ in 0..healthy_per_task {
-                        assert!(m.call(&u, 3).await.ok);
-                    }
-                });
-            }
-            while let Some(r) = set.join_next().await {
-                r.unwrap();
-            }
-        }
+    day.each(move |m, u| async move {
+        let calls = at_once(&m, &u, 3, 8, healthy_per_task).await;
+        let failed = calls.iter().find(|c| !c.ok);
+        assert!(
+            failed.is_none(),
+            "{}: a healthy call failed: {failed:?}",
+            m.id
+        );
     })
     .await;
-    for m in &members {
-        let (calls, retries) = {
-            let s = series(&running, m.service).await.unwrap();
-            let c = s.lifetime.unwrap();
-            (c.calls, c.retries)
-        };
+    for m in &day.members {
+        let retries = series(&day.running, m.service)
+            .await
+            .unwrap()
+            .lifetime
+            .unwrap()
+            .retries;
         let total = m.calls().len() as u64;
         assert!(
             retries * 20 < total,
             "{}: still {retries} retries for {total} calls",
             m.id
         );
-        eventually(&format!("{}'s healthy calls reported", m.id), || async {
-            series(&running, m.service)
-                .await
-                .and_then(|s| s.lifetime)
-                .is_some_and(|c| c.calls == total)
-        })
+        day.reported(
+            m.service,
+            &format!("{}'s healthy calls reported", m.id),
+            |c| c.calls == total,
+        )
         .await;
-        let _ = calls;
         eventually(&format!("{}'s retry-ratio flag ends", m.id), || async {
-            series(&running, m.service)
+            series(&day.running, m.service)
                 .await
                 .and_then(|s| s.alert)
                 .is_some_and(|a| !a.firing)
         })
         .await;
     }
-    let fleet = admin(&running)
-        .await
-        .fleet_status(pb::FleetStatusRequest::default())
-        .await
-        .unwrap()
-        .into_inner();
+    let fleet = day.fleet().await;
     if !fleet.alerting_endpoints.is_empty() {
         problems.push(format!(
             "FleetStatus still flags {:?}",
             fleet.alerting_endpoints
         ));
     }
-    let text = scrape(&running).await;
-    for m in &members {
+    let text = scrape(&day.running).await;
+    for m in &day.members {
         if sample(&text, "retryplane_retry_ratio_alert", m.service, "") != Some(0.0) {
             problems.push(format!(
                 "{}: /metrics retryplane_retry_ratio_alert is not 0",
@@ -1413,11 +1409,7 @@ async fn many_concurrent_callers_never_retry_past_the_budget_in_any_window_also_
             ));
         }
     }
-    for m in &members {
-        m.agent.shutdown().await;
-    }
-    running.shutdown().await.unwrap();
-    assert!(problems.is_empty(), "{}", problems.join("\n"));
+    day.end(problems).await;
 }
 
 const BREAKER_LONG: &str = "version: 1
@@ -1431,28 +1423,18 @@ endpoints:
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn rolling_back_to_a_policy_without_a_breaker_lets_the_next_call_through_an_open_one() {
-    let dir = tempfile::tempdir().unwrap();
-    let running = plane_with(dir.path(), BREAKER_OFF, None, |c| {
-        c.metrics_interval = Duration::from_millis(200);
-    })
-    .await;
-    let (url, up) = upstream().await;
-    let members = vec![
-        Member::new(&running, "checkout-1", "checkout", false),
-        Member::new(&running, "search-1", "search", true),
-    ];
-    all_on(&running, &members, 1).await;
-    assert_eq!(apply(&running, BREAKER_LONG.to_owned()).await, 2);
-    all_on(&running, &members, 2).await;
+    let day = Day::start(BREAKER_OFF, PAIR).await;
+    let (up, url) = (&day.up, &day.url);
+    day.apply(BREAKER_LONG, 2).await;
     up.set(UNAVAILABLE);
-    for m in &members {
+    for m in &day.members {
         for _ in 0..4 {
             assert_eq!(
-                m.call(&url, 2).await.cause.as_deref(),
+                m.call(url, 2).await.cause.as_deref(),
                 Some("attempts_exhausted")
             );
         }
-        let c = m.call(&url, 2).await;
+        let c = m.call(url, 2).await;
         assert_eq!(
             (c.cause.as_deref(), c.attempts),
             (Some("circuit_open"), Some(0)),
@@ -1462,18 +1444,10 @@ async fn rolling_back_to_a_policy_without_a_breaker_lets_the_next_call_through_a
     }
     // The upstream is back; the operator rolls back to the version without a breaker.
     up.set(HEALTHY);
-    admin(&running)
-        .await
-        .rollback(pb::RollbackRequest {
-            version: 1,
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    all_on(&running, &members, 3).await;
+    day.roll_back(1, 3).await;
     let mut problems = Vec::new();
-    for m in &members {
-        let c = m.call(&url, 3).await;
+    for m in &day.members {
+        let c = m.call(url, 3).await;
         if !c.ok {
             problems.push(format!(
                 "{}: the first call after the rollback to no breaker: {c:?}",
@@ -1481,11 +1455,7 @@ async fn rolling_back_to_a_policy_without_a_breaker_lets_the_next_call_through_a
             ));
         }
     }
-    for m in &members {
-        m.agent.shutdown().await;
-    }
-    running.shutdown().await.unwrap();
-    assert!(problems.is_empty(), "{}", problems.join("\n"));
+    day.end(problems).await;
 }
 
 const STRADDLE_V1: &str = "version: 1
@@ -1514,17 +1484,11 @@ endpoints:
 /// the version it read (SPEC §2 rule 1), so all of its counts belong to that version.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_call_in_its_pause_across_a_policy_change_is_counted_under_the_version_it_ran_under() {
-    let dir = tempfile::tempdir().unwrap();
-    let running = plane_with(dir.path(), STRADDLE_V1, None, |c| {
-        c.metrics_interval = Duration::from_millis(200);
-    })
-    .await;
-    let (url, up) = upstream().await;
-    let m = Member::new(&running, "checkout-1", "checkout", false);
-    all_on(&running, std::slice::from_ref(&m), 1).await;
+    let day = Day::start(STRADDLE_V1, &[("checkout-1", "checkout", false)]).await;
+    let (up, m) = (&day.up, &day.members[0]);
     up.set(THROTTLED_LONG);
     let call = {
-        let (m, url) = (m.clone(), url.clone());
+        let (m, url) = (m.clone(), day.url.clone());
         tokio::spawn(async move { m.call(&url, 1).await })
     };
     eventually(
@@ -1533,8 +1497,7 @@ async fn a_call_in_its_pause_across_a_policy_change_is_counted_under_the_version
     )
     .await;
     // During the call's 3 s pause: a new version, and the upstream now answers 503.
-    assert_eq!(apply(&running, STRADDLE_V2.to_owned()).await, 2);
-    all_on(&running, std::slice::from_ref(&m), 2).await;
+    day.apply(STRADDLE_V2, 2).await;
     up.set(UNAVAILABLE);
     let called = call.await.unwrap();
     assert!(
@@ -1547,14 +1510,11 @@ async fn a_call_in_its_pause_across_a_policy_change_is_counted_under_the_version
         (called.cause.as_deref(), called.attempts),
         (Some("attempts_exhausted"), Some(2))
     );
-    eventually("the call's give-up reported", || async {
-        series(&running, "checkout")
-            .await
-            .and_then(|s| s.lifetime)
-            .is_some_and(|c| c.gave_up_attempts == 1)
+    day.reported("checkout", "the call's give-up reported", |c| {
+        c.gave_up_attempts == 1
     })
     .await;
-    let s = series(&running, "checkout").await.unwrap();
+    let s = series(&day.running, "checkout").await.unwrap();
     let mut per_version: Vec<(u64, pb::Counters)> = s
         .versions
         .iter()
@@ -1577,10 +1537,12 @@ async fn a_call_in_its_pause_across_a_policy_change_is_counted_under_the_version
             ..Default::default()
         },
     )];
-    m.agent.shutdown().await;
-    running.shutdown().await.unwrap();
-    assert_eq!(
-        per_version, want,
-        "the counts of one v1 call (backoff left out), per version"
-    );
+    let problems = if per_version == want {
+        Vec::new()
+    } else {
+        vec![format!(
+            "the counts of one v1 call (backoff left out), per version: {per_version:?}, want {want:?}"
+        )]
+    };
+    day.end(problems).await;
 }
