@@ -11,20 +11,17 @@ use tonic::Code;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connected_agent_gets_the_snapshot_and_its_ack_shows_in_status() {
     let plane = Plane::file_mode(&policy_yaml(3, 4)).await;
-    let mut agent = RawAgent::connect(plane.agent_channel().await, hello("a1", 0, ""))
-        .await
-        .unwrap();
+    let mut agent = plane.agent("a1").await;
     let snap = agent.next_snapshot().await.unwrap();
     assert_eq!(snap.version, 1);
     assert_eq!(snap.content_hash.len(), 64);
     assert_eq!(snap.policies.as_ref().unwrap().endpoints.len(), 3);
     agent.ack(&snap).await;
-    eventually("the ACK shows in fleet status", || async {
-        agent_status(&plane, "a1")
-            .await
-            .is_some_and(|s| s.applied_version == 1 && s.last_response == "ack")
-    })
-    .await;
+    plane
+        .until_agent("a1", "the ACK shows in fleet status", |s| {
+            s.applied_version == 1 && s.last_response == "ack"
+        })
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -45,15 +42,14 @@ async fn nack_keeps_the_last_good_version_and_shows_the_error_in_status() {
     let v2 = agent.next_snapshot().await.unwrap();
     assert_eq!(v2.version, 2);
     agent.nack(&v2, "unknown field in policy").await;
-    eventually("the NACK shows in fleet status", || async {
-        agent_status(&plane, "a1").await.is_some_and(|s| {
+    plane
+        .until_agent("a1", "the NACK shows in fleet status", |s| {
             s.applied_version == 1
                 && s.last_response == "nack"
                 && s.last_response_version == 2
                 && s.last_error == "unknown field in policy"
         })
-    })
-    .await;
+        .await;
     // A NACK is recorded, not answered with the same snapshot again: the stream handles the
     // NACK before the numbered report sent after it, so the report's ack comes first.
     agent.send(report(1, "payments", 1)).await;
@@ -85,10 +81,9 @@ async fn a_nacked_snapshot_is_not_pushed_again_after_a_reconnect() {
             && s.last_response_version == 2
             && s.last_error == "unknown field in policy"
     };
-    eventually("the NACK shows in fleet status", || async {
-        agent_status(&plane, "a1").await.is_some_and(|s| nacked(&s))
-    })
-    .await;
+    plane
+        .until_agent("a1", "the NACK shows in fleet status", |s| nacked(s))
+        .await;
     // The agent reconnects running v1, as an agent does after a lost stream.
     drop(agent);
     let mut agent = RawAgent::connect(
@@ -112,20 +107,17 @@ async fn a_nacked_snapshot_is_not_pushed_again_after_a_reconnect() {
     let v3 = agent.next_snapshot().await.unwrap();
     assert_eq!(v3.version, 3);
     agent.ack(&v3).await;
-    eventually("the ACK replaces the NACK", || async {
-        agent_status(&plane, "a1")
-            .await
-            .is_some_and(|s| s.last_response == "ack" && s.last_error.is_empty())
-    })
-    .await;
+    plane
+        .until_agent("a1", "the ACK replaces the NACK", |s| {
+            s.last_response == "ack" && s.last_error.is_empty()
+        })
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_that_resumes_with_the_current_version_gets_no_duplicate_push() {
     let plane = Plane::file_mode(&policy_yaml(2, 3)).await;
-    let mut first = RawAgent::connect(plane.agent_channel().await, hello("a1", 0, ""))
-        .await
-        .unwrap();
+    let mut first = plane.agent("a1").await;
     let snap = first.next_snapshot().await.unwrap();
     first.ack(&snap).await;
     drop(first);
@@ -145,10 +137,7 @@ async fn an_agent_that_resumes_with_the_current_version_gets_no_duplicate_push()
         "an up-to-date agent was sent a snapshot: {next:?}"
     );
     // An agent that is behind gets the snapshot on resume.
-    let mut behind = RawAgent::connect(plane.agent_channel().await, hello("a2", 0, ""))
-        .await
-        .unwrap();
-    assert_eq!(behind.next_snapshot().await.unwrap().version, snap.version);
+    let _behind = plane.agent_on("a2", snap.version).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -195,24 +184,19 @@ async fn an_agent_naming_the_current_number_with_other_content_is_pending_until_
     );
     // Its ACK of the push records what it runs.
     agent.ack(&snap).await;
-    eventually("the ACK shows in fleet status", || async {
-        agent_status(&plane, "a1")
-            .await
-            .is_some_and(|s| s.applied_version == 1 && s.last_response == "ack")
-    })
-    .await;
+    plane
+        .until_agent("a1", "the ACK shows in fleet status", |s| {
+            s.applied_version == 1 && s.last_response == "ack"
+        })
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_stream_with_the_same_agent_id_replaces_the_first() {
     let plane = Plane::file_mode(&policy_yaml(1, 3)).await;
-    let mut first = RawAgent::connect(plane.agent_channel().await, hello("a1", 0, ""))
-        .await
-        .unwrap();
+    let mut first = plane.agent("a1").await;
     first.next_snapshot().await.unwrap();
-    let mut second = RawAgent::connect(plane.agent_channel().await, hello("a1", 0, ""))
-        .await
-        .unwrap();
+    let mut second = plane.agent("a1").await;
     second.next_snapshot().await.unwrap();
     let ended = first.next_snapshot().await.unwrap_err();
     assert_eq!(ended.code(), Code::Aborted, "{ended:?}");
@@ -221,17 +205,13 @@ async fn a_second_stream_with_the_same_agent_id_replaces_the_first() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restart_serves_the_same_version_and_hash() {
     let plane = Plane::file_mode(&policy_yaml(3, 3)).await;
-    let mut agent = RawAgent::connect(plane.agent_channel().await, hello("a1", 0, ""))
-        .await
-        .unwrap();
+    let mut agent = plane.agent("a1").await;
     let before = agent.next_snapshot().await.unwrap();
     drop(agent);
     let Plane { running, dir } = plane;
     running.shutdown().await.unwrap();
     let plane = Plane::start_in(dir, false, None).await;
-    let mut agent = RawAgent::connect(plane.agent_channel().await, hello("a2", 0, ""))
-        .await
-        .unwrap();
+    let mut agent = plane.agent("a2").await;
     let after = agent.next_snapshot().await.unwrap();
     assert_eq!(
         (after.version, after.content_hash),
@@ -242,10 +222,7 @@ async fn a_restart_serves_the_same_version_and_hash() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_saved_file_is_published_and_an_invalid_save_keeps_the_old_version() {
     let plane = Plane::file_mode(&policy_yaml(2, 3)).await;
-    let mut agent = RawAgent::connect(plane.agent_channel().await, hello("a1", 0, ""))
-        .await
-        .unwrap();
-    assert_eq!(agent.next_snapshot().await.unwrap().version, 1);
+    let mut agent = plane.agent_on("a1", 1).await;
     // Save by rename, as editors do.
     let path = plane.policy_path();
     let tmp = path.with_extension("yaml.swp");
@@ -269,10 +246,7 @@ async fn a_saved_file_is_published_and_an_invalid_save_keeps_the_old_version() {
         .unwrap()
         .into_inner();
     assert_eq!(current.info.unwrap().version, 2);
-    let mut late = RawAgent::connect(plane.agent_channel().await, hello("a2", 0, ""))
-        .await
-        .unwrap();
-    assert_eq!(late.next_snapshot().await.unwrap().version, 2);
+    let _late = plane.agent_on("a2", 2).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -311,18 +285,13 @@ async fn a_first_message_that_is_not_hello_ends_the_stream_with_invalid_argument
     };
     assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
     // The server keeps serving everyone else.
-    let mut ok = RawAgent::connect(plane.agent_channel().await, hello("a1", 0, ""))
-        .await
-        .unwrap();
-    assert_eq!(ok.next_snapshot().await.unwrap().version, 1);
+    let _ok = plane.agent_on("a1", 1).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_oversized_message_closes_only_that_stream() {
     let plane = Plane::file_mode(&policy_yaml(1, 3)).await;
-    let mut big = RawAgent::connect(plane.agent_channel().await, hello("big", 0, ""))
-        .await
-        .unwrap();
+    let mut big = plane.agent("big").await;
     big.next_snapshot().await.unwrap();
     let huge = pb::Nack {
         version: 1,
@@ -342,10 +311,7 @@ async fn an_oversized_message_closes_only_that_stream() {
         err.message().ends_with("the limit is: 4194304 bytes"),
         "{err:?}"
     );
-    let mut ok = RawAgent::connect(plane.agent_channel().await, hello("small", 0, ""))
-        .await
-        .unwrap();
-    assert_eq!(ok.next_snapshot().await.unwrap().version, 1);
+    let _ok = plane.agent_on("small", 1).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -482,12 +448,11 @@ async fn an_answer_counts_only_for_the_version_its_nonce_was_sent_with() {
     assert_eq!((metrics.acks.get(), metrics.nacks.get()), (0, 0));
     // The right version with its nonce is recorded.
     agent.ack(&v1).await;
-    eventually("the ACK of version 1 shows in fleet status", || async {
-        agent_status(&plane, "a1")
-            .await
-            .is_some_and(|s| s.applied_version == 1 && s.last_response == "ack")
-    })
-    .await;
+    plane
+        .until_agent("a1", "the ACK of version 1 shows in fleet status", |s| {
+            s.applied_version == 1 && s.last_response == "ack"
+        })
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -567,10 +532,7 @@ async fn an_agent_that_stops_reading_is_still_replaced_and_its_stream_ends() {
     for max_attempts in 4..=9 {
         plane.apply(&policy_yaml(2, max_attempts)).await;
     }
-    let mut second = RawAgent::connect(plane.agent_channel().await, hello("a1", 0, ""))
-        .await
-        .unwrap();
-    assert_eq!(second.next_snapshot().await.unwrap().version, 7);
+    let mut second = plane.agent_on("a1", 7).await;
     // The replaced stream's task ends although its agent never read: only the new stream
     // still follows the publisher, and status shows the new stream.
     eventually("the replaced stream's task ends", || async {
@@ -649,10 +611,7 @@ async fn streams_waiting_for_hello_are_bounded() {
         metric(http, "retryplane_server_streams_awaiting_hello").await,
         Some(0.0)
     );
-    let mut late = RawAgent::connect(plane.agent_channel().await, hello("late", 0, ""))
-        .await
-        .unwrap();
-    assert_eq!(late.next_snapshot().await.unwrap().version, 1);
+    let _late = plane.agent_on("late", 1).await;
 }
 
 /// An encoded Hello, for [`BytesAgent`].
@@ -666,10 +625,7 @@ const GARBAGE: [u8; 12] = [0xff; 12];
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn garbage_after_hello_ends_only_that_stream_with_invalid_argument() {
     let plane = Plane::api_mode(&policy_yaml(1, 3)).await;
-    let mut other = RawAgent::connect(plane.agent_channel().await, hello("other", 0, ""))
-        .await
-        .unwrap();
-    assert_eq!(other.next_snapshot().await.unwrap().version, 1);
+    let mut other = plane.agent_on("other", 1).await;
     let mut bad = BytesAgent::connect(plane.agent_channel().await, hello_bytes("bad"))
         .await
         .unwrap();
@@ -682,12 +638,11 @@ async fn garbage_after_hello_ends_only_that_stream_with_invalid_argument() {
         ended.message().starts_with("cannot decode the message"),
         "{ended:?}"
     );
-    eventually("the bad stream shows as disconnected", || async {
-        agent_status(&plane, "bad")
-            .await
-            .is_some_and(|s| !s.connected)
-    })
-    .await;
+    plane
+        .until_agent("bad", "the bad stream shows as disconnected", |s| {
+            !s.connected
+        })
+        .await;
     // Every other stream keeps working.
     assert_eq!(plane.apply(&policy_yaml(1, 4)).await, 2);
     assert_eq!(other.next_snapshot().await.unwrap().version, 2);
@@ -705,19 +660,13 @@ async fn an_undecodable_first_message_is_refused_with_invalid_argument() {
         refused.message().starts_with("cannot decode the message"),
         "{refused:?}"
     );
-    let mut ok = RawAgent::connect(plane.agent_channel().await, hello("a1", 0, ""))
-        .await
-        .unwrap();
-    assert_eq!(ok.next_snapshot().await.unwrap().version, 1);
+    let _ok = plane.agent_on("a1", 1).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bad_grpc_message_header_ends_only_that_stream_with_invalid_argument() {
     let plane = Plane::api_mode(&policy_yaml(1, 3)).await;
-    let mut other = RawAgent::connect(plane.agent_channel().await, hello("other", 0, ""))
-        .await
-        .unwrap();
-    assert_eq!(other.next_snapshot().await.unwrap().version, 1);
+    let mut other = plane.agent_on("other", 1).await;
     // A message that decodes; only its header is wrong.
     let ack = prost::Message::encode_to_vec(&pb::AgentMessage {
         kind: Some(Kind::Ack(pb::Ack {
@@ -749,10 +698,9 @@ async fn a_bad_grpc_message_header_ends_only_that_stream_with_invalid_argument()
         bad.tx.send(framed(flag, &ack)).await.unwrap();
         let ended = bad.ended().await;
         assert_eq!((ended.code(), ended.message()), (code, says), "{ended:?}");
-        eventually("the bad stream shows as disconnected", || async {
-            agent_status(&plane, id).await.is_some_and(|s| !s.connected)
-        })
-        .await;
+        plane
+            .until_agent(id, "the bad stream shows as disconnected", |s| !s.connected)
+            .await;
     }
     // As the first message, the stream is refused the same way.
     let refused = match FramedAgent::connect(
@@ -776,10 +724,7 @@ async fn a_bad_grpc_message_header_ends_only_that_stream_with_invalid_argument()
     // Every other stream keeps working, and a new one is served.
     assert_eq!(plane.apply(&policy_yaml(1, 4)).await, 2);
     assert_eq!(other.next_snapshot().await.unwrap().version, 2);
-    let mut late = RawAgent::connect(plane.agent_channel().await, hello("late", 0, ""))
-        .await
-        .unwrap();
-    assert_eq!(late.next_snapshot().await.unwrap().version, 2);
+    let _late = plane.agent_on("late", 2).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -818,12 +763,9 @@ async fn the_agent_limit_refuses_new_agents_over_the_wire() {
     again.next_snapshot().await.unwrap();
     // Once an agent leaves, a new one gets its place.
     drop(a2);
-    eventually("a2 shows as disconnected", || async {
-        agent_status(&plane, "a2")
-            .await
-            .is_some_and(|s| !s.connected)
-    })
-    .await;
+    plane
+        .until_agent("a2", "a2 shows as disconnected", |s| !s.connected)
+        .await;
     let mut a3 = RawAgent::connect(channel, hello("a3", 0, ""))
         .await
         .unwrap();
@@ -951,12 +893,9 @@ async fn fleet_status_shows_who_connected_from_where_and_who_left() {
     );
     // A dropped stream stays listed as disconnected, and the gauge goes down.
     drop(agent);
-    eventually("a1 shows as disconnected", || async {
-        agent_status(&plane, "a1")
-            .await
-            .is_some_and(|s| !s.connected)
-    })
-    .await;
+    plane
+        .until_agent("a1", "a1 shows as disconnected", |s| !s.connected)
+        .await;
     let gone = agent_status(&plane, "a1").await.unwrap();
     assert_eq!(gone.connected_since_unix_ms, status.connected_since_unix_ms);
     assert_eq!(gone.peer, status.peer);
@@ -1022,24 +961,20 @@ async fn an_agent_that_goes_silent_is_dropped_by_keepalive_and_shows_disconnecte
         .unwrap();
     let snapshot = silent.next_snapshot().await.unwrap();
     silent.ack(&snapshot).await;
-    let mut direct = RawAgent::connect(plane.agent_channel().await, hello("direct", 0, ""))
-        .await
-        .unwrap();
+    let mut direct = plane.agent("direct").await;
     direct.next_snapshot().await.unwrap();
-    eventually("the silent agent's ACK is recorded", || async {
-        agent_status(&plane, "silent")
-            .await
-            .is_some_and(|s| s.connected && s.last_response == "ack")
-    })
-    .await;
+    plane
+        .until_agent("silent", "the silent agent's ACK is recorded", |s| {
+            s.connected && s.last_response == "ack"
+        })
+        .await;
     frozen.store(true, Ordering::SeqCst);
     // No FIN, no RST: only an unanswered PING ends the connection (1 s + 3 s here).
-    eventually("the silent agent shows as disconnected", || async {
-        agent_status(&plane, "silent")
-            .await
-            .is_some_and(|s| !s.connected)
-    })
-    .await;
+    plane
+        .until_agent("silent", "the silent agent shows as disconnected", |s| {
+            !s.connected
+        })
+        .await;
     // Everyone else carries on.
     assert!(agent_status(&plane, "direct").await.unwrap().connected);
     let version = plane.apply(&policy_yaml(1, 4)).await;
@@ -1095,12 +1030,9 @@ async fn a_hello_without_a_hash_naming_a_version_never_reached_runs_no_known_ver
     let v1 = agent.next_snapshot().await.unwrap();
     assert_eq!(v1.version, 1);
     agent.nack(&v1, "no").await;
-    eventually("the NACK shows", || async {
-        agent_status(&plane, "a1")
-            .await
-            .is_some_and(|s| s.last_response == "nack")
-    })
-    .await;
+    plane
+        .until_agent("a1", "the NACK shows", |s| s.last_response == "nack")
+        .await;
     let status = agent_status(&plane, "a1").await.unwrap();
     assert_eq!(status.applied_version, 0, "{status:?}");
 }

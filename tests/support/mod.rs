@@ -111,6 +111,34 @@ impl Plane {
         channel(self.running.agent_addr).await
     }
 
+    /// A new agent `id` on a channel of its own, its Hello naming no version.
+    pub async fn agent(&self, id: &str) -> RawAgent {
+        RawAgent::connect(self.agent_channel().await, hello(id, 0, ""))
+            .await
+            .unwrap()
+    }
+
+    /// [`Plane::agent`], once its first snapshot came, which must be that of `version`.
+    pub async fn agent_on(&self, id: &str, version: u64) -> RawAgent {
+        let mut agent = self.agent(id).await;
+        let first = agent.next_snapshot().await.unwrap().version;
+        assert_eq!(first, version, "{id}'s first snapshot");
+        agent
+    }
+
+    /// Waits until the fleet status shows agent `id` as `check` wants; `what` names it.
+    pub async fn until_agent(
+        &self,
+        id: &str,
+        what: &str,
+        check: impl Fn(&pb::AgentStatus) -> bool,
+    ) {
+        eventually(what, || async {
+            agent_status(self, id).await.is_some_and(|s| check(&s))
+        })
+        .await;
+    }
+
     /// A channel to the admin listener.
     pub async fn admin_channel(&self) -> Channel {
         channel(self.running.admin_addr).await
