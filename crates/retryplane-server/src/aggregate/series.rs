@@ -6,8 +6,9 @@
 //! 15-minute window (no counts for 14–15 minutes); its lifetime stays in the series lifetime.
 //! At most [`MAX_VERSIONS`] versions are kept apart: a report under yet another version evicts
 //! the version counted least recently, whose buckets are folded into `retired` (allocated only
-//! then, freed once empty) so the series' windows lose nothing; one under a version older than
-//! every one kept (a late report of an evicted version) is counted into `retired` directly.
+//! then, freed once empty) so the series' windows lose nothing; one under a version not kept
+//! and older than the newest kept (a late report of an evicted version), while all are kept,
+//! is counted into `retired` directly.
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -224,12 +225,13 @@ impl Series {
             None => {
                 s.prune(tick);
                 if s.versions.len() >= MAX_VERSIONS
-                    && s.versions.iter().all(|v| v.version > version)
+                    && s.versions.iter().any(|v| v.version > version)
                 {
                     // A late report (calls that outlived their version, a report held while
-                    // newer ones went out) of a version older than every one kept, evicted
-                    // before, most likely: its counts go with the evicted versions', not in
-                    // place of a newer one, which would be evicted for it.
+                    // newer ones went out) of a version older than the newest kept, evicted
+                    // before, most likely (eviction goes by the least recently counted, so it
+                    // may sit between kept ones): its counts go with the evicted versions',
+                    // not in place of one counted after it, which would be evicted for it.
                     s.retired
                         .get_or_insert_with(Box::default)
                         .add(tick, counts, span, interval);

@@ -1613,3 +1613,44 @@ fn a_backlog_inside_the_ring_is_conserved_at_every_phase() {
         &bad[..bad.len().min(5)]
     );
 }
+
+/// An evicted version between kept ones (eviction goes by the least recently counted, not the
+/// oldest: here version 2, while a late report of version 1 kept that one) that reports late
+/// is counted with the evicted versions, not re-added in place of version 3, counted after it.
+#[tokio::test(start_paused = true)]
+async fn a_late_report_of_a_version_evicted_between_kept_ones_evicts_no_newer_one() {
+    let agg = Aggregator::new(10, Instant::now());
+    let svc = agg.service("checkout");
+    for version in [1, 2, 3, 4, 1, 5] {
+        agg.ingest(
+            &svc,
+            &report(version, &[("payments", 1, 0)]),
+            Instant::now(),
+        );
+        advance(Duration::from_secs(1)).await;
+    }
+    let listed = |agg: &Aggregator| -> Vec<u64> {
+        agg.stats(Instant::now(), all()).series[0]
+            .versions
+            .iter()
+            .map(|v| v.policy_version)
+            .collect()
+    };
+    assert_eq!(
+        listed(&agg),
+        [5, 4, 3, 1],
+        "version 2 was counted least recently"
+    );
+    // Version 2's calls that outlived it, reported late.
+    agg.ingest(&svc, &report(2, &[("payments", 3, 0)]), Instant::now());
+    assert_eq!(
+        calls(&agg, all()),
+        [9, 9, 9],
+        "every count is in the windows"
+    );
+    assert_eq!(
+        listed(&agg),
+        [5, 4, 3, 1],
+        "a late report of evicted version 2 evicted version 3, counted after it"
+    );
+}
