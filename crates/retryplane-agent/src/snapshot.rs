@@ -867,3 +867,60 @@ mod straggler_first_tests {
         );
     }
 }
+
+/// The budget of the calls behind a newest state that has none lives in that state, which is
+/// kept while they hold it (it has no budget nor breaker of its own to count).
+#[cfg(test)]
+mod stray_budget_tests {
+    use super::*;
+
+    fn build(yaml: &str, version: u64, previous: Option<&PolicySnapshot>) -> PolicySnapshot {
+        let set = retryplane_policy::load(yaml.as_bytes()).policies.unwrap();
+        PolicySnapshot::build(
+            set,
+            version,
+            format!("h{version}"),
+            Source::ControlPlane,
+            previous,
+        )
+    }
+
+    fn withdraw_all(e: &Entry, now: Instant) -> u64 {
+        let b = e.runtime.state.budget().unwrap();
+        let mut n = 0;
+        while b.try_withdraw(now) {
+            n += 1;
+            assert!(n <= 100_000, "budget never ran out");
+        }
+        n
+    }
+
+    /// v2 turns the defaults' budget (and breaker) off. Two calls that loaded v1 first use
+    /// `zzz` after the push, with a report between them: the report's pruning drops the newest
+    /// state of `zzz` (idle: it has no budget or breaker, and no handle holds it), and with it
+    /// the stray budget the first call still spends; the second call gets a fresh one, and the
+    /// two hand the reserve out twice.
+    #[tokio::test(start_paused = true)]
+    async fn a_reports_pruning_does_not_give_calls_behind_a_budgetless_state_a_second_budget() {
+        let d1 = "defaults:\n  circuit_breaker: {enabled: false}\n  budget: {ratio: 0.0, min_per_second: 1, window: 10s}\n";
+        let d2 = "defaults:\n  circuit_breaker: {enabled: false}\n  budget: {enabled: false}\n";
+        let v1 = build(&format!("version: 1\n{d1}endpoints:\n  a: {{}}\n"), 1, None);
+        let v2 = build(
+            &format!("version: 1\n{d2}endpoints:\n  a: {{}}\n"),
+            2,
+            Some(&v1),
+        );
+        let now = Instant::now();
+        let first = v1.entry("zzz");
+        let sent_first = withdraw_all(&first, now);
+        // What each report does (`Shared::forget_unheld`).
+        v2.prune_idle_states();
+        let second = v1.entry("zzz");
+        let sent_second = withdraw_all(&second, now);
+        assert!(
+            sent_first + sent_second <= 10,
+            "{sent_first} + {sent_second} retries against a reserve of 10 for calls of one \
+             setting, the first still running"
+        );
+    }
+}

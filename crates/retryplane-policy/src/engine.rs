@@ -231,18 +231,33 @@ pub struct EndpointState {
     breaker: Option<Arc<CircuitBreaker>>,
     budget_cfg: Option<BudgetConfig>,
     breaker_cfg: Option<BreakerConfig>,
-    /// The budget and breaker of the calls behind this state ([`EndpointState::behind`]) whose
-    /// settings have one where this state has none (a push turned it off): made on the first
-    /// such call, shared by the others of the same settings, so that they are held to one
-    /// budget, not each to a fresh one.
+    /// The budgets and breakers of the calls behind this state ([`EndpointState::behind`])
+    /// whose settings have one where this state has none (a push turned it off): one per
+    /// settings, shared by every such call of those settings, so that they are held to one
+    /// budget, not each to a fresh one. The one a push turned off is among them (the calls that
+    /// still run on it use it), and they go on to the next state while it has none either
+    /// ([`EndpointState::carry`]), which takes the one of its settings back when it turns it on
+    /// again. Kept while a call holds one or it counts anything ([`EndpointState::is_idle`]).
     strays: Mutex<Strays>,
 }
 
-/// See [`EndpointState::strays`]: the last made of each, with its settings.
-#[derive(Debug, Default)]
+/// See [`EndpointState::strays`]: each with its settings, at most one per settings.
+#[derive(Debug, Default, Clone)]
 struct Strays {
-    budget: Option<(BudgetConfig, Arc<RetryBudget>)>,
-    breaker: Option<(BreakerConfig, Arc<CircuitBreaker>)>,
+    budgets: Vec<(BudgetConfig, Arc<RetryBudget>)>,
+    breakers: Vec<(BreakerConfig, Arc<CircuitBreaker>)>,
+}
+
+impl Strays {
+    /// Lets go of the budgets and breakers no call holds and that count nothing at `now` (one
+    /// made afresh would be the same); whether none is left.
+    fn prune(&mut self, now: Instant) -> bool {
+        self.budgets
+            .retain(|(_, b)| !(Arc::strong_count(b) == 1 && !b.has_line() && b.is_empty(now)));
+        self.breakers
+            .retain(|(_, b)| !(Arc::strong_count(b) == 1 && !b.has_line() && b.is_idle(now)));
+        self.budgets.is_empty() && self.breakers.is_empty()
+    }
 }
 
 impl EndpointState {
@@ -271,6 +286,11 @@ impl EndpointState {
     /// carried from this one, or this one's predecessor, which calls in flight may still use)
     /// nor in a line of hand-overs with another live breaker. So one nobody else holds may be
     /// dropped without an endpoint ever running two budgets or breakers.
+    ///
+    /// The budgets and breakers of the calls behind it ([`EndpointState::behind`]) count too:
+    /// while a call holds one or it counts anything, the state is not idle (dropped, the next
+    /// such call would get a fresh allowance beside the one the others still spend); those
+    /// that no call holds and that count nothing are let go here.
     pub fn is_idle(&self, now: Instant) -> bool {
         self.budget
             .as_ref()
@@ -279,6 +299,11 @@ impl EndpointState {
                 .breaker
                 .as_ref()
                 .is_none_or(|b| Arc::strong_count(b) == 1 && !b.has_line() && b.is_idle(now))
+            && self
+                .strays
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .prune(now)
     }
 
     /// Whether this state was built for `policy`'s budget and breaker settings, so that calls
@@ -299,17 +324,49 @@ impl EndpointState {
     /// a budget during a retry storm must not hand out a fresh allowance). From then on the
     /// calls still on this state deposit and withdraw in the newest budget of the line, and
     /// the outcomes they record in this breaker are counted in the newest breaker too.
+    ///
+    /// A budget or breaker turned on is made afresh, unless the calls behind this state (see
+    /// [`Self::behind`]) use one of the same settings: that one is taken over as it is (a
+    /// budget turned off and on again by two pushes goes on with the one its calls still
+    /// spend). One turned off goes to the calls behind the new state, with the others they
+    /// use, while it has none.
     pub fn carry(&self, policy: &RetryPolicy, now: Instant) -> Self {
-        self.next(
+        let strays = {
+            let mut strays = self.strays.lock().unwrap_or_else(PoisonError::into_inner);
+            strays.prune(now);
+            strays.clone()
+        };
+        let mut next = self.next(
             policy,
             (
                 |cfg, old| RetryBudget::taking_over(cfg, old, now),
-                |cfg| Arc::new(RetryBudget::new(cfg, self.origin)),
+                |cfg| {
+                    kept(&strays.budgets, cfg)
+                        .unwrap_or_else(|| Arc::new(RetryBudget::new(cfg, self.origin)))
+                },
             ),
             (CircuitBreaker::taking_over, |cfg| {
-                Arc::new(CircuitBreaker::new(cfg, self.origin))
+                kept(&strays.breakers, cfg)
+                    .unwrap_or_else(|| Arc::new(CircuitBreaker::new(cfg, self.origin)))
             }),
-        )
+        );
+        let carried = next
+            .strays
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner);
+        if next.budget.is_none() {
+            carried.budgets = strays.budgets;
+            if let (Some(cfg), Some(b)) = (&self.budget_cfg, &self.budget) {
+                carried.budgets.push((cfg.clone(), b.clone()));
+            }
+        }
+        if next.breaker.is_none() {
+            carried.breakers = strays.breakers;
+            if let (Some(cfg), Some(b)) = (&self.breaker_cfg, &self.breaker) {
+                carried.breakers.push((cfg.clone(), b.clone()));
+            }
+        }
+        next
     }
 
     /// A state for calls under `policy` that run behind this one, the newest state of the
@@ -327,13 +384,13 @@ impl EndpointState {
             policy,
             (RetryBudget::behind, |cfg| {
                 let mut strays = self.strays.lock().unwrap_or_else(PoisonError::into_inner);
-                stray(&mut strays.budget, cfg, || {
+                stray(&mut strays.budgets, cfg, || {
                     RetryBudget::new(cfg, self.origin)
                 })
             }),
             (CircuitBreaker::behind, |cfg| {
                 let mut strays = self.strays.lock().unwrap_or_else(PoisonError::into_inner);
-                stray(&mut strays.breaker, cfg, || {
+                stray(&mut strays.breakers, cfg, || {
                     CircuitBreaker::new(cfg, self.origin)
                 })
             }),
@@ -416,21 +473,25 @@ fn next_part<C: PartialEq, T>(
     })
 }
 
-/// The budget or breaker kept in `slot` when it was made for `cfg`; else one made by `make`,
-/// kept there.
+/// The budget or breaker of `strays` made for `cfg`; else one made by `make`, kept there.
 fn stray<C: PartialEq + Clone, T>(
-    slot: &mut Option<(C, Arc<T>)>,
+    strays: &mut Vec<(C, Arc<T>)>,
     cfg: &C,
     make: impl FnOnce() -> T,
 ) -> Arc<T> {
-    match slot {
-        Some((kept, made)) if kept == cfg => made.clone(),
-        _ => {
-            let made = Arc::new(make());
-            *slot = Some((cfg.clone(), made.clone()));
-            made
-        }
-    }
+    kept(strays, cfg).unwrap_or_else(|| {
+        let made = Arc::new(make());
+        strays.push((cfg.clone(), made.clone()));
+        made
+    })
+}
+
+/// The budget or breaker of `strays` made for `cfg`, if any.
+fn kept<C: PartialEq, T>(strays: &[(C, Arc<T>)], cfg: &C) -> Option<Arc<T>> {
+    strays
+        .iter()
+        .find(|(kept, _)| kept == cfg)
+        .map(|(_, made)| made.clone())
 }
 
 /// [`EndpointState::offset`] of an instant before the origin (negative; out of line, as it

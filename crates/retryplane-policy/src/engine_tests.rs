@@ -1054,7 +1054,8 @@ fn a_carried_state_keeps_the_part_whose_settings_did_not_change() {
             .is_some_and(|b| !std::ptr::eq(b, old_breaker))
     );
 
-    // Turned off, then on again: a new one.
+    // Turned off, then on again with the same settings while calls on the old state still
+    // run (`old` is alive): the same ones, which those calls still use.
     let mut off = p.clone();
     off.budget = None;
     off.circuit_breaker = None;
@@ -1062,12 +1063,36 @@ fn a_carried_state_keeps_the_part_whose_settings_did_not_change() {
     assert!(carried.budget().is_none() && carried.breaker().is_none());
     let again = carried.carry(&p, t0);
     assert!(again.fits(&p));
+    assert!(again.budget().is_some_and(|b| std::ptr::eq(b, old_budget)));
+    assert!(
+        again
+            .breaker()
+            .is_some_and(|b| std::ptr::eq(b, old_breaker))
+    );
+    // With other settings: new ones.
+    let mut other = p.clone();
+    other.budget = Some(BudgetConfig {
+        min_per_second: 7,
+        ..BudgetConfig::default()
+    });
+    other.circuit_breaker = Some(BreakerConfig {
+        min_requests: 7,
+        ..BreakerConfig::default()
+    });
+    let again = carried.carry(&other, t0);
     assert!(again.budget().is_some_and(|b| !std::ptr::eq(b, old_budget)));
     assert!(
         again
             .breaker()
             .is_some_and(|b| !std::ptr::eq(b, old_breaker))
     );
+    // The state with them turned off keeps them for the calls that still use them: it is
+    // not idle until none does (and they count nothing).
+    let running = EndpointState::new(&p, t0);
+    let turned_off = running.carry(&off, t0);
+    assert!(!turned_off.is_idle(t0));
+    drop(running);
+    assert!(turned_off.is_idle(t0));
 }
 
 #[test]

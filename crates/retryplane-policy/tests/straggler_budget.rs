@@ -93,3 +93,163 @@ fn calls_behind_a_newest_state_without_a_breaker_share_one_breaker_of_their_own_
         "ten failures of ten calls where five open it"
     );
 }
+
+// Budgets of other settings, and pushes that change the newest state again.
+
+/// The same budget as [`with_budget`] under other numbers (4 retries per second).
+fn with_other_budget() -> RetryPolicy {
+    RetryPolicy {
+        budget: Some(BudgetConfig {
+            ratio: 0.0,
+            min_per_second: 4,
+            window: Duration::from_secs(10),
+        }),
+        circuit_breaker: None,
+        ..RetryPolicy::default()
+    }
+}
+
+fn without_budget() -> RetryPolicy {
+    RetryPolicy {
+        budget: None,
+        ..with_budget()
+    }
+}
+
+/// Retries the stragglers of `states` get, one deposit and one withdrawal each, at 1 ms steps
+/// from `from` ms after `t0`.
+fn retries_sent<'a>(
+    t0: Instant,
+    from: u64,
+    states: impl Iterator<Item = &'a EndpointState>,
+) -> usize {
+    states
+        .enumerate()
+        .filter(|(i, s)| {
+            let now = ms(t0, from + *i as u64);
+            // A state without a budget sends every retry.
+            s.budget().is_none_or(|b| {
+                b.deposit(now);
+                b.try_withdraw(now)
+            })
+        })
+        .count()
+}
+
+/// Two older versions alive at once, with two budget settings, behind a newest state that
+/// has none: their calls come in turn. The stray slot keeps only the last made, so each call
+/// of one finds the other's settings there and makes a fresh budget: the calls of
+/// `with_budget` sent one retry each (30) where their budget allows 20 a window.
+#[test]
+fn calls_of_two_older_versions_coming_in_turn_still_share_one_budget_each() {
+    let t0 = Instant::now();
+    let newest = EndpointState::new(&without_budget(), t0);
+    let (a, b) = (with_budget(), with_other_budget());
+    let mut of_a = Vec::new();
+    let mut of_b = Vec::new();
+    for _ in 0..30 {
+        of_a.push(newest.behind(&a));
+        of_b.push(newest.behind(&b));
+    }
+    let sent = retries_sent(t0, 100, of_a.iter());
+    assert!(
+        sent <= 20,
+        "{sent} retries of the calls of one setting in one second, whose budget allows 20 a \
+         window: each got a fresh budget as the other version's calls came in between"
+    );
+}
+
+/// The newest state (no budget) is replaced by a push that changes only its breaker: the
+/// budget part is unchanged (off, and off), but the calls behind the new newest state get a
+/// second stray budget beside the one the calls behind the old one still use, with a fresh
+/// allowance (40 retries where 20 a window are allowed). `carry` shares a part whose settings
+/// did not change so that a new window does not let a storm start again; the strays are not.
+#[test]
+fn a_push_that_changes_only_the_breaker_of_the_newest_state_adds_no_second_stray_budget() {
+    let t0 = Instant::now();
+    let newest = EndpointState::new(&without_budget(), t0);
+    let old = with_budget();
+    let before: Vec<EndpointState> = (0..30).map(|_| newest.behind(&old)).collect();
+    let sent_before = retries_sent(t0, 100, before.iter());
+    let replaced = newest.carry(
+        &RetryPolicy {
+            circuit_breaker: Some(BreakerConfig {
+                min_requests: 7,
+                ..BreakerConfig::default()
+            }),
+            ..without_budget()
+        },
+        ms(t0, 150),
+    );
+    let after: Vec<EndpointState> = (0..30).map(|_| replaced.behind(&old)).collect();
+    let sent_after = retries_sent(t0, 200, after.iter());
+    assert!(
+        sent_before + sent_after <= 20,
+        "{sent_before} + {sent_after} retries in one second by calls of one budget setting \
+         (20 a window), the calls before them still running"
+    );
+}
+
+/// Off, then on again with the settings the calls behind it use: the newest state's budget is
+/// made afresh beside the stray one those calls still spend, so calls of one setting get two
+/// allowances in one window (40 where 20 are allowed).
+#[test]
+fn a_budget_turned_on_again_with_the_strays_settings_takes_their_budget_over() {
+    let t0 = Instant::now();
+    let off = EndpointState::new(&without_budget(), t0);
+    let old = with_budget();
+    let stragglers: Vec<EndpointState> = (0..30).map(|_| off.behind(&old)).collect();
+    let sent_stray = retries_sent(t0, 100, stragglers.iter());
+    let on = off.carry(&old, ms(t0, 150));
+    let calls: Vec<&EndpointState> = std::iter::repeat_n(&on, 30).collect();
+    let sent_on = retries_sent(t0, 200, calls.into_iter());
+    assert!(
+        sent_stray + sent_on <= 20,
+        "{sent_stray} + {sent_on} retries in one second under one budget setting (20 a \
+         window), the stray calls still running"
+    );
+}
+
+/// A budget turned off by one push and on again by the next (same settings) is the one the
+/// calls still running on the first use, not a fresh one beside it: one reserve in one window.
+#[test]
+fn a_budget_turned_off_and_on_again_adds_no_budget_beside_the_one_calls_still_use() {
+    let t0 = Instant::now();
+    let v1 = EndpointState::new(&with_budget(), t0);
+    let v2 = v1.carry(&without_budget(), ms(t0, 100));
+    let v3 = v2.carry(&with_budget(), ms(t0, 200));
+    // Calls still on v1 retry, then calls on v3 do.
+    let sent = retries_sent(t0, 300, [&v1, &v3].into_iter().cycle().take(60));
+    assert!(
+        sent <= 20,
+        "one endpoint sent {sent} retries against 20 a window"
+    );
+}
+
+/// A breaker turned off by one push and on again by the next (same settings) is the one the
+/// calls still running on the first use: their failures open the endpoint's breaker.
+#[test]
+fn a_breaker_turned_off_and_on_again_opens_when_the_calls_still_on_the_first_one_open_it() {
+    let t0 = Instant::now();
+    let cfg = BreakerConfig {
+        min_requests: 10,
+        ..BreakerConfig::default()
+    };
+    let with = |b: Option<BreakerConfig>| RetryPolicy {
+        circuit_breaker: b,
+        ..RetryPolicy::default()
+    };
+    let v1 = EndpointState::new(&with(Some(cfg.clone())), t0);
+    let old = v1.breaker().unwrap();
+    let permits: Vec<_> = (0..10).map(|_| old.try_acquire(t0).unwrap()).collect();
+    let v2 = v1.carry(&with(None), ms(t0, 100));
+    let v3 = v2.carry(&with(Some(cfg)), ms(t0, 200));
+    let at = ms(t0, 300);
+    permits.into_iter().for_each(|p| old.record(p, false, at));
+    assert_eq!(old.state(at), BreakerState::Open);
+    assert_eq!(
+        v3.breaker().unwrap().state(at),
+        BreakerState::Open,
+        "the endpoint's breaker"
+    );
+}
