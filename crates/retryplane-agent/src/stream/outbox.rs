@@ -594,15 +594,57 @@ mod tests {
         }
     }
 
-    fn sent(rx: &mut mpsc::Receiver<pb::AgentMessage>) -> Vec<(u64, u64)> {
-        let mut out = Vec::new();
-        while let Ok(m) = rx.try_recv() {
-            let Some(Kind::Metrics(r)) = m.kind else {
-                panic!("a metrics report");
-            };
-            out.push((r.seq, r.endpoints[0].calls));
+    /// Counts `n` calls on each of `endpoints` endpoints with names of 250 bytes.
+    fn count_many(r: &Registry, endpoints: usize, n: u64) {
+        for i in 0..endpoints {
+            let c = r.counters(&Arc::from(format!("{i:0>250}").as_str()));
+            for _ in 0..n {
+                Counters::inc(&c.calls);
+            }
         }
-        out
+    }
+
+    /// The counters of calls on endpoint "a" that outlived `version`.
+    fn outlived_a(r: &Registry, version: u64) -> Arc<Counters> {
+        r.outlived(version, &Arc::from("a"))
+    }
+
+    /// Counts `n` calls on endpoint "a" that outlived `version` (and ended).
+    fn count_outlived_calls(r: &Registry, version: u64, n: u64) {
+        let c = outlived_a(r, version);
+        for _ in 0..n {
+            Counters::inc(&c.calls);
+        }
+    }
+
+    type Tx = mpsc::Sender<pb::AgentMessage>;
+    type Rx = mpsc::Receiver<pb::AgentMessage>;
+
+    /// Counters and an empty outbox.
+    fn outbox() -> (Registry, Outbox) {
+        (Registry::default(), Outbox::default())
+    }
+
+    /// Counters, an empty outbox and a stream with room for `room` messages.
+    fn set_up(room: usize) -> (Registry, Outbox, Tx, Rx) {
+        let (r, o) = outbox();
+        let (tx, rx) = mpsc::channel(room);
+        (r, o, tx, rx)
+    }
+
+    /// A stream of room for one message, taken by a keepalive.
+    fn full_stream() -> (Tx, Rx) {
+        let (tx, rx) = mpsc::channel(1);
+        tx.try_send(message(Kind::Keepalive(pb::Keepalive {})))
+            .unwrap();
+        (tx, rx)
+    }
+
+    /// A stream (of room for `room` messages) that is already gone.
+    fn gone_stream(room: usize) -> Tx {
+        let (tx, rx) = mpsc::channel(room);
+        drop(rx);
+        tx
     }
 
     fn no_fill(_: &mut pb::MetricsReport) {}
@@ -612,31 +654,119 @@ mod tests {
         move |r| r.policy_version = version
     }
 
-    /// The reports queued on `rx`: (seq, version, calls).
-    fn sent_with_versions(rx: &mut mpsc::Receiver<pb::AgentMessage>) -> Vec<(u64, u64, u64)> {
+    /// A report's `fill`: `version`, from `start` to `end`.
+    fn span_of(version: u64, start: u64, end: u64) -> impl FnMut(&mut pb::MetricsReport) {
+        move |r| {
+            r.policy_version = version;
+            r.window_start_unix_ms = start;
+            r.window_end_unix_ms = end;
+        }
+    }
+
+    /// For each of `seqs`, one call counted and sent in a numbered report filled in by
+    /// `fill(seq)`, which gets that seq.
+    fn send_one_call_each<F: FnMut(&mut pb::MetricsReport)>(
+        r: &Registry,
+        o: &mut Outbox,
+        tx: &Tx,
+        seqs: impl IntoIterator<Item = u64>,
+        fill: impl Fn(u64) -> F,
+    ) {
+        for seq in seqs {
+            count_calls(r, 1);
+            assert_eq!(o.send(r, tx, true, fill(seq)), Ok(seq));
+        }
+    }
+
+    /// The policies are replaced while the window is full (`send_or_hold`): the report of the
+    /// version replaced (filled in by `fill()`) is not sent and its counts are held.
+    fn swap_with_the_window_full<F: FnMut(&mut pb::MetricsReport)>(
+        r: &Registry,
+        o: &mut Outbox,
+        tx: &Tx,
+        fill: impl Fn() -> F,
+    ) {
+        assert_eq!(o.send(r, tx, true, fill()), Err(NotSent::WindowFull));
+        o.hold(r, fill());
+    }
+
+    /// `n` calls counted and sent in the first report (seq 1), filled in by `fill`, which the
+    /// control plane refuses (`dropped`) while `current` is in force.
+    fn refuse_the_first_report_of(
+        r: &Registry,
+        o: &mut Outbox,
+        tx: &Tx,
+        rx: &mut Rx,
+        n: u64,
+        fill: impl FnMut(&mut pb::MetricsReport),
+        current: u64,
+    ) {
+        count_calls(r, n);
+        assert_eq!(o.send(r, tx, true, fill), Ok(1));
+        let _ = reports_on(rx);
+        o.ack(r, 1, true, current);
+    }
+
+    /// The metrics reports queued on `rx`.
+    fn reports_on(rx: &mut Rx) -> Vec<pb::MetricsReport> {
         let mut out = Vec::new();
         while let Ok(m) = rx.try_recv() {
             let Some(Kind::Metrics(r)) = m.kind else {
                 panic!("a metrics report");
             };
-            out.push((r.seq, r.policy_version, r.endpoints[0].calls));
+            out.push(r);
         }
         out
     }
 
+    /// The reports of `version` queued on `rx` (the others are taken too).
+    fn reports_of(rx: &mut Rx, version: u64) -> Vec<pb::MetricsReport> {
+        reports_on(rx)
+            .into_iter()
+            .filter(|r| r.policy_version == version)
+            .collect()
+    }
+
+    /// The reports queued on `rx`: (seq, calls).
+    fn sent(rx: &mut Rx) -> Vec<(u64, u64)> {
+        reports_on(rx)
+            .iter()
+            .map(|r| (r.seq, r.endpoints[0].calls))
+            .collect()
+    }
+
+    /// The reports queued on `rx`: (seq, version, calls).
+    fn sent_with_versions(rx: &mut Rx) -> Vec<(u64, u64, u64)> {
+        reports_on(rx)
+            .iter()
+            .map(|r| (r.seq, r.policy_version, r.endpoints[0].calls))
+            .collect()
+    }
+
+    fn calls_of(endpoints: &[pb::EndpointCounters]) -> u64 {
+        endpoints.iter().map(|e| e.calls).sum()
+    }
+
+    fn calls_in(reports: &[pb::MetricsReport]) -> u64 {
+        reports.iter().map(|r| calls_of(&r.endpoints)).sum()
+    }
+
+    /// The size of `report`'s endpoints, encoded (what [`MAX_REPORT_BYTES`] bounds).
+    fn encoded_size(report: &pb::MetricsReport) -> usize {
+        report
+            .endpoints
+            .iter()
+            .map(|e| prost::encoding::message::encoded_len(4, e))
+            .sum()
+    }
+
     #[test]
     fn counts_held_at_a_full_window_go_out_under_their_version_before_later_counts() {
-        let r = Registry::default();
-        let mut o = Outbox::default();
-        let (tx, mut rx) = mpsc::channel(64);
-        for seq in 1..=WINDOW as u64 {
-            count_calls(&r, 1);
-            assert_eq!(o.send(&r, &tx, true, under(1)), Ok(seq));
-        }
+        let (r, mut o, tx, mut rx) = set_up(64);
+        send_one_call_each(&r, &mut o, &tx, 1..=WINDOW as u64, |_| under(1));
         count_calls(&r, 5);
         // Version 2 replaces version 1 while the window is full.
-        assert_eq!(o.send(&r, &tx, true, under(1)), Err(NotSent::WindowFull));
-        o.hold(&r, under(1));
+        swap_with_the_window_full(&r, &mut o, &tx, || under(1));
         assert_eq!(o.held_versions(), [1]);
         assert_eq!(r.pending("a").calls, 0, "held, not left in the counters");
         count_calls(&r, 7);
@@ -654,15 +784,11 @@ mod tests {
 
     #[tokio::test]
     async fn counts_of_calls_that_outlived_their_version_go_out_under_it_before_the_counters() {
-        let r = Registry::default();
-        let mut o = Outbox::default();
-        let (tx, mut rx) = mpsc::channel(64);
+        let (r, mut o, tx, mut rx) = set_up(64);
         count_calls(&r, 4);
-        let a: Arc<str> = Arc::from("a");
-        let call_on_1 = r.outlived(1, &a);
+        let call_on_1 = outlived_a(&r, 1);
         Counters::inc(&call_on_1.calls);
-        Counters::inc(&r.outlived(2, &a).calls);
-        Counters::inc(&r.outlived(2, &a).calls);
+        count_outlived_calls(&r, 2, 2);
         assert_eq!(o.send(&r, &tx, true, under(3)), Ok(3));
         assert_eq!(
             sent_with_versions(&mut rx),
@@ -675,7 +801,7 @@ mod tests {
         assert_eq!(o.send(&r, &tx, true, under(3)), Ok(4));
         assert_eq!(sent_with_versions(&mut rx), [(4, 1, 1)]);
         // At shutdown too.
-        Counters::inc(&r.outlived(2, &a).calls);
+        count_outlived_calls(&r, 2, 1);
         o.closing();
         let deadline = tokio::time::Instant::now();
         let queued = o
@@ -688,24 +814,14 @@ mod tests {
     #[test]
     fn while_the_window_is_full_the_counts_of_calls_that_outlived_their_versions_take_bounded_memory()
      {
-        let r = Registry::default();
-        let mut o = Outbox::default();
-        let (tx, _rx) = mpsc::channel(64);
-        for seq in 1..=WINDOW as u64 {
-            count_calls(&r, 1);
-            assert_eq!(o.send(&r, &tx, true, under(1)), Ok(seq));
-        }
+        let (r, mut o, tx, _rx) = set_up(64);
+        send_one_call_each(&r, &mut o, &tx, 1..=WINDOW as u64, |_| under(1));
         // The control plane acknowledges nothing and pushes 1,000 versions; at each, a call
         // still on the version replaced counts once more (its give-up, say) and ends.
-        let a: Arc<str> = Arc::from("a");
         for version in 1..=1_000 {
-            Counters::inc(&r.outlived(version, &a).gave_up_attempts);
+            Counters::inc(&outlived_a(&r, version).gave_up_attempts);
             // The swap to `version + 1` (`send_or_hold`).
-            assert_eq!(
-                o.send(&r, &tx, true, under(version)),
-                Err(NotSent::WindowFull)
-            );
-            o.hold(&r, under(version));
+            swap_with_the_window_full(&r, &mut o, &tx, || under(version));
         }
         assert!(o.held_versions().len() <= HELD, "held reports are bounded");
         // No call holds any of them; yet every version's counters are kept until the window
@@ -719,9 +835,7 @@ mod tests {
 
     #[test]
     fn a_refused_report_of_an_earlier_version_goes_out_again_under_it() {
-        let r = Registry::default();
-        let mut o = Outbox::default();
-        let (tx, mut rx) = mpsc::channel(16);
+        let (r, mut o, tx, mut rx) = set_up(16);
         count_calls(&r, 3);
         assert_eq!(o.send(&r, &tx, true, under(1)), Ok(1));
         count_calls(&r, 4);
@@ -739,9 +853,7 @@ mod tests {
 
     #[test]
     fn reports_given_back_keep_their_version_when_it_is_no_longer_in_force() {
-        let r = Registry::default();
-        let mut o = Outbox::default();
-        let (tx, mut rx) = mpsc::channel(16);
+        let (r, mut o, tx, mut rx) = set_up(16);
         count_calls(&r, 3);
         o.send(&r, &tx, true, under(1)).unwrap();
         count_calls(&r, 4);
@@ -755,8 +867,7 @@ mod tests {
 
     #[test]
     fn past_the_most_held_the_oldest_counts_go_into_the_counters_not_lost() {
-        let r = Registry::default();
-        let mut o = Outbox::default();
+        let (r, mut o) = outbox();
         for version in 1..=HELD as u64 + 2 {
             count_calls(&r, version);
             o.hold(&r, under(version));
@@ -784,13 +895,8 @@ mod tests {
     /// counters past [`HELD`] no longer as the oldest.
     #[test]
     fn a_refused_held_report_goes_out_again_before_the_later_versions_held_after_it() {
-        let r = Registry::default();
-        let mut o = Outbox::default();
-        let (tx, mut rx) = mpsc::channel(64);
-        for seq in 1..=WINDOW as u64 {
-            count_calls(&r, 1);
-            assert_eq!(o.send(&r, &tx, true, under(1)), Ok(seq));
-        }
+        let (r, mut o, tx, mut rx) = set_up(64);
+        send_one_call_each(&r, &mut o, &tx, 1..=WINDOW as u64, |_| under(1));
         // Version 2 replaces version 1, then version 3 version 2, the window full each time.
         count_calls(&r, 5);
         o.hold(&r, under(1));
@@ -819,9 +925,7 @@ mod tests {
 
     #[test]
     fn reports_refused_in_any_order_are_held_in_the_order_they_were_sent_before_later_ones() {
-        let r = Registry::default();
-        let mut o = Outbox::default();
-        let (tx, mut rx) = mpsc::channel(64);
+        let (r, mut o, tx, mut rx) = set_up(64);
         count_calls(&r, 1);
         o.hold(&r, under(1));
         count_calls(&r, 2);
@@ -856,9 +960,7 @@ mod tests {
                 rng ^= rng << 17;
                 rng % n
             };
-            let r = Registry::default();
-            let mut o = Outbox::default();
-            let (mut tx, mut rx) = mpsc::channel(3);
+            let (r, mut o, mut tx, mut rx) = set_up(3);
             let mut version = 1;
             let mut made: BTreeMap<u64, u64> = BTreeMap::new();
             let mut credited: BTreeMap<u64, u64> = BTreeMap::new();
@@ -957,13 +1059,10 @@ mod tests {
 
     #[test]
     fn a_held_report_the_stream_cannot_take_stays_held() {
-        let r = Registry::default();
-        let mut o = Outbox::default();
+        let (r, mut o) = outbox();
         count_calls(&r, 3);
         o.hold(&r, under(1));
-        let (tx, mut rx) = mpsc::channel(1);
-        tx.try_send(message(Kind::Keepalive(pb::Keepalive {})))
-            .unwrap();
+        let (tx, mut rx) = full_stream();
         count_calls(&r, 2);
         assert_eq!(o.send(&r, &tx, true, under(2)), Err(NotSent::StreamFull));
         assert_eq!(o.held_versions(), [1]);
@@ -985,9 +1084,7 @@ mod tests {
 
     #[test]
     fn seqs_count_up_from_one_and_an_ack_forgets_the_report() {
-        let r = Registry::default();
-        let mut o = Outbox::default();
-        let (tx, mut rx) = mpsc::channel(16);
+        let (r, mut o, tx, mut rx) = set_up(16);
         assert_eq!(o.send(&r, &tx, true, no_fill), Err(NotSent::Empty));
         count_calls(&r, 2);
         assert_eq!(o.send(&r, &tx, true, no_fill), Ok(1));
@@ -1008,9 +1105,7 @@ mod tests {
 
     #[test]
     fn a_dropped_report_goes_back_into_the_counters_and_out_in_a_later_report() {
-        let r = Registry::default();
-        let mut o = Outbox::default();
-        let (tx, mut rx) = mpsc::channel(16);
+        let (r, mut o, tx, mut rx) = set_up(16);
         count_calls(&r, 4);
         o.send(&r, &tx, true, no_fill).unwrap();
         count_calls(&r, 1);
@@ -1026,13 +1121,8 @@ mod tests {
 
     #[test]
     fn a_full_window_takes_nothing_until_an_ack_frees_a_place() {
-        let r = Registry::default();
-        let mut o = Outbox::default();
-        let (tx, mut rx) = mpsc::channel(64);
-        for seq in 1..=u64::try_from(WINDOW).unwrap() {
-            count_calls(&r, 1);
-            assert_eq!(o.send(&r, &tx, true, no_fill), Ok(seq));
-        }
+        let (r, mut o, tx, mut rx) = set_up(64);
+        send_one_call_each(&r, &mut o, &tx, 1..=WINDOW as u64, |_| no_fill);
         assert!(o.is_full());
         count_calls(&r, 7);
         assert_eq!(o.send(&r, &tx, true, no_fill), Err(NotSent::WindowFull));
@@ -1054,11 +1144,9 @@ mod tests {
 
     #[test]
     fn a_report_the_stream_cannot_take_goes_back_and_uses_no_seq() {
-        let r = Registry::default();
-        let mut o = Outbox::default();
+        let (r, mut o) = outbox();
         count_calls(&r, 3);
-        let (closed, rx) = mpsc::channel(1);
-        drop(rx);
+        let closed = gone_stream(1);
         assert_eq!(o.send(&r, &closed, true, no_fill), Err(NotSent::StreamFull));
         assert_eq!(r.pending("a").calls, 3);
         assert!(o.pending_seqs().is_empty());
@@ -1067,33 +1155,15 @@ mod tests {
         assert_eq!(sent(&mut rx), [(1, 3)]);
     }
 
-    /// Counts `n` calls on each of `endpoints` endpoints with names of 250 bytes.
-    fn count_many(r: &Registry, endpoints: usize, n: u64) {
-        for i in 0..endpoints {
-            let c = r.counters(&Arc::from(format!("{i:0>250}").as_str()));
-            for _ in 0..n {
-                Counters::inc(&c.calls);
-            }
-        }
-    }
-
     #[test]
     fn counts_too_large_for_one_report_go_out_in_several_each_within_the_limit() {
         use prost::Message as _;
-        let r = Registry::default();
-        let mut o = Outbox::default();
-        let (tx, mut rx) = mpsc::channel(64);
+        let (r, mut o, tx, mut rx) = set_up(64);
         // About 6 MiB of counts: more than the control plane decodes in one message.
         let endpoints = 24_000;
         count_many(&r, endpoints, 1);
         let last = o.send(&r, &tx, true, no_fill).unwrap();
-        let mut reports = Vec::new();
-        while let Ok(m) = rx.try_recv() {
-            let Some(Kind::Metrics(report)) = m.kind else {
-                panic!("a metrics report");
-            };
-            reports.push(report);
-        }
+        let reports = reports_on(&mut rx);
         assert!(reports.len() > 1, "{} report(s)", reports.len());
         for report in &reports {
             let len = pb::AgentMessage {
@@ -1108,12 +1178,7 @@ mod tests {
         let seqs: Vec<u64> = reports.iter().map(|r| r.seq).collect();
         assert_eq!(seqs, (1..=last).collect::<Vec<_>>(), "numbered in order");
         assert_eq!(o.pending_seqs(), seqs, "each kept until acknowledged");
-        let calls: u64 = reports
-            .iter()
-            .flat_map(|r| &r.endpoints)
-            .map(|e| e.calls)
-            .sum();
-        assert_eq!(calls, endpoints as u64, "every count once");
+        assert_eq!(calls_in(&reports), endpoints as u64, "every count once");
         assert!(r.take().is_empty());
     }
 
@@ -1121,10 +1186,8 @@ mod tests {
     /// of them go; with the deadline passed and no room, none is lost from the counters.
     #[tokio::test(start_paused = true)]
     async fn at_shutdown_each_part_waits_for_room_until_the_deadline() {
-        let r = Registry::default();
-        let mut o = Outbox::default();
+        let (r, mut o, tx, mut rx) = set_up(1);
         o.closing();
-        let (tx, mut rx) = mpsc::channel::<pb::AgentMessage>(1);
         let endpoints = 24_000;
         count_many(&r, endpoints, 1);
         let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(2);
@@ -1132,7 +1195,7 @@ mod tests {
             let mut calls = 0;
             while let Some(m) = rx.recv().await {
                 if let Some(Kind::Metrics(report)) = m.kind {
-                    calls += report.endpoints.iter().map(|e| e.calls).sum::<u64>();
+                    calls += calls_of(&report.endpoints);
                 }
             }
             calls
@@ -1150,37 +1213,28 @@ mod tests {
         assert!(o.pending_seqs().len() > 1, "in several parts, each kept");
         assert!(r.take().is_empty());
 
-        let (tx, _rx) = mpsc::channel(1);
-        tx.try_send(message(Kind::Keepalive(pb::Keepalive {})))
-            .unwrap();
+        let (tx, _rx) = full_stream();
         count_many(&r, endpoints, 1);
         let past = tokio::time::Instant::now();
         assert_eq!(o.send_by(&r, &tx, true, past, |f| f(), || no_fill).await, 0);
-        let back: u64 = r.take().iter().map(|e| e.calls).sum();
-        assert_eq!(back, endpoints as u64, "the counts wait in the counters");
+        assert_eq!(
+            calls_of(&r.take()),
+            endpoints as u64,
+            "the counts wait in the counters"
+        );
     }
 
     #[test]
     fn parts_of_a_large_report_past_the_window_wait_in_the_counters() {
-        let r = Registry::default();
-        let mut o = Outbox::default();
-        let (tx, mut rx) = mpsc::channel(64);
-        for seq in 1..u64::try_from(WINDOW).unwrap() {
-            count_calls(&r, 1);
-            assert_eq!(o.send(&r, &tx, true, no_fill), Ok(seq));
-        }
+        let (r, mut o, tx, mut rx) = set_up(64);
+        send_one_call_each(&r, &mut o, &tx, 1..WINDOW as u64, |_| no_fill);
         // One place left in the window, and counts for several reports.
         count_many(&r, 24_000, 2);
         let last = u64::try_from(WINDOW).unwrap();
         assert_eq!(o.send(&r, &tx, true, no_fill), Ok(last));
         assert!(o.is_full());
-        let mut sent_calls = 0;
-        while let Ok(m) = rx.try_recv() {
-            if let Some(Kind::Metrics(report)) = m.kind {
-                sent_calls += report.endpoints.iter().map(|e| e.calls).sum::<u64>();
-            }
-        }
-        let kept: u64 = r.take().iter().map(|e| e.calls).sum();
+        let sent_calls = calls_in(&reports_on(&mut rx));
+        let kept = calls_of(&r.take());
         assert!(kept > 0, "the rest waits for a place");
         assert_eq!(
             sent_calls + kept,
@@ -1190,9 +1244,7 @@ mod tests {
 
     #[test]
     fn a_new_stream_gets_the_unanswered_reports_again_in_seq_order() {
-        let r = Registry::default();
-        let mut o = Outbox::default();
-        let (tx, rx) = mpsc::channel(16);
+        let (r, mut o, tx, rx) = set_up(16);
         for n in 1..=4 {
             count_calls(&r, n);
             o.send(&r, &tx, true, no_fill).unwrap();
@@ -1213,17 +1265,14 @@ mod tests {
             "new reports after them"
         );
         // A stream that is already gone keeps them for the next one.
-        let (gone, rx) = mpsc::channel(16);
-        drop(rx);
+        let gone = gone_stream(16);
         assert!(!o.resend(&gone));
         assert_eq!(o.pending_seqs(), [1, 3, 4, 5]);
     }
 
     #[test]
     fn without_acks_reports_go_out_unnumbered_and_kept_ones_give_their_counts_back() {
-        let r = Registry::default();
-        let mut o = Outbox::default();
-        let (tx, mut rx) = mpsc::channel(64);
+        let (r, mut o, tx, mut rx) = set_up(64);
         count_calls(&r, 2);
         assert_eq!(o.send(&r, &tx, true, no_fill), Ok(1));
         count_calls(&r, 3);
@@ -1245,8 +1294,7 @@ mod tests {
         assert_eq!(reports[0].1, 5 + 1, "the given-back counts go out first");
         // An unnumbered report the stream cannot take goes back too.
         count_calls(&r, 4);
-        let (closed, gone) = mpsc::channel(1);
-        drop(gone);
+        let closed = gone_stream(1);
         assert_eq!(
             o.send(&r, &closed, false, no_fill),
             Err(NotSent::StreamFull)
@@ -1264,22 +1312,15 @@ mod tests {
     /// credits to the version in force.
     #[test]
     fn one_swap_and_a_call_that_outlived_it_do_not_push_the_swaps_counts_under_the_next_version() {
-        let r = Registry::default();
-        let mut o = Outbox::default();
-        let (tx, _rx) = mpsc::channel(64);
-        for seq in 1..=WINDOW as u64 {
-            count_calls(&r, 1);
-            assert_eq!(o.send(&r, &tx, true, under(1)), Ok(seq));
-        }
+        let (r, mut o, tx, _rx) = set_up(64);
+        send_one_call_each(&r, &mut o, &tx, 1..=WINDOW as u64, |_| under(1));
         // Version 2 replaces version 1 while the window is full: 5 calls made on 1 are held.
         count_calls(&r, 5);
-        assert_eq!(o.send(&r, &tx, true, under(1)), Err(NotSent::WindowFull));
-        o.hold(&r, under(1));
+        swap_with_the_window_full(&r, &mut o, &tx, || under(1));
         assert_eq!(o.held_versions(), [1]);
         // A call still on version 1 retries once in each of the next 20 intervals (the
         // control plane acknowledges nothing meanwhile).
-        let a: Arc<str> = Arc::from("a");
-        let call_on_1 = r.outlived(1, &a);
+        let call_on_1 = outlived_a(&r, 1);
         for _ in 0..20 {
             Counters::inc(&call_on_1.retries);
             assert_eq!(o.send(&r, &tx, true, under(2)), Err(NotSent::WindowFull));
@@ -1301,71 +1342,30 @@ mod tests {
     /// and that refused span is given to the new version's counts instead.
     #[test]
     fn a_refused_reports_counts_retired_by_set_policies_go_out_over_their_own_span() {
-        fn span(version: u64, start: u64, end: u64) -> impl FnMut(&mut pb::MetricsReport) {
-            move |r| {
-                r.policy_version = version;
-                r.window_start_unix_ms = start;
-                r.window_end_unix_ms = end;
-            }
-        }
-        let r = Registry::default();
-        let mut o = Outbox::default();
-        let (tx, mut rx) = mpsc::channel(64);
-        count_calls(&r, 10);
-        assert_eq!(o.send(&r, &tx, true, span(5, 1_000, 11_000)), Ok(1));
+        let (r, mut o, tx, mut rx) = set_up(64);
         // Refused while version 5 is in force: back into the counters.
-        o.ack(&r, 1, true, 5);
+        let refused = span_of(5, 1_000, 11_000);
+        refuse_the_first_report_of(&r, &mut o, &tx, &mut rx, 10, refused, 5);
         // `Agent::set_policies`: version 0 replaces 5, whose counts are moved apart.
         r.retire(5);
         count_calls(&r, 1);
-        while rx.try_recv().is_ok() {}
-        assert!(o.send(&r, &tx, true, span(0, 11_000, 21_000)).is_ok());
+        assert!(o.send(&r, &tx, true, span_of(0, 11_000, 21_000)).is_ok());
         // (version, start, calls)
-        let mut out = Vec::new();
-        while let Ok(m) = rx.try_recv() {
-            let Some(Kind::Metrics(rep)) = m.kind else {
-                panic!("a metrics report");
-            };
-            out.push((
-                rep.policy_version,
-                rep.window_start_unix_ms,
-                rep.endpoints[0].calls,
-            ));
-        }
+        let out: Vec<_> = reports_on(&mut rx)
+            .iter()
+            .map(|rep| {
+                (
+                    rep.policy_version,
+                    rep.window_start_unix_ms,
+                    rep.endpoints[0].calls,
+                )
+            })
+            .collect();
         assert_eq!(
             out,
             [(5, 1_000, 10), (0, 11_000, 1)],
             "(version, window start, calls): the refused counts over the span they were made in"
         );
-    }
-
-    /// A report's `fill`: `version`, from `start` to `end`.
-    fn span_of(version: u64, start: u64, end: u64) -> impl FnMut(&mut pb::MetricsReport) {
-        move |r| {
-            r.policy_version = version;
-            r.window_start_unix_ms = start;
-            r.window_end_unix_ms = end;
-        }
-    }
-
-    /// The metrics reports queued on `rx`.
-    fn reports_on(rx: &mut mpsc::Receiver<pb::AgentMessage>) -> Vec<pb::MetricsReport> {
-        let mut out = Vec::new();
-        while let Ok(m) = rx.try_recv() {
-            let Some(Kind::Metrics(r)) = m.kind else {
-                panic!("a metrics report");
-            };
-            out.push(r);
-        }
-        out
-    }
-
-    fn calls_in(reports: &[pb::MetricsReport]) -> u64 {
-        reports
-            .iter()
-            .flat_map(|r| &r.endpoints)
-            .map(|e| e.calls)
-            .sum()
     }
 
     /// a report with no start (`window_start_unix_ms` 0: the control plane reads it as
@@ -1376,18 +1376,13 @@ mod tests {
     /// before 1970 plus the span, so this is an edge.
     #[test]
     fn a_report_with_no_start_joined_to_a_held_one_does_not_take_the_held_ones_span() {
-        let r = Registry::default();
-        let mut o = Outbox::default();
-        let (tx, mut rx) = mpsc::channel(64);
+        let (r, mut o, tx, mut rx) = set_up(64);
         count_calls(&r, 3);
         o.hold(&r, span_of(1, 1_000, 2_000));
         // A call that outlived version 1 counts on; the next report has no start.
-        Counters::inc(&r.outlived(1, &Arc::from("a")).calls);
+        count_outlived_calls(&r, 1, 1);
         assert!(o.send(&r, &tx, true, span_of(2, 0, 3_000)).is_ok());
-        let v1: Vec<_> = reports_on(&mut rx)
-            .into_iter()
-            .filter(|r| r.policy_version == 1)
-            .collect();
+        let v1 = reports_of(&mut rx, 1);
         assert_eq!(calls_in(&v1), 4);
         assert!(
             v1.iter()
@@ -1403,33 +1398,21 @@ mod tests {
     /// MAX_REPORT_BYTES, and the counts of the versions still held go out under their own.
     #[test]
     fn swaps_and_outliving_calls_with_a_full_window_lose_and_double_no_count() {
-        let r = Registry::default();
-        let mut o = Outbox::default();
-        let (tx, mut rx) = mpsc::channel(1024);
-        let mut total = 0;
-        for seq in 1..=WINDOW as u64 {
-            count_calls(&r, 1);
-            total += 1;
-            assert_eq!(
-                o.send(&r, &tx, true, span_of(1, seq * 10, seq * 10 + 10)),
-                Ok(seq)
-            );
-        }
-        let a: Arc<str> = Arc::from("a");
+        let (r, mut o, tx, mut rx) = set_up(1024);
+        send_one_call_each(&r, &mut o, &tx, 1..=WINDOW as u64, |seq| {
+            span_of(1, seq * 10, seq * 10 + 10)
+        });
+        let mut total = WINDOW as u64;
         let mut t = 1_000;
         for v in 1..=30u64 {
             count_calls(&r, 5);
             total += 5;
             // The swap from v to v + 1 with the window full: v's counts held.
-            assert_eq!(
-                o.send(&r, &tx, true, span_of(v, t, t + 10)),
-                Err(NotSent::WindowFull)
-            );
-            o.hold(&r, span_of(v, t, t + 10));
+            swap_with_the_window_full(&r, &mut o, &tx, || span_of(v, t, t + 10));
             t += 10;
             // Calls on every version so far go on counting.
             for u in 1..=v {
-                Counters::inc(&r.outlived(u, &a).calls);
+                count_outlived_calls(&r, u, 1);
                 total += 1;
             }
             assert_eq!(
@@ -1454,12 +1437,7 @@ mod tests {
         }
         reports.extend(reports_on(&mut rx));
         for rep in &reports {
-            let size: usize = rep
-                .endpoints
-                .iter()
-                .map(|e| prost::encoding::message::encoded_len(4, e))
-                .sum();
-            assert!(size <= MAX_REPORT_BYTES);
+            assert!(encoded_size(rep) <= MAX_REPORT_BYTES);
             assert!(rep.window_start_unix_ms <= rep.window_end_unix_ms);
         }
         assert_eq!(calls_in(&reports), total, "every call counted once");
@@ -1473,17 +1451,11 @@ mod tests {
     /// keeps its own. The oldest version's counts should be the ones to go.
     #[test]
     fn a_call_outliving_an_evicted_version_does_not_push_a_newer_versions_counts_out() {
-        let r = Registry::default();
-        let mut o = Outbox::default();
-        let (tx, mut rx) = mpsc::channel(1024);
-        for seq in 1..=WINDOW as u64 {
-            count_calls(&r, 1);
-            assert_eq!(o.send(&r, &tx, true, under(1)), Ok(seq));
-        }
+        let (r, mut o, tx, mut rx) = set_up(1024);
+        send_one_call_each(&r, &mut o, &tx, 1..=WINDOW as u64, |_| under(1));
         let _ = reports_on(&mut rx);
         // Version 1 has a call that outlives it (in its pause).
-        let a: Arc<str> = Arc::from("a");
-        let call_on_1 = r.outlived(1, &a);
+        let call_on_1 = outlived_a(&r, 1);
         // HELD + 1 swaps with the window full: versions 1..=17 held, 1 evicted.
         for v in 1..=HELD as u64 + 1 {
             count_calls(&r, 5);
@@ -1515,9 +1487,7 @@ mod tests {
     /// whose sum is past MAX_REPORT_BYTES stay two reports, each within it, no count lost.
     #[test]
     fn counts_that_would_make_a_held_report_too_large_are_held_apart() {
-        let r = Registry::default();
-        let mut o = Outbox::default();
-        let (tx, mut rx) = mpsc::channel(64);
+        let (r, mut o, tx, mut rx) = set_up(64);
         const N: usize = 50_000;
         for i in 0..N {
             Counters::inc(&r.counters(&Arc::from(format!("e{i:06}"))).calls);
@@ -1531,11 +1501,7 @@ mod tests {
         let reports = reports_on(&mut rx);
         assert_eq!(reports.len(), 2, "not joined: the sum is past the limit");
         for rep in &reports {
-            let size: usize = rep
-                .endpoints
-                .iter()
-                .map(|e| prost::encoding::message::encoded_len(4, e))
-                .sum();
+            let size = encoded_size(rep);
             assert!(size <= MAX_REPORT_BYTES, "{size}");
             assert_eq!(rep.policy_version, 1);
         }
@@ -1549,8 +1515,7 @@ mod tests {
     /// number, version 0's went, seen in review).
     #[test]
     fn past_held_a_version_0_report_held_after_pushed_ones_is_not_the_first_to_go() {
-        let r = Registry::default();
-        let mut o = Outbox::default();
+        let (r, mut o) = outbox();
         // Pushes 1, 2, 3 replaced (held); the program's policies (version 0) replaced by push
         // 5 (held); pushes 5..=16 replaced (held): 16 held.
         let order: Vec<u64> = [1, 2, 3, 0].into_iter().chain(5..=16).collect();
@@ -1583,14 +1548,10 @@ mod tests {
     /// out in a report with no start: as made at no known time.
     #[test]
     fn taken_back_counts_reported_with_a_report_of_no_start_keep_their_start() {
-        let r = Registry::default();
-        let mut o = Outbox::default();
-        let (tx, mut rx) = mpsc::channel(64);
-        count_calls(&r, 3);
-        assert_eq!(o.send(&r, &tx, true, span_of(2, 1_000, 2_000)), Ok(1));
-        let _ = reports_on(&mut rx);
+        let (r, mut o, tx, mut rx) = set_up(64);
         // Refused; version 2 still in force: back into the counters, from 1000.
-        o.ack(&r, 1, true, 2);
+        let refused = span_of(2, 1_000, 2_000);
+        refuse_the_first_report_of(&r, &mut o, &tx, &mut rx, 3, refused, 2);
         count_calls(&r, 1);
         assert_eq!(o.send(&r, &tx, true, span_of(2, 0, 3_000)), Ok(2));
         let reps = reports_on(&mut rx);
@@ -1608,20 +1569,13 @@ mod tests {
     /// time.
     #[test]
     fn taken_back_counts_moved_to_outlived_keep_their_start_under_a_fill_of_no_start() {
-        let r = Registry::default();
-        let mut o = Outbox::default();
-        let (tx, mut rx) = mpsc::channel(64);
-        count_calls(&r, 3);
-        assert_eq!(o.send(&r, &tx, true, span_of(2, 1_000, 2_000)), Ok(1));
-        let _ = reports_on(&mut rx);
-        o.ack(&r, 1, true, 2);
+        let (r, mut o, tx, mut rx) = set_up(64);
+        let refused = span_of(2, 1_000, 2_000);
+        refuse_the_first_report_of(&r, &mut o, &tx, &mut rx, 3, refused, 2);
         // The program sets its policies: version 2's counts move aside.
         r.retire(2);
         assert!(o.send(&r, &tx, true, span_of(0, 0, 3_000)).is_ok());
-        let v2: Vec<_> = reports_on(&mut rx)
-            .into_iter()
-            .filter(|r| r.policy_version == 2)
-            .collect();
+        let v2 = reports_of(&mut rx, 2);
         assert_eq!(calls_in(&v2), 3);
         assert!(
             v2.iter().all(|r| r.window_start_unix_ms == 1_000),
@@ -1635,13 +1589,10 @@ mod tests {
     /// the new held report stays held, and only the first is counted as queued.
     #[tokio::test]
     async fn send_by_running_out_of_room_after_taking_the_counters_puts_them_back() {
-        let r = Registry::default();
-        let mut o = Outbox::default();
-        let (tx, mut rx) = mpsc::channel(1);
+        let (r, mut o, tx, mut rx) = set_up(1);
         count_calls(&r, 2);
         o.hold(&r, under(1));
-        let a: Arc<str> = Arc::from("a");
-        let on_2 = r.outlived(2, &a);
+        let on_2 = outlived_a(&r, 2);
         count_calls(&r, 5);
         o.closing();
         let turns = std::cell::Cell::new(0);
