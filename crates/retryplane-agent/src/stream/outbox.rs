@@ -184,7 +184,18 @@ impl Outbox {
                 Err(_) => NotSent::StreamFull,
             };
             give_back(registry, &part, parts);
-            self.taken_back(fill.from);
+            if sent.is_some() {
+                // Queued in part: the caller's next report starts where this one ends, but
+                // what waits was made from this one's start.
+                let mut report = pb::MetricsReport::default();
+                fill.fill(&mut report);
+                self.taken_back(Some(TakenBack {
+                    version: report.policy_version,
+                    from: report.window_start_unix_ms,
+                }));
+            } else {
+                self.taken_back(fill.from);
+            }
             return sent.ok_or(not_sent);
         }
         sent.ok_or(NotSent::Empty)
@@ -1242,6 +1253,30 @@ mod tests {
         );
     }
 
+    /// The parts of a report that found no place go back into the counters, made from that
+    /// report's start: the caller's next report starts where the one sent in part ends, and
+    /// the parts that waited go out in it, so their own start must come with them (made over
+    /// the next interval alone, they read as a burst).
+    #[test]
+    fn parts_of_a_large_report_that_wait_keep_the_reports_start() {
+        let (r, mut o, tx, mut rx) = set_up(64);
+        send_one_call_each(&r, &mut o, &tx, 1..WINDOW as u64, |_| no_fill);
+        reports_on(&mut rx);
+        count_many(&r, 24_000, 2);
+        let last = u64::try_from(WINDOW).unwrap();
+        assert_eq!(o.send(&r, &tx, true, span_of(1, 1_000, 2_000)), Ok(last));
+        // A place again; the next report spans 2000..3000.
+        o.ack(&r, 1, false, 1);
+        assert!(o.send(&r, &tx, true, span_of(1, 2_000, 3_000)).is_ok());
+        let next = reports_on(&mut rx);
+        let next = next.last().unwrap();
+        assert_eq!(
+            (next.window_start_unix_ms, next.window_end_unix_ms),
+            (1_000, 3_000),
+            "counts made from 1000 on, in the report that found no place"
+        );
+    }
+
     #[test]
     fn a_new_stream_gets_the_unanswered_reports_again_in_seq_order() {
         let (r, mut o, tx, rx) = set_up(16);
@@ -1368,12 +1403,11 @@ mod tests {
         );
     }
 
-    /// a report with no start (`window_start_unix_ms` 0: the control plane reads it as
+    /// A report with no start (`window_start_unix_ms` 0: the control plane reads it as
     /// covering no known time, `aggregate::raw_span`) joined into a held one of its version
-    /// takes the held one's start with it (`min`): the held counts, made over a known span,
-    /// go out as made at no known time. The joined report should keep the known start (or
-    /// the two should stay apart). A start of 0 comes from `window` only with a wall clock
-    /// before 1970 plus the span, so this is an edge.
+    /// keeps the held one's known start: taken by `min`, the held counts, made over a known
+    /// span, went out as made at no known time. A start of 0 comes from `window` only with a
+    /// wall clock before 1970 plus the span, so this is an edge.
     #[test]
     fn a_report_with_no_start_joined_to_a_held_one_does_not_take_the_held_ones_span() {
         let (r, mut o, tx, mut rx) = set_up(64);
@@ -1512,7 +1546,7 @@ mod tests {
     /// its number: it is the static policies (`Agent::set_policies`) or the fallback, and
     /// policies the program set after pushed version 3 was replaced, and then replaced by push
     /// 5, were in force after versions 1 to 3. Version 1's counts, held earliest, go (ranked by
-    /// number, version 0's went, seen in review).
+    /// number, version 0's went).
     #[test]
     fn past_held_a_version_0_report_held_after_pushed_ones_is_not_the_first_to_go() {
         let (r, mut o) = outbox();
