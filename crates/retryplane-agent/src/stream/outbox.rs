@@ -137,7 +137,9 @@ impl Outbox {
     ///
     /// Counts larger than [`MAX_REPORT_BYTES`] go out as several reports (in endpoint order),
     /// as many as the window and the stream take; the counts of the others are added back for
-    /// a later report. Returns the seq of the last report queued.
+    /// a later report, with this report's start. Returns the seq of the last report queued
+    /// once any part of the counters' counts is; an error when none is, though held reports
+    /// may have been queued before it (the counters' counts then all wait).
     pub(crate) fn send(
         &mut self,
         registry: &Registry,
