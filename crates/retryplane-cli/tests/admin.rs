@@ -11,7 +11,7 @@ use assert_cmd::Command;
 use predicates::prelude::*;
 use retryplane_proto::pb;
 use retryplane_proto::pb::agent_service_client::AgentServiceClient;
-use support::{TestServer, dead_server, json_of, stdout_of};
+use support::{TestServer, cli, dead_server, json_of, stdout_of};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::Channel;
@@ -443,11 +443,8 @@ fn apply_of_a_file_with_many_problems_prints_every_one_like_validate_and_exits_1
         bad.push_str(&format!("  checkout-service-{i:04}: {{max_attempts: 0}}\n"));
     }
     server.write("bad.yaml", &bad);
-    let validate = Command::cargo_bin("retryplane")
-        .unwrap()
-        .current_dir(server.dir.path())
-        .args(["validate", "bad.yaml"])
-        .timeout(support::WAIT)
+    let validate = server
+        .retryplane_here(&["validate", "bad.yaml"])
         .assert()
         .code(1);
     let every_problem = stdout_of(&validate);
@@ -463,11 +460,8 @@ fn apply_of_a_file_with_many_problems_prints_every_one_like_validate_and_exits_1
         assert_eq!(stdout_of(&assert), every_problem, "{command}");
     }
     // Checked before any call: the same answer with no server to talk to.
-    Command::cargo_bin("retryplane")
-        .unwrap()
-        .current_dir(server.dir.path())
-        .args(["apply", "bad.yaml", "--server", &dead_server()])
-        .timeout(support::WAIT)
+    server
+        .retryplane_here(&["apply", "bad.yaml", "--server", &dead_server()])
         .assert()
         .code(1)
         .stdout(every_problem);
@@ -546,13 +540,9 @@ fn an_empty_server_flag_counts_as_not_given_and_reads_retryplane_server() {
     let server = test_server(true, None);
     // `--server "$CP_URL"` with `CP_URL` unset, in a job that exports `RETRYPLANE_SERVER`:
     // the command reaches the control plane the variable names, not the default address.
-    let out = Command::cargo_bin("retryplane")
-        .unwrap()
-        .current_dir(server.dir.path())
-        .env_remove("RETRYPLANE_TOKEN")
+    let out = server
+        .retryplane_here(&["history", "--output", "json", "--server", ""])
         .env("RETRYPLANE_SERVER", &server.url)
-        .args(["history", "--output", "json", "--server", ""])
-        .timeout(support::WAIT)
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -569,13 +559,7 @@ fn an_empty_server_flag_counts_as_not_given_and_reads_retryplane_server() {
 
 /// `retryplane` run offline in `server`'s directory: exit code and stderr.
 fn offline(server: &TestServer, args: &[&str]) -> (Option<i32>, String) {
-    let out = Command::cargo_bin("retryplane")
-        .unwrap()
-        .current_dir(server.dir.path())
-        .args(args)
-        .timeout(support::WAIT)
-        .output()
-        .unwrap();
+    let out = server.retryplane_here(args).output().unwrap();
     (
         out.status.code(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
@@ -641,13 +625,7 @@ fn white_space_around_the_server_url_is_dropped_as_around_the_token() {
         format!("{} ", server.url),
     ] {
         for (flag, variable) in [(None, Some(&given)), (Some(&given), None)] {
-            let mut command = Command::cargo_bin("retryplane").unwrap();
-            command
-                .current_dir(server.dir.path())
-                .env_remove("RETRYPLANE_TOKEN")
-                .env_remove("RETRYPLANE_SERVER")
-                .arg("history")
-                .timeout(support::WAIT);
+            let mut command = server.retryplane_here(&["history"]);
             if let Some(variable) = variable {
                 command.env("RETRYPLANE_SERVER", variable);
             }
@@ -675,13 +653,9 @@ fn an_empty_retryplane_server_is_the_default_server() {
         &["stats"],
         &["top", "--iterations", "1", "--interval", "100ms"],
     ] {
-        let out = Command::cargo_bin("retryplane")
-            .unwrap()
+        let out = cli(args)
             .current_dir(dir.path())
-            .env_remove("RETRYPLANE_TOKEN")
             .env("RETRYPLANE_SERVER", "")
-            .args(args)
-            .timeout(support::WAIT)
             .output()
             .unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
@@ -779,10 +753,8 @@ fn a_missing_or_unknown_token_says_how_to_give_one() {
 #[test]
 fn an_unreachable_server_exits_2() {
     let url = dead_server();
-    let mut cmd = Command::cargo_bin("retryplane").unwrap();
-    cmd.env_remove("RETRYPLANE_TOKEN")
+    cli(&["status"])
         .env("RETRYPLANE_SERVER", &url)
-        .arg("status")
         .assert()
         .code(2)
         .stdout("")
@@ -903,12 +875,8 @@ fn an_apply_whose_answer_is_lost_says_it_may_have_been_stored() {
             });
         }
     });
-    let assert = Command::cargo_bin("retryplane")
-        .unwrap()
-        .current_dir(server.dir.path())
-        .env_remove("RETRYPLANE_TOKEN")
-        .env_remove("RETRYPLANE_SERVER")
-        .args(["apply", "v1.yaml", "--server", &format!("http://{proxy}")])
+    let assert = server
+        .retryplane_here(&["apply", "v1.yaml", "--server", &format!("http://{proxy}")])
         .timeout(std::time::Duration::from_secs(60))
         .assert()
         .code(2);
@@ -1043,11 +1011,7 @@ fn a_dry_run_in_json_says_the_hash_the_content_would_get_and_whether_it_changes_
 /// `retryplane COMMAND --server SERVER` without a token, which must fail with exit code 2 and
 /// nothing on stdout: its stderr.
 fn failed_against(command: &str, server: &str) -> String {
-    let assert = Command::cargo_bin("retryplane")
-        .unwrap()
-        .env_remove("RETRYPLANE_TOKEN")
-        .args([command, "--server", server])
-        .timeout(support::WAIT)
+    let assert = cli(&[command, "--server", server])
         .assert()
         .code(2)
         .stdout("");
@@ -1086,10 +1050,7 @@ fn a_password_in_the_server_url_is_never_printed() {
         runs.push((vec!["status"], bad));
     }
     for (args, server) in runs {
-        let out = Command::cargo_bin("retryplane")
-            .unwrap()
-            .env_remove("RETRYPLANE_TOKEN")
-            .args(&args)
+        let out = cli(&args)
             .args(["--server", server])
             .timeout(std::time::Duration::from_secs(30))
             .output()
@@ -1180,13 +1141,8 @@ fn a_read_whose_connection_broke_before_the_answer_is_sent_again() {
             });
         }
     });
-    let assert = Command::cargo_bin("retryplane")
-        .unwrap()
-        .current_dir(server.dir.path())
-        .env_remove("RETRYPLANE_TOKEN")
-        .env_remove("RETRYPLANE_SERVER")
-        .args(["get", "--server", &format!("http://{proxy}")])
-        .timeout(support::WAIT)
+    let assert = server
+        .retryplane_here(&["get", "--server", &format!("http://{proxy}")])
         .assert()
         .code(0);
     assert!(stdout_of(&assert).contains("max_attempts: 3"));
@@ -1250,11 +1206,8 @@ fn apply_of_a_file_cut_at_the_listing_limit_counts_every_error_in_its_summary() 
     }
     server.write("bad.yaml", &bad);
     for command in ["apply", "diff"] {
-        let assert = Command::cargo_bin("retryplane")
-            .unwrap()
-            .current_dir(server.dir.path())
-            .args([command, "bad.yaml", "--server", &dead_server()])
-            .timeout(support::WAIT)
+        let assert = server
+            .retryplane_here(&[command, "bad.yaml", "--server", &dead_server()])
             .assert()
             .code(1);
         let stderr = String::from_utf8(assert.get_output().stderr.clone()).unwrap();
@@ -1297,12 +1250,8 @@ fn an_empty_server_flag_falling_back_to_a_server_variable_that_is_not_utf8_names
     let variable = "RETRYPLANE_SERVER";
     let mut value = dead_server().to_string().into_bytes();
     value.push(0xff);
-    let out = Command::cargo_bin("retryplane")
-        .unwrap()
-        .env_remove("RETRYPLANE_TOKEN")
+    let out = cli(&["history", "--server", ""])
         .env(variable, std::ffi::OsStr::from_bytes(&value))
-        .args(["history", "--server", ""])
-        .timeout(support::WAIT)
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -1337,17 +1286,12 @@ fn a_variable_that_is_not_utf8_is_named_when_its_flag_is_not_given_at_all() {
             ],
         ),
     ] {
-        let out = Command::cargo_bin("retryplane")
-            .unwrap()
-            .env_remove("RETRYPLANE_TOKEN")
-            .env_remove("RETRYPLANE_SERVER")
+        let out = cli(&args)
             .env_remove("RETRYPLANE_AGENT_TOKEN")
             .env(
                 variable,
                 std::ffi::OsStr::from_bytes(b"\xffsecret-0123456789"),
             )
-            .args(&args)
-            .timeout(support::WAIT)
             .output()
             .unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);

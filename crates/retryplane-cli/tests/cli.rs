@@ -26,8 +26,8 @@ fn dir_with(files: &[(&str, &str)]) -> TempDir {
 
 /// `retryplane ARGS...` run inside `dir`, so file names print as given.
 fn retryplane(dir: &Path, args: &[&str]) -> Command {
-    let mut cmd = Command::cargo_bin("retryplane").unwrap();
-    cmd.current_dir(dir).args(args);
+    let mut cmd = support::cli(args);
+    cmd.current_dir(dir);
     cmd
 }
 

@@ -13,6 +13,16 @@ use tokio::sync::mpsc;
 
 const PASSWORD: &str = "s3cret-pw";
 
+/// `retryplane` with no token or server from the environment of the test, failing after 30 s.
+fn retryplane() -> Command {
+    let mut cmd = Command::cargo_bin("retryplane").unwrap();
+    cmd.env_remove("RETRYPLANE_SERVER")
+        .env_remove("RETRYPLANE_TOKEN")
+        .env_remove("RETRYPLANE_AGENT_TOKEN")
+        .timeout(std::time::Duration::from_secs(30));
+    cmd
+}
+
 /// Starts an HTTP/2 server on `127.0.0.1:0` that answers every call with gRPC's
 /// `UNIMPLEMENTED` (a refusal both the admin commands and the agent stop at) and sends the
 /// `:authority` and URI of each call on the channel. Returns its port.
@@ -46,18 +56,9 @@ async fn recording_h2_server() -> (u16, mpsc::UnboundedReceiver<String>) {
 
 /// Runs the binary with `args` off the runtime, so that the server above keeps answering.
 async fn run(args: Vec<String>) -> Output {
-    tokio::task::spawn_blocking(move || {
-        Command::cargo_bin("retryplane")
-            .unwrap()
-            .env_remove("RETRYPLANE_SERVER")
-            .env_remove("RETRYPLANE_TOKEN")
-            .env_remove("RETRYPLANE_AGENT_TOKEN")
-            .args(args)
-            .output()
-            .unwrap()
-    })
-    .await
-    .unwrap()
+    tokio::task::spawn_blocking(move || retryplane().args(args).output().unwrap())
+        .await
+        .unwrap()
 }
 
 fn assert_no_password(out: &Output) {
@@ -143,8 +144,7 @@ fn a_header_whose_h_was_forgotten_is_quoted_without_its_value() {
         format!("Authorization:Bearer {PASSWORD}"),
         format!("Authorization: next=https://a.example/; t={PASSWORD}"),
     ] {
-        let out = Command::cargo_bin("retryplane")
-            .unwrap()
+        let out = retryplane()
             .args(["request", "--policy", "p.yaml", "--endpoint", "api"])
             .args(["http://127.0.0.1:1/x", &header])
             .output()
@@ -158,8 +158,7 @@ fn a_header_whose_h_was_forgotten_is_quoted_without_its_value() {
         assert_no_password(&out);
     }
     // The value of a flag is never taken for a header: shown as given.
-    let out = Command::cargo_bin("retryplane")
-        .unwrap()
+    let out = retryplane()
         .args(["serve", "--metrics-interval", "interval: 10s"])
         .output()
         .unwrap();
@@ -179,11 +178,7 @@ fn a_header_whose_h_was_forgotten_is_quoted_without_its_value() {
 
 /// The stderr of `retryplane ARGS...`, which must exit 2.
 fn stderr_of(args: &[&str]) -> String {
-    let out = Command::cargo_bin("retryplane")
-        .unwrap()
-        .args(args)
-        .output()
-        .unwrap();
+    let out = retryplane().args(args).output().unwrap();
     assert_eq!(out.status.code(), Some(2), "{args:?}");
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
@@ -227,9 +222,7 @@ fn a_server_url_is_shown_without_its_query_in_every_message() {
             "--server https://cp.internal/?…: only http:// is supported",
         ),
     ] {
-        let out = Command::cargo_bin("retryplane")
-            .unwrap()
-            .env_remove("RETRYPLANE_TOKEN")
+        let out = retryplane()
             .args(&args)
             .timeout(std::time::Duration::from_secs(30))
             .output()
@@ -285,11 +278,7 @@ fn a_server_url_is_shown_without_its_query_in_every_message() {
 #[test]
 fn a_url_clap_does_not_expect_is_quoted_without_its_password() {
     let url = format!("http://admin:{PASSWORD}@127.0.0.1:1");
-    let out = Command::cargo_bin("retryplane")
-        .unwrap()
-        .args(["status", &url])
-        .output()
-        .unwrap();
+    let out = retryplane().args(["status", &url]).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(out.stdout.is_empty());
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -299,11 +288,7 @@ fn a_url_clap_does_not_expect_is_quoted_without_its_password() {
     );
     assert_no_password(&out);
     // `--help` still goes to stdout, exit 0.
-    let out = Command::cargo_bin("retryplane")
-        .unwrap()
-        .args(["--help"])
-        .output()
-        .unwrap();
+    let out = retryplane().args(["--help"]).output().unwrap();
     assert_eq!(out.status.code(), Some(0));
     assert!(String::from_utf8_lossy(&out.stdout).contains("Usage: retryplane"));
     assert!(out.stderr.is_empty());

@@ -12,7 +12,6 @@ use std::sync::{Arc, Mutex};
 
 mod support;
 
-use assert_cmd::Command;
 use retryplane_server::server::{ServeConfig, start};
 use serde_json::{Value, json};
 use tempfile::TempDir;
@@ -77,11 +76,7 @@ impl Upstream {
                 let step = script.lock().unwrap().pop_front();
                 let (status, extra) = step.unwrap_or((200, String::new()));
                 let log = log.clone();
-                tokio::spawn(async move {
-                    if let Some(req) = serve_one(stream, status, &extra).await {
-                        log.lock().unwrap().push(req);
-                    }
-                });
+                tokio::spawn(async move { serve_one(stream, status, &extra, &log).await });
             }
         });
         Self {
@@ -100,7 +95,14 @@ impl Upstream {
     }
 }
 
-async fn serve_one(mut stream: TcpStream, status: u16, extra: &str) -> Option<Seen> {
+/// Reads one request, records it in `log` before it answers (a client that has its answer
+/// finds the request recorded), and answers by `status`.
+async fn serve_one(
+    mut stream: TcpStream,
+    status: u16,
+    extra: &str,
+    log: &Mutex<Vec<Seen>>,
+) -> Option<()> {
     let mut buf = Vec::new();
     let mut chunk = [0u8; 4096];
     let head_end = loop {
@@ -132,36 +134,27 @@ async fn serve_one(mut stream: TcpStream, status: u16, extra: &str) -> Option<Se
         buf.extend_from_slice(&chunk[..n]);
     }
     let body = buf[head_end..].to_vec();
+    log.lock().unwrap().push(Seen {
+        method,
+        headers,
+        body,
+    });
     if status == HANG {
         // Held until the client gives up on it and closes its side.
         let _ = stream.read(&mut chunk).await;
-        return Some(Seen {
-            method,
-            headers,
-            body,
-        });
+        return Some(());
     }
     if status == RESET_MID_BODY {
         let head = "HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nabc";
         stream.write_all(head.as_bytes()).await.ok()?;
         stream.flush().await.ok()?;
         stream.set_zero_linger().ok()?;
-        drop(stream);
-        return Some(Seen {
-            method,
-            headers,
-            body,
-        });
+        return Some(());
     }
     let response =
         format!("HTTP/1.1 {status} X\r\ncontent-length: 2\r\nconnection: close\r\n{extra}\r\nok");
     stream.write_all(response.as_bytes()).await.ok()?;
-    stream.shutdown().await.ok()?;
-    Some(Seen {
-        method,
-        headers,
-        body,
-    })
+    stream.shutdown().await.ok()
 }
 
 /// `retryplane request --policy POLICY --output json ARGS...`, run in a temporary directory.
@@ -174,10 +167,7 @@ fn request_under(policy: &str, args: &[&str]) -> (Value, i32) {
     let dir = TempDir::new().unwrap();
     let path = dir.path().join("policy.yaml");
     fs::write(&path, policy).unwrap();
-    let out = Command::cargo_bin("retryplane")
-        .unwrap()
-        .env_remove("RUST_LOG")
-        .env_remove("RETRYPLANE_AGENT_TOKEN")
+    let out = support::cli(&[])
         .args(["request", "--policy"])
         .arg(&path)
         .args(["--endpoint", "api", "--output", "json"])
@@ -304,8 +294,7 @@ fn data_at_a_file_sends_the_file_s_bytes_and_a_file_that_cannot_be_read_is_a_usa
     let missing = format!("@{}", dir.path().join("missing").display());
     let policy = dir.path().join("policy.yaml");
     fs::write(&policy, POLICY).unwrap();
-    let out = Command::cargo_bin("retryplane")
-        .unwrap()
+    let out = support::cli(&[])
         .args([
             "request",
             "--endpoint",
@@ -508,7 +497,7 @@ fn leaving_out_a_header_the_http_client_always_sends_is_refused() {
             "the 1st -H ('content-length:'): the HTTP client sends the length of the --data body, and cannot be left out",
         ),
     ] {
-        let mut cmd = Command::cargo_bin("retryplane").unwrap();
+        let mut cmd = support::cli(&[]);
         cmd.args(["request", "--policy"])
             .arg(&path)
             .args(["--endpoint", "api", "-H", header]);
@@ -534,9 +523,7 @@ fn request_stderr(args: &[&str]) -> (Option<i32>, String) {
     let dir = TempDir::new().unwrap();
     let path = dir.path().join("policy.yaml");
     fs::write(&path, POLICY).unwrap();
-    let out = Command::cargo_bin("retryplane")
-        .unwrap()
-        .env_remove("RUST_LOG")
+    let out = support::cli(&[])
         .args(["request", "--policy"])
         .arg(&path)
         .args(["--endpoint", "api"])
@@ -765,9 +752,7 @@ fn an_upstream_that_does_not_speak_http_says_so_on_stderr() {
     let dir = TempDir::new().unwrap();
     let path = dir.path().join("policy.yaml");
     fs::write(&path, POLICY).unwrap();
-    let out = Command::cargo_bin("retryplane")
-        .unwrap()
-        .env_remove("RUST_LOG")
+    let out = support::cli(&[])
         .args(["request", "--policy"])
         .arg(&path)
         .args(["--endpoint", "api", "--output", "json"])
@@ -813,8 +798,7 @@ fn request_text(log: Option<&str>, args: &[&str]) -> std::process::Output {
     let dir = TempDir::new().unwrap();
     let path = dir.path().join("policy.yaml");
     fs::write(&path, POLICY).unwrap();
-    let mut cmd = Command::cargo_bin("retryplane").unwrap();
-    cmd.env_remove("RUST_LOG");
+    let mut cmd = support::cli(&[]);
     if let Some(log) = log {
         cmd.env("RUST_LOG", log);
     }
@@ -970,11 +954,7 @@ fn bad_flags_and_bad_config_exit_2() {
         ],
     ];
     for args in cases {
-        let out = Command::cargo_bin("retryplane")
-            .unwrap()
-            .args(*args)
-            .output()
-            .unwrap();
+        let out = support::cli(args).output().unwrap();
         assert_eq!(out.status.code(), Some(2), "{args:?}");
         assert!(out.stdout.is_empty(), "{args:?}");
     }
@@ -1004,10 +984,7 @@ fn server_mode_uses_the_control_planes_policy() {
         .unwrap();
     let running = runtime.block_on(start(cfg)).unwrap();
     let up = Upstream::start(&[(503, ""), (503, "")]);
-    let out = Command::cargo_bin("retryplane")
-        .unwrap()
-        .env_remove("RUST_LOG")
-        .env_remove("RETRYPLANE_AGENT_TOKEN")
+    let out = support::cli(&[])
         .args([
             "request",
             "--endpoint",
@@ -1030,10 +1007,7 @@ fn server_mode_uses_the_control_planes_policy() {
     // have come 10 s later): the control plane has the call, and no agent connected.
     let admin = format!("http://{}", running.admin_addr);
     let admin_json = |args: &[&str]| -> Value {
-        let out = Command::cargo_bin("retryplane")
-            .unwrap()
-            .env_remove("RETRYPLANE_TOKEN")
-            .env_remove("RETRYPLANE_SERVER")
+        let out = support::cli(&[])
             .args(args)
             .args(["--output", "json", "--server", &admin])
             .output()
@@ -1082,9 +1056,7 @@ fn server_mode_uses_the_control_planes_policy() {
 
 #[test]
 fn the_policy_must_come_from_a_file_or_a_server() {
-    let out = Command::cargo_bin("retryplane")
-        .unwrap()
-        .env_remove("RUST_LOG")
+    let out = support::cli(&[])
         .args(["request", "--endpoint", "api", "http://127.0.0.1:9/"])
         .output()
         .unwrap();
@@ -1106,10 +1078,7 @@ fn server_mode_on_a_control_plane_with_no_version_yet_says_so() {
     // API mode, an empty store and no seed file: the agent's stream is taken and stays quiet.
     let server = support::TestServer::start(None, None, |cfg| cfg.api_mode = true);
     let agent_url = format!("http://{}", server.running().agent_addr());
-    let out = Command::cargo_bin("retryplane")
-        .unwrap()
-        .env_remove("RUST_LOG")
-        .env_remove("RETRYPLANE_AGENT_TOKEN")
+    let out = support::cli(&[])
         .args(["request", "--endpoint", "api", "--server", &agent_url])
         .arg("http://127.0.0.1:9/")
         .timeout(std::time::Duration::from_secs(30))
@@ -1136,7 +1105,7 @@ fn server_mode_says_why_the_control_plane_gave_no_policy() {
     let agent_url = format!("http://{}", server.running().agent_addr());
     // `env_token` is `RETRYPLANE_AGENT_TOKEN`'s value (unset when `None`).
     let request_with = |server_url: &str, token: Option<&str>, env_token: Option<&str>| {
-        let mut cmd = Command::cargo_bin("retryplane").unwrap();
+        let mut cmd = support::cli(&[]);
         match env_token {
             Some(t) => cmd.env("RETRYPLANE_AGENT_TOKEN", t),
             None => cmd.env_remove("RETRYPLANE_AGENT_TOKEN"),
@@ -1253,9 +1222,7 @@ fn a_password_in_a_url_is_never_printed() {
         ],
     ];
     for args in runs {
-        let out = Command::cargo_bin("retryplane")
-            .unwrap()
-            .env_remove("RETRYPLANE_AGENT_TOKEN")
+        let out = support::cli(&[])
             .args(["request", "--endpoint", "api"])
             .args(*args)
             .timeout(std::time::Duration::from_secs(30))
@@ -1284,8 +1251,7 @@ fn explain_and_request_take_the_same_route_for_a_path_with_dot_segments() {
     let dir = TempDir::new().unwrap();
     let path = dir.path().join("policy.yaml");
     fs::write(&path, &policy).unwrap();
-    let out = Command::cargo_bin("retryplane")
-        .unwrap()
+    let out = support::cli(&[])
         .args(["explain", "--endpoint", "api", "--format", "json"])
         .arg(&path)
         .args(["--path", "/v1/charges/../items"])
@@ -1331,10 +1297,7 @@ fn server_mode_with_an_agent_token_held_to_agent_ids_says_so_not_that_it_is_no_a
         |_| {},
     );
     let agent_url = format!("http://{}", server.running().agent_addr());
-    let out = Command::cargo_bin("retryplane")
-        .unwrap()
-        .env_remove("RUST_LOG")
-        .env_remove("RETRYPLANE_AGENT_TOKEN")
+    let out = support::cli(&[])
         .args(["request", "--endpoint", "api", "--server", &agent_url])
         .args(["--token", "agent-secret-0123456789"])
         .arg("http://127.0.0.1:9/")

@@ -52,7 +52,10 @@ fn simulate(dir: &Path, extra: &[&str]) -> Command {
         }
     }
     let mut cmd = Command::cargo_bin("retryplane").unwrap();
-    cmd.current_dir(dir).arg("simulate").args(args);
+    cmd.current_dir(dir)
+        .arg("simulate")
+        .args(args)
+        .timeout(std::time::Duration::from_secs(120));
     cmd
 }
 
@@ -205,6 +208,7 @@ fn an_invalid_policy_prints_its_diagnostics_like_validate_and_exits_1() {
         .unwrap()
         .current_dir(dir.path())
         .args(["validate", "bad.yaml"])
+        .timeout(std::time::Duration::from_secs(30))
         .assert()
         .code(1)
         .get_output()

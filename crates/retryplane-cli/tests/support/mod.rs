@@ -79,13 +79,15 @@ impl TestServer {
     /// `retryplane ARGS... --server URL`, run in the temporary directory, with no token or
     /// server from the environment of the test, and failing after [`WAIT`].
     pub fn retryplane(&self, args: &[&str]) -> Command {
-        let mut cmd = Command::cargo_bin("retryplane").unwrap();
-        cmd.current_dir(self.dir.path())
-            .env_remove("RETRYPLANE_TOKEN")
-            .env_remove("RETRYPLANE_SERVER")
-            .args(args)
-            .args(["--server", &self.url])
-            .timeout(WAIT);
+        let mut cmd = self.retryplane_here(args);
+        cmd.args(["--server", &self.url]);
+        cmd
+    }
+
+    /// [`cli`] run in the temporary directory: no `--server` of this server's.
+    pub fn retryplane_here(&self, args: &[&str]) -> Command {
+        let mut cmd = cli(args);
+        cmd.current_dir(self.dir.path());
         cmd
     }
 
@@ -93,6 +95,19 @@ impl TestServer {
     pub fn write(&self, name: &str, contents: &str) {
         fs::write(self.dir.path().join(name), contents).unwrap();
     }
+}
+
+/// `retryplane ARGS...` with none of the variables it reads taken from the environment of the
+/// test (tokens, server, `RUST_LOG`), failing after [`WAIT`].
+pub fn cli(args: &[&str]) -> Command {
+    let mut cmd = Command::cargo_bin("retryplane").unwrap();
+    cmd.env_remove("RETRYPLANE_TOKEN")
+        .env_remove("RETRYPLANE_SERVER")
+        .env_remove("RETRYPLANE_AGENT_TOKEN")
+        .env_remove("RUST_LOG")
+        .args(args)
+        .timeout(WAIT);
+    cmd
 }
 
 impl Drop for TestServer {
