@@ -811,32 +811,6 @@ mod tests {
             "{old_call} + {new_calls} retries against a reserve of 10"
         );
     }
-}
-
-#[cfg(test)]
-mod straggler_first_tests {
-    use super::*;
-
-    fn build(yaml: &str, version: u64, previous: Option<&PolicySnapshot>) -> PolicySnapshot {
-        let set = retryplane_policy::load(yaml.as_bytes()).policies.unwrap();
-        PolicySnapshot::build(
-            set,
-            version,
-            format!("h{version}"),
-            Source::ControlPlane,
-            previous,
-        )
-    }
-
-    fn withdraw_all(e: &Entry, now: Instant) -> u64 {
-        let b = e.runtime.state.budget().unwrap();
-        let mut n = 0;
-        while b.try_withdraw(now) {
-            n += 1;
-            assert!(n <= 100_000, "budget never ran out");
-        }
-        n
-    }
 
     #[tokio::test(start_paused = true)]
     async fn a_straggler_that_uses_an_endpoint_before_the_new_snapshot_s_calls_shares_their_budget()
@@ -866,40 +840,9 @@ mod straggler_first_tests {
             "{old_call} + {new_calls} retries against a reserve of 10 for one endpoint"
         );
     }
-}
 
-/// The budget of the calls behind a newest state that has none lives in that state, which is
-/// kept while they hold it (it has no budget nor breaker of its own to count).
-#[cfg(test)]
-mod stray_budget_tests {
-    use super::*;
-
-    fn build(yaml: &str, version: u64, previous: Option<&PolicySnapshot>) -> PolicySnapshot {
-        let set = retryplane_policy::load(yaml.as_bytes()).policies.unwrap();
-        PolicySnapshot::build(
-            set,
-            version,
-            format!("h{version}"),
-            Source::ControlPlane,
-            previous,
-        )
-    }
-
-    fn withdraw_all(e: &Entry, now: Instant) -> u64 {
-        let b = e.runtime.state.budget().unwrap();
-        let mut n = 0;
-        while b.try_withdraw(now) {
-            n += 1;
-            assert!(n <= 100_000, "budget never ran out");
-        }
-        n
-    }
-
-    /// v2 turns the defaults' budget (and breaker) off. Two calls that loaded v1 first use
-    /// `zzz` after the push, with a report between them: the report's pruning drops the newest
-    /// state of `zzz` (idle: it has no budget or breaker, and no handle holds it), and with it
-    /// the stray budget the first call still spends; the second call gets a fresh one, and the
-    /// two hand the reserve out twice.
+    /// The budget of the calls behind a newest state that has none lives in that state, which
+    /// is kept while they hold it (it has no budget nor breaker of its own to count).
     #[tokio::test(start_paused = true)]
     async fn a_reports_pruning_does_not_give_calls_behind_a_budgetless_state_a_second_budget() {
         let d1 = "defaults:\n  circuit_breaker: {enabled: false}\n  budget: {ratio: 0.0, min_per_second: 1, window: 10s}\n";
