@@ -6,9 +6,9 @@
 //! 15-minute window (no counts for 14–15 minutes); its lifetime stays in the series lifetime.
 //! At most [`MAX_VERSIONS`] versions are kept apart: a report under yet another version evicts
 //! the version counted least recently, whose buckets are folded into `retired` (allocated only
-//! then, freed once empty) so the series' windows lose nothing; one under a version not kept
-//! and older than the newest kept (a late report of an evicted version), while all are kept,
-//! is counted into `retired` directly.
+//! then, freed once empty) so the series' windows lose nothing; one under a version evicted in
+//! the last 15 minutes, or older than every one kept (a late report of an evicted version),
+//! while all are kept, is counted into `retired` directly.
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -24,6 +24,9 @@ use crate::fleet::unix_ms;
 
 /// Most policy versions one series keeps apart.
 pub const MAX_VERSIONS: usize = 4;
+
+/// The most versions a series remembers evicting (see `State::evicted`).
+const MAX_EVICTED: usize = 16;
 
 /// Fewest calls in the 5-minute window for an alert to start: below it, one retry out of two
 /// calls is noise, not a retry storm. A firing alert ends only when the ratio is back at or
@@ -119,6 +122,11 @@ struct State {
     versions: Vec<VersionSeries>,
     /// Buckets of evicted versions that may still be inside a window.
     retired: Option<Box<Windows>>,
+    /// The versions evicted in the last 15 minutes (the longest window), with when, at most
+    /// [`MAX_EVICTED`], oldest first: a late report of one (calls that outlived it, a report
+    /// held while newer ones went out) is counted into `retired`, not kept apart again in
+    /// place of a version counted after it. Past 15 minutes one comes back as any other.
+    evicted: Vec<(u64, Instant)>,
     alert: Alert,
 }
 
@@ -184,6 +192,7 @@ impl Series {
                 newest_version: 0,
                 versions: Vec::new(),
                 retired: None,
+                evicted: Vec::new(),
                 alert: Alert::default(),
             }),
         }
@@ -225,13 +234,14 @@ impl Series {
             None => {
                 s.prune(tick);
                 if s.versions.len() >= MAX_VERSIONS
-                    && s.versions.iter().any(|v| v.version > version)
+                    && (s.evicted.iter().any(|&(v, _)| v == version)
+                        || s.versions.iter().all(|v| v.version > version))
                 {
                     // A late report (calls that outlived their version, a report held while
-                    // newer ones went out) of a version older than the newest kept, evicted
-                    // before, most likely (eviction goes by the least recently counted, so it
-                    // may sit between kept ones): its counts go with the evicted versions',
-                    // not in place of one counted after it, which would be evicted for it.
+                    // newer ones went out) of a version evicted lately, or older than every
+                    // one kept (evicted before, most likely): its counts go with the evicted
+                    // versions', not in place of one counted after it, which would be evicted
+                    // for it.
                     s.retired
                         .get_or_insert_with(Box::default)
                         .add(tick, counts, span, interval);
@@ -370,6 +380,7 @@ impl Series {
             + self.endpoint.len()
             + s.versions.capacity() * size_of::<VersionSeries>()
             + s.retired.as_ref().map_or(0, |_| size_of::<Windows>())
+            + s.evicted.capacity() * size_of::<(u64, Instant)>()
     }
 }
 
@@ -405,6 +416,10 @@ impl State {
             self.retired
                 .get_or_insert_with(Box::default)
                 .merge(&evicted.windows);
+            if self.evicted.len() >= MAX_EVICTED {
+                self.evicted.remove(0);
+            }
+            self.evicted.push((evicted.version, tick.now));
         }
         self.versions.push(VersionSeries {
             version,
@@ -418,6 +433,12 @@ impl State {
 
     fn prune(&mut self, tick: &Tick) {
         self.versions.retain(|v| v.windows.is_live(tick));
+        let longest = Duration::from_secs(Window::FifteenMinutes.seconds().into());
+        self.evicted
+            .retain(|&(_, at)| tick.now.saturating_duration_since(at) < longest);
+        if self.evicted.is_empty() {
+            self.evicted = Vec::new();
+        }
         self.note_newest();
         if self.retired.as_ref().is_some_and(|r| !r.is_live(tick)) {
             self.retired = None;

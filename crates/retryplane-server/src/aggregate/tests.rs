@@ -1654,3 +1654,89 @@ async fn a_late_report_of_a_version_evicted_between_kept_ones_evicts_no_newer_on
         "a late report of evicted version 2 evicted version 3, counted after it"
     );
 }
+
+/// One kept version numbered above the store's (a client's bogus number, or an agent started
+/// from a cache file of a store that has since been reset and numbers from 1 again) does not
+/// keep the versions the store publishes after it out of the versions kept apart: the version
+/// the fleet runs now evicts the least recently counted, as any new version does.
+#[tokio::test(start_paused = true)]
+async fn a_kept_version_numbered_above_the_store_s_does_not_keep_new_versions_out_of_the_series() {
+    let agg = Aggregator::new(10, Instant::now());
+    let svc = agg.service("checkout");
+    for version in [1_000, 1, 2, 3] {
+        agg.ingest(
+            &svc,
+            &report(version, &[("payments", 1, 0)]),
+            Instant::now(),
+        );
+        advance(Duration::from_secs(1)).await;
+    }
+    // Version 4 is published and the fleet runs it; the odd agent still reports 1000.
+    for _ in 0..5 {
+        agg.ingest(&svc, &report(4, &[("payments", 10, 0)]), Instant::now());
+        agg.ingest(&svc, &report(1_000, &[("payments", 1, 0)]), Instant::now());
+        advance(Duration::from_secs(1)).await;
+    }
+    assert_eq!(
+        calls(&agg, all()),
+        [59, 59, 59],
+        "every count is in the windows"
+    );
+    let listed: Vec<u64> = agg.stats(Instant::now(), all()).series[0]
+        .versions
+        .iter()
+        .map(|v| v.policy_version)
+        .collect();
+    assert!(
+        listed.contains(&4),
+        "version 4, the one 50 of the last 55 calls ran under, is not among the versions \
+         kept apart: {listed:?}"
+    );
+}
+
+/// A version evicted more than 15 minutes ago (the longest window) that reports again is kept
+/// apart again, as any other not older than every version kept: only late reports of a version
+/// evicted lately go with the evicted versions' counts.
+#[tokio::test(start_paused = true)]
+async fn a_version_evicted_long_ago_that_reports_again_is_kept_apart_again() {
+    let agg = Aggregator::new(10, Instant::now());
+    let svc = agg.service("checkout");
+    for version in [1, 2, 3, 4, 1, 5] {
+        agg.ingest(
+            &svc,
+            &report(version, &[("payments", 1, 0)]),
+            Instant::now(),
+        );
+        advance(Duration::from_secs(1)).await;
+    }
+    let listed = |agg: &Aggregator| -> Vec<u64> {
+        let mut v: Vec<u64> = agg.stats(Instant::now(), all()).series[0]
+            .versions
+            .iter()
+            .map(|v| v.policy_version)
+            .collect();
+        v.sort_unstable();
+        v
+    };
+    assert_eq!(listed(&agg), [1, 3, 4, 5], "version 2 was evicted");
+    // Lately evicted: with the evicted versions' counts.
+    agg.ingest(&svc, &report(2, &[("payments", 1, 0)]), Instant::now());
+    assert_eq!(listed(&agg), [1, 3, 4, 5]);
+    // The others go on reporting; 16 minutes on, version 2 reports again.
+    for _ in 0..16 {
+        advance(Duration::from_secs(60)).await;
+        for version in [1, 3, 4, 5] {
+            agg.ingest(
+                &svc,
+                &report(version, &[("payments", 1, 0)]),
+                Instant::now(),
+            );
+        }
+    }
+    agg.ingest(&svc, &report(2, &[("payments", 1, 0)]), Instant::now());
+    assert!(
+        listed(&agg).contains(&2),
+        "version 2 reporting again long after its eviction: {:?}",
+        listed(&agg)
+    );
+}
