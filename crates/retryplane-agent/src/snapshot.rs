@@ -866,4 +866,30 @@ mod tests {
              setting, the first still running"
         );
     }
+
+    /// The call on v1 that spent the budget has ended,
+    /// but its retries are still in the window; v2 turns the budget off, a report prunes, and
+    /// v3 turns it on again with the same settings: the budget is the spent one, not fresh.
+    #[tokio::test(start_paused = true)]
+    async fn a_budget_turned_off_and_on_again_across_a_report_is_the_spent_one() {
+        let d1 = "defaults:\n  circuit_breaker: {enabled: false}\n  budget: {ratio: 0.0, min_per_second: 1, window: 10s}\n";
+        let d2 = "defaults:\n  circuit_breaker: {enabled: false}\n  budget: {enabled: false}\n";
+        let yaml = |d: &str| format!("version: 1\n{d}endpoints:\n  a: {{}}\n");
+        let v1 = build(&yaml(d1), 1, None);
+        let now = Instant::now();
+        let first = v1.entry("zzz");
+        assert_eq!(withdraw_all(&first, now), 10);
+        drop(first);
+        let v2 = build(&yaml(d2), 2, Some(&v1));
+        drop(v1);
+        v2.prune_idle_states();
+        let v3 = build(&yaml(d1), 3, Some(&v2));
+        v3.prune_idle_states();
+        let again = v3.entry("zzz");
+        assert_eq!(
+            withdraw_all(&again, now),
+            0,
+            "a fresh allowance in the same window"
+        );
+    }
 }

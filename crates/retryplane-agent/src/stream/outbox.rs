@@ -1279,6 +1279,37 @@ mod tests {
         );
     }
 
+    /// On an unnumbered stream (a control plane that does
+    /// not acknowledge), a large report of which the stream takes only some parts: the parts
+    /// that wait go out in the next report with the first one's start, and every endpoint's
+    /// counts go out exactly once.
+    #[test]
+    fn unnumbered_parts_of_a_large_report_that_wait_keep_the_reports_start_and_every_count() {
+        let (r, mut o) = outbox();
+        count_many(&r, 24_000, 2);
+        let (tx, mut rx) = mpsc::channel(2);
+        assert_eq!(o.send(&r, &tx, false, span_of(1, 1_000, 2_000)), Ok(0));
+        let first = reports_on(&mut rx);
+        assert_eq!(first.len(), 2, "two parts found room");
+        let (tx, mut rx) = mpsc::channel(64);
+        assert_eq!(o.send(&r, &tx, false, span_of(1, 2_000, 3_000)), Ok(0));
+        let next = reports_on(&mut rx);
+        assert!(!next.is_empty());
+        for report in &next {
+            assert_eq!(report.seq, 0);
+            assert_eq!(
+                (report.window_start_unix_ms, report.window_end_unix_ms),
+                (1_000, 3_000)
+            );
+        }
+        let mut seen = std::collections::HashMap::new();
+        for e in first.iter().chain(&next).flat_map(|r| &r.endpoints) {
+            *seen.entry(e.endpoint.clone()).or_insert(0) += e.calls;
+        }
+        assert_eq!(seen.len(), 24_000);
+        assert!(seen.values().all(|&c| c == 2), "no count lost or doubled");
+    }
+
     #[test]
     fn a_new_stream_gets_the_unanswered_reports_again_in_seq_order() {
         let (r, mut o, tx, rx) = set_up(16);
