@@ -231,32 +231,90 @@ pub struct EndpointState {
     breaker: Option<Arc<CircuitBreaker>>,
     budget_cfg: Option<BudgetConfig>,
     breaker_cfg: Option<BreakerConfig>,
-    /// The budgets and breakers of the calls behind this state ([`EndpointState::behind`])
-    /// whose settings have one where this state has none (a push turned it off): one per
-    /// settings, shared by every such call of those settings, so that they are held to one
-    /// budget, not each to a fresh one. The one a push turned off is among them (the calls that
-    /// still run on it use it), and they go on to the next state while it has none either
-    /// ([`EndpointState::carry`]), which takes the one of its settings back when it turns it on
-    /// again. Kept while a call holds one or it counts anything ([`EndpointState::is_idle`]).
+    /// Where this state has no budget or breaker (a push turned it off): the one the push
+    /// turned off (the calls that still run on it use it), and those of the calls behind this
+    /// state ([`EndpointState::behind`]) whose settings have one, made behind it (their counts
+    /// go to it), one per settings, shared by every such call of those settings, so that they
+    /// are held to one budget, not each to a fresh one. They go on to the next state while it
+    /// has none either ([`EndpointState::carry`]); one that turns it on again takes the one of
+    /// its settings back, or takes over from the one turned off. Kept while a call holds one
+    /// or it counts anything ([`EndpointState::is_idle`]).
     strays: Mutex<Strays>,
 }
 
-/// See [`EndpointState::strays`]: each with its settings, at most one per settings.
+/// See [`EndpointState::strays`]: the budgets, and the breakers.
 #[derive(Debug, Default, Clone)]
 struct Strays {
-    budgets: Vec<(BudgetConfig, Arc<RetryBudget>)>,
-    breakers: Vec<(BreakerConfig, Arc<CircuitBreaker>)>,
+    budgets: Kept<BudgetConfig, RetryBudget>,
+    breakers: Kept<BreakerConfig, CircuitBreaker>,
 }
 
 impl Strays {
     /// Lets go of the budgets and breakers no call holds and that count nothing at `now` (one
     /// made afresh would be the same); whether none is left.
     fn prune(&mut self, now: Instant) -> bool {
-        self.budgets
-            .retain(|(_, b)| !(Arc::strong_count(b) == 1 && !b.has_line() && b.is_empty(now)));
-        self.breakers
-            .retain(|(_, b)| !(Arc::strong_count(b) == 1 && !b.has_line() && b.is_idle(now)));
-        self.budgets.is_empty() && self.breakers.is_empty()
+        self.budgets.prune(|b| b.is_empty(now)) & self.breakers.prune(|b| b.is_idle(now))
+    }
+}
+
+/// Budgets (or breakers) of [`EndpointState::strays`], each with its settings, at most one per
+/// settings.
+#[derive(Debug)]
+struct Kept<C, T> {
+    /// The one a push turned off, the newest of its line then: the others are made behind it
+    /// ([`RetryBudget::behind`], [`CircuitBreaker::behind`]), and one turned on again with
+    /// other settings takes over from it.
+    off: Option<(C, Arc<T>)>,
+    /// Those made for the calls behind the state.
+    made: Vec<(C, Arc<T>)>,
+}
+
+impl<C: Clone, T> Clone for Kept<C, T> {
+    fn clone(&self) -> Self {
+        Self {
+            off: self.off.clone(),
+            made: self.made.clone(),
+        }
+    }
+}
+
+impl<C, T> Default for Kept<C, T> {
+    fn default() -> Self {
+        Self {
+            off: None,
+            made: Vec::new(),
+        }
+    }
+}
+
+impl<C: PartialEq + Clone, T> Kept<C, T> {
+    /// The one made for `cfg`, if any.
+    fn find(&self, cfg: &C) -> Option<Arc<T>> {
+        self.off
+            .iter()
+            .chain(&self.made)
+            .find(|(kept, _)| kept == cfg)
+            .map(|(_, t)| t.clone())
+    }
+
+    /// The one made for `cfg`; else one made by `make` from the one turned off (if any), kept.
+    fn get_or_make(&mut self, cfg: &C, make: impl FnOnce(Option<&Arc<T>>) -> Arc<T>) -> Arc<T> {
+        self.find(cfg).unwrap_or_else(|| {
+            let made = make(self.off.as_ref().map(|(_, t)| t));
+            self.made.push((cfg.clone(), made.clone()));
+            made
+        })
+    }
+
+    /// Lets go of those no call holds and `idle` finds idle; whether none is left. Whether
+    /// they share a line with each other is not asked: the strays hold each other's lines.
+    fn prune(&mut self, idle: impl Fn(&T) -> bool) -> bool {
+        let gone = |(_, t): &(C, Arc<T>)| Arc::strong_count(t) == 1 && idle(t);
+        if self.off.as_ref().is_some_and(gone) {
+            self.off = None;
+        }
+        self.made.retain(|kept| !gone(kept));
+        self.off.is_none() && self.made.is_empty()
     }
 }
 
@@ -325,11 +383,13 @@ impl EndpointState {
     /// calls still on this state deposit and withdraw in the newest budget of the line, and
     /// the outcomes they record in this breaker are counted in the newest breaker too.
     ///
-    /// A budget or breaker turned on is made afresh, unless the calls behind this state (see
-    /// [`Self::behind`]) use one of the same settings: that one is taken over as it is (a
+    /// A budget or breaker turned on where a push turned it off before (see [`Self::behind`])
+    /// is the one of its settings the calls behind this state use, taken back as it is (a
     /// budget turned off and on again by two pushes goes on with the one its calls still
-    /// spend). One turned off goes to the calls behind the new state, with the others they
-    /// use, while it has none.
+    /// spend); with other settings, it takes over from the one turned off as a change of
+    /// settings in one push does (an open breaker stays open, a spent budget stays spent).
+    /// Only where none was ever turned off is it made afresh. One turned off goes to the calls
+    /// behind the new state, with the others they use, while it has none.
     pub fn carry(&self, policy: &RetryPolicy, now: Instant) -> Self {
         let strays = {
             let mut strays = self.strays.lock().unwrap_or_else(PoisonError::into_inner);
@@ -341,13 +401,23 @@ impl EndpointState {
             (
                 |cfg, old| RetryBudget::taking_over(cfg, old, now),
                 |cfg| {
-                    kept(&strays.budgets, cfg)
-                        .unwrap_or_else(|| Arc::new(RetryBudget::new(cfg, self.origin)))
+                    strays
+                        .budgets
+                        .find(cfg)
+                        .unwrap_or_else(|| match &strays.budgets.off {
+                            Some((_, off)) => RetryBudget::taking_over(cfg, off, now),
+                            None => Arc::new(RetryBudget::new(cfg, self.origin)),
+                        })
                 },
             ),
             (CircuitBreaker::taking_over, |cfg| {
-                kept(&strays.breakers, cfg)
-                    .unwrap_or_else(|| Arc::new(CircuitBreaker::new(cfg, self.origin)))
+                strays
+                    .breakers
+                    .find(cfg)
+                    .unwrap_or_else(|| match &strays.breakers.off {
+                        Some((_, off)) => CircuitBreaker::taking_over(cfg, off),
+                        None => Arc::new(CircuitBreaker::new(cfg, self.origin)),
+                    })
             }),
         );
         let carried = next
@@ -357,13 +427,13 @@ impl EndpointState {
         if next.budget.is_none() {
             carried.budgets = strays.budgets;
             if let (Some(cfg), Some(b)) = (&self.budget_cfg, &self.budget) {
-                carried.budgets.push((cfg.clone(), b.clone()));
+                carried.budgets.off = Some((cfg.clone(), b.clone()));
             }
         }
         if next.breaker.is_none() {
             carried.breakers = strays.breakers;
             if let (Some(cfg), Some(b)) = (&self.breaker_cfg, &self.breaker) {
-                carried.breakers.push((cfg.clone(), b.clone()));
+                carried.breakers.off = Some((cfg.clone(), b.clone()));
             }
         }
         next
@@ -378,20 +448,22 @@ impl EndpointState {
     /// and took the new calls' counts while it lasted, under the old settings.
     ///
     /// Where this state has no budget or breaker (a push turned it off) and `policy` has one,
-    /// the calls behind it share one per settings.
+    /// the calls behind it share one per settings, made behind the one the push turned off.
     pub fn behind(&self, policy: &RetryPolicy) -> Self {
         self.next(
             policy,
             (RetryBudget::behind, |cfg| {
                 let mut strays = self.strays.lock().unwrap_or_else(PoisonError::into_inner);
-                stray(&mut strays.budgets, cfg, || {
-                    RetryBudget::new(cfg, self.origin)
+                strays.budgets.get_or_make(cfg, |off| match off {
+                    Some(off) => RetryBudget::behind(cfg, off),
+                    None => Arc::new(RetryBudget::new(cfg, self.origin)),
                 })
             }),
             (CircuitBreaker::behind, |cfg| {
                 let mut strays = self.strays.lock().unwrap_or_else(PoisonError::into_inner);
-                stray(&mut strays.breakers, cfg, || {
-                    CircuitBreaker::new(cfg, self.origin)
+                strays.breakers.get_or_make(cfg, |off| match off {
+                    Some(off) => CircuitBreaker::behind(cfg, off),
+                    None => Arc::new(CircuitBreaker::new(cfg, self.origin)),
                 })
             }),
         )
@@ -471,27 +543,6 @@ fn next_part<C: PartialEq, T>(
         Some(old) => changed(cfg, old),
         None => fresh(cfg),
     })
-}
-
-/// The budget or breaker of `strays` made for `cfg`; else one made by `make`, kept there.
-fn stray<C: PartialEq + Clone, T>(
-    strays: &mut Vec<(C, Arc<T>)>,
-    cfg: &C,
-    make: impl FnOnce() -> T,
-) -> Arc<T> {
-    kept(strays, cfg).unwrap_or_else(|| {
-        let made = Arc::new(make());
-        strays.push((cfg.clone(), made.clone()));
-        made
-    })
-}
-
-/// The budget or breaker of `strays` made for `cfg`, if any.
-fn kept<C: PartialEq, T>(strays: &[(C, Arc<T>)], cfg: &C) -> Option<Arc<T>> {
-    strays
-        .iter()
-        .find(|(kept, _)| kept == cfg)
-        .map(|(_, made)| made.clone())
 }
 
 /// [`EndpointState::offset`] of an instant before the origin (negative; out of line, as it

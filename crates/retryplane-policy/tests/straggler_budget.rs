@@ -253,3 +253,112 @@ fn a_breaker_turned_off_and_on_again_opens_when_the_calls_still_on_the_first_one
         "the endpoint's breaker"
     );
 }
+
+// Turned off, then on again with other settings; and older versions' calls.
+
+/// A breaker the calls still running opened is turned off by one push and on again by the
+/// next with other numbers (here `min_requests`): the new one takes over from the open one
+/// and stays open, as a settings change made by one push does (`CircuitBreaker::taking_over`:
+/// "a settings change never lets full traffic through to an upstream the breaker had cut
+/// off"), not closed beside it.
+#[test]
+fn a_breaker_turned_off_and_on_again_with_other_settings_does_not_close_an_open_one() {
+    let t0 = Instant::now();
+    let cfg = BreakerConfig {
+        min_requests: 10,
+        ..BreakerConfig::default()
+    };
+    let with = |b: Option<BreakerConfig>| RetryPolicy {
+        budget: None,
+        circuit_breaker: b,
+        ..RetryPolicy::default()
+    };
+    let v1 = EndpointState::new(&with(Some(cfg.clone())), t0);
+    let old = v1.breaker().unwrap();
+    let permits: Vec<_> = (0..10).map(|_| old.try_acquire(t0).unwrap()).collect();
+    permits
+        .into_iter()
+        .for_each(|p| old.record(p, false, ms(t0, 50)));
+    assert_eq!(old.state(ms(t0, 50)), BreakerState::Open);
+    let v2 = v1.carry(&with(None), ms(t0, 100));
+    let v3 = v2.carry(
+        &with(Some(BreakerConfig {
+            min_requests: 7,
+            ..cfg
+        })),
+        ms(t0, 200),
+    );
+    let at = ms(t0, 300);
+    assert_eq!(old.state(at), BreakerState::Open, "open for 30 s");
+    // One push changing the numbers: still open.
+    let direct = v1.carry(
+        &with(Some(BreakerConfig {
+            min_requests: 7,
+            ..cfg.clone()
+        })),
+        ms(t0, 200),
+    );
+    assert_eq!(direct.breaker().unwrap().state(at), BreakerState::Open);
+    assert_eq!(
+        v3.breaker().unwrap().state(at),
+        BreakerState::Open,
+        "the endpoint's breaker, opened 250 ms before by the calls still on it"
+    );
+}
+
+/// The same for a budget. The calls still on v1 spent their budget (20 a window); two pushes
+/// turn it off and on again with a tighter one (10 a window): the new one takes over the
+/// spent one and refuses at once, as one push tightening it does (`RetryBudget::taking_over`),
+/// not 10 more retries in the same window.
+#[test]
+fn a_budget_turned_off_and_on_again_tighter_hands_out_no_fresh_allowance() {
+    let t0 = Instant::now();
+    let v1 = EndpointState::new(&with_budget(), t0);
+    let spent = retries_sent(t0, 0, std::iter::repeat_n(&v1, 30));
+    assert_eq!(spent, 20);
+    let v2 = v1.carry(&without_budget(), ms(t0, 100));
+    let tighter = RetryPolicy {
+        budget: Some(BudgetConfig {
+            ratio: 0.0,
+            min_per_second: 1,
+            window: Duration::from_secs(10),
+        }),
+        ..with_budget()
+    };
+    // One push tightening it: refused at once.
+    let w1 = EndpointState::new(&with_budget(), t0);
+    assert_eq!(retries_sent(t0, 0, std::iter::repeat_n(&w1, 30)), 20);
+    let w2 = w1.carry(&tighter, ms(t0, 200));
+    assert_eq!(retries_sent(t0, 300, std::iter::repeat_n(&w2, 30)), 0);
+    // Two pushes.
+    let v3 = v2.carry(&tighter, ms(t0, 200));
+    let after = retries_sent(t0, 300, std::iter::repeat_n(&v3, 30));
+    assert_eq!(
+        after, 0,
+        "{after} retries handed out by the tightened budget, the endpoint having sent 20 in \
+         this window"
+    );
+}
+
+/// Calls of an older version (`with_other_budget`, 40 a window) behind the newest state count
+/// in its budget (`with_budget`: they join its line and withdraw there, 20 a window, spent).
+/// A push turns the newest budget off; it is kept for the calls still on it, and the older
+/// version's calls that come after the push count in it too (through one made behind it),
+/// not in a fresh budget of their own settings (20 + 30 retries in one second, where even
+/// their own budget allows 40).
+#[test]
+fn calls_of_an_older_version_get_no_fresh_budget_when_the_newest_one_is_turned_off() {
+    let t0 = Instant::now();
+    let newest = EndpointState::new(&with_budget(), t0);
+    let older = with_other_budget();
+    let before: Vec<EndpointState> = (0..30).map(|_| newest.behind(&older)).collect();
+    let sent_before = retries_sent(t0, 100, before.iter());
+    let off = newest.carry(&without_budget(), ms(t0, 150));
+    let after: Vec<EndpointState> = (0..30).map(|_| off.behind(&older)).collect();
+    let sent_after = retries_sent(t0, 200, after.iter());
+    assert!(
+        sent_before + sent_after <= 40,
+        "{sent_before} + {sent_after} retries in one second by calls of one older version, \
+         whose own budget allows 40 a window, the calls before the push still running"
+    );
+}
