@@ -12,9 +12,11 @@ use bytes::Bytes;
 use http::{Request, Response};
 use http_body::Frame;
 use http_body_util::{BodyExt as _, Empty, Full, StreamBody};
-use retryplane_agent::layer::{GaveUp, ReplayBody, RetryError, RetryLayer};
-use retryplane_agent::{Cause, GiveUpCause};
-use support::{agent, capture_logs, policy, status_upstream as upstream};
+use retryplane_agent::layer::{
+    BoxError, GaveUp, ReplayBody, ResponseBody, Retry, RetryError, RetryLayer,
+};
+use retryplane_agent::{Agent, Cause, GiveUpCause};
+use support::{Sent, agent, capture_logs, policy, status_upstream as upstream};
 use tokio::time::Instant;
 use tower::{Layer as _, ServiceExt as _, service_fn};
 
@@ -29,18 +31,78 @@ fn request(method: &str, key: bool, body: &'static str) -> Request<Full<Bytes>> 
         .unwrap()
 }
 
+/// The plain layer of `agent`'s endpoint `ep` over an upstream answering `statuses` (then
+/// 200), and what that upstream sees.
+#[allow(clippy::type_complexity)]
+fn client<B>(
+    agent: &Agent,
+    statuses: &[u16],
+) -> (
+    Retry<
+        impl tower::Service<
+            Request<ReplayBody<B>>,
+            Response = Response<Empty<Bytes>>,
+            Error = Infallible,
+            Future = impl Send,
+        > + Clone
+        + Send
+        + Sync
+        + 'static,
+    >,
+    support::Seen,
+)
+where
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: std::fmt::Debug,
+{
+    let (svc, seen) = upstream(statuses);
+    (RetryLayer::new(agent.endpoint("ep")).layer(svc), seen)
+}
+
+/// Sends `req` once through the client `layer` makes of an upstream answering `statuses`
+/// (then 200): the response, and what the upstream saw.
+async fn call_through<B>(
+    layer: RetryLayer,
+    statuses: &[u16],
+    req: Request<B>,
+) -> (Response<ResponseBody<Empty<Bytes>>>, Vec<Sent>)
+where
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError> + std::fmt::Debug,
+{
+    let (svc, seen) = upstream(statuses);
+    let response = layer.layer(svc).oneshot(req).await.unwrap();
+    let seen = seen.lock().unwrap().clone();
+    (response, seen)
+}
+
+/// [`call_through`] the plain layer of `agent`'s endpoint `ep`.
+async fn call<B>(
+    agent: &Agent,
+    statuses: &[u16],
+    req: Request<B>,
+) -> (Response<ResponseBody<Empty<Bytes>>>, Vec<Sent>)
+where
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError> + std::fmt::Debug,
+{
+    call_through(RetryLayer::new(agent.endpoint("ep")), statuses, req).await
+}
+
+/// `response` is a `status` the call gave up on for `cause`, after one attempt.
+fn assert_gave_up_after_one<B>(response: &Response<B>, status: u16, cause: GiveUpCause) {
+    assert_eq!(response.status(), status);
+    let gave_up = response.extensions().get::<GaveUp>().unwrap();
+    assert_eq!(gave_up.cause, Cause::GaveUp(cause));
+    assert_eq!(gave_up.attempts, 1);
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_503_then_200_is_retried_with_the_body_replayed() {
     let agent = agent(&policy("max_attempts: 3"));
-    let (svc, seen) = upstream(&[503]);
-    let client = RetryLayer::new(agent.endpoint("ep")).layer(svc);
-    let response = client
-        .oneshot(request("PUT", false, "hello"))
-        .await
-        .unwrap();
+    let (response, seen) = call(&agent, &[503], request("PUT", false, "hello")).await;
     assert_eq!(response.status(), 200);
     assert!(response.extensions().get::<GaveUp>().is_none());
-    let seen = seen.lock().unwrap().clone();
     assert_eq!(seen.len(), 2);
     for sent in &seen {
         assert_eq!(sent.method, "PUT");
@@ -52,27 +114,15 @@ async fn a_503_then_200_is_retried_with_the_body_replayed() {
 #[tokio::test(start_paused = true)]
 async fn a_body_over_the_limit_is_sent_once_and_whole() {
     let agent = agent(&policy("max_attempts: 3"));
+    let limited = || RetryLayer::new(agent.endpoint("ep")).with_body_limit(4);
     // A known size over the limit.
-    let (svc, seen) = upstream(&[503]);
-    let client = RetryLayer::new(agent.endpoint("ep"))
-        .with_body_limit(4)
-        .layer(svc);
-    let response = client
-        .oneshot(request("PUT", true, "hello world"))
-        .await
-        .unwrap();
-    assert_eq!(response.status(), 503);
-    let gave_up = response.extensions().get::<GaveUp>().unwrap();
-    assert_eq!(gave_up.cause, Cause::GaveUp(GiveUpCause::NotRetryable));
-    assert_eq!(gave_up.attempts, 1);
-    assert_eq!(seen.lock().unwrap().len(), 1);
-    assert_eq!(seen.lock().unwrap()[0].body, "hello world");
+    let (response, seen) =
+        call_through(limited(), &[503], request("PUT", true, "hello world")).await;
+    assert_gave_up_after_one(&response, 503, GiveUpCause::NotRetryable);
+    assert_eq!(seen.len(), 1);
+    assert_eq!(seen[0].body, "hello world");
 
     // An unknown size, found over the limit while reading: the bytes read are sent first.
-    let (svc, seen) = upstream(&[503]);
-    let client = RetryLayer::new(agent.endpoint("ep"))
-        .with_body_limit(4)
-        .layer(svc);
     let chunks = ["abc", "def", "ghi"]
         .map(|c| Ok::<_, Infallible>(Frame::data(Bytes::from_static(c.as_bytes()))));
     let body = StreamBody::new(tokio_stream::iter(chunks));
@@ -81,10 +131,10 @@ async fn a_body_over_the_limit_is_sent_once_and_whole() {
         .uri("/s")
         .body(body)
         .unwrap();
-    let response = client.oneshot(req).await.unwrap();
+    let (response, seen) = call_through(limited(), &[503], req).await;
     assert_eq!(response.status(), 503);
-    assert_eq!(seen.lock().unwrap().len(), 1);
-    assert_eq!(seen.lock().unwrap()[0].body, "abcdefghi");
+    assert_eq!(seen.len(), 1);
+    assert_eq!(seen[0].body, "abcdefghi");
     // Each call is in the endpoint's counts as one attempt given up as not retryable.
     let c = agent.endpoint("ep").pending_counts();
     assert_eq!(
@@ -96,48 +146,37 @@ async fn a_body_over_the_limit_is_sent_once_and_whole() {
 #[tokio::test(start_paused = true)]
 async fn post_without_the_key_is_not_retried_and_with_it_is() {
     let agent = agent(&policy("max_attempts: 3"));
-    let (svc, seen) = upstream(&[503]);
-    let client = RetryLayer::new(agent.endpoint("ep")).layer(svc);
-    let response = client.oneshot(request("POST", false, "pay")).await.unwrap();
+    let (response, seen) = call(&agent, &[503], request("POST", false, "pay")).await;
     assert_eq!(response.status(), 503);
     assert_eq!(
         response.extensions().get::<GaveUp>().unwrap().cause,
         Cause::GaveUp(GiveUpCause::NotRetryable)
     );
-    assert_eq!(seen.lock().unwrap().len(), 1);
+    assert_eq!(seen.len(), 1);
 
-    let (svc, seen) = upstream(&[503]);
-    let client = RetryLayer::new(agent.endpoint("ep")).layer(svc);
-    let response = client.oneshot(request("POST", true, "pay")).await.unwrap();
+    let (response, seen) = call(&agent, &[503], request("POST", true, "pay")).await;
     assert_eq!(response.status(), 200);
-    assert_eq!(seen.lock().unwrap().len(), 2);
+    assert_eq!(seen.len(), 2);
 }
 
 #[tokio::test(start_paused = true)]
 async fn an_extension_method_in_lower_case_is_not_taken_for_its_standard_namesake() {
     // Methods are case-sensitive (RFC 9110 §9.1): `get` is not `GET`, so not idempotent.
     let agent = agent(&policy("max_attempts: 3"));
-    let (svc, seen) = upstream(&[503]);
-    let client = RetryLayer::new(agent.endpoint("ep")).layer(svc);
-    let response = client.oneshot(request("get", false, "")).await.unwrap();
+    let (response, seen) = call(&agent, &[503], request("get", false, "")).await;
     assert_eq!(response.status(), 503);
-    let seen = seen.lock().unwrap().clone();
     assert_eq!(seen.len(), 1);
     assert_eq!(seen[0].method, "get");
 
-    let (svc, seen) = upstream(&[503]);
-    let client = RetryLayer::new(agent.endpoint("ep")).layer(svc);
-    let response = client.oneshot(request("GET", false, "")).await.unwrap();
+    let (response, seen) = call(&agent, &[503], request("GET", false, "")).await;
     assert_eq!(response.status(), 200);
-    assert_eq!(seen.lock().unwrap().len(), 2);
+    assert_eq!(seen.len(), 2);
 }
 
 #[tokio::test(start_paused = true)]
 async fn attempts_running_out_return_the_last_response_marked() {
     let agent = agent(&policy("max_attempts: 2"));
-    let (svc, seen) = upstream(&[503, 502]);
-    let client = RetryLayer::new(agent.endpoint("ep")).layer(svc);
-    let response = client.oneshot(request("GET", false, "")).await.unwrap();
+    let (response, seen) = call(&agent, &[503, 502], request("GET", false, "")).await;
     assert_eq!(response.status(), 502);
     assert_eq!(
         response.extensions().get::<GaveUp>(),
@@ -146,7 +185,7 @@ async fn attempts_running_out_return_the_last_response_marked() {
             attempts: 2
         })
     );
-    assert_eq!(seen.lock().unwrap().len(), 2);
+    assert_eq!(seen.len(), 2);
 }
 
 #[tokio::test(start_paused = true)]
@@ -385,30 +424,26 @@ const AFTER_THE_SWAP: &str = "max_attempts: 1\ndeadline: 1s\nper_try_timeout: 1s
 #[tokio::test(start_paused = true)]
 async fn a_call_goes_by_the_policy_read_when_it_began_though_a_swap_comes_during_its_body_read() {
     let agent = agent(&policy(BEFORE_THE_SWAP));
-    let (svc, seen) = upstream(&[503, 503]);
-    let client = RetryLayer::new(agent.endpoint("ep")).layer(svc);
     let req = Request::builder()
         .method("PUT")
         .uri("/s")
         .body(a_slow_body_across_a_swap(&agent, AFTER_THE_SWAP))
         .unwrap();
-    let response = client.oneshot(req).await.unwrap();
+    let (response, seen) = call(&agent, &[503, 503], req).await;
     // The policy of the call's start: its deadline (10 s, not 1 s already past when the body
     // came) and its three attempts.
     assert_eq!(response.status(), 200);
     assert!(response.extensions().get::<GaveUp>().is_none());
-    let at: Vec<_> = seen.lock().unwrap().iter().map(|s| s.at).collect();
+    let at: Vec<_> = seen.iter().map(|s| s.at).collect();
     assert_eq!(
         at,
         [2_000, 2_100, 2_300].map(Duration::from_millis),
         "three attempts once the body came"
     );
     // The swap did happen: the next call goes by the new policy (one attempt).
-    let (svc, seen) = upstream(&[503]);
-    let client = RetryLayer::new(agent.endpoint("ep")).layer(svc);
-    let response = client.oneshot(request("PUT", false, "x")).await.unwrap();
+    let (response, seen) = call(&agent, &[503], request("PUT", false, "x")).await;
     assert_eq!(response.status(), 503);
-    assert_eq!(seen.lock().unwrap().len(), 1);
+    assert_eq!(seen.len(), 1);
 }
 
 #[tokio::test(start_paused = true)]
@@ -508,10 +543,7 @@ async fn by_default_a_body_of_64_kib_is_replayed_and_one_byte_more_is_sent_once(
             .body(StreamBody::new(tokio_stream::iter(chunks)).boxed_unsync())
             .unwrap();
         for (what, req) in [("known", known), ("unknown", unknown)] {
-            let (svc, seen) = upstream(&[503]);
-            let client = RetryLayer::new(agent.endpoint("ep")).layer(svc);
-            let response = client.oneshot(req).await.unwrap();
-            let seen = seen.lock().unwrap().clone();
+            let (response, seen) = call(&agent, &[503], req).await;
             assert_eq!(seen.len(), sends, "{size} bytes, {what} size");
             assert!(seen.iter().all(|s| s.body == body), "{size} bytes, {what}");
             let expected = if sends == 2 { 200 } else { 503 };
@@ -660,6 +692,9 @@ async fn a_refused_connect_getting_ready_for_a_retry_is_that_retrys_failure_and_
     );
 }
 
+/// Two attempts, a 10 s deadline, and a breaker that two failures open for 30 s.
+const BREAKER: &str = "max_attempts: 2\ndeadline: 10s\nper_try_timeout: 5s\ncircuit_breaker: {enabled: true, failure_ratio: 0.5, min_requests: 2, open_for: 30s}";
+
 #[tokio::test(start_paused = true)]
 async fn a_retry_waiting_for_capacity_stops_when_the_breaker_opens() {
     // One permit below, held by a slow call of another endpoint (until its 2 s per-try
@@ -688,9 +723,7 @@ async fn a_retry_waiting_for_capacity_stops_when_the_breaker_opens() {
             )
         }
     });
-    let agent = agent(&policy(
-        "max_attempts: 2\ndeadline: 10s\nper_try_timeout: 5s\ncircuit_breaker: {enabled: true, failure_ratio: 0.5, min_requests: 2, open_for: 30s}",
-    ));
+    let agent = agent(&policy(BREAKER));
     let limited = tower::limit::ConcurrencyLimit::new(svc.clone(), 1);
     let client = RetryLayer::new(agent.endpoint("ep")).layer(limited.clone());
     let plain = RetryLayer::new(agent.endpoint("ep")).layer(svc);
@@ -719,10 +752,7 @@ async fn a_retry_waiting_for_capacity_stops_when_the_breaker_opens() {
         "{:?}",
         opened.elapsed()
     );
-    assert_eq!(answer.status(), 503);
-    let gave_up = answer.extensions().get::<GaveUp>().unwrap();
-    assert_eq!(gave_up.cause, Cause::GaveUp(GiveUpCause::CircuitOpen));
-    assert_eq!(gave_up.attempts, 1);
+    assert_gave_up_after_one(&answer, 503, GiveUpCause::CircuitOpen);
     assert!(origin.elapsed() < Duration::from_secs(10));
     assert_eq!(
         seen.load(std::sync::atomic::Ordering::SeqCst),
@@ -763,21 +793,15 @@ async fn a_retry_the_breaker_opened_for_during_its_pause_is_refused_before_the_s
                 .unwrap()))
         }
     }
-    let agent = agent(&policy(
-        "max_attempts: 2\ndeadline: 10s\nper_try_timeout: 5s\ncircuit_breaker: {enabled: true, failure_ratio: 0.5, min_requests: 2, open_for: 30s}",
-    ));
-    let (svc, _) = upstream(&[503, 503]);
-    let plain = RetryLayer::new(agent.endpoint("ep")).layer(svc);
+    let agent = agent(&policy(BREAKER));
+    let (plain, _) = client(&agent, &[503, 503]);
     let client = RetryLayer::new(agent.endpoint("ep")).layer(OnceThenClosed(Arc::default()));
     let read = tokio::spawn(client.oneshot(request("GET", false, "")));
     tokio::time::sleep(Duration::from_millis(50)).await;
     let failed = plain.oneshot(request("PUT", true, "")).await.unwrap();
     assert_eq!(failed.status(), 503);
     let answer = read.await.unwrap().unwrap();
-    assert_eq!(answer.status(), 503);
-    let gave_up = answer.extensions().get::<GaveUp>().unwrap();
-    assert_eq!(gave_up.cause, Cause::GaveUp(GiveUpCause::CircuitOpen));
-    assert_eq!(gave_up.attempts, 1);
+    assert_gave_up_after_one(&answer, 503, GiveUpCause::CircuitOpen);
 }
 
 /// A request body of boxed frames: complete, or stalled after its first.
@@ -814,17 +838,25 @@ fn assert_refused_by_the_circuit(err: &(dyn std::error::Error + 'static)) {
     );
 }
 
+/// Two uploads answered 503 through `client`: with `min_requests: 2`, they open the circuit.
+async fn open_the_circuit<S, B>(client: &S)
+where
+    S: tower::Service<Request<Uploaded>, Response = Response<B>> + Clone,
+    S::Error: std::fmt::Debug,
+{
+    for _ in 0..2 {
+        let r = client.clone().oneshot(upload(false)).await.unwrap();
+        assert_eq!(r.status(), 503);
+    }
+}
+
 const OPENS_AFTER_TWO: &str = "max_attempts: 1\ndeadline: 3s\ncircuit_breaker: {enabled: true, failure_ratio: 0.5, min_requests: 2, open_for: 30s}";
 
 #[tokio::test(start_paused = true)]
 async fn an_open_circuit_refuses_a_call_without_waiting_for_its_request_body() {
     let agent = agent(&policy(OPENS_AFTER_TWO));
-    let (svc, seen) = upstream::<Uploaded>(&[503, 503]);
-    let client = RetryLayer::new(agent.endpoint("ep")).layer(svc);
-    for _ in 0..2 {
-        let r = client.clone().oneshot(upload(false)).await.unwrap();
-        assert_eq!(r.status(), 503);
-    }
+    let (client, seen) = client::<Uploaded>(&agent, &[503, 503]);
+    open_the_circuit(&client).await;
     let start = Instant::now();
     let err = tokio::time::timeout(Duration::from_secs(60), client.oneshot(upload(true)))
         .await
@@ -843,12 +875,8 @@ async fn a_refused_call_is_not_logged_as_one_that_could_not_be_sent_again() {
     // `replayable=false` says why a failure the policy retries was not retried: a call the
     // breaker refused sent nothing, whatever its body.
     let agent = agent(&policy(OPENS_AFTER_TWO));
-    let (svc, _seen) = upstream::<Uploaded>(&[503, 503]);
-    let client = RetryLayer::new(agent.endpoint("ep")).layer(svc);
-    for _ in 0..2 {
-        let r = client.clone().oneshot(upload(false)).await.unwrap();
-        assert_eq!(r.status(), 503);
-    }
+    let (client, _seen) = client::<Uploaded>(&agent, &[503, 503]);
+    open_the_circuit(&client).await;
     let (logs, _guard) = capture_logs("retryplane_agent=info");
     // A call whose body read the refusal stopped (so its body is not kept to be sent again).
     let err = client.clone().oneshot(upload(true)).await.unwrap_err();
@@ -863,18 +891,14 @@ async fn a_refused_call_is_not_logged_as_one_that_could_not_be_sent_again() {
 #[tokio::test(start_paused = true)]
 async fn a_circuit_that_opens_while_a_request_body_is_read_ends_the_read() {
     let agent = agent(&policy(OPENS_AFTER_TWO));
-    let (svc, seen) = upstream::<Uploaded>(&[503, 503]);
-    let client = RetryLayer::new(agent.endpoint("ep")).layer(svc);
+    let (client, seen) = client::<Uploaded>(&agent, &[503, 503]);
     // A call whose upload stalls, begun while the circuit is closed.
     let start = Instant::now();
     let stalled = tokio::spawn(client.clone().oneshot(upload(true)));
     tokio::time::sleep(Duration::from_millis(30)).await;
     assert!(!stalled.is_finished());
     // Two failures open the circuit meanwhile.
-    for _ in 0..2 {
-        let r = client.clone().oneshot(upload(false)).await.unwrap();
-        assert_eq!(r.status(), 503);
-    }
+    open_the_circuit(&client).await;
     let err = tokio::time::timeout(Duration::from_secs(60), stalled)
         .await
         .expect("the call waited for the body")
@@ -914,8 +938,7 @@ impl http_body::Body for Overstated {
 #[tokio::test(start_paused = true)]
 async fn a_small_body_whose_size_hint_overstates_it_is_still_buffered_and_retried() {
     let agent = agent(&policy("max_attempts: 3"));
-    let (svc, seen) = upstream::<Overstated>(&[503]);
-    let client = RetryLayer::new(agent.endpoint("ep")).layer(svc);
+    let (client, seen) = client::<Overstated>(&agent, &[503]);
     let body = Overstated {
         data: Some(Bytes::from_static(b"0123456789")),
         lower: 1 << 20,
@@ -944,8 +967,7 @@ type Failing = StreamBody<
 #[tokio::test(start_paused = true)]
 async fn a_request_body_that_fails_while_it_is_read_ends_the_call_with_its_error_uncounted() {
     let agent = agent(&policy("max_attempts: 3"));
-    let (svc, seen) = upstream::<Failing>(&[]);
-    let client = RetryLayer::new(agent.endpoint("ep")).layer(svc);
+    let (client, seen) = client::<Failing>(&agent, &[]);
     let frames: std::pin::Pin<Box<dyn tokio_stream::Stream<Item = _> + Send>> =
         Box::pin(tokio_stream::iter([
             Ok(Frame::data(Bytes::from(vec![b'a'; 100]))),
