@@ -16,8 +16,9 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{Request, Response};
 use http_body_util::{BodyExt as _, Full};
+use retryplane_agent::Agent;
 use retryplane_agent::layer::{
-    Dedup, DedupStats, Deduplicated, GaveUp, Idempotent, ReplayBody, ResponseBody, Retry,
+    BoxError, Dedup, DedupStats, Deduplicated, GaveUp, Idempotent, ReplayBody, ResponseBody, Retry,
     RetryLayer,
 };
 use support::{agent, policy};
@@ -63,21 +64,57 @@ impl Upstream {
 
 type Body = ReplayBody<Full<Bytes>>;
 
-/// An upstream answering request number `n` (from 0) with `answer n`, an `x-call: n` header,
-/// and the scripted status (then 200), once the gate lets it through.
-fn upstream(
-    script: &[Step],
-) -> (
-    impl tower::Service<
-        Request<Body>,
-        Response = Response<Full<Bytes>>,
-        Error = io::Error,
-        Future = impl Send,
+/// A service below the layer, as the tests' upstreams are: it takes the layer's requests and
+/// answers with a whole body.
+trait Below:
+    tower::Service<Request<Body>, Response = Response<Full<Bytes>>, Error = io::Error, Future: Send>
+    + Clone
+    + Send
+    + 'static
+{
+}
+
+impl<S> Below for S where
+    S: tower::Service<
+            Request<Body>,
+            Response = Response<Full<Bytes>>,
+            Error = io::Error,
+            Future: Send,
+        > + Clone
+        + Send
+        + 'static
+{
+}
+
+/// A client the tests send their requests through on tasks: the de-duplicating layer over a
+/// service [`Below`].
+trait Sends:
+    tower::Service<
+        Request<Full<Bytes>>,
+        Response = Response<ResponseBody<Full<Bytes>>>,
+        Error = BoxError,
+        Future: Send,
     > + Clone
     + Send
-    + 'static,
-    Arc<Upstream>,
-) {
+    + 'static
+{
+}
+
+impl<C> Sends for C where
+    C: tower::Service<
+            Request<Full<Bytes>>,
+            Response = Response<ResponseBody<Full<Bytes>>>,
+            Error = BoxError,
+            Future: Send,
+        > + Clone
+        + Send
+        + 'static
+{
+}
+
+/// An upstream answering request number `n` (from 0) with `answer n`, an `x-call: n` header,
+/// and the scripted status (then 200), once the gate lets it through.
+fn upstream(script: &[Step]) -> (impl Below, Arc<Upstream>) {
     let up = Arc::new(Upstream {
         seen: Mutex::default(),
         gate: Semaphore::new(0),
@@ -128,6 +165,13 @@ fn client_of<S>(agent: &retryplane_agent::Agent, svc: S, dedup: &Dedup) -> Clien
         .layer(svc)
 }
 
+/// A de-duplicating client (`dedup`, the endpoint's policy lines `yaml`) of an [`upstream`]
+/// playing `script`, and that upstream.
+fn gated(script: &[Step], dedup: &Dedup, yaml: &str) -> (Client<impl Below>, Arc<Upstream>) {
+    let (svc, up) = upstream(script);
+    (client_with(svc, dedup, yaml), up)
+}
+
 fn get(uri: &str) -> http::request::Builder {
     Request::builder().method("GET").uri(uri)
 }
@@ -143,14 +187,7 @@ type Answer = Result<(u16, Option<String>, Bytes, bool), String>;
 /// copy of another's response.
 fn spawn<S>(client: &Client<S>, request: Request<Full<Bytes>>) -> JoinHandle<Answer>
 where
-    Client<S>: tower::Service<
-            Request<Full<Bytes>>,
-            Response = Response<ResponseBody<Full<Bytes>>>,
-            Error = retryplane_agent::layer::BoxError,
-            Future: Send,
-        > + Clone
-        + Send
-        + 'static,
+    Client<S>: Sends,
 {
     let client = client.clone();
     tokio::spawn(async move {
@@ -205,14 +242,7 @@ async fn leader_and_followers<S>(
     n: usize,
 ) -> (JoinHandle<Answer>, Vec<JoinHandle<Answer>>)
 where
-    Client<S>: tower::Service<
-            Request<Full<Bytes>>,
-            Response = Response<ResponseBody<Full<Bytes>>>,
-            Error = retryplane_agent::layer::BoxError,
-            Future: Send,
-        > + Clone
-        + Send
-        + 'static,
+    Client<S>: Sends,
 {
     let leader = spawn(client, request());
     until("the leader reaches the upstream", || up.seen() == 1).await;
@@ -221,11 +251,39 @@ where
     (leader, followers)
 }
 
+/// Lets the leader's call through: the leader gets the upstream's answer, and every follower
+/// a copy of it, from that one call.
+async fn one_call_answers_all(
+    up: &Upstream,
+    leader: JoinHandle<Answer>,
+    followers: Vec<JoinHandle<Answer>>,
+) {
+    up.open(1);
+    assert_answered(join(leader).await, 0, false);
+    for f in followers {
+        assert_answered(join(f).await, 0, true);
+    }
+    assert_eq!(up.seen(), 1);
+}
+
+/// [`leader_and_followers`] of `GET http://up/x` through [`gated`]`(script, dedup, yaml)`:
+/// the upstream, the leader and the followers.
+async fn x_led(
+    script: &[Step],
+    dedup: &Dedup,
+    yaml: &str,
+    n: usize,
+) -> (Arc<Upstream>, JoinHandle<Answer>, Vec<JoinHandle<Answer>>) {
+    let (client, up) = gated(script, dedup, yaml);
+    let (leader, followers) =
+        leader_and_followers(&client, dedup, &up, || req(get("http://up/x"), ""), n).await;
+    (up, leader, followers)
+}
+
 #[tokio::test(start_paused = true)]
 async fn identical_gets_share_one_call_and_its_response() {
-    let (svc, up) = upstream(&[]);
     let dedup = Dedup::default();
-    let client = client(svc, &dedup);
+    let (client, up) = gated(&[], &dedup, POLICY);
     let request = || {
         req(
             get("http://up/items?page=2")
@@ -235,13 +293,7 @@ async fn identical_gets_share_one_call_and_its_response() {
         )
     };
     let (leader, followers) = leader_and_followers(&client, &dedup, &up, request, 4).await;
-    up.open(1);
-
-    assert_answered(join(leader).await, 0, false);
-    for f in followers {
-        assert_answered(join(f).await, 0, true);
-    }
-    assert_eq!(up.seen(), 1);
+    one_call_answers_all(&up, leader, followers).await;
     assert_eq!(
         dedup.stats(),
         DedupStats {
@@ -262,9 +314,8 @@ async fn identical_gets_share_one_call_and_its_response() {
 
 #[tokio::test(start_paused = true)]
 async fn a_response_the_call_gave_up_on_is_shared_with_its_mark() {
-    let (svc, up) = upstream(&[Step::Status(404)]);
     let dedup = Dedup::default();
-    let client = client(svc, &dedup);
+    let (client, up) = gated(&[Step::Status(404)], &dedup, POLICY);
     let leader = spawn(&client, req(get("http://up/x"), ""));
     until("the leader reaches the upstream", || up.seen() == 1).await;
     let c = client.clone();
@@ -292,8 +343,7 @@ async fn shared_under(
     a: Request<Full<Bytes>>,
     b: Request<Full<Bytes>>,
 ) -> bool {
-    let (svc, up) = upstream(&[]);
-    let client = client_with(svc, &dedup, yaml);
+    let (client, up) = gated(&[], &dedup, yaml);
     let first = spawn(&client, a);
     until("the first request reaches the upstream", || up.seen() == 1).await;
     let second = spawn(&client, b);
@@ -334,48 +384,16 @@ async fn requests_that_may_get_different_answers_are_not_shared() {
     assert!(!shared(d(), req(cookie("s=1"), ""), req(cookie("s=2"), "")).await);
 
     // The query string and the host are part of the URI.
-    assert!(
-        !shared(
-            d(),
-            req(get("http://up/a?x=1"), ""),
-            req(get("http://up/a?x=2"), "")
-        )
-        .await
-    );
-    assert!(
-        !shared(
-            d(),
-            req(get("http://up/a"), ""),
-            req(get("http://other/a"), "")
-        )
-        .await
-    );
-    assert!(
-        !shared(
-            d(),
-            req(get("/a").header("host", "up"), ""),
-            req(get("/a").header("host", "other"), "")
-        )
-        .await
-    );
+    let uris = |a: &str, b: &str| shared(d(), req(get(a), ""), req(get(b), ""));
+    assert!(!uris("http://up/a?x=1", "http://up/a?x=2").await);
+    assert!(!uris("http://up/a", "http://other/a").await);
+    let host = |v: &str| req(get("/a").header("host", v), "");
+    assert!(!shared(d(), host("up"), host("other")).await);
 
     // The body.
-    assert!(
-        shared(
-            d(),
-            req(get("http://up/q"), "same"),
-            req(get("http://up/q"), "same")
-        )
-        .await
-    );
-    assert!(
-        !shared(
-            d(),
-            req(get("http://up/q"), "one"),
-            req(get("http://up/q"), "two")
-        )
-        .await
-    );
+    let bodies = |a, b| shared(d(), req(get("http://up/q"), a), req(get("http://up/q"), b));
+    assert!(bodies("same", "same").await);
+    assert!(!bodies("one", "two").await);
 
     // Another method.
     let head = Request::builder().method("HEAD").uri("http://up/me");
@@ -399,15 +417,8 @@ async fn which_headers_count_is_configurable() {
     let by_tenant = || Dedup::default().vary_only_on([http::HeaderName::from_static("x-tenant")]);
     assert!(!shared(by_tenant(), req(tenant("a"), ""), req(tenant("b"), "")).await);
     assert!(shared(by_tenant(), req(debug("1"), ""), req(debug("2"), "")).await);
-    let user = |v: &str| get("http://up/me").header("authorization", v);
-    assert!(
-        !shared(
-            by_tenant(),
-            req(user("Bearer a"), ""),
-            req(user("Bearer b"), "")
-        )
-        .await
-    );
+    let user = |v: &str| req(get("http://up/me").header("authorization", v), "");
+    assert!(!shared(by_tenant(), user("Bearer a"), user("Bearer b")).await);
     // Every header: any difference counts, the order of names does not.
     let all = || Dedup::default().vary_on_all_headers();
     assert!(!shared(all(), req(id("1"), ""), req(id("2"), "")).await);
@@ -552,11 +563,8 @@ async fn a_body_over_the_request_limit_is_not_shared() {
 
 #[tokio::test(start_paused = true)]
 async fn followers_of_a_cancelled_leader_complete_one_leading() {
-    let (svc, up) = upstream(&[]);
     let dedup = Dedup::default();
-    let client = client(svc, &dedup);
-    let (leader, followers) =
-        leader_and_followers(&client, &dedup, &up, || req(get("http://up/x"), ""), 3).await;
+    let (up, leader, followers) = x_led(&[], &dedup, POLICY, 3).await;
 
     leader.abort();
     // One follower takes the lead and calls; the other two follow it.
@@ -585,11 +593,8 @@ async fn followers_of_a_cancelled_leader_complete_one_leading() {
 
 #[tokio::test(start_paused = true)]
 async fn a_dropped_follower_leaves_the_others_waiting() {
-    let (svc, up) = upstream(&[]);
     let dedup = Dedup::default();
-    let client = client(svc, &dedup);
-    let (leader, followers) =
-        leader_and_followers(&client, &dedup, &up, || req(get("http://up/x"), ""), 2).await;
+    let (up, leader, followers) = x_led(&[], &dedup, POLICY, 2).await;
     let [gone, stays] = <[_; 2]>::try_from(followers).unwrap();
     gone.abort();
     until("one follower waits", || dedup.stats().waiting == 1).await;
@@ -601,10 +606,9 @@ async fn a_dropped_follower_leaves_the_others_waiting() {
 
 #[tokio::test(start_paused = true)]
 async fn over_the_response_limit_followers_make_their_own_calls() {
-    let (svc, up) = upstream(&[]);
     // "answer n" is 8 bytes.
     let dedup = Dedup::default().with_response_limit(4);
-    let client = client(svc, &dedup);
+    let (client, up) = gated(&[], &dedup, POLICY);
     let (leader, followers) =
         leader_and_followers(&client, &dedup, &up, || req(get("http://up/big"), ""), 3).await;
     up.open(4);
@@ -629,15 +633,9 @@ async fn over_the_response_limit_followers_make_their_own_calls() {
 #[tokio::test(start_paused = true)]
 async fn a_leader_error_sends_followers_to_their_own_calls() {
     // Refused, and not retried (max_attempts 1): the leader returns the error.
-    let (svc, up) = upstream(&[Step::Refused]);
     let dedup = Dedup::default();
-    let client = client_with(
-        svc,
-        &dedup,
-        "max_attempts: 1\ndeadline: 600s\nper_try_timeout: 600s",
-    );
-    let (leader, followers) =
-        leader_and_followers(&client, &dedup, &up, || req(get("http://up/x"), ""), 2).await;
+    let once = "max_attempts: 1\ndeadline: 600s\nper_try_timeout: 600s";
+    let (up, leader, followers) = x_led(&[Step::Refused], &dedup, once, 2).await;
     up.open(3);
     let err = join(leader).await.unwrap_err();
     assert!(err.contains("refused"), "{err}");
@@ -671,23 +669,9 @@ async fn without_dedup_identical_requests_each_make_a_call() {
 
 #[tokio::test(start_paused = true)]
 async fn requests_that_differ_only_in_proxy_authorization_are_not_shared() {
-    let proxy = |v: &str| get("http://up/me").header("proxy-authorization", v);
-    assert!(
-        !shared(
-            Dedup::default(),
-            req(proxy("Basic a"), ""),
-            req(proxy("Basic b"), "")
-        )
-        .await
-    );
-    assert!(
-        shared(
-            Dedup::default(),
-            req(proxy("Basic a"), ""),
-            req(proxy("Basic a"), "")
-        )
-        .await
-    );
+    let proxy = |v: &str| req(get("http://up/me").header("proxy-authorization", v), "");
+    assert!(!shared(Dedup::default(), proxy("Basic a"), proxy("Basic b")).await);
+    assert!(shared(Dedup::default(), proxy("Basic a"), proxy("Basic a")).await);
 }
 
 /// A response body whose chunks come when the test sends them; it ends when the sender is
@@ -833,9 +817,8 @@ async fn a_leader_whose_body_stalls_hands_its_followers_to_their_own_calls_by_it
 
 #[tokio::test(start_paused = true)]
 async fn a_follower_of_a_leader_that_is_not_polled_gives_up_at_its_deadline() {
-    let (svc, up) = upstream(&[]);
     let dedup = Dedup::default();
-    let client = client_with(svc, &dedup, SHORT);
+    let (client, up) = gated(&[], &dedup, SHORT);
     // Polled once: the leader reaches the upstream and waits at the gate. Its caller holds it
     // and never polls it again.
     let mut leader = Box::pin(client.clone().oneshot(req(get("http://up/x"), "")));
@@ -937,12 +920,7 @@ async fn a_concurrency_limit_below_the_layer_does_not_stop_sharing() {
     let client = client(limited, &dedup);
     let request = || req(get("http://up/x"), "");
     let (leader, followers) = leader_and_followers(&client, &dedup, &up, request, 4).await;
-    up.open(1);
-    assert_answered(join(leader).await, 0, false);
-    for f in followers {
-        assert_answered(join(f).await, 0, true);
-    }
-    assert_eq!(up.seen(), 1);
+    one_call_answers_all(&up, leader, followers).await;
     assert_eq!(dedup.stats().shared, 4);
 }
 
@@ -1013,33 +991,11 @@ async fn an_open_breaker_refuses_at_once_a_call_that_would_wait_for_capacity() {
     // The only permit below is held by a slow call; the breaker opens meanwhile. A read that
     // would wait for that permit is refused at once (`circuit_open`), as SPEC §2 step 2 says,
     // not held until its deadline.
-    let seen = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let upstream = breaker_upstream(&seen);
     let agent = agent(&policy(BREAKER));
-    let dedup = Dedup::default();
-    let limited = client_of(
-        &agent,
-        tower::limit::ConcurrencyLimitLayer::new(1).layer(upstream.clone()),
-        &dedup,
-    );
-    let plain = RetryLayer::new(agent.endpoint("ep")).layer(upstream);
-    let slow = tokio::spawn(limited.clone().oneshot(req(
-        Request::builder().method("POST").uri("http://up/slow"),
-        "",
-    )));
-    until("the slow call holds the permit", || {
-        seen.load(std::sync::atomic::Ordering::SeqCst) == 1
-    })
-    .await;
+    let (limited, plain, seen) = breaker_clients(&agent);
+    let slow = holding_the_permit(&limited, "the slow call", &seen, 1).await;
     fail_twice(&plain).await;
-    let began = Instant::now();
-    let refused = limited
-        .clone()
-        .oneshot(req(get("http://up/b"), ""))
-        .await
-        .unwrap_err();
-    assert_eq!(began.elapsed(), Duration::ZERO, "{refused}");
-    assert!(refused.to_string().contains("circuit_open"), "{refused}");
+    refused_at_once(&limited).await;
     let counts = agent.endpoint("ep").pending_counts();
     assert_eq!(counts.circuit_open, 1, "{counts:?}");
     slow.abort();
@@ -1047,16 +1003,7 @@ async fn an_open_breaker_refuses_at_once_a_call_that_would_wait_for_capacity() {
 
 /// An upstream for the breaker tests: `/slow` answers 200 after 20 s, `/fail` 503 at once,
 /// anything else 200 at once; `seen` counts the requests.
-fn breaker_upstream(
-    seen: &Arc<std::sync::atomic::AtomicUsize>,
-) -> impl tower::Service<
-    Request<Body>,
-    Response = Response<Full<Bytes>>,
-    Error = io::Error,
-    Future = impl Send,
-> + Clone
-+ Send
-+ 'static {
+fn breaker_upstream(seen: &Arc<std::sync::atomic::AtomicUsize>) -> impl Below + use<> {
     let counter = seen.clone();
     service_fn(move |req: Request<Body>| {
         counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
@@ -1078,6 +1025,65 @@ fn breaker_upstream(
     })
 }
 
+/// The breaker tests' clients of `agent`'s endpoint `ep`, over one [`breaker_upstream`]: a
+/// de-duplicating one through a limit of one request at a time below, a plain one, and the
+/// upstream's count of requests.
+fn breaker_clients(
+    agent: &Agent,
+) -> (
+    Client<impl Below>,
+    Retry<impl Below>,
+    Arc<std::sync::atomic::AtomicUsize>,
+) {
+    let seen = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let upstream = breaker_upstream(&seen);
+    let dedup = Dedup::default();
+    let limited = client_of(
+        agent,
+        tower::limit::ConcurrencyLimitLayer::new(1).layer(upstream.clone()),
+        &dedup,
+    );
+    let plain = RetryLayer::new(agent.endpoint("ep")).layer(upstream);
+    (limited, plain, seen)
+}
+
+/// A slow call (`POST http://up/slow`) through `limited`, on a task, once it holds the permit
+/// below: once the upstream's count of requests, `seen`, is `count` (`what` names the call).
+async fn holding_the_permit<S>(
+    limited: &Client<S>,
+    what: &str,
+    seen: &std::sync::atomic::AtomicUsize,
+    count: usize,
+) -> JoinHandle<Result<Response<ResponseBody<Full<Bytes>>>, BoxError>>
+where
+    Client<S>: Sends,
+{
+    let slow = tokio::spawn(limited.clone().oneshot(req(
+        Request::builder().method("POST").uri("http://up/slow"),
+        "",
+    )));
+    until(&format!("{what} holds the permit"), || {
+        seen.load(std::sync::atomic::Ordering::SeqCst) == count
+    })
+    .await;
+    slow
+}
+
+/// A read (`GET http://up/b`) through `limited` is refused at once, by the open breaker.
+async fn refused_at_once<S>(limited: &Client<S>)
+where
+    Client<S>: Sends,
+{
+    let began = Instant::now();
+    let refused = limited
+        .clone()
+        .oneshot(req(get("http://up/b"), ""))
+        .await
+        .unwrap_err();
+    assert_eq!(began.elapsed(), Duration::ZERO, "{refused}");
+    assert!(refused.to_string().contains("circuit_open"), "{refused}");
+}
+
 /// Two reads answered 503 through `plain`: with `min_requests: 2`, they open the breaker.
 async fn fail_twice<S, B>(plain: &S)
 where
@@ -1096,36 +1102,14 @@ async fn a_half_open_breaker_with_its_probe_out_refuses_at_once_a_call_that_woul
     // The breaker opened, then went half-open; its one probe is a slow call that also holds the
     // only permit below. A read that would wait for that permit would be refused whenever it
     // got it (the probe is out), so it is refused at once, not held until its deadline.
-    let seen = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let upstream = breaker_upstream(&seen);
     let agent = agent(&policy(
         "max_attempts: 1\ndeadline: 10s\nper_try_timeout: 10s\ncircuit_breaker: {enabled: true, failure_ratio: 0.5, min_requests: 2, open_for: 1s, half_open_probes: 1}",
     ));
-    let dedup = Dedup::default();
-    let limited = client_of(
-        &agent,
-        tower::limit::ConcurrencyLimitLayer::new(1).layer(upstream.clone()),
-        &dedup,
-    );
-    let plain = RetryLayer::new(agent.endpoint("ep")).layer(upstream);
+    let (limited, plain, seen) = breaker_clients(&agent);
     fail_twice(&plain).await;
     tokio::time::advance(Duration::from_secs(1)).await;
-    let probe = tokio::spawn(limited.clone().oneshot(req(
-        Request::builder().method("POST").uri("http://up/slow"),
-        "",
-    )));
-    until("the probe holds the permit", || {
-        seen.load(std::sync::atomic::Ordering::SeqCst) == 3
-    })
-    .await;
-    let began = Instant::now();
-    let refused = limited
-        .clone()
-        .oneshot(req(get("http://up/b"), ""))
-        .await
-        .unwrap_err();
-    assert_eq!(began.elapsed(), Duration::ZERO, "{refused}");
-    assert!(refused.to_string().contains("circuit_open"), "{refused}");
+    let probe = holding_the_permit(&limited, "the probe", &seen, 3).await;
+    refused_at_once(&limited).await;
     assert_eq!(agent.endpoint("ep").pending_counts().circuit_open, 1);
     probe.abort();
 }
@@ -1135,24 +1119,9 @@ async fn a_call_waiting_for_capacity_fails_fast_when_the_breaker_opens_meanwhile
     // A read waits for the only permit below, held by a slow call. Meanwhile other calls fail
     // and open the breaker: the waiting read would be refused whenever it got the permit, so
     // it ends within a tenth of a second with `circuit_open`, not at its deadline.
-    let seen = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let upstream = breaker_upstream(&seen);
     let agent = agent(&policy(BREAKER));
-    let dedup = Dedup::default();
-    let limited = client_of(
-        &agent,
-        tower::limit::ConcurrencyLimitLayer::new(1).layer(upstream.clone()),
-        &dedup,
-    );
-    let plain = RetryLayer::new(agent.endpoint("ep")).layer(upstream);
-    let slow = tokio::spawn(limited.clone().oneshot(req(
-        Request::builder().method("POST").uri("http://up/slow"),
-        "",
-    )));
-    until("the slow call holds the permit", || {
-        seen.load(std::sync::atomic::Ordering::SeqCst) == 1
-    })
-    .await;
+    let (limited, plain, seen) = breaker_clients(&agent);
+    let slow = holding_the_permit(&limited, "the slow call", &seen, 1).await;
     let began = Instant::now();
     let waiting = tokio::spawn(limited.clone().oneshot(req(get("http://up/b"), "")));
     tokio::time::sleep(Duration::from_secs(2)).await;
