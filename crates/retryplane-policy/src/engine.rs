@@ -297,6 +297,24 @@ impl<C: PartialEq + Clone, T> Kept<C, T> {
             .map(|(_, t)| t.clone())
     }
 
+    /// The newest state's own budget (or breaker) for `cfg`, turned on again: the one turned
+    /// off when it has `cfg`, taken back as it is; else one that takes over from it (`take`);
+    /// with none turned off (or let go: those made behind it count on their own again), the
+    /// one made for `cfg`, or a fresh one (`fresh`). Never one made behind the one turned
+    /// off: it defers to that one, which new calls would not use.
+    fn turned_on(
+        &self,
+        cfg: &C,
+        take: impl FnOnce(&Arc<T>) -> Arc<T>,
+        fresh: impl FnOnce() -> T,
+    ) -> Arc<T> {
+        match &self.off {
+            Some((kept, off)) if kept == cfg => off.clone(),
+            Some((_, off)) => take(off),
+            None => self.find(cfg).unwrap_or_else(|| Arc::new(fresh())),
+        }
+    }
+
     /// The one made for `cfg`; else one made by `make` from the one turned off (if any), kept.
     fn get_or_make(&mut self, cfg: &C, make: impl FnOnce(Option<&Arc<T>>) -> Arc<T>) -> Arc<T> {
         self.find(cfg).unwrap_or_else(|| {
@@ -384,12 +402,13 @@ impl EndpointState {
     /// the outcomes they record in this breaker are counted in the newest breaker too.
     ///
     /// A budget or breaker turned on where a push turned it off before (see [`Self::behind`])
-    /// is the one of its settings the calls behind this state use, taken back as it is (a
-    /// budget turned off and on again by two pushes goes on with the one its calls still
-    /// spend); with other settings, it takes over from the one turned off as a change of
-    /// settings in one push does (an open breaker stays open, a spent budget stays spent).
-    /// Only where none was ever turned off is it made afresh. One turned off goes to the calls
-    /// behind the new state, with the others they use, while it has none.
+    /// is the one turned off, taken back as it is when it has the same settings (a budget
+    /// turned off and on again by two pushes goes on with the one its calls still spend);
+    /// with other settings, one that takes over from it as a change of settings in one push
+    /// does (an open breaker stays open, a spent budget stays spent). Where none was turned
+    /// off, or it was let go (no call held it and it counted nothing), the one of its
+    /// settings the calls behind this state use, or a fresh one. One turned off goes to the
+    /// calls behind the new state, with the others they use, while it has none.
     pub fn carry(&self, policy: &RetryPolicy, now: Instant) -> Self {
         let strays = {
             let mut strays = self.strays.lock().unwrap_or_else(PoisonError::into_inner);
@@ -401,23 +420,19 @@ impl EndpointState {
             (
                 |cfg, old| RetryBudget::taking_over(cfg, old, now),
                 |cfg| {
-                    strays
-                        .budgets
-                        .find(cfg)
-                        .unwrap_or_else(|| match &strays.budgets.off {
-                            Some((_, off)) => RetryBudget::taking_over(cfg, off, now),
-                            None => Arc::new(RetryBudget::new(cfg, self.origin)),
-                        })
+                    strays.budgets.turned_on(
+                        cfg,
+                        |off| RetryBudget::taking_over(cfg, off, now),
+                        || RetryBudget::new(cfg, self.origin),
+                    )
                 },
             ),
             (CircuitBreaker::taking_over, |cfg| {
-                strays
-                    .breakers
-                    .find(cfg)
-                    .unwrap_or_else(|| match &strays.breakers.off {
-                        Some((_, off)) => CircuitBreaker::taking_over(cfg, off),
-                        None => Arc::new(CircuitBreaker::new(cfg, self.origin)),
-                    })
+                strays.breakers.turned_on(
+                    cfg,
+                    |off| CircuitBreaker::taking_over(cfg, off),
+                    || CircuitBreaker::new(cfg, self.origin),
+                )
             }),
         );
         let carried = next

@@ -362,3 +362,144 @@ fn calls_of_an_older_version_get_no_fresh_budget_when_the_newest_one_is_turned_o
          whose own budget allows 40 a window, the calls before the push still running"
     );
 }
+
+// A push turning a budget or breaker on again with the settings of one made behind the one
+// turned off (a rollback to the settings of a version before the one that had it) takes over
+// from the one turned off; it does not take back the one behind it, which defers to it.
+
+/// v1's budget (`with_budget`, 20 a window) is turned off by v2; a call of v0
+/// (`with_other_budget`, 40 a window) that read the policies before v1 reaches the endpoint
+/// after v2 and gets one made behind v1's. v3 rolls back to v0's settings: the endpoint's
+/// budget takes over from v1's and allows the 40 v3 sets, not v1's 20 (taken back, the one
+/// behind v1's held the new calls to v1's settings while a v1 or v2 call ran).
+#[test]
+fn a_budget_turned_on_again_with_a_straggler_s_settings_is_held_to_those_settings() {
+    let t0 = Instant::now();
+    let v1 = EndpointState::new(&with_budget(), t0);
+    let v2 = v1.carry(&without_budget(), ms(t0, 100));
+    let straggler = v2.behind(&with_other_budget());
+    let v3 = v2.carry(&with_other_budget(), ms(t0, 200));
+    // The same push on a state where no straggler came: 30 of 30.
+    let w1 = EndpointState::new(&with_budget(), t0);
+    let w3 = w1
+        .carry(&without_budget(), ms(t0, 100))
+        .carry(&with_other_budget(), ms(t0, 200));
+    assert_eq!(retries_sent(t0, 300, std::iter::repeat_n(&w3, 30)), 30);
+    let sent = retries_sent(t0, 300, std::iter::repeat_n(&v3, 30));
+    assert_eq!(
+        sent, 30,
+        "{sent} of 30 retries under v3's budget of 40 a window, nothing spent before"
+    );
+    drop((v1, v2, straggler));
+}
+
+/// The same for a breaker: v1's breaker (`min_requests: 10`) is turned off by v2, a v0 call
+/// (`min_requests: 5`) gets one behind it, and v3 rolls back to v0's settings. The endpoint's
+/// breaker, once open, sends its probes half-open (taken back, the one behind v1's sent none,
+/// probes being the newest of the line's alone, v1's, which no new call used: every call of
+/// v3 was refused while a call of v1 or v2 ran).
+#[test]
+fn a_breaker_turned_on_again_with_a_straggler_s_settings_lets_probes_through_half_open() {
+    let t0 = Instant::now();
+    let with = |b: Option<BreakerConfig>| RetryPolicy {
+        budget: None,
+        circuit_breaker: b,
+        ..RetryPolicy::default()
+    };
+    let a = BreakerConfig {
+        min_requests: 10,
+        ..BreakerConfig::default()
+    };
+    let a0 = BreakerConfig {
+        min_requests: 5,
+        ..BreakerConfig::default()
+    };
+    let v1 = EndpointState::new(&with(Some(a)), t0);
+    let v2 = v1.carry(&with(None), ms(t0, 100));
+    let straggler = v2.behind(&with(Some(a0.clone())));
+    let v3 = v2.carry(&with(Some(a0)), ms(t0, 200));
+    let breaker = v3.breaker().unwrap();
+    for i in 0..10 {
+        let now = ms(t0, 300 + i);
+        if let Ok(permit) = breaker.try_acquire(now) {
+            breaker.record(permit, false, now);
+        }
+    }
+    assert_eq!(breaker.state(ms(t0, 400)), BreakerState::Open);
+    // 30 s open: half-open from 30.31 s on. A probe goes out at once, or a minute on.
+    let probed = [31_000, 60_000, 90_000]
+        .iter()
+        .any(|&at| breaker.try_acquire(ms(t0, at)).is_ok());
+    assert!(
+        probed,
+        "the endpoint's breaker, half-open for a minute, let no probe through: every call \
+         refused while a call of v1 or v2 holds v1's breaker"
+    );
+    drop((v1, v2, straggler));
+}
+
+/// After the rollback above, v4 turns the budget off again and v5 turns it on with v1's
+/// settings: what v1's calls spent in this window is in v5's budget (a spent budget stays
+/// spent). With the one behind v1's taken back at v3, v5 took over from it, which counted
+/// nothing (its calls counted in v1's).
+#[test]
+fn a_budget_taking_over_from_a_superseded_one_turned_off_keeps_what_the_line_spent() {
+    let t0 = Instant::now();
+    let v1 = EndpointState::new(&with_budget(), t0);
+    let v2 = v1.carry(&without_budget(), ms(t0, 100));
+    let straggler = v2.behind(&with_other_budget());
+    let v3 = v2.carry(&with_other_budget(), ms(t0, 200));
+    // v1's calls in flight spend what the endpoint's budget (v3's, 40 a window) allows them.
+    let spent = retries_sent(t0, 300, std::iter::repeat_n(&v1, 30));
+    assert!(spent >= 20, "{spent}");
+    let v4 = v3.carry(&without_budget(), ms(t0, 400));
+    let v5 = v4.carry(&with_budget(), ms(t0, 500));
+    let sent = retries_sent(t0, 600, std::iter::repeat_n(&v5, 30));
+    assert_eq!(
+        sent, 0,
+        "{sent} retries handed out by v5's budget of 20 a window, v1's calls having spent \
+         {spent} in this window (a spent budget stays spent)"
+    );
+    drop((v1, v2, v3, straggler));
+}
+
+/// The other half of the above: once v5's calls spent their 20, the calls still on v1 get
+/// none in the same window: their budget is superseded, and they withdraw in the newest
+/// (with the one behind v1's taken back at v3, v1's was never superseded and decided beside
+/// v5's).
+#[test]
+fn after_taking_over_from_a_superseded_one_the_first_budget_does_not_decide_beside_it() {
+    let t0 = Instant::now();
+    let v1 = EndpointState::new(&with_budget(), t0);
+    let v2 = v1.carry(&without_budget(), ms(t0, 100));
+    let straggler = v2.behind(&with_other_budget());
+    let v3 = v2.carry(&with_other_budget(), ms(t0, 200));
+    let v4 = v3.carry(&without_budget(), ms(t0, 400));
+    let v5 = v4.carry(&with_budget(), ms(t0, 500));
+    assert_eq!(retries_sent(t0, 600, std::iter::repeat_n(&v5, 30)), 20);
+    let sent = retries_sent(t0, 700, std::iter::repeat_n(&v1, 30));
+    assert_eq!(
+        sent, 0,
+        "{sent} retries by the calls still on v1 after v5's budget, the endpoint's newest, \
+         spent its 20 in this window"
+    );
+    drop((v2, v3, straggler));
+}
+
+/// Pruning the one turned off without asking about its line loses nothing
+/// while the calls behind count in it. v1's budget is turned off and v1's state is gone; the
+/// older version's calls behind v2 spend v1's 20 through the one made behind it; a pruning
+/// look inside the window keeps v1's (it counts them), so the next such call is refused.
+#[test]
+fn pruning_keeps_the_one_turned_off_while_the_calls_behind_it_count_in_it() {
+    let t0 = Instant::now();
+    let v1 = EndpointState::new(&with_budget(), t0);
+    let v2 = v1.carry(&without_budget(), ms(t0, 100));
+    drop(v1);
+    let behind: Vec<EndpointState> = (0..30).map(|_| v2.behind(&with_other_budget())).collect();
+    assert_eq!(retries_sent(t0, 200, behind.iter()), 20);
+    drop(behind);
+    assert!(!v2.is_idle(ms(t0, 5_000)), "v1's budget counts 20 retries");
+    let late = v2.behind(&with_other_budget());
+    assert_eq!(retries_sent(t0, 5_100, std::iter::once(&late)), 0);
+}
