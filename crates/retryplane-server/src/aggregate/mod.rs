@@ -25,8 +25,9 @@
 //! series holds its windows in fixed rings ([`window`] documents the bucket layout and
 //! resolution) split by policy version ([`series`] documents version pruning), so a series
 //! costs about 3 KB with one live version ([`Aggregator::approx_bytes`]: 3,021 bytes, of
-//! which 2,672 are the version's totals and rings) and at most about 13.6 KB, with
-//! [`series::MAX_VERSIONS`] versions and the retired buckets: 10,000 series take 29–130 MiB.
+//! which 2,672 are the version's totals and rings) and at most about 14 KB, with
+//! [`series::MAX_VERSIONS`] versions, the retired buckets and the versions evicted lately:
+//! 10,000 series take 29–134 MiB.
 //!
 //! # Ingestion
 //!

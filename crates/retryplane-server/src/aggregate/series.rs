@@ -406,10 +406,14 @@ impl State {
     fn new_version(&mut self, version: u64, tick: &Tick, span: Duration) -> usize {
         self.prune(tick);
         if self.versions.len() >= MAX_VERSIONS {
+            // The least recently counted goes; never, for an older one, the newest kept (the
+            // version a fleet moves to counts least recently while the first agents run it).
+            let newest = self.versions.iter().map(|v| v.version).max();
             let oldest = self
                 .versions
                 .iter()
                 .enumerate()
+                .filter(|(_, v)| version > v.version || Some(v.version) != newest)
                 .min_by_key(|(_, v)| v.last)
                 .map_or(0, |(i, _)| i);
             let evicted = self.versions.swap_remove(oldest);

@@ -1740,3 +1740,48 @@ async fn a_version_evicted_long_ago_that_reports_again_is_kept_apart_again() {
         listed(&agg)
     );
 }
+
+/// The version the fleet moves to is kept apart however the reports of a straggler version
+/// numbered between two kept ones fall. Four versions are kept (1, 3, 4: agents still on
+/// them; 5: the newest, published a moment ago, one agent on it so far, so the least recently
+/// counted). An agent restarted from a cache file of version 2 reports: not evicted lately,
+/// not older than every kept one (1 is older), it evicts the least recently counted but the
+/// newest, not version 5 (which, "evicted lately", would then count with the evicted
+/// versions for 15 minutes, the series showing version 4 as its newest).
+#[tokio::test(start_paused = true)]
+async fn the_newest_version_is_not_locked_out_by_one_report_of_an_older_version() {
+    let agg = Aggregator::new(10, Instant::now());
+    let svc = agg.service("checkout");
+    let one = |agg: &Aggregator, version: u64, calls: u64| {
+        agg.ingest(
+            &svc,
+            &report(version, &[("payments", calls, 0)]),
+            Instant::now(),
+        );
+    };
+    for version in [1, 3, 4, 5, 1, 3, 4] {
+        one(&agg, version, 1);
+        advance(Duration::from_secs(1)).await;
+    }
+    // An agent restarted from its cache file of version 2.
+    one(&agg, 2, 1);
+    advance(Duration::from_secs(1)).await;
+    // The fleet runs version 5 for ten minutes; the stragglers go on reporting.
+    for _ in 0..60 {
+        one(&agg, 5, 100);
+        for version in [1, 3, 4] {
+            one(&agg, version, 1);
+        }
+        advance(Duration::from_secs(10)).await;
+    }
+    let stats = agg.stats(Instant::now(), all());
+    let series = &stats.series[0];
+    let listed: Vec<u64> = series.versions.iter().map(|v| v.policy_version).collect();
+    assert!(
+        listed.contains(&5) && series.policy_version == 5,
+        "version 5, which 6,000 of the last 6,180 calls ran under, is not kept apart for ten \
+         minutes after one report of version 2 evicted it: versions listed {listed:?}, the \
+         series' newest version {}",
+        series.policy_version
+    );
+}
