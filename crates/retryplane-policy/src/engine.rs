@@ -299,9 +299,9 @@ impl<C: PartialEq + Clone, T> Kept<C, T> {
 
     /// The newest state's own budget (or breaker) for `cfg`, turned on again: the one turned
     /// off when it has `cfg`, taken back as it is; else one that takes over from it (`take`);
-    /// with none turned off (or let go: those made behind it count on their own again), the
-    /// one made for `cfg`, or a fresh one (`fresh`). Never one made behind the one turned
-    /// off: it defers to that one, which new calls would not use.
+    /// with none turned off, the one made for `cfg` (made afresh, none having been turned
+    /// off, see [`Kept::prune`]), or a fresh one (`fresh`). Never one made behind the one
+    /// turned off: it defers to that one, which new calls would not use.
     fn turned_on(
         &self,
         cfg: &C,
@@ -326,12 +326,15 @@ impl<C: PartialEq + Clone, T> Kept<C, T> {
 
     /// Lets go of those no call holds and `idle` finds idle; whether none is left. Whether
     /// they share a line with each other is not asked: the strays hold each other's lines.
+    /// The one turned off goes only after every one made behind it: without it, those would
+    /// defer to each other (the newest live one of their line), one of them perhaps taken
+    /// back as the newest state's own.
     fn prune(&mut self, idle: impl Fn(&T) -> bool) -> bool {
         let gone = |(_, t): &(C, Arc<T>)| Arc::strong_count(t) == 1 && idle(t);
-        if self.off.as_ref().is_some_and(gone) {
+        self.made.retain(|kept| !gone(kept));
+        if self.made.is_empty() && self.off.as_ref().is_some_and(gone) {
             self.off = None;
         }
-        self.made.retain(|kept| !gone(kept));
         self.off.is_none() && self.made.is_empty()
     }
 }

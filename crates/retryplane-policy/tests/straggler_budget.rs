@@ -503,3 +503,194 @@ fn pruning_keeps_the_one_turned_off_while_the_calls_behind_it_count_in_it() {
     let late = v2.behind(&with_other_budget());
     assert_eq!(retries_sent(t0, 5_100, std::iter::once(&late)), 0);
 }
+
+// The one turned off, when nothing holds it and it counts nothing, while two made behind it
+// are still held.
+
+/// A tight budget: 1 retry per second (10 per 10 s window).
+fn with_tight_budget() -> RetryPolicy {
+    RetryPolicy {
+        budget: Some(BudgetConfig {
+            ratio: 0.0,
+            min_per_second: 1,
+            window: Duration::from_secs(10),
+        }),
+        circuit_breaker: None,
+        ..RetryPolicy::default()
+    }
+}
+
+/// v1's budget is turned off by v2; calls of two older versions (`with_other_budget`, 40 a
+/// window, then `with_tight_budget`, 10 a window) reach the endpoint after v2 and get one
+/// budget each, made behind v1's. v1's counts nothing and nothing else holds it, but the two
+/// made behind it are still held by their calls, so v3's push keeps it: v3 turns the budget
+/// on with `with_other_budget`'s settings and takes over from v1's, allowing v3's 40 a
+/// window. (Let go, v3 took the one made for those settings, then behind the tight one, the
+/// newest live member of their line, and v3's calls were held to 10 a window.)
+#[test]
+fn a_budget_taken_from_those_made_behind_a_let_go_one_is_held_to_its_own_settings() {
+    let t0 = Instant::now();
+    let v1 = EndpointState::new(&with_budget(), t0);
+    let v2 = v1.carry(&without_budget(), ms(t0, 100));
+    drop(v1);
+    let other = v2.behind(&with_other_budget());
+    let tight = v2.behind(&with_tight_budget());
+    // 20 s on: v1's budget counts nothing and only v2's strays hold it.
+    let v3 = v2.carry(&with_other_budget(), ms(t0, 20_000));
+    // The same push where only one older version's calls came: 30 of 30.
+    let w1 = EndpointState::new(&with_budget(), t0);
+    let w2 = w1.carry(&without_budget(), ms(t0, 100));
+    drop(w1);
+    let w_other = w2.behind(&with_other_budget());
+    let w3 = w2.carry(&with_other_budget(), ms(t0, 20_000));
+    assert_eq!(retries_sent(t0, 20_100, std::iter::repeat_n(&w3, 30)), 30);
+    let sent = retries_sent(t0, 20_100, std::iter::repeat_n(&v3, 30));
+    assert_eq!(
+        sent, 30,
+        "{sent} of 30 retries under v3's budget of 40 a window, nothing spent in it: v3's \
+         budget defers to the one made for the tight older version's calls"
+    );
+    drop((v2, other, tight, w2, w_other));
+}
+
+/// The same for a breaker: v1's breaker (`min_requests: 10`) is turned off by v2, never
+/// used; calls of two older versions (`min_requests: 5`, then `min_requests: 40`) get one
+/// made behind it each, still held. v3's push keeps v1's (closed, nothing counted, but the
+/// two behind it held) and turns the breaker on with the first older version's settings: the
+/// endpoint's breaker takes over from v1's and ten failures of ten calls open it by v3's
+/// settings, at five. (Let go, the one made for those settings, then behind the other,
+/// counted v3's failures by `min_requests: 40` and stayed closed.)
+#[test]
+fn a_breaker_taken_from_those_made_behind_a_let_go_one_opens_by_its_own_settings() {
+    let t0 = Instant::now();
+    let with = |b: Option<BreakerConfig>| RetryPolicy {
+        budget: None,
+        circuit_breaker: b,
+        ..RetryPolicy::default()
+    };
+    let cfg = |min_requests| BreakerConfig {
+        min_requests,
+        ..BreakerConfig::default()
+    };
+    let v1 = EndpointState::new(&with(Some(cfg(10))), t0);
+    let v2 = v1.carry(&with(None), ms(t0, 100));
+    drop(v1);
+    let five = v2.behind(&with(Some(cfg(5))));
+    let forty = v2.behind(&with(Some(cfg(40))));
+    let v3 = v2.carry(&with(Some(cfg(5))), ms(t0, 20_000));
+    let fail_ten = |breaker: &retryplane_policy::breaker::CircuitBreaker| {
+        for i in 0..10 {
+            let now = ms(t0, 20_100 + i);
+            if let Ok(permit) = breaker.try_acquire(now) {
+                breaker.record(permit, false, now);
+            }
+        }
+    };
+    // The same push where only the first older version's calls came: open.
+    let w1 = EndpointState::new(&with(Some(cfg(10))), t0);
+    let w2 = w1.carry(&with(None), ms(t0, 100));
+    drop(w1);
+    let w_five = w2.behind(&with(Some(cfg(5))));
+    let w3 = w2.carry(&with(Some(cfg(5))), ms(t0, 20_000));
+    fail_ten(w3.breaker().unwrap());
+    assert_eq!(
+        w3.breaker().unwrap().state(ms(t0, 20_200)),
+        BreakerState::Open
+    );
+    let breaker = v3.breaker().unwrap();
+    fail_ten(breaker);
+    assert_eq!(
+        breaker.state(ms(t0, 20_200)),
+        BreakerState::Open,
+        "ten failures of ten calls under v3's breaker, which opens at five: counted in the \
+         one made for the other older version's calls (min_requests 40)"
+    );
+    drop((v2, five, forty, w2, w_five));
+}
+
+/// Pushes turning the budget on, off, or to other settings, older versions' calls
+/// behind the newest state, calls ending, and time passing (pruning between), from a fixed
+/// seed: after every push, the newest state's budget decides for itself (a retry it allows
+/// is counted in it, not in another budget it defers to); at the end, with every other
+/// state gone and an hour passed, the newest state is let go.
+#[test]
+fn pushes_stragglers_and_pruning_leave_the_newest_budget_deciding_alone() {
+    const RUNS: usize = 3000;
+    let cfgs = [
+        None,
+        with_budget().budget,
+        with_other_budget().budget,
+        with_tight_budget().budget,
+    ];
+    let policy = |i: usize| RetryPolicy {
+        budget: cfgs[i].clone(),
+        ..with_budget()
+    };
+    let mut seed: u64 = 0x5eed_0087;
+    let mut next = |n: u64| {
+        seed = seed
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        (seed >> 33) % n
+    };
+    let mut failures = Vec::new();
+    for run in 0..RUNS {
+        let t0 = Instant::now();
+        let mut t = 0u64;
+        let first = next(4) as usize;
+        let mut newest = EndpointState::new(&policy(first), t0);
+        let mut held: Vec<EndpointState> = Vec::new();
+        let mut trace = vec![format!("new {first}")];
+        for _ in 0..20 {
+            match next(5) {
+                0 | 1 => {
+                    let p = next(4) as usize;
+                    t += next(3) * 12_000;
+                    trace.push(format!("t={t} push {p}"));
+                    let n = newest.carry(&policy(p), ms(t0, t));
+                    held.push(std::mem::replace(&mut newest, n));
+                    if let Some(b) = newest.budget() {
+                        let now = ms(t0, t + 1);
+                        let before = b.snapshot(now).retries;
+                        if b.try_withdraw(now) && b.snapshot(now).retries != before + 1 {
+                            failures.push(format!("run {run}: {}", trace.join(", ")));
+                            break;
+                        }
+                    }
+                }
+                2 => {
+                    let p = 1 + next(3) as usize;
+                    trace.push(format!("t={t} behind {p}"));
+                    held.push(newest.behind(&policy(p)));
+                }
+                3 if !held.is_empty() => {
+                    let i = next(held.len() as u64) as usize;
+                    trace.push(format!("t={t} drop #{i}"));
+                    held.remove(i);
+                }
+                _ if !held.is_empty() => {
+                    let i = next(held.len() as u64) as usize;
+                    trace.push(format!("t={t} use #{i}"));
+                    if let Some(b) = held[i].budget() {
+                        b.deposit(ms(t0, t));
+                        b.try_withdraw(ms(t0, t));
+                    }
+                }
+                _ => {}
+            }
+        }
+        held.clear();
+        if !newest.is_idle(ms(t0, t + 3_600_000)) {
+            failures.push(format!("run {run} (not let go): {}", trace.join(", ")));
+        }
+    }
+    if std::env::var_os("R87_ALL").is_some() {
+        failures.iter().for_each(|f| eprintln!("{f}"));
+    }
+    assert!(
+        failures.is_empty(),
+        "{} runs of {RUNS} failed; the first: {}",
+        failures.len(),
+        failures.first().map_or("", String::as_str)
+    );
+}
