@@ -1790,7 +1790,7 @@ async fn the_newest_version_is_not_locked_out_by_one_report_of_an_older_version(
 /// ones and bogus high numbers, from a fixed seed, one a second for 20 minutes: the lifetime
 /// and every window are those of the same reports made under one version.
 #[tokio::test(start_paused = true)]
-async fn r87_churning_versions_keep_windows_and_lifetime_exact() {
+async fn churning_versions_keep_windows_and_lifetime_exact() {
     let agg = Aggregator::new(10, Instant::now());
     let svc = agg.service("checkout");
     let same = Aggregator::new(10, Instant::now());
