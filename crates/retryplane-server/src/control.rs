@@ -533,6 +533,7 @@ impl Fanout {
         });
         if published.version == record.meta.version {
             self.aggregates.thresholds().set_from(&record.document);
+            self.aggregates.set_published(record.meta.version);
         }
     }
 

@@ -193,6 +193,9 @@ pub struct Aggregator {
     forget_after: Duration,
     /// The interval agents are told to report at ([`Aggregator::with_unknown_span`]).
     report_interval: Duration,
+    /// The newest version published (0 before any is known, see
+    /// [`Aggregator::set_published`]).
+    published: AtomicU64,
 }
 
 fn read<T>(lock: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
@@ -268,6 +271,7 @@ impl Aggregator {
                 reports: 0,
             }),
             thresholds: Thresholds::default(),
+            published: AtomicU64::new(0),
             forget_after: DEFAULT_FORGET_SERIES_AFTER,
             report_interval: DEFAULT_UNKNOWN_SPAN,
         }
@@ -337,9 +341,24 @@ impl Aggregator {
         self.overflowed.of(why).load(Ordering::Relaxed)
     }
 
+    /// Says that `version` is published: the version the fleet moves to, which a series keeps
+    /// apart whatever other versions report ([`series::MAX_VERSIONS`]: a report of a bogus
+    /// version number, or of a straggler's, never evicts it). Versions only go forward.
+    pub fn set_published(&self, version: u64) {
+        self.published.fetch_max(version, Ordering::Relaxed);
+    }
+
     /// The alert thresholds, set on every publish.
     pub fn thresholds(&self) -> &Thresholds {
         &self.thresholds
+    }
+
+    /// What [`Series::add`] goes by besides the report.
+    fn add_settings(&self) -> series::AddSettings {
+        series::AddSettings {
+            interval: self.report_interval,
+            published: self.published.load(Ordering::Relaxed),
+        }
     }
 
     /// The handle a stream of `service` keeps for [`Aggregator::ingest`]. Past the cap (more
@@ -431,14 +450,14 @@ impl Aggregator {
             for c in &report.endpoints {
                 let Some(counts) = plausible(c) else { continue };
                 match endpoints.get(c.endpoint.as_str()) {
-                    Some(series) => series.add(&tick, version, &counts, span, self.report_interval),
+                    Some(series) => series.add(&tick, version, &counts, span, self.add_settings()),
                     None => missed.push((c, counts)),
                 }
             }
         }
         for (c, counts) in missed {
             match self.resolve(svc, &c.endpoint, tick.now) {
-                Ok(series) => series.add(&tick, version, &counts, span, self.report_interval),
+                Ok(series) => series.add(&tick, version, &counts, span, self.add_settings()),
                 Err(why) => self.add_other(&tick, version, &counts, span, &c.endpoint, why),
             }
         }
@@ -502,7 +521,7 @@ impl Aggregator {
         why: Overflow,
     ) {
         self.other
-            .add(tick, version, counts, span, self.report_interval);
+            .add(tick, version, counts, span, self.add_settings());
         self.overflowed.of(why).fetch_add(1, Ordering::Relaxed);
         // The name comes from an agent: escaped, so a line break or an escape sequence in it
         // cannot forge a log line or drive a terminal.

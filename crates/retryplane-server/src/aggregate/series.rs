@@ -155,6 +155,15 @@ pub struct SeriesView {
     pub alert: Alert,
 }
 
+/// What [`Series::add`] goes by besides the report.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct AddSettings {
+    /// The interval agents are told to report at.
+    pub interval: Duration,
+    /// The newest version published; 0 when none is known.
+    pub published: u64,
+}
+
 /// A change of an alert, for the caller to log after the series lock is released.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Transition {
@@ -214,7 +223,7 @@ impl Series {
     }
 
     /// Adds one endpoint's deltas, made under `version` over `span` (the report's own span)
-    /// and received at `tick`, from agents told to report every `interval`. The first report's
+    /// and received at `tick`, from agents told to report every `settings.interval`. The first report's
     /// span is the least time the series' and the version's windows cover (see [`Began`]), so a
     /// young series' first counts are not divided by the instant since they arrived.
     pub fn add(
@@ -223,8 +232,12 @@ impl Series {
         version: u64,
         counts: &Counts,
         span: Duration,
-        interval: Duration,
+        settings: AddSettings,
     ) {
+        let AddSettings {
+            interval,
+            published,
+        } = settings;
         let mut s = self.lock();
         s.first_span.get_or_insert(span);
         s.last_report = s.last_report.max(tick.now);
@@ -247,7 +260,7 @@ impl Series {
                         .add(tick, counts, span, interval);
                     return;
                 }
-                let at = s.new_version(version, tick, span);
+                let at = s.new_version(version, tick, span, published);
                 s.note_newest();
                 at
             }
@@ -403,17 +416,24 @@ impl State {
         }
     }
 
-    fn new_version(&mut self, version: u64, tick: &Tick, span: Duration) -> usize {
+    fn new_version(&mut self, version: u64, tick: &Tick, span: Duration, published: u64) -> usize {
         self.prune(tick);
         if self.versions.len() >= MAX_VERSIONS {
-            // The least recently counted goes; never, for an older one, the newest kept (the
-            // version a fleet moves to counts least recently while the first agents run it).
+            // The least recently counted goes, but never the version a fleet moves to, which
+            // counts least recently while its first agents run it: the one published (a bogus
+            // number reported must not evict it); with none known, the newest kept, for an
+            // older one.
             let newest = self.versions.iter().map(|v| v.version).max();
+            let protected = if published > 0 {
+                Some(published)
+            } else {
+                newest.filter(|&newest| version < newest)
+            };
             let oldest = self
                 .versions
                 .iter()
                 .enumerate()
-                .filter(|(_, v)| version > v.version || Some(v.version) != newest)
+                .filter(|(_, v)| Some(v.version) != protected)
                 .min_by_key(|(_, v)| v.last)
                 .map_or(0, |(i, _)| i);
             let evicted = self.versions.swap_remove(oldest);
@@ -545,7 +565,13 @@ mod tests {
         let epoch = Instant::now();
         let tick = Tick::new(epoch, epoch);
         let series = Series::new("checkout", "payments", epoch);
-        series.add(&tick, 1, &counts(40, 10), Duration::ZERO, Duration::ZERO);
+        series.add(
+            &tick,
+            1,
+            &counts(40, 10),
+            Duration::ZERO,
+            AddSettings::default(),
+        );
         let mut s = series.lock();
         let (alert, started) = s.evaluate(&tick, Judge::threshold(0.05));
         assert_eq!(
@@ -581,8 +607,20 @@ mod tests {
         let later = Tick::new(epoch, epoch + Duration::from_secs(61));
         let earlier = Tick::new(epoch, epoch + Duration::from_secs(59));
         let series = Series::new("checkout", "payments", epoch);
-        series.add(&later, 1, &counts(1, 0), Duration::ZERO, Duration::ZERO);
-        series.add(&earlier, 1, &counts(2, 0), Duration::ZERO, Duration::ZERO);
+        series.add(
+            &later,
+            1,
+            &counts(1, 0),
+            Duration::ZERO,
+            AddSettings::default(),
+        );
+        series.add(
+            &earlier,
+            1,
+            &counts(2, 0),
+            Duration::ZERO,
+            AddSettings::default(),
+        );
         let view = series.view(&later, Judge::threshold(0.05));
         assert_eq!(view.windows.map(|(c, _)| c.0[CALLS]), [3, 3, 3]);
     }

@@ -1827,3 +1827,94 @@ async fn churning_versions_keep_windows_and_lifetime_exact() {
         advance(Duration::from_secs(1)).await;
     }
 }
+
+/// The same as above, with one report of a bogus high version number (a client's, kept apart
+/// while its one count is in the 15-minute window) a second before version 5 was published.
+/// Kept: 1, 4 (agents still on them), 1,000,000 (one report) and 5 (the newest the store
+/// published, one agent on it so far). The straggler's report of version 3 evicts the least
+/// recently counted but the published one (the newest kept being the bogus number, "but the
+/// newest" let version 5 go, to count with the evicted versions for the ten minutes the fleet
+/// ran it).
+#[tokio::test(start_paused = true)]
+async fn a_bogus_high_version_does_not_leave_the_newest_published_one_to_a_straggler() {
+    let agg = Aggregator::new(10, Instant::now());
+    // The control plane publishes version 5 (`Fanout::publish`).
+    agg.set_published(5);
+    let svc = agg.service("checkout");
+    let one = |agg: &Aggregator, version: u64, calls: u64| {
+        agg.ingest(
+            &svc,
+            &report(version, &[("payments", calls, 0)]),
+            Instant::now(),
+        );
+    };
+    for version in [1, 4, 1_000_000, 5, 1, 4] {
+        one(&agg, version, 1);
+        advance(Duration::from_secs(1)).await;
+    }
+    // An agent restarted from its cache file of version 3.
+    one(&agg, 3, 1);
+    advance(Duration::from_secs(1)).await;
+    // The fleet runs version 5 for ten minutes; the stragglers go on reporting.
+    for _ in 0..60 {
+        one(&agg, 5, 100);
+        for version in [1, 4] {
+            one(&agg, version, 1);
+        }
+        advance(Duration::from_secs(10)).await;
+    }
+    let stats = agg.stats(Instant::now(), all());
+    let listed: Vec<u64> = stats.series[0]
+        .versions
+        .iter()
+        .map(|v| v.policy_version)
+        .collect();
+    assert!(
+        listed.contains(&5),
+        "version 5, which 6,000 of the last 6,120 calls ran under, is not kept apart ten \
+         minutes after one report of version 3 evicted it (one bogus report of 1,000,000 \
+         being the newest kept): versions listed {listed:?}"
+    );
+}
+
+/// One report of a bogus high number does not evict the published version when that one is
+/// the least recently counted (the version the fleet moves to, its first agents on it):
+/// "newer" than every kept one, the bogus number may evict any other.
+#[tokio::test(start_paused = true)]
+async fn one_bogus_high_version_does_not_evict_the_newest_published_one() {
+    let agg = Aggregator::new(10, Instant::now());
+    // The control plane publishes version 5 (`Fanout::publish`).
+    agg.set_published(5);
+    let svc = agg.service("checkout");
+    let one = |agg: &Aggregator, version: u64, calls: u64| {
+        agg.ingest(
+            &svc,
+            &report(version, &[("payments", calls, 0)]),
+            Instant::now(),
+        );
+    };
+    for version in [1, 3, 4, 5, 1, 3, 4] {
+        one(&agg, version, 1);
+        advance(Duration::from_secs(1)).await;
+    }
+    one(&agg, u64::MAX / 2, 1);
+    advance(Duration::from_secs(1)).await;
+    for _ in 0..60 {
+        one(&agg, 5, 100);
+        for version in [1, 3, 4] {
+            one(&agg, version, 1);
+        }
+        advance(Duration::from_secs(10)).await;
+    }
+    let stats = agg.stats(Instant::now(), all());
+    let listed: Vec<u64> = stats.series[0]
+        .versions
+        .iter()
+        .map(|v| v.policy_version)
+        .collect();
+    assert!(
+        listed.contains(&5),
+        "version 5, which 6,000 of the last 6,180 calls ran under, is not kept apart ten \
+         minutes after one report of a bogus version number: versions listed {listed:?}"
+    );
+}
