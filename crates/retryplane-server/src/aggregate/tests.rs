@@ -1918,3 +1918,93 @@ async fn one_bogus_high_version_does_not_evict_the_newest_published_one() {
          minutes after one report of a bogus version number: versions listed {listed:?}"
     );
 }
+
+/// (r88) A report of a version number not yet published (a client's bogus number that the
+/// next publish then takes, or an agent of a control plane whose store was replaced) is
+/// evicted by a straggler's report as the least recently counted; the control plane then
+/// publishes that number. The version the fleet moves to is in the evicted list, so every
+/// report of it for 15 minutes goes with the evicted versions' counts (`Series::add`'s late
+/// report path runs before `new_version`, where the published version is protected): it is
+/// never kept apart while the fleet runs it.
+#[tokio::test(start_paused = true)]
+async fn the_published_version_once_evicted_before_its_publish_is_kept_apart() {
+    let agg = Aggregator::new(10, Instant::now());
+    agg.set_published(5);
+    let svc = agg.service("checkout");
+    let one = |agg: &Aggregator, version: u64, calls: u64| {
+        agg.ingest(
+            &svc,
+            &report(version, &[("payments", calls, 0)]),
+            Instant::now(),
+        );
+    };
+    // Kept: 2, 4, 5 and one report of 6 (not published yet).
+    for version in [2, 4, 5, 6, 2, 4, 5] {
+        one(&agg, version, 1);
+        advance(Duration::from_secs(1)).await;
+    }
+    // A straggler of version 3 evicts the least recently counted but the published: 6.
+    one(&agg, 3, 1);
+    advance(Duration::from_secs(1)).await;
+    // Version 6 is published; the fleet runs it for ten minutes.
+    agg.set_published(6);
+    for _ in 0..60 {
+        one(&agg, 6, 100);
+        for version in [4, 5] {
+            one(&agg, version, 1);
+        }
+        advance(Duration::from_secs(10)).await;
+    }
+    let stats = agg.stats(Instant::now(), all());
+    let listed: Vec<u64> = stats.series[0]
+        .versions
+        .iter()
+        .map(|v| v.policy_version)
+        .collect();
+    assert!(
+        listed.contains(&6),
+        "version 6, published and run by the fleet for ten minutes (6,000 of the last 6,120 \
+         calls), is not kept apart: its number was evicted before it was published, and \
+         reports of an evicted number go with the evicted versions' counts: versions listed \
+         {listed:?}"
+    );
+}
+
+/// (r88) Four kept versions numbered above the published one (reports of bogus high numbers,
+/// or agents still on the versions of a control plane whose data directory was replaced and
+/// which numbers from 1 again): every report of the published version is "older than every
+/// kept one" and goes with the evicted versions' counts, so the version the fleet runs is
+/// never kept apart while those four stay in the 15-minute window.
+#[tokio::test(start_paused = true)]
+async fn the_published_version_below_every_kept_one_is_kept_apart() {
+    let agg = Aggregator::new(10, Instant::now());
+    agg.set_published(5);
+    let svc = agg.service("checkout");
+    let one = |agg: &Aggregator, version: u64, calls: u64| {
+        agg.ingest(
+            &svc,
+            &report(version, &[("payments", calls, 0)]),
+            Instant::now(),
+        );
+    };
+    for version in [100, 101, 102, 103] {
+        one(&agg, version, 1);
+        advance(Duration::from_secs(1)).await;
+    }
+    for _ in 0..60 {
+        one(&agg, 5, 100);
+        advance(Duration::from_secs(10)).await;
+    }
+    let stats = agg.stats(Instant::now(), all());
+    let listed: Vec<u64> = stats.series[0]
+        .versions
+        .iter()
+        .map(|v| v.policy_version)
+        .collect();
+    assert!(
+        listed.contains(&5),
+        "version 5, published and run by the fleet for ten minutes (6,000 of the last 6,004 \
+         calls), is not kept apart behind four reports of higher numbers: versions listed \
+         {listed:?}"
+    );
+}
