@@ -521,8 +521,9 @@ struct Fanout {
 }
 
 impl Fanout {
-    /// Makes `record` current: the version gauge, set before the streams are woken (whoever
-    /// sees the new version pushed reads it in the gauge too), the snapshot streams send, then
+    /// Makes `record` current: the version gauge and the aggregates' published version, set
+    /// before the streams are woken (whoever sees the new version pushed reads it in the gauge
+    /// too), the snapshot streams send, then
     /// the alert thresholds (read from the whole document, so not before the push). A record
     /// older than what is served changes nothing (see `Publisher::publish`).
     fn publish(&self, record: &VersionRecord) {
@@ -530,10 +531,11 @@ impl Fanout {
             self.metrics
                 .current_version
                 .set(i64::try_from(record.meta.version).unwrap_or(i64::MAX));
+            // Before any agent runs it: its first report is judged as the published version's.
+            self.aggregates.set_published(record.meta.version);
         });
         if published.version == record.meta.version {
             self.aggregates.thresholds().set_from(&record.document);
-            self.aggregates.set_published(record.meta.version);
         }
     }
 

@@ -247,6 +247,7 @@ impl Series {
             None => {
                 s.prune(tick);
                 if s.versions.len() >= MAX_VERSIONS
+                    && version != published
                     && (s.evicted.iter().any(|&(v, _)| v == version)
                         || s.versions.iter().all(|v| v.version > version))
                 {
@@ -254,7 +255,8 @@ impl Series {
                     // newer ones went out) of a version evicted lately, or older than every
                     // one kept (evicted before, most likely): its counts go with the evicted
                     // versions', not in place of one counted after it, which would be evicted
-                    // for it.
+                    // for it. Never the version published: the fleet moves to it, whatever
+                    // numbers were reported before.
                     s.retired
                         .get_or_insert_with(Box::default)
                         .add(tick, counts, span, interval);

@@ -1919,13 +1919,12 @@ async fn one_bogus_high_version_does_not_evict_the_newest_published_one() {
     );
 }
 
-/// (r88) A report of a version number not yet published (a client's bogus number that the
+/// A report of a version number not yet published (a client's bogus number that the
 /// next publish then takes, or an agent of a control plane whose store was replaced) is
 /// evicted by a straggler's report as the least recently counted; the control plane then
-/// publishes that number. The version the fleet moves to is in the evicted list, so every
-/// report of it for 15 minutes goes with the evicted versions' counts (`Series::add`'s late
-/// report path runs before `new_version`, where the published version is protected): it is
-/// never kept apart while the fleet runs it.
+/// publishes that number. The version the fleet moves to is in the evicted list, but the
+/// published version never takes the late-report path (`Series::add`, before `new_version`):
+/// it is kept apart while the fleet runs it.
 #[tokio::test(start_paused = true)]
 async fn the_published_version_once_evicted_before_its_publish_is_kept_apart() {
     let agg = Aggregator::new(10, Instant::now());
@@ -1970,11 +1969,11 @@ async fn the_published_version_once_evicted_before_its_publish_is_kept_apart() {
     );
 }
 
-/// (r88) Four kept versions numbered above the published one (reports of bogus high numbers,
+/// Four kept versions numbered above the published one (reports of bogus high numbers,
 /// or agents still on the versions of a control plane whose data directory was replaced and
-/// which numbers from 1 again): every report of the published version is "older than every
-/// kept one" and goes with the evicted versions' counts, so the version the fleet runs is
-/// never kept apart while those four stay in the 15-minute window.
+/// which numbers from 1 again): the published version is "older than every kept one", but
+/// is kept apart, not sent with the evicted versions' counts while those four stay in the
+/// 15-minute window.
 #[tokio::test(start_paused = true)]
 async fn the_published_version_below_every_kept_one_is_kept_apart() {
     let agg = Aggregator::new(10, Instant::now());
