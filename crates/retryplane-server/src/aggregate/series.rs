@@ -421,13 +421,18 @@ impl State {
     fn new_version(&mut self, version: u64, tick: &Tick, span: Duration, published: u64) -> usize {
         self.prune(tick);
         if self.versions.len() >= MAX_VERSIONS {
-            // The least recently counted goes, but never the version a fleet moves to, which
-            // counts least recently while its first agents run it: the one published (a bogus
-            // number reported must not evict it); with none known, the newest kept, for an
-            // older one.
+            // The least recently counted goes, but never the version a fleet moves to or
+            // runs, which counts least recently while its first agents run it: the newest kept
+            // at or below the one published (a bogus higher number reported must not evict
+            // it; one refused by the agents leaves them on the one before); with none
+            // published, the newest kept, for an older one.
             let newest = self.versions.iter().map(|v| v.version).max();
             let protected = if published > 0 {
-                Some(published)
+                self.versions
+                    .iter()
+                    .map(|v| v.version)
+                    .filter(|&v| v <= published)
+                    .max()
             } else {
                 newest.filter(|&newest| version < newest)
             };
@@ -442,10 +447,14 @@ impl State {
             self.retired
                 .get_or_insert_with(Box::default)
                 .merge(&evicted.windows);
-            if self.evicted.len() >= MAX_EVICTED {
-                self.evicted.remove(0);
+            // A number above the one published is no version a fleet ran: remembering it
+            // would push real ones off the list.
+            if published == 0 || evicted.version <= published {
+                if self.evicted.len() >= MAX_EVICTED {
+                    self.evicted.remove(0);
+                }
+                self.evicted.push((evicted.version, tick.now));
             }
-            self.evicted.push((evicted.version, tick.now));
         }
         self.versions.push(VersionSeries {
             version,

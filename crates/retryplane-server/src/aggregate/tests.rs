@@ -2007,3 +2007,182 @@ async fn the_published_version_below_every_kept_one_is_kept_apart() {
          {listed:?}"
     );
 }
+
+/// Version 6 is published but every agent refuses it (a NACK: the agents keep running
+/// version 5, the last they validated, until the next publish); no agent reports 6. The
+/// version the fleet runs, the newest kept at or below the published one, is kept apart: one
+/// report of straggler version 2 evicts another, not 5 (which, evicted, would have counted
+/// with the evicted versions for 15 minutes). The same holds for the seconds of a rollout
+/// between a publish and the agents' swap.
+#[tokio::test(start_paused = true)]
+async fn the_version_the_fleet_runs_after_refusing_the_published_one_is_kept_apart() {
+    let agg = Aggregator::new(10, Instant::now());
+    agg.set_published(5);
+    let svc = agg.service("checkout");
+    let one = |agg: &Aggregator, version: u64, calls: u64| {
+        agg.ingest(
+            &svc,
+            &report(version, &[("payments", calls, 0)]),
+            Instant::now(),
+        );
+    };
+    for version in [1, 3, 4, 5, 1, 3, 4] {
+        one(&agg, version, 1);
+        advance(Duration::from_secs(1)).await;
+    }
+    // Version 6 is published (`Fanout::publish`); every agent NACKs it and stays on 5.
+    agg.set_published(6);
+    // An agent restarted from its cache file of version 2.
+    one(&agg, 2, 1);
+    advance(Duration::from_secs(1)).await;
+    for _ in 0..60 {
+        one(&agg, 5, 100);
+        for version in [1, 3, 4] {
+            one(&agg, version, 1);
+        }
+        advance(Duration::from_secs(10)).await;
+    }
+    let stats = agg.stats(Instant::now(), all());
+    let series = &stats.series[0];
+    let listed: Vec<u64> = series.versions.iter().map(|v| v.policy_version).collect();
+    assert!(
+        listed.contains(&5),
+        "version 5, which the whole fleet runs (version 6 refused by every agent) and 6,000 of \
+         the last 6,180 calls ran under, is not kept apart for ten minutes after one report of \
+         straggler version 2 evicted it: versions listed {listed:?}, the series' newest \
+         version {}",
+        series.policy_version
+    );
+}
+
+/// A seeded 20-minute walk: a publish every 90 s (the agents
+/// move to it within 20 s), stragglers of older versions, bogus high numbers, late reports.
+/// After every report: a version published and reported in the last minute is listed, the
+/// windows and lifetime are those of the same reports under one version, and the memory of
+/// the series stays under its bound.
+#[tokio::test(start_paused = true)]
+async fn a_seeded_walk_of_publishes_keeps_the_published_version_apart_and_counts_exact() {
+    let agg = Aggregator::new(10, Instant::now());
+    let svc = agg.service("checkout");
+    let same = Aggregator::new(10, Instant::now());
+    let same_svc = same.service("checkout");
+    let mut seed: u64 = 0x5eed_0089;
+    let mut next = |n: u64| {
+        seed = seed
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        (seed >> 33) % n
+    };
+    let mut published = 10u64;
+    agg.set_published(published);
+    let mut published_at = 0u64;
+    let mut published_seen: Option<u64> = None;
+    let mut most_bytes = 0usize;
+    for second in 0..1_200u64 {
+        if second > 0 && second % 90 == 0 {
+            published += 1;
+            agg.set_published(published);
+            published_at = second;
+            published_seen = None;
+        }
+        // Within 20 s of a publish, agents are still on the previous version.
+        let fleet = if second - published_at < 20 && second >= 20 {
+            published - 1
+        } else {
+            published
+        };
+        let version = match next(12) {
+            0 => u64::MAX - next(5),
+            1..=4 => fleet.saturating_sub(1 + next(8)),
+            _ => fleet,
+        };
+        let (calls, retries) = (1 + next(20), next(5));
+        let r = |v| report(v, &[("payments", calls, retries)]);
+        agg.ingest(&svc, &r(version), Instant::now());
+        same.ingest(&same_svc, &r(1), Instant::now());
+        if version == published {
+            published_seen = Some(second);
+        }
+        let (a, b) = (
+            &agg.views(Instant::now(), all())[0],
+            &same.views(Instant::now(), all())[0],
+        );
+        assert_eq!(
+            a.windows.map(|(c, covered)| (c.0, covered)),
+            b.windows.map(|(c, covered)| (c.0, covered)),
+            "windows at {second} s"
+        );
+        assert_eq!(a.lifetime.0, b.lifetime.0, "lifetime at {second} s");
+        if published_seen.is_some_and(|s| second - s < 60) {
+            let stats = agg.stats(Instant::now(), all());
+            let listed: Vec<u64> = stats.series[0]
+                .versions
+                .iter()
+                .map(|v| v.policy_version)
+                .collect();
+            assert!(
+                listed.contains(&published),
+                "published {published} reported at {published_seen:?}, not listed at \
+                 {second} s: {listed:?}"
+            );
+            assert!(listed.len() <= series::MAX_VERSIONS, "{listed:?}");
+        }
+        most_bytes = most_bytes.max(agg.approx_bytes());
+        advance(Duration::from_secs(1)).await;
+    }
+    let base = same.approx_bytes();
+    assert!(
+        most_bytes < base + series::MAX_VERSIONS * 2_800 + 16 * 32,
+        "{base} -> {most_bytes}"
+    );
+}
+
+/// The list of versions evicted lately holds at most 16 (`MAX_EVICTED`). A client reporting
+/// a new bogus number every few seconds (each evicting the last) does not push version 8,
+/// evicted a minute before, out of it (numbers above the published one are not remembered):
+/// a late report of 8 goes with the evicted versions' counts, not in place of version 9,
+/// newer than it, which the agents on 9 go on reporting.
+#[tokio::test(start_paused = true)]
+async fn a_late_report_of_a_version_evicted_before_sixteen_others_evicts_no_newer_one() {
+    let agg = Aggregator::new(10, Instant::now());
+    agg.set_published(10);
+    let svc = agg.service("checkout");
+    let one = |agg: &Aggregator, version: u64| {
+        agg.ingest(
+            &svc,
+            &report(version, &[("payments", 1, 0)]),
+            Instant::now(),
+        );
+    };
+    for version in [8, 7, 9, 10] {
+        one(&agg, version);
+        advance(Duration::from_secs(1)).await;
+    }
+    // The first bogus number evicts 8, the least recently counted; each next one evicts the
+    // one before it, agents on 7, 9 and 10 reporting in between.
+    let bogus = 1_000_000;
+    one(&agg, bogus);
+    advance(Duration::from_secs(1)).await;
+    for i in 1..=16 {
+        for version in [9, 7, 10] {
+            one(&agg, version);
+            advance(Duration::from_secs(1)).await;
+        }
+        one(&agg, bogus + i);
+        advance(Duration::from_secs(1)).await;
+    }
+    // A late report of version 8, 70 s after it was evicted.
+    one(&agg, 8);
+    advance(Duration::from_secs(1)).await;
+    let stats = agg.stats(Instant::now(), all());
+    let listed: Vec<u64> = stats.series[0]
+        .versions
+        .iter()
+        .map(|v| v.policy_version)
+        .collect();
+    assert!(
+        listed.contains(&9) && !listed.contains(&8),
+        "a late report of version 8, evicted 70 s before, evicted version 9 (newer, still \
+         reported) once 16 bogus numbers were evicted after it: versions listed {listed:?}"
+    );
+}
