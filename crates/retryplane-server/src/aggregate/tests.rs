@@ -1786,48 +1786,6 @@ async fn the_newest_version_is_not_locked_out_by_one_report_of_an_older_version(
     );
 }
 
-/// Reports under versions that come and go, late reports of evicted
-/// ones and bogus high numbers, from a fixed seed, one a second for 20 minutes: the lifetime
-/// and every window are those of the same reports made under one version.
-#[tokio::test(start_paused = true)]
-async fn churning_versions_keep_windows_and_lifetime_exact() {
-    let agg = Aggregator::new(10, Instant::now());
-    let svc = agg.service("checkout");
-    let same = Aggregator::new(10, Instant::now());
-    let same_svc = same.service("checkout");
-    let mut seed: u64 = 0x5eed_0087;
-    let mut next = |n: u64| {
-        seed = seed
-            .wrapping_mul(6_364_136_223_846_793_005)
-            .wrapping_add(1_442_695_040_888_963_407);
-        (seed >> 33) % n
-    };
-    for second in 0..1_200u64 {
-        // The fleet's version goes up by one every 2 minutes; stragglers report older ones.
-        let fleet = 10 + second / 120;
-        let version = match next(10) {
-            0 => u64::MAX - next(3),
-            1..=3 => fleet.saturating_sub(1 + next(6)),
-            _ => fleet,
-        };
-        let (calls, retries) = (1 + next(20), next(5));
-        let r = |v| report(v, &[("payments", calls, retries)]);
-        agg.ingest(&svc, &r(version), Instant::now());
-        same.ingest(&same_svc, &r(1), Instant::now());
-        let (a, b) = (
-            &agg.views(Instant::now(), all())[0],
-            &same.views(Instant::now(), all())[0],
-        );
-        assert_eq!(
-            a.windows.map(|(c, covered)| (c.0, covered)),
-            b.windows.map(|(c, covered)| (c.0, covered)),
-            "windows at {second} s"
-        );
-        assert_eq!(a.lifetime.0, b.lifetime.0, "lifetime at {second} s");
-        advance(Duration::from_secs(1)).await;
-    }
-}
-
 /// The same as above, with one report of a bogus high version number (a client's, kept apart
 /// while its one count is in the 15-minute window) a second before version 5 was published.
 /// Kept: 1, 4 (agents still on them), 1,000,000 (one report) and 5 (the newest the store
