@@ -10,6 +10,15 @@ use crate::fleet::Fleet;
 use crate::metrics::ServerMetrics;
 
 /// A report under `version` with `(endpoint, calls, retries)` per endpoint.
+/// One report of `calls` calls to `payments` under `version`, from `svc`, now.
+fn payments(agg: &Aggregator, svc: &ServiceHandle, version: u64, calls: u64) {
+    agg.ingest(
+        svc,
+        &report(version, &[("payments", calls, 0)]),
+        Instant::now(),
+    );
+}
+
 fn report(version: u64, endpoints: &[(&str, u64, u64)]) -> pb::MetricsReport {
     pb::MetricsReport {
         policy_version: version,
@@ -1752,25 +1761,18 @@ async fn a_version_evicted_long_ago_that_reports_again_is_kept_apart_again() {
 async fn the_newest_version_is_not_locked_out_by_one_report_of_an_older_version() {
     let agg = Aggregator::new(10, Instant::now());
     let svc = agg.service("checkout");
-    let one = |agg: &Aggregator, version: u64, calls: u64| {
-        agg.ingest(
-            &svc,
-            &report(version, &[("payments", calls, 0)]),
-            Instant::now(),
-        );
-    };
     for version in [1, 3, 4, 5, 1, 3, 4] {
-        one(&agg, version, 1);
+        payments(&agg, &svc, version, 1);
         advance(Duration::from_secs(1)).await;
     }
     // An agent restarted from its cache file of version 2.
-    one(&agg, 2, 1);
+    payments(&agg, &svc, 2, 1);
     advance(Duration::from_secs(1)).await;
     // The fleet runs version 5 for ten minutes; the stragglers go on reporting.
     for _ in 0..60 {
-        one(&agg, 5, 100);
+        payments(&agg, &svc, 5, 100);
         for version in [1, 3, 4] {
-            one(&agg, version, 1);
+            payments(&agg, &svc, version, 1);
         }
         advance(Duration::from_secs(10)).await;
     }
@@ -1799,25 +1801,18 @@ async fn a_bogus_high_version_does_not_leave_the_newest_published_one_to_a_strag
     // The control plane publishes version 5 (`Fanout::publish`).
     agg.set_published(5);
     let svc = agg.service("checkout");
-    let one = |agg: &Aggregator, version: u64, calls: u64| {
-        agg.ingest(
-            &svc,
-            &report(version, &[("payments", calls, 0)]),
-            Instant::now(),
-        );
-    };
     for version in [1, 4, 1_000_000, 5, 1, 4] {
-        one(&agg, version, 1);
+        payments(&agg, &svc, version, 1);
         advance(Duration::from_secs(1)).await;
     }
     // An agent restarted from its cache file of version 3.
-    one(&agg, 3, 1);
+    payments(&agg, &svc, 3, 1);
     advance(Duration::from_secs(1)).await;
     // The fleet runs version 5 for ten minutes; the stragglers go on reporting.
     for _ in 0..60 {
-        one(&agg, 5, 100);
+        payments(&agg, &svc, 5, 100);
         for version in [1, 4] {
-            one(&agg, version, 1);
+            payments(&agg, &svc, version, 1);
         }
         advance(Duration::from_secs(10)).await;
     }
@@ -1844,23 +1839,16 @@ async fn one_bogus_high_version_does_not_evict_the_newest_published_one() {
     // The control plane publishes version 5 (`Fanout::publish`).
     agg.set_published(5);
     let svc = agg.service("checkout");
-    let one = |agg: &Aggregator, version: u64, calls: u64| {
-        agg.ingest(
-            &svc,
-            &report(version, &[("payments", calls, 0)]),
-            Instant::now(),
-        );
-    };
     for version in [1, 3, 4, 5, 1, 3, 4] {
-        one(&agg, version, 1);
+        payments(&agg, &svc, version, 1);
         advance(Duration::from_secs(1)).await;
     }
-    one(&agg, u64::MAX / 2, 1);
+    payments(&agg, &svc, u64::MAX / 2, 1);
     advance(Duration::from_secs(1)).await;
     for _ in 0..60 {
-        one(&agg, 5, 100);
+        payments(&agg, &svc, 5, 100);
         for version in [1, 3, 4] {
-            one(&agg, version, 1);
+            payments(&agg, &svc, version, 1);
         }
         advance(Duration::from_secs(10)).await;
     }
@@ -1888,27 +1876,20 @@ async fn the_published_version_once_evicted_before_its_publish_is_kept_apart() {
     let agg = Aggregator::new(10, Instant::now());
     agg.set_published(5);
     let svc = agg.service("checkout");
-    let one = |agg: &Aggregator, version: u64, calls: u64| {
-        agg.ingest(
-            &svc,
-            &report(version, &[("payments", calls, 0)]),
-            Instant::now(),
-        );
-    };
     // Kept: 2, 4, 5 and one report of 6 (not published yet).
     for version in [2, 4, 5, 6, 2, 4, 5] {
-        one(&agg, version, 1);
+        payments(&agg, &svc, version, 1);
         advance(Duration::from_secs(1)).await;
     }
     // A straggler of version 3 evicts the least recently counted but the published: 6.
-    one(&agg, 3, 1);
+    payments(&agg, &svc, 3, 1);
     advance(Duration::from_secs(1)).await;
     // Version 6 is published; the fleet runs it for ten minutes.
     agg.set_published(6);
     for _ in 0..60 {
-        one(&agg, 6, 100);
+        payments(&agg, &svc, 6, 100);
         for version in [4, 5] {
-            one(&agg, version, 1);
+            payments(&agg, &svc, version, 1);
         }
         advance(Duration::from_secs(10)).await;
     }
@@ -1937,19 +1918,12 @@ async fn the_published_version_below_every_kept_one_is_kept_apart() {
     let agg = Aggregator::new(10, Instant::now());
     agg.set_published(5);
     let svc = agg.service("checkout");
-    let one = |agg: &Aggregator, version: u64, calls: u64| {
-        agg.ingest(
-            &svc,
-            &report(version, &[("payments", calls, 0)]),
-            Instant::now(),
-        );
-    };
     for version in [100, 101, 102, 103] {
-        one(&agg, version, 1);
+        payments(&agg, &svc, version, 1);
         advance(Duration::from_secs(1)).await;
     }
     for _ in 0..60 {
-        one(&agg, 5, 100);
+        payments(&agg, &svc, 5, 100);
         advance(Duration::from_secs(10)).await;
     }
     let stats = agg.stats(Instant::now(), all());
@@ -1977,26 +1951,19 @@ async fn the_version_the_fleet_runs_after_refusing_the_published_one_is_kept_apa
     let agg = Aggregator::new(10, Instant::now());
     agg.set_published(5);
     let svc = agg.service("checkout");
-    let one = |agg: &Aggregator, version: u64, calls: u64| {
-        agg.ingest(
-            &svc,
-            &report(version, &[("payments", calls, 0)]),
-            Instant::now(),
-        );
-    };
     for version in [1, 3, 4, 5, 1, 3, 4] {
-        one(&agg, version, 1);
+        payments(&agg, &svc, version, 1);
         advance(Duration::from_secs(1)).await;
     }
     // Version 6 is published (`Fanout::publish`); every agent NACKs it and stays on 5.
     agg.set_published(6);
     // An agent restarted from its cache file of version 2.
-    one(&agg, 2, 1);
+    payments(&agg, &svc, 2, 1);
     advance(Duration::from_secs(1)).await;
     for _ in 0..60 {
-        one(&agg, 5, 100);
+        payments(&agg, &svc, 5, 100);
         for version in [1, 3, 4] {
-            one(&agg, version, 1);
+            payments(&agg, &svc, version, 1);
         }
         advance(Duration::from_secs(10)).await;
     }
