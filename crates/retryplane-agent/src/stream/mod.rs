@@ -1224,29 +1224,16 @@ mod tests {
     /// `Agent::set_policies` on an agent of a control plane runs on the program's thread, the
     /// reports on the stream task: a report reads the version in force as it is filled in and
     /// then takes the counters. A swap in between (the stream task's thread descheduled there)
-    /// had whole calls made on the policies set after it go out under the pushed version (seen in review:
-    /// 6 calls of version 0 under 4, about one loaded run in twenty of a stress test). A
+    /// had whole calls made on the policies set after it go out under the pushed version (6
+    /// calls of version 0 under 4, about one loaded run in twenty of a stress test). A
     /// report now holds swaps off from the one to the other (`Shared::between_swaps`, as
     /// `send_metrics` takes it): `set_policies` waits for it, and the calls made on its
     /// policies go out under their version in the next report.
     #[tokio::test]
     async fn set_policies_waits_for_a_report_between_its_reading_of_the_version_and_its_taking_of_the_counts()
      {
-        let set = |n: u32| {
-            let yaml = format!("version: 1\nendpoints:\n  a: {{max_attempts: {n}}}\n");
-            retryplane_policy::load(yaml.as_bytes()).policies.unwrap()
-        };
-        let agent = agent();
+        let agent = agent_on_4();
         let shared = agent.shared();
-        shared.update_policies(|current| {
-            crate::snapshot::PolicySnapshot::build(
-                set(2),
-                4,
-                String::new(),
-                Source::ControlPlane,
-                Some(current),
-            )
-        });
         let ok = |_| async { Ok::<_, std::io::Error>(http::Response::new(())) };
         let ep = agent.endpoint("a");
         ep.call(crate::CallMeta::http("GET", "/"), ok)
@@ -1261,7 +1248,7 @@ mod tests {
             // ... the program's thread sets its policies meanwhile...
             let setter = std::thread::spawn({
                 let agent = agent.clone();
-                move || agent.set_policies(set(3))
+                move || agent.set_policies(policies_for_a(3))
             });
             // ... and does not get through (a swap takes microseconds: without the hold it
             // was through within these turns)...
