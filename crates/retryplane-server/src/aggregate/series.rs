@@ -426,15 +426,11 @@ impl State {
             // at or below the one published (a bogus higher number reported must not evict
             // it; one refused by the agents leaves them on the one before); with none
             // published, the newest kept, for an older one.
-            let newest = self.versions.iter().map(|v| v.version).max();
+            let kept = self.versions.iter().map(|v| v.version);
             let protected = if published > 0 {
-                self.versions
-                    .iter()
-                    .map(|v| v.version)
-                    .filter(|&v| v <= published)
-                    .max()
+                kept.filter(|&v| v <= published).max()
             } else {
-                newest.filter(|&newest| version < newest)
+                kept.max().filter(|&newest| version < newest)
             };
             let oldest = self
                 .versions
