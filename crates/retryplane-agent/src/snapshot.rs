@@ -273,20 +273,22 @@ impl States {
         };
         Arc::new(Runtime::following(&newest, newest.state.behind(defaults)))
     }
+}
 
+impl StatesInner {
     /// Makes a new snapshot the newest: its `defaults:` and the states of the endpoints it
-    /// names. Unnamed states whose endpoints it names are dropped (the named entries carried
-    /// them), and so are unnamed states nothing else holds (no handle, no call) that count
-    /// nothing: one made afresh on the next use is the same, and without this every endpoint
-    /// name a push ever stopped naming was kept, and carried on every later push. The others,
-    /// and the states of endpoints it no longer names, are kept under the new `defaults:`, as
-    /// [`Runtime::carry`] keeps them.
-    fn advance(&self, defaults: &Arc<RetryPolicy>, named: &Arc<Map<Arc<Entry>>>) {
+    /// names (`named`, carried from this registry under the same hold of its lock, see
+    /// [`PolicySnapshot::build`]). Unnamed states whose endpoints it names are dropped (the
+    /// named entries carried them), and so are unnamed states nothing else holds (no handle,
+    /// no call) that count nothing: one made afresh on the next use is the same, and without
+    /// this every endpoint name a push ever stopped naming was kept, and carried on every
+    /// later push. The others, and the states of endpoints it no longer names, are kept under
+    /// the new `defaults:`, as [`Runtime::carry`] keeps them.
+    fn advance(&mut self, defaults: &Arc<RetryPolicy>, named: &Arc<Map<Arc<Entry>>>) {
         let now = Instant::now();
-        let mut inner = self.write();
-        let before = std::mem::replace(&mut inner.named, named.clone());
-        inner.newest = defaults.clone();
-        let unnamed = &mut inner.unnamed;
+        let before = std::mem::replace(&mut self.named, named.clone());
+        self.newest = defaults.clone();
+        let unnamed = &mut self.unnamed;
         unnamed.retain(|name, rt| !named.contains_key(name) && !rt.is_idle_and_unheld(now));
         for rt in unnamed.values_mut() {
             *rt = Runtime::carry(Some(rt), defaults);
@@ -299,9 +301,7 @@ impl States {
             }
         }
     }
-}
 
-impl StatesInner {
     /// The newest snapshot's state of `name`, named there or not.
     fn newest_state(&self, name: &str) -> Option<&Arc<Runtime>> {
         self.named
@@ -309,6 +309,31 @@ impl StatesInner {
             .map(|e| &e.runtime)
             .or_else(|| self.unnamed.get(name))
     }
+}
+
+/// The entries of the endpoints `set` names, for `version`: each with the state `old` gives
+/// for its name carried over where its settings match ([`Runtime::carry`]).
+fn named_entries(
+    set: &PolicySet,
+    version: u64,
+    mut old: impl FnMut(&str) -> Option<Arc<Runtime>>,
+) -> Map<Arc<Entry>> {
+    let mut named = Map::with_capacity_and_hasher(set.len(), Default::default());
+    for name in set.names() {
+        let Some(policy) = set.endpoint(name) else {
+            continue;
+        };
+        let runtime = Runtime::carry(old(name).as_ref(), &policy.policy);
+        named.insert(
+            policy.name.clone(),
+            Arc::new(Entry {
+                policy: EntryPolicy::Named(policy.clone()),
+                runtime,
+                version,
+            }),
+        );
+    }
+    named
 }
 
 /// Which policy an [`Entry`] runs under.
@@ -386,29 +411,32 @@ impl PolicySnapshot {
         previous: Option<&PolicySnapshot>,
     ) -> Self {
         let defaults = set.defaults().clone();
-        let mut named = Map::with_capacity_and_hasher(set.len(), Default::default());
-        for name in set.names() {
-            let Some(policy) = set.endpoint(name) else {
-                continue;
-            };
-            let old = previous.and_then(|p| p.runtime_of(name));
-            let runtime = Runtime::carry(old.as_ref(), &policy.policy);
-            named.insert(
-                policy.name.clone(),
-                Arc::new(Entry {
-                    policy: EntryPolicy::Named(policy.clone()),
-                    runtime,
-                    version,
-                }),
-            );
-        }
-        let named = Arc::new(named);
-        let states = match previous {
-            Some(prev) => {
-                prev.states.advance(&defaults, &named);
-                prev.states.clone()
+        let (named, states) = match previous {
+            None => {
+                let named = Arc::new(named_entries(&set, version, |_| None));
+                let states = States::new(defaults.clone(), named.clone());
+                (named, Arc::new(states))
             }
-            None => Arc::new(States::new(defaults.clone(), named.clone())),
+            // The named entries are carried and the registry advanced under one hold of its
+            // lock: a call still on `previous` that first uses an endpoint meanwhile (making
+            // its state, or one behind the newest for older settings) does so before the
+            // carry reads the registry or after the new snapshot is the newest there, never
+            // between, where what it made would be missing from the new snapshot and the next
+            // call would make a second. Such calls wait for the build; calls on a handle's
+            // kept entry do not.
+            Some(prev) => {
+                let mut inner = prev.states.write();
+                let named = Arc::new(named_entries(&set, version, |name| {
+                    prev.named
+                        .get(name)
+                        .map(|e| e.runtime.clone())
+                        .or_else(|| inner.unnamed.get(name).cloned())
+                }));
+                #[cfg(test)]
+                tests::between_carry_and_advance();
+                inner.advance(&defaults, &named);
+                (named, prev.states.clone())
+            }
         };
         Self {
             set: Some(set),
@@ -419,14 +447,6 @@ impl PolicySnapshot {
             named,
             states,
         }
-    }
-
-    /// The runtime state `name` had in this snapshot, if any.
-    fn runtime_of(&self, name: &str) -> Option<Arc<Runtime>> {
-        if let Some(e) = self.named.get(name) {
-            return Some(e.runtime.clone());
-        }
-        self.states.read().unnamed.get(name).cloned()
     }
 
     /// The entry of `endpoint` in this snapshot: its own, or the defaults with the state of
@@ -890,6 +910,110 @@ mod tests {
             withdraw_all(&again, now),
             0,
             "a fresh allowance in the same window"
+        );
+    }
+
+    thread_local! {
+        /// What a test runs inside [`PolicySnapshot::build`], after the named entries are
+        /// carried and before the registry is advanced.
+        static BETWEEN_CARRY_AND_ADVANCE: std::cell::RefCell<Option<Box<dyn FnOnce()>>> =
+            const { std::cell::RefCell::new(None) };
+    }
+
+    /// Runs (once) what the test set on this thread for that point of a build.
+    pub(super) fn between_carry_and_advance() {
+        if let Some(run) = BETWEEN_CARRY_AND_ADVANCE.with(|h| h.borrow_mut().take()) {
+            run();
+        }
+    }
+
+    /// `late` run on another thread while `v` is replaced by a snapshot of `yaml`, and given
+    /// until the build ends to finish between the build's carry and its advance (a bounded
+    /// wait: a build that holds it back until it ends never lets it finish there).
+    fn replaced_while_a_late_call_runs(
+        v: &PolicySnapshot,
+        yaml: &str,
+        late: impl FnOnce() -> Arc<Entry> + Send + 'static,
+    ) -> (PolicySnapshot, Arc<Entry>) {
+        let (threads, thread) = std::sync::mpsc::channel();
+        BETWEEN_CARRY_AND_ADVANCE.with(|h| {
+            *h.borrow_mut() = Some(Box::new(move || {
+                let (done, finished) = std::sync::mpsc::channel();
+                let call = std::thread::spawn(move || {
+                    let entry = late();
+                    let _ = done.send(());
+                    entry
+                });
+                let _ = finished.recv_timeout(std::time::Duration::from_millis(500));
+                let _ = threads.send(call);
+            }));
+        });
+        let next = build(yaml, v.version + 1, Some(v));
+        let entry = thread
+            .recv()
+            .expect("the build ran the late call")
+            .join()
+            .expect("the late call ends once the build does");
+        (next, entry)
+    }
+
+    /// A call still on v1 first uses `x` while v2, which names it, is built: between the carry
+    /// of v2's entries and the advance of the registry, it made a state of `x` that the
+    /// advance then dropped (v2 names it), and v2's calls ran on another: two budgets for one
+    /// endpoint. (Real threads and the real clock: the late call runs on its own thread.)
+    #[test]
+    fn a_call_that_first_uses_an_endpoint_during_a_build_shares_the_new_snapshot_s_budget() {
+        let d = "defaults:\n  circuit_breaker: {enabled: false}\n  budget: {ratio: 0.0, min_per_second: 1, window: 10s}\n";
+        let v1 = Arc::new(build(
+            &format!("version: 1\n{d}endpoints:\n  a: {{}}\n"),
+            1,
+            None,
+        ));
+        let on_v1 = v1.clone();
+        let (v2, late) = replaced_while_a_late_call_runs(
+            &v1,
+            &format!("version: 1\n{d}endpoints:\n  a: {{}}\n  x: {{}}\n"),
+            move || on_v1.entry("x"),
+        );
+        let now = Instant::now();
+        let late_call = withdraw_all(&late, now);
+        let new_calls = withdraw_all(&v2.entry("x"), now);
+        assert!(
+            late_call + new_calls <= 10,
+            "{late_call} + {new_calls} retries against a reserve of 10 for one endpoint"
+        );
+    }
+
+    /// The calls behind a state with no budget (a push turned it off) share one budget per
+    /// settings, kept in that state and carried to the next. A call on v1 that first needed
+    /// one during the build of v4 made it in v3's state after v4's entry had copied what v3's
+    /// state kept, and the next call on v1 made a second one in v4's.
+    #[test]
+    fn a_budget_made_behind_during_a_build_is_the_one_the_next_call_behind_gets() {
+        let yaml = |budget: &str, z: &str| {
+            format!(
+                "version: 1\ndefaults:\n  circuit_breaker: {{enabled: false}}\n  budget: {budget}\nendpoints:\n  a: {{}}\n{z}"
+            )
+        };
+        let on = |ratio: f64| format!("{{ratio: {ratio}, min_per_second: 1, window: 10s}}");
+        let off = "{enabled: false}";
+        let v1 = Arc::new(build(&yaml(&on(0.0), ""), 1, None));
+        drop(v1.entry("z"));
+        let v2 = build(&yaml(&on(0.5), ""), 2, Some(&v1));
+        drop(v2.entry("z"));
+        let v3 = build(&yaml(off, ""), 3, Some(&v2));
+        // v4 names `z` with a breaker: a state of its own, carried from v3's.
+        let z = "  z:\n    circuit_breaker: {failure_ratio: 0.5, min_requests: 4, window: 10s, open_for: 1s, half_open_probes: 1}\n";
+        let on_v1 = v1.clone();
+        let (_v4, late) =
+            replaced_while_a_late_call_runs(&v3, &yaml(off, z), move || on_v1.entry("z"));
+        let next = v1.entry("z");
+        assert!(
+            matches!(
+                (late.runtime.state.budget(), next.runtime.state.budget()),
+                (Some(a), Some(b)) if std::ptr::eq(a, b)
+            ),
+            "two calls on v1 behind v4's state share one budget"
         );
     }
 }
