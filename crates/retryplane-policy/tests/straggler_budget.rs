@@ -608,114 +608,164 @@ fn a_breaker_taken_from_those_made_behind_a_let_go_one_opens_by_its_own_settings
     drop((v2, five, forty, w2, w_five));
 }
 
-/// Pushes turning the budget on, off, or to other settings, older versions' calls
-/// behind the newest state, calls ending, and time passing (pruning between), from a fixed
-/// seed: after every push, the newest state's budget decides for itself (a retry it allows
-/// is counted in it, not in another budget it defers to); at the end, with every other
-/// state gone and an hour passed, the newest state is let go.
-#[test]
-fn pushes_stragglers_and_pruning_leave_the_newest_budget_deciding_alone() {
-    const RUNS: usize = 3000;
-    let cfgs = [
-        None,
-        with_budget().budget,
-        with_other_budget().budget,
-        with_tight_budget().budget,
-    ];
-    let policy = |i: usize| RetryPolicy {
-        budget: cfgs[i].clone(),
-        ..with_budget()
-    };
-    let mut seed: u64 = 0x5eed_0087;
-    let mut next = |n: u64| {
-        seed = seed
-            .wrapping_mul(6_364_136_223_846_793_005)
-            .wrapping_add(1_442_695_040_888_963_407);
-        (seed >> 33) % n
-    };
-    let mut failures = Vec::new();
-    for run in 0..RUNS {
-        let t0 = Instant::now();
-        let mut t = 0u64;
-        let first = next(4) as usize;
-        let mut newest = EndpointState::new(&policy(first), t0);
-        let mut held: Vec<EndpointState> = Vec::new();
-        let mut trace = vec![format!("new {first}")];
-        for _ in 0..20 {
-            match next(5) {
-                0 | 1 => {
-                    let p = next(4) as usize;
-                    t += next(3) * 12_000;
-                    trace.push(format!("t={t} push {p}"));
-                    let n = newest.carry(&policy(p), ms(t0, t));
-                    held.push(std::mem::replace(&mut newest, n));
-                    if let Some(b) = newest.budget() {
-                        let now = ms(t0, t + 1);
-                        let before = b.snapshot(now).retries;
-                        if b.try_withdraw(now) && b.snapshot(now).retries != before + 1 {
+/// A seeded walk over one endpoint's states: pushes to one of four policies (the newest
+/// state carried), older versions' calls behind the newest state, calls ending, a held
+/// state's calls spending (and, when `prunes`, pruning as an agent's report does), time
+/// passing. After every push `decides_alone` must hold of the newest state; at the end, with
+/// every other state gone and an hour passed, the newest state must be let go. Returns the
+/// traces of the runs that failed (all of them printed with `STRAGGLER_WALK_ALL` set).
+struct Walk<D, S> {
+    seed: u64,
+    runs: usize,
+    /// Index 0 is the policy with it off; 1 to 3 have it on (older versions' calls use those).
+    policies: [RetryPolicy; 4],
+    /// A push moves time on by 0, 1 or 2 of these.
+    push_step_ms: u64,
+    prunes: bool,
+    /// Whether the newest state, just pushed to policy `p`, decides alone at the instant.
+    decides_alone: D,
+    /// A held state's calls spending at the instant.
+    spend: S,
+}
+
+impl<D, S> Walk<D, S>
+where
+    D: Fn(&EndpointState, usize, Instant) -> bool,
+    S: Fn(&EndpointState, Instant),
+{
+    fn failures(mut self) -> Vec<String> {
+        let mut next = |n: u64| {
+            self.seed = self
+                .seed
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            (self.seed >> 33) % n
+        };
+        let steps = if self.prunes { 6 } else { 5 };
+        let mut failures = Vec::new();
+        for run in 0..self.runs {
+            let t0 = Instant::now();
+            let mut t = 0u64;
+            let first = next(4) as usize;
+            let mut newest = EndpointState::new(&self.policies[first], t0);
+            let mut held: Vec<EndpointState> = Vec::new();
+            let mut trace = vec![format!("new {first}")];
+            for _ in 0..20 {
+                match next(steps) {
+                    0 | 1 => {
+                        let p = next(4) as usize;
+                        t += next(3) * self.push_step_ms;
+                        trace.push(format!("t={t} push {p}"));
+                        let n = newest.carry(&self.policies[p], ms(t0, t));
+                        held.push(std::mem::replace(&mut newest, n));
+                        if !(self.decides_alone)(&newest, p, ms(t0, t + 1)) {
                             failures.push(format!("run {run}: {}", trace.join(", ")));
                             break;
                         }
                     }
-                }
-                2 => {
-                    let p = 1 + next(3) as usize;
-                    trace.push(format!("t={t} behind {p}"));
-                    held.push(newest.behind(&policy(p)));
-                }
-                3 if !held.is_empty() => {
-                    let i = next(held.len() as u64) as usize;
-                    trace.push(format!("t={t} drop #{i}"));
-                    held.remove(i);
-                }
-                _ if !held.is_empty() => {
-                    let i = next(held.len() as u64) as usize;
-                    trace.push(format!("t={t} use #{i}"));
-                    if let Some(b) = held[i].budget() {
-                        b.deposit(ms(t0, t));
-                        b.try_withdraw(ms(t0, t));
+                    2 => {
+                        let p = 1 + next(3) as usize;
+                        trace.push(format!("t={t} behind {p}"));
+                        held.push(newest.behind(&self.policies[p]));
                     }
+                    3 if !held.is_empty() => {
+                        let i = next(held.len() as u64) as usize;
+                        trace.push(format!("t={t} drop #{i}"));
+                        held.remove(i);
+                    }
+                    4 if self.prunes => {
+                        trace.push(format!("t={t} prune"));
+                        newest.is_idle(ms(t0, t));
+                    }
+                    _ if !held.is_empty() => {
+                        let i = next(held.len() as u64) as usize;
+                        trace.push(format!("t={t} use #{i}"));
+                        (self.spend)(&held[i], ms(t0, t));
+                    }
+                    _ => {}
                 }
-                _ => {}
+            }
+            held.clear();
+            if !newest.is_idle(ms(t0, t + 3_600_000)) {
+                failures.push(format!("run {run} (not let go): {}", trace.join(", ")));
             }
         }
-        held.clear();
-        if !newest.is_idle(ms(t0, t + 3_600_000)) {
-            failures.push(format!("run {run} (not let go): {}", trace.join(", ")));
+        if std::env::var_os("STRAGGLER_WALK_ALL").is_some() {
+            failures.iter().for_each(|f| eprintln!("{f}"));
         }
+        failures
     }
-    if std::env::var_os("R87_ALL").is_some() {
-        failures.iter().for_each(|f| eprintln!("{f}"));
-    }
+}
+
+/// The walk's verdict over `runs` runs.
+fn assert_no_failures(failures: &[String], runs: usize) {
     assert!(
         failures.is_empty(),
-        "{} runs of {RUNS} failed; the first: {}",
+        "{} runs of {runs} failed; the first: {}",
         failures.len(),
         failures.first().map_or("", String::as_str)
     );
 }
 
-/// The walk above for breakers: pushes turning the breaker on, off, or to other
-/// `min_requests` (5, 10, 40), older versions' calls behind the newest state, calls failing
-/// through a held state's breaker, calls ending, time passing, and pruning (`is_idle` on the
-/// newest state, as an agent's report does) between, from a fixed seed: after every push, the
-/// newest state's breaker opens by its own settings (its `min_requests` failures, every
-/// attempt in the window a failure, open it: a breaker counting in another of the line,
-/// with another `min_requests`, stays closed); at the end, with every other state gone and an
-/// hour passed, the newest state is let go. (With `Kept::prune` letting the one turned off go
-/// before those made behind it, as before d56f585, 13 of the 30000 runs fail.)
+/// Pushes turning the budget on, off, or to other settings, older versions' calls behind the
+/// newest state, calls ending, and time passing (pruning between), from a fixed seed: after
+/// every push, the newest state's budget decides for itself (a retry it allows is counted in
+/// it, not in another budget it defers to); at the end, with every other state gone and an
+/// hour passed, the newest state is let go.
+#[test]
+fn pushes_stragglers_and_pruning_leave_the_newest_budget_deciding_alone() {
+    const RUNS: usize = 3000;
+    let policy = |budget: Option<BudgetConfig>| RetryPolicy {
+        budget,
+        ..with_budget()
+    };
+    let failures = Walk {
+        seed: 0x5eed_0087,
+        runs: RUNS,
+        policies: [
+            policy(None),
+            with_budget(),
+            policy(with_other_budget().budget),
+            policy(with_tight_budget().budget),
+        ],
+        push_step_ms: 12_000,
+        prunes: false,
+        decides_alone: |newest: &EndpointState, _: usize, now| {
+            newest.budget().is_none_or(|b| {
+                let before = b.snapshot(now).retries;
+                !b.try_withdraw(now) || b.snapshot(now).retries == before + 1
+            })
+        },
+        spend: |held: &EndpointState, now| {
+            if let Some(b) = held.budget() {
+                b.deposit(now);
+                b.try_withdraw(now);
+            }
+        },
+    }
+    .failures();
+    assert_no_failures(&failures, RUNS);
+}
+
+/// The walk for breakers: pushes turning the breaker on, off, or to other `min_requests` (5,
+/// 10, 40), older versions' calls behind the newest state, calls failing through a held
+/// state's breaker, calls ending, time passing, and pruning (`is_idle` on the newest state, as
+/// an agent's report does) between, from a fixed seed: after every push, the newest state's
+/// breaker opens by its own settings (its `min_requests` failures, every attempt in the window
+/// a failure, open it: a breaker counting in another of the line, with another
+/// `min_requests`, stays closed); at the end, with every other state gone and an hour passed,
+/// the newest state is let go. (With `Kept::prune` letting the one turned off go before those
+/// made behind it, as before d56f585, 13 of the 30000 runs fail.)
 #[test]
 fn pushes_stragglers_and_pruning_leave_the_newest_breaker_deciding_alone() {
     use retryplane_policy::breaker::CircuitBreaker;
     const RUNS: usize = 30000;
-    let cfg = |min_requests| BreakerConfig {
-        min_requests,
-        ..BreakerConfig::default()
-    };
-    let cfgs = [None, Some(cfg(5)), Some(cfg(10)), Some(cfg(40))];
-    let policy = |i: usize| RetryPolicy {
+    let policy = |min_requests: Option<u32>| RetryPolicy {
         budget: None,
-        circuit_breaker: cfgs[i].clone(),
+        circuit_breaker: min_requests.map(|min_requests| BreakerConfig {
+            min_requests,
+            ..BreakerConfig::default()
+        }),
         ..RetryPolicy::default()
     };
     let fail = |b: &CircuitBreaker, n: u32, now: Instant| {
@@ -725,74 +775,29 @@ fn pushes_stragglers_and_pruning_leave_the_newest_breaker_deciding_alone() {
             }
         }
     };
-    let mut seed: u64 = 0x5eed_0088;
-    let mut next = |n: u64| {
-        seed = seed
-            .wrapping_mul(6_364_136_223_846_793_005)
-            .wrapping_add(1_442_695_040_888_963_407);
-        (seed >> 33) % n
-    };
-    let mut failures = Vec::new();
-    for run in 0..RUNS {
-        let t0 = Instant::now();
-        let mut t = 0u64;
-        let first = next(4) as usize;
-        let mut newest = EndpointState::new(&policy(first), t0);
-        let mut held: Vec<EndpointState> = Vec::new();
-        let mut trace = vec![format!("new {first}")];
-        for _ in 0..20 {
-            match next(6) {
-                0 | 1 => {
-                    let p = next(4) as usize;
-                    t += next(3) * 70_000;
-                    trace.push(format!("t={t} push {p}"));
-                    let n = newest.carry(&policy(p), ms(t0, t));
-                    held.push(std::mem::replace(&mut newest, n));
-                    if let (Some(b), Some(c)) = (newest.breaker(), &cfgs[p]) {
-                        let now = ms(t0, t + 1);
-                        fail(b, c.min_requests, now);
-                        if b.state(now) != BreakerState::Open {
-                            failures.push(format!("run {run}: {}", trace.join(", ")));
-                            break;
-                        }
-                    }
-                }
-                2 => {
-                    let p = 1 + next(3) as usize;
-                    trace.push(format!("t={t} behind {p}"));
-                    held.push(newest.behind(&policy(p)));
-                }
-                3 if !held.is_empty() => {
-                    let i = next(held.len() as u64) as usize;
-                    trace.push(format!("t={t} drop #{i}"));
-                    held.remove(i);
-                }
-                4 => {
-                    trace.push(format!("t={t} prune"));
-                    newest.is_idle(ms(t0, t));
-                }
-                _ if !held.is_empty() => {
-                    let i = next(held.len() as u64) as usize;
-                    trace.push(format!("t={t} use #{i}"));
-                    if let Some(b) = held[i].breaker() {
-                        fail(b, 1, ms(t0, t));
-                    }
-                }
-                _ => {}
+    let min_requests = [None, Some(5), Some(10), Some(40)];
+    let failures = Walk {
+        seed: 0x5eed_0088,
+        runs: RUNS,
+        policies: min_requests.map(policy),
+        push_step_ms: 70_000,
+        prunes: true,
+        decides_alone: |newest: &EndpointState, p: usize, now| match (
+            newest.breaker(),
+            min_requests[p],
+        ) {
+            (Some(b), Some(n)) => {
+                fail(b, n, now);
+                b.state(now) == BreakerState::Open
             }
-        }
-        held.clear();
-        if !newest.is_idle(ms(t0, t + 3_600_000)) {
-            failures.push(format!("run {run} (not let go): {}", trace.join(", ")));
-        }
+            _ => true,
+        },
+        spend: |held: &EndpointState, now| {
+            if let Some(b) = held.breaker() {
+                fail(b, 1, now);
+            }
+        },
     }
-    if std::env::var_os("R88_ALL").is_some() {
-        failures.iter().for_each(|f| eprintln!("{f}"));
-    }
-    assert!(
-        failures.is_empty(),
-        "{} runs of {RUNS} failed; the first: {}",
-        failures.len(),
-        failures.first().map_or("", String::as_str)
-    );
+    .failures();
+    assert_no_failures(&failures, RUNS);
 }
