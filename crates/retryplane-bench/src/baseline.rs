@@ -23,7 +23,19 @@ struct Figure {
 }
 
 /// The figures compared, in report order.
-const FIGURES: [Figure; 8] = [
+const FIGURES: [Figure; 10] = [
+    Figure {
+        key: "published_p50_ms",
+        label: "publish → every agent p50, ms",
+        decimals: 1,
+        get: |o| o.published_p50_ms,
+    },
+    Figure {
+        key: "published_p99_ms",
+        label: "publish → every agent p99, ms",
+        decimals: 1,
+        get: |o| o.published_p99_ms,
+    },
     Figure {
         key: "all_p50_ms",
         label: "Apply call → every agent p50, ms",
@@ -185,11 +197,14 @@ pub async fn run_pairs(cfg: &Config, plain_bin: &Path, pairs: usize) -> anyhow::
                 .await
                 .with_context(|| format!("pair {pair}, {name} server"))?;
             eprintln!(
-                "  pair {pair}/{pairs}: {name} (started {} UTC, load {:.2}): every agent p50 \
-                 {:.1} ms p99 {:.1} ms, fan-out p99 {:.1} ms, server CPU {:.0} ms per round, \
-                 {:.1} KiB per agent",
+                "  pair {pair}/{pairs}: {name} (started {} UTC, load {:.2}): publish to every \
+                 agent p50 {:.1} ms p99 {:.1} ms, Apply call to every agent p50 {:.1} ms p99 \
+                 {:.1} ms, fan-out p99 {:.1} ms, server CPU {:.0} ms per round, {:.1} KiB per \
+                 agent",
                 outcome.started_utc,
                 outcome.load_at_start,
+                outcome.published_p50_ms,
+                outcome.published_p99_ms,
                 outcome.all_p50_ms,
                 outcome.all_p99_ms,
                 outcome.spread_p99_ms,
@@ -345,6 +360,8 @@ mod tests {
             connections: 10,
             rounds: 20,
             snapshot_bytes: 2_048,
+            published_p50_ms: 7.0 * scale,
+            published_p99_ms: 14.0 * scale,
             all_p50_ms: 10.0 * scale,
             all_p99_ms: 20.0 * scale,
             agent_p50_ms: 5.0 * scale,
@@ -445,7 +462,7 @@ mod tests {
         assert_eq!(lines[1].matches("plain").count(), 2);
         assert_eq!(
             lines[3],
-            "| Apply call → every agent p50, ms | 10.0 | 30.0 | 3.00× | 20.0 | 30.0 | 1.50× |"
+            "| publish → every agent p50, ms | 7.0 | 21.0 | 3.00× | 14.0 | 21.0 | 1.50× |"
         );
         let cpu = lines
             .iter()

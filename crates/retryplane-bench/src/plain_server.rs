@@ -42,8 +42,9 @@
 //! the encode-once framing, the store, the diff, the fleet and the limits above.
 //!
 //! A small HTTP/1.1 listener answers `GET /readyz` (200 once a snapshot is published) and
-//! `GET /metrics` with the two samples the bench waits on, `retryplane_server_agents_connected`
-//! and `retryplane_server_acks_total`, each response with `Connection: close`.
+//! `GET /metrics` with the samples the bench reads, `retryplane_server_agents_connected`,
+//! `retryplane_server_acks_total` and `retryplane_server_last_publish_timestamp_seconds` (set
+//! as the snapshot is put in the watch), each response with `Connection: close`.
 //!
 //! The command line is `retryplane serve`'s as the bench starts it: `serve --api --config FILE
 //! --data-dir DIR --listen ADDR --admin-listen ADDR --http-listen ADDR` (`--api` and
@@ -134,6 +135,8 @@ struct Shared {
     connected: AtomicU64,
     /// ACKs received on every stream.
     acks: AtomicU64,
+    /// When the snapshot served was published, Unix time (`f64` bits; 0 before the first).
+    published_at: AtomicU64,
     /// Makes the nonces of this process differ from another run's.
     instance: String,
 }
@@ -149,6 +152,7 @@ impl Shared {
             applying: Mutex::new(()),
             connected: AtomicU64::new(0),
             acks: AtomicU64::new(0),
+            published_at: AtomicU64::new(0),
             instance: format!("{:08x}", nanos ^ std::process::id()),
         }
     }
@@ -195,6 +199,11 @@ impl Shared {
             nonce: format!("{}-{version}", self.instance),
             metrics_interval_ms: METRICS_INTERVAL_MS,
         };
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        self.published_at
+            .store(now.as_secs_f64().to_bits(), Ordering::Relaxed);
         self.current.send_replace(Arc::new(snapshot));
         Ok(pb::ApplyResponse {
             version,
@@ -407,9 +416,11 @@ fn http_answer(shared: &Shared, path: &str) -> (hyper::StatusCode, String) {
         "/metrics" => (
             hyper::StatusCode::OK,
             format!(
-                "retryplane_server_agents_connected {}\nretryplane_server_acks_total {}\n",
+                "retryplane_server_agents_connected {}\nretryplane_server_acks_total {}\n\
+                 retryplane_server_last_publish_timestamp_seconds {}\n",
                 shared.connected.load(Ordering::Relaxed),
-                shared.acks.load(Ordering::Relaxed)
+                shared.acks.load(Ordering::Relaxed),
+                f64::from_bits(shared.published_at.load(Ordering::Relaxed)),
             ),
         ),
         _ => (hyper::StatusCode::NOT_FOUND, "not found\n".to_owned()),
@@ -603,15 +614,19 @@ mod tests {
     }
 
     #[test]
-    fn metrics_carry_the_two_samples_the_bench_reads() {
+    fn metrics_carry_the_samples_the_bench_reads() {
         let shared = Shared::new();
         shared.connected.store(3, Ordering::Relaxed);
         shared.acks.store(12, Ordering::Relaxed);
+        shared
+            .published_at
+            .store(1_764_900_000.25_f64.to_bits(), Ordering::Relaxed);
         let (status, body) = http_answer(&shared, "/metrics");
         assert_eq!(status, hyper::StatusCode::OK);
         assert_eq!(
             body,
-            "retryplane_server_agents_connected 3\nretryplane_server_acks_total 12\n"
+            "retryplane_server_agents_connected 3\nretryplane_server_acks_total 12\n\
+             retryplane_server_last_publish_timestamp_seconds 1764900000.25\n"
         );
         assert_eq!(
             http_answer(&shared, "/nope").0,

@@ -521,8 +521,8 @@ struct Fanout {
 }
 
 impl Fanout {
-    /// Makes `record` current: the version gauge and the aggregates' published version, set
-    /// before the streams are woken (whoever sees the new version pushed reads it in the gauge
+    /// Makes `record` current: the version gauge, the publish time and the aggregates'
+    /// published version, set before the streams are woken (whoever sees the new version pushed reads it in the gauge
     /// too), the snapshot streams send, then
     /// the alert thresholds (read from the whole document, so not before the push). A record
     /// older than what is served changes nothing (see `Publisher::publish`).
@@ -533,6 +533,11 @@ impl Fanout {
                 .set(i64::try_from(record.meta.version).unwrap_or(i64::MAX));
             // Before any agent runs it: its first report is judged as the published version's.
             self.aggregates.set_published(record.meta.version);
+            // (A clock set before 1970 reads as 0.)
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default();
+            self.metrics.last_publish_seconds.set(now.as_secs_f64());
         });
         if published.version == record.meta.version {
             self.aggregates.thresholds().set_from(&record.document);

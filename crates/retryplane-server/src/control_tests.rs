@@ -906,3 +906,37 @@ async fn a_store_write_whose_task_failed_after_storing_is_not_said_to_be_not_sto
     .expect("the stored version is served, as `history` shows it")
     .unwrap();
 }
+
+/// The publish time on `/metrics` is when the version served was published: set by a change
+/// that publishes, left alone by one that does not (the same content again, a dry run).
+#[tokio::test]
+async fn the_publish_time_is_set_when_a_version_is_published_and_only_then() {
+    let unix_now = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs_f64()
+    };
+    let control = ControlPlane::for_tests(Arc::new(MemoryStore::default()), Mode::Api);
+    let published = || control.metrics.last_publish_seconds.get();
+    assert_eq!(published(), 0.0, "nothing published yet");
+    let before = unix_now();
+    control.apply(change(wire(V1))).await.unwrap();
+    let first = published();
+    assert!(
+        (before..=unix_now()).contains(&first),
+        "{first} not within the apply"
+    );
+    control.apply(change(wire(V1))).await.unwrap();
+    control
+        .apply(ChangeRequest {
+            dry_run: true,
+            ..change(wire(V2))
+        })
+        .await
+        .unwrap();
+    assert_eq!(published(), first, "nothing published since");
+    let before = unix_now();
+    control.apply(change(wire(V2))).await.unwrap();
+    assert!((before..=unix_now()).contains(&published()));
+}

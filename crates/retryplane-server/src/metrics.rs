@@ -3,6 +3,7 @@
 //! Prometheus text format (`/metrics`).
 
 use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
 
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
@@ -29,6 +30,10 @@ pub struct ServerMetrics {
     pub current_version: Gauge,
     /// Versions published since start.
     pub publishes: Counter,
+    /// When the version being served was published: Unix time in seconds, set as the streams
+    /// are woken to push it (0 before the first). Published versions reach every agent from
+    /// that instant; `time() - ` it is how long the fleet has been on it.
+    pub last_publish_seconds: Gauge<f64, AtomicU64>,
     /// Policy changes refused: invalid file saves, invalid applies (YAML or typed documents)
     /// and applies or rollbacks that remove every endpoint without force. Dry runs
     /// (`retryplane diff`) are not counted.
@@ -99,6 +104,7 @@ impl ServerMetrics {
         let nacks = Counter::default();
         let current_version = Gauge::default();
         let publishes = Counter::default();
+        let last_publish_seconds = Gauge::<f64, AtomicU64>::default();
         let rejected_changes = Counter::default();
         let store_failures = Counter::default();
         let config_last_reload_successful = Gauge::default();
@@ -131,6 +137,11 @@ impl ServerMetrics {
             current_version.clone(),
         );
         registry.register("publishes", "Policy versions published", publishes.clone());
+        registry.register(
+            "last_publish_timestamp_seconds",
+            "When the policy version being served was published, in Unix time",
+            last_publish_seconds.clone(),
+        );
         registry.register(
             "rejected_changes",
             "Policy changes refused by validation or safety checks",
@@ -189,6 +200,7 @@ impl ServerMetrics {
             nacks,
             current_version,
             publishes,
+            last_publish_seconds,
             rejected_changes,
             store_failures,
             config_last_reload_successful,
