@@ -929,12 +929,14 @@ mod tests {
 
     /// `late` run on another thread while `v` is replaced by a snapshot of `yaml`, and given
     /// until the build ends to finish between the build's carry and its advance (a bounded
-    /// wait: a build that holds it back until it ends never lets it finish there).
+    /// wait: a build that holds it back until it ends never lets it finish there; the test
+    /// below checks that hold itself, with no wait).
     fn replaced_while_a_late_call_runs(
         v: &PolicySnapshot,
         yaml: &str,
         late: impl FnOnce() -> Arc<Entry> + Send + 'static,
     ) -> (PolicySnapshot, Arc<Entry>) {
+        let bound = std::time::Duration::from_secs(30);
         let (threads, thread) = std::sync::mpsc::channel();
         BETWEEN_CARRY_AND_ADVANCE.with(|h| {
             *h.borrow_mut() = Some(Box::new(move || {
@@ -944,16 +946,22 @@ mod tests {
                     let _ = done.send(());
                     entry
                 });
-                let _ = finished.recv_timeout(std::time::Duration::from_millis(500));
-                let _ = threads.send(call);
+                let ended = finished
+                    .recv_timeout(std::time::Duration::from_millis(500))
+                    .is_ok();
+                let _ = threads.send((call, ended.then_some(()).ok_or(finished)));
             }));
         });
         let next = build(yaml, v.version + 1, Some(v));
-        let entry = thread
-            .recv()
-            .expect("the build ran the late call")
-            .join()
-            .expect("the late call ends once the build does");
+        let (call, ended) = thread
+            .recv_timeout(bound)
+            .expect("the build ran the late call");
+        if let Err(finished) = ended {
+            finished
+                .recv_timeout(bound)
+                .expect("the late call ends once the build does");
+        }
+        let entry = call.join().expect("the late call does not panic");
         (next, entry)
     }
 
@@ -1015,5 +1023,167 @@ mod tests {
             ),
             "two calls on v1 behind v4's state share one budget"
         );
+    }
+
+    /// At the point of a build between the carry of the named entries and the advance of the
+    /// registry, the registry can be neither read nor written, so no call (on any snapshot)
+    /// can make a state there. Checked with `try_read` and `try_write` at that point, with no
+    /// thread and no wait: unlike the two tests above, whose bounded wait shows the race only
+    /// when the late call finishes within 500 ms, this fails at once (and every time) if the
+    /// build lets go of the registry between the two.
+    #[test]
+    fn no_call_can_reach_the_registry_between_a_build_s_carry_and_its_advance() {
+        let v1 = build(
+            "version: 1\ndefaults:\n  budget: {ratio: 0.1}\nendpoints:\n  a: {}\n",
+            1,
+            None,
+        );
+        drop(v1.entry("u"));
+        let states = v1.states.clone();
+        let seen: std::rc::Rc<std::cell::Cell<Option<(bool, bool)>>> = Default::default();
+        let at_hook = seen.clone();
+        BETWEEN_CARRY_AND_ADVANCE.with(|h| {
+            *h.borrow_mut() = Some(Box::new(move || {
+                let read_refused = matches!(
+                    states.inner.try_read(),
+                    Err(std::sync::TryLockError::WouldBlock)
+                );
+                let write_refused = matches!(
+                    states.inner.try_write(),
+                    Err(std::sync::TryLockError::WouldBlock)
+                );
+                at_hook.set(Some((read_refused, write_refused)));
+            }));
+        });
+        let v2 = build(
+            "version: 1\ndefaults:\n  budget: {ratio: 0.2}\nendpoints:\n  a: {}\n  u: {}\n",
+            2,
+            Some(&v1),
+        );
+        let Some((read_refused, write_refused)) = seen.get() else {
+            panic!("the build ran no hook between its carry and its advance");
+        };
+        assert!(
+            read_refused && write_refused,
+            "the registry could be read ({}) or written ({}) between the carry and the advance",
+            !read_refused,
+            !write_refused
+        );
+        drop(v2);
+    }
+
+    /// Builds (budget and breaker settings changed,
+    /// turned off and on, endpoints named and unnamed), calls on every older snapshot that
+    /// first use endpoints (states made, kept or made behind the newest, strays made), calls
+    /// that count in those budgets and breakers (their lines), and the pruning a report does,
+    /// all at once on real threads: the build takes each state's `strays` (and the lines)
+    /// under the registry's write lock, as `States::runtime` does, and no path takes them the
+    /// other way round. Bounded: the threads run a fixed number of rounds and the test waits
+    /// at most 120 s for them (a deadlock fails it, it does not hang).
+    #[test]
+    fn builds_late_calls_and_pruning_at_once_never_deadlock() {
+        use std::sync::Mutex;
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let budgets = [
+            "{ratio: 0.0, min_per_second: 1, window: 10s}",
+            "{ratio: 0.5}",
+            "{enabled: false}",
+        ];
+        let breakers = [
+            "{enabled: false}",
+            "{min_requests: 3, failure_ratio: 0.5}",
+            "{}",
+        ];
+        let yaml = move |i: usize| {
+            let mut y = format!(
+                "version: 1\ndefaults:\n  budget: {}\n  circuit_breaker: {}\nendpoints:\n  a: {{}}\n",
+                budgets[i % 3],
+                breakers[(i / 3) % 3]
+            );
+            for (k, name) in ["x", "y", "z"].iter().enumerate() {
+                if (i >> k) & 1 == 1 {
+                    y.push_str(&format!(
+                        "  {name}:\n    budget: {}\n",
+                        budgets[(i + k) % 3]
+                    ));
+                }
+            }
+            y
+        };
+        let first = Arc::new(build(&yaml(0), 1, None));
+        let current = Arc::new(Mutex::new(first.clone()));
+        let history = Arc::new(Mutex::new(vec![first]));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (done, finished) = std::sync::mpsc::channel::<&'static str>();
+        let mut threads = Vec::new();
+        {
+            let (current, history, done, stop) =
+                (current.clone(), history.clone(), done.clone(), stop.clone());
+            threads.push(std::thread::spawn(move || {
+                for push in 1..=300usize {
+                    let mut cur = current.lock().unwrap();
+                    let next = Arc::new(build(&yaml(push * 7 % 64), push as u64 + 1, Some(&cur)));
+                    *cur = next.clone();
+                    drop(cur);
+                    let mut h = history.lock().unwrap();
+                    h.push(next);
+                    if h.len() > 8 {
+                        h.remove(0);
+                    }
+                }
+                stop.store(true, Ordering::Relaxed);
+                let _ = done.send("builder");
+            }));
+        }
+        for t in 0..3usize {
+            let (history, done, stop) = (history.clone(), done.clone(), stop.clone());
+            threads.push(std::thread::spawn(move || {
+                let mut round = 0usize;
+                while !stop.load(Ordering::Relaxed) && round < 200_000 {
+                    round += 1;
+                    let snap = {
+                        let h = history.lock().unwrap();
+                        h[(round * 31 + t) % h.len()].clone()
+                    };
+                    let name = ["x", "y", "z", "u", "v"][(round + t) % 5];
+                    let e = snap.entry(name);
+                    let now = Instant::now();
+                    if let Some(b) = e.runtime.state.budget() {
+                        b.deposit(now);
+                        let _ = b.try_withdraw(now);
+                    }
+                    if let Some(br) = e.runtime.state.breaker()
+                        && let Ok(p) = br.try_acquire(now)
+                    {
+                        br.record(p, round.is_multiple_of(3), now);
+                    }
+                }
+                let _ = done.send("caller");
+            }));
+        }
+        {
+            let (current, done, stop) = (current.clone(), done.clone(), stop.clone());
+            threads.push(std::thread::spawn(move || {
+                let mut round = 0usize;
+                while !stop.load(Ordering::Relaxed) && round < 200_000 {
+                    round += 1;
+                    let snap = current.lock().unwrap().clone();
+                    snap.prune_idle_states();
+                }
+                let _ = done.send("pruner");
+            }));
+        }
+        drop(done);
+        let deadline = Instant::now() + std::time::Duration::from_secs(120);
+        for _ in 0..threads.len() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match finished.recv_timeout(left) {
+                Ok(_) => {}
+                Err(e) => panic!("a thread did not finish within 120 s (deadlock?): {e}"),
+            }
+        }
+        for t in threads {
+            t.join().expect("no thread panicked");
+        }
     }
 }
