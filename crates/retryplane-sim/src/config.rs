@@ -8,6 +8,11 @@ use retryplane_policy::duration::{format_duration, parse_duration};
 
 /// The most logical calls one run may simulate per variant (`clients × rate × duration`).
 pub const MAX_CALLS: f64 = 20_000_000.0;
+/// The most logical calls one variant may hold in flight (or paused) at once: a call in
+/// flight takes about 220 bytes until it ends, in each of the four variants run side by side,
+/// so a run stays under about 2 GB. A run that reaches it stops with
+/// [`ConfigError::TooManyInFlight`].
+pub const MAX_IN_FLIGHT: usize = 2_000_000;
 /// The longest run.
 pub const MAX_DURATION: Duration = Duration::from_secs(24 * 3600);
 /// The most clients: each has its own state and RNG in every variant (about 3 KB in all).
@@ -164,6 +169,18 @@ pub enum ConfigError {
         duration: String,
         /// The expected number of logical calls.
         calls: f64,
+    },
+    /// A variant held too many calls in flight at once (see [`MAX_IN_FLIGHT`]).
+    #[error(
+        "the {variant} variant had {limit} calls in flight at once {at_s:.1} s into the run (its pauses and deadline keep calls going while new ones arrive); at most {limit}: fewer clients, a lower rate, or a shorter deadline or outage"
+    )]
+    TooManyInFlight {
+        /// The variant's short name.
+        variant: &'static str,
+        /// The calls it held in flight.
+        limit: usize,
+        /// When, in seconds of the run.
+        at_s: f64,
     },
 }
 

@@ -101,6 +101,17 @@ pub fn simulate_from(
     config: &Config,
     origin: Instant,
 ) -> Result<Report, ConfigError> {
+    simulate_within(endpoint, policy, config, origin, config::MAX_IN_FLIGHT)
+}
+
+/// [`simulate_from`] with at most `limit` calls in flight at once in each variant.
+fn simulate_within(
+    endpoint: &str,
+    policy: &RetryPolicy,
+    config: &Config,
+    origin: Instant,
+    limit: usize,
+) -> Result<Report, ConfigError> {
     config.validate()?;
     let duration = config.duration.as_secs_f64();
     let (window, has_end) = match config.scenario.window() {
@@ -114,16 +125,28 @@ pub fn simulate_from(
             .map(|&variant| {
                 scope.spawn(move || {
                     let policy = variant.apply(policy);
-                    let trace = run::run(&policy, config, origin);
-                    stats::summarize(variant, trace, window, has_end, run_seconds)
+                    let trace = run::run_within(&policy, config, origin, limit).map_err(|e| {
+                        ConfigError::TooManyInFlight {
+                            variant: variant.as_str(),
+                            limit: e.limit,
+                            at_s: e.at_s,
+                        }
+                    })?;
+                    Ok(stats::summarize(
+                        variant,
+                        trace,
+                        window,
+                        has_end,
+                        run_seconds,
+                    ))
                 })
             })
             .collect();
         handles
             .into_iter()
             .map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
-            .collect()
-    });
+            .collect::<Result<Vec<_>, ConfigError>>()
+    })?;
     Ok(Report {
         endpoint: endpoint.to_owned(),
         clients: config.clients,
@@ -141,4 +164,65 @@ pub fn simulate_from(
         },
         variants,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    /// Calls that pause 10 s between attempts for up to a minute, in a total outage: every
+    /// call stays in flight for most of its deadline while new ones arrive.
+    fn slow_policy() -> RetryPolicy {
+        let yaml = "version: 1\nendpoints:\n  e:\n    max_attempts: 6\n    deadline: 60s\n    \
+                    backoff: {base: 10s, max: 10s, jitter: none}\n    budget: {enabled: false}\n    \
+                    circuit_breaker: {enabled: false}\n";
+        let set = retryplane_policy::load(yaml.as_bytes()).policies.unwrap();
+        (*set.endpoint("e").unwrap().policy).clone()
+    }
+
+    fn fleet() -> Config {
+        Config {
+            clients: 20,
+            rate: 5.0,
+            duration: Duration::from_secs(30),
+            scenario: Scenario::Outage {
+                start: Duration::ZERO,
+                len: Duration::from_secs(3600),
+            },
+            ..Config::default()
+        }
+    }
+
+    /// A run that would hold more calls in flight than its limit stops with an error naming
+    /// the variant, the limit and when, rather than growing without bound; the same run under
+    /// a limit it stays within reports as before.
+    #[test]
+    fn a_run_past_its_limit_of_calls_in_flight_stops_with_an_error() {
+        let (policy, config) = (slow_policy(), fleet());
+        let origin = Instant::now();
+        // 100 calls a second for 30 s, each in flight for up to a minute: about 3,000 at once.
+        let err = simulate_within("e", &policy, &config, origin, 1_000).unwrap_err();
+        let ConfigError::TooManyInFlight {
+            variant,
+            limit,
+            at_s,
+        } = err.clone()
+        else {
+            panic!("{err}");
+        };
+        assert_eq!((variant, limit), ("policy", 1_000));
+        assert!((5.0..15.0).contains(&at_s), "{at_s}");
+        assert!(
+            err.to_string().contains("1000 calls in flight at once"),
+            "{err}"
+        );
+        let report = simulate_within("e", &policy, &config, origin, 10_000).unwrap();
+        assert_eq!(
+            report,
+            simulate_from("e", &policy, &config, origin).unwrap(),
+            "the limit changes nothing below it"
+        );
+    }
 }

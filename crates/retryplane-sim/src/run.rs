@@ -31,7 +31,7 @@ use retryplane_policy::engine::{
 use retryplane_policy::rng::{Rng, SeededRng};
 use tokio::time::Instant;
 
-use crate::config::Config;
+use crate::config::{Config, MAX_IN_FLIGHT};
 use crate::latency::Latencies;
 use crate::upstream::{Answer, Upstream, nanos};
 
@@ -115,10 +115,32 @@ struct Sim<'a> {
     trace: Trace,
 }
 
-/// Runs `policy` on `config`'s fleet and upstream. Every random stream depends only on the
-/// seed (and the client): every variant sees the same calls arrive, and two variants that
-/// behave alike (a budget that never refuses) get the very same figures.
-pub fn run(policy: &RetryPolicy, config: &Config, origin: Instant) -> Trace {
+/// A run stopped because it held `limit` calls in flight (or paused) at once: each takes
+/// memory until it ends, and a policy whose pauses and deadline keep calls going while new
+/// ones arrive can hold most of a long run's calls at once.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct InFlight {
+    /// The calls in flight when it stopped.
+    pub limit: usize,
+    /// When, in seconds of virtual time.
+    pub at_s: f64,
+}
+
+/// Runs `policy` on `config`'s fleet and upstream, holding at most [`MAX_IN_FLIGHT`] calls in
+/// flight at once. Every random stream depends only on the seed (and the client): every
+/// variant sees the same calls arrive, and two variants that behave alike (a budget that
+/// never refuses) get the very same figures.
+pub fn run(policy: &RetryPolicy, config: &Config, origin: Instant) -> Result<Trace, InFlight> {
+    run_within(policy, config, origin, MAX_IN_FLIGHT)
+}
+
+/// [`run`] with at most `limit` calls in flight at once.
+pub fn run_within(
+    policy: &RetryPolicy,
+    config: &Config,
+    origin: Instant,
+    limit: usize,
+) -> Result<Trace, InFlight> {
     let clients = config.clients as usize;
     let states: Vec<EndpointState> = (0..clients)
         .map(|_| EndpointState::new(policy, origin))
@@ -142,8 +164,8 @@ pub fn run(policy: &RetryPolicy, config: &Config, origin: Instant) -> Trace {
         free: Vec::new(),
         trace: Trace::default(),
     };
-    sim.run();
-    sim.trace
+    sim.run(limit)?;
+    Ok(sim.trace)
 }
 
 /// Every client's arrivals, generated a second of virtual time at a time, in time order.
@@ -212,11 +234,17 @@ impl<'a> Sim<'a> {
         self.origin + Duration::from_nanos(t)
     }
 
-    fn run(&mut self) {
+    fn run(&mut self, limit: usize) -> Result<(), InFlight> {
         loop {
             let event = self.queue.peek().map(|Reverse((t, ..))| *t);
             match (self.arrivals.peek(), event) {
                 (Some((t, client)), e) if e.is_none_or(|e| t <= e) => {
+                    if self.calls.len() - self.free.len() >= limit {
+                        return Err(InFlight {
+                            limit,
+                            at_s: t as f64 / SECOND as f64,
+                        });
+                    }
                     self.arrivals.pos += 1;
                     self.arrive(client, t);
                 }
@@ -228,7 +256,7 @@ impl<'a> Sim<'a> {
                         }
                     }
                 }
-                (_, None) => break,
+                (_, None) => return Ok(()),
             }
         }
     }
