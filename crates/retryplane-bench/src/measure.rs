@@ -64,7 +64,8 @@ pub struct Outcome {
     /// p50 over rounds: issue 3's "time from publish to every agent". Read across the two
     /// processes through the system clock (one machine, one clock).
     pub published_p50_ms: f64,
-    /// The same, p99 over rounds (nearest rank: the worst round when rounds < 100).
+    /// The same, p99 over rounds (nearest rank: the worst round when rounds < 100). Both are
+    /// NaN (`null` in JSON) against a server that does not expose its publish time.
     pub published_p99_ms: f64,
     /// Time from the Apply call to the last agent's arrival, p50 over rounds: the publish
     /// above, and before it the Apply call's parse, validation, diff and store commit.
@@ -102,6 +103,15 @@ pub struct Outcome {
     pub kib_per_agent: f64,
     /// (after rounds - idle) / agents.
     pub kib_per_agent_after_pushes: f64,
+}
+
+/// [`percentile`], NaN when `values` is empty (a figure not measured).
+fn percentile_or_nan(values: &mut [f64], p: f64) -> f64 {
+    if values.is_empty() {
+        f64::NAN
+    } else {
+        percentile(values, p)
+    }
 }
 
 /// The nearest-rank `p` percentile (0 < p <= 1) of `values`; 0 when empty.
@@ -325,12 +335,15 @@ async fn rounds(
             all.push(max);
             // The publish instant in this process's clock: its distance from `t0` read on the
             // system clock, which the server's figure is on.
-            let published = server.metric(PUBLISHED_AT).await? - t0_unix;
-            ensure!(
-                published >= 0.0,
-                "round {round}: published {published} s before the Apply call (the system clock was set back?)"
-            );
-            from_publish.push(max - published * 1_000.0);
+            // A server without the sample (built before it) leaves the figure out.
+            if let Ok(at) = server.metric(PUBLISHED_AT).await {
+                let published = at - t0_unix;
+                ensure!(
+                    published >= 0.0,
+                    "round {round}: published {published} s before the Apply call (the system clock was set back?)"
+                );
+                from_publish.push(max - published * 1_000.0);
+            }
             first.push(min);
             spread.push(max - min);
             apply_rpc.push(ms(applied - t0));
@@ -357,8 +370,8 @@ async fn rounds(
         connections: cfg.connections,
         rounds: cfg.rounds,
         snapshot_bytes,
-        published_p50_ms: percentile(&mut from_publish, 0.50),
-        published_p99_ms: percentile(&mut from_publish, 0.99),
+        published_p50_ms: percentile_or_nan(&mut from_publish, 0.50),
+        published_p99_ms: percentile_or_nan(&mut from_publish, 0.99),
         all_p50_ms: percentile(&mut all, 0.50),
         all_p99_ms: percentile(&mut all, 0.99),
         agent_p50_ms: percentile(&mut each, 0.50),

@@ -288,11 +288,19 @@ impl ControlPlane {
     /// Publishes the stored current version, if any (at start). Holds the lock changes take, so
     /// a change committed meanwhile (a file save seen by the watcher) is published after this,
     /// never before it.
+    ///
+    /// The publish time on `/metrics` is then the version's own (when it was stored and first
+    /// published), not the start's: the fleet has been on it since. A version already served
+    /// (a save the watcher applied first) is not published again.
     pub async fn publish_current(&self) -> Result<Option<VersionRecord>, StoreError> {
         let _one_at_a_time = self.changes.lock().await;
         let current = self.blocking(|s| s.current()).await?;
         if let Some(record) = &current {
-            self.fanout().publish(record);
+            let fanout = self.fanout();
+            let served = fanout.publisher.current().map(|s| s.version);
+            if served.is_none_or(|v| v < record.meta.version) {
+                fanout.publish_at(record, PublishedAt::Stored);
+            }
         }
         Ok(current)
     }
@@ -527,17 +535,26 @@ impl Fanout {
     /// the alert thresholds (read from the whole document, so not before the push). A record
     /// older than what is served changes nothing (see `Publisher::publish`).
     fn publish(&self, record: &VersionRecord) {
+        self.publish_at(record, PublishedAt::Now);
+    }
+
+    /// [`Fanout::publish`], with the publish time on `/metrics` taken as `at` says.
+    fn publish_at(&self, record: &VersionRecord, at: PublishedAt) {
         let published = self.publisher.publish_then(record, || {
             self.metrics
                 .current_version
                 .set(i64::try_from(record.meta.version).unwrap_or(i64::MAX));
             // Before any agent runs it: its first report is judged as the published version's.
             self.aggregates.set_published(record.meta.version);
-            // (A clock set before 1970 reads as 0.)
-            let now = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap_or_default();
-            self.metrics.last_publish_seconds.set(now.as_secs_f64());
+            let seconds = match at {
+                // (A clock set before 1970 reads as 0.)
+                PublishedAt::Now => std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap_or_default()
+                    .as_secs_f64(),
+                PublishedAt::Stored => record.meta.created_unix_ms as f64 / 1_000.0,
+            };
+            self.metrics.last_publish_seconds.set(seconds);
         });
         if published.version == record.meta.version {
             self.aggregates.thresholds().set_from(&record.document);
@@ -560,6 +577,16 @@ impl Fanout {
         self.publish(record);
         self.metrics.publishes.inc();
     }
+}
+
+/// What the publish time on `/metrics` says for a publish.
+#[derive(Clone, Copy)]
+enum PublishedAt {
+    /// Now: the version goes out to the streams for the first time.
+    Now,
+    /// When the version was stored (and first published): at start, for the version the
+    /// store holds.
+    Stored,
 }
 
 /// A store write and its publish, run as one task (see the module docs).

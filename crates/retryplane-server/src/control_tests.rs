@@ -940,3 +940,155 @@ async fn the_publish_time_is_set_when_a_version_is_published_and_only_then() {
     control.apply(change(wire(V2))).await.unwrap();
     assert!((before..=unix_now()).contains(&published()));
 }
+
+/// Unix time now, in seconds (as the publish time gauge has it).
+fn unix_now_s() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
+}
+
+/// Waits (bounded) until the system clock reads later than `t`, so that a gauge set now
+/// would differ from `t`.
+async fn clock_past(t: f64) {
+    tokio::time::timeout(WAIT, async {
+        while unix_now_s() <= t {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .await
+    .expect("the system clock moves");
+}
+
+/// The paths that publish set the publish time (a rollback, the
+/// catch-up of a version a failed commit stored, a write whose commit failed after storing),
+/// and an older version that `publish_then` refuses leaves it alone.
+#[tokio::test]
+async fn the_publish_time_follows_every_publish_and_no_refused_one() {
+    let store = LateErrorStore::new();
+    let control = Arc::new(ControlPlane::for_tests(store.clone(), Mode::Api));
+    let published = || control.metrics.last_publish_seconds.get();
+    control.apply(change(wire(V1))).await.unwrap();
+    control.apply(change(wire(V2))).await.unwrap();
+    let at_v2 = published();
+
+    // An older version offered to the fan-out (a stale read) is refused: no publish.
+    clock_past(at_v2).await;
+    let v1 = store.inner.get(1).unwrap().unwrap();
+    control.fanout().publish(&v1);
+    assert_eq!(served(&control), 2);
+    assert_eq!(
+        published(),
+        at_v2,
+        "a refused older version set the publish time"
+    );
+
+    // A rollback publishes a new version.
+    let before = unix_now_s();
+    control
+        .apply(ChangeRequest {
+            source: Source::Rollback { from: 1 },
+            ..change(v1.document.clone())
+        })
+        .await
+        .unwrap();
+    assert_eq!(served(&control), 3);
+    let at_v3 = published();
+    assert!(
+        (before..=unix_now_s()).contains(&at_v3),
+        "rollback: {at_v3}"
+    );
+
+    // A write whose commit reported an error after storing is published.
+    clock_past(at_v3).await;
+    store.failed_commits.store(1, Ordering::SeqCst);
+    let before = unix_now_s();
+    control.apply(change(wire(V3))).await.unwrap();
+    assert_eq!(served(&control), 4);
+    let at_v4 = published();
+    assert!(
+        (before..=unix_now_s()).contains(&at_v4),
+        "late error: {at_v4}"
+    );
+
+    // A version stored behind the served one is caught up by the same content sent again.
+    clock_past(at_v4).await;
+    store
+        .inner
+        .publish(
+            NewVersion {
+                document: wire(V1),
+                content_hash: convert::content_hash(&wire(V1)),
+                source: Source::Admin,
+                author: None,
+                summary: String::new(),
+                created_unix_ms: 0,
+            },
+            None,
+        )
+        .unwrap();
+    let before = unix_now_s();
+    let outcome = control.apply(change(wire(V1))).await.unwrap();
+    assert!(!outcome.changed);
+    assert_eq!(served(&control), 5);
+    assert!((before..=unix_now_s()).contains(&published()), "catch-up");
+}
+
+/// `publish_current` does not publish the version already served again (the publisher would
+/// take an equal version) nor move the publish time: nothing new reaches any agent. At start
+/// this is the case when the watcher applies a save before `publish_current` takes the
+/// change lock.
+#[tokio::test]
+async fn publishing_the_served_version_again_does_not_move_the_publish_time() {
+    let control = ControlPlane::for_tests(Arc::new(MemoryStore::default()), Mode::Api);
+    control.apply(change(wire(V1))).await.unwrap();
+    let first = control.metrics.last_publish_seconds.get();
+    clock_past(first).await;
+    control.publish_current().await.unwrap();
+    assert_eq!(served(&control), 1);
+    assert_eq!(
+        control.metrics.last_publish_seconds.get(),
+        first,
+        "version 1 was published at {first}, and not since"
+    );
+}
+
+/// README says `time() -` the publish time is how long the fleet has been on the version
+/// served: after a restart it is still the version's publish, not the restart's instant.
+#[tokio::test]
+async fn after_a_restart_the_publish_time_is_not_later_than_the_versions_publish() {
+    let store = Arc::new(MemoryStore::default());
+    let before = ControlPlane::for_tests(store.clone(), Mode::Api);
+    before.apply(change(wire(V1))).await.unwrap();
+    let first = before.metrics.last_publish_seconds.get();
+    clock_past(first).await;
+    let restarted = ControlPlane::for_tests(store, Mode::Api);
+    restarted.publish_current().await.unwrap();
+    assert_eq!(served(&restarted), 1);
+    let after = restarted.metrics.last_publish_seconds.get();
+    assert!(
+        after <= first,
+        "version 1 was published at {first}; after the restart the gauge says {after}"
+    );
+}
+
+/// The publish time reads back from `/metrics`' text, as the fan-out
+/// bench parses it (`name value`, split at the first space), to the value set, not rounded to
+/// a coarser figure (the bench subtracts two Unix times some milliseconds apart).
+#[tokio::test]
+async fn the_publish_time_on_metrics_parses_back_to_the_value_set() {
+    let control = ControlPlane::for_tests(Arc::new(MemoryStore::default()), Mode::Api);
+    control.apply(change(wire(V1))).await.unwrap();
+    let set = control.metrics.last_publish_seconds.get();
+    let text = control.metrics.render();
+    let read = text
+        .lines()
+        .find_map(|line| {
+            let (key, value) = line.split_once(' ')?;
+            (key == "retryplane_server_last_publish_timestamp_seconds")
+                .then(|| value.trim().parse::<f64>().ok())?
+        })
+        .unwrap_or_else(|| panic!("no sample in\n{text}"));
+    assert_eq!(read.to_bits(), set.to_bits(), "{read} read back, {set} set");
+}
