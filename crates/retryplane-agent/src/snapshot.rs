@@ -464,7 +464,7 @@ impl PolicySnapshot {
     }
 
     /// Drops the states of endpoints the policies do not name that nothing holds and that are
-    /// idle (as a push does, see `States::advance`).
+    /// idle (as a push does, see `StatesInner::advance`).
     pub(crate) fn prune_idle_states(&self) {
         let now = Instant::now();
         let mut inner = self.states.write();
