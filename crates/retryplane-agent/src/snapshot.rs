@@ -965,10 +965,11 @@ mod tests {
         (next, entry)
     }
 
-    /// A call still on v1 first uses `x` while v2, which names it, is built: between the carry
-    /// of v2's entries and the advance of the registry, it made a state of `x` that the
-    /// advance then dropped (v2 names it), and v2's calls ran on another: two budgets for one
-    /// endpoint. (Real threads and the real clock: the late call runs on its own thread.)
+    /// A call still on v1 first uses `x` while v2, which names it, is built, and shares v2's
+    /// budget of `x`. When the build let go of the registry between the carry of v2's entries
+    /// and its advance, the call made a state of `x` there that the advance then dropped (v2
+    /// names it), and v2's calls ran on another: two budgets for one endpoint. (Real threads
+    /// and the real clock: the late call runs on its own thread.)
     #[test]
     fn a_call_that_first_uses_an_endpoint_during_a_build_shares_the_new_snapshot_s_budget() {
         let d = "defaults:\n  circuit_breaker: {enabled: false}\n  budget: {ratio: 0.0, min_per_second: 1, window: 10s}\n";
@@ -993,9 +994,10 @@ mod tests {
     }
 
     /// The calls behind a state with no budget (a push turned it off) share one budget per
-    /// settings, kept in that state and carried to the next. A call on v1 that first needed
-    /// one during the build of v4 made it in v3's state after v4's entry had copied what v3's
-    /// state kept, and the next call on v1 made a second one in v4's.
+    /// settings, kept in that state and carried to the next, one made during a build included.
+    /// When the build let go of the registry between its carry and its advance, a call on v1
+    /// that first needed one during the build of v4 made it in v3's state after v4's entry had
+    /// copied what v3's state kept, and the next call on v1 made a second one in v4's.
     #[test]
     fn a_budget_made_behind_during_a_build_is_the_one_the_next_call_behind_gets() {
         let yaml = |budget: &str, z: &str| {
