@@ -1074,8 +1074,8 @@ mod tests {
         drop(v2);
     }
 
-    /// Builds (budget and breaker settings changed,
-    /// turned off and on, endpoints named and unnamed), calls on every older snapshot that
+    /// Builds (budget and breaker settings changed, turned off and on, endpoints named and
+    /// unnamed), calls on any of the last eight snapshots (the newest and older ones) that
     /// first use endpoints (states made, kept or made behind the newest, strays made), calls
     /// that count in those budgets and breakers (their lines), and the pruning a report does,
     /// all at once on real threads: the build takes each state's `strays` (and the lines)
