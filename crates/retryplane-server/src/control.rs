@@ -530,10 +530,10 @@ struct Fanout {
 
 impl Fanout {
     /// Makes `record` current: the version gauge, the publish time and the aggregates'
-    /// published version, set before the streams are woken (whoever sees the new version pushed reads it in the gauge
-    /// too), the snapshot streams send, then
-    /// the alert thresholds (read from the whole document, so not before the push). A record
-    /// older than what is served changes nothing (see `Publisher::publish`).
+    /// published version, set before the streams are woken (whoever sees the new version
+    /// pushed reads it in the gauge too), the snapshot streams send, then the alert thresholds
+    /// (read from the whole document, so not before the push). A record older than what is
+    /// served changes nothing (see `Publisher::publish`).
     fn publish(&self, record: &VersionRecord) {
         self.publish_at(record, PublishedAt::Now);
     }
