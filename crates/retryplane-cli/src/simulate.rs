@@ -8,7 +8,8 @@
 //! second as an SVG chart. The same flags and seed give the same output, byte for byte.
 //!
 //! Exit codes: `0` simulated; `1` the policy file has errors (printed exactly as `validate`
-//! prints them, text or JSON); `2` bad flags, an unreadable file, an unknown endpoint or a plot
+//! prints them, text or JSON); `2` bad flags, an unreadable file, an unknown endpoint, a run
+//! stopped at its limit of calls in flight (`retryplane_sim::config::MAX_IN_FLIGHT`) or a plot
 //! that cannot be written.
 
 use std::path::PathBuf;

@@ -104,7 +104,7 @@ impl fmt::Display for Scenario {
     }
 }
 
-/// Why a scenario or a configuration was refused.
+/// Why a scenario or a configuration was refused, or a run stopped before its end.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
 pub enum ConfigError {
     /// The scenario text does not parse.
