@@ -197,7 +197,7 @@ mod tests {
 
     /// A run that would hold more calls in flight than its limit stops with an error naming
     /// the variant, the limit and when, rather than growing without bound; the same run under
-    /// a limit it stays within reports as before.
+    /// a limit it stays within reports the same as under the default limit.
     #[test]
     fn a_run_past_its_limit_of_calls_in_flight_stops_with_an_error() {
         let (policy, config) = (slow_policy(), fleet());
