@@ -422,8 +422,10 @@ impl PolicySnapshot {
             // its state, or one behind the newest for older settings) does so before the
             // carry reads the registry or after the new snapshot is the newest there, never
             // between, where what it made would be missing from the new snapshot and the next
-            // call would make a second. Such calls wait for the build; calls on a handle's
-            // kept entry do not.
+            // call would make a second. Such calls wait for the build, and so does every
+            // look-up of an endpoint `previous` does not name (a new handle, a stale handle's
+            // refresh): the carry of every named entry is inside the hold. Calls on a handle's
+            // kept entry, and look-ups of named endpoints, do not wait.
             Some(prev) => {
                 let mut inner = prev.states.write();
                 let named = Arc::new(named_entries(&set, version, |name| {
