@@ -752,7 +752,7 @@ mod tests {
 
     /// A service that names its endpoints after hosts calls many once: once no handle holds
     /// them, they have reported their counts and their budgets and breakers are idle, the
-    /// agent keeps nothing of them, and a push carries none (r75: every name was kept, and
+    /// agent keeps nothing of them, and a push carries none (before: every name was kept, and
     /// each push that changed `defaults:` rebuilt a budget and breaker for every one).
     #[tokio::test(start_paused = true)]
     async fn endpoints_no_handle_holds_are_forgotten_once_reported_and_idle() {
@@ -804,7 +804,7 @@ mod tests {
     /// With no push (the common case: a control plane pushes only when an operator edits the
     /// policies), an endpoint called once and let go is forgotten at the reports: its core
     /// (with the entry it kept, which pins its state) at the next, its counters once their
-    /// counts are taken, its idle state with them (r78).
+    /// counts are taken, its idle state with them.
     #[tokio::test(start_paused = true)]
     async fn endpoints_no_handle_holds_are_forgotten_once_reported_with_no_push() {
         let ok = |_| async { Ok::<_, std::io::Error>(http::Response::new(())) };

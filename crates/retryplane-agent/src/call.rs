@@ -93,7 +93,7 @@ impl Cores {
     /// entry holds its endpoint's budget and breaker, so without this no push could drop an
     /// endpoint's state once it is idle, nor stop carrying it: an agent that called many
     /// endpoints once (named after hosts, say) kept a state for each and rebuilt them all on
-    /// every push that changed `defaults:` (r75: 100 ms a push after 20,000 names, against
+    /// every push that changed `defaults:` (then: 100 ms a push after 20,000 names, against
     /// 0.6 ms). Held cores keep theirs (a handle held is an endpoint in use). A core made again
     /// later starts with the counts its endpoint still has to report
     /// ([`Registry::counters`]). Done at each swap and each report.

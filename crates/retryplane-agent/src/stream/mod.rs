@@ -1187,7 +1187,7 @@ mod tests {
     /// A cache read late is about to replace the fallback policies (their counts held, the
     /// cache's version announced) when the program sets its own policies on another thread:
     /// whichever way the two interleave, the late cache is not put in force and calls count
-    /// under the version of the policies in force (r80: set between the stream task's check
+    /// under the version of the policies in force (before: set between the stream task's check
     /// for the fallback and its announcement, they were counted under the cache's version
     /// until the next swap, every call as one that outlived its version).
     #[test]
