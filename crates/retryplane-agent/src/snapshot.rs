@@ -1183,7 +1183,10 @@ mod tests {
             let left = deadline.saturating_duration_since(Instant::now());
             match finished.recv_timeout(left) {
                 Ok(_) => {}
-                Err(e) => panic!("a thread did not finish within 120 s (deadlock?): {e}"),
+                Err(e) => panic!(
+                    "a thread did not finish within 120 s (a deadlock, or another thread \
+                     panicked holding a lock): {e}"
+                ),
             }
         }
         for t in threads {

@@ -31,8 +31,9 @@ pub struct ServerMetrics {
     /// Versions published since start.
     pub publishes: Counter,
     /// When the version being served was published: Unix time in seconds, set as the streams
-    /// are woken to push it (0 before the first). Published versions reach every agent from
-    /// that instant; `time() - ` it is how long the fleet has been on it.
+    /// are woken to push it, and at start to the stored version's own publish (0 before the
+    /// first). The version reaches the agents from that instant; `time() -` it is how long it
+    /// has been served.
     pub last_publish_seconds: Gauge<f64, AtomicU64>,
     /// Policy changes refused: invalid file saves, invalid applies (YAML or typed documents)
     /// and applies or rollbacks that remove every endpoint without force. Dry runs

@@ -172,7 +172,7 @@ pub enum ConfigError {
     },
     /// A variant held too many calls in flight at once (see [`MAX_IN_FLIGHT`]).
     #[error(
-        "the {variant} variant had {limit} calls in flight at once {at_s:.1} s into the run (its pauses and deadline keep calls going while new ones arrive); at most {limit}: fewer clients, a lower rate, or a shorter deadline or outage"
+        "the {variant} variant reached its limit of {limit} calls in flight at once {at_s:.1} s into the run (its pauses and deadline keep calls going while new ones arrive): fewer clients, a lower rate, or a shorter deadline or outage"
     )]
     TooManyInFlight {
         /// The variant's short name.

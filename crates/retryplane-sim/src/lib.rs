@@ -215,7 +215,8 @@ mod tests {
         assert_eq!((variant, limit), ("policy", 1_000));
         assert!((5.0..15.0).contains(&at_s), "{at_s}");
         assert!(
-            err.to_string().contains("1000 calls in flight at once"),
+            err.to_string()
+                .contains("limit of 1000 calls in flight at once"),
             "{err}"
         );
         let report = simulate_within("e", &policy, &config, origin, 10_000).unwrap();
