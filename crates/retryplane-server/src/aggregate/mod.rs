@@ -341,9 +341,11 @@ impl Aggregator {
         self.overflowed.of(why).load(Ordering::Relaxed)
     }
 
-    /// Says that `version` is published: the version the fleet moves to, which a series keeps
-    /// apart whatever other versions report ([`series::MAX_VERSIONS`]: a report of a bogus
-    /// version number, or of a straggler's, never evicts it). Versions only go forward.
+    /// Says that `version` is published: the version the fleet moves to. A series keeps apart
+    /// the two newest versions it holds at or below it (the published one, and the one agents
+    /// that refuse it stay on) whatever other versions report, and numbers above it never
+    /// take the place of a version at or below it ([`series::MAX_VERSIONS`]). Versions only
+    /// go forward.
     pub fn set_published(&self, version: u64) {
         self.published.fetch_max(version, Ordering::Relaxed);
     }

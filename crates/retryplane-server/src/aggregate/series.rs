@@ -5,10 +5,14 @@
 //! count is kept once per bucket size. A version is pruned once nothing of it is left in the
 //! 15-minute window (no counts for 14–15 minutes); its lifetime stays in the series lifetime.
 //! At most [`MAX_VERSIONS`] versions are kept apart: a report under yet another version evicts
-//! the version counted least recently, whose buckets are folded into `retired` (allocated only
-//! then, freed once empty) so the series' windows lose nothing; one under a version evicted in
-//! the last 15 minutes, or older than every one kept (a late report of an evicted version),
-//! while all are kept, is counted into `retired` directly.
+//! a number above the published one if one is kept, else the version counted least recently
+//! but the two newest kept at or below the published one (the version the fleet moves to, and
+//! the one agents refusing it stay on); the evicted version's buckets are folded into
+//! `retired` (allocated only then, freed once empty) so the series' windows lose nothing. A
+//! report, while all are kept, under a version evicted in the last 15 minutes or older than
+//! every one kept at or below the published one (a late report of an evicted version), or
+//! under a number above the published one while none such is kept, is counted into `retired`
+//! directly (see `State::goes_with_evicted`).
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -126,6 +130,8 @@ struct State {
     /// [`MAX_EVICTED`], oldest first: a late report of one (calls that outlived it, a report
     /// held while newer ones went out) is counted into `retired`, not kept apart again in
     /// place of a version counted after it. Past 15 minutes one comes back as any other.
+    /// Numbers above the published one are not remembered (no fleet runs them, and a run of
+    /// them would push real versions off the list).
     evicted: Vec<(u64, Instant)>,
     alert: Alert,
 }
@@ -246,17 +252,7 @@ impl Series {
             Some(i) => i,
             None => {
                 s.prune(tick);
-                if s.versions.len() >= MAX_VERSIONS
-                    && version != published
-                    && (s.evicted.iter().any(|&(v, _)| v == version)
-                        || s.versions.iter().all(|v| v.version > version))
-                {
-                    // A late report (calls that outlived their version, a report held while
-                    // newer ones went out) of a version evicted lately, or older than every
-                    // one kept (evicted before, most likely): its counts go with the evicted
-                    // versions', not in place of one counted after it, which would be evicted
-                    // for it. Never the version published: the fleet moves to it, whatever
-                    // numbers were reported before.
+                if s.versions.len() >= MAX_VERSIONS && s.goes_with_evicted(version, published) {
                     s.retired
                         .get_or_insert_with(Box::default)
                         .add(tick, counts, span, interval);
@@ -399,6 +395,12 @@ impl Series {
     }
 }
 
+/// Whether `version` is numbered above the `published` one (none is, with none published):
+/// no version a fleet was sent by this control plane.
+fn above(version: u64, published: u64) -> bool {
+    published > 0 && version > published
+}
+
 /// One window's wire form.
 pub fn window_stats(window: Window, counts: &Counts, tick: &Tick, began: Began) -> pb::WindowStats {
     pb::WindowStats {
@@ -409,7 +411,6 @@ pub fn window_stats(window: Window, counts: &Counts, tick: &Tick, began: Began) 
 }
 
 impl State {
-    /// Makes room for and adds `version`; returns its index.
     /// When the series' counts began.
     fn began(&self) -> Began {
         Began {
@@ -418,26 +419,64 @@ impl State {
         }
     }
 
+    /// Whether a report of `version`, which is not kept apart, goes with the evicted versions'
+    /// counts while every place is taken, rather than evicting a kept version:
+    /// - a late report (calls that outlived their version, a report held while newer ones
+    ///   went out) of a version evicted lately, or of one older than every version kept at or
+    ///   below the published one (evicted before, most likely): not in place of one counted
+    ///   after it, which would be evicted for it;
+    /// - a number above the published one (a bogus number, or a version of a store the
+    ///   control plane no longer has) while every version kept is at or below it: no version
+    ///   a fleet runs makes room for one no fleet runs.
+    ///
+    /// Never the version published: the fleet moves to it, whatever numbers were reported.
+    fn goes_with_evicted(&self, version: u64, published: u64) -> bool {
+        if version == published {
+            return false;
+        }
+        if above(version, published) {
+            return self.versions.iter().all(|v| !above(v.version, published));
+        }
+        let mut real = self
+            .versions
+            .iter()
+            .filter(|v| !above(v.version, published))
+            .peekable();
+        self.evicted.iter().any(|&(v, _)| v == version)
+            || (real.peek().is_some() && real.all(|v| v.version > version))
+    }
+
+    /// Makes room for and adds `version`; returns its index.
     fn new_version(&mut self, version: u64, tick: &Tick, span: Duration, published: u64) -> usize {
         self.prune(tick);
         if self.versions.len() >= MAX_VERSIONS {
-            // The least recently counted goes, but never the version a fleet moves to or
-            // runs, which counts least recently while its first agents run it: the newest kept
-            // at or below the one published (a bogus higher number reported must not evict
-            // it; one refused by the agents leaves them on the one before); with none
-            // published, the newest kept, for an older one.
-            let kept = self.versions.iter().map(|v| v.version);
-            let protected = if published > 0 {
-                kept.filter(|&v| v <= published).max()
+            // A number above the published one goes first (the newcomer is one only when
+            // another is kept, see `goes_with_evicted`); else the least recently counted, but
+            // never the versions a fleet moves to or runs, which count least recently while
+            // their first agents run them: the two newest kept at or below the one published
+            // (a bogus higher number reported must not evict them; agents that refuse a
+            // publish stay on the one before, and a fleet can be split between the two); with
+            // none published, the newest kept, for an older one.
+            let mut real: Vec<u64> = self
+                .versions
+                .iter()
+                .map(|v| v.version)
+                .filter(|&v| !above(v, published))
+                .collect();
+            real.sort_unstable_by(|a, b| b.cmp(a));
+            let protected: &[u64] = if published > 0 {
+                &real[..real.len().min(2)]
+            } else if real.first().is_some_and(|&newest| version < newest) {
+                &real[..1]
             } else {
-                kept.max().filter(|&newest| version < newest)
+                &[]
             };
             let oldest = self
                 .versions
                 .iter()
                 .enumerate()
-                .filter(|(_, v)| Some(v.version) != protected)
-                .min_by_key(|(_, v)| v.last)
+                .filter(|(_, v)| !protected.contains(&v.version))
+                .min_by_key(|(_, v)| (!above(v.version, published), v.last))
                 .map_or(0, |(i, _)| i);
             let evicted = self.versions.swap_remove(oldest);
             self.retired

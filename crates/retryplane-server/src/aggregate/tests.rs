@@ -9,7 +9,6 @@ use super::*;
 use crate::fleet::Fleet;
 use crate::metrics::ServerMetrics;
 
-/// A report under `version` with `(endpoint, calls, retries)` per endpoint.
 /// One report of `calls` calls to `payments` under `version`, from `svc`, now.
 fn payments(agg: &Aggregator, svc: &ServiceHandle, version: u64, calls: u64) {
     agg.ingest(
@@ -19,6 +18,7 @@ fn payments(agg: &Aggregator, svc: &ServiceHandle, version: u64, calls: u64) {
     );
 }
 
+/// A report under `version` with `(endpoint, calls, retries)` per endpoint.
 fn report(version: u64, endpoints: &[(&str, u64, u64)]) -> pb::MetricsReport {
     pb::MetricsReport {
         policy_version: version,
@@ -2062,13 +2062,14 @@ async fn a_seeded_walk_of_publishes_keeps_the_published_version_apart_and_counts
     );
 }
 
-/// The list of versions evicted lately holds at most 16 (`MAX_EVICTED`). A client reporting
-/// a new bogus number every few seconds (each evicting the last) does not push version 8,
-/// evicted a minute before, out of it (numbers above the published one are not remembered):
-/// a late report of 8 goes with the evicted versions' counts, not in place of version 9,
-/// newer than it, which the agents on 9 go on reporting.
+/// A client reporting a new bogus number every few seconds (numbers above the published one)
+/// while the four places are taken by versions at or below it evicts none of them: each
+/// bogus report goes with the evicted versions' counts, and a late report of version 8 (the
+/// least recently counted) is still counted as 8, beside 9, newer, which the agents on 9 go on
+/// reporting. (Before, the first bogus number evicted 8, and 16 more pushed it off the list of
+/// versions evicted lately.)
 #[tokio::test(start_paused = true)]
-async fn a_late_report_of_a_version_evicted_before_sixteen_others_evicts_no_newer_one() {
+async fn bogus_numbers_above_the_published_one_evict_no_version_at_or_below_it() {
     let agg = Aggregator::new(10, Instant::now());
     agg.set_published(10);
     let svc = agg.service("checkout");
@@ -2083,8 +2084,6 @@ async fn a_late_report_of_a_version_evicted_before_sixteen_others_evicts_no_newe
         one(&agg, version);
         advance(Duration::from_secs(1)).await;
     }
-    // The first bogus number evicts 8, the least recently counted; each next one evicts the
-    // one before it, agents on 7, 9 and 10 reporting in between.
     let bogus = 1_000_000;
     one(&agg, bogus);
     advance(Duration::from_secs(1)).await;
@@ -2096,18 +2095,311 @@ async fn a_late_report_of_a_version_evicted_before_sixteen_others_evicts_no_newe
         one(&agg, bogus + i);
         advance(Duration::from_secs(1)).await;
     }
-    // A late report of version 8, 70 s after it was evicted.
+    // A late report of version 8, 70 s after its last.
     one(&agg, 8);
     advance(Duration::from_secs(1)).await;
     let stats = agg.stats(Instant::now(), all());
-    let listed: Vec<u64> = stats.series[0]
+    let series = &stats.series[0];
+    let listed: Vec<u64> = series.versions.iter().map(|v| v.policy_version).collect();
+    assert_eq!(
+        listed,
+        [10, 9, 8, 7],
+        "bogus numbers evicted a version the agents run"
+    );
+    let lifetime = series.lifetime.as_ref().map_or(0, |c| c.calls);
+    assert_eq!(lifetime, 4 + 17 + 16 * 3 + 1, "every report counted once");
+}
+
+/// The versions a series keeps apart, newest first.
+fn listed(agg: &Aggregator) -> Vec<u64> {
+    agg.stats(Instant::now(), all()).series[0]
         .versions
         .iter()
         .map(|v| v.policy_version)
-        .collect();
+        .collect()
+}
+
+/// A control plane restarted on a reset store (a volume not mounted: the store numbers from 1
+/// again) while its agents ran the lost store's version 9; agents held reports of 9 while it
+/// was down. The store publishes 1 to 4; the agents refusing 4 stay on 3, stragglers of 1 and
+/// 2 still report. Version 9, the least recently counted, is evicted by 4's first report, and
+/// not remembered (a number above the one published). A second agent's held report of 9,
+/// sent once it reconnects, is a late report of an evicted version: it should go with the
+/// evicted versions' counts, not be kept apart again in place of version 3, which the agents
+/// that refused 4 run (a number above the published one never takes the place of a version at
+/// or below it; before, 3 was evicted for it and counted with the evicted versions for 15
+/// minutes while those agents went on running it).
+#[tokio::test(start_paused = true)]
+async fn a_late_report_of_an_evicted_number_above_the_published_one_evicts_no_newer_version() {
+    let agg = Aggregator::new(10, Instant::now());
+    let svc = agg.service("checkout");
+    agg.set_published(1);
+    // An agent's report held from before the restart.
+    payments(&agg, &svc, 9, 5);
+    advance(Duration::from_secs(1)).await;
+    for version in 1..=3 {
+        agg.set_published(version);
+        payments(&agg, &svc, version, 5);
+        advance(Duration::from_secs(1)).await;
+    }
+    agg.set_published(4);
+    payments(&agg, &svc, 4, 5);
+    advance(Duration::from_secs(1)).await;
+    assert_eq!(
+        listed(&agg),
+        [4, 3, 2, 1],
+        "9, counted least recently, was evicted"
+    );
+    // Agents refusing 4 report 3 first this interval, then stragglers and agents on 4.
+    for version in [3, 2, 1, 4] {
+        payments(&agg, &svc, version, 5);
+        advance(Duration::from_secs(1)).await;
+    }
+    // A second agent's report of 9, held from before the restart.
+    payments(&agg, &svc, 9, 5);
+    advance(Duration::from_secs(1)).await;
+    let after_late = listed(&agg);
+    // The agents refusing 4 report 3 again.
+    payments(&agg, &svc, 3, 100);
+    advance(Duration::from_secs(1)).await;
+    assert_eq!(
+        calls(&agg, all()),
+        [150, 150, 150],
+        "every count is in the windows"
+    );
+    let now = listed(&agg);
     assert!(
-        listed.contains(&9) && !listed.contains(&8),
-        "a late report of version 8, evicted 70 s before, evicted version 9 (newer, still \
-         reported) once 16 bogus numbers were evicted after it: versions listed {listed:?}"
+        !after_late.contains(&9) && now.contains(&3),
+        "a late report of version 9 (evicted before; above the published 4) evicted version \
+         3, counted after 9 was evicted and run by the agents refusing 4: versions listed \
+         after the late report {after_late:?}, after 3's next report {now:?}"
+    );
+}
+
+/// Version 5 is published; some agents take it, the rest refuse it (a NACK) and stay on 4,
+/// all reporting every 10 s. A client that numbers its reports itself reports three bogus
+/// numbers above the published one in a burst, then every 10 s. 4, which most of the fleet
+/// runs, stays kept apart all along. (Before, the burst evicted 4, and once 4 had left the
+/// list of versions evicted lately every kept version was numbered above it, so each report
+/// of 4 was taken for a late one and went with the evicted versions' counts.)
+#[tokio::test(start_paused = true)]
+async fn the_version_agents_refusing_a_publish_run_is_not_kept_out_by_numbers_above_the_published_one()
+ {
+    let agg = Aggregator::new(10, Instant::now());
+    agg.set_published(5);
+    let svc = agg.service("checkout");
+    // The same reports under one version: what the windows and lifetime should be.
+    let same = Aggregator::new(10, Instant::now());
+    let same_svc = same.service("checkout");
+    let both = |version: u64, calls: u64| {
+        payments(&agg, &svc, version, calls);
+        payments(&same, &same_svc, 1, calls);
+    };
+    let mut missing = Vec::new();
+    for round in 0..120u64 {
+        both(5, 10);
+        both(4, 90);
+        if !listed(&agg).contains(&4) {
+            missing.push(round * 10);
+        }
+        for bogus in 1_000_000..1_000_003 {
+            advance(Duration::from_secs(1)).await;
+            both(bogus, 1);
+        }
+        advance(Duration::from_secs(7)).await;
+    }
+    let (a, b) = (
+        &agg.views(Instant::now(), all())[0],
+        &same.views(Instant::now(), all())[0],
+    );
+    assert_eq!(
+        a.windows.map(|(c, covered)| (c.0, covered)),
+        b.windows.map(|(c, covered)| (c.0, covered)),
+        "windows"
+    );
+    assert_eq!(a.lifetime.0, b.lifetime.0, "lifetime");
+    let listed = listed(&agg);
+    assert!(
+        missing.is_empty(),
+        "version 4, which 90 of every 103 calls run under (agents refusing the published 5), \
+         was not kept apart after its report at {} of 120 reports (first at {:?} s); \
+         versions listed at the end {listed:?}",
+        missing.len(),
+        missing.first()
+    );
+}
+
+/// As `the_version_the_fleet_runs_after_refusing_the_published_one_is_kept_apart`, but one
+/// agent takes version 6 (a NACK from most of the fleet, not all: agents of another build, or
+/// with another validation, accept it). Both 6 and 5, which the rest of the fleet runs, stay
+/// kept apart when straggler versions report (an agent restarted from its cache file). (Before,
+/// only the newest kept at or below the published one was protected: one report of straggler
+/// version 2 evicted 5, counted least recently that interval, and 5 counted with the evicted
+/// versions for 15 minutes.)
+#[tokio::test(start_paused = true)]
+async fn the_version_most_agents_run_after_some_refuse_the_published_one_is_kept_apart() {
+    let agg = Aggregator::new(10, Instant::now());
+    agg.set_published(5);
+    let svc = agg.service("checkout");
+    for version in [1, 3, 5] {
+        payments(&agg, &svc, version, 1);
+        advance(Duration::from_secs(1)).await;
+    }
+    // Version 6 is published; one agent takes it, the rest refuse it and stay on 5.
+    agg.set_published(6);
+    for version in [6, 5, 1, 3, 6] {
+        payments(&agg, &svc, version, 1);
+        advance(Duration::from_secs(1)).await;
+    }
+    // An agent restarted from its cache file of version 2.
+    payments(&agg, &svc, 2, 1);
+    advance(Duration::from_secs(1)).await;
+    let mut missing = 0;
+    for _ in 0..60 {
+        payments(&agg, &svc, 5, 100);
+        if !listed(&agg).contains(&5) {
+            missing += 1;
+        }
+        for version in [1, 3, 6] {
+            payments(&agg, &svc, version, 1);
+        }
+        advance(Duration::from_secs(10)).await;
+    }
+    let stats = agg.stats(Instant::now(), all());
+    let series = &stats.series[0];
+    let listed: Vec<u64> = series.versions.iter().map(|v| v.policy_version).collect();
+    assert!(
+        missing == 0,
+        "version 5, which every agent but one runs (6,000 of the last 6,180 calls), was not \
+         kept apart after {missing} of its 60 reports in ten minutes, after one report of \
+         straggler version 2: versions listed {listed:?}"
+    );
+}
+
+/// A seeded 30-minute walk of a small fleet (four agents, each reporting every 10 s at its
+/// own phase): a publish every 2 minutes, which the agents take (within 20 s), or all but one
+/// refuse (a NACK: they stay on the version before), or all refuse; now and then a straggler
+/// of an older version (a late report, an agent restarted from its cache file) and, in the
+/// second run, a client's bogus number above the published one. After every report of the
+/// version most agents run, it is kept apart; after every report the windows and lifetime are
+/// those of the same reports under one version, and the memory stays under its bound.
+async fn seeded_walk_of_refused_publishes(
+    seed: u64,
+    bogus: bool,
+) -> (u32, u32, Option<(u64, u64, Vec<u64>)>) {
+    let agg = Aggregator::new(10, Instant::now());
+    let svc = agg.service("checkout");
+    let same = Aggregator::new(10, Instant::now());
+    let same_svc = same.service("checkout");
+    let mut seed: u64 = 0x5eed_0092 ^ seed;
+    let mut next = |n: u64| {
+        seed = seed
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        (seed >> 33) % n
+    };
+    let mut published = 10u64;
+    agg.set_published(published);
+    // The version most agents run, and the one agent 0 runs.
+    let (mut most, mut first) = (published, published);
+    let mut moving_at: Option<u64> = None;
+    let phases = [0u64, 3, 5, 8];
+    let (mut reports, mut missing, mut first_missing) = (0u32, 0u32, None);
+    let mut most_bytes = 0usize;
+    for second in 0..1_800u64 {
+        if second > 0 && second % 120 == 0 {
+            published += 1;
+            agg.set_published(published);
+            match next(3) {
+                // Taken: the agents move within 20 s.
+                0 => moving_at = Some(second + 5 + next(15)),
+                // All but agent 0 refuse it.
+                1 => first = published,
+                // Every agent refuses it.
+                _ => {}
+            }
+        }
+        if moving_at == Some(second) {
+            (most, first, moving_at) = (published, published, None);
+        }
+        let mut batch = Vec::new();
+        for (agent, &phase) in phases.iter().enumerate() {
+            if second % 10 == phase {
+                let version = if agent == 0 { first } else { most };
+                batch.push((version, 20 + next(20)));
+            }
+        }
+        match next(20) {
+            0 => batch.push((most.saturating_sub(1 + next(6)), 1)),
+            1 if bogus => batch.push((1_000_000 + next(3), 1)),
+            _ => {}
+        }
+        for (version, calls) in batch {
+            let r = report(version, &[("payments", calls, next(3))]);
+            agg.ingest(&svc, &r, Instant::now());
+            let mut r = r;
+            r.policy_version = 1;
+            same.ingest(&same_svc, &r, Instant::now());
+            if version == most {
+                reports += 1;
+                if !listed(&agg).contains(&most) {
+                    missing += 1;
+                    first_missing.get_or_insert((second, most, listed(&agg)));
+                }
+            }
+            let (a, b) = (
+                &agg.views(Instant::now(), all())[0],
+                &same.views(Instant::now(), all())[0],
+            );
+            assert_eq!(
+                a.windows.map(|(c, covered)| (c.0, covered)),
+                b.windows.map(|(c, covered)| (c.0, covered)),
+                "windows at {second} s"
+            );
+            assert_eq!(a.lifetime.0, b.lifetime.0, "lifetime at {second} s");
+            most_bytes = most_bytes.max(agg.approx_bytes());
+        }
+        advance(Duration::from_secs(1)).await;
+    }
+    let base = same.approx_bytes();
+    assert!(
+        most_bytes < base + series::MAX_VERSIONS * 2_800 + 16 * 32,
+        "{base} -> {most_bytes}"
+    );
+    (missing, reports, first_missing)
+}
+
+/// [`seeded_walk_of_refused_publishes`] with stragglers only.
+#[tokio::test(start_paused = true)]
+async fn a_seeded_walk_of_refused_publishes_keeps_the_version_most_agents_run_apart() {
+    let (mut missing, mut reports, mut first) = (0, 0, None);
+    for seed in 0..20 {
+        let (m, r, f) = seeded_walk_of_refused_publishes(seed, false).await;
+        (missing, reports) = (missing + m, reports + r);
+        first = first.or(f.map(|f| (seed, f)));
+    }
+    assert!(
+        missing == 0,
+        "the version three of four agents run was not kept apart after {missing} of its \
+         {reports} reports over 20 seeds; the first at (seed, (second, version, versions \
+         listed)) {first:?}"
+    );
+}
+
+/// [`seeded_walk_of_refused_publishes`] with stragglers and a client's bogus numbers.
+#[tokio::test(start_paused = true)]
+async fn a_seeded_walk_of_refused_publishes_and_bogus_numbers_keeps_the_version_most_agents_run_apart()
+ {
+    let (mut missing, mut reports, mut first) = (0, 0, None);
+    for seed in 0..20 {
+        let (m, r, f) = seeded_walk_of_refused_publishes(seed, true).await;
+        (missing, reports) = (missing + m, reports + r);
+        first = first.or(f.map(|f| (seed, f)));
+    }
+    assert!(
+        missing == 0,
+        "the version three of four agents run was not kept apart after {missing} of its \
+         {reports} reports over 20 seeds; the first at (seed, (second, version, versions \
+         listed)) {first:?}"
     );
 }
