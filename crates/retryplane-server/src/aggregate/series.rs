@@ -5,13 +5,13 @@
 //! count is kept once per bucket size. A version is pruned once nothing of it is left in the
 //! 15-minute window (no counts for 14–15 minutes); its lifetime stays in the series lifetime.
 //! At most [`MAX_VERSIONS`] versions are kept apart: a report under yet another version evicts
-//! a number above the published one if one is kept, else the version counted least recently
-//! but the two newest kept at or below the published one (the version the fleet moves to, and
-//! the one agents refusing it stay on); the evicted version's buckets are folded into
-//! `retired` (allocated only then, freed once empty) so the series' windows lose nothing. A
-//! report, while all are kept, under a version evicted in the last 15 minutes or older than
-//! every one kept at or below the published one (a late report of an evicted version), or
-//! under a number above the published one while none such is kept, is counted into `retired`
+//! the one with the fewest calls in the 5-minute window (of two alike, the least recently
+//! counted), never the two newest kept at or below the published one (the version the fleet
+//! moves to, and the one agents refusing it stay on); the evicted version's buckets are folded
+//! into `retired` (allocated only then, freed once empty) so the series' windows lose nothing.
+//! A report, while all are kept, under a number above the published one while none such is
+//! kept, or (while none such is kept) under a version evicted in the last 15 minutes or older
+//! than every one kept (a late report of an evicted version), is counted into `retired`
 //! directly (see `State::goes_with_evicted`).
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
@@ -264,7 +264,7 @@ impl Series {
             }
         };
         let v = &mut s.versions[at];
-        v.last = tick.now;
+        v.last = v.last.max(tick.now);
         v.lifetime.add(counts);
         v.windows.add(tick, counts, span, interval);
         // Keep the most recent version first, so the usual lookup is one comparison.
@@ -421,13 +421,14 @@ impl State {
 
     /// Whether a report of `version`, which is not kept apart, goes with the evicted versions'
     /// counts while every place is taken, rather than evicting a kept version:
-    /// - a late report (calls that outlived their version, a report held while newer ones
-    ///   went out) of a version evicted lately, or of one older than every version kept at or
-    ///   below the published one (evicted before, most likely): not in place of one counted
-    ///   after it, which would be evicted for it;
     /// - a number above the published one (a bogus number, or a version of a store the
     ///   control plane no longer has) while every version kept is at or below it: no version
-    ///   a fleet runs makes room for one no fleet runs.
+    ///   this control plane published makes room for one it did not;
+    /// - while none such is kept, a late report (calls that outlived their version, a report
+    ///   held while newer ones went out) of a version evicted lately, or of one older than
+    ///   every version kept (evicted before, most likely): not in place of one counted after
+    ///   it, which would be evicted for it. (While a number above the published one is kept, a
+    ///   version at or below it may take a place.)
     ///
     /// Never the version published: the fleet moves to it, whatever numbers were reported.
     fn goes_with_evicted(&self, version: u64, published: u64) -> bool {
@@ -436,6 +437,11 @@ impl State {
         }
         if above(version, published) {
             return self.versions.iter().all(|v| !above(v.version, published));
+        }
+        if self.versions.iter().any(|v| above(v.version, published)) {
+            // A number above the published one holds a place a version at or below it can
+            // take.
+            return false;
         }
         let mut real = self
             .versions
@@ -450,13 +456,13 @@ impl State {
     fn new_version(&mut self, version: u64, tick: &Tick, span: Duration, published: u64) -> usize {
         self.prune(tick);
         if self.versions.len() >= MAX_VERSIONS {
-            // A number above the published one goes first (the newcomer is one only when
-            // another is kept, see `goes_with_evicted`); else the least recently counted, but
-            // never the versions a fleet moves to or runs, which count least recently while
-            // their first agents run them: the two newest kept at or below the one published
-            // (a bogus higher number reported must not evict them; agents that refuse a
-            // publish stay on the one before, and a fleet can be split between the two); with
-            // none published, the newest kept, for an older one.
+            // The version with the fewest calls in the 15-minute window goes (of two alike,
+            // the least recently counted): not the one most agents run because its report
+            // came a second before a straggler's. Never the versions a fleet moves to or
+            // runs, which count little while their first agents run them: the two newest kept
+            // at or below the one published (a bogus higher number reported must not evict
+            // them; agents that refuse a publish stay on the one before, and a fleet can be
+            // split between the two); with none published, the newest kept, for an older one.
             let mut real: Vec<u64> = self
                 .versions
                 .iter()
@@ -476,7 +482,10 @@ impl State {
                 .iter()
                 .enumerate()
                 .filter(|(_, v)| !protected.contains(&v.version))
-                .min_by_key(|(_, v)| (!above(v.version, published), v.last))
+                .min_by_key(|(_, v)| {
+                    let calls = v.windows.sum(tick, Window::FiveMinutes).0[CALLS];
+                    (calls, v.last)
+                })
                 .map_or(0, |(i, _)| i);
             let evicted = self.versions.swap_remove(oldest);
             self.retired

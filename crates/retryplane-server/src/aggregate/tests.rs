@@ -2403,3 +2403,261 @@ async fn a_seeded_walk_of_refused_publishes_and_bogus_numbers_keeps_the_version_
          listed)) {first:?}"
     );
 }
+
+/// A fleet of several builds, each refusing policies newer than it can read (a NACK: it stays
+/// on the version it runs). Versions 8, 9 and 10 are published; most agents (90 of every 93
+/// calls) refuse 9 and 10 and stay on 8; one agent takes 10, one takes 9 and refuses 10, one
+/// restarted from its cache file of 6 refuses everything newer and stays on 6. All report
+/// every 10 s, the fleet first in each interval. Then one more agent, restarted from its
+/// cache file of 7, reports once (a straggler). 8, which the fleet runs and which reported
+/// seconds before the straggler on 6, stays kept apart: of the two not protected, 6 has the
+/// fewer calls. (When the least recently counted went, 7 evicted 8, and every report of 8 for
+/// the next 15 minutes was taken for a late report of an evicted version.)
+#[tokio::test(start_paused = true)]
+async fn one_straggler_report_does_not_evict_the_version_most_of_a_split_fleet_runs() {
+    let agg = Aggregator::new(10, Instant::now());
+    let svc = agg.service("checkout");
+    agg.set_published(8);
+    payments(&agg, &svc, 8, 90);
+    advance(Duration::from_secs(1)).await;
+    agg.set_published(9);
+    agg.set_published(10);
+    // One interval: the fleet on 8, the agent on 6, the one on 10, the one on 9.
+    let interval = |agg: &Aggregator, svc: &ServiceHandle| {
+        payments(agg, svc, 8, 90);
+        payments(agg, svc, 6, 1);
+        payments(agg, svc, 10, 1);
+        payments(agg, svc, 9, 1);
+    };
+    for _ in 0..6 {
+        interval(&agg, &svc);
+        advance(Duration::from_secs(10)).await;
+    }
+    assert_eq!(listed(&agg), [10, 9, 8, 6]);
+    // The straggler's one report, after the fleet's and the agent on 6's this interval.
+    payments(&agg, &svc, 8, 90);
+    advance(Duration::from_secs(1)).await;
+    payments(&agg, &svc, 6, 1);
+    advance(Duration::from_secs(1)).await;
+    payments(&agg, &svc, 7, 1);
+    advance(Duration::from_secs(8)).await;
+    let mut missing = Vec::new();
+    for round in 0..90u64 {
+        interval(&agg, &svc);
+        if !listed(&agg).contains(&8) {
+            missing.push(round * 10);
+        }
+        advance(Duration::from_secs(10)).await;
+    }
+    assert!(
+        missing.is_empty(),
+        "version 8, which 90 of every 93 calls run under, was not kept apart after {} of its \
+         90 reports over 15 minutes following one report of straggler version 7 (first at \
+         {:?} s after it); versions listed at the end {:?}",
+        missing.len(),
+        missing.first(),
+        listed(&agg)
+    );
+}
+
+/// A control plane restarted on a reset store (it numbers from 1 again) publishes 1 to 3; the
+/// agents ran the lost store's version 9 and refuse 3 (a NACK: it is not a policy their build
+/// reads), so they stay on 9; one agent takes 3, two stragglers restarted from cache files of
+/// 1 and 2 reported once. A client that numbers its reports itself sends a bogus number after
+/// the fleet's report every 10 s. Version 9, which the fleet runs and counted most recently
+/// but the bogus number, stays kept apart with its counts, in place of the straggler's 1
+/// counted once minutes ago. (When a number above the published one went first, every bogus
+/// report evicted 9, and 9's next report the bogus number: 9 was listed with one report's
+/// counts at a time.)
+#[tokio::test(start_paused = true)]
+async fn a_bogus_number_does_not_evict_the_version_a_fleet_runs_above_the_published_one() {
+    let agg = Aggregator::new(10, Instant::now());
+    let svc = agg.service("checkout");
+    for version in 1..=3 {
+        agg.set_published(version);
+    }
+    for version in [9, 1, 2, 3] {
+        payments(&agg, &svc, version, 1);
+        advance(Duration::from_secs(1)).await;
+    }
+    advance(Duration::from_secs(6)).await;
+    for _ in 0..30 {
+        payments(&agg, &svc, 9, 100);
+        advance(Duration::from_secs(1)).await;
+        payments(&agg, &svc, 3, 1);
+        advance(Duration::from_secs(1)).await;
+        payments(&agg, &svc, 1_000_000, 1);
+        advance(Duration::from_secs(8)).await;
+    }
+    let stats = agg.stats(Instant::now(), all());
+    let series = &stats.series[0];
+    let nine = series
+        .versions
+        .iter()
+        .find(|v| v.policy_version == 9)
+        .map(|v| {
+            v.windows
+                .iter()
+                .find(|w| w.window_seconds == 300)
+                .and_then(|w| w.counters.as_ref())
+                .map_or(0, |c| c.calls)
+        });
+    let listed: Vec<u64> = series.versions.iter().map(|v| v.policy_version).collect();
+    assert!(
+        // The 5-minute window's coarse buckets cover 4 to 5 minutes: at least 24 reports.
+        nine.is_some_and(|calls| calls >= 2_400),
+        "version 9, which the fleet runs (100 calls every 10 s for 5 minutes), listed with \
+         {nine:?} calls in its 5-minute window (None: not kept apart); versions listed \
+         {listed:?}"
+    );
+}
+
+/// A control plane restarted (its aggregates start empty) serves version 10. The agents that
+/// took 10 report first; then a client that numbers its reports itself sends three bogus
+/// numbers above 10; then the agents that refused 10 (a NACK) and stay on 9, most of the
+/// fleet. All report every 10 s. 9, the one before the published version, which most calls
+/// run under, is kept apart: numbers above the published one never take the place of a
+/// version at or below it. (Before, every report of 9 was taken for a late one, older than
+/// every version kept at or below the published one, which was 10 alone, and went with the
+/// evicted versions' counts while the three bogus numbers kept their places.)
+#[tokio::test(start_paused = true)]
+async fn numbers_above_the_published_one_do_not_keep_the_version_before_it_out() {
+    let agg = Aggregator::new(10, Instant::now());
+    agg.set_published(10);
+    let svc = agg.service("checkout");
+    let mut missing = Vec::new();
+    for round in 0..30u64 {
+        payments(&agg, &svc, 10, 10);
+        for bogus in 1_000_000..1_000_003 {
+            payments(&agg, &svc, bogus, 1);
+        }
+        advance(Duration::from_secs(1)).await;
+        payments(&agg, &svc, 9, 90);
+        if !listed(&agg).contains(&9) {
+            missing.push(round * 10);
+        }
+        advance(Duration::from_secs(9)).await;
+    }
+    assert_eq!(
+        calls(&agg, all())[2],
+        30 * 103,
+        "every count is in the windows"
+    );
+    assert!(
+        missing.is_empty(),
+        "version 9, which 90 of every 103 calls run under (agents refusing the published 10), \
+         was not kept apart after {} of its 30 reports (first at {:?} s) while three numbers \
+         above the published one were; versions listed at the end {:?}",
+        missing.len(),
+        missing.first(),
+        listed(&agg)
+    );
+}
+
+/// A seeded 30-minute walk of a fleet of three builds (five agents, each reporting every 10 s
+/// at its own phase): a publish every 2 minutes; agent 0 (the newest build) takes every one,
+/// agent 1 (a build between) takes one in two, the three others (most of the fleet, the oldest
+/// build) one in three (a NACK otherwise: an agent stays on the version it runs); now and then
+/// a straggler of one of the six versions before the published one (an agent restarted from
+/// its cache file).
+/// After every report of the version most agents run, it is kept apart; the windows are those
+/// of the same reports under one version. Returns (reports of it not kept apart, its reports,
+/// the first such (second, version, versions listed)).
+async fn seeded_walk_of_a_fleet_of_three_builds(
+    seed: u64,
+) -> (u32, u32, Option<(u64, u64, Vec<u64>)>) {
+    let agg = Aggregator::new(10, Instant::now());
+    let svc = agg.service("checkout");
+    let same = Aggregator::new(10, Instant::now());
+    let same_svc = same.service("checkout");
+    let mut seed: u64 = 0x5eed_0093 ^ seed;
+    let mut next = |n: u64| {
+        seed = seed
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        (seed >> 33) % n
+    };
+    let mut published = 10u64;
+    agg.set_published(published);
+    // The version each agent runs; agents 2 to 4 are most of the fleet and move together.
+    let (mut newest, mut between, mut most) = (published, published, published);
+    let phases = [0u64, 2, 4, 6, 8];
+    let (mut reports, mut missing, mut first_missing) = (0u32, 0u32, None);
+    for second in 0..1_800u64 {
+        if second > 0 && second % 120 == 0 {
+            published += 1;
+            agg.set_published(published);
+            newest = published;
+            if next(2) == 0 {
+                between = published;
+            }
+            if next(3) == 0 {
+                most = published;
+            }
+        }
+        let mut batch = Vec::new();
+        for (agent, &phase) in phases.iter().enumerate() {
+            if second % 10 == phase {
+                let version = match agent {
+                    0 => newest,
+                    1 => between,
+                    _ => most,
+                };
+                let calls = if agent >= 2 {
+                    30 + next(20)
+                } else {
+                    1 + next(5)
+                };
+                batch.push((version, calls));
+            }
+        }
+        // A straggler: an agent restarted from its cache file of a version its build took.
+        if next(30) == 0 {
+            batch.push((published.saturating_sub(1 + next(6)).max(10), 1));
+        }
+        for (version, calls) in batch {
+            let r = report(version, &[("payments", calls, next(3))]);
+            agg.ingest(&svc, &r, Instant::now());
+            let mut r = r;
+            r.policy_version = 1;
+            same.ingest(&same_svc, &r, Instant::now());
+            if version == most {
+                reports += 1;
+                if !listed(&agg).contains(&most) {
+                    missing += 1;
+                    first_missing.get_or_insert((second, most, listed(&agg)));
+                }
+            }
+            let (a, b) = (
+                &agg.views(Instant::now(), all())[0],
+                &same.views(Instant::now(), all())[0],
+            );
+            assert_eq!(
+                a.windows.map(|(c, covered)| (c.0, covered)),
+                b.windows.map(|(c, covered)| (c.0, covered)),
+                "windows at {second} s"
+            );
+            assert_eq!(a.lifetime.0, b.lifetime.0, "lifetime at {second} s");
+        }
+        advance(Duration::from_secs(1)).await;
+    }
+    (missing, reports, first_missing)
+}
+
+/// [`seeded_walk_of_a_fleet_of_three_builds`] over 20 seeds.
+#[tokio::test(start_paused = true)]
+async fn a_seeded_walk_of_a_fleet_of_three_builds_keeps_the_version_most_agents_run_apart() {
+    let (mut missing, mut reports, mut first, mut seeds) = (0, 0, None, 0);
+    for seed in 0..20 {
+        let (m, r, f) = seeded_walk_of_a_fleet_of_three_builds(seed).await;
+        (missing, reports) = (missing + m, reports + r);
+        seeds += u32::from(m > 0);
+        first = first.or(f.map(|f| (seed, f)));
+    }
+    assert!(
+        missing == 0,
+        "the version three of five agents run was not kept apart after {missing} of its \
+         {reports} reports, in {seeds} of 20 seeds; the first at (seed, (second, version, \
+         versions listed)) {first:?}"
+    );
+}
