@@ -344,8 +344,9 @@ impl Aggregator {
     /// Says that `version` is published: the version the fleet moves to. A series keeps apart
     /// the two newest versions it holds at or below it (the published one, and the one agents
     /// that refuse it stay on) whatever other versions report; a number above it gets no
-    /// place while none such has one; of the others, the one with the fewest recent calls
-    /// makes room ([`series::MAX_VERSIONS`]). Versions only go forward.
+    /// place while none such has one; of the others, the one with the fewest calls per second
+    /// makes room, for a version with more ([`series::MAX_VERSIONS`]). Versions only go
+    /// forward.
     pub fn set_published(&self, version: u64) {
         self.published.fetch_max(version, Ordering::Relaxed);
     }

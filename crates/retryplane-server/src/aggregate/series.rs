@@ -4,15 +4,16 @@
 //! The series' windows are the sum of its versions' windows (plus `retired`, below), so each
 //! count is kept once per bucket size. A version is pruned once nothing of it is left in the
 //! 15-minute window (no counts for 14–15 minutes); its lifetime stays in the series lifetime.
-//! At most [`MAX_VERSIONS`] versions are kept apart: a report under yet another version evicts
-//! the one with the fewest calls in the 5-minute window (of two alike, the least recently
-//! counted), never the two newest kept at or below the published one (the version the fleet
-//! moves to, and the one agents refusing it stay on); the evicted version's buckets are folded
-//! into `retired` (allocated only then, freed once empty) so the series' windows lose nothing.
-//! A report, while all are kept, under a number above the published one while none such is
-//! kept, or (while none such is kept) under a version evicted in the last 15 minutes or older
-//! than every one kept (a late report of an evicted version), is counted into `retired`
-//! directly (see `State::goes_with_evicted`).
+//! At most [`MAX_VERSIONS`] versions are kept apart. A report under yet another version, while
+//! all places are taken, evicts the kept version with the fewest calls per second over the
+//! 15-minute window, never the two newest kept at or below the published one (the version the
+//! fleet moves to, and the one agents refusing it stay on); the evicted version's buckets are
+//! folded into `retired` (allocated only then, freed once empty) so the series' windows lose
+//! nothing. It is counted into `retired` directly instead when its own calls per second come
+//! to fewer than the version's it would evict (a straggler's report, a bogus number's), when
+//! it is a late report of a version evicted in the last 15 minutes, or when it is a number
+//! above the published one while none such is kept (see `State::goes_with_evicted`); never
+//! when it is the published version.
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -79,6 +80,18 @@ struct VersionSeries {
     last: Instant,
     lifetime: Counts,
     windows: Windows,
+}
+
+impl VersionSeries {
+    /// Calls per second over the 15-minute window (the part of it this version covers):
+    /// whatever the report interval, the version agents run now counts the most.
+    fn rate(&self, tick: &Tick) -> f64 {
+        let calls = self.windows.sum(tick, Window::FifteenMinutes).0[CALLS];
+        calls as f64
+            / tick
+                .covered_seconds(Window::FifteenMinutes, self.first)
+                .max(1.0)
+    }
 }
 
 /// The alert's state as last evaluated.
@@ -252,7 +265,9 @@ impl Series {
             Some(i) => i,
             None => {
                 s.prune(tick);
-                if s.versions.len() >= MAX_VERSIONS && s.goes_with_evicted(version, published) {
+                if s.versions.len() >= MAX_VERSIONS
+                    && s.goes_with_evicted(version, counts, span, tick, published)
+                {
                     s.retired
                         .get_or_insert_with(Box::default)
                         .add(tick, counts, span, interval);
@@ -419,74 +434,84 @@ impl State {
         }
     }
 
-    /// Whether a report of `version`, which is not kept apart, goes with the evicted versions'
-    /// counts while every place is taken, rather than evicting a kept version:
+    /// Whether a report of `version` (its `counts`, made over `span`), which is not kept
+    /// apart, goes with the evicted versions' counts while every place is taken, rather than
+    /// evicting a kept version:
     /// - a number above the published one (a bogus number, or a version of a store the
     ///   control plane no longer has) while every version kept is at or below it: no version
     ///   this control plane published makes room for one it did not;
     /// - while none such is kept, a late report (calls that outlived their version, a report
-    ///   held while newer ones went out) of a version evicted lately, or of one older than
-    ///   every version kept (evicted before, most likely): not in place of one counted after
-    ///   it, which would be evicted for it. (While a number above the published one is kept, a
-    ///   version at or below it may take a place.)
+    ///   held while newer ones went out) of a version evicted lately: not in place of one
+    ///   counted after it, which would be evicted for it;
+    /// - a report whose calls per second come to fewer than those of the version it would
+    ///   evict ([`State::victim`]): a straggler's report, or a bogus number's, does not take
+    ///   the place of a version agents run (a fleet's version reported for the first time,
+    ///   after a restart of the control plane, does).
     ///
     /// Never the version published: the fleet moves to it, whatever numbers were reported.
-    fn goes_with_evicted(&self, version: u64, published: u64) -> bool {
+    fn goes_with_evicted(
+        &self,
+        version: u64,
+        counts: &Counts,
+        span: Duration,
+        tick: &Tick,
+        published: u64,
+    ) -> bool {
         if version == published {
             return false;
         }
-        if above(version, published) {
-            return self.versions.iter().all(|v| !above(v.version, published));
+        let above_kept = self.versions.iter().any(|v| above(v.version, published));
+        if above(version, published) && !above_kept {
+            return true;
         }
-        if self.versions.iter().any(|v| above(v.version, published)) {
-            // A number above the published one holds a place a version at or below it can
-            // take.
-            return false;
+        if !above_kept && self.evicted.iter().any(|&(v, _)| v == version) {
+            return true;
         }
-        let mut real = self
+        let rate = counts.0[CALLS] as f64 / span.as_secs_f64().max(1.0);
+        self.victim(version, tick, published)
+            .is_none_or(|i| rate < self.versions[i].rate(tick))
+    }
+
+    /// The kept version a new `version` would evict: the one with the fewest calls per second
+    /// over the 15-minute window (of two alike, the least recently counted), whatever the
+    /// report interval: not the one most agents run because its report came a second before
+    /// a straggler's, or because its reports are minutes apart. Never the versions a fleet
+    /// moves to or runs, which count little while their first agents run them: the two newest
+    /// kept at or below the one published (a bogus higher number reported must not evict them;
+    /// agents that refuse a publish stay on the one before, and a fleet can be split between
+    /// the two); with none published, the newest kept, for an older one.
+    fn victim(&self, version: u64, tick: &Tick, published: u64) -> Option<usize> {
+        let mut real: Vec<u64> = self
             .versions
             .iter()
-            .filter(|v| !above(v.version, published))
-            .peekable();
-        self.evicted.iter().any(|&(v, _)| v == version)
-            || (real.peek().is_some() && real.all(|v| v.version > version))
+            .map(|v| v.version)
+            .filter(|&v| !above(v, published))
+            .collect();
+        real.sort_unstable_by(|a, b| b.cmp(a));
+        let protected: &[u64] = if published > 0 {
+            &real[..real.len().min(2)]
+        } else if real.first().is_some_and(|&newest| version < newest) {
+            &real[..1]
+        } else {
+            &[]
+        };
+        self.versions
+            .iter()
+            .enumerate()
+            .filter(|(_, v)| !protected.contains(&v.version))
+            .min_by(|(_, a), (_, b)| {
+                a.rate(tick)
+                    .total_cmp(&b.rate(tick))
+                    .then(a.last.cmp(&b.last))
+            })
+            .map(|(i, _)| i)
     }
 
     /// Makes room for and adds `version`; returns its index.
     fn new_version(&mut self, version: u64, tick: &Tick, span: Duration, published: u64) -> usize {
         self.prune(tick);
         if self.versions.len() >= MAX_VERSIONS {
-            // The version with the fewest calls in the 15-minute window goes (of two alike,
-            // the least recently counted): not the one most agents run because its report
-            // came a second before a straggler's. Never the versions a fleet moves to or
-            // runs, which count little while their first agents run them: the two newest kept
-            // at or below the one published (a bogus higher number reported must not evict
-            // them; agents that refuse a publish stay on the one before, and a fleet can be
-            // split between the two); with none published, the newest kept, for an older one.
-            let mut real: Vec<u64> = self
-                .versions
-                .iter()
-                .map(|v| v.version)
-                .filter(|&v| !above(v, published))
-                .collect();
-            real.sort_unstable_by(|a, b| b.cmp(a));
-            let protected: &[u64] = if published > 0 {
-                &real[..real.len().min(2)]
-            } else if real.first().is_some_and(|&newest| version < newest) {
-                &real[..1]
-            } else {
-                &[]
-            };
-            let oldest = self
-                .versions
-                .iter()
-                .enumerate()
-                .filter(|(_, v)| !protected.contains(&v.version))
-                .min_by_key(|(_, v)| {
-                    let calls = v.windows.sum(tick, Window::FiveMinutes).0[CALLS];
-                    (calls, v.last)
-                })
-                .map_or(0, |(i, _)| i);
+            let oldest = self.victim(version, tick, published).unwrap_or(0);
             let evicted = self.versions.swap_remove(oldest);
             self.retired
                 .get_or_insert_with(Box::default)

@@ -2661,3 +2661,267 @@ async fn a_seeded_walk_of_a_fleet_of_three_builds_keeps_the_version_most_agents_
          versions listed)) {first:?}"
     );
 }
+
+/// Agents told to report every 10 minutes (the report interval may be up to an hour). A fleet
+/// of three builds: one agent takes every publish (12), one a build between (11), most agents
+/// the oldest build, which refused 11 and 12 and stays on 10 (900 calls a report). Two
+/// stragglers restarted from cache files of 8 and 9 report once each, minutes after the
+/// fleet's report. Version 10, which 900 of every 920 calls run under, should stay kept apart:
+/// a straggler's one call does not evict it. (When the version evicted was the one with the
+/// fewest calls in the 5-minute window, the fleet's report had left that window when the
+/// straggler's came, so 10 was evicted for straggler 9, and its next report, 900 calls, went
+/// with the evicted versions' counts as a late report of a version evicted lately.)
+#[tokio::test(start_paused = true)]
+async fn with_a_report_interval_past_five_minutes_a_straggler_does_not_evict_the_version_the_fleet_runs()
+ {
+    let agg = Aggregator::new(10, Instant::now()).with_unknown_span(Duration::from_secs(600));
+    let svc = agg.service("checkout");
+    for version in 10..=12 {
+        agg.set_published(version);
+    }
+    let mut missing = Vec::new();
+    let mut listed_then = Vec::new();
+    for round in 0..4u64 {
+        // The fleet on 10, then the agents on 12 and 11, at their phases.
+        payments(&agg, &svc, 10, 900);
+        if !listed(&agg).contains(&10) {
+            missing.push(round * 600);
+            listed_then.push(listed(&agg));
+        }
+        advance(Duration::from_secs(60)).await;
+        payments(&agg, &svc, 12, 10);
+        advance(Duration::from_secs(60)).await;
+        payments(&agg, &svc, 11, 10);
+        advance(Duration::from_secs(180)).await;
+        if round == 0 {
+            // The stragglers, once each.
+            payments(&agg, &svc, 8, 1);
+            advance(Duration::from_secs(60)).await;
+            payments(&agg, &svc, 9, 1);
+            advance(Duration::from_secs(240)).await;
+        } else {
+            advance(Duration::from_secs(300)).await;
+        }
+    }
+    assert_eq!(
+        agg.stats(Instant::now(), all()).series[0]
+            .lifetime
+            .as_ref()
+            .map_or(0, |c| c.calls),
+        4 * 920 + 2,
+        "every report counted once"
+    );
+    assert!(
+        missing.is_empty(),
+        "version 10, which 900 of every 920 calls run under (report interval 10 minutes), was \
+         not kept apart after its reports at {missing:?} s, following one report each of \
+         stragglers 8 and 9; versions listed then {listed_then:?}"
+    );
+}
+
+/// A control plane restarted (its aggregates start empty; its store serves version 14). A
+/// fleet of three builds: one agent took every publish (14), one a build between took 13,
+/// most agents (the oldest build, 90 calls a report) refused every publish since 10 and stay
+/// on 10; two agents restarted from cache files of 12 and 11 report once, then take 14. In
+/// the first interval after the restart the agents on 14 and 13 and the two stragglers
+/// happen to report before the fleet. Version 10 is kept apart from the fleet's first report
+/// on. (When a report of a version older than every one kept was taken for a late one, each
+/// report of 10 went with the evicted versions' counts until the stragglers' 12 and 11 were
+/// pruned, 14 to 15 minutes later.)
+#[tokio::test(start_paused = true)]
+async fn after_a_restart_the_version_the_fleet_runs_is_kept_apart_though_newer_ones_reported_first()
+{
+    let agg = Aggregator::new(10, Instant::now());
+    let svc = agg.service("checkout");
+    agg.set_published(14);
+    for version in [14, 13, 12, 11] {
+        payments(&agg, &svc, version, 1);
+        advance(Duration::from_secs(1)).await;
+    }
+    let mut missing = Vec::new();
+    for round in 0..90u64 {
+        payments(&agg, &svc, 10, 90);
+        if !listed(&agg).contains(&10) {
+            missing.push(round * 10);
+        }
+        advance(Duration::from_secs(1)).await;
+        payments(&agg, &svc, 14, 5);
+        payments(&agg, &svc, 13, 5);
+        advance(Duration::from_secs(9)).await;
+    }
+    assert_eq!(
+        agg.stats(Instant::now(), all()).series[0]
+            .lifetime
+            .as_ref()
+            .map_or(0, |c| c.calls),
+        4 + 90 * 100,
+        "every report counted once"
+    );
+    assert!(
+        missing.is_empty(),
+        "version 10, which 90 of every 100 calls run under, was not kept apart after {} of \
+         its 90 reports in the 15 minutes after a restart (first at {:?} s, last at {:?} s); \
+         versions listed at the end {:?}",
+        missing.len(),
+        missing.first(),
+        missing.last(),
+        listed(&agg)
+    );
+}
+
+/// [`seeded_walk_of_a_fleet_of_three_builds`] with agents told to report every `interval`
+/// (the walk's time scaled by `interval / 10 s`: a publish every 12 intervals, the agents'
+/// phases and the stragglers' rate as many intervals apart). Returns the same.
+async fn seeded_walk_of_a_fleet_of_three_builds_every(
+    seed: u64,
+    interval: u64,
+) -> (u32, u32, Option<(u64, u64, Vec<u64>)>) {
+    let step = interval / 10;
+    let agg = Aggregator::new(10, Instant::now()).with_unknown_span(Duration::from_secs(interval));
+    let svc = agg.service("checkout");
+    let same = Aggregator::new(10, Instant::now()).with_unknown_span(Duration::from_secs(interval));
+    let same_svc = same.service("checkout");
+    let mut seed: u64 = 0x5eed_0093 ^ seed;
+    let mut next = |n: u64| {
+        seed = seed
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        (seed >> 33) % n
+    };
+    let mut published = 10u64;
+    agg.set_published(published);
+    let (mut newest, mut between, mut most) = (published, published, published);
+    let phases = [0u64, 2, 4, 6, 8];
+    let (mut reports, mut missing, mut first_missing) = (0u32, 0u32, None);
+    for k in 0..1_800u64 {
+        if k > 0 && k % 120 == 0 {
+            published += 1;
+            agg.set_published(published);
+            newest = published;
+            if next(2) == 0 {
+                between = published;
+            }
+            if next(3) == 0 {
+                most = published;
+            }
+        }
+        let mut batch = Vec::new();
+        for (agent, &phase) in phases.iter().enumerate() {
+            if k % 10 == phase {
+                let version = match agent {
+                    0 => newest,
+                    1 => between,
+                    _ => most,
+                };
+                let calls = if agent >= 2 {
+                    30 + next(20)
+                } else {
+                    1 + next(5)
+                };
+                batch.push((version, calls));
+            }
+        }
+        if next(30) == 0 {
+            batch.push((published.saturating_sub(1 + next(6)).max(10), 1));
+        }
+        for (version, calls) in batch {
+            let r = report(version, &[("payments", calls, next(3))]);
+            agg.ingest(&svc, &r, Instant::now());
+            let mut r = r;
+            r.policy_version = 1;
+            same.ingest(&same_svc, &r, Instant::now());
+            if version == most {
+                reports += 1;
+                if !listed(&agg).contains(&most) {
+                    missing += 1;
+                    first_missing.get_or_insert((k * step, most, listed(&agg)));
+                }
+            }
+            let (a, b) = (
+                &agg.views(Instant::now(), all())[0],
+                &same.views(Instant::now(), all())[0],
+            );
+            assert_eq!(
+                a.windows.map(|(c, covered)| (c.0, covered)),
+                b.windows.map(|(c, covered)| (c.0, covered)),
+                "windows at {} s",
+                k * step
+            );
+            assert_eq!(a.lifetime.0, b.lifetime.0, "lifetime at {} s", k * step);
+        }
+        advance(Duration::from_secs(step)).await;
+    }
+    (missing, reports, first_missing)
+}
+
+/// [`seeded_walk_of_a_fleet_of_three_builds_every`] 10 minutes (a report interval past the
+/// 5-minute window; agents may be told up to an hour), over 20 seeds.
+#[tokio::test(start_paused = true)]
+async fn a_seeded_walk_of_a_fleet_of_three_builds_reporting_every_ten_minutes_keeps_the_version_most_agents_run_apart()
+ {
+    let (mut missing, mut reports, mut first, mut seeds) = (0, 0, None, 0);
+    for seed in 0..20 {
+        let (m, r, f) = seeded_walk_of_a_fleet_of_three_builds_every(seed, 600).await;
+        (missing, reports) = (missing + m, reports + r);
+        seeds += u32::from(m > 0);
+        first = first.or(f.map(|f| (seed, f)));
+    }
+    assert!(
+        missing == 0,
+        "the version three of five agents run (reporting every 10 minutes) was not kept apart \
+         after {missing} of its {reports} reports, in {seeds} of 20 seeds; the first at (seed, \
+         (second, version, versions listed)) {first:?}"
+    );
+}
+
+/// A control plane restarted on a reset store (it numbers from 1 again) publishes 1 to 3; its
+/// fleet of three builds ran the lost store's versions and refuses 3 (a NACK): most agents stay
+/// on 9 (90 calls a report), another build on 8 (20), a third on 7 (10); one agent takes 3
+/// (1). A client that numbers its reports itself sends a bogus number after the fleet's report
+/// every 10 s. Version 7, which a build of the fleet runs, stays kept apart with its counts:
+/// a bogus one-call number does not evict it. (When, while a number above the published one
+/// was kept, any number above it took a place, each bogus report evicted 7 and 7's next
+/// report the bogus number, so 7 was listed with one report's counts at a time.)
+#[tokio::test(start_paused = true)]
+async fn a_bogus_number_does_not_evict_the_low_volume_build_of_a_fleet_above_the_published_one() {
+    let agg = Aggregator::new(10, Instant::now());
+    let svc = agg.service("checkout");
+    for version in 1..=3 {
+        agg.set_published(version);
+    }
+    for _ in 0..30 {
+        payments(&agg, &svc, 9, 90);
+        payments(&agg, &svc, 8, 20);
+        payments(&agg, &svc, 7, 10);
+        payments(&agg, &svc, 3, 1);
+        advance(Duration::from_secs(1)).await;
+        payments(&agg, &svc, 1_000_000, 1);
+        advance(Duration::from_secs(9)).await;
+    }
+    let stats = agg.stats(Instant::now(), all());
+    let series = &stats.series[0];
+    let seven = series
+        .versions
+        .iter()
+        .find(|v| v.policy_version == 7)
+        .map(|v| {
+            v.windows
+                .iter()
+                .find(|w| w.window_seconds == 300)
+                .and_then(|w| w.counters.as_ref())
+                .map_or(0, |c| c.calls)
+        });
+    let listed: Vec<u64> = series.versions.iter().map(|v| v.policy_version).collect();
+    assert_eq!(
+        series.lifetime.as_ref().map_or(0, |c| c.calls),
+        30 * 122,
+        "every report counted once"
+    );
+    assert!(
+        // The 5-minute window's coarse buckets cover 4 to 5 minutes: at least 24 reports.
+        seven.is_some_and(|calls| calls >= 240),
+        "version 7, which a build of the fleet runs (10 calls every 10 s for 5 minutes), \
+         listed with {seven:?} calls in its 5-minute window (None: not kept apart); versions \
+         listed {listed:?}"
+    );
+}
