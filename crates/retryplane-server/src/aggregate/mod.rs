@@ -25,9 +25,9 @@
 //! series holds its windows in fixed rings ([`window`] documents the bucket layout and
 //! resolution) split by policy version ([`series`] documents version pruning), so a series
 //! costs about 3 KB with one live version ([`Aggregator::approx_bytes`]: 3,021 bytes, of
-//! which 2,672 are the version's totals and rings) and at most about 14 KB, with
+//! which 2,672 are the version's totals and rings) and at most about 14.5 KB, with
 //! [`series::MAX_VERSIONS`] versions, the retired buckets and the versions evicted lately:
-//! 10,000 series take 29–134 MiB.
+//! 10,000 series take 29–139 MiB.
 //!
 //! # Ingestion
 //!
@@ -345,7 +345,7 @@ impl Aggregator {
     /// the two newest versions it holds at or below it (the published one, and the one agents
     /// that refuse it stay on) whatever other versions report; a number above it gets no
     /// place while none such has one; of the others, the one with the fewest calls per second
-    /// makes room, for a version with more ([`series::MAX_VERSIONS`]). Versions only go
+    /// makes room, for a version with as many ([`series::MAX_VERSIONS`]). Versions only go
     /// forward.
     pub fn set_published(&self, version: u64) {
         self.published.fetch_max(version, Ordering::Relaxed);

@@ -7,13 +7,14 @@
 //! At most [`MAX_VERSIONS`] versions are kept apart. A report under yet another version, while
 //! all places are taken, evicts the kept version with the fewest calls per second over the
 //! 15-minute window, never the two newest kept at or below the published one (the version the
-//! fleet moves to, and the one agents refusing it stay on); the evicted version's buckets are
-//! folded into `retired` (allocated only then, freed once empty) so the series' windows lose
-//! nothing. It is counted into `retired` directly instead when its own calls per second come
-//! to fewer than the version's it would evict (a straggler's report, a bogus number's), when
-//! it is a late report of a version evicted in the last 15 minutes, or when it is a number
-//! above the published one while none such is kept (see `State::goes_with_evicted`); never
-//! when it is the published version.
+//! fleet moves to, and the one agents refusing it stay on; with none published, the newest
+//! kept, for an older one); the evicted version's buckets are folded into `retired`
+//! (allocated only then, freed once empty) so the series' windows lose nothing. It is counted
+//! into `retired` directly instead when its calls per second come to fewer than the evicted
+//! one's would (its report's over a report interval at least; for a version turned away or
+//! evicted lately, all its reports' since, from its second on: many agents' reports add up,
+//! a straggler's one does not), or when it is a number above the published one while none
+//! such is kept (see `State::goes_with_evicted`); never when it is the published version.
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -94,6 +95,20 @@ impl VersionSeries {
     }
 }
 
+/// A version evicted lately (see `State::evicted`).
+#[derive(Debug)]
+struct Evicted {
+    version: u64,
+    /// When it was evicted.
+    at: Instant,
+    /// Its calls since `since`: those in the 15-minute window when it was evicted, and those
+    /// of its reports since.
+    calls: u64,
+    since: Instant,
+    /// Its reports since it was evicted.
+    reports: u32,
+}
+
 /// The alert's state as last evaluated.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Alert {
@@ -139,13 +154,15 @@ struct State {
     versions: Vec<VersionSeries>,
     /// Buckets of evicted versions that may still be inside a window.
     retired: Option<Box<Windows>>,
-    /// The versions evicted in the last 15 minutes (the longest window), with when, at most
+    /// The versions evicted in the last 15 minutes (the longest window), at most
     /// [`MAX_EVICTED`], oldest first: a late report of one (calls that outlived it, a report
     /// held while newer ones went out) is counted into `retired`, not kept apart again in
-    /// place of a version counted after it. Past 15 minutes one comes back as any other.
-    /// Numbers above the published one are not remembered (no fleet runs them, and a run of
-    /// them would push real versions off the list).
-    evicted: Vec<(u64, Instant)>,
+    /// place of a version counted after it; one whose agents go on reporting it (a second
+    /// report since) comes back when its calls per second since come to those of the version
+    /// it would evict. Past 15 minutes one comes back as any other. Numbers above the
+    /// published one are not remembered (no fleet runs them, and a run of them would push
+    /// real versions off the list).
+    evicted: Vec<Evicted>,
     alert: Alert,
 }
 
@@ -266,7 +283,7 @@ impl Series {
             None => {
                 s.prune(tick);
                 if s.versions.len() >= MAX_VERSIONS
-                    && s.goes_with_evicted(version, counts, span, tick, published)
+                    && s.goes_with_evicted(version, counts, span, interval, tick, published)
                 {
                     s.retired
                         .get_or_insert_with(Box::default)
@@ -406,7 +423,7 @@ impl Series {
             + self.endpoint.len()
             + s.versions.capacity() * size_of::<VersionSeries>()
             + s.retired.as_ref().map_or(0, |_| size_of::<Windows>())
-            + s.evicted.capacity() * size_of::<(u64, Instant)>()
+            + s.evicted.capacity() * size_of::<Evicted>()
     }
 }
 
@@ -434,26 +451,28 @@ impl State {
         }
     }
 
-    /// Whether a report of `version` (its `counts`, made over `span`), which is not kept
-    /// apart, goes with the evicted versions' counts while every place is taken, rather than
-    /// evicting a kept version:
+    /// Whether a report of `version` (its `counts`, made over `span`, from agents that report
+    /// every `interval`), which is not kept apart, goes with the evicted versions' counts
+    /// while every place is taken, rather than evicting a kept version ([`State::victim`]):
     /// - a number above the published one (a bogus number, or a version of a store the
     ///   control plane no longer has) while every version kept is at or below it: no version
     ///   this control plane published makes room for one it did not;
-    /// - while none such is kept, a late report (calls that outlived their version, a report
-    ///   held while newer ones went out) of a version evicted lately: not in place of one
-    ///   counted after it, which would be evicted for it;
-    /// - a report whose calls per second come to fewer than those of the version it would
-    ///   evict ([`State::victim`]): a straggler's report, or a bogus number's, does not take
-    ///   the place of a version agents run (a fleet's version reported for the first time,
-    ///   after a restart of the control plane, does).
+    /// - a version evicted lately (or turned away here before) at its first report since: a
+    ///   late report (calls that outlived their version, a report held while newer ones went
+    ///   out) does not take the place of one counted after it;
+    /// - calls per second fewer than those of the version it would evict: the report's over a
+    ///   report interval at least (an agent's last report before it stops can span a fraction
+    ///   of one), or, for a version on the list, all its calls since (its calls in the window
+    ///   when it was evicted, and its reports' since), so that the reports of the many agents
+    ///   on one version add up and a version its agents go on reporting comes back.
     ///
     /// Never the version published: the fleet moves to it, whatever numbers were reported.
     fn goes_with_evicted(
-        &self,
+        &mut self,
         version: u64,
         counts: &Counts,
         span: Duration,
+        interval: Duration,
         tick: &Tick,
         published: u64,
     ) -> bool {
@@ -464,12 +483,45 @@ impl State {
         if above(version, published) && !above_kept {
             return true;
         }
-        if !above_kept && self.evicted.iter().any(|&(v, _)| v == version) {
-            return true;
+        let floor = interval.as_secs_f64().max(1.0);
+        let rate = match self.evicted.iter_mut().find(|e| e.version == version) {
+            Some(e) if !above_kept => {
+                e.calls = e.calls.saturating_add(counts.0[CALLS]);
+                e.reports = e.reports.saturating_add(1);
+                if e.reports < 2 {
+                    return true;
+                }
+                e.calls as f64
+                    / tick
+                        .now
+                        .saturating_duration_since(e.since)
+                        .as_secs_f64()
+                        .max(floor)
+            }
+            // Over a report interval at least: an agent's last report before it stops can
+            // span a fraction of one.
+            _ => counts.0[CALLS] as f64 / span.as_secs_f64().max(floor),
+        };
+        let late = self
+            .victim(version, tick, published)
+            .is_none_or(|i| rate < self.versions[i].rate(tick));
+        if !late {
+            self.evicted.retain(|e| e.version != version);
+        } else if !above(version, published) && !self.evicted.iter().any(|e| e.version == version) {
+            // Turned away at its first report: its next ones add up with this one (the
+            // reports of many agents on a version the series has not kept yet).
+            if self.evicted.len() >= MAX_EVICTED {
+                self.evicted.remove(0);
+            }
+            self.evicted.push(Evicted {
+                version,
+                at: tick.now,
+                calls: counts.0[CALLS],
+                since: tick.now.checked_sub(span.max(interval)).unwrap_or(tick.now),
+                reports: 1,
+            });
         }
-        let rate = counts.0[CALLS] as f64 / span.as_secs_f64().max(1.0);
-        self.victim(version, tick, published)
-            .is_none_or(|i| rate < self.versions[i].rate(tick))
+        late
     }
 
     /// The kept version a new `version` would evict: the one with the fewest calls per second
@@ -522,7 +574,17 @@ impl State {
                 if self.evicted.len() >= MAX_EVICTED {
                     self.evicted.remove(0);
                 }
-                self.evicted.push((evicted.version, tick.now));
+                let covered = tick.covered_seconds(Window::FifteenMinutes, evicted.first);
+                self.evicted.push(Evicted {
+                    version: evicted.version,
+                    at: tick.now,
+                    calls: evicted.windows.sum(tick, Window::FifteenMinutes).0[CALLS],
+                    since: tick
+                        .now
+                        .checked_sub(Duration::from_secs_f64(covered))
+                        .unwrap_or(tick.now),
+                    reports: 0,
+                });
             }
         }
         self.versions.push(VersionSeries {
@@ -539,7 +601,7 @@ impl State {
         self.versions.retain(|v| v.windows.is_live(tick));
         let longest = Duration::from_secs(Window::FifteenMinutes.seconds().into());
         self.evicted
-            .retain(|&(_, at)| tick.now.saturating_duration_since(at) < longest);
+            .retain(|e| tick.now.saturating_duration_since(e.at) < longest);
         if self.evicted.is_empty() {
             self.evicted = Vec::new();
         }
