@@ -154,14 +154,14 @@ struct State {
     versions: Vec<VersionSeries>,
     /// Buckets of evicted versions that may still be inside a window.
     retired: Option<Box<Windows>>,
-    /// The versions evicted in the last 15 minutes (the longest window), at most
-    /// [`MAX_EVICTED`], oldest first: a late report of one (calls that outlived it, a report
-    /// held while newer ones went out) is counted into `retired`, not kept apart again in
-    /// place of a version counted after it; one whose agents go on reporting it (a second
-    /// report since) comes back when its calls per second since come to those of the version
-    /// it would evict. Past 15 minutes one comes back as any other. Numbers above the
-    /// published one are not remembered (no fleet runs them, and a run of them would push
-    /// real versions off the list).
+    /// The versions evicted, or turned away, in the last 15 minutes (the longest window), with
+    /// their calls since, at most [`MAX_EVICTED`] (when full, the one with the fewest calls
+    /// goes, so a run of bogus numbers does not push a version many agents run off it): a
+    /// late report of one (calls that outlived it, a report held while newer ones went out)
+    /// is counted into `retired`, not kept apart again in place of a version counted after
+    /// it; one whose agents go on reporting it (a second report since) comes back when its
+    /// calls per second since come to those of the version it would evict. A version that
+    /// gets a place leaves the list. Past 15 minutes one comes back as any other.
     evicted: Vec<Evicted>,
     alert: Alert,
 }
@@ -485,7 +485,7 @@ impl State {
         }
         let floor = interval.as_secs_f64().max(1.0);
         let rate = match self.evicted.iter_mut().find(|e| e.version == version) {
-            Some(e) if !above_kept => {
+            Some(e) => {
                 e.calls = e.calls.saturating_add(counts.0[CALLS]);
                 e.reports = e.reports.saturating_add(1);
                 if e.reports < 2 {
@@ -505,15 +505,10 @@ impl State {
         let late = self
             .victim(version, tick, published)
             .is_none_or(|i| rate < self.versions[i].rate(tick));
-        if !late {
-            self.evicted.retain(|e| e.version != version);
-        } else if !above(version, published) && !self.evicted.iter().any(|e| e.version == version) {
+        if late && !self.evicted.iter().any(|e| e.version == version) {
             // Turned away at its first report: its next ones add up with this one (the
             // reports of many agents on a version the series has not kept yet).
-            if self.evicted.len() >= MAX_EVICTED {
-                self.evicted.remove(0);
-            }
-            self.evicted.push(Evicted {
+            self.remember(Evicted {
                 version,
                 at: tick.now,
                 calls: counts.0[CALLS],
@@ -559,6 +554,24 @@ impl State {
             .map(|(i, _)| i)
     }
 
+    /// Puts `entry` on the list of versions evicted lately, in place of one for the same
+    /// version; when the list is full, the entry with the fewest calls goes (a run of bogus
+    /// numbers does not push a version many agents run off it).
+    fn remember(&mut self, entry: Evicted) {
+        self.evicted.retain(|e| e.version != entry.version);
+        if self.evicted.len() >= MAX_EVICTED
+            && let Some(fewest) = self
+                .evicted
+                .iter()
+                .enumerate()
+                .min_by_key(|(_, e)| (e.calls, e.at))
+                .map(|(i, _)| i)
+        {
+            self.evicted.remove(fewest);
+        }
+        self.evicted.push(entry);
+    }
+
     /// Makes room for and adds `version`; returns its index.
     fn new_version(&mut self, version: u64, tick: &Tick, span: Duration, published: u64) -> usize {
         self.prune(tick);
@@ -570,23 +583,20 @@ impl State {
                 .merge(&evicted.windows);
             // A number above the one published is no version a fleet ran: remembering it
             // would push real ones off the list.
-            if published == 0 || evicted.version <= published {
-                if self.evicted.len() >= MAX_EVICTED {
-                    self.evicted.remove(0);
-                }
-                let covered = tick.covered_seconds(Window::FifteenMinutes, evicted.first);
-                self.evicted.push(Evicted {
-                    version: evicted.version,
-                    at: tick.now,
-                    calls: evicted.windows.sum(tick, Window::FifteenMinutes).0[CALLS],
-                    since: tick
-                        .now
-                        .checked_sub(Duration::from_secs_f64(covered))
-                        .unwrap_or(tick.now),
-                    reports: 0,
-                });
-            }
+            let covered = tick.covered_seconds(Window::FifteenMinutes, evicted.first);
+            self.remember(Evicted {
+                version: evicted.version,
+                at: tick.now,
+                calls: evicted.windows.sum(tick, Window::FifteenMinutes).0[CALLS],
+                since: tick
+                    .now
+                    .checked_sub(Duration::from_secs_f64(covered))
+                    .unwrap_or(tick.now),
+                reports: 0,
+            });
         }
+        // It has a place: what the list held of it is in the past.
+        self.evicted.retain(|e| e.version != version);
         self.versions.push(VersionSeries {
             version,
             first: Began { at: tick.now, span },
