@@ -2568,82 +2568,7 @@ async fn numbers_above_the_published_one_do_not_keep_the_version_before_it_out()
 async fn seeded_walk_of_a_fleet_of_three_builds(
     seed: u64,
 ) -> (u32, u32, Option<(u64, u64, Vec<u64>)>) {
-    let agg = Aggregator::new(10, Instant::now());
-    let svc = agg.service("checkout");
-    let same = Aggregator::new(10, Instant::now());
-    let same_svc = same.service("checkout");
-    let mut seed: u64 = 0x5eed_0093 ^ seed;
-    let mut next = |n: u64| {
-        seed = seed
-            .wrapping_mul(6_364_136_223_846_793_005)
-            .wrapping_add(1_442_695_040_888_963_407);
-        (seed >> 33) % n
-    };
-    let mut published = 10u64;
-    agg.set_published(published);
-    // The version each agent runs; agents 2 to 4 are most of the fleet and move together.
-    let (mut newest, mut between, mut most) = (published, published, published);
-    let phases = [0u64, 2, 4, 6, 8];
-    let (mut reports, mut missing, mut first_missing) = (0u32, 0u32, None);
-    for second in 0..1_800u64 {
-        if second > 0 && second % 120 == 0 {
-            published += 1;
-            agg.set_published(published);
-            newest = published;
-            if next(2) == 0 {
-                between = published;
-            }
-            if next(3) == 0 {
-                most = published;
-            }
-        }
-        let mut batch = Vec::new();
-        for (agent, &phase) in phases.iter().enumerate() {
-            if second % 10 == phase {
-                let version = match agent {
-                    0 => newest,
-                    1 => between,
-                    _ => most,
-                };
-                let calls = if agent >= 2 {
-                    30 + next(20)
-                } else {
-                    1 + next(5)
-                };
-                batch.push((version, calls));
-            }
-        }
-        // A straggler: an agent restarted from its cache file of a version its build took.
-        if next(30) == 0 {
-            batch.push((published.saturating_sub(1 + next(6)).max(10), 1));
-        }
-        for (version, calls) in batch {
-            let r = report(version, &[("payments", calls, next(3))]);
-            agg.ingest(&svc, &r, Instant::now());
-            let mut r = r;
-            r.policy_version = 1;
-            same.ingest(&same_svc, &r, Instant::now());
-            if version == most {
-                reports += 1;
-                if !listed(&agg).contains(&most) {
-                    missing += 1;
-                    first_missing.get_or_insert((second, most, listed(&agg)));
-                }
-            }
-            let (a, b) = (
-                &agg.views(Instant::now(), all())[0],
-                &same.views(Instant::now(), all())[0],
-            );
-            assert_eq!(
-                a.windows.map(|(c, covered)| (c.0, covered)),
-                b.windows.map(|(c, covered)| (c.0, covered)),
-                "windows at {second} s"
-            );
-            assert_eq!(a.lifetime.0, b.lifetime.0, "lifetime at {second} s");
-        }
-        advance(Duration::from_secs(1)).await;
-    }
-    (missing, reports, first_missing)
+    seeded_walk_of_a_fleet_of_three_builds_every(seed, 10).await
 }
 
 /// [`seeded_walk_of_a_fleet_of_three_builds`] over 20 seeds.
@@ -2792,6 +2717,7 @@ async fn seeded_walk_of_a_fleet_of_three_builds_every(
     };
     let mut published = 10u64;
     agg.set_published(published);
+    // The version each agent runs; agents 2 to 4 are most of the fleet and move together.
     let (mut newest, mut between, mut most) = (published, published, published);
     let phases = [0u64, 2, 4, 6, 8];
     let (mut reports, mut missing, mut first_missing) = (0u32, 0u32, None);
