@@ -156,7 +156,8 @@ struct State {
     retired: Option<Box<Windows>>,
     /// The versions evicted, or turned away, in the last 15 minutes (the longest window), with
     /// their calls since, at most [`MAX_EVICTED`] (when full, the one with the fewest calls
-    /// goes, so a run of bogus numbers does not push a version many agents run off it): a
+    /// goes; a new entry starts with one report's, so a run of numbers each reported once can
+    /// push off a version whose agents have only begun to report it): a
     /// late report of one (calls that outlived it, a report held while newer ones went out)
     /// is counted into `retired`, not kept apart again in place of a version counted after
     /// it; one whose agents go on reporting it (a second report since) comes back when its
@@ -555,8 +556,7 @@ impl State {
     }
 
     /// Puts `entry` on the list of versions evicted lately, in place of one for the same
-    /// version; when the list is full, the entry with the fewest calls goes (a run of bogus
-    /// numbers does not push a version many agents run off it).
+    /// version; when the list is full, the entry with the fewest calls goes.
     fn remember(&mut self, entry: Evicted) {
         self.evicted.retain(|e| e.version != entry.version);
         if self.evicted.len() >= MAX_EVICTED
