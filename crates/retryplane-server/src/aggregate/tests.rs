@@ -2913,45 +2913,13 @@ async fn after_a_restart_the_version_many_small_agents_run_is_kept_apart_though_
 /// minutes went with the evicted versions' counts, while 7 kept the place.)
 #[tokio::test(start_paused = true)]
 async fn one_busy_straggler_report_does_not_hold_a_live_build_out_for_15_minutes() {
-    let agg = Aggregator::new(10, Instant::now());
-    let svc = agg.service("checkout");
-    for version in 9..=12 {
-        agg.set_published(version);
-    }
-    let interval = |agg: &Aggregator, svc: &ServiceHandle| {
-        payments(agg, svc, 12, 5);
-        payments(agg, svc, 11, 5);
-        payments(agg, svc, 10, 500);
-        for _ in 0..5 {
-            payments(agg, svc, 9, 10);
-        }
-    };
-    for _ in 0..30 {
-        interval(&agg, &svc);
-        advance(Duration::from_secs(10)).await;
-    }
-    assert_eq!(listed(&agg), [12, 11, 10, 9]);
-    advance(Duration::from_secs(1)).await;
-    payments(&agg, &svc, 7, 60);
-    advance(Duration::from_secs(9)).await;
-    let mut missing = Vec::new();
-    for round in 0..90u64 {
-        interval(&agg, &svc);
-        if !listed(&agg).contains(&9) {
-            missing.push(round * 10);
-        }
-        advance(Duration::from_secs(10)).await;
-    }
+    let missing = a_build_of_five_after_a_straggler(&report(7, &[("payments", 60, 0)])).await;
     // Out for the straggler's interval at most, not 15 minutes.
     assert!(
         missing.len() <= 1 && missing.iter().all(|&at| at == 0),
         "version 9, which a build of five agents runs (50 calls every 10 s), was not kept \
-         apart after {} of its 90 intervals in the 15 minutes after one report of straggler \
-         7 (first at {:?} s, last at {:?} s); versions listed at the end {:?}",
-        missing.len(),
-        missing.first(),
-        missing.last(),
-        listed(&agg)
+         apart after the intervals at {missing:?} s of the 15 minutes after one report of \
+         straggler 7"
     );
 }
 
@@ -2964,6 +2932,25 @@ async fn one_busy_straggler_report_does_not_hold_a_live_build_out_for_15_minutes
 /// 15 minutes of reports, 4,500 calls, were taken for late reports of an evicted version.)
 #[tokio::test(start_paused = true)]
 async fn a_short_last_report_of_a_stopped_straggler_does_not_evict_a_live_build() {
+    let flush = spanning(
+        report(7, &[("payments", 20, 0)]),
+        1_700_000_000_000,
+        1_700_000_000_200,
+    );
+    let missing = a_build_of_five_after_a_straggler(&flush).await;
+    assert!(
+        missing.is_empty(),
+        "version 9, which a build of five agents runs (50 calls every 10 s), was not kept \
+         apart after the intervals at {missing:?} s after a stopped straggler's last report \
+         of 20 calls over 200 ms under 7"
+    );
+}
+
+/// Published 12, reported every 10 s for 5 minutes by one agent on 12, one on 11, most of the
+/// fleet on 10 (500 calls) and a build of five agents on 9 (10 calls each); then `straggler`
+/// once, a second into an interval, and 90 more intervals. Returns the offsets (s) of the
+/// intervals after which 9 was not kept apart.
+async fn a_build_of_five_after_a_straggler(straggler: &pb::MetricsReport) -> Vec<u64> {
     let agg = Aggregator::new(10, Instant::now());
     let svc = agg.service("checkout");
     for version in 9..=12 {
@@ -2983,12 +2970,7 @@ async fn a_short_last_report_of_a_stopped_straggler_does_not_evict_a_live_build(
     }
     assert_eq!(listed(&agg), [12, 11, 10, 9]);
     advance(Duration::from_secs(1)).await;
-    let flush = spanning(
-        report(7, &[("payments", 20, 0)]),
-        1_700_000_000_000,
-        1_700_000_000_200,
-    );
-    agg.ingest(&svc, &flush, Instant::now());
+    agg.ingest(&svc, straggler, Instant::now());
     advance(Duration::from_secs(9)).await;
     let mut missing = Vec::new();
     for round in 0..90u64 {
@@ -2998,17 +2980,7 @@ async fn a_short_last_report_of_a_stopped_straggler_does_not_evict_a_live_build(
         }
         advance(Duration::from_secs(10)).await;
     }
-    assert!(
-        missing.is_empty(),
-        "version 9, which a build of five agents runs (50 calls every 10 s), was not kept \
-         apart after {} of its 90 intervals after a stopped straggler's last report of 20 \
-         calls over 200 ms under 7 (first at {:?} s, last at {:?} s); versions listed at the \
-         end {:?}",
-        missing.len(),
-        missing.first(),
-        missing.last(),
-        listed(&agg)
-    );
+    missing
 }
 
 /// Runs 90 intervals of 10 s after a restart of the control plane (aggregates empty, the store
