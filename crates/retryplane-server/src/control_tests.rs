@@ -911,22 +911,10 @@ async fn a_store_write_whose_task_failed_after_storing_is_not_said_to_be_not_sto
 /// that publishes, left alone by one that does not (the same content again, a dry run).
 #[tokio::test]
 async fn the_publish_time_is_set_when_a_version_is_published_and_only_then() {
-    let unix_now = || {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_secs_f64()
-    };
     let control = ControlPlane::for_tests(Arc::new(MemoryStore::default()), Mode::Api);
     let published = || control.metrics.last_publish_seconds.get();
     assert_eq!(published(), 0.0, "nothing published yet");
-    let before = unix_now();
-    control.apply(change(wire(V1))).await.unwrap();
-    let first = published();
-    assert!(
-        (before..=unix_now()).contains(&first),
-        "{first} not within the apply"
-    );
+    let first = publish_time_of(&control, change(wire(V1)), "apply").await;
     control.apply(change(wire(V1))).await.unwrap();
     control
         .apply(ChangeRequest {
@@ -936,9 +924,20 @@ async fn the_publish_time_is_set_when_a_version_is_published_and_only_then() {
         .await
         .unwrap();
     assert_eq!(published(), first, "nothing published since");
-    let before = unix_now();
-    control.apply(change(wire(V2))).await.unwrap();
-    assert!((before..=unix_now()).contains(&published()));
+    publish_time_of(&control, change(wire(V2)), "apply").await;
+}
+
+/// Applies `req` and returns the publish time on `/metrics` after it, checked to fall within
+/// the call (`what` names the call in the message).
+async fn publish_time_of(control: &ControlPlane, req: ChangeRequest, what: &str) -> f64 {
+    let before = unix_now_s();
+    control.apply(req).await.unwrap();
+    let at = control.metrics.last_publish_seconds.get();
+    assert!(
+        (before..=unix_now_s()).contains(&at),
+        "{what}: {at} not within the call"
+    );
+    at
 }
 
 /// Unix time now, in seconds (as the publish time gauge has it).
@@ -985,32 +984,18 @@ async fn the_publish_time_follows_every_publish_and_no_refused_one() {
     );
 
     // A rollback publishes a new version.
-    let before = unix_now_s();
-    control
-        .apply(ChangeRequest {
-            source: Source::Rollback { from: 1 },
-            ..change(v1.document.clone())
-        })
-        .await
-        .unwrap();
+    let rollback = ChangeRequest {
+        source: Source::Rollback { from: 1 },
+        ..change(v1.document.clone())
+    };
+    let at_v3 = publish_time_of(&control, rollback, "rollback").await;
     assert_eq!(served(&control), 3);
-    let at_v3 = published();
-    assert!(
-        (before..=unix_now_s()).contains(&at_v3),
-        "rollback: {at_v3}"
-    );
 
     // A write whose commit reported an error after storing is published.
     clock_past(at_v3).await;
     store.failed_commits.store(1, Ordering::SeqCst);
-    let before = unix_now_s();
-    control.apply(change(wire(V3))).await.unwrap();
+    let at_v4 = publish_time_of(&control, change(wire(V3)), "late error").await;
     assert_eq!(served(&control), 4);
-    let at_v4 = published();
-    assert!(
-        (before..=unix_now_s()).contains(&at_v4),
-        "late error: {at_v4}"
-    );
 
     // A version stored behind the served one is caught up by the same content sent again.
     clock_past(at_v4).await;
