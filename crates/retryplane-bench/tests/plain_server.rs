@@ -1,6 +1,7 @@
 //! The plain tonic baseline server as the fan-out bench runs it: started as a process with
 //! `retryplane serve`'s command line on `127.0.0.1:0`, agents from the bench's own code, one
-//! published version seen by every agent and every ACK counted on `/metrics`.
+//! published version seen by every agent and every ACK counted on `/metrics`; and the fan-out
+//! bench's own measurement (`measure::run`) against it.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -9,6 +10,9 @@
 #[allow(dead_code)]
 #[path = "../src/agents.rs"]
 mod agents;
+#[allow(dead_code)]
+#[path = "../src/measure.rs"]
+mod measure;
 #[allow(dead_code)]
 #[path = "../src/policy.rs"]
 mod policy;
@@ -148,4 +152,32 @@ async fn every_agent_gets_a_published_version_and_every_ack_is_counted() {
     agents.shutdown().await;
     assert_eq!(metric_reaches(&server, connected, 0.0).await, 0.0);
     server.stop().await.unwrap();
+}
+
+/// The fan-out bench's "publish → every agent", measured as the
+/// bench measures it (`measure::run`) against the plain tonic server, lies where it must: the
+/// publish instant is after the Apply call started and no later than the first agent's
+/// arrival, so per round `last - first <= last - publish <= last - t0`, and so for the p50 and
+/// p99 over rounds. A sign or unit slip in the conversion between the system clock and the
+/// bench's monotonic clock, or a round that read an earlier publish's time, breaks it.
+#[tokio::test]
+async fn publish_to_every_agent_lies_between_the_fan_out_and_the_apply_call_figure() {
+    let cfg = measure::Config {
+        agents: 8,
+        endpoints: 3,
+        connections: 2,
+        rounds: 6,
+        warmup: 1,
+        server_bin: std::path::PathBuf::from(env!("CARGO_BIN_EXE_retryplane-bench-plain-server")),
+    };
+    let o = measure::run(&cfg).await.unwrap();
+    for (name, spread, published, all) in [
+        ("p50", o.spread_p50_ms, o.published_p50_ms, o.all_p50_ms),
+        ("p99", o.spread_p99_ms, o.published_p99_ms, o.all_p99_ms),
+    ] {
+        assert!(
+            published.is_finite() && spread <= published && published <= all,
+            "{name}: first → last {spread} ms, publish → last {published} ms, Apply call → last {all} ms"
+        );
+    }
 }
