@@ -14,7 +14,7 @@
 //! one's would (its report's over a report interval at least; for a version turned away or
 //! evicted lately, all its reports' since, from its second on: many agents' reports add up,
 //! a straggler's one does not), or when it is a number above the published one while none
-//! such is kept (see `State::goes_with_evicted`); never when it is the published version.
+//! such is kept (see `State::place_for`); never when it is the published version.
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -283,15 +283,17 @@ impl Series {
             Some(i) => i,
             None => {
                 s.prune(tick);
-                if s.versions.len() >= MAX_VERSIONS
-                    && s.goes_with_evicted(version, counts, span, interval, tick, published)
-                {
-                    s.retired
-                        .get_or_insert_with(Box::default)
-                        .add(tick, counts, span, interval);
-                    return;
+                let mut evict = None;
+                if s.versions.len() >= MAX_VERSIONS {
+                    evict = s.place_for(version, counts, span, interval, tick, published);
+                    if evict.is_none() {
+                        s.retired
+                            .get_or_insert_with(Box::default)
+                            .add(tick, counts, span, interval);
+                        return;
+                    }
                 }
-                let at = s.new_version(version, tick, span, published);
+                let at = s.new_version(version, tick, span, evict);
                 s.note_newest();
                 at
             }
@@ -452,9 +454,9 @@ impl State {
         }
     }
 
-    /// Whether a report of `version` (its `counts`, made over `span`, from agents that report
-    /// every `interval`), which is not kept apart, goes with the evicted versions' counts
-    /// while every place is taken, rather than evicting a kept version ([`State::victim`]):
+    /// The kept version a report of `version` (its `counts`, made over `span`, from agents
+    /// that report every `interval`), which is not kept apart, evicts while every place is
+    /// taken ([`State::victim`]), or `None` when it goes with the evicted versions' counts:
     /// - a number above the published one (a bogus number, or a version of a store the
     ///   control plane no longer has) while every version kept is at or below it: no version
     ///   this control plane published makes room for one it did not;
@@ -468,7 +470,7 @@ impl State {
     ///   on one version add up and a version its agents go on reporting comes back.
     ///
     /// Never the version published: the fleet moves to it, whatever numbers were reported.
-    fn goes_with_evicted(
+    fn place_for(
         &mut self,
         version: u64,
         counts: &Counts,
@@ -476,13 +478,13 @@ impl State {
         interval: Duration,
         tick: &Tick,
         published: u64,
-    ) -> bool {
+    ) -> Option<usize> {
         if version == published {
-            return false;
+            return Some(self.victim(version, tick, published).unwrap_or(0));
         }
         let above_kept = self.versions.iter().any(|v| above(v.version, published));
         if above(version, published) && !above_kept {
-            return true;
+            return None;
         }
         let floor = interval.as_secs_f64().max(1.0);
         let rate = match self.evicted.iter_mut().find(|e| e.version == version) {
@@ -490,7 +492,7 @@ impl State {
                 e.calls = e.calls.saturating_add(counts.0[CALLS]);
                 e.reports = e.reports.saturating_add(1);
                 if e.reports < 2 {
-                    return true;
+                    return None;
                 }
                 e.calls as f64
                     / tick
@@ -503,10 +505,10 @@ impl State {
             // span a fraction of one.
             _ => counts.0[CALLS] as f64 / span.as_secs_f64().max(floor),
         };
-        let late = self
+        let victim = self
             .victim(version, tick, published)
-            .is_none_or(|i| rate < self.versions[i].rate(tick));
-        if late && !self.evicted.iter().any(|e| e.version == version) {
+            .filter(|&i| rate >= self.versions[i].rate(tick));
+        if victim.is_none() && !self.evicted.iter().any(|e| e.version == version) {
             // Turned away at its first report: its next ones add up with this one (the
             // reports of many agents on a version the series has not kept yet).
             self.remember(Evicted {
@@ -517,7 +519,7 @@ impl State {
                 reports: 1,
             });
         }
-        late
+        victim
     }
 
     /// The kept version a new `version` would evict: the one with the fewest calls per second
@@ -547,12 +549,9 @@ impl State {
             .iter()
             .enumerate()
             .filter(|(_, v)| !protected.contains(&v.version))
-            .min_by(|(_, a), (_, b)| {
-                a.rate(tick)
-                    .total_cmp(&b.rate(tick))
-                    .then(a.last.cmp(&b.last))
-            })
-            .map(|(i, _)| i)
+            .map(|(i, v)| (i, v.rate(tick), v.last))
+            .min_by(|a, b| a.1.total_cmp(&b.1).then(a.2.cmp(&b.2)))
+            .map(|(i, ..)| i)
     }
 
     /// Puts `entry` on the list of versions evicted lately, in place of one for the same
@@ -572,17 +571,20 @@ impl State {
         self.evicted.push(entry);
     }
 
-    /// Makes room for and adds `version`; returns its index.
-    fn new_version(&mut self, version: u64, tick: &Tick, span: Duration, published: u64) -> usize {
-        self.prune(tick);
-        if self.versions.len() >= MAX_VERSIONS {
-            let oldest = self.victim(version, tick, published).unwrap_or(0);
-            let evicted = self.versions.swap_remove(oldest);
+    /// Adds `version`, after evicting the version at `evict` (see [`State::place_for`]);
+    /// returns its index.
+    fn new_version(
+        &mut self,
+        version: u64,
+        tick: &Tick,
+        span: Duration,
+        evict: Option<usize>,
+    ) -> usize {
+        if let Some(at) = evict {
+            let evicted = self.versions.swap_remove(at);
             self.retired
                 .get_or_insert_with(Box::default)
                 .merge(&evicted.windows);
-            // A number above the one published is no version a fleet ran: remembering it
-            // would push real ones off the list.
             let covered = tick.covered_seconds(Window::FifteenMinutes, evicted.first);
             self.remember(Evicted {
                 version: evicted.version,
