@@ -2114,6 +2114,21 @@ async fn bogus_numbers_above_the_published_one_evict_no_version_at_or_below_it()
     assert_eq!(lifetime, 4 + 17 + 16 * 3 + 1, "every report counted once");
 }
 
+/// The calls of `version` in `series`' 5-minute window; `None` when it is not kept apart.
+fn five_minute_calls(series: &pb::SeriesStats, version: u64) -> Option<u64> {
+    let v = series
+        .versions
+        .iter()
+        .find(|v| v.policy_version == version)?;
+    Some(
+        v.windows
+            .iter()
+            .find(|w| w.window_seconds == 300)
+            .and_then(|w| w.counters.as_ref())
+            .map_or(0, |c| c.calls),
+    )
+}
+
 /// The versions a series keeps apart, newest first.
 fn listed(agg: &Aggregator) -> Vec<u64> {
     agg.stats(Instant::now(), all()).series[0]
@@ -2493,17 +2508,7 @@ async fn a_bogus_number_does_not_evict_the_version_a_fleet_runs_above_the_publis
     }
     let stats = agg.stats(Instant::now(), all());
     let series = &stats.series[0];
-    let nine = series
-        .versions
-        .iter()
-        .find(|v| v.policy_version == 9)
-        .map(|v| {
-            v.windows
-                .iter()
-                .find(|w| w.window_seconds == 300)
-                .and_then(|w| w.counters.as_ref())
-                .map_or(0, |c| c.calls)
-        });
+    let nine = five_minute_calls(series, 9);
     let listed: Vec<u64> = series.versions.iter().map(|v| v.policy_version).collect();
     assert!(
         // The 5-minute window's coarse buckets cover 4 to 5 minutes: at least 24 reports.
@@ -2828,17 +2833,7 @@ async fn a_bogus_number_does_not_evict_the_low_volume_build_of_a_fleet_above_the
     }
     let stats = agg.stats(Instant::now(), all());
     let series = &stats.series[0];
-    let seven = series
-        .versions
-        .iter()
-        .find(|v| v.policy_version == 7)
-        .map(|v| {
-            v.windows
-                .iter()
-                .find(|w| w.window_seconds == 300)
-                .and_then(|w| w.counters.as_ref())
-                .map_or(0, |c| c.calls)
-        });
+    let seven = five_minute_calls(series, 7);
     let listed: Vec<u64> = series.versions.iter().map(|v| v.policy_version).collect();
     assert_eq!(
         series.lifetime.as_ref().map_or(0, |c| c.calls),
