@@ -780,20 +780,7 @@ async fn the_same_content_again_publishes_a_stored_version_that_was_not_served()
     control.apply(change(wire(V1))).await.unwrap();
     // Stored behind the control plane's back: what a failed write that committed leaves
     // when the store could not be read at the time.
-    store
-        .inner
-        .publish(
-            NewVersion {
-                document: wire(V3),
-                content_hash: convert::content_hash(&wire(V3)),
-                source: Source::Admin,
-                author: None,
-                summary: String::new(),
-                created_unix_ms: 0,
-            },
-            None,
-        )
-        .unwrap();
+    store_behind(&store, V3);
     assert_eq!(served(&control), 1);
 
     let outcome = control.apply(change(wire(V3))).await.unwrap();
@@ -940,6 +927,25 @@ async fn publish_time_of(control: &ControlPlane, req: ChangeRequest, what: &str)
     at
 }
 
+/// Stores `yaml` as a new version behind the control plane's back (in the store under
+/// `store`'s gate), as a write whose commit failed after storing leaves it.
+fn store_behind(store: &LateErrorStore, yaml: &str) {
+    store
+        .inner
+        .publish(
+            NewVersion {
+                document: wire(yaml),
+                content_hash: convert::content_hash(&wire(yaml)),
+                source: Source::Admin,
+                author: None,
+                summary: String::new(),
+                created_unix_ms: 0,
+            },
+            None,
+        )
+        .unwrap();
+}
+
 /// Unix time now, in seconds (as the publish time gauge has it).
 fn unix_now_s() -> f64 {
     std::time::SystemTime::now()
@@ -999,20 +1005,7 @@ async fn the_publish_time_follows_every_publish_and_no_refused_one() {
 
     // A version stored behind the served one is caught up by the same content sent again.
     clock_past(at_v4).await;
-    store
-        .inner
-        .publish(
-            NewVersion {
-                document: wire(V1),
-                content_hash: convert::content_hash(&wire(V1)),
-                source: Source::Admin,
-                author: None,
-                summary: String::new(),
-                created_unix_ms: 0,
-            },
-            None,
-        )
-        .unwrap();
+    store_behind(&store, V1);
     let before = unix_now_s();
     let outcome = control.apply(change(wire(V1))).await.unwrap();
     assert!(!outcome.changed);
