@@ -196,11 +196,14 @@ mod tests {
     fn route() -> (AgentRoute, Arc<Publisher>, watch::Sender<bool>) {
         let publisher = Arc::new(Publisher::new(10_000));
         let (shutdown, shutdown_rx) = watch::channel(false);
+        let fleet = Arc::new(Fleet::new(100));
+        let aggregates =
+            Aggregator::new(100, tokio::time::Instant::now()).with_running(fleet.running());
         let ctx = StreamContext {
             publisher: publisher.clone(),
-            fleet: Arc::new(Fleet::new(100)),
+            fleet,
             metrics: Arc::new(ServerMetrics::new()),
-            aggregates: Arc::new(Aggregator::new(100, tokio::time::Instant::now())),
+            aggregates: Arc::new(aggregates),
             limits: StreamLimits::default(),
             shutdown: shutdown_rx,
             tokens: None,

@@ -255,12 +255,15 @@ impl ControlPlane {
     /// aggregator (100 series): what the unit tests run.
     #[cfg(test)]
     pub(crate) fn for_tests(store: Arc<dyn VersionStore>, mode: Mode) -> Self {
+        let fleet = Arc::new(Fleet::new(100));
+        let aggregates =
+            Aggregator::new(100, tokio::time::Instant::now()).with_running(fleet.running());
         Self::new(
             store,
             Arc::new(Publisher::new(10_000)),
-            Arc::new(Fleet::new(100)),
+            fleet,
             Arc::new(ServerMetrics::new()),
-            Arc::new(Aggregator::new(100, tokio::time::Instant::now())),
+            Arc::new(aggregates),
             mode,
         )
     }

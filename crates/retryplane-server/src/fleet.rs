@@ -33,11 +33,16 @@
 //! until it ACKs it, or until its stream finds that very version and hash published since
 //! ([`Fleet::runs`]: listed as running it, and not sent it). (A lower number with another store's
 //! content is still taken as it says: the fleet keeps only the current version's hash.)
+//!
+//! The connected agents of each service are also counted by the number their calls are
+//! reported under ([`Fleet::running`], changed under the registry's lock): the Hello's number,
+//! also when the agent is listed as running 0, then each version it ACKs. The metrics series
+//! keep apart the versions the most agents run.
 
 use std::collections::VecDeque;
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use prometheus_client::metrics::gauge::Gauge;
@@ -45,6 +50,7 @@ use retryplane_proto::pb;
 use tokio::sync::oneshot;
 
 use crate::report_seq::{ReportSeqs, ReportVerdict};
+use crate::running::AgentsRunning;
 
 /// How many disconnected agents status keeps listing.
 pub const MAX_DISCONNECTED: usize = 10_000;
@@ -106,6 +112,9 @@ struct Entry {
     /// [`prune`] orders the disconnected by (the wall clock of `last_seen_unix_ms` may have
     /// been set back since).
     gone_order: u64,
+    /// The version its calls are reported under, as counted in [`Fleet::running`] while it is
+    /// connected: its Hello's number (also one listed as running 0), then each it ACKs.
+    counted_as: u64,
 }
 
 /// About how much memory a disconnected agent's entry holds: its status as encoded, each
@@ -327,6 +336,9 @@ pub struct Fleet {
     /// Agents with an open stream, set under the lock with every change of the count, so two
     /// streams changing it at once cannot leave it stale.
     connected_gauge: Gauge,
+    /// Connected agents per service and version, changed under the lock with every change of
+    /// what a connected agent runs.
+    running: Arc<AgentsRunning>,
 }
 
 /// The highest stream number (`Hello.stream`) registered for each of the last
@@ -442,7 +454,14 @@ impl Fleet {
             max_agents,
             forget_after: Some(FORGET_DISCONNECTED_AFTER),
             connected_gauge: Gauge::default(),
+            running: Arc::default(),
         }
+    }
+
+    /// Connected agents per calling service and the version their calls are reported under,
+    /// which the registry keeps (see [`crate::running`]): what the aggregator's series go by.
+    pub fn running(&self) -> Arc<AgentsRunning> {
+        self.running.clone()
     }
 
     /// The registry, forgetting an agent `forget_after` after its stream ended (`None`: only
@@ -603,6 +622,7 @@ impl Fleet {
             if old.status.connected {
                 inner.connected -= 1;
                 inner.token_out(old.secret_digest);
+                self.running.left(&old.status.service, old.counted_as);
             }
             reports = old.reports;
             bucket = old.bucket;
@@ -705,10 +725,13 @@ impl Fleet {
                 secret_digest: token.map(|t| t.secret_digest),
                 gone_size: 0,
                 gone_order: 0,
+                counted_as: hello.last_applied_version,
             },
         );
         inner.connected += 1;
         inner.token_in(token.map(|t| t.secret_digest));
+        self.running
+            .joined(&hello.service, hello.last_applied_version);
         self.set_gauge(&inner);
         Ok(Registration {
             applied_version,
@@ -729,11 +752,23 @@ impl Fleet {
         }
     }
 
+    /// A connected agent's calls are reported under `version` from now on.
+    fn counts_as(&self, entry: &mut Entry, version: u64) {
+        if entry.status.connected {
+            self.running
+                .moved(&entry.status.service, entry.counted_as, version);
+            entry.counted_as = version;
+        }
+    }
+
     /// The agent runs `version`: its Hello named it with the content hash this control plane
     /// published it with, after the Hello was judged (so it was listed as running 0), or it
     /// ACKed a push sent before the last one. Its last answer stays as it was.
     pub fn runs(&self, id: &str, generation: u64, version: u64) {
-        self.update(id, generation, |e| e.status.applied_version = version);
+        self.update(id, generation, |e| {
+            e.status.applied_version = version;
+            self.counts_as(e, version);
+        });
     }
 
     /// The agent sent something ([`Fleet::ack`] and [`Fleet::nack`] count as seen too).
@@ -803,6 +838,7 @@ impl Fleet {
     /// The agent acknowledged `version` (with `content_hash`); its last NACK is forgotten.
     pub fn ack(&self, id: &str, generation: u64, version: u64, content_hash: &str) {
         self.update(id, generation, |e| {
+            self.counts_as(e, version);
             e.refused = None;
             content_hash.clone_into(&mut e.acked_hash);
             let s = &mut e.status;
@@ -856,6 +892,7 @@ impl Fleet {
                 entry.replaced = None;
                 entry.gone_size = gone_size(&entry.status);
                 entry.gone_order = order;
+                self.running.left(&entry.status.service, entry.counted_as);
                 Some((entry.ephemeral, entry.secret_digest, entry.gone_size))
             }
             _ => None,
@@ -1382,6 +1419,99 @@ mod tests {
         );
         assert_eq!(fleet.lock().by_token.get(&[1; 32]), Some(&4));
         assert_eq!(fleet.lock().by_token.get(&[2; 32]), Some(&1));
+    }
+
+    /// What [`Fleet::running`] counts of `service` under each of `versions`.
+    fn running(fleet: &Fleet, service: &str, versions: &[u64]) -> Vec<u64> {
+        let running = fleet.running();
+        versions
+            .iter()
+            .map(|&v| running.agents(Some(service), v))
+            .collect()
+    }
+
+    #[test]
+    fn the_agents_running_each_version_follow_hellos_acks_replacements_and_disconnects() {
+        let fleet = Fleet::new(10);
+        let current = Some((3, "h3"));
+        let mut h = hello("a");
+        h.last_applied_version = 2;
+        let a = fleet.register(&h, None, current).unwrap();
+        // Another store's content under a number past the current one: listed as running
+        // none known, but its calls are reported under 7 until it takes the push.
+        let mut h = hello("b");
+        h.last_applied_version = 7;
+        h.last_applied_hash = "h-before-the-reset".to_owned();
+        let b = fleet.register(&h, None, current).unwrap();
+        assert_eq!(fleet.status()[1].applied_version, 0);
+        let mut h = hello("c");
+        h.service = "search".to_owned();
+        h.last_applied_version = 2;
+        let c = fleet.register(&h, None, current).unwrap();
+        assert_eq!(running(&fleet, "checkout", &[2, 3, 7]), [1, 0, 1]);
+        assert_eq!(running(&fleet, "search", &[2]), [1]);
+        assert_eq!(fleet.running().agents(None, 2), 2);
+        // A NACK leaves it where it was; an ACK moves it.
+        fleet.nack("a", a.generation, 3, "h3", "bad");
+        assert_eq!(running(&fleet, "checkout", &[2, 3]), [1, 0]);
+        fleet.ack("a", a.generation, 3, "h3");
+        fleet.ack("b", b.generation, 3, "h3");
+        assert_eq!(running(&fleet, "checkout", &[2, 3, 7]), [0, 2, 0]);
+        // A second stream of "a" replaces the first: counted once, under its Hello's number;
+        // the first stream's late ACK changes nothing.
+        let mut h = hello("a");
+        h.last_applied_version = 3;
+        let a2 = fleet.register(&h, None, current).unwrap();
+        fleet.ack("a", a.generation, 4, "h4");
+        assert_eq!(running(&fleet, "checkout", &[3, 4]), [2, 0]);
+        // `runs` moves it as an ACK does.
+        fleet.runs("a", a2.generation, 4);
+        assert_eq!(running(&fleet, "checkout", &[3, 4]), [1, 1]);
+        // Disconnects take each off, once.
+        fleet.disconnected("a", a2.generation);
+        fleet.disconnected("a", a2.generation);
+        fleet.disconnected("a", a.generation);
+        fleet.disconnected("b", b.generation);
+        fleet.disconnected("c", c.generation);
+        assert_eq!(running(&fleet, "checkout", &[3, 4]), [0, 0]);
+        assert_eq!(running(&fleet, "search", &[2]), [0]);
+        assert_eq!(fleet.running().agents(None, 2), 0);
+    }
+
+    #[test]
+    fn the_agents_running_each_version_are_exact_after_concurrent_streams() {
+        let fleet = Arc::new(Fleet::new(10_000));
+        std::thread::scope(|scope| {
+            for t in 0..4u64 {
+                let fleet = fleet.clone();
+                scope.spawn(move || {
+                    for i in 0..500u64 {
+                        let mut h = hello(&format!("agent-{}", i % 50));
+                        h.last_applied_version = t;
+                        let Ok(r) = fleet.register(&h, None, None) else {
+                            continue;
+                        };
+                        fleet.ack(&h.agent_id, r.generation, t + 10, "h");
+                        if i % 3 == 0 {
+                            fleet.disconnected(&h.agent_id, r.generation);
+                        }
+                    }
+                });
+            }
+        });
+        let connected = fleet.connected() as u64;
+        let counted: u64 = (0..14)
+            .map(|v| fleet.running().agents(Some("checkout"), v))
+            .sum();
+        assert_eq!(counted, connected);
+        let by_status = fleet.versions().applied;
+        for (version, agents) in by_status {
+            assert_eq!(
+                fleet.running().agents(None, version),
+                agents,
+                "version {version}"
+            );
+        }
     }
 
     #[test]

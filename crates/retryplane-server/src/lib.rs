@@ -6,9 +6,11 @@
 //! only fans the current snapshot out to connected agents, records their ACKs and NACKs and
 //! acknowledges their numbered metrics reports, counting each once ([`report_seq`]); its route,
 //! [`agent_route`], sends each version's one shared [`frame_body`] frame to every stream; the
-//! [`admin`] service validates, applies, diffs and rolls back; [`http`] serves health and
-//! Prometheus metrics; [`aggregate`] sums the agents' metric reports into windows and alerts;
-//! [`server`] wires listeners, auth, the file watcher and shutdown.
+//! [`fleet`] lists who is connected and what each runs, and counts the agents on each version
+//! ([`running`]); the [`admin`] service validates, applies, diffs and rolls back; [`http`]
+//! serves health and Prometheus metrics; [`aggregate`] sums the agents' metric reports into
+//! windows and alerts, split by the versions the most agents run; [`server`] wires listeners,
+//! auth, the file watcher and shutdown.
 
 #![forbid(unsafe_code)]
 
@@ -28,6 +30,7 @@ pub mod oversized;
 mod preface;
 pub mod publisher;
 pub mod report_seq;
+pub mod running;
 pub mod server;
 pub mod store;
 pub mod text_format;

@@ -247,7 +247,8 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
     let aggregates = Arc::new(
         Aggregator::new(cfg.max_series, tokio::time::Instant::now())
             .with_max_per_service(cfg.max_series_per_service)
-            .with_unknown_span(cfg.metrics_interval),
+            .with_unknown_span(cfg.metrics_interval)
+            .with_running(fleet.running()),
     );
     let control = Arc::new(ControlPlane::new(
         store,

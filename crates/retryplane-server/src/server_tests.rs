@@ -929,6 +929,70 @@ async fn reports_over_a_stream_show_in_metrics_stats_and_fleet_status() {
     running.shutdown().await.unwrap();
 }
 
+/// The versions `checkout`/`payments` keeps apart in Stats, and its lifetime calls.
+async fn payments_versions(running: &Running) -> (Vec<u64>, u64) {
+    let stats = admin(running)
+        .await
+        .stats(pb::StatsRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    let Some(s) = stats.series.iter().find(|s| s.endpoint == "payments") else {
+        return (Vec::new(), 0);
+    };
+    let mut versions: Vec<u64> = s.versions.iter().map(|v| v.policy_version).collect();
+    versions.sort_unstable();
+    (versions, s.lifetime.map_or(0, |c| c.calls))
+}
+
+/// Over real streams: the four places of a series are taken by the published version and
+/// three numbers no agent runs (one agent's reports); two agents whose Hello names 50 (another
+/// store's content) report it, and 50 takes the place of one of those; a further number no
+/// agent runs takes none. The control plane's fleet counts the agents each version has.
+#[tokio::test]
+async fn a_series_keeps_apart_the_versions_its_connected_agents_run() {
+    let (_dir, cfg) = with_file(V1);
+    let (running, tx, _inbound) = with_agent_on_v1(cfg).await;
+    let mut calls = 0;
+    for version in [1, 97, 98, 99] {
+        send_report(&tx, version, first_try_successes("payments", 1)).await;
+        calls += 1;
+        eventually("the report counted", || async {
+            payments_versions(&running).await.1 == calls
+        })
+        .await;
+    }
+    assert_eq!(payments_versions(&running).await.0, [1, 97, 98, 99]);
+    let mut others = Vec::new();
+    for id in ["b-1", "b-2"] {
+        let mut h = hello(id);
+        if let Some(Kind::Hello(h)) = &mut h.kind {
+            h.last_applied_version = 50;
+            h.last_applied_hash = "another-store".to_owned();
+        }
+        others.push(open_stream(running.agent_addr, h, None).await.unwrap());
+    }
+    eventually("both agents listed", || async {
+        applied_version(&running, "b-2").is_some()
+    })
+    .await;
+    send_report(&others[0].0, 50, first_try_successes("payments", 1)).await;
+    calls += 1;
+    eventually("50 kept apart", || async {
+        payments_versions(&running).await == (vec![1, 50, 98, 99], calls)
+    })
+    .await;
+    send_report(&tx, 96, first_try_successes("payments", 1)).await;
+    calls += 1;
+    eventually("the report counted", || async {
+        payments_versions(&running).await.1 == calls
+    })
+    .await;
+    assert_eq!(payments_versions(&running).await.0, [1, 50, 98, 99]);
+    drop((tx, others));
+    running.shutdown().await.unwrap();
+}
+
 #[tokio::test]
 async fn agents_that_never_report_take_no_place_among_the_series() {
     let (_dir, mut cfg) = with_file(V1);

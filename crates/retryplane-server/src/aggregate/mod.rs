@@ -25,9 +25,10 @@
 //! series holds its windows in fixed rings ([`window`] documents the bucket layout and
 //! resolution) split by policy version ([`series`] documents version pruning), so a series
 //! costs about 3 KB with one live version ([`Aggregator::approx_bytes`]: 3,021 bytes, of
-//! which 2,672 are the version's totals and rings) and at most about 14.5 KB, with
-//! [`series::MAX_VERSIONS`] versions, the retired buckets and the versions evicted lately:
-//! 10,000 series take 29–139 MiB.
+//! which 2,672 are the version's totals and rings) and at most about 13.6 KB, with
+//! [`series::MAX_VERSIONS`] versions and the retired buckets: 10,000 series take 29–130 MiB.
+//! Which versions a series keeps apart follows the fleet: how many connected agents of its
+//! service run each ([`crate::running`], kept by [`crate::fleet::Fleet`]).
 //!
 //! # Ingestion
 //!
@@ -77,6 +78,7 @@ use self::series::{Alert, Judge, Series, SeriesView};
 use self::thresholds::Thresholds;
 use self::window::{Tick, WINDOWS};
 use crate::fleet::unix_ms;
+use crate::running::AgentsRunning;
 
 /// The span taken for a report that gives none unless configured: the default interval agents
 /// report at.
@@ -196,6 +198,8 @@ pub struct Aggregator {
     /// The newest version published (0 before any is known, see
     /// [`Aggregator::set_published`]).
     published: AtomicU64,
+    /// Connected agents per service and version: which versions a series keeps apart.
+    running: Arc<AgentsRunning>,
 }
 
 fn read<T>(lock: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
@@ -274,7 +278,18 @@ impl Aggregator {
             published: AtomicU64::new(0),
             forget_after: DEFAULT_FORGET_SERIES_AFTER,
             report_interval: DEFAULT_UNKNOWN_SPAN,
+            running: Arc::default(),
         }
+    }
+
+    /// This aggregate, keeping apart in each series the versions the most connected agents
+    /// run as `running` counts them (the fleet's: [`crate::fleet::Fleet::running`]); without
+    /// it, no agent is known to run any version, and a series keeps apart the versions it
+    /// has places for and the one published.
+    #[must_use]
+    pub fn with_running(mut self, running: Arc<AgentsRunning>) -> Self {
+        self.running = running;
+        self
     }
 
     /// This aggregate, forgetting a series no report has counted into for `after` (default
@@ -341,12 +356,9 @@ impl Aggregator {
         self.overflowed.of(why).load(Ordering::Relaxed)
     }
 
-    /// Says that `version` is published: the version the fleet moves to. A series keeps apart
-    /// the two newest versions it holds at or below it (the published one, and the one agents
-    /// that refuse it stay on) whatever other versions report; a number above it gets no
-    /// place while none such has one; of the others, the one with the fewest calls per second
-    /// makes room, for a version with as many ([`series::MAX_VERSIONS`]). Versions only go
-    /// forward.
+    /// Says that `version` is published: the version the fleet moves to, which a series keeps
+    /// apart from its first report on, before its agents' ACKs are counted, and never evicts
+    /// (the others follow the agents running them: [`series`]). Versions only go forward.
     pub fn set_published(&self, version: u64) {
         self.published.fetch_max(version, Ordering::Relaxed);
     }
@@ -357,10 +369,13 @@ impl Aggregator {
     }
 
     /// What [`Series::add`] goes by besides the report.
-    fn add_settings(&self) -> series::AddSettings {
+    /// What a series of `service` (`None`: the overflow series, whose reports come from every
+    /// service) adds a report by.
+    fn add_settings<'a>(&'a self, service: Option<&'a str>) -> series::AddSettings<'a> {
         series::AddSettings {
             interval: self.report_interval,
             published: self.published.load(Ordering::Relaxed),
+            running: self.running.of(service),
         }
     }
 
@@ -448,19 +463,20 @@ impl Aggregator {
             }
         };
         let mut missed = Vec::new();
+        let settings = self.add_settings(Some(&svc.name));
         {
             let endpoints = read(&svc.endpoints);
             for c in &report.endpoints {
                 let Some(counts) = plausible(c) else { continue };
                 match endpoints.get(c.endpoint.as_str()) {
-                    Some(series) => series.add(&tick, version, &counts, span, self.add_settings()),
+                    Some(series) => series.add(&tick, version, &counts, span, settings),
                     None => missed.push((c, counts)),
                 }
             }
         }
         for (c, counts) in missed {
             match self.resolve(svc, &c.endpoint, tick.now) {
-                Ok(series) => series.add(&tick, version, &counts, span, self.add_settings()),
+                Ok(series) => series.add(&tick, version, &counts, span, settings),
                 Err(why) => self.add_other(&tick, version, &counts, span, &c.endpoint, why),
             }
         }
@@ -524,7 +540,7 @@ impl Aggregator {
         why: Overflow,
     ) {
         self.other
-            .add(tick, version, counts, span, self.add_settings());
+            .add(tick, version, counts, span, self.add_settings(None));
         self.overflowed.of(why).fetch_add(1, Ordering::Relaxed);
         // The name comes from an agent: escaped, so a line break or an escape sequence in it
         // cannot forge a log line or drive a terminal.

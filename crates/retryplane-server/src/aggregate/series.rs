@@ -4,17 +4,18 @@
 //! The series' windows are the sum of its versions' windows (plus `retired`, below), so each
 //! count is kept once per bucket size. A version is pruned once nothing of it is left in the
 //! 15-minute window (no counts for 14–15 minutes); its lifetime stays in the series lifetime.
-//! At most [`MAX_VERSIONS`] versions are kept apart. A report under yet another version, while
-//! all places are taken, evicts the kept version with the fewest calls per second over the
-//! 15-minute window, never the two newest kept at or below the published one (the version the
-//! fleet moves to, and the one agents refusing it stay on; with none published, the newest
-//! kept, for an older one); the evicted version's buckets are folded into `retired`
-//! (allocated only then, freed once empty) so the series' windows lose nothing. It is counted
-//! into `retired` directly instead when its calls per second come to fewer than the evicted
-//! one's would (its report's over a report interval at least; for a version turned away or
-//! evicted lately, all its reports' since, from its second on: many agents' reports add up,
-//! a straggler's one does not), or when it is a number above the published one while none
-//! such is kept (see `State::place_for`); never when it is the published version.
+//! At most [`MAX_VERSIONS`] versions are kept apart, chosen by the fleet: by how many
+//! connected agents of the series' service run each ([`crate::running`]; of every service for
+//! the series that takes what is past the caps). A report under yet another version, while
+//! every place is taken, evicts the kept version the fewest agents run (of two alike, the one
+//! with the fewer calls per second over the 15-minute window, then the least recently
+//! counted) when more agents run its own; else it is counted into `retired`. The version
+//! published always gets a place (the fleet moves to it) and is never evicted. So a late report
+//! (calls that outlived their version), a straggler, a client's bogus number or an agent's
+//! backlog from before a restart never evicts the version more agents run, and a version many
+//! agents run gets a place at their first report, whatever its number and whatever arrived
+//! first. The evicted version's buckets are folded into `retired` (allocated only then, freed
+//! once empty), so the series' windows lose nothing.
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -27,12 +28,10 @@ use tracing::{info, warn};
 use super::counts::{CALLS, Counts, RETRIES, ratio};
 use super::window::{Began, Tick, WINDOWS, Window, Windows};
 use crate::fleet::unix_ms;
+use crate::running::RunningOf;
 
 /// Most policy versions one series keeps apart.
 pub const MAX_VERSIONS: usize = 4;
-
-/// The most versions a series remembers evicting (see `State::evicted`).
-const MAX_EVICTED: usize = 16;
 
 /// Fewest calls in the 5-minute window for an alert to start: below it, one retry out of two
 /// calls is noise, not a retry storm. A firing alert ends only when the ratio is back at or
@@ -84,8 +83,7 @@ struct VersionSeries {
 }
 
 impl VersionSeries {
-    /// Calls per second over the 15-minute window (the part of it this version covers):
-    /// whatever the report interval, the version agents run now counts the most.
+    /// Calls per second over the 15-minute window (the part of it this version covers).
     fn rate(&self, tick: &Tick) -> f64 {
         let calls = self.windows.sum(tick, Window::FifteenMinutes).0[CALLS];
         calls as f64
@@ -93,20 +91,6 @@ impl VersionSeries {
                 .covered_seconds(Window::FifteenMinutes, self.first)
                 .max(1.0)
     }
-}
-
-/// A version evicted lately (see `State::evicted`).
-#[derive(Debug)]
-struct Evicted {
-    version: u64,
-    /// When it was evicted.
-    at: Instant,
-    /// Its calls since `since`: those in the 15-minute window when it was evicted, and those
-    /// of its reports since.
-    calls: u64,
-    since: Instant,
-    /// Its reports since it was evicted.
-    reports: u32,
 }
 
 /// The alert's state as last evaluated.
@@ -154,16 +138,6 @@ struct State {
     versions: Vec<VersionSeries>,
     /// Buckets of evicted versions that may still be inside a window.
     retired: Option<Box<Windows>>,
-    /// The versions evicted, or turned away, in the last 15 minutes (the longest window), with
-    /// their calls since, at most [`MAX_EVICTED`] (when full, the one with the fewest calls
-    /// goes; a new entry starts with one report's, so a run of numbers each reported once can
-    /// push off a version whose agents have only begun to report it): a
-    /// late report of one (calls that outlived it, a report held while newer ones went out)
-    /// is counted into `retired`, not kept apart again in place of a version counted after
-    /// it; one whose agents go on reporting it (a second report since) comes back when its
-    /// calls per second since come to those of the version it would evict. A version that
-    /// gets a place leaves the list. Past 15 minutes one comes back as any other.
-    evicted: Vec<Evicted>,
     alert: Alert,
 }
 
@@ -194,11 +168,13 @@ pub struct SeriesView {
 
 /// What [`Series::add`] goes by besides the report.
 #[derive(Clone, Copy, Debug, Default)]
-pub struct AddSettings {
+pub struct AddSettings<'a> {
     /// The interval agents are told to report at.
     pub interval: Duration,
     /// The newest version published; 0 when none is known.
     pub published: u64,
+    /// The connected agents running each version, of the series' service.
+    pub running: RunningOf<'a>,
 }
 
 /// A change of an alert, for the caller to log after the series lock is released.
@@ -238,7 +214,6 @@ impl Series {
                 newest_version: 0,
                 versions: Vec::new(),
                 retired: None,
-                evicted: Vec::new(),
                 alert: Alert::default(),
             }),
         }
@@ -269,11 +244,12 @@ impl Series {
         version: u64,
         counts: &Counts,
         span: Duration,
-        settings: AddSettings,
+        settings: AddSettings<'_>,
     ) {
         let AddSettings {
             interval,
             published,
+            running,
         } = settings;
         let mut s = self.lock();
         s.first_span.get_or_insert(span);
@@ -285,7 +261,7 @@ impl Series {
                 s.prune(tick);
                 let mut evict = None;
                 if s.versions.len() >= MAX_VERSIONS {
-                    evict = s.place_for(version, counts, span, interval, tick, published);
+                    evict = s.place_for(version, tick, published, running);
                     if evict.is_none() {
                         s.retired
                             .get_or_insert_with(Box::default)
@@ -426,14 +402,7 @@ impl Series {
             + self.endpoint.len()
             + s.versions.capacity() * size_of::<VersionSeries>()
             + s.retired.as_ref().map_or(0, |_| size_of::<Windows>())
-            + s.evicted.capacity() * size_of::<Evicted>()
     }
-}
-
-/// Whether `version` is numbered above the `published` one (none is, with none published):
-/// no version a fleet was sent by this control plane.
-fn above(version: u64, published: u64) -> bool {
-    published > 0 && version > published
 }
 
 /// One window's wire form.
@@ -454,121 +423,34 @@ impl State {
         }
     }
 
-    /// The kept version a report of `version` (its `counts`, made over `span`, from agents
-    /// that report every `interval`), which is not kept apart, evicts while every place is
-    /// taken ([`State::victim`]), or `None` when it goes with the evicted versions' counts:
-    /// - a number above the published one (a bogus number, or a version of a store the
-    ///   control plane no longer has) while every version kept is at or below it: no version
-    ///   this control plane published makes room for one it did not;
-    /// - a version evicted lately (or turned away here before) at its first report since: a
-    ///   late report (calls that outlived their version, a report held while newer ones went
-    ///   out) does not take the place of one counted after it;
-    /// - calls per second fewer than those of the version it would evict: the report's over a
-    ///   report interval at least (an agent's last report before it stops can span a fraction
-    ///   of one), or, for a version on the list, all its calls since (its calls in the window
-    ///   when it was evicted, and its reports' since), so that the reports of the many agents
-    ///   on one version add up and a version its agents go on reporting comes back.
-    ///
-    /// Never the version published: the fleet moves to it, whatever numbers were reported.
+    /// The kept version a report of `version`, which is not kept apart, evicts while every
+    /// place is taken, or `None` when it goes with the evicted versions' counts: the kept
+    /// version the fewest connected agents run (of two alike, the one with the fewer calls per
+    /// second over the 15-minute window, then the least recently counted), never the one
+    /// published, when more agents run `version` or it is the one published.
     fn place_for(
-        &mut self,
+        &self,
         version: u64,
-        counts: &Counts,
-        span: Duration,
-        interval: Duration,
         tick: &Tick,
         published: u64,
+        running: RunningOf<'_>,
     ) -> Option<usize> {
-        if version == published {
-            return Some(self.victim(version, tick, published).unwrap_or(0));
-        }
-        let above_kept = self.versions.iter().any(|v| above(v.version, published));
-        if above(version, published) && !above_kept {
+        let is_published = published > 0 && version == published;
+        let agents = running.agents(version);
+        // No kept version is run by fewer than none: a late report, a straggler's last one or
+        // a client's bogus number is turned away with one look at the counts.
+        if agents == 0 && !is_published {
             return None;
         }
-        let floor = interval.as_secs_f64().max(1.0);
-        let rate = match self.evicted.iter_mut().find(|e| e.version == version) {
-            Some(e) => {
-                e.calls = e.calls.saturating_add(counts.0[CALLS]);
-                e.reports = e.reports.saturating_add(1);
-                if e.reports < 2 {
-                    return None;
-                }
-                e.calls as f64
-                    / tick
-                        .now
-                        .saturating_duration_since(e.since)
-                        .as_secs_f64()
-                        .max(floor)
-            }
-            // Over a report interval at least: an agent's last report before it stops can
-            // span a fraction of one.
-            _ => counts.0[CALLS] as f64 / span.as_secs_f64().max(floor),
-        };
-        let victim = self
-            .victim(version, tick, published)
-            .filter(|&i| rate >= self.versions[i].rate(tick));
-        if victim.is_none() && !self.evicted.iter().any(|e| e.version == version) {
-            // Turned away at its first report: its next ones add up with this one (the
-            // reports of many agents on a version the series has not kept yet).
-            self.remember(Evicted {
-                version,
-                at: tick.now,
-                calls: counts.0[CALLS],
-                since: tick.now.checked_sub(span.max(interval)).unwrap_or(tick.now),
-                reports: 1,
-            });
-        }
-        victim
-    }
-
-    /// The kept version a new `version` would evict: the one with the fewest calls per second
-    /// over the 15-minute window (of two alike, the least recently counted), whatever the
-    /// report interval: not the one most agents run because its report came a second before
-    /// a straggler's, or because its reports are minutes apart. Never the versions a fleet
-    /// moves to or runs, which count little while their first agents run them: the two newest
-    /// kept at or below the one published (a bogus higher number reported must not evict them;
-    /// agents that refuse a publish stay on the one before, and a fleet can be split between
-    /// the two); with none published, the newest kept, for an older one.
-    fn victim(&self, version: u64, tick: &Tick, published: u64) -> Option<usize> {
-        let mut real: Vec<u64> = self
+        let (at, fewest) = self
             .versions
             .iter()
-            .map(|v| v.version)
-            .filter(|&v| !above(v, published))
-            .collect();
-        real.sort_unstable_by(|a, b| b.cmp(a));
-        let protected: &[u64] = if published > 0 {
-            &real[..real.len().min(2)]
-        } else if real.first().is_some_and(|&newest| version < newest) {
-            &real[..1]
-        } else {
-            &[]
-        };
-        self.versions
-            .iter()
             .enumerate()
-            .filter(|(_, v)| !protected.contains(&v.version))
-            .map(|(i, v)| (i, v.rate(tick), v.last))
-            .min_by(|a, b| a.1.total_cmp(&b.1).then(a.2.cmp(&b.2)))
-            .map(|(i, ..)| i)
-    }
-
-    /// Puts `entry` on the list of versions evicted lately, in place of one for the same
-    /// version; when the list is full, the entry with the fewest calls goes.
-    fn remember(&mut self, entry: Evicted) {
-        self.evicted.retain(|e| e.version != entry.version);
-        if self.evicted.len() >= MAX_EVICTED
-            && let Some(fewest) = self
-                .evicted
-                .iter()
-                .enumerate()
-                .min_by_key(|(_, e)| (e.calls, e.at))
-                .map(|(i, _)| i)
-        {
-            self.evicted.remove(fewest);
-        }
-        self.evicted.push(entry);
+            .filter(|(_, v)| published == 0 || v.version != published)
+            .map(|(i, v)| (i, running.agents(v.version), v.rate(tick), v.last))
+            .min_by(|a, b| a.1.cmp(&b.1).then(a.2.total_cmp(&b.2)).then(a.3.cmp(&b.3)))
+            .map(|(i, agents, ..)| (i, agents))?;
+        (is_published || agents > fewest).then_some(at)
     }
 
     /// Adds `version`, after evicting the version at `evict` (see [`State::place_for`]);
@@ -585,20 +467,7 @@ impl State {
             self.retired
                 .get_or_insert_with(Box::default)
                 .merge(&evicted.windows);
-            let covered = tick.covered_seconds(Window::FifteenMinutes, evicted.first);
-            self.remember(Evicted {
-                version: evicted.version,
-                at: tick.now,
-                calls: evicted.windows.sum(tick, Window::FifteenMinutes).0[CALLS],
-                since: tick
-                    .now
-                    .checked_sub(Duration::from_secs_f64(covered))
-                    .unwrap_or(tick.now),
-                reports: 0,
-            });
         }
-        // It has a place: what the list held of it is in the past.
-        self.evicted.retain(|e| e.version != version);
         self.versions.push(VersionSeries {
             version,
             first: Began { at: tick.now, span },
@@ -611,12 +480,6 @@ impl State {
 
     fn prune(&mut self, tick: &Tick) {
         self.versions.retain(|v| v.windows.is_live(tick));
-        let longest = Duration::from_secs(Window::FifteenMinutes.seconds().into());
-        self.evicted
-            .retain(|e| tick.now.saturating_duration_since(e.at) < longest);
-        if self.evicted.is_empty() {
-            self.evicted = Vec::new();
-        }
         self.note_newest();
         if self.retired.as_ref().is_some_and(|r| !r.is_live(tick)) {
             self.retired = None;
