@@ -368,7 +368,6 @@ impl Aggregator {
         &self.thresholds
     }
 
-    /// What [`Series::add`] goes by besides the report.
     /// What a series of `service` (`None`: the overflow series, whose reports come from every
     /// service) adds a report by.
     fn add_settings<'a>(&'a self, service: Option<&'a str>) -> series::AddSettings<'a> {
