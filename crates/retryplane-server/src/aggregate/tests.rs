@@ -1943,8 +1943,8 @@ async fn the_published_version_once_evicted_before_its_publish_is_kept_apart() {
 
 /// Four kept versions numbered above the published one (agents still on the versions of a
 /// control plane whose data directory was replaced and which numbers from 1 again, one on
-/// each): the published version, which fewer agents run at its first report, is kept apart
-/// all the same.
+/// each): the published version, which no more agents run at its first report than run each
+/// kept one, is kept apart all the same.
 #[tokio::test(start_paused = true)]
 async fn the_published_version_below_every_kept_one_is_kept_apart() {
     let (agg, svc, running) = checkout_fleet(&[(100, 1), (101, 1), (102, 1), (103, 1)]);
