@@ -3134,7 +3134,7 @@ async fn one_bogus_report_does_not_hold_out_a_lost_store_build_most_of_the_fleet
     assert_eq!(lifetime, 120 * 810 + 400, "every report counted once");
     assert!(
         missing.is_empty(),
-        "version 20, which 30 of 33 agents run, was not kept apart after {} of the 90 \
+        "version 20, which 30 of 37 agents run, was not kept apart after {} of the 90 \
          intervals after one bogus report of 999 (first at {:?} s, last at {:?} s); listed \
          at the end {:?}",
         missing.len(),
