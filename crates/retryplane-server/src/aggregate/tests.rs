@@ -3018,7 +3018,7 @@ async fn a_build_of_five_after_a_straggler(straggler: &pb::MetricsReport) -> Vec
 }
 
 /// Runs 90 intervals of 10 s after a restart of the control plane (aggregates empty, the store
-/// publishes 4): each interval, one agent on each of `few` (5 or 50 calls each, as given)
+/// publishes 4): each interval, one agent on each of `few` (with the calls given for it)
 /// reports first, then, a second later, 30 agents on `fleet` (10 calls each). Returns the
 /// offsets (s) of the intervals after which `fleet` was not kept apart, and the series'
 /// lifetime calls.
