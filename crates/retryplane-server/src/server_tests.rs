@@ -947,8 +947,9 @@ async fn payments_versions(running: &Running) -> (Vec<u64>, u64) {
 
 /// Over real streams: the four places of a series are taken by the published version and
 /// three numbers no agent runs (one agent's reports); two agents whose Hello names 50 (another
-/// store's content) report it, and 50 takes the place of one of those; a further number no
-/// agent runs takes none. The control plane's fleet counts the agents each version has.
+/// store's content) connect, one of them reports 50, and 50 takes the place of one of those
+/// three (97, the first reported); a further number no agent runs takes none. The control
+/// plane's fleet counts the agents each version has.
 #[tokio::test]
 async fn a_series_keeps_apart_the_versions_its_connected_agents_run() {
     let (_dir, cfg) = with_file(V1);
