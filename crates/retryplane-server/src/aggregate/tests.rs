@@ -3058,7 +3058,7 @@ async fn after_a_restart_a_fleet_of_small_agents(
 /// last. 2 is kept apart at its first report, in place of one of the builds one agent runs,
 /// however few calls each of its reports carries.
 #[tokio::test(start_paused = true)]
-async fn while_a_number_above_the_published_one_is_kept_the_reports_of_many_agents_still_add_up() {
+async fn while_a_number_above_the_published_one_is_kept_the_version_many_agents_run_gets_a_place() {
     let (missing, lifetime) =
         after_a_restart_a_fleet_of_small_agents(2, &[(20, 100), (4, 5), (3, 5), (21, 50)]).await;
     assert_eq!(lifetime, 90 * 460, "every report counted once");
@@ -3073,7 +3073,7 @@ async fn while_a_number_above_the_published_one_is_kept_the_reports_of_many_agen
     );
 }
 
-/// As [`while_a_number_above_the_published_one_is_kept_the_reports_of_many_agents_still_add_up`],
+/// As [`while_a_number_above_the_published_one_is_kept_the_version_many_agents_run_gets_a_place`],
 /// with most of the fleet on a build of the lost store: 30 agents (10 calls each every 10 s)
 /// on 20, above the published 4, while one agent on 21 (above too, 50 calls every 10 s), one
 /// on 2 (50 calls every 10 s), and one each on 4 and 3 (5 calls) report first. 20, which 300
