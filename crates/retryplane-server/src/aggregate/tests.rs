@@ -1777,7 +1777,7 @@ async fn an_evicted_version_more_agents_run_again_is_kept_apart_again() {
     payments(&agg, &svc, 2, 1);
     assert!(
         listed(&agg).contains(&2),
-        "version 2, which two agents run, one more than each of 1, 3 and 4: {:?}",
+        "version 2, which two agents run, one more than each kept one: {:?}",
         listed(&agg)
     );
     assert_eq!(calls(&agg, all())[2], 9, "every count is in the windows");
