@@ -36,8 +36,8 @@
 //!
 //! The connected agents of each service are also counted by the number their calls are
 //! reported under ([`Fleet::running`], changed under the registry's lock): the Hello's number,
-//! also when the agent is listed as running 0, then each version it ACKs. The metrics series
-//! keep apart the versions the most agents run.
+//! also when the agent is listed as running 0, then each version it ACKs. Which versions a
+//! metrics series keeps apart follows these counts ([`crate::aggregate::series`]).
 
 use std::collections::VecDeque;
 use std::collections::{BTreeMap, HashMap};
@@ -1476,6 +1476,142 @@ mod tests {
         assert_eq!(running(&fleet, "checkout", &[3, 4]), [0, 0]);
         assert_eq!(running(&fleet, "search", &[2]), [0]);
         assert_eq!(fleet.running().agents(None, 2), 0);
+    }
+
+    /// A seeded walk of registrations (replacements, also
+    /// with another service in the new Hello; refusals: a full fleet, another token's id, a
+    /// superseded stream), ACKs and `runs` of the current and of old generations, NACKs,
+    /// disconnects (twice, of old generations) and forgetting (at once, and the prune),
+    /// against a model: the connected agents by (service, the Hello's number, then each
+    /// version ACKed or run). After every step `running` counts each exactly, per service and
+    /// over every service, and holds nothing for a service or version no connected agent has.
+    #[test]
+    fn the_agents_running_each_version_follow_a_seeded_walk_exactly() {
+        for forget_after in [None, Some(Duration::ZERO)] {
+            walk_of_agents_running(Fleet::new(5).forgetting_after(forget_after));
+        }
+    }
+
+    /// [`the_agents_running_each_version_follow_a_seeded_walk_exactly`] on `fleet`.
+    fn walk_of_agents_running(fleet: Fleet) {
+        let long = "s".repeat(300);
+        let services = ["checkout", "search", "bad\nname", long.as_str()];
+        let mut seed: u64 = 0x0098_5eed;
+        let mut next = |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        // Agent id → (service, version counted) of its connected stream, and the generation
+        // of that stream; every generation handed out, per id.
+        let mut model: HashMap<String, (String, u64)> = HashMap::new();
+        let mut current: HashMap<String, u64> = HashMap::new();
+        let mut generations: HashMap<String, Vec<u64>> = HashMap::new();
+        let mut streams: HashMap<String, u64> = HashMap::new();
+        for step in 0..20_000u32 {
+            let id = format!("agent-{}", next(8));
+            let gens = generations.get(&id).cloned().unwrap_or_default();
+            let generation = match gens.len() {
+                0 => 0,
+                n => gens[usize::try_from(next(n as u64)).unwrap()],
+            };
+            let version = next(6);
+            match next(7) {
+                0 | 1 => {
+                    let service = services[usize::try_from(next(4)).unwrap()];
+                    let stream = streams.entry(id.clone()).or_insert(1);
+                    // Now and then a stream the agent gave up (an older number): refused.
+                    let number = if next(6) == 0 {
+                        stream.saturating_sub(1)
+                    } else {
+                        *stream += 1;
+                        *stream
+                    };
+                    let h = pb::Hello {
+                        agent_id: id.clone(),
+                        service: service.to_owned(),
+                        last_applied_version: version,
+                        last_applied_hash: if next(3) == 0 {
+                            "another-store".to_owned()
+                        } else {
+                            String::new()
+                        },
+                        instance_id: 7,
+                        stream: number,
+                        ..Default::default()
+                    };
+                    let secret = if next(8) == 0 { 2 } else { 1 };
+                    let token = Some(StreamToken {
+                        name: if secret == 1 { "one" } else { "two" },
+                        secret_digest: [secret; 32],
+                        max_agents: None,
+                        in_force: None,
+                    });
+                    let served = Some((3, "h3"));
+                    if let Ok(r) = fleet.register_with_token(&h, None, served, token) {
+                        model.insert(id.clone(), (service.to_owned(), version));
+                        current.insert(id.clone(), r.generation);
+                        generations
+                            .entry(id.clone())
+                            .or_default()
+                            .push(r.generation);
+                    }
+                }
+                2 => {
+                    fleet.ack(&id, generation, version, "h");
+                    if current.get(&id) == Some(&generation)
+                        && let Some(m) = model.get_mut(&id)
+                    {
+                        m.1 = version;
+                    }
+                }
+                3 => {
+                    fleet.runs(&id, generation, version);
+                    if current.get(&id) == Some(&generation)
+                        && let Some(m) = model.get_mut(&id)
+                    {
+                        m.1 = version;
+                    }
+                }
+                4 => fleet.nack(&id, generation, version, "h", "no"),
+                _ => {
+                    fleet.disconnected(&id, generation);
+                    if current.get(&id) == Some(&generation) {
+                        model.remove(&id);
+                    }
+                }
+            }
+            let running = fleet.running();
+            let mut all: HashMap<u64, u64> = HashMap::new();
+            for service in services {
+                for v in 0..6 {
+                    let want = model
+                        .values()
+                        .filter(|(s, mv)| s == service && *mv == v)
+                        .count() as u64;
+                    *all.entry(v).or_default() += want;
+                    assert_eq!(
+                        running.agents(Some(service), v),
+                        want,
+                        "step {step}: {service:?} on {v}"
+                    );
+                }
+            }
+            for v in 0..6 {
+                assert_eq!(running.agents(None, v), all[&v], "step {step}: all on {v}");
+            }
+            assert_eq!(fleet.connected(), model.len(), "step {step}");
+        }
+        for (id, generation) in current {
+            fleet.disconnected(&id, generation);
+        }
+        let running = fleet.running();
+        for service in services {
+            for v in 0..6 {
+                assert_eq!(running.agents(Some(service), v), 0);
+            }
+        }
     }
 
     #[test]

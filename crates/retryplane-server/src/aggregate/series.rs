@@ -12,9 +12,12 @@
 //! counted) when more agents run its own; else it is counted into `retired`. The version
 //! published always gets a place (the fleet moves to it) and is never evicted. So a late report
 //! (calls that outlived their version), a straggler, a client's bogus number or an agent's
-//! backlog from before a restart never evicts the version more agents run, and a version many
-//! agents run gets a place at their first report, whatever its number and whatever arrived
-//! first. The evicted version's buckets are folded into `retired` (allocated only then, freed
+//! backlog from before a restart never evicts the version more agents run, and a version gets
+//! a place at the first report once more agents run it than run the kept one fewest run,
+//! whatever its number and whatever arrived first. At a tie the kept version stays (no churn
+//! between versions as many agents run): while a fleet reconnects after a restart, the first
+//! of its agents back on a version may find each kept one run by as many, and that report is
+//! counted in the series' totals only. The evicted version's buckets are folded into `retired` (allocated only then, freed
 //! once empty), so the series' windows lose nothing.
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
