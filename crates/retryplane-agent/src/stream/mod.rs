@@ -844,10 +844,11 @@ async fn session(
 
 /// Shutdown on an open stream: the answers that wait for room (see `unsent`), then the last
 /// report (in as many parts as its counts need, past a full window), each waiting for room,
-/// all within one [`CLOSE_GRACE`]; the half-close; then, once any of it has found room,
-/// another grace at most for the control plane to read it and close its side, taking the acks
-/// that come meanwhile. A control plane that takes nothing holds shutdown up one grace; one
-/// that is slow but reading, two at most.
+/// all within one [`CLOSE_GRACE`]; the half-close; then, once any of it has found room (or
+/// the stream has room: what it carried before may still be on its way), another grace at most
+/// for the control plane to read it and close its side, taking the acks that come meanwhile.
+/// A control plane that takes nothing holds shutdown up one grace; one that is slow but
+/// reading, two at most.
 struct Closing<'a> {
     /// The start of the counts not reported yet.
     window_start: Instant,
@@ -891,7 +892,12 @@ impl Closing<'_> {
                 || report_fill(shared, window(self.window_start).0),
             )
             .await;
-        let more = if queued + parts > 0 {
+        // What the stream carried before the shutdown (an answer and the report of a swap
+        // just before it) may still be on its way: unless the stream has no room at all (a
+        // control plane that takes nothing, which has had its grace), the control plane is
+        // given the time to read it and close its side, as for what this close queued.
+        // Dropping the stream at once could reset it with those messages unsent.
+        let more = if queued + parts > 0 || tx.capacity() > 0 {
             CLOSE_GRACE
         } else {
             Duration::ZERO
