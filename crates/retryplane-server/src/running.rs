@@ -84,12 +84,18 @@ impl AgentsRunning {
 
     /// Connected agents running `version`: of `service`, or of every service (`None`).
     pub fn agents(&self, service: Option<&str>, version: u64) -> u64 {
+        self.with(service, |agents| agents(version))
+    }
+
+    /// Runs `f` with the count of agents of `service` (`None`: of every service) on a version,
+    /// under one hold of the lock.
+    fn with<T>(&self, service: Option<&str>, f: impl FnOnce(&dyn Fn(u64) -> u64) -> T) -> T {
         let counts = self.lock();
         let versions = match service {
             Some(service) => counts.by_service.get(service),
             None => Some(&counts.all),
         };
-        versions.and_then(|v| v.get(&version)).copied().unwrap_or(0)
+        f(&|version| versions.and_then(|v| v.get(&version)).copied().unwrap_or(0))
     }
 
     /// One series' view: the agents of `service` (`None`: of every service).
@@ -113,7 +119,16 @@ pub struct RunningOf<'a> {
 impl RunningOf<'_> {
     /// Connected agents running `version`.
     pub fn agents(&self, version: u64) -> u64 {
-        self.running.map_or(0, |r| r.agents(self.service, version))
+        self.with(|agents| agents(version))
+    }
+
+    /// Runs `f` with the count of agents on a version, under one hold of the counts' lock
+    /// (none is taken with no fleet): for a choice that reads several versions' counts.
+    pub fn with<T>(&self, f: impl FnOnce(&dyn Fn(u64) -> u64) -> T) -> T {
+        match self.running {
+            Some(r) => r.with(self.service, f),
+            None => f(&|_| 0),
+        }
     }
 }
 

@@ -439,21 +439,36 @@ impl State {
         running: RunningOf<'_>,
     ) -> Option<usize> {
         let is_published = published > 0 && version == published;
-        let agents = running.agents(version);
+        // The counts read under one hold of their lock, into (index, agents) of each kept
+        // version that may go (no allocation: at most `MAX_VERSIONS`).
+        let mut kept = [(0usize, 0u64); MAX_VERSIONS];
+        let mut len = 0;
+        let agents = running.with(|agents_on| {
+            for (i, v) in self.versions.iter().enumerate() {
+                if (published == 0 || v.version != published) && len < MAX_VERSIONS {
+                    kept[len] = (i, agents_on(v.version));
+                    len += 1;
+                }
+            }
+            agents_on(version)
+        });
+        let kept = &kept[..len];
         // No kept version is run by fewer than none: a late report, a straggler's last one or
-        // a client's bogus number is turned away with one look at the counts.
+        // a client's bogus number is turned away at once.
         if agents == 0 && !is_published {
             return None;
         }
-        let (at, fewest) = self
-            .versions
-            .iter()
-            .enumerate()
-            .filter(|(_, v)| published == 0 || v.version != published)
-            .map(|(i, v)| (i, running.agents(v.version), v.rate(tick), v.last))
-            .min_by(|a, b| a.1.cmp(&b.1).then(a.2.total_cmp(&b.2)).then(a.3.cmp(&b.3)))
-            .map(|(i, agents, ..)| (i, agents))?;
-        (is_published || agents > fewest).then_some(at)
+        let fewest = kept.iter().map(|&(_, n)| n).min()?;
+        if !is_published && agents <= fewest {
+            return None;
+        }
+        // Of the kept versions the fewest agents run, the one with the fewer calls per second,
+        // then the least recently counted (the windows are summed only for these).
+        kept.iter()
+            .filter(|&&(_, n)| n == fewest)
+            .map(|&(i, _)| (i, self.versions[i].rate(tick), self.versions[i].last))
+            .min_by(|a, b| a.1.total_cmp(&b.1).then(a.2.cmp(&b.2)))
+            .map(|(i, ..)| i)
     }
 
     /// Adds `version`, after evicting the version at `evict` (see [`State::place_for`]);
