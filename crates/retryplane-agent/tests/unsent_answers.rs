@@ -150,3 +150,108 @@ async fn the_last_report_waits_for_room_within_the_grace() {
     );
     assert_eq!(calls(&got), 7, "the counts of the last report");
 }
+
+/// The pushes whose ACKs fill the agent's queue exactly, none waiting for room: the first ACK is
+/// taken by the HTTP/2 body (its window 0 then holds it), the next 16 fill the queue.
+const FULL: u64 = 17;
+
+/// The ACKs of [`FULL`] pushes fill the agent's queue exactly (none waits for room), then one
+/// call is counted when `counted`: shutdown while the uplink drains 300 ms into it. The control
+/// plane reads everything from then on; returns the answers it got and how long the shutdown
+/// took.
+async fn full_queue_at_shutdown(counted: bool) -> (Vec<(&'static str, u64)>, Duration) {
+    let mut plane = RawPlane::start(Opening::default()).await;
+    let agent = support::plane::agent(plane.addr, "a", None);
+    let mut send = plane.stream().await;
+    push(&agent, &mut send, 1..=FULL).await;
+    if counted {
+        agent
+            .endpoint("ep")
+            .call(
+                retryplane_agent::CallMeta::http("GET", "/"),
+                support::Upstream::new([]).attempt(),
+            )
+            .await
+            .unwrap();
+    }
+    let took = shut_down_while(&agent, async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        plane.set_window(OPEN);
+    })
+    .await;
+    let got = received_until(&mut plane.msgs, |got| {
+        answers(got).last() == Some(&("ack", FULL))
+    })
+    .await;
+    (answers(&got).into_iter().collect(), took)
+}
+
+/// A full queue of ACKs and a call counted since: the last report waits for room, finds it
+/// when the uplink drains, and what the stream carried gets the half-close's grace: every ACK
+/// reaches the control plane.
+#[tokio::test(flavor = "current_thread")]
+async fn a_full_queue_of_answers_reaches_a_control_plane_that_reads_when_the_close_has_a_report() {
+    let (got, took) = full_queue_at_shutdown(true).await;
+    assert_eq!(
+        got.last(),
+        Some(&("ack", FULL)),
+        "the ACKs queued before the shutdown (it took {took:?}): {got:?}"
+    );
+}
+
+/// The same with no call counted: the close has nothing of its own to send and the queue is
+/// full. It waits for room within the close grace, as for a report, then gives the half-close
+/// its grace: all 17 ACKs, v17's (the policies the agent runs) among them, reach the control
+/// plane that reads 300 ms into the shutdown. (It once dropped the stream at once, within
+/// 2 ms, and lost them all.)
+#[tokio::test(flavor = "current_thread")]
+async fn a_full_queue_of_answers_reaches_a_control_plane_that_reads_after_an_idle_shutdown() {
+    let (got, took) = full_queue_at_shutdown(false).await;
+    assert_eq!(
+        got.last(),
+        Some(&("ack", FULL)),
+        "the ACKs queued before the shutdown (it took {took:?}): {got:?}"
+    );
+}
+
+/// The deterministic form of `report_at_swap`'s shutdown right after a swap. On an uplink that
+/// drains nothing, 5 calls on v1, then v2 pushed: the report of v1's counts and v2's ACK are
+/// queued; the shutdown comes with nothing of the close's own to send and room on the stream,
+/// and the uplink drains 300 ms into it. Both reach the control plane.
+#[tokio::test(flavor = "current_thread")]
+async fn the_report_and_answer_of_a_swap_reach_a_control_plane_that_reads_after_an_idle_shutdown() {
+    let mut plane = RawPlane::start(Opening::default()).await;
+    let agent = support::plane::agent(plane.addr, "a", None);
+    let mut send = plane.stream().await;
+    push(&agent, &mut send, 1..=1).await;
+    support::plane::succeed(&agent, 5).await;
+    push(&agent, &mut send, 2..=2).await;
+    let took = shut_down_while(&agent, async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        plane.set_window(OPEN);
+    })
+    .await;
+    let got = received_until(&mut plane.msgs, |got| {
+        calls(got) == 5 && answers(got).last() == Some(&("ack", 2))
+    })
+    .await;
+    assert_eq!(
+        (calls(&got), answers(&got).last()),
+        (5, Some(&("ack", 2))),
+        "shutdown took {took:?}"
+    );
+}
+
+/// A control plane that takes nothing, an idle agent whose queue has room (its
+/// one ACK went to the HTTP/2 body): the close has nothing of its own to send, yet waits for
+/// the control plane to close its side since the stream has room: shutdown is held one grace
+/// (2 s), within the documented bound, not more.
+#[tokio::test(flavor = "current_thread")]
+async fn an_idle_shutdown_on_a_stuck_control_plane_is_held_one_grace_at_most() {
+    let mut plane = RawPlane::start(Opening::default()).await;
+    let agent = support::plane::agent(plane.addr, "a", None);
+    let mut send = plane.stream().await;
+    push(&agent, &mut send, 1..=1).await;
+    let took = shut_down_while(&agent, async {}).await;
+    assert!(took < Duration::from_millis(2_500), "{took:?}");
+}

@@ -893,10 +893,15 @@ impl Closing<'_> {
             )
             .await;
         // What the stream carried before the shutdown (an answer and the report of a swap
-        // just before it) may still be on its way: unless the stream has no room at all (a
-        // control plane that takes nothing, which has had its grace), the control plane is
-        // given the time to read it and close its side, as for what this close queued.
-        // Dropping the stream at once could reset it with those messages unsent.
+        // just before it) may still be on its way: dropping the stream at once could reset it
+        // with those messages unsent. A stream with no room at all is first given until the
+        // grace's end to make some, as for a report (a close that had nothing of its own has
+        // not waited yet); with room, the control plane is given the time to read what it
+        // carried and close its side, as for what this close queued. A control plane that
+        // takes nothing has then had its one grace.
+        if tx.capacity() == 0 {
+            let _ = tokio::time::timeout_at(deadline, tx.reserve()).await;
+        }
         let more = if queued + parts > 0 || tx.capacity() > 0 {
             CLOSE_GRACE
         } else {
