@@ -221,3 +221,19 @@ async fn a_split_last_report_that_finds_room_late_holds_shutdown_two_graces_at_m
     assert_eq!(calls(&got), ALL_CALLS);
     assert!(took < Duration::from_millis(4_100), "{took:?}");
 }
+
+/// A control plane that takes nothing, as in
+/// `a_stuck_control_plane_holds_a_split_last_report_one_grace`, but with one slot of the queue
+/// free at shutdown (16 pushes, not 17): part 1 of the last report takes that slot at once,
+/// part 2 waits the whole grace for room and finds none. The half-close's grace counts from
+/// part 1's room, so shutdown is held one grace, not two (it once counted from the end of the
+/// close's own wait: 4 s for a control plane that read nothing).
+#[tokio::test(flavor = "current_thread")]
+async fn a_stuck_control_plane_with_one_slot_free_holds_a_split_last_report_one_grace() {
+    let (_plane, agent, _send) = staged(true, 16, false).await;
+    let took = shut_down_while(&agent, async {}).await;
+    assert!(
+        took >= Duration::from_millis(1_900) && took < Duration::from_millis(2_500),
+        "{took:?}"
+    );
+}

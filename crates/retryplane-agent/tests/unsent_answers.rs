@@ -255,3 +255,41 @@ async fn an_idle_shutdown_on_a_stuck_control_plane_is_held_one_grace_at_most() {
     let took = shut_down_while(&agent, async {}).await;
     assert!(took < Duration::from_millis(2_500), "{took:?}");
 }
+
+/// A control plane that takes nothing, an idle agent whose queue is full of ACKs: the close has
+/// nothing of its own, waits for room until the grace's end, finds none and drops the stream:
+/// shutdown is held one grace (2 s), not two.
+#[tokio::test(flavor = "current_thread")]
+async fn an_idle_shutdown_on_a_full_queue_and_a_stuck_control_plane_is_held_one_grace() {
+    let mut plane = RawPlane::start(Opening::default()).await;
+    let agent = support::plane::agent(plane.addr, "a", None);
+    let mut send = plane.stream().await;
+    push(&agent, &mut send, 1..=FULL).await;
+    let took = shut_down_while(&agent, async {}).await;
+    assert!(
+        took >= Duration::from_millis(1_900) && took < Duration::from_millis(2_500),
+        "{took:?}"
+    );
+}
+
+/// Slow but reading: an idle agent whose queue is full of ACKs, a control plane that reads from 1.9
+/// s into the shutdown (late in the grace) and never closes its side: every ACK arrives, and
+/// shutdown is held two graces at most (4 s).
+#[tokio::test(flavor = "current_thread")]
+async fn an_idle_shutdown_on_a_full_queue_read_late_in_the_grace_is_held_two_graces_at_most() {
+    let mut plane = RawPlane::start(Opening::default()).await;
+    let agent = support::plane::agent(plane.addr, "a", None);
+    let mut send = plane.stream().await;
+    push(&agent, &mut send, 1..=FULL).await;
+    let took = shut_down_while(&agent, async {
+        tokio::time::sleep(Duration::from_millis(1_900)).await;
+        plane.set_window(OPEN);
+    })
+    .await;
+    let got = received_until(&mut plane.msgs, |got| {
+        answers(got).last() == Some(&("ack", FULL))
+    })
+    .await;
+    assert_eq!(answers(&got).last(), Some(&("ack", FULL)), "took {took:?}");
+    assert!(took < Duration::from_millis(4_100), "{took:?}");
+}

@@ -865,14 +865,15 @@ impl Closing<'_> {
         mut unsent: Unsent,
     ) {
         let deadline = Instant::now() + CLOSE_GRACE;
-        // How many messages found room: the half-close waits for the server to read them.
-        let mut queued = 0;
+        // When a message last found room: the half-close waits a grace from then at most for
+        // the server to read it and close its side.
+        let mut found_room: Option<Instant> = None;
         let answered = tokio::time::timeout_at(deadline, async {
             while let Some(reply) = unsent.pop() {
                 if tx.send(reply).await.is_err() {
                     return false;
                 }
-                queued += 1;
+                found_room = Some(Instant::now());
             }
             true
         })
@@ -892,22 +893,25 @@ impl Closing<'_> {
                 || report_fill(shared, window(self.window_start).0),
             )
             .await;
+        if parts > 0 {
+            found_room = found_room.max(self.outbox.queued_by_at());
+        }
         // What the stream carried before the shutdown (an answer and the report of a swap
         // just before it) may still be on its way: dropping the stream at once could reset it
         // with those messages unsent. A stream with no room at all is first given until the
         // grace's end to make some, as for a report (a close that had nothing of its own has
-        // not waited yet); with room, the control plane is given the time to read what it
-        // carried and close its side, as for what this close queued. A control plane that
-        // takes nothing has then had its one grace.
+        // not waited yet); room now counts as room found now. A control plane that takes
+        // nothing has then had its one grace: the half-close waits a grace from the last room
+        // found, not from the end of the close's own wait (a report's first part that took
+        // the one free slot, its second waiting the grace out, held shutdown two).
         if tx.capacity() == 0 {
             let _ = tokio::time::timeout_at(deadline, tx.reserve()).await;
         }
-        let more = if queued + parts > 0 || tx.capacity() > 0 {
-            CLOSE_GRACE
-        } else {
-            Duration::ZERO
-        };
-        half_close(shared, tx, inbound, self.outbox, Instant::now() + more).await;
+        if tx.capacity() > 0 {
+            found_room = Some(Instant::now());
+        }
+        let until = found_room.map_or_else(Instant::now, |at| at + CLOSE_GRACE);
+        half_close(shared, tx, inbound, self.outbox, until).await;
     }
 }
 

@@ -71,6 +71,9 @@ pub(crate) struct Outbox {
     /// its span). When `Agent::set_policies` moved them from the counters to those of calls
     /// that outlived their version ([`Registry::retire`]), the report of those takes it.
     taken_back_from: Option<TakenBack>,
+    /// When [`Outbox::send_by`] last queued a report (at shutdown): the close gives the
+    /// control plane a grace from then to read it.
+    queued_by_at: Option<tokio::time::Instant>,
 }
 
 impl Default for Outbox {
@@ -81,6 +84,7 @@ impl Default for Outbox {
             held: VecDeque::new(),
             closing: false,
             taken_back_from: None,
+            queued_by_at: None,
         }
     }
 }
@@ -109,6 +113,11 @@ impl Outbox {
     /// any other, and the control plane counts it once.
     pub(crate) fn closing(&mut self) {
         self.closing = true;
+    }
+
+    /// When [`Outbox::send_by`] last queued a report; `None` if it never did.
+    pub(crate) fn queued_by_at(&self) -> Option<tokio::time::Instant> {
+        self.queued_by_at
     }
 
     /// Whether [`WINDOW`] reports wait for an answer.
@@ -252,6 +261,7 @@ impl Outbox {
                 return queued;
             };
             self.queue(permit, numbered, part, &mut fill);
+            self.queued_by_at = Some(tokio::time::Instant::now());
             queued += 1;
         }
         queued
@@ -272,6 +282,7 @@ impl Outbox {
                 return false;
             };
             self.queue_report(permit, numbered, report);
+            self.queued_by_at = Some(tokio::time::Instant::now());
             *queued += 1;
         }
         true

@@ -3482,3 +3482,76 @@ async fn after_a_restart_the_fleets_version_is_kept_apart_from_its_second_reconn
         "every report in the series' totals"
     );
 }
+
+/// Of kept versions run by as many agents, the one with the fewer calls per second goes, though it
+/// is the most recently counted: 1, 2, 3 and 4 (one agent each) first counted together, 1 with 1
+/// call, the others 10; 10 s on, one more call of 1 (now counted last). 5, which two agents run,
+/// evicts 1, not 2 (the least recently counted of the busier ones).
+#[tokio::test(start_paused = true)]
+async fn of_kept_versions_alike_in_agents_the_quietest_goes_though_counted_last() {
+    let (agg, svc, _running) = checkout_fleet(&[(1, 1), (2, 1), (3, 1), (4, 1), (5, 2)]);
+    payments(&agg, &svc, 1, 1);
+    for version in [2, 3, 4] {
+        payments(&agg, &svc, version, 10);
+    }
+    advance(Duration::from_secs(10)).await;
+    payments(&agg, &svc, 1, 1);
+    assert_eq!(versions_of(&agg, "checkout", "payments"), [1, 2, 3, 4]);
+    payments(&agg, &svc, 5, 1);
+    assert_eq!(versions_of(&agg, "checkout", "payments"), [2, 3, 4, 5]);
+}
+
+/// Nothing published (published 0) and a kept version 0 (agents on their fallback): 0 is a kept
+/// version like any other, evicted when it is the one fewest agents run and more run the newcomer;
+/// a report of 0 once evicted takes no place back while it is run by no more agents than the kept
+/// ones fewest run.
+#[tokio::test(start_paused = true)]
+async fn with_nothing_published_a_kept_version_0_goes_as_any_other() {
+    let (agg, svc, running) = checkout_fleet(&[(0, 1), (1, 2), (2, 2), (3, 2)]);
+    for version in [0, 1, 2, 3] {
+        payments(&agg, &svc, version, 10);
+        advance(Duration::from_secs(1)).await;
+    }
+    assert_eq!(versions_of(&agg, "checkout", "payments"), [0, 1, 2, 3]);
+    for _ in 0..2 {
+        running.joined("checkout", 4);
+    }
+    payments(&agg, &svc, 4, 10);
+    assert_eq!(
+        versions_of(&agg, "checkout", "payments"),
+        [1, 2, 3, 4],
+        "0 (one agent) made room for 4 (two)"
+    );
+    running.joined("checkout", 0);
+    payments(&agg, &svc, 0, 10);
+    assert_eq!(
+        versions_of(&agg, "checkout", "payments"),
+        [1, 2, 3, 4],
+        "two agents on 0, as many as on each kept one: a tie keeps the kept"
+    );
+    running.joined("checkout", 0);
+    payments(&agg, &svc, 0, 10);
+    assert_eq!(
+        versions_of(&agg, "checkout", "payments").len(),
+        4,
+        "{:?}",
+        versions_of(&agg, "checkout", "payments")
+    );
+    assert!(
+        versions_of(&agg, "checkout", "payments").contains(&0),
+        "three agents on 0: it takes a place"
+    );
+}
+
+/// Published 0 is no version: a report of 0 with no agent on it takes no place, though 0 ==
+/// published (no place is given to "the published version" when nothing is published).
+#[tokio::test(start_paused = true)]
+async fn with_nothing_published_a_report_of_0_no_agent_runs_takes_no_place() {
+    let (agg, svc, _running) = checkout_fleet(&[(1, 1), (2, 1), (3, 1), (4, 1)]);
+    for version in [1, 2, 3, 4] {
+        payments(&agg, &svc, version, 10);
+        advance(Duration::from_secs(1)).await;
+    }
+    payments(&agg, &svc, 0, 10);
+    assert_eq!(versions_of(&agg, "checkout", "payments"), [1, 2, 3, 4]);
+}
