@@ -2162,7 +2162,6 @@ fn five_minute_calls(series: &pb::SeriesStats, version: u64) -> Option<u64> {
     )
 }
 
-/// The versions a series keeps apart, newest first.
 /// The lifetime calls of the first series (the only one, in these tests).
 fn lifetime_calls(agg: &Aggregator) -> u64 {
     agg.stats(Instant::now(), all()).series[0]
@@ -2171,6 +2170,7 @@ fn lifetime_calls(agg: &Aggregator) -> u64 {
         .map_or(0, |c| c.calls)
 }
 
+/// The versions a series keeps apart, newest first.
 fn listed(agg: &Aggregator) -> Vec<u64> {
     agg.stats(Instant::now(), all()).series[0]
         .versions
