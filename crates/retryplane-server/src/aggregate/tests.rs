@@ -364,7 +364,11 @@ async fn past_the_version_bound_a_version_no_agent_runs_goes_but_its_counts_stay
     let stats = agg.stats(Instant::now(), all());
     let s = &stats.series[0];
     let listed: Vec<u64> = s.versions.iter().map(|v| v.policy_version).collect();
-    assert_eq!(listed, [5, 4, 3, 2], "version 1 was counted least recently");
+    assert_eq!(
+        listed,
+        [5, 4, 3, 2],
+        "version 1, which no agent runs, has the fewest calls per second"
+    );
     let five = series::MAX_VERSIONS as u64 + 1;
     let window_calls: Vec<u64> = s
         .windows
