@@ -17,8 +17,9 @@
 //! whatever its number and whatever arrived first. At a tie the kept version stays (no churn
 //! between versions as many agents run): while a fleet reconnects after a restart, the first
 //! of its agents back on a version may find each kept one run by as many, and that report is
-//! counted in the series' totals only. The evicted version's buckets are folded into `retired` (allocated only then, freed
-//! once empty), so the series' windows lose nothing.
+//! counted in the series' totals and windows only, not apart. The evicted version's buckets
+//! are folded into `retired` (allocated only then, freed once empty), so the series' windows
+//! lose nothing.
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
