@@ -844,10 +844,11 @@ async fn session(
 
 /// Shutdown on an open stream: the answers that wait for room (see `unsent`), then the last
 /// report (in as many parts as its counts need, past a full window), each waiting for room,
-/// all within one [`CLOSE_GRACE`]; the half-close; then, once any of it has found room (or
-/// the stream has room: what it carried before may still be on its way), another grace at most
-/// for the control plane to read it and close its side, taking the acks that come meanwhile.
-/// A control plane that takes nothing holds shutdown up one grace; one that is slow but
+/// all within one [`CLOSE_GRACE`] (a stream left with no room is given until its end to make
+/// some); the half-close; then, if any of it found room (or the stream has room: what it
+/// carried before may still be on its way), a wait for the control plane to read it and close
+/// its side, taking the acks that come meanwhile, until one grace after the last room found at
+/// most. A control plane that takes nothing holds shutdown up one grace; one that is slow but
 /// reading, two at most.
 struct Closing<'a> {
     /// The start of the counts not reported yet.
