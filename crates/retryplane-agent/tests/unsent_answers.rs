@@ -155,24 +155,36 @@ async fn the_last_report_waits_for_room_within_the_grace() {
 /// taken by the HTTP/2 body (its window 0 then holds it), the next 16 fill the queue.
 const FULL: u64 = 17;
 
-/// The ACKs of [`FULL`] pushes fill the agent's queue exactly (none waits for room), no call
-/// counted: shutdown while the uplink drains 300 ms into it. The control plane reads everything
-/// from then on; returns the answers it got and how long the shutdown took.
-async fn full_queue_at_an_idle_shutdown() -> (Vec<(&'static str, u64)>, Duration) {
+/// An idle agent (no call counted) that answered the pushes of `versions` (their ACKs held by
+/// the uplink, which drains nothing), then shut down while the control plane opens its window
+/// `opens_after` into the shutdown (never, for `None`). Returns the control plane (what it
+/// read is in its `msgs`), the stream's sending side (kept open by the caller, as the control
+/// plane keeps its side) and how long the shutdown took.
+async fn idle_shutdown_after(
+    versions: std::ops::RangeInclusive<u64>,
+    opens_after: Option<Duration>,
+) -> (RawPlane, h2::SendStream<Bytes>, Duration) {
     let mut plane = RawPlane::start(Opening::default()).await;
     let agent = support::plane::agent(plane.addr, "a", None);
     let mut send = plane.stream().await;
-    push(&agent, &mut send, 1..=FULL).await;
+    push(&agent, &mut send, versions).await;
     let took = shut_down_while(&agent, async {
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        plane.set_window(OPEN);
+        if let Some(after) = opens_after {
+            tokio::time::sleep(after).await;
+            plane.set_window(OPEN);
+        }
     })
     .await;
+    (plane, send, took)
+}
+
+/// The answers the control plane read, once the last is the ACK of `version`.
+async fn answers_through(plane: &mut RawPlane, version: u64) -> Vec<(&'static str, u64)> {
     let got = received_until(&mut plane.msgs, |got| {
-        answers(got).last() == Some(&("ack", FULL))
+        answers(got).last() == Some(&("ack", version))
     })
     .await;
-    (answers(&got).into_iter().collect(), took)
+    answers(&got).into_iter().collect()
 }
 
 /// A full queue of ACKs and no call counted: the close has nothing of its own to send and the
@@ -182,7 +194,9 @@ async fn full_queue_at_an_idle_shutdown() -> (Vec<(&'static str, u64)>, Duration
 /// within 2 ms, and lost them all.)
 #[tokio::test(flavor = "current_thread")]
 async fn a_full_queue_of_answers_reaches_a_control_plane_that_reads_after_an_idle_shutdown() {
-    let (got, took) = full_queue_at_an_idle_shutdown().await;
+    let (mut plane, _send, took) =
+        idle_shutdown_after(1..=FULL, Some(Duration::from_millis(300))).await;
+    let got = answers_through(&mut plane, FULL).await;
     assert_eq!(
         got.last(),
         Some(&("ack", FULL)),
@@ -218,17 +232,13 @@ async fn the_report_and_answer_of_a_swap_reach_a_control_plane_that_reads_after_
     );
 }
 
-/// A control plane that takes nothing, an idle agent whose queue has room (its
-/// one ACK went to the HTTP/2 body): the close has nothing of its own to send, yet waits for
-/// the control plane to close its side since the stream has room: shutdown is held one grace
-/// (2 s), within the documented bound, not more.
+/// A control plane that takes nothing, an idle agent whose queue has room (its one ACK went to
+/// the HTTP/2 body): the close has nothing of its own to send, yet waits for the control plane
+/// to close its side since the stream has room: shutdown is held one grace (2 s), within the
+/// documented bound, not more.
 #[tokio::test(flavor = "current_thread")]
 async fn an_idle_shutdown_on_a_stuck_control_plane_is_held_one_grace_at_most() {
-    let mut plane = RawPlane::start(Opening::default()).await;
-    let agent = support::plane::agent(plane.addr, "a", None);
-    let mut send = plane.stream().await;
-    push(&agent, &mut send, 1..=1).await;
-    let took = shut_down_while(&agent, async {}).await;
+    let (_plane, _send, took) = idle_shutdown_after(1..=1, None).await;
     assert!(
         took >= Duration::from_millis(1_900) && took < Duration::from_millis(2_500),
         "{took:?}"
@@ -240,35 +250,21 @@ async fn an_idle_shutdown_on_a_stuck_control_plane_is_held_one_grace_at_most() {
 /// shutdown is held one grace (2 s), not two.
 #[tokio::test(flavor = "current_thread")]
 async fn an_idle_shutdown_on_a_full_queue_and_a_stuck_control_plane_is_held_one_grace() {
-    let mut plane = RawPlane::start(Opening::default()).await;
-    let agent = support::plane::agent(plane.addr, "a", None);
-    let mut send = plane.stream().await;
-    push(&agent, &mut send, 1..=FULL).await;
-    let took = shut_down_while(&agent, async {}).await;
+    let (_plane, _send, took) = idle_shutdown_after(1..=FULL, None).await;
     assert!(
         took >= Duration::from_millis(1_900) && took < Duration::from_millis(2_500),
         "{took:?}"
     );
 }
 
-/// Slow but reading: an idle agent whose queue is full of ACKs, a control plane that reads from 1.9
-/// s into the shutdown (late in the grace) and never closes its side: every ACK arrives, and
+/// Slow but reading: an idle agent whose queue is full of ACKs, a control plane that reads from
+/// 1.9 s into the shutdown (late in the grace) and never closes its side: every ACK arrives, and
 /// shutdown is held two graces at most (4 s).
 #[tokio::test(flavor = "current_thread")]
 async fn an_idle_shutdown_on_a_full_queue_read_late_in_the_grace_is_held_two_graces_at_most() {
-    let mut plane = RawPlane::start(Opening::default()).await;
-    let agent = support::plane::agent(plane.addr, "a", None);
-    let mut send = plane.stream().await;
-    push(&agent, &mut send, 1..=FULL).await;
-    let took = shut_down_while(&agent, async {
-        tokio::time::sleep(Duration::from_millis(1_900)).await;
-        plane.set_window(OPEN);
-    })
-    .await;
-    let got = received_until(&mut plane.msgs, |got| {
-        answers(got).last() == Some(&("ack", FULL))
-    })
-    .await;
-    assert_eq!(answers(&got).last(), Some(&("ack", FULL)), "took {took:?}");
+    let (mut plane, _send, took) =
+        idle_shutdown_after(1..=FULL, Some(Duration::from_millis(1_900))).await;
+    let got = answers_through(&mut plane, FULL).await;
+    assert_eq!(got.last(), Some(&("ack", FULL)), "took {took:?}");
     assert!(took < Duration::from_millis(4_100), "{took:?}");
 }
