@@ -5,13 +5,14 @@
 //! what a connected agent runs; the aggregator only reads them. An agent counts under the
 //! number its calls are reported under: the number its Hello names (also one the fleet lists
 //! as running none known, another store's content: its calls still carry that number), then
-//! each version it ACKs. Counts of zero are removed, so the maps hold at most one entry per
-//! connected agent.
+//! each version it ACKs. Counts of zero are removed, so the map holds at most one entry per
+//! connected agent. The counts over every service (for the series that takes what is past the
+//! caps) are summed when read: they are read rarely, and changed with every ACK.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
-/// Connected agents per (service, version), and per version over every service.
+/// Connected agents per (service, version).
 #[derive(Debug, Default)]
 pub struct AgentsRunning {
     inner: Mutex<Counts>,
@@ -20,12 +21,10 @@ pub struct AgentsRunning {
 #[derive(Debug, Default)]
 struct Counts {
     by_service: HashMap<Box<str>, HashMap<u64, u64>>,
-    all: HashMap<u64, u64>,
 }
 
 impl Counts {
     fn add(&mut self, service: &str, version: u64) {
-        *self.all.entry(version).or_default() += 1;
         match self.by_service.get_mut(service) {
             Some(versions) => *versions.entry(version).or_default() += 1,
             None => {
@@ -36,22 +35,25 @@ impl Counts {
     }
 
     fn remove(&mut self, service: &str, version: u64) {
-        take_one(&mut self.all, version);
         if let Some(versions) = self.by_service.get_mut(service) {
-            take_one(versions, version);
+            if let Some(n) = versions.get_mut(&version) {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    versions.remove(&version);
+                }
+            }
             if versions.is_empty() {
                 self.by_service.remove(service);
             }
         }
     }
-}
 
-/// One fewer under `version`; the entry goes at zero.
-fn take_one(counts: &mut HashMap<u64, u64>, version: u64) {
-    if let Some(n) = counts.get_mut(&version) {
-        *n = n.saturating_sub(1);
-        if *n == 0 {
-            counts.remove(&version);
+    /// Agents of `service` (`None`: of every service) on `version`.
+    fn on(&self, service: Option<&str>, version: u64) -> u64 {
+        let of = |versions: &HashMap<u64, u64>| versions.get(&version).copied().unwrap_or(0);
+        match service {
+            Some(service) => self.by_service.get(service).map_or(0, of),
+            None => self.by_service.values().map(of).sum(),
         }
     }
 }
@@ -91,11 +93,7 @@ impl AgentsRunning {
     /// under one hold of the lock.
     fn with<T>(&self, service: Option<&str>, f: impl FnOnce(&dyn Fn(u64) -> u64) -> T) -> T {
         let counts = self.lock();
-        let versions = match service {
-            Some(service) => counts.by_service.get(service),
-            None => Some(&counts.all),
-        };
-        f(&|version| versions.and_then(|v| v.get(&version)).copied().unwrap_or(0))
+        f(&|version| counts.on(service, version))
     }
 
     /// One series' view: the agents of `service` (`None`: of every service).
@@ -117,11 +115,6 @@ pub struct RunningOf<'a> {
 }
 
 impl RunningOf<'_> {
-    /// Connected agents running `version`.
-    pub fn agents(&self, version: u64) -> u64 {
-        self.with(|agents| agents(version))
-    }
-
     /// Runs `f` with the count of agents on a version, under one hold of the counts' lock
     /// (none is taken with no fleet): for a choice that reads several versions' counts.
     pub fn with<T>(&self, f: impl FnOnce(&dyn Fn(u64) -> u64) -> T) -> T {
@@ -149,7 +142,7 @@ mod tests {
         assert_eq!(running.agents(None, 2), 1);
         running.moved("search", 2, 4);
         assert_eq!(running.agents(Some("search"), 2), 0);
-        assert_eq!(running.of(Some("search")).agents(4), 1);
+        assert_eq!(running.of(Some("search")).with(|on| on(4)), 1);
         running.moved("checkout", 3, 3);
         assert_eq!(running.agents(Some("checkout"), 3), 2);
         for (service, version) in [
@@ -161,14 +154,11 @@ mod tests {
             running.left(service, version);
         }
         let counts = running.lock();
-        assert!(
-            counts.by_service.is_empty() && counts.all.is_empty(),
-            "{counts:?}"
-        );
+        assert!(counts.by_service.is_empty(), "{counts:?}");
     }
 
     #[test]
     fn a_view_of_no_fleet_knows_of_no_agent() {
-        assert_eq!(RunningOf::default().agents(1), 0);
+        assert_eq!(RunningOf::default().with(|on| on(1)), 0);
     }
 }

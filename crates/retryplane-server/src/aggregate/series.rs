@@ -454,11 +454,8 @@ impl State {
             agents_on(version)
         });
         let kept = &kept[..len];
-        // No kept version is run by fewer than none: a late report, a straggler's last one or
-        // a client's bogus number is turned away at once.
-        if agents == 0 && !is_published {
-            return None;
-        }
+        // A version no agent runs (a late report, a straggler's last one, a client's bogus
+        // number) has no more agents than any kept one: turned away.
         let fewest = kept.iter().map(|&(_, n)| n).min()?;
         if !is_published && agents <= fewest {
             return None;
