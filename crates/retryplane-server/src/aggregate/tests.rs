@@ -1670,13 +1670,6 @@ async fn a_late_report_of_a_version_evicted_between_kept_ones_evicts_no_newer_on
         );
         advance(Duration::from_secs(1)).await;
     }
-    let listed = |agg: &Aggregator| -> Vec<u64> {
-        agg.stats(Instant::now(), all()).series[0]
-            .versions
-            .iter()
-            .map(|v| v.policy_version)
-            .collect()
-    };
     assert_eq!(
         listed(&agg),
         [5, 4, 3, 1],
@@ -1731,11 +1724,7 @@ async fn a_kept_version_numbered_above_the_store_s_does_not_keep_new_versions_ou
         [59, 59, 59],
         "every count is in the windows"
     );
-    let listed: Vec<u64> = agg.stats(Instant::now(), all()).series[0]
-        .versions
-        .iter()
-        .map(|v| v.policy_version)
-        .collect();
+    let listed = listed(&agg);
     assert!(
         listed.contains(&4),
         "version 4, the one 50 of the last 55 calls ran under, is not among the versions \
@@ -1753,36 +1742,31 @@ async fn an_evicted_version_more_agents_run_again_is_kept_apart_again() {
         payments(&agg, &svc, version, 1);
         advance(Duration::from_secs(1)).await;
     }
-    let listed = |agg: &Aggregator| -> Vec<u64> {
-        let mut v: Vec<u64> = agg.stats(Instant::now(), all()).series[0]
-            .versions
-            .iter()
-            .map(|v| v.policy_version)
-            .collect();
-        v.sort_unstable();
-        v
-    };
     assert_eq!(
-        listed(&agg),
+        versions_of(&agg, "checkout", "payments"),
         [1, 3, 4, 5],
         "version 2, which no agent runs, was evicted"
     );
     payments(&agg, &svc, 2, 1);
-    assert_eq!(listed(&agg), [1, 3, 4, 5], "a late report of 2 evicts none");
+    assert_eq!(
+        versions_of(&agg, "checkout", "payments"),
+        [1, 3, 4, 5],
+        "a late report of 2 evicts none"
+    );
     advance(Duration::from_secs(60)).await;
     running.joined("checkout", 2);
     payments(&agg, &svc, 2, 1);
     assert_eq!(
-        listed(&agg),
+        versions_of(&agg, "checkout", "payments"),
         [1, 3, 4, 5],
         "one agent on 2, as many as on each kept one"
     );
     running.joined("checkout", 2);
     payments(&agg, &svc, 2, 1);
     assert!(
-        listed(&agg).contains(&2),
+        versions_of(&agg, "checkout", "payments").contains(&2),
         "version 2, which two agents run, one more than each kept one: {:?}",
-        listed(&agg)
+        versions_of(&agg, "checkout", "payments")
     );
     assert_eq!(calls(&agg, all())[2], 9, "every count is in the windows");
 }
@@ -1853,12 +1837,7 @@ async fn a_bogus_high_version_does_not_leave_the_newest_published_one_to_a_strag
         }
         advance(Duration::from_secs(10)).await;
     }
-    let stats = agg.stats(Instant::now(), all());
-    let listed: Vec<u64> = stats.series[0]
-        .versions
-        .iter()
-        .map(|v| v.policy_version)
-        .collect();
+    let listed = listed(&agg);
     assert!(
         listed.contains(&5),
         "version 5, which 6,000 of the last 6,120 calls ran under, is not kept apart ten \
@@ -1889,12 +1868,7 @@ async fn one_bogus_high_version_takes_no_place() {
         }
         advance(Duration::from_secs(10)).await;
     }
-    let stats = agg.stats(Instant::now(), all());
-    let listed: Vec<u64> = stats.series[0]
-        .versions
-        .iter()
-        .map(|v| v.policy_version)
-        .collect();
+    let listed = listed(&agg);
     assert!(
         listed.contains(&5),
         "version 5, which 6,000 of the last 6,180 calls ran under, is not kept apart ten \
@@ -1932,12 +1906,7 @@ async fn the_published_version_once_evicted_before_its_publish_is_kept_apart() {
         }
         advance(Duration::from_secs(10)).await;
     }
-    let stats = agg.stats(Instant::now(), all());
-    let listed: Vec<u64> = stats.series[0]
-        .versions
-        .iter()
-        .map(|v| v.policy_version)
-        .collect();
+    let listed = listed(&agg);
     assert!(
         listed.contains(&6),
         "version 6, published and run by the fleet for ten minutes (6,000 of the last 6,120 \
@@ -1964,12 +1933,7 @@ async fn the_published_version_below_every_kept_one_is_kept_apart() {
         payments(&agg, &svc, 5, 100);
         advance(Duration::from_secs(10)).await;
     }
-    let stats = agg.stats(Instant::now(), all());
-    let listed: Vec<u64> = stats.series[0]
-        .versions
-        .iter()
-        .map(|v| v.policy_version)
-        .collect();
+    let listed = listed(&agg);
     assert!(
         listed.contains(&5),
         "version 5, published and run by the fleet for ten minutes (6,000 of the last 6,004 \
