@@ -3377,9 +3377,9 @@ async fn a_series_goes_by_the_agents_of_its_own_service() {
 }
 
 /// The `other` series' reports come from every service, so it goes by the agents of every
-/// service. Its four places are taken by one report each of 2,
-/// 3, 4 and 5 from an agent whose service name is too long; 1, which agents of `checkout`
-/// (not the long name's) run, takes a place there; 7, which none runs, takes none.
+/// service. Its four places are taken by one report each of 2, 3, 4 and 5 from an agent whose
+/// service name is too long; 1, which agents of `checkout` (not the long name's) run, takes a
+/// place there; 7, which none runs, takes none.
 #[tokio::test(start_paused = true)]
 async fn the_other_series_goes_by_the_agents_of_every_service() {
     let (agg, _checkout, running) = checkout_fleet(&[(1, 3)]);
