@@ -294,16 +294,12 @@ impl ControlPlane {
     ///
     /// The publish time on `/metrics` is then the version's own (when it was stored and first
     /// published), not the start's: the fleet has been on it since. A version already served
-    /// (a save the watcher applied first) is not published again.
+    /// (a save the watcher applied first) is not published again (see `Publisher::publish`).
     pub async fn publish_current(&self) -> Result<Option<VersionRecord>, StoreError> {
         let _one_at_a_time = self.changes.lock().await;
         let current = self.blocking(|s| s.current()).await?;
         if let Some(record) = &current {
-            let fanout = self.fanout();
-            let served = fanout.publisher.current().map(|s| s.version);
-            if served.is_none_or(|v| v < record.meta.version) {
-                fanout.publish_at(record, PublishedAt::Stored);
-            }
+            self.fanout().publish_at(record, PublishedAt::Stored);
         }
         Ok(current)
     }
@@ -535,15 +531,17 @@ impl Fanout {
     /// Makes `record` current: the version gauge, the publish time and the aggregates'
     /// published version, set before the streams are woken (whoever sees the new version
     /// pushed reads it in the gauge too), the snapshot streams send, then the alert thresholds
-    /// (read from the whole document, so not before the push). A record older than what is
-    /// served changes nothing (see `Publisher::publish`).
-    fn publish(&self, record: &VersionRecord) {
-        self.publish_at(record, PublishedAt::Now);
+    /// (read from the whole document, so not before the push). A record no newer than what is
+    /// served changes nothing (see `Publisher::publish`). Whether it was published.
+    fn publish(&self, record: &VersionRecord) -> bool {
+        self.publish_at(record, PublishedAt::Now)
     }
 
     /// [`Fanout::publish`], with the publish time on `/metrics` taken as `at` says.
-    fn publish_at(&self, record: &VersionRecord, at: PublishedAt) {
-        let published = self.publisher.publish_then(record, || {
+    fn publish_at(&self, record: &VersionRecord, at: PublishedAt) -> bool {
+        let mut published = false;
+        self.publisher.publish_then(record, || {
+            published = true;
             self.metrics
                 .current_version
                 .set(i64::try_from(record.meta.version).unwrap_or(i64::MAX));
@@ -559,26 +557,24 @@ impl Fanout {
             };
             self.metrics.last_publish_seconds.set(seconds);
         });
-        if published.version == record.meta.version {
+        if published {
             self.aggregates.thresholds().set_from(&record.document);
         }
+        published
     }
 
     /// Publishes `record`, the store's current version, if what is served is older: after a
     /// store call that failed once its commit was durable (redb can report a failed sync of a
     /// commit that is on disk), the store holds a version no stream was sent.
     fn catch_up(&self, record: &VersionRecord) {
-        let served = self.publisher.current().map(|s| s.version);
-        if served.is_some_and(|v| v >= record.meta.version) {
-            return;
+        let served = self.publisher.current().map_or(0, |s| s.version);
+        if self.publish(record) {
+            warn!(
+                version = record.meta.version,
+                served, "the store held a version that was not published; published it now"
+            );
+            self.metrics.publishes.inc();
         }
-        warn!(
-            version = record.meta.version,
-            served = served.unwrap_or(0),
-            "the store holds a version that was not published; publishing it now"
-        );
-        self.publish(record);
-        self.metrics.publishes.inc();
     }
 }
 

@@ -70,7 +70,8 @@ impl Publisher {
     }
 
     /// Makes `record` the current snapshot and wakes every stream. Versions only go forward:
-    /// a record older than the current snapshot is not published (logged), and the current
+    /// a record older than the current snapshot is not published (logged), nor the one served
+    /// again (a version's content never changes: nothing to wake anyone for), and the current
     /// snapshot is returned instead.
     pub fn publish(&self, record: &VersionRecord) -> Arc<Snapshot> {
         self.publish_then(record, || {})
@@ -85,13 +86,15 @@ impl Publisher {
         before_wake: impl FnOnce(),
     ) -> Arc<Snapshot> {
         if let Some(current) = self.current()
-            && current.version > record.meta.version
+            && current.version >= record.meta.version
         {
-            warn!(
-                current = current.version,
-                refused = record.meta.version,
-                "an older version was not published over the current one"
-            );
+            if current.version > record.meta.version {
+                warn!(
+                    current = current.version,
+                    refused = record.meta.version,
+                    "an older version was not published over the current one"
+                );
+            }
             return current;
         }
         let nonce = self.nonce(record.meta.version);
@@ -164,8 +167,9 @@ mod tests {
         assert_eq!(publisher.publish(&record(1)).version, 2);
         assert!(!seen.has_changed().unwrap());
         assert_eq!(publisher.current().unwrap().version, 2);
-        // The same version again (a restart's first publish) and newer ones go out.
+        // Nor does the version served, again.
         assert_eq!(publisher.publish(&record(2)).version, 2);
+        assert!(!seen.has_changed().unwrap());
         assert_eq!(publisher.publish(&record(3)).version, 3);
         assert_eq!(publisher.current().unwrap().version, 3);
     }
@@ -181,6 +185,7 @@ mod tests {
         });
         assert!(seen.has_changed().unwrap());
         publisher.publish_then(&record(1), || ran.push(1));
+        publisher.publish_then(&record(2), || ran.push(22));
         assert_eq!(ran, [2]);
     }
 
