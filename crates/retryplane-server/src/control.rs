@@ -548,11 +548,7 @@ impl Fanout {
             // Before any agent runs it: its first report is judged as the published version's.
             self.aggregates.set_published(record.meta.version);
             let seconds = match at {
-                // (A clock set before 1970 reads as 0.)
-                PublishedAt::Now => std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .unwrap_or_default()
-                    .as_secs_f64(),
+                PublishedAt::Now => crate::fleet::unix_seconds(),
                 PublishedAt::Stored => record.meta.created_unix_ms as f64 / 1_000.0,
             };
             self.metrics.last_publish_seconds.set(seconds);

@@ -19,6 +19,7 @@ use super::*;
 use crate::admin::AdminApi;
 use crate::agent_route::AgentRoute;
 use crate::agent_stream::{AgentStreamService, Hook, StreamContext, StreamLimits};
+use crate::fleet::unix_seconds;
 use crate::store::{MemoryStore, VersionMeta};
 
 const V1: &str = "version: 1\nendpoints:\n  payments:\n    max_attempts: 3\n";
@@ -917,11 +918,11 @@ async fn the_publish_time_is_set_when_a_version_is_published_and_only_then() {
 /// Applies `req` and returns the publish time on `/metrics` after it, checked to fall within
 /// the call (`what` names the call in the message).
 async fn publish_time_of(control: &ControlPlane, req: ChangeRequest, what: &str) -> f64 {
-    let before = unix_now_s();
+    let before = unix_seconds();
     control.apply(req).await.unwrap();
     let at = control.metrics.last_publish_seconds.get();
     assert!(
-        (before..=unix_now_s()).contains(&at),
+        (before..=unix_seconds()).contains(&at),
         "{what}: {at} not within the call"
     );
     at
@@ -946,19 +947,11 @@ fn store_behind(store: &LateErrorStore, yaml: &str) {
         .unwrap();
 }
 
-/// Unix time now, in seconds (as the publish time gauge has it).
-fn unix_now_s() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs_f64()
-}
-
 /// Waits (bounded) until the system clock reads later than `t`, so that a gauge set now
 /// would differ from `t`.
 async fn clock_past(t: f64) {
     tokio::time::timeout(WAIT, async {
-        while unix_now_s() <= t {
+        while unix_seconds() <= t {
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
     })
@@ -1006,11 +999,11 @@ async fn the_publish_time_follows_every_publish_and_no_refused_one() {
     // A version stored behind the served one is caught up by the same content sent again.
     clock_past(at_v4).await;
     store_behind(&store, V1);
-    let before = unix_now_s();
+    let before = unix_seconds();
     let outcome = control.apply(change(wire(V1))).await.unwrap();
     assert!(!outcome.changed);
     assert_eq!(served(&control), 5);
-    assert!((before..=unix_now_s()).contains(&published()), "catch-up");
+    assert!((before..=unix_seconds()).contains(&published()), "catch-up");
 }
 
 /// `publish_current` does not publish the version already served again (the publisher would

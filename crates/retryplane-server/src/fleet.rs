@@ -74,6 +74,15 @@ pub fn unix_ms() -> u64 {
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
+/// The wall clock in Unix seconds, to the nanosecond the clock gives (0 before 1970): for the
+/// publish time on `/metrics`, which the fan-out bench reads in milliseconds.
+pub fn unix_seconds() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs_f64()
+}
+
 #[derive(Debug)]
 struct Entry {
     status: pb::AgentStatus,
