@@ -883,7 +883,7 @@ impl Closing<'_> {
         self.outbox.closing();
         // Past the grace (answers that found no room): only what finds room at once. (No later
         // report: the window's start is not moved on.)
-        let parts = self
+        let queued = self
             .outbox
             .send_by(
                 &shared.metrics,
@@ -894,9 +894,7 @@ impl Closing<'_> {
                 || report_fill(shared, window(self.window_start).0),
             )
             .await;
-        if parts > 0 {
-            found_room = found_room.max(self.outbox.queued_by_at());
-        }
+        found_room = found_room.max(queued.last_at);
         // What the stream carried before the shutdown (an answer and the report of a swap
         // just before it) may still be on its way: dropping the stream at once could reset it
         // with those messages unsent. A stream with no room at all is first given until the

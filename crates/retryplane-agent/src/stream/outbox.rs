@@ -71,9 +71,6 @@ pub(crate) struct Outbox {
     /// its span). When `Agent::set_policies` moved them from the counters to those of calls
     /// that outlived their version ([`Registry::retire`]), the report of those takes it.
     taken_back_from: Option<TakenBack>,
-    /// When [`Outbox::send_by`] last queued a report (at shutdown): the close gives the
-    /// control plane a grace from then to read it.
-    queued_by_at: Option<tokio::time::Instant>,
 }
 
 impl Default for Outbox {
@@ -84,7 +81,6 @@ impl Default for Outbox {
             held: VecDeque::new(),
             closing: false,
             taken_back_from: None,
-            queued_by_at: None,
         }
     }
 }
@@ -94,6 +90,24 @@ impl Default for Outbox {
 struct TakenBack {
     version: u64,
     from: u64,
+}
+
+/// What [`Outbox::send_by`] queued.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Queued {
+    /// How many reports.
+    pub(crate) count: usize,
+    /// When the last of them found room: the close gives the control plane a grace from then
+    /// to read it.
+    pub(crate) last_at: Option<tokio::time::Instant>,
+}
+
+impl Queued {
+    /// One more, queued now.
+    fn one(&mut self) {
+        self.count += 1;
+        self.last_at = Some(tokio::time::Instant::now());
+    }
 }
 
 /// Why a report was not queued.
@@ -113,11 +127,6 @@ impl Outbox {
     /// any other, and the control plane counts it once.
     pub(crate) fn closing(&mut self) {
         self.closing = true;
-    }
-
-    /// When [`Outbox::send_by`] last queued a report; `None` if it never did.
-    pub(crate) fn queued_by_at(&self) -> Option<tokio::time::Instant> {
-        self.queued_by_at
     }
 
     /// Whether [`WINDOW`] reports wait for an answer.
@@ -214,7 +223,7 @@ impl Outbox {
 
     /// [`Outbox::send`] at shutdown (after [`Outbox::closing`]): each report (each part of
     /// counts too large for one) waits for room on `tx` until `deadline`; the counts of those
-    /// that find none by then are added back. How many were queued.
+    /// that find none by then are added back. What was queued.
     ///
     /// `fill()` makes a report's `fill`, reading the version in force as it is made; `steady`
     /// runs what it is given with no swap of the policies in between (`Shared::between_swaps`).
@@ -230,8 +239,8 @@ impl Outbox {
         deadline: tokio::time::Instant,
         steady: impl Fn(&mut dyn FnMut()),
         fill: impl Fn() -> F,
-    ) -> usize {
-        let mut queued = 0;
+    ) -> Queued {
+        let mut queued = Queued::default();
         steady(&mut || self.hold_outlived(registry, &mut fill()));
         if !self.send_held_by(tx, numbered, deadline, &mut queued).await {
             return queued;
@@ -261,8 +270,7 @@ impl Outbox {
                 return queued;
             };
             self.queue(permit, numbered, part, &mut fill);
-            self.queued_by_at = Some(tokio::time::Instant::now());
-            queued += 1;
+            queued.one();
         }
         queued
     }
@@ -274,7 +282,7 @@ impl Outbox {
         tx: &mpsc::Sender<pb::AgentMessage>,
         numbered: bool,
         deadline: tokio::time::Instant,
-        queued: &mut usize,
+        queued: &mut Queued,
     ) -> bool {
         while let Some(report) = self.held.pop_front() {
             let Ok(Ok(permit)) = tokio::time::timeout_at(deadline, tx.reserve()).await else {
@@ -282,8 +290,7 @@ impl Outbox {
                 return false;
             };
             self.queue_report(permit, numbered, report);
-            self.queued_by_at = Some(tokio::time::Instant::now());
-            *queued += 1;
+            queued.one();
         }
         true
     }
@@ -831,7 +838,7 @@ mod tests {
         let queued = o
             .send_by(&r, &tx, true, deadline, |f| f(), || under(3))
             .await;
-        assert_eq!(queued, 1);
+        assert_eq!(queued.count, 1);
         assert_eq!(sent_with_versions(&mut rx), [(5, 2, 1)]);
     }
 
@@ -1229,7 +1236,7 @@ mod tests {
                 .send_by(&r, &tx, true, deadline, |f| f(), || no_fill)
                 .await;
             drop(tx);
-            all
+            all.count
         };
         let (parts, calls) = tokio::join!(send, drain);
         assert!(parts > 1, "{parts} part(s)");
@@ -1240,7 +1247,10 @@ mod tests {
         let (tx, _rx) = full_stream();
         count_many(&r, endpoints, 1);
         let past = tokio::time::Instant::now();
-        assert_eq!(o.send_by(&r, &tx, true, past, |f| f(), || no_fill).await, 0);
+        assert_eq!(
+            o.send_by(&r, &tx, true, past, |f| f(), || no_fill).await,
+            Queued::default()
+        );
         assert_eq!(
             calls_of(&r.take()),
             endpoints as u64,
@@ -1685,7 +1695,7 @@ mod tests {
         let past = tokio::time::Instant::now();
         let queued = o.send_by(&r, &tx, true, past, steady, || under(3)).await;
         assert_eq!(turns.get(), 2);
-        assert_eq!(queued, 1);
+        assert_eq!(queued.count, 1);
         assert_eq!(sent_with_versions(&mut rx), [(1, 1, 2)]);
         assert_eq!(o.held_versions(), [2]);
         assert_eq!(r.pending("a").calls, 5, "the counters' counts wait there");
