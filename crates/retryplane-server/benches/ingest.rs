@@ -80,7 +80,11 @@ fn run(cfg: Config) {
     let reports: Vec<pb::MetricsReport> =
         (0..cfg.agents).map(|a| report(a, cfg.endpoints)).collect();
     let rss_before = rss_kib();
-    let agg = Arc::new(Aggregator::new(DEFAULT_MAX_SERIES, Instant::now()));
+    let agg = Arc::new(Aggregator::new(
+        DEFAULT_MAX_SERIES,
+        Instant::now(),
+        Arc::default(),
+    ));
     let handles: Vec<ServiceHandle> = (0..cfg.agents)
         .map(|a| agg.service(&format!("service-{:04}", a % cfg.services)))
         .collect();

@@ -197,8 +197,7 @@ mod tests {
         let publisher = Arc::new(Publisher::new(10_000));
         let (shutdown, shutdown_rx) = watch::channel(false);
         let fleet = Arc::new(Fleet::new(100));
-        let aggregates =
-            Aggregator::new(100, tokio::time::Instant::now()).with_running(fleet.running());
+        let aggregates = Aggregator::new(100, tokio::time::Instant::now(), fleet.running());
         let ctx = StreamContext {
             publisher: publisher.clone(),
             fleet,

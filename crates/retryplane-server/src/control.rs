@@ -256,8 +256,7 @@ impl ControlPlane {
     #[cfg(test)]
     pub(crate) fn for_tests(store: Arc<dyn VersionStore>, mode: Mode) -> Self {
         let fleet = Arc::new(Fleet::new(100));
-        let aggregates =
-            Aggregator::new(100, tokio::time::Instant::now()).with_running(fleet.running());
+        let aggregates = Aggregator::new(100, tokio::time::Instant::now(), fleet.running());
         Self::new(
             store,
             Arc::new(Publisher::new(10_000)),

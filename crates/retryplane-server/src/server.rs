@@ -245,10 +245,9 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
     let fleet =
         Arc::new(Fleet::new(cfg.max_agents).forgetting_after(cfg.forget_disconnected_after));
     let aggregates = Arc::new(
-        Aggregator::new(cfg.max_series, tokio::time::Instant::now())
+        Aggregator::new(cfg.max_series, tokio::time::Instant::now(), fleet.running())
             .with_max_per_service(cfg.max_series_per_service)
-            .with_unknown_span(cfg.metrics_interval)
-            .with_running(fleet.running()),
+            .with_unknown_span(cfg.metrics_interval),
     );
     let control = Arc::new(ControlPlane::new(
         store,

@@ -253,7 +253,10 @@ impl Filter<'_> {
 
 impl Aggregator {
     /// An empty aggregate keeping at most `max_series` series apart; windows count from `now`.
-    pub fn new(max_series: usize, now: Instant) -> Self {
+    /// Each series keeps apart the versions the most connected agents run, as `running` counts
+    /// them (the fleet's: [`crate::fleet::Fleet::running`]; an empty count knows no agent, and
+    /// a series then keeps apart the versions it has places for and the one published).
+    pub fn new(max_series: usize, now: Instant, running: Arc<AgentsRunning>) -> Self {
         Self {
             // Buckets are numbered from the longest window before `now`, so that the counts of
             // a report that covers the time before this aggregate was made (an agent's backlog
@@ -278,18 +281,8 @@ impl Aggregator {
             published: AtomicU64::new(0),
             forget_after: DEFAULT_FORGET_SERIES_AFTER,
             report_interval: DEFAULT_UNKNOWN_SPAN,
-            running: Arc::default(),
+            running,
         }
-    }
-
-    /// This aggregate, keeping apart in each series the versions the most connected agents
-    /// run as `running` counts them (the fleet's: [`crate::fleet::Fleet::running`]); without
-    /// it, no agent is known to run any version, and a series keeps apart the versions it
-    /// has places for and the one published.
-    #[must_use]
-    pub fn with_running(mut self, running: Arc<AgentsRunning>) -> Self {
-        self.running = running;
-        self
     }
 
     /// This aggregate, forgetting a series no report has counted into for `after` (default

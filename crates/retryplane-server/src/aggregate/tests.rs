@@ -46,7 +46,7 @@ fn checkout_fleet(fleet: &[(u64, u64)]) -> (Aggregator, ServiceHandle, Arc<Agent
             running.joined("checkout", version);
         }
     }
-    let agg = Aggregator::new(10, Instant::now()).with_running(running.clone());
+    let agg = Aggregator::new(10, Instant::now(), running.clone());
     let svc = agg.service("checkout");
     (agg, svc, running)
 }
@@ -78,7 +78,7 @@ fn calls(agg: &Aggregator, filter: Filter<'_>) -> [u64; 3] {
 
 #[tokio::test(start_paused = true)]
 async fn counts_leave_the_1_minute_window_after_60_s_and_the_5_minute_after_300_s() {
-    let agg = Aggregator::new(10, Instant::now());
+    let agg = Aggregator::new(10, Instant::now(), Arc::default());
     let svc = agg.service("checkout");
     agg.ingest(&svc, &report(1, &[("payments", 7, 0)]), Instant::now());
     let f = one("checkout", "payments");
@@ -109,7 +109,7 @@ async fn counts_leave_the_1_minute_window_after_60_s_and_the_5_minute_after_300_
 
 #[tokio::test(start_paused = true)]
 async fn windows_sum_every_bucket_inside_them() {
-    let agg = Aggregator::new(10, Instant::now());
+    let agg = Aggregator::new(10, Instant::now(), Arc::default());
     let svc = agg.service("checkout");
     // One report every 10 s for 20 minutes, 1 call each.
     for _ in 0..120 {
@@ -124,7 +124,7 @@ async fn windows_sum_every_bucket_inside_them() {
 
 #[tokio::test(start_paused = true)]
 async fn covered_seconds_is_the_time_the_window_spans_and_less_for_a_young_series() {
-    let agg = Aggregator::new(10, Instant::now());
+    let agg = Aggregator::new(10, Instant::now(), Arc::default());
     let svc = agg.service("checkout");
     advance(Duration::from_secs(100)).await;
     agg.ingest(&svc, &report(1, &[("payments", 1, 0)]), Instant::now());
@@ -167,7 +167,8 @@ fn a_backlog_at_or_under_the_threshold_never_takes_a_window_past_it() {
     for (calls, retries, span_s) in sizes {
         for step in 0..480_u64 {
             let epoch = Instant::now();
-            let agg = Aggregator::new(100, epoch).with_unknown_span(Duration::from_secs(10));
+            let agg = Aggregator::new(100, epoch, Arc::default())
+                .with_unknown_span(Duration::from_secs(10));
             let svc = agg.service("checkout");
             let now = epoch + Duration::from_millis(3_600_000 + step * 250);
             let end = 1_700_000_000_000;
@@ -197,7 +198,7 @@ fn a_backlog_at_or_under_the_threshold_never_takes_a_window_past_it() {
 
 #[tokio::test(start_paused = true)]
 async fn a_young_series_covers_the_span_of_its_first_report_not_only_its_own_age() {
-    let agg = Aggregator::new(10, Instant::now());
+    let agg = Aggregator::new(10, Instant::now(), Arc::default());
     let svc = agg.service("checkout");
     advance(Duration::from_secs(100)).await;
     // The first report of a new series counts 50 calls made over the agent's last 10 s.
@@ -224,7 +225,8 @@ async fn a_young_series_covers_the_span_of_its_first_report_not_only_its_own_age
     let instant = spanning(report(1, &[("instant", 1, 0)]), 1_010_000, 1_010_000);
     agg.ingest(&svc, &instant, Instant::now());
     assert_eq!(windows(&agg, one("checkout", "instant"))[0], (1, 10.0));
-    let told = Aggregator::new(10, Instant::now()).with_unknown_span(Duration::from_secs(30));
+    let told = Aggregator::new(10, Instant::now(), Arc::default())
+        .with_unknown_span(Duration::from_secs(30));
     let told_svc = told.service("checkout");
     told.ingest(&told_svc, &unset, Instant::now());
     assert_eq!(windows(&told, all())[0], (1, 30.0));
@@ -243,7 +245,7 @@ async fn a_young_series_covers_the_span_of_its_first_report_not_only_its_own_age
 async fn a_new_series_fed_by_many_agents_gets_its_rate_right_after_one_interval() {
     // 10 agents report a new endpoint every 10 s, one a second: 10 calls/s each, 100 calls/s
     // in all.
-    let agg = Aggregator::new(10, Instant::now());
+    let agg = Aggregator::new(10, Instant::now(), Arc::default());
     let svc = agg.service("checkout");
     advance(Duration::from_secs(100)).await;
     let mut start_ms = 1_000_000;
@@ -272,7 +274,7 @@ async fn a_new_series_fed_by_many_agents_gets_its_rate_right_after_one_interval(
 async fn reports_just_after_a_restart_cover_the_time_before_it() {
     // The control plane has just started (its epoch), and an agent's first report on the new
     // stream counts the 30 s since its last report to the previous process.
-    let agg = Aggregator::new(10, Instant::now());
+    let agg = Aggregator::new(10, Instant::now(), Arc::default());
     let svc = agg.service("checkout");
     advance(Duration::from_secs(2)).await;
     let first = spanning(report(1, &[("payments", 60, 6)]), 5_000_000, 5_030_000);
@@ -282,7 +284,7 @@ async fn reports_just_after_a_restart_cover_the_time_before_it() {
 
 #[tokio::test(start_paused = true)]
 async fn counts_are_split_by_policy_version_and_old_versions_are_pruned_after_15_minutes() {
-    let agg = Aggregator::new(10, Instant::now());
+    let agg = Aggregator::new(10, Instant::now(), Arc::default());
     let svc = agg.service("checkout");
     agg.ingest(&svc, &report(1, &[("payments", 3, 1)]), Instant::now());
     advance(Duration::from_secs(30)).await;
@@ -330,7 +332,7 @@ async fn counts_are_split_by_policy_version_and_old_versions_are_pruned_after_15
 
 #[tokio::test(start_paused = true)]
 async fn a_version_is_kept_until_its_last_count_leaves_the_15_minute_window() {
-    let agg = Aggregator::new(10, Instant::now());
+    let agg = Aggregator::new(10, Instant::now(), Arc::default());
     let svc = agg.service("checkout");
     agg.ingest(&svc, &report(1, &[("payments", 1, 0)]), Instant::now());
     agg.ingest(&svc, &report(2, &[("payments", 1, 0)]), Instant::now());
@@ -412,7 +414,7 @@ async fn a_late_report_of_an_evicted_version_evicts_no_newer_one() {
 
 #[tokio::test(start_paused = true)]
 async fn an_agent_named_like_the_overflow_series_is_counted_in_it() {
-    let agg = Aggregator::new(10, Instant::now());
+    let agg = Aggregator::new(10, Instant::now(), Arc::default());
     let svc = agg.service(OTHER);
     agg.ingest(
         &svc,
@@ -433,7 +435,7 @@ async fn an_agent_named_like_the_overflow_series_is_counted_in_it() {
 
 #[tokio::test(start_paused = true)]
 async fn an_endpoint_named_other_keeps_its_own_totals_and_threshold() {
-    let agg = Aggregator::new(10, Instant::now());
+    let agg = Aggregator::new(10, Instant::now(), Arc::default());
     agg.thresholds()
         .set(HashMap::from([(OTHER.to_owned(), 0.9)]), 0.05);
     let svc = agg.service("checkout");
@@ -466,7 +468,7 @@ async fn an_endpoint_named_other_keeps_its_own_totals_and_threshold() {
 
 #[tokio::test(start_paused = true)]
 async fn series_past_the_cap_are_counted_in_other() {
-    let agg = Aggregator::new(2, Instant::now());
+    let agg = Aggregator::new(2, Instant::now(), Arc::default());
     let a = agg.service("checkout");
     let now = Instant::now();
     agg.ingest(
@@ -524,7 +526,7 @@ async fn series_past_the_cap_are_counted_in_other() {
 
 #[tokio::test(start_paused = true)]
 async fn stats_filter_by_service_and_endpoint_and_sum_endpoints_over_services() {
-    let agg = Aggregator::new(10, Instant::now());
+    let agg = Aggregator::new(10, Instant::now(), Arc::default());
     let now = Instant::now();
     let checkout = agg.service("checkout");
     let search = agg.service("search");
@@ -584,7 +586,7 @@ async fn stats_filter_by_service_and_endpoint_and_sum_endpoints_over_services() 
 
 #[tokio::test(start_paused = true)]
 async fn stats_can_list_only_the_firing_series() {
-    let agg = Aggregator::new(10, Instant::now());
+    let agg = Aggregator::new(10, Instant::now(), Arc::default());
     let svc = agg.service("checkout");
     agg.ingest(
         &svc,
@@ -606,7 +608,7 @@ async fn stats_can_list_only_the_firing_series() {
 
 #[tokio::test(start_paused = true)]
 async fn a_firing_alert_goes_on_when_the_traffic_drops_but_the_ratio_stays_high() {
-    let agg = Aggregator::new(10, Instant::now());
+    let agg = Aggregator::new(10, Instant::now(), Arc::default());
     let svc = agg.service("checkout");
     let alert = |agg: &Aggregator| agg.views(Instant::now(), all())[0].alert;
     agg.ingest(&svc, &report(1, &[("payments", 20, 10)]), Instant::now());
@@ -628,7 +630,7 @@ async fn a_firing_alert_goes_on_when_the_traffic_drops_but_the_ratio_stays_high(
 
 #[tokio::test(start_paused = true)]
 async fn an_alert_needs_the_minimum_volume_and_a_ratio_above_the_threshold() {
-    let agg = Aggregator::new(10, Instant::now());
+    let agg = Aggregator::new(10, Instant::now(), Arc::default());
     let svc = agg.service("checkout");
     let alert = |agg: &Aggregator| agg.views(Instant::now(), all())[0].alert;
     // 19 retries in 19 calls: a ratio of 1, but below the minimum volume.
@@ -657,7 +659,7 @@ async fn an_alert_needs_the_minimum_volume_and_a_ratio_above_the_threshold() {
 
 #[tokio::test(start_paused = true)]
 async fn the_threshold_is_exclusive_and_follows_the_published_thresholds() {
-    let agg = Aggregator::new(10, Instant::now());
+    let agg = Aggregator::new(10, Instant::now(), Arc::default());
     let svc = agg.service("checkout");
     let firing = |agg: &Aggregator| agg.views(Instant::now(), all())[0].alert.firing;
     agg.ingest(&svc, &report(1, &[("payments", 100, 5)]), Instant::now());
@@ -701,7 +703,7 @@ fn thresholds_come_from_the_published_alert_retry_ratio() {
             },
         ],
     };
-    let agg = Aggregator::new(10, Instant::now());
+    let agg = Aggregator::new(10, Instant::now(), Arc::default());
     agg.thresholds().set_from(&doc);
     assert_eq!(agg.thresholds().get("payments"), 0.2, "the endpoint's own");
     assert_eq!(agg.thresholds().get("search"), 0.02, "from defaults");
@@ -722,7 +724,7 @@ fn thresholds_come_from_the_published_alert_retry_ratio() {
 
 #[test]
 fn concurrent_ingestion_loses_no_count() {
-    let agg = Arc::new(Aggregator::new(100, Instant::now()));
+    let agg = Arc::new(Aggregator::new(100, Instant::now(), Arc::default()));
     let threads: Vec<_> = (0..4)
         .map(|t| {
             let agg = agg.clone();
@@ -751,7 +753,7 @@ fn metrics_text(agg: &Arc<Aggregator>, fleet: &Arc<Fleet>) -> String {
 
 #[tokio::test(start_paused = true)]
 async fn prometheus_lines_are_exact() {
-    let agg = Arc::new(Aggregator::new(10, Instant::now()));
+    let agg = Arc::new(Aggregator::new(10, Instant::now(), Arc::default()));
     let fleet = Arc::new(Fleet::new(10));
     let svc = agg.service("checkout");
     let counters = pb::EndpointCounters {
@@ -837,7 +839,7 @@ async fn prometheus_lines_are_exact() {
 
 #[tokio::test(start_paused = true)]
 async fn label_values_from_agents_are_escaped() {
-    let agg = Arc::new(Aggregator::new(10, Instant::now()));
+    let agg = Arc::new(Aggregator::new(10, Instant::now(), Arc::default()));
     let svc = agg.service("we\"ird");
     // (A name with a control character, `\n` included, is counted in `other`.)
     agg.ingest(&svc, &report(1, &[("a\\b\"c", 1, 0)]), Instant::now());
@@ -848,7 +850,7 @@ async fn label_values_from_agents_are_escaped() {
 
 #[tokio::test(start_paused = true)]
 async fn the_ticker_stops_on_shutdown() {
-    let agg = Arc::new(Aggregator::new(10, Instant::now()));
+    let agg = Arc::new(Aggregator::new(10, Instant::now(), Arc::default()));
     let (tx, rx) = tokio::sync::watch::channel(false);
     let task = spawn_ticker(agg, TICK, rx);
     advance(TICK * 3).await;
@@ -862,7 +864,7 @@ async fn the_ticker_stops_on_shutdown() {
 
 #[test]
 fn memory_per_series_follows_the_layout() {
-    let agg = Aggregator::new(1_000, Instant::now());
+    let agg = Aggregator::new(1_000, Instant::now(), Arc::default());
     let empty = agg.approx_bytes();
     let svc = agg.service("checkout");
     for i in 0..100 {
@@ -901,7 +903,7 @@ fn memory_of_a_series_is_bounded_whatever_versions_agents_report() {
 
 #[tokio::test(start_paused = true)]
 async fn a_limit_keeps_the_worst_series_over_the_chosen_window() {
-    let agg = Aggregator::new(10, Instant::now());
+    let agg = Aggregator::new(10, Instant::now(), Arc::default());
     let svc = agg.service("checkout");
     agg.ingest(
         &svc,
@@ -961,7 +963,7 @@ async fn a_limit_keeps_the_worst_series_over_the_chosen_window() {
 
 #[tokio::test(start_paused = true)]
 async fn names_with_control_characters_are_counted_in_other() {
-    let agg = Aggregator::new(10, Instant::now());
+    let agg = Aggregator::new(10, Instant::now(), Arc::default());
     let a = agg.service("checkout");
     let now = Instant::now();
     agg.ingest(
@@ -988,7 +990,7 @@ async fn names_with_control_characters_are_counted_in_other() {
 async fn the_overflow_series_firing_names_no_alerting_endpoint() {
     // Retries under a name that goes to `other`, and a quiet endpoint really named `other`:
     // the overflow series fires, but no endpoint is alerting.
-    let agg = Aggregator::new(10, Instant::now());
+    let agg = Aggregator::new(10, Instant::now(), Arc::default());
     let svc = agg.service("checkout");
     agg.ingest(
         &svc,
@@ -1013,7 +1015,7 @@ async fn the_overflow_series_firing_names_no_alerting_endpoint() {
 async fn a_service_named_other_retrying_an_endpoint_named_other_is_alerting() {
     // That pair is counted in the overflow series (the same labels), which then stands for
     // the endpoint too.
-    let agg = Aggregator::new(10, Instant::now());
+    let agg = Aggregator::new(10, Instant::now(), Arc::default());
     let svc = agg.service(OTHER);
     agg.ingest(&svc, &report(1, &[(OTHER, 100, 100)]), Instant::now());
     assert_eq!(agg.tick(Instant::now()), 1);
@@ -1034,7 +1036,7 @@ async fn a_service_named_other_retrying_an_endpoint_named_other_is_alerting() {
 #[tokio::test(start_paused = true)]
 async fn the_endpoint_other_is_no_longer_listed_once_its_bucket_left_the_window() {
     // The window is whole-minute buckets: a count leaves it 4 to 5 minutes after it came.
-    let agg = Aggregator::new(10, Instant::now());
+    let agg = Aggregator::new(10, Instant::now(), Arc::default());
     advance(Duration::from_secs(59)).await;
     let svc = agg.service(OTHER);
     agg.ingest(&svc, &report(1, &[(OTHER, 100, 100)]), Instant::now());
@@ -1058,7 +1060,7 @@ fn a_bad_endpoint_name_is_logged_escaped_and_does_not_hide_the_cap_warning() {
     let (log, _guard) = crate::test_logs::capture("retryplane_server=warn");
     let text = || log.text();
 
-    let agg = Aggregator::new(1, Instant::now());
+    let agg = Aggregator::new(1, Instant::now(), Arc::default());
     let svc = agg.service("checkout");
     let forged = "x\n2026-01-01T00:00:00Z  INFO retryplane_server: all good";
     agg.ingest(&svc, &report(1, &[(forged, 1, 0)]), Instant::now());
@@ -1083,7 +1085,7 @@ fn a_bad_endpoint_name_is_logged_escaped_and_does_not_hide_the_cap_warning() {
 
 #[tokio::test(start_paused = true)]
 async fn counts_no_agent_could_make_are_left_out_and_the_rest_of_the_report_counts() {
-    let agg = Aggregator::new(10, Instant::now());
+    let agg = Aggregator::new(10, Instant::now(), Arc::default());
     let svc = agg.service("checkout");
     // A report over 10 s of the agent's clock: an hour's worth at the bound is believed for a
     // report without a start, a minute's worth for a shorter span.
@@ -1163,7 +1165,7 @@ async fn counts_no_agent_could_make_are_left_out_and_the_rest_of_the_report_coun
 
 #[tokio::test(start_paused = true)]
 async fn a_version_number_no_longer_reported_leaves_the_series_with_its_counts() {
-    let agg = Aggregator::new(10, Instant::now());
+    let agg = Aggregator::new(10, Instant::now(), Arc::default());
     let svc = agg.service("checkout");
     agg.ingest(&svc, &report(3, &[("payments", 1, 0)]), Instant::now());
     agg.ingest(
@@ -1191,7 +1193,7 @@ async fn a_version_number_no_longer_reported_leaves_the_series_with_its_counts()
 
 #[tokio::test(start_paused = true)]
 async fn one_service_takes_at_most_its_share_of_the_series() {
-    let agg = Aggregator::new(10, Instant::now()).with_max_per_service(3);
+    let agg = Aggregator::new(10, Instant::now(), Arc::default()).with_max_per_service(3);
     let urls = agg.service("crawler");
     let now = Instant::now();
     let paths: Vec<String> = (0..6).map(|i| format!("/items/{i}")).collect();
@@ -1223,7 +1225,7 @@ async fn one_service_takes_at_most_its_share_of_the_series() {
 /// rather than `other`, once the service's share has been used over time.
 #[tokio::test(start_paused = true)]
 async fn series_not_reported_for_the_forget_time_give_their_place_to_todays_names() {
-    let agg = Aggregator::new(10_000, Instant::now()).with_max_per_service(3);
+    let agg = Aggregator::new(10_000, Instant::now(), Arc::default()).with_max_per_service(3);
     let svc = agg.service("checkout");
     for name in ["pay-v1", "pay-v2", "pay-v3"] {
         agg.ingest(&svc, &report(1, &[(name, 100, 0)]), Instant::now());
@@ -1267,7 +1269,8 @@ async fn series_not_reported_for_the_forget_time_give_their_place_to_todays_name
 
 #[tokio::test(start_paused = true)]
 async fn a_series_reported_within_the_forget_time_is_kept_and_a_service_a_stream_holds_too() {
-    let agg = Aggregator::new(10, Instant::now()).with_forget_after(Duration::from_secs(1));
+    let agg = Aggregator::new(10, Instant::now(), Arc::default())
+        .with_forget_after(Duration::from_secs(1));
     // Never less than the floor: one second is taken as 20 minutes.
     let held = agg.service("checkout");
     let gone = agg.service("batch");
@@ -1292,7 +1295,7 @@ async fn a_series_reported_within_the_forget_time_is_kept_and_a_service_a_stream
 async fn a_series_reported_every_hour_long_metrics_interval_keeps_its_lifetime_totals() {
     // `--metrics-interval 1h`: each report arrives a little more than an hour after the last.
     let interval = Duration::from_secs(3600);
-    let agg = Aggregator::new(100, Instant::now()).with_unknown_span(interval);
+    let agg = Aggregator::new(100, Instant::now(), Arc::default()).with_unknown_span(interval);
     let svc = agg.service("batch");
     for _ in 0..3 {
         agg.ingest(&svc, &report(1, &[("ledger", 10, 0)]), Instant::now());
@@ -1310,7 +1313,7 @@ async fn a_series_reported_every_hour_long_metrics_interval_keeps_its_lifetime_t
 
 #[tokio::test(start_paused = true)]
 async fn a_small_callers_alert_lent_by_its_endpoint_ends_with_the_endpoints() {
-    let agg = Aggregator::new(100, Instant::now());
+    let agg = Aggregator::new(100, Instant::now(), Arc::default());
     let busy = agg.service("checkout");
     let cli = agg.service("retryplane-cli");
     // A storm: the busy caller at 50 %; a one-off call of 1 call and 2 retries meanwhile.
@@ -1343,7 +1346,7 @@ async fn a_small_callers_alert_lent_by_its_endpoint_ends_with_the_endpoints() {
 
 #[tokio::test(start_paused = true)]
 async fn lent_alerts_go_on_while_the_endpoints_ratio_stays_high_though_its_traffic_drops() {
-    let agg = Aggregator::new(100, Instant::now());
+    let agg = Aggregator::new(100, Instant::now(), Arc::default());
     let callers: Vec<_> = (0..10)
         .map(|i| agg.service(&format!("caller{i}")))
         .collect();
@@ -1362,7 +1365,7 @@ async fn lent_alerts_go_on_while_the_endpoints_ratio_stays_high_though_its_traff
 
 #[tokio::test(start_paused = true)]
 async fn a_storm_spread_over_many_small_callers_alerts_on_each_of_them() {
-    let agg = Aggregator::new(100, Instant::now());
+    let agg = Aggregator::new(100, Instant::now(), Arc::default());
     // 25 callers of one endpoint, 10 calls each at 50 % retries: no caller has the minimum
     // volume alone; the endpoint has 250 calls past its threshold.
     for i in 0..25 {
@@ -1403,7 +1406,7 @@ async fn a_storm_spread_over_many_small_callers_alerts_on_each_of_them() {
 /// An aggregate told `interval` at `at` seconds of its life, after one agent's backlog report
 /// of 1 call/s over the `span` seconds before it.
 async fn after_a_backlog(interval: Duration, at: u64, span: u64) -> Aggregator {
-    let agg = Aggregator::new(10, Instant::now()).with_unknown_span(interval);
+    let agg = Aggregator::new(10, Instant::now(), Arc::default()).with_unknown_span(interval);
     let svc = agg.service("checkout");
     advance(Duration::from_secs(at)).await;
     let backlog = spanning(
@@ -1442,7 +1445,8 @@ async fn a_backlog_report_is_spread_over_the_time_it_covers() {
 /// starts and ends).
 fn steady_storm(interval: u64) -> (u32, u32, u32) {
     let epoch = Instant::now();
-    let agg = Aggregator::new(100, epoch).with_unknown_span(Duration::from_secs(interval));
+    let agg = Aggregator::new(100, epoch, Arc::default())
+        .with_unknown_span(Duration::from_secs(interval));
     let svc = agg.service("checkout");
     let (mut firing_ticks, mut quiet_ticks, mut transitions, mut was) = (0, 0, 0, false);
     for step in 1..=(4 * 3600 / 5) {
@@ -1490,7 +1494,7 @@ fn a_steady_retry_storm_keeps_its_alert_firing_whatever_the_report_interval() {
 /// An aggregate told `interval` whose `payments` alert fires (100 calls, 50 retries just
 /// reported), and its `checkout` service.
 fn firing(interval: Duration) -> (Aggregator, ServiceHandle) {
-    let agg = Aggregator::new(10, Instant::now()).with_unknown_span(interval);
+    let agg = Aggregator::new(10, Instant::now(), Arc::default()).with_unknown_span(interval);
     let svc = agg.service("checkout");
     agg.ingest(&svc, &report(1, &[("payments", 100, 50)]), Instant::now());
     assert_eq!(agg.tick(Instant::now()), 1);
@@ -1550,8 +1554,8 @@ async fn a_backlog_after_a_control_plane_restart_is_not_read_as_a_burst() {
 #[tokio::test(start_paused = true)]
 async fn hostile_spans_neither_panic_nor_make_counts() {
     for interval in [100, 10_000, 45_000, 840_000, 3_600_000] {
-        let agg =
-            Aggregator::new(10, Instant::now()).with_unknown_span(Duration::from_millis(interval));
+        let agg = Aggregator::new(10, Instant::now(), Arc::default())
+            .with_unknown_span(Duration::from_millis(interval));
         let svc = agg.service("checkout");
         for at in [0, 3, 59, 61, 899, 901, 86_399, 86_401, 200_000] {
             let now = Instant::now() + Duration::from_secs(at);
@@ -1631,7 +1635,7 @@ fn a_backlog_inside_the_ring_is_conserved_at_every_phase() {
         ] {
             for calls in [1_u64, 7, 1_000, 999_983] {
                 let epoch = Instant::now();
-                let agg = Aggregator::new(10, epoch);
+                let agg = Aggregator::new(10, epoch, Arc::default());
                 let svc = agg.service("checkout");
                 let now = epoch + Duration::from_millis(arrival_ms);
                 let r = spanning(report(1, &[("payments", calls, 0)]), 5_000, 5_000 + span_ms);
@@ -1990,7 +1994,7 @@ async fn the_version_the_fleet_runs_after_refusing_the_published_one_is_kept_apa
 #[tokio::test(start_paused = true)]
 async fn a_seeded_walk_of_publishes_keeps_the_published_version_apart_and_counts_exact() {
     let (agg, svc, running) = checkout_fleet(&[(10, 10)]);
-    let same = Aggregator::new(10, Instant::now());
+    let same = Aggregator::new(10, Instant::now(), Arc::default());
     let same_svc = same.service("checkout");
     let mut seed: u64 = 0x5eed_0089;
     let mut next = |n: u64| {
@@ -2212,7 +2216,7 @@ async fn the_version_agents_refusing_a_publish_run_is_not_kept_out_by_numbers_ab
     let (agg, svc, _running) = checkout_fleet(&[(5, 1), (4, 9)]);
     agg.set_published(5);
     // The same reports under one version: what the windows and lifetime should be.
-    let same = Aggregator::new(10, Instant::now());
+    let same = Aggregator::new(10, Instant::now(), Arc::default());
     let same_svc = same.service("checkout");
     let both = |version: u64, calls: u64| {
         payments(&agg, &svc, version, calls);
@@ -2311,7 +2315,7 @@ async fn seeded_walk_of_refused_publishes(
     bogus: bool,
 ) -> (u32, u32, Option<(u64, u64, Vec<u64>)>) {
     let (agg, svc, running) = checkout_fleet(&[(10, 4)]);
-    let same = Aggregator::new(10, Instant::now());
+    let same = Aggregator::new(10, Instant::now(), Arc::default());
     let same_svc = same.service("checkout");
     let mut seed: u64 = 0x5eed_0092 ^ seed;
     let mut next = |n: u64| {
@@ -2729,7 +2733,8 @@ async fn seeded_walk_of_a_fleet_of_three_builds_every(
     let (agg, _, running) = checkout_fleet(&[(10, 5)]);
     let agg = agg.with_unknown_span(Duration::from_secs(interval));
     let svc = agg.service("checkout");
-    let same = Aggregator::new(10, Instant::now()).with_unknown_span(Duration::from_secs(interval));
+    let same = Aggregator::new(10, Instant::now(), Arc::default())
+        .with_unknown_span(Duration::from_secs(interval));
     let same_svc = same.service("checkout");
     let mut seed: u64 = 0x5eed_0093 ^ seed;
     let mut next = |n: u64| {
