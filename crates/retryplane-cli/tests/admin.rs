@@ -914,6 +914,41 @@ fn the_refusal_of_a_change_that_replaces_every_endpoint_does_not_call_it_an_empt
     );
 }
 
+/// A dry run returns the diff (SPEC §3), also of a change `apply` refuses without `--force`:
+/// the endpoints it removes and adds are shown above the refusal, which still exits 1, and
+/// nothing is stored.
+#[test]
+fn a_dry_run_of_a_change_that_removes_every_endpoint_shows_its_diff_and_the_refusal() {
+    let server = test_server(true, None);
+    server.write("v1.yaml", V1);
+    server.write("other.yaml", "version: 1\nendpoints:\n  search: {}\n");
+    server.retryplane(&["apply", "v1.yaml"]).assert().code(0);
+    let assert = server
+        .retryplane(&["apply", "other.yaml", "--dry-run"])
+        .assert()
+        .code(1)
+        .stderr(predicate::str::contains("--force"));
+    let stdout = String::from_utf8_lossy(&assert.get_output().stdout).into_owned();
+    assert!(
+        stdout.lines().any(|l| l.starts_with("- payments"))
+            && stdout.lines().any(|l| l.starts_with("+ search")),
+        "the diff of the refused change: {stdout}"
+    );
+    // JSON output stays empty on a refusal.
+    server
+        .retryplane(&["apply", "other.yaml", "--dry-run", "--output", "json"])
+        .assert()
+        .code(1)
+        .stdout("");
+    let history = json_of(
+        &server
+            .retryplane(&["history", "--output", "json"])
+            .assert()
+            .code(0),
+    );
+    assert_eq!(history.as_array().map(Vec::len), Some(1), "{history}");
+}
+
 #[test]
 fn removing_every_endpoint_needs_force_for_apply_and_rollback() {
     let server = test_server(true, None);

@@ -228,6 +228,29 @@ pub async fn apply(
         Ok(response) => return Ok(Ok(response)),
         Err(status) => status,
     };
+    // A dry run shows what the change does (SPEC §3), also one that would be refused for
+    // removing every endpoint (the only refusal of a dry run with `FAILED_PRECONDITION`): the
+    // diff is asked for again, forced, and printed above the refusal, which still exits 1.
+    // JSON output stays empty on a refusal, as for any other.
+    if flags.dry_run
+        && !flags.force
+        && status.code() == Code::FailedPrecondition
+        && format == Format::Text
+        && let Ok(forced) = client
+            .apply(pb::ApplyRequest {
+                source: Some(source()),
+                expected_version: flags.expected_version,
+                dry_run: true,
+                force: true,
+            })
+            .await
+    {
+        let mut out = String::new();
+        let warnings: Vec<_> = forced.warnings.iter().map(diagnostic).collect();
+        push_diagnostics(&mut out, &file.name, &warnings);
+        push_diff(&mut out, &forced.diff);
+        return Ok(Err(super::failed(&status, out)));
+    }
     if status.code() == Code::InvalidArgument {
         let validated = client
             .validate(pb::ValidateRequest {
