@@ -431,6 +431,10 @@ impl Walker {
                             Value::Float(f) if f.is_finite() && f.fract() == 0.0 => {
                                 " (write it with no leading zero or decimal point)"
                             }
+                            // `"1"`: the right number, quoted, reads as text.
+                            Value::Str(ref s) if s.trim() == "1" => {
+                                " (a quoted string: write the number without quotes)"
+                            }
                             _ => "",
                         };
                         self.error(

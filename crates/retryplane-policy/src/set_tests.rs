@@ -352,6 +352,20 @@ fn a_version_written_as_a_float_or_with_a_leading_zero_says_how_to_write_it() {
         errors("version: 2\nendpoints:\n  a: {}\n"),
         ["1:10: error: version: unsupported schema version: expected 1, found 2"]
     );
+    for quoted in ["\"1\"", "'1'"] {
+        assert_eq!(
+            errors(&format!("version: {quoted}\nendpoints:\n  a: {{}}\n")),
+            [
+                "1:10: error: version: unsupported schema version: expected 1, found `1` \
+              (a quoted string: write the number without quotes)"
+            ],
+            "{quoted}"
+        );
+    }
+    assert_eq!(
+        errors("version: \"2\"\nendpoints:\n  a: {}\n"),
+        ["1:10: error: version: unsupported schema version: expected 1, found `2`"]
+    );
 }
 
 #[test]
