@@ -41,6 +41,7 @@
 
 mod admin;
 mod explain;
+mod flags;
 mod input;
 mod output;
 mod request;

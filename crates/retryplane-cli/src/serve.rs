@@ -209,7 +209,7 @@ fn listen_address(text: &str) -> Result<SocketAddr, String> {
 
 /// Parses `--metrics-interval`: a policy-style duration between 100 ms and 1 h.
 fn metrics_interval(text: &str) -> Result<Duration, String> {
-    duration_in(
+    crate::flags::duration_in(
         text,
         server::MIN_METRICS_INTERVAL..=server::MAX_METRICS_INTERVAL,
         "from 100ms to 1h",
@@ -219,7 +219,7 @@ fn metrics_interval(text: &str) -> Result<Duration, String> {
 /// Parses `--keepalive-interval` and `--keepalive-timeout`: a policy-style duration between
 /// 1 s and 1 h (a PING more often than every second is what gRPC peers call abuse).
 fn keepalive(text: &str) -> Result<Duration, String> {
-    duration_in(
+    crate::flags::duration_in(
         text,
         Duration::from_secs(1)..=Duration::from_secs(3600),
         "from 1s to 1h",
@@ -228,7 +228,7 @@ fn keepalive(text: &str) -> Result<Duration, String> {
 
 /// Parses `--connection-idle-timeout`: a policy-style duration between 1 s and 24 h.
 fn idle_timeout(text: &str) -> Result<Duration, String> {
-    duration_in(
+    crate::flags::duration_in(
         text,
         Duration::from_secs(1)..=Duration::from_secs(24 * 3600),
         "from 1s to 24h",
@@ -281,30 +281,6 @@ fn past_a_day(
             "`{text}` is not a duration: write a number and a unit (ms, s, m, h or d), such as \
              `30m` or `7d`"
         )),
-    }
-}
-
-/// A policy-style duration within `range` (`said` is the range in words).
-fn duration_in(
-    text: &str,
-    range: std::ops::RangeInclusive<Duration>,
-    said: &str,
-) -> Result<Duration, String> {
-    let duration = parse_duration(text).map_err(|e| match e {
-        // Its example keeps the number (`0` → `0ms`), which may well be out of range here.
-        DurationError::MissingUnit(_) => {
-            format!("duration `{text}` needs a unit (ms, s, m or h): {said}")
-        }
-        // Past a day or finer than a millisecond: the flag's own range, not a policy file's.
-        DurationError::OutOfRange(_) => {
-            format!("`{text}` is out of range: {said}, in whole milliseconds")
-        }
-        e => e.to_string(),
-    })?;
-    if range.contains(&duration) {
-        Ok(duration)
-    } else {
-        Err(format!("`{text}` is out of range: {said}"))
     }
 }
 

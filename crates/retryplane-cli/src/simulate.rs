@@ -16,9 +16,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use retryplane_policy::duration::parse_duration;
 use retryplane_sim::{Config, Scenario};
 
+use crate::flags::duration_in;
 use crate::input::{Source, no_such_endpoint};
 use crate::output::{self, Format};
 use crate::{Outcome, Report};
@@ -41,7 +41,7 @@ pub struct Args {
     #[arg(long, value_name = "R", default_value_t = 1.0)]
     rate: f64,
     /// Simulated (virtual) time during which calls start.
-    #[arg(long, value_name = "D", default_value = "120s", value_parser = duration)]
+    #[arg(long, value_name = "D", default_value = "120s", value_parser = run_duration)]
     duration: Duration,
     /// How the upstream fails: outage:START+LEN (every request 503), error-rate:P, or
     /// throttle:START+LEN:RETRY_AFTER (429 with Retry-After).
@@ -51,8 +51,8 @@ pub struct Args {
     /// 503 [default: 1.5 × clients × rate, at most 10⁹].
     #[arg(long, value_name = "C")]
     capacity: Option<f64>,
-    /// The upstream's base latency when not loaded.
-    #[arg(long, value_name = "L", default_value = "20ms", value_parser = duration)]
+    /// The upstream's base latency when not loaded (at most 60s).
+    #[arg(long, value_name = "L", default_value = "20ms", value_parser = latency)]
     latency: Duration,
     /// Seed of every random choice; the same seed gives the same output.
     #[arg(long, value_name = "S", default_value_t = 1)]
@@ -65,8 +65,23 @@ pub struct Args {
     plot: Option<PathBuf>,
 }
 
-fn duration(text: &str) -> Result<Duration, String> {
-    parse_duration(text).map_err(|e| e.to_string())
+/// `--duration`: the range `retryplane_sim::Config` takes, said as it is.
+fn run_duration(text: &str) -> Result<Duration, String> {
+    duration_in(
+        text,
+        Duration::from_millis(1)..=Duration::from_secs(24 * 3600),
+        "from 1ms to 24h",
+    )
+}
+
+/// `--latency`: the range `retryplane_sim::Config` takes (an upstream that answers at once
+/// included), said as it is.
+fn latency(text: &str) -> Result<Duration, String> {
+    duration_in(
+        text,
+        Duration::ZERO..=Duration::from_secs(60),
+        "from 0ms to 60s",
+    )
 }
 
 /// What to simulate, checked once.
@@ -100,10 +115,13 @@ impl TryFrom<Args> for Settings {
             seed: args.seed,
         };
         config.validate()?;
-        if let Some(plot) = &args.plot
-            && plot.as_os_str().is_empty()
-        {
-            bail!("--plot needs a file name");
+        if let Some(plot) = &args.plot {
+            if plot.as_os_str().is_empty() {
+                bail!("--plot needs a file name");
+            }
+            // Before the run, which can take a while: a plot it could not write would throw
+            // its report away.
+            writable(plot).with_context(|| format!("cannot write {}", plot.display()))?;
         }
         Ok(Self {
             source: Source::from_arg(args.policy),
@@ -112,6 +130,23 @@ impl TryFrom<Args> for Settings {
             format: args.output,
             plot: args.plot,
         })
+    }
+}
+
+/// Whether `path` can be written, as the plot will be after the run: an existing file is
+/// opened for writing (not truncated: a run that fails leaves it as it was), and a new one is
+/// created and removed again.
+fn writable(path: &std::path::Path) -> std::io::Result<()> {
+    match std::fs::OpenOptions::new().write(true).open(path) {
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(path)?;
+            std::fs::remove_file(path)
+        }
+        Err(e) => Err(e),
     }
 }
 

@@ -236,6 +236,61 @@ fn a_plot_that_cannot_be_written_exits_2() {
         .stderr(predicate::str::contains("cannot write no/such/dir/a.svg"));
 }
 
+/// The plot's file is checked before the policy is even read, so that a run (which can take a
+/// while) is not made only for its report to be thrown away; a file that exists is left as it
+/// is when the run does not happen.
+#[test]
+fn a_plot_that_cannot_be_written_is_refused_before_the_run() {
+    let dir = dir();
+    // `bad.yaml` is invalid (exit 1 once read): the plot's path is refused first.
+    simulate(
+        dir.path(),
+        &["--policy", "bad.yaml", "--plot", "no/such/dir/a.svg"],
+    )
+    .assert()
+    .code(2)
+    .stdout("")
+    .stderr(predicate::str::contains("cannot write no/such/dir/a.svg"));
+    // A writable path: the invalid file is what is reported, and neither a new plot file nor
+    // an existing one's content is touched.
+    fs::write(dir.path().join("old.svg"), "old").unwrap();
+    for plot in ["new.svg", "old.svg"] {
+        simulate(dir.path(), &["--policy", "bad.yaml", "--plot", plot])
+            .assert()
+            .code(1);
+    }
+    assert!(!dir.path().join("new.svg").exists());
+    assert_eq!(
+        fs::read_to_string(dir.path().join("old.svg")).unwrap(),
+        "old"
+    );
+}
+
+/// `--latency` and `--duration` say the range the simulation takes, not a policy file's:
+/// an upstream that answers at once is allowed, a latency past a minute is not.
+#[test]
+fn latency_and_duration_flags_say_their_own_range() {
+    let dir = dir();
+    simulate(dir.path(), &["--latency", "0ms", "--clients", "10"])
+        .assert()
+        .code(0);
+    for (flag, value, said) in [
+        ("--latency", "1h", "`1h` is out of range: from 0ms to 60s"),
+        ("--latency", "25h", "`25h` is out of range: from 0ms to 60s"),
+        ("--duration", "0s", "`0s` is out of range: from 1ms to 24h"),
+        (
+            "--duration",
+            "25h",
+            "`25h` is out of range: from 1ms to 24h",
+        ),
+    ] {
+        simulate(dir.path(), &[flag, value])
+            .assert()
+            .code(2)
+            .stderr(predicate::str::contains(said));
+    }
+}
+
 #[test]
 fn a_fleet_too_quiet_to_call_during_the_incident_still_gets_its_report() {
     // One client calling once in 1,000 s: no call, or one that ends before the outage does.
