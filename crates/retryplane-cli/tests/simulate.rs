@@ -305,6 +305,35 @@ fn a_fleet_too_quiet_to_call_during_the_incident_still_gets_its_report() {
     }
 }
 
+/// A run in which no call is made shows no success share, latency or amplification (each
+/// would read 0, as if every call had failed at once), as it shows no time to recover.
+#[test]
+fn a_run_with_no_call_shows_its_ratios_and_latencies_as_not_applicable() {
+    let dir = dir();
+    let text = stdout(&mut simulate(
+        dir.path(),
+        &["--clients", "1", "--rate", "1e-9"],
+    ));
+    for label in [
+        "logical calls",
+        "amplification",
+        "success",
+        "latency p50",
+        "latency p99",
+    ] {
+        let line = text
+            .lines()
+            .find(|l| l.starts_with(label))
+            .unwrap_or_else(|| panic!("no {label} row: {text}"));
+        let cells: Vec<&str> = line[label.len()..].split_whitespace().collect();
+        let want = if label == "logical calls" { "0" } else { "n/a" };
+        assert!(
+            !cells.is_empty() && cells.iter().all(|c| *c == want),
+            "{label}: {line}"
+        );
+    }
+}
+
 #[test]
 fn a_tiny_rate_is_written_with_an_exponent_not_hundreds_of_zeros() {
     let dir = dir();

@@ -73,8 +73,15 @@ impl Report {
         row("", &|r| r.variant.to_owned());
         row("logical calls", &|r| thousands(r.logical_calls));
         row("upstream attempts", &|r| thousands(r.upstream_attempts));
+        // A variant that made no call has no ratio, share or latency to show (its figures
+        // read 0, which would say "every call failed at once").
+        let none = |r: &VariantReport| r.logical_calls == 0;
         row("amplification", &|r| {
-            format!("{:.2}", r.amplification.overall)
+            if none(r) {
+                "n/a".to_owned()
+            } else {
+                format!("{:.2}", r.amplification.overall)
+            }
         });
         row("  incident mean", &|r| {
             format!("{:.2}", r.amplification.incident_mean)
@@ -83,9 +90,27 @@ impl Report {
             format!("{:.2}", r.amplification.incident_peak)
         });
         row("peak attempts/s", &|r| thousands(r.peak_attempts_per_s));
-        row("success", &|r| format!("{:.1}%", r.success_pct));
-        row("latency p50", &|r| format!("{:.1}ms", r.latency.p50_ms));
-        row("latency p99", &|r| format!("{:.1}ms", r.latency.p99_ms));
+        row("success", &|r| {
+            if none(r) {
+                "n/a".to_owned()
+            } else {
+                format!("{:.1}%", r.success_pct)
+            }
+        });
+        row("latency p50", &|r| {
+            if none(r) {
+                "n/a".to_owned()
+            } else {
+                format!("{:.1}ms", r.latency.p50_ms)
+            }
+        });
+        row("latency p99", &|r| {
+            if none(r) {
+                "n/a".to_owned()
+            } else {
+                format!("{:.1}ms", r.latency.p99_ms)
+            }
+        });
         let causes: Vec<&str> = v
             .first()
             .map(|r| r.give_ups.keys().copied().collect())
