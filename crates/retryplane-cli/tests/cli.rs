@@ -354,6 +354,30 @@ fn explain_says_a_ratio_too_small_to_matter_adds_nothing() {
     );
 }
 
+/// A budget with no reserve is not said to have a "below that" rate, and one with no ratio
+/// either is said to allow no retry.
+#[test]
+fn explain_says_what_a_budget_without_a_reserve_allows() {
+    let dir = dir_with(&[(
+        "none.yaml",
+        "version: 1\nendpoints:\n  z: {budget: {ratio: 0, min_per_second: 0}}\n  r: {budget: {ratio: 1, min_per_second: 0}, max_attempts: 10}\n",
+    )]);
+    let budget_line = |endpoint: &str| {
+        let out = explained(dir.path(), "none.yaml", endpoint, &[]);
+        out.lines()
+            .find(|l| l.trim_start().starts_with("budget "))
+            .unwrap_or_else(|| panic!("no budget line in:\n{out}"))
+            .to_owned()
+    };
+    let z = budget_line("z");
+    assert!(z.contains("allows no retry: ratio 0 and no reserve"), "{z}");
+    let r = budget_line("r");
+    assert!(
+        r.contains("up to 2x at any traffic") && r.contains("no reserve") && !r.contains("below"),
+        "{r}"
+    );
+}
+
 /// The paths of the warnings `explain --format json` lists for `endpoint`.
 fn warning_paths(dir: &Path, file: &str, endpoint: &str) -> Vec<String> {
     let out: Value =

@@ -229,6 +229,20 @@ fn settings_that_do_not_do_what_they_say_are_warned_and_probes_past_the_breakers
     );
 }
 
+/// A budget with no ratio and no reserve refuses every retry: said where it is set, unless
+/// the endpoint never retries anyway.
+#[test]
+fn a_budget_that_allows_no_retry_at_all_is_warned() {
+    let src = "version: 1\nendpoints:\n  z:\n    budget: {ratio: 0, min_per_second: 0}\n  two:\n    max_attempts: 2\n    budget: {min_per_second: 0, ratio: 0.0}\n  once:\n    max_attempts: 1\n    budget: {ratio: 0, min_per_second: 0}\n  reserve:\n    budget: {ratio: 0, min_per_second: 1}\n  ratio:\n    budget: {ratio: 0.1, min_per_second: 0}\n";
+    assert_eq!(
+        all(src),
+        [
+            "4:21: warning: endpoints.z.budget.ratio: the budget allows no retry: with ratio 0 and min_per_second 0, attempts 2 to 3 never start; set max_attempts: 1 to say so, or raise budget.ratio or budget.min_per_second",
+            "7:40: warning: endpoints.two.budget.ratio: the budget allows no retry: with ratio 0 and min_per_second 0, attempt 2 never starts; set max_attempts: 1 to say so, or raise budget.ratio or budget.min_per_second",
+        ]
+    );
+}
+
 #[test]
 fn a_star_inside_a_path_prefix_is_warned_without_a_narrower_suggestion() {
     let src = "version: 1\nendpoints:\n  a:\n    routes:\n      - match: {path_prefix: /v1/*/items}\n        max_attempts: 2\n      - match: {path_prefix: /v2/**}\n        max_attempts: 2\n";

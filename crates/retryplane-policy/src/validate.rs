@@ -1094,6 +1094,27 @@ fn check_effective(
             ),
         ));
     }
+    // No ratio and no reserve: the budget refuses every retry, whatever the traffic.
+    if let Some(b) = &p.budget
+        && b.min_per_second == 0
+        && b.ratio == 0.0
+        && p.max_attempts > 1
+        && let Some((loc, path)) =
+            blame_unrefused(layers, refused, &["budget.ratio", "budget.min_per_second"])
+    {
+        let never = if p.max_attempts == 2 {
+            "attempt 2 never starts".to_owned()
+        } else {
+            format!("attempts 2 to {} never start", p.max_attempts)
+        };
+        push(Diagnostic::warning(
+            loc,
+            path,
+            format!(
+                "the budget allows no retry: with ratio 0 and min_per_second 0, {never}; set max_attempts: 1 to say so, or raise budget.ratio or budget.min_per_second"
+            ),
+        ));
+    }
     if p.budget.is_none()
         && p.max_attempts > 3
         && let Some((loc, path)) =

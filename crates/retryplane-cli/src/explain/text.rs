@@ -205,6 +205,15 @@ fn load(out: &mut String, l: &Load) {
                 format_duration(b.window_ms.0)
             );
             match b.ratio_applies_from_calls_per_second {
+                // No reserve: there is no "below that"; with no ratio either, no retry at all.
+                Some(_) if b.reserve_per_window == 0 => format!(
+                    "up to {}x at any traffic (1 + ratio {:?}: at most {:?} retries per call over the window); \
+                     no reserve (min_per_second 0)",
+                    b.multiplier, b.ratio, b.ratio,
+                ),
+                None if b.reserve_per_window == 0 => {
+                    "allows no retry: ratio 0 and no reserve (min_per_second 0)".to_owned()
+                }
                 // A ratio so small (`1e-320`) that the reserve outweighs it at any rate a
                 // number can hold: "from inf calls/s up" says nothing.
                 Some(rate) if !rate.is_finite() => format!(
