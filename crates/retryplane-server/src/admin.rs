@@ -131,6 +131,7 @@ impl AdminApi {
             expected_version: req.expected_version,
             dry_run: req.dry_run,
             force: req.force,
+            keep_endpoints: false,
         };
         self.change(change).await
     }
@@ -352,6 +353,8 @@ fn change_status(e: ChangeError, file_mode: bool) -> Status {
             Status::invalid_argument(diagnostic_lines(&diagnostics))
         }
         e @ ChangeError::TooLarge { .. } => Status::invalid_argument(e.to_string()),
+        // Asked only by the policy file watcher, never through this API.
+        e @ ChangeError::MaybePartial(_) => Status::failed_precondition(e.to_string()),
         ChangeError::RemovesEverything(names) => {
             let after = if file_mode {
                 NO_FORCE_IN_FILE_MODE
@@ -662,6 +665,7 @@ impl AdminService for AdminApi {
             expected_version: expected(req.expected_version),
             dry_run: false,
             force: req.force,
+            keep_endpoints: false,
         };
         self.change(change).await
     }

@@ -68,6 +68,11 @@ pub struct ChangeRequest {
     pub dry_run: bool,
     /// Allow a change that removes every endpoint.
     pub force: bool,
+    /// Refuse a change that removes any endpoint of the current version
+    /// ([`ChangeError::MaybePartial`]): the policy file watcher sets it for a read it was made
+    /// to take while a writer still held the file (or it kept changing), which may be the
+    /// first part of a save.
+    pub keep_endpoints: bool,
 }
 
 /// The result of a change.
@@ -102,6 +107,14 @@ pub enum ChangeError {
         .0.join(", ")
     )]
     RemovesEverything(Vec<String>),
+    /// A change asked to keep every endpoint ([`ChangeRequest::keep_endpoints`]: a read of the
+    /// policy file that may be half of a save) removes some; holds their names.
+    #[error(
+        "the change removes {} endpoint(s) ({}) and may be part of a save still being written",
+        .0.len(),
+        .0.join(", ")
+    )]
+    MaybePartial(Vec<String>),
     /// The snapshot of the policies would be a message longer than an agent decodes
     /// ([`retryplane_proto::MAX_MESSAGE_BYTES`]): every agent would refuse every push of it.
     #[error(transparent)]
@@ -325,6 +338,7 @@ impl ControlPlane {
                 result,
                 Err(ChangeError::Invalid(_)
                     | ChangeError::RemovesEverything(_)
+                    | ChangeError::MaybePartial(_)
                     | ChangeError::TooLarge(_))
             )
         {
@@ -358,6 +372,7 @@ impl ControlPlane {
             expected_version,
             dry_run,
             force,
+            keep_endpoints,
         } = req;
         let store = self.store.clone();
         let cache = self.converted.clone();
@@ -399,7 +414,12 @@ impl ControlPlane {
                     .as_ref()
                     .map(|record| converted(&cache, record))
                     .transpose()?;
-                let changes = check(set.document(), stored.as_ref().map(|s| &*s.document), force)?;
+                let changes = check(
+                    set.document(),
+                    stored.as_ref().map(|s| &*s.document),
+                    force,
+                    keep_endpoints,
+                )?;
                 // A version stored with a `-0.0`, or with a list in another order, keeps the hash
                 // of what was sent: the same content sent again, the sign dropped or the list
                 // reordered, is no change either.
@@ -486,12 +506,13 @@ impl ControlPlane {
 }
 
 /// What differs between the `stored` current version (converted) and the validated `new_doc`;
-/// refuses a change that removes every endpoint unless `force`. CPU-bound: run it off the async
-/// threads.
+/// refuses a change that removes any endpoint when `keep_endpoints`, and one that removes every
+/// endpoint unless `force`. CPU-bound: run it off the async threads.
 fn check(
     new_doc: &PolicyDocument,
     stored: Option<&PolicyDocument>,
     force: bool,
+    keep_endpoints: bool,
 ) -> Result<Vec<Change>, ChangeError> {
     let empty = PolicyDocument::default();
     let old_doc = stored.unwrap_or(&empty);
@@ -507,6 +528,15 @@ fn check(
         .iter()
         .filter(|e| new_names.contains(e.name.value.as_str()))
         .count();
+    if keep_endpoints && survivors < old_doc.endpoints.len() {
+        let removed = old_doc
+            .endpoints
+            .iter()
+            .filter(|e| !new_names.contains(e.name.value.as_str()))
+            .map(|e| e.name.value.clone())
+            .collect();
+        return Err(ChangeError::MaybePartial(removed));
+    }
     if !old_doc.endpoints.is_empty() && survivors == 0 && !force {
         let names = old_doc
             .endpoints

@@ -319,6 +319,7 @@ fn change(document: pb::PolicyDocument) -> ChangeRequest {
         expected_version: None,
         dry_run: false,
         force: false,
+        keep_endpoints: false,
     }
 }
 

@@ -51,7 +51,10 @@
 //! closed is not read: the read waits for the writer to close it, at most
 //! [`Timing::unclosed`] ([`UNCLOSED`]) after the quiet period, and then reads what is there,
 //! with a warning (a writer that keeps the file open for good delays a reload by that much, no
-//! more). A file created is taken as open for writing until its writer closes it, as one
+//! more), and applies it unless it removes an endpoint served, as the first part of a longer
+//! file would ([`ChangeRequest::keep_endpoints`]): such a read is held back, with a warning,
+//! and the file is looked at again as before, until its writer closes it (or it goes quiet);
+//! the same bytes are then a whole save. A file created is taken as open for writing until its writer closes it, as one
 //! written to is (a writer may hold it open before its first write), while it is still empty:
 //! one created with content (a hard link, an `O_TMPFILE` linked in) has no writer here. A
 //! file moved in from a directory not watched clears its name's mark. What a writer did in a
@@ -787,6 +790,10 @@ async fn run(
         let mut writing_since: Option<Instant> = None;
         // Whether an empty read was already given another quiet period.
         let mut empty_looked_again = false;
+        // Whether the read was taken at the bound, its writer not done (see the module docs),
+        // and the file's path as the writer's mark names it.
+        let mut at_bound = false;
+        let mut bound_real: Option<PathBuf> = None;
         let read = loop {
             // Debounce: wait for a quiet period.
             loop {
@@ -884,10 +891,9 @@ async fn run(
                     Writing::Open | Writing::Held(_) => "has been held open for writing",
                     Writing::Changing(_) => "has kept changing",
                 };
-                warn!(file = %file.display(), "the policy file {what} for {}; reading it as it is now, which may be half of a save", format_duration(timing.unclosed));
-                if let Some(real) = &real {
-                    open_writes.forget(real);
-                }
+                warn!(file = %file.display(), "the policy file {what} for {}; reading it as it is now, which may be half of a save: it is applied unless it removes an endpoint", format_duration(timing.unclosed));
+                at_bound = true;
+                bound_real.clone_from(&real);
                 break match read {
                     Some(read) => read,
                     None => read_file(&file).await,
@@ -931,7 +937,15 @@ async fn run(
                 Err(oneshot::error::TryRecvError::Empty) => {}
             }
         }
-        reload_if_changed(&control, &file, read, &mut last).await;
+        let held_back = reload_if_changed(&control, &file, read, &mut last, at_bound).await;
+        // A read taken at the bound and applied: the writer, which may keep the file open for
+        // good, holds no later read back. One held back waits for the writer's close again.
+        if at_bound
+            && !held_back
+            && let Some(real) = &bound_real
+        {
+            open_writes.forget(real);
+        }
     }
 }
 
@@ -942,13 +956,16 @@ async fn read_file(file: &Path) -> io::Result<FileRead> {
 }
 
 /// Applies what was `read` from `file` unless its bytes are those last read: an event on
-/// another file in a watched directory publishes and logs nothing.
+/// another file in a watched directory publishes and logs nothing. A read `at_bound` (taken
+/// while its writer was not done: maybe half of a save) is applied only if it keeps every
+/// endpoint served; whether it was held back for removing some is returned.
 async fn reload_if_changed(
     control: &ControlPlane,
     file: &Path,
     read: io::Result<FileRead>,
     last: &mut LastRead,
-) {
+    at_bound: bool,
+) -> bool {
     let read = match read {
         Ok(read) => read,
         Err(e) => {
@@ -959,18 +976,18 @@ async fn reload_if_changed(
                 warn!(file = %file.display(), error = %e, "cannot read the policy file; still serving {}", serving(control));
                 *last = LastRead::Failed(e.kind());
             }
-            return;
+            return false;
         }
     };
     if matches!(last, LastRead::Bytes(seen) if *seen == read.bytes) {
         debug!(file = %file.display(), "the policy file is unchanged since it was last read");
-        return;
+        return false;
     }
     let again = match last {
         LastRead::Unstored(seen, at) if *seen == read.bytes => {
             if at.elapsed() < UNSTORED_RETRY {
                 debug!(file = %file.display(), "the policy file is unchanged since the store failed to take it; trying again later");
-                return;
+                return false;
             }
             true
         }
@@ -982,16 +999,18 @@ async fn reload_if_changed(
             warn!(file = %file.display(), error = %e, "cannot load the policy file; still serving {}", serving(control));
             reload_result(control, file, false);
             *last = LastRead::Nothing;
-            return;
+            return false;
         }
     };
-    let (settled, valid) = apply(control, file, loaded, again).await;
+    let (settled, valid) = apply(control, file, loaded, again, at_bound).await;
     reload_result(control, file, valid);
+    let held_back = matches!(settled, Settled::HeldBack);
     *last = match settled {
         Settled::Yes => LastRead::Bytes(bytes),
         Settled::Unstored => LastRead::Unstored(bytes, Instant::now()),
-        Settled::No => LastRead::Nothing,
+        Settled::No | Settled::HeldBack => LastRead::Nothing,
     };
+    held_back
 }
 
 /// How long the watcher waits before it gives the store bytes it failed to take once more
@@ -1006,6 +1025,9 @@ enum Settled {
     Unstored,
     /// No (a conflict with a change made meanwhile).
     No,
+    /// Read while its writer was not done, and held back for removing endpoints: read again
+    /// once the writer is (the same bytes then are a whole save).
+    HeldBack,
 }
 
 /// Sets `retryplane_server_config_last_reload_successful` from one read of the file, and says
@@ -1031,7 +1053,7 @@ fn serving(control: &ControlPlane) -> String {
 /// current version.
 pub async fn reload(control: &ControlPlane, file: &Path) {
     let read = read_file(file).await;
-    reload_if_changed(control, file, read, &mut LastRead::Nothing).await;
+    reload_if_changed(control, file, read, &mut LastRead::Nothing, false).await;
 }
 
 /// Applies what was loaded from `file`, logging any problem (a store failure at debug when
@@ -1044,6 +1066,7 @@ async fn apply(
     file: &Path,
     loaded: Loaded,
     again: bool,
+    at_bound: bool,
 ) -> (Settled, bool) {
     log_diagnostics(file, &loaded);
     let Some(policies) = loaded.policies else {
@@ -1061,6 +1084,7 @@ async fn apply(
         expected_version: None,
         dry_run: false,
         force: false,
+        keep_endpoints: at_bound,
     };
     match control.apply(request).await {
         Ok(outcome) if !outcome.changed => {
@@ -1084,6 +1108,17 @@ async fn apply(
                 serving(control)
             );
             (Settled::Yes, false)
+        }
+        Err(ChangeError::MaybePartial(names)) => {
+            let names = crate::admin::capped_list(&names, ", ", 1_000, "endpoint", "");
+            warn!(
+                file = %file.display(),
+                "what the policy file holds while its writer is not done removes {names}, which \
+                 half of a save would: not applied, {} stays served; it is read again once the \
+                 writer closes the file (or the file goes quiet)",
+                serving(control)
+            );
+            (Settled::HeldBack, false)
         }
         Err(e) => {
             let settled = match &e {

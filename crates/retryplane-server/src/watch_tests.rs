@@ -695,6 +695,85 @@ async fn a_file_kept_open_for_writing_is_read_after_the_bound() {
     drop(writer);
 }
 
+/// What the watcher logs when it holds back a read taken at the bound.
+#[cfg(any(target_os = "linux", target_os = "android"))]
+const HELD_BACK: &str = "which half of a save would: not applied";
+
+/// A save whose writer holds the file open past the bound, and whose part written so far
+/// removes an endpoint served (as the first half of a longer file does): that read is held
+/// back, again at each bound while the writer holds on, and the whole save is published once
+/// the writer closes the file. A save whose first part only changes an endpoint is still
+/// published at the bound (`a_file_kept_open_for_writing_is_read_after_the_bound`).
+#[cfg(any(target_os = "linux", target_os = "android"))]
+#[tokio::test]
+async fn a_read_at_the_bound_that_removes_an_endpoint_waits_for_the_writer() {
+    let (log, _guard) = capture_logs();
+    let timing = Timing {
+        unclosed: Duration::from_millis(300),
+        ..TIMING
+    };
+    let both = format!("{V1}{SECOND_HALF}");
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("policies.yaml");
+    fs::write(&file, &both).unwrap();
+    let f = start_with(dir, file, timing).await;
+    let writer = SlowWriter::start(&f.file, FIRST_HALF);
+    // Held back twice: the writer's mark outlives the first bound.
+    let twice = tokio::time::timeout(Duration::from_secs(10), async {
+        while log.text().matches(HELD_BACK).count() < 2 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    assert!(twice.is_ok(), "not held back twice: {}", log.text());
+    assert_eq!(
+        current_version(&f.control),
+        Some(1),
+        "half a save was published"
+    );
+    writer.finish(SECOND_HALF);
+    wait_for_version(&f.control, 2, PUBLISHED).await;
+    assert_eq!(max_attempts_served(&f.control).await, Some(4));
+    let served = f.control.publisher.current().unwrap();
+    assert_eq!(served.document.endpoints.len(), 2, "the whole save");
+}
+
+/// A save that removes an endpoint, written by a writer that held the file open past the
+/// bound and then closed it having written no more: once closed, the same bytes are a whole
+/// save, and published.
+#[cfg(any(target_os = "linux", target_os = "android"))]
+#[tokio::test]
+async fn a_held_back_read_is_published_once_its_writer_closes_the_file() {
+    let (log, _guard) = capture_logs();
+    let timing = Timing {
+        unclosed: Duration::from_millis(300),
+        ..TIMING
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("policies.yaml");
+    fs::write(&file, format!("{V1}{SECOND_HALF}")).unwrap();
+    let f = start_with(dir, file, timing).await;
+    let writer = SlowWriter::start(&f.file, FIRST_HALF);
+    let held = tokio::time::timeout(Duration::from_secs(10), async {
+        while !log.text().contains(HELD_BACK) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    assert!(held.is_ok(), "not held back: {}", log.text());
+    assert_eq!(current_version(&f.control), Some(1));
+    writer.finish("");
+    wait_for_version(&f.control, 2, PUBLISHED).await;
+    let served = f.control.publisher.current().unwrap();
+    let names: Vec<&str> = served
+        .document
+        .endpoints
+        .iter()
+        .map(|e| e.name.as_str())
+        .collect();
+    assert_eq!(names, ["payments"]);
+}
+
 #[tokio::test]
 async fn another_file_written_without_pause_does_not_hold_a_save_back() {
     // A log in the policy file's directory, appended to every 20 ms (well under the quiet

@@ -167,6 +167,7 @@ async fn apply_valid(
         expected_version: None,
         dry_run: false,
         force: false,
+        keep_endpoints: false,
     };
     match control.apply(request).await {
         Ok(outcome) if !outcome.changed => {
