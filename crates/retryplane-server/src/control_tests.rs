@@ -1064,3 +1064,33 @@ async fn the_publish_time_on_metrics_parses_back_to_the_value_set() {
         .unwrap_or_else(|| panic!("no sample in\n{text}"));
     assert_eq!(read.to_bits(), set.to_bits(), "{read} read back, {set} set");
 }
+
+/// A change asked to keep every endpoint (a policy file read while its writer may not be
+/// done) is refused when it removes one, naming it, and counted as rejected; one that adds or
+/// changes endpoints goes through as any change does.
+#[tokio::test]
+async fn a_change_asked_to_keep_every_endpoint_is_refused_only_when_it_removes_one() {
+    let control = ControlPlane::for_tests(Arc::new(MemoryStore::default()), Mode::Api);
+    let two = "version: 1\nendpoints:\n  payments: {max_attempts: 3}\n  search: {}\n";
+    control.apply(change(wire(two))).await.unwrap();
+    let keep = |yaml: &str| ChangeRequest {
+        keep_endpoints: true,
+        ..change(wire(yaml))
+    };
+    let refused = control
+        .apply(keep(
+            "version: 1\nendpoints:\n  payments: {max_attempts: 4}\n",
+        ))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&refused, ChangeError::MaybePartial(names) if names == &["search"]),
+        "{refused:?}"
+    );
+    assert_eq!(control.metrics.rejected_changes.get(), 1);
+    assert_eq!(control.publisher.current().map(|s| s.version), Some(1));
+    let grown = "version: 1\nendpoints:\n  payments: {max_attempts: 4}\n  search: {}\n  new: {}\n";
+    let outcome = control.apply(keep(grown)).await.unwrap();
+    assert!(outcome.changed);
+    assert_eq!(control.publisher.current().map(|s| s.version), Some(2));
+}
