@@ -25,8 +25,9 @@
 //! [`RECORD_FORMAT`] (written by a later release, before a downgrade) is refused with
 //! [`StoreError::NewerFormat`], which says so instead of calling the store corrupt.
 //!
-//! redb locks the file: a second open, from another process or this one, fails with
-//! [`StoreError::InUse`].
+//! redb locks the file, and the store locks its directory (so that a file deleted under a
+//! running control plane does not let a second one start there): a second open, from another
+//! process or this one, fails with [`StoreError::InUse`].
 //!
 //! # A new store, and a file that holds none
 //!
@@ -145,6 +146,8 @@ pub struct RedbStore {
     path: PathBuf,
     dir: PathBuf,
     open_db: OpenDb,
+    /// The data directory, locked for as long as the store is open ([`lock_dir`]).
+    _dir_lock: Option<std::fs::File>,
 }
 
 impl std::fmt::Debug for RedbStore {
@@ -217,6 +220,42 @@ struct Failing(#[source] Arc<StoreError>);
 /// reads without the cache.
 const CACHE_BYTES: usize = 16 << 20;
 
+/// The data directory `dir`, locked for one store: an exclusive `flock` on the directory
+/// itself, let go when the store is dropped or its process ends. redb locks the store's file,
+/// and a file deleted under a running control plane takes that lock with it: a second control
+/// plane started on the same directory would then make a new store beside the first one's
+/// (which serves on, refusing changes, until it is restarted). The directory stays, so the
+/// second one is refused with [`StoreError::InUse`]. Where the directory cannot be opened or
+/// locked (a file system without locks), the store goes on with redb's lock alone, with a
+/// warning.
+#[cfg(unix)]
+fn lock_dir(dir: &Path) -> Result<Option<std::fs::File>, StoreError> {
+    let handle = match std::fs::File::open(dir) {
+        Ok(handle) => handle,
+        Err(e) => {
+            warn!(dir = %dir.display(), error = %e, "cannot open the data directory to lock it; relying on the store file's own lock");
+            return Ok(None);
+        }
+    };
+    match handle.try_lock() {
+        Ok(()) => Ok(Some(handle)),
+        Err(std::fs::TryLockError::WouldBlock) => Err(StoreError::InUse {
+            dir: dir.to_owned(),
+        }),
+        Err(std::fs::TryLockError::Error(e)) => {
+            warn!(dir = %dir.display(), error = %e, "cannot lock the data directory; relying on the store file's own lock");
+            Ok(None)
+        }
+    }
+}
+
+/// See the Unix [`lock_dir`]: elsewhere a directory is not opened as a file, and redb's lock on
+/// the store's file is the only one.
+#[cfg(not(unix))]
+fn lock_dir(_dir: &Path) -> Result<Option<std::fs::File>, StoreError> {
+    Ok(None)
+}
+
 /// redb with the integrity check on open, on an existing file (never one it would initialize).
 fn open_file(path: &Path) -> Result<Database, DatabaseError> {
     Database::builder()
@@ -250,6 +289,7 @@ impl RedbStore {
             dir: dir.to_owned(),
             source,
         })?;
+        let dir_lock = lock_dir(dir)?;
         let path = dir.join(FILE_NAME);
         match std::fs::metadata(&path) {
             Err(error) if error.kind() == std::io::ErrorKind::NotFound => match dangling(&path) {
@@ -274,6 +314,7 @@ impl RedbStore {
             path,
             dir: dir.to_owned(),
             open_db,
+            _dir_lock: dir_lock,
         };
         store.run(create_missing_tables)?;
         store.run(check)?;

@@ -107,6 +107,25 @@ fn a_document_keeps_its_endpoint_order_and_hash_across_a_reopen() {
     assert_eq!(current.meta.content_hash, new.content_hash);
 }
 
+/// The store file deleted under an open store (an operator's `rm`, a volume's clean-up)
+/// takes redb's lock with it; the directory's own lock still refuses a second store there,
+/// and is let go with the first.
+#[cfg(unix)]
+#[test]
+fn a_store_whose_file_was_deleted_still_holds_its_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = RedbStore::open(dir.path()).unwrap();
+    std::fs::remove_file(store.path()).unwrap();
+    let err = open_err(dir.path());
+    assert!(
+        matches!(&err, StoreError::InUse { dir: d } if d == dir.path()),
+        "{err:?}"
+    );
+    assert!(!store.path().exists(), "no second store was made");
+    drop(store);
+    RedbStore::open(dir.path()).unwrap();
+}
+
 #[test]
 fn a_second_open_of_the_same_directory_reports_it_in_use() {
     let dir = tempfile::tempdir().unwrap();
