@@ -9,6 +9,9 @@
 //! The pattern: clone the generated client inside the attempt closure (tonic clients are cheap
 //! handles on one channel), describe the call with [`CallMeta::grpc`] and let
 //! [`Endpoint::call`] classify each `tonic::Status` (code and `grpc-retry-pushback-ms`).
+//! Each attempt is bounded by the policy's `per_try_timeout`, not by the channel's
+//! `Endpoint::timeout`: tonic's own timeout comes back as `CANCELLED`, which `Endpoint::call`
+//! judges by its code and does not retry (see its docs).
 
 #![allow(clippy::unwrap_used, clippy::expect_used, dead_code)]
 

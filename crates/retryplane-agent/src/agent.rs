@@ -16,7 +16,7 @@ use retryplane_proto::{convert, pb};
 use tokio::sync::Mutex;
 use tokio::task::JoinHandle;
 use tokio_util::sync::{CancellationToken, DropGuard};
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::call::{Cores, Endpoint};
 use crate::error::{AgentError, StreamError};
@@ -484,12 +484,13 @@ impl std::fmt::Debug for AgentBuilder {
 }
 
 impl AgentBuilder {
-    /// The control plane's agent listener, `http://host:port` ([`AgentBuilder::connect`]
-    /// refuses a URL without a scheme, `https://` or `grpcs://` (the agent does not speak TLS
-    /// yet), another scheme than `http://` and `grpc://` (taken as `http://`), a Unix socket, a
+    /// The control plane's agent listener, `http://host:port` (`grpc://host:port` is taken as
+    /// `http://`). [`AgentBuilder::connect`] refuses a URL without a scheme, with `https://` or
+    /// `grpcs://` (the agent does not speak TLS yet) or any other scheme, a Unix socket, a
     /// `user:password@` part (the control plane takes a [token](AgentBuilder::token)), and a
-    /// port that is not a number from 1 to 65535). Debug output shows a password here as `***`
-    /// ([`crate::shown_url`]).
+    /// port that is not a number from 1 to 65535; a path, query or fragment is not used (the
+    /// stream goes to the server's root), and a warning says so. Debug output shows a password
+    /// here as `***` ([`crate::shown_url`]).
     pub fn url(mut self, url: impl Into<String>) -> Self {
         self.url = Some(url.into());
         self
@@ -620,6 +621,12 @@ impl AgentBuilder {
         let endpoint =
             tonic::transport::Endpoint::from_shared(url.clone()).map_err(AgentError::InvalidUrl)?;
         check_url(&url, endpoint.uri())?;
+        if let Some(parts) = crate::unused_url_parts(&url) {
+            let verb = if parts.contains(" and ") { "are" } else { "is" };
+            warn!(
+                "the {parts} of the control-plane URL {verb} not used: the agent's stream goes to the server's root (only the scheme, host and port count)"
+            );
+        }
         let token = self.token.as_deref().map(bearer).transpose()?;
         // Fleet status, metrics and (SPEC §6) per-caller scoping all go by the service: an
         // agent with none would be listed and counted under an empty name.

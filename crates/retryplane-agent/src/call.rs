@@ -240,6 +240,15 @@ impl Endpoint {
     /// failed answer's body inside the attempt, or call through the tower layer
     /// ([`crate::layer::RetryLayer`]), which does.
     ///
+    /// With a tonic client, bound each attempt with the policy's `per_try_timeout` (the
+    /// agent's own timer: a timeout, retried for an idempotent or keyed call), not with the
+    /// channel's `Endpoint::timeout` or `Request::set_timeout`. tonic raises the same
+    /// `CANCELLED` status for those as for a caller's deadline, so a status of it is judged by
+    /// its code, which `retry_on` does not list by default: not retried, and not counted
+    /// against the breaker as a timeout. The tower layer, which writes the caller's deadline
+    /// itself, tells a channel's timeout apart and retries it. Give a caller's deadline as
+    /// [`CallMeta::deadline_within`](crate::CallMeta::deadline_within).
+    ///
     /// (Not an `async fn`: it hands back the one future that runs the call, so the call's state
     /// is not wrapped, moved and polled through two more layers on every call.)
     pub fn call<T, E, F, Fut>(
@@ -313,7 +322,7 @@ impl Endpoint {
     /// # async fn main() {
     /// # let yaml = &b"version: 1\nendpoints:\n  users: {}\n"[..];
     /// # let agent = retryplane_agent::Agent::from_policies(
-    /// #     retryplane_policy::load(yaml).policies.unwrap());
+    /// #     retryplane_agent::policy::load(yaml).policies.unwrap());
     /// use std::sync::{Arc, Mutex};
     /// use retryplane_agent::CallMeta;
     ///

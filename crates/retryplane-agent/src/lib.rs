@@ -12,7 +12,10 @@
 //!   [`Agent::from_file`] and [`Agent::from_policies`] run on static policies. The task's
 //!   timers run on tokio's clock: under a paused clock (`tokio::time::pause`) they fire as soon
 //!   as the runtime is idle, a connected agent's included (it would report, time out and
-//!   reconnect at once), so tests that pause time use static policies.
+//!   reconnect at once), so tests that pause time use static policies. Calls need tokio's timer
+//!   too (per-try timeouts, pauses), so run them on a runtime built with `enable_time` (or
+//!   `enable_all`, as `#[tokio::main]` does): on one without it, the first attempt that has to
+//!   wait panics in tokio ("timers are disabled").
 //! - [`Agent::endpoint`] gives a cheap [`Endpoint`] handle; [`Endpoint::call`] runs one logical
 //!   call under SPEC §2: the policy is read once per call, each attempt gets
 //!   `min(per_try_timeout, deadline left)`, failures are classified through [`Classify`], pauses
@@ -88,7 +91,7 @@ pub use meta::{AttemptInfo, CallMeta};
 pub use metrics::CounterValues;
 pub use snapshot::{PolicySnapshot, Source, fallback_policy};
 pub use stream::reconnect::ReconnectBackoff;
-pub use url::{names_no_host, shown_url, url_scheme, written_port};
+pub use url::{names_no_host, shown_url, unused_url_parts, url_scheme, written_port};
 
 pub use retryplane_policy::engine::{GiveUpCause, Outcome};
 pub use retryplane_policy::{ErrorClass, PolicySet, RetryPolicy};

@@ -62,9 +62,55 @@ pub fn names_no_host(uri: &http::Uri) -> bool {
         .is_none_or(|host| host.is_empty() || host == "[]")
 }
 
+/// What a control-plane URL (`url`, without userinfo) holds past its authority that no call
+/// uses, since gRPC calls go to `/retryplane.v1.…` at the server's root: its path (other than
+/// `/`), query and fragment, named in words (`path and query`). `None` when it holds none of
+/// them, or does not parse (its caller reports that).
+pub fn unused_url_parts(url: &str) -> Option<String> {
+    let uri = url.parse::<http::Uri>().ok()?;
+    let mut parts = Vec::new();
+    if !matches!(uri.path(), "" | "/") {
+        parts.push("path");
+    }
+    if uri.query().is_some() {
+        parts.push("query");
+    }
+    // `Uri` drops a fragment; with no userinfo, a `#` can only start one.
+    if url.contains('#') {
+        parts.push("fragment");
+    }
+    match parts.as_slice() {
+        [] => None,
+        [one] => Some((*one).to_owned()),
+        [init @ .., last] => Some(format!("{} and {last}", init.join(", "))),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What a URL holds past its host that a call leaves out is named part by part: a query
+    /// (`?token=x`, a credential someone hoped would be sent) as well as a path.
+    #[test]
+    fn a_urls_path_query_and_fragment_are_named_as_not_used() {
+        for (url, said) in [
+            ("http://127.0.0.1:1", None),
+            ("http://127.0.0.1:1/", None),
+            ("http://127.0.0.1:1/p", Some("path")),
+            ("http://127.0.0.1:1/?token=x", Some("query")),
+            ("http://127.0.0.1:1?token=x", Some("query")),
+            ("http://127.0.0.1:1/#top", Some("fragment")),
+            ("http://127.0.0.1:1/p?a=1", Some("path and query")),
+            (
+                "http://127.0.0.1:1/p?a=1#f",
+                Some("path, query and fragment"),
+            ),
+            ("not a url", None),
+        ] {
+            assert_eq!(unused_url_parts(url).as_deref(), said, "{url}");
+        }
+    }
 
     #[test]
     fn a_url_with_nothing_or_empty_brackets_for_its_host_names_none() {

@@ -365,3 +365,30 @@ async fn a_stream_ended_then_refused_for_the_same_reason_is_warned_once() {
     assert_eq!(warned.len(), 1, "{log}");
     running.shutdown().await.unwrap();
 }
+
+/// A control-plane URL with a path and a query connects (only its scheme, host and port are
+/// used), and the agent says at warn that the rest is not, without quoting it (a query may
+/// hold a credential).
+#[tokio::test(flavor = "current_thread")]
+async fn a_url_with_a_path_and_query_is_warned_that_they_are_not_used() {
+    let dir = tempfile::tempdir().unwrap();
+    let running =
+        support::plane::plane_with(dir.path(), &support::plane::yaml(2), None, |_| {}).await;
+    let (sink, _guard) = support::capture_logs("retryplane_agent=info");
+    let agent = support::plane::builder(running.agent_addr, "a")
+        .url(format!(
+            "http://{}/retryplane?secret=s3cr3t",
+            running.agent_addr
+        ))
+        .connect()
+        .unwrap();
+    support::plane::eventually("connected", || async { agent.is_connected() }).await;
+    agent.shutdown().await;
+    let log = sink.text();
+    assert!(
+        log.contains("the path and query of the control-plane URL are not used"),
+        "{log}"
+    );
+    assert!(!log.contains("s3cr3t"), "{log}");
+    running.shutdown().await.unwrap();
+}

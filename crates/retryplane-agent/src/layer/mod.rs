@@ -135,12 +135,26 @@
 //!   last attempt timed out or no time was left, `UNAVAILABLE` when the circuit is open), so
 //!   a generated client returns that code to its caller rather than `UNKNOWN`.
 //!
-//! ```no_run
-//! # fn f<S>(agent: retryplane_agent::Agent, client: S) {
-//! use retryplane_agent::layer::RetryLayer;
-//! use tower::Layer as _;
+//! The client below the layer is sent the layer's [`ReplayBody`] of the caller's body type:
+//! with hyper-util's client, build it for `ReplayBody<B>` (a client built for `B` itself does
+//! not fit, and the compiler says only that `oneshot`'s bounds are not met).
 //!
+//! ```no_run
+//! # async fn f(agent: retryplane_agent::Agent) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+//! use bytes::Bytes;
+//! use http_body_util::Full;
+//! use hyper_util::client::legacy::Client;
+//! use hyper_util::rt::TokioExecutor;
+//! use retryplane_agent::layer::{ReplayBody, RetryLayer};
+//! use tower::{Layer as _, ServiceExt as _};
+//!
+//! let client = Client::builder(TokioExecutor::new()).build_http::<ReplayBody<Full<Bytes>>>();
 //! let client = RetryLayer::new(agent.endpoint("payments")).layer(client);
+//! let request = http::Request::get("http://127.0.0.1:8080/v1/prices")
+//!     .body(Full::new(Bytes::new()))?;
+//! let response = client.oneshot(request).await?;
+//! # let _ = response;
+//! # Ok(())
 //! # }
 //! ```
 //!

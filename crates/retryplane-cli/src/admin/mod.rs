@@ -223,40 +223,17 @@ pub(crate) fn no_at_after_host(url: &str, token_hint: &str) -> anyhow::Result<()
 }
 
 /// Says on stderr that the path, query or fragment of a `--server` URL
-/// (`http://gw/retryplane?x=1`) is not used, when it has any ([`unused_parts`]): gRPC calls go
+/// (`http://gw/retryplane?x=1`) is not used, when it has any: gRPC calls go
 /// to `/retryplane.v1.…` at the server's root, whatever the URL holds after its authority, so
 /// a gateway that routes by path or query does not see them. `url` has no userinfo left
-/// ([`without_userinfo`]).
+/// ([`without_userinfo`]); the parts are named by [`retryplane_agent::unused_url_parts`].
 pub(crate) fn path_not_used(url: &str) {
-    if let Some(parts) = unused_parts(url) {
+    if let Some(parts) = retryplane_agent::unused_url_parts(url) {
         output::note(format_args!(
             "retryplane: note: the {parts} of a --server URL {} not used: calls go to the \
              server's root (only the scheme, host and port count)",
             if parts.contains(" and ") { "are" } else { "is" }
         ));
-    }
-}
-
-/// What `url` (without userinfo) holds past its authority that a call does not use: its path
-/// (other than `/`), query and fragment, named in words (`path and query`); `None` when there
-/// is nothing, or the URL does not parse (the caller reports that).
-fn unused_parts(url: &str) -> Option<String> {
-    let uri = url.parse::<http::Uri>().ok()?;
-    let mut parts = Vec::new();
-    if !matches!(uri.path(), "" | "/") {
-        parts.push("path");
-    }
-    if uri.query().is_some() {
-        parts.push("query");
-    }
-    // `Uri` drops a fragment; with the userinfo gone, a `#` can only start one.
-    if url.contains('#') {
-        parts.push("fragment");
-    }
-    match parts.as_slice() {
-        [] => None,
-        [one] => Some((*one).to_owned()),
-        [init @ .., last] => Some(format!("{} and {last}", init.join(", "))),
     }
 }
 
@@ -689,28 +666,6 @@ mod tests {
             without_userinfo("http://127.0.0.1:1"),
             ("http://127.0.0.1:1".to_owned(), false)
         );
-    }
-
-    /// The note on what a `--server` URL holds past its host names each part a call leaves
-    /// out: a query (`?token=x`, a credential someone hoped would be sent) as well as a path.
-    #[test]
-    fn a_server_urls_path_query_and_fragment_are_named_as_not_used() {
-        for (url, said) in [
-            ("http://127.0.0.1:1", None),
-            ("http://127.0.0.1:1/", None),
-            ("http://127.0.0.1:1/p", Some("path")),
-            ("http://127.0.0.1:1/?token=x", Some("query")),
-            ("http://127.0.0.1:1?token=x", Some("query")),
-            ("http://127.0.0.1:1/#top", Some("fragment")),
-            ("http://127.0.0.1:1/p?a=1", Some("path and query")),
-            (
-                "http://127.0.0.1:1/p?a=1#f",
-                Some("path, query and fragment"),
-            ),
-            ("not a url", None),
-        ] {
-            assert_eq!(unused_parts(url).as_deref(), said, "{url}");
-        }
     }
 
     #[test]
