@@ -55,6 +55,9 @@ pub(crate) struct Shared {
     pub(crate) connected: AtomicBool,
     /// Why the last stream ended or could not start; cleared when a stream opens.
     pub(crate) stream_error: std::sync::Mutex<Option<StreamError>>,
+    /// The metrics reports no control plane had acknowledged when the stream task stopped
+    /// (see [`Agent::unacknowledged_reports`]).
+    pub(crate) unacknowledged_at_stop: AtomicU64,
     seed: u64,
     calls: AtomicU64,
 }
@@ -73,6 +76,7 @@ impl Shared {
             ),
             connected: AtomicBool::new(false),
             stream_error: std::sync::Mutex::new(None),
+            unacknowledged_at_stop: AtomicU64::new(0),
             seed,
             calls: AtomicU64::new(0),
         }
@@ -338,6 +342,15 @@ impl Agent {
             let _ = running.await;
             *handle = None;
         }
+    }
+
+    /// After [`Agent::shutdown`]: how many metrics reports no control plane had acknowledged
+    /// when the agent stopped (sent and not answered, or never sent: a control plane that
+    /// vanished, one that answered too late). Their counts may not be in the fleet's figures;
+    /// counts never put in a report are in [`crate::Endpoint::pending_counts`]. 0 before
+    /// shutdown, and for an agent on static policies.
+    pub fn unacknowledged_reports(&self) -> u64 {
+        self.shared.unacknowledged_at_stop.load(Relaxed)
     }
 
     #[cfg(test)]

@@ -162,6 +162,11 @@ async fn metrics_sent_by_agents_add_up_exactly_at_the_server() {
     );
     a.shutdown().await;
     b.shutdown().await;
+    // Every report was acknowledged.
+    assert_eq!(
+        (a.unacknowledged_reports(), b.unacknowledged_reports()),
+        (0, 0)
+    );
     let s = stats(&running).await.unwrap();
     assert_eq!(s.calls, 14, "shutdown sends nothing twice");
     running.shutdown().await.unwrap();

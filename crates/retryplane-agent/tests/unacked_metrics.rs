@@ -137,7 +137,11 @@ async fn at_shutdown_counts_held_back_by_a_full_window_still_go_out() {
     }
     succeed(&agent, 5).await;
     // The held-back counts go out in the last report.
+    let handle = agent.clone();
+    assert_eq!(handle.unacknowledged_reports(), 0, "not stopped yet");
     assert_eq!(shut_down(script, agent, to_agent).await, 5);
+    // None was acknowledged: the eight, and the last one.
+    assert_eq!(handle.unacknowledged_reports(), 9);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

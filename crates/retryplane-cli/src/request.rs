@@ -9,7 +9,8 @@
 //! (no or a wrong token, the admin listener named instead) ends the wait at once, and the
 //! error says what the control plane answered and what to do. Before the command exits the agent sends its
 //! counts of the call and closes its stream ([`SHUTDOWN_WAIT`] at most), so `retryplane stats`
-//! shows the call and `status` shows the agent as gone.
+//! shows the call and `status` shows the agent as gone; when the control plane did not
+//! acknowledge the counts by then (it went away, or is stalled), a note on stderr says so.
 //!
 //! `-H` takes curl's forms: `Name: value`, sent (two of a name are both sent, but `host` takes
 //! one, and with `--data` the client's `content-length` cannot be replaced); `Name;`, which
@@ -52,7 +53,9 @@ use std::time::Duration;
 use anyhow::{Context as _, bail};
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Method};
-use retryplane_agent::{Agent, AttemptInfo, CallMeta, Classification, Classify, Outcome, Source};
+use retryplane_agent::{
+    Agent, AttemptInfo, CallMeta, Classification, Classify, CounterValues, Outcome, Source,
+};
 use tokio::time::Instant;
 
 use crate::admin::Token;
@@ -83,7 +86,8 @@ pub struct Args {
     /// Use the policy a control plane serves its agents: the URL of its agent listener (not
     /// the admin one), for example http://127.0.0.1:7470, the default of `retryplane serve`
     /// (port 7470 when the URL names none).
-    /// The call's counts are reported to it before the command exits.
+    /// The call's counts are reported to it before the command exits (a note on stderr says
+    /// when it did not acknowledge them within 3 s).
     #[arg(long, value_name = "URL")]
     server: Option<String>,
     /// Agent token for --server, sent as `authorization: Bearer TOKEN`. Not given or empty:
@@ -466,8 +470,15 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
             (None, PolicyFrom::File(_)) => bail!("no policy"),
         };
         let summary = call(&agent, settings).await;
-        if matches!(settings.policy, PolicyFrom::Server(..)) {
-            shutdown(&agent).await;
+        if let PolicyFrom::Server(_, _, shown) = &settings.policy {
+            let reported = shutdown(&agent).await;
+            if !reported || counts_left(&agent, &settings.endpoint) {
+                output::note(format_args!(
+                    "retryplane: note: the call's counts may not be in the fleet's figures: the \
+                     control plane at {shown} did not acknowledge them within {} s",
+                    SHUTDOWN_WAIT.as_secs()
+                ));
+            }
         }
         let summary = summary?;
         let stdout = match settings.format {
@@ -598,10 +609,20 @@ async fn first_snapshot(agent: &Agent, url: &str, endpoint: &str) -> anyhow::Res
 }
 
 /// Stops a connected agent: its last report goes out and its stream is closed, within
-/// [`SHUTDOWN_WAIT`] (past it the command exits anyway; the report is then lost).
-async fn shutdown(agent: &Agent) {
+/// [`SHUTDOWN_WAIT`] (past it the command exits anyway; the report is then lost). Whether it
+/// stopped within the bound.
+async fn shutdown(agent: &Agent) -> bool {
     // Past the bound the command's answer matters more than the report: exit without it.
-    let _ = tokio::time::timeout(SHUTDOWN_WAIT, agent.shutdown()).await;
+    tokio::time::timeout(SHUTDOWN_WAIT, agent.shutdown())
+        .await
+        .is_ok()
+}
+
+/// Whether a stopped `agent` kept counts of `endpoint` that no control plane acknowledged: in
+/// reports not answered, or never put in one (no stream was up).
+fn counts_left(agent: &Agent, endpoint: &str) -> bool {
+    agent.unacknowledged_reports() > 0
+        || agent.endpoint(endpoint).pending_counts() != CounterValues::default()
 }
 
 /// How long the client tries to connect in an attempt whose time limit is `limit` (the

@@ -1051,7 +1051,78 @@ fn server_mode_uses_the_control_planes_policy() {
     });
     let status = admin_json(&["status"]);
     assert_eq!(status["agents"], json!([]), "{status}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !stderr.contains("may not be in the fleet's figures"),
+        "the counts were acknowledged: {stderr}"
+    );
     drop(running);
+}
+
+/// A control plane gone by the time the call ends (stopped while the upstream answers) never
+/// gets the call's counts: the command says so on stderr, and its own outcome is the call's.
+#[test]
+fn server_mode_says_when_the_calls_counts_did_not_reach_the_control_plane() {
+    use std::io::{Read as _, Write as _};
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    let dir = TempDir::new().unwrap();
+    fs::write(dir.path().join("policies.yaml"), POLICY).unwrap();
+    let any = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
+    let cfg = ServeConfig {
+        config_file: dir.path().join("policies.yaml"),
+        data_dir: dir.path().join("data"),
+        listen: any,
+        admin_listen: any,
+        http_listen: any,
+        ..ServeConfig::default()
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let running = runtime.block_on(start(cfg)).unwrap();
+    // An upstream that answers once told to.
+    let upstream = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let up_addr = upstream.local_addr().unwrap();
+    let (arrived_tx, arrived) = mpsc::channel();
+    let (answer, answer_rx) = mpsc::channel::<()>();
+    let server = std::thread::spawn(move || {
+        let (mut conn, _) = upstream.accept().unwrap();
+        conn.set_read_timeout(Some(Duration::from_secs(30)))
+            .unwrap();
+        let mut buf = [0u8; 4096];
+        let _ = conn.read(&mut buf).unwrap();
+        arrived_tx.send(()).unwrap();
+        answer_rx.recv_timeout(Duration::from_secs(30)).unwrap();
+        conn.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+            .unwrap();
+    });
+    let child = std::process::Command::new(assert_cmd::cargo::cargo_bin!("retryplane"))
+        .env_remove("RETRYPLANE_AGENT_TOKEN")
+        .env_remove("RUST_LOG")
+        .args(["request", "--endpoint", "api", "--server"])
+        .arg(format!("http://{}", running.agent_addr))
+        .arg(format!("http://{up_addr}/"))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    arrived
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the call reaches the upstream");
+    runtime.block_on(running.shutdown()).unwrap();
+    answer.send(()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    server.join().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(
+        stderr.contains("the call's counts may not be in the fleet's figures"),
+        "{stderr}"
+    );
 }
 
 #[test]

@@ -388,6 +388,9 @@ async fn sessions(
             replaced,
         } = end
         else {
+            shared
+                .unacknowledged_at_stop
+                .store(outbox.unacknowledged(), Relaxed);
             return;
         };
         *shared
@@ -464,7 +467,12 @@ async fn sessions(
         tokio::pin!(sleep);
         loop {
             tokio::select! {
-                () = cancel.cancelled() => return,
+                () = cancel.cancelled() => {
+                    shared
+                        .unacknowledged_at_stop
+                        .store(outbox.unacknowledged(), Relaxed);
+                    return;
+                }
                 () = &mut sleep => break,
                 // No stream to tell: the next one's Hello says the version in force.
                 Some(cached) = late_cache(&mut late) => {

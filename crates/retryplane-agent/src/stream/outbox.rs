@@ -140,6 +140,11 @@ impl Outbox {
         self.pending.iter().map(|r| r.seq).collect()
     }
 
+    /// The reports not acknowledged: queued or sent and not answered, and held.
+    pub(crate) fn unacknowledged(&self) -> u64 {
+        u64::try_from(self.pending.len() + self.held.len()).unwrap_or(u64::MAX)
+    }
+
     /// The reports held with their versions, oldest first.
     #[cfg(test)]
     pub(crate) fn held_versions(&self) -> Vec<u64> {
