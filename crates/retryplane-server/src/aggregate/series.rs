@@ -383,6 +383,22 @@ impl Series {
                 calls,
                 "retry ratio over 5 minutes passed the endpoint's threshold"
             ),
+            // An alert the series had from its endpoint (too few calls of its own to alert)
+            // ends with the endpoint's ratio over every caller, while its own may stay above.
+            Transition::Ended {
+                ratio,
+                threshold,
+                calls,
+            } if ratio > threshold => info!(
+                endpoint = %OneLine(&self.endpoint),
+                service = %OneLine(&self.service),
+                ratio,
+                threshold,
+                calls,
+                "retry ratio alert ended: the endpoint's ratio over every calling service is no \
+                 longer above its threshold over 5 minutes (this service's own ratio, on too few \
+                 calls to alert alone, still is)"
+            ),
             Transition::Ended {
                 ratio,
                 threshold,
@@ -393,7 +409,7 @@ impl Series {
                 ratio,
                 threshold,
                 calls,
-                "retry ratio over 5 minutes is back under the endpoint's threshold"
+                "retry ratio over 5 minutes is no longer above the endpoint's threshold"
             ),
         }
     }

@@ -1403,6 +1403,43 @@ async fn a_storm_spread_over_many_small_callers_alerts_on_each_of_them() {
     assert_eq!(agg.tick(Instant::now()), 0);
 }
 
+/// The end of an alert a small caller had from its endpoint says it ended with the endpoint's
+/// ratio, not that the caller's own ratio (still above the threshold) came back under it.
+#[tokio::test(start_paused = true)]
+async fn the_end_of_an_alert_lent_by_the_endpoint_says_whose_ratio_ended_it() {
+    let (log, _guard) = crate::test_logs::capture("retryplane_server=info");
+    let agg = Aggregator::new(100, Instant::now(), Arc::default());
+    let big = agg.service("big");
+    let small = agg.service("small");
+    // Both callers alert: the endpoint has 20 calls at 50 %, each caller 10.
+    agg.ingest(&big, &report(1, &[("gamma", 10, 5)]), Instant::now());
+    agg.ingest(&small, &report(1, &[("gamma", 10, 5)]), Instant::now());
+    assert_eq!(agg.tick(Instant::now()), 2);
+    // The big caller's 200 calls with no retry bring the endpoint down to 10 of 220.
+    advance(Duration::from_secs(1)).await;
+    agg.ingest(&big, &report(1, &[("gamma", 200, 0)]), Instant::now());
+    assert_eq!(agg.tick(Instant::now()), 0);
+    let text = log.text();
+    // The alerts' ends are the only lines at info.
+    let line = |service: &str| {
+        text.lines()
+            .find(|l| l.contains(" INFO ") && l.contains(&format!("service={service}")))
+            .unwrap_or_else(|| panic!("no end of {service}'s alert: {text}"))
+            .to_owned()
+    };
+    let small_line = line("small");
+    assert!(
+        small_line.contains("the endpoint's ratio over every calling service is no longer above")
+            && !small_line.contains("back under"),
+        "{small_line}"
+    );
+    let big_line = line("big");
+    assert!(
+        big_line.contains("retry ratio over 5 minutes is no longer above the endpoint's threshold"),
+        "{big_line}"
+    );
+}
+
 /// An aggregate told `interval` at `at` seconds of its life, after one agent's backlog report
 /// of 1 call/s over the `span` seconds before it.
 async fn after_a_backlog(interval: Duration, at: u64, span: u64) -> Aggregator {
