@@ -89,6 +89,11 @@ enum Command {
     Rollback(admin::rollback::Args),
     /// Show the connected agents, how far the fleet is on the current version, and the
     /// endpoints whose retry ratio is past its threshold.
+    ///
+    /// The summary line counts, for the current version: nacked, the agents whose last answer
+    /// is a NACK of it, connected or not (a refusal stays in sight after its agent has gone);
+    /// acked and pending, the other connected agents that run it and that do not yet;
+    /// disconnected, the other agents the server still remembers.
     Status(admin::status::Args),
     /// Print the fleet's retry metrics per service and endpoint, and lifetime totals.
     Stats(admin::stats::Args),
