@@ -475,7 +475,8 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
             if !reported || counts_left(&agent, &settings.endpoint) {
                 output::note(format_args!(
                     "retryplane: note: the call's counts may not be in the fleet's figures: the \
-                     control plane at {shown} did not acknowledge them within {} s",
+                     control plane at {shown} did not acknowledge them (it went away, or did not \
+                     answer within {} s)",
                     SHUTDOWN_WAIT.as_secs()
                 ));
             }

@@ -317,6 +317,8 @@ fn a_run_with_no_call_shows_its_ratios_and_latencies_as_not_applicable() {
     for label in [
         "logical calls",
         "amplification",
+        "  incident mean",
+        "  incident peak (1s)",
         "success",
         "latency p50",
         "latency p99",

@@ -69,9 +69,9 @@ pub struct ChangeRequest {
     /// Allow a change that removes every endpoint.
     pub force: bool,
     /// Refuse a change that removes any endpoint of the current version
-    /// ([`ChangeError::MaybePartial`]): the policy file watcher sets it for a read it was made
-    /// to take while a writer still held the file (or it kept changing), which may be the
-    /// first part of a save.
+    /// ([`ChangeError::MaybePartial`], not counted in `retryplane_server_rejected_changes`):
+    /// the policy file watcher sets it for a read it was made to take while a writer still
+    /// held the file (or it kept changing), which may be the first part of a save.
     pub keep_endpoints: bool,
 }
 
@@ -338,7 +338,6 @@ impl ControlPlane {
                 result,
                 Err(ChangeError::Invalid(_)
                     | ChangeError::RemovesEverything(_)
-                    | ChangeError::MaybePartial(_)
                     | ChangeError::TooLarge(_))
             )
         {

@@ -1066,8 +1066,9 @@ async fn the_publish_time_on_metrics_parses_back_to_the_value_set() {
 }
 
 /// A change asked to keep every endpoint (a policy file read while its writer may not be
-/// done) is refused when it removes one, naming it, and counted as rejected; one that adds or
-/// changes endpoints goes through as any change does.
+/// done) is refused when it removes one, naming it, and not counted as rejected (it may be a
+/// save still being written); one that adds or changes endpoints goes through as any change
+/// does.
 #[tokio::test]
 async fn a_change_asked_to_keep_every_endpoint_is_refused_only_when_it_removes_one() {
     let control = ControlPlane::for_tests(Arc::new(MemoryStore::default()), Mode::Api);
@@ -1087,7 +1088,8 @@ async fn a_change_asked_to_keep_every_endpoint_is_refused_only_when_it_removes_o
         matches!(&refused, ChangeError::MaybePartial(names) if names == &["search"]),
         "{refused:?}"
     );
-    assert_eq!(control.metrics.rejected_changes.get(), 1);
+    // Not counted as rejected: it may be a save still being written.
+    assert_eq!(control.metrics.rejected_changes.get(), 0);
     assert_eq!(control.publisher.current().map(|s| s.version), Some(1));
     let grown = "version: 1\nendpoints:\n  payments: {max_attempts: 4}\n  search: {}\n  new: {}\n";
     let outcome = control.apply(keep(grown)).await.unwrap();

@@ -52,9 +52,13 @@
 //! [`Timing::unclosed`] ([`UNCLOSED`]) after the quiet period, and then reads what is there,
 //! with a warning (a writer that keeps the file open for good delays a reload by that much, no
 //! more), and applies it unless it removes an endpoint served, as the first part of a longer
-//! file would ([`ChangeRequest::keep_endpoints`]): such a read is held back, with a warning,
-//! and the file is looked at again as before, until its writer closes it (or it goes quiet);
-//! the same bytes are then a whole save. A file created is taken as open for writing until its writer closes it, as one
+//! file would ([`ChangeRequest::keep_endpoints`]): such a read is held back, with a warning
+//! (not counted as a rejected change or a failed reload), and the wait for the writer starts
+//! again; when it closes the file, what is there is a whole save. The same bytes found at the
+//! next bound are applied: a writer that changed nothing for that long is not in the middle of
+//! a save (so a writer that keeps the file open for good delays a save that removes endpoints
+//! by two bounds, no more). Only removals are guarded: a first part cut between two fields of
+//! its last endpoint is published at the bound as a change of that endpoint. A file created is taken as open for writing until its writer closes it, as one
 //! written to is (a writer may hold it open before its first write), while it is still empty:
 //! one created with content (a hard link, an `O_TMPFILE` linked in) has no writer here. A
 //! file moved in from a directory not watched clears its name's mark. What a writer did in a
@@ -252,9 +256,17 @@ impl OpenWrites {
         }
     }
 
-    /// Stops waiting for `path`'s writer to close it.
-    fn forget(&self, path: &Path) {
-        self.lock().remove(path);
+    /// Stops waiting for `path`'s writer to close it; whether it was marked.
+    fn forget(&self, path: &Path) -> bool {
+        self.lock().remove(path).is_some()
+    }
+
+    /// Waits again for `path`'s writer to close it (see [`LastRead::HeldBack`]).
+    fn mark_written(&self, path: &Path) {
+        let mut open = self.lock();
+        if open.len() < MAX_OPEN_WRITES {
+            open.insert(path.to_owned(), Mark::Written);
+        }
     }
 
     /// Forgets every file of `dir`: its watch is dropped, so no close will be told.
@@ -758,6 +770,10 @@ enum LastRead {
     Unstored(Vec<u8>, Instant),
     /// Reading failed like this (already logged).
     Failed(io::ErrorKind),
+    /// These bytes, read at the bound while their writer was not done, were held back for
+    /// removing endpoints: the same bytes read at the next bound are applied (a writer that
+    /// has not changed the file in that long is not in the middle of a save).
+    HeldBack(Vec<u8>),
 }
 
 async fn run(
@@ -791,7 +807,7 @@ async fn run(
         // Whether an empty read was already given another quiet period.
         let mut empty_looked_again = false;
         // Whether the read was taken at the bound, its writer not done (see the module docs),
-        // and the file's path as the writer's mark names it.
+        // and the file's path as the writer's mark named it.
         let mut at_bound = false;
         let mut bound_real: Option<PathBuf> = None;
         let read = loop {
@@ -893,7 +909,13 @@ async fn run(
                 };
                 warn!(file = %file.display(), "the policy file {what} for {}; reading it as it is now, which may be half of a save: it is applied unless it removes an endpoint", format_duration(timing.unclosed));
                 at_bound = true;
-                bound_real.clone_from(&real);
+                if let Some(real) = &real {
+                    // Forgotten before the read, so that a write made during it marks the
+                    // file again.
+                    if open_writes.forget(real) {
+                        bound_real = Some(real.clone());
+                    }
+                }
                 break match read {
                     Some(read) => read,
                     None => read_file(&file).await,
@@ -938,13 +960,11 @@ async fn run(
             }
         }
         let held_back = reload_if_changed(&control, &file, read, &mut last, at_bound).await;
-        // A read taken at the bound and applied: the writer, which may keep the file open for
-        // good, holds no later read back. One held back waits for the writer's close again.
-        if at_bound
-            && !held_back
-            && let Some(real) = &bound_real
-        {
-            open_writes.forget(real);
+        // Held back: the next look waits for the writer's close again, as before the bound
+        // (the mark was forgotten for the read). A writer that closed meanwhile costs one more
+        // bound at most: the same bytes are applied then.
+        if held_back && let Some(real) = &bound_real {
+            open_writes.mark_written(real);
         }
     }
 }
@@ -958,7 +978,8 @@ async fn read_file(file: &Path) -> io::Result<FileRead> {
 /// Applies what was `read` from `file` unless its bytes are those last read: an event on
 /// another file in a watched directory publishes and logs nothing. A read `at_bound` (taken
 /// while its writer was not done: maybe half of a save) is applied only if it keeps every
-/// endpoint served; whether it was held back for removing some is returned.
+/// endpoint served, or holds the bytes held back at the bound before (see
+/// [`LastRead::HeldBack`]); whether it was held back is returned.
 async fn reload_if_changed(
     control: &ControlPlane,
     file: &Path,
@@ -993,6 +1014,9 @@ async fn reload_if_changed(
         }
         _ => false,
     };
+    // The same bytes as at the last bound: unchanged for a whole bound, a save, not half of one.
+    let keep_endpoints =
+        at_bound && !matches!(last, LastRead::HeldBack(seen) if *seen == read.bytes);
     let (loaded, bytes) = match blocking(move || (read.load(), read.bytes)).await {
         Ok(loaded) => loaded,
         Err(e) => {
@@ -1002,13 +1026,17 @@ async fn reload_if_changed(
             return false;
         }
     };
-    let (settled, valid) = apply(control, file, loaded, again, at_bound).await;
-    reload_result(control, file, valid);
+    let (settled, valid) = apply(control, file, loaded, again, keep_endpoints).await;
     let held_back = matches!(settled, Settled::HeldBack);
+    // A save still being written is no failed reload: the gauge says what the last one did.
+    if !held_back {
+        reload_result(control, file, valid);
+    }
     *last = match settled {
         Settled::Yes => LastRead::Bytes(bytes),
         Settled::Unstored => LastRead::Unstored(bytes, Instant::now()),
-        Settled::No | Settled::HeldBack => LastRead::Nothing,
+        Settled::HeldBack => LastRead::HeldBack(bytes),
+        Settled::No => LastRead::Nothing,
     };
     held_back
 }
@@ -1066,7 +1094,7 @@ async fn apply(
     file: &Path,
     loaded: Loaded,
     again: bool,
-    at_bound: bool,
+    keep_endpoints: bool,
 ) -> (Settled, bool) {
     log_diagnostics(file, &loaded);
     let Some(policies) = loaded.policies else {
@@ -1084,7 +1112,7 @@ async fn apply(
         expected_version: None,
         dry_run: false,
         force: false,
-        keep_endpoints: at_bound,
+        keep_endpoints,
     };
     match control.apply(request).await {
         Ok(outcome) if !outcome.changed => {
@@ -1115,7 +1143,8 @@ async fn apply(
                 file = %file.display(),
                 "what the policy file holds while its writer is not done removes {names}, which \
                  half of a save would: not applied, {} stays served; it is read again once the \
-                 writer closes the file (or the file goes quiet)",
+                 writer closes the file, and applied at the next bound if it has not changed by \
+                 then",
                 serving(control)
             );
             (Settled::HeldBack, false)

@@ -699,79 +699,102 @@ async fn a_file_kept_open_for_writing_is_read_after_the_bound() {
 #[cfg(any(target_os = "linux", target_os = "android"))]
 const HELD_BACK: &str = "which half of a save would: not applied";
 
-/// A save whose writer holds the file open past the bound, and whose part written so far
-/// removes an endpoint served (as the first half of a longer file does): that read is held
-/// back, again at each bound while the writer holds on, and the whole save is published once
-/// the writer closes the file. A save whose first part only changes an endpoint is still
-/// published at the bound (`a_file_kept_open_for_writing_is_read_after_the_bound`).
+/// Waits, at most `bound`, until the watcher has logged `text` `times` times.
 #[cfg(any(target_os = "linux", target_os = "android"))]
-#[tokio::test]
-async fn a_read_at_the_bound_that_removes_an_endpoint_waits_for_the_writer() {
-    let (log, _guard) = capture_logs();
-    let timing = Timing {
-        unclosed: Duration::from_millis(300),
-        ..TIMING
-    };
-    let both = format!("{V1}{SECOND_HALF}");
-    let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("policies.yaml");
-    fs::write(&file, &both).unwrap();
-    let f = start_with(dir, file, timing).await;
-    let writer = SlowWriter::start(&f.file, FIRST_HALF);
-    // Held back twice: the writer's mark outlives the first bound.
-    let twice = tokio::time::timeout(Duration::from_secs(10), async {
-        while log.text().matches(HELD_BACK).count() < 2 {
+async fn until_logged(log: &Sink, text: &str, times: usize, bound: Duration) {
+    let logged = tokio::time::timeout(bound, async {
+        while log.text().matches(text).count() < times {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     })
     .await;
-    assert!(twice.is_ok(), "not held back twice: {}", log.text());
-    assert_eq!(
-        current_version(&f.control),
-        Some(1),
-        "half a save was published"
+    assert!(
+        logged.is_ok(),
+        "{text:?} not logged {times} times: {}",
+        log.text()
     );
-    writer.finish(SECOND_HALF);
-    wait_for_version(&f.control, 2, PUBLISHED).await;
-    assert_eq!(max_attempts_served(&f.control).await, Some(4));
-    let served = f.control.publisher.current().unwrap();
-    assert_eq!(served.document.endpoints.len(), 2, "the whole save");
 }
 
-/// A save that removes an endpoint, written by a writer that held the file open past the
-/// bound and then closed it having written no more: once closed, the same bytes are a whole
-/// save, and published.
+/// The names of the endpoints `control` serves.
 #[cfg(any(target_os = "linux", target_os = "android"))]
-#[tokio::test]
-async fn a_held_back_read_is_published_once_its_writer_closes_the_file() {
-    let (log, _guard) = capture_logs();
-    let timing = Timing {
-        unclosed: Duration::from_millis(300),
-        ..TIMING
-    };
+fn served_names(control: &ControlPlane) -> Vec<String> {
+    let served = control.publisher.current().unwrap();
+    served
+        .document
+        .endpoints
+        .iter()
+        .map(|e| e.name.clone())
+        .collect()
+}
+
+/// A control plane in file mode serving `V1` with `SECOND_HALF`'s endpoint as version 1, its
+/// wait for a writer cut to `unclosed`, and a writer that has written `FIRST_HALF` over it and
+/// holds the file open: what it has written so far removes an endpoint.
+#[cfg(any(target_os = "linux", target_os = "android"))]
+async fn held_half_save(unclosed: Duration) -> (Fixture, SlowWriter) {
+    let timing = Timing { unclosed, ..TIMING };
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("policies.yaml");
     fs::write(&file, format!("{V1}{SECOND_HALF}")).unwrap();
     let f = start_with(dir, file, timing).await;
     let writer = SlowWriter::start(&f.file, FIRST_HALF);
-    let held = tokio::time::timeout(Duration::from_secs(10), async {
-        while !log.text().contains(HELD_BACK) {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await;
-    assert!(held.is_ok(), "not held back: {}", log.text());
+    (f, writer)
+}
+
+/// A save whose writer holds the file open past the bound, and whose part written so far
+/// removes an endpoint served (as the first half of a longer file does): that read is held
+/// back, neither counted as a rejected change nor as a failed reload, and the whole save is
+/// published once the writer closes the file. A save whose first part only changes an endpoint
+/// is still published at the bound (`a_file_kept_open_for_writing_is_read_after_the_bound`).
+#[cfg(any(target_os = "linux", target_os = "android"))]
+#[tokio::test]
+async fn a_read_at_the_bound_that_removes_an_endpoint_waits_for_the_writer() {
+    let (log, _guard) = capture_logs();
+    // Long enough that the writer finishes well before the next bound.
+    let (f, writer) = held_half_save(Duration::from_secs(2)).await;
+    until_logged(&log, HELD_BACK, 1, Duration::from_secs(10)).await;
+    assert_eq!(
+        current_version(&f.control),
+        Some(1),
+        "half a save was published"
+    );
+    assert_eq!(f.control.metrics.rejected_changes.get(), 0);
+    assert_eq!(f.control.metrics.config_last_reload_successful.get(), 1);
+    writer.finish(SECOND_HALF);
+    wait_for_version(&f.control, 2, PUBLISHED).await;
+    assert_eq!(max_attempts_served(&f.control).await, Some(4));
+    assert_eq!(served_names(&f.control).len(), 2, "the whole save");
+}
+
+/// A writer that holds the file open for good, having written what removes an endpoint: the
+/// read is held back at the first bound, and the same bytes are applied at the next one (not
+/// held back for as long as the writer holds on).
+#[cfg(any(target_os = "linux", target_os = "android"))]
+#[tokio::test]
+async fn a_held_back_read_is_applied_at_the_next_bound_if_the_file_has_not_changed() {
+    let (log, _guard) = capture_logs();
+    let (f, writer) = held_half_save(Duration::from_millis(300)).await;
+    until_logged(&log, HELD_BACK, 1, Duration::from_secs(10)).await;
+    wait_for_version(&f.control, 2, PUBLISHED).await;
+    assert_eq!(served_names(&f.control), ["payments"]);
+    assert_eq!(log.text().matches(HELD_BACK).count(), 1, "{}", log.text());
+    drop(writer);
+}
+
+/// A save that removes an endpoint, written by a writer that held the file open past the
+/// bound and then closed it having written no more: once closed, the same bytes are a whole
+/// save, and published without waiting for another bound.
+#[cfg(any(target_os = "linux", target_os = "android"))]
+#[tokio::test]
+async fn a_held_back_read_is_published_once_its_writer_closes_the_file() {
+    let (log, _guard) = capture_logs();
+    let (f, writer) = held_half_save(Duration::from_secs(2)).await;
+    until_logged(&log, HELD_BACK, 1, Duration::from_secs(10)).await;
     assert_eq!(current_version(&f.control), Some(1));
     writer.finish("");
-    wait_for_version(&f.control, 2, PUBLISHED).await;
-    let served = f.control.publisher.current().unwrap();
-    let names: Vec<&str> = served
-        .document
-        .endpoints
-        .iter()
-        .map(|e| e.name.as_str())
-        .collect();
-    assert_eq!(names, ["payments"]);
+    // Well before the next bound (2 s on).
+    wait_for_version(&f.control, 2, Duration::from_millis(1_500)).await;
+    assert_eq!(served_names(&f.control), ["payments"]);
 }
 
 #[tokio::test]

@@ -75,41 +75,29 @@ impl Report {
         row("upstream attempts", &|r| thousands(r.upstream_attempts));
         // A variant that made no call has no ratio, share or latency to show (its figures
         // read 0, which would say "every call failed at once").
-        let none = |r: &VariantReport| r.logical_calls == 0;
-        row("amplification", &|r| {
-            if none(r) {
+        let or_na = |r: &VariantReport, figure: String| {
+            if r.logical_calls == 0 {
                 "n/a".to_owned()
             } else {
-                format!("{:.2}", r.amplification.overall)
+                figure
             }
+        };
+        row("amplification", &|r| {
+            or_na(r, format!("{:.2}", r.amplification.overall))
         });
         row("  incident mean", &|r| {
-            format!("{:.2}", r.amplification.incident_mean)
+            or_na(r, format!("{:.2}", r.amplification.incident_mean))
         });
         row("  incident peak (1s)", &|r| {
-            format!("{:.2}", r.amplification.incident_peak)
+            or_na(r, format!("{:.2}", r.amplification.incident_peak))
         });
         row("peak attempts/s", &|r| thousands(r.peak_attempts_per_s));
-        row("success", &|r| {
-            if none(r) {
-                "n/a".to_owned()
-            } else {
-                format!("{:.1}%", r.success_pct)
-            }
-        });
+        row("success", &|r| or_na(r, format!("{:.1}%", r.success_pct)));
         row("latency p50", &|r| {
-            if none(r) {
-                "n/a".to_owned()
-            } else {
-                format!("{:.1}ms", r.latency.p50_ms)
-            }
+            or_na(r, format!("{:.1}ms", r.latency.p50_ms))
         });
         row("latency p99", &|r| {
-            if none(r) {
-                "n/a".to_owned()
-            } else {
-                format!("{:.1}ms", r.latency.p99_ms)
-            }
+            or_na(r, format!("{:.1}ms", r.latency.p99_ms))
         });
         let causes: Vec<&str> = v
             .first()

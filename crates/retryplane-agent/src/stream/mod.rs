@@ -361,7 +361,8 @@ async fn sessions(
     let mut warned_unreachable = false;
     // The number of the stream last opened (`Hello.stream`).
     let mut streams: u64 = 0;
-    loop {
+    // Left only when the agent is shut down.
+    'sessions: loop {
         streams = streams.saturating_add(1);
         let end = session(
             shared,
@@ -388,10 +389,7 @@ async fn sessions(
             replaced,
         } = end
         else {
-            shared
-                .unacknowledged_at_stop
-                .store(outbox.unacknowledged(), Relaxed);
-            return;
+            break 'sessions;
         };
         *shared
             .stream_error
@@ -467,12 +465,7 @@ async fn sessions(
         tokio::pin!(sleep);
         loop {
             tokio::select! {
-                () = cancel.cancelled() => {
-                    shared
-                        .unacknowledged_at_stop
-                        .store(outbox.unacknowledged(), Relaxed);
-                    return;
-                }
+                () = cancel.cancelled() => break 'sessions,
                 () = &mut sleep => break,
                 // No stream to tell: the next one's Hello says the version in force.
                 Some(cached) = late_cache(&mut late) => {
@@ -482,6 +475,9 @@ async fn sessions(
             }
         }
     }
+    shared
+        .unacknowledged_at_stop
+        .store(outbox.unacknowledged(), Relaxed);
 }
 
 /// Whether an answer's head says gRPC (`content-type: application/grpc`, `+proto` or other

@@ -226,8 +226,10 @@ const CACHE_BYTES: usize = 16 << 20;
 /// plane started on the same directory would then make a new store beside the first one's
 /// (which serves on, refusing changes, until it is restarted). The directory stays, so the
 /// second one is refused with [`StoreError::InUse`]. Where the directory cannot be opened or
-/// locked (a file system without locks), the store goes on with redb's lock alone, with a
-/// warning.
+/// locked (a file system without `flock`, or NFS and CIFS, where `flock` is a write lock that
+/// a directory opened to read cannot take), the store goes on with redb's lock alone, with a
+/// warning. A store file that is a link into another directory is guarded by the link's
+/// directory.
 #[cfg(unix)]
 fn lock_dir(dir: &Path) -> Result<Option<std::fs::File>, StoreError> {
     let handle = match std::fs::File::open(dir) {
