@@ -627,17 +627,7 @@ const OPEN_FOR_WRITING: &str = "the policy file is being written; waiting for th
 /// Waits, at most `bound`, until the watcher logs that it waits for a writer.
 #[cfg(any(target_os = "linux", target_os = "android"))]
 async fn until_it_waits_for_the_writer(log: &Sink, bound: Duration) {
-    let waited = tokio::time::timeout(bound, async {
-        while !log.text().contains(OPEN_FOR_WRITING) {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await;
-    assert!(
-        waited.is_ok(),
-        "the watcher did not wait for the writer: {}",
-        log.text()
-    );
+    until_logged(log, OPEN_FOR_WRITING, 1, bound).await;
 }
 
 /// A save whose first half is a valid file on its own.
