@@ -582,13 +582,14 @@ impl Aggregator {
     pub fn views(&self, now: Instant, filter: Filter<'_>) -> Vec<SeriesView> {
         let tick = Tick::new(self.epoch, now);
         let judges = self.judges(&tick);
+        let published = self.published.load(Ordering::Relaxed);
         let mut views: Vec<SeriesView> = self
             .matching(filter)
             .iter()
-            .map(|s| s.view(&tick, judges.of(s)))
+            .map(|s| s.view(&tick, judges.of(s), published))
             .collect();
         if self.other_listed(filter) {
-            views.push(self.other.view(&tick, judges.of(&self.other)));
+            views.push(self.other.view(&tick, judges.of(&self.other), published));
         }
         views
     }
@@ -671,7 +672,12 @@ impl Aggregator {
         }
         let mut views: Vec<(&Series, SeriesView)> = series
             .into_iter()
-            .map(|s| (s, s.view(&tick, judges.of(s))))
+            .map(|s| {
+                (
+                    s,
+                    s.view(&tick, judges.of(s), self.published.load(Ordering::Relaxed)),
+                )
+            })
             .filter(|(_, view)| !filter.firing_only || view.alert.firing)
             .collect();
         let matched_series = views.len();
@@ -768,7 +774,7 @@ impl Aggregator {
             .iter()
             .map(AsRef::as_ref)
             .chain(overflow)
-            .map(|s| s.view(&tick, judges.of(s)))
+            .map(|s| s.view(&tick, judges.of(s), 0))
             .filter(|v| v.alert.firing)
             .map(|v| v.endpoint)
             .collect();

@@ -160,7 +160,8 @@ pub struct SeriesView {
     pub service: String,
     /// The endpoint.
     pub endpoint: String,
-    /// The newest policy version with counts in the 15-minute window (see `State::note_newest`).
+    /// The version the series is shown under: the newest with counts in the 15-minute window,
+    /// at or below the one published when one such has counts (see `State::shown_version`).
     pub newest_version: u64,
     /// Lifetime totals.
     pub lifetime: Counts,
@@ -327,8 +328,10 @@ impl Series {
         alert
     }
 
-    /// Prunes, evaluates the alert and returns the whole series as of `tick`.
-    pub fn view(&self, tick: &Tick, judge: Judge) -> SeriesView {
+    /// Prunes, evaluates the alert and returns the whole series as of `tick`, shown under the
+    /// version [`State::shown_version`] picks with `published` (the newest version published;
+    /// 0 when none is known).
+    pub fn view(&self, tick: &Tick, judge: Judge, published: u64) -> SeriesView {
         let (view, transition) = {
             let mut s = self.lock();
             s.prune(tick);
@@ -337,7 +340,7 @@ impl Series {
             let view = SeriesView {
                 service: self.service.to_string(),
                 endpoint: self.endpoint.to_string(),
-                newest_version: s.newest_version,
+                newest_version: s.shown_version(published),
                 lifetime: s.lifetime,
                 windows,
                 alert,
@@ -518,6 +521,24 @@ impl State {
         }
     }
 
+    /// The version the series is shown under: the newest kept version at or below `published`,
+    /// so that a number above it (a client's bogus one, another store's) does not head a series
+    /// in which a version of this store has counts; with none kept at or below it (or none
+    /// published), the newest kept; with none kept, the newest of the last ones.
+    fn shown_version(&self, published: u64) -> u64 {
+        if published > 0
+            && let Some(v) = self
+                .versions
+                .iter()
+                .map(|v| v.version)
+                .filter(|&v| v <= published)
+                .max()
+        {
+            return v;
+        }
+        self.newest_version
+    }
+
     /// Sets `newest_version` to the newest version kept; with none kept, it stays the newest
     /// of the last ones. So a version no store published (a client's bogus number) is shown
     /// only while its counts are in the 15-minute window, not for the server's life.
@@ -670,7 +691,7 @@ mod tests {
             Duration::ZERO,
             AddSettings::default(),
         );
-        let view = series.view(&later, Judge::threshold(0.05));
+        let view = series.view(&later, Judge::threshold(0.05), 0);
         assert_eq!(view.windows.map(|(c, _)| c.0[CALLS]), [3, 3, 3]);
     }
 }

@@ -3565,3 +3565,27 @@ async fn with_nothing_published_a_report_of_0_no_agent_runs_takes_no_place() {
     payments(&agg, &svc, 0, 10);
     assert_eq!(versions_of(&agg, "checkout", "payments"), [1, 2, 3, 4]);
 }
+
+/// A report under a number above the published version (a client's bogus one) is kept apart,
+/// but does not head the series while a published version has counts in it; a series with
+/// counts under that number alone is shown under it.
+#[tokio::test(start_paused = true)]
+async fn a_version_above_the_published_one_does_not_head_a_series_with_a_published_ones_counts() {
+    let (agg, svc, _running) = checkout_fleet(&[(1, 1)]);
+    agg.set_published(1);
+    payments(&agg, &svc, 999, 1);
+    payments(&agg, &svc, 1, 1);
+    let other = agg.service("billing");
+    payments(&agg, &other, 999, 1);
+    let stats = agg.stats(Instant::now(), all());
+    let shown = |service: &str| {
+        stats
+            .series
+            .iter()
+            .find(|s| s.service == service)
+            .map(|s| s.policy_version)
+    };
+    assert_eq!(shown("checkout"), Some(1));
+    assert_eq!(versions_of(&agg, "checkout", "payments"), [1, 999]);
+    assert_eq!(shown("billing"), Some(999));
+}
