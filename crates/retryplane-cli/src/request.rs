@@ -36,6 +36,10 @@
 //! Header values, the URL's query and the body are never printed, nor the password of a URL's
 //! userinfo (`user:***@host` in messages).
 //!
+//! Ctrl-C (SIGINT) during the call cancels it, as a caller dropping it would: the outcome is
+//! printed with the cause `cancelled` (the attempt it cut shows no answer; in JSON, no error
+//! class), with `--server` its counts are reported, and the command exits 1.
+//!
 //! Exit codes: `0` success, `1` the call failed under the policy, `2` usage or configuration
 //! error (bad flags, an unreadable or invalid policy file, an unknown endpoint, no snapshot from
 //! the control plane in time).
@@ -54,7 +58,8 @@ use anyhow::{Context as _, bail};
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Method};
 use retryplane_agent::{
-    Agent, AttemptInfo, CallMeta, Classification, Classify, CounterValues, Outcome, Source,
+    Agent, AttemptInfo, CallMeta, CancellationToken, Cause, Classification, Classify,
+    CounterValues, Outcome, Source,
 };
 use tokio::time::Instant;
 
@@ -649,7 +654,25 @@ async fn call(agent: &Agent, s: &Settings) -> anyhow::Result<Summary> {
         .context("cannot build the HTTP client")?;
     let body = s.body.clone();
     let records: Rc<RefCell<Vec<Attempt>>> = Rc::default();
-    let meta = CallMeta::http(s.method.as_str(), s.url.path()).with_headers(&s.headers);
+    // The time limit of the attempt running, until it ends: an attempt dropped before it is
+    // one the call's cancellation cut, not its limit.
+    let running: Rc<std::cell::Cell<Option<Instant>>> = Rc::default();
+    // Ctrl-C (SIGINT) cancels the call, as a caller dropping it would: it ends `cancelled`,
+    // counted so, and with --server its counts are reported before the command exits.
+    let cancel = CancellationToken::new();
+    let on_interrupt = {
+        let cancel = cancel.clone();
+        tokio::spawn(async move {
+            if tokio::signal::ctrl_c().await.is_ok() {
+                cancel.cancel();
+            }
+        })
+    };
+    // The handler is installed at the task's first poll: before the call starts.
+    tokio::task::yield_now().await;
+    let meta = CallMeta::http(s.method.as_str(), s.url.path())
+        .with_headers(&s.headers)
+        .with_cancel(cancel);
     let started = Instant::now();
     let attempt = |info: AttemptInfo| {
         {
@@ -660,6 +683,7 @@ async fn call(agent: &Agent, s: &Settings) -> anyhow::Result<Summary> {
             recs.push(Attempt::started(info.number));
         }
         connect_by.set(Instant::now() + connect_timeout(info.timeout));
+        running.set(Instant::now().checked_add(info.timeout));
         let mut request = client
             .request(s.method.clone(), s.url.clone())
             .headers(s.headers.clone());
@@ -674,8 +698,10 @@ async fn call(agent: &Agent, s: &Settings) -> anyhow::Result<Summary> {
             request = request.body(b.clone());
         }
         let records = records.clone();
+        let running = running.clone();
         async move {
             let result = send(request).await;
+            running.set(None);
             if let Some(rec) = records.borrow_mut().last_mut() {
                 match &result {
                     Ok(r) => {
@@ -689,8 +715,15 @@ async fn call(agent: &Agent, s: &Settings) -> anyhow::Result<Summary> {
         }
     };
     let result = agent.endpoint(&s.endpoint).call(meta, attempt).await;
+    on_interrupt.abort();
     let elapsed = started.elapsed();
-    let attempts = records.take();
+    let mut attempts = records.take();
+    if matches!(&result, Err(e) if e.cause == Cause::Cancelled)
+        && running.get().is_some_and(|limit| Instant::now() < limit)
+        && let Some(last) = attempts.last_mut()
+    {
+        last.error = Some(report::CANCELLED);
+    }
     Ok(match result {
         Ok(response) => Summary {
             success: true,

@@ -1382,3 +1382,69 @@ fn server_mode_with_an_agent_token_held_to_agent_ids_says_so_not_that_it_is_no_a
     assert!(stderr.contains("PERMISSION_DENIED"), "{stderr}");
     assert!(!stderr.contains("not an agent token"), "{stderr}");
 }
+
+/// Ctrl-C (SIGINT) during an attempt cancels the call, as a caller dropping it would: the
+/// command prints its outcome, `cancelled`, with the attempt it cut shown as having no
+/// answer (no error class: it neither failed to connect nor timed out), and exits 1.
+#[cfg(unix)]
+#[test]
+fn ctrl_c_cancels_the_call_and_prints_its_outcome() {
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    let dir = TempDir::new().unwrap();
+    let policy = dir.path().join("p.yaml");
+    fs::write(
+        &policy,
+        "version: 1\nendpoints:\n  api:\n    deadline: 60s\n    per_try_timeout: 50s\n",
+    )
+    .unwrap();
+    // An upstream that takes the request and never answers.
+    let upstream = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let up_addr = upstream.local_addr().unwrap();
+    let (arrived_tx, arrived) = mpsc::channel();
+    let holder = std::thread::spawn(move || {
+        let (conn, _) = upstream.accept().unwrap();
+        arrived_tx.send(()).unwrap();
+        // Held until the command has ended (its side closes the connection).
+        let mut conn = conn;
+        conn.set_read_timeout(Some(Duration::from_secs(30)))
+            .unwrap();
+        let _ = std::io::copy(&mut conn, &mut std::io::sink());
+    });
+    let child = std::process::Command::new(assert_cmd::cargo::cargo_bin!("retryplane"))
+        .env_remove("RUST_LOG")
+        .args([
+            "request",
+            "--endpoint",
+            "api",
+            "--output",
+            "json",
+            "--policy",
+        ])
+        .arg(&policy)
+        .arg(format!("http://{up_addr}/"))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    arrived
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the call reaches the upstream");
+    let killed = std::process::Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let out = child.wait_with_output().unwrap();
+    holder.join().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["cause"], "cancelled", "{v}");
+    assert_eq!(
+        v["attempts"],
+        json!([{"attempt": 1, "status": null, "error": null, "pause_ms": null}]),
+        "{v}"
+    );
+}

@@ -6,6 +6,11 @@ use std::time::Duration;
 
 use serde::Serialize;
 
+/// The `error` of an attempt the call's cancellation (Ctrl-C) cut before it answered: shown in
+/// text; in JSON, `null` (SPEC §5 lists only transport classes there, and the call's `cause`,
+/// `cancelled`, says it).
+pub const CANCELLED: &str = "cancelled";
+
 /// What one attempt did, as seen from inside the attempt closure.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Attempt {
@@ -86,7 +91,7 @@ impl Summary {
                 .map(|a| JsonAttempt {
                     attempt: a.number,
                     status: a.status,
-                    error: a.error,
+                    error: a.error.filter(|e| *e != CANCELLED),
                     pause_ms: a.pause.map(millis),
                 })
                 .collect(),
@@ -153,6 +158,7 @@ fn what(status: Option<u16>, grpc: Option<&str>, error: Option<&str>) -> String 
             Some(code) => format!("gRPC {code} (HTTP {s})"),
             None => format!("HTTP {s}"),
         },
+        (None, Some(CANCELLED)) => "no answer (cancelled)".to_owned(),
         (None, Some(e)) => format!("{e} error"),
         (None, None) => "error".to_owned(),
     }
