@@ -12,7 +12,6 @@ use std::sync::{Arc, Mutex};
 
 mod support;
 
-use retryplane_server::server::{ServeConfig, start};
 use serde_json::{Value, json};
 use tempfile::TempDir;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
@@ -962,27 +961,8 @@ fn bad_flags_and_bad_config_exit_2() {
 
 #[test]
 fn server_mode_uses_the_control_planes_policy() {
-    let dir = TempDir::new().unwrap();
-    fs::write(
-        dir.path().join("policies.yaml"),
-        POLICY.replace("3\n", "2\n"),
-    )
-    .unwrap();
-    let any = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
-    let cfg = ServeConfig {
-        config_file: dir.path().join("policies.yaml"),
-        data_dir: dir.path().join("data"),
-        listen: any,
-        admin_listen: any,
-        http_listen: any,
-        ..ServeConfig::default()
-    };
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    let running = runtime.block_on(start(cfg)).unwrap();
+    let server = support::TestServer::start(Some(&POLICY.replace("3\n", "2\n")), None, |_| {});
+    let runtime = &server.runtime;
     let up = Upstream::start(&[(503, ""), (503, "")]);
     let out = support::cli(&[])
         .args([
@@ -993,7 +973,7 @@ fn server_mode_uses_the_control_planes_policy() {
             "json",
             "--server",
         ])
-        .arg(format!("http://{}", running.agent_addr))
+        .arg(format!("http://{}", server.running().agent_addr))
         .arg(up.url("/"))
         .output()
         .unwrap();
@@ -1005,11 +985,11 @@ fn server_mode_uses_the_control_planes_policy() {
 
     // The agent sent its counts before the command exited (the first periodic report would
     // have come 10 s later): the control plane has the call, and no agent connected.
-    let admin = format!("http://{}", running.admin_addr);
+    let admin = &server.url;
     let admin_json = |args: &[&str]| -> Value {
         let out = support::cli(&[])
             .args(args)
-            .args(["--output", "json", "--server", &admin])
+            .args(["--output", "json", "--server", admin])
             .output()
             .unwrap();
         assert_eq!(out.status.code(), Some(0), "{args:?}");
@@ -1037,7 +1017,7 @@ fn server_mode_uses_the_control_planes_policy() {
     );
     // The agent closed its stream on the way out: the control plane sees it gone, and, as the
     // agent said it was ephemeral, does not list it as a disconnected agent of the fleet.
-    let fleet = running.control().fleet.clone();
+    let fleet = server.running().control().fleet.clone();
     runtime.block_on(async {
         let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
         while fleet.connected() > 0 {
@@ -1056,7 +1036,6 @@ fn server_mode_uses_the_control_planes_policy() {
         !stderr.contains("may not be in the fleet's figures"),
         "the counts were acknowledged: {stderr}"
     );
-    drop(running);
 }
 
 /// A control plane gone by the time the call ends (stopped while the upstream answers) never
@@ -1067,29 +1046,13 @@ fn server_mode_says_when_the_calls_counts_did_not_reach_the_control_plane() {
     use std::sync::mpsc;
     use std::time::Duration;
 
-    let dir = TempDir::new().unwrap();
-    fs::write(dir.path().join("policies.yaml"), POLICY).unwrap();
-    let any = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
-    let cfg = ServeConfig {
-        config_file: dir.path().join("policies.yaml"),
-        data_dir: dir.path().join("data"),
-        listen: any,
-        admin_listen: any,
-        http_listen: any,
-        ..ServeConfig::default()
-    };
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    let running = runtime.block_on(start(cfg)).unwrap();
+    let mut server = support::TestServer::start(Some(POLICY), None, |_| {});
     // An upstream that answers once told to.
     let upstream = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let up_addr = upstream.local_addr().unwrap();
     let (arrived_tx, arrived) = mpsc::channel();
     let (answer, answer_rx) = mpsc::channel::<()>();
-    let server = std::thread::spawn(move || {
+    let upstream_thread = std::thread::spawn(move || {
         let (mut conn, _) = upstream.accept().unwrap();
         conn.set_read_timeout(Some(Duration::from_secs(30)))
             .unwrap();
@@ -1100,23 +1063,18 @@ fn server_mode_says_when_the_calls_counts_did_not_reach_the_control_plane() {
         conn.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
             .unwrap();
     });
-    let child = std::process::Command::new(assert_cmd::cargo::cargo_bin!("retryplane"))
-        .env_remove("RETRYPLANE_AGENT_TOKEN")
-        .env_remove("RUST_LOG")
-        .args(["request", "--endpoint", "api", "--server"])
-        .arg(format!("http://{}", running.agent_addr))
+    let child = support::cli_process(&["request", "--endpoint", "api", "--server"])
+        .arg(format!("http://{}", server.running().agent_addr))
         .arg(format!("http://{up_addr}/"))
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
     arrived
         .recv_timeout(Duration::from_secs(30))
         .expect("the call reaches the upstream");
-    runtime.block_on(running.shutdown()).unwrap();
+    server.stop();
     answer.send(()).unwrap();
     let out = child.wait_with_output().unwrap();
-    server.join().unwrap();
+    upstream_thread.join().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "{stderr}");
     assert!(
@@ -1412,22 +1370,18 @@ fn ctrl_c_cancels_the_call_and_prints_its_outcome() {
             .unwrap();
         let _ = std::io::copy(&mut conn, &mut std::io::sink());
     });
-    let child = std::process::Command::new(assert_cmd::cargo::cargo_bin!("retryplane"))
-        .env_remove("RUST_LOG")
-        .args([
-            "request",
-            "--endpoint",
-            "api",
-            "--output",
-            "json",
-            "--policy",
-        ])
-        .arg(&policy)
-        .arg(format!("http://{up_addr}/"))
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let child = support::cli_process(&[
+        "request",
+        "--endpoint",
+        "api",
+        "--output",
+        "json",
+        "--policy",
+    ])
+    .arg(&policy)
+    .arg(format!("http://{up_addr}/"))
+    .spawn()
+    .unwrap();
     arrived
         .recv_timeout(Duration::from_secs(30))
         .expect("the call reaches the upstream");

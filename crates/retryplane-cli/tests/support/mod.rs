@@ -76,6 +76,13 @@ impl TestServer {
         self.running.as_ref().unwrap()
     }
 
+    /// Shuts the server down now, rather than when the test ends.
+    pub fn stop(&mut self) {
+        if let Some(running) = self.running.take() {
+            self.runtime.block_on(running.shutdown()).unwrap();
+        }
+    }
+
     /// `retryplane ARGS... --server URL`, run in the temporary directory, with no token or
     /// server from the environment of the test, and failing after [`WAIT`].
     pub fn retryplane(&self, args: &[&str]) -> Command {
@@ -100,13 +107,25 @@ impl TestServer {
 /// `retryplane ARGS...` with none of the variables it reads taken from the environment of the
 /// test (tokens, server, `RUST_LOG`), failing after [`WAIT`].
 pub fn cli(args: &[&str]) -> Command {
-    let mut cmd = Command::cargo_bin("retryplane").unwrap();
-    cmd.env_remove("RETRYPLANE_TOKEN")
-        .env_remove("RETRYPLANE_SERVER")
-        .env_remove("RETRYPLANE_AGENT_TOKEN")
-        .env_remove("RUST_LOG")
-        .args(args)
-        .timeout(WAIT);
+    let mut cmd = Command::from_std(cli_process(args));
+    cmd.timeout(WAIT);
+    cmd
+}
+
+/// [`cli`] as a process to spawn, for a test that acts while it runs (its output piped).
+pub fn cli_process(args: &[&str]) -> std::process::Command {
+    let mut cmd = std::process::Command::new(assert_cmd::cargo::cargo_bin!("retryplane"));
+    for var in [
+        "RETRYPLANE_TOKEN",
+        "RETRYPLANE_SERVER",
+        "RETRYPLANE_AGENT_TOKEN",
+        "RUST_LOG",
+    ] {
+        cmd.env_remove(var);
+    }
+    cmd.args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
     cmd
 }
 
