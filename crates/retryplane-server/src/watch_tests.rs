@@ -652,13 +652,7 @@ async fn a_file_still_open_for_writing_is_read_once_its_writer_closes_it() {
     assert_eq!(f.control.metrics.rejected_changes.get(), 0);
     writer.finish(SECOND_HALF);
     wait_for_version(&f.control, 2, PUBLISHED).await;
-    let served = f.control.publisher.current().unwrap();
-    let names: Vec<&str> = served
-        .document
-        .endpoints
-        .iter()
-        .map(|e| e.name.as_str())
-        .collect();
+    let names = served_names(&f.control);
     assert_eq!(names.len(), 2, "{names:?}");
     let history = f.control.blocking(|s| s.history(0, None)).await.unwrap();
     assert_eq!(history.len(), 2, "only the whole save was published");
