@@ -895,16 +895,23 @@ fn an_apply_whose_answer_is_lost_says_it_may_have_been_stored() {
     );
 }
 
+/// A server in API mode on `V1` (stored), and `other.yaml`, which replaces its only endpoint,
+/// `payments`, by `search`.
+fn v1_and_a_file_replacing_it() -> TestServer {
+    let server = test_server(true, None);
+    server.write("v1.yaml", V1);
+    server.write("other.yaml", "version: 1\nendpoints:\n  search: {}\n");
+    server.retryplane(&["apply", "v1.yaml"]).assert().code(0);
+    server
+}
+
 /// A change that replaces every endpoint with others (`payments` by `search`) is refused as
 /// "removes every endpoint" (by design: README, replace them in two steps), but the refusal
 /// said it "takes every policy away from the fleet", the empty snapshot SPEC §3 guards
 /// against, when the fleet would get `search`'s policy: a reader takes the file for empty.
 #[test]
 fn the_refusal_of_a_change_that_replaces_every_endpoint_does_not_call_it_an_empty_fleet() {
-    let server = test_server(true, None);
-    server.write("v1.yaml", V1);
-    server.write("other.yaml", "version: 1\nendpoints:\n  search: {}\n");
-    server.retryplane(&["apply", "v1.yaml"]).assert().code(0);
+    let server = v1_and_a_file_replacing_it();
     let assert = server.retryplane(&["apply", "other.yaml"]).assert().code(1);
     let stderr = String::from_utf8_lossy(&assert.get_output().stderr).into_owned();
     assert!(stderr.contains("payments"), "{stderr}");
@@ -919,10 +926,7 @@ fn the_refusal_of_a_change_that_replaces_every_endpoint_does_not_call_it_an_empt
 /// nothing is stored.
 #[test]
 fn a_dry_run_of_a_change_that_removes_every_endpoint_shows_its_diff_and_the_refusal() {
-    let server = test_server(true, None);
-    server.write("v1.yaml", V1);
-    server.write("other.yaml", "version: 1\nendpoints:\n  search: {}\n");
-    server.retryplane(&["apply", "v1.yaml"]).assert().code(0);
+    let server = v1_and_a_file_replacing_it();
     let assert = server
         .retryplane(&["apply", "other.yaml", "--dry-run"])
         .assert()
@@ -951,10 +955,7 @@ fn a_dry_run_of_a_change_that_removes_every_endpoint_shows_its_diff_and_the_refu
 
 #[test]
 fn removing_every_endpoint_needs_force_for_apply_and_rollback() {
-    let server = test_server(true, None);
-    server.write("v1.yaml", V1);
-    server.write("other.yaml", "version: 1\nendpoints:\n  search: {}\n");
-    server.retryplane(&["apply", "v1.yaml"]).assert().code(0);
+    let server = v1_and_a_file_replacing_it();
 
     // `payments` would go and nothing of v1 stay: refused, nothing stored.
     server
