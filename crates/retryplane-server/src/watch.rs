@@ -58,7 +58,8 @@
 //! next bound are applied: a writer that changed nothing for that long is not in the middle of
 //! a save (so a writer that keeps the file open for good delays a save that removes endpoints
 //! by two bounds, no more). Only removals are guarded: a first part cut between two fields of
-//! its last endpoint is published at the bound as a change of that endpoint. A file created is taken as open for writing until its writer closes it, as one
+//! its last endpoint is published at the bound as a change of that endpoint. A file created
+//! is taken as open for writing until its writer closes it, as one
 //! written to is (a writer may hold it open before its first write), while it is still empty:
 //! one created with content (a hard link, an `O_TMPFILE` linked in) has no writer here. A
 //! file moved in from a directory not watched clears its name's mark. What a writer did in a
@@ -959,11 +960,13 @@ async fn run(
                 Err(oneshot::error::TryRecvError::Empty) => {}
             }
         }
-        let held_back = reload_if_changed(&control, &file, read, &mut last, at_bound).await;
+        reload_if_changed(&control, &file, read, &mut last, at_bound).await;
         // Held back: the next look waits for the writer's close again, as before the bound
         // (the mark was forgotten for the read). A writer that closed meanwhile costs one more
         // bound at most: the same bytes are applied then.
-        if held_back && let Some(real) = &bound_real {
+        if matches!(last, LastRead::HeldBack(_))
+            && let Some(real) = &bound_real
+        {
             open_writes.mark_written(real);
         }
     }
@@ -978,15 +981,15 @@ async fn read_file(file: &Path) -> io::Result<FileRead> {
 /// Applies what was `read` from `file` unless its bytes are those last read: an event on
 /// another file in a watched directory publishes and logs nothing. A read `at_bound` (taken
 /// while its writer was not done: maybe half of a save) is applied only if it keeps every
-/// endpoint served, or holds the bytes held back at the bound before (see
-/// [`LastRead::HeldBack`]); whether it was held back is returned.
+/// endpoint served, or holds the bytes held back at the bound before; one held back leaves
+/// `last` at [`LastRead::HeldBack`].
 async fn reload_if_changed(
     control: &ControlPlane,
     file: &Path,
     read: io::Result<FileRead>,
     last: &mut LastRead,
     at_bound: bool,
-) -> bool {
+) {
     let read = match read {
         Ok(read) => read,
         Err(e) => {
@@ -997,18 +1000,18 @@ async fn reload_if_changed(
                 warn!(file = %file.display(), error = %e, "cannot read the policy file; still serving {}", serving(control));
                 *last = LastRead::Failed(e.kind());
             }
-            return false;
+            return;
         }
     };
     if matches!(last, LastRead::Bytes(seen) if *seen == read.bytes) {
         debug!(file = %file.display(), "the policy file is unchanged since it was last read");
-        return false;
+        return;
     }
     let again = match last {
         LastRead::Unstored(seen, at) if *seen == read.bytes => {
             if at.elapsed() < UNSTORED_RETRY {
                 debug!(file = %file.display(), "the policy file is unchanged since the store failed to take it; trying again later");
-                return false;
+                return;
             }
             true
         }
@@ -1023,13 +1026,12 @@ async fn reload_if_changed(
             warn!(file = %file.display(), error = %e, "cannot load the policy file; still serving {}", serving(control));
             reload_result(control, file, false);
             *last = LastRead::Nothing;
-            return false;
+            return;
         }
     };
     let (settled, valid) = apply(control, file, loaded, again, keep_endpoints).await;
-    let held_back = matches!(settled, Settled::HeldBack);
     // A save still being written is no failed reload: the gauge says what the last one did.
-    if !held_back {
+    if !matches!(settled, Settled::HeldBack) {
         reload_result(control, file, valid);
     }
     *last = match settled {
@@ -1038,7 +1040,6 @@ async fn reload_if_changed(
         Settled::HeldBack => LastRead::HeldBack(bytes),
         Settled::No => LastRead::Nothing,
     };
-    held_back
 }
 
 /// How long the watcher waits before it gives the store bytes it failed to take once more
