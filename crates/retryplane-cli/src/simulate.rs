@@ -67,21 +67,15 @@ pub struct Args {
 
 /// `--duration`: the range `retryplane_sim::Config` takes, said as it is.
 fn run_duration(text: &str) -> Result<Duration, String> {
-    duration_in(
-        text,
-        Duration::from_millis(1)..=Duration::from_secs(24 * 3600),
-        "from 1ms to 24h",
-    )
+    let max = retryplane_sim::config::MAX_DURATION;
+    duration_in(text, Duration::from_millis(1)..=max, "from 1ms to 24h")
 }
 
 /// `--latency`: the range `retryplane_sim::Config` takes (an upstream that answers at once
 /// included), said as it is.
 fn latency(text: &str) -> Result<Duration, String> {
-    duration_in(
-        text,
-        Duration::ZERO..=Duration::from_secs(60),
-        "from 0ms to 60s",
-    )
+    let max = retryplane_sim::config::MAX_LATENCY;
+    duration_in(text, Duration::ZERO..=max, "from 0ms to 60s")
 }
 
 /// What to simulate, checked once.

@@ -15,6 +15,8 @@ pub const MAX_CALLS: f64 = 20_000_000.0;
 pub const MAX_IN_FLIGHT: usize = 2_000_000;
 /// The longest run.
 pub const MAX_DURATION: Duration = Duration::from_secs(24 * 3600);
+/// The longest base latency of the upstream.
+pub const MAX_LATENCY: Duration = Duration::from_secs(60);
 /// The most clients: each has its own state and RNG in every variant (about 3 KB in all).
 pub const MAX_CLIENTS: u32 = 100_000;
 /// The most clients × seconds of run: every client is looked at once per simulated second,
@@ -304,7 +306,7 @@ impl Config {
                 self.capacity.to_string(),
             ));
         }
-        if self.latency > Duration::from_secs(60) {
+        if self.latency > MAX_LATENCY {
             return Err(range(
                 "latency",
                 "at most 60s",
