@@ -115,25 +115,27 @@ pub(crate) fn call_meta<'a>(parts: &Parts, path: &'a str) -> CallMeta<'a> {
 
 /// Turns a request the layer sends into the request a tonic `Channel` takes
 /// (`http::Request<tonic::body::Body>`): the body is boxed. Put it between the layer and the
-/// channel with `map_request`, and hand the stack to a generated client:
+/// channel with `map_request`, and hand the stack to a generated client (any client
+/// `tonic-prost-build` generates; here the standard health service's, from the `tonic-health`
+/// crate):
 ///
 /// ```no_run
 /// # async fn f(agent: retryplane_agent::Agent) -> Result<(), Box<dyn std::error::Error>> {
 /// use retryplane_agent::layer::{Idempotent, RetryLayer, into_tonic_request};
-/// use retryplane_proto::pb::{GetRequest, admin_service_client::AdminServiceClient};
 /// use tonic::transport::Channel;
+/// use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
 ///
 /// let channel = Channel::from_static("http://127.0.0.1:50051").connect().await?;
 /// let service = tower::ServiceBuilder::new()
-///     .layer(RetryLayer::new(agent.endpoint("control-plane")))
+///     .layer(RetryLayer::new(agent.endpoint("inventory")))
 ///     .map_request(into_tonic_request)
 ///     .service(channel);
-/// let mut client = AdminServiceClient::new(service);
+/// let mut client = HealthClient::new(service);
 ///
-/// // `Get` is a read: declared idempotent, it is retried on UNAVAILABLE.
-/// let mut request = tonic::Request::new(GetRequest { version: 0 });
+/// // `Check` is a read: declared idempotent, it is retried on UNAVAILABLE.
+/// let mut request = tonic::Request::new(HealthCheckRequest { service: String::new() });
 /// request.extensions_mut().insert(Idempotent(true));
-/// let response = client.get(request).await?;
+/// let response = client.check(request).await?;
 /// # let _ = response;
 /// # Ok(())
 /// # }
