@@ -580,6 +580,13 @@ impl Fanout {
                 PublishedAt::Stored => record.meta.created_unix_ms as f64 / 1_000.0,
             };
             self.metrics.last_publish_seconds.set(seconds);
+            // A save of the policy file published: the read that gave it was a good one. Set
+            // with the version, so no scrape shows the new version beside the failed reload of
+            // an earlier save (the watcher sets it again once `apply` returns). At start the
+            // watcher's first read sets it, whatever the stored version's source.
+            if matches!(at, PublishedAt::Now) && record.meta.source == Source::File {
+                self.metrics.config_last_reload_successful.set(1);
+            }
         });
         if published {
             self.aggregates.thresholds().set_from(&record.document);

@@ -1096,3 +1096,22 @@ async fn a_change_asked_to_keep_every_endpoint_is_refused_only_when_it_removes_o
     assert!(outcome.changed);
     assert_eq!(control.publisher.current().map(|s| s.version), Some(2));
 }
+
+/// A save of the policy file published sets `config_last_reload_successful` as the version is
+/// published, not once the watcher gets the answer: no scrape shows the new version beside the
+/// failed reload of the save before it. A change of another source leaves it alone.
+#[tokio::test]
+async fn a_published_save_of_the_file_sets_the_reload_gauge_with_the_version() {
+    let control = ControlPlane::for_tests(Arc::new(MemoryStore::default()), Mode::Api);
+    let reload_ok = || control.metrics.config_last_reload_successful.get();
+    control.metrics.config_last_reload_successful.set(0);
+    control.apply(change(wire(V1))).await.unwrap();
+    assert_eq!(reload_ok(), 0, "an admin change is no read of the file");
+    let save = ChangeRequest {
+        source: Source::File,
+        ..change(wire(V2))
+    };
+    control.apply(save).await.unwrap();
+    assert_eq!(served(&control), 2);
+    assert_eq!(reload_ok(), 1, "set as the save was published");
+}

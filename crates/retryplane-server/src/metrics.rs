@@ -46,7 +46,8 @@ pub struct ServerMetrics {
     /// 1 when the last read of the policy file in file mode gave a valid file that was
     /// applied (or equal to the version served), 0 when it could not be read, was invalid or
     /// was refused; like Prometheus's own `prometheus_config_last_reload_successful`. Set at
-    /// start and by every read the watcher makes; 1 in API mode, where the file is not watched.
+    /// start, by every read the watcher makes, and as a save of the file is published (with
+    /// the version gauge); 1 in API mode, where the file is not watched.
     pub config_last_reload_successful: Gauge,
     /// Metrics reports dropped for coming too fast.
     pub reports_dropped: Counter,

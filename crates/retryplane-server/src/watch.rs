@@ -993,7 +993,7 @@ async fn reload_if_changed(
     let read = match read {
         Ok(read) => read,
         Err(e) => {
-            reload_result(control, file, false);
+            reload_result(control, file, false, false);
             if matches!(last, LastRead::Failed(kind) if *kind == e.kind()) {
                 debug!(file = %file.display(), error = %e, "the policy file still cannot be read");
             } else {
@@ -1024,15 +1024,17 @@ async fn reload_if_changed(
         Ok(loaded) => loaded,
         Err(e) => {
             warn!(file = %file.display(), error = %e, "cannot load the policy file; still serving {}", serving(control));
-            reload_result(control, file, false);
+            reload_result(control, file, false, false);
             *last = LastRead::Nothing;
             return;
         }
     };
+    // Read before `apply`: a save it publishes sets the gauge as it publishes.
+    let was_valid = control.metrics.config_last_reload_successful.get() == 1;
     let (settled, valid) = apply(control, file, loaded, again, keep_endpoints).await;
     // A save still being written is no failed reload: the gauge says what the last one did.
     if !matches!(settled, Settled::HeldBack) {
-        reload_result(control, file, valid);
+        reload_result(control, file, valid, was_valid);
     }
     *last = match settled {
         Settled::Yes => LastRead::Bytes(bytes),
@@ -1060,13 +1062,13 @@ enum Settled {
 }
 
 /// Sets `retryplane_server_config_last_reload_successful` from one read of the file, and says
-/// once when the file is good again after a read that was not.
-fn reload_result(control: &ControlPlane, file: &Path, ok: bool) {
-    let was = control
+/// once when the file is good again after a read that was not (`was_ok`: the gauge before it).
+fn reload_result(control: &ControlPlane, file: &Path, ok: bool, was_ok: bool) {
+    control
         .metrics
         .config_last_reload_successful
         .set(i64::from(ok));
-    if ok && was == 0 {
+    if ok && !was_ok {
         info!(file = %file.display(), "the policy file is readable and valid again; {} is served", serving(control));
     }
 }
