@@ -53,8 +53,9 @@ pub trait Classify {
 /// A gRPC response (`content-type: application/grpc…`) with `grpc-status` among its headers
 /// (a "Trailers-Only" response: what a server sends for an error before any message) is
 /// classified by that code and its `grpc-retry-pushback-ms` header exactly as a
-/// [`tonic::Status`] is. A gRPC response whose status comes in trailers (after data) is judged
-/// by its HTTP status, a success: what was streamed cannot be taken back.
+/// [`tonic::Status`] is. A gRPC response whose status comes in trailers is judged by its HTTP
+/// status, a success: its body is not read here (the tower layer looks at its first frame:
+/// trailers before any message are then the call's code).
 impl<B> Classify for http::Response<B> {
     fn classify(&self) -> Classification {
         http_classification(self.status(), self.headers())
@@ -127,7 +128,9 @@ impl Classify for tonic::Status {
 /// reads `INTERNAL` (the page is no gRPC message), but whether a body is empty is known only
 /// once it is read, and many proxies send their head first: the status's code is counted.
 /// A 200 without one has its status in trailers: judged a success, as
-/// [`Classify for http::Response`](Classify) does.
+/// [`Classify for http::Response`](Classify) does, unless those trailers came before any
+/// message (the layer looks at the first frame of such an answer and passes them here in place
+/// of the head).
 pub(crate) fn grpc_answer_classification(
     status: http::StatusCode,
     headers: &http::HeaderMap,
@@ -151,7 +154,7 @@ pub(crate) fn grpc_answer_classification(
 }
 
 /// `grpc-status`, as tonic names it.
-const GRPC_STATUS: http::HeaderName = http::HeaderName::from_static("grpc-status");
+pub(crate) const GRPC_STATUS: http::HeaderName = http::HeaderName::from_static("grpc-status");
 /// The gRPC pushback header (gRFC A6).
 const GRPC_PUSHBACK: http::HeaderName = http::HeaderName::from_static("grpc-retry-pushback-ms");
 

@@ -435,6 +435,18 @@ impl<B> ResponseBody<B> {
         Self::streaming(VecDeque::new(), Box::pin(body))
     }
 
+    /// The trailers of a body read whole that brought no byte before them (a gRPC answer that
+    /// sent its head and then its status).
+    pub(crate) fn trailers_before_data(&self) -> Option<&HeaderMap> {
+        match &self.inner {
+            ResponseInner::Full {
+                data: None,
+                trailers: Some(trailers),
+            } => Some(trailers),
+            _ => None,
+        }
+    }
+
     pub(crate) fn failed(prefix: VecDeque<Bytes>, error: BoxError) -> Self {
         Self {
             inner: ResponseInner::Failed {

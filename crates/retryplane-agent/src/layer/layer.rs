@@ -26,7 +26,7 @@ use super::grpc::{call_meta, grpc_timeout, is_grpc, set_grpc_timeout};
 use super::{BoxError, DEFAULT_BODY_LIMIT, GaveUp, ResponseFuture, RetryError, lock};
 use crate::call::{Begun, Endpoint, Keep, KeepAsIs, NoReauth};
 use crate::classify::{
-    Classification, Classify as _, classify_boxed, grpc_answer_classification,
+    Classification, Classify as _, GRPC_STATUS, classify_boxed, grpc_answer_classification,
     tonic_timeout_in_chain,
 };
 use crate::error::{CallError, Cause, Last};
@@ -449,7 +449,9 @@ where
     };
     let gave_up = move |e| gave_up(e, grpc, timeouts_are_the_channels);
     let classify = |r: &Result<Response<ResponseBody<RB>>, BoxError>| match r {
-        Ok(response) if grpc => grpc_answer_classification(response.status(), response.headers()),
+        Ok(response) if grpc => {
+            grpc_answer_classification(response.status(), grpc_status_carrier(response))
+        }
         Ok(response) => response.classify(),
         Err(e) if timeouts_are_the_channels => {
             channel_timeout_is_a_timeout(classify_boxed(&**e), &**e)
@@ -566,16 +568,24 @@ where
             // failure (`CallInfo::may_retry`), and `call_with` sends nothing again after a
             // 401. So `take` always finds the request; the error is for a second run that
             // cannot come, and stands in for an empty request, never a panic.
-            let attempt = move |_: AttemptInfo| {
+            let attempt = move |info: AttemptInfo| {
+                let sent_at = Instant::now();
                 let sent = request.take().map(|mut r| {
                     if let Some(deadline) = callers {
-                        set_grpc_timeout(r.headers_mut(), deadline, Instant::now());
+                        set_grpc_timeout(r.headers_mut(), deadline, sent_at);
                     }
                     inner.send(r)
                 });
-                // Never sent again: its answer is returned as it comes.
+                // The attempt's answer must be looked at before its timeout, which would lose
+                // it (see `ReadFailed::read_by`).
+                let read_by = sent_at + info.timeout.saturating_sub(FAILED_BODY_WAIT);
+                // Never sent again: its answer is returned as it comes, its first frame looked
+                // at if its status may be in trailers.
                 async move {
                     match sent.ok_or("a streamed body cannot be sent twice")?.await {
+                        Ok(response) if grpc && status_in_trailers(&response) => {
+                            Ok(first_frame(response, read_by).await)
+                        }
                         Ok(response) => Ok(response.map(ResponseBody::passthrough)),
                         Err(e) => Err(unless_callers_deadline(e, callers).await),
                     }
@@ -861,6 +871,9 @@ where
     RB: Body,
     RB::Error: Into<BoxError>,
 {
+    if read.grpc && status_in_trailers(&response) {
+        return first_frame(response, read.read_by).await;
+    }
     // Nothing could be read: no need to classify an answer the call classifies anyway.
     if read.retried.is_none() && !read.refresh {
         return response.map(ResponseBody::passthrough);
@@ -876,6 +889,38 @@ where
             read_failed(response, FAILED_BODY_LIMIT, until).await
         }
         _ => response.map(ResponseBody::passthrough),
+    }
+}
+
+/// Whether the answer to a gRPC request has its status in trailers: a 200 with no
+/// `grpc-status` in its head.
+fn status_in_trailers<RB>(response: &Response<RB>) -> bool {
+    response.status() == StatusCode::OK && !response.headers().contains_key(GRPC_STATUS)
+}
+
+/// `response` (whose status is in trailers: [`status_in_trailers`]) with its first frame
+/// read, for up to [`FAILED_BODY_WAIT`] and not past `read_by`. Its trailers first, with no
+/// message before them, are the answer of a server that sent its head and then an error (a
+/// tonic server stream whose first item is an error, a server that flushes its head early):
+/// the call's code is theirs, as tonic's client reads it ([`grpc_status_carrier`]), so the
+/// answer counts as that failure and is retried as its code says (nothing of it has reached
+/// the caller). A message first, or nothing in time (a stream whose first message is slow),
+/// is a success, as before; the caller gets every byte.
+async fn first_frame<RB>(response: Response<RB>, read_by: Instant) -> Response<ResponseBody<RB>>
+where
+    RB: Body,
+    RB::Error: Into<BoxError>,
+{
+    // A limit of 0: the read ends at the first byte of a message.
+    read_failed(response, 0, read_by.min(Instant::now() + FAILED_BODY_WAIT)).await
+}
+
+/// Where the status of a gRPC answer is read: its head, or the trailers that came before any
+/// message of an answer whose head has none ([`first_frame`]).
+fn grpc_status_carrier<RB>(response: &Response<ResponseBody<RB>>) -> &HeaderMap {
+    match response.body().trailers_before_data() {
+        Some(trailers) if status_in_trailers(response) => trailers,
+        _ => response.headers(),
     }
 }
 

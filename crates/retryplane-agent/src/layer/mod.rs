@@ -92,10 +92,14 @@
 //!   for a `tonic::Status`; a gRPC status in trailers, after data, is not seen: that call
 //!   counts as a success). The answer to a gRPC request is read as tonic's client reads it,
 //!   so that it counts as through [`Endpoint::call`](crate::Endpoint::call) with a generated
-//!   client: a `grpc-status` in its head whatever its content type, and a proxy's HTTP status
+//!   client: a `grpc-status` in its head whatever its content type, a proxy's HTTP status
 //!   (no `grpc-status`) as the code tonic maps it to (503 `UNAVAILABLE`, 500 `UNKNOWN`, …),
 //!   judged by `retry_on.grpc_status`: whatever its body, though tonic reads an error page as
-//!   `INTERNAL` (that a body is empty is known only once it is read). Errors of the inner service by their source chain:
+//!   `INTERNAL` (that a body is empty is known only once it is read); and for a 200 head with
+//!   no `grpc-status`, the first frame of its body, looked at for up to 20 ms within the
+//!   attempt: trailers before any message (a server that sent its head and then an error,
+//!   such as a tonic server stream whose first item is an error) are the call's code, counted
+//!   and retried as it says; a message first, or none yet, is a success. Errors of the inner service by their source chain:
 //!   the first `hyper_util::client::legacy::Error`, `hyper::Error`, (feature `reqwest`)
 //!   `reqwest::Error` or `io::Error` in it is classified by its [`Classify`](crate::Classify)
 //!   impl (connect / reset / timeout, or fatal for the caller's own errors; a reqwest error
