@@ -8,6 +8,13 @@
 //! either way on it for [`IDLE`] while the server waits to read. A scraper that keeps its
 //! connection between scrapes (every 15 s to a minute) keeps it; a longer pause costs it a
 //! reconnect.
+//!
+//! Two more bounds, since a byte every minute kept the idle timer from firing (slowloris): a
+//! connection also reads as closed once bytes it sent have had no answer for [`UNANSWERED`]
+//! (a request's head that is never finished; the listener serves small GETs, answered in well
+//! under a second), and the listener holds at most [`MAX_CONNECTIONS`] at once: past them it
+//! accepts the next once one closes (the rest wait in the kernel's queue, holding no
+//! descriptor of the process).
 
 use std::io;
 use std::net::SocketAddr;
@@ -15,39 +22,76 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use std::sync::Arc;
+
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::{Instant, Sleep};
 
 /// How long a connection of the HTTP listener may stay silent.
 pub(crate) const IDLE: Duration = Duration::from_secs(90);
 
+/// How long bytes a client sent may go without an answer before its connection reads as
+/// closed: a request's head sent a byte at a time, or never finished.
+pub(crate) const UNANSWERED: Duration = Duration::from_secs(30);
+
+/// The most connections the HTTP listener holds at once (scrapers and health probes: a few).
+pub(crate) const MAX_CONNECTIONS: usize = 256;
+
 /// The HTTP listener: axum's accept (which waits a second after an error such as too many
-/// open files), each connection wrapped in [`Idle`].
-pub(crate) struct IdleClosing(pub(crate) TcpListener);
+/// open files) once fewer than [`MAX_CONNECTIONS`] are open, each connection wrapped in
+/// [`Idle`].
+pub(crate) struct IdleClosing {
+    listener: TcpListener,
+    open: Arc<Semaphore>,
+}
+
+impl IdleClosing {
+    pub(crate) fn new(listener: TcpListener) -> Self {
+        Self::with_limit(listener, MAX_CONNECTIONS)
+    }
+
+    fn with_limit(listener: TcpListener, max: usize) -> Self {
+        Self {
+            listener,
+            open: Arc::new(Semaphore::new(max)),
+        }
+    }
+}
 
 impl axum::serve::Listener for IdleClosing {
     type Io = Idle<TcpStream>;
     type Addr = SocketAddr;
 
     async fn accept(&mut self) -> (Self::Io, Self::Addr) {
-        let (io, addr) = axum::serve::Listener::accept(&mut self.0).await;
-        (Idle::new(io), addr)
+        // The semaphore is never closed; should it be, the connection goes uncounted.
+        let permit = self.open.clone().acquire_owned().await.ok();
+        let (io, addr) = axum::serve::Listener::accept(&mut self.listener).await;
+        let mut io = Idle::new(io);
+        io.permit = permit;
+        (io, addr)
     }
 
     fn local_addr(&self) -> io::Result<Self::Addr> {
-        self.0.local_addr()
+        self.listener.local_addr()
     }
 }
 
 /// A connection that reads as closed (end of stream) once nothing has been read from it or
-/// written to it for [`IDLE`] while a read waits.
+/// written to it for [`IDLE`], or bytes read from it have had no answer (nothing written) for
+/// [`UNANSWERED`], while a read waits.
 pub(crate) struct Idle<S> {
     inner: S,
     /// Fires [`IDLE`] after the last byte read or written.
     quiet: Pin<Box<Sleep>>,
+    /// Fires [`UNANSWERED`] after the first byte read since the last one written; none while
+    /// nothing read waits for an answer.
+    unanswered: Option<Pin<Box<Sleep>>>,
     /// It fired: every read from now on is end of stream.
     closed: bool,
+    /// The listener's count of open connections, given back when this one is dropped.
+    permit: Option<OwnedSemaphorePermit>,
 }
 
 impl<S> Idle<S> {
@@ -55,7 +99,9 @@ impl<S> Idle<S> {
         Self {
             inner,
             quiet: Box::pin(tokio::time::sleep(IDLE)),
+            unanswered: None,
             closed: false,
+            permit: None,
         }
     }
 
@@ -63,12 +109,31 @@ impl<S> Idle<S> {
         self.quiet.as_mut().reset(Instant::now() + IDLE);
     }
 
-    /// `polled`, a write's result, after counting bytes written as activity.
+    /// Bytes were read: activity, and an answer now awaited if none was.
+    fn bytes_read(&mut self) {
+        self.active();
+        if self.unanswered.is_none() {
+            self.unanswered = Some(Box::pin(tokio::time::sleep(UNANSWERED)));
+        }
+    }
+
+    /// `polled`, a write's result, after counting bytes written as activity and as the answer
+    /// to what was read.
     fn wrote(&mut self, polled: Poll<io::Result<usize>>) -> Poll<io::Result<usize>> {
         if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
             self.active();
+            self.unanswered = None;
         }
         polled
+    }
+
+    /// Whether a timer fired (polled with a read that waits, so that it wakes it).
+    fn timed_out(&mut self, cx: &mut Context<'_>) -> bool {
+        self.quiet.as_mut().poll(cx).is_ready()
+            || self
+                .unanswered
+                .as_mut()
+                .is_some_and(|sleep| sleep.as_mut().poll(cx).is_ready())
     }
 }
 
@@ -85,11 +150,11 @@ impl<S: AsyncRead + Unpin> AsyncRead for Idle<S> {
         let before = buf.filled().len();
         let polled = Pin::new(&mut this.inner).poll_read(cx, buf);
         match polled {
-            Poll::Ready(Ok(())) if buf.filled().len() > before => this.active(),
+            Poll::Ready(Ok(())) if buf.filled().len() > before => this.bytes_read(),
             Poll::Ready(_) => {}
-            // Nothing to read: polled with the read, so the timer wakes a read that waits.
+            // Nothing to read: polled with the read, so the timers wake a read that waits.
             Poll::Pending => {
-                if this.quiet.as_mut().poll(cx).is_ready() {
+                if this.timed_out(cx) {
                     this.closed = true;
                     return Poll::Ready(Ok(()));
                 }
@@ -155,19 +220,81 @@ mod tests {
         let (server, mut client) = tokio::io::duplex(1024);
         let mut server = Idle::new(server);
         let mut buf = [0u8; 16];
-        // Half a request's head, then the rest just before the idle time.
+        // A whole request's head, answered; the next one in two halves, the second just before
+        // the idle time.
+        client.write_all(b"GET /metrics").await.unwrap();
+        assert_eq!(server.read(&mut buf).await.unwrap(), 12);
+        server.write_all(b"200").await.unwrap();
+        tokio::time::sleep(IDLE - Duration::from_secs(1)).await;
         client.write_all(b"GET /met").await.unwrap();
         assert_eq!(server.read(&mut buf).await.unwrap(), 8);
-        tokio::time::sleep(IDLE - Duration::from_secs(1)).await;
+        tokio::time::sleep(UNANSWERED - Duration::from_secs(1)).await;
         client.write_all(b"rics").await.unwrap();
         assert_eq!(server.read(&mut buf).await.unwrap(), 4);
         // An answer being written counts too.
+        server.write_all(b"200").await.unwrap();
         tokio::time::sleep(IDLE - Duration::from_secs(1)).await;
         server.write_all(b"200").await.unwrap();
         let began = Instant::now();
         assert_eq!(server.read(&mut buf).await.unwrap(), 0);
         assert_eq!(began.elapsed(), IDLE);
-        let mut answer = [0u8; 3];
+        let mut answer = [0u8; 9];
         client.read_exact(&mut answer).await.unwrap();
+    }
+
+    /// A request's head sent a byte at a time, each well within the idle time, is cut
+    /// [`UNANSWERED`] after its first byte.
+    #[tokio::test(start_paused = true)]
+    async fn bytes_with_no_answer_read_closed_after_the_unanswered_time() {
+        let (server, mut client) = tokio::io::duplex(1024);
+        let mut server = Idle::new(server);
+        let mut buf = [0u8; 16];
+        let began = Instant::now();
+        // A byte every 10 s, for as long as the connection takes them.
+        let writer = tokio::spawn(async move {
+            for _ in 0..20 {
+                if client.write_all(b"G").await.is_err() {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_secs(10)).await;
+            }
+        });
+        let mut read = 0;
+        loop {
+            let n = server.read(&mut buf).await.unwrap();
+            if n == 0 {
+                break;
+            }
+            read += n;
+            assert!(read <= 10, "still open after {read} bytes");
+        }
+        assert_eq!(began.elapsed(), UNANSWERED);
+        assert_eq!(read, 3, "bytes at 0, 10 and 20 s");
+        writer.abort();
+        assert_eq!(server.read(&mut buf).await.unwrap(), 0, "still closed");
+    }
+
+    /// Past its limit the listener accepts the next connection once one is closed.
+    #[tokio::test]
+    async fn the_listener_holds_at_most_its_limit_of_connections() {
+        use axum::serve::Listener as _;
+        let socket = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = socket.local_addr().unwrap();
+        let mut listener = IdleClosing::with_limit(socket, 2);
+        let mut clients = Vec::new();
+        for _ in 0..3 {
+            clients.push(TcpStream::connect(addr).await.unwrap());
+        }
+        let first = listener.accept().await.0;
+        let _second = listener.accept().await.0;
+        let wait = Duration::from_millis(200);
+        assert!(
+            tokio::time::timeout(wait, listener.accept()).await.is_err(),
+            "a third connection was accepted"
+        );
+        drop(first);
+        tokio::time::timeout(Duration::from_secs(10), listener.accept())
+            .await
+            .expect("accepted once one closed");
     }
 }

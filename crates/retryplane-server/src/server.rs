@@ -384,7 +384,7 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
     });
     let stop = stopped(shutdown_rx);
     servers.spawn(async move {
-        axum::serve(crate::idle::IdleClosing(http_socket), app)
+        axum::serve(crate::idle::IdleClosing::new(http_socket), app)
             .with_graceful_shutdown(stop)
             .await
             .map_err(ServeError::Http)
