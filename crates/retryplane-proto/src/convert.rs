@@ -33,6 +33,34 @@ mod to_pb;
 
 pub use to_pb::{content_hash, lists_as_sets, unsigned_zeros};
 
+/// The most a wire document may hold, counted as the YAML reader counts a file's events at the
+/// least (two for each endpoint and route, a key and its value; one for each entry of a list:
+/// status codes, error classes, methods): what a policy file can hold
+/// ([`retryplane_policy::yaml::MAX_EVENTS`]). A document of bare endpoints within the message
+/// size limit held about 380,000, and checking it took about 440 MB.
+pub const MAX_ITEMS: usize = retryplane_policy::yaml::MAX_EVENTS;
+
+/// The size of `doc` as [`MAX_ITEMS`] counts it.
+fn items(doc: &pb::PolicyDocument) -> usize {
+    fn overlay(o: Option<&pb::Overlay>) -> usize {
+        let Some(o) = o else { return 0 };
+        let retry_on = o.retry_on.as_ref().map_or(0, |r| {
+            r.http_status.as_ref().map_or(0, |l| l.codes.len())
+                + r.grpc_status.as_ref().map_or(0, |l| l.codes.len())
+                + r.errors.as_ref().map_or(0, |l| l.classes.len())
+        });
+        retry_on + o.idempotent_methods.as_ref().map_or(0, |l| l.methods.len())
+    }
+    doc.endpoints
+        .iter()
+        .fold(overlay(doc.defaults.as_ref()), |n, ep| {
+            ep.routes.iter().fold(
+                n.saturating_add(2 + overlay(ep.overlay.as_ref())),
+                |n, route| n.saturating_add(2 + overlay(route.overlay.as_ref())),
+            )
+        })
+}
+
 /// Why a wire document could not become a [`PolicyDocument`].
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("invalid policy document: {} error(s), first: {}", retryplane_policy::diag::counts(errors).0, errors.first().map(ToString::to_string).unwrap_or_default())]
@@ -68,6 +96,20 @@ impl TryFrom<pb::PolicyDocument> for PolicyDocument {
     type Error = InvalidDocument;
 
     fn try_from(doc: pb::PolicyDocument) -> Result<Self, InvalidDocument> {
+        let items = items(&doc);
+        if items > MAX_ITEMS {
+            return Err(InvalidDocument {
+                errors: vec![Diagnostic::error(
+                    Loc::UNKNOWN,
+                    "<document>",
+                    format!(
+                        "the document is too large: {items} items (2 for each endpoint and \
+                         route, 1 for each list entry); at most {MAX_ITEMS}, what a policy file \
+                         can hold"
+                    ),
+                )],
+            });
+        }
         let mut c = Checker::default();
         let defaults = c.overlay(doc.defaults.unwrap_or_default(), "defaults");
         let mut first_at: HashMap<String, usize> = HashMap::new();

@@ -21,6 +21,7 @@ pub mod aggregate;
 pub mod auth;
 mod conn_idle;
 pub mod control;
+pub mod decode_turns;
 pub mod fleet;
 pub mod frame_body;
 pub mod http;

@@ -328,10 +328,10 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
         Guard::new(tokens.clone(), Role::Agent).counting(control.metrics.auth_refused.clone()),
     );
     let admin_service = InterceptedService::new(
-        OversizedIsExhausted::new(
+        OversizedIsExhausted::new(crate::decode_turns::DecodeTurns::new(
             AdminServiceServer::new(AdminApi::new(control.clone()))
                 .max_decoding_message_size(cfg.max_message_bytes),
-        ),
+        )),
         Guard::new(tokens.clone(), Role::Admin).counting(control.metrics.auth_refused.clone()),
     );
 
