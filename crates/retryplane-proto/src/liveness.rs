@@ -93,6 +93,13 @@ struct Inner {
     bytes: AtomicU64,
 }
 
+/// How late a wake of [`Life::silent`] may be before it says the process stalled.
+pub const STALL: Duration = Duration::from_secs(1);
+
+/// How long [`Life::silent`] waits after a stall for what the other side sent meanwhile to be
+/// read.
+pub const AFTER_STALL: Duration = Duration::from_secs(2);
+
 impl Life {
     /// A stream that opened `now`: heard from then.
     pub fn new(now: Instant) -> Self {
@@ -128,14 +135,24 @@ impl Life {
     }
 
     /// Resolves once `limit` has passed with nothing heard; waits again while the other side
-    /// is heard meanwhile.
+    /// is heard meanwhile. A wake more than [`STALL`] late says this process stalled (stopped,
+    /// starved of CPU, a frozen container): what the other side sent meanwhile may still wait
+    /// unread in the socket, so it is given [`AFTER_STALL`] to be read before the stream is
+    /// judged silent. (A control plane resumed after a pause ended three in four of its healthy
+    /// streams at once, and a whole fleet reconnected.)
     pub async fn silent(&self, limit: Duration) {
+        let mut not_before: Option<Instant> = None;
         loop {
-            let at = self.last_heard() + limit;
+            let due = self.last_heard() + limit;
+            let at = not_before.map_or(due, |t| due.max(t));
             if Instant::now() >= at {
                 return;
             }
             tokio::time::sleep_until(at).await;
+            let woke = Instant::now();
+            if woke.saturating_duration_since(at) > STALL {
+                not_before = Some(woke + AFTER_STALL);
+            }
         }
     }
 
@@ -390,5 +407,42 @@ mod tests {
         life.heard();
         let silent_at = waiter.await.unwrap();
         assert_eq!(silent_at, base + Duration::from_secs(5));
+    }
+
+    /// The process stalls past the limit (the clock jumps while nothing runs): the stream is
+    /// not judged at once, but given [`AFTER_STALL`] for what came meanwhile to be read; heard
+    /// then, it lives on; heard from no more, it is silent once that has passed.
+    #[tokio::test(start_paused = true)]
+    async fn after_a_stall_what_came_meanwhile_is_given_time_to_be_read() {
+        let life = Life::new(Instant::now());
+        let limit = Duration::from_secs(5);
+        let waiter = |life: &Life| {
+            let life = life.clone();
+            tokio::spawn(async move {
+                life.silent(limit).await;
+                Instant::now()
+            })
+        };
+        let first = waiter(&life);
+        tokio::task::yield_now().await;
+        // Nothing runs for 15 s, then everything at once.
+        tokio::time::advance(Duration::from_secs(15)).await;
+        let resumed = Instant::now();
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        assert!(!first.is_finished(), "judged silent as the process resumed");
+        // What the other side sent during the stall is read.
+        life.heard();
+        tokio::time::sleep(AFTER_STALL).await;
+        assert!(!first.is_finished(), "heard after the stall");
+        assert_eq!(first.await.unwrap(), resumed + limit);
+        // With nothing heard after a stall, it is silent once the wait after it has passed.
+        let life = Life::new(Instant::now());
+        let second = waiter(&life);
+        tokio::task::yield_now().await;
+        tokio::time::advance(Duration::from_secs(15)).await;
+        let resumed = Instant::now();
+        assert_eq!(second.await.unwrap(), resumed + AFTER_STALL);
     }
 }
