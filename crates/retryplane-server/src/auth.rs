@@ -510,6 +510,9 @@ impl Tokens {
             file: path.to_owned(),
             source,
         };
+        // Read at start and on SIGHUP, in the loop that waits for SIGTERM too.
+        crate::refuse_fifo_or_socket(path, "the tokens file", "save the tokens in a regular file")
+            .map_err(read)?;
         let file = std::fs::File::open(path).map_err(read)?;
         warn_if_world_readable(path, &file);
         let mut text = String::new();

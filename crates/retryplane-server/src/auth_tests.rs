@@ -626,3 +626,37 @@ fn a_max_agents_left_without_a_value_is_refused_not_taken_for_no_limit() {
         );
     }
 }
+
+/// A FIFO at the tokens path is refused, not waited on: the file is read at start and on
+/// SIGHUP in the loop that waits for SIGTERM, which a wait for a writer froze (SIGTERM then
+/// did nothing).
+#[cfg(any(target_os = "linux", target_os = "android"))]
+#[test]
+fn a_fifo_at_the_tokens_path_is_refused_not_waited_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("tokens.yaml");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap();
+    assert!(made.success());
+    let (tx, rx) = std::sync::mpsc::channel();
+    let path = fifo.clone();
+    std::thread::spawn(move || {
+        let _ = tx.send(
+            Tokens::load(&path)
+                .map(|_| ())
+                .map_err(|e| crate::ErrorChain(&e).to_string()),
+        );
+    });
+    let Ok(loaded) = rx.recv_timeout(std::time::Duration::from_secs(5)) else {
+        // Let the waiting open go, then fail.
+        let _ = std::fs::OpenOptions::new().write(true).open(&fifo);
+        panic!("the load waited on the FIFO");
+    };
+    let err = loaded.unwrap_err();
+    assert!(
+        err.contains("the tokens file is a FIFO or a socket"),
+        "{err}"
+    );
+}

@@ -43,6 +43,31 @@ mod test_disk;
 #[cfg(test)]
 mod test_logs;
 
+/// Refuses `path` if it is a FIFO or a socket, before it is opened: opening a FIFO waits for a
+/// writer, for good, and the task or thread that opened it (the watcher, start-up, the loop
+/// that waits for signals) with it. `what` names the file in the error ("the policy file",
+/// "the tokens file"), `instead` says what to do ("save the policies in a regular file").
+pub(crate) fn refuse_fifo_or_socket(
+    path: &std::path::Path,
+    what: &str,
+    instead: &str,
+) -> std::io::Result<()> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileTypeExt as _;
+        let kind = std::fs::metadata(path)?.file_type();
+        if kind.is_fifo() || kind.is_socket() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("{what} is a FIFO or a socket, not a file; {instead}"),
+            ));
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = (path, what, instead);
+    Ok(())
+}
+
 /// An error and every cause under it, `error: cause: cause`, as `anyhow` prints `{:#}`: what
 /// log lines show of an error whose own message is only a summary (a store failure's cause is
 /// the disk's error). A cause whose text the error above it already ends with is not repeated

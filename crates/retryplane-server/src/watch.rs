@@ -365,20 +365,12 @@ impl FileRead {
 /// Reads at most [`MAX_FILE_BYTES`] + 1 bytes of `path` (one byte more than allowed, so an
 /// oversized file is told apart) and its size. Blocking.
 fn read_bytes(path: &Path) -> io::Result<FileRead> {
-    // Opening a FIFO waits for a writer, for good: the watcher (and start-up, and the
-    // shutdown that waits for it) would hang. Such a file, or a socket, is refused.
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::FileTypeExt as _;
-        let kind = std::fs::metadata(path)?.file_type();
-        if kind.is_fifo() || kind.is_socket() {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                "the policy file is a FIFO or a socket, not a file; save the policies in a \
-                 regular file",
-            ));
-        }
-    }
+    // The watcher (and start-up, and the shutdown that waits for it) would hang on a FIFO.
+    crate::refuse_fifo_or_socket(
+        path,
+        "the policy file",
+        "save the policies in a regular file",
+    )?;
     let file = std::fs::File::open(path)?;
     let before = file.metadata().ok().filter(std::fs::Metadata::is_file);
     let size = before.as_ref().map(std::fs::Metadata::len);
