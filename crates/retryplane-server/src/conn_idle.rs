@@ -97,6 +97,7 @@ impl Streams {
         StreamGuard {
             streams: self.clone(),
             bounded: bound.is_some(),
+            refused: false,
         }
     }
 
@@ -124,13 +125,26 @@ impl Streams {
 pub(crate) struct StreamGuard {
     streams: Arc<Streams>,
     bounded: bool,
+    /// The call was refused for its token ([`StreamGuard::refused`]).
+    refused: bool,
+}
+
+impl StreamGuard {
+    /// The call was refused for its token (none, or one not known): its end is no sign that
+    /// the connection is in use. A peer with no token kept a connection for good with such a
+    /// call every few seconds.
+    pub(crate) fn refused(&mut self) {
+        self.refused = true;
+    }
 }
 
 impl Drop for StreamGuard {
     fn drop(&mut self) {
         // The time first, under the lock that `quiet_for` reads the counts under.
         let mut times = self.streams.times.lock().unwrap_or_else(|e| e.into_inner());
-        times.quiet_since = Instant::now();
+        if !self.refused {
+            times.quiet_since = Instant::now();
+        }
         let count = if self.bounded {
             &self.streams.bounded
         } else {
@@ -179,6 +193,12 @@ impl<S> tower::Layer<S> for CountStreamsLayer {
 pub(crate) struct CountStreams<S> {
     inner: S,
     max_call: Duration,
+}
+
+/// Whether an answer's head says `UNAUTHENTICATED` (the token guard's refusal, a
+/// "Trailers-Only" answer).
+fn unauthenticated(headers: &http::HeaderMap) -> bool {
+    headers.get("grpc-status").is_some_and(|s| s == "16")
 }
 
 /// What a call cut at the bound gets.
@@ -235,7 +255,14 @@ where
                     },
                 ));
             };
-            Ok(response?.map(|body| Counted {
+            let response = response?;
+            let mut guard = guard;
+            if let Some(guard) = &mut guard
+                && unauthenticated(response.headers())
+            {
+                guard.refused();
+            }
+            Ok(response.map(|body| Counted {
                 inner: Some(body),
                 until: bounded.then(|| Box::pin(tokio::time::sleep_until(until))),
                 cut: bounded.then_some(max_call),
@@ -318,6 +345,29 @@ mod tests {
         assert_eq!(streams.quiet_for(Instant::now()), None, "one still open");
         tokio::time::sleep(Duration::from_secs(1)).await;
         drop(b);
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert_eq!(
+            streams.quiet_for(Instant::now()),
+            Some(Duration::from_secs(2))
+        );
+    }
+
+    /// A call refused for its token leaves the connection quiet since its last call that was
+    /// not (or its accept).
+    #[tokio::test(start_paused = true)]
+    async fn a_call_refused_for_its_token_does_not_end_the_quiet() {
+        let streams = Arc::new(Streams::new(Instant::now()));
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let mut refused = streams.opened(Some(Instant::now() + Duration::from_secs(10)));
+        refused.refused();
+        drop(refused);
+        assert_eq!(
+            streams.quiet_for(Instant::now()),
+            Some(Duration::from_secs(3))
+        );
+        let answered = streams.opened(Some(Instant::now() + Duration::from_secs(10)));
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        drop(answered);
         tokio::time::sleep(Duration::from_secs(2)).await;
         assert_eq!(
             streams.quiet_for(Instant::now()),

@@ -1653,6 +1653,54 @@ async fn each_grpc_listener_bounds_the_streams_of_one_connection() {
     running.shutdown().await.unwrap();
 }
 
+/// Calls refused for their token do not keep a connection open: one that carries nothing else
+/// is closed the idle timeout after its accept, however often such calls come (a peer with no
+/// token kept a connection, and its file descriptor, for good with one every few seconds).
+#[tokio::test]
+async fn calls_refused_for_their_token_do_not_keep_a_connection_open() {
+    let (dir, mut cfg) = with_file(V1);
+    fs::write(dir.path().join("tokens.yaml"), TOKENS).unwrap();
+    cfg.tokens_file = Some(dir.path().join("tokens.yaml"));
+    let idle = Duration::from_millis(600);
+    let cfg = ServeConfig {
+        connection_idle_timeout: idle,
+        ..cfg
+    };
+    let running = start(cfg).await.unwrap();
+    let tcp = tokio::net::TcpStream::connect(running.admin_addr)
+        .await
+        .unwrap();
+    let began = tokio::time::Instant::now();
+    let (send, conn) = h2::client::handshake(tcp).await.unwrap();
+    let conn = tokio::spawn(conn);
+    // Bytes that move put the close off by at most this many moments of silence.
+    let closed_by = idle + crate::preface::QUIET_IO * crate::preface::MAX_QUIET_TURNS;
+    let mut refused = 0;
+    while !conn.is_finished() && began.elapsed() < closed_by + SHUTDOWN_GRACE {
+        let Ok(mut ready) = send.clone().ready().await else {
+            break;
+        };
+        let Ok((answer, _)) =
+            ready.send_request(grpc_post("/retryplane.v1.AdminService/Get"), true)
+        else {
+            break;
+        };
+        if let Ok(answer) = answer.await {
+            assert_eq!(
+                answer.headers().get("grpc-status").map(|v| v.as_bytes()),
+                Some(&b"16"[..]),
+                "{answer:?}"
+            );
+            refused += 1;
+        }
+        tokio::time::sleep(idle / 6).await;
+    }
+    assert!(refused >= 3, "{refused} calls refused");
+    assert!(conn.is_finished(), "the connection was kept");
+    assert!(began.elapsed() >= idle, "{:?}", began.elapsed());
+    running.shutdown().await.unwrap();
+}
+
 /// A connection that opens no stream and answers every PING (what an h2 client that is polled
 /// does) is closed once it has carried no stream for `connection_idle_timeout`, on both gRPC
 /// listeners, and so is one whose last stream ended that long ago; a connection that carries
