@@ -146,6 +146,35 @@ impl fmt::Display for OneLine<'_> {
     }
 }
 
+/// A value of a log field (`agent=…`) that its text cannot make into other fields: as
+/// [`OneLine`] writes it when it is a plain word, and otherwise (empty, or holding whitespace,
+/// `=`, `"`, `\\` or a character [`OneLine`] escapes) in double quotes, with `"` and `\\`
+/// escaped. An agent id `web-1 service=payments` showed as two fields of the log line, and a
+/// name spelling out `\u{202e}` as the character it names.
+pub struct LogValue<'a>(pub &'a str);
+
+impl fmt::Display for LogValue<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let plain = !self.0.is_empty()
+            && !self.0.contains(|c: char| {
+                c.is_whitespace() || matches!(c, '=' | '"' | '\\') || is_escaped(c)
+            });
+        if plain {
+            return f.write_str(self.0);
+        }
+        f.write_str("\"")?;
+        for c in self.0.chars() {
+            match c {
+                '"' => f.write_str("\\\"")?,
+                '\\' => f.write_str("\\\\")?,
+                c if is_escaped(c) => write!(f, "{}", c.escape_default())?,
+                c => write!(f, "{c}")?,
+            }
+        }
+        f.write_str("\"")
+    }
+}
+
 /// Sorts by position, errors before warnings at the same place, and drops exact repeats.
 pub fn normalize(diags: &mut Vec<Diagnostic>) {
     diags.sort_by(|a, b| {
@@ -788,6 +817,22 @@ mod tests {
         );
         assert_eq!(OneLine("платежі \\ ok").to_string(), "платежі \\ ok");
         assert_eq!(OneLine("").to_string(), "");
+    }
+
+    #[test]
+    fn a_log_value_is_quoted_unless_it_is_a_plain_word() {
+        assert_eq!(LogValue("web-1").to_string(), "web-1");
+        assert_eq!(LogValue("платежі").to_string(), "платежі");
+        assert_eq!(
+            LogValue("web-1 service=payments").to_string(),
+            "\"web-1 service=payments\""
+        );
+        assert_eq!(LogValue("").to_string(), "\"\"");
+        assert_eq!(LogValue("a\"b").to_string(), "\"a\\\"b\"");
+        // The character and its spelling out are told apart.
+        assert_eq!(LogValue("\u{202e}x").to_string(), "\"\\u{202e}x\"");
+        assert_eq!(LogValue("\\u{202e}x").to_string(), "\"\\\\u{202e}x\"");
+        assert_eq!(LogValue("a\nb").to_string(), "\"a\\nb\"");
     }
 
     #[test]

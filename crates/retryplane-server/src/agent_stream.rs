@@ -27,7 +27,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use prometheus_client::metrics::gauge::Gauge;
-use retryplane_policy::diag::OneLine;
+use retryplane_policy::diag::LogValue;
 use retryplane_proto::liveness::{Life, keepalive_period, liveness_timeout};
 use retryplane_proto::pb::{self, agent_message::Kind};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
@@ -410,7 +410,7 @@ impl AgentStreamService {
                 // `PERMISSION_DENIED`: the agent id (a secret taken away is the reload's).
                 if status.code() == tonic::Code::PermissionDenied {
                     self.ctx.metrics.auth_refused.inc();
-                    info!(agent = %OneLine(&hello.agent_id), token = %OneLine(token_name.as_deref().unwrap_or_default()), "refused a Hello: the agent id is not among its token's `agent_ids`");
+                    info!(agent = %LogValue(&hello.agent_id), token = %LogValue(token_name.as_deref().unwrap_or_default()), "refused a Hello: the agent id is not among its token's `agent_ids`");
                 }
                 return Err(status);
             }
@@ -445,18 +445,18 @@ impl AgentStreamService {
                         Status::resource_exhausted(e.to_string())
                     }
                     RegisterError::HeldByAnotherToken => {
-                        warn!(agent = %OneLine(&hello.agent_id), "a stream of another token asked for a connected agent's id; refused");
+                        warn!(agent = %LogValue(&hello.agent_id), "a stream of another token asked for a connected agent's id; refused");
                         Status::already_exists(e.to_string())
                     }
                     RegisterError::Superseded { .. } => {
-                        info!(agent = %OneLine(&hello.agent_id), "a late Hello of a stream the agent gave up (it has opened a later one); refused");
+                        info!(agent = %LogValue(&hello.agent_id), "a late Hello of a stream the agent gave up (it has opened a later one); refused");
                         Status::aborted(e.to_string())
                     }
                 }
             })?;
-        info!(agent = %OneLine(&hello.agent_id), service = %OneLine(&hello.service), version = hello.last_applied_version, "agent connected");
+        info!(agent = %LogValue(&hello.agent_id), service = %LogValue(&hello.service), version = hello.last_applied_version, "agent connected");
         if let Some(served) = registration.never_held {
-            warn!(agent = %OneLine(&hello.agent_id), version = hello.last_applied_version, served, "an agent runs a version this control plane's store never reached: the store was reset or its file lost (a volume not mounted?); agents are sent the version served. Said once for the version served");
+            warn!(agent = %LogValue(&hello.agent_id), version = hello.last_applied_version, served, "an agent runs a version this control plane's store never reached: the store was reset or its file lost (a volume not mounted?); agents are sent the version served. Said once for the version served");
         }
         #[cfg(test)]
         if let Some(Hook(hook)) = &self.ctx.after_register {
@@ -826,7 +826,7 @@ impl AgentStream {
                 self.known_hash.clone_from(&snap.content_hash);
                 self.sent_nonce = Some(snap.nonce.clone());
                 self.ctx.metrics.pushes.inc();
-                debug!(agent = %OneLine(&self.agent_id), version = snap.version, "snapshot sent");
+                debug!(agent = %LogValue(&self.agent_id), version = snap.version, "snapshot sent");
                 // Acks held while it waited go next (the versions published meanwhile, which
                 // would have woken the wait below, were taken in by the send).
                 if !self.held_acks.is_empty() {
@@ -846,7 +846,7 @@ impl AgentStream {
                 _ = io.shutdown.wait_for(|s| *s) => Next::End(Some(shutdown_status())),
                 status = Revocation::revoked(io.revocation) => Next::End(Some(status)),
                 () = Heartbeat::silent(self.heartbeat.as_ref()) => {
-                    info!(agent = %OneLine(&self.agent_id), "ending an agent stream: nothing came from the agent, which sends a keepalive every period, for the liveness timeout");
+                    info!(agent = %LogValue(&self.agent_id), "ending an agent stream: nothing came from the agent, which sends a keepalive every period, for the liveness timeout");
                     Next::End(self.heartbeat.as_ref().map(Heartbeat::silent_status))
                 }
                 () = sleep_until_some(next_keepalive) => {
@@ -870,12 +870,12 @@ impl AgentStream {
         };
         match end.as_ref().map(Status::code) {
             Some(tonic::Code::Unauthenticated) => {
-                info!(agent = %OneLine(&self.agent_id), "a tokens reload took the stream's token away; ending the stream");
+                info!(agent = %LogValue(&self.agent_id), "a tokens reload took the stream's token away; ending the stream");
             }
             // Only a reload that left the agent id out of its token's `agent_ids` ends a
             // registered stream so.
             Some(tonic::Code::PermissionDenied) => {
-                info!(agent = %OneLine(&self.agent_id), "a tokens reload left the agent id out of its token's `agent_ids`; ending the stream");
+                info!(agent = %LogValue(&self.agent_id), "a tokens reload left the agent id out of its token's `agent_ids`; ending the stream");
             }
             _ => {}
         }
@@ -885,7 +885,7 @@ impl AgentStream {
             let _ = tx.try_send(Err(status));
         }
         self.ctx.fleet.disconnected(&self.agent_id, self.generation);
-        info!(agent = %OneLine(&self.agent_id), "agent disconnected");
+        info!(agent = %LogValue(&self.agent_id), "agent disconnected");
     }
 
     /// Queues `frame` ([`queue`]), taking what the agent sends meanwhile as it comes: a metrics
@@ -959,7 +959,7 @@ impl AgentStream {
                             && waiting_since.elapsed() >= self.ctx.limits.unread_for) =>
                 {
                     let waited = waiting_since.elapsed();
-                    warn!(agent = %OneLine(&self.agent_id), held = self.held_acks.len(), waited_ms = waited.as_millis(), "ending an agent stream: the agent sends metrics reports but does not read what it is sent");
+                    warn!(agent = %LogValue(&self.agent_id), held = self.held_acks.len(), waited_ms = waited.as_millis(), "ending an agent stream: the agent sends metrics reports but does not read what it is sent");
                     return Err(Some(Status::resource_exhausted(format!(
                         "the agent does not read its stream: a message has waited {} ms to be sent while {} metrics acks wait for it",
                         waited.as_millis(),
@@ -979,7 +979,7 @@ impl AgentStream {
                 Ok(frame) => frame,
                 // A message of two integers always encodes.
                 Err(e) => {
-                    warn!(agent = %OneLine(&self.agent_id), error = %e, "cannot frame a metrics ack");
+                    warn!(agent = %LogValue(&self.agent_id), error = %e, "cannot frame a metrics ack");
                     continue;
                 }
             };
@@ -1055,9 +1055,9 @@ impl AgentStream {
                         ));
                 let status = inbound_error(status);
                 if agents_fault {
-                    warn!(agent = %OneLine(&self.agent_id), code = ?status.code(), reason = %OneLine(status.message()), "ending an agent stream: the agent sent a message this control plane cannot take");
+                    warn!(agent = %LogValue(&self.agent_id), code = ?status.code(), reason = %LogValue(status.message()), "ending an agent stream: the agent sent a message this control plane cannot take");
                 } else {
-                    debug!(agent = %OneLine(&self.agent_id), code = ?status.code(), "stream ended with an error");
+                    debug!(agent = %LogValue(&self.agent_id), code = ?status.code(), "stream ended with an error");
                 }
                 return Next::End(Some(status));
             }
@@ -1083,10 +1083,10 @@ impl AgentStream {
                     ctx.fleet
                         .ack(&self.agent_id, self.generation, ack.version, &hash);
                     ctx.metrics.acks.inc();
-                    debug!(agent = %OneLine(&self.agent_id), version = ack.version, "ACK of a snapshot sent before the last one: the agent runs it");
+                    debug!(agent = %LogValue(&self.agent_id), version = ack.version, "ACK of a snapshot sent before the last one: the agent runs it");
                 } else {
                     ctx.fleet.seen(&self.agent_id, self.generation);
-                    debug!(agent = %OneLine(&self.agent_id), version = ack.version, nonce = %OneLine(&ack.nonce), "ACK ignored: not the first answer to the last snapshot sent");
+                    debug!(agent = %LogValue(&self.agent_id), version = ack.version, nonce = %LogValue(&ack.nonce), "ACK ignored: not the first answer to the last snapshot sent");
                 }
             }
             Some(Kind::Nack(nack)) => {
@@ -1099,7 +1099,7 @@ impl AgentStream {
                         &nack.error,
                     );
                     ctx.metrics.nacks.inc();
-                    warn!(agent = %OneLine(&self.agent_id), version = nack.version, "agent refused a snapshot");
+                    warn!(agent = %LogValue(&self.agent_id), version = nack.version, "agent refused a snapshot");
                 } else if let Some(hash) = self.answers_earlier_push(&nack.nonce, nack.version) {
                     // A push sent before the last one, refused: shown and counted as any
                     // refusal (it is the agent's last answer), and only its first answer
@@ -1112,17 +1112,17 @@ impl AgentStream {
                         &nack.error,
                     );
                     ctx.metrics.nacks.inc();
-                    warn!(agent = %OneLine(&self.agent_id), version = nack.version, "agent refused a snapshot");
+                    warn!(agent = %LogValue(&self.agent_id), version = nack.version, "agent refused a snapshot");
                 } else {
                     ctx.fleet.seen(&self.agent_id, self.generation);
-                    debug!(agent = %OneLine(&self.agent_id), version = nack.version, nonce = %OneLine(&nack.nonce), "NACK ignored: not the first answer to a snapshot sent");
+                    debug!(agent = %LogValue(&self.agent_id), version = nack.version, nonce = %LogValue(&nack.nonce), "NACK ignored: not the first answer to a snapshot sent");
                 }
             }
             Some(Kind::Metrics(report)) => return self.on_report(&report),
             // The agent is there (it was heard above); nothing to answer.
             Some(Kind::Keepalive(_)) => ctx.fleet.seen(&self.agent_id, self.generation),
             Some(Kind::Hello(_)) => {
-                warn!(agent = %OneLine(&self.agent_id), "ending an agent stream: the agent sent a second Hello");
+                warn!(agent = %LogValue(&self.agent_id), "ending an agent stream: the agent sent a second Hello");
                 return Next::End(Some(Status::invalid_argument(
                     "Hello may only be the first message",
                 )));
@@ -1132,7 +1132,7 @@ impl AgentStream {
             // fields want, so that agents can be upgraded first.
             None => {
                 ctx.fleet.seen(&self.agent_id, self.generation);
-                debug!(agent = %OneLine(&self.agent_id), "a message of a kind this control plane does not know; ignored");
+                debug!(agent = %LogValue(&self.agent_id), "a message of a kind this control plane does not know; ignored");
             }
         }
         Next::Continue
@@ -1164,8 +1164,8 @@ impl AgentStream {
                      could make over its window; those entries were left out"
                 };
                 warn!(
-                    agent = %OneLine(&self.agent_id),
-                    endpoint = %OneLine(refused.first.unwrap_or_default()),
+                    agent = %LogValue(&self.agent_id),
+                    endpoint = %LogValue(refused.first.unwrap_or_default()),
                     entries = refused.count,
                     "a metrics report {why} (this stream logs it once; \
                      retryplane_server_report_endpoints_implausible_total counts them)"
@@ -1213,7 +1213,7 @@ impl AgentStream {
             }
             ReportVerdict::Duplicate => {
                 ctx.metrics.reports_duplicate.inc();
-                debug!(agent = %OneLine(&self.agent_id), seq = report.seq, "metrics report already counted");
+                debug!(agent = %LogValue(&self.agent_id), seq = report.seq, "metrics report already counted");
                 false
             }
             ReportVerdict::Refused => {
@@ -1222,7 +1222,7 @@ impl AgentStream {
             }
             // Dropped once already: answered as such, not counted as dropped again.
             ReportVerdict::RefusedBefore => {
-                debug!(agent = %OneLine(&self.agent_id), seq = report.seq, "metrics report refused before, sent again");
+                debug!(agent = %LogValue(&self.agent_id), seq = report.seq, "metrics report refused before, sent again");
                 true
             }
         };

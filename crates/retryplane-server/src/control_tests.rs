@@ -807,6 +807,33 @@ async fn lists_in_another_order_are_the_same_content_and_no_new_version() {
     assert_eq!(served(&control), 1);
 }
 
+/// An agent id with spaces and `=` (`web-1 service=payments`) is one field of the log line,
+/// not two.
+#[tokio::test]
+async fn an_agent_id_with_spaces_cannot_forge_fields_of_a_log_line() {
+    let (log, _guard) = crate::test_logs::capture("retryplane_server=info");
+    let (_gate, control, _) = on_v1().await;
+    let (addr, _stop) = serve(&control).await;
+    let hello = pb::Hello {
+        agent_id: "web-1 service=payments version=42".to_owned(),
+        service: "checkout".to_owned(),
+        ..Default::default()
+    };
+    let (_tx, _inbound) = connect_agent(addr, hello).await;
+    tokio::time::timeout(WAIT, async {
+        while !log.text().contains("agent connected") {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("the connection is logged");
+    let text = log.text();
+    assert!(
+        text.contains(r#"agent="web-1 service=payments version=42" service=checkout"#),
+        "{text}"
+    );
+}
+
 #[tokio::test]
 async fn an_agent_id_with_invisible_or_bidi_characters_is_logged_escaped() {
     let (log, _guard) = crate::test_logs::capture("retryplane_server=info");
@@ -827,7 +854,7 @@ async fn an_agent_id_with_invisible_or_bidi_characters_is_logged_escaped() {
     .expect("the connection is logged");
     let text = log.text();
     assert!(
-        text.contains(r"agent=pay\u{202e}tuo service=checkout\u{200b}"),
+        text.contains(r#"agent="pay\u{202e}tuo" service="checkout\u{200b}""#),
         "{text}"
     );
     assert!(

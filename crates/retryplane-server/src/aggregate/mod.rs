@@ -66,7 +66,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::Duration;
 
-use retryplane_policy::diag::OneLine;
+use retryplane_policy::diag::LogValue;
 use retryplane_proto::{pb, rank};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -501,9 +501,9 @@ impl Aggregator {
         if endpoints.len() >= self.max_per_service {
             if !svc.share_warned.swap(true, Ordering::Relaxed) {
                 warn!(
-                    service = %OneLine(&svc.name),
+                    service = %LogValue(&svc.name),
                     max_series_per_service = self.max_per_service,
-                    endpoint = %OneLine(truncated(endpoint)),
+                    endpoint = %LogValue(truncated(endpoint)),
                     "a service reports more endpoints than its share of metrics series: its \
                      further endpoints are counted in the \"other\" series (logged once per \
                      service; are its endpoint names made from URLs?)"
@@ -536,7 +536,7 @@ impl Aggregator {
         self.overflowed.of(why).fetch_add(1, Ordering::Relaxed);
         // The name comes from an agent: escaped, so a line break or an escape sequence in it
         // cannot forge a log line or drive a terminal.
-        let endpoint = OneLine(truncated(endpoint));
+        let endpoint = LogValue(truncated(endpoint));
         match why {
             Overflow::BadName if !self.bad_name_warned.swap(true, Ordering::Relaxed) => warn!(
                 %endpoint,

@@ -24,7 +24,7 @@
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
-use retryplane_policy::diag::OneLine;
+use retryplane_policy::diag::LogValue;
 use retryplane_proto::pb;
 use tokio::time::Instant;
 use tracing::{info, warn};
@@ -379,8 +379,8 @@ impl Series {
                 threshold,
                 calls,
             } => warn!(
-                endpoint = %OneLine(&self.endpoint),
-                service = %OneLine(&self.service),
+                endpoint = %LogValue(&self.endpoint),
+                service = %LogValue(&self.service),
                 ratio,
                 threshold,
                 calls,
@@ -393,8 +393,8 @@ impl Series {
                 threshold,
                 calls,
             } if ratio > threshold => info!(
-                endpoint = %OneLine(&self.endpoint),
-                service = %OneLine(&self.service),
+                endpoint = %LogValue(&self.endpoint),
+                service = %LogValue(&self.service),
                 ratio,
                 threshold,
                 calls,
@@ -407,8 +407,8 @@ impl Series {
                 threshold,
                 calls,
             } => info!(
-                endpoint = %OneLine(&self.endpoint),
-                service = %OneLine(&self.service),
+                endpoint = %LogValue(&self.endpoint),
+                service = %LogValue(&self.service),
                 ratio,
                 threshold,
                 calls,
