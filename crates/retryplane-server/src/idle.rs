@@ -14,7 +14,8 @@
 //! (a request's head that is never finished; the listener serves small GETs, answered in well
 //! under a second), and the listener holds at most [`MAX_CONNECTIONS`] at once: past them it
 //! accepts the next once one closes (the rest wait in the kernel's queue, holding no
-//! descriptor of the process).
+//! descriptor of the process). And a write its client leaves unread for [`WRITE_STALL`] fails,
+//! closing the connection: the answer it held (a `/metrics` page) is let go.
 
 use std::io;
 use std::net::SocketAddr;
@@ -35,6 +36,11 @@ pub(crate) const IDLE: Duration = Duration::from_secs(90);
 /// How long bytes a client sent may go without an answer before its connection reads as
 /// closed: a request's head sent a byte at a time, or never finished.
 pub(crate) const UNANSWERED: Duration = Duration::from_secs(30);
+
+/// How long a write may wait for its client to read before the connection is closed: a client
+/// that asks for `/metrics` and never reads held a rendered copy (megabytes with thousands of
+/// series) until the idle close.
+pub(crate) const WRITE_STALL: Duration = Duration::from_secs(10);
 
 /// The most connections the HTTP listener holds at once (scrapers and health probes: a few).
 pub(crate) const MAX_CONNECTIONS: usize = 256;
@@ -88,6 +94,8 @@ pub(crate) struct Idle<S> {
     /// Fires [`UNANSWERED`] after the first byte read since the last one written; none while
     /// nothing read waits for an answer.
     unanswered: Option<Pin<Box<Sleep>>>,
+    /// Fires [`WRITE_STALL`] after a write first found no room; none while writes go through.
+    stalled: Option<Pin<Box<Sleep>>>,
     /// It fired: every read from now on is end of stream.
     closed: bool,
     /// The listener's count of open connections, given back when this one is dropped.
@@ -100,6 +108,7 @@ impl<S> Idle<S> {
             inner,
             quiet: Box::pin(tokio::time::sleep(IDLE)),
             unanswered: None,
+            stalled: None,
             closed: false,
             permit: None,
         }
@@ -118,11 +127,30 @@ impl<S> Idle<S> {
     }
 
     /// `polled`, a write's result, after counting bytes written as activity and as the answer
-    /// to what was read.
-    fn wrote(&mut self, polled: Poll<io::Result<usize>>) -> Poll<io::Result<usize>> {
-        if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
-            self.active();
-            self.unanswered = None;
+    /// to what was read; a write that has found no room for [`WRITE_STALL`] fails.
+    fn wrote(
+        &mut self,
+        cx: &mut Context<'_>,
+        polled: Poll<io::Result<usize>>,
+    ) -> Poll<io::Result<usize>> {
+        match polled {
+            Poll::Pending => {
+                let stalled = self
+                    .stalled
+                    .get_or_insert_with(|| Box::pin(tokio::time::sleep(WRITE_STALL)));
+                if stalled.as_mut().poll(cx).is_ready() {
+                    return Poll::Ready(Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "the client read nothing of the answer for 10 s",
+                    )));
+                }
+            }
+            Poll::Ready(Ok(n)) if n > 0 => {
+                self.active();
+                self.unanswered = None;
+                self.stalled = None;
+            }
+            Poll::Ready(_) => {}
         }
         polled
     }
@@ -172,7 +200,7 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Idle<S> {
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
         let polled = Pin::new(&mut this.inner).poll_write(cx, buf);
-        this.wrote(polled)
+        this.wrote(cx, polled)
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -190,7 +218,7 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Idle<S> {
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
         let polled = Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
-        this.wrote(polled)
+        this.wrote(cx, polled)
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -272,6 +300,36 @@ mod tests {
         assert_eq!(read, 3, "bytes at 0, 10 and 20 s");
         writer.abort();
         assert_eq!(server.read(&mut buf).await.unwrap(), 0, "still closed");
+    }
+
+    /// An answer its client does not read fails its write [`WRITE_STALL`] after the write first
+    /// found no room, and the connection goes with it; one read slowly goes on.
+    #[tokio::test(start_paused = true)]
+    async fn a_write_its_client_does_not_read_fails_after_the_stall_time() {
+        // The client end is kept, never read.
+        let (server, _client) = tokio::io::duplex(64);
+        let mut server = Idle::new(server);
+        let answer = vec![b'x'; 4096];
+        let began = Instant::now();
+        let err = tokio::time::timeout(WRITE_STALL * 3, server.write_all(&answer))
+            .await
+            .expect("the write still waits")
+            .unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut);
+        assert_eq!(began.elapsed(), WRITE_STALL);
+        // Read a little every 5 s: never stalled for the whole time.
+        let (server, mut client) = tokio::io::duplex(64);
+        let mut server = Idle::new(server);
+        let reader = tokio::spawn(async move {
+            let mut buf = [0u8; 64];
+            let mut read = 0;
+            while read < 4096 {
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                read += client.read(&mut buf).await.unwrap();
+            }
+        });
+        server.write_all(&answer).await.unwrap();
+        reader.await.unwrap();
     }
 
     /// Past its limit the listener accepts the next connection once one is closed.
