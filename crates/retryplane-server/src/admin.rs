@@ -363,13 +363,24 @@ fn change_status(e: ChangeError, file_mode: bool) -> Status {
             };
             Status::failed_precondition(removes_everything_message(&names, after))
         }
-        ChangeError::Conflict { expected, current } => Status::aborted(format!(
-            "version conflict: expected {}, but the current version is {current}; \
-             get the current version and retry",
+        ChangeError::Conflict {
+            expected,
+            current,
+            holds_it,
+        } => Status::aborted(format!(
+            "version conflict: expected {}, but the current version is {current}; {}",
             if expected == 0 {
                 "an empty store (no version yet)".to_owned()
             } else {
                 format!("version {expected} to be current")
+            },
+            if holds_it {
+                format!(
+                    "version {current} already holds this content (was this change stored \
+                     before its answer was lost?): there is nothing to apply"
+                )
+            } else {
+                "get the current version and retry".to_owned()
             }
         )),
         ChangeError::Store(StoreError::NoSuchVersion { version }) => {

@@ -237,6 +237,42 @@ async fn a_stale_expected_version_is_aborted() {
     assert_eq!(apply(&api, current).await.unwrap().version, 3);
 }
 
+/// A change sent again after its answer was lost (a CI job's retry after `UNAVAILABLE`), with
+/// the expected version it had: still a conflict, whose message says the current version holds
+/// this content, not that someone else changed the policies.
+#[tokio::test]
+async fn a_conflict_with_a_version_holding_the_same_content_says_so() {
+    let api = api(Mode::Api);
+    apply(&api, apply_request(V1)).await.unwrap();
+    let change = || pb::ApplyRequest {
+        expected_version: Some(1),
+        ..apply_request(V2)
+    };
+    assert_eq!(apply(&api, change()).await.unwrap().version, 2);
+    let again = apply(&api, change()).await.unwrap_err();
+    assert_eq!(again.code(), Code::Aborted);
+    assert!(
+        again
+            .message()
+            .contains("version 2 already holds this content"),
+        "{}",
+        again.message()
+    );
+    // Another content: the plain conflict.
+    let other = pb::ApplyRequest {
+        expected_version: Some(1),
+        ..apply_request(OTHER)
+    };
+    let status = apply(&api, other).await.unwrap_err();
+    assert!(
+        status
+            .message()
+            .ends_with("get the current version and retry"),
+        "{}",
+        status.message()
+    );
+}
+
 #[tokio::test]
 async fn expected_version_zero_applies_only_to_an_empty_store() {
     let api = api(Mode::Api);

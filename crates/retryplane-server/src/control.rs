@@ -126,6 +126,9 @@ pub enum ChangeError {
         expected: u64,
         /// What is current.
         current: u64,
+        /// The current version holds the content of the change (a change sent again after
+        /// its answer was lost, which was stored the first time).
+        holds_it: bool,
     },
     /// The store failed and the change was not stored; its message and causes are the store
     /// error's own, so a log line or a start-up error that prints the chain
@@ -146,9 +149,11 @@ pub enum ChangeError {
 impl From<StoreError> for ChangeError {
     fn from(e: StoreError) -> Self {
         match e {
-            StoreError::Conflict { expected, current } => {
-                ChangeError::Conflict { expected, current }
-            }
+            StoreError::Conflict { expected, current } => ChangeError::Conflict {
+                expected,
+                current,
+                holds_it: false,
+            },
             other => ChangeError::Store(other),
         }
     }
@@ -407,6 +412,9 @@ impl ControlPlane {
                     return Err(ChangeError::Conflict {
                         expected,
                         current: current_version,
+                        holds_it: current
+                            .as_ref()
+                            .is_some_and(|c| c.meta.content_hash == content_hash),
                     });
                 }
                 let stored = current

@@ -402,7 +402,8 @@ async fn a_dry_run_on_an_empty_store_with_an_expected_version_is_a_conflict_as_t
                 refused,
                 ChangeError::Conflict {
                     expected: 3,
-                    current: 0
+                    current: 0,
+                    holds_it: false
                 }
             ),
             "dry run {dry_run}: {refused:?}"
