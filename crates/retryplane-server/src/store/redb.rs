@@ -748,6 +748,10 @@ fn refuse_blank(path: &Path) -> Result<(), StoreError> {
     })
 }
 
+/// What a store file that cannot be read as one leaves its operator to do.
+const WHAT_TO_DO: &str = "retryplane does not repair it. Restore it from a backup, or, to start \
+                          a new, empty store, move it aside";
+
 /// The error of an open of `path` in `dir` that failed.
 fn open_error(dir: &Path, path: &Path, error: DatabaseError) -> StoreError {
     match error {
@@ -759,14 +763,17 @@ fn open_error(dir: &Path, path: &Path, error: DatabaseError) -> StoreError {
         DatabaseError::Storage(StorageError::Io(error))
             if error.kind() == std::io::ErrorKind::InvalidData =>
         {
-            StoreError::Corrupt(format!("{} is not a redb file: {error}", path.display()))
+            StoreError::Corrupt(format!(
+                "{} is not a redb file: {error}; {WHAT_TO_DO}",
+                path.display()
+            ))
         }
         // A file cut short inside redb's header (it reads the header whole).
         DatabaseError::Storage(StorageError::Io(error))
             if error.kind() == std::io::ErrorKind::UnexpectedEof =>
         {
             StoreError::Corrupt(format!(
-                "{} is truncated: shorter than a redb file's header ({error})",
+                "{} is truncated: shorter than a redb file's header ({error}); {WHAT_TO_DO}",
                 path.display()
             ))
         }
@@ -777,8 +784,7 @@ fn open_error(dir: &Path, path: &Path, error: DatabaseError) -> StoreError {
         // redb's own words name neither the file nor what to do.
         other => match backend(other) {
             StoreError::Corrupt(message) => StoreError::Corrupt(format!(
-                "{} is damaged ({message}); retryplane does not repair it. Restore it from a \
-                 backup, or, to start a new, empty store, move it aside",
+                "{} is damaged ({message}); {WHAT_TO_DO}",
                 path.display()
             )),
             other => other,
