@@ -659,12 +659,20 @@ fn an_empty_retryplane_server_is_the_default_server() {
             .output()
             .unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
-        // No complaint about the URL (each names `--server`). Nothing listens on the default
-        // address, usually: then the command names it; a control plane that does answers.
-        assert!(!stderr.contains("--server"), "{args:?}: {stderr}");
+        // No complaint about the URL (each names `--server URL:`). Nothing listens on the
+        // default address, usually: then the command names it as the default; a control plane
+        // that does answers.
+        assert!(
+            !stderr.contains("--server http") && !stderr.contains("--server:"),
+            "{args:?}: {stderr}"
+        );
         if stderr.contains("cannot connect") {
             assert!(
-                stderr.contains("cannot connect to http://127.0.0.1:7471"),
+                stderr.contains(
+                    "cannot connect to http://127.0.0.1:7471 (the default address: \
+                                 give the control plane's admin address with --server or \
+                                 RETRYPLANE_SERVER)"
+                ),
                 "{args:?}: {stderr}"
             );
         }
@@ -750,6 +758,8 @@ fn a_missing_or_unknown_token_says_how_to_give_one() {
     }
 }
 
+/// An unreachable server exits 2, and a message naming an address the command line does not
+/// show says where it came from (a `RETRYPLANE_SERVER` left set points every command elsewhere).
 #[test]
 fn an_unreachable_server_exits_2() {
     let url = dead_server();
@@ -759,8 +769,23 @@ fn an_unreachable_server_exits_2() {
         .code(2)
         .stdout("")
         .stderr(predicate::str::contains(format!(
-            "retryplane: error: cannot connect to {url}"
+            "retryplane: error: cannot connect to {url} (from RETRYPLANE_SERVER): "
         )));
+    cli(&["status", "--server", &url])
+        .env("RETRYPLANE_SERVER", "http://127.0.0.1:1")
+        .assert()
+        .code(2)
+        .stderr(predicate::str::contains(format!(
+            "retryplane: error: cannot connect to {url}: "
+        )));
+    cli(&["status"])
+        .env("RETRYPLANE_SERVER", "::garbage")
+        .assert()
+        .code(2)
+        .stderr(predicate::str::contains(
+            "retryplane: error: the control plane's address comes from RETRYPLANE_SERVER: \
+             --server http://::garbage: not a valid URL",
+        ));
 }
 
 /// A loopback server that is not a gRPC one: each connection gets an HTTP/1.1 answer to

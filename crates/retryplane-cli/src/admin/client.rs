@@ -36,7 +36,7 @@ impl Client {
             .endpoint
             .connect()
             .await
-            .with_context(|| format!("cannot connect to {}", server.url))?;
+            .with_context(|| format!("cannot connect to {}{}", server.url, server.origin))?;
         Ok(Self {
             inner: AdminServiceClient::new(channel).max_decoding_message_size(MAX_RESPONSE_BYTES),
             authorization: server.authorization.clone(),

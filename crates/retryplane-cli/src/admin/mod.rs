@@ -153,11 +153,20 @@ pub struct Server {
     /// password of its userinfo, if any, is `***`, and its query is cut
     /// ([`crate::shown::without_query`]).
     pub url: String,
+    /// Where the URL came from when the command line does not show it, for the message of a
+    /// failed connect ([`ORIGIN_VARIABLE`], [`ORIGIN_DEFAULT`]); empty for `--server`.
+    pub origin: &'static str,
     /// The endpoint with its timeouts.
     endpoint: Endpoint,
     /// `Bearer TOKEN`, marked sensitive so that it is never shown.
     authorization: Option<MetadataValue<Ascii>>,
 }
+
+/// [`Server::origin`] of a URL from `RETRYPLANE_SERVER`.
+pub const ORIGIN_VARIABLE: &str = " (from RETRYPLANE_SERVER)";
+
+/// [`Server::origin`] of the default URL.
+pub const ORIGIN_DEFAULT: &str = " (the default address: give the control plane's admin address with --server or RETRYPLANE_SERVER)";
 
 /// The admin listener's port of `retryplane serve`, used when `--server` names none.
 const DEFAULT_PORT: u16 = 7471;
@@ -296,29 +305,46 @@ impl TryFrom<ServerArgs> for Server {
 
     fn try_from(args: ServerArgs) -> anyhow::Result<Self> {
         // An empty value counts as not given, in the flag and in the variable.
-        let url = match flag_or_env(args.server, "RETRYPLANE_SERVER")? {
-            None => DEFAULT_SERVER.to_owned(),
-            Some(server) => with_scheme(server),
-        };
-        if !url.starts_with("http://") {
-            bail!(
-                "--server {}: only http:// is supported (TLS on the admin listener comes later)",
-                crate::shown::without_query(&url)
-            );
-        }
+        let from_flag = args
+            .server
+            .as_deref()
+            .is_some_and(|s| !s.trim_ascii().is_empty());
         let token_hint = "give the admin token with --token or RETRYPLANE_TOKEN";
-        no_at_after_host(&url, token_hint)?;
-        let url = with_default_port(url, DEFAULT_PORT)?;
-        let shown = crate::shown::without_query(&url);
-        let (url, had_userinfo) = without_userinfo(&url);
-        if had_userinfo {
-            userinfo_not_used(token_hint);
-        }
-        path_not_used(&url);
-        let endpoint = Endpoint::from_shared(url)
-            .with_context(|| format!("--server {shown}: not a valid URL"))?
-            .connect_timeout(CONNECT_TIMEOUT)
-            .timeout(REQUEST_TIMEOUT);
+        let (url, origin) = match flag_or_env(args.server, "RETRYPLANE_SERVER")? {
+            None => (DEFAULT_SERVER.to_owned(), ORIGIN_DEFAULT),
+            Some(server) if from_flag => (with_scheme(server), ""),
+            Some(server) => (with_scheme(server), ORIGIN_VARIABLE),
+        };
+        let address = || -> anyhow::Result<(String, Endpoint)> {
+            if !url.starts_with("http://") {
+                bail!(
+                    "--server {}: only http:// is supported (TLS on the admin listener comes \
+                     later)",
+                    crate::shown::without_query(&url)
+                );
+            }
+            no_at_after_host(&url, token_hint)?;
+            let url = with_default_port(url.clone(), DEFAULT_PORT)?;
+            let shown = crate::shown::without_query(&url);
+            let (url, had_userinfo) = without_userinfo(&url);
+            if had_userinfo {
+                userinfo_not_used(token_hint);
+            }
+            path_not_used(&url);
+            let endpoint = Endpoint::from_shared(url)
+                .with_context(|| format!("--server {shown}: not a valid URL"))?
+                .connect_timeout(CONNECT_TIMEOUT)
+                .timeout(REQUEST_TIMEOUT);
+            Ok((shown, endpoint))
+        };
+        // A URL the command line does not show is said to come from the variable.
+        let (shown, endpoint) = address().map_err(|e| {
+            if origin == ORIGIN_VARIABLE {
+                e.context("the control plane's address comes from RETRYPLANE_SERVER")
+            } else {
+                e
+            }
+        })?;
         let authorization = match Token::from_flag_or_env(args.token, "RETRYPLANE_TOKEN")? {
             None => None,
             Some(Token(token)) => {
@@ -344,6 +370,7 @@ impl TryFrom<ServerArgs> for Server {
         };
         Ok(Self {
             url: shown,
+            origin,
             endpoint,
             authorization,
         })
