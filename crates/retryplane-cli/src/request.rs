@@ -718,11 +718,15 @@ async fn call(agent: &Agent, s: &Settings) -> anyhow::Result<Summary> {
     on_interrupt.abort();
     let elapsed = started.elapsed();
     let mut attempts = records.take();
+    // Whether the cancellation cut an attempt (not a pause): the call's final status is then
+    // that attempt's, none, not the answer it kept from the attempt before.
+    let mut cut = false;
     if matches!(&result, Err(e) if e.cause == Cause::Cancelled)
         && running.get().is_some_and(|limit| Instant::now() < limit)
         && let Some(last) = attempts.last_mut()
     {
         last.error = Some(report::CANCELLED);
+        cut = true;
     }
     Ok(match result {
         Ok(response) => Summary {
@@ -742,7 +746,7 @@ async fn call(agent: &Agent, s: &Settings) -> anyhow::Result<Summary> {
             Summary {
                 success: false,
                 cause: Some(e.cause.to_string()),
-                status: e.response().map(|r| r.status().as_u16()),
+                status: e.response().filter(|_| !cut).map(|r| r.status().as_u16()),
                 attempts,
                 elapsed,
             }

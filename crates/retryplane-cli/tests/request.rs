@@ -1402,3 +1402,69 @@ fn ctrl_c_cancels_the_call_and_prints_its_outcome() {
         "{v}"
     );
 }
+
+/// Ctrl-C during a retry, after a first attempt answered 503: the call's final status is the
+/// cut attempt's, none (SPEC §5: "final HTTP status or null"), not the 503 the call kept.
+#[cfg(unix)]
+#[test]
+fn ctrl_c_during_a_retry_leaves_no_final_status() {
+    use std::io::{Read as _, Write as _};
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    let dir = TempDir::new().unwrap();
+    let policy = dir.path().join("p.yaml");
+    fs::write(
+        &policy,
+        "version: 1\nendpoints:\n  api:\n    deadline: 60s\n    per_try_timeout: 50s\n    backoff: {base: 10ms, max: 10ms, jitter: none}\n",
+    )
+    .unwrap();
+    // The first request gets a 503 (its connection closed), the second is held.
+    let upstream = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let up_addr = upstream.local_addr().unwrap();
+    let (arrived_tx, arrived) = mpsc::channel();
+    let holder = std::thread::spawn(move || {
+        let (mut first, _) = upstream.accept().unwrap();
+        let mut buf = [0u8; 4096];
+        let _ = first.read(&mut buf).unwrap();
+        first
+            .write_all(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+            .unwrap();
+        drop(first);
+        let (mut second, _) = upstream.accept().unwrap();
+        arrived_tx.send(()).unwrap();
+        second
+            .set_read_timeout(Some(Duration::from_secs(30)))
+            .unwrap();
+        let _ = std::io::copy(&mut second, &mut std::io::sink());
+    });
+    let child = support::cli_process(&[
+        "request",
+        "--endpoint",
+        "api",
+        "--output",
+        "json",
+        "--policy",
+    ])
+    .arg(&policy)
+    .arg(format!("http://{up_addr}/"))
+    .spawn()
+    .unwrap();
+    arrived
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the retry reaches the upstream");
+    let killed = std::process::Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let out = child.wait_with_output().unwrap();
+    holder.join().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["cause"], "cancelled", "{v}");
+    assert_eq!(v["status"], Value::Null, "{v}");
+    assert_eq!(v["attempts"][0]["status"], 503, "{v}");
+    assert_eq!(v["attempts"][1]["status"], Value::Null, "{v}");
+}
