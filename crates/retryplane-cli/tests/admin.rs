@@ -370,6 +370,22 @@ fn history_reads_every_page_of_a_long_history() {
         VERSIONS + 1,
         "header and every version"
     );
+    // Read on from a version: those older than it, across pages too.
+    assert_eq!(
+        versions(&["--before", "1203", "--limit", "2"]),
+        [1202, 1201]
+    );
+    assert_eq!(
+        versions(&["--before", "1102"]),
+        (1..=1101).rev().collect::<Vec<_>>()
+    );
+    assert!(versions(&["--before", "1"]).is_empty());
+    server
+        .retryplane(&["history", "--before", "1"])
+        .assert()
+        .code(0)
+        .stdout("")
+        .stderr(predicate::str::contains("no version older than 1"));
 }
 
 #[test]

@@ -1,4 +1,5 @@
-//! `retryplane history [--limit N]`: every stored version, newest first.
+//! `retryplane history [--limit N] [--before VERSION]`: every stored version, newest first
+//! (with `--before`, only those older than that version).
 //!
 //! Text: a table of `VERSION CREATED SOURCE AUTHOR HASH SUMMARY`, the time in UTC (RFC 3339),
 //! the source `file`, `admin` or `rollback(vN)` (the version whose content was restored), `-`
@@ -24,6 +25,9 @@ pub struct Args {
     /// Only the N newest versions.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     limit: Option<u32>,
+    /// Only versions older than this one (to read on from the last version listed).
+    #[arg(long, value_name = "VERSION", value_parser = clap::value_parser!(u64).range(1..))]
+    before: Option<u64>,
     /// Output format.
     #[arg(long, value_enum, default_value_t, alias = "format")]
     output: Format,
@@ -36,6 +40,8 @@ pub struct Args {
 pub struct Settings {
     /// At most this many versions; `None` for all.
     pub limit: Option<u32>,
+    /// Only versions older than this one; `None` from the newest.
+    pub before: Option<u64>,
     /// Output format.
     pub format: Format,
     /// The control plane.
@@ -48,6 +54,7 @@ impl TryFrom<Args> for Settings {
     fn try_from(args: Args) -> anyhow::Result<Self> {
         Ok(Self {
             limit: args.limit,
+            before: args.before,
             format: args.output,
             server: args.server.try_into()?,
         })
@@ -59,7 +66,7 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
     block_on(async {
         let mut client = Client::connect(&settings.server).await?;
         let mut versions: Vec<pb::VersionInfo> = Vec::new();
-        let mut before = 0;
+        let mut before = settings.before.unwrap_or(0);
         loop {
             let sent = u32::try_from(versions.len()).unwrap_or(u32::MAX);
             let request = pb::HistoryRequest {
@@ -93,7 +100,10 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
                 output::json(&all)?
             }
             Format::Text if versions.is_empty() => {
-                output::note(format_args!("no versions stored yet"));
+                match settings.before {
+                    Some(before) => output::note(format_args!("no version older than {before}")),
+                    None => output::note(format_args!("no versions stored yet")),
+                }
                 String::new()
             }
             Format::Text => table(&versions),
