@@ -54,15 +54,21 @@ pub fn push_diagnostic_line(out: &mut String, file: &str, diag: &Diagnostic) {
 pub use retryplane_policy::diag::OneLine;
 
 /// A name an agent sent (agent id, service, endpoint), for a terminal: control characters
-/// escaped ([`OneLine`]), so it stays in its cell and cannot move the cursor or change colours.
+/// escaped, so it stays in its cell and cannot move the cursor or change colours, and in
+/// double quotes when it is not a plain word ([`LogValue`]: white space, `"`, `\\`, an escaped
+/// character), so that `web 1` reads as one name and a name spelling out `\u{202e}` is told
+/// from the character. Empty stays empty (a cell shows `-`).
 pub fn name(s: &str) -> String {
-    OneLine(s).to_string()
+    if s.is_empty() {
+        return String::new();
+    }
+    retryplane_policy::diag::LogValue(s).to_string()
 }
 
 /// Free text an agent sent (a NACK's error, a label), on one line: runs of white space become
 /// one space, other control characters are escaped ([`OneLine`]).
 pub fn spaced(s: &str) -> String {
-    name(&s.split_whitespace().collect::<Vec<_>>().join(" "))
+    OneLine(&s.split_whitespace().collect::<Vec<_>>().join(" ")).to_string()
 }
 
 /// One diagnostic as JSON: `{file, line, column, severity, path, message}` (SPEC §5).
@@ -247,6 +253,17 @@ mod tests {
         );
         let json = serde_json::to_value(JsonDiagnostic::new("f.yaml", &d)).unwrap();
         assert_eq!((&json["line"], &json["column"]), (&json!(3), &json!(5)));
+    }
+
+    #[test]
+    fn a_name_is_quoted_unless_it_is_a_plain_word() {
+        assert_eq!(name("checkout-1"), "checkout-1");
+        assert_eq!(name(""), "");
+        assert_eq!(name("spaces agent  x"), "\"spaces agent  x\"");
+        assert_eq!(name("a\u{1b}[2J"), "\"a\\u{1b}[2J\"");
+        assert_eq!(name("\\u{202e}"), "\"\\\\u{202e}\"");
+        // Free text keeps its spaces unquoted.
+        assert_eq!(spaced("bad  value\n here"), "bad value here");
     }
 
     #[test]

@@ -440,12 +440,15 @@ payments   10000      700    7.0%      90.0%          950  att:50      2m05s
         r.endpoints[0].endpoint = "inv\r\nentory".to_owned();
         let out = text(&r, Window::FiveMinutes);
         assert!(!out.contains('\u{1b}') && !out.contains('\r'), "{out}");
-        assert!(out.contains("check\\u{1b}[2Jout  ep\\u{1b}[31mX"), "{out}");
-        assert!(out.contains("\ninv\\r\\nentory  "), "{out}");
+        assert!(
+            out.contains(r#""check\u{1b}[2Jout"  "ep\u{1b}[31mX""#),
+            "{out}"
+        );
+        assert!(out.contains("\n\"inv\\r\\nentory\"  "), "{out}");
         let alerts = metrics::alert_lines(&r);
         assert_eq!(
             alerts,
-            ["ep\\u{1b}[31mX (check\\u{1b}[2Jout) retry ratio 7.2% > 5.0% over 5m"]
+            [r#""ep\u{1b}[31mX" ("check\u{1b}[2Jout") retry ratio 7.2% > 5.0% over 5m"#]
         );
         // JSON keeps the names as sent: its encoding escapes them.
         assert_eq!(stats_json(&r)["series"][0]["endpoint"], "ep\u{1b}[31mX");

@@ -422,7 +422,7 @@ z      checkout  -                                    127.0.0.1:50000  disconnec
         );
         let row = out.lines().nth(1).unwrap_or_default();
         assert!(
-            row.starts_with("a\\u{1b}[2J  svc\\u{1b}]0;title\\u{7}  -  "),
+            row.starts_with(r#""a\u{1b}[2J"  "svc\u{1b}]0;title\u{7}"  -  "#),
             "{out}"
         );
         assert!(row.contains("  bad\\u{1b}[31m red next  "), "{out}");

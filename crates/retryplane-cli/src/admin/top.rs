@@ -853,7 +853,7 @@ mod tests {
         let all = lines.join("\n");
         assert!(!all.contains('\u{1b}') && !all.contains('\u{7}'), "{all}");
         assert!(
-            all.contains("ep\\u{1b}[31mX  svc\\u{1b}]0;x\\u{7}"),
+            all.contains(r#""ep\u{1b}[31mX"  "svc\u{1b}]0;x\u{7}""#),
             "{all}"
         );
     }
