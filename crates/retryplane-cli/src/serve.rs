@@ -391,9 +391,20 @@ async fn serve(settings: ServeConfig) -> anyhow::Result<()> {
         tokio::select! {
             stopped = running.wait() => break Some(stopped),
             () = terminated.recv() => break None,
-            // `reload_tokens` logs the outcome; a bad file keeps the tokens in force.
+            // The reload logs its outcome; a bad file keeps the tokens in force. The file is
+            // read on a thread of its own, not waited for here: a read that does not end (a
+            // file on a network mount that does not answer) must not keep this loop from
+            // SIGTERM. (A thread, not `spawn_blocking`: the runtime's end would wait for it.)
             () = hangups.recv() => {
-                let _ = running.reload_tokens();
+                let reload = running.tokens_reload();
+                let spawned = std::thread::Builder::new()
+                    .name("tokens-reload".to_owned())
+                    .spawn(move || {
+                        let _ = reload();
+                    });
+                if let Err(e) = spawned {
+                    warn!(error = %e, "cannot start a thread to read the tokens file; the tokens in force stay");
+                }
             }
         }
     };

@@ -449,34 +449,54 @@ async fn serving_once_published(
     }
 }
 
+/// Reads the tokens file of `tokens` again (see [`Running::reload_tokens`]), renaming the
+/// fleet's tokens in `control` after a rename. Logs the outcome.
+fn reload_tokens(
+    tokens: Option<&TokenSet>,
+    control: &ControlPlane,
+) -> Result<Option<usize>, TokensError> {
+    let Some(tokens) = tokens else {
+        info!("no tokens file to reload: authentication is off");
+        return Ok(None);
+    };
+    match tokens.reload() {
+        Ok(count) => {
+            let current = tokens.current();
+            control
+                .fleet
+                .rename_tokens(|digest| current.name_of_digest(digest));
+            info!(file = %tokens.file().display(), tokens = count, "tokens file reloaded");
+            Ok(Some(count))
+        }
+        Err(e) => {
+            error!(
+                error = %crate::ErrorChain(&e),
+                tokens = tokens.current().len(),
+                "tokens file not reloaded; the tokens in force stay"
+            );
+            Err(e)
+        }
+    }
+}
+
 impl Running {
     /// Reads the tokens file again and puts its tokens in force ([`TokenSet::reload`]): a
     /// token added, rotated or removed takes effect without a restart, and agent streams whose
     /// secret is gone end. `Ok(None)` without a tokens file (there is nothing to reload); `Err`
     /// when the file cannot be used, and the tokens in force stay. Logs the outcome.
     pub fn reload_tokens(&self) -> Result<Option<usize>, TokensError> {
-        let Some(tokens) = &self.tokens else {
-            info!("no tokens file to reload: authentication is off");
-            return Ok(None);
-        };
-        match tokens.reload() {
-            Ok(count) => {
-                let current = tokens.current();
-                self.control
-                    .fleet
-                    .rename_tokens(|digest| current.name_of_digest(digest));
-                info!(file = %tokens.file().display(), tokens = count, "tokens file reloaded");
-                Ok(Some(count))
-            }
-            Err(e) => {
-                error!(
-                    error = %crate::ErrorChain(&e),
-                    tokens = tokens.current().len(),
-                    "tokens file not reloaded; the tokens in force stay"
-                );
-                Err(e)
-            }
-        }
+        self.tokens_reload()()
+    }
+
+    /// [`Running::reload_tokens`], to run later on another thread: the file is read on it (a
+    /// file on a network mount may not answer), so that the caller (the loop that waits for
+    /// SIGTERM) can give up waiting for it.
+    pub fn tokens_reload(
+        &self,
+    ) -> impl FnOnce() -> Result<Option<usize>, TokensError> + Send + 'static {
+        let tokens = self.tokens.clone();
+        let control = self.control.clone();
+        move || reload_tokens(tokens.as_deref(), &control)
     }
 
     /// The `agent_addr` field, for callers that prefer a method.
