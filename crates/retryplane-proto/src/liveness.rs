@@ -139,18 +139,23 @@ impl Life {
     /// starved of CPU, a frozen container): what the other side sent meanwhile may still wait
     /// unread in the socket, so it is given [`AFTER_STALL`] to be read before the stream is
     /// judged silent. (A control plane resumed after a pause ended three in four of its healthy
-    /// streams at once, and a whole fleet reconnected.)
+    /// streams at once, and a whole fleet reconnected.) Once per silence: a process stalled
+    /// again and again still ends a stream whose peer says nothing.
     pub async fn silent(&self, limit: Duration) {
         let mut not_before: Option<Instant> = None;
+        // When the other side was last heard as the grace was given.
+        let mut graced: Option<Instant> = None;
         loop {
-            let due = self.last_heard() + limit;
+            let heard = self.last_heard();
+            let due = heard + limit;
             let at = not_before.map_or(due, |t| due.max(t));
             if Instant::now() >= at {
                 return;
             }
             tokio::time::sleep_until(at).await;
             let woke = Instant::now();
-            if woke.saturating_duration_since(at) > STALL {
+            if woke.saturating_duration_since(at) > STALL && graced != Some(self.last_heard()) {
+                graced = Some(self.last_heard());
                 not_before = Some(woke + AFTER_STALL);
             }
         }
@@ -444,5 +449,17 @@ mod tests {
         tokio::time::advance(Duration::from_secs(15)).await;
         let resumed = Instant::now();
         assert_eq!(second.await.unwrap(), resumed + AFTER_STALL);
+        // Stalled again during the grace, with nothing heard: no second grace.
+        let life = Life::new(Instant::now());
+        let third = waiter(&life);
+        tokio::task::yield_now().await;
+        tokio::time::advance(Duration::from_secs(15)).await;
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        assert!(!third.is_finished());
+        tokio::time::advance(Duration::from_secs(15)).await;
+        let resumed = Instant::now();
+        assert_eq!(third.await.unwrap(), resumed, "graced once per silence");
     }
 }
