@@ -34,11 +34,30 @@ mod to_pb;
 pub use to_pb::{content_hash, lists_as_sets, unsigned_zeros};
 
 /// The most a wire document may hold, counted as the YAML reader counts a file's events at the
-/// least (two for each endpoint and route, a key and its value; one for each entry of a list:
-/// status codes, error classes, methods): what a policy file can hold
+/// least (two for each endpoint and route, each at least a key or an item and its value; one
+/// for each entry of a list: status codes, error classes, methods): what a policy file can hold
 /// ([`retryplane_policy::yaml::MAX_EVENTS`]). A document of bare endpoints within the message
 /// size limit held about 380,000, and checking it took about 440 MB.
 pub const MAX_ITEMS: usize = retryplane_policy::yaml::MAX_EVENTS;
+
+/// The error for a document sent to the control plane (`Validate`, `Apply`) that holds more
+/// than a policy file can ([`MAX_ITEMS`]); checked before it is converted. Not part of the
+/// conversion itself: a version stored before the limit, and a snapshot from a control plane
+/// without it, are still read.
+pub fn check_items(doc: &pb::PolicyDocument) -> Result<(), Diagnostic> {
+    let items = items(doc);
+    if items <= MAX_ITEMS {
+        return Ok(());
+    }
+    Err(Diagnostic::error(
+        Loc::UNKNOWN,
+        "<document>",
+        format!(
+            "the document is too large: {items} items (2 for each endpoint and route, 1 for \
+             each list entry); at most {MAX_ITEMS}, what a policy file can hold"
+        ),
+    ))
+}
 
 /// The size of `doc` as [`MAX_ITEMS`] counts it.
 fn items(doc: &pb::PolicyDocument) -> usize {
@@ -96,20 +115,6 @@ impl TryFrom<pb::PolicyDocument> for PolicyDocument {
     type Error = InvalidDocument;
 
     fn try_from(doc: pb::PolicyDocument) -> Result<Self, InvalidDocument> {
-        let items = items(&doc);
-        if items > MAX_ITEMS {
-            return Err(InvalidDocument {
-                errors: vec![Diagnostic::error(
-                    Loc::UNKNOWN,
-                    "<document>",
-                    format!(
-                        "the document is too large: {items} items (2 for each endpoint and \
-                         route, 1 for each list entry); at most {MAX_ITEMS}, what a policy file \
-                         can hold"
-                    ),
-                )],
-            });
-        }
         let mut c = Checker::default();
         let defaults = c.overlay(doc.defaults.unwrap_or_default(), "defaults");
         let mut first_at: HashMap<String, usize> = HashMap::new();

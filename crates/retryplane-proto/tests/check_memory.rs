@@ -16,8 +16,8 @@ use peak_rss::peak_rss;
 /// in memory, only for the repeats to be dropped as exact copies at the end (a typed document
 /// has no places): the check peaked at about 250 MB, and a 3.8 MB document at 1.2 GB, on the
 /// control plane and again on every agent it reaches (and at every agent's start, from its
-/// cache). Checking it must cost memory in proportion to the document, not 300 times it. (A
-/// wire document now holds at most as many list entries as a policy file can,
+/// cache). Checking it must cost memory in proportion to the document, not 300 times it. (The
+/// control plane now takes at most as many list entries as a policy file can hold,
 /// `convert::MAX_ITEMS`: 190,000 repeats here.)
 #[test]
 #[cfg(target_os = "linux")]

@@ -464,6 +464,11 @@ async fn validated(
             off_runtime(move || {
                 // Apply refuses a document too large for the agents before validating it;
                 // Validate reports that first and the validation's findings after it.
+                // More than a policy file can hold: not converted (its check would take
+                // hundreds of megabytes).
+                if let Err(too_many) = convert::check_items(&document) {
+                    return (false, vec![too_many]);
+                }
                 let too_large = too_large(&document, Loc::UNKNOWN);
                 let (valid, found) = match convert::validate(document) {
                     Ok((_, warnings)) => (true, warnings),
@@ -536,6 +541,10 @@ fn history_page(metas: &[VersionMeta], limit: usize) -> pb::HistoryResponse {
 async fn document_of(kind: Kind) -> Result<ChangeContent, Status> {
     match kind {
         Kind::Document(mut document) => {
+            // More than a policy file can hold: refused before anything else looks at it.
+            if let Err(too_many) = convert::check_items(&document) {
+                return Err(Status::invalid_argument(diagnostic_lines(&[too_many])));
+            }
             // A file reads `-0.0` as `0.0`; so does a document, or a change of a zero's sign
             // alone would get a new hash and version.
             let _ = convert::unsigned_zeros(&mut document);

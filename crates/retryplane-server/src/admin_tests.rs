@@ -555,6 +555,51 @@ async fn a_document_whose_snapshot_agents_cannot_decode_is_refused_and_stores_no
     );
 }
 
+/// A typed document holding more than a policy file can (`convert::MAX_ITEMS`) is refused by
+/// Apply and reported by Validate before it is converted, and nothing is stored.
+#[tokio::test]
+async fn a_document_holding_more_than_a_file_can_is_refused_before_it_is_checked() {
+    let api = api(Mode::Api);
+    let endpoints = (0..=retryplane_proto::convert::MAX_ITEMS / 2)
+        .map(|i| pb::Endpoint {
+            name: format!("e{i}"),
+            overlay: None,
+            routes: vec![],
+        })
+        .collect();
+    let source = Some(pb::PolicySource {
+        kind: Some(Kind::Document(pb::PolicyDocument {
+            defaults: None,
+            endpoints,
+        })),
+        origin: String::new(),
+    });
+    let refused = apply(
+        &api,
+        pb::ApplyRequest {
+            source: source.clone(),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(refused.code(), Code::InvalidArgument);
+    assert!(
+        refused.message().contains("the document is too large"),
+        "{}",
+        refused.message()
+    );
+    let checked = api
+        .validate(Request::new(pb::ValidateRequest { source }))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!checked.valid);
+    assert_eq!(checked.diagnostics.len(), 1, "{:?}", checked.diagnostics);
+    assert!(checked.diagnostics[0].message.contains("at most 200000"));
+    assert!(history(&api).await.is_empty());
+}
+
 #[tokio::test]
 async fn validate_reports_a_document_too_large_for_agents_with_apply_s_message() {
     let api = api(Mode::Api);
