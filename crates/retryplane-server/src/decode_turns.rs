@@ -1,16 +1,24 @@
-//! Admin calls that carry a policy (Validate, Apply) wait for a turn before their message is
-//! decoded. The admin service checks [`MAX_CONCURRENT_CHECKS`](crate::admin::MAX_CONCURRENT_CHECKS)
-//! documents at once, but tonic decodes a request before its handler runs: every call waiting
-//! for a check held its decoded document (a viewer's two dozen Validate calls of a 4 MB
-//! document held about 170 MB each). Past [`MAX_DECODED`], such a call waits here with its
-//! message undecoded (what HTTP/2 flow control lets its client send).
+//! Admin calls that carry a policy (Validate, Apply) take a turn before their message is
+//! decoded, and only once it has been received. The admin service checks
+//! [`MAX_CONCURRENT_CHECKS`](crate::admin::MAX_CONCURRENT_CHECKS) documents at once, but tonic
+//! decodes a request before its handler runs: every call waiting for a check held its decoded
+//! document (a viewer's two dozen Validate calls of a 4 MB document held about 170 MB each).
+//! Here a call's message is first read as bytes (at most the decoding limit, and a little
+//! more), holding no turn, so a client that sends slowly, or never finishes, keeps nobody
+//! else waiting; then, past [`MAX_DECODED`] calls at once, it waits with its message
+//! undecoded.
 
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
+use bytes::{Bytes, BytesMut};
+use http::HeaderMap;
+use http_body::Frame;
+use http_body_util::BodyExt as _;
 use tokio::sync::Semaphore;
+use tonic::Status;
 use tonic::body::Body;
 use tonic::codegen::Service;
 use tonic::server::NamedService;
@@ -25,24 +33,31 @@ const CARRY_A_POLICY: [&str; 2] = [
     "/retryplane.v1.AdminService/Apply",
 ];
 
-/// `S` (the admin service), with the calls that carry a policy decoded [`MAX_DECODED`] at most
-/// at once.
+/// A gRPC message's frame header: a compression flag and a 4-byte length.
+const FRAME_HEADER: usize = 5;
+
+/// `S` (the admin service), with the calls that carry a policy received whole before they take
+/// one of [`MAX_DECODED`] turns.
 #[derive(Clone, Debug)]
 pub struct DecodeTurns<S> {
     inner: S,
     turns: Arc<Semaphore>,
+    /// The most bytes of a message read ahead: the decoding limit and a frame header. A longer
+    /// body is handed on as it comes, without a turn: the service refuses it by its length.
+    read_ahead: usize,
 }
 
 impl<S> DecodeTurns<S> {
-    /// Wraps `inner`.
-    pub fn new(inner: S) -> Self {
-        Self::with_turns(inner, MAX_DECODED)
+    /// Wraps `inner`, which decodes messages of at most `max_message_bytes`.
+    pub fn new(inner: S, max_message_bytes: usize) -> Self {
+        Self::with_turns(inner, max_message_bytes, MAX_DECODED)
     }
 
-    fn with_turns(inner: S, turns: usize) -> Self {
+    fn with_turns(inner: S, max_message_bytes: usize, turns: usize) -> Self {
         Self {
             inner,
             turns: Arc::new(Semaphore::new(turns)),
+            read_ahead: max_message_bytes.saturating_add(FRAME_HEADER),
         }
     }
 }
@@ -53,7 +68,7 @@ impl<S: NamedService> NamedService for DecodeTurns<S> {
 
 impl<S> Service<http::Request<Body>> for DecodeTurns<S>
 where
-    S: Service<http::Request<Body>, Response = http::Response<Body>>,
+    S: Service<http::Request<Body>, Response = http::Response<Body>> + Clone + Send + 'static,
     S::Future: Send + 'static,
 {
     type Response = http::Response<Body>;
@@ -65,19 +80,94 @@ where
     }
 
     fn call(&mut self, request: http::Request<Body>) -> Self::Future {
-        let turns = CARRY_A_POLICY
-            .contains(&request.uri().path())
-            .then(|| self.turns.clone());
-        // tonic's handler reads and decodes the message only when its future is polled.
-        let answer = self.inner.call(request);
+        if !CARRY_A_POLICY.contains(&request.uri().path()) {
+            return Box::pin(self.inner.call(request));
+        }
+        // The service made ready goes with the call; a clone takes its place (tower's way).
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let (turns, limit) = (self.turns.clone(), self.read_ahead);
         Box::pin(async move {
+            let (parts, body) = request.into_parts();
+            let (body, whole) = read_ahead(body, limit).await;
             // The semaphore is never closed; should it be, the call goes on without a turn.
-            let _turn = match turns {
-                Some(turns) => turns.acquire_owned().await.ok(),
-                None => None,
+            let _turn = match whole {
+                true => turns.acquire_owned().await.ok(),
+                false => None,
             };
-            answer.await
+            inner
+                .call(http::Request::from_parts(parts, Body::new(body)))
+                .await
         })
+    }
+}
+
+/// Reads `body` until it ends or passes `limit` bytes: what was read, then the rest (its
+/// trailers, the body where the read stopped, or its error), and whether it ended within the
+/// limit.
+async fn read_ahead(mut body: Body, limit: usize) -> (ReadAhead, bool) {
+    let mut read = BytesMut::new();
+    let mut ahead = ReadAhead {
+        prefix: None,
+        trailers: None,
+        rest: None,
+        error: None,
+    };
+    let whole = loop {
+        match body.frame().await {
+            None => break true,
+            Some(Err(e)) => {
+                ahead.error = Some(e);
+                break false;
+            }
+            Some(Ok(frame)) => match frame.into_data() {
+                Ok(data) => {
+                    read.extend_from_slice(&data);
+                    if read.len() > limit {
+                        ahead.rest = Some(body);
+                        break false;
+                    }
+                }
+                Err(frame) => {
+                    if let Ok(trailers) = frame.into_trailers() {
+                        ahead.trailers = Some(trailers);
+                        break true;
+                    }
+                }
+            },
+        }
+    };
+    ahead.prefix = (!read.is_empty()).then(|| read.freeze());
+    (ahead, whole)
+}
+
+/// A request body read ahead ([`read_ahead`]): the bytes read, then its trailers, the rest of
+/// the body, or its error.
+struct ReadAhead {
+    prefix: Option<Bytes>,
+    trailers: Option<HeaderMap>,
+    rest: Option<Body>,
+    error: Option<Status>,
+}
+
+impl http_body::Body for ReadAhead {
+    type Data = Bytes;
+    type Error = Status;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
+        if let Some(prefix) = self.prefix.take() {
+            return Poll::Ready(Some(Ok(Frame::data(prefix))));
+        }
+        if let Some(error) = self.error.take() {
+            return Poll::Ready(Some(Err(error)));
+        }
+        if let Some(rest) = self.rest.as_mut() {
+            return Pin::new(rest).poll_frame(cx);
+        }
+        Poll::Ready(self.trailers.take().map(|t| Ok(Frame::trailers(t))))
     }
 }
 
@@ -131,7 +221,7 @@ mod tests {
             begun: Arc::new(AtomicUsize::new(0)),
             release: Arc::new(Notify::new()),
         };
-        let mut service = DecodeTurns::with_turns(held.clone(), 2);
+        let mut service = DecodeTurns::with_turns(held.clone(), 1024, 2);
         let mut calls = tokio::task::JoinSet::new();
         for path in [
             "/retryplane.v1.AdminService/Validate",
@@ -168,5 +258,91 @@ mod tests {
         .expect("the third begins once one ends");
         held.release.notify_waiters();
         held.release.notify_one();
+    }
+
+    /// A body that never ends.
+    struct Never;
+
+    impl http_body::Body for Never {
+        type Data = Bytes;
+        type Error = Status;
+
+        fn poll_frame(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
+            Poll::Pending
+        }
+    }
+
+    fn validate(body: Body) -> http::Request<Body> {
+        http::Request::builder()
+            .uri("http://localhost/retryplane.v1.AdminService/Validate")
+            .body(body)
+            .unwrap()
+    }
+
+    /// A call whose message never finishes coming holds no turn (a client that sends slowly
+    /// kept every Validate and Apply waiting); one longer than the limit is handed on without
+    /// one, to be refused by its length.
+    #[tokio::test]
+    async fn a_call_takes_its_turn_only_once_its_message_has_come() {
+        let held = Held {
+            begun: Arc::new(AtomicUsize::new(0)),
+            release: Arc::new(Notify::new()),
+        };
+        let mut service = DecodeTurns::with_turns(held.clone(), 4, 1);
+        let mut calls = tokio::task::JoinSet::new();
+        calls.spawn(service.call(validate(Body::new(Never))));
+        calls.spawn(service.call(validate(Body::new(http_body_util::Full::new(
+            Bytes::from_static(b"12345"),
+        )))));
+        let begun = || held.begun.load(Ordering::SeqCst);
+        let wait = std::time::Duration::from_secs(10);
+        tokio::time::timeout(wait, async {
+            while begun() < 1 {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+        .expect("the call whose message came begins with the turn");
+        // The only turn is held: a message past the limit (4 + 5 bytes) still goes on.
+        calls.spawn(service.call(validate(Body::new(http_body_util::Full::new(
+            Bytes::from_static(b"0123456789"),
+        )))));
+        tokio::time::timeout(wait, async {
+            while begun() < 2 {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+        .expect("a message past the limit is handed on without a turn");
+    }
+
+    /// What was read ahead is handed on whole: its bytes, then its trailers, or the rest of
+    /// the body where the read stopped.
+    #[tokio::test]
+    async fn a_body_read_ahead_is_handed_on_whole() {
+        let mut trailers = HeaderMap::new();
+        trailers.insert("x-t", "1".parse().unwrap());
+        let body = || {
+            let frames: Vec<Result<Frame<Bytes>, Status>> = vec![
+                Ok(Frame::data(Bytes::from_static(b"ab"))),
+                Ok(Frame::data(Bytes::from_static(b"cd"))),
+                Ok(Frame::trailers(trailers.clone())),
+            ];
+            Body::new(http_body_util::StreamBody::new(tokio_stream::iter(frames)))
+        };
+        let (ahead, whole) = read_ahead(body(), 16).await;
+        assert!(whole);
+        let collected = ahead.collect().await.unwrap();
+        assert_eq!(collected.trailers(), Some(&trailers));
+        assert_eq!(collected.to_bytes(), "abcd");
+        // Past the limit: the first two bytes, then the rest as it comes.
+        let (ahead, whole) = read_ahead(body(), 1).await;
+        assert!(!whole);
+        let collected = ahead.collect().await.unwrap();
+        assert_eq!(collected.trailers(), Some(&trailers));
+        assert_eq!(collected.to_bytes(), "abcd");
     }
 }

@@ -331,6 +331,7 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
         OversizedIsExhausted::new(crate::decode_turns::DecodeTurns::new(
             AdminServiceServer::new(AdminApi::new(control.clone()))
                 .max_decoding_message_size(cfg.max_message_bytes),
+            cfg.max_message_bytes,
         )),
         Guard::new(tokens.clone(), Role::Admin).counting(control.metrics.auth_refused.clone()),
     );
