@@ -9,7 +9,8 @@
 //! connection between scrapes (every 15 s to a minute) keeps it; a longer pause costs it a
 //! reconnect.
 //!
-//! Two more bounds, since a byte every minute kept the idle timer from firing (slowloris): a
+//! More bounds, since a byte every minute kept the idle timer from firing (slowloris): a new
+//! connection that sends nothing for [`FIRST_BYTE`] reads as closed, and a
 //! connection also reads as closed once bytes it sent have had no answer for [`UNANSWERED`]
 //! (a request's head that is never finished; the listener serves small GETs, answered in well
 //! under a second), and the listener holds at most [`MAX_CONNECTIONS`] at once: past them it
@@ -36,6 +37,11 @@ pub(crate) const IDLE: Duration = Duration::from_secs(90);
 /// How long bytes a client sent may go without an answer before its connection reads as
 /// closed: a request's head sent a byte at a time, or never finished.
 pub(crate) const UNANSWERED: Duration = Duration::from_secs(30);
+
+/// How long a new connection may stay silent before it reads as closed: one that sends
+/// nothing held one of [`MAX_CONNECTIONS`] places for the whole idle time, so a few hundred of
+/// them kept health probes out.
+pub(crate) const FIRST_BYTE: Duration = Duration::from_secs(10);
 
 /// How long a write may wait for its client to read before the connection is closed: a client
 /// that asks for `/metrics` and never reads held a rendered copy (megabytes with thousands of
@@ -91,9 +97,12 @@ pub(crate) struct Idle<S> {
     inner: S,
     /// Fires [`IDLE`] after the last byte read or written.
     quiet: Pin<Box<Sleep>>,
-    /// Fires [`UNANSWERED`] after the first byte read since the last one written; none while
-    /// nothing read waits for an answer.
+    /// Fires [`UNANSWERED`] after the first byte read since the last one written, and
+    /// [`FIRST_BYTE`] after the accept until a first byte is read; none while nothing read
+    /// waits for an answer.
     unanswered: Option<Pin<Box<Sleep>>>,
+    /// No byte has been read yet.
+    silent: bool,
     /// Fires [`WRITE_STALL`] after a write first found no room; none while writes go through.
     stalled: Option<Pin<Box<Sleep>>>,
     /// It fired: every read from now on is end of stream.
@@ -107,7 +116,8 @@ impl<S> Idle<S> {
         Self {
             inner,
             quiet: Box::pin(tokio::time::sleep(IDLE)),
-            unanswered: None,
+            unanswered: Some(Box::pin(tokio::time::sleep(FIRST_BYTE))),
+            silent: true,
             stalled: None,
             closed: false,
             permit: None,
@@ -121,7 +131,7 @@ impl<S> Idle<S> {
     /// Bytes were read: activity, and an answer now awaited if none was.
     fn bytes_read(&mut self) {
         self.active();
-        if self.unanswered.is_none() {
+        if self.unanswered.is_none() || std::mem::take(&mut self.silent) {
             self.unanswered = Some(Box::pin(tokio::time::sleep(UNANSWERED)));
         }
     }
@@ -232,6 +242,8 @@ mod tests {
 
     use super::*;
 
+    /// A new connection that sends nothing is closed [`FIRST_BYTE`] after its accept; one
+    /// silent after an answer, the idle time after it.
     #[tokio::test(start_paused = true)]
     async fn a_silent_connection_reads_closed_after_the_idle_time() {
         let (server, _client) = tokio::io::duplex(1024);
@@ -239,8 +251,16 @@ mod tests {
         let began = Instant::now();
         let mut buf = [0u8; 16];
         assert_eq!(server.read(&mut buf).await.unwrap(), 0, "end of stream");
-        assert_eq!(began.elapsed(), IDLE);
+        assert_eq!(began.elapsed(), FIRST_BYTE);
         assert_eq!(server.read(&mut buf).await.unwrap(), 0, "still closed");
+        let (server, mut client) = tokio::io::duplex(1024);
+        let mut server = Idle::new(server);
+        client.write_all(b"GET /healthz").await.unwrap();
+        assert_eq!(server.read(&mut buf).await.unwrap(), 12);
+        server.write_all(b"200").await.unwrap();
+        let answered = Instant::now();
+        assert_eq!(server.read(&mut buf).await.unwrap(), 0, "end of stream");
+        assert_eq!(answered.elapsed(), IDLE);
     }
 
     #[tokio::test(start_paused = true)]
