@@ -987,6 +987,10 @@ impl Interceptor for Guard {
         if let Some((name, credential)) = checked {
             request.extensions_mut().insert(TokenName(name));
             request.extensions_mut().insert(credential);
+            // Its connection is in use (see `crate::conn_idle`).
+            if let Some(admitted) = request.extensions().get::<crate::conn_idle::Admitted>() {
+                admitted.admit();
+            }
         }
         Ok(request)
     }

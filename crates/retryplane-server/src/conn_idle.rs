@@ -125,16 +125,33 @@ impl Streams {
 pub(crate) struct StreamGuard {
     streams: Arc<Streams>,
     bounded: bool,
-    /// The call was refused for its token ([`StreamGuard::refused`]).
+    /// The call was no token holder's ([`StreamGuard::not_a_token_holders`]).
     refused: bool,
 }
 
 impl StreamGuard {
-    /// The call was refused for its token (none, or one not known): its end is no sign that
-    /// the connection is in use. A peer with no token kept a connection for good with such a
-    /// call every few seconds.
-    pub(crate) fn refused(&mut self) {
+    /// The call was admitted by no token (with a tokens file: refused for its token, or one
+    /// that no token guards, such as a health check or an unknown method): its end is no sign
+    /// that the connection is in use. A peer with no token kept a connection for good with
+    /// such a call every few seconds.
+    pub(crate) fn not_a_token_holders(&mut self) {
         self.refused = true;
+    }
+}
+
+/// Put in each request when a tokens file is in force; the token guard marks it when it
+/// admits the call ([`Admitted::admit`]).
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Admitted(Arc<std::sync::atomic::AtomicBool>);
+
+impl Admitted {
+    /// A token guard admitted the call.
+    pub(crate) fn admit(&self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+
+    fn admitted(&self) -> bool {
+        self.0.load(Ordering::SeqCst)
     }
 }
 
@@ -170,6 +187,8 @@ pub(crate) struct Conn<T> {
 pub(crate) struct CountStreamsLayer {
     /// How long a call other than an agent's stream may last.
     pub(crate) max_call: Duration,
+    /// A tokens file is in force: only calls a token admitted count as use of a connection.
+    pub(crate) guarded: bool,
 }
 
 impl<S> tower::Layer<S> for CountStreamsLayer {
@@ -179,6 +198,7 @@ impl<S> tower::Layer<S> for CountStreamsLayer {
         CountStreams {
             inner,
             max_call: self.max_call,
+            guarded: self.guarded,
         }
     }
 }
@@ -193,12 +213,7 @@ impl<S> tower::Layer<S> for CountStreamsLayer {
 pub(crate) struct CountStreams<S> {
     inner: S,
     max_call: Duration,
-}
-
-/// Whether an answer's head says `UNAUTHENTICATED` (the token guard's refusal, a
-/// "Trailers-Only" answer).
-fn unauthenticated(headers: &http::HeaderMap) -> bool {
-    headers.get("grpc-status").is_some_and(|s| s == "16")
+    guarded: bool,
 }
 
 /// What a call cut at the bound gets.
@@ -234,6 +249,11 @@ where
             request.extensions_mut().insert(tcp);
             guard
         });
+        let admitted = self.guarded.then(|| {
+            let admitted = Admitted::default();
+            request.extensions_mut().insert(admitted.clone());
+            admitted
+        });
         let future = self.inner.call(request);
         Box::pin(async move {
             let answered = if bounded {
@@ -258,9 +278,9 @@ where
             let response = response?;
             let mut guard = guard;
             if let Some(guard) = &mut guard
-                && unauthenticated(response.headers())
+                && admitted.is_some_and(|a| !a.admitted())
             {
-                guard.refused();
+                guard.not_a_token_holders();
             }
             Ok(response.map(|body| Counted {
                 inner: Some(body),
@@ -352,14 +372,14 @@ mod tests {
         );
     }
 
-    /// A call refused for its token leaves the connection quiet since its last call that was
-    /// not (or its accept).
+    /// A call no token admitted leaves the connection quiet since its last call that one did
+    /// (or its accept).
     #[tokio::test(start_paused = true)]
-    async fn a_call_refused_for_its_token_does_not_end_the_quiet() {
+    async fn a_call_no_token_admitted_does_not_end_the_quiet() {
         let streams = Arc::new(Streams::new(Instant::now()));
         tokio::time::sleep(Duration::from_secs(3)).await;
         let mut refused = streams.opened(Some(Instant::now() + Duration::from_secs(10)));
-        refused.refused();
+        refused.not_a_token_holders();
         drop(refused);
         assert_eq!(
             streams.quiet_for(Instant::now()),

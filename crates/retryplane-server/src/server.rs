@@ -154,6 +154,7 @@ fn grpc_server(
         // closed (see `crate::conn_idle`).
         .layer(CountStreamsLayer {
             max_call: cfg.connection_idle_timeout,
+            guarded: cfg.tokens_file.is_some(),
         })
 }
 

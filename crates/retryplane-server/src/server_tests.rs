@@ -1653,11 +1653,13 @@ async fn each_grpc_listener_bounds_the_streams_of_one_connection() {
     running.shutdown().await.unwrap();
 }
 
-/// Calls refused for their token do not keep a connection open: one that carries nothing else
-/// is closed the idle timeout after its accept, however often such calls come (a peer with no
-/// token kept a connection, and its file descriptor, for good with one every few seconds).
+/// With a tokens file, only calls a token admitted keep a connection open: one whose calls are
+/// all refused for their token, or go to a service no token guards (a health check), is closed
+/// the idle timeout after its accept, however often they come (a peer with no token kept a
+/// connection, and its file descriptor, for good with one every few seconds); one whose calls
+/// a token admitted is kept.
 #[tokio::test]
-async fn calls_refused_for_their_token_do_not_keep_a_connection_open() {
+async fn only_calls_a_token_admitted_keep_a_connection_open() {
     let (dir, mut cfg) = with_file(V1);
     fs::write(dir.path().join("tokens.yaml"), TOKENS).unwrap();
     cfg.tokens_file = Some(dir.path().join("tokens.yaml"));
@@ -1667,37 +1669,60 @@ async fn calls_refused_for_their_token_do_not_keep_a_connection_open() {
         ..cfg
     };
     let running = start(cfg).await.unwrap();
-    let tcp = tokio::net::TcpStream::connect(running.admin_addr)
-        .await
-        .unwrap();
-    let began = tokio::time::Instant::now();
-    let (send, conn) = h2::client::handshake(tcp).await.unwrap();
-    let conn = tokio::spawn(conn);
     // Bytes that move put the close off by at most this many moments of silence.
     let closed_by = idle + crate::preface::QUIET_IO * crate::preface::MAX_QUIET_TURNS;
-    let mut refused = 0;
-    while !conn.is_finished() && began.elapsed() < closed_by + SHUTDOWN_GRACE {
-        let Ok(mut ready) = send.clone().ready().await else {
-            break;
+    for (path, token, kept) in [
+        ("/retryplane.v1.AdminService/Get", None, false),
+        ("/grpc.health.v1.Health/Check", None, false),
+        (
+            "/retryplane.v1.AdminService/Get",
+            Some("Bearer admin-secret-0123456789"),
+            true,
+        ),
+    ] {
+        let tcp = tokio::net::TcpStream::connect(running.admin_addr)
+            .await
+            .unwrap();
+        let began = tokio::time::Instant::now();
+        let (send, conn) = h2::client::handshake(tcp).await.unwrap();
+        let conn = tokio::spawn(conn);
+        // A kept connection is watched for longer than its close would take.
+        let watched = if kept {
+            closed_by + idle
+        } else {
+            closed_by + SHUTDOWN_GRACE
         };
-        let Ok((answer, _)) =
-            ready.send_request(grpc_post("/retryplane.v1.AdminService/Get"), true)
-        else {
-            break;
-        };
-        if let Ok(answer) = answer.await {
-            assert_eq!(
-                answer.headers().get("grpc-status").map(|v| v.as_bytes()),
-                Some(&b"16"[..]),
-                "{answer:?}"
-            );
-            refused += 1;
+        let mut answered = 0;
+        while !conn.is_finished() && began.elapsed() < watched {
+            let Ok(mut ready) = send.clone().ready().await else {
+                break;
+            };
+            let mut request = grpc_post(path);
+            if let Some(token) = token {
+                request
+                    .headers_mut()
+                    .insert("authorization", token.parse().unwrap());
+            }
+            let Ok((answer, _)) = ready.send_request(request, true) else {
+                break;
+            };
+            if answer.await.is_ok() {
+                answered += 1;
+            }
+            tokio::time::sleep(idle / 6).await;
         }
-        tokio::time::sleep(idle / 6).await;
+        assert!(answered >= 3, "{path}: {answered} calls answered");
+        assert_eq!(
+            !conn.is_finished(),
+            kept,
+            "{path} (token: {}): kept for {:?}",
+            token.is_some(),
+            began.elapsed()
+        );
+        if !kept {
+            assert!(began.elapsed() >= idle, "{:?}", began.elapsed());
+        }
     }
-    assert!(refused >= 3, "{refused} calls refused");
-    assert!(conn.is_finished(), "the connection was kept");
-    assert!(began.elapsed() >= idle, "{:?}", began.elapsed());
     running.shutdown().await.unwrap();
 }
 
