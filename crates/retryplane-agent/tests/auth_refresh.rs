@@ -464,3 +464,62 @@ async fn a_failing_hook_leaves_the_grpc_unauthenticated_answer_with_its_error() 
     assert!(response.extensions().get::<RefreshFailed>().is_some());
     assert_eq!(sends.load(Ordering::SeqCst), 1);
 }
+
+/// A body of trailers only.
+struct TrailersOnly(Option<http::HeaderMap>);
+
+impl http_body::Body for TrailersOnly {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        std::task::Poll::Ready(self.0.take().map(|t| Ok(http_body::Frame::trailers(t))))
+    }
+}
+
+/// `UNAUTHENTICATED` in trailers right after the head (a 200 with no message; what a tonic
+/// server stream whose first item is that error sends) refreshes as one in the head does.
+#[tokio::test(start_paused = true)]
+async fn a_grpc_unauthenticated_in_trailers_right_after_the_head_refreshes_once() {
+    let agent = agent(&policy("max_attempts: 3"));
+    let hook = Hook::default();
+    let sends = Arc::new(AtomicUsize::new(0));
+    let counted = sends.clone();
+    let svc = tower::service_fn(move |req: Request<ReplayBody<Full<Bytes>>>| {
+        counted.fetch_add(1, Ordering::SeqCst);
+        let fresh = req
+            .headers()
+            .get(AUTHORIZATION)
+            .is_some_and(|v| v == "Bearer new-1");
+        async move {
+            let mut trailers = http::HeaderMap::new();
+            trailers.insert(
+                "grpc-status",
+                HeaderValue::from_static(if fresh { "0" } else { "16" }),
+            );
+            let response = Response::builder()
+                .header("content-type", "application/grpc")
+                .body(TrailersOnly(Some(trailers)))
+                .unwrap();
+            Ok::<_, std::convert::Infallible>(response)
+        }
+    });
+    let client = RetryLayer::new(agent.endpoint("ep"))
+        .with_auth_refresh(hook.clone())
+        .layer(svc);
+    let response = client.oneshot(grpc_request()).await.unwrap();
+    let trailers = http_body_util::BodyExt::collect(response.into_body())
+        .await
+        .unwrap()
+        .trailers()
+        .cloned()
+        .unwrap();
+    assert_eq!(trailers["grpc-status"], "0");
+    assert_eq!(hook.calls.load(Ordering::SeqCst), 1);
+    assert_eq!(sends.load(Ordering::SeqCst), 2);
+    let counts = agent.endpoint("ep").pending_counts();
+    assert_eq!((counts.attempts, counts.success_first_try), (1, 1));
+}

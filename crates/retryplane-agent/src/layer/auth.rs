@@ -8,6 +8,8 @@ use std::sync::{Arc, Mutex};
 use http::request::Parts;
 use http::{HeaderMap, Response, StatusCode};
 
+use super::body::ResponseBody;
+use super::layer::grpc_status_carrier;
 use super::{BoxError, lock};
 use crate::call::Reauth;
 
@@ -104,10 +106,11 @@ pub(crate) fn wants_credentials(status: StatusCode, headers: &HeaderMap, grpc: b
                 .is_some_and(|c| c.as_bytes() == b"16"))
 }
 
-impl<RB> Reauth<Response<RB>, BoxError> for HttpReauth<'_> {
-    fn wants(&self, result: &Result<Response<RB>, BoxError>) -> bool {
+impl<RB> Reauth<Response<ResponseBody<RB>>, BoxError> for HttpReauth<'_> {
+    fn wants(&self, result: &Result<Response<ResponseBody<RB>>, BoxError>) -> bool {
+        // A gRPC status in trailers right after the head counts as in the head.
         !self.used.load(Ordering::Relaxed)
-            && matches!(result, Ok(r) if wants_credentials(r.status(), r.headers(), self.grpc))
+            && matches!(result, Ok(r) if wants_credentials(r.status(), grpc_status_carrier(r), self.grpc))
     }
 
     fn refresh(&mut self) -> Pin<Box<dyn Future<Output = bool> + Send + '_>> {

@@ -538,7 +538,11 @@ where
                         .or_else(gave_up);
                     match (result, reauth.error) {
                         (Ok(mut response), Some(e))
-                            if wants_credentials(response.status(), response.headers(), grpc) =>
+                            if wants_credentials(
+                                response.status(),
+                                grpc_status_carrier(&response),
+                                grpc,
+                            ) =>
                         {
                             response
                                 .extensions_mut()
@@ -917,7 +921,7 @@ where
 
 /// Where the status of a gRPC answer is read: its head, or the trailers that came before any
 /// message of an answer whose head has none ([`first_frame`]).
-fn grpc_status_carrier<RB>(response: &Response<ResponseBody<RB>>) -> &HeaderMap {
+pub(crate) fn grpc_status_carrier<RB>(response: &Response<ResponseBody<RB>>) -> &HeaderMap {
     match response.body().trailers_before_data() {
         Some(trailers) if status_in_trailers(response) => trailers,
         _ => response.headers(),
