@@ -368,7 +368,7 @@ impl AgentStreamService {
             (Some(tokens), Some(credential)) => Some(Revocation {
                 tokens: tokens.subscribe(),
                 credential,
-                agent_id: None,
+                hello: None,
             }),
             _ => None,
         };
@@ -404,13 +404,14 @@ impl AgentStreamService {
         // A reload that came with the Hello refuses it here, before it is registered or sent
         // anything.
         if let Some(revocation) = &mut revocation {
-            // From here on, a token that may not connect as this agent id ends the stream too.
-            revocation.agent_id = Some(hello.agent_id.clone());
+            // From here on, a token that may not connect as this agent id, or report as this
+            // service, ends the stream too.
+            revocation.hello = Some((hello.agent_id.clone(), hello.service.clone()));
             if let Some(status) = revocation.refusal() {
                 // `PERMISSION_DENIED`: the agent id (a secret taken away is the reload's).
                 if status.code() == tonic::Code::PermissionDenied {
                     self.ctx.metrics.auth_refused.inc();
-                    info!(agent = %LogValue(&hello.agent_id), token = %LogValue(token_name.as_deref().unwrap_or_default()), "refused a Hello: the agent id is not among its token's `agent_ids`");
+                    info!(agent = %LogValue(&hello.agent_id), service = %LogValue(&hello.service), token = %LogValue(token_name.as_deref().unwrap_or_default()), "refused a Hello: the agent id or the service is not among its token's `agent_ids` or `services`");
                 }
                 return Err(status);
             }
@@ -511,21 +512,28 @@ impl AgentStreamService {
 }
 
 /// The tokens in force as a stream sees them, the credential it was admitted with, and the
-/// agent id its Hello named (once it has).
+/// agent id and service its Hello named (once it has).
 struct Revocation {
     tokens: watch::Receiver<Arc<Tokens>>,
     credential: Credential,
-    agent_id: Option<String>,
+    hello: Option<(String, String)>,
 }
 
-/// Why `tokens` no longer admit a stream with `credential` and `agent_id`: its secret is no
-/// agent token's (`UNAUTHENTICATED`), or its token may not connect as that agent id
-/// (`PERMISSION_DENIED`).
-fn refusal(tokens: &Tokens, credential: &Credential, agent_id: Option<&str>) -> Option<Status> {
+/// Why `tokens` no longer admit a stream with `credential` and the agent id and service of
+/// its `hello`: its secret is no agent token's (`UNAUTHENTICATED`), or its token may not
+/// connect as that agent id or report as that service (`PERMISSION_DENIED`).
+fn refusal(
+    tokens: &Tokens,
+    credential: &Credential,
+    hello: Option<(&str, &str)>,
+) -> Option<Status> {
     if !tokens.admits(credential) {
         return Some(revoked_status());
     }
-    tokens.refuses_agent_id(credential, agent_id?)
+    let (agent_id, service) = hello?;
+    tokens
+        .refuses_agent_id(credential, agent_id)
+        .or_else(|| tokens.refuses_service(credential, service))
 }
 
 impl Revocation {
@@ -539,7 +547,7 @@ impl Revocation {
         refusal(
             &self.tokens.borrow(),
             &self.credential,
-            self.agent_id.as_deref(),
+            self.hello.as_ref().map(|(a, s)| (a.as_str(), s.as_str())),
         )
     }
 
@@ -550,17 +558,17 @@ impl Revocation {
         let Some(Revocation {
             tokens,
             credential,
-            agent_id,
+            hello,
         }) = revocation
         else {
             return std::future::pending().await;
         };
-        let agent_id = agent_id.as_deref();
+        let hello = hello.as_ref().map(|(a, s)| (a.as_str(), s.as_str()));
         // `wait_for` looks at the value in force first, then at every change.
         let refused = tokens
-            .wait_for(|t| refusal(t, credential, agent_id).is_some())
+            .wait_for(|t| refusal(t, credential, hello).is_some())
             .await
-            .map(|t| refusal(&t, credential, agent_id));
+            .map(|t| refusal(&t, credential, hello));
         match refused {
             Ok(status) => status.unwrap_or_else(revoked_status),
             // The token set is gone: the server is stopping, which ends the stream anyway.
@@ -872,10 +880,10 @@ impl AgentStream {
             Some(tonic::Code::Unauthenticated) => {
                 info!(agent = %LogValue(&self.agent_id), "a tokens reload took the stream's token away; ending the stream");
             }
-            // Only a reload that left the agent id out of its token's `agent_ids` ends a
-            // registered stream so.
+            // Only a reload that left the agent id or the service out of its token's
+            // `agent_ids` or `services` ends a registered stream so.
             Some(tonic::Code::PermissionDenied) => {
-                info!(agent = %LogValue(&self.agent_id), "a tokens reload left the agent id out of its token's `agent_ids`; ending the stream");
+                info!(agent = %LogValue(&self.agent_id), "a tokens reload left the agent id or the service out of its token's `agent_ids` or `services`; ending the stream");
             }
             _ => {}
         }

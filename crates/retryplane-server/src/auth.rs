@@ -6,7 +6,7 @@
 //! ```yaml
 //! tokens:
 //!   - {name: checkout-agents, role: agent, secret: "at least sixteen characters",
-//!      agent_ids: ["checkout-*"], max_agents: 500}
+//!      agent_ids: ["checkout-*"], services: [checkout], max_agents: 500}
 //!   - {name: alice, role: admin, secret: "another long random string"}
 //!   - {name: dashboards, role: viewer, secret: "a third long random string"}
 //! ```
@@ -14,12 +14,16 @@
 //! An agent token may name the agent ids it connects as (`agent_ids`: ids, or prefixes ending
 //! in `*`); a Hello with another id is refused with `PERMISSION_DENIED`, so one team's agent
 //! token cannot take (and keep) another team's agent ids. Without `agent_ids` a token may
-//! connect as any agent id, first come, first served among agent tokens. It may also cap how
+//! connect as any agent id, first come, first served among agent tokens. It may name the
+//! services its agents report as (`services`, written as `agent_ids` is): a Hello naming
+//! another is refused the same way, so one team's token cannot report under another's service
+//! (and so skew its figures or hide its alert). It may also cap how
 //! many agents are connected with it at once (`max_agents`; a Hello past it is refused with
 //! `RESOURCE_EXHAUSTED`, as past the control plane's `--max-agents`, and so are its streams
 //! waiting for their Hello past twice that number), so that one team's runaway deployment
 //! cannot take every agent slot of the control plane, nor (with a small `max_agents`) every
-//! handshake place. Either field written without a value is refused, never read as "any".
+//! handshake place. Any of these fields written without a value is refused, never read as
+//! "any".
 //!
 //! Every gRPC call to the agent or admin service carries `authorization: Bearer <secret>`. The
 //! presented secret is hashed (SHA-256) and compared with the hash of *every* token's secret
@@ -164,6 +168,9 @@ struct RawToken {
     /// `None`: not written; `Some(RawAgentIds::Null)`: written without a value.
     #[serde(default, deserialize_with = "present")]
     agent_ids: Option<RawAgentIds>,
+    /// As `agent_ids`, for the services a Hello may name.
+    #[serde(default, deserialize_with = "present")]
+    services: Option<RawAgentIds>,
     /// `None`: not written; `Some(RawMax::Null)`: written without a value.
     #[serde(default, deserialize_with = "present")]
     max_agents: Option<RawMax>,
@@ -364,6 +371,8 @@ struct Token {
     role: Role,
     digest: [u8; 32],
     agent_ids: Option<AgentIds>,
+    /// For an agent token, the services its agents may name in their Hello (`None`: any).
+    services: Option<AgentIds>,
     /// For an agent token, how many agents may be connected with it at once (`None`: only the
     /// control plane's `--max-agents`).
     max_agents: Option<usize>,
@@ -385,30 +394,42 @@ impl AgentIds {
             })
     }
 
-    /// The patterns of a token's `agent_ids` as written, or `None` after adding to `problems`
-    /// (`at` names the token) a line for each of their problems.
-    fn check(raw: &RawAgentIds, at: &str, problems: &mut Vec<String>) -> Option<Self> {
+    /// The patterns of a token's `agent_ids` (or `services`: `field`) as written, or `None`
+    /// after adding to `problems` (`at` names the token) a line for each of their problems.
+    fn check(
+        raw: &RawAgentIds,
+        field: &PatternField,
+        at: &str,
+        problems: &mut Vec<String>,
+    ) -> Option<Self> {
+        let PatternField {
+            name,
+            noun,
+            a_noun,
+            plural,
+            any,
+        } = field;
         let before = problems.len();
         let list = match raw {
             RawAgentIds::Null => {
                 problems.push(format!(
-                    "{at}: `agent_ids` has no value (its ids commented out?), so no agent could \
-                     connect with this token; list its ids, or leave the field out to let it \
-                     connect as any agent id"
+                    "{at}: `{name}` has no value (its {plural} commented out?), so no agent could \
+                     connect with this token; list them, or leave the field out to let it \
+                     {any}"
                 ));
                 return None;
             }
             RawAgentIds::One => {
                 problems.push(format!(
-                    "{at}: `agent_ids` is one value, not a list; write it as a list \
-                     (`agent_ids: [checkout-*]`)"
+                    "{at}: `{name}` is one value, not a list; write it as a list \
+                     (`{name}: [checkout-*]`)"
                 ));
                 return None;
             }
             RawAgentIds::Map => {
                 problems.push(format!(
-                    "{at}: `agent_ids` is a map, not a list; write its ids as a list \
-                     (`agent_ids: [checkout-*]`)"
+                    "{at}: `{name}` is a map, not a list; write its {plural} as a list \
+                     (`{name}: [checkout-*]`)"
                 ));
                 return None;
             }
@@ -416,8 +437,8 @@ impl AgentIds {
         };
         if list.is_empty() {
             problems.push(format!(
-                "{at}: `agent_ids` is empty, so no agent could connect with this token; leave \
-                 the field out to let it connect as any agent id"
+                "{at}: `{name}` is empty, so no agent could connect with this token; leave \
+                 the field out to let it {any}"
             ));
         }
         let mut patterns = Vec::with_capacity(list.len());
@@ -444,25 +465,55 @@ impl AgentIds {
             } else if retryplane_policy::diag::has_control(pattern) {
                 // What a Hello's agent id may not hold ([`retryplane_proto::check_hello`]).
                 Some(format!(
-                    "{shown} holds a control character, which no agent id may hold"
+                    "{shown} holds a control character, which no {noun} may hold"
                 ))
             } else if pattern.trim_end_matches('*').len() > retryplane_proto::MAX_HELLO_FIELD_BYTES
             {
                 Some(format!(
-                    "{shown} is longer than an agent id may be ({} bytes)",
+                    "{shown} is longer than {a_noun} may be ({} bytes)",
                     retryplane_proto::MAX_HELLO_FIELD_BYTES
                 ))
             } else {
                 None
             };
             if let Some(problem) = problem {
-                problems.push(format!("{at}: agent_ids[{j}] {problem}"));
+                problems.push(format!("{at}: {name}[{j}] {problem}"));
             }
             patterns.push(pattern.to_owned());
         }
         (problems.len() == before).then_some(Self(patterns))
     }
 }
+
+/// What [`AgentIds::check`] calls a field of patterns in its messages.
+struct PatternField {
+    /// The field's name in the tokens file.
+    name: &'static str,
+    /// What one of its entries names ("agent id").
+    noun: &'static str,
+    /// The same with its article ("an agent id").
+    a_noun: &'static str,
+    /// What its entries are ("ids").
+    plural: &'static str,
+    /// What a token without the field may do.
+    any: &'static str,
+}
+
+const AGENT_IDS: PatternField = PatternField {
+    name: "agent_ids",
+    noun: "agent id",
+    a_noun: "an agent id",
+    plural: "ids",
+    any: "connect as any agent id",
+};
+
+const SERVICES: PatternField = PatternField {
+    name: "services",
+    noun: "service",
+    a_noun: "a service",
+    plural: "services",
+    any: "report as any service",
+};
 
 /// How many of a token's patterns a refusal lists: a status message goes out in a header,
 /// which a client refuses past its limit (16 KiB for hyper's), so a token with hundreds of ids
@@ -643,7 +694,11 @@ impl Tokens {
             };
             let agent_ids = t.agent_ids.as_ref().and_then(|raw| {
                 not_an_agents("agent_ids", &mut problems);
-                AgentIds::check(raw, &at, &mut problems)
+                AgentIds::check(raw, &AGENT_IDS, &at, &mut problems)
+            });
+            let services = t.services.as_ref().and_then(|raw| {
+                not_an_agents("services", &mut problems);
+                AgentIds::check(raw, &SERVICES, &at, &mut problems)
             });
             let max_agents = match &t.max_agents {
                 None => None,
@@ -685,6 +740,7 @@ impl Tokens {
                     role,
                     digest,
                     agent_ids,
+                    services,
                     max_agents,
                 });
             }
@@ -723,6 +779,23 @@ impl Tokens {
              are {ids}",
             token.name,
             agent_id.escape_debug()
+        )))
+    }
+
+    /// Why the token holding `credential`'s secret may not report as the service `service`
+    /// (`PERMISSION_DENIED`, naming the token and the services it may name): `None` when it
+    /// may, or when no token holds that secret any more.
+    pub(crate) fn refuses_service(&self, credential: &Credential, service: &str) -> Option<Status> {
+        let token = self.find_digest(&credential.digest)?;
+        let services = token
+            .services
+            .as_ref()
+            .filter(|services| !services.allow(service))?;
+        Some(Status::permission_denied(format!(
+            "token `{}` may not report as service `{}`: its `services` in the tokens file are \
+             {services}",
+            token.name,
+            service.escape_debug()
         )))
     }
 

@@ -224,11 +224,27 @@ async fn hello(
     ),
     tonic::Status,
 > {
+    hello_as(agent, secret, agent_id, "checkout").await
+}
+
+/// [`hello`], naming `service` in the Hello.
+async fn hello_as(
+    agent: &Channel,
+    secret: &str,
+    agent_id: &str,
+    service: &str,
+) -> Result<
+    (
+        mpsc::Sender<pb::AgentMessage>,
+        tonic::Streaming<pb::ServerMessage>,
+    ),
+    tonic::Status,
+> {
     let (tx, rx) = mpsc::channel::<pb::AgentMessage>(8);
     tx.send(pb::AgentMessage {
         kind: Some(pb::agent_message::Kind::Hello(pb::Hello {
             agent_id: agent_id.to_owned(),
-            service: "checkout".to_owned(),
+            service: service.to_owned(),
             ..Default::default()
         })),
     })
@@ -317,6 +333,74 @@ async fn an_agent_token_connects_only_as_its_agent_ids_and_a_reload_that_narrows
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     running.shutdown().await.unwrap();
+}
+
+/// An agent token given `services` reports only as those services (an agent token could
+/// report under any service's name, and so hide that service's alert), and a reload that
+/// takes one away ends the streams that named it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_token_reports_only_as_its_services_and_a_reload_that_narrows_them_ends_the_stream()
+ {
+    let (_dir, file, running, agent) =
+        serving(&tokens_yaml_with(Some(", services: [checkout, cart-*]"))).await;
+    let before = refused_total(&metrics(running.http_addr).await);
+    let e = hello_as(&agent, AGENT, "p-1", "payments")
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    assert_eq!(
+        e.message(),
+        "token `team-a` may not report as service `payments`: its `services` in the tokens \
+         file are `checkout`, `cart-*`"
+    );
+    assert_eq!(refused_total(&metrics(running.http_addr).await) - before, 1);
+    // Its own services connect; a token without `services` reports as any.
+    let (_a1, mut checkout) = hello_as(&agent, AGENT, "c-1", "checkout").await.unwrap();
+    let (_a2, _cart) = hello_as(&agent, AGENT, "c-2", "cart-eu").await.unwrap();
+    let (_b, _payments) = hello_as(&agent, AGENT2, "p-1", "payments").await.unwrap();
+    // A reload that takes `checkout` away ends that stream.
+    fs::write(&file, tokens_yaml_with(Some(", services: [cart-*]"))).unwrap();
+    running.reload_tokens().unwrap();
+    let ended = loop {
+        match tokio::time::timeout(Duration::from_secs(10), checkout.message())
+            .await
+            .expect("the stream was not ended")
+        {
+            Ok(Some(_)) => continue,
+            Ok(None) => panic!("the stream ended without a status"),
+            Err(status) => break status,
+        }
+    };
+    assert_eq!(ended.code(), Code::PermissionDenied, "{ended:?}");
+    assert!(ended.message().contains("`checkout`"), "{ended:?}");
+    running.shutdown().await.unwrap();
+}
+
+#[test]
+fn services_are_for_agent_tokens_and_written_as_a_list_of_at_least_one() {
+    use retryplane_server::auth::Tokens;
+    let path = std::path::Path::new("tokens.yaml");
+    for (text, said) in [
+        (
+            "tokens: [{name: alice, role: admin, secret: admin-secret-0123456789, services: [checkout]}]",
+            "`services` is for agent tokens",
+        ),
+        (
+            "tokens: [{name: team-a, role: agent, secret: agent-secret-0123456789, services: []}]",
+            "`services` is empty",
+        ),
+        (
+            "tokens: [{name: team-a, role: agent, secret: agent-secret-0123456789, services: }]",
+            "`services` has no value",
+        ),
+        (
+            "tokens: [{name: team-a, role: agent, secret: agent-secret-0123456789, services: checkout}]",
+            "`services` is one value, not a list",
+        ),
+    ] {
+        let message = Tokens::parse(text, path).err().unwrap().to_string();
+        assert!(message.contains(said), "{text}: {message}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
