@@ -6,7 +6,12 @@
 //! Here a call's message is first read as bytes (at most the decoding limit, and a little
 //! more), holding no turn, so a client that sends slowly, or never finishes, keeps nobody
 //! else waiting; then, past [`MAX_DECODED`] calls at once, it waits with its message
-//! undecoded.
+//! undecoded. The bytes read ahead by every call together are bounded
+//! ([`READ_AHEAD_BYTES`]: a call waits for room before it reads more), and so is the time a
+//! call may take to send its message ([`READ_AHEAD_WAIT`]). A body longer than one message of
+//! the limit is refused here when its first message fits (a unary call carries one; a second
+//! frame announced and never sent held a decoded document with no turn), and handed on when
+//! its first message itself is too long (the service refuses it by its length).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -17,7 +22,7 @@ use bytes::{Bytes, BytesMut};
 use http::HeaderMap;
 use http_body::Frame;
 use http_body_util::BodyExt as _;
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tonic::Status;
 use tonic::body::Body;
 use tonic::codegen::Service;
@@ -36,12 +41,21 @@ const CARRY_A_POLICY: [&str; 2] = [
 /// A gRPC message's frame header: a compression flag and a 4-byte length.
 const FRAME_HEADER: usize = 5;
 
+/// The most bytes the calls that carry a policy hold read ahead at once, all together.
+pub const READ_AHEAD_BYTES: usize = 64 * 1024 * 1024;
+
+/// How long a call that carries a policy may take to send its message (waits for room in
+/// [`READ_AHEAD_BYTES`] included).
+pub const READ_AHEAD_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// `S` (the admin service), with the calls that carry a policy received whole before they take
 /// one of [`MAX_DECODED`] turns.
 #[derive(Clone, Debug)]
 pub struct DecodeTurns<S> {
     inner: S,
     turns: Arc<Semaphore>,
+    /// [`READ_AHEAD_BYTES`] permits, one a byte.
+    budget: Arc<Semaphore>,
     /// The most bytes of a message read ahead: the decoding limit and a frame header. A longer
     /// body is handed on as it comes, without a turn: the service refuses it by its length.
     read_ahead: usize,
@@ -57,6 +71,7 @@ impl<S> DecodeTurns<S> {
         Self {
             inner,
             turns: Arc::new(Semaphore::new(turns)),
+            budget: Arc::new(Semaphore::new(READ_AHEAD_BYTES)),
             read_ahead: max_message_bytes.saturating_add(FRAME_HEADER),
         }
     }
@@ -86,10 +101,23 @@ where
         // The service made ready goes with the call; a clone takes its place (tower's way).
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
-        let (turns, limit) = (self.turns.clone(), self.read_ahead);
+        let (turns, budget, limit) = (self.turns.clone(), self.budget.clone(), self.read_ahead);
         Box::pin(async move {
             let (parts, body) = request.into_parts();
-            let (body, whole) = read_ahead(body, limit).await;
+            let read = tokio::time::timeout(READ_AHEAD_WAIT, read_ahead(body, limit, &budget));
+            let Ok((body, whole, _room)) = read.await else {
+                return Ok(Status::deadline_exceeded(format!(
+                    "the request's message did not come within {} s",
+                    READ_AHEAD_WAIT.as_secs()
+                ))
+                .into_http());
+            };
+            if !whole && body.first_message_fits(limit) {
+                return Ok(Status::invalid_argument(
+                    "the request holds more than one message; this call takes one",
+                )
+                .into_http());
+            }
             // The semaphore is never closed; should it be, the call goes on without a turn.
             let _turn = match whole {
                 true => turns.acquire_owned().await.ok(),
@@ -102,10 +130,15 @@ where
     }
 }
 
-/// Reads `body` until it ends or passes `limit` bytes: what was read, then the rest (its
-/// trailers, the body where the read stopped, or its error), and whether it ended within the
-/// limit.
-async fn read_ahead(mut body: Body, limit: usize) -> (ReadAhead, bool) {
+/// Reads `body` until it ends or passes `limit` bytes, each chunk once `budget` has room for
+/// it: what was read, then the rest (its trailers, the body where the read stopped, or its
+/// error), whether it ended within the limit, and the room it takes in `budget`.
+async fn read_ahead(
+    mut body: Body,
+    limit: usize,
+    budget: &Arc<Semaphore>,
+) -> (ReadAhead, bool, Option<OwnedSemaphorePermit>) {
+    let mut room: Option<OwnedSemaphorePermit> = None;
     let mut read = BytesMut::new();
     let mut ahead = ReadAhead {
         prefix: None,
@@ -122,6 +155,16 @@ async fn read_ahead(mut body: Body, limit: usize) -> (ReadAhead, bool) {
             }
             Some(Ok(frame)) => match frame.into_data() {
                 Ok(data) => {
+                    // At most the whole budget for one chunk, so that it can always be had.
+                    let wanted =
+                        u32::try_from(data.len().min(READ_AHEAD_BYTES)).unwrap_or(u32::MAX);
+                    // The semaphore is never closed; should it be, the chunk goes uncounted.
+                    if let Ok(more) = budget.clone().acquire_many_owned(wanted).await {
+                        match &mut room {
+                            Some(room) => room.merge(more),
+                            None => room = Some(more),
+                        }
+                    }
                     read.extend_from_slice(&data);
                     if read.len() > limit {
                         ahead.rest = Some(body);
@@ -138,7 +181,7 @@ async fn read_ahead(mut body: Body, limit: usize) -> (ReadAhead, bool) {
         }
     };
     ahead.prefix = (!read.is_empty()).then(|| read.freeze());
-    (ahead, whole)
+    (ahead, whole, room)
 }
 
 /// A request body read ahead ([`read_ahead`]): the bytes read, then its trailers, the rest of
@@ -148,6 +191,21 @@ struct ReadAhead {
     trailers: Option<HeaderMap>,
     rest: Option<Body>,
     error: Option<Status>,
+}
+
+impl ReadAhead {
+    /// Whether the first message the bytes read announce (its frame header's length) fits
+    /// `limit` with its header: a body past the limit then holds more than one message.
+    fn first_message_fits(&self, limit: usize) -> bool {
+        let Some(prefix) = &self.prefix else {
+            return false;
+        };
+        let Some(header) = prefix.get(..FRAME_HEADER) else {
+            return false;
+        };
+        let len = u32::from_be_bytes([header[1], header[2], header[3], header[4]]);
+        usize::try_from(len).is_ok_and(|len| len.saturating_add(FRAME_HEADER) <= limit)
+    }
 }
 
 impl http_body::Body for ReadAhead {
@@ -319,6 +377,42 @@ mod tests {
         .expect("a message past the limit is handed on without a turn");
     }
 
+    /// A body longer than one message whose first message fits (a second frame announced
+    /// after it) is refused without being decoded; a call whose message does not come in time
+    /// is ended, holding nothing.
+    #[tokio::test(start_paused = true)]
+    async fn a_padded_or_late_message_is_refused_before_it_is_decoded() {
+        let held = Held {
+            begun: Arc::new(AtomicUsize::new(0)),
+            release: Arc::new(Notify::new()),
+        };
+        let mut service = DecodeTurns::with_turns(held.clone(), 8, 1);
+        // A 3-byte message, then the header of a 1 MiB frame (and a little of it).
+        let mut padded = vec![0, 0, 0, 0, 3, b'a', b'b', b'c'];
+        padded.extend_from_slice(&[0, 0, 0x10, 0, 0, b'x']);
+        let answer = service
+            .call(validate(Body::new(http_body_util::Full::new(Bytes::from(
+                padded,
+            )))))
+            .await
+            .unwrap();
+        assert_eq!(
+            answer.headers().get("grpc-status").map(|v| v.as_bytes()),
+            Some(&b"3"[..]),
+            "{answer:?}"
+        );
+        let began = tokio::time::Instant::now();
+        let answer = service.call(validate(Body::new(Never))).await.unwrap();
+        assert_eq!(
+            answer.headers().get("grpc-status").map(|v| v.as_bytes()),
+            Some(&b"4"[..]),
+            "{answer:?}"
+        );
+        assert_eq!(began.elapsed(), READ_AHEAD_WAIT);
+        assert_eq!(held.begun.load(Ordering::SeqCst), 0, "nothing was decoded");
+        assert_eq!(service.budget.available_permits(), READ_AHEAD_BYTES);
+    }
+
     /// What was read ahead is handed on whole: its bytes, then its trailers, or the rest of
     /// the body where the read stopped.
     #[tokio::test]
@@ -333,13 +427,19 @@ mod tests {
             ];
             Body::new(http_body_util::StreamBody::new(tokio_stream::iter(frames)))
         };
-        let (ahead, whole) = read_ahead(body(), 16).await;
+        let budget = Arc::new(Semaphore::new(READ_AHEAD_BYTES));
+        let (ahead, whole, room) = read_ahead(body(), 16, &budget).await;
+        assert_eq!(
+            room.map(|r| r.num_permits()),
+            Some(4),
+            "the bytes read take room"
+        );
         assert!(whole);
         let collected = ahead.collect().await.unwrap();
         assert_eq!(collected.trailers(), Some(&trailers));
         assert_eq!(collected.to_bytes(), "abcd");
         // Past the limit: the first two bytes, then the rest as it comes.
-        let (ahead, whole) = read_ahead(body(), 1).await;
+        let (ahead, whole, _) = read_ahead(body(), 1, &budget).await;
         assert!(!whole);
         let collected = ahead.collect().await.unwrap();
         assert_eq!(collected.trailers(), Some(&trailers));
