@@ -97,7 +97,7 @@ impl Streams {
         StreamGuard {
             streams: self.clone(),
             bounded: bound.is_some(),
-            refused: false,
+            released: false,
         }
     }
 
@@ -125,17 +125,32 @@ impl Streams {
 pub(crate) struct StreamGuard {
     streams: Arc<Streams>,
     bounded: bool,
-    /// The call was no token holder's ([`StreamGuard::not_a_token_holders`]).
-    refused: bool,
+    /// The call is out of the counts already ([`StreamGuard::not_a_token_holders`]).
+    released: bool,
 }
 
 impl StreamGuard {
     /// The call was admitted by no token (with a tokens file: refused for its token, or one
-    /// that no token guards, such as a health check or an unknown method): its end is no sign
-    /// that the connection is in use. A peer with no token kept a connection for good with
-    /// such a call every few seconds.
+    /// that no token guards, such as a health check or an unknown method): it leaves the
+    /// counts now, open or not, and its end is no sign that the connection is in use. A peer
+    /// with no token kept a connection for good with such a call every few seconds, or with
+    /// health Watches that overlap.
     pub(crate) fn not_a_token_holders(&mut self) {
-        self.refused = true;
+        if std::mem::replace(&mut self.released, true) {
+            return;
+        }
+        // Under the lock that `quiet_for` reads the counts under.
+        let times = self.streams.times.lock().unwrap_or_else(|e| e.into_inner());
+        self.count().fetch_sub(1, Ordering::SeqCst);
+        drop(times);
+    }
+
+    fn count(&self) -> &AtomicUsize {
+        if self.bounded {
+            &self.streams.bounded
+        } else {
+            &self.streams.open
+        }
     }
 }
 
@@ -157,21 +172,23 @@ impl Admitted {
 
 impl Drop for StreamGuard {
     fn drop(&mut self) {
-        // The time first, under the lock that `quiet_for` reads the counts under.
-        let mut times = self.streams.times.lock().unwrap_or_else(|e| e.into_inner());
-        if !self.refused {
-            times.quiet_since = Instant::now();
+        if !self.released {
+            self.end();
         }
-        let count = if self.bounded {
-            &self.streams.bounded
-        } else {
-            &self.streams.open
-        };
-        count.fetch_sub(1, Ordering::SeqCst);
-        drop(times);
         if let Some(live) = &self.streams.live {
             live.call_ended();
         }
+    }
+}
+
+impl StreamGuard {
+    /// The call ended: out of the counts, and the connection quiet from now.
+    fn end(&self) {
+        // The time first, under the lock that `quiet_for` reads the counts under.
+        let mut times = self.streams.times.lock().unwrap_or_else(|e| e.into_inner());
+        times.quiet_since = Instant::now();
+        self.count().fetch_sub(1, Ordering::SeqCst);
+        drop(times);
     }
 }
 
@@ -261,6 +278,13 @@ where
             } else {
                 Some(future.await)
             };
+            let mut guard = guard;
+            // A call no token admitted leaves the counts once it has an answer (or is cut).
+            if let Some(guard) = &mut guard
+                && admitted.is_some_and(|a| !a.admitted())
+            {
+                guard.not_a_token_holders();
+            }
             let Some(response) = answered else {
                 // No answer by the bound: a Trailers-Only answer, and the call's request (its
                 // body, perhaps never finished) is let go.
@@ -276,12 +300,6 @@ where
                 ));
             };
             let response = response?;
-            let mut guard = guard;
-            if let Some(guard) = &mut guard
-                && admitted.is_some_and(|a| !a.admitted())
-            {
-                guard.not_a_token_holders();
-            }
             Ok(response.map(|body| Counted {
                 inner: Some(body),
                 until: bounded.then(|| Box::pin(tokio::time::sleep_until(until))),
@@ -385,6 +403,14 @@ mod tests {
             streams.quiet_for(Instant::now()),
             Some(Duration::from_secs(3))
         );
+        // Still open (a health Watch), it does not keep the connection busy either.
+        let mut watch = streams.opened(Some(Instant::now() + Duration::from_secs(10)));
+        watch.not_a_token_holders();
+        assert_eq!(
+            streams.quiet_for(Instant::now()),
+            Some(Duration::from_secs(3))
+        );
+        drop(watch);
         let answered = streams.opened(Some(Instant::now() + Duration::from_secs(10)));
         tokio::time::sleep(Duration::from_secs(1)).await;
         drop(answered);

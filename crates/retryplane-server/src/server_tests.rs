@@ -1654,10 +1654,10 @@ async fn each_grpc_listener_bounds_the_streams_of_one_connection() {
 }
 
 /// With a tokens file, only calls a token admitted keep a connection open: one whose calls are
-/// all refused for their token, or go to a service no token guards (a health check), is closed
-/// the idle timeout after its accept, however often they come (a peer with no token kept a
-/// connection, and its file descriptor, for good with one every few seconds); one whose calls
-/// a token admitted is kept.
+/// all refused for their token, or go to a service no token guards (a health check, health
+/// Watches kept open and overlapping), is closed the idle timeout after its accept, however
+/// often they come (a peer with no token kept a connection, and its file descriptor, for good
+/// with one every few seconds); one whose calls a token admitted is kept.
 #[tokio::test]
 async fn only_calls_a_token_admitted_keep_a_connection_open() {
     let (dir, mut cfg) = with_file(V1);
@@ -1674,6 +1674,7 @@ async fn only_calls_a_token_admitted_keep_a_connection_open() {
     for (path, token, kept) in [
         ("/retryplane.v1.AdminService/Get", None, false),
         ("/grpc.health.v1.Health/Check", None, false),
+        ("/grpc.health.v1.Health/Watch", None, false),
         (
             "/retryplane.v1.AdminService/Get",
             Some("Bearer admin-secret-0123456789"),
@@ -1693,6 +1694,8 @@ async fn only_calls_a_token_admitted_keep_a_connection_open() {
             closed_by + SHUTDOWN_GRACE
         };
         let mut answered = 0;
+        // The answers are kept: a Watch stays open while its answer is.
+        let mut answers = Vec::new();
         while !conn.is_finished() && began.elapsed() < watched {
             let Ok(mut ready) = send.clone().ready().await else {
                 break;
@@ -1703,11 +1706,19 @@ async fn only_calls_a_token_admitted_keep_a_connection_open() {
                     .headers_mut()
                     .insert("authorization", token.parse().unwrap());
             }
-            let Ok((answer, _)) = ready.send_request(request, true) else {
+            let Ok((answer, mut body)) = ready.send_request(request, false) else {
                 break;
             };
-            if answer.await.is_ok() {
+            // One empty message: what Get, Check and Watch take.
+            if body
+                .send_data(bytes::Bytes::from_static(&[0; 5]), true)
+                .is_err()
+            {
+                break;
+            }
+            if let Ok(answer) = answer.await {
                 answered += 1;
+                answers.push(answer);
             }
             tokio::time::sleep(idle / 6).await;
         }
