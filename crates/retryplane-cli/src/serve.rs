@@ -387,6 +387,7 @@ async fn serve(settings: ServeConfig) -> anyhow::Result<()> {
             );
         }
     }
+    let mut reloads: Option<std::sync::mpsc::Sender<()>> = None;
     let stopped = loop {
         tokio::select! {
             stopped = running.wait() => break Some(stopped),
@@ -394,16 +395,13 @@ async fn serve(settings: ServeConfig) -> anyhow::Result<()> {
             // The reload logs its outcome; a bad file keeps the tokens in force. The file is
             // read on a thread of its own, not waited for here: a read that does not end (a
             // file on a network mount that does not answer) must not keep this loop from
-            // SIGTERM. (A thread, not `spawn_blocking`: the runtime's end would wait for it.)
+            // SIGTERM. One thread for every reload, in turn, so that an older read cannot put
+            // its tokens back over a newer one's; SIGHUPs that come during a read make one
+            // more. (A thread, not `spawn_blocking`: the runtime's end would wait for it.)
             () = hangups.recv() => {
-                let reload = running.tokens_reload();
-                let spawned = std::thread::Builder::new()
-                    .name("tokens-reload".to_owned())
-                    .spawn(move || {
-                        let _ = reload();
-                    });
-                if let Err(e) = spawned {
-                    warn!(error = %e, "cannot start a thread to read the tokens file; the tokens in force stay");
+                let sent = reloads.as_ref().is_some_and(|tx| tx.send(()).is_ok());
+                if !sent {
+                    reloads = reload_thread(running.tokens_reload());
                 }
             }
         }
@@ -413,6 +411,30 @@ async fn serve(settings: ServeConfig) -> anyhow::Result<()> {
         Some(Err(e)) => Err(e).context("the control plane stopped"),
         Some(Ok(())) => anyhow::bail!("the control plane stopped unexpectedly"),
         None => Ok(()),
+    }
+}
+
+/// Starts the thread that reads the tokens file again (`reload`) for each message sent to it,
+/// once for any number that wait, and sends it the first; `None` (said in the log) if it
+/// cannot be started.
+fn reload_thread(
+    reload: impl Fn() -> Result<Option<usize>, retryplane_server::auth::TokensError> + Send + 'static,
+) -> Option<std::sync::mpsc::Sender<()>> {
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let spawned = std::thread::Builder::new()
+        .name("tokens-reload".to_owned())
+        .spawn(move || {
+            while rx.recv().is_ok() {
+                while rx.try_recv().is_ok() {}
+                let _ = reload();
+            }
+        });
+    match spawned {
+        Ok(_) => tx.send(()).ok().map(|()| tx),
+        Err(e) => {
+            warn!(error = %e, "cannot start a thread to read the tokens file; the tokens in force stay");
+            None
+        }
     }
 }
 

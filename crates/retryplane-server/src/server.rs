@@ -490,12 +490,12 @@ impl Running {
         self.tokens_reload()()
     }
 
-    /// [`Running::reload_tokens`], to run later on another thread: the file is read on it (a
-    /// file on a network mount may not answer), so that the caller (the loop that waits for
-    /// SIGTERM) can give up waiting for it.
+    /// [`Running::reload_tokens`], to run (as often as wanted) on another thread: the file is
+    /// read on it (a file on a network mount may not answer), so that the caller (the loop
+    /// that waits for SIGTERM) does not wait for it.
     pub fn tokens_reload(
         &self,
-    ) -> impl FnOnce() -> Result<Option<usize>, TokensError> + Send + 'static {
+    ) -> impl Fn() -> Result<Option<usize>, TokensError> + Send + 'static {
         let tokens = self.tokens.clone();
         let control = self.control.clone();
         move || reload_tokens(tokens.as_deref(), &control)
