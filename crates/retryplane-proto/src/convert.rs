@@ -33,7 +33,8 @@ mod to_pb;
 
 pub use to_pb::{content_hash, lists_as_sets, unsigned_zeros};
 
-/// The most a wire document may hold, counted as the YAML reader counts a file's events at the
+/// The most a document sent to the control plane may hold ([`check_items`]), counted as the
+/// YAML reader counts a file's events at the
 /// least (two for each endpoint and route, each at least a key or an item and its value; one
 /// for each entry of a list: status codes, error classes, methods): what a policy file can hold
 /// ([`retryplane_policy::yaml::MAX_EVENTS`]). A document of bare endpoints within the message

@@ -561,7 +561,7 @@ impl Tokens {
             file: path.to_owned(),
             source,
         };
-        // Read at start and on SIGHUP, in the loop that waits for SIGTERM too.
+        // Read at start, before the server listens, and on SIGHUP: a FIFO would hold either.
         crate::refuse_fifo_or_socket(path, "the tokens file", "save the tokens in a regular file")
             .map_err(read)?;
         let file = std::fs::File::open(path).map_err(read)?;

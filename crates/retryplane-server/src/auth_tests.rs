@@ -628,8 +628,8 @@ fn a_max_agents_left_without_a_value_is_refused_not_taken_for_no_limit() {
 }
 
 /// A FIFO at the tokens path is refused, not waited on: the file is read at start and on
-/// SIGHUP in the loop that waits for SIGTERM, which a wait for a writer froze (SIGTERM then
-/// did nothing).
+/// SIGHUP, and a wait for a writer froze the start (and, when the reload was read in the loop
+/// that waits for SIGTERM, SIGTERM with it).
 #[cfg(any(target_os = "linux", target_os = "android"))]
 #[test]
 fn a_fifo_at_the_tokens_path_is_refused_not_waited_on() {

@@ -373,6 +373,32 @@ async fn an_agent_token_reports_only_as_its_services_and_a_reload_that_narrows_t
     };
     assert_eq!(ended.code(), Code::PermissionDenied, "{ended:?}");
     assert!(ended.message().contains("`checkout`"), "{ended:?}");
+    // The streams of services it keeps, and of the other token, stay: the fleet lists them
+    // connected once the ended stream's agent is gone.
+    let mut admin = AdminServiceClient::new(channel(running.admin_addr).await);
+    let end = Instant::now() + Duration::from_secs(10);
+    loop {
+        let status = admin
+            .fleet_status(with_auth(
+                pb::FleetStatusRequest::default(),
+                Some(format!("Bearer {ADMIN}").as_bytes()),
+            ))
+            .await
+            .unwrap()
+            .into_inner();
+        let mut connected: Vec<_> = status
+            .agents
+            .iter()
+            .filter(|a| a.connected)
+            .map(|a| a.agent_id.as_str())
+            .collect();
+        connected.sort_unstable();
+        if connected == ["c-2", "p-1"] {
+            break;
+        }
+        assert!(Instant::now() < end, "still connected: {connected:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     running.shutdown().await.unwrap();
 }
 
