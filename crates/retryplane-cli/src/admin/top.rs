@@ -638,13 +638,19 @@ fn share(budget: usize, a: usize, b: usize) -> (usize, usize) {
 }
 
 /// `text` cut to `width` terminal columns (an ideograph takes two, a combining mark none), the
-/// last one `…` when cut.
+/// last one `…` when cut (before the closing quote of a quoted name).
 fn fit(text: &str, width: usize) -> String {
     if UnicodeWidthStr::width(text) <= width {
         return text.to_owned();
     }
     if width == 0 {
         return String::new();
+    }
+    // A quoted name (`output::name`) keeps its closing quote, so it still reads as one.
+    if width >= 3
+        && let Some(inner) = text.strip_prefix('"').and_then(|t| t.strip_suffix('"'))
+    {
+        return format!("\"{}\"", fit(inner, width - 2));
     }
     let mut out = String::new();
     let mut used = 0;
@@ -856,6 +862,13 @@ mod tests {
             all.contains(r#""ep\u{1b}[31mX"  "svc\u{1b}]0;x\u{7}""#),
             "{all}"
         );
+    }
+
+    #[test]
+    fn a_quoted_name_shortened_keeps_its_closing_quote() {
+        assert_eq!(fit("\"web checkout\"", 8), "\"web c…\"");
+        assert_eq!(fit("\"web checkout\"", 14), "\"web checkout\"");
+        assert_eq!(fit("payments-eu", 6), "payme…");
     }
 
     #[test]
