@@ -112,7 +112,9 @@ where
                 ))
                 .into_http());
             };
-            if !whole && body.first_message_fits(limit) {
+            // Past the limit (not an error mid-body, which the service reports as it comes).
+            // Past the limit (not an error mid-body, which the service reports as it comes).
+            if body.rest.is_some() && body.first_message_fits(limit) {
                 return Ok(Status::invalid_argument(
                     "the request holds more than one message; this call takes one",
                 )
@@ -130,9 +132,10 @@ where
     }
 }
 
-/// Reads `body` until it ends or passes `limit` bytes, each chunk once `budget` has room for
-/// it: what was read, then the rest (its trailers, the body where the read stopped, or its
-/// error), whether it ended within the limit, and the room it takes in `budget`.
+/// Reads `body` until it ends or passes `limit` bytes, once `budget` has room for the message
+/// its first frame header announces: what was read, then the rest (its trailers, the body
+/// where the read stopped, or its error), whether it ended within the limit, and the room it
+/// takes in `budget`.
 async fn read_ahead(
     mut body: Body,
     limit: usize,
@@ -155,17 +158,27 @@ async fn read_ahead(
             }
             Some(Ok(frame)) => match frame.into_data() {
                 Ok(data) => {
-                    // At most the whole budget for one chunk, so that it can always be had.
-                    let wanted =
-                        u32::try_from(data.len().min(READ_AHEAD_BYTES)).unwrap_or(u32::MAX);
-                    // The semaphore is never closed; should it be, the chunk goes uncounted.
-                    if let Ok(more) = budget.clone().acquire_many_owned(wanted).await {
-                        match &mut room {
-                            Some(room) => room.merge(more),
-                            None => room = Some(more),
-                        }
-                    }
                     read.extend_from_slice(&data);
+                    // Room for the whole message its header announces (within the limit), taken
+                    // at once: calls that each held part of the budget while they waited for
+                    // more could all wait on each other until their time ran out.
+                    if room.is_none()
+                        && let Some(header) = read.get(..FRAME_HEADER)
+                    {
+                        let announced =
+                            u32::from_be_bytes([header[1], header[2], header[3], header[4]]);
+                        let wanted = usize::try_from(announced)
+                            .unwrap_or(usize::MAX)
+                            .saturating_add(FRAME_HEADER)
+                            .min(limit)
+                            .min(READ_AHEAD_BYTES);
+                        // The semaphore is never closed; should it be, the call goes uncounted.
+                        room = budget
+                            .clone()
+                            .acquire_many_owned(u32::try_from(wanted).unwrap_or(u32::MAX))
+                            .await
+                            .ok();
+                    }
                     if read.len() > limit {
                         ahead.rest = Some(body);
                         break false;
@@ -411,6 +424,24 @@ mod tests {
         assert_eq!(began.elapsed(), READ_AHEAD_WAIT);
         assert_eq!(held.begun.load(Ordering::SeqCst), 0, "nothing was decoded");
         assert_eq!(service.budget.available_permits(), READ_AHEAD_BYTES);
+        // An error mid-body is no second message: handed on, for the service to report.
+        let frames: Vec<Result<Frame<Bytes>, Status>> = vec![
+            Ok(Frame::data(Bytes::from_static(&[0, 0, 0, 0, 3, b'a']))),
+            Err(Status::cancelled("reset")),
+        ];
+        let call = service.call(validate(Body::new(http_body_util::StreamBody::new(
+            tokio_stream::iter(frames),
+        ))));
+        tokio::spawn(call);
+        // Sleeps, not yields: under the paused clock a loop that only yields never lets the
+        // bound pass.
+        tokio::time::timeout(std::time::Duration::from_secs(10), async {
+            while held.begun.load(Ordering::SeqCst) < 1 {
+                tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+            }
+        })
+        .await
+        .expect("handed on");
     }
 
     /// What was read ahead is handed on whole: its bytes, then its trailers, or the rest of
@@ -419,30 +450,32 @@ mod tests {
     async fn a_body_read_ahead_is_handed_on_whole() {
         let mut trailers = HeaderMap::new();
         trailers.insert("x-t", "1".parse().unwrap());
+        // A 3-byte message, its header and body in two frames.
         let body = || {
             let frames: Vec<Result<Frame<Bytes>, Status>> = vec![
-                Ok(Frame::data(Bytes::from_static(b"ab"))),
-                Ok(Frame::data(Bytes::from_static(b"cd"))),
+                Ok(Frame::data(Bytes::from_static(&[0, 0, 0, 0, 3, b'a']))),
+                Ok(Frame::data(Bytes::from_static(b"bc"))),
                 Ok(Frame::trailers(trailers.clone())),
             ];
             Body::new(http_body_util::StreamBody::new(tokio_stream::iter(frames)))
         };
+        let whole_message: &[u8] = &[0, 0, 0, 0, 3, b'a', b'b', b'c'];
         let budget = Arc::new(Semaphore::new(READ_AHEAD_BYTES));
         let (ahead, whole, room) = read_ahead(body(), 16, &budget).await;
         assert_eq!(
             room.map(|r| r.num_permits()),
-            Some(4),
-            "the bytes read take room"
+            Some(8),
+            "the message its header announces takes room, at once"
         );
         assert!(whole);
         let collected = ahead.collect().await.unwrap();
         assert_eq!(collected.trailers(), Some(&trailers));
-        assert_eq!(collected.to_bytes(), "abcd");
-        // Past the limit: the first two bytes, then the rest as it comes.
-        let (ahead, whole, _) = read_ahead(body(), 1, &budget).await;
+        assert_eq!(collected.to_bytes(), whole_message);
+        // Past the limit: the first frame, then the rest as it comes.
+        let (ahead, whole, _) = read_ahead(body(), 4, &budget).await;
         assert!(!whole);
         let collected = ahead.collect().await.unwrap();
         assert_eq!(collected.trailers(), Some(&trailers));
-        assert_eq!(collected.to_bytes(), "abcd");
+        assert_eq!(collected.to_bytes(), whole_message);
     }
 }
