@@ -68,6 +68,39 @@ async fn serving(tokens: &str) -> (tempfile::TempDir, std::path::PathBuf, Runnin
     (dir, file, running, agent)
 }
 
+/// The status `stream` ends with, waited for (bounded) past the messages before it.
+async fn ended_status(stream: &mut tonic::Streaming<pb::ServerMessage>) -> tonic::Status {
+    loop {
+        match tokio::time::timeout(Duration::from_secs(10), stream.message())
+            .await
+            .expect("the stream was not ended")
+        {
+            Ok(Some(_)) => continue,
+            Ok(None) => panic!("the stream ended without a status"),
+            Err(status) => break status,
+        }
+    }
+}
+
+/// Waits (bounded) until the agents `FleetStatus` lists as connected are `expected` (sorted).
+async fn until_connected(running: &Running, expected: &[&str]) {
+    let end = Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut connected: Vec<_> = listed(running)
+            .await
+            .into_iter()
+            .filter(|a| a.connected)
+            .map(|a| a.agent_id)
+            .collect();
+        connected.sort_unstable();
+        if connected == expected {
+            return;
+        }
+        assert!(Instant::now() < end, "still connected: {connected:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 /// The agents `FleetStatus` lists, asked with the admin token.
 async fn listed(running: &Running) -> Vec<pb::AgentStatus> {
     AdminServiceClient::new(channel(running.admin_addr).await)
@@ -294,44 +327,13 @@ async fn an_agent_token_connects_only_as_its_agent_ids_and_a_reload_that_narrows
     // A reload that takes `checkout-*` from the token ends that stream, and only that one.
     fs::write(&file, tokens_yaml_with(Some(", agent_ids: [cart-7]"))).unwrap();
     running.reload_tokens().unwrap();
-    let ended = loop {
-        match tokio::time::timeout(Duration::from_secs(10), checkout.message())
-            .await
-            .expect("the stream was not ended")
-        {
-            Ok(Some(_)) => continue,
-            Ok(None) => panic!("the stream ended without a status"),
-            Err(status) => break status,
-        }
-    };
+    let ended = ended_status(&mut checkout).await;
     assert_eq!(ended.code(), Code::PermissionDenied, "{ended:?}");
     assert!(ended.message().contains("`checkout-1`"), "{ended:?}");
     let e = hello(&agent, AGENT, "checkout-1").await.unwrap_err();
     assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
     // The fleet lists the ended stream's agent as gone (once its task has ended).
-    let mut admin = AdminServiceClient::new(channel(running.admin_addr).await);
-    let end = Instant::now() + Duration::from_secs(10);
-    loop {
-        let status = admin
-            .fleet_status(with_auth(
-                pb::FleetStatusRequest::default(),
-                Some(format!("Bearer {ADMIN}").as_bytes()),
-            ))
-            .await
-            .unwrap()
-            .into_inner();
-        let connected: Vec<_> = status
-            .agents
-            .iter()
-            .filter(|a| a.connected)
-            .map(|a| a.agent_id.as_str())
-            .collect();
-        if connected == ["cart-7", "payments-1"] {
-            break;
-        }
-        assert!(Instant::now() < end, "still connected: {connected:?}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    until_connected(&running, &["cart-7", "payments-1"]).await;
     running.shutdown().await.unwrap();
 }
 
@@ -361,44 +363,12 @@ async fn an_agent_token_reports_only_as_its_services_and_a_reload_that_narrows_t
     // A reload that takes `checkout` away ends that stream.
     fs::write(&file, tokens_yaml_with(Some(", services: [cart-*]"))).unwrap();
     running.reload_tokens().unwrap();
-    let ended = loop {
-        match tokio::time::timeout(Duration::from_secs(10), checkout.message())
-            .await
-            .expect("the stream was not ended")
-        {
-            Ok(Some(_)) => continue,
-            Ok(None) => panic!("the stream ended without a status"),
-            Err(status) => break status,
-        }
-    };
+    let ended = ended_status(&mut checkout).await;
     assert_eq!(ended.code(), Code::PermissionDenied, "{ended:?}");
     assert!(ended.message().contains("`checkout`"), "{ended:?}");
     // The streams of services it keeps, and of the other token, stay: the fleet lists them
     // connected once the ended stream's agent is gone.
-    let mut admin = AdminServiceClient::new(channel(running.admin_addr).await);
-    let end = Instant::now() + Duration::from_secs(10);
-    loop {
-        let status = admin
-            .fleet_status(with_auth(
-                pb::FleetStatusRequest::default(),
-                Some(format!("Bearer {ADMIN}").as_bytes()),
-            ))
-            .await
-            .unwrap()
-            .into_inner();
-        let mut connected: Vec<_> = status
-            .agents
-            .iter()
-            .filter(|a| a.connected)
-            .map(|a| a.agent_id.as_str())
-            .collect();
-        connected.sort_unstable();
-        if connected == ["c-2", "p-1"] {
-            break;
-        }
-        assert!(Instant::now() < end, "still connected: {connected:?}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    until_connected(&running, &["c-2", "p-1"]).await;
     running.shutdown().await.unwrap();
 }
 
