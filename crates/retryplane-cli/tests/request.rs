@@ -1341,6 +1341,42 @@ fn server_mode_with_an_agent_token_held_to_agent_ids_says_so_not_that_it_is_no_a
     assert!(!stderr.contains("not an agent token"), "{stderr}");
 }
 
+/// Runs `request --output json` under `policy` against `up_addr`, sends it SIGINT once the
+/// upstream says (on `arrived`) that the attempt to cut has come (`what`), and returns its JSON
+/// after checking it exited 1.
+#[cfg(unix)]
+fn interrupted_request(
+    policy: &std::path::Path,
+    up_addr: std::net::SocketAddr,
+    arrived: &std::sync::mpsc::Receiver<()>,
+    what: &str,
+) -> Value {
+    let child = support::cli_process(&[
+        "request",
+        "--endpoint",
+        "api",
+        "--output",
+        "json",
+        "--policy",
+    ])
+    .arg(policy)
+    .arg(format!("http://{up_addr}/"))
+    .spawn()
+    .unwrap();
+    arrived
+        .recv_timeout(std::time::Duration::from_secs(30))
+        .expect(what);
+    let killed = std::process::Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 /// Ctrl-C (SIGINT) during an attempt cancels the call, as a caller dropping it would: the
 /// command prints its outcome, `cancelled`, with the attempt it cut shown as having no
 /// answer (no error class: it neither failed to connect nor timed out), and exits 1.
@@ -1370,31 +1406,8 @@ fn ctrl_c_cancels_the_call_and_prints_its_outcome() {
             .unwrap();
         let _ = std::io::copy(&mut conn, &mut std::io::sink());
     });
-    let child = support::cli_process(&[
-        "request",
-        "--endpoint",
-        "api",
-        "--output",
-        "json",
-        "--policy",
-    ])
-    .arg(&policy)
-    .arg(format!("http://{up_addr}/"))
-    .spawn()
-    .unwrap();
-    arrived
-        .recv_timeout(Duration::from_secs(30))
-        .expect("the call reaches the upstream");
-    let killed = std::process::Command::new("kill")
-        .args(["-INT", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(killed.success());
-    let out = child.wait_with_output().unwrap();
+    let v = interrupted_request(&policy, up_addr, &arrived, "the call reaches the upstream");
     holder.join().unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["cause"], "cancelled", "{v}");
     assert_eq!(
         v["attempts"],
@@ -1438,31 +1451,8 @@ fn ctrl_c_during_a_retry_leaves_no_final_status() {
             .unwrap();
         let _ = std::io::copy(&mut second, &mut std::io::sink());
     });
-    let child = support::cli_process(&[
-        "request",
-        "--endpoint",
-        "api",
-        "--output",
-        "json",
-        "--policy",
-    ])
-    .arg(&policy)
-    .arg(format!("http://{up_addr}/"))
-    .spawn()
-    .unwrap();
-    arrived
-        .recv_timeout(Duration::from_secs(30))
-        .expect("the retry reaches the upstream");
-    let killed = std::process::Command::new("kill")
-        .args(["-INT", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(killed.success());
-    let out = child.wait_with_output().unwrap();
+    let v = interrupted_request(&policy, up_addr, &arrived, "the retry reaches the upstream");
     holder.join().unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["cause"], "cancelled", "{v}");
     assert_eq!(v["status"], Value::Null, "{v}");
     assert_eq!(v["attempts"][0]["status"], 503, "{v}");
