@@ -84,6 +84,12 @@ pub struct Args {
     #[arg(long, value_name = "N", default_value_t = ServeConfig::default().max_agents,
           value_parser = at_least_one())]
     max_agents: usize,
+    /// Most connections the agent listener holds at once (the next waits in the kernel's
+    /// queue until one closes); by default --max-agents plus --max-pending-handshakes. Lowered,
+    /// with a warning, to what the open-file limit leaves beside the admin and HTTP listeners
+    /// (256 connections each).
+    #[arg(long, value_name = "N", value_parser = at_least_one())]
+    max_agent_connections: Option<usize>,
     /// Most agent streams waiting for their Hello at once; one more is refused with
     /// RESOURCE_EXHAUSTED.
     #[arg(long, value_name = "N",
@@ -301,6 +307,7 @@ impl From<Args> for ServeConfig {
             keepalive_timeout: args.keepalive_timeout,
             connection_idle_timeout: args.connection_idle_timeout,
             max_agents: args.max_agents,
+            max_agent_connections: args.max_agent_connections,
             max_series: args.max_series,
             max_series_per_service: args.max_series_per_service,
             max_streams_per_connection: args.max_streams_per_connection,
@@ -611,6 +618,7 @@ mod tests {
             parsed.stream_limits.max_pending_handshakes,
             defaults.stream_limits.max_pending_handshakes
         );
+        assert_eq!(parsed.max_agent_connections, defaults.max_agent_connections);
         assert_eq!(
             parsed.max_streams_per_connection,
             defaults.max_streams_per_connection
@@ -644,7 +652,10 @@ mod tests {
             "30m",
             "--forget-disconnected-after",
             "15m",
+            "--max-agent-connections",
+            "500",
         ]);
+        assert_eq!(parsed.max_agent_connections, Some(500));
         assert_eq!(parsed.config_file, PathBuf::from("p.yaml"));
         assert_eq!(parsed.listen.port(), 9000);
         assert_eq!(parsed.tokens_file, Some(PathBuf::from("tokens.yaml")));

@@ -35,6 +35,14 @@ use tonic::transport::server::TcpConnectInfo;
 /// the CLI takes at most that), so that no `Instant` arithmetic can overflow.
 pub(crate) const LONGEST: Duration = Duration::from_secs(365 * 24 * 3600);
 
+/// With a tokens file, how long a connection on which a token has admitted no call yet may go
+/// without one before it is closed (the idle timeout, when that is shorter): an agent or an
+/// admin client calls with its token as soon as it connects, and a peer with no token held each
+/// connection it opened for the whole idle timeout (5 min by default), so a few thousand of
+/// them took the process's file descriptors. Health checks and reflection ask no token: a
+/// prober that keeps its connection for them has it closed at this age and connects again.
+pub(crate) const UNADMITTED_IDLE: Duration = Duration::from_secs(10);
+
 /// The open streams of one connection, and since when none has been open.
 #[derive(Debug)]
 pub(crate) struct Streams {
@@ -46,6 +54,11 @@ pub(crate) struct Streams {
     times: Mutex<Times>,
     /// The listener's count of calls not yet let go, which the end of a shutdown waits for.
     live: Option<Arc<crate::preface::Live>>,
+    /// A tokens file is in force: until a token admits a call, the connection may stay idle
+    /// for [`UNADMITTED_IDLE`] at most.
+    guarded: bool,
+    /// A token has admitted one of the connection's calls.
+    admitted: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Debug)]
@@ -69,6 +82,25 @@ impl Streams {
                 latest_bound: now,
             }),
             live: None,
+            guarded: false,
+            admitted: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
+    /// A tokens file is in force on the connection's listener (see [`UNADMITTED_IDLE`]).
+    pub(crate) fn guarded(mut self, guarded: bool) -> Self {
+        self.guarded = guarded;
+        self
+    }
+
+    /// How long the connection may go without a stream: `idle_after`, the listener's idle
+    /// timeout, or [`UNADMITTED_IDLE`] if shorter while no token has admitted a call on a
+    /// guarded listener.
+    pub(crate) fn idle_after(&self, idle_after: Duration) -> Duration {
+        if self.guarded && !self.admitted.load(Ordering::SeqCst) {
+            idle_after.min(UNADMITTED_IDLE)
+        } else {
+            idle_after
         }
     }
 
@@ -155,14 +187,28 @@ impl StreamGuard {
 }
 
 /// Put in each request when a tokens file is in force; the token guard marks it when it
-/// admits the call ([`Admitted::admit`]).
+/// admits the call ([`Admitted::admit`]), and so the call's connection.
 #[derive(Clone, Debug, Default)]
-pub(crate) struct Admitted(Arc<std::sync::atomic::AtomicBool>);
+pub(crate) struct Admitted(Arc<std::sync::atomic::AtomicBool>, Option<Arc<Streams>>);
 
 impl Admitted {
+    /// For a call on the connection whose streams are `streams`.
+    fn on(streams: Option<Arc<Streams>>) -> Self {
+        Self(Arc::default(), streams)
+    }
+
+    /// [`Admitted::on`] a connection's streams, for tests of the connection.
+    #[cfg(test)]
+    pub(crate) fn on_streams(streams: Arc<Streams>) -> Self {
+        Self::on(Some(streams))
+    }
+
     /// A token guard admitted the call.
     pub(crate) fn admit(&self) {
         self.0.store(true, Ordering::SeqCst);
+        if let Some(streams) = &self.1 {
+            streams.admitted.store(true, Ordering::SeqCst);
+        }
     }
 
     fn admitted(&self) -> bool {
@@ -258,16 +304,20 @@ where
         let max_call = self.max_call.min(LONGEST);
         let bounded = request.uri().path() != crate::agent_route::CONNECT_PATH;
         let until = Instant::now() + max_call;
-        let conn = request
-            .extensions()
-            .get::<Conn<TcpConnectInfo>>()
-            .map(|c| (c.inner.clone(), c.streams.opened(bounded.then_some(until))));
-        let guard = conn.map(|(tcp, guard)| {
+        let conn = request.extensions().get::<Conn<TcpConnectInfo>>().map(|c| {
+            (
+                c.inner.clone(),
+                c.streams.opened(bounded.then_some(until)),
+                c.streams.clone(),
+            )
+        });
+        let streams = conn.as_ref().map(|(_, _, streams)| streams.clone());
+        let guard = conn.map(|(tcp, guard, _)| {
             request.extensions_mut().insert(tcp);
             guard
         });
         let admitted = self.guarded.then(|| {
-            let admitted = Admitted::default();
+            let admitted = Admitted::on(streams);
             request.extensions_mut().insert(admitted.clone());
             admitted
         });

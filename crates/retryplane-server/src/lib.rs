@@ -28,6 +28,7 @@ pub mod http;
 mod idle;
 pub mod metrics;
 pub mod oversized;
+pub mod places;
 mod preface;
 pub mod publisher;
 pub mod report_seq;

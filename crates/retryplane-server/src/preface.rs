@@ -101,6 +101,9 @@ pub(crate) struct Preface<S> {
     forced: Option<Closing>,
     /// Counted among the listener's live connections while it lives.
     live: LiveGuard,
+    /// The listener's place this connection holds until it is dropped (see
+    /// `crate::server::incoming`).
+    _place: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
 /// The connections of the gRPC listeners that are still open, and the signal that closes them
@@ -204,11 +207,13 @@ impl Connections {
 
 impl<S> Preface<S> {
     /// Wraps `inner`, watching `shutdown` (true once shutdown has begun); closed once it has
-    /// had no open stream for `idle_after`.
+    /// had no open stream for `idle_after` (or [`crate::conn_idle::UNADMITTED_IDLE`], if
+    /// `guarded` and no token has admitted a call on it yet).
     pub(crate) fn new(
         inner: S,
         mut shutdown: watch::Receiver<bool>,
         idle_after: Duration,
+        guarded: bool,
         connections: &Connections,
     ) -> Self {
         let (live, forced) = connections.join();
@@ -230,7 +235,11 @@ impl<S> Preface<S> {
             read: 0,
             closing: Some(Box::pin(closing)),
             closed: false,
-            streams: Arc::new(Streams::new(accepted).counted_in(connections.live.clone())),
+            streams: Arc::new(
+                Streams::new(accepted)
+                    .counted_in(connections.live.clone())
+                    .guarded(guarded),
+            ),
             idle_after: idle_after.min(crate::conn_idle::LONGEST),
             idle: None,
             io: 0,
@@ -238,7 +247,14 @@ impl<S> Preface<S> {
             quiet_turns: 0,
             forced: Some(forced),
             live,
+            _place: None,
         }
+    }
+
+    /// Holds `place` (one of its listener's) until the connection is dropped.
+    pub(crate) fn holding(mut self, place: Option<tokio::sync::OwnedSemaphorePermit>) -> Self {
+        self._place = place;
+        self
     }
 
     /// Whether the server has closed every connection (see [`Connections`]).
@@ -268,7 +284,8 @@ impl<S> Preface<S> {
     /// [`QUIET_IO`] (the timer's last turn); otherwise the timer is set for when it may have,
     /// and registered with `cx`.
     fn quiet_too_long(&mut self, cx: &mut Context<'_>) -> bool {
-        let idle_after = self.idle_after;
+        // Read at each turn: a first admitted call lengthens it.
+        let idle_after = self.streams.idle_after(self.idle_after);
         let timer = self
             .idle
             .get_or_insert_with(|| Box::pin(tokio::time::sleep(idle_after)));
@@ -455,6 +472,17 @@ mod tests {
         tokio::io::DuplexStream,
         Stop,
     ) {
+        pair_guarded(false)
+    }
+
+    /// [`pair`], on a listener with a tokens file (`guarded`) or not, idle after a day.
+    fn pair_guarded(
+        guarded: bool,
+    ) -> (
+        Preface<tokio::io::DuplexStream>,
+        tokio::io::DuplexStream,
+        Stop,
+    ) {
         let (server, client) = tokio::io::duplex(1024);
         let (stop, shutdown) = watch::channel(false);
         let connections = Connections::default();
@@ -463,6 +491,7 @@ mod tests {
                 server,
                 shutdown,
                 Duration::from_secs(3600 * 24),
+                guarded,
                 &connections,
             ),
             client,
@@ -601,5 +630,44 @@ mod tests {
         let mut back = [0u8; 6];
         client.read_exact(&mut back).await.unwrap();
         assert_eq!(&back, b"answer");
+    }
+
+    /// On a guarded listener, a connection on which no token admitted a call reads as closed
+    /// `UNADMITTED_IDLE` after its accept; one with an admitted call is kept past it (to its
+    /// idle timeout, a day here); on a listener without tokens, the idle timeout alone counts.
+    #[tokio::test(start_paused = true)]
+    async fn a_guarded_connection_no_token_was_admitted_on_is_closed_early() {
+        use crate::conn_idle::UNADMITTED_IDLE;
+        for (guarded, admitted, closed_early) in [
+            (true, false, true),
+            (true, true, false),
+            (false, false, false),
+        ] {
+            let (mut server, mut client, _stop) = pair_guarded(guarded);
+            let accepted = tokio::time::Instant::now();
+            client.write_all(&[b'P'; PREFACE_LEN]).await.unwrap();
+            let mut buf = [0u8; 64];
+            assert_eq!(server.read(&mut buf).await.unwrap(), PREFACE_LEN);
+            if admitted {
+                // A call admitted, and ended at once: the connection is quiet since then.
+                let call = crate::conn_idle::Admitted::on_streams(server.streams.clone());
+                let guard = server
+                    .streams
+                    .opened(Some(accepted + Duration::from_secs(1)));
+                call.admit();
+                drop(guard);
+            }
+            let read = tokio::time::timeout(UNADMITTED_IDLE * 2, server.read(&mut buf)).await;
+            if closed_early {
+                assert_eq!(read.unwrap().unwrap(), 0, "end of stream");
+                // One moment of silence more: the preface's bytes moved since the accept.
+                assert_eq!(accepted.elapsed(), UNADMITTED_IDLE + QUIET_IO);
+            } else {
+                assert!(
+                    read.is_err(),
+                    "guarded {guarded}, admitted {admitted}: {read:?}"
+                );
+            }
+        }
     }
 }

@@ -158,19 +158,21 @@ fn grpc_server(
         })
 }
 
-/// The connections of a gRPC listener, each one closed at shutdown if it has not yet sent the
-/// HTTP/2 preface (see [`crate::preface`]).
+/// The connections of a gRPC listener, at most `max` at once (see [`crate::places`]), each one
+/// closed at shutdown if it has not yet sent the HTTP/2 preface (see [`crate::preface`]), and
+/// once idle (`guarded`: a tokens file is in force, see [`crate::conn_idle::UNADMITTED_IDLE`]).
 fn incoming(
     socket: TcpListener,
+    max: usize,
     shutdown: &watch::Receiver<bool>,
     idle_after: Duration,
+    guarded: bool,
     connections: &Connections,
 ) -> impl Stream<Item = io::Result<Preface<TcpStream>>> + use<> {
     let shutdown = shutdown.clone();
     let connections = connections.clone();
     // The builder's tcp_nodelay does not apply to a listener we bound ourselves.
-    TcpIncoming::from(socket)
-        .with_nodelay(Some(true))
+    crate::places::Capped::new(TcpIncoming::from(socket).with_nodelay(Some(true)), max)
         .then(|accepted| async move {
             if let Err(e) = &accepted {
                 accept_failed(e).await;
@@ -178,7 +180,10 @@ fn incoming(
             accepted
         })
         .map(move |accepted| {
-            accepted.map(|stream| Preface::new(stream, shutdown.clone(), idle_after, &connections))
+            accepted.map(|(stream, place)| {
+                Preface::new(stream, shutdown.clone(), idle_after, guarded, &connections)
+                    .holding(Some(place))
+            })
         })
 }
 
@@ -199,7 +204,8 @@ async fn accept_failed(e: &io::Error) {
     tokio::time::sleep(Duration::from_secs(1)).await;
 }
 
-/// Starts the control plane; see the module docs.
+/// Starts the control plane; see the module docs. Raises the process's soft open-file limit
+/// to its hard one (see [`crate::places::raise_open_file_limit`]).
 pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
     check_exposure(&cfg)?;
     check_settings(&cfg)?;
@@ -337,6 +343,23 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
         Guard::new(tokens.clone(), Role::Admin).counting(control.metrics.auth_refused.clone()),
     );
 
+    let wanted = cfg.max_agent_connections.unwrap_or(
+        cfg.max_agents
+            .saturating_add(cfg.stream_limits.max_pending_handshakes),
+    );
+    // Each agent's connection takes a file descriptor: a soft limit of 1,024 (a common
+    // default) would hold the fleet to a few hundred agents while the hard limit allows more.
+    let open_files = crate::places::raise_open_file_limit();
+    let (agent_connections, lowered) = crate::places::agent_connections(wanted, open_files);
+    if lowered {
+        warn!(
+            wanted,
+            held = agent_connections,
+            open_file_limit = open_files,
+            "the agent listener holds fewer connections than asked: the process's open-file \
+             limit leaves no more beside the other listeners; raise it (`ulimit -n`) for more agents"
+        );
+    }
     let mut servers = JoinSet::new();
     let agent_router = grpc_server(&cfg, Some(AGENT_PENDING_RESETS))
         .add_service(agent_health_service)
@@ -346,8 +369,10 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
     let stop = stopped(shutdown_rx.clone());
     let accepted = incoming(
         agent_socket,
+        agent_connections,
         &shutdown_rx,
         cfg.connection_idle_timeout,
+        cfg.tokens_file.is_some(),
         &connections,
     );
     servers.spawn(async move {
@@ -367,8 +392,10 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
     let stop = stopped(shutdown_rx.clone());
     let accepted = incoming(
         admin_socket,
+        crate::places::ADMIN_MAX_CONNECTIONS,
         &shutdown_rx,
         cfg.connection_idle_timeout,
+        cfg.tokens_file.is_some(),
         &connections,
     );
     servers.spawn(async move {
@@ -391,7 +418,14 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
             .await
             .map_err(ServeError::Http)
     });
-    info!(%agent_addr, %admin_addr, %http_addr, mode = ?control.mode, "control plane serving");
+    info!(
+        %agent_addr,
+        %admin_addr,
+        %http_addr,
+        mode = ?control.mode,
+        agent_connections,
+        "control plane serving"
+    );
     Ok(Running {
         agent_addr,
         admin_addr,

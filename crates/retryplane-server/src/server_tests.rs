@@ -1737,6 +1737,148 @@ async fn only_calls_a_token_admitted_keep_a_connection_open() {
     running.shutdown().await.unwrap();
 }
 
+/// With a tokens file, a connection on which no token has admitted a call is closed
+/// `UNADMITTED_IDLE` after its accept, well before the idle timeout (a peer with no token held
+/// each connection it opened for the whole idle timeout); one whose first call a token admitted
+/// is kept to the idle timeout, on both gRPC listeners.
+#[tokio::test]
+async fn a_connection_no_token_was_admitted_on_is_closed_before_the_idle_timeout() {
+    use crate::conn_idle::UNADMITTED_IDLE;
+    let (dir, mut cfg) = with_file(V1);
+    fs::write(dir.path().join("tokens.yaml"), TOKENS).unwrap();
+    cfg.tokens_file = Some(dir.path().join("tokens.yaml"));
+    let running = start(cfg).await.unwrap();
+    assert_eq!(
+        ServeConfig::default().connection_idle_timeout,
+        Duration::from_secs(300)
+    );
+    let closed_by = UNADMITTED_IDLE
+        + crate::preface::QUIET_IO * crate::preface::MAX_QUIET_TURNS
+        + SHUTDOWN_GRACE;
+    let connect = |addr| async move {
+        let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (send, conn) = h2::client::handshake(tcp).await.unwrap();
+        (send, tokio::spawn(conn))
+    };
+    let began = tokio::time::Instant::now();
+    // Silent, and with one refused call, on each listener.
+    let (_silent_agent, silent_agent) = connect(running.agent_addr()).await;
+    let (_silent_admin, silent_admin) = connect(running.admin_addr).await;
+    let (refused_send, refused) = connect(running.admin_addr).await;
+    let (answer, _) = refused_send
+        .clone()
+        .ready()
+        .await
+        .unwrap()
+        .send_request(grpc_post("/retryplane.v1.AdminService/Get"), true)
+        .unwrap();
+    let answer = answer.await.unwrap();
+    assert_eq!(answer.headers()["grpc-status"], "16", "UNAUTHENTICATED");
+    // One admitted call.
+    let (admitted_send, admitted) = connect(running.admin_addr).await;
+    let mut request = grpc_post("/retryplane.v1.AdminService/Get");
+    request.headers_mut().insert(
+        "authorization",
+        "Bearer admin-secret-0123456789".parse().unwrap(),
+    );
+    let (answer, mut body) = admitted_send
+        .clone()
+        .ready()
+        .await
+        .unwrap()
+        .send_request(request, false)
+        .unwrap();
+    body.send_data(bytes::Bytes::from_static(&[0; 5]), true)
+        .unwrap();
+    let answer = answer.await.unwrap();
+    assert_eq!(answer.status(), 200);
+    let mut answer = answer.into_body();
+    while answer.data().await.is_some() {}
+    let trailers = answer.trailers().await.unwrap().unwrap();
+    assert_eq!(trailers["grpc-status"], "0");
+    for (what, conn) in [
+        ("silent agent", silent_agent),
+        ("silent admin", silent_admin),
+        ("refused admin", refused),
+    ] {
+        let ended = tokio::time::timeout(closed_by.saturating_sub(began.elapsed()), conn).await;
+        assert!(ended.is_ok(), "{what}: kept for {:?}", began.elapsed());
+        assert!(
+            began.elapsed() >= UNADMITTED_IDLE,
+            "{what}: {:?}",
+            began.elapsed()
+        );
+    }
+    assert!(
+        !admitted.is_finished(),
+        "the admitted connection was closed"
+    );
+    running.shutdown().await.unwrap();
+}
+
+/// The agent listener holds `max_agent_connections` at once: the next connection is not
+/// served (its HTTP/2 handshake gets no answer) until one of them closes, and is then.
+#[tokio::test]
+async fn the_agent_listener_holds_at_most_its_cap_of_connections() {
+    let (_dir, cfg) = with_file(V1);
+    let running = start(ServeConfig {
+        max_agent_connections: Some(2),
+        ..cfg
+    })
+    .await
+    .unwrap();
+    let addr = running.agent_addr();
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (send, conn) = h2::client::handshake(tcp).await.unwrap();
+        let conn = tokio::spawn(conn);
+        // Served: a health check is answered.
+        let (answer, _) = send
+            .clone()
+            .ready()
+            .await
+            .unwrap()
+            .send_request(grpc_post("/grpc.health.v1.Health/Check"), true)
+            .unwrap();
+        assert_eq!(answer.await.unwrap().status(), 200);
+        held.push((send, conn));
+    }
+    // The third connects (the kernel's queue) but is not served while both are held.
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (send, conn) = h2::client::handshake(tcp).await.unwrap();
+    let mut conn = tokio::spawn(conn);
+    let third = async {
+        let (answer, _) = send
+            .clone()
+            .ready()
+            .await
+            .unwrap()
+            .send_request(grpc_post("/grpc.health.v1.Health/Check"), true)
+            .unwrap();
+        answer.await.unwrap().status()
+    };
+    tokio::pin!(third);
+    // Long enough for an answer over loopback many times over.
+    let waited = tokio::time::timeout(Duration::from_millis(500), &mut third).await;
+    assert!(
+        waited.is_err(),
+        "the third connection was served: {waited:?}"
+    );
+    assert!(!conn.is_finished());
+    // One held connection closes: the third is served.
+    let (send, first) = held.remove(0);
+    drop(send);
+    first.abort();
+    let status = tokio::time::timeout(SHUTDOWN_GRACE * 4, &mut third)
+        .await
+        .expect("the third connection was never served");
+    assert_eq!(status, 200);
+    conn.abort();
+    let _ = (&mut conn).await;
+    running.shutdown().await.unwrap();
+}
+
 /// A connection that opens no stream and answers every PING (what an h2 client that is polled
 /// does) is closed once it has carried no stream for `connection_idle_timeout`, on both gRPC
 /// listeners, and so is one whose last stream ended that long ago; a connection that carries

@@ -38,6 +38,14 @@ pub struct ServeConfig {
     pub insecure: bool,
     /// Most agents connected at once. Default 20,000.
     pub max_agents: usize,
+    /// Most connections the agent listener holds at once: past them, the next is accepted once
+    /// one closes (the rest wait in the kernel's queue, holding no file descriptor of the
+    /// process). `None`: `max_agents` plus `stream_limits.max_pending_handshakes` (an agent
+    /// holds one connection). Either way lowered, with a warning, to what the process's
+    /// open-file limit leaves beside the admin and HTTP listeners' own caps (256 each), so
+    /// that a flood of connections to the agent listener cannot take the descriptors that
+    /// health probes, admin calls and the store need. Must be more than zero.
+    pub max_agent_connections: Option<usize>,
     /// Largest gRPC message decoded. Default 4 MiB ([`retryplane_proto::MAX_MESSAGE_BYTES`]).
     pub max_message_bytes: usize,
     /// How often agents send metrics reports. Default 10 s.
@@ -92,6 +100,7 @@ impl Default for ServeConfig {
             api_mode: false,
             insecure: false,
             max_agents: 20_000,
+            max_agent_connections: None,
             max_message_bytes: retryplane_proto::MAX_MESSAGE_BYTES,
             metrics_interval: Duration::from_secs(10),
             stream_limits: StreamLimits::default(),
@@ -154,6 +163,11 @@ pub(super) fn check_settings(cfg: &ServeConfig) -> Result<(), ServeError> {
                 other,
             });
         }
+    }
+    if cfg.max_agent_connections == Some(0) {
+        return Err(ServeError::ZeroSetting {
+            setting: "max_agent_connections",
+        });
     }
     if cfg.max_streams_per_connection == 0 {
         return Err(ServeError::ZeroSetting {

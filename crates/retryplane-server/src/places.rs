@@ -1,0 +1,196 @@
+//! How many connections each gRPC listener holds at once.
+//!
+//! Every connection holds one of the process's file descriptors, and nothing capped the gRPC
+//! listeners: a peer that opened connections faster than they were closed for idleness took
+//! every descriptor, and then the HTTP listener's health probes, the admin API, a reload of the
+//! tokens file and the store's own files failed with "too many open files" too (a probe that
+//! fails gets the control plane restarted, and its whole fleet reconnects). So each gRPC
+//! listener holds at most a number of connections ([`Capped`]): past it, the next is accepted
+//! once one closes, and the rest wait in the kernel's queue, holding no descriptor of the
+//! process (as the HTTP listener does, [`crate::idle::MAX_CONNECTIONS`]). The admin listener
+//! holds [`ADMIN_MAX_CONNECTIONS`]; the agent listener what [`agent_connections`] works out:
+//! one connection per agent, and never more than the open-file limit leaves beside the other
+//! listeners and [`RESERVED_FILES`].
+
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, ready};
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_stream::Stream;
+
+/// Most connections the admin listener holds at once: admin clients (the CLI, a CI job, a
+/// dashboard's `top`) hold one each for as long as they run.
+pub const ADMIN_MAX_CONNECTIONS: usize = 256;
+
+/// File descriptors kept beside the listeners' connections: the listening sockets, the store,
+/// the policy and tokens files while they are read, the file watcher, the runtime's own, and
+/// standard input and outputs.
+pub const RESERVED_FILES: u64 = 128;
+
+/// The agent listener's cap: `wanted` (the configured cap, or `max_agents` plus the pending
+/// handshakes), and whether the open-file limit `open_files` (`None`: unknown or unlimited)
+/// lowered it (then it is what the limit leaves beside the admin and HTTP listeners' caps and
+/// [`RESERVED_FILES`], and at least 1).
+pub fn agent_connections(wanted: usize, open_files: Option<u64>) -> (usize, bool) {
+    let Some(limit) = open_files else {
+        return (wanted, false);
+    };
+    let others = (ADMIN_MAX_CONNECTIONS + crate::idle::MAX_CONNECTIONS) as u64 + RESERVED_FILES;
+    let room = usize::try_from(limit.saturating_sub(others))
+        .unwrap_or(usize::MAX)
+        .max(1);
+    if wanted > room {
+        (room, true)
+    } else {
+        (wanted, false)
+    }
+}
+
+/// The process's open-file limit (the soft one, which `open` is held to); `None` when it is
+/// unlimited or cannot be read here.
+pub fn open_file_limit() -> Option<u64> {
+    #[cfg(target_os = "linux")]
+    {
+        rustix::process::getrlimit(rustix::process::Resource::Nofile).current
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        None
+    }
+}
+
+/// Raises the process's open-file limit to its hard limit when the soft one is lower (as Go's
+/// runtime does at start: the soft limit is often 1,024 for compatibility with `select`, which
+/// nothing here uses). What the soft limit is afterwards, as [`open_file_limit`].
+pub fn raise_open_file_limit() -> Option<u64> {
+    #[cfg(target_os = "linux")]
+    {
+        use rustix::process::{Resource, getrlimit, setrlimit};
+        let limits = getrlimit(Resource::Nofile);
+        if let (Some(current), maximum) = (limits.current, limits.maximum)
+            && maximum.is_none_or(|max| max > current)
+        {
+            let raised = rustix::process::Rlimit {
+                current: maximum,
+                maximum,
+            };
+            // A failure leaves the limit as it was, which is then what the caps fit.
+            if let Err(e) = setrlimit(Resource::Nofile, raised) {
+                tracing::debug!(error = %e, "cannot raise the open-file limit");
+            }
+        }
+    }
+    open_file_limit()
+}
+
+/// A listener's accepted connections, each with the place it holds: one is accepted only once a
+/// place is free (see the module docs).
+pub(crate) struct Capped<S> {
+    accepted: S,
+    places: Arc<Semaphore>,
+    /// The place the next connection will hold, taken before its accept.
+    place: Option<OwnedSemaphorePermit>,
+    /// Waits for a place while all are held.
+    waiting: Option<Pin<Box<dyn Future<Output = OwnedSemaphorePermit> + Send>>>,
+}
+
+impl<S> Capped<S> {
+    /// `accepted`'s connections, `max` at once.
+    pub(crate) fn new(accepted: S, max: usize) -> Self {
+        Self {
+            accepted,
+            places: Arc::new(Semaphore::new(max.clamp(1, Semaphore::MAX_PERMITS))),
+            place: None,
+            waiting: None,
+        }
+    }
+}
+
+impl<S, T> Stream for Capped<S>
+where
+    S: Stream<Item = io::Result<T>> + Unpin,
+{
+    type Item = io::Result<(T, OwnedSemaphorePermit)>;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = self.get_mut();
+        let place = match this.place.take() {
+            Some(place) => place,
+            None => {
+                let places = this.places.clone();
+                let waiting = this.waiting.get_or_insert_with(|| {
+                    Box::pin(async move {
+                        loop {
+                            // The semaphore is never closed: `Err` cannot come.
+                            if let Ok(place) = places.clone().acquire_owned().await {
+                                return place;
+                            }
+                        }
+                    })
+                });
+                let place = ready!(waiting.as_mut().poll(cx));
+                this.waiting = None;
+                place
+            }
+        };
+        match Pin::new(&mut this.accepted).poll_next(cx) {
+            Poll::Ready(Some(Ok(connection))) => Poll::Ready(Some(Ok((connection, place)))),
+            Poll::Ready(Some(Err(e))) => {
+                // The place waits for the next connection.
+                this.place = Some(place);
+                Poll::Ready(Some(Err(e)))
+            }
+            Poll::Ready(None) => Poll::Ready(None),
+            Poll::Pending => {
+                this.place = Some(place);
+                Poll::Pending
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio_stream::StreamExt as _;
+
+    use super::*;
+
+    #[test]
+    fn the_agent_listeners_cap_is_lowered_to_what_the_open_file_limit_leaves() {
+        let others = (ADMIN_MAX_CONNECTIONS + crate::idle::MAX_CONNECTIONS) as u64 + RESERVED_FILES;
+        assert_eq!(agent_connections(21_024, None), (21_024, false));
+        assert_eq!(agent_connections(21_024, Some(1_048_576)), (21_024, false));
+        assert_eq!(
+            agent_connections(21_024, Some(20_000)),
+            (20_000 - others as usize, true)
+        );
+        assert_eq!(agent_connections(100, Some(others + 100)), (100, false));
+        assert_eq!(agent_connections(101, Some(others + 100)), (100, true));
+        // A limit that leaves nothing still lets one agent in.
+        assert_eq!(agent_connections(5, Some(64)), (1, true));
+    }
+
+    #[tokio::test]
+    async fn a_connection_is_taken_only_once_a_place_is_free() {
+        let (send, receive) = tokio::sync::mpsc::unbounded_channel::<io::Result<u32>>();
+        for n in 0..3 {
+            send.send(Ok(n)).unwrap();
+        }
+        let mut capped = Capped::new(
+            tokio_stream::wrappers::UnboundedReceiverStream::new(receive),
+            2,
+        );
+        let (first, first_place) = capped.next().await.unwrap().unwrap();
+        let (second, _second_place) = capped.next().await.unwrap().unwrap();
+        assert_eq!((first, second), (0, 1));
+        // Both places held: the third, waiting in the queue, is not taken.
+        let mut third = Box::pin(capped.next());
+        let polled = std::future::poll_fn(|cx| Poll::Ready(third.as_mut().poll(cx))).await;
+        assert!(polled.is_pending());
+        drop(first_place);
+        let (third, _) = third.await.unwrap().unwrap();
+        assert_eq!(third, 2);
+    }
+}
