@@ -175,18 +175,67 @@ pub fn parse(bytes: &[u8]) -> Result<Node, YamlError> {
     budget.max_documents = 1;
     options.budget = Some(budget);
     let spanned: Spanned<Value> =
-        serde_saphyr::from_str_with_options(text, options).map_err(|e| YamlError {
-            loc: e
+        serde_saphyr::from_str_with_options(text, options).map_err(|e| {
+            let loc = e
                 .location()
                 .map(|l| Loc {
                     line: clamp(l.line()),
                     column: clamp(l.column()),
                 })
                 .filter(|l| l.is_known())
-                .unwrap_or(Loc { line: 1, column: 1 }),
-            message: limit_message(&e).unwrap_or_else(|| first_line(&e.to_string())),
+                .unwrap_or(Loc { line: 1, column: 1 });
+            if is_scan_error(&e, |kind| {
+                matches!(
+                    kind,
+                    serde_saphyr::granit_parser::ErrorKind::TabInPlainScalar
+                )
+            }) && let Some(tab) = indenting_tab_after(text, loc)
+            {
+                return YamlError {
+                    loc: tab,
+                    message: "invalid YAML: a tab indents this line (YAML indents with spaces)"
+                        .to_owned(),
+                };
+            }
+            YamlError {
+                loc,
+                message: limit_message(&e).unwrap_or_else(|| first_line(&e.to_string())),
+            }
         })?;
     Ok(node(spanned))
+}
+
+/// Whether `e` is the YAML scanner's own error, of a kind `is_kind` takes.
+fn is_scan_error(
+    e: &serde_saphyr::Error,
+    is_kind: impl Fn(&serde_saphyr::granit_parser::ErrorKind) -> bool,
+) -> bool {
+    use serde_saphyr::Error as E;
+    let mut e = e;
+    while let E::AliasError { error, .. } | E::WithSnippet { error, .. } = e {
+        e = error;
+    }
+    matches!(e, E::ExternalMessage { source, .. }
+        if matches!(&**source, serde_saphyr::ExternalMessageSource::Parser(scan) if is_kind(scan.kind())))
+}
+
+/// The first tab in the indentation of a line after `from`'s that holds more than blanks:
+/// where the scanner's "found a tab" inside a plain value is (it reports where the value
+/// starts, which may be lines above: `max_attempts: 3` on one line, a tab-indented
+/// `deadline: 1s` a few lines below, read as the value's continuation).
+fn indenting_tab_after(text: &str, from: Loc) -> Option<Loc> {
+    let first = usize::try_from(from.line).ok()?;
+    text.lines()
+        .enumerate()
+        .skip(first)
+        .find_map(|(index, line)| {
+            let indent: &str = &line[..line.len() - line.trim_start_matches([' ', '\t']).len()];
+            let column = indent.find('\t')?;
+            (indent.len() < line.trim_end().len()).then(|| Loc {
+                line: u32::try_from(index + 1).unwrap_or(u32::MAX),
+                column: u32::try_from(column + 1).unwrap_or(u32::MAX),
+            })
+        })
 }
 
 fn clamp(v: u64) -> u32 {
@@ -203,16 +252,18 @@ fn limit_message(e: &serde_saphyr::Error) -> Option<String> {
         e = error;
     }
     // The scanner's own bound on nested flow collections (`[[[…`), above ours.
-    let scanner_depth = |source: &serde_saphyr::ExternalMessageSource| {
-        matches!(source, serde_saphyr::ExternalMessageSource::Parser(scan)
-            if matches!(scan.kind(), serde_saphyr::granit_parser::ErrorKind::RecursionLimitExceeded))
-    };
+    let scanner_depth = is_scan_error(e, |kind| {
+        matches!(
+            kind,
+            serde_saphyr::granit_parser::ErrorKind::RecursionLimitExceeded
+        )
+    });
     let text = match e {
         E::Budget {
             breach: B::Depth { .. },
             ..
         } => too_deep(),
-        E::ExternalMessage { source, .. } if scanner_depth(source) => too_deep(),
+        E::ExternalMessage { .. } if scanner_depth => too_deep(),
         E::Budget {
             breach: B::Events { .. } | B::Nodes { .. },
             ..
@@ -488,6 +539,29 @@ mod tests {
         let err = parse(b"version: 1\nendpoints: [\n").unwrap_err();
         assert!(err.loc.is_known());
         assert!(err.message.starts_with("invalid YAML"), "{err}");
+    }
+
+    /// A tab that indents a line a plain value could continue onto is reported on its own
+    /// line and column, not where the value it would continue starts (the scanner's place).
+    #[test]
+    fn a_tab_that_indents_a_line_is_located_at_the_tab() {
+        const TAB: &str = "invalid YAML: a tab indents this line (YAML indents with spaces)";
+        let head = "version: 1\nendpoints:\n  payments:\n    max_attempts: 3\n";
+        for (tail, line, column) in [
+            // Blank lines between, and a tab first.
+            ("\n\n\tdeadline: 1s\n", 7, 1),
+            // Spaces, then the tab.
+            ("    deadline: 1s\n  \tx: 1\n", 6, 3),
+        ] {
+            let err = parse(format!("{head}{tail}").as_bytes()).unwrap_err();
+            assert_eq!(
+                (err.loc, err.message.as_str()),
+                (Loc { line, column }, TAB),
+                "{tail:?}"
+            );
+        }
+        // A line of blanks and tabs alone is no problem.
+        assert!(parse(format!("{head}\t\n").as_bytes()).is_ok());
     }
 
     const TOO_DEEP: &str =
