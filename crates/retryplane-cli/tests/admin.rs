@@ -100,7 +100,7 @@ fn an_endpoint_named_defaults_is_told_apart_from_the_defaults_block() {
         .assert()
         .code(0)
         .stdout(
-            "~ defaults\n    deadline: (inherited) -> 20s\n+ endpoints.defaults\n    max_attempts: 2\n",
+            "~ defaults\n    deadline: 15s (inherited) -> 20s\n+ endpoints.defaults\n    max_attempts: 2\n",
         );
     let json = json_of(
         &server

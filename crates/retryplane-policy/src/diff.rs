@@ -80,8 +80,11 @@ pub struct Change {
     /// Added, removed or modified.
     pub kind: ChangeKind,
     /// One line per changed field or route, such as `max_attempts: 3 -> 4`,
-    /// `backoff.jitter: (inherited) -> none`, `routes[0] added: POST /v1/charges`. For an added
-    /// endpoint, the fields it sets (`max_attempts: 4`); none for a removed one.
+    /// `backoff.jitter: full (inherited) -> none`, `routes[0] added: POST /v1/charges`. A field
+    /// the layer does not set shows the value it inherits (from the built-in values for
+    /// `defaults`, from `defaults:` for an endpoint, from its endpoint for a route) on that
+    /// side of the change. For an added endpoint, the fields it sets (`max_attempts: 4`); none
+    /// for a removed one.
     pub details: Vec<String>,
 }
 
@@ -96,14 +99,32 @@ impl fmt::Display for Change {
     }
 }
 
+/// Follows an inherited value: `full (inherited)`.
 const INHERITED: &str = "(inherited)";
+
+/// What each side's layers inherit: `defaults:` laid over the built-in values.
+struct Bases {
+    built_in: Overlay,
+    old: Overlay,
+    new: Overlay,
+}
 
 /// The changes from `old` to `new`: `defaults` first (when changed), then added and modified
 /// endpoints in `new`'s order, then removed endpoints in `old`'s order. Empty when the two
 /// documents hold the same values.
 pub fn diff(old: &PolicyDocument, new: &PolicyDocument) -> Vec<Change> {
     let mut changes = Vec::new();
-    let defaults = overlay_changes(&old.defaults, &new.defaults, "");
+    let built_in = Overlay::built_in();
+    let bases = Bases {
+        old: old.defaults.over(&built_in),
+        new: new.defaults.over(&built_in),
+        built_in,
+    };
+    let defaults = overlay_changes(
+        (&old.defaults, &bases.built_in),
+        (&new.defaults, &bases.built_in),
+        "",
+    );
     if !defaults.is_empty() {
         changes.push(Change {
             scope: Scope::Defaults,
@@ -125,7 +146,7 @@ pub fn diff(old: &PolicyDocument, new: &PolicyDocument) -> Vec<Change> {
         let name = &ep.name.value;
         let (kind, details) = match old_by_name.get(name.as_str()) {
             None => (ChangeKind::Added, added_endpoint(ep)),
-            Some(before) => (ChangeKind::Modified, endpoint_changes(before, ep)),
+            Some(before) => (ChangeKind::Modified, endpoint_changes(before, ep, &bases)),
         };
         if kind == ChangeKind::Added || !details.is_empty() {
             changes.push(Change {
@@ -183,29 +204,41 @@ pub fn same_content(a: &PolicyDocument, b: &PolicyDocument) -> bool {
 
 // === value comparison ===
 
-/// The changed leaves of one layer, each prefixed with `prefix` (`routes[0].`).
-fn overlay_changes(old: &Overlay, new: &Overlay, prefix: &str) -> Vec<String> {
+/// The changed leaves of one layer, each prefixed with `prefix` (`routes[0].`): the layer as
+/// it was and is, each with what it inherits (every field set).
+fn overlay_changes(
+    (old, old_base): (&Overlay, &Overlay),
+    (new, new_base): (&Overlay, &Overlay),
+    prefix: &str,
+) -> Vec<String> {
     // Compared with the lists as sets; shown as written.
     let (old_sets, new_sets) = (
         leaf_values(&lists_as_sets(old)),
         leaf_values(&lists_as_sets(new)),
     );
     let (old, new) = (leaf_values(old), leaf_values(new));
+    let (old_base, new_base) = (leaf_values(old_base), leaf_values(new_base));
     let value = |leaves: &[(&str, String)], path: &str| {
         leaves
             .iter()
             .find(|(p, _)| *p == path)
             .map(|(_, v)| v.clone())
     };
+    let shown = |set: Option<String>, base: &[(&str, String)], path: &str| match set {
+        Some(value) => value,
+        None => match value(base, path) {
+            Some(inherited) => format!("{inherited} {INHERITED}"),
+            None => INHERITED.to_owned(),
+        },
+    };
     crate::document::FIELD_PATHS
         .iter()
         .filter(|path| value(&old_sets, path) != value(&new_sets, path))
         .map(|path| {
-            let (before, after) = (value(&old, path), value(&new, path));
             format!(
                 "{prefix}{path}: {} -> {}",
-                before.as_deref().unwrap_or(INHERITED),
-                after.as_deref().unwrap_or(INHERITED)
+                shown(value(&old, path), &old_base, path),
+                shown(value(&new, path), &new_base, path)
             )
         })
         .collect()
@@ -250,8 +283,10 @@ fn added_route(i: usize, route: &RouteDoc) -> Vec<String> {
     lines
 }
 
-fn endpoint_changes(old: &EndpointDoc, new: &EndpointDoc) -> Vec<String> {
-    let mut lines = overlay_changes(&old.overlay, &new.overlay, "");
+fn endpoint_changes(old: &EndpointDoc, new: &EndpointDoc, bases: &Bases) -> Vec<String> {
+    let mut lines = overlay_changes((&old.overlay, &bases.old), (&new.overlay, &bases.new), "");
+    // A route inherits from its endpoint.
+    let (old_endpoint, new_endpoint) = (old.overlay.over(&bases.old), new.overlay.over(&bases.new));
     // Pair routes by their match, first unused occurrence, so that inserting a route does
     // not show every later one as changed.
     let mut used = vec![false; old.routes.len()];
@@ -270,8 +305,8 @@ fn endpoint_changes(old: &EndpointDoc, new: &EndpointDoc) -> Vec<String> {
                 route_lines.push((
                     j,
                     overlay_changes(
-                        &old.routes[i].overlay,
-                        &route.overlay,
+                        (&old.routes[i].overlay, &old_endpoint),
+                        (&route.overlay, &new_endpoint),
                         &format!("routes[{j}]."),
                     ),
                 ));

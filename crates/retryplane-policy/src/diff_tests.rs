@@ -168,7 +168,7 @@ fn a_modified_field_shows_old_and_new_values_in_file_syntax() {
         [
             "max_attempts: 3 -> 4",
             "backoff.base: 100ms -> 1500ms",
-            "backoff.jitter: (inherited) -> none",
+            "backoff.jitter: full (inherited) -> none",
             "retry_on.http_status: [503] -> [429, 503]",
         ]
     );
@@ -183,8 +183,8 @@ fn an_unset_field_goes_back_to_inherited() {
     assert_eq!(
         details(&diff(&a, &b), "a"),
         [
-            "idempotency_key_header: X-Id -> (inherited)",
-            "budget.enabled: false -> (inherited)",
+            "idempotency_key_header: X-Id -> Idempotency-Key (inherited)",
+            "budget.enabled: false -> true (inherited)",
         ]
     );
 }
@@ -195,7 +195,7 @@ fn an_empty_list_differs_from_an_absent_one() {
     let b = doc("version: 1\nendpoints:\n  a: {retry_on: {errors: []}}\n");
     assert_eq!(
         details(&diff(&a, &b), "a"),
-        ["retry_on.errors: (inherited) -> []"]
+        ["retry_on.errors: [connect, reset, timeout] (inherited) -> []"]
     );
     assert!(!same_content(&a, &b));
 }
@@ -294,15 +294,16 @@ fn alert_changes_are_shown_like_other_fields() {
     let changes = diff(&a, &b);
     assert_eq!(
         details(&changes, "defaults"),
-        ["alert.retry_ratio: (inherited) -> 0.1"]
+        ["alert.retry_ratio: 0.05 (inherited) -> 0.1"]
     );
     assert_eq!(
         details(&changes, "a"),
-        ["alert.retry_ratio: (inherited) -> 0.02"]
+        ["alert.retry_ratio: 0.05 (inherited) -> 0.02"]
     );
     assert_eq!(
         details(&changes, "b"),
-        ["alert.retry_ratio: 0.05 -> (inherited)"]
+        // What it inherits now: the new `defaults:`.
+        ["alert.retry_ratio: 0.05 -> 0.1 (inherited)"]
     );
     assert!(!same_content(&a, &b));
     let added = diff(
@@ -331,7 +332,7 @@ fn an_endpoint_named_defaults_is_an_endpoint_not_the_defaults_block() {
     assert_eq!(
         shown,
         [
-            "defaults modified: deadline: (inherited) -> 20s",
+            "defaults modified: deadline: 15s (inherited) -> 20s",
             "endpoints.defaults modified: max_attempts: 2 -> 3"
         ]
     );
@@ -357,4 +358,25 @@ fn a_negative_zero_built_in_code_is_no_change_from_zero() {
     o.circuit_breaker.failure_ratio = Some(crate::document::Field::new(-0.0));
     assert!(same_content(&zero, &minus));
     assert_eq!(diff(&zero, &minus), vec![]);
+}
+
+/// A field a layer does not set shows what it inherits on that side: an endpoint from that
+/// side's `defaults:`, a route from its endpoint as that side has it.
+#[test]
+fn an_inherited_side_shows_the_value_it_inherits_there() {
+    let a = doc(
+        "version: 1\ndefaults: {max_attempts: 4}\nendpoints:\n  p:\n    deadline: 3s\n    routes:\n      - match: {method: POST}\n        deadline: 2500ms\n",
+    );
+    let b = doc(
+        "version: 1\ndefaults: {max_attempts: 5}\nendpoints:\n  p:\n    deadline: 4s\n    max_attempts: 2\n    routes:\n      - match: {method: POST}\n        max_attempts: 1\n",
+    );
+    assert_eq!(
+        details(&diff(&a, &b), "p"),
+        [
+            "max_attempts: 4 (inherited) -> 2",
+            "deadline: 3s -> 4s",
+            "routes[0].max_attempts: 4 (inherited) -> 1",
+            "routes[0].deadline: 2500ms -> 4s (inherited)",
+        ]
+    );
 }

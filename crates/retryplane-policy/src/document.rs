@@ -393,6 +393,64 @@ impl Overlay {
         p
     }
 
+    /// The built-in values ([`RetryPolicy::default`], [`AlertConfig::default`]) as a layer that
+    /// sets every field: what a layer that sets nothing inherits at the bottom, as a file
+    /// would write it (shown by [`crate::diff`] for a field that goes from set to inherited).
+    pub fn built_in() -> Overlay {
+        fn f<T>(value: T) -> Option<Field<T>> {
+            Some(Field::new(value))
+        }
+        fn list<T: Clone>(items: &[T]) -> Option<Field<Vec<Field<T>>>> {
+            f(items.iter().cloned().map(Field::new).collect())
+        }
+        let p = RetryPolicy::default();
+        let budget = p.budget.clone().unwrap_or_default();
+        let breaker = p.circuit_breaker.clone().unwrap_or_default();
+        Overlay {
+            max_attempts: f(p.max_attempts),
+            backoff: BackoffOverlay {
+                base: f(p.backoff.base),
+                max: f(p.backoff.max),
+                multiplier: f(p.backoff.multiplier),
+                jitter: f(p.backoff.jitter),
+            },
+            deadline: f(p.deadline),
+            per_try_timeout: f(p.per_try_timeout),
+            retry_on: RetryOnOverlay {
+                http_status: list(&p.retry_on.http_status),
+                grpc_status: list(&p.retry_on.grpc_status),
+                errors: list(&p.retry_on.errors),
+            },
+            idempotent_methods: f(p
+                .idempotent_methods
+                .iter()
+                .map(|m| Field::new(m.to_string()))
+                .collect()),
+            idempotency_key_header: f(p.idempotency_key_header.to_string()),
+            retry_after: RetryAfterOverlay {
+                honor: f(p.retry_after.honor),
+                max: f(p.retry_after.max),
+            },
+            budget: BudgetOverlay {
+                enabled: f(p.budget.is_some()),
+                ratio: f(budget.ratio),
+                min_per_second: f(budget.min_per_second),
+                window: f(budget.window),
+            },
+            circuit_breaker: BreakerOverlay {
+                enabled: f(p.circuit_breaker.is_some()),
+                failure_ratio: f(breaker.failure_ratio),
+                min_requests: f(breaker.min_requests),
+                window: f(breaker.window),
+                open_for: f(breaker.open_for),
+                half_open_probes: f(breaker.half_open_probes),
+            },
+            alert: AlertOverlay {
+                retry_ratio: f(AlertConfig::default().retry_ratio),
+            },
+        }
+    }
+
     /// This layer laid over `lower`: every field this layer sets, else `lower`'s. Layers are
     /// merged before they are applied so that a setting survives a lower layer turning its
     /// section off (`budget: {enabled: false, ratio: 0.5}` in `defaults:`, `enabled: true` on
