@@ -799,9 +799,17 @@ fn an_unreachable_server_exits_2() {
         .assert()
         .code(2)
         .stderr(predicate::str::contains(
-            "retryplane: error: the control plane's address comes from RETRYPLANE_SERVER: \
-             --server http://::garbage: not a valid URL",
+            "retryplane: error: RETRYPLANE_SERVER http://::garbage: not a valid URL",
         ));
+    // The checks that name `--server` name the variable too.
+    cli(&["status"])
+        .env("RETRYPLANE_SERVER", "http://127.0.0.1:99999")
+        .assert()
+        .code(2)
+        .stderr(
+            "retryplane: error: RETRYPLANE_SERVER http://127.0.0.1:99999: the port must be a \
+             number from 1 to 65535, not `99999`\n",
+        );
 }
 
 /// A loopback server that is not a gRPC one: each connection gets an HTTP/1.1 answer to

@@ -337,10 +337,15 @@ impl TryFrom<ServerArgs> for Server {
                 .timeout(REQUEST_TIMEOUT);
             Ok((shown, endpoint))
         };
-        // A URL the command line does not show is said to come from the variable.
+        // A URL the command line does not show is named by the variable it came from, where the
+        // checks (shared with `--server`) name the flag.
         let (shown, endpoint) = address().map_err(|e| {
             if origin == ORIGIN_VARIABLE {
-                e.context("the control plane's address comes from RETRYPLANE_SERVER")
+                let message = format!("{e:#}");
+                match message.strip_prefix("--server") {
+                    Some(rest) => anyhow::anyhow!("RETRYPLANE_SERVER{rest}"),
+                    None => e.context("the control plane's address comes from RETRYPLANE_SERVER"),
+                }
             } else {
                 e
             }
