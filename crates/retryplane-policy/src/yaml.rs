@@ -219,18 +219,23 @@ fn is_scan_error(
         if matches!(&**source, serde_saphyr::ExternalMessageSource::Parser(scan) if is_kind(scan.kind())))
 }
 
-/// The first tab in the indentation of a line after `from`'s that holds more than blanks:
-/// where the scanner's "found a tab" inside a plain value is (it reports where the value
-/// starts, which may be lines above: `max_attempts: 3` on one line, a tab-indented
-/// `deadline: 1s` a few lines below, read as the value's continuation).
+/// The first tab in the indentation of a line after `from`'s that holds more than blanks, at
+/// or left of the indentation of `from`'s line (a tab further right continues the value, which
+/// the scanner takes): where the scanner's "found a tab" inside a plain value is (it reports
+/// where the value starts, which may be lines above: `max_attempts: 3` on one line, a
+/// tab-indented `deadline: 1s` a few lines below, read as the value's continuation).
 fn indenting_tab_after(text: &str, from: Loc) -> Option<Loc> {
+    fn indent(line: &str) -> &str {
+        &line[..line.len() - line.trim_start_matches([' ', '\t']).len()]
+    }
     let first = usize::try_from(from.line).ok()?;
+    let key_indent = indent(text.lines().nth(first.checked_sub(1)?)?).len();
     text.lines()
         .enumerate()
         .skip(first)
         .find_map(|(index, line)| {
-            let indent: &str = &line[..line.len() - line.trim_start_matches([' ', '\t']).len()];
-            let column = indent.find('\t')?;
+            let indent = indent(line);
+            let column = indent.find('\t').filter(|&c| c <= key_indent)?;
             (indent.len() < line.trim_end().len()).then(|| Loc {
                 line: u32::try_from(index + 1).unwrap_or(u32::MAX),
                 column: u32::try_from(column + 1).unwrap_or(u32::MAX),
@@ -562,6 +567,15 @@ mod tests {
         }
         // A line of blanks and tabs alone is no problem.
         assert!(parse(format!("{head}\t\n").as_bytes()).is_ok());
+        // A tab right of the key's indentation continues the value, which the scanner takes:
+        // the one reported is the tab on the line after.
+        let continued = "version: 1\ndescription: a\n  \tb\n";
+        assert!(parse(continued.as_bytes()).is_ok());
+        let err = parse(format!("{continued}\tc: 1\n").as_bytes()).unwrap_err();
+        assert_eq!(
+            (err.loc, err.message.as_str()),
+            (Loc { line: 4, column: 1 }, TAB)
+        );
     }
 
     const TOO_DEEP: &str =
