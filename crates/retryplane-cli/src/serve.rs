@@ -85,7 +85,8 @@ pub struct Args {
           value_parser = at_least_one())]
     max_agents: usize,
     /// Most connections the agent listener holds at once (the next waits in the kernel's
-    /// queue until one closes); by default --max-agents plus --max-pending-handshakes. Lowered,
+    /// queue until one closes); by default twice --max-agents (room for an agent's second
+    /// connection while it reconnects) plus --max-pending-handshakes. Lowered,
     /// with a warning, to what the open-file limit leaves beside the admin and HTTP listeners
     /// (256 connections each).
     #[arg(long, value_name = "N", value_parser = at_least_one())]

@@ -59,6 +59,11 @@ pub(crate) struct Streams {
     guarded: bool,
     /// A token has admitted one of the connection's calls.
     admitted: std::sync::atomic::AtomicBool,
+    /// Closed to make room for a new connection on a full listener
+    /// ([`crate::places::Evictable`]).
+    evicted: std::sync::atomic::AtomicBool,
+    /// The connection's read that waits, woken by [`Streams::evict`].
+    reader: Mutex<Option<std::task::Waker>>,
 }
 
 #[derive(Debug)]
@@ -84,7 +89,46 @@ impl Streams {
             live: None,
             guarded: false,
             admitted: std::sync::atomic::AtomicBool::new(false),
+            evicted: std::sync::atomic::AtomicBool::new(false),
+            reader: Mutex::new(None),
         }
+    }
+
+    /// Whether the connection's listener has a tokens file ([`Streams::guarded`]).
+    pub(crate) fn is_guarded(&self) -> bool {
+        self.guarded
+    }
+
+    /// Whether a token has admitted one of the connection's calls (never on a listener
+    /// without a tokens file).
+    pub(crate) fn is_admitted(&self) -> bool {
+        self.admitted.load(Ordering::SeqCst)
+    }
+
+    /// Whether the connection was closed to make room ([`Streams::evict`]).
+    pub(crate) fn is_evicted(&self) -> bool {
+        self.evicted.load(Ordering::SeqCst)
+    }
+
+    /// Closes the connection: its reader ([`crate::preface::Preface`]) reads end of stream from
+    /// now on, and is woken if it waits.
+    pub(crate) fn evict(&self) {
+        self.evicted.store(true, Ordering::SeqCst);
+        let waiting = self.reader.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(reader) = waiting {
+            reader.wake();
+        }
+    }
+
+    /// Wakes `reader` when the connection is evicted; whether it was already (then the caller
+    /// reads end of stream rather than wait).
+    pub(crate) fn wake_on_eviction(&self, reader: &std::task::Waker) -> bool {
+        let mut slot = self.reader.lock().unwrap_or_else(|e| e.into_inner());
+        if !slot.as_ref().is_some_and(|w| w.will_wake(reader)) {
+            *slot = Some(reader.clone());
+        }
+        drop(slot);
+        self.is_evicted()
     }
 
     /// A tokens file is in force on the connection's listener (see [`UNADMITTED_IDLE`]).

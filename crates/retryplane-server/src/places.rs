@@ -9,16 +9,25 @@
 //! once one closes, and the rest wait in the kernel's queue, holding no descriptor of the
 //! process (as the HTTP listener does, [`crate::idle::MAX_CONNECTIONS`]). The admin listener
 //! holds [`ADMIN_MAX_CONNECTIONS`]; the agent listener what [`agent_connections`] works out:
-//! one connection per agent, and never more than the open-file limit leaves beside the other
-//! listeners and [`RESERVED_FILES`].
+//! room for each agent's connection and a second while it reconnects, and never more than the
+//! open-file limit leaves beside the other listeners and [`RESERVED_FILES`].
+//!
+//! With a tokens file, a full listener makes room by closing the oldest of its connections on
+//! which no token has admitted a call yet ([`Evictable`]): otherwise a peer with no token kept
+//! the admin listener full with 26 silent connections a second (each kept 10 s), and every
+//! admin client waited in the kernel's queue for good. A client with a token calls at once, so
+//! it is evicted only by a flood that fills every place within its first round trip.
 
+use std::collections::VecDeque;
 use std::io;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context, Poll, ready};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_stream::Stream;
+
+use crate::conn_idle::Streams;
 
 /// Most connections the admin listener holds at once: admin clients (the CLI, a CI job, a
 /// dashboard's `top`) hold one each for as long as they run.
@@ -85,11 +94,55 @@ pub fn raise_open_file_limit() -> Option<u64> {
     open_file_limit()
 }
 
+/// The connections of a listener with a tokens file on which no token may have admitted a call
+/// yet, oldest first: what a full listener closes to make room (see the module docs).
+#[derive(Debug, Default)]
+pub(crate) struct Evictable {
+    /// Connections in the order they were accepted; those that have ended or been admitted
+    /// are let go as they reach the front.
+    queue: Mutex<VecDeque<Weak<Streams>>>,
+}
+
+impl Evictable {
+    /// Lists a connection just accepted.
+    pub(crate) fn push(&self, streams: &Arc<Streams>) {
+        let mut queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        // Bounded: a connection no token admits is closed 10 s after its accept at most
+        // (`UNADMITTED_IDLE`, `PREFACE_TIMEOUT`), so the front never stays for long.
+        while queue
+            .front()
+            .is_some_and(|front| front.upgrade().is_none_or(|s| s.is_admitted()))
+        {
+            queue.pop_front();
+        }
+        queue.push_back(Arc::downgrade(streams));
+    }
+
+    /// Closes the oldest listed connection no token has admitted a call on; whether there was
+    /// one.
+    pub(crate) fn evict_oldest(&self) -> bool {
+        let mut queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        while let Some(oldest) = queue.pop_front() {
+            if let Some(streams) = oldest.upgrade()
+                && !streams.is_admitted()
+                && !streams.is_evicted()
+            {
+                streams.evict();
+                tracing::debug!("a full listener closed a connection no token was admitted on");
+                return true;
+            }
+        }
+        false
+    }
+}
+
 /// A listener's accepted connections, each with the place it holds: one is accepted only once a
-/// place is free (see the module docs).
+/// place is free, and a full listener with `evictable` connections closes the oldest (see the
+/// module docs).
 pub(crate) struct Capped<S> {
     accepted: S,
     places: Arc<Semaphore>,
+    evictable: Option<Arc<Evictable>>,
     /// The place the next connection will hold, taken before its accept.
     place: Option<OwnedSemaphorePermit>,
     /// Waits for a place while all are held.
@@ -97,11 +150,13 @@ pub(crate) struct Capped<S> {
 }
 
 impl<S> Capped<S> {
-    /// `accepted`'s connections, `max` at once.
-    pub(crate) fn new(accepted: S, max: usize) -> Self {
+    /// `accepted`'s connections, `max` at once; a full listener closes the oldest of
+    /// `evictable` (with a tokens file).
+    pub(crate) fn new(accepted: S, max: usize, evictable: Option<Arc<Evictable>>) -> Self {
         Self {
             accepted,
             places: Arc::new(Semaphore::new(max.clamp(1, Semaphore::MAX_PERMITS))),
+            evictable,
             place: None,
             waiting: None,
         }
@@ -120,6 +175,13 @@ where
             Some(place) => place,
             None => {
                 let places = this.places.clone();
+                if this.waiting.is_none()
+                    && places.available_permits() == 0
+                    && let Some(evictable) = &this.evictable
+                {
+                    // Full: room for the next connection, once the one closed lets go.
+                    evictable.evict_oldest();
+                }
                 let waiting = this.waiting.get_or_insert_with(|| {
                     Box::pin(async move {
                         loop {
@@ -172,6 +234,29 @@ mod tests {
         assert_eq!(agent_connections(5, Some(64)), (1, true));
     }
 
+    /// The oldest connection not admitted is the one evicted; admitted, ended and evicted ones
+    /// are passed over.
+    #[test]
+    fn the_oldest_connection_no_token_admitted_is_evicted() {
+        let now = tokio::time::Instant::now();
+        let connection = || Arc::new(Streams::new(now).guarded(true));
+        let evictable = Evictable::default();
+        let (admitted, ended, oldest, newest) =
+            (connection(), connection(), connection(), connection());
+        for c in [&admitted, &ended, &oldest, &newest] {
+            evictable.push(c);
+        }
+        crate::conn_idle::Admitted::on_streams(admitted.clone()).admit();
+        drop(ended);
+        assert!(evictable.evict_oldest());
+        assert!(oldest.is_evicted());
+        assert!(!newest.is_evicted() && !admitted.is_evicted());
+        assert!(evictable.evict_oldest());
+        assert!(newest.is_evicted());
+        assert!(!evictable.evict_oldest(), "none left to evict");
+        assert!(!admitted.is_evicted());
+    }
+
     #[tokio::test]
     async fn a_connection_is_taken_only_once_a_place_is_free() {
         let (send, receive) = tokio::sync::mpsc::unbounded_channel::<io::Result<u32>>();
@@ -181,6 +266,7 @@ mod tests {
         let mut capped = Capped::new(
             tokio_stream::wrappers::UnboundedReceiverStream::new(receive),
             2,
+            None,
         );
         let (first, first_place) = capped.next().await.unwrap().unwrap();
         let (second, _second_place) = capped.next().await.unwrap().unwrap();

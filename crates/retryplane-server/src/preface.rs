@@ -257,6 +257,27 @@ impl<S> Preface<S> {
         self
     }
 
+    /// Listed in `evictable`, so that a full listener may close it while no token has admitted
+    /// a call on it (see [`crate::places::Evictable`]).
+    pub(crate) fn evictable_in(self, evictable: Option<&crate::places::Evictable>) -> Self {
+        if let Some(evictable) = evictable {
+            evictable.push(&self.streams);
+        }
+        self
+    }
+
+    /// Whether the connection was evicted: checked before each read, and, while it may still
+    /// be (guarded, and no call admitted yet), its waiting read is woken by an eviction.
+    fn evicted_while_waiting(&self, cx: &mut Context<'_>) -> bool {
+        if self.streams.is_evicted() {
+            return true;
+        }
+        // Only a connection a full listener may still evict waits for it.
+        self.streams.is_guarded()
+            && !self.streams.is_admitted()
+            && self.streams.wake_on_eviction(cx.waker())
+    }
+
     /// Whether the server has closed every connection (see [`Connections`]).
     fn forced(&self) -> bool {
         self.forced.is_none() || self.live.0.closed.load(std::sync::atomic::Ordering::SeqCst)
@@ -327,14 +348,16 @@ impl<S: AsyncRead + Unpin> AsyncRead for Preface<S> {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
-        if this.closed || this.forced() {
+        if this.closed || this.forced() || this.streams.is_evicted() {
             // End of stream: nothing is put in `buf`.
             return Poll::Ready(Ok(()));
         }
         // The socket first: bytes already there are read, however late this task runs.
         let before = buf.filled().len();
         let polled = Pin::new(&mut this.inner).poll_read(cx, buf);
-        if polled.is_pending() && this.forced_while_waiting(cx) {
+        if polled.is_pending() && (this.forced_while_waiting(cx) || this.evicted_while_waiting(cx))
+        {
+            this.closed = true;
             return Poll::Ready(Ok(()));
         }
         if buf.filled().len() > before {

@@ -171,20 +171,27 @@ fn incoming(
 ) -> impl Stream<Item = io::Result<Preface<TcpStream>>> + use<> {
     let shutdown = shutdown.clone();
     let connections = connections.clone();
+    let evictable = guarded.then(|| Arc::new(crate::places::Evictable::default()));
+    let listed = evictable.clone();
     // The builder's tcp_nodelay does not apply to a listener we bound ourselves.
-    crate::places::Capped::new(TcpIncoming::from(socket).with_nodelay(Some(true)), max)
-        .then(|accepted| async move {
-            if let Err(e) = &accepted {
-                accept_failed(e).await;
-            }
-            accepted
+    crate::places::Capped::new(
+        TcpIncoming::from(socket).with_nodelay(Some(true)),
+        max,
+        evictable,
+    )
+    .then(|accepted| async move {
+        if let Err(e) = &accepted {
+            accept_failed(e).await;
+        }
+        accepted
+    })
+    .map(move |accepted| {
+        accepted.map(|(stream, place)| {
+            Preface::new(stream, shutdown.clone(), idle_after, guarded, &connections)
+                .holding(Some(place))
+                .evictable_in(listed.as_deref())
         })
-        .map(move |accepted| {
-            accepted.map(|(stream, place)| {
-                Preface::new(stream, shutdown.clone(), idle_after, guarded, &connections)
-                    .holding(Some(place))
-            })
-        })
+    })
 }
 
 /// After an accept error other than a connection's own (too many open files, above all):
@@ -343,8 +350,11 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
         Guard::new(tokens.clone(), Role::Admin).counting(control.metrics.auth_refused.clone()),
     );
 
+    // Room for a second connection of each agent while it reconnects (its stale one holds a
+    // place until keepalive or the idle timeout closes it), and for those waiting for Hello.
     let wanted = cfg.max_agent_connections.unwrap_or(
         cfg.max_agents
+            .saturating_mul(2)
             .saturating_add(cfg.stream_limits.max_pending_handshakes),
     );
     // Each agent's connection takes a file descriptor: a soft limit of 1,024 (a common

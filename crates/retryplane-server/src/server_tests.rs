@@ -1816,6 +1816,81 @@ async fn a_connection_no_token_was_admitted_on_is_closed_before_the_idle_timeout
     running.shutdown().await.unwrap();
 }
 
+/// With a tokens file, a full listener makes room by closing the oldest connection no token
+/// was admitted on: a peer with no token that holds every place of the admin listener with
+/// silent connections (each kept 10 s, so 26 a second kept it full) does not keep an admin
+/// client with a token out; a connection whose call a token admitted is not closed for room.
+#[tokio::test]
+async fn silent_connections_without_a_token_do_not_keep_a_client_with_one_out() {
+    let (dir, mut cfg) = with_file(V1);
+    fs::write(dir.path().join("tokens.yaml"), TOKENS).unwrap();
+    cfg.tokens_file = Some(dir.path().join("tokens.yaml"));
+    let running = start(cfg).await.unwrap();
+    let admitted_get = |send: h2::client::SendRequest<bytes::Bytes>| async move {
+        let mut request = grpc_post("/retryplane.v1.AdminService/Get");
+        request.headers_mut().insert(
+            "authorization",
+            "Bearer admin-secret-0123456789".parse().unwrap(),
+        );
+        let (answer, mut body) = send
+            .ready()
+            .await
+            .unwrap()
+            .send_request(request, false)
+            .unwrap();
+        body.send_data(bytes::Bytes::from_static(&[0; 5]), true)
+            .unwrap();
+        let answer = answer.await.unwrap();
+        let status = answer.status();
+        let mut answer = answer.into_body();
+        while answer.data().await.is_some() {}
+        let trailers = answer.trailers().await.unwrap().unwrap();
+        (status, trailers["grpc-status"].to_str().unwrap().to_owned())
+    };
+    // A client with a token first: its connection is kept through the flood.
+    let tcp = tokio::net::TcpStream::connect(running.admin_addr)
+        .await
+        .unwrap();
+    let (first, conn) = h2::client::handshake(tcp).await.unwrap();
+    let first_conn = tokio::spawn(conn);
+    assert_eq!(
+        admitted_get(first.clone()).await,
+        (http::StatusCode::OK, "0".to_owned())
+    );
+    let mut flood = Vec::new();
+    for _ in 0..crate::places::ADMIN_MAX_CONNECTIONS {
+        flood.push(
+            tokio::net::TcpStream::connect(running.admin_addr)
+                .await
+                .unwrap(),
+        );
+    }
+    let legit = async {
+        let tcp = tokio::net::TcpStream::connect(running.admin_addr)
+            .await
+            .unwrap();
+        let (send, conn) = h2::client::handshake(tcp).await.unwrap();
+        tokio::spawn(conn);
+        admitted_get(send).await
+    };
+    // Well under the 10 s a silent connection is kept.
+    let served = tokio::time::timeout(Duration::from_secs(5), legit).await;
+    assert_eq!(
+        served.expect("the client with a token was not served"),
+        (http::StatusCode::OK, "0".to_owned())
+    );
+    assert!(
+        !first_conn.is_finished(),
+        "the admitted connection was closed"
+    );
+    assert_eq!(
+        admitted_get(first).await,
+        (http::StatusCode::OK, "0".to_owned())
+    );
+    drop(flood);
+    running.shutdown().await.unwrap();
+}
+
 /// The agent listener holds `max_agent_connections` at once: the next connection is not
 /// served (its HTTP/2 handshake gets no answer) until one of them closes, and is then.
 #[tokio::test]
