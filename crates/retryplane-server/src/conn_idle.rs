@@ -35,13 +35,14 @@ use tonic::transport::server::TcpConnectInfo;
 /// the CLI takes at most that), so that no `Instant` arithmetic can overflow.
 pub(crate) const LONGEST: Duration = Duration::from_secs(365 * 24 * 3600);
 
-/// With a tokens file, how long a connection on which a token has admitted no call yet may go
-/// without one before it is closed (the idle timeout, when that is shorter): an agent or an
-/// admin client calls with its token as soon as it connects, and a peer with no token held each
-/// connection it opened for the whole idle timeout (5 min by default), so a few thousand of
-/// them took the process's file descriptors. Health checks and reflection ask no token: a
-/// prober that keeps its connection for them has it closed at this age and connects again.
-pub(crate) const UNADMITTED_IDLE: Duration = Duration::from_secs(10);
+/// With a tokens file, how long a connection that has carried no call yet may stay before it is
+/// closed (the idle timeout, when that is shorter): an agent or an admin client calls as soon
+/// as it connects, and a peer with no token held each silent connection it opened (preface
+/// sent, PINGs answered) for the whole idle timeout (5 min by default). A connection with a
+/// call, even one no token admitted (a health check, a refusal), keeps the idle timeout: a
+/// prober that keeps its connection for health checks is not closed under them every few
+/// seconds (a full listener closes such connections first, see [`crate::places`]).
+pub(crate) const NO_CALL_IDLE: Duration = Duration::from_secs(10);
 
 /// The open streams of one connection, and since when none has been open.
 #[derive(Debug)]
@@ -54,9 +55,11 @@ pub(crate) struct Streams {
     times: Mutex<Times>,
     /// The listener's count of calls not yet let go, which the end of a shutdown waits for.
     live: Option<Arc<crate::preface::Live>>,
-    /// A tokens file is in force: until a token admits a call, the connection may stay idle
-    /// for [`UNADMITTED_IDLE`] at most.
+    /// A tokens file is in force: until it carries a call, the connection may stay for
+    /// [`NO_CALL_IDLE`] at most.
     guarded: bool,
+    /// The connection has carried a call.
+    called: std::sync::atomic::AtomicBool,
     /// A token has admitted one of the connection's calls.
     admitted: std::sync::atomic::AtomicBool,
     /// Closed to make room for a new connection on a full listener
@@ -88,6 +91,7 @@ impl Streams {
             }),
             live: None,
             guarded: false,
+            called: std::sync::atomic::AtomicBool::new(false),
             admitted: std::sync::atomic::AtomicBool::new(false),
             evicted: std::sync::atomic::AtomicBool::new(false),
             reader: Mutex::new(None),
@@ -131,18 +135,18 @@ impl Streams {
         self.is_evicted()
     }
 
-    /// A tokens file is in force on the connection's listener (see [`UNADMITTED_IDLE`]).
+    /// A tokens file is in force on the connection's listener (see [`NO_CALL_IDLE`]).
     pub(crate) fn guarded(mut self, guarded: bool) -> Self {
         self.guarded = guarded;
         self
     }
 
     /// How long the connection may go without a stream: `idle_after`, the listener's idle
-    /// timeout, or [`UNADMITTED_IDLE`] if shorter while no token has admitted a call on a
-    /// guarded listener.
+    /// timeout, or [`NO_CALL_IDLE`] if shorter while it has carried no call on a guarded
+    /// listener.
     pub(crate) fn idle_after(&self, idle_after: Duration) -> Duration {
-        if self.guarded && !self.admitted.load(Ordering::SeqCst) {
-            idle_after.min(UNADMITTED_IDLE)
+        if self.guarded && !self.called.load(Ordering::SeqCst) {
+            idle_after.min(NO_CALL_IDLE)
         } else {
             idle_after
         }
@@ -157,6 +161,7 @@ impl Streams {
     /// Counts a stream open until the guard is dropped: an agent's (`bound` `None`), or
     /// another call, cut at `bound`.
     pub(crate) fn opened(self: &Arc<Self>, bound: Option<Instant>) -> StreamGuard {
+        self.called.store(true, Ordering::SeqCst);
         match bound {
             None => {
                 self.open.fetch_add(1, Ordering::SeqCst);

@@ -96,24 +96,37 @@ pub fn raise_open_file_limit() -> Option<u64> {
 
 /// The connections of a listener with a tokens file on which no token may have admitted a call
 /// yet, oldest first: what a full listener closes to make room (see the module docs).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Evictable {
     /// Connections in the order they were accepted; those that have ended or been admitted
-    /// are let go as they reach the front.
+    /// are let go as they reach the front, or all at once when the queue grows past twice the
+    /// listener's cap.
     queue: Mutex<VecDeque<Weak<Streams>>>,
+    /// The listener's cap: at most that many listed connections are alive.
+    max: usize,
 }
 
 impl Evictable {
+    /// For a listener that holds `max` connections.
+    pub(crate) fn new(max: usize) -> Self {
+        Self {
+            queue: Mutex::default(),
+            max,
+        }
+    }
+
     /// Lists a connection just accepted.
     pub(crate) fn push(&self, streams: &Arc<Streams>) {
+        let gone = |listed: &Weak<Streams>| listed.upgrade().is_none_or(|s| s.is_admitted());
         let mut queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());
-        // Bounded: a connection no token admits is closed 10 s after its accept at most
-        // (`UNADMITTED_IDLE`, `PREFACE_TIMEOUT`), so the front never stays for long.
-        while queue
-            .front()
-            .is_some_and(|front| front.upgrade().is_none_or(|s| s.is_admitted()))
-        {
+        while queue.front().is_some_and(gone) {
             queue.pop_front();
+        }
+        // A connection with a call no token admitted (a health check) may stay at the front
+        // for the idle timeout: past twice the cap, those behind it that are gone are let go
+        // too (at most `max` are alive, so this runs once every `max` pushes at most).
+        if queue.len() >= self.max.saturating_mul(2).max(64) {
+            queue.retain(|listed| !gone(listed));
         }
         queue.push_back(Arc::downgrade(streams));
     }
@@ -240,7 +253,7 @@ mod tests {
     fn the_oldest_connection_no_token_admitted_is_evicted() {
         let now = tokio::time::Instant::now();
         let connection = || Arc::new(Streams::new(now).guarded(true));
-        let evictable = Evictable::default();
+        let evictable = Evictable::new(4);
         let (admitted, ended, oldest, newest) =
             (connection(), connection(), connection(), connection());
         for c in [&admitted, &ended, &oldest, &newest] {
@@ -278,5 +291,23 @@ mod tests {
         drop(first_place);
         let (third, _) = third.await.unwrap().unwrap();
         assert_eq!(third, 2);
+    }
+
+    /// Connections that ended or were admitted behind one that stays at the front are let go
+    /// once the list reaches twice the cap.
+    #[test]
+    fn the_list_of_evictable_connections_stays_bounded() {
+        let now = tokio::time::Instant::now();
+        let evictable = Evictable::new(32);
+        let front = Arc::new(Streams::new(now).guarded(true));
+        evictable.push(&front);
+        for _ in 0..10_000 {
+            // Each one ends at once.
+            evictable.push(&Arc::new(Streams::new(now).guarded(true)));
+        }
+        let listed = evictable.queue.lock().unwrap().len();
+        assert!(listed <= 64, "{listed} listed");
+        assert!(evictable.evict_oldest());
+        assert!(front.is_evicted());
     }
 }

@@ -207,8 +207,8 @@ impl Connections {
 
 impl<S> Preface<S> {
     /// Wraps `inner`, watching `shutdown` (true once shutdown has begun); closed once it has
-    /// had no open stream for `idle_after` (or [`crate::conn_idle::UNADMITTED_IDLE`], if
-    /// `guarded` and no token has admitted a call on it yet).
+    /// had no open stream for `idle_after` (or [`crate::conn_idle::NO_CALL_IDLE`], if
+    /// `guarded` and it has carried no call yet).
     pub(crate) fn new(
         inner: S,
         mut shutdown: watch::Receiver<bool>,
@@ -655,40 +655,44 @@ mod tests {
         assert_eq!(&back, b"answer");
     }
 
-    /// On a guarded listener, a connection on which no token admitted a call reads as closed
-    /// `UNADMITTED_IDLE` after its accept; one with an admitted call is kept past it (to its
-    /// idle timeout, a day here); on a listener without tokens, the idle timeout alone counts.
+    /// On a guarded listener, a connection that has carried no call reads as closed
+    /// `NO_CALL_IDLE` after its accept; one with a call (admitted by a token or not: a health
+    /// check) is kept past it (to its idle timeout, a day here); on a listener without tokens,
+    /// the idle timeout alone counts.
     #[tokio::test(start_paused = true)]
-    async fn a_guarded_connection_no_token_was_admitted_on_is_closed_early() {
-        use crate::conn_idle::UNADMITTED_IDLE;
-        for (guarded, admitted, closed_early) in [
-            (true, false, true),
-            (true, true, false),
-            (false, false, false),
+    async fn a_guarded_connection_that_carried_no_call_is_closed_early() {
+        use crate::conn_idle::NO_CALL_IDLE;
+        for (guarded, call, admitted, closed_early) in [
+            (true, false, false, true),
+            (true, true, false, false),
+            (true, true, true, false),
+            (false, false, false, false),
         ] {
             let (mut server, mut client, _stop) = pair_guarded(guarded);
             let accepted = tokio::time::Instant::now();
             client.write_all(&[b'P'; PREFACE_LEN]).await.unwrap();
             let mut buf = [0u8; 64];
             assert_eq!(server.read(&mut buf).await.unwrap(), PREFACE_LEN);
-            if admitted {
-                // A call admitted, and ended at once: the connection is quiet since then.
-                let call = crate::conn_idle::Admitted::on_streams(server.streams.clone());
+            if call {
+                // A call, ended at once: the connection is quiet since then.
+                let admission = crate::conn_idle::Admitted::on_streams(server.streams.clone());
                 let guard = server
                     .streams
                     .opened(Some(accepted + Duration::from_secs(1)));
-                call.admit();
+                if admitted {
+                    admission.admit();
+                }
                 drop(guard);
             }
-            let read = tokio::time::timeout(UNADMITTED_IDLE * 2, server.read(&mut buf)).await;
+            let read = tokio::time::timeout(NO_CALL_IDLE * 2, server.read(&mut buf)).await;
             if closed_early {
                 assert_eq!(read.unwrap().unwrap(), 0, "end of stream");
                 // One moment of silence more: the preface's bytes moved since the accept.
-                assert_eq!(accepted.elapsed(), UNADMITTED_IDLE + QUIET_IO);
+                assert_eq!(accepted.elapsed(), NO_CALL_IDLE + QUIET_IO);
             } else {
                 assert!(
                     read.is_err(),
-                    "guarded {guarded}, admitted {admitted}: {read:?}"
+                    "guarded {guarded}, call {call}, admitted {admitted}: {read:?}"
                 );
             }
         }

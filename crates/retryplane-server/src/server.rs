@@ -160,7 +160,7 @@ fn grpc_server(
 
 /// The connections of a gRPC listener, at most `max` at once (see [`crate::places`]), each one
 /// closed at shutdown if it has not yet sent the HTTP/2 preface (see [`crate::preface`]), and
-/// once idle (`guarded`: a tokens file is in force, see [`crate::conn_idle::UNADMITTED_IDLE`]).
+/// once idle (`guarded`: a tokens file is in force, see [`crate::conn_idle::NO_CALL_IDLE`]).
 fn incoming(
     socket: TcpListener,
     max: usize,
@@ -171,7 +171,7 @@ fn incoming(
 ) -> impl Stream<Item = io::Result<Preface<TcpStream>>> + use<> {
     let shutdown = shutdown.clone();
     let connections = connections.clone();
-    let evictable = guarded.then(|| Arc::new(crate::places::Evictable::default()));
+    let evictable = guarded.then(|| Arc::new(crate::places::Evictable::new(max)));
     let listed = evictable.clone();
     // The builder's tcp_nodelay does not apply to a listener we bound ourselves.
     crate::places::Capped::new(
