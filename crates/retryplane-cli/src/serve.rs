@@ -18,13 +18,14 @@
 use std::io::{self, Write as _};
 use std::net::SocketAddr;
 use std::path::PathBuf;
-
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Context as _;
 use retryplane_policy::duration::{DurationError, parse_duration};
 use retryplane_server::agent_stream::StreamLimits;
 use retryplane_server::server::{self, ServeConfig};
+use tokio::time::Instant;
 use tracing::warn;
 use tracing_subscriber::EnvFilter;
 
@@ -395,7 +396,7 @@ async fn serve(settings: ServeConfig) -> anyhow::Result<()> {
             );
         }
     }
-    let mut reloads: Option<std::sync::mpsc::Sender<()>> = None;
+    let mut reloads = Reloads::new(STUCK_READ);
     let stopped = loop {
         tokio::select! {
             stopped = running.wait() => break Some(stopped),
@@ -403,15 +404,8 @@ async fn serve(settings: ServeConfig) -> anyhow::Result<()> {
             // The reload logs its outcome; a bad file keeps the tokens in force. The file is
             // read on a thread of its own, not waited for here: a read that does not end (a
             // file on a network mount that does not answer) must not keep this loop from
-            // SIGTERM. One thread for every reload, in turn, so that an older read cannot put
-            // its tokens back over a newer one's; SIGHUPs that come during a read make one
-            // more. (A thread, not `spawn_blocking`: the runtime's end would wait for it.)
-            () = hangups.recv() => {
-                let sent = reloads.as_ref().is_some_and(|tx| tx.send(()).is_ok());
-                if !sent {
-                    reloads = reload_thread(running.tokens_reload());
-                }
-            }
+            // SIGTERM (see `Reloads`).
+            () = hangups.recv() => reloads.hangup(|| running.tokens_reload()),
         }
     };
     running.shutdown().await?;
@@ -422,23 +416,109 @@ async fn serve(settings: ServeConfig) -> anyhow::Result<()> {
     }
 }
 
-/// Starts the thread that reads the tokens file again (`reload`) for each message sent to it,
+/// How long a read of the tokens file may go on before a SIGHUP reads it again on another
+/// thread beside it.
+const STUCK_READ: Duration = Duration::from_secs(5);
+
+/// Most reads of the tokens file left running beside the thread in use, each stuck past
+/// [`STUCK_READ`]; past them, a SIGHUP waits its turn on the thread in use.
+const MAX_STUCK_READS: usize = 4;
+
+/// The threads that read the tokens file again on SIGHUP. One thread reads for every SIGHUP,
+/// in turn (SIGHUPs that come during a read make one more read); a thread, not
+/// `spawn_blocking`, as the runtime's end would wait for it. A read that does not end (a file
+/// on a network mount that does not answer) would hold every later SIGHUP behind it: once one
+/// has gone on for `stuck_after`, the next SIGHUP starts a new thread, and the stuck one is
+/// left to end when it may (its tokens, older, are then not put in force: see
+/// `TokenSet::reload`), [`MAX_STUCK_READS`] at most.
+struct Reloads {
+    stuck_after: Duration,
+    /// The thread in use: its queue, and since when its read has run (`None` while idle).
+    current: Option<(std::sync::mpsc::Sender<()>, Busy)>,
+    /// The threads left behind, while their reads run.
+    stuck: Vec<Busy>,
+}
+
+/// When a reload thread's read began; `None` while it waits for the next.
+type Busy = Arc<Mutex<Option<Instant>>>;
+
+impl Reloads {
+    fn new(stuck_after: Duration) -> Self {
+        Self {
+            stuck_after,
+            current: None,
+            stuck: Vec::new(),
+        }
+    }
+
+    /// A SIGHUP: a read of the tokens file with the reload `make` gives, on the thread in use
+    /// or a new one (said in the log when it cannot be started).
+    fn hangup<R>(&mut self, make: impl FnOnce() -> R)
+    where
+        R: Fn() -> Result<Option<usize>, retryplane_server::auth::TokensError> + Send + 'static,
+    {
+        let since = |busy: &Busy| *busy.lock().unwrap_or_else(|e| e.into_inner());
+        self.stuck.retain(|busy| since(busy).is_some());
+        if let Some((queue, busy)) = &self.current {
+            let running_for = since(busy).map(|began| began.elapsed());
+            match running_for {
+                Some(running_for) if running_for >= self.stuck_after => {
+                    if self.stuck.len() >= MAX_STUCK_READS {
+                        warn!(
+                            stuck = self.stuck.len() + 1,
+                            "reads of the tokens file have not ended; this SIGHUP waits its turn"
+                        );
+                    } else {
+                        warn!(
+                            running_for_s = running_for.as_secs(),
+                            "the last read of the tokens file has not ended; reading it again \
+                             beside it (its tokens will not replace those read after it)"
+                        );
+                        if let Some((_, busy)) = self.current.take() {
+                            self.stuck.push(busy);
+                        }
+                        self.current = reload_thread(make());
+                        return;
+                    }
+                }
+                _ => {}
+            }
+            if queue.send(()).is_ok() {
+                return;
+            }
+        }
+        self.current = reload_thread(make());
+    }
+}
+
+/// Starts a thread that reads the tokens file again (`reload`) for each message sent to it,
 /// once for any number that wait, and sends it the first; `None` (said in the log) if it
 /// cannot be started.
 fn reload_thread(
     reload: impl Fn() -> Result<Option<usize>, retryplane_server::auth::TokensError> + Send + 'static,
-) -> Option<std::sync::mpsc::Sender<()>> {
+) -> Option<(std::sync::mpsc::Sender<()>, Busy)> {
     let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let busy: Busy = Arc::default();
+    let marks = busy.clone();
+    let mark = move |began: Option<Instant>| {
+        *marks.lock().unwrap_or_else(|e| e.into_inner()) = began;
+    };
     let spawned = std::thread::Builder::new()
         .name("tokens-reload".to_owned())
         .spawn(move || {
             while rx.recv().is_ok() {
                 while rx.try_recv().is_ok() {}
+                mark(Some(Instant::now()));
                 let _ = reload();
+                mark(None);
             }
         });
     match spawned {
-        Ok(_) => tx.send(()).ok().map(|()| tx),
+        Ok(_) => {
+            // Marked busy from the send, so that a read that never ends counts from now.
+            *busy.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
+            tx.send(()).ok().map(|()| (tx, busy))
+        }
         Err(e) => {
             warn!(error = %e, "cannot start a thread to read the tokens file; the tokens in force stay");
             None
@@ -565,6 +645,106 @@ mod tests {
             Command::Serve(args) => args.into(),
             other => panic!("parsed as {other:?}"),
         }
+    }
+
+    /// Reads of the tokens file for the reload tests: each waits for a go-ahead from the test
+    /// (`release`), and counts itself begun and ended.
+    #[derive(Default)]
+    struct Reads {
+        /// Reads begun and ended, told to `until` by `changed`.
+        counts: Mutex<(usize, usize)>,
+        changed: std::sync::Condvar,
+        gates: Mutex<Vec<std::sync::mpsc::Receiver<()>>>,
+    }
+
+    impl Reads {
+        /// A reload that takes the next gate and waits on it.
+        fn reload(
+            self: &Arc<Self>,
+        ) -> impl Fn() -> Result<Option<usize>, retryplane_server::auth::TokensError> + Send + 'static
+        {
+            let reads = self.clone();
+            move || {
+                let count = |f: fn(&mut (usize, usize))| {
+                    f(&mut reads.counts.lock().unwrap());
+                    reads.changed.notify_all();
+                };
+                count(|c| c.0 += 1);
+                let gate = reads.gates.lock().unwrap().remove(0);
+                let _ = gate.recv();
+                count(|c| c.1 += 1);
+                Ok(Some(1))
+            }
+        }
+
+        /// A gate for one more read; sending on it lets that read end.
+        fn gate(&self) -> std::sync::mpsc::Sender<()> {
+            let (go, gate) = std::sync::mpsc::channel();
+            self.gates.lock().unwrap().push(gate);
+            go
+        }
+
+        /// Waits (bounded) until `n` reads have begun and `m` have ended.
+        fn until(&self, n: usize, m: usize) {
+            let counts = self.counts.lock().unwrap();
+            let (counts, waited) = self
+                .changed
+                .wait_timeout_while(counts, Duration::from_secs(10), |c| *c != (n, m))
+                .unwrap();
+            assert!(
+                !waited.timed_out(),
+                "begun and ended {counts:?}; waited for {n}, {m}"
+            );
+        }
+    }
+
+    /// A read of the tokens file that does not end does not hold the SIGHUPs after it: once it
+    /// has run for the stuck time (none here), the next SIGHUP reads on a new thread, and the
+    /// stuck one is let go of once it ends.
+    #[test]
+    fn a_read_that_does_not_end_does_not_hold_later_sighups() {
+        let reads = Arc::new(Reads::default());
+        let mut reloads = Reloads::new(Duration::ZERO);
+        let stuck = reads.gate();
+        reloads.hangup(|| reads.reload());
+        reads.until(1, 0);
+        let second = reads.gate();
+        reloads.hangup(|| reads.reload());
+        reads.until(2, 0);
+        second.send(()).unwrap();
+        reads.until(2, 1);
+        assert_eq!(reloads.stuck.len(), 1);
+        // The stuck read ends: let go of at the next SIGHUP, which the idle thread reads.
+        stuck.send(()).unwrap();
+        reads.until(2, 2);
+        let third = reads.gate();
+        reloads.hangup(|| reads.reload());
+        reads.until(3, 2);
+        third.send(()).unwrap();
+        reads.until(3, 3);
+        assert!(reloads.stuck.is_empty());
+    }
+
+    /// Before the stuck time, SIGHUPs during a read wait their turn on the same thread, and
+    /// any number of them make one more read.
+    #[test]
+    fn sighups_during_a_read_make_one_more_on_the_same_thread() {
+        let reads = Arc::new(Reads::default());
+        let mut reloads = Reloads::new(Duration::from_secs(3600));
+        let first = reads.gate();
+        reloads.hangup(|| reads.reload());
+        reads.until(1, 0);
+        let next = reads.gate();
+        for _ in 0..3 {
+            reloads.hangup(|| -> fn() -> Result<Option<usize>, _> {
+                panic!("a new thread was started while the read ran")
+            });
+        }
+        first.send(()).unwrap();
+        reads.until(2, 1);
+        next.send(()).unwrap();
+        reads.until(2, 2);
+        assert!(reloads.stuck.is_empty());
     }
 
     #[test]

@@ -151,6 +151,16 @@ pub enum TokensError {
         /// One line per problem, such as ``tokens[2] (`ci`): secret is shorter than 16 bytes``.
         problems: Vec<String>,
     },
+    /// A read that began later was put in force first (this one was slow: a file on a network
+    /// mount that answered late), so this one's tokens, older, are not.
+    #[error(
+        "the read of the tokens file {} ended after a later one was put in force; the later one's tokens stay",
+        file.display()
+    )]
+    Superseded {
+        /// The tokens file.
+        file: PathBuf,
+    },
 }
 
 #[derive(serde::Deserialize)]
@@ -915,6 +925,10 @@ fn warn_if_world_readable(_path: &Path, _file: &std::fs::File) {}
 pub struct TokenSet {
     file: PathBuf,
     current: watch::Sender<Arc<Tokens>>,
+    /// Reloads begun, each numbered: the latest begun that has ended is the one in force.
+    begun: std::sync::atomic::AtomicU64,
+    /// The number of the reload in force (0: the first read).
+    installed: std::sync::Mutex<u64>,
 }
 
 impl TokenSet {
@@ -929,6 +943,8 @@ impl TokenSet {
         Self {
             file: file.to_owned(),
             current: watch::Sender::new(Arc::new(tokens)),
+            begun: std::sync::atomic::AtomicU64::new(0),
+            installed: std::sync::Mutex::new(0),
         }
     }
 
@@ -945,9 +961,31 @@ impl TokenSet {
     /// Reads the file again and puts its tokens in force: later calls are checked against
     /// them, and agent streams whose secret they no longer hold (with the agent role) end with
     /// `UNAUTHENTICATED`. A file that cannot be used changes nothing; the error says why.
-    /// Returns the number of tokens now in force.
+    /// Returns the number of tokens now in force. Reloads may run at once (on threads of their
+    /// own, a slow one beside those after it): the tokens of a read that ends after a later one
+    /// was put in force are not ([`TokensError::Superseded`]).
     pub fn reload(&self) -> Result<usize, TokensError> {
+        let reload = self.begin_reload();
         let tokens = Tokens::load(&self.file)?;
+        self.put_in_force(reload, tokens)
+    }
+
+    /// The number of a reload that begins now.
+    fn begin_reload(&self) -> u64 {
+        self.begun
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+            .saturating_add(1)
+    }
+
+    /// Puts `tokens`, read by reload number `reload`, in force unless a later one is already.
+    fn put_in_force(&self, reload: u64, tokens: Tokens) -> Result<usize, TokensError> {
+        let mut installed = self.installed.lock().unwrap_or_else(|e| e.into_inner());
+        if reload < *installed {
+            return Err(TokensError::Superseded {
+                file: self.file.clone(),
+            });
+        }
+        *installed = reload;
         let count = tokens.len();
         self.current.send_replace(Arc::new(tokens));
         Ok(count)

@@ -660,3 +660,53 @@ fn a_fifo_at_the_tokens_path_is_refused_not_waited_on() {
         "{err}"
     );
 }
+
+/// Reloads may run at once (a slow read on a thread of its own beside the ones after it): the
+/// tokens of a read that ends after a later one was put in force are not, and it says so; the
+/// later one's stay.
+#[test]
+fn a_read_that_ends_after_a_later_one_is_not_put_in_force() {
+    let set = tokens();
+    let path = Path::new("tokens.yaml");
+    let with = |secret: &str| {
+        Tokens::parse(
+            &format!("tokens:\n  - {{name: alice, role: admin, secret: {secret}}}\n"),
+            path,
+        )
+        .unwrap()
+    };
+    let slow = set.begin_reload();
+    let later = set.begin_reload();
+    assert_eq!(
+        set.put_in_force(later, with("later-secret-0123456789"))
+            .unwrap(),
+        1
+    );
+    let refused = set
+        .put_in_force(slow, with("older-secret-0123456789"))
+        .unwrap_err();
+    assert!(
+        matches!(refused, TokensError::Superseded { .. }),
+        "{refused}"
+    );
+    assert!(
+        call(Role::Admin, Some("Bearer later-secret-0123456789")).is_err(),
+        "the fixture's set"
+    );
+    let guard = |secret: &str| {
+        Guard::new(Some(set.clone()), Role::Admin)
+            .call(request(Some(&format!("Bearer {secret}"))))
+            .map(|_| ())
+            .map_err(|s| s.code())
+    };
+    assert_eq!(guard("later-secret-0123456789"), Ok(()));
+    assert_eq!(guard("older-secret-0123456789"), Err(Code::Unauthenticated));
+    // A read that begins after it is put in force as usual.
+    let next = set.begin_reload();
+    assert_eq!(
+        set.put_in_force(next, with("next-secret-0123456789"))
+            .unwrap(),
+        1
+    );
+    assert_eq!(guard("next-secret-0123456789"), Ok(()));
+}

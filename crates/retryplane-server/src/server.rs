@@ -514,6 +514,10 @@ fn reload_tokens(
             info!(file = %tokens.file().display(), tokens = count, "tokens file reloaded");
             Ok(Some(count))
         }
+        Err(e @ TokensError::Superseded { .. }) => {
+            warn!(error = %crate::ErrorChain(&e), "a slow read of the tokens file ended");
+            Err(e)
+        }
         Err(e) => {
             error!(
                 error = %crate::ErrorChain(&e),
