@@ -377,7 +377,7 @@ impl AgentStreamService {
             _ = shutdown.wait_for(|stop| *stop) => return Err(shutdown_status()),
             status = Revocation::revoked(&mut revocation) => return Err(status),
         };
-        let hello = match first {
+        let mut hello = match first {
             Ok(Ok(Some(pb::AgentMessage {
                 kind: Some(Kind::Hello(hello)),
             }))) => hello,
@@ -396,6 +396,9 @@ impl AgentStreamService {
             }
         };
         check_hello(&hello, limits)?;
+        // Hex in either case (the control plane writes lower case): compared as the same
+        // content from here on.
+        hello.last_applied_hash.make_ascii_lowercase();
         // Kept only for an agent that sends heartbeats, and whose stream counts what it hears.
         let life = life.filter(|_| hello.heartbeats);
         if let Some(life) = &life {

@@ -665,6 +665,24 @@ async fn with_an_empty_store_an_agent_is_listed_running_a_first_version_it_named
     drop(agent_tx);
 }
 
+/// A Hello's content hash is hex in either case: an agent that names the current version with
+/// its hash in upper case runs that content, and is not pushed it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hello_hash_in_upper_case_names_the_same_content() {
+    let (_gate, control, _) = on_v1().await;
+    let (addr, _stop) = serve(&control).await;
+    let current = control.store.current().unwrap().unwrap();
+    let hash = current.meta.content_hash.to_ascii_uppercase();
+    assert_ne!(hash, current.meta.content_hash);
+    let (agent_tx, _inbound) = connect_agent(addr, hello_naming(current.meta.version, &hash)).await;
+    until_listed(&control, |s| {
+        s.connected && s.applied_version == current.meta.version
+    })
+    .await;
+    assert_eq!(control.metrics.pushes.get(), 0, "nothing was pushed");
+    drop(agent_tx);
+}
+
 /// A memory store whose next publishes commit and then report an error (as redb can when the
 /// sync after its commit point fails), each followed by `reads_after` failed reads.
 struct LateErrorStore {
