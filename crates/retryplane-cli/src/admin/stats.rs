@@ -62,7 +62,8 @@ pub struct Args {
     /// Only this endpoint.
     #[arg(long, value_name = "NAME", value_parser = NonEmptyStringValueParser::new())]
     endpoint: Option<String>,
-    /// Only this calling service (the agents' `service`).
+    /// Only the series of this calling service (the agents' `service`); the lifetime totals
+    /// per endpoint stay summed over every service.
     #[arg(long, value_name = "NAME", value_parser = NonEmptyStringValueParser::new())]
     service: Option<String>,
     /// The trailing window that rates and ratios are taken over (text only: JSON has them
