@@ -10,10 +10,14 @@
 //!
 //! A `/metrics` answer is rendered on a blocking thread, one render at a time, and shared by
 //! every request that was waiting when it finished: at the agent metrics' series cap the text is
-//! about 20 MB and takes a few hundred milliseconds, and the listener asks no token, so scrapes
-//! that come together must neither stall the agent and admin listeners (which share the runtime)
-//! nor hold a copy each. An answer is never older than its request: a request uses a render that
-//! started after it arrived, or starts one.
+//! 20 to 106 MB (by the length of the names) and takes a few hundred milliseconds, and the
+//! listener asks no token, so scrapes that come together must neither stall the agent and admin
+//! listeners (which share the runtime) nor hold a copy each. An answer is never older than its
+//! request: a request uses a render that started after it arrived, or starts one. To a request
+//! whose `Accept-Encoding` takes gzip (Prometheus' does) it is sent gzip-compressed (a seventh
+//! of the size or less), compressed on a blocking thread too, once per render and format.
+//! (Compressed here rather than by a compression layer, which would compress each answer on the
+//! threads that serve the agents.)
 //!
 //! [`router`] builds the whole app, so tests drive it without a socket.
 
@@ -77,11 +81,55 @@ struct Renders {
     gate: std::sync::Mutex<Option<std::sync::mpsc::Receiver<()>>>,
 }
 
-/// One render of the exposition, in the two formats as they are asked for.
+/// One render of the exposition, in the two formats as they are asked for, each also
+/// gzip-compressed once asked for so.
 struct Rendered {
     started: Instant,
     openmetrics: Bytes,
     text: Option<Bytes>,
+    openmetrics_gzip: Option<Bytes>,
+    text_gzip: Option<Bytes>,
+}
+
+/// How a `/metrics` answer is asked for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Asked {
+    /// OpenMetrics, else the text format 0.0.4.
+    openmetrics: bool,
+    /// gzip-compressed.
+    gzip: bool,
+}
+
+/// Whether an `Accept-Encoding` header takes gzip: listed (by name, or `x-gzip`) with no
+/// `q=0`. `*` is not taken for it: a client that names no coding gets the text as it is.
+fn accepts_gzip(header: Option<&axum::http::HeaderValue>) -> bool {
+    let Some(value) = header.and_then(|h| h.to_str().ok()) else {
+        return false;
+    };
+    value.split(',').any(|coding| {
+        let mut parts = coding.split(';');
+        let name = parts.next().unwrap_or_default().trim();
+        let refused = parts.any(|p| {
+            p.trim()
+                .strip_prefix("q=")
+                .and_then(|q| q.trim().parse::<f64>().ok())
+                .is_some_and(|q| q <= 0.0)
+        });
+        (name.eq_ignore_ascii_case("gzip") || name.eq_ignore_ascii_case("x-gzip")) && !refused
+    })
+}
+
+/// `bytes` gzip-compressed, at the fast level (the exposition's repeated names and labels
+/// compress to a seventh of its size or less).
+fn gzip(bytes: &[u8]) -> Bytes {
+    use std::io::Write as _;
+    let mut encoder = flate2::write::GzEncoder::new(
+        Vec::with_capacity(bytes.len() / 8),
+        flate2::Compression::fast(),
+    );
+    // Writes to a `Vec` do not fail.
+    let _ = encoder.write_all(bytes);
+    Bytes::from(encoder.finish().unwrap_or_default())
 }
 
 /// Counts a request in [`Renders::waiting`] until dropped.
@@ -111,8 +159,9 @@ impl Renders {
     async fn exposition(
         self: &Arc<Self>,
         metrics: &Arc<ServerMetrics>,
-        openmetrics: bool,
+        asked: Asked,
     ) -> Result<Bytes, tokio::task::JoinError> {
+        let Asked { openmetrics, gzip } = asked;
         let arrived = Instant::now();
         let waiting = Waiting::enter(self);
         let last = self.last.clone();
@@ -135,10 +184,28 @@ impl Renders {
                     .await?,
                 );
             }
-            let answer = if openmetrics {
+            let plain = if openmetrics {
                 rendered.openmetrics.clone()
             } else {
                 rendered.text.clone().unwrap_or_default()
+            };
+            let answer = if gzip {
+                let kept = if openmetrics {
+                    &mut rendered.openmetrics_gzip
+                } else {
+                    &mut rendered.text_gzip
+                };
+                match kept {
+                    Some(compressed) => compressed.clone(),
+                    None => {
+                        let compressed =
+                            tokio::task::spawn_blocking(move || self::gzip(&plain)).await?;
+                        *kept = Some(compressed.clone());
+                        compressed
+                    }
+                }
+            } else {
+                plain
             };
             let renders = waiting.0.clone();
             drop(waiting);
@@ -174,6 +241,8 @@ async fn render(
             started,
             openmetrics: Bytes::from(metrics.render()),
             text: None,
+            openmetrics_gzip: None,
+            text_gzip: None,
         }
     })
     .await
@@ -195,18 +264,33 @@ async fn readyz(State(app): State<App>) -> (StatusCode, &'static str) {
 }
 
 async fn metrics(State(app): State<App>, headers: HeaderMap) -> Response {
-    let openmetrics = text_format::wants_openmetrics(headers.get(header::ACCEPT));
-    let content_type = if openmetrics {
+    let asked = Asked {
+        openmetrics: text_format::wants_openmetrics(headers.get(header::ACCEPT)),
+        gzip: accepts_gzip(headers.get(header::ACCEPT_ENCODING)),
+    };
+    let content_type = if asked.openmetrics {
         METRICS_CONTENT_TYPE
     } else {
         text_format::TEXT_CONTENT_TYPE
     };
-    match app
-        .renders
-        .exposition(&app.state.metrics, openmetrics)
-        .await
-    {
-        Ok(body) => ([(header::CONTENT_TYPE, content_type)], body).into_response(),
+    match app.renders.exposition(&app.state.metrics, asked).await {
+        Ok(body) if asked.gzip => (
+            [
+                (header::CONTENT_TYPE, content_type),
+                (header::CONTENT_ENCODING, "gzip"),
+                (header::VARY, "accept, accept-encoding"),
+            ],
+            body,
+        )
+            .into_response(),
+        Ok(body) => (
+            [
+                (header::CONTENT_TYPE, content_type),
+                (header::VARY, "accept, accept-encoding"),
+            ],
+            body,
+        )
+            .into_response(),
         Err(e) => {
             error!(error = %e, "rendering /metrics did not finish");
             (
@@ -227,6 +311,76 @@ mod tests {
 
     use super::*;
     use crate::store::VersionRecord;
+
+    /// An uncompressed answer in OpenMetrics (`openmetrics`) or the text format 0.0.4.
+    fn plain(openmetrics: bool) -> Asked {
+        Asked {
+            openmetrics,
+            gzip: false,
+        }
+    }
+
+    #[test]
+    fn gzip_is_taken_when_named_without_q_0() {
+        let takes =
+            |value: &str| accepts_gzip(Some(&axum::http::HeaderValue::from_str(value).unwrap()));
+        assert!(takes("gzip"));
+        assert!(takes("gzip, deflate, br"));
+        assert!(takes("identity;q=1, GZIP;q=0.5"));
+        assert!(takes("x-gzip"));
+        assert!(!takes("gzip;q=0"));
+        assert!(!takes("gzip; q=0.0, deflate"));
+        assert!(!takes("deflate, br"));
+        assert!(!takes("*"));
+        assert!(!takes(""));
+        assert!(!accepts_gzip(None));
+    }
+
+    /// Prometheus' request (OpenMetrics, gzip) gets the exposition gzip-compressed, with its
+    /// headers saying so; the same bytes as the plain answer once decompressed. A request
+    /// that does not take gzip gets it plain.
+    #[tokio::test]
+    async fn metrics_are_gzip_compressed_to_a_scraper_that_takes_gzip() {
+        use std::io::Read as _;
+        let state = state();
+        state.metrics.agents_connected.set(3);
+        for accept in [Some("application/openmetrics-text;version=1.0.0"), None] {
+            let ask = |gzip: bool| {
+                let mut request = Request::get("/metrics");
+                if let Some(accept) = accept {
+                    request = request.header(header::ACCEPT, accept);
+                }
+                if gzip {
+                    request = request.header(header::ACCEPT_ENCODING, "gzip");
+                }
+                request.body(Body::empty()).unwrap()
+            };
+            let mut app = router(state.clone());
+            let compressed = app.call(ask(true)).await.unwrap();
+            assert_eq!(compressed.headers()[header::CONTENT_ENCODING], "gzip");
+            assert_eq!(
+                compressed.headers()[header::VARY],
+                "accept, accept-encoding"
+            );
+            let compressed = axum::body::to_bytes(compressed.into_body(), usize::MAX)
+                .await
+                .unwrap();
+            let mut text = String::new();
+            flate2::read::GzDecoder::new(&compressed[..])
+                .read_to_string(&mut text)
+                .unwrap();
+            let plain = app.call(ask(false)).await.unwrap();
+            assert!(plain.headers().get(header::CONTENT_ENCODING).is_none());
+            let plain = axum::body::to_bytes(plain.into_body(), usize::MAX)
+                .await
+                .unwrap();
+            assert_eq!(text.as_bytes(), &plain[..], "{accept:?}");
+            assert!(
+                text.contains("retryplane_server_agents_connected 3"),
+                "{text}"
+            );
+        }
+    }
 
     fn state() -> HttpState {
         HttpState {
@@ -360,7 +514,7 @@ mod tests {
             .map(|i| {
                 let renders = renders.clone();
                 let metrics = state.metrics.clone();
-                tokio::spawn(async move { renders.exposition(&metrics, i % 2 == 0).await })
+                tokio::spawn(async move { renders.exposition(&metrics, plain(i % 2 == 0)).await })
             })
             .collect();
         until_waiting(&renders, 8).await;
@@ -381,7 +535,10 @@ mod tests {
         }
         // Nothing is kept once no request waits, and a later request renders anew.
         assert!(renders.last.lock().await.is_none());
-        let later = renders.exposition(&state.metrics, true).await.unwrap();
+        let later = renders
+            .exposition(&state.metrics, plain(true))
+            .await
+            .unwrap();
         assert_ne!(later.as_ptr(), openmetrics[0].1.as_ptr());
     }
 
@@ -394,7 +551,7 @@ mod tests {
         let scrape = {
             let renders = renders.clone();
             let metrics = state.metrics.clone();
-            tokio::spawn(async move { renders.exposition(&metrics, true).await })
+            tokio::spawn(async move { renders.exposition(&metrics, plain(true)).await })
         };
         // Bounded: until its render has begun (it took the gate).
         for _ in 0..5_000 {
@@ -416,7 +573,10 @@ mod tests {
         until_waiting(&renders, 0).await;
         // Once it ended, nothing is kept (no one waited) and scrapes go on.
         assert!(renders.last.lock().await.is_none());
-        let body = renders.exposition(&state.metrics, true).await.unwrap();
+        let body = renders
+            .exposition(&state.metrics, plain(true))
+            .await
+            .unwrap();
         assert!(body.ends_with(b"# EOF\n"));
     }
 
@@ -428,11 +588,13 @@ mod tests {
             started: Instant::now(),
             openmetrics: Bytes::from_static(b"stale"),
             text: Some(Bytes::from_static(b"stale")),
+            openmetrics_gzip: None,
+            text_gzip: None,
         });
         state.metrics.publishes.inc();
         for openmetrics in [true, false] {
             let body = renders
-                .exposition(&state.metrics, openmetrics)
+                .exposition(&state.metrics, plain(openmetrics))
                 .await
                 .unwrap();
             let body = String::from_utf8(body.to_vec()).unwrap();
