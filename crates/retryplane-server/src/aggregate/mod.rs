@@ -356,6 +356,11 @@ impl Aggregator {
         self.published.fetch_max(version, Ordering::Relaxed);
     }
 
+    /// The newest version published ([`Aggregator::set_published`]); 0 before any.
+    pub fn published(&self) -> u64 {
+        self.published.load(Ordering::Relaxed)
+    }
+
     /// The alert thresholds, set on every publish.
     pub fn thresholds(&self) -> &Thresholds {
         &self.thresholds

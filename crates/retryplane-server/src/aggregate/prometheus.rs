@@ -24,7 +24,8 @@
 //! fleet gauges `retryplane_agents{applied_version}` (connected agents by the version they run,
 //! 0 = none yet, or content the control plane does not know, as `AgentStatus.applied_version`)
 //! and `retryplane_agents_nacked{version}` (connected agents whose last answer was a NACK of
-//! that version).
+//! that version), and `retryplane_agents_behind` (connected agents that do not run the version
+//! published: not answered yet, refused it, or another version's content; 0 before any is).
 //!
 //! Each scrape reads every series once, under its own lock, into a short-lived list, so all
 //! families of one series come from the same instant; alerts are re-evaluated on the way.
@@ -252,6 +253,25 @@ impl Collector for AggregateCollector {
                 m.encode_family(&labels)?.encode_gauge(agents)?;
             }
         }
+        let published = self.aggregator.published();
+        let behind: u64 = if published == 0 {
+            0
+        } else {
+            fleet
+                .applied
+                .iter()
+                .filter(|(version, _)| **version != published)
+                .map(|(_, agents)| *agents)
+                .sum()
+        };
+        encoder
+            .encode_descriptor(
+                "retryplane_agents_behind",
+                "Connected agents that do not run the version published (not answered yet, refused it, or another version); alert on it staying above 0.",
+                None,
+                MetricType::Gauge,
+            )?
+            .encode_gauge(&behind)?;
         Ok(())
     }
 }

@@ -791,6 +791,13 @@ async fn prometheus_lines_are_exact() {
     fleet.register(&hello("a", 3), None, serving).unwrap();
     let b = fleet.register(&hello("b", 2), None, serving).unwrap();
     fleet.nack("b", b.generation, 3, "h3", "bad");
+    // Nothing published yet: no agent is behind.
+    assert!(
+        metrics_text(&agg, &fleet)
+            .lines()
+            .any(|l| l == "retryplane_agents_behind 0")
+    );
+    agg.set_published(3);
     let text = metrics_text(&agg, &fleet);
     let l = r#"{service="checkout",endpoint="payments"}"#;
     let expected = [
@@ -825,6 +832,7 @@ async fn prometheus_lines_are_exact() {
         r#"retryplane_agents{applied_version="2"} 1"#.to_owned(),
         r#"retryplane_agents{applied_version="3"} 1"#.to_owned(),
         r#"retryplane_agents_nacked{version="3"} 1"#.to_owned(),
+        "retryplane_agents_behind 1".to_owned(),
         "retryplane_server_nacks_total 0".to_owned(),
     ];
     let lines: Vec<&str> = text.lines().collect();
