@@ -71,6 +71,16 @@ async fn gauge(plane: &Plane, name: &str) -> BTreeMap<u64, u64> {
         .collect()
 }
 
+/// The value of the unlabelled gauge `name` on `/metrics`.
+async fn plain_gauge(plane: &Plane, name: &str) -> u64 {
+    let text = metrics_text(plane.running.http_addr).await;
+    let prefix = format!("{name} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .and_then(|v| v.parse::<f64>().ok())
+        .unwrap_or_else(|| panic!("no {name} in\n{text}")) as u64
+}
+
 /// Waits until the server has read every message `agent` sent so far (a stream is read in
 /// order: once a numbered report sent now is acknowledged, all before it were read). Skips
 /// any snapshot pushed meanwhile, and returns them.
@@ -163,6 +173,7 @@ async fn status_and_gauges_match_what_each_agent_did_while_versions_change_fast(
         gauge(&plane, "retryplane_agents_nacked").await,
         BTreeMap::from([(1, 1)])
     );
+    assert_eq!(plain_gauge(&plane, "retryplane_agents_behind").await, 2);
 
     // Three versions in quick succession.
     for n in 2..=4u32 {
@@ -206,6 +217,7 @@ async fn status_and_gauges_match_what_each_agent_did_while_versions_change_fast(
         gauge(&plane, "retryplane_agents").await,
         BTreeMap::from([(0, 2), (1, 2), (4, 2)])
     );
+    assert_eq!(plain_gauge(&plane, "retryplane_agents_behind").await, 4);
     assert_eq!(
         gauge(&plane, "retryplane_agents_nacked").await,
         BTreeMap::from([(4, 1)])
@@ -244,6 +256,7 @@ async fn status_and_gauges_match_what_each_agent_did_while_versions_change_fast(
         gauge(&plane, "retryplane_agents").await,
         BTreeMap::from([(0, 2), (1, 1), (4, 2), (5, 1)])
     );
+    assert_eq!(plain_gauge(&plane, "retryplane_agents_behind").await, 5);
     assert_eq!(
         gauge(&plane, "retryplane_agents_nacked").await,
         BTreeMap::from([(5, 2)])
