@@ -1737,6 +1737,30 @@ async fn only_calls_a_token_admitted_keep_a_connection_open() {
     running.shutdown().await.unwrap();
 }
 
+/// An admin `Get` with the admin token on `send`'s connection: the answer's HTTP status and
+/// `grpc-status`.
+async fn admitted_get(send: h2::client::SendRequest<bytes::Bytes>) -> (http::StatusCode, String) {
+    let mut request = grpc_post("/retryplane.v1.AdminService/Get");
+    request.headers_mut().insert(
+        "authorization",
+        "Bearer admin-secret-0123456789".parse().unwrap(),
+    );
+    let (answer, mut body) = send
+        .ready()
+        .await
+        .unwrap()
+        .send_request(request, false)
+        .unwrap();
+    body.send_data(bytes::Bytes::from_static(&[0; 5]), true)
+        .unwrap();
+    let answer = answer.await.unwrap();
+    let status = answer.status();
+    let mut answer = answer.into_body();
+    while answer.data().await.is_some() {}
+    let trailers = answer.trailers().await.unwrap().unwrap();
+    (status, trailers["grpc-status"].to_str().unwrap().to_owned())
+}
+
 /// With a tokens file, a connection that has carried no call is closed `NO_CALL_IDLE` after
 /// its accept, well before the idle timeout (a peer with no token held each silent connection
 /// it opened for the whole idle timeout), on both gRPC listeners; one with a call, admitted by
@@ -1776,26 +1800,10 @@ async fn a_connection_that_carried_no_call_is_closed_before_the_idle_timeout() {
     assert_eq!(answer.headers()["grpc-status"], "16", "UNAUTHENTICATED");
     // One admitted call.
     let (admitted_send, admitted) = connect(running.admin_addr).await;
-    let mut request = grpc_post("/retryplane.v1.AdminService/Get");
-    request.headers_mut().insert(
-        "authorization",
-        "Bearer admin-secret-0123456789".parse().unwrap(),
+    assert_eq!(
+        admitted_get(admitted_send.clone()).await,
+        (http::StatusCode::OK, "0".to_owned())
     );
-    let (answer, mut body) = admitted_send
-        .clone()
-        .ready()
-        .await
-        .unwrap()
-        .send_request(request, false)
-        .unwrap();
-    body.send_data(bytes::Bytes::from_static(&[0; 5]), true)
-        .unwrap();
-    let answer = answer.await.unwrap();
-    assert_eq!(answer.status(), 200);
-    let mut answer = answer.into_body();
-    while answer.data().await.is_some() {}
-    let trailers = answer.trailers().await.unwrap().unwrap();
-    assert_eq!(trailers["grpc-status"], "0");
     for (what, conn) in [
         ("silent agent", silent_agent),
         ("silent admin", silent_admin),
@@ -1829,27 +1837,6 @@ async fn silent_connections_without_a_token_do_not_keep_a_client_with_one_out() 
     fs::write(dir.path().join("tokens.yaml"), TOKENS).unwrap();
     cfg.tokens_file = Some(dir.path().join("tokens.yaml"));
     let running = start(cfg).await.unwrap();
-    let admitted_get = |send: h2::client::SendRequest<bytes::Bytes>| async move {
-        let mut request = grpc_post("/retryplane.v1.AdminService/Get");
-        request.headers_mut().insert(
-            "authorization",
-            "Bearer admin-secret-0123456789".parse().unwrap(),
-        );
-        let (answer, mut body) = send
-            .ready()
-            .await
-            .unwrap()
-            .send_request(request, false)
-            .unwrap();
-        body.send_data(bytes::Bytes::from_static(&[0; 5]), true)
-            .unwrap();
-        let answer = answer.await.unwrap();
-        let status = answer.status();
-        let mut answer = answer.into_body();
-        while answer.data().await.is_some() {}
-        let trailers = answer.trailers().await.unwrap().unwrap();
-        (status, trailers["grpc-status"].to_str().unwrap().to_owned())
-    };
     // A client with a token first: its connection is kept through the flood.
     let tcp = tokio::net::TcpStream::connect(running.admin_addr)
         .await
