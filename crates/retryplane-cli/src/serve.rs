@@ -87,9 +87,9 @@ pub struct Args {
     max_agents: usize,
     /// Most connections the agent listener holds at once (the next waits in the kernel's
     /// queue until one closes); by default twice --max-agents (room for an agent's second
-    /// connection while it reconnects) plus --max-pending-handshakes. Lowered,
-    /// with a warning, to what the open-file limit leaves beside the admin and HTTP listeners
-    /// (256 connections each).
+    /// connection while it reconnects) plus --max-pending-handshakes. Lowered to what the
+    /// open-file limit leaves beside the admin and HTTP listeners (256 connections each), with
+    /// a warning when that is below this flag's value or --max-agents.
     #[arg(long, value_name = "N", value_parser = at_least_one())]
     max_agent_connections: Option<usize>,
     /// Most agent streams waiting for their Hello at once; one more is refused with

@@ -361,13 +361,22 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
     // default) would hold the fleet to a few hundred agents while the hard limit allows more.
     let open_files = crate::places::raise_open_file_limit();
     let (agent_connections, lowered) = crate::places::agent_connections(wanted, open_files);
-    if lowered {
+    // A warning when it cannot hold what was asked, or the fleet `max_agents` allows; the
+    // default's room for reconnects cut short is only said.
+    if lowered && (cfg.max_agent_connections.is_some() || agent_connections < cfg.max_agents) {
         warn!(
             wanted,
             held = agent_connections,
             open_file_limit = open_files,
             "the agent listener holds fewer connections than asked: the process's open-file \
              limit leaves no more beside the other listeners; raise it (`ulimit -n`) for more agents"
+        );
+    } else if lowered {
+        info!(
+            wanted,
+            held = agent_connections,
+            open_file_limit = open_files,
+            "the agent listener's room for reconnecting agents is cut to what the open-file limit leaves"
         );
     }
     let mut servers = JoinSet::new();

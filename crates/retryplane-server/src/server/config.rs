@@ -42,8 +42,9 @@ pub struct ServeConfig {
     /// one closes (the rest wait in the kernel's queue, holding no file descriptor of the
     /// process). `None`: twice `max_agents` (an agent holds one connection, and a second while
     /// it reconnects and its stale one is not yet closed) plus
-    /// `stream_limits.max_pending_handshakes`. Either way lowered, with a warning, to what the process's
-    /// open-file limit leaves beside the admin and HTTP listeners' own caps (256 each), so
+    /// `stream_limits.max_pending_handshakes`. Either way lowered to what the process's open-file limit
+    /// leaves beside the admin and HTTP listeners' own caps (256 each; with a warning when
+    /// that is below the value given, or below `max_agents`), so
     /// that a flood of connections to the agent listener cannot take the descriptors that
     /// health probes, admin calls and the store need. Must be more than zero.
     pub max_agent_connections: Option<usize>,
