@@ -44,6 +44,13 @@ pub(crate) const LONGEST: Duration = Duration::from_secs(365 * 24 * 3600);
 /// seconds (a full listener closes such connections first, see [`crate::places`]).
 pub(crate) const NO_CALL_IDLE: Duration = Duration::from_secs(10);
 
+/// [`Streams::state`]: neither admitted nor evicted.
+const OPEN: u8 = 0;
+/// [`Streams::state`]: a token admitted one of the connection's calls.
+const ADMITTED: u8 = 1;
+/// [`Streams::state`]: closed to make room.
+const EVICTED: u8 = 2;
+
 /// The open streams of one connection, and since when none has been open.
 #[derive(Debug)]
 pub(crate) struct Streams {
@@ -60,11 +67,11 @@ pub(crate) struct Streams {
     guarded: bool,
     /// The connection has carried a call.
     called: std::sync::atomic::AtomicBool,
-    /// A token has admitted one of the connection's calls.
-    admitted: std::sync::atomic::AtomicBool,
-    /// Closed to make room for a new connection on a full listener
-    /// ([`crate::places::Evictable`]).
-    evicted: std::sync::atomic::AtomicBool,
+    /// [`OPEN`], [`ADMITTED`] (a token has admitted one of the connection's calls) or
+    /// [`EVICTED`] (closed to make room for a new connection on a full listener,
+    /// [`crate::places::Evictable`]): one state, changed by compare-and-swap, so that an
+    /// admitted connection is never evicted and an evicted one never taken for admitted.
+    state: std::sync::atomic::AtomicU8,
     /// The connection's read that waits, woken by [`Streams::evict`].
     reader: Mutex<Option<std::task::Waker>>,
 }
@@ -92,8 +99,7 @@ impl Streams {
             live: None,
             guarded: false,
             called: std::sync::atomic::AtomicBool::new(false),
-            admitted: std::sync::atomic::AtomicBool::new(false),
-            evicted: std::sync::atomic::AtomicBool::new(false),
+            state: std::sync::atomic::AtomicU8::new(OPEN),
             reader: Mutex::new(None),
         }
     }
@@ -106,22 +112,38 @@ impl Streams {
     /// Whether a token has admitted one of the connection's calls (never on a listener
     /// without a tokens file).
     pub(crate) fn is_admitted(&self) -> bool {
-        self.admitted.load(Ordering::SeqCst)
+        self.state.load(Ordering::SeqCst) == ADMITTED
     }
 
     /// Whether the connection was closed to make room ([`Streams::evict`]).
     pub(crate) fn is_evicted(&self) -> bool {
-        self.evicted.load(Ordering::SeqCst)
+        self.state.load(Ordering::SeqCst) == EVICTED
     }
 
-    /// Closes the connection: its reader ([`crate::preface::Preface`]) reads end of stream from
-    /// now on, and is woken if it waits.
-    pub(crate) fn evict(&self) {
-        self.evicted.store(true, Ordering::SeqCst);
+    /// A token admitted one of the connection's calls: it is not evicted from now on (unless
+    /// it was already).
+    fn admit(&self) {
+        let _ = self
+            .state
+            .compare_exchange(OPEN, ADMITTED, Ordering::SeqCst, Ordering::SeqCst);
+    }
+
+    /// Closes the connection unless a token has admitted a call on it: its reader
+    /// ([`crate::preface::Preface`]) reads end of stream from now on, and its writes fail, and
+    /// it is woken if it waits. Whether it was evicted now.
+    pub(crate) fn evict(&self) -> bool {
+        if self
+            .state
+            .compare_exchange(OPEN, EVICTED, Ordering::SeqCst, Ordering::SeqCst)
+            .is_err()
+        {
+            return false;
+        }
         let waiting = self.reader.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(reader) = waiting {
             reader.wake();
         }
+        true
     }
 
     /// Wakes `reader` when the connection is evicted; whether it was already (then the caller
@@ -256,7 +278,7 @@ impl Admitted {
     pub(crate) fn admit(&self) {
         self.0.store(true, Ordering::SeqCst);
         if let Some(streams) = &self.1 {
-            streams.admitted.store(true, Ordering::SeqCst);
+            streams.admit();
         }
     }
 

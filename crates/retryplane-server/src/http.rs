@@ -110,8 +110,9 @@ fn accepts_gzip(header: Option<&axum::http::HeaderValue>) -> bool {
         let mut parts = coding.split(';');
         let name = parts.next().unwrap_or_default().trim();
         let refused = parts.any(|p| {
-            p.trim()
-                .strip_prefix("q=")
+            let p = p.trim();
+            p.strip_prefix("q=")
+                .or_else(|| p.strip_prefix("Q="))
                 .and_then(|q| q.trim().parse::<f64>().ok())
                 .is_some_and(|q| q <= 0.0)
         });
@@ -329,6 +330,7 @@ mod tests {
         assert!(takes("identity;q=1, GZIP;q=0.5"));
         assert!(takes("x-gzip"));
         assert!(!takes("gzip;q=0"));
+        assert!(!takes("gzip;Q=0"));
         assert!(!takes("gzip; q=0.0, deflate"));
         assert!(!takes("deflate, br"));
         assert!(!takes("*"));

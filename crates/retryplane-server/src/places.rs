@@ -12,8 +12,9 @@
 //! room for each agent's connection and a second while it reconnects, and never more than the
 //! open-file limit leaves beside the other listeners and [`RESERVED_FILES`].
 //!
-//! With a tokens file, a full listener makes room by closing the oldest of its connections on
-//! which no token has admitted a call yet ([`Evictable`]): otherwise a peer with no token kept
+//! With a tokens file, a full listener accepts the next connection all the same (one descriptor
+//! past the cap) and makes room for it by closing the oldest of its connections on which no
+//! token has admitted a call yet ([`Evictable`]; nothing is closed while no connection waits): otherwise a peer with no token kept
 //! the admin listener full with 26 silent connections a second (each kept 10 s), and every
 //! admin client waited in the kernel's queue for good. A client with a token calls at once, so
 //! it is evicted only by a flood that fills every place within its first round trip.
@@ -136,11 +137,10 @@ impl Evictable {
     pub(crate) fn evict_oldest(&self) -> bool {
         let mut queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());
         while let Some(oldest) = queue.pop_front() {
+            // Not one a token has admitted a call on, even meanwhile (`evict` decides).
             if let Some(streams) = oldest.upgrade()
-                && !streams.is_admitted()
-                && !streams.is_evicted()
+                && streams.evict()
             {
-                streams.evict();
                 tracing::debug!("a full listener closed a connection no token was admitted on");
                 return true;
             }
@@ -150,9 +150,12 @@ impl Evictable {
 }
 
 /// A listener's accepted connections, each with the place it holds: one is accepted only once a
-/// place is free, and a full listener with `evictable` connections closes the oldest (see the
-/// module docs).
-pub(crate) struct Capped<S> {
+/// place is free (the rest wait in the kernel's queue). With `evictable` connections (a tokens
+/// file), a full listener accepts the next connection that comes all the same, holds it (one
+/// descriptor past the cap), closes the oldest listed connection no token has admitted a call
+/// on, and hands the held one out with the place that frees (see the module docs): nothing is
+/// closed while no connection waits.
+pub(crate) struct Capped<S, T> {
     accepted: S,
     places: Arc<Semaphore>,
     evictable: Option<Arc<Evictable>>,
@@ -160,11 +163,14 @@ pub(crate) struct Capped<S> {
     place: Option<OwnedSemaphorePermit>,
     /// Waits for a place while all are held.
     waiting: Option<Pin<Box<dyn Future<Output = OwnedSemaphorePermit> + Send>>>,
+    /// A connection accepted while every place was held, waiting for the place its eviction
+    /// of another frees.
+    held: Option<T>,
 }
 
-impl<S> Capped<S> {
+impl<S, T> Capped<S, T> {
     /// `accepted`'s connections, `max` at once; a full listener closes the oldest of
-    /// `evictable` (with a tokens file).
+    /// `evictable` (with a tokens file) for a connection that waits.
     pub(crate) fn new(accepted: S, max: usize, evictable: Option<Arc<Evictable>>) -> Self {
         Self {
             accepted,
@@ -172,56 +178,84 @@ impl<S> Capped<S> {
             evictable,
             place: None,
             waiting: None,
+            held: None,
         }
+    }
+
+    /// A place, once one is free (the waker registered until then).
+    fn poll_place(&mut self, cx: &mut Context<'_>) -> Poll<OwnedSemaphorePermit> {
+        let places = self.places.clone();
+        let waiting = self.waiting.get_or_insert_with(|| {
+            Box::pin(async move {
+                loop {
+                    // The semaphore is never closed: `Err` cannot come.
+                    if let Ok(place) = places.clone().acquire_owned().await {
+                        return place;
+                    }
+                }
+            })
+        });
+        let place = ready!(waiting.as_mut().poll(cx));
+        self.waiting = None;
+        Poll::Ready(place)
     }
 }
 
-impl<S, T> Stream for Capped<S>
+impl<S, T> Stream for Capped<S, T>
 where
     S: Stream<Item = io::Result<T>> + Unpin,
+    T: Unpin,
 {
     type Item = io::Result<(T, OwnedSemaphorePermit)>;
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         let this = self.get_mut();
-        let place = match this.place.take() {
-            Some(place) => place,
-            None => {
-                let places = this.places.clone();
-                if this.waiting.is_none()
-                    && places.available_permits() == 0
-                    && let Some(evictable) = &this.evictable
-                {
-                    // Full: room for the next connection, once the one closed lets go.
+        // Bounded: each turn takes a place, or a connection, or returns.
+        loop {
+            if let Some(place) = this.place.take() {
+                return match Pin::new(&mut this.accepted).poll_next(cx) {
+                    Poll::Ready(Some(Ok(connection))) => Poll::Ready(Some(Ok((connection, place)))),
+                    Poll::Ready(Some(Err(e))) => {
+                        // The place waits for the next connection.
+                        this.place = Some(place);
+                        Poll::Ready(Some(Err(e)))
+                    }
+                    Poll::Ready(None) => Poll::Ready(None),
+                    Poll::Pending => {
+                        this.place = Some(place);
+                        Poll::Pending
+                    }
+                };
+            }
+            if this.held.is_some() {
+                let place = ready!(this.poll_place(cx));
+                return match this.held.take() {
+                    Some(connection) => Poll::Ready(Some(Ok((connection, place)))),
+                    None => {
+                        this.place = Some(place);
+                        continue;
+                    }
+                };
+            }
+            if let Poll::Ready(place) = this.poll_place(cx) {
+                this.place = Some(place);
+                continue;
+            }
+            // Full.
+            let Some(evictable) = &this.evictable else {
+                return Poll::Pending;
+            };
+            return match Pin::new(&mut this.accepted).poll_next(cx) {
+                Poll::Ready(Some(Ok(connection))) => {
+                    // Room for it, once the one closed lets go of its place.
                     evictable.evict_oldest();
+                    this.held = Some(connection);
+                    continue;
                 }
-                let waiting = this.waiting.get_or_insert_with(|| {
-                    Box::pin(async move {
-                        loop {
-                            // The semaphore is never closed: `Err` cannot come.
-                            if let Ok(place) = places.clone().acquire_owned().await {
-                                return place;
-                            }
-                        }
-                    })
-                });
-                let place = ready!(waiting.as_mut().poll(cx));
-                this.waiting = None;
-                place
-            }
-        };
-        match Pin::new(&mut this.accepted).poll_next(cx) {
-            Poll::Ready(Some(Ok(connection))) => Poll::Ready(Some(Ok((connection, place)))),
-            Poll::Ready(Some(Err(e))) => {
-                // The place waits for the next connection.
-                this.place = Some(place);
-                Poll::Ready(Some(Err(e)))
-            }
-            Poll::Ready(None) => Poll::Ready(None),
-            Poll::Pending => {
-                this.place = Some(place);
-                Poll::Pending
-            }
+                Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(e))),
+                Poll::Ready(None) => Poll::Ready(None),
+                Poll::Pending => Poll::Pending,
+            };
         }
     }
 }
@@ -268,6 +302,71 @@ mod tests {
         assert!(newest.is_evicted());
         assert!(!evictable.evict_oldest(), "none left to evict");
         assert!(!admitted.is_evicted());
+    }
+
+    /// `capped.next()` polled once: what it gives at once, or `None` while it waits.
+    async fn at_once<S: Stream + Unpin>(capped: &mut S) -> Option<Option<S::Item>> {
+        let mut next = Box::pin(capped.next());
+        match std::future::poll_fn(|cx| Poll::Ready(next.as_mut().poll(cx))).await {
+            Poll::Ready(item) => Some(item),
+            Poll::Pending => None,
+        }
+    }
+
+    /// With a tokens file, a full listener closes nothing while no connection waits; one that
+    /// comes is accepted and held, the oldest connection no token admitted is evicted, and
+    /// the held one is handed out with the place that frees.
+    #[tokio::test]
+    async fn a_full_listener_evicts_only_for_a_connection_that_waits() {
+        let now = tokio::time::Instant::now();
+        let (send, receive) = tokio::sync::mpsc::unbounded_channel::<io::Result<u32>>();
+        let evictable = Arc::new(Evictable::new(2));
+        let mut capped = Capped::new(
+            tokio_stream::wrappers::UnboundedReceiverStream::new(receive),
+            2,
+            Some(evictable.clone()),
+        );
+        let mut held = Vec::new();
+        for n in 0..2 {
+            send.send(Ok(n)).unwrap();
+            let (connection, place) = capped.next().await.unwrap().unwrap();
+            assert_eq!(connection, n);
+            let streams = Arc::new(Streams::new(now).guarded(true));
+            evictable.push(&streams);
+            held.push((streams, place));
+        }
+        // Full, and nobody waits: nothing is closed, however often it is polled.
+        for _ in 0..3 {
+            assert!(at_once(&mut capped).await.is_none());
+        }
+        assert!(held.iter().all(|(s, _)| !s.is_evicted()));
+        // The first was admitted; a third connection comes: the second is evicted for it.
+        crate::conn_idle::Admitted::on_streams(held[0].0.clone()).admit();
+        send.send(Ok(2)).unwrap();
+        assert!(at_once(&mut capped).await.is_none(), "waits for the place");
+        assert!(!held[0].0.is_evicted() && held[1].0.is_evicted());
+        // The evicted connection ends: the third has its place.
+        drop(held.remove(1));
+        let (third, _place) = capped.next().await.unwrap().unwrap();
+        assert_eq!(third, 2);
+    }
+
+    /// Without a tokens file (nothing evictable), a full listener leaves the next connection
+    /// in the queue: it is not accepted until a place frees.
+    #[tokio::test]
+    async fn without_tokens_a_full_listener_accepts_nothing_more() {
+        let (send, receive) = tokio::sync::mpsc::unbounded_channel::<io::Result<u32>>();
+        let mut capped = Capped::new(
+            tokio_stream::wrappers::UnboundedReceiverStream::new(receive),
+            1,
+            None,
+        );
+        send.send(Ok(0)).unwrap();
+        let (_, place) = capped.next().await.unwrap().unwrap();
+        send.send(Ok(1)).unwrap();
+        assert!(at_once(&mut capped).await.is_none());
+        drop(place);
+        assert_eq!(capped.next().await.unwrap().unwrap().0, 1);
     }
 
     #[tokio::test]

@@ -391,11 +391,12 @@ impl<S: AsyncRead + Unpin> AsyncRead for Preface<S> {
     }
 }
 
-/// What a write to a connection the server has closed gets.
+/// What a write to a connection the server has closed gets (at the end of its shutdown, or
+/// to make room on a full listener).
 fn closed_by_server() -> io::Error {
     io::Error::new(
         io::ErrorKind::BrokenPipe,
-        "the control plane closed the connection at the end of its shutdown",
+        "the control plane closed the connection",
     )
 }
 
@@ -406,11 +407,12 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Preface<S> {
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
-        if this.forced() {
+        if this.forced() || this.streams.is_evicted() {
             return Poll::Ready(Err(closed_by_server()));
         }
         let polled = Pin::new(&mut this.inner).poll_write(cx, buf);
-        if polled.is_pending() && this.forced_while_waiting(cx) {
+        if polled.is_pending() && (this.forced_while_waiting(cx) || this.evicted_while_waiting(cx))
+        {
             return Poll::Ready(Err(closed_by_server()));
         }
         if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
@@ -421,11 +423,12 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Preface<S> {
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
-        if this.forced() {
+        if this.forced() || this.streams.is_evicted() {
             return Poll::Ready(Err(closed_by_server()));
         }
         let polled = Pin::new(&mut this.inner).poll_flush(cx);
-        if polled.is_pending() && this.forced_while_waiting(cx) {
+        if polled.is_pending() && (this.forced_while_waiting(cx) || this.evicted_while_waiting(cx))
+        {
             return Poll::Ready(Err(closed_by_server()));
         }
         polled
@@ -441,11 +444,12 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Preface<S> {
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
-        if this.forced() {
+        if this.forced() || this.streams.is_evicted() {
             return Poll::Ready(Err(closed_by_server()));
         }
         let polled = Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
-        if polled.is_pending() && this.forced_while_waiting(cx) {
+        if polled.is_pending() && (this.forced_while_waiting(cx) || this.evicted_while_waiting(cx))
+        {
             return Poll::Ready(Err(closed_by_server()));
         }
         if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {

@@ -1881,6 +1881,38 @@ async fn silent_connections_without_a_token_do_not_keep_a_client_with_one_out() 
     running.shutdown().await.unwrap();
 }
 
+/// With a tokens file, a listener that one connection fills closes nothing while no other
+/// waits: the only connection (a token admits no call on it yet) is served, on both its calls.
+#[tokio::test]
+async fn a_lone_connection_on_a_full_listener_is_served() {
+    let (dir, mut cfg) = with_file(V1);
+    fs::write(dir.path().join("tokens.yaml"), TOKENS).unwrap();
+    cfg.tokens_file = Some(dir.path().join("tokens.yaml"));
+    cfg.max_agent_connections = Some(1);
+    let running = start(cfg).await.unwrap();
+    let tcp = tokio::net::TcpStream::connect(running.agent_addr())
+        .await
+        .unwrap();
+    let (send, conn) = h2::client::handshake(tcp).await.unwrap();
+    let conn = tokio::spawn(conn);
+    for _ in 0..2 {
+        let (answer, _) = send
+            .clone()
+            .ready()
+            .await
+            .unwrap()
+            .send_request(grpc_post("/grpc.health.v1.Health/Check"), true)
+            .unwrap();
+        let answer = tokio::time::timeout(SHUTDOWN_GRACE, answer)
+            .await
+            .expect("no answer")
+            .expect("the connection was closed");
+        assert_eq!(answer.status(), 200);
+    }
+    assert!(!conn.is_finished());
+    running.shutdown().await.unwrap();
+}
+
 /// The agent listener holds `max_agent_connections` at once: the next connection is not
 /// served (its HTTP/2 handshake gets no answer) until one of them closes, and is then.
 #[tokio::test]
