@@ -242,11 +242,15 @@ where
                 continue;
             }
             // Full.
-            let Some(evictable) = &this.evictable else {
+            let Some(evictable) = this.evictable.clone() else {
                 return Poll::Pending;
             };
             return match Pin::new(&mut this.accepted).poll_next(cx) {
                 Poll::Ready(Some(Ok(connection))) => {
+                    // A place freed meanwhile (a connection ended on another thread) is its.
+                    if let Poll::Ready(place) = this.poll_place(cx) {
+                        return Poll::Ready(Some(Ok((connection, place))));
+                    }
                     // Room for it, once the one closed lets go of its place.
                     evictable.evict_oldest();
                     this.held = Some(connection);
@@ -408,5 +412,92 @@ mod tests {
         assert!(listed <= 64, "{listed} listed");
         assert!(evictable.evict_oldest());
         assert!(front.is_evicted());
+    }
+
+    /// Accepted connections that, as one is taken, let `ending` go first: a connection that
+    /// ended on another thread while the listener's task was between its two polls.
+    struct EndsAsItAccepts {
+        inner: tokio_stream::wrappers::UnboundedReceiverStream<io::Result<u32>>,
+        ending: Arc<Mutex<Option<OwnedSemaphorePermit>>>,
+    }
+
+    impl Stream for EndsAsItAccepts {
+        type Item = io::Result<u32>;
+        fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+            drop(self.ending.lock().unwrap().take());
+            Pin::new(&mut self.inner).poll_next(cx)
+        }
+    }
+
+    /// A place that frees between the wait for a place and the accept is the new connection's:
+    /// no connection is evicted for it.
+    #[tokio::test]
+    async fn a_place_freed_while_accepting_evicts_nothing() {
+        let now = tokio::time::Instant::now();
+        let (send, receive) = tokio::sync::mpsc::unbounded_channel::<io::Result<u32>>();
+        let ending = Arc::new(Mutex::new(None));
+        let evictable = Arc::new(Evictable::new(2));
+        let mut capped = Capped::new(
+            EndsAsItAccepts {
+                inner: tokio_stream::wrappers::UnboundedReceiverStream::new(receive),
+                ending: ending.clone(),
+            },
+            2,
+            Some(evictable.clone()),
+        );
+        let mut held = Vec::new();
+        for n in 0..2 {
+            send.send(Ok(n)).unwrap();
+            let (_, place) = capped.next().await.unwrap().unwrap();
+            let streams = Arc::new(Streams::new(now).guarded(true));
+            evictable.push(&streams);
+            held.push((streams, place));
+        }
+        // The first connection ends just as the third is accepted.
+        let (first, first_place) = held.remove(0);
+        drop(first);
+        *ending.lock().unwrap() = Some(first_place);
+        send.send(Ok(2)).unwrap();
+        let third = tokio::time::timeout(std::time::Duration::from_secs(1), capped.next())
+            .await
+            .expect("the third connection was not handed out");
+        assert_eq!(third.unwrap().unwrap().0, 2);
+        assert!(
+            !held[0].0.is_evicted(),
+            "the second was evicted though a place was free"
+        );
+    }
+
+    /// The held connection is handed out when the evicted one lets go of its place while the
+    /// listener's task waits (woken, not merely found at the next poll).
+    #[tokio::test]
+    async fn the_held_connection_is_woken_out() {
+        let now = tokio::time::Instant::now();
+        let (send, receive) = tokio::sync::mpsc::unbounded_channel::<io::Result<u32>>();
+        let evictable = Arc::new(Evictable::new(1));
+        let mut capped = Capped::new(
+            tokio_stream::wrappers::UnboundedReceiverStream::new(receive),
+            1,
+            Some(evictable.clone()),
+        );
+        send.send(Ok(0)).unwrap();
+        let (_, place) = capped.next().await.unwrap().unwrap();
+        let streams = Arc::new(Streams::new(now).guarded(true));
+        evictable.push(&streams);
+        let task = tokio::spawn(async move { capped.next().await.map(|c| c.map(|c| c.0)) });
+        send.send(Ok(1)).unwrap();
+        let evicted = async {
+            while !streams.is_evicted() {
+                tokio::task::yield_now().await;
+            }
+        };
+        tokio::time::timeout(std::time::Duration::from_secs(1), evicted)
+            .await
+            .expect("the first connection was not evicted");
+        drop(place);
+        let got = tokio::time::timeout(std::time::Duration::from_secs(1), task)
+            .await
+            .expect("lost wakeup");
+        assert_eq!(got.unwrap().unwrap().unwrap(), 1);
     }
 }
