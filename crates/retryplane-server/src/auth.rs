@@ -1099,8 +1099,12 @@ impl Interceptor for Guard {
             request.extensions_mut().insert(TokenName(name));
             request.extensions_mut().insert(credential);
             // Its connection is in use (see `crate::conn_idle`).
-            if let Some(admitted) = request.extensions().get::<crate::conn_idle::Admitted>() {
-                admitted.admit();
+            if let Some(admitted) = request.extensions().get::<crate::conn_idle::Admitted>()
+                && !admitted.admit()
+            {
+                return Err(Status::unavailable(
+                    "the connection was closed to make room for another; call again",
+                ));
             }
         }
         Ok(request)

@@ -710,3 +710,29 @@ fn a_read_that_ends_after_a_later_one_is_not_put_in_force() {
     );
     assert_eq!(guard("next-secret-0123456789"), Ok(()));
 }
+
+/// A call whose connection a full listener closed to make room before its token was checked
+/// is refused with UNAVAILABLE, not run (its answer could not be written: an Apply would be
+/// stored with no one told); on a connection still open it is admitted, and keeps it.
+#[test]
+fn a_call_on_a_connection_closed_for_room_is_not_run() {
+    let now = tokio::time::Instant::now();
+    let set = tokens();
+    for evicted in [true, false] {
+        let streams = Arc::new(crate::conn_idle::Streams::new(now).guarded(true));
+        if evicted {
+            assert!(streams.evict());
+        }
+        let mut request = request(Some("Bearer admin-secret-0123456789"));
+        request
+            .extensions_mut()
+            .insert(crate::conn_idle::Admitted::on_streams(streams.clone()));
+        let answer = Guard::new(Some(set.clone()), Role::Admin).call(request);
+        if evicted {
+            assert_eq!(answer.unwrap_err().code(), Code::Unavailable);
+        } else {
+            assert!(answer.is_ok());
+            assert!(streams.is_admitted() && !streams.evict());
+        }
+    }
+}

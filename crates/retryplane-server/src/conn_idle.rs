@@ -120,12 +120,16 @@ impl Streams {
         self.state.load(Ordering::SeqCst) == EVICTED
     }
 
-    /// A token admitted one of the connection's calls: it is not evicted from now on (unless
-    /// it was already).
-    fn admit(&self) {
-        let _ = self
+    /// A token admitted one of the connection's calls: it is not evicted from now on. `false`
+    /// when it was already (its answer could not be written).
+    fn admit(&self) -> bool {
+        match self
             .state
-            .compare_exchange(OPEN, ADMITTED, Ordering::SeqCst, Ordering::SeqCst);
+            .compare_exchange(OPEN, ADMITTED, Ordering::SeqCst, Ordering::SeqCst)
+        {
+            Ok(_) => true,
+            Err(state) => state == ADMITTED,
+        }
     }
 
     /// Closes the connection unless a token has admitted a call on it: its reader
@@ -275,11 +279,12 @@ impl Admitted {
     }
 
     /// A token guard admitted the call.
-    pub(crate) fn admit(&self) {
+    /// `false` when the call's connection was closed to make room before the token admitted
+    /// it: the call is not to run (its answer could not be written; an Apply would be stored
+    /// with no one told).
+    pub(crate) fn admit(&self) -> bool {
         self.0.store(true, Ordering::SeqCst);
-        if let Some(streams) = &self.1 {
-            streams.admit();
-        }
+        self.1.as_ref().is_none_or(|streams| streams.admit())
     }
 
     fn admitted(&self) -> bool {
