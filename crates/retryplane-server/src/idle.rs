@@ -14,13 +14,8 @@
 //! connection also reads as closed once bytes it sent have had no answer for [`UNANSWERED`]
 //! (a request's head that is never finished; the listener serves small GETs, answered in well
 //! under a second), and the listener holds at most [`MAX_CONNECTIONS`] at once: past them it
-//! accepts the next connection all the same (one descriptor past the cap) and makes room for it
-//! by closing the oldest connection that waits for its next request and has moved no byte for
-//! [`EVICTABLE_AFTER`] (a kept-alive scraper's between scrapes, or one that sent nothing yet);
-//! with none such, it waits for one to close or become so (the rest wait in the kernel's queue,
-//! holding no descriptor of the process). Without that, a client that sent one request on each
-//! of 256 connections and kept them open held every place for the idle time, and health probes
-//! waited. And a write its client leaves unread for [`WRITE_STALL`] fails,
+//! accepts the next once one closes (the rest wait in the kernel's queue, holding no
+//! descriptor of the process). And a write its client leaves unread for [`WRITE_STALL`] fails,
 //! closing the connection: the answer it held (a `/metrics` page) is let go.
 
 use std::io;
@@ -30,7 +25,6 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
@@ -57,123 +51,12 @@ pub(crate) const WRITE_STALL: Duration = Duration::from_secs(10);
 /// The most connections the HTTP listener holds at once (scrapers and health probes: a few).
 pub(crate) const MAX_CONNECTIONS: usize = 256;
 
-/// How long a connection that waits for its next request must have moved no byte before a full
-/// listener may close it to make room: an answer being written moves bytes (a write its client
-/// does not read fails after [`WRITE_STALL`] anyway).
-pub(crate) const EVICTABLE_AFTER: Duration = Duration::from_secs(1);
-
-/// What a connection of the HTTP listener shows the listener: whether it may be closed to make
-/// room, and the signal that closes it.
-#[derive(Debug)]
-struct Shown {
-    /// When a byte last moved either way (the accept before any), in milliseconds since
-    /// `epoch`.
-    last_io_ms: std::sync::atomic::AtomicU64,
-    /// Bytes read wait for an answer.
-    awaiting: std::sync::atomic::AtomicBool,
-    /// Closed to make room: reads end, writes fail.
-    evicted: std::sync::atomic::AtomicBool,
-    /// The read that waits, woken by an eviction.
-    reader: std::sync::Mutex<Option<std::task::Waker>>,
-    epoch: Instant,
-}
-
-impl Shown {
-    fn new(epoch: Instant) -> Self {
-        let shown = Self {
-            last_io_ms: std::sync::atomic::AtomicU64::new(0),
-            awaiting: std::sync::atomic::AtomicBool::new(false),
-            evicted: std::sync::atomic::AtomicBool::new(false),
-            reader: std::sync::Mutex::new(None),
-            epoch,
-        };
-        shown.moved();
-        shown
-    }
-
-    fn moved(&self) {
-        let ms = u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX);
-        self.last_io_ms.store(ms, Ordering::Relaxed);
-    }
-
-    /// Whether it waits for its next request and has moved nothing for [`EVICTABLE_AFTER`].
-    fn evictable(&self, now: Instant) -> bool {
-        let now_ms = u64::try_from(now.saturating_duration_since(self.epoch).as_millis())
-            .unwrap_or(u64::MAX);
-        let quiet_ms = now_ms.saturating_sub(self.last_io_ms.load(Ordering::Relaxed));
-        !self.awaiting.load(Ordering::SeqCst)
-            && !self.evicted.load(Ordering::SeqCst)
-            && u128::from(quiet_ms) >= EVICTABLE_AFTER.as_millis()
-    }
-
-    fn evict(&self) {
-        self.evicted.store(true, Ordering::SeqCst);
-        let waiting = self.reader.lock().unwrap_or_else(|e| e.into_inner()).take();
-        if let Some(reader) = waiting {
-            reader.wake();
-        }
-    }
-
-    fn is_evicted(&self) -> bool {
-        self.evicted.load(Ordering::SeqCst)
-    }
-
-    /// Wakes `reader` when evicted; whether it was already.
-    fn wake_on_eviction(&self, reader: &std::task::Waker) -> bool {
-        let mut slot = self.reader.lock().unwrap_or_else(|e| e.into_inner());
-        if !slot.as_ref().is_some_and(|w| w.will_wake(reader)) {
-            *slot = Some(reader.clone());
-        }
-        drop(slot);
-        self.is_evicted()
-    }
-}
-
-/// The listener's open connections, oldest first, for the eviction that makes room.
-#[derive(Debug, Default)]
-struct Open {
-    shown: std::sync::Mutex<std::collections::VecDeque<std::sync::Weak<Shown>>>,
-}
-
-impl Open {
-    fn push(&self, shown: &Arc<Shown>) {
-        let mut list = self.shown.lock().unwrap_or_else(|e| e.into_inner());
-        // At most `MAX_CONNECTIONS` live ones: past twice that, the ended ones are let go.
-        if list.len() >= MAX_CONNECTIONS * 2 {
-            list.retain(|w| w.strong_count() > 0);
-        }
-        list.push_back(Arc::downgrade(shown));
-    }
-
-    /// Closes the oldest connection that may be ([`Shown::evictable`]); whether there was one.
-    fn evict_oldest(&self, now: Instant) -> bool {
-        let mut list = self.shown.lock().unwrap_or_else(|e| e.into_inner());
-        list.retain(|w| w.strong_count() > 0);
-        let oldest = list
-            .iter()
-            .position(|w| w.upgrade().is_some_and(|s| s.evictable(now)));
-        match oldest
-            .and_then(|i| list.remove(i))
-            .and_then(|w| w.upgrade())
-        {
-            Some(shown) => {
-                shown.evict();
-                true
-            }
-            None => false,
-        }
-    }
-}
-
 /// The HTTP listener: axum's accept (which waits a second after an error such as too many
 /// open files) once fewer than [`MAX_CONNECTIONS`] are open, each connection wrapped in
 /// [`Idle`].
 pub(crate) struct IdleClosing {
     listener: TcpListener,
     open: Arc<Semaphore>,
-    /// The open connections, for the eviction that makes room.
-    shown: Arc<Open>,
-    epoch: Instant,
 }
 
 impl IdleClosing {
@@ -185,26 +68,6 @@ impl IdleClosing {
         Self {
             listener,
             open: Arc::new(Semaphore::new(max)),
-            shown: Arc::default(),
-            epoch: Instant::now(),
-        }
-    }
-
-    /// A place for a connection accepted while every one was held: the oldest connection that
-    /// may be closed is, and its place taken once it lets go; with none such, the first place
-    /// that frees, trying again every [`EVICTABLE_AFTER`].
-    async fn room(&self) -> Option<OwnedSemaphorePermit> {
-        // Bounded by the connections that close: each turn evicts one or waits a second.
-        loop {
-            if let Ok(place) = self.open.clone().try_acquire_owned() {
-                return Some(place);
-            }
-            self.shown.evict_oldest(Instant::now());
-            tokio::select! {
-                // The semaphore is never closed; should it be, the connection goes uncounted.
-                place = self.open.clone().acquire_owned() => return place.ok(),
-                () = tokio::time::sleep(EVICTABLE_AFTER) => {}
-            }
         }
     }
 }
@@ -214,23 +77,11 @@ impl axum::serve::Listener for IdleClosing {
     type Addr = SocketAddr;
 
     async fn accept(&mut self) -> (Self::Io, Self::Addr) {
-        let (io, addr, permit) = match self.open.clone().try_acquire_owned() {
-            Ok(place) => {
-                let (io, addr) = axum::serve::Listener::accept(&mut self.listener).await;
-                (io, addr, Some(place))
-            }
-            // Full: the next connection is taken, and room made for it.
-            Err(_) => {
-                let (io, addr) = axum::serve::Listener::accept(&mut self.listener).await;
-                let place = self.room().await;
-                (io, addr, place)
-            }
-        };
+        // The semaphore is never closed; should it be, the connection goes uncounted.
+        let permit = self.open.clone().acquire_owned().await.ok();
+        let (io, addr) = axum::serve::Listener::accept(&mut self.listener).await;
         let mut io = Idle::new(io);
         io.permit = permit;
-        let shown = Arc::new(Shown::new(self.epoch));
-        self.shown.push(&shown);
-        io.shown = Some(shown);
         (io, addr)
     }
 
@@ -258,8 +109,6 @@ pub(crate) struct Idle<S> {
     closed: bool,
     /// The listener's count of open connections, given back when this one is dropped.
     permit: Option<OwnedSemaphorePermit>,
-    /// What the listener sees of it, to close it for room (see the module docs).
-    shown: Option<Arc<Shown>>,
 }
 
 impl<S> Idle<S> {
@@ -272,15 +121,11 @@ impl<S> Idle<S> {
             stalled: None,
             closed: false,
             permit: None,
-            shown: None,
         }
     }
 
     fn active(&mut self) {
         self.quiet.as_mut().reset(Instant::now() + IDLE);
-        if let Some(shown) = &self.shown {
-            shown.moved();
-        }
     }
 
     /// Bytes were read: activity, and an answer now awaited if none was.
@@ -289,17 +134,6 @@ impl<S> Idle<S> {
         if self.unanswered.is_none() || std::mem::take(&mut self.silent) {
             self.unanswered = Some(Box::pin(tokio::time::sleep(UNANSWERED)));
         }
-        if let Some(shown) = &self.shown {
-            shown.awaiting.store(true, Ordering::SeqCst);
-        }
-    }
-
-    /// Whether the listener closed it to make room (a read that waits is woken by it).
-    fn evicted(&self, cx: Option<&mut Context<'_>>) -> bool {
-        self.shown.as_ref().is_some_and(|shown| match cx {
-            Some(cx) => shown.wake_on_eviction(cx.waker()),
-            None => shown.is_evicted(),
-        })
     }
 
     /// `polled`, a write's result, after counting bytes written as activity and as the answer
@@ -325,9 +159,6 @@ impl<S> Idle<S> {
                 self.active();
                 self.unanswered = None;
                 self.stalled = None;
-                if let Some(shown) = &self.shown {
-                    shown.awaiting.store(false, Ordering::SeqCst);
-                }
             }
             Poll::Ready(_) => {}
         }
@@ -351,7 +182,7 @@ impl<S: AsyncRead + Unpin> AsyncRead for Idle<S> {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
-        if this.closed || this.evicted(None) {
+        if this.closed {
             return Poll::Ready(Ok(()));
         }
         let before = buf.filled().len();
@@ -359,10 +190,9 @@ impl<S: AsyncRead + Unpin> AsyncRead for Idle<S> {
         match polled {
             Poll::Ready(Ok(())) if buf.filled().len() > before => this.bytes_read(),
             Poll::Ready(_) => {}
-            // Nothing to read: polled with the read, so the timers (and an eviction) wake a
-            // read that waits.
+            // Nothing to read: polled with the read, so the timers wake a read that waits.
             Poll::Pending => {
-                if this.timed_out(cx) || this.evicted(Some(cx)) {
+                if this.timed_out(cx) {
                     this.closed = true;
                     return Poll::Ready(Ok(()));
                 }
@@ -372,14 +202,6 @@ impl<S: AsyncRead + Unpin> AsyncRead for Idle<S> {
     }
 }
 
-/// What a write to a connection closed to make room gets.
-fn evicted() -> io::Error {
-    io::Error::new(
-        io::ErrorKind::BrokenPipe,
-        "the connection was closed to make room for another",
-    )
-}
-
 impl<S: AsyncWrite + Unpin> AsyncWrite for Idle<S> {
     fn poll_write(
         self: Pin<&mut Self>,
@@ -387,9 +209,6 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Idle<S> {
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
-        if this.evicted(None) {
-            return Poll::Ready(Err(evicted()));
-        }
         let polled = Pin::new(&mut this.inner).poll_write(cx, buf);
         this.wrote(cx, polled)
     }
@@ -408,9 +227,6 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Idle<S> {
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
-        if this.evicted(None) {
-            return Poll::Ready(Err(evicted()));
-        }
         let polled = Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
         this.wrote(cx, polled)
     }
@@ -536,7 +352,7 @@ mod tests {
         reader.await.unwrap();
     }
 
-    /// Past its limit the listener hands out the next connection only once one is closed.
+    /// Past its limit the listener accepts the next connection once one is closed.
     #[tokio::test]
     async fn the_listener_holds_at_most_its_limit_of_connections() {
         use axum::serve::Listener as _;
@@ -549,86 +365,14 @@ mod tests {
         }
         let first = listener.accept().await.0;
         let _second = listener.accept().await.0;
-        let third = listener.accept();
-        tokio::pin!(third);
         let wait = Duration::from_millis(200);
         assert!(
-            tokio::time::timeout(wait, &mut third).await.is_err(),
-            "a third connection was handed out"
+            tokio::time::timeout(wait, listener.accept()).await.is_err(),
+            "a third connection was accepted"
         );
         drop(first);
-        tokio::time::timeout(Duration::from_secs(10), third)
+        tokio::time::timeout(Duration::from_secs(10), listener.accept())
             .await
-            .expect("handed out once one closed");
-    }
-
-    /// A full listener takes the next connection and makes room for it by closing the oldest
-    /// connection that waits for its next request and has been quiet for `EVICTABLE_AFTER`
-    /// (the answered one here), not one whose request awaits its answer; the one closed reads
-    /// end of stream and its writes fail.
-    #[tokio::test]
-    async fn a_full_listener_closes_the_oldest_idle_connection_for_the_next() {
-        use axum::serve::Listener as _;
-        let socket = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = socket.local_addr().unwrap();
-        let mut listener = IdleClosing::with_limit(socket, 2);
-        let mut answered_client = TcpStream::connect(addr).await.unwrap();
-        let mut answered = listener.accept().await.0;
-        let mut waiting_client = TcpStream::connect(addr).await.unwrap();
-        let mut waiting = listener.accept().await.0;
-        let mut buf = [0u8; 16];
-        answered_client.write_all(b"GET /healthz").await.unwrap();
-        assert_eq!(answered.read(&mut buf).await.unwrap(), 12);
-        answered.write_all(b"200").await.unwrap();
-        answered_client.read_exact(&mut buf[..3]).await.unwrap();
-        waiting_client.write_all(b"GET /metrics").await.unwrap();
-        assert_eq!(waiting.read(&mut buf).await.unwrap(), 12);
-        // Full: a third comes, and is taken once the answered one is closed for it.
-        let began = Instant::now();
-        let _third_client = TcpStream::connect(addr).await.unwrap();
-        let third = listener.accept();
-        tokio::pin!(third);
-        // Read to its end, and dropped then, as the server's connection task does.
-        let ended = async move {
-            let mut buf = [0u8; 16];
-            answered.read(&mut buf).await.unwrap()
-        };
-        let (end, _third) = tokio::time::timeout(Duration::from_secs(10), async {
-            tokio::join!(ended, &mut third)
-        })
-        .await
-        .expect("no room was made");
-        assert_eq!(end, 0, "the answered connection reads end of stream");
-        assert!(
-            began.elapsed() < EVICTABLE_AFTER * 3,
-            "{:?}",
-            began.elapsed()
-        );
-        // The one whose request awaits its answer is kept, and answers.
-        waiting.write_all(b"200").await.unwrap();
-        waiting_client.read_exact(&mut buf[..3]).await.unwrap();
-        assert_eq!(&buf[..3], b"200");
-    }
-
-    /// What makes a connection one a full listener may close: waiting for its next request,
-    /// and quiet for `EVICTABLE_AFTER`.
-    #[tokio::test(start_paused = true)]
-    async fn a_connection_may_be_closed_for_room_only_between_requests_and_quiet() {
-        let shown = Shown::new(Instant::now());
-        assert!(!shown.evictable(Instant::now()), "just accepted");
-        tokio::time::advance(EVICTABLE_AFTER).await;
-        assert!(shown.evictable(Instant::now()), "silent since its accept");
-        shown.awaiting.store(true, Ordering::SeqCst);
-        assert!(
-            !shown.evictable(Instant::now()),
-            "a request awaits its answer"
-        );
-        shown.awaiting.store(false, Ordering::SeqCst);
-        shown.moved();
-        assert!(!shown.evictable(Instant::now()), "bytes just moved");
-        tokio::time::advance(EVICTABLE_AFTER).await;
-        assert!(shown.evictable(Instant::now()));
-        shown.evict();
-        assert!(!shown.evictable(Instant::now()), "already closed");
+            .expect("accepted once one closed");
     }
 }
