@@ -283,8 +283,11 @@ impl Admitted {
     /// it: the call is not to run (its answer could not be written; an Apply would be stored
     /// with no one told).
     pub(crate) fn admit(&self) -> bool {
-        self.0.store(true, Ordering::SeqCst);
-        self.1.as_ref().is_none_or(|streams| streams.admit())
+        let admitted = self.1.as_ref().is_none_or(|streams| streams.admit());
+        if admitted {
+            self.0.store(true, Ordering::SeqCst);
+        }
+        admitted
     }
 
     fn admitted(&self) -> bool {
