@@ -56,6 +56,8 @@ pub fn router(state: HttpState) -> Router {
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
+        // Each request counted on its connection until its answer is out (`crate::idle`).
+        .layer(axum::middleware::from_fn(crate::idle::count_in_flight))
         .with_state(App {
             state,
             renders: Arc::new(Renders::default()),

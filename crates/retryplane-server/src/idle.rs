@@ -14,8 +14,17 @@
 //! connection also reads as closed once bytes it sent have had no answer for [`UNANSWERED`]
 //! (a request's head that is never finished; the listener serves small GETs, answered in well
 //! under a second), and the listener holds at most [`MAX_CONNECTIONS`] at once: past them it
-//! accepts the next once one closes (the rest wait in the kernel's queue, holding no
-//! descriptor of the process). And a write its client leaves unread for [`WRITE_STALL`] fails,
+//! accepts the next connection all the same (one descriptor past the cap) and makes room for it
+//! by closing the oldest connection with no request in flight (counted from the router's
+//! taking it to its answer's body let go, [`count_in_flight`]), no write waiting for room, and
+//! no byte moved for [`EVICTABLE_AFTER`] (a kept-alive scraper's between scrapes, or one that
+//! sent nothing yet); with none such, the connection taken waits in the process for one to
+//! close or become so, trying each second (the ones after it wait in the kernel's queue,
+//! holding no descriptor of the process). Bytes alone are not the signal: an answer whose body
+//! hyper has taken is still being written, and a pipelined request may be served with no byte
+//! moving. Without that, a client that sent one request on each
+//! of 256 connections and kept them open held every place for the idle time, and health probes
+//! waited. And a write its client leaves unread for [`WRITE_STALL`] fails,
 //! closing the connection: the answer it held (a `/metrics` page) is let go.
 
 use std::io;
@@ -25,6 +34,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
@@ -51,12 +61,237 @@ pub(crate) const WRITE_STALL: Duration = Duration::from_secs(10);
 /// The most connections the HTTP listener holds at once (scrapers and health probes: a few).
 pub(crate) const MAX_CONNECTIONS: usize = 256;
 
+/// How long a connection that waits for its next request must have moved no byte before a full
+/// listener may close it to make room: an answer being written moves bytes (a write its client
+/// does not read fails after [`WRITE_STALL`] anyway).
+pub(crate) const EVICTABLE_AFTER: Duration = Duration::from_secs(1);
+
+/// What a connection of the HTTP listener shows the listener: whether it may be closed to make
+/// room, and the signal that closes it.
+#[derive(Debug)]
+pub(crate) struct Shown {
+    /// When a byte last moved either way (the accept before any), in milliseconds since
+    /// `epoch`.
+    last_io_ms: std::sync::atomic::AtomicU64,
+    /// Requests in flight, a write that waits for room, and whether it was closed for room:
+    /// one lock, so that a request that begins and an eviction cannot both go ahead.
+    state: std::sync::Mutex<ShownState>,
+    /// The connection's task while a read or write waits, woken by an eviction.
+    task: std::sync::Mutex<Option<std::task::Waker>>,
+    epoch: Instant,
+}
+
+#[derive(Debug, Default)]
+struct ShownState {
+    /// Requests handed to the router whose answers are not yet fully written (their bodies
+    /// not yet dropped): counted by [`count_in_flight`].
+    in_flight: usize,
+    /// A write found no room and has not gone through since.
+    writing: bool,
+    /// Closed to make room: reads end, writes fail.
+    evicted: bool,
+}
+
+impl Shown {
+    fn new(epoch: Instant) -> Self {
+        let shown = Self {
+            last_io_ms: std::sync::atomic::AtomicU64::new(0),
+            state: std::sync::Mutex::default(),
+            task: std::sync::Mutex::new(None),
+            epoch,
+        };
+        shown.moved();
+        shown
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, ShownState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn moved(&self) {
+        let ms = u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.last_io_ms.store(ms, Ordering::SeqCst);
+    }
+
+    fn set_writing(&self, writing: bool) {
+        self.lock().writing = writing;
+    }
+
+    /// Closes the connection if it may be closed now: no request in flight, no write waiting,
+    /// not closed yet, and no byte moved for [`EVICTABLE_AFTER`] (a request's head still
+    /// coming moves bytes; one that trickles slower than that is fair game). Whether it was.
+    fn evict_if_idle(&self, now: Instant) -> bool {
+        let now_ms = u64::try_from(now.saturating_duration_since(self.epoch).as_millis())
+            .unwrap_or(u64::MAX);
+        let mut state = self.lock();
+        let quiet_ms = now_ms.saturating_sub(self.last_io_ms.load(Ordering::SeqCst));
+        if state.in_flight > 0
+            || state.writing
+            || state.evicted
+            || u128::from(quiet_ms) < EVICTABLE_AFTER.as_millis()
+        {
+            return false;
+        }
+        state.evicted = true;
+        drop(state);
+        let waiting = self.task.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(task) = waiting {
+            task.wake();
+        }
+        true
+    }
+
+    fn is_evicted(&self) -> bool {
+        self.lock().evicted
+    }
+
+    /// Wakes `task` when evicted; whether it was already.
+    fn wake_on_eviction(&self, task: &std::task::Waker) -> bool {
+        let mut slot = self.task.lock().unwrap_or_else(|e| e.into_inner());
+        if !slot.as_ref().is_some_and(|w| w.will_wake(task)) {
+            *slot = Some(task.clone());
+        }
+        drop(slot);
+        self.is_evicted()
+    }
+
+    /// A request begins: counted in flight until the guard is dropped; `None` if the
+    /// connection was closed for room already (the request is then not served).
+    fn begin(self: &Arc<Self>) -> Option<InFlight> {
+        let mut state = self.lock();
+        if state.evicted {
+            return None;
+        }
+        state.in_flight += 1;
+        Some(InFlight(self.clone()))
+    }
+}
+
+/// One request of a connection in flight ([`Shown::begin`]).
+struct InFlight(Arc<Shown>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let mut state = self.0.lock();
+        state.in_flight = state.in_flight.saturating_sub(1);
+        drop(state);
+        // Its answer's end is movement too: quiet counts from it.
+        self.0.moved();
+    }
+}
+
+/// The connect info of the HTTP listener's connections: what each shows the listener, for
+/// [`count_in_flight`].
+#[derive(Clone, Debug)]
+pub(crate) struct HttpConn(Option<Arc<Shown>>);
+
+impl axum::extract::connect_info::Connected<axum::serve::IncomingStream<'_, IdleClosing>>
+    for HttpConn
+{
+    fn connect_info(stream: axum::serve::IncomingStream<'_, IdleClosing>) -> Self {
+        Self(stream.io().shown.clone())
+    }
+}
+
+/// Counts each request in flight on its connection until its answer's body is dropped (fully
+/// written, or given up), so that a full listener never closes a connection whose answer is
+/// still going out, or whose pipelined request is still being served. A request on a
+/// connection closed for room meanwhile gets `503` and the connection's close. Requests with
+/// no connect info (tests that drive the router without a socket) pass as they are.
+pub(crate) async fn count_in_flight(
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    use axum::response::IntoResponse as _;
+    let shown = request
+        .extensions()
+        .get::<axum::extract::ConnectInfo<HttpConn>>()
+        .and_then(|info| info.0.0.clone());
+    let Some(shown) = shown else {
+        return next.run(request).await;
+    };
+    let Some(in_flight) = shown.begin() else {
+        return (
+            axum::http::StatusCode::SERVICE_UNAVAILABLE,
+            [(axum::http::header::CONNECTION, "close")],
+            "the connection was closed to make room for another; ask again",
+        )
+            .into_response();
+    };
+    next.run(request).await.map(|body| {
+        axum::body::Body::new(Counted {
+            body,
+            _in_flight: in_flight,
+        })
+    })
+}
+
+/// An answer's body that holds its request's count in flight until dropped.
+struct Counted {
+    body: axum::body::Body,
+    _in_flight: InFlight,
+}
+
+impl http_body::Body for Counted {
+    type Data = bytes::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
+    }
+}
+
+/// The listener's open connections, oldest first, for the eviction that makes room.
+#[derive(Debug, Default)]
+struct Open {
+    shown: std::sync::Mutex<std::collections::VecDeque<std::sync::Weak<Shown>>>,
+}
+
+impl Open {
+    fn push(&self, shown: &Arc<Shown>) {
+        let mut list = self.shown.lock().unwrap_or_else(|e| e.into_inner());
+        // At most `MAX_CONNECTIONS` live ones: past twice that, the ended ones are let go.
+        if list.len() >= MAX_CONNECTIONS * 2 {
+            list.retain(|w| w.strong_count() > 0);
+        }
+        list.push_back(Arc::downgrade(shown));
+    }
+
+    /// Closes the oldest connection that may be ([`Shown::evict_if_idle`]); whether there was
+    /// one.
+    fn evict_oldest(&self, now: Instant) -> bool {
+        let mut list = self.shown.lock().unwrap_or_else(|e| e.into_inner());
+        list.retain(|w| w.strong_count() > 0);
+        let evicted = list
+            .iter()
+            .position(|w| w.upgrade().is_some_and(|s| s.evict_if_idle(now)));
+        if let Some(i) = evicted {
+            list.remove(i);
+        }
+        evicted.is_some()
+    }
+}
+
 /// The HTTP listener: axum's accept (which waits a second after an error such as too many
-/// open files) once fewer than [`MAX_CONNECTIONS`] are open, each connection wrapped in
-/// [`Idle`].
+/// open files), each connection wrapped in [`Idle`]; at most [`MAX_CONNECTIONS`] at once (see
+/// the module docs for what a full listener does with the next).
 pub(crate) struct IdleClosing {
     listener: TcpListener,
     open: Arc<Semaphore>,
+    /// The open connections, for the eviction that makes room.
+    shown: Arc<Open>,
+    epoch: Instant,
 }
 
 impl IdleClosing {
@@ -68,6 +303,26 @@ impl IdleClosing {
         Self {
             listener,
             open: Arc::new(Semaphore::new(max)),
+            shown: Arc::default(),
+            epoch: Instant::now(),
+        }
+    }
+
+    /// A place for a connection accepted while every one was held: the oldest connection that
+    /// may be closed is, and its place taken once it lets go; with none such, the first place
+    /// that frees, trying again every [`EVICTABLE_AFTER`].
+    async fn room(&self) -> Option<OwnedSemaphorePermit> {
+        // Bounded by the connections that close: each turn evicts one or waits a second.
+        loop {
+            if let Ok(place) = self.open.clone().try_acquire_owned() {
+                return Some(place);
+            }
+            self.shown.evict_oldest(Instant::now());
+            tokio::select! {
+                // The semaphore is never closed; should it be, the connection goes uncounted.
+                place = self.open.clone().acquire_owned() => return place.ok(),
+                () = tokio::time::sleep(EVICTABLE_AFTER) => {}
+            }
         }
     }
 }
@@ -77,11 +332,23 @@ impl axum::serve::Listener for IdleClosing {
     type Addr = SocketAddr;
 
     async fn accept(&mut self) -> (Self::Io, Self::Addr) {
-        // The semaphore is never closed; should it be, the connection goes uncounted.
-        let permit = self.open.clone().acquire_owned().await.ok();
-        let (io, addr) = axum::serve::Listener::accept(&mut self.listener).await;
+        let (io, addr, permit) = match self.open.clone().try_acquire_owned() {
+            Ok(place) => {
+                let (io, addr) = axum::serve::Listener::accept(&mut self.listener).await;
+                (io, addr, Some(place))
+            }
+            // Full: the next connection is taken, and room made for it.
+            Err(_) => {
+                let (io, addr) = axum::serve::Listener::accept(&mut self.listener).await;
+                let place = self.room().await;
+                (io, addr, place)
+            }
+        };
         let mut io = Idle::new(io);
         io.permit = permit;
+        let shown = Arc::new(Shown::new(self.epoch));
+        self.shown.push(&shown);
+        io.shown = Some(shown);
         (io, addr)
     }
 
@@ -109,6 +376,8 @@ pub(crate) struct Idle<S> {
     closed: bool,
     /// The listener's count of open connections, given back when this one is dropped.
     permit: Option<OwnedSemaphorePermit>,
+    /// What the listener sees of it, to close it for room (see the module docs).
+    shown: Option<Arc<Shown>>,
 }
 
 impl<S> Idle<S> {
@@ -121,11 +390,15 @@ impl<S> Idle<S> {
             stalled: None,
             closed: false,
             permit: None,
+            shown: None,
         }
     }
 
     fn active(&mut self) {
         self.quiet.as_mut().reset(Instant::now() + IDLE);
+        if let Some(shown) = &self.shown {
+            shown.moved();
+        }
     }
 
     /// Bytes were read: activity, and an answer now awaited if none was.
@@ -134,6 +407,14 @@ impl<S> Idle<S> {
         if self.unanswered.is_none() || std::mem::take(&mut self.silent) {
             self.unanswered = Some(Box::pin(tokio::time::sleep(UNANSWERED)));
         }
+    }
+
+    /// Whether the listener closed it to make room (a read that waits is woken by it).
+    fn evicted(&self, cx: Option<&mut Context<'_>>) -> bool {
+        self.shown.as_ref().is_some_and(|shown| match cx {
+            Some(cx) => shown.wake_on_eviction(cx.waker()),
+            None => shown.is_evicted(),
+        })
     }
 
     /// `polled`, a write's result, after counting bytes written as activity and as the answer
@@ -145,6 +426,11 @@ impl<S> Idle<S> {
     ) -> Poll<io::Result<usize>> {
         match polled {
             Poll::Pending => {
+                if self.stalled.is_none()
+                    && let Some(shown) = &self.shown
+                {
+                    shown.set_writing(true);
+                }
                 let stalled = self
                     .stalled
                     .get_or_insert_with(|| Box::pin(tokio::time::sleep(WRITE_STALL)));
@@ -154,11 +440,19 @@ impl<S> Idle<S> {
                         "the client read nothing of the answer for 10 s",
                     )));
                 }
+                // A write that waits is woken by an eviction too.
+                if self.evicted(Some(cx)) {
+                    return Poll::Ready(Err(evicted()));
+                }
             }
             Poll::Ready(Ok(n)) if n > 0 => {
                 self.active();
                 self.unanswered = None;
-                self.stalled = None;
+                if self.stalled.take().is_some()
+                    && let Some(shown) = &self.shown
+                {
+                    shown.set_writing(false);
+                }
             }
             Poll::Ready(_) => {}
         }
@@ -182,7 +476,7 @@ impl<S: AsyncRead + Unpin> AsyncRead for Idle<S> {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
-        if this.closed {
+        if this.closed || this.evicted(None) {
             return Poll::Ready(Ok(()));
         }
         let before = buf.filled().len();
@@ -190,9 +484,10 @@ impl<S: AsyncRead + Unpin> AsyncRead for Idle<S> {
         match polled {
             Poll::Ready(Ok(())) if buf.filled().len() > before => this.bytes_read(),
             Poll::Ready(_) => {}
-            // Nothing to read: polled with the read, so the timers wake a read that waits.
+            // Nothing to read: polled with the read, so the timers (and an eviction) wake a
+            // read that waits.
             Poll::Pending => {
-                if this.timed_out(cx) {
+                if this.timed_out(cx) || this.evicted(Some(cx)) {
                     this.closed = true;
                     return Poll::Ready(Ok(()));
                 }
@@ -202,6 +497,14 @@ impl<S: AsyncRead + Unpin> AsyncRead for Idle<S> {
     }
 }
 
+/// What a write to a connection closed to make room gets.
+fn evicted() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::BrokenPipe,
+        "the connection was closed to make room for another",
+    )
+}
+
 impl<S: AsyncWrite + Unpin> AsyncWrite for Idle<S> {
     fn poll_write(
         self: Pin<&mut Self>,
@@ -209,6 +512,9 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Idle<S> {
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
+        if this.evicted(None) {
+            return Poll::Ready(Err(evicted()));
+        }
         let polled = Pin::new(&mut this.inner).poll_write(cx, buf);
         this.wrote(cx, polled)
     }
@@ -227,6 +533,9 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Idle<S> {
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
+        if this.evicted(None) {
+            return Poll::Ready(Err(evicted()));
+        }
         let polled = Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
         this.wrote(cx, polled)
     }
@@ -352,7 +661,7 @@ mod tests {
         reader.await.unwrap();
     }
 
-    /// Past its limit the listener accepts the next connection once one is closed.
+    /// Past its limit the listener hands out the next connection only once one is closed.
     #[tokio::test]
     async fn the_listener_holds_at_most_its_limit_of_connections() {
         use axum::serve::Listener as _;
@@ -365,14 +674,200 @@ mod tests {
         }
         let first = listener.accept().await.0;
         let _second = listener.accept().await.0;
+        let third = listener.accept();
+        tokio::pin!(third);
         let wait = Duration::from_millis(200);
         assert!(
-            tokio::time::timeout(wait, listener.accept()).await.is_err(),
-            "a third connection was accepted"
+            tokio::time::timeout(wait, &mut third).await.is_err(),
+            "a third connection was handed out"
         );
         drop(first);
-        tokio::time::timeout(Duration::from_secs(10), listener.accept())
+        tokio::time::timeout(Duration::from_secs(10), third)
             .await
-            .expect("accepted once one closed");
+            .expect("handed out once one closed");
+    }
+
+    /// The production wiring of the HTTP listener around `app`: `limit` connections, each
+    /// request counted on its connection until its answer is out.
+    fn serve(socket: TcpListener, limit: usize, app: axum::Router) {
+        let app = app.layer(axum::middleware::from_fn(count_in_flight));
+        tokio::spawn(async move {
+            axum::serve(
+                IdleClosing::with_limit(socket, limit),
+                app.into_make_service_with_connect_info::<HttpConn>(),
+            )
+            .await
+        });
+    }
+
+    /// `GET path` on `client`, keeping the connection, and the answer's body once it is all in.
+    async fn get(client: &mut TcpStream, path: &str) -> String {
+        client
+            .write_all(format!("GET {path} HTTP/1.1\r\nhost: x\r\n\r\n").as_bytes())
+            .await
+            .unwrap();
+        read_answers(client, 1).await
+    }
+
+    /// Reads `count` answers (each with a `content-length`) from `client`; their bodies.
+    async fn read_answers(client: &mut TcpStream, count: usize) -> String {
+        let mut all = Vec::new();
+        let mut bodies = String::new();
+        let mut buf = [0u8; 4096];
+        let mut done = 0;
+        while done < count {
+            let n = client.read(&mut buf).await.unwrap();
+            assert!(n > 0, "closed after {bodies:?}");
+            all.extend_from_slice(&buf[..n]);
+            // Every answer complete so far: head, then `content-length` bytes.
+            while let Some(head_end) = all.windows(4).position(|w| w == b"\r\n\r\n") {
+                let head = String::from_utf8_lossy(&all[..head_end]).to_lowercase();
+                let length: usize = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length: "))
+                    .and_then(|v| v.trim().parse().ok())
+                    .unwrap_or(0);
+                if all.len() < head_end + 4 + length {
+                    break;
+                }
+                bodies.push_str(&String::from_utf8_lossy(
+                    &all[head_end + 4..head_end + 4 + length],
+                ));
+                all.drain(..head_end + 4 + length);
+                done += 1;
+            }
+        }
+        bodies
+    }
+
+    /// A full listener takes the next connection and makes room for it by closing the oldest
+    /// connection that waits for its next request and has moved nothing for `EVICTABLE_AFTER`
+    /// (a kept-alive client's between requests): the next is served, the one closed reads its
+    /// end.
+    #[tokio::test]
+    async fn a_full_listener_closes_an_idle_kept_alive_connection_for_the_next() {
+        let socket = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = socket.local_addr().unwrap();
+        let app = axum::Router::new().route("/healthz", axum::routing::get(|| async { "ok" }));
+        serve(socket, 1, app);
+        let mut kept = TcpStream::connect(addr).await.unwrap();
+        assert_eq!(get(&mut kept, "/healthz").await, "ok");
+        let began = Instant::now();
+        let mut probe = TcpStream::connect(addr).await.unwrap();
+        let answered = tokio::time::timeout(Duration::from_secs(10), get(&mut probe, "/healthz"))
+            .await
+            .expect("the probe was not served");
+        assert_eq!(answered, "ok");
+        assert!(
+            began.elapsed() < EVICTABLE_AFTER * 3,
+            "{:?}",
+            began.elapsed()
+        );
+        let mut buf = [0u8; 16];
+        assert_eq!(
+            kept.read(&mut buf).await.unwrap(),
+            0,
+            "the kept connection was closed"
+        );
+    }
+
+    /// A large answer whose client pauses past `EVICTABLE_AFTER` (its socket full, the write
+    /// waiting) is not cut when a probe comes to a full listener: its request is in flight.
+    #[tokio::test]
+    async fn an_answer_being_written_is_not_closed_for_room() {
+        const BODY: usize = 16 << 20;
+        let socket = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = socket.local_addr().unwrap();
+        let app = axum::Router::new()
+            .route("/big", axum::routing::get(|| async { vec![b'x'; BODY] }))
+            .route("/healthz", axum::routing::get(|| async { "ok" }));
+        serve(socket, 1, app);
+        let client = tokio::net::TcpSocket::new_v4().unwrap();
+        client.set_recv_buffer_size(4096).unwrap();
+        let mut client = client.connect(addr).await.unwrap();
+        client
+            .write_all(b"GET /big HTTP/1.1\r\nhost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut buf = vec![0u8; 64 * 1024];
+        let mut got = client.read(&mut buf).await.unwrap();
+        // The client pauses past the time that makes a quiet connection one to close.
+        tokio::time::sleep(EVICTABLE_AFTER + Duration::from_millis(500)).await;
+        let mut probe = TcpStream::connect(addr).await.unwrap();
+        probe
+            .write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
+            .await
+            .unwrap();
+        // Past the eviction's next try.
+        tokio::time::sleep(EVICTABLE_AFTER + Duration::from_millis(300)).await;
+        while got < BODY {
+            match tokio::time::timeout(Duration::from_secs(20), client.read(&mut buf)).await {
+                Ok(Ok(0)) | Ok(Err(_)) => break,
+                Ok(Ok(n)) => got += n,
+                Err(_) => panic!("stuck at {got}"),
+            }
+        }
+        assert!(
+            got >= BODY,
+            "the answer was cut after {got} of {BODY} bytes"
+        );
+    }
+
+    /// A pipelined request whose answer takes longer than `EVICTABLE_AFTER` to make is not
+    /// cut when a probe comes to a full listener: it is in flight though no byte moves.
+    #[tokio::test]
+    async fn a_pipelined_request_being_answered_is_not_closed_for_room() {
+        let socket = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = socket.local_addr().unwrap();
+        let app = axum::Router::new()
+            .route("/healthz", axum::routing::get(|| async { "ok" }))
+            .route(
+                "/slow",
+                axum::routing::get(|| async {
+                    tokio::time::sleep(EVICTABLE_AFTER * 3).await;
+                    "slow"
+                }),
+            );
+        serve(socket, 1, app);
+        let mut client = TcpStream::connect(addr).await.unwrap();
+        client
+            .write_all(
+                b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\nGET /slow HTTP/1.1\r\nhost: x\r\n\r\n",
+            )
+            .await
+            .unwrap();
+        tokio::time::sleep(EVICTABLE_AFTER + Duration::from_millis(300)).await;
+        let _probe = TcpStream::connect(addr).await.unwrap();
+        let answers = tokio::time::timeout(Duration::from_secs(10), read_answers(&mut client, 2))
+            .await
+            .expect("no answers");
+        assert_eq!(answers, "okslow");
+    }
+
+    /// What makes a connection one a full listener may close: no request in flight, no write
+    /// waiting, and quiet for `EVICTABLE_AFTER`; a request that begins on one closed is not
+    /// served.
+    #[tokio::test(start_paused = true)]
+    async fn a_connection_is_closed_for_room_only_with_nothing_in_flight_and_quiet() {
+        let shown = Arc::new(Shown::new(Instant::now()));
+        assert!(!shown.evict_if_idle(Instant::now()), "just accepted");
+        let in_flight = shown.begin().unwrap();
+        tokio::time::advance(EVICTABLE_AFTER).await;
+        assert!(!shown.evict_if_idle(Instant::now()), "a request in flight");
+        drop(in_flight);
+        assert!(
+            !shown.evict_if_idle(Instant::now()),
+            "its answer just ended"
+        );
+        shown.set_writing(true);
+        tokio::time::advance(EVICTABLE_AFTER).await;
+        assert!(!shown.evict_if_idle(Instant::now()), "a write waits");
+        shown.set_writing(false);
+        assert!(shown.evict_if_idle(Instant::now()));
+        assert!(shown.is_evicted() && !shown.evict_if_idle(Instant::now()));
+        assert!(
+            shown.begin().is_none(),
+            "no request begins on a closed connection"
+        );
     }
 }

@@ -432,10 +432,13 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
     });
     let stop = stopped(shutdown_rx);
     servers.spawn(async move {
-        axum::serve(crate::idle::IdleClosing::new(http_socket), app)
-            .with_graceful_shutdown(stop)
-            .await
-            .map_err(ServeError::Http)
+        axum::serve(
+            crate::idle::IdleClosing::new(http_socket),
+            app.into_make_service_with_connect_info::<crate::idle::HttpConn>(),
+        )
+        .with_graceful_shutdown(stop)
+        .await
+        .map_err(ServeError::Http)
     });
     info!(
         %agent_addr,
