@@ -717,6 +717,19 @@ mod tests {
         // The stuck read ends: let go of at the next SIGHUP, which the idle thread reads.
         stuck.send(()).unwrap();
         reads.until(2, 2);
+        // Each thread marks itself idle just after its read returns (bounded: microseconds).
+        let idle = |busy: &Busy| busy.lock().unwrap().is_none();
+        let mut turns = 0;
+        while !(reloads.stuck.iter().all(idle)
+            && reloads.current.as_ref().is_some_and(|(_, b)| idle(b)))
+        {
+            turns += 1;
+            assert!(
+                turns < 10_000_000,
+                "the reload threads were not marked idle"
+            );
+            std::thread::yield_now();
+        }
         let third = reads.gate();
         reloads.hangup(|| reads.reload());
         reads.until(3, 2);
