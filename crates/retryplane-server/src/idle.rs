@@ -792,17 +792,12 @@ mod tests {
         serve(socket, 1, app);
         let mut kept = TcpStream::connect(addr).await.unwrap();
         assert_eq!(get(&mut kept, "/healthz").await, "ok");
-        let began = Instant::now();
         let mut probe = TcpStream::connect(addr).await.unwrap();
+        // Well before the kept connection's idle close (90 s).
         let answered = tokio::time::timeout(Duration::from_secs(10), get(&mut probe, "/healthz"))
             .await
             .expect("the probe was not served");
         assert_eq!(answered, "ok");
-        assert!(
-            began.elapsed() < EVICTABLE_AFTER * 3,
-            "{:?}",
-            began.elapsed()
-        );
         let mut buf = [0u8; 16];
         assert_eq!(
             kept.read(&mut buf).await.unwrap(),
