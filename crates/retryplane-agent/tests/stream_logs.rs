@@ -176,17 +176,36 @@ async fn a_refusal_that_trying_again_will_not_fix_is_said_once_at_warn() {
     running.shutdown().await.unwrap();
 }
 
-/// A web server at the agent's URL (here the control plane's HTTP listener) answers the stream
-/// with a 404, which tonic hands back as an opened stream whose first read fails: the agent
-/// takes it for the refusal it is, never for a stream that was up (no "connected" line, and
-/// the reason says the answer is not gRPC).
+/// A web server that speaks HTTP/2 with prior knowledge and answers every request with a 404,
+/// as one without the agent service does.
+async fn h2_not_found() -> std::net::SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((socket, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let Ok(mut connection) = h2::server::handshake(socket).await else {
+                    return;
+                };
+                while let Some(Ok((_request, mut respond))) = connection.accept().await {
+                    let answer = http::Response::builder().status(404).body(()).unwrap();
+                    let _ = respond.send_response(answer, true);
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// A web server at the agent's URL answers the stream with a 404, which tonic hands back as an
+/// opened stream whose first read fails: the agent takes it for the refusal it is, never for a
+/// stream that was up (no "connected" line, and the reason says the answer is not gRPC).
 #[tokio::test(flavor = "current_thread")]
 async fn a_web_servers_answer_is_a_refusal_not_an_opened_stream() {
-    let dir = tempfile::tempdir().unwrap();
-    let running = support::plane::plane(dir.path(), &support::plane::yaml(2), None).await;
+    let web = h2_not_found().await;
     let (sink, _guard) = support::capture_logs("retryplane_agent=debug");
     let agent = Agent::builder()
-        .url(format!("http://{}", running.http_addr))
+        .url(format!("http://{web}"))
         .service("s")
         .reconnect_backoff(retryplane_agent::ReconnectBackoff::new(
             std::time::Duration::from_millis(5),
@@ -201,7 +220,6 @@ async fn a_web_servers_answer_is_a_refusal_not_an_opened_stream() {
     .await;
     let error = agent.stream_error().unwrap();
     agent.shutdown().await;
-    running.shutdown().await.unwrap();
     assert!(
         error
             .message

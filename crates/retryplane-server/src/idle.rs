@@ -22,9 +22,7 @@
 //! close or become so, trying each second (the ones after it wait in the kernel's queue,
 //! holding no descriptor of the process). Bytes alone are not the signal: an answer whose body
 //! hyper has taken is still being written, and a pipelined request may be served with no byte
-//! moving. The listener speaks HTTP/1.1 only: a connection that opens with HTTP/2's preface
-//! reads as closed (an HTTP/2 answer waits on the client's flow-control window with no write
-//! pending, so a client with a window of 0 held its place for good). Without that, a client that sent one request on each
+//! moving. Without that, a client that sent one request on each
 //! of 256 connections and kept them open held every place for the idle time, and health probes
 //! waited. And a write its client leaves unread for [`WRITE_STALL`] fails,
 //! closing the connection: the answer it held (a `/metrics` page) is let go.
@@ -380,14 +378,7 @@ pub(crate) struct Idle<S> {
     permit: Option<OwnedSemaphorePermit>,
     /// What the listener sees of it, to close it for room (see the module docs).
     shown: Option<Arc<Shown>>,
-    /// How many of the connection's first bytes matched HTTP/2's preface so far ([`PRI`]);
-    /// past a byte that does not, `usize::MAX`.
-    preface: usize,
 }
-
-/// The start of HTTP/2's connection preface (`PRI * HTTP/2.0…`): no HTTP/1.1 request starts
-/// so (RFC 9113 §3.4).
-const PRI: &[u8] = b"PRI ";
 
 impl<S> Idle<S> {
     pub(crate) fn new(inner: S) -> Self {
@@ -400,27 +391,7 @@ impl<S> Idle<S> {
             closed: false,
             permit: None,
             shown: None,
-            preface: 0,
         }
-    }
-
-    /// Whether the connection's first bytes, of which `read` are the latest, open HTTP/2: the
-    /// listener serves HTTP/1.1 only (hyper-util would serve HTTP/2 with prior knowledge too,
-    /// where an answer waits for the client's flow-control window with no write pending, so
-    /// neither the write stall nor the eviction could free a place that a client with a window
-    /// of 0 held).
-    fn opens_http2(&mut self, read: &[u8]) -> bool {
-        for &byte in read {
-            match PRI.get(self.preface) {
-                Some(&expected) if expected == byte => self.preface += 1,
-                Some(_) => {
-                    self.preface = usize::MAX;
-                    return false;
-                }
-                None => break,
-            }
-        }
-        self.preface == PRI.len()
     }
 
     fn active(&mut self) {
@@ -512,11 +483,10 @@ impl<S: AsyncRead + Unpin> AsyncRead for Idle<S> {
         let polled = Pin::new(&mut this.inner).poll_read(cx, buf);
         match polled {
             Poll::Ready(Ok(())) if buf.filled().len() > before => {
-                // HTTP/2's preface, or bytes that came as the connection was closed for room
-                // (a request's head then meets a closed connection, which a client retries,
-                // not a 503): end of stream, the bytes dropped.
-                let refused = this.opens_http2(&buf.filled()[before..]) || this.evicted(None);
-                if refused {
+                // Bytes that came as the connection was closed for room: end of stream, the
+                // bytes dropped (a request's head then meets a closed connection, which a
+                // client retries, not a 503).
+                if this.evicted(None) {
                     buf.set_filled(before);
                     this.closed = true;
                     return Poll::Ready(Ok(()));
@@ -904,67 +874,5 @@ mod tests {
             shown.begin().is_none(),
             "no request begins on a closed connection"
         );
-    }
-
-    /// HTTP/2's preface, whole or in pieces, reads as the connection's end, its bytes dropped;
-    /// an HTTP/1.1 request that merely starts with the same letters is read as it is.
-    #[tokio::test]
-    async fn http2s_preface_is_refused() {
-        for pieces in [
-            &[&b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"[..]][..],
-            &[b"PR", b"I * HTTP/2.0"],
-        ] {
-            let (server, mut client) = tokio::io::duplex(1024);
-            let mut server = Idle::new(server);
-            let mut buf = [0u8; 64];
-            let mut read = Vec::new();
-            for piece in pieces {
-                client.write_all(piece).await.unwrap();
-                let n = server.read(&mut buf).await.unwrap();
-                read.extend_from_slice(&buf[..n]);
-            }
-            assert!(!read.ends_with(b"HTTP/2.0"), "{read:?}");
-            assert_eq!(server.read(&mut buf).await.unwrap(), 0, "stays closed");
-        }
-        let (server, mut client) = tokio::io::duplex(1024);
-        let mut server = Idle::new(server);
-        client.write_all(b"PRIX / HTTP/1.1\r\n").await.unwrap();
-        let mut buf = [0u8; 64];
-        assert_eq!(server.read(&mut buf).await.unwrap(), 17);
-    }
-
-    /// An HTTP/2 client (one that could hold its answer with a window of 0, with no write
-    /// pending, for good) is not served: its handshake fails, and a probe to the full
-    /// listener is served.
-    #[tokio::test]
-    async fn an_http2_client_is_refused_and_holds_no_place() {
-        let socket = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = socket.local_addr().unwrap();
-        let app = axum::Router::new().route("/healthz", axum::routing::get(|| async { "ok" }));
-        serve(socket, 1, app);
-        let tcp = TcpStream::connect(addr).await.unwrap();
-        let refused = async {
-            let (mut h2, conn) = h2::client::Builder::new()
-                .initial_window_size(0)
-                .handshake::<_, bytes::Bytes>(tcp)
-                .await?;
-            tokio::spawn(async move {
-                let _ = conn.await;
-            });
-            let request = axum::http::Request::get(format!("http://{addr}/healthz"))
-                .body(())
-                .unwrap();
-            let (response, _) = h2.send_request(request, true)?;
-            response.await.map(|_| ())
-        };
-        let answer = tokio::time::timeout(Duration::from_secs(5), refused)
-            .await
-            .expect("the HTTP/2 client was neither served nor refused");
-        assert!(answer.is_err(), "an HTTP/2 request was served");
-        let mut probe = TcpStream::connect(addr).await.unwrap();
-        let answered = tokio::time::timeout(Duration::from_secs(5), get(&mut probe, "/healthz"))
-            .await
-            .expect("the probe was not served");
-        assert_eq!(answered, "ok");
     }
 }
