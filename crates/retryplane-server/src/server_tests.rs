@@ -52,6 +52,26 @@ async fn channel(addr: SocketAddr) -> Channel {
 }
 
 /// A gRPC call's head for a raw HTTP/2 client: `POST path`, gRPC content type, trailers.
+/// An HTTP/2 connection to `addr`, driven on a task of its own (the handle ends with it).
+async fn h2_connection(
+    addr: SocketAddr,
+) -> (
+    h2::client::SendRequest<bytes::Bytes>,
+    tokio::task::JoinHandle<Result<(), h2::Error>>,
+) {
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (send, conn) = h2::client::handshake(tcp).await.unwrap();
+    (send, tokio::spawn(conn))
+}
+
+/// [`with_file`] with [`TOKENS`] as its tokens file.
+fn with_tokens(contents: &str) -> (tempfile::TempDir, ServeConfig) {
+    let (dir, mut cfg) = with_file(contents);
+    fs::write(dir.path().join("tokens.yaml"), TOKENS).unwrap();
+    cfg.tokens_file = Some(dir.path().join("tokens.yaml"));
+    (dir, cfg)
+}
+
 fn grpc_post(path: &str) -> http::Request<()> {
     http::Request::post(path)
         .header("content-type", "application/grpc")
@@ -604,9 +624,7 @@ fn authorized<T>(message: T, secret: &str) -> Request<T> {
 
 #[tokio::test]
 async fn roles_are_enforced_over_the_wire() {
-    let (dir, mut cfg) = with_file(V1);
-    fs::write(dir.path().join("tokens.yaml"), TOKENS).unwrap();
-    cfg.tokens_file = Some(dir.path().join("tokens.yaml"));
+    let (_dir, cfg) = with_tokens(V1);
     let running = start(cfg).await.unwrap();
     let mut client = admin(&running).await;
     let history = || pb::HistoryRequest::default();
@@ -1369,9 +1387,7 @@ async fn a_stream_without_hello_is_refused_with_invalid_argument() {
 
 #[tokio::test]
 async fn agent_streams_need_an_agent_token() {
-    let (dir, mut cfg) = with_file(V1);
-    fs::write(dir.path().join("tokens.yaml"), TOKENS).unwrap();
-    cfg.tokens_file = Some(dir.path().join("tokens.yaml"));
+    let (_dir, cfg) = with_tokens(V1);
     let running = start(cfg).await.unwrap();
     let addr = running.agent_addr;
     let missing = open_stream(addr, hello("a-1"), None).await.unwrap_err();
@@ -1660,9 +1676,7 @@ async fn each_grpc_listener_bounds_the_streams_of_one_connection() {
 /// with one every few seconds); one whose calls a token admitted is kept.
 #[tokio::test]
 async fn only_calls_a_token_admitted_keep_a_connection_open() {
-    let (dir, mut cfg) = with_file(V1);
-    fs::write(dir.path().join("tokens.yaml"), TOKENS).unwrap();
-    cfg.tokens_file = Some(dir.path().join("tokens.yaml"));
+    let (_dir, cfg) = with_tokens(V1);
     let idle = Duration::from_millis(600);
     let cfg = ServeConfig {
         connection_idle_timeout: idle,
@@ -1681,12 +1695,8 @@ async fn only_calls_a_token_admitted_keep_a_connection_open() {
             true,
         ),
     ] {
-        let tcp = tokio::net::TcpStream::connect(running.admin_addr)
-            .await
-            .unwrap();
         let began = tokio::time::Instant::now();
-        let (send, conn) = h2::client::handshake(tcp).await.unwrap();
-        let conn = tokio::spawn(conn);
+        let (send, conn) = h2_connection(running.admin_addr).await;
         // A kept connection is watched for longer than its close would take.
         let watched = if kept {
             closed_by + idle
@@ -1769,9 +1779,7 @@ async fn admitted_get(send: h2::client::SendRequest<bytes::Bytes>) -> (http::Sta
 #[tokio::test]
 async fn a_connection_that_carried_no_call_is_closed_before_the_idle_timeout() {
     use crate::conn_idle::NO_CALL_IDLE;
-    let (dir, mut cfg) = with_file(V1);
-    fs::write(dir.path().join("tokens.yaml"), TOKENS).unwrap();
-    cfg.tokens_file = Some(dir.path().join("tokens.yaml"));
+    let (_dir, cfg) = with_tokens(V1);
     let running = start(cfg).await.unwrap();
     assert_eq!(
         ServeConfig::default().connection_idle_timeout,
@@ -1779,16 +1787,11 @@ async fn a_connection_that_carried_no_call_is_closed_before_the_idle_timeout() {
     );
     let closed_by =
         NO_CALL_IDLE + crate::preface::QUIET_IO * crate::preface::MAX_QUIET_TURNS + SHUTDOWN_GRACE;
-    let connect = |addr| async move {
-        let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
-        let (send, conn) = h2::client::handshake(tcp).await.unwrap();
-        (send, tokio::spawn(conn))
-    };
     let began = tokio::time::Instant::now();
     // Silent, and with one refused call, on each listener.
-    let (_silent_agent, silent_agent) = connect(running.agent_addr()).await;
-    let (_silent_admin, silent_admin) = connect(running.admin_addr).await;
-    let (refused_send, refused) = connect(running.admin_addr).await;
+    let (_silent_agent, silent_agent) = h2_connection(running.agent_addr()).await;
+    let (_silent_admin, silent_admin) = h2_connection(running.admin_addr).await;
+    let (refused_send, refused) = h2_connection(running.admin_addr).await;
     let (answer, _) = refused_send
         .clone()
         .ready()
@@ -1799,7 +1802,7 @@ async fn a_connection_that_carried_no_call_is_closed_before_the_idle_timeout() {
     let answer = answer.await.unwrap();
     assert_eq!(answer.headers()["grpc-status"], "16", "UNAUTHENTICATED");
     // One admitted call.
-    let (admitted_send, admitted) = connect(running.admin_addr).await;
+    let (admitted_send, admitted) = h2_connection(running.admin_addr).await;
     assert_eq!(
         admitted_get(admitted_send.clone()).await,
         (http::StatusCode::OK, "0".to_owned())
@@ -1833,16 +1836,10 @@ async fn a_connection_that_carried_no_call_is_closed_before_the_idle_timeout() {
 /// client with a token out; a connection whose call a token admitted is not closed for room.
 #[tokio::test]
 async fn silent_connections_without_a_token_do_not_keep_a_client_with_one_out() {
-    let (dir, mut cfg) = with_file(V1);
-    fs::write(dir.path().join("tokens.yaml"), TOKENS).unwrap();
-    cfg.tokens_file = Some(dir.path().join("tokens.yaml"));
+    let (_dir, cfg) = with_tokens(V1);
     let running = start(cfg).await.unwrap();
     // A client with a token first: its connection is kept through the flood.
-    let tcp = tokio::net::TcpStream::connect(running.admin_addr)
-        .await
-        .unwrap();
-    let (first, conn) = h2::client::handshake(tcp).await.unwrap();
-    let first_conn = tokio::spawn(conn);
+    let (first, first_conn) = h2_connection(running.admin_addr).await;
     assert_eq!(
         admitted_get(first.clone()).await,
         (http::StatusCode::OK, "0".to_owned())
@@ -1856,11 +1853,7 @@ async fn silent_connections_without_a_token_do_not_keep_a_client_with_one_out() 
         );
     }
     let legit = async {
-        let tcp = tokio::net::TcpStream::connect(running.admin_addr)
-            .await
-            .unwrap();
-        let (send, conn) = h2::client::handshake(tcp).await.unwrap();
-        tokio::spawn(conn);
+        let (send, _conn) = h2_connection(running.admin_addr).await;
         admitted_get(send).await
     };
     // Well under the 10 s a silent connection is kept.
@@ -1885,16 +1878,10 @@ async fn silent_connections_without_a_token_do_not_keep_a_client_with_one_out() 
 /// waits: the only connection (a token admits no call on it yet) is served, on both its calls.
 #[tokio::test]
 async fn a_lone_connection_on_a_full_listener_is_served() {
-    let (dir, mut cfg) = with_file(V1);
-    fs::write(dir.path().join("tokens.yaml"), TOKENS).unwrap();
-    cfg.tokens_file = Some(dir.path().join("tokens.yaml"));
+    let (_dir, mut cfg) = with_tokens(V1);
     cfg.max_agent_connections = Some(1);
     let running = start(cfg).await.unwrap();
-    let tcp = tokio::net::TcpStream::connect(running.agent_addr())
-        .await
-        .unwrap();
-    let (send, conn) = h2::client::handshake(tcp).await.unwrap();
-    let conn = tokio::spawn(conn);
+    let (send, conn) = h2_connection(running.agent_addr()).await;
     for _ in 0..2 {
         let (answer, _) = send
             .clone()
@@ -1927,9 +1914,7 @@ async fn the_agent_listener_holds_at_most_its_cap_of_connections() {
     let addr = running.agent_addr();
     let mut held = Vec::new();
     for _ in 0..2 {
-        let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
-        let (send, conn) = h2::client::handshake(tcp).await.unwrap();
-        let conn = tokio::spawn(conn);
+        let (send, conn) = h2_connection(addr).await;
         // Served: a health check is answered.
         let (answer, _) = send
             .clone()
@@ -1942,9 +1927,7 @@ async fn the_agent_listener_holds_at_most_its_cap_of_connections() {
         held.push((send, conn));
     }
     // The third connects (the kernel's queue) but is not served while both are held.
-    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let (send, conn) = h2::client::handshake(tcp).await.unwrap();
-    let mut conn = tokio::spawn(conn);
+    let (send, mut conn) = h2_connection(addr).await;
     let third = async {
         let (answer, _) = send
             .clone()
@@ -2002,11 +1985,7 @@ async fn connections_without_a_stream_for_the_idle_timeout_are_closed_and_others
         assert!(began.elapsed() >= idle, "{addr}: {:?}", began.elapsed());
     }
     // A connection whose one call ended: closed the idle timeout after it.
-    let tcp = tokio::net::TcpStream::connect(running.admin_addr)
-        .await
-        .unwrap();
-    let (send, conn) = h2::client::handshake(tcp).await.unwrap();
-    let conn = tokio::spawn(conn);
+    let (send, conn) = h2_connection(running.admin_addr).await;
     let check = grpc_post("/grpc.health.v1.Health/Check");
     let (answer, _) = send
         .clone()
@@ -2025,11 +2004,7 @@ async fn connections_without_a_stream_for_the_idle_timeout_are_closed_and_others
     assert!(ended.is_ok(), "a connection whose call ended was kept");
     assert!(answered.elapsed() >= idle, "{:?}", answered.elapsed());
     // An agent's stream, on a connection of its own.
-    let tcp = tokio::net::TcpStream::connect(running.agent_addr)
-        .await
-        .unwrap();
-    let (send, conn) = h2::client::handshake(tcp).await.unwrap();
-    let conn = tokio::spawn(conn);
+    let (send, conn) = h2_connection(running.agent_addr).await;
     let request = grpc_post(crate::agent_route::CONNECT_PATH);
     let (response, mut body) = send
         .clone()
@@ -2224,9 +2199,7 @@ async fn calls_other_than_an_agents_stream_are_bounded_by_the_idle_timeout() {
             ("/grpc.health.v1.Health/Watch", true),
             ("/grpc.health.v1.Health/Check", false),
         ] {
-            let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
-            let (send, conn) = h2::client::handshake(tcp).await.unwrap();
-            let conn = tokio::spawn(conn);
+            let (send, conn) = h2_connection(addr).await;
             let request = grpc_post(path);
             let began = tokio::time::Instant::now();
             let (response, mut body) = send
