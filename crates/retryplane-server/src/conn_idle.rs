@@ -73,7 +73,7 @@ pub(crate) struct Streams {
     /// admitted connection is never evicted and an evicted one never taken for admitted.
     state: std::sync::atomic::AtomicU8,
     /// The connection's read that waits, woken by [`Streams::evict`].
-    reader: Mutex<Option<std::task::Waker>>,
+    reader: crate::places::WakerSlot,
 }
 
 #[derive(Debug)]
@@ -100,7 +100,7 @@ impl Streams {
             guarded: false,
             called: std::sync::atomic::AtomicBool::new(false),
             state: std::sync::atomic::AtomicU8::new(OPEN),
-            reader: Mutex::new(None),
+            reader: crate::places::WakerSlot::default(),
         }
     }
 
@@ -143,21 +143,14 @@ impl Streams {
         {
             return false;
         }
-        let waiting = self.reader.lock().unwrap_or_else(|e| e.into_inner()).take();
-        if let Some(reader) = waiting {
-            reader.wake();
-        }
+        self.reader.wake();
         true
     }
 
     /// Wakes `reader` when the connection is evicted; whether it was already (then the caller
     /// reads end of stream rather than wait).
     pub(crate) fn wake_on_eviction(&self, reader: &std::task::Waker) -> bool {
-        let mut slot = self.reader.lock().unwrap_or_else(|e| e.into_inner());
-        if !slot.as_ref().is_some_and(|w| w.will_wake(reader)) {
-            *slot = Some(reader.clone());
-        }
-        drop(slot);
+        self.reader.register(reader);
         self.is_evicted()
     }
 

@@ -77,7 +77,7 @@ pub(crate) struct Shown {
     /// one lock, so that a request that begins and an eviction cannot both go ahead.
     state: std::sync::Mutex<ShownState>,
     /// The connection's task while a read or write waits, woken by an eviction.
-    task: std::sync::Mutex<Option<std::task::Waker>>,
+    task: crate::places::WakerSlot,
     epoch: Instant,
 }
 
@@ -97,7 +97,7 @@ impl Shown {
         let shown = Self {
             last_io_ms: std::sync::atomic::AtomicU64::new(0),
             state: std::sync::Mutex::default(),
-            task: std::sync::Mutex::new(None),
+            task: crate::places::WakerSlot::default(),
             epoch,
         };
         shown.moved();
@@ -134,10 +134,7 @@ impl Shown {
         }
         state.evicted = true;
         drop(state);
-        let waiting = self.task.lock().unwrap_or_else(|e| e.into_inner()).take();
-        if let Some(task) = waiting {
-            task.wake();
-        }
+        self.task.wake();
         true
     }
 
@@ -147,11 +144,7 @@ impl Shown {
 
     /// Wakes `task` when evicted; whether it was already.
     fn wake_on_eviction(&self, task: &std::task::Waker) -> bool {
-        let mut slot = self.task.lock().unwrap_or_else(|e| e.into_inner());
-        if !slot.as_ref().is_some_and(|w| w.will_wake(task)) {
-            *slot = Some(task.clone());
-        }
-        drop(slot);
+        self.task.register(task);
         self.is_evicted()
     }
 

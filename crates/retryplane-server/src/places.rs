@@ -30,6 +30,30 @@ use tokio_stream::Stream;
 
 use crate::conn_idle::Streams;
 
+/// The task a connection's eviction wakes: the last one registered while a read or write
+/// waited (a connection's reads and writes run in one task). Shared by the gRPC listeners'
+/// connections ([`crate::conn_idle::Streams`]) and the HTTP listener's.
+#[derive(Debug, Default)]
+pub(crate) struct WakerSlot(Mutex<Option<std::task::Waker>>);
+
+impl WakerSlot {
+    /// Keeps `task` to wake (unless the one kept already wakes it).
+    pub(crate) fn register(&self, task: &std::task::Waker) {
+        let mut slot = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if !slot.as_ref().is_some_and(|w| w.will_wake(task)) {
+            *slot = Some(task.clone());
+        }
+    }
+
+    /// Wakes the task kept, if any.
+    pub(crate) fn wake(&self) {
+        let waiting = self.0.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(task) = waiting {
+            task.wake();
+        }
+    }
+}
+
 /// Most connections the admin listener holds at once: admin clients (the CLI, a CI job, a
 /// dashboard's `top`) hold one each for as long as they run.
 pub const ADMIN_MAX_CONNECTIONS: usize = 256;
