@@ -303,8 +303,8 @@ impl TryFrom<Args> for Settings {
                     );
                 }
                 let token_hint = "give the agent token with --token or RETRYPLANE_AGENT_TOKEN";
-                crate::admin::no_at_after_host(&url, token_hint)?;
-                let url = crate::admin::with_default_port(url, AGENT_PORT)?;
+                crate::admin::no_at_after_host(&url, "--server", token_hint)?;
+                let url = crate::admin::with_default_port(url, AGENT_PORT, "--server")?;
                 let shown = crate::shown::without_query(&url);
                 let (url, had_userinfo) = crate::admin::without_userinfo(&url);
                 if had_userinfo {

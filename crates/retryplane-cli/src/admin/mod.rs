@@ -218,13 +218,14 @@ pub(crate) fn without_userinfo(url: &str) -> (String, bool) {
 /// a control-plane URL are used; and a password holding `/`, `?` or `#` ends the authority
 /// early (`http://user:1234/pw@host` is host `user`, port 1234), so the call, token and all,
 /// would go to the user name's host. The URL is not quoted: it may hold a password.
-pub(crate) fn no_at_after_host(url: &str, token_hint: &str) -> anyhow::Result<()> {
+/// `name` is where the URL came from (`--server`, or the variable), as messages say it.
+pub(crate) fn no_at_after_host(url: &str, name: &str, token_hint: &str) -> anyhow::Result<()> {
     // Before the port is read (a password's start would be taken for one) and only for a URL
     // that parses: one that does not is reported as such, without its password.
     let (url, _) = without_userinfo(url);
     if url.parse::<http::Uri>().is_ok() && url.contains('@') {
         bail!(
-            "--server: an `@` after the host (in a path or query, or in a password holding `/`, \
+            "{name}: an `@` after the host (in a path or query, or in a password holding `/`, \
              `?` or `#`) is not allowed: only the scheme, host and port are used; {token_hint}"
         );
     }
@@ -258,7 +259,8 @@ pub(crate) fn userinfo_not_used(flag_hint: &str) {
 /// control plane's listeners are not on HTTP's port 80; as given otherwise, an invalid URL
 /// included (the caller reports it). A port that is written but is not one (`:99999`, `:`)
 /// is an error: the connection would otherwise silently go to port 80.
-pub(crate) fn with_default_port(url: String, port: u16) -> anyhow::Result<String> {
+/// `name` is where the URL came from, as messages say it.
+pub(crate) fn with_default_port(url: String, port: u16, name: &str) -> anyhow::Result<String> {
     let Ok(uri) = url.parse::<http::Uri>() else {
         return Ok(url);
     };
@@ -267,7 +269,7 @@ pub(crate) fn with_default_port(url: String, port: u16) -> anyhow::Result<String
     };
     if retryplane_agent::names_no_host(&uri) {
         bail!(
-            "--server {}: the URL names no host: write http://HOST:PORT",
+            "{name} {}: the URL names no host: write http://HOST:PORT",
             crate::shown::without_query(&url)
         );
     }
@@ -283,17 +285,17 @@ pub(crate) fn with_default_port(url: String, port: u16) -> anyhow::Result<String
         }
         Some(written) if written.parse::<u16>().is_ok_and(|p| p > 0) => Ok(url),
         Some("") => bail!(
-            "--server {}: no port after the `:`: give one from 1 to 65535",
+            "{name} {}: no port after the `:`: give one from 1 to 65535",
             crate::shown::without_query(&url)
         ),
         // Not quoted when the URL holds a password: what was taken for the port may be part of it.
         Some(_) if hides_password => bail!(
-            "--server {}: the port must be a number from 1 to 65535",
+            "{name} {}: the port must be a number from 1 to 65535",
             crate::shown::without_query(&url)
         ),
         Some(written) => {
             bail!(
-                "--server {}: the port must be a number from 1 to 65535, not `{written}`",
+                "{name} {}: the port must be a number from 1 to 65535, not `{written}`",
                 crate::shown::without_query(&url)
             )
         }
@@ -315,16 +317,22 @@ impl TryFrom<ServerArgs> for Server {
             Some(server) if from_flag => (with_scheme(server), ""),
             Some(server) => (with_scheme(server), ORIGIN_VARIABLE),
         };
+        // A URL the command line does not show is named by the variable it came from.
+        let name = if origin == ORIGIN_VARIABLE {
+            "RETRYPLANE_SERVER"
+        } else {
+            "--server"
+        };
         let address = || -> anyhow::Result<(String, Endpoint)> {
             if !url.starts_with("http://") {
                 bail!(
-                    "--server {}: only http:// is supported (TLS on the admin listener comes \
+                    "{name} {}: only http:// is supported (TLS on the admin listener comes \
                      later)",
                     crate::shown::without_query(&url)
                 );
             }
-            no_at_after_host(&url, token_hint)?;
-            let url = with_default_port(url.clone(), DEFAULT_PORT)?;
+            no_at_after_host(&url, name, token_hint)?;
+            let url = with_default_port(url.clone(), DEFAULT_PORT, name)?;
             let shown = crate::shown::without_query(&url);
             let (url, had_userinfo) = without_userinfo(&url);
             if had_userinfo {
@@ -332,24 +340,12 @@ impl TryFrom<ServerArgs> for Server {
             }
             path_not_used(&url);
             let endpoint = Endpoint::from_shared(url)
-                .with_context(|| format!("--server {shown}: not a valid URL"))?
+                .with_context(|| format!("{name} {shown}: not a valid URL"))?
                 .connect_timeout(CONNECT_TIMEOUT)
                 .timeout(REQUEST_TIMEOUT);
             Ok((shown, endpoint))
         };
-        // A URL the command line does not show is named by the variable it came from, where the
-        // checks (shared with `--server`) name the flag.
-        let (shown, endpoint) = address().map_err(|e| {
-            if origin == ORIGIN_VARIABLE {
-                let message = format!("{e:#}");
-                match message.strip_prefix("--server") {
-                    Some(rest) => anyhow::anyhow!("RETRYPLANE_SERVER{rest}"),
-                    None => e.context("the control plane's address comes from RETRYPLANE_SERVER"),
-                }
-            } else {
-                e
-            }
-        })?;
+        let (shown, endpoint) = address()?;
         let authorization = match Token::from_flag_or_env(args.token, "RETRYPLANE_TOKEN")? {
             None => None,
             Some(Token(token)) => {
@@ -591,11 +587,11 @@ mod tests {
         );
         // The agent listener's default is added the same way by `request --server`.
         assert_eq!(
-            with_default_port("http://u@[::1]".to_owned(), 7470).unwrap(),
+            with_default_port("http://u@[::1]".to_owned(), 7470, "--server").unwrap(),
             "http://u@[::1]:7470/"
         );
         assert_eq!(
-            with_default_port("http://[::1]:9000".to_owned(), 7470).unwrap(),
+            with_default_port("http://[::1]:9000".to_owned(), 7470, "--server").unwrap(),
             "http://[::1]:9000"
         );
     }
@@ -667,7 +663,7 @@ mod tests {
             "http://admin:secretpw?x@h",
             "http://admin:secretpw/x@h",
         ] {
-            let err = with_default_port(given.to_owned(), 7471)
+            let err = with_default_port(given.to_owned(), 7471, "--server")
                 .expect_err(given)
                 .to_string();
             assert!(!err.contains("secretpw"), "{given}: {err}");
@@ -675,11 +671,11 @@ mod tests {
         // An `@` in a path is no password: the port is taken as it is (and the URL refused
         // later, by `no_at_after_host`: only its scheme, host and port are used).
         assert_eq!(
-            with_default_port("http://h:1/p@x".to_owned(), 7471).unwrap(),
+            with_default_port("http://h:1/p@x".to_owned(), 7471, "--server").unwrap(),
             "http://h:1/p@x"
         );
         assert_eq!(
-            with_default_port("http://admin:pw@h".to_owned(), 7471).unwrap(),
+            with_default_port("http://admin:pw@h".to_owned(), 7471, "--server").unwrap(),
             "http://admin:pw@h:7471/"
         );
     }
