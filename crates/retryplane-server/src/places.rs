@@ -332,6 +332,44 @@ mod tests {
         assert!(!admitted.is_evicted());
     }
 
+    /// Connections the test numbers and sends, as a listener would accept them.
+    type Queue = tokio_stream::wrappers::UnboundedReceiverStream<io::Result<u32>>;
+
+    /// A listener of `max` places over connections the test sends on the sender.
+    fn capped(
+        max: usize,
+        evictable: Option<Arc<Evictable>>,
+    ) -> (
+        tokio::sync::mpsc::UnboundedSender<io::Result<u32>>,
+        Capped<Queue, u32>,
+    ) {
+        let (send, receive) = tokio::sync::mpsc::unbounded_channel();
+        (send, Capped::new(Queue::new(receive), max, evictable))
+    }
+
+    /// Sends and takes `n` connections, each listed in `evictable` with streams of its own: the
+    /// streams and the places they hold, in order.
+    async fn fill<S>(
+        capped: &mut Capped<S, u32>,
+        send: &tokio::sync::mpsc::UnboundedSender<io::Result<u32>>,
+        evictable: &Evictable,
+        n: u32,
+    ) -> Vec<(Arc<Streams>, OwnedSemaphorePermit)>
+    where
+        S: Stream<Item = io::Result<u32>> + Unpin,
+    {
+        let mut held = Vec::new();
+        for i in 0..n {
+            send.send(Ok(i)).unwrap();
+            let (connection, place) = capped.next().await.unwrap().unwrap();
+            assert_eq!(connection, i);
+            let streams = Arc::new(Streams::new(tokio::time::Instant::now()).guarded(true));
+            evictable.push(&streams);
+            held.push((streams, place));
+        }
+        held
+    }
+
     /// `capped.next()` polled once: what it gives at once, or `None` while it waits.
     async fn at_once<S: Stream + Unpin>(capped: &mut S) -> Option<Option<S::Item>> {
         let mut next = Box::pin(capped.next());
@@ -346,23 +384,9 @@ mod tests {
     /// the held one is handed out with the place that frees.
     #[tokio::test]
     async fn a_full_listener_evicts_only_for_a_connection_that_waits() {
-        let now = tokio::time::Instant::now();
-        let (send, receive) = tokio::sync::mpsc::unbounded_channel::<io::Result<u32>>();
         let evictable = Arc::new(Evictable::new(2));
-        let mut capped = Capped::new(
-            tokio_stream::wrappers::UnboundedReceiverStream::new(receive),
-            2,
-            Some(evictable.clone()),
-        );
-        let mut held = Vec::new();
-        for n in 0..2 {
-            send.send(Ok(n)).unwrap();
-            let (connection, place) = capped.next().await.unwrap().unwrap();
-            assert_eq!(connection, n);
-            let streams = Arc::new(Streams::new(now).guarded(true));
-            evictable.push(&streams);
-            held.push((streams, place));
-        }
+        let (send, mut capped) = capped(2, Some(evictable.clone()));
+        let mut held = fill(&mut capped, &send, &evictable, 2).await;
         // Full, and nobody waits: nothing is closed, however often it is polled.
         for _ in 0..3 {
             assert!(at_once(&mut capped).await.is_none());
@@ -383,12 +407,7 @@ mod tests {
     /// in the queue: it is not accepted until a place frees.
     #[tokio::test]
     async fn without_tokens_a_full_listener_accepts_nothing_more() {
-        let (send, receive) = tokio::sync::mpsc::unbounded_channel::<io::Result<u32>>();
-        let mut capped = Capped::new(
-            tokio_stream::wrappers::UnboundedReceiverStream::new(receive),
-            1,
-            None,
-        );
+        let (send, mut capped) = capped(1, None);
         send.send(Ok(0)).unwrap();
         let (_, place) = capped.next().await.unwrap().unwrap();
         send.send(Ok(1)).unwrap();
@@ -399,15 +418,10 @@ mod tests {
 
     #[tokio::test]
     async fn a_connection_is_taken_only_once_a_place_is_free() {
-        let (send, receive) = tokio::sync::mpsc::unbounded_channel::<io::Result<u32>>();
+        let (send, mut capped) = capped(2, None);
         for n in 0..3 {
             send.send(Ok(n)).unwrap();
         }
-        let mut capped = Capped::new(
-            tokio_stream::wrappers::UnboundedReceiverStream::new(receive),
-            2,
-            None,
-        );
         let (first, first_place) = capped.next().await.unwrap().unwrap();
         let (second, _second_place) = capped.next().await.unwrap().unwrap();
         assert_eq!((first, second), (0, 1));
@@ -457,7 +471,6 @@ mod tests {
     /// no connection is evicted for it.
     #[tokio::test]
     async fn a_place_freed_while_accepting_evicts_nothing() {
-        let now = tokio::time::Instant::now();
         let (send, receive) = tokio::sync::mpsc::unbounded_channel::<io::Result<u32>>();
         let ending = Arc::new(Mutex::new(None));
         let evictable = Arc::new(Evictable::new(2));
@@ -469,14 +482,7 @@ mod tests {
             2,
             Some(evictable.clone()),
         );
-        let mut held = Vec::new();
-        for n in 0..2 {
-            send.send(Ok(n)).unwrap();
-            let (_, place) = capped.next().await.unwrap().unwrap();
-            let streams = Arc::new(Streams::new(now).guarded(true));
-            evictable.push(&streams);
-            held.push((streams, place));
-        }
+        let mut held = fill(&mut capped, &send, &evictable, 2).await;
         // The first connection ends just as the third is accepted.
         let (first, first_place) = held.remove(0);
         drop(first);
@@ -496,18 +502,9 @@ mod tests {
     /// listener's task waits (woken, not merely found at the next poll).
     #[tokio::test]
     async fn the_held_connection_is_woken_out() {
-        let now = tokio::time::Instant::now();
-        let (send, receive) = tokio::sync::mpsc::unbounded_channel::<io::Result<u32>>();
         let evictable = Arc::new(Evictable::new(1));
-        let mut capped = Capped::new(
-            tokio_stream::wrappers::UnboundedReceiverStream::new(receive),
-            1,
-            Some(evictable.clone()),
-        );
-        send.send(Ok(0)).unwrap();
-        let (_, place) = capped.next().await.unwrap().unwrap();
-        let streams = Arc::new(Streams::new(now).guarded(true));
-        evictable.push(&streams);
+        let (send, mut capped) = capped(1, Some(evictable.clone()));
+        let (streams, place) = fill(&mut capped, &send, &evictable, 1).await.remove(0);
         let task = tokio::spawn(async move { capped.next().await.map(|c| c.map(|c| c.0)) });
         send.send(Ok(1)).unwrap();
         let evicted = async {
