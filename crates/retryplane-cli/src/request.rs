@@ -534,7 +534,7 @@ fn refusal_hint(code: tonic::Code) -> Option<&'static str> {
              `agent_ids` that leave out this command's agent id, `retryplane-cli-` and 16 hex \
              digits (list `retryplane-cli-*` among them)",
         ),
-        // What the admin listener answers, and (as a 404) the HTTP one.
+        // What the admin listener answers, and the HTTP one (a web server's 404 maps to it too).
         tonic::Code::Unimplemented => Some(
             "this is not an agent listener: --server takes the address of `retryplane serve \
              --listen` (port 7470 by default), not its admin listener (--admin-listen, 7471) or \

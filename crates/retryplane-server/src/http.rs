@@ -19,7 +19,8 @@
 //! (Compressed here rather than by a compression layer, which would compress each answer on the
 //! threads that serve the agents.)
 //!
-//! [`router`] builds the whole app, so tests drive it without a socket.
+//! [`router`] builds the whole app, so tests drive it without a socket; the listener adds its
+//! connections' wiring (HTTP/1.1 only, requests counted in flight: `crate::idle::serve`).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -56,8 +57,6 @@ pub fn router(state: HttpState) -> Router {
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
-        // Each request counted on its connection until its answer is out (`crate::idle`).
-        .layer(axum::middleware::from_fn(crate::idle::count_in_flight))
         .with_state(App {
             state,
             renders: Arc::new(Renders::default()),

@@ -26,6 +26,14 @@
 //! of 256 connections and kept them open held every place for the idle time, and health probes
 //! waited. And a write its client leaves unread for [`WRITE_STALL`] fails,
 //! closing the connection: the answer it held (a `/metrics` page) is let go.
+//!
+//! The listener speaks HTTP/1.1 only ([`http1_only`]): axum's `serve` also serves HTTP/2 to a
+//! client that opens with its preface (hyper-util's `http2` feature is on, through tonic), and an
+//! HTTP/2 answer's body waits on the client's flow-control window with no socket write pending,
+//! so a client that gave a window of 0 kept its request in flight, and its place, for good (none
+//! of the timers above fire on it). An HTTP/2 request is answered at once with no body: a gRPC
+//! call with `UNIMPLEMENTED` (what a gRPC server without the service answers; the CLI's and the
+//! agent's hints name this listener from it), anything else with `505`.
 
 use std::io;
 use std::net::SocketAddr;
@@ -171,6 +179,76 @@ impl Drop for InFlight {
         // Its answer's end is movement too: quiet counts from it.
         self.0.moved();
     }
+}
+
+/// Serves `app` on `listener` until `stop`, with the listener's own wiring: HTTP/1.1 only
+/// ([`http1_only`]), and each request counted in flight on its connection ([`count_in_flight`]).
+/// Once `stop` resolves, no connection is accepted and the open ones end after their answers.
+pub(crate) async fn serve(
+    listener: IdleClosing,
+    app: axum::Router,
+    stop: impl std::future::Future<Output = ()> + Send + 'static,
+) -> io::Result<()> {
+    let app = app
+        .layer(axum::middleware::from_fn(count_in_flight))
+        .layer(axum::middleware::from_fn(http1_only));
+    axum::serve(
+        listener,
+        app.into_make_service_with_connect_info::<HttpConn>(),
+    )
+    .with_graceful_shutdown(stop)
+    .await
+}
+
+/// What a gRPC call to the HTTP listener is answered, with `UNIMPLEMENTED`: printable ASCII
+/// with no `%`, so that it is its own `grpc-message` with no percent-encoding.
+pub(crate) const NOT_GRPC: &str = "this is the HTTP listener of `retryplane serve` (/healthz, \
+     /readyz and /metrics, over HTTP/1.1): it serves no gRPC";
+
+/// Answers a request that came over HTTP/2 at once, with no body (a body would wait on the
+/// client's flow-control window; see the module docs): a gRPC call (`content-type:
+/// application/grpc…`) with gRPC's `UNIMPLEMENTED` and [`NOT_GRPC`], in the headers alone as a
+/// gRPC server answers a call it does not serve, anything else with `505 HTTP Version Not
+/// Supported`. HTTP/1 requests go on to the routes.
+pub(crate) async fn http1_only(
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    use axum::http::{HeaderValue, StatusCode, Version, header};
+    use axum::response::IntoResponse as _;
+    if matches!(
+        request.version(),
+        Version::HTTP_09 | Version::HTTP_10 | Version::HTTP_11
+    ) {
+        return next.run(request).await;
+    }
+    let grpc = request
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/grpc"));
+    if !grpc {
+        return StatusCode::HTTP_VERSION_NOT_SUPPORTED.into_response();
+    }
+    (
+        [
+            (
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/grpc"),
+            ),
+            // `UNIMPLEMENTED`.
+            (
+                header::HeaderName::from_static("grpc-status"),
+                HeaderValue::from_static("12"),
+            ),
+            (
+                header::HeaderName::from_static("grpc-message"),
+                HeaderValue::from_static(NOT_GRPC),
+            ),
+        ],
+        (),
+    )
+        .into_response()
 }
 
 /// The connect info of the HTTP listener's connections: what each shows the listener, for
@@ -693,14 +771,89 @@ mod tests {
     /// The production wiring of the HTTP listener around `app`: `limit` connections, each
     /// request counted on its connection until its answer is out.
     fn serve(socket: TcpListener, limit: usize, app: axum::Router) {
-        let app = app.layer(axum::middleware::from_fn(count_in_flight));
-        tokio::spawn(async move {
-            axum::serve(
-                IdleClosing::with_limit(socket, limit),
-                app.into_make_service_with_connect_info::<HttpConn>(),
-            )
+        tokio::spawn(super::serve(
+            IdleClosing::with_limit(socket, limit),
+            app,
+            std::future::pending(),
+        ));
+    }
+
+    /// An HTTP/2 connection to `addr` with the client's window set to `window`, driven on a
+    /// task of its own.
+    async fn h2_client(addr: SocketAddr, window: u32) -> h2::client::SendRequest<bytes::Bytes> {
+        let tcp = TcpStream::connect(addr).await.unwrap();
+        let (h2, conn) = h2::client::Builder::new()
+            .initial_window_size(window)
+            .handshake::<_, bytes::Bytes>(tcp)
             .await
+            .unwrap();
+        tokio::spawn(async move {
+            let _ = conn.await;
         });
+        h2
+    }
+
+    /// An HTTP/2 answer would wait on the client's window with no socket write pending: a
+    /// client with a window of 0 kept its request in flight and its place for good, and a
+    /// full listener never served a probe. Every HTTP/2 request is answered at once with no
+    /// body, so its connection holds no request and is closed for room like any quiet one.
+    #[tokio::test]
+    async fn an_http2_client_with_a_window_of_0_does_not_keep_a_probe_out() {
+        let socket = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = socket.local_addr().unwrap();
+        let app = axum::Router::new().route("/healthz", axum::routing::get(|| async { "ok" }));
+        serve(socket, 1, app);
+        let mut h2 = h2_client(addr, 0).await;
+        let request = axum::http::Request::get(format!("http://{addr}/healthz"))
+            .body(())
+            .unwrap();
+        let (response, _) = h2.send_request(request, true).unwrap();
+        let response = response.await.unwrap();
+        assert_eq!(response.status(), 505);
+        assert!(response.body().is_end_stream(), "no body to wait on");
+        let mut probe = TcpStream::connect(addr).await.unwrap();
+        let answered = tokio::time::timeout(
+            WRITE_STALL + EVICTABLE_AFTER * 3,
+            get(&mut probe, "/healthz"),
+        )
+        .await
+        .expect("the probe was not served: the HTTP/2 connection holds the only place");
+        assert_eq!(answered, "ok");
+    }
+
+    /// A gRPC call over HTTP/2 (a CLI or an agent given this listener's address) is answered
+    /// as a gRPC server answers a call it does not serve: `UNIMPLEMENTED`, in the headers
+    /// alone, saying what listens here.
+    #[tokio::test]
+    async fn a_grpc_call_is_answered_unimplemented_in_the_headers_alone() {
+        let socket = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = socket.local_addr().unwrap();
+        let app = axum::Router::new().route("/healthz", axum::routing::get(|| async { "ok" }));
+        serve(socket, 4, app);
+        let mut h2 = h2_client(addr, 65_535).await;
+        let request =
+            axum::http::Request::post(format!("http://{addr}/retryplane.v1.AdminService/History"))
+                .header("content-type", "application/grpc")
+                .header("te", "trailers")
+                .body(())
+                .unwrap();
+        let (response, _) = h2.send_request(request, true).unwrap();
+        let response = response.await.unwrap();
+        let headers = response.headers();
+        assert_eq!(response.status(), 200);
+        assert_eq!(headers["content-type"], "application/grpc");
+        assert_eq!(headers["grpc-status"], "12");
+        assert_eq!(headers["grpc-message"], NOT_GRPC);
+        assert!(response.body().is_end_stream());
+        // Its own grpc-message: nothing gRPC would percent-decode.
+        assert!(
+            NOT_GRPC
+                .bytes()
+                .all(|b| (0x20..0x7f).contains(&b) && b != b'%')
+        );
+        // HTTP/1.1 on the same listener is served.
+        let mut client = TcpStream::connect(addr).await.unwrap();
+        assert_eq!(get(&mut client, "/healthz").await, "ok");
     }
 
     /// `GET path` on `client`, keeping the connection, and the answer's body once it is all in.

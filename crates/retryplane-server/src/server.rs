@@ -432,13 +432,9 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
     });
     let stop = stopped(shutdown_rx);
     servers.spawn(async move {
-        axum::serve(
-            crate::idle::IdleClosing::new(http_socket),
-            app.into_make_service_with_connect_info::<crate::idle::HttpConn>(),
-        )
-        .with_graceful_shutdown(stop)
-        .await
-        .map_err(ServeError::Http)
+        crate::idle::serve(crate::idle::IdleClosing::new(http_socket), app, stop)
+            .await
+            .map_err(ServeError::Http)
     });
     info!(
         %agent_addr,

@@ -447,7 +447,8 @@ pub fn failed_with(code: Code, message: &str, stdout: String) -> Report {
 
 /// What to check when the server answers `code` to an admin call, when the usual cause is the
 /// command line: `--server` naming another listener of the control plane (the agent one, whose
-/// gRPC server has no admin service, or the HTTP one, which answers 404), or no admin token.
+/// gRPC server has no admin service, or the HTTP one, which answers a gRPC call
+/// `UNIMPLEMENTED`), or no admin token.
 fn hint(code: Code) -> Option<&'static str> {
     match code {
         Code::Unimplemented => Some(
