@@ -30,10 +30,13 @@
 //! The listener speaks HTTP/1.1 only ([`http1_only`]): axum's `serve` also serves HTTP/2 to a
 //! client that opens with its preface (hyper-util's `http2` feature is on, through tonic), and an
 //! HTTP/2 answer's body waits on the client's flow-control window with no socket write pending,
-//! so a client that gave a window of 0 kept its request in flight, and its place, for good (none
-//! of the timers above fire on it). An HTTP/2 request is answered at once with no body: a gRPC
-//! call with `UNIMPLEMENTED` (what a gRPC server without the service answers; the CLI's and the
-//! agent's hints name this listener from it), anything else with `505`.
+//! so a client that gave a window of 0 kept its request in flight: a full listener could never
+//! close it for room, and it held its place until the timers above fired (30 to 90 s), or for
+//! good with a PING a minute (each answered, so neither timer fires). An HTTP/2 request is
+//! answered at once with no body: a gRPC call with `UNIMPLEMENTED` (what a gRPC server without
+//! the service answers; the CLI's and the agent's hints name this listener from it), anything
+//! else with `505`. (A client that keeps a connection busy, over either version, with a request
+//! or a PING more often than every [`EVICTABLE_AFTER`], keeps its place as any busy client does.)
 
 use std::io;
 use std::net::SocketAddr;
@@ -206,9 +209,9 @@ pub(crate) const NOT_GRPC: &str = "this is the HTTP listener of `retryplane serv
      /readyz and /metrics, over HTTP/1.1): it serves no gRPC";
 
 /// Answers a request that came over HTTP/2 at once, with no body (a body would wait on the
-/// client's flow-control window; see the module docs): a gRPC call (`content-type:
-/// application/grpc…`) with gRPC's `UNIMPLEMENTED` and [`NOT_GRPC`], in the headers alone as a
-/// gRPC server answers a call it does not serve, anything else with `505 HTTP Version Not
+/// client's flow-control window; see the module docs): a gRPC call (a POST with `content-type:
+/// application/grpc…`) with gRPC's `UNIMPLEMENTED` and [`NOT_GRPC`], in the headers alone as
+/// a gRPC server answers a call it does not serve, anything else with `505 HTTP Version Not
 /// Supported`. HTTP/1 requests go on to the routes.
 pub(crate) async fn http1_only(
     request: axum::extract::Request,
@@ -222,11 +225,16 @@ pub(crate) async fn http1_only(
     ) {
         return next.run(request).await;
     }
-    let grpc = request
-        .headers()
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.starts_with("application/grpc"));
+    // gRPC's calls are POSTs; a media type's name is case-insensitive.
+    let grpc = request.method() == axum::http::Method::POST
+        && request
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| {
+                v.get(..16)
+                    .is_some_and(|t| t.eq_ignore_ascii_case("application/grpc"))
+            });
     if !grpc {
         return StatusCode::HTTP_VERSION_NOT_SUPPORTED.into_response();
     }
@@ -845,6 +853,22 @@ mod tests {
         assert_eq!(headers["grpc-status"], "12");
         assert_eq!(headers["grpc-message"], NOT_GRPC);
         assert!(response.body().is_end_stream());
+        // The media type in capitals is the same; a GET is not a gRPC call.
+        for (method, content_type, status) in [
+            (axum::http::Method::POST, "Application/GRPC+proto", 200),
+            (axum::http::Method::GET, "application/grpc", 505),
+        ] {
+            let request = axum::http::Request::builder()
+                .method(method)
+                .uri(format!("http://{addr}/retryplane.v1.AdminService/History"))
+                .header("content-type", content_type)
+                .body(())
+                .unwrap();
+            let (response, _) = h2.send_request(request, true).unwrap();
+            let response = response.await.unwrap();
+            assert_eq!(response.status(), status, "{content_type}");
+            assert!(response.body().is_end_stream());
+        }
         // Its own grpc-message: nothing gRPC would percent-decode.
         assert!(
             NOT_GRPC
