@@ -363,13 +363,24 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
     let (agent_connections, lowered) = crate::places::agent_connections(wanted, open_files);
     // A warning when it cannot hold what was asked, or the fleet `max_agents` allows; the
     // default's room for reconnects cut short is only said.
-    if lowered && (cfg.max_agent_connections.is_some() || agent_connections < cfg.max_agents) {
+    if lowered && cfg.max_agent_connections.is_some() {
         warn!(
             wanted,
             held = agent_connections,
             open_file_limit = open_files,
-            "the agent listener holds fewer connections than asked: the process's open-file \
-             limit leaves no more beside the other listeners; raise it (`ulimit -n`) for more agents"
+            "the agent listener holds fewer connections than --max-agent-connections asks: the \
+             process's open-file limit leaves no more beside the other listeners; raise it \
+             (`ulimit -n`) for more agents"
+        );
+    } else if lowered && agent_connections < cfg.max_agents {
+        // Nothing asked of the connections themselves: what falls short is --max-agents.
+        warn!(
+            max_agents = cfg.max_agents,
+            held = agent_connections,
+            open_file_limit = open_files,
+            "the agent listener holds fewer connections than --max-agents allows agents: the \
+             process's open-file limit leaves no more beside the other listeners; raise it \
+             (`ulimit -n`), or lower --max-agents to what the fleet needs"
         );
     } else if lowered {
         info!(
