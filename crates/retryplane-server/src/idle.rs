@@ -880,6 +880,67 @@ mod tests {
         assert_eq!(get(&mut client, "/healthz").await, "ok");
     }
 
+    /// An HTTP/2 request whose body never ends (its client at window 0): answered at once, the
+    /// stream reset, and the connection closed for room once quiet.
+    #[tokio::test]
+    async fn an_http2_request_whose_body_never_ends_does_not_keep_a_probe_out() {
+        let socket = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = socket.local_addr().unwrap();
+        let app = axum::Router::new().route("/healthz", axum::routing::get(|| async { "ok" }));
+        serve(socket, 1, app);
+        let mut h2 = h2_client(addr, 0).await;
+        let request = axum::http::Request::post(format!("http://{addr}/healthz"))
+            .header("content-type", "application/grpc")
+            .body(())
+            .unwrap();
+        let (response, mut body_tx) = h2.send_request(request, false).unwrap();
+        let response = response.await.unwrap();
+        assert_eq!(response.status(), 200);
+        assert!(response.body().is_end_stream());
+        let reset = tokio::time::timeout(
+            Duration::from_secs(5),
+            std::future::poll_fn(|cx| body_tx.poll_reset(cx)),
+        )
+        .await
+        .expect("the stream was not reset")
+        .unwrap();
+        assert_eq!(reset, h2::Reason::NO_ERROR);
+        let mut probe = TcpStream::connect(addr).await.unwrap();
+        let answered = tokio::time::timeout(
+            WRITE_STALL + EVICTABLE_AFTER * 3,
+            get(&mut probe, "/healthz"),
+        )
+        .await
+        .expect("the probe was not served");
+        assert_eq!(answered, "ok");
+    }
+
+    /// What tonic makes of the answer to a gRPC call: `UNIMPLEMENTED`, with the message.
+    #[tokio::test]
+    async fn tonic_sees_unimplemented_with_what_listens_here() {
+        let socket = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = socket.local_addr().unwrap();
+        let app = axum::Router::new().route("/healthz", axum::routing::get(|| async { "ok" }));
+        serve(socket, 4, app);
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let mut grpc = tonic::client::Grpc::new(channel);
+        grpc.ready().await.unwrap();
+        let status = grpc
+            .unary::<(), (), _>(
+                tonic::Request::new(()),
+                axum::http::uri::PathAndQuery::from_static("/retryplane.v1.AdminService/History"),
+                tonic_prost::ProstCodec::default(),
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), tonic::Code::Unimplemented, "{status:?}");
+        assert_eq!(status.message(), NOT_GRPC);
+    }
+
     /// `GET path` on `client`, keeping the connection, and the answer's body once it is all in.
     async fn get(client: &mut TcpStream, path: &str) -> String {
         client
