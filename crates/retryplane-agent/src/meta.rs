@@ -14,6 +14,8 @@ enum Route<'a> {
     Http {
         method: Cow<'static, str>,
         path: &'a str,
+        /// `path` with its dot segments resolved, when it has any: what routes are matched on.
+        resolved: Option<Box<str>>,
     },
     Grpc {
         path: &'a str,
@@ -43,6 +45,8 @@ pub struct CallMeta<'a> {
 impl<'a> CallMeta<'a> {
     /// An HTTP call: `method` (any case) and path; a query string is cut off and never used or
     /// logged. Idempotency comes from the policy's `idempotent_methods` and the key header.
+    /// Routes are matched on the path with its dot segments resolved (`/v1/search/../charges`
+    /// is a call to `/v1/charges`, as the server serves it).
     pub fn http(method: &str, path: &'a str) -> Self {
         Self::http_route(upper_method(method), path)
     }
@@ -65,7 +69,22 @@ impl<'a> CallMeta<'a> {
             .position(|b| b == b'?' || b == b'#')
             .and_then(|end| path.get(..end))
             .unwrap_or(path);
-        Self::new(Route::Http { method, path })
+        // Routes are matched on the path the server serves: `/v1/search/../charges` is a call
+        // to `/v1/charges` (a client that parses URLs, reqwest's, sends it so already; an
+        // `http::Uri` keeps the dots). Looked for only in a path with a dot or an escape.
+        let resolved = if path.bytes().any(|b| b == b'.' || b == b'%') {
+            match retryplane_policy::uri_path::without_dot_segments(path) {
+                Cow::Owned(p) => Some(p.into_boxed_str()),
+                Cow::Borrowed(_) => None,
+            }
+        } else {
+            None
+        };
+        Self::new(Route::Http {
+            method,
+            path,
+            resolved,
+        })
     }
 
     /// A gRPC call to `/pkg.Service/Method`. Not idempotent unless declared with
@@ -181,7 +200,14 @@ impl<'a> CallMeta<'a> {
     /// The policy lookup target.
     pub(crate) fn target(&self) -> Target<'_> {
         match &self.route {
-            Route::Http { method, path } => Target::Http { method, path },
+            Route::Http {
+                method,
+                path,
+                resolved,
+            } => Target::Http {
+                method,
+                path: resolved.as_deref().unwrap_or(path),
+            },
             Route::Grpc { path } => Target::Grpc { path },
             Route::None => Target::Endpoint,
         }
@@ -196,7 +222,7 @@ impl<'a> CallMeta<'a> {
         }
     }
 
-    /// The path for logs (no query string), or `-`.
+    /// The path for logs (no query string, dot segments as given), or `-`.
     pub(crate) fn path(&self) -> &str {
         match &self.route {
             Route::Http { path, .. } | Route::Grpc { path } => path,
@@ -276,6 +302,28 @@ mod tests {
         assert_eq!(CallMeta::http("GET", "/a#b?c").path(), "/a");
         assert_eq!(CallMeta::http("GET", "?q=1").path(), "");
         assert_eq!(CallMeta::http("GET", "/é/ü?x").path(), "/é/ü");
+    }
+
+    #[test]
+    fn routes_are_matched_on_the_path_with_its_dot_segments_resolved() {
+        let m = CallMeta::http("POST", "/v1/search/../charges?x=/..");
+        assert_eq!(
+            m.target(),
+            Target::Http {
+                method: "POST",
+                path: "/v1/charges"
+            }
+        );
+        // Logged as given.
+        assert_eq!(m.path(), "/v1/search/../charges");
+        let m = CallMeta::http_as_sent(&http::Method::GET, "/a/%2E/b.json");
+        assert_eq!(
+            m.target(),
+            Target::Http {
+                method: "GET",
+                path: "/a/b.json"
+            }
+        );
     }
 
     #[test]

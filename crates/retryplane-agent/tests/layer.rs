@@ -160,6 +160,31 @@ async fn post_without_the_key_is_not_retried_and_with_it_is() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_route_is_chosen_by_the_path_the_server_serves_not_by_a_prefix_it_only_seems_to_have() {
+    // Searches are POSTs that may be repeated; charges are not. `/v1/search/../charges` is a
+    // charge to the server (it resolves dot segments, as an `http::Uri` does not): not retried.
+    let agent = agent(&policy(
+        "max_attempts: 3\nroutes:\n  - match: {method: POST, path_prefix: /v1/search}\n    idempotent_methods: [POST]",
+    ));
+    let post = |uri: &str| {
+        Request::builder()
+            .method("POST")
+            .uri(uri)
+            .body(Full::new(Bytes::from_static(b"q")))
+            .unwrap()
+    };
+    let (response, seen) = call(&agent, &[503], post("http://up/v1/search/../charges")).await;
+    assert_gave_up_after_one(&response, 503, GiveUpCause::NotRetryable);
+    assert_eq!(seen.len(), 1);
+    // Spelled with escaped dots too; and a search reached through dots is one.
+    let (_, seen) = call(&agent, &[503], post("http://up/v1/search/%2e%2E/charges")).await;
+    assert_eq!(seen.len(), 1);
+    let (response, seen) = call(&agent, &[503], post("http://up/v1/charges/../search?q=1")).await;
+    assert_eq!(response.status(), 200);
+    assert_eq!(seen.len(), 2);
+}
+
+#[tokio::test(start_paused = true)]
 async fn an_extension_method_in_lower_case_is_not_taken_for_its_standard_namesake() {
     // Methods are case-sensitive (RFC 9110 §9.1): `get` is not `GET`, so not idempotent.
     let agent = agent(&policy("max_attempts: 3"));

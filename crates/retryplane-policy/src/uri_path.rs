@@ -8,7 +8,8 @@
 //! `/%C3%BCber`. An escaped reserved character stays distinct from the character itself
 //! (`%2F` is not a `/`), as the RFC has it. A `%` not followed by two hex digits is a plain `%`
 //! (`validate` warns about one in a prefix: a request carries a `%` as `%25`, which is not a
-//! plain `%`). Dot segments (`/a/../b`) are not resolved.
+//! plain `%`). Dot segments (`/a/../b`) are not resolved here: the agent resolves them in a
+//! call's path first ([`without_dot_segments`]), as the server it goes to reads it.
 //!
 //! Written here rather than taken from a URL crate: the comparison runs on every call for
 //! every route tried, and it needs no allocation and no decoding at all for the paths nearly
@@ -87,6 +88,57 @@ pub fn canonical(prefix: &str) -> Cow<'_, str> {
     }
 }
 
+/// `path` with its dot segments resolved (RFC 3986 §5.2.4: `/a/./b` is `/a/b`, `/a/b/../c` is
+/// `/a/c`, `/a/..` is `/`), a dot in any spelling (`%2E`, `%2e`: an escaped unreserved
+/// character is that character, RFC 3986 §6.2.2.2), as a server reads the path before it
+/// serves it: a route must not be chosen by a prefix the path only seems to have
+/// (`/v1/search/../charges` is a call to `/v1/charges`). Other segments are kept as written
+/// (empty ones too: `//a` is not `/a`). Borrowed when there is none, and for a path that does
+/// not start with `/` (an origin-form path always does).
+pub fn without_dot_segments(path: &str) -> Cow<'_, str> {
+    if !path.starts_with('/') || !path.split('/').any(|seg| dots(seg).is_some()) {
+        return Cow::Borrowed(path);
+    }
+    let mut kept: Vec<&str> = Vec::new();
+    let mut segments = path[1..].split('/').peekable();
+    while let Some(seg) = segments.next() {
+        let last = segments.peek().is_none();
+        match dots(seg) {
+            Some(1) => {}
+            Some(_) => {
+                kept.pop();
+            }
+            None => kept.push(seg),
+        }
+        // A dot segment last leaves the path ending in `/` (`/a/b/..` is `/a/`).
+        if last && dots(seg).is_some() {
+            kept.push("");
+        }
+    }
+    let mut out = String::with_capacity(path.len());
+    for seg in kept {
+        out.push('/');
+        out.push_str(seg);
+    }
+    Cow::Owned(out)
+}
+
+/// `Some(1)` for a segment that is `.`, `Some(2)` for `..`, in any spelling; `None` otherwise.
+fn dots(seg: &str) -> Option<usize> {
+    // At most two dots, each one byte or three (`%2E`).
+    if seg.is_empty() || seg.len() > 6 {
+        return None;
+    }
+    let mut n = 0;
+    for unit in Units(seg.as_bytes()) {
+        if unit.byte != b'.' {
+            return None;
+        }
+        n += 1;
+    }
+    (n <= 2).then_some(n)
+}
+
 /// The byte offset of the first `%` in `s` not followed by two hex digits, if any: such a
 /// `%` is not an escape, and a request carries a `%` as `%25`.
 pub fn stray_percent(s: &str) -> Option<usize> {
@@ -159,6 +211,50 @@ fn is_unreserved(b: u8) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn dot_segments_are_resolved_as_rfc_3986_has_it() {
+        for (path, resolved) in [
+            // RFC 3986 §5.2.4's examples, and §5.4's that apply to a path alone.
+            ("/a/b/c/./../../g", "/a/g"),
+            ("/b/c/./g", "/b/c/g"),
+            ("/b/c/../g", "/b/g"),
+            ("/b/c/..", "/b/"),
+            ("/b/c/../", "/b/"),
+            ("/b/c/.", "/b/c/"),
+            ("/b/c/./", "/b/c/"),
+            ("/..", "/"),
+            ("/../../g", "/g"),
+            ("/.", "/"),
+            ("/a/..", "/"),
+            // Any spelling of a dot.
+            ("/v1/search/%2e%2E/charges", "/v1/charges"),
+            ("/v1/search/.%2e/charges", "/v1/charges"),
+            ("/v1/%2E/charges", "/v1/charges"),
+            // Empty segments kept.
+            ("//a/../b", "//b"),
+            ("/a//../b", "/a/b"),
+        ] {
+            assert_eq!(without_dot_segments(path), resolved, "{path}");
+        }
+        for kept in [
+            "/v1/charges",
+            "/a/.b/c.json",
+            "/a/.../b",
+            "/a/%2E%2E%2E",
+            "/a/%2Fb",
+            "",
+            "*",
+            "a/../b",
+            "/",
+            "/a/b/",
+        ] {
+            assert!(
+                matches!(without_dot_segments(kept), Cow::Borrowed(p) if p == kept),
+                "{kept}"
+            );
+        }
+    }
 
     #[test]
     fn the_bytes_as_written_match_as_before() {
