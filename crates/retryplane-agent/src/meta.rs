@@ -63,16 +63,21 @@ impl<'a> CallMeta<'a> {
     }
 
     fn http_route(method: Cow<'static, str>, path: &'a str) -> Self {
-        // A byte scan: `?` and `#` are ASCII, so the cut is on a character boundary.
-        let path = path
-            .bytes()
-            .position(|b| b == b'?' || b == b'#')
-            .and_then(|end| path.get(..end))
-            .unwrap_or(path);
+        // One byte scan: to the query or fragment (`?` and `#` are ASCII, so the cut is on a
+        // character boundary), noting a dot or an escape on the way.
+        let (mut end, mut dotted) = (path.len(), false);
+        for (i, b) in path.bytes().enumerate() {
+            if b == b'?' || b == b'#' {
+                end = i;
+                break;
+            }
+            dotted |= b == b'.' || b == b'%';
+        }
+        let path = path.get(..end).unwrap_or(path);
         // Routes are matched on the path the server serves: `/v1/search/../charges` is a call
         // to `/v1/charges` (a client that parses URLs, reqwest's, sends it so already; an
         // `http::Uri` keeps the dots). Looked for only in a path with a dot or an escape.
-        let resolved = if path.bytes().any(|b| b == b'.' || b == b'%') {
+        let resolved = if dotted {
             match retryplane_policy::uri_path::without_dot_segments(path) {
                 Cow::Owned(p) => Some(p.into_boxed_str()),
                 Cow::Borrowed(_) => None,
