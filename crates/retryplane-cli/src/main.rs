@@ -106,6 +106,7 @@ enum Command {
     ///
     /// The simulated calls are GET requests under the endpoint's own policy: its routes are
     /// not consulted.
+    #[command(after_long_help = simulate::FIGURES)]
     Simulate(simulate::Args),
     /// Make one HTTP call under an endpoint's policy and show every attempt.
     Request(request::Args),

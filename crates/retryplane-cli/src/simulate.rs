@@ -23,6 +23,28 @@ use crate::input::{Source, no_such_endpoint};
 use crate::output::{self, Format};
 use crate::{Outcome, Report};
 
+/// What the report's figures mean, for `--help` (the definitions are `retryplane_sim::stats`'s;
+/// README's "Simulate a retry storm" says the same).
+pub const FIGURES: &str = "\
+The figures, per variant:
+  logical calls        calls started (arrivals during --duration)
+  upstream attempts    requests sent to the upstream, shed ones included (a call refused by
+                       an open breaker sends none)
+  amplification        attempts / logical calls over the whole run; incident mean: attempts
+                       sent in the incident's seconds / calls started in them; incident peak
+                       (1s): the largest such ratio of one second (it can pass max_attempts:
+                       a second's attempts include retries of calls started before it)
+  peak attempts/s      the most attempts sent in one second
+  success              calls that returned a success / logical calls
+  latency p50, p99     start to result of every call, success or not
+  gave up: CAUSE       calls that ended without a success, by cause (as `request` names it)
+  time to recover      from the incident's end to the first second whose calls succeed at 95%
+                       of the rate before it (not in run: never within the run)
+
+The incident's seconds are those wholly inside the outage or throttle (every second for
+error-rate). The upstream sheds requests past --capacity (a token bucket of 100 ms) with 503,
+and answers an outage's or throttle's requests without using capacity.";
+
 /// `retryplane simulate` flags, as parsed.
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -51,7 +73,9 @@ pub struct Args {
     /// 503 [default: 1.5 × clients × rate, at most 10⁹].
     #[arg(long, value_name = "C")]
     capacity: Option<f64>,
-    /// The upstream's base latency when not loaded (at most 60s).
+    /// The upstream's base latency (at most 60s): an answer takes it × uniform[0.5, 1.5], and a
+    /// served request up to 4 times that as the upstream nears its capacity (so a per-try
+    /// timeout near it times out some calls even with no failures).
     #[arg(long, value_name = "L", default_value = "20ms", value_parser = latency)]
     latency: Duration,
     /// Seed of every random choice; the same seed gives the same output.

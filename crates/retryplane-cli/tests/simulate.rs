@@ -91,6 +91,37 @@ fn text_output_has_a_column_per_variant_and_every_figure() {
 }
 
 #[test]
+fn every_figure_printed_is_explained_in_the_help() {
+    let dir = dir();
+    let text = stdout(&mut simulate(dir.path(), &[]));
+    let help = stdout(
+        Command::cargo_bin("retryplane")
+            .unwrap()
+            .args(["simulate", "--help"]),
+    );
+    let rows = text
+        .lines()
+        .skip_while(|l| !l.contains("no-budget"))
+        .skip(1)
+        .take_while(|l| !l.is_empty());
+    let mut seen = 0;
+    for row in rows {
+        let label = row.trim().split("  ").next().unwrap();
+        let explained = if label.starts_with("gave up: ") {
+            "gave up: CAUSE"
+        } else {
+            label
+                .trim_end_matches(" (1s)")
+                .trim_end_matches(" p50")
+                .trim_end_matches(" p99")
+        };
+        assert!(help.contains(explained), "{label:?} is not in\n{help}");
+        seen += 1;
+    }
+    assert!(seen >= 10, "{text}");
+}
+
+#[test]
 fn json_output_is_the_same_byte_for_byte_for_the_same_seed() {
     let dir = dir();
     let a = stdout(&mut simulate(

@@ -125,6 +125,11 @@ pub enum ConfigError {
     /// A probability outside `0..=1`.
     #[error("scenario `{0}`: the error rate must be a number between 0 and 1")]
     ErrorRate(String),
+    /// A throttle's Retry-After that is not whole seconds, as HTTP's `Retry-After` is.
+    #[error(
+        "scenario `{0}`: RETRY_AFTER must be whole seconds, as HTTP's Retry-After is (an agent ignores `1.5`)"
+    )]
+    RetryAfterNotWholeSeconds(String),
     /// The outage or throttle lasts zero time.
     #[error("scenario `{0}`: the length must be more than 0s")]
     EmptyWindow(String),
@@ -218,10 +223,14 @@ impl FromStr for Scenario {
             "throttle" => {
                 let (span, retry_after) = rest.rsplit_once(':').ok_or_else(bad)?;
                 let (start, len) = window(span)?;
+                let retry_after = dur(retry_after)?;
+                if retry_after.subsec_nanos() != 0 {
+                    return Err(ConfigError::RetryAfterNotWholeSeconds(text.to_owned()));
+                }
                 Ok(Scenario::Throttle {
                     start,
                     len,
-                    retry_after: dur(retry_after)?,
+                    retry_after,
                 })
             }
             _ => Err(bad()),
@@ -353,11 +362,11 @@ mod tests {
             assert_eq!(s.to_string(), text);
         }
         assert_eq!(
-            "throttle:1500ms+2s:500ms".parse::<Scenario>().unwrap(),
+            "throttle:1500ms+2s:2000ms".parse::<Scenario>().unwrap(),
             Scenario::Throttle {
                 start: Duration::from_millis(1500),
                 len: Duration::from_secs(2),
-                retry_after: Duration::from_millis(500)
+                retry_after: Duration::from_secs(2)
             }
         );
     }
@@ -377,6 +386,12 @@ mod tests {
         assert!(e.contains("between 0 and 1"), "{e}");
         let e = "outage:1s+0s".parse::<Scenario>().unwrap_err().to_string();
         assert!(e.contains("more than 0s"), "{e}");
+        // HTTP's Retry-After is whole seconds: a scenario cannot send what no upstream can.
+        let e = "throttle:1s+2s:1500ms"
+            .parse::<Scenario>()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("RETRY_AFTER must be whole seconds"), "{e}");
     }
 
     #[test]
