@@ -30,6 +30,7 @@ enum Route<'a> {
 /// count as a key.
 /// The path is borrowed, not copied (a copy cost about as much as the rest of the agent's
 /// bookkeeping on a call that succeeds at once): build the meta where the request's path lives.
+/// Only a path with a dot segment or a `\` is resolved into a copy, for route matching.
 #[derive(Clone, Debug)]
 pub struct CallMeta<'a> {
     route: Route<'a>,
@@ -46,7 +47,8 @@ impl<'a> CallMeta<'a> {
     /// An HTTP call: `method` (any case) and path; a query string is cut off and never used or
     /// logged. Idempotency comes from the policy's `idempotent_methods` and the key header.
     /// Routes are matched on the path with its dot segments resolved (`/v1/search/../charges`
-    /// is a call to `/v1/charges`, as the server serves it).
+    /// is a call to `/v1/charges`, as the server serves it) and `\` read as `/`, as
+    /// `retryplane explain --path` reads it.
     pub fn http(method: &str, path: &'a str) -> Self {
         Self::http_route(upper_method(method), path)
     }
@@ -64,24 +66,22 @@ impl<'a> CallMeta<'a> {
 
     fn http_route(method: Cow<'static, str>, path: &'a str) -> Self {
         // One byte scan: to the query or fragment (`?` and `#` are ASCII, so the cut is on a
-        // character boundary), noting a dot or an escape on the way.
-        let (mut end, mut dotted) = (path.len(), false);
+        // character boundary), noting on the way a segment that starts with a dot or an escape
+        // (a dot segment's start) and a `\`.
+        let (mut end, mut dotted, mut slash) = (path.len(), false, false);
+        let mut prev = 0u8;
         for (i, b) in path.bytes().enumerate() {
             if b == b'?' || b == b'#' {
                 end = i;
                 break;
             }
-            dotted |= b == b'.' || b == b'%';
+            dotted |= prev == b'/' && (b == b'.' || b == b'%');
+            slash |= b == b'\\';
+            prev = b;
         }
         let path = path.get(..end).unwrap_or(path);
-        // Routes are matched on the path the server serves: `/v1/search/../charges` is a call
-        // to `/v1/charges` (a client that parses URLs, reqwest's, sends it so already; an
-        // `http::Uri` keeps the dots). Looked for only in a path with a dot or an escape.
-        let resolved = if dotted {
-            match retryplane_policy::uri_path::without_dot_segments(path) {
-                Cow::Owned(p) => Some(p.into_boxed_str()),
-                Cow::Borrowed(_) => None,
-            }
+        let resolved = if dotted || slash {
+            resolved_path(path, slash)
         } else {
             None
         };
@@ -252,6 +252,25 @@ impl<'a> CallMeta<'a> {
     }
 }
 
+/// What routes are matched on when it differs from `path`: the path the server serves, its dot
+/// segments resolved (`/v1/search/../charges` is a call to `/v1/charges`; a client that parses
+/// URLs, reqwest's, sends it so already, where an `http::Uri` keeps the dots), and with
+/// `backslash`, each `\` read as `/` first, as URL parsers (WHATWG's, reqwest's, so
+/// `retryplane explain --path`) and servers that follow them (IIS, Node's) read it.
+#[cold]
+fn resolved_path(path: &str, backslash: bool) -> Option<Box<str>> {
+    let slashed = if backslash {
+        Cow::Owned(path.replace('\\', "/"))
+    } else {
+        Cow::Borrowed(path)
+    };
+    match retryplane_policy::uri_path::without_dot_segments(&slashed) {
+        Cow::Owned(p) => Some(p.into_boxed_str()),
+        Cow::Borrowed(_) if backslash => Some(slashed.into_owned().into_boxed_str()),
+        Cow::Borrowed(_) => None,
+    }
+}
+
 /// The methods of RFC 9110 and PATCH, kept without an allocation.
 const STANDARD_METHODS: [&str; 9] = [
     "GET", "POST", "PUT", "DELETE", "HEAD", "OPTIONS", "PATCH", "CONNECT", "TRACE",
@@ -329,6 +348,29 @@ mod tests {
                 path: "/a/b.json"
             }
         );
+        // `\` is read as `/`, as URL parsers and `retryplane explain --path` read it.
+        for (given, matched) in [
+            ("/v1/search\\..\\charges", "/v1/charges"),
+            ("/v1\\charges", "/v1/charges"),
+            ("/v1.2/items/a.json", "/v1.2/items/a.json"),
+            ("//evil/v1/search/../charges", "//evil/v1/charges"),
+        ] {
+            let m = CallMeta::http("POST", given);
+            assert_eq!(
+                m.target(),
+                Target::Http {
+                    method: "POST",
+                    path: matched
+                },
+                "{given}"
+            );
+            assert_eq!(m.path(), given);
+        }
+        // A dot that starts no segment is not looked at again.
+        assert!(matches!(
+            CallMeta::http("GET", "/v1.2/a.json").route,
+            Route::Http { resolved: None, .. }
+        ));
     }
 
     #[test]

@@ -176,9 +176,15 @@ async fn a_route_is_chosen_by_the_path_the_server_serves_not_by_a_prefix_it_only
     let (response, seen) = call(&agent, &[503], post("http://up/v1/search/../charges")).await;
     assert_gave_up_after_one(&response, 503, GiveUpCause::NotRetryable);
     assert_eq!(seen.len(), 1);
-    // Spelled with escaped dots too; and a search reached through dots is one.
-    let (_, seen) = call(&agent, &[503], post("http://up/v1/search/%2e%2E/charges")).await;
-    assert_eq!(seen.len(), 1);
+    // Spelled with escaped dots, or with `\` (a URL parser's, and IIS', `/`), too; and a
+    // search reached through dots is one.
+    for uri in [
+        "http://up/v1/search/%2e%2E/charges",
+        "http://up/v1/search\\..\\charges",
+    ] {
+        let (_, seen) = call(&agent, &[503], post(uri)).await;
+        assert_eq!(seen.len(), 1, "{uri}");
+    }
     let (response, seen) = call(&agent, &[503], post("http://up/v1/charges/../search?q=1")).await;
     assert_eq!(response.status(), 200);
     assert_eq!(seen.len(), 2);

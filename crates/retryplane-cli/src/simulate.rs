@@ -39,11 +39,14 @@ The figures, per variant:
   latency p50, p99     start to result of every call, success or not
   gave up: CAUSE       calls that ended without a success, by cause (as `request` names it)
   time to recover      from the incident's end to the first second whose calls succeed at 95%
-                       of the rate before it (not in run: never within the run)
+                       of the rate before it; not in run: no such second before the run's
+                       end; n/a: the incident does not end within the run (error-rate)
 
-The incident's seconds are those wholly inside the outage or throttle (every second for
-error-rate). The upstream sheds requests past --capacity (a token bucket of 100 ms) with 503,
-and answers an outage's or throttle's requests without using capacity.";
+The incident's seconds are those wholly inside the outage or throttle (if none, those it
+overlaps; every second for error-rate). A variant that made no call shows n/a for its ratios,
+shares and latencies. The upstream sheds requests past --capacity (a token bucket holding
+100 ms of it, at least 10 requests) with 503, and answers an outage's or throttle's requests
+without using capacity.";
 
 /// `retryplane simulate` flags, as parsed.
 #[derive(Debug, clap::Args)]

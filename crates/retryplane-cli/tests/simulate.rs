@@ -119,6 +119,10 @@ fn every_figure_printed_is_explained_in_the_help() {
         seen += 1;
     }
     assert!(seen >= 10, "{text}");
+    // The words a figure may read instead of a number.
+    for word in ["not in run", "n/a"] {
+        assert!(help.contains(word), "{word:?} is not in\n{help}");
+    }
 }
 
 #[test]

@@ -339,6 +339,21 @@ impl Config {
                 calls,
             });
         }
+        // What parsing the scenario's text checks, for one built in code.
+        match self.scenario {
+            Scenario::ErrorRate { p } if !(0.0..=1.0).contains(&p) => {
+                return Err(ConfigError::ErrorRate(self.scenario.to_string()));
+            }
+            Scenario::Outage { len, .. } | Scenario::Throttle { len, .. } if len.is_zero() => {
+                return Err(ConfigError::EmptyWindow(self.scenario.to_string()));
+            }
+            Scenario::Throttle { retry_after, .. } if retry_after.subsec_nanos() != 0 => {
+                return Err(ConfigError::RetryAfterNotWholeSeconds(
+                    self.scenario.to_string(),
+                ));
+            }
+            _ => {}
+        }
         if let Some((start, _)) = self.scenario.window()
             && start >= self.duration
         {
@@ -392,6 +407,26 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("RETRY_AFTER must be whole seconds"), "{e}");
+        // A scenario built in code is checked as its text would be.
+        for scenario in [
+            Scenario::Throttle {
+                start: Duration::from_secs(1),
+                len: Duration::from_secs(2),
+                retry_after: Duration::from_millis(500),
+            },
+            Scenario::Outage {
+                start: Duration::from_secs(1),
+                len: Duration::ZERO,
+            },
+            Scenario::ErrorRate { p: f64::NAN },
+            Scenario::ErrorRate { p: 1.5 },
+        ] {
+            let config = Config {
+                scenario,
+                ..Config::default()
+            };
+            assert!(config.validate().is_err(), "{scenario:?}");
+        }
     }
 
     #[test]

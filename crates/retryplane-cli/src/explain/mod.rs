@@ -152,10 +152,10 @@ impl TryFrom<Args> for Settings {
 
 /// `path` (starting with `/`, no query) as a client that parses URLs sends it: dot segments
 /// resolved (`%2e` spellings too) and `\` read as `/`, as `retryplane request` sends it (its
-/// URL parser is reqwest's). A path the parser refuses is kept as given.
+/// URL parser is reqwest's). A path the parser refuses is kept as given. Parsed as the path of
+/// a whole URL, not joined to one: a path that starts with `//` is a path, not a host.
 fn as_sent(path: &str) -> String {
-    reqwest::Url::parse("http://h/")
-        .and_then(|base| base.join(path))
+    reqwest::Url::parse(&format!("http://h{path}"))
         .map_or_else(|_| path.to_owned(), |url| url.path().to_owned())
 }
 
@@ -337,6 +337,8 @@ mod tests {
             ("/v1/charges/%2e%2e/x", "/v1/x"),
             ("/v1\\charges", "/v1/charges"),
             ("/v1/./a/", "/v1/a/"),
+            // A path, not a host, as the agent reads it.
+            ("//evil/v1/search/../charges", "//evil/v1/charges"),
         ] {
             assert_eq!(given(typed), (sent.to_owned(), Some(typed.to_owned())));
         }
