@@ -14,8 +14,6 @@ enum Route<'a> {
     Http {
         method: Cow<'static, str>,
         path: &'a str,
-        /// `path` with its dot segments resolved, when it has any: what routes are matched on.
-        resolved: Option<Box<str>>,
     },
     Grpc {
         path: &'a str,
@@ -30,7 +28,6 @@ enum Route<'a> {
 /// count as a key.
 /// The path is borrowed, not copied (a copy cost about as much as the rest of the agent's
 /// bookkeeping on a call that succeeds at once): build the meta where the request's path lives.
-/// Only a path with a dot segment or a `\` is resolved into a copy, for route matching.
 #[derive(Clone, Debug)]
 pub struct CallMeta<'a> {
     route: Route<'a>,
@@ -46,9 +43,9 @@ pub struct CallMeta<'a> {
 impl<'a> CallMeta<'a> {
     /// An HTTP call: `method` (any case) and path; a query string is cut off and never used or
     /// logged. Idempotency comes from the policy's `idempotent_methods` and the key header.
-    /// Routes are matched on the path with its dot segments resolved (`/v1/search/../charges`
-    /// is a call to `/v1/charges`, as the server serves it) and `\` read as `/`, as
-    /// `retryplane explain --path` reads it.
+    /// Routes are matched on the path as the server serves it, its dot segments resolved and
+    /// `\` read as `/` (`/v1/search/../charges` is a call to `/v1/charges`:
+    /// [`retryplane_policy::uri_path::as_served`]); logs show it as given.
     pub fn http(method: &str, path: &'a str) -> Self {
         Self::http_route(upper_method(method), path)
     }
@@ -65,31 +62,13 @@ impl<'a> CallMeta<'a> {
     }
 
     fn http_route(method: Cow<'static, str>, path: &'a str) -> Self {
-        // One byte scan: to the query or fragment (`?` and `#` are ASCII, so the cut is on a
-        // character boundary), noting on the way a segment that starts with a dot or an escape
-        // (a dot segment's start) and a `\`.
-        let (mut end, mut dotted, mut slash) = (path.len(), false, false);
-        let mut prev = 0u8;
-        for (i, b) in path.bytes().enumerate() {
-            if b == b'?' || b == b'#' {
-                end = i;
-                break;
-            }
-            dotted |= prev == b'/' && (b == b'.' || b == b'%');
-            slash |= b == b'\\';
-            prev = b;
-        }
-        let path = path.get(..end).unwrap_or(path);
-        let resolved = if dotted || slash {
-            resolved_path(path, slash)
-        } else {
-            None
-        };
-        Self::new(Route::Http {
-            method,
-            path,
-            resolved,
-        })
+        // A byte scan: `?` and `#` are ASCII, so the cut is on a character boundary.
+        let path = path
+            .bytes()
+            .position(|b| b == b'?' || b == b'#')
+            .and_then(|end| path.get(..end))
+            .unwrap_or(path);
+        Self::new(Route::Http { method, path })
     }
 
     /// A gRPC call to `/pkg.Service/Method`. Not idempotent unless declared with
@@ -205,14 +184,7 @@ impl<'a> CallMeta<'a> {
     /// The policy lookup target.
     pub(crate) fn target(&self) -> Target<'_> {
         match &self.route {
-            Route::Http {
-                method,
-                path,
-                resolved,
-            } => Target::Http {
-                method,
-                path: resolved.as_deref().unwrap_or(path),
-            },
+            Route::Http { method, path } => Target::Http { method, path },
             Route::Grpc { path } => Target::Grpc { path },
             Route::None => Target::Endpoint,
         }
@@ -227,7 +199,7 @@ impl<'a> CallMeta<'a> {
         }
     }
 
-    /// The path for logs (no query string, dot segments as given), or `-`.
+    /// The path for logs (no query string), or `-`.
     pub(crate) fn path(&self) -> &str {
         match &self.route {
             Route::Http { path, .. } | Route::Grpc { path } => path,
@@ -249,25 +221,6 @@ impl<'a> CallMeta<'a> {
                 .iter()
                 .any(|n| n.as_str().eq_ignore_ascii_case(key));
         (idempotent, has_key)
-    }
-}
-
-/// What routes are matched on when it differs from `path`: the path the server serves, its dot
-/// segments resolved (`/v1/search/../charges` is a call to `/v1/charges`; a client that parses
-/// URLs, reqwest's, sends it so already, where an `http::Uri` keeps the dots), and with
-/// `backslash`, each `\` read as `/` first, as URL parsers (WHATWG's, reqwest's, so
-/// `retryplane explain --path`) and servers that follow them (IIS, Node's) read it.
-#[cold]
-fn resolved_path(path: &str, backslash: bool) -> Option<Box<str>> {
-    let slashed = if backslash {
-        Cow::Owned(path.replace('\\', "/"))
-    } else {
-        Cow::Borrowed(path)
-    };
-    match retryplane_policy::uri_path::without_dot_segments(&slashed) {
-        Cow::Owned(p) => Some(p.into_boxed_str()),
-        Cow::Borrowed(_) if backslash => Some(slashed.into_owned().into_boxed_str()),
-        Cow::Borrowed(_) => None,
     }
 }
 
@@ -326,51 +279,6 @@ mod tests {
         assert_eq!(CallMeta::http("GET", "/a#b?c").path(), "/a");
         assert_eq!(CallMeta::http("GET", "?q=1").path(), "");
         assert_eq!(CallMeta::http("GET", "/é/ü?x").path(), "/é/ü");
-    }
-
-    #[test]
-    fn routes_are_matched_on_the_path_with_its_dot_segments_resolved() {
-        let m = CallMeta::http("POST", "/v1/search/../charges?x=/..");
-        assert_eq!(
-            m.target(),
-            Target::Http {
-                method: "POST",
-                path: "/v1/charges"
-            }
-        );
-        // Logged as given.
-        assert_eq!(m.path(), "/v1/search/../charges");
-        let m = CallMeta::http_as_sent(&http::Method::GET, "/a/%2E/b.json");
-        assert_eq!(
-            m.target(),
-            Target::Http {
-                method: "GET",
-                path: "/a/b.json"
-            }
-        );
-        // `\` is read as `/`, as URL parsers and `retryplane explain --path` read it.
-        for (given, matched) in [
-            ("/v1/search\\..\\charges", "/v1/charges"),
-            ("/v1\\charges", "/v1/charges"),
-            ("/v1.2/items/a.json", "/v1.2/items/a.json"),
-            ("//evil/v1/search/../charges", "//evil/v1/charges"),
-        ] {
-            let m = CallMeta::http("POST", given);
-            assert_eq!(
-                m.target(),
-                Target::Http {
-                    method: "POST",
-                    path: matched
-                },
-                "{given}"
-            );
-            assert_eq!(m.path(), given);
-        }
-        // A dot that starts no segment is not looked at again.
-        assert!(matches!(
-            CallMeta::http("GET", "/v1.2/a.json").route,
-            Route::Http { resolved: None, .. }
-        ));
     }
 
     #[test]

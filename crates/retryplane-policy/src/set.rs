@@ -34,14 +34,40 @@ pub struct EndpointPolicy {
 }
 
 impl EndpointPolicy {
-    /// The policy for `target`: the first matching route's, else the endpoint's.
+    /// The policy for `target`: the first matching route's, else the endpoint's. An HTTP
+    /// path is matched as the server serves it ([`crate::uri_path::as_served`]:
+    /// `/v1/search/../charges` is a call to `/v1/charges`, not one under `/v1/search`).
     ///
     /// A plain loop rather than `Iterator::find`: the compiler kept `find` as a call of its own
     /// in the caller's crate (BENCHMARKS.md, section 1).
     #[inline(always)]
     pub fn resolve(&self, target: &Target<'_>) -> &Arc<RetryPolicy> {
+        if let Target::Http { method, path } = *target
+            && !self.routes.is_empty()
+            && crate::uri_path::may_be_served_as_another(path)
+        {
+            return self.resolve_as_served(method, path);
+        }
         for route in self.routes.iter() {
             if route.matcher.matches(target) {
+                return &route.policy;
+            }
+        }
+        &self.policy
+    }
+
+    /// [`EndpointPolicy::resolve`] for a path that may be served as another: out of line, as
+    /// few paths are.
+    #[cold]
+    #[inline(never)]
+    fn resolve_as_served(&self, method: &str, path: &str) -> &Arc<RetryPolicy> {
+        let served = crate::uri_path::as_served(path);
+        let target = Target::Http {
+            method,
+            path: &served,
+        };
+        for route in self.routes.iter() {
+            if route.matcher.matches(&target) {
                 return &route.policy;
             }
         }

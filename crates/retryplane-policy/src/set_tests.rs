@@ -322,6 +322,41 @@ fn prefixes_are_compared_in_any_spelling_and_a_stray_percent_is_warned() {
 }
 
 #[test]
+fn a_path_is_matched_as_the_server_serves_it() {
+    let src = "version: 1\nendpoints:\n  u:\n    max_attempts: 1\n    routes:\n      - match: {path_prefix: /v1/search}\n        max_attempts: 4\n      - match: {path_prefix: /v1.2/}\n        max_attempts: 3\n";
+    let set = load(src.as_bytes()).policies.unwrap();
+    let attempts = |path: &str| {
+        set.resolve(
+            "u",
+            &Target::Http {
+                method: "POST",
+                path,
+            },
+        )
+        .map(|p| p.max_attempts)
+    };
+    // A prefix the path only seems to have: the server serves `/v1/charges`.
+    for path in [
+        "/v1/search/../charges",
+        "/v1/search/%2e%2E/charges",
+        "/v1/search\\..\\charges",
+        "/v1/search/./../charges",
+    ] {
+        assert_eq!(attempts(path), Some(1), "{path}");
+    }
+    // And one it has, reached through dots or a `\`.
+    for path in [
+        "/v1/charges/../search",
+        "/v1\\search",
+        "/v1/./search/x",
+        "/v1.2/items",
+        "/a/../v1.2/b.json",
+    ] {
+        assert!(attempts(path) > Some(1), "{path}");
+    }
+}
+
+#[test]
 fn yes_and_on_are_strings_a_boolean_field_refuses_them_and_an_endpoint_may_have_the_name() {
     let src = "version: 1\nendpoints:\n  a:\n    retry_after: {honor: yes}\n    budget: {enabled: off}\n    circuit_breaker: {enabled: 1}\n";
     assert_eq!(

@@ -8,8 +8,8 @@
 //! `/%C3%BCber`. An escaped reserved character stays distinct from the character itself
 //! (`%2F` is not a `/`), as the RFC has it. A `%` not followed by two hex digits is a plain `%`
 //! (`validate` warns about one in a prefix: a request carries a `%` as `%25`, which is not a
-//! plain `%`). Dot segments (`/a/../b`) are not resolved here: the agent resolves them in a
-//! call's path first ([`without_dot_segments`]), as the server it goes to reads it.
+//! plain `%`). Dot segments (`/a/../b`) are not compared here: a call's path is resolved first
+//! ([`as_served`]), as the server it goes to reads it.
 //!
 //! Written here rather than taken from a URL crate: the comparison runs on every call for
 //! every route tried, and it needs no allocation and no decoding at all for the paths nearly
@@ -85,6 +85,31 @@ pub fn canonical(prefix: &str) -> Cow<'_, str> {
         Cow::Borrowed(prefix)
     } else {
         Cow::Owned(out)
+    }
+}
+
+/// Whether `path` has a `.`, a `%` or a `\`: only such a path may be served as another
+/// ([`as_served`]). A fold rather than `any`, as [`has_escapes`]: the route lookup scans every
+/// call's path with it.
+#[inline(always)]
+pub fn may_be_served_as_another(path: &str) -> bool {
+    path.as_bytes().iter().fold(false, |seen, &b| {
+        seen | (b == b'.') | (b == b'%') | (b == b'\\')
+    })
+}
+
+/// `path` as a server reads it before it serves it, for route matching: each `\` read as `/`
+/// (as URL parsers do, WHATWG's and reqwest's, and the servers that follow them, IIS, Node),
+/// then its dot segments resolved ([`without_dot_segments`]). Borrowed when that changes
+/// nothing.
+pub fn as_served(path: &str) -> Cow<'_, str> {
+    if !path.contains('\\') {
+        return without_dot_segments(path);
+    }
+    let slashed = path.replace('\\', "/");
+    match without_dot_segments(&slashed) {
+        Cow::Owned(p) => Cow::Owned(p),
+        Cow::Borrowed(_) => Cow::Owned(slashed),
     }
 }
 
@@ -253,6 +278,30 @@ mod tests {
                 matches!(without_dot_segments(kept), Cow::Borrowed(p) if p == kept),
                 "{kept}"
             );
+        }
+    }
+
+    #[test]
+    fn a_backslash_is_a_slash_to_the_server_and_only_a_path_that_may_change_is_looked_at() {
+        assert_eq!(as_served("/v1/search\\..\\charges"), "/v1/charges");
+        assert_eq!(as_served("/v1\\charges"), "/v1/charges");
+        assert_eq!(as_served("/v1/search/../charges"), "/v1/charges");
+        assert!(matches!(
+            as_served("/v1/a.json"),
+            Cow::Borrowed("/v1/a.json")
+        ));
+        for (path, may) in [
+            ("/v1/items/12345", false),
+            ("/", false),
+            ("/v1.2/x", true),
+            ("/a%2Fb", true),
+            ("/a\\b", true),
+        ] {
+            assert_eq!(may_be_served_as_another(path), may, "{path}");
+            // A path that may not be served as another is served as it is.
+            if !may {
+                assert_eq!(as_served(path), path);
+            }
         }
     }
 
