@@ -374,11 +374,9 @@ pub(crate) struct IdleClosing {
 }
 
 impl IdleClosing {
-    pub(crate) fn new(listener: TcpListener) -> Self {
-        Self::with_limit(listener, MAX_CONNECTIONS)
-    }
-
-    fn with_limit(listener: TcpListener, max: usize) -> Self {
+    /// The listener on `listener`, holding at most `max` connections ([`MAX_CONNECTIONS`]
+    /// unless the open-file limit is low: `crate::places::listener_caps`).
+    pub(crate) fn with_limit(listener: TcpListener, max: usize) -> Self {
         Self {
             listener,
             open: Arc::new(Semaphore::new(max)),

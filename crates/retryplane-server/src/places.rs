@@ -8,9 +8,10 @@
 //! listener holds at most a number of connections ([`Capped`]): past it, the next is accepted
 //! once one closes, and the rest wait in the kernel's queue, holding no descriptor of the
 //! process (as the HTTP listener does, [`crate::idle::MAX_CONNECTIONS`]). The admin listener
-//! holds [`ADMIN_MAX_CONNECTIONS`]; the agent listener what [`agent_connections`] works out:
-//! room for each agent's connection and a second while it reconnects, and never more than the
-//! open-file limit leaves beside the other listeners and [`RESERVED_FILES`].
+//! holds [`ADMIN_MAX_CONNECTIONS`]; the agent listener room for each agent's connection and a
+//! second while it reconnects; all three no more than the open-file limit leaves beside
+//! [`RESERVED_FILES`] ([`listener_caps`]: under a limit of 1,152 the admin and HTTP listeners
+//! hold a quarter of what it leaves each, so that no listener's flood takes the others').
 //!
 //! With a tokens file, a full listener accepts the next connection all the same (one descriptor
 //! past the cap) and makes room for it by closing the oldest of its connections on which no
@@ -63,23 +64,44 @@ pub const ADMIN_MAX_CONNECTIONS: usize = 256;
 /// standard input and outputs.
 pub const RESERVED_FILES: u64 = 128;
 
-/// The agent listener's cap: `wanted` (the configured cap, or `max_agents` plus the pending
-/// handshakes), and whether the open-file limit `open_files` (`None`: unknown or unlimited)
-/// lowered it (then it is what the limit leaves beside the admin and HTTP listeners' caps and
-/// [`RESERVED_FILES`], and at least 1).
-pub fn agent_connections(wanted: usize, open_files: Option<u64>) -> (usize, bool) {
-    let Some(limit) = open_files else {
-        return (wanted, false);
+/// How many connections each listener holds at once ([`listener_caps`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ListenerCaps {
+    /// The agent listener's.
+    pub agent: usize,
+    /// The admin listener's ([`ADMIN_MAX_CONNECTIONS`] unless the open-file limit is low).
+    pub admin: usize,
+    /// The HTTP listener's ([`crate::idle::MAX_CONNECTIONS`] unless the open-file limit is low).
+    pub http: usize,
+}
+
+/// The listeners' caps under the open-file limit `open_files` (`None`: unknown or unlimited),
+/// with `wanted` the agent listener's (the configured cap, or `max_agents` twice plus the
+/// pending handshakes), and whether the limit lowered the agent listener's. What the limit
+/// leaves beside [`RESERVED_FILES`] is shared: the admin and HTTP listeners hold their usual
+/// 256 each, or a quarter of it each when that is less (under a limit of 1,152), and the agent
+/// listener the rest; each at least 1. Without the quarters, a limit of 256 left the agent
+/// listener 1 connection and the HTTP listener's 256 places more descriptors than the
+/// process had, so a flood of it failed the probes and the policy file's reads.
+pub fn listener_caps(wanted: usize, open_files: Option<u64>) -> (ListenerCaps, bool) {
+    let usual = ListenerCaps {
+        agent: wanted,
+        admin: ADMIN_MAX_CONNECTIONS,
+        http: crate::idle::MAX_CONNECTIONS,
     };
-    let others = (ADMIN_MAX_CONNECTIONS + crate::idle::MAX_CONNECTIONS) as u64 + RESERVED_FILES;
-    let room = usize::try_from(limit.saturating_sub(others))
-        .unwrap_or(usize::MAX)
-        .max(1);
-    if wanted > room {
-        (room, true)
-    } else {
-        (wanted, false)
-    }
+    let Some(limit) = open_files else {
+        return (usual, false);
+    };
+    let room = usize::try_from(limit.saturating_sub(RESERVED_FILES)).unwrap_or(usize::MAX);
+    let quarter = (room / 4).max(1);
+    let (admin, http) = (usual.admin.min(quarter), usual.http.min(quarter));
+    let agent_room = room.saturating_sub(admin + http).max(1);
+    let caps = ListenerCaps {
+        agent: wanted.min(agent_room),
+        admin,
+        http,
+    };
+    (caps, wanted > agent_room)
 }
 
 /// The process's open-file limit (the soft one, which `open` is held to); `None` when it is
@@ -295,18 +317,49 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_agent_listeners_cap_is_lowered_to_what_the_open_file_limit_leaves() {
+    fn the_listeners_caps_are_lowered_to_what_the_open_file_limit_leaves() {
+        let caps = |agent, admin, http| ListenerCaps { agent, admin, http };
         let others = (ADMIN_MAX_CONNECTIONS + crate::idle::MAX_CONNECTIONS) as u64 + RESERVED_FILES;
-        assert_eq!(agent_connections(21_024, None), (21_024, false));
-        assert_eq!(agent_connections(21_024, Some(1_048_576)), (21_024, false));
+        assert_eq!(listener_caps(21_024, None), (caps(21_024, 256, 256), false));
         assert_eq!(
-            agent_connections(21_024, Some(20_000)),
-            (20_000 - others as usize, true)
+            listener_caps(21_024, Some(1_048_576)),
+            (caps(21_024, 256, 256), false)
         );
-        assert_eq!(agent_connections(100, Some(others + 100)), (100, false));
-        assert_eq!(agent_connections(101, Some(others + 100)), (100, true));
-        // A limit that leaves nothing still lets one agent in.
-        assert_eq!(agent_connections(5, Some(64)), (1, true));
+        assert_eq!(
+            listener_caps(21_024, Some(20_000)),
+            (caps(20_000 - others as usize, 256, 256), true)
+        );
+        assert_eq!(
+            listener_caps(100, Some(1_252)),
+            (caps(100, 256, 256), false)
+        );
+        assert_eq!(
+            listener_caps(1_000, Some(1_252)),
+            (caps(612, 256, 256), true)
+        );
+        assert_eq!(
+            listener_caps(100, Some(others + 100)),
+            (caps(100, 153, 153), false)
+        );
+        // Under 1,152 the admin and HTTP listeners hold a quarter of what the limit leaves
+        // each, the agent listener the rest: every listener keeps places of its own.
+        assert_eq!(
+            listener_caps(41_024, Some(1_024)),
+            (caps(448, 224, 224), true)
+        );
+        assert_eq!(listener_caps(41_024, Some(256)), (caps(64, 32, 32), true));
+        assert_eq!(listener_caps(10, Some(256)), (caps(10, 32, 32), false));
+        // The caps and the reserve never pass the limit, down to where each listener holds 1.
+        for limit in 131..3_000u64 {
+            let (c, _) = listener_caps(usize::MAX, Some(limit));
+            assert!(
+                (c.agent + c.admin + c.http) as u64 + RESERVED_FILES <= limit,
+                "{limit}"
+            );
+            assert!(c.agent >= c.admin && c.admin >= 1, "{limit}: {c:?}");
+        }
+        // A limit that leaves nothing still lets one connection in on each.
+        assert_eq!(listener_caps(5, Some(64)), (caps(1, 1, 1), true));
     }
 
     /// The oldest connection not admitted is the one evicted; admitted, ended and evicted ones

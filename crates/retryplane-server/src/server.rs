@@ -360,7 +360,19 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
     // Each agent's connection takes a file descriptor: a soft limit of 1,024 (a common
     // default) would hold the fleet to a few hundred agents while the hard limit allows more.
     let open_files = crate::places::raise_open_file_limit();
-    let (agent_connections, lowered) = crate::places::agent_connections(wanted, open_files);
+    let (caps, lowered) = crate::places::listener_caps(wanted, open_files);
+    let agent_connections = caps.agent;
+    if caps.admin < crate::places::ADMIN_MAX_CONNECTIONS {
+        warn!(
+            open_file_limit = open_files,
+            agent = caps.agent,
+            admin = caps.admin,
+            http = caps.http,
+            "the open-file limit is too low for the usual 256 connections of the admin and HTTP \
+             listeners: each holds a quarter of what it leaves, the agent listener the rest; \
+             raise it (`ulimit -n`, at least 1152 and more for agents)"
+        );
+    }
     // A warning when it cannot hold what was asked, or the fleet `max_agents` allows; the
     // default's room for reconnects cut short is only said.
     if lowered && cfg.max_agent_connections.is_some() {
@@ -422,7 +434,7 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
     let stop = stopped(shutdown_rx.clone());
     let accepted = incoming(
         admin_socket,
-        crate::places::ADMIN_MAX_CONNECTIONS,
+        caps.admin,
         &shutdown_rx,
         cfg.connection_idle_timeout,
         cfg.tokens_file.is_some(),
@@ -443,9 +455,13 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
     });
     let stop = stopped(shutdown_rx);
     servers.spawn(async move {
-        crate::idle::serve(crate::idle::IdleClosing::new(http_socket), app, stop)
-            .await
-            .map_err(ServeError::Http)
+        crate::idle::serve(
+            crate::idle::IdleClosing::with_limit(http_socket, caps.http),
+            app,
+            stop,
+        )
+        .await
+        .map_err(ServeError::Http)
     });
     info!(
         %agent_addr,
