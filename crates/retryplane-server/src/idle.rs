@@ -186,7 +186,9 @@ impl Drop for InFlight {
 
 /// Serves `app` on `listener` until `stop`, with the listener's own wiring: HTTP/1.1 only
 /// ([`http1_only`]), and each request counted in flight on its connection ([`count_in_flight`]).
-/// Once `stop` resolves, no connection is accepted and the open ones end after their answers.
+/// Once `stop` resolves, no connection is accepted, those between requests are closed (one
+/// that had sent half a request's head held the shutdown for its whole grace), and the others
+/// end after their answers.
 pub(crate) async fn serve(
     listener: IdleClosing,
     app: axum::Router,
@@ -195,6 +197,11 @@ pub(crate) async fn serve(
     let app = app
         .layer(axum::middleware::from_fn(count_in_flight))
         .layer(axum::middleware::from_fn(http1_only));
+    let open = listener.shown.clone();
+    let stop = async move {
+        stop.await;
+        open.close_between_requests();
+    };
     axum::serve(
         listener,
         app.into_make_service_with_connect_info::<HttpConn>(),
@@ -359,6 +366,17 @@ impl Open {
             list.remove(i);
         }
         evicted.is_some()
+    }
+
+    /// At shutdown: closes every connection with no request in flight and no write waiting,
+    /// however recently a byte moved ([`Shown::evict_if_idle`] as if [`EVICTABLE_AFTER`] had
+    /// passed).
+    fn close_between_requests(&self) {
+        let list = self.shown.lock().unwrap_or_else(|e| e.into_inner());
+        let later = Instant::now() + EVICTABLE_AFTER;
+        for shown in list.iter().filter_map(std::sync::Weak::upgrade) {
+            shown.evict_if_idle(later);
+        }
     }
 }
 
@@ -911,6 +929,58 @@ mod tests {
         .await
         .expect("the probe was not served");
         assert_eq!(answered, "ok");
+    }
+
+    /// A connection that has sent half a request's head does not hold the shutdown (it held
+    /// it for the server's whole grace), and one whose answer is being written is let finish.
+    #[tokio::test]
+    async fn a_shutdown_closes_the_connections_between_requests_and_lets_answers_finish() {
+        const BODY: usize = 4 << 20;
+        let socket = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = socket.local_addr().unwrap();
+        let app = axum::Router::new()
+            .route("/big", axum::routing::get(|| async { vec![b'x'; BODY] }))
+            .route("/healthz", axum::routing::get(|| async { "ok" }));
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let served = tokio::spawn(super::serve(
+            IdleClosing::with_limit(socket, 8),
+            app,
+            async move {
+                let _ = rx.await;
+            },
+        ));
+        let mut half = TcpStream::connect(addr).await.unwrap();
+        half.write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\n")
+            .await
+            .unwrap();
+        let mut kept = TcpStream::connect(addr).await.unwrap();
+        assert_eq!(get(&mut kept, "/healthz").await, "ok");
+        // A large answer, its first bytes read, the rest still to go.
+        let mut big = TcpStream::connect(addr).await.unwrap();
+        big.write_all(b"GET /big HTTP/1.1\r\nhost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut buf = vec![0u8; 64 << 10];
+        let mut got = big.read(&mut buf).await.unwrap();
+        tx.send(()).unwrap();
+        // The half-sent head and the kept-alive connection are closed at once.
+        for client in [&mut half, &mut kept] {
+            let read = tokio::time::timeout(Duration::from_secs(2), client.read(&mut buf)).await;
+            assert!(matches!(read, Ok(Ok(0))), "not closed: {read:?}");
+        }
+        // The answer being written goes out whole, and then the server ends.
+        while let Ok(n) = big.read(&mut buf).await {
+            if n == 0 {
+                break;
+            }
+            got += n;
+        }
+        assert!(got > BODY, "the answer was cut at {got}");
+        tokio::time::timeout(Duration::from_secs(2), served)
+            .await
+            .expect("serve did not end")
+            .unwrap()
+            .unwrap();
     }
 
     /// What tonic makes of the answer to a gRPC call: `UNIMPLEMENTED`, with the message.

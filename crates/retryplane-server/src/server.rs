@@ -636,7 +636,7 @@ impl Running {
         .await;
         if drained.is_err() {
             warn!(
-                connections = self.connections.count(),
+                grpc_connections = self.connections.count(),
                 "the servers did not stop within {SHUTDOWN_GRACE:?}; closing the remaining connections"
             );
             self.servers.shutdown().await;
