@@ -8,7 +8,8 @@
 //! can be used), `agent: ADDR`, `admin: ADDR`, `http: ADDR`; logs go to stderr (`RUST_LOG`,
 //! default `info`; the file watching crate's own messages only at error unless `RUST_LOG`
 //! names `notify`). Stdout that cannot be written (a full disk, closed) is logged as a warning
-//! and serving goes on. SIGTERM or Ctrl-C ends agent streams with "reconnect", drains and exits 0.
+//! and serving goes on. SIGTERM or Ctrl-C ends agent streams with "reconnect", drains and exits 0;
+//! a second one during the drain exits 0 at once.
 //! SIGHUP reads the tokens file again (`Running::reload_tokens`): added, rotated and removed
 //! tokens take effect at once, agent streams whose secret was removed end, and a file that
 //! cannot be used is logged and leaves the tokens in force.
@@ -408,7 +409,14 @@ async fn serve(settings: ServeConfig) -> anyhow::Result<()> {
             () = hangups.recv() => reloads.hangup(|| running.tokens_reload()),
         }
     };
-    running.shutdown().await?;
+    // A second SIGTERM or Ctrl-C stops at once, not waiting out the drain's grace (a person
+    // who pressed Ctrl-C twice; every stored version is already durable).
+    tokio::select! {
+        stopped = running.shutdown() => stopped?,
+        () = terminated.recv() => {
+            warn!("a second SIGTERM or Ctrl-C: stopping now, without waiting for the connections to drain");
+        }
+    }
     match stopped {
         Some(Err(e)) => Err(e).context("the control plane stopped"),
         Some(Ok(())) => anyhow::bail!("the control plane stopped unexpectedly"),

@@ -37,6 +37,58 @@ async fn serve_prints_its_addresses_and_stops_on_sigterm() {
     assert!(dir.path().join("data").is_dir());
 }
 
+/// A second SIGTERM during the drain stops the process at once: a health `Watch` (which holds
+/// the drain for its whole grace) does not keep it.
+#[cfg(unix)]
+#[tokio::test]
+async fn a_second_sigterm_stops_at_once_without_the_drains_grace() {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
+    let dir = tempfile::tempdir().unwrap();
+    let (mut child, addrs) = serve(dir.path(), &[]).await;
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", addrs[0].1))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut statuses = HealthClient::new(channel)
+        .watch(HealthCheckRequest {
+            service: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let status = |m: Option<tonic_health::pb::HealthCheckResponse>| m.map(|m| m.status);
+    let first = statuses.message().await.unwrap();
+    assert_eq!(status(first), Some(ServingStatus::Serving as i32));
+    let pid = child.id().unwrap().to_string();
+    let kill = || async {
+        let sent = Command::new("kill").args(["-TERM", &pid]).status().await;
+        assert!(sent.unwrap().success());
+    };
+    kill().await;
+    // The drain has begun once the watch hears of it.
+    let next = tokio::time::timeout(BOUND, statuses.message()).await;
+    assert_eq!(
+        status(next.unwrap().unwrap()),
+        Some(ServingStatus::NotServing as i32)
+    );
+    let second = tokio::time::Instant::now();
+    kill().await;
+    let exited = tokio::time::timeout(BOUND, child.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(exited.success(), "{exited:?}");
+    // The drain's grace is 5 s; stopping at once takes well under it.
+    assert!(
+        second.elapsed() < Duration::from_secs(3),
+        "{:?} after the second SIGTERM",
+        second.elapsed()
+    );
+    drop(statuses);
+}
+
 /// `/dev/full`, which every write fails ("no space left on device"), as a full log disk or
 /// a log pipe whose reader died does.
 #[cfg(target_os = "linux")]
