@@ -913,7 +913,7 @@ fn warn_if_world_readable(path: &Path, file: &std::fs::File) {
     if let Ok(meta) = file.metadata()
         && meta.permissions().mode() & 0o004 != 0
     {
-        tracing::warn!(file = %path.display(), "the tokens file is readable by every user; chmod 600 it");
+        tracing::warn!(file = %path.display(), "the tokens file is readable by every user; make it readable by its owner only (chmod 600, or a mounted secret's mode 0400)");
     }
 }
 
