@@ -325,6 +325,9 @@ impl From<Args> for ServeConfig {
     }
 }
 
+/// How long the process waits at its end for tasks still on the runtime's blocking threads.
+const BLOCKING_AT_EXIT: Duration = Duration::from_secs(2);
+
 /// Serves until a signal; see the module docs. Nothing is left for `main` to print.
 pub fn run(settings: ServeConfig) -> anyhow::Result<Report> {
     init_logging();
@@ -332,7 +335,12 @@ pub fn run(settings: ServeConfig) -> anyhow::Result<Report> {
         .enable_all()
         .build()
         .context("cannot start the async runtime")?;
-    runtime.block_on(serve(settings))?;
+    let served = runtime.block_on(serve(settings));
+    // Tasks on the runtime's blocking threads (a read of the policy file on a mount that does
+    // not answer, a `/metrics` render) are waited for this long at most: a runtime dropped as
+    // usual waits for them for good, and a stop (a second signal's above all) must end.
+    runtime.shutdown_timeout(BLOCKING_AT_EXIT);
+    served?;
     Ok(Report {
         stdout: String::new(),
         outcome: Outcome::Success,

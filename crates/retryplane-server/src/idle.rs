@@ -300,7 +300,7 @@ pub(crate) async fn count_in_flight(
         return (
             axum::http::StatusCode::SERVICE_UNAVAILABLE,
             [(axum::http::header::CONNECTION, "close")],
-            "the connection was closed to make room for another; ask again",
+            "the connection was closed (to make room for another, or at shutdown); ask again",
         )
             .into_response();
     };
