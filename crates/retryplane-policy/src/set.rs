@@ -48,6 +48,12 @@ impl EndpointPolicy {
         {
             return self.resolve_as_served(method, path);
         }
+        self.first_match(target)
+    }
+
+    /// The first route's policy that `target` matches, as it is, else the endpoint's.
+    #[inline(always)]
+    fn first_match(&self, target: &Target<'_>) -> &Arc<RetryPolicy> {
         for route in self.routes.iter() {
             if route.matcher.matches(target) {
                 return &route.policy;
@@ -62,16 +68,10 @@ impl EndpointPolicy {
     #[inline(never)]
     fn resolve_as_served(&self, method: &str, path: &str) -> &Arc<RetryPolicy> {
         let served = crate::uri_path::as_served(path);
-        let target = Target::Http {
+        self.first_match(&Target::Http {
             method,
             path: &served,
-        };
-        for route in self.routes.iter() {
-            if route.matcher.matches(&target) {
-                return &route.policy;
-            }
-        }
-        &self.policy
+        })
     }
 }
 

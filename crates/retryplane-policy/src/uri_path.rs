@@ -128,8 +128,8 @@ pub fn without_dot_segments(path: &str) -> Cow<'_, str> {
     let mut kept: Vec<&str> = Vec::new();
     let mut segments = path[1..].split('/').peekable();
     while let Some(seg) = segments.next() {
-        let last = segments.peek().is_none();
-        match dots(seg) {
+        let dot = dots(seg);
+        match dot {
             Some(1) => {}
             Some(_) => {
                 kept.pop();
@@ -137,7 +137,7 @@ pub fn without_dot_segments(path: &str) -> Cow<'_, str> {
             None => kept.push(seg),
         }
         // A dot segment last leaves the path ending in `/` (`/a/b/..` is `/a/`).
-        if last && dots(seg).is_some() {
+        if dot.is_some() && segments.peek().is_none() {
             kept.push("");
         }
     }
