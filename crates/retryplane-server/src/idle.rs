@@ -132,6 +132,12 @@ impl Shown {
     /// not closed yet, and no byte moved for [`EVICTABLE_AFTER`] (a request's head still
     /// coming moves bytes; one that trickles slower than that is fair game). Whether it was.
     fn evict_if_idle(&self, now: Instant) -> bool {
+        self.evict_if_quiet_for(EVICTABLE_AFTER, now)
+    }
+
+    /// [`Shown::evict_if_idle`] with `quiet` for the time no byte may have moved (none at
+    /// shutdown, when a connection between requests is closed however lately it moved).
+    fn evict_if_quiet_for(&self, quiet: Duration, now: Instant) -> bool {
         let now_ms = u64::try_from(now.saturating_duration_since(self.epoch).as_millis())
             .unwrap_or(u64::MAX);
         let mut state = self.lock();
@@ -139,7 +145,7 @@ impl Shown {
         if state.in_flight > 0
             || state.writing
             || state.evicted
-            || u128::from(quiet_ms) < EVICTABLE_AFTER.as_millis()
+            || u128::from(quiet_ms) < quiet.as_millis()
         {
             return false;
         }
@@ -369,13 +375,12 @@ impl Open {
     }
 
     /// At shutdown: closes every connection with no request in flight and no write waiting,
-    /// however recently a byte moved ([`Shown::evict_if_idle`] as if [`EVICTABLE_AFTER`] had
-    /// passed).
+    /// however recently a byte moved.
     fn close_between_requests(&self) {
         let list = self.shown.lock().unwrap_or_else(|e| e.into_inner());
-        let later = Instant::now() + EVICTABLE_AFTER;
+        let now = Instant::now();
         for shown in list.iter().filter_map(std::sync::Weak::upgrade) {
-            shown.evict_if_idle(later);
+            shown.evict_if_quiet_for(Duration::ZERO, now);
         }
     }
 }
