@@ -797,14 +797,32 @@ mod tests {
             .expect("handed out once one closed");
     }
 
-    /// The production wiring of the HTTP listener around `app`: `limit` connections, each
-    /// request counted on its connection until its answer is out.
-    fn serve(socket: TcpListener, limit: usize, app: axum::Router) {
+    /// The production wiring of the HTTP listener around `app` and a `/healthz` that answers
+    /// `ok`, on a free loopback port: `limit` connections, each request counted on its
+    /// connection until its answer is out. Its address.
+    async fn serving(limit: usize, app: axum::Router) -> SocketAddr {
+        let socket = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = socket.local_addr().unwrap();
+        let app = app.route("/healthz", axum::routing::get(|| async { "ok" }));
         tokio::spawn(super::serve(
             IdleClosing::with_limit(socket, limit),
             app,
             std::future::pending(),
         ));
+        addr
+    }
+
+    /// A probe on a new connection to `addr` is served within the time a full listener takes to
+    /// make room for it (a stalled write's end, then the eviction's turns).
+    async fn probe_is_served(addr: SocketAddr) {
+        let mut probe = TcpStream::connect(addr).await.unwrap();
+        let answered = tokio::time::timeout(
+            WRITE_STALL + EVICTABLE_AFTER * 3,
+            get(&mut probe, "/healthz"),
+        )
+        .await
+        .expect("the probe was not served: another connection holds the only place");
+        assert_eq!(answered, "ok");
     }
 
     /// An HTTP/2 connection to `addr` with the client's window set to `window`, driven on a
@@ -828,10 +846,7 @@ mod tests {
     /// body, so its connection holds no request and is closed for room like any quiet one.
     #[tokio::test]
     async fn an_http2_client_with_a_window_of_0_does_not_keep_a_probe_out() {
-        let socket = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = socket.local_addr().unwrap();
-        let app = axum::Router::new().route("/healthz", axum::routing::get(|| async { "ok" }));
-        serve(socket, 1, app);
+        let addr = serving(1, axum::Router::new()).await;
         let mut h2 = h2_client(addr, 0).await;
         let request = axum::http::Request::get(format!("http://{addr}/healthz"))
             .body(())
@@ -840,14 +855,7 @@ mod tests {
         let response = response.await.unwrap();
         assert_eq!(response.status(), 505);
         assert!(response.body().is_end_stream(), "no body to wait on");
-        let mut probe = TcpStream::connect(addr).await.unwrap();
-        let answered = tokio::time::timeout(
-            WRITE_STALL + EVICTABLE_AFTER * 3,
-            get(&mut probe, "/healthz"),
-        )
-        .await
-        .expect("the probe was not served: the HTTP/2 connection holds the only place");
-        assert_eq!(answered, "ok");
+        probe_is_served(addr).await;
     }
 
     /// A gRPC call over HTTP/2 (a CLI or an agent given this listener's address) is answered
@@ -855,10 +863,7 @@ mod tests {
     /// alone, saying what listens here.
     #[tokio::test]
     async fn a_grpc_call_is_answered_unimplemented_in_the_headers_alone() {
-        let socket = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = socket.local_addr().unwrap();
-        let app = axum::Router::new().route("/healthz", axum::routing::get(|| async { "ok" }));
-        serve(socket, 4, app);
+        let addr = serving(4, axum::Router::new()).await;
         let mut h2 = h2_client(addr, 65_535).await;
         let request =
             axum::http::Request::post(format!("http://{addr}/retryplane.v1.AdminService/History"))
@@ -905,10 +910,7 @@ mod tests {
     /// stream reset, and the connection closed for room once quiet.
     #[tokio::test]
     async fn an_http2_request_whose_body_never_ends_does_not_keep_a_probe_out() {
-        let socket = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = socket.local_addr().unwrap();
-        let app = axum::Router::new().route("/healthz", axum::routing::get(|| async { "ok" }));
-        serve(socket, 1, app);
+        let addr = serving(1, axum::Router::new()).await;
         let mut h2 = h2_client(addr, 0).await;
         let request = axum::http::Request::post(format!("http://{addr}/healthz"))
             .header("content-type", "application/grpc")
@@ -926,14 +928,7 @@ mod tests {
         .expect("the stream was not reset")
         .unwrap();
         assert_eq!(reset, h2::Reason::NO_ERROR);
-        let mut probe = TcpStream::connect(addr).await.unwrap();
-        let answered = tokio::time::timeout(
-            WRITE_STALL + EVICTABLE_AFTER * 3,
-            get(&mut probe, "/healthz"),
-        )
-        .await
-        .expect("the probe was not served");
-        assert_eq!(answered, "ok");
+        probe_is_served(addr).await;
     }
 
     /// A connection that has sent half a request's head does not hold the shutdown (it held
@@ -991,10 +986,7 @@ mod tests {
     /// What tonic makes of the answer to a gRPC call: `UNIMPLEMENTED`, with the message.
     #[tokio::test]
     async fn tonic_sees_unimplemented_with_what_listens_here() {
-        let socket = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = socket.local_addr().unwrap();
-        let app = axum::Router::new().route("/healthz", axum::routing::get(|| async { "ok" }));
-        serve(socket, 4, app);
+        let addr = serving(4, axum::Router::new()).await;
         let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
             .unwrap()
             .connect()
@@ -1060,10 +1052,7 @@ mod tests {
     /// end.
     #[tokio::test]
     async fn a_full_listener_closes_an_idle_kept_alive_connection_for_the_next() {
-        let socket = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = socket.local_addr().unwrap();
-        let app = axum::Router::new().route("/healthz", axum::routing::get(|| async { "ok" }));
-        serve(socket, 1, app);
+        let addr = serving(1, axum::Router::new()).await;
         let mut kept = TcpStream::connect(addr).await.unwrap();
         assert_eq!(get(&mut kept, "/healthz").await, "ok");
         let mut probe = TcpStream::connect(addr).await.unwrap();
@@ -1085,12 +1074,9 @@ mod tests {
     #[tokio::test]
     async fn an_answer_being_written_is_not_closed_for_room() {
         const BODY: usize = 16 << 20;
-        let socket = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = socket.local_addr().unwrap();
-        let app = axum::Router::new()
-            .route("/big", axum::routing::get(|| async { vec![b'x'; BODY] }))
-            .route("/healthz", axum::routing::get(|| async { "ok" }));
-        serve(socket, 1, app);
+        let app =
+            axum::Router::new().route("/big", axum::routing::get(|| async { vec![b'x'; BODY] }));
+        let addr = serving(1, app).await;
         let client = tokio::net::TcpSocket::new_v4().unwrap();
         client.set_recv_buffer_size(4096).unwrap();
         let mut client = client.connect(addr).await.unwrap();
@@ -1126,18 +1112,14 @@ mod tests {
     /// cut when a probe comes to a full listener: it is in flight though no byte moves.
     #[tokio::test]
     async fn a_pipelined_request_being_answered_is_not_closed_for_room() {
-        let socket = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = socket.local_addr().unwrap();
-        let app = axum::Router::new()
-            .route("/healthz", axum::routing::get(|| async { "ok" }))
-            .route(
-                "/slow",
-                axum::routing::get(|| async {
-                    tokio::time::sleep(EVICTABLE_AFTER * 3).await;
-                    "slow"
-                }),
-            );
-        serve(socket, 1, app);
+        let app = axum::Router::new().route(
+            "/slow",
+            axum::routing::get(|| async {
+                tokio::time::sleep(EVICTABLE_AFTER * 3).await;
+                "slow"
+            }),
+        );
+        let addr = serving(1, app).await;
         let mut client = TcpStream::connect(addr).await.unwrap();
         client
             .write_all(
