@@ -51,7 +51,6 @@ async fn channel(addr: SocketAddr) -> Channel {
         .unwrap()
 }
 
-/// A gRPC call's head for a raw HTTP/2 client: `POST path`, gRPC content type, trailers.
 /// An HTTP/2 connection to `addr`, driven on a task of its own (the handle ends with it).
 async fn h2_connection(
     addr: SocketAddr,
@@ -72,12 +71,29 @@ fn with_tokens(contents: &str) -> (tempfile::TempDir, ServeConfig) {
     (dir, cfg)
 }
 
+/// A gRPC call's head for a raw HTTP/2 client: `POST path`, gRPC content type, trailers.
 fn grpc_post(path: &str) -> http::Request<()> {
     http::Request::post(path)
         .header("content-type", "application/grpc")
         .header("te", "trailers")
         .body(())
         .unwrap()
+}
+
+/// Sends [`grpc_post`] of `path`, with no body, on the connection of `send` once it has room
+/// for a stream: the answer to come.
+async fn grpc_send(
+    send: &h2::client::SendRequest<bytes::Bytes>,
+    path: &str,
+) -> h2::client::ResponseFuture {
+    let (answer, _) = send
+        .clone()
+        .ready()
+        .await
+        .unwrap()
+        .send_request(grpc_post(path), true)
+        .unwrap();
+    answer
 }
 
 async fn admin(running: &Running) -> AdminServiceClient<Channel> {
@@ -1792,13 +1808,7 @@ async fn a_connection_that_carried_no_call_is_closed_before_the_idle_timeout() {
     let (_silent_agent, silent_agent) = h2_connection(running.agent_addr()).await;
     let (_silent_admin, silent_admin) = h2_connection(running.admin_addr).await;
     let (refused_send, refused) = h2_connection(running.admin_addr).await;
-    let (answer, _) = refused_send
-        .clone()
-        .ready()
-        .await
-        .unwrap()
-        .send_request(grpc_post("/retryplane.v1.AdminService/Get"), true)
-        .unwrap();
+    let answer = grpc_send(&refused_send, "/retryplane.v1.AdminService/Get").await;
     let answer = answer.await.unwrap();
     assert_eq!(answer.headers()["grpc-status"], "16", "UNAUTHENTICATED");
     // One admitted call.
@@ -1883,13 +1893,7 @@ async fn a_lone_connection_on_a_full_listener_is_served() {
     let running = start(cfg).await.unwrap();
     let (send, conn) = h2_connection(running.agent_addr()).await;
     for _ in 0..2 {
-        let (answer, _) = send
-            .clone()
-            .ready()
-            .await
-            .unwrap()
-            .send_request(grpc_post("/grpc.health.v1.Health/Check"), true)
-            .unwrap();
+        let answer = grpc_send(&send, "/grpc.health.v1.Health/Check").await;
         let answer = tokio::time::timeout(SHUTDOWN_GRACE, answer)
             .await
             .expect("no answer")
@@ -1916,26 +1920,14 @@ async fn the_agent_listener_holds_at_most_its_cap_of_connections() {
     for _ in 0..2 {
         let (send, conn) = h2_connection(addr).await;
         // Served: a health check is answered.
-        let (answer, _) = send
-            .clone()
-            .ready()
-            .await
-            .unwrap()
-            .send_request(grpc_post("/grpc.health.v1.Health/Check"), true)
-            .unwrap();
+        let answer = grpc_send(&send, "/grpc.health.v1.Health/Check").await;
         assert_eq!(answer.await.unwrap().status(), 200);
         held.push((send, conn));
     }
     // The third connects (the kernel's queue) but is not served while both are held.
     let (send, mut conn) = h2_connection(addr).await;
     let third = async {
-        let (answer, _) = send
-            .clone()
-            .ready()
-            .await
-            .unwrap()
-            .send_request(grpc_post("/grpc.health.v1.Health/Check"), true)
-            .unwrap();
+        let answer = grpc_send(&send, "/grpc.health.v1.Health/Check").await;
         answer.await.unwrap().status()
     };
     tokio::pin!(third);
