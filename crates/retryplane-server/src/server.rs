@@ -362,46 +362,7 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
     let open_files = crate::places::raise_open_file_limit();
     let (caps, lowered) = crate::places::listener_caps(wanted, open_files);
     let agent_connections = caps.agent;
-    if caps.admin < crate::places::ADMIN_MAX_CONNECTIONS {
-        warn!(
-            open_file_limit = open_files,
-            agent = caps.agent,
-            admin = caps.admin,
-            http = caps.http,
-            "the open-file limit is too low for the usual 256 connections of the admin and HTTP \
-             listeners: each holds a quarter of what it leaves, the agent listener the rest; \
-             raise it (`ulimit -n`, at least 1152 and more for agents)"
-        );
-    }
-    // A warning when it cannot hold what was asked, or the fleet `max_agents` allows; the
-    // default's room for reconnects cut short is only said.
-    if lowered && cfg.max_agent_connections.is_some() {
-        warn!(
-            wanted,
-            held = agent_connections,
-            open_file_limit = open_files,
-            "the agent listener holds fewer connections than --max-agent-connections asks: the \
-             process's open-file limit leaves no more beside the other listeners; raise it \
-             (`ulimit -n`) for more agents"
-        );
-    } else if lowered && agent_connections < cfg.max_agents {
-        // Nothing asked of the connections themselves: what falls short is --max-agents.
-        warn!(
-            max_agents = cfg.max_agents,
-            held = agent_connections,
-            open_file_limit = open_files,
-            "the agent listener holds fewer connections than --max-agents allows agents: the \
-             process's open-file limit leaves no more beside the other listeners; raise it \
-             (`ulimit -n`), or lower --max-agents to what the fleet needs"
-        );
-    } else if lowered {
-        info!(
-            wanted,
-            held = agent_connections,
-            open_file_limit = open_files,
-            "the agent listener's room for reconnecting agents is cut to what the open-file limit leaves"
-        );
-    }
+    say_caps(&cfg, wanted, open_files, caps, lowered);
     let mut servers = JoinSet::new();
     let agent_router = grpc_server(&cfg, Some(AGENT_PENDING_RESETS))
         .add_service(agent_health_service)
@@ -483,6 +444,58 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
         tokens,
         connections,
     })
+}
+
+/// Logs how the open-file limit `open_files` cut the listeners' caps
+/// ([`crate::places::listener_caps`]): a warning when the admin and HTTP listeners get less
+/// than their usual 256, or the agent listener less than `--max-agent-connections` asks
+/// (`wanted`) or `--max-agents` allows; the default's room for reconnects cut short is only
+/// said.
+fn say_caps(
+    cfg: &ServeConfig,
+    wanted: usize,
+    open_files: Option<u64>,
+    caps: crate::places::ListenerCaps,
+    lowered: bool,
+) {
+    if caps.admin < crate::places::ADMIN_MAX_CONNECTIONS {
+        warn!(
+            open_file_limit = open_files,
+            agent = caps.agent,
+            admin = caps.admin,
+            http = caps.http,
+            "the open-file limit is too low for the usual 256 connections of the admin and HTTP \
+             listeners: each holds a quarter of what it leaves, the agent listener the rest; \
+             raise it (`ulimit -n`, at least 1152 and more for agents)"
+        );
+    }
+    if lowered && cfg.max_agent_connections.is_some() {
+        warn!(
+            wanted,
+            held = caps.agent,
+            open_file_limit = open_files,
+            "the agent listener holds fewer connections than --max-agent-connections asks: the \
+             process's open-file limit leaves no more beside the other listeners; raise it \
+             (`ulimit -n`) for more agents"
+        );
+    } else if lowered && caps.agent < cfg.max_agents {
+        // Nothing asked of the connections themselves: what falls short is --max-agents.
+        warn!(
+            max_agents = cfg.max_agents,
+            held = caps.agent,
+            open_file_limit = open_files,
+            "the agent listener holds fewer connections than --max-agents allows agents: the \
+             process's open-file limit leaves no more beside the other listeners; raise it \
+             (`ulimit -n`), or lower --max-agents to what the fleet needs"
+        );
+    } else if lowered {
+        info!(
+            wanted,
+            held = caps.agent,
+            open_file_limit = open_files,
+            "the agent listener's room for reconnecting agents is cut to what the open-file limit leaves"
+        );
+    }
 }
 
 /// The gRPC health service's name, advertised by reflection on both listeners.
