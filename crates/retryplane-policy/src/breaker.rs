@@ -33,7 +33,8 @@
 //!
 //! # Implementation
 //!
-//! Lock-free. The state is one `AtomicU64` (open flag, a 15-bit generation bumped on every
+//! Lock-free but for a failure counted while closed, added under the line's mutex (below). The
+//! state is one `AtomicU64` (open flag, a 15-bit generation bumped on every
 //! transition, and in the open state the end of `open_for` in milliseconds since `origin`,
 //! rounded up), changed only by CAS, so exactly one thread performs each transition. Acquiring a
 //! permit while closed is one atomic load; recording an outcome is a load and one increment of
@@ -45,9 +46,10 @@
 //! cleared when the breaker opens. Time comes in as `now` values.
 //!
 //! The breakers of one line of hand-overs share a list of weak references, oldest first
-//! (`line.rs`, as budgets do: a mutex touched when a breaker joins, opens or closes, and
-//! by the outcomes recorded in a breaker taken over from; never on an acquire, nor on an
-//! outcome of the newest). They all measure time from the first one's origin, so an open
+//! (`line.rs`, as budgets do: a mutex touched when a breaker joins, opens or closes, by the
+//! outcomes recorded in a breaker taken over from, and by a failure counted in a closed window,
+//! so that a hand-over's copy of the window and the failures counted meanwhile cannot miss each
+//! other; never on an acquire, nor on a success of the newest). They all measure time from the first one's origin, so an open
 //! period's end means
 //! the same instant in each. The list rather than a single successor link: a breaker in the
 //! middle of a chain may be gone while the oldest still serves calls, and one breaker may be
@@ -207,12 +209,17 @@ impl CircuitBreaker {
             line: old.line.clone(),
             ..Self::new(cfg, old.origin)
         });
-        // Before it joins the line, so that no opening can come between and leave the counts
-        // in an open breaker (an opening clears the window; so does the one read below).
-        if old.state.load(Acquire) & OPEN == 0 {
-            breaker.take_counts(old);
-        }
-        line::join_after(old, &breaker);
+        // Under the line's lock, with `old` marked taken over: a failure `old` counts itself
+        // is added under the same lock after it saw it was not taken over (`count`), so it is
+        // in `old`'s window before the copy or passed on to the new breaker after it. (Copied
+        // before the join, the failures `old` counted between the two were in neither window,
+        // and a run of failures racing the hand-over opened neither breaker.) An opening of
+        // `old` after the copy clears the new breaker's window with its own (`open_until`).
+        line::join_after_then(old, &breaker, || {
+            if old.state.load(Acquire) & OPEN == 0 {
+                breaker.take_counts(old);
+            }
+        });
         // Read after joining the line: an opening of `old` either is seen here or, coming
         // after the join (the lock orders them), is passed on to the new breaker.
         let state = old.state.load(Acquire);
@@ -444,14 +451,29 @@ impl CircuitBreaker {
     }
 
     /// Counts an outcome at `nanos` while closed in `state`, and opens if a failure makes the
-    /// opening rule hold.
+    /// opening rule hold. A failure is added under the line's lock, after looking again
+    /// whether another breaker took over meanwhile (it copies this window under the same
+    /// lock, [`CircuitBreaker::taking_over`]): then it is passed on to the newest. A success
+    /// is added without the lock (one missed by a hand-over errs toward opening).
     fn count(&self, state: u64, success: bool, nanos: u64) {
         let slot = self.window.advance(nanos);
         if success {
             self.window.add(slot, SUCCESSES);
             return;
         }
-        self.window.add(slot, FAILURES);
+        {
+            let line = self.line.lock();
+            if !self.superseded.load(Relaxed) {
+                self.window.add(slot, FAILURES);
+            } else {
+                drop(line);
+                if self.pass_outcome_on(false, nanos) {
+                    return;
+                }
+                // The newest is open or half-open: this one counts it, by its own rule.
+                self.window.add(slot, FAILURES);
+            }
+        }
         let [successes, failures] = self
             .window
             .sums(slot, [(Span::Inside, 0), (Span::Inside, 0)]);

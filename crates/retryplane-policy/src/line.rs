@@ -49,6 +49,12 @@ impl<T> Line<T> {
 /// `new` takes over from `old`: it joins `old`'s line as its newest, and `old` is superseded.
 /// `new` must have been made with `old`'s line.
 pub(crate) fn join_after<T: Member>(old: &Arc<T>, new: &Arc<T>) {
+    join_after_then(old, new, || {});
+}
+
+/// [`join_after`], then `then` while the line's lock is still held (what a member does under
+/// the lock cannot come between the two).
+pub(crate) fn join_after_then<T: Member>(old: &Arc<T>, new: &Arc<T>, then: impl FnOnce()) {
     let mut members = old.line().lock();
     if members.is_empty() {
         members.push(Arc::downgrade(old));
@@ -57,6 +63,7 @@ pub(crate) fn join_after<T: Member>(old: &Arc<T>, new: &Arc<T>) {
     members.push(Arc::downgrade(new));
     // Under the lock: `newest` clears it under the lock when the line has no other.
     old.superseded().store(true, Release);
+    then();
 }
 
 /// `new` joins `newest`'s line just before it, superseded from the start: its calls count in
