@@ -215,7 +215,7 @@ impl CircuitBreaker {
         // before the join, the failures `old` counted between the two were in neither window,
         // and a run of failures racing the hand-over opened neither breaker.) An opening of
         // `old` after the copy clears the new breaker's window with its own (`open_until`).
-        line::join_after_then(old, &breaker, || {
+        line::join_after(old, &breaker, || {
             if old.state.load(Acquire) & OPEN == 0 {
                 breaker.take_counts(old);
             }

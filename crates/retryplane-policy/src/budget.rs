@@ -32,7 +32,7 @@
 //!
 //! # Implementation
 //!
-//! Lock-free, no `Mutex`: two counters (requests, retries) in a `SlidingCounter` ring of about ten
+//! Lock-free on a budget's own calls: two counters (requests, retries) in a `SlidingCounter` ring of about ten
 //! slots per window, each slot an `AtomicU64` packing an epoch with a count (see `window.rs`). A
 //! deposit is the `Instant` subtraction (which the engine does once per step for the budget, the
 //! breaker and the deadline), one load, one multiplication and one uncontended CAS; a withdraw
@@ -53,12 +53,20 @@
 //! comes first, SPEC §2 step 6) and takes the retry with the same single CAS once the pause fits
 //! the deadline; that widens the same boundary race by the time the pause takes to compute.
 //!
+//! A push that changes an endpoint's budget settings makes a new budget take over the old one's
+//! counts ([`RetryBudget::taking_over`]); the budgets of such a line share a list under a mutex
+//! (`line.rs`), touched when one joins and by the calls of one taken over from, never by the
+//! newest's own. A retry counted in a budget looks again, after a `SeqCst` fence, whether it was
+//! taken over meanwhile (a hand-over marks it, then copies its window, with a fence between), so
+//! a retry racing a hand-over is counted in the copy, in the new budget, or in both; a deposit
+//! racing it may be in neither, which only makes the budget refuse sooner.
+//!
 //! Time comes in as `now` values, never from the clock. Instants before `origin` count as
 //! `origin`; an instant older than the newest one seen (time going backwards a little, or
 //! threads passing slightly different instants) counts in the newest slot seen.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering, fence};
 
 use tokio::time::Instant;
 
@@ -180,8 +188,18 @@ impl RetryBudget {
         // Calls at their slot's start, retries at its end.
         let mut at_end = [false; 2];
         at_end[RETRIES] = true;
-        budget.window.take_over(&old.window, nanos, at_end);
-        line::join_after(old, &budget);
+        // With `old` marked taken over, and a fence between the mark and the copy: a retry
+        // `old` counts meanwhile is looked at again after it is counted, with a fence between
+        // (`recount_if_taken_over`), so it is in the copy or counted in this budget too.
+        // (Copied before the mark, the retries `old` counted between the two were in neither
+        // window, and calls retrying through a push got more retries than the reserve.) Under
+        // the line's lock: a call on `old` finds this budget through the line only once the
+        // copy is done. A call's deposit in `old` that races the copy may be in neither (it
+        // looks once, before counting): a call too few, which only refuses sooner.
+        line::join_after(old, &budget, || {
+            fence(Ordering::SeqCst);
+            budget.window.take_over(&old.window, nanos, at_end);
+        });
         budget
     }
 
@@ -251,8 +269,13 @@ impl RetryBudget {
     pub fn try_withdraw(&self, now: Instant) -> bool {
         let newest = self.newest();
         let budget = newest.as_deref().unwrap_or(self);
-        let slot = budget.window.advance(nanos_since(budget.origin, now));
-        budget.take_in(slot)
+        let nanos = nanos_since(budget.origin, now);
+        let slot = budget.window.advance(nanos);
+        let taken = budget.take_in(slot);
+        if taken {
+            budget.recount_if_taken_over(nanos);
+        }
+        taken
     }
 
     /// Whether a retry at `now` would be allowed, without counting it.
@@ -306,25 +329,55 @@ impl RetryBudget {
             let newest = self.newest();
             let budget = newest.as_deref().unwrap_or(self);
             let slot = budget.window.advance(w.nanos);
-            return budget.take_in(slot).then_some(Taken {
+            let taken = budget.take_in(slot);
+            if taken {
+                budget.recount_if_taken_over(w.nanos);
+            }
+            return taken.then_some(Taken {
                 slot,
                 budget: budget.id,
             });
         }
         let slot = self.window.advance(w.nanos);
-        if slot != w.slot {
+        let taken = if slot != w.slot {
             // Another thread moved the window on since the check: read it again.
-            return self.take_in(slot).then_some(Taken {
-                slot,
-                budget: self.id,
-            });
+            self.take_in(slot)
+        } else {
+            self.window.try_add(slot, RETRIES, w.older, w.limit)
+        };
+        if taken {
+            self.recount_if_taken_over(w.nanos);
         }
-        self.window
-            .try_add(slot, RETRIES, w.older, w.limit)
-            .then_some(Taken {
-                slot,
-                budget: self.id,
-            })
+        taken.then_some(Taken {
+            slot,
+            budget: self.id,
+        })
+    }
+
+    /// Looks again, after a retry at `nanos` was counted in this budget's own window, whether
+    /// another budget took this one over meanwhile: then the retry is counted in the newest
+    /// too. A hand-over marks this budget taken over, then copies its window, with a fence
+    /// between ([`Self::taking_over`]); the fence here comes between the count and the look.
+    /// Of two fences one comes first, so the copy has the retry or this look sees the mark
+    /// (or both: then it is counted twice, a retry too many and never one too few). Lock-free
+    /// but for a retry that raced a hand-over.
+    fn recount_if_taken_over(&self, nanos: u64) {
+        fence(Ordering::SeqCst);
+        if self.superseded.load(Ordering::Relaxed) {
+            self.recount_in_newest(nanos);
+        }
+    }
+
+    /// [`Self::recount_if_taken_over`] once it saw the mark: in the newest budget of the line
+    /// (found under the line's lock, so after the hand-over's copy), and looking again there.
+    #[cold]
+    #[inline(never)]
+    fn recount_in_newest(&self, nanos: u64) {
+        if let Some(newest) = self.newest() {
+            let slot = newest.window.advance(nanos);
+            newest.window.add(slot, RETRIES);
+            newest.recount_if_taken_over(nanos);
+        }
     }
 
     /// Uncounts a retry [`Self::take`] counted that was never sent (its call was cancelled or

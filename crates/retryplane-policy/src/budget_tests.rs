@@ -384,3 +384,51 @@ fn a_deposit_in_a_budget_whose_successor_is_gone_does_not_touch_the_line_mutex()
     caller.join().unwrap();
     assert!(!blocked, "a deposit waited for the line's mutex");
 }
+
+#[test]
+fn retries_racing_a_hand_over_are_counted_in_one_of_the_two_budgets() {
+    // A push takes the old budget over while its calls keep retrying: a retry the old budget
+    // counts after the new one copied its window, and before the old one is marked taken over,
+    // was in neither of the two windows the calls draw on from then on, and the two together
+    // let more retries through than the reserve.
+    let t0 = Instant::now();
+    let window = Duration::from_secs(10);
+    // A reserve of 20,000 retries per window, before and after the push; no calls.
+    let reserve = 20_000;
+    let at = t0 + Duration::from_secs(1);
+    // As a caller does (`try_withdraw`), and as the engine does (`check_at`, then `take`).
+    let as_the_engine = |b: &RetryBudget| {
+        let mut n = 0;
+        while let Some(w) = b.check_at(nanos_since(t0, at)) {
+            n += u64::from(b.take(w).is_some());
+            assert!(n <= 1_000_000, "budget never ran out");
+        }
+        n
+    };
+    for round in 0..100 {
+        let old = Arc::new(RetryBudget::new(&cfg(0.0, 2_000, window), t0));
+        let started = std::sync::Barrier::new(2);
+        let (allowed, new) = std::thread::scope(|s| {
+            let retrying = s.spawn(|| {
+                started.wait();
+                if round % 2 == 0 {
+                    withdraw_all(&old, at)
+                } else {
+                    as_the_engine(&old)
+                }
+            });
+            started.wait();
+            // Let the retries start before the push.
+            while old.snapshot(at).retries < 100 {
+                std::hint::spin_loop();
+            }
+            let new = RetryBudget::taking_over(&cfg(0.0, 2_000, window), &old, at);
+            (retrying.join(), new)
+        });
+        let allowed = allowed.unwrap_or_default() + withdraw_all(&new, at);
+        assert!(
+            allowed <= reserve,
+            "{allowed} retries allowed against a reserve of {reserve}"
+        );
+    }
+}

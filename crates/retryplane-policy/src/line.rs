@@ -46,15 +46,11 @@ impl<T> Line<T> {
     }
 }
 
-/// `new` takes over from `old`: it joins `old`'s line as its newest, and `old` is superseded.
-/// `new` must have been made with `old`'s line.
-pub(crate) fn join_after<T: Member>(old: &Arc<T>, new: &Arc<T>) {
-    join_after_then(old, new, || {});
-}
-
-/// [`join_after`], then `then` while the line's lock is still held (what a member does under
-/// the lock cannot come between the two).
-pub(crate) fn join_after_then<T: Member>(old: &Arc<T>, new: &Arc<T>, then: impl FnOnce()) {
+/// `new` takes over from `old`: it joins `old`'s line as its newest, and `old` is superseded;
+/// then `then` runs, the line's lock still held (for the copy of `old`'s counts: what a member
+/// does under the lock cannot come between the two, and a superseded member finds `new`
+/// through the line only after it). `new` must have been made with `old`'s line.
+pub(crate) fn join_after<T: Member>(old: &Arc<T>, new: &Arc<T>, then: impl FnOnce()) {
     let mut members = old.line().lock();
     if members.is_empty() {
         members.push(Arc::downgrade(old));
