@@ -98,6 +98,12 @@ enum Command {
     /// Print the fleet's retry metrics per service and endpoint, and lifetime totals.
     Stats(admin::stats::Args),
     /// A live view of the retry metrics, worst retry ratio first; q, Esc or Ctrl-C quits.
+    ///
+    /// On a terminal it redraws in place, and a refresh that fails is shown on the screen and
+    /// tried again at the next interval. Otherwise (or with `--output json`) it prints a block
+    /// (or a JSON line) per refresh: its first refresh must answer (else it exits as the other
+    /// admin commands do), a later one that cannot reach the server is a warning on stderr and
+    /// is tried again at the next interval, and a refusal ends it with exit 1.
     Top(admin::top::Args),
     /// Run the control plane until SIGTERM or Ctrl-C.
     Serve(serve::Args),

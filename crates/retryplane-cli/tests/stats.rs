@@ -428,6 +428,93 @@ fn errors_exit_like_the_other_admin_commands() {
         .stdout(predicate::str::contains("\"series\": []"));
 }
 
+#[test]
+fn off_a_terminal_top_keeps_going_through_a_restart_of_the_control_plane() {
+    // `top -b` (and `top --output json | jq`) follows the fleet through a restart of the
+    // control plane: a refresh that cannot reach it is a warning on stderr, and the next
+    // interval connects anew. (It ended at the first failure, with exit 2.)
+    let mut first = test_server(None);
+    let admin = first.running().admin_addr();
+    let mut top = support::cli_process(&[
+        "top",
+        "--output",
+        "json",
+        "--interval",
+        "100ms",
+        "--server",
+        &first.url,
+    ])
+    .spawn()
+    .unwrap();
+    let lines_of = |pipe: Box<dyn io::Read + Send>| {
+        let (tx, rx) = mpsc::channel();
+        let reader = thread::spawn(move || {
+            for line in io::BufRead::lines(io::BufReader::new(pipe)) {
+                if tx.send(line.unwrap()).is_err() {
+                    break;
+                }
+            }
+        });
+        (rx, reader)
+    };
+    let (stdout, out_reader) = lines_of(Box::new(top.stdout.take().unwrap()));
+    let (stderr, err_reader) = lines_of(Box::new(top.stderr.take().unwrap()));
+    let line = stdout.recv_timeout(WAIT).expect("a first refresh");
+    assert_eq!(json_line(&line)["current_version"], 1, "{line}");
+    first.stop();
+    let warning = stderr.recv_timeout(WAIT).expect("a refresh to fail");
+    assert!(
+        warning.starts_with("retryplane: warning: refresh failed (retrying every 100ms): "),
+        "{warning}"
+    );
+    assert!(top.try_wait().unwrap().is_none(), "top ended: {warning}");
+    // Another control plane on the same address, where version 2 is applied.
+    let second = TestServer::start(Some(POLICY), None, |cfg| {
+        cfg.api_mode = true;
+        cfg.admin_listen = admin;
+    });
+    second.write(
+        "v2.yaml",
+        &POLICY.replace("max_attempts: 3", "max_attempts: 2"),
+    );
+    second.retryplane(&["apply", "v2.yaml"]).assert().code(0);
+    // A refresh every 100 ms: version 2 comes within a bounded number of them.
+    let mut refreshes = 0;
+    loop {
+        let line = stdout
+            .recv_timeout(WAIT)
+            .expect("a refresh after the restart");
+        if json_line(&line)["current_version"] == 2 {
+            break;
+        }
+        refreshes += 1;
+        assert!(refreshes < 200, "version 2 never shown: {line}");
+    }
+    // SIGTERM ends it with exit 0.
+    let pid = top.id().to_string();
+    assert!(
+        std::process::Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let status = top.wait().unwrap();
+    out_reader.join().unwrap();
+    err_reader.join().unwrap();
+    let rest: Vec<String> = stderr.try_iter().collect();
+    assert_eq!(status.code(), Some(0), "{rest:?}");
+    assert!(
+        rest.iter()
+            .all(|l| l.starts_with("retryplane: warning: refresh failed")),
+        "{rest:?}"
+    );
+}
+
+fn json_line(line: &str) -> serde_json::Value {
+    serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line}"))
+}
+
 /// `retryplane top --server URL --interval 100ms` on a 100×30 pseudo-terminal made by
 /// `script`; once the output holds `ready`, types `keys`. Returns the exit status and
 /// everything written to the terminal.

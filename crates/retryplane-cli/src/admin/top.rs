@@ -24,8 +24,13 @@
 //! - **plain** (stdout is a pipe or a file): the same header and table as text, once per
 //!   interval, blocks separated by a blank line, no escape codes and no truncation. Like
 //!   `top -b`, it runs until stopped (Ctrl-C or SIGTERM end it with exit 0) unless
-//!   `--iterations N` is given. A failed refresh ends the run like the other admin commands
-//!   (exit 1 when the server refused, 2 when it could not be reached).
+//!   `--iterations N` is given. The first refresh must answer: if it fails, the run ends like
+//!   the other admin commands (exit 1 when the server refused, 2 when it could not be
+//!   reached). After it, a refresh that could not reach the server (a restart of the control
+//!   plane, say) is said on stderr, `retryplane: warning: refresh failed (retrying every 2s):
+//!   …`, nothing is printed on stdout for it, and the next interval connects anew; a refusal
+//!   (a token taken away) still ends the run with exit 1. A run that `--iterations` ends on a
+//!   refresh that failed exits 2.
 //!
 //! `--iterations N` stops after N refreshes in both modes.
 //!
@@ -198,26 +203,78 @@ fn now_unix_ms() -> u64 {
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
+/// A refresh in plain mode that did not answer.
+enum Unanswered {
+    /// Connecting anew failed.
+    Connect(anyhow::Error),
+    /// A call failed, or the server refused it.
+    Call(Status),
+}
+
+/// One refresh in plain mode, connecting first when the last one failed (`client` is `None`
+/// then, and again after a failure).
+async fn refresh(
+    server: &Server,
+    client: &mut Option<Client>,
+    window: Window,
+    totals: bool,
+) -> Result<Snapshot, Unanswered> {
+    let mut connected = match client.take() {
+        Some(c) => c,
+        None => Client::connect(server).await.map_err(Unanswered::Connect)?,
+    };
+    let snapshot = poll(&mut connected, window, None, totals)
+        .await
+        .map_err(Unanswered::Call)?;
+    *client = Some(connected);
+    Ok(snapshot)
+}
+
 /// Plain mode; see the module docs.
 async fn plain(settings: &Settings) -> anyhow::Result<Report> {
     let mut signals = Signals::install()?;
-    let mut client = Client::connect(&settings.server).await?;
+    let mut client = Some(Client::connect(&settings.server).await?);
     let mut ticker = time::interval(settings.interval);
     ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
     let mut refreshes = 0_u64;
-    loop {
+    let mut answered = false;
+    let outcome = loop {
         tokio::select! {
             _ = ticker.tick() => {}
-            () = signals.recv() => break,
+            () = signals.recv() => break Outcome::Success,
         }
         let polled = tokio::select! {
-            polled = poll(&mut client, settings.window, None, settings.format == Format::Json) => polled,
-            () = signals.recv() => break,
+            polled = refresh(&settings.server, &mut client, settings.window, settings.format == Format::Json) => polled,
+            () = signals.recv() => break Outcome::Success,
         };
         let snapshot = match polled {
             Ok(snapshot) => snapshot,
-            Err(status) => return Ok(super::failed(&status, String::new())),
+            // Before any answer (a mistyped --server), or a refusal: as the other commands.
+            Err(Unanswered::Call(status)) if !answered || super::refused(status.code()) => {
+                return Ok(super::failed(&status, String::new()));
+            }
+            Err(Unanswered::Connect(e)) if !answered => return Err(e),
+            Err(failure) => {
+                let why = match failure {
+                    Unanswered::Call(status) => status_line(&status),
+                    Unanswered::Connect(e) => retryplane_server::ErrorChain(e.as_ref()).to_string(),
+                };
+                crate::output::note(format_args!(
+                    "retryplane: warning: refresh failed (retrying every {}): {}",
+                    metrics::compact_ms(
+                        u64::try_from(settings.interval.as_millis()).unwrap_or(u64::MAX)
+                    ),
+                    crate::output::spaced(&why)
+                ));
+                refreshes += 1;
+                if settings.iterations.is_some_and(|n| refreshes >= n) {
+                    // What it last knew is that the server could not be reached.
+                    break Outcome::Error;
+                }
+                continue;
+            }
         };
+        answered = true;
         let block = match settings.format {
             Format::Json => json_line(&settings.server.url, settings.window, &snapshot)?,
             Format::Text => {
@@ -243,17 +300,17 @@ async fn plain(settings: &Settings) -> anyhow::Result<Report> {
         match write_stdout(&block) {
             Ok(()) => {}
             // The reader went away (`retryplane top | head`): nothing more to show.
-            Err(e) if e.kind() == io::ErrorKind::BrokenPipe => break,
+            Err(e) if e.kind() == io::ErrorKind::BrokenPipe => break Outcome::Success,
             Err(e) => return Err(e).context("cannot write to stdout"),
         }
         refreshes += 1;
         if settings.iterations.is_some_and(|n| refreshes >= n) {
-            break;
+            break Outcome::Success;
         }
-    }
+    };
     Ok(Report {
         stdout: String::new(),
-        outcome: Outcome::Success,
+        outcome,
     })
 }
 
