@@ -32,8 +32,9 @@
 //!
 //! # Implementation
 //!
-//! Lock-free on a budget's own calls: two counters (requests, retries) in a `SlidingCounter` ring of about ten
-//! slots per window, each slot an `AtomicU64` packing an epoch with a count (see `window.rs`). A
+//! Lock-free on a budget's own calls: two counters (requests, retries) in a `SlidingCounter`
+//! ring of about ten slots per window, each slot an `AtomicU64` packing an epoch with a count
+//! (see `window.rs`). A
 //! deposit is the `Instant` subtraction (which the engine does once per step for the budget, the
 //! breaker and the deadline), one load, one multiplication and one uncontended CAS; a withdraw
 //! adds one pass over the window's slots, reading both counters of each. To make the bound sound
@@ -59,7 +60,10 @@
 //! newest's own. A retry counted in a budget looks again, after a `SeqCst` fence, whether it was
 //! taken over meanwhile (a hand-over marks it, then copies its window, with a fence between), so
 //! a retry racing a hand-over is counted in the copy, in the new budget, or in both; a deposit
-//! racing it may be in neither, which only makes the budget refuse sooner.
+//! racing it may be in neither, which only makes the budget refuse sooner. A retry the old
+//! budget allowed and the new one counts after the copy is counted there whatever the new
+//! window holds: while the new budget's own calls retry too, the two together may pass the
+//! allowance by at most one retry per thread racing the hand-over, as at a slot boundary.
 //!
 //! Time comes in as `now` values, never from the clock. Instants before `origin` count as
 //! `origin`; an instant older than the newest one seen (time going backwards a little, or
@@ -394,7 +398,9 @@ impl RetryBudget {
         }
         // Else the budget it was counted in is no longer the newest: one that took over
         // since took the retry over with its slot's counts, in slots of its own; it stays
-        // counted (a retry too many, never one too few).
+        // counted (a retry too many, never one too few). So does a retry counted in the
+        // newest too, by a look after a hand-over ([`Self::recount_if_taken_over`]): only
+        // the budget `taken` names is uncounted.
     }
 
     /// Reads the window and takes one retry in `slot` (from `advance`) if it allows one.

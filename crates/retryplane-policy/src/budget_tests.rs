@@ -419,13 +419,13 @@ fn retries_racing_a_hand_over_are_counted_in_one_of_the_two_budgets() {
             });
             started.wait();
             // Let the retries start before the push.
-            while old.snapshot(at).retries < 100 {
+            while old.snapshot(at).retries < 100 && !retrying.is_finished() {
                 std::hint::spin_loop();
             }
             let new = RetryBudget::taking_over(&cfg(0.0, 2_000, window), &old, at);
-            (retrying.join(), new)
+            (retrying.join().unwrap(), new)
         });
-        let allowed = allowed.unwrap_or_default() + withdraw_all(&new, at);
+        let allowed = allowed + withdraw_all(&new, at);
         assert!(
             allowed <= reserve,
             "{allowed} retries allowed against a reserve of {reserve}"

@@ -5,9 +5,12 @@
 //! newest member of the line ([`newest`]), so an endpoint never has two deciding at once.
 //!
 //! The members are weak references, oldest first, under a mutex: it is touched when a member
-//! joins, and by the calls of a superseded member (or a breaker's opening and closing, passed
-//! on to the others), never by the newest's own calls; a superseded member whose newer
-//! members are gone clears its flag after one look ([`newest`]) and looks no more.
+//! joins, by the calls of a superseded member (and a breaker's opening and closing, passed on
+//! to the others), and by a failure a breaker counts while closed (so that a hand-over's copy
+//! and the failures counted meanwhile cannot miss each other; a budget does the same for its
+//! retries with fences instead, `budget.rs`), never by the newest's other calls; a superseded
+//! member whose newer members are gone clears its flag after one look ([`newest`]) and looks
+//! no more.
 
 use std::fmt;
 use std::sync::atomic::AtomicBool;
