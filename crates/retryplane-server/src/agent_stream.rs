@@ -1110,7 +1110,7 @@ impl AgentStream {
                         &nack.error,
                     );
                     ctx.metrics.nacks.inc();
-                    warn!(agent = %LogValue(&self.agent_id), version = nack.version, "agent refused a snapshot");
+                    warn!(agent = %LogValue(&self.agent_id), version = nack.version, error = %LogValue(&nack_reason(&nack.error)), "agent refused a snapshot");
                 } else if let Some(hash) = self.answers_earlier_push(&nack.nonce, nack.version) {
                     // A push sent before the last one, refused: shown and counted as any
                     // refusal (it is the agent's last answer), and only its first answer
@@ -1123,7 +1123,7 @@ impl AgentStream {
                         &nack.error,
                     );
                     ctx.metrics.nacks.inc();
-                    warn!(agent = %LogValue(&self.agent_id), version = nack.version, "agent refused a snapshot");
+                    warn!(agent = %LogValue(&self.agent_id), version = nack.version, error = %LogValue(&nack_reason(&nack.error)), "agent refused a snapshot");
                 } else {
                     ctx.fleet.seen(&self.agent_id, self.generation);
                     debug!(agent = %LogValue(&self.agent_id), version = nack.version, nonce = %LogValue(&nack.nonce), "NACK ignored: not the first answer to a snapshot sent");
@@ -1242,6 +1242,21 @@ impl AgentStream {
             dropped,
         })
     }
+}
+
+/// The most of a NACK's error a log line carries; `retryplane status` shows up to
+/// [`crate::fleet::MAX_ERROR_LEN`] bytes of it.
+const MAX_LOGGED_NACK: usize = 256;
+
+/// The start of a NACK's `error` for the log, cut at a character boundary and marked so when
+/// cut: an agent's reason says which field of the snapshot it refused, and an operator reading
+/// the log needs it beside the warning (it is the agent's own words about the policy, never a
+/// request's header, body or token).
+fn nack_reason(error: &str) -> std::borrow::Cow<'_, str> {
+    if error.len() <= MAX_LOGGED_NACK {
+        return error.into();
+    }
+    format!("{}…", &error[..error.floor_char_boundary(MAX_LOGGED_NACK)]).into()
 }
 
 #[cfg(test)]

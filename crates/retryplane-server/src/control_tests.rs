@@ -649,6 +649,46 @@ async fn an_agent_that_refused_the_push_is_listed_running_its_named_version_once
     drop(agent_tx);
 }
 
+#[tokio::test]
+async fn a_refusal_is_logged_with_the_agents_reason_on_one_line() {
+    // The operator reading the log saw "agent refused a snapshot" and had to run `status` to
+    // learn why. (One thread: the log capture is this thread's.)
+    let (log, _guard) = crate::test_logs::capture("retryplane_server=debug");
+    let (_gate, control, _) = on_v1().await;
+    let (addr, _stop) = serve(&control).await;
+    let (agent_tx, mut inbound) = connect_agent(addr, hello_naming(0, "")).await;
+    let message = tokio::time::timeout(WAIT, inbound.message())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    let pushed = message.decode_snapshot().unwrap().unwrap();
+    let reason = format!("endpoints.payments: \"bad\"\nnext line {}", "x".repeat(400));
+    agent_tx
+        .send(pb::AgentMessage {
+            kind: Some(Kind::Nack(pb::Nack {
+                version: pushed.version,
+                nonce: pushed.nonce,
+                error: reason,
+            })),
+        })
+        .await
+        .unwrap();
+    until_listed(&control, |s| s.last_response == "nack").await;
+    let text = log.text();
+    let line = text
+        .lines()
+        .find(|l| l.contains("agent refused a snapshot"))
+        .unwrap_or_else(|| panic!("{text}"));
+    assert!(line.contains(" WARN "), "{line}");
+    let cut = format!(
+        r#"error="endpoints.payments: \"bad\"\nnext line {}…""#,
+        "x".repeat(256 - "endpoints.payments: \"bad\"\nnext line ".len())
+    );
+    assert!(line.contains(&cut), "{line}");
+    drop(agent_tx);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_an_empty_store_an_agent_is_listed_running_a_first_version_it_named() {
     // Version 1's document of another control plane.
