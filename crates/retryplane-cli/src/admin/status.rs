@@ -3,7 +3,9 @@
 //!
 //! Text: a table (`AGENT SERVICE LABELS PEER STATE SINCE APPLIED LAST ERROR LAST-SEEN`, sorted by
 //! service then agent id; `LABELS` is `k=v,…` sorted by key; `SINCE` is when the agent's current
-//! (or last) stream started; `LAST` is the agent's last answer, `ack v7` or `nack v8`), then one summary
+//! (or last) stream started; `LAST` is the agent's last answer, `ack v7` or `nack v8`; `ERROR`
+//! its NACK's reason on one line, cut to [`ERROR_COLUMNS`] columns: `--output json` has it
+//! whole, as the server keeps it, up to 1,024 bytes), then one summary
 //! line, `v7: 998 acked, 2 nacked, 0 pending` (and `, 3 disconnected` when some are; `no
 //! version yet: …` before the first version is stored):
 //!
@@ -190,6 +192,9 @@ fn status_text(
     out
 }
 
+/// The widest a NACK's reason is shown in the table.
+pub const ERROR_COLUMNS: usize = 60;
+
 fn table(out: &mut String, agents: &[pb::AgentStatus]) {
     let header = [
         "AGENT",
@@ -233,8 +238,12 @@ fn table(out: &mut String, agents: &[pb::AgentStatus]) {
                 v => format!("v{v}"),
             },
             last,
-            // One line per agent, whatever the agent wrote.
-            dash(&output::spaced(&a.last_error)),
+            // One line per agent, whatever the agent wrote, and no wider than a reason needs
+            // to be told apart: one long reason made every row of the table as wide.
+            dash(&super::top::fit(
+                &output::spaced(&a.last_error),
+                ERROR_COLUMNS,
+            )),
             rfc3339_or_dash(a.last_seen_unix_ms),
         ]);
     }
@@ -384,6 +393,32 @@ mod tests {
         assert_eq!(
             Counts::of(0, &agents).line(0),
             "no version yet: 0 acked, 0 nacked, 1 pending, 1 disconnected"
+        );
+    }
+
+    #[test]
+    fn a_long_reason_is_cut_in_the_table_and_whole_in_json() {
+        let mut nacking = agent("c", true, 6, "nack", 7);
+        nacking.last_error = format!("endpoints.payments: {}", "x".repeat(1_000));
+        let mut out = String::new();
+        table(&mut out, &[nacking.clone(), agent("z", false, 0, "", 0)]);
+        let cut = format!("endpoints.payments: {}…", "x".repeat(ERROR_COLUMNS - 21));
+        assert!(
+            out.lines()
+                .nth(1)
+                .is_some_and(|l| l.contains(&format!("nack v7  {cut}  2025"))),
+            "{out}"
+        );
+        assert!(out.lines().all(|l| l.len() < 250), "{out}");
+        let response = pb::FleetStatusResponse {
+            current_version: 7,
+            agents: vec![nacking],
+            ..Default::default()
+        };
+        let value = status_json(&response, Counts::of(7, &response.agents), None);
+        assert_eq!(
+            value["agents"][0]["last_error"].as_str().map(str::len),
+            Some(1_020)
         );
     }
 

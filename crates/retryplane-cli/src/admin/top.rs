@@ -696,7 +696,7 @@ fn share(budget: usize, a: usize, b: usize) -> (usize, usize) {
 
 /// `text` cut to `width` terminal columns (an ideograph takes two, a combining mark none), the
 /// last one `…` when cut (before the closing quote of a quoted name).
-fn fit(text: &str, width: usize) -> String {
+pub(crate) fn fit(text: &str, width: usize) -> String {
     if UnicodeWidthStr::width(text) <= width {
         return text.to_owned();
     }
