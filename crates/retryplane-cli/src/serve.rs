@@ -36,9 +36,11 @@ use crate::{Outcome, Report};
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// The policy file: the source of truth in file mode (reloaded when saved); with --api,
-    /// only the seed of an empty store.
-    #[arg(long, value_name = "FILE", default_value = "config/policies.yaml")]
-    config: PathBuf,
+    /// only the seed of an empty store (a file named here that is missing then stops the
+    /// start; at the default path, the server waits for the first apply)
+    /// [default: config/policies.yaml].
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
     /// Where the version store keeps every version.
     #[arg(long, value_name = "DIR", default_value = "./data")]
     data_dir: PathBuf,
@@ -297,7 +299,8 @@ impl From<Args> for ServeConfig {
     fn from(args: Args) -> Self {
         let defaults = ServeConfig::default();
         ServeConfig {
-            config_file: args.config,
+            seed_required: args.config.is_some(),
+            config_file: args.config.unwrap_or(defaults.config_file),
             data_dir: args.data_dir,
             listen: args.listen,
             admin_listen: args.admin_listen,
@@ -870,6 +873,11 @@ mod tests {
         assert_eq!(parsed.listen.port(), 9000);
         assert_eq!(parsed.tokens_file, Some(PathBuf::from("tokens.yaml")));
         assert!(parsed.api_mode && parsed.insecure);
+        assert!(
+            parsed.seed_required,
+            "a seed file named on the command line"
+        );
+        assert!(!parse(&[]).seed_required, "the default path");
         assert_eq!(parsed.keepalive_interval, Duration::from_secs(60));
         assert_eq!(parsed.keepalive_timeout, Duration::from_secs(5));
         assert_eq!(parsed.max_streams_per_connection, 64);

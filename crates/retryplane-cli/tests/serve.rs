@@ -370,6 +370,37 @@ fn serve_until_it_fails(dir: &std::path::Path) -> (Option<i32>, String) {
 }
 
 #[test]
+fn in_api_mode_a_seed_file_named_but_missing_stops_the_start_of_an_empty_store() {
+    // A mistyped --config started an empty store unready, with a warning, as if no seed had
+    // been asked for; the default path that is missing still waits for the first apply.
+    // (The default path missing: `request.rs`, an agent on an empty store with no seed.)
+    let dir = tempfile::tempdir().unwrap();
+    let output = assert_cmd::Command::new(env!("CARGO_BIN_EXE_retryplane"))
+        .current_dir(dir.path())
+        .args([
+            "serve",
+            "--api",
+            "--config",
+            "sead.yaml",
+            "--data-dir",
+            "data",
+        ])
+        .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+        .args(["--http-listen", "127.0.0.1:0"])
+        .env("RUST_LOG", "warn")
+        .timeout(BOUND)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("cannot read the policy file sead.yaml, and the store holds no version")
+            && stderr.contains("No such file"),
+        "{stderr}"
+    );
+}
+
+#[test]
 fn a_store_file_that_cannot_be_opened_is_named_at_start() {
     let dir = tempfile::tempdir().unwrap();
     // A directory in the file's place: opening it fails for every user, root included.

@@ -57,7 +57,7 @@ pub(super) async fn load_policies(
             return Ok(None);
         }
         return match read_policy_file(file).await {
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            Err(e) if e.kind() == io::ErrorKind::NotFound && !cfg.seed_required => {
                 warn!(file = %file.display(), "API mode: the store is empty and there is no seed file; not ready until the first `retryplane apply`");
                 Ok(None)
             }

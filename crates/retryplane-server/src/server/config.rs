@@ -34,6 +34,10 @@ pub struct ServeConfig {
     pub tokens_file: Option<PathBuf>,
     /// API mode: the store owns the policies and the admin API changes them.
     pub api_mode: bool,
+    /// API mode: `config_file` was named by the operator, so an empty store with no file
+    /// there stops the start (a mistyped seed path), rather than waiting unready for the first
+    /// apply as it does for the default path. Default false.
+    pub seed_required: bool,
     /// Allow non-loopback agent and admin listeners without a tokens file.
     pub insecure: bool,
     /// Most agents connected at once. Default 20,000.
@@ -100,6 +104,7 @@ impl Default for ServeConfig {
             http_listen: loopback(7472),
             tokens_file: None,
             api_mode: false,
+            seed_required: false,
             insecure: false,
             max_agents: 20_000,
             max_agent_connections: None,
