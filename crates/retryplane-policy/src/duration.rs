@@ -11,7 +11,7 @@ use std::time::Duration;
 pub enum DurationError {
     /// No unit after the number, such as `100`.
     #[error(
-        "duration `{0}` needs a unit: ms, s, m or h (for example `{example}`)",
+        "duration `{0}` needs a unit: ms, s, m or h (such as {example})",
         example = unit_example(.0)
     )]
     MissingUnit(String),
@@ -34,16 +34,23 @@ pub enum DurationError {
     OutOfRange(String),
 }
 
-/// The example a number written without a unit is given: itself in milliseconds, or in
-/// seconds when that is not a duration (`1.5` → `1.5s`: no duration is finer than a
-/// millisecond), or a plain example when neither is (a number past a day).
+/// The examples a number written without a unit is given: itself in milliseconds and in
+/// seconds, those of the two that are durations (`1.5` → `1.5s` alone: no duration is finer
+/// than a millisecond), or a plain example when neither is (a number past a day). Both, so
+/// that the reader chooses: a `deadline: 3` meant as seconds and copied as `3ms` from a
+/// single example would time out every call.
 fn unit_example(number: &str) -> String {
     let number = number.trim();
-    ["ms", "s"]
+    let examples: Vec<String> = ["ms", "s"]
         .iter()
         .map(|unit| format!("{number}{unit}"))
-        .find(|candidate| parse_duration(candidate).is_ok())
-        .unwrap_or_else(|| "250ms".to_owned())
+        .filter(|candidate| parse_duration(candidate).is_ok())
+        .map(|candidate| format!("`{candidate}`"))
+        .collect();
+    if examples.is_empty() {
+        return "`250ms`".to_owned();
+    }
+    examples.join(" or ")
 }
 
 /// The longest duration a policy may hold.
@@ -145,12 +152,16 @@ mod tests {
     fn a_number_without_a_unit_is_given_an_example_that_is_a_duration() {
         let example = |s: &str| {
             let message = parse_duration(s).unwrap_err().to_string();
-            let start = message.find("(for example `").unwrap() + "(for example `".len();
-            message[start..message.len() - 2].to_owned()
+            let start = message.find("(such as `").unwrap() + "(such as `".len();
+            message[start..message.len() - 2]
+                .split("` or `")
+                .next()
+                .unwrap()
+                .to_owned()
         };
         assert_eq!(
             parse_duration("100").unwrap_err().to_string(),
-            "duration `100` needs a unit: ms, s, m or h (for example `100ms`)"
+            "duration `100` needs a unit: ms, s, m or h (such as `100ms` or `100s`)"
         );
         assert_eq!(example("0"), "0ms");
         assert_eq!(example("1.5"), "1.5s");

@@ -43,7 +43,7 @@ fn three_bad_fields_give_three_located_errors() {
         errors(src),
         [
             "4:19: error: endpoints.payments.max_attempts: must be from 1 (never retry) to 10, found 0",
-            "5:15: error: endpoints.payments.deadline: duration `10` needs a unit: ms, s, m or h (for example `10ms`)",
+            "5:15: error: endpoints.payments.deadline: duration `10` needs a unit: ms, s, m or h (such as `10ms` or `10s`)",
             "6:23: error: endpoints.payments.backoff.jitter: unknown jitter `fulll`: use none, full, equal or decorrelated (did you mean `full`?)",
         ]
     );
@@ -65,13 +65,13 @@ fn a_refused_field_gets_no_second_error_from_the_built_in_value_in_its_place() {
     assert_eq!(
         all("version: 1\nendpoints:\n  a:\n    backoff: {base: 10, max: 50ms}\n"),
         [
-            "4:21: error: endpoints.a.backoff.base: duration `10` needs a unit: ms, s, m or h (for example `10ms`)"
+            "4:21: error: endpoints.a.backoff.base: duration `10` needs a unit: ms, s, m or h (such as `10ms` or `10s`)"
         ]
     );
     assert_eq!(
         all("version: 1\nendpoints:\n  a:\n    deadline: 1s\n    per_try_timeout: 5\n"),
         [
-            "5:22: error: endpoints.a.per_try_timeout: duration `5` needs a unit: ms, s, m or h (for example `5ms`)"
+            "5:22: error: endpoints.a.per_try_timeout: duration `5` needs a unit: ms, s, m or h (such as `5ms` or `5s`)"
         ]
     );
     // A whole section refused: its fields are unknown too.
@@ -89,7 +89,7 @@ fn a_refused_field_gets_no_second_error_from_the_built_in_value_in_its_place() {
             "version: 1\ndefaults:\n  backoff: {base: 10}\nendpoints:\n  a:\n    backoff: {base: 1s, max: 500ms}\n"
         ),
         [
-            "3:19: error: defaults.backoff.base: duration `10` needs a unit: ms, s, m or h (for example `10ms`)",
+            "3:19: error: defaults.backoff.base: duration `10` needs a unit: ms, s, m or h (such as `10ms` or `10s`)",
             "6:30: error: endpoints.a.backoff.max: backoff.max (500ms) is shorter than backoff.base (1s)",
         ]
     );
@@ -134,7 +134,7 @@ fn a_non_finite_number_is_an_error_at_its_place_among_the_others() {
         [
             "4:19: error: endpoints.a.max_attempts: must be from 1 (never retry) to 10, found 0",
             "5:27: error: endpoints.a.backoff.multiplier: must be a finite number",
-            "6:15: error: endpoints.a.deadline: duration `100` needs a unit: ms, s, m or h (for example `100ms`)",
+            "6:15: error: endpoints.a.deadline: duration `100` needs a unit: ms, s, m or h (such as `100ms` or `100s`)",
             "8:21: error: endpoints.b.budget.ratio: must be a finite number",
             "8:43: error: endpoints.b.budget.min_per_second: must be a whole number from 0 to 4294967295, found a larger one",
         ]
@@ -538,7 +538,7 @@ fn a_route_after_a_refused_one_is_named_by_its_place_in_the_file() {
         all(src),
         [
             "7:25: error: endpoints.a.routes[0].match.method: HTTP methods are case-sensitive: write `GET`",
-            "9:37: error: endpoints.a.routes[1].backoff.max: duration `1` needs a unit: ms, s, m or h (for example `1ms`)",
+            "9:37: error: endpoints.a.routes[1].backoff.max: duration `1` needs a unit: ms, s, m or h (such as `1ms` or `1s`)",
         ]
     );
     // The repeated-match warning names both routes by their place in the file too.
