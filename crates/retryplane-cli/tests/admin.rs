@@ -232,12 +232,46 @@ fn apply_get_history_diff_rollback_and_status_work_against_a_real_server() {
 
     // get: the current version as a policy file, a past one, and JSON.
     let current = server.retryplane(&["get"]).assert().code(0);
-    assert!(stdout_of(&current).contains("max_attempts: 4"));
+    let current = stdout_of(&current);
+    assert!(current.contains("max_attempts: 4"));
+    // It names its version, so that an edit of it is applied only while it is current (a
+    // version looked up after the get may be a newer one, whose changes the edit would undo).
+    let first = current.lines().next().unwrap_or_default();
+    assert!(
+        first.starts_with("# version 2 (sha256 ")
+            && first.ends_with(&format!(") from {}", server.url)),
+        "{current}"
+    );
+    assert!(
+        current
+            .lines()
+            .nth(1)
+            .is_some_and(|l| l.ends_with("retryplane apply FILE --expected-version 2")),
+        "{current}"
+    );
     let past = server
         .retryplane(&["get", "--version", "1"])
         .assert()
         .code(0);
-    assert!(stdout_of(&past).contains("max_attempts: 3"));
+    let past = stdout_of(&past);
+    assert!(past.contains("max_attempts: 3"));
+    assert!(past.starts_with("# version 1 (sha256 "), "{past}");
+    assert!(!past.contains("--expected-version"), "{past}");
+    // What it printed, edited, is a policy file to apply with the version it names.
+    server.write(
+        "edited.yaml",
+        &current.replace("max_attempts: 4", "max_attempts: 5"),
+    );
+    server
+        .retryplane(&[
+            "apply",
+            "edited.yaml",
+            "--expected-version",
+            "2",
+            "--dry-run",
+        ])
+        .assert()
+        .code(0);
     let json = json_of(
         &server
             .retryplane(&["get", "--output", "json"])

@@ -2,7 +2,11 @@
 //!
 //! `--output yaml` (the default) prints it as a policy file, ready for `validate`, an edit and
 //! `apply` (one line an endpoint when block style would be over a file's size limit; a warning
-//! on stderr when even that is). `--output json` prints one object: the version's metadata
+//! on stderr when even that is). It opens with a comment naming the version, its hash and the
+//! server, and for the current version how to apply an edit of it only while it is still
+//! current (`--expected-version N`): a version looked up after the `get` may be a newer one,
+//! whose changes an edit of the older one would undo. The comment is left out when it would
+//! take the file over the size limit. `--output json` prints one object: the version's metadata
 //! (`version`, `content_hash`, `source`, `author`, `created_unix_ms`, `created`, `summary`,
 //! `rolled_back_from`) and `policies`, the document (see `json::document` for its shape).
 
@@ -82,6 +86,12 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
                 if !yaml.is_empty() && !yaml.ends_with('\n') {
                     yaml.push('\n');
                 }
+                if let Some(info) = &response.info {
+                    let header = header(info, &settings.server.url, settings.version.is_none());
+                    if header.len() + yaml.len() <= MAX_FILE_BYTES {
+                        yaml.insert_str(0, &header);
+                    }
+                }
                 // The control plane renders a version within the limit when it can (one line
                 // an endpoint); a document sent through the API, or a file's aliases written
                 // out, may still be over it.
@@ -102,6 +112,23 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
             outcome: Outcome::Success,
         })
     })
+}
+
+/// The comment a policy file printed by `get` opens with (see the module docs).
+fn header(info: &retryplane_proto::pb::VersionInfo, server: &str, current: bool) -> String {
+    let version = info.version;
+    let mut header = format!(
+        "# version {version} (sha256 {}) from {}\n",
+        super::short_hash(&info.content_hash),
+        output::spaced(server)
+    );
+    if current {
+        header.push_str(&format!(
+            "# to apply an edit of it only while it is current: retryplane apply FILE \
+             --expected-version {version}\n"
+        ));
+    }
+    header
 }
 
 /// The metadata of the version and its `policies`.
