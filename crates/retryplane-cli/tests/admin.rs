@@ -806,6 +806,21 @@ fn a_missing_or_unknown_token_says_how_to_give_one() {
             ))
             .stderr(predicate::str::contains("not-a-known").not());
     }
+    // A token copied with the header's `Bearer ` (sent as `Bearer Bearer …`): a note says the
+    // prefix is added for it, without showing the token.
+    let bearer = "retryplane: note: the token given opens with `Bearer `, which is added for it";
+    server
+        .retryplane(&["history", "--token", "Bearer admin-secret-0123456789"])
+        .assert()
+        .code(1)
+        .stderr(predicate::str::contains(bearer))
+        .stderr(predicate::str::contains("admin-secret").not());
+    server
+        .retryplane(&["history"])
+        .env("RETRYPLANE_TOKEN", "admin-secret-0123456789")
+        .assert()
+        .code(0)
+        .stderr(predicate::str::contains(bearer).not());
 }
 
 /// An unreachable server exits 2, and a message naming an address the command line does not

@@ -102,15 +102,18 @@ impl Token {
     }
 
     /// The token of a `--token` flag, or, when it is not given or empty, of the environment
-    /// variable `variable` (see [`flag_or_env`]); `None` when neither holds one.
+    /// variable `variable` (see [`flag_or_env`]); `None` when neither holds one. One that
+    /// opens with `Bearer ` gets a note ([`bearer_given`]).
     pub(crate) fn from_flag_or_env(
         flag: Option<Token>,
         variable: &str,
     ) -> anyhow::Result<Option<Token>> {
-        Ok(
-            flag_or_env(flag.map(|Token(t)| t), variable)?
-                .map(|t| Token(t.trim_ascii().to_owned())),
-        )
+        let token = flag_or_env(flag.map(|Token(t)| t), variable)?
+            .map(|t| Token(t.trim_ascii().to_owned()));
+        if let Some(Token(t)) = &token {
+            bearer_given(t);
+        }
+        Ok(token)
     }
 }
 
@@ -243,6 +246,21 @@ pub(crate) fn path_not_used(url: &str) {
             "retryplane: note: the {parts} of a --server URL {} not used: calls go to the \
              server's root (only the scheme, host and port count)",
             if parts.contains(" and ") { "are" } else { "is" }
+        ));
+    }
+}
+
+/// Says on stderr when a token opens with `Bearer ` (copied from a header): the prefix is
+/// added for it, so the server would get `Bearer Bearer …` and answer "unknown token". It is
+/// still sent as given: a secret of a tokens file may open so.
+fn bearer_given(token: &str) {
+    if token
+        .get(..7)
+        .is_some_and(|start| start.eq_ignore_ascii_case("bearer "))
+    {
+        output::note(format_args!(
+            "retryplane: note: the token given opens with `Bearer `, which is added for it \
+             (sent as `authorization: Bearer TOKEN`): give the secret alone"
         ));
     }
 }
