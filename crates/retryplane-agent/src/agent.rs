@@ -55,6 +55,8 @@ pub(crate) struct Shared {
     pub(crate) connected: AtomicBool,
     /// Why the last stream ended or could not start; cleared when a stream opens.
     pub(crate) stream_error: std::sync::Mutex<Option<StreamError>>,
+    /// The last snapshot refused, until one is applied (see [`Agent::last_refusal`]).
+    pub(crate) last_refusal: std::sync::Mutex<Option<crate::error::Refusal>>,
     /// The metrics reports no control plane had acknowledged when the stream task stopped
     /// (see [`Agent::unacknowledged_reports`]).
     pub(crate) unacknowledged_at_stop: AtomicU64,
@@ -76,6 +78,7 @@ impl Shared {
             ),
             connected: AtomicBool::new(false),
             stream_error: std::sync::Mutex::new(None),
+            last_refusal: std::sync::Mutex::new(None),
             unacknowledged_at_stop: AtomicU64::new(0),
             seed,
             calls: AtomicU64::new(0),
@@ -314,6 +317,18 @@ impl Agent {
     pub fn stream_error(&self) -> Option<StreamError> {
         self.shared
             .stream_error
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// The last snapshot the control plane pushed that this agent refused (NACKed), with why,
+    /// until a later one is applied; `None` when none was refused since. The control plane
+    /// records the same reason (`retryplane status`); for tools that want to say why no policy
+    /// came from it (`retryplane request --server`).
+    pub fn last_refusal(&self) -> Option<crate::error::Refusal> {
+        self.shared
+            .last_refusal
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone()

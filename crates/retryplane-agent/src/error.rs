@@ -19,6 +19,18 @@ pub struct StreamError {
     pub message: String,
 }
 
+/// A snapshot the agent refused (NACKed), with why ([`crate::Agent::last_refusal`]): the
+/// policies in force stayed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("version {version} refused: {error}")]
+pub struct Refusal {
+    /// The version the control plane pushed.
+    pub version: u64,
+    /// The reason, as the NACK sent it: the first problems the agent's check found (an
+    /// invalid policy, a content hash that does not match, a snapshot that does not decode).
+    pub error: String,
+}
+
 /// Why an agent could not be built. Messages never include the token.
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {

@@ -86,7 +86,7 @@ mod url;
 pub use agent::{Agent, AgentBuilder, DEFAULT_METRICS_INTERVAL};
 pub use call::Endpoint;
 pub use classify::{Classification, Classify};
-pub use error::{AgentError, CallError, Cause, Last, StreamError};
+pub use error::{AgentError, CallError, Cause, Last, Refusal, StreamError};
 pub use meta::{AttemptInfo, CallMeta};
 pub use metrics::CounterValues;
 pub use snapshot::{PolicySnapshot, Source, fallback_policy};

@@ -58,6 +58,7 @@ async fn an_invalid_snapshot_is_nacked_and_the_last_good_policy_keeps_applying()
         other => panic!("expected Ack v1, got {other:?}"),
     }
     assert_eq!(agent.policies().version(), 1);
+    assert_eq!(agent.last_refusal(), None);
     assert_eq!(attempts_of(&agent).await, 4);
     assert_eq!(
         cached(&cache),
@@ -71,6 +72,9 @@ async fn an_invalid_snapshot_is_nacked_and_the_last_good_policy_keeps_applying()
         Kind::Nack(nack) => {
             assert_eq!((nack.version, nack.nonce.as_str()), (2, "nonce-2"));
             assert!(nack.error.contains("max_attempts"), "{}", nack.error);
+            // Kept for tools that say why no policy came (`retryplane request --server`).
+            let refusal = agent.last_refusal().expect("the refusal is kept");
+            assert_eq!((refusal.version, &refusal.error), (2, &nack.error));
         }
         other => panic!("expected Nack v2, got {other:?}"),
     }
@@ -128,6 +132,7 @@ async fn an_invalid_snapshot_is_nacked_and_the_last_good_policy_keeps_applying()
         Kind::Ack(ack) => assert_eq!((ack.version, ack.nonce.as_str()), (3, "nonce-3")),
         other => panic!("expected Ack v3, got {other:?}"),
     }
+    assert_eq!(agent.last_refusal(), None, "cleared by the version applied");
     assert_eq!(agent.policies().version(), 3);
     assert_eq!(attempts_of(&agent).await, 2);
     assert_eq!(cached(&cache), v3);

@@ -774,6 +774,17 @@ async fn session(
                         }
                     },
                 };
+                // A refusal is kept for `Agent::last_refusal` until a snapshot is applied.
+                *shared
+                    .last_refusal
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner()) = match &handled.reply {
+                    Kind::Nack(nack) => Some(crate::error::Refusal {
+                        version: nack.version,
+                        error: nack.error.clone(),
+                    }),
+                    _ => None,
+                };
                 // Cached before it is answered, unless the disk takes longer than
                 // `CACHE_WAIT`: a hung disk holds up neither the answer nor the reports for
                 // longer.
