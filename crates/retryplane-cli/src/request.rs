@@ -92,7 +92,7 @@ pub struct Args {
     /// the admin one), for example http://127.0.0.1:7470, the default of `retryplane serve`
     /// (port 7470 when the URL names none).
     /// The call's counts are reported to it before the command exits (a note on stderr says
-    /// when it did not acknowledge them within 3 s).
+    /// when it did not acknowledge them in the 2 to 3 s the command waits for that).
     #[arg(long, value_name = "URL")]
     server: Option<String>,
     /// Agent token for --server, sent as `authorization: Bearer TOKEN`. Not given or empty:
@@ -481,7 +481,7 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
                 output::note(format_args!(
                     "retryplane: note: the call's counts may not be in the fleet's figures: the \
                      control plane at {shown} did not acknowledge them (it went away, or did not \
-                     answer within {} s)",
+                     answer in the 2 to {} s the command waits for that)",
                     SHUTDOWN_WAIT.as_secs()
                 ));
             }
@@ -585,6 +585,15 @@ async fn first_snapshot(agent: &Agent, url: &str, endpoint: &str) -> anyhow::Res
             && let Some(hint) = e.code.and_then(refusal_hint)
         {
             bail!("the control plane at {url} refused the agent: {e}; {hint}");
+        }
+        // The control plane sends a refused version to the same agent only once: no point
+        // waiting. (Waited out, it read as a control plane with nothing to send.)
+        if let Some(refusal) = agent.last_refusal() {
+            bail!(
+                "the control plane at {url} sent a policy this command's agent refused \
+                 ({refusal}); it keeps serving it to the fleet: check its agents with \
+                 `retryplane status` on its admin listener"
+            );
         }
         if waited.elapsed() >= SNAPSHOT_WAIT {
             // A stream that is open and quiet: the control plane has nothing to send yet.

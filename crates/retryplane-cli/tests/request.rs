@@ -1122,6 +1122,79 @@ fn server_mode_on_a_control_plane_with_no_version_yet_says_so() {
     );
 }
 
+/// A control plane that sends each agent stream one snapshot whose content does not match its
+/// hash (which the real one never sends), then reads the stream to its end.
+struct Tampering;
+
+#[tonic::async_trait]
+impl retryplane_proto::pb::agent_service_server::AgentService for Tampering {
+    type ConnectStream = tokio_stream::wrappers::ReceiverStream<
+        Result<retryplane_proto::pb::ServerMessage, tonic::Status>,
+    >;
+
+    async fn connect(
+        &self,
+        request: tonic::Request<tonic::Streaming<retryplane_proto::pb::AgentMessage>>,
+    ) -> Result<tonic::Response<Self::ConnectStream>, tonic::Status> {
+        use retryplane_proto::pb;
+        let loaded = retryplane_policy::load(POLICY.as_bytes());
+        let doc = pb::PolicyDocument::from(loaded.policies.unwrap().document().as_ref());
+        let snapshot = pb::Snapshot {
+            version: 3,
+            content_hash: "0".repeat(64),
+            policies: Some(doc),
+            nonce: "nonce-3".to_owned(),
+            metrics_interval_ms: 60_000,
+        };
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        let mut inbound = request.into_inner();
+        tokio::spawn(async move {
+            let _ = tx
+                .send(Ok(pb::ServerMessage::with_snapshot(&snapshot)))
+                .await;
+            while let Ok(Some(_)) = inbound.message().await {}
+        });
+        Ok(tonic::Response::new(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        ))
+    }
+}
+
+#[test]
+fn server_mode_says_the_policy_sent_was_refused_and_why() {
+    // The agent of `request --server` NACKs a snapshot it cannot take: the command said the
+    // control plane "has no version to send", and only a debug log said why.
+    let runtime = Runtime::new().unwrap();
+    let listener = runtime
+        .block_on(TcpListener::bind((Ipv4Addr::LOCALHOST, 0)))
+        .unwrap();
+    let addr = listener.local_addr().unwrap();
+    let _server = runtime.spawn(
+        tonic::transport::Server::builder()
+            .add_service(
+                retryplane_proto::pb::agent_service_server::AgentServiceServer::new(Tampering),
+            )
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    let out = support::cli(&[])
+        .args(["request", "--endpoint", "api", "--server"])
+        .arg(format!("http://{addr}"))
+        .arg("http://127.0.0.1:9/")
+        .timeout(std::time::Duration::from_secs(30))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "the control plane at http://{addr} sent a policy this command's agent refused \
+             (version 3 refused: the content hash does not match the policies)"
+        )),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("no version to send"), "{stderr}");
+}
+
 #[test]
 fn server_mode_says_why_the_control_plane_gave_no_policy() {
     let server = support::TestServer::start(
