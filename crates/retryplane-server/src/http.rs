@@ -102,12 +102,15 @@ struct Asked {
 }
 
 /// Whether an `Accept-Encoding` header takes gzip: listed (by name, or `x-gzip`) with no
-/// `q=0`. `*` is not taken for it: a client that names no coding gets the text as it is.
+/// `q=0`, or, when it is not listed, `*` with no `q=0` (RFC 9110 §12.5.3: `*` stands for
+/// every coding the header does not name).
 fn accepts_gzip(header: Option<&axum::http::HeaderValue>) -> bool {
     let Some(value) = header.and_then(|h| h.to_str().ok()) else {
         return false;
     };
-    value.split(',').any(|coding| {
+    // Whether gzip, and `*`, are listed, and taken (no `q=0`).
+    let (mut gzip, mut star) = (None, None);
+    for coding in value.split(',') {
         let mut parts = coding.split(';');
         let name = parts.next().unwrap_or_default().trim();
         let refused = parts.any(|p| {
@@ -117,8 +120,13 @@ fn accepts_gzip(header: Option<&axum::http::HeaderValue>) -> bool {
                 .and_then(|q| q.trim().parse::<f64>().ok())
                 .is_some_and(|q| q <= 0.0)
         });
-        (name.eq_ignore_ascii_case("gzip") || name.eq_ignore_ascii_case("x-gzip")) && !refused
-    })
+        if name.eq_ignore_ascii_case("gzip") || name.eq_ignore_ascii_case("x-gzip") {
+            gzip = Some(gzip.unwrap_or(false) || !refused);
+        } else if name == "*" {
+            star = Some(!refused);
+        }
+    }
+    gzip.or(star).unwrap_or(false)
 }
 
 /// `bytes` gzip-compressed, at the fast level (the exposition's repeated names and labels
@@ -334,7 +342,11 @@ mod tests {
         assert!(!takes("gzip;Q=0"));
         assert!(!takes("gzip; q=0.0, deflate"));
         assert!(!takes("deflate, br"));
-        assert!(!takes("*"));
+        // `*` stands for every coding not named (RFC 9110 §12.5.3).
+        assert!(takes("*"));
+        assert!(takes("br, *;q=0.1"));
+        assert!(!takes("*;q=0"));
+        assert!(!takes("gzip;q=0, *"));
         assert!(!takes(""));
         assert!(!accepts_gzip(None));
     }
