@@ -182,10 +182,20 @@ pub enum StoreError {
         version: u64,
     },
     /// Another process (or another handle in this one) holds the store.
-    #[error("the data directory {} is in use by another retryplane process", dir.display())]
+    #[error(
+        "the data directory {} is in use by another retryplane process{}",
+        dir.display(),
+        linked.as_ref().map_or_else(String::new, |to| format!(
+            " (its store file is a link to {}, which that process holds)",
+            to.display()
+        ))
+    )]
     InUse {
         /// The data directory.
         dir: PathBuf,
+        /// Where the store file links to, when it is a link and its target is what another
+        /// process holds (the data directory itself is not then in use).
+        linked: Option<PathBuf>,
     },
     /// The stored data is inconsistent; the store refuses to serve it.
     #[error("the version store is corrupt: {0}")]

@@ -243,6 +243,7 @@ fn lock_dir(dir: &Path) -> Result<Option<std::fs::File>, StoreError> {
         Ok(()) => Ok(Some(handle)),
         Err(std::fs::TryLockError::WouldBlock) => Err(StoreError::InUse {
             dir: dir.to_owned(),
+            linked: None,
         }),
         Err(std::fs::TryLockError::Error(e)) => {
             warn!(dir = %dir.display(), error = %e, "cannot lock the data directory; relying on the store file's own lock");
@@ -758,6 +759,10 @@ fn open_error(dir: &Path, path: &Path, error: DatabaseError) -> StoreError {
         DatabaseError::DatabaseAlreadyOpen | DatabaseError::LockProtocolMismatch => {
             StoreError::InUse {
                 dir: dir.to_owned(),
+                // The directory's own lock was taken: what is held is the file it links to.
+                linked: std::fs::read_link(path)
+                    .ok()
+                    .map(|_| std::fs::canonicalize(path).unwrap_or_else(|_| path.to_owned())),
             }
         }
         DatabaseError::Storage(StorageError::Io(error))

@@ -118,12 +118,37 @@ fn a_store_whose_file_was_deleted_still_holds_its_directory() {
     std::fs::remove_file(store.path()).unwrap();
     let err = open_err(dir.path());
     assert!(
-        matches!(&err, StoreError::InUse { dir: d } if d == dir.path()),
+        matches!(&err, StoreError::InUse { dir: d, linked: None } if d == dir.path()),
         "{err:?}"
     );
     assert!(!store.path().exists(), "no second store was made");
     drop(store);
     RedbStore::open(dir.path()).unwrap();
+}
+
+/// A store file that is a link, whose target another store holds: the error says the link's
+/// target is what is in use, not the directory (whose own lock was free).
+#[cfg(unix)]
+#[test]
+fn a_store_file_linked_to_one_in_use_is_named_by_its_target() {
+    let first = tempfile::tempdir().unwrap();
+    let store = RedbStore::open(first.path()).unwrap();
+    let second = tempfile::tempdir().unwrap();
+    let link = second.path().join(store.path().file_name().unwrap());
+    std::os::unix::fs::symlink(store.path(), &link).unwrap();
+    let err = open_err(second.path());
+    let target = std::fs::canonicalize(store.path()).unwrap();
+    assert!(
+        matches!(&err, StoreError::InUse { dir, linked: Some(to) } if dir == second.path() && *to == target),
+        "{err:?}"
+    );
+    assert!(
+        err.to_string().ends_with(&format!(
+            "(its store file is a link to {}, which that process holds)",
+            target.display()
+        )),
+        "{err}"
+    );
 }
 
 #[test]
@@ -132,7 +157,7 @@ fn a_second_open_of_the_same_directory_reports_it_in_use() {
     let _store = RedbStore::open(dir.path()).unwrap();
     let err = open_err(dir.path());
     assert!(
-        matches!(&err, StoreError::InUse { dir: d } if d == dir.path()),
+        matches!(&err, StoreError::InUse { dir: d, linked: None } if d == dir.path()),
         "{err:?}"
     );
     let message = err.to_string();
