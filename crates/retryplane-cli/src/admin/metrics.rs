@@ -186,9 +186,16 @@ fn rank<'r>(row: &'r Row<'_>) -> Rank<'r> {
     }
 }
 
-/// A rate with one decimal (`12.3`), or `-`.
+/// A rate with one decimal (`12.3`), or `-`. A rate above 0 that one decimal would show as
+/// `0.0` (a few calls in the window) gets two (`0.03`), or `<0.01`: `0.0 calls/s` beside a
+/// retry ratio of 200 % read as retries of nothing.
 pub fn rate(value: Option<f64>) -> String {
-    value.map_or_else(|| "-".to_owned(), |v| format!("{v:.1}"))
+    match value {
+        None => "-".to_owned(),
+        Some(v) if v > 0.0 && v < 0.005 => "<0.01".to_owned(),
+        Some(v) if v > 0.0 && v < 0.05 => format!("{v:.2}"),
+        Some(v) => format!("{v:.1}"),
+    }
 }
 
 /// A ratio as a percentage with one decimal (`7.2%`), or `-`.
@@ -551,6 +558,16 @@ pub(crate) mod tests {
             (rate(r.retry_ratio), percent(r.first_try_success)),
             ("-".to_owned(), "-".to_owned())
         );
+    }
+
+    #[test]
+    fn a_small_rate_is_not_shown_as_zero() {
+        assert_eq!(rate(Some(0.0)), "0.0");
+        assert_eq!(rate(Some(0.001)), "<0.01");
+        assert_eq!(rate(Some(2.0 / 60.0)), "0.03");
+        assert_eq!(rate(Some(0.05)), "0.1");
+        assert_eq!(rate(Some(12.34)), "12.3");
+        assert_eq!(rate(None), "-");
     }
 
     #[test]
