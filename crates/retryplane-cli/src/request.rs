@@ -584,6 +584,9 @@ async fn first_snapshot(agent: &Agent, url: &str, endpoint: &str) -> anyhow::Res
         if let Some(e) = &error
             && let Some(hint) = e.code.and_then(refusal_hint)
         {
+            if e.code == Some(tonic::Code::Unauthenticated) {
+                crate::admin::bearer_note();
+            }
             bail!("the control plane at {url} refused the agent: {e}; {hint}");
         }
         // The control plane sends a refused version to the same agent only once: no point

@@ -821,6 +821,16 @@ fn a_missing_or_unknown_token_says_how_to_give_one() {
         .assert()
         .code(0)
         .stderr(predicate::str::contains(bearer).not());
+    // A secret that does open so works as given, with no note.
+    let opens_so = test_server(
+        true,
+        Some("tokens:\n  - {name: bob, role: admin, secret: \"Bearer admin-secret-0123456789\"}\n"),
+    );
+    opens_so
+        .retryplane(&["history", "--token", "Bearer admin-secret-0123456789"])
+        .assert()
+        .code(0)
+        .stderr(predicate::str::contains(bearer).not());
 }
 
 /// An unreachable server exits 2, and a message naming an address the command line does not

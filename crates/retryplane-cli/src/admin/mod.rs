@@ -102,8 +102,8 @@ impl Token {
     }
 
     /// The token of a `--token` flag, or, when it is not given or empty, of the environment
-    /// variable `variable` (see [`flag_or_env`]); `None` when neither holds one. One that
-    /// opens with `Bearer ` gets a note ([`bearer_given`]).
+    /// variable `variable` (see [`flag_or_env`]); `None` when neither holds one. Whether it
+    /// opens with `Bearer ` is kept for the note of a refusal ([`bearer_note`]).
     pub(crate) fn from_flag_or_env(
         flag: Option<Token>,
         variable: &str,
@@ -111,7 +111,11 @@ impl Token {
         let token = flag_or_env(flag.map(|Token(t)| t), variable)?
             .map(|t| Token(t.trim_ascii().to_owned()));
         if let Some(Token(t)) = &token {
-            bearer_given(t);
+            BEARER_GIVEN.store(
+                t.get(..7)
+                    .is_some_and(|start| start.eq_ignore_ascii_case("bearer ")),
+                std::sync::atomic::Ordering::Relaxed,
+            );
         }
         Ok(token)
     }
@@ -250,14 +254,14 @@ pub(crate) fn path_not_used(url: &str) {
     }
 }
 
-/// Says on stderr when a token opens with `Bearer ` (copied from a header): the prefix is
-/// added for it, so the server would get `Bearer Bearer …` and answer "unknown token". It is
-/// still sent as given: a secret of a tokens file may open so.
-fn bearer_given(token: &str) {
-    if token
-        .get(..7)
-        .is_some_and(|start| start.eq_ignore_ascii_case("bearer "))
-    {
+/// Whether the token this command was given opens with `Bearer ` (one command, one token).
+static BEARER_GIVEN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// After the server answered `UNAUTHENTICATED`: says on stderr when the token opens with
+/// `Bearer ` (copied from a header): the prefix is added for it, so the server got `Bearer
+/// Bearer …`. Only then: a secret of a tokens file may open so, and works as given.
+pub(crate) fn bearer_note() {
+    if BEARER_GIVEN.load(std::sync::atomic::Ordering::Relaxed) {
         output::note(format_args!(
             "retryplane: note: the token given opens with `Bearer `, which is added for it \
              (sent as `authorization: Bearer TOKEN`): give the secret alone"
@@ -452,6 +456,9 @@ pub fn failed_with(code: Code, message: &str, stdout: String) -> Report {
     output::error(format_args!("{}: {message}", code_name(code)));
     if let Some(hint) = hint(code) {
         output::note(format_args!("retryplane: hint: {hint}"));
+    }
+    if code == Code::Unauthenticated {
+        bearer_note();
     }
     Report {
         stdout,
