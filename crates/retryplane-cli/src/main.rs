@@ -102,8 +102,9 @@ enum Command {
     /// On a terminal it redraws in place, and a refresh that fails is shown on the screen and
     /// tried again at the next interval. Otherwise (or with `--output json`) it prints a block
     /// (or a JSON line) per refresh: its first refresh must answer (else it exits as the other
-    /// admin commands do), a later one that cannot reach the server is a warning on stderr and
-    /// is tried again at the next interval, and a refusal ends it with exit 1.
+    /// admin commands do), a later one that fails other than by a refusal (the server cannot be
+    /// reached, or gives no answer within 30 s) is a warning on stderr and is tried again at
+    /// the next interval, and a refusal ends it with exit 1.
     Top(admin::top::Args),
     /// Run the control plane until SIGTERM or Ctrl-C.
     Serve(serve::Args),

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use retryplane_policy::Diagnostic;
 use serde::{Serialize, Serializer};
+use unicode_width::UnicodeWidthStr;
 
 /// `--format`: how stdout is written.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -224,9 +225,60 @@ pub fn invalid_file_report(
     })
 }
 
+/// `text` cut to `width` terminal columns (an ideograph takes two, a combining mark none), the
+/// last one `…` when cut (before the closing quote of a quoted name).
+pub fn fit(text: &str, width: usize) -> String {
+    if UnicodeWidthStr::width(text) <= width {
+        return text.to_owned();
+    }
+    if width == 0 {
+        return String::new();
+    }
+    // A quoted name (`output::name`) keeps its closing quote, so it still reads as one.
+    if width >= 3
+        && let Some(inner) = text.strip_prefix('"').and_then(|t| t.strip_suffix('"'))
+    {
+        return format!("\"{}\"", fit(inner, width - 2));
+    }
+    cut(text, width)
+}
+
+/// `text` cut to `width` terminal columns, the last one `…` when cut, whatever it holds
+/// ([`fit`] keeps a quoted name's closing quote; text that is not a name may open and end
+/// with quotes of its own).
+pub fn cut(text: &str, width: usize) -> String {
+    if UnicodeWidthStr::width(text) <= width {
+        return text.to_owned();
+    }
+    if width == 0 {
+        return String::new();
+    }
+    let mut out = String::new();
+    let mut used = 0;
+    for c in text.chars() {
+        let w = unicode_width::UnicodeWidthChar::width(c).unwrap_or(0);
+        if used + w > width - 1 {
+            break;
+        }
+        used += w;
+        out.push(c);
+    }
+    out.push('…');
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_cut_keeps_quotes_as_written_and_a_fit_keeps_a_quoted_names_closing_one() {
+        let reason = format!("\"{}\"", "x".repeat(20));
+        assert_eq!(cut(&reason, 8), "\"xxxxxx…");
+        assert_eq!(fit(&reason, 8), "\"xxxxx…\"");
+        assert_eq!(cut("short", 8), "short");
+        assert_eq!(cut("ab", 0), "");
+    }
 
     #[test]
     fn a_diagnostic_without_a_place_is_printed_without_one() {

@@ -14,7 +14,8 @@
 //! tokens take effect at once, agent streams whose secret was removed end, and a file that
 //! cannot be used is logged and leaves the tokens in force.
 //! Anything that stops the start (a bad tokens file, an invalid policy file with an empty
-//! store, a port in use) exits 2 with the reason.
+//! store, a seed file named with `--api --config` that is missing, a port in use) exits 2 with
+//! the reason.
 
 use std::io::{self, Write as _};
 use std::net::SocketAddr;
@@ -839,6 +840,25 @@ mod tests {
         assert_eq!(
             parsed.forget_disconnected_after,
             defaults.forget_disconnected_after
+        );
+    }
+
+    #[test]
+    fn the_config_flags_help_names_the_server_default() {
+        // Written by hand (the flag has no clap default, so that a path given can be told
+        // from the default): it must not drift from `ServeConfig::default`.
+        use clap::CommandFactory as _;
+        let mut cli = Cli::command();
+        let help = cli
+            .find_subcommand_mut("serve")
+            .unwrap()
+            .render_long_help()
+            .to_string();
+        let help = help.split_whitespace().collect::<Vec<_>>().join(" ");
+        let default = ServeConfig::default().config_file;
+        assert!(
+            help.contains(&format!("[default: {}]", default.display())),
+            "{help}"
         );
     }
 

@@ -172,6 +172,13 @@ fn with_no_agents_stats_is_empty_and_top_prints_plain_blocks() {
         .assert()
         .code(2)
         .stderr(predicate::str::contains("too short"));
+    server
+        .retryplane(&["top", "--interval", "2"])
+        .assert()
+        .code(2)
+        .stderr(predicate::str::contains(
+            "duration `2` needs a unit (ms, s, m or h): at least 100ms",
+        ));
 
     // --output json: one object per refresh, each on its own line.
     let top = server

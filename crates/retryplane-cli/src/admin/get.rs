@@ -3,10 +3,10 @@
 //! `--output yaml` (the default) prints it as a policy file, ready for `validate`, an edit and
 //! `apply` (one line an endpoint when block style would be over a file's size limit; a warning
 //! on stderr when even that is). It opens with a comment naming the version, its hash and the
-//! server, and for the current version how to apply an edit of it only while it is still
-//! current (`--expected-version N`): a version looked up after the `get` may be a newer one,
-//! whose changes an edit of the older one would undo. The comment is left out when it would
-//! take the file over the size limit. `--output json` prints one object: the version's metadata
+//! server, and, when no `--version` was given (the current version then), how to apply an
+//! edit of it only while it is still current (`--expected-version N`): a version looked up
+//! after the `get` may be a newer one, whose changes an edit of the older one would undo. The
+//! comment is left out when it would take the file over the size limit. `--output json` prints one object: the version's metadata
 //! (`version`, `content_hash`, `source`, `author`, `created_unix_ms`, `created`, `summary`,
 //! `rolled_back_from`) and `policies`, the document (see `json::document` for its shape).
 

@@ -240,10 +240,7 @@ fn table(out: &mut String, agents: &[pb::AgentStatus]) {
             last,
             // One line per agent, whatever the agent wrote, and no wider than a reason needs
             // to be told apart: one long reason made every row of the table as wide.
-            dash(&super::top::fit(
-                &output::spaced(&a.last_error),
-                ERROR_COLUMNS,
-            )),
+            dash(&output::cut(&output::spaced(&a.last_error), ERROR_COLUMNS)),
             rfc3339_or_dash(a.last_seen_unix_ms),
         ]);
     }

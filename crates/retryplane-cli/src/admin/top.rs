@@ -26,11 +26,12 @@
 //!   `top -b`, it runs until stopped (Ctrl-C or SIGTERM end it with exit 0) unless
 //!   `--iterations N` is given. The first refresh must answer: if it fails, the run ends like
 //!   the other admin commands (exit 1 when the server refused, 2 when it could not be
-//!   reached). After it, a refresh that could not reach the server (a restart of the control
-//!   plane, say) is said on stderr, `retryplane: warning: refresh failed (retrying every 2s):
-//!   …`, nothing is printed on stdout for it, and the next interval connects anew; a refusal
-//!   (a token taken away) still ends the run with exit 1. A run that `--iterations` ends on a
-//!   refresh that failed exits 2.
+//!   reached). After it, a refresh that fails other than by a refusal (the server cannot be
+//!   reached, as during a restart of the control plane, or gives no answer within the admin
+//!   commands' 30 s, or an error) is said on stderr, `retryplane: warning: refresh failed
+//!   (retrying every 2s): …`, nothing is printed on stdout for it, and the next interval
+//!   connects anew; a refusal (a token taken away) still ends the run with exit 1. A failed
+//!   refresh counts toward `--iterations`, and a run that ends on one exits 2.
 //!
 //! `--iterations N` stops after N refreshes in both modes.
 //!
@@ -78,7 +79,8 @@ pub struct Args {
     /// The trailing window that rates and ratios are taken over.
     #[arg(long, value_enum, default_value = "1m")]
     window: WindowArg,
-    /// Stop after N refreshes [default: run until q, Ctrl-C or SIGTERM (only Ctrl-C or SIGTERM
+    /// Stop after N refreshes, failed ones included (off a terminal, a run that ends on a
+    /// failed one exits 2) [default: run until q, Ctrl-C or SIGTERM (only Ctrl-C or SIGTERM
     /// when stdout is not a terminal or with `--output json`), like `top -b`].
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     iterations: Option<u64>,
@@ -97,7 +99,13 @@ pub struct Args {
 }
 
 fn interval(text: &str) -> Result<Duration, String> {
-    let d = parse_duration(text).map_err(|e| e.to_string())?;
+    let d = parse_duration(text).map_err(|e| match e {
+        // A policy file's example (`2ms`) may be under the shortest interval.
+        retryplane_policy::duration::DurationError::MissingUnit(_) => {
+            format!("duration `{text}` needs a unit (ms, s, m or h): at least 100ms")
+        }
+        e => e.to_string(),
+    })?;
     if d < MIN_INTERVAL {
         return Err(format!("{text} is too short: refresh at most every 100ms"));
     }
@@ -211,23 +219,39 @@ enum Unanswered {
     Call(Status),
 }
 
-/// One refresh in plain mode, connecting first when the last one failed (`client` is `None`
-/// then, and again after a failure).
+impl Unanswered {
+    /// What went wrong, on one line.
+    fn message(&self) -> String {
+        match self {
+            Unanswered::Call(status) => status_line(status),
+            Unanswered::Connect(e) => retryplane_server::ErrorChain(e.as_ref()).to_string(),
+        }
+    }
+}
+
+/// One refresh (see [`poll`] for `limit` and `totals`), connecting first when the last one
+/// failed (`client` is `None` then, and again after a failure).
 async fn refresh(
     server: &Server,
     client: &mut Option<Client>,
     window: Window,
+    limit: Option<usize>,
     totals: bool,
 ) -> Result<Snapshot, Unanswered> {
     let mut connected = match client.take() {
         Some(c) => c,
         None => Client::connect(server).await.map_err(Unanswered::Connect)?,
     };
-    let snapshot = poll(&mut connected, window, None, totals)
+    let snapshot = poll(&mut connected, window, limit, totals)
         .await
         .map_err(Unanswered::Call)?;
     *client = Some(connected);
     Ok(snapshot)
+}
+
+/// `interval` as the error lines say it (`2s`).
+fn every(interval: Duration) -> String {
+    metrics::compact_ms(u64::try_from(interval.as_millis()).unwrap_or(u64::MAX))
 }
 
 /// Plain mode; see the module docs.
@@ -244,7 +268,7 @@ async fn plain(settings: &Settings) -> anyhow::Result<Report> {
             () = signals.recv() => break Outcome::Success,
         }
         let polled = tokio::select! {
-            polled = refresh(&settings.server, &mut client, settings.window, settings.format == Format::Json) => polled,
+            polled = refresh(&settings.server, &mut client, settings.window, None, settings.format == Format::Json) => polled,
             () = signals.recv() => break Outcome::Success,
         };
         let snapshot = match polled {
@@ -253,18 +277,11 @@ async fn plain(settings: &Settings) -> anyhow::Result<Report> {
             Err(Unanswered::Call(status)) if !answered || super::refused(status.code()) => {
                 return Ok(super::failed(&status, String::new()));
             }
-            Err(Unanswered::Connect(e)) if !answered => return Err(e),
             Err(failure) => {
-                let why = match failure {
-                    Unanswered::Call(status) => status_line(&status),
-                    Unanswered::Connect(e) => retryplane_server::ErrorChain(e.as_ref()).to_string(),
-                };
                 crate::output::note(format_args!(
                     "retryplane: warning: refresh failed (retrying every {}): {}",
-                    metrics::compact_ms(
-                        u64::try_from(settings.interval.as_millis()).unwrap_or(u64::MAX)
-                    ),
-                    crate::output::spaced(&why)
+                    every(settings.interval),
+                    crate::output::spaced(&failure.message())
                 ));
                 refreshes += 1;
                 if settings.iterations.is_some_and(|n| refreshes >= n) {
@@ -342,26 +359,14 @@ type Fetch = Pin<Box<dyn Future<Output = (Option<Client>, Result<Snapshot, Strin
 
 async fn fetch(
     server: Server,
-    client: Option<Client>,
+    mut client: Option<Client>,
     window: Window,
     limit: usize,
 ) -> (Option<Client>, Result<Snapshot, String>) {
-    let mut client = match client {
-        Some(client) => client,
-        None => match Client::connect(&server).await {
-            Ok(client) => client,
-            Err(e) => {
-                return (
-                    None,
-                    Err(retryplane_server::ErrorChain(e.as_ref()).to_string()),
-                );
-            }
-        },
-    };
-    match poll(&mut client, window, Some(limit), false).await {
-        Ok(snapshot) => (Some(client), Ok(snapshot)),
-        Err(status) => (None, Err(status_line(&status))),
-    }
+    let result = refresh(&server, &mut client, window, Some(limit), false)
+        .await
+        .map_err(|failure| failure.message());
+    (client, result)
 }
 
 /// Resolves with the fetch's result, or never when none is in flight.
@@ -507,7 +512,7 @@ pub fn render(view: &View<'_>, size: Option<(usize, usize)>) -> Vec<String> {
         lines.push(match view.error {
             Some(e) => format!(
                 "error (retrying every {}): {}",
-                metrics::compact_ms(u64::try_from(view.interval.as_millis()).unwrap_or(u64::MAX)),
+                every(view.interval),
                 crate::output::spaced(e)
             ),
             None => "q: quit".to_owned(),
@@ -583,7 +588,7 @@ pub fn render(view: &View<'_>, size: Option<(usize, usize)>) -> Vec<String> {
     if let Some((width, height)) = size {
         lines.truncate(height);
         for line in &mut lines {
-            *line = fit(line, width);
+            *line = output::fit(line, width);
         }
     }
     lines
@@ -670,10 +675,10 @@ fn shorten_names(cells: &mut [Vec<String>], width: usize) {
     let (endpoint_width, service_width) = share(budget, endpoint, service);
     for row in cells.iter_mut() {
         if let Some(cell) = row.get_mut(ENDPOINT) {
-            *cell = fit(cell, endpoint_width);
+            *cell = output::fit(cell, endpoint_width);
         }
         if let Some(cell) = row.get_mut(SERVICE) {
-            *cell = fit(cell, service_width);
+            *cell = output::fit(cell, service_width);
         }
     }
 }
@@ -692,35 +697,6 @@ fn share(budget: usize, a: usize, b: usize) -> (usize, usize) {
     } else {
         (half, budget - half)
     }
-}
-
-/// `text` cut to `width` terminal columns (an ideograph takes two, a combining mark none), the
-/// last one `…` when cut (before the closing quote of a quoted name).
-pub(crate) fn fit(text: &str, width: usize) -> String {
-    if UnicodeWidthStr::width(text) <= width {
-        return text.to_owned();
-    }
-    if width == 0 {
-        return String::new();
-    }
-    // A quoted name (`output::name`) keeps its closing quote, so it still reads as one.
-    if width >= 3
-        && let Some(inner) = text.strip_prefix('"').and_then(|t| t.strip_suffix('"'))
-    {
-        return format!("\"{}\"", fit(inner, width - 2));
-    }
-    let mut out = String::new();
-    let mut used = 0;
-    for c in text.chars() {
-        let w = unicode_width::UnicodeWidthChar::width(c).unwrap_or(0);
-        if used + w > width - 1 {
-            break;
-        }
-        used += w;
-        out.push(c);
-    }
-    out.push('…');
-    out
 }
 
 /// The terminal in raw mode on the alternate screen, restored however the view ends.
@@ -923,9 +899,9 @@ mod tests {
 
     #[test]
     fn a_quoted_name_shortened_keeps_its_closing_quote() {
-        assert_eq!(fit("\"web checkout\"", 8), "\"web c…\"");
-        assert_eq!(fit("\"web checkout\"", 14), "\"web checkout\"");
-        assert_eq!(fit("payments-eu", 6), "payme…");
+        assert_eq!(output::fit("\"web checkout\"", 8), "\"web c…\"");
+        assert_eq!(output::fit("\"web checkout\"", 14), "\"web checkout\"");
+        assert_eq!(output::fit("payments-eu", 6), "payme…");
     }
 
     #[test]
@@ -1050,13 +1026,13 @@ mod tests {
         assert_eq!(share(16, 24, 8), (8, 8));
         assert_eq!(share(20, 24, 8), (12, 8));
         assert_eq!(share(20, 4, 30), (4, 16));
-        assert_eq!(fit("payments", 8), "payments");
-        assert_eq!(fit("payments", 5), "paym…");
-        assert_eq!(fit("payments", 0), "");
+        assert_eq!(output::fit("payments", 8), "payments");
+        assert_eq!(output::fit("payments", 5), "paym…");
+        assert_eq!(output::fit("payments", 0), "");
         // By terminal columns: an ideograph takes two.
-        assert_eq!(fit("支付服务", 8), "支付服务");
-        assert_eq!(fit("支付服务", 7), "支付服…");
-        assert_eq!(fit("支付服务", 6), "支付…");
+        assert_eq!(output::fit("支付服务", 8), "支付服务");
+        assert_eq!(output::fit("支付服务", 7), "支付服…");
+        assert_eq!(output::fit("支付服务", 6), "支付…");
     }
 
     #[test]

@@ -13,7 +13,8 @@
 //! unready (nothing blocks the start, so a stop signal ends it as usual).
 //!
 //! API mode: the store is the source of truth. Only an empty store is seeded from the file; a
-//! missing seed file leaves the server unready until the first `retryplane apply`.
+//! missing seed file stops the start when it was named (`ServeConfig::seed_required`), and
+//! otherwise leaves the server unready until the first `retryplane apply`.
 
 use std::io;
 use std::path::Path;
