@@ -231,9 +231,6 @@ pub fn fit(text: &str, width: usize) -> String {
     if UnicodeWidthStr::width(text) <= width {
         return text.to_owned();
     }
-    if width == 0 {
-        return String::new();
-    }
     // A quoted name (`output::name`) keeps its closing quote, so it still reads as one.
     if width >= 3
         && let Some(inner) = text.strip_prefix('"').and_then(|t| t.strip_suffix('"'))

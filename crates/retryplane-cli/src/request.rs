@@ -92,7 +92,7 @@ pub struct Args {
     /// the admin one), for example http://127.0.0.1:7470, the default of `retryplane serve`
     /// (port 7470 when the URL names none).
     /// The call's counts are reported to it before the command exits (a note on stderr says
-    /// when it did not acknowledge them in the 2 to 3 s the command waits for that).
+    /// when it did not acknowledge them before the command stopped waiting, 3 s at most).
     #[arg(long, value_name = "URL")]
     server: Option<String>,
     /// Agent token for --server, sent as `authorization: Bearer TOKEN`. Not given or empty:
@@ -481,7 +481,7 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
                 output::note(format_args!(
                     "retryplane: note: the call's counts may not be in the fleet's figures: the \
                      control plane at {shown} did not acknowledge them (it went away, or did not \
-                     answer in the 2 to {} s the command waits for that)",
+                     answer before the command stopped waiting, {} s at most)",
                     SHUTDOWN_WAIT.as_secs()
                 ));
             }

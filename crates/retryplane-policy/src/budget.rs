@@ -34,10 +34,10 @@
 //!
 //! Lock-free on a budget's own calls: two counters (requests, retries) in a `SlidingCounter`
 //! ring of about ten slots per window, each slot an `AtomicU64` packing an epoch with a count
-//! (see `window.rs`). A
-//! deposit is the `Instant` subtraction (which the engine does once per step for the budget, the
-//! breaker and the deadline), one load, one multiplication and one uncontended CAS; a withdraw
-//! adds one pass over the window's slots, reading both counters of each. To make the bound sound
+//! (see `window.rs`). A deposit is the `Instant` subtraction (which the engine does once per step
+//! for the budget, the breaker and the deadline), one load, one multiplication and one
+//! uncontended CAS; a withdraw adds one pass over the window's slots, reading both counters of
+//! each. To make the bound sound
 //! despite slotting, requests are counted over the slots wholly inside the window (a subset of
 //! the true window, so up to one slot — a tenth of the window — of old calls is not credited)
 //! and retries over the slots that cover the window (a superset, so up to a tenth of a window of
@@ -194,9 +194,7 @@ impl RetryBudget {
         at_end[RETRIES] = true;
         // With `old` marked taken over, and a fence between the mark and the copy: a retry
         // `old` counts meanwhile is looked at again after it is counted, with a fence between
-        // (`recount_if_taken_over`), so it is in the copy or counted in this budget too.
-        // (Copied before the mark, the retries `old` counted between the two were in neither
-        // window, and calls retrying through a push got more retries than the reserve.) Under
+        // (`recount_if_taken_over`), so it is in the copy or counted in this budget too. Under
         // the line's lock: a call on `old` finds this budget through the line only once the
         // copy is done. A call's deposit in `old` that races the copy may be in neither (it
         // looks once, before counting): a call too few, which only refuses sooner.

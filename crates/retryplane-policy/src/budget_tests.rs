@@ -386,7 +386,7 @@ fn a_deposit_in_a_budget_whose_successor_is_gone_does_not_touch_the_line_mutex()
 }
 
 #[test]
-fn retries_racing_a_hand_over_are_counted_in_one_of_the_two_budgets() {
+fn retries_racing_a_hand_over_never_pass_the_reserve() {
     // A push takes the old budget over while its calls keep retrying: a retry the old budget
     // counts after the new one copied its window, and before the old one is marked taken over,
     // was in neither of the two windows the calls draw on from then on, and the two together

@@ -149,7 +149,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_number_without_a_unit_is_given_an_example_that_is_a_duration() {
+    fn a_number_without_a_unit_is_given_examples_that_are_durations() {
         let example = |s: &str| {
             let message = parse_duration(s).unwrap_err().to_string();
             let start = message.find("(such as `").unwrap() + "(such as `".len();

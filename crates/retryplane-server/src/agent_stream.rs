@@ -1244,8 +1244,8 @@ impl AgentStream {
     }
 }
 
-/// The most of a NACK's error a log line carries; `retryplane status` shows up to
-/// [`crate::fleet::MAX_ERROR_LEN`] bytes of it.
+/// The most of a NACK's error a log line carries; `retryplane status --output json` shows up
+/// to [`crate::fleet::MAX_ERROR_LEN`] bytes of it (its table, 60 columns).
 const MAX_LOGGED_NACK: usize = 256;
 
 /// The start of a NACK's `error` for the log, cut at a character boundary and marked so when

@@ -124,8 +124,8 @@ fn header(info: &retryplane_proto::pb::VersionInfo, server: &str, current: bool)
     );
     if current {
         header.push_str(&format!(
-            "# to apply an edit of it only while it is current: retryplane apply FILE \
-             --expected-version {version}\n"
+            "# in API mode, to apply an edit of it only while it is current: retryplane apply \
+             FILE --expected-version {version}\n"
         ));
     }
     header

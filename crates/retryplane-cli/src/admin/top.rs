@@ -79,8 +79,8 @@ pub struct Args {
     /// The trailing window that rates and ratios are taken over.
     #[arg(long, value_enum, default_value = "1m")]
     window: WindowArg,
-    /// Stop after N refreshes, failed ones included (off a terminal, a run that ends on a
-    /// failed one exits 2) [default: run until q, Ctrl-C or SIGTERM (only Ctrl-C or SIGTERM
+    /// Stop after N refreshes, failed ones included (off a terminal or with `--output json`, a
+    /// run that ends on a failed one exits 2) [default: run until q, Ctrl-C or SIGTERM (only Ctrl-C or SIGTERM
     /// when stdout is not a terminal or with `--output json`), like `top -b`].
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     iterations: Option<u64>,
@@ -101,9 +101,10 @@ pub struct Args {
 fn interval(text: &str) -> Result<Duration, String> {
     let d = parse_duration(text).map_err(|e| match e {
         // A policy file's example (`2ms`) may be under the shortest interval.
-        retryplane_policy::duration::DurationError::MissingUnit(_) => {
-            format!("duration `{text}` needs a unit (ms, s, m or h): at least 100ms")
-        }
+        retryplane_policy::duration::DurationError::MissingUnit(_) => format!(
+            "duration `{text}` needs a unit (ms, s, m or h): at least {}",
+            every(MIN_INTERVAL)
+        ),
         e => e.to_string(),
     })?;
     if d < MIN_INTERVAL {
@@ -211,7 +212,7 @@ fn now_unix_ms() -> u64 {
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
-/// A refresh in plain mode that did not answer.
+/// A refresh that did not answer.
 enum Unanswered {
     /// Connecting anew failed.
     Connect(anyhow::Error),

@@ -182,14 +182,15 @@ pub enum StoreError {
         version: u64,
     },
     /// Another process (or another handle in this one) holds the store.
-    #[error(
-        "the data directory {} is in use by another retryplane process{}",
-        dir.display(),
-        linked.as_ref().map_or_else(String::new, |to| format!(
-            " (its store file is a link to {}, which that process holds)",
+    #[error("{}", match linked {
+        None => format!("the data directory {} is in use by another retryplane process", dir.display()),
+        Some(to) => format!(
+            "the store file of the data directory {} is a link to {}, which another retryplane \
+             process holds",
+            dir.display(),
             to.display()
-        ))
-    )]
+        ),
+    })]
     InUse {
         /// The data directory.
         dir: PathBuf,

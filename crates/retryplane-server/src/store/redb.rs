@@ -759,10 +759,11 @@ fn open_error(dir: &Path, path: &Path, error: DatabaseError) -> StoreError {
         DatabaseError::DatabaseAlreadyOpen | DatabaseError::LockProtocolMismatch => {
             StoreError::InUse {
                 dir: dir.to_owned(),
-                // The directory's own lock was taken: what is held is the file it links to.
+                // This process holds the directory's lock: what another holds is the file the
+                // store file links to (named by its real path when it resolves).
                 linked: std::fs::read_link(path)
                     .ok()
-                    .map(|_| std::fs::canonicalize(path).unwrap_or_else(|_| path.to_owned())),
+                    .map(|to| std::fs::canonicalize(path).unwrap_or(to)),
             }
         }
         DatabaseError::Storage(StorageError::Io(error))

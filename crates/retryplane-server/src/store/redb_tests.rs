@@ -144,7 +144,7 @@ fn a_store_file_linked_to_one_in_use_is_named_by_its_target() {
     );
     assert!(
         err.to_string().ends_with(&format!(
-            "(its store file is a link to {}, which that process holds)",
+            "is a link to {}, which another retryplane process holds",
             target.display()
         )),
         "{err}"
