@@ -1102,19 +1102,25 @@ fn the_policy_must_come_from_a_file_or_a_server() {
     );
 }
 
+/// `retryplane request --endpoint api --server URL` to a port nothing listens on, the policy
+/// asked of the control plane at `url`: its exit code and stderr, within 30 s.
+fn request_via_server(url: &str) -> (Option<i32>, String) {
+    let out = support::cli(&[])
+        .args(["request", "--endpoint", "api", "--server", url])
+        .arg("http://127.0.0.1:9/")
+        .timeout(std::time::Duration::from_secs(30))
+        .output()
+        .unwrap();
+    (out.status.code(), String::from_utf8(out.stderr).unwrap())
+}
+
 #[test]
 fn server_mode_on_a_control_plane_with_no_version_yet_says_so() {
     // API mode, an empty store and no seed file: the agent's stream is taken and stays quiet.
     let server = support::TestServer::start(None, None, |cfg| cfg.api_mode = true);
     let agent_url = format!("http://{}", server.running().agent_addr());
-    let out = support::cli(&[])
-        .args(["request", "--endpoint", "api", "--server", &agent_url])
-        .arg("http://127.0.0.1:9/")
-        .timeout(std::time::Duration::from_secs(30))
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8(out.stderr).unwrap();
-    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    let (code, stderr) = request_via_server(&agent_url);
+    assert_eq!(code, Some(2), "{stderr}");
     assert!(
         stderr.contains("within 5 s: it took the agent's stream but has no version to send")
             && stderr.contains("until the first `retryplane apply`"),
@@ -1176,15 +1182,8 @@ fn server_mode_says_the_policy_sent_was_refused_and_why() {
             )
             .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
     );
-    let out = support::cli(&[])
-        .args(["request", "--endpoint", "api", "--server"])
-        .arg(format!("http://{addr}"))
-        .arg("http://127.0.0.1:9/")
-        .timeout(std::time::Duration::from_secs(30))
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8(out.stderr).unwrap();
-    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    let (code, stderr) = request_via_server(&format!("http://{addr}"));
+    assert_eq!(code, Some(2), "{stderr}");
     assert!(
         stderr.contains(&format!(
             "the control plane at http://{addr} sent a policy this command's agent refused \

@@ -354,9 +354,17 @@ async fn forget_disconnected_after_takes_days_and_hours_past_a_day_up_to_30d() {
 /// until it exits, as a start that fails does: the exit code and stderr.
 fn serve_until_it_fails(dir: &std::path::Path) -> (Option<i32>, String) {
     std::fs::write(dir.join("policies.yaml"), POLICY).unwrap();
+    serve_with_until_it_fails(dir, &["--config", "policies.yaml"])
+}
+
+/// [`serve_until_it_fails`] with `mode` (`--config FILE`, `--api`, …) in place of the policy
+/// file it writes: loopback listeners on any port, the store in `dir/data`.
+fn serve_with_until_it_fails(dir: &std::path::Path, mode: &[&str]) -> (Option<i32>, String) {
     let output = assert_cmd::Command::new(env!("CARGO_BIN_EXE_retryplane"))
         .current_dir(dir)
-        .args(["serve", "--config", "policies.yaml", "--data-dir", "data"])
+        .arg("serve")
+        .args(mode)
+        .args(["--data-dir", "data"])
         .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
         .args(["--http-listen", "127.0.0.1:0"])
         .env("RUST_LOG", "warn")
@@ -371,28 +379,12 @@ fn serve_until_it_fails(dir: &std::path::Path) -> (Option<i32>, String) {
 
 #[test]
 fn in_api_mode_a_seed_file_named_but_missing_stops_the_start_of_an_empty_store() {
-    // A mistyped --config started an empty store unready, with a warning, as if no seed had
-    // been asked for; the default path that is missing still waits for the first apply.
-    // (The default path missing: `request.rs`, an agent on an empty store with no seed.)
+    // A path named with --config is one the operator meant: missing, it is a mistake, not
+    // "no seed". (The default path missing, which waits for the first apply: `request.rs`,
+    // an agent on an empty store with no seed.)
     let dir = tempfile::tempdir().unwrap();
-    let output = assert_cmd::Command::new(env!("CARGO_BIN_EXE_retryplane"))
-        .current_dir(dir.path())
-        .args([
-            "serve",
-            "--api",
-            "--config",
-            "sead.yaml",
-            "--data-dir",
-            "data",
-        ])
-        .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
-        .args(["--http-listen", "127.0.0.1:0"])
-        .env("RUST_LOG", "warn")
-        .timeout(BOUND)
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    let (code, stderr) = serve_with_until_it_fails(dir.path(), &["--api", "--config", "sead.yaml"]);
+    assert_eq!(code, Some(2), "{stderr}");
     assert!(
         stderr.contains("cannot read the policy file sead.yaml, and the store holds no version")
             && stderr.contains("No such file"),
