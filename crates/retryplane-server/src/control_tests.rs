@@ -180,14 +180,19 @@ async fn connect_agent(
     (agent_tx, inbound)
 }
 
-/// The next snapshot's version on `inbound`, waiting at most [`WAIT`].
-async fn next_version(inbound: &mut tonic::Streaming<pb::ServerMessage>) -> u64 {
+/// The next snapshot on `inbound`, waiting at most [`WAIT`].
+async fn next_snapshot(inbound: &mut tonic::Streaming<pb::ServerMessage>) -> pb::Snapshot {
     let message = tokio::time::timeout(WAIT, inbound.message())
         .await
         .expect("a snapshot in time")
         .unwrap()
         .unwrap();
-    message.decode_snapshot().unwrap().unwrap().version
+    message.decode_snapshot().unwrap().unwrap()
+}
+
+/// The next snapshot's version on `inbound`, waiting at most [`WAIT`].
+async fn next_version(inbound: &mut tonic::Streaming<pb::ServerMessage>) -> u64 {
+    next_snapshot(inbound).await.version
 }
 
 /// Drives `change` until the store's publish has started, then drops it, as hyper drops the
@@ -623,12 +628,7 @@ async fn an_agent_that_refused_the_push_is_listed_running_its_named_version_once
     let v2 = VersionRecord::of_version(2, document);
     let hello = hello_naming(2, &v2.meta.content_hash);
     let (agent_tx, mut inbound) = connect_agent(addr, hello).await;
-    let message = tokio::time::timeout(WAIT, inbound.message())
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
-    let pushed = message.decode_snapshot().unwrap().unwrap();
+    let pushed = next_snapshot(&mut inbound).await;
     assert_eq!(pushed.version, 1);
     let nack = pb::Nack {
         version: 1,
@@ -657,12 +657,7 @@ async fn a_refusal_is_logged_with_the_agents_reason_on_one_line() {
     let (_gate, control, _) = on_v1().await;
     let (addr, _stop) = serve(&control).await;
     let (agent_tx, mut inbound) = connect_agent(addr, hello_naming(0, "")).await;
-    let message = tokio::time::timeout(WAIT, inbound.message())
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
-    let pushed = message.decode_snapshot().unwrap().unwrap();
+    let pushed = next_snapshot(&mut inbound).await;
     let reason = format!("endpoints.payments: \"bad\"\nnext line {}", "x".repeat(400));
     agent_tx
         .send(pb::AgentMessage {
