@@ -1101,27 +1101,18 @@ impl AgentStream {
                 }
             }
             Some(Kind::Nack(nack)) => {
-                if self.answers_last_push(&nack.nonce, nack.version) {
-                    ctx.fleet.nack(
-                        &self.agent_id,
-                        self.generation,
-                        self.known_version,
-                        &self.known_hash,
-                        &nack.error,
-                    );
-                    ctx.metrics.nacks.inc();
-                    warn!(agent = %LogValue(&self.agent_id), version = nack.version, error = %LogValue(&nack_reason(&nack.error)), "agent refused a snapshot");
-                } else if let Some(hash) = self.answers_earlier_push(&nack.nonce, nack.version) {
+                let refused = if self.answers_last_push(&nack.nonce, nack.version) {
+                    Some((self.known_version, self.known_hash.clone()))
+                } else {
                     // A push sent before the last one, refused: shown and counted as any
                     // refusal (it is the agent's last answer), and only its first answer
                     // counts: a later ACK of it says nothing of what the agent runs.
-                    ctx.fleet.nack(
-                        &self.agent_id,
-                        self.generation,
-                        nack.version,
-                        &hash,
-                        &nack.error,
-                    );
+                    self.answers_earlier_push(&nack.nonce, nack.version)
+                        .map(|hash| (nack.version, hash))
+                };
+                if let Some((version, hash)) = refused {
+                    ctx.fleet
+                        .nack(&self.agent_id, self.generation, version, &hash, &nack.error);
                     ctx.metrics.nacks.inc();
                     warn!(agent = %LogValue(&self.agent_id), version = nack.version, error = %LogValue(&nack_reason(&nack.error)), "agent refused a snapshot");
                 } else {
