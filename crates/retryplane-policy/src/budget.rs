@@ -273,11 +273,7 @@ impl RetryBudget {
         let budget = newest.as_deref().unwrap_or(self);
         let nanos = nanos_since(budget.origin, now);
         let slot = budget.window.advance(nanos);
-        let taken = budget.take_in(slot);
-        if taken {
-            budget.recount_if_taken_over(nanos);
-        }
-        taken
+        budget.counted(budget.take_in(slot), nanos)
     }
 
     /// Whether a retry at `now` would be allowed, without counting it.
@@ -331,14 +327,12 @@ impl RetryBudget {
             let newest = self.newest();
             let budget = newest.as_deref().unwrap_or(self);
             let slot = budget.window.advance(w.nanos);
-            let taken = budget.take_in(slot);
-            if taken {
-                budget.recount_if_taken_over(w.nanos);
-            }
-            return taken.then_some(Taken {
-                slot,
-                budget: budget.id,
-            });
+            return budget
+                .counted(budget.take_in(slot), w.nanos)
+                .then_some(Taken {
+                    slot,
+                    budget: budget.id,
+                });
         }
         let slot = self.window.advance(w.nanos);
         let taken = if slot != w.slot {
@@ -347,13 +341,19 @@ impl RetryBudget {
         } else {
             self.window.try_add(slot, RETRIES, w.older, w.limit)
         };
-        if taken {
-            self.recount_if_taken_over(w.nanos);
-        }
-        taken.then_some(Taken {
+        self.counted(taken, w.nanos).then_some(Taken {
             slot,
             budget: self.id,
         })
+    }
+
+    /// `taken`, after [`Self::recount_if_taken_over`] when it is `true` (a retry at `nanos` was
+    /// counted in this budget's own window): every retry counted goes through here.
+    fn counted(&self, taken: bool, nanos: u64) -> bool {
+        if taken {
+            self.recount_if_taken_over(nanos);
+        }
+        taken
     }
 
     /// Looks again, after a retry at `nanos` was counted in this budget's own window, whether
