@@ -297,9 +297,14 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
         .publish_current()
         .await
         .map_err(ServeError::ReadStore)?;
-    let settled = boot::load_policies(&control, &cfg).await?;
-    if let (Some(read), Some(bytes)) = (start_read, settled) {
-        read.settled(bytes);
+    let at_start = boot::load_policies(&control, &cfg).await?;
+    if let Some(read) = start_read {
+        match at_start {
+            boot::FileAtStart::Settled(bytes) => read.settled(bytes),
+            boot::FileAtStart::LeftToItsWriter => read.left_to_its_writer(),
+            // Dropped: the watcher reads the file afresh.
+            boot::FileAtStart::Unsettled => {}
+        }
     }
 
     // One health service per listener: each says the state of its own service only, and

@@ -2262,7 +2262,7 @@ async fn shutdown_does_not_wait_for_connections_that_never_send_anything() {
 /// plane while `scp` or a generator writes the file in place) does not publish the half it has
 /// written (here a valid file without `search`, which would have dropped the endpoint for every
 /// agent): the stored version is served until the writer closes the file, and the whole save
-/// is published then.
+/// is published then, logged as the read its writer waited for (nothing invalid was read).
 #[cfg(target_os = "linux")]
 #[tokio::test]
 async fn a_start_does_not_publish_a_file_its_writer_still_holds_open() {
@@ -2279,6 +2279,7 @@ async fn a_start_does_not_publish_a_file_its_writer_still_holds_open() {
     let cut = SAVE.find("  search:").unwrap();
     writer.write_all(&SAVE.as_bytes()[..cut]).unwrap();
     writer.flush().unwrap();
+    let (log, _guard) = crate::test_logs::capture("retryplane_server=info");
     let running = start(cfg).await.unwrap();
     let at_start = current(&running).await;
     // The writer finishes: the whole save is the next version.
@@ -2296,7 +2297,22 @@ async fn a_start_does_not_publish_a_file_its_writer_still_holds_open() {
     // Only `payments` changed: `search` was never dropped.
     let info = current(&running).await;
     assert_eq!(info.summary, "+0 endpoints, -0, 1 modified");
+    assert_read_once_its_writer_closed(&log.text(), 2);
     running.shutdown().await.unwrap();
+}
+
+/// The one line that says the file start-up left to its writer was read once it closed it,
+/// and no line saying it is valid again.
+fn assert_read_once_its_writer_closed(log: &str, version: u64) {
+    let read = "the policy file's writer closed it, and it is read";
+    let lines: Vec<&str> = log.lines().filter(|l| l.contains(read)).collect();
+    assert_eq!(lines.len(), 1, "{log}");
+    assert!(
+        lines[0].contains(&format!("version {version} is served")),
+        "{log}"
+    );
+    assert!(!log.contains("valid again"), "{log}");
+    assert!(!log.contains("policies did not change"), "{log}");
 }
 
 /// The same on a first start (an empty store): the start does not wait for the writer (a stop
@@ -2313,6 +2329,7 @@ async fn a_first_start_on_a_file_its_writer_holds_open_is_unready_until_the_whol
     let cut = SAVE.find("  search:").unwrap();
     writer.write_all(&SAVE.as_bytes()[..cut]).unwrap();
     writer.flush().unwrap();
+    let (log, _guard) = crate::test_logs::capture("retryplane_server=info");
     let running = tokio::time::timeout(Duration::from_secs(10), start(cfg))
         .await
         .expect("the start does not wait for the writer")
@@ -2329,6 +2346,7 @@ async fn a_first_start_on_a_file_its_writer_holds_open_is_unready_until_the_whol
         (info.version, info.summary.as_str()),
         (1, "+2 endpoints, -0, 0 modified")
     );
+    assert_read_once_its_writer_closed(&log.text(), 1);
     running.shutdown().await.unwrap();
 }
 

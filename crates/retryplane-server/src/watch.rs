@@ -31,7 +31,8 @@
 //! read. Every read sets
 //! `retryplane_server_config_last_reload_successful` (1 for a valid file applied or equal to the
 //! version served, 0 otherwise), and the first good read after one that was not logs one info
-//! line saying the file is valid again and which version is served.
+//! line saying the file is valid again and which version is served (the first read of a file
+//! start-up left to its writer says instead that it was read once its writer closed it).
 //!
 //! A watch is attached to a directory's inode, so a watched directory deleted and created
 //! again, or replaced by a rename, would no longer be watched: every read sets the watches up
@@ -424,7 +425,16 @@ pub fn log_diagnostics(file: &Path, loaded: &Loaded) {
 
 /// What start-up read from the policy file, for a watcher started before that read.
 #[derive(Debug)]
-pub struct StartRead(oneshot::Sender<Vec<u8>>);
+pub struct StartRead(oneshot::Sender<AtStart>);
+
+/// What start-up told the watcher.
+#[derive(Debug)]
+enum AtStart {
+    /// See [`StartRead::settled`].
+    Settled(Vec<u8>),
+    /// See [`StartRead::left_to_its_writer`].
+    LeftToItsWriter,
+}
 
 impl StartRead {
     /// Start-up read `bytes` and settled them (applied, equal to the stored version, or refused
@@ -432,7 +442,14 @@ impl StartRead {
     /// watched directory neither applies nor logs them again.
     pub fn settled(self, bytes: Vec<u8>) {
         // The watcher may have stopped already: nothing to tell then.
-        let _ = self.0.send(bytes);
+        let _ = self.0.send(AtStart::Settled(bytes));
+    }
+
+    /// Start-up did not read the file, as another process held it open for writing (and
+    /// logged so): the watcher's first read once the writer closes it says that it read it,
+    /// rather than that the file is valid again (nothing invalid was read).
+    pub fn left_to_its_writer(self) {
+        let _ = self.0.send(AtStart::LeftToItsWriter);
     }
 }
 
@@ -754,6 +771,8 @@ enum Writing {
 /// What the watcher last read from the file.
 enum LastRead {
     Nothing,
+    /// Nothing yet: start-up found the file held open for writing and left it to its writer.
+    LeftToItsWriter,
     /// These bytes, settled: applied, equal to the current version's, or refused for good.
     Bytes(Vec<u8>),
     /// These bytes, valid, but the store did not take them (a full disk, say), at this
@@ -776,7 +795,7 @@ async fn run(
     mut events: mpsc::Receiver<()>,
     mut shutdown: watch::Receiver<bool>,
     mut watches: Watches,
-    mut start: Option<oneshot::Receiver<Vec<u8>>>,
+    mut start: Option<oneshot::Receiver<AtStart>>,
 ) {
     let debounce = timing.debounce;
     let open_writes = watches.open_writes.clone();
@@ -942,9 +961,12 @@ async fn run(
         // rescan) does not apply or log it a second time.
         if let Some(start_read) = &mut start {
             match start_read.try_recv() {
-                Ok(bytes) => {
+                Ok(at_start) => {
                     if matches!(last, LastRead::Nothing) {
-                        last = LastRead::Bytes(bytes);
+                        last = match at_start {
+                            AtStart::Settled(bytes) => LastRead::Bytes(bytes),
+                            AtStart::LeftToItsWriter => LastRead::LeftToItsWriter,
+                        };
                     }
                     start = None;
                 }
@@ -1023,10 +1045,16 @@ async fn reload_if_changed(
     };
     // Read before `apply`: a save it publishes sets the gauge as it publishes.
     let was_valid = control.metrics.config_last_reload_successful.get() == 1;
+    let first_after_writer = matches!(last, LastRead::LeftToItsWriter);
     let (settled, valid) = apply(control, file, loaded, again, keep_endpoints).await;
     // A save still being written is no failed reload: the gauge says what the last one did.
     if !matches!(settled, Settled::HeldBack) {
-        reload_result(control, file, valid, was_valid);
+        if first_after_writer && valid {
+            info!(file = %file.display(), "the policy file's writer closed it, and it is read: {} is served", serving(control));
+            control.metrics.config_last_reload_successful.set(1);
+        } else {
+            reload_result(control, file, valid, was_valid);
+        }
     }
     *last = match settled {
         Settled::Yes => LastRead::Bytes(bytes),

@@ -27,13 +27,25 @@ use crate::control::{ChangeContent, ChangeRequest, ControlPlane};
 use crate::store::Source;
 use crate::watch::{log_diagnostics, read_policy_file};
 
-/// Loads the policies the server starts with; see the module docs. In file mode, returns the
-/// file's bytes once they are settled (applied, equal to the stored version, or refused and
-/// logged), for the watcher to count as read.
+/// What start-up did with the policy file, for the watcher (see [`crate::watch::StartRead`]).
+pub(super) enum FileAtStart {
+    /// Its bytes, settled (applied, equal to the stored version, or refused and logged): the
+    /// watcher counts them as read.
+    Settled(Vec<u8>),
+    /// Not read: another process held it open for writing. The watcher reads it once that
+    /// process closes it.
+    LeftToItsWriter,
+    /// Not read, or read but not settled (API mode, a read that failed, a store that did not
+    /// take it): the watcher reads it afresh.
+    Unsettled,
+}
+
+/// Loads the policies the server starts with; see the module docs. In file mode, says what
+/// became of the file (its bytes once they are settled), for the watcher.
 pub(super) async fn load_policies(
     control: &ControlPlane,
     cfg: &ServeConfig,
-) -> Result<Option<Vec<u8>>, ServeError> {
+) -> Result<FileAtStart, ServeError> {
     let file = cfg.config_file.as_path();
     let current = control
         .blocking(|s| s.current())
@@ -55,18 +67,18 @@ pub(super) async fn load_policies(
                 version,
                 "API mode: serving the stored version; the policy file is not read"
             );
-            return Ok(None);
+            return Ok(FileAtStart::Unsettled);
         }
         return match read_policy_file(file).await {
             Err(e) if e.kind() == io::ErrorKind::NotFound && !cfg.seed_required => {
                 warn!(file = %file.display(), "API mode: the store is empty and there is no seed file; not ready until the first `retryplane apply`");
-                Ok(None)
+                Ok(FileAtStart::Unsettled)
             }
             Err(source) => Err(read_error(file, source)),
             Ok((_, loaded)) => {
                 apply_valid(control, file, loaded, None).await?;
                 info!(file = %file.display(), "API mode: seeded the empty store from the policy file");
-                Ok(None)
+                Ok(FileAtStart::Unsettled)
             }
         };
     }
@@ -82,14 +94,14 @@ pub(super) async fn load_policies(
                 warn!(file = %file.display(), "the policy file is open for writing by another process and the store is empty: not ready until its writer closes it");
             }
         }
-        return Ok(None);
+        return Ok(FileAtStart::LeftToItsWriter);
     }
     let (bytes, loaded) = match (read_policy_file(file).await, stored) {
         (Ok(read), _) => read,
         (Err(source), None) => return Err(read_error(file, source)),
         (Err(e), Some(version)) => {
             error!(file = %file.display(), error = %e, version, "cannot read the policy file; serving the stored version");
-            return Ok(None);
+            return Ok(FileAtStart::Unsettled);
         }
     };
     match stored {
@@ -113,12 +125,12 @@ pub(super) async fn load_policies(
                 // latest).
                 AtStart::NotStored => {
                     reload_ok.set(0);
-                    return Ok(None);
+                    return Ok(FileAtStart::Unsettled);
                 }
             }
         }
     }
-    Ok(Some(bytes))
+    Ok(FileAtStart::Settled(bytes))
 }
 
 fn read_error(file: &Path, source: io::Error) -> ServeError {
