@@ -257,6 +257,19 @@ fn apply_get_history_diff_rollback_and_status_work_against_a_real_server() {
     assert!(past.contains("max_attempts: 3"));
     assert!(past.starts_with("# version 1 (sha256 "), "{past}");
     assert!(!past.contains("--expected-version"), "{past}");
+    // Without the header: the policies alone, the same whoever asks whom.
+    let bare = server.retryplane(&["get", "--no-header"]).assert().code(0);
+    let bare = stdout_of(&bare);
+    assert!(!bare.contains('#'), "{bare}");
+    assert_eq!(
+        current.lines().skip(2).collect::<Vec<_>>(),
+        bare.lines().collect::<Vec<_>>()
+    );
+    server
+        .retryplane(&["get", "--no-header", "--output", "json"])
+        .assert()
+        .code(2)
+        .stderr(predicate::str::contains("--no-header is for --output yaml"));
     // What it printed, edited, is a policy file to apply with the version it names.
     server.write(
         "edited.yaml",

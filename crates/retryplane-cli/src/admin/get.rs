@@ -6,7 +6,9 @@
 //! server, and, when no `--version` was given (the current version then), how to apply an
 //! edit of it only while it is still current (`--expected-version N`): a version looked up
 //! after the `get` may be a newer one, whose changes an edit of the older one would undo. The
-//! comment is left out when it would take the file over the size limit. `--output json` prints one object: the version's metadata
+//! comment is left out when it would take the file over the size limit, and with
+//! `--no-header` (for a file kept in version control, which would otherwise change with the
+//! server's address and the version's number). `--output json` prints one object: the version's metadata
 //! (`version`, `content_hash`, `source`, `author`, `created_unix_ms`, `created`, `summary`,
 //! `rolled_back_from`) and `policies`, the document (see `json::document` for its shape).
 
@@ -39,6 +41,10 @@ pub struct Args {
     /// Output format.
     #[arg(long, value_enum, default_value_t, alias = "format")]
     output: GetFormat,
+    /// YAML without its opening comment (version, hash, server, how to apply an edit): the
+    /// policies alone, as for a file kept in version control.
+    #[arg(long)]
+    no_header: bool,
     /// Print the program's version (`-V` alone: `--version` names a policy version here).
     #[arg(short = 'V', action = clap::ArgAction::Version)]
     print_version: (),
@@ -53,6 +59,8 @@ pub struct Settings {
     pub version: Option<u64>,
     /// Output format.
     pub format: GetFormat,
+    /// Whether YAML opens with the comment naming the version (no `--no-header`).
+    pub header: bool,
     /// The control plane.
     pub server: Server,
 }
@@ -61,9 +69,13 @@ impl TryFrom<Args> for Settings {
     type Error = anyhow::Error;
 
     fn try_from(args: Args) -> anyhow::Result<Self> {
+        if args.no_header && args.output == GetFormat::Json {
+            anyhow::bail!("--no-header is for --output yaml: JSON has no header to leave out");
+        }
         Ok(Self {
             version: args.version,
             format: args.output,
+            header: !args.no_header,
             server: args.server.try_into()?,
         })
     }
@@ -86,7 +98,7 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
                 if !yaml.is_empty() && !yaml.ends_with('\n') {
                     yaml.push('\n');
                 }
-                if let Some(info) = &response.info {
+                if let Some(info) = response.info.as_ref().filter(|_| settings.header) {
                     let header = header(info, &settings.server.url, settings.version.is_none());
                     if header.len() + yaml.len() <= MAX_FILE_BYTES {
                         yaml.insert_str(0, &header);
