@@ -324,6 +324,51 @@ fn apply_get_history_diff_rollback_and_status_work_against_a_real_server() {
     );
     assert_eq!(limited.as_array().unwrap().len(), 1);
 
+    // rollback --dry-run: what it would change, nothing stored.
+    server
+        .retryplane(&["rollback", "1", "--dry-run"])
+        .assert()
+        .code(0)
+        .stdout(predicate::str::contains("- search\n"))
+        .stdout(predicate::str::contains(
+            "dry run: rolling back to v1 would change v2: ",
+        ));
+    let dry_run = json_of(
+        &server
+            .retryplane(&["rollback", "1", "--dry-run", "--output", "json"])
+            .assert()
+            .code(0),
+    );
+    let fields = [
+        "version",
+        "changed",
+        "dry_run",
+        "would_change",
+        "rolled_back_to",
+    ];
+    assert_eq!(
+        fields.map(|field| dry_run[field].to_string()),
+        ["2", "false", "true", "true", "1"],
+        "{dry_run}"
+    );
+    assert_eq!(dry_run["new_content_hash"], v1_hash.as_str());
+    server
+        .retryplane(&["rollback", "1", "--dry-run", "--expected-version", "1"])
+        .assert()
+        .code(1)
+        .stderr(predicate::str::contains("ABORTED"));
+    let still = json_of(
+        &server
+            .retryplane(&["history", "--output", "json"])
+            .assert()
+            .code(0),
+    );
+    assert_eq!(
+        still.as_array().unwrap().len(),
+        2,
+        "a dry run stored nothing"
+    );
+
     // rollback: v1's content as v3.
     server
         .retryplane(&["rollback", "1"])
@@ -546,12 +591,22 @@ fn file_mode_refuses_writes_naming_the_file() {
         .code(1)
         .stderr(predicate::str::contains("FAILED_PRECONDITION"))
         .stderr(predicate::str::contains("policies.yaml"));
-    // Reading works.
+    // Reading works, and so does a dry run.
     server
         .retryplane(&["get"])
         .assert()
         .code(0)
         .stdout(predicate::str::contains("max_attempts: 3"));
+    server
+        .retryplane(&["rollback", "1", "--dry-run"])
+        .assert()
+        .code(0)
+        .stdout("dry run: no changes: v1 already has the content of v1\n");
+    server
+        .retryplane(&["rollback", "1"])
+        .assert()
+        .code(1)
+        .stderr(predicate::str::contains("FAILED_PRECONDITION"));
 }
 
 #[test]
@@ -1096,11 +1151,18 @@ fn removing_every_endpoint_needs_force_for_apply_and_rollback() {
         .code(0)
         .stdout(predicate::str::contains("applied v2"));
 
-    // Back to v1 removes `search`, every endpoint of v2.
+    // Back to v1 removes `search`, every endpoint of v2; a dry run shows its diff above the
+    // same refusal.
     server
         .retryplane(&["rollback", "1"])
         .assert()
         .code(1)
+        .stderr(predicate::str::contains("--force"));
+    server
+        .retryplane(&["rollback", "1", "--dry-run"])
+        .assert()
+        .code(1)
+        .stdout(predicate::str::contains("- search"))
         .stderr(predicate::str::contains("--force"));
     server
         .retryplane(&["rollback", "1", "--force"])

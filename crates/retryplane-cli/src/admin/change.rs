@@ -107,11 +107,9 @@ pub fn change_json(response: &pb::ApplyResponse, file: &str, dry_run: bool) -> V
         })
         .collect();
     let warnings: Vec<Diagnostic> = response.warnings.iter().map(diagnostic).collect();
-    let (would_change, new_content_hash) = if response.new_content_hash.is_empty() {
-        (response.changed || !response.diff.is_empty(), None)
-    } else {
-        (response.would_change, Some(&response.new_content_hash))
-    };
+    let new_content_hash =
+        (!response.new_content_hash.is_empty()).then_some(&response.new_content_hash);
+    let would_change = would_change(response);
     json!({
         "version": response.version,
         "content_hash": response.content_hash,
@@ -124,13 +122,24 @@ pub fn change_json(response: &pb::ApplyResponse, file: &str, dry_run: bool) -> V
     })
 }
 
-/// A policy file, read and ready to send.
+/// Whether the content sent differs from the current version's (for a dry run, whether the
+/// change would store a new version): `would_change`, or, from a control plane that predates
+/// it (no `new_content_hash`), read from the diff.
+pub fn would_change(response: &pb::ApplyResponse) -> bool {
+    if response.new_content_hash.is_empty() {
+        response.changed || !response.diff.is_empty()
+    } else {
+        response.would_change
+    }
+}
+
+/// Policies ready to send: a policy file, or a stored version's document.
 #[derive(Debug)]
 pub struct PolicyFile {
-    /// The name diagnostics are printed with: the path as given, or `<stdin>`.
+    /// The name diagnostics are printed with: the path as given, `<stdin>`, or `v3`.
     pub name: String,
-    /// Its text.
-    pub yaml: String,
+    /// Its content: the file's text, or a version's document as `Get` answered it.
+    pub content: pb::policy_source::Kind,
 }
 
 /// Reads `source` under the size limit and validates it here, with the same checks as the
@@ -151,7 +160,10 @@ pub fn read_policy(source: &Source, format: Format) -> anyhow::Result<Result<Pol
                 let mut loaded = retryplane_policy::load(yaml.as_bytes());
                 crate::input::fit_agents(&mut loaded);
                 if !loaded.has_errors() {
-                    return Ok(Ok(PolicyFile { name, yaml }));
+                    return Ok(Ok(PolicyFile {
+                        name,
+                        content: pb::policy_source::Kind::Yaml(yaml),
+                    }));
                 }
                 loaded
             }
@@ -215,7 +227,7 @@ pub async fn apply(
     format: Format,
 ) -> anyhow::Result<Result<pb::ApplyResponse, Report>> {
     let source = || pb::PolicySource {
-        kind: Some(pb::policy_source::Kind::Yaml(file.yaml.clone())),
+        kind: Some(file.content.clone()),
         origin: file.name.clone(),
     };
     let request = pb::ApplyRequest {

@@ -3,14 +3,23 @@
 //! Versions only grow: rolling back to v3 while v7 is current stores v8 with v3's content
 //! (the same content hash). Text: the diff against the version that was current, then
 //! `rolled back to v3: now v8 (sha256 0123456789ab…)`, or `no changes: v7 already has the
-//! content of v3`. JSON: `{version, content_hash, changed, dry_run, would_change,
-//! new_content_hash, diff, warnings, rolled_back_to}` (see `change::change_json`). An unknown version, a version conflict or a rollback that removes every
-//! endpoint without `--force` is refused (exit 1).
+//! content of v3`. With `--dry-run`, nothing is stored: the diff, then `dry run: rolling back
+//! to v3 would change v7: +1 endpoint, -0, 2 modified` (`dry run: no changes: v7 already has
+//! the content of v3`). JSON: `{version, content_hash, changed, dry_run, would_change,
+//! new_content_hash, diff, warnings, rolled_back_to}` (see `change::change_json`). An unknown
+//! version, a version conflict or a rollback that removes every endpoint without `--force` is
+//! refused (exit 1; a dry run of one prints its diff above the refusal, in text output).
+//!
+//! The dry run reads the version (`Get`) and sends its policies to `Apply` as a dry run: so it
+//! answers in file mode too, and to a token that only reads, as `apply --dry-run` does, and
+//! no control plane can take it for a rollback (one older than a dry-run field of `Rollback`
+//! would ignore the field and roll back).
 
 use std::fmt::Write as _;
 
 use serde_json::Value;
 
+use super::change::{ApplyFlags, PolicyFile};
 use super::client::Client;
 use super::{Server, ServerArgs, block_on, change, short_hash};
 use crate::output::{self, Format};
@@ -29,6 +38,10 @@ pub struct Args {
     /// Allow a rollback that removes every endpoint.
     #[arg(long)]
     force: bool,
+    /// Show what the rollback would change, and store nothing (works in file mode and with a
+    /// token that only reads).
+    #[arg(long)]
+    dry_run: bool,
     /// Output format.
     #[arg(long, value_enum, default_value_t, alias = "format")]
     output: Format,
@@ -45,6 +58,8 @@ pub struct Settings {
     pub expected_version: Option<u64>,
     /// Allow removing every endpoint.
     pub force: bool,
+    /// Only report what would change.
+    pub dry_run: bool,
     /// Output format.
     pub format: Format,
     /// The control plane.
@@ -59,6 +74,7 @@ impl TryFrom<Args> for Settings {
             version: args.target,
             expected_version: args.expected_version,
             force: args.force,
+            dry_run: args.dry_run,
             format: args.output,
             server: args.server.try_into()?,
         })
@@ -69,19 +85,26 @@ impl TryFrom<Args> for Settings {
 pub fn run(settings: &Settings) -> anyhow::Result<Report> {
     block_on(async {
         let mut client = Client::connect(&settings.server).await?;
-        let request = pb::RollbackRequest {
-            version: settings.version,
-            expected_version: settings.expected_version.unwrap_or(0),
-            force: settings.force,
-        };
-        let response = match client.rollback(request).await {
-            Ok(response) => response,
-            Err(status) => return Ok(super::failed(&status, String::new())),
+        let response = if settings.dry_run {
+            match dry_run(&mut client, settings).await? {
+                Ok(response) => response,
+                Err(report) => return Ok(report),
+            }
+        } else {
+            let request = pb::RollbackRequest {
+                version: settings.version,
+                expected_version: settings.expected_version.unwrap_or(0),
+                force: settings.force,
+            };
+            match client.rollback(request).await {
+                Ok(response) => response,
+                Err(status) => return Ok(super::failed(&status, String::new())),
+            }
         };
         let name = format!("v{}", settings.version);
         let stdout = match settings.format {
             Format::Json => {
-                let mut value = change::change_json(&response, &name, false);
+                let mut value = change::change_json(&response, &name, settings.dry_run);
                 if let Value::Object(o) = &mut value {
                     o.insert("rolled_back_to".to_owned(), settings.version.into());
                 }
@@ -92,7 +115,7 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
                 let warnings: Vec<_> = response.warnings.iter().map(change::diagnostic).collect();
                 change::push_diagnostics(&mut out, &name, &warnings);
                 change::push_diff(&mut out, &response.diff);
-                out.push_str(&result_line(&response, settings.version));
+                out.push_str(&result_line(&response, settings.version, settings.dry_run));
                 out
             }
         };
@@ -103,10 +126,51 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
     })
 }
 
+/// The version's policies, as `Get` answers them, sent to `Apply` as a dry run (see the
+/// module docs). `Ok(Err(report))` when either call was refused.
+async fn dry_run(
+    client: &mut Client,
+    settings: &Settings,
+) -> anyhow::Result<Result<pb::ApplyResponse, Report>> {
+    let version = settings.version;
+    let got = match client.get(pb::GetRequest { version }).await {
+        Ok(got) => got,
+        Err(status) => return Ok(Err(super::failed(&status, String::new()))),
+    };
+    let Some(policies) = got.policies else {
+        anyhow::bail!("the control plane's answer for v{version} holds no policies");
+    };
+    let flags = ApplyFlags {
+        expected_version: settings.expected_version,
+        dry_run: true,
+        force: settings.force,
+    };
+    let version = PolicyFile {
+        name: format!("v{version}"),
+        content: pb::policy_source::Kind::Document(policies),
+    };
+    change::apply(client, &version, flags, settings.format).await
+}
+
 /// The last line of the text output, with its newline.
-fn result_line(response: &pb::ApplyResponse, target: u64) -> String {
+fn result_line(response: &pb::ApplyResponse, target: u64, dry_run: bool) -> String {
     let mut line = String::new();
-    if response.changed {
+    if dry_run {
+        if change::would_change(response) {
+            let _ = write!(
+                line,
+                "dry run: rolling back to v{target} would change v{}: {}",
+                response.version,
+                change::summary(&response.diff)
+            );
+        } else {
+            let _ = write!(
+                line,
+                "dry run: no changes: v{} already has the content of v{target}",
+                response.version
+            );
+        }
+    } else if response.changed {
         let _ = write!(
             line,
             "rolled back to v{target}: now v{} (sha256 {}…)",
@@ -137,14 +201,28 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(
-            result_line(&response, 3),
+            result_line(&response, 3, false),
             "rolled back to v3: now v8 (sha256 abcdef012345…)\n"
         );
         response.changed = false;
         response.version = 7;
         assert_eq!(
-            result_line(&response, 3),
+            result_line(&response, 3, false),
             "no changes: v7 already has the content of v3\n"
+        );
+        // A dry run: whether it would change anything, and what.
+        assert_eq!(
+            result_line(&response, 3, true),
+            "dry run: no changes: v7 already has the content of v3\n"
+        );
+        response.diff = vec![pb::DiffEntry {
+            endpoint: "payments".to_owned(),
+            change: pb::diff_entry::Change::Modified.into(),
+            ..Default::default()
+        }];
+        assert_eq!(
+            result_line(&response, 3, true),
+            "dry run: rolling back to v3 would change v7: +0 endpoints, -0, 1 modified\n"
         );
     }
 }
