@@ -119,7 +119,7 @@ impl CacheWriter {
 }
 
 /// The task: once `gate` (if any) opens, each newest bytes in turn, until the channel closes
-/// with nothing left unwritten.
+/// with nothing left unwritten (a write that failed is tried once more then).
 async fn write_newest(
     path: PathBuf,
     mut newest: watch::Receiver<Newest>,
@@ -163,7 +163,18 @@ async fn write_newest(
         asked = tokio::select! {
             changed = newest.changed() => match changed {
                 Ok(()) => newest.borrow_and_update().clone(),
-                Err(_) => return,
+                Err(_) => {
+                    // Shutdown: a write that failed gets one last try (within `finish`'s
+                    // grace), else the file keeps an older version with nothing said.
+                    if let Some((bytes, _)) = failed.take() {
+                        if write_one(&path, bytes, write, true).await {
+                            info!(file = %path.display(), "policy cache written after failing");
+                        } else {
+                            warn!(file = %path.display(), "the policy cache file keeps an older version than the one applied: its write failed, and so did a last try at shutdown");
+                        }
+                    }
+                    return;
+                }
             },
             () = tokio::time::sleep(retry.unwrap_or_default()), if retry.is_some() => {
                 let Some((bytes, after)) = failed.take() else { continue };
@@ -336,6 +347,35 @@ mod tests {
             [b"v1".to_vec(), b"v1".to_vec(), b"v1".to_vec()]
         );
         writer.finish(WAIT).await;
+    }
+
+    /// Tries of `failing_once`, which fails its first.
+    static TRIES_ONCE: Mutex<usize> = Mutex::new(0);
+
+    fn failing_once(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+        let mut tries = TRIES_ONCE.lock().unwrap();
+        *tries += 1;
+        if *tries == 1 {
+            return Err(std::io::Error::other("no space left on device"));
+        }
+        crate::cache::write_atomic(path, bytes)
+    }
+
+    /// Shutdown does not give up a failed write waiting for its next try: it tries once more,
+    /// so the file holds the snapshot last applied when the disk takes writes again.
+    // Real time, as above.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn shutdown_tries_a_failed_write_once_more() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agent.cache");
+        let writer = CacheWriter::start_with(path.clone(), failing_once, None);
+        let v1 = writer.write(b"v1".to_vec());
+        assert!(writer.written(v1, WAIT).await);
+        assert!(!path.exists());
+        // Long before the next try (1 s later).
+        writer.finish(WAIT).await;
+        assert_eq!(std::fs::read(&path).unwrap(), b"v1");
+        assert_eq!(*TRIES_ONCE.lock().unwrap(), 2);
     }
 
     /// Every write `recording_write` did: where, and what.
