@@ -580,6 +580,12 @@ impl AgentBuilder {
     /// until it is done or a newer snapshot replaces it; a temporary file that an interrupted
     /// write left beside the cache (the process killed mid-write) is removed by a later write
     /// once it is 10 minutes old.
+    ///
+    /// The file is one agent's, for one control plane: it records neither, so an agent
+    /// pointed at another control plane, or sharing the path with another agent, would start
+    /// on the other's policies while its own control plane is out of reach (until that
+    /// control plane, reached again, sends its own). An empty path is refused at
+    /// [`AgentBuilder::connect`] ([`AgentError::EmptyCachePath`]).
     pub fn cache_file(mut self, path: impl Into<PathBuf>) -> Self {
         self.cache_file = Some(path.into());
         self
@@ -660,6 +666,14 @@ impl AgentBuilder {
         // agent with none would be listed and counted under an empty name.
         if self.service.trim().is_empty() {
             return Err(AgentError::MissingService);
+        }
+        // Every write there would fail, retried for the whole run.
+        if self
+            .cache_file
+            .as_ref()
+            .is_some_and(|path| path.as_os_str().is_empty())
+        {
+            return Err(AgentError::EmptyCachePath);
         }
         let agent_id = self
             .agent_id
@@ -943,6 +957,21 @@ mod tests {
                 }
                 other => panic!("expected MissingService, got {:?}", other.err()),
             }
+        }
+    }
+
+    #[tokio::test]
+    async fn an_empty_cache_path_is_refused_at_connect() {
+        let builder = Agent::builder()
+            .url("http://127.0.0.1:7470")
+            .service("checkout")
+            .cache_file("");
+        match builder.connect() {
+            Err(e @ AgentError::EmptyCachePath) => assert_eq!(
+                e.to_string(),
+                "the cache file's path is empty (AgentBuilder::cache_file)"
+            ),
+            other => panic!("expected EmptyCachePath, got {:?}", other.err()),
         }
     }
 

@@ -26,8 +26,8 @@
 //! would wait for a writer) is logged, left alone, and no cache is kept for the run. A file that
 //! begins with the header is ours whatever follows it (damaged on disk, or written by a newer agent
 //! whose snapshot this one cannot check), and so is one whose header has another format number
-//! (an agent of another cache format wrote it): it is not used, and the next applied snapshot
-//! replaces it. A file without the header is ours only if it is a snapshot whose content hash matches its
+//! (an agent of another cache format wrote it), or is damaged itself (cut short, or a byte or two
+//! changed): it is not used, and the next applied snapshot replaces it. A file without the header is ours only if it is a snapshot whose content hash matches its
 //! policies (what agents wrote before the header), and a file larger than any cache is ours only if
 //! it begins with the header; anything else is most likely another file the agent was pointed at by
 //! mistake: it is left as it is and no cache is written for the whole run, rather than being
@@ -454,6 +454,17 @@ fn read(path: &Path) -> std::io::Result<Read> {
     Ok(Read::Bytes(bytes))
 }
 
+/// Whether `bytes` begin with [`HEADER`] damaged on disk: cut short inside it, or with one or
+/// two of its bytes changed. No other file begins so, and without this rule such a file of our
+/// own would be taken for another's, left in place and no cache kept, run after run.
+fn damaged_header(bytes: &[u8]) -> bool {
+    if bytes.len() < HEADER.len() {
+        return !bytes.is_empty() && HEADER.starts_with(bytes);
+    }
+    let differing = HEADER.iter().zip(bytes).filter(|(a, b)| a != b).count();
+    differing <= 2
+}
+
 fn decode(bytes: &[u8]) -> Result<Cached, Unusable> {
     // With the header, every problem below is one of our own file's; without it, only a
     // snapshot that checks out is ours.
@@ -464,6 +475,12 @@ fn decode(bytes: &[u8]) -> Result<Cached, Unusable> {
         None if bytes.starts_with(HEADER_NAME) => {
             return Err(Unusable::Ours(
                 "a policy cache of another format (another version of the agent wrote it)"
+                    .to_owned(),
+            ));
+        }
+        None if damaged_header(bytes) => {
+            return Err(Unusable::Ours(
+                "a policy cache whose header is damaged (cut short, or a byte or two changed)"
                     .to_owned(),
             ));
         }
@@ -692,6 +709,44 @@ mod tests {
         large.resize(usize::try_from(MAX_BYTES).unwrap() + 1, b'x');
         std::fs::write(&path, large).unwrap();
         assert_eq!(in_time(&path).map(|c| c.is_none()), Ok(true));
+    }
+
+    /// A cache of ours whose header was damaged on disk (cut short, a bit flipped) is still
+    /// ours: not used, and replaced by the next applied snapshot, rather than left in place as
+    /// another's file for every run to come.
+    #[test]
+    fn a_cache_whose_header_is_damaged_is_still_ours() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agent.cache");
+        let whole = encode(&pb::Snapshot {
+            version: 3,
+            content_hash: convert::content_hash(&pb::PolicyDocument::default()),
+            policies: Some(pb::PolicyDocument::default()),
+            ..Default::default()
+        });
+        for cut in [1, 10, HEADER.len() - 1] {
+            std::fs::write(&path, &whole[..cut]).unwrap();
+            assert_eq!(
+                in_time(&path).map(|c| c.is_none()),
+                Ok(true),
+                "cut at {cut}"
+            );
+        }
+        for at in 0..HEADER.len() {
+            for bit in 0..8 {
+                let mut flipped = whole.clone();
+                flipped[at] ^= 1 << bit;
+                std::fs::write(&path, &flipped).unwrap();
+                assert_eq!(
+                    in_time(&path).map(|c| c.is_none()),
+                    Ok(true),
+                    "bit {bit} of byte {at}"
+                );
+            }
+        }
+        // Text that only starts like it is another's.
+        std::fs::write(&path, b"retryplane agent config\nkeep: me\n").unwrap();
+        assert_eq!(in_time(&path).map(|c| c.is_none()), Err(Foreign));
     }
 
     #[test]

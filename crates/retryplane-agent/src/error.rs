@@ -69,6 +69,10 @@ pub enum AgentError {
     /// ([`crate::AgentBuilder::service`]): the control plane lists and counts agents by it.
     #[error("no service name given (AgentBuilder::service)")]
     MissingService,
+    /// [`crate::AgentBuilder::cache_file`] was given an empty path (an unset setting read as
+    /// `""`, say): no cache could ever be written there. Give a file's path, or no cache file.
+    #[error("the cache file's path is empty (AgentBuilder::cache_file)")]
+    EmptyCachePath,
     /// [`crate::AgentBuilder::connect`] was called outside a tokio runtime.
     #[error("the agent must be started inside a tokio runtime")]
     NoRuntime,

@@ -27,7 +27,9 @@ pub enum Source {
     /// Pushed by the control plane on the stream.
     ControlPlane,
     /// Read from the cache file at start (or just after, when the disk answered late: see
-    /// [`crate::AgentBuilder::cache_file`]).
+    /// [`crate::AgentBuilder::cache_file`]). It stays so once the control plane is reached
+    /// and finds the agent up to date (it sends nothing then): to know whether the agent is
+    /// connected, ask [`crate::Agent::is_connected`], not the source.
     Cache,
     /// A policy file or a value given by the program ([`crate::Agent::from_file`],
     /// [`crate::Agent::from_policies`]).
@@ -39,7 +41,9 @@ pub enum Source {
 /// The conservative policy an agent runs with neither a control plane nor a cache file: the
 /// built-in values of SPEC §1 (deadline 15 s, per-try timeout 2 s, the default `retry_on`,
 /// budget and circuit breaker on) except `max_attempts: 2`, so an agent that knows nothing
-/// retries at most once per call.
+/// retries at most once per call. Its timeouts apply too: an attempt is cut at 2 s, so an
+/// upstream slower than that fails every call until the control plane's policies (or a
+/// cache file's) come; give such an agent a cache file, or a static policy.
 pub fn fallback_policy() -> RetryPolicy {
     RetryPolicy {
         max_attempts: 2,
