@@ -2282,6 +2282,8 @@ async fn a_start_does_not_publish_a_file_its_writer_still_holds_open() {
     let (log, _guard) = crate::test_logs::capture("retryplane_server=info");
     let running = start(cfg).await.unwrap();
     let at_start = current(&running).await;
+    // Nothing failed: the stored version is served, and the gauge says no reload failed.
+    assert_eq!(last_reload_successful(&running).await, "1");
     // The writer finishes: the whole save is the next version.
     writer.write_all(&SAVE.as_bytes()[cut..]).unwrap();
     drop(writer);
@@ -2298,6 +2300,34 @@ async fn a_start_does_not_publish_a_file_its_writer_still_holds_open() {
     let info = current(&running).await;
     assert_eq!(info.summary, "+0 endpoints, -0, 1 modified");
     assert_read_once_its_writer_closed(&log.text(), 2);
+    running.shutdown().await.unwrap();
+}
+
+/// The same with a save that changes no policy (the writer wrote the file out again): one line
+/// says it was read, and the version stays.
+#[cfg(target_os = "linux")]
+#[tokio::test]
+async fn a_start_that_waited_for_a_writer_of_the_same_policies_says_so_once() {
+    use std::io::Write as _;
+    const SAVE: &str = "version: 1\nendpoints:\n  payments:\n    max_attempts: 3\n";
+    let (dir, cfg) = with_file(SAVE);
+    let running = start(cfg.clone()).await.unwrap();
+    running.shutdown().await.unwrap();
+    let mut writer = fs::File::create(dir.path().join("policies.yaml")).unwrap();
+    let cut = SAVE.find("  payments:").unwrap();
+    writer.write_all(&SAVE.as_bytes()[..cut]).unwrap();
+    writer.flush().unwrap();
+    let (log, _guard) = crate::test_logs::capture("retryplane_server=info");
+    let running = start(cfg).await.unwrap();
+    writer.write_all(&SAVE.as_bytes()[cut..]).unwrap();
+    drop(writer);
+    eventually("the read once the writer closed the file", || {
+        let text = log.text();
+        async move { text.contains("the policy file's writer closed it") }
+    })
+    .await;
+    assert_read_once_its_writer_closed(&log.text(), 1);
+    assert_eq!(current(&running).await.version, 1);
     running.shutdown().await.unwrap();
 }
 
@@ -2335,6 +2365,7 @@ async fn a_first_start_on_a_file_its_writer_holds_open_is_unready_until_the_whol
         .expect("the start does not wait for the writer")
         .unwrap();
     assert_eq!(http_get(running.http_addr, "/readyz").await.0, 503);
+    assert_eq!(last_reload_successful(&running).await, "0");
     writer.write_all(&SAVE.as_bytes()[cut..]).unwrap();
     drop(writer);
     eventually("the whole save is published", || async {
@@ -2347,6 +2378,7 @@ async fn a_first_start_on_a_file_its_writer_holds_open_is_unready_until_the_whol
         (1, "+2 endpoints, -0, 0 modified")
     );
     assert_read_once_its_writer_closed(&log.text(), 1);
+    assert_eq!(last_reload_successful(&running).await, "1");
     running.shutdown().await.unwrap();
 }
 

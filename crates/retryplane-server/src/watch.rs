@@ -1046,7 +1046,15 @@ async fn reload_if_changed(
     // Read before `apply`: a save it publishes sets the gauge as it publishes.
     let was_valid = control.metrics.config_last_reload_successful.get() == 1;
     let first_after_writer = matches!(last, LastRead::LeftToItsWriter);
-    let (settled, valid) = apply(control, file, loaded, again, keep_endpoints).await;
+    let (settled, valid) = apply(
+        control,
+        file,
+        loaded,
+        again,
+        keep_endpoints,
+        first_after_writer,
+    )
+    .await;
     // A save still being written is no failed reload: the gauge says what the last one did.
     if !matches!(settled, Settled::HeldBack) {
         if first_after_writer && valid {
@@ -1108,7 +1116,8 @@ pub async fn reload(control: &ControlPlane, file: &Path) {
 }
 
 /// Applies what was loaded from `file`, logging any problem (a store failure at debug when
-/// these bytes failed so `again`). Returns whether the outcome is settled, so that the same
+/// these bytes failed so `again`; an unchanged save not at all when it is the read a start
+/// left `after_writer`, which its caller logs). Returns whether the outcome is settled, so that the same
 /// bytes would get the same answer again (only a store failure is worth another try, and not
 /// a store whose file was replaced, which stores nothing until a restart), and whether the
 /// file was valid and applied (or equal to the version served).
@@ -1118,6 +1127,7 @@ async fn apply(
     loaded: Loaded,
     again: bool,
     keep_endpoints: bool,
+    after_writer: bool,
 ) -> (Settled, bool) {
     log_diagnostics(file, &loaded);
     let Some(policies) = loaded.policies else {
@@ -1142,7 +1152,7 @@ async fn apply(
             // Its bytes changed (a comment, the layout, a value spelled another way), so whoever
             // saved it is told the save was read; after a failed read, the line that says the
             // file is valid again tells it instead.
-            if control.metrics.config_last_reload_successful.get() == 1 {
+            if control.metrics.config_last_reload_successful.get() == 1 && !after_writer {
                 info!(file = %file.display(), "the policy file was saved, but its policies did not change; {} stays served", serving(control));
             }
             (Settled::Yes, true)

@@ -87,8 +87,12 @@ pub(super) async fn load_policies(
     // before this read, reads it once the writer closes it, as it does any save.
     if crate::writers::held_open_for_writing_off_thread(file).await {
         match stored {
+            // Nothing failed: the stored version, a good read's, is served and the server
+            // ready, as when a running server waits for a writer (an alert on the gauge would
+            // fire at every restart that met `scp` writing the file).
             Some(version) => {
-                warn!(file = %file.display(), version, "the policy file is open for writing by another process; serving the stored version until its writer closes it");
+                reload_ok.set(1);
+                info!(file = %file.display(), version, "the policy file is open for writing by another process; serving the stored version until its writer closes it");
             }
             None => {
                 warn!(file = %file.display(), "the policy file is open for writing by another process and the store is empty: not ready until its writer closes it");
