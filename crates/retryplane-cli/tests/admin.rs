@@ -1120,13 +1120,34 @@ fn a_dry_run_of_a_change_that_removes_every_endpoint_shows_its_diff_and_the_refu
         .assert()
         .code(1)
         .stdout("");
+    // `diff` only shows, and notes that `apply` would refuse it; a file that removes one
+    // endpoint of several is no such change.
+    server
+        .retryplane(&["diff", "other.yaml"])
+        .assert()
+        .code(0)
+        .stdout(predicate::str::contains("- payments"))
+        .stderr(predicate::str::contains(
+            "retryplane: note: applying it would be refused: the change removes every endpoint (payments)",
+        ));
+    server.write(
+        "two.yaml",
+        "version: 1\nendpoints:\n  payments: {}\n  search: {}\n",
+    );
+    server.retryplane(&["apply", "two.yaml"]).assert().code(0);
+    server
+        .retryplane(&["diff", "v1.yaml"])
+        .assert()
+        .code(0)
+        .stdout(predicate::str::contains("- search"))
+        .stderr(predicate::str::contains("refused").not());
     let history = json_of(
         &server
             .retryplane(&["history", "--output", "json"])
             .assert()
             .code(0),
     );
-    assert_eq!(history.as_array().map(Vec::len), Some(1), "{history}");
+    assert_eq!(history.as_array().map(Vec::len), Some(2), "{history}");
 }
 
 #[test]

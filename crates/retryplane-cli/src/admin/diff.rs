@@ -3,7 +3,10 @@
 //! A dry-run `Apply`. Stdout holds only the diff (`+ added`, `- removed`, `~ modified`
 //! endpoints with their detail lines indented), empty when the file matches the current
 //! version; the server's warnings go to stderr as `FILE:LINE:COLUMN: warning: …` lines. The
-//! check that refuses removing every endpoint is skipped (`force`): a diff only shows. With
+//! check that refuses removing every endpoint is skipped (`force`): a diff only shows; when the
+//! file removes an endpoint, the check is asked for once more, unforced, and a change that
+//! `apply` (or a save in file mode) would refuse is noted on stderr with the server's reason,
+//! in text output (the exit code stays the diff's). With
 //! `--output json`, `apply --dry-run`'s object (see `change::change_json`): `would_change` says
 //! whether the file differs, `new_content_hash` the hash it would get.
 //!
@@ -21,6 +24,7 @@ use super::{Server, ServerArgs, block_on};
 use crate::input::Source;
 use crate::output::{self, Format};
 use crate::{Outcome, Report};
+use retryplane_proto::pb;
 
 /// `retryplane diff` flags, as parsed.
 #[derive(Debug, clap::Args)]
@@ -100,6 +104,11 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
                 for line in lines.lines() {
                     output::note(format_args!("{line}"));
                 }
+                if let Some(refusal) = refusal(&mut client, &file, &response).await {
+                    output::note(format_args!(
+                        "retryplane: note: applying it would be refused: {refusal}"
+                    ));
+                }
                 let mut out = String::new();
                 change::push_diff(&mut out, &response.diff);
                 out
@@ -115,4 +124,36 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
             },
         })
     })
+}
+
+/// Why `apply` would refuse the file `response` (a forced dry run) showed, when its diff
+/// removes an endpoint and a dry run of the same file, unforced, is refused for removing
+/// every endpoint (`FAILED_PRECONDITION`; the server's message says what to do in its mode).
+async fn refusal(
+    client: &mut Client,
+    file: &change::PolicyFile,
+    response: &pb::ApplyResponse,
+) -> Option<String> {
+    if !response
+        .diff
+        .iter()
+        .any(|e| e.change() == pb::diff_entry::Change::Removed)
+    {
+        return None;
+    }
+    let request = pb::ApplyRequest {
+        source: Some(pb::PolicySource {
+            kind: Some(file.content.clone()),
+            origin: file.name.clone(),
+        }),
+        expected_version: None,
+        dry_run: true,
+        force: false,
+    };
+    match client.apply(request).await {
+        Err(status) if status.code() == tonic::Code::FailedPrecondition => {
+            Some(status.message().to_owned())
+        }
+        _ => None,
+    }
 }
