@@ -79,7 +79,8 @@ enum Command {
     Explain(explain::Args),
     /// Publish a policy file as the new version on the control plane (API mode).
     Apply(admin::apply::Args),
-    /// Show what `apply FILE` would change on the control plane, changing nothing.
+    /// Show what `apply FILE` would change on the control plane, changing nothing, or what
+    /// changed between two stored versions (`--from N`).
     Diff(admin::diff::Args),
     /// Print the current (or a past) version from the control plane.
     Get(admin::get::Args),

@@ -394,6 +394,43 @@ fn apply_get_history_diff_rollback_and_status_work_against_a_real_server() {
         .code(1)
         .stderr(predicate::str::contains("NOT_FOUND"));
 
+    // diff --from/--to: what changed between stored versions (v3 has v1's content).
+    server
+        .retryplane(&["diff", "--from", "1"])
+        .assert()
+        .code(0)
+        .stdout("");
+    server
+        .retryplane(&["diff", "--from", "1", "--to", "2", "--exit-code"])
+        .assert()
+        .code(1)
+        .stdout(predicate::str::contains(
+            "~ payments\n    max_attempts: 3 -> 4\n",
+        ));
+    let between = json_of(
+        &server
+            .retryplane(&["diff", "--from", "2", "--output", "json"])
+            .assert()
+            .code(0),
+    );
+    assert_eq!(between["from"]["version"], 2, "{between}");
+    assert_eq!(between["to"]["version"], 3, "{between}");
+    assert_eq!(between["to"]["content_hash"], v1_hash.as_str());
+    assert_eq!(between["differs"], true);
+    assert_eq!(between["diff"][0]["endpoint"], "payments");
+    server
+        .retryplane(&["diff", "--from", "99", "--exit-code"])
+        .assert()
+        .code(2)
+        .stderr(predicate::str::contains("NOT_FOUND"));
+    for usage in [
+        &["diff"][..],
+        &["diff", "v2.yaml", "--from", "1"],
+        &["diff", "--to", "1"],
+    ] {
+        server.retryplane(usage).assert().code(2);
+    }
+
     // status: one agent resumes on the current version, one is still on v1.
     let _on_current = raw_agent(&server, "agent-a", 3);
     let _behind = raw_agent(&server, "agent-b", 1);

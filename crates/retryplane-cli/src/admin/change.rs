@@ -90,22 +90,7 @@ fn diagnostics_json(file: &str, diags: &[Diagnostic]) -> Value {
 /// those two answers neither: `new_content_hash` is `null` then, and `would_change` is read
 /// from the diff.
 pub fn change_json(response: &pb::ApplyResponse, file: &str, dry_run: bool) -> Value {
-    let diff: Vec<Value> = response
-        .diff
-        .iter()
-        .map(|e| {
-            let change = Change::from(e);
-            json!({
-                "endpoint": e.endpoint,
-                "scope": match change.scope {
-                    Scope::Defaults => "defaults",
-                    Scope::Endpoint(_) => "endpoint",
-                },
-                "change": change.kind.as_str(),
-                "details": e.details,
-            })
-        })
-        .collect();
+    let diff = diff_json(&response.diff);
     let warnings: Vec<Diagnostic> = response.warnings.iter().map(diagnostic).collect();
     let new_content_hash =
         (!response.new_content_hash.is_empty()).then_some(&response.new_content_hash);
@@ -120,6 +105,24 @@ pub fn change_json(response: &pb::ApplyResponse, file: &str, dry_run: bool) -> V
         "diff": diff,
         "warnings": diagnostics_json(file, &warnings),
     })
+}
+
+/// A diff's entries as JSON: `[{endpoint, scope, change, details}]` (see [`change_json`]).
+pub fn diff_json(diff: &[pb::DiffEntry]) -> Vec<Value> {
+    diff.iter()
+        .map(|e| {
+            let change = Change::from(e);
+            json!({
+                "endpoint": e.endpoint,
+                "scope": match change.scope {
+                    Scope::Defaults => "defaults",
+                    Scope::Endpoint(_) => "endpoint",
+                },
+                "change": change.kind.as_str(),
+                "details": e.details,
+            })
+        })
+        .collect()
 }
 
 /// Whether the content sent differs from the current version's (for a dry run, whether the

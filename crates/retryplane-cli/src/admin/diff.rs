@@ -1,4 +1,6 @@
-//! `retryplane diff FILE`: what `apply FILE` would change, changing nothing.
+//! `retryplane diff FILE`: what `apply FILE` would change, changing nothing; `retryplane diff
+//! --from N [--to M]`: what changed from stored version N to version M (default: the current
+//! one), in the same form.
 //!
 //! A dry-run `Apply`. Stdout holds only the diff (`+ added`, `- removed`, `~ modified`
 //! endpoints with their detail lines indented), empty when the file matches the current
@@ -15,6 +17,13 @@
 //! from the server exits 1, as with the other admin commands; with `--exit-code` both exit 2
 //! instead (like `diff(1)`: trouble), so that a script can tell "differs" from "could not
 //! compare".
+//!
+//! Two versions are read with `Get` (any token that reads may) and compared here, with the
+//! policy crate's diff, the one the control plane runs for `apply`: so `diff --from 5` shows
+//! what changed since version 5 (the other way round from `rollback 5 --dry-run`, which shows
+//! what going back to it would change). Exit codes as for a file (an unknown version: 1, or 2
+//! with `--exit-code`). JSON: `{from: {version, content_hash}, to: {version, content_hash},
+//! differs, diff}`, `diff` as `apply`'s.
 
 use std::path::PathBuf;
 
@@ -30,10 +39,22 @@ use retryplane_proto::pb;
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// Policy file to compare with the current version; `-` reads standard input.
-    #[arg(value_name = "FILE")]
-    file: PathBuf,
-    /// Exit 1 when the file differs from the current version, and 2 when it could not be
-    /// compared (an invalid file, a refusal, no server).
+    #[arg(
+        value_name = "FILE",
+        required_unless_present = "from",
+        conflicts_with = "from"
+    )]
+    file: Option<PathBuf>,
+    /// Compare stored versions instead of a file: what changed from version N (to the current
+    /// one, or to `--to`).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    from: Option<u64>,
+    /// With `--from`: the version to compare it with, instead of the current one.
+    #[arg(long, value_name = "N", requires = "from", value_parser = clap::value_parser!(u64).range(1..))]
+    to: Option<u64>,
+    /// Exit 1 when the file (or `--from`'s version) differs from what it is compared with,
+    /// and 2 when it could not be compared (an invalid file, an unknown version, a refusal, no
+    /// server).
     #[arg(long)]
     exit_code: bool,
     /// Output format.
@@ -43,11 +64,25 @@ pub struct Args {
     server: ServerArgs,
 }
 
+/// What to compare with what.
+#[derive(Debug)]
+pub enum Compared {
+    /// A policy file, with the current version.
+    File(Source),
+    /// Two stored versions: from `from` to `to` (`None`: the current one).
+    Versions {
+        /// The older side, usually.
+        from: u64,
+        /// The other side; `None` for the current version.
+        to: Option<u64>,
+    },
+}
+
 /// What to compare, checked once.
 #[derive(Debug)]
 pub struct Settings {
-    /// The policy file.
-    pub source: Source,
+    /// What to compare.
+    pub compared: Compared,
     /// Whether a difference exits 1.
     pub exit_code: bool,
     /// Output format.
@@ -61,7 +96,12 @@ impl TryFrom<Args> for Settings {
 
     fn try_from(args: Args) -> anyhow::Result<Self> {
         Ok(Self {
-            source: Source::from_arg(args.file),
+            compared: match (args.file, args.from) {
+                (_, Some(from)) => Compared::Versions { from, to: args.to },
+                (Some(file), None) => Compared::File(Source::from_arg(file)),
+                // clap asks for one of the two.
+                (None, None) => anyhow::bail!("give a policy file, or --from VERSION"),
+            },
             exit_code: args.exit_code,
             format: args.output,
             server: args.server.try_into()?,
@@ -80,7 +120,19 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
         },
         _ => report,
     };
-    let file = match change::read_policy(&settings.source, settings.format)? {
+    let source = match &settings.compared {
+        Compared::File(source) => source,
+        Compared::Versions { from, to } => {
+            return block_on(async {
+                let mut client = Client::connect(&settings.server).await?;
+                Ok(match versions(&mut client, *from, *to, settings).await? {
+                    Ok(report) => report,
+                    Err(refused) => not_compared(refused),
+                })
+            });
+        }
+    };
+    let file = match change::read_policy(source, settings.format)? {
         Ok(file) => file,
         Err(report) => return Ok(not_compared(report)),
     };
@@ -156,4 +208,82 @@ async fn refusal(
         }
         _ => None,
     }
+}
+
+/// One stored version as `Get` answers it: its number, hash and document.
+struct Stored {
+    version: u64,
+    content_hash: String,
+    document: retryplane_policy::document::PolicyDocument,
+}
+
+/// Reads version `version` (0: the current one). `Ok(Err(report))` when the control plane
+/// refused (an unknown version: `NOT_FOUND`).
+async fn stored(client: &mut Client, version: u64) -> anyhow::Result<Result<Stored, Report>> {
+    let got = match client.get(pb::GetRequest { version }).await {
+        Ok(got) => got,
+        Err(status) => return Ok(Err(super::failed(&status, String::new()))),
+    };
+    let shown = if version == 0 {
+        "the current version".to_owned()
+    } else {
+        format!("v{version}")
+    };
+    let (Some(info), Some(policies)) = (got.info, got.policies) else {
+        anyhow::bail!("the control plane's answer for {shown} holds no version or no policies");
+    };
+    let document =
+        retryplane_policy::document::PolicyDocument::try_from(policies).map_err(|e| {
+            anyhow::anyhow!(
+                "the control plane sent {shown} in a form this command cannot read: {e}"
+            )
+        })?;
+    Ok(Ok(Stored {
+        version: info.version,
+        content_hash: info.content_hash,
+        document,
+    }))
+}
+
+/// Compares two stored versions (see the module docs).
+async fn versions(
+    client: &mut Client,
+    from: u64,
+    to: Option<u64>,
+    settings: &Settings,
+) -> anyhow::Result<Result<Report, Report>> {
+    let old = match stored(client, from).await? {
+        Ok(old) => old,
+        Err(refused) => return Ok(Err(refused)),
+    };
+    let new = match stored(client, to.unwrap_or(0)).await? {
+        Ok(new) => new,
+        Err(refused) => return Ok(Err(refused)),
+    };
+    let diff: Vec<pb::DiffEntry> = retryplane_policy::diff::diff(&old.document, &new.document)
+        .iter()
+        .map(pb::DiffEntry::from)
+        .collect();
+    let differs = !diff.is_empty();
+    let stdout = match settings.format {
+        Format::Json => output::json(&serde_json::json!({
+            "from": {"version": old.version, "content_hash": old.content_hash},
+            "to": {"version": new.version, "content_hash": new.content_hash},
+            "differs": differs,
+            "diff": change::diff_json(&diff),
+        }))?,
+        Format::Text => {
+            let mut out = String::new();
+            change::push_diff(&mut out, &diff);
+            out
+        }
+    };
+    Ok(Ok(Report {
+        stdout,
+        outcome: if settings.exit_code && differs {
+            Outcome::Failure
+        } else {
+            Outcome::Success
+        },
+    }))
 }
