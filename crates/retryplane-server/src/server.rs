@@ -298,13 +298,9 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
         .await
         .map_err(ServeError::ReadStore)?;
     let at_start = boot::load_policies(&control, &cfg).await?;
-    if let Some(read) = start_read {
-        match at_start {
-            boot::FileAtStart::Settled(bytes) => read.settled(bytes),
-            boot::FileAtStart::LeftToItsWriter => read.left_to_its_writer(),
-            // Dropped: the watcher reads the file afresh.
-            boot::FileAtStart::Unsettled => {}
-        }
+    // Neither settled nor left to its writer: the watcher, told nothing, reads it afresh.
+    if let (Some(read), Some(at_start)) = (start_read, at_start) {
+        read.tell(at_start);
     }
 
     // One health service per listener: each says the state of its own service only, and

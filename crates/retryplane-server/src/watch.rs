@@ -423,33 +423,31 @@ pub fn log_diagnostics(file: &Path, loaded: &Loaded) {
     }
 }
 
-/// What start-up read from the policy file, for a watcher started before that read.
+/// Where a watcher started before start-up's own read of the policy file learns what start-up
+/// did with it ([`FileAtStart`]).
 #[derive(Debug)]
-pub struct StartRead(oneshot::Sender<AtStart>);
+pub struct StartRead(oneshot::Sender<FileAtStart>);
 
-/// What start-up told the watcher.
+/// What start-up did with the policy file, for the watcher. (Start-up that neither settled the
+/// file nor left it to its writer, such as a read that failed, tells nothing: it drops the
+/// [`StartRead`], and the watcher reads the file afresh.)
 #[derive(Debug)]
-enum AtStart {
-    /// See [`StartRead::settled`].
+pub enum FileAtStart {
+    /// Start-up read these bytes and settled them (applied, equal to the stored version, or
+    /// refused with its problems logged): the watcher treats them as read, so the first event
+    /// in a watched directory neither applies nor logs them again.
     Settled(Vec<u8>),
-    /// See [`StartRead::left_to_its_writer`].
+    /// Start-up did not read the file, as another process held it open for writing (and
+    /// logged so): the watcher's first read once the writer closes it says that it read it,
+    /// rather than that the file is valid again (nothing invalid was read).
     LeftToItsWriter,
 }
 
 impl StartRead {
-    /// Start-up read `bytes` and settled them (applied, equal to the stored version, or refused
-    /// with its problems logged): the watcher treats them as read, so the first event in a
-    /// watched directory neither applies nor logs them again.
-    pub fn settled(self, bytes: Vec<u8>) {
+    /// Tells the watcher what start-up did with the file.
+    pub fn tell(self, at_start: FileAtStart) {
         // The watcher may have stopped already: nothing to tell then.
-        let _ = self.0.send(AtStart::Settled(bytes));
-    }
-
-    /// Start-up did not read the file, as another process held it open for writing (and
-    /// logged so): the watcher's first read once the writer closes it says that it read it,
-    /// rather than that the file is valid again (nothing invalid was read).
-    pub fn left_to_its_writer(self) {
-        let _ = self.0.send(AtStart::LeftToItsWriter);
+        let _ = self.0.send(at_start);
     }
 }
 
@@ -795,7 +793,7 @@ async fn run(
     mut events: mpsc::Receiver<()>,
     mut shutdown: watch::Receiver<bool>,
     mut watches: Watches,
-    mut start: Option<oneshot::Receiver<AtStart>>,
+    mut start: Option<oneshot::Receiver<FileAtStart>>,
 ) {
     let debounce = timing.debounce;
     let open_writes = watches.open_writes.clone();
@@ -964,8 +962,8 @@ async fn run(
                 Ok(at_start) => {
                     if matches!(last, LastRead::Nothing) {
                         last = match at_start {
-                            AtStart::Settled(bytes) => LastRead::Bytes(bytes),
-                            AtStart::LeftToItsWriter => LastRead::LeftToItsWriter,
+                            FileAtStart::Settled(bytes) => LastRead::Bytes(bytes),
+                            FileAtStart::LeftToItsWriter => LastRead::LeftToItsWriter,
                         };
                     }
                     start = None;
@@ -1045,7 +1043,9 @@ async fn reload_if_changed(
     };
     // Read before `apply`: a save it publishes sets the gauge as it publishes.
     let was_valid = control.metrics.config_last_reload_successful.get() == 1;
-    let first_after_writer = matches!(last, LastRead::LeftToItsWriter);
+    // Not a read taken at the bound, while the writer still holds the file: that one is
+    // logged as such, and logs as any read does.
+    let first_after_writer = matches!(last, LastRead::LeftToItsWriter) && !at_bound;
     let (settled, valid) = apply(
         control,
         file,
@@ -1151,7 +1151,8 @@ async fn apply(
         Ok(outcome) if !outcome.changed => {
             // Its bytes changed (a comment, the layout, a value spelled another way), so whoever
             // saved it is told the save was read; after a failed read, the line that says the
-            // file is valid again tells it instead.
+            // file is valid again tells it instead, and for the read a start left to the file's
+            // writer, the line that says it was read once the writer closed it.
             if control.metrics.config_last_reload_successful.get() == 1 && !after_writer {
                 info!(file = %file.display(), "the policy file was saved, but its policies did not change; {} stays served", serving(control));
             }

@@ -326,7 +326,7 @@ async fn what_start_up_read_is_not_applied_or_logged_again() {
         spawn_before_start(control.clone(), file.clone(), TIMING, shutdown).unwrap();
     reload(&control, &file).await;
     assert_eq!(control.metrics.rejected_changes.get(), 1);
-    read.settled(fs::read(&file).unwrap());
+    read.tell(FileAtStart::Settled(fs::read(&file).unwrap()));
     let f = Fixture {
         dir,
         file,
@@ -676,6 +676,34 @@ async fn a_file_kept_open_for_writing_is_read_after_the_bound() {
     wait_for_version(&f.control, 2, Duration::from_secs(3)).await;
     assert_eq!(max_attempts_served(&f.control).await, Some(4));
     assert!(log.text().contains(OPEN_FOR_WRITING), "{}", log.text());
+    drop(writer);
+}
+
+/// A start that left the file to its writer, which holds it past the bound: the read at the
+/// bound is logged as one (its warning), not as a read once the writer closed the file.
+#[cfg(any(target_os = "linux", target_os = "android"))]
+#[tokio::test]
+async fn a_file_left_to_its_writer_at_start_and_read_at_the_bound_is_not_called_closed() {
+    let (log, _guard) = capture_logs();
+    let timing = Timing {
+        unclosed: Duration::from_millis(600),
+        ..TIMING
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("policies.yaml");
+    fs::write(&file, V1).unwrap();
+    let store: Arc<dyn VersionStore> = Arc::new(MemoryStore::new());
+    let control = Arc::new(ControlPlane::for_tests(store, Mode::File(file.clone())));
+    reload(&control, &file).await;
+    let (_stop, shutdown) = watch::channel(false);
+    let (_task, read) =
+        spawn_before_start(control.clone(), file.clone(), timing, shutdown).unwrap();
+    let writer = SlowWriter::start(&file, V2);
+    read.tell(FileAtStart::LeftToItsWriter);
+    wait_for_version(&control, 2, Duration::from_secs(3)).await;
+    let text = log.text();
+    assert!(text.contains("has been held open for writing"), "{text}");
+    assert!(!text.contains("writer closed it"), "{text}");
     drop(writer);
 }
 

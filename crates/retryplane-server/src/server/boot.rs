@@ -25,27 +25,16 @@ use tracing::{error, info, warn};
 use super::{ServeConfig, ServeError};
 use crate::control::{ChangeContent, ChangeRequest, ControlPlane};
 use crate::store::Source;
-use crate::watch::{log_diagnostics, read_policy_file};
-
-/// What start-up did with the policy file, for the watcher (see [`crate::watch::StartRead`]).
-pub(super) enum FileAtStart {
-    /// Its bytes, settled (applied, equal to the stored version, or refused and logged): the
-    /// watcher counts them as read.
-    Settled(Vec<u8>),
-    /// Not read: another process held it open for writing. The watcher reads it once that
-    /// process closes it.
-    LeftToItsWriter,
-    /// Not read, or read but not settled (API mode, a read that failed, a store that did not
-    /// take it): the watcher reads it afresh.
-    Unsettled,
-}
+use crate::watch::{FileAtStart, log_diagnostics, read_policy_file};
 
 /// Loads the policies the server starts with; see the module docs. In file mode, says what
-/// became of the file (its bytes once they are settled), for the watcher.
+/// became of the file, for the watcher: its bytes once they are settled, or that it was left
+/// to its writer; `None` when it was not read, or read but not settled (API mode, a read that
+/// failed, a store that did not take it).
 pub(super) async fn load_policies(
     control: &ControlPlane,
     cfg: &ServeConfig,
-) -> Result<FileAtStart, ServeError> {
+) -> Result<Option<FileAtStart>, ServeError> {
     let file = cfg.config_file.as_path();
     let current = control
         .blocking(|s| s.current())
@@ -67,18 +56,18 @@ pub(super) async fn load_policies(
                 version,
                 "API mode: serving the stored version; the policy file is not read"
             );
-            return Ok(FileAtStart::Unsettled);
+            return Ok(None);
         }
         return match read_policy_file(file).await {
             Err(e) if e.kind() == io::ErrorKind::NotFound && !cfg.seed_required => {
                 warn!(file = %file.display(), "API mode: the store is empty and there is no seed file; not ready until the first `retryplane apply`");
-                Ok(FileAtStart::Unsettled)
+                Ok(None)
             }
             Err(source) => Err(read_error(file, source)),
             Ok((_, loaded)) => {
                 apply_valid(control, file, loaded, None).await?;
                 info!(file = %file.display(), "API mode: seeded the empty store from the policy file");
-                Ok(FileAtStart::Unsettled)
+                Ok(None)
             }
         };
     }
@@ -98,14 +87,14 @@ pub(super) async fn load_policies(
                 warn!(file = %file.display(), "the policy file is open for writing by another process and the store is empty: not ready until its writer closes it");
             }
         }
-        return Ok(FileAtStart::LeftToItsWriter);
+        return Ok(Some(FileAtStart::LeftToItsWriter));
     }
     let (bytes, loaded) = match (read_policy_file(file).await, stored) {
         (Ok(read), _) => read,
         (Err(source), None) => return Err(read_error(file, source)),
         (Err(e), Some(version)) => {
             error!(file = %file.display(), error = %e, version, "cannot read the policy file; serving the stored version");
-            return Ok(FileAtStart::Unsettled);
+            return Ok(None);
         }
     };
     match stored {
@@ -119,22 +108,22 @@ pub(super) async fn load_policies(
                 warn!(file = %file.display(), version, source, "file mode: the current version came from the admin API, and the policy file is applied over it (a new version if it differs; refused if it removes every stored endpoint); start with `--api` to keep serving what the admin API applied");
             }
             match apply_valid(control, file, loaded, stored).await? {
-                AtStart::Applied => {
+                StartChange::Applied => {
                     reload_ok.set(1);
                 }
-                AtStart::Refused => {
+                StartChange::Refused => {
                     reload_ok.set(0);
                 }
                 // Not settled: the watcher reads the file again (at its next rescan at the
                 // latest).
-                AtStart::NotStored => {
+                StartChange::NotStored => {
                     reload_ok.set(0);
-                    return Ok(FileAtStart::Unsettled);
+                    return Ok(None);
                 }
             }
         }
     }
-    Ok(FileAtStart::Settled(bytes))
+    Ok(Some(FileAtStart::Settled(bytes)))
 }
 
 fn read_error(file: &Path, source: io::Error) -> ServeError {
@@ -145,7 +134,7 @@ fn read_error(file: &Path, source: io::Error) -> ServeError {
 }
 
 /// What became of the policy file at start, when the store holds a version.
-enum AtStart {
+enum StartChange {
     /// Applied, or equal to the stored version.
     Applied,
     /// Refused for removing every stored endpoint, or for being larger than agents decode.
@@ -156,13 +145,13 @@ enum AtStart {
 }
 
 /// Applies `loaded` as [`Source::File`]; `Err` when it has errors, or cannot be applied and
-/// there is no `stored` version to serve instead (see [`AtStart`] for the other outcomes).
+/// there is no `stored` version to serve instead (see [`StartChange`] for the other outcomes).
 async fn apply_valid(
     control: &ControlPlane,
     file: &Path,
     loaded: Loaded,
     stored: Option<u64>,
-) -> Result<AtStart, ServeError> {
+) -> Result<StartChange, ServeError> {
     let Some(policies) = loaded.policies.as_ref() else {
         return Err(ServeError::InvalidConfig {
             file: file.to_owned(),
@@ -189,26 +178,26 @@ async fn apply_valid(
     match control.apply(request).await {
         Ok(outcome) if !outcome.changed => {
             info!(file = %file.display(), "the policy file matches the stored version");
-            Ok(AtStart::Applied)
+            Ok(StartChange::Applied)
         }
-        Ok(_) => Ok(AtStart::Applied),
+        Ok(_) => Ok(StartChange::Applied),
         // The stored version keeps being served, as for a bad save while running.
         Err(crate::control::ChangeError::RemovesEverything(names)) => {
             // As many names as fit one readable line, as the watcher's warning has them.
             let names = crate::admin::capped_list(&names, ", ", 1_000, "endpoint", "");
             error!(file = %file.display(), "the policy file removes every stored endpoint ({names}); refused, serving the stored version. To replace every endpoint, add the new ones first, then remove the old ones");
-            Ok(AtStart::Refused)
+            Ok(StartChange::Refused)
         }
         Err(e @ crate::control::ChangeError::TooLarge(_)) if stored.is_some() => {
             error!(file = %file.display(), error = %e, version = stored, "the policy file was not applied; serving the stored version");
-            Ok(AtStart::Refused)
+            Ok(StartChange::Refused)
         }
         // As while running: the store keeps what it holds and is tried again at the next read.
         Err(
             crate::control::ChangeError::Store(e) | crate::control::ChangeError::StoreUncertain(e),
         ) if stored.is_some() => {
             error!(file = %file.display(), error = %crate::ErrorChain(&e), version = stored, "cannot store the policy file's version; serving the stored version and reading the file again later");
-            Ok(AtStart::NotStored)
+            Ok(StartChange::NotStored)
         }
         Err(source) => Err(ServeError::Apply {
             file: file.to_owned(),
