@@ -577,7 +577,8 @@ impl AgentBuilder {
     /// to a cache is read through, and replaced by the file at the first write (never written
     /// through): give the file's own path. A write that fails (a full or missing volume) is
     /// warned of and tried again, 1 s later and then twice as long each time up to a minute,
-    /// until it is done or a newer snapshot replaces it; a temporary file that an interrupted
+    /// until it is done or a newer snapshot replaces it, and once more at
+    /// [`Agent::shutdown`] (a warning says so if that fails too); a temporary file that an interrupted
     /// write left beside the cache (the process killed mid-write) is removed by a later write
     /// once it is 10 minutes old.
     ///

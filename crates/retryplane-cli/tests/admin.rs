@@ -423,6 +423,11 @@ fn apply_get_history_diff_rollback_and_status_work_against_a_real_server() {
         .assert()
         .code(2)
         .stderr(predicate::str::contains("NOT_FOUND"));
+    server
+        .retryplane(&["diff", "--from", "1", "--to", "99"])
+        .assert()
+        .code(1)
+        .stderr(predicate::str::contains("NOT_FOUND"));
     for usage in [
         &["diff"][..],
         &["diff", "v2.yaml", "--from", "1"],
@@ -639,6 +644,11 @@ fn file_mode_refuses_writes_naming_the_file() {
         .assert()
         .code(0)
         .stdout("dry run: no changes: v1 already has the content of v1\n");
+    server
+        .retryplane(&["diff", "--from", "1"])
+        .assert()
+        .code(0)
+        .stdout("");
     server
         .retryplane(&["rollback", "1"])
         .assert()
@@ -1157,8 +1167,7 @@ fn a_dry_run_of_a_change_that_removes_every_endpoint_shows_its_diff_and_the_refu
         .assert()
         .code(1)
         .stdout("");
-    // `diff` only shows, and notes that `apply` would refuse it; a file that removes one
-    // endpoint of several is no such change.
+    // `diff` only shows, and notes that `apply` would refuse it (in text output).
     server
         .retryplane(&["diff", "other.yaml"])
         .assert()
@@ -1167,6 +1176,19 @@ fn a_dry_run_of_a_change_that_removes_every_endpoint_shows_its_diff_and_the_refu
         .stderr(predicate::str::contains(
             "retryplane: note: applying it would be refused: the change removes every endpoint (payments)",
         ));
+    server
+        .retryplane(&["diff", "other.yaml", "--output", "json"])
+        .assert()
+        .code(0)
+        .stderr(predicate::str::contains("refused").not());
+    let history = json_of(
+        &server
+            .retryplane(&["history", "--output", "json"])
+            .assert()
+            .code(0),
+    );
+    assert_eq!(history.as_array().map(Vec::len), Some(1), "{history}");
+    // A file that removes one endpoint of several is no such change: no note.
     server.write(
         "two.yaml",
         "version: 1\nendpoints:\n  payments: {}\n  search: {}\n",
@@ -1178,13 +1200,6 @@ fn a_dry_run_of_a_change_that_removes_every_endpoint_shows_its_diff_and_the_refu
         .code(0)
         .stdout(predicate::str::contains("- search"))
         .stderr(predicate::str::contains("refused").not());
-    let history = json_of(
-        &server
-            .retryplane(&["history", "--output", "json"])
-            .assert()
-            .code(0),
-    );
-    assert_eq!(history.as_array().map(Vec::len), Some(2), "{history}");
 }
 
 #[test]

@@ -307,9 +307,19 @@ mod tests {
     static TRIES: Mutex<Vec<Vec<u8>>> = Mutex::new(Vec::new());
 
     fn failing_twice(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-        let mut tries = TRIES.lock().unwrap();
+        failing_first(2, &TRIES, path, bytes)
+    }
+
+    /// Records a try in `tries`, and fails the first `failing` of them as a full disk would.
+    fn failing_first(
+        failing: usize,
+        tries: &Mutex<Vec<Vec<u8>>>,
+        path: &Path,
+        bytes: &[u8],
+    ) -> std::io::Result<()> {
+        let mut tries = tries.lock().unwrap();
         tries.push(bytes.to_vec());
-        if tries.len() <= 2 {
+        if tries.len() <= failing {
             return Err(std::io::Error::other("no space left on device"));
         }
         crate::cache::write_atomic(path, bytes)
@@ -350,15 +360,10 @@ mod tests {
     }
 
     /// Tries of `failing_once`, which fails its first.
-    static TRIES_ONCE: Mutex<usize> = Mutex::new(0);
+    static TRIES_ONCE: Mutex<Vec<Vec<u8>>> = Mutex::new(Vec::new());
 
     fn failing_once(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-        let mut tries = TRIES_ONCE.lock().unwrap();
-        *tries += 1;
-        if *tries == 1 {
-            return Err(std::io::Error::other("no space left on device"));
-        }
-        crate::cache::write_atomic(path, bytes)
+        failing_first(1, &TRIES_ONCE, path, bytes)
     }
 
     /// Shutdown does not give up a failed write waiting for its next try: it tries once more,
@@ -375,7 +380,10 @@ mod tests {
         // Long before the next try (1 s later).
         writer.finish(WAIT).await;
         assert_eq!(std::fs::read(&path).unwrap(), b"v1");
-        assert_eq!(*TRIES_ONCE.lock().unwrap(), 2);
+        assert_eq!(
+            *TRIES_ONCE.lock().unwrap(),
+            [b"v1".to_vec(), b"v1".to_vec()]
+        );
     }
 
     /// Every write `recording_write` did: where, and what.

@@ -141,7 +141,7 @@ fn result_line(response: &retryplane_proto::pb::ApplyResponse, dry_run: bool) ->
     let mut line = String::new();
     let version = response.version;
     if dry_run {
-        if response.diff.is_empty() {
+        if !change::would_change(response) {
             let _ = write!(line, "dry run: no changes (v{version})");
         } else if version == 0 {
             let _ = write!(

@@ -145,6 +145,40 @@ pub struct PolicyFile {
     pub content: pb::policy_source::Kind,
 }
 
+impl PolicyFile {
+    /// The policies as an `Apply` or `Validate` request carries them.
+    pub fn source(&self) -> pb::PolicySource {
+        pb::PolicySource {
+            kind: Some(self.content.clone()),
+            origin: self.name.clone(),
+        }
+    }
+
+    /// Stored version `version` (0: the current one), read with `Get`, as policies to send.
+    /// `Ok(Err(report))` when the control plane refused (an unknown version: `NOT_FOUND`).
+    pub async fn stored(
+        client: &mut Client,
+        version: u64,
+    ) -> anyhow::Result<Result<(pb::VersionInfo, Self), Report>> {
+        let got = match client.get(pb::GetRequest { version }).await {
+            Ok(got) => got,
+            Err(status) => return Ok(Err(super::failed(&status, String::new()))),
+        };
+        let (Some(info), Some(policies)) = (got.info, got.policies) else {
+            let shown = match version {
+                0 => "the current version".to_owned(),
+                n => format!("v{n}"),
+            };
+            anyhow::bail!("the control plane's answer for {shown} holds no version or no policies");
+        };
+        let file = Self {
+            name: format!("v{}", info.version),
+            content: pb::policy_source::Kind::Document(policies),
+        };
+        Ok(Ok((info, file)))
+    }
+}
+
 /// Reads `source` under the size limit and validates it here, with the same checks as the
 /// server. `Ok(Err(report))` when the file is not worth sending (too large, not UTF-8, or with
 /// errors): every diagnostic on stdout, exactly as `validate` prints them, one summary line on
@@ -229,12 +263,8 @@ pub async fn apply(
     flags: ApplyFlags,
     format: Format,
 ) -> anyhow::Result<Result<pb::ApplyResponse, Report>> {
-    let source = || pb::PolicySource {
-        kind: Some(file.content.clone()),
-        origin: file.name.clone(),
-    };
     let request = pb::ApplyRequest {
-        source: Some(source()),
+        source: Some(file.source()),
         expected_version: flags.expected_version,
         dry_run: flags.dry_run,
         force: flags.force,
@@ -253,7 +283,7 @@ pub async fn apply(
         && format == Format::Text
         && let Ok(forced) = client
             .apply(pb::ApplyRequest {
-                source: Some(source()),
+                source: Some(file.source()),
                 expected_version: flags.expected_version,
                 dry_run: true,
                 force: true,
@@ -269,7 +299,7 @@ pub async fn apply(
     if status.code() == Code::InvalidArgument {
         let validated = client
             .validate(pb::ValidateRequest {
-                source: Some(source()),
+                source: Some(file.source()),
             })
             .await;
         if let Ok(v) = validated

@@ -33,6 +33,7 @@ use super::{Server, ServerArgs, block_on};
 use crate::input::Source;
 use crate::output::{self, Format};
 use crate::{Outcome, Report};
+use retryplane_policy::document::PolicyDocument;
 use retryplane_proto::pb;
 
 /// `retryplane diff` flags, as parsed.
@@ -109,7 +110,8 @@ impl TryFrom<Args> for Settings {
     }
 }
 
-/// Asks for a dry-run `Apply` of the file and prints its diff.
+/// Asks for a dry-run `Apply` of the file and prints its diff; with `--from`, compares two
+/// stored versions instead (see the module docs).
 pub fn run(settings: &Settings) -> anyhow::Result<Report> {
     // A run that could not compare (an invalid file, a refusal): with `--exit-code`, where 1
     // means "differs", that is trouble, exit 2.
@@ -166,15 +168,7 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
                 out
             }
         };
-        let differs = !response.diff.is_empty();
-        Ok(Report {
-            stdout,
-            outcome: if settings.exit_code && differs {
-                Outcome::Failure
-            } else {
-                Outcome::Success
-            },
-        })
+        Ok(compared(stdout, !response.diff.is_empty(), settings))
     })
 }
 
@@ -194,10 +188,7 @@ async fn refusal(
         return None;
     }
     let request = pb::ApplyRequest {
-        source: Some(pb::PolicySource {
-            kind: Some(file.content.clone()),
-            origin: file.name.clone(),
-        }),
+        source: Some(file.source()),
         expected_version: None,
         dry_run: true,
         force: false,
@@ -210,39 +201,26 @@ async fn refusal(
     }
 }
 
-/// One stored version as `Get` answers it: its number, hash and document.
-struct Stored {
+/// Version `version` (0: the current one), read with `Get`: its number and hash, and its
+/// document. `Ok(Err(report))` when the control plane refused (an unknown version).
+async fn stored(
+    client: &mut Client,
     version: u64,
-    content_hash: String,
-    document: retryplane_policy::document::PolicyDocument,
-}
-
-/// Reads version `version` (0: the current one). `Ok(Err(report))` when the control plane
-/// refused (an unknown version: `NOT_FOUND`).
-async fn stored(client: &mut Client, version: u64) -> anyhow::Result<Result<Stored, Report>> {
-    let got = match client.get(pb::GetRequest { version }).await {
-        Ok(got) => got,
-        Err(status) => return Ok(Err(super::failed(&status, String::new()))),
+) -> anyhow::Result<Result<(pb::VersionInfo, PolicyDocument), Report>> {
+    let (info, file) = match change::PolicyFile::stored(client, version).await? {
+        Ok(stored) => stored,
+        Err(refused) => return Ok(Err(refused)),
     };
-    let shown = if version == 0 {
-        "the current version".to_owned()
-    } else {
-        format!("v{version}")
+    let pb::policy_source::Kind::Document(policies) = file.content else {
+        anyhow::bail!("{} was not read as a document", file.name);
     };
-    let (Some(info), Some(policies)) = (got.info, got.policies) else {
-        anyhow::bail!("the control plane's answer for {shown} holds no version or no policies");
-    };
-    let document =
-        retryplane_policy::document::PolicyDocument::try_from(policies).map_err(|e| {
-            anyhow::anyhow!(
-                "the control plane sent {shown} in a form this command cannot read: {e}"
-            )
-        })?;
-    Ok(Ok(Stored {
-        version: info.version,
-        content_hash: info.content_hash,
-        document,
-    }))
+    let document = PolicyDocument::try_from(policies).map_err(|e| {
+        anyhow::anyhow!(
+            "the control plane sent {} in a form this command cannot read: {e}",
+            file.name
+        )
+    })?;
+    Ok(Ok((info, document)))
 }
 
 /// Compares two stored versions (see the module docs).
@@ -252,15 +230,15 @@ async fn versions(
     to: Option<u64>,
     settings: &Settings,
 ) -> anyhow::Result<Result<Report, Report>> {
-    let old = match stored(client, from).await? {
+    let (old, old_document) = match stored(client, from).await? {
         Ok(old) => old,
         Err(refused) => return Ok(Err(refused)),
     };
-    let new = match stored(client, to.unwrap_or(0)).await? {
+    let (new, new_document) = match stored(client, to.unwrap_or(0)).await? {
         Ok(new) => new,
         Err(refused) => return Ok(Err(refused)),
     };
-    let diff: Vec<pb::DiffEntry> = retryplane_policy::diff::diff(&old.document, &new.document)
+    let diff: Vec<pb::DiffEntry> = retryplane_policy::diff::diff(&old_document, &new_document)
         .iter()
         .map(pb::DiffEntry::from)
         .collect();
@@ -278,12 +256,17 @@ async fn versions(
             out
         }
     };
-    Ok(Ok(Report {
+    Ok(Ok(compared(stdout, differs, settings)))
+}
+
+/// What a comparison prints, and its exit: 1 when it `differs` and `--exit-code` asks.
+fn compared(stdout: String, differs: bool, settings: &Settings) -> Report {
+    Report {
         stdout,
         outcome: if settings.exit_code && differs {
             Outcome::Failure
         } else {
             Outcome::Success
         },
-    }))
+    }
 }

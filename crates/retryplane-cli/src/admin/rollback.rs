@@ -81,7 +81,8 @@ impl TryFrom<Args> for Settings {
     }
 }
 
-/// Calls `Rollback` and prints the resulting version.
+/// Calls `Rollback` and prints the resulting version; with `--dry-run`, what it would change
+/// (see the module docs).
 pub fn run(settings: &Settings) -> anyhow::Result<Report> {
     block_on(async {
         let mut client = Client::connect(&settings.server).await?;
@@ -132,24 +133,16 @@ async fn dry_run(
     client: &mut Client,
     settings: &Settings,
 ) -> anyhow::Result<Result<pb::ApplyResponse, Report>> {
-    let version = settings.version;
-    let got = match client.get(pb::GetRequest { version }).await {
-        Ok(got) => got,
-        Err(status) => return Ok(Err(super::failed(&status, String::new()))),
-    };
-    let Some(policies) = got.policies else {
-        anyhow::bail!("the control plane's answer for v{version} holds no policies");
+    let file = match PolicyFile::stored(client, settings.version).await? {
+        Ok((_, file)) => file,
+        Err(refused) => return Ok(Err(refused)),
     };
     let flags = ApplyFlags {
         expected_version: settings.expected_version,
         dry_run: true,
         force: settings.force,
     };
-    let version = PolicyFile {
-        name: format!("v{version}"),
-        content: pb::policy_source::Kind::Document(policies),
-    };
-    change::apply(client, &version, flags, settings.format).await
+    change::apply(client, &file, flags, settings.format).await
 }
 
 /// The last line of the text output, with its newline.
