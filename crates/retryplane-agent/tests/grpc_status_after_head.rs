@@ -33,8 +33,8 @@ const WAIT: Duration = Duration::from_secs(15);
 /// What the server sends after its head.
 #[derive(Clone, Copy)]
 enum After {
-    /// Trailers with `grpc-status: 14` (`UNAVAILABLE`), no message.
-    Unavailable,
+    /// Trailers with `grpc-status: 14` (`UNAVAILABLE`), no message, after `delay`.
+    Unavailable { delay: Duration },
     /// One `GetResponse` message, after `delay`, then `grpc-status: 0`.
     Message { delay: Duration },
 }
@@ -103,8 +103,8 @@ async fn server(after: After) -> (Arc<AtomicU32>, Channel) {
                 let svc = service_fn(move |_req: http::Request<hyper::body::Incoming>| {
                     counted.fetch_add(1, Ordering::SeqCst);
                     let body = match after {
-                        After::Unavailable => Frames {
-                            delay: None,
+                        After::Unavailable { delay } => Frames {
+                            delay: Some(Box::pin(tokio::time::sleep(delay))),
                             frames: vec![Frame::trailers(trailers(14))],
                         },
                         After::Message { delay } => Frames {
@@ -161,7 +161,10 @@ async fn get(agent: &Agent, channel: Channel, idempotent: bool) -> Result<pb::Ge
 
 #[tokio::test]
 async fn an_error_in_trailers_right_after_the_head_is_retried_and_counted_as_a_failure() {
-    let (seen, channel) = server(After::Unavailable).await;
+    let (seen, channel) = server(After::Unavailable {
+        delay: Duration::ZERO,
+    })
+    .await;
     let agent = agent();
     let status = get(&agent, channel, true)
         .await
@@ -175,10 +178,32 @@ async fn an_error_in_trailers_right_after_the_head_is_retried_and_counted_as_a_f
     assert_eq!(c.gave_up_attempts, 1);
 }
 
+/// Trailers that come a while after the head, as from a server with Nagle on (a tonic server
+/// started with `serve_with_incoming`), whose trailers wait behind its head for the client's
+/// delayed ACK (40 ms on Linux): still the call's code, retried as it says.
+#[tokio::test]
+async fn an_error_in_trailers_a_delayed_ack_after_the_head_is_retried() {
+    let (seen, channel) = server(After::Unavailable {
+        delay: Duration::from_millis(60),
+    })
+    .await;
+    let agent = agent();
+    let status = get(&agent, channel, true)
+        .await
+        .expect_err("the call fails");
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert_eq!(seen.load(Ordering::SeqCst), 3, "retried as UNAVAILABLE is");
+    let c = agent.endpoint("upstream").pending_counts();
+    assert_eq!(c.success_first_try, 0, "counted as a success");
+}
+
 #[tokio::test]
 async fn an_error_in_trailers_right_after_the_head_of_a_call_that_may_not_be_retried_is_a_failure()
 {
-    let (seen, channel) = server(After::Unavailable).await;
+    let (seen, channel) = server(After::Unavailable {
+        delay: Duration::ZERO,
+    })
+    .await;
     let agent = agent();
     let status = get(&agent, channel, false)
         .await
@@ -224,7 +249,10 @@ async fn a_slow_first_message_is_a_success_sent_once() {
 /// after the head is still counted as the failure it is.
 #[tokio::test]
 async fn an_error_in_trailers_right_after_the_head_of_a_request_sent_once_is_a_failure() {
-    let (seen, channel) = server(After::Unavailable).await;
+    let (seen, channel) = server(After::Unavailable {
+        delay: Duration::ZERO,
+    })
+    .await;
     let agent = agent();
     let service = tower::ServiceBuilder::new()
         .layer(RetryLayer::new(agent.endpoint("upstream")))

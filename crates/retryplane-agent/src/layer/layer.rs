@@ -763,6 +763,14 @@ where
 /// an error answer comes with its head or right behind it, and the wait adds to the call.
 const FAILED_BODY_WAIT: Duration = Duration::from_millis(20);
 
+/// How long the layer looks for the first frame of a gRPC answer whose status may be in its
+/// trailers ([`first_frame`]). Longer than a delayed ACK (40 ms on Linux): a server with Nagle
+/// on (a tonic server started with `serve_with_incoming`, which leaves `TCP_NODELAY` unset)
+/// holds the trailers of an error behind its head until the client acknowledges the head.
+/// It delays no message: the read ends at the first byte of one, and a stream whose first
+/// message is slower gets its head when the look ends.
+const FIRST_FRAME_WAIT: Duration = Duration::from_millis(100);
+
 /// How close to the caller's deadline tonic's own timeout for it may end an attempt (see
 /// [`unless_callers_deadline`]): the `grpc-timeout` the layer writes is rounded down by at most
 /// one unit (1 ms at most for a deadline under 27 hours).
@@ -903,7 +911,7 @@ fn status_in_trailers<RB>(response: &Response<RB>) -> bool {
 }
 
 /// `response` (whose status is in trailers: [`status_in_trailers`]) with its first frame
-/// read, for up to [`FAILED_BODY_WAIT`] and not past `read_by`. Its trailers first, with no
+/// read, for up to [`FIRST_FRAME_WAIT`] and not past `read_by`. Its trailers first, with no
 /// message before them, are the answer of a server that sent its head and then an error (a
 /// tonic server stream whose first item is an error, a server that flushes its head early):
 /// the call's code is theirs, as tonic's client reads it ([`grpc_status_carrier`]), so the
@@ -916,7 +924,7 @@ where
     RB::Error: Into<BoxError>,
 {
     // A limit of 0: the read ends at the first byte of a message.
-    read_failed(response, 0, read_by.min(Instant::now() + FAILED_BODY_WAIT)).await
+    read_failed(response, 0, read_by.min(Instant::now() + FIRST_FRAME_WAIT)).await
 }
 
 /// Where the status of a gRPC answer is read: its head, or the trailers that came before any

@@ -96,8 +96,8 @@
 //!   (no `grpc-status`) as the code tonic maps it to (503 `UNAVAILABLE`, 500 `UNKNOWN`, …),
 //!   judged by `retry_on.grpc_status`: whatever its body, though tonic reads an error page as
 //!   `INTERNAL` (that a body is empty is known only once it is read); and for a 200 head with
-//!   no `grpc-status`, the first frame of its body, looked at for up to 20 ms within the
-//!   attempt: trailers before any message (a server that sent its head and then an error,
+//!   no `grpc-status`, the first frame of its body, looked at for up to 100 ms within the
+//!   attempt (longer than the delayed ACK a server with Nagle on holds its trailers behind): trailers before any message (a server that sent its head and then an error,
 //!   such as a tonic server stream whose first item is an error) are the call's code, counted
 //!   and retried as it says; a message first, or none yet, is a success. Errors of the inner service by their source chain:
 //!   the first `hyper_util::client::legacy::Error`, `hyper::Error`, (feature `reqwest`)
@@ -166,9 +166,14 @@
 //!
 //! The inner service gets `http::Request<ReplayBody<B>>`; a tonic `Channel` takes
 //! `http::Request<tonic::body::Body>`: put [`into_tonic_request`] between them with
-//! `map_request` and hand the stack to a generated client (see its example). Unary calls only:
-//! the request body is buffered before the first send. Declare idempotent calls with
-//! [`Idempotent`] on the `tonic::Request`.
+//! `map_request` and hand the stack to a generated client (see its example). Calls that send
+//! one request message (unary and server-streaming calls): the request body is read before
+//! the first send, and the answer of a server stream comes as it is sent, for as long as it
+//! lasts. Not client- or bidirectional-streaming calls on the same stack: their request
+//! stream would be read, within the policy's deadline, before anything is sent (a stream
+//! longer than the deadline fails with nothing sent, and its messages reach the server
+//! together at its end); give those a channel without the layer. Declare idempotent calls
+//! with [`Idempotent`] on the `tonic::Request`.
 //!
 //! # Credential refresh on 401 ([`RetryLayer::with_auth_refresh`])
 //!
@@ -271,8 +276,10 @@
 //! answered with a copy of its leader's response made no call: it is **not counted** there,
 //! neither as a call nor as a success, whatever the shared response was (a 200, or a 503
 //! the leader gave up on). Only the leader's call is counted, once. So with de-duplication on,
-//! `calls` is the number of upstream calls, not of requests, and the retry ratio (retries /
-//! calls) is that of the upstream calls. Count the answered followers with
+//! `calls` is the number of logical calls made (the leaders'), not of requests, and the retry
+//! ratio (retries / calls) is theirs. A logical call counts even when it sent nothing (an open
+//! breaker refused it, or its request body was not read by the deadline): `attempts` counts
+//! what was sent. Count the answered followers with
 //! [`DedupStats::shared`] (from [`Dedup::stats`]). A follower that makes its own call (after
 //! a leader's error, an oversized body, or its wait's deadline) is counted as any call.
 
