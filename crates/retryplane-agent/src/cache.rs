@@ -744,6 +744,13 @@ mod tests {
                 );
             }
         }
+        // Three bytes changed is more than damage: another's file.
+        let mut three = whole.clone();
+        for at in [0, 11, 20] {
+            three[at] ^= 0x20;
+        }
+        std::fs::write(&path, &three).unwrap();
+        assert_eq!(in_time(&path).map(|c| c.is_none()), Err(Foreign));
         // Text that only starts like it is another's.
         std::fs::write(&path, b"retryplane agent config\nkeep: me\n").unwrap();
         assert_eq!(in_time(&path).map(|c| c.is_none()), Err(Foreign));
