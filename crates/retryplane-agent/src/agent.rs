@@ -231,7 +231,17 @@ impl Agent {
         AgentBuilder::default()
     }
 
-    /// An agent on the policies of a policy file (SPEC §1), with no control plane.
+    /// An agent on the policies of a policy file (SPEC §1), with no control plane: its
+    /// snapshot's [`Source`](crate::Source) is `Static`, and nothing is reported anywhere.
+    ///
+    /// The file is read once, here, and checked as `retryplane validate` checks it: a file
+    /// with errors is [`AgentError::InvalidPolicyFile`] (how many, and the first); warnings
+    /// do not stop it and are not logged (run `retryplane validate` on the file to see them).
+    /// A file over the 1 MiB limit of policy files is an [`AgentError::InvalidPolicyFile`];
+    /// a file that cannot be read is an [`AgentError::ReadPolicyFile`], and so is a FIFO or a
+    /// socket at `path`, refused without being opened (opening one would wait for a writer).
+    /// To change the policies later, load the file again ([`retryplane_policy::load`]) and
+    /// hand its policies to [`Agent::set_policies`].
     pub fn from_file(path: impl AsRef<Path>) -> Result<Agent, AgentError> {
         let path = path.as_ref();
         let (bytes, size) =

@@ -92,7 +92,8 @@ pub enum AgentError {
         path: PathBuf,
         /// How many errors.
         errors: usize,
-        /// The first error, as `retryplane validate` prints it.
+        /// The first error, as `retryplane validate` prints it after the file's name:
+        /// `LINE:COLUMN: error: PATH: message`.
         first: String,
     },
 }
