@@ -43,8 +43,9 @@ The figures, per variant:
                        end; n/a: the incident does not end within the run (error-rate)
 
 The incident's seconds are those wholly inside the outage or throttle (if none, those it
-overlaps; every second for error-rate). A variant that made no call shows n/a for its ratios,
-shares and latencies. The upstream sheds requests past --capacity (a token bucket holding
+overlaps; every second of --duration for error-rate: attempts sent after it, by calls still
+retrying, are in the overall figure only). A variant that made no call shows n/a (null in
+JSON) for its ratios, shares and latencies. The upstream sheds requests past --capacity (a token bucket holding
 100 ms of it, at least 10 requests) with 503, and answers an outage's or throttle's requests
 without using capacity.";
 

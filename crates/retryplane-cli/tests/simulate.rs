@@ -368,6 +368,26 @@ fn a_run_with_no_call_shows_its_ratios_and_latencies_as_not_applicable() {
             !cells.is_empty() && cells.iter().all(|c| *c == want),
             "{label}: {line}"
         );
+    } // JSON says the same with `null`.
+    let json = stdout(&mut simulate(
+        dir.path(),
+        &["--clients", "1", "--rate", "1e-9", "--output", "json"],
+    ));
+    let v: Value = serde_json::from_str(&json).unwrap();
+    let variants = v["variants"].as_array().unwrap();
+    assert!(!variants.is_empty());
+    for variant in variants {
+        assert_eq!(variant["logical_calls"], 0);
+        for figure in [
+            &variant["amplification"]["overall"],
+            &variant["amplification"]["incident_mean"],
+            &variant["amplification"]["incident_peak"],
+            &variant["success_pct"],
+            &variant["latency"]["p50_ms"],
+            &variant["latency"]["p99_ms"],
+        ] {
+            assert!(figure.is_null(), "{variant}");
+        }
     }
 }
 

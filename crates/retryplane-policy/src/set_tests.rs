@@ -229,6 +229,28 @@ fn settings_that_do_not_do_what_they_say_are_warned_and_probes_past_the_breakers
     );
 }
 
+/// A header that clients or tracing set on every request (a gRPC deadline, a trace id) is no
+/// idempotency key either: every gRPC call with a deadline would count as keyed.
+#[test]
+fn headers_set_on_every_request_are_warned_as_idempotency_keys() {
+    for header in ["grpc-timeout", "traceparent", "X-Request-Id"] {
+        let src = format!("version: 1\nendpoints:\n  a:\n    idempotency_key_header: {header}\n");
+        let all = all(&src);
+        assert_eq!(all.len(), 1, "{all:?}");
+        assert!(
+            all[0].starts_with(&format!(
+                "4:29: warning: endpoints.a.idempotency_key_header: `{header}` is sent with most requests"
+            )),
+            "{all:?}"
+        );
+    }
+    // A name of its own is fine.
+    assert!(
+        all("version: 1\nendpoints:\n  a:\n    idempotency_key_header: Idempotency-Key\n")
+            .is_empty()
+    );
+}
+
 /// A budget with no ratio and no reserve refuses every retry: said where it is set, unless
 /// the endpoint never retries anyway.
 #[test]
@@ -286,7 +308,7 @@ fn an_invalid_idempotency_key_header_is_quoted() {
     assert_eq!(
         errors(src),
         [
-            "4:29: error: endpoints.f.idempotency_key_header: `Idem Key` is not a valid HTTP header name (letters, digits and `-`, no space)"
+            "4:29: error: endpoints.f.idempotency_key_header: `Idem Key` is not a valid HTTP header name (letters, digits and ``!#$%&'*+-.^_`|~``, no space)"
         ]
     );
 }

@@ -656,7 +656,7 @@ fn check_layer(o: &Overlay, prefix: &str, diags: &mut Vec<Diagnostic>) {
                 f.loc,
                 "idempotency_key_header",
                 format!(
-                    "`{}` is not a valid HTTP header name (letters, digits and `-`, no space)",
+                    "`{}` is not a valid HTTP header name (letters, digits and ``!#$%&'*+-.^_`|~``, no space)",
                     crate::diag::OneLine(&f.value)
                 ),
             );
@@ -1132,8 +1132,10 @@ fn check_effective(
     p
 }
 
-/// Headers most requests carry whatever the client means: not an idempotency key.
-const COMMON_HEADERS: [&str; 11] = [
+/// Headers most requests carry whatever the client means, and those clients, proxies and
+/// tracing set on every request they send (a gRPC deadline, which the agent's tower layer itself
+/// writes on each attempt; request and trace ids): not an idempotency key.
+const COMMON_HEADERS: [&str; 20] = [
     "accept",
     "accept-encoding",
     "accept-language",
@@ -1142,9 +1144,18 @@ const COMMON_HEADERS: [&str; 11] = [
     "content-length",
     "content-type",
     "cookie",
+    "grpc-accept-encoding",
+    "grpc-encoding",
+    "grpc-timeout",
     "host",
     "te",
+    "traceparent",
+    "tracestate",
     "user-agent",
+    "x-amzn-trace-id",
+    "x-b3-traceid",
+    "x-forwarded-for",
+    "x-request-id",
 ];
 
 /// What to write instead of `prefix`, if it holds what no request path carries as written:

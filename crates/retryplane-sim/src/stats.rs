@@ -8,7 +8,8 @@
 //! - **amplification**: attempts / logical calls. *Overall* over the whole run. *Incident mean*:
 //!   attempts sent in the incident seconds / calls started in them; *incident peak*: the largest
 //!   per-second ratio among them. The incident seconds are the seconds lying wholly inside the
-//!   outage or throttle window (every second of the run for `error-rate`), or the seconds that
+//!   outage or throttle window (every second of `[0, duration)` for `error-rate`, so that
+//!   attempts sent after it, by calls still retrying, are in the overall figure only), or the seconds that
 //!   overlap it when none lies wholly inside.
 //! - **success**: calls that returned a success / logical calls.
 //! - **latency**: start to result of every logical call, success or not; percentiles by nearest

@@ -76,6 +76,9 @@ pub struct Settings {
     pub format: Format,
     /// `--path` as given, when it is sent as another path (dot segments, `\`): said in a note.
     pub path_as_given: Option<String>,
+    /// `--method` as given, when it is explained upper-cased (`post` as `POST`): said in a
+    /// note, since methods are case-sensitive on the wire and a policy's are written so.
+    pub method_as_given: Option<String>,
 }
 
 /// The call a policy is looked up for; owns what [`Target`] borrows.
@@ -114,6 +117,11 @@ impl TryFrom<Args> for Settings {
 
     fn try_from(args: Args) -> anyhow::Result<Self> {
         let mut path_as_given = None;
+        let method_as_given = args
+            .method
+            .as_ref()
+            .filter(|m| m.to_ascii_uppercase() != **m)
+            .cloned();
         let call = match (args.grpc, args.method, args.path) {
             (Some(grpc), _, _) => match parse_grpc_route(&grpc) {
                 Ok((_, Some(_))) => Call::Grpc { path: grpc },
@@ -146,6 +154,7 @@ impl TryFrom<Args> for Settings {
             call,
             format: args.format,
             path_as_given,
+            method_as_given,
         })
     }
 }
@@ -190,6 +199,15 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
             .iter()
             .any(|r| r.matcher.value.matches(&call.target()))
     };
+    if let (Some(given), Call::Http { method, .. }) = (&settings.method_as_given, &settings.call) {
+        output::note(format_args!(
+            "note: --method `{}` is explained as `{method}`, as the agent's `CallMeta::http` reads \
+             it; HTTP methods are case-sensitive on the wire, so a request sent with `{}` as \
+             its method (through the tower layer, say) is not a {method} to the policy",
+            given.escape_debug(),
+            given.escape_debug()
+        ));
+    }
     if let (Some(given), Call::Http { path, .. }) = (&settings.path_as_given, &settings.call) {
         output::note(format_args!(
             "note: --path `{}` is sent as `{}` by clients that parse URLs (`retryplane \
@@ -345,6 +363,21 @@ mod tests {
         // Another spelling of the same path is that path: no note.
         assert_eq!(given("/über?x=1"), ("/%C3%BCber".to_owned(), None));
         assert_eq!(given("/v1/items"), ("/v1/items".to_owned(), None));
+    }
+
+    /// A method given in lower case is explained upper-cased, with a note (case-sensitive on
+    /// the wire); one given as written needs none.
+    #[test]
+    fn a_method_explained_upper_cased_is_noted() {
+        let given = |method: &str| {
+            let settings = Settings::try_from(args(Some(method), None, None)).unwrap();
+            let Call::Http { method, .. } = settings.call else {
+                panic!("not an HTTP call")
+            };
+            (method, settings.method_as_given)
+        };
+        assert_eq!(given("post"), ("POST".to_owned(), Some("post".to_owned())));
+        assert_eq!(given("POST"), ("POST".to_owned(), None));
     }
 
     #[test]
