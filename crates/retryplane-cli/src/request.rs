@@ -531,8 +531,9 @@ fn refusal_hint(code: tonic::Code) -> Option<&'static str> {
         ),
         tonic::Code::PermissionDenied => Some(
             "the token given is of another role, or the control plane's tokens file holds it to \
-             `agent_ids` that leave out this command's agent id, `retryplane-cli-` and 16 hex \
-             digits (list `retryplane-cli-*` among them)",
+             `services` that leave out this command's service, `retryplane-cli` (list it among \
+             them), or to `agent_ids` that leave out its agent id, `retryplane-cli-` and 16 hex \
+             digits (list `retryplane-cli-*` among them); the error above says which",
         ),
         // What the admin listener answers, and the HTTP one (a web server's 404 maps to it too).
         tonic::Code::Unimplemented => Some(

@@ -623,6 +623,35 @@ fn apply_of_a_file_with_many_problems_prints_every_one_like_validate_and_exits_1
         .stderr(predicate::str::contains("NOT_FOUND"));
 }
 
+/// A version whose policy file would pass 1 MiB (aliases written out) is printed with a
+/// warning, and without its opening comment, which a note says.
+#[test]
+fn get_of_a_version_over_the_file_limit_says_its_comment_is_left_out() {
+    let server = test_server(true, None);
+    // One long path prefix, written once and named 1,500 times.
+    let endpoints: String = (0..1_500)
+        .map(|i| format!("  ep-{i:04}: {{routes: [{{match: {{path_prefix: *p}}}}]}}\n"))
+        .collect();
+    server.write(
+        "big.yaml",
+        &format!(
+            "version: 1\nendpoints:\n  first:\n    routes: [{{match: {{path_prefix: &p /v1/{}}}}}]\n{endpoints}",
+            "p".repeat(700)
+        ),
+    );
+    server.retryplane(&["apply", "big.yaml"]).assert().code(0);
+    let got = server.retryplane(&["get"]).assert().code(0);
+    let stdout = stdout_of(&got);
+    let stderr = String::from_utf8_lossy(&got.get_output().stderr).into_owned();
+    assert!(stdout.starts_with("version: 1"), "{}", &stdout[..80]);
+    assert!(stdout.len() > 1_048_576, "{}", stdout.len());
+    assert!(
+        stderr.contains("retryplane: note: the opening comment (version 1, sha256 "),
+        "{stderr}"
+    );
+    assert!(stderr.contains("over the 1048576 bytes"), "{stderr}");
+}
+
 #[test]
 fn file_mode_refuses_writes_naming_the_file() {
     let server = test_server(false, None);

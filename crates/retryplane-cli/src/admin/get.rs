@@ -6,7 +6,7 @@
 //! server, and, when no `--version` was given (the current version then), how to apply an
 //! edit of it only while it is still current (`--expected-version N`): a version looked up
 //! after the `get` may be a newer one, whose changes an edit of the older one would undo. The
-//! comment is left out when it would take the file over the size limit, and with
+//! comment is left out (with a note on stderr) when it would take the file over the size limit, and with
 //! `--no-header` (for a file kept in version control, which would otherwise change with the
 //! server's address and the version's number). `--output json` prints one object: the version's metadata
 //! (`version`, `content_hash`, `source`, `author`, `created_unix_ms`, `created`, `summary`,
@@ -102,6 +102,14 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
                     let header = header(info, &settings.server.url, settings.version.is_none());
                     if header.len() + yaml.len() <= MAX_FILE_BYTES {
                         yaml.insert_str(0, &header);
+                    } else {
+                        output::note(format_args!(
+                            "retryplane: note: the opening comment (version {}, sha256 {}) is \
+                             left out: it would take the file over the {MAX_FILE_BYTES} bytes a \
+                             policy file may be",
+                            info.version,
+                            super::short_hash(&info.content_hash)
+                        ));
                     }
                 }
                 // The control plane renders a version within the limit when it can (one line
