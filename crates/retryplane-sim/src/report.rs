@@ -35,31 +35,9 @@ impl Report {
     }
 
     /// Pretty JSON with a final newline. A variant that made no call has `null` for its
-    /// ratios, share and latencies (`amplification`, `success_pct`, `latency`), as the text
-    /// shows `n/a`: their 0 would say "every call failed at once".
+    /// ratios, share and latencies (see [`VariantReport`]'s `Serialize`).
     pub fn to_json(&self) -> Result<String, serde_json::Error> {
-        let mut value = serde_json::to_value(self)?;
-        let variants = value
-            .get_mut("variants")
-            .and_then(serde_json::Value::as_array_mut);
-        for variant in variants.into_iter().flatten() {
-            if variant["logical_calls"] != 0 {
-                continue;
-            }
-            for (object, fields) in [
-                (
-                    "amplification",
-                    &["overall", "incident_mean", "incident_peak"][..],
-                ),
-                ("latency", &["p50_ms", "p99_ms"][..]),
-            ] {
-                for field in fields {
-                    variant[object][field] = serde_json::Value::Null;
-                }
-            }
-            variant["success_pct"] = serde_json::Value::Null;
-        }
-        let mut text = serde_json::to_string_pretty(&value)?;
+        let mut text = serde_json::to_string_pretty(self)?;
         text.push('\n');
         Ok(text)
     }

@@ -74,8 +74,10 @@ pub struct Latency {
     pub p99_ms: f64,
 }
 
-/// The figures of one variant.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+/// The figures of one variant. As JSON, a variant that made no call has `null` for its
+/// ratios, share and latencies (`amplification`'s, `success_pct`, `latency`'s), as the text
+/// shows `n/a`: their 0 would say "every call failed at once".
+#[derive(Clone, Debug, PartialEq)]
 pub struct VariantReport {
     /// Short name (`policy`, `no-budget`, `no-jitter`, `naive`).
     pub variant: &'static str,
@@ -103,6 +105,56 @@ pub struct VariantReport {
     pub calls_per_s: Vec<u64>,
     /// Of those, how many succeeded.
     pub successes_per_s: Vec<u64>,
+}
+
+impl Serialize for VariantReport {
+    /// The fields in their order; the figures a variant that made no call lacks as `null`.
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct as _;
+        /// [`Amplification`], each figure `None` when there is none.
+        #[derive(Serialize)]
+        struct Amplified {
+            overall: Option<f64>,
+            incident_mean: Option<f64>,
+            incident_peak: Option<f64>,
+        }
+        /// [`Latency`], each figure `None` when there is none.
+        #[derive(Serialize)]
+        struct Latencies {
+            p50_ms: Option<f64>,
+            p99_ms: Option<f64>,
+        }
+        let figure = |x: f64| (self.logical_calls > 0).then_some(x);
+        let a = &self.amplification;
+        let mut st = s.serialize_struct("VariantReport", 13)?;
+        st.serialize_field("variant", self.variant)?;
+        st.serialize_field("description", self.description)?;
+        st.serialize_field("logical_calls", &self.logical_calls)?;
+        st.serialize_field("upstream_attempts", &self.upstream_attempts)?;
+        st.serialize_field(
+            "amplification",
+            &Amplified {
+                overall: figure(a.overall),
+                incident_mean: figure(a.incident_mean),
+                incident_peak: figure(a.incident_peak),
+            },
+        )?;
+        st.serialize_field("peak_attempts_per_s", &self.peak_attempts_per_s)?;
+        st.serialize_field("success_pct", &figure(self.success_pct))?;
+        st.serialize_field(
+            "latency",
+            &Latencies {
+                p50_ms: figure(self.latency.p50_ms),
+                p99_ms: figure(self.latency.p99_ms),
+            },
+        )?;
+        st.serialize_field("give_ups", &self.give_ups)?;
+        st.serialize_field("recovery_s", &self.recovery_s)?;
+        st.serialize_field("attempts_per_s", &self.attempts_per_s)?;
+        st.serialize_field("calls_per_s", &self.calls_per_s)?;
+        st.serialize_field("successes_per_s", &self.successes_per_s)?;
+        st.end()
+    }
 }
 
 /// The seconds `[first, last)` counted as the incident for a window `[start, end)` in seconds.
