@@ -373,6 +373,9 @@ fn a_run_with_no_call_shows_its_ratios_and_latencies_as_not_applicable() {
         dir.path(),
         &["--clients", "1", "--rate", "1e-9", "--output", "json"],
     ));
+    // Each variant's fields in their order, its name first (as a run with calls has them).
+    let at = |key: &str| json.find(&format!("\"{key}\": ")).unwrap();
+    assert!(at("variant") < at("description") && at("amplification") < at("success_pct"));
     let v: Value = serde_json::from_str(&json).unwrap();
     let variants = v["variants"].as_array().unwrap();
     assert!(!variants.is_empty());
