@@ -202,12 +202,33 @@ pub fn parse(bytes: &[u8]) -> Result<Node, YamlError> {
                         .to_owned(),
                 };
             }
-            YamlError {
-                loc,
-                message: limit_message(&e).unwrap_or_else(|| first_line(&e.to_string())),
+            let mut message = limit_message(&e).unwrap_or_else(|| first_line(&e.to_string()));
+            if message.ends_with(NOT_ALLOWED_HERE) && key_too_long_before(text, loc) {
+                message.push_str(LONG_KEY);
             }
+            YamlError { loc, message }
         })?;
     Ok(node(spanned))
+}
+
+/// What the parser says of a `:` it does not take as a key's, a key of more than 1,024
+/// characters included (YAML's limit on a key written without `? `).
+const NOT_ALLOWED_HERE: &str = "mapping values are not allowed in this context";
+
+/// Said after [`NOT_ALLOWED_HERE`] when the key before that `:` is the cause.
+const LONG_KEY: &str = " (the key before this `:` is longer than the 1,024 characters YAML allows \
+     a key written without `? `; an endpoint name is at most 128 characters)";
+
+/// Whether what stands before the `:` at `loc` on its line (the key, with its indent, a `- `
+/// or `{` before it) is more than 1,024 characters long.
+fn key_too_long_before(text: &str, loc: Loc) -> bool {
+    let Some(line) = text.lines().nth(loc.line.saturating_sub(1) as usize) else {
+        return false;
+    };
+    let before = line.chars().take(loc.column.saturating_sub(1) as usize);
+    let key = before.collect::<String>();
+    let key = key.trim_start().trim_start_matches(['-', '{', ' ']);
+    key.chars().count() > 1_024
 }
 
 /// Whether `e` is the YAML scanner's own error, of a kind `is_kind` takes.
@@ -566,6 +587,21 @@ mod tests {
 
     /// A tab that indents a line a plain value could continue onto is reported on its own
     /// line and column, not where the value it would continue starts (the scanner's place).
+    /// A key longer than YAML allows one written without `? ` (an endpoint name pasted from a
+    /// URL, say): the parser's error says only that a `:` is not allowed there, so the cause
+    /// is said after it; an error of that wording for another cause says nothing more.
+    #[test]
+    fn a_key_longer_than_yaml_allows_is_named_as_the_cause() {
+        for key in ["n".repeat(1_030), format!("\"{}\"", "n".repeat(5_000))] {
+            let src = format!("version: 1\nendpoints:\n  {key}: {{}}\n");
+            let err = parse(src.as_bytes()).unwrap_err();
+            assert!(err.message.ends_with(LONG_KEY), "{err}");
+            assert_eq!(err.loc.line, 3, "{err}");
+        }
+        let err = parse(b"version: 1\nendpoints: a: b\n").unwrap_err();
+        assert!(err.message.ends_with(NOT_ALLOWED_HERE), "{err}");
+    }
+
     #[test]
     fn a_tab_that_indents_a_line_is_located_at_the_tab() {
         const TAB: &str = "invalid YAML: a tab indents this line (YAML indents with spaces)";
