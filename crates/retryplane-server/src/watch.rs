@@ -1005,7 +1005,7 @@ async fn reload_if_changed(
     let read = match read {
         Ok(read) => read,
         Err(e) => {
-            reload_result(control, file, false, false);
+            reload_result(control, file, false, Before::Failed);
             if matches!(last, LastRead::Failed(kind) if *kind == e.kind()) {
                 debug!(file = %file.display(), error = %e, "the policy file still cannot be read");
             } else {
@@ -1036,33 +1036,33 @@ async fn reload_if_changed(
         Ok(loaded) => loaded,
         Err(e) => {
             warn!(file = %file.display(), error = %e, "cannot load the policy file; still serving {}", serving(control));
-            reload_result(control, file, false, false);
+            reload_result(control, file, false, Before::Failed);
             *last = LastRead::Nothing;
             return;
         }
     };
-    // Read before `apply`: a save it publishes sets the gauge as it publishes.
-    let was_valid = control.metrics.config_last_reload_successful.get() == 1;
-    // Not a read taken at the bound, while the writer still holds the file: that one is
-    // logged as such, and logs as any read does.
-    let first_after_writer = matches!(last, LastRead::LeftToItsWriter) && !at_bound;
+    // Read before `apply`: a save it publishes sets the gauge as it publishes. Not a read
+    // taken at the bound, while the writer still holds the file: that one is logged as such,
+    // and logs as any read does.
+    let before = if matches!(last, LastRead::LeftToItsWriter) && !at_bound {
+        Before::LeftToItsWriter
+    } else if control.metrics.config_last_reload_successful.get() == 1 {
+        Before::Good
+    } else {
+        Before::Failed
+    };
     let (settled, valid) = apply(
         control,
         file,
         loaded,
         again,
         keep_endpoints,
-        first_after_writer,
+        matches!(before, Before::LeftToItsWriter),
     )
     .await;
     // A save still being written is no failed reload: the gauge says what the last one did.
     if !matches!(settled, Settled::HeldBack) {
-        if first_after_writer && valid {
-            info!(file = %file.display(), "the policy file's writer closed it, and it is read: {} is served", serving(control));
-            control.metrics.config_last_reload_successful.set(1);
-        } else {
-            reload_result(control, file, valid, was_valid);
-        }
+        reload_result(control, file, valid, before);
     }
     *last = match settled {
         Settled::Yes => LastRead::Bytes(bytes),
@@ -1089,15 +1089,34 @@ enum Settled {
     HeldBack,
 }
 
+/// What came before a read of the file, for the line a good read logs.
+#[derive(Clone, Copy)]
+enum Before {
+    /// A good read (the gauge at 1): nothing to say.
+    Good,
+    /// A read that failed or was refused: a good one says the file is valid again.
+    Failed,
+    /// Nothing: start-up left the file to the process that held it open. A good read says it
+    /// read it once that writer closed it.
+    LeftToItsWriter,
+}
+
 /// Sets `retryplane_server_config_last_reload_successful` from one read of the file, and says
-/// once when the file is good again after a read that was not (`was_ok`: the gauge before it).
-fn reload_result(control: &ControlPlane, file: &Path, ok: bool, was_ok: bool) {
+/// once when the file is good after a read that was not, or after start-up left it to its
+/// writer (`before`).
+fn reload_result(control: &ControlPlane, file: &Path, ok: bool, before: Before) {
     control
         .metrics
         .config_last_reload_successful
         .set(i64::from(ok));
-    if ok && !was_ok {
-        info!(file = %file.display(), "the policy file is readable and valid again; {} is served", serving(control));
+    match (ok, before) {
+        (true, Before::Failed) => {
+            info!(file = %file.display(), "the policy file is readable and valid again; {} is served", serving(control));
+        }
+        (true, Before::LeftToItsWriter) => {
+            info!(file = %file.display(), "the policy file's writer closed it, and it is read: {} is served", serving(control));
+        }
+        _ => {}
     }
 }
 
