@@ -128,12 +128,7 @@ fn an_endpoint_named_defaults_is_told_apart_from_the_defaults_block() {
         ]
     );
     // The stored summary counts the endpoint as one.
-    let history = json_of(
-        &server
-            .retryplane(&["history", "--output", "json"])
-            .assert()
-            .code(0),
-    );
+    let history = server.history();
     assert_eq!(
         history[0]["summary"],
         "+1 endpoint, -0, 0 modified, defaults modified"
@@ -307,12 +302,7 @@ fn apply_get_history_diff_rollback_and_status_work_against_a_real_server() {
     assert_eq!(lines.len(), 3, "{text}");
     assert!(lines[0].starts_with("VERSION  CREATED"), "{text}");
     assert!(lines[1].trim_start().starts_with("2  20"), "{text}");
-    let history = json_of(
-        &server
-            .retryplane(&["history", "--output", "json"])
-            .assert()
-            .code(0),
-    );
+    let history = server.history();
     assert_eq!(history.as_array().unwrap().len(), 2);
     assert_eq!(history[0]["version"], 2);
     let v1_hash = history[1]["content_hash"].as_str().unwrap().to_owned();
@@ -357,12 +347,7 @@ fn apply_get_history_diff_rollback_and_status_work_against_a_real_server() {
         .assert()
         .code(1)
         .stderr(predicate::str::contains("ABORTED"));
-    let still = json_of(
-        &server
-            .retryplane(&["history", "--output", "json"])
-            .assert()
-            .code(0),
-    );
+    let still = server.history();
     assert_eq!(
         still.as_array().unwrap().len(),
         2,
@@ -379,12 +364,7 @@ fn apply_get_history_diff_rollback_and_status_work_against_a_real_server() {
             "rolled back to v1: now v3 (sha256 {}…)\n",
             &v1_hash[..12]
         )));
-    let history = json_of(
-        &server
-            .retryplane(&["history", "--output", "json"])
-            .assert()
-            .code(0),
-    );
+    let history = server.history();
     assert_eq!(history[0]["version"], 3);
     assert_eq!(history[0]["content_hash"], v1_hash.as_str());
     assert_eq!(history[0]["rolled_back_from"], 1);
@@ -742,12 +722,7 @@ fn an_empty_server_flag_counts_as_not_given_and_reads_retryplane_server() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "{stderr}");
     let via_env: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let direct = json_of(
-        &server
-            .retryplane(&["history", "--output", "json"])
-            .assert()
-            .code(0),
-    );
+    let direct = server.history();
     assert_eq!(via_env, direct);
 }
 
@@ -1134,12 +1109,7 @@ fn an_apply_whose_answer_is_lost_says_it_may_have_been_stored() {
         .code(2);
     let stderr = String::from_utf8_lossy(&assert.get_output().stderr).into_owned();
     // The change was stored all the same.
-    let history = json_of(
-        &server
-            .retryplane(&["history", "--output", "json"])
-            .assert()
-            .code(0),
-    );
+    let history = server.history();
     assert_eq!(history[0]["version"], 1, "{history}");
     assert!(
         stderr.contains("may have been stored") || stderr.contains("may still have been stored"),
@@ -1210,12 +1180,7 @@ fn a_dry_run_of_a_change_that_removes_every_endpoint_shows_its_diff_and_the_refu
         .assert()
         .code(0)
         .stderr(predicate::str::contains("refused").not());
-    let history = json_of(
-        &server
-            .retryplane(&["history", "--output", "json"])
-            .assert()
-            .code(0),
-    );
+    let history = server.history();
     assert_eq!(history.as_array().map(Vec::len), Some(1), "{history}");
     // A file that removes one endpoint of several is no such change: no note.
     server.write(

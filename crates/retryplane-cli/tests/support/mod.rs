@@ -98,6 +98,16 @@ impl TestServer {
         cmd
     }
 
+    /// `retryplane history --output json` against this server, which must exit 0.
+    pub fn history(&self) -> Value {
+        json_of(
+            &self
+                .retryplane(&["history", "--output", "json"])
+                .assert()
+                .code(0),
+        )
+    }
+
     /// Writes `contents` to `name` in the temporary directory.
     pub fn write(&self, name: &str, contents: &str) {
         fs::write(self.dir.path().join(name), contents).unwrap();
