@@ -154,29 +154,37 @@ impl PolicyFile {
         }
     }
 
-    /// Stored version `version` (0: the current one), read with `Get`, as policies to send.
-    /// `Ok(Err(report))` when the control plane refused (an unknown version: `NOT_FOUND`).
-    pub async fn stored(
-        client: &mut Client,
-        version: u64,
-    ) -> anyhow::Result<Result<(pb::VersionInfo, Self), Report>> {
-        let got = match client.get(pb::GetRequest { version }).await {
-            Ok(got) => got,
-            Err(status) => return Ok(Err(super::failed(&status, String::new()))),
-        };
-        let (Some(info), Some(policies)) = (got.info, got.policies) else {
-            let shown = match version {
-                0 => "the current version".to_owned(),
-                n => format!("v{n}"),
-            };
-            anyhow::bail!("the control plane's answer for {shown} holds no version or no policies");
-        };
-        let file = Self {
-            name: format!("v{}", info.version),
-            content: pb::policy_source::Kind::Document(policies),
-        };
-        Ok(Ok((info, file)))
+    /// Stored version `version` (0: the current one), read with [`stored_version`], as
+    /// policies to send, named `vN`.
+    pub async fn stored(client: &mut Client, version: u64) -> anyhow::Result<Result<Self, Report>> {
+        Ok(stored_version(client, version)
+            .await?
+            .map(|(info, policies)| Self {
+                name: format!("v{}", info.version),
+                content: pb::policy_source::Kind::Document(policies),
+            }))
     }
+}
+
+/// Stored version `version` (0: the current one), read with `Get`: its metadata and its
+/// policies. `Ok(Err(report))` when the control plane refused (an unknown version:
+/// `NOT_FOUND`).
+pub async fn stored_version(
+    client: &mut Client,
+    version: u64,
+) -> anyhow::Result<Result<(pb::VersionInfo, pb::PolicyDocument), Report>> {
+    let got = match client.get(pb::GetRequest { version }).await {
+        Ok(got) => got,
+        Err(status) => return Ok(Err(super::failed(&status, String::new()))),
+    };
+    let (Some(info), Some(policies)) = (got.info, got.policies) else {
+        let shown = match version {
+            0 => "the current version".to_owned(),
+            n => format!("v{n}"),
+        };
+        anyhow::bail!("the control plane's answer for {shown} holds no version or no policies");
+    };
+    Ok(Ok((info, policies)))
 }
 
 /// Reads `source` under the size limit and validates it here, with the same checks as the

@@ -207,17 +207,14 @@ async fn stored(
     client: &mut Client,
     version: u64,
 ) -> anyhow::Result<Result<(pb::VersionInfo, PolicyDocument), Report>> {
-    let (info, file) = match change::PolicyFile::stored(client, version).await? {
+    let (info, policies) = match change::stored_version(client, version).await? {
         Ok(stored) => stored,
         Err(refused) => return Ok(Err(refused)),
     };
-    let pb::policy_source::Kind::Document(policies) = file.content else {
-        anyhow::bail!("{} was not read as a document", file.name);
-    };
     let document = PolicyDocument::try_from(policies).map_err(|e| {
         anyhow::anyhow!(
-            "the control plane sent {} in a form this command cannot read: {e}",
-            file.name
+            "the control plane sent v{} in a form this command cannot read: {e}",
+            info.version
         )
     })?;
     Ok(Ok((info, document)))

@@ -134,7 +134,7 @@ async fn dry_run(
     settings: &Settings,
 ) -> anyhow::Result<Result<pb::ApplyResponse, Report>> {
     let file = match PolicyFile::stored(client, settings.version).await? {
-        Ok((_, file)) => file,
+        Ok(file) => file,
         Err(refused) => return Ok(Err(refused)),
     };
     let flags = ApplyFlags {
