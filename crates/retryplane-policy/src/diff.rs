@@ -351,6 +351,7 @@ fn canonical(doc: &PolicyDocument) -> PolicyDocument {
                 .iter()
                 .map(|r| RouteDoc {
                     matcher: unplace(&r.matcher),
+                    prefix_loc: crate::yaml::Loc::UNKNOWN,
                     overlay: unplace_overlay(&r.overlay),
                     index: r.index,
                 })

@@ -275,6 +275,10 @@ pub enum Target<'a> {
 pub struct RouteDoc {
     /// Which calls it applies to; `loc` is the `match` value's place.
     pub matcher: Field<RouteMatch>,
+    /// The `path_prefix` value's place, which diagnostics about the prefix point at: the
+    /// `match` value's place when the file writes no `path_prefix`, and [`Loc::UNKNOWN`] for
+    /// a route that came from no file.
+    pub prefix_loc: Loc,
     /// The fields it overrides.
     pub overlay: Overlay,
     /// Its place in the endpoint's `routes:` as written (`routes[0]` is the first), which

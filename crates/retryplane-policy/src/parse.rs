@@ -613,8 +613,9 @@ impl Walker {
             let matcher =
                 get(item, "match").and_then(|m| self.route_match(m, &join(&path, "match")));
             match matcher {
-                Some(matcher) => out.push(RouteDoc {
+                Some((matcher, prefix_loc)) => out.push(RouteDoc {
                     matcher,
+                    prefix_loc,
                     overlay,
                     index: i,
                 }),
@@ -631,7 +632,9 @@ impl Walker {
         out
     }
 
-    fn route_match(&mut self, node: &Node, path: &str) -> Option<Field<RouteMatch>> {
+    /// A route's `match:`, and its `path_prefix` value's place (`match`'s own when it writes
+    /// none).
+    fn route_match(&mut self, node: &Node, path: &str) -> Option<(Field<RouteMatch>, Loc)> {
         // `match:` left empty matches nothing; any other non-mapping is reported by `fields`.
         if node.value == Value::Null {
             self.type_error(
@@ -664,6 +667,7 @@ impl Walker {
                 _ => grpc = Some((s, value.loc)),
             }
         }
+        let mut prefix_loc = node.loc;
         let matcher = match (method, prefix, grpc) {
             (None, None, None) => {
                 self.error(
@@ -689,6 +693,7 @@ impl Walker {
                 }
             },
             (method, prefix, None) => {
+                prefix_loc = prefix.as_ref().map_or(node.loc, |(_, loc)| *loc);
                 let mut ok = true;
                 if let Some((m, loc)) = &method
                     && let Err(msg) = check_method(m)
@@ -715,7 +720,7 @@ impl Walker {
                 }
             }
         };
-        Some(Field::at(matcher, node.loc))
+        Some((Field::at(matcher, node.loc), prefix_loc))
     }
 
     fn overlay(&mut self, node: &Node, path: &str, layer: Layer) -> Overlay {

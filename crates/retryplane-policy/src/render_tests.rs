@@ -317,6 +317,7 @@ fn document() -> impl Strategy<Value = PolicyDocument> {
         overlay.alert = AlertOverlay::default();
         RouteDoc {
             matcher,
+            prefix_loc: crate::yaml::Loc::UNKNOWN,
             overlay,
             index: 0,
         }

@@ -224,7 +224,7 @@ fn settings_that_do_not_do_what_they_say_are_warned_and_probes_past_the_breakers
             "3:38: warning: defaults.budget.min_per_second: the reserve allows no retry: 3 retries/s over a 333ms window is less than one, and the reserve is counted per window, rounded down; lengthen budget.window or raise budget.min_per_second",
             "6:29: warning: endpoints.a.idempotency_key_header: `content-type` is sent with most requests, not only by clients that mean it as an idempotency key: any request carrying it, POST included, would be retried after a timeout or a reset; name a header of its own (`Idempotency-Key`)",
             "7:41: error: endpoints.a.circuit_breaker.half_open_probes: must be from 1 to 16777215, found 16777216",
-            "9:16: warning: endpoints.a.routes[0].match.path_prefix: `/v1/*` is matched as written: `*` is no wildcard in a path prefix (a prefix already matches every path that starts with it: write `/v1/`)",
+            "9:30: warning: endpoints.a.routes[0].match.path_prefix: `/v1/*` is matched as written: `*` is no wildcard in a path prefix (a prefix already matches every path that starts with it: write `/v1/`)",
         ]
     );
 }
@@ -271,8 +271,8 @@ fn a_star_inside_a_path_prefix_is_warned_without_a_narrower_suggestion() {
     assert_eq!(
         all(src),
         [
-            "5:16: warning: endpoints.a.routes[0].match.path_prefix: `/v1/*/items` is matched as written: `*` is no wildcard in a path prefix (a prefix matches by its start only: write a route for each value of the `*`, or `/v1/`, which matches every path that starts with it)",
-            "7:16: warning: endpoints.a.routes[1].match.path_prefix: `/v2/**` is matched as written: `*` is no wildcard in a path prefix (a prefix already matches every path that starts with it: write `/v2/`)",
+            "5:30: warning: endpoints.a.routes[0].match.path_prefix: `/v1/*/items` is matched as written: `*` is no wildcard in a path prefix (a prefix matches by its start only: write a route for each value of the `*`, or `/v1/`, which matches every path that starts with it)",
+            "7:30: warning: endpoints.a.routes[1].match.path_prefix: `/v2/**` is matched as written: `*` is no wildcard in a path prefix (a prefix already matches every path that starts with it: write `/v2/`)",
         ]
     );
 }
@@ -283,8 +283,8 @@ fn a_path_prefix_no_request_can_carry_as_written_is_warned_with_its_encoded_form
     assert_eq!(
         all(src),
         [
-            "5:16: warning: endpoints.u.routes[0].match.path_prefix: `/a b` matches no request: a request carries a space or a control character in its path percent-encoded: write `/a%20b`",
-            "7:16: warning: endpoints.u.routes[1].match.path_prefix: `/q r?x=1` matches no request: routes match a request's path alone, without its query or fragment: write `/q%20r`",
+            "5:30: warning: endpoints.u.routes[0].match.path_prefix: `/a b` matches no request: a request carries a space or a control character in its path percent-encoded: write `/a%20b`",
+            "7:30: warning: endpoints.u.routes[1].match.path_prefix: `/q r?x=1` matches no request: routes match a request's path alone, without its query or fragment: write `/q%20r`",
         ]
     );
     assert!(load(src.as_bytes()).policies.is_some(), "warnings only");
@@ -321,7 +321,7 @@ fn prefixes_are_compared_in_any_spelling_and_a_stray_percent_is_warned() {
         [
             "7:16: warning: endpoints.u.routes[1].match: this route can never match: routes[0] comes first and matches every call it matches",
             "11:16: warning: endpoints.u.routes[3].match: this route can never match: routes[2] comes first and matches every call it matches",
-            "13:16: warning: endpoints.u.routes[4].match.path_prefix: `/100%` has a `%` that starts no escape (`%` and two hex digits): a request carries a `%` as `%25`: write `/100%25`",
+            "13:30: warning: endpoints.u.routes[4].match.path_prefix: `/100%` has a `%` that starts no escape (`%` and two hex digits): a request carries a `%` as `%25`: write `/100%25`",
         ]
     );
     let set = load(src.as_bytes()).policies.expect("warnings only");

@@ -133,7 +133,7 @@ pub(crate) fn check_parsed(
                 && let Some(advice) = unsendable_in_a_path(path_prefix)
             {
                 diags.push(Diagnostic::warning(
-                    route.matcher.loc,
+                    route.prefix_loc,
                     format!("{route_path}.match.path_prefix"),
                     format!(
                         "`{}` matches no request: {advice}",
@@ -145,7 +145,7 @@ pub(crate) fn check_parsed(
                 && stray_percent(path_prefix).is_some()
             {
                 diags.push(Diagnostic::warning(
-                    route.matcher.loc,
+                    route.prefix_loc,
                     format!("{route_path}.match.path_prefix"),
                     format!(
                         "`{}` has a `%` that starts no escape (`%` and two hex digits): a request carries a `%` as `%25`: write `{}`",
@@ -173,7 +173,7 @@ pub(crate) fn check_parsed(
                     )
                 };
                 diags.push(Diagnostic::warning(
-                    route.matcher.loc,
+                    route.prefix_loc,
                     format!("{route_path}.match.path_prefix"),
                     format!(
                         "`{}` is matched as written: `*` is no wildcard in a path prefix ({advice})",

@@ -147,6 +147,7 @@ impl TryFrom<pb::PolicyDocument> for PolicyDocument {
                 if let Some(m) = matcher {
                     routes.push(RouteDoc {
                         matcher: Field::new(m),
+                        prefix_loc: Loc::UNKNOWN,
                         overlay,
                         index: k,
                     });
