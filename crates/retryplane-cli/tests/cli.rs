@@ -493,6 +493,62 @@ fn explain_leaves_out_a_defaults_warning_on_several_fields_the_endpoint_or_route
 }
 
 #[test]
+fn explain_shows_a_routes_warnings_only_for_a_call_that_takes_the_route_and_counts_the_others() {
+    // Route 0 writes two warned settings: 6 attempts (a value), and no budget with them (two
+    // fields combined). Both are about route 0's calls, and only about them.
+    let dir = dir_with(&[(
+        "wr.yaml",
+        "version: 1
+endpoints:
+  b:
+    budget: {enabled: true}
+    routes:
+      - match: {method: GET}
+        budget: {enabled: false}
+        max_attempts: 6
+",
+    )]);
+    let route = [
+        "endpoints.b.routes[0].budget.enabled",
+        "endpoints.b.routes[0].max_attempts",
+    ];
+    let json = |args: &[&str]| -> Value {
+        let mut all = vec!["--format", "json"];
+        all.extend_from_slice(args);
+        serde_json::from_str(&explained(dir.path(), "wr.yaml", "b", &all)).unwrap()
+    };
+    let paths = |out: &Value| -> Vec<String> {
+        let mut paths: Vec<String> = out["warnings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|w| w["path"].as_str().unwrap().to_owned())
+            .collect();
+        paths.sort();
+        paths
+    };
+    let get = json(&["--method", "GET"]);
+    assert_eq!(paths(&get), route, "{get}");
+    assert_eq!(get["other_routes_warnings"], 0);
+    for args in [&["--method", "PUT"][..], &[]] {
+        let out = json(args);
+        assert_eq!(paths(&out), Vec::<String>::new(), "{args:?}: {out}");
+        assert_eq!(out["other_routes_warnings"], 2, "{args:?}: {out}");
+    }
+    let text = explained(dir.path(), "wr.yaml", "b", &["--method", "PUT"]);
+    assert!(!text.contains("warnings about this endpoint"), "{text}");
+    assert!(
+        text.contains(
+            "2 warnings about routes this call does not take: `retryplane validate` lists them"
+        ),
+        "{text}"
+    );
+    let text = explained(dir.path(), "wr.yaml", "b", &["--method", "GET"]);
+    assert!(text.contains("warnings about this endpoint"), "{text}");
+    assert!(!text.contains("routes this call does not take"), "{text}");
+}
+
+#[test]
 fn explain_shows_an_endpoint_or_route_warning_on_several_fields_only_for_a_call_it_holds_for() {
     let dir = dir_with(&[(
         "layers.yaml",

@@ -14,7 +14,8 @@
 //! - the worst-case load multiplier, with and without the retry budget.
 //!
 //! Exit codes: `0` explained (warnings allowed; those about this endpoint that hold for the call
-//! are shown: see `still_applies`), `1`
+//! are shown: see `still_applies`; those about a route the call does not take are counted, not
+//! shown), `1`
 //! the file has errors (printed exactly as `validate` prints them, text or JSON), `2` usage or
 //! I/O error, including an endpoint the file does not define (the message lists the known
 //! ones): like a file that does not exist, it is a wrong argument, not a wrong policy.
@@ -235,21 +236,33 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
         .concat(),
         of_call: validate::cross_field_problems(doc, Some((endpoint, &settings.call.target()))),
     };
+    // A warning about a route the call does not take is about another call's policy, whether it
+    // is about a value written there or about how its fields combine: it is counted, not shown.
+    let ep_path = retryplane_policy::diag::endpoint_path(&settings.endpoint);
+    let taken = explanation.route.as_ref().map(|r| r.index);
+    let mut other_routes = 0;
     let warnings: Vec<_> = loaded
         .diagnostics
         .iter()
-        .filter(|d| {
-            concerns(d, &settings.endpoint) && still_applies(d, &explanation.policy, &cross)
+        .filter(|d| concerns(d, &settings.endpoint))
+        .filter(|d| match route_of(&d.path, &ep_path) {
+            Some(i) if Some(i) != taken => {
+                other_routes += 1;
+                false
+            }
+            _ => true,
         })
+        .filter(|d| still_applies(d, &explanation.policy, &cross))
         .collect();
     let stdout = match settings.format {
-        Format::Text => text::render(&explanation, &warnings),
+        Format::Text => text::render(&explanation, &warnings, other_routes),
         Format::Json => output::json(&JsonOutput {
             explanation: &explanation,
             warnings: warnings
                 .iter()
                 .map(|d| JsonDiagnostic::new(&file, d))
                 .collect(),
+            other_routes_warnings: other_routes,
         })
         .context("cannot render the explanation as JSON")?,
     };
@@ -265,6 +278,20 @@ struct JsonOutput<'a> {
     #[serde(flatten)]
     explanation: &'a report::Explanation,
     warnings: Vec<JsonDiagnostic<'a>>,
+    /// How many warnings are about routes of the endpoint the call does not take (left out of
+    /// `warnings`; `retryplane validate` lists them).
+    other_routes_warnings: usize,
+}
+
+/// The route a diagnostic's `path` is in, for an endpoint whose path is `ep_path`:
+/// `Some(2)` for `endpoints.pay.routes[2]` and anything under it.
+fn route_of(path: &str, ep_path: &str) -> Option<usize> {
+    let rest = path.strip_prefix(ep_path)?.strip_prefix(".routes[")?;
+    let (index, after) = rest.split_once(']')?;
+    if !(after.is_empty() || after.starts_with('.')) {
+        return None;
+    }
+    index.parse().ok()
 }
 
 /// Whether `d` is about `endpoint`'s policy: it is in that endpoint (by the name the check
@@ -410,6 +437,22 @@ mod tests {
                 path: "/pkg.Svc/M".into()
             }
         );
+    }
+
+    #[test]
+    fn a_route_is_read_from_a_diagnostics_path_only_under_its_own_endpoint() {
+        let ep = retryplane_policy::diag::endpoint_path("pay");
+        assert_eq!(route_of("endpoints.pay.routes[2]", &ep), Some(2));
+        assert_eq!(
+            route_of("endpoints.pay.routes[0].budget.enabled", &ep),
+            Some(0)
+        );
+        assert_eq!(route_of("endpoints.pay.routes[10].match", &ep), Some(10));
+        assert_eq!(route_of("endpoints.pay.max_attempts", &ep), None);
+        assert_eq!(route_of("endpoints.pay.v2.routes[1]", &ep), None);
+        assert_eq!(route_of("endpoints.payments.routes[1]", &ep), None);
+        assert_eq!(route_of("endpoints.pay.routes[1]x", &ep), None);
+        assert_eq!(route_of("defaults.max_attempts", &ep), None);
     }
 
     #[test]

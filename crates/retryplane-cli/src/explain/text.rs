@@ -36,8 +36,9 @@ use crate::output::{self, Align};
 /// it up, and the attempt then does not start.
 const TIGHT: std::time::Duration = std::time::Duration::from_millis(10);
 
-/// The whole text output; `warnings` are the file's warnings about this endpoint.
-pub fn render(e: &Explanation, warnings: &[&Diagnostic]) -> String {
+/// The whole text output; `warnings` are the file's warnings about this endpoint's policy for
+/// the call, and `other_routes` how many more are about routes the call does not take.
+pub fn render(e: &Explanation, warnings: &[&Diagnostic], other_routes: usize) -> String {
     let mut out = String::new();
     header(&mut out, e);
     out.push('\n');
@@ -52,6 +53,18 @@ pub fn render(e: &Explanation, warnings: &[&Diagnostic]) -> String {
             out.push_str("  ");
             output::push_diagnostic_line(&mut out, &e.file, d);
         }
+    }
+    if other_routes > 0 {
+        let _ = writeln!(
+            out,
+            "\n{other_routes} {} about routes this call does not take: `retryplane validate` lists {}",
+            if other_routes == 1 {
+                "warning"
+            } else {
+                "warnings"
+            },
+            if other_routes == 1 { "it" } else { "them" },
+        );
     }
     out
 }
