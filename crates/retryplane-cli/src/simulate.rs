@@ -3,7 +3,8 @@
 //! and with a naive client (the simulation itself is `retryplane-sim`).
 //!
 //! The simulated calls are `GET` requests under the endpoint's own policy (routes are not
-//! consulted). Text output is a table with one column per variant; `--output json` prints the
+//! consulted); the file's warnings about that policy (those `explain --endpoint NAME` lists)
+//! go to standard error. Text output is a table with one column per variant; `--output json` prints the
 //! whole report, per-second series included; `--plot FILE.svg` also writes the attempts per
 //! second as an SVG chart. The same flags and seed give the same output, byte for byte.
 //!
@@ -174,9 +175,12 @@ fn writable(path: &std::path::Path) -> std::io::Result<()> {
 
 /// Loads the policy, simulates it and renders the report; see the module docs.
 pub fn run(settings: &Settings) -> anyhow::Result<Report> {
-    let loaded = settings.source.load_for_agents()?;
+    // Every diagnostic: the endpoint's warnings are picked out of them below, and may come
+    // past the first `MAX_LISTED` of the file.
+    let mut loaded = settings.source.load_all_for_agents()?;
     let file = settings.source.to_string();
     let Some(policies) = &loaded.policies else {
+        retryplane_policy::diag::cap(&mut loaded.diagnostics);
         return output::invalid_file_report(&file, &loaded.diagnostics, settings.format);
     };
     let Some(endpoint) = policies.endpoint(&settings.endpoint) else {
@@ -186,6 +190,20 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
             &policies.names(),
         ));
     };
+    // What is simulated is the endpoint's own policy: the warnings that hold for it, on
+    // standard error (standard output is the report), as `explain` lists them.
+    if let Some(doc_endpoint) = policies.document().endpoint(&settings.endpoint) {
+        for d in crate::explain::endpoint_warnings(
+            &file,
+            &loaded.diagnostics,
+            policies.document(),
+            doc_endpoint,
+        ) {
+            let mut line = String::new();
+            output::push_diagnostic_line(&mut line, &file, d);
+            eprint!("{line}");
+        }
+    }
     let report = retryplane_sim::simulate(&endpoint.name, &endpoint.policy, &settings.config)?;
     if let Some(path) = &settings.plot {
         let svg = retryplane_sim::plot::svg(&report)?;

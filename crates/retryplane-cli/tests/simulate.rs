@@ -402,3 +402,30 @@ fn a_tiny_rate_is_written_with_an_exponent_not_hundreds_of_zeros() {
     assert!(header.contains("× 1.0e-300/s"), "{header}");
     assert!(header.len() < 200, "{} chars: {header}", header.len());
 }
+
+#[test]
+fn the_warnings_that_hold_for_the_simulated_policy_go_to_stderr_and_no_others() {
+    let dir = tempfile::tempdir().unwrap();
+    // `payments` takes the defaults' 7 attempts; `inventory` sets 2, so the defaults' warning
+    // is not about its policy; the route's warnings are about calls simulate does not run.
+    fs::write(
+        dir.path().join("p.yaml"),
+        "version: 1\ndefaults:\n  max_attempts: 7\nendpoints:\n  payments:\n    routes:\n      - match: {method: GET}\n        max_attempts: 6\n  inventory: {max_attempts: 2}\n  other: {max_attempts: 9}\n",
+    )
+    .unwrap();
+    let out = simulate(dir.path(), &["--output", "json"])
+        .assert()
+        .success();
+    let output = out.get_output();
+    let stderr = String::from_utf8(output.stderr.clone()).unwrap();
+    assert_eq!(
+        stderr,
+        "p.yaml:3:17: warning: defaults.max_attempts: 7 attempts multiply load by up to 7x during an outage; more than 5 rarely helps\n"
+    );
+    // Standard output is the report alone.
+    let _: Value = serde_json::from_slice(&output.stdout).unwrap();
+    simulate(dir.path(), &["--endpoint", "inventory"])
+        .assert()
+        .success()
+        .stderr("");
+}

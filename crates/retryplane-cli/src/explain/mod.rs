@@ -29,6 +29,7 @@ use std::path::PathBuf;
 use anyhow::{Context, bail};
 use retryplane_policy::Target;
 use retryplane_policy::diag::Diagnostic;
+use retryplane_policy::document::{EndpointDoc, PolicyDocument};
 use retryplane_policy::parse::{check_method, parse_grpc_route};
 use retryplane_policy::validate;
 use serde::Serialize;
@@ -228,32 +229,13 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
         ));
     }
     let explanation = report::explain(&file, doc, endpoint, &settings.call);
-    let cross = CrossField {
-        of_layers: [
-            validate::cross_field_problems(doc, None),
-            validate::endpoint_cross_field_problems(doc, endpoint),
-        ]
-        .concat(),
-        of_call: validate::cross_field_problems(doc, Some((endpoint, &settings.call.target()))),
-    };
-    // A warning about a route the call does not take is about another call's policy, whether it
-    // is about a value written there or about how its fields combine: it is counted, not shown.
-    let ep_path = retryplane_policy::diag::endpoint_path(&settings.endpoint);
-    let taken = explanation.route.as_ref().map(|r| r.index);
-    let mut other_routes = 0;
-    let warnings: Vec<_> = loaded
-        .diagnostics
-        .iter()
-        .filter(|d| concerns(d, &settings.endpoint))
-        .filter(|d| match route_of(&d.path, &ep_path) {
-            Some(i) if Some(i) != taken => {
-                other_routes += 1;
-                false
-            }
-            _ => true,
-        })
-        .filter(|d| still_applies(d, &explanation.policy, &cross))
-        .collect();
+    let (warnings, other_routes) = warnings_for(
+        &loaded.diagnostics,
+        doc,
+        endpoint,
+        &settings.call,
+        &explanation,
+    );
     let stdout = match settings.format {
         Format::Text => text::render(&explanation, &warnings, other_routes),
         Format::Json => output::json(&JsonOutput {
@@ -281,6 +263,57 @@ struct JsonOutput<'a> {
     /// How many warnings are about routes of the endpoint the call does not take (left out of
     /// `warnings`; `retryplane validate` lists them).
     other_routes_warnings: usize,
+}
+
+/// The warnings in `diagnostics` about `endpoint`'s policy for `call` (`explanation` is the
+/// call's), and how many more are about routes of the endpoint the call does not take: a
+/// warning about such a route is about another call's policy, whether it is about a value
+/// written there or about how its fields combine, so it is counted, not returned.
+fn warnings_for<'d>(
+    diagnostics: &'d [Diagnostic],
+    doc: &PolicyDocument,
+    endpoint: &EndpointDoc,
+    call: &Call,
+    explanation: &report::Explanation,
+) -> (Vec<&'d Diagnostic>, usize) {
+    let name = &endpoint.name.value;
+    let cross = CrossField {
+        of_layers: [
+            validate::cross_field_problems(doc, None),
+            validate::endpoint_cross_field_problems(doc, endpoint),
+        ]
+        .concat(),
+        of_call: validate::cross_field_problems(doc, Some((endpoint, &call.target()))),
+    };
+    let ep_path = retryplane_policy::diag::endpoint_path(name);
+    let taken = explanation.route.as_ref().map(|r| r.index);
+    let mut other_routes = 0;
+    let warnings = diagnostics
+        .iter()
+        .filter(|d| concerns(d, name))
+        .filter(|d| match route_of(&d.path, &ep_path) {
+            Some(i) if Some(i) != taken => {
+                other_routes += 1;
+                false
+            }
+            _ => true,
+        })
+        .filter(|d| still_applies(d, &explanation.policy, &cross))
+        .collect();
+    (warnings, other_routes)
+}
+
+/// The warnings in `diagnostics` (of the file named `file` as given) about the policy of
+/// `endpoint` itself, routes not consulted (what `simulate` runs), as `explain --endpoint NAME`
+/// with no call lists them.
+pub fn endpoint_warnings<'d>(
+    file: &str,
+    diagnostics: &'d [Diagnostic],
+    doc: &PolicyDocument,
+    endpoint: &EndpointDoc,
+) -> Vec<&'d Diagnostic> {
+    let explanation = report::explain(file, doc, endpoint, &Call::Endpoint);
+    warnings_for(diagnostics, doc, endpoint, &Call::Endpoint, &explanation).0
 }
 
 /// The route a diagnostic's `path` is in, for an endpoint whose path is `ep_path`:
