@@ -81,6 +81,8 @@ mod per_try;
 mod ready;
 mod snapshot;
 mod stream;
+#[cfg(test)]
+mod test_logs;
 mod url;
 
 pub use agent::{Agent, AgentBuilder, DEFAULT_METRICS_INTERVAL};

@@ -386,6 +386,38 @@ mod tests {
         );
     }
 
+    /// Tries of `failing_always`, every one of which fails.
+    static TRIES_ALWAYS: Mutex<Vec<Vec<u8>>> = Mutex::new(Vec::new());
+
+    fn failing_always(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+        failing_first(usize::MAX, &TRIES_ALWAYS, path, bytes)
+    }
+
+    /// A write whose last try at shutdown fails too is not dropped unsaid: the file keeps an
+    /// older version than the agent applied, and a restart without the control plane would run
+    /// that, so it is said at warn.
+    // Real time, as above; one thread, so that the writer's task logs where the test captures.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_last_try_at_shutdown_that_fails_too_is_warned_of() {
+        let (logs, _guard) = crate::test_logs::Logs::capture();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agent.cache");
+        let writer = CacheWriter::start_with(path.clone(), failing_always, None);
+        let v1 = writer.write(b"v1".to_vec());
+        assert!(writer.written(v1, WAIT).await);
+        writer.finish(WAIT).await;
+        assert!(!path.exists());
+        assert_eq!(
+            *TRIES_ALWAYS.lock().unwrap(),
+            [b"v1".to_vec(), b"v1".to_vec()]
+        );
+        let text = logs.text();
+        assert!(
+            text.contains("WARN") && text.contains("the policy cache file keeps an older version than the one applied: its write failed, and so did a last try at shutdown"),
+            "{text}"
+        );
+    }
+
     /// Every write `recording_write` did: where, and what.
     static RECORDED: Mutex<Vec<(PathBuf, Vec<u8>)>> = Mutex::new(Vec::new());
 

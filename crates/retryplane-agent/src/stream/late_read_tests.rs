@@ -4,7 +4,7 @@
 //! is scripted: every stream and agent message goes to the test.
 
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use prost::Message as _;
@@ -17,6 +17,7 @@ use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::cache::HEADER;
+use crate::test_logs::Logs;
 use crate::{Agent, CallMeta, Source};
 
 /// The longest any single wait may take before the test fails.
@@ -203,38 +204,6 @@ async fn eventually(what: &str, mut check: impl FnMut() -> bool) {
     while !check() {
         assert!(tokio::time::Instant::now() < deadline, "timed out: {what}");
         tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
-/// The agent's log lines, captured on this thread (the runtime of a `#[tokio::test]` runs every
-/// task on it).
-#[derive(Clone, Default)]
-struct Logs(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for Logs {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl Logs {
-    fn capture() -> (Logs, tracing::subscriber::DefaultGuard) {
-        let logs = Logs::default();
-        let writer = logs.clone();
-        let subscriber = tracing_subscriber::fmt()
-            .with_env_filter("retryplane_agent=info")
-            .with_ansi(false)
-            .with_writer(move || writer.clone())
-            .finish();
-        (logs, tracing::subscriber::set_default(subscriber))
-    }
-
-    fn text(&self) -> String {
-        String::from_utf8(self.0.lock().unwrap().clone()).unwrap()
     }
 }
 
