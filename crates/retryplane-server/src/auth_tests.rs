@@ -245,10 +245,44 @@ fn a_role_swapped_with_its_secret_is_not_shown() {
 
 #[test]
 fn a_name_swapped_with_its_secret_is_not_shown() {
-    let err = invalid("tokens: [{name: Zq8vR2mK9xT4wP7nL3bY6cH1, role: agent, secret: team-a}]");
-    assert!(err.contains("tokens[0] (name not shown"), "{err}");
-    assert!(!err.contains("Zq8"), "{err}");
-    // A name as names are written is still quoted.
+    // Secrets as tools make them (hex, a UUID, `token_urlsafe`, base64, a GitHub-style token),
+    // and a passphrase of words.
+    for secret in [
+        "Zq8vR2mK9xT4wP7nL3bY6cH1",
+        "9f1c2a7e4b8d3f60a1b2c3d4e5f60718",
+        "3f2b8c1e-7a4d-4e9b-9c1a-2d5e6f708192",
+        "Xk3_pQ9-vLm2Rt8sWz1yBn4cHd7fJg0e",
+        "\"q2Vx9Lm/4RtP8sWz+1yBn4cHd7fJg0eKa3Tu5Oi6Yw=\"",
+        "ghp_16C7e42F292c6912E7710c838347Ae178B4a",
+        "correct-horse-battery-staple",
+    ] {
+        let err = invalid(&format!(
+            "tokens: [{{name: {secret}, role: agent, secret: checkout-agents}}]"
+        ));
+        assert!(err.contains("tokens[0] (name not shown"), "{err}");
+        let bare = secret.trim_matches('"');
+        assert!(!err.contains(&bare[..8]), "{err}");
+        // Swapped with a name too long to be refused as a secret: the name in `secret` is
+        // accepted as one, and the one in `name` must not look like a name.
+        if secret != "correct-horse-battery-staple" {
+            let err = invalid(&format!(
+                "tokens: [{{name: {secret}, role: root, secret: checkout-agents-of-team-a}}]"
+            ));
+            assert!(err.contains("tokens[0] (name not shown"), "{err}");
+            assert!(!err.contains(&bare[..8]), "{err}");
+        }
+    }
+    // Names as names are written are still quoted, long ones too.
+    for name in [
+        "checkout-agents",
+        "payments-team-agents",
+        "ops.batch/nightly",
+    ] {
+        let err = invalid(&format!(
+            "tokens: [{{name: {name}, role: root, secret: aaaaaaaaaaaaaaaaaaaa}}]"
+        ));
+        assert!(err.contains(&format!("tokens[0] (`{name}`)")), "{err}");
+    }
     let err = invalid("tokens: [{name: checkout-agents, role: agent, secret: short}]");
     assert!(err.contains("tokens[0] (`checkout-agents`)"), "{err}");
 }
