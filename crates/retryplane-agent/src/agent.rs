@@ -508,7 +508,10 @@ pub struct AgentBuilder {
 impl std::fmt::Debug for AgentBuilder {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("AgentBuilder")
-            .field("url", &self.url.as_deref().map(crate::shown_url))
+            .field(
+                "url",
+                &self.url.as_deref().map(crate::shown_url_without_query),
+            )
             .field("token", &self.token.as_ref().map(|_| "<redacted>"))
             .field("service", &self.service)
             .field("labels", &self.labels)
@@ -528,7 +531,8 @@ impl AgentBuilder {
     /// `user:password@` part (the control plane takes a [token](AgentBuilder::token)), and a
     /// port that is not a number from 1 to 65535; a path, query or fragment is not used (the
     /// stream goes to the server's root), and a warning says so. Debug output shows a password
-    /// here as `***` ([`crate::shown_url`]).
+    /// here as `***` and leaves a query or fragment out (`?…`), as either may carry a
+    /// credential ([`crate::shown_url_without_query`]).
     pub fn url(mut self, url: impl Into<String>) -> Self {
         self.url = Some(url.into());
         self
@@ -1092,6 +1096,15 @@ mod tests {
         let shown = format!("{builder:?}");
         assert!(!shown.contains("s3cret"), "{shown}");
         assert!(shown.contains("http://admin:***@127.0.0.1:7470"), "{shown}");
+        // A query or fragment may carry a credential too (`?token=…`): left out.
+        for url in [
+            "http://127.0.0.1:7470/?access_token=qs-secret",
+            "http://127.0.0.1:7470/#qs-secret",
+        ] {
+            let shown = format!("{:?}", Agent::builder().url(url));
+            assert!(!shown.contains("qs-secret"), "{shown}");
+            assert!(shown.contains("http://127.0.0.1:7470/"), "{shown}");
+        }
     }
 
     fn max_attempts(agent: &Agent) -> u32 {

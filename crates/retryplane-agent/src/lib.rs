@@ -93,7 +93,9 @@ pub use meta::{AttemptInfo, CallMeta};
 pub use metrics::CounterValues;
 pub use snapshot::{PolicySnapshot, Source, fallback_policy};
 pub use stream::reconnect::ReconnectBackoff;
-pub use url::{names_no_host, shown_url, unused_url_parts, url_scheme, written_port};
+pub use url::{
+    names_no_host, shown_url, shown_url_without_query, unused_url_parts, url_scheme, written_port,
+};
 
 pub use retryplane_policy::engine::{GiveUpCause, Outcome};
 pub use retryplane_policy::{ErrorClass, PolicySet, RetryPolicy};

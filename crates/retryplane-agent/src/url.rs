@@ -23,6 +23,34 @@ pub fn shown_url(url: &str) -> String {
     format!("{}{}:***{}", &url[..start], &rest[..colon], &rest[at..])
 }
 
+/// A URL as a message or a `Debug` shows it: the password hidden ([`shown_url`]), and the query
+/// and fragment, which may carry tokens, left out (`?…` or `#…` in their place). They are cut before the
+/// password is looked for, or an `@` in the query would pass for the end of a `user:password@`
+/// and hide the `?` inside it. When a `:` comes between the `scheme://` and the first `?` or
+/// `#` and an `@` after it, that `?` or `#` may be inside a password (a URL that does not parse
+/// does not say which), and only the scheme is shown, unless a `/` ends a `host:port` first
+/// (`http://api:8080/users?email=a@b`: a password holds no `/`).
+pub fn shown_url_without_query(url: &str) -> String {
+    let Some(cut) = url.find(['?', '#']) else {
+        return shown_url(url);
+    };
+    let start = url_scheme(url).map_or(0, |s| s.len() + 3).min(cut);
+    let before = &url[start..cut];
+    let host_port = before.split_once('/').is_some_and(|(authority, _)| {
+        !authority.contains('@')
+            && authority
+                .rsplit_once(':')
+                .is_none_or(|(_, port)| port.bytes().all(|b| b.is_ascii_digit()))
+    });
+    if before.contains(':') && url[cut..].contains('@') && !host_port {
+        return match url_scheme(url) {
+            Some(scheme) => format!("{scheme}://…"),
+            None => "…".to_owned(),
+        };
+    }
+    format!("{}{}…", shown_url(&url[..cut]), &url[cut..=cut])
+}
+
 /// The scheme of the `scheme://` that `url` starts with, as written (`HTTP` in `HTTP://cp`);
 /// `None` when it starts with none (a `://` after anything but a valid scheme does not count).
 pub fn url_scheme(url: &str) -> Option<&str> {
@@ -89,6 +117,23 @@ pub fn unused_url_parts(url: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A query or fragment is left out, and a password hidden; where a `?` may be inside a
+    /// password, only the scheme is shown.
+    #[test]
+    fn a_url_is_shown_without_its_query_fragment_or_password() {
+        for (given, shown) in [
+            ("http://cp:7470", "http://cp:7470"),
+            ("http://cp:7470/?token=qs-secret", "http://cp:7470/?…"),
+            ("http://cp:7470?access_token=qs-secret", "http://cp:7470?…"),
+            ("http://cp:7470/#frag-secret", "http://cp:7470/#…"),
+            ("http://u:pw@cp:7470/?token=x", "http://u:***@cp:7470/?…"),
+            ("http://u:p?w@cp:7470", "http://…"),
+            ("http://api:8080/users?email=a@b", "http://api:8080/users?…"),
+        ] {
+            assert_eq!(shown_url_without_query(given), shown, "{given}");
+        }
+    }
 
     /// What a URL holds past its host that a call leaves out is named part by part: a query
     /// (`?token=x`, a credential someone hoped would be sent) as well as a path.

@@ -3,35 +3,9 @@
 //! Hand-written: what is a URL, a header or a `host:port` here is decided on text that did not
 //! parse (a usage error quotes the argument as typed), which no URL or HTTP crate reads.
 
-use retryplane_agent::{shown_url, url_scheme};
-
-/// A URL as a message shows it: the password hidden ([`shown_url`]), and the query and
-/// fragment, which may carry tokens, left out (`?…` or `#…` in their place). They are cut before the
-/// password is looked for, or an `@` in the query would pass for the end of a `user:password@`
-/// and hide the `?` inside it. When a `:` comes between the `scheme://` and the first `?` or
-/// `#` and an `@` after it, that `?` or `#` may be inside a password (a URL that does not parse
-/// does not say which), and only the scheme is shown, unless a `/` ends a `host:port` first
-/// (`http://api:8080/users?email=a@b`: a password holds no `/`).
-pub(crate) fn without_query(url: &str) -> String {
-    let Some(cut) = url.find(['?', '#']) else {
-        return shown_url(url);
-    };
-    let start = url_scheme(url).map_or(0, |s| s.len() + 3).min(cut);
-    let before = &url[start..cut];
-    let host_port = before.split_once('/').is_some_and(|(authority, _)| {
-        !authority.contains('@')
-            && authority
-                .rsplit_once(':')
-                .is_none_or(|(_, port)| port.bytes().all(|b| b.is_ascii_digit()))
-    });
-    if before.contains(':') && url[cut..].contains('@') && !host_port {
-        return match url_scheme(url) {
-            Some(scheme) => format!("{scheme}://…"),
-            None => "…".to_owned(),
-        };
-    }
-    format!("{}{}…", shown_url(&url[..cut]), &url[cut..=cut])
-}
+/// A URL as a message shows it: the password hidden and the query and fragment left out
+/// ([`retryplane_agent::shown_url_without_query`], which the agent's `Debug` uses too).
+pub(crate) use retryplane_agent::shown_url_without_query as without_query;
 
 /// `text` with every command-line argument in it that holds a URL with a password (or the
 /// value after the `=` of one, `--flag=URL`) replaced by its `user:***@host` form, and, with
