@@ -412,6 +412,21 @@ async fn a_keepalive_or_a_stream_limit_of_zero_is_refused() {
             },
             "max_streams_per_connection",
         ),
+        // Every agent would be refused, and only agents would hear of it.
+        (
+            ServeConfig {
+                max_agents: 0,
+                ..config(dir.path())
+            },
+            "max_agents",
+        ),
+        (
+            ServeConfig {
+                max_message_bytes: 0,
+                ..config(dir.path())
+            },
+            "max_message_bytes",
+        ),
     ] {
         let err = start(cfg).await.unwrap_err();
         assert!(

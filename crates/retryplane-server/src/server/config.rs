@@ -40,7 +40,7 @@ pub struct ServeConfig {
     pub seed_required: bool,
     /// Allow non-loopback agent and admin listeners without a tokens file.
     pub insecure: bool,
-    /// Most agents connected at once. Default 20,000.
+    /// Most agents connected at once. Default 20,000. Must be more than zero.
     pub max_agents: usize,
     /// Most connections the agent listener holds at once: past them, the next is accepted once
     /// one closes (the rest wait in the kernel's queue, holding no file descriptor of the
@@ -53,6 +53,7 @@ pub struct ServeConfig {
     /// health probes, admin calls and the store need. Must be more than zero.
     pub max_agent_connections: Option<usize>,
     /// Largest gRPC message decoded. Default 4 MiB ([`retryplane_proto::MAX_MESSAGE_BYTES`]).
+    /// Must be more than zero.
     pub max_message_bytes: usize,
     /// How often agents send metrics reports. Default 10 s.
     pub metrics_interval: Duration,
@@ -146,8 +147,9 @@ pub const MAX_METRICS_INTERVAL: Duration = Duration::from_secs(3600);
 
 /// Refuses a keepalive interval or timeout of zero (a PING after every frame, or a connection
 /// dropped as soon as a PING goes out), an idle timeout of zero, a metrics interval outside 100 ms to 1 h, a connection
-/// that may open no stream, and two listeners given the same address (the second could not
-/// bind it).
+/// that may open no stream, no agent or no message byte allowed (every agent would be refused,
+/// and only agents would hear of it), and two listeners given the same address (the second
+/// could not bind it).
 pub(super) fn check_settings(cfg: &ServeConfig) -> Result<(), ServeError> {
     let listeners = [
         ("agent", cfg.listen),
@@ -176,10 +178,17 @@ pub(super) fn check_settings(cfg: &ServeConfig) -> Result<(), ServeError> {
             setting: "max_agent_connections",
         });
     }
-    if cfg.max_streams_per_connection == 0 {
-        return Err(ServeError::ZeroSetting {
-            setting: "max_streams_per_connection",
-        });
+    for (setting, zero) in [
+        (
+            "max_streams_per_connection",
+            cfg.max_streams_per_connection == 0,
+        ),
+        ("max_agents", cfg.max_agents == 0),
+        ("max_message_bytes", cfg.max_message_bytes == 0),
+    ] {
+        if zero {
+            return Err(ServeError::ZeroSetting { setting });
+        }
     }
     // Agents take no other (a snapshot's interval is in milliseconds, and they keep their
     // own for 0), and both ends of a stream derive its heartbeat from the same interval.
