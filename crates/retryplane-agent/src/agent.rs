@@ -422,8 +422,8 @@ fn derived_agent_id(service: &str, seed: u64) -> String {
 /// number from 1 to 65535 (the connection would quietly go to port 80), or with a scheme other than `http://`
 /// and `grpc://` (`grpcs://` asks for TLS, as `https://` does).
 fn check_url(text: &str, uri: &http::Uri) -> Result<(), AgentError> {
-    let reason = match uri.scheme_str() {
-        None => "it has no scheme",
+    let reason: std::borrow::Cow<'static, str> = match uri.scheme_str() {
+        None => "it has no scheme".into(),
         // HTTP/2 forbids userinfo in a request's `:authority` (RFC 9113 §8.3.1), where it would
         // otherwise go out in clear text on every call; the control plane takes a token. Any
         // `@` of the text counts: a password holding `/`, `?` or `#` ends the parsed authority
@@ -432,23 +432,28 @@ fn check_url(text: &str, uri: &http::Uri) -> Result<(), AgentError> {
         Some(_) if uri.authority().is_some_and(|a| a.as_str().contains('@')) => {
             "it holds a user:password@ part, which is not sent: give the control plane's token \
              with AgentBuilder::token"
+                .into()
         }
         Some(_) if text.contains('@') => {
             "it holds an `@` after the host (in a path or query, or in a password holding `/`, \
              `?` or `#`): only the scheme, host and port are used"
+                .into()
         }
-        Some(s) if s.eq_ignore_ascii_case("https") || s.eq_ignore_ascii_case("grpcs") => {
-            "https:// is not supported yet (TLS comes later), and the agent will not send its \
-             token in clear text to a URL that asks for TLS"
-        }
-        Some(s) if s.eq_ignore_ascii_case("unix") => "Unix sockets are not supported",
+        // Named as written (`grpcs://` too): a scheme is a few letters, never a secret.
+        Some(s) if s.eq_ignore_ascii_case("https") || s.eq_ignore_ascii_case("grpcs") => format!(
+            "{}:// is not supported yet (TLS comes later), and the agent will not send its \
+             token in clear text to a URL that asks for TLS",
+            s.to_ascii_lowercase()
+        )
+        .into(),
+        Some(s) if s.eq_ignore_ascii_case("unix") => "Unix sockets are not supported".into(),
         // Any other scheme would be served as `http://` (the connector dials the host and
         // port whatever the scheme says). `grpc://`, the usual name of clear-text gRPC, is
         // taken as `http://` (agents configured so have always connected).
         Some(s) if !s.eq_ignore_ascii_case("http") && !s.eq_ignore_ascii_case("grpc") => {
-            "its scheme is neither http:// nor grpc://"
+            "its scheme is neither http:// nor grpc://".into()
         }
-        Some(_) if crate::names_no_host(uri) => "it names no host",
+        Some(_) if crate::names_no_host(uri) => "it names no host".into(),
         // The connection would go to port 80, where no control plane listens by default.
         Some(_)
             if uri
@@ -457,12 +462,13 @@ fn check_url(text: &str, uri: &http::Uri) -> Result<(), AgentError> {
         {
             "it names no port (the control plane's agent listener is on 7470 unless \
              `retryplane serve --listen` says otherwise)"
+                .into()
         }
-        Some(_) if has_bad_port(uri) => "its port is not a number from 1 to 65535",
+        Some(_) if has_bad_port(uri) => "its port is not a number from 1 to 65535".into(),
         Some(_) => return Ok(()),
     };
     Err(AgentError::UnsupportedUrl {
-        reason: reason.to_owned(),
+        reason: reason.into_owned(),
     })
 }
 
@@ -1011,7 +1017,14 @@ mod tests {
         }
         // A scheme other than http:// would be served as http://, whatever it says.
         for (url, says) in [
-            ("grpcs://127.0.0.1:7470", "TLS"),
+            (
+                "grpcs://127.0.0.1:7470",
+                "grpcs:// is not supported yet (TLS",
+            ),
+            (
+                "GRPCS://127.0.0.1:7470",
+                "grpcs:// is not supported yet (TLS",
+            ),
             ("ftp://127.0.0.1:7470", "neither http:// nor grpc://"),
             ("unix:///tmp/retryplane.sock", "Unix sockets"),
             // No host, no port: no control plane there.

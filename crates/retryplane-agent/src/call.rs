@@ -316,6 +316,10 @@ impl Endpoint {
     ///   stands. The agent neither logs nor keeps anything of it: keep its error yourself if
     ///   you need it.
     /// - [`Endpoint::call`] itself does none of this work: a call without a hook costs the same.
+    /// - The future `refresh` returns must be `Send`, even where the attempt's need not be (a
+    ///   call on a `LocalSet`): it is boxed as the tower layer's hook is, out of the call's own
+    ///   future, so that a call that never refreshes does not carry it. Hold no `Rc` or
+    ///   `RefCell` guard across its awaits.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]

@@ -41,9 +41,11 @@ pub enum AgentError {
     /// ever be made); it asks for TLS with `https://`, which the agent does not speak yet (the
     /// token would go out in clear text); it holds a `user:password@` part (which would go out
     /// in every call's `:authority`; the control plane takes a token); or its port is not a
-    /// number from 1 to 65535 (the connection would quietly go to port 80); or its scheme is
-    /// neither `http` nor `grpc` (it would be served as `http://` whatever it says; `grpcs://`
-    /// asks for TLS, as `https://` does). The reason never quotes the URL.
+    /// number from 1 to 65535, or it names no port at all (the connection would quietly go to
+    /// port 80); or it names no host (`http://:7470`, `http://[]:7470`); or it holds an `@`
+    /// after the host; or its scheme is neither `http` nor `grpc` (it would be served as
+    /// `http://` whatever it says; `grpcs://` asks for TLS, as `https://` does); or it is a
+    /// `unix:` socket. The reason never quotes the URL.
     #[error("the control-plane URL must be http://host:port: {reason}")]
     UnsupportedUrl {
         /// What is wrong with it (never the URL itself, which may hold credentials).
