@@ -56,7 +56,7 @@ pub use retryplane_policy::diag::OneLine;
 
 /// A name an agent sent (agent id, service, endpoint), for a terminal: control characters
 /// escaped, so it stays in its cell and cannot move the cursor or change colours, and in
-/// double quotes when it is not a plain word ([`LogValue`]: white space, `"`, `\\`, an escaped
+/// double quotes when it is not a plain word ([`retryplane_policy::diag::LogValue`]: white space, `"`, `\\`, an escaped
 /// character), so that `web 1` reads as one name and a name spelling out `\u{202e}` is told
 /// from the character. Empty stays empty (a cell shows `-`).
 pub fn name(s: &str) -> String {

@@ -89,7 +89,7 @@ pub fn canonical(prefix: &str) -> Cow<'_, str> {
 }
 
 /// Whether `path` has a `.`, a `%` or a `\`: only such a path may be served as another
-/// ([`as_served`]). A fold rather than `any`, as [`has_escapes`]: the route lookup scans every
+/// ([`as_served`]). A fold rather than `any`, as `has_escapes`: the route lookup scans every
 /// call's path with it (about 6 ns of the agent's benchmark call, a 15-byte path; reading eight
 /// bytes at a time was no faster: BENCHMARKS.md, "2026-12-05, 20:47–21:08").
 #[inline(always)]

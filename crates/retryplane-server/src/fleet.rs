@@ -54,11 +54,11 @@ use crate::running::AgentsRunning;
 
 /// How many disconnected agents status keeps listing.
 pub const MAX_DISCONNECTED: usize = 10_000;
-/// How much memory the disconnected agents' entries may hold, as [`gone_size`] reckons it:
+/// How much memory the disconnected agents' entries may hold, as `gone_size` reckons it:
 /// a Hello may carry 64 labels of 256 bytes, about 45 KB an entry as kept, so the count alone
 /// let agents that came and went with the largest Hellos hold 450 MB for the forget time.
 pub const MAX_DISCONNECTED_BYTES: usize = 64 << 20;
-/// How many forgotten agents' report records are kept ([`Forgotten`]): under 1 KiB each (an
+/// How many forgotten agents' report records are kept (`Forgotten`): under 1 KiB each (an
 /// id of up to 256 bytes, twice), 10 MB at most.
 pub const MAX_FORGOTTEN: usize = 10_000;
 /// How long a disconnected agent stays listed by default: pods that are replaced every day

@@ -5,9 +5,9 @@
 //! every descriptor, and then the HTTP listener's health probes, the admin API, a reload of the
 //! tokens file and the store's own files failed with "too many open files" too (a probe that
 //! fails gets the control plane restarted, and its whole fleet reconnects). So each gRPC
-//! listener holds at most a number of connections ([`Capped`]): past it, the next is accepted
+//! listener holds at most a number of connections (`Capped`): past it, the next is accepted
 //! once one closes, and the rest wait in the kernel's queue, holding no descriptor of the
-//! process (as the HTTP listener does, [`crate::idle::MAX_CONNECTIONS`]). The admin listener
+//! process (as the HTTP listener does, `crate::idle::MAX_CONNECTIONS`). The admin listener
 //! holds [`ADMIN_MAX_CONNECTIONS`]; the agent listener room for each agent's connection and a
 //! second while it reconnects; all three no more than the open-file limit leaves beside
 //! [`RESERVED_FILES`] ([`listener_caps`]: under a limit of 1,152 the admin and HTTP listeners
@@ -15,7 +15,7 @@
 //!
 //! With a tokens file, a full listener accepts the next connection all the same (one descriptor
 //! past the cap) and makes room for it by closing the oldest of its connections on which no
-//! token has admitted a call yet ([`Evictable`]; nothing is closed while no connection waits): otherwise a peer with no token kept
+//! token has admitted a call yet (`Evictable`; nothing is closed while no connection waits): otherwise a peer with no token kept
 //! the admin listener full with 26 silent connections a second (each kept 10 s), and every
 //! admin client waited in the kernel's queue for good. A client with a token calls at once, so
 //! it is evicted only by a flood that fills every place within its first round trip.
@@ -71,7 +71,8 @@ pub struct ListenerCaps {
     pub agent: usize,
     /// The admin listener's ([`ADMIN_MAX_CONNECTIONS`] unless the open-file limit is low).
     pub admin: usize,
-    /// The HTTP listener's ([`crate::idle::MAX_CONNECTIONS`] unless the open-file limit is low).
+    /// The HTTP listener's (`crate::idle::MAX_CONNECTIONS`, 256, unless the open-file limit is
+    /// low).
     pub http: usize,
 }
 

@@ -329,7 +329,7 @@ impl Series {
     }
 
     /// Prunes, evaluates the alert and returns the whole series as of `tick`, shown under the
-    /// version [`State::shown_version`] picks with `published` (the newest version published;
+    /// version `State::shown_version` picks with `published` (the newest version published;
     /// 0 when none is known).
     pub fn view(&self, tick: &Tick, judge: Judge, published: u64) -> SeriesView {
         let (view, transition) = {
