@@ -257,6 +257,7 @@ impl ControlPlane {
         aggregates: Arc<Aggregator>,
         mode: Mode,
     ) -> Self {
+        metrics.note_store_size(store.as_ref());
         Self {
             store,
             publisher,
@@ -701,6 +702,7 @@ impl Commit {
         if changed {
             fanout.publish(&record);
             fanout.metrics.publishes.inc();
+            fanout.metrics.note_store_size(store.as_ref());
             info!(
                 version = record.meta.version,
                 source = record.meta.source.as_str(),

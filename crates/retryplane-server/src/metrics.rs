@@ -39,6 +39,9 @@ pub struct ServerMetrics {
     /// and applies or rollbacks that remove every endpoint without force. Dry runs
     /// (`retryplane diff`) are not counted.
     pub rejected_changes: Counter,
+    /// The version store's file size on disk, in bytes: set at start and after each change
+    /// stored (0 for a store kept in memory). Every version is kept, so it only grows.
+    pub store_bytes: Gauge,
     /// Policy changes (applies, rollbacks, file saves) the version store failed to store: a
     /// full disk, a store file replaced under the control plane, a failed commit. In API mode
     /// the one sign on `/metrics` that changes are not being stored.
@@ -82,6 +85,13 @@ impl Default for ServerMetrics {
 }
 
 impl ServerMetrics {
+    /// Sets `store_bytes` to what `store` takes on disk, as it last saw it (0 in memory).
+    pub(crate) fn note_store_size(&self, store: &dyn crate::store::VersionStore) {
+        let bytes = store.disk_bytes().unwrap_or(0);
+        self.store_bytes
+            .set(i64::try_from(bytes).unwrap_or(i64::MAX));
+    }
+
     /// The server's own figures, registered under the `retryplane_server` prefix, and the
     /// aggregates of `aggregator` and gauges of `fleet`, read at each scrape.
     /// `agents_connected` is the fleet's own gauge, which it sets as agents come and go.
@@ -109,6 +119,7 @@ impl ServerMetrics {
         let last_publish_seconds = Gauge::<f64, AtomicU64>::default();
         let rejected_changes = Counter::default();
         let store_failures = Counter::default();
+        let store_bytes = Gauge::default();
         let config_last_reload_successful = Gauge::default();
         let reports_dropped = Counter::default();
         let reports_duplicate = Counter::default();
@@ -153,6 +164,11 @@ impl ServerMetrics {
             "store_failures",
             "Policy changes the version store failed to store (not stored, or not known to be)",
             store_failures.clone(),
+        );
+        registry.register(
+            "store_bytes",
+            "Size of the version store's file on disk, in bytes; every version is kept, so it only grows",
+            store_bytes.clone(),
         );
         registry.register(
             "config_last_reload_successful",
@@ -205,6 +221,7 @@ impl ServerMetrics {
             last_publish_seconds,
             rejected_changes,
             store_failures,
+            store_bytes,
             config_last_reload_successful,
             reports_dropped,
             reports_duplicate,

@@ -361,6 +361,58 @@ async fn file_mode_over_versions_the_admin_api_applied_says_it_replaces_them() {
     running.shutdown().await.unwrap();
 }
 
+/// The value of the gauge `name` on `/metrics`.
+async fn gauge(running: &Running, name: &str) -> u64 {
+    let (_, metrics) = http_get(running.http_addr, "/metrics").await;
+    metrics
+        .lines()
+        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in {metrics}"))
+}
+
+/// Every version is kept, so an operator watches the store's size: what the file takes on
+/// disk, at start and after each change.
+#[tokio::test]
+async fn the_store_size_is_on_metrics_from_the_start_and_grows_with_each_version() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = ServeConfig {
+        api_mode: true,
+        ..config(dir.path())
+    };
+    let file = dir.path().join("data").join("retryplane.redb");
+    let running = start(cfg.clone()).await.unwrap();
+    let empty = gauge(&running, "retryplane_server_store_bytes").await;
+    assert!(empty > 0);
+    let mut sizes = vec![empty];
+    for attempts in [2, 3] {
+        let source = pb::PolicySource {
+            kind: Some(pb::policy_source::Kind::Yaml(format!(
+                "version: 1\nendpoints:\n  a: {{max_attempts: {attempts}}}\n"
+            ))),
+            origin: String::new(),
+        };
+        admin(&running)
+            .await
+            .apply(pb::ApplyRequest {
+                source: Some(source),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let now = gauge(&running, "retryplane_server_store_bytes").await;
+        assert_eq!(now, std::fs::metadata(&file).unwrap().len());
+        sizes.push(now);
+    }
+    assert!(sizes.windows(2).all(|w| w[0] <= w[1]), "{sizes:?}");
+    running.shutdown().await.unwrap();
+    let running = start(cfg).await.unwrap();
+    assert_eq!(
+        gauge(&running, "retryplane_server_store_bytes").await,
+        std::fs::metadata(&file).unwrap().len()
+    );
+    running.shutdown().await.unwrap();
+}
+
 #[tokio::test]
 async fn api_mode_without_a_seed_is_not_ready_until_an_apply() {
     let dir = tempfile::tempdir().unwrap();

@@ -305,6 +305,12 @@ pub trait VersionStore: Send + Sync + 'static {
     /// fails with [`StoreError::NoSuchVersion`]; a content hash equal to the current version's
     /// writes nothing and returns [`Published::Unchanged`] with the current version.
     fn publish(&self, new: NewVersion, expected: Option<u64>) -> Result<Published, StoreError>;
+
+    /// How many bytes the store takes on disk, as last seen (at open and after each publish;
+    /// no I/O here), or `None` for a store that keeps nothing on disk.
+    fn disk_bytes(&self) -> Option<u64> {
+        None
+    }
 }
 
 impl From<&VersionMeta> for pb::VersionInfo {

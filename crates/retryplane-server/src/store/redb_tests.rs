@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use ::redb::BackendError;
+use prost::Message as _;
 
 use retryplane_proto::{convert::content_hash, pb};
 
@@ -196,9 +197,9 @@ fn a_record_written_by_a_newer_release_is_refused_as_such_not_as_corrupt() {
         use ::redb::ReadableTable as _;
         let mut versions = txn.open_table(VERSIONS).unwrap();
         let mut bytes = versions.get(1).unwrap().unwrap().value().to_vec();
-        // The record starts with its format: field 1, a varint, 1.
-        assert_eq!(bytes[..2], [0x08, 0x01]);
-        bytes[1] = 0x02;
+        // The record starts with its format: field 1, a varint, 2.
+        assert_eq!(bytes[..2], [0x08, 0x02]);
+        bytes[1] = 0x03;
         versions.insert(1, bytes.as_slice()).unwrap();
     });
     let err = open_err(dir.path());
@@ -207,8 +208,8 @@ fn a_record_written_by_a_newer_release_is_refused_as_such_not_as_corrupt() {
             err,
             StoreError::NewerFormat {
                 version: 1,
-                format: 2,
-                supported: 1
+                format: 3,
+                supported: 2
             }
         ),
         "{err:?}"
@@ -224,10 +225,9 @@ fn a_record_whose_document_does_not_match_its_checksum_is_corrupt_on_open() {
         use ::redb::ReadableTable as _;
         let mut versions = txn.open_table(VERSIONS).unwrap();
         let mut bytes = versions.get(1).unwrap().unwrap().value().to_vec();
-        // The document's bytes come last: the endpoint name "a" becomes "b".
+        // The document's (compressed) bytes come last.
         let last = bytes.len() - 1;
-        assert_eq!(bytes[last], b'a');
-        bytes[last] = b'b';
+        bytes[last] ^= 0x01;
         versions.insert(1, bytes.as_slice()).unwrap();
     });
     let err = open_err(dir.path());
@@ -235,6 +235,120 @@ fn a_record_whose_document_does_not_match_its_checksum_is_corrupt_on_open() {
         matches!(&err, StoreError::Corrupt(m) if m.contains("hashes to")),
         "{err:?}"
     );
+}
+
+/// A store an older release wrote (records of format 1, documents not compressed) is read as
+/// it was, and the versions published into it later are compressed beside them.
+#[test]
+fn records_of_the_uncompressed_format_are_read_beside_compressed_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let (before, history) = {
+        let store = RedbStore::open(dir.path()).unwrap();
+        publish_new(&store, "a");
+        (
+            store.current().unwrap().unwrap(),
+            store.history(0, None).unwrap(),
+        )
+    };
+    let encoded = before.document.encode_to_vec();
+    tamper(dir.path(), |txn| {
+        use ::redb::ReadableTable as _;
+        let mut versions = txn.open_table(VERSIONS).unwrap();
+        let record = versions.get(1).unwrap().unwrap().value().to_vec();
+        let old = super::redb::with_document(&record, 1, encoded.clone());
+        assert_eq!(old[..2], [0x08, 0x01]);
+        versions.insert(1, old.as_slice()).unwrap();
+    });
+    let store = RedbStore::open(dir.path()).unwrap();
+    assert_eq!(store.current().unwrap().unwrap(), before);
+    assert_eq!(store.history(0, None).unwrap(), history);
+    publish_new(&store, "b");
+    assert_eq!(store.get(1).unwrap().unwrap(), before);
+    assert_eq!(store.current().unwrap().unwrap().meta.version, 2);
+    drop(store);
+    let store = RedbStore::open(dir.path()).unwrap();
+    assert_eq!(store.get(1).unwrap().unwrap(), before);
+    assert_eq!(store.history(0, None).unwrap().len(), 2);
+}
+
+/// Each version keeps its whole document, compressed: endpoints that share their settings
+/// take a fraction of their encoding.
+#[test]
+fn a_document_is_stored_compressed() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = RedbStore::open(dir.path()).unwrap();
+    let document = pb::PolicyDocument {
+        defaults: None,
+        endpoints: (0..1_000)
+            .map(|i| pb::Endpoint {
+                name: format!("svc-{i:04}"),
+                overlay: Some(pb::Overlay {
+                    max_attempts: Some(3),
+                    deadline_ms: Some(2_000),
+                    per_try_timeout_ms: Some(500),
+                    idempotency_key_header: Some("Idempotency-Key".to_owned()),
+                    ..Default::default()
+                }),
+                routes: Vec::new(),
+            })
+            .collect(),
+    };
+    let encoded = document.encode_to_vec();
+    store
+        .publish(
+            super::NewVersion {
+                content_hash: content_hash(&document),
+                document: document.clone(),
+                source: Source::Admin,
+                author: None,
+                summary: String::new(),
+                created_unix_ms: 1_700_000_000_000,
+            },
+            None,
+        )
+        .unwrap();
+    drop(store);
+    let mut stored = 0;
+    tamper(dir.path(), |txn| {
+        use ::redb::ReadableTable as _;
+        let versions = txn.open_table(VERSIONS).unwrap();
+        stored = versions.get(1).unwrap().unwrap().value().len();
+    });
+    assert!(
+        stored * 5 < encoded.len(),
+        "{stored} bytes stored for an encoding of {}",
+        encoded.len()
+    );
+    let store = RedbStore::open(dir.path()).unwrap();
+    assert_eq!(store.current().unwrap().unwrap().document, document);
+}
+
+/// Stored bytes that are not DEFLATE, or that inflate past any document's size, behind a
+/// checksum that matches them (a bug of a writer, not the disk's damage), are corrupt.
+#[test]
+fn a_document_that_cannot_be_decompressed_or_inflates_too_far_is_corrupt() {
+    for (document, says) in [
+        (b"not deflate at all".to_vec(), "cannot be decompressed"),
+        (
+            super::redb::compressed(&vec![0; (64 << 20) + 1]),
+            "decompresses to more than",
+        ),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        store_with_one_version(dir.path());
+        tamper(dir.path(), |txn| {
+            use ::redb::ReadableTable as _;
+            let mut versions = txn.open_table(VERSIONS).unwrap();
+            let record = versions.get(1).unwrap().unwrap().value().to_vec();
+            let bad = super::redb::with_document(&record, 2, document.clone());
+            versions.insert(1, bad.as_slice()).unwrap();
+        });
+        let err = open_err(dir.path());
+        assert!(
+            matches!(&err, StoreError::Corrupt(m) if m.contains("version 1") && m.contains(says)),
+            "{err:?}"
+        );
+    }
 }
 
 #[test]
