@@ -432,3 +432,33 @@ fn retries_racing_a_hand_over_never_pass_the_reserve() {
         );
     }
 }
+
+/// Sized for Miri, which emulates weak memory (a native x86 run cannot show a missing fence):
+/// `MIRIFLAGS="-Zmiri-many-seeds=0..16" cargo +nightly miri test -p retryplane-policy --lib --
+/// a_retry_racing_a_hand_over` passes with both `SeqCst` fences of the hand-over and fails for
+/// 14 or 15 of the 16 seeds with either one removed. A reserve of one retry, one thread taking
+/// it from the old budget while another hands the old budget over: the retry must be in the
+/// new budget's copy of the old window, or seen as taken over and counted in the new budget
+/// (`recount_if_taken_over`), else the new budget allows the reserve again. That needs the
+/// hand-over's fence between the mark and the copy and the retry's between its count and its
+/// look at the mark (store buffering).
+#[test]
+fn a_retry_racing_a_hand_over_is_in_the_copy_or_counted_in_the_newest() {
+    let t0 = Instant::now();
+    // min_per_second 1 × 1 s: a reserve of 1, and no calls.
+    let config = cfg(0.0, 1, Duration::from_secs(1));
+    let rounds = if cfg!(miri) { 4 } else { 2_000 };
+    for round in 0..rounds {
+        let old = Arc::new(RetryBudget::new(&config, t0));
+        let (taken, new) = std::thread::scope(|s| {
+            let retrying = s.spawn(|| old.try_withdraw(t0));
+            let new = s.spawn(|| RetryBudget::taking_over(&config, &old, t0));
+            (retrying.join().unwrap(), new.join().unwrap())
+        });
+        let allowed = u64::from(taken) + withdraw_all(&new, t0);
+        assert!(
+            allowed <= 1,
+            "round {round}: {allowed} retries allowed against a reserve of 1 (old took {taken})"
+        );
+    }
+}
