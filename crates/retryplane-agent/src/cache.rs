@@ -491,7 +491,13 @@ fn decode(bytes: &[u8]) -> Result<Cached, Unusable> {
         .policies
         .ok_or_else(|| problem("the snapshot holds no policies".to_owned()))?;
     if convert::content_hash(&doc) != snap.content_hash {
-        return Err(problem("content hash does not match".to_owned()));
+        // Either cause reads the same here: the agent decodes no field it does not know, so
+        // policies a newer agent wrote with a field added hash otherwise once read.
+        return Err(problem(
+            "its content hash does not match its policies (damaged on disk, or written by a \
+             newer agent whose policies carry fields this one does not know)"
+                .to_owned(),
+        ));
     }
     let (set, _) = convert::validate(doc).map_err(|errors| {
         Unusable::Ours(format!(
@@ -682,6 +688,16 @@ mod tests {
         };
         std::fs::write(&path, wrong_hash.encode_to_vec()).unwrap();
         assert_eq!(in_time(&path).map(|c| c.is_none()), Err(Foreign));
+        // Behind the header it is ours, and the log says what may have happened: damage, or a
+        // newer agent's policies whose fields this one does not decode.
+        let ours = [HEADER, wrong_hash.encode_to_vec().as_slice()].concat();
+        match decode(&ours) {
+            Err(Unusable::Ours(why)) => assert!(
+                why.contains("damaged on disk") && why.contains("newer agent"),
+                "{why}"
+            ),
+            _ => panic!("not refused as ours"),
+        }
         // Ours, but its policies no longer validate (here: no attempt at all): ignored,
         // replaceable.
         let mut invalid = doc;
