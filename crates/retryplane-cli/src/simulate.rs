@@ -201,7 +201,7 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
         ) {
             let mut line = String::new();
             output::push_diagnostic_line(&mut line, &file, d);
-            eprint!("{line}");
+            output::note(format_args!("{}", line.trim_end_matches('\n')));
         }
     }
     let report = retryplane_sim::simulate(&endpoint.name, &endpoint.policy, &settings.config)?;

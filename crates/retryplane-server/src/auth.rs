@@ -607,12 +607,12 @@ impl Tokens {
         let mut tokens = Vec::with_capacity(raw.tokens.len());
         for (i, t) in raw.tokens.iter().enumerate() {
             // A name that could be a secret (a name and a secret swapped) is not quoted: the
-            // message reaches a terminal and the log. A swap also leaves a secret too short to
-            // be one in `secret`, whatever the secret in `name` looks like (a passphrase of
-            // words too).
-            let swapped = t.name.len() >= MIN_SECRET_LEN && t.secret.len() < MIN_SECRET_LEN;
-            let at = if swapped || could_be_a_secret(&t.name) {
-                format!("tokens[{i}] (name not shown: it could be a secret)")
+            // message reaches a terminal and the log.
+            let at = if could_be_a_secret(&t.name) {
+                format!(
+                    "tokens[{i}] (name not shown: {MIN_SECRET_LEN} bytes or more, it could be a \
+                     secret)"
+                )
             } else {
                 format!("tokens[{i}] (`{}`)", t.name.escape_debug())
             };
@@ -1114,24 +1114,13 @@ impl Interceptor for Guard {
     }
 }
 
-/// Whether a value written where a name goes could be a secret put in its place: as long as a
-/// secret may be ([`MIN_SECRET_LEN`]), and not written as names are. A name is words: letters
-/// of one case, the separators `-`, `_`, `.`, `/`, `:`, `@` and space, a few digits. What
-/// tools generate as secrets is not: hex has no separator, base64 and `token_urlsafe` mix
-/// cases (and base64 has `+` and `=`), a UUID carries many digits, and so do `ghp_…`-style
-/// tokens. A value that passes may still be a passphrase of words; see [`Tokens::parse`] for
-/// the check that catches a name and a secret swapped whatever the secret looks like.
+/// Whether a value written where a name goes could be a secret put in its place (a name and a
+/// secret swapped): whether it is as long as a secret may be ([`MIN_SECRET_LEN`]). Nothing
+/// shorter can be a secret the file accepts; anything as long may be one, whatever it looks
+/// like (hex, base64, a UUID, a passphrase of words), so it is not quoted: messages name such
+/// an entry by its place (`tokens[2]`) alone.
 fn could_be_a_secret(name: &str) -> bool {
-    if name.len() < MIN_SECRET_LEN {
-        return false;
-    }
-    let digits = name.bytes().filter(u8::is_ascii_digit).count();
-    let mixed_case = name.bytes().any(|b| b.is_ascii_uppercase())
-        && name.bytes().any(|b| b.is_ascii_lowercase());
-    !name.contains(['-', '_', '.', '/', ':', '@', ' '])
-        || digits >= 4
-        || mixed_case
-        || name.contains(['+', '='])
+    name.len() >= MIN_SECRET_LEN
 }
 
 #[cfg(test)]

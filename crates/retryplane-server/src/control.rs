@@ -667,6 +667,8 @@ impl Commit {
         let published = tokio::task::spawn_blocking(move || writer.publish(new, expected))
             .await
             .unwrap_or_else(|e| Err(StoreError::Backend(Box::new(e))));
+        // Whatever came of it: a failed commit may have grown the file (on a full disk, say).
+        fanout.metrics.note_store_size(store.as_ref());
         let published = match published {
             Ok(published) => published,
             Err(error) => match committed_anyway(
@@ -702,7 +704,6 @@ impl Commit {
         if changed {
             fanout.publish(&record);
             fanout.metrics.publishes.inc();
-            fanout.metrics.note_store_size(store.as_ref());
             info!(
                 version = record.meta.version,
                 source = record.meta.source.as_str(),

@@ -39,8 +39,10 @@ pub struct ServerMetrics {
     /// and applies or rollbacks that remove every endpoint without force. Dry runs
     /// (`retryplane diff`) are not counted.
     pub rejected_changes: Counter,
-    /// The version store's file size on disk, in bytes: set at start and after each change
-    /// stored (0 for a store kept in memory). Every version is kept, so it only grows.
+    /// The version store's file length, in bytes: set at start and after each store call of a
+    /// change, stored or not (0 for a store kept in memory). Every version is kept, so it grows
+    /// with them, in steps: the store's file grows ahead of its use (up to about twice what
+    /// its versions take).
     pub store_bytes: Gauge,
     /// Policy changes (applies, rollbacks, file saves) the version store failed to store: a
     /// full disk, a store file replaced under the control plane, a failed commit. In API mode
@@ -167,7 +169,7 @@ impl ServerMetrics {
         );
         registry.register(
             "store_bytes",
-            "Size of the version store's file on disk, in bytes; every version is kept, so it only grows",
+            "Length of the version store's file, in bytes; every version is kept, so it grows with them, in steps",
             store_bytes.clone(),
         );
         registry.register(

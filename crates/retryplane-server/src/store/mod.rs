@@ -306,8 +306,9 @@ pub trait VersionStore: Send + Sync + 'static {
     /// writes nothing and returns [`Published::Unchanged`] with the current version.
     fn publish(&self, new: NewVersion, expected: Option<u64>) -> Result<Published, StoreError>;
 
-    /// How many bytes the store takes on disk, as last seen (at open and after each publish;
-    /// no I/O here), or `None` for a store that keeps nothing on disk.
+    /// How long the store's file is, in bytes, as last seen (at open and after each publish,
+    /// whether it stored anything or failed; no I/O here), or `None` for a store that keeps
+    /// nothing on disk.
     fn disk_bytes(&self) -> Option<u64> {
         None
     }
