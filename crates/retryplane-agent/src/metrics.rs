@@ -510,4 +510,57 @@ mod tests {
         );
         assert!(r.take().is_empty());
     }
+
+    #[test]
+    fn counts_made_while_reports_are_taken_and_restored_are_neither_lost_nor_doubled() {
+        // One thread counts calls (half first-try successes, half with a retry, each with a
+        // 0.3 ms pause) while another takes reports, sending two of three and restoring the
+        // third, as the stream task does. Miri-sized under `cargo miri test`.
+        const N: u64 = if cfg!(miri) { 40 } else { 100_000 };
+        let r = Registry::default();
+        let a = r.counters(&Arc::from("a"));
+        let mut sent = CounterValues::default();
+        std::thread::scope(|s| {
+            let counting = s.spawn(|| {
+                for i in 0..N {
+                    if i % 2 == 0 {
+                        a.first_try_success();
+                    } else {
+                        Counters::inc(&a.calls);
+                        Counters::inc(&a.attempts);
+                        Counters::inc(&a.attempts);
+                        Counters::inc(&a.retries);
+                        Counters::inc(&a.success_after_retry);
+                    }
+                    a.add_backoff(Duration::from_micros(300));
+                }
+            });
+            let mut round = 0u64;
+            while !counting.is_finished() || round < 3 {
+                let taken = r.take();
+                if round % 3 == 2 {
+                    r.restore(&taken);
+                } else {
+                    taken
+                        .iter()
+                        .for_each(|c| sent.add(&CounterValues::from_pb(c)));
+                }
+                round += 1;
+                std::thread::yield_now();
+            }
+        });
+        sent.add(&r.pending("a"));
+        let half = N / 2;
+        assert_eq!(
+            (
+                sent.calls,
+                sent.attempts,
+                sent.retries,
+                sent.success_first_try,
+                sent.success_after_retry,
+                sent.backoff_ms
+            ),
+            (N, half + 2 * half, half, half, half, N * 300 / 1_000)
+        );
+    }
 }
