@@ -10,9 +10,13 @@
 //!   document as stored: compressed since record format 2);
 //! - **encoded**: the document's protobuf encoding, which is what a record of format 1 held
 //!   (the baseline, measured in the same run);
-//! - the ratio of the two, and the store file's length (redb grows it ahead of its use).
+//! - the ratio of the two, and the store file's length (redb grows it ahead of its use);
+//! - the time to compress and to inflate the last version's document as the store does
+//!   (DEFLATE at `flate2`'s default level), against the time to encode it to protobuf, which
+//!   every publish pays already (the baseline, in the same run; medians of 31 rounds).
 //!
-//! Sizes do not depend on the machine or its load, nor on the build's profile.
+//! Sizes do not depend on the machine or its load, nor on the build's profile; times do (build
+//! with `--release`, and read the ratios).
 //!
 //! ```sh
 //! cargo run --release -p retryplane-bench --bin retryplane-bench-store -- --endpoints 1000 --versions 200
@@ -59,6 +63,7 @@ fn run(args: &Args) -> anyhow::Result<()> {
     let path = store.path().to_owned();
     let mut encoded: u64 = 0;
     let mut yaml_bytes = 0;
+    let mut last = pb::PolicyDocument::default();
     for round in 0..args.versions {
         let yaml = policy::policy_yaml(args.endpoints, round);
         yaml_bytes = yaml.len();
@@ -71,6 +76,7 @@ fn run(args: &Args) -> anyhow::Result<()> {
             .context("the generated policy file is invalid")?;
         let document = pb::PolicyDocument::from(set.document().as_ref());
         encoded += u64::try_from(document.encoded_len())?;
+        last.clone_from(&document);
         store
             .publish(
                 NewVersion {
@@ -125,5 +131,43 @@ fn run(args: &Args) -> anyhow::Result<()> {
         file_len,
         file_len as f64 / count as f64 / 1024.0
     );
+    let (encode, compress, inflate) = times(&last)?;
+    println!(
+        "encode {:.3} ms, compress {:.3} ms ({:.2}x encode), inflate {:.3} ms ({:.2}x encode)",
+        encode * 1e3,
+        compress * 1e3,
+        compress / encode,
+        inflate * 1e3,
+        inflate / encode
+    );
     Ok(())
+}
+
+/// Medians, in seconds, of encoding `document` to protobuf, compressing that encoding as the
+/// store does, and inflating it again.
+fn times(document: &pb::PolicyDocument) -> anyhow::Result<(f64, f64, f64)> {
+    use std::io::{Read as _, Write as _};
+    const ROUNDS: usize = 31;
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (mut encode, mut compress, mut inflate) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..ROUNDS {
+        let start = tokio::time::Instant::now();
+        let bytes = std::hint::black_box(document.encode_to_vec());
+        encode.push(start.elapsed().as_secs_f64());
+        let start = tokio::time::Instant::now();
+        let mut encoder =
+            flate2::write::DeflateEncoder::new(Vec::new(), flate2::Compression::default());
+        encoder.write_all(&bytes)?;
+        let compressed = std::hint::black_box(encoder.finish()?);
+        compress.push(start.elapsed().as_secs_f64());
+        let start = tokio::time::Instant::now();
+        let mut back = Vec::new();
+        flate2::read::DeflateDecoder::new(compressed.as_slice()).read_to_end(&mut back)?;
+        inflate.push(start.elapsed().as_secs_f64());
+        anyhow::ensure!(back == bytes, "the document did not come back as it was");
+    }
+    Ok((median(encode), median(compress), median(inflate)))
 }
