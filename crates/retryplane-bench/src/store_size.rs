@@ -11,8 +11,8 @@
 //! - **encoded**: the document's protobuf encoding, which is what a record of format 1 held
 //!   (the baseline, measured in the same run);
 //! - the ratio of the two, and the store file's length (redb grows it ahead of its use);
-//! - the time to compress and to inflate the last version's document as the store does
-//!   (DEFLATE at `flate2`'s default level), against the time to encode it to protobuf, which
+//! - the time to compress and to inflate the last version's document with the store's own
+//!   functions (`compress_document`, `inflate_document`), against the time to encode it to protobuf, which
 //!   every publish pays already (the baseline, in the same run; medians of 31 rounds).
 //!
 //! Sizes do not depend on the machine or its load, nor on the build's profile; times do (build
@@ -31,7 +31,9 @@ use clap::Parser;
 use prost::Message as _;
 use redb::{ReadableDatabase as _, ReadableTable as _};
 use retryplane_proto::{convert, pb};
-use retryplane_server::store::{NewVersion, RedbStore, Source, VersionStore as _};
+use retryplane_server::store::{
+    NewVersion, RedbStore, Source, VersionStore as _, compress_document, inflate_document,
+};
 
 /// The store's table of records, as the store names it.
 const VERSIONS: redb::TableDefinition<'_, u64, &[u8]> = redb::TableDefinition::new("versions");
@@ -144,9 +146,8 @@ fn run(args: &Args) -> anyhow::Result<()> {
 }
 
 /// Medians, in seconds, of encoding `document` to protobuf, compressing that encoding as the
-/// store does, and inflating it again.
+/// store does, and inflating it again (the store's own functions).
 fn times(document: &pb::PolicyDocument) -> anyhow::Result<(f64, f64, f64)> {
-    use std::io::{Read as _, Write as _};
     const ROUNDS: usize = 31;
     let median = |mut v: Vec<f64>| {
         v.sort_by(f64::total_cmp);
@@ -158,14 +159,10 @@ fn times(document: &pb::PolicyDocument) -> anyhow::Result<(f64, f64, f64)> {
         let bytes = std::hint::black_box(document.encode_to_vec());
         encode.push(start.elapsed().as_secs_f64());
         let start = tokio::time::Instant::now();
-        let mut encoder =
-            flate2::write::DeflateEncoder::new(Vec::new(), flate2::Compression::default());
-        encoder.write_all(&bytes)?;
-        let compressed = std::hint::black_box(encoder.finish()?);
+        let compressed = std::hint::black_box(compress_document(&bytes)?);
         compress.push(start.elapsed().as_secs_f64());
         let start = tokio::time::Instant::now();
-        let mut back = Vec::new();
-        flate2::read::DeflateDecoder::new(compressed.as_slice()).read_to_end(&mut back)?;
+        let back = inflate_document(1, compressed)?;
         inflate.push(start.elapsed().as_secs_f64());
         anyhow::ensure!(back == bytes, "the document did not come back as it was");
     }

@@ -36,7 +36,7 @@ mod tests;
 
 pub use self::memory::MemoryStore;
 pub(crate) use self::redb::REOPEN_INTERVAL;
-pub use self::redb::RedbStore;
+pub use self::redb::{RedbStore, compress_document, inflate_document};
 
 /// Where a version came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -520,7 +520,7 @@ impl VersionStore for RedbStore {
     fn publish(&self, new: NewVersion, expected: Option<u64>) -> Result<Published, StoreError> {
         self.check_file()?;
         // Compressed once, before the transaction (which may run twice).
-        let stored = compress(&new.document.encode_to_vec())?;
+        let stored = compress_document(&new.document.encode_to_vec())?;
         let committing = std::cell::Cell::new(false);
         // A call redb refused before committing anything may run twice (see `run`).
         let published = self.run(|db| publish_in(db, &new, &stored, expected, &committing));
@@ -539,7 +539,7 @@ impl VersionStore for RedbStore {
 }
 
 /// One publish transaction (see [`VersionStore::publish`]); `stored` is the document's
-/// encoding compressed ([`compress`]).
+/// encoding compressed ([`compress_document`]).
 fn publish_in(
     db: &Database,
     new: &NewVersion,
@@ -836,8 +836,9 @@ fn open_error(dir: &Path, path: &Path, error: DatabaseError) -> StoreError {
 
 // === encoding ===
 
-/// `encoded` (a document's encoding) compressed for a record of [`RECORD_FORMAT`].
-fn compress(encoded: &[u8]) -> Result<Vec<u8>, StoreError> {
+/// `encoded` (a document's encoding) compressed as a record of the current format stores it
+/// (DEFLATE at `flate2`'s default level). Public for the store-size bench, which times it.
+pub fn compress_document(encoded: &[u8]) -> Result<Vec<u8>, StoreError> {
     use std::io::Write as _;
     let mut encoder =
         flate2::write::DeflateEncoder::new(Vec::new(), flate2::Compression::default());
@@ -846,6 +847,12 @@ fn compress(encoded: &[u8]) -> Result<Vec<u8>, StoreError> {
         .write_all(encoded)
         .and_then(|()| encoder.finish())
         .map_err(|e| StoreError::Backend(Box::new(e)))
+}
+
+/// The encoding of version `version`'s document from what [`compress_document`] made of it,
+/// bounded as a read of the store bounds it. Public for the store-size bench, which times it.
+pub fn inflate_document(version: u64, stored: Vec<u8>) -> Result<Vec<u8>, StoreError> {
+    document_of(version, RECORD_FORMAT, stored)
 }
 
 /// The document's encoding from a record's stored bytes (`format`: the record's), checked
@@ -884,13 +891,7 @@ pub(super) fn with_document(record: &[u8], format: u32, document: Vec<u8>) -> Ve
     stored.encode_to_vec()
 }
 
-/// [`compress`], for tests that write records themselves.
-#[cfg(test)]
-pub(super) fn compressed(encoded: &[u8]) -> Vec<u8> {
-    compress(encoded).unwrap()
-}
-
-/// Encodes a record from its metadata and the document's stored bytes (compressed, [`compress`]).
+/// Encodes a record from its metadata and the document's stored bytes (compressed, [`compress_document`]).
 fn encode(meta: &VersionMeta, document: Vec<u8>) -> Vec<u8> {
     StoredRecord {
         format: RECORD_FORMAT,

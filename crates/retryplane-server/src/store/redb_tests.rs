@@ -330,7 +330,7 @@ fn a_document_that_cannot_be_decompressed_or_inflates_too_far_is_corrupt() {
     for (document, says) in [
         (b"not deflate at all".to_vec(), "cannot be decompressed"),
         (
-            super::redb::compressed(&vec![0; (64 << 20) + 1]),
+            super::compress_document(&vec![0; (64 << 20) + 1]).unwrap(),
             "decompresses to more than",
         ),
     ] {
