@@ -378,6 +378,18 @@ fn explain_says_what_a_budget_without_a_reserve_allows() {
     );
 }
 
+/// The paths of the warnings in `explain --format json`'s output `out`, sorted.
+fn sorted_warning_paths(out: &Value) -> Vec<String> {
+    let mut paths: Vec<String> = out["warnings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| w["path"].as_str().unwrap().to_owned())
+        .collect();
+    paths.sort();
+    paths
+}
+
 /// The paths of the warnings `explain --format json` lists for `endpoint`.
 fn warning_paths(dir: &Path, file: &str, endpoint: &str) -> Vec<String> {
     let out: Value =
@@ -475,14 +487,7 @@ fn explain_leaves_out_a_defaults_warning_on_several_fields_the_endpoint_or_route
             &["--path", path, "--format", "json"],
         ))
         .unwrap();
-        let mut paths: Vec<String> = out["warnings"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|w| w["path"].as_str().unwrap().to_owned())
-            .collect();
-        paths.sort();
-        paths
+        sorted_warning_paths(&out)
     };
     assert_eq!(
         routed("/short/x"),
@@ -517,22 +522,16 @@ endpoints:
         all.extend_from_slice(args);
         serde_json::from_str(&explained(dir.path(), "wr.yaml", "b", &all)).unwrap()
     };
-    let paths = |out: &Value| -> Vec<String> {
-        let mut paths: Vec<String> = out["warnings"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|w| w["path"].as_str().unwrap().to_owned())
-            .collect();
-        paths.sort();
-        paths
-    };
     let get = json(&["--method", "GET"]);
-    assert_eq!(paths(&get), route, "{get}");
+    assert_eq!(sorted_warning_paths(&get), route, "{get}");
     assert_eq!(get["other_routes_warnings"], 0);
     for args in [&["--method", "PUT"][..], &[]] {
         let out = json(args);
-        assert_eq!(paths(&out), Vec::<String>::new(), "{args:?}: {out}");
+        assert_eq!(
+            sorted_warning_paths(&out),
+            Vec::<String>::new(),
+            "{args:?}: {out}"
+        );
         assert_eq!(out["other_routes_warnings"], 2, "{args:?}: {out}");
     }
     let text = explained(dir.path(), "wr.yaml", "b", &["--method", "PUT"]);
