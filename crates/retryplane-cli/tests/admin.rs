@@ -102,12 +102,7 @@ fn an_endpoint_named_defaults_is_told_apart_from_the_defaults_block() {
         .stdout(
             "~ defaults\n    deadline: 15s (inherited) -> 20s\n+ endpoints.defaults\n    max_attempts: 2\n",
         );
-    let json = json_of(
-        &server
-            .retryplane(&["apply", "v2.yaml", "--output", "json"])
-            .assert()
-            .code(0),
-    );
+    let json = server.json(&["apply", "v2.yaml"]);
     let scopes: Vec<(&str, &str, &str)> = json["diff"]
         .as_array()
         .unwrap()
@@ -280,12 +275,7 @@ fn apply_get_history_diff_rollback_and_status_work_against_a_real_server() {
         ])
         .assert()
         .code(0);
-    let json = json_of(
-        &server
-            .retryplane(&["get", "--output", "json"])
-            .assert()
-            .code(0),
-    );
+    let json = server.json(&["get"]);
     assert_eq!(json["version"], 2);
     assert_eq!(json["source"], "admin");
     assert_eq!(json["policies"]["endpoints"][0]["name"], "payments");
@@ -306,12 +296,7 @@ fn apply_get_history_diff_rollback_and_status_work_against_a_real_server() {
     assert_eq!(history.as_array().unwrap().len(), 2);
     assert_eq!(history[0]["version"], 2);
     let v1_hash = history[1]["content_hash"].as_str().unwrap().to_owned();
-    let limited = json_of(
-        &server
-            .retryplane(&["history", "--limit", "1", "--output", "json"])
-            .assert()
-            .code(0),
-    );
+    let limited = server.json(&["history", "--limit", "1"]);
     assert_eq!(limited.as_array().unwrap().len(), 1);
 
     // rollback --dry-run: what it would change, nothing stored.
@@ -323,12 +308,7 @@ fn apply_get_history_diff_rollback_and_status_work_against_a_real_server() {
         .stdout(predicate::str::contains(
             "dry run: rolling back to v1 would change v2: ",
         ));
-    let dry_run = json_of(
-        &server
-            .retryplane(&["rollback", "1", "--dry-run", "--output", "json"])
-            .assert()
-            .code(0),
-    );
+    let dry_run = server.json(&["rollback", "1", "--dry-run"]);
     let fields = [
         "version",
         "changed",
@@ -387,12 +367,7 @@ fn apply_get_history_diff_rollback_and_status_work_against_a_real_server() {
         .stdout(predicate::str::contains(
             "~ payments\n    max_attempts: 3 -> 4\n",
         ));
-    let between = json_of(
-        &server
-            .retryplane(&["diff", "--from", "2", "--output", "json"])
-            .assert()
-            .code(0),
-    );
+    let between = server.json(&["diff", "--from", "2"]);
     assert_eq!(between["from"]["version"], 2, "{between}");
     assert_eq!(between["to"]["version"], 3, "{between}");
     assert_eq!(between["to"]["content_hash"], v1_hash.as_str());
@@ -427,12 +402,7 @@ fn apply_get_history_diff_rollback_and_status_work_against_a_real_server() {
     );
     assert!(text.starts_with("AGENT "), "{text}");
     assert!(text.contains("agent-a  checkout"), "{text}");
-    let json = json_of(
-        &server
-            .retryplane(&["status", "--output", "json"])
-            .assert()
-            .code(0),
-    );
+    let json = server.json(&["status"]);
     assert_eq!(json["current_version"], 3);
     assert_eq!(json["summary"]["acked"], 1);
     assert_eq!(json["summary"]["pending"], 1);

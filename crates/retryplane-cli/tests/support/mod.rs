@@ -98,14 +98,16 @@ impl TestServer {
         cmd
     }
 
+    /// `retryplane ARGS... --output json` against this server, which must exit 0: its output.
+    pub fn json(&self, args: &[&str]) -> Value {
+        let mut all = args.to_vec();
+        all.extend(["--output", "json"]);
+        json_of(&self.retryplane(&all).assert().code(0))
+    }
+
     /// `retryplane history --output json` against this server, which must exit 0.
     pub fn history(&self) -> Value {
-        json_of(
-            &self
-                .retryplane(&["history", "--output", "json"])
-                .assert()
-                .code(0),
-        )
+        self.json(&["history"])
     }
 
     /// Writes `contents` to `name` in the temporary directory.
