@@ -19,6 +19,7 @@ use crate::document::{
 use crate::duration::parse_duration;
 use crate::model::{ErrorClass, Jitter};
 use crate::yaml::{Loc, Node, Value};
+use crate::yaml_scan::{in_decimal, whole_number_not_in_decimal};
 
 const TOP_FIELDS: [&str; 3] = ["version", "defaults", "endpoints"];
 /// Fields of every layer; `defaults:` and endpoints also take [`ENDPOINT_FIELDS`].
@@ -230,6 +231,22 @@ impl Walker {
     }
 
     fn type_error(&mut self, node: &Node, path: &str, expected: &str) {
+        // A whole number not in decimal digits (`0x1F7`, `+3`) is read as its text (see
+        // `yaml::as_written`): say what it is and how to write it, rather than "a string".
+        if let Value::Str(s) = &node.value
+            && whole_number_not_in_decimal(s)
+        {
+            let write = in_decimal(s).map_or_else(String::new, |d| format!(" (write `{d}`)"));
+            self.error(
+                node.loc,
+                path,
+                format!(
+                    "expected {expected}, found `{s}`: whole numbers are written in decimal \
+                     digits, with no `+` or prefix{write}"
+                ),
+            );
+            return;
+        }
         // A YAML 1.1 number (`1_000`) reads as a string in YAML 1.2: say how to write it.
         let hint = match &node.value {
             Value::Str(s) if is_underscored_number(s) => {
@@ -434,6 +451,10 @@ impl Walker {
                             // `"1"`: the right number, quoted, reads as text.
                             Value::Str(ref s) if s.trim() == "1" => {
                                 " (a quoted string: write the number without quotes)"
+                            }
+                            // `0x1`, `+1`: read as text (see `yaml::as_written`).
+                            Value::Str(ref s) if whole_number_not_in_decimal(s) => {
+                                " (write it in decimal digits)"
                             }
                             _ => "",
                         };
@@ -1119,8 +1140,14 @@ impl Walker {
     }
 
     fn grpc_code(&mut self, node: &Node, path: &str) -> Option<GrpcCode> {
-        // A code written as its number (`14`, as the wire and most logs show it): say its name.
-        if let Value::Int(number) = node.value {
+        // A code written as its number (`14`, as the wire and most logs show it; `0xE` too,
+        // which is read as its text): say its name.
+        let number = match &node.value {
+            Value::Int(number) => Some(*number),
+            Value::Str(s) => in_decimal(s).and_then(|d| d.parse::<i64>().ok()),
+            _ => None,
+        };
+        if let Some(number) = number {
             let message = match i32::try_from(number).ok().and_then(GrpcCode::from_i32) {
                 Some(GrpcCode::Ok) => "gRPC status codes are written by name: 0 is `OK`, which \
                                        is success and cannot be retried"

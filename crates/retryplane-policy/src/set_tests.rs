@@ -945,6 +945,56 @@ fn a_value_listed_twice_is_a_warning_in_every_list() {
 }
 
 #[test]
+fn a_whole_number_not_in_decimal_digits_is_refused_with_the_digits_to_write() {
+    // YAML 1.2's core schema reads each of these as a whole number; a policy writes them in
+    // decimal digits, as it must `03` and `3.0`, so each is read as its text and refused.
+    let src = "version: 1\nendpoints:\n  a:\n    max_attempts: 0x3\n    retry_on: {http_status: [0x1F7, 0o767, +503], grpc_status: [0xE]}\n    budget: {ratio: 0b1, min_per_second: +10}\n";
+    assert_eq!(
+        errors(src),
+        [
+            "4:19: error: endpoints.a.max_attempts: expected a whole number, found `0x3`: whole numbers are written in decimal digits, with no `+` or prefix (write `3`)",
+            "5:30: error: endpoints.a.retry_on.http_status[0]: expected an HTTP status code, found `0x1F7`: whole numbers are written in decimal digits, with no `+` or prefix (write `503`)",
+            "5:37: error: endpoints.a.retry_on.http_status[1]: expected an HTTP status code, found `0o767`: whole numbers are written in decimal digits, with no `+` or prefix (write `503`)",
+            "5:44: error: endpoints.a.retry_on.http_status[2]: expected an HTTP status code, found `+503`: whole numbers are written in decimal digits, with no `+` or prefix (write `503`)",
+            "5:65: error: endpoints.a.retry_on.grpc_status[0]: gRPC status codes are written by name: write `UNAVAILABLE` for 14",
+            "6:21: error: endpoints.a.budget.ratio: expected a number, found `0b1`: whole numbers are written in decimal digits, with no `+` or prefix (write `1`)",
+            "6:42: error: endpoints.a.budget.min_per_second: expected a whole number, found `+10`: whole numbers are written in decimal digits, with no `+` or prefix (write `10`)",
+        ]
+    );
+    // Through an alias too, and `version:` says how to write it.
+    let src = "version: +1\nendpoints:\n  a: {max_attempts: &n 0x2}\n  b: {max_attempts: *n}\n";
+    assert_eq!(
+        errors(src),
+        [
+            "1:10: error: version: unsupported schema version: expected 1, found `+1` (write it in decimal digits)",
+            "3:24: error: endpoints.a.max_attempts: expected a whole number, found `0x2`: whole numbers are written in decimal digits, with no `+` or prefix (write `2`)",
+            "4:21: error: endpoints.b.max_attempts: expected a whole number, found `0x2`: whole numbers are written in decimal digits, with no `+` or prefix (write `2`)",
+        ]
+    );
+}
+
+#[test]
+fn an_endpoint_named_like_a_hex_number_keeps_its_name_as_written() {
+    let loaded = load(b"version: 1\nendpoints:\n  0x10: {}\n  -0o7: {}\n  12: {}\n");
+    assert_eq!(loaded.diagnostics, []);
+    let set = loaded.policies.expect("valid");
+    assert_eq!(set.names(), ["-0o7", "0x10", "12"]);
+}
+
+#[test]
+fn a_second_merge_key_in_one_mapping_is_an_error_at_it() {
+    let src = "version: 1\nendpoints:\n  a: &a {max_attempts: 2}\n  b: &b {max_attempts: 4}\n  c:\n    <<: *a\n    <<: *b\n";
+    assert_eq!(
+        errors(src),
+        [
+            "7:5: error: <root>: invalid YAML: a second merge key `<<` in one mapping (a key may be written once; merge several mappings with one key and a list, `<<: [*a, *b]`, the first one's fields winning)",
+        ]
+    );
+    let one = "version: 1\nendpoints:\n  a: &a {max_attempts: 2}\n  b: &b {max_attempts: 4}\n  c:\n    <<: [*a, *b]\n";
+    assert_eq!(errors(one), Vec::<String>::new());
+}
+
+#[test]
 fn a_status_written_as_a_float_says_how_to_write_it() {
     for written in ["0503", "503.0", "5.03e2"] {
         assert_eq!(

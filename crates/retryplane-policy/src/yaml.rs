@@ -143,17 +143,20 @@ pub fn parse(bytes: &[u8]) -> Result<Node, YamlError> {
     // A hostile part (deep nesting, an alias bomb, too many nodes) is found by a pass over the
     // parser's bare events first: the full pass below would find it too, but only after building
     // every located value before it (see `yaml_scan`).
-    if let Some((breach, loc)) = crate::yaml_scan::scan(text) {
-        let text = match breach {
-            Breach::Depth => too_deep(),
-            Breach::Events => too_many_events(),
-            Breach::Aliases => aliases_expand_too_far(),
-        };
-        return Err(YamlError {
-            loc,
-            message: format!("invalid YAML: {text}"),
-        });
-    }
+    let notes = match crate::yaml_scan::scan(text) {
+        Ok(notes) => notes,
+        Err((breach, loc)) => {
+            let text = match breach {
+                Breach::Depth => too_deep(),
+                Breach::Events => too_many_events(),
+                Breach::Aliases => aliases_expand_too_far(),
+            };
+            return Err(YamlError {
+                loc,
+                message: format!("invalid YAML: {text}"),
+            });
+        }
+    };
     let mut options = serde_saphyr::Options::default();
     options.duplicate_keys = serde_saphyr::DuplicateKeyPolicy::PassThrough;
     options.with_snippet = false;
@@ -208,7 +211,60 @@ pub fn parse(bytes: &[u8]) -> Result<Node, YamlError> {
             }
             YamlError { loc, message }
         })?;
-    Ok(node(spanned))
+    if let Some(loc) = notes.merge_again {
+        return Err(YamlError {
+            loc,
+            message: MERGE_AGAIN.to_owned(),
+        });
+    }
+    let mut root = node(spanned);
+    if !notes.not_decimal.is_empty() {
+        as_written(&mut root, &notes.not_decimal);
+    }
+    Ok(root)
+}
+
+/// What a second merge key in one mapping is refused with. The parser merges both, the first
+/// one's keys winning, where any other key written twice is a duplicate: one merge key with a
+/// list says the same thing, and in which order.
+const MERGE_AGAIN: &str = "invalid YAML: a second merge key `<<` in one mapping (a key may be \
+     written once; merge several mappings with one key and a list, `<<: [*a, *b]`, the first \
+     one's fields winning)";
+
+/// Reads each whole number that `not_decimal` lists (where it stands and its text, in the
+/// file's order) as its text, as YAML 1.2's JSON schema does: `0x1F7`, `0o17`, `0b11` and `+3`
+/// are then refused by a number field with the decimal digits to write, and an endpoint named
+/// `0x10` keeps that name rather than `16`.
+///
+/// Why: a policy's whole numbers are written in decimal digits (`03`, `3.0` and `3e0`, which
+/// the reader takes as floats, are refused too), and a hex status code or a `+` sign in a
+/// policy file is more likely a slip than a choice; one rule for every form is clearer than
+/// taking some.
+fn as_written(node: &mut Node, not_decimal: &[(Loc, String)]) {
+    match &mut node.value {
+        Value::Int(_) | Value::Float(_) => {
+            // The scan lists them in the file's order, which is the order of their places.
+            if let Some((_, text)) = not_decimal
+                .binary_search_by(|(at, _)| at.cmp(&node.loc))
+                .ok()
+                .and_then(|i| not_decimal.get(i))
+            {
+                node.value = Value::Str(text.clone());
+            }
+        }
+        Value::Seq(items) => {
+            for item in items {
+                as_written(item, not_decimal);
+            }
+        }
+        Value::Map(entries) => {
+            for (key, value) in entries {
+                as_written(key, not_decimal);
+                as_written(value, not_decimal);
+            }
+        }
+        Value::Null | Value::Bool(_) | Value::Str(_) => {}
+    }
 }
 
 /// What the parser says of a `:` it does not take as a key's, a key of more than 1,024

@@ -16,8 +16,12 @@
 //! events, and alias expansion. Everything else (syntax errors, several documents, the anchor,
 //! alias and merge-key counts) is left to the full pass, which reports it in its own words; on a
 //! syntax error this pass stops and says nothing.
+//!
+//! On the way it also notes ([`Notes`]) what only the source shows and the full pass's values
+//! lose: which whole numbers were not written in decimal digits, and a second merge key in one
+//! mapping.
 
-use serde_saphyr::granit_parser::{Event, Parser};
+use serde_saphyr::granit_parser::{Event, Parser, ScalarStyle};
 
 use crate::yaml::{Loc, MAX_ALIAS_EVENTS, MAX_DEPTH, MAX_EVENTS};
 
@@ -49,11 +53,77 @@ struct Open {
     nodes_before: u64,
     /// The deepest level reached inside it so far, relative to it (1 for itself).
     height: usize,
+    /// Whether it is a mapping (whose children are key, value, key, value, ...).
+    mapping: bool,
+    /// Children completed so far.
+    children: u64,
+    /// Whether a merge key (`<<`) was one of its keys.
+    merged: bool,
 }
 
-/// Scans `text` and returns the first limit it breaks, with where, or `None` when it breaks none
-/// of the three (or is not valid YAML, which the full pass reports).
-pub(crate) fn scan(text: &str) -> Option<(Breach, Loc)> {
+/// What the source shows of a file's values that the parsed values lose.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Notes {
+    /// Plain scalars that YAML 1.2's core schema reads as whole numbers but that are not written
+    /// in decimal digits (`0x1F7`, `0o17`, `0b11`, `+3`), each with where it stands (an alias
+    /// to one included) and its text, in the file's order. YAML 1.2's JSON schema, whose
+    /// integers are decimal digits with an optional `-`, reads each as text.
+    pub(crate) not_decimal: Vec<(Loc, String)>,
+    /// The first merge key (`<<`) written a second time in one mapping, which the parser takes
+    /// as a second merge where any other key written twice is a duplicate.
+    pub(crate) merge_again: Option<Loc>,
+}
+
+/// Whether a plain scalar's text is a whole number in a form other than decimal digits that
+/// the YAML reader still takes as one: a radix prefix (`0x`, `0o`, and `0b`, which YAML 1.1
+/// has), or a `+` sign.
+pub(crate) fn whole_number_not_in_decimal(text: &str) -> bool {
+    let (signed, digits) = match text.strip_prefix(['+', '-']) {
+        Some(rest) => (text.starts_with('+'), rest),
+        None => (false, text),
+    };
+    match radix_of(digits) {
+        Some((radix, body)) => !body.is_empty() && body.chars().all(|c| c.is_digit(radix)),
+        None => signed && !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()),
+    }
+}
+
+/// The radix a whole number's prefix names (`0x`, `0o`, `0b`, either case) and the digits after
+/// it; `None` without one.
+fn radix_of(digits: &str) -> Option<(u32, &str)> {
+    let radix = match digits.get(..2)?.to_ascii_lowercase().as_str() {
+        "0x" => 16,
+        "0o" => 8,
+        "0b" => 2,
+        _ => return None,
+    };
+    Some((radix, digits.get(2..).unwrap_or("")))
+}
+
+/// The value of a whole number [`whole_number_not_in_decimal`] takes, in decimal digits as a
+/// policy writes it (`0x1F7` is `503`, `+3` is `3`); `None` for any other text, or one past
+/// `i128`.
+pub(crate) fn in_decimal(text: &str) -> Option<String> {
+    if !whole_number_not_in_decimal(text) {
+        return None;
+    }
+    let (negative, digits) = match text.strip_prefix(['+', '-']) {
+        Some(rest) => (text.starts_with('-'), rest),
+        None => (false, text),
+    };
+    let (radix, body) = radix_of(digits).unwrap_or((10, digits));
+    let magnitude = i128::from_str_radix(body, radix).ok()?;
+    Some(if negative { -magnitude } else { magnitude }.to_string())
+}
+
+/// Scans `text` and returns the first limit it breaks, with where, or what it noted when it
+/// breaks none of the three. A file that is not valid YAML (which the full pass reports) gets
+/// what was noted before the fault.
+pub(crate) fn scan(text: &str) -> Result<Notes, (Breach, Loc)> {
+    let mut notes = Notes::default();
+    // Anchors (by id) of scalars noted in `notes.not_decimal`, with their text: an alias to one
+    // is noted too. Few files have any, so a list is searched.
+    let mut not_decimal_anchors: Vec<(usize, String)> = Vec::new();
     let mut events: usize = 0;
     // Nodes the document would have with every alias expanded.
     let mut nodes: u64 = 0;
@@ -65,7 +135,7 @@ pub(crate) fn scan(text: &str) -> Option<(Breach, Loc)> {
     let mut open: Vec<Open> = Vec::new();
     for item in Parser::new_from_str(text) {
         let Ok((event, span)) = item else {
-            return None;
+            return Ok(notes);
         };
         let at = || Loc {
             line: u32::try_from(span.start.line()).unwrap_or(u32::MAX),
@@ -73,7 +143,25 @@ pub(crate) fn scan(text: &str) -> Option<(Breach, Loc)> {
         };
         // The value (scalar or repeated by an alias) just completed: its nodes and height.
         let completed: Option<(usize, Anchored)> = match event {
-            Event::Scalar(_, _, anchor, _) => {
+            Event::Scalar(ref value, style, anchor, ref tag) => {
+                if style == ScalarStyle::Plain && tag.is_none() {
+                    if whole_number_not_in_decimal(value) {
+                        notes.not_decimal.push((at(), value.to_string()));
+                        if anchor > 0 {
+                            not_decimal_anchors.push((anchor, value.to_string()));
+                        }
+                    } else if value == "<<"
+                        && notes.merge_again.is_none()
+                        && let Some(map) = open.last_mut()
+                        && map.mapping
+                        && map.children % 2 == 0
+                    {
+                        if map.merged {
+                            notes.merge_again = Some(at());
+                        }
+                        map.merged = true;
+                    }
+                }
                 nodes += 1;
                 Some((
                     anchor,
@@ -87,26 +175,32 @@ pub(crate) fn scan(text: &str) -> Option<(Breach, Loc)> {
                 let Some(value) = anchors.get(id).copied().flatten() else {
                     // An alias to an anchor still open (a recursive value) or unknown: the full
                     // pass refuses it.
-                    return None;
+                    return Ok(notes);
                 };
                 if open.len() + value.height > MAX_DEPTH {
-                    return Some((Breach::Depth, at()));
+                    return Err((Breach::Depth, at()));
                 }
                 replayed = replayed.saturating_add(value.nodes);
                 if replayed > MAX_ALIAS_EVENTS as u64 {
-                    return Some((Breach::Aliases, at()));
+                    return Err((Breach::Aliases, at()));
+                }
+                if let Some((_, text)) = not_decimal_anchors.iter().find(|(a, _)| *a == id) {
+                    notes.not_decimal.push((at(), text.clone()));
                 }
                 nodes = nodes.saturating_add(value.nodes);
                 Some((0, value))
             }
             Event::SequenceStart(_, anchor, _) | Event::MappingStart(_, anchor, _) => {
                 if open.len() >= MAX_DEPTH {
-                    return Some((Breach::Depth, at()));
+                    return Err((Breach::Depth, at()));
                 }
                 open.push(Open {
                     anchor,
                     nodes_before: nodes,
                     height: 1,
+                    mapping: matches!(event, Event::MappingStart(..)),
+                    children: 0,
+                    merged: false,
                 });
                 nodes += 1;
                 None
@@ -124,11 +218,12 @@ pub(crate) fn scan(text: &str) -> Option<(Breach, Loc)> {
         };
         events += 1;
         if events > MAX_EVENTS {
-            return Some((Breach::Events, at()));
+            return Err((Breach::Events, at()));
         }
         if let Some((anchor, value)) = completed {
             if let Some(parent) = open.last_mut() {
                 parent.height = parent.height.max(value.height + 1);
+                parent.children += 1;
             }
             if anchor > 0 {
                 if anchors.len() <= anchor {
@@ -138,7 +233,7 @@ pub(crate) fn scan(text: &str) -> Option<(Breach, Loc)> {
             }
         }
     }
-    None
+    Ok(notes)
 }
 
 #[cfg(test)]
@@ -146,13 +241,13 @@ mod tests {
     use super::*;
 
     fn breach(text: &str) -> Option<Breach> {
-        scan(text).map(|(b, _)| b)
+        scan(text).err().map(|(b, _)| b)
     }
 
     #[test]
     fn valid_files_pass() {
         let example = include_str!("../../../config/policies.yaml");
-        assert_eq!(scan(example), None);
+        assert_eq!(scan(example), Ok(Notes::default()));
         assert_eq!(breach("a: &x {b: [1, 2]}\nc: *x\nd: *x\n"), None);
     }
 
@@ -162,7 +257,7 @@ mod tests {
         assert_eq!(breach(&nest(MAX_DEPTH)), None);
         assert_eq!(breach(&nest(MAX_DEPTH + 1)), Some(Breach::Depth));
         let block: String = (0..30).map(|i| format!("{}k:\n", " ".repeat(i))).collect();
-        let (b, at) = scan(&block).unwrap();
+        let (b, at) = scan(&block).unwrap_err();
         assert_eq!(b, Breach::Depth);
         assert_eq!(at.line, 25);
     }
@@ -178,7 +273,7 @@ mod tests {
         let ok = format!("{chain}b: [[*a20]]\n");
         assert_eq!(breach(&ok), None);
         let deep = format!("{chain}b: [[[*a20]]]\n");
-        let (b, at) = scan(&deep).unwrap();
+        let (b, at) = scan(&deep).unwrap_err();
         assert_eq!((b, at.line), (Breach::Depth, 22));
     }
 
@@ -192,7 +287,7 @@ mod tests {
         }
         assert_eq!(breach(&y), None);
         y.push_str("- *a\n");
-        let (b, at) = scan(&y).unwrap();
+        let (b, at) = scan(&y).unwrap_err();
         assert_eq!(b, Breach::Aliases);
         assert_eq!(at.line as usize, 3 + allowed);
         // Nested: each level holds ten aliases of the one before.
@@ -219,9 +314,91 @@ mod tests {
 
     #[test]
     fn syntax_errors_are_left_to_the_full_pass() {
-        assert_eq!(scan("a: [\n"), None);
-        assert_eq!(scan("a: *nowhere\n"), None);
+        assert_eq!(breach("a: [\n"), None);
+        assert_eq!(breach("a: *nowhere\n"), None);
         // An alias to a value still open (a recursive value), after a later anchor completed.
-        assert_eq!(scan("a: &a [&b x, *b, *a]\n"), None);
+        assert_eq!(breach("a: &a [&b x, *b, *a]\n"), None);
+    }
+
+    fn not_decimal(text: &str) -> Vec<(u32, u32, String)> {
+        let notes = scan(text).unwrap_or_default();
+        notes
+            .not_decimal
+            .into_iter()
+            .map(|(at, t)| (at.line, at.column, t))
+            .collect()
+    }
+
+    #[test]
+    fn whole_numbers_not_in_decimal_digits_are_noted_where_they_stand() {
+        let text = "a: 0x1F7\nb: [0o17, 0b11, +3, -0x3, 0X1f]\nc: {d: 0xZ, e: 0x, f: +3.5, g: '+3', h: !!int 0x3}\n";
+        assert_eq!(
+            not_decimal(text),
+            [
+                (1, 4, "0x1F7".to_owned()),
+                (2, 5, "0o17".to_owned()),
+                (2, 11, "0b11".to_owned()),
+                (2, 17, "+3".to_owned()),
+                (2, 21, "-0x3".to_owned()),
+                (2, 27, "0X1f".to_owned()),
+            ]
+        );
+        // Decimal digits, signed with `-` or not, and text are not noted.
+        assert_eq!(not_decimal("a: [3, -3, 0, 03, 3.0, 1e3, x0x3, 0x3y]\n"), []);
+        // An alias to a noted scalar is noted where it stands, and a key is noted as a value is.
+        assert_eq!(
+            not_decimal("a: &n 0x3\nb: *n\n+7: x\n"),
+            [
+                (1, 7, "0x3".to_owned()),
+                (2, 4, "0x3".to_owned()),
+                (3, 1, "+7".to_owned()),
+            ]
+        );
+    }
+
+    #[test]
+    fn whole_numbers_not_in_decimal_digits_are_given_in_decimal() {
+        for (text, decimal) in [
+            ("0x1F7", Some("503")),
+            ("0X1f7", Some("503")),
+            ("0o17", Some("15")),
+            ("0b11", Some("3")),
+            ("+3", Some("3")),
+            ("-0x3", Some("-3")),
+            ("+0x10", Some("16")),
+            ("3", None),
+            ("-3", None),
+            ("0x", None),
+            ("0o8", None),
+            ("+3.5", None),
+            ("0x1_0", None),
+        ] {
+            assert_eq!(in_decimal(text).as_deref(), decimal, "{text}");
+        }
+        // Past i128: noted, but with no decimal to offer.
+        let huge = format!("0x{}", "F".repeat(40));
+        assert!(whole_number_not_in_decimal(&huge));
+        assert_eq!(in_decimal(&huge), None);
+    }
+
+    #[test]
+    fn a_second_merge_key_in_one_mapping_is_noted() {
+        let merge_again = |text: &str| scan(text).unwrap_or_default().merge_again;
+        let twice = "a: &a {x: 1}\nb: &b {y: 2}\nc:\n  <<: *a\n  z: 3\n  <<: *b\n";
+        assert_eq!(merge_again(twice), Some(Loc { line: 6, column: 3 }));
+        assert_eq!(
+            merge_again("a: &a {x: 1}\nc: {<<: *a, <<: *a}\n"),
+            Some(Loc {
+                line: 2,
+                column: 13
+            })
+        );
+        // One merge key per mapping, a list of them, and `<<` as a value or quoted are fine.
+        let once = "a: &a {x: 1}\nb: &b {y: 2}\nc: {<<: *a}\nd: {<<: *b}\ne: {<<: [*a, *b]}\n";
+        assert_eq!(merge_again(once), None);
+        assert_eq!(merge_again("a: {b: <<, c: <<}\nd: ['<<', '<<']\n"), None);
+        assert_eq!(merge_again("a: {<<: {x: 1}, '<<': 2}\n"), None);
+        // A merge key inside a merged mapping's own value is in another mapping.
+        assert_eq!(merge_again("a: {<<: {<<: {x: 1}}}\n"), None);
     }
 }
