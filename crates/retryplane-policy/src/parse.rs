@@ -487,9 +487,12 @@ impl Walker {
     }
 
     /// A second (third…) `defaults:` or `endpoints:` of the file, which [`Walker::fields`]
-    /// reports as a duplicate key and leaves out of the document: its own problems are reported
-    /// too, as those of a second endpoint of one name are. They share the first's paths, so
-    /// they are marked detached: the first's cross-field checks still run on the fields it sets.
+    /// reports as a duplicate key and leaves out of the document, and one whose name is
+    /// misspelt (`endpoint:`, `default:`), which it reports as an unknown field with the name
+    /// it guesses: its own problems are reported too, as those of a second endpoint of one name
+    /// are, so that one run shows what the block holds rather than a second run after the
+    /// rename. They share the paths of the block they are taken for, so they are marked
+    /// detached: its cross-field checks still run on the fields it sets.
     fn second_blocks(&mut self, root: &Node) {
         let Value::Map(entries) = &root.value else {
             return;
@@ -499,7 +502,15 @@ impl Walker {
                 .iter()
                 .filter(|(key, _)| matches!(&key.value, Value::Str(k) if k == block))
                 .skip(1);
-            for (_, value) in copies {
+            // Only a mapping: anything else under a misspelt name says nothing more.
+            let misspelt = entries.iter().filter(|(key, value)| {
+                matches!(&key.value, Value::Str(k) if !TOP_FIELDS.contains(&k.as_str())
+                    && !POLICY_FIELDS.contains(&k.as_str())
+                    && !ENDPOINT_FIELDS.contains(&k.as_str())
+                    && suggest_field(k, TOP_FIELDS) == Some(block))
+                    && matches!(value.value, Value::Map(_))
+            });
+            for (_, value) in copies.chain(misspelt) {
                 let first_diag = self.diags.len();
                 if block == "defaults" {
                     let overlay = self.overlay(value, "defaults", Layer::Defaults);

@@ -825,6 +825,37 @@ fn a_second_endpoints_block_is_a_duplicate_with_its_own_problems_reported_too() 
 }
 
 #[test]
+fn a_misspelt_block_has_its_own_problems_reported_in_the_same_run() {
+    // `endpoint:` and `default:` are unknown fields, with the name to write; what they hold is
+    // checked as that block's, so one run shows every problem a rename would leave.
+    let src = "version: 1\ndefault:\n  max_atempts: 3\nendpoint:\n  a:\n    max_attempts: 0\n    backof: {base: 1s}\n";
+    assert_eq!(
+        errors(src),
+        [
+            "1:1: error: endpoints: the file defines no `endpoints:`",
+            "2:1: error: default: unknown field `default` (did you mean `defaults`?)",
+            "3:3: error: defaults.max_atempts: unknown field `max_atempts` (did you mean `max_attempts`?)",
+            "4:1: error: endpoint: unknown field `endpoint` (did you mean `endpoints`?)",
+            "6:19: error: endpoints.a.max_attempts: must be from 1 (never retry) to 10, found 0",
+            "7:5: error: endpoints.a.backof: unknown field `backof` (did you mean `backoff`?)",
+        ]
+    );
+    // Beside the block it is taken for, the block the file runs with keeps its own checks;
+    // a misspelt name that holds no mapping, or that is no block's, says nothing more.
+    let src = "version: 1\nendpoints:\n  a: {deadline: 1s, per_try_timeout: 2s}\nEndpoints: {a: {max_attempts: 0}}\nendpoint: 5\nversoin: {a: {max_attempts: 0}}\n";
+    assert_eq!(
+        errors(src),
+        [
+            "3:38: error: endpoints.a.per_try_timeout: per_try_timeout (2s) is longer than the deadline (1s)",
+            "4:1: error: Endpoints: unknown field `Endpoints` (did you mean `endpoints`?)",
+            "4:31: error: endpoints.a.max_attempts: must be from 1 (never retry) to 10, found 0",
+            "5:1: error: endpoint: unknown field `endpoint` (did you mean `endpoints`?)",
+            "6:1: error: versoin: unknown field `versoin` (did you mean `version`?)",
+        ]
+    );
+}
+
+#[test]
 fn duplicate_keys_in_a_policy_are_an_error() {
     let src = "version: 1\nendpoints:\n  a:\n    deadline: 10s\n    deadline: 20s\n";
     assert_eq!(
