@@ -94,12 +94,8 @@ impl Report {
         });
         row("peak attempts/s", &|r| thousands(r.peak_attempts_per_s));
         row("success", &|r| or_na(r, format!("{:.1}%", r.success_pct)));
-        row("latency p50", &|r| {
-            or_na(r, format!("{:.1}ms", r.latency.p50_ms))
-        });
-        row("latency p99", &|r| {
-            or_na(r, format!("{:.1}ms", r.latency.p99_ms))
-        });
+        row("latency p50", &|r| or_na(r, latency(r.latency.p50_ms)));
+        row("latency p99", &|r| or_na(r, latency(r.latency.p99_ms)));
         let causes: Vec<&str> = v
             .first()
             .map(|r| r.give_ups.keys().copied().collect())
@@ -134,9 +130,35 @@ impl Report {
     }
 }
 
+/// A latency as the text report shows it: in milliseconds under a second (`18.3ms`), in
+/// seconds from one (`3.03s`, not `3034.8ms`; a deadline of hours gives `5400.0s`, not
+/// `5400000.0ms`). JSON keeps milliseconds.
+fn latency(ms: f64) -> String {
+    if ms < 999.95 {
+        format!("{ms:.1}ms")
+    } else if ms < 99_995.0 {
+        format!("{:.2}s", ms / 1000.0)
+    } else {
+        format!("{:.1}s", ms / 1000.0)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn latencies_of_a_second_or_more_are_shown_in_seconds() {
+        assert_eq!(latency(0.0), "0.0ms");
+        assert_eq!(latency(18.34), "18.3ms");
+        assert_eq!(latency(999.94), "999.9ms");
+        // What would round to 1000.0ms is a second.
+        assert_eq!(latency(999.96), "1.00s");
+        assert_eq!(latency(3034.8), "3.03s");
+        assert_eq!(latency(99_994.0), "99.99s");
+        assert_eq!(latency(99_996.0), "100.0s");
+        assert_eq!(latency(5_400_000.0), "5400.0s");
+    }
 
     #[test]
     fn thousands_are_separated_by_commas() {
