@@ -232,8 +232,8 @@ const MERGE_AGAIN: &str = "invalid YAML: a second merge key `<<` in one mapping 
      one's fields winning)";
 
 /// Reads each whole number that `not_decimal` lists (where it stands and its text, in the
-/// file's order) as its text, as YAML 1.2's JSON schema does: `0x1F7`, `0o17`, `0b11` and `+3`
-/// are then refused by a number field with the decimal digits to write, and an endpoint named
+/// file's order) as its text, as the reader takes YAML 1.1's `1_000`: `0x1F7`, `0o17`, `0b11`
+/// and `+3` are then refused by a number field with the decimal digits to write, and an endpoint named
 /// `0x10` keeps that name rather than `16`.
 ///
 /// Why: a policy's whole numbers are written in decimal digits (`03`, `3.0` and `3e0`, which

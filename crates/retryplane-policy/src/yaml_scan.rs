@@ -66,8 +66,8 @@ struct Open {
 pub(crate) struct Notes {
     /// Plain scalars that YAML 1.2's core schema reads as whole numbers but that are not written
     /// in decimal digits (`0x1F7`, `0o17`, `0b11`, `+3`), each with where it stands (an alias
-    /// to one included) and its text, in the file's order. YAML 1.2's JSON schema, whose
-    /// integers are decimal digits with an optional `-`, reads each as text.
+    /// to one included) and its text, in the file's order. (The integers of YAML 1.2's JSON
+    /// schema are decimal digits with an optional `-`: the form a policy writes.)
     pub(crate) not_decimal: Vec<(Loc, String)>,
     /// The first merge key (`<<`) written a second time in one mapping, which the parser takes
     /// as a second merge where any other key written twice is a duplicate.
