@@ -32,9 +32,10 @@ use crate::call::Reauth;
 /// impl RefreshCredentials for Tokens {
 ///     async fn refresh(&self, parts: &mut Parts) -> Result<(), BoxError> {
 ///         let token = "fetched from the token service"; // an await in real code
-///         parts
-///             .headers
-///             .insert(AUTHORIZATION, HeaderValue::from_str(&format!("Bearer {token}"))?);
+///         let mut value = HeaderValue::from_str(&format!("Bearer {token}"))?;
+///         // Kept out of `Debug` output (and HPACK's table over HTTP/2), as a secret should be.
+///         value.set_sensitive(true);
+///         parts.headers.insert(AUTHORIZATION, value);
 ///         Ok(())
 ///     }
 /// }
