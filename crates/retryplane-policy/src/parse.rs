@@ -233,8 +233,9 @@ impl Walker {
     fn type_error(&mut self, node: &Node, path: &str, expected: &str) {
         // A whole number not in decimal digits (`0x1F7`, `+3`) is read as its text (see
         // `yaml::as_written`): say what it is and how to write it, rather than "a string".
+        // A note of more than 256 bytes is cut, with `…` after it: no digits are offered for it.
         if let Value::Str(s) = &node.value
-            && whole_number_not_in_decimal(s)
+            && whole_number_not_in_decimal(s.strip_suffix('…').unwrap_or(s))
         {
             let write = in_decimal(s).map_or_else(String::new, |d| format!(" (write `{d}`)"));
             self.error(

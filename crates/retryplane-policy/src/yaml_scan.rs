@@ -74,6 +74,22 @@ pub(crate) struct Notes {
     pub(crate) merge_again: Option<Loc>,
 }
 
+/// The most of a noted scalar's text that a note keeps: more than any whole number a policy
+/// holds or any endpoint name (128), so that only a hostile file's are cut.
+const MAX_NOTED: usize = 256;
+
+/// `text` as a note keeps it: whole up to [`MAX_NOTED`] bytes; past it, its first
+/// [`MAX_NOTED`] bytes and `…`. Each alias to a noted scalar copies its note, and aliases may
+/// repeat a scalar of most of the file's 1 MiB thousands of times (the full pass, after this
+/// one, refuses that; this pass must not build it first).
+fn noted(text: &str) -> String {
+    match text.get(..MAX_NOTED) {
+        // The text of a noted scalar is ASCII, so the cut is on a character boundary.
+        Some(head) if text.len() > MAX_NOTED => format!("{head}…"),
+        _ => text.to_owned(),
+    }
+}
+
 /// Whether a plain scalar's text is a whole number in a form other than decimal digits that
 /// the YAML reader still takes as one: a radix prefix (`0x`, `0o`, and `0b`, which YAML 1.1
 /// has), or a `+` sign.
@@ -122,9 +138,10 @@ pub(crate) fn in_decimal(text: &str) -> Option<String> {
 /// what was noted before the fault.
 pub(crate) fn scan(text: &str) -> Result<Notes, (Breach, Loc)> {
     let mut notes = Notes::default();
-    // Anchors (by id) of scalars noted in `notes.not_decimal`, with their text: an alias to one
-    // is noted too. Few files have any, so a list is searched.
-    let mut not_decimal_anchors: Vec<(usize, String)> = Vec::new();
+    // Indexed by anchor id: for a scalar noted in `notes.not_decimal`, its note, which an alias
+    // to it repeats where the alias stands. (A list searched per alias was quadratic: 3 s for
+    // a file of 100,000 such anchors and aliases.)
+    let mut not_decimal_anchors: Vec<Option<usize>> = Vec::new();
     let mut events: usize = 0;
     // Nodes the document would have with every alias expanded.
     let mut nodes: u64 = 0;
@@ -147,10 +164,13 @@ pub(crate) fn scan(text: &str) -> Result<Notes, (Breach, Loc)> {
             Event::Scalar(ref value, style, anchor, ref tag) => {
                 if style == ScalarStyle::Plain && tag.is_none() {
                     if whole_number_not_in_decimal(value) {
-                        notes.not_decimal.push((at(), value.to_string()));
                         if anchor > 0 {
-                            not_decimal_anchors.push((anchor, value.to_string()));
+                            if not_decimal_anchors.len() <= anchor {
+                                not_decimal_anchors.resize(anchor + 1, None);
+                            }
+                            not_decimal_anchors[anchor] = Some(notes.not_decimal.len());
                         }
+                        notes.not_decimal.push((at(), noted(value)));
                     } else if value == "<<"
                         && notes.merge_again.is_none()
                         && let Some(map) = open.last_mut()
@@ -185,8 +205,14 @@ pub(crate) fn scan(text: &str) -> Result<Notes, (Breach, Loc)> {
                 if replayed > MAX_ALIAS_EVENTS as u64 {
                     return Err((Breach::Aliases, at()));
                 }
-                if let Some((_, text)) = not_decimal_anchors.iter().find(|(a, _)| *a == id) {
-                    notes.not_decimal.push((at(), text.clone()));
+                if let Some(text) = not_decimal_anchors
+                    .get(id)
+                    .copied()
+                    .flatten()
+                    .and_then(|note| notes.not_decimal.get(note))
+                    .map(|(_, text)| text.clone())
+                {
+                    notes.not_decimal.push((at(), text));
                 }
                 nodes = nodes.saturating_add(value.nodes);
                 Some((0, value))
@@ -380,6 +406,28 @@ mod tests {
         let huge = format!("0x{}", "F".repeat(40));
         assert!(whole_number_not_in_decimal(&huge));
         assert_eq!(in_decimal(&huge), None);
+    }
+
+    #[test]
+    fn notes_are_cut_and_an_alias_to_a_noted_scalar_costs_no_search() {
+        // A scalar of most of the file, repeated by 19,000 aliases: each note keeps 256 bytes
+        // of it, not 900 KB (17 GB in all before the cut).
+        let long = format!("0x{}", "f".repeat(900_000));
+        let text = format!("s: &s {long}\nl: [{}]\n", "*s,".repeat(19_000));
+        let notes = scan(&text).unwrap_or_default();
+        assert_eq!(notes.not_decimal.len(), 19_001);
+        let cut = format!("{}…", &long[..MAX_NOTED]);
+        assert!(notes.not_decimal.iter().all(|(_, t)| *t == cut));
+        // 100,000 anchored scalars, the last one aliased 19,000 times: a search over the
+        // anchors per alias took seconds (anchors × aliases); an index by anchor id does not.
+        let many = format!(
+            "l: [{}{}]\n",
+            "&a 0x1,".repeat(100_000),
+            "*a,".repeat(19_000)
+        );
+        let notes = scan(&many).unwrap_or_default();
+        assert_eq!(notes.not_decimal.len(), 119_000);
+        assert_eq!(noted("+3"), "+3");
     }
 
     #[test]
