@@ -21,7 +21,7 @@
 //! lose: which whole numbers were not written in decimal digits, and a second merge key in one
 //! mapping.
 
-use serde_saphyr::granit_parser::{Event, Parser, ScalarStyle};
+use serde_saphyr::granit_parser::{Event, Parser, ScalarStyle, Tag};
 
 use crate::yaml::{Loc, MAX_ALIAS_EVENTS, MAX_DEPTH, MAX_EVENTS};
 
@@ -88,6 +88,12 @@ fn noted(text: &str) -> String {
         Some(head) if text.len() > MAX_NOTED => format!("{head}…"),
         _ => text.to_owned(),
     }
+}
+
+/// Whether `tag` is YAML's merge tag (`!!merge`), which makes a `<<` key a merge key whatever
+/// its style.
+fn is_merge_tag(tag: &Tag) -> bool {
+    tag.handle() == "tag:yaml.org,2002:" && tag.suffix() == "merge"
 }
 
 /// Whether a plain scalar's text is a whole number in a form other than decimal digits that
@@ -162,26 +168,27 @@ pub(crate) fn scan(text: &str) -> Result<Notes, (Breach, Loc)> {
         // The value (scalar or repeated by an alias) just completed: its nodes and height.
         let completed: Option<(usize, Anchored)> = match event {
             Event::Scalar(ref value, style, anchor, ref tag) => {
-                if style == ScalarStyle::Plain && tag.is_none() {
-                    if whole_number_not_in_decimal(value) {
-                        if anchor > 0 {
-                            if not_decimal_anchors.len() <= anchor {
-                                not_decimal_anchors.resize(anchor + 1, None);
-                            }
-                            not_decimal_anchors[anchor] = Some(notes.not_decimal.len());
+                let plain = style == ScalarStyle::Plain && tag.is_none();
+                if plain && whole_number_not_in_decimal(value) {
+                    if anchor > 0 {
+                        if not_decimal_anchors.len() <= anchor {
+                            not_decimal_anchors.resize(anchor + 1, None);
                         }
-                        notes.not_decimal.push((at(), noted(value)));
-                    } else if value == "<<"
-                        && notes.merge_again.is_none()
-                        && let Some(map) = open.last_mut()
-                        && map.mapping
-                        && map.children % 2 == 0
-                    {
-                        if map.merged {
-                            notes.merge_again = Some(at());
-                        }
-                        map.merged = true;
+                        not_decimal_anchors[anchor] = Some(notes.not_decimal.len());
                     }
+                    notes.not_decimal.push((at(), noted(value)));
+                } else if value == "<<"
+                    // A merge key as the parser takes one: plain, or tagged `!!merge`.
+                    && (plain || tag.as_deref().is_some_and(is_merge_tag))
+                    && notes.merge_again.is_none()
+                    && let Some(map) = open.last_mut()
+                    && map.mapping
+                    && map.children % 2 == 0
+                {
+                    if map.merged {
+                        notes.merge_again = Some(at());
+                    }
+                    map.merged = true;
                 }
                 nodes += 1;
                 Some((
@@ -449,5 +456,22 @@ mod tests {
         assert_eq!(merge_again("a: {<<: {x: 1}, '<<': 2}\n"), None);
         // A merge key inside a merged mapping's own value is in another mapping.
         assert_eq!(merge_again("a: {<<: {<<: {x: 1}}}\n"), None);
+        // Tagged `!!merge`, even quoted, a `<<` key is a merge key for the parser too; another
+        // tag makes it text.
+        assert_eq!(
+            merge_again("a: &a {x: 1}\nb: {<<: *a, !!merge <<: *a}\n"),
+            Some(Loc {
+                line: 2,
+                column: 21
+            })
+        );
+        assert_eq!(
+            merge_again("a: &a {x: 1}\nb: {!!merge '<<': *a, <<: *a}\n"),
+            Some(Loc {
+                line: 2,
+                column: 23
+            })
+        );
+        assert_eq!(merge_again("a: {<<: {x: 1}, !!str <<: 2}\n"), None);
     }
 }
