@@ -90,10 +90,10 @@ fn noted(text: &str) -> String {
     }
 }
 
-/// Whether `tag` is YAML's merge tag (`!!merge`), which makes a `<<` key a merge key whatever
-/// its style.
-fn is_merge_tag(tag: &Tag) -> bool {
-    tag.handle() == "tag:yaml.org,2002:" && tag.suffix() == "merge"
+/// Whether `tag` is YAML's `!!name` (`tag:yaml.org,2002:name`): `!!merge` makes a `<<` key a
+/// merge key, and `!!int` a scalar a whole number, whatever their style.
+fn is_core_tag(tag: &Tag, name: &str) -> bool {
+    tag.handle() == "tag:yaml.org,2002:" && tag.suffix() == name
 }
 
 /// Whether a plain scalar's text is a whole number in a form other than decimal digits that
@@ -169,7 +169,9 @@ pub(crate) fn scan(text: &str) -> Result<Notes, (Breach, Loc)> {
         let completed: Option<(usize, Anchored)> = match event {
             Event::Scalar(ref value, style, anchor, ref tag) => {
                 let plain = style == ScalarStyle::Plain && tag.is_none();
-                if plain && whole_number_not_in_decimal(value) {
+                // Read as a number: plain, or tagged `!!int` in any style.
+                let number = plain || tag.as_deref().is_some_and(|t| is_core_tag(t, "int"));
+                if number && whole_number_not_in_decimal(value) {
                     if anchor > 0 {
                         if not_decimal_anchors.len() <= anchor {
                             not_decimal_anchors.resize(anchor + 1, None);
@@ -179,7 +181,7 @@ pub(crate) fn scan(text: &str) -> Result<Notes, (Breach, Loc)> {
                     notes.not_decimal.push((at(), noted(value)));
                 } else if value == "<<"
                     // A merge key as the parser takes one: plain, or tagged `!!merge`.
-                    && (plain || tag.as_deref().is_some_and(is_merge_tag))
+                    && (plain || tag.as_deref().is_some_and(|t| is_core_tag(t, "merge")))
                     && notes.merge_again.is_none()
                     && let Some(map) = open.last_mut()
                     && map.mapping
@@ -365,7 +367,7 @@ mod tests {
 
     #[test]
     fn whole_numbers_not_in_decimal_digits_are_noted_where_they_stand() {
-        let text = "a: 0x1F7\nb: [0o17, 0b11, +3, -0x3, 0X1f]\nc: {d: 0xZ, e: 0x, f: +3.5, g: '+3', h: !!int 0x3}\n";
+        let text = "a: 0x1F7\nb: [0o17, 0b11, +3, -0x3, 0X1f]\nc: {d: 0xZ, e: 0x, f: +3.5, g: '+3', h: !!str 0x3}\n";
         assert_eq!(
             not_decimal(text),
             [
@@ -376,6 +378,11 @@ mod tests {
                 (2, 21, "-0x3".to_owned()),
                 (2, 27, "0X1f".to_owned()),
             ]
+        );
+        // Tagged `!!int`, quoted or not, a scalar is a number too.
+        assert_eq!(
+            not_decimal("a: [!!int 0x3, !!int '+4', !!int 5]\n"),
+            [(1, 11, "0x3".to_owned()), (1, 22, "+4".to_owned())]
         );
         // Decimal digits, signed with `-` or not, and text are not noted.
         assert_eq!(not_decimal("a: [3, -3, 0, 03, 3.0, 1e3, x0x3, 0x3y]\n"), []);
