@@ -82,6 +82,9 @@ const MATCH_TYPOS: [&[&str]; 6] = [
     &ALERT_FIELDS,
 ];
 
+/// What [`Walker::type_error`] is told a number field expects.
+const NUMBER_KINDS: [&str; 3] = ["a whole number", "a number", "an HTTP status code"];
+
 /// No field belongs elsewhere: every unknown one is offered the nearest known one.
 fn no_hint(_: &str) -> Option<String> {
     None
@@ -237,15 +240,17 @@ impl Walker {
         if let Value::Str(s) = &node.value
             && whole_number_not_in_decimal(s.strip_suffix('…').unwrap_or(s))
         {
-            let write = in_decimal(s).map_or_else(String::new, |d| format!(" (write `{d}`)"));
-            self.error(
-                node.loc,
-                path,
+            // How to write it only where a number goes; elsewhere, what it is.
+            let message = if NUMBER_KINDS.contains(&expected) {
+                let write = in_decimal(s).map_or_else(String::new, |d| format!(" (write `{d}`)"));
                 format!(
                     "expected {expected}, found `{s}`: whole numbers are written in decimal \
                      digits, with no `+` or prefix{write}"
-                ),
-            );
+                )
+            } else {
+                format!("expected {expected}, found the number `{s}`")
+            };
+            self.error(node.loc, path, message);
             return;
         }
         // A YAML 1.1 number (`1_000`) reads as a string in YAML 1.2: say how to write it.
@@ -478,6 +483,7 @@ impl Walker {
             }
         }
         self.second_blocks(root);
+        self.misspelt_blocks(root);
         if !version {
             self.error(root.loc, "version", "missing `version: 1`");
         }
@@ -488,12 +494,9 @@ impl Walker {
     }
 
     /// A second (third…) `defaults:` or `endpoints:` of the file, which [`Walker::fields`]
-    /// reports as a duplicate key and leaves out of the document, and one whose name is
-    /// misspelt (`endpoint:`, `default:`), which it reports as an unknown field with the name
-    /// it guesses: its own problems are reported too, as those of a second endpoint of one name
-    /// are, so that one run shows what the block holds rather than a second run after the
-    /// rename. They share the paths of the block they are taken for, so they are marked
-    /// detached: its cross-field checks still run on the fields it sets.
+    /// reports as a duplicate key and leaves out of the document: its own problems are reported
+    /// too, as those of a second endpoint of one name are. They share the first's paths, so
+    /// they are marked detached: the first's cross-field checks still run on the fields it sets.
     fn second_blocks(&mut self, root: &Node) {
         let Value::Map(entries) = &root.value else {
             return;
@@ -503,15 +506,7 @@ impl Walker {
                 .iter()
                 .filter(|(key, _)| matches!(&key.value, Value::Str(k) if k == block))
                 .skip(1);
-            // Only a mapping: anything else under a misspelt name says nothing more.
-            let misspelt = entries.iter().filter(|(key, value)| {
-                matches!(&key.value, Value::Str(k) if !TOP_FIELDS.contains(&k.as_str())
-                    && !POLICY_FIELDS.contains(&k.as_str())
-                    && !ENDPOINT_FIELDS.contains(&k.as_str())
-                    && suggest_field(k, TOP_FIELDS) == Some(block))
-                    && matches!(value.value, Value::Map(_))
-            });
-            for (_, value) in copies.chain(misspelt) {
+            for (_, value) in copies {
                 let first_diag = self.diags.len();
                 if block == "defaults" {
                     let overlay = self.overlay(value, "defaults", Layer::Defaults);
@@ -538,11 +533,66 @@ impl Walker {
         }
     }
 
+    /// A block whose name is a near typo of `defaults` or `endpoints` (`endpoint:`, `default:`,
+    /// `Endpoints:`), which [`Walker::fields`] reports as an unknown field with the name it
+    /// guesses: what it holds (a mapping) is checked as that block's too, so that one run shows
+    /// the problems a rename would leave rather than a second run after it. They are named by
+    /// the key as written (`endpoint.a.max_attempts`), so that they are not taken for problems
+    /// of the block the file runs with or of its endpoints (`explain` does not show them), and
+    /// marked detached as a second block's are.
+    fn misspelt_blocks(&mut self, root: &Node) {
+        let Value::Map(entries) = &root.value else {
+            return;
+        };
+        let is_policy_field = |key: &Node| {
+            matches!(&key.value, Value::Str(f)
+                if POLICY_FIELDS.contains(&f.as_str()) || ENDPOINT_FIELDS.contains(&f.as_str()))
+        };
+        for (key, value) in entries {
+            let Value::Str(written) = &key.value else {
+                continue;
+            };
+            let Value::Map(inner) = &value.value else {
+                continue;
+            };
+            if TOP_FIELDS.contains(&written.as_str()) {
+                continue;
+            }
+            let first_diag = self.diags.len();
+            match near_typo(written, TOP_FIELDS) {
+                Some("defaults") => {
+                    let overlay = self.overlay(value, written, Layer::Defaults);
+                    crate::validate::check_detached(&overlay, written, false, &mut self.diags);
+                }
+                // Endpoints by name: a mapping of policy fields is no such block.
+                Some("endpoints") if !inner.iter().any(|(k, _)| is_policy_field(k)) => {
+                    for (key, value) in inner {
+                        let Some(name) = self.endpoint_name(key) else {
+                            continue;
+                        };
+                        let path = format!("{written}.{}", crate::diag::endpoint_name_shown(&name));
+                        self.endpoint_alone(value, &path);
+                    }
+                }
+                _ => continue,
+            }
+            self.detached.push(first_diag..self.diags.len());
+        }
+    }
+
     /// An endpoint left out of the document (a second one of a name, or one of a second
     /// `endpoints:`), whose own problems are reported too, from `first_diag` on. They share the
     /// paths of the endpoint of that name the document keeps, if any, so they are marked
     /// detached: its cross-field checks still run on the fields it sets.
     fn detached_endpoint(&mut self, name: &str, value: &Node, path: &str, first_diag: usize) {
+        self.endpoint_alone(value, path);
+        crate::diag::tag_endpoint(&mut self.diags[first_diag..], name, path);
+        self.detached.push(first_diag..self.diags.len());
+    }
+
+    /// The checks of one endpoint's policy and routes at `path`, for an endpoint the document
+    /// does not keep.
+    fn endpoint_alone(&mut self, value: &Node, path: &str) {
         let overlay = self.overlay(value, path, Layer::Endpoint);
         crate::validate::check_detached(&overlay, path, false, &mut self.diags);
         if let Some(routes) = get(value, "routes") {
@@ -552,8 +602,6 @@ impl Walker {
                 crate::validate::check_detached(&route.overlay, &route_path, true, &mut self.diags);
             }
         }
-        crate::diag::tag_endpoint(&mut self.diags[first_diag..], name, path);
-        self.detached.push(first_diag..self.diags.len());
     }
 
     /// An endpoint's name from its key (a string, or an integer written as one); reported and

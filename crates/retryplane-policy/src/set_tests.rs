@@ -827,32 +827,46 @@ fn a_second_endpoints_block_is_a_duplicate_with_its_own_problems_reported_too() 
 #[test]
 fn a_misspelt_block_has_its_own_problems_reported_in_the_same_run() {
     // `endpoint:` and `default:` are unknown fields, with the name to write; what they hold is
-    // checked as that block's, so one run shows every problem a rename would leave.
+    // checked as that block's, named as written, so one run shows every problem a rename
+    // would leave.
     let src = "version: 1\ndefault:\n  max_atempts: 3\nendpoint:\n  a:\n    max_attempts: 0\n    backof: {base: 1s}\n";
     assert_eq!(
         errors(src),
         [
             "1:1: error: endpoints: the file defines no `endpoints:`",
             "2:1: error: default: unknown field `default` (did you mean `defaults`?)",
-            "3:3: error: defaults.max_atempts: unknown field `max_atempts` (did you mean `max_attempts`?)",
+            "3:3: error: default.max_atempts: unknown field `max_atempts` (did you mean `max_attempts`?)",
             "4:1: error: endpoint: unknown field `endpoint` (did you mean `endpoints`?)",
-            "6:19: error: endpoints.a.max_attempts: must be from 1 (never retry) to 10, found 0",
-            "7:5: error: endpoints.a.backof: unknown field `backof` (did you mean `backoff`?)",
+            "6:19: error: endpoint.a.max_attempts: must be from 1 (never retry) to 10, found 0",
+            "7:5: error: endpoint.a.backof: unknown field `backof` (did you mean `backoff`?)",
         ]
     );
-    // Beside the block it is taken for, the block the file runs with keeps its own checks;
-    // a misspelt name that holds no mapping, or that is no block's, says nothing more.
-    let src = "version: 1\nendpoints:\n  a: {deadline: 1s, per_try_timeout: 2s}\nEndpoints: {a: {max_attempts: 0}}\nendpoint: 5\nversoin: {a: {max_attempts: 0}}\n";
+    // Beside the block the file runs with, which keeps its own checks, and whose endpoint of
+    // the same name is not blamed (nor tagged, so `explain` does not show them). A name that
+    // only shares a word (`old_endpoints`), is no block's, or holds policy fields rather than
+    // endpoints, or no mapping, says nothing more.
+    let src = "version: 1\nendpoints:\n  a: {deadline: 1s, per_try_timeout: 2s}\nEndpoints: {a: {max_attempts: 0}}\nendpoint: 5\nversoin: {a: {max_attempts: 0}}\nold_endpoints: {a: {max_attempts: 0}}\nendpoint_: {max_attempts: 0}\n";
+    let loaded = load(src.as_bytes());
+    let errors: Vec<String> = loaded.diagnostics.iter().map(ToString::to_string).collect();
     assert_eq!(
-        errors(src),
+        errors,
         [
             "3:38: error: endpoints.a.per_try_timeout: per_try_timeout (2s) is longer than the deadline (1s)",
             "4:1: error: Endpoints: unknown field `Endpoints` (did you mean `endpoints`?)",
-            "4:31: error: endpoints.a.max_attempts: must be from 1 (never retry) to 10, found 0",
+            "4:31: error: Endpoints.a.max_attempts: must be from 1 (never retry) to 10, found 0",
             "5:1: error: endpoint: unknown field `endpoint` (did you mean `endpoints`?)",
             "6:1: error: versoin: unknown field `versoin` (did you mean `version`?)",
+            "7:1: error: old_endpoints: unknown field `old_endpoints` (did you mean `endpoints`?)",
+            "8:1: error: endpoint_: unknown field `endpoint_` (did you mean `endpoints`?)",
         ]
     );
+    let tagged: Vec<&str> = loaded
+        .diagnostics
+        .iter()
+        .filter(|d| d.endpoint.as_deref() == Some("a"))
+        .map(|d| d.path.as_str())
+        .collect();
+    assert_eq!(tagged, ["endpoints.a.per_try_timeout"]);
 }
 
 #[test]
@@ -1001,6 +1015,27 @@ fn a_whole_number_not_in_decimal_digits_is_refused_with_the_digits_to_write() {
             "3:24: error: endpoints.a.max_attempts: expected a whole number, found `0x2`: whole numbers are written in decimal digits, with no `+` or prefix (write `2`)",
             "4:21: error: endpoints.b.max_attempts: expected a whole number, found `0x2`: whole numbers are written in decimal digits, with no `+` or prefix (write `2`)",
         ]
+    );
+}
+
+#[test]
+fn a_whole_number_not_in_decimal_digits_is_refused_wherever_an_alias_or_a_merge_copies_it() {
+    // Each copy is refused at the place it is used, as a copy of `03` is.
+    let src = "version: 1\nendpoints:\n  a:\n    retry_on: &r {http_status: [0x1F7]}\n  b:\n    retry_on: *r\n  c: &c {max_attempts: +2}\n  d: {<<: *c}\n  e: {max_attempts: !int 0o3}\n";
+    assert_eq!(
+        errors(src),
+        [
+            "4:33: error: endpoints.a.retry_on.http_status[0]: expected an HTTP status code, found `0x1F7`: whole numbers are written in decimal digits, with no `+` or prefix (write `503`)",
+            "6:15: error: endpoints.b.retry_on.http_status[0]: expected an HTTP status code, found `0x1F7`: whole numbers are written in decimal digits, with no `+` or prefix (write `503`)",
+            "7:24: error: endpoints.c.max_attempts: expected a whole number, found `+2`: whole numbers are written in decimal digits, with no `+` or prefix (write `2`)",
+            "8:11: error: endpoints.d.max_attempts: expected a whole number, found `+2`: whole numbers are written in decimal digits, with no `+` or prefix (write `2`)",
+            "9:26: error: endpoints.e.max_attempts: expected a whole number, found `0o3`: whole numbers are written in decimal digits, with no `+` or prefix (write `3`)",
+        ]
+    );
+    // Where no number goes, no digits are offered.
+    assert_eq!(
+        errors("version: 1\nendpoints:\n  a: {retry_on: 0x10}\n"),
+        ["3:17: error: endpoints.a.retry_on: expected a mapping, found the number `0x10`"]
     );
 }
 

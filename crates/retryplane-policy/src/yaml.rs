@@ -10,6 +10,7 @@
 //! nesting, alias bombs and too many nodes wherever they stand in the file, at a fraction of the
 //! full pass's cost.
 
+use std::cell::RefCell;
 use std::fmt;
 
 use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
@@ -182,6 +183,7 @@ pub fn parse(bytes: &[u8]) -> Result<Node, YamlError> {
     // instead.
     budget.alias_anchor_min_aliases = usize::MAX;
     options.budget = Some(budget);
+    let in_force = NotesInForce::set(notes.not_decimal);
     let spanned: Spanned<Value> =
         serde_saphyr::from_str_with_options(text, options).map_err(|e| {
             let loc = e
@@ -217,10 +219,8 @@ pub fn parse(bytes: &[u8]) -> Result<Node, YamlError> {
             message: MERGE_AGAIN.to_owned(),
         });
     }
-    let mut root = node(spanned);
-    if !notes.not_decimal.is_empty() {
-        as_written(&mut root, &notes.not_decimal);
-    }
+    let root = node(spanned);
+    drop(in_force);
     Ok(root)
 }
 
@@ -231,40 +231,59 @@ const MERGE_AGAIN: &str = "invalid YAML: a second merge key `<<` in one mapping 
      written once; merge several mappings with one key and a list, `<<: [*a, *b]`, the first \
      one's fields winning)";
 
-/// Reads each whole number that `not_decimal` lists (where it stands and its text, in the
-/// file's order) as its text, as the reader takes YAML 1.1's `1_000`: `0x1F7`, `0o17`, `0b11`
-/// and `+3` are then refused by a number field with the decimal digits to write, and an endpoint named
-/// `0x10` keeps that name rather than `16`.
+thread_local! {
+    /// The scan's notes of whole numbers not in decimal digits ([`crate::yaml_scan::Notes`])
+    /// for the file this thread is reading, which [`node`] consults.
+    ///
+    /// Why a thread-local: `Value`'s `Deserialize` is called by serde-saphyr's `Spanned` with
+    /// no context of ours (no `DeserializeSeed` reaches it), and only there is the place a
+    /// value was *written* known (`Spanned::defined`: for a value copied by an alias or a merge
+    /// key, its anchored original; the node keeps the place it is *used*).
+    static NOT_DECIMAL: RefCell<Vec<(Loc, String)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The notes in force for one read: set before it, cleared when dropped (an error included).
+struct NotesInForce;
+
+impl NotesInForce {
+    fn set(notes: Vec<(Loc, String)>) -> NotesInForce {
+        NOT_DECIMAL.with(|n| *n.borrow_mut() = notes);
+        NotesInForce
+    }
+}
+
+impl Drop for NotesInForce {
+    fn drop(&mut self) {
+        NOT_DECIMAL.with(|n| n.borrow_mut().clear());
+    }
+}
+
+/// `value`, or its text when the notes in force list the place it was written (`defined`):
+/// a whole number in a form other than decimal digits, read as its text as the reader takes
+/// YAML 1.1's `1_000`. `0x1F7`, `0o17`, `0b11` and `+3` are then refused by a number field
+/// with the decimal digits to write, and an endpoint named `0x10` keeps that name rather than
+/// `16`, wherever an alias or a merge key copies them.
 ///
 /// Why: a policy's whole numbers are written in decimal digits (`03`, `3.0` and `3e0`, which
 /// the reader takes as floats, are refused too), and a hex status code or a `+` sign in a
 /// policy file is more likely a slip than a choice; one rule for every form is clearer than
 /// taking some.
-fn as_written(node: &mut Node, not_decimal: &[(Loc, String)]) {
-    match &mut node.value {
-        Value::Int(_) | Value::Float(_) => {
-            // The scan lists them in the file's order, which is the order of their places.
-            if let Some((_, text)) = not_decimal
-                .binary_search_by(|(at, _)| at.cmp(&node.loc))
-                .ok()
-                .and_then(|i| not_decimal.get(i))
-            {
-                node.value = Value::Str(text.clone());
-            }
-        }
-        Value::Seq(items) => {
-            for item in items {
-                as_written(item, not_decimal);
-            }
-        }
-        Value::Map(entries) => {
-            for (key, value) in entries {
-                as_written(key, not_decimal);
-                as_written(value, not_decimal);
-            }
-        }
-        Value::Null | Value::Bool(_) | Value::Str(_) => {}
+fn as_written(value: Value, defined: Loc) -> Value {
+    if !matches!(value, Value::Int(_) | Value::Float(_)) {
+        return value;
     }
+    NOT_DECIMAL.with(|notes| {
+        let notes = notes.borrow();
+        // The scan lists them in the file's order, which is the order of their places.
+        match notes
+            .binary_search_by(|(at, _)| at.cmp(&defined))
+            .ok()
+            .and_then(|i| notes.get(i))
+        {
+            Some((_, text)) => Value::Str(text.clone()),
+            None => value,
+        }
+    })
 }
 
 /// What the parser says of a `:` it does not take as a key's, a key of more than 1,024
@@ -435,13 +454,13 @@ fn loc_of_offset(prefix: &[u8]) -> Loc {
 }
 
 fn node(spanned: Spanned<Value>) -> Node {
-    let l = spanned.referenced;
+    let loc = |l: serde_saphyr::Location| Loc {
+        line: clamp(l.line()),
+        column: clamp(l.column()),
+    };
     Node {
-        value: spanned.value,
-        loc: Loc {
-            line: clamp(l.line()),
-            column: clamp(l.column()),
-        },
+        value: as_written(spanned.value, loc(spanned.defined)),
+        loc: loc(spanned.referenced),
     }
 }
 

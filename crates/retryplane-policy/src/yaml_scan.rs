@@ -12,14 +12,14 @@
 //! but it does not account alias expansion and reports no place, so this one does all three in
 //! one pass instead of running that and a second pass for aliases.
 //!
-//! It decides only the three limits a hostile file uses to cost time or memory: nesting depth,
+//! It refuses only the three limits a hostile file uses to cost time or memory: nesting depth,
 //! events, and alias expansion. Everything else (syntax errors, several documents, the anchor,
 //! alias and merge-key counts) is left to the full pass, which reports it in its own words; on a
 //! syntax error this pass stops and says nothing.
 //!
 //! On the way it also notes ([`Notes`]) what only the source shows and the full pass's values
-//! lose: which whole numbers were not written in decimal digits, and a second merge key in one
-//! mapping.
+//! lose, for [`crate::yaml::parse`] to act on after that pass: which whole numbers were not
+//! written in decimal digits, and a second merge key in one mapping.
 
 use serde_saphyr::granit_parser::{Event, Parser, ScalarStyle, Tag};
 
@@ -64,9 +64,11 @@ struct Open {
 /// What the source shows of a file's values that the parsed values lose.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Notes {
-    /// Plain scalars that YAML 1.2's core schema reads as whole numbers but that are not written
-    /// in decimal digits (`0x1F7`, `0o17`, `0b11`, `+3`), each with where it stands (an alias
-    /// to one included) and its text, in the file's order. (The integers of YAML 1.2's JSON
+    /// Scalars whose text is a whole number in a form other than decimal digits (`0x1F7`,
+    /// `0o17`, `0b11`, `+3`: see [`whole_number_not_in_decimal`]), each with where it is
+    /// written and its text (cut past [`MAX_NOTED`] bytes), in the file's order. Noted whatever
+    /// their style or tag: `yaml::as_written` reads as the text only a node the parser made a
+    /// number, wherever an alias or a merge key copies it. (The integers of YAML 1.2's JSON
     /// schema are decimal digits with an optional `-`: the form a policy writes.)
     pub(crate) not_decimal: Vec<(Loc, String)>,
     /// The first merge key (`<<`) written a second time in one mapping, which the parser takes
@@ -79,9 +81,9 @@ pub(crate) struct Notes {
 const MAX_NOTED: usize = 256;
 
 /// `text` as a note keeps it: whole up to [`MAX_NOTED`] bytes; past it, its first
-/// [`MAX_NOTED`] bytes and `…`. Each alias to a noted scalar copies its note, and aliases may
-/// repeat a scalar of most of the file's 1 MiB thousands of times (the full pass, after this
-/// one, refuses that; this pass must not build it first).
+/// [`MAX_NOTED`] bytes and `…`. Each node the full pass makes of a noted scalar gets a copy of
+/// its note, and aliases may repeat a scalar of most of the file's 1 MiB thousands of times
+/// (the full pass refuses that, but only once it has built many of them).
 fn noted(text: &str) -> String {
     match text.get(..MAX_NOTED) {
         // The text of a noted scalar is ASCII, so the cut is on a character boundary.
@@ -90,15 +92,20 @@ fn noted(text: &str) -> String {
     }
 }
 
-/// Whether `tag` is YAML's `!!name` (`tag:yaml.org,2002:name`): `!!merge` makes a `<<` key a
-/// merge key, and `!!int` a scalar a whole number, whatever their style.
-fn is_core_tag(tag: &Tag, name: &str) -> bool {
-    tag.handle() == "tag:yaml.org,2002:" && tag.suffix() == name
+/// Whether `tag` is YAML's `!!merge` (`tag:yaml.org,2002:merge`, written either way), which
+/// makes a `<<` key a merge key whatever its style.
+fn is_merge_tag(tag: &Tag) -> bool {
+    const MERGE: &str = "tag:yaml.org,2002:merge";
+    let (handle, suffix) = (tag.handle(), tag.suffix());
+    // A verbatim tag (`!<tag:yaml.org,2002:merge>`) may come whole in either part.
+    MERGE
+        .strip_prefix(handle)
+        .is_some_and(|rest| rest == suffix)
 }
 
-/// Whether a plain scalar's text is a whole number in a form other than decimal digits that
-/// the YAML reader still takes as one: a radix prefix (`0x`, `0o`, and `0b`, which YAML 1.1
-/// has), or a `+` sign.
+/// Whether a scalar's text is a whole number in a form other than decimal digits that the
+/// YAML reader still takes as one: a radix prefix (`0x` of YAML 1.1 and 1.2, `0o` of YAML
+/// 1.2, `0b` of YAML 1.1), either sign, or a `+` sign before decimal digits.
 pub(crate) fn whole_number_not_in_decimal(text: &str) -> bool {
     let (signed, digits) = match text.strip_prefix(['+', '-']) {
         Some(rest) => (text.starts_with('+'), rest),
@@ -144,10 +151,6 @@ pub(crate) fn in_decimal(text: &str) -> Option<String> {
 /// what was noted before the fault.
 pub(crate) fn scan(text: &str) -> Result<Notes, (Breach, Loc)> {
     let mut notes = Notes::default();
-    // Indexed by anchor id: for a scalar noted in `notes.not_decimal`, its note, which an alias
-    // to it repeats where the alias stands. (A list searched per alias was quadratic: 3 s for
-    // a file of 100,000 such anchors and aliases.)
-    let mut not_decimal_anchors: Vec<Option<usize>> = Vec::new();
     let mut events: usize = 0;
     // Nodes the document would have with every alias expanded.
     let mut nodes: u64 = 0;
@@ -168,20 +171,15 @@ pub(crate) fn scan(text: &str) -> Result<Notes, (Breach, Loc)> {
         // The value (scalar or repeated by an alias) just completed: its nodes and height.
         let completed: Option<(usize, Anchored)> = match event {
             Event::Scalar(ref value, style, anchor, ref tag) => {
-                let plain = style == ScalarStyle::Plain && tag.is_none();
-                // Read as a number: plain, or tagged `!!int` in any style.
-                let number = plain || tag.as_deref().is_some_and(|t| is_core_tag(t, "int"));
-                if number && whole_number_not_in_decimal(value) {
-                    if anchor > 0 {
-                        if not_decimal_anchors.len() <= anchor {
-                            not_decimal_anchors.resize(anchor + 1, None);
-                        }
-                        not_decimal_anchors[anchor] = Some(notes.not_decimal.len());
-                    }
+                // Whatever its style or tag: only a node the parser made a number is read as
+                // the text noted (`yaml::as_written`), so `'0x3'` and `!!str 0x3` stay text,
+                // and `!!int 0x3` or a local tag's `!int 0x3` are held to the rule too.
+                if whole_number_not_in_decimal(value) {
                     notes.not_decimal.push((at(), noted(value)));
                 } else if value == "<<"
                     // A merge key as the parser takes one: plain, or tagged `!!merge`.
-                    && (plain || tag.as_deref().is_some_and(|t| is_core_tag(t, "merge")))
+                    && (style == ScalarStyle::Plain && tag.is_none()
+                        || tag.as_deref().is_some_and(is_merge_tag))
                     && notes.merge_again.is_none()
                     && let Some(map) = open.last_mut()
                     && map.mapping
@@ -213,15 +211,6 @@ pub(crate) fn scan(text: &str) -> Result<Notes, (Breach, Loc)> {
                 replayed = replayed.saturating_add(value.nodes);
                 if replayed > MAX_ALIAS_EVENTS as u64 {
                     return Err((Breach::Aliases, at()));
-                }
-                if let Some(text) = not_decimal_anchors
-                    .get(id)
-                    .copied()
-                    .flatten()
-                    .and_then(|note| notes.not_decimal.get(note))
-                    .map(|(_, text)| text.clone())
-                {
-                    notes.not_decimal.push((at(), text));
                 }
                 nodes = nodes.saturating_add(value.nodes);
                 Some((0, value))
@@ -367,7 +356,7 @@ mod tests {
 
     #[test]
     fn whole_numbers_not_in_decimal_digits_are_noted_where_they_stand() {
-        let text = "a: 0x1F7\nb: [0o17, 0b11, +3, -0x3, 0X1f]\nc: {d: 0xZ, e: 0x, f: +3.5, g: '+3', h: !!str 0x3}\n";
+        let text = "a: 0x1F7\nb: [0o17, 0b11, +3, -0x3, 0X1f]\nc: {d: 0xZ, e: 0x, f: +3.5}\n";
         assert_eq!(
             not_decimal(text),
             [
@@ -379,21 +368,21 @@ mod tests {
                 (2, 27, "0X1f".to_owned()),
             ]
         );
-        // Tagged `!!int`, quoted or not, a scalar is a number too.
+        // Whatever the style or tag (the full pass reads as text only a number).
         assert_eq!(
-            not_decimal("a: [!!int 0x3, !!int '+4', !!int 5]\n"),
-            [(1, 11, "0x3".to_owned()), (1, 22, "+4".to_owned())]
+            not_decimal("a: [!!int 0x3, '+4', !foo 0b1, !!int 5, !!str 6]\n"),
+            [
+                (1, 11, "0x3".to_owned()),
+                (1, 16, "+4".to_owned()),
+                (1, 27, "0b1".to_owned()),
+            ]
         );
         // Decimal digits, signed with `-` or not, and text are not noted.
         assert_eq!(not_decimal("a: [3, -3, 0, 03, 3.0, 1e3, x0x3, 0x3y]\n"), []);
-        // An alias to a noted scalar is noted where it stands, and a key is noted as a value is.
+        // Where it is written, not where an alias uses it; a key is noted as a value is.
         assert_eq!(
             not_decimal("a: &n 0x3\nb: *n\n+7: x\n"),
-            [
-                (1, 7, "0x3".to_owned()),
-                (2, 4, "0x3".to_owned()),
-                (3, 1, "+7".to_owned()),
-            ]
+            [(1, 7, "0x3".to_owned()), (3, 1, "+7".to_owned())]
         );
     }
 
@@ -423,24 +412,18 @@ mod tests {
     }
 
     #[test]
-    fn notes_are_cut_and_an_alias_to_a_noted_scalar_costs_no_search() {
-        // A scalar of most of the file, repeated by 19,000 aliases: each note keeps 256 bytes
-        // of it, not 900 KB (17 GB in all before the cut).
+    fn a_long_scalar_is_noted_cut() {
+        // A whole number of most of the file: its note keeps 256 bytes of it, which each node
+        // the full pass makes of it (through 19,000 aliases, say) copies.
         let long = format!("0x{}", "f".repeat(900_000));
-        let text = format!("s: &s {long}\nl: [{}]\n", "*s,".repeat(19_000));
-        let notes = scan(&text).unwrap_or_default();
-        assert_eq!(notes.not_decimal.len(), 19_001);
-        let cut = format!("{}…", &long[..MAX_NOTED]);
-        assert!(notes.not_decimal.iter().all(|(_, t)| *t == cut));
-        // 100,000 anchored scalars, the last one aliased 19,000 times: a search over the
-        // anchors per alias took seconds (anchors × aliases); an index by anchor id does not.
-        let many = format!(
-            "l: [{}{}]\n",
-            "&a 0x1,".repeat(100_000),
-            "*a,".repeat(19_000)
+        let notes = scan(&format!("s: &s {long}\nl: [*s, *s]\n")).unwrap_or_default();
+        assert_eq!(
+            notes.not_decimal,
+            [(
+                Loc { line: 1, column: 7 },
+                format!("{}…", &long[..MAX_NOTED])
+            )]
         );
-        let notes = scan(&many).unwrap_or_default();
-        assert_eq!(notes.not_decimal.len(), 119_000);
         assert_eq!(noted("+3"), "+3");
     }
 
