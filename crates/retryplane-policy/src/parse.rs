@@ -1281,6 +1281,39 @@ fn get<'n>(node: &'n Node, key: &str) -> Option<&'n Node> {
     }
 }
 
+/// The path of the mapping that starts at `at` in the tree (`endpoints.c`, `defaults.backoff`,
+/// `endpoints.a.routes[0]`, empty for the file's own), as the checks name places; `None` when
+/// no mapping starts there.
+/// For a problem the YAML reader notes by place (a merge key written twice in the mapping),
+/// named as the checks name every other one. The tree is at most [`crate::yaml::MAX_DEPTH`]
+/// deep.
+pub(crate) fn path_of_mapping(root: &Node, at: Loc) -> Option<String> {
+    fn walk(node: &Node, at: Loc, path: &str) -> Option<String> {
+        match &node.value {
+            Value::Map(_) if node.loc == at => Some(path.to_owned()),
+            Value::Map(entries) => entries.iter().find_map(|(key, value)| {
+                let name = match &key.value {
+                    Value::Str(s) => s.clone(),
+                    Value::Int(i) => i.to_string(),
+                    _ => return None,
+                };
+                let path = if path == "endpoints" {
+                    crate::diag::endpoint_path(&name)
+                } else {
+                    join(path, &name)
+                };
+                walk(value, at, &path)
+            }),
+            Value::Seq(items) => items
+                .iter()
+                .enumerate()
+                .find_map(|(i, item)| walk(item, at, &format!("{path}[{i}]"))),
+            _ => None,
+        }
+    }
+    walk(root, at, "")
+}
+
 fn scalar_text(node: &Node) -> String {
     match &node.value {
         Value::Int(i) => i.to_string(),

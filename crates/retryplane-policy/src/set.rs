@@ -348,8 +348,22 @@ pub fn load(bytes: &[u8]) -> Loaded {
 /// endpoint) and must not miss one past the first [`diag::MAX_LISTED`].
 pub fn load_all(bytes: &[u8]) -> Loaded {
     let mut diagnostics = Vec::new();
-    let parsed = match crate::yaml::parse(bytes) {
-        Ok(root) => crate::parse::document_and_detached(&root, &mut diagnostics),
+    let parsed = match crate::yaml::parse_noting(bytes) {
+        Ok((root, merges_again)) => {
+            // Reported as any duplicate key is, beside the file's other problems.
+            for again in merges_again {
+                let path = match crate::parse::path_of_mapping(&root, again.mapping) {
+                    Some(p) if !p.is_empty() => format!("{p}.<<"),
+                    _ => "<<".to_owned(),
+                };
+                diagnostics.push(Diagnostic::error(
+                    again.at,
+                    path,
+                    crate::yaml::merge_again_message(again.first),
+                ));
+            }
+            crate::parse::document_and_detached(&root, &mut diagnostics)
+        }
         Err(e) => {
             diagnostics.push(Diagnostic::error(e.loc, "<root>", e.message));
             None

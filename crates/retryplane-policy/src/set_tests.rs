@@ -1048,16 +1048,31 @@ fn an_endpoint_named_like_a_hex_number_keeps_its_name_as_written() {
 }
 
 #[test]
-fn a_second_merge_key_in_one_mapping_is_an_error_at_it() {
-    let src = "version: 1\nendpoints:\n  a: &a {max_attempts: 2}\n  b: &b {max_attempts: 4}\n  c:\n    <<: *a\n    <<: *b\n";
+fn a_second_merge_key_in_one_mapping_is_a_duplicate_key_reported_with_the_other_problems() {
+    let src = "version: 1\nendpoints:\n  a: &a {max_attempts: 2}\n  b: &b {max_attempts: 4}\n  c:\n    <<: *a\n    <<: *b\n    deadline: banana\n  d:\n    routes:\n      - {match: {method: GET}, <<: *a, <<: *b}\n<<: {x: 1}\n<<: {y: 2}\n";
     assert_eq!(
         errors(src),
         [
-            "7:5: error: <root>: invalid YAML: a second merge key `<<` in one mapping (a key may be written once; merge several mappings with one key and a list, `<<: [*a, *b]`, the first one's fields winning)",
+            "7:5: error: endpoints.c.<<: duplicate key `<<` (first set at 6:5): merge several mappings with one key and a list, `<<: [*a, *b]`, the first one's fields winning",
+            "8:15: error: endpoints.c.deadline: `banana` is not a duration: write a number and a unit, such as `250ms` or `2s`",
+            "11:40: error: endpoints.d.routes[0].<<: duplicate key `<<` (first set at 11:32): merge several mappings with one key and a list, `<<: [*a, *b]`, the first one's fields winning",
+            "12:5: error: x: unknown field `x`",
+            "13:1: error: <<: duplicate key `<<` (first set at 12:1): merge several mappings with one key and a list, `<<: [*a, *b]`, the first one's fields winning",
+            "13:5: error: y: unknown field `y`",
         ]
     );
     let one = "version: 1\nendpoints:\n  a: &a {max_attempts: 2}\n  b: &b {max_attempts: 4}\n  c:\n    <<: [*a, *b]\n";
     assert_eq!(errors(one), Vec::<String>::new());
+    // `yaml::parse` alone refuses the first one.
+    let refused = crate::yaml::parse(src.as_bytes()).expect_err("refused");
+    assert_eq!(refused.loc, crate::yaml::Loc { line: 7, column: 5 });
+    assert!(
+        refused
+            .message
+            .starts_with("invalid YAML: duplicate key `<<` (first set at 6:5)"),
+        "{}",
+        refused.message
+    );
 }
 
 #[test]

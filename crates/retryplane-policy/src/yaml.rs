@@ -119,8 +119,35 @@ pub fn too_large_message(size: Option<u64>) -> String {
 }
 
 /// Parses policy-file bytes into a located tree, enforcing the size, encoding, depth and alias
-/// limits. Never panics; bounded time on any input.
+/// limits. Never panics; bounded time on any input. A merge key (`<<`) written twice in one
+/// mapping is an error at the second ([`crate::load`] reports each as a duplicate key, with the
+/// file's other problems).
 pub fn parse(bytes: &[u8]) -> Result<Node, YamlError> {
+    let (root, merges_again) = parse_noting(bytes)?;
+    match merges_again.first() {
+        Some(again) => Err(YamlError {
+            loc: again.at,
+            message: format!("invalid YAML: {}", merge_again_message(again.first)),
+        }),
+        None => Ok(root),
+    }
+}
+
+/// What a merge key written a second time in one mapping is refused with: the parser merges
+/// both, the first one's keys winning, where any other key written twice is a duplicate; one
+/// merge key with a list says the same thing, and in which order.
+pub(crate) fn merge_again_message(first: Loc) -> String {
+    format!(
+        "duplicate key `<<` (first set at {first}): merge several mappings with one key and a \
+         list, `<<: [*a, *b]`, the first one's fields winning"
+    )
+}
+
+/// [`parse`], with each merge key written a second time in one mapping handed back rather
+/// than refused (the tree holds what the parser merged).
+pub(crate) fn parse_noting(
+    bytes: &[u8],
+) -> Result<(Node, Vec<crate::yaml_scan::MergeAgain>), YamlError> {
     if bytes.len() > MAX_FILE_BYTES {
         return Err(YamlError {
             loc: Loc { line: 1, column: 1 },
@@ -136,10 +163,11 @@ pub fn parse(bytes: &[u8]) -> Result<Node, YamlError> {
     })?;
     let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     if text.trim().is_empty() {
-        return Ok(Node {
+        let empty = Node {
             value: Value::Null,
             loc: Loc { line: 1, column: 1 },
-        });
+        };
+        return Ok((empty, Vec::new()));
     }
     // A hostile part (deep nesting, an alias bomb, too many nodes) is found by a pass over the
     // parser's bare events first: the full pass below would find it too, but only after building
@@ -213,23 +241,10 @@ pub fn parse(bytes: &[u8]) -> Result<Node, YamlError> {
             }
             YamlError { loc, message }
         })?;
-    if let Some(loc) = notes.merge_again {
-        return Err(YamlError {
-            loc,
-            message: MERGE_AGAIN.to_owned(),
-        });
-    }
     let root = node(spanned);
     drop(in_force);
-    Ok(root)
+    Ok((root, notes.merge_again))
 }
-
-/// What a second merge key in one mapping is refused with. The parser merges both, the first
-/// one's keys winning, where any other key written twice is a duplicate: one merge key with a
-/// list says the same thing, and in which order.
-const MERGE_AGAIN: &str = "invalid YAML: a second merge key `<<` in one mapping (a key may be \
-     written once; merge several mappings with one key and a list, `<<: [*a, *b]`, the first \
-     one's fields winning)";
 
 thread_local! {
     /// The scan's notes of whole numbers not in decimal digits ([`crate::yaml_scan::Notes`])

@@ -57,8 +57,22 @@ struct Open {
     mapping: bool,
     /// Children completed so far.
     children: u64,
-    /// Whether a merge key (`<<`) was one of its keys.
-    merged: bool,
+    /// Where its first merge key (`<<`) stands, if it has one.
+    merged: Option<Loc>,
+    /// Where it starts.
+    at: Loc,
+}
+
+/// A merge key (`<<`) written a second time in one mapping, which the parser takes as a second
+/// merge where any other key written twice is a duplicate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct MergeAgain {
+    /// Where the second one stands.
+    pub(crate) at: Loc,
+    /// Where the first one stands.
+    pub(crate) first: Loc,
+    /// Where the mapping starts (the place of its node in the parsed tree).
+    pub(crate) mapping: Loc,
 }
 
 /// What the source shows of a file's values that the parsed values lose.
@@ -71,9 +85,8 @@ pub(crate) struct Notes {
     /// number, wherever an alias or a merge key copies it. (The integers of YAML 1.2's JSON
     /// schema are decimal digits with an optional `-`: the form a policy writes.)
     pub(crate) not_decimal: Vec<(Loc, String)>,
-    /// The first merge key (`<<`) written a second time in one mapping, which the parser takes
-    /// as a second merge where any other key written twice is a duplicate.
-    pub(crate) merge_again: Option<Loc>,
+    /// Each merge key (`<<`) after the first in a mapping, in the file's order.
+    pub(crate) merge_again: Vec<MergeAgain>,
 }
 
 /// The most of a noted scalar's text that a note keeps: more than any whole number a policy
@@ -180,15 +193,18 @@ pub(crate) fn scan(text: &str) -> Result<Notes, (Breach, Loc)> {
                     // A merge key as the parser takes one: plain, or tagged `!!merge`.
                     && (style == ScalarStyle::Plain && tag.is_none()
                         || tag.as_deref().is_some_and(is_merge_tag))
-                    && notes.merge_again.is_none()
                     && let Some(map) = open.last_mut()
                     && map.mapping
                     && map.children % 2 == 0
                 {
-                    if map.merged {
-                        notes.merge_again = Some(at());
+                    match map.merged {
+                        Some(first) => notes.merge_again.push(MergeAgain {
+                            at: at(),
+                            first,
+                            mapping: map.at,
+                        }),
+                        None => map.merged = Some(at()),
                     }
-                    map.merged = true;
                 }
                 nodes += 1;
                 Some((
@@ -225,7 +241,8 @@ pub(crate) fn scan(text: &str) -> Result<Notes, (Breach, Loc)> {
                     height: 1,
                     mapping: matches!(event, Event::MappingStart(..)),
                     children: 0,
-                    merged: false,
+                    merged: None,
+                    at: at(),
                 });
                 nodes += 1;
                 None
@@ -429,9 +446,29 @@ mod tests {
 
     #[test]
     fn a_second_merge_key_in_one_mapping_is_noted() {
-        let merge_again = |text: &str| scan(text).unwrap_or_default().merge_again;
+        let merge_again = |text: &str| {
+            let notes = scan(text).unwrap_or_default();
+            notes.merge_again.first().map(|m| m.at)
+        };
         let twice = "a: &a {x: 1}\nb: &b {y: 2}\nc:\n  <<: *a\n  z: 3\n  <<: *b\n";
-        assert_eq!(merge_again(twice), Some(Loc { line: 6, column: 3 }));
+        let loc = |line, column| Loc { line, column };
+        assert_eq!(
+            scan(twice).unwrap_or_default().merge_again,
+            [MergeAgain {
+                at: loc(6, 3),
+                first: loc(4, 3),
+                mapping: loc(4, 3),
+            }]
+        );
+        // Every one, in every mapping.
+        let thrice = "a: &a {x: 1}\nb: {<<: *a, <<: *a, <<: *a}\nc: [{<<: *a, <<: *a}]\n";
+        let ats: Vec<Loc> = scan(thrice)
+            .unwrap_or_default()
+            .merge_again
+            .iter()
+            .map(|m| m.at)
+            .collect();
+        assert_eq!(ats, [loc(2, 13), loc(2, 21), loc(3, 14)]);
         assert_eq!(
             merge_again("a: &a {x: 1}\nc: {<<: *a, <<: *a}\n"),
             Some(Loc {
