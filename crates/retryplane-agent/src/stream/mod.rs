@@ -167,9 +167,14 @@ fn status_text_raw(status: &tonic::Status) -> String {
     };
     if let Some(source) = std::error::Error::source(status) {
         let causes = chain(source);
+        let first = source.to_string();
         if causes.starts_with(status.message()) && !status.message().is_empty() {
             // The causes begin with what the message says (`transport error: …`): said once.
             text = format!("{code}: {causes}");
+        } else if text.ends_with(&first) && !first.is_empty() {
+            // The message ends with what the first cause says (`h2 protocol error: error
+            // reading a body from connection`, then that cause): only what follows it.
+            text.push_str(causes.strip_prefix(first.as_str()).unwrap_or(&causes));
         } else if !text.ends_with(&causes) {
             text.push_str(": ");
             text.push_str(&causes);
@@ -1111,6 +1116,40 @@ mod tests {
         assert_eq!(
             status_text(&tonic::Status::unauthenticated("unknown token")),
             "UNAUTHENTICATED: unknown token"
+        );
+    }
+
+    #[test]
+    fn a_cause_the_status_message_ends_with_is_said_once() {
+        // As tonic makes a status of a body error when the control plane dies mid-stream: its
+        // message ends with the first cause's text, which `chain` starts with.
+        #[derive(Debug)]
+        struct Cause(&'static str, Option<Box<Cause>>);
+        impl std::fmt::Display for Cause {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.0)
+            }
+        }
+        impl std::error::Error for Cause {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                self.1
+                    .as_deref()
+                    .map(|c| c as &(dyn std::error::Error + 'static))
+            }
+        }
+        let cause = Cause(
+            "error reading a body from connection",
+            Some(Box::new(Cause(
+                "stream closed because of a broken pipe",
+                None,
+            ))),
+        );
+        let mut status =
+            tonic::Status::unknown("h2 protocol error: error reading a body from connection");
+        status.set_source(std::sync::Arc::new(cause));
+        assert_eq!(
+            status_text(&status),
+            "UNKNOWN: h2 protocol error: error reading a body from connection: stream closed because of a broken pipe"
         );
     }
 
