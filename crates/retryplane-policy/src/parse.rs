@@ -245,7 +245,7 @@ impl Walker {
                 let write = in_decimal(s).map_or_else(String::new, |d| format!(" (write `{d}`)"));
                 format!(
                     "expected {expected}, found `{s}`: whole numbers are written in decimal \
-                     digits, with no `+` or prefix{write}"
+                     digits, with no `+`, `0x`, `0o` or `0b`{write}"
                 )
             } else {
                 format!("expected {expected}, found the number `{s}`")

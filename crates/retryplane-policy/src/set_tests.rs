@@ -997,13 +997,13 @@ fn a_whole_number_not_in_decimal_digits_is_refused_with_the_digits_to_write() {
     assert_eq!(
         errors(src),
         [
-            "4:19: error: endpoints.a.max_attempts: expected a whole number, found `0x3`: whole numbers are written in decimal digits, with no `+` or prefix (write `3`)",
-            "5:30: error: endpoints.a.retry_on.http_status[0]: expected an HTTP status code, found `0x1F7`: whole numbers are written in decimal digits, with no `+` or prefix (write `503`)",
-            "5:37: error: endpoints.a.retry_on.http_status[1]: expected an HTTP status code, found `0o767`: whole numbers are written in decimal digits, with no `+` or prefix (write `503`)",
-            "5:44: error: endpoints.a.retry_on.http_status[2]: expected an HTTP status code, found `+503`: whole numbers are written in decimal digits, with no `+` or prefix (write `503`)",
+            "4:19: error: endpoints.a.max_attempts: expected a whole number, found `0x3`: whole numbers are written in decimal digits, with no `+`, `0x`, `0o` or `0b` (write `3`)",
+            "5:30: error: endpoints.a.retry_on.http_status[0]: expected an HTTP status code, found `0x1F7`: whole numbers are written in decimal digits, with no `+`, `0x`, `0o` or `0b` (write `503`)",
+            "5:37: error: endpoints.a.retry_on.http_status[1]: expected an HTTP status code, found `0o767`: whole numbers are written in decimal digits, with no `+`, `0x`, `0o` or `0b` (write `503`)",
+            "5:44: error: endpoints.a.retry_on.http_status[2]: expected an HTTP status code, found `+503`: whole numbers are written in decimal digits, with no `+`, `0x`, `0o` or `0b` (write `503`)",
             "5:65: error: endpoints.a.retry_on.grpc_status[0]: gRPC status codes are written by name: write `UNAVAILABLE` for 14",
-            "6:21: error: endpoints.a.budget.ratio: expected a number, found `0b1`: whole numbers are written in decimal digits, with no `+` or prefix (write `1`)",
-            "6:42: error: endpoints.a.budget.min_per_second: expected a whole number, found `+10`: whole numbers are written in decimal digits, with no `+` or prefix (write `10`)",
+            "6:21: error: endpoints.a.budget.ratio: expected a number, found `0b1`: whole numbers are written in decimal digits, with no `+`, `0x`, `0o` or `0b` (write `1`)",
+            "6:42: error: endpoints.a.budget.min_per_second: expected a whole number, found `+10`: whole numbers are written in decimal digits, with no `+`, `0x`, `0o` or `0b` (write `10`)",
         ]
     );
     // Through an alias too, and `version:` says how to write it.
@@ -1012,8 +1012,8 @@ fn a_whole_number_not_in_decimal_digits_is_refused_with_the_digits_to_write() {
         errors(src),
         [
             "1:10: error: version: unsupported schema version: expected 1, found `+1` (write it in decimal digits)",
-            "3:24: error: endpoints.a.max_attempts: expected a whole number, found `0x2`: whole numbers are written in decimal digits, with no `+` or prefix (write `2`)",
-            "4:21: error: endpoints.b.max_attempts: expected a whole number, found `0x2`: whole numbers are written in decimal digits, with no `+` or prefix (write `2`)",
+            "3:24: error: endpoints.a.max_attempts: expected a whole number, found `0x2`: whole numbers are written in decimal digits, with no `+`, `0x`, `0o` or `0b` (write `2`)",
+            "4:21: error: endpoints.b.max_attempts: expected a whole number, found `0x2`: whole numbers are written in decimal digits, with no `+`, `0x`, `0o` or `0b` (write `2`)",
         ]
     );
 }
@@ -1025,11 +1025,11 @@ fn a_whole_number_not_in_decimal_digits_is_refused_wherever_an_alias_or_a_merge_
     assert_eq!(
         errors(src),
         [
-            "4:33: error: endpoints.a.retry_on.http_status[0]: expected an HTTP status code, found `0x1F7`: whole numbers are written in decimal digits, with no `+` or prefix (write `503`)",
-            "6:15: error: endpoints.b.retry_on.http_status[0]: expected an HTTP status code, found `0x1F7`: whole numbers are written in decimal digits, with no `+` or prefix (write `503`)",
-            "7:24: error: endpoints.c.max_attempts: expected a whole number, found `+2`: whole numbers are written in decimal digits, with no `+` or prefix (write `2`)",
-            "8:11: error: endpoints.d.max_attempts: expected a whole number, found `+2`: whole numbers are written in decimal digits, with no `+` or prefix (write `2`)",
-            "9:26: error: endpoints.e.max_attempts: expected a whole number, found `0o3`: whole numbers are written in decimal digits, with no `+` or prefix (write `3`)",
+            "4:33: error: endpoints.a.retry_on.http_status[0]: expected an HTTP status code, found `0x1F7`: whole numbers are written in decimal digits, with no `+`, `0x`, `0o` or `0b` (write `503`)",
+            "6:15: error: endpoints.b.retry_on.http_status[0]: expected an HTTP status code, found `0x1F7`: whole numbers are written in decimal digits, with no `+`, `0x`, `0o` or `0b` (write `503`)",
+            "7:24: error: endpoints.c.max_attempts: expected a whole number, found `+2`: whole numbers are written in decimal digits, with no `+`, `0x`, `0o` or `0b` (write `2`)",
+            "8:11: error: endpoints.d.max_attempts: expected a whole number, found `+2`: whole numbers are written in decimal digits, with no `+`, `0x`, `0o` or `0b` (write `2`)",
+            "9:26: error: endpoints.e.max_attempts: expected a whole number, found `0o3`: whole numbers are written in decimal digits, with no `+`, `0x`, `0o` or `0b` (write `3`)",
         ]
     );
     // Where no number goes, no digits are offered.
