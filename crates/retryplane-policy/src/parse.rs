@@ -248,7 +248,8 @@ impl Walker {
                      digits, with no `+`, `0x`, `0o` or `0b`{write}"
                 )
             } else {
-                format!("expected {expected}, found the number `{s}`")
+                // Not "the number": the text may have been quoted.
+                format!("expected {expected}, found `{s}`")
             };
             self.error(node.loc, path, message);
             return;
@@ -523,7 +524,7 @@ impl Walker {
                     continue;
                 };
                 for (key, value) in endpoints {
-                    let Some(name) = self.endpoint_name(key) else {
+                    let Some(name) = self.endpoint_name(key, "endpoints") else {
                         continue;
                     };
                     let path = crate::diag::endpoint_path(&name);
@@ -536,7 +537,8 @@ impl Walker {
     /// A block whose name is a near typo of `defaults` or `endpoints` (`endpoint:`, `default:`,
     /// `Endpoints:`), which [`Walker::fields`] reports as an unknown field with the name it
     /// guesses: what it holds (a mapping) is checked as that block's too, so that one run shows
-    /// the problems a rename would leave rather than a second run after it. They are named by
+    /// its fields' own problems rather than a second run after the rename (not all: names
+    /// written twice and cross-field checks are left to that run). They are named by
     /// the key as written (`endpoint.a.max_attempts`), so that they are not taken for problems
     /// of the block the file runs with or of its endpoints (`explain` does not show them), and
     /// marked detached as a second block's are.
@@ -567,7 +569,7 @@ impl Walker {
                 // Endpoints by name: a mapping of policy fields is no such block.
                 Some("endpoints") if !inner.iter().any(|(k, _)| is_policy_field(k)) => {
                     for (key, value) in inner {
-                        let Some(name) = self.endpoint_name(key) else {
+                        let Some(name) = self.endpoint_name(key, written) else {
                             continue;
                         };
                         let path = format!("{written}.{}", crate::diag::endpoint_name_shown(&name));
@@ -604,16 +606,17 @@ impl Walker {
         }
     }
 
-    /// An endpoint's name from its key (a string, or an integer written as one); reported and
-    /// `None` for any other kind of key.
-    fn endpoint_name(&mut self, key: &Node) -> Option<String> {
+    /// An endpoint's name from its key (a string, or an integer written as one); reported at
+    /// `block` (the name of the block it is in, as written) and `None` for any other kind of
+    /// key.
+    fn endpoint_name(&mut self, key: &Node, block: &str) -> Option<String> {
         match &key.value {
             Value::Str(s) => Some(s.clone()),
             Value::Int(i) => Some(i.to_string()),
             other => {
                 self.error(
                     key.loc,
-                    "endpoints",
+                    block,
                     format!("endpoint names are strings, found {}", other.kind()),
                 );
                 None
@@ -635,7 +638,7 @@ impl Walker {
         // from anyone.
         let mut seen: HashMap<String, Loc> = HashMap::with_capacity(entries.len());
         for (key, value) in entries {
-            let Some(name) = self.endpoint_name(key) else {
+            let Some(name) = self.endpoint_name(key, "endpoints") else {
                 continue;
             };
             let path = crate::diag::endpoint_path(&name);
@@ -1281,37 +1284,85 @@ fn get<'n>(node: &'n Node, key: &str) -> Option<&'n Node> {
     }
 }
 
-/// The path of the mapping that starts at `at` in the tree (`endpoints.c`, `defaults.backoff`,
-/// `endpoints.a.routes[0]`, empty for the file's own), as the checks name places; `None` when
-/// no mapping starts there.
-/// For a problem the YAML reader notes by place (a merge key written twice in the mapping),
-/// named as the checks name every other one. The tree is at most [`crate::yaml::MAX_DEPTH`]
-/// deep.
-pub(crate) fn path_of_mapping(root: &Node, at: Loc) -> Option<String> {
-    fn walk(node: &Node, at: Loc, path: &str) -> Option<String> {
+/// The paths of the mappings that start at the places `wanted` in the tree (`endpoints.c`,
+/// `defaults.backoff`, `endpoints.a.routes[0]`, empty for the file's own), named as the checks
+/// name places: for a problem the YAML reader notes by place (a merge key written twice in a
+/// mapping). A place no mapping node starts at (a mapping merged into another has none of its
+/// own) is left out. One walk of the tree whatever the number of places, a path built only for
+/// a place found (a file may hold 10,000 merge keys behind 100,000 other nodes); the tree is
+/// at most [`crate::yaml::MAX_DEPTH`] deep.
+pub(crate) fn paths_of_mappings(root: &Node, wanted: &[Loc]) -> HashMap<Loc, String> {
+    /// One step from the root.
+    enum Step<'n> {
+        Key(&'n str),
+        Int(i64),
+        Index(usize),
+    }
+    fn render(steps: &[Step<'_>]) -> String {
+        let mut path = String::new();
+        // The second step under `endpoints:` (or a near typo of it) names an endpoint: shown
+        // as the checks show it (a name past 128 bytes cut, with a hash).
+        let endpoints = matches!(steps.first(), Some(Step::Key(k))
+            if *k == "endpoints" || near_typo(k, TOP_FIELDS) == Some("endpoints"));
+        for (i, step) in steps.iter().enumerate() {
+            let name = match step {
+                Step::Index(n) => {
+                    path.push_str(&format!("[{n}]"));
+                    continue;
+                }
+                Step::Key(k) if i == 1 && endpoints => {
+                    crate::diag::endpoint_name_shown(k).into_owned()
+                }
+                Step::Key(k) => (*k).to_owned(),
+                Step::Int(n) => n.to_string(),
+            };
+            if !path.is_empty() {
+                path.push('.');
+            }
+            path.push_str(&name);
+        }
+        path
+    }
+    fn walk<'n>(
+        node: &'n Node,
+        wanted: &[Loc],
+        steps: &mut Vec<Step<'n>>,
+        found: &mut HashMap<Loc, String>,
+    ) {
         match &node.value {
-            Value::Map(_) if node.loc == at => Some(path.to_owned()),
-            Value::Map(entries) => entries.iter().find_map(|(key, value)| {
-                let name = match &key.value {
-                    Value::Str(s) => s.clone(),
-                    Value::Int(i) => i.to_string(),
-                    _ => return None,
-                };
-                let path = if path == "endpoints" {
-                    crate::diag::endpoint_path(&name)
-                } else {
-                    join(path, &name)
-                };
-                walk(value, at, &path)
-            }),
-            Value::Seq(items) => items
-                .iter()
-                .enumerate()
-                .find_map(|(i, item)| walk(item, at, &format!("{path}[{i}]"))),
-            _ => None,
+            Value::Map(entries) => {
+                if wanted.binary_search(&node.loc).is_ok() && !found.contains_key(&node.loc) {
+                    found.insert(node.loc, render(steps));
+                }
+                for (key, value) in entries {
+                    let step = match &key.value {
+                        Value::Str(k) => Step::Key(k),
+                        Value::Int(n) => Step::Int(*n),
+                        _ => continue,
+                    };
+                    steps.push(step);
+                    walk(value, wanted, steps, found);
+                    steps.pop();
+                }
+            }
+            Value::Seq(items) => {
+                for (i, item) in items.iter().enumerate() {
+                    steps.push(Step::Index(i));
+                    walk(item, wanted, steps, found);
+                    steps.pop();
+                }
+            }
+            _ => {}
         }
     }
-    walk(root, at, "")
+    let mut sorted = wanted.to_vec();
+    sorted.sort_unstable();
+    sorted.dedup();
+    let mut found = HashMap::new();
+    if !sorted.is_empty() {
+        walk(root, &sorted, &mut Vec::new(), &mut found);
+    }
+    found
 }
 
 fn scalar_text(node: &Node) -> String {

@@ -351,8 +351,10 @@ pub fn load_all(bytes: &[u8]) -> Loaded {
     let parsed = match crate::yaml::parse_noting(bytes) {
         Ok((root, merges_again)) => {
             // Reported as any duplicate key is, beside the file's other problems.
+            let places: Vec<_> = merges_again.iter().map(|m| m.mapping).collect();
+            let paths = crate::parse::paths_of_mappings(&root, &places);
             for again in merges_again {
-                let path = match crate::parse::path_of_mapping(&root, again.mapping) {
+                let path = match paths.get(&again.mapping) {
                     Some(p) if !p.is_empty() => format!("{p}.<<"),
                     _ => "<<".to_owned(),
                 };
@@ -370,6 +372,8 @@ pub fn load_all(bytes: &[u8]) -> Loaded {
         }
     };
     let Some((document, detached)) = parsed else {
+        // Sorted by place as documented (a merge key's problem goes in before the walk's).
+        diag::normalize(&mut diagnostics);
         return Loaded {
             policies: None,
             diagnostics,

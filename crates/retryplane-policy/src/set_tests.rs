@@ -841,6 +841,14 @@ fn a_misspelt_block_has_its_own_problems_reported_in_the_same_run() {
             "7:5: error: endpoint.a.backof: unknown field `backof` (did you mean `backoff`?)",
         ]
     );
+    // A key of the misspelt block that is no name is named at that block.
+    assert_eq!(
+        errors("version: 1\nendpoints: {a: {}}\nendpoint: {true: {}}\n"),
+        [
+            "3:1: error: endpoint: unknown field `endpoint` (did you mean `endpoints`?)",
+            "3:12: error: endpoint: endpoint names are strings, found a boolean",
+        ]
+    );
     // Beside the block the file runs with, which keeps its own checks, and whose endpoint of
     // the same name is not blamed (nor tagged, so `explain` does not show them). A name that
     // only shares a word (`old_endpoints`), is no block's, or holds policy fields rather than
@@ -1035,7 +1043,7 @@ fn a_whole_number_not_in_decimal_digits_is_refused_wherever_an_alias_or_a_merge_
     // Where no number goes, no digits are offered.
     assert_eq!(
         errors("version: 1\nendpoints:\n  a: {retry_on: 0x10}\n"),
-        ["3:17: error: endpoints.a.retry_on: expected a mapping, found the number `0x10`"]
+        ["3:17: error: endpoints.a.retry_on: expected a mapping, found `0x10`"]
     );
 }
 
@@ -1061,6 +1069,49 @@ fn a_second_merge_key_in_one_mapping_is_a_duplicate_key_reported_with_the_other_
             "13:5: error: y: unknown field `y`",
         ]
     );
+    // Named as the checks name places: a long endpoint name cut as they cut it, in a misspelt
+    // block too, and a list at the top sorted with the file's other problem.
+    let long = "n".repeat(200);
+    let long_names = format!(
+        "version: 1\nendpoints:\n  {long}: {{<<: {{}}, <<: {{}}, max_attempts: 0}}\nendpoint:\n  {long}: {{<<: {{}}, <<: {{}}, max_attempts: 0}}\n"
+    );
+    let shown = crate::diag::endpoint_name_shown(&long).into_owned();
+    let paths: Vec<String> = load(long_names.as_bytes())
+        .diagnostics
+        .iter()
+        .map(|d| d.path.clone())
+        .collect();
+    assert_eq!(
+        paths,
+        [
+            format!("endpoints.{shown}"),
+            format!("endpoints.{shown}.<<"),
+            format!("endpoints.{shown}.max_attempts"),
+            "endpoint".to_owned(),
+            format!("endpoint.{shown}.<<"),
+            format!("endpoint.{shown}.max_attempts"),
+        ]
+    );
+    assert_eq!(
+        errors("- {<<: {}, <<: {}}\n"),
+        [
+            "1:1: error: <root>: a policy file is a mapping with `version: 1` and `endpoints:`, found a list",
+            "1:12: error: [0].<<: duplicate key `<<` (first set at 1:4): merge several mappings with one key and a list, `<<: [*a, *b]`, the first one's fields winning",
+        ]
+    );
+    // Thousands of them behind a long list: each named, from one walk of the tree (a walk per
+    // merge key took minutes for such a file).
+    let many = format!(
+        "version: 1\nendpoints: {{a: {{}}}}\nx: [{}]\ny: {{{}}}\n",
+        "1,".repeat(50_000),
+        "<<: {}, ".repeat(2_000)
+    );
+    let dups = load_all(many.as_bytes())
+        .diagnostics
+        .iter()
+        .filter(|d| d.path == "y.<<")
+        .count();
+    assert_eq!(dups, 1_999);
     let one = "version: 1\nendpoints:\n  a: &a {max_attempts: 2}\n  b: &b {max_attempts: 4}\n  c:\n    <<: [*a, *b]\n";
     assert_eq!(errors(one), Vec::<String>::new());
     // `yaml::parse` alone refuses the first one.

@@ -257,19 +257,24 @@ thread_local! {
     static NOT_DECIMAL: RefCell<Vec<(Loc, String)>> = const { RefCell::new(Vec::new()) };
 }
 
-/// The notes in force for one read: set before it, cleared when dropped (an error included).
-struct NotesInForce;
+/// The notes in force for one read: set before it, and when dropped (an error or a panic
+/// included) the ones in force before it are put back (none, unless a read ever starts
+/// inside another) and this read's are freed, not kept as a thread's spare capacity.
+struct NotesInForce {
+    before: Vec<(Loc, String)>,
+}
 
 impl NotesInForce {
     fn set(notes: Vec<(Loc, String)>) -> NotesInForce {
-        NOT_DECIMAL.with(|n| *n.borrow_mut() = notes);
-        NotesInForce
+        let before = NOT_DECIMAL.with(|n| std::mem::replace(&mut *n.borrow_mut(), notes));
+        NotesInForce { before }
     }
 }
 
 impl Drop for NotesInForce {
     fn drop(&mut self) {
-        NOT_DECIMAL.with(|n| n.borrow_mut().clear());
+        let before = std::mem::take(&mut self.before);
+        NOT_DECIMAL.with(|n| *n.borrow_mut() = before);
     }
 }
 
