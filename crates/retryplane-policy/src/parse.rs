@@ -523,12 +523,15 @@ impl Walker {
                     );
                     continue;
                 };
+                let mut seen: HashMap<String, Loc> = HashMap::new();
                 for (key, value) in endpoints {
                     let Some(name) = self.endpoint_name(key, "endpoints") else {
                         continue;
                     };
                     let path = crate::diag::endpoint_path(&name);
-                    self.detached_endpoint(&name, value, &path, self.diags.len());
+                    let first_diag = self.diags.len();
+                    self.name_in_block(&name, key.loc, &path, &mut seen);
+                    self.detached_endpoint(&name, value, &path, first_diag);
                 }
             }
         }
@@ -537,8 +540,8 @@ impl Walker {
     /// A block whose name is a near typo of `defaults` or `endpoints` (`endpoint:`, `default:`,
     /// `Endpoints:`), which [`Walker::fields`] reports as an unknown field with the name it
     /// guesses: what it holds (a mapping) is checked as that block's too, so that one run shows
-    /// its fields' own problems rather than a second run after the rename (not all: names
-    /// written twice and cross-field checks are left to that run). They are named by
+    /// its fields' and names' own problems rather than a second run after the rename (not all:
+    /// cross-field checks are left to that run). They are named by
     /// the key as written (`endpoint.a.max_attempts`), so that they are not taken for problems
     /// of the block the file runs with or of its endpoints (`explain` does not show them), and
     /// marked detached as a second block's are.
@@ -568,17 +571,39 @@ impl Walker {
                 }
                 // Endpoints by name: a mapping of policy fields is no such block.
                 Some("endpoints") if !inner.iter().any(|(k, _)| is_policy_field(k)) => {
+                    let mut seen: HashMap<String, Loc> = HashMap::new();
                     for (key, value) in inner {
                         let Some(name) = self.endpoint_name(key, written) else {
                             continue;
                         };
                         let path = format!("{written}.{}", crate::diag::endpoint_name_shown(&name));
+                        self.name_in_block(&name, key.loc, &path, &mut seen);
                         self.endpoint_alone(value, &path);
                     }
                 }
                 _ => continue,
             }
             self.detached.push(first_diag..self.diags.len());
+        }
+    }
+
+    /// The checks of an endpoint's name in a block left out of the document (a second or a
+    /// misspelt `endpoints:`), as the block the file runs with gets them: its own rule, and
+    /// one name written twice in the block (`seen`: each name's first place in it).
+    fn name_in_block(&mut self, name: &str, at: Loc, path: &str, seen: &mut HashMap<String, Loc>) {
+        crate::validate::check_endpoint_name(name, at, path, &mut self.diags);
+        match seen.entry(name.to_owned()) {
+            Entry::Occupied(first) => {
+                let first = *first.get();
+                self.error(
+                    at,
+                    path,
+                    format!("duplicate endpoint `{name}` (first defined at {first})"),
+                );
+            }
+            Entry::Vacant(slot) => {
+                slot.insert(at);
+            }
         }
     }
 

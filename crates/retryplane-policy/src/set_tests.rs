@@ -841,6 +841,19 @@ fn a_misspelt_block_has_its_own_problems_reported_in_the_same_run() {
             "7:5: error: endpoint.a.backof: unknown field `backof` (did you mean `backoff`?)",
         ]
     );
+    // Its names are held to their rule, once each in the block, as a second block's are.
+    assert_eq!(
+        errors(
+            "version: 1\nendpoints: {a: {}}\nendpoint:\n  b: {}\n  b: {}\n  caf\u{e9}: {}\nendpoints:\n  c: {}\n  c: {}\n"
+        ),
+        [
+            "3:1: error: endpoint: unknown field `endpoint` (did you mean `endpoints`?)",
+            "5:3: error: endpoint.b: duplicate endpoint `b` (first defined at 4:3)",
+            "6:3: error: endpoint.caf\u{e9}: endpoint names are 1 to 128 ASCII letters, digits, `-`, `_` or `.`",
+            "7:1: error: endpoints: duplicate key `endpoints` (first set at 2:1)",
+            "9:3: error: endpoints.c: duplicate endpoint `c` (first defined at 8:3)",
+        ]
+    );
     // A key of the misspelt block that is no name is named at that block.
     assert_eq!(
         errors("version: 1\nendpoints: {a: {}}\nendpoint: {true: {}}\n"),
@@ -1088,6 +1101,7 @@ fn a_second_merge_key_in_one_mapping_is_a_duplicate_key_reported_with_the_other_
             format!("endpoints.{shown}.<<"),
             format!("endpoints.{shown}.max_attempts"),
             "endpoint".to_owned(),
+            format!("endpoint.{shown}"),
             format!("endpoint.{shown}.<<"),
             format!("endpoint.{shown}.max_attempts"),
         ]

@@ -513,7 +513,8 @@ fn route_shared_message(section: &str) -> String {
     )
 }
 
-fn check_endpoint_name(name: &str, loc: Loc, path: &str, diags: &mut Vec<Diagnostic>) {
+/// An endpoint name's own rule (letters, length), at `path`.
+pub(crate) fn check_endpoint_name(name: &str, loc: Loc, path: &str, diags: &mut Vec<Diagnostic>) {
     let ok = !name.is_empty()
         && name.len() <= crate::diag::MAX_ENDPOINT_NAME
         && name
