@@ -85,6 +85,11 @@ const MATCH_TYPOS: [&[&str]; 6] = [
 /// What [`Walker::type_error`] is told a number field expects.
 const NUMBER_KINDS: [&str; 3] = ["a whole number", "a number", "an HTTP status code"];
 
+/// Whether `name` is a field of a policy layer (`defaults:` or an endpoint).
+fn is_policy_field(name: &str) -> bool {
+    POLICY_FIELDS.contains(&name) || ENDPOINT_FIELDS.contains(&name)
+}
+
 /// No field belongs elsewhere: every unknown one is offered the nearest known one.
 fn no_hint(_: &str) -> Option<String> {
     None
@@ -439,7 +444,7 @@ impl Walker {
         let (mut version, mut endpoints) = (false, false);
         // A policy field at the top level belongs under `defaults:` (or an endpoint).
         let misplaced = |f: &str| {
-            (POLICY_FIELDS.contains(&f) || ENDPOINT_FIELDS.contains(&f)).then(|| {
+            is_policy_field(f).then(|| {
                 format!(
                     "a policy field goes under `defaults:` (for every endpoint) or under an endpoint, not at the top level (did you mean `defaults.{f}`?)"
                 )
@@ -549,10 +554,6 @@ impl Walker {
         let Value::Map(entries) = &root.value else {
             return;
         };
-        let is_policy_field = |key: &Node| {
-            matches!(&key.value, Value::Str(f)
-                if POLICY_FIELDS.contains(&f.as_str()) || ENDPOINT_FIELDS.contains(&f.as_str()))
-        };
         for (key, value) in entries {
             let Value::Str(written) = &key.value else {
                 continue;
@@ -570,7 +571,11 @@ impl Walker {
                     crate::validate::check_detached(&overlay, written, false, &mut self.diags);
                 }
                 // Endpoints by name: a mapping of policy fields is no such block.
-                Some("endpoints") if !inner.iter().any(|(k, _)| is_policy_field(k)) => {
+                Some("endpoints")
+                    if !inner
+                        .iter()
+                        .any(|(k, _)| matches!(&k.value, Value::Str(f) if is_policy_field(f))) =>
+                {
                     let mut seen: HashMap<String, Loc> = HashMap::new();
                     for (key, value) in inner {
                         let Some(name) = self.endpoint_name(key, written) else {
@@ -1330,21 +1335,14 @@ pub(crate) fn paths_of_mappings(root: &Node, wanted: &[Loc]) -> HashMap<Loc, Str
         let endpoints = matches!(steps.first(), Some(Step::Key(k))
             if *k == "endpoints" || near_typo(k, TOP_FIELDS) == Some("endpoints"));
         for (i, step) in steps.iter().enumerate() {
-            let name = match step {
-                Step::Index(n) => {
-                    path.push_str(&format!("[{n}]"));
-                    continue;
-                }
+            path = match step {
+                Step::Index(n) => format!("{path}[{n}]"),
                 Step::Key(k) if i == 1 && endpoints => {
-                    crate::diag::endpoint_name_shown(k).into_owned()
+                    join(&path, &crate::diag::endpoint_name_shown(k))
                 }
-                Step::Key(k) => (*k).to_owned(),
-                Step::Int(n) => n.to_string(),
+                Step::Key(k) => join(&path, k),
+                Step::Int(n) => join(&path, &n.to_string()),
             };
-            if !path.is_empty() {
-                path.push('.');
-            }
-            path.push_str(&name);
         }
         path
     }
