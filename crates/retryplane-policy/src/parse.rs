@@ -85,6 +85,17 @@ const MATCH_TYPOS: [&[&str]; 6] = [
 /// What [`Walker::type_error`] is told a number field expects.
 const NUMBER_KINDS: [&str; 3] = ["a whole number", "a number", "an HTTP status code"];
 
+/// Whether the string `s` is a number in decimal digits (`3`, `-2`, `0.5`): text that reads as
+/// a number when written without quotes, so a string of it was quoted.
+fn is_quoted_number(s: &str) -> bool {
+    let digits = s.strip_prefix('-').unwrap_or(s);
+    let (whole, fraction) = digits.split_once('.').unwrap_or((digits, "0"));
+    !whole.is_empty()
+        && !fraction.is_empty()
+        && whole.bytes().all(|b| b.is_ascii_digit())
+        && fraction.bytes().all(|b| b.is_ascii_digit())
+}
+
 /// Whether `name` is a field of a policy layer (`defaults:` or an endpoint).
 fn is_policy_field(name: &str) -> bool {
     POLICY_FIELDS.contains(&name) || ENDPOINT_FIELDS.contains(&name)
@@ -261,6 +272,10 @@ impl Walker {
         }
         // A YAML 1.1 number (`1_000`) reads as a string in YAML 1.2: say how to write it.
         let hint = match &node.value {
+            // `"3"` where a number goes: the number, quoted (a plain `3` reads as a number).
+            Value::Str(s) if NUMBER_KINDS.contains(&expected) && is_quoted_number(s) => {
+                " (a quoted string: write the number without quotes)".to_owned()
+            }
             Value::Str(s) if is_underscored_number(s) => {
                 format!(" (`{s}`: a number is written without `_` in YAML 1.2)")
             }

@@ -439,6 +439,29 @@ fn a_version_written_as_a_float_or_with_a_leading_zero_says_how_to_write_it() {
     );
 }
 
+/// A number written in quotes where a number goes is told to lose its quotes, as `version`'s
+/// is, in single or double quotes or tagged as a string; quoted text that is no number, and a
+/// quoted number where text goes, get no such hint.
+#[test]
+fn a_quoted_number_where_a_number_goes_is_told_to_lose_its_quotes() {
+    let src = "version: 1\nendpoints:\n  a:\n    max_attempts: \"3\"\n    retry_on: {http_status: ['503', \"504\"]}\n    budget: {ratio: \"0.2\", min_per_second: !!str 10}\n    alert: {retry_ratio: \"-0.5\"}\n  b:\n    max_attempts: \"three\"\n    budget: {ratio: \"0.\", min_per_second: \"1e3\"}\n";
+    let quotes = "(a quoted string: write the number without quotes)";
+    assert_eq!(
+        errors(src),
+        [
+            format!("4:19: error: endpoints.a.max_attempts: expected a whole number, found a string {quotes}"),
+            format!("5:30: error: endpoints.a.retry_on.http_status[0]: expected an HTTP status code, found a string {quotes}"),
+            format!("5:37: error: endpoints.a.retry_on.http_status[1]: expected an HTTP status code, found a string {quotes}"),
+            format!("6:21: error: endpoints.a.budget.ratio: expected a number, found a string {quotes}"),
+            format!("6:50: error: endpoints.a.budget.min_per_second: expected a whole number, found a string {quotes}"),
+            format!("7:26: error: endpoints.a.alert.retry_ratio: expected a number, found a string {quotes}"),
+            "9:19: error: endpoints.b.max_attempts: expected a whole number, found a string".to_owned(),
+            "10:21: error: endpoints.b.budget.ratio: expected a number, found a string".to_owned(),
+            "10:43: error: endpoints.b.budget.min_per_second: expected a whole number, found a string".to_owned(),
+        ]
+    );
+}
+
 #[test]
 fn counts_out_of_range_name_the_range_of_the_field() {
     assert_eq!(
