@@ -193,11 +193,24 @@ pub(crate) struct Task {
 /// The agent a service embeds: cheap to clone. The background task (the stream to the control
 /// plane, the cache file, the metrics reports) runs until [`Agent::shutdown`] is called or the
 /// last clone of the agent and the last [`Endpoint`] handle made from it are dropped, so a
-/// service may keep only its handles.
-#[derive(Clone, Debug)]
+/// service may keep only its handles. Its `Debug` is one short line: the policies in force
+/// (as [`PolicySnapshot`]'s) and whether the stream is connected.
+#[derive(Clone)]
 pub struct Agent {
     shared: Arc<Shared>,
     task: Option<Arc<Task>>,
+}
+
+// Written by hand: the derived form printed the shared state whole (every policy, counter
+// and endpoint), kilobytes per `?agent` in a log line.
+impl std::fmt::Debug for Agent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Agent")
+            .field("policies", &self.shared.policies.load())
+            .field("control_plane", &self.task.is_some())
+            .field("connected", &self.is_connected())
+            .finish_non_exhaustive()
+    }
 }
 
 impl Agent {
@@ -818,6 +831,46 @@ mod tests {
     fn set(max_attempts: u32) -> PolicySet {
         let yaml = format!("version: 1\nendpoints:\n  a: {{max_attempts: {max_attempts}}}\n");
         retryplane_policy::load(yaml.as_bytes()).policies.unwrap()
+    }
+
+    /// `?agent`, `?endpoint` and `?snapshot` in a log line are one short line each, whatever
+    /// the policies hold (the derived forms printed every policy and state: kilobytes).
+    #[tokio::test(start_paused = true)]
+    async fn debug_of_the_agent_its_handles_and_snapshots_is_one_short_line() {
+        let mut yaml = String::from("version: 1\nendpoints:\n");
+        for n in 0..200 {
+            yaml.push_str(&format!(
+                "  svc-{n}: {{max_attempts: 3, retry_on: {{http_status: [503, 504]}}}}\n"
+            ));
+        }
+        let agent = Agent::from_policies_seeded(
+            retryplane_policy::load(yaml.as_bytes()).policies.unwrap(),
+            1,
+        );
+        let endpoint = agent.endpoint("svc-7");
+        let shown = [
+            format!("{agent:?}"),
+            format!("{endpoint:?}"),
+            format!("{:?}", agent.policies()),
+        ];
+        for line in &shown {
+            assert!(line.len() < 300 && !line.contains('\n'), "{line}");
+            assert!(
+                !line.contains("max_attempts") && !line.contains("svc-0"),
+                "no policy in it: {line}"
+            );
+        }
+        assert!(
+            shown[0].starts_with("Agent { policies: PolicySnapshot { version: 0, content_hash: \"")
+        );
+        assert!(
+            shown[0].ends_with(
+                "source: Static, endpoints: 200, .. }, control_plane: false, connected: false, .. }"
+            ),
+            "{}",
+            shown[0]
+        );
+        assert_eq!(shown[1], "Endpoint { name: \"svc-7\", version: 0, .. }");
     }
 
     /// A service that names its endpoints after hosts calls many once: once no handle holds

@@ -52,14 +52,25 @@ use crate::snapshot::Entry;
 /// lookup among the snapshot's endpoints; the first call after a swap looks it up again. So a
 /// handle made for each call costs one map lookup by name, and no allocation while a handle
 /// on that name is held or since the last report and swap (an endpoint no handle holds is
-/// let go then, see the crate docs); keeping the handle saves that lookup.
-#[derive(Clone, Debug)]
+/// let go then, see the crate docs); keeping the handle saves that lookup. Its `Debug` names
+/// the endpoint and the version of the policies in force, not the policies.
+#[derive(Clone)]
 pub struct Endpoint {
     shared: Arc<Shared>,
     core: Arc<EndpointCore>,
     /// The agent's background task, kept running while a handle lives (`None` for an agent
     /// with no control plane).
     _task: Option<Arc<Task>>,
+}
+
+// Written by hand: the derived form printed the agent's shared state whole (see `Agent`'s).
+impl std::fmt::Debug for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Endpoint")
+            .field("name", &self.name())
+            .field("version", &self.shared.policies.load().version())
+            .finish_non_exhaustive()
+    }
 }
 
 /// What every handle on one endpoint of an agent shares: its name, its counters and the entry

@@ -372,8 +372,9 @@ impl Entry {
     }
 }
 
-/// One immutable version of the agent's policies.
-#[derive(Debug)]
+/// One immutable version of the agent's policies. Its `Debug` names the version, hash, source
+/// and endpoint count, not the policies (ask [`PolicySnapshot::set`] for those), so a log line
+/// or `dbg!` of it stays one short line.
 pub struct PolicySnapshot {
     set: Option<PolicySet>,
     defaults: Arc<RetryPolicy>,
@@ -506,6 +507,19 @@ impl PolicySnapshot {
     /// Where the policies came from.
     pub fn source(&self) -> Source {
         self.source
+    }
+}
+
+// Written by hand: the derived form printed every policy and endpoint state (2–9 KB for a
+// few dozen endpoints) wherever a snapshot, an agent or a handle was logged with `?`.
+impl std::fmt::Debug for PolicySnapshot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PolicySnapshot")
+            .field("version", &self.version)
+            .field("content_hash", &self.hash)
+            .field("source", &self.source)
+            .field("endpoints", &self.set.as_ref().map_or(0, PolicySet::len))
+            .finish_non_exhaustive()
     }
 }
 
