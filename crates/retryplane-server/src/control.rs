@@ -95,11 +95,21 @@ pub struct ChangeOutcome {
     pub warnings: Vec<Diagnostic>,
 }
 
+/// `N error(s), first: LOC: error: PATH: message` of a refused change's problems.
+fn errors_in_brief(diagnostics: &[Diagnostic]) -> String {
+    let mut errors = diagnostics.iter().filter(|d| d.is_error());
+    match errors.next() {
+        Some(first) => format!("{} error(s), first: {first}", 1 + errors.count()),
+        None => "no error named".to_owned(),
+    }
+}
+
 /// Why a change was refused.
 #[derive(Debug, thiserror::Error)]
 pub enum ChangeError {
-    /// The policies are invalid.
-    #[error("invalid policies: {} error(s)", .0.len())]
+    /// The policies are invalid; holds every problem found (warnings too). Its message counts
+    /// the errors and names the first, as the agent's `InvalidPolicyFile` does.
+    #[error("invalid policies: {}", errors_in_brief(.0))]
     Invalid(Vec<Diagnostic>),
     /// The change removes every endpoint of the current version; holds their names.
     #[error(

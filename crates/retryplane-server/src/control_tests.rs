@@ -344,6 +344,14 @@ async fn an_invalid_change_is_refused_before_the_store_is_read() {
 
     let refused = control.apply(change(invalid)).await.unwrap_err();
     assert!(matches!(refused, ChangeError::Invalid(_)), "{refused:?}");
+    // Its message names the first error, not only a count.
+    assert!(
+        refused
+            .to_string()
+            .starts_with("invalid policies: 1 error(s), first: ")
+            && refused.to_string().contains("max_attempts"),
+        "{refused}"
+    );
     assert_eq!(store.reads.load(Ordering::SeqCst), 0, "the store was read");
     assert_eq!(control.metrics.rejected_changes.get(), 1);
 

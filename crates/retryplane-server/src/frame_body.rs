@@ -47,9 +47,10 @@ pub enum FrameError {
         /// The most an agent decodes.
         limit: usize,
     },
-    /// prost could not encode the message.
+    /// prost could not encode the message. Its error is in the message and not given as the
+    /// source too, so a report that walks the chain does not say it twice.
     #[error("cannot encode the message: {0}")]
-    Encode(#[from] prost::EncodeError),
+    Encode(prost::EncodeError),
 }
 
 /// `message` as one uncompressed gRPC frame: flag `0`, the big-endian `u32` length, the
@@ -70,7 +71,7 @@ pub fn encode_frame(message: &impl prost::Message) -> Result<Bytes, FrameError> 
     let mut buf = BytesMut::with_capacity(HEADER_LEN + len);
     buf.put_u8(0);
     buf.put_u32(wire_len);
-    message.encode(&mut buf)?;
+    message.encode(&mut buf).map_err(FrameError::Encode)?;
     Ok(buf.freeze())
 }
 
