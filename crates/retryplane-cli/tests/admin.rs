@@ -126,7 +126,7 @@ fn an_endpoint_named_defaults_is_told_apart_from_the_defaults_block() {
     let history = server.history();
     assert_eq!(
         history[0]["summary"],
-        "+1 endpoint, -0, 0 modified, defaults modified"
+        "+1 endpoint (defaults), -0, 0 modified, defaults modified"
     );
 }
 
@@ -174,7 +174,7 @@ fn apply_get_history_diff_rollback_and_status_work_against_a_real_server() {
         ))
         .stdout(predicate::str::contains("+ search\n"))
         .stdout(predicate::str::ends_with(
-            "dry run: would change v1: +1 endpoint, -0, 1 modified\n",
+            "dry run: would change v1: +1 endpoint (search), -0, 1 modified (payments)\n",
         ));
     let got = server.retryplane(&["get"]).assert().code(0);
     assert!(stdout_of(&got).contains("max_attempts: 3"));
@@ -292,6 +292,11 @@ fn apply_get_history_diff_rollback_and_status_work_against_a_real_server() {
     assert_eq!(lines.len(), 3, "{text}");
     assert!(lines[0].starts_with("VERSION  CREATED"), "{text}");
     assert!(lines[1].trim_start().starts_with("2  20"), "{text}");
+    // Each version names the endpoints it changed.
+    assert!(
+        lines[1].ends_with("+1 endpoint (search), -0, 1 modified (payments)"),
+        "{text}"
+    );
     let history = server.history();
     assert_eq!(history.as_array().unwrap().len(), 2);
     assert_eq!(history[0]["version"], 2);

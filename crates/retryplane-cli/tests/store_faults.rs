@@ -43,8 +43,9 @@ async fn a_damaged_page_of_the_store_stops_the_start_naming_the_file_and_what_to
     let file = dir.path().join("data/retryplane.redb");
     let mut bytes = std::fs::read(&file).unwrap();
     // Every copy of the version's summary, so that the live one is among them (the record
-    // keeps it as written; the document is compressed, so no endpoint name shows).
-    let summary = b"+1 endpoint, -0, 0 modified";
+    // keeps it as written; the document is compressed, so its endpoint names show only
+    // here).
+    let summary = b"+1 endpoint (";
     let at: Vec<usize> = bytes
         .windows(summary.len())
         .enumerate()

@@ -168,29 +168,61 @@ pub fn diff(old: &PolicyDocument, new: &PolicyDocument) -> Vec<Change> {
     changes
 }
 
-/// One line for a list of changes: `+1 endpoint, -0, 2 modified` (with `, defaults modified`
-/// when the defaults changed), or `no changes`.
+/// One line for a list of changes: `+1 endpoint (search), -0, 2 modified (inventory,
+/// payments)` (with `, defaults modified` when the defaults changed), or `no changes`. Each
+/// count names its endpoints, in the order of `changes`, up to [`SUMMARY_NAMES`] of them and
+/// then how many more (`… 7 more`), so `history` says which endpoints a version changed.
 pub fn summary(changes: &[Change]) -> String {
     if changes.is_empty() {
         return "no changes".to_owned();
     }
-    let count = |kind| {
+    let of = |kind| -> Vec<&str> {
         changes
             .iter()
-            .filter(|c| c.kind == kind && c.scope != Scope::Defaults)
-            .count()
+            .filter(|c| c.kind == kind)
+            .filter_map(|c| match &c.scope {
+                Scope::Endpoint(name) => Some(name.as_str()),
+                Scope::Defaults => None,
+            })
+            .collect()
     };
-    let added = count(ChangeKind::Added);
+    let (added, removed, modified) = (
+        of(ChangeKind::Added),
+        of(ChangeKind::Removed),
+        of(ChangeKind::Modified),
+    );
     let mut line = format!(
-        "+{added} endpoint{}, -{}, {} modified",
-        if added == 1 { "" } else { "s" },
-        count(ChangeKind::Removed),
-        count(ChangeKind::Modified)
+        "+{} endpoint{}{}, -{}{}, {} modified{}",
+        added.len(),
+        if added.len() == 1 { "" } else { "s" },
+        names_in_brief(&added),
+        removed.len(),
+        names_in_brief(&removed),
+        modified.len(),
+        names_in_brief(&modified),
     );
     if changes.iter().any(|c| c.scope == Scope::Defaults) {
         line.push_str(", defaults modified");
     }
     line
+}
+
+/// How many endpoint names a [`summary`] gives for each count before `… N more`: enough for the
+/// usual change, and a summary of thousands of changes stays one readable line.
+pub const SUMMARY_NAMES: usize = 3;
+
+/// ` (a, b, c, … 4 more)`, or nothing for no names.
+fn names_in_brief(names: &[&str]) -> String {
+    if names.is_empty() {
+        return String::new();
+    }
+    let shown = names.len().min(SUMMARY_NAMES);
+    let mut out = format!(" ({}", names[..shown].join(", "));
+    if names.len() > shown {
+        out.push_str(&format!(", … {} more", names.len() - shown));
+    }
+    out.push(')');
+    out
 }
 
 /// Whether `a` and `b` hold the same values: equal once places are forgotten and endpoints

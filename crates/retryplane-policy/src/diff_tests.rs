@@ -95,7 +95,7 @@ fn an_added_endpoint_lists_what_it_sets() {
             ],
         }]
     );
-    assert_eq!(summary(&changes), "+1 endpoint, -0, 0 modified");
+    assert_eq!(summary(&changes), "+1 endpoint (b), -0, 0 modified");
     assert!(!same_content(&a, &b));
 }
 
@@ -116,7 +116,7 @@ fn a_removed_endpoint_is_reported_after_the_others() {
             (Some("b"), ChangeKind::Removed)
         ]
     );
-    assert_eq!(summary(&changes), "+0 endpoints, -2, 1 modified");
+    assert_eq!(summary(&changes), "+0 endpoints, -2 (a, b), 1 modified (c)");
 }
 
 /// `n` endpoints `ep-<i>` for `i` in `range`, each with `max_attempts` from `attempts(i)`.
@@ -140,7 +140,10 @@ fn a_large_document_is_diffed_endpoint_by_endpoint() {
     assert_eq!(of(ChangeKind::Added), 1_000);
     assert_eq!(of(ChangeKind::Removed), 1_000);
     assert_eq!(of(ChangeKind::Modified), 400);
-    assert_eq!(summary(&changes), "+1000 endpoints, -1000, 400 modified");
+    assert_eq!(
+        summary(&changes),
+        "+1000 endpoints (ep-5999, ep-5998, ep-5997, … 997 more), -1000 (ep-0, ep-1, ep-2, … 997 more), 400 modified (ep-4990, ep-4980, ep-4970, … 397 more)"
+    );
     // Added and modified in the new file's order, then removed in the old file's order.
     let scopes: Vec<&str> = changes.iter().filter_map(|c| c.scope.endpoint()).collect();
     assert_eq!(&scopes[..3], ["ep-5999", "ep-5998", "ep-5997"]);
@@ -260,7 +263,7 @@ fn a_defaults_change_comes_first_and_is_counted_apart() {
     assert_eq!(changes[0].details, ["deadline: 15s -> 20s"]);
     assert_eq!(
         summary(&changes),
-        "+1 endpoint, -0, 0 modified, defaults modified"
+        "+1 endpoint (b), -0, 0 modified, defaults modified"
     );
     assert_eq!(
         changes[0].to_string(),
@@ -319,7 +322,7 @@ fn an_endpoint_named_defaults_is_an_endpoint_not_the_defaults_block() {
     let b = doc("version: 1\nendpoints:\n  a: {}\n  defaults: {max_attempts: 2}\n");
     let added = diff(&a, &b);
     assert_eq!(added[0].scope, Scope::Endpoint("defaults".into()));
-    assert_eq!(summary(&added), "+1 endpoint, -0, 0 modified");
+    assert_eq!(summary(&added), "+1 endpoint (defaults), -0, 0 modified");
     assert_eq!(
         added[0].to_string(),
         "endpoints.defaults added: max_attempts: 2"
@@ -338,12 +341,12 @@ fn an_endpoint_named_defaults_is_an_endpoint_not_the_defaults_block() {
     );
     assert_eq!(
         summary(&both),
-        "+0 endpoints, -0, 1 modified, defaults modified"
+        "+0 endpoints, -0, 1 modified (defaults), defaults modified"
     );
     let removed = diff(&c, &a);
     assert_eq!(
         summary(&removed),
-        "+0 endpoints, -1, 0 modified, defaults modified"
+        "+0 endpoints, -1 (defaults), 0 modified, defaults modified"
     );
 }
 

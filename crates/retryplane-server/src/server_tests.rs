@@ -2376,7 +2376,7 @@ async fn a_start_does_not_publish_a_file_its_writer_still_holds_open() {
     .await;
     // Only `payments` changed: `search` was never dropped.
     let info = current(&running).await;
-    assert_eq!(info.summary, "+0 endpoints, -0, 1 modified");
+    assert_eq!(info.summary, "+0 endpoints, -0, 1 modified (payments)");
     assert_read_once_its_writer_closed(&log.text(), 2);
     running.shutdown().await.unwrap();
 }
@@ -2453,7 +2453,7 @@ async fn a_first_start_on_a_file_its_writer_holds_open_is_unready_until_the_whol
     let info = current(&running).await;
     assert_eq!(
         (info.version, info.summary.as_str()),
-        (1, "+2 endpoints, -0, 0 modified")
+        (1, "+2 endpoints (payments, search), -0, 0 modified")
     );
     assert_read_once_its_writer_closed(&log.text(), 1);
     assert_eq!(last_reload_successful(&running).await, "1");

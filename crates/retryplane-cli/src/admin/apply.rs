@@ -3,7 +3,7 @@
 //! Text output: the server's warnings as `FILE:LINE:COLUMN: warning: PATH: message` lines, the
 //! diff against the current version (`+ added`, `- removed`, `~ modified` endpoints, detail
 //! lines indented), then one result line: `applied v7 (sha256 0123456789ab…)`,
-//! `no changes (v6)`, or with `--dry-run` `dry run: would change v6: +1 endpoint, -0, 2 modified`
+//! `no changes (v6)`, or with `--dry-run` `dry run: would change v6: +1 endpoint (search), -0, 2 modified (inventory, payments)`
 //! (`dry run: no changes (v6)`). JSON: see `change::change_json`; after a dry run,
 //! `would_change` says whether the apply would store a new version and `new_content_hash` the
 //! hash it would get (`version` and `content_hash` stay the current version's). A file with errors is checked here and never sent: every
@@ -229,7 +229,7 @@ mod tests {
         );
         assert_eq!(
             result_line(&response(6, false, 2), true),
-            "dry run: would change v6: +2 endpoints, -0, 0 modified\n"
+            "dry run: would change v6: +2 endpoints (e0, e1), -0, 0 modified\n"
         );
         assert_eq!(
             result_line(&response(6, false, 0), true),
@@ -237,7 +237,7 @@ mod tests {
         );
         assert_eq!(
             result_line(&response(0, false, 1), true),
-            "dry run: would publish the first version: +1 endpoint, -0, 0 modified\n"
+            "dry run: would publish the first version: +1 endpoint (e0), -0, 0 modified\n"
         );
     }
 }

@@ -41,8 +41,8 @@ pub fn push_diff(out: &mut String, diff: &[pb::DiffEntry]) {
     }
 }
 
-/// `+1 endpoint, -0, 2 modified` (and `, defaults modified`), as the server summarises
-/// versions in `history`.
+/// `+1 endpoint (search), -0, 2 modified (inventory, payments)` (and `, defaults modified`), as
+/// the server summarises versions in `history` ([`diff::summary`]).
 pub fn summary(diff: &[pb::DiffEntry]) -> String {
     let changes: Vec<Change> = diff.iter().map(Change::from).collect();
     diff::summary(&changes)
@@ -465,7 +465,7 @@ mod tests {
         );
         assert_eq!(
             summary(&diff),
-            "+1 endpoint, -0, 0 modified, defaults modified"
+            "+1 endpoint (defaults), -0, 0 modified, defaults modified"
         );
         let response = pb::ApplyResponse {
             diff: diff.to_vec(),
@@ -490,7 +490,7 @@ mod tests {
     fn a_diff_is_summarised_like_history() {
         assert_eq!(
             summary(&sample()),
-            "+1 endpoint, -1, 1 modified, defaults modified"
+            "+1 endpoint (search), -1 (legacy), 1 modified (payments), defaults modified"
         );
         assert_eq!(summary(&[]), "no changes");
     }

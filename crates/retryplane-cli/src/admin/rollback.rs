@@ -4,8 +4,8 @@
 //! (the same content hash). Text: the diff against the version that was current, then
 //! `rolled back to v3: now v8 (sha256 0123456789ab…)`, or `no changes: v7 already has the
 //! content of v3`. With `--dry-run`, nothing is stored: the diff, then `dry run: rolling back
-//! to v3 would change v7: +1 endpoint, -0, 2 modified` (`dry run: no changes: v7 already has
-//! the content of v3`). JSON: `{version, content_hash, changed, dry_run, would_change,
+//! to v3 would change v7: +1 endpoint (search), -0, 2 modified (inventory, payments)` (`dry
+//! run: no changes: v7 already has the content of v3`). JSON: `{version, content_hash, changed, dry_run, would_change,
 //! new_content_hash, diff, warnings, rolled_back_to}` (see `change::change_json`). An unknown
 //! version, a version conflict or a rollback that removes every endpoint without `--force` is
 //! refused (exit 1; a dry run of one prints its diff above the refusal, in text output).
@@ -215,7 +215,7 @@ mod tests {
         }];
         assert_eq!(
             result_line(&response, 3, true),
-            "dry run: rolling back to v3 would change v7: +0 endpoints, -0, 1 modified\n"
+            "dry run: rolling back to v3 would change v7: +0 endpoints, -0, 1 modified (payments)\n"
         );
     }
 }

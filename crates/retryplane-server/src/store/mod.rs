@@ -84,7 +84,9 @@ pub struct VersionMeta {
     pub author: Option<String>,
     /// When it was published, in milliseconds since the Unix epoch.
     pub created_unix_ms: u64,
-    /// A one-line description of the change, e.g. "+1 endpoint, 2 modified".
+    /// A one-line description of the change, e.g. `+1 endpoint (search), -0, 2 modified
+    /// (inventory, payments)` (`retryplane_policy::diff::summary`; versions stored before it
+    /// named endpoints hold the counts only).
     pub summary: String,
 }
 
