@@ -11,7 +11,8 @@
 //! - the control plane: `serve` runs it; `apply`, `diff`, `get`, `history`, `rollback`,
 //!   `status`, `stats` and `top` talk to its admin API (`--server`, `--token` /
 //!   `RETRYPLANE_TOKEN`); `top` is the one command that keeps running: a live view, on the
-//!   terminal's alternate screen when stdout is a terminal, plain text blocks otherwise.
+//!   terminal's alternate screen when stdout is a terminal, plain text blocks otherwise;
+//! - `completions SHELL` prints a shell's completion script.
 //!
 //! Each command is one [`Command`] variant and one module: clap parses raw flags (`Args`), the
 //! module turns them into validated `Settings` once, and its `run` returns a [`Report`] — what
@@ -40,6 +41,7 @@
 #![forbid(unsafe_code)]
 
 mod admin;
+mod completions;
 mod explain;
 mod flags;
 mod input;
@@ -118,6 +120,8 @@ enum Command {
     Simulate(simulate::Args),
     /// Make one HTTP call under an endpoint's policy and show every attempt.
     Request(request::Args),
+    /// Print the completion script of a shell (bash, zsh, fish, elvish, powershell).
+    Completions(completions::Args),
 }
 
 /// How a command ended; each outcome is one exit code.
@@ -228,6 +232,7 @@ fn run(cli: Cli) -> anyhow::Result<Report> {
         Command::Serve(args) => serve::run(args.into()),
         Command::Simulate(args) => simulate::run(&args.try_into()?),
         Command::Request(args) => request::run(&args.try_into()?),
+        Command::Completions(args) => Ok(completions::run(&args)),
     }
 }
 

@@ -1083,3 +1083,43 @@ fn validate_counts_every_warning_of_a_file_cut_at_the_listing_limit() {
         "{stderr}"
     );
 }
+
+/// `completions bash` prints a script bash loads, which completes the commands and a
+/// command's flags; an unknown shell is a usage error.
+#[test]
+fn the_bash_completion_script_loads_and_completes_commands_and_flags() {
+    let dir = dir_with(&[]);
+    let script = output(dir.path(), &["completions", "bash"], 0);
+    fs::write(dir.path().join("retryplane.bash"), &script).unwrap();
+    // Load it, then ask its function for what follows `retryplane ap` and `retryplane apply --exp`.
+    let probe = r#"set -e
+source ./retryplane.bash
+complete -p retryplane
+ask() { COMP_WORDS=("$@"); COMP_CWORD=$(( $# - 1 )); COMP_LINE="$*"; COMP_POINT=${#COMP_LINE};
+  COMPREPLY=(); _retryplane retryplane "${COMP_WORDS[$COMP_CWORD]}" "${COMP_WORDS[$COMP_CWORD-1]}";
+  echo "${COMPREPLY[*]}"; }
+ask retryplane ap
+ask retryplane apply --exp
+"#;
+    let out = std::process::Command::new("bash")
+        .arg("-c")
+        .arg(probe)
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert!(lines[0].ends_with(" retryplane"), "{stdout}");
+    assert_eq!(lines[1], "apply", "{stdout}");
+    assert_eq!(lines[2], "--expected-version", "{stdout}");
+
+    retryplane(dir.path(), &["completions", "tcsh"])
+        .assert()
+        .code(2)
+        .stderr(predicate::str::contains("invalid value 'tcsh'"));
+}

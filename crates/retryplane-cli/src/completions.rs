@@ -1,0 +1,72 @@
+//! `retryplane completions SHELL`: the shell's completion script for every command and flag,
+//! printed on stdout, made by `clap_complete` from the same definition the parser uses (so it
+//! cannot fall behind a new flag). Install it as the shell expects, for example:
+//!
+//! ```text
+//! retryplane completions bash > ~/.local/share/bash-completion/completions/retryplane
+//! retryplane completions zsh > "${fpath[1]}/_retryplane"
+//! retryplane completions fish > ~/.config/fish/completions/retryplane.fish
+//! ```
+
+use clap::CommandFactory;
+use clap_complete::Shell;
+
+use crate::{Cli, Outcome, Report};
+
+/// `retryplane completions` flags.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// The shell to write the completion script for.
+    #[arg(value_enum)]
+    shell: Shell,
+}
+
+/// The completion script of `args.shell`.
+pub fn run(args: &Args) -> Report {
+    let mut command = Cli::command();
+    let mut script = Vec::new();
+    clap_complete::generate(args.shell, &mut command, "retryplane", &mut script);
+    Report {
+        // clap_complete writes the script's own text, which is UTF-8; a lossy read keeps any
+        // byte it might not be.
+        stdout: String::from_utf8_lossy(&script).into_owned(),
+        outcome: Outcome::Success,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn script(shell: Shell) -> String {
+        run(&Args { shell }).stdout
+    }
+
+    /// Every command and a flag of each kind are in each shell's script.
+    #[test]
+    fn every_shells_script_names_the_commands_and_their_flags() {
+        for shell in [
+            Shell::Bash,
+            Shell::Zsh,
+            Shell::Fish,
+            Shell::Elvish,
+            Shell::PowerShell,
+        ] {
+            let text = script(shell);
+            for word in [
+                "validate",
+                "explain",
+                "apply",
+                "rollback",
+                "simulate",
+                "request",
+                "completions",
+                // Fish writes a long flag as `-l NAME`.
+                "expected-version",
+                "deny-warnings",
+            ] {
+                assert!(text.contains(word), "{shell:?} lacks {word}");
+            }
+        }
+    }
+}
