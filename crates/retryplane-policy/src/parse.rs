@@ -85,15 +85,57 @@ const MATCH_TYPOS: [&[&str]; 6] = [
 /// What [`Walker::type_error`] is told a number field expects.
 const NUMBER_KINDS: [&str; 3] = ["a whole number", "a number", "an HTTP status code"];
 
-/// Whether the string `s` is a number in decimal digits (`3`, `-2`, `0.5`): text that reads as
-/// a number when written without quotes, so a string of it was quoted.
-fn is_quoted_number(s: &str) -> bool {
+/// What to say of the string `s` (quoted, or tagged `!!str`) where `expected`, one of
+/// [`NUMBER_KINDS`], goes: how to write the number it holds so that the field takes it, or
+/// nothing when written plainly it would not be taken either (`"3.5"` for a whole number, which
+/// the check after the fix would refuse all the same).
+fn quoted_number_hint(s: &str, expected: &str) -> Option<String> {
+    const PLAINLY: &str = " (a string: write the number without quotes or `!!str`)";
+    let t = s.trim();
+    if expected == "a number" {
+        return is_yaml_float(t).then(|| PLAINLY.to_owned());
+    }
+    // A whole number: as the reader takes it, or in another form that holds one (`"007"`,
+    // `"3.0"`, `"3e0"`, which written plainly would read as floats and be refused too).
+    if is_decimal_integer(t) {
+        return Some(PLAINLY.to_owned());
+    }
+    let f: f64 = t.parse().ok()?;
+    (is_yaml_float(t) && f.fract() == 0.0 && f.abs() < 1e15).then(|| {
+        format!(
+            " (a string: write `{}` without quotes or `!!str`)",
+            f as i64
+        )
+    })
+}
+
+/// Whether `s` is a whole number as the reader takes one: decimal digits, no leading zero, an
+/// optional `-`.
+fn is_decimal_integer(s: &str) -> bool {
     let digits = s.strip_prefix('-').unwrap_or(s);
-    let (whole, fraction) = digits.split_once('.').unwrap_or((digits, "0"));
-    !whole.is_empty()
-        && !fraction.is_empty()
-        && whole.bytes().all(|b| b.is_ascii_digit())
-        && fraction.bytes().all(|b| b.is_ascii_digit())
+    !digits.is_empty()
+        && digits.bytes().all(|b| b.is_ascii_digit())
+        && (digits == "0" || !digits.starts_with('0'))
+}
+
+/// Whether `s` is a float of YAML 1.2's core schema with no `+` sign (`0.5`, `.5`, `5.`, `1e-2`,
+/// `-3`), which the reader takes as a number written plainly. (`.inf` and `.nan` are left out:
+/// no field takes them.)
+fn is_yaml_float(s: &str) -> bool {
+    let s = s.strip_prefix('-').unwrap_or(s);
+    let (mantissa, exponent) = match s.find(['e', 'E']) {
+        Some(at) => (&s[..at], Some(&s[at + 1..])),
+        None => (s, None),
+    };
+    let (whole, fraction) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    let digits = |p: &str| p.bytes().all(|b| b.is_ascii_digit());
+    let mantissa_ok =
+        digits(whole) && digits(fraction) && !(whole.is_empty() && fraction.is_empty());
+    let exponent_ok = exponent.is_none_or(|e| {
+        let e = e.strip_prefix(['-', '+']).unwrap_or(e);
+        !e.is_empty() && digits(e)
+    });
+    mantissa_ok && exponent_ok
 }
 
 /// Whether `name` is a field of a policy layer (`defaults:` or an endpoint).
@@ -270,12 +312,17 @@ impl Walker {
             self.error(node.loc, path, message);
             return;
         }
-        // A YAML 1.1 number (`1_000`) reads as a string in YAML 1.2: say how to write it.
         let hint = match &node.value {
             // `"3"` where a number goes: the number, quoted (a plain `3` reads as a number).
-            Value::Str(s) if NUMBER_KINDS.contains(&expected) && is_quoted_number(s) => {
-                " (a quoted string: write the number without quotes)".to_owned()
+            Value::Str(s)
+                if let Some(hint) = NUMBER_KINDS
+                    .contains(&expected)
+                    .then(|| quoted_number_hint(s, expected))
+                    .flatten() =>
+            {
+                hint
             }
+            // A YAML 1.1 number (`1_000`) reads as a string in YAML 1.2: say how to write it.
             Value::Str(s) if is_underscored_number(s) => {
                 format!(" (`{s}`: a number is written without `_` in YAML 1.2)")
             }

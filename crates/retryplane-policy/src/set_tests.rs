@@ -439,25 +439,56 @@ fn a_version_written_as_a_float_or_with_a_leading_zero_says_how_to_write_it() {
     );
 }
 
-/// A number written in quotes where a number goes is told to lose its quotes, as `version`'s
-/// is, in single or double quotes or tagged as a string; quoted text that is no number, and a
-/// quoted number where text goes, get no such hint.
+/// A number written in quotes (or tagged `!!str`) where a number goes is told how to write it so
+/// that the field takes it: without quotes, or, for a whole number written in a form the reader
+/// takes as a float (`"007"`, `"3.0"`, `"1e3"`), as its digits. Text that is no number, a number
+/// the field would refuse written plainly too (`"10.5"` for a whole number), and a quoted number
+/// where text goes get no such hint.
 #[test]
-fn a_quoted_number_where_a_number_goes_is_told_to_lose_its_quotes() {
-    let src = "version: 1\nendpoints:\n  a:\n    max_attempts: \"3\"\n    retry_on: {http_status: ['503', \"504\"]}\n    budget: {ratio: \"0.2\", min_per_second: !!str 10}\n    alert: {retry_ratio: \"-0.5\"}\n  b:\n    max_attempts: \"three\"\n    budget: {ratio: \"0.\", min_per_second: \"1e3\"}\n";
-    let quotes = "(a quoted string: write the number without quotes)";
+fn a_quoted_number_where_a_number_goes_is_told_how_to_write_it() {
+    let src = "version: 1
+endpoints:
+  a:
+    max_attempts: \"3\"
+    retry_on: {http_status: ['503', \"504\"]}
+    budget: {ratio: \"0.2\", min_per_second: !!str 10}
+    alert: {retry_ratio: \"-0.5\"}
+  b:
+    max_attempts: \"three\"
+    budget: {ratio: \"0.\", min_per_second: \"1e3\"}
+  c:
+    max_attempts: \"007\"
+    retry_on: {http_status: [\"0503\"]}
+    budget: {ratio: \".5\", min_per_second: \"10.5\"}
+    alert: {retry_ratio: \"1e-2\"}
+  d:
+    max_attempts: \" 3.0 \"
+    budget: {ratio: \"1e\", min_per_second: \"-\"}
+  \"3\":
+    idempotency_key_header: \"3\"
+";
+    let plainly = "(a string: write the number without quotes or `!!str`)";
+    let write = |n: &str| format!("(a string: write `{n}` without quotes or `!!str`)");
     assert_eq!(
         errors(src),
         [
-            format!("4:19: error: endpoints.a.max_attempts: expected a whole number, found a string {quotes}"),
-            format!("5:30: error: endpoints.a.retry_on.http_status[0]: expected an HTTP status code, found a string {quotes}"),
-            format!("5:37: error: endpoints.a.retry_on.http_status[1]: expected an HTTP status code, found a string {quotes}"),
-            format!("6:21: error: endpoints.a.budget.ratio: expected a number, found a string {quotes}"),
-            format!("6:50: error: endpoints.a.budget.min_per_second: expected a whole number, found a string {quotes}"),
-            format!("7:26: error: endpoints.a.alert.retry_ratio: expected a number, found a string {quotes}"),
+            format!("4:19: error: endpoints.a.max_attempts: expected a whole number, found a string {plainly}"),
+            format!("5:30: error: endpoints.a.retry_on.http_status[0]: expected an HTTP status code, found a string {plainly}"),
+            format!("5:37: error: endpoints.a.retry_on.http_status[1]: expected an HTTP status code, found a string {plainly}"),
+            format!("6:21: error: endpoints.a.budget.ratio: expected a number, found a string {plainly}"),
+            format!("6:50: error: endpoints.a.budget.min_per_second: expected a whole number, found a string {plainly}"),
+            format!("7:26: error: endpoints.a.alert.retry_ratio: expected a number, found a string {plainly}"),
             "9:19: error: endpoints.b.max_attempts: expected a whole number, found a string".to_owned(),
-            "10:21: error: endpoints.b.budget.ratio: expected a number, found a string".to_owned(),
-            "10:43: error: endpoints.b.budget.min_per_second: expected a whole number, found a string".to_owned(),
+            format!("10:21: error: endpoints.b.budget.ratio: expected a number, found a string {plainly}"),
+            format!("10:43: error: endpoints.b.budget.min_per_second: expected a whole number, found a string {}", write("1000")),
+            format!("12:19: error: endpoints.c.max_attempts: expected a whole number, found a string {}", write("7")),
+            format!("13:30: error: endpoints.c.retry_on.http_status[0]: expected an HTTP status code, found a string {}", write("503")),
+            format!("14:21: error: endpoints.c.budget.ratio: expected a number, found a string {plainly}"),
+            "14:43: error: endpoints.c.budget.min_per_second: expected a whole number, found a string".to_owned(),
+            format!("15:26: error: endpoints.c.alert.retry_ratio: expected a number, found a string {plainly}"),
+            format!("17:19: error: endpoints.d.max_attempts: expected a whole number, found a string {}", write("3")),
+            "18:21: error: endpoints.d.budget.ratio: expected a number, found a string".to_owned(),
+            "18:43: error: endpoints.d.budget.min_per_second: expected a whole number, found a string".to_owned(),
         ]
     );
 }
