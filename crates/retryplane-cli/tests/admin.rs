@@ -126,7 +126,7 @@ fn an_endpoint_named_defaults_is_told_apart_from_the_defaults_block() {
     let history = server.history();
     assert_eq!(
         history[0]["summary"],
-        "+1 endpoint (defaults), -0, 0 modified, defaults modified"
+        "+1 endpoint (endpoints.defaults), -0, 0 modified, defaults modified"
     );
 }
 

@@ -176,14 +176,12 @@ pub fn summary(changes: &[Change]) -> String {
     if changes.is_empty() {
         return "no changes".to_owned();
     }
-    let of = |kind| -> Vec<&str> {
+    // Named as the diff names them: an endpoint called `defaults` is `endpoints.defaults`.
+    let of = |kind| -> Vec<String> {
         changes
             .iter()
-            .filter(|c| c.kind == kind)
-            .filter_map(|c| match &c.scope {
-                Scope::Endpoint(name) => Some(name.as_str()),
-                Scope::Defaults => None,
-            })
+            .filter(|c| c.kind == kind && c.scope != Scope::Defaults)
+            .map(|c| c.scope.to_string())
             .collect()
     };
     let (added, removed, modified) = (
@@ -212,7 +210,7 @@ pub fn summary(changes: &[Change]) -> String {
 pub const SUMMARY_NAMES: usize = 3;
 
 /// ` (a, b, c, … 4 more)`, or nothing for no names.
-fn names_in_brief(names: &[&str]) -> String {
+fn names_in_brief(names: &[String]) -> String {
     if names.is_empty() {
         return String::new();
     }

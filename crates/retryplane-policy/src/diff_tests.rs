@@ -119,6 +119,26 @@ fn a_removed_endpoint_is_reported_after_the_others() {
     assert_eq!(summary(&changes), "+0 endpoints, -2 (a, b), 1 modified (c)");
 }
 
+/// A count names three endpoints, and past three says how many more.
+#[test]
+fn a_summary_names_three_endpoints_a_count_then_how_many_more() {
+    let none = doc("version: 1\nendpoints:\n  z: {}\n");
+    let three = doc("version: 1\nendpoints:\n  z: {}\n  a: {}\n  b: {}\n  c: {}\n");
+    let four = doc("version: 1\nendpoints:\n  z: {}\n  a: {}\n  b: {}\n  c: {}\n  d: {}\n");
+    assert_eq!(
+        summary(&diff(&none, &three)),
+        "+3 endpoints (a, b, c), -0, 0 modified"
+    );
+    assert_eq!(
+        summary(&diff(&none, &four)),
+        "+4 endpoints (a, b, c, … 1 more), -0, 0 modified"
+    );
+    assert_eq!(
+        summary(&diff(&four, &none)),
+        "+0 endpoints, -4 (a, b, c, … 1 more), 0 modified"
+    );
+}
+
 /// `n` endpoints `ep-<i>` for `i` in `range`, each with `max_attempts` from `attempts(i)`.
 fn many(range: std::ops::Range<usize>, attempts: impl Fn(usize) -> usize) -> PolicyDocument {
     let mut src = String::from("version: 1\nendpoints:\n");
@@ -322,7 +342,10 @@ fn an_endpoint_named_defaults_is_an_endpoint_not_the_defaults_block() {
     let b = doc("version: 1\nendpoints:\n  a: {}\n  defaults: {max_attempts: 2}\n");
     let added = diff(&a, &b);
     assert_eq!(added[0].scope, Scope::Endpoint("defaults".into()));
-    assert_eq!(summary(&added), "+1 endpoint (defaults), -0, 0 modified");
+    assert_eq!(
+        summary(&added),
+        "+1 endpoint (endpoints.defaults), -0, 0 modified"
+    );
     assert_eq!(
         added[0].to_string(),
         "endpoints.defaults added: max_attempts: 2"
@@ -341,12 +364,12 @@ fn an_endpoint_named_defaults_is_an_endpoint_not_the_defaults_block() {
     );
     assert_eq!(
         summary(&both),
-        "+0 endpoints, -0, 1 modified (defaults), defaults modified"
+        "+0 endpoints, -0, 1 modified (endpoints.defaults), defaults modified"
     );
     let removed = diff(&c, &a);
     assert_eq!(
         summary(&removed),
-        "+0 endpoints, -1 (defaults), 0 modified, defaults modified"
+        "+0 endpoints, -1 (endpoints.defaults), 0 modified, defaults modified"
     );
 }
 

@@ -45,7 +45,8 @@ pub fn push_diff(out: &mut String, diff: &[pb::DiffEntry]) {
 /// the server summarises versions in `history` ([`diff::summary`]).
 pub fn summary(diff: &[pb::DiffEntry]) -> String {
     let changes: Vec<Change> = diff.iter().map(Change::from).collect();
-    diff::summary(&changes)
+    // The names come from the server: shown on one line, as the diff above it shows them.
+    output::OneLine(&diff::summary(&changes)).to_string()
 }
 
 /// A diagnostic from the wire, printed by the same code as `retryplane validate`'s.
@@ -465,7 +466,7 @@ mod tests {
         );
         assert_eq!(
             summary(&diff),
-            "+1 endpoint (defaults), -0, 0 modified, defaults modified"
+            "+1 endpoint (endpoints.defaults), -0, 0 modified, defaults modified"
         );
         let response = pb::ApplyResponse {
             diff: diff.to_vec(),

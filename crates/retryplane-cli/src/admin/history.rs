@@ -140,7 +140,8 @@ fn table(versions: &[pb::VersionInfo]) -> String {
             source,
             author,
             short_hash(&v.content_hash).to_owned(),
-            v.summary.clone(),
+            // Names in it come from the server: kept to one line, as every cell is.
+            output::OneLine(&v.summary).to_string(),
         ]);
     }
     let mut out = String::new();
