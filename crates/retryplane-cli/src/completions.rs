@@ -8,7 +8,8 @@
 //! retryplane completions fish > ~/.config/fish/completions/retryplane.fish
 //! ```
 
-use clap::CommandFactory;
+use clap::builder::ValueHint;
+use clap::{Command, CommandFactory};
 use clap_complete::Shell;
 
 use crate::{Cli, Outcome, Report};
@@ -23,7 +24,7 @@ pub struct Args {
 
 /// The completion script of `args.shell`.
 pub fn run(args: &Args) -> Report {
-    let mut command = Cli::command();
+    let mut command = hinted(Cli::command());
     let mut script = Vec::new();
     clap_complete::generate(args.shell, &mut command, "retryplane", &mut script);
     Report {
@@ -32,6 +33,33 @@ pub fn run(args: &Args) -> Report {
         stdout: String::from_utf8_lossy(&script).into_owned(),
         outcome: Outcome::Success,
     }
+}
+
+/// `cmd` with a value hint on every flag whose value is no path (a version, a URL, a token):
+/// without one, the shells offer file names for it. A value named `FILE` or `DIR` is a path; a
+/// flag with possible values or a path type has its hint already.
+fn hinted(cmd: Command) -> Command {
+    cmd.mut_args(|arg| {
+        let unhinted = arg.get_action().takes_values()
+            && arg.get_value_hint() == ValueHint::Unknown
+            && arg.get_possible_values().is_empty();
+        if !unhinted {
+            return arg;
+        }
+        let named = |name: &str| {
+            arg.get_value_names()
+                .is_some_and(|names| names.iter().any(|n| n.as_str() == name))
+        };
+        let hint = if named("FILE") {
+            ValueHint::FilePath
+        } else if named("DIR") {
+            ValueHint::DirPath
+        } else {
+            ValueHint::Other
+        };
+        arg.value_hint(hint)
+    })
+    .mut_subcommands(hinted)
 }
 
 #[cfg(test)]

@@ -1092,14 +1092,17 @@ fn the_bash_completion_script_loads_and_completes_commands_and_flags() {
     let script = output(dir.path(), &["completions", "bash"], 0);
     fs::write(dir.path().join("retryplane.bash"), &script).unwrap();
     // Load it, then ask its function for what follows `retryplane ap` and `retryplane apply --exp`.
-    let probe = r#"set -e
-source ./retryplane.bash
-complete -p retryplane
+    // (No `set -e`: the script's own `compgen` finding nothing is not a failure.)
+    let probe = r#"source ./retryplane.bash || exit 1
+complete -p retryplane || exit 1
 ask() { COMP_WORDS=("$@"); COMP_CWORD=$(( $# - 1 )); COMP_LINE="$*"; COMP_POINT=${#COMP_LINE};
   COMPREPLY=(); _retryplane retryplane "${COMP_WORDS[$COMP_CWORD]}" "${COMP_WORDS[$COMP_CWORD-1]}";
   echo "${COMPREPLY[*]}"; }
 ask retryplane ap
 ask retryplane apply --exp
+ask retryplane apply retry
+ask retryplane apply --expected-version ""
+ask retryplane get --server ""
 "#;
     let out = std::process::Command::new("bash")
         .arg("-c")
@@ -1117,6 +1120,11 @@ ask retryplane apply --exp
     assert!(lines[0].ends_with(" retryplane"), "{stdout}");
     assert_eq!(lines[1], "apply", "{stdout}");
     assert_eq!(lines[2], "--expected-version", "{stdout}");
+    // The file to apply is left to bash's own file completion (`-o default`: the script offers
+    // nothing there); where a version or a URL goes, no file is offered (clap's default would
+    // list them).
+    assert!(lines[0].contains(" -o default "), "{stdout}");
+    assert_eq!(lines[3..], ["", "", ""], "{stdout}");
 
     retryplane(dir.path(), &["completions", "tcsh"])
         .assert()
