@@ -146,6 +146,25 @@ impl fmt::Display for OneLine<'_> {
     }
 }
 
+/// The most of a value a message quotes through [`Quoted`], in bytes.
+pub const MAX_QUOTED: usize = 512;
+
+/// A value quoted in a message: as [`OneLine`] writes it, cut after [`MAX_QUOTED`] bytes with `…`.
+/// A message is cut to [`MAX_MESSAGE_SHOWN`] once built, but built whole first: a long value
+/// quoted in the problem of each alias's copy of it was escaped in full every time (seconds for
+/// a file of 111 KB). No value a policy needs is that long.
+pub struct Quoted<'a>(pub &'a str);
+
+impl fmt::Display for Quoted<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.0.len() <= MAX_QUOTED {
+            return OneLine(self.0).fmt(f);
+        }
+        let end = self.0.floor_char_boundary(MAX_QUOTED);
+        write!(f, "{}…", OneLine(&self.0[..end]))
+    }
+}
+
 /// A value of a log field (`agent=…`) that its text cannot make into other fields: as
 /// [`OneLine`] writes it when it is a plain word, and otherwise (empty, or holding whitespace,
 /// `=`, `"`, `\\` or a character [`OneLine`] escapes) in double quotes, with `"` and `\\`
@@ -574,10 +593,10 @@ mod tests {
 
     #[test]
     fn a_long_value_quoted_once_per_alias_is_cut_in_every_problem() {
-        // One scalar of most of a megabyte, quoted by 32 aliases as methods (each "not a
-        // method" and "listed twice") and by 32 as keys (each "unknown field", in the message
-        // and the path): as many copies as the parser lets aliases make.
-        let long = "x y".repeat(300_000);
+        // One scalar of 120 KB, quoted by 32 aliases as methods (each "not a method" and
+        // "listed twice") and by 32 as keys (each "unknown field", in the message and the
+        // path): about as many copies of it as aliases may make (8 MiB of text in all).
+        let long = "x y".repeat(40_000);
         let aliases = ["*k"; 32].join(", ");
         let keys: String = (0..32).map(|_| "    *k : 1\n").collect();
         let src = format!(
@@ -595,8 +614,9 @@ mod tests {
             .map(|d| d.message.get(..200))
             .collect();
         assert!(loaded.diagnostics.len() >= 64, "{some:#?}");
+        // Each problem keeps a few KB of what the copies it quotes hold (64 × 15 KB).
         assert!(
-            shown < src.len() / 2,
+            shown < 64 * (MAX_MESSAGE_SHOWN + MAX_PATH_SHOWN + 128) && shown < 64 * long.len() / 2,
             "{shown} bytes of problems from a {}-byte file",
             src.len()
         );
@@ -607,6 +627,39 @@ mod tests {
                 d.message.len()
             );
             assert!(d.path.len() <= MAX_PATH_SHOWN + 16, "{}", d.path.len());
+        }
+    }
+
+    /// A quoted value is written whole up to [`MAX_QUOTED`] bytes, escaped, and past it cut at a
+    /// character's boundary with `…`.
+    #[test]
+    fn a_quoted_value_is_cut_after_its_first_bytes() {
+        assert_eq!(Quoted("/v1\n").to_string(), "/v1\\n");
+        let exact = "a".repeat(MAX_QUOTED);
+        assert_eq!(Quoted(&exact).to_string(), exact);
+        let long = format!("{}é{}", "a".repeat(MAX_QUOTED - 1), "b".repeat(10_000));
+        assert_eq!(
+            Quoted(&long).to_string(),
+            format!("{}…", "a".repeat(MAX_QUOTED - 1))
+        );
+        // A file's long path prefix, repeated by aliases: each problem quotes its start only.
+        let prefix = "/\\u0001%zz *".repeat(2_000);
+        let mut src = format!(
+            "version: 1\nendpoints:\n  a:\n    routes:\n      - match: {{path_prefix: &p \"{prefix}\"}}\n"
+        );
+        for _ in 0..20 {
+            src.push_str("      - match: {path_prefix: *p}\n");
+        }
+        let loaded = crate::load(src.as_bytes());
+        let warnings: Vec<&Diagnostic> = loaded
+            .diagnostics
+            .iter()
+            .filter(|d| d.path.ends_with("path_prefix"))
+            .collect();
+        assert_eq!(warnings.len(), 63, "three a route");
+        for d in warnings {
+            assert!(d.message.len() < 3 * MAX_QUOTED + 300, "{}", d.message);
+            assert!(!d.message.contains("bytes not shown"), "{}", d.message);
         }
     }
 

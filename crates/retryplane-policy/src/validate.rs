@@ -137,7 +137,7 @@ pub(crate) fn check_parsed(
                     format!("{route_path}.match.path_prefix"),
                     format!(
                         "`{}` matches no request: {advice}",
-                        crate::diag::OneLine(path_prefix)
+                        crate::diag::Quoted(path_prefix)
                     ),
                 ));
             }
@@ -149,8 +149,8 @@ pub(crate) fn check_parsed(
                     format!("{route_path}.match.path_prefix"),
                     format!(
                         "`{}` has a `%` that starts no escape (`%` and two hex digits): a request carries a `%` as `%25`: write `{}`",
-                        crate::diag::OneLine(path_prefix),
-                        crate::diag::OneLine(&escape_stray_percents(path_prefix))
+                        crate::diag::Quoted(path_prefix),
+                        crate::diag::Quoted(&escape_stray_percents(path_prefix))
                     ),
                 ));
             }
@@ -164,12 +164,12 @@ pub(crate) fn check_parsed(
                     format!(
                         "a prefix matches by its start only: write a route for each value of the \
                          `*`, or `{}`, which matches every path that starts with it",
-                        crate::diag::OneLine(literal)
+                        crate::diag::Quoted(literal)
                     )
                 } else {
                     format!(
                         "a prefix already matches every path that starts with it: write `{}`",
-                        crate::diag::OneLine(literal)
+                        crate::diag::Quoted(literal)
                     )
                 };
                 diags.push(Diagnostic::warning(
@@ -177,7 +177,7 @@ pub(crate) fn check_parsed(
                     format!("{route_path}.match.path_prefix"),
                     format!(
                         "`{}` is matched as written: `*` is no wildcard in a path prefix ({advice})",
-                        crate::diag::OneLine(path_prefix),
+                        crate::diag::Quoted(path_prefix),
                     ),
                 ));
             }
@@ -658,7 +658,7 @@ fn check_layer(o: &Overlay, prefix: &str, diags: &mut Vec<Diagnostic>) {
                 "idempotency_key_header",
                 format!(
                     "`{}` is not a valid HTTP header name (letters, digits and ``!#$%&'*+-.^_`|~``, no space)",
-                    crate::diag::OneLine(&f.value)
+                    crate::diag::Quoted(&f.value)
                 ),
             );
         }
@@ -1181,13 +1181,13 @@ fn unsendable_in_a_path(prefix: &str) -> Option<String> {
     if let Some(at) = prefix.find(['?', '#']) {
         return Some(format!(
             "routes match a request's path alone, without its query or fragment: write `{}`",
-            encoded(&prefix[..at])
+            crate::diag::Quoted(&encoded(&prefix[..at]))
         ));
     }
     prefix.bytes().any(unsendable).then(|| {
         format!(
             "a request carries a space or a control character in its path percent-encoded: write `{}`",
-            encoded(prefix)
+            crate::diag::Quoted(&encoded(prefix))
         )
     })
 }

@@ -26,6 +26,13 @@ pub const MAX_DEPTH: usize = 24;
 pub const NEEDED_DEPTH: usize = 6;
 /// Upper bound on events replayed by alias expansion (an alias "bomb" hits it quickly).
 pub const MAX_ALIAS_EVENTS: usize = 20_000;
+/// Upper bound on the bytes of scalar text aliases replay, all together: 8 MiB. A copy is
+/// checked, and its values quoted in messages, as written text is, so a long anchored scalar
+/// repeated by each alias (within [`MAX_ALIAS_EVENTS`] nodes) cost seconds of checks (65 MB of
+/// copies: 3–6 s); sharing a block of settings among endpoints replays far less, and a file
+/// that names one long path prefix in a few routes (a snapshot larger than agents decode can be
+/// written so) stays within it.
+pub const MAX_ALIAS_BYTES: usize = 8 * 1024 * 1024;
 /// Upper bound on parser events in one file: each scalar, alias, and start or end of a mapping
 /// or sequence is one. Also the bound on nodes (scalars, mappings and sequences), which a file
 /// always reaches later.
@@ -179,6 +186,10 @@ pub(crate) fn parse_noting(
                 Breach::Depth => too_deep(),
                 Breach::Events => too_many_events(),
                 Breach::Aliases => aliases_expand_too_far(),
+                Breach::AliasBytes => format!(
+                    "aliases repeat more than {MAX_ALIAS_BYTES} bytes (8 MiB) of text; a policy \
+                     file needs no aliases"
+                ),
             };
             return Err(YamlError {
                 loc,
@@ -831,6 +842,32 @@ mod tests {
         list.push_str("]\n");
         assert!(list.len() < MAX_FILE_BYTES);
         assert_eq!(parse(list.as_bytes()).unwrap_err().message, TOO_MANY_NODES);
+    }
+
+    /// A long path prefix anchored once and repeated as each route's: the copies' text is
+    /// refused past 8 MiB, at the alias that passes it, before any check reads them.
+    #[test]
+    fn aliases_repeating_long_text_are_refused_as_such() {
+        let mut src = format!(
+            "version: 1\nendpoints:\n  a:\n    routes:\n      - match: {{path_prefix: &p \"/{}\"}}\n",
+            "%zz".repeat(14_000)
+        );
+        for _ in 0..1_560 {
+            src.push_str("      - match: {path_prefix: *p}\n");
+        }
+        assert!(src.len() < MAX_FILE_BYTES);
+        let err = parse(src.as_bytes()).unwrap_err();
+        assert_eq!(
+            (err.loc, err.message.as_str()),
+            (
+                Loc {
+                    line: 205,
+                    column: 30
+                },
+                "invalid YAML: aliases repeat more than 8388608 bytes (8 MiB) of text; a policy \
+                 file needs no aliases"
+            )
+        );
     }
 
     #[test]

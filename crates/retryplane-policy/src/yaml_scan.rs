@@ -23,7 +23,7 @@
 
 use serde_saphyr::granit_parser::{Event, Parser, ScalarStyle, Tag};
 
-use crate::yaml::{Loc, MAX_ALIAS_EVENTS, MAX_DEPTH, MAX_EVENTS};
+use crate::yaml::{Loc, MAX_ALIAS_BYTES, MAX_ALIAS_EVENTS, MAX_DEPTH, MAX_EVENTS};
 
 /// Which limit a file breaks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -34,6 +34,8 @@ pub(crate) enum Breach {
     Events,
     /// Aliases would replay more than [`MAX_ALIAS_EVENTS`] nodes in all.
     Aliases,
+    /// Aliases would replay more than [`MAX_ALIAS_BYTES`] bytes of scalar text in all.
+    AliasBytes,
 }
 
 /// What an anchored value adds where an alias repeats it.
@@ -43,6 +45,8 @@ struct Anchored {
     nodes: u64,
     /// Levels of lists and mappings in the value: 0 for a scalar.
     height: usize,
+    /// Bytes of scalar text (keys included) in the value, aliases inside it counted expanded.
+    bytes: u64,
 }
 
 /// An open list or mapping.
@@ -51,6 +55,8 @@ struct Open {
     anchor: usize,
     /// `nodes` when it started.
     nodes_before: u64,
+    /// `bytes` when it started.
+    bytes_before: u64,
     /// The deepest level reached inside it so far, relative to it (1 for itself).
     height: usize,
     /// Whether it is a mapping (whose children are key, value, key, value, ...).
@@ -169,6 +175,12 @@ pub(crate) fn scan(text: &str) -> Result<Notes, (Breach, Loc)> {
     let mut nodes: u64 = 0;
     // Nodes replayed by aliases.
     let mut replayed: u64 = 0;
+    // Bytes of scalar text the document would hold with every alias expanded, and those of
+    // them replayed by aliases: every check after the parse reads each copy (a 42 KB anchored
+    // path prefix repeated by 1,560 aliases took seconds to check), so a copy costs its bytes,
+    // not one node.
+    let mut bytes: u64 = 0;
+    let mut replayed_bytes: u64 = 0;
     // Indexed by anchor id (the parser numbers anchors from 1 in order); `None` until the
     // anchored value is complete.
     let mut anchors: Vec<Option<Anchored>> = Vec::new();
@@ -207,11 +219,14 @@ pub(crate) fn scan(text: &str) -> Result<Notes, (Breach, Loc)> {
                     }
                 }
                 nodes += 1;
+                let len = value.len() as u64;
+                bytes = bytes.saturating_add(len);
                 Some((
                     anchor,
                     Anchored {
                         nodes: 1,
                         height: 0,
+                        bytes: len,
                     },
                 ))
             }
@@ -228,7 +243,12 @@ pub(crate) fn scan(text: &str) -> Result<Notes, (Breach, Loc)> {
                 if replayed > MAX_ALIAS_EVENTS as u64 {
                     return Err((Breach::Aliases, at()));
                 }
+                replayed_bytes = replayed_bytes.saturating_add(value.bytes);
+                if replayed_bytes > MAX_ALIAS_BYTES as u64 {
+                    return Err((Breach::AliasBytes, at()));
+                }
                 nodes = nodes.saturating_add(value.nodes);
+                bytes = bytes.saturating_add(value.bytes);
                 Some((0, value))
             }
             Event::SequenceStart(_, anchor, _) | Event::MappingStart(_, anchor, _) => {
@@ -238,6 +258,7 @@ pub(crate) fn scan(text: &str) -> Result<Notes, (Breach, Loc)> {
                 open.push(Open {
                     anchor,
                     nodes_before: nodes,
+                    bytes_before: bytes,
                     height: 1,
                     mapping: matches!(event, Event::MappingStart(..)),
                     children: 0,
@@ -253,6 +274,7 @@ pub(crate) fn scan(text: &str) -> Result<Notes, (Breach, Loc)> {
                     Anchored {
                         nodes: nodes - closed.nodes_before,
                         height: closed.height,
+                        bytes: bytes - closed.bytes_before,
                     },
                 )
             }),
@@ -339,6 +361,38 @@ mod tests {
             bomb.push_str(&format!("l{level}: &l{level} [{refs}]\n"));
         }
         assert_eq!(breach(&bomb), Some(Breach::Aliases));
+    }
+
+    /// A copy costs its text: a long anchored scalar (or a mapping holding one, or a key)
+    /// repeated by aliases is refused once the copies pass [`MAX_ALIAS_BYTES`] in all, far
+    /// below the node limit; a value repeated with the bytes under it is not.
+    #[test]
+    fn alias_expansion_is_counted_in_bytes_of_text() {
+        let long = "x".repeat(320 * 1024);
+        // 25 copies of 320 KiB are 8,000 KiB, within the bound; the 26th passes it.
+        let copies = |n: usize, anchored: &str, alias: &str| {
+            let mut y = format!("a: &a {anchored}\nb:\n");
+            for _ in 0..n {
+                y.push_str(&format!("- {alias}\n"));
+            }
+            y
+        };
+        assert_eq!(breach(&copies(25, &long, "*a")), None);
+        let (b, at) = scan(&copies(26, &long, "*a")).unwrap_err();
+        assert_eq!((b, at.line), (Breach::AliasBytes, 28));
+        // Inside a mapping, key and value text both count.
+        let map = format!("{{k: {long}}}");
+        assert_eq!(breach(&copies(25, &map, "*a")), None);
+        assert_eq!(breach(&copies(26, &map, "*a")), Some(Breach::AliasBytes));
+        // An alias inside the anchored value counts expanded: `c` holds two copies of `a`.
+        let nested = format!("a: &a {long}\nc: &c [*a, *a]\nd: [*c, *c, *c, *c, *c, *c]\n");
+        assert_eq!(breach(&nested), None, "2 + 12 copies");
+        let more = format!("{nested}e: [*c, *c, *c, *c, *c, *c]\n");
+        assert_eq!(breach(&more), Some(Breach::AliasBytes), "2 + 24 copies");
+        // Used as a key.
+        let keys: String = (0..26).map(|i| format!("  ? *a\n  : {i}\n")).collect();
+        let as_keys = format!("a: &a {long}\nb:\n{keys}");
+        assert_eq!(breach(&as_keys), Some(Breach::AliasBytes));
     }
 
     #[test]
@@ -431,9 +485,9 @@ mod tests {
     #[test]
     fn a_long_scalar_is_noted_cut() {
         // A whole number of most of the file: its note keeps 256 bytes of it, which each node
-        // the full pass makes of it (through 19,000 aliases, say) copies.
+        // the full pass makes of it (an alias's copy too) copies.
         let long = format!("0x{}", "f".repeat(900_000));
-        let notes = scan(&format!("s: &s {long}\nl: [*s, *s]\n")).unwrap_or_default();
+        let notes = scan(&format!("s: &s {long}\nl: [*s]\n")).unwrap_or_default();
         assert_eq!(
             notes.not_decimal,
             [(
