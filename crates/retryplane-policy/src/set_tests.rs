@@ -2064,3 +2064,44 @@ fn a_repeated_post_in_idempotent_methods_is_warned_of_once() {
         ]
     );
 }
+
+/// A file's first 2,000 unknown keys get a "did you mean" guess, the rest none (each guess costs
+/// an edit distance to every field name: 65,000 of them took seconds); a key longer than any
+/// field name by far gets none either (as before: now without being split into words per copy).
+#[test]
+fn guesses_are_made_for_a_files_first_unknown_keys_and_short_ones_only() {
+    let mut src = String::from("version: 1\nendpoints:\n");
+    for i in 0..1_001 {
+        src.push_str(&format!("  e{i}: {{max_atempts: 1, dedline: 1s}}\n"));
+    }
+    src.push_str(&format!(
+        "  long: {{max_attempts{}: 1}}\n",
+        "_max_attempts".repeat(5)
+    ));
+    let loaded = crate::load(src.as_bytes());
+    let guessed = |d: &&Diagnostic| d.message.contains("did you mean");
+    let unknown: Vec<&Diagnostic> = loaded
+        .diagnostics
+        .iter()
+        .filter(|d| d.message.starts_with("unknown field"))
+        .collect();
+    // 1,000 listed of 2,003 problems; the first listed are guessed.
+    assert_eq!(unknown.len(), 1_000);
+    assert!(unknown.iter().all(guessed));
+    // Past the 2,000th, and for the long key, no guess: look at the whole list.
+    let all = crate::set::load_all(src.as_bytes());
+    let unguessed: Vec<&str> = all
+        .diagnostics
+        .iter()
+        .filter(|d| d.message.starts_with("unknown field") && !guessed(d))
+        .map(|d| d.path.as_str())
+        .collect();
+    assert_eq!(
+        unguessed,
+        [
+            "endpoints.e1000.max_atempts",
+            "endpoints.e1000.dedline",
+            &format!("endpoints.long.max_attempts{}", "_max_attempts".repeat(5)),
+        ]
+    );
+}
