@@ -13,8 +13,12 @@ fuzz_target!(|data: &[u8]| {
     let Ok(mut doc) = pb::PolicyDocument::decode(data) else {
         return;
     };
-    // As the admin API takes it: a size check, `-0.0` read as `0.0`, the hash of what was sent.
-    let _ = convert::check_items(&doc);
+    // As the admin API takes it: a size check (a document past it is refused there, so it is
+    // not converted here either: its conversion took seconds), `-0.0` read as `0.0`, the hash
+    // of what was sent.
+    if convert::check_items(&doc).is_err() {
+        return;
+    }
     let _ = convert::unsigned_zeros(&mut doc);
     let sent_hash = convert::content_hash(&doc);
     let mut as_set = doc.clone();
