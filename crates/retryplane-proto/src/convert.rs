@@ -50,20 +50,14 @@ pub fn check_items(doc: &pb::PolicyDocument) -> Result<(), Diagnostic> {
     if items <= MAX_ITEMS {
         return Ok(());
     }
-    Err(too_many_items(items))
-}
-
-/// The error [`check_items`] gives a document of `items` items, more than [`MAX_ITEMS`] (also
-/// given for a request counted so before it is decoded: [`crate::wire_items`]).
-pub fn too_many_items(items: usize) -> Diagnostic {
-    Diagnostic::error(
+    Err(Diagnostic::error(
         Loc::UNKNOWN,
         "<document>",
         format!(
             "the document is too large: {items} items (2 for each endpoint and route, 1 for \
              each list entry); at most {MAX_ITEMS}, what a policy file can hold"
         ),
-    )
+    ))
 }
 
 /// The size of `doc` as [`MAX_ITEMS`] counts it.

@@ -279,7 +279,7 @@ fn capped_list_of_more(
 
 /// One diagnostic per line, `LINE:COLUMN: SEVERITY: PATH: MESSAGE`, as many as fit a status
 /// message ([`MAX_MESSAGE_WIRE_BYTES`]).
-pub(crate) fn diagnostic_lines(diagnostics: &[Diagnostic]) -> String {
+fn diagnostic_lines(diagnostics: &[Diagnostic]) -> String {
     // A check lists at most `diag::MAX_LISTED` problems and a line saying how many more: that
     // line is counted, not shown.
     let mut hidden = 0;

@@ -12,12 +12,6 @@
 //! the limit is refused here when its first message fits (a unary call carries one; a second
 //! frame announced and never sent held a decoded document with no turn), and handed on when
 //! its first message itself is too long (the service refuses it by its length).
-//!
-//! A message whose document holds more endpoints and routes than a policy file can
-//! ([`retryplane_proto::convert::MAX_ITEMS`], counted on its bytes:
-//! [`retryplane_proto::wire_items`]) is refused here, as the service would refuse it once
-//! decoded (`INVALID_ARGUMENT`, the same words; a Validate call too, whose answer would have
-//! said so): decoded, a 4 MiB message of bare endpoints took about 880 MB.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -126,13 +120,6 @@ where
                 )
                 .into_http());
             }
-            if whole && let Some(items) = body.items_over_the_limit() {
-                let too_many = retryplane_proto::convert::too_many_items(items);
-                return Ok(
-                    Status::invalid_argument(crate::admin::diagnostic_lines(&[too_many]))
-                        .into_http(),
-                );
-            }
             // The semaphore is never closed; should it be, the call goes on without a turn.
             let _turn = match whole {
                 true => turns.acquire_owned().await.ok(),
@@ -220,20 +207,6 @@ struct ReadAhead {
 }
 
 impl ReadAhead {
-    /// The items of the document in the message read whole, when they are more than a policy
-    /// file can hold ([`retryplane_proto::convert::MAX_ITEMS`]); `None` otherwise, and for a
-    /// compressed or malformed message (the service decodes and judges those).
-    fn items_over_the_limit(&self) -> Option<usize> {
-        let prefix = self.prefix.as_ref()?;
-        let (header, message) = (prefix.get(..FRAME_HEADER)?, prefix.get(FRAME_HEADER..)?);
-        let len = u32::from_be_bytes([header[1], header[2], header[3], header[4]]);
-        if header[0] != 0 || usize::try_from(len).ok()? != message.len() {
-            return None;
-        }
-        retryplane_proto::wire_items::request_items(message)
-            .filter(|&items| items > retryplane_proto::convert::MAX_ITEMS)
-    }
-
     /// Whether the first message the bytes read announce (its frame header's length) fits
     /// `limit` with its header: a body past the limit then holds more than one message.
     fn first_message_fits(&self, limit: usize) -> bool {
@@ -415,68 +388,6 @@ mod tests {
         })
         .await
         .expect("a message past the limit is handed on without a turn");
-    }
-
-    /// A message whose document holds more endpoints and routes than a policy file can is
-    /// refused before it is decoded, with the service's words; one at the limit, a compressed
-    /// one and a YAML source are handed on.
-    #[tokio::test]
-    async fn a_document_of_too_many_endpoints_is_refused_before_it_is_decoded() {
-        use prost::Message as _;
-        use retryplane_proto::convert::MAX_ITEMS;
-        use retryplane_proto::pb;
-        let held = Held {
-            begun: Arc::new(AtomicUsize::new(0)),
-            release: Arc::new(Notify::new()),
-        };
-        held.release.notify_waiters();
-        let mut service = DecodeTurns::with_turns(held.clone(), 4 * 1024 * 1024, 2);
-        let framed = |endpoints: usize, flag: u8| {
-            let request = pb::ValidateRequest {
-                source: Some(pb::PolicySource {
-                    kind: Some(pb::policy_source::Kind::Document(pb::PolicyDocument {
-                        endpoints: vec![pb::Endpoint::default(); endpoints],
-                        ..Default::default()
-                    })),
-                    origin: String::new(),
-                }),
-            };
-            let message = request.encode_to_vec();
-            let mut bytes = vec![flag];
-            bytes.extend_from_slice(&u32::try_from(message.len()).unwrap().to_be_bytes());
-            bytes.extend_from_slice(&message);
-            Body::new(http_body_util::Full::new(Bytes::from(bytes)))
-        };
-        let refused = service.call(validate(framed(MAX_ITEMS / 2 + 1, 0)));
-        let answer = tokio::time::timeout(std::time::Duration::from_secs(10), refused)
-            .await
-            .expect("refused at once, not handed on")
-            .unwrap();
-        let status = Status::from_header_map(answer.headers()).unwrap();
-        assert_eq!(status.code(), tonic::Code::InvalidArgument);
-        assert!(
-            status.message().starts_with(&format!(
-                "0:0: error: <document>: the document is too large: {} items",
-                MAX_ITEMS + 2
-            )),
-            "{status:?}"
-        );
-        assert_eq!(held.begun.load(Ordering::SeqCst), 0, "nothing was decoded");
-        // At the limit, and the same bytes marked compressed: the service judges them.
-        for (endpoints, flag) in [(MAX_ITEMS / 2, 0), (MAX_ITEMS / 2 + 1, 1)] {
-            let call = service.call(validate(framed(endpoints, flag)));
-            let begun = held.begun.load(Ordering::SeqCst);
-            let answer = tokio::spawn(call);
-            tokio::time::timeout(std::time::Duration::from_secs(10), async {
-                while held.begun.load(Ordering::SeqCst) == begun {
-                    held.release.notify_waiters();
-                    tokio::task::yield_now().await;
-                }
-            })
-            .await
-            .expect("handed on");
-            answer.abort();
-        }
     }
 
     /// A body longer than one message whose first message fits (a second frame announced
