@@ -40,22 +40,22 @@ pub fn run(args: &Args) -> Report {
 /// flag with possible values or a path type has its hint already.
 fn hinted(cmd: Command) -> Command {
     cmd.mut_args(|arg| {
-        let unhinted = arg.get_action().takes_values()
-            && arg.get_value_hint() == ValueHint::Unknown
-            && arg.get_possible_values().is_empty();
-        if !unhinted {
+        if !arg.get_action().takes_values() || !arg.get_possible_values().is_empty() {
             return arg;
         }
         let named = |name: &str| {
             arg.get_value_names()
                 .is_some_and(|names| names.iter().any(|n| n.as_str() == name))
         };
+        // By the value's name first: a `PathBuf` flag is hinted "any path" by clap already.
         let hint = if named("FILE") {
             ValueHint::FilePath
         } else if named("DIR") {
             ValueHint::DirPath
-        } else {
+        } else if arg.get_value_hint() == ValueHint::Unknown {
             ValueHint::Other
+        } else {
+            return arg;
         };
         arg.value_hint(hint)
     })

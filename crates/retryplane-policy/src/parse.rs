@@ -93,7 +93,9 @@ fn quoted_number_hint(s: &str, expected: &str) -> Option<String> {
     const PLAINLY: &str = " (a string: write the number without quotes or `!!str`)";
     let t = s.trim();
     if expected == "a number" {
-        return is_yaml_float(t).then(|| PLAINLY.to_owned());
+        // Not `"1e999"`, which written plainly is refused as not finite.
+        let finite = t.parse::<f64>().is_ok_and(f64::is_finite);
+        return (is_yaml_float(t) && finite).then(|| PLAINLY.to_owned());
     }
     // A whole number: as the reader takes it, or in another form that holds one (`"007"`,
     // `"3.0"`, `"3e0"`, which written plainly would read as floats and be refused too).
@@ -118,11 +120,11 @@ fn is_decimal_integer(s: &str) -> bool {
         && (digits == "0" || !digits.starts_with('0'))
 }
 
-/// Whether `s` is a float of YAML 1.2's core schema with no `+` sign (`0.5`, `.5`, `5.`, `1e-2`,
-/// `-3`), which the reader takes as a number written plainly. (`.inf` and `.nan` are left out:
-/// no field takes them.)
+/// Whether `s` is a float of YAML 1.2's core schema (`0.5`, `.5`, `5.`, `1e-2`, `-3`, `+1.5`),
+/// which the reader takes as a number written plainly. (`.inf` and `.nan` are left out: no
+/// field takes them.)
 fn is_yaml_float(s: &str) -> bool {
-    let s = s.strip_prefix('-').unwrap_or(s);
+    let s = s.strip_prefix(['-', '+']).unwrap_or(s);
     let (mantissa, exponent) = match s.find(['e', 'E']) {
         Some(at) => (&s[..at], Some(&s[at + 1..])),
         None => (s, None),

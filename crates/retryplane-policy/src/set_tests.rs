@@ -464,6 +464,8 @@ endpoints:
   d:
     max_attempts: \" 3.0 \"
     budget: {ratio: \"1e\", min_per_second: \"-\"}
+    backoff: {multiplier: \"+1.5\"}
+    alert: {retry_ratio: \"1e999\"}
   \"3\":
     idempotency_key_header: \"3\"
 ";
@@ -489,6 +491,8 @@ endpoints:
             format!("17:19: error: endpoints.d.max_attempts: expected a whole number, found a string {}", write("3")),
             "18:21: error: endpoints.d.budget.ratio: expected a number, found a string".to_owned(),
             "18:43: error: endpoints.d.budget.min_per_second: expected a whole number, found a string".to_owned(),
+            format!("19:27: error: endpoints.d.backoff.multiplier: expected a number, found a string {plainly}"),
+            "20:26: error: endpoints.d.alert.retry_ratio: expected a number, found a string".to_owned(),
         ]
     );
 }

@@ -5,15 +5,16 @@
 //! parser's bare event stream, and it finds a limit only when it gets there. An alias bomb or a
 //! deep nest placed after 700 KB of valid YAML took about 0.2 s to refuse. This pass reads the same
 //! parser's events (`granit-parser`, which serde-saphyr itself uses) and keeps only counters: the
-//! nesting depth, the number of events, and for each anchor how many nodes and how many levels its
-//! value would add where an alias repeats it. Nothing is built, nothing is expanded.
+//! nesting depth, the number of events, and for each anchor how many nodes, how many levels and
+//! how many bytes of scalar text its value would add where an alias repeats it. Nothing is built,
+//! nothing is expanded.
 //!
 //! serde-saphyr's own `budget::check_yaml_budget` is a similar event pass for depth and counts,
 //! but it does not account alias expansion and reports no place, so this one does all three in
 //! one pass instead of running that and a second pass for aliases.
 //!
-//! It refuses only the three limits a hostile file uses to cost time or memory: nesting depth,
-//! events, and alias expansion. Everything else (syntax errors, several documents, the anchor,
+//! It refuses only the limits a hostile file uses to cost time or memory: nesting depth, events,
+//! and alias expansion (in nodes and in bytes of text). Everything else (syntax errors, several documents, the anchor,
 //! alias and merge-key counts) is left to the full pass, which reports it in its own words; on a
 //! syntax error this pass stops and says nothing.
 //!
