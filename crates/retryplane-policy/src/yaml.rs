@@ -209,7 +209,10 @@ pub(crate) fn parse_noting(
     // `.inf`, `.nan` and `1e999` become floats, which the policy checks refuse at their place
     // along with every other problem, rather than one error for the whole file.
     options.non_finite_float_policy = serde_saphyr::NonFiniteFloatPolicy::PassThrough;
-    options.alias_limits.max_total_replayed_events = MAX_ALIAS_EVENTS;
+    // A backstop: the scan above bounds what aliases replay in nodes (a list or mapping one,
+    // its start and end two events here), and refuses at the alias that passes the bound; at
+    // the scan's own number this counted events and refused 18,900 nodes, at the anchor.
+    options.alias_limits.max_total_replayed_events = 2 * MAX_ALIAS_EVENTS;
     options.alias_limits.max_replay_stack_depth = MAX_DEPTH;
     let mut budget = serde_saphyr::Budget::default();
     budget.max_depth = MAX_DEPTH;
@@ -867,6 +870,31 @@ mod tests {
                 "invalid YAML: aliases repeat more than 8388608 bytes (8 MiB) of text; a policy \
                  file needs no aliases"
             )
+        );
+    }
+
+    /// The bound on what aliases replay is README's 20,000 nodes, counted as the scan counts
+    /// them (a mapping one node), and refused at the alias that passes it: 2,700 copies of a
+    /// mapping of three entries (18,900 nodes, 21,600 events) are taken.
+    #[test]
+    fn the_alias_bound_counts_nodes_and_is_refused_at_the_alias() {
+        let copies = |n: usize| {
+            let mut y = String::from("x: &m {a: 1, b: 2, c: 3}\nl:\n");
+            for _ in 0..n {
+                y.push_str("- *m\n");
+            }
+            y
+        };
+        assert!(parse(copies(2_700).as_bytes()).is_ok());
+        let err = parse(copies(2_900).as_bytes()).unwrap_err();
+        assert_eq!(err.message, ALIASES);
+        // 7 nodes a copy: the 2,858th passes 20,000 (the first alias is on line 3).
+        assert_eq!(
+            err.loc,
+            Loc {
+                line: 2_860,
+                column: 3
+            }
         );
     }
 
