@@ -85,12 +85,15 @@ const MATCH_TYPOS: [&[&str]; 6] = [
 /// What [`Walker::type_error`] is told a number field expects.
 const NUMBER_KINDS: [&str; 3] = ["a whole number", "a number", "an HTTP status code"];
 
-/// What to say of the string `s` (quoted, or tagged `!!str`) where `expected`, one of
-/// [`NUMBER_KINDS`], goes: how to write the number it holds so that the field takes it, or
-/// nothing when written plainly it would not be taken either (`"3.5"` for a whole number, which
-/// the check after the fix would refuse all the same).
+/// What to say of the string `s` (quoted, or tagged `!!str`) where `expected` goes: when it is
+/// one of [`NUMBER_KINDS`], how to write the number `s` holds so that the field takes it;
+/// nothing elsewhere, or when written plainly it would not be taken either (`"3.5"` for a whole
+/// number, which the check after the fix would refuse all the same).
 fn quoted_number_hint(s: &str, expected: &str) -> Option<String> {
     const PLAINLY: &str = " (a string: write the number without quotes or `!!str`)";
+    if !NUMBER_KINDS.contains(&expected) {
+        return None;
+    }
     let t = s.trim();
     if expected == "a number" {
         // Not `"1e999"`, which written plainly is refused as not finite.
@@ -329,14 +332,7 @@ impl Walker {
         }
         let hint = match &node.value {
             // `"3"` where a number goes: the number, quoted (a plain `3` reads as a number).
-            Value::Str(s)
-                if let Some(hint) = NUMBER_KINDS
-                    .contains(&expected)
-                    .then(|| quoted_number_hint(s, expected))
-                    .flatten() =>
-            {
-                hint
-            }
+            Value::Str(s) if let Some(hint) = quoted_number_hint(s, expected) => hint,
             // A YAML 1.1 number (`1_000`) reads as a string in YAML 1.2: say how to write it.
             Value::Str(s) if is_underscored_number(s) => {
                 format!(" (`{s}`: a number is written without `_` in YAML 1.2)")
@@ -674,10 +670,23 @@ impl Walker {
     }
 
     /// The checks of an endpoint's name in a block left out of the document (a second or a
-    /// misspelt `endpoints:`), as the block the file runs with gets them: its own rule, and
-    /// one name written twice in the block (`seen`: each name's first place in it).
+    /// misspelt `endpoints:`), as the block the file runs with gets them: its own rule (which
+    /// that block's names meet in `validate`), and [`Walker::first_in_block`].
     fn name_in_block(&mut self, name: &str, at: Loc, path: &str, seen: &mut HashMap<String, Loc>) {
         crate::validate::check_endpoint_name(name, at, path, &mut self.diags);
+        self.first_in_block(name, at, path, seen);
+    }
+
+    /// Whether `name`, written at `at`, is the first of its block (`seen`: each name's first
+    /// place in it); a name written again is reported as a duplicate endpoint. Every
+    /// `endpoints:` block, the one the file runs with and those left out, checks its names so.
+    fn first_in_block(
+        &mut self,
+        name: &str,
+        at: Loc,
+        path: &str,
+        seen: &mut HashMap<String, Loc>,
+    ) -> bool {
         match seen.entry(name.to_owned()) {
             Entry::Occupied(first) => {
                 let first = *first.get();
@@ -686,9 +695,11 @@ impl Walker {
                     path,
                     format!("duplicate endpoint `{name}` (first defined at {first})"),
                 );
+                false
             }
             Entry::Vacant(slot) => {
                 slot.insert(at);
+                true
             }
         }
     }
@@ -754,20 +765,9 @@ impl Walker {
             };
             let path = crate::diag::endpoint_path(&name);
             let first_diag = self.diags.len();
-            match seen.entry(name.clone()) {
-                Entry::Occupied(first) => {
-                    let first = *first.get();
-                    self.error(
-                        key.loc,
-                        &path,
-                        format!("duplicate endpoint `{name}` (first defined at {first})"),
-                    );
-                    self.detached_endpoint(&name, value, &path, first_diag);
-                    continue;
-                }
-                Entry::Vacant(slot) => {
-                    slot.insert(key.loc);
-                }
+            if !self.first_in_block(&name, key.loc, &path, &mut seen) {
+                self.detached_endpoint(&name, value, &path, first_diag);
+                continue;
             }
             let overlay = self.overlay(value, &path, Layer::Endpoint);
             let routes = get(value, "routes")
