@@ -95,11 +95,15 @@ pub struct ChangeOutcome {
     pub warnings: Vec<Diagnostic>,
 }
 
-/// `N error(s), first: LOC: error: PATH: message` of a refused change's problems.
+/// `N error(s), first: LOC: error: PATH: message` of a refused change's problems, counted as
+/// the policy crate counts a cut list (`diag::counts`).
 fn errors_in_brief(diagnostics: &[Diagnostic]) -> String {
-    let mut errors = diagnostics.iter().filter(|d| d.is_error());
-    match errors.next() {
-        Some(first) => format!("{} error(s), first: {first}", 1 + errors.count()),
+    let (errors, _) = retryplane_policy::diag::counts(diagnostics);
+    let first = diagnostics
+        .iter()
+        .find(|d| d.is_error() && retryplane_policy::diag::unlisted(d).is_none());
+    match first {
+        Some(first) => format!("{errors} error(s), first: {first}"),
         None => "no error named".to_owned(),
     }
 }
