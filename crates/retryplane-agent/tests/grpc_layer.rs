@@ -615,12 +615,13 @@ async fn an_attempt_the_callers_deadline_ends_gives_deadline_exceeded_not_tonics
     // been the attempt's result, ended the call CANCELLED ("Timeout expired", not retried) and
     // counted it as not retryable, in most runs.
     for (lines, timeout, attempts) in [
-        // Attempts of 100 ms, then one that the caller's 250 ms ends. (On a loaded machine
-        // timers wake late, and the second attempt may end too late for the 10 ms pause to fit:
-        // the call then gives up after it, at the deadline too.)
+        // Attempts of 300 ms, then one that the caller's 800 ms ends (about 180 ms after it
+        // begins). (On a loaded machine timers wake late, and the second attempt may end too
+        // late for the short pause to fit: the call then gives up after it, at the deadline
+        // too.)
         (
-            "    max_attempts: 5\n    per_try_timeout: 100ms\n    retry_on: {errors: [timeout]}\n",
-            250,
+            "    max_attempts: 5\n    per_try_timeout: 300ms\n    retry_on: {errors: [timeout]}\n",
+            800,
             2..=3,
         ),
         // The first attempt ends at the caller's deadline.

@@ -32,6 +32,11 @@ fn limit() -> Duration {
     retryplane_proto::liveness::liveness_timeout(Duration::from_millis(200))
 }
 
+/// How much sooner than [`limit`] after the hold a stream may be judged dead: the last thing
+/// heard came up to one interval (200 ms) before the hold, and a loaded machine may take the
+/// hold late; judging at the bare 2 s (or a few intervals) still falls short of it.
+const HEARD_BEFORE_HOLD: Duration = Duration::from_millis(500);
+
 /// What the control plane sends stops coming (its end died behind a proxy that keeps the
 /// agent's connection): the agent takes the stream for dead after the liveness timeout, long
 /// before HTTP/2 keepalive would, and says why.
@@ -53,7 +58,7 @@ async fn an_agent_whose_control_plane_falls_silent_takes_the_stream_for_dead() {
     })
     .await;
     let waited = held.elapsed();
-    assert!(waited >= limit() - Duration::from_millis(300), "{waited:?}");
+    assert!(waited >= limit() - HEARD_BEFORE_HOLD, "{waited:?}");
     assert!(waited < limit() + Duration::from_secs(3), "{waited:?}");
     let error = agent
         .stream_error()
@@ -90,7 +95,7 @@ async fn a_vanished_agent_is_listed_disconnected() {
     })
     .await;
     let waited = held.elapsed();
-    assert!(waited >= limit() - Duration::from_millis(300), "{waited:?}");
+    assert!(waited >= limit() - HEARD_BEFORE_HOLD, "{waited:?}");
     assert!(waited < limit() + Duration::from_secs(3), "{waited:?}");
     proxy.hold_up(false);
     eventually("the agent is back", || async {

@@ -179,9 +179,10 @@ async fn a_kept_body_that_ends_after_the_pause_does_not_hold_the_one_connection_
 #[tokio::test]
 async fn the_kept_answer_a_deadline_returns_keeps_every_byte_in_order() {
     // 503 whose body is `bu` at once, then 70 KiB of numbered bytes 60 ms later (inside the
-    // pause, read on up to 64 KiB there), then `END` 200 ms later. The call's deadline ends
-    // it while it waits for the one connection (the retry never starts, nothing is cut): the
-    // caller reads `bu` + 70 KiB + `END`, in order.
+    // 300 ms pause, read on up to 64 KiB there), then `END` 1.5 s later. The call's deadline
+    // (800 ms) ends it while it waits for the one connection (the retry never starts, nothing
+    // is cut): the caller reads `bu` + 70 KiB + `END`, in order. (Each step has hundreds of
+    // milliseconds to spare, for a loaded machine.)
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let big: &'static [u8] = Box::leak(
@@ -202,7 +203,7 @@ async fn the_kept_answer_a_deadline_returns_keeps_every_byte_in_order() {
                 for chunk in big.chunks(8 * 1024) {
                     let _ = tx.send(Ok(Frame::data(Bytes::from_static(chunk)))).await;
                 }
-                tokio::time::sleep(Duration::from_millis(200)).await;
+                tokio::time::sleep(Duration::from_millis(1_500)).await;
                 let _ = tx.send(Ok(Frame::data(Bytes::from_static(b"END")))).await;
             });
             let body = StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx)).boxed();
@@ -214,7 +215,7 @@ async fn the_kept_answer_a_deadline_returns_keeps_every_byte_in_order() {
     });
     let svc = OneConnection::to(addr).await;
     let agent = support::agent(&support::policy(
-        "max_attempts: 2\ndeadline: 150ms\nper_try_timeout: 100ms\nbackoff: {base: 100ms, max: 100ms, jitter: none}",
+        "max_attempts: 2\ndeadline: 800ms\nper_try_timeout: 700ms\nbackoff: {base: 300ms, max: 300ms, jitter: none}",
     ));
     let client = RetryLayer::new(agent.endpoint("ep")).layer(svc);
     let request = get_items(addr);

@@ -218,14 +218,15 @@ async fn a_stuck_control_plane_holds_a_split_last_report_one_grace() {
     let (_plane, agent, _send) = staged(true, 17, false).await;
     let took = shut_down_while(&agent, async {}).await;
     assert!(
-        took >= Duration::from_millis(1_900) && took < Duration::from_millis(2_500),
+        took >= Duration::from_millis(1_900) && took < Duration::from_millis(3_500),
         "{took:?}"
     );
 }
 
-/// Slow but reading: one slot at 300 ms, everything read from 1.9 s into the shutdown (part 2
+/// Slow but reading: one slot at 300 ms, everything read from 1.5 s into the shutdown (part 2
 /// finds room late in the grace); the control plane never closes its side. Every call arrives,
-/// and shutdown is held up two graces at most (4 s).
+/// and shutdown is held up a grace from that room (3.5 s), under two graces (4 s: counted from
+/// the end of the close's own wait, it once was).
 #[tokio::test(flavor = "current_thread")]
 async fn a_split_last_report_that_finds_room_late_holds_shutdown_two_graces_at_most() {
     let (mut plane, agent, _send) = staged(true, 15, true).await;
@@ -236,13 +237,13 @@ async fn a_split_last_report_that_finds_room_late_holds_shutdown_two_graces_at_m
             &plane,
             started,
             Duration::from_millis(300),
-            Duration::from_millis(1_900),
+            Duration::from_millis(1_500),
         ),
     )
     .await;
     let got = received_until(&mut plane.msgs, |got| calls(got) >= ALL_CALLS).await;
     assert_eq!(calls(&got), ALL_CALLS);
-    assert!(took < Duration::from_millis(4_100), "{took:?}");
+    assert!(took < Duration::from_millis(4_000), "{took:?}");
 }
 
 /// A control plane that takes nothing, as in
@@ -256,7 +257,7 @@ async fn a_stuck_control_plane_with_one_slot_free_holds_a_split_last_report_one_
     let (_plane, agent, _send) = staged(true, 16, false).await;
     let took = shut_down_while(&agent, async {}).await;
     assert!(
-        took >= Duration::from_millis(1_900) && took < Duration::from_millis(2_500),
+        took >= Duration::from_millis(1_900) && took < Duration::from_millis(3_500),
         "{took:?}"
     );
 }

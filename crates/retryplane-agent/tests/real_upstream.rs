@@ -382,14 +382,15 @@ async fn a_503_with_a_slow_head_then_200_keeps_the_backoff_schedule() {
 #[tokio::test]
 async fn dropping_the_call_during_its_pause_sends_nothing_more() {
     let (url, up) = upstream([Step::Answer(answer(503, "", ""))]).await;
-    let agent = agent("max_attempts: 3\nbackoff: {base: 300ms, max: 300ms, jitter: none}");
+    let agent = agent("max_attempts: 3\nbackoff: {base: 1500ms, max: 1500ms, jitter: none}");
     let svc = layered(&agent);
     let call = svc.clone().oneshot(request("GET", &url, &[]));
-    // Long enough for the first answer, well inside the pause.
-    let r = tokio::time::timeout(Duration::from_millis(150), call).await;
+    // Long enough for the first answer (also on a loaded machine), well inside the pause.
+    let r = tokio::time::timeout(Duration::from_millis(700), call).await;
     assert!(r.is_err(), "the call is still pausing");
     assert_eq!(up.requests(), 1);
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    // Past where the pause would have ended (about 1.5 s after the first answer).
+    tokio::time::sleep(Duration::from_millis(1_300)).await;
     assert_eq!(up.requests(), 1, "no attempt after the drop");
     let c = agent.endpoint("ep").pending_counts();
     assert_eq!((c.calls, c.attempts, c.retries), (1, 1, 0), "{c:?}");
@@ -752,11 +753,12 @@ async fn half_open_lets_exactly_its_probes_through_and_closes_when_they_succeed(
         Step::Answer(answer(503, "", "")),
         Step::Answer(answer(503, "", "")),
     ];
-    // The probes answer after a while, so that the other calls meet the breaker half-open.
+    // The probes answer after a while (1 s: long for a loaded machine too), so that the other
+    // calls meet the breaker half-open.
     for _ in 0..2 {
         steps.push(Step::Split(
             String::new(),
-            Duration::from_millis(300),
+            Duration::from_secs(1),
             answer(200, "", "ok"),
         ));
     }

@@ -136,7 +136,7 @@ async fn idle_shutdown_after_a_swap(held: bool) -> std::time::Duration {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_shutdown_after_a_swap_is_not_held_by_the_real_control_plane() {
     let took = idle_shutdown_after_a_swap(false).await;
-    assert!(took < std::time::Duration::from_millis(1_000), "{took:?}");
+    assert!(took < std::time::Duration::from_millis(1_500), "{took:?}");
 }
 
 /// A control plane that reads but never closes its side (here a proxy that holds back its
@@ -146,7 +146,7 @@ async fn an_idle_shutdown_behind_a_plane_that_never_closes_is_held_one_grace_at_
     let took = idle_shutdown_after_a_swap(true).await;
     assert!(
         took >= std::time::Duration::from_millis(1_900)
-            && took < std::time::Duration::from_millis(2_500),
+            && took < std::time::Duration::from_millis(3_500),
         "{took:?}"
     );
 }

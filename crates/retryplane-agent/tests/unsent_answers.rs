@@ -240,7 +240,7 @@ async fn the_report_and_answer_of_a_swap_reach_a_control_plane_that_reads_after_
 async fn an_idle_shutdown_on_a_stuck_control_plane_is_held_one_grace_at_most() {
     let (_plane, _send, took) = idle_shutdown_after(1..=1, None).await;
     assert!(
-        took >= Duration::from_millis(1_900) && took < Duration::from_millis(2_500),
+        took >= Duration::from_millis(1_900) && took < Duration::from_millis(3_500),
         "{took:?}"
     );
 }
@@ -252,19 +252,19 @@ async fn an_idle_shutdown_on_a_stuck_control_plane_is_held_one_grace_at_most() {
 async fn an_idle_shutdown_on_a_full_queue_and_a_stuck_control_plane_is_held_one_grace() {
     let (_plane, _send, took) = idle_shutdown_after(1..=FULL, None).await;
     assert!(
-        took >= Duration::from_millis(1_900) && took < Duration::from_millis(2_500),
+        took >= Duration::from_millis(1_900) && took < Duration::from_millis(3_500),
         "{took:?}"
     );
 }
 
 /// Slow but reading: an idle agent whose queue is full of ACKs, a control plane that reads from
-/// 1.9 s into the shutdown (late in the grace) and never closes its side: every ACK arrives, and
-/// shutdown is held two graces at most (4 s).
+/// 1.5 s into the shutdown (late in the grace) and never closes its side: every ACK arrives, and
+/// shutdown is held a grace from that room (3.5 s), under two graces (4 s).
 #[tokio::test(flavor = "current_thread")]
 async fn an_idle_shutdown_on_a_full_queue_read_late_in_the_grace_is_held_two_graces_at_most() {
     let (mut plane, _send, took) =
-        idle_shutdown_after(1..=FULL, Some(Duration::from_millis(1_900))).await;
+        idle_shutdown_after(1..=FULL, Some(Duration::from_millis(1_500))).await;
     let got = answers_through(&mut plane, FULL).await;
     assert_eq!(got.last(), Some(&("ack", FULL)), "took {took:?}");
-    assert!(took < Duration::from_millis(4_100), "{took:?}");
+    assert!(took < Duration::from_millis(4_000), "{took:?}");
 }

@@ -1524,7 +1524,7 @@ fn a_huge_unknown_name_is_refused_quickly_with_no_guess() {
     }
     // Generous for a debug build on a busy machine; it took over 30 s before.
     let took = began.elapsed();
-    assert!(took < Duration::from_secs(3), "{took:?}");
+    assert!(took < Duration::from_secs(10), "{took:?}");
 }
 
 #[test]
