@@ -60,9 +60,10 @@ pub(crate) fn check_parsed(
     detached: &[Range<usize>],
 ) {
     let mut refused = Refused::new(diags, detached);
+    let mut listed = ListedOnce::default();
     let defaults_layers = [(Level::Defaults, "defaults".to_owned(), &doc.defaults)];
     check_layer_noting(&doc.defaults, "defaults", &mut refused, diags);
-    let defaults_policy = check_effective(&defaults_layers, &refused, diags);
+    let defaults_policy = check_effective(&defaults_layers, &refused, &mut listed, diags);
     let mut multipliers = Multipliers::default();
     multipliers.note(&defaults_layers, &refused, &defaults_policy);
     // Each name's first place. A file's parser already refuses a second endpoint of the same
@@ -89,7 +90,7 @@ pub(crate) fn check_parsed(
         check_layer_noting(&ep.overlay, &ep_path, &mut refused, diags);
         let mut layers = defaults_layers.to_vec();
         layers.push((Level::Endpoint, ep_path.clone(), &ep.overlay));
-        let policy = check_effective(&layers, &refused, diags);
+        let policy = check_effective(&layers, &refused, &mut listed, diags);
         multipliers.note(&layers, &refused, &policy);
         check_numbers_of_what_is_off(&layers, &policy, diags);
         // Each match's first route, so that repeats are found in linear time, and the
@@ -184,7 +185,7 @@ pub(crate) fn check_parsed(
             earlier.add(&route.matcher.value, canonical, i);
             let mut route_layers = layers.clone();
             route_layers.push((Level::Route, route_path, &route.overlay));
-            let policy = check_effective(&route_layers, &refused, diags);
+            let policy = check_effective(&route_layers, &refused, &mut listed, diags);
             multipliers.note(&route_layers, &refused, &policy);
         }
         // Only this endpoint and its routes take a multiplier written in them.
@@ -285,7 +286,8 @@ pub fn cross_field_problems(
         }
     }
     let mut diags = Vec::new();
-    check_effective(&named, &Refused::new(&[], &[]), &mut diags);
+    let mut listed = ListedOnce::default();
+    check_effective(&named, &Refused::new(&[], &[]), &mut listed, &mut diags);
     diags
 }
 
@@ -302,11 +304,12 @@ pub fn endpoint_cross_field_problems(
     ];
     let none = Refused::new(&[], &[]);
     let mut diags = Vec::new();
-    check_effective(&layers, &none, &mut diags);
+    let mut listed = ListedOnce::default();
+    check_effective(&layers, &none, &mut listed, &mut diags);
     for route in &endpoint.routes {
         let path = format!("{ep_path}.routes[{}]", route.index);
         layers.push((Level::Route, path, &route.overlay));
-        check_effective(&layers, &none, &mut diags);
+        check_effective(&layers, &none, &mut listed, &mut diags);
         layers.pop();
     }
     diags
@@ -1011,17 +1014,40 @@ impl Refused {
     }
 }
 
+/// The cross-field problems blamed on `defaults:` listed so far. Every endpoint and route
+/// that takes the fields from there finds the same problem again; each is kept once, not once
+/// for each of them (four problems in `defaults:` beside 65,000 endpoints built 260,000
+/// diagnostics, sorted before the repeats were dropped, to keep 4).
+#[derive(Default)]
+struct ListedOnce(HashSet<Diagnostic>);
+
+impl ListedOnce {
+    /// Appends `d` to `diags`, unless it is about `defaults:` and listed already.
+    fn push(&mut self, diags: &mut Vec<Diagnostic>, d: Diagnostic) {
+        let of_defaults = d
+            .path
+            .strip_prefix("defaults")
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with('.'));
+        if of_defaults && !self.0.insert(d.clone()) {
+            return;
+        }
+        diags.push(d);
+    }
+}
+
 /// Cross-field checks on the effective policy the layers make. A check that involves a refused
 /// field is skipped: that error is reported already, and the value in the policy is either out
-/// of range or, for a value the parser refused, not what the author wrote.
+/// of range or, for a value the parser refused, not what the author wrote. A problem blamed on
+/// `defaults:` that `listed` holds already is not listed again.
 /// Returns that effective policy.
 fn check_effective(
     layers: &Layers<'_>,
     refused: &Refused,
+    listed: &mut ListedOnce,
     diags: &mut Vec<Diagnostic>,
 ) -> RetryPolicy {
     let p: RetryPolicy = Overlay::resolve(layers.iter().map(|(_, _, o)| *o));
-    let mut push = |d: Diagnostic| diags.push(d);
+    let mut push = |d: Diagnostic| listed.push(diags, d);
     if p.backoff.max < p.backoff.base
         && let Some((loc, path)) =
             blame_unrefused(layers, refused, &["backoff.max", "backoff.base"])
@@ -1254,5 +1280,46 @@ mod prefix_trie_tests {
         assert_eq!(trie.first_prefix_of(long.as_bytes()), Some(0));
         assert_eq!(trie.first_prefix_of(&long.as_bytes()[..5_000]), Some(1));
         assert_eq!(trie.first_prefix_of(b"/v"), None);
+    }
+}
+
+#[cfg(test)]
+mod listed_once_tests {
+    #![allow(clippy::unwrap_used)]
+
+    use crate::diag::Diagnostic;
+
+    /// [`super::check`]'s problems of `yaml`, as it lists them (before they are sorted and
+    /// their repeats dropped).
+    fn checked(yaml: &str) -> Vec<Diagnostic> {
+        let root = crate::yaml::parse_noting(yaml.as_bytes()).unwrap().0;
+        let mut diags = Vec::new();
+        let doc = crate::parse::document(&root, &mut diags).unwrap();
+        assert!(diags.is_empty(), "{diags:?}");
+        super::check(&doc, &mut diags);
+        diags
+    }
+
+    /// A cross-field problem of `defaults:` is listed once, not once more for each endpoint
+    /// and route that takes the fields from there; one an endpoint's own field makes is listed
+    /// for that endpoint, and one that first shows where an endpoint turns a part on (the
+    /// budget's reserve, here) is listed once too.
+    #[test]
+    fn a_problem_of_the_defaults_is_listed_once_whatever_the_endpoints() {
+        let mut yaml = "version: 1\ndefaults:\n  deadline: 1s\n  per_try_timeout: 2s\n  backoff: {base: 200ms, max: 100ms}\n  budget: {enabled: false, min_per_second: 1, window: 100ms}\nendpoints:\n".to_owned();
+        for i in 0..50 {
+            yaml.push_str(&format!(
+                "  e{i}:\n    budget: {{enabled: true}}\n    routes:\n      - match: {{path_prefix: /a}}\n      - match: {{path_prefix: /b}}\n"
+            ));
+        }
+        yaml.push_str("  own:\n    per_try_timeout: 3s\n");
+        let diags = checked(&yaml);
+        let paths: Vec<&str> = diags.iter().map(|d| d.path.as_str()).collect();
+        let count = |path: &str| paths.iter().filter(|p| **p == path).count();
+        assert_eq!(count("defaults.per_try_timeout"), 1, "{paths:?}");
+        assert_eq!(count("defaults.backoff.max"), 1, "{paths:?}");
+        assert_eq!(count("defaults.budget.min_per_second"), 1, "{paths:?}");
+        assert_eq!(count("endpoints.own.per_try_timeout"), 1, "{paths:?}");
+        assert_eq!(diags.len(), 4, "{diags:?}");
     }
 }
