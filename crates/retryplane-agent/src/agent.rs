@@ -205,10 +205,26 @@ pub struct Agent {
 // and endpoint), kilobytes per `?agent` in a log line.
 impl std::fmt::Debug for Agent {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let control_plane = match &self.task {
+            None => "none",
+            Some(task) if task.cancel.is_cancelled() => "shut_down",
+            Some(_) => "running",
+        };
+        // The first bytes of why the stream last ended: a status message comes from the
+        // other end, and may be long.
+        let stream_error = self.stream_error().map(|e| {
+            const SHOWN: usize = 160;
+            if e.message.len() <= SHOWN {
+                return e.message;
+            }
+            let end = e.message.floor_char_boundary(SHOWN);
+            format!("{}…", &e.message[..end])
+        });
         f.debug_struct("Agent")
             .field("policies", &self.shared.policies.load())
-            .field("control_plane", &self.task.is_some())
+            .field("control_plane", &format_args!("{control_plane}"))
             .field("connected", &self.is_connected())
+            .field("stream_error", &stream_error)
             .finish_non_exhaustive()
     }
 }
@@ -865,12 +881,41 @@ mod tests {
         );
         assert!(
             shown[0].ends_with(
-                "source: Static, endpoints: 200, .. }, control_plane: false, connected: false, .. }"
+                "source: Static, endpoints: 200, .. }, control_plane: none, connected: false, stream_error: None, .. }"
             ),
             "{}",
             shown[0]
         );
         assert_eq!(shown[1], "Endpoint { name: \"svc-7\", version: 0, .. }");
+    }
+
+    /// An agent fed by a control plane says in its `Debug` whether its task runs or was shut
+    /// down, and why its stream last ended (it once said `control_plane: true` after
+    /// `shutdown`, and nothing of the error).
+    #[tokio::test]
+    async fn debug_of_an_agent_says_its_stream_error_and_when_it_was_shut_down() {
+        // A port nothing listens on: the stream cannot start.
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        drop(listener);
+        let agent = Agent::builder().url(url).service("s").connect().unwrap();
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
+        while agent.stream_error().is_none() {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "no stream error came"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        let shown = format!("{agent:?}");
+        assert!(
+            shown.contains("control_plane: running, connected: false, stream_error: Some(\""),
+            "{shown}"
+        );
+        assert!(shown.len() < 500 && !shown.contains('\n'), "{shown}");
+        agent.shutdown().await;
+        let shown = format!("{agent:?}");
+        assert!(shown.contains("control_plane: shut_down"), "{shown}");
     }
 
     /// A service that names its endpoints after hosts calls many once: once no handle holds
