@@ -50,14 +50,20 @@ pub fn check_items(doc: &pb::PolicyDocument) -> Result<(), Diagnostic> {
     if items <= MAX_ITEMS {
         return Ok(());
     }
-    Err(Diagnostic::error(
+    Err(too_many_items(items))
+}
+
+/// [`check_items`]'s error for a document of `items` items (more than [`MAX_ITEMS`]); also
+/// for a request refused on its encoded bytes ([`crate::wire_items`]).
+pub fn too_many_items(items: usize) -> Diagnostic {
+    Diagnostic::error(
         Loc::UNKNOWN,
         "<document>",
         format!(
             "the document is too large: {items} items (2 for each endpoint and route, 1 for \
              each list entry); at most {MAX_ITEMS}, what a policy file can hold"
         ),
-    ))
+    )
 }
 
 /// The size of `doc` as [`MAX_ITEMS`] counts it.

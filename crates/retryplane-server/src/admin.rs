@@ -112,8 +112,14 @@ impl AdminApi {
         request: Request<pb::ApplyRequest>,
     ) -> Result<Response<pb::ApplyResponse>, Status> {
         let author = author(&request);
+        let too_many = too_many_on_the_wire(&request);
         let req = request.into_inner();
-        let content = match document_of(source_kind(req.source)?).await {
+        // Refused as `document_of` refuses a decoded document that size.
+        let content = match too_many {
+            Some(too_many) => Err(Status::invalid_argument(diagnostic_lines(&[too_many]))),
+            None => document_of(source_kind(req.source)?).await,
+        };
+        let content = match content {
             Ok(content) => content,
             Err(invalid) => {
                 // Invalid YAML never reaches the control plane, which counts the other refusals.
@@ -440,10 +446,26 @@ fn source_kind(source: Option<pb::PolicySource>) -> Result<Kind, Status> {
     Ok(kind)
 }
 
+/// The size error of a call whose message held more than a policy file can on the wire (its
+/// `source` was cut out before the decode: [`crate::decode_turns::TooManyItems`]), as
+/// [`convert::check_items`] gives it for a decoded document.
+fn too_many_on_the_wire<T>(request: &Request<T>) -> Option<Diagnostic> {
+    request
+        .extensions()
+        .get::<crate::decode_turns::TooManyItems>()
+        .map(|too_many| convert::too_many_items(too_many.0))
+}
+
 /// Validate's answer to `request` (see [`AdminApi::in_turn`]).
 async fn validated(
     request: Request<pb::ValidateRequest>,
 ) -> Result<Response<pb::ValidateResponse>, Status> {
+    if let Some(too_many) = too_many_on_the_wire(&request) {
+        return Ok(Response::new(pb::ValidateResponse {
+            valid: false,
+            diagnostics: pb_diagnostics(&[too_many]),
+        }));
+    }
     let (valid, diagnostics) = match source_kind(request.into_inner().source)? {
         Kind::Yaml(yaml) => {
             off_runtime(move || {

@@ -12,13 +12,19 @@
 //! the limit is refused here when its first message fits (a unary call carries one; a second
 //! frame announced and never sent held a decoded document with no turn), and handed on when
 //! its first message itself is too long (the service refuses it by its length).
+//!
+//! A message whose endpoints and routes, counted on its bytes, pass what a policy file can
+//! hold ([`retryplane_proto::wire_items`]) is handed on without its policy, marked
+//! [`TooManyItems`]: the service answers it as it answers a decoded document that size, after
+//! the checks it makes first (a document of bare endpoints is two bytes an endpoint on the
+//! wire and about 420 decoded: a 4 MiB one decoded to about 880 MB before it was refused).
 
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use bytes::{Bytes, BytesMut};
+use bytes::{BufMut as _, Bytes, BytesMut};
 use http::HeaderMap;
 use http_body::Frame;
 use http_body_util::BodyExt as _;
@@ -27,6 +33,9 @@ use tonic::Status;
 use tonic::body::Body;
 use tonic::codegen::Service;
 use tonic::server::NamedService;
+
+use retryplane_proto::convert::MAX_ITEMS;
+use retryplane_proto::wire_items;
 
 /// The most calls that carry a policy decoded at once: those being checked and as many waiting
 /// for a check.
@@ -47,6 +56,14 @@ pub const READ_AHEAD_BYTES: usize = 64 * 1024 * 1024;
 /// How long a call that carries a policy may take to send its message (waits for room in
 /// [`READ_AHEAD_BYTES`] included).
 pub const READ_AHEAD_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// A request extension: the call's message held this many items ([`MAX_ITEMS`]'s count, of
+/// its endpoints and routes) on the wire, more than a policy file can hold, and its `source`
+/// was cut out before the decode. The admin service answers it with
+/// [`too_many_items`](retryplane_proto::convert::too_many_items) where it checks a decoded
+/// document's size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TooManyItems(pub usize);
 
 /// `S` (the admin service), with the calls that carry a policy received whole before they take
 /// one of [`MAX_DECODED`] turns.
@@ -113,12 +130,16 @@ where
                 .into_http());
             };
             // Past the limit (not an error mid-body, which the service reports as it comes).
-            // Past the limit (not an error mid-body, which the service reports as it comes).
             if body.rest.is_some() && body.first_message_fits(limit) {
                 return Ok(Status::invalid_argument(
                     "the request holds more than one message; this call takes one",
                 )
                 .into_http());
+            }
+            let (body, too_many) = body.screened();
+            let mut parts = parts;
+            if let Some(too_many) = too_many {
+                parts.extensions.insert(too_many);
             }
             // The semaphore is never closed; should it be, the call goes on without a turn.
             let _turn = match whole {
@@ -207,6 +228,36 @@ struct ReadAhead {
 }
 
 impl ReadAhead {
+    /// The body with its first message's `source` cut out when that message, read whole,
+    /// holds more items on the wire than a policy file can (see [`TooManyItems`]); else as it
+    /// was. A compressed message is left to the service, which takes none.
+    fn screened(mut self) -> (Self, Option<TooManyItems>) {
+        let Some(prefix) = &self.prefix else {
+            return (self, None);
+        };
+        let Some(&[0, a, b, c, d]) = prefix.get(..FRAME_HEADER) else {
+            return (self, None);
+        };
+        let len = usize::try_from(u32::from_be_bytes([a, b, c, d])).unwrap_or(usize::MAX);
+        let Some(message) = prefix.get(FRAME_HEADER..FRAME_HEADER.saturating_add(len)) else {
+            return (self, None);
+        };
+        let items = wire_items::items_at_least(message);
+        if items <= MAX_ITEMS {
+            return (self, None);
+        }
+        let cut = wire_items::without_source(message);
+        let after = &prefix[FRAME_HEADER + len..];
+        let mut framed = BytesMut::with_capacity(FRAME_HEADER + cut.len() + after.len());
+        framed.put_u8(0);
+        // Shorter than the message, whose length fit.
+        framed.put_u32(u32::try_from(cut.len()).unwrap_or(u32::MAX));
+        framed.extend_from_slice(&cut);
+        framed.extend_from_slice(after);
+        self.prefix = Some(framed.freeze());
+        (self, Some(TooManyItems(items)))
+    }
+
     /// Whether the first message the bytes read announce (its frame header's length) fits
     /// `limit` with its header: a body past the limit then holds more than one message.
     fn first_message_fits(&self, limit: usize) -> bool {

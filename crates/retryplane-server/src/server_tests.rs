@@ -2727,3 +2727,110 @@ async fn a_long_message_on_a_slow_link_keeps_the_stream_and_a_trickle_does_not()
     assert_eq!(connected(&running, "trickle").await, Some(false));
     running.shutdown().await.unwrap();
 }
+
+/// A typed document of more endpoints than a policy file can hold, sent over the wire: the
+/// control plane counts its endpoints on the message's bytes and cuts the policy out before
+/// the decode (a document of bare endpoints is two bytes an endpoint there, hundreds once
+/// decoded). Validate answers with the size error, Apply refuses a viewer for its role and
+/// a file-mode server for its mode before it looks at the size, then refuses the change and
+/// counts it. The count is of endpoints and routes only (the list entries of `defaults:` are
+/// not in it, as they are in the count of a decoded document): that is how these tests know
+/// the policy was never decoded.
+#[tokio::test]
+async fn a_document_larger_than_a_file_can_hold_is_refused_on_its_bytes_after_the_checks_before_it()
+{
+    let endpoints = retryplane_proto::convert::MAX_ITEMS / 2 + 1;
+    let document = pb::PolicyDocument {
+        defaults: Some(pb::Overlay {
+            idempotent_methods: Some(pb::MethodList {
+                methods: vec!["GET".to_owned(), "PUT".to_owned()],
+            }),
+            ..Default::default()
+        }),
+        endpoints: (0..endpoints)
+            .map(|i| pb::Endpoint {
+                name: format!("e{i}"),
+                overlay: None,
+                routes: vec![],
+            })
+            .collect(),
+    };
+    let source = Some(pb::PolicySource {
+        kind: Some(pb::policy_source::Kind::Document(document)),
+        origin: String::new(),
+    });
+    // On the wire: 2 items an endpoint; decoded, the 2 methods as well.
+    let on_the_wire = format!("the document is too large: {} items", 2 * endpoints);
+    let dir = tempfile::tempdir().unwrap();
+    fs::write(dir.path().join("policies.yaml"), V1).unwrap();
+    fs::write(
+        dir.path().join("tokens.yaml"),
+        format!("{TOKENS}  - {{name: vic, role: viewer, secret: viewer-secret-0123456789}}\n"),
+    )
+    .unwrap();
+    for api_mode in [true, false] {
+        let mut cfg = config(dir.path());
+        cfg.tokens_file = Some(dir.path().join("tokens.yaml"));
+        cfg.data_dir = dir.path().join(format!("data-{api_mode}"));
+        cfg.api_mode = api_mode;
+        let running = start(cfg).await.unwrap();
+        let mut client = admin(&running).await;
+        let checked = client
+            .validate(authorized(
+                pb::ValidateRequest {
+                    source: source.clone(),
+                },
+                "viewer-secret-0123456789",
+            ))
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(!checked.valid);
+        assert_eq!(checked.diagnostics.len(), 1, "{:?}", checked.diagnostics);
+        assert!(
+            checked.diagnostics[0].message.starts_with(&on_the_wire),
+            "{}",
+            checked.diagnostics[0].message
+        );
+        let apply = |secret: &str| {
+            authorized(
+                pb::ApplyRequest {
+                    source: source.clone(),
+                    ..Default::default()
+                },
+                secret,
+            )
+        };
+        let viewer = client
+            .apply(apply("viewer-secret-0123456789"))
+            .await
+            .unwrap_err();
+        assert_eq!(viewer.code(), Code::PermissionDenied, "{viewer:?}");
+        let refused = client
+            .apply(apply("admin-secret-0123456789"))
+            .await
+            .unwrap_err();
+        if api_mode {
+            assert_eq!(refused.code(), Code::InvalidArgument, "{refused:?}");
+            assert!(
+                refused.message().contains(&on_the_wire),
+                "{}",
+                refused.message()
+            );
+            assert_eq!(running.control().metrics.rejected_changes.get(), 1);
+        } else {
+            assert_eq!(refused.code(), Code::FailedPrecondition, "{refused:?}");
+            assert_eq!(running.control().metrics.rejected_changes.get(), 0);
+        }
+        let got = client
+            .get(authorized(
+                pb::GetRequest { version: 0 },
+                "admin-secret-0123456789",
+            ))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(got.info.unwrap().version, 1, "nothing stored");
+        running.shutdown().await.unwrap();
+    }
+}
