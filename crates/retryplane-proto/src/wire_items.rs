@@ -23,10 +23,12 @@ const MAX_GROUP_DEPTH: u32 = 100;
 
 /// The items ([`MAX_ITEMS`](crate::convert::MAX_ITEMS)'s count) of the endpoints and routes of
 /// the `ValidateRequest` or `ApplyRequest` encoded in `message`: 2 for each endpoint and route
-/// of every `source.document` the bytes hold, also those a later field replaces or merges with
-/// (the decode builds each of them first). List entries are not counted: this is at most what
-/// `check_items` counts of the decoded document, and the same for the endpoints and routes of
-/// a plain request. Bytes that do not decode are counted up to where they stop.
+/// of every `source.document` the bytes hold, also those merged into one (a `source` written
+/// twice) and those a later field replaces (a `yaml` after a `document`: the decode builds the
+/// document first, and `check_items` never sees it). List entries are not counted: for a
+/// request of one document, this is what `check_items` counts of its endpoints and routes,
+/// never more. Bytes that do not decode are counted up to where they stop (some that prost
+/// refuses, such as a scalar `source` or a varint's tenth byte over 1, are read on).
 pub fn items_at_least(message: &[u8]) -> usize {
     let mut items = 0usize;
     for (number, value) in Fields::new(message) {
@@ -264,8 +266,9 @@ mod tests {
         assert_eq!(items_at_least(&request), 16);
     }
 
-    /// A second `source` merges into the first (its endpoints added), and a second frame is
-    /// not this message: both counted as the decode builds them.
+    /// A second `source` field in the message merges into the first (its endpoints added):
+    /// both counted, as the decode builds them. (A second gRPC message in the body is refused
+    /// before the count: `DecodeTurns` in the server.)
     #[test]
     fn a_source_written_twice_counts_both() {
         let mut request = apply(document(2, 0)).encode_to_vec();
@@ -301,7 +304,9 @@ mod tests {
     }
 
     /// Groups 100 deep are skipped as prost skips them; 101 deep, prost refuses the message
-    /// and the count stops (deeper in the message, prost refuses fewer: never more than here).
+    /// and the count stops. (Inside the document prost's depth counts the messages around the
+    /// group too, so it refuses groups shallower than the count does: the count never stops
+    /// where prost reads on.)
     #[test]
     fn groups_as_deep_as_prost_takes_are_skipped() {
         for (depth, counted) in [(MAX_GROUP_DEPTH, 4), (MAX_GROUP_DEPTH + 1, 0)] {

@@ -8,16 +8,18 @@
 //! else waiting; then, past [`MAX_DECODED`] calls at once, it waits with its message
 //! undecoded. The bytes read ahead by every call together are bounded
 //! ([`READ_AHEAD_BYTES`]: a call waits for room before it reads more), and so is the time a
-//! call may take to send its message ([`READ_AHEAD_WAIT`]). A body longer than one message of
-//! the limit is refused here when its first message fits (a unary call carries one; a second
-//! frame announced and never sent held a decoded document with no turn), and handed on when
-//! its first message itself is too long (the service refuses it by its length).
+//! call may take to send its message ([`READ_AHEAD_WAIT`]). A body that holds more than its
+//! first message is refused here when that message fits the limit (a unary call carries one;
+//! tonic decodes every further one before the service runs: a second frame announced and
+//! never sent held a decoded document with no turn, and one sent after an empty first message
+//! was decoded whole), and handed on when its first message itself is too long (the service
+//! refuses it by its length).
 //!
-//! A message whose endpoints and routes, counted on its bytes, pass what a policy file can
-//! hold ([`retryplane_proto::wire_items`]) is handed on without its policy, marked
+//! A body of one message whose endpoints and routes, counted on its bytes, pass what a policy
+//! file can hold ([`retryplane_proto::wire_items`]) is handed on without its policy, marked
 //! [`TooManyItems`]: the service answers it as it answers a decoded document that size, after
 //! the checks it makes first (a document of bare endpoints is two bytes an endpoint on the
-//! wire and about 420 decoded: a 4 MiB one decoded to about 880 MB before it was refused).
+//! wire and about 420 decoded: a 4 MiB one decoded to about 850 MB before it was refused).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -129,8 +131,7 @@ where
                 ))
                 .into_http());
             };
-            // Past the limit (not an error mid-body, which the service reports as it comes).
-            if body.rest.is_some() && body.first_message_fits(limit) {
+            if body.more_than_one_message(limit) {
                 return Ok(Status::invalid_argument(
                     "the request holds more than one message; this call takes one",
                 )
@@ -228,10 +229,34 @@ struct ReadAhead {
 }
 
 impl ReadAhead {
-    /// The body with its first message's `source` cut out when that message, read whole,
-    /// holds more items on the wire than a policy file can (see [`TooManyItems`]); else as it
-    /// was. A compressed message is left to the service, which takes none.
+    /// Whether the body holds more than its first message: bytes after it, or a body past the
+    /// limit whose first message fits it. A unary call carries one message; tonic decodes
+    /// every further one (each up to the limit) before the service runs (a second frame after
+    /// an empty first one was decoded whole, with nothing counted on the wire).
+    fn more_than_one_message(&self, limit: usize) -> bool {
+        if self.rest.is_some() {
+            return self.first_message_fits(limit);
+        }
+        let Some(prefix) = &self.prefix else {
+            return false;
+        };
+        let Some(header) = prefix.get(..FRAME_HEADER) else {
+            return false;
+        };
+        let len = u32::from_be_bytes([header[1], header[2], header[3], header[4]]);
+        usize::try_from(len).is_ok_and(|len| prefix.len() > len.saturating_add(FRAME_HEADER))
+    }
+
+    /// The body with its message's `source` cut out when that message holds more items on the
+    /// wire than a policy file can (see [`TooManyItems`]); else as it was. Only a body read
+    /// whole within the limit (or up to its error) that holds one message, all of it, is
+    /// looked at: one past the limit is left for the service to refuse by its length (cut
+    /// short, it passed that check, and the frames after it were decoded with no turn), and a
+    /// compressed message is left to the service, which takes none.
     fn screened(mut self) -> (Self, Option<TooManyItems>) {
+        if self.rest.is_some() {
+            return (self, None);
+        }
         let Some(prefix) = &self.prefix else {
             return (self, None);
         };
@@ -239,21 +264,22 @@ impl ReadAhead {
             return (self, None);
         };
         let len = usize::try_from(u32::from_be_bytes([a, b, c, d])).unwrap_or(usize::MAX);
-        let Some(message) = prefix.get(FRAME_HEADER..FRAME_HEADER.saturating_add(len)) else {
+        let Some(message) = prefix.get(FRAME_HEADER..) else {
             return (self, None);
         };
+        if message.len() != len {
+            return (self, None);
+        }
         let items = wire_items::items_at_least(message);
         if items <= MAX_ITEMS {
             return (self, None);
         }
         let cut = wire_items::without_source(message);
-        let after = &prefix[FRAME_HEADER + len..];
-        let mut framed = BytesMut::with_capacity(FRAME_HEADER + cut.len() + after.len());
+        let mut framed = BytesMut::with_capacity(FRAME_HEADER + cut.len());
         framed.put_u8(0);
         // Shorter than the message, whose length fit.
         framed.put_u32(u32::try_from(cut.len()).unwrap_or(u32::MAX));
         framed.extend_from_slice(&cut);
-        framed.extend_from_slice(after);
         self.prefix = Some(framed.freeze());
         (self, Some(TooManyItems(items)))
     }
@@ -493,6 +519,134 @@ mod tests {
         })
         .await
         .expect("handed on");
+    }
+
+    /// What a call brought: its [`TooManyItems`] mark and its body.
+    type Brought = (Option<TooManyItems>, Bytes);
+
+    /// A service that keeps what each call brought.
+    #[derive(Clone, Default)]
+    struct Capture(Arc<std::sync::Mutex<Vec<Brought>>>);
+
+    impl Service<http::Request<Body>> for Capture {
+        type Response = http::Response<Body>;
+        type Error = std::convert::Infallible;
+        type Future =
+            Pin<Box<dyn Future<Output = Result<http::Response<Body>, Self::Error>> + Send>>;
+
+        fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+            Poll::Ready(Ok(()))
+        }
+
+        fn call(&mut self, request: http::Request<Body>) -> Self::Future {
+            let calls = self.0.clone();
+            Box::pin(async move {
+                let mark = request.extensions().get::<TooManyItems>().copied();
+                let body = request.into_body().collect().await.unwrap().to_bytes();
+                calls.lock().unwrap().push((mark, body));
+                Ok(http::Response::new(Body::empty()))
+            })
+        }
+    }
+
+    /// A framed Apply message of `endpoints` bare endpoints (two bytes each), `dry_run` set,
+    /// padded with an unknown field to `len` bytes when given.
+    fn big_apply(endpoints: usize, len: Option<usize>) -> (Vec<u8>, Vec<u8>) {
+        use prost::Message as _;
+        let request = retryplane_proto::pb::ApplyRequest {
+            source: Some(retryplane_proto::pb::PolicySource {
+                kind: Some(retryplane_proto::pb::policy_source::Kind::Document(
+                    retryplane_proto::pb::PolicyDocument {
+                        defaults: None,
+                        endpoints: vec![Default::default(); endpoints],
+                    },
+                )),
+                origin: String::new(),
+            }),
+            dry_run: true,
+            ..Default::default()
+        };
+        let mut message = request.encode_to_vec();
+        if let Some(len) = len {
+            // Field 15, length-delimited: a tag, a 3-byte length, then bytes.
+            let pad = len - message.len() - 4;
+            message.push(15 << 3 | 2);
+            message.extend_from_slice(&[
+                (pad & 0x7f) as u8 | 0x80,
+                (pad >> 7 & 0x7f) as u8 | 0x80,
+                (pad >> 14) as u8,
+            ]);
+            message.resize(len, 0);
+            assert!(retryplane_proto::pb::ApplyRequest::decode(message.as_slice()).is_ok());
+        }
+        let mut framed = vec![0];
+        framed.extend_from_slice(&u32::try_from(message.len()).unwrap().to_be_bytes());
+        framed.extend_from_slice(&message);
+        (message, framed)
+    }
+
+    fn apply_call(bytes: Vec<u8>) -> http::Request<Body> {
+        http::Request::builder()
+            .uri("http://localhost/retryplane.v1.AdminService/Apply")
+            .body(Body::new(http_body_util::Full::new(Bytes::from(bytes))))
+            .unwrap()
+    }
+
+    /// One message of more endpoints than a policy file can hold is handed on without its
+    /// `source` and marked; one of fewer, as it came.
+    #[tokio::test]
+    async fn a_message_of_too_many_endpoints_is_handed_on_without_its_policy() {
+        use prost::Message as _;
+        let capture = Capture::default();
+        let mut service = DecodeTurns::with_turns(capture.clone(), 1 << 20, 1);
+        let over = retryplane_proto::convert::MAX_ITEMS / 2 + 1;
+        let (_, framed) = big_apply(over, None);
+        service.call(apply_call(framed)).await.unwrap();
+        let (_, framed) = big_apply(over - 1, None);
+        service.call(apply_call(framed.clone())).await.unwrap();
+        let calls = capture.0.lock().unwrap().clone();
+        assert_eq!(calls[0].0, Some(TooManyItems(2 * over)));
+        let body = &calls[0].1;
+        assert_eq!(body[0], 0);
+        assert_eq!(
+            usize::try_from(u32::from_be_bytes([body[1], body[2], body[3], body[4]])).unwrap(),
+            body.len() - FRAME_HEADER
+        );
+        let decoded = retryplane_proto::pb::ApplyRequest::decode(&body[FRAME_HEADER..]).unwrap();
+        assert_eq!(decoded.source, None);
+        assert!(decoded.dry_run);
+        assert_eq!(calls[1], (None, Bytes::from(framed)));
+    }
+
+    /// Past the limit by a byte, a first message of too many endpoints is handed on as it came,
+    /// for the service to refuse by its length (cut short, it passed that check, and the
+    /// frames after it were decoded without a turn); a second message after a first within the
+    /// limit, even an empty first, is refused, not handed on.
+    #[tokio::test]
+    async fn a_message_past_the_limit_or_a_second_message_is_never_cut_short() {
+        let over = retryplane_proto::convert::MAX_ITEMS / 2 + 1;
+        let (message, framed) = big_apply(over, Some(2 * over + 1_000));
+        let capture = Capture::default();
+        let mut service = DecodeTurns::with_turns(capture.clone(), message.len() - 1, 1);
+        let (_, second) = big_apply(1, None);
+        let mut body = framed.clone();
+        body.extend_from_slice(&second);
+        service.call(apply_call(body.clone())).await.unwrap();
+        assert_eq!(
+            capture.0.lock().unwrap().clone(),
+            vec![(None, Bytes::from(body))]
+        );
+        // An empty first message, then one of too many endpoints, within the limit.
+        let mut service = DecodeTurns::with_turns(capture.clone(), 1 << 20, 1);
+        let mut body = vec![0, 0, 0, 0, 0];
+        body.extend_from_slice(&big_apply(over, None).1);
+        let answer = service.call(apply_call(body)).await.unwrap();
+        assert_eq!(
+            answer.headers().get("grpc-status").map(|v| v.as_bytes()),
+            Some(&b"3"[..]),
+            "{answer:?}"
+        );
+        assert_eq!(capture.0.lock().unwrap().len(), 1, "not handed on");
     }
 
     /// What was read ahead is handed on whole: its bytes, then its trailers, or the rest of
