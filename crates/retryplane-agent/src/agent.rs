@@ -194,7 +194,9 @@ pub(crate) struct Task {
 /// plane, the cache file, the metrics reports) runs until [`Agent::shutdown`] is called or the
 /// last clone of the agent and the last [`Endpoint`] handle made from it are dropped, so a
 /// service may keep only its handles. Its `Debug` is one short line: the policies in force
-/// (as [`PolicySnapshot`]'s) and whether the stream is connected.
+/// (as [`PolicySnapshot`]'s), its task (`none` without a control plane, `running`,
+/// `shutting_down`, `shut_down`, or `ended` when it stopped on its own), whether the stream is
+/// connected, and the first 160 bytes of why it last ended.
 #[derive(Clone)]
 pub struct Agent {
     shared: Arc<Shared>,
@@ -207,8 +209,20 @@ impl std::fmt::Debug for Agent {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let control_plane = match &self.task {
             None => "none",
-            Some(task) if task.cancel.is_cancelled() => "shut_down",
-            Some(_) => "running",
+            Some(task) => {
+                // `None` while `shutdown` holds the handle (it waits for the task).
+                let ended = task
+                    .handle
+                    .try_lock()
+                    .ok()
+                    .map(|h| h.as_ref().is_none_or(JoinHandle::is_finished));
+                match (task.cancel.is_cancelled(), ended) {
+                    (true, Some(true)) => "shut_down",
+                    (true, _) => "shutting_down",
+                    (false, Some(true)) => "ended",
+                    (false, _) => "running",
+                }
+            }
         };
         // The first bytes of why the stream last ended: a status message comes from the
         // other end, and may be long.
@@ -916,6 +930,17 @@ mod tests {
         agent.shutdown().await;
         let shown = format!("{agent:?}");
         assert!(shown.contains("control_plane: shut_down"), "{shown}");
+        // A long reason is cut at 160 bytes, on a character's boundary.
+        let long = format!("{}{}", "x".repeat(159), "é".repeat(100));
+        *agent.shared.stream_error.lock().unwrap() = Some(StreamError {
+            code: None,
+            message: long,
+        });
+        let shown = format!("{agent:?}");
+        assert!(
+            shown.contains(&format!("stream_error: Some(\"{}…\")", "x".repeat(159))),
+            "{shown}"
+        );
     }
 
     /// A service that names its endpoints after hosts calls many once: once no handle holds

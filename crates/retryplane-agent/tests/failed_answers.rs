@@ -278,11 +278,11 @@ async fn late_body_server(failures: u32, gap: Duration) -> (String, Counts) {
 
 #[tokio::test]
 async fn a_failed_answer_whose_body_ends_after_the_attempt_is_read_in_the_pause() {
-    // The body's end comes 40 ms after its head, after the attempt's 20 ms read of it, and
-    // within the 500 ms pause (with room for a loaded machine): read then, it frees the
-    // connection for the retry. (Before, it was kept unread through the pause and each retry
-    // opened a new connection.)
-    let (url, counts) = late_body_server(2, Duration::from_millis(40)).await;
+    // The body's end comes 150 ms after its head, after the attempt's 20 ms read of it, and
+    // within the 500 ms pause (with room either side for a loaded machine): read then, it
+    // frees the connection for the retry. (Before, it was kept unread through the pause and
+    // each retry opened a new connection.)
+    let (url, counts) = late_body_server(2, Duration::from_millis(150)).await;
     let agent = support::agent(&support::policy(
         "max_attempts: 3\nbackoff: {base: 500ms, max: 500ms, jitter: none}",
     ));

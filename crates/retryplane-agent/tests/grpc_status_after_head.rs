@@ -161,12 +161,12 @@ async fn get(agent: &Agent, channel: Channel, idempotent: bool) -> Result<pb::Ge
 
 /// Also when the trailers come a while after the head, as from a server with Nagle on (a
 /// tonic server started with `serve_with_incoming`), whose trailers wait behind its head for
-/// the client's delayed ACK (40 ms on Linux). Here 20 ms: within the layer's 100 ms look for a
-/// first frame with 80 ms to spare, as one thread runs server and client (with 60 ms, a
-/// 40 ms stall of it between the two could end the look first).
-#[tokio::test]
+/// the client's delayed ACK (40 ms on Linux). Here 50 ms, past that, within the layer's 100 ms
+/// look for a first frame; on two threads, so that a stall of the server's does not also hold
+/// the client's look (on one, a 40 ms stall between the two once ended the look first).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_error_in_trailers_right_after_the_head_is_retried_and_counted_as_a_failure() {
-    for delay in [Duration::ZERO, Duration::from_millis(20)] {
+    for delay in [Duration::ZERO, Duration::from_millis(50)] {
         let (seen, channel) = server(After::Unavailable { delay }).await;
         let agent = agent();
         let status = get(&agent, channel, true)

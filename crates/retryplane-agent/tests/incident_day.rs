@@ -1114,7 +1114,7 @@ async fn an_incident_day_follows_every_version_and_the_control_plane_adds_up_to_
 /// loaded machine descheduled between the answer and the read): the window it reads may end
 /// that much later than the answer, so calls begun meanwhile count, and retries that left it
 /// meanwhile do not.
-const SETTLE: Duration = Duration::from_millis(150);
+const SETTLE: Duration = Duration::from_millis(100);
 
 /// Budget breaches of `m`'s retries against SPEC §2 rule 6, with `(window, reserve, ratio)`
 /// by the stage of the retry's call, in the agent's own times: a call counts from just before

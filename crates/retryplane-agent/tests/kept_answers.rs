@@ -178,8 +178,8 @@ async fn a_kept_body_that_ends_after_the_pause_does_not_hold_the_one_connection_
 // ---------------------------------------------------------------------------------------------
 #[tokio::test]
 async fn the_kept_answer_a_deadline_returns_keeps_every_byte_in_order() {
-    // 503 whose body is `bu` at once, then 70 KiB of numbered bytes 60 ms later (inside the
-    // 300 ms pause, read on up to 64 KiB there), then `END` 1.5 s later. The call's deadline
+    // 503 whose body is `bu` at once, then 70 KiB of numbered bytes 150 ms later (inside the
+    // 300 ms pause, after the attempt's 20 ms read, read on up to 64 KiB there), then `END` 1.5 s later. The call's deadline
     // (800 ms) ends it while it waits for the one connection (the retry never starts, nothing
     // is cut): the caller reads `bu` + 70 KiB + `END`, in order. (Each step has hundreds of
     // milliseconds to spare, for a loaded machine.)
@@ -199,7 +199,7 @@ async fn the_kept_answer_a_deadline_returns_keeps_every_byte_in_order() {
                 let _ = tx
                     .send(Ok::<_, Infallible>(Frame::data(Bytes::from_static(b"bu"))))
                     .await;
-                tokio::time::sleep(Duration::from_millis(60)).await;
+                tokio::time::sleep(Duration::from_millis(150)).await;
                 for chunk in big.chunks(8 * 1024) {
                     let _ = tx.send(Ok(Frame::data(Bytes::from_static(chunk)))).await;
                 }

@@ -81,9 +81,9 @@ async fn one_slot_then_all(plane: &RawPlane, started: Instant, slot: Duration, a
     plane.set_window(64 << 20);
 }
 
-/// Part 1 of the last report finds room at 1 s (one slot frees), its last part none within the
-/// close grace (2 s; the window opens wide at 2.2 s); what found room (the reports and ACKs
-/// queued before, and part 1) gets the half-close's own grace, until 3 s, and reaches the
+/// Part 1 of the last report finds room at 1.2 s (one slot frees), its last part none within
+/// the close grace (2 s; the window opens wide at 2.5 s); what found room (the reports and ACKs
+/// queued before, and part 1) gets the half-close's own grace, until 3.2 s, and reaches the
 /// control plane. (With part 1's room at 300 ms, the window opened at 2.3 s and the grace
 /// ended about then: on a loaded machine part 1 was once cut off within it.)
 async fn what_found_room_is_not_cut_off(acks: bool) {
@@ -94,8 +94,8 @@ async fn what_found_room_is_not_cut_off(acks: bool) {
         one_slot_then_all(
             &plane,
             started,
-            Duration::from_millis(1_000),
-            Duration::from_millis(2_200),
+            Duration::from_millis(1_200),
+            Duration::from_millis(2_500),
         ),
     )
     .await;
@@ -225,8 +225,10 @@ async fn a_stuck_control_plane_holds_a_split_last_report_one_grace() {
 
 /// Slow but reading: one slot at 300 ms, everything read from 1.5 s into the shutdown (part 2
 /// finds room late in the grace); the control plane never closes its side. Every call arrives,
-/// and shutdown is held up a grace from that room (3.5 s), under two graces (4 s: counted from
-/// the end of the close's own wait, it once was).
+/// and shutdown is held up a grace from that room (3.5 s), under two graces (4 s). (The grace
+/// once counted from the end of the close's own wait: part 2's room ends that wait here, so
+/// `a_stuck_control_plane_with_one_slot_free_holds_a_split_last_report_one_grace` is the test
+/// of that.)
 #[tokio::test(flavor = "current_thread")]
 async fn a_split_last_report_that_finds_room_late_holds_shutdown_two_graces_at_most() {
     let (mut plane, agent, _send) = staged(true, 15, true).await;

@@ -385,7 +385,7 @@ async fn reconnects_to_a_control_plane_that_refuses_every_stream_back_off_up_to_
         .connect()
         .unwrap();
     let mut streams = Vec::new();
-    while streams.len() < 11 {
+    while streams.len() < 9 {
         let at = tokio::time::timeout(Duration::from_secs(10), rx.recv())
             .await
             .expect("the agent tries again")
@@ -407,10 +407,10 @@ async fn reconnects_to_a_control_plane_that_refuses_every_stream_back_off_up_to_
         );
     }
     // The cap: from the fifth delay on, each is at most 800 ms. A try takes a little time of
-    // its own and a loaded machine wakes late now and then, so the middle one of the six is
+    // its own and a loaded machine wakes late now and then, so the middle one of the four is
     // held to the cap with a margin, and none may take more than 2.5 s (without the cap the
-    // sixth delay would be at least 0.8 s, the seventh 1.6 s, the eighth 3.2 s, the middle one
-    // of the six at least 3.2 s). The first starts below the cap: at most 50 ms, where one
+    // sixth delay would be at least 0.8 s, the seventh 1.6 s, the eighth 3.2 s: the middle one
+    // of the four at least 1.6 s). The first starts below the cap: at most 50 ms, where one
     // started at the cap would be at least 400 ms.
     assert!(gaps[0] < 300.0, "{gaps:?}");
     let mut capped = gaps[4..].to_vec();
