@@ -142,8 +142,11 @@ where
             if let Some(too_many) = too_many {
                 parts.extensions.insert(too_many);
             }
-            // The semaphore is never closed; should it be, the call goes on without a turn.
-            let _turn = match whole {
+            // A body that ended within the limit, or broke off after its message (a reset the
+            // service may take for its end), is decoded with a turn; one past the limit is
+            // refused by its length, decoding nothing. The semaphore is never closed; should it
+            // be, the call goes on without a turn.
+            let _turn = match whole || body.rest.is_none() {
                 true => turns.acquire_owned().await.ok(),
                 false => None,
             };
@@ -164,6 +167,11 @@ async fn read_ahead(
     budget: &Arc<Semaphore>,
 ) -> (ReadAhead, bool, Option<OwnedSemaphorePermit>) {
     let mut room: Option<OwnedSemaphorePermit> = None;
+    // The bytes the first frame header announces (with the header), within the limit: the
+    // room taken, and the most read. A unary call sends nothing after its message, so a body
+    // that goes on past it is refused when it has come this far (it once read on to the limit
+    // holding room for the header alone: a header of an empty message, then 4 MiB).
+    let mut most = limit;
     let mut read = BytesMut::new();
     let mut ahead = ReadAhead {
         prefix: None,
@@ -194,6 +202,7 @@ async fn read_ahead(
                             .saturating_add(FRAME_HEADER)
                             .min(limit)
                             .min(READ_AHEAD_BYTES);
+                        most = wanted;
                         // The semaphore is never closed; should it be, the call goes uncounted.
                         room = budget
                             .clone()
@@ -201,7 +210,7 @@ async fn read_ahead(
                             .await
                             .ok();
                     }
-                    if read.len() > limit {
+                    if read.len() > most {
                         ahead.rest = Some(body);
                         break false;
                     }
@@ -521,6 +530,76 @@ mod tests {
         .expect("handed on");
     }
 
+    /// A body that goes on past the message its header announces is refused once it has:
+    /// it is not read on to the limit (or its time) holding room for that message alone.
+    /// A message whose body then breaks off is decoded with a turn, as one that ends.
+    #[tokio::test(start_paused = true)]
+    async fn a_body_past_its_message_is_refused_there_and_one_that_breaks_off_waits_its_turn() {
+        let held = Held {
+            begun: Arc::new(AtomicUsize::new(0)),
+            release: Arc::new(Notify::new()),
+        };
+        let mut service = DecodeTurns::with_turns(held.clone(), 1 << 20, 1);
+        let frames: Vec<Result<Frame<Bytes>, Status>> = vec![
+            Ok(Frame::data(Bytes::from_static(&[0, 0, 0, 0, 0]))),
+            Ok(Frame::data(Bytes::from_static(b"xxxxxxxxxx"))),
+        ];
+        let endless =
+            tokio_stream::StreamExt::chain(tokio_stream::iter(frames), tokio_stream::pending());
+        let began = tokio::time::Instant::now();
+        let answer = service
+            .call(validate(Body::new(http_body_util::StreamBody::new(
+                endless,
+            ))))
+            .await
+            .unwrap();
+        assert_eq!(
+            answer.headers().get("grpc-status").map(|v| v.as_bytes()),
+            Some(&b"3"[..]),
+            "{answer:?}"
+        );
+        assert!(began.elapsed() < READ_AHEAD_WAIT, "{:?}", began.elapsed());
+        assert_eq!(held.begun.load(Ordering::SeqCst), 0);
+        // One call holds the only turn; a message whose body then breaks off waits for it.
+        let whole = || {
+            validate(Body::new(http_body_util::Full::new(Bytes::from_static(&[
+                0, 0, 0, 0, 3, b'a', b'b', b'c',
+            ]))))
+        };
+        tokio::spawn(service.call(whole()));
+        let begun = || held.begun.load(Ordering::SeqCst);
+        let wait = std::time::Duration::from_secs(10);
+        tokio::time::timeout(wait, async {
+            while begun() < 1 {
+                tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+            }
+        })
+        .await
+        .expect("the first call begins");
+        let frames: Vec<Result<Frame<Bytes>, Status>> = vec![
+            Ok(Frame::data(Bytes::from_static(&[
+                0, 0, 0, 0, 3, b'a', b'b', b'c',
+            ]))),
+            Err(Status::cancelled("reset")),
+        ];
+        tokio::spawn(
+            service.call(validate(Body::new(http_body_util::StreamBody::new(
+                tokio_stream::iter(frames),
+            )))),
+        );
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        assert_eq!(begun(), 1, "began without a turn");
+        held.release.notify_one();
+        tokio::time::timeout(wait, async {
+            while begun() < 2 {
+                tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+            }
+        })
+        .await
+        .expect("it begins once the turn is free");
+        held.release.notify_one();
+    }
+
     /// What a call brought: its [`TooManyItems`] mark and its body.
     type Brought = (Option<TooManyItems>, Bytes);
 
@@ -616,6 +695,14 @@ mod tests {
         assert_eq!(decoded.source, None);
         assert!(decoded.dry_run);
         assert_eq!(calls[1], (None, Bytes::from(framed)));
+        // A message of exactly the limit is counted and cut too.
+        let (message, framed) = big_apply(over, Some(2 * over + 1_000));
+        let capture = Capture::default();
+        let mut service = DecodeTurns::with_turns(capture.clone(), message.len(), 1);
+        service.call(apply_call(framed)).await.unwrap();
+        let calls = capture.0.lock().unwrap().clone();
+        assert_eq!(calls.len(), 1);
+        assert_eq!(calls[0].0, Some(TooManyItems(2 * over)));
     }
 
     /// Past the limit by a byte, a first message of too many endpoints is handed on as it came,
