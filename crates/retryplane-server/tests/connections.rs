@@ -310,11 +310,13 @@ async fn shutdown_with_a_thousand_streams_lets_the_store_go() {
 /// A request the server has already read is answered, however late its stream is counted: the
 /// count is taken when the tower service is called, which tonic does in the stream's own task,
 /// and a connection is closed only after a moment in which no byte moved. A server busy for a
-/// moment around the idle timeout (its one thread blocked from 80 ms before it to 80 ms after)
-/// answers a call that reached it 50 ms before the timeout.
+/// moment around the idle timeout (its one thread blocked from 500 ms before it to 300 ms after)
+/// answers a call that reached it 300 ms before the timeout. (With a 300 ms timeout and the
+/// call 50 ms before it, a client stalled about 350 ms on a loaded machine would have sent it
+/// too late.)
 #[test]
 fn a_request_that_reached_the_server_before_the_idle_timeout_is_answered() {
-    let idle = Duration::from_millis(300);
+    let idle = Duration::from_secs(1);
     let (dir, cfg) = with_file(V1);
     let cfg = ServeConfig {
         connection_idle_timeout: idle,
@@ -367,17 +369,17 @@ fn a_request_that_reached_the_server_before_the_idle_timeout_is_answered() {
             };
             call(send.clone()).await.unwrap();
             let answered = tokio::time::Instant::now();
-            tokio::time::sleep_until(answered + idle - Duration::from_millis(80)).await;
+            tokio::time::sleep_until(answered + idle - Duration::from_millis(500)).await;
             let (release, busy) = std::sync::mpsc::channel::<()>();
             hog_tx.send(Some(busy)).unwrap();
-            tokio::time::sleep_until(answered + idle - Duration::from_millis(50)).await;
-            // Sent 50 ms before the idle timeout (loopback: there at once), read by the server
-            // once it is free again, 80 ms after the timeout.
+            tokio::time::sleep_until(answered + idle - Duration::from_millis(300)).await;
+            // Sent 300 ms before the idle timeout (loopback: there at once), read by the server
+            // once it is free again, 300 ms after the timeout.
             let pending = tokio::spawn(tokio::time::timeout(
                 Duration::from_secs(5),
                 call(send.clone()),
             ));
-            tokio::time::sleep_until(answered + idle + Duration::from_millis(80)).await;
+            tokio::time::sleep_until(answered + idle + Duration::from_millis(300)).await;
             drop(release);
             let got = pending.await.unwrap();
             match got {
