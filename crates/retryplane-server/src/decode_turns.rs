@@ -193,15 +193,9 @@ async fn read_ahead(
                     // at once: calls that each held part of the budget while they waited for
                     // more could all wait on each other until their time ran out.
                     if room.is_none()
-                        && let Some(header) = read.get(..FRAME_HEADER)
+                        && let Some(framed) = first_frame_len(&read)
                     {
-                        let announced =
-                            u32::from_be_bytes([header[1], header[2], header[3], header[4]]);
-                        let wanted = usize::try_from(announced)
-                            .unwrap_or(usize::MAX)
-                            .saturating_add(FRAME_HEADER)
-                            .min(limit)
-                            .min(READ_AHEAD_BYTES);
+                        let wanted = framed.min(limit).min(READ_AHEAD_BYTES);
                         most = wanted;
                         // The semaphore is never closed; should it be, the call goes uncounted.
                         room = budget
@@ -246,14 +240,9 @@ impl ReadAhead {
         if self.rest.is_some() {
             return self.first_message_fits(limit);
         }
-        let Some(prefix) = &self.prefix else {
-            return false;
-        };
-        let Some(header) = prefix.get(..FRAME_HEADER) else {
-            return false;
-        };
-        let len = u32::from_be_bytes([header[1], header[2], header[3], header[4]]);
-        usize::try_from(len).is_ok_and(|len| prefix.len() > len.saturating_add(FRAME_HEADER))
+        self.prefix
+            .as_deref()
+            .is_some_and(|prefix| first_frame_len(prefix).is_some_and(|len| prefix.len() > len))
     }
 
     /// The body with its message's `source` cut out when that message holds more items on the
@@ -269,16 +258,11 @@ impl ReadAhead {
         let Some(prefix) = &self.prefix else {
             return (self, None);
         };
-        let Some(&[0, a, b, c, d]) = prefix.get(..FRAME_HEADER) else {
-            return (self, None);
-        };
-        let len = usize::try_from(u32::from_be_bytes([a, b, c, d])).unwrap_or(usize::MAX);
-        let Some(message) = prefix.get(FRAME_HEADER..) else {
-            return (self, None);
-        };
-        if message.len() != len {
+        // Uncompressed, and all of it.
+        if prefix.first() != Some(&0) || first_frame_len(prefix) != Some(prefix.len()) {
             return (self, None);
         }
+        let message = &prefix[FRAME_HEADER..];
         let items = wire_items::items_at_least(message);
         if items <= MAX_ITEMS {
             return (self, None);
@@ -296,15 +280,21 @@ impl ReadAhead {
     /// Whether the first message the bytes read announce (its frame header's length) fits
     /// `limit` with its header: a body past the limit then holds more than one message.
     fn first_message_fits(&self, limit: usize) -> bool {
-        let Some(prefix) = &self.prefix else {
-            return false;
-        };
-        let Some(header) = prefix.get(..FRAME_HEADER) else {
-            return false;
-        };
-        let len = u32::from_be_bytes([header[1], header[2], header[3], header[4]]);
-        usize::try_from(len).is_ok_and(|len| len.saturating_add(FRAME_HEADER) <= limit)
+        self.prefix
+            .as_deref()
+            .and_then(first_frame_len)
+            .is_some_and(|len| len <= limit)
     }
+}
+
+/// The bytes the first frame of `body` takes, its header and the message it announces; `None`
+/// before its header has come.
+fn first_frame_len(body: &[u8]) -> Option<usize> {
+    let &[_, a, b, c, d] = body.get(..FRAME_HEADER)? else {
+        return None;
+    };
+    let announced = usize::try_from(u32::from_be_bytes([a, b, c, d])).unwrap_or(usize::MAX);
+    Some(announced.saturating_add(FRAME_HEADER))
 }
 
 impl http_body::Body for ReadAhead {
