@@ -94,38 +94,40 @@ impl<'a> Fields<'a> {
     fn new(message: &'a [u8]) -> Self {
         Self { rest: message }
     }
-
-    /// The next field, or `None` at the end or at bytes that do not decode (then `rest` is
-    /// left where that field began).
-    fn read(&mut self) -> Option<(u32, Value<'a>)> {
-        let mut buf = self.rest;
-        let (number, wire_type) = tag(&mut buf)?;
-        let value = match wire_type {
-            2 => {
-                let len = usize::try_from(varint(&mut buf)?).ok()?;
-                let value = buf.get(..len)?;
-                buf = &buf[len..];
-                Value::Len(value)
-            }
-            3 => {
-                skip_group(&mut buf, number, 1)?;
-                Value::Other
-            }
-            _ => {
-                skip_scalar(&mut buf, wire_type)?;
-                Value::Other
-            }
-        };
-        self.rest = buf;
-        Some((number, value))
-    }
 }
 
 impl<'a> Iterator for Fields<'a> {
     type Item = (u32, Value<'a>);
 
+    /// The next field, or `None` at the end or at bytes that do not decode (then `rest` is
+    /// left where that field began).
     fn next(&mut self) -> Option<Self::Item> {
-        self.read()
+        let mut buf = self.rest;
+        let (number, wire_type) = tag(&mut buf)?;
+        let value = value(&mut buf, number, wire_type, 1)?;
+        self.rest = buf;
+        Some((number, value))
+    }
+}
+
+/// The value of a field (`number`, `wire_type`) at the start of `buf`, which is moved past it;
+/// a group, skipped, is `depth` groups deep. `None` for bytes that do not decode.
+fn value<'a>(buf: &mut &'a [u8], number: u32, wire_type: u8, depth: u32) -> Option<Value<'a>> {
+    match wire_type {
+        2 => {
+            let len = usize::try_from(varint(buf)?).ok()?;
+            let (value, rest) = buf.split_at_checked(len)?;
+            *buf = rest;
+            Some(Value::Len(value))
+        }
+        3 => {
+            skip_group(buf, number, depth)?;
+            Some(Value::Other)
+        }
+        _ => {
+            skip_scalar(buf, wire_type)?;
+            Some(Value::Other)
+        }
     }
 }
 
@@ -175,15 +177,10 @@ fn skip_group(buf: &mut &[u8], number: u32, depth: u32) -> Option<()> {
     }
     loop {
         let (inner, wire_type) = tag(buf)?;
-        match wire_type {
-            4 => return (inner == number).then_some(()),
-            3 => skip_group(buf, inner, depth + 1)?,
-            2 => {
-                let len = usize::try_from(varint(buf)?).ok()?;
-                *buf = buf.get(len..)?;
-            }
-            _ => skip_scalar(buf, wire_type)?,
+        if wire_type == 4 {
+            return (inner == number).then_some(());
         }
+        value(buf, inner, wire_type, depth + 1)?;
     }
 }
 
