@@ -367,14 +367,17 @@ pub(crate) fn tag_endpoint(diags: &mut [Diagnostic], endpoint: &str, path: &str)
     let endpoint = endpoint_name_shown(endpoint);
     let endpoint = endpoint.as_ref();
     for d in diags {
-        let within = d
-            .path
-            .strip_prefix(path)
-            .is_some_and(|rest| rest.is_empty() || rest.starts_with(['.', '[']));
-        if within {
+        if is_within(&d.path, path) {
             d.endpoint = Some(endpoint.to_owned());
         }
     }
+}
+
+/// Whether the field path `path` is `prefix` or a field or item of it (`endpoints.a.backoff` and
+/// `endpoints.a.routes[0]` are within `endpoints.a`; `endpoints.ab` is not).
+pub(crate) fn is_within(path: &str, prefix: &str) -> bool {
+    path.strip_prefix(prefix)
+        .is_some_and(|rest| rest.is_empty() || rest.starts_with(['.', '[']))
 }
 
 /// The closest of `candidates` to `word`, if close enough to be a likely typo; else the one

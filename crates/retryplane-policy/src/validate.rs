@@ -1024,11 +1024,7 @@ struct ListedOnce(HashSet<Diagnostic>);
 impl ListedOnce {
     /// Appends `d` to `diags`, unless it is about `defaults:` and listed already.
     fn push(&mut self, diags: &mut Vec<Diagnostic>, d: Diagnostic) {
-        let of_defaults = d
-            .path
-            .strip_prefix("defaults")
-            .is_some_and(|rest| rest.is_empty() || rest.starts_with('.'));
-        if of_defaults && !self.0.insert(d.clone()) {
+        if crate::diag::is_within(&d.path, "defaults") && !self.0.insert(d.clone()) {
             return;
         }
         diags.push(d);
