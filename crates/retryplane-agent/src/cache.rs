@@ -29,7 +29,8 @@
 //! (an agent of another cache format wrote it), or is damaged itself (cut short, or a byte or two
 //! changed): it is not used, and the next applied snapshot replaces it. A file without the header is ours only if it is a snapshot whose content hash matches its
 //! policies (what agents wrote before the header), and a file larger than any cache is ours only if
-//! it begins with the header; anything else is most likely another file the agent was pointed at by
+//! it begins with the header. One that holds more policies than a policy file can (no control plane
+//! sends such a snapshot) is refused on its bytes, before the decode. Anything else is most likely another file the agent was pointed at by
 //! mistake: it is left as it is and no cache is written for the whole run, rather than being
 //! replaced. The metrics interval the control plane set in that snapshot applies again from the
 //! start, as it did before the restart: a control plane that finds the agent up to date sends it
@@ -41,14 +42,16 @@ use std::time::Duration;
 
 use prost::Message as _;
 use retryplane_policy::PolicySet;
-use retryplane_proto::{convert, pb};
+use retryplane_proto::{convert, pb, wire_items};
 use tokio::sync::oneshot;
 use tracing::{info, warn};
 
 use crate::snapshot::{PolicySnapshot, Source};
 
-/// Largest cache file read.
-const MAX_BYTES: u64 = 16 * 1024 * 1024;
+/// Largest cache file read: the header and the largest snapshot the agent takes from a control
+/// plane ([`retryplane_proto::MAX_MESSAGE_BYTES`]; encoded again, a decoded message is never
+/// longer). Larger, a file is not a cache this agent wrote.
+const MAX_BYTES: u64 = (HEADER.len() + retryplane_proto::MAX_MESSAGE_BYTES) as u64;
 
 /// How long a start waits for the cache file to be read (see [`load`]). A local disk reads
 /// the largest cache in milliseconds.
@@ -486,10 +489,18 @@ fn decode(bytes: &[u8]) -> Result<Cached, Unusable> {
         }
         None => (bytes, Unusable::Foreign),
     };
+    // Counted before the decode: a document of bare endpoints grows about 200 times decoded
+    // (no control plane sends one past the limit: it refuses such a change).
+    let items = wire_items::snapshot_items_at_least(bytes);
+    if items > convert::MAX_ITEMS {
+        return Err(problem(convert::too_many_items(items).message));
+    }
     let snap = pb::Snapshot::decode(bytes).map_err(|e| problem(format!("not a snapshot: {e}")))?;
     let doc = snap
         .policies
         .ok_or_else(|| problem("the snapshot holds no policies".to_owned()))?;
+    // List entries, not counted on the wire.
+    convert::check_items(&doc).map_err(|d| problem(d.message))?;
     if convert::content_hash(&doc) != snap.content_hash {
         // Either cause reads the same here: the agent decodes no field it does not know, so
         // policies a newer agent wrote with a field added hash otherwise once read.
@@ -770,6 +781,68 @@ mod tests {
         // Text that only starts like it is another's.
         std::fs::write(&path, b"retryplane agent config\nkeep: me\n").unwrap();
         assert_eq!(in_time(&path).map(|c| c.is_none()), Err(Foreign));
+    }
+
+    /// A cache holding more than a policy file can (no control plane sends such a snapshot: a
+    /// crafted file) is refused as ours, not used: a document of bare endpoints on its bytes,
+    /// before the decode (a 4 MiB one decoded to about 880 MB); one whose lists hold too many
+    /// entries (not counted on the wire) after it. Without the header, another's file.
+    #[test]
+    fn a_cache_holding_more_than_a_policy_file_can_is_refused() {
+        let refused = |bytes: &[u8]| match decode(bytes) {
+            Err(Unusable::Ours(why)) => why,
+            Err(Unusable::Foreign(why)) => panic!("foreign: {why}"),
+            Ok(_) => panic!("used"),
+        };
+        let cached = |doc: pb::PolicyDocument| {
+            encode(&pb::Snapshot {
+                version: 3,
+                content_hash: convert::content_hash(&doc),
+                policies: Some(doc),
+                ..Default::default()
+            })
+        };
+        let bare = |n: usize| pb::PolicyDocument {
+            defaults: None,
+            endpoints: (0..n)
+                .map(|i| pb::Endpoint {
+                    name: format!("e{i}"),
+                    ..Default::default()
+                })
+                .collect(),
+        };
+        let over = convert::MAX_ITEMS / 2 + 1;
+        let mut bytes = cached(bare(over));
+        let why = refused(&bytes);
+        assert!(
+            why.contains("too large") && why.contains(&(2 * over).to_string()),
+            "{why}"
+        );
+        // A byte the decode refuses after them: still "too large", so the count came first.
+        bytes.push(0x80);
+        let why = refused(&bytes);
+        assert!(why.contains("too large"), "{why}");
+        // At the limit, used.
+        assert!(decode(&cached(bare(convert::MAX_ITEMS / 2))).is_ok());
+        // One endpoint whose list holds the rest and one more.
+        let mut listed = bare(1);
+        listed.endpoints[0].overlay = Some(pb::Overlay {
+            retry_on: Some(pb::RetryOn {
+                http_status: Some(pb::StatusList {
+                    codes: vec![503; convert::MAX_ITEMS - 1],
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        let why = refused(&cached(listed));
+        assert!(why.contains("too large"), "{why}");
+        // Not ours without the header.
+        let headless = cached(bare(over));
+        assert!(matches!(
+            decode(&headless[HEADER.len()..]),
+            Err(Unusable::Foreign(_))
+        ));
     }
 
     #[test]

@@ -1,12 +1,14 @@
-//! The endpoints and routes of a `Validate` or `Apply` request, counted on its encoded bytes
-//! before it is decoded. A document of bare endpoints takes two bytes an endpoint on the wire
-//! and about 420 once decoded: a 4 MiB request decoded to about 880 MB before
+//! The endpoints and routes of a policy document, counted on the encoded bytes of the message
+//! that carries it (a `Validate` or `Apply` request, or a `Snapshot`) before it is decoded. A
+//! document of bare endpoints takes two bytes an endpoint on the wire and about 420 once
+//! decoded: a 4 MiB request decoded to about 880 MB before
 //! [`check_items`](crate::convert::check_items) could refuse it. Counted here, such a request
 //! has its policy cut out before the decode ([`without_source`]), and the call is refused with
-//! the same error where `check_items` refuses it.
+//! the same error where `check_items` refuses it; an agent's cache file that holds such a
+//! snapshot is refused before its decode ([`snapshot_items_at_least`]).
 //!
-//! Written by hand: prost decodes whole messages only, and this reads four levels of tags
-//! (`source` → `document` → `endpoints` → `routes`) and skips the rest, allocating nothing.
+//! Written by hand: prost decodes whole messages only, and this reads the tags down to the
+//! document, then `endpoints` → `routes`, and skips the rest, allocating nothing.
 
 /// `source` in `ValidateRequest` and `ApplyRequest`.
 const SOURCE: u32 = 1;
@@ -16,6 +18,8 @@ const DOCUMENT: u32 = 2;
 const ENDPOINTS: u32 = 2;
 /// `routes` in `Endpoint`.
 const ROUTES: u32 = 3;
+/// `policies` in `Snapshot`.
+const POLICIES: u32 = 3;
 
 /// How deep groups (a wire form proto3 never writes, skipped by prost) may nest: prost's own
 /// recursion limit. Deeper, the decode fails, and the count stops there.
@@ -30,25 +34,43 @@ const MAX_GROUP_DEPTH: u32 = 100;
 /// never more. Bytes that do not decode are counted up to where they stop (some that prost
 /// refuses, such as a scalar `source` or a varint's tenth byte over 1, are read on).
 pub fn items_at_least(message: &[u8]) -> usize {
+    items_under(message, &[SOURCE, DOCUMENT])
+}
+
+/// The items ([`MAX_ITEMS`](crate::convert::MAX_ITEMS)'s count) of the endpoints and routes of
+/// the `Snapshot` encoded in `message` (an agent's cache file holds one), as
+/// [`items_at_least`] counts them: 2 for each endpoint and route of every `policies` the bytes
+/// hold, list entries not counted, bytes that do not decode counted up to where they stop.
+pub fn snapshot_items_at_least(message: &[u8]) -> usize {
+    items_under(message, &[POLICIES])
+}
+
+/// The items of every policy document found at `path` (field numbers of length-delimited
+/// fields, one for each level, the last one the document's) in `message`.
+fn items_under(message: &[u8], path: &[u32]) -> usize {
+    let Some((&first, rest)) = path.split_first() else {
+        return document_items(message);
+    };
     let mut items = 0usize;
     for (number, value) in Fields::new(message) {
-        let (SOURCE, Value::Len(source)) = (number, value) else {
+        if let (true, Value::Len(inner)) = (number == first, value) {
+            items = items.saturating_add(items_under(inner, rest));
+        }
+    }
+    items
+}
+
+/// 2 for each endpoint and route of the encoded `PolicyDocument` in `document`.
+fn document_items(document: &[u8]) -> usize {
+    let mut items = 0usize;
+    for (number, value) in Fields::new(document) {
+        let (ENDPOINTS, Value::Len(endpoint)) = (number, value) else {
             continue;
         };
-        for (number, value) in Fields::new(source) {
-            let (DOCUMENT, Value::Len(document)) = (number, value) else {
-                continue;
-            };
-            for (number, value) in Fields::new(document) {
-                let (ENDPOINTS, Value::Len(endpoint)) = (number, value) else {
-                    continue;
-                };
+        items = items.saturating_add(2);
+        for (number, value) in Fields::new(endpoint) {
+            if let (ROUTES, Value::Len(_)) = (number, value) {
                 items = items.saturating_add(2);
-                for (number, value) in Fields::new(endpoint) {
-                    if let (ROUTES, Value::Len(_)) = (number, value) {
-                        items = items.saturating_add(2);
-                    }
-                }
             }
         }
     }
@@ -321,6 +343,33 @@ mod tests {
         }
     }
 
+    fn snapshot(policies: pb::PolicyDocument) -> pb::Snapshot {
+        pb::Snapshot {
+            version: 3,
+            content_hash: "ab".repeat(32),
+            policies: Some(policies),
+            nonce: "n-1".to_owned(),
+            metrics_interval_ms: 10_000,
+        }
+    }
+
+    /// A snapshot's `policies`, also written twice (merged by the decode), counted as a
+    /// request's document is; a request's count finds nothing in a snapshot's bytes, nor the
+    /// other way round.
+    #[test]
+    fn a_snapshots_policies_are_counted_where_the_snapshot_holds_them() {
+        let plain = snapshot(document(3, 2)).encode_to_vec();
+        assert_eq!(snapshot_items_at_least(&plain), 18);
+        let mut twice = plain.clone();
+        twice.extend(snapshot(document(2, 0)).encode_to_vec());
+        let decoded = pb::Snapshot::decode(twice.as_slice()).unwrap();
+        assert_eq!(decoded.policies.unwrap().endpoints.len(), 5);
+        assert_eq!(snapshot_items_at_least(&twice), 22);
+        let request = apply(document(3, 2)).encode_to_vec();
+        assert_eq!(snapshot_items_at_least(&request), 0);
+        assert_eq!(items_at_least(&plain), 0);
+    }
+
     proptest! {
         /// Whatever the bytes (a plain request, cut, with noise spliced in): the count is
         /// exact for the plain request, counts no byte twice (each item is at least a tag and a
@@ -345,6 +394,31 @@ mod tests {
             if let Ok(decoded) = pb::ApplyRequest::decode(bytes.as_slice())
                 && let Some(pb::policy_source::Kind::Document(d)) =
                     decoded.source.and_then(|s| s.kind)
+            {
+                let held: usize = d.endpoints.iter().map(|e| 2 + 2 * e.routes.len()).sum();
+                prop_assert!(counted >= held, "counted {}, the decode keeps {}", counted, held);
+            }
+        }
+
+        /// The same for a snapshot's bytes (an agent's cache file).
+        #[test]
+        fn a_snapshot_count_misses_nothing_the_decode_keeps(
+            endpoints in 0usize..6,
+            routes in 0usize..3,
+            cut in any::<prop::sample::Index>(),
+            noise in prop::collection::vec(any::<u8>(), 0..24),
+            at in any::<prop::sample::Index>(),
+        ) {
+            let plain = snapshot(document(endpoints, routes)).encode_to_vec();
+            prop_assert_eq!(snapshot_items_at_least(&plain), 2 * endpoints * (1 + routes));
+            let mut bytes = plain.clone();
+            bytes.truncate(cut.index(plain.len() + 1));
+            let at = at.index(bytes.len() + 1);
+            bytes.splice(at..at, noise);
+            let counted = snapshot_items_at_least(&bytes);
+            prop_assert!(counted <= bytes.len(), "{} items in {} bytes", counted, bytes.len());
+            if let Ok(decoded) = pb::Snapshot::decode(bytes.as_slice())
+                && let Some(d) = decoded.policies
             {
                 let held: usize = d.endpoints.iter().map(|e| 2 + 2 * e.routes.len()).sum();
                 prop_assert!(counted >= held, "counted {}, the decode keeps {}", counted, held);
