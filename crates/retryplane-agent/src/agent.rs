@@ -226,14 +226,9 @@ impl std::fmt::Debug for Agent {
         };
         // The first bytes of why the stream last ended: a status message comes from the
         // other end, and may be long.
-        let stream_error = self.stream_error().map(|e| {
-            const SHOWN: usize = 160;
-            if e.message.len() <= SHOWN {
-                return e.message;
-            }
-            let end = e.message.floor_char_boundary(SHOWN);
-            format!("{}…", &e.message[..end])
-        });
+        let stream_error = self
+            .stream_error()
+            .map(|e| retryplane_policy::diag::cut_marked(&e.message, 160).into_owned());
         f.debug_struct("Agent")
             .field("policies", &self.shared.policies.load())
             .field("control_plane", &format_args!("{control_plane}"))

@@ -157,11 +157,31 @@ pub struct Quoted<'a>(pub &'a str);
 
 impl fmt::Display for Quoted<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.0.len() <= MAX_QUOTED {
-            return OneLine(self.0).fmt(f);
+        let (head, cut) = cut_at(self.0, MAX_QUOTED);
+        OneLine(head).fmt(f)?;
+        if cut {
+            f.write_str("…")?;
         }
-        let end = self.0.floor_char_boundary(MAX_QUOTED);
-        write!(f, "{}…", OneLine(&self.0[..end]))
+        Ok(())
+    }
+}
+
+/// The first `max` bytes of `text` at most, cut back to a character boundary, and whether
+/// anything was cut.
+pub fn cut_at(text: &str, max: usize) -> (&str, bool) {
+    if text.len() <= max {
+        return (text, false);
+    }
+    (&text[..text.floor_char_boundary(max)], true)
+}
+
+/// `text` whole up to `max` bytes; past it, its first `max` bytes at most (cut back to a
+/// character boundary) and `…`: a long text (a status message from the other end, a value
+/// written in a file) shown or kept in part.
+pub fn cut_marked(text: &str, max: usize) -> Cow<'_, str> {
+    match cut_at(text, max) {
+        (whole, false) => Cow::Borrowed(whole),
+        (head, true) => Cow::Owned(format!("{head}…")),
     }
 }
 
@@ -631,6 +651,17 @@ mod tests {
             );
             assert!(d.path.len() <= MAX_PATH_SHOWN + 16, "{}", d.path.len());
         }
+    }
+
+    #[test]
+    fn a_text_is_cut_at_a_character_boundary_and_marked_only_when_cut() {
+        assert_eq!(cut_at("abc", 3), ("abc", false));
+        assert_eq!(cut_at("abcd", 3), ("abc", true));
+        // `é` is two bytes: a cut inside it goes back before it.
+        assert_eq!(cut_at("abé", 3), ("ab", true));
+        assert_eq!(cut_marked("abé", 4), Cow::Borrowed("abé"));
+        assert_eq!(cut_marked("abéd", 3), "ab…");
+        assert_eq!(cut_marked("", 0), "");
     }
 
     /// A quoted value is written whole up to [`MAX_QUOTED`] bytes, escaped, and past it cut at a

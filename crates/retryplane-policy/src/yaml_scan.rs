@@ -105,11 +105,7 @@ const MAX_NOTED: usize = 256;
 /// its note, and aliases may repeat a scalar of most of the file's 1 MiB thousands of times
 /// (the full pass refuses that, but only once it has built many of them).
 fn noted(text: &str) -> String {
-    match text.get(..MAX_NOTED) {
-        // The text of a noted scalar is ASCII, so the cut is on a character boundary.
-        Some(head) if text.len() > MAX_NOTED => format!("{head}…"),
-        _ => text.to_owned(),
-    }
+    crate::diag::cut_marked(text, MAX_NOTED).into_owned()
 }
 
 /// Whether `tag` is YAML's `!!merge` (`tag:yaml.org,2002:merge`, written either way), which

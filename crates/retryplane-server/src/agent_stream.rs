@@ -1244,10 +1244,7 @@ const MAX_LOGGED_NACK: usize = 256;
 /// the log needs it beside the warning (it is the agent's own words about the policy, never a
 /// request's header, body or token).
 fn nack_reason(error: &str) -> std::borrow::Cow<'_, str> {
-    if error.len() <= MAX_LOGGED_NACK {
-        return error.into();
-    }
-    format!("{}…", &error[..error.floor_char_boundary(MAX_LOGGED_NACK)]).into()
+    retryplane_policy::diag::cut_marked(error, MAX_LOGGED_NACK)
 }
 
 #[cfg(test)]
