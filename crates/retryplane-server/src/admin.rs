@@ -19,7 +19,8 @@
 //!   reads only (checked first);
 //! - `INVALID_ARGUMENT`: no source, a YAML source over 1 MiB, policies whose snapshot would be
 //!   a message larger than agents decode (4 MiB; the message names the sizes and the limit),
-//!   or invalid policies. For invalid policies the message is the diagnostics, one per line,
+//!   a document holding more than a policy file can (also a Rollback to a version stored
+//!   before that limit, which is not published again), or invalid policies. For invalid policies the message is the diagnostics, one per line,
 //!   as `LINE:COLUMN: SEVERITY: PATH: MESSAGE` (`0:0` for a typed document, which has no
 //!   places), as many as fit [`MAX_MESSAGE_WIRE_BYTES`] and then
 //!   `… and K more problems; Validate (retryplane validate) lists them all`: `Validate`
@@ -700,6 +701,15 @@ impl AdminService for AdminApi {
             .await
             .map_err(|e| internal(&e))?
             .ok_or_else(|| Status::not_found(format!("version {from} does not exist")))?;
+        // A version stored before the item limit may hold more than Apply takes now: not
+        // published again (each agent would decode it whole).
+        if let Err(too_many) = convert::check_items(&record.document) {
+            self.control.metrics.rejected_changes.inc();
+            return Err(Status::invalid_argument(format!(
+                "version {from} cannot be published again: {}",
+                too_many.message
+            )));
+        }
         let change = ChangeRequest {
             content: ChangeContent::Document(Box::new(record.document)),
             source: Source::Rollback { from },

@@ -600,6 +600,62 @@ async fn a_document_holding_more_than_a_file_can_is_refused_before_it_is_checked
     assert!(history(&api).await.is_empty());
 }
 
+/// A version stored before the item limit (written to the store directly here), holding more
+/// than Apply takes now, is not published again by a rollback: refused, counted, nothing
+/// stored.
+#[tokio::test]
+async fn a_rollback_to_a_stored_version_holding_more_than_a_file_can_is_refused() {
+    let store: Arc<dyn VersionStore> = Arc::new(MemoryStore::new());
+    let endpoints = (0..=retryplane_proto::convert::MAX_ITEMS / 2)
+        .map(|i| pb::Endpoint {
+            name: format!("e{i}"),
+            overlay: None,
+            routes: vec![],
+        })
+        .collect();
+    let document = pb::PolicyDocument {
+        defaults: None,
+        endpoints,
+    };
+    store
+        .publish(
+            crate::store::NewVersion {
+                content_hash: retryplane_proto::convert::content_hash(&document),
+                document,
+                source: crate::store::Source::Admin,
+                author: None,
+                summary: "large".to_owned(),
+                created_unix_ms: 0,
+            },
+            None,
+        )
+        .unwrap();
+    let api = AdminApi::new(Arc::new(ControlPlane::for_tests(store, Mode::Api)));
+    let replace = pb::ApplyRequest {
+        force: true,
+        ..apply_request(V1)
+    };
+    apply(&api, replace).await.unwrap();
+    let rejected = api.control.metrics.rejected_changes.get();
+    let refused = api
+        .rollback(as_alice(pb::RollbackRequest {
+            version: 1,
+            ..Default::default()
+        }))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Code::InvalidArgument);
+    assert!(
+        refused
+            .message()
+            .starts_with("version 1 cannot be published again: the document is too large"),
+        "{}",
+        refused.message()
+    );
+    assert_eq!(api.control.metrics.rejected_changes.get(), rejected + 1);
+    assert_eq!(history(&api).await.len(), 2);
+}
+
 #[tokio::test]
 async fn validate_reports_a_document_too_large_for_agents_with_apply_s_message() {
     let api = api(Mode::Api);
