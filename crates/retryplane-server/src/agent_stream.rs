@@ -144,9 +144,11 @@ pub struct AgentStreamService {
     ctx: Arc<StreamContext>,
     /// One permit per stream waiting for its Hello ([`StreamLimits::max_pending_handshakes`]).
     handshakes: Arc<Semaphore>,
-    /// Streams waiting for their Hello per token with a `max_agents` (by the digest of its
-    /// secret): at most twice that many each, so that a token with a small `max_agents` cannot
-    /// hold every handshake place.
+    /// Streams waiting for their Hello per token (by the digest of its secret), counted when
+    /// the token has a `max_agents` or other agent tokens exist: at most twice its
+    /// `max_agents`, and with other agent tokens at most [`token_share`] of the places, so
+    /// that no one token (its agents reconnecting at once, or streams opened and left without
+    /// a Hello) can hold every handshake place and keep other tokens' agents out.
     pending_by_token: Arc<Mutex<HashMap<[u8; 32], usize>>>,
 }
 
@@ -167,6 +169,38 @@ impl AgentStreamService {
             ctx,
             handshakes: Arc::new(Semaphore::new(pending)),
             pending_by_token: Arc::default(),
+        }
+    }
+}
+
+/// The handshake places one agent token may hold beside other agent tokens, of `all`: three
+/// quarters (at least one), so that a quarter is always left to the others.
+fn token_share(all: usize) -> usize {
+    (all - all / 4).max(1)
+}
+
+/// What bounds a token's streams waiting for their Hello.
+#[derive(Clone, Copy, Debug)]
+enum PlacesBy {
+    /// Twice its `max_agents`.
+    MaxAgents(usize),
+    /// Its share ([`token_share`]) of all the places.
+    Share(usize),
+}
+
+impl PlacesBy {
+    /// The refusal of a stream past `places` of its token's streams waiting.
+    fn refusal(self, places: usize) -> String {
+        match self {
+            PlacesBy::MaxAgents(limit) => format!(
+                "{places} streams of this token already wait to send Hello, twice its \
+                 `max_agents` ({limit}) in the control plane's tokens file; retry later"
+            ),
+            PlacesBy::Share(all) => format!(
+                "{places} streams of this token already wait to send Hello, three quarters of \
+                 the control plane's {all} places (`--max-pending-handshakes`; the rest are \
+                 kept for other tokens' agents); retry later"
+            ),
         }
     }
 }
@@ -338,22 +372,31 @@ impl AgentStreamService {
         let _handshake = AwaitingHello::new(permit, &self.ctx.metrics.streams_awaiting_hello);
         // A token that may connect only so many agents holds no more than twice as many
         // handshake places (room for each agent's next stream while a stream it gave up still
-        // waits), so that a small team's token cannot take every place.
-        let token_limit = match (&self.ctx.tokens, &credential) {
-            (Some(tokens), Some(credential)) => tokens
-                .current()
-                .max_agents(credential)
-                .map(|limit| (credential.digest(), limit.saturating_mul(2), limit)),
+        // waits), and, beside other agent tokens, no more than its share of them, so that no
+        // one token (a small team's, or any without `max_agents`) can take every place.
+        let token_places = match (&self.ctx.tokens, &credential) {
+            (Some(tokens), Some(credential)) => {
+                let tokens = tokens.current();
+                let own = tokens
+                    .max_agents(credential)
+                    .map(|limit| (limit.saturating_mul(2), PlacesBy::MaxAgents(limit)));
+                let share = (tokens.agent_tokens() > 1).then(|| {
+                    let all = limits.max_pending_handshakes;
+                    (token_share(all), PlacesBy::Share(all))
+                });
+                [own, share]
+                    .into_iter()
+                    .flatten()
+                    .min_by_key(|(places, _)| *places)
+                    .map(|(places, by)| (credential.digest(), places, by))
+            }
             _ => None,
         };
-        let _token_pending = match token_limit {
-            Some((digest, places, limit)) => Some(
+        let _token_pending = match token_places {
+            Some((digest, places, by)) => Some(
                 TokenPending::take(&self.pending_by_token, digest, places).ok_or_else(|| {
                     self.ctx.metrics.streams_refused.inc();
-                    Status::resource_exhausted(format!(
-                        "{places} streams of this token already wait to send Hello, twice its \
-                         `max_agents` ({limit}) in the control plane's tokens file; retry later"
-                    ))
+                    Status::resource_exhausted(by.refusal(places))
                 })?,
             ),
             None => None,

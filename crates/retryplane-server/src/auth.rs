@@ -834,6 +834,11 @@ impl Tokens {
         self.find_digest(digest).map(|token| token.name.as_str())
     }
 
+    /// Number of tokens of the `agent` role.
+    pub(crate) fn agent_tokens(&self) -> usize {
+        self.tokens.iter().filter(|t| t.role == Role::Agent).count()
+    }
+
     /// Number of tokens.
     pub fn len(&self) -> usize {
         self.tokens.len()

@@ -512,6 +512,32 @@ async fn a_token_with_max_agents_holds_no_more_than_twice_as_many_streams_waitin
     running.shutdown().await.unwrap();
 }
 
+/// Beside other agent tokens, a token without `max_agents` holds at most three quarters of
+/// the handshake places (3 of 4 here): its fourth stream waiting for its Hello is refused at
+/// once, and another token's stream still finds a place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_without_max_agents_holds_no_more_than_three_quarters_of_the_places_waiting_for_hello()
+ {
+    let (dir, mut cfg) = setup();
+    cfg.stream_limits.max_pending_handshakes = 4;
+    let running = start(cfg).await.unwrap();
+    let agent = channel(running.agent_addr).await;
+    let _waiting: Vec<_> = (0..3).map(|_| without_hello(&agent, AGENT)).collect();
+    wait_awaiting_hello(running.http_addr, 3).await;
+    let (_tx, fourth) = without_hello(&agent, AGENT);
+    let e = tokio::time::timeout(Duration::from_secs(5), fourth)
+        .await
+        .expect("the fourth stream was not refused at once")
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
+    assert!(e.message().contains("three quarters"), "{e:?}");
+    let _other = without_hello(&agent, AGENT2);
+    wait_awaiting_hello(running.http_addr, 4).await;
+    running.shutdown().await.unwrap();
+    drop(dir);
+}
+
 #[test]
 fn agent_ids_written_with_no_value_are_refused_not_taken_as_any_id() {
     use retryplane_server::auth::Tokens;

@@ -544,12 +544,14 @@ async fn after_churn_the_fleet_gauges_and_quotas_return_to_the_truth() {
         Some(tonic::Code::ResourceExhausted)
     );
     drop(held);
-    // Every handshake place is given back: 64 streams may wait for their Hello, not 65.
+    // Every handshake place is given back: 64 streams may wait for their Hello (team-b's
+    // share is three quarters of them, 48; team-a's streams take the rest).
     let mut waiting = Vec::new();
-    for _ in 0..64 {
+    for i in 0..64 {
         let (tx, rx) = tokio::sync::mpsc::channel::<pb::AgentMessage>(4);
         let mut client = pb::agent_service_client::AgentServiceClient::new(ch.clone());
-        let req = authed(tokio_stream::wrappers::ReceiverStream::new(rx), TEAM_B);
+        let secret = if i < 48 { TEAM_B } else { TEAM_A };
+        let req = authed(tokio_stream::wrappers::ReceiverStream::new(rx), secret);
         waiting.push((
             tx,
             tokio::spawn(async move { client.connect(req).await.map(|_| ()) }),
