@@ -29,8 +29,11 @@
 //! (an agent of another cache format wrote it), or is damaged itself (cut short, or a byte or two
 //! changed): it is not used, and the next applied snapshot replaces it. A file without the header is ours only if it is a snapshot whose content hash matches its
 //! policies (what agents wrote before the header), and a file larger than any cache is ours only if
-//! it begins with the header. One that holds more policies than a policy file can (no control plane
-//! sends such a snapshot) is refused on its bytes, before the decode. Anything else is most likely another file the agent was pointed at by
+//! it begins with the header. One that holds more policies than a policy file can is not used
+//! (the agent refuses such a snapshot on the stream too: only a version stored before the control
+//! plane had that limit can be one): its endpoints and routes are counted on its bytes, before the
+//! decode, and its list entries after it; with the header it is ours and replaced, without it
+//! another's. Anything else is most likely another file the agent was pointed at by
 //! mistake: it is left as it is and no cache is written for the whole run, rather than being
 //! replaced. The metrics interval the control plane set in that snapshot applies again from the
 //! start, as it did before the restart: a control plane that finds the agent up to date sends it
@@ -468,6 +471,12 @@ fn damaged_header(bytes: &[u8]) -> bool {
     differing <= 2
 }
 
+/// Whether a start would use a cache file holding `bytes` (tests of what the stream applies).
+#[cfg(test)]
+pub(crate) fn decode_for_test(bytes: &[u8]) -> Result<(), ()> {
+    decode(bytes).map(drop).map_err(drop)
+}
+
 fn decode(bytes: &[u8]) -> Result<Cached, Unusable> {
     // With the header, every problem below is one of our own file's; without it, only a
     // snapshot that checks out is ours.
@@ -489,8 +498,9 @@ fn decode(bytes: &[u8]) -> Result<Cached, Unusable> {
         }
         None => (bytes, Unusable::Foreign),
     };
-    // Counted before the decode: a document of bare endpoints grows about 200 times decoded
-    // (no control plane sends one past the limit: it refuses such a change).
+    // Counted before the decode: a document of bare endpoints grows about 200 times decoded.
+    // The stream refuses such a snapshot too (see `stream::apply`), so no cache of the
+    // agent's own holds one.
     let items = wire_items::snapshot_items_at_least(bytes);
     if items > convert::MAX_ITEMS {
         return Err(problem(convert::too_many_items(items).message));
@@ -783,8 +793,8 @@ mod tests {
         assert_eq!(in_time(&path).map(|c| c.is_none()), Err(Foreign));
     }
 
-    /// A cache holding more than a policy file can (no control plane sends such a snapshot: a
-    /// crafted file) is refused as ours, not used: a document of bare endpoints on its bytes,
+    /// A cache holding more than a policy file can (the agent refuses such a snapshot on the
+    /// stream, so it never writes one) is refused as ours, not used: a document of bare endpoints on its bytes,
     /// before the decode (a 4 MiB one decoded to about 880 MB); one whose lists hold too many
     /// entries (not counted on the wire) after it. Without the header, another's file.
     #[test]
@@ -843,6 +853,45 @@ mod tests {
             decode(&headless[HEADER.len()..]),
             Err(Unusable::Foreign(_))
         ));
+    }
+
+    /// The largest cache read is the largest the agent writes: the header and a snapshot of
+    /// the largest message the stream decodes (here a small snapshot and an unknown field,
+    /// which the decode skips, to that length); one byte more is too large.
+    #[test]
+    fn a_cache_of_the_largest_snapshot_the_stream_takes_is_read_and_no_larger() {
+        let doc = pb::PolicyDocument {
+            defaults: None,
+            endpoints: vec![pb::Endpoint {
+                name: "a".to_owned(),
+                ..Default::default()
+            }],
+        };
+        let snap = pb::Snapshot {
+            version: 3,
+            content_hash: convert::content_hash(&doc),
+            policies: Some(doc),
+            ..Default::default()
+        };
+        let padded = |extra: usize| {
+            let mut bytes = encode(&snap);
+            // Field 15, length-delimited, a 4-byte length (over 2^21).
+            let pad = HEADER.len() + retryplane_proto::MAX_MESSAGE_BYTES - bytes.len() - 5 + extra;
+            bytes.push((15 << 3) | 2);
+            prost::encoding::encode_varint(pad as u64, &mut bytes);
+            bytes.resize(bytes.len() + pad, 0);
+            bytes
+        };
+        let largest = padded(0);
+        assert_eq!(
+            largest.len(),
+            HEADER.len() + retryplane_proto::MAX_MESSAGE_BYTES
+        );
+        assert!(matches!(check(&largest), Found::Cached(_)));
+        match check(&padded(1)) {
+            Found::Ours(why) => assert!(why.contains("too large"), "{why}"),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

@@ -44,8 +44,8 @@ pub const MAX_ITEMS: usize = retryplane_policy::yaml::MAX_EVENTS;
 /// The error for a document sent to the control plane (`Validate`, `Apply`) that holds more
 /// than a policy file can ([`MAX_ITEMS`]); checked before it is converted. Not part of the
 /// conversion itself: a version stored before the limit, and a snapshot from a control plane
-/// without it, are still read (a rollback does not publish such a version again; an agent's
-/// cache file holding such a snapshot is not used).
+/// without it, are still read (a rollback does not publish such a version again, an agent
+/// refuses such a snapshot, and does not use a cache file holding one).
 pub fn check_items(doc: &pb::PolicyDocument) -> Result<(), Diagnostic> {
     let items = items(doc);
     if items <= MAX_ITEMS {

@@ -331,6 +331,15 @@ impl ControlPlane {
         let _one_at_a_time = self.changes.lock().await;
         let current = self.blocking(|s| s.current()).await?;
         if let Some(record) = &current {
+            if let Err(too_many) = retryplane_proto::convert::check_items(&record.document) {
+                // Stored before the limit: agents refuse it (NACK), keeping what they run.
+                warn!(
+                    version = record.meta.version,
+                    "the current version holds more than a policy file can, and agents refuse \
+                     it: {}; apply a smaller one",
+                    too_many.message
+                );
+            }
             self.fanout().publish_at(record, PublishedAt::Stored);
         }
         Ok(current)

@@ -1115,6 +1115,44 @@ async fn publishing_the_served_version_again_does_not_move_the_publish_time() {
     );
 }
 
+/// A current version stored before the item limit (written to the store directly here) is
+/// still served at start, with a warning that agents refuse it.
+#[tokio::test]
+async fn a_current_version_holding_more_than_a_file_can_is_served_at_start_with_a_warning() {
+    let store = Arc::new(MemoryStore::default());
+    let document = pb::PolicyDocument {
+        defaults: None,
+        endpoints: (0..=retryplane_proto::convert::MAX_ITEMS / 2)
+            .map(|i| pb::Endpoint {
+                name: format!("e{i}"),
+                ..Default::default()
+            })
+            .collect(),
+    };
+    store
+        .publish(
+            crate::store::NewVersion {
+                content_hash: retryplane_proto::convert::content_hash(&document),
+                document,
+                source: crate::store::Source::Admin,
+                author: None,
+                summary: "large".to_owned(),
+                created_unix_ms: 0,
+            },
+            None,
+        )
+        .unwrap();
+    let (log, _guard) = crate::test_logs::capture("retryplane_server=info");
+    let control = ControlPlane::for_tests(store, Mode::Api);
+    control.publish_current().await.unwrap();
+    assert_eq!(served(&control), 1);
+    let text = log.text();
+    assert!(
+        text.contains("WARN") && text.contains("agents refuse it: the document is too large"),
+        "{text}"
+    );
+}
+
 /// README says `time() -` the publish time is how long the fleet has been on the version
 /// served: after a restart it is still the version's publish, not the restart's instant.
 #[tokio::test]

@@ -65,6 +65,12 @@ pub(crate) fn apply(
     if convert::content_hash(&doc) != snap.content_hash {
         return nack("the content hash does not match the policies".into());
     }
+    // More than a policy file can hold (a version stored before the control plane had the
+    // limit): refused here as in a cache file, so the agent never runs what it could not
+    // start from again.
+    if let Err(too_many) = convert::check_items(&doc) {
+        return nack(too_many.message);
+    }
     let (set, warnings) = match convert::validate(doc) {
         Ok(ok) => ok,
         Err(errors) => {
@@ -222,6 +228,33 @@ mod tests {
             p.set().unwrap().endpoint("a").unwrap().policy.max_attempts,
             5
         );
+    }
+
+    /// A snapshot holding more than a policy file can (a version stored before the control
+    /// plane had the limit) is refused as its cache file would be at the next start, so the
+    /// agent never runs policies it could not start from again.
+    #[tokio::test(start_paused = true)]
+    async fn a_snapshot_holding_more_than_a_policy_file_can_is_nacked_as_its_cache_would_be() {
+        let agent = agent();
+        let mut large = snapshot(6, "version: 1\nendpoints:\n  a: {}\n");
+        if let Some(doc) = large.policies.as_mut() {
+            doc.endpoints = (0..=convert::MAX_ITEMS / 2)
+                .map(|i| pb::Endpoint {
+                    name: format!("e{i}"),
+                    ..Default::default()
+                })
+                .collect();
+            large.content_hash = convert::content_hash(doc);
+        }
+        let cached = crate::cache::encode(&large);
+        let h = apply(agent.shared(), large, Duration::from_secs(10), |_| {});
+        match &h.reply {
+            Kind::Nack(n) => assert!(n.error.contains("too large"), "{}", n.error),
+            other => panic!("expected a NACK, got {other:?}"),
+        }
+        assert!(h.cache.is_none());
+        assert_eq!(agent.policies().version(), 0);
+        assert!(crate::cache::decode_for_test(&cached).is_err());
     }
 
     #[tokio::test(start_paused = true)]
