@@ -46,7 +46,7 @@ use retryplane_policy::yaml::{Loc, MAX_FILE_BYTES};
 use retryplane_policy::{Diagnostic, PolicyDocument};
 use retryplane_proto::convert;
 use retryplane_proto::pb::{self, admin_service_server::AdminService, policy_source::Kind};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::OwnedSemaphorePermit;
 use tonic::{Request, Response, Status};
 use tracing::{error, info};
 
@@ -58,18 +58,21 @@ use crate::control::{
     ChangeContent, ChangeError, ChangeOutcome, ChangeRequest, ControlPlane, Mode, check_size,
 };
 use crate::store::{Source, StoreError, VersionMeta};
+use crate::turns::{self, Turns};
 
 /// Validate, Apply (dry runs too) and Rollback calls checked at once; the others wait their
 /// turn. Checking a document near the size limit (11,000 endpoints) takes about 25 MB while
-/// it runs, so a viewer's dry runs sent by the dozen took the process past a gigabyte.
+/// it runs, so a viewer's dry runs sent by the dozen took the process past a gigabyte. One of
+/// the turns is kept for callers who may change the policies (`crate::turns`).
 pub const MAX_CONCURRENT_CHECKS: usize = 4;
 
 /// The `retryplane.v1.AdminService` implementation.
 #[derive(Clone, Debug)]
 pub struct AdminApi {
     control: Arc<ControlPlane>,
-    /// [`MAX_CONCURRENT_CHECKS`] permits.
-    checks: Arc<Semaphore>,
+    /// [`MAX_CONCURRENT_CHECKS`] turns, one of them kept for callers who may change the
+    /// policies (a read-only token's Validate calls held every turn, and an Apply waited).
+    checks: Turns,
 }
 
 impl AdminApi {
@@ -77,15 +80,15 @@ impl AdminApi {
     pub fn new(control: Arc<ControlPlane>) -> Self {
         Self {
             control,
-            checks: Arc::new(Semaphore::new(MAX_CONCURRENT_CHECKS)),
+            checks: Turns::new(MAX_CONCURRENT_CHECKS - 1, 1),
         }
     }
 
-    /// A turn to check a document ([`MAX_CONCURRENT_CHECKS`]).
-    async fn check_turn(&self) -> Result<OwnedSemaphorePermit, Status> {
+    /// A turn to check a document ([`MAX_CONCURRENT_CHECKS`]), for a caller who `may_change`
+    /// the policies ([`caller_may_change`]) or not.
+    async fn check_turn(&self, may_change: bool) -> Result<OwnedSemaphorePermit, Status> {
         self.checks
-            .clone()
-            .acquire_owned()
+            .acquire(1, may_change)
             .await
             .map_err(|_| Status::unavailable("control plane shutting down; try again"))
     }
@@ -95,9 +98,10 @@ impl AdminApi {
     /// dropped (a client's deadline passed, a reset): the turn must not be given back before.
     async fn in_turn<T: Send + 'static>(
         &self,
+        may_change: bool,
         check: impl Future<Output = Result<T, Status>> + Send + 'static,
     ) -> Result<T, Status> {
-        let turn = self.check_turn().await?;
+        let turn = self.check_turn(may_change).await?;
         tokio::spawn(async move {
             let answer = check.await;
             drop(turn);
@@ -183,6 +187,12 @@ fn check_may_change<T>(request: &Request<T>) -> Result<(), Status> {
         }
         _ => Ok(()),
     }
+}
+
+/// Whether the caller of `request` may change the policies ([`turns::may_change`]): such a
+/// caller may take a turn kept for it.
+fn caller_may_change<T>(request: &Request<T>) -> bool {
+    turns::may_change(request.extensions().get::<Credential>())
 }
 
 fn author<T>(request: &Request<T>) -> Option<String> {
@@ -597,7 +607,8 @@ impl AdminService for AdminApi {
         &self,
         request: Request<pb::ValidateRequest>,
     ) -> Result<Response<pb::ValidateResponse>, Status> {
-        self.in_turn(validated(request)).await
+        self.in_turn(caller_may_change(&request), validated(request))
+            .await
     }
 
     async fn apply(
@@ -605,10 +616,11 @@ impl AdminService for AdminApi {
         request: Request<pb::ApplyRequest>,
     ) -> Result<Response<pb::ApplyResponse>, Status> {
         // A dry run writes nothing, so it also answers in file mode (`retryplane diff`).
+        let may_change = caller_may_change(&request);
         if request.get_ref().dry_run {
             let api = self.clone();
             return self
-                .in_turn(async move { api.apply_in_turn(request).await })
+                .in_turn(may_change, async move { api.apply_in_turn(request).await })
                 .await;
         }
         // Refused before it waits for a turn, as a rollback is.
@@ -618,7 +630,7 @@ impl AdminService for AdminApi {
         self.check_writable()?;
         // A change keeps its own rules for a dropped call (see `ControlPlane::apply`): the turn
         // is held by the call.
-        let _turn = self.check_turn().await?;
+        let _turn = self.check_turn(may_change).await?;
         self.apply_in_turn(request).await
     }
 
@@ -686,7 +698,7 @@ impl AdminService for AdminApi {
             self.control.metrics.auth_refused.inc();
         })?;
         self.check_writable()?;
-        let _turn = self.check_turn().await?;
+        let _turn = self.check_turn(caller_may_change(&request)).await?;
         let author = author(&request);
         let req = request.into_inner();
         let from = req.version;

@@ -1376,7 +1376,7 @@ async fn documents_are_checked_a_few_at_a_time() {
 async fn every_turn(api: &AdminApi) -> Vec<tokio::sync::OwnedSemaphorePermit> {
     let mut turns = Vec::new();
     for _ in 0..MAX_CONCURRENT_CHECKS {
-        turns.push(api.check_turn().await.unwrap());
+        turns.push(api.check_turn(true).await.unwrap());
     }
     turns
 }
@@ -1460,4 +1460,37 @@ async fn a_refusal_of_more_problems_than_validate_lists_counts_them_all_and_does
         "{last}"
     );
     assert!(!last.contains("lists them all"), "{last}");
+}
+
+/// With every shared check turn held (a read-only token's Validate calls in a loop), a viewer's
+/// Validate waits, and an admin's Apply takes the turn kept for callers who may change the
+/// policies.
+#[tokio::test]
+async fn an_apply_is_not_held_up_by_a_read_only_tokens_checks() {
+    use crate::auth::Role;
+    let api = api(Mode::Api);
+    let mut held = Vec::new();
+    for _ in 1..MAX_CONCURRENT_CHECKS {
+        held.push(api.checks.acquire(1, false).await.unwrap());
+    }
+    let viewer = api.validate(with_role(
+        Role::Viewer,
+        pb::ValidateRequest { source: yaml(V1) },
+    ));
+    assert!(
+        tokio::time::timeout(std::time::Duration::from_millis(100), viewer)
+            .await
+            .is_err(),
+        "a viewer's Validate was checked with every shared turn held"
+    );
+    let applied = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        api.apply(with_role(Role::Admin, apply_request(V1))),
+    )
+    .await
+    .expect("the Apply waited behind the viewer's checks")
+    .unwrap()
+    .into_inner();
+    assert_eq!(applied.version, 1);
+    drop(held);
 }

@@ -1024,6 +1024,15 @@ impl Credential {
     pub(crate) fn digest(&self) -> [u8; 32] {
         self.digest
     }
+
+    /// A request admitted with `role` (tests of what callers of a role may do).
+    #[cfg(test)]
+    pub(crate) fn for_test(role: Role) -> Self {
+        Self {
+            digest: [0; 32],
+            role,
+        }
+    }
 }
 
 /// A tonic interceptor that admits only tokens of one role; admits everything when there are

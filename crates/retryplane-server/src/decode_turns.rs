@@ -8,7 +8,9 @@
 //! else waiting; then, past [`MAX_DECODED`] calls at once, it waits with its message
 //! undecoded. The bytes read ahead by every call together are bounded
 //! ([`READ_AHEAD_BYTES`]: a call waits for room before it reads more), and so is the time a
-//! call may take to send its message ([`READ_AHEAD_WAIT`]). A body that holds more than its
+//! call may take to send its message ([`READ_AHEAD_WAIT`]). One turn, and room for one more
+//! message read ahead, are kept for callers who may change the policies (`crate::turns`), so a
+//! read-only token's calls cannot hold up an Apply. A body that holds more than its
 //! first message is refused here when that message fits the limit (a unary call carries one;
 //! tonic decodes every further one before the service runs: a second frame announced and
 //! never sent held a decoded document with no turn, and one sent after an empty first message
@@ -23,14 +25,13 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::{BufMut as _, Bytes, BytesMut};
 use http::HeaderMap;
 use http_body::Frame;
 use http_body_util::BodyExt as _;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::OwnedSemaphorePermit;
 use tonic::Status;
 use tonic::body::Body;
 use tonic::codegen::Service;
@@ -38,6 +39,9 @@ use tonic::server::NamedService;
 
 use retryplane_proto::convert::MAX_ITEMS;
 use retryplane_proto::wire_items;
+
+use crate::auth::Credential;
+use crate::turns::{self, Turns};
 
 /// The most calls that carry a policy decoded at once: those being checked and as many waiting
 /// for a check.
@@ -72,9 +76,11 @@ pub struct TooManyItems(pub usize);
 #[derive(Clone, Debug)]
 pub struct DecodeTurns<S> {
     inner: S,
-    turns: Arc<Semaphore>,
-    /// [`READ_AHEAD_BYTES`] permits, one a byte.
-    budget: Arc<Semaphore>,
+    /// [`MAX_DECODED`] turns, one of them kept for callers who may change the policies.
+    turns: Turns,
+    /// [`READ_AHEAD_BYTES`] permits, one a byte, and room for one more message kept for
+    /// callers who may change the policies.
+    budget: Turns,
     /// The most bytes of a message read ahead: the decoding limit and a frame header. A longer
     /// body is handed on as it comes, without a turn: the service refuses it by its length.
     read_ahead: usize,
@@ -86,12 +92,16 @@ impl<S> DecodeTurns<S> {
         Self::with_turns(inner, max_message_bytes, MAX_DECODED)
     }
 
+    /// `turns` decode turns in all: from 2 on, one kept for callers who may change the
+    /// policies and the rest for every caller.
     fn with_turns(inner: S, max_message_bytes: usize, turns: usize) -> Self {
+        let read_ahead = max_message_bytes.saturating_add(FRAME_HEADER);
+        let kept = usize::from(turns >= 2);
         Self {
             inner,
-            turns: Arc::new(Semaphore::new(turns)),
-            budget: Arc::new(Semaphore::new(READ_AHEAD_BYTES)),
-            read_ahead: max_message_bytes.saturating_add(FRAME_HEADER),
+            turns: Turns::new(turns - kept, kept),
+            budget: Turns::new(READ_AHEAD_BYTES, read_ahead.min(READ_AHEAD_BYTES)),
+            read_ahead,
         }
     }
 }
@@ -123,7 +133,12 @@ where
         let (turns, budget, limit) = (self.turns.clone(), self.budget.clone(), self.read_ahead);
         Box::pin(async move {
             let (parts, body) = request.into_parts();
-            let read = tokio::time::timeout(READ_AHEAD_WAIT, read_ahead(body, limit, &budget));
+            // Set by the auth guard, which runs first.
+            let may_change = turns::may_change(parts.extensions.get::<Credential>());
+            let read = tokio::time::timeout(
+                READ_AHEAD_WAIT,
+                read_ahead(body, limit, &budget, may_change),
+            );
             let Ok((body, whole, _room)) = read.await else {
                 return Ok(Status::deadline_exceeded(format!(
                     "the request's message did not come within {} s",
@@ -147,7 +162,7 @@ where
             // refused by its length, decoding nothing. The semaphore is never closed; should it
             // be, the call goes on without a turn.
             let _turn = match whole || body.rest.is_none() {
-                true => turns.acquire_owned().await.ok(),
+                true => turns.acquire(1, may_change).await.ok(),
                 false => None,
             };
             inner
@@ -164,7 +179,8 @@ where
 async fn read_ahead(
     mut body: Body,
     limit: usize,
-    budget: &Arc<Semaphore>,
+    budget: &Turns,
+    may_change: bool,
 ) -> (ReadAhead, bool, Option<OwnedSemaphorePermit>) {
     let mut room: Option<OwnedSemaphorePermit> = None;
     // The bytes the first frame header announces (with the header), within the limit: the
@@ -199,8 +215,7 @@ async fn read_ahead(
                         most = wanted;
                         // The semaphore is never closed; should it be, the call goes uncounted.
                         room = budget
-                            .clone()
-                            .acquire_many_owned(u32::try_from(wanted).unwrap_or(u32::MAX))
+                            .acquire(u32::try_from(wanted).unwrap_or(u32::MAX), may_change)
                             .await
                             .ok();
                     }
@@ -320,6 +335,7 @@ impl http_body::Body for ReadAhead {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     use tokio::sync::Notify;
@@ -403,6 +419,51 @@ mod tests {
         })
         .await
         .expect("the third begins once one ends");
+        held.release.notify_waiters();
+        held.release.notify_one();
+    }
+
+    /// With the shared decode turns held by a read-only token's calls, the next of them waits,
+    /// and an admin's call takes the turn kept for callers who may change the policies.
+    #[tokio::test]
+    async fn an_admins_call_takes_the_kept_turn_when_readers_hold_the_others() {
+        use crate::auth::Role;
+        let held = Held {
+            begun: Arc::new(AtomicUsize::new(0)),
+            release: Arc::new(Notify::new()),
+        };
+        let mut service = DecodeTurns::with_turns(held.clone(), 1024, 2);
+        let as_role = |role: Role| {
+            let mut request = request("/retryplane.v1.AdminService/Validate");
+            request
+                .extensions_mut()
+                .insert(crate::auth::Credential::for_test(role));
+            request
+        };
+        let mut calls = tokio::task::JoinSet::new();
+        calls.spawn(service.call(as_role(Role::Viewer)));
+        calls.spawn(service.call(as_role(Role::Viewer)));
+        let begun = || held.begun.load(Ordering::SeqCst);
+        let wait = std::time::Duration::from_secs(10);
+        tokio::time::timeout(wait, async {
+            while begun() < 1 {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+        .expect("the first reader begins");
+        for _ in 0..100 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(begun(), 1, "a second reader took the kept turn");
+        calls.spawn(service.call(as_role(Role::Admin)));
+        tokio::time::timeout(wait, async {
+            while begun() < 2 {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+        .expect("the admin's call waited behind the readers");
         held.release.notify_waiters();
         held.release.notify_one();
     }
@@ -499,7 +560,10 @@ mod tests {
         );
         assert_eq!(began.elapsed(), READ_AHEAD_WAIT);
         assert_eq!(held.begun.load(Ordering::SeqCst), 0, "nothing was decoded");
-        assert_eq!(service.budget.available_permits(), READ_AHEAD_BYTES);
+        assert_eq!(
+            service.budget.available_permits(),
+            READ_AHEAD_BYTES + service.read_ahead.min(READ_AHEAD_BYTES)
+        );
         // An error mid-body is no second message: handed on, for the service to report.
         let frames: Vec<Result<Frame<Bytes>, Status>> = vec![
             Ok(Frame::data(Bytes::from_static(&[0, 0, 0, 0, 3, b'a']))),
@@ -742,8 +806,8 @@ mod tests {
             Body::new(http_body_util::StreamBody::new(tokio_stream::iter(frames)))
         };
         let whole_message: &[u8] = &[0, 0, 0, 0, 3, b'a', b'b', b'c'];
-        let budget = Arc::new(Semaphore::new(READ_AHEAD_BYTES));
-        let (ahead, whole, room) = read_ahead(body(), 16, &budget).await;
+        let budget = Turns::new(READ_AHEAD_BYTES, 16);
+        let (ahead, whole, room) = read_ahead(body(), 16, &budget, false).await;
         assert_eq!(
             room.map(|r| r.num_permits()),
             Some(8),
@@ -754,7 +818,7 @@ mod tests {
         assert_eq!(collected.trailers(), Some(&trailers));
         assert_eq!(collected.to_bytes(), whole_message);
         // Past the limit: the first frame, then the rest as it comes.
-        let (ahead, whole, _) = read_ahead(body(), 4, &budget).await;
+        let (ahead, whole, _) = read_ahead(body(), 4, &budget, false).await;
         assert!(!whole);
         let collected = ahead.collect().await.unwrap();
         assert_eq!(collected.trailers(), Some(&trailers));

@@ -36,6 +36,7 @@ pub mod running;
 pub mod server;
 pub mod store;
 pub mod text_format;
+mod turns;
 pub mod watch;
 mod writers;
 
