@@ -575,11 +575,13 @@ impl Tokens {
         crate::refuse_fifo_or_socket(path, "the tokens file", "save the tokens in a regular file")
             .map_err(read)?;
         let file = std::fs::File::open(path).map_err(read)?;
-        warn_if_world_readable(path, &file);
         let mut text = String::new();
-        file.take(MAX_FILE_BYTES + 1)
+        (&file)
+            .take(MAX_FILE_BYTES + 1)
             .read_to_string(&mut text)
             .map_err(read)?;
+        // Once read: a path that cannot be read (a directory) is refused for that alone.
+        warn_if_loose(path, &file);
         if text.len() as u64 > MAX_FILE_BYTES {
             return Err(TokensError::TooLarge {
                 file: path.to_owned(),
@@ -915,18 +917,40 @@ fn unquoted(message: &str) -> String {
     format!("{}(not shown){place}", &message[..first])
 }
 
+/// What is wrong with a tokens file of permission bits `mode`, if anything: writable by its
+/// group or every user (whoever may write it can give themselves an admin token at the next
+/// SIGHUP), else readable by every user (every secret in it can be read). Readable by its
+/// group is left alone: a mounted secret shared with a group is read so.
+fn loose_mode(mode: u32) -> Option<&'static str> {
+    if mode & 0o022 != 0 {
+        Some(
+            "the tokens file may be changed by users other than its owner (its group or every \
+             user may write it), and whoever writes it can give themselves an admin token at \
+             the next reload; make it writable by its owner only (chmod 600, or a mounted \
+             secret's mode 0400)",
+        )
+    } else if mode & 0o004 != 0 {
+        Some(
+            "the tokens file is readable by every user; make it readable by its owner only \
+             (chmod 600, or a mounted secret's mode 0400)",
+        )
+    } else {
+        None
+    }
+}
+
 #[cfg(unix)]
-fn warn_if_world_readable(path: &Path, file: &std::fs::File) {
+fn warn_if_loose(path: &Path, file: &std::fs::File) {
     use std::os::unix::fs::PermissionsExt as _;
     if let Ok(meta) = file.metadata()
-        && meta.permissions().mode() & 0o004 != 0
+        && let Some(why) = loose_mode(meta.permissions().mode())
     {
-        tracing::warn!(file = %path.display(), "the tokens file is readable by every user; make it readable by its owner only (chmod 600, or a mounted secret's mode 0400)");
+        tracing::warn!(file = %path.display(), "{why}");
     }
 }
 
 #[cfg(not(unix))]
-fn warn_if_world_readable(_path: &Path, _file: &std::fs::File) {}
+fn warn_if_loose(_path: &Path, _file: &std::fs::File) {}
 
 /// The tokens in force, read from a tokens file and read again on [`TokenSet::reload`].
 #[derive(Debug)]

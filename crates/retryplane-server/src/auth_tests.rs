@@ -767,3 +767,23 @@ fn a_call_on_a_connection_closed_for_room_is_not_run() {
         }
     }
 }
+
+/// A tokens file its group or every user may write is warned of as one that lets them give
+/// themselves a token, before being readable by every user; one its group may read is not.
+#[test]
+fn a_tokens_file_others_may_write_or_every_user_read_is_warned_of() {
+    for mode in [0o600, 0o400, 0o640, 0o440] {
+        assert_eq!(loose_mode(mode), None, "{mode:o}");
+    }
+    for mode in [0o620, 0o602, 0o660, 0o666, 0o622] {
+        let why = loose_mode(mode).unwrap_or_default();
+        assert!(
+            why.contains("may be changed by users other"),
+            "{mode:o}: {why}"
+        );
+    }
+    for mode in [0o604, 0o644, 0o444] {
+        let why = loose_mode(mode).unwrap_or_default();
+        assert!(why.contains("readable by every user"), "{mode:o}: {why}");
+    }
+}
