@@ -423,8 +423,9 @@ pub enum RegisterError {
     Full(usize),
     /// The stream's token has as many agents connected as its `max_agents` in the tokens file.
     #[error(
-        "token `{token}` already has {connected} agents connected, and its `max_agents` in the \
-         control plane's tokens file is {limit}"
+        "token `{token}` already has {connected} agent{} connected, and its `max_agents` in \
+         the control plane's tokens file is {limit}",
+        if *connected == 1 { "" } else { "s" }
     )]
     TokenFull {
         /// The token's name.
@@ -1398,6 +1399,15 @@ mod tests {
                 connected: 2,
                 limit: 2
             }
+        );
+        let one = RegisterError::TokenFull {
+            token: "t".to_owned(),
+            connected: 1,
+            limit: 1,
+        };
+        assert!(
+            one.to_string().contains("already has 1 agent connected"),
+            "{one}"
         );
         // Its agent's next stream replaces the last; another token has its own count.
         let a = fleet
