@@ -27,12 +27,49 @@ pub fn run(args: &Args) -> Report {
     let mut command = hinted(Cli::command());
     let mut script = Vec::new();
     clap_complete::generate(args.shell, &mut command, "retryplane", &mut script);
+    if args.shell == Shell::Fish {
+        script.extend_from_slice(fish_positional_values(&command).as_bytes());
+    }
     Report {
         // clap_complete writes the script's own text, which is UTF-8; a lossy read keeps any
         // byte it might not be.
         stdout: String::from_utf8_lossy(&script).into_owned(),
         outcome: Outcome::Success,
     }
+}
+
+/// Fish completions of the commands' positional values that have possible values (`completions
+/// SHELL`): clap_complete's fish script completes flags and commands only, so fish offered
+/// file names there. Written here as clap_complete writes its own lines. File names are left
+/// out only where every positional value of the command has possible values.
+fn fish_positional_values(cmd: &Command) -> String {
+    let mut lines = String::new();
+    for sub in cmd.get_subcommands() {
+        let positionals: Vec<_> = sub.get_positionals().collect();
+        let all_listed = positionals
+            .iter()
+            .all(|arg| !arg.get_possible_values().is_empty());
+        for arg in positionals {
+            let values: Vec<String> = arg
+                .get_possible_values()
+                .iter()
+                .filter(|v| !v.is_hide_set())
+                .map(|v| v.get_name().to_owned())
+                .collect();
+            if values.is_empty() {
+                continue;
+            }
+            lines.push_str(&format!(
+                "complete -c {} -n \"__fish_{}_using_subcommand {}\"{} -a \"{}\"\n",
+                cmd.get_name(),
+                cmd.get_name(),
+                sub.get_name(),
+                if all_listed { " -f" } else { "" },
+                values.join(" ")
+            ));
+        }
+    }
+    lines
 }
 
 /// `cmd` with a value hint on every flag whose value is no path (a version, a URL, a token):
@@ -68,6 +105,22 @@ mod tests {
 
     fn script(shell: Shell) -> String {
         run(&Args { shell }).stdout
+    }
+
+    /// Fish completes `completions`' one value with the shells' names, not with file names
+    /// (clap_complete's fish script leaves positional values out).
+    #[test]
+    fn fish_completes_the_shells_after_completions() {
+        let text = script(Shell::Fish);
+        assert!(
+            text.contains(
+                "complete -c retryplane -n \"__fish_retryplane_using_subcommand completions\" -f \
+                 -a \"bash elvish fish powershell zsh\"\n"
+            ),
+            "{text}"
+        );
+        // The condition is the one clap_complete defines.
+        assert!(text.contains("function __fish_retryplane_using_subcommand"));
     }
 
     /// Every command and a flag of each kind are in each shell's script.
