@@ -370,57 +370,56 @@ mod tests {
         assert_eq!(items_at_least(&plain), 0);
     }
 
+    /// The endpoints and routes of a document kept by the decode of a request (`snapshot`
+    /// false) or a snapshot in `bytes`, as the count counts them; `None` when it does not
+    /// decode or holds no document.
+    fn held(bytes: &[u8], snapshot: bool) -> Option<usize> {
+        let document = if snapshot {
+            pb::Snapshot::decode(bytes).ok()?.policies?
+        } else {
+            match pb::ApplyRequest::decode(bytes).ok()?.source?.kind? {
+                pb::policy_source::Kind::Document(d) => d,
+                pb::policy_source::Kind::Yaml(_) => return None,
+            }
+        };
+        Some(
+            document
+                .endpoints
+                .iter()
+                .map(|e| 2 + 2 * e.routes.len())
+                .sum(),
+        )
+    }
+
     proptest! {
-        /// Whatever the bytes (a plain request, cut, with noise spliced in): the count is
-        /// exact for the plain request, counts no byte twice (each item is at least a tag and a
-        /// length: never more items than bytes), and misses nothing the decode keeps (an
-        /// endpoint or route it kept but the count missed is what let an earlier try through).
+        /// Whatever the bytes (a plain request or snapshot, cut, with noise spliced in): the
+        /// count is exact for the plain message, counts no byte twice (each item is at least a
+        /// tag and a length: never more items than bytes), and misses nothing the decode keeps
+        /// (an endpoint or route it kept but the count missed is what let an earlier try
+        /// through).
         #[test]
         fn misses_nothing_the_decode_keeps(
+            snapshot_bytes in any::<bool>(),
             endpoints in 0usize..6,
             routes in 0usize..3,
             cut in any::<prop::sample::Index>(),
             noise in prop::collection::vec(any::<u8>(), 0..24),
             at in any::<prop::sample::Index>(),
         ) {
-            let plain = apply(document(endpoints, routes)).encode_to_vec();
-            prop_assert_eq!(items_at_least(&plain), 2 * endpoints * (1 + routes));
+            type Count = fn(&[u8]) -> usize;
+            let (plain, count): (Vec<u8>, Count) = if snapshot_bytes {
+                (snapshot(document(endpoints, routes)).encode_to_vec(), snapshot_items_at_least)
+            } else {
+                (apply(document(endpoints, routes)).encode_to_vec(), items_at_least)
+            };
+            prop_assert_eq!(count(&plain), 2 * endpoints * (1 + routes));
             let mut bytes = plain.clone();
             bytes.truncate(cut.index(plain.len() + 1));
             let at = at.index(bytes.len() + 1);
             bytes.splice(at..at, noise);
-            let counted = items_at_least(&bytes);
+            let counted = count(&bytes);
             prop_assert!(counted <= bytes.len(), "{} items in {} bytes", counted, bytes.len());
-            if let Ok(decoded) = pb::ApplyRequest::decode(bytes.as_slice())
-                && let Some(pb::policy_source::Kind::Document(d)) =
-                    decoded.source.and_then(|s| s.kind)
-            {
-                let held: usize = d.endpoints.iter().map(|e| 2 + 2 * e.routes.len()).sum();
-                prop_assert!(counted >= held, "counted {}, the decode keeps {}", counted, held);
-            }
-        }
-
-        /// The same for a snapshot's bytes (an agent's cache file).
-        #[test]
-        fn a_snapshot_count_misses_nothing_the_decode_keeps(
-            endpoints in 0usize..6,
-            routes in 0usize..3,
-            cut in any::<prop::sample::Index>(),
-            noise in prop::collection::vec(any::<u8>(), 0..24),
-            at in any::<prop::sample::Index>(),
-        ) {
-            let plain = snapshot(document(endpoints, routes)).encode_to_vec();
-            prop_assert_eq!(snapshot_items_at_least(&plain), 2 * endpoints * (1 + routes));
-            let mut bytes = plain.clone();
-            bytes.truncate(cut.index(plain.len() + 1));
-            let at = at.index(bytes.len() + 1);
-            bytes.splice(at..at, noise);
-            let counted = snapshot_items_at_least(&bytes);
-            prop_assert!(counted <= bytes.len(), "{} items in {} bytes", counted, bytes.len());
-            if let Ok(decoded) = pb::Snapshot::decode(bytes.as_slice())
-                && let Some(d) = decoded.policies
-            {
-                let held: usize = d.endpoints.iter().map(|e| 2 + 2 * e.routes.len()).sum();
+            if let Some(held) = held(&bytes, snapshot_bytes) {
                 prop_assert!(counted >= held, "counted {}, the decode keeps {}", counted, held);
             }
         }

@@ -606,30 +606,7 @@ async fn a_document_holding_more_than_a_file_can_is_refused_before_it_is_checked
 #[tokio::test]
 async fn a_rollback_to_a_stored_version_holding_more_than_a_file_can_is_refused() {
     let store: Arc<dyn VersionStore> = Arc::new(MemoryStore::new());
-    let endpoints = (0..=retryplane_proto::convert::MAX_ITEMS / 2)
-        .map(|i| pb::Endpoint {
-            name: format!("e{i}"),
-            overlay: None,
-            routes: vec![],
-        })
-        .collect();
-    let document = pb::PolicyDocument {
-        defaults: None,
-        endpoints,
-    };
-    store
-        .publish(
-            crate::store::NewVersion {
-                content_hash: retryplane_proto::convert::content_hash(&document),
-                document,
-                source: crate::store::Source::Admin,
-                author: None,
-                summary: "large".to_owned(),
-                created_unix_ms: 0,
-            },
-            None,
-        )
-        .unwrap();
+    crate::store::store_over_the_item_limit(store.as_ref());
     let api = AdminApi::new(Arc::new(ControlPlane::for_tests(store, Mode::Api)));
     let replace = pb::ApplyRequest {
         force: true,

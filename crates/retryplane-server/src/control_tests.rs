@@ -1120,28 +1120,7 @@ async fn publishing_the_served_version_again_does_not_move_the_publish_time() {
 #[tokio::test]
 async fn a_current_version_holding_more_than_a_file_can_is_served_at_start_with_a_warning() {
     let store = Arc::new(MemoryStore::default());
-    let document = pb::PolicyDocument {
-        defaults: None,
-        endpoints: (0..=retryplane_proto::convert::MAX_ITEMS / 2)
-            .map(|i| pb::Endpoint {
-                name: format!("e{i}"),
-                ..Default::default()
-            })
-            .collect(),
-    };
-    store
-        .publish(
-            crate::store::NewVersion {
-                content_hash: retryplane_proto::convert::content_hash(&document),
-                document,
-                source: crate::store::Source::Admin,
-                author: None,
-                summary: "large".to_owned(),
-                created_unix_ms: 0,
-            },
-            None,
-        )
-        .unwrap();
+    crate::store::store_over_the_item_limit(store.as_ref());
     let (log, _guard) = crate::test_logs::capture("retryplane_server=info");
     let control = ControlPlane::for_tests(store, Mode::Api);
     control.publish_current().await.unwrap();

@@ -118,6 +118,32 @@ impl VersionRecord {
     }
 }
 
+/// Stores a version holding more than a policy file can (one endpoint past
+/// `convert::MAX_ITEMS`): what a store written before the control plane had the limit may hold.
+#[cfg(test)]
+pub(crate) fn store_over_the_item_limit(store: &dyn VersionStore) {
+    let document = pb::PolicyDocument {
+        defaults: None,
+        endpoints: (0..=retryplane_proto::convert::MAX_ITEMS / 2)
+            .map(|i| pb::Endpoint {
+                name: format!("e{i}"),
+                ..Default::default()
+            })
+            .collect(),
+    };
+    let new = NewVersion {
+        content_hash: retryplane_proto::convert::content_hash(&document),
+        document,
+        source: Source::Admin,
+        author: None,
+        summary: "large".to_owned(),
+        created_unix_ms: 0,
+    };
+    if let Err(e) = store.publish(new, None) {
+        panic!("{e}");
+    }
+}
+
 /// A document to publish, with what the store records about it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct NewVersion {
