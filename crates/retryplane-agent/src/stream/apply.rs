@@ -8,8 +8,9 @@
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
-use retryplane_proto::convert;
+use retryplane_proto::pb::ServerMessage;
 use retryplane_proto::pb::{self, agent_message::Kind};
+use retryplane_proto::{convert, wire_items};
 use tracing::{info, warn};
 
 use crate::agent::Shared;
@@ -33,6 +34,24 @@ pub(crate) fn undecodable(version: u64, nonce: String, error: &prost::DecodeErro
         nonce,
         format!("the snapshot does not decode: {error}"),
     )
+}
+
+/// The NACK of a snapshot in `m` whose endpoints and routes, counted on its bytes, pass what a
+/// policy file can hold: refused before it is decoded (380,000 bare endpoints took about
+/// 520 MB to decode), as its cache file would be ([`apply`] checks list entries after the
+/// decode). `None` for any other message, and for one whose version and nonce do not decode
+/// (the decode then reports it).
+pub(crate) fn too_many_on_the_wire(m: &ServerMessage) -> Option<Handled> {
+    let items = wire_items::snapshot_items_at_least(m.snapshot.as_ref()?);
+    if items <= convert::MAX_ITEMS {
+        return None;
+    }
+    let (version, nonce) = m.snapshot_version_and_nonce()?;
+    Some(refuse(
+        version,
+        nonce,
+        convert::too_many_items(items).message,
+    ))
 }
 
 /// The NACK of version `version` (nonce `nonce`), logged; the policies in force stay.
@@ -247,6 +266,23 @@ mod tests {
             large.content_hash = convert::content_hash(doc);
         }
         let cached = crate::cache::encode(&large);
+        // Refused on its bytes, before the decode, with its version and nonce.
+        let framed = ServerMessage::with_snapshot(&large);
+        match too_many_on_the_wire(&framed).map(|h| h.reply) {
+            Some(Kind::Nack(n)) => {
+                assert_eq!((n.version, n.nonce.as_str()), (6, "n-6"));
+                assert!(n.error.contains("too large"), "{}", n.error);
+            }
+            other => panic!("expected a NACK, got {other:?}"),
+        }
+        assert!(
+            too_many_on_the_wire(&ServerMessage::with_snapshot(&snapshot(
+                7,
+                "version: 1\nendpoints:\n  a: {}\n"
+            )))
+            .is_none()
+        );
+        // And after it, were it decoded.
         let h = apply(agent.shared(), large, Duration::from_secs(10), |_| {});
         match &h.reply {
             Kind::Nack(n) => assert!(n.error.contains("too large"), "{}", n.error),

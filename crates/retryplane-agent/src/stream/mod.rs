@@ -754,7 +754,9 @@ async fn session(
                     });
                     continue;
                 }
-                let handled = match m.decode_snapshot() {
+                let handled = match apply::too_many_on_the_wire(&m) {
+                    Some(refused) => refused,
+                    None => match m.decode_snapshot() {
                     Ok(Some(snap)) => {
                         // The counts so far were made under the policies in force: reported
                         // under their version as the new ones replace them (not before they
@@ -777,6 +779,7 @@ async fn session(
                             warn!(error = %e, "undecodable snapshot ignored; keeping the policies in force");
                             continue;
                         }
+                    },
                     },
                 };
                 // A refusal is kept for `Agent::last_refusal` until a snapshot is applied.
