@@ -97,7 +97,8 @@ pub struct Args {
     #[arg(long, value_name = "N", value_parser = at_least_one())]
     max_agent_connections: Option<usize>,
     /// Most agent streams waiting for their Hello at once; one more is refused with
-    /// RESOURCE_EXHAUSTED.
+    /// RESOURCE_EXHAUSTED. Where the tokens file holds more than one agent token, one token's
+    /// streams take at most all but a quarter of them (768 of the default).
     #[arg(long, value_name = "N",
           default_value_t = StreamLimits::default().max_pending_handshakes,
           value_parser = at_least_one())]

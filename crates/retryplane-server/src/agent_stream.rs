@@ -144,9 +144,9 @@ pub struct AgentStreamService {
     ctx: Arc<StreamContext>,
     /// One permit per stream waiting for its Hello ([`StreamLimits::max_pending_handshakes`]).
     handshakes: Arc<Semaphore>,
-    /// Streams waiting for their Hello per token (by the digest of its secret), counted when
-    /// the token has a `max_agents` or other agent tokens exist: at most twice its
-    /// `max_agents`, and with other agent tokens at most [`token_share`] of the places, so
+    /// Streams waiting for their Hello per token (by the digest of its secret), counted for
+    /// every token: at most twice its `max_agents`, and with other agent tokens at most
+    /// [`token_share`] of the places, so
     /// that no one token (its agents reconnecting at once, or streams opened and left without
     /// a Hello) can hold every handshake place and keep other tokens' agents out.
     pending_by_token: Arc<Mutex<HashMap<[u8; 32], usize>>>,
@@ -173,10 +173,11 @@ impl AgentStreamService {
     }
 }
 
-/// The handshake places one agent token may hold beside other agent tokens, of `all`: three
-/// quarters (at least one), so that a quarter is always left to the others.
+/// The handshake places one agent token may hold beside other agent tokens, of `all`: all but
+/// a quarter, rounded up (768 of 1,024; 2 of 3), so that a quarter is always left to the others
+/// (at least one place is a token's, so with one place in all none is left).
 fn token_share(all: usize) -> usize {
-    (all - all / 4).max(1)
+    (all - all.div_ceil(4)).max(1)
 }
 
 /// What bounds a token's streams waiting for their Hello.
@@ -186,6 +187,9 @@ enum PlacesBy {
     MaxAgents(usize),
     /// Its share ([`token_share`]) of all the places.
     Share(usize),
+    /// Nothing: counted all the same, so that a reload that adds an agent token finds the
+    /// streams already waiting counted.
+    Unbounded,
 }
 
 impl PlacesBy {
@@ -197,10 +201,11 @@ impl PlacesBy {
                  `max_agents` ({limit}) in the control plane's tokens file; retry later"
             ),
             PlacesBy::Share(all) => format!(
-                "{places} streams of this token already wait to send Hello, three quarters of \
-                 the control plane's {all} places (`--max-pending-handshakes`; the rest are \
-                 kept for other tokens' agents); retry later"
+                "{places} streams of this token already wait to send Hello, its share of the \
+                 control plane's {all} places (`--max-pending-handshakes`: a quarter is kept \
+                 for other tokens' agents); retry later"
             ),
+            PlacesBy::Unbounded => format!("{places} streams of this token already wait"),
         }
     }
 }
@@ -384,11 +389,12 @@ impl AgentStreamService {
                     let all = limits.max_pending_handshakes;
                     (token_share(all), PlacesBy::Share(all))
                 });
-                [own, share]
+                let (places, by) = [own, share]
                     .into_iter()
                     .flatten()
                     .min_by_key(|(places, _)| *places)
-                    .map(|(places, by)| (credential.digest(), places, by))
+                    .unwrap_or((usize::MAX, PlacesBy::Unbounded));
+                Some((credential.digest(), places, by))
             }
             _ => None,
         };
@@ -1293,6 +1299,15 @@ fn nack_reason(error: &str) -> std::borrow::Cow<'_, str> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A quarter of the places, rounded up, is left to other tokens, but a token always has
+    /// one.
+    #[test]
+    fn a_tokens_share_leaves_a_quarter_rounded_up() {
+        for (all, share) in [(1, 1), (2, 1), (3, 2), (4, 3), (5, 3), (8, 6), (1024, 768)] {
+            assert_eq!(token_share(all), share, "{all}");
+        }
+    }
 
     #[test]
     fn a_mapped_peer_is_shown_by_its_ipv4_address_and_a_link_local_one_keeps_its_zone() {

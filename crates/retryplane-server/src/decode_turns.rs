@@ -56,7 +56,8 @@ const CARRY_A_POLICY: [&str; 2] = [
 /// A gRPC message's frame header: a compression flag and a 4-byte length.
 const FRAME_HEADER: usize = 5;
 
-/// The most bytes the calls that carry a policy hold read ahead at once, all together.
+/// The most bytes the calls that carry a policy hold read ahead at once, all together, beside
+/// the room for one more message kept for callers who may change the policies.
 pub const READ_AHEAD_BYTES: usize = 64 * 1024 * 1024;
 
 /// How long a call that carries a policy may take to send its message (waits for room in

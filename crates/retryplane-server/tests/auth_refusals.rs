@@ -512,7 +512,7 @@ async fn a_token_with_max_agents_holds_no_more_than_twice_as_many_streams_waitin
     running.shutdown().await.unwrap();
 }
 
-/// Beside other agent tokens, a token without `max_agents` holds at most three quarters of
+/// Beside other agent tokens, a token without `max_agents` holds at most all but a quarter of
 /// the handshake places (3 of 4 here): its fourth stream waiting for its Hello is refused at
 /// once, and another token's stream still finds a place.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -531,11 +531,37 @@ async fn a_token_without_max_agents_holds_no_more_than_three_quarters_of_the_pla
         .unwrap()
         .unwrap_err();
     assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
-    assert!(e.message().contains("three quarters"), "{e:?}");
+    assert!(e.message().contains("its share of"), "{e:?}");
     let _other = without_hello(&agent, AGENT2);
     wait_awaiting_hello(running.http_addr, 4).await;
     running.shutdown().await.unwrap();
     drop(dir);
+}
+
+/// Streams that began waiting while their token was the only agent token count against its
+/// share once a reload adds another: the fourth of 4 places is the new token's, not theirs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_waiting_before_a_reload_added_an_agent_token_count_against_their_tokens_share() {
+    let (dir, mut cfg) = setup();
+    let file = dir.path().join("tokens.yaml");
+    fs::write(&file, tokens_yaml(false)).unwrap();
+    cfg.stream_limits.max_pending_handshakes = 4;
+    let running = start(cfg).await.unwrap();
+    let agent = channel(running.agent_addr).await;
+    let _waiting: Vec<_> = (0..3).map(|_| without_hello(&agent, AGENT2)).collect();
+    wait_awaiting_hello(running.http_addr, 3).await;
+    fs::write(&file, tokens_yaml(true)).unwrap();
+    running.reload_tokens().unwrap();
+    let (_tx, fourth) = without_hello(&agent, AGENT2);
+    let e = tokio::time::timeout(Duration::from_secs(5), fourth)
+        .await
+        .expect("the fourth stream was not refused at once")
+        .unwrap()
+        .unwrap_err();
+    assert!(e.message().contains("its share of"), "{e:?}");
+    let _other = without_hello(&agent, AGENT);
+    wait_awaiting_hello(running.http_addr, 4).await;
+    running.shutdown().await.unwrap();
 }
 
 #[test]
