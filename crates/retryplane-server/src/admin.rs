@@ -20,7 +20,8 @@
 //! - `INVALID_ARGUMENT`: no source, a YAML source over 1 MiB, policies whose snapshot would be
 //!   a message larger than agents decode (4 MiB; the message names the sizes and the limit),
 //!   a document holding more than a policy file can (also a Rollback to a version stored
-//!   before that limit, which is not published again), or invalid policies. For invalid policies the message is the diagnostics, one per line,
+//!   before that limit, which is not published again), or invalid policies. For invalid
+//!   policies the message is the diagnostics, one per line,
 //!   as `LINE:COLUMN: SEVERITY: PATH: MESSAGE` (`0:0` for a typed document, which has no
 //!   places), as many as fit [`MAX_MESSAGE_WIRE_BYTES`] and then
 //!   `… and K more problems; Validate (retryplane validate) lists them all`: `Validate`
