@@ -211,6 +211,33 @@ async fn accept_failed(e: &io::Error) {
     tokio::time::sleep(Duration::from_secs(1)).await;
 }
 
+/// The admin service as served: the auth guard outermost, then the refusal of oversized
+/// messages, the decode turns and the generated server. The order is the point: the decode
+/// turns and the admin service read the guard's credential to keep a turn for callers who
+/// may change the policies (`crate::turns::may_change`, which takes a request with no
+/// credential for one of a control plane without a tokens file), so a guard moved inside them
+/// would give every viewer the kept turns. Moving it means changing this type.
+type AdminStack = InterceptedService<
+    OversizedIsExhausted<crate::decode_turns::DecodeTurns<AdminServiceServer<AdminApi>>>,
+    Guard,
+>;
+
+/// [`AdminStack`] over `control`, decoding messages of at most `max_message_bytes`.
+fn admin_stack(
+    control: &Arc<ControlPlane>,
+    tokens: Option<Arc<TokenSet>>,
+    max_message_bytes: usize,
+) -> AdminStack {
+    InterceptedService::new(
+        OversizedIsExhausted::new(crate::decode_turns::DecodeTurns::new(
+            AdminServiceServer::new(AdminApi::new(control.clone()))
+                .max_decoding_message_size(max_message_bytes),
+            max_message_bytes,
+        )),
+        Guard::new(tokens, Role::Admin).counting(control.metrics.auth_refused.clone()),
+    )
+}
+
 /// Starts the control plane; see the module docs. Raises the process's soft open-file limit
 /// to its hard one (see [`crate::places::raise_open_file_limit`]).
 pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
@@ -342,14 +369,7 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
         ),
         Guard::new(tokens.clone(), Role::Agent).counting(control.metrics.auth_refused.clone()),
     );
-    let admin_service = InterceptedService::new(
-        OversizedIsExhausted::new(crate::decode_turns::DecodeTurns::new(
-            AdminServiceServer::new(AdminApi::new(control.clone()))
-                .max_decoding_message_size(cfg.max_message_bytes),
-            cfg.max_message_bytes,
-        )),
-        Guard::new(tokens.clone(), Role::Admin).counting(control.metrics.auth_refused.clone()),
-    );
+    let admin_service = admin_stack(&control, tokens.clone(), cfg.max_message_bytes);
 
     // Room for a second connection of each agent while it reconnects (its stale one holds a
     // place until keepalive or the idle timeout closes it), and for those waiting for Hello.
