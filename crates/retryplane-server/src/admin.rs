@@ -64,15 +64,16 @@ use crate::turns::{self, Turns};
 /// Validate, Apply (dry runs too) and Rollback calls checked at once; the others wait their
 /// turn. Checking a document near the size limit (11,000 endpoints) takes about 25 MB while
 /// it runs, so a viewer's dry runs sent by the dozen took the process past a gigabyte. One of
-/// the turns is kept for callers who may change the policies (`crate::turns`).
+/// the turns is kept for changes (Apply, Rollback) by callers who may make them
+/// (`crate::turns`).
 pub const MAX_CONCURRENT_CHECKS: usize = 4;
 
 /// The `retryplane.v1.AdminService` implementation.
 #[derive(Clone, Debug)]
 pub struct AdminApi {
     control: Arc<ControlPlane>,
-    /// [`MAX_CONCURRENT_CHECKS`] turns, one of them kept for callers who may change the
-    /// policies (a read-only token's Validate calls held every turn, and an Apply waited).
+    /// [`MAX_CONCURRENT_CHECKS`] turns, one of them kept for changes by callers who may make
+    /// them (a read-only token's Validate calls held every turn, and an Apply waited).
     checks: Turns,
 }
 
@@ -85,8 +86,9 @@ impl AdminApi {
         }
     }
 
-    /// A turn to check a document ([`MAX_CONCURRENT_CHECKS`]), for a caller who `may_change`
-    /// the policies ([`caller_may_change`]) or not.
+    /// A turn to check a document ([`MAX_CONCURRENT_CHECKS`]): for a change (Apply, Rollback)
+    /// by a caller who `may_change` the policies ([`caller_may_change`]), of the shared turns
+    /// or the kept one; for a check (Validate, a dry run), of the shared ones.
     async fn check_turn(&self, may_change: bool) -> Result<OwnedSemaphorePermit, Status> {
         self.checks
             .acquire(1, may_change)
@@ -608,8 +610,8 @@ impl AdminService for AdminApi {
         &self,
         request: Request<pb::ValidateRequest>,
     ) -> Result<Response<pb::ValidateResponse>, Status> {
-        self.in_turn(caller_may_change(&request), validated(request))
-            .await
+        // A check only: the kept turn is for changes.
+        self.in_turn(false, validated(request)).await
     }
 
     async fn apply(
@@ -617,13 +619,13 @@ impl AdminService for AdminApi {
         request: Request<pb::ApplyRequest>,
     ) -> Result<Response<pb::ApplyResponse>, Status> {
         // A dry run writes nothing, so it also answers in file mode (`retryplane diff`).
-        let may_change = caller_may_change(&request);
         if request.get_ref().dry_run {
             let api = self.clone();
             return self
-                .in_turn(may_change, async move { api.apply_in_turn(request).await })
+                .in_turn(false, async move { api.apply_in_turn(request).await })
                 .await;
         }
+        let may_change = caller_may_change(&request);
         // Refused before it waits for a turn, as a rollback is.
         check_may_change(&request).inspect_err(|_| {
             self.control.metrics.auth_refused.inc();

@@ -1366,7 +1366,8 @@ async fn a_check_dropped_by_its_caller_keeps_its_turn_until_it_is_over() {
         .map(|i| format!("  endpoint-{i:05}: {{max_attempts: 3, deadline: 5s}}\n"))
         .collect();
     let large = format!("version: 1\nendpoints:\n{endpoints}");
-    for _ in 0..MAX_CONCURRENT_CHECKS {
+    // Every shared turn (the kept one is for changes).
+    for _ in 1..MAX_CONCURRENT_CHECKS {
         let call = api.validate(Request::new(pb::ValidateRequest {
             source: yaml(&large),
         }));
@@ -1379,8 +1380,8 @@ async fn a_check_dropped_by_its_caller_keeps_its_turn_until_it_is_over() {
     }
     assert_eq!(
         api.checks.available_permits(),
-        0,
-        "the dropped calls' checks still run"
+        1,
+        "the dropped calls' checks still run, and leave the kept turn"
     );
     // Each turn comes back once its check is over.
     let back = tokio::time::timeout(std::time::Duration::from_secs(60), async {
@@ -1440,8 +1441,7 @@ async fn a_refusal_of_more_problems_than_validate_lists_counts_them_all_and_does
 }
 
 /// With every shared check turn held (a read-only token's Validate calls in a loop), a viewer's
-/// Validate waits, and an admin's Apply takes the turn kept for callers who may change the
-/// policies.
+/// Validate waits, and so does an admin's; an admin's Apply takes the turn kept for changes.
 #[tokio::test]
 async fn an_apply_is_not_held_up_by_a_read_only_tokens_checks() {
     use crate::auth::Role;
@@ -1459,6 +1459,17 @@ async fn an_apply_is_not_held_up_by_a_read_only_tokens_checks() {
             .await
             .is_err(),
         "a viewer's Validate was checked with every shared turn held"
+    );
+    // An admin's Validate is a check only: it waits too.
+    let admins_check = api.validate(with_role(
+        Role::Admin,
+        pb::ValidateRequest { source: yaml(V1) },
+    ));
+    assert!(
+        tokio::time::timeout(std::time::Duration::from_millis(100), admins_check)
+            .await
+            .is_err(),
+        "an admin's Validate took the turn kept for changes"
     );
     let applied = tokio::time::timeout(
         std::time::Duration::from_secs(10),

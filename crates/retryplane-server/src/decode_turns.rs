@@ -9,8 +9,8 @@
 //! undecoded. The bytes read ahead by every call together are bounded
 //! ([`READ_AHEAD_BYTES`]: a call waits for room before it reads more), and so is the time a
 //! call may take to send its message ([`READ_AHEAD_WAIT`]). One turn, and room for one more
-//! message read ahead, are kept for callers who may change the policies (`crate::turns`), so a
-//! read-only token's calls cannot hold up an Apply. A body that holds more than its
+//! message read ahead, are kept for an Apply by a caller who may change the policies
+//! (`crate::turns`), so a read-only token's calls cannot hold up an Apply. A body that holds more than its
 //! first message is refused here when that message fits the limit (a unary call carries one;
 //! tonic decodes every further one before the service runs: a second frame announced and
 //! never sent held a decoded document with no turn, and one sent after an empty first message
@@ -47,17 +47,17 @@ use crate::turns::{self, Turns};
 /// for a check.
 pub const MAX_DECODED: usize = 2 * crate::admin::MAX_CONCURRENT_CHECKS;
 
+/// `Apply`'s path: the one call that carries a policy and may change the policies.
+const APPLY: &str = "/retryplane.v1.AdminService/Apply";
+
 /// The admin methods whose request carries a policy document.
-const CARRY_A_POLICY: [&str; 2] = [
-    "/retryplane.v1.AdminService/Validate",
-    "/retryplane.v1.AdminService/Apply",
-];
+const CARRY_A_POLICY: [&str; 2] = ["/retryplane.v1.AdminService/Validate", APPLY];
 
 /// A gRPC message's frame header: a compression flag and a 4-byte length.
 const FRAME_HEADER: usize = 5;
 
 /// The most bytes the calls that carry a policy hold read ahead at once, all together, beside
-/// the room for one more message kept for callers who may change the policies.
+/// the room for one more message kept for an Apply by a caller who may change the policies.
 pub const READ_AHEAD_BYTES: usize = 64 * 1024 * 1024;
 
 /// How long a call that carries a policy may take to send its message (waits for room in
@@ -77,10 +77,11 @@ pub struct TooManyItems(pub usize);
 #[derive(Clone, Debug)]
 pub struct DecodeTurns<S> {
     inner: S,
-    /// [`MAX_DECODED`] turns, one of them kept for callers who may change the policies.
+    /// [`MAX_DECODED`] turns, one of them kept for an Apply by a caller who may change the
+    /// policies.
     turns: Turns,
-    /// [`READ_AHEAD_BYTES`] permits, one a byte, and room for one more message kept for
-    /// callers who may change the policies.
+    /// [`READ_AHEAD_BYTES`] permits, one a byte, and room for one more message kept for an
+    /// Apply by a caller who may change the policies.
     budget: Turns,
     /// The most bytes of a message read ahead: the decoding limit and a frame header. A longer
     /// body is handed on as it comes, without a turn: the service refuses it by its length.
@@ -93,8 +94,8 @@ impl<S> DecodeTurns<S> {
         Self::with_turns(inner, max_message_bytes, MAX_DECODED)
     }
 
-    /// `turns` decode turns in all: from 2 on, one kept for callers who may change the
-    /// policies and the rest for every caller.
+    /// `turns` decode turns in all: from 2 on, one kept for an Apply by a caller who may change
+    /// the policies and the rest for every call.
     fn with_turns(inner: S, max_message_bytes: usize, turns: usize) -> Self {
         let read_ahead = max_message_bytes.saturating_add(FRAME_HEADER);
         let kept = usize::from(turns >= 2);
@@ -134,8 +135,10 @@ where
         let (turns, budget, limit) = (self.turns.clone(), self.budget.clone(), self.read_ahead);
         Box::pin(async move {
             let (parts, body) = request.into_parts();
-            // Set by the auth guard, which runs first.
-            let may_change = turns::may_change(parts.extensions.get::<Credential>());
+            // An Apply by a caller who may change the policies (its credential set by the
+            // auth guard, which runs first: `server::AdminStack`); a Validate is a check only.
+            let may_change = parts.uri.path() == APPLY
+                && turns::may_change(parts.extensions.get::<Credential>());
             let read = tokio::time::timeout(
                 READ_AHEAD_WAIT,
                 read_ahead(body, limit, &budget, may_change),
@@ -425,7 +428,8 @@ mod tests {
     }
 
     /// With the shared decode turns held by a read-only token's calls, the next of them waits,
-    /// and an admin's call takes the turn kept for callers who may change the policies.
+    /// and so does an admin's Validate (a check only); an admin's Apply takes the turn kept for
+    /// callers who may change the policies.
     #[tokio::test]
     async fn an_admins_call_takes_the_kept_turn_when_readers_hold_the_others() {
         use crate::auth::Role;
@@ -434,16 +438,17 @@ mod tests {
             release: Arc::new(Notify::new()),
         };
         let mut service = DecodeTurns::with_turns(held.clone(), 1024, 2);
-        let as_role = |role: Role| {
-            let mut request = request("/retryplane.v1.AdminService/Validate");
+        let as_role = |role: Role, path: &str| {
+            let mut request = request(path);
             request
                 .extensions_mut()
                 .insert(crate::auth::Credential::for_test(role));
             request
         };
         let mut calls = tokio::task::JoinSet::new();
-        calls.spawn(service.call(as_role(Role::Viewer)));
-        calls.spawn(service.call(as_role(Role::Viewer)));
+        let validate = "/retryplane.v1.AdminService/Validate";
+        calls.spawn(service.call(as_role(Role::Viewer, validate)));
+        calls.spawn(service.call(as_role(Role::Viewer, validate)));
         let begun = || held.begun.load(Ordering::SeqCst);
         let wait = std::time::Duration::from_secs(10);
         tokio::time::timeout(wait, async {
@@ -457,7 +462,12 @@ mod tests {
             tokio::task::yield_now().await;
         }
         assert_eq!(begun(), 1, "a second reader took the kept turn");
-        calls.spawn(service.call(as_role(Role::Admin)));
+        calls.spawn(service.call(as_role(Role::Admin, validate)));
+        for _ in 0..100 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(begun(), 1, "an admin's Validate took the kept turn");
+        calls.spawn(service.call(as_role(Role::Admin, APPLY)));
         tokio::time::timeout(wait, async {
             while begun() < 2 {
                 tokio::task::yield_now().await;
