@@ -623,8 +623,9 @@ impl AgentBuilder {
     /// read, and anything that is not a regular file are never replaced: that is logged, and no
     /// cache is kept for the run.
     /// A cache file of the agent's own that cannot be used (damaged, written by a newer
-    /// agent, or, with its header, holding more than a policy file can) is replaced by the next applied snapshot. A file that cannot be read within 1 s
-    /// at start (a cold network volume) is still read: the agent starts on the fallback policy
+    /// agent, or, with its header, holding more than a policy file can) is replaced by the
+    /// next applied snapshot. A file that cannot be read within 1 s at start (a cold network
+    /// volume) is still read: the agent starts on the fallback policy
     /// and, when the read ends, puts the cached policies in force if it still runs on the
     /// fallback policy (the control plane sent none meanwhile). With a stream open, the counts
     /// made on the fallback are reported first, under its version, and the stream is then

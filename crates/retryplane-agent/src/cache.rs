@@ -794,8 +794,8 @@ mod tests {
     }
 
     /// A cache holding more than a policy file can (the agent refuses such a snapshot on the
-    /// stream, so it never writes one) is refused as ours, not used: a document of bare endpoints on its bytes,
-    /// before the decode (a 4 MiB one decoded to about 880 MB); one whose lists hold too many
+    /// stream, so it never writes one) is refused as ours, not used: a document of bare
+    /// endpoints on its bytes, before the decode (a 4 MiB one decoded to about 880 MB); one whose lists hold too many
     /// entries (not counted on the wire) after it. Without the header, another's file.
     #[test]
     fn a_cache_holding_more_than_a_policy_file_can_is_refused() {

@@ -10,8 +10,8 @@
 //! ([`READ_AHEAD_BYTES`]: a call waits for room before it reads more), and so is the time a
 //! call may take to send its message ([`READ_AHEAD_WAIT`]). One turn, and room for one more
 //! message read ahead, are kept for an Apply by a caller who may change the policies
-//! (`crate::turns`), so a read-only token's calls cannot hold up an Apply. A body that holds more than its
-//! first message is refused here when that message fits the limit (a unary call carries one;
+//! (`crate::turns`), so a read-only token's calls cannot hold up an Apply. A body that holds
+//! more than its first message is refused here when that message fits the limit (a unary call carries one;
 //! tonic decodes every further one before the service runs: a second frame announced and
 //! never sent held a decoded document with no turn, and one sent after an empty first message
 //! was decoded whole), and handed on when its first message itself is too long (the service
