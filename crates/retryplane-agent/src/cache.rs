@@ -45,10 +45,11 @@ use std::time::Duration;
 
 use prost::Message as _;
 use retryplane_policy::PolicySet;
-use retryplane_proto::{convert, pb, wire_items};
+use retryplane_proto::pb;
 use tokio::sync::oneshot;
 use tracing::{info, warn};
 
+use crate::judge::{self, Refused};
 use crate::snapshot::{PolicySnapshot, Source};
 
 /// Largest cache file read: the header and the largest snapshot the agent takes from a control
@@ -477,6 +478,27 @@ pub(crate) fn decode_for_test(bytes: &[u8]) -> Result<(), ()> {
     decode(bytes).map(drop).map_err(drop)
 }
 
+/// Why a cache file whose snapshot [`judge`] refused is not used; `problem` makes the
+/// [`Unusable`] of a file that may or may not be ours. Policies the validator refuses are
+/// ours whatever the header: no other program writes a snapshot whose hash matches.
+fn refused(refused: Refused, problem: fn(String) -> Unusable) -> Unusable {
+    match refused {
+        Refused::TooMany(too_many) => problem(too_many.message),
+        Refused::NoPolicies => problem("the snapshot holds no policies".to_owned()),
+        // Either cause reads the same here: the agent decodes no field it does not know, so
+        // policies a newer agent wrote with a field added hash otherwise once read.
+        Refused::HashMismatch => problem(
+            "its content hash does not match its policies (damaged on disk, or written by a \
+             newer agent whose policies carry fields this one does not know)"
+                .to_owned(),
+        ),
+        Refused::Invalid(errors) => Unusable::Ours(format!(
+            "invalid policies: {}",
+            errors.first().map(ToString::to_string).unwrap_or_default()
+        )),
+    }
+}
+
 fn decode(bytes: &[u8]) -> Result<Cached, Unusable> {
     // With the header, every problem below is one of our own file's; without it, only a
     // snapshot that checks out is ours.
@@ -498,34 +520,13 @@ fn decode(bytes: &[u8]) -> Result<Cached, Unusable> {
         }
         None => (bytes, Unusable::Foreign),
     };
-    // Counted before the decode: a document of bare endpoints grows about 200 times decoded.
-    // The stream refuses such a snapshot too (see `stream::apply`), so no cache of the
-    // agent's own holds one.
-    let items = wire_items::snapshot_items_at_least(bytes);
-    if items > convert::MAX_ITEMS {
-        return Err(problem(convert::too_many_items(items).message));
-    }
+    // The rule the stream judges a pushed snapshot by (`judge`), so that no cache of the
+    // agent's own is refused here. Counted before the decode: a document of bare endpoints
+    // grows about 200 times decoded.
+    judge::on_the_wire(bytes).map_err(|r| refused(r, problem))?;
     let snap = pb::Snapshot::decode(bytes).map_err(|e| problem(format!("not a snapshot: {e}")))?;
-    let doc = snap
-        .policies
-        .ok_or_else(|| problem("the snapshot holds no policies".to_owned()))?;
-    // List entries, not counted on the wire.
-    convert::check_items(&doc).map_err(|d| problem(d.message))?;
-    if convert::content_hash(&doc) != snap.content_hash {
-        // Either cause reads the same here: the agent decodes no field it does not know, so
-        // policies a newer agent wrote with a field added hash otherwise once read.
-        return Err(problem(
-            "its content hash does not match its policies (damaged on disk, or written by a \
-             newer agent whose policies carry fields this one does not know)"
-                .to_owned(),
-        ));
-    }
-    let (set, _) = convert::validate(doc).map_err(|errors| {
-        Unusable::Ours(format!(
-            "invalid policies: {}",
-            errors.first().map(ToString::to_string).unwrap_or_default()
-        ))
-    })?;
+    let (set, _) =
+        judge::policies(snap.policies, &snap.content_hash).map_err(|r| refused(r, problem))?;
     let metrics_interval = match snap.metrics_interval_ms {
         0 => None,
         ms => Some(Duration::from_millis(ms)),
@@ -541,6 +542,7 @@ fn decode(bytes: &[u8]) -> Result<Cached, Unusable> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use retryplane_proto::convert;
 
     #[test]
     fn a_write_removes_temporary_files_interrupted_writes_left_and_nothing_else() {

@@ -74,6 +74,7 @@ mod cache;
 mod call;
 mod classify;
 mod error;
+mod judge;
 pub mod layer;
 mod meta;
 mod metrics;

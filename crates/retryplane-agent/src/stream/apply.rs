@@ -1,19 +1,19 @@
 //! What the agent does with a pushed snapshot: check it, swap it in, answer.
 //!
-//! Checked with the same validator as every other source ([`convert::validate`]) plus the
-//! content hash; a good one is swapped into the `ArcSwap` (keeping endpoint state whose
-//! settings did not change) and ACKed; a bad one is NACKed with the reason and the policies in
-//! force stay.
+//! Checked by the rule a cache file is checked by at start ([`judge`]: the item limit, the
+//! content hash and the shared validator); a good one is swapped into the `ArcSwap` (keeping
+//! endpoint state whose settings did not change) and ACKed; a bad one is NACKed with the
+//! reason and the policies in force stay.
 
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
 use retryplane_proto::pb::ServerMessage;
 use retryplane_proto::pb::{self, agent_message::Kind};
-use retryplane_proto::{convert, wire_items};
 use tracing::{info, warn};
 
 use crate::agent::Shared;
+use crate::judge::{self, Refused};
 use crate::snapshot::{PolicySnapshot, Source};
 
 /// Most errors quoted in a NACK.
@@ -42,16 +42,34 @@ pub(crate) fn undecodable(version: u64, nonce: String, error: &prost::DecodeErro
 /// decode). `None` for any other message, and for one whose version and nonce do not decode
 /// (the decode then reports it).
 pub(crate) fn too_many_on_the_wire(m: &ServerMessage) -> Option<Handled> {
-    let items = wire_items::snapshot_items_at_least(m.snapshot.as_ref()?);
-    if items <= convert::MAX_ITEMS {
+    let Err(refused) = judge::on_the_wire(m.snapshot.as_ref()?) else {
         return None;
-    }
+    };
     let (version, nonce) = m.snapshot_version_and_nonce()?;
-    Some(refuse(
-        version,
-        nonce,
-        convert::too_many_items(items).message,
-    ))
+    Some(refuse(version, nonce, nack_reason(refused)))
+}
+
+/// What a NACK says of a snapshot [`judge`] refused.
+fn nack_reason(refused: Refused) -> String {
+    match refused {
+        Refused::TooMany(too_many) => too_many.message,
+        Refused::NoPolicies => "the snapshot holds no policies".into(),
+        Refused::HashMismatch => "the content hash does not match the policies".into(),
+        Refused::Invalid(errors) => {
+            // Counted whole: a long list ends with a line saying how many more there are.
+            let (count, _) = retryplane_policy::diag::counts(&errors);
+            let mut text: Vec<String> = errors
+                .iter()
+                .filter(|d| retryplane_policy::diag::unlisted(d).is_none())
+                .take(NACK_ERRORS)
+                .map(ToString::to_string)
+                .collect();
+            if count > text.len() {
+                text.push(format!("and {} more", count - text.len()));
+            }
+            text.join("; ")
+        }
+    }
 }
 
 /// The NACK of version `version` (nonce `nonce`), logged; the policies in force stay.
@@ -77,38 +95,12 @@ pub(crate) fn apply(
     default_interval: Duration,
     before_swap: impl FnOnce(&PolicySnapshot),
 ) -> Handled {
-    let nack = |error: String| refuse(snap.version, snap.nonce.clone(), error);
-    let Some(doc) = snap.policies.clone() else {
-        return nack("the snapshot holds no policies".into());
-    };
-    if convert::content_hash(&doc) != snap.content_hash {
-        return nack("the content hash does not match the policies".into());
-    }
-    // More than a policy file can hold (a version stored before the control plane had the
-    // limit): refused here as in a cache file, so the agent never runs what it could not
-    // start from again.
-    if let Err(too_many) = convert::check_items(&doc) {
-        return nack(too_many.message);
-    }
-    let (set, warnings) = match convert::validate(doc) {
+    // Judged as a cache file holding it would be at the next start, so the agent never runs
+    // what it could not start from again (a version stored before the control plane had the
+    // item limit, say).
+    let (set, warnings) = match judge::policies(snap.policies.clone(), &snap.content_hash) {
         Ok(ok) => ok,
-        Err(errors) => {
-            // Counted whole: a long list ends with a line saying how many more there are.
-            let listed: Vec<_> = errors
-                .iter()
-                .filter(|d| retryplane_policy::diag::unlisted(d).is_none())
-                .collect();
-            let (count, _) = retryplane_policy::diag::counts(&errors);
-            let mut text: Vec<String> = listed
-                .iter()
-                .take(NACK_ERRORS)
-                .map(ToString::to_string)
-                .collect();
-            if count > text.len() {
-                text.push(format!("and {} more", count - text.len()));
-            }
-            return nack(text.join("; "));
-        }
+        Err(refused) => return refuse(snap.version, snap.nonce, nack_reason(refused)),
     };
     let cache = crate::cache::encode(&snap);
     shared.update_policies(|current| {
@@ -151,6 +143,7 @@ pub(crate) fn apply(
 mod tests {
     use super::*;
     use crate::Agent;
+    use retryplane_proto::convert;
 
     fn snapshot(version: u64, yaml: &str) -> pb::Snapshot {
         let set = retryplane_policy::load(yaml.as_bytes()).policies.unwrap();
