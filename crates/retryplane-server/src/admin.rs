@@ -164,13 +164,21 @@ impl AdminApi {
     /// Applies `request`, answering with the outcome (whose warnings, for a YAML source, are
     /// the file's, with line and column).
     async fn change(&self, request: ChangeRequest) -> Result<Response<pb::ApplyResponse>, Status> {
+        self.change_or(request, Ok).await
+    }
+
+    /// [`Self::change`], with `own` given a refusal first: it answers `Err` with its own status,
+    /// or `Ok` with the refusal for [`change_status`] to answer.
+    async fn change_or(
+        &self,
+        request: ChangeRequest,
+        own: impl FnOnce(ChangeError) -> Result<ChangeError, Status>,
+    ) -> Result<Response<pb::ApplyResponse>, Status> {
         let file_mode = matches!(self.control.mode, Mode::File(_));
-        let outcome = self
-            .control
-            .apply(request)
-            .await
-            .map_err(|e| change_status(e, file_mode))?;
-        Ok(Response::new(apply_response(outcome)))
+        match self.control.apply(request).await {
+            Ok(outcome) => Ok(Response::new(apply_response(outcome))),
+            Err(refused) => Err(change_status(own(refused)?, file_mode)),
+        }
     }
 }
 
@@ -373,6 +381,9 @@ fn change_status(e: ChangeError, file_mode: bool) -> Status {
             Status::invalid_argument(diagnostic_lines(&diagnostics))
         }
         e @ ChangeError::TooLarge { .. } => Status::invalid_argument(e.to_string()),
+        ChangeError::TooManyItems(too_many) => {
+            Status::invalid_argument(diagnostic_lines(&[too_many]))
+        }
         // Asked only by the policy file watcher, never through this API.
         e @ ChangeError::MaybePartial(_) => Status::failed_precondition(e.to_string()),
         ChangeError::RemovesEverything(names) => {
@@ -577,10 +588,8 @@ fn history_page(metas: &[VersionMeta], limit: usize) -> pb::HistoryResponse {
 async fn document_of(kind: Kind) -> Result<ChangeContent, Status> {
     match kind {
         Kind::Document(mut document) => {
-            // More than a policy file can hold: refused before anything else looks at it.
-            if let Err(too_many) = convert::check_items(&document) {
-                return Err(Status::invalid_argument(diagnostic_lines(&[too_many])));
-            }
+            // More than a policy file can hold: `ControlPlane::apply` refuses it before
+            // anything else looks at it. This walk is linear and allocates nothing.
             // A file reads `-0.0` as `0.0`; so does a document, or a change of a zero's sign
             // alone would get a new hash and version.
             let _ = convert::unsigned_zeros(&mut document);
@@ -716,15 +725,6 @@ impl AdminService for AdminApi {
             .await
             .map_err(|e| internal(&e))?
             .ok_or_else(|| Status::not_found(format!("version {from} does not exist")))?;
-        // A version stored before the item limit may hold more than Apply takes now: not
-        // published again (each agent would decode it whole).
-        if let Err(too_many) = convert::check_items(&record.document) {
-            self.control.metrics.rejected_changes.inc();
-            return Err(Status::invalid_argument(format!(
-                "version {from} cannot be published again: {}",
-                too_many.message
-            )));
-        }
         let change = ChangeRequest {
             content: ChangeContent::Document(Box::new(record.document)),
             source: Source::Rollback { from },
@@ -734,7 +734,16 @@ impl AdminService for AdminApi {
             force: req.force,
             keep_endpoints: false,
         };
-        self.change(change).await
+        // A version stored before the item limit may hold more than Apply takes now: not
+        // published again (each agent would decode it whole, and refuse it).
+        self.change_or(change, |refused| match refused {
+            ChangeError::TooManyItems(too_many) => Err(Status::invalid_argument(format!(
+                "version {from} cannot be published again: {}",
+                too_many.message
+            ))),
+            other => Ok(other),
+        })
+        .await
     }
 
     async fn fleet_status(

@@ -133,6 +133,12 @@ pub enum ChangeError {
     /// ([`retryplane_proto::MAX_MESSAGE_BYTES`]): every agent would refuse every push of it.
     #[error(transparent)]
     TooLarge(#[from] TooLargeForAgents),
+    /// The policies hold more endpoints, routes and list entries than a policy file can
+    /// ([`convert::check_items`]'s error): checked before anything else looks at them, as
+    /// converting such a document takes hundreds of megabytes, and no agent runs one (a
+    /// version stored before the limit, which a rollback would publish again, say).
+    #[error("{}", .0.message)]
+    TooManyItems(Diagnostic),
     /// Another change came first.
     #[error("version conflict: expected version {expected}, current is {current}")]
     Conflict {
@@ -367,7 +373,8 @@ impl ControlPlane {
                 result,
                 Err(ChangeError::Invalid(_)
                     | ChangeError::RemovesEverything(_)
-                    | ChangeError::TooLarge(_))
+                    | ChangeError::TooLarge(_)
+                    | ChangeError::TooManyItems(_))
             )
         {
             self.metrics.rejected_changes.inc();
@@ -415,8 +422,11 @@ impl ControlPlane {
                         Some((policies, warnings)),
                     ),
                 };
-                // Before anything else: a snapshot no agent can decode is never stored, whatever
-                // else the change holds.
+                // Before anything else: a snapshot no agent runs is never stored, whatever else
+                // the change holds. Counted first: a document of bare endpoints within the size
+                // limit takes hundreds of megabytes to validate. (A loaded file never holds too
+                // many; counting it costs a walk of its lists.)
+                convert::check_items(&document).map_err(ChangeError::TooManyItems)?;
                 check_size(&document)?;
                 let content_hash = convert::content_hash(&document);
                 // One conversion and one validation: the compiled set keeps its document. A

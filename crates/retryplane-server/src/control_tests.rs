@@ -373,6 +373,45 @@ async fn an_invalid_change_is_refused_before_the_store_is_read() {
     );
 }
 
+/// Every change is counted against the item limit where it is made, whoever makes it: a
+/// document over it is refused before it is validated or the store is read, counted as a
+/// rejected change unless it is a dry run.
+#[tokio::test]
+async fn a_change_holding_more_than_a_policy_file_can_is_refused_before_anything_reads_it() {
+    let store = Arc::new(BrokenStore {
+        reads: std::sync::atomic::AtomicUsize::new(0),
+    });
+    let control = Arc::new(ControlPlane::for_tests(store.clone(), Mode::Api));
+    // Every endpoint invalid too: the count comes before the validator.
+    let large = pb::PolicyDocument {
+        defaults: None,
+        endpoints: (0..=retryplane_proto::convert::MAX_ITEMS / 2)
+            .map(|i| pb::Endpoint {
+                name: format!("e{i}"),
+                overlay: Some(pb::Overlay {
+                    max_attempts: Some(0),
+                    ..Default::default()
+                }),
+                routes: vec![],
+            })
+            .collect(),
+    };
+    let dry_run = ChangeRequest {
+        dry_run: true,
+        ..change(large.clone())
+    };
+    for (request, rejected) in [(dry_run, 0), (change(large), 1)] {
+        let refused = control.apply(request).await.unwrap_err();
+        assert!(
+            matches!(&refused, ChangeError::TooManyItems(d)
+                if d.message.contains("the document is too large")),
+            "{refused:?}"
+        );
+        assert_eq!(control.metrics.rejected_changes.get(), rejected);
+    }
+    assert_eq!(store.reads.load(Ordering::SeqCst), 0, "the store was read");
+}
+
 #[test]
 fn a_store_failure_keeps_the_disks_error_for_logs_and_start_up_errors() {
     let disk = std::io::Error::new(std::io::ErrorKind::StorageFull, "No space left on device");
