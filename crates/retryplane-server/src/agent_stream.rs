@@ -187,9 +187,6 @@ enum PlacesBy {
     MaxAgents(usize),
     /// Its share ([`token_share`]) of all the places.
     Share(usize),
-    /// Nothing: counted all the same, so that a reload that adds an agent token finds the
-    /// streams already waiting counted.
-    Unbounded,
 }
 
 impl PlacesBy {
@@ -205,7 +202,6 @@ impl PlacesBy {
                  control plane's {all} places (`--max-pending-handshakes`: a quarter is kept \
                  for other tokens' agents); retry later"
             ),
-            PlacesBy::Unbounded => format!("{places} streams of this token already wait"),
         }
     }
 }
@@ -218,20 +214,24 @@ struct TokenPending {
 }
 
 impl TokenPending {
-    /// A place among the streams of the token whose secret has `digest`, unless `limit` of
-    /// them already wait.
+    /// A place among the streams of the token whose secret has `digest`, unless `bound`'s
+    /// number of them already wait: then the refusal to answer. A token with no bound is
+    /// counted all the same, so that a reload that adds an agent token finds the streams
+    /// already waiting counted.
     fn take(
         counts: &Arc<Mutex<HashMap<[u8; 32], usize>>>,
         digest: [u8; 32],
-        limit: usize,
-    ) -> Option<Self> {
+        bound: Option<(usize, PlacesBy)>,
+    ) -> Result<Self, String> {
         let mut map = counts.lock().unwrap_or_else(PoisonError::into_inner);
         let count = map.entry(digest).or_default();
-        if *count >= limit {
-            return None;
+        if let Some((places, by)) = bound
+            && *count >= places
+        {
+            return Err(by.refusal(places));
         }
         *count += 1;
-        Some(Self {
+        Ok(Self {
             counts: counts.clone(),
             digest,
         })
@@ -389,20 +389,19 @@ impl AgentStreamService {
                     let all = limits.max_pending_handshakes;
                     (token_share(all), PlacesBy::Share(all))
                 });
-                let (places, by) = [own, share]
+                let bound = [own, share]
                     .into_iter()
                     .flatten()
-                    .min_by_key(|(places, _)| *places)
-                    .unwrap_or((usize::MAX, PlacesBy::Unbounded));
-                Some((credential.digest(), places, by))
+                    .min_by_key(|(places, _)| *places);
+                Some((credential.digest(), bound))
             }
             _ => None,
         };
         let _token_pending = match token_places {
-            Some((digest, places, by)) => Some(
-                TokenPending::take(&self.pending_by_token, digest, places).ok_or_else(|| {
+            Some((digest, bound)) => Some(
+                TokenPending::take(&self.pending_by_token, digest, bound).map_err(|refusal| {
                     self.ctx.metrics.streams_refused.inc();
-                    Status::resource_exhausted(by.refusal(places))
+                    Status::resource_exhausted(refusal)
                 })?,
             ),
             None => None,
