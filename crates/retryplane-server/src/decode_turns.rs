@@ -347,10 +347,30 @@ mod tests {
     use super::*;
 
     /// A service whose answers wait for `release`, counting the calls it has begun.
-    #[derive(Clone)]
+    #[derive(Clone, Default)]
     struct Held {
         begun: Arc<AtomicUsize>,
         release: Arc<Notify>,
+    }
+
+    impl Held {
+        /// The calls begun so far.
+        fn begun(&self) -> usize {
+            self.begun.load(Ordering::SeqCst)
+        }
+
+        /// Waits until `calls` have begun, for at most 10 s; `what` says what that means when
+        /// they do not. Sleeps, not yields: under a paused clock a loop that only yields never
+        /// lets the bound pass.
+        async fn until_begun(&self, calls: usize, what: &str) {
+            tokio::time::timeout(std::time::Duration::from_secs(10), async {
+                while self.begun() < calls {
+                    tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+                }
+            })
+            .await
+            .unwrap_or_else(|_| panic!("{what}: {} of {calls} calls begun", self.begun()));
+        }
     }
 
     impl Service<http::Request<Body>> for Held {
@@ -384,10 +404,7 @@ mod tests {
     /// ends; other calls are not held.
     #[tokio::test]
     async fn calls_that_carry_a_policy_begin_only_with_a_turn() {
-        let held = Held {
-            begun: Arc::new(AtomicUsize::new(0)),
-            release: Arc::new(Notify::new()),
-        };
+        let held = Held::default();
         let mut service = DecodeTurns::with_turns(held.clone(), 1024, 2);
         let mut calls = tokio::task::JoinSet::new();
         for path in [
@@ -398,31 +415,18 @@ mod tests {
         ] {
             calls.spawn(service.call(request(path)));
         }
-        let begun = || held.begun.load(Ordering::SeqCst);
-        let wait = std::time::Duration::from_secs(10);
-        tokio::time::timeout(wait, async {
-            while begun() < 3 {
-                tokio::task::yield_now().await;
-            }
-        })
-        .await
-        .expect("two with a turn and FleetStatus begin");
+        held.until_begun(3, "two with a turn and FleetStatus begin")
+            .await;
         for _ in 0..100 {
             tokio::task::yield_now().await;
         }
         assert_eq!(
-            begun(),
+            held.begun(),
             3,
             "a third call carrying a policy began without a turn"
         );
         held.release.notify_one();
-        tokio::time::timeout(wait, async {
-            while begun() < 4 {
-                tokio::task::yield_now().await;
-            }
-        })
-        .await
-        .expect("the third begins once one ends");
+        held.until_begun(4, "the third begins once one ends").await;
         held.release.notify_waiters();
         held.release.notify_one();
     }
@@ -433,10 +437,7 @@ mod tests {
     #[tokio::test]
     async fn an_admins_call_takes_the_kept_turn_when_readers_hold_the_others() {
         use crate::auth::Role;
-        let held = Held {
-            begun: Arc::new(AtomicUsize::new(0)),
-            release: Arc::new(Notify::new()),
-        };
+        let held = Held::default();
         let mut service = DecodeTurns::with_turns(held.clone(), 1024, 2);
         let as_role = |role: Role, path: &str| {
             let mut request = request(path);
@@ -449,32 +450,19 @@ mod tests {
         let validate = "/retryplane.v1.AdminService/Validate";
         calls.spawn(service.call(as_role(Role::Viewer, validate)));
         calls.spawn(service.call(as_role(Role::Viewer, validate)));
-        let begun = || held.begun.load(Ordering::SeqCst);
-        let wait = std::time::Duration::from_secs(10);
-        tokio::time::timeout(wait, async {
-            while begun() < 1 {
-                tokio::task::yield_now().await;
-            }
-        })
-        .await
-        .expect("the first reader begins");
+        held.until_begun(1, "the first reader begins").await;
         for _ in 0..100 {
             tokio::task::yield_now().await;
         }
-        assert_eq!(begun(), 1, "a second reader took the kept turn");
+        assert_eq!(held.begun(), 1, "a second reader took the kept turn");
         calls.spawn(service.call(as_role(Role::Admin, validate)));
         for _ in 0..100 {
             tokio::task::yield_now().await;
         }
-        assert_eq!(begun(), 1, "an admin's Validate took the kept turn");
+        assert_eq!(held.begun(), 1, "an admin's Validate took the kept turn");
         calls.spawn(service.call(as_role(Role::Admin, APPLY)));
-        tokio::time::timeout(wait, async {
-            while begun() < 2 {
-                tokio::task::yield_now().await;
-            }
-        })
-        .await
-        .expect("the admin's call waited behind the readers");
+        held.until_begun(2, "the admin's call waited behind the readers")
+            .await;
         held.release.notify_waiters();
         held.release.notify_one();
     }
@@ -506,36 +494,21 @@ mod tests {
     /// one, to be refused by its length.
     #[tokio::test]
     async fn a_call_takes_its_turn_only_once_its_message_has_come() {
-        let held = Held {
-            begun: Arc::new(AtomicUsize::new(0)),
-            release: Arc::new(Notify::new()),
-        };
+        let held = Held::default();
         let mut service = DecodeTurns::with_turns(held.clone(), 4, 1);
         let mut calls = tokio::task::JoinSet::new();
         calls.spawn(service.call(validate(Body::new(Never))));
         calls.spawn(service.call(validate(Body::new(http_body_util::Full::new(
             Bytes::from_static(b"12345"),
         )))));
-        let begun = || held.begun.load(Ordering::SeqCst);
-        let wait = std::time::Duration::from_secs(10);
-        tokio::time::timeout(wait, async {
-            while begun() < 1 {
-                tokio::task::yield_now().await;
-            }
-        })
-        .await
-        .expect("the call whose message came begins with the turn");
+        held.until_begun(1, "the call whose message came begins with the turn")
+            .await;
         // The only turn is held: a message past the limit (4 + 5 bytes) still goes on.
         calls.spawn(service.call(validate(Body::new(http_body_util::Full::new(
             Bytes::from_static(b"0123456789"),
         )))));
-        tokio::time::timeout(wait, async {
-            while begun() < 2 {
-                tokio::task::yield_now().await;
-            }
-        })
-        .await
-        .expect("a message past the limit is handed on without a turn");
+        held.until_begun(2, "a message past the limit is handed on without a turn")
+            .await;
     }
 
     /// A body longer than one message whose first message fits (a second frame announced
@@ -543,10 +516,7 @@ mod tests {
     /// is ended, holding nothing.
     #[tokio::test(start_paused = true)]
     async fn a_padded_or_late_message_is_refused_before_it_is_decoded() {
-        let held = Held {
-            begun: Arc::new(AtomicUsize::new(0)),
-            release: Arc::new(Notify::new()),
-        };
+        let held = Held::default();
         let mut service = DecodeTurns::with_turns(held.clone(), 8, 1);
         // A 3-byte message, then the header of a 1 MiB frame (and a little of it).
         let mut padded = vec![0, 0, 0, 0, 3, b'a', b'b', b'c'];
@@ -570,7 +540,7 @@ mod tests {
             "{answer:?}"
         );
         assert_eq!(began.elapsed(), READ_AHEAD_WAIT);
-        assert_eq!(held.begun.load(Ordering::SeqCst), 0, "nothing was decoded");
+        assert_eq!(held.begun(), 0, "nothing was decoded");
         assert_eq!(
             service.budget.available_permits(),
             READ_AHEAD_BYTES + service.read_ahead.min(READ_AHEAD_BYTES)
@@ -584,15 +554,7 @@ mod tests {
             tokio_stream::iter(frames),
         ))));
         tokio::spawn(call);
-        // Sleeps, not yields: under the paused clock a loop that only yields never lets the
-        // bound pass.
-        tokio::time::timeout(std::time::Duration::from_secs(10), async {
-            while held.begun.load(Ordering::SeqCst) < 1 {
-                tokio::time::sleep(std::time::Duration::from_millis(1)).await;
-            }
-        })
-        .await
-        .expect("handed on");
+        held.until_begun(1, "handed on").await;
     }
 
     /// A body that goes on past the message its header announces is refused once it has:
@@ -600,10 +562,7 @@ mod tests {
     /// A message whose body then breaks off is decoded with a turn, as one that ends.
     #[tokio::test(start_paused = true)]
     async fn a_body_past_its_message_is_refused_there_and_one_that_breaks_off_waits_its_turn() {
-        let held = Held {
-            begun: Arc::new(AtomicUsize::new(0)),
-            release: Arc::new(Notify::new()),
-        };
+        let held = Held::default();
         let mut service = DecodeTurns::with_turns(held.clone(), 1 << 20, 1);
         let frames: Vec<Result<Frame<Bytes>, Status>> = vec![
             Ok(Frame::data(Bytes::from_static(&[0, 0, 0, 0, 0]))),
@@ -624,7 +583,7 @@ mod tests {
             "{answer:?}"
         );
         assert!(began.elapsed() < READ_AHEAD_WAIT, "{:?}", began.elapsed());
-        assert_eq!(held.begun.load(Ordering::SeqCst), 0);
+        assert_eq!(held.begun(), 0);
         // One call holds the only turn; a message whose body then breaks off waits for it.
         let whole = || {
             validate(Body::new(http_body_util::Full::new(Bytes::from_static(&[
@@ -632,15 +591,7 @@ mod tests {
             ]))))
         };
         tokio::spawn(service.call(whole()));
-        let begun = || held.begun.load(Ordering::SeqCst);
-        let wait = std::time::Duration::from_secs(10);
-        tokio::time::timeout(wait, async {
-            while begun() < 1 {
-                tokio::time::sleep(std::time::Duration::from_millis(1)).await;
-            }
-        })
-        .await
-        .expect("the first call begins");
+        held.until_begun(1, "the first call begins").await;
         let frames: Vec<Result<Frame<Bytes>, Status>> = vec![
             Ok(Frame::data(Bytes::from_static(&[
                 0, 0, 0, 0, 3, b'a', b'b', b'c',
@@ -653,15 +604,9 @@ mod tests {
             )))),
         );
         tokio::time::sleep(std::time::Duration::from_secs(1)).await;
-        assert_eq!(begun(), 1, "began without a turn");
+        assert_eq!(held.begun(), 1, "began without a turn");
         held.release.notify_one();
-        tokio::time::timeout(wait, async {
-            while begun() < 2 {
-                tokio::time::sleep(std::time::Duration::from_millis(1)).await;
-            }
-        })
-        .await
-        .expect("it begins once the turn is free");
+        held.until_begun(2, "it begins once the turn is free").await;
         held.release.notify_one();
     }
 
