@@ -481,8 +481,8 @@ pub(crate) fn decode_for_test(bytes: &[u8]) -> Result<(), ()> {
 /// Why a cache file whose snapshot [`judge`] refused is not used; `problem` makes the
 /// [`Unusable`] of a file that may or may not be ours. Policies the validator refuses are
 /// ours whatever the header: no other program writes a snapshot whose hash matches.
-fn refused(refused: Refused, problem: fn(String) -> Unusable) -> Unusable {
-    match refused {
+fn refused(why: Refused, problem: fn(String) -> Unusable) -> Unusable {
+    match why {
         Refused::TooMany(too_many) => problem(too_many.message),
         Refused::NoPolicies => problem("the snapshot holds no policies".to_owned()),
         // Either cause reads the same here: the agent decodes no field it does not know, so

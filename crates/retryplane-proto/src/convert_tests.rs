@@ -795,3 +795,37 @@ fn a_document_past_what_a_file_can_hold_is_found_before_it_is_converted() {
     // The conversion itself reads it (a version stored before the limit).
     assert!(PolicyDocument::try_from(past).is_ok());
 }
+
+/// A policy file never holds more than `check_items` allows, so the control plane counts only
+/// typed documents: the file's reader bounds its nodes by the same number, the nodes an alias
+/// repeats included (each item is at least one node: an endpoint or route is a key and its
+/// value, a list entry one scalar). A list repeated by an alias toward the limit is refused by
+/// the reader; one just within it loads and passes.
+#[test]
+fn a_policy_file_never_holds_more_than_check_items_allows() {
+    let file = |repeated: usize, own: usize| {
+        let list = |n: usize| vec!["503"; n].join(",");
+        format!(
+            "version: 1\nendpoints:\n  a: {{retry_on: {{http_status: &codes [{}]}}}}\n  \
+             b: {{retry_on: {{http_status: *codes}}}}\n  c: {{retry_on: {{http_status: [{}]}}}}\n",
+            list(repeated),
+            list(own)
+        )
+    };
+    // Within the reader's count of events (about 199,000), past MAX_ITEMS once the alias is
+    // replayed (218,006 items): refused by the reader, for its nodes.
+    let refused = retryplane_policy::load(file(19_000, 180_000).as_bytes());
+    assert!(refused.policies.is_none());
+    assert!(
+        refused.diagnostics[0].message.contains("YAML nodes"),
+        "{:?}",
+        refused.diagnostics[0]
+    );
+    let loaded = retryplane_policy::load(file(19_000, 160_000).as_bytes());
+    let Some(policies) = loaded.policies else {
+        panic!("{:?}", loaded.diagnostics.first());
+    };
+    let document = pb::PolicyDocument::from(policies.document().as_ref());
+    assert_eq!(items(&document), 6 + 2 * 19_000 + 160_000);
+    assert!(check_items(&document).is_ok());
+}

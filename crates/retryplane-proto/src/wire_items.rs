@@ -4,7 +4,7 @@
 //! decoded: a 4 MiB request decoded to about 880 MB before
 //! [`check_items`](crate::convert::check_items) could refuse it. Counted here, such a request
 //! has its policy cut out before the decode ([`without_source`]), and the call is refused with
-//! the same error where `check_items` refuses it; an agent's cache file that holds such a
+//! the error `check_items` gives a decoded one; an agent's cache file that holds such a
 //! snapshot is refused before its decode ([`snapshot_items_at_least`]).
 //!
 //! Written by hand: prost decodes whole messages only, and this reads the tags down to the

@@ -122,7 +122,8 @@ impl AdminApi {
         let author = author(&request);
         let too_many = too_many_on_the_wire(&request);
         let req = request.into_inner();
-        // Refused as `document_of` refuses a decoded document that size.
+        // Refused with the words `ControlPlane::apply` refuses a decoded document that size
+        // with (`ChangeError::TooManyItems`), and counted here, as invalid YAML is.
         let content = match too_many {
             Some(too_many) => Err(Status::invalid_argument(diagnostic_lines(&[too_many]))),
             None => document_of(source_kind(req.source)?).await,
@@ -130,7 +131,8 @@ impl AdminApi {
         let content = match content {
             Ok(content) => content,
             Err(invalid) => {
-                // Invalid YAML never reaches the control plane, which counts the other refusals.
+                // Invalid YAML and a document refused on the wire never reach the control
+                // plane, which counts the other refusals.
                 if !req.dry_run && invalid.code() == tonic::Code::InvalidArgument {
                     self.control.metrics.rejected_changes.inc();
                 }

@@ -215,20 +215,20 @@ struct TokenPending {
 
 impl TokenPending {
     /// A place among the streams of the token whose secret has `digest`, unless `bound`'s
-    /// number of them already wait: then the refusal to answer. A token with no bound is
+    /// number of them already wait: then `bound`, for the refusal. A token with no bound is
     /// counted all the same, so that a reload that adds an agent token finds the streams
     /// already waiting counted.
     fn take(
         counts: &Arc<Mutex<HashMap<[u8; 32], usize>>>,
         digest: [u8; 32],
         bound: Option<(usize, PlacesBy)>,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, (usize, PlacesBy)> {
         let mut map = counts.lock().unwrap_or_else(PoisonError::into_inner);
         let count = map.entry(digest).or_default();
-        if let Some((places, by)) = bound
+        if let Some(full @ (places, _)) = bound
             && *count >= places
         {
-            return Err(by.refusal(places));
+            return Err(full);
         }
         *count += 1;
         Ok(Self {
@@ -399,10 +399,12 @@ impl AgentStreamService {
         };
         let _token_pending = match token_places {
             Some((digest, bound)) => Some(
-                TokenPending::take(&self.pending_by_token, digest, bound).map_err(|refusal| {
-                    self.ctx.metrics.streams_refused.inc();
-                    Status::resource_exhausted(refusal)
-                })?,
+                TokenPending::take(&self.pending_by_token, digest, bound).map_err(
+                    |(places, by)| {
+                        self.ctx.metrics.streams_refused.inc();
+                        Status::resource_exhausted(by.refusal(places))
+                    },
+                )?,
             ),
             None => None,
         };

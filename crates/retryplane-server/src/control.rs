@@ -259,6 +259,19 @@ impl std::fmt::Debug for ControlPlane {
     }
 }
 
+/// [`ChangeError::TooManyItems`] for a typed document that holds more than a policy file can:
+/// counted on its lists, allocating nothing, before the change waits for its turn. A loaded
+/// file never does: its reader bounds its nodes, those aliases repeat included, by the same
+/// number (pinned by `retryplane_proto`'s tests).
+fn too_many_items(content: &ChangeContent) -> Result<(), ChangeError> {
+    match content {
+        ChangeContent::Document(document) => {
+            convert::check_items(document).map_err(ChangeError::TooManyItems)
+        }
+        ChangeContent::Loaded { .. } => Ok(()),
+    }
+}
+
 /// [`ChangeError::TooLarge`] when a snapshot of `document` could be a message longer than an
 /// agent decodes ([`retryplane_proto::MAX_MESSAGE_BYTES`]): what Apply refuses first, and
 /// Validate reports as an error. Whatever this control plane's nonce or metrics interval, as
@@ -360,14 +373,21 @@ impl ControlPlane {
     /// store write and the publish both finish (see the module docs).
     pub async fn apply(&self, req: ChangeRequest) -> Result<ChangeOutcome, ChangeError> {
         let dry_run = req.dry_run;
-        // A dry run stores nothing, so it does not wait for (or hold up) the changes being
-        // committed: it is checked against the version current when it reads the store.
-        let one_at_a_time = if dry_run {
-            None
-        } else {
-            Some(self.changes.clone().lock_owned().await)
+        let result = match too_many_items(&req.content) {
+            // Refused before it waits for the changes being committed: it can never be made.
+            Err(too_many) => Err(too_many),
+            Ok(()) => {
+                // A dry run stores nothing, so it does not wait for (or hold up) the changes
+                // being committed: it is checked against the version current when it reads
+                // the store.
+                let one_at_a_time = if dry_run {
+                    None
+                } else {
+                    Some(self.changes.clone().lock_owned().await)
+                };
+                self.apply_locked(req, one_at_a_time).await
+            }
         };
-        let result = self.apply_locked(req, one_at_a_time).await;
         if !dry_run
             && matches!(
                 result,
@@ -416,17 +436,15 @@ impl ControlPlane {
                 // What is stored is the wire form of what was checked and diffed: a loaded file
                 // is converted here, never handed in beside its policies.
                 let (document, loaded) = match content {
+                    // Counted before the lock was taken (`too_many_items`).
                     ChangeContent::Document(document) => (*document, None),
                     ChangeContent::Loaded { policies, warnings } => (
                         pb::PolicyDocument::from(policies.document().as_ref()),
                         Some((policies, warnings)),
                     ),
                 };
-                // Before anything else: a snapshot no agent runs is never stored, whatever else
-                // the change holds. Counted first: a document of bare endpoints within the size
-                // limit takes hundreds of megabytes to validate. (A loaded file never holds too
-                // many; counting it costs a walk of its lists.)
-                convert::check_items(&document).map_err(ChangeError::TooManyItems)?;
+                // Before anything else: a snapshot no agent can decode is never stored, whatever
+                // else the change holds.
                 check_size(&document)?;
                 let content_hash = convert::content_hash(&document);
                 // One conversion and one validation: the compiled set keeps its document. A

@@ -412,6 +412,39 @@ async fn a_change_holding_more_than_a_policy_file_can_is_refused_before_anything
     assert_eq!(store.reads.load(Ordering::SeqCst), 0, "the store was read");
 }
 
+/// A change over the item limit is refused while another change holds the change lock (its
+/// store write and publish): it does not wait for a turn it could never use. (Under the paused
+/// clock a change that waited would let the bound pass at once.)
+#[tokio::test(start_paused = true)]
+async fn a_change_over_the_item_limit_does_not_wait_for_the_change_lock() {
+    let store = Arc::new(BrokenStore {
+        reads: std::sync::atomic::AtomicUsize::new(0),
+    });
+    let control = Arc::new(ControlPlane::for_tests(store, Mode::Api));
+    let _held = control.changes.clone().lock_owned().await;
+    let large = pb::PolicyDocument {
+        defaults: None,
+        endpoints: (0..=retryplane_proto::convert::MAX_ITEMS / 2)
+            .map(|i| pb::Endpoint {
+                name: format!("e{i}"),
+                ..Default::default()
+            })
+            .collect(),
+    };
+    let refused = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        control.apply(change(large)),
+    )
+    .await
+    .expect("the change waited for the lock")
+    .unwrap_err();
+    assert!(
+        matches!(&refused, ChangeError::TooManyItems(_)),
+        "{refused:?}"
+    );
+    assert_eq!(control.metrics.rejected_changes.get(), 1);
+}
+
 #[test]
 fn a_store_failure_keeps_the_disks_error_for_logs_and_start_up_errors() {
     let disk = std::io::Error::new(std::io::ErrorKind::StorageFull, "No space left on device");

@@ -67,8 +67,8 @@ pub const READ_AHEAD_WAIT: std::time::Duration = std::time::Duration::from_secs(
 /// A request extension: the call's message held this many items ([`MAX_ITEMS`]'s count, of
 /// its endpoints and routes) on the wire, more than a policy file can hold, and its `source`
 /// was cut out before the decode. The admin service answers it with
-/// [`too_many_items`](retryplane_proto::convert::too_many_items) where it checks a decoded
-/// document's size.
+/// [`too_many_items`](retryplane_proto::convert::too_many_items), the error a decoded document
+/// of that size gets (from Validate's check, or from `ControlPlane::apply`'s).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TooManyItems(pub usize);
 
@@ -402,7 +402,7 @@ mod tests {
 
     /// Past its turns, a Validate or Apply call is not begun (its message not decoded) until one
     /// ends; other calls are not held.
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn calls_that_carry_a_policy_begin_only_with_a_turn() {
         let held = Held::default();
         let mut service = DecodeTurns::with_turns(held.clone(), 1024, 2);
@@ -434,7 +434,7 @@ mod tests {
     /// With the shared decode turns held by a read-only token's calls, the next of them waits,
     /// and so does an admin's Validate (a check only); an admin's Apply takes the turn kept for
     /// callers who may change the policies.
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn an_admins_call_takes_the_kept_turn_when_readers_hold_the_others() {
         use crate::auth::Role;
         let held = Held::default();
@@ -492,7 +492,7 @@ mod tests {
     /// A call whose message never finishes coming holds no turn (a client that sends slowly
     /// kept every Validate and Apply waiting); one longer than the limit is handed on without
     /// one, to be refused by its length.
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn a_call_takes_its_turn_only_once_its_message_has_come() {
         let held = Held::default();
         let mut service = DecodeTurns::with_turns(held.clone(), 4, 1);

@@ -35,9 +35,10 @@ pub struct ServerMetrics {
     /// first). The version reaches the agents from that instant; `time() -` it is how long it
     /// has been served.
     pub last_publish_seconds: Gauge<f64, AtomicU64>,
-    /// Policy changes refused: invalid file saves, invalid applies (YAML or typed documents)
-    /// and applies or rollbacks that remove every endpoint without force. Dry runs
-    /// (`retryplane diff`) are not counted.
+    /// Policy changes refused: invalid file saves, invalid applies (YAML or typed documents),
+    /// applies and rollbacks of policies larger than the agents take (more items than a policy
+    /// file holds, or a snapshot past the message limit), and applies or rollbacks that remove
+    /// every endpoint without force. Dry runs (`retryplane diff`) are not counted.
     pub rejected_changes: Counter,
     /// The version store's file length, in bytes: set at start and after each store call of a
     /// change, stored or not (0 for a store kept in memory). Every version is kept, so it grows

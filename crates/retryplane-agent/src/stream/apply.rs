@@ -284,6 +284,29 @@ mod tests {
         assert!(h.cache.is_none());
         assert_eq!(agent.policies().version(), 0);
         assert!(crate::cache::decode_for_test(&cached).is_err());
+        // Past the limit in list entries alone (not counted on the wire), with a hash that
+        // does not match: "too large", as its cache file would be, whatever the hash.
+        let mut listed = snapshot(8, "version: 1\nendpoints:\n  a: {}\n");
+        if let Some(doc) = listed.policies.as_mut() {
+            doc.endpoints[0].overlay = Some(pb::Overlay {
+                retry_on: Some(pb::RetryOn {
+                    http_status: Some(pb::StatusList {
+                        codes: vec![503; convert::MAX_ITEMS - 1],
+                    }),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            });
+        }
+        listed.content_hash = "0".repeat(64);
+        let cached = crate::cache::encode(&listed);
+        assert!(too_many_on_the_wire(&ServerMessage::with_snapshot(&listed)).is_none());
+        let h = apply(agent.shared(), listed, Duration::from_secs(10), |_| {});
+        match &h.reply {
+            Kind::Nack(n) => assert!(n.error.contains("too large"), "{}", n.error),
+            other => panic!("expected a NACK, got {other:?}"),
+        }
+        assert!(crate::cache::decode_for_test(&cached).is_err());
     }
 
     #[tokio::test(start_paused = true)]
