@@ -939,12 +939,49 @@ fn loose_mode(mode: u32) -> Option<&'static str> {
     }
 }
 
+/// What is wrong with where a tokens file is, if anything, as OpenSSH's `StrictModes` judges
+/// a key file's place: owned by `file_owner`, a user other than `server_user` (the control
+/// plane's own) and root (its owner may change it, mode and all); or in a directory of mode
+/// `dir_mode` that its group or every user may write without the sticky bit (they may put
+/// another file in its place, whatever the file's own mode).
+fn loose_place(file_owner: u32, server_user: u32, dir_mode: Option<u32>) -> Option<String> {
+    if file_owner != server_user && file_owner != 0 {
+        return Some(format!(
+            "the tokens file is owned by user {file_owner}, not by the user the control plane \
+             runs as ({server_user}) or root, and its owner can give themselves an admin token \
+             at the next reload; chown it to the control plane's user"
+        ));
+    }
+    match dir_mode {
+        Some(mode) if mode & 0o022 != 0 && mode & 0o1000 == 0 => Some(
+            "the directory holding the tokens file may be written by users other than its \
+             owner (its group or every user), who can put another tokens file in its place \
+             before the next reload; keep it in a directory only its owner may write (or one \
+             with the sticky bit, as /tmp)"
+                .to_owned(),
+        ),
+        _ => None,
+    }
+}
+
 #[cfg(unix)]
 fn warn_if_loose(path: &Path, file: &std::fs::File) {
-    use std::os::unix::fs::PermissionsExt as _;
-    if let Ok(meta) = file.metadata()
-        && let Some(why) = loose_mode(meta.permissions().mode())
-    {
+    use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
+    let Ok(meta) = file.metadata() else {
+        return;
+    };
+    if let Some(why) = loose_mode(meta.permissions().mode()) {
+        tracing::warn!(file = %path.display(), "{why}");
+    }
+    // The directory the path names it in (a symbolic link's, for a mounted secret's
+    // `..data` link): where a reload reads the path again.
+    let dir = match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    };
+    let dir_mode = std::fs::metadata(dir).ok().map(|d| d.permissions().mode());
+    let server_user = rustix::process::geteuid().as_raw();
+    if let Some(why) = loose_place(meta.uid(), server_user, dir_mode) {
         tracing::warn!(file = %path.display(), "{why}");
     }
 }

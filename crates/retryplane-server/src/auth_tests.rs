@@ -768,6 +768,34 @@ fn a_call_on_a_connection_closed_for_room_is_not_run() {
     }
 }
 
+/// A tokens file owned by another user than the control plane's and root, or in a directory
+/// others may write without the sticky bit, is warned of; one of its own or root's, in a
+/// directory only its owner writes (or a sticky one), is not.
+#[test]
+fn a_tokens_file_another_user_owns_or_others_may_replace_is_warned_of() {
+    for (owner, dir) in [
+        (1000, Some(0o700)),
+        (0, Some(0o755)),
+        (1000, Some(0o1777)),
+        (1000, Some(0o1770)),
+        (1000, None),
+    ] {
+        assert_eq!(loose_place(owner, 1000, dir), None, "{owner} {dir:?}");
+    }
+    let why = loose_place(1001, 1000, Some(0o700)).unwrap_or_default();
+    assert!(
+        why.contains("owned by user 1001, not by the user the control plane runs as (1000)"),
+        "{why}"
+    );
+    for dir in [0o775, 0o757, 0o777, 0o770] {
+        let why = loose_place(1000, 1000, Some(dir)).unwrap_or_default();
+        assert!(
+            why.contains("put another tokens file in its place"),
+            "{dir:o}: {why}"
+        );
+    }
+}
+
 /// A tokens file its group or every user may write is warned of as one that lets them give
 /// themselves a token, before being readable by every user; one its group may read is not.
 #[test]
