@@ -34,9 +34,32 @@ pub struct ServerProcess {
 impl ServerProcess {
     /// Starts `bin serve --api` seeded with `seed_yaml` and waits until it is ready.
     pub async fn start(bin: &Path, seed_yaml: &str) -> anyhow::Result<Self> {
+        Self::start_with_tokens(bin, seed_yaml, None).await
+    }
+
+    /// [`ServerProcess::start`], with the tokens file `tokens_yaml` (`--tokens`) when given.
+    pub async fn start_with_tokens(
+        bin: &Path,
+        seed_yaml: &str,
+        tokens_yaml: Option<&str>,
+    ) -> anyhow::Result<Self> {
         let dir = tempfile::tempdir().context("cannot create a temp dir for the server")?;
         std::fs::write(dir.path().join("policies.yaml"), seed_yaml)
             .context("cannot write the seed policy file")?;
+        let mut tokens_args = Vec::new();
+        if let Some(tokens) = tokens_yaml {
+            use std::io::Write as _;
+            use std::os::unix::fs::OpenOptionsExt as _;
+            let mut file = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(dir.path().join("tokens.yaml"))
+                .context("cannot create the tokens file")?;
+            file.write_all(tokens.as_bytes())
+                .context("cannot write the tokens file")?;
+            tokens_args = vec!["--tokens", "tokens.yaml"];
+        }
         let stderr_file = dir.path().join("server.log");
         let stderr = std::fs::File::create(&stderr_file).context("cannot create the server log")?;
         let mut child = Command::new(bin)
@@ -51,6 +74,7 @@ impl ServerProcess {
             ])
             .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
             .args(["--http-listen", "127.0.0.1:0"])
+            .args(&tokens_args)
             // Per-agent connect lines at `info` would cost the server time during the set-up.
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
