@@ -939,29 +939,54 @@ fn loose_mode(mode: u32) -> Option<&'static str> {
     }
 }
 
-/// What is wrong with where a tokens file is, if anything, as OpenSSH's `StrictModes` judges
-/// a key file's place: owned by `file_owner`, a user other than `server_user` (the control
-/// plane's own) and root (its owner may change it, mode and all); or in a directory of mode
-/// `dir_mode` that its group or every user may write without the sticky bit (they may put
-/// another file in its place, whatever the file's own mode).
-fn loose_place(file_owner: u32, server_user: u32, dir_mode: Option<u32>) -> Option<String> {
-    if file_owner != server_user && file_owner != 0 {
-        return Some(format!(
+/// A directory a reload reads the tokens file through, as [`loose_place`] judges it.
+#[derive(Debug)]
+struct DirSeen {
+    /// Its path, for the warning.
+    path: PathBuf,
+    /// Its owner's user id.
+    owner: u32,
+    /// Its permission bits (with the sticky bit).
+    mode: u32,
+}
+
+/// What is wrong with where a tokens file is, if anything: some of the checks OpenSSH's
+/// `StrictModes` makes of a key file. The file owned by `file_owner`, a user other than
+/// `server_user` (the control plane's own) and root: its owner may change it, mode and all. A
+/// directory of `dirs` (the path's own, and the one a symbolic link resolves to) owned by such
+/// a user, or that its group or every user may write without the sticky bit: they may put
+/// another file in its place. A sticky directory is let be (a Kubernetes secret volume's root
+/// is `drwxrwxrwt`); directories above these are not looked at.
+fn loose_place(file_owner: u32, server_user: u32, dirs: &[DirSeen]) -> Vec<String> {
+    let trusted = |user: u32| user == server_user || user == 0;
+    let mut found = Vec::new();
+    if !trusted(file_owner) {
+        found.push(format!(
             "the tokens file is owned by user {file_owner}, not by the user the control plane \
              runs as ({server_user}) or root, and its owner can give themselves an admin token \
              at the next reload; chown it to the control plane's user"
         ));
     }
-    match dir_mode {
-        Some(mode) if mode & 0o022 != 0 && mode & 0o1000 == 0 => Some(
-            "the directory holding the tokens file may be written by users other than its \
-             owner (its group or every user), who can put another tokens file in its place \
-             before the next reload; keep it in a directory only its owner may write (or one \
-             with the sticky bit, as /tmp)"
-                .to_owned(),
-        ),
-        _ => None,
+    for dir in dirs {
+        let shown = dir.path.display();
+        if !trusted(dir.owner) {
+            found.push(format!(
+                "the directory {shown} holding the tokens file is owned by user {}, not by the \
+                 user the control plane runs as ({server_user}) or root, who can put another \
+                 tokens file in its place before the next reload; keep it in a directory of \
+                 the control plane's user or root",
+                dir.owner
+            ));
+        } else if dir.mode & 0o022 != 0 && dir.mode & 0o1000 == 0 {
+            found.push(format!(
+                "the directory {shown} holding the tokens file may be written by users other \
+                 than its owner (its group or every user), who can put another tokens file in \
+                 its place before the next reload; keep it in a directory only its owner may \
+                 write (or one with the sticky bit, as /tmp)"
+            ));
+        }
     }
+    found
 }
 
 #[cfg(unix)]
@@ -973,15 +998,40 @@ fn warn_if_loose(path: &Path, file: &std::fs::File) {
     if let Some(why) = loose_mode(meta.permissions().mode()) {
         tracing::warn!(file = %path.display(), "{why}");
     }
-    // The directory the path names it in (a symbolic link's, for a mounted secret's
-    // `..data` link): where a reload reads the path again.
-    let dir = match path.parent() {
-        Some(dir) if !dir.as_os_str().is_empty() => dir,
-        _ => Path::new("."),
+    // On a read-only file system (a container's bind mount or secret) nobody here can change
+    // the file or its directory, and its owner is a user of the host.
+    let read_only = rustix::fs::fstatvfs(file)
+        .is_ok_and(|fs| fs.f_flag.contains(rustix::fs::StatVfsMountFlags::RDONLY));
+    if read_only {
+        return;
+    }
+    // The directory the path names it in, and the one it resolves to (a mounted secret's
+    // `..data` link, say): a reload reads the path again through both.
+    let own = match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir.to_owned(),
+        _ => PathBuf::from("."),
     };
-    let dir_mode = std::fs::metadata(dir).ok().map(|d| d.permissions().mode());
+    let resolved = std::fs::canonicalize(path)
+        .ok()
+        .and_then(|p| p.parent().map(Path::to_owned));
+    let mut dirs: Vec<(u64, u64, DirSeen)> = Vec::new();
+    for dir in std::iter::once(own).chain(resolved) {
+        if let Ok(d) = std::fs::metadata(&dir)
+            && !dirs
+                .iter()
+                .any(|(dev, ino, _)| (*dev, *ino) == (d.dev(), d.ino()))
+        {
+            let seen = DirSeen {
+                path: dir,
+                owner: d.uid(),
+                mode: d.permissions().mode(),
+            };
+            dirs.push((d.dev(), d.ino(), seen));
+        }
+    }
+    let dirs: Vec<DirSeen> = dirs.into_iter().map(|(_, _, d)| d).collect();
     let server_user = rustix::process::geteuid().as_raw();
-    if let Some(why) = loose_place(meta.uid(), server_user, dir_mode) {
+    for why in loose_place(meta.uid(), server_user, &dirs) {
         tracing::warn!(file = %path.display(), "{why}");
     }
 }

@@ -768,32 +768,85 @@ fn a_call_on_a_connection_closed_for_room_is_not_run() {
     }
 }
 
-/// A tokens file owned by another user than the control plane's and root, or in a directory
-/// others may write without the sticky bit, is warned of; one of its own or root's, in a
-/// directory only its owner writes (or a sticky one), is not.
+/// A tokens file owned by another user than the control plane's and root, or read through a
+/// directory such a user owns or others may write without the sticky bit, is warned of, each
+/// problem in its own line; one of its own or root's, in directories only their owners write
+/// (or sticky ones), is not.
 #[test]
 fn a_tokens_file_another_user_owns_or_others_may_replace_is_warned_of() {
-    for (owner, dir) in [
-        (1000, Some(0o700)),
-        (0, Some(0o755)),
-        (1000, Some(0o1777)),
-        (1000, Some(0o1770)),
-        (1000, None),
+    let dir = |owner: u32, mode: u32| DirSeen {
+        path: PathBuf::from("/etc/retryplane"),
+        owner,
+        mode,
+    };
+    for (owner, dirs) in [
+        (1000, vec![dir(1000, 0o700)]),
+        (0, vec![dir(0, 0o755), dir(1000, 0o750)]),
+        (1000, vec![dir(0, 0o1777)]),
+        (1000, vec![dir(1000, 0o1770)]),
+        (1000, vec![]),
     ] {
-        assert_eq!(loose_place(owner, 1000, dir), None, "{owner} {dir:?}");
-    }
-    let why = loose_place(1001, 1000, Some(0o700)).unwrap_or_default();
-    assert!(
-        why.contains("owned by user 1001, not by the user the control plane runs as (1000)"),
-        "{why}"
-    );
-    for dir in [0o775, 0o757, 0o777, 0o770] {
-        let why = loose_place(1000, 1000, Some(dir)).unwrap_or_default();
-        assert!(
-            why.contains("put another tokens file in its place"),
-            "{dir:o}: {why}"
+        assert_eq!(
+            loose_place(owner, 1000, &dirs),
+            Vec::<String>::new(),
+            "{owner} {dirs:?}"
         );
     }
+    let found = loose_place(1001, 1000, &[dir(1002, 0o755), dir(1000, 0o777)]);
+    assert_eq!(found.len(), 3, "{found:?}");
+    assert!(
+        found[0].contains("owned by user 1001, not by the user the control plane runs as (1000)"),
+        "{found:?}"
+    );
+    assert!(
+        found[1].contains(
+            "the directory /etc/retryplane holding the tokens file is owned by user 1002"
+        ),
+        "{found:?}"
+    );
+    assert!(
+        found[2].contains("put another tokens file in its place"),
+        "{found:?}"
+    );
+    for mode in [0o775, 0o757, 0o777, 0o770] {
+        let found = loose_place(1000, 1000, &[dir(1000, mode)]);
+        assert!(
+            found.len() == 1 && found[0].contains("may be written by users other than its owner"),
+            "{mode:o}: {found:?}"
+        );
+    }
+}
+
+/// The directories a tokens file is read through are the path's own and the one a symbolic
+/// link to it resolves to: a link's target in a directory others may write is warned of.
+#[cfg(unix)]
+#[test]
+fn a_tokens_file_linked_from_a_safe_directory_into_a_writable_one_is_warned_of() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let (log, _guard) = crate::test_logs::capture("retryplane_server=warn");
+    let root = tempfile::tempdir().unwrap();
+    let safe = root.path().join("safe");
+    let open = root.path().join("open");
+    std::fs::create_dir(&safe).unwrap();
+    std::fs::create_dir(&open).unwrap();
+    std::fs::set_permissions(&safe, std::fs::Permissions::from_mode(0o700)).unwrap();
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let target = open.join("tokens.yaml");
+    std::fs::write(&target, "tokens: []\n").unwrap();
+    std::fs::set_permissions(&target, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let link = safe.join("tokens.yaml");
+    std::os::unix::fs::symlink(&target, &link).unwrap();
+    let file = std::fs::File::open(&link).unwrap();
+    warn_if_loose(&link, &file);
+    let logged = log.text();
+    assert!(
+        logged.contains(&format!(
+            "the directory {} holding the tokens file may be written",
+            open.canonicalize().unwrap().display()
+        )),
+        "{logged}"
+    );
+    assert_eq!(logged.matches("the directory ").count(), 1, "{logged}");
 }
 
 /// A tokens file its group or every user may write is warned of as one that lets them give
