@@ -192,15 +192,21 @@ enum PlacesBy {
 impl PlacesBy {
     /// The refusal of a stream past `places` of its token's streams waiting.
     fn refusal(self, places: usize) -> String {
+        let waiting = if places == 1 {
+            "1 stream of this token already waits".to_owned()
+        } else {
+            format!("{places} streams of this token already wait")
+        };
         match self {
             PlacesBy::MaxAgents(limit) => format!(
-                "{places} streams of this token already wait to send Hello, twice its \
-                 `max_agents` ({limit}) in the control plane's tokens file; retry later"
+                "{waiting} to send Hello, twice its `max_agents` ({limit}) in the control \
+                 plane's tokens file; retry later"
             ),
             PlacesBy::Share(all) => format!(
-                "{places} streams of this token already wait to send Hello, its share of the \
-                 control plane's {all} places (`--max-pending-handshakes`: a quarter is kept \
-                 for other tokens' agents); retry later"
+                "{waiting} to send Hello, its share of the control plane's {all} place{} \
+                 (`--max-pending-handshakes`: a quarter is kept for other tokens' agents); \
+                 retry later",
+                if all == 1 { "" } else { "s" }
             ),
         }
     }
@@ -369,10 +375,14 @@ impl AgentStreamService {
         // cannot pile up; a registered stream counts against the agent limit instead.
         let Ok(permit) = self.handshakes.clone().try_acquire_owned() else {
             self.ctx.metrics.streams_refused.inc();
-            return Err(Status::resource_exhausted(format!(
-                "{} streams are already waiting to send Hello; retry later",
-                limits.max_pending_handshakes
-            )));
+            return Err(Status::resource_exhausted(
+                match limits.max_pending_handshakes {
+                    1 => "1 stream is already waiting to send Hello; retry later".to_owned(),
+                    places => {
+                        format!("{places} streams are already waiting to send Hello; retry later")
+                    }
+                },
+            ));
         };
         let _handshake = AwaitingHello::new(permit, &self.ctx.metrics.streams_awaiting_hello);
         // A token that may connect only so many agents holds no more than twice as many
@@ -1308,6 +1318,27 @@ mod tests {
         for (all, share) in [(1, 1), (2, 1), (3, 2), (4, 3), (5, 3), (8, 6), (1024, 768)] {
             assert_eq!(token_share(all), share, "{all}");
         }
+    }
+
+    /// At the smallest limits the refusals still read as English: "1 stream … waits".
+    #[test]
+    fn a_refusal_at_one_place_says_one_stream() {
+        let one = PlacesBy::Share(1).refusal(1);
+        assert!(
+            one.starts_with("1 stream of this token already waits to send Hello")
+                && one.contains("control plane's 1 place ("),
+            "{one}"
+        );
+        let two = PlacesBy::MaxAgents(1).refusal(2);
+        assert!(
+            two.starts_with("2 streams of this token already wait to send Hello"),
+            "{two}"
+        );
+        let many = PlacesBy::Share(1024).refusal(768);
+        assert!(
+            many.contains("768 streams") && many.contains("1024 places"),
+            "{many}"
+        );
     }
 
     #[test]

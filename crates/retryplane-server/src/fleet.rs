@@ -419,7 +419,11 @@ pub struct Registration {
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum RegisterError {
     /// The server holds its maximum number of connected agents.
-    #[error("the control plane already serves its maximum of {0} agents")]
+    #[error(
+        "the control plane already serves its maximum of {limit} agent{s}",
+        limit = .0,
+        s = if *.0 == 1 { "" } else { "s" }
+    )]
     Full(usize),
     /// The stream's token has as many agents connected as its `max_agents` in the tokens file.
     #[error(
@@ -1399,6 +1403,10 @@ mod tests {
                 connected: 2,
                 limit: 2
             }
+        );
+        assert_eq!(
+            RegisterError::Full(1).to_string(),
+            "the control plane already serves its maximum of 1 agent"
         );
         let one = RegisterError::TokenFull {
             token: "t".to_owned(),
