@@ -797,10 +797,11 @@ fn a_document_past_what_a_file_can_hold_is_found_before_it_is_converted() {
 }
 
 /// A policy file never holds more than `check_items` allows, so the control plane counts only
-/// typed documents: the file's reader bounds its nodes by the same number, the nodes an alias
-/// repeats included (each item is at least one node: an endpoint or route is a key and its
-/// value, a list entry one scalar). A list repeated by an alias toward the limit is refused by
-/// the reader; one just within it loads and passes.
+/// typed documents: the file's reader (serde-saphyr's budget) bounds its nodes by the same
+/// number, the nodes an alias or a merge key repeats included, and each item is at least one
+/// node (an endpoint is a key and its value, a route a mapping of several, a list entry one
+/// scalar). A list repeated by an alias or a merge key toward the limit is refused by the
+/// reader; one just within it loads and passes.
 #[test]
 fn a_policy_file_never_holds_more_than_check_items_allows() {
     let file = |repeated: usize, own: usize| {
@@ -815,6 +816,20 @@ fn a_policy_file_never_holds_more_than_check_items_allows() {
     // Within the reader's count of events (about 199,000), past MAX_ITEMS once the alias is
     // replayed (218,006 items): refused by the reader, for its nodes.
     let refused = retryplane_policy::load(file(19_000, 180_000).as_bytes());
+    assert!(refused.policies.is_none());
+    assert!(
+        refused.diagnostics[0].message.contains("YAML nodes"),
+        "{:?}",
+        refused.diagnostics[0]
+    );
+    // The same through a merge key that copies an endpoint's mapping into another.
+    let merged = format!(
+        "version: 1\nendpoints:\n  a: &e {{retry_on: {{http_status: [{}]}}}}\n  \
+         b: {{<<: *e}}\n  c: {{retry_on: {{http_status: [{}]}}}}\n",
+        vec!["503"; 19_000].join(","),
+        vec!["503"; 180_000].join(",")
+    );
+    let refused = retryplane_policy::load(merged.as_bytes());
     assert!(refused.policies.is_none());
     assert!(
         refused.diagnostics[0].message.contains("YAML nodes"),

@@ -261,8 +261,8 @@ impl std::fmt::Debug for ControlPlane {
 
 /// [`ChangeError::TooManyItems`] for a typed document that holds more than a policy file can:
 /// counted on its lists, allocating nothing, before the change waits for its turn. A loaded
-/// file never does: its reader bounds its nodes, those aliases repeat included, by the same
-/// number (pinned by `retryplane_proto`'s tests).
+/// file never does: its reader (serde-saphyr's budget) bounds its nodes, those aliases and
+/// merge keys repeat included, by the same number (pinned by `retryplane_proto`'s tests).
 fn too_many_items(content: &ChangeContent) -> Result<(), ChangeError> {
     match content {
         ChangeContent::Document(document) => {
@@ -438,10 +438,12 @@ impl ControlPlane {
                 let (document, loaded) = match content {
                     // Counted before the lock was taken (`too_many_items`).
                     ChangeContent::Document(document) => (*document, None),
-                    ChangeContent::Loaded { policies, warnings } => (
-                        pb::PolicyDocument::from(policies.document().as_ref()),
-                        Some((policies, warnings)),
-                    ),
+                    ChangeContent::Loaded { policies, warnings } => {
+                        let document = pb::PolicyDocument::from(policies.document().as_ref());
+                        // Never over: see `too_many_items`.
+                        debug_assert!(convert::check_items(&document).is_ok());
+                        (document, Some((policies, warnings)))
+                    }
                 };
                 // Before anything else: a snapshot no agent can decode is never stored, whatever
                 // else the change holds.

@@ -496,6 +496,9 @@ mod tests {
     async fn a_call_takes_its_turn_only_once_its_message_has_come() {
         let held = Held::default();
         let mut service = DecodeTurns::with_turns(held.clone(), 4, 1);
+        // Before the message that never comes is given up (`READ_AHEAD_WAIT`), or a call that
+        // wrongly took the only turn would free it then and the test pass all the same.
+        let start = tokio::time::Instant::now();
         let mut calls = tokio::task::JoinSet::new();
         calls.spawn(service.call(validate(Body::new(Never))));
         calls.spawn(service.call(validate(Body::new(http_body_util::Full::new(
@@ -509,6 +512,7 @@ mod tests {
         )))));
         held.until_begun(2, "a message past the limit is handed on without a turn")
             .await;
+        assert!(start.elapsed() < READ_AHEAD_WAIT, "{:?}", start.elapsed());
     }
 
     /// A body longer than one message whose first message fits (a second frame announced
