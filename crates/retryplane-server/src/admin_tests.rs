@@ -560,18 +560,8 @@ async fn a_document_whose_snapshot_agents_cannot_decode_is_refused_and_stores_no
 #[tokio::test]
 async fn a_document_holding_more_than_a_file_can_is_refused_before_it_is_checked() {
     let api = api(Mode::Api);
-    let endpoints = (0..=retryplane_proto::convert::MAX_ITEMS / 2)
-        .map(|i| pb::Endpoint {
-            name: format!("e{i}"),
-            overlay: None,
-            routes: vec![],
-        })
-        .collect();
     let source = Some(pb::PolicySource {
-        kind: Some(Kind::Document(pb::PolicyDocument {
-            defaults: None,
-            endpoints,
-        })),
+        kind: Some(Kind::Document(crate::store::over_the_item_limit())),
         origin: String::new(),
     });
     let refused = apply(

@@ -422,15 +422,7 @@ async fn a_change_over_the_item_limit_does_not_wait_for_the_change_lock() {
     });
     let control = Arc::new(ControlPlane::for_tests(store, Mode::Api));
     let _held = control.changes.clone().lock_owned().await;
-    let large = pb::PolicyDocument {
-        defaults: None,
-        endpoints: (0..=retryplane_proto::convert::MAX_ITEMS / 2)
-            .map(|i| pb::Endpoint {
-                name: format!("e{i}"),
-                ..Default::default()
-            })
-            .collect(),
-    };
+    let large = crate::store::over_the_item_limit();
     let refused = tokio::time::timeout(
         std::time::Duration::from_secs(10),
         control.apply(change(large)),

@@ -118,11 +118,11 @@ impl VersionRecord {
     }
 }
 
-/// Stores a version holding more than a policy file can (one endpoint past
-/// `convert::MAX_ITEMS`): what a store written before the control plane had the limit may hold.
+/// A document of bare endpoints holding more than a policy file can (one endpoint past
+/// `convert::MAX_ITEMS`).
 #[cfg(test)]
-pub(crate) fn store_over_the_item_limit(store: &dyn VersionStore) {
-    let document = pb::PolicyDocument {
+pub(crate) fn over_the_item_limit() -> pb::PolicyDocument {
+    pb::PolicyDocument {
         defaults: None,
         endpoints: (0..=retryplane_proto::convert::MAX_ITEMS / 2)
             .map(|i| pb::Endpoint {
@@ -130,7 +130,14 @@ pub(crate) fn store_over_the_item_limit(store: &dyn VersionStore) {
                 ..Default::default()
             })
             .collect(),
-    };
+    }
+}
+
+/// Stores a version holding more than a policy file can ([`over_the_item_limit`]): what a
+/// store written before the control plane had the limit may hold.
+#[cfg(test)]
+pub(crate) fn store_over_the_item_limit(store: &dyn VersionStore) {
+    let document = over_the_item_limit();
     let new = NewVersion {
         content_hash: retryplane_proto::convert::content_hash(&document),
         document,
