@@ -950,31 +950,46 @@ struct DirSeen {
     mode: u32,
 }
 
+/// Who may own a tokens file and its directories: the control plane's user (`server_user`)
+/// and root, said once when they are one.
+fn trusted_owners(server_user: u32) -> String {
+    if server_user == 0 {
+        "root (the control plane's user)".to_owned()
+    } else {
+        format!("the control plane's user ({server_user}) or root")
+    }
+}
+
 /// What is wrong with where a tokens file is, if anything: some of the checks OpenSSH's
 /// `StrictModes` makes of a key file. The file owned by `file_owner`, a user other than
-/// `server_user` (the control plane's own) and root: its owner may change it, mode and all. A
-/// directory of `dirs` (the path's own, and the one a symbolic link resolves to) owned by such
-/// a user, or that its group or every user may write without the sticky bit: they may put
-/// another file in its place. A sticky directory is let be (a Kubernetes secret volume's root
-/// is `drwxrwxrwt`); directories above these are not looked at.
-fn loose_place(file_owner: u32, server_user: u32, dirs: &[DirSeen]) -> Vec<String> {
+/// `server_user` (the control plane's own) and root: its owner may change it, mode and all.
+/// A directory of `dirs` (the path's own, and the one the opened file is in, when a symbolic
+/// link leads there) owned by such a user, or that its group or every user may write without
+/// the sticky bit: they may put another file in its place. A sticky directory is let be (a
+/// Kubernetes secret volume's root is `drwxrwxrwt`); directories above these are not looked
+/// at. The caller leaves out what is on a read-only file system (`file_owner` `None`, and
+/// such directories), where nobody here can change it: a container's bind mount, whose owner
+/// is the host's user.
+fn loose_place(file_owner: Option<u32>, server_user: u32, dirs: &[DirSeen]) -> Vec<String> {
     let trusted = |user: u32| user == server_user || user == 0;
+    let owners = trusted_owners(server_user);
     let mut found = Vec::new();
-    if !trusted(file_owner) {
+    if let Some(owner) = file_owner
+        && !trusted(owner)
+    {
         found.push(format!(
-            "the tokens file is owned by user {file_owner}, not by the user the control plane \
-             runs as ({server_user}) or root, and its owner can give themselves an admin token \
-             at the next reload; chown it to the control plane's user"
+            "the tokens file is owned by user {owner}, not by {owners}: its owner can give \
+             themselves an admin token at the next reload; chown it to the control plane's \
+             user, or mount it read-only"
         ));
     }
     for dir in dirs {
         let shown = dir.path.display();
         if !trusted(dir.owner) {
             found.push(format!(
-                "the directory {shown} holding the tokens file is owned by user {}, not by the \
-                 user the control plane runs as ({server_user}) or root, who can put another \
-                 tokens file in its place before the next reload; keep it in a directory of \
-                 the control plane's user or root",
+                "the directory {shown} holding the tokens file is owned by user {}, not by \
+                 {owners}: its owner can put another tokens file in its place before the next \
+                 reload; keep the file in a directory {owners} owns",
                 dir.owner
             ));
         } else if dir.mode & 0o022 != 0 && dir.mode & 0o1000 == 0 {
@@ -991,6 +1006,7 @@ fn loose_place(file_owner: u32, server_user: u32, dirs: &[DirSeen]) -> Vec<Strin
 
 #[cfg(unix)]
 fn warn_if_loose(path: &Path, file: &std::fs::File) {
+    use std::os::fd::AsRawFd as _;
     use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
     let Ok(meta) = file.metadata() else {
         return;
@@ -998,40 +1014,46 @@ fn warn_if_loose(path: &Path, file: &std::fs::File) {
     if let Some(why) = loose_mode(meta.permissions().mode()) {
         tracing::warn!(file = %path.display(), "{why}");
     }
-    // On a read-only file system (a container's bind mount or secret) nobody here can change
-    // the file or its directory, and its owner is a user of the host.
-    let read_only = rustix::fs::fstatvfs(file)
-        .is_ok_and(|fs| fs.f_flag.contains(rustix::fs::StatVfsMountFlags::RDONLY));
-    if read_only {
-        return;
-    }
-    // The directory the path names it in, and the one it resolves to (a mounted secret's
-    // `..data` link, say): a reload reads the path again through both.
+    // On a read-only file system nobody here can change the file, or a directory: a
+    // container's bind mount or secret, whose owner is a user of the host.
+    let writable = |flags: rustix::fs::StatVfsMountFlags| {
+        !flags.contains(rustix::fs::StatVfsMountFlags::RDONLY)
+    };
+    let file_owner = rustix::fs::fstatvfs(file)
+        .is_ok_and(|fs| writable(fs.f_flag))
+        .then(|| meta.uid());
+    // The directory the path names it in, and the one the opened file is in (where a
+    // symbolic link led, a mounted secret's `..data` say): a reload reads the path again
+    // through both. The opened file's own path, not the path resolved again, which a swap
+    // of the link since the read would change.
     let own = match path.parent() {
         Some(dir) if !dir.as_os_str().is_empty() => dir.to_owned(),
         _ => PathBuf::from("."),
     };
-    let resolved = std::fs::canonicalize(path)
+    let opened = std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd()))
+        .or_else(|_| std::fs::canonicalize(path))
         .ok()
         .and_then(|p| p.parent().map(Path::to_owned));
-    let mut dirs: Vec<(u64, u64, DirSeen)> = Vec::new();
-    for dir in std::iter::once(own).chain(resolved) {
-        if let Ok(d) = std::fs::metadata(&dir)
-            && !dirs
-                .iter()
-                .any(|(dev, ino, _)| (*dev, *ino) == (d.dev(), d.ino()))
-        {
-            let seen = DirSeen {
+    let mut seen: Vec<(u64, u64)> = Vec::new();
+    let mut dirs = Vec::new();
+    for dir in std::iter::once(own).chain(opened) {
+        let Ok(d) = std::fs::metadata(&dir) else {
+            continue;
+        };
+        if seen.contains(&(d.dev(), d.ino())) {
+            continue;
+        }
+        seen.push((d.dev(), d.ino()));
+        if rustix::fs::statvfs(&dir).is_ok_and(|fs| writable(fs.f_flag)) {
+            dirs.push(DirSeen {
                 path: dir,
                 owner: d.uid(),
                 mode: d.permissions().mode(),
-            };
-            dirs.push((d.dev(), d.ino(), seen));
+            });
         }
     }
-    let dirs: Vec<DirSeen> = dirs.into_iter().map(|(_, _, d)| d).collect();
     let server_user = rustix::process::geteuid().as_raw();
-    for why in loose_place(meta.uid(), server_user, &dirs) {
+    for why in loose_place(file_owner, server_user, &dirs) {
         tracing::warn!(file = %path.display(), "{why}");
     }
 }

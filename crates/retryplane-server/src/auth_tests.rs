@@ -780,27 +780,33 @@ fn a_tokens_file_another_user_owns_or_others_may_replace_is_warned_of() {
         mode,
     };
     for (owner, dirs) in [
-        (1000, vec![dir(1000, 0o700)]),
-        (0, vec![dir(0, 0o755), dir(1000, 0o750)]),
-        (1000, vec![dir(0, 0o1777)]),
-        (1000, vec![dir(1000, 0o1770)]),
-        (1000, vec![]),
+        (Some(1000), vec![dir(1000, 0o700)]),
+        (Some(0), vec![dir(0, 0o755), dir(1000, 0o750)]),
+        (Some(1000), vec![dir(0, 0o1777)]),
+        (Some(1000), vec![dir(1000, 0o1770)]),
+        (Some(1000), vec![]),
+        // On a read-only file system: not judged.
+        (None, vec![]),
     ] {
         assert_eq!(
             loose_place(owner, 1000, &dirs),
             Vec::<String>::new(),
-            "{owner} {dirs:?}"
+            "{owner:?} {dirs:?}"
         );
     }
-    let found = loose_place(1001, 1000, &[dir(1002, 0o755), dir(1000, 0o777)]);
+    let found = loose_place(Some(1001), 1000, &[dir(1002, 0o755), dir(1000, 0o777)]);
     assert_eq!(found.len(), 3, "{found:?}");
     assert!(
-        found[0].contains("owned by user 1001, not by the user the control plane runs as (1000)"),
+        found[0].starts_with(
+            "the tokens file is owned by user 1001, not by the control plane's user (1000) or \
+             root: its owner can give themselves an admin token"
+        ) && found[0].ends_with("or mount it read-only"),
         "{found:?}"
     );
     assert!(
-        found[1].contains(
-            "the directory /etc/retryplane holding the tokens file is owned by user 1002"
+        found[1].starts_with(
+            "the directory /etc/retryplane holding the tokens file is owned by user 1002, not \
+             by the control plane's user (1000) or root: its owner can put another tokens file"
         ),
         "{found:?}"
     );
@@ -808,8 +814,14 @@ fn a_tokens_file_another_user_owns_or_others_may_replace_is_warned_of() {
         found[2].contains("put another tokens file in its place"),
         "{found:?}"
     );
+    // A control plane run as root names root once.
+    let found = loose_place(Some(1001), 0, &[]);
+    assert!(
+        found[0].contains("not by root (the control plane's user):"),
+        "{found:?}"
+    );
     for mode in [0o775, 0o757, 0o777, 0o770] {
-        let found = loose_place(1000, 1000, &[dir(1000, mode)]);
+        let found = loose_place(Some(1000), 1000, &[dir(1000, mode)]);
         assert!(
             found.len() == 1 && found[0].contains("may be written by users other than its owner"),
             "{mode:o}: {found:?}"
@@ -817,8 +829,8 @@ fn a_tokens_file_another_user_owns_or_others_may_replace_is_warned_of() {
     }
 }
 
-/// The directories a tokens file is read through are the path's own and the one a symbolic
-/// link to it resolves to: a link's target in a directory others may write is warned of.
+/// The directories a tokens file is read through are the path's own and the one the opened
+/// file is in: a link's target in a directory others may write is warned of.
 #[cfg(unix)]
 #[test]
 fn a_tokens_file_linked_from_a_safe_directory_into_a_writable_one_is_warned_of() {
