@@ -202,12 +202,17 @@ impl PlacesBy {
                 "{waiting} to send Hello, twice its `max_agents` ({limit}) in the control \
                  plane's tokens file; retry later"
             ),
-            PlacesBy::Share(all) => format!(
-                "{waiting} to send Hello, its share of the control plane's {all} place{} \
-                 (`--max-pending-handshakes`: a quarter is kept for other tokens' agents); \
-                 retry later",
-                if all == 1 { "" } else { "s" }
-            ),
+            // Reached with 2 places or more: with one, the control plane's own bound refuses
+            // first.
+            PlacesBy::Share(all) => {
+                let kept = all.saturating_sub(places);
+                format!(
+                    "{waiting} to send Hello, its share of the control plane's {all} places \
+                     (`--max-pending-handshakes`: {kept} {} kept for other tokens' agents); \
+                     retry later",
+                    if kept == 1 { "is" } else { "are" }
+                )
+            }
         }
     }
 }
@@ -1320,13 +1325,14 @@ mod tests {
         }
     }
 
-    /// At the smallest limits the refusals still read as English: "1 stream … waits".
+    /// At the smallest limits the refusals still read as English ("1 stream … waits"), and
+    /// say how many places are kept for other tokens.
     #[test]
     fn a_refusal_at_one_place_says_one_stream() {
-        let one = PlacesBy::Share(1).refusal(1);
+        let one = PlacesBy::Share(2).refusal(token_share(2));
         assert!(
             one.starts_with("1 stream of this token already waits to send Hello")
-                && one.contains("control plane's 1 place ("),
+                && one.contains("control plane's 2 places (`--max-pending-handshakes`: 1 is kept"),
             "{one}"
         );
         let two = PlacesBy::MaxAgents(1).refusal(2);
@@ -1334,9 +1340,10 @@ mod tests {
             two.starts_with("2 streams of this token already wait to send Hello"),
             "{two}"
         );
-        let many = PlacesBy::Share(1024).refusal(768);
+        let many = PlacesBy::Share(1024).refusal(token_share(1024));
         assert!(
-            many.contains("768 streams") && many.contains("1024 places"),
+            many.contains("768 streams")
+                && many.contains("1024 places (`--max-pending-handshakes`: 256 are kept"),
             "{many}"
         );
     }
