@@ -800,8 +800,8 @@ fn a_document_past_what_a_file_can_hold_is_found_before_it_is_converted() {
 /// typed documents: the file's reader (serde-saphyr's budget) bounds its nodes by the same
 /// number, the nodes an alias or a merge key repeats included, and each item is at least one
 /// node (an endpoint is a key and its value, a route a mapping of several, a list entry one
-/// scalar). A list repeated by an alias or a merge key toward the limit is refused by the
-/// reader; one just within it loads and passes.
+/// scalar). A list repeated by an alias or a merge key past the limit is refused by the reader;
+/// one an alias repeats just within it loads and passes.
 #[test]
 fn a_policy_file_never_holds_more_than_check_items_allows() {
     let file = |repeated: usize, own: usize| {
