@@ -346,14 +346,25 @@ mod tests {
 
     use super::*;
 
-    /// A service whose answers wait for `release`, counting the calls it has begun.
+    /// A service whose answers wait for `release`, counting the calls it has begun and keeping
+    /// each one's [`CALL`] header, in the order they began.
     #[derive(Clone, Default)]
     struct Held {
         begun: Arc<AtomicUsize>,
+        names: Arc<std::sync::Mutex<Vec<String>>>,
         release: Arc<Notify>,
     }
 
+    /// A test request's name, for [`Held`] to tell which calls began.
+    const CALL: &str = "x-test-call";
+
     impl Held {
+        /// The [`CALL`] names of the calls begun so far, in the order they began (empty for a
+        /// call without one).
+        fn names(&self) -> Vec<String> {
+            self.names.lock().unwrap().clone()
+        }
+
         /// The calls begun so far.
         fn begun(&self) -> usize {
             self.begun.load(Ordering::SeqCst)
@@ -383,7 +394,14 @@ mod tests {
             Poll::Ready(Ok(()))
         }
 
-        fn call(&mut self, _: http::Request<Body>) -> Self::Future {
+        fn call(&mut self, request: http::Request<Body>) -> Self::Future {
+            let name = request
+                .headers()
+                .get(CALL)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or_default()
+                .to_owned();
+            self.names.lock().unwrap().push(name);
             let (begun, release) = (self.begun.clone(), self.release.clone());
             Box::pin(async move {
                 begun.fetch_add(1, Ordering::SeqCst);
@@ -500,19 +518,31 @@ mod tests {
         // wrongly took the only turn would free it then and the test pass all the same.
         let start = tokio::time::Instant::now();
         let mut calls = tokio::task::JoinSet::new();
-        calls.spawn(service.call(validate(Body::new(Never))));
-        calls.spawn(service.call(validate(Body::new(http_body_util::Full::new(
-            Bytes::from_static(b"12345"),
-        )))));
+        let named = |name: &str, body: Body| {
+            let mut request = validate(body);
+            request
+                .headers_mut()
+                .insert(CALL, http::HeaderValue::from_str(name).unwrap());
+            request
+        };
+        calls.spawn(service.call(named("never", Body::new(Never))));
+        calls.spawn(service.call(named(
+            "came",
+            Body::new(http_body_util::Full::new(Bytes::from_static(b"12345"))),
+        )));
         held.until_begun(1, "the call whose message came begins with the turn")
             .await;
         // The only turn is held: a message past the limit (4 + 5 bytes) still goes on.
-        calls.spawn(service.call(validate(Body::new(http_body_util::Full::new(
-            Bytes::from_static(b"0123456789"),
-        )))));
+        calls.spawn(service.call(named(
+            "long",
+            Body::new(http_body_util::Full::new(Bytes::from_static(b"0123456789"))),
+        )));
         held.until_begun(2, "a message past the limit is handed on without a turn")
             .await;
         assert!(start.elapsed() < READ_AHEAD_WAIT, "{:?}", start.elapsed());
+        // The two that began are the message that came (with the turn) and the long one; the
+        // message that never comes did not.
+        assert_eq!(held.names(), ["came", "long"]);
     }
 
     /// A body longer than one message whose first message fits (a second frame announced
