@@ -35,6 +35,7 @@
 
 #![forbid(unsafe_code)]
 
+mod percentile;
 mod policy;
 // Shared with the other benches; this one uses neither the agent listener nor `/metrics`.
 #[allow(dead_code)]
@@ -60,6 +61,7 @@ use tonic::transport::{Channel, Endpoint};
 
 use retryplane_server::decode_turns::READ_AHEAD_BYTES;
 
+use crate::percentile::percentile;
 use crate::server::ServerProcess;
 
 /// The bound on any single wait: server start, a connection, a call, the viewers' first
@@ -143,6 +145,26 @@ fn yaml_source(yaml: String) -> Option<pb::PolicySource> {
     })
 }
 
+/// The nearest-rank `q` quantile of `times` ([`percentile`] of a copy).
+fn quantile(times: &[f64], q: f64) -> f64 {
+    percentile(&mut times.to_vec(), q)
+}
+
+/// The answer to `call` (bounded by [`WAIT`]) and how long it took, in milliseconds; `what`
+/// names the call in errors.
+async fn timed<T>(
+    what: &str,
+    call: impl std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+) -> anyhow::Result<(T, f64)> {
+    let t0 = Instant::now();
+    let answer = tokio::time::timeout(WAIT, call)
+        .await
+        .with_context(|| format!("{what} took more than {WAIT:?}"))?
+        .with_context(|| format!("{what} failed"))?
+        .into_inner();
+    Ok((answer, t0.elapsed().as_secs_f64() * 1e3))
+}
+
 /// Times `count` Apply calls from round `*round` on, each a new version; milliseconds each.
 async fn applies(
     admin: &mut Client,
@@ -157,13 +179,8 @@ async fn applies(
             source: yaml_source(policy::policy_yaml(endpoints, *round)),
             ..Default::default()
         };
-        let t0 = Instant::now();
-        let answer = tokio::time::timeout(WAIT, admin.apply(request))
-            .await
-            .with_context(|| format!("an Apply took more than {WAIT:?}"))?
-            .context("an Apply failed")?
-            .into_inner();
-        times.push(t0.elapsed().as_secs_f64() * 1e3);
+        let (answer, ms) = timed("an Apply", admin.apply(request)).await?;
+        times.push(ms);
         if !answer.changed {
             bail!("Apply {round} stored no new version");
         }
@@ -223,18 +240,11 @@ async fn probes(
 ) -> anyhow::Result<Vec<f64>> {
     let mut times = Vec::with_capacity(count);
     for _ in 0..count {
-        let t0 = Instant::now();
-        let answer = tokio::time::timeout(
-            WAIT,
-            client.validate(pb::ValidateRequest {
-                source: source.clone(),
-            }),
-        )
-        .await
-        .with_context(|| format!("a probe's Validate took more than {WAIT:?}"))?
-        .context("a probe's Validate failed")?
-        .into_inner();
-        times.push(t0.elapsed().as_secs_f64() * 1e3);
+        let request = pb::ValidateRequest {
+            source: source.clone(),
+        };
+        let (answer, ms) = timed("a probe's Validate", client.validate(request)).await?;
+        times.push(ms);
         if !answer.valid {
             bail!("the probe's policy is invalid");
         }
@@ -282,19 +292,6 @@ async fn phase(
         probes,
         server_cpu,
     })
-}
-
-/// `q`-quantile of `times` (nearest rank).
-fn quantile(times: &[f64], q: f64) -> f64 {
-    let mut sorted = times.to_vec();
-    sorted.sort_by(f64::total_cmp);
-    #[allow(
-        clippy::cast_possible_truncation,
-        clippy::cast_sign_loss,
-        clippy::cast_precision_loss
-    )]
-    let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
-    sorted[rank - 1]
 }
 
 async fn run(cli: Cli) -> anyhow::Result<()> {

@@ -75,6 +75,7 @@
 mod agents;
 mod baseline;
 mod measure;
+mod percentile;
 mod policy;
 mod report;
 mod server;

@@ -10,6 +10,7 @@ use tonic::transport::{Channel, Endpoint};
 
 use crate::WAIT;
 use crate::agents::Agents;
+use crate::percentile::percentile;
 use crate::policy::{check, policy_yaml};
 use crate::server::{ServerProcess, cpu_ms};
 
@@ -112,22 +113,6 @@ fn percentile_or_nan(values: &mut [f64], p: f64) -> f64 {
     } else {
         percentile(values, p)
     }
-}
-
-/// The nearest-rank `p` percentile (0 < p <= 1) of `values`; 0 when empty.
-pub fn percentile(values: &mut [f64], p: f64) -> f64 {
-    if values.is_empty() {
-        return 0.0;
-    }
-    values.sort_by(f64::total_cmp);
-    // Nearest rank: the smallest value with at least p of the values at or below it.
-    #[allow(
-        clippy::cast_possible_truncation,
-        clippy::cast_sign_loss,
-        clippy::cast_precision_loss
-    )]
-    let rank = (p * values.len() as f64).ceil() as usize;
-    values[rank.clamp(1, values.len()) - 1]
 }
 
 /// The UTC time of day now, `HH:MM:SS` (the bench's report only needs the time).
@@ -389,19 +374,4 @@ async fn rounds(
         kib_per_agent: per_agent(rss_connected_kib, rss_idle_kib, n),
         kib_per_agent_after_pushes: per_agent(rss_after_kib, rss_idle_kib, n),
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn nearest_rank_percentiles() {
-        let mut v: Vec<f64> = (1..=20).map(f64::from).collect();
-        assert_eq!(percentile(&mut v, 0.5), 10.0);
-        assert_eq!(percentile(&mut v, 0.99), 20.0);
-        let mut v: Vec<f64> = (1..=1000).rev().map(f64::from).collect();
-        assert_eq!(percentile(&mut v, 0.99), 990.0);
-        assert_eq!(percentile(&mut [], 0.5), 0.0);
-    }
 }

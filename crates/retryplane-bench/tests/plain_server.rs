@@ -13,6 +13,8 @@ mod agents;
 #[allow(dead_code)]
 #[path = "../src/measure.rs"]
 mod measure;
+#[path = "../src/percentile.rs"]
+mod percentile;
 #[allow(dead_code)]
 #[path = "../src/policy.rs"]
 mod policy;
