@@ -145,7 +145,7 @@ fn yaml_source(yaml: String) -> Option<pb::PolicySource> {
     })
 }
 
-/// The nearest-rank `q` quantile of `times` ([`percentile`] of a copy).
+/// The nearest-rank `q` quantile of `times` ([`percentile()`] of a copy).
 fn quantile(times: &[f64], q: f64) -> f64 {
     percentile(&mut times.to_vec(), q)
 }
