@@ -298,12 +298,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     if cli.applies == 0 || cli.pairs == 0 || cli.viewers == 0 || cli.probes == 0 {
         bail!("--applies, --probes, --pairs and --viewers must be at least 1");
     }
-    let bin = match cli.server_bin.clone() {
-        Some(b) => b,
-        None => std::env::current_exe()
-            .context("cannot find this executable")?
-            .with_file_name("retryplane"),
-    };
+    let bin = server::server_binary(cli.server_bin.clone(), "retryplane", "--server-bin")?;
     let seed = policy::policy_yaml(cli.endpoints, 0);
     policy::check(&seed, cli.endpoints)?;
     let flood_yaml = policy::policy_yaml(cli.flood_endpoints, 0);

@@ -181,12 +181,7 @@ async fn calls_counted(admin: &mut pb::admin_service_client::AdminServiceClient<
 }
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
-    let bin = match cli.server_bin {
-        Some(b) => b,
-        None => std::env::current_exe()
-            .context("cannot find this executable")?
-            .with_file_name("retryplane"),
-    };
+    let bin = server::server_binary(cli.server_bin, "retryplane", "--server-bin")?;
     let seed = policy::policy_yaml(cli.endpoints, 0);
     policy::check(&seed, cli.endpoints)?;
     let server = ServerProcess::start(&bin, &seed).await?;

@@ -85,7 +85,6 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use anyhow::Context as _;
 use clap::Parser;
 
 use crate::measure::{BETWEEN_SERVERS, Config, run};
@@ -153,24 +152,8 @@ fn connections_for(agents: usize, explicit: Option<usize>) -> usize {
 
 /// `explicit`, or the binary `name` next to this executable; an error naming `flag` when there
 /// is no file there.
-fn binary(explicit: Option<PathBuf>, name: &str, flag: &str) -> anyhow::Result<PathBuf> {
-    let path = match explicit {
-        Some(path) => path,
-        None => std::env::current_exe()
-            .context("cannot find this executable's path")?
-            .with_file_name(name),
-    };
-    anyhow::ensure!(
-        path.is_file(),
-        "no server binary at {}: build it with `cargo build --release -p retryplane-cli -p \
-         retryplane-bench`, or pass {flag}",
-        path.display()
-    );
-    Ok(path)
-}
-
 async fn main_inner(cli: Cli) -> anyhow::Result<()> {
-    let server_bin = binary(cli.server_bin.clone(), "retryplane", "--server-bin")?;
+    let server_bin = server::server_binary(cli.server_bin.clone(), "retryplane", "--server-bin")?;
     let config = |agents, endpoints| Config {
         agents,
         endpoints,
@@ -180,7 +163,7 @@ async fn main_inner(cli: Cli) -> anyhow::Result<()> {
         server_bin: server_bin.clone(),
     };
     if cli.baseline {
-        let plain_bin = binary(
+        let plain_bin = server::server_binary(
             cli.baseline_bin.clone(),
             "retryplane-bench-plain-server",
             "--baseline-bin",
@@ -293,6 +276,25 @@ mod tests {
         assert_eq!(connections_for(10_000, None), 100);
         assert_eq!(connections_for(10_001, None), 101);
         assert_eq!(connections_for(10_000, Some(7)), 7);
+    }
+
+    #[test]
+    fn a_server_binary_given_relative_is_made_absolute_and_a_missing_one_names_its_flag() {
+        // Tests run in the package's directory, where `Cargo.toml` is.
+        let found = server::server_binary(Some(PathBuf::from("Cargo.toml")), "x", "--a").unwrap();
+        assert!(found.is_absolute(), "{}", found.display());
+        assert_eq!(found, std::env::current_dir().unwrap().join("Cargo.toml"));
+
+        let missing =
+            server::server_binary(Some(PathBuf::from("no/such/bin")), "x", "--server-bin")
+                .unwrap_err()
+                .to_string();
+        assert!(missing.contains("--server-bin"), "{missing}");
+        let expected = std::env::current_dir().unwrap().join("no/such/bin");
+        assert!(
+            missing.contains(&expected.display().to_string()),
+            "{missing}"
+        );
     }
 
     #[test]

@@ -31,8 +31,30 @@ pub struct ServerProcess {
     _dir: tempfile::TempDir,
 }
 
+/// The server binary a bench starts: `explicit` (given as `flag`), else `name` beside this
+/// executable. Made absolute against the current directory, since the server runs in a
+/// temporary directory of its own; an error names `flag` when there is no file there.
+pub fn server_binary(explicit: Option<PathBuf>, name: &str, flag: &str) -> anyhow::Result<PathBuf> {
+    let path = match explicit {
+        Some(path) => path,
+        None => std::env::current_exe()
+            .context("cannot find this executable's path")?
+            .with_file_name(name),
+    };
+    let path = std::path::absolute(&path)
+        .with_context(|| format!("cannot resolve the path {}", path.display()))?;
+    anyhow::ensure!(
+        path.is_file(),
+        "no server binary at {}: build it with `cargo build --release -p retryplane-cli -p \
+         retryplane-bench`, or pass {flag}",
+        path.display()
+    );
+    Ok(path)
+}
+
 impl ServerProcess {
-    /// Starts `bin serve --api` seeded with `seed_yaml` and waits until it is ready.
+    /// Starts `bin serve --api` seeded with `seed_yaml` and waits until it is ready. A relative
+    /// `bin` is read against the current directory, not the server's own.
     pub async fn start(bin: &Path, seed_yaml: &str) -> anyhow::Result<Self> {
         Self::start_with_tokens(bin, seed_yaml, None).await
     }
@@ -43,6 +65,9 @@ impl ServerProcess {
         seed_yaml: &str,
         tokens_yaml: Option<&str>,
     ) -> anyhow::Result<Self> {
+        // The child runs in `dir`: a relative path would be looked up there.
+        let bin = std::path::absolute(bin)
+            .with_context(|| format!("cannot resolve the path {}", bin.display()))?;
         let dir = tempfile::tempdir().context("cannot create a temp dir for the server")?;
         std::fs::write(dir.path().join("policies.yaml"), seed_yaml)
             .context("cannot write the seed policy file")?;
@@ -62,7 +87,7 @@ impl ServerProcess {
         }
         let stderr_file = dir.path().join("server.log");
         let stderr = std::fs::File::create(&stderr_file).context("cannot create the server log")?;
-        let mut child = Command::new(bin)
+        let mut child = Command::new(&bin)
             .current_dir(dir.path())
             .args([
                 "serve",

@@ -48,6 +48,23 @@ fn plain_bin() -> &'static Path {
     Path::new(env!("CARGO_BIN_EXE_retryplane-bench-plain-server"))
 }
 
+/// `path` (absolute) written relative to the current directory, as a user would: `..` for each
+/// directory below the one both share, then the rest of `path`.
+fn relative_to_here(path: &Path) -> std::path::PathBuf {
+    let here = std::env::current_dir().unwrap();
+    let shared = here
+        .components()
+        .zip(path.components())
+        .take_while(|(a, b)| a == b)
+        .count();
+    let mut relative = std::path::PathBuf::new();
+    for _ in here.components().skip(shared) {
+        relative.push("..");
+    }
+    relative.extend(path.components().skip(shared));
+    relative
+}
+
 async fn channel(addr: std::net::SocketAddr) -> Channel {
     Endpoint::from_shared(format!("http://{addr}"))
         .unwrap()
@@ -162,6 +179,19 @@ async fn every_agent_gets_a_published_version_and_every_ack_is_counted() {
 /// arrival, so per round `last - first <= last - publish <= last - t0`, and so for the p50 and
 /// p99 over rounds. A sign or unit slip in the conversion between the system clock and the
 /// bench's monotonic clock, or a round that read an earlier publish's time, breaks it.
+#[tokio::test]
+async fn a_server_binary_given_by_a_relative_path_starts() {
+    // The server runs in a temporary directory of its own: the path is read against ours.
+    let relative = relative_to_here(plain_bin());
+    assert!(relative.is_relative(), "{}", relative.display());
+    let server = ServerProcess::start(&relative, &policy_yaml(ENDPOINTS, 0))
+        .await
+        .unwrap();
+    let mut admin = AdminServiceClient::new(channel(server.admin_addr).await);
+    assert_eq!(current(&mut admin).await.version, 1);
+    server.stop().await.unwrap();
+}
+
 #[tokio::test]
 async fn publish_to_every_agent_lies_between_the_fan_out_and_the_apply_call_figure() {
     let cfg = measure::Config {
