@@ -289,7 +289,8 @@ impl Endpoint {
     /// An `Err` your classifier calls [`Classification::Success`] ends the call as a success:
     /// the breaker, the counters (`success_first_try` or `success_after_retry`) and the log
     /// count it as one. Since it cannot be returned as a `T`, it comes back as it is in a
-    /// [`CallError`] (`last` holds it; the cause says `not_retryable`).
+    /// [`CallError`] whose cause is [`Cause::Succeeded`] (`last` holds the error;
+    /// [`CallError::gave_up`] is `None`).
     pub fn call_with<T, E, C, F, Fut>(
         &self,
         meta: CallMeta<'_>,
@@ -751,7 +752,7 @@ impl Endpoint {
             match end {
                 End::Ok(t) => Ok(t),
                 End::OkErr(e) => Err(CallError {
-                    cause: Cause::GaveUp(GiveUpCause::NotRetryable),
+                    cause: Cause::Succeeded,
                     last: Some(Last::Error(e)),
                     attempts,
                     class: None,

@@ -100,13 +100,18 @@ pub enum AgentError {
     },
 }
 
-/// Why a logical call ended without success.
+/// Why a logical call ended without a value to return: it gave up, it was cancelled, or (from
+/// [`crate::Endpoint::call_with`]) its classifier called an error a success.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Cause {
     /// The retry rules stopped the call (SPEC §2).
     GaveUp(GiveUpCause),
     /// The call's cancellation token fired.
     Cancelled,
+    /// The classifier given to [`crate::Endpoint::call_with`] called the last attempt's error
+    /// a success: the call ended there and was counted as a success (breaker, counters, log),
+    /// and the error, which cannot be returned as the call's value, is in [`CallError::last`].
+    Succeeded,
 }
 
 impl fmt::Display for Cause {
@@ -114,6 +119,7 @@ impl fmt::Display for Cause {
         match self {
             Cause::GaveUp(c) => f.write_str(c.as_str()),
             Cause::Cancelled => f.write_str("cancelled"),
+            Cause::Succeeded => f.write_str("succeeded"),
         }
     }
 }
@@ -184,11 +190,12 @@ impl<T, E> CallError<T, E> {
         }
     }
 
-    /// The SPEC §2 give-up cause; `None` when the call was cancelled.
+    /// The SPEC §2 give-up cause; `None` when the call was cancelled, or ended on an error its
+    /// classifier called a success ([`Cause::Succeeded`]).
     pub fn gave_up(&self) -> Option<GiveUpCause> {
         match self.cause {
             Cause::GaveUp(c) => Some(c),
-            Cause::Cancelled => None,
+            Cause::Cancelled | Cause::Succeeded => None,
         }
     }
 
@@ -228,6 +235,14 @@ impl<T, E> fmt::Debug for CallError<T, E> {
 
 impl<T, E> fmt::Display for CallError<T, E> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.cause == Cause::Succeeded {
+            return write!(
+                f,
+                "call succeeded after {} attempt(s): the classifier took the last attempt's \
+                 error for a success",
+                self.attempts
+            );
+        }
         write!(
             f,
             "call failed after {} attempt(s): {}",
@@ -239,7 +254,7 @@ impl<T, E> fmt::Display for CallError<T, E> {
         // A call cancelled during an attempt holds the one before's ending.
         let which = match self.cause {
             Cause::Cancelled => "the last attempt to end",
-            Cause::GaveUp(_) => "the last attempt",
+            Cause::GaveUp(_) | Cause::Succeeded => "the last attempt",
         };
         match (&self.last, self.class) {
             (None, _) => Ok(()),

@@ -638,7 +638,15 @@ async fn a_half_open_probe_whose_error_the_caller_calls_a_success_closes_the_bre
         )
         .await
         .unwrap_err();
-    assert_eq!(err.cause, Cause::GaveUp(GiveUpCause::NotRetryable));
+    // Not a give-up: the error comes back, marked as the success it was counted as.
+    assert_eq!(err.cause, Cause::Succeeded);
+    assert_eq!(err.gave_up(), None);
+    assert!(err.error().is_some());
+    assert_eq!(
+        err.to_string(),
+        "call succeeded after 1 attempt(s): the classifier took the last attempt's error for a \
+         success"
+    );
     // Closed: a call whose attempt hangs takes no probe, and another call goes through beside it.
     let hanging = ep.call(get(), Upstream::new([Step::Hang]).attempt());
     tokio::pin!(hanging);
