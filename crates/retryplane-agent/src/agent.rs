@@ -694,7 +694,10 @@ impl AgentBuilder {
     /// until the control plane sends some; which of the two is logged at start, with why the
     /// cache file was not used. The cache file is read on a thread of its own, waited for at
     /// most 1 s before this returns: a disk that does not answer by then is logged at warn, and
-    /// the read goes on in the background (see [`AgentBuilder::cache_file`]). One background
+    /// the read goes on in the background (see [`AgentBuilder::cache_file`]). A file read in
+    /// time is also checked before this returns (decoded and validated: milliseconds for most
+    /// files, longer for one near the size limit). The wait blocks the calling thread, so call
+    /// this at start, before the service takes traffic. One background
     /// task owns the stream. Must be called inside a tokio runtime with timers and sockets
     /// (`enable_all()`; `#[tokio::main]` has them): the task runs on that runtime and ends with
     /// it (dropped without [`Agent::shutdown`], the agent then says it is not connected and why,

@@ -2,8 +2,9 @@
 //! policies pushed by the control plane (SPEC §2–§4).
 //!
 //! - [`Agent`] holds the current policies in an `ArcSwap`. [`Agent::builder`] connects it to a
-//!   control plane: [`AgentBuilder::connect`] returns at once and one background task owns the
-//!   policy stream — it validates and swaps in every snapshot, ACKs or NACKs it, writes the cache
+//!   control plane: [`AgentBuilder::connect`] does not wait for the control plane (it reads the
+//!   cache file first, waiting at most 1 s for the disk, on the calling thread) and one
+//!   background task owns the policy stream — it validates and swaps in every snapshot, ACKs or NACKs it, writes the cache
 //!   file, reconnects with jittered exponential backoff and streams metrics back. HTTP/2
 //!   keepalive pings ([`AgentBuilder::keepalive`]) find a control plane that vanished without
 //!   closing the connection; the stream's own heartbeat (a `Keepalive` message each way every
