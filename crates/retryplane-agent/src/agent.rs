@@ -577,6 +577,7 @@ impl AgentBuilder {
     /// stream goes to the server's root), and a warning says so. Debug output shows a password
     /// here as `***` and leaves a query or fragment out (`?…`), as either may carry a
     /// credential ([`crate::shown_url_without_query`]).
+    #[must_use]
     pub fn url(mut self, url: impl Into<String>) -> Self {
         self.url = Some(url.into());
         self
@@ -585,6 +586,7 @@ impl AgentBuilder {
     /// The agent token, sent as `authorization: Bearer <token>`; never logged.
     /// [`AgentBuilder::connect`] refuses one no control plane holds (empty, white space at
     /// either end, a character other than printable ASCII and the space).
+    #[must_use]
     pub fn token(mut self, token: impl Into<String>) -> Self {
         self.token = Some(token.into());
         self
@@ -592,12 +594,14 @@ impl AgentBuilder {
 
     /// The service this agent runs in (required: [`AgentBuilder::connect`] refuses an agent
     /// without one). The control plane lists and counts agents by it.
+    #[must_use]
     pub fn service(mut self, service: impl Into<String>) -> Self {
         self.service = service.into();
         self
     }
 
     /// Adds a label reported in Hello.
+    #[must_use]
     pub fn label(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
         self.labels.insert(key.into(), value.into());
         self
@@ -607,12 +611,14 @@ impl AgentBuilder {
     /// one call, say. Once its stream has ended, the control plane's fleet status leaves it
     /// out instead of listing it as disconnected. Off by default: a service's agent that
     /// disappears should show.
+    #[must_use]
     pub fn ephemeral(mut self, ephemeral: bool) -> Self {
         self.ephemeral = ephemeral;
         self
     }
 
     /// A stable agent id (default: generated per process).
+    #[must_use]
     pub fn agent_id(mut self, id: impl Into<String>) -> Self {
         self.agent_id = Some(id.into());
         self
@@ -646,6 +652,7 @@ impl AgentBuilder {
     /// on the other's policies while its own control plane is out of reach (until that
     /// control plane, reached again, sends its own). An empty path is refused at
     /// [`AgentBuilder::connect`] ([`AgentError::EmptyCachePath`]).
+    #[must_use]
     pub fn cache_file(mut self, path: impl Into<PathBuf>) -> Self {
         self.cache_file = Some(path.into());
         self
@@ -654,12 +661,14 @@ impl AgentBuilder {
     /// How often metrics are sent unless the control plane says otherwise. This one and the
     /// control plane's are held within the control plane's own range, 100 ms to 1 h: a shorter
     /// one counts as 100 ms, a longer one as 1 h.
+    #[must_use]
     pub fn metrics_interval(mut self, interval: Duration) -> Self {
         self.metrics_interval = Some(interval);
         self
     }
 
     /// The reconnect backoff (default [`ReconnectBackoff::default`]: 100 ms → 30 s).
+    #[must_use]
     pub fn reconnect_backoff(mut self, backoff: ReconnectBackoff) -> Self {
         self.backoff = Some(backoff);
         self
@@ -670,12 +679,14 @@ impl AgentBuilder {
     /// finds a control plane that vanished without closing the connection (a host gone, a
     /// network partition). Default: 20 s and 10 s, the server's own interval. Each is held
     /// within the control plane's own range, 1 s to 1 h.
+    #[must_use]
     pub fn keepalive(mut self, interval: Duration, timeout: Duration) -> Self {
         self.keepalive = Some((interval, timeout));
         self
     }
 
     /// A fixed seed for the RNG behind jitter (tests).
+    #[must_use]
     pub fn rng_seed(mut self, seed: u64) -> Self {
         self.seed = Some(seed);
         self

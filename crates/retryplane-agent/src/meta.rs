@@ -101,12 +101,14 @@ impl<'a> CallMeta<'a> {
     }
 
     /// Declares whether the call is idempotent, overriding the method list.
+    #[must_use]
     pub fn idempotent(mut self, idempotent: bool) -> Self {
         self.idempotent = Some(idempotent);
         self
     }
 
     /// Says the request carries the idempotency key header.
+    #[must_use]
     pub fn with_idempotency_key(mut self, present: bool) -> Self {
         self.has_idempotency_key = present;
         self
@@ -142,6 +144,7 @@ impl<'a> CallMeta<'a> {
     /// policy is recognised. A header counts only with a value that is not empty or blank: an
     /// empty `Idempotency-Key:` is no key, and a non-idempotent call carrying it is not
     /// retried. The values are looked at, never kept.
+    #[must_use]
     pub fn with_headers(mut self, headers: &http::HeaderMap) -> Self {
         self.header_names = headers
             .keys()
@@ -158,6 +161,7 @@ impl<'a> CallMeta<'a> {
 
     /// A token that cancels the call, even during a pause or an attempt; a call whose token is
     /// cancelled before it starts makes no attempt.
+    #[must_use]
     pub fn with_cancel(mut self, token: CancellationToken) -> Self {
         self.cancel = Some(token);
         self
@@ -167,6 +171,7 @@ impl<'a> CallMeta<'a> {
     /// of it and the policy's `deadline` (every attempt's timeout and every pause keep to it),
     /// and gives up with `deadline_exceeded` when it passes. A gRPC caller's `grpc-timeout` is
     /// one; the [`RetryLayer`](crate::layer::RetryLayer) reads it from the request itself.
+    #[must_use]
     pub fn deadline_within(mut self, within: Duration) -> Self {
         self.within = Some(within);
         self

@@ -137,6 +137,7 @@ pub enum Outcome {
 
 impl Outcome {
     /// The worse of two outcomes: `Error` over `Failure` over `Success`.
+    #[must_use]
     pub fn worst(self, other: Outcome) -> Outcome {
         use Outcome::{Error, Failure, Success};
         match (self, other) {

@@ -461,6 +461,7 @@ impl Overlay {
     /// an endpoint brings back the ratio of `defaults:`, not the built-in one). A route cannot
     /// turn a section back on: the budget and the breaker are the endpoint's
     /// ([`crate::validate`]).
+    #[must_use]
     pub fn over(&self, lower: &Overlay) -> Overlay {
         self.over_owned(lower.clone())
     }

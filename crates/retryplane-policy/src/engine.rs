@@ -412,6 +412,7 @@ impl EndpointState {
     /// off, or it was let go (no call held it and it counted nothing), the one of its
     /// settings the calls behind this state use, or a fresh one. One turned off goes to the
     /// calls behind the new state, with the others they use, while it has none.
+    #[must_use]
     pub fn carry(&self, policy: &RetryPolicy, now: Instant) -> Self {
         let strays = {
             let mut strays = self.strays.lock().unwrap_or_else(PoisonError::into_inner);
@@ -467,6 +468,7 @@ impl EndpointState {
     ///
     /// Where this state has no budget or breaker (a push turned it off) and `policy` has one,
     /// the calls behind it share one per settings, made behind the one the push turned off.
+    #[must_use]
     pub fn behind(&self, policy: &RetryPolicy) -> Self {
         self.next(
             policy,

@@ -80,6 +80,7 @@ impl StreamLimits {
     /// so an agent that reports on the interval it was given is never limited: a dropped report
     /// without a seq loses its counts (a numbered one is acknowledged as dropped and its counts
     /// come back in a later report). The limit is there for agents that report far faster.
+    #[must_use]
     pub fn for_metrics_interval(mut self, metrics_interval: Duration) -> Self {
         let secs = metrics_interval.as_secs_f64();
         if secs > 0.0 {

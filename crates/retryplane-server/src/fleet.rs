@@ -481,6 +481,7 @@ impl Fleet {
     /// The registry, forgetting an agent `forget_after` after its stream ended (`None`: only
     /// when more than [`MAX_DISCONNECTED`] disconnected agents are listed and it is among the
     /// longest gone).
+    #[must_use]
     pub fn forgetting_after(mut self, forget_after: Option<Duration>) -> Self {
         self.forget_after = forget_after;
         self

@@ -311,6 +311,7 @@ impl Dedup {
     /// request is shared only when it is idempotent under the policy in force (its method in
     /// the route's `idempotent_methods`, or [`Idempotent`](super::Idempotent)`(true)` on it):
     /// declare such a `POST` with that extension.
+    #[must_use]
     pub fn share_method(mut self, method: Method) -> Self {
         let config = Arc::make_mut(&mut self.config);
         if !config.methods.contains(&method) {
@@ -323,6 +324,7 @@ impl Dedup {
     /// shared. By default every header is, except [`DEFAULT_IGNORED_HEADERS`] and those
     /// [`Dedup::ignore_header`] names; this takes `name` back out of that list. After
     /// [`Dedup::vary_only_on`], it adds `name` to the listed headers.
+    #[must_use]
     pub fn vary_on(mut self, name: HeaderName) -> Self {
         match &mut Arc::make_mut(&mut self.config).vary {
             Vary::AllExcept(ignored) => ignored.retain(|n| *n != name),
@@ -339,6 +341,7 @@ impl Dedup {
     /// Never for one that carries a credential or a tenant; the [`CREDENTIAL_HEADERS`] and
     /// `Host` stay in the key whatever this says. After [`Dedup::vary_only_on`], it removes `name` from the
     /// listed headers.
+    #[must_use]
     pub fn ignore_header(mut self, name: HeaderName) -> Self {
         if is_credential(&name) {
             return self;
@@ -356,6 +359,7 @@ impl Dedup {
     /// Makes every request header part of the key, the tracing headers of
     /// [`DEFAULT_IGNORED_HEADERS`] included: only requests with the same headers and values (in
     /// any order of names) are shared.
+    #[must_use]
     pub fn vary_on_all_headers(mut self) -> Self {
         Arc::make_mut(&mut self.config).vary = Vary::AllExcept(Vec::new());
         self
@@ -365,6 +369,7 @@ impl Dedup {
     /// `X-Tenant`): requests that differ only in other headers are shared. Every other header
     /// that carries a credential or a tenant, or otherwise changes the answer, must be listed,
     /// or one caller gets a response meant for another.
+    #[must_use]
     pub fn vary_only_on(mut self, names: impl IntoIterator<Item = HeaderName>) -> Self {
         let mut names: Vec<HeaderName> = names
             .into_iter()
@@ -382,6 +387,7 @@ impl Dedup {
     /// The largest response body read into memory to be shared; with a larger one, the leader
     /// gets it as it comes (the bytes read so far first) and those waiting make their own
     /// calls.
+    #[must_use]
     pub fn with_response_limit(mut self, limit: usize) -> Self {
         Arc::make_mut(&mut self.config).response_limit = limit;
         self

@@ -10,6 +10,7 @@ use super::BoxError;
 type Inner<R> = Pin<Box<dyn Future<Output = Result<R, BoxError>> + Send>>;
 
 /// The response of a logical call (every attempt and pause included).
+#[must_use = "futures do nothing unless you `.await` or poll them"]
 pub struct ResponseFuture<R> {
     inner: Inner<R>,
 }

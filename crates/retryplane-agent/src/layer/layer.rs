@@ -97,6 +97,7 @@ impl<D> RetryLayer<D> {
     /// The largest request body kept for replay; larger ones are sent once, never retried
     /// (nor sent again after a credential refresh, nor shared). The warn line of such a call
     /// whose attempt fails, whatever the failure, says `replayable=false`.
+    #[must_use]
     pub fn with_body_limit(mut self, limit: usize) -> Self {
         self.settings.body_limit = limit;
         self
@@ -105,6 +106,7 @@ impl<D> RetryLayer<D> {
     /// Calls `hook` at most once per logical call, when an attempt is answered
     /// `401 Unauthorized` (a gRPC request: also `UNAUTHENTICATED`), and sends that attempt again with the request it updated (see the
     /// [module docs](super)). Requests whose body was not buffered are not sent again.
+    #[must_use]
     pub fn with_auth_refresh(mut self, hook: impl RefreshCredentials) -> Self {
         self.settings.refresh = Some(Arc::new(hook));
         self
