@@ -246,6 +246,34 @@ async fn a_saved_file_is_published_and_an_invalid_save_keeps_the_old_version() {
         .unwrap()
         .into_inner();
     assert_eq!(current.info.unwrap().version, 2);
+    // FleetStatus says the file was not applied, and why (`retryplane status` shows it).
+    let policy_file = || {
+        let mut admin = admin.clone();
+        async move {
+            admin
+                .fleet_status(pb::FleetStatusRequest::default())
+                .await
+                .unwrap()
+                .into_inner()
+                .policy_file
+        }
+    };
+    eventually("FleetStatus says the save was not applied", || async {
+        policy_file().await.is_some_and(|f| !f.served)
+    })
+    .await;
+    let file = policy_file().await.unwrap();
+    assert_eq!(
+        std::path::Path::new(&file.path).file_name(),
+        path.file_name()
+    );
+    assert!(std::path::Path::new(&file.path).is_absolute(), "{file:?}");
+    assert!(
+        file.problem
+            .starts_with("1 error; the first: 3:24: error: endpoints.ep-0.max_attempts: "),
+        "{file:?}"
+    );
+    assert!(file.read_unix_ms > 0);
     let _late = plane.agent_on("a2", 2).await;
 }
 

@@ -86,6 +86,20 @@ impl AdminApi {
         }
     }
 
+    /// File mode: the verdict on the policy file's last judged read, as `FleetStatus` gives it.
+    fn policy_file(&self) -> Option<pb::PolicyFileRead> {
+        let Mode::File(path) = &self.control.mode else {
+            return None;
+        };
+        let read = self.control.file_read()?;
+        Some(pb::PolicyFileRead {
+            path: path.display().to_string(),
+            served: read.outcome.is_ok(),
+            read_unix_ms: read.read_unix_ms,
+            problem: read.outcome.err().unwrap_or_default(),
+        })
+    }
+
     /// A turn to check a document ([`MAX_CONCURRENT_CHECKS`]): for a change (Apply, Rollback)
     /// by a caller who `may_change` the policies ([`caller_may_change`]), of the shared turns
     /// or the kept one; for a check (Validate, a dry run), of the shared ones.
@@ -776,6 +790,7 @@ impl AdminService for AdminApi {
             },
             connected_agents: u32::try_from(connected).unwrap_or(u32::MAX),
             known_agents: u32::try_from(known).unwrap_or(u32::MAX),
+            policy_file: self.policy_file(),
         }))
     }
 

@@ -200,7 +200,23 @@ pub struct ControlPlane {
     /// is diffed against the current version, and converting that from its wire form on
     /// every change took about as long as the diff (10 ms at 1,000 endpoints).
     converted: Arc<std::sync::Mutex<Option<Arc<Converted>>>>,
+    /// File mode: the verdict on the policy file's last read ([`ControlPlane::file_read`]).
+    file_read: std::sync::Mutex<Option<FileRead>>,
 }
+
+/// File mode: what became of a read of the policy file, for `FleetStatus`: a save that was not
+/// applied is otherwise seen only in the log and on `/metrics`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FileRead {
+    /// When it was read, Unix milliseconds (the wall clock's, as shown to people).
+    pub read_unix_ms: u64,
+    /// `Ok` when what the file held is served (applied, or equal to the version served); else
+    /// why not, on one line.
+    pub outcome: Result<(), String>,
+}
+
+/// The longest [`FileRead::outcome`] problem kept, in bytes (as a NACK's reason).
+const MAX_FILE_PROBLEM_BYTES: usize = 1_024;
 
 /// A stored version as a change's check needs it ([`ControlPlane::converted`]).
 #[derive(Debug)]
@@ -300,7 +316,33 @@ impl ControlPlane {
             mode,
             changes: Arc::new(Mutex::new(())),
             converted: Arc::new(std::sync::Mutex::new(None)),
+            file_read: std::sync::Mutex::new(None),
         }
+    }
+
+    /// File mode: notes the verdict on a read of the policy file, read now (`Err`: why it was
+    /// not applied, cut to 1,024 bytes).
+    pub fn note_file_read(&self, outcome: Result<(), String>) {
+        let outcome = outcome.map_err(|problem| {
+            retryplane_policy::diag::cut_marked(&problem, MAX_FILE_PROBLEM_BYTES).into_owned()
+        });
+        let read = FileRead {
+            read_unix_ms: crate::fleet::unix_ms(),
+            outcome,
+        };
+        *self
+            .file_read
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(read);
+    }
+
+    /// File mode: the verdict on the policy file's last read that was judged; `None` in API
+    /// mode, and until a read is judged.
+    pub fn file_read(&self) -> Option<FileRead> {
+        self.file_read
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
     }
 
     /// A control plane over `store` with a fresh publisher, fleet (100 agents), metrics and

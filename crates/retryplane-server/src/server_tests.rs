@@ -156,6 +156,34 @@ async fn restart_with_an_unchanged_file_keeps_version_and_hash() {
     );
     // Served as stored: no publish counted, and no word of a version a failed write hid.
     assert_eq!(running.control().metrics.publishes.get(), 0);
+    assert_eq!(
+        running.control().file_read().map(|r| r.outcome),
+        Some(Ok(()))
+    );
+    running.shutdown().await.unwrap();
+}
+
+/// A start on an invalid file serves the stored version, and says why the file was not
+/// applied for `FleetStatus`, as a save while running would.
+#[tokio::test]
+async fn a_start_on_an_invalid_file_notes_why_it_was_not_applied() {
+    let (dir, cfg) = with_file(V1);
+    let running = start(cfg.clone()).await.unwrap();
+    running.shutdown().await.unwrap();
+    fs::write(
+        dir.path().join("policies.yaml"),
+        "version: 1\nendpoints:\n  payments: {max_attempts: 0, deadline: 0s}\n",
+    )
+    .unwrap();
+    let running = start(cfg).await.unwrap();
+    assert_eq!(current(&running).await.version, 1);
+    let Some(Err(problem)) = running.control().file_read().map(|r| r.outcome) else {
+        panic!("{:?}", running.control().file_read())
+    };
+    assert!(
+        problem.starts_with("2 errors; the first: 3:28: error: endpoints.payments.max_attempts: "),
+        "{problem}"
+    );
     running.shutdown().await.unwrap();
 }
 
@@ -180,6 +208,14 @@ async fn a_start_refusing_a_file_that_removes_thousands_of_endpoints_names_only_
         1,
         "the stored version stays"
     );
+    let Some(Err(problem)) = running.control().file_read().map(|r| r.outcome) else {
+        panic!("{:?}", running.control().file_read())
+    };
+    assert!(
+        problem.starts_with("it removes every endpoint (endpoint-with-a-long-name-00000, "),
+        "{problem}"
+    );
+    assert!(problem.len() <= 1_024 + '…'.len_utf8(), "{}", problem.len());
     running.shutdown().await.unwrap();
     let text = log.text();
     let line = text

@@ -423,6 +423,24 @@ pub fn log_diagnostics(file: &Path, loaded: &Loaded) {
     }
 }
 
+/// Why a file that removes every endpoint (`names`, a capped list) is not applied, on one
+/// line, for `FleetStatus`.
+pub fn removes_everything(names: &str) -> String {
+    format!("it removes every endpoint ({names}); add the new ones first, then remove the old ones")
+}
+
+/// Why a file with errors is not applied, on one line, for `FleetStatus`: how many errors,
+/// and the first as `retryplane validate` prints it after the file's name.
+pub fn errors_in_brief(loaded: &Loaded) -> String {
+    let (errors, _) = retryplane_policy::diag::counts(&loaded.diagnostics);
+    let first = loaded.diagnostics.iter().find(|d| d.is_error());
+    let noun = if errors == 1 { "error" } else { "errors" };
+    match first {
+        Some(first) => format!("{errors} {noun}; the first: {first}"),
+        None => format!("{errors} {noun}"),
+    }
+}
+
 /// Where a watcher started before start-up's own read of the policy file learns what start-up
 /// did with it ([`FileAtStart`]).
 #[derive(Debug)]
@@ -1005,7 +1023,12 @@ async fn reload_if_changed(
     let read = match read {
         Ok(read) => read,
         Err(e) => {
-            reload_result(control, file, false, Before::Failed);
+            reload_result(
+                control,
+                file,
+                Err(format!("cannot read it: {e}")),
+                Before::Failed,
+            );
             if matches!(last, LastRead::Failed(kind) if *kind == e.kind()) {
                 debug!(file = %file.display(), error = %e, "the policy file still cannot be read");
             } else {
@@ -1036,7 +1059,12 @@ async fn reload_if_changed(
         Ok(loaded) => loaded,
         Err(e) => {
             warn!(file = %file.display(), error = %e, "cannot load the policy file; still serving {}", serving(control));
-            reload_result(control, file, false, Before::Failed);
+            reload_result(
+                control,
+                file,
+                Err(format!("cannot load it: {e}")),
+                Before::Failed,
+            );
             *last = LastRead::Nothing;
             return;
         }
@@ -1051,7 +1079,7 @@ async fn reload_if_changed(
     } else {
         Before::Failed
     };
-    let (settled, valid) = apply(
+    let (settled, outcome) = apply(
         control,
         file,
         loaded,
@@ -1062,7 +1090,7 @@ async fn reload_if_changed(
     .await;
     // A save still being written is no failed reload: the gauge says what the last one did.
     if !matches!(settled, Settled::HeldBack) {
-        reload_result(control, file, valid, before);
+        reload_result(control, file, outcome, before);
     }
     *last = match settled {
         Settled::Yes => LastRead::Bytes(bytes),
@@ -1101,10 +1129,12 @@ enum Before {
     LeftToItsWriter,
 }
 
-/// Sets `retryplane_server_config_last_reload_successful` from one read of the file, and says
-/// once when the file is good after a read that was not, or after start-up left it to its
-/// writer (`before`).
-fn reload_result(control: &ControlPlane, file: &Path, ok: bool, before: Before) {
+/// Sets `retryplane_server_config_last_reload_successful` and the verdict `FleetStatus` shows
+/// from one read of the file (`Err`: why it was not applied), and says once when the file is
+/// good after a read that was not, or after start-up left it to its writer (`before`).
+fn reload_result(control: &ControlPlane, file: &Path, outcome: Result<(), String>, before: Before) {
+    let ok = outcome.is_ok();
+    control.note_file_read(outcome);
     control
         .metrics
         .config_last_reload_successful
@@ -1139,7 +1169,7 @@ pub async fn reload(control: &ControlPlane, file: &Path) {
 /// left `after_writer`, which its caller logs). Returns whether the outcome is settled, so that the same
 /// bytes would get the same answer again (only a store failure is worth another try, and not
 /// a store whose file was replaced, which stores nothing until a restart), and whether the
-/// file was valid and applied (or equal to the version served).
+/// file was valid and applied (or equal to the version served): if not, why not, on one line.
 async fn apply(
     control: &ControlPlane,
     file: &Path,
@@ -1147,12 +1177,12 @@ async fn apply(
     again: bool,
     keep_endpoints: bool,
     after_writer: bool,
-) -> (Settled, bool) {
+) -> (Settled, Result<(), String>) {
     log_diagnostics(file, &loaded);
     let Some(policies) = loaded.policies else {
         control.metrics.rejected_changes.inc();
         warn!(file = %file.display(), "the policy file has errors; the change is rejected and {} stays served", serving(control));
-        return (Settled::Yes, false);
+        return (Settled::Yes, Err(errors_in_brief(&loaded)));
     };
     let request = ChangeRequest {
         content: ChangeContent::Loaded {
@@ -1175,9 +1205,9 @@ async fn apply(
             if control.metrics.config_last_reload_successful.get() == 1 && !after_writer {
                 info!(file = %file.display(), "the policy file was saved, but its policies did not change; {} stays served", serving(control));
             }
-            (Settled::Yes, true)
+            (Settled::Yes, Ok(()))
         }
-        Ok(_) => (Settled::Yes, true),
+        Ok(_) => (Settled::Yes, Ok(())),
         Err(ChangeError::RemovesEverything(names)) => {
             // As many names as fit one readable line (a file of thousands of endpoints made
             // one log line of 150 KB).
@@ -1188,7 +1218,7 @@ async fn apply(
                  replace every endpoint, add the new ones first, save, then remove the old ones",
                 serving(control)
             );
-            (Settled::Yes, false)
+            (Settled::Yes, Err(removes_everything(&names)))
         }
         Err(ChangeError::MaybePartial(names)) => {
             let names = crate::admin::capped_list(&names, ", ", 1_000, "endpoint", "");
@@ -1200,7 +1230,12 @@ async fn apply(
                  then",
                 serving(control)
             );
-            (Settled::HeldBack, false)
+            (
+                Settled::HeldBack,
+                Err(format!(
+                    "held back while its writer is not done: it removes {names}"
+                )),
+            )
         }
         Err(e) => {
             let settled = match &e {
@@ -1214,7 +1249,7 @@ async fn apply(
             } else {
                 warn!(file = %file.display(), error = %ErrorChain(&e), "the saved policy file was not applied; {} stays served", serving(control));
             }
-            (settled, false)
+            (settled, Err(format!("not applied: {}", ErrorChain(&e))))
         }
     }
 }

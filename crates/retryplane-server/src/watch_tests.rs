@@ -154,6 +154,40 @@ async fn invalid_save_is_rejected_and_the_last_good_version_stays() {
     wait_for_version(&f.control, 2, PUBLISHED).await;
 }
 
+/// What `FleetStatus` shows of the file: each read judged, with why one was not applied.
+#[tokio::test]
+async fn each_read_is_noted_for_fleet_status_with_why_a_save_was_not_applied() {
+    let f = fixture().await;
+    let outcome = |f: &Fixture| f.control.file_read().map(|r| r.outcome);
+    assert_eq!(outcome(&f), Some(Ok(())), "the first read");
+    save_by_rename(&f, INVALID);
+    eventually("the invalid save to be noted", || {
+        outcome(&f) != Some(Ok(()))
+    })
+    .await;
+    let Some(Err(problem)) = outcome(&f) else {
+        panic!("{:?}", f.control.file_read())
+    };
+    assert!(
+        problem.starts_with("1 error; the first: 4:19: error: endpoints.payments.max_attempts: "),
+        "{problem}"
+    );
+    assert_eq!(current_version(&f.control), Some(1));
+    let read_at = f.control.file_read().unwrap().read_unix_ms;
+    assert!(read_at > 0);
+
+    fs::remove_file(&f.file).unwrap();
+    eventually(
+        "the missing file to be noted",
+        || matches!(outcome(&f), Some(Err(p)) if p.starts_with("cannot read it: ")),
+    )
+    .await;
+
+    save_by_rename(&f, V2);
+    wait_for_version(&f.control, 2, PUBLISHED).await;
+    eventually("the good save to be noted", || outcome(&f) == Some(Ok(()))).await;
+}
+
 #[tokio::test]
 async fn saving_the_same_content_publishes_nothing() {
     let f = fixture().await;

@@ -17,12 +17,19 @@
 //! - pending: the other connected agents (the push is on its way, or unanswered);
 //! - disconnected: the other agents the server still remembers.
 //!
+//! In file mode, when the policy file's last read was not applied (a save with errors, one that
+//! removes every endpoint, a file that cannot be read), one line says so, and why: `file:
+//! /etc/retryplane/policies.yaml not applied (read 2026-12-06T22:14:51Z): 1 error; the first:
+//! 3:28: error: endpoints.payments.max_attempts: …; v2 is served`.
+//!
 //! Then one line per endpoint whose retry ratio over the last 5 minutes is past its threshold
 //! (SPEC §4): `FleetStatus` names them and, only when it names any, `Stats` gives the figures:
 //! `alert: payments (checkout) retry ratio 7.2% > 5.0% over 5m`.
 //!
 //! JSON: `{current_version, summary: {acked, nacked, pending, disconnected}, agents: [...],
-//! alerts: [...]}`, each agent with every field of the wire message (`labels` an object; times
+//! alerts: [...], policy_file}`, `policy_file` being `null` in API mode (and in file mode until a
+//! read is judged), else `{path, served, read_unix_ms, read, problem}` (`problem` `null` when
+//! served), each agent with every field of the wire message (`labels` an object; times
 //! in Unix milliseconds and, for people, RFC 3339 UTC; empty strings as `null`), each alert as
 //! `retryplane stats` prints it (`{service, endpoint, ratio, threshold, window_seconds,
 //! since_unix_ms, since}`).
@@ -172,7 +179,8 @@ impl Counts {
     }
 }
 
-/// The agents' table, the summary line, then one line per alert.
+/// The agents' table, the summary line, the policy file's when it was not applied, then one
+/// line per alert.
 fn status_text(
     response: &pb::FleetStatusResponse,
     counts: Counts,
@@ -184,6 +192,18 @@ fn status_text(
     }
     out.push_str(&counts.line(response.current_version));
     out.push('\n');
+    if let Some(file) = response.policy_file.as_ref().filter(|f| !f.served) {
+        let serving = match response.current_version {
+            0 => "no version is served".to_owned(),
+            v => format!("v{v} is served"),
+        };
+        out.push_str(&format!(
+            "file: {} not applied (read {}): {}; {serving}\n",
+            output::name(&file.path),
+            rfc3339_or_dash(file.read_unix_ms),
+            output::spaced(&file.problem),
+        ));
+    }
     for line in stats.map(metrics::alert_lines).unwrap_or_default() {
         out.push_str("alert: ");
         out.push_str(&line);
@@ -311,6 +331,13 @@ fn status_json(
         },
         "agents": agents,
         "alerts": stats.map_or(Value::Null, metrics::alerts_json),
+        "policy_file": response.policy_file.as_ref().map_or(Value::Null, |f| json!({
+            "path": f.path,
+            "served": f.served,
+            "read_unix_ms": f.read_unix_ms,
+            "read": time(f.read_unix_ms),
+            "problem": non_empty(&f.problem),
+        })),
     })
 }
 
@@ -480,6 +507,58 @@ z      checkout  -                                    127.0.0.1:50000  disconnec
         assert_eq!(value["agents"][0]["last_error"], Value::Null);
         assert_eq!(value["agents"][0]["labels"], json!({}));
         assert_eq!(value["alerts"], Value::Null, "no Stats, no alerts");
+    }
+
+    #[test]
+    fn a_policy_file_not_applied_is_a_line_of_text_and_an_object_in_json() {
+        let refused = pb::PolicyFileRead {
+            path: "/etc/rp/policies.yaml".to_owned(),
+            served: false,
+            read_unix_ms: 1_764_473_825_000,
+            problem: "1 error; the first: 3:28: error: endpoints.p.max_attempts: bad\nnext"
+                .to_owned(),
+        };
+        let mut response = pb::FleetStatusResponse {
+            current_version: 2,
+            policy_file: Some(refused.clone()),
+            ..Default::default()
+        };
+        assert_eq!(
+            status_text(&response, Counts::default(), None),
+            "v2: 0 acked, 0 nacked, 0 pending\nfile: /etc/rp/policies.yaml not applied (read \
+             2025-11-30T03:37:05Z): 1 error; the first: 3:28: error: endpoints.p.max_attempts: \
+             bad next; v2 is served\n"
+        );
+        let value = status_json(&response, Counts::default(), None);
+        assert_eq!(
+            value["policy_file"],
+            json!({
+                "path": "/etc/rp/policies.yaml",
+                "served": false,
+                "read_unix_ms": 1_764_473_825_000_u64,
+                "read": "2025-11-30T03:37:05Z",
+                "problem": "1 error; the first: 3:28: error: endpoints.p.max_attempts: bad\nnext",
+            })
+        );
+        // Served: no line, and no problem in JSON.
+        response.policy_file = Some(pb::PolicyFileRead {
+            served: true,
+            problem: String::new(),
+            ..refused
+        });
+        assert_eq!(
+            status_text(&response, Counts::default(), None),
+            "v2: 0 acked, 0 nacked, 0 pending\n"
+        );
+        let value = status_json(&response, Counts::default(), None);
+        assert_eq!(value["policy_file"]["served"], json!(true));
+        assert_eq!(value["policy_file"]["problem"], Value::Null);
+        // API mode: none.
+        response.policy_file = None;
+        assert_eq!(
+            status_json(&response, Counts::default(), None)["policy_file"],
+            Value::Null
+        );
     }
 
     #[test]

@@ -94,6 +94,7 @@ pub(super) async fn load_policies(
         (Err(source), None) => return Err(read_error(file, source)),
         (Err(e), Some(version)) => {
             error!(file = %file.display(), error = %e, version, "cannot read the policy file; serving the stored version");
+            control.note_file_read(Err(format!("cannot read it: {e}")));
             return Ok(None);
         }
     };
@@ -101,6 +102,7 @@ pub(super) async fn load_policies(
         Some(version) if loaded.has_errors() => {
             log_diagnostics(file, &loaded);
             control.metrics.rejected_changes.inc();
+            control.note_file_read(Err(crate::watch::errors_in_brief(&loaded)));
             error!(file = %file.display(), version, "the policy file is invalid; serving the stored version until it is fixed");
         }
         _ => {
@@ -110,14 +112,17 @@ pub(super) async fn load_policies(
             match apply_valid(control, file, loaded, stored).await? {
                 StartChange::Applied => {
                     reload_ok.set(1);
+                    control.note_file_read(Ok(()));
                 }
-                StartChange::Refused => {
+                StartChange::Refused(why) => {
                     reload_ok.set(0);
+                    control.note_file_read(Err(why));
                 }
                 // Not settled: the watcher reads the file again (at its next rescan at the
                 // latest).
-                StartChange::NotStored => {
+                StartChange::NotStored(why) => {
                     reload_ok.set(0);
+                    control.note_file_read(Err(why));
                     return Ok(None);
                 }
             }
@@ -137,11 +142,12 @@ fn read_error(file: &Path, source: io::Error) -> ServeError {
 enum StartChange {
     /// Applied, or equal to the stored version.
     Applied,
-    /// Refused for removing every stored endpoint, or for being larger than agents decode.
-    Refused,
+    /// Refused for removing every stored endpoint, or for being larger than agents decode
+    /// (why, on one line).
+    Refused(String),
     /// Valid, but the store could not take it (a full disk, say): the stored version is
-    /// served, and the file is to be read again.
-    NotStored,
+    /// served, and the file is to be read again (why, on one line).
+    NotStored(String),
 }
 
 /// Applies `loaded` as [`Source::File`]; `Err` when it has errors, or cannot be applied and
@@ -186,18 +192,23 @@ async fn apply_valid(
             // As many names as fit one readable line, as the watcher's warning has them.
             let names = crate::admin::capped_list(&names, ", ", 1_000, "endpoint", "");
             error!(file = %file.display(), "the policy file removes every stored endpoint ({names}); refused, serving the stored version. To replace every endpoint, add the new ones first, then remove the old ones");
-            Ok(StartChange::Refused)
+            Ok(StartChange::Refused(crate::watch::removes_everything(
+                &names,
+            )))
         }
         Err(e @ crate::control::ChangeError::TooLarge(_)) if stored.is_some() => {
             error!(file = %file.display(), error = %e, version = stored, "the policy file was not applied; serving the stored version");
-            Ok(StartChange::Refused)
+            Ok(StartChange::Refused(format!("not applied: {e}")))
         }
         // As while running: the store keeps what it holds and is tried again at the next read.
         Err(
             crate::control::ChangeError::Store(e) | crate::control::ChangeError::StoreUncertain(e),
         ) if stored.is_some() => {
             error!(file = %file.display(), error = %crate::ErrorChain(&e), version = stored, "cannot store the policy file's version; serving the stored version and reading the file again later");
-            Ok(StartChange::NotStored)
+            Ok(StartChange::NotStored(format!(
+                "not applied: {}",
+                crate::ErrorChain(&e)
+            )))
         }
         Err(source) => Err(ServeError::Apply {
             file: file.to_owned(),
