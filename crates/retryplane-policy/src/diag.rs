@@ -527,9 +527,10 @@ fn close_enough(word: &str, candidate: &str) -> Option<usize> {
 }
 
 /// [`close_enough`], allowing edits in proportion to `len` bytes of the candidate (a section's
-/// field: its own name, not its section's).
+/// field: its own name, not its section's), but fewer than the candidate has characters: a
+/// word that shares nothing with a short candidate (`X`, `FOO` for `OK`) is no typo of it.
 fn close_enough_to(word: &str, candidate: &str, len: usize) -> Option<usize> {
-    distance_within(word, candidate, 2.max(len / 3))
+    distance_within(word, candidate, 2.max(len / 3)).filter(|&d| d < candidate.chars().count())
 }
 
 /// The edit distance from `word` to `candidate` if it is at most `limit`. The distance is at

@@ -1352,7 +1352,8 @@ impl Walker {
                     path,
                     format!(
                         "unknown gRPC status code `{name}`{}",
-                        did_you_mean(&name, GrpcCode::names())
+                        // Never `OK`: it is refused here too.
+                        did_you_mean(&name, GrpcCode::names().filter(|n| *n != "OK"))
                     ),
                 );
                 None

@@ -686,6 +686,21 @@ fn a_breaker_failure_ratio_is_a_ratio_from_zero_to_one() {
 }
 
 #[test]
+fn an_unknown_grpc_code_is_offered_a_close_code_never_ok_and_nothing_for_a_stranger() {
+    let src =
+        "version: 1\nendpoints:\n  a:\n    retry_on: {grpc_status: [FOO, X, UNAVAILBLE, OKK]}\n";
+    assert_eq!(
+        errors(src),
+        [
+            "4:30: error: endpoints.a.retry_on.grpc_status[0]: unknown gRPC status code `FOO`",
+            "4:35: error: endpoints.a.retry_on.grpc_status[1]: unknown gRPC status code `X`",
+            "4:38: error: endpoints.a.retry_on.grpc_status[2]: unknown gRPC status code `UNAVAILBLE` (did you mean `UNAVAILABLE`?)",
+            "4:50: error: endpoints.a.retry_on.grpc_status[3]: unknown gRPC status code `OKK`",
+        ]
+    );
+}
+
+#[test]
 fn an_unknown_field_is_offered_the_field_it_shortens_or_the_place_it_belongs() {
     let src = "version: 1\nmax_attempts: 2\nendpoints:\n  a:\n    retry_on: {http: [503], grpc_status_codes: [UNAVAILABLE]}\n    routes:\n      - match: {path: /x}\n";
     assert_eq!(
