@@ -119,6 +119,9 @@ enum Command {
     #[command(after_long_help = simulate::FIGURES)]
     Simulate(simulate::Args),
     /// Make one HTTP call under an endpoint's policy and show every attempt.
+    #[command(
+        after_help = "Causes of a failure (JSON `cause`): not_retryable, attempts_exhausted, budget_exhausted, deadline_exceeded, retry_after_too_long, circuit_open (SPEC §5); and cancelled when Ctrl-C stops the call. Exit codes: 0 success, 1 the call failed (cancelled included), 2 usage or configuration."
+    )]
     Request(request::Args),
     /// Print the completion script of a shell (bash, zsh, fish, elvish, powershell).
     Completions(completions::Args),

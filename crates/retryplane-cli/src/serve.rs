@@ -87,48 +87,43 @@ pub struct Args {
     connection_idle_timeout: Duration,
     /// Most agents connected at once; one more is refused with RESOURCE_EXHAUSTED.
     #[arg(long, value_name = "N", default_value_t = ServeConfig::default().max_agents,
-          value_parser = at_least_one())]
+          value_parser = crate::flags::at_least_one_usize)]
     max_agents: usize,
     /// Most connections the agent listener holds at once (the next waits in the kernel's
     /// queue until one closes); by default twice --max-agents (room for an agent's second
     /// connection while it reconnects) plus --max-pending-handshakes. Lowered to what the
     /// open-file limit leaves beside the admin and HTTP listeners (256 connections each), with
     /// a warning when that is below this flag's value or --max-agents.
-    #[arg(long, value_name = "N", value_parser = at_least_one())]
+    #[arg(long, value_name = "N", value_parser = crate::flags::at_least_one_usize)]
     max_agent_connections: Option<usize>,
     /// Most agent streams waiting for their Hello at once; one more is refused with
     /// RESOURCE_EXHAUSTED. Where the tokens file holds more than one agent token, one token's
     /// streams take at most all but a quarter of them (768 of the default).
     #[arg(long, value_name = "N",
           default_value_t = StreamLimits::default().max_pending_handshakes,
-          value_parser = at_least_one())]
+          value_parser = crate::flags::at_least_one_usize)]
     max_pending_handshakes: usize,
     /// Most HTTP/2 streams one connection may have open at once, on each gRPC listener (an
     /// agent needs one).
     #[arg(long, value_name = "N",
           default_value_t = ServeConfig::default().max_streams_per_connection,
-          value_parser = clap::value_parser!(u32).range(1..))]
+          value_parser = crate::flags::at_least_one_u32)]
     max_streams_per_connection: u32,
     /// Most (service, endpoint) metrics series kept apart; reports past it are counted in one
     /// `other` series.
     #[arg(long, value_name = "N", default_value_t = ServeConfig::default().max_series,
-          value_parser = at_least_one())]
+          value_parser = crate::flags::at_least_one_usize)]
     max_series: usize,
     /// Most of those series one calling service may take (a service that names endpoints
     /// after URLs cannot take the whole cap); its further endpoints are counted in `other`.
     #[arg(long, value_name = "N", default_value_t = ServeConfig::default().max_series_per_service,
-          value_parser = at_least_one())]
+          value_parser = crate::flags::at_least_one_usize)]
     max_series_per_service: usize,
     /// How long a disconnected agent stays listed by `status`: a duration with its unit
     /// (`30m`, `48h`, `7d`), up to 30d; `0` keeps it until more than 10,000 disconnected agents
     /// are listed (then the longest gone tenth go).
     #[arg(long, value_name = "DURATION", default_value = "1h", value_parser = forget_after)]
     forget_disconnected_after: Duration,
-}
-
-/// A count of 1 or more.
-fn at_least_one() -> clap::builder::RangedU64ValueParser<usize> {
-    clap::builder::RangedU64ValueParser::new().range(1..)
 }
 
 /// A listen address: an IP address and a port (`127.0.0.1:7470`, `[::1]:7470`, `0.0.0.0:7470`;

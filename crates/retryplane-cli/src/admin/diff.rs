@@ -48,10 +48,10 @@ pub struct Args {
     file: Option<PathBuf>,
     /// Compare stored versions instead of a file: what changed from version N (to the current
     /// one, or to `--to`).
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, value_name = "N", value_parser = crate::flags::at_least_one)]
     from: Option<u64>,
     /// With `--from`: the version to compare it with, instead of the current one.
-    #[arg(long, value_name = "N", requires = "from", value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, value_name = "N", requires = "from", value_parser = crate::flags::at_least_one)]
     to: Option<u64>,
     /// Exit 1 when the file (or `--from`'s version) differs from what it is compared with,
     /// and 2 when it could not be compared (an invalid file, an unknown version, a refusal, no

@@ -36,7 +36,7 @@ pub enum GetFormat {
 #[command(disable_version_flag = true)]
 pub struct Args {
     /// A past version instead of the current one.
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, value_name = "N", value_parser = crate::flags::at_least_one)]
     version: Option<u64>,
     /// Output format.
     #[arg(long, value_enum, default_value_t, alias = "format")]

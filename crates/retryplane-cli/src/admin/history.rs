@@ -23,10 +23,10 @@ use retryplane_proto::pb;
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// Only the N newest versions.
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, value_name = "N", value_parser = crate::flags::at_least_one_u32)]
     limit: Option<u32>,
     /// Only versions older than this one (to read on from the last version listed).
-    #[arg(long, value_name = "VERSION", value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, value_name = "VERSION", value_parser = crate::flags::at_least_one)]
     before: Option<u64>,
     /// Output format.
     #[arg(long, value_enum, default_value_t, alias = "format")]

@@ -30,10 +30,10 @@ use retryplane_proto::pb;
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// The version whose content to publish again.
-    #[arg(value_name = "VERSION", value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(value_name = "VERSION", value_parser = crate::flags::at_least_one)]
     target: u64,
     /// Refuse unless version N is current.
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, value_name = "N", value_parser = crate::flags::at_least_one)]
     expected_version: Option<u64>,
     /// Allow a rollback that removes every endpoint.
     #[arg(long)]

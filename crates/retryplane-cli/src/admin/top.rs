@@ -82,7 +82,7 @@ pub struct Args {
     /// Stop after N refreshes, failed ones included (off a terminal or with `--output json`, a
     /// run that ends on a failed one exits 2) [default: run until q, Ctrl-C or SIGTERM (only Ctrl-C or SIGTERM
     /// when stdout is not a terminal or with `--output json`), like `top -b`].
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, value_name = "N", value_parser = crate::flags::at_least_one)]
     iterations: Option<u64>,
     /// Output format, `text` or `json`: `json` prints one JSON object per refresh, each on a
     /// line of its own (JSON Lines), and never takes over the terminal.
