@@ -29,7 +29,9 @@ endpoints:
     per_try_timeout: 1s
 ";
 
-/// The error of a failed `Get` call: the cause, and the last status or response.
+/// The error of a failed `Get` call: the cause, and the last status or response. A handler
+/// that answers gRPC itself can hand it on with `?`: it converts into a `tonic::Status` (the
+/// upstream's own, or one whose code says how the call ended; see [`current_version_or_status`]).
 pub type GetError = CallError<tonic::Response<pb::GetResponse>, tonic::Status>;
 
 /// Asks the control plane for its current version through `handle`: retried on `UNAVAILABLE`
@@ -46,6 +48,15 @@ pub async fn current_version(
         })
         .await?;
     Ok(response.into_inner().info.map_or(0, |info| info.version))
+}
+
+/// [`current_version`] for a gRPC handler of your own: a failed call becomes the
+/// `tonic::Status` it answers with.
+pub async fn current_version_or_status(
+    handle: &Endpoint,
+    client: &AdminServiceClient<Channel>,
+) -> Result<u64, tonic::Status> {
+    Ok(current_version(handle, client).await?)
 }
 
 /// Starts a control plane on `127.0.0.1:0` in file mode on `POLICY`, in `dir`.

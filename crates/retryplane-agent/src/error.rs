@@ -214,6 +214,50 @@ impl<T, E> CallError<T, E> {
             _ => None,
         }
     }
+
+    /// The last attempt's result, owned ([`CallError::last`]).
+    pub fn into_last(self) -> Option<Last<T, E>> {
+        self.last
+    }
+
+    /// The last response, owned, if the last attempt produced one: a `503` to hand on to your
+    /// own caller as it came.
+    pub fn into_response(self) -> Option<T> {
+        match self.last {
+            Some(Last::Response(t)) => Some(t),
+            _ => None,
+        }
+    }
+
+    /// The last error, owned, if the last attempt returned one.
+    pub fn into_error(self) -> Option<E> {
+        match self.last {
+            Some(Last::Error(e)) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+/// A gRPC call's error as a `tonic::Status`, so that a handler can return it with `?`: the
+/// upstream's own status when the last attempt returned one; else a status with the code a
+/// gRPC client reports for how the call ended (`DEADLINE_EXCEEDED` when time ran out,
+/// `UNAVAILABLE` when the circuit is open, `CANCELLED` for a cancelled call, `UNKNOWN`
+/// otherwise), as the tower layer answers, and this error's `Display` as its message.
+impl<T> From<CallError<T, tonic::Status>> for tonic::Status {
+    fn from(e: CallError<T, tonic::Status>) -> Self {
+        let message = e.to_string();
+        let code = match e.cause {
+            Cause::GaveUp(GiveUpCause::DeadlineExceeded) => tonic::Code::DeadlineExceeded,
+            Cause::GaveUp(GiveUpCause::CircuitOpen) => tonic::Code::Unavailable,
+            Cause::Cancelled => tonic::Code::Cancelled,
+            _ => tonic::Code::Unknown,
+        };
+        match e.last {
+            Some(Last::Error(status)) => status,
+            Some(Last::TimedOut) => tonic::Status::new(tonic::Code::DeadlineExceeded, message),
+            _ => tonic::Status::new(code, message),
+        }
+    }
 }
 
 // Bodies and headers stay out of Debug: only the shape of `last` is shown.
@@ -317,5 +361,76 @@ mod tests {
         );
         // No attempt ended (a breaker that was open, a call cancelled during its first).
         assert_eq!(text(None, None), start);
+    }
+
+    #[test]
+    fn a_grpc_call_error_becomes_the_upstreams_status_or_one_with_the_code_of_its_end() {
+        let of = |cause, last| -> tonic::Status {
+            CallError::<(), tonic::Status>::new(cause, last, 2).into()
+        };
+        let upstream = of(
+            Cause::GaveUp(GiveUpCause::AttemptsExhausted),
+            Some(Last::Error(tonic::Status::unavailable("down"))),
+        );
+        assert_eq!(
+            (upstream.code(), upstream.message()),
+            (tonic::Code::Unavailable, "down")
+        );
+        let codes = [
+            (
+                Cause::GaveUp(GiveUpCause::AttemptsExhausted),
+                Some(Last::TimedOut),
+                tonic::Code::DeadlineExceeded,
+            ),
+            (
+                Cause::GaveUp(GiveUpCause::DeadlineExceeded),
+                None,
+                tonic::Code::DeadlineExceeded,
+            ),
+            (
+                Cause::GaveUp(GiveUpCause::CircuitOpen),
+                None,
+                tonic::Code::Unavailable,
+            ),
+            (Cause::Cancelled, None, tonic::Code::Cancelled),
+            (
+                Cause::GaveUp(GiveUpCause::AttemptsExhausted),
+                Some(Last::Response(())),
+                tonic::Code::Unknown,
+            ),
+        ];
+        for (cause, last, code) in codes {
+            let status = of(cause, last);
+            assert_eq!(status.code(), code, "{cause}");
+            assert!(
+                status
+                    .message()
+                    .starts_with("call failed after 2 attempt(s): "),
+                "{status:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_last_result_can_be_taken_whole() {
+        let answered = CallError::<u16, std::io::Error>::new(
+            Cause::GaveUp(GiveUpCause::AttemptsExhausted),
+            Some(Last::Response(503)),
+            3,
+        );
+        assert_eq!(answered.into_response(), Some(503));
+        let failed = || {
+            CallError::<u16, std::io::Error>::new(
+                Cause::GaveUp(GiveUpCause::AttemptsExhausted),
+                Some(Last::Error(std::io::Error::other("reset"))),
+                3,
+            )
+        };
+        assert_eq!(
+            failed().into_error().map(|e| e.to_string()),
+            Some("reset".to_owned())
+        );
+        assert_eq!(failed().into_response(), None);
+        assert!(matches!(failed().into_last(), Some(Last::Error(_))));
     }
 }

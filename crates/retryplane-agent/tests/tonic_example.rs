@@ -21,4 +21,10 @@ async fn a_generated_client_called_through_the_handle_gets_its_answer() {
     assert!(version >= 1, "{version}");
     assert_eq!(handle.pending_counts().attempts, 1);
     running.shutdown().await.unwrap();
+    // With the control plane gone, the failed call is handed on as the channel's own status.
+    let status = example::current_version_or_status(&handle, &client)
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+    assert_eq!(handle.pending_counts().attempts, 4, "three more attempts");
 }
