@@ -95,6 +95,9 @@ pub use meta::{AttemptInfo, CallMeta};
 pub use metrics::CounterValues;
 pub use snapshot::{PolicySnapshot, Source, fallback_policy};
 pub use stream::reconnect::ReconnectBackoff;
+// For the retryplane CLI, which reads and shows control-plane URLs as the agent does: not part
+// of the agent's API, so kept off its documentation's front page.
+#[doc(hidden)]
 pub use url::{
     names_no_host, shown_url, shown_url_without_query, unused_url_parts, url_scheme, written_port,
 };

@@ -49,13 +49,13 @@ impl ReconnectBackoff {
     }
 
     /// The current ceiling: `min(max, base × 2^failures)`.
-    pub fn ceiling(&self) -> Duration {
+    pub(crate) fn ceiling(&self) -> Duration {
         let factor = 1u32.checked_shl(self.failures.min(31)).unwrap_or(u32::MAX);
         self.base.saturating_mul(factor).min(self.max)
     }
 
     /// The wait before the next connection attempt; each call raises the ceiling.
-    pub fn next_delay(&mut self, rng: &mut (impl Rng + ?Sized)) -> Duration {
+    pub(crate) fn next_delay(&mut self, rng: &mut (impl Rng + ?Sized)) -> Duration {
         let ceiling = self.ceiling();
         self.failures = self.failures.saturating_add(1);
         let half = ceiling / 2;
@@ -66,12 +66,12 @@ impl ReconnectBackoff {
     /// Raises the ceiling to `max`: the next delay is the longest (a stream another process
     /// with the same agent id replaced, which reconnecting at once would replace in turn). A
     /// later stable stream resets it as usual.
-    pub fn back_off_fully(&mut self) {
+    pub(crate) fn back_off_fully(&mut self) {
         self.failures = 31;
     }
 
     /// A stream that was up for `lasted` ended: a stable one resets the backoff.
-    pub fn session_ended(&mut self, lasted: Duration) {
+    pub(crate) fn session_ended(&mut self, lasted: Duration) {
         if lasted >= self.stable_after {
             self.failures = 0;
         }
