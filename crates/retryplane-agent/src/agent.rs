@@ -278,7 +278,7 @@ impl Agent {
     /// A file over the 1 MiB limit of policy files is an [`AgentError::InvalidPolicyFile`];
     /// a file that cannot be read is an [`AgentError::ReadPolicyFile`], and so is a FIFO or a
     /// socket at `path`, refused without being opened (opening one would wait for a writer).
-    /// To change the policies later, load the file again ([`retryplane_policy::load`]) and
+    /// To change the policies later, load the file again ([`crate::policy::load`]) and
     /// hand its policies to [`Agent::set_policies`].
     pub fn from_file(path: impl AsRef<Path>) -> Result<Agent, AgentError> {
         let path = path.as_ref();

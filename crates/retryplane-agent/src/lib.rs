@@ -8,8 +8,8 @@
 //!   file, reconnects with jittered exponential backoff and streams metrics back. HTTP/2
 //!   keepalive pings ([`AgentBuilder::keepalive`]) find a control plane that vanished without
 //!   closing the connection; the stream's own heartbeat (a `Keepalive` message each way every
-//!   metrics interval, at most 10 s apart; see `retryplane_proto::liveness`) finds one that
-//!   vanished behind an HTTP/2 proxy, which answers those pings itself.
+//!   metrics interval, at most 10 s apart; see "Heartbeats" in `proto/retryplane/v1/agent.proto`)
+//!   finds one that vanished behind an HTTP/2 proxy, which answers those pings itself.
 //!   [`Agent::from_file`] and [`Agent::from_policies`] run on static policies. The task's
 //!   timers run on tokio's clock: under a paused clock (`tokio::time::pause`) they fire as soon
 //!   as the runtime is idle, a connected agent's included (it would report, time out and
@@ -115,3 +115,5 @@ pub use retryplane_policy::retry_after::{Pushback, RetryAfterError};
 /// separate dependency to keep in step. [`policy::load`] parses a policy file into the
 /// [`PolicySet`] that [`Agent::from_policies`] runs.
 pub use retryplane_policy as policy;
+/// Why a Hello would be refused ([`AgentError::InvalidHello`]): its `Display` names the field.
+pub use retryplane_proto::BadHello;
