@@ -231,7 +231,8 @@ async fn a_saved_file_is_published_and_an_invalid_save_keeps_the_old_version() {
     let v2 = agent.next_snapshot().await.unwrap();
     assert_eq!(v2.version, 2);
     // An invalid save is refused; the last good version keeps being served.
-    std::fs::write(&path, "version: 1\nendpoints:\n  ep-0: {max_attempts: 0}\n").unwrap();
+    std::fs::write(&tmp, "version: 1\nendpoints:\n  ep-0: {max_attempts: 0}\n").unwrap();
+    std::fs::rename(&tmp, &path).unwrap();
     let mut admin = plane.admin().await;
     eventually("the invalid save is counted as rejected", || async {
         let http = plane.running.http_addr;
@@ -270,7 +271,7 @@ async fn a_saved_file_is_published_and_an_invalid_save_keeps_the_old_version() {
     assert!(std::path::Path::new(&file.path).is_absolute(), "{file:?}");
     assert!(
         file.problem
-            .starts_with("1 error; the first: 3:24: error: endpoints.ep-0.max_attempts: "),
+            .starts_with("1 error(s), first: 3:24: error: endpoints.ep-0.max_attempts: "),
         "{file:?}"
     );
     assert!(file.read_unix_ms > 0);

@@ -30,8 +30,10 @@ endpoints:
 ";
 
 /// The error of a failed `Get` call: the cause, and the last status or response. A handler
-/// that answers gRPC itself can hand it on with `?`: it converts into a `tonic::Status` (the
-/// upstream's own, or one whose code says how the call ended; see [`current_version_or_status`]).
+/// that answers gRPC itself can hand it on with `?`: it converts into a `tonic::Status` with the
+/// upstream's code (or one that says how the call ended) and, for a call that gave up,
+/// `grpc-retry-pushback-ms: -1`, so that its caller does not retry what was retried already
+/// (see [`current_version_or_status`]).
 pub type GetError = CallError<tonic::Response<pb::GetResponse>, tonic::Status>;
 
 /// Asks the control plane for its current version through `handle`: retried on `UNAVAILABLE`

@@ -100,17 +100,19 @@ pub enum AgentError {
     },
 }
 
-/// Why a logical call ended without a value to return: it gave up, it was cancelled, or (from
-/// [`crate::Endpoint::call_with`]) its classifier called an error a success.
+/// Why a logical call ended without a value to return: it gave up, it was cancelled, or its
+/// classifier called an error a success.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Cause {
     /// The retry rules stopped the call (SPEC §2).
     GaveUp(GiveUpCause),
     /// The call's cancellation token fired.
     Cancelled,
-    /// The classifier given to [`crate::Endpoint::call_with`] called the last attempt's error
-    /// a success: the call ended there and was counted as a success (breaker, counters, log),
-    /// and the error, which cannot be returned as the call's value, is in [`CallError::last`].
+    /// The classifier called the last attempt's error a success (the one given to
+    /// [`crate::Endpoint::call_with`], or a [`crate::Classify`] impl: a `tonic::Status` whose
+    /// code is `OK`): the call ended there and was counted as a success (breaker, counters,
+    /// log), and the error, which cannot be returned as the call's value, is in
+    /// [`CallError::last`].
     Succeeded,
 }
 
@@ -124,7 +126,7 @@ impl fmt::Display for Cause {
     }
 }
 
-/// What the last attempt of a failed call produced.
+/// What the last attempt of a call that returned a [`CallError`] produced.
 #[derive(Debug)]
 pub enum Last<T, E> {
     /// A response the policy counts as a failure (a 503, say), as the upstream sent it.
@@ -135,7 +137,8 @@ pub enum Last<T, E> {
     TimedOut,
 }
 
-/// A logical call that ended without success: why, and what the last attempt produced.
+/// A logical call that ended without a value to return (it failed, was cancelled, or its
+/// classifier took an error for a success: [`Cause`]): why, and what the last attempt produced.
 ///
 /// Its `Display` says both, and how the last attempt was classified (`call failed after 2
 /// attempt(s): attempts_exhausted; the last attempt was answered 503`, `…; the last attempt
@@ -238,25 +241,63 @@ impl<T, E> CallError<T, E> {
     }
 }
 
-/// A gRPC call's error as a `tonic::Status`, so that a handler can return it with `?`: the
-/// upstream's own status when the last attempt returned one; else a status with the code a
-/// gRPC client reports for how the call ended (`DEADLINE_EXCEEDED` when time ran out,
+/// A gRPC call's error as a `tonic::Status` for a handler to answer its own caller with, with
+/// `?`. Its code is the upstream's when the last attempt returned a status (`UNKNOWN` for an
+/// `OK` the classifier took for a failure or a success; `DEADLINE_EXCEEDED` for tonic's own
+/// request timeout, which it reports as `CANCELLED`, as the tower layer answers it); else the
+/// code a gRPC client reports for how the call ended (`DEADLINE_EXCEEDED` when time ran out,
 /// `UNAVAILABLE` when the circuit is open, `CANCELLED` for a cancelled call, `UNKNOWN`
-/// otherwise), as the tower layer answers, and this error's `Display` as its message.
+/// otherwise). Its message is the upstream's, or this error's `Display`.
+///
+/// The upstream's metadata is not handed on: its `grpc-retry-pushback-ms` speaks of the
+/// upstream, not of this service. A call that gave up says so instead, so that the caller's
+/// own retry policy does not multiply the attempts already made: `grpc-retry-pushback-ms: -1`
+/// (gRPC's "do not retry"), with `retryplane-gave-up` (the cause) and `retryplane-attempts`,
+/// as the tower layer's answers carry. A cancelled call carries the last two only.
 impl<T> From<CallError<T, tonic::Status>> for tonic::Status {
     fn from(e: CallError<T, tonic::Status>) -> Self {
+        let (cause, attempts) = (e.cause, e.attempts);
+        let timed_out = matches!(e.last, Some(Last::TimedOut));
         let message = e.to_string();
-        let code = match e.cause {
-            Cause::GaveUp(GiveUpCause::DeadlineExceeded) => tonic::Code::DeadlineExceeded,
-            Cause::GaveUp(GiveUpCause::CircuitOpen) => tonic::Code::Unavailable,
-            Cause::Cancelled => tonic::Code::Cancelled,
-            _ => tonic::Code::Unknown,
+        let mut status = match e.last {
+            Some(Last::Error(upstream)) => {
+                let code = match upstream.code() {
+                    tonic::Code::Ok => tonic::Code::Unknown,
+                    tonic::Code::Cancelled
+                        if cause != Cause::Cancelled
+                            && crate::classify::tonic_timeout_in_chain(&upstream) =>
+                    {
+                        tonic::Code::DeadlineExceeded
+                    }
+                    code => code,
+                };
+                tonic::Status::new(code, upstream.message())
+            }
+            _ => {
+                let code = match cause {
+                    _ if timed_out => tonic::Code::DeadlineExceeded,
+                    Cause::GaveUp(GiveUpCause::DeadlineExceeded) => tonic::Code::DeadlineExceeded,
+                    Cause::GaveUp(GiveUpCause::CircuitOpen) => tonic::Code::Unavailable,
+                    Cause::Cancelled => tonic::Code::Cancelled,
+                    _ => tonic::Code::Unknown,
+                };
+                tonic::Status::new(code, message)
+            }
         };
-        match e.last {
-            Some(Last::Error(status)) => status,
-            Some(Last::TimedOut) => tonic::Status::new(tonic::Code::DeadlineExceeded, message),
-            _ => tonic::Status::new(code, message),
+        let metadata = status.metadata_mut();
+        if let Cause::GaveUp(_) = cause {
+            metadata.insert(
+                "grpc-retry-pushback-ms",
+                tonic::metadata::MetadataValue::from_static("-1"),
+            );
         }
+        if cause != Cause::Succeeded {
+            if let Ok(why) = cause.to_string().parse() {
+                metadata.insert("retryplane-gave-up", why);
+            }
+            metadata.insert("retryplane-attempts", attempts.into());
+        }
+        status
     }
 }
 
@@ -364,18 +405,42 @@ mod tests {
     }
 
     #[test]
-    fn a_grpc_call_error_becomes_the_upstreams_status_or_one_with_the_code_of_its_end() {
+    fn a_grpc_call_error_becomes_the_upstreams_code_or_the_code_of_its_end_and_says_do_not_retry() {
         let of = |cause, last| -> tonic::Status {
             CallError::<(), tonic::Status>::new(cause, last, 2).into()
         };
-        let upstream = of(
+        let meta = |status: &tonic::Status, key: &str| {
+            status
+                .metadata()
+                .get(key)
+                .map(|v| v.to_str().unwrap_or_default().to_owned())
+        };
+        let mut upstream = tonic::Status::unavailable("down");
+        upstream
+            .metadata_mut()
+            .insert("grpc-retry-pushback-ms", "100".parse().unwrap());
+        upstream
+            .metadata_mut()
+            .insert("x-upstream", "secret".parse().unwrap());
+        let handed = of(
             Cause::GaveUp(GiveUpCause::AttemptsExhausted),
-            Some(Last::Error(tonic::Status::unavailable("down"))),
+            Some(Last::Error(upstream)),
         );
         assert_eq!(
-            (upstream.code(), upstream.message()),
+            (handed.code(), handed.message()),
             (tonic::Code::Unavailable, "down")
         );
+        // Not the upstream's metadata: ours, which tells the caller not to retry again.
+        assert_eq!(meta(&handed, "x-upstream"), None);
+        assert_eq!(
+            meta(&handed, "grpc-retry-pushback-ms").as_deref(),
+            Some("-1")
+        );
+        assert_eq!(
+            meta(&handed, "retryplane-gave-up").as_deref(),
+            Some("attempts_exhausted")
+        );
+        assert_eq!(meta(&handed, "retryplane-attempts").as_deref(), Some("2"));
         let codes = [
             (
                 Cause::GaveUp(GiveUpCause::AttemptsExhausted),
@@ -398,17 +463,40 @@ mod tests {
                 Some(Last::Response(())),
                 tonic::Code::Unknown,
             ),
+            // An `OK` taken for a failure is no `OK` to answer with.
+            (
+                Cause::GaveUp(GiveUpCause::NotRetryable),
+                Some(Last::Error(tonic::Status::ok(""))),
+                tonic::Code::Unknown,
+            ),
         ];
         for (cause, last, code) in codes {
+            let upstreams = matches!(last, Some(Last::Error(_)));
             let status = of(cause, last);
             assert_eq!(status.code(), code, "{cause}");
-            assert!(
-                status
-                    .message()
-                    .starts_with("call failed after 2 attempt(s): "),
-                "{status:?}"
-            );
+            if !upstreams {
+                assert!(
+                    status
+                        .message()
+                        .starts_with("call failed after 2 attempt(s): "),
+                    "{status:?}"
+                );
+            }
         }
+        // Cancelled: said, but no word against retrying (the caller's own doing).
+        let cancelled = of(Cause::Cancelled, None);
+        assert_eq!(meta(&cancelled, "grpc-retry-pushback-ms"), None);
+        assert_eq!(
+            meta(&cancelled, "retryplane-gave-up").as_deref(),
+            Some("cancelled")
+        );
+        // A success the classifier called so: nothing of a give-up.
+        let succeeded = of(
+            Cause::Succeeded,
+            Some(Last::Error(tonic::Status::not_found("none"))),
+        );
+        assert_eq!(succeeded.code(), tonic::Code::NotFound);
+        assert!(succeeded.metadata().is_empty(), "{succeeded:?}");
     }
 
     #[test]

@@ -26,5 +26,11 @@ async fn a_generated_client_called_through_the_handle_gets_its_answer() {
         .await
         .unwrap_err();
     assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+    let pushback = status.metadata().get("grpc-retry-pushback-ms");
+    assert_eq!(
+        pushback.and_then(|v| v.to_str().ok()),
+        Some("-1"),
+        "do not retry"
+    );
     assert_eq!(handle.pending_counts().attempts, 4, "three more attempts");
 }

@@ -12,6 +12,14 @@ fn at_least_one_upto(text: &str, max: u64) -> Result<u64, String> {
         Err(e) if *e.kind() == std::num::IntErrorKind::PosOverflow => {
             return Err(format!("must be at most {max}"));
         }
+        // A whole number all the same: only its sign is wrong.
+        Err(_)
+            if text
+                .strip_prefix('-')
+                .is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit())) =>
+        {
+            return Err("must be 1 or more".to_owned());
+        }
         Err(_) => return Err("not a whole number: write 1 or more".to_owned()),
     };
     if n == 0 {
@@ -78,8 +86,9 @@ mod tests {
             at_least_one("x"),
             Err("not a whole number: write 1 or more".to_owned())
         );
+        assert_eq!(at_least_one("-1"), Err("must be 1 or more".to_owned()));
         assert_eq!(
-            at_least_one("-1"),
+            at_least_one("-"),
             Err("not a whole number: write 1 or more".to_owned())
         );
         assert_eq!(

@@ -527,10 +527,12 @@ fn close_enough(word: &str, candidate: &str) -> Option<usize> {
 }
 
 /// [`close_enough`], allowing edits in proportion to `len` bytes of the candidate (a section's
-/// field: its own name, not its section's), but fewer than the candidate has characters: a
-/// word that shares nothing with a short candidate (`X`, `FOO` for `OK`) is no typo of it.
+/// field: its own name, not its section's). A word that would need as many edits as a short
+/// candidate has characters, and shares none of them (`X` for `OK`), is no typo of it; one
+/// that shares them is (`bd` for `db`: a swap is two edits).
 fn close_enough_to(word: &str, candidate: &str, len: usize) -> Option<usize> {
-    distance_within(word, candidate, 2.max(len / 3)).filter(|&d| d < candidate.chars().count())
+    distance_within(word, candidate, 2.max(len / 3))
+        .filter(|&d| d < candidate.chars().count() || word.chars().any(|c| candidate.contains(c)))
 }
 
 /// The edit distance from `word` to `candidate` if it is at most `limit`. The distance is at
@@ -729,6 +731,12 @@ mod tests {
         assert_eq!(suggest("dedline", fields), Some("deadline"));
         assert_eq!(suggest("colour", fields), None);
         assert_eq!(suggest("unavailable", ["UNAVAILABLE"]), Some("UNAVAILABLE"));
+        // Short names: a swap or a letter more is a typo; a word sharing no letter is not.
+        assert_eq!(suggest("bd", ["db"]), Some("db"));
+        assert_eq!(suggest("3s", ["s3"]), Some("s3"));
+        assert_eq!(suggest("aa", ["a"]), Some("a"));
+        assert_eq!(suggest("x", ["ok"]), None);
+        assert_eq!(suggest("foo", ["ok"]), Some("ok"));
     }
 
     #[test]

@@ -97,7 +97,7 @@ pub struct ChangeOutcome {
 
 /// `N error(s), first: LOC: error: PATH: message` of a refused change's problems, counted as
 /// the policy crate counts a cut list (`diag::counts`).
-fn errors_in_brief(diagnostics: &[Diagnostic]) -> String {
+pub(crate) fn errors_in_brief(diagnostics: &[Diagnostic]) -> String {
     let (errors, _) = retryplane_policy::diag::counts(diagnostics);
     let first = diagnostics
         .iter()
@@ -201,7 +201,7 @@ pub struct ControlPlane {
     /// every change took about as long as the diff (10 ms at 1,000 endpoints).
     converted: Arc<std::sync::Mutex<Option<Arc<Converted>>>>,
     /// File mode: the verdict on the policy file's last read ([`ControlPlane::file_read`]).
-    file_read: std::sync::Mutex<Option<FileRead>>,
+    file_read: FileReads,
 }
 
 /// File mode: what became of a read of the policy file, for `FleetStatus`: a save that was not
@@ -217,6 +217,33 @@ pub struct FileRead {
 
 /// The longest [`FileRead::outcome`] problem kept, in bytes (as a NACK's reason).
 const MAX_FILE_PROBLEM_BYTES: usize = 1_024;
+
+/// Where the last [`FileRead`] is kept, shared with the commit task that publishes a save.
+#[derive(Clone, Debug, Default)]
+struct FileReads(Arc<std::sync::Mutex<Option<FileRead>>>);
+
+impl FileReads {
+    /// Keeps the verdict on a read judged now (`Err`: why it was not applied, cut to
+    /// [`MAX_FILE_PROBLEM_BYTES`]).
+    fn note(&self, outcome: Result<(), String>) {
+        let outcome = outcome.map_err(|problem| {
+            retryplane_policy::diag::cut_marked(&problem, MAX_FILE_PROBLEM_BYTES).into_owned()
+        });
+        let read = FileRead {
+            read_unix_ms: crate::fleet::unix_ms(),
+            outcome,
+        };
+        *self.0.lock().unwrap_or_else(PoisonError::into_inner) = Some(read);
+    }
+
+    /// The last verdict kept.
+    fn last(&self) -> Option<FileRead> {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+}
 
 /// A stored version as a change's check needs it ([`ControlPlane::converted`]).
 #[derive(Debug)]
@@ -316,33 +343,20 @@ impl ControlPlane {
             mode,
             changes: Arc::new(Mutex::new(())),
             converted: Arc::new(std::sync::Mutex::new(None)),
-            file_read: std::sync::Mutex::new(None),
+            file_read: FileReads::default(),
         }
     }
 
     /// File mode: notes the verdict on a read of the policy file, read now (`Err`: why it was
     /// not applied, cut to 1,024 bytes).
     pub fn note_file_read(&self, outcome: Result<(), String>) {
-        let outcome = outcome.map_err(|problem| {
-            retryplane_policy::diag::cut_marked(&problem, MAX_FILE_PROBLEM_BYTES).into_owned()
-        });
-        let read = FileRead {
-            read_unix_ms: crate::fleet::unix_ms(),
-            outcome,
-        };
-        *self
-            .file_read
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner) = Some(read);
+        self.file_read.note(outcome);
     }
 
     /// File mode: the verdict on the policy file's last read that was judged; `None` in API
     /// mode, and until a read is judged.
     pub fn file_read(&self) -> Option<FileRead> {
-        self.file_read
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
+        self.file_read.last()
     }
 
     /// A control plane over `store` with a fresh publisher, fleet (100 agents), metrics and
@@ -367,6 +381,7 @@ impl ControlPlane {
             publisher: self.publisher.clone(),
             aggregates: self.aggregates.clone(),
             metrics: self.metrics.clone(),
+            file_read: self.file_read.clone(),
         }
     }
 
@@ -657,6 +672,7 @@ struct Fanout {
     publisher: Arc<Publisher>,
     aggregates: Arc<Aggregator>,
     metrics: Arc<ServerMetrics>,
+    file_read: FileReads,
 }
 
 impl Fanout {
@@ -690,6 +706,9 @@ impl Fanout {
             // watcher's first read sets it, whatever the stored version's source.
             if matches!(at, PublishedAt::Now) && record.meta.source == Source::File {
                 self.metrics.config_last_reload_successful.set(1);
+                // And `FleetStatus` with it: `status` never says this save was not applied
+                // beside the version it published.
+                self.file_read.note(Ok(()));
             }
         });
         if published {

@@ -181,7 +181,7 @@ async fn a_start_on_an_invalid_file_notes_why_it_was_not_applied() {
         panic!("{:?}", running.control().file_read())
     };
     assert!(
-        problem.starts_with("2 errors; the first: 3:28: error: endpoints.payments.max_attempts: "),
+        problem.starts_with("2 error(s), first: 3:28: error: endpoints.payments.max_attempts: "),
         "{problem}"
     );
     running.shutdown().await.unwrap();
@@ -212,10 +212,14 @@ async fn a_start_refusing_a_file_that_removes_thousands_of_endpoints_names_only_
         panic!("{:?}", running.control().file_read())
     };
     assert!(
-        problem.starts_with("it removes every endpoint (endpoint-with-a-long-name-00000, "),
+        problem.starts_with(
+            "it removes every endpoint: add the new ones first, then remove the old ones \
+             (endpoint-with-a-long-name-00000, "
+        ),
         "{problem}"
     );
     assert!(problem.len() <= 1_024 + '…'.len_utf8(), "{}", problem.len());
+    assert!(problem.ends_with(" more endpoints)"), "{problem}");
     running.shutdown().await.unwrap();
     let text = log.text();
     let line = text

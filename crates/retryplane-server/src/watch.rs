@@ -424,21 +424,10 @@ pub fn log_diagnostics(file: &Path, loaded: &Loaded) {
 }
 
 /// Why a file that removes every endpoint (`names`, a capped list) is not applied, on one
-/// line, for `FleetStatus`.
+/// line, for `FleetStatus`: the advice before the names, which a cut to 1,024 bytes may
+/// shorten.
 pub fn removes_everything(names: &str) -> String {
-    format!("it removes every endpoint ({names}); add the new ones first, then remove the old ones")
-}
-
-/// Why a file with errors is not applied, on one line, for `FleetStatus`: how many errors,
-/// and the first as `retryplane validate` prints it after the file's name.
-pub fn errors_in_brief(loaded: &Loaded) -> String {
-    let (errors, _) = retryplane_policy::diag::counts(&loaded.diagnostics);
-    let first = loaded.diagnostics.iter().find(|d| d.is_error());
-    let noun = if errors == 1 { "error" } else { "errors" };
-    match first {
-        Some(first) => format!("{errors} {noun}; the first: {first}"),
-        None => format!("{errors} {noun}"),
-    }
+    format!("it removes every endpoint: add the new ones first, then remove the old ones ({names})")
 }
 
 /// Where a watcher started before start-up's own read of the policy file learns what start-up
@@ -1182,7 +1171,10 @@ async fn apply(
     let Some(policies) = loaded.policies else {
         control.metrics.rejected_changes.inc();
         warn!(file = %file.display(), "the policy file has errors; the change is rejected and {} stays served", serving(control));
-        return (Settled::Yes, Err(errors_in_brief(&loaded)));
+        return (
+            Settled::Yes,
+            Err(crate::control::errors_in_brief(&loaded.diagnostics)),
+        );
     };
     let request = ChangeRequest {
         content: ChangeContent::Loaded {
@@ -1249,7 +1241,7 @@ async fn apply(
             } else {
                 warn!(file = %file.display(), error = %ErrorChain(&e), "the saved policy file was not applied; {} stays served", serving(control));
             }
-            (settled, Err(format!("not applied: {}", ErrorChain(&e))))
+            (settled, Err(ErrorChain(&e).to_string()))
         }
     }
 }

@@ -159,7 +159,9 @@ async fn invalid_save_is_rejected_and_the_last_good_version_stays() {
 async fn each_read_is_noted_for_fleet_status_with_why_a_save_was_not_applied() {
     let f = fixture().await;
     let outcome = |f: &Fixture| f.control.file_read().map(|r| r.outcome);
+    let gauge = |f: &Fixture| f.control.metrics.config_last_reload_successful.get();
     assert_eq!(outcome(&f), Some(Ok(())), "the first read");
+    assert_eq!(gauge(&f), 1);
     save_by_rename(&f, INVALID);
     eventually("the invalid save to be noted", || {
         outcome(&f) != Some(Ok(()))
@@ -169,10 +171,11 @@ async fn each_read_is_noted_for_fleet_status_with_why_a_save_was_not_applied() {
         panic!("{:?}", f.control.file_read())
     };
     assert!(
-        problem.starts_with("1 error; the first: 4:19: error: endpoints.payments.max_attempts: "),
+        problem.starts_with("1 error(s), first: 4:19: error: endpoints.payments.max_attempts: "),
         "{problem}"
     );
     assert_eq!(current_version(&f.control), Some(1));
+    assert_eq!(gauge(&f), 0);
     let read_at = f.control.file_read().unwrap().read_unix_ms;
     assert!(read_at > 0);
 
@@ -183,9 +186,14 @@ async fn each_read_is_noted_for_fleet_status_with_why_a_save_was_not_applied() {
     )
     .await;
 
+    assert_eq!(gauge(&f), 0);
+
+    // Noted with the publish, as the gauge is: no moment shows the new version beside the
+    // verdict on the save before it.
     save_by_rename(&f, V2);
     wait_for_version(&f.control, 2, PUBLISHED).await;
-    eventually("the good save to be noted", || outcome(&f) == Some(Ok(()))).await;
+    assert_eq!(outcome(&f), Some(Ok(())));
+    assert_eq!(gauge(&f), 1);
 }
 
 #[tokio::test]

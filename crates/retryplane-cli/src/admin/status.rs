@@ -19,8 +19,9 @@
 //!
 //! In file mode, when the policy file's last read was not applied (a save with errors, one that
 //! removes every endpoint, a file that cannot be read), one line says so, and why: `file:
-//! /etc/retryplane/policies.yaml not applied (read 2026-12-06T22:14:51Z): 1 error; the first:
-//! 3:28: error: endpoints.payments.max_attempts: …; v2 is served`.
+//! /etc/retryplane/policies.yaml not applied (read 2026-12-06T22:14:51Z): 1 error(s), first:
+//! 3:28: error: endpoints.payments.max_attempts: …; v2 is served` (`no version is served`
+//! before the first one).
 //!
 //! Then one line per endpoint whose retry ratio over the last 5 minutes is past its threshold
 //! (SPEC §4): `FleetStatus` names them and, only when it names any, `Stats` gives the figures:
@@ -515,7 +516,7 @@ z      checkout  -                                    127.0.0.1:50000  disconnec
             path: "/etc/rp/policies.yaml".to_owned(),
             served: false,
             read_unix_ms: 1_764_473_825_000,
-            problem: "1 error; the first: 3:28: error: endpoints.p.max_attempts: bad\nnext"
+            problem: "1 error(s), first: 3:28: error: endpoints.p.max_attempts: bad\nnext"
                 .to_owned(),
         };
         let mut response = pb::FleetStatusResponse {
@@ -526,7 +527,7 @@ z      checkout  -                                    127.0.0.1:50000  disconnec
         assert_eq!(
             status_text(&response, Counts::default(), None),
             "v2: 0 acked, 0 nacked, 0 pending\nfile: /etc/rp/policies.yaml not applied (read \
-             2025-11-30T03:37:05Z): 1 error; the first: 3:28: error: endpoints.p.max_attempts: \
+             2025-11-30T03:37:05Z): 1 error(s), first: 3:28: error: endpoints.p.max_attempts: \
              bad next; v2 is served\n"
         );
         let value = status_json(&response, Counts::default(), None);
@@ -537,9 +538,15 @@ z      checkout  -                                    127.0.0.1:50000  disconnec
                 "served": false,
                 "read_unix_ms": 1_764_473_825_000_u64,
                 "read": "2025-11-30T03:37:05Z",
-                "problem": "1 error; the first: 3:28: error: endpoints.p.max_attempts: bad\nnext",
+                "problem": "1 error(s), first: 3:28: error: endpoints.p.max_attempts: bad\nnext",
             })
         );
+        response.current_version = 0;
+        assert!(
+            status_text(&response, Counts::default(), None)
+                .ends_with("bad next; no version is served\n")
+        );
+        response.current_version = 2;
         // Served: no line, and no problem in JSON.
         response.policy_file = Some(pb::PolicyFileRead {
             served: true,

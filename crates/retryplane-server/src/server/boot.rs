@@ -94,6 +94,7 @@ pub(super) async fn load_policies(
         (Err(source), None) => return Err(read_error(file, source)),
         (Err(e), Some(version)) => {
             error!(file = %file.display(), error = %e, version, "cannot read the policy file; serving the stored version");
+            reload_ok.set(0);
             control.note_file_read(Err(format!("cannot read it: {e}")));
             return Ok(None);
         }
@@ -102,7 +103,8 @@ pub(super) async fn load_policies(
         Some(version) if loaded.has_errors() => {
             log_diagnostics(file, &loaded);
             control.metrics.rejected_changes.inc();
-            control.note_file_read(Err(crate::watch::errors_in_brief(&loaded)));
+            reload_ok.set(0);
+            control.note_file_read(Err(crate::control::errors_in_brief(&loaded.diagnostics)));
             error!(file = %file.display(), version, "the policy file is invalid; serving the stored version until it is fixed");
         }
         _ => {
@@ -198,7 +200,7 @@ async fn apply_valid(
         }
         Err(e @ crate::control::ChangeError::TooLarge(_)) if stored.is_some() => {
             error!(file = %file.display(), error = %e, version = stored, "the policy file was not applied; serving the stored version");
-            Ok(StartChange::Refused(format!("not applied: {e}")))
+            Ok(StartChange::Refused(e.to_string()))
         }
         // As while running: the store keeps what it holds and is tried again at the next read.
         Err(
@@ -206,7 +208,7 @@ async fn apply_valid(
         ) if stored.is_some() => {
             error!(file = %file.display(), error = %crate::ErrorChain(&e), version = stored, "cannot store the policy file's version; serving the stored version and reading the file again later");
             Ok(StartChange::NotStored(format!(
-                "not applied: {}",
+                "cannot store it: {}",
                 crate::ErrorChain(&e)
             )))
         }
