@@ -261,17 +261,57 @@ fn overlay_changes(
             None => INHERITED.to_owned(),
         },
     };
-    crate::document::FIELD_PATHS
+    // Fields that went from inherited to set at the value they inherited, or back: each is a
+    // change of the document, not of what a call gets. A `defaults:` block that restates the
+    // built-in values listed each of its 23 fields on every diff of it; two or more of a kind
+    // are folded into one line, at the place of the first.
+    let mut lines = Vec::new();
+    // Per kind: where its first line goes, and each field with the line it would have.
+    let mut kinds: [(usize, Vec<(String, String)>); 2] = [(0, Vec::new()), (0, Vec::new())];
+    for path in crate::document::FIELD_PATHS
         .iter()
         .filter(|path| value(&old_sets, path) != value(&new_sets, path))
-        .map(|path| {
-            format!(
-                "{prefix}{path}: {} -> {}",
-                shown(value(&old, path), &old_base, path),
-                shown(value(&new, path), &new_base, path)
-            )
-        })
-        .collect()
+    {
+        let (was, is) = (value(&old, path), value(&new, path));
+        let kind = match (&was, &is) {
+            (None, Some(v)) if value(&old_base, path).as_ref() == Some(v) => Some(0),
+            (Some(v), None) if value(&new_base, path).as_ref() == Some(v) => Some(1),
+            _ => None,
+        };
+        let line = format!(
+            "{prefix}{path}: {} -> {}",
+            shown(was, &old_base, path),
+            shown(is, &new_base, path)
+        );
+        match kind {
+            Some(k) => {
+                if kinds[k].1.is_empty() {
+                    kinds[k].0 = lines.len();
+                }
+                kinds[k].1.push((format!("{prefix}{path}"), line));
+            }
+            None => lines.push(line),
+        }
+    }
+    // The later place first, so that the earlier one still counts from the start.
+    let [(set_at, set), (unset_at, unset)] = kinds;
+    let mut folds = [
+        (set_at, set, "set to the values they inherited"),
+        (unset_at, unset, "no longer set, inheriting the same values"),
+    ];
+    folds.sort_by_key(|(at, ..)| std::cmp::Reverse(*at));
+    for (at, mut fields, what) in folds {
+        let line = match fields.len() {
+            0 => continue,
+            1 => fields.remove(0).1,
+            n => {
+                let paths: Vec<String> = fields.into_iter().map(|(path, _)| path).collect();
+                format!("{n} fields {what}{}", names_in_brief(&paths))
+            }
+        };
+        lines.insert(at, line);
+    }
+    lines
 }
 
 /// `o` with the lists that read as sets (`retry_on`'s statuses, codes and error classes,

@@ -406,3 +406,53 @@ fn an_inherited_side_shows_the_value_it_inherits_there() {
         ]
     );
 }
+
+/// Fields set to the value they inherited (or no longer set, inheriting the same value) change
+/// the document, not what a call gets: two or more of a kind are one line, at the place of the
+/// first; one alone is shown as any change.
+#[test]
+fn fields_set_to_the_values_they_inherit_are_folded_into_one_line() {
+    let bare = doc("version: 1\nendpoints:\n  a: {}\n");
+    let restated = doc(
+        "version: 1\ndefaults:\n  max_attempts: 3\n  deadline: 15s\n  per_try_timeout: 2s\n  \
+         backoff: {base: 100ms}\nendpoints:\n  a: {}\n",
+    );
+    assert_eq!(
+        details(&diff(&bare, &restated), "defaults"),
+        [
+            "4 fields set to the values they inherited (max_attempts, backoff.base, deadline, … 1 more)"
+        ]
+    );
+    assert_eq!(
+        details(&diff(&restated, &bare), "defaults"),
+        [
+            "4 fields no longer set, inheriting the same values (max_attempts, backoff.base, deadline, … 1 more)"
+        ]
+    );
+    // One alone, and beside a real change: each as it is.
+    let one =
+        doc("version: 1\ndefaults:\n  max_attempts: 3\n  deadline: 20s\nendpoints:\n  a: {}\n");
+    assert_eq!(
+        details(&diff(&bare, &one), "defaults"),
+        [
+            "max_attempts: 3 (inherited) -> 3",
+            "deadline: 15s (inherited) -> 20s"
+        ]
+    );
+    // A route's fields, with its prefix.
+    let route = |extra: &str| {
+        doc(&format!(
+            "version: 1\nendpoints:\n  a:\n    routes:\n      - match: {{path_prefix: /x}}\n{extra}"
+        ))
+    };
+    assert_eq!(
+        details(
+            &diff(
+                &route(""),
+                &route("        max_attempts: 3\n        deadline: 15s\n")
+            ),
+            "a"
+        ),
+        ["2 fields set to the values they inherited (routes[0].max_attempts, routes[0].deadline)"]
+    );
+}
