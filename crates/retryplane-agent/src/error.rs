@@ -253,7 +253,10 @@ impl<T, E> CallError<T, E> {
 /// upstream, not of this service. A call that gave up says so instead, so that the caller's
 /// own retry policy does not multiply the attempts already made: `grpc-retry-pushback-ms: -1`
 /// (gRPC's "do not retry"), with `retryplane-gave-up` (the cause) and `retryplane-attempts`,
-/// as the tower layer's answers carry. A cancelled call carries the last two only.
+/// as the tower layer's answers carry. A cancelled call carries the last two only. The
+/// upstream's error details go with its metadata. To hand on the upstream's status as it came
+/// instead, take it with [`CallError::into_error`]. A proxy between this service and its
+/// caller that does not read gRPC's pushback does not hold its own retries back for it.
 impl<T> From<CallError<T, tonic::Status>> for tonic::Status {
     fn from(e: CallError<T, tonic::Status>) -> Self {
         let (cause, attempts) = (e.cause, e.attempts);

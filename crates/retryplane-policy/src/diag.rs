@@ -527,12 +527,13 @@ fn close_enough(word: &str, candidate: &str) -> Option<usize> {
 }
 
 /// [`close_enough`], allowing edits in proportion to `len` bytes of the candidate (a section's
-/// field: its own name, not its section's). A word that would need as many edits as a short
-/// candidate has characters, and shares none of them (`X` for `OK`), is no typo of it; one
-/// that shares them is (`bd` for `db`: a swap is two edits).
+/// field: its own name, not its section's), but never more than a short candidate has
+/// characters; as many only for a word holding each of them (`bd` for `db`: a swap is two
+/// edits), so that `X` or `FOO` is no typo of `OK`, nor `api` of `a`.
 fn close_enough_to(word: &str, candidate: &str, len: usize) -> Option<usize> {
+    let chars = candidate.chars().count();
     distance_within(word, candidate, 2.max(len / 3))
-        .filter(|&d| d < candidate.chars().count() || word.chars().any(|c| candidate.contains(c)))
+        .filter(|&d| d < chars || (d == chars && candidate.chars().all(|c| word.contains(c))))
 }
 
 /// The edit distance from `word` to `candidate` if it is at most `limit`. The distance is at
@@ -736,7 +737,10 @@ mod tests {
         assert_eq!(suggest("3s", ["s3"]), Some("s3"));
         assert_eq!(suggest("aa", ["a"]), Some("a"));
         assert_eq!(suggest("x", ["ok"]), None);
-        assert_eq!(suggest("foo", ["ok"]), Some("ok"));
+        assert_eq!(suggest("foo", ["ok"]), None);
+        assert_eq!(suggest("od", ["db"]), None);
+        assert_eq!(suggest("bob", ["db"]), None);
+        assert_eq!(suggest("api", ["a"]), None);
     }
 
     #[test]

@@ -305,8 +305,9 @@ fn overlay_changes(
             0 => continue,
             1 => fields.remove(0).1,
             n => {
+                // Every name: one line all the same (25 fields at most, about 450 bytes).
                 let paths: Vec<String> = fields.into_iter().map(|(path, _)| path).collect();
-                format!("{n} fields {what}{}", names_in_brief(&paths))
+                format!("{n} fields {what} ({})", paths.join(", "))
             }
         };
         lines.insert(at, line);

@@ -420,13 +420,13 @@ fn fields_set_to_the_values_they_inherit_are_folded_into_one_line() {
     assert_eq!(
         details(&diff(&bare, &restated), "defaults"),
         [
-            "4 fields set to the values they inherited (max_attempts, backoff.base, deadline, … 1 more)"
+            "4 fields set to the values they inherited (max_attempts, backoff.base, deadline, per_try_timeout)"
         ]
     );
     assert_eq!(
         details(&diff(&restated, &bare), "defaults"),
         [
-            "4 fields no longer set, inheriting the same values (max_attempts, backoff.base, deadline, … 1 more)"
+            "4 fields no longer set, inheriting the same values (max_attempts, backoff.base, deadline, per_try_timeout)"
         ]
     );
     // One alone, and beside a real change: each as it is.

@@ -696,7 +696,7 @@ impl Fanout {
             // Before any agent runs it: its first report is judged as the published version's.
             self.aggregates.set_published(record.meta.version);
             let seconds = match at {
-                PublishedAt::Now => crate::fleet::unix_seconds(),
+                PublishedAt::Now | PublishedAt::CaughtUp => crate::fleet::unix_seconds(),
                 PublishedAt::Stored => record.meta.created_unix_ms as f64 / 1_000.0,
             };
             self.metrics.last_publish_seconds.set(seconds);
@@ -722,7 +722,7 @@ impl Fanout {
     /// commit that is on disk), the store holds a version no stream was sent.
     fn catch_up(&self, record: &VersionRecord) {
         let served = self.publisher.current().map_or(0, |s| s.version);
-        if self.publish(record) {
+        if self.publish_at(record, PublishedAt::CaughtUp) {
             warn!(
                 version = record.meta.version,
                 served, "the store held a version that was not published; published it now"
@@ -740,6 +740,10 @@ enum PublishedAt {
     /// When the version was stored (and first published): at start, for the version the
     /// store holds.
     Stored,
+    /// Now, for a version the store took although it reported a failure: not the change being
+    /// committed, so it says nothing of the policy file's last read (which may since have been
+    /// a save that was refused).
+    CaughtUp,
 }
 
 /// A store write and its publish, run as one task (see the module docs).

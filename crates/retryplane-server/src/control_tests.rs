@@ -901,6 +901,49 @@ async fn a_stored_version_a_failed_write_hid_is_published_once_the_store_reads_a
     .unwrap();
 }
 
+/// A save of the policy file whose write failed after its commit, published later when the
+/// store reads again, says nothing of the file's last read: a save refused since is still
+/// shown as refused, on `/metrics` and in `FleetStatus`.
+#[tokio::test(start_paused = true)]
+async fn a_file_version_a_failed_write_hid_published_later_leaves_the_files_verdict() {
+    let store = LateErrorStore::new();
+    let control = Arc::new(ControlPlane::for_tests(
+        store.clone(),
+        Mode::File("/etc/retryplane/policies.yaml".into()),
+    ));
+    let file_change = |yaml| ChangeRequest {
+        source: Source::File,
+        ..change(wire(yaml))
+    };
+    control.apply(file_change(V1)).await.unwrap();
+    assert_eq!(control.file_read().map(|r| r.outcome), Some(Ok(())));
+    store.failed_commits.store(1, Ordering::SeqCst);
+    store.reads_after.store(3, Ordering::SeqCst);
+    let failed = control.apply(file_change(V2)).await.unwrap_err();
+    assert!(
+        matches!(failed, ChangeError::StoreUncertain(_)),
+        "{failed:?}"
+    );
+    // What the watcher notes of that save, then of a save refused after it.
+    control.note_file_read(Err("cannot store it: …".to_owned()));
+    control.note_file_read(Err("1 error(s), first: …".to_owned()));
+    control.metrics.config_last_reload_successful.set(0);
+
+    let mut published = control.publisher.subscribe();
+    tokio::time::timeout(
+        WAIT,
+        published.wait_for(|s| s.as_ref().is_some_and(|s| s.version == 2)),
+    )
+    .await
+    .expect("the stored version is published once the store can be read")
+    .unwrap();
+    assert_eq!(
+        control.file_read().map(|r| r.outcome),
+        Some(Err("1 error(s), first: …".to_owned()))
+    );
+    assert_eq!(control.metrics.config_last_reload_successful.get(), 0);
+}
+
 #[tokio::test]
 async fn the_same_content_again_publishes_a_stored_version_that_was_not_served() {
     let store = LateErrorStore::new();

@@ -1241,7 +1241,13 @@ async fn apply(
             } else {
                 warn!(file = %file.display(), error = %ErrorChain(&e), "the saved policy file was not applied; {} stays served", serving(control));
             }
-            (settled, Err(ErrorChain(&e).to_string()))
+            let why = match &e {
+                ChangeError::Store(_) | ChangeError::StoreUncertain(_) => {
+                    format!("cannot store it: {}", ErrorChain(&e))
+                }
+                _ => ErrorChain(&e).to_string(),
+            };
+            (settled, Err(why))
         }
     }
 }
