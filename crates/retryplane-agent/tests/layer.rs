@@ -1016,3 +1016,58 @@ async fn a_request_body_that_fails_while_it_is_read_ends_the_call_with_its_error
     let counts = agent.endpoint("ep").pending_counts();
     assert_eq!((counts.calls, counts.attempts), (0, 0), "{counts:?}");
 }
+
+/// A caller's deadline in the request (`Within`) ends the call before the policy's: the pause
+/// that would end past it is not taken.
+#[tokio::test(start_paused = true)]
+async fn a_callers_deadline_in_the_request_ends_the_call_before_the_policys() {
+    let agent = agent(&policy("max_attempts: 5\ndeadline: 10s"));
+    let mut req = request("GET", false, "");
+    req.extensions_mut()
+        .insert(retryplane_agent::layer::Within(Duration::from_millis(250)));
+    let started = Instant::now();
+    let (response, seen) = call(&agent, &[503, 503, 503, 503], req).await;
+    // Attempts at 0 and 100 ms; the next pause (200 ms) would end past 250 ms.
+    assert_eq!(response.status(), 503);
+    assert_eq!(
+        response.extensions().get::<GaveUp>(),
+        Some(&GaveUp {
+            cause: Cause::GaveUp(GiveUpCause::DeadlineExceeded),
+            attempts: 2
+        })
+    );
+    assert_eq!(seen.len(), 2);
+    assert!(started.elapsed() < Duration::from_millis(250));
+    // Without it, the policy's deadline leaves room for every attempt: the fifth is answered.
+    let (response, seen) = call(&agent, &[503, 503, 503, 503], request("GET", false, "")).await;
+    assert_eq!(response.status(), 200);
+    assert_eq!(seen.len(), 5);
+}
+
+/// A cancellation token in the request cancels the call during its pause: no attempt more.
+#[tokio::test(start_paused = true)]
+async fn a_cancellation_token_in_the_request_cancels_the_call_during_a_pause() {
+    let agent = agent(&policy("max_attempts: 3"));
+    let token = retryplane_agent::CancellationToken::new();
+    let mut req = request("GET", false, "");
+    req.extensions_mut().insert(token.clone());
+    let (svc, seen) = upstream(&[503, 503]);
+    let call = tokio::spawn(
+        RetryLayer::new(agent.endpoint("ep"))
+            .layer(svc)
+            .oneshot(req),
+    );
+    // The first attempt is answered at once; its pause is 100 ms.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    token.cancel();
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(response.status(), 503);
+    assert_eq!(
+        response.extensions().get::<GaveUp>(),
+        Some(&GaveUp {
+            cause: Cause::Cancelled,
+            attempts: 1
+        })
+    );
+    assert_eq!(seen.lock().unwrap().len(), 1);
+}

@@ -29,6 +29,27 @@ use crate::meta::CallMeta;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Idempotent(pub bool);
 
+/// A request extension that gives the caller's own deadline, counted from when the layer takes
+/// the request: the call (every attempt, pause and retry, and the read of the request body)
+/// ends by the earlier of it and the policy's `deadline`, and gives up with
+/// `deadline_exceeded` when it passes, as [`CallMeta::deadline_within`] does for
+/// [`Endpoint::call`](crate::Endpoint::call). A gRPC request's `grpc-timeout` is one too: with
+/// both, the earlier counts. A service that serves HTTP hands its own caller's deadline on
+/// with it.
+///
+/// ```
+/// use std::time::Duration;
+/// use retryplane_agent::layer::Within;
+///
+/// let mut request = http::Request::new(());
+/// request.extensions_mut().insert(Within(Duration::from_millis(800)));
+/// ```
+///
+/// A [`CancellationToken`](crate::CancellationToken) in the request's extensions cancels the
+/// call, during an attempt or a pause, as [`CallMeta::with_cancel`] does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Within(pub Duration);
+
 /// Whether `parts` is a gRPC request (`content-type: application/grpc…`).
 pub(crate) fn is_grpc(parts: &Parts) -> bool {
     parts
@@ -95,18 +116,29 @@ fn encode_grpc_timeout(left: Duration) -> HeaderValue {
 /// How the layer describes a request whose path is `path` (borrowed from a copy of its URI,
 /// since the head moves on): a gRPC request as [`CallMeta::grpc`] (its routes are
 /// `/pkg.Service/Method`), anything else by its method as sent (`CallMeta::http_as_sent`); an [`Idempotent`] extension
-/// overrides the idempotency either gives. Header names are not recorded here.
+/// overrides the idempotency either gives; the caller's deadline is the earlier of a gRPC
+/// request's `grpc-timeout` and a [`Within`] extension, and a `CancellationToken` extension
+/// cancels the call. Header names are not recorded here.
 pub(crate) fn call_meta<'a>(parts: &Parts, path: &'a str) -> CallMeta<'a> {
-    let meta = if is_grpc(parts) {
-        // The caller's deadline bounds the whole call, retries and pauses included (gRFC A6):
-        // below the layer, tonic enforces it on each attempt only.
-        match grpc_timeout(parts) {
-            Some(within) => CallMeta::grpc(path).deadline_within(within),
-            None => CallMeta::grpc(path),
-        }
+    let grpc = is_grpc(parts);
+    let mut meta = if grpc {
+        CallMeta::grpc(path)
     } else {
         CallMeta::http_as_sent(&parts.method, path)
     };
+    // The caller's deadline bounds the whole call, retries and pauses included (gRFC A6):
+    // below the layer, tonic enforces a `grpc-timeout` on each attempt only.
+    let grpc_within = if grpc { grpc_timeout(parts) } else { None };
+    let within = match (grpc_within, parts.extensions.get::<Within>()) {
+        (Some(a), Some(Within(b))) => Some(a.min(*b)),
+        (a, b) => a.or(b.map(|Within(b)| *b)),
+    };
+    if let Some(within) = within {
+        meta = meta.deadline_within(within);
+    }
+    if let Some(token) = parts.extensions.get::<crate::CancellationToken>() {
+        meta = meta.with_cancel(token.clone());
+    }
     match parts.extensions.get::<Idempotent>() {
         Some(Idempotent(declared)) => meta.idempotent(*declared),
         None => meta,

@@ -14,6 +14,10 @@
 //!   streamed as it comes, once: the call makes one attempt, whatever it fails with (a failed
 //!   connect included), and returns that attempt's response or error as it is (per-try
 //!   timeout, breaker and metrics still apply).
+//! - The caller's own deadline and cancellation come with the request: a [`Within`] extension
+//!   (and a gRPC request's `grpc-timeout`; the earlier of the two) bounds the call as the
+//!   policy's `deadline` does, whichever ends first, and a
+//!   [`CancellationToken`](crate::CancellationToken) extension cancels it.
 //! - The call's deadline runs from when the layer's future first runs, so reading the request
 //!   body counts in it: a call made through the layer ends by its deadline, body read
 //!   included, as one made with [`crate::Endpoint::call`] does. A body still coming at the
@@ -312,7 +316,7 @@ pub use dedup::{
     Deduplicated,
 };
 pub use future::ResponseFuture;
-pub use grpc::{Idempotent, into_tonic_request};
+pub use grpc::{Idempotent, Within, into_tonic_request};
 pub use layer::{NoDedup, Retry, RetryLayer};
 
 /// The largest request body buffered for replay unless set otherwise: 64 KiB.
