@@ -47,6 +47,8 @@ pub(crate) struct Shared {
     /// The snapshot replaced last, kept until the next swap; its lock is the writers' turn.
     /// See [`Shared::update_policies`].
     retired: std::sync::Mutex<Option<Arc<PolicySnapshot>>>,
+    /// The snapshot in force, sent at each swap to whoever watches ([`Agent::watch_policies`]).
+    changes: tokio::sync::watch::Sender<Arc<PolicySnapshot>>,
     pub(crate) metrics: Registry,
     /// What the handles on each endpoint share (see [`Endpoint`]).
     pub(crate) cores: Cores,
@@ -66,9 +68,11 @@ pub(crate) struct Shared {
 
 impl Shared {
     pub(crate) fn new(snapshot: PolicySnapshot, seed: u64, metrics_interval: Duration) -> Self {
+        let snapshot = Arc::new(snapshot);
         Self {
             in_force: AtomicU64::new(snapshot.version()),
-            policies: ArcSwap::from_pointee(snapshot),
+            changes: tokio::sync::watch::Sender::new(snapshot.clone()),
+            policies: ArcSwap::new(snapshot),
             generation: AtomicU64::new(0),
             retired: std::sync::Mutex::new(None),
             metrics: Registry::default(),
@@ -120,12 +124,17 @@ impl Shared {
         // seen it (`Agent::policies`) and then reads the generation reads this value or a
         // later one, so no handle gives it the entry kept for the generation before.
         self.generation.fetch_add(1, Release);
-        let replaced = self.policies.swap(Arc::new(next));
+        let next = Arc::new(next);
+        let replaced = self.policies.swap(next.clone());
         // Even again after the swap (Release): a reader that sees this generation sees the new
         // snapshot. Writers take turns, so plain adds are enough.
         self.generation.fetch_add(1, Release);
+        // In the writers' turn, so watchers see the swaps in their order. The value it gives
+        // back is `replaced` again, which `retired` keeps.
+        let sent = self.changes.send_replace(next);
         let older = retired.replace(replaced);
         drop(retired);
+        drop(sent);
         drop(older);
         self.cores.forget_unheld();
         true
@@ -333,6 +342,32 @@ impl Agent {
     /// The policies in force now.
     pub fn policies(&self) -> Arc<PolicySnapshot> {
         self.shared.policies.load_full()
+    }
+
+    /// The policies in force, as a `watch` that changes with each swap: a service can hold its
+    /// readiness until the policies it wants are in force (the cache file's, or the control
+    /// plane's: [`PolicySnapshot::source`]), or log each version as it comes. A receiver that
+    /// falls behind sees only the latest snapshot.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() {
+    /// # let yaml = &b"version: 1\nendpoints:\n  users: {}\n"[..];
+    /// # let agent = retryplane_agent::Agent::from_policies(
+    /// #     retryplane_agent::policy::load(yaml).policies.unwrap());
+    /// use retryplane_agent::Source;
+    ///
+    /// let mut policies = agent.watch_policies();
+    /// # agent.set_policies(retryplane_agent::policy::load(yaml).policies.unwrap());
+    /// // Ready once the policies are the control plane's (or, here, set by the service).
+    /// let ready = policies
+    ///     .wait_for(|p| matches!(p.source(), Source::ControlPlane | Source::Static))
+    ///     .await;
+    /// assert!(ready.is_ok());
+    /// # }
+    /// ```
+    pub fn watch_policies(&self) -> tokio::sync::watch::Receiver<Arc<PolicySnapshot>> {
+        self.shared.changes.subscribe()
     }
 
     /// Replaces the policies (static agents, tests); endpoint state is kept where the budget

@@ -42,6 +42,33 @@ async fn a_policy_change_alters_the_next_calls_behaviour() {
     running.shutdown().await.unwrap();
 }
 
+/// A service can wait for the control plane's policies, and hears of each version pushed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_service_watching_the_policies_sees_the_pushed_versions_in_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let running = plane(dir.path(), &yaml(2), None).await;
+    let a = agent(running.agent_addr, "a", None);
+    let mut policies = a.watch_policies();
+    let first = tokio::time::timeout(
+        Duration::from_secs(10),
+        policies.wait_for(|p| p.source() == Source::ControlPlane),
+    )
+    .await
+    .expect("the control plane's policies within 10 s")
+    .unwrap()
+    .version();
+    assert_eq!(first, 1);
+    assert_eq!(apply(&running, yaml(4)).await, 2);
+    tokio::time::timeout(Duration::from_secs(10), policies.changed())
+        .await
+        .expect("a change within 10 s")
+        .unwrap();
+    assert_eq!(policies.borrow_and_update().version(), 2);
+    assert_eq!(attempts_of(&a).await, 4, "what the watch shows is in force");
+    a.shutdown().await;
+    running.shutdown().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agents_keep_their_policies_without_the_control_plane_and_reconnect_when_it_returns() {
     let dir = tempfile::tempdir().unwrap();
