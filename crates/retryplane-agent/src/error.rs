@@ -472,6 +472,22 @@ mod tests {
                 Some(Last::Error(tonic::Status::ok(""))),
                 tonic::Code::Unknown,
             ),
+            // tonic's own request timeout (`CANCELLED` from the client): time ran out.
+            (
+                Cause::GaveUp(GiveUpCause::NotRetryable),
+                Some(Last::Error(tonic::Status::from_error(Box::new(
+                    tonic::TimeoutExpired(()),
+                )))),
+                tonic::Code::DeadlineExceeded,
+            ),
+            // A call this service cancelled stays cancelled, whatever ended its last attempt.
+            (
+                Cause::Cancelled,
+                Some(Last::Error(tonic::Status::from_error(Box::new(
+                    tonic::TimeoutExpired(()),
+                )))),
+                tonic::Code::Cancelled,
+            ),
         ];
         for (cause, last, code) in codes {
             let upstreams = matches!(last, Some(Last::Error(_)));
