@@ -231,17 +231,31 @@ async fn the_grpc_client_reads_why_the_call_gave_up_in_the_status_metadata() {
                 .and_then(|v| v.to_str().ok())
                 .map(str::to_owned)
         };
-        (text("retryplane-gave-up"), text("retryplane-attempts"))
+        (
+            text("retryplane-gave-up"),
+            text("retryplane-attempts"),
+            text("grpc-retry-pushback-ms"),
+        )
     };
-    let unavailable = [(Code::Unavailable, None); 3];
+    // The upstream pushes back each time; once the call gives up, the answer says "do not
+    // retry" in its stead, for whoever it is handed on to.
+    let unavailable = [(Code::Unavailable, Some("1")); 3];
     let (_, channel) = serve(&unavailable).await;
     let status = get(&agent(), channel, Some(true)).await.unwrap_err();
     assert_eq!(status.code(), Code::Unavailable);
-    let expected = (Some("attempts_exhausted".to_owned()), Some("3".to_owned()));
+    let expected = (
+        Some("attempts_exhausted".to_owned()),
+        Some("3".to_owned()),
+        Some("-1".to_owned()),
+    );
     assert_eq!(why(&status), expected);
     let (_, channel) = serve(&[(Code::InvalidArgument, None)]).await;
     let status = get(&agent(), channel, Some(true)).await.unwrap_err();
-    let expected = (Some("not_retryable".to_owned()), Some("1".to_owned()));
+    let expected = (
+        Some("not_retryable".to_owned()),
+        Some("1".to_owned()),
+        Some("-1".to_owned()),
+    );
     assert_eq!(why(&status), expected);
 }
 

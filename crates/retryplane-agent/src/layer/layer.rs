@@ -1017,6 +1017,8 @@ where
 const GAVE_UP_HEADER: http::HeaderName = http::HeaderName::from_static("retryplane-gave-up");
 /// The header of a gRPC answer the call gave up on that says after how many attempts.
 const ATTEMPTS_HEADER: http::HeaderName = http::HeaderName::from_static("retryplane-attempts");
+/// gRPC's retry pushback: `-1` on an answer the call gave up on (gRFC A6: do not retry).
+const PUSHBACK_HEADER: http::HeaderName = http::HeaderName::from_static("grpc-retry-pushback-ms");
 
 /// The response or error a call that gave up returns; `grpc`: the request was a gRPC one
 /// (see [`no_answer`]); `timeouts_are_the_channels`: a tonic request timeout is the channel's
@@ -1040,6 +1042,11 @@ fn gave_up<RB>(
                 let headers = response.headers_mut();
                 headers.insert(GAVE_UP_HEADER, why);
                 headers.insert(ATTEMPTS_HEADER, HeaderValue::from(attempts));
+                // The upstream's pushback spoke to this call, which has used it: whoever the
+                // answer is handed on to is told not to retry what was retried already.
+                if let Cause::GaveUp(_) = cause {
+                    headers.insert(PUSHBACK_HEADER, HeaderValue::from_static("-1"));
+                }
             }
             response.extensions_mut().insert(GaveUp { cause, attempts });
             Ok(response)
