@@ -66,6 +66,36 @@ pub(crate) struct Shared {
     calls: AtomicU64,
 }
 
+/// A watch of the policies in force ([`Agent::watch_policies`]). It hands out the snapshot
+/// itself (an `Arc`), never a borrow of the channel: a borrow held across an `.await` would
+/// hold up the agent's next swap.
+#[derive(Clone, Debug)]
+pub struct PolicyWatch(tokio::sync::watch::Receiver<Arc<PolicySnapshot>>);
+
+impl PolicyWatch {
+    /// The policies in force now; they count as seen by [`PolicyWatch::changed`].
+    pub fn current(&mut self) -> Arc<PolicySnapshot> {
+        self.0.borrow_and_update().clone()
+    }
+
+    /// Waits for a swap of the policies since the last seen, and gives the policies then in
+    /// force; `None` once the agent (every clone of it) is gone.
+    pub async fn changed(&mut self) -> Option<Arc<PolicySnapshot>> {
+        self.0.changed().await.ok()?;
+        Some(self.current())
+    }
+
+    /// Waits until the policies in force satisfy `accept` (now, or after a swap), and gives
+    /// them; `None` once the agent is gone first.
+    pub async fn wait_for(
+        &mut self,
+        mut accept: impl FnMut(&PolicySnapshot) -> bool,
+    ) -> Option<Arc<PolicySnapshot>> {
+        let policies = self.0.wait_for(|p| accept(p)).await.ok()?.clone();
+        Some(policies)
+    }
+}
+
 impl Shared {
     pub(crate) fn new(snapshot: PolicySnapshot, seed: u64, metrics_interval: Duration) -> Self {
         let snapshot = Arc::new(snapshot);
@@ -344,10 +374,10 @@ impl Agent {
         self.shared.policies.load_full()
     }
 
-    /// The policies in force, as a `watch` that changes with each swap: a service can hold its
-    /// readiness until the policies it wants are in force (the cache file's, or the control
-    /// plane's: [`PolicySnapshot::source`]), or log each version as it comes. A receiver that
-    /// falls behind sees only the latest snapshot.
+    /// A watch of the policies in force, told of each swap: a service can hold its readiness
+    /// until the policies it wants are in force (the cache file's, or the control plane's:
+    /// [`PolicySnapshot::source`]), or log each version as it comes. A watch that falls behind
+    /// sees only the latest policies.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]
@@ -363,11 +393,11 @@ impl Agent {
     /// let ready = policies
     ///     .wait_for(|p| matches!(p.source(), Source::ControlPlane | Source::Static))
     ///     .await;
-    /// assert!(ready.is_ok());
+    /// assert!(ready.is_some());
     /// # }
     /// ```
-    pub fn watch_policies(&self) -> tokio::sync::watch::Receiver<Arc<PolicySnapshot>> {
-        self.shared.changes.subscribe()
+    pub fn watch_policies(&self) -> PolicyWatch {
+        PolicyWatch(self.shared.changes.subscribe())
     }
 
     /// Replaces the policies (static agents, tests); endpoint state is kept where the budget
@@ -906,6 +936,24 @@ mod tests {
     fn set(max_attempts: u32) -> PolicySet {
         let yaml = format!("version: 1\nendpoints:\n  a: {{max_attempts: {max_attempts}}}\n");
         retryplane_policy::load(yaml.as_bytes()).policies.unwrap()
+    }
+
+    /// What a watch gives is the snapshot itself: a service that keeps it (across an
+    /// `.await`, say) holds up no swap, and the watch hears of each one.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_watch_sees_each_swap_and_what_it_gave_holds_none_up() {
+        let agent = Agent::from_policies(set(2));
+        let mut watch = agent.watch_policies();
+        let kept = watch.wait_for(|_| true).await.unwrap();
+        assert!(Arc::ptr_eq(&kept, &agent.policies()));
+        // With a borrow of the channel held, this swap would wait for good.
+        agent.set_policies(set(3));
+        let now = watch.changed().await.unwrap();
+        assert!(Arc::ptr_eq(&now, &agent.policies()));
+        assert_ne!(now.content_hash(), kept.content_hash());
+        assert!(Arc::ptr_eq(&watch.current(), &agent.policies()));
+        drop(agent);
+        assert!(watch.changed().await.is_none(), "the agent is gone");
     }
 
     /// `?agent`, `?endpoint` and `?snapshot` in a log line are one short line each, whatever

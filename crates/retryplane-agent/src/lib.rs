@@ -87,7 +87,7 @@ mod stream;
 mod test_logs;
 mod url;
 
-pub use agent::{Agent, AgentBuilder, DEFAULT_METRICS_INTERVAL};
+pub use agent::{Agent, AgentBuilder, DEFAULT_METRICS_INTERVAL, PolicyWatch};
 pub use call::Endpoint;
 pub use classify::{Classification, Classify};
 pub use error::{AgentError, CallError, Cause, Last, Refusal, StreamError};

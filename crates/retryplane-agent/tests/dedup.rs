@@ -400,6 +400,31 @@ async fn requests_that_may_get_different_answers_are_not_shared() {
     assert!(!shared(d(), req(get("http://up/me"), ""), req(head, "")).await);
 }
 
+/// A request that carries its caller's own deadline or cancellation token is never shared: a
+/// leader's would decide the followers' answer.
+#[tokio::test(start_paused = true)]
+async fn a_request_with_its_own_deadline_or_cancellation_is_not_shared() {
+    let d = Dedup::default;
+    let plain = || req(get("http://up/me"), "");
+    let within = || {
+        let mut r = plain();
+        r.extensions_mut()
+            .insert(retryplane_agent::layer::Within(Duration::from_secs(5)));
+        r
+    };
+    let token = || {
+        let mut r = plain();
+        r.extensions_mut()
+            .insert(retryplane_agent::CancellationToken::new());
+        r
+    };
+    assert!(shared(d(), plain(), plain()).await, "the test can tell");
+    assert!(!shared(d(), within(), within()).await);
+    assert!(!shared(d(), token(), token()).await);
+    assert!(!shared(d(), plain(), within()).await);
+    assert!(!shared(d(), token(), plain()).await);
+}
+
 #[tokio::test(start_paused = true)]
 async fn which_headers_count_is_configurable() {
     let id = |v: &str| get("http://up/me").header("x-request-id", v);

@@ -667,3 +667,36 @@ async fn an_attempt_the_callers_deadline_ends_gives_deadline_exceeded_not_tonics
         assert_eq!(most, *attempts.end(), "{lines}");
     }
 }
+
+/// A gRPC call its caller cancels through a token in the request ends `CANCELLED`, during a
+/// pause after an upstream's `UNAVAILABLE`: not that code, which the caller might hand on.
+#[tokio::test]
+async fn a_grpc_call_cancelled_by_its_token_during_a_pause_is_cancelled() {
+    // The upstream pushes back for 5 s: the pause is the caller's to cut short.
+    let (upstream, channel) = serve(&[(Code::Unavailable, Some("5000"))]).await;
+    let agent = agent();
+    let service = tower::ServiceBuilder::new()
+        .layer(RetryLayer::new(agent.endpoint("upstream")))
+        .map_request(into_tonic_request)
+        .service(channel);
+    let mut client = AdminServiceClient::new(service);
+    let token = retryplane_agent::CancellationToken::new();
+    let mut request = Request::new(pb::GetRequest { version: 0 });
+    request.extensions_mut().insert(Idempotent(true));
+    request.extensions_mut().insert(token.clone());
+    let call = tokio::spawn(async move { client.get(request).await });
+    let began = tokio::time::Instant::now();
+    while upstream.gets() < 1 {
+        assert!(began.elapsed() < WAIT, "the first attempt was never sent");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    token.cancel();
+    let status = tokio::time::timeout(WAIT, call)
+        .await
+        .expect("the call ends once cancelled")
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(status.code(), Code::Cancelled, "{status:?}");
+    assert_eq!(upstream.gets(), 1);
+    assert!(status.metadata().get("grpc-retry-pushback-ms").is_none());
+}

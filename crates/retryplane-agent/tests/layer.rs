@@ -1038,6 +1038,8 @@ async fn a_callers_deadline_in_the_request_ends_the_call_before_the_policys() {
     );
     assert_eq!(seen.len(), 2);
     assert!(started.elapsed() < Duration::from_millis(250));
+    // An HTTP request says nothing of it to the upstream.
+    assert!(seen.iter().all(|s| s.grpc_timeout.is_none()), "{seen:?}");
     // Without it, the policy's deadline leaves room for every attempt: the fifth is answered.
     let (response, seen) = call(&agent, &[503, 503, 503, 503], request("GET", false, "")).await;
     assert_eq!(response.status(), 200);

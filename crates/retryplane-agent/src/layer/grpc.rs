@@ -29,13 +29,15 @@ use crate::meta::CallMeta;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Idempotent(pub bool);
 
-/// A request extension that gives the caller's own deadline, counted from when the layer takes
-/// the request: the call (every attempt, pause and retry, and the read of the request body)
-/// ends by the earlier of it and the policy's `deadline`, and gives up with
+/// A request extension that gives the caller's own deadline, counted from when the layer's
+/// future first runs: the call (every attempt, pause and retry, and the read of the request
+/// body) ends by the earlier of it and the policy's `deadline`, and gives up with
 /// `deadline_exceeded` when it passes, as [`CallMeta::deadline_within`] does for
 /// [`Endpoint::call`](crate::Endpoint::call). A gRPC request's `grpc-timeout` is one too: with
-/// both, the earlier counts. A service that serves HTTP hands its own caller's deadline on
-/// with it.
+/// both, the earlier counts, each attempt's `grpc-timeout` says what is left of it, and the
+/// answer's body ends by it. On an HTTP request it bounds the call until the answer's head, as
+/// the policy's deadline does, and no header says it. A service that serves HTTP hands its own
+/// caller's deadline on with it. A request that carries one is not de-duplicated.
 ///
 /// ```
 /// use std::time::Duration;
@@ -46,7 +48,12 @@ pub struct Idempotent(pub bool);
 /// ```
 ///
 /// A [`CancellationToken`](crate::CancellationToken) in the request's extensions cancels the
-/// call, during an attempt or a pause, as [`CallMeta::with_cancel`] does.
+/// call during an attempt, a pause or the wait before a retry, as [`CallMeta::with_cancel`]
+/// does (not while the request body is still read, nor while the first attempt waits for the
+/// service below to be ready: the call's deadline bounds those). A cancelled gRPC call is
+/// `CANCELLED`; a cancelled HTTP call returns the last answer, marked
+/// [`GaveUp`](super::GaveUp) `cancelled`, or [`RetryError::NoAnswer`](super::RetryError). A
+/// request that carries one is not de-duplicated.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Within(pub Duration);
 

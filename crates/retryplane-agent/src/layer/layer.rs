@@ -469,7 +469,7 @@ where
             // The meta borrows the path; `head` moves on (an `Uri` clone shares its bytes).
             let uri = head.uri.clone();
             let meta = call_meta(&head, uri.path()).with_headers(&head.headers);
-            let callers = callers_deadline(&meta, &begun);
+            let callers = callers_deadline(&meta, &begun, grpc);
             // A failed answer's body is read only if the answer may be sent again.
             let retried = &begun.retry_rules(&meta);
             let refresh = settings.refresh.is_some();
@@ -568,7 +568,7 @@ where
             let uri = head.uri.clone();
             let meta = call_meta(&head, uri.path()).not_replayable();
             let meta = if refused { meta.refused() } else { meta };
-            let callers = callers_deadline(&meta, &begun);
+            let callers = callers_deadline(&meta, &begun, grpc);
             let mut request = Some(Request::from_parts(head, body));
             // `attempt` runs once: for a request marked not replayable the engine retries no
             // failure (`CallInfo::may_retry`), and `call_with` sends nothing again after a
@@ -650,11 +650,17 @@ where
     let key = match &prepared {
         // Trailers are rare on a read; such a request is simply not shared. Nor is one the
         // policy in force (or an `Idempotent(false)` on it) does not call idempotent.
+        // Nor one that carries its caller's own deadline or cancellation: a leader's would
+        // decide the answer of followers that have their own.
         Prepared::Buffered {
             head,
             data,
             trailers: None,
-        } if dedup.shares(&head.method) && begun.is_idempotent(&meta) => {
+        } if dedup.shares(&head.method)
+            && begun.is_idempotent(&meta)
+            && meta.within().is_none()
+            && meta.cancel_token().is_none() =>
+        {
             Some(dedup.key(stack, settings.endpoint.name(), head, data))
         }
         _ => None,
@@ -778,11 +784,16 @@ const FIRST_FRAME_WAIT: Duration = Duration::from_millis(100);
 /// one unit (1 ms at most for a deadline under 27 hours).
 const CALLERS_DEADLINE_MARGIN: Duration = Duration::from_millis(5);
 
-/// The caller's own deadline for a gRPC request that carries one (`grpc-timeout`, from when
-/// the call began): each attempt tells the upstream what is left of it. Only then: a request
-/// without one is sent without one, since gRPC servers and proxies hold a whole RPC to it (a
-/// server stream included, which the agent bounds only until its headers).
-fn callers_deadline(meta: &CallMeta<'_>, begun: &Begun) -> Option<Instant> {
+/// The caller's own deadline for a gRPC request that carries one (`grpc-timeout` or a
+/// [`Within`](super::Within), from when the call began): each attempt tells the upstream what
+/// is left of it, and the answer's body ends by it. Only then: a request without one is sent
+/// without one, since gRPC servers and proxies hold a whole RPC to it (a server stream
+/// included, which the agent bounds only until its headers). An HTTP request's `Within`
+/// bounds the call until the answer's head, as the policy's deadline does; no header says it.
+fn callers_deadline(meta: &CallMeta<'_>, begun: &Begun, grpc: bool) -> Option<Instant> {
+    if !grpc {
+        return None;
+    }
     meta.within()
         .map(|within| retryplane_policy::engine::deadline_at(begun.at(), within))
 }
@@ -1034,6 +1045,11 @@ fn gave_up<RB>(
         attempts,
         ..
     } = e;
+    // A gRPC call its caller cancelled (a token in the request) is `CANCELLED`, whatever its
+    // last attempt got: not an upstream's code, which the caller might hand on or retry.
+    if grpc && cause == Cause::Cancelled {
+        return Err(no_answer(RetryError::NoAnswer { cause }, grpc));
+    }
     match last {
         Some(Last::Response(mut response)) => {
             // A gRPC client sees no extension of the answer (tonic drops them), but the head

@@ -331,10 +331,12 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 /// A gRPC client never sees a response's extensions (tonic drops them), so the answer to a
 /// gRPC request also carries both in its head, which tonic makes the status's metadata for an
 /// error answered before any message: `retryplane-gave-up` (the cause, as SPEC §5 names it:
-/// `attempts_exhausted`, `not_retryable`, …) and `retryplane-attempts`. An answer the call
-/// gave up on also carries `grpc-retry-pushback-ms: -1` in place of the upstream's (gRPC's "do
-/// not retry"): a service that hands the status on to its own caller does not invite it to
-/// retry what was retried already.
+/// `attempts_exhausted`, `not_retryable`, …) and `retryplane-attempts`. Such an answer (a
+/// status before any message) also carries `grpc-retry-pushback-ms: -1` in place of the
+/// upstream's (gRPC's "do not retry"): a service that hands the status on to its own caller
+/// does not invite it to retry what was retried already, and a `RetryLayer` stacked above
+/// this one retries it no more. (A status sent in trailers, after a message, keeps the
+/// upstream's.)
 ///
 /// ```
 /// # let status = tonic::Status::unavailable("down");

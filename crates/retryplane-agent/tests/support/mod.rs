@@ -134,6 +134,8 @@ pub struct Sent {
     pub body: Bytes,
     /// When it came, from the upstream's creation.
     pub at: Duration,
+    /// Its `grpc-timeout` header, if any.
+    pub grpc_timeout: Option<String>,
 }
 
 /// What a [`status_upstream`] saw, in order.
@@ -175,6 +177,10 @@ where
                 .get(http::header::AUTHORIZATION)
                 .map(|v| v.to_str().unwrap().to_owned())
                 .unwrap_or_default();
+            let grpc_timeout = req
+                .headers()
+                .get("grpc-timeout")
+                .map(|v| v.to_str().unwrap().to_owned());
             let body = req.into_body().collect().await.unwrap().to_bytes();
             let at = origin.elapsed();
             log.lock().unwrap().push(Sent {
@@ -182,6 +188,7 @@ where
                 auth,
                 body,
                 at,
+                grpc_timeout,
             });
             let status = script.lock().unwrap().pop_front().unwrap_or(200);
             Ok::<_, Infallible>(response(status, None).map(|()| http_body_util::Empty::new()))
