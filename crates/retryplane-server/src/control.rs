@@ -218,14 +218,29 @@ pub struct FileRead {
 /// The longest [`FileRead::outcome`] problem kept, in bytes (as a NACK's reason).
 const MAX_FILE_PROBLEM_BYTES: usize = 1_024;
 
-/// Where the last [`FileRead`] is kept, shared with the commit task that publishes a save.
-#[derive(Clone, Debug, Default)]
-struct FileReads(Arc<std::sync::Mutex<Option<FileRead>>>);
+/// What is known of the policy file's last judged read, in the two places that show it: the
+/// gauge `retryplane_server_config_last_reload_successful` and the [`FileRead`] `FleetStatus`
+/// gives. One call sets both, so they never disagree. Shared with the commit task that
+/// publishes a save.
+#[derive(Clone, Debug)]
+struct FileReads {
+    last: Arc<std::sync::Mutex<Option<FileRead>>>,
+    /// The gauge (a handle on the one `/metrics` shows).
+    gauge: prometheus_client::metrics::gauge::Gauge,
+}
 
 impl FileReads {
+    fn new(gauge: prometheus_client::metrics::gauge::Gauge) -> Self {
+        Self {
+            last: Arc::default(),
+            gauge,
+        }
+    }
+
     /// Keeps the verdict on a read judged now (`Err`: why it was not applied, cut to
-    /// [`MAX_FILE_PROBLEM_BYTES`]).
+    /// [`MAX_FILE_PROBLEM_BYTES`]) and sets the gauge from it.
     fn note(&self, outcome: Result<(), String>) {
+        self.gauge.set(i64::from(outcome.is_ok()));
         let outcome = outcome.map_err(|problem| {
             retryplane_policy::diag::cut_marked(&problem, MAX_FILE_PROBLEM_BYTES).into_owned()
         });
@@ -233,12 +248,12 @@ impl FileReads {
             read_unix_ms: crate::fleet::unix_ms(),
             outcome,
         };
-        *self.0.lock().unwrap_or_else(PoisonError::into_inner) = Some(read);
+        *self.last.lock().unwrap_or_else(PoisonError::into_inner) = Some(read);
     }
 
     /// The last verdict kept.
     fn last(&self) -> Option<FileRead> {
-        self.0
+        self.last
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .clone()
@@ -334,6 +349,7 @@ impl ControlPlane {
         mode: Mode,
     ) -> Self {
         metrics.note_store_size(store.as_ref());
+        let file_read = FileReads::new(metrics.config_last_reload_successful.clone());
         Self {
             store,
             publisher,
@@ -343,12 +359,13 @@ impl ControlPlane {
             mode,
             changes: Arc::new(Mutex::new(())),
             converted: Arc::new(std::sync::Mutex::new(None)),
-            file_read: FileReads::default(),
+            file_read,
         }
     }
 
     /// File mode: notes the verdict on a read of the policy file, read now (`Err`: why it was
-    /// not applied, cut to 1,024 bytes).
+    /// not applied, cut to 1,024 bytes), for `FleetStatus` and on `/metrics`
+    /// (`retryplane_server_config_last_reload_successful`, 1 for `Ok`).
     pub fn note_file_read(&self, outcome: Result<(), String>) {
         self.file_read.note(outcome);
     }
@@ -700,14 +717,12 @@ impl Fanout {
                 PublishedAt::Stored => record.meta.created_unix_ms as f64 / 1_000.0,
             };
             self.metrics.last_publish_seconds.set(seconds);
-            // A save of the policy file published: the read that gave it was a good one. Set
-            // with the version, so no scrape shows the new version beside the failed reload of
-            // an earlier save (the watcher sets it again once `apply` returns). At start the
-            // watcher's first read sets it, whatever the stored version's source.
+            // A save of the policy file published: the read that gave it was a good one. Noted
+            // (the gauge and `FleetStatus`'s verdict) with the version, so neither shows the
+            // new version beside the failed reload of an earlier save (the watcher notes it
+            // again once `apply` returns). At start the watcher's first read notes it, whatever
+            // the stored version's source.
             if matches!(at, PublishedAt::Now) && record.meta.source == Source::File {
-                self.metrics.config_last_reload_successful.set(1);
-                // And `FleetStatus` with it: `status` never says this save was not applied
-                // beside the version it published.
                 self.file_read.note(Ok(()));
             }
         });

@@ -423,6 +423,17 @@ pub fn log_diagnostics(file: &Path, loaded: &Loaded) {
     }
 }
 
+/// Why a file that cannot be read is not applied, on one line, for `FleetStatus` (at start
+/// and while running alike).
+pub fn cannot_read(e: &io::Error) -> String {
+    format!("cannot read it: {e}")
+}
+
+/// Why a file the store did not take is not applied, on one line, for `FleetStatus`.
+pub fn cannot_store(e: &StoreError) -> String {
+    format!("cannot store it: {}", ErrorChain(e))
+}
+
 /// Why a file that removes every endpoint (`names`, a capped list) is not applied, on one
 /// line, for `FleetStatus`: the advice before the names, which a cut to 1,024 bytes may
 /// shorten.
@@ -1012,12 +1023,7 @@ async fn reload_if_changed(
     let read = match read {
         Ok(read) => read,
         Err(e) => {
-            reload_result(
-                control,
-                file,
-                Err(format!("cannot read it: {e}")),
-                Before::Failed,
-            );
+            reload_result(control, file, Err(cannot_read(&e)), Before::Failed);
             if matches!(last, LastRead::Failed(kind) if *kind == e.kind()) {
                 debug!(file = %file.display(), error = %e, "the policy file still cannot be read");
             } else {
@@ -1118,16 +1124,13 @@ enum Before {
     LeftToItsWriter,
 }
 
-/// Sets `retryplane_server_config_last_reload_successful` and the verdict `FleetStatus` shows
-/// from one read of the file (`Err`: why it was not applied), and says once when the file is
-/// good after a read that was not, or after start-up left it to its writer (`before`).
+/// Notes one read of the file ([`ControlPlane::note_file_read`]: the gauge
+/// `retryplane_server_config_last_reload_successful` and `FleetStatus`'s verdict; `Err`: why it
+/// was not applied), and says once when the file is good after a read that was not, or after
+/// start-up left it to its writer (`before`).
 fn reload_result(control: &ControlPlane, file: &Path, outcome: Result<(), String>, before: Before) {
     let ok = outcome.is_ok();
     control.note_file_read(outcome);
-    control
-        .metrics
-        .config_last_reload_successful
-        .set(i64::from(ok));
     match (ok, before) {
         (true, Before::Failed) => {
             info!(file = %file.display(), "the policy file is readable and valid again; {} is served", serving(control));
@@ -1222,12 +1225,8 @@ async fn apply(
                  then",
                 serving(control)
             );
-            (
-                Settled::HeldBack,
-                Err(format!(
-                    "held back while its writer is not done: it removes {names}"
-                )),
-            )
+            // Not judged: `reload_if_changed` notes no outcome for a read held back.
+            (Settled::HeldBack, Err(String::new()))
         }
         Err(e) => {
             let settled = match &e {
@@ -1242,8 +1241,8 @@ async fn apply(
                 warn!(file = %file.display(), error = %ErrorChain(&e), "the saved policy file was not applied; {} stays served", serving(control));
             }
             let why = match &e {
-                ChangeError::Store(_) | ChangeError::StoreUncertain(_) => {
-                    format!("cannot store it: {}", ErrorChain(&e))
+                ChangeError::Store(store) | ChangeError::StoreUncertain(store) => {
+                    cannot_store(store)
                 }
                 _ => ErrorChain(&e).to_string(),
             };

@@ -94,8 +94,7 @@ pub(super) async fn load_policies(
         (Err(source), None) => return Err(read_error(file, source)),
         (Err(e), Some(version)) => {
             error!(file = %file.display(), error = %e, version, "cannot read the policy file; serving the stored version");
-            reload_ok.set(0);
-            control.note_file_read(Err(format!("cannot read it: {e}")));
+            control.note_file_read(Err(crate::watch::cannot_read(&e)));
             return Ok(None);
         }
     };
@@ -103,7 +102,6 @@ pub(super) async fn load_policies(
         Some(version) if loaded.has_errors() => {
             log_diagnostics(file, &loaded);
             control.metrics.rejected_changes.inc();
-            reload_ok.set(0);
             control.note_file_read(Err(crate::control::errors_in_brief(&loaded.diagnostics)));
             error!(file = %file.display(), version, "the policy file is invalid; serving the stored version until it is fixed");
         }
@@ -112,18 +110,11 @@ pub(super) async fn load_policies(
                 warn!(file = %file.display(), version, source, "file mode: the current version came from the admin API, and the policy file is applied over it (a new version if it differs; refused if it removes every stored endpoint); start with `--api` to keep serving what the admin API applied");
             }
             match apply_valid(control, file, loaded, stored).await? {
-                StartChange::Applied => {
-                    reload_ok.set(1);
-                    control.note_file_read(Ok(()));
-                }
-                StartChange::Refused(why) => {
-                    reload_ok.set(0);
-                    control.note_file_read(Err(why));
-                }
+                StartChange::Applied => control.note_file_read(Ok(())),
+                StartChange::Refused(why) => control.note_file_read(Err(why)),
                 // Not settled: the watcher reads the file again (at its next rescan at the
                 // latest).
                 StartChange::NotStored(why) => {
-                    reload_ok.set(0);
                     control.note_file_read(Err(why));
                     return Ok(None);
                 }
@@ -207,10 +198,7 @@ async fn apply_valid(
             crate::control::ChangeError::Store(e) | crate::control::ChangeError::StoreUncertain(e),
         ) if stored.is_some() => {
             error!(file = %file.display(), error = %crate::ErrorChain(&e), version = stored, "cannot store the policy file's version; serving the stored version and reading the file again later");
-            Ok(StartChange::NotStored(format!(
-                "cannot store it: {}",
-                crate::ErrorChain(&e)
-            )))
+            Ok(StartChange::NotStored(crate::watch::cannot_store(&e)))
         }
         Err(source) => Err(ServeError::Apply {
             file: file.to_owned(),
