@@ -155,8 +155,10 @@ pub(crate) fn grpc_answer_classification(
 
 /// `grpc-status`, as tonic names it.
 pub(crate) const GRPC_STATUS: http::HeaderName = http::HeaderName::from_static("grpc-status");
+/// gRPC's retry pushback (gRFC A6), as a metadata key.
+pub(crate) const GRPC_PUSHBACK_KEY: &str = "grpc-retry-pushback-ms";
 /// The gRPC pushback header (gRFC A6).
-const GRPC_PUSHBACK: http::HeaderName = http::HeaderName::from_static("grpc-retry-pushback-ms");
+pub(crate) const GRPC_PUSHBACK: http::HeaderName = http::HeaderName::from_static(GRPC_PUSHBACK_KEY);
 
 /// The gRPC code of a "Trailers-Only" response: `grpc-status` in the headers of a response
 /// whose content type is `application/grpc` (or `application/grpc+proto`, …). `None` for any

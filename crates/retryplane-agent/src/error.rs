@@ -257,6 +257,26 @@ impl<T, E> CallError<T, E> {
 /// upstream's error details go with its metadata. To hand on the upstream's status as it came
 /// instead, take it with [`CallError::into_error`]. A proxy between this service and its
 /// caller that does not read gRPC's pushback does not hold its own retries back for it.
+/// The metadata (and, through the tower layer, the response header) that says why a gRPC call
+/// gave up: its [`Cause`].
+pub(crate) const GAVE_UP_KEY: &str = "retryplane-gave-up";
+/// The metadata (and header) that says after how many attempts.
+pub(crate) const ATTEMPTS_KEY: &str = "retryplane-attempts";
+
+impl Cause {
+    /// The code a gRPC client reports for a call that ended this way with no status of the
+    /// upstream's to hand on (`timed_out`: its last attempt ran out of time).
+    pub(crate) fn grpc_code(self, timed_out: bool) -> tonic::Code {
+        match self {
+            _ if timed_out => tonic::Code::DeadlineExceeded,
+            Cause::GaveUp(GiveUpCause::DeadlineExceeded) => tonic::Code::DeadlineExceeded,
+            Cause::GaveUp(GiveUpCause::CircuitOpen) => tonic::Code::Unavailable,
+            Cause::Cancelled => tonic::Code::Cancelled,
+            _ => tonic::Code::Unknown,
+        }
+    }
+}
+
 impl<T> From<CallError<T, tonic::Status>> for tonic::Status {
     fn from(e: CallError<T, tonic::Status>) -> Self {
         let (cause, attempts) = (e.cause, e.attempts);
@@ -276,29 +296,20 @@ impl<T> From<CallError<T, tonic::Status>> for tonic::Status {
                 };
                 tonic::Status::new(code, upstream.message())
             }
-            _ => {
-                let code = match cause {
-                    _ if timed_out => tonic::Code::DeadlineExceeded,
-                    Cause::GaveUp(GiveUpCause::DeadlineExceeded) => tonic::Code::DeadlineExceeded,
-                    Cause::GaveUp(GiveUpCause::CircuitOpen) => tonic::Code::Unavailable,
-                    Cause::Cancelled => tonic::Code::Cancelled,
-                    _ => tonic::Code::Unknown,
-                };
-                tonic::Status::new(code, message)
-            }
+            _ => tonic::Status::new(cause.grpc_code(timed_out), message),
         };
         let metadata = status.metadata_mut();
         if let Cause::GaveUp(_) = cause {
             metadata.insert(
-                "grpc-retry-pushback-ms",
+                crate::classify::GRPC_PUSHBACK_KEY,
                 tonic::metadata::MetadataValue::from_static("-1"),
             );
         }
         if cause != Cause::Succeeded {
             if let Ok(why) = cause.to_string().parse() {
-                metadata.insert("retryplane-gave-up", why);
+                metadata.insert(GAVE_UP_KEY, why);
             }
-            metadata.insert("retryplane-attempts", attempts.into());
+            metadata.insert(ATTEMPTS_KEY, attempts.into());
         }
         status
     }

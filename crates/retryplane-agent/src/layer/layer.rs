@@ -34,7 +34,7 @@ use crate::meta::{AttemptInfo, CallMeta};
 use crate::ready::{AlwaysReady, Readied, Ready, refuses_now, wait_ready};
 use retryplane_policy::breaker::CircuitBreaker;
 use retryplane_policy::codes::GrpcCode;
-use retryplane_policy::engine::{GiveUpCause, Outcome, RetryRules};
+use retryplane_policy::engine::{Outcome, RetryRules};
 use retryplane_policy::model::ErrorClass;
 
 /// Wraps a `Service<http::Request<B>>` in [`Retry`]. Defaults: bodies up to
@@ -1025,11 +1025,9 @@ where
 }
 
 /// The header of a gRPC answer the call gave up on that says why (see [`GaveUp`]).
-const GAVE_UP_HEADER: http::HeaderName = http::HeaderName::from_static("retryplane-gave-up");
+const GAVE_UP_HEADER: http::HeaderName = http::HeaderName::from_static(crate::error::GAVE_UP_KEY);
 /// The header of a gRPC answer the call gave up on that says after how many attempts.
-const ATTEMPTS_HEADER: http::HeaderName = http::HeaderName::from_static("retryplane-attempts");
-/// gRPC's retry pushback: `-1` on an answer the call gave up on (gRFC A6: do not retry).
-const PUSHBACK_HEADER: http::HeaderName = http::HeaderName::from_static("grpc-retry-pushback-ms");
+const ATTEMPTS_HEADER: http::HeaderName = http::HeaderName::from_static(crate::error::ATTEMPTS_KEY);
 
 /// The response or error a call that gave up returns; `grpc`: the request was a gRPC one
 /// (see [`no_answer`]); `timeouts_are_the_channels`: a tonic request timeout is the channel's
@@ -1061,7 +1059,10 @@ fn gave_up<RB>(
                 // The upstream's pushback spoke to this call, which has used it: whoever the
                 // answer is handed on to is told not to retry what was retried already.
                 if let Cause::GaveUp(_) = cause {
-                    headers.insert(PUSHBACK_HEADER, HeaderValue::from_static("-1"));
+                    headers.insert(
+                        crate::classify::GRPC_PUSHBACK,
+                        HeaderValue::from_static("-1"),
+                    );
                 }
             }
             response.extensions_mut().insert(GaveUp { cause, attempts });
@@ -1091,17 +1092,8 @@ fn no_answer(e: RetryError, grpc: bool) -> BoxError {
         return e.into();
     }
     let code = match &e {
-        RetryError::TimedOut { .. }
-        | RetryError::NoAnswer {
-            cause: Cause::GaveUp(GiveUpCause::DeadlineExceeded),
-        } => tonic::Code::DeadlineExceeded,
-        RetryError::NoAnswer {
-            cause: Cause::GaveUp(GiveUpCause::CircuitOpen),
-        } => tonic::Code::Unavailable,
-        RetryError::NoAnswer {
-            cause: Cause::Cancelled,
-        } => tonic::Code::Cancelled,
-        RetryError::NoAnswer { .. } => tonic::Code::Unknown,
+        RetryError::TimedOut { cause, .. } => cause.grpc_code(true),
+        RetryError::NoAnswer { cause } => cause.grpc_code(false),
     };
     let mut status = tonic::Status::new(code, e.to_string());
     status.set_source(Arc::new(e));
