@@ -259,14 +259,7 @@ async fn a_rollback_dropped_mid_commit_is_still_published() {
         ..Default::default()
     }));
     drop_mid_commit(&mut gate, rollback).await;
-    let mut published = control.publisher.subscribe();
-    tokio::time::timeout(
-        WAIT,
-        published.wait_for(|s| s.as_ref().is_some_and(|s| s.version == 3)),
-    )
-    .await
-    .expect("the rollback is published")
-    .unwrap();
+    until_published(&control, 3, "the rollback is published").await;
     let current = control.store.current().unwrap().unwrap();
     assert_eq!(current.meta.source, Source::Rollback { from: 1 });
 }
@@ -282,14 +275,7 @@ async fn a_file_reload_dropped_mid_commit_is_still_published() {
     assert_eq!(control.publisher.current().unwrap().version, 1);
     std::fs::write(&file, V2).unwrap();
     drop_mid_commit(&mut gate, crate::watch::reload(&control, &file)).await;
-    let mut published = control.publisher.subscribe();
-    tokio::time::timeout(
-        WAIT,
-        published.wait_for(|s| s.as_ref().is_some_and(|s| s.version == 2)),
-    )
-    .await
-    .expect("the saved file is published")
-    .unwrap();
+    until_published(&control, 2, "the saved file is published").await;
 }
 
 /// A store whose reads fail, counting them.
@@ -844,6 +830,19 @@ impl VersionStore for LateErrorStore {
     }
 }
 
+/// Waits (at most [`WAIT`]) until `control` has published `version`; `what` says what that
+/// means when it does not.
+async fn until_published(control: &ControlPlane, version: u64, what: &str) {
+    let mut published = control.publisher.subscribe();
+    tokio::time::timeout(
+        WAIT,
+        published.wait_for(|s| s.as_ref().is_some_and(|s| s.version == version)),
+    )
+    .await
+    .expect(what)
+    .unwrap();
+}
+
 fn served(control: &ControlPlane) -> u64 {
     control.publisher.current().map_or(0, |s| s.version)
 }
@@ -891,14 +890,12 @@ async fn a_stored_version_a_failed_write_hid_is_published_once_the_store_reads_a
     );
     drop(held);
 
-    let mut published = control.publisher.subscribe();
-    tokio::time::timeout(
-        WAIT,
-        published.wait_for(|s| s.as_ref().is_some_and(|s| s.version == 2)),
+    until_published(
+        &control,
+        2,
+        "the stored version is published once the store can be read",
     )
-    .await
-    .expect("the stored version is published once the store can be read")
-    .unwrap();
+    .await;
 }
 
 /// A save of the policy file whose write failed after its commit, published later when the
@@ -929,14 +926,12 @@ async fn a_file_version_a_failed_write_hid_published_later_leaves_the_files_verd
     control.note_file_read(Err("1 error(s), first: …".to_owned()));
     control.metrics.config_last_reload_successful.set(0);
 
-    let mut published = control.publisher.subscribe();
-    tokio::time::timeout(
-        WAIT,
-        published.wait_for(|s| s.as_ref().is_some_and(|s| s.version == 2)),
+    until_published(
+        &control,
+        2,
+        "the stored version is published once the store can be read",
     )
-    .await
-    .expect("the stored version is published once the store can be read")
-    .unwrap();
+    .await;
     assert_eq!(
         control.file_read().map(|r| r.outcome),
         Some(Err("1 error(s), first: …".to_owned()))
@@ -1082,14 +1077,12 @@ async fn a_store_write_whose_task_failed_after_storing_is_not_said_to_be_not_sto
     // stored"; the store, read back, holds it: it is stored (and served), or at least "may
     // have been".
     assert!(!matches!(answer, Err(ChangeError::Store(_))), "{answer:?}");
-    let mut published = control.publisher.subscribe();
-    tokio::time::timeout(
-        WAIT,
-        published.wait_for(|s| s.as_ref().is_some_and(|s| s.version == 2)),
+    until_published(
+        &control,
+        2,
+        "the stored version is served, as `history` shows it",
     )
-    .await
-    .expect("the stored version is served, as `history` shows it")
-    .unwrap();
+    .await;
 }
 
 /// The publish time on `/metrics` is when the version served was published: set by a change
