@@ -59,8 +59,11 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Method};
 use retryplane_agent::{
     Agent, AttemptInfo, CallMeta, CancellationToken, Cause, Classification, Classify,
-    CounterValues, Outcome, Source,
+    CounterValues, GiveUpCause, Outcome, Source,
 };
+use retryplane_policy::document::Target;
+use retryplane_policy::duration::format_duration;
+use retryplane_policy::retry_after::Pushback;
 use tokio::time::Instant;
 
 use crate::admin::Token;
@@ -756,6 +759,15 @@ async fn call(agent: &Agent, s: &Settings) -> anyhow::Result<Summary> {
             if let Some(err) = e.error() {
                 output::error(format_args!("{}", ErrorChain(err)));
             }
+            // `retry_after_too_long` alone does not say which pause was asked for, nor what
+            // the policy allows: both, so that the fix (the policy's max, or the upstream's
+            // hint) is plain.
+            if e.cause == Cause::GaveUp(GiveUpCause::RetryAfterTooLong)
+                && let Some(answer) = e.response().filter(|_| !cut)
+                && let Some(why) = hint_over_the_max(agent, s, answer)
+            {
+                output::note(format_args!("retryplane: {why}"));
+            }
             Summary {
                 success: false,
                 cause: Some(e.cause.to_string()),
@@ -764,6 +776,41 @@ async fn call(agent: &Agent, s: &Settings) -> anyhow::Result<Summary> {
                 elapsed,
             }
         }
+    })
+}
+
+/// Why a call gave up with `retry_after_too_long`: the pause `answer` asked for and the
+/// `retry_after.max` of the policy the call ran under (the one in force now, which a push during
+/// the call may have changed). `None` when `answer` holds no hint over that maximum.
+fn hint_over_the_max(agent: &Agent, s: &Settings, answer: &http::Response<()>) -> Option<String> {
+    let (hint, header) = match answer.classify() {
+        Classification::Outcome(Outcome::Http {
+            retry_after: Some(Ok(d)),
+            ..
+        }) => (d, "Retry-After"),
+        Classification::Outcome(Outcome::Grpc {
+            pushback: Some(Pushback::After(d)),
+            ..
+        }) => (d, "grpc-retry-pushback-ms"),
+        _ => return None,
+    };
+    let snapshot = agent.policies();
+    let target = Target::Http {
+        method: s.method.as_str(),
+        path: s.url.path(),
+    };
+    let policy = snapshot
+        .set()
+        .and_then(|set| set.resolve(&s.endpoint, &target))
+        .unwrap_or_else(|| snapshot.defaults());
+    let max = policy.retry_after.max;
+    (hint > max).then(|| {
+        format!(
+            "the answer's {header} asked for a pause of {} before a retry, over the policy's \
+             retry_after.max of {}",
+            format_duration(hint),
+            format_duration(max)
+        )
     })
 }
 

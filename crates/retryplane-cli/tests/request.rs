@@ -656,6 +656,32 @@ fn a_429_with_retry_after_over_the_max_gives_up_as_retry_after_too_long() {
 }
 
 #[test]
+fn a_retry_after_over_the_max_is_named_with_the_policy_s_max() {
+    let up = Upstream::start(&[(429, "retry-after: 60\r\n")]);
+    let dir = TempDir::new().unwrap();
+    let path = dir.path().join("policy.yaml");
+    fs::write(&path, POLICY).unwrap();
+    let out = support::cli(&[])
+        .args(["request", "--policy"])
+        .arg(&path)
+        .args(["--endpoint", "api", &up.url("/")])
+        .timeout(std::time::Duration::from_secs(30))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.starts_with("attempt 1: HTTP 429\nfailure: retry_after_too_long (last: HTTP 429)"),
+        "{stdout}"
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr),
+        "retryplane: the answer's Retry-After asked for a pause of 1m before a retry, over the \
+         policy's retry_after.max of 2s\n"
+    );
+}
+
+#[test]
 fn a_closed_port_gives_connect_errors_until_attempts_run_out() {
     let port = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
         .unwrap()
