@@ -6,18 +6,22 @@
 //! consulted); the file's warnings about that policy (those `explain --endpoint NAME` lists)
 //! go to standard error. Text output is a table with one column per variant; `--output json` prints the
 //! whole report, per-second series included; `--plot FILE.svg` also writes the attempts per
-//! second as an SVG chart. The same flags and seed give the same output, byte for byte.
+//! second as an SVG chart. The same flags and seed give the same output, byte for byte. A run
+//! that takes more than a second shows how far it has come on standard error when that is a
+//! terminal (`simulating: 42%`, rewritten in place and cleared at the end).
 //!
 //! Exit codes: `0` simulated; `1` the policy file has errors (printed exactly as `validate`
 //! prints them, text or JSON); `2` bad flags, an unreadable file, an unknown endpoint, a run
 //! stopped at its limit of calls in flight (`retryplane_sim::config::MAX_IN_FLIGHT`) or a plot
 //! that cannot be written.
 
+use std::io::{IsTerminal as _, Write as _};
 use std::path::PathBuf;
+use std::sync::mpsc;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use retryplane_sim::{Config, Scenario};
+use retryplane_sim::{Config, Progress, Scenario};
 
 use crate::flags::duration_in;
 use crate::input::{Source, no_such_endpoint};
@@ -92,6 +96,40 @@ pub struct Args {
     /// Also write upstream attempts per second as an SVG chart to this file.
     #[arg(long, value_name = "FILE.svg")]
     plot: Option<PathBuf>,
+}
+
+/// Runs `run` on a thread of its own and, past its first second, shows its progress on
+/// standard error (a terminal) about five times a second, clearing the line at the end.
+fn with_progress<T: Send>(run: impl FnOnce(&Progress) -> T + Send) -> T {
+    const EVERY: Duration = Duration::from_millis(200);
+    /// Waits of `EVERY` with nothing shown: a run shorter than a second stays quiet.
+    const QUIET: u32 = 5;
+    let progress = Progress::default();
+    let (ended, end) = mpsc::channel::<()>();
+    std::thread::scope(|scope| {
+        let watched = &progress;
+        let handle = scope.spawn(move || {
+            let out = run(watched);
+            drop(ended);
+            out
+        });
+        let (mut waits, mut shown) = (0, false);
+        while let Err(mpsc::RecvTimeoutError::Timeout) = end.recv_timeout(EVERY) {
+            waits += 1;
+            if waits >= QUIET {
+                let mut err = std::io::stderr().lock();
+                let _ = write!(err, "\rsimulating: {:>3.0}%", progress.done() * 100.0);
+                let _ = err.flush();
+                shown = true;
+            }
+        }
+        if shown {
+            let _ = write!(std::io::stderr().lock(), "\r{:17}\r", "");
+        }
+        handle
+            .join()
+            .unwrap_or_else(|e| std::panic::resume_unwind(e))
+    })
 }
 
 /// `--duration`: the range `retryplane_sim::Config` takes, said as it is.
@@ -204,7 +242,18 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
             output::note(format_args!("{}", line.trim_end_matches('\n')));
         }
     }
-    let report = retryplane_sim::simulate(&endpoint.name, &endpoint.policy, &settings.config)?;
+    let report = if std::io::stderr().is_terminal() {
+        with_progress(|progress| {
+            retryplane_sim::simulate_watched(
+                &endpoint.name,
+                &endpoint.policy,
+                &settings.config,
+                progress,
+            )
+        })
+    } else {
+        retryplane_sim::simulate(&endpoint.name, &endpoint.policy, &settings.config)
+    }?;
     if let Some(path) = &settings.plot {
         let svg = retryplane_sim::plot::svg(&report)?;
         std::fs::write(path, svg).with_context(|| format!("cannot write {}", path.display()))?;

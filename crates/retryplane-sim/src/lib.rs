@@ -37,6 +37,8 @@ pub mod stats;
 pub mod upstream;
 pub mod variant;
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use retryplane_policy::RetryPolicy;
 use serde::Serialize;
 use tokio::time::Instant;
@@ -101,7 +103,59 @@ pub fn simulate_from(
     config: &Config,
     origin: Instant,
 ) -> Result<Report, ConfigError> {
-    simulate_within(endpoint, policy, config, origin, config::MAX_IN_FLIGHT)
+    simulate_within(
+        endpoint,
+        policy,
+        config,
+        origin,
+        config::MAX_IN_FLIGHT,
+        &Progress::default(),
+    )
+}
+
+/// [`simulate`], telling `progress` how far the run has come as it goes, for a caller that
+/// shows it from another thread.
+pub fn simulate_watched(
+    endpoint: &str,
+    policy: &RetryPolicy,
+    config: &Config,
+    progress: &Progress,
+) -> Result<Report, ConfigError> {
+    simulate_within(
+        endpoint,
+        policy,
+        config,
+        Instant::now(),
+        config::MAX_IN_FLIGHT,
+        progress,
+    )
+}
+
+/// How far a [`simulate_watched`] run has come, read from any thread while it runs.
+#[derive(Debug, Default)]
+pub struct Progress {
+    /// Each variant's virtual time reached, in nanoseconds ([`run::run_watched`]).
+    reached: [AtomicU64; Variant::ALL.len()],
+    /// The run's length in nanoseconds of virtual time; 0 until the run starts.
+    end: AtomicU64,
+}
+
+impl Progress {
+    /// The share of the run done, from 0 to 1: the virtual time the variants have reached, on
+    /// average, over the run's length (0 before the run starts; 1 once every variant's calls
+    /// have started, though the last ones may still be in flight).
+    pub fn done(&self) -> f64 {
+        let end = self.end.load(Ordering::Relaxed);
+        if end == 0 {
+            return 0.0;
+        }
+        let sum: f64 = self
+            .reached
+            .iter()
+            .map(|r| (r.load(Ordering::Relaxed).min(end) as f64) / end as f64)
+            .sum();
+        sum / self.reached.len() as f64
+    }
 }
 
 /// [`simulate_from`] with at most `limit` calls in flight at once in each variant.
@@ -111,6 +165,7 @@ fn simulate_within(
     config: &Config,
     origin: Instant,
     limit: usize,
+    progress: &Progress,
 ) -> Result<Report, ConfigError> {
     config.validate()?;
     let duration = config.duration.as_secs_f64();
@@ -119,29 +174,33 @@ fn simulate_within(
         None => ((0.0, duration), false),
     };
     let run_seconds = config.duration.as_nanos().div_ceil(1_000_000_000) as usize;
+    progress
+        .end
+        .store(upstream::nanos(config.duration).max(1), Ordering::Relaxed);
     let variants = std::thread::scope(|scope| {
-        let handles: Vec<_> = Variant::ALL
-            .iter()
-            .map(|&variant| {
-                scope.spawn(move || {
-                    let policy = variant.apply(policy);
-                    let trace = run::run_within(&policy, config, origin, limit).map_err(|e| {
-                        ConfigError::TooManyInFlight {
-                            variant: variant.as_str(),
-                            limit: e.limit,
-                            at_s: e.at_s,
-                        }
-                    })?;
-                    Ok(stats::summarize(
-                        variant,
-                        trace,
-                        window,
-                        has_end,
-                        run_seconds,
-                    ))
+        let handles: Vec<_> =
+            Variant::ALL
+                .iter()
+                .zip(&progress.reached)
+                .map(|(&variant, reached)| {
+                    scope.spawn(move || {
+                        let policy = variant.apply(policy);
+                        let trace = run::run_watched(&policy, config, origin, limit, reached)
+                            .map_err(|e| ConfigError::TooManyInFlight {
+                                variant: variant.as_str(),
+                                limit: e.limit,
+                                at_s: e.at_s,
+                            })?;
+                        Ok(stats::summarize(
+                            variant,
+                            trace,
+                            window,
+                            has_end,
+                            run_seconds,
+                        ))
+                    })
                 })
-            })
-            .collect();
+                .collect();
         handles
             .into_iter()
             .map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
@@ -203,7 +262,9 @@ mod tests {
         let (policy, config) = (slow_policy(), fleet());
         let origin = Instant::now();
         // 100 calls a second for 30 s, each in flight for up to a minute: about 3,000 at once.
-        let err = simulate_within("e", &policy, &config, origin, 1_000).unwrap_err();
+        let progress = Progress::default();
+        assert_eq!(progress.done(), 0.0);
+        let err = simulate_within("e", &policy, &config, origin, 1_000, &progress).unwrap_err();
         let ConfigError::TooManyInFlight {
             variant,
             limit,
@@ -219,7 +280,13 @@ mod tests {
                 .contains("limit of 1000 calls in flight at once"),
             "{err}"
         );
-        let report = simulate_within("e", &policy, &config, origin, 10_000).unwrap();
+        // Each variant stops where it runs out of room (most near at_s; `naive`, whose calls
+        // end at once, not at all): the progress shows a run cut short.
+        let done = progress.done();
+        assert!(done > 0.2 && done < 1.0, "{done}");
+        let progress = Progress::default();
+        let report = simulate_within("e", &policy, &config, origin, 10_000, &progress).unwrap();
+        assert_eq!(progress.done(), 1.0, "a whole run is done");
         assert_eq!(
             report,
             simulate_from("e", &policy, &config, origin).unwrap(),

@@ -22,6 +22,7 @@
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use retryplane_policy::RetryPolicy;
@@ -113,6 +114,9 @@ struct Sim<'a> {
     calls: Vec<Option<Live<'a>>>,
     free: Vec<u32>,
     trace: Trace,
+    /// Where the virtual time of the arrivals generated so far has reached, in nanoseconds
+    /// (see [`run_watched`]).
+    reached: &'a AtomicU64,
 }
 
 /// A run stopped because it held `limit` calls in flight (or paused) at once: each takes
@@ -131,15 +135,19 @@ pub struct InFlight {
 /// variant sees the same calls arrive, and two variants that behave alike (a budget that
 /// never refuses) get the very same figures.
 pub fn run(policy: &RetryPolicy, config: &Config, origin: Instant) -> Result<Trace, InFlight> {
-    run_within(policy, config, origin, MAX_IN_FLIGHT)
+    run_watched(policy, config, origin, MAX_IN_FLIGHT, &AtomicU64::new(0))
 }
 
-/// [`run`] with at most `limit` calls in flight at once.
-pub fn run_within(
+/// [`run`] with at most `limit` calls in flight at once, storing in `reached`, a virtual second
+/// at a time, how far into the run (in nanoseconds of virtual time, up to the config's
+/// `duration`) the calls that have started reach: a long run's progress, for whoever watches
+/// it from another thread. The calls still in flight at `duration` end after it.
+pub fn run_watched(
     policy: &RetryPolicy,
     config: &Config,
     origin: Instant,
     limit: usize,
+    reached: &AtomicU64,
 ) -> Result<Trace, InFlight> {
     let clients = config.clients as usize;
     let states: Vec<EndpointState> = (0..clients)
@@ -163,8 +171,10 @@ pub fn run_within(
         calls: Vec::new(),
         free: Vec::new(),
         trace: Trace::default(),
+        reached,
     };
     sim.run(limit)?;
+    reached.store(nanos(config.duration), Ordering::Relaxed);
     Ok(sim.trace)
 }
 
@@ -179,6 +189,8 @@ struct Arrivals {
     batch: Vec<(u64, u32)>,
     pos: usize,
     horizon: u64,
+    /// The virtual time past which the next arrival is stored as the run's progress.
+    reported: u64,
 }
 
 impl Arrivals {
@@ -192,6 +204,7 @@ impl Arrivals {
             batch: Vec::new(),
             pos: 0,
             horizon: 0,
+            reported: 0,
         }
     }
 
@@ -239,6 +252,11 @@ impl<'a> Sim<'a> {
             let event = self.queue.peek().map(|Reverse((t, ..))| *t);
             match (self.arrivals.peek(), event) {
                 (Some((t, client)), e) if e.is_none_or(|e| t <= e) => {
+                    if t >= self.arrivals.reported {
+                        // Once a virtual second: a store no reader waits on.
+                        self.reached.store(t, Ordering::Relaxed);
+                        self.arrivals.reported = t.saturating_add(SECOND);
+                    }
                     if self.calls.len() - self.free.len() >= limit {
                         return Err(InFlight {
                             limit,
