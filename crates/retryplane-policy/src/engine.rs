@@ -30,6 +30,7 @@ use tokio::time::Instant;
 use crate::backoff::Backoff;
 use crate::breaker::{CircuitBreaker, Permit};
 use crate::budget::{RetryBudget, Taken, Withdrawal};
+use crate::codes::GrpcCode;
 use crate::model::{
     BreakerConfig, BudgetConfig, ErrorClass, RetryAfterConfig, RetryOn, RetryPolicy,
 };
@@ -633,6 +634,9 @@ pub struct RetryCall<'a> {
     /// refused by the breaker or the deadline after it) hands it back.
     unsent_retry: Option<Taken>,
     last_failure: Option<Outcome>,
+    /// Whether an attempt was given less than `per_try_timeout`, what was left of the deadline
+    /// (set once: every later attempt is cut shorter still).
+    cut_short: bool,
 }
 
 /// The plan for the next attempt.
@@ -684,6 +688,7 @@ impl<'a> RetryCall<'a> {
             permit: None,
             unsent_retry: None,
             last_failure: None,
+            cut_short: false,
         }
     }
 
@@ -730,6 +735,7 @@ impl<'a> RetryCall<'a> {
             timeout: if nanos(self.policy.per_try_timeout) <= left {
                 self.policy.per_try_timeout
             } else {
+                self.cut_short = true;
                 from_nanos(left)
             },
         })
@@ -839,14 +845,41 @@ impl<'a> RetryCall<'a> {
         // failures and server errors, which always count) whether the breaker counts it.
         let listed = outcome.listed_in(&p.retry_on);
         if let (Some(permit), Some(breaker)) = (permit, &self.state.breaker) {
-            // `!outcome.is_upstream_failure(p)`, without a second scan of `retry_on`.
-            let healthy =
-                !listed && !matches!(outcome, Outcome::Transport(_)) && !outcome.is_server_error();
-            breaker.record_at(permit, healthy, window_nanos(offset));
+            if self.ended_by_the_deadline(&outcome, offset) {
+                breaker.release(permit);
+            } else {
+                // `!outcome.is_upstream_failure(p)`, without a second scan of `retry_on`.
+                let healthy = (!listed || outcome.is_throttled())
+                    && !matches!(outcome, Outcome::Transport(_))
+                    && !outcome.is_server_error();
+                breaker.record_at(permit, healthy, window_nanos(offset));
+            }
         }
         let decision = self.decide(&outcome, listed, offset, rng);
         self.last_failure = Some(outcome);
         decision
+    }
+
+    /// Whether `outcome`, reported at `offset`, is a timeout of an attempt that was given less
+    /// than `per_try_timeout` and ran out with the call's deadline: the attempt's own timer (the
+    /// deadline's remainder) or the upstream's (a gRPC `DEADLINE_EXCEEDED` to the
+    /// `grpc-timeout` the attempt carried). Such a timeout says the call's time was up, not that
+    /// the upstream is failing: a caller with a deadline shorter than the upstream's usual
+    /// answer must not open the breaker for every caller of the endpoint. The breaker takes no
+    /// verdict from it (its permit is handed back). A timeout with time left (an attempt given
+    /// its full `per_try_timeout`) counts as a failure as before.
+    #[inline]
+    fn ended_by_the_deadline(&self, outcome: &Outcome, offset: i128) -> bool {
+        self.cut_short
+            && self.left(offset) <= 0
+            && matches!(
+                outcome,
+                Outcome::Transport(ErrorClass::Timeout)
+                    | Outcome::Grpc {
+                        code: GrpcCode::DeadlineExceeded,
+                        ..
+                    }
+            )
     }
 
     /// `now` as an offset from the state's origin; no conversion when `now` is the instant

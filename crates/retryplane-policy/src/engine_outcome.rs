@@ -45,15 +45,32 @@ impl Outcome {
     /// counts: a transport failure, a server error ([`Outcome::is_server_error`]) whatever
     /// `retry_on` lists (a route that retries nothing, or a `retry_on` that lists 503 alone,
     /// must not hide a failing upstream from the endpoint's breaker), or another failure class
-    /// `retry_on` lists (a 429 by default). A 404 or a 400 says nothing about health. A success
+    /// `retry_on` lists (a 408 by default). A 404 or a 400 says nothing about health, and
+    /// neither does a throttling answer ([`Outcome::is_throttled`]), listed or not. A success
     /// never is, whatever `retry_on` lists.
     pub fn is_upstream_failure(&self, policy: &RetryPolicy) -> bool {
-        if self.is_success() {
+        if self.is_success() || self.is_throttled() {
             return false;
         }
         matches!(self, Outcome::Transport(_))
             || self.is_server_error()
             || self.listed_in(&policy.retry_on)
+    }
+
+    /// Whether the upstream asked for less traffic: an HTTP `429` or a gRPC
+    /// `RESOURCE_EXHAUSTED`. Such an upstream is up and pacing its callers, which the retry
+    /// budget and `Retry-After` answer; a breaker that opened on it would turn a partial
+    /// throttle into no calls at all for `open_for`, so the breaker does not count it.
+    #[inline]
+    pub fn is_throttled(&self) -> bool {
+        matches!(
+            self,
+            Outcome::Http { status: 429, .. }
+                | Outcome::Grpc {
+                    code: GrpcCode::ResourceExhausted,
+                    ..
+                }
+        )
     }
 
     /// Whether this is the upstream's own failure, whatever the policy retries: an HTTP status

@@ -53,6 +53,13 @@ fn http(status: u16, retry_after: Option<Duration>) -> Outcome {
     }
 }
 
+fn grpc(code: GrpcCode) -> Outcome {
+    Outcome::Grpc {
+        code,
+        pushback: None,
+    }
+}
+
 /// One attempt at `now` answered by `outcome`.
 fn step(call: &mut RetryCall<'_>, outcome: Outcome, now: Instant, rng: &mut Counting) -> Decision {
     call.start_attempt(now).expect("attempt allowed");
@@ -189,10 +196,6 @@ fn a_server_error_is_an_upstream_failure_whatever_retry_on_lists() {
     for status in [400, 404, 429, 499] {
         assert!(!http(status, None).is_upstream_failure(&p), "{status}");
     }
-    let grpc = |code| Outcome::Grpc {
-        code,
-        pushback: None,
-    };
     for code in [
         GrpcCode::Unavailable,
         GrpcCode::Internal,
@@ -211,8 +214,12 @@ fn a_server_error_is_an_upstream_failure_whatever_retry_on_lists() {
     ] {
         assert!(!grpc(code).is_upstream_failure(&p), "{code:?}");
     }
-    p.retry_on.http_status = std::sync::Arc::from([429]);
-    assert!(http(429, None).is_upstream_failure(&p));
+    p.retry_on.http_status = std::sync::Arc::from([408, 429]);
+    assert!(http(408, None).is_upstream_failure(&p));
+    // A throttling answer never is, listed or not: the upstream is up and pacing its callers.
+    p.retry_on.grpc_status = std::sync::Arc::from([GrpcCode::ResourceExhausted]);
+    assert!(!http(429, None).is_upstream_failure(&p));
+    assert!(!grpc(GrpcCode::ResourceExhausted).is_upstream_failure(&p));
 }
 
 #[test]
@@ -265,6 +272,126 @@ fn the_breaker_counts_transport_failures_server_errors_and_listed_statuses_only(
     }
     let open = fresh.breaker().expect("breaker on").state(t0);
     assert_eq!(open, crate::breaker::BreakerState::Open);
+    // Throttling answers, listed by default, are not failures: a breaker fed nothing else
+    // stays closed, where the same count of 408s (listed too) opens it.
+    for (throttled, opens) in [
+        (http(429, Some(Duration::from_secs(1))), false),
+        (grpc(GrpcCode::ResourceExhausted), false),
+        (http(408, None), true),
+    ] {
+        let fresh = EndpointState::new(&p, t0);
+        for _ in 0..3 {
+            let mut call = RetryCall::new(&p, &fresh, GET, t0);
+            let _ = step(&mut call, throttled.clone(), t0, &mut rng);
+        }
+        let state = fresh.breaker().expect("breaker on").state(t0);
+        assert_eq!(
+            state == crate::breaker::BreakerState::Open,
+            opens,
+            "{throttled:?}"
+        );
+    }
+}
+
+/// A timeout of an attempt the deadline cut short (the caller's own, or what was left of the
+/// policy's) says the call's time was up, not that the upstream fails: the breaker takes no
+/// verdict from it. A timeout of an attempt given its whole `per_try_timeout`, or one reported
+/// while time is left, counts.
+#[test]
+fn a_timeout_the_deadline_cut_short_does_not_count_in_the_breaker() {
+    let mut p = policy(10);
+    p.circuit_breaker = Some(crate::model::BreakerConfig {
+        min_requests: 3,
+        failure_ratio: 1.0,
+        ..Default::default()
+    });
+    let t0 = Instant::now();
+    let mut rng = Counting(SeededRng::with_seed(1), 0);
+    let ms = Duration::from_millis;
+    let deadline_exceeded = grpc(GrpcCode::DeadlineExceeded);
+    // (the caller's deadline, when the outcome comes, the outcome, whether the breaker opens)
+    let cases = [
+        // A caller's 100 ms deadline, under the 500 ms per-try timeout.
+        (
+            Some(ms(100)),
+            ms(100),
+            Outcome::Transport(ErrorClass::Timeout),
+            false,
+        ),
+        (Some(ms(100)), ms(101), deadline_exceeded.clone(), false),
+        // The same timeout reported with time left: an upstream's own timeout.
+        (
+            Some(ms(100)),
+            ms(99),
+            Outcome::Transport(ErrorClass::Timeout),
+            true,
+        ),
+        (Some(ms(100)), ms(50), deadline_exceeded, true),
+        // A reset at the deadline is no timeout: it counts.
+        (
+            Some(ms(100)),
+            ms(100),
+            Outcome::Transport(ErrorClass::Reset),
+            true,
+        ),
+        // The whole per-try timeout, with no deadline of the caller's.
+        (None, ms(500), Outcome::Transport(ErrorClass::Timeout), true),
+        // A caller's deadline equal to the per-try timeout cuts nothing short.
+        (
+            Some(ms(500)),
+            ms(500),
+            Outcome::Transport(ErrorClass::Timeout),
+            true,
+        ),
+    ];
+    for (within, at, outcome, opens) in cases {
+        let state = EndpointState::new(&p, t0);
+        for _ in 0..3 {
+            let mut call = RetryCall::new(&p, &state, GET, t0);
+            if let Some(within) = within {
+                call.cap_deadline(within);
+            }
+            call.start_attempt(t0).expect("attempt allowed");
+            let _ = call.on_outcome(outcome.clone(), t0 + at, &mut rng);
+        }
+        let open = state.breaker().expect("breaker on").state(t0 + at);
+        assert_eq!(
+            open == crate::breaker::BreakerState::Open,
+            opens,
+            "{within:?} {at:?} {outcome:?}"
+        );
+    }
+    // The last attempt of a call gets what is left of the policy's own deadline (1 s): a
+    // timeout there is the call's time running out too. Four attempts in the window open the
+    // breaker: three 503s alone do not.
+    if let Some(b) = p.circuit_breaker.as_mut() {
+        b.min_requests = 4;
+    }
+    let state = EndpointState::new(&p, t0);
+    for _ in 0..3 {
+        let mut call = RetryCall::new(&p, &state, GET, t0);
+        let first = call.start_attempt(t0).expect("attempt allowed");
+        assert_eq!(first.timeout, ms(500));
+        let Decision::Retry { pause, .. } =
+            call.on_outcome(http(503, None), t0 + ms(500), &mut rng)
+        else {
+            panic!("a 503 with time left is retried");
+        };
+        let second = t0 + ms(500) + pause;
+        let attempt = call.start_attempt(second).expect("attempt allowed");
+        assert!(attempt.timeout < ms(500), "{attempt:?}");
+        let _ = call.on_outcome(
+            Outcome::Transport(ErrorClass::Timeout),
+            second + attempt.timeout,
+            &mut rng,
+        );
+    }
+    // The three 503s are all the breaker saw.
+    let breaker = state.breaker().expect("breaker on");
+    assert_eq!(
+        breaker.state(t0 + ms(1_000)),
+        crate::breaker::BreakerState::Closed
+    );
 }
 
 #[test]
