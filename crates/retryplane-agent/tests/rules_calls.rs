@@ -858,3 +858,32 @@ fn a_call_made_after_the_new_policies_are_seen_runs_on_them() {
         "{calls} calls; calls on policies older than those seen before them: {stale:?}"
     );
 }
+
+/// A caller's deadline shorter than the upstream's answer ends each call `deadline_exceeded`,
+/// yet tells the endpoint's breaker nothing: the call's time was up, the upstream did not
+/// fail. The same hang given the whole per-try timeout opens the breaker.
+#[tokio::test(start_paused = true)]
+async fn a_callers_short_deadline_does_not_open_the_breaker_for_every_caller() {
+    let agent = agent(&policy(
+        "max_attempts: 1\nper_try_timeout: 2s\ncircuit_breaker: {enabled: true, failure_ratio: 0.5, min_requests: 3, window: 10s, open_for: 30s}",
+    ));
+    let ep = agent.endpoint("ep");
+    for _ in 0..5 {
+        let up = Upstream::new([Step::Hang]);
+        let meta = get().deadline_within(Duration::from_millis(100));
+        let err = ep.call(meta, up.attempt()).await.unwrap_err();
+        assert_eq!(err.cause, Cause::GaveUp(GiveUpCause::AttemptsExhausted));
+        assert_eq!(up.attempts(), 1);
+    }
+    // Another caller, with no deadline of its own, is let through.
+    let up = Upstream::new([]);
+    ep.call(get(), up.attempt()).await.unwrap();
+    for _ in 0..3 {
+        let up = Upstream::new([Step::Hang]);
+        ep.call(get(), up.attempt()).await.unwrap_err();
+    }
+    let up = Upstream::new([]);
+    let err = ep.call(get(), up.attempt()).await.unwrap_err();
+    assert_eq!(err.cause, Cause::GaveUp(GiveUpCause::CircuitOpen));
+    assert_eq!(up.attempts(), 0);
+}
