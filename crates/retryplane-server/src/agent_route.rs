@@ -11,7 +11,10 @@
 //! gRPC's compression spec asks, with a plain message), `Connect`
 //! is [`AgentStreamService::connect`] unchanged, a refusal before the stream starts is a
 //! trailers-only response, another method is `UNIMPLEMENTED`, and a compressed request is
-//! refused as tonic refuses it (no compression is enabled). The route implements
+//! refused as tonic refuses it (no compression is enabled). What is not the generated server's:
+//! the inbound bytes pass through [`crate::inbound::Metered`], which refuses a first message
+//! over a Hello's size at its header, bounds what every stream holds in unfinished messages
+//! together, and ends a stream whose message does not come whole in time. The route implements
 //! [`NamedService`], so the server's router, the auth interceptor, health and reflection treat
 //! it as they treat a generated service.
 
@@ -33,6 +36,7 @@ use tonic_prost::ProstDecoder;
 
 use crate::agent_stream::AgentStreamService;
 use crate::frame_body::SharedFrameBody;
+use crate::inbound::InboundBudget;
 
 /// The gRPC path of `Connect`.
 pub const CONNECT_PATH: &str = "/retryplane.v1.AgentService/Connect";
@@ -46,16 +50,26 @@ pub const INBOUND_BUFFER: usize = 1024;
 pub struct AgentRoute {
     service: AgentStreamService,
     max_decoding_message_size: usize,
+    /// What every stream of the route may hold in unfinished messages, together.
+    budget: InboundBudget,
 }
 
 impl AgentRoute {
     /// Serves `service`, refusing inbound messages larger than `max_decoding_message_size`
-    /// bytes (as `max_decoding_message_size` does on a generated server).
+    /// bytes (as `max_decoding_message_size` does on a generated server), a first message over
+    /// [`MAX_HELLO_MESSAGE_BYTES`](crate::inbound::MAX_HELLO_MESSAGE_BYTES), and holding what
+    /// its streams' unfinished messages keep within one [`InboundBudget`].
     pub fn new(service: AgentStreamService, max_decoding_message_size: usize) -> Self {
         Self {
             service,
             max_decoding_message_size,
+            budget: InboundBudget::new(max_decoding_message_size),
         }
+    }
+
+    /// The budget of the route's unfinished messages.
+    pub fn budget(&self) -> &InboundBudget {
+        &self.budget
     }
 }
 
@@ -125,6 +139,7 @@ where
         }
         let service = self.service.clone();
         let limit = self.max_decoding_message_size;
+        let budget = self.budget.clone();
         let interval = http::HeaderValue::from(service.metrics_interval_ms());
         Box::pin(async move {
             if let Err(status) = check_encoding(&request) {
@@ -136,8 +151,9 @@ where
             )));
             // The agent's bytes and messages, as heard (for an agent that sends heartbeats).
             let life = Life::new(tokio::time::Instant::now());
-            let mut request = request
-                .map(|body| Streaming::new_request(decoder, life.watch(body), None, Some(limit)));
+            let mut request = request.map(|body| {
+                Streaming::new_request(decoder, budget.meter(life.watch(body)), None, Some(limit))
+            });
             request.extensions_mut().insert(life);
             let request = Request::from_http(request);
             Ok(match service.connect(request).await {
@@ -397,6 +413,50 @@ mod tests {
         assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
         assert_eq!(status.message(), "Hello.agent_id is empty");
         assert!(response.into_body().frame().await.is_none());
+    }
+
+    /// A first message larger than any Hello is refused at its header, before its bytes are
+    /// kept; a later message is refused at the route's limit, and the stream ends with it.
+    #[tokio::test]
+    async fn a_first_message_over_a_hellos_size_is_refused_at_its_header() {
+        let (mut route, publisher, _shutdown) = route();
+        publish(&publisher, 1);
+        let (tx, rx) = mpsc::channel::<Result<Frame<Bytes>, Infallible>>(4);
+        let mut big = vec![0];
+        big.extend_from_slice(&(100u32 * 1024).to_be_bytes());
+        tx.try_send(Ok(Frame::data(Bytes::from(big)))).unwrap();
+        let request = http::Request::builder()
+            .method("POST")
+            .uri(CONNECT_PATH)
+            .header(CONTENT_TYPE, "application/grpc")
+            .body(StreamBody::new(ReceiverStream::new(rx)))
+            .unwrap();
+        let response = route.call(request).await.unwrap();
+        let status = Status::from_header_map(response.headers()).unwrap();
+        assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+        assert!(
+            status
+                .message()
+                .contains("the first message (the Hello) of 102400 bytes"),
+            "{status:?}"
+        );
+        assert_eq!(route.budget().available(), 16 << 20, "nothing held");
+        // After the Hello, the route's limit (1 MiB here).
+        let (request, inbound) = connect(CONNECT_PATH, "a-1");
+        let mut body = route.call(request).await.unwrap().into_body();
+        next_data(&mut body).await;
+        let mut big = vec![0];
+        big.extend_from_slice(&((1u32 << 20) + 1).to_be_bytes());
+        inbound
+            .send(Ok(Frame::data(Bytes::from(big))))
+            .await
+            .unwrap();
+        let status = final_status(&mut body).await;
+        assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+        assert_eq!(
+            status.message(),
+            "a message of 1048577 bytes is over the 1048576 bytes this control plane takes"
+        );
     }
 
     #[tokio::test]

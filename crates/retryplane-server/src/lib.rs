@@ -26,6 +26,7 @@ pub mod fleet;
 pub mod frame_body;
 pub mod http;
 mod idle;
+pub mod inbound;
 pub mod metrics;
 pub mod oversized;
 pub mod places;
