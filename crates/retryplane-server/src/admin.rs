@@ -246,6 +246,10 @@ pub const HISTORY_PAGE: usize = 1_000;
 /// the versions carry.
 pub const HISTORY_PAGE_BYTES: usize = 1024 * 1024;
 
+/// About the most bytes of agents one `FleetStatus` answer holds (at least one agent is always
+/// sent): with the alerting endpoints and the counts, below the 4 MiB a client decodes.
+pub const MAX_FLEET_PAGE_BYTES: usize = 3 * 1024 * 1024;
+
 /// The most a status message may take on the wire. gRPC sends the message percent-encoded in
 /// the `grpc-message` trailer, and clients limit a response's metadata: gRPC core (Python, C++,
 /// ...) and grpc-go start refusing it past 8 KiB in all, and past 16 KiB the call fails with a
@@ -762,6 +766,9 @@ impl AdminService for AdminApi {
         .await
     }
 
+    /// A page of agents (every one when `page_size` is 0) of at most [`MAX_FLEET_PAGE_BYTES`],
+    /// with a `next_page_token` when more follow: however large the fleet and its Hellos, the
+    /// answer fits a client's usual 4 MiB limit, and a call copies no more than that.
     async fn fleet_status(
         &self,
         request: Request<pb::FleetStatusRequest>,
@@ -771,10 +778,12 @@ impl AdminService for AdminApi {
             0 => usize::MAX,
             n => usize::try_from(n).unwrap_or(usize::MAX),
         };
-        let page = self
-            .control
-            .fleet
-            .status_page(!req.counts_only, &req.page_token, size);
+        let page = self.control.fleet.status_page(
+            !req.counts_only,
+            &req.page_token,
+            size,
+            MAX_FLEET_PAGE_BYTES,
+        );
         let (connected, known) = (page.connected, page.known);
         Ok(Response::new(pb::FleetStatusResponse {
             current_version: self.control.publisher.current().map_or(0, |s| s.version),

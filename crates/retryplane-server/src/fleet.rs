@@ -972,14 +972,14 @@ impl Fleet {
     /// Every listed agent sorted by id (none unless `list`), the agents connected now, and the
     /// agents known (connected, and disconnected ones still listed), all read at one instant.
     pub fn status_and_counts(&self, list: bool) -> (Vec<pb::AgentStatus>, usize, usize) {
-        let page = self.status_page(list, "", usize::MAX);
+        let page = self.status_page(list, "", usize::MAX, usize::MAX);
         (page.agents, page.connected, page.known)
     }
 
     /// At most `size` listed agents (none unless `list`) whose ids sort after `after` (every
-    /// one when it is empty), sorted by id, with the counts of [`Fleet::status_and_counts`],
-    /// all read at one instant.
-    pub fn status_page(&self, list: bool, after: &str, size: usize) -> FleetPage {
+    /// one when it is empty), sorted by id, and no more than fit `max_bytes` as encoded (one
+    /// at least), with the counts of [`Fleet::status_and_counts`], all read at one instant.
+    pub fn status_page(&self, list: bool, after: &str, size: usize, max_bytes: usize) -> FleetPage {
         let mut inner = self.lock();
         self.forget_gone(&mut inner);
         // Only the page is copied, so a page costs the lock (which every report takes) a sort
@@ -998,6 +998,20 @@ impl Fleet {
                 listed.truncate(size);
             }
             listed.sort_unstable_by(|a, b| a.status.agent_id.cmp(&b.status.agent_id));
+            // Agents choose how large their entries are (64 labels of 256 bytes): a page of a
+            // thousand may be 87 MB, so it is cut where it would pass `max_bytes`.
+            let mut bytes = 0usize;
+            let fit = listed
+                .iter()
+                .position(|e| {
+                    bytes = bytes.saturating_add(prost::Message::encoded_len(&e.status) + 4);
+                    bytes > max_bytes
+                })
+                .map_or(listed.len(), |at| at.max(1));
+            if fit < listed.len() {
+                more = true;
+                listed.truncate(fit);
+            }
             listed.into_iter().map(|e| e.status.clone()).collect()
         } else {
             Vec::new()
@@ -2060,6 +2074,38 @@ mod tests {
                 .collect(),
             ..hello(id)
         }
+    }
+
+    /// Pages are cut by bytes as well as by count (agents choose how large their entries
+    /// are): every agent comes once, in order, across the pages, each page within the bound
+    /// but for a page of one agent larger than it.
+    #[test]
+    fn a_page_of_large_agents_is_cut_at_its_byte_bound() {
+        let fleet = Fleet::new(100);
+        for i in 0..10 {
+            fleet
+                .register(&largest_hello(&format!("a-{i}")), None, None)
+                .unwrap();
+        }
+        let one = prost::Message::encoded_len(&fleet.status()[0]);
+        assert!(one > 32 << 10, "{one}");
+        let bound = 3 * one + one / 2;
+        let (mut after, mut seen) = (String::new(), Vec::new());
+        loop {
+            let page = fleet.status_page(true, &after, usize::MAX, bound);
+            assert_eq!(page.agents.len(), if seen.len() < 9 { 3 } else { 1 });
+            seen.extend(page.agents.iter().map(|a| a.agent_id.clone()));
+            if page.next.is_empty() {
+                break;
+            }
+            after = page.next;
+        }
+        let every: Vec<String> = (0..10).map(|i| format!("a-{i}")).collect();
+        assert_eq!(seen, every);
+        // The count still cuts first; a bound below one agent still sends one.
+        assert_eq!(fleet.status_page(true, "", 2, usize::MAX).agents.len(), 2);
+        let tiny = fleet.status_page(true, "", usize::MAX, 1);
+        assert_eq!((tiny.agents.len(), tiny.next.as_str()), (1, "a-0"));
     }
 
     #[test]
