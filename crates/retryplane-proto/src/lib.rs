@@ -63,3 +63,9 @@ pub const METRICS_INTERVAL_METADATA: &str = "retryplane-metrics-interval-ms";
 /// snapshot message could be longer ([`check_agent_limit`]), `retryplane validate` reports such a
 /// file, and the control plane decodes requests up to this size unless configured otherwise.
 pub const MAX_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
+
+/// The largest `AgentMessage` the control plane takes on an agent stream: an agent's largest
+/// metrics report (a quarter of [`MAX_MESSAGE_BYTES`]; counts past it go out as several
+/// reports) and 64 KiB for its envelope. The control plane's decoder keeps each stream's largest
+/// message's buffer while the stream lives, so this bounds what one stream can make it hold.
+pub const MAX_AGENT_MESSAGE_BYTES: usize = MAX_MESSAGE_BYTES / 4 + 64 * 1024;

@@ -12,9 +12,8 @@
 //! is [`AgentStreamService::connect`] unchanged, a refusal before the stream starts is a
 //! trailers-only response, another method is `UNIMPLEMENTED`, and a compressed request is
 //! refused as tonic refuses it (no compression is enabled). What is not the generated server's:
-//! the inbound bytes pass through [`crate::inbound::Metered`], which refuses a first message
-//! over a Hello's size at its header, bounds what every stream holds in unfinished messages
-//! together, and ends a stream whose message does not come whole in time. The route implements
+//! the inbound bytes pass through [`crate::inbound::Checked`], which refuses a first message
+//! over a Hello's size, and any message over an agent's largest, at its header. The route implements
 //! [`NamedService`], so the server's router, the auth interceptor, health and reflection treat
 //! it as they treat a generated service.
 
@@ -36,7 +35,7 @@ use tonic_prost::ProstDecoder;
 
 use crate::agent_stream::AgentStreamService;
 use crate::frame_body::SharedFrameBody;
-use crate::inbound::InboundBudget;
+use crate::inbound::check_headers;
 
 /// The gRPC path of `Connect`.
 pub const CONNECT_PATH: &str = "/retryplane.v1.AgentService/Connect";
@@ -50,26 +49,20 @@ pub const INBOUND_BUFFER: usize = 1024;
 pub struct AgentRoute {
     service: AgentStreamService,
     max_decoding_message_size: usize,
-    /// What every stream of the route may hold in unfinished messages, together.
-    budget: InboundBudget,
 }
 
 impl AgentRoute {
     /// Serves `service`, refusing inbound messages larger than `max_decoding_message_size`
-    /// bytes (as `max_decoding_message_size` does on a generated server), a first message over
-    /// [`MAX_HELLO_MESSAGE_BYTES`](crate::inbound::MAX_HELLO_MESSAGE_BYTES), and holding what
-    /// its streams' unfinished messages keep within one [`InboundBudget`].
+    /// bytes (as `max_decoding_message_size` does on a generated server) or than
+    /// [`MAX_AGENT_MESSAGE_BYTES`](retryplane_proto::MAX_AGENT_MESSAGE_BYTES), and a first
+    /// message over [`MAX_HELLO_MESSAGE_BYTES`](crate::inbound::MAX_HELLO_MESSAGE_BYTES), each
+    /// at its header.
     pub fn new(service: AgentStreamService, max_decoding_message_size: usize) -> Self {
         Self {
             service,
-            max_decoding_message_size,
-            budget: InboundBudget::new(max_decoding_message_size),
+            max_decoding_message_size: max_decoding_message_size
+                .min(retryplane_proto::MAX_AGENT_MESSAGE_BYTES),
         }
-    }
-
-    /// The budget of the route's unfinished messages.
-    pub fn budget(&self) -> &InboundBudget {
-        &self.budget
     }
 }
 
@@ -139,7 +132,6 @@ where
         }
         let service = self.service.clone();
         let limit = self.max_decoding_message_size;
-        let budget = self.budget.clone();
         let interval = http::HeaderValue::from(service.metrics_interval_ms());
         Box::pin(async move {
             if let Err(status) = check_encoding(&request) {
@@ -152,7 +144,12 @@ where
             // The agent's bytes and messages, as heard (for an agent that sends heartbeats).
             let life = Life::new(tokio::time::Instant::now());
             let mut request = request.map(|body| {
-                Streaming::new_request(decoder, budget.meter(life.watch(body)), None, Some(limit))
+                Streaming::new_request(
+                    decoder,
+                    check_headers(life.watch(body), limit),
+                    None,
+                    Some(limit),
+                )
             });
             request.extensions_mut().insert(life);
             let request = Request::from_http(request);
@@ -440,7 +437,6 @@ mod tests {
                 .contains("the first message (the Hello) of 102400 bytes"),
             "{status:?}"
         );
-        assert_eq!(route.budget().available(), 16 << 20, "nothing held");
         // After the Hello, the route's limit (1 MiB here).
         let (request, inbound) = connect(CONNECT_PATH, "a-1");
         let mut body = route.call(request).await.unwrap().into_body();

@@ -45,8 +45,8 @@ use crate::metrics::Registry;
 pub(crate) const WINDOW: usize = 8;
 
 /// Largest report, encoded: a quarter of the largest message the control plane decodes
-/// ([`retryplane_proto::MAX_MESSAGE_BYTES`]), so a report with its envelope is always well
-/// inside it.
+/// ([`retryplane_proto::MAX_MESSAGE_BYTES`]), so a report with its envelope is always inside
+/// what an agent stream takes ([`retryplane_proto::MAX_AGENT_MESSAGE_BYTES`]).
 pub(crate) const MAX_REPORT_BYTES: usize = retryplane_proto::MAX_MESSAGE_BYTES / 4;
 
 /// Most reports held with the version they were made under (see the module's docs).
