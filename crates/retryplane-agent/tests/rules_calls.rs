@@ -859,8 +859,8 @@ fn a_call_made_after_the_new_policies_are_seen_runs_on_them() {
     );
 }
 
-/// A caller's deadline shorter than the upstream's answer ends each call `deadline_exceeded`,
-/// yet tells the endpoint's breaker nothing: the call's time was up, the upstream did not
+/// A caller's deadline shorter than the upstream's answer (and than half the per-try timeout)
+/// ends each call (`attempts_exhausted`, its one attempt spent), yet tells the endpoint's breaker nothing: the call's time was up, the upstream did not
 /// fail. The same hang given the whole per-try timeout opens the breaker.
 #[tokio::test(start_paused = true)]
 async fn a_callers_short_deadline_does_not_open_the_breaker_for_every_caller() {

@@ -634,8 +634,8 @@ pub struct RetryCall<'a> {
     /// refused by the breaker or the deadline after it) hands it back.
     unsent_retry: Option<Taken>,
     last_failure: Option<Outcome>,
-    /// Whether an attempt was given less than `per_try_timeout`, what was left of the deadline
-    /// (set once: every later attempt is cut shorter still).
+    /// Whether an attempt was given less than half its `per_try_timeout`, what was left of the
+    /// deadline (set once: every later attempt is cut shorter still).
     cut_short: bool,
 }
 
@@ -735,7 +735,9 @@ impl<'a> RetryCall<'a> {
             timeout: if nanos(self.policy.per_try_timeout) <= left {
                 self.policy.per_try_timeout
             } else {
-                self.cut_short = true;
+                if left.saturating_mul(2) < nanos(self.policy.per_try_timeout) {
+                    self.cut_short = true;
+                }
                 from_nanos(left)
             },
         })
@@ -845,11 +847,12 @@ impl<'a> RetryCall<'a> {
         // failures and server errors, which always count) whether the breaker counts it.
         let listed = outcome.listed_in(&p.retry_on);
         if let (Some(permit), Some(breaker)) = (permit, &self.state.breaker) {
-            if self.ended_by_the_deadline(&outcome, offset) {
+            // No verdict either way: the permit goes back (a half-open probe to the next call).
+            if outcome.is_throttled() || self.ended_by_the_deadline(&outcome, offset) {
                 breaker.release(permit);
             } else {
                 // `!outcome.is_upstream_failure(p)`, without a second scan of `retry_on`.
-                let healthy = (!listed || outcome.is_throttled())
+                let healthy = !listed
                     && !matches!(outcome, Outcome::Transport(_))
                     && !outcome.is_server_error();
                 breaker.record_at(permit, healthy, window_nanos(offset));
@@ -861,13 +864,14 @@ impl<'a> RetryCall<'a> {
     }
 
     /// Whether `outcome`, reported at `offset`, is a timeout of an attempt that was given less
-    /// than `per_try_timeout` and ran out with the call's deadline: the attempt's own timer (the
+    /// than half its `per_try_timeout` and ran out with the call's deadline: the attempt's own timer (the
     /// deadline's remainder) or the upstream's (a gRPC `DEADLINE_EXCEEDED` to the
     /// `grpc-timeout` the attempt carried). Such a timeout says the call's time was up, not that
     /// the upstream is failing: a caller with a deadline shorter than the upstream's usual
     /// answer must not open the breaker for every caller of the endpoint. The breaker takes no
-    /// verdict from it (its permit is handed back). A timeout with time left (an attempt given
-    /// its full `per_try_timeout`) counts as a failure as before.
+    /// verdict from it (its permit is handed back). A timeout with time left, or of an attempt
+    /// given half its `per_try_timeout` or more, counts as a failure as before: callers with a
+    /// common 1 s deadline under the default 2 s still open the breaker on a hung upstream.
     #[inline]
     fn ended_by_the_deadline(&self, outcome: &Outcome, offset: i128) -> bool {
         self.cut_short

@@ -60,7 +60,8 @@ impl Outcome {
     /// Whether the upstream asked for less traffic: an HTTP `429` or a gRPC
     /// `RESOURCE_EXHAUSTED`. Such an upstream is up and pacing its callers, which the retry
     /// budget and `Retry-After` answer; a breaker that opened on it would turn a partial
-    /// throttle into no calls at all for `open_for`, so the breaker does not count it.
+    /// throttle into no calls at all for `open_for`, so the breaker takes no verdict from it
+    /// (neither a failure nor a success: a half-open probe answered so goes to the next call).
     #[inline]
     pub fn is_throttled(&self) -> bool {
         matches!(

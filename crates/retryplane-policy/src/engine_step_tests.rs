@@ -272,7 +272,7 @@ fn the_breaker_counts_transport_failures_server_errors_and_listed_statuses_only(
     }
     let open = fresh.breaker().expect("breaker on").state(t0);
     assert_eq!(open, crate::breaker::BreakerState::Open);
-    // Throttling answers, listed by default, are not failures: a breaker fed nothing else
+    // Throttling answers, listed by default, give no verdict: a breaker fed nothing else
     // stays closed, where the same count of 408s (listed too) opens it.
     for (throttled, opens) in [
         (http(429, Some(Duration::from_secs(1))), false),
@@ -295,8 +295,8 @@ fn the_breaker_counts_transport_failures_server_errors_and_listed_statuses_only(
 
 /// A timeout of an attempt the deadline cut short (the caller's own, or what was left of the
 /// policy's) says the call's time was up, not that the upstream fails: the breaker takes no
-/// verdict from it. A timeout of an attempt given its whole `per_try_timeout`, or one reported
-/// while time is left, counts.
+/// verdict from it when the attempt had less than half its `per_try_timeout`. A timeout of an
+/// attempt given half or more, or one reported while time is left, counts.
 #[test]
 fn a_timeout_the_deadline_cut_short_does_not_count_in_the_breaker() {
     let mut p = policy(10);
@@ -336,12 +336,25 @@ fn a_timeout_the_deadline_cut_short_does_not_count_in_the_breaker() {
         ),
         // The whole per-try timeout, with no deadline of the caller's.
         (None, ms(500), Outcome::Transport(ErrorClass::Timeout), true),
-        // A caller's deadline equal to the per-try timeout cuts nothing short.
+        // A caller's deadline equal to the per-try timeout cuts nothing short, and one of
+        // half of it or more gives the attempt enough time to judge the upstream.
         (
             Some(ms(500)),
             ms(500),
             Outcome::Transport(ErrorClass::Timeout),
             true,
+        ),
+        (
+            Some(ms(250)),
+            ms(250),
+            Outcome::Transport(ErrorClass::Timeout),
+            true,
+        ),
+        (
+            Some(ms(249)),
+            ms(249),
+            Outcome::Transport(ErrorClass::Timeout),
+            false,
         ),
     ];
     for (within, at, outcome, opens) in cases {
@@ -373,13 +386,13 @@ fn a_timeout_the_deadline_cut_short_does_not_count_in_the_breaker() {
         let first = call.start_attempt(t0).expect("attempt allowed");
         assert_eq!(first.timeout, ms(500));
         let Decision::Retry { pause, .. } =
-            call.on_outcome(http(503, None), t0 + ms(500), &mut rng)
+            call.on_outcome(http(503, None), t0 + ms(760), &mut rng)
         else {
             panic!("a 503 with time left is retried");
         };
-        let second = t0 + ms(500) + pause;
+        let second = t0 + ms(760) + pause;
         let attempt = call.start_attempt(second).expect("attempt allowed");
-        assert!(attempt.timeout < ms(500), "{attempt:?}");
+        assert!(attempt.timeout < ms(250), "{attempt:?}");
         let _ = call.on_outcome(
             Outcome::Transport(ErrorClass::Timeout),
             second + attempt.timeout,
