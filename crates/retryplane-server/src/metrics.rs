@@ -8,6 +8,7 @@ use std::sync::atomic::AtomicU64;
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::info::Info;
 use prometheus_client::registry::Registry;
 
 use crate::aggregate::Aggregator;
@@ -55,6 +56,10 @@ pub struct ServerMetrics {
     /// start, by every read the watcher makes, and as a save of the file is published (with
     /// the version gauge); 1 in API mode, where the file is not watched.
     pub config_last_reload_successful: Gauge,
+    /// 1 when the tokens in force are the tokens file's as last read (at start, or by the last
+    /// reload, SIGHUP), 0 when the last reload could not use the file and the tokens read before
+    /// stay: a rotated secret that did not take is then still valid. 1 without a tokens file.
+    pub tokens_last_reload_successful: Gauge,
     /// Metrics reports dropped for coming too fast.
     pub reports_dropped: Counter,
     /// Numbered metrics reports received again after they were counted (sent again after a
@@ -124,6 +129,8 @@ impl ServerMetrics {
         let store_failures = Counter::default();
         let store_bytes = Gauge::default();
         let config_last_reload_successful = Gauge::default();
+        let tokens_last_reload_successful = Gauge::default();
+        tokens_last_reload_successful.set(1);
         let reports_dropped = Counter::default();
         let reports_duplicate = Counter::default();
         let report_endpoints_implausible = Counter::default();
@@ -179,6 +186,17 @@ impl ServerMetrics {
             config_last_reload_successful.clone(),
         );
         registry.register(
+            "tokens_last_reload_successful",
+            "Whether the last read of the tokens file (at start or on SIGHUP) was put in force; 0 while the tokens read before it stay",
+            tokens_last_reload_successful.clone(),
+        );
+        // Which build serves, for dashboards across an upgrade or a rollback.
+        registry.register(
+            "build",
+            "The retryplane build serving",
+            Info::new(vec![("version", env!("CARGO_PKG_VERSION"))]),
+        );
+        registry.register(
             "reports_dropped",
             "Agent metrics reports dropped for exceeding the per-agent rate",
             reports_dropped.clone(),
@@ -226,6 +244,7 @@ impl ServerMetrics {
             store_failures,
             store_bytes,
             config_last_reload_successful,
+            tokens_last_reload_successful,
             reports_dropped,
             reports_duplicate,
             report_endpoints_implausible,

@@ -271,6 +271,14 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
             dir: cfg.data_dir.clone(),
             source,
         })?;
+    // Which store, and whether it is new: a mistyped `--data-dir` makes a new, empty one
+    // (then seeded, or loaded from the file), which nothing else would say.
+    let store_file = std::path::absolute(store.path()).unwrap_or_else(|_| store.path().to_owned());
+    if store.created() {
+        info!(store = %store_file.display(), "created a new, empty version store (if this control plane has run before, check --data-dir)");
+    } else {
+        info!(store = %store_file.display(), "opened the version store");
+    }
     let store: Arc<dyn VersionStore> = Arc::new(store);
     let mode = if cfg.api_mode {
         Mode::Api
@@ -451,6 +459,8 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
         %http_addr,
         mode = ?control.mode,
         agent_connections,
+        version = env!("CARGO_PKG_VERSION"),
+        store = %store_file.display(),
         "control plane serving"
     );
     Ok(Running {
@@ -576,6 +586,7 @@ fn reload_tokens(
     };
     match tokens.reload() {
         Ok(count) => {
+            control.metrics.tokens_last_reload_successful.set(1);
             let current = tokens.current();
             control
                 .fleet
@@ -588,6 +599,7 @@ fn reload_tokens(
             Err(e)
         }
         Err(e) => {
+            control.metrics.tokens_last_reload_successful.set(0);
             error!(
                 error = %crate::ErrorChain(&e),
                 tokens = tokens.current().len(),

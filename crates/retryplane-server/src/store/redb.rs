@@ -166,6 +166,8 @@ pub struct RedbStore {
     _dir_lock: Option<std::fs::File>,
     /// The file's size as last seen ([`VersionStore::disk_bytes`]).
     disk_bytes: std::sync::atomic::AtomicU64,
+    /// Whether the open created the store's file.
+    created: bool,
 }
 
 impl std::fmt::Debug for RedbStore {
@@ -312,12 +314,16 @@ impl RedbStore {
         })?;
         let dir_lock = lock_dir(dir)?;
         let path = dir.join(FILE_NAME);
+        let mut created = false;
         match std::fs::metadata(&path) {
-            Err(error) if error.kind() == std::io::ErrorKind::NotFound => match dangling(&path) {
-                // A link to where the store is to be (a volume, say): created there.
-                Some(target) => create_file(target.parent().unwrap_or(dir), &target)?,
-                None => create_file(dir, &path)?,
-            },
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
+                match dangling(&path) {
+                    // A link to where the store is to be (a volume, say): created there.
+                    Some(target) => create_file(target.parent().unwrap_or(dir), &target)?,
+                    None => create_file(dir, &path)?,
+                }
+                created = true;
+            }
             Err(source) => return Err(StoreError::OpenFile { path, source }),
             Ok(_) => {}
         }
@@ -337,6 +343,7 @@ impl RedbStore {
             open_db,
             _dir_lock: dir_lock,
             disk_bytes: std::sync::atomic::AtomicU64::new(0),
+            created,
         };
         store.run(create_missing_tables)?;
         store.run(check)?;
@@ -357,6 +364,12 @@ impl RedbStore {
     /// The store's file.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// Whether this open created the store's file (a first start, or a data directory that is
+    /// not the one meant).
+    pub fn created(&self) -> bool {
+        self.created
     }
 
     /// Reads the file's size for [`VersionStore::disk_bytes`]; one that cannot be read keeps
