@@ -1574,7 +1574,16 @@ async fn a_tokens_reload_ends_the_streams_whose_secret_it_removes_and_admits_new
         "tokens: [{name: x, role: agent, secret: short}]\n",
     )
     .unwrap();
+    let gauge = |running: &Running| {
+        running
+            .control()
+            .metrics
+            .tokens_last_reload_successful
+            .get()
+    };
+    assert_eq!(gauge(&running), 1, "as read at start");
     assert!(running.reload_tokens().is_err());
+    assert_eq!(gauge(&running), 0, "the old tokens stay in force");
     // One that cannot be read: the log says why, as at start.
     let moved = tokens_file.with_extension("moved");
     fs::rename(&tokens_file, &moved).unwrap();
@@ -1598,6 +1607,7 @@ async fn a_tokens_reload_ends_the_streams_whose_secret_it_removes_and_admits_new
     )
     .unwrap();
     assert_eq!(running.reload_tokens().unwrap(), Some(3));
+    assert_eq!(gauge(&running), 1);
     let ended = tokio::time::timeout(SHUTDOWN_GRACE, batch.message())
         .await
         .unwrap()
