@@ -604,7 +604,12 @@ impl Endpoint {
                                     break End::Fail(Cause::Cancelled, last, last_outcome);
                                 }
                                 Resend::Kept(r) => Ok(r),
-                                Resend::Sent(r) => r,
+                                Resend::Sent(r, given) => {
+                                    if let Some(given) = given {
+                                        call.resent_within(given);
+                                    }
+                                    r
+                                }
                             }
                         }
                         other => other,
@@ -904,7 +909,7 @@ impl Endpoint {
                     );
                     return Resend::Kept(first_answer);
                 }
-                Readied::Failed(e) => return Resend::Sent(Ok(Err(e))),
+                Readied::Failed(e) => return Resend::Sent(Ok(Err(e)), None),
             }
         }
         let left = info.deadline.saturating_duration_since(Instant::now());
@@ -939,7 +944,7 @@ impl Endpoint {
         tokio::select! {
             biased;
             () = &mut cancelled => Resend::Cancelled,
-            r = run => Resend::Sent(r),
+            r = run => Resend::Sent(r, Some(info.timeout)),
         }
     }
 
@@ -1046,8 +1051,9 @@ enum Resend<T, E> {
     /// Not sent again (the refresh failed, the deadline passed, or the breaker is open now):
     /// the first answer stands.
     Kept(Result<T, E>),
-    /// The second answer (or the error getting ready to send it), or its per-try timeout.
-    Sent(Result<Result<T, E>, per_try::TimedOut>),
+    /// The second answer (or the error getting ready to send it), or its per-try timeout; and
+    /// the time the second send was given, when it was sent.
+    Sent(Result<Result<T, E>, per_try::TimedOut>, Option<Duration>),
 }
 
 /// What a call does with the failed answer it keeps (its last result, returned if the call

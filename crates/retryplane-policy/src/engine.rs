@@ -863,6 +863,16 @@ impl<'a> RetryCall<'a> {
         decision
     }
 
+    /// The attempt started last was sent again (after a credential refresh) with `timeout`,
+    /// what was left of the deadline or its `per_try_timeout`: its timeout is judged as that of
+    /// an attempt given `timeout`: one of less than half its `per_try_timeout` that runs out
+    /// with the deadline gives the breaker no verdict.
+    pub fn resent_within(&mut self, timeout: Duration) {
+        if timeout.saturating_mul(2) < self.policy.per_try_timeout {
+            self.cut_short = true;
+        }
+    }
+
     /// Whether `outcome`, reported at `offset`, is a timeout of an attempt that was given less
     /// than half its `per_try_timeout` and ran out with the call's deadline: the attempt's own timer (the
     /// deadline's remainder) or the upstream's (a gRPC `DEADLINE_EXCEEDED` to the

@@ -407,6 +407,44 @@ fn a_timeout_the_deadline_cut_short_does_not_count_in_the_breaker() {
     );
 }
 
+/// A resend after a credential refresh given less than half the per-try timeout (what was
+/// left of the deadline) is judged as an attempt given that: its timeout at the deadline is no
+/// verdict. Without the resend's time told, the attempt had its whole per-try timeout.
+#[test]
+fn a_resend_cut_short_by_the_deadline_gives_no_verdict() {
+    let mut p = policy(10);
+    p.circuit_breaker = Some(crate::model::BreakerConfig {
+        min_requests: 3,
+        failure_ratio: 1.0,
+        ..Default::default()
+    });
+    let t0 = Instant::now();
+    let mut rng = Counting(SeededRng::with_seed(1), 0);
+    for (resent, opens) in [(true, false), (false, true)] {
+        let state = EndpointState::new(&p, t0);
+        for _ in 0..3 {
+            let mut call = RetryCall::new(&p, &state, GET, t0);
+            call.cap_deadline(Duration::from_millis(700));
+            let attempt = call.start_attempt(t0).expect("attempt allowed");
+            assert_eq!(attempt.timeout, Duration::from_millis(500));
+            if resent {
+                call.resent_within(Duration::from_millis(200));
+            }
+            let _ = call.on_outcome(
+                Outcome::Transport(ErrorClass::Timeout),
+                t0 + Duration::from_millis(700),
+                &mut rng,
+            );
+        }
+        let open = state.breaker().expect("breaker on").state(t0);
+        assert_eq!(
+            open == crate::breaker::BreakerState::Open,
+            opens,
+            "{resent}"
+        );
+    }
+}
+
 #[test]
 fn one_outcome_per_attempt_and_none_after_the_call_is_over() {
     let p = policy(10); // a reserve of ten retries
