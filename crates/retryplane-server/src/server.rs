@@ -457,7 +457,7 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
         %agent_addr,
         %admin_addr,
         %http_addr,
-        mode = ?control.mode,
+        mode = %control.mode,
         agent_connections,
         version = env!("CARGO_PKG_VERSION"),
         store = %store_file.display(),

@@ -163,6 +163,38 @@ async fn restart_with_an_unchanged_file_keeps_version_and_hash() {
     running.shutdown().await.unwrap();
 }
 
+/// A start on a file that differs from the stored version publishes it and says so at warn,
+/// with what changed: a `--config` that is not the file meant removes endpoints fleet-wide.
+#[tokio::test]
+async fn a_start_on_a_changed_file_warns_of_the_new_version() {
+    let (dir, cfg) = with_file(V1);
+    let running = start(cfg.clone()).await.unwrap();
+    running.shutdown().await.unwrap();
+    fs::write(
+        dir.path().join("policies.yaml"),
+        "version: 1\nendpoints:\n  payments: {}\n  payments-v2: {}\n",
+    )
+    .unwrap();
+    let (log, guard) = crate::test_logs::capture("retryplane_server=warn");
+    let running = start(cfg.clone()).await.unwrap();
+    drop(guard);
+    assert_eq!(current(&running).await.version, 2);
+    let logged = log.text();
+    assert!(
+        logged.contains("the policy file differs from the version served before this start")
+            && logged.contains("before=1 version=2")
+            && logged.contains("payments-v2"),
+        "{logged}"
+    );
+    running.shutdown().await.unwrap();
+    // An unchanged file at the next start: no word.
+    let (log, guard) = crate::test_logs::capture("retryplane_server=warn");
+    let running = start(cfg).await.unwrap();
+    drop(guard);
+    assert!(!log.text().contains("differs"), "{}", log.text());
+    running.shutdown().await.unwrap();
+}
+
 /// A start on an invalid file serves the stored version, and says why the file was not
 /// applied for `FleetStatus`, as a save while running would.
 #[tokio::test]

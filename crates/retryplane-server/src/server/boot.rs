@@ -179,7 +179,15 @@ async fn apply_valid(
             info!(file = %file.display(), "the policy file matches the stored version");
             Ok(StartChange::Applied)
         }
-        Ok(_) => Ok(StartChange::Applied),
+        Ok(outcome) => {
+            // A file that differs from what the store served before this start: an edit made
+            // while the control plane was down, or a `--config` that is not the file meant
+            // (whose endpoints it removes from the fleet). Said where an operator looks.
+            if let (Some(before), Some(record)) = (stored, outcome.record.as_ref()) {
+                warn!(file = %file.display(), before, version = record.meta.version, summary = %retryplane_policy::diag::LogValue(&record.meta.summary), "the policy file differs from the version served before this start: published as a new version (if this is not the file meant, check --config and roll back)");
+            }
+            Ok(StartChange::Applied)
+        }
         // The stored version keeps being served, as for a bad save while running.
         Err(crate::control::ChangeError::RemovesEverything(names)) => {
             // As many names as fit one readable line, as the watcher's warning has them.
