@@ -336,8 +336,14 @@ async fn an_oversized_message_closes_only_that_stream() {
         .await;
     let err = big.next_snapshot().await.unwrap_err();
     assert_eq!(err.code(), Code::ResourceExhausted, "{err:?}");
-    assert!(
-        err.message().ends_with("the limit is: 4194304 bytes"),
+    // Refused at its header, at an agent message's limit (an agent's largest report and its
+    // envelope), before any of it is kept.
+    assert_eq!(
+        err.message(),
+        format!(
+            "a message of 8388623 bytes is over the {} bytes this control plane takes",
+            retryplane_proto::MAX_AGENT_MESSAGE_BYTES
+        ),
         "{err:?}"
     );
     let _ok = plane.agent_on("small", 1).await;
