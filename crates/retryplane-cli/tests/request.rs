@@ -161,19 +161,25 @@ fn request(args: &[&str]) -> (Value, i32) {
     request_under(POLICY, args)
 }
 
-/// [`request`] under the policy file `policy` (endpoint `api`), stopped after 30 s.
-fn request_under(policy: &str, args: &[&str]) -> (Value, i32) {
+/// `retryplane request --policy POLICY --endpoint api ARGS...` (the policy written to a
+/// temporary file), stopped after 30 s.
+fn request_output(policy: &str, args: &[&str]) -> std::process::Output {
     let dir = TempDir::new().unwrap();
     let path = dir.path().join("policy.yaml");
     fs::write(&path, policy).unwrap();
-    let out = support::cli(&[])
+    support::cli(&[])
         .args(["request", "--policy"])
         .arg(&path)
-        .args(["--endpoint", "api", "--output", "json"])
+        .args(["--endpoint", "api"])
         .args(args)
         .timeout(std::time::Duration::from_secs(30))
         .output()
-        .unwrap();
+        .unwrap()
+}
+
+/// [`request`] under the policy file `policy` (endpoint `api`), stopped after 30 s.
+fn request_under(policy: &str, args: &[&str]) -> (Value, i32) {
+    let out = request_output(policy, &[&["--output", "json"], args].concat());
     let stdout = String::from_utf8_lossy(&out.stdout);
     let value = serde_json::from_str(&stdout)
         .unwrap_or_else(|e| panic!("{e}: {stdout} / {}", String::from_utf8_lossy(&out.stderr)));
@@ -658,16 +664,7 @@ fn a_429_with_retry_after_over_the_max_gives_up_as_retry_after_too_long() {
 #[test]
 fn a_retry_after_over_the_max_is_named_with_the_policy_s_max() {
     let up = Upstream::start(&[(429, "retry-after: 60\r\n")]);
-    let dir = TempDir::new().unwrap();
-    let path = dir.path().join("policy.yaml");
-    fs::write(&path, POLICY).unwrap();
-    let out = support::cli(&[])
-        .args(["request", "--policy"])
-        .arg(&path)
-        .args(["--endpoint", "api", &up.url("/")])
-        .timeout(std::time::Duration::from_secs(30))
-        .output()
-        .unwrap();
+    let out = request_output(POLICY, &[&up.url("/")]);
     assert_eq!(out.status.code(), Some(1));
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(

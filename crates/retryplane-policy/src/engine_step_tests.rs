@@ -40,6 +40,18 @@ fn policy(min_per_second: u32) -> RetryPolicy {
     }
 }
 
+/// [`policy`] with a breaker that three failed attempts of three open.
+fn with_breaker_of_three() -> RetryPolicy {
+    RetryPolicy {
+        circuit_breaker: Some(crate::model::BreakerConfig {
+            min_requests: 3,
+            failure_ratio: 1.0,
+            ..Default::default()
+        }),
+        ..policy(10)
+    }
+}
+
 const GET: CallInfo = CallInfo {
     idempotent: true,
     has_idempotency_key: false,
@@ -224,12 +236,7 @@ fn a_server_error_is_an_upstream_failure_whatever_retry_on_lists() {
 
 #[test]
 fn the_breaker_counts_transport_failures_server_errors_and_listed_statuses_only() {
-    let mut p = policy(10);
-    p.circuit_breaker = Some(crate::model::BreakerConfig {
-        min_requests: 3,
-        failure_ratio: 1.0,
-        ..Default::default()
-    });
+    let p = with_breaker_of_three();
     let t0 = Instant::now();
     let state = EndpointState::new(&p, t0);
     let mut rng = Counting(SeededRng::with_seed(1), 0);
@@ -299,12 +306,7 @@ fn the_breaker_counts_transport_failures_server_errors_and_listed_statuses_only(
 /// attempt given half or more, or one reported while time is left, counts.
 #[test]
 fn a_timeout_the_deadline_cut_short_does_not_count_in_the_breaker() {
-    let mut p = policy(10);
-    p.circuit_breaker = Some(crate::model::BreakerConfig {
-        min_requests: 3,
-        failure_ratio: 1.0,
-        ..Default::default()
-    });
+    let mut p = with_breaker_of_three();
     let t0 = Instant::now();
     let mut rng = Counting(SeededRng::with_seed(1), 0);
     let ms = Duration::from_millis;
@@ -412,12 +414,7 @@ fn a_timeout_the_deadline_cut_short_does_not_count_in_the_breaker() {
 /// verdict. Without the resend's time told, the attempt had its whole per-try timeout.
 #[test]
 fn a_resend_cut_short_by_the_deadline_gives_no_verdict() {
-    let mut p = policy(10);
-    p.circuit_breaker = Some(crate::model::BreakerConfig {
-        min_requests: 3,
-        failure_ratio: 1.0,
-        ..Default::default()
-    });
+    let p = with_breaker_of_three();
     let t0 = Instant::now();
     let mut rng = Counting(SeededRng::with_seed(1), 0);
     for (resent, opens) in [(true, false), (false, true)] {
