@@ -388,7 +388,8 @@ async fn every_counter_the_calls_made_is_shown_exactly_in_stats_and_both_text_fo
                 assert!(
                     typed.contains(&name)
                         || typed.contains(name.trim_end_matches("_total"))
-                        || typed.contains(name.trim_end_matches("_created")),
+                        || typed.contains(name.trim_end_matches("_created"))
+                        || typed.contains(name.trim_end_matches("_info")),
                     "openmetrics={openmetrics}: {name} has no TYPE before it"
                 );
             }
