@@ -37,11 +37,11 @@ pub enum Mode {
     Api,
 }
 
-/// `file PATH` or `api`, as the start-up log says it.
+/// `file:PATH` or `api`, as the start-up log says it.
 impl std::fmt::Display for Mode {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Mode::File(path) => write!(f, "file {}", path.display()),
+            Mode::File(path) => write!(f, "file:{}", path.display()),
             Mode::Api => f.write_str("api"),
         }
     }

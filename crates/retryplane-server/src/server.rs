@@ -459,7 +459,7 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
         %http_addr,
         mode = %control.mode,
         agent_connections,
-        version = env!("CARGO_PKG_VERSION"),
+        version = %env!("CARGO_PKG_VERSION"),
         store = %store_file.display(),
         "control plane serving"
     );

@@ -163,6 +163,39 @@ async fn restart_with_an_unchanged_file_keeps_version_and_hash() {
     running.shutdown().await.unwrap();
 }
 
+/// The start-up log names the store and says whether this start created it (a mistyped
+/// `--data-dir` makes a new, empty one), and the serving line carries the version and store.
+#[tokio::test]
+async fn the_start_up_log_names_the_store_and_whether_it_is_new() {
+    let (_dir, cfg) = with_file(V1);
+    let store = std::path::absolute(cfg.data_dir.join("retryplane.redb")).unwrap();
+    for (run, said) in [
+        (1, "created a new, empty version store"),
+        (2, "opened the version store"),
+    ] {
+        let (log, guard) = crate::test_logs::capture("retryplane_server=info");
+        let running = start(cfg.clone()).await.unwrap();
+        drop(guard);
+        let logged = log.text();
+        let line = logged
+            .lines()
+            .find(|l| l.contains(said))
+            .unwrap_or_else(|| panic!("run {run}: {logged}"));
+        assert!(line.contains(&store.display().to_string()), "{line}");
+        let serving = logged
+            .lines()
+            .find(|l| l.contains("control plane serving"))
+            .unwrap_or_else(|| panic!("run {run}: {logged}"));
+        assert!(
+            serving.contains(&format!("version={}", env!("CARGO_PKG_VERSION")))
+                && serving.contains("mode=file:/")
+                && serving.contains(&store.display().to_string()),
+            "{serving}"
+        );
+        running.shutdown().await.unwrap();
+    }
+}
+
 /// A start on a file that differs from the stored version publishes it and says so at warn,
 /// with what changed: a `--config` that is not the file meant removes endpoints fleet-wide.
 #[tokio::test]
