@@ -196,10 +196,11 @@ async fn the_start_up_log_names_the_store_and_whether_it_is_new() {
     }
 }
 
-/// A start on a file that differs from the stored version publishes it and says so at warn,
-/// with what changed: a `--config` that is not the file meant removes endpoints fleet-wide.
+/// A start on a file that removes endpoints of the stored version publishes it and says so at
+/// warn, with what changed: a `--config` that is not the file meant removes endpoints
+/// fleet-wide. An edit that removes none, and an unchanged file, get no warning.
 #[tokio::test]
-async fn a_start_on_a_changed_file_warns_of_the_new_version() {
+async fn a_start_on_a_file_that_removes_endpoints_warns() {
     let (dir, cfg) = with_file(V1);
     let running = start(cfg.clone()).await.unwrap();
     running.shutdown().await.unwrap();
@@ -212,11 +213,22 @@ async fn a_start_on_a_changed_file_warns_of_the_new_version() {
     let running = start(cfg.clone()).await.unwrap();
     drop(guard);
     assert_eq!(current(&running).await.version, 2);
+    assert!(!log.text().contains("removes endpoints"), "{}", log.text());
+    running.shutdown().await.unwrap();
+    fs::write(
+        dir.path().join("policies.yaml"),
+        "version: 1\nendpoints:\n  payments-v2: {}\n",
+    )
+    .unwrap();
+    let (log, guard) = crate::test_logs::capture("retryplane_server=warn");
+    let running = start(cfg.clone()).await.unwrap();
+    drop(guard);
+    assert_eq!(current(&running).await.version, 3);
     let logged = log.text();
     assert!(
-        logged.contains("the policy file differs from the version served before this start")
-            && logged.contains("before=1 version=2")
-            && logged.contains("payments-v2"),
+        logged.contains("the policy file read at start removes endpoints")
+            && logged.contains("before=2 version=3")
+            && logged.contains("(payments)"),
         "{logged}"
     );
     running.shutdown().await.unwrap();
@@ -224,7 +236,7 @@ async fn a_start_on_a_changed_file_warns_of_the_new_version() {
     let (log, guard) = crate::test_logs::capture("retryplane_server=warn");
     let running = start(cfg).await.unwrap();
     drop(guard);
-    assert!(!log.text().contains("differs"), "{}", log.text());
+    assert!(!log.text().contains("removes endpoints"), "{}", log.text());
     running.shutdown().await.unwrap();
 }
 

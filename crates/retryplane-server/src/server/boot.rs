@@ -180,11 +180,16 @@ async fn apply_valid(
             Ok(StartChange::Applied)
         }
         Ok(outcome) => {
-            // A file that differs from what the store served before this start: an edit made
-            // while the control plane was down, or a `--config` that is not the file meant
-            // (whose endpoints it removes from the fleet). Said where an operator looks.
-            if let (Some(before), Some(record)) = (stored, outcome.record.as_ref()) {
-                warn!(file = %file.display(), before, version = record.meta.version, summary = %retryplane_policy::diag::LogValue(&record.meta.summary), "the policy file differs from the version served before this start: published as a new version (if this is not the file meant, check --config and roll back)");
+            // A file read at start that removes endpoints the store served before: a
+            // `--config` that is not the file meant takes them from the whole fleet. Said
+            // where an operator looks; an edit that removes none (a deploy's usual edit, then
+            // restart) is the publish's usual info line.
+            let removes = outcome
+                .diff
+                .iter()
+                .any(|c| c.kind == retryplane_policy::diff::ChangeKind::Removed);
+            if let (Some(before), Some(record), true) = (stored, outcome.record.as_ref(), removes) {
+                warn!(file = %file.display(), before, version = record.meta.version, summary = %retryplane_policy::diag::LogValue(&record.meta.summary), "the policy file read at start removes endpoints the version served before it had: published as a new version (if this is not the file meant, restart with the right --config, or put the file back: file mode publishes what it holds)");
             }
             Ok(StartChange::Applied)
         }
