@@ -63,7 +63,6 @@ use retryplane_agent::{
 };
 use retryplane_policy::document::Target;
 use retryplane_policy::duration::format_duration;
-use retryplane_policy::retry_after::Pushback;
 use tokio::time::Instant;
 
 use crate::admin::Token;
@@ -783,16 +782,14 @@ async fn call(agent: &Agent, s: &Settings) -> anyhow::Result<Summary> {
 /// `retry_after.max` of the policy the call ran under (the one in force now, which a push during
 /// the call may have changed). `None` when `answer` holds no hint over that maximum.
 fn hint_over_the_max(agent: &Agent, s: &Settings, answer: &http::Response<()>) -> Option<String> {
-    let (hint, header) = match answer.classify() {
-        Classification::Outcome(Outcome::Http {
-            retry_after: Some(Ok(d)),
-            ..
-        }) => (d, "Retry-After"),
-        Classification::Outcome(Outcome::Grpc {
-            pushback: Some(Pushback::After(d)),
-            ..
-        }) => (d, "grpc-retry-pushback-ms"),
-        _ => return None,
+    let Classification::Outcome(outcome) = answer.classify() else {
+        return None;
+    };
+    let (hint, pushback) = outcome.hint()?;
+    let header = if pushback {
+        "grpc-retry-pushback-ms"
+    } else {
+        "Retry-After"
     };
     let snapshot = agent.policies();
     let target = Target::Http {

@@ -208,17 +208,7 @@ fn server_hint(retry_after: &RetryAfterConfig, outcome: &Outcome) -> Option<(Dur
     if !retry_after.honor {
         return None;
     }
-    match outcome {
-        Outcome::Http {
-            retry_after: Some(Ok(d)),
-            ..
-        } => Some((*d, false)),
-        Outcome::Grpc {
-            pushback: Some(Pushback::After(d)),
-            ..
-        } => Some((*d, true)),
-        _ => None,
-    }
+    outcome.hint()
 }
 
 /// An endpoint's shared runtime state: one budget and one breaker for all its calls.

@@ -31,6 +31,24 @@ pub enum Outcome {
 }
 
 impl Outcome {
+    /// The pause the answer asks for, whether or not a policy honours it: a valid HTTP
+    /// `Retry-After` (`false`) or gRPC pushback delay (`true`). A malformed one, and gRPC's
+    /// "do not retry", are none.
+    #[inline]
+    pub fn hint(&self) -> Option<(Duration, bool)> {
+        match self {
+            Outcome::Http {
+                retry_after: Some(Ok(d)),
+                ..
+            } => Some((*d, false)),
+            Outcome::Grpc {
+                pushback: Some(Pushback::After(d)),
+                ..
+            } => Some((*d, true)),
+            _ => None,
+        }
+    }
+
     /// Whether the attempt succeeded (HTTP below 400, gRPC `OK`).
     #[inline]
     pub fn is_success(&self) -> bool {
