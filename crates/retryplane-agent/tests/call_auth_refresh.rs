@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use retryplane_agent::{Agent, AttemptInfo, CallError, CallMeta, GiveUpCause};
+use retryplane_agent::{Agent, AttemptInfo, CallError, CallMeta, Cause, GiveUpCause};
 use support::{agent, policy, response};
 use tokio::time::Instant;
 
@@ -129,4 +129,68 @@ async fn a_refresh_that_fails_leaves_the_401_and_sends_nothing_more() {
     assert_eq!(err.attempts, 1);
     assert_eq!(upstream.refreshes(), 1);
     assert_eq!(upstream.seen(), [("old".into(), 1)]);
+}
+
+/// A send again after a refresh is given what is left of the call's deadline: when that is
+/// under half the per-try timeout and the send runs out with the deadline, the breaker takes no
+/// verdict from it (the engine's `RetryCall::resent_within`), though the first send was given
+/// more. Five such calls leave the breaker closed; the same calls with no deadline open it.
+#[tokio::test(start_paused = true)]
+async fn a_send_again_cut_short_by_the_deadline_gives_the_breaker_no_verdict() {
+    let agent = agent(&policy(
+        "max_attempts: 1\nper_try_timeout: 2s\ncircuit_breaker: {enabled: true, failure_ratio: 0.5, min_requests: 3, window: 10s, open_for: 30s}",
+    ));
+    let ep = agent.endpoint("ep");
+    // The first send answers 401 after 1.2 s; the one after the refresh hangs.
+    let call = |meta: CallMeta<'static>| {
+        let sends = Arc::new(AtomicUsize::new(0));
+        let counted = sends.clone();
+        let attempt = move |_: AttemptInfo| {
+            let first = counted.fetch_add(1, Ordering::SeqCst) == 0;
+            async move {
+                if !first {
+                    std::future::pending::<()>().await;
+                }
+                tokio::time::sleep(Duration::from_millis(1200)).await;
+                Ok::<_, std::io::Error>(response(401, None))
+            }
+        };
+        let ep = ep.clone();
+        async move {
+            let result = ep
+                .call_with_auth_refresh(
+                    meta,
+                    attempt,
+                    |answer: &Answer| matches!(answer, Ok(r) if r.status() == 401),
+                    || async { true },
+                )
+                .await;
+            (
+                result.map(|r| r.status().as_u16()),
+                sends.load(Ordering::SeqCst),
+            )
+        }
+    };
+    for _ in 0..5 {
+        let started = Instant::now();
+        let meta = CallMeta::http("GET", "/v1/me").deadline_within(Duration::from_millis(1500));
+        let (result, sends) = call(meta).await;
+        let err = result.unwrap_err();
+        assert_eq!(err.cause, Cause::GaveUp(GiveUpCause::AttemptsExhausted));
+        assert_eq!(sends, 2);
+        assert_eq!(started.elapsed(), Duration::from_millis(1500));
+    }
+    let (result, sends) = call(CallMeta::http("GET", "/v1/me")).await;
+    assert!(result.is_err());
+    assert_eq!(sends, 2, "the breaker let the call through");
+    // With the whole per-try timeout for the send again, its timeouts open the breaker.
+    for _ in 0..2 {
+        call(CallMeta::http("GET", "/v1/me")).await.0.unwrap_err();
+    }
+    let (result, sends) = call(CallMeta::http("GET", "/v1/me")).await;
+    assert_eq!(
+        result.unwrap_err().cause,
+        Cause::GaveUp(GiveUpCause::CircuitOpen)
+    );
+    assert_eq!(sends, 0);
 }
