@@ -28,7 +28,7 @@ use retryplane_policy::duration::{DurationError, parse_duration};
 use retryplane_server::agent_stream::StreamLimits;
 use retryplane_server::server::{self, ServeConfig};
 use tokio::time::Instant;
-use tracing::warn;
+use tracing::{info, warn};
 use tracing_subscriber::EnvFilter;
 
 use crate::{Outcome, Report};
@@ -409,7 +409,10 @@ async fn serve(settings: ServeConfig) -> anyhow::Result<()> {
     let stopped = loop {
         tokio::select! {
             stopped = running.wait() => break Some(stopped),
-            () = terminated.recv() => break None,
+            signal = terminated.recv() => {
+                info!(signal = %signal, "stopping: a signal came");
+                break None;
+            }
             // The reload logs its outcome; a bad file keeps the tokens in force. The file is
             // read on a thread of its own, not waited for here: a read that does not end (a
             // file on a network mount that does not answer) must not keep this loop from
@@ -421,8 +424,8 @@ async fn serve(settings: ServeConfig) -> anyhow::Result<()> {
     // who pressed Ctrl-C twice; every stored version is already durable).
     tokio::select! {
         stopped = running.shutdown() => stopped?,
-        () = terminated.recv() => {
-            warn!("a second SIGTERM or Ctrl-C: stopping now, without waiting for the connections to drain");
+        signal = terminated.recv() => {
+            warn!(signal = %signal, "a second SIGTERM or Ctrl-C: stopping now, without waiting for the connections to drain");
         }
     }
     match stopped {
@@ -594,12 +597,12 @@ impl Signals {
         Ok(Self {})
     }
 
-    /// Resolves on the first signal.
-    pub(crate) async fn recv(&mut self) {
+    /// Resolves on the first signal, with its name (`SIGTERM` or `SIGINT`).
+    pub(crate) async fn recv(&mut self) -> &'static str {
         #[cfg(unix)]
         tokio::select! {
-            _ = self.term.recv() => {}
-            _ = self.int.recv() => {}
+            _ = self.term.recv() => "SIGTERM",
+            _ = self.int.recv() => "SIGINT",
         }
         #[cfg(not(unix))]
         {
@@ -607,6 +610,7 @@ impl Signals {
             if tokio::signal::ctrl_c().await.is_err() {
                 std::future::pending::<()>().await;
             }
+            "Ctrl-C"
         }
     }
 }

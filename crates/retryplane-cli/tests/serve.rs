@@ -45,7 +45,9 @@ async fn a_second_sigterm_stops_at_once_without_the_drains_grace() {
     use tonic_health::pb::health_check_response::ServingStatus;
     use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
     let dir = tempfile::tempdir().unwrap();
-    let (mut child, addrs) = serve(dir.path(), &[]).await;
+    let log = dir.path().join("serve.log");
+    let stderr = Stdio::from(std::fs::File::create(&log).unwrap());
+    let (mut child, addrs) = process::serve(dir.path(), POLICY, &[], stderr).await;
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", addrs[0].1))
         .unwrap()
         .connect()
@@ -87,6 +89,12 @@ async fn a_second_sigterm_stops_at_once_without_the_drains_grace() {
         second.elapsed()
     );
     drop(statuses);
+    // The line names the signal.
+    let logged = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        logged.contains("signal=SIGTERM") && logged.contains("a second SIGTERM or Ctrl-C"),
+        "{logged}"
+    );
 }
 
 /// `/dev/full`, which every write fails ("no space left on device"), as a full log disk or

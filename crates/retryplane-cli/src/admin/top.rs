@@ -266,11 +266,11 @@ async fn plain(settings: &Settings) -> anyhow::Result<Report> {
     let outcome = loop {
         tokio::select! {
             _ = ticker.tick() => {}
-            () = signals.recv() => break Outcome::Success,
+            _ = signals.recv() => break Outcome::Success,
         }
         let polled = tokio::select! {
             polled = refresh(&settings.server, &mut client, settings.window, None, settings.format == Format::Json) => polled,
-            () = signals.recv() => break Outcome::Success,
+            _ = signals.recv() => break Outcome::Success,
         };
         let snapshot = match polled {
             Ok(snapshot) => snapshot,
@@ -478,7 +478,7 @@ async fn interactive(settings: &Settings) -> anyhow::Result<Report> {
                 // No more input will come: only a signal (or --iterations) ends the view now.
                 None => keys_open = false,
             },
-            () = signals.recv() => break,
+            _ = signals.recv() => break,
         }
     }
     drop(terminal);
