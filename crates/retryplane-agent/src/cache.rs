@@ -39,6 +39,7 @@
 //! start, as it did before the restart: a control plane that finds the agent up to date sends it
 //! nothing.
 
+use retryplane_policy::diag::LogPath;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -135,7 +136,7 @@ fn remove_left_temporaries(dir: &Path, prefix: &str, older_than: Duration) {
             .and_then(|at| now.duration_since(at).ok())
             .is_some_and(|age| age > older_than);
         if meta.is_file() && old && std::fs::remove_file(entry.path()).is_ok() {
-            info!(file = %entry.path().display(), "removed the temporary file of an interrupted policy cache write");
+            info!(file = %LogPath(&entry.path()), "removed the temporary file of an interrupted policy cache write");
         }
     }
 }
@@ -219,7 +220,7 @@ impl LateRead {
 /// replace.
 fn failed(path: &Path) -> Result<Option<Cached>, Foreign> {
     warn!(
-        file = %path.display(),
+        file = %LogPath(path),
         "the policy cache read failed; running without it, and no cache is kept this run"
     );
     Err(Foreign)
@@ -264,7 +265,7 @@ pub(crate) fn load_with(path: &Path, wait: Duration, before: Option<BeforeRead>)
         // Reading inline could hang the start; not reading, the file was not checked: it is
         // not ours to replace.
         warn!(
-            file = %path.display(),
+            file = %LogPath(path),
             error = %e,
             "cannot start a thread to read the policy cache; starting without it, and no \
              cache is kept this run"
@@ -277,7 +278,7 @@ pub(crate) fn load_with(path: &Path, wait: Duration, before: Option<BeforeRead>)
     };
     if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = read.recv_timeout(wait) {
         warn!(
-            file = %path.display(),
+            file = %LogPath(path),
             wait_ms = u64::try_from(wait.as_millis()).unwrap_or(u64::MAX),
             "the policy cache could not be read in time (a volume that does not answer?); \
              starting without it. Its policies are used when the read ends if none came from \
@@ -291,7 +292,7 @@ pub(crate) fn load_with(path: &Path, wait: Duration, before: Option<BeforeRead>)
         Err(_) => failed(path),
     };
     if let Ok(Some(cached)) = &loaded {
-        info!(file = %path.display(), version = cached.version(), "starting on cached policies");
+        info!(file = %LogPath(path), version = cached.version(), "starting on cached policies");
     }
     Start::Read(loaded)
 }

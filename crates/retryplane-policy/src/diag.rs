@@ -214,6 +214,16 @@ impl fmt::Display for LogValue<'_> {
     }
 }
 
+/// A path as a log field's value: its text (lossy where it is not UTF-8) written as
+/// [`LogValue`] writes it, so a path holding a space or `=` stays one field of the line.
+pub struct LogPath<'a>(pub &'a std::path::Path);
+
+impl fmt::Display for LogPath<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        LogValue(&self.0.to_string_lossy()).fmt(f)
+    }
+}
+
 /// Sorts by position, errors before warnings at the same place, and drops exact repeats.
 pub fn normalize(diags: &mut Vec<Diagnostic>) {
     diags.sort_by(|a, b| {
@@ -933,6 +943,21 @@ mod tests {
         assert_eq!(LogValue("\u{202e}x").to_string(), "\"\\u{202e}x\"");
         assert_eq!(LogValue("\\u{202e}x").to_string(), "\"\\\\u{202e}x\"");
         assert_eq!(LogValue("a\nb").to_string(), "\"a\\nb\"");
+    }
+
+    #[test]
+    fn a_log_path_is_quoted_when_it_would_not_be_one_field() {
+        use std::path::Path;
+        let plain = Path::new("/var/lib/retryplane/retryplane.redb");
+        assert_eq!(LogPath(plain).to_string(), plain.display().to_string());
+        assert_eq!(
+            LogPath(Path::new("/srv/state dir/retryplane.redb")).to_string(),
+            "\"/srv/state dir/retryplane.redb\""
+        );
+        assert_eq!(
+            LogPath(Path::new("/srv/a=b\nc")).to_string(),
+            "\"/srv/a=b\\nc\""
+        );
     }
 
     #[test]

@@ -350,7 +350,7 @@ fn check_hello(hello: &pb::Hello, limits: &StreamLimits) -> Result<(), Status> {
 }
 
 /// `peer` with an IPv4-mapped IPv6 address as its IPv4 address; any other as it is.
-fn canonical_peer(peer: std::net::SocketAddr) -> std::net::SocketAddr {
+pub(crate) fn canonical_peer(peer: std::net::SocketAddr) -> std::net::SocketAddr {
     match peer.ip().to_canonical() {
         ip @ std::net::IpAddr::V4(_) if peer.is_ipv6() => {
             std::net::SocketAddr::new(ip, peer.port())

@@ -49,6 +49,7 @@
 //!
 //! Secrets and header values are never logged or put into an error message.
 
+use retryplane_policy::diag::LogPath;
 use std::collections::HashMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -1012,7 +1013,7 @@ fn warn_if_loose(path: &Path, file: &std::fs::File) {
         return;
     };
     if let Some(why) = loose_mode(meta.permissions().mode()) {
-        tracing::warn!(file = %path.display(), "{why}");
+        tracing::warn!(file = %LogPath(path), "{why}");
     }
     // On a read-only file system nobody here can change the file, or a directory: a
     // container's bind mount or secret, whose owner is a user of the host.
@@ -1054,7 +1055,7 @@ fn warn_if_loose(path: &Path, file: &std::fs::File) {
     }
     let server_user = rustix::process::geteuid().as_raw();
     for why in loose_place(file_owner, server_user, &dirs) {
-        tracing::warn!(file = %path.display(), "{why}");
+        tracing::warn!(file = %LogPath(path), "{why}");
     }
 }
 
@@ -1175,6 +1176,39 @@ pub struct Guard {
     tokens: Option<Arc<TokenSet>>,
     role: Role,
     refused: Option<prometheus_client::metrics::counter::Counter>,
+    warning: Option<Arc<RefusalWarning>>,
+}
+
+/// The warn line of [`Guard::warning`]: at most one every [`REFUSAL_WARN_INTERVAL`], saying
+/// how many refusals went unlogged since the one before (`unlogged_before`).
+#[derive(Debug, Default)]
+struct RefusalWarning {
+    /// When the last line was written, and the refusals since that were not.
+    last: std::sync::Mutex<(Option<tokio::time::Instant>, u64)>,
+}
+
+/// The least time between two warn lines of one [`Guard`]: a caller that retries a refused
+/// login in a loop fills no log.
+pub const REFUSAL_WARN_INTERVAL: std::time::Duration = std::time::Duration::from_secs(10);
+
+impl RefusalWarning {
+    /// The refusals not logged since the last line, if a line is due now (the count is reset);
+    /// `None` (and one more not logged) if not.
+    fn due(&self) -> Option<u64> {
+        let now = tokio::time::Instant::now();
+        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        match last.0 {
+            Some(at) if now.saturating_duration_since(at) < REFUSAL_WARN_INTERVAL => {
+                last.1 = last.1.saturating_add(1);
+                None
+            }
+            _ => {
+                let unlogged = std::mem::take(&mut last.1);
+                last.0 = Some(now);
+                Some(unlogged)
+            }
+        }
+    }
 }
 
 impl Guard {
@@ -1185,6 +1219,7 @@ impl Guard {
             tokens,
             role,
             refused: None,
+            warning: None,
         }
     }
 
@@ -1193,6 +1228,18 @@ impl Guard {
     #[must_use]
     pub fn counting(mut self, refused: prometheus_client::metrics::counter::Counter) -> Self {
         self.refused = Some(refused);
+        self
+    }
+
+    /// Logs refused callers at warn (else at debug), at most one line every
+    /// [`REFUSAL_WARN_INTERVAL`] with the count of those left out: the listener, the caller's
+    /// address, the status and its reason (which names a known token of the wrong role, never
+    /// a secret). For the agent listener, where a refused agent runs on its cached or fallback
+    /// policies and says so only in its own logs (an admin secret pasted into an agent's
+    /// config, a revoked token still deployed).
+    #[must_use]
+    pub fn warning(mut self) -> Self {
+        self.warning = Some(Arc::default());
         self
     }
 
@@ -1243,7 +1290,17 @@ impl Interceptor for Guard {
                 refused.inc();
             }
             // The reason only: never the token.
-            tracing::debug!(service = self.role.as_str(), code = ?status.code(), reason = status.message(), "refused a caller for its token");
+            let peer = || {
+                request.remote_addr().map_or_else(
+                    || "unknown".to_owned(),
+                    |peer| crate::agent_stream::canonical_peer(peer).to_string(),
+                )
+            };
+            match self.warning.as_deref().map(RefusalWarning::due) {
+                Some(Some(unlogged)) => tracing::warn!(service = self.role.as_str(), peer = %peer(), code = ?status.code(), reason = status.message(), unlogged_before = unlogged, "refused a caller for its token"),
+                Some(None) => {}
+                None => tracing::debug!(service = self.role.as_str(), peer = %peer(), code = ?status.code(), reason = status.message(), "refused a caller for its token"),
+            }
         })?;
         if let Some((name, credential)) = checked {
             request.extensions_mut().insert(TokenName(name));

@@ -880,3 +880,60 @@ fn a_tokens_file_others_may_write_or_every_user_read_is_warned_of() {
         assert!(why.contains("readable by every user"), "{mode:o}: {why}");
     }
 }
+
+/// The agent listener's refusals are logged at warn, one line every `REFUSAL_WARN_INTERVAL`
+/// with the count of those left out, naming the caller's address and the reason (a known token
+/// of the wrong role by its name), never a secret.
+#[tokio::test(start_paused = true)]
+async fn refusals_are_warned_at_most_once_an_interval_with_the_count_left_out() {
+    let (log, _guard) = crate::test_logs::capture("retryplane_server=warn");
+    let mut guard = Guard::new(Some(tokens()), Role::Agent).warning();
+    let from = |authorization: Option<&str>| {
+        let mut request = request(authorization);
+        let peer: std::net::SocketAddr = "[::ffff:10.1.2.3]:5000".parse().unwrap();
+        request
+            .extensions_mut()
+            .insert(tonic::transport::server::TcpConnectInfo {
+                local_addr: None,
+                remote_addr: Some(peer),
+            });
+        request
+    };
+    let admin = "Bearer admin-secret-0123456789";
+    assert_eq!(
+        guard.call(from(Some(admin))).unwrap_err().code(),
+        Code::PermissionDenied
+    );
+    for _ in 0..3 {
+        guard
+            .call(from(Some("Bearer wrong-secret-0123456789")))
+            .unwrap_err();
+    }
+    let text = log.text();
+    assert_eq!(text.matches("refused a caller").count(), 1, "{text}");
+    assert!(text.contains(" WARN "), "{text}");
+    assert!(text.contains("peer=10.1.2.3:5000"), "{text}");
+    assert!(text.contains("token `alice` has role `admin`"), "{text}");
+    assert!(text.contains("unlogged_before=0"), "{text}");
+    assert!(!text.contains("secret-0123456789"), "{text}");
+
+    tokio::time::advance(REFUSAL_WARN_INTERVAL - std::time::Duration::from_millis(1)).await;
+    guard.call(from(None)).unwrap_err();
+    assert_eq!(log.text().matches("refused a caller").count(), 1);
+    tokio::time::advance(std::time::Duration::from_millis(1)).await;
+    guard.call(from(None)).unwrap_err();
+    let text = log.text();
+    assert_eq!(text.matches("refused a caller").count(), 2, "{text}");
+    assert!(text.contains("unlogged_before=4"), "{text}");
+    assert!(text.contains("missing credentials"), "{text}");
+    assert!(!text.contains("wrong-secret"), "{text}");
+
+    // Admitted callers are not logged; a guard without `warning` logs at debug only.
+    guard
+        .call(from(Some("Bearer agent-secret-0123456789")))
+        .unwrap();
+    Guard::new(Some(tokens()), Role::Agent)
+        .call(from(None))
+        .unwrap_err();
+    assert_eq!(log.text().matches("refused a caller").count(), 2);
+}

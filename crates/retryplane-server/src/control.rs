@@ -13,6 +13,7 @@ use std::collections::HashSet;
 use std::path::PathBuf;
 use std::sync::{Arc, PoisonError};
 
+use retryplane_policy::diag::LogValue;
 use retryplane_policy::diff::{self, Change};
 use retryplane_policy::{Diagnostic, PolicyDocument, PolicySet};
 use retryplane_proto::{TooLargeForAgents, convert, pb};
@@ -847,10 +848,18 @@ impl Commit {
         if changed {
             fanout.publish(&record);
             fanout.metrics.publishes.inc();
+            // Who made it (a token's name; none without a tokens file, nor from the file),
+            // and for a rollback the version whose content it restored.
             info!(
                 version = record.meta.version,
                 source = record.meta.source.as_str(),
-                summary = %record.meta.summary,
+                restored = record.meta.source.rolled_back_from(),
+                author = record
+                    .meta
+                    .author
+                    .as_deref()
+                    .map(|a| tracing::field::display(LogValue(a))),
+                summary = %LogValue(&record.meta.summary),
                 "published a new policy version"
             );
             // After the push: the replaced conversion (about 1 MiB at 1,000 endpoints, more

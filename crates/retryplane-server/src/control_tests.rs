@@ -1321,3 +1321,46 @@ async fn a_published_save_of_the_file_sets_the_reload_gauge_with_the_version() {
     assert_eq!(served(&control), 2);
     assert_eq!(reload_ok(), 1, "set as the save was published");
 }
+
+/// The publish line names who made the version and, for a rollback, the version it restored.
+#[tokio::test]
+async fn the_publish_line_names_its_author_and_what_a_rollback_restored() {
+    let (log, _guard) = crate::test_logs::capture("retryplane_server=info");
+    let control = ControlPlane::for_tests(Arc::new(MemoryStore::default()), Mode::Api);
+    let by = |yaml: &str, source: Source, author: Option<&str>| ChangeRequest {
+        source,
+        author: author.map(str::to_owned),
+        ..change(wire(yaml))
+    };
+    control.apply(by(V1, Source::File, None)).await.unwrap();
+    control
+        .apply(by(V2, Source::Admin, Some("alice ops")))
+        .await
+        .unwrap();
+    control
+        .apply(by(V1, Source::Rollback { from: 1 }, Some("bob")))
+        .await
+        .unwrap();
+    let text = log.text();
+    let lines: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("published a new policy version"))
+        .collect();
+    assert_eq!(lines.len(), 3, "{text}");
+    assert!(
+        lines[0].contains(r#"version=1 source="file""#) && !lines[0].contains("author"),
+        "{}",
+        lines[0]
+    );
+    assert!(
+        lines[1].contains(r#"version=2 source="admin" author="alice ops""#)
+            && !lines[1].contains("restored"),
+        "{}",
+        lines[1]
+    );
+    assert!(
+        lines[2].contains(r#"version=3 source="rollback" restored=1 author=bob"#),
+        "{}",
+        lines[2]
+    );
+}

@@ -28,6 +28,7 @@
 //! has not sent the HTTP/2 preface half a second into the shutdown is closed then rather than
 //! waited for (`crate::preface`).
 
+use retryplane_policy::diag::LogPath;
 use std::io;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Arc;
@@ -246,7 +247,7 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
     let tokens = match &cfg.tokens_file {
         Some(path) => {
             let tokens = TokenSet::load(path)?;
-            info!(file = %path.display(), tokens = tokens.current().len(), "authentication on");
+            info!(file = %LogPath(path), tokens = tokens.current().len(), "authentication on");
             Some(Arc::new(tokens))
         }
         None => None,
@@ -275,9 +276,9 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
     // (then seeded, or loaded from the file), which nothing else would say.
     let store_file = std::path::absolute(store.path()).unwrap_or_else(|_| store.path().to_owned());
     if store.created() {
-        info!(store = %store_file.display(), "created a new, empty version store (if this control plane has run before, check --data-dir)");
+        info!(store = %LogPath(&store_file), "created a new, empty version store (if this control plane has run before, check --data-dir)");
     } else {
-        info!(store = %store_file.display(), "opened the version store");
+        info!(store = %LogPath(&store_file), "opened the version store");
     }
     let store: Arc<dyn VersionStore> = Arc::new(store);
     let mode = if cfg.api_mode {
@@ -375,7 +376,9 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
             AgentStreamService::new(stream_context),
             cfg.max_message_bytes,
         ),
-        Guard::new(tokens.clone(), Role::Agent).counting(control.metrics.auth_refused.clone()),
+        Guard::new(tokens.clone(), Role::Agent)
+            .counting(control.metrics.auth_refused.clone())
+            .warning(),
     );
     let admin_service = admin_stack(&control, tokens.clone(), cfg.max_message_bytes);
 
@@ -457,10 +460,10 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
         %agent_addr,
         %admin_addr,
         %http_addr,
-        mode = %control.mode,
+        mode = %retryplane_policy::diag::LogValue(&control.mode.to_string()),
         agent_connections,
         version = %env!("CARGO_PKG_VERSION"),
-        store = %store_file.display(),
+        store = %LogPath(&store_file),
         "control plane serving"
     );
     Ok(Running {
@@ -591,7 +594,7 @@ fn reload_tokens(
             control
                 .fleet
                 .rename_tokens(|digest| current.name_of_digest(digest));
-            info!(file = %tokens.file().display(), tokens = count, "tokens file reloaded");
+            info!(file = %LogPath(tokens.file()), tokens = count, "tokens file reloaded");
             Ok(Some(count))
         }
         Err(e @ TokensError::Superseded { .. }) => {

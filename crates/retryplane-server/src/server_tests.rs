@@ -167,8 +167,11 @@ async fn restart_with_an_unchanged_file_keeps_version_and_hash() {
 /// `--data-dir` makes a new, empty one), and the serving line carries the version and store.
 #[tokio::test]
 async fn the_start_up_log_names_the_store_and_whether_it_is_new() {
-    let (_dir, cfg) = with_file(V1);
+    let (_dir, mut cfg) = with_file(V1);
+    // A path with a space is quoted: one field of the line.
+    cfg.data_dir = cfg.data_dir.join("state dir");
     let store = std::path::absolute(cfg.data_dir.join("retryplane.redb")).unwrap();
+    let quoted = format!("store=\"{}\"", store.display());
     for (run, said) in [
         (1, "created a new, empty version store"),
         (2, "opened the version store"),
@@ -181,7 +184,7 @@ async fn the_start_up_log_names_the_store_and_whether_it_is_new() {
             .lines()
             .find(|l| l.contains(said))
             .unwrap_or_else(|| panic!("run {run}: {logged}"));
-        assert!(line.contains(&store.display().to_string()), "{line}");
+        assert!(line.contains(&quoted), "{line}");
         let serving = logged
             .lines()
             .find(|l| l.contains("control plane serving"))
@@ -189,7 +192,7 @@ async fn the_start_up_log_names_the_store_and_whether_it_is_new() {
         assert!(
             serving.contains(&format!("version={}", env!("CARGO_PKG_VERSION")))
                 && serving.contains("mode=file:/")
-                && serving.contains(&store.display().to_string()),
+                && serving.contains(&quoted),
             "{serving}"
         );
         running.shutdown().await.unwrap();

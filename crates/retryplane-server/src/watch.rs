@@ -81,6 +81,7 @@
 //! yet closed, and forwards a wake-up into a one-slot tokio channel with `try_send` (a full
 //! slot already means "look again").
 
+use retryplane_policy::diag::LogPath;
 use std::collections::HashMap;
 use std::ffi::OsString;
 use std::io::{self, Read as _};
@@ -532,8 +533,8 @@ pub fn spawn_before_start(
         watches.watch_own_dir()?;
     } else {
         warn!(
-            file = %file.display(),
-            dir = %watches.own_dir.display(),
+            file = %LogPath(&file),
+            dir = %LogPath(&watches.own_dir),
             "the policy file's directory does not exist; watching for it to appear"
         );
         // Said once, here: `update` only notes it at debug from now on.
@@ -544,7 +545,7 @@ pub fn spawn_before_start(
         return Err(WatchError::Unwatchable(watches.own_dir));
     }
     info!(
-        file = %file.display(),
+        file = %LogPath(&file),
         directories = ?watches.directories(),
         "watching the policy file for changes"
     );
@@ -643,7 +644,7 @@ impl Watches {
             if let Err(e) = self.watcher.unwatch(&dir)
                 && !gone
             {
-                debug!(dir = %dir.display(), error = %e, "unwatching a directory");
+                debug!(dir = %LogPath(&dir), error = %e, "unwatching a directory");
             }
         }
         self.active = kept;
@@ -656,25 +657,25 @@ impl Watches {
                 Ok(()) if kept => {}
                 Ok(()) => self.active.push((dir.clone(), id)),
                 Err(e) if kept => {
-                    debug!(dir = %dir.display(), error = %e, "watching a directory again");
+                    debug!(dir = %LogPath(dir), error = %e, "watching a directory again");
                 }
                 // Already wanted at the last read: missing for now (deleted, not yet created
                 // again, say), and said once. Tried again at every read.
                 Err(e) if self.wanted.contains(dir) => debug!(
-                    dir = %dir.display(),
+                    dir = %LogPath(dir),
                     error = %e,
                     "cannot watch a directory of the policy file's path for now"
                 ),
                 Err(e) => warn!(
-                    file = %self.file.display(),
-                    dir = %dir.display(),
+                    file = %LogPath(&self.file),
+                    dir = %LogPath(dir),
                     error = %e,
                     "cannot watch a directory of the policy file's path; changes made there are \
                      not seen until it can be (tried again at every read)"
                 ),
             }
         }
-        debug!(file = %self.file.display(), directories = ?self.directories(), "policy file watch");
+        debug!(file = %LogPath(&self.file), directories = ?self.directories(), "policy file watch");
         self.wanted = wanted;
     }
 }
@@ -870,7 +871,7 @@ async fn run(
             {
                 Ok(done) => done,
                 Err(e) => {
-                    warn!(file = %file.display(), error = %e, "the policy file watch stopped");
+                    warn!(file = %LogPath(&file), error = %e, "the policy file watch stopped");
                     return;
                 }
             };
@@ -926,7 +927,7 @@ async fn run(
             if writing_since.is_none() && matches!(why, Writing::Held(_)) {
                 // Known from the system, not from events: said once, since a process that
                 // holds the file read-write without writing delays the read to the bound.
-                info!(file = %file.display(), "the policy file is open for writing by another process; reading it once that process closes it, or in {} at most", format_duration(timing.unclosed));
+                info!(file = %LogPath(&file), "the policy file is open for writing by another process; reading it once that process closes it, or in {} at most", format_duration(timing.unclosed));
             }
             let since = *writing_since.get_or_insert_with(Instant::now);
             let left = timing.unclosed.saturating_sub(since.elapsed());
@@ -935,7 +936,7 @@ async fn run(
                     Writing::Open | Writing::Held(_) => "has been held open for writing",
                     Writing::Changing(_) => "has kept changing",
                 };
-                warn!(file = %file.display(), "the policy file {what} for {}; reading it as it is now, which may be half of a save: it is applied unless it removes an endpoint", format_duration(timing.unclosed));
+                warn!(file = %LogPath(&file), "the policy file {what} for {}; reading it as it is now, which may be half of a save: it is applied unless it removes an endpoint", format_duration(timing.unclosed));
                 at_bound = true;
                 if let Some(real) = &real {
                     // Forgotten before the read, so that a write made during it marks the
@@ -949,7 +950,7 @@ async fn run(
                     None => read_file(&file).await,
                 };
             }
-            debug!(file = %file.display(), why = ?why, "the policy file is being written; waiting for the writer to finish");
+            debug!(file = %LogPath(&file), why = ?why, "the policy file is being written; waiting for the writer to finish");
             match why {
                 // The close (or any other event) starts the next look.
                 Writing::Open => {
@@ -1025,22 +1026,22 @@ async fn reload_if_changed(
         Err(e) => {
             reload_result(control, file, Err(cannot_read(&e)), Before::Failed);
             if matches!(last, LastRead::Failed(kind) if *kind == e.kind()) {
-                debug!(file = %file.display(), error = %e, "the policy file still cannot be read");
+                debug!(file = %LogPath(file), error = %e, "the policy file still cannot be read");
             } else {
-                warn!(file = %file.display(), error = %e, "cannot read the policy file; still serving {}", serving(control));
+                warn!(file = %LogPath(file), error = %e, "cannot read the policy file; still serving {}", serving(control));
                 *last = LastRead::Failed(e.kind());
             }
             return;
         }
     };
     if matches!(last, LastRead::Bytes(seen) if *seen == read.bytes) {
-        debug!(file = %file.display(), "the policy file is unchanged since it was last read");
+        debug!(file = %LogPath(file), "the policy file is unchanged since it was last read");
         return;
     }
     let again = match last {
         LastRead::Unstored(seen, at) if *seen == read.bytes => {
             if at.elapsed() < UNSTORED_RETRY {
-                debug!(file = %file.display(), "the policy file is unchanged since the store failed to take it; trying again later");
+                debug!(file = %LogPath(file), "the policy file is unchanged since the store failed to take it; trying again later");
                 return;
             }
             true
@@ -1053,7 +1054,7 @@ async fn reload_if_changed(
     let (loaded, bytes) = match blocking(move || (read.load(), read.bytes)).await {
         Ok(loaded) => loaded,
         Err(e) => {
-            warn!(file = %file.display(), error = %e, "cannot load the policy file; still serving {}", serving(control));
+            warn!(file = %LogPath(file), error = %e, "cannot load the policy file; still serving {}", serving(control));
             reload_result(
                 control,
                 file,
@@ -1133,10 +1134,10 @@ fn reload_result(control: &ControlPlane, file: &Path, outcome: Result<(), String
     control.note_file_read(outcome);
     match (ok, before) {
         (true, Before::Failed) => {
-            info!(file = %file.display(), "the policy file is readable and valid again; {} is served", serving(control));
+            info!(file = %LogPath(file), "the policy file is readable and valid again; {} is served", serving(control));
         }
         (true, Before::LeftToItsWriter) => {
-            info!(file = %file.display(), "the policy file's writer closed it, and it is read: {} is served", serving(control));
+            info!(file = %LogPath(file), "the policy file's writer closed it, and it is read: {} is served", serving(control));
         }
         _ => {}
     }
@@ -1173,7 +1174,7 @@ async fn apply(
     log_diagnostics(file, &loaded);
     let Some(policies) = loaded.policies else {
         control.metrics.rejected_changes.inc();
-        warn!(file = %file.display(), "the policy file has errors; the change is rejected and {} stays served", serving(control));
+        warn!(file = %LogPath(file), "the policy file has errors; the change is rejected and {} stays served", serving(control));
         return (
             Settled::Yes,
             Err(crate::control::errors_in_brief(&loaded.diagnostics)),
@@ -1198,7 +1199,7 @@ async fn apply(
             // file is valid again tells it instead, and for the read a start left to the file's
             // writer, the line that says it was read once the writer closed it.
             if control.metrics.config_last_reload_successful.get() == 1 && !after_writer {
-                info!(file = %file.display(), "the policy file was saved, but its policies did not change; {} stays served", serving(control));
+                info!(file = %LogPath(file), "the policy file was saved, but its policies did not change; {} stays served", serving(control));
             }
             (Settled::Yes, Ok(()))
         }
@@ -1208,7 +1209,7 @@ async fn apply(
             // one log line of 150 KB).
             let names = crate::admin::capped_list(&names, ", ", 1_000, "endpoint", "");
             warn!(
-                file = %file.display(),
+                file = %LogPath(file),
                 "the saved file removes every endpoint ({names}); refused, {} stays served. To \
                  replace every endpoint, add the new ones first, save, then remove the old ones",
                 serving(control)
@@ -1218,7 +1219,7 @@ async fn apply(
         Err(ChangeError::MaybePartial(names)) => {
             let names = crate::admin::capped_list(&names, ", ", 1_000, "endpoint", "");
             warn!(
-                file = %file.display(),
+                file = %LogPath(file),
                 "what the policy file holds while its writer is not done removes {names}, which \
                  half of a save would: not applied, {} stays served; it is read again once the \
                  writer closes the file, and applied at the next bound if it has not changed by \
@@ -1236,9 +1237,9 @@ async fn apply(
                 _ => Settled::Yes,
             };
             if again && matches!(settled, Settled::Unstored) {
-                debug!(file = %file.display(), error = %ErrorChain(&e), "the saved policy file still cannot be stored; {} stays served", serving(control));
+                debug!(file = %LogPath(file), error = %ErrorChain(&e), "the saved policy file still cannot be stored; {} stays served", serving(control));
             } else {
-                warn!(file = %file.display(), error = %ErrorChain(&e), "the saved policy file was not applied; {} stays served", serving(control));
+                warn!(file = %LogPath(file), error = %ErrorChain(&e), "the saved policy file was not applied; {} stays served", serving(control));
             }
             let why = match &e {
                 ChangeError::Store(store) | ChangeError::StoreUncertain(store) => {

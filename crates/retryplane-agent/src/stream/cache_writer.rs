@@ -14,6 +14,7 @@
 //! been read yet), and only the newest one is kept, to be written once the file is found to be
 //! ours; none is, if it is not.
 
+use retryplane_policy::diag::LogPath;
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
@@ -168,9 +169,9 @@ async fn write_newest(
                     // grace), else the file keeps an older version with nothing said.
                     if let Some((bytes, _)) = failed.take() {
                         if write_one(&path, bytes, write, true).await {
-                            info!(file = %path.display(), "policy cache written after failing");
+                            info!(file = %LogPath(&path), "policy cache written after failing");
                         } else {
-                            warn!(file = %path.display(), "the policy cache file keeps an older version than the one applied: its write failed, and so did a last try at shutdown");
+                            warn!(file = %LogPath(&path), "the policy cache file keeps an older version than the one applied: its write failed, and so did a last try at shutdown");
                         }
                     }
                     return;
@@ -179,7 +180,7 @@ async fn write_newest(
             () = tokio::time::sleep(retry.unwrap_or_default()), if retry.is_some() => {
                 let Some((bytes, after)) = failed.take() else { continue };
                 if write_one(&path, Arc::clone(&bytes), write, true).await {
-                    info!(file = %path.display(), "policy cache written after failing");
+                    info!(file = %LogPath(&path), "policy cache written after failing");
                 } else {
                     failed = Some((bytes, (after * 2).min(RETRY_MAX)));
                 }

@@ -16,6 +16,7 @@
 //! missing seed file stops the start when it was named (`ServeConfig::seed_required`), and
 //! otherwise leaves the server unready until the first `retryplane apply`.
 
+use retryplane_policy::diag::LogPath;
 use std::io;
 use std::path::Path;
 
@@ -60,13 +61,13 @@ pub(super) async fn load_policies(
         }
         return match read_policy_file(file).await {
             Err(e) if e.kind() == io::ErrorKind::NotFound && !cfg.seed_required => {
-                warn!(file = %file.display(), "API mode: the store is empty and there is no seed file; not ready until the first `retryplane apply`");
+                warn!(file = %LogPath(file), "API mode: the store is empty and there is no seed file; not ready until the first `retryplane apply`");
                 Ok(None)
             }
             Err(source) => Err(read_error(file, source)),
             Ok((_, loaded)) => {
                 apply_valid(control, file, loaded, None).await?;
-                info!(file = %file.display(), "API mode: seeded the empty store from the policy file");
+                info!(file = %LogPath(file), "API mode: seeded the empty store from the policy file");
                 Ok(None)
             }
         };
@@ -81,10 +82,10 @@ pub(super) async fn load_policies(
             // fire at every restart that met `scp` writing the file).
             Some(version) => {
                 reload_ok.set(1);
-                info!(file = %file.display(), version, "the policy file is open for writing by another process; serving the stored version until its writer closes it");
+                info!(file = %LogPath(file), version, "the policy file is open for writing by another process; serving the stored version until its writer closes it");
             }
             None => {
-                warn!(file = %file.display(), "the policy file is open for writing by another process and the store is empty: not ready until its writer closes it");
+                warn!(file = %LogPath(file), "the policy file is open for writing by another process and the store is empty: not ready until its writer closes it");
             }
         }
         return Ok(Some(FileAtStart::LeftToItsWriter));
@@ -93,7 +94,7 @@ pub(super) async fn load_policies(
         (Ok(read), _) => read,
         (Err(source), None) => return Err(read_error(file, source)),
         (Err(e), Some(version)) => {
-            error!(file = %file.display(), error = %e, version, "cannot read the policy file; serving the stored version");
+            error!(file = %LogPath(file), error = %e, version, "cannot read the policy file; serving the stored version");
             control.note_file_read(Err(crate::watch::cannot_read(&e)));
             return Ok(None);
         }
@@ -103,11 +104,11 @@ pub(super) async fn load_policies(
             log_diagnostics(file, &loaded);
             control.metrics.rejected_changes.inc();
             control.note_file_read(Err(crate::control::errors_in_brief(&loaded.diagnostics)));
-            error!(file = %file.display(), version, "the policy file is invalid; serving the stored version until it is fixed");
+            error!(file = %LogPath(file), version, "the policy file is invalid; serving the stored version until it is fixed");
         }
         _ => {
             if let Some((version, source)) = applied_through_api {
-                warn!(file = %file.display(), version, source, "file mode: the current version came from the admin API, and the policy file is applied over it (a new version if it differs; refused if it removes every stored endpoint); start with `--api` to keep serving what the admin API applied");
+                warn!(file = %LogPath(file), version, source, "file mode: the current version came from the admin API, and the policy file is applied over it (a new version if it differs; refused if it removes every stored endpoint); start with `--api` to keep serving what the admin API applied");
             }
             match apply_valid(control, file, loaded, stored).await? {
                 StartChange::Applied => control.note_file_read(Ok(())),
@@ -176,7 +177,7 @@ async fn apply_valid(
     };
     match control.apply(request).await {
         Ok(outcome) if !outcome.changed => {
-            info!(file = %file.display(), "the policy file matches the stored version");
+            info!(file = %LogPath(file), "the policy file matches the stored version");
             Ok(StartChange::Applied)
         }
         Ok(outcome) => {
@@ -189,7 +190,7 @@ async fn apply_valid(
                 .iter()
                 .any(|c| c.kind == retryplane_policy::diff::ChangeKind::Removed);
             if let (Some(before), Some(record), true) = (stored, outcome.record.as_ref(), removes) {
-                warn!(file = %file.display(), before, version = record.meta.version, summary = %retryplane_policy::diag::LogValue(&record.meta.summary), "the policy file read at start removes endpoints the version served before it had: published as a new version (if this is not the file meant, restart with the right --config, or put the file back: file mode publishes what it holds)");
+                warn!(file = %LogPath(file), before, version = record.meta.version, summary = %retryplane_policy::diag::LogValue(&record.meta.summary), "the policy file read at start removes endpoints the version served before it had: published as a new version (if this is not the file meant, restart with the right --config, or put the file back: file mode publishes what it holds)");
             }
             Ok(StartChange::Applied)
         }
@@ -197,20 +198,20 @@ async fn apply_valid(
         Err(crate::control::ChangeError::RemovesEverything(names)) => {
             // As many names as fit one readable line, as the watcher's warning has them.
             let names = crate::admin::capped_list(&names, ", ", 1_000, "endpoint", "");
-            error!(file = %file.display(), "the policy file removes every stored endpoint ({names}); refused, serving the stored version. To replace every endpoint, add the new ones first, then remove the old ones");
+            error!(file = %LogPath(file), "the policy file removes every stored endpoint ({names}); refused, serving the stored version. To replace every endpoint, add the new ones first, then remove the old ones");
             Ok(StartChange::Refused(crate::watch::removes_everything(
                 &names,
             )))
         }
         Err(e @ crate::control::ChangeError::TooLarge(_)) if stored.is_some() => {
-            error!(file = %file.display(), error = %e, version = stored, "the policy file was not applied; serving the stored version");
+            error!(file = %LogPath(file), error = %e, version = stored, "the policy file was not applied; serving the stored version");
             Ok(StartChange::Refused(e.to_string()))
         }
         // As while running: the store keeps what it holds and is tried again at the next read.
         Err(
             crate::control::ChangeError::Store(e) | crate::control::ChangeError::StoreUncertain(e),
         ) if stored.is_some() => {
-            error!(file = %file.display(), error = %crate::ErrorChain(&e), version = stored, "cannot store the policy file's version; serving the stored version and reading the file again later");
+            error!(file = %LogPath(file), error = %crate::ErrorChain(&e), version = stored, "cannot store the policy file's version; serving the stored version and reading the file again later");
             Ok(StartChange::NotStored(crate::watch::cannot_store(&e)))
         }
         Err(source) => Err(ServeError::Apply {

@@ -71,6 +71,7 @@
 //! most once every [`REOPEN_INTERVAL`]: the calls in between fail at once, without touching the
 //! file, with the error that says why the store is failing (the disk's, when the reopen failed).
 
+use retryplane_policy::diag::LogPath;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
@@ -255,7 +256,7 @@ fn lock_dir(dir: &Path) -> Result<Option<std::fs::File>, StoreError> {
     let handle = match std::fs::File::open(dir) {
         Ok(handle) => handle,
         Err(e) => {
-            warn!(dir = %dir.display(), error = %e, "cannot open the data directory to lock it; relying on the store file's own lock");
+            warn!(dir = %LogPath(dir), error = %e, "cannot open the data directory to lock it; relying on the store file's own lock");
             return Ok(None);
         }
     };
@@ -266,7 +267,7 @@ fn lock_dir(dir: &Path) -> Result<Option<std::fs::File>, StoreError> {
             linked: None,
         }),
         Err(std::fs::TryLockError::Error(e)) => {
-            warn!(dir = %dir.display(), error = %e, "cannot lock the data directory; relying on the store file's own lock");
+            warn!(dir = %LogPath(dir), error = %e, "cannot lock the data directory; relying on the store file's own lock");
             Ok(None)
         }
     }
@@ -432,7 +433,7 @@ impl RedbStore {
     /// (`committed_anyway` in the control plane reads it back).
     fn close_after_failed_commit(&self, error: &StoreError) {
         let mut slot = self.db.write().unwrap_or_else(PoisonError::into_inner);
-        warn!(file = %self.path.display(), error = %error, "a commit to the version store failed; reopening it to read what it holds");
+        warn!(file = %LogPath(&self.path), error = %error, "a commit to the version store failed; reopening it to read what it holds");
         slot.close();
         slot.reopened_at = None;
         slot.failing = Some(Arc::new(StoreError::Backend(
@@ -461,7 +462,7 @@ impl RedbStore {
         {
             return Err(failing(&slot));
         }
-        warn!(file = %self.path.display(), "the version store failed after an I/O error; reopening it");
+        warn!(file = %LogPath(&self.path), "the version store failed after an I/O error; reopening it");
         slot.reopened_at = Some(now);
         // The file lock must go before the file is opened again. No call is running: each holds
         // the read lock while it runs.
@@ -740,13 +741,13 @@ fn remove_leftovers(dir: &Path) {
             .and_then(|at| at.elapsed().ok())
             .is_none_or(|age| age < LEFTOVER_AGE);
         if recent || file.try_lock().is_err() {
-            debug!(file = %path.display(), "a new store being built: left as it is");
+            debug!(file = %LogPath(&path), "a new store being built: left as it is");
             continue;
         }
         match std::fs::remove_file(&path) {
-            Ok(()) => info!(file = %path.display(), "removed what an interrupted first start left"),
+            Ok(()) => info!(file = %LogPath(&path), "removed what an interrupted first start left"),
             Err(error) => warn!(
-                file = %path.display(),
+                file = %LogPath(&path),
                 %error,
                 "cannot remove what an interrupted first start left"
             ),
