@@ -26,6 +26,7 @@ use std::time::Duration;
 
 use arc_swap::ArcSwapOption;
 use retryplane_policy::breaker::CircuitBreaker;
+use retryplane_policy::diag::LogValue;
 use retryplane_policy::engine::{CallInfo, Decision, GiveUpCause, Outcome, RetryCall, RetryRules};
 use retryplane_policy::retry_after::RetryAfterError;
 use retryplane_policy::rng::{Rng, SeededRng};
@@ -80,6 +81,10 @@ impl std::fmt::Debug for Endpoint {
 #[derive(Debug)]
 pub(crate) struct EndpointCore {
     name: Arc<str>,
+    /// The name its counts are reported under, and logged by
+    /// ([`retryplane_proto::reported_name`]): `name`, or a cut of a name too long for the
+    /// control plane's series (one of megabytes made every report too large to take).
+    reported: Arc<str>,
     counters: Arc<Counters>,
     cache: ArcSwapOption<Cached>,
 }
@@ -127,9 +132,14 @@ impl Cores {
             return core.clone();
         }
         let name: Arc<str> = Arc::from(name);
+        let reported = match retryplane_proto::reported_name(&name) {
+            cut if cut.len() < name.len() => Arc::from(cut),
+            _ => name.clone(),
+        };
         let core = Arc::new(EndpointCore {
-            counters: metrics.counters(&name),
+            counters: metrics.counters(&reported),
             name: name.clone(),
+            reported,
             cache: ArcSwapOption::empty(),
         });
         map.insert(name, core.clone());
@@ -225,7 +235,7 @@ impl Endpoint {
         let mut counts = self.core.counters.peek();
         self.shared
             .metrics
-            .add_outlived(&self.core.name, &mut counts);
+            .add_outlived(&self.core.reported, &mut counts);
         counts
     }
 
@@ -457,7 +467,7 @@ impl Endpoint {
             let mut first = FirstCounts {
                 c: &self.core.counters,
                 shared: &self.shared,
-                name: &self.core.name,
+                name: &self.core.reported,
                 version: entry.version,
                 outlived: None,
                 owed: OWE_CALL | OWE_END,
@@ -655,7 +665,7 @@ impl Endpoint {
                                     ..
                                 } = &o
                                 {
-                                    log_bad_hint(&self.core.name, e);
+                                    log_bad_hint(&self.core.reported, e);
                                 }
                                 if tracing::enabled!(tracing::Level::DEBUG) {
                                     let end = Instant::now();
@@ -686,7 +696,7 @@ impl Endpoint {
                         ..
                     } = &outcome
                     {
-                        log_bad_hint(&self.core.name, e);
+                        log_bad_hint(&self.core.reported, e);
                     }
                     let class = class_name(&outcome);
                     match call.on_outcome(outcome.clone(), now, &mut rng) {
@@ -765,7 +775,7 @@ impl Endpoint {
                 End::Fail(cause, last, outcome) => {
                     let Cause::GaveUp(g) = cause else {
                         // Counted `cancelled` as `first` drops, like a dropped call.
-                        debug!(endpoint = %self.core.name, attempts, "call cancelled");
+                        debug!(endpoint = %LogValue(&self.core.reported), attempts, "call cancelled");
                         return Err(CallError {
                             cause,
                             last,
@@ -793,7 +803,7 @@ impl Endpoint {
                     let quiet = match refused.then(|| runtime.refusal_line(end)) {
                         Some(None) => {
                             debug!(
-                                endpoint = %self.core.name,
+                                endpoint = %LogValue(&self.core.reported),
                                 method = meta.method(),
                                 path = meta.path(),
                                 "call refused: circuit open"
@@ -805,7 +815,7 @@ impl Endpoint {
                     };
                     if let Some(quiet) = quiet {
                         warn!(
-                            endpoint = %self.core.name,
+                            endpoint = %LogValue(&self.core.reported),
                             method = meta.method(),
                             path = meta.path(),
                             attempts,
@@ -902,7 +912,7 @@ impl Endpoint {
                 Readied::Ready | Readied::Late => {}
                 Readied::Refused => {
                     debug!(
-                        endpoint = %self.core.name,
+                        endpoint = %LogValue(&self.core.reported),
                         attempt = info.number,
                         class = "refresh_wanted",
                         "credentials refreshed, not sent again: the circuit is open; the answer stands"
@@ -916,7 +926,7 @@ impl Endpoint {
         // The first send of the attempt, logged like an attempt: its answer asked for a refresh.
         if !refreshed || left.is_zero() {
             debug!(
-                endpoint = %self.core.name,
+                endpoint = %LogValue(&self.core.reported),
                 attempt = info.number,
                 class = "refresh_wanted",
                 deadline_left_ms = left.as_millis() as u64,
@@ -925,7 +935,7 @@ impl Endpoint {
             return Resend::Kept(first_answer);
         }
         debug!(
-            endpoint = %self.core.name,
+            endpoint = %LogValue(&self.core.reported),
             attempt = info.number,
             class = "refresh_wanted",
             deadline_left_ms = left.as_millis() as u64,
@@ -957,7 +967,7 @@ impl Endpoint {
         now: Instant,
     ) {
         debug!(
-            endpoint = %self.core.name,
+            endpoint = %LogValue(&self.core.reported),
             attempt,
             class = %class,
             pause_ms = pause.map(|p| p.as_millis() as u64),
@@ -1281,7 +1291,7 @@ fn count_success(first: &mut FirstCounts<'_>, attempt: u32) {
 
 fn log_bad_hint(endpoint: &str, e: &RetryAfterError) {
     // The error never carries the header value.
-    debug!(endpoint, error = %e, "malformed Retry-After ignored");
+    debug!(endpoint = %LogValue(endpoint), error = %e, "malformed Retry-After ignored");
 }
 
 /// How a call's answer or error counts: each side by its own [`Classify`].

@@ -465,3 +465,55 @@ async fn an_agent_sent_no_snapshot_reports_at_the_interval_of_the_control_plane_
     a.shutdown().await;
     running.shutdown().await.unwrap();
 }
+
+/// An endpoint named with megabytes (from request data, say) is reported under a cut of its
+/// name, which the control plane counts in `other`: the report is no larger than the control
+/// plane takes, so the agent's stream, its later reports and its ACKs go on. (Reported whole,
+/// the name made a report the control plane refused, sent again first on every new stream.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_endpoint_named_with_megabytes_does_not_cut_its_agent_off() {
+    use retryplane_server::aggregate::Overflow;
+    let dir = tempfile::tempdir().unwrap();
+    let running = plane(dir.path(), &yaml(3), None).await;
+    let a = agent(running.agent_addr, "a", None);
+    on_version(&[&a], 1).await;
+    let huge = "x".repeat(2 << 20);
+    let long = a.endpoint(&huge);
+    assert_eq!(long.name().len(), 2 << 20, "the handle keeps its name");
+    long.call(CallMeta::http("GET", "/"), Upstream::new([]).attempt())
+        .await
+        .unwrap();
+    succeed(&a, 3).await;
+    let aggregates = running.control().aggregates.clone();
+    eventually(
+        "the long name is counted in other, ep as itself",
+        || async {
+            aggregates.overflowed_by(Overflow::BadName) == 1
+                && stats(&running).await.is_some_and(|s| s.calls == 3)
+        },
+    )
+    .await;
+    // The stream is still up: a policy change is applied and acknowledged.
+    apply(&running, yaml(4)).await;
+    eventually("the agent acknowledges version 2", || async {
+        let fleet = support::plane::admin(&running)
+            .await
+            .fleet_status(retryplane_proto::pb::FleetStatusRequest::default())
+            .await
+            .unwrap()
+            .into_inner();
+        fleet
+            .agents
+            .iter()
+            .any(|s| s.agent_id == "a" && s.connected && s.applied_version == 2)
+    })
+    .await;
+    succeed(&a, 2).await;
+    eventually("later reports are counted", || async {
+        stats(&running).await.is_some_and(|s| s.calls == 5)
+    })
+    .await;
+    a.shutdown().await;
+    assert_eq!(a.unacknowledged_reports(), 0);
+    running.shutdown().await.unwrap();
+}

@@ -64,8 +64,49 @@ pub const METRICS_INTERVAL_METADATA: &str = "retryplane-metrics-interval-ms";
 /// file, and the control plane decodes requests up to this size unless configured otherwise.
 pub const MAX_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
 
+/// The longest service or endpoint name the control plane keeps a metrics series for, in
+/// bytes; it counts a longer one in its `other` series. An agent reports the counts of an
+/// endpoint whose name is longer under a cut of it ([`reported_name`]), so that no name makes
+/// a report larger than the control plane takes.
+pub const MAX_SERIES_NAME_BYTES: usize = 256;
+
+/// The name an agent reports an endpoint's counts under: `name` itself when it is at most
+/// [`MAX_SERIES_NAME_BYTES`] long, else its shortest start, cut at a character boundary, that
+/// is longer than that (at most 4 bytes more), so that the control plane still counts it in
+/// `other`. Endpoints whose long names start alike share one entry (their counts go to the
+/// same series either way).
+pub fn reported_name(name: &str) -> &str {
+    if name.len() <= MAX_SERIES_NAME_BYTES {
+        return name;
+    }
+    let mut end = MAX_SERIES_NAME_BYTES + 1;
+    while !name.is_char_boundary(end) {
+        end += 1;
+    }
+    &name[..end]
+}
+
 /// The largest `AgentMessage` the control plane takes on an agent stream: an agent's largest
 /// metrics report (a quarter of [`MAX_MESSAGE_BYTES`]; counts past it go out as several
 /// reports) and 64 KiB for its envelope. The control plane's decoder keeps each stream's largest
 /// message's buffer while the stream lives, so this bounds what one stream can make it hold.
 pub const MAX_AGENT_MESSAGE_BYTES: usize = MAX_MESSAGE_BYTES / 4 + 64 * 1024;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_long_name_is_reported_cut_yet_still_over_the_series_limit() {
+        assert_eq!(reported_name("payments"), "payments");
+        let exact = "a".repeat(MAX_SERIES_NAME_BYTES);
+        assert_eq!(reported_name(&exact), exact);
+        let long = "b".repeat(2 << 20);
+        assert_eq!(reported_name(&long).len(), MAX_SERIES_NAME_BYTES + 1);
+        // 3-byte characters: the cut ends at the first boundary past the limit.
+        let wide = "€".repeat(200);
+        let cut = reported_name(&wide);
+        assert!(cut.len() > MAX_SERIES_NAME_BYTES && cut.len() <= MAX_SERIES_NAME_BYTES + 4);
+        assert!(wide.starts_with(cut));
+    }
+}

@@ -91,7 +91,7 @@ pub const DEFAULT_MAX_SERIES: usize = 10_000;
 /// fleet keeps its series.
 pub const DEFAULT_MAX_SERIES_PER_SERVICE: usize = 1_000;
 /// Longest service or endpoint name kept apart, in bytes; longer ones count as [`OTHER`].
-pub const MAX_NAME_LEN: usize = 256;
+pub const MAX_NAME_LEN: usize = retryplane_proto::MAX_SERIES_NAME_BYTES;
 /// Service and endpoint of the series that takes what is past the cap. The pair is reserved:
 /// an agent whose service and endpoint are both `other` is counted in that series too, so two
 /// series never carry the same labels.
