@@ -18,6 +18,7 @@ pub use hello::{BadHello, MAX_HELLO_FIELD_BYTES, MAX_HELLO_LABELS, check_hello};
 pub mod convert;
 pub mod liveness;
 pub mod rank;
+pub mod unknown_fields;
 pub mod wire_items;
 
 mod generated {

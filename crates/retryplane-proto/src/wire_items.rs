@@ -99,7 +99,7 @@ pub fn without_source(message: &[u8]) -> Vec<u8> {
 
 /// A field's value, as far as the count needs it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Value<'a> {
+pub(crate) enum Value<'a> {
     /// Length-delimited: a message, a string, bytes or a packed list.
     Len(&'a [u8]),
     /// A varint, a fixed-size value or a group (skipped).
@@ -108,12 +108,12 @@ enum Value<'a> {
 
 /// The fields of one encoded message, in order, until its end or bytes that do not decode
 /// (left in `rest`).
-struct Fields<'a> {
-    rest: &'a [u8],
+pub(crate) struct Fields<'a> {
+    pub(crate) rest: &'a [u8],
 }
 
 impl<'a> Fields<'a> {
-    fn new(message: &'a [u8]) -> Self {
+    pub(crate) fn new(message: &'a [u8]) -> Self {
         Self { rest: message }
     }
 }
