@@ -1241,3 +1241,117 @@ async fn an_agent_that_has_not_read_for_a_while_with_few_acks_waiting_is_not_end
     agent.send(report(REPORTS + 1, "ep-0", 1)).await;
     assert_eq!(agent.next_ack().await.0, REPORTS + 1);
 }
+
+/// A request from a client newer than the control plane: a field it does not know, in a
+/// document's endpoint or on the request itself. prost would skip it, so the version would be
+/// stored without what its author wrote: Apply refuses it, naming the field and where it is,
+/// and stores nothing; Validate calls it invalid.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_holding_fields_this_control_plane_does_not_know_is_refused() {
+    use prost::Message as _;
+    let plane = Plane::api_mode(&policy_yaml(2, 3)).await;
+    let document = pb::PolicyDocument {
+        defaults: None,
+        endpoints: vec![pb::Endpoint {
+            name: "ep-0".into(),
+            overlay: Some(pb::Overlay {
+                max_attempts: Some(2),
+                ..Default::default()
+            }),
+            routes: Vec::new(),
+        }],
+    };
+    // The endpoint's overlay with field 40 (a varint) added.
+    let mut endpoint = Vec::new();
+    prost::encoding::string::encode(1, &"ep-0".to_owned(), &mut endpoint);
+    let mut overlay = document.endpoints[0]
+        .overlay
+        .clone()
+        .unwrap()
+        .encode_to_vec();
+    prost::encoding::uint64::encode(40, &7, &mut overlay);
+    prost::encoding::bytes::encode(2, &overlay, &mut endpoint);
+    let mut doc = Vec::new();
+    prost::encoding::bytes::encode(2, &endpoint, &mut doc);
+    let mut source = Vec::new();
+    prost::encoding::bytes::encode(2, &doc, &mut source);
+    let mut request = Vec::new();
+    prost::encoding::bytes::encode(1, &source, &mut request);
+    // It decodes as this build reads it: the same document without the field.
+    let read = pb::ApplyRequest::decode(request.as_slice()).unwrap();
+    assert!(matches!(
+        read.source.and_then(|s| s.kind),
+        Some(pb::policy_source::Kind::Document(d)) if d == document
+    ));
+
+    let refused = raw_admin_call::<pb::ApplyResponse>(
+        &plane,
+        "/retryplane.v1.AdminService/Apply",
+        request.clone(),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(refused.code(), Code::InvalidArgument, "{refused:?}");
+    assert!(
+        refused.message().contains(
+            "field 40 of retryplane.v1.Overlay at `source.document.endpoints[0].overlay` is \
+             not known to this control plane"
+        ) && refused.message().contains("nothing was applied"),
+        "{}",
+        refused.message()
+    );
+    let current = plane
+        .admin()
+        .await
+        .get(pb::GetRequest { version: 0 })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(current.info.map(|i| i.version), Some(1), "nothing stored");
+
+    // A flag of the request itself.
+    let mut flagged = Vec::new();
+    prost::encoding::bytes::encode(1, &source, &mut flagged);
+    prost::encoding::bool::encode(30, &true, &mut flagged);
+    let refused =
+        raw_admin_call::<pb::ApplyResponse>(&plane, "/retryplane.v1.AdminService/Apply", flagged)
+            .await
+            .unwrap_err();
+    assert!(
+        refused
+            .message()
+            .contains("field 30 of retryplane.v1.ApplyRequest is not known"),
+        "{}",
+        refused.message()
+    );
+
+    let checked = raw_admin_call::<pb::ValidateResponse>(
+        &plane,
+        "/retryplane.v1.AdminService/Validate",
+        request,
+    )
+    .await
+    .unwrap();
+    assert!(!checked.valid);
+    assert!(
+        checked.diagnostics[0]
+            .message
+            .contains("field 40 of retryplane.v1.Overlay"),
+        "{checked:?}"
+    );
+    // The same document as this build writes it is taken.
+    let taken = plane
+        .admin()
+        .await
+        .apply(pb::ApplyRequest {
+            source: Some(pb::PolicySource {
+                kind: Some(pb::policy_source::Kind::Document(document)),
+                origin: "test".into(),
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(taken.version, 2);
+}

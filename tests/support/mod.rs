@@ -465,6 +465,70 @@ impl tonic::codec::Decoder for ServerMessageDecoder {
     }
 }
 
+/// Writes raw bytes as the request message; reads the answer as a `T` with prost (a unary
+/// admin call sent with what a newer client's proto would write).
+#[derive(Debug)]
+pub struct RawRequestCodec<T>(std::marker::PhantomData<T>);
+
+impl<T> Default for RawRequestCodec<T> {
+    fn default() -> Self {
+        Self(std::marker::PhantomData)
+    }
+}
+
+/// The decoder of [`RawRequestCodec`].
+#[derive(Debug)]
+pub struct ProstDecoderOf<T>(std::marker::PhantomData<T>);
+
+impl<T: prost::Message + Default + Send + 'static> tonic::codec::Codec for RawRequestCodec<T> {
+    type Encode = Vec<u8>;
+    type Decode = T;
+    type Encoder = BytesEncoder;
+    type Decoder = ProstDecoderOf<T>;
+
+    fn encoder(&mut self) -> BytesEncoder {
+        BytesEncoder
+    }
+
+    fn decoder(&mut self) -> ProstDecoderOf<T> {
+        ProstDecoderOf(std::marker::PhantomData)
+    }
+}
+
+impl<T: prost::Message + Default> tonic::codec::Decoder for ProstDecoderOf<T> {
+    type Item = T;
+    type Error = tonic::Status;
+
+    fn decode(
+        &mut self,
+        src: &mut tonic::codec::DecodeBuf<'_>,
+    ) -> Result<Option<T>, tonic::Status> {
+        T::decode(src)
+            .map(Some)
+            .map_err(|e| tonic::Status::internal(e.to_string()))
+    }
+}
+
+/// The unary admin call `path` (`/retryplane.v1.AdminService/Apply`) with `message` as its
+/// raw request bytes, answered as a `T`.
+pub async fn raw_admin_call<T: prost::Message + Default + Send + 'static>(
+    plane: &Plane,
+    path: &'static str,
+    message: Vec<u8>,
+) -> Result<T, tonic::Status> {
+    let mut grpc = tonic::client::Grpc::new(plane.admin_channel().await);
+    grpc.ready()
+        .await
+        .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+    grpc.unary(
+        tonic::Request::new(message),
+        http::uri::PathAndQuery::from_static(path),
+        RawRequestCodec::<T>::default(),
+    )
+    .await
+    .map(tonic::Response::into_inner)
+}
+
 /// The server's `/metrics` text (empty when it cannot be read).
 pub async fn metrics_text(addr: SocketAddr) -> String {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};

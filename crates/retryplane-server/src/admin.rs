@@ -135,12 +135,14 @@ impl AdminApi {
     ) -> Result<Response<pb::ApplyResponse>, Status> {
         let author = author(&request);
         let too_many = too_many_on_the_wire(&request);
+        let unknown = unknown_on_the_wire(&request, "nothing was applied");
         let req = request.into_inner();
         // Refused with the words `ControlPlane::apply` refuses a decoded document that size
         // with (`ChangeError::TooManyItems`), and counted here, as invalid YAML is.
-        let content = match too_many {
-            Some(too_many) => Err(Status::invalid_argument(diagnostic_lines(&[too_many]))),
-            None => document_of(source_kind(req.source)?).await,
+        let content = match (too_many, unknown) {
+            (Some(too_many), _) => Err(Status::invalid_argument(diagnostic_lines(&[too_many]))),
+            (None, Some(unknown)) => Err(Status::invalid_argument(diagnostic_lines(&unknown))),
+            (None, None) => document_of(source_kind(req.source)?).await,
         };
         let content = match content {
             Ok(content) => content,
@@ -501,6 +503,31 @@ fn too_many_on_the_wire<T>(request: &Request<T>) -> Option<Diagnostic> {
         .map(|too_many| convert::too_many_items(too_many.0))
 }
 
+/// The errors of a call whose message held fields this control plane does not know
+/// ([`crate::decode_turns::UnknownFields`]): `what` says what was not done.
+fn unknown_on_the_wire<T>(request: &Request<T>, what: &str) -> Option<Vec<Diagnostic>> {
+    let unknown = request
+        .extensions()
+        .get::<crate::decode_turns::UnknownFields>()?;
+    Some(
+        unknown
+            .0
+            .iter()
+            .map(|field| {
+                Diagnostic::error(
+                    Loc::UNKNOWN,
+                    "<request>",
+                    format!(
+                        "{field} is not known to this control plane (version {}): the request \
+                         comes from a newer client; {what}",
+                        env!("CARGO_PKG_VERSION")
+                    ),
+                )
+            })
+            .collect(),
+    )
+}
+
 /// Validate's answer to `request` (see [`AdminApi::in_turn`]).
 async fn validated(
     request: Request<pb::ValidateRequest>,
@@ -509,6 +536,12 @@ async fn validated(
         return Ok(Response::new(pb::ValidateResponse {
             valid: false,
             diagnostics: pb_diagnostics(&[too_many]),
+        }));
+    }
+    if let Some(unknown) = unknown_on_the_wire(&request, "nothing was checked") {
+        return Ok(Response::new(pb::ValidateResponse {
+            valid: false,
+            diagnostics: pb_diagnostics(&unknown),
         }));
     }
     let (valid, diagnostics) = match source_kind(request.into_inner().source)? {

@@ -72,6 +72,16 @@ pub const READ_AHEAD_WAIT: std::time::Duration = std::time::Duration::from_secs(
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TooManyItems(pub usize);
 
+/// A request extension: fields of the call's message that this control plane does not know,
+/// found on its bytes ([`retryplane_proto::unknown_fields`]; at most [`UNKNOWN_LISTED`]).
+/// prost skips them, so a request from a newer client (a field its author set in a policy, or
+/// a flag of the request) would be taken without them: the admin service refuses it instead.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UnknownFields(pub Vec<retryplane_proto::unknown_fields::UnknownField>);
+
+/// The most unknown fields one request's refusal names.
+pub const UNKNOWN_LISTED: usize = 5;
+
 /// `S` (the admin service), with the calls that carry a policy received whole before they take
 /// one of [`MAX_DECODED`] turns.
 #[derive(Clone, Debug)]
@@ -156,10 +166,16 @@ where
                 )
                 .into_http());
             }
-            let (body, too_many) = body.screened();
+            let (body, mark) = body.screened(parts.uri.path());
             let mut parts = parts;
-            if let Some(too_many) = too_many {
-                parts.extensions.insert(too_many);
+            match mark {
+                Some(Mark::TooMany(too_many)) => {
+                    parts.extensions.insert(too_many);
+                }
+                Some(Mark::Unknown(unknown)) => {
+                    parts.extensions.insert(unknown);
+                }
+                None => {}
             }
             // A body that ended within the limit, or broke off after its message (a reset the
             // service may take for its end), is decoded with a turn; one past the limit is
@@ -270,7 +286,10 @@ impl ReadAhead {
     /// looked at: one past the limit is left for the service to refuse by its length (cut
     /// short, it passed that check, and the frames after it were decoded with no turn), and a
     /// compressed message is left to the service, which takes none.
-    fn screened(mut self) -> (Self, Option<TooManyItems>) {
+    ///
+    /// A message within the limit is also walked for fields this control plane does not know
+    /// (see [`UnknownFields`]), as the request of `path` (Validate's or Apply's).
+    fn screened(mut self, path: &str) -> (Self, Option<Mark>) {
         if self.rest.is_some() {
             return (self, None);
         }
@@ -284,7 +303,15 @@ impl ReadAhead {
         let message = &prefix[FRAME_HEADER..];
         let items = wire_items::items_at_least(message);
         if items <= MAX_ITEMS {
-            return (self, None);
+            let type_name = if path == APPLY {
+                "retryplane.v1.ApplyRequest"
+            } else {
+                "retryplane.v1.ValidateRequest"
+            };
+            let unknown =
+                retryplane_proto::unknown_fields::find(type_name, message, UNKNOWN_LISTED);
+            let mark = (!unknown.is_empty()).then_some(Mark::Unknown(UnknownFields(unknown)));
+            return (self, mark);
         }
         let cut = wire_items::without_source(message);
         let mut framed = BytesMut::with_capacity(FRAME_HEADER + cut.len());
@@ -293,7 +320,7 @@ impl ReadAhead {
         framed.put_u32(u32::try_from(cut.len()).unwrap_or(u32::MAX));
         framed.extend_from_slice(&cut);
         self.prefix = Some(framed.freeze());
-        (self, Some(TooManyItems(items)))
+        (self, Some(Mark::TooMany(TooManyItems(items))))
     }
 
     /// Whether the first message the bytes read announce (its frame header's length) fits
@@ -304,6 +331,12 @@ impl ReadAhead {
             .and_then(first_frame_len)
             .is_some_and(|len| len <= limit)
     }
+}
+
+/// What [`ReadAhead::screened`] found of a message.
+enum Mark {
+    TooMany(TooManyItems),
+    Unknown(UnknownFields),
 }
 
 /// The bytes the first frame of `body` takes, its header and the message it announces; `None`
