@@ -46,15 +46,39 @@ pub(crate) fn too_many_on_the_wire(m: &ServerMessage) -> Option<Handled> {
         return None;
     };
     let (version, nonce) = m.snapshot_version_and_nonce()?;
-    Some(refuse(version, nonce, nack_reason(refused)))
+    Some(refuse(version, nonce, nack_reason(refused, None)))
 }
 
-/// What a NACK says of a snapshot [`judge`] refused.
-fn nack_reason(refused: Refused) -> String {
+/// The most fields a NACK names that this agent does not know.
+const NACK_UNKNOWN: usize = 3;
+
+/// What a NACK says of a snapshot [`judge`] refused; `encoded` is the snapshot's bytes, where
+/// fields this agent does not know are found when they explain a content hash that does not
+/// match (a control plane newer than the agent, whose policies use a field the agent lacks).
+fn nack_reason(refused: Refused, encoded: Option<&[u8]>) -> String {
     match refused {
         Refused::TooMany(too_many) => too_many.message,
         Refused::NoPolicies => "the snapshot holds no policies".into(),
-        Refused::HashMismatch => "the content hash does not match the policies".into(),
+        Refused::HashMismatch => {
+            let unknown = encoded.map_or_else(Vec::new, |bytes| {
+                retryplane_proto::unknown_fields::find(
+                    "retryplane.v1.Snapshot",
+                    bytes,
+                    NACK_UNKNOWN,
+                )
+            });
+            if unknown.is_empty() {
+                return "the content hash does not match the policies".into();
+            }
+            let named: Vec<String> = unknown.iter().map(ToString::to_string).collect();
+            format!(
+                "the policies use fields this agent (retryplane-agent {}) does not know, so \
+                 it cannot apply them as written: {}; upgrade the agent, or use such fields \
+                 only once every agent knows them",
+                env!("CARGO_PKG_VERSION"),
+                named.join("; ")
+            )
+        }
         Refused::Invalid(errors) => {
             // Counted whole: a long list ends with a line saying how many more there are.
             let (count, _) = retryplane_policy::diag::counts(&errors);
@@ -92,6 +116,7 @@ fn refuse(version: u64, nonce: String, error: String) -> Handled {
 pub(crate) fn apply(
     shared: &Shared,
     snap: pb::Snapshot,
+    encoded: Option<&[u8]>,
     default_interval: Duration,
     before_swap: impl FnOnce(&PolicySnapshot),
 ) -> Handled {
@@ -100,7 +125,9 @@ pub(crate) fn apply(
     // item limit, say).
     let (set, warnings) = match judge::policies(snap.policies.clone(), &snap.content_hash) {
         Ok(ok) => ok,
-        Err(refused) => return refuse(snap.version, snap.nonce, nack_reason(refused)),
+        Err(refused) => {
+            return refuse(snap.version, snap.nonce, nack_reason(refused, encoded));
+        }
     };
     let cache = crate::cache::encode(&snap);
     shared.update_policies(|current| {
@@ -170,6 +197,7 @@ mod tests {
         let h = apply(
             agent.shared(),
             snapshot(4, "version: 1\nendpoints:\n  a: {max_attempts: 5}\n"),
+            None,
             Duration::from_secs(10),
             |_| {},
         );
@@ -201,7 +229,7 @@ mod tests {
                 .collect();
             bad.content_hash = convert::content_hash(doc);
         }
-        let h = apply(agent.shared(), bad, Duration::from_secs(10), |_| {});
+        let h = apply(agent.shared(), bad, None, Duration::from_secs(10), |_| {});
         let Kind::Nack(n) = &h.reply else {
             panic!("expected a NACK, got {:?}", h.reply);
         };
@@ -214,6 +242,7 @@ mod tests {
         apply(
             agent.shared(),
             snapshot(4, "version: 1\nendpoints:\n  a: {max_attempts: 5}\n"),
+            None,
             Duration::from_secs(10),
             |_| {},
         );
@@ -225,7 +254,7 @@ mod tests {
             overlay.max_attempts = Some(0);
             bad.content_hash = convert::content_hash(doc);
         }
-        let h = apply(agent.shared(), bad, Duration::from_secs(10), |_| {});
+        let h = apply(agent.shared(), bad, None, Duration::from_secs(10), |_| {});
         match &h.reply {
             Kind::Nack(n) => {
                 assert_eq!((n.version, n.nonce.as_str()), (5, "n-5"));
@@ -240,6 +269,60 @@ mod tests {
             p.set().unwrap().endpoint("a").unwrap().policy.max_attempts,
             5
         );
+    }
+
+    /// A snapshot from a control plane newer than the agent, whose policies use a field the
+    /// agent does not know: the agent reads the policies without it, so their hash does not
+    /// match, and the NACK names the field rather than calling the snapshot damaged.
+    #[tokio::test(start_paused = true)]
+    async fn a_nack_of_policies_with_fields_this_agent_does_not_know_names_them() {
+        use prost::Message as _;
+        let agent = agent();
+        let written = snapshot(5, "version: 1\nendpoints:\n  a: {max_attempts: 2}\n");
+        // The first endpoint's overlay with field 40 added, as a newer build writes it; its
+        // hash is the newer build's (not what this agent computes without the field).
+        let doc = written.policies.clone().unwrap();
+        let mut overlay = doc.endpoints[0].overlay.clone().unwrap().encode_to_vec();
+        prost::encoding::uint64::encode(40, &7, &mut overlay);
+        let mut endpoint = Vec::new();
+        prost::encoding::string::encode(1, &doc.endpoints[0].name, &mut endpoint);
+        prost::encoding::bytes::encode(2, &overlay, &mut endpoint);
+        let mut policies = Vec::new();
+        prost::encoding::bytes::encode(2, &endpoint, &mut policies);
+        let mut encoded = pb::Snapshot {
+            policies: None,
+            content_hash: "0".repeat(64),
+            ..written
+        }
+        .encode_to_vec();
+        prost::encoding::bytes::encode(3, &policies, &mut encoded);
+        let read = pb::Snapshot::decode(encoded.as_slice()).unwrap();
+        assert_eq!(read.policies.as_ref(), Some(&doc), "read without the field");
+
+        let h = apply(
+            agent.shared(),
+            read.clone(),
+            Some(&encoded),
+            Duration::from_secs(10),
+            |_| {},
+        );
+        let Kind::Nack(n) = &h.reply else {
+            panic!("expected a NACK, got {:?}", h.reply);
+        };
+        assert!(
+            n.error.contains("the policies use fields this agent")
+                && n.error.contains(
+                    "field 40 of retryplane.v1.Overlay at `policies.endpoints[0].overlay`"
+                ),
+            "{}",
+            n.error
+        );
+        // Without the field, the same mismatch is the content hash's.
+        let h = apply(agent.shared(), read, None, Duration::from_secs(10), |_| {});
+        let Kind::Nack(n) = &h.reply else {
+            panic!("expected a NACK, got {:?}", h.reply);
+        };
+        assert_eq!(n.error, "the content hash does not match the policies");
     }
 
     /// A snapshot holding more than a policy file can (a version stored before the control
@@ -276,7 +359,7 @@ mod tests {
             .is_none()
         );
         // And after it, were it decoded.
-        let h = apply(agent.shared(), large, Duration::from_secs(10), |_| {});
+        let h = apply(agent.shared(), large, None, Duration::from_secs(10), |_| {});
         match &h.reply {
             Kind::Nack(n) => assert!(n.error.contains("too large"), "{}", n.error),
             other => panic!("expected a NACK, got {other:?}"),
@@ -301,7 +384,13 @@ mod tests {
         listed.content_hash = "0".repeat(64);
         let cached = crate::cache::encode(&listed);
         assert!(too_many_on_the_wire(&ServerMessage::with_snapshot(&listed)).is_none());
-        let h = apply(agent.shared(), listed, Duration::from_secs(10), |_| {});
+        let h = apply(
+            agent.shared(),
+            listed,
+            None,
+            Duration::from_secs(10),
+            |_| {},
+        );
         match &h.reply {
             Kind::Nack(n) => assert!(n.error.contains("too large"), "{}", n.error),
             other => panic!("expected a NACK, got {other:?}"),
@@ -314,7 +403,7 @@ mod tests {
         let agent = agent();
         let mut snap = snapshot(2, "version: 1\nendpoints:\n  a: {max_attempts: 5}\n");
         snap.content_hash = "0".repeat(64);
-        let h = apply(agent.shared(), snap, Duration::from_secs(10), |_| {});
+        let h = apply(agent.shared(), snap, None, Duration::from_secs(10), |_| {});
         assert!(matches!(&h.reply, Kind::Nack(n) if n.error.contains("hash")));
         assert_eq!(agent.policies().version(), 0);
     }

@@ -762,7 +762,8 @@ async fn session(
                         // under their version as the new ones replace them (not before they
                         // are checked and built: calls on other threads go on meanwhile).
                         let version = snap.version;
-                        apply::apply(shared, snap, config.default_metrics_interval, |current| {
+                        let encoded = m.snapshot.as_deref();
+                        apply::apply(shared, snap, encoded, config.default_metrics_interval, |current| {
                             if current.version() != version {
                                 send_or_hold(shared, &tx, window_start, outbox, numbered);
                             }
