@@ -61,7 +61,7 @@ use clap::{Parser, Subcommand};
 #[derive(Debug, Parser)]
 #[command(
     name = "retryplane",
-    version,
+    version = retryplane_server::BUILD,
     about = "Validate, explain and operate retry policies",
     after_help = "Exit codes: 0 success, 1 invalid policy or refused by the server, 2 usage, I/O or connection error (2 wins over 1). With `diff --exit-code`: 1 it differs, 2 it could not be compared. With `request`: 1 the call failed under the policy, 2 usage or configuration (an invalid policy included). `serve`: 2 when it cannot start (an invalid policy file and an empty store included).",
     propagate_version = true

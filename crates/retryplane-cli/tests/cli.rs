@@ -1131,3 +1131,15 @@ ask retryplane get --server ""
         .code(2)
         .stderr(predicate::str::contains("invalid value 'tcsh'"));
 }
+
+/// `--version` names the build: the crate's version, its commit and the commit's date.
+#[test]
+fn version_names_the_commit_and_its_date() {
+    let dir = tempfile::tempdir().unwrap();
+    let shown = output(dir.path(), &["--version"], 0);
+    assert_eq!(shown, format!("retryplane {}\n", retryplane_server::BUILD));
+    assert!(
+        shown.contains(&format!("(commit {}, ", retryplane_server::COMMIT)),
+        "{shown}"
+    );
+}

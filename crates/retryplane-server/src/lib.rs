@@ -14,6 +14,21 @@
 
 #![forbid(unsafe_code)]
 
+/// This build's version: the crate's (`0.1.0`), the commit it was built from (12 hex digits,
+/// or `unknown` outside a git checkout) and that commit's date, as `retryplane --version`,
+/// the start-up log and `retryplane_server_build_info` give them.
+pub const BUILD: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (commit ",
+    env!("RETRYPLANE_COMMIT"),
+    ", ",
+    env!("RETRYPLANE_COMMIT_DATE"),
+    ")"
+);
+
+/// The commit this build was built from (see [`BUILD`]).
+pub const COMMIT: &str = env!("RETRYPLANE_COMMIT");
+
 pub mod admin;
 pub mod agent_route;
 pub mod agent_stream;
@@ -142,5 +157,27 @@ mod error_chain_tests {
             ErrorChain(&e).to_string(),
             "store failed: I/O error: disk full"
         );
+    }
+}
+
+#[cfg(test)]
+mod build_tests {
+    /// Built from a git checkout, the commit is 12 hex digits and its date is a date; from
+    /// anything else, both are `unknown`.
+    #[test]
+    fn the_build_names_its_commit_and_date() {
+        let date = env!("RETRYPLANE_COMMIT_DATE");
+        if super::COMMIT == "unknown" {
+            assert_eq!(date, "unknown");
+            return;
+        }
+        assert!(
+            super::COMMIT.len() == 12 && super::COMMIT.bytes().all(|b| b.is_ascii_hexdigit()),
+            "{}",
+            super::COMMIT
+        );
+        assert!(date.len() == 10 && date.as_bytes()[4] == b'-', "{date}");
+        assert!(super::BUILD.starts_with(env!("CARGO_PKG_VERSION")));
+        assert!(super::BUILD.contains(super::COMMIT));
     }
 }

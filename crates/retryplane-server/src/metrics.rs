@@ -194,7 +194,10 @@ impl ServerMetrics {
         registry.register(
             "build",
             "The retryplane build serving",
-            Info::new(vec![("version", env!("CARGO_PKG_VERSION"))]),
+            Info::new(vec![
+                ("version", env!("CARGO_PKG_VERSION")),
+                ("commit", crate::COMMIT),
+            ]),
         );
         registry.register(
             "reports_dropped",

@@ -463,6 +463,7 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
         mode = %retryplane_policy::diag::LogValue(&control.mode.to_string()),
         agent_connections,
         version = %env!("CARGO_PKG_VERSION"),
+        commit = %crate::COMMIT,
         store = %LogPath(&store_file),
         "control plane serving"
     );

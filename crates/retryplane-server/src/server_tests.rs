@@ -139,6 +139,15 @@ async fn serves_the_file_on_three_listeners() {
         metrics.contains("retryplane_server_current_version 1"),
         "{metrics}"
     );
+    // Which build: its version and commit.
+    assert!(
+        metrics.contains(&format!(
+            "retryplane_server_build_info{{version=\"{}\",commit=\"{}\"}} 1",
+            env!("CARGO_PKG_VERSION"),
+            crate::COMMIT
+        )),
+        "{metrics}"
+    );
     running.shutdown().await.unwrap();
 }
 
@@ -191,6 +200,7 @@ async fn the_start_up_log_names_the_store_and_whether_it_is_new() {
             .unwrap_or_else(|| panic!("run {run}: {logged}"));
         assert!(
             serving.contains(&format!("version={}", env!("CARGO_PKG_VERSION")))
+                && serving.contains(&format!("commit={}", crate::COMMIT))
                 && serving.contains("mode=file:/")
                 && serving.contains(&quoted),
             "{serving}"
