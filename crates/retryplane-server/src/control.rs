@@ -443,6 +443,25 @@ impl ControlPlane {
                      it: {}; apply a smaller one",
                     too_many.message
                 );
+            } else {
+                // Checked again by this build's rules, which may be stricter than those of the
+                // build that stored it: agents of this build refuse what they do not pass.
+                let document = record.document.clone();
+                let checked = tokio::task::spawn_blocking(move || {
+                    retryplane_proto::convert::validate(document)
+                })
+                .await;
+                if let Ok(Err(errors)) = checked {
+                    let (count, _) = retryplane_policy::diag::counts(&errors);
+                    warn!(
+                        version = record.meta.version,
+                        errors = count,
+                        first = %errors.first().map(ToString::to_string).unwrap_or_default(),
+                        "the current version does not pass this build's checks (stored by an \
+                         earlier build whose rules were looser): agents of this build refuse \
+                         it (NACK) and keep what they run; apply a fixed version"
+                    );
+                }
             }
             self.fanout().publish_at(record, PublishedAt::Stored);
         }

@@ -1232,6 +1232,54 @@ async fn a_current_version_holding_more_than_a_file_can_is_served_at_start_with_
     );
 }
 
+/// A current version that this build's checks refuse (stored by an earlier build with looser
+/// rules; written to the store directly here) is still served at start, with a warning that
+/// agents of this build refuse it. A valid one gets no such warning.
+#[tokio::test]
+async fn a_current_version_this_build_refuses_is_served_at_start_with_a_warning() {
+    let store = Arc::new(MemoryStore::default());
+    let mut invalid = wire(V1);
+    invalid.endpoints[0]
+        .overlay
+        .get_or_insert_with(Default::default)
+        .max_attempts = Some(0);
+    store
+        .publish(
+            NewVersion {
+                content_hash: convert::content_hash(&invalid),
+                document: invalid,
+                source: Source::Admin,
+                author: None,
+                summary: String::new(),
+                created_unix_ms: 0,
+            },
+            None,
+        )
+        .unwrap();
+    let (log, _guard) = crate::test_logs::capture("retryplane_server=warn");
+    let control = ControlPlane::for_tests(store, Mode::Api);
+    control.publish_current().await.unwrap();
+    assert_eq!(served(&control), 1);
+    let text = log.text();
+    assert!(
+        text.contains("WARN")
+            && text.contains("does not pass this build's checks")
+            && text.contains("max_attempts"),
+        "{text}"
+    );
+    let valid = Arc::new(MemoryStore::default());
+    ControlPlane::for_tests(valid.clone(), Mode::Api)
+        .apply(change(wire(V1)))
+        .await
+        .unwrap();
+    let before = log.text().len();
+    ControlPlane::for_tests(valid, Mode::Api)
+        .publish_current()
+        .await
+        .unwrap();
+    assert_eq!(log.text().len(), before, "{}", log.text());
+}
+
 /// README says `time() -` the publish time is how long the fleet has been on the version
 /// served: after a restart it is still the version's publish, not the restart's instant.
 #[tokio::test]
