@@ -85,6 +85,10 @@ pub struct Args {
     /// may last (then it ends with UNAVAILABLE): a duration with its unit, from 1s to 24h.
     #[arg(long, value_name = "DURATION", default_value = "5m", value_parser = idle_timeout)]
     connection_idle_timeout: Duration,
+    /// Removed: refused with the flag that replaced it (hidden), so that a deployment that
+    /// still passes it is told what to do rather than offered the nearest name.
+    #[arg(long, value_name = "DURATION", hide = true, value_parser = removed_max_connection_age)]
+    max_connection_age: Option<Duration>,
     /// Most agents connected at once; one more is refused with RESOURCE_EXHAUSTED.
     #[arg(long, value_name = "N", default_value_t = ServeConfig::default().max_agents,
           value_parser = crate::flags::at_least_one_usize)]
@@ -290,6 +294,16 @@ fn past_a_day(
              `30m` or `7d`"
         )),
     }
+}
+
+/// Refuses `--max-connection-age` (removed) whatever its value.
+fn removed_max_connection_age(_: &str) -> Result<Duration, String> {
+    Err(
+        "--max-connection-age was removed: the control plane now closes a connection that \
+         carries no stream for --connection-idle-timeout (default 5m), and an agent's \
+         connection stays open; drop the flag, or set --connection-idle-timeout"
+            .to_owned(),
+    )
 }
 
 impl From<Args> for ServeConfig {
@@ -665,6 +679,25 @@ mod tests {
             Command::Serve(args) => args.into(),
             other => panic!("parsed as {other:?}"),
         }
+    }
+
+    /// A removed flag is refused with what replaced it (exit 2, as any usage error), not
+    /// with clap's guess at the nearest name; it is not in the help.
+    #[test]
+    fn the_removed_max_connection_age_names_what_replaced_it() {
+        let e =
+            Cli::try_parse_from(["retryplane", "serve", "--max-connection-age", "5m"]).unwrap_err();
+        assert_eq!(e.exit_code(), 2);
+        let text = e.to_string();
+        assert!(
+            text.contains("--max-connection-age was removed")
+                && text.contains("--connection-idle-timeout"),
+            "{text}"
+        );
+        let help = Cli::try_parse_from(["retryplane", "serve", "--help"])
+            .unwrap_err()
+            .to_string();
+        assert!(!help.contains("max-connection-age"), "{help}");
     }
 
     /// Reads of the tokens file for the reload tests: each waits for a go-ahead from the test
