@@ -158,3 +158,30 @@ async fn a_rate_limited_report_is_acknowledged_as_dropped_and_not_counted() {
         Some(0)
     );
 }
+
+/// A seq more than 63 below the highest of its process cannot be told counted or not: it is
+/// acknowledged, not counted, and shows in its own figure, not among duplicates.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_report_far_below_the_highest_is_acknowledged_not_counted_and_counted_apart() {
+    let plane = Plane::file_mode(&policy_yaml(1, 3)).await;
+    let mut agent = stream(&plane, "a1", 7).await;
+    agent.send(report(100, EP, 5)).await;
+    assert_eq!(agent.next_ack().await, (100, false));
+    agent.send(report(20, EP, 3)).await;
+    assert_eq!(agent.next_ack().await, (20, false));
+    agent.send(report(37, EP, 2)).await;
+    assert_eq!(
+        agent.next_ack().await,
+        (37, false),
+        "63 below: still tracked"
+    );
+    assert_eq!(calls(&plane).await, 7, "seq 20 not counted");
+    assert_eq!(
+        server_figure(&plane, "retryplane_server_reports_out_of_window_total").await,
+        Some(1)
+    );
+    assert_eq!(
+        server_figure(&plane, "retryplane_server_reports_duplicate_total").await,
+        Some(0)
+    );
+}

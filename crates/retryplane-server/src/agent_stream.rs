@@ -1288,6 +1288,11 @@ impl AgentStream {
                 ctx.metrics.reports_dropped.inc();
                 true
             }
+            ReportVerdict::OutOfWindow => {
+                ctx.metrics.reports_out_of_window.inc();
+                debug!(agent = %LogValue(&self.agent_id), seq = report.seq, "metrics report too far below the highest of its process to tell whether it was counted: not counted");
+                false
+            }
             // Dropped once already: answered as such, not counted as dropped again.
             ReportVerdict::RefusedBefore => {
                 debug!(agent = %LogValue(&self.agent_id), seq = report.seq, "metrics report refused before, sent again");

@@ -65,6 +65,9 @@ pub struct ServerMetrics {
     /// Numbered metrics reports received again after they were counted (sent again after a
     /// lost stream), acknowledged and not counted twice.
     pub reports_duplicate: Counter,
+    /// `retryplane_server_reports_out_of_window`: numbered reports too far below their
+    /// instance's highest to tell whether they were counted ([`crate::report_seq`]).
+    pub reports_out_of_window: Counter,
     /// Endpoints of accepted metrics reports left out because their counts are past what
     /// one agent could make over the report's span (see
     /// [`crate::aggregate::counts::Counts::implausible`]), or because the report named the
@@ -133,6 +136,7 @@ impl ServerMetrics {
         tokens_last_reload_successful.set(1);
         let reports_dropped = Counter::default();
         let reports_duplicate = Counter::default();
+        let reports_out_of_window = Counter::default();
         let report_endpoints_implausible = Counter::default();
         let streams_refused = Counter::default();
         let streams_awaiting_hello = Gauge::default();
@@ -210,6 +214,11 @@ impl ServerMetrics {
             reports_duplicate.clone(),
         );
         registry.register(
+            "reports_out_of_window",
+            "Numbered agent metrics reports more than 63 below the highest of their agent process: answered as counted, not counted (the agent library never sends one; a client that does loses those counts)",
+            reports_out_of_window.clone(),
+        );
+        registry.register(
             "report_endpoints_implausible",
             "Endpoints of agent metrics reports left out for counts past what one agent could make, or for naming an endpoint already in the report",
             report_endpoints_implausible.clone(),
@@ -250,6 +259,7 @@ impl ServerMetrics {
             tokens_last_reload_successful,
             reports_dropped,
             reports_duplicate,
+            reports_out_of_window,
             report_endpoints_implausible,
             streams_refused,
             streams_awaiting_hello,

@@ -6,7 +6,8 @@
 //! stream and the same report sent again on the new one cannot both be counted. Per instance
 //! (`Hello.instance_id`, drawn anew by each agent process) the record is the highest seq decided
 //! and two 64-bit masks of which of the 64 seqs up to it were counted and which were refused
-//! (the rate limit); a seq more than 63 below the highest counts as counted. A refused seq stays
+//! (the rate limit); a seq more than 63 below the highest is out of the window: answered as
+//! counted and not counted ([`ReportVerdict::OutOfWindow`], counted apart). A refused seq stays
 //! refused: the agent puts a refused report's counts back into its counters and sends them under
 //! a new seq, so the same seq arriving later (a replaced stream's late copy, or a resend whose
 //! refusal was not heard) must not be counted too. The agent keeps at most a handful of reports unacknowledged and
@@ -19,8 +20,11 @@
 //! its record is kept a while longer, apart (the newest [`crate::fleet::MAX_FORGOTTEN`]), and
 //! taken back if the agent comes back; a report it sends again after that is counted again.
 
-/// Instances remembered per agent id (the newest Hello first).
-pub const MAX_INSTANCES: usize = 4;
+/// Instances remembered per agent id (the newest Hello first): enough for processes that share
+/// one agent id (pods of a Deployment given the same `agent_id`, whose streams replace each
+/// other), so that a report one of them sends again after a lost acknowledgement is still known
+/// as counted. At 4, a fifth process pushed the window out and such a report was counted again.
+pub const MAX_INSTANCES: usize = 16;
 
 /// What to do with a numbered report.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -35,6 +39,11 @@ pub enum ReportVerdict {
     /// Refused before, and sent again (a replaced stream's late copy, a resend whose refusal
     /// was not heard): count nothing and answer it refused again; it was dropped once already.
     RefusedBefore,
+    /// More than 63 below the highest seq decided for its instance: whether it was counted is
+    /// no longer known, so it is answered as counted and not counted. The agent never sends
+    /// one (it keeps a handful unacknowledged and sends them in order); a client that does
+    /// loses those counts, which the control plane counts apart from duplicates.
+    OutOfWindow,
 }
 
 /// The decided seqs of one instance.
@@ -63,7 +72,9 @@ impl Window {
             return None;
         }
         let back = self.highest - seq;
-        if back >= 64 || self.counted & (1 << back) != 0 {
+        if back >= 64 {
+            Some(ReportVerdict::OutOfWindow)
+        } else if self.counted & (1 << back) != 0 {
             Some(ReportVerdict::Duplicate)
         } else if self.refused & (1 << back) != 0 {
             Some(ReportVerdict::RefusedBefore)
@@ -151,7 +162,7 @@ impl ReportSeqs {
 mod tests {
     use super::*;
 
-    use ReportVerdict::{Count, Duplicate, Refused, RefusedBefore};
+    use ReportVerdict::{Count, Duplicate, OutOfWindow, Refused, RefusedBefore};
 
     fn yes() -> bool {
         true
@@ -185,7 +196,11 @@ mod tests {
         assert_eq!(r.claim(7, 2, yes), Duplicate);
         // Refusals slide with the window like counts.
         assert_eq!(r.claim(7, 70, || false), Refused);
-        assert_eq!(r.claim(7, 1, yes), Duplicate, "63 below: taken as decided");
+        assert_eq!(
+            r.claim(7, 1, yes),
+            OutOfWindow,
+            "69 below: out of the window"
+        );
         assert_eq!(r.claim(7, 70, yes), RefusedBefore);
         assert_eq!(r.claim(7, 69, yes), Count);
     }
@@ -196,7 +211,10 @@ mod tests {
         for seq in [5, 3, 4, 1, 2, 63 + 5] {
             assert_eq!(r.claim(1, seq, yes), Count, "seq {seq}");
         }
-        for seq in [1, 2, 3, 4, 5, 68] {
+        for seq in [1, 2, 3, 4] {
+            assert_eq!(r.claim(1, seq, yes), OutOfWindow, "seq {seq}");
+        }
+        for seq in [5, 68] {
             assert_eq!(r.claim(1, seq, yes), Duplicate, "seq {seq}");
         }
         assert_eq!(
@@ -204,9 +222,9 @@ mod tests {
             Count,
             "63 below the highest is still tracked"
         );
-        // A jump of 64 or more leaves everything older counted.
+        // A jump of 64 or more leaves everything older out of the window.
         assert_eq!(r.claim(1, 200, yes), Count);
-        assert_eq!(r.claim(1, 136, yes), Duplicate);
+        assert_eq!(r.claim(1, 136, || panic!("asked")), OutOfWindow);
         assert_eq!(r.claim(1, 137, yes), Count);
     }
 
