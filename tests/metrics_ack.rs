@@ -185,3 +185,33 @@ async fn a_report_far_below_the_highest_is_acknowledged_not_counted_and_counted_
         Some(0)
     );
 }
+
+/// An agent that half-closes its stream right after its last reports (a shutdown) still gets
+/// every ack the control plane owes it: acks held while others waited for room are sent
+/// before the stream ends, not dropped with it (the agent would take those reports for
+/// unacknowledged).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reports_sent_just_before_a_half_close_are_all_acknowledged() {
+    let plane = Plane::file_mode(&policy_yaml(1, 3)).await;
+    for round in 0..5u64 {
+        let RawAgent { tx, mut rx } = stream(&plane, &format!("a{round}"), 7).await;
+        for seq in 1..=5 {
+            tx.send(pb_report(seq)).await.unwrap();
+        }
+        drop(tx);
+        let mut acked = Vec::new();
+        while let Ok(Some(m)) = tokio::time::timeout(WAIT, rx.message()).await.unwrap() {
+            acked.extend(m.metrics_ack.map(|a| (a.seq, a.dropped)));
+        }
+        let all: Vec<(u64, bool)> = (1..=5).map(|seq| (seq, false)).collect();
+        assert_eq!(acked, all, "round {round}");
+    }
+    assert_eq!(calls(&plane).await, 5 * 5);
+}
+
+/// A numbered report of one call on [`EP`].
+fn pb_report(seq: u64) -> retryplane_proto::pb::AgentMessage {
+    retryplane_proto::pb::AgentMessage {
+        kind: Some(report(seq, EP, 1)),
+    }
+}

@@ -564,6 +564,7 @@ impl AgentStreamService {
             implausible_warned: false,
             bucket: ReportBucket::default(),
             held_acks: VecDeque::new(),
+            agent_closed: false,
             earlier_pushes: VecDeque::new(),
             heartbeat: life.map(|life| {
                 let interval = Duration::from_millis(self.ctx.publisher.metrics_interval_ms());
@@ -690,6 +691,9 @@ struct AgentStream {
     /// Answers to numbered metrics reports not yet queued on the body, oldest first (see
     /// [`AgentStream::send`]).
     held_acks: VecDeque<pb::MetricsAck>,
+    /// Whether the agent has ended its side of the stream (it shuts down): nothing more is read,
+    /// and the acks it is owed are sent before the stream ends ([`CLOSE_FLUSH`]).
+    agent_closed: bool,
     /// The versions of the pushes sent before the last one that still wait for an answer,
     /// oldest first, while the last one waits too, at most [`MAX_EARLIER_PUSHES`]: a late ACK
     /// of one is no answer to the last push, but says what the agent runs (it may then refuse
@@ -760,6 +764,11 @@ enum Next {
 /// of the reports it sent at once, a backlog resent after an outage included). An agent that
 /// does not read is ended earlier: see [`STALLED_HELD_ACKS`].
 const MAX_HELD_ACKS: usize = 1024;
+
+/// How long a stream whose agent has ended its side (a shutdown, which waits for the acks of
+/// its last reports) may take to send the acks it still holds before it ends. An agent that
+/// closes and then reads nothing gets none after it.
+pub const CLOSE_FLUSH: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Metrics acks held past which a stream whose frame has waited [`StreamLimits::unread_for`]
 /// is ended. Above what our agent ever leaves unanswered (8 reports), so that an agent which
@@ -945,6 +954,15 @@ impl AgentStream {
                 Next::End(status) => break status,
             }
         };
+        if self.agent_closed && end.is_none() && !self.held_acks.is_empty() {
+            let held = self.held_acks.len();
+            if tokio::time::timeout(CLOSE_FLUSH, self.send_held_acks(&mut io))
+                .await
+                .is_err()
+            {
+                debug!(agent = %LogValue(&self.agent_id), held, "the agent ended its stream and did not read the acks it was owed");
+            }
+        }
         match end.as_ref().map(Status::code) {
             Some(tonic::Code::Unauthenticated) => {
                 info!(agent = %LogValue(&self.agent_id), "a tokens reload took the stream's token away; ending the stream");
@@ -1013,10 +1031,16 @@ impl AgentStream {
         waiting_since: Instant,
     ) -> Result<(), Option<Status>> {
         loop {
+            // Nothing more is read once the agent has ended its side.
+            let inbound = if self.agent_closed {
+                None
+            } else {
+                Some(&mut *io.inbound)
+            };
             let queued = queue(
                 io.tx,
                 frame,
-                Some(&mut *io.inbound),
+                inbound,
                 io.replaced,
                 io.shutdown,
                 io.revocation,
@@ -1060,7 +1084,12 @@ impl AgentStream {
                     continue;
                 }
             };
-            self.send(io, Ok(frame)).await?;
+            if let Err(end) = self.send(io, Ok(frame)).await {
+                // Still owed: the stream may yet send it (the agent ended its side while it
+                // waited for room).
+                self.held_acks.push_front(ack);
+                return Err(end);
+            }
         }
         Ok(())
     }
@@ -1113,7 +1142,11 @@ impl AgentStream {
                 }
                 m
             }
-            Ok(None) => return Next::End(None),
+            Ok(None) => {
+                // The agent's end of the stream: the acks it is still owed go first (`run`).
+                self.agent_closed = true;
+                return Next::End(None);
+            }
             Err(status) => {
                 // Garbage, an oversized message or a broken connection: this stream ends with
                 // the decoder's status; every other stream carries on. What the agent sent
