@@ -39,6 +39,11 @@ pub(crate) use self::redb::REOPEN_INTERVAL;
 pub use self::redb::{RedbStore, compress_document, inflate_document};
 
 /// Where a version came from.
+///
+/// Stored by name in each record, and a build refuses a record whose source it does not know
+/// as damaged: a new source must come with a new record format (`RECORD_FORMAT` in
+/// `store/redb.rs`), so that an older build refuses the store as written by a newer one (and
+/// says so) rather than as corrupt, which tells the operator to move it aside.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Source {
     /// The policy file (file mode, or the seed of an empty store in API mode).
