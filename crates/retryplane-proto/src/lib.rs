@@ -89,8 +89,8 @@ pub fn reported_name(name: &str) -> &str {
 
 /// The largest `AgentMessage` the control plane takes on an agent stream: an agent's largest
 /// metrics report (a quarter of [`MAX_MESSAGE_BYTES`]; counts past it go out as several
-/// reports) and 64 KiB for its envelope. The control plane's decoder keeps each stream's largest
-/// message's buffer while the stream lives, so this bounds what one stream can make it hold.
+/// reports) and 64 KiB for its envelope. The control plane keeps a message's bytes as they
+/// come, so this bounds what one stream's message under way can make it hold.
 pub const MAX_AGENT_MESSAGE_BYTES: usize = MAX_MESSAGE_BYTES / 4 + 64 * 1024;
 
 #[cfg(test)]

@@ -1,19 +1,14 @@
 //! The `retryplane.v1.AgentService` route, served without tonic's generated server.
 //!
 //! tonic's generated `AgentServiceServer` encodes each outbound message into a per-stream
-//! buffer; this route exists only so that every stream sends the publisher's one shared frame
-//! instead (see [`crate::frame_body`] for the measured cost that removes). Everything else is
-//! what the generated server does: the inbound stream is decoded by
-//! [`tonic::codec::Streaming`] with the prost decoder and the configured size limit (a message
-//! that does not decode, or whose 5-byte gRPC header has a compressed-flag other than 0 or 1,
-//! ends its stream with `INVALID_ARGUMENT`, where tonic says `INTERNAL`: the fault is the
-//! sender's, and the message says what failed; flag 1 without compression keeps `INTERNAL`, as
-//! gRPC's compression spec asks, with a plain message), `Connect`
-//! is [`AgentStreamService::connect`] unchanged, a refusal before the stream starts is a
-//! trailers-only response, another method is `UNIMPLEMENTED`, and a compressed request is
-//! refused as tonic refuses it (no compression is enabled). What is not the generated server's:
-//! the inbound bytes pass through [`crate::inbound::Checked`], which refuses a first message
-//! over a Hello's size, and any message over an agent's largest, at its header. The route implements
+//! buffer; this route exists so that every stream sends the publisher's one shared frame
+//! instead (see [`crate::frame_body`] for the measured cost that removes), and reads its
+//! inbound messages with [`crate::inbound::Messages`] rather than tonic's decoder, which
+//! reserved each message's announced length and kept that buffer for the stream's life (see
+//! that module for the limits and statuses). Everything else is what the generated server
+//! does: `Connect` is [`AgentStreamService::connect`] unchanged, a refusal before the stream
+//! starts is a trailers-only response, another method is `UNIMPLEMENTED`, and a compressed
+//! request is refused as tonic refuses it (no compression is enabled). The route implements
 //! [`NamedService`], so the server's router, the auth interceptor, health and reflection treat
 //! it as they treat a generated service.
 
@@ -27,22 +22,16 @@ use http::header::CONTENT_TYPE;
 use retryplane_proto::liveness::{HEARTBEAT_METADATA, Life};
 use retryplane_proto::pb;
 use tonic::body::Body;
-use tonic::codec::{BufferSettings, DecodeBuf, Decoder, Streaming};
 use tonic::metadata::GRPC_CONTENT_TYPE;
 use tonic::server::NamedService;
 use tonic::{Request, Status};
-use tonic_prost::ProstDecoder;
 
 use crate::agent_stream::AgentStreamService;
 use crate::frame_body::SharedFrameBody;
-use crate::inbound::check_headers;
+use crate::inbound::Messages;
 
 /// The gRPC path of `Connect`.
 pub const CONNECT_PATH: &str = "/retryplane.v1.AgentService/Connect";
-
-/// Initial capacity of a stream's inbound buffer. Agents send small messages (Ack, Nack, a
-/// metrics report); the buffer grows for a larger one. tonic's default is 8 KiB per stream.
-pub const INBOUND_BUFFER: usize = 1024;
 
 /// The agent service as a `tower::Service` over HTTP requests.
 #[derive(Clone, Debug)]
@@ -90,29 +79,6 @@ fn check_encoding<B>(request: &http::Request<B>) -> Result<(), Status> {
     }
 }
 
-/// The prost decoder of [`pb::AgentMessage`], answering bytes that do not decode with
-/// `INVALID_ARGUMENT` and what failed.
-#[derive(Debug)]
-struct AgentMessageDecoder(ProstDecoder<pb::AgentMessage>);
-
-impl Decoder for AgentMessageDecoder {
-    type Item = pb::AgentMessage;
-    type Error = Status;
-
-    fn decode(&mut self, src: &mut DecodeBuf<'_>) -> Result<Option<pb::AgentMessage>, Status> {
-        self.0.decode(src).map_err(|status| {
-            Status::invalid_argument(format!(
-                "cannot decode the message as an AgentMessage: {}",
-                status.message()
-            ))
-        })
-    }
-
-    fn buffer_settings(&self) -> BufferSettings {
-        self.0.buffer_settings()
-    }
-}
-
 impl<B> tonic::codegen::Service<http::Request<B>> for AgentRoute
 where
     B: http_body::Body<Data = Bytes> + Send + Unpin + 'static,
@@ -137,20 +103,9 @@ where
             if let Err(status) = check_encoding(&request) {
                 return Ok(status.into_http());
             }
-            let decoder = AgentMessageDecoder(ProstDecoder::new(BufferSettings::new(
-                INBOUND_BUFFER,
-                INBOUND_BUFFER,
-            )));
             // The agent's bytes and messages, as heard (for an agent that sends heartbeats).
             let life = Life::new(tokio::time::Instant::now());
-            let mut request = request.map(|body| {
-                Streaming::new_request(
-                    decoder,
-                    check_headers(life.watch(body), limit),
-                    None,
-                    Some(limit),
-                )
-            });
+            let mut request = request.map(|body| Messages::new(life.watch(body), limit));
             request.extensions_mut().insert(life);
             let request = Request::from_http(request);
             Ok(match service.connect(request).await {

@@ -32,7 +32,7 @@ use retryplane_proto::liveness::{Life, keepalive_period, liveness_timeout};
 use retryplane_proto::pb::{self, agent_message::Kind};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
 use tokio::time::Instant;
-use tonic::{Request, Status, Streaming};
+use tonic::{Request, Status};
 use tracing::{debug, info, warn};
 
 use crate::aggregate::{Aggregator, ServiceHandle};
@@ -285,48 +285,6 @@ impl Drop for AwaitingHello {
     }
 }
 
-/// The status for an inbound stream error. tonic reports a message over the size limit as
-/// `OUT_OF_RANGE`; gRPC's own servers (and its status code guide) say `RESOURCE_EXHAUSTED`.
-/// A message header tonic cannot read (see [`bad_message_header`]) is the sender's fault:
-/// `INVALID_ARGUMENT`, where tonic says `INTERNAL`.
-fn inbound_error(status: Status) -> Status {
-    if status.code() == tonic::Code::OutOfRange {
-        Status::resource_exhausted(status.message().to_owned())
-    } else if let Some(bad) = bad_message_header(&status) {
-        bad
-    } else {
-        status
-    }
-}
-
-/// The status for an inbound gRPC message header tonic could not read, when `status` is
-/// tonic's `INTERNAL` for one, with a plain message: a compressed-flag byte other than 0 or 1
-/// gets `INVALID_ARGUMENT` (the sender's fault); flag 1 on a stream that names no compression
-/// (`grpc-encoding`) keeps `INTERNAL`, as gRPC's compression spec requires. tonic (0.14,
-/// `codec/decode.rs`) gives no other way to tell these from its other `INTERNAL` errors than
-/// its message; the wire tests in `tests/control_plane.rs` fail if that message changes.
-fn bad_message_header(status: &Status) -> Option<Status> {
-    if status.code() != tonic::Code::Internal {
-        return None;
-    }
-    let what = status
-        .message()
-        .strip_prefix("protocol error: received message with ")?;
-    if let Some(rest) = what.strip_prefix("invalid compression flag: ") {
-        let flag: String = rest.chars().take_while(char::is_ascii_digit).collect();
-        return Some(Status::invalid_argument(format!(
-            "invalid gRPC message header: compressed-flag {flag}; it must be 0 or 1"
-        )));
-    }
-    what.starts_with("compressed-flag but no grpc-encoding")
-        .then(|| {
-            Status::internal(
-                "invalid gRPC message header: compressed-flag 1 on a stream without compression \
-                 (no grpc-encoding)",
-            )
-        })
-}
-
 /// Whether `status` reports the end of the stream's HTTP/2 connection (a GOAWAY) rather than
 /// anything of the stream's own.
 fn connection_ended(status: &Status) -> bool {
@@ -366,7 +324,7 @@ impl AgentStreamService {
     /// server shuts down before the Hello comes).
     pub async fn connect(
         &self,
-        request: Request<Streaming<pb::AgentMessage>>,
+        request: Request<crate::inbound::Messages>,
     ) -> Result<mpsc::Receiver<Outbound>, Status> {
         // An IPv4 client of a dual-stack listener (`[::]`) is shown by its IPv4 address, as
         // the operator knows it, not as `[::ffff:a.b.c.d]`; any other address as it is (a
@@ -453,7 +411,7 @@ impl AgentStreamService {
                 ));
             }
             Ok(Ok(None)) => return Err(Status::cancelled("stream closed before Hello")),
-            Ok(Err(status)) => return Err(inbound_error(status)),
+            Ok(Err(status)) => return Err(status),
             Err(_) => {
                 return Err(Status::invalid_argument(format!(
                     "no Hello within {:?}",
@@ -790,7 +748,7 @@ enum Queued {
 /// A stream's two directions and what can end it, borrowed by its task's waits.
 struct Io<'a> {
     tx: &'a mpsc::Sender<Outbound>,
-    inbound: &'a mut Streaming<pb::AgentMessage>,
+    inbound: &'a mut crate::inbound::Messages,
     replaced: &'a mut tokio::sync::oneshot::Receiver<()>,
     shutdown: &'a mut watch::Receiver<bool>,
     revocation: &'a mut Option<Revocation>,
@@ -808,7 +766,7 @@ struct Io<'a> {
 async fn queue(
     tx: &mpsc::Sender<Outbound>,
     frame: Outbound,
-    inbound: Option<&mut Streaming<pb::AgentMessage>>,
+    inbound: Option<&mut crate::inbound::Messages>,
     replaced: &mut tokio::sync::oneshot::Receiver<()>,
     shutdown: &mut watch::Receiver<bool>,
     revocation: &mut Option<Revocation>,
@@ -856,7 +814,7 @@ fn shutdown_status() -> Status {
 impl AgentStream {
     async fn run(
         mut self,
-        mut inbound: Streaming<pb::AgentMessage>,
+        mut inbound: crate::inbound::Messages,
         tx: mpsc::Sender<Outbound>,
         mut replaced: tokio::sync::oneshot::Receiver<()>,
         mut revocation: Option<Revocation>,
@@ -1156,14 +1114,13 @@ impl AgentStream {
                 // even with the code tonic gives h2's ENHANCE_YOUR_CALM (`RESOURCE_EXHAUSTED`),
                 // which ends every stream of a connection that held too many unread frames.
                 let agents_fault = !connection_ended(&status)
-                    && (bad_message_header(&status).is_some()
+                    && (status.message().starts_with(crate::inbound::BAD_HEADER)
                         || matches!(
                             status.code(),
                             tonic::Code::OutOfRange
                                 | tonic::Code::ResourceExhausted
                                 | tonic::Code::InvalidArgument
                         ));
-                let status = inbound_error(status);
                 if agents_fault {
                     warn!(agent = %LogValue(&self.agent_id), code = ?status.code(), reason = %LogValue(status.message()), "ending an agent stream: the agent sent a message this control plane cannot take");
                 } else {
@@ -1400,37 +1357,6 @@ mod tests {
         assert_eq!(canonical_peer(zoned).to_string(), "[fe80::1%2]:5000");
         let v4: std::net::SocketAddr = "127.0.0.1:1".parse().unwrap();
         assert_eq!(canonical_peer(v4), v4);
-    }
-
-    #[test]
-    fn a_bad_message_header_gets_a_plain_message_and_other_errors_keep_their_code() {
-        let flag = inbound_error(Status::internal(
-            "protocol error: received message with invalid compression flag: 7 (valid flags are 0 and 1), while sending request",
-        ));
-        assert_eq!(flag.code(), tonic::Code::InvalidArgument);
-        assert_eq!(
-            flag.message(),
-            "invalid gRPC message header: compressed-flag 7; it must be 0 or 1"
-        );
-        let compressed = inbound_error(Status::internal(
-            "protocol error: received message with compressed-flag but no grpc-encoding was specified",
-        ));
-        assert_eq!(compressed.code(), tonic::Code::Internal);
-        assert!(
-            compressed.message().contains("without compression"),
-            "{compressed:?}"
-        );
-        let eof = inbound_error(Status::internal("Unexpected EOF decoding stream."));
-        assert_eq!(
-            (eof.code(), eof.message()),
-            (tonic::Code::Internal, "Unexpected EOF decoding stream.")
-        );
-        let big = inbound_error(Status::out_of_range("too large"));
-        assert_eq!(big.code(), tonic::Code::ResourceExhausted);
-        let other = inbound_error(Status::unknown(
-            "protocol error: received message with invalid compression flag: 7",
-        ));
-        assert_eq!(other.code(), tonic::Code::Unknown);
     }
 
     #[test]

@@ -11,9 +11,9 @@
 //! ([`encode_frame`]: the 5-byte gRPC message header, then the encoded message) and every
 //! stream's [`SharedFrameBody`] sends a clone of that [`Bytes`] — a reference count, not a copy.
 //!
-//! Everything else stays tonic's: the inbound direction is decoded by `tonic::codec::Streaming`
-//! and the final status is turned into trailers by `tonic::Status` (`grpc-status`, and
-//! `grpc-message` percent-encoded as the gRPC HTTP/2 protocol asks).
+//! The final status is turned into trailers by `tonic::Status` (`grpc-status`, and
+//! `grpc-message` percent-encoded as the gRPC HTTP/2 protocol asks); the inbound direction is
+//! read by [`crate::inbound::Messages`].
 
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};

@@ -1,214 +1,340 @@
-//! What one agent stream may make the control plane hold: its messages' sizes, checked at
-//! their 5-byte gRPC headers.
+//! An agent stream's inbound messages, read from its body here rather than by tonic's decoder:
+//! what one stream may make the control plane hold is the bytes it has sent of the message
+//! under way, and no more.
 //!
-//! tonic's decoder reserves a message's length at its header, keeps its bytes until the whole
-//! message has come, and keeps that buffer, at its largest, while the stream lives; hyper hands
-//! the flow-control window back as soon as it passes bytes on. So what a stream may hold is the
-//! largest message it may send: one agent token that opened 1,000 streams and began a message
-//! of the general 4 MiB limit on each made the server hold 4 GiB. [`Checked`] reads the headers
-//! as the stream's bytes pass and refuses, before any of the message is kept:
-//! - a first message (the Hello) over [`MAX_HELLO_MESSAGE_BYTES`];
-//! - any later message over the route's limit (at most
-//!   [`MAX_AGENT_MESSAGE_BYTES`](retryplane_proto::MAX_AGENT_MESSAGE_BYTES): an agent's
-//!   largest report and its envelope).
+//! tonic's decoder (`tonic::codec::Streaming`) reserves a message's announced length at its
+//! 5-byte gRPC header, and keeps that buffer, at its largest, while the stream lives: one agent
+//! token that opened 1,000 streams and announced a message of the general 4 MiB limit on each
+//! made the server reserve 4 GiB, and an agent that once sent a large report kept its buffer
+//! for its stream's life. [`Messages`] instead:
+//! - checks each header as it comes, and refuses, before any of the message is kept, a first
+//!   message (the Hello) over [`MAX_HELLO_MESSAGE_BYTES`], any later one over the route's limit
+//!   (at most [`MAX_AGENT_MESSAGE_BYTES`](retryplane_proto::MAX_AGENT_MESSAGE_BYTES): an
+//!   agent's largest report and its envelope), and a compressed-flag other than 0 (no
+//!   compression is enabled);
+//! - keeps a message's bytes as they come (a buffer that grows with what was received, not with
+//!   what was announced), decodes it once whole (from the frame itself when one frame holds it
+//!   all), and lets the buffer go.
 //!
-//! Hand-written: tonic takes one limit for every message of a stream; the header scan is the
-//! gRPC framing (`tonic::codec` reads the same five bytes).
+//! Its statuses are those of the generated server, the sender's faults named as such: a
+//! message over its limit `RESOURCE_EXHAUSTED`; bytes that do not decode, or a compressed-flag
+//! other than 0 or 1, `INVALID_ARGUMENT`; flag 1 on a stream without `grpc-encoding`
+//! `INTERNAL`, as gRPC's compression spec asks; a body that ends within a message `INTERNAL`;
+//! the body's own errors as tonic reads them ([`Status::from_error`]), a reset by the agent
+//! (`CANCELLED`) read as the stream's end.
+//!
+//! Hand-written: this is the gRPC message framing (`tonic::codec` reads the same five bytes),
+//! which tonic offers only with its own buffering, and its one limit for every message.
 
 use std::error::Error as StdError;
+use std::future::poll_fn;
 use std::pin::Pin;
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, ready};
 
-use bytes::Bytes;
-use http_body::{Body, Frame, SizeHint};
+use bytes::{Buf as _, Bytes};
+use http_body::Body;
+use http_body_util::BodyExt as _;
+use http_body_util::combinators::UnsyncBoxBody;
+use prost::Message as _;
+use retryplane_proto::pb;
 use tonic::Status;
 
 /// The largest first message an agent stream takes: a Hello at the limits the control plane
 /// checks (64 labels of 256 bytes, fields of 256) is about 35 KB.
 pub const MAX_HELLO_MESSAGE_BYTES: u32 = 64 * 1024;
 
+/// How the refusal of a message's 5-byte header begins (the sender's fault, logged as such).
+pub(crate) const BAD_HEADER: &str = "invalid gRPC message header";
+
 /// Length of a gRPC message header: a compressed flag and a big-endian length.
 const HEADER: usize = 5;
 
-/// `body`, the inbound body of one agent stream, whose messages after the first may be at most
-/// `limit` bytes.
-pub fn check_headers<B>(body: B, limit: usize) -> Checked<B> {
-    Checked {
-        inner: body,
-        limit: u32::try_from(limit).unwrap_or(u32::MAX),
-        first: true,
-        header: [0; HEADER],
-        filled: 0,
-        body_left: 0,
-    }
-}
+/// A stream error as the body gives it.
+type BoxError = Box<dyn StdError + Send + Sync>;
 
-/// An agent stream's inbound body whose message sizes are checked (see the module docs).
-#[derive(Debug)]
-pub struct Checked<B> {
-    inner: B,
+/// The messages of one agent stream's inbound body, whose messages after the first may be at
+/// most `limit` bytes (see the module docs).
+pub struct Messages {
+    body: UnsyncBoxBody<Bytes, BoxError>,
     limit: u32,
     /// Whether the next header read is the stream's first message's.
     first: bool,
     header: [u8; HEADER],
     /// Bytes of `header` read so far.
     filled: usize,
-    /// Bytes of the current message still to come.
-    body_left: u32,
+    /// The message under way: its length, and its bytes so far (none while it is read from one
+    /// frame at a time and none has come yet).
+    current: Option<(usize, Vec<u8>)>,
+    /// What the last data frame holds that is not read yet.
+    pending: Bytes,
+    /// The stream has ended, or failed: nothing more is read.
+    done: bool,
 }
 
-/// A stream error as tonic passes it on: the status is found in the error's chain.
-type BoxError = Box<dyn StdError + Send + Sync>;
+impl std::fmt::Debug for Messages {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Messages")
+            .field("limit", &self.limit)
+            .field("first", &self.first)
+            .field(
+                "under_way",
+                &self.current.as_ref().map(|(len, b)| (*len, b.len())),
+            )
+            .field("done", &self.done)
+            .finish_non_exhaustive()
+    }
+}
 
-impl<B> Checked<B> {
-    /// Scans `data`: an error for a message the stream may not send.
-    fn scan(&mut self, data: &[u8]) -> Result<(), Status> {
-        let mut at = 0;
-        while at < data.len() {
-            if self.body_left > 0 {
-                let rest = u32::try_from(data.len() - at).unwrap_or(u32::MAX);
-                let take = rest.min(self.body_left);
-                at += take as usize;
-                self.body_left -= take;
-                continue;
+impl Messages {
+    /// The messages of `body`; after the first, each may be at most `limit` bytes.
+    pub fn new<B>(body: B, limit: usize) -> Self
+    where
+        B: Body<Data = Bytes> + Send + 'static,
+        B::Error: Into<BoxError>,
+    {
+        Self {
+            body: body.map_err(Into::into).boxed_unsync(),
+            limit: u32::try_from(limit).unwrap_or(u32::MAX),
+            first: true,
+            header: [0; HEADER],
+            filled: 0,
+            current: None,
+            pending: Bytes::new(),
+            done: false,
+        }
+    }
+
+    /// The next message; `Ok(None)` once the agent has ended its side of the stream (or reset
+    /// it). An error ends the stream: it is given once, and `Ok(None)` after it. Cancel-safe:
+    /// what was read stays here.
+    pub async fn message(&mut self) -> Result<Option<pb::AgentMessage>, Status> {
+        poll_fn(|cx| self.poll_message(cx)).await
+    }
+
+    fn poll_message(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Poll<Result<Option<pb::AgentMessage>, Status>> {
+        loop {
+            if self.done {
+                return Poll::Ready(Ok(None));
             }
-            self.header[self.filled] = data[at];
-            self.filled += 1;
-            at += 1;
-            if self.filled < HEADER {
-                continue;
+            match self.take_from_pending() {
+                Ok(Some(message)) => return Poll::Ready(Ok(Some(message))),
+                Ok(None) => {}
+                Err(status) => {
+                    self.done = true;
+                    return Poll::Ready(Err(status));
+                }
             }
-            self.filled = 0;
-            let [_, a, b, c, d] = self.header;
-            let len = u32::from_be_bytes([a, b, c, d]);
-            let limit = if self.first {
-                MAX_HELLO_MESSAGE_BYTES.min(self.limit)
-            } else {
-                self.limit
+            match ready!(Pin::new(&mut self.body).poll_frame(cx)) {
+                Some(Ok(frame)) => {
+                    // Trailers (a client's, which gRPC does not send) are passed over.
+                    if let Ok(data) = frame.into_data() {
+                        self.pending = data;
+                    }
+                }
+                Some(Err(error)) => {
+                    self.done = true;
+                    let status = Status::from_error(error);
+                    // The agent reset its stream: its end, as tonic reads a request's.
+                    if status.code() == tonic::Code::Cancelled {
+                        return Poll::Ready(Ok(None));
+                    }
+                    return Poll::Ready(Err(status));
+                }
+                None => {
+                    self.done = true;
+                    if self.filled > 0 || self.current.is_some() {
+                        return Poll::Ready(Err(Status::internal(
+                            "the stream ended within a message",
+                        )));
+                    }
+                    return Poll::Ready(Ok(None));
+                }
+            }
+        }
+    }
+
+    /// Reads `pending` on: a message once one is whole, `None` when more bytes are needed.
+    fn take_from_pending(&mut self) -> Result<Option<pb::AgentMessage>, Status> {
+        while !self.pending.is_empty() {
+            let Some((len, buf)) = &mut self.current else {
+                self.read_header()?;
+                if let Some((0, _)) = self.current {
+                    self.current = None;
+                    return decode(&[]).map(Some);
+                }
+                continue;
             };
-            if len > limit {
-                let what = if self.first {
-                    "the first message (the Hello)"
-                } else {
-                    "a message"
-                };
-                return Err(Status::resource_exhausted(format!(
-                    "{what} of {len} bytes is over the {limit} bytes this control plane takes"
+            let len = *len;
+            let take = self.pending.len().min(len - buf.len());
+            if buf.is_empty() && take == len {
+                // The whole message in this frame: decoded where it is.
+                let message = self.pending.split_to(len);
+                self.current = None;
+                return decode(&message).map(Some);
+            }
+            // Grown with what came, never past the announced length.
+            if buf.capacity() - buf.len() < take {
+                buf.reserve_exact(buf.len().max(take).min(len - buf.len()));
+            }
+            buf.extend_from_slice(&self.pending[..take]);
+            self.pending.advance(take);
+            if buf.len() == len {
+                let whole = std::mem::take(buf);
+                self.current = None;
+                return decode(&whole).map(Some);
+            }
+        }
+        Ok(None)
+    }
+
+    /// Reads header bytes from `pending`; once the header is whole, checks it and begins its
+    /// message.
+    fn read_header(&mut self) -> Result<(), Status> {
+        let take = self.pending.len().min(HEADER - self.filled);
+        self.header[self.filled..self.filled + take].copy_from_slice(&self.pending[..take]);
+        self.pending.advance(take);
+        self.filled += take;
+        if self.filled < HEADER {
+            return Ok(());
+        }
+        self.filled = 0;
+        let [flag, a, b, c, d] = self.header;
+        let len = u32::from_be_bytes([a, b, c, d]);
+        let limit = if self.first {
+            MAX_HELLO_MESSAGE_BYTES.min(self.limit)
+        } else {
+            self.limit
+        };
+        if len > limit {
+            let what = if self.first {
+                "the first message (the Hello)"
+            } else {
+                "a message"
+            };
+            return Err(Status::resource_exhausted(format!(
+                "{what} of {len} bytes is over the {limit} bytes this control plane takes"
+            )));
+        }
+        match flag {
+            0 => {}
+            // gRPC's compression spec: INTERNAL for a compressed message with no grpc-encoding.
+            1 => {
+                return Err(Status::internal(format!(
+                    "{BAD_HEADER}: compressed-flag 1 on a stream without compression (no \
+                     grpc-encoding)"
                 )));
             }
-            self.first = false;
-            self.body_left = len;
+            other => {
+                return Err(Status::invalid_argument(format!(
+                    "{BAD_HEADER}: compressed-flag {other}; it must be 0 or 1"
+                )));
+            }
         }
+        self.first = false;
+        self.current = Some((len as usize, Vec::new()));
         Ok(())
     }
 }
 
-impl<B> Body for Checked<B>
-where
-    B: Body<Data = Bytes> + Unpin,
-    B::Error: Into<BoxError>,
-{
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        let me = self.get_mut();
-        match Pin::new(&mut me.inner).poll_frame(cx) {
-            Poll::Ready(Some(Ok(frame))) => {
-                if let Some(data) = frame.data_ref()
-                    && let Err(status) = me.scan(data)
-                {
-                    return Poll::Ready(Some(Err(status.into())));
-                }
-                Poll::Ready(Some(Ok(frame)))
-            }
-            Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(e.into()))),
-            Poll::Ready(None) => Poll::Ready(None),
-            Poll::Pending => Poll::Pending,
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
-    }
+/// `bytes` decoded as an `AgentMessage`; `INVALID_ARGUMENT` saying what failed.
+fn decode(bytes: &[u8]) -> Result<pb::AgentMessage, Status> {
+    pb::AgentMessage::decode(bytes).map_err(|e| {
+        Status::invalid_argument(format!("cannot decode the message as an AgentMessage: {e}"))
+    })
 }
 
 #[cfg(test)]
 mod tests {
-    use std::convert::Infallible;
-    use std::task::Waker;
-
-    use http_body_util::{BodyExt as _, StreamBody};
+    use http_body::Frame;
+    use http_body_util::StreamBody;
+    use retryplane_proto::pb::agent_message::Kind;
     use tokio::sync::mpsc;
     use tokio_stream::wrappers::ReceiverStream;
     use tonic::Code;
 
     use super::*;
 
-    type Inbound = StreamBody<ReceiverStream<Result<Frame<Bytes>, Infallible>>>;
+    type Sent = Result<Frame<Bytes>, BoxError>;
 
-    /// A body fed through the returned sender.
-    fn inbound() -> (mpsc::Sender<Result<Frame<Bytes>, Infallible>>, Inbound) {
+    /// A body fed through the returned sender, read as messages after the first of at most
+    /// `limit` bytes.
+    fn stream_of(limit: usize) -> (mpsc::Sender<Sent>, Messages) {
         let (tx, rx) = mpsc::channel(1024);
-        (tx, StreamBody::new(ReceiverStream::new(rx)))
+        (
+            tx,
+            Messages::new(StreamBody::new(ReceiverStream::new(rx)), limit),
+        )
     }
 
-    fn header(len: u32) -> Vec<u8> {
-        let mut h = vec![0];
+    fn header(flag: u8, len: u32) -> Vec<u8> {
+        let mut h = vec![flag];
         h.extend_from_slice(&len.to_be_bytes());
         h
     }
 
-    /// One poll, with a waker that does nothing.
-    fn poll(body: &mut Checked<Inbound>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        Pin::new(body).poll_frame(&mut Context::from_waker(Waker::noop()))
+    fn framed(message: &pb::AgentMessage) -> Vec<u8> {
+        let bytes = message.encode_to_vec();
+        let mut out = header(0, u32::try_from(bytes.len()).unwrap());
+        out.extend(bytes);
+        out
     }
 
-    async fn send(tx: &mpsc::Sender<Result<Frame<Bytes>, Infallible>>, bytes: &[u8]) {
+    async fn send(tx: &mpsc::Sender<Sent>, bytes: &[u8]) {
         tx.send(Ok(Frame::data(Bytes::copy_from_slice(bytes))))
             .await
             .unwrap();
     }
 
-    fn status(err: BoxError) -> Status {
-        *err.downcast::<Status>().expect("a Status")
+    fn hello(id: &str) -> pb::AgentMessage {
+        pb::AgentMessage {
+            kind: Some(Kind::Hello(pb::Hello {
+                agent_id: id.into(),
+                ..Default::default()
+            })),
+        }
     }
 
-    /// Every byte passes unchanged, however the frames cut the headers and the messages.
-    #[tokio::test]
-    async fn bytes_pass_unchanged_wherever_the_frames_cut_them() {
-        let mut wire = Vec::new();
-        for len in [3u32, 0, 70, 1, 200] {
-            wire.extend(header(len));
-            wire.extend((0..len).map(|i| i as u8));
+    fn ack(version: u64, nonce_len: usize) -> pb::AgentMessage {
+        pb::AgentMessage {
+            kind: Some(Kind::Ack(pb::Ack {
+                version,
+                nonce: "n".repeat(nonce_len),
+            })),
         }
+    }
+
+    /// Every message comes out whole, in order, wherever the frames cut the headers and the
+    /// messages; an empty message too.
+    #[tokio::test]
+    async fn messages_come_whole_wherever_the_frames_cut_them() {
+        let messages = [
+            hello("a"),
+            ack(1, 3),
+            pb::AgentMessage::default(),
+            ack(2, 70),
+            ack(3, 0),
+        ];
+        let wire: Vec<u8> = messages.iter().flat_map(framed).collect();
         for cut in [1, 2, 3, 5, 7, 64, wire.len()] {
-            let (tx, body) = inbound();
-            let mut body = check_headers(body, 1_000);
+            let (tx, mut inbound) = stream_of(1_000);
             for piece in wire.chunks(cut) {
                 send(&tx, piece).await;
             }
             drop(tx);
             let mut out = Vec::new();
-            while let Some(frame) = body.frame().await {
-                out.extend_from_slice(&frame.unwrap().into_data().unwrap());
+            while let Some(m) = inbound.message().await.unwrap() {
+                out.push(m);
             }
-            assert_eq!(out, wire, "cut every {cut}");
+            assert_eq!(out, messages, "cut every {cut}");
         }
     }
 
     /// The largest Hello the control plane takes, with every field at its limit, fits.
     #[test]
     fn the_largest_hello_fits_the_first_message_limit() {
-        use prost::Message as _;
-        use retryplane_proto::pb;
         let field = |c: &str| c.repeat(retryplane_proto::MAX_HELLO_FIELD_BYTES);
         let hello = pb::Hello {
             agent_id: field("a"),
@@ -225,7 +351,7 @@ mod tests {
                 .collect(),
         };
         let message = pb::AgentMessage {
-            kind: Some(pb::agent_message::Kind::Hello(hello)),
+            kind: Some(Kind::Hello(hello)),
         };
         let len = message.encoded_len();
         assert!(len > 32 << 10, "{len}");
@@ -233,34 +359,117 @@ mod tests {
     }
 
     /// A first message over the Hello's size, or any message over the route's limit, is
-    /// refused at its header, before its bytes come.
+    /// refused at its header, before its bytes come; the stream then ends.
     #[tokio::test]
     async fn a_message_over_its_limit_is_refused_at_its_header() {
-        let (tx, body) = inbound();
-        let mut body = check_headers(body, 4 << 20);
-        send(&tx, &header(MAX_HELLO_MESSAGE_BYTES + 1)).await;
-        let Poll::Ready(Some(Err(err))) = poll(&mut body) else {
-            panic!("refused");
-        };
-        let err = status(err);
+        let (tx, mut inbound) = stream_of(4 << 20);
+        send(&tx, &header(0, MAX_HELLO_MESSAGE_BYTES + 1)).await;
+        let err = inbound.message().await.unwrap_err();
         assert_eq!(err.code(), Code::ResourceExhausted);
         assert_eq!(
             err.message(),
             "the first message (the Hello) of 65537 bytes is over the 65536 bytes this control \
              plane takes"
         );
-        let (tx, body) = inbound();
-        let mut body = check_headers(body, 4 << 20);
-        let mut first = header(MAX_HELLO_MESSAGE_BYTES);
-        first.extend(vec![0; MAX_HELLO_MESSAGE_BYTES as usize]);
-        first.extend(header((4 << 20) + 1));
+        assert_eq!(inbound.message().await.unwrap(), None, "ended");
+        let (tx, mut inbound) = stream_of(4 << 20);
+        let mut first = framed(&hello("a"));
+        first.extend(header(0, (4 << 20) + 1));
         send(&tx, &first).await;
-        let Poll::Ready(Some(Err(err))) = poll(&mut body) else {
-            panic!("refused");
-        };
+        assert_eq!(inbound.message().await.unwrap(), Some(hello("a")));
         assert_eq!(
-            status(err).message(),
+            inbound.message().await.unwrap_err().message(),
             "a message of 4194305 bytes is over the 4194304 bytes this control plane takes"
         );
+    }
+
+    /// What a message holds while it comes is what came of it, not its announced length; once
+    /// whole, nothing of it is kept.
+    #[tokio::test]
+    async fn a_message_under_way_holds_what_came_not_what_was_announced() {
+        let (tx, mut inbound) = stream_of(4 << 20);
+        let big = ack(1, 1 << 20);
+        let wire = [framed(&hello("a")), framed(&big)].concat();
+        let (head, rest) = wire.split_at(framed(&hello("a")).len() + HEADER + 10);
+        send(&tx, head).await;
+        assert_eq!(inbound.message().await.unwrap(), Some(hello("a")));
+        let pending =
+            tokio::time::timeout(std::time::Duration::from_millis(50), inbound.message()).await;
+        assert!(pending.is_err(), "the message is not whole yet");
+        let (len, kept) = inbound.current.as_ref().unwrap();
+        assert!(*len > 1 << 20);
+        assert!(kept.capacity() <= 64, "{}", kept.capacity());
+        for piece in rest.chunks(16 << 10) {
+            send(&tx, piece).await;
+        }
+        assert_eq!(inbound.message().await.unwrap(), Some(big));
+        assert!(inbound.current.is_none());
+    }
+
+    /// A compressed-flag other than 0 is refused with the sender's fault named.
+    #[tokio::test]
+    async fn a_compressed_flag_other_than_zero_is_refused() {
+        for (flag, code, says) in [
+            (
+                1,
+                Code::Internal,
+                "invalid gRPC message header: compressed-flag 1 on a stream without \
+                 compression (no grpc-encoding)",
+            ),
+            (
+                2,
+                Code::InvalidArgument,
+                "invalid gRPC message header: compressed-flag 2; it must be 0 or 1",
+            ),
+        ] {
+            let (tx, mut inbound) = stream_of(1_000);
+            send(&tx, &header(flag, 0)).await;
+            let err = inbound.message().await.unwrap_err();
+            assert_eq!((err.code(), err.message()), (code, says));
+        }
+    }
+
+    /// Bytes that do not decode, a body that ends within a message, a body's error, and the
+    /// agent's reset (its end).
+    #[tokio::test]
+    async fn how_a_stream_ends() {
+        let (tx, mut inbound) = stream_of(1_000);
+        let mut bad = header(0, 2);
+        bad.extend([0xff, 0xff]);
+        send(&tx, &bad).await;
+        let err = inbound.message().await.unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument);
+        assert!(
+            err.message()
+                .starts_with("cannot decode the message as an AgentMessage: "),
+            "{err:?}"
+        );
+
+        let (tx, mut inbound) = stream_of(1_000);
+        send(&tx, &framed(&hello("a"))[..4]).await;
+        drop(tx);
+        let err = inbound.message().await.unwrap_err();
+        assert_eq!(
+            (err.code(), err.message()),
+            (Code::Internal, "the stream ended within a message")
+        );
+
+        let (tx, mut inbound) = stream_of(1_000);
+        tx.send(Err(Box::new(Status::unavailable("gone"))))
+            .await
+            .unwrap();
+        assert_eq!(
+            inbound.message().await.unwrap_err().code(),
+            Code::Unavailable
+        );
+        assert_eq!(inbound.message().await.unwrap(), None);
+
+        let (tx, mut inbound) = stream_of(1_000);
+        send(&tx, &framed(&hello("a"))).await;
+        tx.send(Err(Box::new(Status::cancelled("reset"))))
+            .await
+            .unwrap();
+        assert_eq!(inbound.message().await.unwrap(), Some(hello("a")));
+        assert_eq!(inbound.message().await.unwrap(), None);
     }
 }
