@@ -64,10 +64,19 @@ fn schema(fds: &FileDescriptorSet) -> Result<String, Box<dyn std::error::Error>>
     for (name, m) in &all {
         writeln!(src, "    Schema {{ name: {:?}, fields: &[", &name[1..])?;
         for f in &m.field {
+            // A message type outside these files (an imported well-known type) would leave
+            // its fields unwalked: refused here, so that adding one means adding its file.
             let message = match f.r#type() {
                 Type::Message => match index(f.type_name()) {
                     Some(i) => format!("Some({i})"),
-                    None => "None".to_owned(),
+                    None => {
+                        return Err(format!(
+                            "{name}.{}: message type {} is not among the compiled files",
+                            f.name(),
+                            f.type_name()
+                        )
+                        .into());
+                    }
                 },
                 _ => "None".to_owned(),
             };

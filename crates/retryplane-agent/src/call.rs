@@ -230,7 +230,9 @@ impl Endpoint {
     }
 
     /// This endpoint's counts not yet sent to the control plane, whatever version they were
-    /// made under (those of calls that outlived the policies they ran on included).
+    /// made under (those of calls that outlived the policies they ran on included). Endpoints
+    /// whose names are over 256 bytes and start alike are counted together (their counts are
+    /// reported under one cut name: [`retryplane_proto::reported_name`]).
     pub fn pending_counts(&self) -> CounterValues {
         let mut counts = self.core.counters.peek();
         self.shared

@@ -87,7 +87,8 @@ pub struct Args {
     connection_idle_timeout: Duration,
     /// Removed: refused with the flag that replaced it (hidden), so that a deployment that
     /// still passes it is told what to do rather than offered the nearest name.
-    #[arg(long, value_name = "DURATION", hide = true, value_parser = removed_max_connection_age)]
+    #[arg(long, value_name = "DURATION", hide = true, num_args = 0..=1,
+          default_missing_value = "", value_parser = removed_max_connection_age)]
     max_connection_age: Option<Duration>,
     /// Most agents connected at once; one more is refused with RESOURCE_EXHAUSTED.
     #[arg(long, value_name = "N", default_value_t = ServeConfig::default().max_agents,
@@ -685,15 +686,19 @@ mod tests {
     /// with clap's guess at the nearest name; it is not in the help.
     #[test]
     fn the_removed_max_connection_age_names_what_replaced_it() {
-        let e =
-            Cli::try_parse_from(["retryplane", "serve", "--max-connection-age", "5m"]).unwrap_err();
-        assert_eq!(e.exit_code(), 2);
-        let text = e.to_string();
-        assert!(
-            text.contains("--max-connection-age was removed")
-                && text.contains("--connection-idle-timeout"),
-            "{text}"
-        );
+        for args in [
+            &["retryplane", "serve", "--max-connection-age", "5m"][..],
+            &["retryplane", "serve", "--max-connection-age"],
+        ] {
+            let e = Cli::try_parse_from(args).unwrap_err();
+            assert_eq!(e.exit_code(), 2);
+            let text = e.to_string();
+            assert!(
+                text.contains("--max-connection-age was removed")
+                    && text.contains("--connection-idle-timeout"),
+                "{text}"
+            );
+        }
         let help = Cli::try_parse_from(["retryplane", "serve", "--help"])
             .unwrap_err()
             .to_string();

@@ -71,6 +71,31 @@ pub fn find(type_name: &str, message: &[u8], max: usize) -> Vec<UnknownField> {
     found
 }
 
+/// [`find`] within the message field `field` (its name) of `message` alone, an encoded
+/// `type_name`: the fields this build does not know of what that field holds, their paths
+/// starting with its name. Nothing when `type_name` has no such message field.
+pub fn find_in(type_name: &str, field: &str, message: &[u8], max: usize) -> Vec<UnknownField> {
+    let mut found = Vec::new();
+    let Some(schema) = MESSAGES.iter().find(|m| m.name == type_name) else {
+        return found;
+    };
+    let Some((number, Some(inner))) = schema
+        .fields
+        .iter()
+        .find(|f| f.name == field)
+        .map(|f| (f.number, f.message))
+    else {
+        return found;
+    };
+    for (n, value) in Fields::new(message) {
+        if let (true, Value::Len(bytes)) = (n == number, value) {
+            let mut path = field.to_owned();
+            walk(inner, bytes, &mut path, &mut found, max, 1);
+        }
+    }
+    found
+}
+
 /// Walks `bytes`, a message of `MESSAGES[index]` at `path`, into `found`.
 fn walk(
     index: usize,
@@ -237,6 +262,19 @@ mod tests {
             ]
         );
         assert_eq!(find("retryplane.v1.ApplyRequest", &request, 1).len(), 1);
+        // Within the source alone: the request's own field 99 is not named.
+        let within: Vec<String> = find_in("retryplane.v1.ApplyRequest", "source", &request, 10)
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        assert_eq!(
+            within,
+            ["field 40 of retryplane.v1.Overlay at `source.document.endpoints[1].overlay`"]
+        );
+        assert_eq!(
+            find_in("retryplane.v1.ApplyRequest", "dry_run", &request, 10),
+            []
+        );
         assert_eq!(find("retryplane.v1.NoSuch", &request, 10), []);
     }
 }

@@ -518,9 +518,9 @@ fn unknown_on_the_wire<T>(request: &Request<T>, what: &str) -> Option<Vec<Diagno
                     Loc::UNKNOWN,
                     "<request>",
                     format!(
-                        "{field} is not known to this control plane (version {}): the request \
-                         comes from a newer client; {what}",
-                        env!("CARGO_PKG_VERSION")
+                        "{field} is not known to this control plane ({}): the request comes \
+                         from a newer client; {what}",
+                        crate::BUILD
                     ),
                 )
             })

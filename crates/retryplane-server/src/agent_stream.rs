@@ -912,13 +912,18 @@ impl AgentStream {
                 Next::End(status) => break status,
             }
         };
+        let mut end = end;
         if self.agent_closed && end.is_none() && !self.held_acks.is_empty() {
             let held = self.held_acks.len();
-            if tokio::time::timeout(CLOSE_FLUSH, self.send_held_acks(&mut io))
-                .await
-                .is_err()
-            {
-                debug!(agent = %LogValue(&self.agent_id), held, "the agent ended its stream and did not read the acks it was owed");
+            match tokio::time::timeout(CLOSE_FLUSH, self.send_held_acks(&mut io)).await {
+                Ok(Ok(())) => {}
+                // Cut short by a shutdown, a replacement or a revoked token: ended as those end.
+                Ok(Err(status)) => end = status,
+                // The agent reads nothing more: the acks left are dropped; it sends those
+                // reports again, and they are answered as counted.
+                Err(_) => {
+                    debug!(agent = %LogValue(&self.agent_id), held, "the agent ended its stream and did not read the acks it was owed");
+                }
             }
         }
         match end.as_ref().map(Status::code) {

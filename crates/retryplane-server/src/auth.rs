@@ -1298,7 +1298,9 @@ impl Interceptor for Guard {
             };
             match self.warning.as_deref().map(RefusalWarning::due) {
                 Some(Some(unlogged)) => tracing::warn!(service = self.role.as_str(), peer = %peer(), code = ?status.code(), reason = status.message(), unlogged_before = unlogged, "refused a caller for its token"),
-                Some(None) => {}
+                // Within the interval: at debug, so that one caller refused in a loop does
+                // not hide another from a log that keeps debug lines.
+                Some(None) => tracing::debug!(service = self.role.as_str(), peer = %peer(), code = ?status.code(), reason = status.message(), "refused a caller for its token"),
                 None => tracing::debug!(service = self.role.as_str(), peer = %peer(), code = ?status.code(), reason = status.message(), "refused a caller for its token"),
             }
         })?;

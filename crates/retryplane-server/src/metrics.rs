@@ -65,7 +65,7 @@ pub struct ServerMetrics {
     /// Numbered metrics reports received again after they were counted (sent again after a
     /// lost stream), acknowledged and not counted twice.
     pub reports_duplicate: Counter,
-    /// `retryplane_server_reports_out_of_window`: numbered reports too far below their
+    /// `retryplane_server_reports_out_of_window_total`: numbered reports too far below their
     /// instance's highest to tell whether they were counted ([`crate::report_seq`]).
     pub reports_out_of_window: Counter,
     /// Endpoints of accepted metrics reports left out because their counts are past what

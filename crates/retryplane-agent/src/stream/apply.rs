@@ -60,9 +60,11 @@ fn nack_reason(refused: Refused, encoded: Option<&[u8]>) -> String {
         Refused::TooMany(too_many) => too_many.message,
         Refused::NoPolicies => "the snapshot holds no policies".into(),
         Refused::HashMismatch => {
+            // Only those of the policies: the hash covers nothing else.
             let unknown = encoded.map_or_else(Vec::new, |bytes| {
-                retryplane_proto::unknown_fields::find(
+                retryplane_proto::unknown_fields::find_in(
                     "retryplane.v1.Snapshot",
+                    "policies",
                     bytes,
                     NACK_UNKNOWN,
                 )
@@ -296,6 +298,8 @@ mod tests {
         }
         .encode_to_vec();
         prost::encoding::bytes::encode(3, &policies, &mut encoded);
+        // A field of the snapshot itself, outside what the hash covers: not named.
+        prost::encoding::uint64::encode(50, &1, &mut encoded);
         let read = pb::Snapshot::decode(encoded.as_slice()).unwrap();
         assert_eq!(read.policies.as_ref(), Some(&doc), "read without the field");
 
@@ -313,7 +317,8 @@ mod tests {
             n.error.contains("the policies use fields this agent")
                 && n.error.contains(
                     "field 40 of retryplane.v1.Overlay at `policies.endpoints[0].overlay`"
-                ),
+                )
+                && !n.error.contains("retryplane.v1.Snapshot"),
             "{}",
             n.error
         );
