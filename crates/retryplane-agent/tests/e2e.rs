@@ -496,16 +496,9 @@ async fn an_endpoint_named_with_megabytes_does_not_cut_its_agent_off() {
     // The stream is still up: a policy change is applied and acknowledged.
     apply(&running, yaml(4)).await;
     eventually("the agent acknowledges version 2", || async {
-        let fleet = support::plane::admin(&running)
+        support::plane::agent_status(&running, "a")
             .await
-            .fleet_status(retryplane_proto::pb::FleetStatusRequest::default())
-            .await
-            .unwrap()
-            .into_inner();
-        fleet
-            .agents
-            .iter()
-            .any(|s| s.agent_id == "a" && s.connected && s.applied_version == 2)
+            .is_some_and(|s| s.connected && s.applied_version == 2)
     })
     .await;
     succeed(&a, 2).await;

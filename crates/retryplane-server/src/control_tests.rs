@@ -1121,12 +1121,16 @@ async fn publish_time_of(control: &ControlPlane, req: ChangeRequest, what: &str)
 /// Stores `yaml` as a new version behind the control plane's back (in the store under
 /// `store`'s gate), as a write whose commit failed after storing leaves it.
 fn store_behind(store: &LateErrorStore, yaml: &str) {
+    store_directly(&store.inner, wire(yaml));
+}
+
+/// Stores `document` as a new version in `store` directly, unchecked.
+fn store_directly(store: &MemoryStore, document: pb::PolicyDocument) {
     store
-        .inner
         .publish(
             NewVersion {
-                document: wire(yaml),
-                content_hash: convert::content_hash(&wire(yaml)),
+                content_hash: convert::content_hash(&document),
+                document,
                 source: Source::Admin,
                 author: None,
                 summary: String::new(),
@@ -1243,19 +1247,7 @@ async fn a_current_version_this_build_refuses_is_served_at_start_with_a_warning(
         .overlay
         .get_or_insert_with(Default::default)
         .max_attempts = Some(0);
-    store
-        .publish(
-            NewVersion {
-                content_hash: convert::content_hash(&invalid),
-                document: invalid,
-                source: Source::Admin,
-                author: None,
-                summary: String::new(),
-                created_unix_ms: 0,
-            },
-            None,
-        )
-        .unwrap();
+    store_directly(&store, invalid);
     let (log, _guard) = crate::test_logs::capture("retryplane_server=warn");
     let control = ControlPlane::for_tests(store, Mode::Api);
     control.publish_current().await.unwrap();

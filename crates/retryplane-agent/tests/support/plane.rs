@@ -117,19 +117,20 @@ pub async fn stats(running: &Running) -> Option<pb::EndpointStats> {
     r.endpoints.into_iter().find(|e| e.endpoint == "ep")
 }
 
-/// Whether the server lists agent `id` as connected (`None`: not listed).
-pub async fn listed_connected(running: &Running, id: &str) -> Option<bool> {
+/// The server's status of agent `id` (`None`: not listed).
+pub async fn agent_status(running: &Running, id: &str) -> Option<pb::AgentStatus> {
     let fleet = admin(running)
         .await
         .fleet_status(pb::FleetStatusRequest::default())
         .await
         .unwrap()
         .into_inner();
-    fleet
-        .agents
-        .iter()
-        .find(|a| a.agent_id == id)
-        .map(|a| a.connected)
+    fleet.agents.into_iter().find(|a| a.agent_id == id)
+}
+
+/// Whether the server lists agent `id` as connected (`None`: not listed).
+pub async fn listed_connected(running: &Running, id: &str) -> Option<bool> {
+    agent_status(running, id).await.map(|a| a.connected)
 }
 
 /// The value of the sample `name` (no labels) on the server's `/metrics`.
