@@ -1199,6 +1199,27 @@ async fn a_version_number_no_longer_reported_leaves_the_series_with_its_counts()
     assert_eq!(version(&agg), 2, "the only version with counts now");
 }
 
+/// Past its share, a report's further endpoints go to `other` summed: every entry counted as
+/// overflowed, every call in `other`, and a bad name among them still counted as such.
+#[tokio::test(start_paused = true)]
+async fn the_endpoints_past_a_share_go_to_other_summed_and_counted_each() {
+    let agg = Aggregator::new(100, Instant::now(), Arc::default()).with_max_per_service(2);
+    let urls = agg.service("crawler");
+    let now = Instant::now();
+    let long = "x".repeat(MAX_NAME_LEN + 1);
+    let mut paths: Vec<String> = (0..50).map(|i| format!("/items/{i}")).collect();
+    paths.insert(10, long);
+    let entries: Vec<(&str, u64, u64)> = paths.iter().map(|p| (p.as_str(), 3, 1)).collect();
+    agg.ingest(&urls, &report(1, &entries), now);
+    assert_eq!(agg.series_count(), 2);
+    assert_eq!(agg.overflowed_by(Overflow::ServiceShare), 48);
+    assert_eq!(agg.overflowed_by(Overflow::BadName), 1);
+    let stats = agg.stats(now, all());
+    let other = stats.series.iter().find(|s| s.service == OTHER);
+    let lifetime = other.and_then(|s| s.lifetime);
+    assert_eq!(lifetime.map(|c| (c.calls, c.retries)), Some((49 * 3, 49)));
+}
+
 #[tokio::test(start_paused = true)]
 async fn one_service_takes_at_most_its_share_of_the_series() {
     let agg = Aggregator::new(10, Instant::now(), Arc::default()).with_max_per_service(3);
