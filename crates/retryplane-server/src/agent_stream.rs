@@ -1122,9 +1122,7 @@ impl AgentStream {
                     && (status.message().starts_with(crate::inbound::BAD_HEADER)
                         || matches!(
                             status.code(),
-                            tonic::Code::OutOfRange
-                                | tonic::Code::ResourceExhausted
-                                | tonic::Code::InvalidArgument
+                            tonic::Code::ResourceExhausted | tonic::Code::InvalidArgument
                         ));
                 if agents_fault {
                     warn!(agent = %LogValue(&self.agent_id), code = ?status.code(), reason = %LogValue(status.message()), "ending an agent stream: the agent sent a message this control plane cannot take");

@@ -12,16 +12,19 @@
 //!   (at most [`MAX_AGENT_MESSAGE_BYTES`](retryplane_proto::MAX_AGENT_MESSAGE_BYTES): an
 //!   agent's largest report and its envelope), and a compressed-flag other than 0 (no
 //!   compression is enabled);
-//! - keeps a message's bytes as they come (a buffer that grows with what was received, not with
-//!   what was announced), decodes it once whole (from the frame itself when one frame holds it
-//!   all), and lets the buffer go.
+//! - keeps a message's bytes as they come (a buffer that grows with what was received, at most
+//!   to twice that as it doubles and never past the announced length), decodes it once whole
+//!   (from the frame itself when one frame holds it all), and lets the buffer go; a frame
+//!   read to its end is let go at once (it may share a larger read buffer), and so is all of
+//!   it when the stream ends.
 //!
 //! Its statuses are those of the generated server, the sender's faults named as such: a
 //! message over its limit `RESOURCE_EXHAUSTED`; bytes that do not decode, or a compressed-flag
 //! other than 0 or 1, `INVALID_ARGUMENT`; flag 1 on a stream without `grpc-encoding`
-//! `INTERNAL`, as gRPC's compression spec asks; a body that ends within a message `INTERNAL`;
-//! the body's own errors as tonic reads them ([`Status::from_error`]), a reset by the agent
-//! (`CANCELLED`) read as the stream's end.
+//! `INTERNAL`, as gRPC's compression spec asks; a body that ends within a message (its header
+//! included, or with trailers) `INTERNAL` (tonic ended some of these cleanly, and said
+//! "Unexpected EOF decoding stream." of the others); the body's own errors as tonic reads them
+//! ([`Status::from_error`]), a reset by the agent (`CANCELLED`) read as the stream's end.
 //!
 //! Hand-written: this is the gRPC message framing (`tonic::codec` reads the same five bytes),
 //! which tonic offers only with its own buffering, and its one limit for every message.
@@ -123,7 +126,7 @@ impl Messages {
                 Ok(Some(message)) => return Poll::Ready(Ok(Some(message))),
                 Ok(None) => {}
                 Err(status) => {
-                    self.done = true;
+                    self.end();
                     return Poll::Ready(Err(status));
                 }
             }
@@ -135,7 +138,7 @@ impl Messages {
                     }
                 }
                 Some(Err(error)) => {
-                    self.done = true;
+                    self.end();
                     let status = Status::from_error(error);
                     // The agent reset its stream: its end, as tonic reads a request's.
                     if status.code() == tonic::Code::Cancelled {
@@ -144,8 +147,9 @@ impl Messages {
                     return Poll::Ready(Err(status));
                 }
                 None => {
-                    self.done = true;
-                    if self.filled > 0 || self.current.is_some() {
+                    let within = self.filled > 0 || self.current.is_some();
+                    self.end();
+                    if within {
                         return Poll::Ready(Err(Status::internal(
                             "the stream ended within a message",
                         )));
@@ -156,8 +160,25 @@ impl Messages {
         }
     }
 
+    /// Marks the stream ended, letting go of what it held.
+    fn end(&mut self) {
+        self.done = true;
+        self.current = None;
+        self.pending = Bytes::new();
+        self.filled = 0;
+    }
+
     /// Reads `pending` on: a message once one is whole, `None` when more bytes are needed.
+    /// A frame read to its end is let go (it may share the connection's read buffer).
     fn take_from_pending(&mut self) -> Result<Option<pb::AgentMessage>, Status> {
+        let found = self.read_pending();
+        if self.pending.is_empty() {
+            self.pending = Bytes::new();
+        }
+        found
+    }
+
+    fn read_pending(&mut self) -> Result<Option<pb::AgentMessage>, Status> {
         while !self.pending.is_empty() {
             let Some((len, buf)) = &mut self.current else {
                 self.read_header()?;
@@ -322,6 +343,8 @@ mod tests {
             let (tx, mut inbound) = stream_of(1_000);
             for piece in wire.chunks(cut) {
                 send(&tx, piece).await;
+                // An empty data frame changes nothing.
+                send(&tx, &[]).await;
             }
             drop(tx);
             let mut out = Vec::new();
@@ -406,6 +429,24 @@ mod tests {
         assert!(inbound.current.is_none());
     }
 
+    /// A frame read to its end is let go at once, though the message it began goes on (it may
+    /// share a larger read buffer).
+    #[tokio::test]
+    async fn a_frame_read_to_its_end_is_let_go() {
+        let (tx, mut inbound) = stream_of(1_000);
+        let wire = [framed(&hello("a")), framed(&ack(1, 100))].concat();
+        let cut = framed(&hello("a")).len() + HEADER + 1;
+        let head = Bytes::copy_from_slice(&wire[..cut]);
+        tx.send(Ok(Frame::data(head.clone()))).await.unwrap();
+        assert_eq!(inbound.message().await.unwrap(), Some(hello("a")));
+        let pending =
+            tokio::time::timeout(std::time::Duration::from_millis(50), inbound.message()).await;
+        assert!(pending.is_err(), "the ack is not whole yet");
+        assert!(head.is_unique(), "the first frame is still held");
+        send(&tx, &wire[cut..]).await;
+        assert_eq!(inbound.message().await.unwrap(), Some(ack(1, 100)));
+    }
+
     /// A compressed-flag other than 0 is refused with the sender's fault named.
     #[tokio::test]
     async fn a_compressed_flag_other_than_zero_is_refused() {
@@ -445,14 +486,39 @@ mod tests {
             "{err:?}"
         );
 
+        // Ended within a header, within a message's bytes, or with trailers within a message.
+        let hello_bytes = framed(&hello("a"));
+        for (cut, trailers) in [
+            (4, false),
+            (HEADER, false),
+            (HEADER + 2, false),
+            (HEADER + 2, true),
+        ] {
+            let (tx, mut inbound) = stream_of(1_000);
+            send(&tx, &hello_bytes[..cut]).await;
+            if trailers {
+                tx.send(Ok(Frame::trailers(http::HeaderMap::new())))
+                    .await
+                    .unwrap();
+            }
+            drop(tx);
+            let err = inbound.message().await.unwrap_err();
+            assert_eq!(
+                (err.code(), err.message()),
+                (Code::Internal, "the stream ended within a message"),
+                "cut at {cut}"
+            );
+            assert_eq!(inbound.message().await.unwrap(), None);
+            assert!(inbound.current.is_none() && inbound.pending.is_empty());
+        }
+        // After a message that does not decode, the stream has ended.
         let (tx, mut inbound) = stream_of(1_000);
-        send(&tx, &framed(&hello("a"))[..4]).await;
-        drop(tx);
-        let err = inbound.message().await.unwrap_err();
-        assert_eq!(
-            (err.code(), err.message()),
-            (Code::Internal, "the stream ended within a message")
-        );
+        let mut then = header(0, 2);
+        then.extend([0xff, 0xff]);
+        then.extend(framed(&hello("a")));
+        send(&tx, &then).await;
+        assert!(inbound.message().await.is_err());
+        assert_eq!(inbound.message().await.unwrap(), None);
 
         let (tx, mut inbound) = stream_of(1_000);
         tx.send(Err(Box::new(Status::unavailable("gone"))))
