@@ -1032,7 +1032,7 @@ fn every_subcommand_prints_the_program_version_with_dash_v() {
     // `get --version N` names a policy version, so `get` takes `-V` alone; it printed a usage
     // error before.
     let dir = dir_with(&[]);
-    let version = env!("CARGO_PKG_VERSION");
+    let version = retryplane_server::BUILD;
     for sub in [
         "validate", "explain", "apply", "diff", "get", "history", "rollback", "status", "stats",
         "top", "serve", "simulate", "request",
