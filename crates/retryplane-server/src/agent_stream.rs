@@ -522,7 +522,6 @@ impl AgentStreamService {
             implausible_warned: false,
             bucket: ReportBucket::default(),
             held_acks: VecDeque::new(),
-            agent_closed: false,
             earlier_pushes: VecDeque::new(),
             heartbeat: life.map(|life| {
                 let interval = Duration::from_millis(self.ctx.publisher.metrics_interval_ms());
@@ -649,9 +648,6 @@ struct AgentStream {
     /// Answers to numbered metrics reports not yet queued on the body, oldest first (see
     /// [`AgentStream::send`]).
     held_acks: VecDeque<pb::MetricsAck>,
-    /// Whether the agent has ended its side of the stream (it shuts down): nothing more is read,
-    /// and the acks it is owed are sent before the stream ends ([`CLOSE_FLUSH`]).
-    agent_closed: bool,
     /// The versions of the pushes sent before the last one that still wait for an answer,
     /// oldest first, while the last one waits too, at most [`MAX_EARLIER_PUSHES`]: a late ACK
     /// of one is no answer to the last push, but says what the agent runs (it may then refuse
@@ -913,7 +909,9 @@ impl AgentStream {
             }
         };
         let mut end = end;
-        if self.agent_closed && end.is_none() && !self.held_acks.is_empty() {
+        // The agent ended its side (it shuts down; an error would have ended it with a status):
+        // the acks it is owed go before the stream ends.
+        if io.inbound.ended() && end.is_none() && !self.held_acks.is_empty() {
             let held = self.held_acks.len();
             match tokio::time::timeout(CLOSE_FLUSH, self.send_held_acks(&mut io)).await {
                 Ok(Ok(())) => {}
@@ -995,7 +993,7 @@ impl AgentStream {
     ) -> Result<(), Option<Status>> {
         loop {
             // Nothing more is read once the agent has ended its side.
-            let inbound = if self.agent_closed {
+            let inbound = if io.inbound.ended() {
                 None
             } else {
                 Some(&mut *io.inbound)
@@ -1105,11 +1103,8 @@ impl AgentStream {
                 }
                 m
             }
-            Ok(None) => {
-                // The agent's end of the stream: the acks it is still owed go first (`run`).
-                self.agent_closed = true;
-                return Next::End(None);
-            }
+            // The agent's end of the stream: the acks it is still owed go first (`run`).
+            Ok(None) => return Next::End(None),
             Err(status) => {
                 // Garbage, an oversized message or a broken connection: this stream ends with
                 // the decoder's status; every other stream carries on. What the agent sent

@@ -160,6 +160,12 @@ impl Messages {
         }
     }
 
+    /// Whether the stream has ended (the agent's end, a reset, or an error given already):
+    /// nothing more is read.
+    pub fn ended(&self) -> bool {
+        self.done
+    }
+
     /// Marks the stream ended, letting go of what it held.
     fn end(&mut self) {
         self.done = true;
