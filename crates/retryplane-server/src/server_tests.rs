@@ -100,6 +100,15 @@ async fn admin(running: &Running) -> AdminServiceClient<Channel> {
     AdminServiceClient::new(channel(running.admin_addr).await)
 }
 
+/// Starts a control plane on `cfg`, capturing what it logs at start through `filter` (an
+/// `EnvFilter` directive): the running server and that log.
+async fn start_logged(cfg: ServeConfig, filter: &str) -> (Running, String) {
+    let (log, guard) = crate::test_logs::capture(filter);
+    let running = start(cfg).await.unwrap();
+    drop(guard);
+    (running, log.text())
+}
+
 async fn current(running: &Running) -> pb::VersionInfo {
     let got = admin(running)
         .await
@@ -185,10 +194,7 @@ async fn the_start_up_log_names_the_store_and_whether_it_is_new() {
         (1, "created a new, empty version store"),
         (2, "opened the version store"),
     ] {
-        let (log, guard) = crate::test_logs::capture("retryplane_server=info");
-        let running = start(cfg.clone()).await.unwrap();
-        drop(guard);
-        let logged = log.text();
+        let (running, logged) = start_logged(cfg.clone(), "retryplane_server=info").await;
         let line = logged
             .lines()
             .find(|l| l.contains(said))
@@ -222,22 +228,17 @@ async fn a_start_on_a_file_that_removes_endpoints_warns() {
         "version: 1\nendpoints:\n  payments: {}\n  payments-v2: {}\n",
     )
     .unwrap();
-    let (log, guard) = crate::test_logs::capture("retryplane_server=warn");
-    let running = start(cfg.clone()).await.unwrap();
-    drop(guard);
+    let (running, logged) = start_logged(cfg.clone(), "retryplane_server=warn").await;
     assert_eq!(current(&running).await.version, 2);
-    assert!(!log.text().contains("removes endpoints"), "{}", log.text());
+    assert!(!logged.contains("removes endpoints"), "{logged}");
     running.shutdown().await.unwrap();
     fs::write(
         dir.path().join("policies.yaml"),
         "version: 1\nendpoints:\n  payments-v2: {}\n",
     )
     .unwrap();
-    let (log, guard) = crate::test_logs::capture("retryplane_server=warn");
-    let running = start(cfg.clone()).await.unwrap();
-    drop(guard);
+    let (running, logged) = start_logged(cfg.clone(), "retryplane_server=warn").await;
     assert_eq!(current(&running).await.version, 3);
-    let logged = log.text();
     assert!(
         logged.contains("the policy file read at start removes endpoints")
             && logged.contains("before=2 version=3")
@@ -246,10 +247,8 @@ async fn a_start_on_a_file_that_removes_endpoints_warns() {
     );
     running.shutdown().await.unwrap();
     // An unchanged file at the next start: no word.
-    let (log, guard) = crate::test_logs::capture("retryplane_server=warn");
-    let running = start(cfg).await.unwrap();
-    drop(guard);
-    assert!(!log.text().contains("removes endpoints"), "{}", log.text());
+    let (running, logged) = start_logged(cfg, "retryplane_server=warn").await;
+    assert!(!logged.contains("removes endpoints"), "{logged}");
     running.shutdown().await.unwrap();
 }
 
@@ -290,9 +289,7 @@ async fn a_start_refusing_a_file_that_removes_thousands_of_endpoints_names_only_
         "version: 1\nendpoints:\n  fresh: {}\n",
     )
     .unwrap();
-    let (log, guard) = crate::test_logs::capture("retryplane_server=error");
-    let running = start(cfg).await.unwrap();
-    drop(guard);
+    let (running, text) = start_logged(cfg, "retryplane_server=error").await;
     assert_eq!(
         current(&running).await.version,
         1,
@@ -311,7 +308,6 @@ async fn a_start_refusing_a_file_that_removes_thousands_of_endpoints_names_only_
     assert!(problem.len() <= 1_024 + '…'.len_utf8(), "{}", problem.len());
     assert!(problem.ends_with(" more endpoints)"), "{problem}");
     running.shutdown().await.unwrap();
-    let text = log.text();
     let line = text
         .lines()
         .find(|l| l.contains("removes every stored endpoint"))
@@ -474,10 +470,7 @@ async fn file_mode_over_versions_the_admin_api_applied_says_it_replaces_them() {
     // The same data directory, started without `--api`: the file (still V1) wins, and the
     // log says so, naming the version the admin API made.
     cfg.api_mode = false;
-    let (log, guard) = crate::test_logs::capture("retryplane_server=warn");
-    let running = start(cfg).await.unwrap();
-    drop(guard);
-    let logged = log.text();
+    let (running, logged) = start_logged(cfg, "retryplane_server=warn").await;
     assert!(
         logged.contains("file mode: the current version came from the admin API")
             && logged.contains("version=2")
