@@ -194,10 +194,11 @@ async fn a_report_far_below_the_highest_is_acknowledged_not_counted_and_counted_
 async fn reports_sent_just_before_a_half_close_are_all_acknowledged() {
     let plane = Plane::file_mode(&policy_yaml(1, 3)).await;
     for round in 0..5u64 {
-        let RawAgent { tx, mut rx } = stream(&plane, &format!("a{round}"), 7).await;
+        let agent = stream(&plane, &format!("a{round}"), 7).await;
         for seq in 1..=5 {
-            tx.send(pb_report(seq)).await.unwrap();
+            agent.send(report(seq, EP, 1)).await;
         }
+        let RawAgent { tx, mut rx } = agent;
         drop(tx);
         let mut acked = Vec::new();
         while let Ok(Some(m)) = tokio::time::timeout(WAIT, rx.message()).await.unwrap() {
@@ -207,11 +208,4 @@ async fn reports_sent_just_before_a_half_close_are_all_acknowledged() {
         assert_eq!(acked, all, "round {round}");
     }
     assert_eq!(calls(&plane).await, 5 * 5);
-}
-
-/// A numbered report of one call on [`EP`].
-fn pb_report(seq: u64) -> retryplane_proto::pb::AgentMessage {
-    retryplane_proto::pb::AgentMessage {
-        kind: Some(report(seq, EP, 1)),
-    }
 }

@@ -321,7 +321,7 @@ impl BytesAgent {
             .streaming(
                 tonic::Request::new(ReceiverStream::new(rx)),
                 http::uri::PathAndQuery::from_static("/retryplane.v1.AgentService/Connect"),
-                BytesCodec,
+                RawCodec::<pb::ServerMessage>::default(),
             )
             .await?;
         Ok(BytesAgent {
@@ -400,7 +400,13 @@ impl FramedAgent {
             return Err(status);
         }
         let (parts, body) = response.into_parts();
-        let rx = Streaming::new_response(ServerMessageDecoder, body, parts.status, None, None);
+        let rx = Streaming::new_response(
+            ProstDecoderOf::<pb::ServerMessage>::default(),
+            body,
+            parts.status,
+            None,
+            None,
+        );
         Ok(FramedAgent { tx, rx })
     }
 
@@ -410,32 +416,9 @@ impl FramedAgent {
     }
 }
 
-/// Writes raw bytes as the message; reads server messages with prost.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct BytesCodec;
-
-/// The encoder of [`BytesCodec`].
+/// The encoder of [`RawCodec`]: the bytes as they are.
 #[derive(Debug)]
 pub struct BytesEncoder;
-
-/// The decoder of [`BytesCodec`].
-#[derive(Debug)]
-pub struct ServerMessageDecoder;
-
-impl tonic::codec::Codec for BytesCodec {
-    type Encode = Vec<u8>;
-    type Decode = pb::ServerMessage;
-    type Encoder = BytesEncoder;
-    type Decoder = ServerMessageDecoder;
-
-    fn encoder(&mut self) -> BytesEncoder {
-        BytesEncoder
-    }
-
-    fn decoder(&mut self) -> ServerMessageDecoder {
-        ServerMessageDecoder
-    }
-}
 
 impl tonic::codec::Encoder for BytesEncoder {
     type Item = Vec<u8>;
@@ -451,36 +434,29 @@ impl tonic::codec::Encoder for BytesEncoder {
     }
 }
 
-impl tonic::codec::Decoder for ServerMessageDecoder {
-    type Item = pb::ServerMessage;
-    type Error = tonic::Status;
-
-    fn decode(
-        &mut self,
-        src: &mut tonic::codec::DecodeBuf<'_>,
-    ) -> Result<Option<pb::ServerMessage>, tonic::Status> {
-        <pb::ServerMessage as prost::Message>::decode(src)
-            .map(Some)
-            .map_err(|e| tonic::Status::internal(e.to_string()))
-    }
-}
-
-/// Writes raw bytes as the request message; reads the answer as a `T` with prost (a unary
-/// admin call sent with what a newer client's proto would write).
+/// Writes raw bytes as each message sent; reads the answers as `T`s with prost: to send what
+/// no well-behaved client would (an agent's raw messages, or a unary admin call holding what
+/// a newer client's proto would write).
 #[derive(Debug)]
-pub struct RawRequestCodec<T>(std::marker::PhantomData<T>);
+pub struct RawCodec<T>(std::marker::PhantomData<T>);
 
-impl<T> Default for RawRequestCodec<T> {
+impl<T> Default for RawCodec<T> {
     fn default() -> Self {
         Self(std::marker::PhantomData)
     }
 }
 
-/// The decoder of [`RawRequestCodec`].
+/// The decoder of [`RawCodec`].
 #[derive(Debug)]
 pub struct ProstDecoderOf<T>(std::marker::PhantomData<T>);
 
-impl<T: prost::Message + Default + Send + 'static> tonic::codec::Codec for RawRequestCodec<T> {
+impl<T> Default for ProstDecoderOf<T> {
+    fn default() -> Self {
+        Self(std::marker::PhantomData)
+    }
+}
+
+impl<T: prost::Message + Default + Send + 'static> tonic::codec::Codec for RawCodec<T> {
     type Encode = Vec<u8>;
     type Decode = T;
     type Encoder = BytesEncoder;
@@ -491,7 +467,7 @@ impl<T: prost::Message + Default + Send + 'static> tonic::codec::Codec for RawRe
     }
 
     fn decoder(&mut self) -> ProstDecoderOf<T> {
-        ProstDecoderOf(std::marker::PhantomData)
+        ProstDecoderOf::default()
     }
 }
 
@@ -523,7 +499,7 @@ pub async fn raw_admin_call<T: prost::Message + Default + Send + 'static>(
     grpc.unary(
         tonic::Request::new(message),
         http::uri::PathAndQuery::from_static(path),
-        RawRequestCodec::<T>::default(),
+        RawCodec::<T>::default(),
     )
     .await
     .map(tonic::Response::into_inner)
