@@ -108,6 +108,15 @@ pub struct Args {
           default_value_t = StreamLimits::default().max_pending_handshakes,
           value_parser = crate::flags::at_least_one_usize)]
     max_pending_handshakes: usize,
+    /// Most MiB of agents' messages under way (come in part) the control plane holds at once,
+    /// over all agent streams; one agent token holds at most three quarters of it. A message
+    /// with no room waits, its stream read no further, for up to 10s, and its stream then ends
+    /// with RESOURCE_EXHAUSTED (the agent reconnects and sends it again). At least 2 (the
+    /// largest agent message is 1.06 MiB).
+    #[arg(long, value_name = "MIB",
+          default_value_t = StreamLimits::default().max_inbound_bytes >> 20,
+          value_parser = inbound_mib)]
+    max_inbound_mib: usize,
     /// Most HTTP/2 streams one connection may have open at once, on each gRPC listener (an
     /// agent needs one).
     #[arg(long, value_name = "N",
@@ -297,6 +306,23 @@ fn past_a_day(
     }
 }
 
+/// `--max-inbound-mib`: a whole number of MiB from 2 (the largest agent message, 1.06 MiB,
+/// must fit) to what a byte count holds.
+fn inbound_mib(text: &str) -> Result<usize, String> {
+    let largest = retryplane_proto::MAX_AGENT_MESSAGE_BYTES.div_ceil(1 << 20);
+    let mib = crate::flags::at_least_one_usize(text)?;
+    if mib < largest {
+        return Err(format!(
+            "must be at least {largest}: the largest message an agent sends ({} bytes) must \
+             fit",
+            retryplane_proto::MAX_AGENT_MESSAGE_BYTES
+        ));
+    }
+    mib.checked_mul(1 << 20)
+        .map(|_| mib)
+        .ok_or_else(|| format!("must be at most {}", usize::MAX >> 20))
+}
+
 /// Refuses `--max-connection-age` (removed) whatever its value.
 fn removed_max_connection_age(_: &str) -> Result<Duration, String> {
     Err(
@@ -333,6 +359,7 @@ impl From<Args> for ServeConfig {
                 .then_some(args.forget_disconnected_after),
             stream_limits: StreamLimits {
                 max_pending_handshakes: args.max_pending_handshakes,
+                max_inbound_bytes: args.max_inbound_mib << 20,
                 ..defaults.stream_limits
             },
             ..defaults
@@ -870,6 +897,10 @@ mod tests {
             parsed.stream_limits.max_pending_handshakes,
             defaults.stream_limits.max_pending_handshakes
         );
+        assert_eq!(
+            parsed.stream_limits.max_inbound_bytes,
+            defaults.stream_limits.max_inbound_bytes
+        );
         assert_eq!(parsed.max_agent_connections, defaults.max_agent_connections);
         assert_eq!(
             parsed.max_streams_per_connection,
@@ -925,8 +956,11 @@ mod tests {
             "15m",
             "--max-agent-connections",
             "500",
+            "--max-inbound-mib",
+            "64",
         ]);
         assert_eq!(parsed.max_agent_connections, Some(500));
+        assert_eq!(parsed.stream_limits.max_inbound_bytes, 64 << 20);
         assert_eq!(parsed.config_file, PathBuf::from("p.yaml"));
         assert_eq!(parsed.listen.port(), 9000);
         assert_eq!(parsed.tokens_file, Some(PathBuf::from("tokens.yaml")));
@@ -948,6 +982,21 @@ mod tests {
         assert_eq!(kept.forget_disconnected_after, None);
         let kept = parse(&["--forget-disconnected-after", "0s"]);
         assert_eq!(kept.forget_disconnected_after, None);
+    }
+
+    /// The room for messages under way takes the largest agent message.
+    #[test]
+    fn max_inbound_mib_holds_the_largest_agent_message() {
+        assert_eq!(
+            inbound_mib("1").unwrap_err(),
+            "must be at least 2: the largest message an agent sends (1114112 bytes) must fit"
+        );
+        assert!(inbound_mib("0").is_err());
+        assert_eq!(inbound_mib("2"), Ok(2));
+        assert_eq!(
+            inbound_mib(&(usize::MAX >> 19).to_string()).unwrap_err(),
+            format!("must be at most {}", usize::MAX >> 20)
+        );
     }
 
     #[test]

@@ -15,6 +15,7 @@
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
@@ -27,8 +28,9 @@ use tonic::server::NamedService;
 use tonic::{Request, Status};
 
 use crate::agent_stream::AgentStreamService;
+use crate::auth::Credential;
 use crate::frame_body::SharedFrameBody;
-use crate::inbound::Messages;
+use crate::inbound::{Messages, Room};
 
 /// The gRPC path of `Connect`.
 pub const CONNECT_PATH: &str = "/retryplane.v1.AgentService/Connect";
@@ -38,6 +40,8 @@ pub const CONNECT_PATH: &str = "/retryplane.v1.AgentService/Connect";
 pub struct AgentRoute {
     service: AgentStreamService,
     max_decoding_message_size: usize,
+    /// Where every stream's messages under way are charged.
+    room: Arc<Room>,
 }
 
 impl AgentRoute {
@@ -45,12 +49,21 @@ impl AgentRoute {
     /// bytes (as `max_decoding_message_size` does on a generated server) or than
     /// [`MAX_AGENT_MESSAGE_BYTES`](retryplane_proto::MAX_AGENT_MESSAGE_BYTES), and a first
     /// message over [`MAX_HELLO_MESSAGE_BYTES`](crate::inbound::MAX_HELLO_MESSAGE_BYTES), each
-    /// at its header.
+    /// at its header; a message under way holds its bytes only with room among the service's
+    /// [`StreamLimits::max_inbound_bytes`](crate::agent_stream::StreamLimits) (see [`Room`]).
     pub fn new(service: AgentStreamService, max_decoding_message_size: usize) -> Self {
+        let limit = max_decoding_message_size.min(retryplane_proto::MAX_AGENT_MESSAGE_BYTES);
+        let (limits, counts) = service.inbound_limits();
+        let room = Room::new(
+            limits.max_inbound_bytes,
+            limit,
+            limits.inbound_wait,
+            counts.clone(),
+        );
         Self {
             service,
-            max_decoding_message_size: max_decoding_message_size
-                .min(retryplane_proto::MAX_AGENT_MESSAGE_BYTES),
+            max_decoding_message_size: limit,
+            room: Arc::new(room),
         }
     }
 }
@@ -98,6 +111,7 @@ where
         }
         let service = self.service.clone();
         let limit = self.max_decoding_message_size;
+        let room = self.room.clone();
         let interval = http::HeaderValue::from(service.metrics_interval_ms());
         Box::pin(async move {
             if let Err(status) = check_encoding(&request) {
@@ -105,7 +119,13 @@ where
             }
             // The agent's bytes and messages, as heard (for an agent that sends heartbeats).
             let life = Life::new(tokio::time::Instant::now());
-            let mut request = request.map(|body| Messages::new(life.watch(body), limit));
+            let token = request
+                .extensions()
+                .get::<Credential>()
+                .map(Credential::digest);
+            let charger = room.for_stream(token, Some(life.clone()));
+            let mut request =
+                request.map(|body| Messages::new(life.watch(body), limit).charging(charger));
             request.extensions_mut().insert(life);
             let request = Request::from_http(request);
             Ok(match service.connect(request).await {

@@ -72,6 +72,17 @@ pub struct StreamLimits {
     /// pile up: past it, at the agent's next report with 64 answers waiting, the stream ends
     /// with `RESOURCE_EXHAUSTED` (and, whatever the time, once 1,024 wait).
     pub unread_for: Duration,
+    /// Most bytes of agents' messages under way (come in part, in more than one frame) the
+    /// control plane holds at once, over all agent streams; one agent token holds at most
+    /// all but a quarter of them (see [`crate::inbound::Room`]). A message with no room waits,
+    /// its stream read no further, for [`StreamLimits::inbound_wait`]. Default
+    /// [`crate::inbound::DEFAULT_MAX_INBOUND_BYTES`] (256 MiB); at least the largest message
+    /// an agent stream takes.
+    pub max_inbound_bytes: usize,
+    /// How long a message waits for room among [`StreamLimits::max_inbound_bytes`] before its
+    /// stream ends with `RESOURCE_EXHAUSTED`. Default
+    /// [`crate::inbound::DEFAULT_INBOUND_WAIT`] (10 s).
+    pub inbound_wait: Duration,
 }
 
 impl StreamLimits {
@@ -100,6 +111,8 @@ impl Default for StreamLimits {
             max_labels: retryplane_proto::MAX_HELLO_LABELS,
             max_pending_handshakes: DEFAULT_MAX_PENDING_HANDSHAKES,
             unread_for: Duration::from_secs(30),
+            max_inbound_bytes: crate::inbound::DEFAULT_MAX_INBOUND_BYTES,
+            inbound_wait: crate::inbound::DEFAULT_INBOUND_WAIT,
         }
     }
 }
@@ -158,6 +171,11 @@ impl AgentStreamService {
     /// and in the `Connect` response's metadata).
     pub fn metrics_interval_ms(&self) -> u64 {
         self.ctx.publisher.metrics_interval_ms()
+    }
+
+    /// The limits its streams keep, and the counts of their room for messages under way.
+    pub(crate) fn inbound_limits(&self) -> (&StreamLimits, &crate::inbound::RoomCounts) {
+        (&self.ctx.limits, &self.ctx.metrics.inbound)
     }
 
     /// A service over `ctx`.

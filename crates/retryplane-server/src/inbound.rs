@@ -16,7 +16,16 @@
 //!   to twice that as it doubles and never past the announced length), decodes it once whole
 //!   (from the frame itself when one frame holds it all), and lets the buffer go; a frame
 //!   read to its end is let go at once (it may share a larger read buffer), and so is all of
-//!   it when the stream ends.
+//!   it when the stream ends;
+//! - holds a message's bytes only with room for them, when the stream was given a [`Room`]:
+//!   a message that does not come whole in one frame takes its announced length from the
+//!   room for all agents' messages under way (and from its token's share of it) before its
+//!   first bytes are kept, and gives it back once whole. While there is none, the stream reads
+//!   nothing more (HTTP/2 flow control then holds its agent back), for at most the room's
+//!   wait, and is then ended with `RESOURCE_EXHAUSTED` (its agent reconnects and sends again).
+//!   This bounds what all streams together hold, where each stream's limit bounds only its
+//!   own: 1,000 streams of one token that each sent most of a 1 MiB message and stopped held
+//!   about 1 GiB.
 //!
 //! Its statuses are those of the generated server, the sender's faults named as such: a
 //! message over its limit `RESOURCE_EXHAUSTED`; bytes that do not decode, or a compressed-flag
@@ -29,17 +38,25 @@
 //! Hand-written: this is the gRPC message framing (`tonic::codec` reads the same five bytes),
 //! which tonic offers only with its own buffering, and its one limit for every message.
 
+use std::collections::HashMap;
 use std::error::Error as StdError;
-use std::future::poll_fn;
+use std::future::{Future, poll_fn};
 use std::pin::Pin;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll, ready};
+use std::time::Duration;
 
 use bytes::{Buf as _, Bytes};
 use http_body::Body;
 use http_body_util::BodyExt as _;
 use http_body_util::combinators::UnsyncBoxBody;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
 use prost::Message as _;
+use retryplane_proto::liveness::Life;
 use retryplane_proto::pb;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
 use tonic::Status;
 
 /// The largest first message an agent stream takes: a Hello at the limits the control plane
@@ -54,6 +71,194 @@ const HEADER: usize = 5;
 
 /// A stream error as the body gives it.
 type BoxError = Box<dyn StdError + Send + Sync>;
+
+/// The default of [`crate::agent_stream::StreamLimits::max_inbound_bytes`]: 256 MiB of
+/// agents' messages under way at once, over all streams (about 240 agents sending their
+/// largest report at the same moment; a report of 10 endpoints is about 2 KB, and most come in
+/// one frame, holding none of it).
+pub const DEFAULT_MAX_INBOUND_BYTES: usize = 256 << 20;
+
+/// The default of [`crate::agent_stream::StreamLimits::inbound_wait`].
+pub const DEFAULT_INBOUND_WAIT: Duration = Duration::from_secs(10);
+
+/// How often a stream waiting for room says its agent is heard ([`Life::heard`]): it is, its
+/// bytes wait unread, and a stream whose agent sends heartbeats must not be taken for silent
+/// meanwhile (the liveness timeout may be as short as 2.3 s).
+const HEARD_WHILE_WAITING: Duration = Duration::from_millis(500);
+
+/// Room for the agents' messages under way, over all agent streams: what a message that comes
+/// in more than one frame holds while it comes (see the module docs). One agent token takes at
+/// most all but a quarter of it (and at least the largest message), so that a token whose
+/// streams each send most of a message and stop (each within its own limit) cannot hold all of
+/// it: other tokens' agents keep a quarter. Streams without a token (no tokens file) share the
+/// whole.
+#[derive(Debug)]
+pub struct Room {
+    whole: Arc<Semaphore>,
+    /// The room in bytes.
+    bytes: usize,
+    /// One token's most.
+    share: usize,
+    /// How long a message waits for room before its stream ends.
+    wait: Duration,
+    /// Each token's share, by the digest of its secret (one per token ever seen: tokens are
+    /// few, and each is a few words).
+    by_token: Mutex<HashMap<[u8; 32], Arc<Semaphore>>>,
+    counts: RoomCounts,
+}
+
+/// What [`Room`] shows in `/metrics`.
+#[derive(Clone, Debug, Default)]
+pub struct RoomCounts {
+    /// Bytes held for messages under way.
+    pub held: Gauge,
+    /// Messages that waited for room.
+    pub waited: Counter,
+    /// Streams ended because their message found no room within the wait.
+    pub refused: Counter,
+}
+
+impl Room {
+    /// Room for `bytes` of messages under way (raised to `largest`, the largest message a
+    /// stream takes, so that one always fits), each waiting at most `wait` for it.
+    pub fn new(bytes: usize, largest: usize, wait: Duration, counts: RoomCounts) -> Self {
+        let bytes = bytes.max(largest).min(Semaphore::MAX_PERMITS);
+        let share = (bytes - bytes.div_ceil(4)).max(largest);
+        Self {
+            whole: Arc::new(Semaphore::new(bytes)),
+            bytes,
+            share,
+            wait,
+            by_token: Mutex::default(),
+            counts,
+        }
+    }
+
+    /// What a stream admitted with the secret of `token` (`None`: no tokens file) charges its
+    /// messages to; `life` is kept heard while one waits.
+    pub fn for_stream(self: &Arc<Self>, token: Option<[u8; 32]>, life: Option<Life>) -> Charger {
+        let token = token.map(|digest| {
+            let mut by_token = self.by_token.lock().unwrap_or_else(PoisonError::into_inner);
+            by_token
+                .entry(digest)
+                .or_insert_with(|| Arc::new(Semaphore::new(self.share)))
+                .clone()
+        });
+        Charger {
+            room: self.clone(),
+            token,
+            life,
+        }
+    }
+}
+
+/// One stream's way to [`Room`].
+#[derive(Debug)]
+pub struct Charger {
+    room: Arc<Room>,
+    token: Option<Arc<Semaphore>>,
+    life: Option<Life>,
+}
+
+/// Room held for one message; given back when dropped.
+#[derive(Debug)]
+struct Held {
+    _token: Option<OwnedSemaphorePermit>,
+    _whole: OwnedSemaphorePermit,
+    bytes: u32,
+    gauge: Gauge,
+}
+
+impl Held {
+    fn new(
+        token: Option<OwnedSemaphorePermit>,
+        whole: OwnedSemaphorePermit,
+        bytes: u32,
+        gauge: &Gauge,
+    ) -> Self {
+        gauge.inc_by(i64::from(bytes));
+        Self {
+            _token: token,
+            _whole: whole,
+            bytes,
+            gauge: gauge.clone(),
+        }
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.gauge.dec_by(i64::from(self.bytes));
+    }
+}
+
+/// A message's wait for room.
+type Waiting = Pin<Box<dyn Future<Output = Result<Held, Status>> + Send>>;
+
+impl Charger {
+    /// Room for `bytes` now, if there is some.
+    fn try_take(&self, bytes: u32) -> Option<Held> {
+        let token = match &self.token {
+            Some(token) => Some(token.clone().try_acquire_many_owned(bytes).ok()?),
+            None => None,
+        };
+        let whole = self.room.whole.clone().try_acquire_many_owned(bytes).ok()?;
+        Some(Held::new(token, whole, bytes, &self.room.counts.held))
+    }
+
+    /// Room for `bytes` once there is some (first its token's, then the whole's, each in
+    /// the order asked), or `RESOURCE_EXHAUSTED` after the room's wait.
+    fn take(&self, bytes: u32) -> Waiting {
+        let room = self.room.clone();
+        let token = self.token.clone();
+        let life = self.life.clone();
+        room.counts.waited.inc();
+        Box::pin(async move {
+            let taken = async {
+                let token = match token {
+                    Some(token) => Some(token.acquire_many_owned(bytes).await),
+                    None => None,
+                };
+                let whole = room.whole.clone().acquire_many_owned(bytes).await;
+                (token.transpose(), whole)
+            };
+            let mut taken = std::pin::pin!(taken);
+            let deadline = Instant::now() + room.wait;
+            let waited = loop {
+                if let Some(life) = &life {
+                    life.heard();
+                }
+                let next = deadline.min(Instant::now() + HEARD_WHILE_WAITING);
+                tokio::select! {
+                    taken = &mut taken => break Some(taken),
+                    () = tokio::time::sleep_until(next) => {
+                        if Instant::now() >= deadline {
+                            break None;
+                        }
+                    }
+                }
+            };
+            match waited {
+                Some((Ok(token), Ok(whole))) => {
+                    Ok(Held::new(token, whole, bytes, &room.counts.held))
+                }
+                // The semaphores are never closed.
+                Some(_) => Err(Status::internal(
+                    "the room for messages under way is closed",
+                )),
+                None => {
+                    room.counts.refused.inc();
+                    Err(Status::resource_exhausted(format!(
+                        "no room within {:?} for a message of {bytes} bytes: the control plane \
+                         holds at most {} bytes of agents' messages under way ({} for one \
+                         token); send it again later",
+                        room.wait, room.bytes, room.share
+                    )))
+                }
+            }
+        })
+    }
+}
 
 /// The messages of one agent stream's inbound body, whose messages after the first may be at
 /// most `limit` bytes (see the module docs).
@@ -72,6 +277,12 @@ pub struct Messages {
     pending: Bytes,
     /// The stream has ended, or failed: nothing more is read.
     done: bool,
+    /// Where its messages' bytes are charged (none: held without a bound but their limit).
+    charger: Option<Charger>,
+    /// The room the message under way holds.
+    held: Option<Held>,
+    /// The message under way waits for room: nothing more is read meanwhile.
+    waiting: Option<Waiting>,
 }
 
 impl std::fmt::Debug for Messages {
@@ -84,6 +295,8 @@ impl std::fmt::Debug for Messages {
                 &self.current.as_ref().map(|(len, b)| (*len, b.len())),
             )
             .field("done", &self.done)
+            .field("held", &self.held.as_ref().map(|h| h.bytes))
+            .field("waiting", &self.waiting.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -104,7 +317,18 @@ impl Messages {
             current: None,
             pending: Bytes::new(),
             done: false,
+            charger: None,
+            held: None,
+            waiting: None,
         }
+    }
+
+    /// These messages, each holding its bytes under way only with room from `charger` (see
+    /// [`Room`]).
+    #[must_use]
+    pub fn charging(mut self, charger: Charger) -> Self {
+        self.charger = Some(charger);
+        self
     }
 
     /// The next message; `Ok(None)` once the agent has ended its side of the stream (or reset
@@ -122,6 +346,17 @@ impl Messages {
             if self.done {
                 return Poll::Ready(Ok(None));
             }
+            if let Some(waiting) = &mut self.waiting {
+                let waited = ready!(waiting.as_mut().poll(cx));
+                self.waiting = None;
+                match waited {
+                    Ok(held) => self.held = Some(held),
+                    Err(status) => {
+                        self.end();
+                        return Poll::Ready(Err(status));
+                    }
+                }
+            }
             match self.take_from_pending() {
                 Ok(Some(message)) => return Poll::Ready(Ok(Some(message))),
                 Ok(None) => {}
@@ -129,6 +364,10 @@ impl Messages {
                     self.end();
                     return Poll::Ready(Err(status));
                 }
+            }
+            // What is left of the frame waits with the message for room.
+            if self.waiting.is_some() {
+                continue;
             }
             match ready!(Pin::new(&mut self.body).poll_frame(cx)) {
                 Some(Ok(frame)) => {
@@ -172,6 +411,8 @@ impl Messages {
         self.current = None;
         self.pending = Bytes::new();
         self.filled = 0;
+        self.held = None;
+        self.waiting = None;
     }
 
     /// Reads `pending` on: a message once one is whole, `None` when more bytes are needed.
@@ -202,6 +443,19 @@ impl Messages {
                 self.current = None;
                 return decode(&message).map(Some);
             }
+            // Kept only with room for the whole message.
+            if self.held.is_none()
+                && let Some(charger) = &self.charger
+            {
+                let bytes = u32::try_from(len).unwrap_or(u32::MAX);
+                match charger.try_take(bytes) {
+                    Some(held) => self.held = Some(held),
+                    None => {
+                        self.waiting = Some(charger.take(bytes));
+                        return Ok(None);
+                    }
+                }
+            }
             // Grown with what came, never past the announced length.
             if buf.capacity() - buf.len() < take {
                 buf.reserve_exact(buf.len().max(take).min(len - buf.len()));
@@ -211,6 +465,7 @@ impl Messages {
             if buf.len() == len {
                 let whole = std::mem::take(buf);
                 self.current = None;
+                self.held = None;
                 return decode(&whole).map(Some);
             }
         }
@@ -451,6 +706,146 @@ mod tests {
         assert!(head.is_unique(), "the first frame is still held");
         send(&tx, &wire[cut..]).await;
         assert_eq!(inbound.message().await.unwrap(), Some(ack(1, 100)));
+    }
+
+    /// A room of 100 bytes for messages of at most 80 (a token's share: 80, not 75, so that
+    /// the largest fits), waiting 10 s.
+    fn room() -> Arc<Room> {
+        Arc::new(Room::new(
+            100,
+            80,
+            DEFAULT_INBOUND_WAIT,
+            RoomCounts::default(),
+        ))
+    }
+
+    /// A stream charging `room` as a stream of `token`'s, its Hello read.
+    async fn charged(
+        room: &Arc<Room>,
+        token: Option<u8>,
+        life: Option<Life>,
+    ) -> (mpsc::Sender<Sent>, Messages) {
+        let (tx, inbound) = stream_of(80);
+        let mut inbound = inbound.charging(room.for_stream(token.map(|t| [t; 32]), life));
+        send(&tx, &framed(&hello("a"))).await;
+        assert_eq!(inbound.message().await.unwrap(), Some(hello("a")));
+        (tx, inbound)
+    }
+
+    /// An ack of `len` bytes in all, framed.
+    fn ack_of(len: usize) -> Vec<u8> {
+        let message = ack(1, len - 6);
+        assert_eq!(message.encoded_len(), len);
+        framed(&message)
+    }
+
+    /// Whether `inbound` gives no message within a second (of paused time).
+    async fn still_waits(inbound: &mut Messages) -> bool {
+        tokio::time::timeout(Duration::from_secs(1), inbound.message())
+            .await
+            .is_err()
+    }
+
+    /// A message that comes in parts takes its length from the room before its bytes are
+    /// kept; one that finds too little waits, reading nothing more, and comes once the room
+    /// is given back. One that comes whole in a frame needs none.
+    #[tokio::test(start_paused = true)]
+    async fn a_message_in_parts_waits_for_room_reading_nothing_meanwhile() {
+        let room = room();
+        let (a, mut first) = charged(&room, None, None).await;
+        let (b, mut second) = charged(&room, None, None).await;
+        let (big, small) = (ack_of(80), ack_of(50));
+        send(&a, &big[..20]).await;
+        assert!(still_waits(&mut first).await);
+        assert_eq!(room.counts.held.get(), 80);
+        assert_eq!(room.counts.waited.get(), 0);
+
+        send(&b, &small[..20]).await;
+        send(&b, &small[20..]).await;
+        assert!(still_waits(&mut second).await, "20 bytes left, 50 asked");
+        assert_eq!(room.counts.waited.get(), 1);
+        let (_, kept) = second.current.as_ref().unwrap();
+        assert_eq!(kept.capacity(), 0, "nothing kept without room");
+        assert_eq!(second.pending.len(), 20 - HEADER, "the frame waits unread");
+
+        // A message whole in its frame needs no room.
+        let (c, mut third) = charged(&room, None, None).await;
+        send(&c, &ack_of(50)).await;
+        assert_eq!(third.message().await.unwrap(), Some(ack(1, 44)));
+
+        send(&a, &big[20..]).await;
+        assert_eq!(first.message().await.unwrap(), Some(ack(1, 74)));
+        assert_eq!(second.message().await.unwrap(), Some(ack(1, 44)));
+        assert_eq!(room.counts.held.get(), 0, "given back once whole");
+        assert_eq!(room.counts.refused.get(), 0);
+    }
+
+    /// A message that finds no room within the wait ends its stream with
+    /// `RESOURCE_EXHAUSTED`; a stream that ends gives its room back.
+    #[tokio::test(start_paused = true)]
+    async fn a_message_that_finds_no_room_in_time_ends_its_stream() {
+        let room = room();
+        let (a, mut first) = charged(&room, None, None).await;
+        send(&a, &ack_of(80)[..20]).await;
+        assert!(still_waits(&mut first).await);
+        let (b, mut second) = charged(&room, None, None).await;
+        send(&b, &ack_of(50)[..20]).await;
+        let started = Instant::now();
+        let err = second.message().await.unwrap_err();
+        assert_eq!(started.elapsed(), DEFAULT_INBOUND_WAIT);
+        assert_eq!(err.code(), Code::ResourceExhausted);
+        assert_eq!(
+            err.message(),
+            "no room within 10s for a message of 50 bytes: the control plane holds at most 100 \
+             bytes of agents' messages under way (80 for one token); send it again later"
+        );
+        assert_eq!(second.message().await.unwrap(), None, "ended");
+        assert_eq!(room.counts.refused.get(), 1);
+
+        drop(a);
+        assert!(first.message().await.is_err(), "ended within a message");
+        assert_eq!(room.counts.held.get(), 0);
+    }
+
+    /// One token takes at most all but a quarter of the room: another's message finds the
+    /// rest.
+    #[tokio::test(start_paused = true)]
+    async fn one_token_leaves_a_quarter_of_the_room_to_the_others() {
+        let room = room();
+        let (a, mut first) = charged(&room, Some(1), None).await;
+        send(&a, &ack_of(60)[..20]).await;
+        assert!(still_waits(&mut first).await);
+        let (b, mut second) = charged(&room, Some(1), None).await;
+        let of_thirty = ack_of(30);
+        send(&b, &of_thirty[..10]).await;
+        send(&b, &of_thirty[10..]).await;
+        assert!(still_waits(&mut second).await, "90 bytes for one token");
+        let (c, mut third) = charged(&room, Some(2), None).await;
+        let of_thirty = ack_of(30);
+        send(&c, &of_thirty[..10]).await;
+        send(&c, &of_thirty[10..]).await;
+        assert_eq!(third.message().await.unwrap(), Some(ack(1, 24)));
+    }
+
+    /// A stream waiting for room says its agent is heard (its bytes wait unread), so one
+    /// whose agent sends heartbeats is not taken for silent.
+    #[tokio::test(start_paused = true)]
+    async fn a_stream_waiting_for_room_keeps_its_agent_heard() {
+        let room = room();
+        let (a, mut first) = charged(&room, None, None).await;
+        send(&a, &ack_of(80)[..20]).await;
+        assert!(still_waits(&mut first).await);
+        let life = Life::new(Instant::now());
+        let (b, mut second) = charged(&room, None, Some(life.clone())).await;
+        send(&b, &ack_of(50)[..20]).await;
+        let started = Instant::now();
+        let waited = tokio::time::timeout(Duration::from_secs(5), second.message()).await;
+        assert!(waited.is_err());
+        assert!(
+            life.last_heard() >= started + Duration::from_millis(4_500),
+            "{:?}",
+            life.last_heard() - started
+        );
     }
 
     /// A compressed-flag other than 0 is refused with the sender's fault named.

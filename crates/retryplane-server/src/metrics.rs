@@ -83,6 +83,9 @@ pub struct ServerMetrics {
     /// Agent streams ended because nothing came from an agent that sends heartbeats for the
     /// liveness timeout (`retryplane_proto::liveness`).
     pub streams_silent: Counter,
+    /// The room for agents' messages under way: bytes held, messages that waited for it, and
+    /// streams ended because theirs found none in time (`crate::inbound::Room`).
+    pub inbound: crate::inbound::RoomCounts,
     /// Agent streams and admin calls refused for their token: missing, unknown, of a role the
     /// listener does not admit, a read-only token's attempted change, or an agent id outside
     /// the token's `agent_ids` (at the Hello).
@@ -141,6 +144,7 @@ impl ServerMetrics {
         let streams_refused = Counter::default();
         let streams_awaiting_hello = Gauge::default();
         let streams_silent = Counter::default();
+        let inbound = crate::inbound::RoomCounts::default();
         let auth_refused = Counter::default();
         registry.register(
             "agents_connected",
@@ -239,6 +243,21 @@ impl ServerMetrics {
             streams_silent.clone(),
         );
         registry.register(
+            "inbound_held_bytes",
+            "Bytes held for agents' messages under way (come in part), over all agent streams",
+            inbound.held.clone(),
+        );
+        registry.register(
+            "inbound_waits",
+            "Agents' messages that waited for room among the bytes held for messages under way",
+            inbound.waited.clone(),
+        );
+        registry.register(
+            "inbound_refused",
+            "Agent streams ended because their message found no room among the bytes held for messages under way within the wait",
+            inbound.refused.clone(),
+        );
+        registry.register(
             "auth_refused",
             "Agent streams and admin calls refused for a missing or unknown token, one of a role the listener does not admit, a read-only token's change, or an agent id outside the token's agent_ids",
             auth_refused.clone(),
@@ -264,6 +283,7 @@ impl ServerMetrics {
             streams_refused,
             streams_awaiting_hello,
             streams_silent,
+            inbound,
             auth_refused,
         }
     }

@@ -4,6 +4,7 @@ use std::fs;
 use std::net::SocketAddr;
 use std::path::Path;
 
+use crate::agent_stream::StreamLimits;
 use retryplane_proto::pb::admin_service_client::AdminServiceClient;
 use retryplane_proto::pb::agent_service_client::AgentServiceClient;
 use retryplane_proto::pb::{self, agent_message::Kind};
@@ -621,6 +622,40 @@ async fn a_keepalive_or_a_stream_limit_of_zero_is_refused() {
         );
         assert_eq!(err.to_string(), format!("{setting} must be more than zero"));
     }
+}
+
+/// Room for agents' messages under way smaller than the largest of them is refused (that
+/// message could never come); with a smaller message limit, that limit is the least.
+#[tokio::test]
+async fn room_for_messages_under_way_below_the_largest_message_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    fs::write(dir.path().join("policies.yaml"), V1).unwrap();
+    let largest = retryplane_proto::MAX_AGENT_MESSAGE_BYTES;
+    let cfg = ServeConfig {
+        stream_limits: StreamLimits {
+            max_inbound_bytes: largest - 1,
+            ..StreamLimits::default()
+        },
+        ..config(dir.path())
+    };
+    let err = start(cfg).await.unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "max_inbound_bytes ({}) must be at least the largest message an agent stream takes \
+             ({largest} bytes)",
+            largest - 1
+        )
+    );
+    let cfg = ServeConfig {
+        max_message_bytes: 1 << 20,
+        stream_limits: StreamLimits {
+            max_inbound_bytes: 1 << 20,
+            ..StreamLimits::default()
+        },
+        ..config(dir.path())
+    };
+    start(cfg).await.unwrap().shutdown().await.unwrap();
 }
 
 /// Agents take a metrics interval from 100 ms to 1 h, and both ends of a stream derive its
@@ -2858,6 +2893,123 @@ async fn a_long_message_on_a_slow_link_keeps_the_stream_and_a_trickle_does_not()
     let (_, status) = read_to_end(&mut trickle_in, SHUTDOWN_GRACE).await;
     assert_eq!(status.as_deref(), Some("14"), "UNAVAILABLE");
     assert_eq!(connected(&running, "trickle").await, Some(false));
+    running.shutdown().await.unwrap();
+}
+
+/// Agents' messages under way share one room (`StreamLimits::max_inbound_bytes`). One stream
+/// announces the largest message and sends part of it: it holds the whole room, shown in
+/// `/metrics`. Another's message in two frames then waits, read no further, and its stream
+/// ends with RESOURCE_EXHAUSTED after the wait; a report whole in one frame is answered
+/// meanwhile; and once the first message is given up, the room is free again.
+#[tokio::test]
+async fn agents_messages_under_way_share_one_room() {
+    let largest = retryplane_proto::MAX_AGENT_MESSAGE_BYTES;
+    let (_dir, mut cfg) = with_file(V1);
+    cfg.stream_limits.max_inbound_bytes = largest;
+    cfg.stream_limits.inbound_wait = Duration::from_millis(500);
+    let running = start(cfg).await.unwrap();
+    let (mut holder, holder_in) = raw_stream(running.agent_addr, &beating_hello("holder")).await;
+    let mut head = vec![0u8];
+    head.extend_from_slice(&u32::try_from(largest).unwrap().to_be_bytes());
+    head.extend_from_slice(&[0; 1_000]);
+    holder.send_data(head.into(), false).unwrap();
+    let held = format!("\nretryplane_server_inbound_held_bytes {largest}\n");
+    eventually("the room is held", || async {
+        http_get(running.http_addr, "/metrics")
+            .await
+            .1
+            .contains(&held)
+    })
+    .await;
+
+    let numbered = |seq| {
+        crate::frame_body::encode_frame(&pb::AgentMessage {
+            kind: Some(Kind::Metrics(pb::MetricsReport {
+                seq,
+                endpoints: vec![pb::EndpointCounters {
+                    endpoint: "e".to_owned(),
+                    calls: 1,
+                    attempts: 1,
+                    ..Default::default()
+                }],
+                ..Default::default()
+            })),
+        })
+        .unwrap()
+    };
+    let (mut waiter, mut waiter_in) =
+        raw_stream(running.agent_addr, &beating_hello("waiter")).await;
+    let report = numbered(1);
+    let (first, second) = report.split_at(10);
+    waiter
+        .send_data(bytes::Bytes::copy_from_slice(first), false)
+        .unwrap();
+    waiter
+        .send_data(bytes::Bytes::copy_from_slice(second), false)
+        .unwrap();
+    let (whole, mut whole_in) = raw_stream(running.agent_addr, &beating_hello("whole")).await;
+    let mut whole = whole;
+    whole.send_data(numbered(1), false).unwrap();
+    let answered = async {
+        while let Some(m) = whole_in.next().await {
+            if m.metrics_ack.is_some_and(|ack| ack.seq == 1) {
+                return true;
+            }
+        }
+        false
+    };
+    assert!(
+        tokio::time::timeout(SHUTDOWN_GRACE, answered)
+            .await
+            .unwrap(),
+        "a report whole in one frame is answered"
+    );
+
+    let (messages, status) = read_to_end(&mut waiter_in, SHUTDOWN_GRACE).await;
+    assert_eq!(status.as_deref(), Some("8"), "RESOURCE_EXHAUSTED");
+    assert!(
+        !messages.iter().any(|m| m.metrics_ack.is_some()),
+        "{messages:?}"
+    );
+    let (_, metrics) = http_get(running.http_addr, "/metrics").await;
+    for line in [
+        "\nretryplane_server_inbound_refused_total 1\n",
+        "\nretryplane_server_inbound_waits_total 1\n",
+        held.as_str(),
+    ] {
+        assert!(metrics.contains(line), "{line:?} in {metrics}");
+    }
+
+    // The holder gives its message up: its stream ends, and the room with it.
+    holder.send_reset(h2::Reason::CANCEL);
+    drop(holder_in);
+    eventually("the room is given back", || async {
+        http_get(running.http_addr, "/metrics")
+            .await
+            .1
+            .contains("\nretryplane_server_inbound_held_bytes 0\n")
+    })
+    .await;
+    let (mut after, mut after_in) = raw_stream(running.agent_addr, &beating_hello("after")).await;
+    after
+        .send_data(bytes::Bytes::copy_from_slice(first), false)
+        .unwrap();
+    after
+        .send_data(bytes::Bytes::copy_from_slice(second), false)
+        .unwrap();
+    let answered = async {
+        while let Some(m) = after_in.next().await {
+            if m.metrics_ack.is_some_and(|ack| ack.seq == 1) {
+                return true;
+            }
+        }
+        false
+    };
+    assert!(
+        tokio::time::timeout(SHUTDOWN_GRACE, answered)
+            .await
+            .unwrap()
+    );
     running.shutdown().await.unwrap();
 }
 

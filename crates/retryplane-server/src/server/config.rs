@@ -148,8 +148,8 @@ pub const MAX_METRICS_INTERVAL: Duration = Duration::from_secs(3600);
 /// Refuses a keepalive interval or timeout of zero (a PING after every frame, or a connection
 /// dropped as soon as a PING goes out), an idle timeout of zero, a metrics interval outside 100 ms to 1 h, a connection
 /// that may open no stream, no agent or no message byte allowed (every agent would be refused,
-/// and only agents would hear of it), and two listeners given the same address (the second
-/// could not bind it).
+/// and only agents would hear of it), room for agents' messages under way smaller than the
+/// largest of them, and two listeners given the same address (the second could not bind it).
 pub(super) fn check_settings(cfg: &ServeConfig) -> Result<(), ServeError> {
     let listeners = [
         ("agent", cfg.listen),
@@ -195,6 +195,15 @@ pub(super) fn check_settings(cfg: &ServeConfig) -> Result<(), ServeError> {
     if !(MIN_METRICS_INTERVAL..=MAX_METRICS_INTERVAL).contains(&cfg.metrics_interval) {
         return Err(ServeError::MetricsInterval {
             value: cfg.metrics_interval,
+        });
+    }
+    let largest = cfg
+        .max_message_bytes
+        .min(retryplane_proto::MAX_AGENT_MESSAGE_BYTES);
+    if cfg.stream_limits.max_inbound_bytes < largest {
+        return Err(ServeError::InboundRoom {
+            value: cfg.stream_limits.max_inbound_bytes,
+            largest,
         });
     }
     for (setting, value) in [

@@ -46,6 +46,18 @@ pub enum ServeError {
         /// The [`super::ServeConfig`] field.
         setting: &'static str,
     },
+    /// The room for agents' messages under way is smaller than the largest message an agent
+    /// stream takes, which could then never come.
+    #[error(
+        "max_inbound_bytes ({value}) must be at least the largest message an agent stream takes \
+         ({largest} bytes)"
+    )]
+    InboundRoom {
+        /// The room given.
+        value: usize,
+        /// The largest message.
+        largest: usize,
+    },
     /// The metrics interval is outside what agents take (100 ms to 1 h; see
     /// [`super::MIN_METRICS_INTERVAL`]).
     #[error("metrics_interval must be from 100ms to 1h, not {value:?}")]
