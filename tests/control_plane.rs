@@ -721,7 +721,7 @@ async fn a_bad_grpc_message_header_ends_only_that_stream_with_invalid_argument()
             "bad-compressed",
             1,
             Code::Internal,
-            "invalid gRPC message header: compressed-flag 1 on a stream without compression (no grpc-encoding)",
+            "invalid gRPC message header: compressed-flag 1 on a stream without compression (grpc-encoding absent or identity)",
         ),
     ] {
         let mut bad =

@@ -485,6 +485,24 @@ impl Messages {
         self.filled = 0;
         let [flag, a, b, c, d] = self.header;
         let len = u32::from_be_bytes([a, b, c, d]);
+        // The flag first, as tonic's decoder checks it: a compressed message is refused for
+        // that, whatever its length.
+        match flag {
+            0 => {}
+            // gRPC's compression spec: INTERNAL for a compressed message on a stream whose
+            // `grpc-encoding` names none (the route refuses every other encoding).
+            1 => {
+                return Err(Status::internal(format!(
+                    "{BAD_HEADER}: compressed-flag 1 on a stream without compression \
+                     (grpc-encoding absent or identity)"
+                )));
+            }
+            other => {
+                return Err(Status::invalid_argument(format!(
+                    "{BAD_HEADER}: compressed-flag {other}; it must be 0 or 1"
+                )));
+            }
+        }
         let limit = if self.first {
             MAX_HELLO_MESSAGE_BYTES.min(self.limit)
         } else {
@@ -499,21 +517,6 @@ impl Messages {
             return Err(Status::resource_exhausted(format!(
                 "{what} of {len} bytes is over the {limit} bytes this control plane takes"
             )));
-        }
-        match flag {
-            0 => {}
-            // gRPC's compression spec: INTERNAL for a compressed message with no grpc-encoding.
-            1 => {
-                return Err(Status::internal(format!(
-                    "{BAD_HEADER}: compressed-flag 1 on a stream without compression (no \
-                     grpc-encoding)"
-                )));
-            }
-            other => {
-                return Err(Status::invalid_argument(format!(
-                    "{BAD_HEADER}: compressed-flag {other}; it must be 0 or 1"
-                )));
-            }
         }
         self.first = false;
         self.current = Some((len as usize, Vec::new()));
@@ -856,7 +859,7 @@ mod tests {
                 1,
                 Code::Internal,
                 "invalid gRPC message header: compressed-flag 1 on a stream without \
-                 compression (no grpc-encoding)",
+                 compression (grpc-encoding absent or identity)",
             ),
             (
                 2,
@@ -864,10 +867,13 @@ mod tests {
                 "invalid gRPC message header: compressed-flag 2; it must be 0 or 1",
             ),
         ] {
-            let (tx, mut inbound) = stream_of(1_000);
-            send(&tx, &header(flag, 0)).await;
-            let err = inbound.message().await.unwrap_err();
-            assert_eq!((err.code(), err.message()), (code, says));
+            // Whatever the length: the flag is read first.
+            for len in [0, 1_001] {
+                let (tx, mut inbound) = stream_of(1_000);
+                send(&tx, &header(flag, len)).await;
+                let err = inbound.message().await.unwrap_err();
+                assert_eq!((err.code(), err.message()), (code, says), "{len}");
+            }
         }
     }
 
