@@ -109,10 +109,9 @@ pub struct Args {
           value_parser = crate::flags::at_least_one_usize)]
     max_pending_handshakes: usize,
     /// Most MiB of agents' messages under way (come in part) the control plane holds at once,
-    /// over all agent streams; one agent token holds at most three quarters of it. A message
-    /// with no room waits, its stream read no further, for up to 10s, and its stream then ends
-    /// with RESOURCE_EXHAUSTED (the agent reconnects and sends it again). At least 2 (the
-    /// largest agent message is 1.06 MiB).
+    /// over all agent streams; one agent token holds at most three quarters of it. A stream
+    /// whose message's next bytes find no room ends with RESOURCE_EXHAUSTED (the agent
+    /// reconnects and sends it again). At least 2 (the largest agent message is 1.06 MiB).
     #[arg(long, value_name = "MIB",
           default_value_t = StreamLimits::default().max_inbound_bytes >> 20,
           value_parser = inbound_mib)]

@@ -54,12 +54,7 @@ impl AgentRoute {
     pub fn new(service: AgentStreamService, max_decoding_message_size: usize) -> Self {
         let limit = max_decoding_message_size.min(retryplane_proto::MAX_AGENT_MESSAGE_BYTES);
         let (limits, counts) = service.inbound_limits();
-        let room = Room::new(
-            limits.max_inbound_bytes,
-            limit,
-            limits.inbound_wait,
-            counts.clone(),
-        );
+        let room = Room::new(limits.max_inbound_bytes, limit, counts.clone());
         Self {
             service,
             max_decoding_message_size: limit,
@@ -123,7 +118,7 @@ where
                 .extensions()
                 .get::<Credential>()
                 .map(Credential::digest);
-            let charger = room.for_stream(token, Some(life.clone()));
+            let charger = room.for_stream(token);
             let mut request =
                 request.map(|body| Messages::new(life.watch(body), limit).charging(charger));
             request.extensions_mut().insert(life);

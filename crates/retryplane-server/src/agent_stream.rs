@@ -74,15 +74,11 @@ pub struct StreamLimits {
     pub unread_for: Duration,
     /// Most bytes of agents' messages under way (come in part, in more than one frame) the
     /// control plane holds at once, over all agent streams; one agent token holds at most
-    /// all but a quarter of them (see [`crate::inbound::Room`]). A message with no room waits,
-    /// its stream read no further, for [`StreamLimits::inbound_wait`]. Default
+    /// all but a quarter of them. A message whose next bytes find no room ends its stream
+    /// with `RESOURCE_EXHAUSTED` (see [`crate::inbound::Room`]). Default
     /// [`crate::inbound::DEFAULT_MAX_INBOUND_BYTES`] (256 MiB); at least the largest message
     /// an agent stream takes.
     pub max_inbound_bytes: usize,
-    /// How long a message waits for room among [`StreamLimits::max_inbound_bytes`] before its
-    /// stream ends with `RESOURCE_EXHAUSTED`. Default
-    /// [`crate::inbound::DEFAULT_INBOUND_WAIT`] (10 s).
-    pub inbound_wait: Duration,
 }
 
 impl StreamLimits {
@@ -112,7 +108,6 @@ impl Default for StreamLimits {
             max_pending_handshakes: DEFAULT_MAX_PENDING_HANDSHAKES,
             unread_for: Duration::from_secs(30),
             max_inbound_bytes: crate::inbound::DEFAULT_MAX_INBOUND_BYTES,
-            inbound_wait: crate::inbound::DEFAULT_INBOUND_WAIT,
         }
     }
 }
@@ -1131,7 +1126,9 @@ impl AgentStream {
                 // A connection's end (a GOAWAY, whoever sent it) is not this stream's doing,
                 // even with the code tonic gives h2's ENHANCE_YOUR_CALM (`RESOURCE_EXHAUSTED`),
                 // which ends every stream of a connection that held too many unread frames.
+                // A refusal for want of room is the control plane's load, logged by the room.
                 let agents_fault = !connection_ended(&status)
+                    && !status.message().starts_with(crate::inbound::NO_ROOM)
                     && (status.message().starts_with(crate::inbound::BAD_HEADER)
                         || matches!(
                             status.code(),

@@ -83,8 +83,8 @@ pub struct ServerMetrics {
     /// Agent streams ended because nothing came from an agent that sends heartbeats for the
     /// liveness timeout (`retryplane_proto::liveness`).
     pub streams_silent: Counter,
-    /// The room for agents' messages under way: bytes held, messages that waited for it, and
-    /// streams ended because theirs found none in time (`crate::inbound::Room`).
+    /// The room for agents' messages under way: bytes held, and streams ended because their
+    /// message found none (`crate::inbound::Room`).
     pub inbound: crate::inbound::RoomCounts,
     /// Agent streams and admin calls refused for their token: missing, unknown, of a role the
     /// listener does not admit, a read-only token's attempted change, or an agent id outside
@@ -190,7 +190,7 @@ impl ServerMetrics {
         );
         registry.register(
             "config_last_reload_successful",
-            "Whether the last read of the policy file (file mode) gave a valid file that was applied",
+            "Whether the last read of the policy file (file mode) gave a valid file that was applied; 1 in API mode, where the file is not watched",
             config_last_reload_successful.clone(),
         );
         registry.register(
@@ -248,13 +248,8 @@ impl ServerMetrics {
             inbound.held.clone(),
         );
         registry.register(
-            "inbound_waits",
-            "Agents' messages that waited for room among the bytes held for messages under way",
-            inbound.waited.clone(),
-        );
-        registry.register(
             "inbound_refused",
-            "Agent streams ended because their message found no room among the bytes held for messages under way within the wait",
+            "Agent streams ended because their message's next bytes found no room among the bytes held for messages under way",
             inbound.refused.clone(),
         );
         registry.register(
