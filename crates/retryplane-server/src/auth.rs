@@ -842,6 +842,24 @@ impl Tokens {
         self.tokens.iter().filter(|t| t.role == Role::Agent).count()
     }
 
+    /// What no token of these lets anyone do, said as a warning: connect an agent (no `agent`
+    /// token), or, in API mode (`api_mode`), change the policies (no `admin` token). A file
+    /// of viewers only, or of admins only in file mode, is a choice and not warned of.
+    pub(crate) fn missing_roles(&self, api_mode: bool) -> Vec<&'static str> {
+        let has = |role| self.tokens.iter().any(|t| t.role == role);
+        let mut missing = Vec::new();
+        if !has(Role::Agent) {
+            missing.push("the tokens file holds no `agent` token: no agent can connect");
+        }
+        if api_mode && !has(Role::Admin) {
+            missing.push(
+                "the tokens file holds no `admin` token: no one can apply, roll back or change \
+                 the policies through the admin API",
+            );
+        }
+        missing
+    }
+
     /// Number of tokens.
     pub fn len(&self) -> usize {
         self.tokens.len()
@@ -920,23 +938,30 @@ fn unquoted(message: &str) -> String {
 
 /// What is wrong with a tokens file of permission bits `mode`, if anything: writable by its
 /// group or every user (whoever may write it can give themselves an admin token at the next
-/// SIGHUP), else readable by every user (every secret in it can be read). Readable by its
-/// group is left alone: a mounted secret shared with a group is read so.
+/// SIGHUP), and readable by every user (every secret in it can be read), both named when both
+/// hold. Readable by its group is left alone: a mounted secret shared with a group is read so.
 fn loose_mode(mode: u32) -> Option<&'static str> {
-    if mode & 0o022 != 0 {
-        Some(
+    let writable = mode & 0o022 != 0;
+    let readable = mode & 0o004 != 0;
+    match (writable, readable) {
+        (true, true) => Some(
+            "the tokens file may be changed by users other than its owner (its group or every \
+             user may write it), and whoever writes it can give themselves an admin token at \
+             the next reload; every user may also read it, and every secret in it; make it \
+             readable and writable by its owner only (chmod 600, or a mounted secret's mode \
+             0400)",
+        ),
+        (true, false) => Some(
             "the tokens file may be changed by users other than its owner (its group or every \
              user may write it), and whoever writes it can give themselves an admin token at \
              the next reload; make it writable by its owner only (chmod 600, or a mounted \
              secret's mode 0400)",
-        )
-    } else if mode & 0o004 != 0 {
-        Some(
+        ),
+        (false, true) => Some(
             "the tokens file is readable by every user; make it readable by its owner only \
              (chmod 600, or a mounted secret's mode 0400)",
-        )
-    } else {
-        None
+        ),
+        (false, false) => None,
     }
 }
 

@@ -861,17 +861,56 @@ fn a_tokens_file_linked_from_a_safe_directory_into_a_writable_one_is_warned_of()
     assert_eq!(logged.matches("the directory ").count(), 1, "{logged}");
 }
 
+/// A tokens file that lets no agent connect is warned of, and in API mode one that lets no one
+/// change the policies; viewers alone, or no admin in file mode, are choices.
+#[test]
+fn a_tokens_file_missing_a_role_is_warned_of() {
+    let path = Path::new("/etc/retryplane/tokens.yaml");
+    let of = |text: &str| Tokens::parse(text, path).unwrap();
+    let agents_only =
+        of("tokens:\n  - {name: fleet, role: agent, secret: agent-secret-0123456789}\n");
+    assert!(agents_only.missing_roles(false).is_empty());
+    assert_eq!(
+        agents_only.missing_roles(true),
+        [
+            "the tokens file holds no `admin` token: no one can apply, roll back or change the \
+          policies through the admin API"
+        ]
+    );
+    let viewers_only =
+        of("tokens:\n  - {name: vic, role: viewer, secret: viewer-secret-0123456789}\n");
+    assert_eq!(
+        viewers_only.missing_roles(false),
+        ["the tokens file holds no `agent` token: no agent can connect"]
+    );
+    assert_eq!(viewers_only.missing_roles(true).len(), 2);
+    assert!(of(FILE).missing_roles(true).is_empty(), "{FILE}");
+}
+
 /// A tokens file its group or every user may write is warned of as one that lets them give
-/// themselves a token, before being readable by every user; one its group may read is not.
+/// themselves a token, and as readable by every user too when it is; one its group may read
+/// is not.
 #[test]
 fn a_tokens_file_others_may_write_or_every_user_read_is_warned_of() {
     for mode in [0o600, 0o400, 0o640, 0o440] {
         assert_eq!(loose_mode(mode), None, "{mode:o}");
     }
-    for mode in [0o620, 0o602, 0o660, 0o666, 0o622] {
+    for (mode, read) in [
+        (0o620, false),
+        (0o602, false),
+        (0o660, false),
+        (0o666, true),
+        (0o622, false),
+        (0o646, true),
+    ] {
         let why = loose_mode(mode).unwrap_or_default();
         assert!(
             why.contains("may be changed by users other"),
+            "{mode:o}: {why}"
+        );
+        assert_eq!(
+            why.contains("every user may also read it"),
+            read,
             "{mode:o}: {why}"
         );
     }

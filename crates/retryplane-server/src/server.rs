@@ -248,6 +248,9 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
         Some(path) => {
             let tokens = TokenSet::load(path)?;
             info!(file = %LogPath(path), tokens = tokens.current().len(), "authentication on");
+            for missing in tokens.current().missing_roles(cfg.api_mode) {
+                warn!(file = %LogPath(path), "{missing}");
+            }
             Some(Arc::new(tokens))
         }
         None => None,
@@ -596,6 +599,10 @@ fn reload_tokens(
                 .fleet
                 .rename_tokens(|digest| current.name_of_digest(digest));
             info!(file = %LogPath(tokens.file()), tokens = count, "tokens file reloaded");
+            let api_mode = matches!(control.mode, crate::control::Mode::Api);
+            for missing in current.missing_roles(api_mode) {
+                warn!(file = %LogPath(tokens.file()), "{missing}");
+            }
             Ok(Some(count))
         }
         Err(e @ TokensError::Superseded { .. }) => {
