@@ -732,7 +732,8 @@ impl AgentBuilder {
         self
     }
 
-    /// The reconnect backoff (default [`ReconnectBackoff::default`]: 100 ms → 30 s).
+    /// The reconnect backoff (default [`ReconnectBackoff::default`]: 100 ms → 30 s; the
+    /// reconnect after a stream that was up 10 s or more spread over a second).
     #[must_use]
     pub fn reconnect_backoff(mut self, backoff: ReconnectBackoff) -> Self {
         self.backoff = Some(backoff);

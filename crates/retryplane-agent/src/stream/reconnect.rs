@@ -5,11 +5,20 @@
 //! [`ReconnectBackoff::session_ended`] how long a stream stayed up. The delay ceiling doubles
 //! from `base` up to `max`; the delay is "equal jitter" — `ceiling/2 + uniform[0, ceiling/2]` —
 //! so agents that lost the same control plane spread out instead of reconnecting in lock-step,
-//! and no delay is ever zero. A stream that stayed up for `stable_after` resets the ceiling.
+//! and no delay is ever zero. A stream that stayed up for `stable_after` resets the ceiling;
+//! the reconnect after it is drawn over [`SPREAD_AFTER_LOSS`] (1 s), uniformly: a fleet whose
+//! control plane ended every stream at once (a restart, a rolling deploy, shedding load) would
+//! otherwise come back within 50–100 ms of each other, a thousand agents' Hellos and resent
+//! reports in one burst.
 
 use std::time::Duration;
 
 use retryplane_policy::rng::Rng;
+
+/// How long the reconnects of a fleet that lost its streams at once are spread over: the first
+/// after a stable stream is uniform over this (at most the backoff's `max`), as gRPC's own
+/// connection backoff starts at 1 s. About 1,000 Hellos a second for a fleet of 1,000.
+pub const SPREAD_AFTER_LOSS: Duration = Duration::from_secs(1);
 
 /// Reconnect backoff. Defaults: 100 ms → 30 s, reset after 10 s connected.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -18,6 +27,8 @@ pub struct ReconnectBackoff {
     max: Duration,
     stable_after: Duration,
     failures: u32,
+    /// The next delay is the spread after a stable stream's end ([`SPREAD_AFTER_LOSS`]).
+    spread: bool,
 }
 
 impl Default for ReconnectBackoff {
@@ -45,6 +56,7 @@ impl ReconnectBackoff {
             max: max.max(base),
             stable_after,
             failures: 0,
+            spread: false,
         }
     }
 
@@ -58,6 +70,14 @@ impl ReconnectBackoff {
     pub(crate) fn next_delay(&mut self, rng: &mut (impl Rng + ?Sized)) -> Duration {
         let ceiling = self.ceiling();
         self.failures = self.failures.saturating_add(1);
+        if std::mem::take(&mut self.spread) {
+            // Uniform from the smallest delay to the spread (full jitter): agents that lost the
+            // same control plane at once come back spread over it.
+            let over = SPREAD_AFTER_LOSS.max(ceiling).min(self.max);
+            let span =
+                u64::try_from(over.saturating_sub(Self::MIN_BASE).as_nanos()).unwrap_or(u64::MAX);
+            return Self::MIN_BASE + Duration::from_nanos(rng.below_inclusive(span));
+        }
         let half = ceiling / 2;
         let span = u64::try_from((ceiling - half).as_nanos()).unwrap_or(u64::MAX);
         half + Duration::from_nanos(rng.below_inclusive(span))
@@ -68,12 +88,15 @@ impl ReconnectBackoff {
     /// later stable stream resets it as usual.
     pub(crate) fn back_off_fully(&mut self) {
         self.failures = 31;
+        self.spread = false;
     }
 
-    /// A stream that was up for `lasted` ended: a stable one resets the backoff.
+    /// A stream that was up for `lasted` ended: a stable one resets the backoff, and the next
+    /// delay is drawn over [`SPREAD_AFTER_LOSS`].
     pub(crate) fn session_ended(&mut self, lasted: Duration) {
         if lasted >= self.stable_after {
             self.failures = 0;
+            self.spread = true;
         }
     }
 }
@@ -97,6 +120,45 @@ mod tests {
         assert!(d >= ms(15_000) && d <= ms(30_000), "{d:?}");
         b.session_ended(ms(10_000));
         assert_eq!(b.ceiling(), ms(100));
+    }
+
+    /// After a stable stream, the first delay is spread uniformly over a second (a fleet whose
+    /// streams all ended at once does not come back within 50-100 ms); the ones after it back
+    /// off from the base again.
+    #[test]
+    fn the_reconnect_after_a_stable_stream_is_spread_over_a_second() {
+        let mut rng = SeededRng::with_seed(11);
+        let mut firsts = Vec::new();
+        for _ in 0..1_000 {
+            let mut b = ReconnectBackoff::default();
+            b.session_ended(ms(10_000));
+            let d = b.next_delay(&mut rng);
+            assert!(d >= ms(1) && d <= SPREAD_AFTER_LOSS, "{d:?}");
+            firsts.push(d);
+            assert_eq!(b.ceiling(), ms(200), "then doubling as before");
+            let next = b.next_delay(&mut rng);
+            assert!(next >= ms(100) && next <= ms(200), "{next:?}");
+        }
+        // Spread over the second: each tenth of it holds about a tenth of the fleet.
+        for tenth in 0..10u64 {
+            let within = firsts
+                .iter()
+                .filter(|d| (ms(tenth * 100)..ms(tenth * 100 + 100)).contains(d))
+                .count();
+            assert!((60..=140).contains(&within), "{tenth}: {within}");
+        }
+        // A short stream, or a backoff whose max is under a second, is not spread past it.
+        let mut b = ReconnectBackoff::new(ms(10), ms(50), ms(1_000));
+        b.session_ended(ms(999));
+        assert!(b.next_delay(&mut rng) >= ms(5));
+        b.session_ended(ms(1_000));
+        assert!(b.next_delay(&mut rng) <= ms(50));
+        b.session_ended(ms(1_000));
+        b.back_off_fully();
+        assert!(
+            b.next_delay(&mut rng) >= ms(25),
+            "a replaced stream waits the longest"
+        );
     }
 
     #[test]
