@@ -132,7 +132,16 @@ pub(crate) fn apply(
         }
     };
     let cache = crate::cache::encode(&snap);
+    // The version in force, when the control plane's is below it: a rollback is a new,
+    // higher version, so a lower one is another store's numbering (one lost and begun again
+    // at 1, or another control plane behind the same address).
+    let mut went_back = None;
     shared.update_policies(|current| {
+        if matches!(current.source(), Source::ControlPlane | Source::Cache)
+            && current.version() > snap.version
+        {
+            went_back = Some(current.version());
+        }
         let next = PolicySnapshot::build(
             set,
             snap.version,
@@ -154,11 +163,21 @@ pub(crate) fn apply(
         u64::try_from(interval.as_millis()).unwrap_or(u64::MAX),
         Relaxed,
     );
-    info!(
-        version = snap.version,
-        warnings = warnings.len(),
-        "policies applied"
-    );
+    match went_back {
+        Some(before) => warn!(
+            version = snap.version,
+            before,
+            warnings = warnings.len(),
+            "policies applied: a version below the one in force before; was the control \
+             plane's store lost or replaced? Its version numbers no longer follow the ones \
+             this agent ran"
+        ),
+        None => info!(
+            version = snap.version,
+            warnings = warnings.len(),
+            "policies applied"
+        ),
+    }
     Handled {
         reply: Kind::Ack(pb::Ack {
             version: snap.version,
@@ -212,6 +231,35 @@ mod tests {
             5
         );
         assert_eq!(agent.shared().metrics_interval_ms.load(Relaxed), 250);
+    }
+
+    /// A version below the one in force is applied (the control plane is the source of
+    /// truth) and warned of: its store was lost or replaced. A higher one is not.
+    #[tokio::test(start_paused = true)]
+    async fn a_version_below_the_one_in_force_is_applied_and_warned_of() {
+        let (logs, _guard) = crate::test_logs::Logs::capture();
+        let agent = agent();
+        let yaml = "version: 1\nendpoints:\n  a: {max_attempts: 5}\n";
+        for version in [57, 1, 2] {
+            let h = apply(
+                agent.shared(),
+                snapshot(version, yaml),
+                None,
+                Duration::from_secs(10),
+                |_| {},
+            );
+            assert!(matches!(&h.reply, Kind::Ack(a) if a.version == version));
+        }
+        assert_eq!(agent.policies().version(), 2);
+        let text = logs.text();
+        let warned: Vec<_> = text.lines().filter(|l| l.contains("WARN")).collect();
+        assert_eq!(warned.len(), 1, "{text}");
+        assert!(
+            warned[0].contains("a version below the one in force before")
+                && warned[0].contains("version=1")
+                && warned[0].contains("before=57"),
+            "{text}"
+        );
     }
 
     #[tokio::test(start_paused = true)]

@@ -439,21 +439,34 @@ async fn sessions(
             (None, None) => {
                 let since = *unreachable_since.get_or_insert_with(Instant::now);
                 let lasted = since.elapsed();
+                // A control plane that answers with RESOURCE_EXHAUSTED is reached, and at one
+                // of its limits (the reason says which).
+                let at_limit = code == Some(tonic::Code::ResourceExhausted);
                 if !warned_unreachable && lasted >= UNREACHABLE_WARN {
                     warned_unreachable = true;
+                    let what = if at_limit {
+                        "the control plane has refused this agent's streams for a while (at one \
+                         of its limits)"
+                    } else {
+                        "the control plane has not been reachable for a while"
+                    };
                     warn!(
                         %reason,
                         delay_ms,
                         unreachable_s = lasted.as_secs(),
-                        "the control plane has not been reachable for a while; running on the \
-                         policies in force and reconnecting"
+                        "{what}; running on the policies in force and reconnecting"
                     );
                 } else if !same {
+                    let what = if at_limit {
+                        "the control plane refuses this agent's stream (at one of its limits)"
+                    } else {
+                        "cannot reach the control plane"
+                    };
                     info!(
                         %reason,
                         delay_ms,
-                        "cannot reach the control plane; running on the policies in force and \
-                         reconnecting (said again when the reason changes)"
+                        "{what}; running on the policies in force and reconnecting (said again \
+                         when the reason changes)"
                     );
                 } else {
                     debug!(%reason, delay_ms, "control plane still not reached; reconnecting");
