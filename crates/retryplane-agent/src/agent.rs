@@ -492,6 +492,15 @@ fn fastrand_seed() -> u64 {
     SeededRng::from_entropy().next_u64()
 }
 
+/// The agent token as the builder was given it.
+#[derive(Clone)]
+enum GivenToken {
+    /// [`AgentBuilder::token`].
+    Value(String),
+    /// [`AgentBuilder::token_file`].
+    File(PathBuf),
+}
+
 /// `authorization: Bearer <token>` as metadata marked sensitive: HPACK never indexes it, so the
 /// secret stays out of the connection's header tables (and any proxy's that honours the flag).
 ///
@@ -499,7 +508,7 @@ fn fastrand_seed() -> u64 {
 /// plane on every try for good: an empty one, one with white space at either end (the control
 /// plane trims what it is sent), or one with a character other than printable ASCII and the
 /// space (what a tokens file's secrets are made of).
-fn bearer(token: &str) -> Result<tonic::metadata::AsciiMetadataValue, AgentError> {
+pub(crate) fn bearer(token: &str) -> Result<tonic::metadata::AsciiMetadataValue, AgentError> {
     if token.is_empty() || token.trim() != token || !retryplane_proto::is_metadata_text(token) {
         return Err(AgentError::InvalidToken);
     }
@@ -598,7 +607,7 @@ fn instance_id() -> u64 {
 #[derive(Clone, Default)]
 pub struct AgentBuilder {
     url: Option<String>,
-    token: Option<String>,
+    token: Option<GivenToken>,
     service: String,
     labels: BTreeMap<String, String>,
     agent_id: Option<String>,
@@ -621,7 +630,13 @@ impl std::fmt::Debug for AgentBuilder {
                 "url",
                 &self.url.as_deref().map(crate::shown_url_without_query),
             )
-            .field("token", &self.token.as_ref().map(|_| "<redacted>"))
+            .field(
+                "token",
+                &self.token.as_ref().map(|given| match given {
+                    GivenToken::Value(_) => "<redacted>".to_owned(),
+                    GivenToken::File(path) => format!("file {}", path.display()),
+                }),
+            )
             .field("service", &self.service)
             .field("labels", &self.labels)
             .field("agent_id", &self.agent_id)
@@ -653,7 +668,21 @@ impl AgentBuilder {
     /// either end, a character other than printable ASCII and the space).
     #[must_use]
     pub fn token(mut self, token: impl Into<String>) -> Self {
-        self.token = Some(token.into());
+        self.token = Some(GivenToken::Value(token.into()));
+        self
+    }
+
+    /// The agent token, read from `path` (its content, without the white space around it)
+    /// when the agent connects and again before each stream it opens, so that a secret
+    /// rotated on disk (a mounted Kubernetes secret, a file a vault agent rewrites) is used
+    /// from the next stream on, without a restart. [`AgentBuilder::connect`] refuses a file it
+    /// cannot read or whose content is no token a control plane holds
+    /// ([`AgentError::TokenFile`]); a later read that fails keeps the token read before, and
+    /// is warned of. Replaces [`AgentBuilder::token`], and the other way round. The file is
+    /// read to at most [`MAX_TOKEN_FILE_BYTES`](crate::MAX_TOKEN_FILE_BYTES) and never logged.
+    #[must_use]
+    pub fn token_file(mut self, path: impl Into<PathBuf>) -> Self {
+        self.token = Some(GivenToken::File(path.into()));
         self
     }
 
@@ -801,7 +830,15 @@ impl AgentBuilder {
                 "the {parts} of the control-plane URL {verb} not used: the agent's stream goes to the server's root (only the scheme, host and port count)"
             );
         }
-        let token = self.token.as_deref().map(bearer).transpose()?;
+        let token = match &self.token {
+            None => None,
+            Some(GivenToken::Value(token)) => {
+                Some(crate::stream::token::TokenSource::Fixed(bearer(token)?))
+            }
+            Some(GivenToken::File(path)) => Some(crate::stream::token::TokenSource::File(
+                crate::stream::token::TokenFile::open(path)?,
+            )),
+        };
         // Fleet status, metrics and (SPEC §6) per-caller scoping all go by the service: an
         // agent with none would be listed and counted under an empty name.
         if self.service.trim().is_empty() {

@@ -59,6 +59,16 @@ pub enum AgentError {
          or holds a character other than printable ASCII and the space"
     )]
     InvalidToken,
+    /// The token file given to [`crate::AgentBuilder::token_file`] cannot be read, or holds
+    /// no token a control plane could hold (see [`AgentError::InvalidToken`]). The reason never
+    /// quotes the file.
+    #[error("cannot use the agent token file {}: {reason}", path.display())]
+    TokenFile {
+        /// The file.
+        path: std::path::PathBuf,
+        /// Why not.
+        reason: String,
+    },
     /// The agent's identity (its agent id, service name or labels) is one the control plane
     /// refuses: a field past its bound, a control character, too many labels. The reason names
     /// the field.

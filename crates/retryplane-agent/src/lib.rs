@@ -95,6 +95,7 @@ pub use meta::{AttemptInfo, CallMeta};
 pub use metrics::CounterValues;
 pub use snapshot::{PolicySnapshot, Source, fallback_policy};
 pub use stream::reconnect::ReconnectBackoff;
+pub use stream::token::MAX_TOKEN_FILE_BYTES;
 // For the retryplane CLI, which reads and shows control-plane URLs as the agent does: not part
 // of the agent's API, so kept off its documentation's front page.
 #[doc(hidden)]

@@ -26,6 +26,7 @@ mod counted;
 mod late_read_tests;
 pub(crate) mod outbox;
 pub mod reconnect;
+pub(crate) mod token;
 mod unsent;
 
 use std::path::PathBuf;
@@ -43,7 +44,6 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
-use tonic::metadata::{Ascii, MetadataValue};
 use tracing::{debug, info, warn};
 
 use crate::agent::Shared;
@@ -102,7 +102,7 @@ const _: () = assert!(outbox::WINDOW < OUTBOUND);
 #[derive(Debug)]
 pub(crate) struct StreamConfig {
     pub(crate) endpoint: tonic::transport::Endpoint,
-    pub(crate) token: Option<MetadataValue<Ascii>>,
+    pub(crate) token: Option<token::TokenSource>,
     pub(crate) hello: pb::Hello,
     pub(crate) cache_file: Option<PathBuf>,
     /// The start's read of `cache_file` when it did not end in time: settled before the first
@@ -591,7 +591,10 @@ async fn session(
     if tx.try_send(message(Kind::Hello(hello))).is_err() {
         return lost(None, "cannot queue Hello".into());
     }
-    let token = config.token.clone();
+    let token = match &config.token {
+        Some(source) => Some(source.current().await),
+        None => None,
+    };
     // Sent in pieces of at most 4 KiB: the control plane, which counts the data frames of the
     // stream (its connection may carry other agents' streams, behind a proxy), sees a large
     // report's bytes come on a slow link.
