@@ -1359,10 +1359,9 @@ async fn a_request_holding_fields_this_control_plane_does_not_know_is_refused() 
 /// The fleet's entry for `agent_id`, asked with the admin token `secret`.
 async fn status_with(plane: &Plane, secret: &str, agent_id: &str) -> Option<pb::AgentStatus> {
     let mut request = tonic::Request::new(pb::FleetStatusRequest::default());
-    request.metadata_mut().insert(
-        "authorization",
-        format!("Bearer {secret}").parse().unwrap(),
-    );
+    request
+        .metadata_mut()
+        .insert("authorization", format!("Bearer {secret}").parse().unwrap());
     let fleet = plane
         .admin()
         .await
@@ -1386,9 +1385,7 @@ async fn an_agent_whose_token_file_is_rotated_connects_with_the_new_secret() {
     let write_tokens = |agent: &str| {
         std::fs::write(
             &tokens,
-            format!(
-                "tokens:\n  - {agent}\n  - {{name: ops, role: admin, secret: {ADMIN}}}\n"
-            ),
+            format!("tokens:\n  - {agent}\n  - {{name: ops, role: admin, secret: {ADMIN}}}\n"),
         )
         .unwrap();
     };

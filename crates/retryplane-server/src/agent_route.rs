@@ -28,7 +28,7 @@ use tonic::server::NamedService;
 use tonic::{Request, Status};
 
 use crate::agent_stream::AgentStreamService;
-use crate::auth::Credential;
+use crate::auth::{Credential, TokenName};
 use crate::frame_body::SharedFrameBody;
 use crate::inbound::{Messages, Room};
 
@@ -118,7 +118,8 @@ where
                 .extensions()
                 .get::<Credential>()
                 .map(Credential::digest);
-            let charger = room.for_stream(token);
+            let name = request.extensions().get::<TokenName>().map(|t| t.0.clone());
+            let charger = room.for_stream(token, name);
             let mut request =
                 request.map(|body| Messages::new(life.watch(body), limit).charging(charger));
             request.extensions_mut().insert(life);

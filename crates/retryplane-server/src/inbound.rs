@@ -18,8 +18,9 @@
 //!   read to its end is let go at once (it may share a larger read buffer), and so is all of
 //!   it when the stream ends;
 //! - keeps a message's bytes only with room for them, when the stream was given a [`Room`]:
-//!   a message's buffer takes what it grows by from the room for all agents' messages under
-//!   way (and from its token's share of it), and gives it back once the message is whole; a
+//!   a message's buffer (after the Hello's) takes what it grows by from the room for all
+//!   agents' messages under way (and from its token's share of it), and gives it back once the
+//!   message is whole; a
 //!   message whose next bytes find no room ends its stream with `RESOURCE_EXHAUSTED` (its agent
 //!   reconnects and sends it again). This bounds what all streams together hold, where each
 //!   stream's limit bounds only its own: 1,000 streams of one token that each sent most of a
@@ -106,8 +107,9 @@ pub struct Room {
     /// few, and each is a few words).
     by_token: Mutex<HashMap<[u8; 32], Arc<Semaphore>>>,
     counts: RoomCounts,
-    /// When a refusal was last logged at warn, and the refusals since.
-    warned: Mutex<(Option<Instant>, u64)>,
+    /// For the whole room and for a token's share: when a refusal was last logged at warn,
+    /// and the refusals left out since.
+    warned: Mutex<[(Option<Instant>, u64); 2]>,
 }
 
 /// What [`Room`] shows in `/metrics`.
@@ -131,13 +133,13 @@ impl Room {
             share,
             by_token: Mutex::default(),
             counts,
-            warned: Mutex::new((None, 0)),
+            warned: Mutex::new([(None, 0); 2]),
         }
     }
 
-    /// What a stream admitted with the secret of `token` (`None`: no tokens file) charges its
-    /// messages to.
-    pub fn for_stream(self: &Arc<Self>, token: Option<[u8; 32]>) -> Charger {
+    /// What a stream admitted with the secret of `token` (`None`: no tokens file), of the token
+    /// named `name`, charges its messages to.
+    pub fn for_stream(self: &Arc<Self>, token: Option<[u8; 32]>, name: Option<String>) -> Charger {
         let token = token.map(|digest| {
             let mut by_token = self.by_token.lock().unwrap_or_else(PoisonError::into_inner);
             by_token
@@ -148,40 +150,50 @@ impl Room {
         Charger {
             room: self.clone(),
             token,
+            name,
         }
     }
 
-    /// The refusal of `bytes` more for a message of `len`, counted, and logged at warn at most
-    /// once every [`NO_ROOM_WARN_INTERVAL`].
-    fn refuse(&self, bytes: u32, len: usize, by_token: bool) -> Status {
+    /// The refusal of `bytes` more for a message of `len` of a stream of the token `name`
+    /// (past its share when `by_token`, else past the whole room), counted, and logged at
+    /// warn at most once every [`NO_ROOM_WARN_INTERVAL`] for each of the two (with the count
+    /// of those left out since the last warning and how long ago that was).
+    fn refuse(&self, bytes: u32, len: usize, by_token: bool, name: Option<&str>) -> Status {
         self.counts.refused.inc();
         let now = Instant::now();
         let left_out = {
             let mut warned = self.warned.lock().unwrap_or_else(PoisonError::into_inner);
-            match warned.0 {
+            let kind = &mut warned[usize::from(by_token)];
+            match kind.0 {
                 Some(at) if now.saturating_duration_since(at) < NO_ROOM_WARN_INTERVAL => {
-                    warned.1 += 1;
+                    kind.1 += 1;
                     None
                 }
-                _ => {
-                    let left_out = warned.1;
-                    *warned = (Some(now), 0);
+                last => {
+                    let left_out = (kind.1, last.map(|at| now.saturating_duration_since(at)));
+                    *kind = (Some(now), 0);
                     Some(left_out)
                 }
             }
         };
+        let token = name.unwrap_or("");
         let whose = if by_token {
             format!("its token's share ({} bytes)", self.share)
         } else {
             format!("the room ({} bytes)", self.bytes)
         };
         match left_out {
-            Some(left_out) => warn!(
-                refused_since = left_out,
+            Some((left_out, since)) => warn!(
+                token,
+                left_out,
+                since_last_warning_s = since.map_or(0, |d| d.as_secs()),
                 "ending an agent stream: agents' messages under way fill {whose} \
                  (--max-inbound-mib); the agent sends it again on its next stream"
             ),
-            None => debug!("ending an agent stream: agents' messages under way fill {whose}"),
+            None => debug!(
+                token,
+                "ending an agent stream: agents' messages under way fill {whose}"
+            ),
         }
         Status::resource_exhausted(format!(
             "{NO_ROOM}: {bytes} more bytes of a message of {len} would pass {whose} that the \
@@ -195,6 +207,8 @@ impl Room {
 pub struct Charger {
     room: Arc<Room>,
     token: Option<Arc<Semaphore>>,
+    /// The token's name, for the log.
+    name: Option<String>,
 }
 
 /// Room held for one message's buffer; given back when dropped.
@@ -221,7 +235,7 @@ impl Charger {
                 token
                     .clone()
                     .try_acquire_many_owned(bytes)
-                    .map_err(|_| self.room.refuse(bytes, len, true))?,
+                    .map_err(|_| self.room.refuse(bytes, len, true, self.name.as_deref()))?,
             ),
             None => None,
         };
@@ -230,7 +244,7 @@ impl Charger {
             .whole
             .clone()
             .try_acquire_many_owned(bytes)
-            .map_err(|_| self.room.refuse(bytes, len, false))?;
+            .map_err(|_| self.room.refuse(bytes, len, false, self.name.as_deref()))?;
         self.room.counts.held.inc_by(i64::from(bytes));
         match held {
             Some(held) => {
@@ -260,6 +274,9 @@ pub struct Messages {
     limit: u32,
     /// Whether the next header read is the stream's first message's.
     first: bool,
+    /// Whether the message under way is the first (the Hello): it takes no room, bounded as it
+    /// is by [`MAX_HELLO_MESSAGE_BYTES`] and the streams that may wait for their Hello.
+    hello_under_way: bool,
     header: [u8; HEADER],
     /// Bytes of `header` read so far.
     filled: usize,
@@ -302,6 +319,7 @@ impl Messages {
             body: body.map_err(Into::into).boxed_unsync(),
             limit: u32::try_from(limit).unwrap_or(u32::MAX),
             first: true,
+            hello_under_way: false,
             header: [0; HEADER],
             filled: 0,
             current: None,
@@ -421,7 +439,7 @@ impl Messages {
             if buf.capacity() - buf.len() < take {
                 let more = buf.len().max(take).min(len - buf.len());
                 let growth = buf.len() + more - buf.capacity();
-                if let Some(charger) = &self.charger {
+                if let Some(charger) = self.charger.as_ref().filter(|_| !self.hello_under_way) {
                     let bytes = u32::try_from(growth).unwrap_or(u32::MAX);
                     charger.charge(&mut self.held, bytes, len)?;
                 }
@@ -485,6 +503,7 @@ impl Messages {
                 "{what} of {len} bytes is over the {limit} bytes this control plane takes"
             )));
         }
+        self.hello_under_way = self.first;
         self.first = false;
         self.current = Some((len as usize, Vec::new()));
         Ok(())
@@ -687,7 +706,7 @@ mod tests {
     /// A stream charging `room` as a stream of `token`'s, its Hello read.
     async fn charged(room: &Arc<Room>, token: Option<u8>) -> (mpsc::Sender<Sent>, Messages) {
         let (tx, inbound) = stream_of(80);
-        let mut inbound = inbound.charging(room.for_stream(token.map(|t| [t; 32])));
+        let mut inbound = inbound.charging(room.for_stream(token.map(|t| [t; 32]), None));
         send(&tx, &framed(&hello("a"))).await;
         assert_eq!(inbound.message().await.unwrap(), Some(hello("a")));
         (tx, inbound)
@@ -729,6 +748,27 @@ mod tests {
         assert_eq!(first.message().await.unwrap(), Some(ack(1, 74)));
         assert_eq!(room.counts.held.get(), 0, "given back once whole");
         assert_eq!(room.counts.refused.get(), 0);
+    }
+
+    /// The Hello takes no room, though it comes in parts (it has its own bound).
+    #[tokio::test]
+    async fn the_hello_takes_no_room() {
+        let room = room();
+        let (tx, inbound) = stream_of(80);
+        let mut inbound = inbound.charging(room.for_stream(None, None));
+        let wire = framed(&hello("a-long-agent-id-of-some-length"));
+        send(&tx, &wire[..8]).await;
+        assert!(under_way(&mut inbound).await);
+        assert_eq!(room.counts.held.get(), 0);
+        send(&tx, &wire[8..]).await;
+        assert_eq!(
+            inbound.message().await.unwrap(),
+            Some(hello("a-long-agent-id-of-some-length"))
+        );
+        // The next message in parts does.
+        send(&tx, &ack_of(30)[..20]).await;
+        assert!(under_way(&mut inbound).await);
+        assert_eq!(room.counts.held.get(), 15);
     }
 
     /// A message whose next bytes find no room ends its stream at once with

@@ -2900,22 +2900,30 @@ async fn a_long_message_on_a_slow_link_keeps_the_stream_and_a_trickle_does_not()
 /// their bytes come. One stream sends all but the last bytes of the largest message: it holds
 /// the whole room, shown in `/metrics` (a header alone holds nothing). Another's message in two
 /// frames then ends its stream with RESOURCE_EXHAUSTED at once; a report whole in one frame is
-/// answered meanwhile; and once the first message is given up, the room is free again.
+/// answered meanwhile; and once the first message is given up, the room is free again. The
+/// refusal is logged as the control plane's load, not as the agent's fault.
 #[tokio::test]
 async fn agents_messages_under_way_share_one_room() {
     let largest = retryplane_proto::MAX_AGENT_MESSAGE_BYTES;
     let (_dir, mut cfg) = with_file(V1);
     cfg.stream_limits.max_inbound_bytes = largest;
+    let (log, _guard) = crate::test_logs::capture("retryplane_server=warn");
     let running = start(cfg).await.unwrap();
     let (mut holder, holder_in) = raw_stream(running.agent_addr, &beating_hello("holder")).await;
     let mut head = vec![0u8];
     head.extend_from_slice(&u32::try_from(largest).unwrap().to_be_bytes());
+    head.push(0);
     holder.send_data(head.into(), false).unwrap();
-    let (_, metrics) = http_get(running.http_addr, "/metrics").await;
-    assert!(
-        metrics.contains("\nretryplane_server_inbound_held_bytes 0\n"),
-        "{metrics}"
-    );
+    eventually(
+        "the byte that came is held, not the length announced",
+        || async {
+            http_get(running.http_addr, "/metrics")
+                .await
+                .1
+                .contains("\nretryplane_server_inbound_held_bytes 1\n")
+        },
+    )
+    .await;
     holder
         .send_data(vec![0; largest - 1_000].into(), false)
         .unwrap();
@@ -2984,6 +2992,18 @@ async fn agents_messages_under_way_share_one_room() {
     ] {
         assert!(metrics.contains(line), "{line:?} in {metrics}");
     }
+    let logged = log.text();
+    assert_eq!(
+        logged
+            .matches("ending an agent stream: agents' messages under way fill the room")
+            .count(),
+        1,
+        "{logged}"
+    );
+    assert!(
+        !logged.contains("the agent sent a message this control plane cannot take"),
+        "{logged}"
+    );
 
     // The holder gives its message up: its stream ends, and the room with it.
     holder.send_reset(h2::Reason::CANCEL);
