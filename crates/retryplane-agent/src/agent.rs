@@ -762,7 +762,8 @@ impl AgentBuilder {
     }
 
     /// The reconnect backoff (default [`ReconnectBackoff::default`]: 100 ms → 30 s; the
-    /// reconnect after a stream that was up 10 s or more spread over a second).
+    /// reconnect after a stream that was up its `stable_after`, 10 s by default, spread over a
+    /// second).
     #[must_use]
     pub fn reconnect_backoff(mut self, backoff: ReconnectBackoff) -> Self {
         self.backoff = Some(backoff);

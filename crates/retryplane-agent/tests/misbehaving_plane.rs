@@ -43,6 +43,8 @@ enum Answer {
     Reset,
     /// A gRPC head and, at once, trailers saying OK: a stream that ends as it opens.
     EndsAtOnce,
+    /// A gRPC head, then after this long trailers with this gRPC status: a stream that was up.
+    EndsAfter(Duration, u32),
 }
 
 /// A peer on 127.0.0.1:0 that answers every stream as `answer` says; each stream's arrival
@@ -94,6 +96,20 @@ async fn peer(answer: Answer) -> (SocketAddr, tokio::sync::mpsc::UnboundedReceiv
                                 let mut trailers = http::HeaderMap::new();
                                 trailers.insert("grpc-status", "0".parse().unwrap());
                                 let _ = s.send_trailers(trailers);
+                            }
+                        }
+                        Answer::EndsAfter(up, code) => {
+                            let r = grpc().body(()).unwrap();
+                            if let Ok(mut s) = respond.send_response(r, false) {
+                                // Ended from a task of its own: the connection is driven by
+                                // `accept` meanwhile.
+                                tokio::spawn(async move {
+                                    tokio::time::sleep(up).await;
+                                    let mut trailers = http::HeaderMap::new();
+                                    trailers
+                                        .insert("grpc-status", code.to_string().parse().unwrap());
+                                    let _ = s.send_trailers(trailers);
+                                });
                             }
                         }
                     }
@@ -170,6 +186,36 @@ async fn every_kind_of_refusal_or_garbage_is_tried_again_with_bounded_backoff_on
             "{answer:?}: {count} streams in {watch:?}"
         );
     }
+}
+
+/// A control plane that ends every stream with `RESOURCE_EXHAUSTED` (one of its limits, no
+/// room for a report) after it was up longer than `stable_after` is not a stable connection:
+/// the backoff goes on doubling instead of starting again from the spread after each stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_ended_for_the_control_planes_load_back_off_however_long_they_were_up() {
+    let (addr, mut streams) = peer(Answer::EndsAfter(Duration::from_millis(300), 8)).await;
+    let agent = support::plane::builder(addr, "a")
+        .reconnect_backoff(ReconnectBackoff::new(
+            Duration::from_millis(100),
+            Duration::from_secs(10),
+            Duration::from_millis(100),
+        ))
+        .connect()
+        .unwrap();
+    let mut opened = Vec::new();
+    while opened.len() < 7 {
+        let at = tokio::time::timeout(Duration::from_secs(10), streams.recv())
+            .await
+            .expect("the agent comes back")
+            .unwrap();
+        opened.push(at);
+    }
+    agent.shutdown().await;
+    let gaps: Vec<Duration> = opened.windows(2).map(|w| w[1] - w[0]).collect();
+    // Delays of [50, 100], [100, 200], … ms: the sixth is [1.6, 3.2] s, its gap 1.9 s or more.
+    // Streams taken as stable would each be followed by the spread, at most 1 s: gaps of at
+    // most 1.3 s.
+    assert!(gaps[5] >= Duration::from_millis(1_700), "{gaps:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

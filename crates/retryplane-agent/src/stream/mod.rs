@@ -403,7 +403,10 @@ async fn sessions(
             code,
             message: reason.clone(),
         });
-        if let Some(up) = up {
+        // A stream the control plane ended for its load (RESOURCE_EXHAUSTED: a limit reached,
+        // no room for a report) says nothing of a stable connection: the backoff goes on
+        // growing, and the report goes again only after it.
+        if let Some(up) = up.filter(|_| code != Some(tonic::Code::ResourceExhausted)) {
             backoff.session_ended(up);
         }
         if replaced {

@@ -6,7 +6,8 @@
 //! from `base` up to `max`; the delay is "equal jitter" — `ceiling/2 + uniform[0, ceiling/2]` —
 //! so agents that lost the same control plane spread out instead of reconnecting in lock-step,
 //! and no delay is ever zero. A stream that stayed up for `stable_after` resets the ceiling;
-//! the reconnect after it is drawn over [`SPREAD_AFTER_LOSS`] (1 s), uniformly: a fleet whose
+//! the reconnect after it is drawn from half the base to [`SPREAD_AFTER_LOSS`] (1 s; the
+//! ceiling when that is longer), uniformly: a fleet whose
 //! control plane ended every stream at once (a restart, a rolling deploy, shedding load) would
 //! otherwise come back within 50–100 ms of each other, a thousand agents' Hellos and resent
 //! reports in one burst.
@@ -71,12 +72,12 @@ impl ReconnectBackoff {
         let ceiling = self.ceiling();
         self.failures = self.failures.saturating_add(1);
         if std::mem::take(&mut self.spread) {
-            // Uniform from the smallest delay to the spread (full jitter): agents that lost the
-            // same control plane at once come back spread over it.
-            let over = SPREAD_AFTER_LOSS.max(ceiling).min(self.max);
-            let span =
-                u64::try_from(over.saturating_sub(Self::MIN_BASE).as_nanos()).unwrap_or(u64::MAX);
-            return Self::MIN_BASE + Duration::from_nanos(rng.below_inclusive(span));
+            // Uniform from half the base to the spread: agents that lost the same control plane
+            // at once come back spread over it.
+            let from = self.base / 2;
+            let to = SPREAD_AFTER_LOSS.max(ceiling).min(self.max).max(from);
+            let span = u64::try_from((to - from).as_nanos()).unwrap_or(u64::MAX);
+            return (from + Duration::from_nanos(rng.below_inclusive(span))).max(Self::MIN_BASE);
         }
         let half = ceiling / 2;
         let span = u64::try_from((ceiling - half).as_nanos()).unwrap_or(u64::MAX);
@@ -132,33 +133,47 @@ mod tests {
         for _ in 0..1_000 {
             let mut b = ReconnectBackoff::default();
             b.session_ended(ms(10_000));
+            assert!(b.spread);
             let d = b.next_delay(&mut rng);
-            assert!(d >= ms(1) && d <= SPREAD_AFTER_LOSS, "{d:?}");
+            assert!(d >= ms(50) && d <= SPREAD_AFTER_LOSS, "{d:?}");
+            assert!(!b.spread, "once");
             firsts.push(d);
             assert_eq!(b.ceiling(), ms(200), "then doubling as before");
             let next = b.next_delay(&mut rng);
             assert!(next >= ms(100) && next <= ms(200), "{next:?}");
         }
-        // Spread over the second: each tenth of it holds about a tenth of the fleet.
-        for tenth in 0..10u64 {
+        // Spread from 50 ms to the second: each of 19 slices of 50 ms holds about a
+        // nineteenth of the fleet.
+        for slice in 1..20u64 {
             let within = firsts
                 .iter()
-                .filter(|d| (ms(tenth * 100)..ms(tenth * 100 + 100)).contains(d))
+                .filter(|d| (ms(slice * 50)..ms(slice * 50 + 50)).contains(d))
                 .count();
-            assert!((60..=140).contains(&within), "{tenth}: {within}");
+            assert!((25..=85).contains(&within), "{slice}: {within}");
         }
-        // A short stream, or a backoff whose max is under a second, is not spread past it.
+        // A short stream is not spread; a backoff whose max is under a second is spread to it.
         let mut b = ReconnectBackoff::new(ms(10), ms(50), ms(1_000));
         b.session_ended(ms(999));
-        assert!(b.next_delay(&mut rng) >= ms(5));
+        assert!(!b.spread);
         b.session_ended(ms(1_000));
-        assert!(b.next_delay(&mut rng) <= ms(50));
+        assert!(b.spread);
+        for _ in 0..100 {
+            b.session_ended(ms(1_000));
+            let d = b.next_delay(&mut rng);
+            assert!(d >= ms(5) && d <= ms(50), "{d:?}");
+        }
+        // A replaced stream waits the longest, spread or not.
         b.session_ended(ms(1_000));
         b.back_off_fully();
-        assert!(
-            b.next_delay(&mut rng) >= ms(25),
-            "a replaced stream waits the longest"
-        );
+        assert!(!b.spread);
+        assert_eq!(b.ceiling(), ms(50));
+        // A base over the spread keeps its own: from half of it to it.
+        let mut b = ReconnectBackoff::new(ms(5_000), ms(30_000), ms(10_000));
+        for _ in 0..100 {
+            b.session_ended(ms(10_000));
+            let d = b.next_delay(&mut rng);
+            assert!(d >= ms(2_500) && d <= ms(5_000), "{d:?}");
+        }
     }
 
     #[test]
