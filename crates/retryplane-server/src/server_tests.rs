@@ -2718,6 +2718,20 @@ impl RawReader {
         }
     }
 
+    /// Whether the report numbered `seq` is acknowledged within `within` (other messages
+    /// before it are skipped; the stream's end or the time up is `false`).
+    async fn acked(&mut self, seq: u64, within: Duration) -> bool {
+        let read = async {
+            while let Some(m) = self.next().await {
+                if m.metrics_ack.is_some_and(|ack| ack.seq == seq) {
+                    return true;
+                }
+            }
+            false
+        };
+        tokio::time::timeout(within, read).await.unwrap_or(false)
+    }
+
     /// The `grpc-status` of the trailers (after the messages).
     async fn status(&mut self) -> Option<String> {
         let trailers = self.body.trailers().await.ok().flatten()?;
@@ -2964,18 +2978,8 @@ async fn agents_messages_under_way_share_one_room() {
     let (whole, mut whole_in) = raw_stream(running.agent_addr, &beating_hello("whole")).await;
     let mut whole = whole;
     whole.send_data(numbered(1), false).unwrap();
-    let answered = async {
-        while let Some(m) = whole_in.next().await {
-            if m.metrics_ack.is_some_and(|ack| ack.seq == 1) {
-                return true;
-            }
-        }
-        false
-    };
     assert!(
-        tokio::time::timeout(SHUTDOWN_GRACE, answered)
-            .await
-            .unwrap(),
+        whole_in.acked(1, SHUTDOWN_GRACE).await,
         "a report whole in one frame is answered"
     );
 
@@ -3022,18 +3026,9 @@ async fn agents_messages_under_way_share_one_room() {
     after
         .send_data(bytes::Bytes::copy_from_slice(second), false)
         .unwrap();
-    let answered = async {
-        while let Some(m) = after_in.next().await {
-            if m.metrics_ack.is_some_and(|ack| ack.seq == 1) {
-                return true;
-            }
-        }
-        false
-    };
     assert!(
-        tokio::time::timeout(SHUTDOWN_GRACE, answered)
-            .await
-            .unwrap()
+        after_in.acked(1, SHUTDOWN_GRACE).await,
+        "once the room is free, a report in two frames is answered"
     );
     running.shutdown().await.unwrap();
 }
