@@ -105,11 +105,42 @@ pub struct Room {
     share: usize,
     /// Each token's share, by the digest of its secret (one per token ever admitted: tokens are
     /// few, and each is a few words).
-    by_token: Mutex<HashMap<[u8; 32], Arc<Semaphore>>>,
+    by_token: Mutex<HashMap<[u8; 32], Arc<Share>>>,
     counts: RoomCounts,
-    /// For the whole room and for a token's share: when a refusal was last logged at warn,
-    /// and the refusals left out since.
-    warned: Mutex<[(Option<Instant>, u64); 2]>,
+    /// Refusals for want of the whole room, logged at warn at most once an interval.
+    warned: Warned,
+}
+
+/// One token's share of the [`Room`].
+#[derive(Debug)]
+struct Share {
+    room: Arc<Semaphore>,
+    /// Refusals past this share, logged at warn at most once an interval.
+    warned: Warned,
+}
+
+/// When a refusal was last logged at warn, and the refusals left out since.
+#[derive(Debug, Default)]
+struct Warned(Mutex<(Option<Instant>, u64)>);
+
+impl Warned {
+    /// A refusal at `now`: `None` when it is left out of the log (one was logged less than
+    /// [`NO_ROOM_WARN_INTERVAL`] ago), else how many were left out since the last one logged,
+    /// and how long ago that was.
+    fn note(&self, now: Instant) -> Option<(u64, Option<Duration>)> {
+        let mut warned = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        match warned.0 {
+            Some(at) if now.saturating_duration_since(at) < NO_ROOM_WARN_INTERVAL => {
+                warned.1 += 1;
+                None
+            }
+            last => {
+                let left_out = (warned.1, last.map(|at| now.saturating_duration_since(at)));
+                *warned = (Some(now), 0);
+                Some(left_out)
+            }
+        }
+    }
 }
 
 /// What [`Room`] shows in `/metrics`.
@@ -133,7 +164,7 @@ impl Room {
             share,
             by_token: Mutex::default(),
             counts,
-            warned: Mutex::new([(None, 0); 2]),
+            warned: Warned::default(),
         }
     }
 
@@ -144,7 +175,12 @@ impl Room {
             let mut by_token = self.by_token.lock().unwrap_or_else(PoisonError::into_inner);
             by_token
                 .entry(digest)
-                .or_insert_with(|| Arc::new(Semaphore::new(self.share)))
+                .or_insert_with(|| {
+                    Arc::new(Share {
+                        room: Arc::new(Semaphore::new(self.share)),
+                        warned: Warned::default(),
+                    })
+                })
                 .clone()
         });
         Charger {
@@ -155,29 +191,17 @@ impl Room {
     }
 
     /// The refusal of `bytes` more for a message of `len` of a stream of the token `name`
-    /// (past its share when `by_token`, else past the whole room), counted, and logged at
-    /// warn at most once every [`NO_ROOM_WARN_INTERVAL`] for each of the two (with the count
-    /// of those left out since the last warning and how long ago that was).
-    fn refuse(&self, bytes: u32, len: usize, by_token: bool, name: Option<&str>) -> Status {
+    /// (past that token's `share` when given, else past the whole room), counted, and logged
+    /// at warn at most once every [`NO_ROOM_WARN_INTERVAL`] for the whole room and for each
+    /// token's share (with the count of those left out since the last warning and how long
+    /// ago that was).
+    fn refuse(&self, bytes: u32, len: usize, share: Option<&Share>, name: Option<&str>) -> Status {
         self.counts.refused.inc();
-        let now = Instant::now();
-        let left_out = {
-            let mut warned = self.warned.lock().unwrap_or_else(PoisonError::into_inner);
-            let kind = &mut warned[usize::from(by_token)];
-            match kind.0 {
-                Some(at) if now.saturating_duration_since(at) < NO_ROOM_WARN_INTERVAL => {
-                    kind.1 += 1;
-                    None
-                }
-                last => {
-                    let left_out = (kind.1, last.map(|at| now.saturating_duration_since(at)));
-                    *kind = (Some(now), 0);
-                    Some(left_out)
-                }
-            }
-        };
+        let left_out = share
+            .map_or(&self.warned, |share| &share.warned)
+            .note(Instant::now());
         let token = name.unwrap_or("");
-        let whose = if by_token {
+        let whose = if share.is_some() {
             format!("its token's share ({} bytes)", self.share)
         } else {
             format!("the room ({} bytes)", self.bytes)
@@ -186,7 +210,7 @@ impl Room {
             Some((left_out, since)) => warn!(
                 token,
                 left_out,
-                since_last_warning_s = since.map_or(0, |d| d.as_secs()),
+                since_last_warning_s = since.map(|d| d.as_secs()),
                 "ending an agent stream: agents' messages under way fill {whose} \
                  (--max-inbound-mib); the agent sends it again on its next stream"
             ),
@@ -206,7 +230,7 @@ impl Room {
 #[derive(Debug)]
 pub struct Charger {
     room: Arc<Room>,
-    token: Option<Arc<Semaphore>>,
+    token: Option<Arc<Share>>,
     /// The token's name, for the log.
     name: Option<String>,
 }
@@ -231,12 +255,12 @@ impl Charger {
     /// refusal that ends the stream.
     fn charge(&self, held: &mut Option<Held>, bytes: u32, len: usize) -> Result<(), Status> {
         let token = match &self.token {
-            Some(token) => Some(
-                token
-                    .clone()
-                    .try_acquire_many_owned(bytes)
-                    .map_err(|_| self.room.refuse(bytes, len, true, self.name.as_deref()))?,
-            ),
+            Some(share) => Some(share.room.clone().try_acquire_many_owned(bytes).map_err(
+                |_| {
+                    self.room
+                        .refuse(bytes, len, Some(share), self.name.as_deref())
+                },
+            )?),
             None => None,
         };
         let whole = self
@@ -244,7 +268,7 @@ impl Charger {
             .whole
             .clone()
             .try_acquire_many_owned(bytes)
-            .map_err(|_| self.room.refuse(bytes, len, false, self.name.as_deref()))?;
+            .map_err(|_| self.room.refuse(bytes, len, None, self.name.as_deref()))?;
         self.room.counts.held.inc_by(i64::from(bytes));
         match held {
             Some(held) => {
@@ -835,6 +859,39 @@ mod tests {
         assert_eq!(room.counts.held.get(), 75);
         send(&c, &of_forty[25..]).await;
         assert_eq!(third.message().await.unwrap(), Some(ack(1, 34)));
+    }
+
+    /// Refusals are warned of at most once an interval for the whole room and for each
+    /// token's share, each warning naming its token: a second token past its share is not
+    /// left out for the first's.
+    #[tokio::test]
+    async fn each_tokens_refusals_are_warned_of_apart() {
+        let (log, _guard) = crate::test_logs::capture("retryplane_server=warn");
+        let room = room();
+        let a = room.for_stream(Some([1; 32]), Some("team-a".to_owned()));
+        let b = room.for_stream(Some([2; 32]), Some("team-b".to_owned()));
+        for charger in [&a, &b, &b, &a, &b] {
+            room.refuse(10, 50, charger.token.as_deref(), charger.name.as_deref());
+        }
+        room.refuse(10, 50, None, Some("team-b"));
+        room.refuse(10, 50, None, Some("team-a"));
+        assert_eq!(room.counts.refused.get(), 7);
+        let text = log.text();
+        let warned: Vec<_> = text.lines().filter(|l| l.contains("WARN")).collect();
+        assert_eq!(warned.len(), 3, "{text}");
+        for (line, token, whose) in [
+            (warned[0], "team-a", "its token's share"),
+            (warned[1], "team-b", "its token's share"),
+            (warned[2], "team-b", "the room"),
+        ] {
+            assert!(
+                line.contains(&format!("token=\"{token}\""))
+                    && line.contains(whose)
+                    && line.contains("left_out=0")
+                    && !line.contains("since_last_warning_s"),
+                "{line}"
+            );
+        }
     }
 
     /// A compressed-flag other than 0 is refused with the sender's fault named.
