@@ -132,13 +132,16 @@ pub(crate) fn apply(
         }
     };
     let cache = crate::cache::encode(&snap);
-    // The version in force, when the control plane's is below it: a rollback is a new,
-    // higher version, so a lower one is another store's numbering (one lost and begun again
-    // at 1, or another control plane behind the same address).
+    // The version in force, when the control plane's is below it, or the same number with
+    // other content: a rollback is a new, higher version, so either is another store's
+    // numbering (one lost and begun again at 1, or another control plane behind the same
+    // address).
     let mut went_back = None;
     shared.update_policies(|current| {
         if matches!(current.source(), Source::ControlPlane | Source::Cache)
-            && current.version() > snap.version
+            && (current.version() > snap.version
+                || (current.version() == snap.version
+                    && current.content_hash() != snap.content_hash))
         {
             went_back = Some(current.version());
         }
@@ -164,6 +167,13 @@ pub(crate) fn apply(
         Relaxed,
     );
     match went_back {
+        Some(before) if before == snap.version => warn!(
+            version = snap.version,
+            warnings = warnings.len(),
+            "policies applied: the version number in force before, with other content; was \
+             the control plane's store lost or replaced? Its version numbers no longer follow \
+             the ones this agent ran"
+        ),
         Some(before) => warn!(
             version = snap.version,
             before,
@@ -234,13 +244,15 @@ mod tests {
     }
 
     /// A version below the one in force is applied (the control plane is the source of
-    /// truth) and warned of: its store was lost or replaced. A higher one is not.
+    /// truth) and warned of, and so is the same number with other content: its store was
+    /// lost or replaced. A higher one is not, nor the same version again.
     #[tokio::test(start_paused = true)]
     async fn a_version_below_the_one_in_force_is_applied_and_warned_of() {
         let (logs, _guard) = crate::test_logs::Logs::capture();
         let agent = agent();
         let yaml = "version: 1\nendpoints:\n  a: {max_attempts: 5}\n";
-        for version in [57, 1, 2] {
+        let other = "version: 1\nendpoints:\n  a: {max_attempts: 2}\n";
+        for (version, yaml) in [(57, yaml), (1, yaml), (2, yaml), (2, yaml), (2, other)] {
             let h = apply(
                 agent.shared(),
                 snapshot(version, yaml),
@@ -251,13 +263,29 @@ mod tests {
             assert!(matches!(&h.reply, Kind::Ack(a) if a.version == version));
         }
         assert_eq!(agent.policies().version(), 2);
+        assert_eq!(
+            agent
+                .policies()
+                .set()
+                .unwrap()
+                .endpoint("a")
+                .unwrap()
+                .policy
+                .max_attempts,
+            2
+        );
         let text = logs.text();
         let warned: Vec<_> = text.lines().filter(|l| l.contains("WARN")).collect();
-        assert_eq!(warned.len(), 1, "{text}");
+        assert_eq!(warned.len(), 2, "{text}");
         assert!(
             warned[0].contains("a version below the one in force before")
                 && warned[0].contains("version=1")
                 && warned[0].contains("before=57"),
+            "{text}"
+        );
+        assert!(
+            warned[1].contains("the version number in force before, with other content")
+                && warned[1].contains("version=2"),
             "{text}"
         );
     }
