@@ -212,9 +212,9 @@ async fn streams_ended_for_the_control_planes_load_back_off_however_long_they_we
     }
     agent.shutdown().await;
     let gaps: Vec<Duration> = opened.windows(2).map(|w| w[1] - w[0]).collect();
-    // Delays of [50, 100], [100, 200], … ms: the sixth is [1.6, 3.2] s, its gap 1.9 s or more.
-    // Streams taken as stable would each be followed by the spread, at most 1 s: gaps of at
-    // most 1.3 s.
+    // Each delay is spread from half the ceiling to a second, or to the ceiling once that is
+    // longer: the ceiling doubles from 100 ms, so the sixth is [1.6, 3.2] s, its gap 1.9 s or
+    // more. Streams taken as stable would reset it: gaps of at most 1.3 s.
     assert!(gaps[5] >= Duration::from_millis(1_700), "{gaps:?}");
 }
 

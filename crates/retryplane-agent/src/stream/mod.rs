@@ -405,9 +405,14 @@ async fn sessions(
         });
         // A stream the control plane ended for its load (RESOURCE_EXHAUSTED: a limit reached,
         // no room for a report) says nothing of a stable connection: the backoff goes on
-        // growing, and the report goes again only after it.
-        if let Some(up) = up.filter(|_| code != Some(tonic::Code::ResourceExhausted)) {
-            backoff.session_ended(up);
+        // growing, and the report goes again only after it; spread, as such ends come to
+        // many agents at once.
+        match (up, code) {
+            (Some(up), Some(tonic::Code::ResourceExhausted)) => {
+                backoff.session_ended_under_load(up);
+            }
+            (Some(up), _) => backoff.session_ended(up),
+            (None, _) => {}
         }
         if replaced {
             // Reconnecting at once would replace the other stream in turn, and the two would

@@ -7,10 +7,12 @@
 //! so agents that lost the same control plane spread out instead of reconnecting in lock-step,
 //! and no delay is ever zero. A stream that stayed up for `stable_after` resets the ceiling;
 //! the reconnect after it is drawn from half the base to [`SPREAD_AFTER_LOSS`] (1 s; the
-//! ceiling when that is longer), uniformly: a fleet whose
-//! control plane ended every stream at once (a restart, a rolling deploy, shedding load) would
-//! otherwise come back within 50–100 ms of each other, a thousand agents' Hellos and resent
-//! reports in one burst.
+//! ceiling when that is longer), uniformly: a fleet whose control plane ended every stream at
+//! once (a restart, a rolling deploy) would otherwise come back within 50–100 ms of each
+//! other, a thousand agents' Hellos and resent reports in one burst. A stable stream the
+//! control plane ended at one of its limits (`RESOURCE_EXHAUSTED`,
+//! [`ReconnectBackoff::session_ended_under_load`]) does not reset the ceiling, and the
+//! reconnect after it is drawn from half the ceiling to the spread (or the ceiling).
 
 use std::time::Duration;
 
@@ -47,7 +49,7 @@ impl ReconnectBackoff {
     pub const MIN_BASE: Duration = Duration::from_millis(1);
 
     /// Backoff from `base` to `max` (`max` below `base` is raised to `base`), reset after a
-    /// stream stays up `stable_after`. A `base` under [`MIN_BASE`](Self::MIN_BASE) (zero, say)
+    /// stream stays up `stable_after` (raised to `base` when below it). A `base` under [`MIN_BASE`](Self::MIN_BASE) (zero, say)
     /// is raised to it: doubling zero would never back off, and the agent would retry a control
     /// plane that is down in a busy loop.
     pub fn new(base: Duration, max: Duration, stable_after: Duration) -> Self {
@@ -55,7 +57,9 @@ impl ReconnectBackoff {
         Self {
             base,
             max: max.max(base),
-            stable_after,
+            // Below the base, a stream that ends as it opens would count as stable, and an
+            // agent whose control plane accepts and ends every stream would never back off.
+            stable_after: stable_after.max(base),
             failures: 0,
             spread: false,
         }
@@ -72,9 +76,10 @@ impl ReconnectBackoff {
         let ceiling = self.ceiling();
         self.failures = self.failures.saturating_add(1);
         if std::mem::take(&mut self.spread) {
-            // Uniform from half the base to the spread: agents that lost the same control plane
-            // at once come back spread over it.
-            let from = self.base / 2;
+            // Uniform from half the ceiling (half the base, after a stable stream reset it) to
+            // the spread: agents that lost the same control plane at once come back spread
+            // over it; a ceiling past it keeps its growth (a control plane at its limits).
+            let from = ceiling / 2;
             let to = SPREAD_AFTER_LOSS.max(ceiling).min(self.max).max(from);
             let span = u64::try_from((to - from).as_nanos()).unwrap_or(u64::MAX);
             return (from + Duration::from_nanos(rng.below_inclusive(span))).max(Self::MIN_BASE);
@@ -100,6 +105,18 @@ impl ReconnectBackoff {
             self.spread = true;
         }
     }
+
+    /// A stream that was up for `lasted` was ended by a control plane at one of its limits
+    /// (`RESOURCE_EXHAUSTED`): the backoff is not reset, however long the stream was up (the
+    /// control plane is not asked again each second), but after a stable one the next delay
+    /// is still drawn over the spread, from half the ceiling (up to the ceiling when that is
+    /// longer): such ends come to many agents at once (a full room, a snapshot too large for
+    /// them all).
+    pub(crate) fn session_ended_under_load(&mut self, lasted: Duration) {
+        if lasted >= self.stable_after {
+            self.spread = true;
+        }
+    }
 }
 
 #[cfg(test)]
@@ -109,6 +126,60 @@ mod tests {
 
     fn ms(n: u64) -> Duration {
         Duration::from_millis(n)
+    }
+
+    /// A stable stream ended by a control plane at its limits: the next delay is spread over
+    /// the second, from half the ceiling, and the ceiling keeps growing; past a second, the
+    /// delays are the ceiling's as before.
+    #[test]
+    fn a_stable_stream_ended_under_load_is_spread_without_a_reset() {
+        let mut rng = SeededRng::with_seed(11);
+        let mut firsts = Vec::new();
+        for _ in 0..1_000 {
+            let mut b = ReconnectBackoff::default();
+            b.next_delay(&mut rng);
+            b.session_ended_under_load(ms(10_000));
+            assert!(b.spread);
+            assert_eq!(b.ceiling(), ms(200), "not reset");
+            let d = b.next_delay(&mut rng);
+            assert!(d >= ms(100) && d <= SPREAD_AFTER_LOSS, "{d:?}");
+            firsts.push(d);
+            assert_eq!(b.ceiling(), ms(400));
+        }
+        // Spread over 100 ms to a second: each of 9 slices of 100 ms holds about a ninth.
+        for slice in 1..10u64 {
+            let within = firsts
+                .iter()
+                .filter(|d| (ms(slice * 100)..ms(slice * 100 + 100)).contains(d))
+                .count();
+            assert!((70..=160).contains(&within), "{slice}: {within}");
+        }
+        // A short stream is not spread; past a second, the ceiling's own jitter.
+        let mut b = ReconnectBackoff::default();
+        b.session_ended_under_load(ms(9_999));
+        assert!(!b.spread);
+        for _ in 0..5 {
+            b.next_delay(&mut rng);
+        }
+        assert_eq!(b.ceiling(), ms(3_200));
+        b.session_ended_under_load(ms(10_000));
+        let d = b.next_delay(&mut rng);
+        assert!(d >= ms(1_600) && d <= ms(3_200), "{d:?}");
+    }
+
+    /// A `stable_after` under the base is raised to it: a stream that ends as it opens is
+    /// not stable.
+    #[test]
+    fn a_stream_shorter_than_the_base_is_never_stable() {
+        let mut b = ReconnectBackoff::new(ms(100), ms(1_000), Duration::ZERO);
+        let mut rng = SeededRng::with_seed(2);
+        for _ in 0..4 {
+            b.session_ended(ms(1));
+            b.next_delay(&mut rng);
+        }
+        assert_eq!(b.ceiling(), ms(1_000));
+        b.session_ended(ms(100));
+        assert_eq!(b.ceiling(), ms(100));
     }
 
     #[test]
