@@ -665,21 +665,31 @@ impl AgentBuilder {
 
     /// The agent token, sent as `authorization: Bearer <token>`; never logged.
     /// [`AgentBuilder::connect`] refuses one no control plane holds (empty, white space at
-    /// either end, a character other than printable ASCII and the space).
+    /// either end, a character other than printable ASCII and the space). Replaces a
+    /// [`AgentBuilder::token_file`] given before.
     #[must_use]
     pub fn token(mut self, token: impl Into<String>) -> Self {
         self.token = Some(GivenToken::Value(token.into()));
         self
     }
 
-    /// The agent token, read from `path` (its content, without the white space around it)
-    /// when the agent connects and again before each stream it opens, so that a secret
+    /// The agent token, read from `path` (its content, without the ASCII white space around
+    /// it) when the agent connects and again before each stream it opens, so that a secret
     /// rotated on disk (a mounted Kubernetes secret, a file a vault agent rewrites) is used
-    /// from the next stream on, without a restart. [`AgentBuilder::connect`] refuses a file it
-    /// cannot read or whose content is no token a control plane holds
-    /// ([`AgentError::TokenFile`]); a later read that fails keeps the token read before, and
-    /// is warned of. Replaces [`AgentBuilder::token`], and the other way round. The file is
-    /// read to at most [`MAX_TOKEN_FILE_BYTES`](crate::MAX_TOKEN_FILE_BYTES) and never logged.
+    /// from the next stream on, without a restart: a stream already open goes on with the
+    /// token it opened with until it ends (the control plane ends it when the tokens file it
+    /// reads no longer holds that secret).
+    ///
+    /// [`AgentBuilder::connect`] refuses a file it cannot read, a FIFO or a socket, or one
+    /// whose content cannot be a token (as [`AgentBuilder::token`] refuses one)
+    /// ([`AgentError::TokenFile`]); whether the control plane holds the token is learnt at
+    /// the first stream. `connect` waits at most a second for the read (a volume that does
+    /// not answer); the first stream then waits for it. A later read that fails, or does not
+    /// end within a second, keeps the token read before, and is warned of; a content other
+    /// than the token in use is taken once two reads 50 ms apart agree (a file rewritten in
+    /// place is best replaced whole, by a rename, as Kubernetes does). Replaces
+    /// [`AgentBuilder::token`] given before. The file is read to at most
+    /// [`MAX_TOKEN_FILE_BYTES`](crate::MAX_TOKEN_FILE_BYTES) and never logged.
     #[must_use]
     pub fn token_file(mut self, path: impl Into<PathBuf>) -> Self {
         self.token = Some(GivenToken::File(path.into()));

@@ -600,7 +600,10 @@ async fn session(
         return lost(None, "cannot queue Hello".into());
     }
     let token = match &config.token {
-        Some(source) => Some(source.current().await),
+        Some(source) => match source.current(cancel).await {
+            Some(token) => Some(token),
+            None => return SessionEnd::Cancelled,
+        },
         None => None,
     };
     // Sent in pieces of at most 4 KiB: the control plane, which counts the data frames of the
