@@ -65,6 +65,17 @@ impl ServerProcess {
         seed_yaml: &str,
         tokens_yaml: Option<&str>,
     ) -> anyhow::Result<Self> {
+        Self::start_with(bin, seed_yaml, tokens_yaml, &[]).await
+    }
+
+    /// [`ServerProcess::start_with_tokens`], with `extra` arguments to `serve` after the
+    /// bench's own.
+    pub async fn start_with(
+        bin: &Path,
+        seed_yaml: &str,
+        tokens_yaml: Option<&str>,
+        extra: &[String],
+    ) -> anyhow::Result<Self> {
         // The child runs in `dir`: a relative path would be looked up there.
         let bin = std::path::absolute(bin)
             .with_context(|| format!("cannot resolve the path {}", bin.display()))?;
@@ -100,6 +111,7 @@ impl ServerProcess {
             .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
             .args(["--http-listen", "127.0.0.1:0"])
             .args(&tokens_args)
+            .args(extra)
             // Per-agent connect lines at `info` would cost the server time during the set-up.
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
@@ -216,16 +228,26 @@ impl ServerProcess {
 
     /// The server's resident set size in KiB (`VmRSS`), Linux only.
     pub fn rss_kib(&self) -> anyhow::Result<u64> {
+        self.status_kib("VmRSS")
+    }
+
+    /// The server's largest resident set size so far in KiB (`VmHWM`), Linux only.
+    pub fn peak_rss_kib(&self) -> anyhow::Result<u64> {
+        self.status_kib("VmHWM")
+    }
+
+    /// The `field` of `/proc/<pid>/status`, in KiB.
+    fn status_kib(&self, field: &str) -> anyhow::Result<u64> {
         let path = format!("/proc/{}/status", self.pid);
         let status = std::fs::read_to_string(&path)
             .with_context(|| format!("cannot read {path} (server memory is measured on Linux)"))?;
         status
             .lines()
             .find_map(|line| {
-                let rest = line.strip_prefix("VmRSS:")?;
+                let rest = line.strip_prefix(field)?.strip_prefix(':')?;
                 rest.trim().strip_suffix("kB")?.trim().parse().ok()
             })
-            .with_context(|| format!("no VmRSS line in {path}"))
+            .with_context(|| format!("no {field} line in {path}"))
     }
 
     /// CPU time the server has used so far (user + system, every thread), in milliseconds.
