@@ -301,6 +301,12 @@ mod tests {
         crate::agent::bearer(token).unwrap()
     }
 
+    /// Asserts that the next read of `file` gives `token`.
+    async fn reads(file: &TokenFile, token: &str) {
+        let cancel = CancellationToken::new();
+        assert_eq!(file.read(&cancel).await.unwrap(), bearer(token));
+    }
+
     /// A token file's content is its token, the white space around it left out; one that
     /// holds no token a control plane could hold, or is too long, is refused saying why and
     /// never quoting it.
@@ -357,33 +363,17 @@ mod tests {
         let path = dir.path().join("token");
         std::fs::write(&path, "first-secret-0123\n").unwrap();
         let file = TokenFile::open(&path).unwrap();
-        let cancel = CancellationToken::new();
-        assert_eq!(
-            file.read(&cancel).await.unwrap(),
-            bearer("first-secret-0123")
-        );
+        reads(&file, "first-secret-0123").await;
         std::fs::write(&path, "second-secret-0123\n").unwrap();
-        assert_eq!(
-            file.read(&cancel).await.unwrap(),
-            bearer("second-secret-0123")
-        );
+        reads(&file, "second-secret-0123").await;
         std::fs::remove_file(&path).unwrap();
         for _ in 0..3 {
-            assert_eq!(
-                file.read(&cancel).await.unwrap(),
-                bearer("second-secret-0123")
-            );
+            reads(&file, "second-secret-0123").await;
         }
         std::fs::write(&path, "\n").unwrap();
-        assert_eq!(
-            file.read(&cancel).await.unwrap(),
-            bearer("second-secret-0123")
-        );
+        reads(&file, "second-secret-0123").await;
         std::fs::write(&path, "third-secret-0123").unwrap();
-        assert_eq!(
-            file.read(&cancel).await.unwrap(),
-            bearer("third-secret-0123")
-        );
+        reads(&file, "third-secret-0123").await;
         let text = logs.text();
         assert_eq!(text.matches("holds a new token").count(), 2, "{text}");
         assert_eq!(
@@ -394,15 +384,9 @@ mod tests {
         assert_eq!(text.matches("can be used again").count(), 0, "{text}");
         // Readable again with the token in use: said once, at info.
         std::fs::remove_file(&path).unwrap();
-        assert_eq!(
-            file.read(&cancel).await.unwrap(),
-            bearer("third-secret-0123")
-        );
+        reads(&file, "third-secret-0123").await;
         std::fs::write(&path, "third-secret-0123").unwrap();
-        assert_eq!(
-            file.read(&cancel).await.unwrap(),
-            bearer("third-secret-0123")
-        );
+        reads(&file, "third-secret-0123").await;
         assert_eq!(logs.text().matches("can be used again").count(), 1);
         for secret in ["first-secret", "second-secret", "third-secret"] {
             assert!(!text.contains(secret), "{text}");
@@ -454,12 +438,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("token");
         let (mut file, answer) = under_way(&path, Some("first-secret-0123"));
-        let cancel = CancellationToken::new();
         for _ in 0..3 {
-            assert_eq!(
-                file.read(&cancel).await.unwrap(),
-                bearer("first-secret-0123")
-            );
+            reads(&file, "first-secret-0123").await;
             assert!(
                 file.state.lock().unwrap().pending.is_some(),
                 "kept, not started again"
@@ -470,10 +450,7 @@ mod tests {
         answer.send(Ok(bearer("second-secret-0123"))).unwrap();
         std::fs::write(&path, "second-secret-0123\n").unwrap();
         file.wait = READ_WAIT;
-        assert_eq!(
-            file.read(&cancel).await.unwrap(),
-            bearer("second-secret-0123")
-        );
+        reads(&file, "second-secret-0123").await;
         let text = logs.text();
         assert_eq!(
             text.matches("could not be read within 10 ms").count(),
@@ -495,11 +472,7 @@ mod tests {
         let (mut file, answer) = under_way(&path, Some("first-secret-0123"));
         file.wait = READ_WAIT;
         answer.send(Ok(bearer("second-sec"))).unwrap();
-        let cancel = CancellationToken::new();
-        assert_eq!(
-            file.read(&cancel).await.unwrap(),
-            bearer("second-secret-0123")
-        );
+        reads(&file, "second-secret-0123").await;
         assert_eq!(logs.text().matches("holds a new token").count(), 1);
     }
 
